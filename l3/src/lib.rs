@@ -1,0 +1,1 @@
+//! kvtier-l3 (placeholder)
