@@ -1,1 +1,36 @@
-//! kvtier-radix (placeholder)
+//! # kvtier-radix — the tiered radix prefix cache
+//!
+//! An LLM engine recomputes the KV of every prompt token it cannot find cached. This crate
+//! remembers, for every page of every cached prefix, whether a copy is on the **device** (GPU),
+//! on the **host** (pinned DRAM), and whether it is known to be in **L3**, so the scheduler can
+//! reuse device pages, load host pages back, and prefetch from L3.
+//!
+//! - [`hash`]: SGLang-compatible chained SHA-256 page hashes and namespaced L3 keys;
+//! - [`RadixCache`]: match / insert / split over page runs in a `slotmap` arena;
+//! - per-tier typed page pools ([`PageId<Device>`] vs [`PageId<Host>`]);
+//! - locks through [`LockHandle`]s that must be given back;
+//! - leaf-first LRU eviction per tier in O(log n), deterministic across tensor-parallel ranks;
+//! - [`KvEvent`]s for KV-aware routers.
+//!
+//! Every fallible method validates before it mutates: on `Err`, nothing changed.
+
+mod audit;
+mod cache;
+mod error;
+mod events;
+mod evict;
+pub mod hash;
+mod lock;
+mod node;
+mod pool;
+mod tier;
+
+pub use cache::{InsertOutcome, PrefixMatch, RadixCache, RadixConfig, TierUsage};
+pub use error::RadixError;
+pub use events::KvEvent;
+pub use evict::{EvictOutcome, EvictedNode};
+pub use hash::{KeyNamespace, L3KeyBuilder, PageHash, page_hashes};
+pub use lock::{LockHandle, LockId};
+pub use node::NodeId;
+pub use pool::PageState;
+pub use tier::{Device, DevicePageId, Host, HostPageId, PageId, Tier, TierKind};

@@ -1,0 +1,753 @@
+//! The tiered radix prefix cache: matching, inserting and splitting.
+//!
+//! Why a radix tree over *page hashes*: a page's hash covers its whole prefix (see
+//! [`crate::hash`]), so the child of a node that starts with hash `h` is simply "the node whose
+//! first page hash is `h`". One global map from first-page hash to node replaces per-node child
+//! maps; matching a prompt costs one map lookup per branch point plus one 32-byte comparison per
+//! page.
+//!
+//! Invariants kept here (checked by [`RadixCache::check_invariants`] and the property tests):
+//! - **prefix-closed residency**: if a node has a copy on a tier, so does its parent (or the
+//!   parent is the root);
+//! - **every non-root node has at least one copy** (a node losing its last copy is removed);
+//! - **locks propagate to the root**: a tier's `lock` count on a node is the number of live locks
+//!   held on it or on a descendant, so a locked node and all its ancestors are never evicted;
+//! - **ownership**: every cached page id belongs to exactly one node, and the pool marks it
+//!   `Cached`; pages held by callers are `Held`; `free + held + cached == capacity`;
+//! - **no partial mutation**: every fallible public method validates first, then mutates.
+
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use slotmap::SlotMap;
+use smallvec::SmallVec;
+
+use crate::error::RadixError;
+use crate::events::KvEvent;
+use crate::hash::PageHash;
+use crate::lock::LockRecord;
+use crate::node::{EvictKey, Node, NodeId, TierSlot};
+use crate::pool::{PagePool, PageState};
+use crate::tier::{PageId, Tier, TierKind};
+
+/// Sizing of a cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RadixConfig {
+    /// Tokens per page (> 0).
+    pub page_size: usize,
+    pub device_pages: u32,
+    pub host_pages: u32,
+    /// Record [`KvEvent`]s for an external router (drained with [`RadixCache::drain_events`]).
+    pub record_events: bool,
+}
+
+/// Result of [`RadixCache::match_prefix`].
+///
+/// Pages `0..device_pages` are on device; pages `device_pages..host_pages` (if any) are on host
+/// only and need a load-back before a forward can read them. `matched_pages` is
+/// `max(device_pages, host_pages)`. The nodes are the deepest matched node on each tier, whose
+/// end depth equals the matched length (the match splits a node if it ends inside one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefixMatch {
+    pub matched_pages: usize,
+    pub device_pages: usize,
+    pub device_node: NodeId,
+    pub host_pages: usize,
+    pub host_node: NodeId,
+}
+
+/// Result of [`RadixCache::insert`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct InsertOutcome<T: Tier> {
+    /// Node whose end depth is `from_page + pages.len()`.
+    pub end_node: NodeId,
+    /// Pages the tree took ownership of.
+    pub inserted: usize,
+    /// The caller's pages that duplicated copies the tree already had, as
+    /// `(page index in the prompt, caller's page, tree's page)`. They stay held by the caller,
+    /// who should switch to the tree's page and free its own.
+    pub duplicates: Vec<(usize, PageId<T>, PageId<T>)>,
+}
+
+/// Occupancy of one tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TierUsage {
+    pub capacity: usize,
+    pub free: usize,
+    /// Allocated to callers (running requests, in-flight copies), not in the tree.
+    pub held: usize,
+    /// Owned by the tree.
+    pub cached: usize,
+    /// Cached pages under a lock.
+    pub locked: usize,
+}
+
+impl TierUsage {
+    /// Pages an allocation can obtain: free now plus cached-and-unlocked (evictable).
+    pub fn obtainable(&self) -> usize {
+        self.free + self.cached - self.locked
+    }
+}
+
+/// Identity hasher: the key is already a uniformly distributed SHA-256 prefix.
+#[derive(Default)]
+pub(crate) struct PrefixHasher(u64);
+impl Hasher for PrefixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Not used by PageHash (which writes one u64); fold anything else FNV-style.
+        for b in bytes {
+            self.0 = (self.0 ^ *b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+}
+
+/// Per-tier bookkeeping beside the pool.
+#[derive(Debug, Default)]
+pub(crate) struct TierBook {
+    /// Nodes with a copy on this tier, no lock, and no child with a copy on this tier.
+    pub evictable: BTreeSet<EvictKey>,
+    /// Cached pages of this tier in nodes with `lock > 0`.
+    pub locked_pages: usize,
+}
+
+static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The tiered radix prefix cache. See the module docs for its invariants.
+pub struct RadixCache {
+    pub(crate) id: u64,
+    pub(crate) page_size: usize,
+    pub(crate) nodes: SlotMap<NodeId, Node>,
+    pub(crate) root: NodeId,
+    /// First page hash of every non-root node → the node.
+    pub(crate) index: HashMap<PageHash, NodeId, BuildHasherDefault<PrefixHasher>>,
+    pub(crate) device_pool: PagePool,
+    pub(crate) host_pool: PagePool,
+    pub(crate) books: [TierBook; 2],
+    pub(crate) locks: SlotMap<crate::lock::LockId, LockRecord>,
+    /// Logical clock for LRU (deterministic, unlike wall time).
+    pub(crate) tick: u64,
+    pub(crate) next_seq: u64,
+    pub(crate) record_events: bool,
+    pub(crate) events: Vec<KvEvent>,
+}
+
+impl std::fmt::Debug for RadixCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RadixCache")
+            .field("page_size", &self.page_size)
+            .field("nodes", &self.nodes.len())
+            .field("device", &self.usage(TierKind::Device))
+            .field("host", &self.usage(TierKind::Host))
+            .field("locks", &self.locks.len())
+            .finish()
+    }
+}
+
+impl RadixCache {
+    pub fn new(cfg: RadixConfig) -> Result<Self, RadixError> {
+        if cfg.page_size == 0 {
+            return Err(RadixError::ZeroPageSize);
+        }
+        let mut nodes = SlotMap::with_key();
+        let root = nodes.insert(Node {
+            parent: None,
+            start: 0,
+            hashes: SmallVec::new(),
+            tokens: Vec::new(),
+            children: 0,
+            device: TierSlot {
+                pages: Some(SmallVec::new()),
+                ..TierSlot::default()
+            },
+            host: TierSlot {
+                pages: Some(SmallVec::new()),
+                ..TierSlot::default()
+            },
+            in_l3: true,
+            last_access: 0,
+            hit_count: 0,
+            seq: 0,
+        });
+        Ok(RadixCache {
+            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+            page_size: cfg.page_size,
+            nodes,
+            root,
+            index: HashMap::default(),
+            device_pool: PagePool::new(TierKind::Device, cfg.device_pages),
+            host_pool: PagePool::new(TierKind::Host, cfg.host_pages),
+            books: [TierBook::default(), TierBook::default()],
+            locks: SlotMap::with_key(),
+            tick: 0,
+            next_seq: 1,
+            record_events: cfg.record_events,
+            events: Vec::new(),
+        })
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+    pub fn root(&self) -> NodeId {
+        self.root
+    }
+    /// Number of nodes, the root included.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub(crate) fn pool(&self, t: TierKind) -> &PagePool {
+        match t {
+            TierKind::Device => &self.device_pool,
+            TierKind::Host => &self.host_pool,
+        }
+    }
+    pub(crate) fn pool_mut(&mut self, t: TierKind) -> &mut PagePool {
+        match t {
+            TierKind::Device => &mut self.device_pool,
+            TierKind::Host => &mut self.host_pool,
+        }
+    }
+
+    pub fn usage(&self, t: TierKind) -> TierUsage {
+        let p = self.pool(t);
+        TierUsage {
+            capacity: p.capacity(),
+            free: p.free_count(),
+            held: p.held_count(),
+            cached: p.cached_count(),
+            locked: self.books[t as usize].locked_pages,
+        }
+    }
+
+    pub(crate) fn node(&self, id: NodeId) -> Result<&Node, RadixError> {
+        self.nodes.get(id).ok_or(RadixError::UnknownNode)
+    }
+
+    // ----- pages held by callers -------------------------------------------------------
+
+    /// Allocates `n` pages from the free list only (no eviction).
+    pub fn alloc<T: Tier>(&mut self, n: usize) -> Result<Vec<PageId<T>>, RadixError> {
+        Ok(self
+            .pool_mut(T::KIND)
+            .alloc(n)?
+            .into_iter()
+            .map(PageId::new)
+            .collect())
+    }
+
+    /// Allocates `n` pages, evicting least-recently-used unlocked cached pages if the free list
+    /// is short. Fails without evicting anything if `n` pages cannot be obtained.
+    pub fn alloc_evicting<T: Tier>(&mut self, n: usize) -> Result<Vec<PageId<T>>, RadixError> {
+        let u = self.usage(T::KIND);
+        if n > u.obtainable() {
+            return Err(RadixError::PoolExhausted {
+                tier: T::KIND,
+                requested: n,
+                available: u.obtainable(),
+            });
+        }
+        if n > u.free {
+            self.evict::<T>(n - u.free);
+        }
+        self.alloc::<T>(n)
+    }
+
+    /// Returns pages held by the caller to the pool (all-or-nothing).
+    pub fn free<T: Tier>(&mut self, pages: &[PageId<T>]) -> Result<(), RadixError> {
+        let raw: Vec<u32> = pages.iter().map(|p| p.index()).collect();
+        self.pool_mut(T::KIND).free_held(&raw)
+    }
+
+    /// Who owns `page` (None if out of range).
+    pub fn page_state<T: Tier>(&self, page: PageId<T>) -> Option<PageState> {
+        self.pool(T::KIND).state(page.index())
+    }
+
+    // ----- matching --------------------------------------------------------------------
+
+    /// Finds the longest cached prefix of a prompt given its page hashes, on each tier.
+    ///
+    /// Marks the matched nodes as used (LRU) and counts a hit on each; splits the last node if
+    /// the prompt diverges inside it, so the returned nodes end exactly at the matched depths.
+    pub fn match_prefix(&mut self, hashes: &[PageHash]) -> PrefixMatch {
+        self.tick += 1;
+        let mut m = PrefixMatch {
+            matched_pages: 0,
+            device_pages: 0,
+            device_node: self.root,
+            host_pages: 0,
+            host_node: self.root,
+        };
+        let mut node = self.root;
+        let mut depth = 0usize;
+        while depth < hashes.len() {
+            let Some(child) = self.child_at(node, depth, &hashes[depth]) else {
+                break;
+            };
+            let c = &self.nodes[child];
+            let n = common_prefix(&c.hashes, &hashes[depth..]);
+            let full = n == c.len();
+            let child = if full { child } else { self.split(child, n) };
+            let c = &mut self.nodes[child];
+            c.hit_count = c.hit_count.saturating_add(1);
+            let (has_dev, has_host) = (c.has(TierKind::Device), c.has(TierKind::Host));
+            self.touch(child);
+            depth += n;
+            if has_dev {
+                m.device_pages = depth;
+                m.device_node = child;
+            }
+            if has_host {
+                m.host_pages = depth;
+                m.host_node = child;
+            }
+            node = child;
+            if !full {
+                break;
+            }
+        }
+        m.matched_pages = depth;
+        m
+    }
+
+    /// Read-only match: `(device_pages, host_pages)` matched, without touching LRU or
+    /// splitting. For routers and what-if queries.
+    pub fn peek_prefix(&self, hashes: &[PageHash]) -> (usize, usize) {
+        let (mut dev, mut host) = (0, 0);
+        let mut node = self.root;
+        let mut depth = 0usize;
+        while depth < hashes.len() {
+            let Some(child) = self.child_at(node, depth, &hashes[depth]) else {
+                break;
+            };
+            let c = &self.nodes[child];
+            let n = common_prefix(&c.hashes, &hashes[depth..]);
+            depth += n;
+            if c.has(TierKind::Device) {
+                dev = depth;
+            }
+            if c.has(TierKind::Host) {
+                host = depth;
+            }
+            if n < c.len() {
+                break;
+            }
+            node = child;
+        }
+        (dev, host)
+    }
+
+    /// The child of `parent` starting at `depth` with first page hash `h`, if any. A map hit
+    /// whose node sits elsewhere (only possible with hashes that are not a chain) is no child.
+    fn child_at(&self, parent: NodeId, depth: usize, h: &PageHash) -> Option<NodeId> {
+        let &id = self.index.get(h)?;
+        let c = self.nodes.get(id)?;
+        (c.parent == Some(parent) && c.start as usize == depth).then_some(id)
+    }
+
+    // ----- inserting -------------------------------------------------------------------
+
+    /// Inserts a copy on tier `T` of pages `from_page .. from_page + pages.len()` of a prompt.
+    ///
+    /// `start` must be a node ending at depth `from_page` that has a copy on `T` (or the root),
+    /// and `hashes`/`tokens` are the whole prompt's page hashes and token ids. Along the path,
+    /// nodes that lack a copy on `T` receive the caller's pages; nodes that already have one
+    /// report the caller's page as a duplicate. New pages past the path become a new leaf.
+    ///
+    /// Errors (nothing changed): unknown `start`; `start` not ending at `from_page`
+    /// ([`RadixError::OffsetMismatch`]); `start` not holding a copy on `T`; `hashes[from_page-1]`
+    /// not being `start`'s last hash ([`RadixError::NotAContinuation`]: the pages were computed
+    /// against another prefix); too few hashes or tokens; pages not held by the caller.
+    pub fn insert<T: Tier>(
+        &mut self,
+        start: NodeId,
+        from_page: usize,
+        hashes: &[PageHash],
+        tokens: &[u32],
+        pages: &[PageId<T>],
+    ) -> Result<InsertOutcome<T>, RadixError> {
+        let t = T::KIND;
+        let end = from_page + pages.len();
+        let s = self.node(start)?;
+        if s.end() != from_page {
+            return Err(RadixError::OffsetMismatch {
+                expected: s.end(),
+                got: from_page,
+            });
+        }
+        if !s.has(t) {
+            return Err(RadixError::NotResident { tier: t });
+        }
+        if hashes.len() < end {
+            return Err(RadixError::LengthMismatch {
+                what: "page hashes",
+                expected: end,
+                got: hashes.len(),
+            });
+        }
+        if tokens.len() < end * self.page_size {
+            return Err(RadixError::LengthMismatch {
+                what: "tokens",
+                expected: end * self.page_size,
+                got: tokens.len(),
+            });
+        }
+        if from_page > 0 && s.hashes.last() != Some(&hashes[from_page - 1]) {
+            return Err(RadixError::NotAContinuation {
+                page: from_page - 1,
+            });
+        }
+        let raw: Vec<u32> = pages.iter().map(|p| p.index()).collect();
+        self.pool(t).check(&raw, PageState::Held)?;
+        self.validate_path(start, from_page, &hashes[..end])?;
+
+        // Validated: from here on nothing fails.
+        self.tick += 1;
+        let mut out = InsertOutcome {
+            end_node: start,
+            inserted: 0,
+            duplicates: Vec::new(),
+        };
+        let mut node = start;
+        let mut depth = from_page;
+        while depth < end {
+            let Some(child) = self.child_at(node, depth, &hashes[depth]) else {
+                let leaf = self.new_leaf(
+                    node,
+                    depth,
+                    &hashes[depth..end],
+                    &tokens[depth * self.page_size..end * self.page_size],
+                    t,
+                    &raw[depth - from_page..],
+                );
+                out.inserted += end - depth;
+                node = leaf;
+                break;
+            };
+            let n = common_prefix(&self.nodes[child].hashes, &hashes[depth..end]);
+            let child = if n < self.nodes[child].len() {
+                self.split(child, n)
+            } else {
+                child
+            };
+            let mine = &raw[depth - from_page..depth - from_page + n];
+            if let Some(theirs) = &self.nodes[child].slot(t).pages {
+                out.duplicates.extend(
+                    mine.iter()
+                        .zip(theirs.iter())
+                        .enumerate()
+                        .map(|(i, (&a, &b))| (depth + i, PageId::new(a), PageId::new(b))),
+                );
+            } else {
+                self.give_pages(child, t, mine);
+                out.inserted += n;
+            }
+            self.touch(child);
+            node = child;
+            depth += n;
+        }
+        out.end_node = node;
+        Ok(out)
+    }
+
+    /// Read-only walk of the path an insert would take, rejecting inconsistent hash chains
+    /// before anything is mutated.
+    fn validate_path(
+        &self,
+        start: NodeId,
+        from_page: usize,
+        hashes: &[PageHash],
+    ) -> Result<(), RadixError> {
+        let mut node = start;
+        let mut depth = from_page;
+        while depth < hashes.len() {
+            match self.child_at(node, depth, &hashes[depth]) {
+                Some(child) => {
+                    let c = &self.nodes[child];
+                    let n = common_prefix(&c.hashes, &hashes[depth..]);
+                    depth += n;
+                    node = child;
+                    if n < c.len() {
+                        // The rest becomes a new leaf under the split point.
+                        break;
+                    }
+                }
+                None => break,
+            }
+        }
+        if depth < hashes.len() && self.index.contains_key(&hashes[depth]) {
+            return Err(RadixError::NotAContinuation { page: depth });
+        }
+        Ok(())
+    }
+
+    /// Creates a leaf under `parent` holding `pages` on tier `t`.
+    fn new_leaf(
+        &mut self,
+        parent: NodeId,
+        start: usize,
+        hashes: &[PageHash],
+        tokens: &[u32],
+        t: TierKind,
+        pages: &[u32],
+    ) -> NodeId {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let leaf = self.nodes.insert(Node {
+            parent: Some(parent),
+            start: start as u32,
+            hashes: hashes.iter().copied().collect(),
+            tokens: tokens.to_vec(),
+            children: 0,
+            device: TierSlot::default(),
+            host: TierSlot::default(),
+            in_l3: false,
+            last_access: self.tick,
+            hit_count: 0,
+            seq,
+        });
+        self.index.insert(hashes[0], leaf);
+        self.nodes[parent].children += 1;
+        self.give_pages(leaf, t, pages);
+        leaf
+    }
+
+    /// Gives a node that lacks a copy on `t` the caller's (held, validated) pages.
+    fn give_pages(&mut self, id: NodeId, t: TierKind, pages: &[u32]) {
+        self.pool_mut(t).mark_cached(pages);
+        let node = &mut self.nodes[id];
+        node.slot_mut(t).pages = Some(pages.iter().copied().collect());
+        let parent = node.parent;
+        if self.record_events {
+            let parent_hash = parent.and_then(|p| self.nodes[p].hashes.last().copied());
+            let hashes = self.nodes[id].hashes.to_vec();
+            self.events.push(KvEvent::Stored {
+                tier: t,
+                parent: parent_hash,
+                hashes,
+            });
+        }
+        if let Some(p) = parent {
+            self.nodes[p].slot_mut(t).resident_children += 1;
+            self.refresh_evictable(p, t);
+        }
+        self.refresh_evictable(id, t);
+    }
+
+    /// Splits `id` after its first `k` pages (0 < k < len). The new node holds the front part
+    /// and becomes `id`'s parent; `id` keeps its end depth, its children and its lock records.
+    pub(crate) fn split(&mut self, id: NodeId, k: usize) -> NodeId {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let ps = self.page_size;
+        let n = &mut self.nodes[id];
+        debug_assert!(k > 0 && k < n.len());
+        let front_hashes: SmallVec<[PageHash; 1]> = n.hashes.drain(..k).collect();
+        let front_tokens: Vec<u32> = n.tokens.drain(..k * ps).collect();
+        let front_slot = |slot: &mut TierSlot| TierSlot {
+            pages: slot.pages.as_mut().map(|p| p.drain(..k).collect()),
+            lock: slot.lock,
+            resident_children: slot.pages.is_some() as u32,
+            evict_key: None,
+        };
+        let device = front_slot(&mut n.device);
+        let host = front_slot(&mut n.host);
+        let front = Node {
+            parent: n.parent,
+            start: n.start,
+            hashes: front_hashes,
+            tokens: front_tokens,
+            children: 1,
+            device,
+            host,
+            in_l3: n.in_l3,
+            last_access: n.last_access,
+            hit_count: n.hit_count,
+            seq,
+        };
+        n.start += k as u32;
+        let back_first = n.hashes[0];
+        let front_first = front.hashes[0];
+        let fid = self.nodes.insert(front);
+        self.nodes[id].parent = Some(fid);
+        self.index.insert(front_first, fid);
+        self.index.insert(back_first, id);
+        fid
+    }
+
+    /// Marks `id` as used now.
+    pub(crate) fn touch(&mut self, id: NodeId) {
+        self.nodes[id].last_access = self.tick;
+        self.refresh_evictable(id, TierKind::Device);
+        self.refresh_evictable(id, TierKind::Host);
+    }
+
+    /// Puts `id` into, or takes it out of, tier `t`'s evictable set as its state requires.
+    pub(crate) fn refresh_evictable(&mut self, id: NodeId, t: TierKind) {
+        let root = self.root;
+        let Some(node) = self.nodes.get_mut(id) else {
+            return;
+        };
+        let key = (node.last_access, node.seq, id);
+        let slot = node.slot_mut(t);
+        let should =
+            id != root && slot.pages.is_some() && slot.lock == 0 && slot.resident_children == 0;
+        let want = should.then_some(key);
+        if slot.evict_key != want {
+            let set = &mut self.books[t as usize].evictable;
+            if let Some(old) = slot.evict_key.take() {
+                set.remove(&old);
+            }
+            if let Some(k) = want {
+                set.insert(k);
+            }
+            slot.evict_key = want;
+        }
+    }
+
+    // ----- node queries ----------------------------------------------------------------
+
+    /// End depth (in pages) of a node.
+    pub fn node_end(&self, id: NodeId) -> Result<usize, RadixError> {
+        Ok(self.node(id)?.end())
+    }
+
+    /// Whether a node has a copy on tier `t` (the root always does).
+    pub fn is_resident(&self, id: NodeId, t: TierKind) -> Result<bool, RadixError> {
+        Ok(self.node(id)?.has(t))
+    }
+
+    /// The tier-`T` page ids of the whole path root → `id` (pages `0..node_end(id)`).
+    pub fn path_pages<T: Tier>(&self, id: NodeId) -> Result<Vec<PageId<T>>, RadixError> {
+        let n = self.node(id)?;
+        let mut out = vec![PageId::new(0); n.end()];
+        let mut cur = Some(id);
+        while let Some(c) = cur {
+            let node = &self.nodes[c];
+            let Some(pages) = &node.slot(T::KIND).pages else {
+                return Err(RadixError::NotResident { tier: T::KIND });
+            };
+            let s = node.start as usize;
+            for (o, p) in out[s..s + pages.len()].iter_mut().zip(pages.iter()) {
+                *o = PageId::new(*p);
+            }
+            cur = node.parent;
+        }
+        Ok(out)
+    }
+
+    /// Tier-`T` page ids of depths `from..node_end(id)` along the path to `id`.
+    pub fn path_pages_from<T: Tier>(
+        &self,
+        id: NodeId,
+        from: usize,
+    ) -> Result<Vec<PageId<T>>, RadixError> {
+        let n = self.node(id)?;
+        if from > n.end() {
+            return Err(RadixError::OffsetMismatch {
+                expected: n.end(),
+                got: from,
+            });
+        }
+        let mut out = vec![PageId::new(0); n.end() - from];
+        let mut cur = Some(id);
+        while let Some(c) = cur {
+            let node = &self.nodes[c];
+            if node.end() <= from {
+                break;
+            }
+            let Some(pages) = &node.slot(T::KIND).pages else {
+                return Err(RadixError::NotResident { tier: T::KIND });
+            };
+            let s = node.start as usize;
+            for (i, p) in pages.iter().enumerate() {
+                if s + i >= from {
+                    out[s + i - from] = PageId::new(*p);
+                }
+            }
+            cur = node.parent;
+        }
+        Ok(out)
+    }
+
+    /// The ancestor-or-self of `id` whose end depth is exactly `depth`, splitting a node if
+    /// `depth` falls inside it. Errors if `depth > node_end(id)`.
+    pub fn node_at_depth(&mut self, id: NodeId, depth: usize) -> Result<NodeId, RadixError> {
+        let end = self.node(id)?.end();
+        if depth > end {
+            return Err(RadixError::OffsetMismatch { expected: end, got: depth });
+        }
+        let mut cur = id;
+        loop {
+            let n = &self.nodes[cur];
+            if n.end() == depth {
+                return Ok(cur);
+            }
+            if (n.start as usize) < depth {
+                let k = depth - n.start as usize;
+                return Ok(self.split(cur, k));
+            }
+            match n.parent {
+                Some(p) => cur = p,
+                None => return Ok(cur),
+            }
+        }
+    }
+
+    /// Whether the node is known to be stored in L3.
+    pub fn in_l3(&self, id: NodeId) -> Result<bool, RadixError> {
+        Ok(self.node(id)?.in_l3)
+    }
+
+    /// Records that a node's pages are (or are no longer) stored in L3.
+    pub fn set_in_l3(&mut self, id: NodeId, stored: bool) -> Result<(), RadixError> {
+        if id == self.root {
+            return Ok(());
+        }
+        self.nodes
+            .get_mut(id)
+            .ok_or(RadixError::UnknownNode)?
+            .in_l3 = stored;
+        Ok(())
+    }
+
+    /// How many matches went through this node.
+    pub fn hit_count(&self, id: NodeId) -> Result<u32, RadixError> {
+        Ok(self.node(id)?.hit_count)
+    }
+
+    /// The nodes on the path root → `id` (root excluded), shallowest first, with their depth
+    /// ranges: `(node, start, end)`.
+    pub fn path_nodes(&self, id: NodeId) -> Result<Vec<(NodeId, usize, usize)>, RadixError> {
+        self.node(id)?;
+        let mut out = Vec::new();
+        let mut cur = id;
+        while cur != self.root {
+            let n = &self.nodes[cur];
+            out.push((cur, n.start as usize, n.end()));
+            match n.parent {
+                Some(p) => cur = p,
+                None => break,
+            }
+        }
+        out.reverse();
+        Ok(out)
+    }
+
+    /// Takes the recorded router events.
+    pub fn drain_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+}
+
+fn common_prefix(a: &[PageHash], b: &[PageHash]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}

@@ -1,0 +1,58 @@
+//! Every way the cache can be misused, as one typed error.
+//!
+//! Why: the scheduler above us is driven by events from an engine we do not control, so a
+//! stale handle or a duplicated free must come back as a value the caller can report, never as
+//! a panic. Every fallible method checks before it mutates: on `Err`, the cache is unchanged.
+
+use thiserror::Error;
+
+use crate::pool::PageState;
+use crate::tier::TierKind;
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum RadixError {
+    #[error("unknown or removed node")]
+    UnknownNode,
+    #[error("unknown lock handle (already released, or from another cache)")]
+    UnknownLock,
+    #[error("handle belongs to another cache instance")]
+    ForeignHandle,
+    #[error("{tier} lock handle used on the wrong tier")]
+    WrongTier { tier: TierKind },
+    #[error("node holds no {tier} copy")]
+    NotResident { tier: TierKind },
+    #[error("{tier} pool exhausted: requested {requested} pages, {available} obtainable")]
+    PoolExhausted {
+        tier: TierKind,
+        requested: usize,
+        available: usize,
+    },
+    #[error("{tier} page {page} is out of range (capacity {capacity})")]
+    InvalidPage {
+        tier: TierKind,
+        page: u32,
+        capacity: u32,
+    },
+    #[error("{tier} page {page} is {state:?}, not owned by the caller here (double free?)")]
+    NotOwned {
+        tier: TierKind,
+        page: u32,
+        state: PageState,
+    },
+    #[error("{tier} page {page} appears twice in one call")]
+    DuplicatePage { tier: TierKind, page: u32 },
+    #[error("insert offset {got} does not match the start node's end depth {expected}")]
+    OffsetMismatch { expected: usize, got: usize },
+    #[error("length mismatch: {what}: expected {expected}, got {got}")]
+    LengthMismatch {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+    #[error("node is not an unlocked leaf on {tier}")]
+    NotEvictable { tier: TierKind },
+    #[error("page_size must be positive")]
+    ZeroPageSize,
+    #[error("page {page} of the inserted run does not continue the path (hash mismatch)")]
+    NotAContinuation { page: usize },
+}

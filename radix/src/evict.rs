@@ -1,0 +1,112 @@
+//! Leaf-first LRU eviction per tier.
+//!
+//! Why leaf-first: residency is prefix-closed, so only a node with no child on the tier can
+//! lose its copy without leaving a hole in the middle of a cached prefix. Each tier keeps a
+//! `BTreeSet` of such unlocked leaves ordered by `(last_access, creation seq)`: the victim is
+//! its first element, O(log n), and every tensor-parallel rank picks the same one. Evicting a
+//! device copy keeps the host copy; a node left with no copy is removed from the tree, which
+//! may make its parent the next leaf.
+
+use crate::cache::RadixCache;
+use crate::error::RadixError;
+use crate::events::KvEvent;
+use crate::hash::PageHash;
+use crate::node::NodeId;
+use crate::tier::{Tier, TierKind};
+
+/// What one eviction did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EvictedNode {
+    /// Depth of the node's first page.
+    pub start: usize,
+    pub hashes: Vec<PageHash>,
+    /// The node had no copy left and was removed from the tree.
+    pub removed: bool,
+    /// The node was known to be stored in L3.
+    pub in_l3: bool,
+}
+
+/// Result of [`RadixCache::evict`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EvictOutcome {
+    pub freed_pages: usize,
+    pub evicted: Vec<EvictedNode>,
+}
+
+impl RadixCache {
+    /// Evicts least-recently-used unlocked leaves of tier `T` until at least `n_pages` pages
+    /// are freed or nothing evictable is left.
+    pub fn evict<T: Tier>(&mut self, n_pages: usize) -> EvictOutcome {
+        let mut out = EvictOutcome::default();
+        while out.freed_pages < n_pages {
+            let Some(&(_, _, id)) = self.books[T::KIND as usize].evictable.first() else {
+                break;
+            };
+            let ev = self.evict_leaf(id, T::KIND);
+            out.freed_pages += ev.hashes.len();
+            out.evicted.push(ev);
+        }
+        out
+    }
+
+    /// Evictable leaves of tier `T`, least recently used first. Evicting the first one may
+    /// make its parent evictable, so a policy that needs to act before eviction (e.g. back up
+    /// to L3) should look at the first few, act, and evict them with [`Self::evict_node`].
+    pub fn evictable_lru<T: Tier>(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.books[T::KIND as usize]
+            .evictable
+            .iter()
+            .map(|&(_, _, id)| id)
+    }
+
+    /// Evicts one specific node from tier `T`; it must be an unlocked leaf on that tier.
+    pub fn evict_node<T: Tier>(&mut self, id: NodeId) -> Result<EvictedNode, RadixError> {
+        let n = self.node(id)?;
+        if n.slot(T::KIND).evict_key.is_none() {
+            return Err(RadixError::NotEvictable { tier: T::KIND });
+        }
+        Ok(self.evict_leaf(id, T::KIND))
+    }
+
+    fn evict_leaf(&mut self, id: NodeId, t: TierKind) -> EvictedNode {
+        let node = &mut self.nodes[id];
+        let slot = node.slot_mut(t);
+        if let Some(k) = slot.evict_key.take() {
+            self.books[t as usize].evictable.remove(&k);
+        }
+        let pages = slot.pages.take().unwrap_or_default();
+        let parent = node.parent;
+        let removed = !node.has_any_copy();
+        let ev = EvictedNode {
+            start: node.start as usize,
+            hashes: node.hashes.to_vec(),
+            removed,
+            in_l3: node.in_l3,
+        };
+        self.pool_mut(t).release_cached(&pages);
+        if self.record_events {
+            self.events.push(KvEvent::Removed {
+                tier: t,
+                hashes: ev.hashes.clone(),
+            });
+        }
+        if removed {
+            // No copy on either tier: by prefix closure no child has one either, and nodes
+            // without copies do not exist, so this node is a leaf of the tree.
+            if let Some(first) = ev.hashes.first() {
+                self.index.remove(first);
+            }
+            self.nodes.remove(id);
+        }
+        if let Some(p) = parent {
+            let pn = &mut self.nodes[p];
+            let ps = pn.slot_mut(t);
+            ps.resident_children = ps.resident_children.saturating_sub(1);
+            if removed {
+                pn.children = pn.children.saturating_sub(1);
+            }
+            self.refresh_evictable(p, t);
+        }
+        ev
+    }
+}

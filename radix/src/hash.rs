@@ -1,0 +1,236 @@
+//! Page hashes and L3 keys.
+//!
+//! Why: a KV page is only reusable by a request whose *whole prefix* up to and including that
+//! page is identical, so a page's identity must cover its prefix. We chain SHA-256 over pages,
+//! byte-compatible with SGLang HiCache's page keys, so an L3 shared with SGLang instances sees
+//! the same digests:
+//!
+//! ```text
+//! h_0 = SHA-256(            tok_0[0] as u32 LE ‖ … ‖ tok_0[P-1] as u32 LE)
+//! h_i = SHA-256(h_{i-1} (32 raw bytes) ‖ tok_i[0] as u32 LE ‖ … ‖ tok_i[P-1] as u32 LE)
+//! ```
+//!
+//! (SGLang's `get_hash_str(token_ids, prior_hash)` feeds `bytes.fromhex(prior_hash)` and then
+//! each token as 4 little-endian bytes; its page key is the lowercase hex digest.)
+//!
+//! The digest alone does not separate tenants, models or tensor-parallel layouts, so an L3 key
+//! wraps it: `"{namespace}:{hex digest}:{rank}"`, where `namespace` is 16 hex digits of a
+//! SHA-256 over the namespace fields. Two namespaces that differ in any field produce different
+//! keys for the same tokens; see `docs/page-keys.md`.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The SHA-256 digest identifying one page *and its whole prefix*.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PageHash(pub [u8; 32]);
+
+impl PageHash {
+    /// Lowercase hex, exactly SGLang's page key string.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// First eight bytes as an integer: uniformly distributed, used as a hash-map key.
+    #[inline]
+    pub fn prefix_u64(&self) -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&self.0[..8]);
+        u64::from_le_bytes(b)
+    }
+}
+
+/// Hashes as its first eight bytes: the digest is already uniform, so hashing all 32 bytes again
+/// would only cost time. (Equality still compares all 32.)
+impl std::hash::Hash for PageHash {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.prefix_u64());
+    }
+}
+
+impl fmt::Debug for PageHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PageHash({})", &self.to_hex()[..12])
+    }
+}
+
+impl fmt::Display for PageHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// Hash of one page given the previous page's digest (`None` for the first page).
+pub fn hash_page(prev: Option<&PageHash>, tokens: &[u32]) -> PageHash {
+    let mut buf = Vec::with_capacity(tokens.len() * 4);
+    hash_page_with(prev, tokens, &mut buf)
+}
+
+fn hash_page_with(prev: Option<&PageHash>, tokens: &[u32], buf: &mut Vec<u8>) -> PageHash {
+    buf.clear();
+    for t in tokens {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    let mut h = Sha256::new();
+    if let Some(p) = prev {
+        h.update(p.0);
+    }
+    h.update(&buf[..]);
+    PageHash(h.finalize().into())
+}
+
+/// Chained hashes of every *full* page of `tokens` (a trailing partial page is ignored),
+/// continuing from `prev` (the digest of the page just before `tokens[0]`, if any).
+///
+/// `page_size == 0` yields no pages.
+pub fn page_hashes(tokens: &[u32], page_size: usize, prev: Option<&PageHash>) -> Vec<PageHash> {
+    if page_size == 0 {
+        return Vec::new();
+    }
+    let mut out = Vec::with_capacity(tokens.len() / page_size);
+    extend_page_hashes(&mut out, tokens, page_size, prev.copied());
+    out
+}
+
+/// Appends the chained hashes of the full pages of `tokens` to `out`, continuing from `prev`.
+pub fn extend_page_hashes(
+    out: &mut Vec<PageHash>,
+    tokens: &[u32],
+    page_size: usize,
+    prev: Option<PageHash>,
+) {
+    if page_size == 0 {
+        return;
+    }
+    let mut buf = Vec::with_capacity(page_size * 4);
+    let mut prev = prev;
+    for page in tokens.chunks_exact(page_size) {
+        let h = hash_page_with(prev.as_ref(), page, &mut buf);
+        out.push(h);
+        prev = Some(h);
+    }
+}
+
+/// What makes two identical token sequences *different* KV: the model, the KV dtype, the
+/// tensor-parallel layout, the tenant (or a per-tenant salt) and the adapter (LoRA).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KeyNamespace {
+    pub model: String,
+    pub dtype: String,
+    /// e.g. `"tp8"` or `"tp4-pp2"`: how KV heads are sharded across ranks.
+    pub layout: String,
+    pub tenant: String,
+    pub adapter: String,
+}
+
+impl KeyNamespace {
+    /// 16 lowercase hex digits identifying the namespace.
+    ///
+    /// Fields are length-prefixed before hashing, so no two distinct field tuples can
+    /// produce the same byte string (`("ab","c")` vs `("a","bc")`).
+    pub fn fingerprint(&self) -> String {
+        let mut h = Sha256::new();
+        h.update(b"kvtier-ns-v1");
+        for field in [
+            &self.model,
+            &self.dtype,
+            &self.layout,
+            &self.tenant,
+            &self.adapter,
+        ] {
+            h.update((field.len() as u64).to_le_bytes());
+            h.update(field.as_bytes());
+        }
+        let d: [u8; 32] = h.finalize().into();
+        hex::encode(&d[..8])
+    }
+
+    /// A key builder for one tensor-parallel rank (caches the fingerprint).
+    pub fn keys_for_rank(&self, rank: u32) -> L3KeyBuilder {
+        L3KeyBuilder {
+            prefix: self.fingerprint(),
+            rank,
+        }
+    }
+}
+
+/// Formats L3 keys `"{namespace}:{hex digest}:{rank}"` for one namespace and rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct L3KeyBuilder {
+    prefix: String,
+    rank: u32,
+}
+
+impl L3KeyBuilder {
+    pub fn key(&self, page: &PageHash) -> String {
+        let mut s = String::with_capacity(self.prefix.len() + 64 + 12);
+        s.push_str(&self.prefix);
+        s.push(':');
+        s.push_str(&page.to_hex());
+        s.push(':');
+        s.push_str(&self.rank.to_string());
+        s
+    }
+
+    pub fn keys<'a>(&self, pages: impl IntoIterator<Item = &'a PageHash>) -> Vec<String> {
+        pages.into_iter().map(|p| self.key(p)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reference values computed with Python's hashlib, exactly as SGLang's
+    /// `get_hash_str` does it:
+    /// ```python
+    /// h0 = sha256(b"".join(t.to_bytes(4,"little") for t in [1,2,3,4])).hexdigest()
+    /// h1 = sha256(bytes.fromhex(h0) + b"".join(t.to_bytes(4,"little") for t in [5,6,7,8])).hexdigest()
+    /// ```
+    #[test]
+    fn matches_sglang_get_hash_str() {
+        let hs = page_hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, None);
+        assert_eq!(hs.len(), 2, "trailing partial page is not hashed");
+        assert_eq!(hs[0].to_hex(), SGLANG_H0);
+        assert_eq!(hs[1].to_hex(), SGLANG_H1);
+    }
+
+    const SGLANG_H0: &str = include_str!("../testdata/sglang_h0.txt");
+    const SGLANG_H1: &str = include_str!("../testdata/sglang_h1.txt");
+
+    #[test]
+    fn chain_continues_from_prev() {
+        let all = page_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, None);
+        let tail = page_hashes(&[5, 6, 7, 8], 4, Some(&all[0]));
+        assert_eq!(tail[0], all[1]);
+        assert_ne!(page_hashes(&[5, 6, 7, 8], 4, None)[0], all[1]);
+    }
+
+    #[test]
+    fn namespaces_separate_keys() {
+        let h = hash_page(None, &[1, 2, 3]);
+        let a = KeyNamespace {
+            model: "m".into(),
+            tenant: "a".into(),
+            ..Default::default()
+        };
+        let b = KeyNamespace {
+            model: "m".into(),
+            tenant: "b".into(),
+            ..Default::default()
+        };
+        let shifted = KeyNamespace {
+            model: "ma".into(),
+            tenant: "".into(),
+            ..Default::default()
+        };
+        assert_ne!(a.keys_for_rank(0).key(&h), b.keys_for_rank(0).key(&h));
+        assert_ne!(a.fingerprint(), shifted.fingerprint());
+        assert_ne!(a.keys_for_rank(0).key(&h), a.keys_for_rank(1).key(&h));
+        let k = a.keys_for_rank(3).key(&h);
+        assert!(k.ends_with(":3"));
+        assert!(k.contains(&h.to_hex()));
+    }
+}

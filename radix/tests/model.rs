@@ -1,0 +1,260 @@
+//! Property tests of the radix cache against a simple page-level model.
+//!
+//! The model knows, for every page (identified by its chained hash), on which tiers it has a
+//! copy, when it was last used, and which locks cover it. After every random operation the
+//! cache must agree with the model on what matches, must pass `check_invariants` (prefix-closed
+//! residency, pool accounting, no page owned twice, lock counts), and every eviction must pick
+//! an unlocked leaf with the oldest last use.
+
+use std::collections::{HashMap, HashSet};
+
+use kvtier_radix::*;
+use proptest::prelude::*;
+
+const PS: usize = 2;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Match(usize),
+    Insert { prompt: usize, pages: usize, host: bool },
+    Lock { prompt: usize, host: bool },
+    Unlock(usize),
+    Evict { host: bool },
+    LoadBack(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        2 => (0..8usize).prop_map(Op::Match),
+        4 => (0..8usize, 1..6usize, any::<bool>()).prop_map(|(prompt, pages, host)| Op::Insert { prompt, pages, host }),
+        2 => (0..8usize, any::<bool>()).prop_map(|(prompt, host)| Op::Lock { prompt, host }),
+        2 => (0..16usize).prop_map(Op::Unlock),
+        3 => any::<bool>().prop_map(|host| Op::Evict { host }),
+        1 => (0..8usize).prop_map(Op::LoadBack),
+    ]
+}
+
+/// Prompts over a tiny alphabet so that they share prefixes and diverge mid-node.
+fn prompts() -> impl Strategy<Value = Vec<Vec<u32>>> {
+    prop::collection::vec(prop::collection::vec(0u32..2, PS * 6..=PS * 6), 8)
+}
+
+#[derive(Default)]
+struct Model {
+    /// page hash → (parent page hash, depth)
+    pages: HashMap<PageHash, (Option<PageHash>, usize)>,
+    resident: [HashSet<PageHash>; 2],
+    access: HashMap<PageHash, u64>,
+    tick: u64,
+}
+
+enum AnyLock {
+    Dev(LockHandle<Device>, Vec<PageHash>),
+    Host(LockHandle<Host>, Vec<PageHash>),
+}
+
+impl Model {
+    fn matched(&self, t: usize, hs: &[PageHash]) -> usize {
+        hs.iter().take_while(|h| self.resident[t].contains(h)).count()
+    }
+    fn is_leaf(&self, t: usize, h: &PageHash) -> bool {
+        !self.resident[t]
+            .iter()
+            .any(|c| self.pages.get(c).and_then(|p| p.0) == Some(*h))
+    }
+}
+
+fn ti(host: bool) -> usize {
+    host as usize
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn cache_agrees_with_model(prompts in prompts(), ops in prop::collection::vec(op(), 1..80),
+                               dev_cap in 4u32..24, host_cap in 4u32..24) {
+        let mut cache = RadixCache::new(RadixConfig {
+            page_size: PS, device_pages: dev_cap, host_pages: host_cap, record_events: false,
+        }).unwrap();
+        let hashes: Vec<Vec<PageHash>> = prompts.iter().map(|p| page_hashes(p, PS, None)).collect();
+        let mut m = Model::default();
+        for hs in &hashes {
+            for (i, h) in hs.iter().enumerate() {
+                m.pages.insert(*h, (i.checked_sub(1).map(|j| hs[j]), i));
+            }
+        }
+        let mut locks: Vec<AnyLock> = Vec::new();
+
+        for op in ops {
+            match op {
+                Op::Match(i) => {
+                    let r = cache.match_prefix(&hashes[i]);
+                    let (d, h) = (m.matched(0, &hashes[i]), m.matched(1, &hashes[i]));
+                    prop_assert_eq!((r.device_pages, r.host_pages), (d, h));
+                    prop_assert_eq!(r.matched_pages, d.max(h));
+                    prop_assert_eq!(cache.node_end(r.device_node).unwrap(), d);
+                    prop_assert_eq!(cache.node_end(r.host_node).unwrap(), h);
+                    m.tick += 1;
+                    for x in &hashes[i][..d.max(h)] { m.access.insert(*x, m.tick); }
+                }
+                Op::Insert { prompt, pages, host } => {
+                    let r = cache.match_prefix(&hashes[prompt]);
+                    m.tick += 1;
+                    for x in &hashes[prompt][..r.matched_pages] { m.access.insert(*x, m.tick); }
+                    let (from, node) = if host { (r.host_pages, r.host_node) } else { (r.device_pages, r.device_node) };
+                    if pages <= from { continue; }
+                    let n = pages - from;
+                    // The start node is pinned while pages are obtained, as the scheduler does.
+                    let ok = if host {
+                        let l = cache.lock::<Host>(node).unwrap();
+                        let r = cache.alloc_evicting::<Host>(n).map(|p| insert_and_free(&mut cache, node, from, &hashes[prompt], &prompts[prompt], &p));
+                        cache.unlock(l).unwrap();
+                        r
+                    } else {
+                        let l = cache.lock::<Device>(node).unwrap();
+                        let r = cache.alloc_evicting::<Device>(n).map(|p| insert_and_free(&mut cache, node, from, &hashes[prompt], &prompts[prompt], &p));
+                        cache.unlock(l).unwrap();
+                        r
+                    };
+                    match ok {
+                        Ok(dups) => {
+                            prop_assert_eq!(dups, 0, "insert right after match never duplicates");
+                            // Eviction may have happened inside alloc_evicting: resync the model
+                            // with the cache's residency for evicted pages only by re-deriving.
+                            resync_evictions(&cache, &mut m, &hashes);
+                            m.tick += 1;
+                            for x in &hashes[prompt][from..pages] {
+                                m.resident[ti(host)].insert(*x);
+                                m.access.insert(*x, m.tick);
+                            }
+                            let (d, h) = cache.peek_prefix(&hashes[prompt]);
+                            prop_assert!(if host { h >= pages } else { d >= pages }, "match after insert finds it");
+                        }
+                        Err(RadixError::PoolExhausted { requested, available, .. }) => {
+                            prop_assert_eq!(requested, n);
+                            prop_assert!(available < n);
+                        }
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::Lock { prompt, host } => {
+                    let r = cache.match_prefix(&hashes[prompt]);
+                    m.tick += 1;
+                    for x in &hashes[prompt][..r.matched_pages] { m.access.insert(*x, m.tick); }
+                    if host {
+                        let hl = cache.lock::<Host>(r.host_node).unwrap();
+                        locks.push(AnyLock::Host(hl, hashes[prompt][..r.host_pages].to_vec()));
+                    } else {
+                        let dl = cache.lock::<Device>(r.device_node).unwrap();
+                        locks.push(AnyLock::Dev(dl, hashes[prompt][..r.device_pages].to_vec()));
+                    }
+                }
+                Op::Unlock(i) => {
+                    if i < locks.len() {
+                        match locks.swap_remove(i) {
+                            AnyLock::Dev(h, _) => { cache.unlock(h).unwrap(); }
+                            AnyLock::Host(h, _) => { cache.unlock(h).unwrap(); }
+                        }
+                    }
+                }
+                Op::Evict { host } => {
+                    let t = ti(host);
+                    let out = if host { cache.evict::<Host>(1) } else { cache.evict::<Device>(1) };
+                    let locked: HashSet<PageHash> = locks.iter().filter_map(|l| match l {
+                        AnyLock::Dev(_, hs) if !host => Some(hs.clone()),
+                        AnyLock::Host(_, hs) if host => Some(hs.clone()),
+                        _ => None,
+                    }).flatten().collect();
+                    // Oldest last-use among the model's unlocked leaf pages on this tier.
+                    let oldest = m.resident[t].iter()
+                        .filter(|h| !locked.contains(*h) && m.is_leaf(t, h))
+                        .map(|h| m.access[h]).min();
+                    prop_assert!(out.evicted.len() <= 1);
+                    match (out.evicted.first(), oldest) {
+                        (None, None) => {}
+                        (Some(ev), Some(oldest)) => {
+                            for h in &ev.hashes {
+                                prop_assert!(!locked.contains(h), "locked page evicted");
+                                prop_assert!(m.resident[t].remove(h));
+                                prop_assert_eq!(m.access[h], oldest, "eviction is LRU");
+                            }
+                            prop_assert_eq!(ev.removed, !m.resident[1 - t].contains(&ev.hashes[0]));
+                        }
+                        (ev, oldest) => prop_assert!(false, "evicted {ev:?} but model oldest {oldest:?}"),
+                    }
+                }
+                Op::LoadBack(i) => {
+                    // Host-only pages get a device copy (what the scheduler's load-back does).
+                    let r = cache.match_prefix(&hashes[i]);
+                    m.tick += 1;
+                    for x in &hashes[i][..r.matched_pages] { m.access.insert(*x, m.tick); }
+                    if r.host_pages > r.device_pages {
+                        let n = r.host_pages - r.device_pages;
+                        let hl = cache.lock::<Host>(r.host_node).unwrap();
+                        let dl = cache.lock::<Device>(r.device_node).unwrap();
+                        if let Ok(p) = cache.alloc_evicting::<Device>(n) {
+                            resync_evictions(&cache, &mut m, &hashes);
+                            let d = insert_and_free(&mut cache, r.device_node, r.device_pages, &hashes[i], &prompts[i], &p);
+                            prop_assert_eq!(d, 0);
+                            m.tick += 1;
+                            for x in &hashes[i][r.device_pages..r.host_pages] {
+                                m.resident[0].insert(*x);
+                                m.access.insert(*x, m.tick);
+                            }
+                        }
+                        cache.unlock(hl).unwrap();
+                        cache.unlock(dl).unwrap();
+                    }
+                }
+            }
+            if let Err(e) = cache.check_invariants() { prop_assert!(false, "invariant: {e}"); }
+            for t in [TierKind::Device, TierKind::Host] {
+                let u = cache.usage(t);
+                prop_assert_eq!(u.free + u.held + u.cached, u.capacity);
+                prop_assert_eq!(u.held, 0);
+                prop_assert_eq!(u.cached, m.resident[t as usize].len());
+            }
+        }
+        // Quiescence: give every lock back, then everything can be evicted.
+        for l in locks.drain(..) {
+            match l { AnyLock::Dev(h, _) => { cache.unlock(h).unwrap(); } AnyLock::Host(h, _) => { cache.unlock(h).unwrap(); } }
+        }
+        prop_assert_eq!(cache.outstanding_locks(), (0, 0));
+        cache.evict::<Device>(usize::MAX);
+        cache.evict::<Host>(usize::MAX);
+        prop_assert_eq!(cache.usage(TierKind::Device).free, dev_cap as usize);
+        prop_assert_eq!(cache.usage(TierKind::Host).free, host_cap as usize);
+        prop_assert_eq!(cache.node_count(), 1);
+        cache.check_invariants().unwrap();
+    }
+}
+
+fn insert_and_free<T: Tier>(
+    cache: &mut RadixCache,
+    node: NodeId,
+    from: usize,
+    hashes: &[PageHash],
+    tokens: &[u32],
+    pages: &[PageId<T>],
+) -> usize {
+    let out = cache.insert::<T>(node, from, hashes, tokens, pages).unwrap();
+    let dups: Vec<PageId<T>> = out.duplicates.iter().map(|d| d.1).collect();
+    cache.free(&dups).unwrap();
+    dups.len()
+}
+
+/// `alloc_evicting` may evict; drop from the model whatever the cache no longer holds.
+fn resync_evictions(cache: &RadixCache, m: &mut Model, hashes: &[Vec<PageHash>]) {
+    for hs in hashes {
+        let (d, h) = cache.peek_prefix(hs);
+        for (i, x) in hs.iter().enumerate() {
+            if i >= d {
+                m.resident[0].remove(x);
+            }
+            if i >= h {
+                m.resident[1].remove(x);
+            }
+        }
+    }
+}
