@@ -34,12 +34,12 @@ pub fn completion_for(state: &RequestState, pick: u32) -> Option<RequestEvent> {
             in_flight: true, ..
         } => E::DecodeStep,
         S::WritingBack { .. } => E::WriteBackDone {
-            success: pick % 3 != 0,
+            success: !pick.is_multiple_of(3),
             backups: if pick % 3 == 1 { pick % 4 } else { 0 },
         },
         S::BackingUp { .. } => E::BackupDone,
         S::Retracting { .. } => E::WriteBackDone {
-            success: pick % 2 == 0,
+            success: pick.is_multiple_of(2),
             backups: 0,
         },
         _ => return None,
