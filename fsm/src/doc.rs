@@ -32,10 +32,10 @@ fn describe_state(kind: RequestStateKind) -> &'static str {
             "`{ abort_pending }`: an `L3Query` (existence probe, no allocation) is in flight."
         }
         S::Prefetching => {
-            "`{ pages, abort_pending }`: a `Prefetch` op (L3 → host) for `pages` pages is in flight."
+            "`{ start_page, pages, abort_pending }`: a `Prefetch` op (L3 → host) for prompt pages `start_page .. start_page + pages` is in flight; `start_page` is the device/host match the L3 keys were computed against."
         }
         S::PrefetchDone => {
-            "`{ completed }`: the prefetch came back with `completed` pages on host (may be fewer than asked, or 0)."
+            "`{ start_page, completed }`: the prefetch came back with `completed` pages on host (may be fewer than asked, or 0); insert them at `start_page`, not at the current host match."
         }
         S::Prefilling => {
             "`{ total, done, scheduled, chunks, abort_pending }`: chunked prefill, token counts; a chunk is in flight iff `scheduled > done`; `done` includes the cached prefix."
@@ -69,7 +69,9 @@ fn describe_event(kind: RequestEventKind) -> &'static str {
     match kind {
         E::ScheduleQuery => "Send an L3 existence probe.",
         E::QueryDone => "`{ hit_pages }`: the probe came back.",
-        E::SchedulePrefetch => "`{ pages }`: prefetch `pages` pages from L3 to host.",
+        E::SchedulePrefetch => {
+            "`{ start_page, pages }`: prefetch prompt pages `start_page .. start_page + pages` from L3 to host."
+        }
         E::PrefetchDone => "`{ completed }`: the prefetch came back; partial success is normal.",
         E::ScheduleFirstChunk => {
             "`{ total, cached, tokens }`: schedule the first prefill chunk after a cached prefix."
@@ -344,6 +346,7 @@ pub fn render_markdown() -> String {
     for line in [
         "`abort_pending` implies something is in flight.",
         "`Prefetching.pages`, `WritingBack.pages`, `Retracting.pages`, `BackingUp.outstanding` are > 0.",
+        "`Prefetching`: `start_page + pages` fits in `u32` (so does `start_page + completed` in `PrefetchDone`).",
         "`Prefilling`: `done <= scheduled <= total`, `done < total`, `chunks >= 1`.",
         "`Decoding`: `generated >= 1`; while `in_flight`, `generated < u32::MAX`.",
         "Counters are bumped with checked arithmetic when work is *scheduled*, so a completion is never refused for overflow.",

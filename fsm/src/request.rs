@@ -88,16 +88,23 @@ pub enum RequestState {
         /// An abort arrived while the probe was in flight.
         abort_pending: bool,
     },
-    /// A `Prefetch` op (L3→host) for `pages` pages is in flight.
+    /// A `Prefetch` op (L3→host) for `pages` pages is in flight, for the run of prompt pages
+    /// that starts at page index `start_page`.
     Prefetching {
-        /// Pages requested from L3 (> 0).
+        /// Index (in pages, from the start of the prompt) of the first prefetched page: the
+        /// device/host match length the L3 keys were computed against. Prefetched pages must be
+        /// inserted at this offset, whatever the host match has become meanwhile.
+        start_page: u32,
+        /// Pages requested from L3 (> 0; `start_page + pages` fits in `u32`).
         pages: u32,
         /// An abort arrived while the prefetch was in flight.
         abort_pending: bool,
     },
     /// The prefetch came back; `completed` pages (possibly fewer than requested, possibly zero)
-    /// are now on host.
+    /// are now on host, as prompt pages `start_page .. start_page + completed`.
     PrefetchDone {
+        /// Index of the first prefetched page, carried over from `Prefetching`.
+        start_page: u32,
         /// Pages that actually arrived on host.
         completed: u32,
     },
@@ -195,8 +202,12 @@ pub enum RequestEvent {
         /// Pages found in L3 beyond the device/host match (informational; the scheduler decides).
         hit_pages: u32,
     },
-    /// Start prefetching `pages` (> 0) pages from L3 to host. `Submitted → Prefetching`.
+    /// Start prefetching `pages` (> 0) pages from L3 to host: prompt pages
+    /// `start_page .. start_page + pages`, where `start_page` is the device/host match length the
+    /// L3 keys were computed against. `Submitted → Prefetching`.
     SchedulePrefetch {
+        /// Index of the first page to prefetch (the current device/host match, in pages).
+        start_page: u32,
         /// Pages to prefetch.
         pages: u32,
     },
@@ -284,18 +295,22 @@ impl RequestStateKind {
                 .iter()
                 .map(|&abort_pending| S::Querying { abort_pending })
                 .collect(),
-            Self::Prefetching => [1, 4, M]
+            Self::Prefetching => [(0, 1), (2, 4), (0, M), (M - 1, 1)]
                 .iter()
-                .flat_map(|&pages| {
+                .flat_map(|&(start_page, pages)| {
                     flags.iter().map(move |&abort_pending| S::Prefetching {
+                        start_page,
                         pages,
                         abort_pending,
                     })
                 })
                 .collect(),
-            Self::PrefetchDone => [0, 3, M]
+            Self::PrefetchDone => [(0, 0), (2, 3), (0, M), (M, 0)]
                 .iter()
-                .map(|&completed| S::PrefetchDone { completed })
+                .map(|&(start_page, completed)| S::PrefetchDone {
+                    start_page,
+                    completed,
+                })
                 .collect(),
             Self::Prefilling => {
                 let p = |total, done, scheduled, chunks, abort_pending| S::Prefilling {
@@ -408,9 +423,9 @@ impl RequestEventKind {
                 .iter()
                 .map(|&hit_pages| E::QueryDone { hit_pages })
                 .collect(),
-            Self::SchedulePrefetch => [0, 1, 4, M]
+            Self::SchedulePrefetch => [(0, 0), (0, 1), (2, 4), (0, M), (M, 1)]
                 .iter()
-                .map(|&pages| E::SchedulePrefetch { pages })
+                .map(|&(start_page, pages)| E::SchedulePrefetch { start_page, pages })
                 .collect(),
             Self::PrefetchDone => [0, 1, 4, M]
                 .iter()
@@ -546,6 +561,8 @@ impl RequestState {
     /// - `abort_pending` implies something is in flight;
     /// - `Prefetching.pages`, `WritingBack.pages`, `Retracting.pages` and
     ///   `BackingUp.outstanding` are positive (zero would mean nothing is in flight);
+    /// - `Prefetching`: `start_page + pages` fits in `u32`; `PrefetchDone`: so does
+    ///   `start_page + completed`;
     /// - `Prefilling`: `done <= scheduled <= total`, `done < total` (a finished prefill is
     ///   `Decoding`) and `chunks >= 1`;
     /// - `Decoding`: `generated >= 1`, and `generated < u32::MAX` while a step is in flight (so
@@ -554,8 +571,14 @@ impl RequestState {
     /// Returns [`IllegalReason::InconsistentState`] otherwise.
     pub fn check_invariants(&self) -> Result<(), IllegalReason> {
         let ok = match *self {
-            Self::Prefetching { pages: n, .. }
-            | Self::WritingBack { pages: n, .. }
+            Self::Prefetching {
+                start_page, pages, ..
+            } => pages > 0 && start_page.checked_add(pages).is_some(),
+            Self::PrefetchDone {
+                start_page,
+                completed,
+            } => start_page.checked_add(completed).is_some(),
+            Self::WritingBack { pages: n, .. }
             | Self::Retracting { pages: n, .. }
             | Self::BackingUp { outstanding: n, .. } => n > 0,
             Self::Prefilling {
@@ -582,7 +605,6 @@ impl RequestState {
             }
             Self::Submitted
             | Self::Querying { .. }
-            | Self::PrefetchDone { .. }
             | Self::Draining { .. }
             | Self::Retracted { .. }
             | Self::Finished
@@ -667,11 +689,14 @@ impl RequestState {
             }),
 
             // Prefetch L3 → host.
-            (S::Submitted, &E::SchedulePrefetch { pages }) => {
+            (S::Submitted, &E::SchedulePrefetch { start_page, pages }) => {
                 if pages == 0 {
                     Err(R::Zero)
+                } else if start_page.checked_add(pages).is_none() {
+                    Err(R::Overflow)
                 } else {
                     Ok(S::Prefetching {
+                        start_page,
                         pages,
                         abort_pending: false,
                     })
@@ -679,6 +704,7 @@ impl RequestState {
             }
             (
                 &S::Prefetching {
+                    start_page,
                     pages,
                     abort_pending,
                 },
@@ -689,7 +715,10 @@ impl RequestState {
                 } else if abort_pending {
                     Ok(S::Aborted)
                 } else {
-                    Ok(S::PrefetchDone { completed })
+                    Ok(S::PrefetchDone {
+                        start_page,
+                        completed,
+                    })
                 }
             }
 

@@ -56,7 +56,7 @@ static REQUEST_TABLE: &[TransitionRow] = &[
         S::Submitted,
         E::SchedulePrefetch,
         &[S::Prefetching],
-        "pages > 0",
+        "pages > 0 && start_page + pages fits in u32; the state keeps start_page",
     ),
     row(
         S::Submitted,
@@ -79,7 +79,7 @@ static REQUEST_TABLE: &[TransitionRow] = &[
         S::Prefetching,
         E::PrefetchDone,
         &[S::PrefetchDone, S::Aborted],
-        "completed <= pages (partial success is normal); Aborted if abort_pending",
+        "completed <= pages (partial success is normal); Aborted if abort_pending, else PrefetchDone { start_page, completed }",
     ),
     row(S::Prefetching, E::Abort, &[S::Prefetching], ABORT_DEFERRED),
     // PrefetchDone

@@ -34,11 +34,17 @@ fn any_state() -> impl Strategy<Value = RequestState> {
     prop_oneof![
         Just(S::Submitted),
         any::<bool>().prop_map(|abort_pending| S::Querying { abort_pending }),
-        (count(), any::<bool>()).prop_map(|(pages, abort_pending)| S::Prefetching {
-            pages,
-            abort_pending
+        (count(), count(), any::<bool>()).prop_map(|(start_page, pages, abort_pending)| {
+            S::Prefetching {
+                start_page,
+                pages,
+                abort_pending,
+            }
         }),
-        count().prop_map(|completed| S::PrefetchDone { completed }),
+        (count(), count()).prop_map(|(start_page, completed)| S::PrefetchDone {
+            start_page,
+            completed
+        }),
         (count(), count(), count(), count(), any::<bool>()).prop_map(
             |(total, done, scheduled, chunks, abort_pending)| S::Prefilling {
                 total,
@@ -81,7 +87,8 @@ fn any_event() -> impl Strategy<Value = RequestEvent> {
     prop_oneof![
         Just(E::ScheduleQuery),
         count().prop_map(|hit_pages| E::QueryDone { hit_pages }),
-        count().prop_map(|pages| E::SchedulePrefetch { pages }),
+        (count(), count())
+            .prop_map(|(start_page, pages)| E::SchedulePrefetch { start_page, pages }),
         count().prop_map(|completed| E::PrefetchDone { completed }),
         (count(), count(), count()).prop_map(|(total, cached, tokens)| E::ScheduleFirstChunk {
             total,

@@ -85,16 +85,29 @@ fn prefetch_path_with_query_and_partial_success() {
         &[E::ScheduleQuery, E::QueryDone { hit_pages: 4 }],
     );
     assert_eq!(s, S::Submitted);
-    let s = run(s, &[E::SchedulePrefetch { pages: 4 }]);
+    let s = run(
+        s,
+        &[E::SchedulePrefetch {
+            start_page: 2,
+            pages: 4,
+        }],
+    );
     assert_eq!(
         s,
         S::Prefetching {
+            start_page: 2,
             pages: 4,
             abort_pending: false
         }
     );
     let s = run(s, &[E::PrefetchDone { completed: 3 }]);
-    assert_eq!(s, S::PrefetchDone { completed: 3 });
+    assert_eq!(
+        s,
+        S::PrefetchDone {
+            start_page: 2,
+            completed: 3,
+        }
+    );
     let s = run(
         s,
         &[E::ScheduleFirstChunk {
@@ -118,11 +131,20 @@ fn prefetch_path_with_query_and_partial_success() {
     let s = run(
         S::Submitted,
         &[
-            E::SchedulePrefetch { pages: 2 },
+            E::SchedulePrefetch {
+                start_page: 0,
+                pages: 2,
+            },
             E::PrefetchDone { completed: 0 },
         ],
     );
-    assert_eq!(s, S::PrefetchDone { completed: 0 });
+    assert_eq!(
+        s,
+        S::PrefetchDone {
+            start_page: 0,
+            completed: 0,
+        }
+    );
 }
 
 #[test]
@@ -376,7 +398,10 @@ fn write_back_then_backups_then_finished() {
 fn abort_is_immediate_without_in_flight_work() {
     for s in [
         S::Submitted,
-        S::PrefetchDone { completed: 1 },
+        S::PrefetchDone {
+            start_page: 0,
+            completed: 1,
+        },
         decoding(3),
         S::Draining { pages: 4 },
         S::Retracted { saved: true },
@@ -394,10 +419,20 @@ fn abort_is_immediate_without_in_flight_work() {
 
 #[test]
 fn abort_is_deferred_while_in_flight() {
-    let s = run(S::Submitted, &[E::SchedulePrefetch { pages: 4 }, E::Abort]);
+    let s = run(
+        S::Submitted,
+        &[
+            E::SchedulePrefetch {
+                start_page: 2,
+                pages: 4,
+            },
+            E::Abort,
+        ],
+    );
     assert_eq!(
         s,
         S::Prefetching {
+            start_page: 2,
             pages: 4,
             abort_pending: true
         }
@@ -505,6 +540,7 @@ fn completions_without_work_in_flight_are_refused() {
     assert_eq!(
         illegal(
             S::Prefetching {
+                start_page: 2,
                 pages: 2,
                 abort_pending: false
             },
@@ -554,8 +590,26 @@ fn arithmetic_edges_are_refused_when_scheduling() {
         IllegalReason::Zero
     );
     assert_eq!(
-        illegal(S::Submitted, E::SchedulePrefetch { pages: 0 }).reason,
+        illegal(
+            S::Submitted,
+            E::SchedulePrefetch {
+                start_page: 0,
+                pages: 0,
+            }
+        )
+        .reason,
         IllegalReason::Zero
+    );
+    assert_eq!(
+        illegal(
+            S::Submitted,
+            E::SchedulePrefetch {
+                start_page: u32::MAX,
+                pages: 1,
+            }
+        )
+        .reason,
+        IllegalReason::Overflow
     );
     assert_eq!(
         illegal(decoding(u32::MAX), E::ScheduleDecode).reason,
@@ -602,6 +656,7 @@ fn inconsistent_states_refuse_every_event() {
             abort_pending: false,
         },
         S::Prefetching {
+            start_page: 2,
             pages: 0,
             abort_pending: false,
         },
@@ -649,6 +704,15 @@ fn next_state_is_apply_without_consuming() {
         s.next_state(&E::DecodeStep),
         Err(IllegalReason::NotAccepted)
     );
+}
+
+#[test]
+fn errors_box_into_std_error() {
+    fn boxed() -> Result<S, Box<dyn std::error::Error + Send + Sync>> {
+        Ok(S::Submitted.apply(E::DecodeStep)?)
+    }
+    let err = boxed().unwrap_err();
+    assert!(err.to_string().contains("not accepted"), "{err}");
 }
 
 #[test]
