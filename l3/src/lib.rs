@@ -1,1 +1,32 @@
-//! kvtier-l3 (placeholder)
+//! kvtier-l3: the L3 tier of kvtier — a Mooncake-Store-compatible KV store with DRAM and SSD
+//! tiers, embedded in the caller's process by default, or served over tarpc.
+//!
+//! Why: the scheduler and the simulator need L3 semantics (two-phase puts, leases, eviction,
+//! SSD offload, promotion, Mooncake's error codes) in-process and fast; a deployment that
+//! outgrows one process runs the same store behind the `kvtier-l3` binary. Both implement
+//! [`L3Store`]. Start with [`EmbeddedStore::new`] and [`StoreConfig`]; see docs/l3.md.
+
+pub mod api;
+pub mod clock;
+pub mod config;
+pub mod error;
+pub mod eviction;
+pub mod master;
+pub mod metrics;
+pub mod promotion;
+pub mod rpc;
+pub mod segment;
+pub mod ssd;
+pub mod store;
+pub mod types;
+
+pub use api::{BatchResult, L3Store};
+pub use clock::Clock;
+pub use config::{OffloadMode, PromotionConfig, SsdConfig, StoreConfig};
+pub use error::{ErrorCode, L3Error, L3Result};
+// RemoteStore re-export added with the rpc module
+pub use store::EmbeddedStore;
+pub use types::{
+    ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, ReplicaDescriptor,
+    SegmentId, StoreStats, Tenant,
+};

@@ -1,0 +1,121 @@
+//! The one trait every L3 store implements: [`crate::EmbeddedStore`] (in-process, the
+//! default for the scheduler and simulator) and [`crate::RemoteStore`] (tarpc client).
+//!
+//! Why synchronous: the scheduler and the simulator are synchronous loops; an embedded store
+//! needs no runtime at all, and the remote client hides its own small tokio runtime. Batch
+//! calls return `Ok(per-key results)` — the outer error is for the whole call (too many keys,
+//! mismatched lengths, transport failure), the inner one for each key, as in Mooncake.
+//!
+//! Mooncake names → methods: PutStart/PutEnd/PutRevoke → `put_start`/`put_end`/`put_revoke`
+//! (+ `batch_*`), GetReplicaList → `get_replica_list`, ExistKey → `exist_key`, BatchQuery →
+//! `batch_query`, batch_get_buffer_with_query_results → `batch_get_with_query`, Remove,
+//! RemoveAll, MountSegment, UnmountSegment, Ping; client level: put, get, batch_put_from,
+//! batch_get_into, is_exist, batch_is_exist, get_size.
+
+use crate::error::L3Result;
+use crate::types::{
+    ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, SegmentId,
+    StoreStats, Tenant,
+};
+
+/// Per-key results of a batch call.
+pub type BatchResult<T> = L3Result<Vec<L3Result<T>>>;
+
+/// Mooncake Store's operations.
+pub trait L3Store: Send + Sync {
+    // ---- master-level ---------------------------------------------------------------------
+
+    /// `PutStart`: reserve a memory replica for `size` bytes. First writer wins (-705).
+    fn put_start(&self, tenant: &Tenant, key: &str, size: u64) -> L3Result<PutHandle>;
+    /// Write the whole object into the replica reserved by `put_start`.
+    fn put_write(&self, handle: &PutHandle, data: &[u8]) -> L3Result<()>;
+    /// `PutEnd`: the object becomes visible (and is queued for SSD in write-through mode).
+    fn put_end(&self, handle: &PutHandle, opts: PutOptions) -> L3Result<()>;
+    /// `PutRevoke`: abandon a pending put.
+    fn put_revoke(&self, handle: &PutHandle) -> L3Result<()>;
+    /// `BatchPutStart`.
+    fn batch_put_start(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        sizes: &[u64],
+    ) -> BatchResult<PutHandle>;
+    /// `BatchPutEnd`.
+    fn batch_put_end(&self, handles: &[PutHandle], opts: PutOptions) -> BatchResult<()>;
+    /// `BatchPutRevoke`.
+    fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()>;
+    /// `GetReplicaList`: replica descriptors; takes a read lease.
+    fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult>;
+    /// `BatchGetReplicaList`.
+    fn batch_get_replica_list(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult>;
+    /// `ExistKey`: never takes or renews a lease; may trigger promotion.
+    fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool>;
+    /// `BatchExistKey`.
+    fn batch_exist_key(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        opts: ExistOptions,
+    ) -> BatchResult<bool>;
+    /// `BatchQuery`: descriptors plus lease deadline, for a later [`L3Store::batch_get_with_query`].
+    fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult>;
+    /// Reads objects into `bufs` reusing earlier query results while their leases hold;
+    /// a key whose lease expired is rejected with -707 (the others are still served).
+    fn batch_get_with_query(
+        &self,
+        tenant: &Tenant,
+        queries: &[QueryResult],
+        bufs: &mut [&mut [u8]],
+    ) -> BatchResult<u64>;
+    /// `Remove`: -706 if leased unless `force`.
+    fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()>;
+    /// `RemoveAll` of the tenant's keys (leased ones stay unless `force`); returns the count.
+    fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64>;
+    /// `MountSegment`: a client contributes `capacity` bytes of DRAM.
+    fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()>;
+    /// `UnmountSegment`: its memory replicas are dropped.
+    fn unmount_segment(&self, client: ClientId, segment: SegmentId) -> L3Result<()>;
+    /// `Ping`: client liveness.
+    fn ping(&self, client: ClientId) -> L3Result<ClientStatus>;
+
+    // ---- client-level ---------------------------------------------------------------------
+
+    /// Two-phase put of a whole object.
+    fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()>;
+    /// Reads an object into a new vector.
+    fn get(&self, tenant: &Tenant, key: &str) -> L3Result<Vec<u8>>;
+    /// Reads an object into `buf`; returns its size (-10 if `buf` is too small).
+    fn get_into(&self, tenant: &Tenant, key: &str, buf: &mut [u8]) -> L3Result<u64>;
+    /// Puts many objects from caller buffers.
+    fn batch_put_from(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &[&[u8]],
+        opts: PutOptions,
+    ) -> BatchResult<()>;
+    /// Reads many objects into caller buffers (one copy each).
+    fn batch_get_into(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+    ) -> BatchResult<u64>;
+    /// `exist_key` without options.
+    fn is_exist(&self, tenant: &Tenant, key: &str) -> L3Result<bool> {
+        self.exist_key(tenant, key, ExistOptions::default())
+    }
+    /// `batch_exist_key` without options.
+    fn batch_is_exist(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<bool> {
+        self.batch_exist_key(tenant, keys, ExistOptions::default())
+    }
+    /// Size of an object.
+    fn get_size(&self, tenant: &Tenant, key: &str) -> L3Result<u64>;
+
+    // ---- housekeeping ----------------------------------------------------------------------
+
+    /// Waits until every queued SSD offload is written and registered.
+    fn flush(&self) -> L3Result<()>;
+    /// Summary numbers.
+    fn stats(&self) -> L3Result<StoreStats>;
+}

@@ -1,0 +1,50 @@
+//! The store's monotonic millisecond clock.
+//!
+//! Why: leases, put timeouts, client liveness and promotion TTLs are all deadlines; keeping
+//! them on one monotonic clock (never wall time, which jumps) makes them comparable, and a
+//! lease deadline handed out in a [`crate::QueryResult`] is checked against the same clock
+//! when the result comes back. Tests and the simulator can move the clock forward with
+//! [`Clock::advance`] instead of sleeping.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Milliseconds since the store started, plus any manual advance.
+#[derive(Debug)]
+pub struct Clock {
+    start: Instant,
+    skew_ms: AtomicU64,
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock {
+    /// A clock starting at 0 now.
+    pub fn new() -> Self {
+        Clock {
+            start: Instant::now(),
+            skew_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Current time in ms.
+    pub fn now_ms(&self) -> u64 {
+        let real = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        real.saturating_add(self.skew_ms.load(Ordering::Relaxed))
+    }
+
+    /// Moves the clock forward (tests, simulation). Time never goes back.
+    pub fn advance(&self, d: Duration) {
+        let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        self.skew_ms.fetch_add(ms, Ordering::Relaxed);
+    }
+}
+
+/// Duration → whole milliseconds, saturating.
+pub fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

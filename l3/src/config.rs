@@ -1,0 +1,161 @@
+//! Configuration of the store, with Mooncake's defaults where Mooncake has one.
+//!
+//! Why: the scheduler, the simulator, the tests and the binary all build stores; one
+//! `StoreConfig` with documented defaults keeps them consistent, and `validate` turns bad
+//! values into a typed error before any state exists.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{L3Error, L3Result};
+
+/// SSD offload policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OffloadMode {
+    /// Every ended put is written to SSD asynchronously (Mooncake's default, seed 002).
+    WriteThrough,
+    /// Objects are written to SSD only when DRAM eviction drops their memory replica.
+    OnEvict,
+}
+
+/// SSD tier settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SsdConfig {
+    /// Directory holding bucket files (created if missing).
+    pub dir: PathBuf,
+    /// Offload policy.
+    pub mode: OffloadMode,
+    /// Most keys per bucket file (Mooncake `MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT`).
+    pub bucket_keys_limit: usize,
+    /// Most payload bytes per bucket file.
+    pub bucket_bytes_limit: u64,
+    /// SSD capacity the tier may use.
+    pub capacity_bytes: u64,
+    /// Start evicting buckets above this fraction of `capacity_bytes`.
+    pub high_watermark: f64,
+    /// Evict down to this fraction.
+    pub low_watermark: f64,
+    /// Bounded offload queue length (objects); a full queue skips the offload (-1301).
+    pub queue_len: usize,
+}
+
+impl SsdConfig {
+    /// Defaults for a directory: write-through, 256 keys / 64 MiB per bucket, 64 GiB, 0.90/0.80.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        SsdConfig {
+            dir: dir.into(),
+            mode: OffloadMode::WriteThrough,
+            bucket_keys_limit: 256,
+            bucket_bytes_limit: 64 << 20,
+            capacity_bytes: 64 << 30,
+            high_watermark: 0.90,
+            low_watermark: 0.80,
+            queue_len: 4096,
+        }
+    }
+}
+
+/// Promotion (prefetch-on-exist, seed 000) settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PromotionConfig {
+    /// Worker threads promoting SSD objects into DRAM (bounded pool).
+    pub workers: usize,
+    /// Bounded queue of pending promotions; beyond it a trigger is dropped.
+    pub queue_len: usize,
+    /// De-duplication TTL of *finished* promotions (an in-flight one never expires).
+    pub dedup_ttl: Duration,
+    /// After DRAM pressure is seen, no promotion starts for this long.
+    pub pressure_cooldown: Duration,
+    /// A `get` that finds a promotion in flight waits this long for it (`ssd_get_wait_ms`).
+    pub ssd_get_wait: Duration,
+}
+
+impl Default for PromotionConfig {
+    fn default() -> Self {
+        PromotionConfig {
+            workers: 4,
+            queue_len: 1024,
+            dedup_ttl: Duration::from_secs(5),
+            pressure_cooldown: Duration::from_millis(500),
+            ssd_get_wait: Duration::from_millis(10),
+        }
+    }
+}
+
+/// Store-wide settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StoreConfig {
+    /// Capacity of the store's own memory segment (0 = mount none; segments come via MountSegment).
+    pub local_segment_bytes: u64,
+    /// Read lease length (Mooncake `default_kv_lease_ttl`; issue default 10 s).
+    pub lease_ttl: Duration,
+    /// Soft pin TTL (Mooncake default 30 min).
+    pub soft_pin_ttl: Duration,
+    /// Evict when DRAM use passes this fraction.
+    pub high_watermark: f64,
+    /// Fraction of DRAM capacity freed per eviction pass.
+    pub eviction_ratio: f64,
+    /// A put not ended within this time is revoked (Mooncake `put_start_discard_timeout`).
+    pub put_timeout: Duration,
+    /// A client not pinging for this long is declared dead (Mooncake `client_live_ttl`).
+    pub client_ttl: Duration,
+    /// Largest object accepted.
+    pub max_object_bytes: u64,
+    /// Most keys in one batch call.
+    pub max_batch_keys: usize,
+    /// SSD tier (None = DRAM only).
+    pub ssd: Option<SsdConfig>,
+    /// Promotion settings (used only with an SSD tier).
+    pub promotion: PromotionConfig,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            local_segment_bytes: 1 << 30,
+            lease_ttl: Duration::from_secs(10),
+            soft_pin_ttl: Duration::from_secs(30 * 60),
+            high_watermark: 0.90,
+            eviction_ratio: 0.05,
+            put_timeout: Duration::from_secs(30),
+            client_ttl: Duration::from_secs(10),
+            max_object_bytes: 1 << 30,
+            max_batch_keys: 65_536,
+            ssd: None,
+            promotion: PromotionConfig::default(),
+        }
+    }
+}
+
+impl StoreConfig {
+    /// Rejects nonsensical values with `InvalidParams`.
+    pub fn validate(&self) -> L3Result<()> {
+        let bad = |m: &str| Err(L3Error::InvalidParams(m.to_string()));
+        if !(self.high_watermark > 0.0 && self.high_watermark <= 1.0) {
+            return bad("high_watermark must be in (0, 1]");
+        }
+        if !(self.eviction_ratio > 0.0 && self.eviction_ratio <= 1.0) {
+            return bad("eviction_ratio must be in (0, 1]");
+        }
+        if self.max_batch_keys == 0 || self.max_object_bytes == 0 {
+            return bad("limits must be positive");
+        }
+        if let Some(s) = &self.ssd {
+            if !(s.low_watermark > 0.0
+                && s.low_watermark < s.high_watermark
+                && s.high_watermark <= 1.0)
+            {
+                return bad("ssd watermarks must satisfy 0 < low < high <= 1");
+            }
+            if s.bucket_keys_limit == 0 || s.bucket_bytes_limit == 0 || s.queue_len == 0 {
+                return bad("ssd bucket limits and queue length must be positive");
+            }
+        }
+        if self.promotion.workers == 0 || self.promotion.queue_len == 0 {
+            return bad("promotion workers and queue length must be positive");
+        }
+        Ok(())
+    }
+}

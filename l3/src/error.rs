@@ -1,0 +1,243 @@
+//! Errors of the L3 store, carrying Mooncake Store's numeric error codes.
+//!
+//! Why: a Mooncake user reads `-704` and knows it means "object not found"; keeping the same
+//! numbers (from Mooncake's `ErrorCode` enum in `mooncake-store/include/types.h`) means our
+//! logs, metrics and wire replies say nothing surprising. Every failure an input can cause is
+//! one of these typed variants; nothing on an input-reachable path panics.
+//!
+//! How: [`ErrorCode`] is the numeric enum, [`L3Error`] the `thiserror` error that carries a code
+//! plus context. Both are serde-serialisable so the tarpc service returns them unchanged.
+
+use serde::{Deserialize, Serialize};
+
+/// Mooncake Store's `ErrorCode` (numeric values identical to Mooncake's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(i32)]
+pub enum ErrorCode {
+    /// Operation successful.
+    Ok = 0,
+    /// Internal error occurred.
+    InternalError = -1,
+    /// Insufficient buffer space (caller's buffer too small).
+    BufferOverflow = -10,
+    /// Shard index is out of bounds.
+    ShardIndexOutOfRange = -100,
+    /// No such segment.
+    SegmentNotFound = -101,
+    /// Segment already mounted.
+    SegmentAlreadyExists = -102,
+    /// Client not found.
+    ClientNotFound = -103,
+    /// Allocation failed: not enough space (after eviction).
+    NoAvailableHandle = -200,
+    /// Invalid version.
+    InvalidVersion = -300,
+    /// Invalid key.
+    InvalidKey = -400,
+    /// Write failed.
+    WriteFail = -500,
+    /// Invalid parameters.
+    InvalidParams = -600,
+    /// Illegal client for this operation (wrong token, wrong put owner).
+    IllegalClient = -601,
+    /// Invalid write.
+    InvalidWrite = -700,
+    /// Invalid read.
+    InvalidRead = -701,
+    /// Invalid replica.
+    InvalidReplica = -702,
+    /// Replica is not ready (put not ended yet).
+    ReplicaIsNotReady = -703,
+    /// Object not found.
+    ObjectNotFound = -704,
+    /// Object already exists.
+    ObjectAlreadyExists = -705,
+    /// Object has a lease.
+    ObjectHasLease = -706,
+    /// Lease expired before the data transfer completed.
+    LeaseExpired = -707,
+    /// Object has ongoing replication task.
+    ObjectHasReplicationTask = -708,
+    /// Object has no replication task.
+    ObjectNoReplicationTask = -709,
+    /// Replica not found.
+    ReplicaNotFound = -710,
+    /// Replica already exists.
+    ReplicaAlreadyExists = -711,
+    /// Replica existed once, but is gone now.
+    ReplicaIsGone = -712,
+    /// Transfer failed.
+    TransferFail = -800,
+    /// RPC failed.
+    RpcFail = -900,
+    /// Request cannot be served in the current status.
+    UnavailableInCurrentStatus = -1010,
+    /// Request cannot be served in the current mode.
+    UnavailableInCurrentMode = -1011,
+    /// File not found.
+    FileNotFound = -1100,
+    /// Error opening a file.
+    FileOpenFail = -1101,
+    /// Error reading a file.
+    FileReadFail = -1102,
+    /// Error writing a file.
+    FileWriteFail = -1103,
+    /// File buffer is wrong.
+    FileInvalidBuffer = -1104,
+    /// File lock failed.
+    FileLockFail = -1105,
+    /// Invalid file handle.
+    FileInvalidHandle = -1106,
+    /// Bucket not found.
+    BucketNotFound = -1200,
+    /// Bucket already exists.
+    BucketAlreadyExists = -1201,
+    /// Keys exceed the bucket limit.
+    KeysExceedBucketLimit = -1202,
+    /// Keys ultra limit.
+    KeysUltraLimit = -1203,
+    /// Offload is not enabled.
+    UnableOffload = -1300,
+    /// Unable to offload now (queue full).
+    UnableOffloading = -1301,
+    /// Task not found.
+    TaskNotFound = -1400,
+    /// Too many pending tasks.
+    TaskPendingLimitExceeded = -1401,
+}
+
+impl ErrorCode {
+    /// The numeric value Mooncake uses.
+    pub fn as_i32(self) -> i32 {
+        self as i32
+    }
+}
+
+/// The error every L3 operation returns.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum L3Error {
+    /// -704: the key does not exist for this tenant (also: a corrupted SSD object, which is a miss).
+    #[error("object not found (-704)")]
+    ObjectNotFound,
+    /// -705: first writer wins; the key exists or a put is in progress.
+    #[error("object already exists (-705)")]
+    ObjectAlreadyExists,
+    /// -706: the object is leased by a reader and `force` was not given.
+    #[error("object has a lease (-706)")]
+    ObjectHasLease,
+    /// -707: a query result's lease expired before the data was fetched.
+    #[error("lease expired (-707)")]
+    LeaseExpired,
+    /// -703: the put has not ended yet.
+    #[error("replica is not ready (-703)")]
+    ReplicaIsNotReady,
+    /// -200: no space left, even after eviction.
+    #[error("no available handle: need {needed} bytes (-200)")]
+    NoAvailableHandle {
+        /// Bytes requested.
+        needed: u64,
+    },
+    /// -600: a parameter is invalid.
+    #[error("invalid params: {0} (-600)")]
+    InvalidParams(String),
+    /// -400: the key is invalid (empty, too long, NUL).
+    #[error("invalid key: {0} (-400)")]
+    InvalidKey(String),
+    /// -601: wrong token, or not the owner of a pending put.
+    #[error("illegal client: {0} (-601)")]
+    IllegalClient(String),
+    /// -10: the caller's buffer is too small for the object.
+    #[error("buffer overflow: object is {needed} bytes, buffer {have} (-10)")]
+    BufferOverflow {
+        /// Object size.
+        needed: u64,
+        /// Buffer size.
+        have: u64,
+    },
+    /// -101: no such segment.
+    #[error("segment not found (-101)")]
+    SegmentNotFound,
+    /// -102: segment id already mounted.
+    #[error("segment already exists (-102)")]
+    SegmentAlreadyExists,
+    /// -103: client unknown to the master.
+    #[error("client not found (-103)")]
+    ClientNotFound,
+    /// -1103: SSD write failed (disk full, unwritable directory, ...).
+    #[error("file write failed: {0} (-1103)")]
+    FileWriteFail(String),
+    /// -1102: SSD read failed.
+    #[error("file read failed: {0} (-1102)")]
+    FileReadFail(String),
+    /// -1101: opening SSD storage failed.
+    #[error("file open failed: {0} (-1101)")]
+    FileOpenFail(String),
+    /// -1300: the SSD tier is not enabled.
+    #[error("ssd offload not enabled (-1300)")]
+    UnableOffload,
+    /// -1301: the offload queue is full.
+    #[error("offload queue full (-1301)")]
+    UnableOffloading,
+    /// -900: transport failure talking to a server.
+    #[error("rpc failed: {0} (-900)")]
+    RpcFail(String),
+    /// -1010: the server is shutting down or not ready.
+    #[error("unavailable in current status: {0} (-1010)")]
+    Unavailable(String),
+    /// -1: a bug or an unexpected OS failure.
+    #[error("internal error: {0} (-1)")]
+    Internal(String),
+}
+
+impl L3Error {
+    /// Mooncake's error code for this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            L3Error::ObjectNotFound => ErrorCode::ObjectNotFound,
+            L3Error::ObjectAlreadyExists => ErrorCode::ObjectAlreadyExists,
+            L3Error::ObjectHasLease => ErrorCode::ObjectHasLease,
+            L3Error::LeaseExpired => ErrorCode::LeaseExpired,
+            L3Error::ReplicaIsNotReady => ErrorCode::ReplicaIsNotReady,
+            L3Error::NoAvailableHandle { .. } => ErrorCode::NoAvailableHandle,
+            L3Error::InvalidParams(_) => ErrorCode::InvalidParams,
+            L3Error::InvalidKey(_) => ErrorCode::InvalidKey,
+            L3Error::IllegalClient(_) => ErrorCode::IllegalClient,
+            L3Error::BufferOverflow { .. } => ErrorCode::BufferOverflow,
+            L3Error::SegmentNotFound => ErrorCode::SegmentNotFound,
+            L3Error::SegmentAlreadyExists => ErrorCode::SegmentAlreadyExists,
+            L3Error::ClientNotFound => ErrorCode::ClientNotFound,
+            L3Error::FileWriteFail(_) => ErrorCode::FileWriteFail,
+            L3Error::FileReadFail(_) => ErrorCode::FileReadFail,
+            L3Error::FileOpenFail(_) => ErrorCode::FileOpenFail,
+            L3Error::UnableOffload => ErrorCode::UnableOffload,
+            L3Error::UnableOffloading => ErrorCode::UnableOffloading,
+            L3Error::RpcFail(_) => ErrorCode::RpcFail,
+            L3Error::Unavailable(_) => ErrorCode::UnavailableInCurrentStatus,
+            L3Error::Internal(_) => ErrorCode::InternalError,
+        }
+    }
+
+    /// Mooncake's numeric code (e.g. -704).
+    pub fn code_i32(&self) -> i32 {
+        self.code().as_i32()
+    }
+}
+
+/// Result alias used across the crate.
+pub type L3Result<T> = Result<T, L3Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_match_mooncake() {
+        assert_eq!(L3Error::ObjectNotFound.code_i32(), -704);
+        assert_eq!(L3Error::ObjectAlreadyExists.code_i32(), -705);
+        assert_eq!(L3Error::ObjectHasLease.code_i32(), -706);
+        assert_eq!(L3Error::LeaseExpired.code_i32(), -707);
+        assert_eq!(L3Error::NoAvailableHandle { needed: 1 }.code_i32(), -200);
+        assert_eq!(L3Error::InvalidParams(String::new()).code_i32(), -600);
+        assert_eq!(ErrorCode::KeysExceedBucketLimit.as_i32(), -1202);
+    }
+}

@@ -1,0 +1,320 @@
+//! Promotion of SSD-only objects to DRAM, triggered by `exist` with `prefetch_to_memory`
+//! (seed 000: "Prefetch SSD-Only Objects to DRAM on Exist").
+//!
+//! Why: an engine probes L3 a little before it reads; promoting SSD-only keys during the
+//! probe turns the later `get` into a DRAM hit. The review of seed 000 named three bugs this
+//! module is built not to have:
+//! 1. A failed registration left the throttle entry stuck "triggered" until its TTL: here any
+//!    failure other than DRAM pressure *removes* the entry and wakes waiters at once.
+//! 2. The dedup TTL erased entries that were still in flight: here only terminal entries
+//!    (completed / failed) are ever purged; triggered and in-flight ones never expire.
+//! 3. `get` polled the master every millisecond while waiting: here a waiter blocks on the
+//!    entry's condition variable (no polling) for at most `ssd_get_wait`.
+//!
+//! How: a bounded queue feeds a fixed pool of worker threads. Each key has at most one
+//! throttle entry; DRAM pressure (a promotion that would cross the high watermark) starts a
+//! cool-down during which no new promotion is queued.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::clock::{Clock, ms};
+use crate::config::PromotionConfig;
+use crate::error::{L3Error, L3Result};
+use crate::types::Tenant;
+
+type Key = (Tenant, String);
+
+/// The work a promotion does (read SSD, verify, register a memory replica).
+pub type PromoteFn = Arc<dyn Fn(&Tenant, &str) -> L3Result<()> + Send + Sync>;
+
+/// State of one key in the throttle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromotionState {
+    /// Queued, not started.
+    Triggered,
+    /// A worker is promoting it.
+    InFlight,
+    /// Promoted (terminal).
+    Completed,
+    /// Failed under DRAM pressure (terminal; retried after the dedup TTL).
+    Failed,
+}
+
+impl PromotionState {
+    fn terminal(self) -> bool {
+        matches!(self, PromotionState::Completed | PromotionState::Failed)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Signal {
+    done: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Signal {
+    fn fire(&self) {
+        *self.done.lock() = true;
+        self.cv.notify_all();
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    state: PromotionState,
+    since_ms: u64,
+    signal: Arc<Signal>,
+}
+
+#[derive(Debug, Default)]
+struct Throttle {
+    entries: HashMap<Key, Entry>,
+    cooldown_until_ms: u64,
+}
+
+/// What happened to one trigger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TriggerOutcome {
+    /// Queued for a worker.
+    Queued,
+    /// An entry exists (in flight, or finished within the dedup TTL).
+    Deduplicated,
+    /// DRAM pressure cool-down is active.
+    CoolingDown,
+    /// The bounded queue is full.
+    QueueFull,
+}
+
+/// Counters of the promoter.
+#[derive(Debug, Default)]
+pub struct PromotionCounters {
+    /// Promotions queued.
+    pub queued: AtomicU64,
+    /// Promotions completed.
+    pub completed: AtomicU64,
+    /// Promotions failed (any reason).
+    pub failed: AtomicU64,
+    /// Triggers skipped (dedup, cool-down, queue full).
+    pub skipped: AtomicU64,
+}
+
+struct Inner {
+    cfg: PromotionConfig,
+    clock: Arc<Clock>,
+    throttle: Mutex<Throttle>,
+    counters: PromotionCounters,
+}
+
+/// The promoter: throttle plus bounded worker pool.
+pub struct Promoter {
+    inner: Arc<Inner>,
+    tx: Mutex<Option<SyncSender<Key>>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Promoter {
+    /// Starts `cfg.workers` threads running `work`.
+    pub fn start(cfg: PromotionConfig, clock: Arc<Clock>, work: PromoteFn) -> L3Result<Self> {
+        let (tx, rx) = sync_channel::<Key>(cfg.queue_len);
+        let rx = Arc::new(Mutex::new(rx));
+        let inner = Arc::new(Inner {
+            cfg,
+            clock,
+            throttle: Mutex::new(Throttle::default()),
+            counters: PromotionCounters::default(),
+        });
+        let mut workers = Vec::new();
+        for i in 0..inner.cfg.workers {
+            let inner = inner.clone();
+            let rx = rx.clone();
+            let work = work.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("kvtier-l3-promote-{i}"))
+                .spawn(move || worker_loop(inner, rx, work))
+                .map_err(|e| L3Error::Internal(format!("spawn promoter: {e}")))?;
+            workers.push(h);
+        }
+        Ok(Promoter {
+            inner,
+            tx: Mutex::new(Some(tx)),
+            workers: Mutex::new(workers),
+        })
+    }
+
+    /// Counters.
+    pub fn counters(&self) -> &PromotionCounters {
+        &self.inner.counters
+    }
+
+    /// Starts a DRAM-pressure cool-down.
+    pub fn note_pressure(&self) {
+        let until = self.inner.clock.now_ms() + ms(self.inner.cfg.pressure_cooldown);
+        let mut th = self.inner.throttle.lock();
+        th.cooldown_until_ms = th.cooldown_until_ms.max(until);
+    }
+
+    /// Triggers promotions of the given SSD-only keys (one throttle pass for the batch).
+    pub fn trigger_many(&self, keys: Vec<Key>) -> Vec<TriggerOutcome> {
+        let now = self.inner.clock.now_ms();
+        let ttl = ms(self.inner.cfg.dedup_ttl);
+        let tx = self.tx.lock().clone();
+        let mut out = Vec::with_capacity(keys.len());
+        let mut th = self.inner.throttle.lock();
+        // Purge only *terminal* entries past the TTL: in-flight ones never expire.
+        th.entries
+            .retain(|_, e| !(e.state.terminal() && now.saturating_sub(e.since_ms) > ttl));
+        let cooling = th.cooldown_until_ms > now;
+        for k in keys {
+            if th.entries.contains_key(&k) {
+                out.push(TriggerOutcome::Deduplicated);
+                continue;
+            }
+            if cooling {
+                out.push(TriggerOutcome::CoolingDown);
+                continue;
+            }
+            let Some(tx) = &tx else {
+                out.push(TriggerOutcome::QueueFull);
+                continue;
+            };
+            th.entries.insert(
+                k.clone(),
+                Entry {
+                    state: PromotionState::Triggered,
+                    since_ms: now,
+                    signal: Arc::new(Signal::default()),
+                },
+            );
+            match tx.try_send(k) {
+                Ok(()) => out.push(TriggerOutcome::Queued),
+                Err(TrySendError::Full(k)) | Err(TrySendError::Disconnected(k)) => {
+                    // Nothing will run it: release the entry so a later probe may retry.
+                    if let Some(e) = th.entries.remove(&k) {
+                        e.signal.fire();
+                    }
+                    out.push(TriggerOutcome::QueueFull);
+                }
+            }
+        }
+        let c = &self.inner.counters;
+        for o in &out {
+            match o {
+                TriggerOutcome::Queued => c.queued.fetch_add(1, Ordering::Relaxed),
+                _ => c.skipped.fetch_add(1, Ordering::Relaxed),
+            };
+        }
+        out
+    }
+
+    /// Throttle state of a key (tests, metrics).
+    pub fn state(&self, t: &Tenant, key: &str) -> Option<PromotionState> {
+        let k = (t.clone(), key.to_string());
+        self.inner.throttle.lock().entries.get(&k).map(|e| e.state)
+    }
+
+    /// Number of throttle entries (tests).
+    pub fn entries(&self) -> usize {
+        self.inner.throttle.lock().entries.len()
+    }
+
+    /// If a promotion of the key is queued or in flight, blocks on its notification for at
+    /// most `ssd_get_wait`. Returns true if it waited and the promotion finished.
+    pub fn wait_in_flight(&self, t: &Tenant, key: &str) -> bool {
+        let k = (t.clone(), key.to_string());
+        let signal = {
+            let th = self.inner.throttle.lock();
+            match th.entries.get(&k) {
+                Some(e) if !e.state.terminal() => e.signal.clone(),
+                _ => return false,
+            }
+        };
+        let mut done = signal.done.lock();
+        if !*done {
+            let _ = signal.cv.wait_for(&mut done, self.inner.cfg.ssd_get_wait);
+        }
+        *done
+    }
+
+    /// Configured wait.
+    pub fn ssd_get_wait(&self) -> Duration {
+        self.inner.cfg.ssd_get_wait
+    }
+
+    /// Stops the workers after the queue drains.
+    pub fn shutdown(&self) {
+        drop(self.tx.lock().take());
+        let ws: Vec<JoinHandle<()>> = std::mem::take(&mut *self.workers.lock());
+        for w in ws {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Drop for Promoter {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn worker_loop(inner: Arc<Inner>, rx: Arc<Mutex<Receiver<Key>>>, work: PromoteFn) {
+    loop {
+        let k = {
+            let rx = rx.lock();
+            match rx.recv() {
+                Ok(k) => k,
+                Err(_) => return,
+            }
+        };
+        {
+            let mut th = inner.throttle.lock();
+            match th.entries.get_mut(&k) {
+                Some(e) => {
+                    e.state = PromotionState::InFlight;
+                    e.since_ms = inner.clock.now_ms();
+                }
+                None => continue,
+            }
+        }
+        let res = work(&k.0, &k.1);
+        let now = inner.clock.now_ms();
+        let mut th = inner.throttle.lock();
+        let signal = match &res {
+            Ok(()) => {
+                inner.counters.completed.fetch_add(1, Ordering::Relaxed);
+                th.entries.get_mut(&k).map(|e| {
+                    e.state = PromotionState::Completed;
+                    e.since_ms = now;
+                    e.signal.clone()
+                })
+            }
+            Err(L3Error::NoAvailableHandle { .. }) => {
+                inner.counters.failed.fetch_add(1, Ordering::Relaxed);
+                th.cooldown_until_ms = th
+                    .cooldown_until_ms
+                    .max(now + ms(inner.cfg.pressure_cooldown));
+                th.entries.get_mut(&k).map(|e| {
+                    e.state = PromotionState::Failed;
+                    e.since_ms = now;
+                    e.signal.clone()
+                })
+            }
+            Err(_) => {
+                // Failed registration (object gone, corrupt copy, ...): release the key's
+                // throttle state at once so neither retries nor waiters are held up.
+                inner.counters.failed.fetch_add(1, Ordering::Relaxed);
+                th.entries.remove(&k).map(|e| e.signal)
+            }
+        };
+        drop(th);
+        if let Some(s) = signal {
+            s.fire();
+        }
+    }
+}

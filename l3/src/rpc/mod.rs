@@ -1,0 +1,5 @@
+//! The tarpc service: wire types, server and client. See [`service`].
+
+pub mod client;
+pub mod server;
+pub mod service;

@@ -1,0 +1,166 @@
+//! Memory segments: capacity accounting and the bytes of memory replicas.
+//!
+//! Why: in Mooncake a client *mounts* a segment (a region of its DRAM) and the master hands
+//! out allocations inside it; the bytes live in the segment, the metadata in the master.
+//! We keep that split: [`Segments`] knows capacities, owners and the allocation → bytes map;
+//! the master only stores `(segment, alloc)` pairs. A [`crate::QueryResult`] names an
+//! allocation, so a read that reuses a query result goes straight to the bytes here without
+//! another key lookup.
+//!
+//! Invariant: `used` of a segment is the sum of `size` of its allocations (written or not).
+//! Bytes are `Arc<[u8]>` so a reader copies them out *after* the metadata lock is released.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use crate::error::{L3Error, L3Result};
+use crate::types::{ClientId, SegmentId};
+
+/// One mounted segment.
+#[derive(Debug, Clone)]
+pub struct SegmentInfo {
+    /// Client that mounted it (its liveness decides the segment's fate).
+    pub owner: ClientId,
+    /// Capacity in bytes.
+    pub capacity: u64,
+    /// Bytes allocated.
+    pub used: u64,
+}
+
+/// One allocation inside a segment.
+#[derive(Debug, Clone)]
+pub struct Alloc {
+    /// Segment holding it.
+    pub segment: SegmentId,
+    /// Size in bytes.
+    pub size: u64,
+    /// The bytes, once written (None between PutStart and the write).
+    pub data: Option<Arc<[u8]>>,
+}
+
+/// All segments and allocations.
+#[derive(Debug, Default)]
+pub struct Segments {
+    segs: BTreeMap<SegmentId, SegmentInfo>,
+    allocs: HashMap<u64, Alloc>,
+    next_alloc: u64,
+}
+
+impl Segments {
+    /// Mounts a segment; -102 if the id is taken.
+    pub fn mount(&mut self, id: SegmentId, owner: ClientId, capacity: u64) -> L3Result<()> {
+        if capacity == 0 {
+            return Err(L3Error::InvalidParams(
+                "segment capacity must be > 0".into(),
+            ));
+        }
+        if self.segs.contains_key(&id) {
+            return Err(L3Error::SegmentAlreadyExists);
+        }
+        self.segs.insert(
+            id,
+            SegmentInfo {
+                owner,
+                capacity,
+                used: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// Removes a segment and returns the allocation ids it held (the master drops those replicas).
+    pub fn unmount(&mut self, id: SegmentId) -> L3Result<Vec<u64>> {
+        if self.segs.remove(&id).is_none() {
+            return Err(L3Error::SegmentNotFound);
+        }
+        let gone: Vec<u64> = self
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.segment == id)
+            .map(|(&k, _)| k)
+            .collect();
+        for k in &gone {
+            self.allocs.remove(k);
+        }
+        Ok(gone)
+    }
+
+    /// Segment info.
+    pub fn get(&self, id: SegmentId) -> Option<&SegmentInfo> {
+        self.segs.get(&id)
+    }
+
+    /// Segments owned by a client.
+    pub fn owned_by(&self, owner: ClientId) -> Vec<SegmentId> {
+        self.segs
+            .iter()
+            .filter(|(_, s)| s.owner == owner)
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    /// Total capacity of all segments.
+    pub fn capacity(&self) -> u64 {
+        self.segs.values().map(|s| s.capacity).sum()
+    }
+
+    /// Total bytes allocated.
+    pub fn used(&self) -> u64 {
+        self.segs.values().map(|s| s.used).sum()
+    }
+
+    /// Allocates `size` bytes in the segment with the most free space that fits.
+    pub fn allocate(&mut self, size: u64) -> Option<(SegmentId, u64)> {
+        let (&sid, _) = self
+            .segs
+            .iter()
+            .filter(|(_, s)| s.capacity - s.used >= size)
+            .max_by_key(|(_, s)| s.capacity - s.used)?;
+        let seg = self.segs.get_mut(&sid)?;
+        seg.used += size;
+        self.next_alloc += 1;
+        let id = self.next_alloc;
+        self.allocs.insert(
+            id,
+            Alloc {
+                segment: sid,
+                size,
+                data: None,
+            },
+        );
+        Some((sid, id))
+    }
+
+    /// Frees an allocation (no-op if already gone).
+    pub fn free(&mut self, alloc: u64) {
+        if let Some(a) = self.allocs.remove(&alloc)
+            && let Some(s) = self.segs.get_mut(&a.segment)
+        {
+            s.used = s.used.saturating_sub(a.size);
+        }
+    }
+
+    /// Stores the bytes of an allocation. The length must equal the allocation's size.
+    pub fn write(&mut self, alloc: u64, data: Arc<[u8]>) -> L3Result<()> {
+        let a = self.allocs.get_mut(&alloc).ok_or(L3Error::ObjectNotFound)?;
+        if data.len() as u64 != a.size {
+            return Err(L3Error::InvalidParams(format!(
+                "write of {} bytes into a {}-byte allocation",
+                data.len(),
+                a.size
+            )));
+        }
+        a.data = Some(data);
+        Ok(())
+    }
+
+    /// Bytes of an allocation, if written.
+    pub fn data(&self, alloc: u64) -> Option<Arc<[u8]>> {
+        self.allocs.get(&alloc).and_then(|a| a.data.clone())
+    }
+
+    /// Whether the allocation exists and has been written.
+    pub fn is_written(&self, alloc: u64) -> bool {
+        self.allocs.get(&alloc).is_some_and(|a| a.data.is_some())
+    }
+}

@@ -1,0 +1,164 @@
+//! Plain data types shared by the master, the SSD tier, the embedded store and the wire.
+//!
+//! Why: the embedded store and the tarpc service must speak exactly the same vocabulary
+//! (replica descriptors, query results with lease deadlines, exist options), so they live
+//! here once, serde-serialisable, with validation of everything a caller can send.
+//!
+//! Invariant kept here: a [`Tenant`] and an object key are validated once at the boundary
+//! ([`Tenant::new`], [`validate_key`]); the rest of the crate may assume they are well formed.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{L3Error, L3Result};
+
+/// Longest key accepted (bytes).
+pub const MAX_KEY_LEN: usize = 4096;
+/// Longest tenant name accepted (bytes).
+pub const MAX_TENANT_LEN: usize = 256;
+
+/// A tenant namespace. Keys of different tenants never meet: every map in the master is
+/// indexed by tenant first, so no operation can name another tenant's key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Tenant(String);
+
+impl Tenant {
+    /// Validates and wraps a tenant name (non-empty, ≤ 256 bytes, no NUL / '/').
+    pub fn new(name: impl Into<String>) -> L3Result<Self> {
+        let name = name.into();
+        if name.is_empty() || name.len() > MAX_TENANT_LEN || name.contains(['\0', '/']) {
+            return Err(L3Error::InvalidParams(format!(
+                "tenant must be 1..={MAX_TENANT_LEN} bytes without NUL or '/'"
+            )));
+        }
+        Ok(Tenant(name))
+    }
+
+    /// The tenant's name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Checks an object key: non-empty, ≤ [`MAX_KEY_LEN`] bytes, no NUL.
+pub fn validate_key(key: &str) -> L3Result<()> {
+    if key.is_empty() || key.len() > MAX_KEY_LEN || key.contains('\0') {
+        return Err(L3Error::InvalidKey(format!(
+            "key must be 1..={MAX_KEY_LEN} bytes without NUL"
+        )));
+    }
+    Ok(())
+}
+
+/// Identifier of a client (a process that mounts segments and pings the master).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ClientId(pub u64);
+
+/// Identifier of a mounted memory segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SegmentId(pub u64);
+
+/// Where one copy of an object lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReplicaDescriptor {
+    /// A DRAM copy in a memory segment; `alloc` names the allocation inside the segment.
+    Memory {
+        /// Segment holding the bytes.
+        segment: SegmentId,
+        /// Allocation id inside the segment (unique for the store's lifetime).
+        alloc: u64,
+        /// Object size in bytes.
+        size: u64,
+    },
+    /// An SSD copy in a bucket file of a store node.
+    Disk {
+        /// Bucket id (file name) on the node.
+        bucket: u64,
+        /// Byte offset of the payload inside the bucket file.
+        offset: u64,
+        /// Object size in bytes.
+        size: u64,
+        /// CRC32C of the payload.
+        crc: u32,
+    },
+}
+
+/// Result of `GetReplicaList` / `BatchQuery`: replica descriptors plus the lease they hold.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueryResult {
+    /// The key queried.
+    pub key: String,
+    /// Object size in bytes.
+    pub size: u64,
+    /// Replicas, memory ones first.
+    pub replicas: Vec<ReplicaDescriptor>,
+    /// Lease deadline in milliseconds on the store's monotonic clock ([`crate::clock`]).
+    /// The descriptors may be used without another metadata lookup until then.
+    pub lease_deadline_ms: u64,
+}
+
+/// Options of `ExistKey` / `BatchExistKey`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExistOptions {
+    /// Promote SSD-only keys to DRAM asynchronously (seed 000).
+    pub prefetch_to_memory: bool,
+}
+
+/// Options of a put.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutOptions {
+    /// Soft-pin the object: evicted last, until the pin's TTL passes.
+    pub soft_pin: bool,
+    /// Wait until the SSD copy is durable before returning (only with an SSD tier in
+    /// write-through mode). Returning `Ok` then means "acknowledged as persisted".
+    pub wait_persisted: bool,
+}
+
+/// What `PutStart` hands back: the writer's token and where to write.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutHandle {
+    /// Tenant of the key.
+    pub tenant: Tenant,
+    /// The key.
+    pub key: String,
+    /// Object size in bytes.
+    pub size: u64,
+    /// Put token: `PutEnd`/`PutRevoke` must present it (a revoked writer cannot end a newer put).
+    pub token: u64,
+    /// The memory replica to write.
+    pub replica: ReplicaDescriptor,
+}
+
+/// What `Ping` answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClientStatus {
+    /// Alive and known.
+    Ok,
+    /// Unknown or declared dead: the client must remount its segments.
+    NeedRemount,
+}
+
+/// Which tier served a read (for metrics and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Tier {
+    /// DRAM segment.
+    Memory,
+    /// SSD bucket.
+    Disk,
+}
+
+/// Summary numbers of a store (for metrics, tests and benches).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreStats {
+    /// Objects (complete) known to the master.
+    pub objects: u64,
+    /// Objects with a memory replica.
+    pub mem_objects: u64,
+    /// Bytes used in memory segments (including pending puts).
+    pub mem_used_bytes: u64,
+    /// Total capacity of mounted segments.
+    pub mem_capacity_bytes: u64,
+    /// Objects with a disk replica.
+    pub disk_objects: u64,
+    /// Bytes in live SSD bucket files.
+    pub disk_used_bytes: u64,
+}

@@ -1,0 +1,396 @@
+//! Embedded store semantics: two-phase put, first writer wins, put timeout, leases (-706,
+//! -707), eviction order and watermarks, soft pins, tenant isolation, client liveness.
+
+use std::time::Duration;
+
+use kvtier_l3::{
+    ClientId, ClientStatus, EmbeddedStore, ExistOptions, L3Error, L3Store, PutOptions, SegmentId,
+    StoreConfig, Tenant,
+};
+
+fn t(name: &str) -> Tenant {
+    Tenant::new(name).unwrap()
+}
+
+fn store(seg: u64) -> EmbeddedStore {
+    EmbeddedStore::new(StoreConfig {
+        local_segment_bytes: seg,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn keys(n: usize, p: &str) -> Vec<String> {
+    (0..n).map(|i| format!("{p}{i}")).collect()
+}
+
+#[test]
+fn two_phase_put_and_revoke() {
+    let s = store(1 << 20);
+    let a = t("a");
+    let h = s.put_start(&a, "k", 4).unwrap();
+    // Pending: not visible, second writer loses.
+    assert!(!s.is_exist(&a, "k").unwrap());
+    assert_eq!(s.put_start(&a, "k", 4).unwrap_err().code_i32(), -705);
+    assert_eq!(s.get(&a, "k").unwrap_err(), L3Error::ReplicaIsNotReady);
+    // PutEnd before the write: not ready.
+    assert_eq!(
+        s.put_end(&h, PutOptions::default()).unwrap_err().code_i32(),
+        -703
+    );
+    s.put_write(&h, b"abcd").unwrap();
+    s.put_end(&h, PutOptions::default()).unwrap();
+    assert_eq!(s.get(&a, "k").unwrap(), b"abcd");
+    assert_eq!(s.get_size(&a, "k").unwrap(), 4);
+    // First writer wins over a completed object.
+    assert_eq!(
+        s.put(&a, "k", b"zzzz", PutOptions::default())
+            .unwrap_err()
+            .code_i32(),
+        -705
+    );
+    assert_eq!(s.get(&a, "k").unwrap(), b"abcd");
+    // Revoke frees the key.
+    let h2 = s.put_start(&a, "r", 3).unwrap();
+    s.put_revoke(&h2).unwrap();
+    assert_eq!(s.get(&a, "r").unwrap_err().code_i32(), -704);
+    assert_eq!(s.stats().unwrap().mem_used_bytes, 4);
+    // A revoked handle can no longer end anything.
+    assert!(s.put_end(&h2, PutOptions::default()).is_err());
+}
+
+#[test]
+fn half_done_put_is_revoked_after_timeout_and_old_token_is_refused() {
+    let s = store(1 << 20);
+    let a = t("a");
+    let stale = s.put_start(&a, "k", 2).unwrap();
+    s.clock().advance(Duration::from_secs(31));
+    // A new writer takes over the key; the stale writer can no longer end it.
+    let fresh = s.put_start(&a, "k", 2).unwrap();
+    assert_eq!(s.put_write(&stale, b"xx").unwrap_err().code_i32(), -601);
+    s.put_write(&fresh, b"ok").unwrap();
+    assert_eq!(
+        s.put_end(&stale, PutOptions::default())
+            .unwrap_err()
+            .code_i32(),
+        -601
+    );
+    s.put_end(&fresh, PutOptions::default()).unwrap();
+    assert_eq!(s.get(&a, "k").unwrap(), b"ok");
+    // The sweeper also revokes abandoned puts on its own.
+    let _h = s.put_start(&a, "abandoned", 8).unwrap();
+    s.clock().advance(Duration::from_secs(31));
+    let (revoked, _) = s.sweep_now();
+    assert_eq!(revoked, 1);
+    assert_eq!(s.stats().unwrap().mem_used_bytes, 2);
+}
+
+#[test]
+fn batch_put_forms() {
+    let s = store(1 << 20);
+    let a = t("a");
+    let ks = keys(3, "b");
+    let hs: Vec<_> = s
+        .batch_put_start(&a, &ks, &[1, 2, 3])
+        .unwrap()
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    for (i, h) in hs.iter().enumerate() {
+        s.put_write(h, &vec![i as u8; i + 1]).unwrap();
+    }
+    let r = s.batch_put_end(&hs[..2], PutOptions::default()).unwrap();
+    assert!(r.iter().all(Result::is_ok));
+    assert!(s.batch_put_revoke(&hs[2..]).unwrap()[0].is_ok());
+    let ex = s.batch_is_exist(&a, &ks).unwrap();
+    assert_eq!(
+        ex.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+        vec![true, true, false]
+    );
+    assert_eq!(
+        s.batch_put_start(&a, &ks, &[1]).unwrap_err().code_i32(),
+        -600
+    );
+}
+
+#[test]
+fn leases_block_remove_unless_forced_and_probes_take_none() {
+    let s = store(1 << 20);
+    let a = t("a");
+    s.put(&a, "k", b"v", PutOptions::default()).unwrap();
+    // Probes take no lease.
+    for _ in 0..100 {
+        assert!(s.exist_key(&a, "k", ExistOptions::default()).unwrap());
+    }
+    assert!(!s.is_leased(&a, "k"));
+    s.get(&a, "k").unwrap();
+    assert!(s.is_leased(&a, "k"));
+    assert_eq!(
+        s.remove(&a, "k", false).unwrap_err(),
+        L3Error::ObjectHasLease
+    );
+    assert_eq!(L3Error::ObjectHasLease.code_i32(), -706);
+    // Default lease is 10 s.
+    s.clock().advance(Duration::from_millis(9_900));
+    assert!(s.is_leased(&a, "k"));
+    s.clock().advance(Duration::from_millis(200));
+    s.remove(&a, "k", false).unwrap();
+    // Forced removal ignores the lease.
+    s.put(&a, "f", b"v", PutOptions::default()).unwrap();
+    s.get(&a, "f").unwrap();
+    s.remove(&a, "f", true).unwrap();
+    assert_eq!(s.remove(&a, "f", true).unwrap_err().code_i32(), -704);
+}
+
+#[test]
+fn batch_query_then_get_reuses_results_and_rejects_expired_per_key() {
+    let s = store(1 << 20);
+    let a = t("a");
+    let ks = keys(4, "q");
+    for k in &ks {
+        s.put(&a, k, k.as_bytes(), PutOptions::default()).unwrap();
+    }
+    let qs: Vec<_> = s
+        .batch_query(&a, &ks)
+        .unwrap()
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(
+        qs.iter()
+            .all(|q| q.lease_deadline_ms >= 10_000 && !q.replicas.is_empty())
+    );
+    let mut data = vec![0u8; 4 * 8];
+    let mut bufs: Vec<&mut [u8]> = data.chunks_mut(8).collect();
+    let r = s.batch_get_with_query(&a, &qs, &mut bufs).unwrap();
+    for (i, x) in r.iter().enumerate() {
+        assert_eq!(*x.as_ref().unwrap(), ks[i].len() as u64);
+        assert_eq!(&bufs[i][..ks[i].len()], ks[i].as_bytes());
+    }
+    // Re-query one key after the others' leases expire: only that one is served.
+    s.clock().advance(Duration::from_secs(6));
+    let fresh = s
+        .batch_query(&a, &ks[1..2])
+        .unwrap()
+        .pop()
+        .unwrap()
+        .unwrap();
+    s.clock().advance(Duration::from_secs(5));
+    let mut mixed = qs.clone();
+    mixed[1] = fresh;
+    let r = s.batch_get_with_query(&a, &mixed, &mut bufs).unwrap();
+    assert_eq!(r[0], Err(L3Error::LeaseExpired));
+    assert_eq!(r[0].as_ref().unwrap_err().code_i32(), -707);
+    assert_eq!(r[1], Ok(2));
+    assert_eq!(r[2], Err(L3Error::LeaseExpired));
+    // Another tenant replaying these query results gets misses, never bytes.
+    let qs2: Vec<_> = s
+        .batch_query(&a, &ks)
+        .unwrap()
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let r = s.batch_get_with_query(&t("b"), &qs2, &mut bufs).unwrap();
+    assert!(r.iter().all(|x| *x == Err(L3Error::ObjectNotFound)));
+}
+
+#[test]
+fn eviction_watermark_lru_leases_and_pins() {
+    // 100 objects of 1 KiB fill 100 KiB; high watermark 0.90 → eviction past 90 KiB.
+    let s = store(100 * 1024);
+    let a = t("a");
+    let obj = vec![1u8; 1024];
+    for i in 0..90 {
+        let pin = PutOptions {
+            soft_pin: i < 5,
+            ..Default::default()
+        };
+        s.put(&a, &format!("k{i}"), &obj, pin).unwrap();
+    }
+    assert_eq!(s.stats().unwrap().mem_objects, 90);
+    // Lease k5..k9 (the oldest unpinned) and touch k10 so it is recent.
+    for i in 5..10 {
+        s.get(&a, &format!("k{i}")).unwrap();
+    }
+    s.put(&a, "k90", &obj, PutOptions::default()).unwrap();
+    let st = s.stats().unwrap();
+    // Passing 90% evicts 5% of capacity (5 KiB = 5 objects).
+    assert_eq!(st.mem_objects, 86, "{st:?}");
+    for i in 0..10 {
+        assert!(
+            s.is_exist(&a, &format!("k{i}")).unwrap(),
+            "pinned or leased k{i} evicted"
+        );
+    }
+    for i in 10..15 {
+        assert!(
+            !s.is_exist(&a, &format!("k{i}")).unwrap(),
+            "k{i} should be LRU victim"
+        );
+    }
+    assert!(st.mem_used_bytes <= 90 * 1024);
+    // Leases expire; pins hold: next victims are unpinned ones before pinned.
+    s.clock().advance(Duration::from_secs(11));
+    for i in 91..96 {
+        s.put(&a, &format!("k{i}"), &obj, PutOptions::default())
+            .unwrap();
+    }
+    for i in 0..5 {
+        assert!(
+            s.is_exist(&a, &format!("k{i}")).unwrap(),
+            "pinned k{i} evicted early"
+        );
+    }
+}
+
+#[test]
+fn no_space_when_everything_is_leased() {
+    let s = store(10 * 1024);
+    let a = t("a");
+    for i in 0..9 {
+        s.put(&a, &format!("k{i}"), &[0u8; 1024], PutOptions::default())
+            .unwrap();
+        s.get(&a, &format!("k{i}")).unwrap();
+    }
+    let e = s
+        .put(&a, "big", &[0u8; 2048], PutOptions::default())
+        .unwrap_err();
+    assert_eq!(e.code_i32(), -200);
+    assert_eq!(s.stats().unwrap().mem_objects, 9);
+    assert_eq!(
+        s.put(&a, "huge", &vec![0u8; 20 * 1024], PutOptions::default())
+            .unwrap_err()
+            .code_i32(),
+        -200
+    );
+}
+
+#[test]
+fn tenants_are_isolated() {
+    let s = store(1 << 20);
+    let (a, b) = (t("a"), t("b"));
+    s.put(&a, "k", b"secret", PutOptions::default()).unwrap();
+    assert!(!s.is_exist(&b, "k").unwrap());
+    assert_eq!(s.get(&b, "k").unwrap_err().code_i32(), -704);
+    assert_eq!(s.get_size(&b, "k").unwrap_err().code_i32(), -704);
+    assert_eq!(s.remove(&b, "k", true).unwrap_err().code_i32(), -704);
+    assert_eq!(s.remove_all(&b, true).unwrap(), 0);
+    assert!(s.get_replica_list(&b, "k").is_err());
+    // b may write its own "k" independently.
+    s.put(&b, "k", b"other", PutOptions::default()).unwrap();
+    assert_eq!(s.get(&a, "k").unwrap(), b"secret");
+    // a's "k" was just read, so it is leased: RemoveAll skips it unless forced.
+    assert_eq!(s.remove_all(&a, false).unwrap(), 0);
+    assert_eq!(s.remove_all(&a, true).unwrap(), 1);
+    assert_eq!(s.get(&b, "k").unwrap(), b"other");
+}
+
+#[test]
+fn bad_input_is_typed_and_leaves_state_untouched() {
+    let s = store(1 << 20);
+    let a = t("a");
+    assert!(Tenant::new("").is_err());
+    assert_eq!(
+        s.put(&a, "", b"x", PutOptions::default())
+            .unwrap_err()
+            .code_i32(),
+        -400
+    );
+    assert_eq!(
+        s.put(&a, "k", b"", PutOptions::default())
+            .unwrap_err()
+            .code_i32(),
+        -600
+    );
+    let mut small = [0u8; 2];
+    s.put(&a, "k", b"abcd", PutOptions::default()).unwrap();
+    assert_eq!(s.get_into(&a, "k", &mut small).unwrap_err().code_i32(), -10);
+    let mut b1 = [0u8; 4];
+    let mut bufs: Vec<&mut [u8]> = vec![&mut b1];
+    assert_eq!(
+        s.batch_get_into(&a, &keys(2, "x"), &mut bufs)
+            .unwrap_err()
+            .code_i32(),
+        -600
+    );
+    let big = EmbeddedStore::new(StoreConfig {
+        max_batch_keys: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(
+        big.batch_is_exist(&a, &keys(3, "x"))
+            .unwrap_err()
+            .code_i32(),
+        -600
+    );
+    assert!(
+        EmbeddedStore::new(StoreConfig {
+            high_watermark: 1.5,
+            ..Default::default()
+        })
+        .is_err()
+    );
+    assert_eq!(s.stats().unwrap().objects, 1);
+}
+
+#[test]
+fn dead_client_loses_memory_replicas() {
+    let s = store(0);
+    let a = t("a");
+    let c = ClientId(7);
+    s.mount_segment(c, SegmentId(7), 1 << 20).unwrap();
+    assert_eq!(
+        s.mount_segment(c, SegmentId(7), 1 << 20)
+            .unwrap_err()
+            .code_i32(),
+        -102
+    );
+    s.put(&a, "k", b"v", PutOptions::default()).unwrap();
+    s.clock().advance(Duration::from_secs(5));
+    assert_eq!(s.ping(c).unwrap(), ClientStatus::Ok);
+    s.clock().advance(Duration::from_secs(8));
+    s.sweep_now();
+    assert!(s.is_exist(&a, "k").unwrap(), "pinged within ttl");
+    s.clock().advance(Duration::from_secs(11));
+    let (_, dead) = s.sweep_now();
+    assert_eq!(dead, 1);
+    assert!(!s.is_exist(&a, "k").unwrap());
+    assert_eq!(s.ping(c).unwrap(), ClientStatus::NeedRemount);
+    assert_eq!(
+        s.put(&a, "k2", b"v", PutOptions::default())
+            .unwrap_err()
+            .code_i32(),
+        -200
+    );
+    s.mount_segment(c, SegmentId(8), 1 << 20).unwrap();
+    s.put(&a, "k2", b"v", PutOptions::default()).unwrap();
+    s.unmount_segment(c, SegmentId(8)).unwrap();
+    assert!(!s.is_exist(&a, "k2").unwrap());
+}
+
+#[test]
+fn batch_get_into_large_parallel_copy() {
+    let s = store(256 << 20);
+    let a = t("a");
+    let ks = keys(256, "big");
+    let objs: Vec<Vec<u8>> = (0..256).map(|i| vec![i as u8; 64 * 1024]).collect();
+    let refs: Vec<&[u8]> = objs.iter().map(|v| v.as_slice()).collect();
+    assert!(
+        s.batch_put_from(&a, &ks, &refs, PutOptions::default())
+            .unwrap()
+            .iter()
+            .all(Result::is_ok)
+    );
+    let mut data = vec![0u8; 256 * 64 * 1024];
+    let mut bufs: Vec<&mut [u8]> = data.chunks_mut(64 * 1024).collect();
+    let r = s.batch_get_into(&a, &ks, &mut bufs).unwrap();
+    assert!(r.iter().all(|x| *x == Ok(65536)));
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(b.iter().all(|&x| x == i as u8));
+    }
+    assert!(
+        s.render_metrics()
+            .contains("kvtier_l3_hits_total{tier=\"memory\"} 256")
+    );
+}
