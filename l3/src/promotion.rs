@@ -318,3 +318,149 @@ fn worker_loop(inner: Arc<Inner>, rx: Arc<Mutex<Receiver<Key>>>, work: PromoteFn
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Seed 000's review cases, on the real promoter with a controllable work function.
+    use super::*;
+    use std::sync::mpsc::{Receiver, channel};
+    use std::time::Instant;
+
+    fn key(k: &str) -> Key {
+        (Tenant::new("t").unwrap(), k.to_string())
+    }
+
+    fn cfg() -> PromotionConfig {
+        PromotionConfig {
+            workers: 1,
+            queue_len: 4,
+            dedup_ttl: Duration::from_millis(100),
+            pressure_cooldown: Duration::from_secs(60),
+            ssd_get_wait: Duration::from_millis(300),
+        }
+    }
+
+    /// A work function that blocks until told what to return.
+    fn gated() -> (PromoteFn, std::sync::mpsc::Sender<L3Result<()>>) {
+        let (tx, rx) = channel::<L3Result<()>>();
+        let rx: Arc<Mutex<Receiver<L3Result<()>>>> = Arc::new(Mutex::new(rx));
+        let f: PromoteFn = Arc::new(move |_t: &Tenant, _k: &str| {
+            rx.lock()
+                .recv()
+                .unwrap_or(Err(L3Error::Internal("closed".into())))
+        });
+        (f, tx)
+    }
+
+    fn wait_state(p: &Promoter, k: &str, s: Option<PromotionState>) {
+        let t = Tenant::new("t").unwrap();
+        let t0 = Instant::now();
+        while p.state(&t, k) != s {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "state never became {s:?}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn failed_registration_releases_throttle_state_and_waiters() {
+        let clock = Arc::new(Clock::new());
+        let (f, gate) = gated();
+        let p = Promoter::start(cfg(), clock, f).unwrap();
+        assert_eq!(p.trigger_many(vec![key("a")]), vec![TriggerOutcome::Queued]);
+        wait_state(&p, "a", Some(PromotionState::InFlight));
+        let t = Tenant::new("t").unwrap();
+        let waiter = std::thread::scope(|s| {
+            let h = s.spawn(|| {
+                let t0 = Instant::now();
+                let woke = p.wait_in_flight(&t, "a");
+                (woke, t0.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            gate.send(Err(L3Error::ObjectNotFound)).unwrap();
+            h.join().unwrap()
+        });
+        assert!(waiter.0, "waiter must be woken by the failure");
+        assert!(
+            waiter.1 < Duration::from_millis(250),
+            "woken by notification, not timeout"
+        );
+        wait_state(&p, "a", None);
+        // Released: a new trigger is accepted at once (no TTL wait).
+        assert_eq!(p.trigger_many(vec![key("a")]), vec![TriggerOutcome::Queued]);
+        gate.send(Ok(())).unwrap();
+        wait_state(&p, "a", Some(PromotionState::Completed));
+    }
+
+    #[test]
+    fn dedup_ttl_never_expires_an_in_flight_promotion() {
+        let clock = Arc::new(Clock::new());
+        let (f, gate) = gated();
+        let p = Promoter::start(cfg(), clock.clone(), f).unwrap();
+        p.trigger_many(vec![key("a")]);
+        wait_state(&p, "a", Some(PromotionState::InFlight));
+        clock.advance(Duration::from_secs(10));
+        assert_eq!(
+            p.trigger_many(vec![key("a")]),
+            vec![TriggerOutcome::Deduplicated]
+        );
+        assert_eq!(
+            p.state(&Tenant::new("t").unwrap(), "a"),
+            Some(PromotionState::InFlight)
+        );
+        gate.send(Ok(())).unwrap();
+        wait_state(&p, "a", Some(PromotionState::Completed));
+        // Terminal entries do expire after the TTL.
+        assert_eq!(
+            p.trigger_many(vec![key("a")]),
+            vec![TriggerOutcome::Deduplicated]
+        );
+        clock.advance(Duration::from_millis(200));
+        assert_eq!(p.trigger_many(vec![key("a")]), vec![TriggerOutcome::Queued]);
+        gate.send(Ok(())).unwrap();
+    }
+
+    #[test]
+    fn dram_pressure_starts_a_cooldown() {
+        let clock = Arc::new(Clock::new());
+        let (f, gate) = gated();
+        let p = Promoter::start(cfg(), clock.clone(), f).unwrap();
+        p.trigger_many(vec![key("a")]);
+        gate.send(Err(L3Error::NoAvailableHandle { needed: 1 }))
+            .unwrap();
+        wait_state(&p, "a", Some(PromotionState::Failed));
+        assert_eq!(
+            p.trigger_many(vec![key("b")]),
+            vec![TriggerOutcome::CoolingDown]
+        );
+        clock.advance(Duration::from_secs(61));
+        assert_eq!(p.trigger_many(vec![key("b")]), vec![TriggerOutcome::Queued]);
+        gate.send(Ok(())).unwrap();
+    }
+
+    #[test]
+    fn get_wait_is_bounded_and_queue_is_bounded() {
+        let clock = Arc::new(Clock::new());
+        let (f, gate) = gated();
+        let mut c = cfg();
+        c.ssd_get_wait = Duration::from_millis(50);
+        let p = Promoter::start(c, clock, f).unwrap();
+        let t = Tenant::new("t").unwrap();
+        // Not in flight: no wait at all.
+        assert!(!p.wait_in_flight(&t, "zzz"));
+        let out = p.trigger_many((0..10).map(|i| key(&format!("k{i}"))).collect());
+        // One worker busy + 4 queued; the rest dropped and released.
+        let queued = out.iter().filter(|o| **o == TriggerOutcome::Queued).count();
+        assert!((4..=5).contains(&queued), "{out:?}");
+        assert!(out.contains(&TriggerOutcome::QueueFull));
+        let t0 = Instant::now();
+        assert!(!p.wait_in_flight(&t, "k0"));
+        let waited = t0.elapsed();
+        assert!(waited >= Duration::from_millis(45) && waited < Duration::from_millis(500));
+        for _ in 0..10 {
+            let _ = gate.send(Ok(()));
+        }
+    }
+}
