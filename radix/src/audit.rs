@@ -33,7 +33,11 @@ impl RadixCache {
                 return Err(format!("node {id:?} has a dangling parent"));
             };
             if pn.end() != n.start as usize {
-                return Err(format!("node {id:?} starts at {} but parent ends at {}", n.start, pn.end()));
+                return Err(format!(
+                    "node {id:?} starts at {} but parent ends at {}",
+                    n.start,
+                    pn.end()
+                ));
             }
             if n.hashes.is_empty() || n.tokens.len() != n.hashes.len() * self.page_size {
                 return Err(format!("node {id:?} has an inconsistent run"));
@@ -109,10 +113,8 @@ impl RadixCache {
                         locked_pages += pages.len();
                     }
                 }
-                let should = id != self.root
-                    && s.pages.is_some()
-                    && s.lock == 0
-                    && s.resident_children == 0;
+                let should =
+                    id != self.root && s.pages.is_some() && s.lock == 0 && s.resident_children == 0;
                 if should {
                     let key = (n.last_access, n.seq, id);
                     if s.evict_key != Some(key) {

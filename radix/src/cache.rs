@@ -683,7 +683,10 @@ impl RadixCache {
     pub fn node_at_depth(&mut self, id: NodeId, depth: usize) -> Result<NodeId, RadixError> {
         let end = self.node(id)?.end();
         if depth > end {
-            return Err(RadixError::OffsetMismatch { expected: end, got: depth });
+            return Err(RadixError::OffsetMismatch {
+                expected: end,
+                got: depth,
+            });
         }
         let mut cur = id;
         loop {
@@ -712,10 +715,7 @@ impl RadixCache {
         if id == self.root {
             return Ok(());
         }
-        self.nodes
-            .get_mut(id)
-            .ok_or(RadixError::UnknownNode)?
-            .in_l3 = stored;
+        self.nodes.get_mut(id).ok_or(RadixError::UnknownNode)?.in_l3 = stored;
         Ok(())
     }
 

@@ -64,20 +64,26 @@ impl fmt::Display for PageHash {
 
 /// Hash of one page given the previous page's digest (`None` for the first page).
 pub fn hash_page(prev: Option<&PageHash>, tokens: &[u32]) -> PageHash {
-    let mut buf = Vec::with_capacity(tokens.len() * 4);
+    let mut buf = Vec::new();
     hash_page_with(prev, tokens, &mut buf)
 }
 
 fn hash_page_with(prev: Option<&PageHash>, tokens: &[u32], buf: &mut Vec<u8>) -> PageHash {
-    buf.clear();
-    for t in tokens {
-        buf.extend_from_slice(&t.to_le_bytes());
-    }
     let mut h = Sha256::new();
     if let Some(p) = prev {
         h.update(p.0);
     }
-    h.update(&buf[..]);
+    if cfg!(target_endian = "little") {
+        // The in-memory bytes of a `u32` slice already are the little-endian encoding: hash
+        // them in place instead of copying (this copy was ~20% of hashing time).
+        h.update(bytemuck::cast_slice::<u32, u8>(tokens));
+    } else {
+        buf.clear();
+        for t in tokens {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        h.update(&buf[..]);
+    }
     PageHash(h.finalize().into())
 }
 
@@ -104,7 +110,7 @@ pub fn extend_page_hashes(
     if page_size == 0 {
         return;
     }
-    let mut buf = Vec::with_capacity(page_size * 4);
+    let mut buf = Vec::new();
     let mut prev = prev;
     for page in tokens.chunks_exact(page_size) {
         let h = hash_page_with(prev.as_ref(), page, &mut buf);

@@ -16,10 +16,19 @@ const PS: usize = 2;
 #[derive(Debug, Clone)]
 enum Op {
     Match(usize),
-    Insert { prompt: usize, pages: usize, host: bool },
-    Lock { prompt: usize, host: bool },
+    Insert {
+        prompt: usize,
+        pages: usize,
+        host: bool,
+    },
+    Lock {
+        prompt: usize,
+        host: bool,
+    },
     Unlock(usize),
-    Evict { host: bool },
+    Evict {
+        host: bool,
+    },
     LoadBack(usize),
 }
 
@@ -55,7 +64,9 @@ enum AnyLock {
 
 impl Model {
     fn matched(&self, t: usize, hs: &[PageHash]) -> usize {
-        hs.iter().take_while(|h| self.resident[t].contains(h)).count()
+        hs.iter()
+            .take_while(|h| self.resident[t].contains(h))
+            .count()
     }
     fn is_leaf(&self, t: usize, h: &PageHash) -> bool {
         !self.resident[t]
@@ -238,7 +249,9 @@ fn insert_and_free<T: Tier>(
     tokens: &[u32],
     pages: &[PageId<T>],
 ) -> usize {
-    let out = cache.insert::<T>(node, from, hashes, tokens, pages).unwrap();
+    let out = cache
+        .insert::<T>(node, from, hashes, tokens, pages)
+        .unwrap();
     let dups: Vec<PageId<T>> = out.duplicates.iter().map(|d| d.1).collect();
     cache.free(&dups).unwrap();
     dups.len()
