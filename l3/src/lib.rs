@@ -24,9 +24,10 @@ pub use api::{BatchResult, L3Store};
 pub use clock::Clock;
 pub use config::{OffloadMode, PromotionConfig, SsdConfig, StoreConfig};
 pub use error::{ErrorCode, L3Error, L3Result};
-// RemoteStore re-export added with the rpc module
+pub use rpc::client::{ClientOptions, RemoteStore};
+pub use rpc::server::{ServerHandle, ServerOptions, spawn_server};
 pub use store::EmbeddedStore;
 pub use types::{
-    ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, ReplicaDescriptor,
-    SegmentId, StoreStats, Tenant,
+    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
+    ReplicaDescriptor, SegmentId, StoreStats, Tenant,
 };

@@ -25,11 +25,11 @@ use crate::config::{OffloadMode, StoreConfig};
 use crate::error::{L3Error, L3Result};
 use crate::master::{DiskLoc, EvictionOutcome, Master, MasterPolicy, ReadSource};
 use crate::metrics::{Metrics, Op};
-use crate::promotion::{Promoter, TriggerOutcome};
+use crate::promotion::Promoter;
 use crate::ssd::{OffloadJob, SsdTier, TierHooks, TierStats};
 use crate::types::{
-    ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, ReplicaDescriptor,
-    SegmentId, StoreStats, Tenant, validate_key,
+    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
+    ReplicaDescriptor, SegmentId, StoreStats, Tenant, validate_key,
 };
 
 /// The client id the embedded store uses for its own segment (never declared dead).
@@ -232,6 +232,38 @@ impl EmbeddedStore {
     pub fn is_leased(&self, tenant: &Tenant, key: &str) -> bool {
         let now = self.inner.clock.now_ms();
         self.inner.master.lock().is_leased(tenant, key, now)
+    }
+
+    /// Reads objects without copying DRAM replicas: memory hits come back as shared
+    /// [`Blob::Shared`] handles, SSD reads as verified owned bytes. This is what the server
+    /// serialises straight onto the wire.
+    pub fn batch_get_blobs(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<Blob> {
+        check_batch(&self.inner.cfg, keys.len())?;
+        let t0 = Instant::now();
+        let srcs = self.inner.resolve(tenant, keys);
+        let out = self.inner.blobs(tenant, keys, srcs);
+        self.inner.metrics.observe(Op::Get, t0.elapsed());
+        Ok(out)
+    }
+
+    /// [`L3Store::batch_get_with_query`] returning blobs (server side).
+    pub fn batch_get_with_query_blobs(
+        &self,
+        tenant: &Tenant,
+        queries: &[QueryResult],
+    ) -> BatchResult<Blob> {
+        check_batch(&self.inner.cfg, queries.len())?;
+        let t0 = Instant::now();
+        let keys: Vec<String> = queries.iter().map(|q| q.key.clone()).collect();
+        let srcs = self.inner.resolve_query(tenant, queries);
+        let out = self.inner.blobs(tenant, &keys, srcs);
+        self.inner.metrics.observe(Op::Get, t0.elapsed());
+        Ok(out)
+    }
+
+    /// Store limits (the server advertises them).
+    pub fn config(&self) -> &StoreConfig {
+        &self.inner.cfg
     }
 
     /// Flushes the SSD queue and stops background threads (also done on drop).
@@ -448,6 +480,97 @@ impl Inner {
                 .map_err(|_| L3Error::Unavailable("ssd writer stopped".into()))?,
             None => Ok(()),
         }
+    }
+
+    /// Resolves query results while their leases hold (-707 per expired key). Descriptors
+    /// are reused only if they still name this tenant's object: a forged or stale one is a
+    /// miss, never foreign bytes.
+    fn resolve_query(
+        &self,
+        tenant: &Tenant,
+        queries: &[QueryResult],
+    ) -> Vec<L3Result<(u64, ReadSource)>> {
+        let now = self.clock.now_ms();
+        let m = self.master.lock();
+        queries
+            .iter()
+            .map(|q| {
+                if now >= q.lease_deadline_ms {
+                    Metrics::add(&self.metrics.lease_rejections, 1);
+                    return Err(L3Error::LeaseExpired);
+                }
+                validate_key(&q.key)?;
+                let qr = m.current_replicas(tenant, &q.key)?;
+                for r in &q.replicas {
+                    match r {
+                        ReplicaDescriptor::Memory { alloc, .. } if qr.0 == Some(*alloc) => {
+                            if let Some(d) = m.alloc_data(*alloc) {
+                                return Ok((d.len() as u64, ReadSource::Memory(d)));
+                            }
+                        }
+                        ReplicaDescriptor::Disk {
+                            bucket,
+                            offset,
+                            size,
+                            crc,
+                        } => {
+                            let loc = DiskLoc {
+                                bucket: *bucket,
+                                offset: *offset,
+                                size: *size,
+                                crc: *crc,
+                            };
+                            if qr.1 == Some(loc) {
+                                return Ok((loc.size, ReadSource::Disk(loc)));
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                Err(L3Error::ObjectNotFound)
+            })
+            .collect()
+    }
+
+    /// Turns sources into blobs: DRAM shared, SSD read and verified.
+    fn blobs(
+        &self,
+        t: &Tenant,
+        keys: &[String],
+        srcs: Vec<L3Result<(u64, ReadSource)>>,
+    ) -> Vec<L3Result<Blob>> {
+        let mut out = Vec::with_capacity(srcs.len());
+        for (i, s) in srcs.into_iter().enumerate() {
+            out.push(match s {
+                Err(e) => Err(e),
+                Ok((_, ReadSource::Memory(d))) => {
+                    Metrics::add(&self.metrics.hits_memory, 1);
+                    Ok(Blob::Shared(d))
+                }
+                Ok((size, ReadSource::Disk(loc))) => match &self.ssd {
+                    None => Err(L3Error::UnableOffload),
+                    Some(ssd) => {
+                        let mut v = vec![0u8; size as usize];
+                        match ssd.read(&loc, &mut v) {
+                            Ok(true) => {
+                                Metrics::add(&self.metrics.hits_disk, 1);
+                                Ok(Blob::Owned(v))
+                            }
+                            Ok(false) => {
+                                self.on_corrupt(t, &keys[i], &loc);
+                                Err(L3Error::ObjectNotFound)
+                            }
+                            Err(e) => Err(e),
+                        }
+                    }
+                },
+            });
+        }
+        Metrics::add(
+            &self.metrics.misses,
+            out.iter().filter(|r| r.is_err()).count() as u64,
+        );
+        out
     }
 
     /// Resolves keys to sources under one lock; waits for in-flight promotions of SSD-only
@@ -726,8 +849,9 @@ impl L3Store for EmbeddedStore {
             if pressure {
                 p.note_pressure();
             } else if !promote.is_empty() {
-                let outcomes = p.trigger_many(promote);
-                debug_assert!(outcomes.iter().all(|o| *o != TriggerOutcome::QueueFull) || true);
+                // Outcomes (queued / deduplicated / cooling / queue full) are counted by the
+                // promoter; a probe never waits for them.
+                let _ = p.trigger_many(promote);
             }
         }
         self.inner.metrics.observe(Op::Exist, t0.elapsed());
@@ -764,50 +888,8 @@ impl L3Store for EmbeddedStore {
             ));
         }
         let t0 = Instant::now();
-        let now = self.inner.clock.now_ms();
         let keys: Vec<String> = queries.iter().map(|q| q.key.clone()).collect();
-        let srcs: Vec<L3Result<(u64, ReadSource)>> = {
-            let m = self.inner.master.lock();
-            queries
-                .iter()
-                .map(|q| {
-                    if now >= q.lease_deadline_ms {
-                        Metrics::add(&self.inner.metrics.lease_rejections, 1);
-                        return Err(L3Error::LeaseExpired);
-                    }
-                    // Reuse the descriptors, but only those still naming this tenant's
-                    // object: a forged or stale descriptor is a miss, never foreign bytes.
-                    let qr = m.current_replicas(tenant, &q.key)?;
-                    for r in &q.replicas {
-                        match r {
-                            ReplicaDescriptor::Memory { alloc, .. } if qr.0 == Some(*alloc) => {
-                                if let Some(d) = m.alloc_data(*alloc) {
-                                    return Ok((q.size, ReadSource::Memory(d)));
-                                }
-                            }
-                            ReplicaDescriptor::Disk {
-                                bucket,
-                                offset,
-                                size,
-                                crc,
-                            } => {
-                                let loc = DiskLoc {
-                                    bucket: *bucket,
-                                    offset: *offset,
-                                    size: *size,
-                                    crc: *crc,
-                                };
-                                if qr.1 == Some(loc) {
-                                    return Ok((q.size, ReadSource::Disk(loc)));
-                                }
-                            }
-                            _ => {}
-                        }
-                    }
-                    Err(L3Error::ObjectNotFound)
-                })
-                .collect()
-        };
+        let srcs = self.inner.resolve_query(tenant, queries);
         let out = self.inner.fill(tenant, &keys, srcs, bufs);
         self.inner.metrics.observe(Op::Get, t0.elapsed());
         Ok(out)

@@ -162,3 +162,52 @@ pub struct StoreStats {
     /// Bytes in live SSD bucket files.
     pub disk_used_bytes: u64,
 }
+
+/// Object bytes on the wire: serialised as one byte string (`serde_bytes` style), sent from
+/// a shared DRAM replica without copying it first, received as an owned vector.
+#[derive(Debug, Clone)]
+pub enum Blob {
+    /// A DRAM replica's bytes (server side: no copy before serialisation).
+    Shared(std::sync::Arc<[u8]>),
+    /// Owned bytes (SSD reads, anything deserialised).
+    Owned(Vec<u8>),
+}
+
+impl Blob {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Blob::Shared(a) => a,
+            Blob::Owned(v) => v,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl PartialEq for Blob {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Serialize for Blob {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(self.as_slice())
+    }
+}
+
+impl<'de> Deserialize<'de> for Blob {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let b = serde_bytes::ByteBuf::deserialize(d)?;
+        Ok(Blob::Owned(b.into_vec()))
+    }
+}

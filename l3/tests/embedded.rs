@@ -160,7 +160,7 @@ fn batch_query_then_get_reuses_results_and_rejects_expired_per_key() {
         qs.iter()
             .all(|q| q.lease_deadline_ms >= 10_000 && !q.replicas.is_empty())
     );
-    let mut data = vec![0u8; 4 * 8];
+    let mut data = [0u8; 4 * 8];
     let mut bufs: Vec<&mut [u8]> = data.chunks_mut(8).collect();
     let r = s.batch_get_with_query(&a, &qs, &mut bufs).unwrap();
     for (i, x) in r.iter().enumerate() {

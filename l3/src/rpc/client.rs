@@ -1,1 +1,459 @@
-//! placeholder
+//! [`RemoteStore`]: the [`L3Store`] trait over tarpc, for callers in another process.
+//!
+//! Why synchronous: the same trait as the embedded store, so the scheduler can switch
+//! between them with one line. The client owns a small tokio runtime and blocks on it; do
+//! not call it from inside another tokio runtime's worker thread.
+//!
+//! How big transfers stay fast and within limits: a batch is split into chunks whose bytes
+//! stay well below the server's frame limit (learnt from `hello`), and all chunks are sent
+//! at once on the one connection (tarpc multiplexes), so the server works on one chunk
+//! while the previous reply is on the wire. The RPC deadline is raised from tarpc's 10 s
+//! default (big transfers over slow links take longer). Requests that would exceed a limit
+//! fail here with a typed error (-600) instead of being cut off by the transport.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use tarpc::client::{self, RpcError};
+use tarpc::context;
+use tarpc::tokio_serde::formats::Bincode;
+
+use super::server::DEFAULT_MAX_FRAME;
+use super::service::{L3RpcClient, ServerLimits};
+use crate::api::{BatchResult, L3Store};
+use crate::error::{L3Error, L3Result};
+use crate::types::{
+    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, SegmentId,
+    StoreStats, Tenant,
+};
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Shared-secret token.
+    pub token: Option<String>,
+    /// Per-call deadline (tarpc's default is 10 s).
+    pub rpc_timeout: Duration,
+    /// Largest frame this client accepts.
+    pub max_frame_bytes: usize,
+    /// Target bytes per chunk of a batched transfer.
+    pub chunk_bytes: usize,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            token: None,
+            rpc_timeout: Duration::from_secs(120),
+            max_frame_bytes: DEFAULT_MAX_FRAME,
+            chunk_bytes: 16 << 20,
+        }
+    }
+}
+
+/// Per-key overhead allowance when sizing frames (key, tenant, enum tags, lengths).
+const PER_KEY_OVERHEAD: usize = 64;
+
+/// A connection to a `kvtier-l3` server.
+pub struct RemoteStore {
+    rt: tokio::runtime::Runtime,
+    client: L3RpcClient,
+    limits: ServerLimits,
+    opts: ClientOptions,
+}
+
+fn rpc_err(e: RpcError) -> L3Error {
+    L3Error::RpcFail(e.to_string())
+}
+
+impl RemoteStore {
+    /// Connects and authenticates.
+    pub fn connect(addr: SocketAddr, opts: ClientOptions) -> L3Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvtier-l3-client")
+            .enable_all()
+            .build()
+            .map_err(|e| L3Error::Internal(format!("runtime: {e}")))?;
+        let max_frame = opts.max_frame_bytes;
+        let client = rt.block_on(async {
+            let mut conn = tarpc::serde_transport::tcp::connect(addr, Bincode::default);
+            conn.config_mut().max_frame_length(max_frame);
+            let transport = conn
+                .await
+                .map_err(|e| L3Error::RpcFail(format!("connect {addr}: {e}")))?;
+            let _ = transport.get_ref().set_nodelay(true);
+            Ok::<_, L3Error>(L3RpcClient::new(client::Config::default(), transport).spawn())
+        })?;
+        let mut me = RemoteStore {
+            rt,
+            client,
+            limits: ServerLimits {
+                max_frame_bytes: max_frame as u64,
+                max_batch_keys: 0,
+                max_object_bytes: 0,
+            },
+            opts,
+        };
+        let token = me.opts.token.clone();
+        let ctx = me.ctx();
+        let limits = me
+            .rt
+            .block_on(me.client.hello(ctx, token))
+            .map_err(rpc_err)??;
+        me.limits = limits;
+        Ok(me)
+    }
+
+    /// The server's limits.
+    pub fn limits(&self) -> ServerLimits {
+        self.limits
+    }
+
+    fn ctx(&self) -> context::Context {
+        let mut c = context::current();
+        c.deadline = Instant::now() + self.opts.rpc_timeout;
+        c
+    }
+
+    fn frame_cap(&self) -> usize {
+        (self.limits.max_frame_bytes as usize).min(self.opts.max_frame_bytes)
+    }
+
+    fn check_keys(&self, n: usize) -> L3Result<()> {
+        if n as u64 > self.limits.max_batch_keys {
+            return Err(L3Error::InvalidParams(format!(
+                "{n} keys in one batch; server limit is {}",
+                self.limits.max_batch_keys
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_request(&self, bytes: usize) -> L3Result<()> {
+        if bytes > self.frame_cap() {
+            return Err(L3Error::InvalidParams(format!(
+                "request of {bytes} bytes exceeds the {}-byte frame limit",
+                self.frame_cap()
+            )));
+        }
+        Ok(())
+    }
+
+    fn run<T>(&self, f: impl Future<Output = Result<L3Result<T>, RpcError>>) -> L3Result<T> {
+        self.rt.block_on(f).map_err(rpc_err)?
+    }
+
+    /// Splits `0..n` into consecutive ranges whose `size(i)` sum stays within a chunk.
+    fn chunks(&self, n: usize, size: impl Fn(usize) -> usize) -> Vec<std::ops::Range<usize>> {
+        let cap = self.opts.chunk_bytes.min(self.frame_cap() / 2).max(1);
+        let mut out = Vec::new();
+        let mut start = 0;
+        let mut acc = 0;
+        for i in 0..n {
+            let s = size(i) + PER_KEY_OVERHEAD;
+            if i > start && acc + s > cap {
+                out.push(start..i);
+                start = i;
+                acc = 0;
+            }
+            acc += s;
+        }
+        if start < n {
+            out.push(start..n);
+        }
+        out
+    }
+
+    fn get_chunks(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+        queries: Option<&[QueryResult]>,
+    ) -> BatchResult<u64> {
+        if keys.len() != bufs.len() {
+            return Err(L3Error::InvalidParams(
+                "keys and buffers differ in length".into(),
+            ));
+        }
+        self.check_keys(keys.len())?;
+        let ranges = self.chunks(keys.len(), |i| bufs[i].len());
+        let calls = ranges.iter().map(|r| {
+            let ctx = self.ctx();
+            let c = self.client.clone();
+            let t = tenant.clone();
+            match queries {
+                Some(q) => {
+                    let qs = q[r.clone()].to_vec();
+                    async move { c.batch_get_with_query(ctx, t, qs).await }.boxed()
+                }
+                None => {
+                    let ks = keys[r.clone()].to_vec();
+                    async move { c.batch_get(ctx, t, ks).await }.boxed()
+                }
+            }
+        });
+        let replies = self.rt.block_on(join_all(calls));
+        let mut out = Vec::with_capacity(keys.len());
+        for (r, reply) in ranges.iter().zip(replies) {
+            let per_key = reply.map_err(rpc_err)??;
+            if per_key.len() != r.len() {
+                return Err(L3Error::RpcFail("reply length mismatch".into()));
+            }
+            for (i, res) in r.clone().zip(per_key) {
+                out.push(res.and_then(|blob| {
+                    let b = blob.as_slice();
+                    let have = bufs[i].len() as u64;
+                    if (b.len() as u64) > have {
+                        return Err(L3Error::BufferOverflow {
+                            needed: b.len() as u64,
+                            have,
+                        });
+                    }
+                    bufs[i][..b.len()].copy_from_slice(b);
+                    Ok(b.len() as u64)
+                }));
+            }
+        }
+        Ok(out)
+    }
+}
+
+use futures::FutureExt;
+
+impl L3Store for RemoteStore {
+    fn put_start(&self, tenant: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
+        self.run(
+            self.client
+                .put_start(self.ctx(), tenant.clone(), key.to_string(), size),
+        )
+    }
+
+    fn put_write(&self, handle: &PutHandle, data: &[u8]) -> L3Result<()> {
+        if data.len() as u64 > self.limits.max_object_bytes {
+            return Err(L3Error::InvalidParams(
+                "object exceeds the server's object limit".into(),
+            ));
+        }
+        self.check_request(data.len() + PER_KEY_OVERHEAD + handle.key.len())?;
+        self.run(
+            self.client
+                .put_write(self.ctx(), handle.clone(), Blob::Owned(data.to_vec())),
+        )
+    }
+
+    fn put_end(&self, handle: &PutHandle, opts: PutOptions) -> L3Result<()> {
+        self.run(self.client.put_end(self.ctx(), handle.clone(), opts))
+    }
+
+    fn put_revoke(&self, handle: &PutHandle) -> L3Result<()> {
+        self.run(self.client.put_revoke(self.ctx(), handle.clone()))
+    }
+
+    fn batch_put_start(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        sizes: &[u64],
+    ) -> BatchResult<PutHandle> {
+        self.check_keys(keys.len())?;
+        self.run(self.client.batch_put_start(
+            self.ctx(),
+            tenant.clone(),
+            keys.to_vec(),
+            sizes.to_vec(),
+        ))
+    }
+
+    fn batch_put_end(&self, handles: &[PutHandle], opts: PutOptions) -> BatchResult<()> {
+        self.check_keys(handles.len())?;
+        self.run(
+            self.client
+                .batch_put_end(self.ctx(), handles.to_vec(), opts),
+        )
+    }
+
+    fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()> {
+        self.check_keys(handles.len())?;
+        self.run(self.client.batch_put_revoke(self.ctx(), handles.to_vec()))
+    }
+
+    fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult> {
+        let mut v = self.batch_query(tenant, std::slice::from_ref(&key.to_string()))?;
+        v.pop()
+            .unwrap_or(Err(L3Error::RpcFail("empty reply".into())))
+    }
+
+    fn batch_get_replica_list(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
+        self.batch_query(tenant, keys)
+    }
+
+    fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool> {
+        let mut v = self.batch_exist_key(tenant, std::slice::from_ref(&key.to_string()), opts)?;
+        v.pop()
+            .unwrap_or(Err(L3Error::RpcFail("empty reply".into())))
+    }
+
+    fn batch_exist_key(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        opts: ExistOptions,
+    ) -> BatchResult<bool> {
+        self.check_keys(keys.len())?;
+        self.run(
+            self.client
+                .batch_exist(self.ctx(), tenant.clone(), keys.to_vec(), opts),
+        )
+    }
+
+    fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
+        self.check_keys(keys.len())?;
+        self.run(
+            self.client
+                .batch_query(self.ctx(), tenant.clone(), keys.to_vec()),
+        )
+    }
+
+    fn batch_get_with_query(
+        &self,
+        tenant: &Tenant,
+        queries: &[QueryResult],
+        bufs: &mut [&mut [u8]],
+    ) -> BatchResult<u64> {
+        let keys: Vec<String> = queries.iter().map(|q| q.key.clone()).collect();
+        self.get_chunks(tenant, &keys, bufs, Some(queries))
+    }
+
+    fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()> {
+        self.run(
+            self.client
+                .remove(self.ctx(), tenant.clone(), key.to_string(), force),
+        )
+    }
+
+    fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
+        self.run(self.client.remove_all(self.ctx(), tenant.clone(), force))
+    }
+
+    fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()> {
+        self.run(
+            self.client
+                .mount_segment(self.ctx(), client, segment, capacity),
+        )
+    }
+
+    fn unmount_segment(&self, client: ClientId, segment: SegmentId) -> L3Result<()> {
+        self.run(self.client.unmount_segment(self.ctx(), client, segment))
+    }
+
+    fn ping(&self, client: ClientId) -> L3Result<ClientStatus> {
+        self.run(self.client.ping(self.ctx(), client))
+    }
+
+    fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()> {
+        let mut v = self.batch_put_from(
+            tenant,
+            std::slice::from_ref(&key.to_string()),
+            &[data],
+            opts,
+        )?;
+        v.pop()
+            .unwrap_or(Err(L3Error::RpcFail("empty reply".into())))
+    }
+
+    fn get(&self, tenant: &Tenant, key: &str) -> L3Result<Vec<u8>> {
+        let mut v = self.run(self.client.batch_get(
+            self.ctx(),
+            tenant.clone(),
+            vec![key.to_string()],
+        ))?;
+        match v.pop() {
+            Some(Ok(Blob::Owned(b))) => Ok(b),
+            Some(Ok(b)) => Ok(b.as_slice().to_vec()),
+            Some(Err(e)) => Err(e),
+            None => Err(L3Error::RpcFail("empty reply".into())),
+        }
+    }
+
+    fn get_into(&self, tenant: &Tenant, key: &str, buf: &mut [u8]) -> L3Result<u64> {
+        let mut bufs = [buf];
+        let mut v =
+            self.batch_get_into(tenant, std::slice::from_ref(&key.to_string()), &mut bufs)?;
+        v.pop()
+            .unwrap_or(Err(L3Error::RpcFail("empty reply".into())))
+    }
+
+    fn batch_put_from(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &[&[u8]],
+        opts: PutOptions,
+    ) -> BatchResult<()> {
+        if keys.len() != bufs.len() {
+            return Err(L3Error::InvalidParams(
+                "keys and buffers differ in length".into(),
+            ));
+        }
+        self.check_keys(keys.len())?;
+        for (k, b) in keys.iter().zip(bufs) {
+            if b.len() as u64 > self.limits.max_object_bytes {
+                return Err(L3Error::InvalidParams(format!(
+                    "object of {} bytes exceeds the server's {}-byte limit",
+                    b.len(),
+                    self.limits.max_object_bytes
+                )));
+            }
+            self.check_request(b.len() + k.len() + PER_KEY_OVERHEAD)?;
+        }
+        let ranges = self.chunks(keys.len(), |i| bufs[i].len());
+        let calls = ranges.iter().map(|r| {
+            let ctx = self.ctx();
+            let c = self.client.clone();
+            let t = tenant.clone();
+            let ks = keys[r.clone()].to_vec();
+            let data: Vec<Blob> = bufs[r.clone()]
+                .iter()
+                .map(|b| Blob::Owned(b.to_vec()))
+                .collect();
+            async move { c.batch_put(ctx, t, ks, data, opts).await }
+        });
+        let replies = self.rt.block_on(join_all(calls));
+        let mut out = Vec::with_capacity(keys.len());
+        for (r, reply) in ranges.iter().zip(replies) {
+            let v = reply.map_err(rpc_err)??;
+            if v.len() != r.len() {
+                return Err(L3Error::RpcFail("reply length mismatch".into()));
+            }
+            out.extend(v);
+        }
+        Ok(out)
+    }
+
+    fn batch_get_into(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+    ) -> BatchResult<u64> {
+        self.get_chunks(tenant, keys, bufs, None)
+    }
+
+    fn get_size(&self, tenant: &Tenant, key: &str) -> L3Result<u64> {
+        self.run(
+            self.client
+                .get_size(self.ctx(), tenant.clone(), key.to_string()),
+        )
+    }
+
+    fn flush(&self) -> L3Result<()> {
+        self.run(self.client.flush(self.ctx()))
+    }
+
+    fn stats(&self) -> L3Result<StoreStats> {
+        self.run(self.client.stats(self.ctx()))
+    }
+}
