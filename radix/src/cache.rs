@@ -719,6 +719,11 @@ impl RadixCache {
         Ok(())
     }
 
+    /// The page hashes of a node's run (pages `start .. end` of its prefix).
+    pub fn node_hashes(&self, id: NodeId) -> Result<&[PageHash], RadixError> {
+        Ok(&self.node(id)?.hashes)
+    }
+
     /// How many matches went through this node.
     pub fn hit_count(&self, id: NodeId) -> Result<u32, RadixError> {
         Ok(self.node(id)?.hit_count)

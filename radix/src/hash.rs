@@ -119,6 +119,28 @@ pub fn extend_page_hashes(
     }
 }
 
+/// Extends `hashes` (the chained hashes of the first `from` full pages of `tokens`) to cover
+/// the first `to` full pages. Pages past the end of `tokens` are not hashed.
+pub fn extend_hashes(
+    hashes: &mut Vec<PageHash>,
+    tokens: &[u32],
+    page_size: usize,
+    from: usize,
+    to: usize,
+) {
+    if page_size == 0 || from >= to {
+        return;
+    }
+    let end = (to * page_size).min(tokens.len());
+    let start = from * page_size;
+    if start >= end {
+        return;
+    }
+    let prev = from.checked_sub(1).and_then(|i| hashes.get(i)).copied();
+    hashes.truncate(from);
+    extend_page_hashes(hashes, &tokens[start..end], page_size, prev);
+}
+
 /// What makes two identical token sequences *different* KV: the model, the KV dtype, the
 /// tensor-parallel layout, the tenant (or a per-tenant salt) and the adapter (LoRA).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -29,7 +29,7 @@ pub use cache::{InsertOutcome, PrefixMatch, RadixCache, RadixConfig, TierUsage};
 pub use error::RadixError;
 pub use events::KvEvent;
 pub use evict::{EvictOutcome, EvictedNode};
-pub use hash::{KeyNamespace, L3KeyBuilder, PageHash, page_hashes};
+pub use hash::{KeyNamespace, L3KeyBuilder, PageHash, extend_hashes, page_hashes};
 pub use lock::{LockHandle, LockId};
 pub use node::NodeId;
 pub use pool::PageState;

@@ -1,0 +1,414 @@
+//! Building the forward batch: decode rows, next prefill chunks, and admission of waiting
+//! requests (device/host match, load-back, L3 probe and prefetch).
+//!
+//! Order within a step: running decodes first (they hold device pages and a user is waiting
+//! on every token), then the next chunk of running prefills, then new admissions in arrival
+//! order while the token budget, the batch size and device memory allow. Admission stops at
+//! the first request that does not fit, so a long prompt is not starved by short ones behind it.
+
+use kvtier_fsm::{OpKind, RequestEvent, RequestState};
+use kvtier_radix::{Device, Host, PrefixMatch};
+
+use crate::ops::{OpCtx, PrefetchDst};
+use crate::scheduler::{Budget, RowKind, Scheduler};
+use crate::types::*;
+
+enum Admit {
+    /// Got a prefill chunk in this batch.
+    Admitted,
+    /// Went off to L3 (probe or prefetch); not in the batch.
+    Deferred,
+    /// Does not fit now; stop admitting.
+    Blocked,
+}
+
+impl Scheduler {
+    pub(crate) fn schedule_decode(
+        &mut self,
+        budget: &mut Budget,
+        batch: &mut ForwardBatch,
+        rows: &mut Vec<(RequestId, RowKind)>,
+    ) {
+        let ps = self.cfg.page_size;
+        let ids: Vec<RequestId> = self.running.values().copied().collect();
+        for id in ids {
+            if budget.rows == 0 || budget.tokens == 0 {
+                break;
+            }
+            let Some(r) = self.reqs.get(&id) else { continue };
+            if !matches!(
+                r.state,
+                RequestState::Decoding {
+                    in_flight: false,
+                    abort_pending: false,
+                    ..
+                }
+            ) {
+                continue;
+            }
+            if r.kv_len() + 1 > r.pages.len() * ps {
+                let page = match self.cache.alloc_evicting::<Device>(1) {
+                    Ok(p) => p,
+                    Err(_) => {
+                        if !self.retract_for(id) {
+                            continue;
+                        }
+                        match self.cache.alloc_evicting::<Device>(1) {
+                            Ok(p) => p,
+                            Err(_) => continue,
+                        }
+                    }
+                };
+                let Some(r) = self.reqs.get_mut(&id) else {
+                    let _ = self.cache.free(&page);
+                    continue;
+                };
+                if !matches!(r.state, RequestState::Decoding { in_flight: false, .. }) {
+                    // Retracted itself to make room.
+                    let _ = self.cache.free(&page);
+                    continue;
+                }
+                r.pages.extend(page);
+            }
+            self.apply(id, RequestEvent::ScheduleDecode);
+            let Some(r) = self.reqs.get_mut(&id) else { continue };
+            batch.decode.push(DecodeRow {
+                req: id,
+                position: r.kv_len() as u32,
+                table: r.take_delta(),
+            });
+            rows.push((id, RowKind::Decode));
+            budget.rows -= 1;
+            budget.tokens -= 1;
+        }
+    }
+
+    pub(crate) fn schedule_chunks(
+        &mut self,
+        budget: &mut Budget,
+        batch: &mut ForwardBatch,
+        rows: &mut Vec<(RequestId, RowKind)>,
+    ) {
+        let ps = self.cfg.page_size;
+        let ids: Vec<RequestId> = self.running.values().copied().collect();
+        for id in ids {
+            if budget.rows == 0 || budget.tokens == 0 {
+                break;
+            }
+            let Some(r) = self.reqs.get(&id) else { continue };
+            let RequestState::Prefilling {
+                total,
+                done,
+                scheduled,
+                abort_pending: false,
+                ..
+            } = r.state
+            else {
+                continue;
+            };
+            if done != scheduled || done >= total {
+                continue;
+            }
+            let (done, total) = (done as usize, total as usize);
+            let chunk = (total - done)
+                .min(self.cfg.chunked_prefill_size)
+                .min(budget.tokens);
+            let need = (done + chunk).div_ceil(ps).saturating_sub(r.pages.len());
+            if need > 0 {
+                match self.cache.alloc_evicting::<Device>(need) {
+                    Ok(p) => {
+                        if let Some(r) = self.reqs.get_mut(&id) {
+                            r.pages.extend(p);
+                        }
+                    }
+                    Err(_) => continue,
+                }
+            }
+            self.apply(
+                id,
+                RequestEvent::ScheduleNextChunk {
+                    tokens: chunk as u32,
+                },
+            );
+            let Some(r) = self.reqs.get_mut(&id) else { continue };
+            batch.prefill.push(PrefillChunk {
+                req: id,
+                start: done as u32,
+                len: chunk as u32,
+                last: done + chunk == total,
+                table: r.take_delta(),
+                tokens: r.tokens[done..done + chunk].to_vec(),
+                waits_for: Default::default(),
+            });
+            rows.push((id, RowKind::Prefill { waits_for: None }));
+            self.stats.computed_tokens += chunk as u64;
+            budget.rows -= 1;
+            budget.tokens -= chunk;
+        }
+    }
+
+    pub(crate) fn admit(
+        &mut self,
+        budget: &mut Budget,
+        batch: &mut ForwardBatch,
+        rows: &mut Vec<(RequestId, RowKind)>,
+    ) {
+        let waiting: Vec<(u64, RequestId)> = self.waiting.iter().map(|(s, i)| (*s, *i)).collect();
+        for (_, id) in waiting {
+            if budget.rows == 0 || budget.tokens == 0 || self.running.len() >= self.cfg.max_batch_size
+            {
+                break;
+            }
+            match self.try_admit(id, budget, batch, rows) {
+                Admit::Admitted | Admit::Deferred => {}
+                Admit::Blocked => break,
+            }
+        }
+    }
+
+    fn try_admit(
+        &mut self,
+        id: RequestId,
+        budget: &mut Budget,
+        batch: &mut ForwardBatch,
+        rows: &mut Vec<(RequestId, RowKind)>,
+    ) -> Admit {
+        let ps = self.cfg.page_size;
+        let Some(r) = self.reqs.get(&id) else {
+            return Admit::Deferred;
+        };
+        if matches!(r.state, RequestState::Retracted { .. }) {
+            self.apply(id, RequestEvent::ResumeFromRetracted);
+        }
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Admit::Deferred;
+        };
+        let total = r.tokens.len();
+        // Leave at least one token to compute: the last prompt token's logits start decoding.
+        let usable = (total - 1) / ps;
+        r.ensure_hashes(usable, ps);
+        let usable = usable.min(r.hashes.len());
+        let m = self.cache.match_prefix(&r.hashes[..usable]);
+        let seq = r.seq;
+
+        if matches!(r.state, RequestState::Submitted) && !r.l3_done {
+            let local = m.matched_pages;
+            let threshold = (self.cfg.prefetch_threshold as usize).max(1);
+            let probe = r.l3_probe;
+            r.l3_done = probe.is_some() || usable < local + threshold;
+            match probe {
+                None if usable >= local + threshold => {
+                    let keys = self.keys.keys(&r.hashes[local..usable]);
+                    self.apply(id, RequestEvent::ScheduleQuery);
+                    self.new_op(
+                        OpKind::L3Query,
+                        Some(id),
+                        false,
+                        OpSpec::L3Query { keys },
+                        OpCtx::Query {
+                            start: local,
+                            n: usable - local,
+                        },
+                    );
+                    self.waiting.remove(&seq);
+                    return Admit::Deferred;
+                }
+                Some((start, hit)) => {
+                    let end = (start + hit).min(usable);
+                    if end >= local + threshold && self.start_prefetch(id, &m, end) {
+                        self.waiting.remove(&seq);
+                        return Admit::Deferred;
+                    }
+                }
+                None => {}
+            }
+        }
+        self.admit_prefill(id, m, budget, batch, rows)
+    }
+
+    /// Issues a prefetch of prompt pages `local .. end`, where `local` is the match *now*: the
+    /// keys are computed here, against this match, and the pages will be inserted at exactly
+    /// this offset below the node locked here.
+    fn start_prefetch(&mut self, id: RequestId, m: &PrefixMatch, end: usize) -> bool {
+        let Some(r) = self.reqs.get(&id) else {
+            return false;
+        };
+        let total_tokens = r.tokens.len();
+        let (local, dst_spec, dst) = if self.cfg.host_enabled {
+            // Prefetched pages hang below the host match; device-only pages past it would leave
+            // a hole in host residency, so only prefetch when host covers the local match.
+            if m.host_pages < m.device_pages {
+                return false;
+            }
+            let local = m.host_pages;
+            let Ok(hl) = self.cache.lock::<Host>(m.host_node) else {
+                return false;
+            };
+            let Some(dst) = self.alloc_host(end - local) else {
+                let _ = self.cache.unlock(hl);
+                return false;
+            };
+            (
+                local,
+                TierPages::Host(dst.clone()),
+                PrefetchDst::Host(dst, hl),
+            )
+        } else {
+            let local = m.device_pages;
+            let Ok(dl) = self.cache.lock::<Device>(m.device_node) else {
+                return false;
+            };
+            let Ok(dst) = self.cache.alloc_evicting::<Device>(end - local) else {
+                let _ = self.cache.unlock(dl);
+                return false;
+            };
+            (
+                local,
+                TierPages::Device(dst.clone()),
+                PrefetchDst::Device(dst, dl),
+            )
+        };
+        let Some(r) = self.reqs.get(&id) else {
+            return false;
+        };
+        let keys = self.keys_for(&r.hashes[local..end]);
+        self.apply(
+            id,
+            RequestEvent::SchedulePrefetch {
+                start_page: local as u32,
+                pages: (end - local) as u32,
+            },
+        );
+        let op = self.new_op(
+            OpKind::Prefetch,
+            Some(id),
+            false,
+            OpSpec::Prefetch {
+                keys,
+                dst: dst_spec,
+            },
+            OpCtx::Prefetch { start: local, dst },
+        );
+        if let Some(deadline) = self.prefetch_deadline(total_tokens) {
+            self.prefetch_deadlines.insert((deadline, op));
+        }
+        true
+    }
+
+    /// Admits a request into prefill: pins its device match, loads host-only pages back, and
+    /// schedules its first chunk.
+    fn admit_prefill(
+        &mut self,
+        id: RequestId,
+        m: PrefixMatch,
+        budget: &mut Budget,
+        batch: &mut ForwardBatch,
+        rows: &mut Vec<(RequestId, RowKind)>,
+    ) -> Admit {
+        let ps = self.cfg.page_size;
+        let Some(r) = self.reqs.get(&id) else {
+            return Admit::Deferred;
+        };
+        let total = r.tokens.len();
+        let seq = r.seq;
+        let dev = m.device_pages;
+        let host = if self.cfg.host_enabled { m.host_pages } else { 0 };
+        let lb = host.saturating_sub(dev);
+        let cached = dev + lb;
+        let chunk = (total - cached * ps)
+            .min(self.cfg.chunked_prefill_size)
+            .min(budget.tokens);
+        if chunk == 0 {
+            return Admit::Blocked;
+        }
+        let new_pages = (cached * ps + chunk).div_ceil(ps) - cached;
+        let Ok(dl) = self.cache.lock::<Device>(m.device_node) else {
+            return Admit::Blocked;
+        };
+        let hl = if lb > 0 {
+            match self.cache.lock::<Host>(m.host_node) {
+                Ok(h) => Some(h),
+                Err(_) => {
+                    let _ = self.cache.unlock(dl);
+                    return Admit::Blocked;
+                }
+            }
+        } else {
+            None
+        };
+        let fresh = match self.cache.alloc_evicting::<Device>(lb + new_pages) {
+            Ok(p) => p,
+            Err(_) => {
+                let _ = self.cache.unlock(dl);
+                if let Some(h) = hl {
+                    let _ = self.cache.unlock(h);
+                }
+                return Admit::Blocked;
+            }
+        };
+        let mut pages = self.cache.path_pages::<Device>(m.device_node).unwrap_or_default();
+        pages.extend_from_slice(&fresh);
+        let mut waits_for = smallvec::SmallVec::new();
+        if let Some(hl) = hl {
+            let src = self
+                .cache
+                .path_pages_from::<Host>(m.host_node, dev)
+                .unwrap_or_default();
+            let op = self.new_op(
+                OpKind::LoadBack,
+                Some(id),
+                true,
+                OpSpec::LoadBack {
+                    src,
+                    dst: fresh[..lb].to_vec(),
+                },
+                OpCtx::LoadBack {
+                    host_lock: hl,
+                    from: dev,
+                    to: host,
+                },
+            );
+            waits_for.push(op);
+        }
+        self.apply(
+            id,
+            RequestEvent::ScheduleFirstChunk {
+                total: total as u32,
+                cached: (cached * ps) as u32,
+                tokens: chunk as u32,
+            },
+        );
+        self.stats.record_hits("device", dev as u64, ps as u64);
+        self.stats.record_hits("host", lb as u64, ps as u64);
+        self.stats.computed_tokens += chunk as u64;
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Admit::Deferred;
+        };
+        r.pages = pages;
+        r.tree_pages = dev;
+        r.dev_lock = Some(dl);
+        r.sent = 0;
+        r.dirty_from = usize::MAX;
+        let start = cached * ps;
+        batch.prefill.push(PrefillChunk {
+            req: id,
+            start: start as u32,
+            len: chunk as u32,
+            last: start + chunk == total,
+            table: r.take_delta(),
+            tokens: r.tokens[start..start + chunk].to_vec(),
+            waits_for: waits_for.clone(),
+        });
+        rows.push((
+            id,
+            RowKind::Prefill {
+                waits_for: waits_for.first().copied(),
+            },
+        ));
+        self.waiting.remove(&seq);
+        self.running.insert(seq, id);
+        budget.rows -= 1;
+        budget.tokens -= chunk;
+        Admit::Admitted
+    }
+}

@@ -1,0 +1,384 @@
+//! Completions from the engine: cache ops and forward results.
+//!
+//! Every handler first *validates* the whole event — the op or step exists and is in flight,
+//! the completion is of the op's kind, its payload is within bounds, the request's FSM accepts
+//! the resulting event, a forward does not overtake the ops it waits for — and only then
+//! mutates. A rejected event leaves the scheduler exactly as it was.
+
+use std::collections::HashMap;
+
+use kvtier_fsm::{OpEvent, RequestEvent, RequestState};
+use kvtier_radix::{Device, Host};
+
+use crate::error::SchedulerError;
+use crate::ops::{AnyLock, OpCtx, PrefetchDst};
+use crate::scheduler::{RowKind, Scheduler};
+use crate::types::*;
+
+impl Scheduler {
+    pub(crate) fn on_op_done(&mut self, ev: Event) -> Result<(), SchedulerError> {
+        let Some((op, claimed)) = ev.op_kind() else {
+            return Ok(());
+        };
+        let success = match ev {
+            Event::L3QueryDone { .. } | Event::PrefetchDone { .. } => true,
+            Event::LoadBackDone { success, .. }
+            | Event::WriteBackDone { success, .. }
+            | Event::BackUpDone { success, .. } => success,
+            Event::ForwardDone { .. } => true,
+        };
+        // ---- validate --------------------------------------------------------------
+        let Some(rec) = self.ops.get(&op) else {
+            return Err(if op.0 > 0 && op.0 < self.next_op {
+                SchedulerError::DuplicateCompletion(op)
+            } else {
+                SchedulerError::UnknownOp(op)
+            });
+        };
+        if rec.kind() != claimed {
+            return Err(SchedulerError::WrongCompletionKind {
+                op,
+                actual: rec.kind(),
+                claimed,
+            });
+        }
+        rec.op
+            .state
+            .next_state(OpEvent::Complete { success })
+            .map_err(|reason| SchedulerError::BadCompletion {
+                op,
+                what: "op not in flight",
+                detail: format!("{reason}"),
+            })?;
+        let req_event = match (&ev, &rec.ctx) {
+            (Event::L3QueryDone { hit_pages, .. }, OpCtx::Query { n, .. }) => {
+                if *hit_pages as usize > *n {
+                    return Err(SchedulerError::BadCompletion {
+                        op,
+                        what: "hit_pages",
+                        detail: format!("{hit_pages} > {n} keys probed"),
+                    });
+                }
+                Some(RequestEvent::QueryDone {
+                    hit_pages: *hit_pages,
+                })
+            }
+            (Event::PrefetchDone { completed, .. }, OpCtx::Prefetch { dst, .. }) => {
+                let n = match dst {
+                    PrefetchDst::Host(p, _) => p.len(),
+                    PrefetchDst::Device(p, _) => p.len(),
+                };
+                if *completed as usize > n {
+                    return Err(SchedulerError::BadCompletion {
+                        op,
+                        what: "completed",
+                        detail: format!("{completed} > {n} pages requested"),
+                    });
+                }
+                Some(RequestEvent::PrefetchDone {
+                    completed: *completed,
+                })
+            }
+            (Event::WriteBackDone { .. }, OpCtx::WriteBack { .. }) => {
+                Some(RequestEvent::WriteBackDone {
+                    success,
+                    backups: 0,
+                })
+            }
+            (Event::BackUpDone { .. }, OpCtx::BackUp { .. }) => {
+                rec.req.map(|_| RequestEvent::BackupDone)
+            }
+            _ => None,
+        };
+        if let (Some(e), Some(rid)) = (&req_event, rec.req) {
+            let r = self
+                .reqs
+                .get(&rid)
+                .ok_or(SchedulerError::UnknownRequest(rid))?;
+            self.check_event(r, e)?;
+        }
+
+        // ---- apply -------------------------------------------------------------------
+        let Some(rec) = self.ops.remove(&op) else {
+            return Ok(());
+        };
+        let latency = self.now_ms.saturating_sub(rec.issued_ms);
+        self.stats.record_completion(rec.kind(), success, latency);
+        let req = rec.req;
+        if let Some(r) = req.and_then(|id| self.reqs.get_mut(&id)) {
+            r.ops.retain(|o| *o != op);
+        }
+        match (rec.ctx, ev) {
+            (OpCtx::Query { start, .. }, Event::L3QueryDone { hit_pages, .. }) => {
+                let Some(id) = req else { return Ok(()) };
+                if let Some(r) = self.reqs.get_mut(&id) {
+                    r.l3_probe = Some((start, hit_pages as usize));
+                }
+                self.apply(id, RequestEvent::QueryDone { hit_pages });
+                self.requeue_or_release(id);
+            }
+            (OpCtx::Prefetch { start, dst }, Event::PrefetchDone { completed, .. }) => {
+                self.prefetch_deadlines.retain(|(_, o)| *o != op);
+                self.terminate.retain(|o| *o != op);
+                let Some(id) = req else { return Ok(()) };
+                self.finish_prefetch(id, start, dst, completed as usize);
+                self.apply(id, RequestEvent::PrefetchDone { completed });
+                self.requeue_or_release(id);
+            }
+            (OpCtx::LoadBack { host_lock, to, .. }, _) => {
+                let _ = self.cache.unlock(host_lock);
+                if let Some(id) = req {
+                    if success {
+                        self.publish_device(id, to);
+                    } else if let Some(r) = self.reqs.get_mut(&id) {
+                        r.recompute = true;
+                    }
+                }
+            }
+            (
+                OpCtx::WriteBack {
+                    host_lock,
+                    from,
+                    to,
+                    dst,
+                    retract,
+                },
+                _,
+            ) => self.finish_write_back(req, host_lock, from, to, dst, retract, success),
+            (OpCtx::BackUp { lock, nodes, hashes }, _) => {
+                let end = match &lock {
+                    AnyLock::Host(l) => l.node(),
+                    AnyLock::Device(l) => l.node(),
+                };
+                if success {
+                    self.mark_in_l3(end, &nodes);
+                }
+                for h in &hashes {
+                    self.backing_up.remove(h);
+                }
+                match lock {
+                    AnyLock::Host(l) => {
+                        let _ = self.cache.unlock(l);
+                    }
+                    AnyLock::Device(l) => {
+                        let _ = self.cache.unlock(l);
+                    }
+                }
+                if let Some(id) = req {
+                    self.apply(id, RequestEvent::BackupDone);
+                    if self.reqs.get(&id).is_some_and(|r| r.state.is_terminal()) {
+                        self.release(id);
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Inserts the first `completed` prefetched pages at page `start` — the offset their keys
+    /// were computed against — below the node locked when the prefetch was issued, and frees
+    /// the rest. Pages that meanwhile reached the tree another way are duplicates and freed.
+    fn finish_prefetch(&mut self, id: RequestId, start: usize, dst: PrefetchDst, completed: usize) {
+        let ps = self.cfg.page_size as u64;
+        let Some(r) = self.reqs.get(&id) else {
+            return;
+        };
+        let end = match dst {
+            PrefetchDst::Host(pages, lock) => {
+                let (ok, rest) = pages.split_at(completed);
+                let mut end = None;
+                match self.cache.insert::<Host>(lock.node(), start, &r.hashes, &r.tokens, ok) {
+                    Ok(out) => {
+                        let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
+                        let _ = self.cache.free(&dups);
+                        end = Some(out.end_node);
+                    }
+                    Err(e) => {
+                        tracing::error!(req = ?id, error = %e, "prefetch insert failed");
+                        let _ = self.cache.free(ok);
+                    }
+                }
+                let _ = self.cache.free(rest);
+                let _ = self.cache.unlock(lock);
+                end
+            }
+            PrefetchDst::Device(pages, lock) => {
+                let (ok, rest) = pages.split_at(completed);
+                let mut end = None;
+                match self.cache.insert::<Device>(lock.node(), start, &r.hashes, &r.tokens, ok) {
+                    Ok(out) => {
+                        let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
+                        let _ = self.cache.free(&dups);
+                        end = Some(out.end_node);
+                    }
+                    Err(e) => {
+                        tracing::error!(req = ?id, error = %e, "prefetch insert failed");
+                        let _ = self.cache.free(ok);
+                    }
+                }
+                let _ = self.cache.free(rest);
+                let _ = self.cache.unlock(lock);
+                end
+            }
+        };
+        if let Some(end) = end {
+            self.mark_in_l3(end, &[(start, start + completed)]);
+        }
+        self.stats.record_hits("l3", completed as u64, ps);
+    }
+
+    /// Marks in L3 every node on the path to `end` lying entirely inside one of `ranges`.
+    pub(crate) fn mark_in_l3(&mut self, end: kvtier_radix::NodeId, ranges: &[(usize, usize)]) {
+        let Ok(path) = self.cache.path_nodes(end) else {
+            return;
+        };
+        for (node, s, e) in path {
+            if ranges.iter().any(|&(a, b)| a <= s && e <= b) {
+                let _ = self.cache.set_in_l3(node, true);
+            }
+        }
+    }
+
+    /// After a completion: a request that became terminal is released, one that is waiting
+    /// again goes back into the queue.
+    pub(crate) fn requeue_or_release(&mut self, id: RequestId) {
+        let Some(r) = self.reqs.get(&id) else {
+            return;
+        };
+        if r.state.is_terminal() {
+            self.release(id);
+        } else {
+            let seq = r.seq;
+            self.waiting.insert(seq, id);
+        }
+    }
+
+    pub(crate) fn on_forward_done(
+        &mut self,
+        step: StepId,
+        outputs: &[TokenOutput],
+    ) -> Result<(), SchedulerError> {
+        // ---- validate --------------------------------------------------------------
+        let Some(st) = self.step.as_ref() else {
+            return Err(SchedulerError::UnknownStep(step));
+        };
+        if st.id != step {
+            return Err(SchedulerError::UnknownStep(step));
+        }
+        if outputs.len() != st.rows.len() {
+            return Err(SchedulerError::RowCountMismatch {
+                step,
+                expected: st.rows.len(),
+                got: outputs.len(),
+            });
+        }
+        // Row index of each output: same order as the batch (fast path), or by lookup.
+        let in_order = outputs.iter().zip(&st.rows).all(|(o, (r, _))| o.req == *r);
+        let order: Vec<usize> = if in_order {
+            (0..outputs.len()).collect()
+        } else {
+            let index: HashMap<RequestId, usize> =
+                st.rows.iter().enumerate().map(|(i, (r, _))| (*r, i)).collect();
+            let mut seen = vec![false; st.rows.len()];
+            let mut order = Vec::with_capacity(outputs.len());
+            for o in outputs {
+                let Some(&i) = index.get(&o.req) else {
+                    return Err(SchedulerError::NotInStep { step, req: o.req });
+                };
+                if std::mem::replace(&mut seen[i], true) {
+                    return Err(SchedulerError::NotInStep { step, req: o.req });
+                }
+                order.push(i);
+            }
+            order
+        };
+        for &i in &order {
+            let (rid, kind) = &st.rows[i];
+            let r = self
+                .reqs
+                .get(rid)
+                .ok_or(SchedulerError::UnknownRequest(*rid))?;
+            let ev = match kind {
+                RowKind::Prefill { waits_for } => {
+                    if let Some(op) = waits_for
+                        && self.ops.contains_key(op)
+                    {
+                        return Err(SchedulerError::CompletionOutOfOrder { step, op: *op });
+                    }
+                    RequestEvent::PrefillDone
+                }
+                RowKind::Decode => RequestEvent::DecodeStep,
+            };
+            self.check_event(r, &ev)?;
+        }
+
+        // ---- apply -------------------------------------------------------------------
+        let Some(st) = self.step.take() else {
+            return Ok(());
+        };
+        for (o, &i) in outputs.iter().zip(&order) {
+            let (id, kind) = &st.rows[i];
+            match kind {
+                RowKind::Prefill { .. } => self.prefill_done(*id, o),
+                RowKind::Decode => self.decode_done(*id, o),
+            }
+        }
+        Ok(())
+    }
+
+    fn prefill_done(&mut self, id: RequestId, out: &TokenOutput) {
+        let ps = self.cfg.page_size;
+        self.apply(id, RequestEvent::PrefillDone);
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        match r.state {
+            RequestState::Aborted => self.release(id),
+            _ if r.recompute => {
+                // A page this chunk read never arrived from host: its KV (and the token, if
+                // any) are garbage. Give everything back and recompute from the tree.
+                r.recompute = false;
+                if matches!(r.state, RequestState::Decoding { .. }) {
+                    // Nothing was appended yet; the token is dropped with the state.
+                }
+                self.retract(id, false);
+            }
+            RequestState::Prefilling { done, .. } => {
+                self.publish_device(id, done as usize / ps);
+            }
+            RequestState::Decoding { .. } => {
+                let full = r.tokens.len() / ps;
+                r.tokens.push(out.token);
+                if r.first_token_ms.is_none() {
+                    r.first_token_ms = Some(self.now_ms);
+                }
+                self.publish_device(id, full);
+                self.maybe_finish(id, out.stop);
+            }
+            _ => {}
+        }
+    }
+
+    fn decode_done(&mut self, id: RequestId, out: &TokenOutput) {
+        self.apply(id, RequestEvent::DecodeStep);
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        if r.state.is_terminal() {
+            self.release(id);
+            return;
+        }
+        r.tokens.push(out.token);
+        self.maybe_finish(id, out.stop);
+    }
+
+    fn maybe_finish(&mut self, id: RequestId, stop: bool) {
+        let Some(r) = self.reqs.get(&id) else {
+            return;
+        };
+        if stop || r.generated() >= r.max_new as usize {
+            self.finish(id);
+        }
+    }
+}

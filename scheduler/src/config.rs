@@ -1,0 +1,178 @@
+//! Scheduler configuration and its validation.
+//!
+//! Why validate up front: a scheduler that starts with a contradictory configuration (a
+//! write-back-to-L3-on-host-eviction policy without a host tier, a zero token budget) fails
+//! much later and far from the cause. `Scheduler::new` checks every combination here and
+//! returns a [`ConfigError`] naming the field.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use kvtier_radix::KeyNamespace;
+
+/// When to stop waiting for an L3 → host prefetch and start prefilling with what arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PrefetchStopPolicy {
+    /// Stop as soon as the request could be admitted (the prefetch only gets the time the
+    /// request would have waited in the queue anyway).
+    BestEffort,
+    /// Wait until the prefetch completes.
+    WaitComplete,
+    /// Wait at most `base_ms + per_1k_tokens_ms × prompt_tokens / 1000` after issuing.
+    Timeout { base_ms: u64, per_1k_tokens_ms: u64 },
+}
+
+/// Which host pages are backed up to L3, and when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WritePolicy {
+    /// Back up every finished request's pages that L3 does not have yet.
+    WriteThrough,
+    /// Like `WriteThrough`, but only nodes matched at least `hit_threshold` times.
+    WriteThroughSelective { hit_threshold: u32 },
+    /// Back up only when host evicts a page L3 does not have.
+    WriteBack,
+}
+
+/// Which running request gives its device pages back when decode runs out of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RetractionPolicy {
+    /// The most recently admitted request (least work lost in queue order).
+    LatestArrival,
+    /// The request with the fewest generated tokens (least decode work lost).
+    FewestGenerated,
+    /// The request holding the most device pages (frees the most at once).
+    MostPages,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SchedulerConfig {
+    /// Tokens per KV page.
+    pub page_size: usize,
+    pub device_pages: u32,
+    /// Host pages (ignored, and must be 0 or host disabled, when `host_enabled` is false).
+    pub host_pages: u32,
+    /// Most rows (prefill chunks + decode rows) in one forward batch, and most running requests.
+    pub max_batch_size: usize,
+    /// Most tokens computed in one forward (decode rows count one each).
+    pub token_budget: usize,
+    /// Most prompt tokens of one request in one prefill chunk.
+    pub chunked_prefill_size: usize,
+    /// Mix prefill chunks and decode rows in one batch.
+    pub mixed_prefill_decode: bool,
+    pub host_enabled: bool,
+    pub l3_enabled: bool,
+    /// Fewest L3-hit pages (beyond the local match) worth a prefetch.
+    pub prefetch_threshold: u32,
+    pub prefetch_stop: PrefetchStopPolicy,
+    pub write_policy: WritePolicy,
+    /// Keep the device copy of pages after they were written back to host.
+    pub keep_device_after_write_back: bool,
+    pub retraction: RetractionPolicy,
+    /// Longest request (prompt + new tokens) accepted.
+    pub max_context_tokens: usize,
+    /// L3 key namespace and this scheduler's tensor-parallel rank.
+    pub namespace: KeyNamespace,
+    pub rank: u32,
+    /// Record KV store/remove events for an external router.
+    pub record_kv_events: bool,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            page_size: 64,
+            device_pages: 4096,
+            host_pages: 8192,
+            max_batch_size: 256,
+            token_budget: 8192,
+            chunked_prefill_size: 8192,
+            mixed_prefill_decode: true,
+            host_enabled: true,
+            l3_enabled: false,
+            prefetch_threshold: 4,
+            prefetch_stop: PrefetchStopPolicy::Timeout {
+                base_ms: 50,
+                per_1k_tokens_ms: 10,
+            },
+            write_policy: WritePolicy::WriteThrough,
+            keep_device_after_write_back: true,
+            retraction: RetractionPolicy::LatestArrival,
+            max_context_tokens: 1 << 20,
+            namespace: KeyNamespace::default(),
+            rank: 0,
+            record_kv_events: false,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ConfigError {
+    #[error("{field} must be positive")]
+    Zero { field: &'static str },
+    #[error("token_budget ({budget}) must be at least page_size ({page_size})")]
+    BudgetBelowPage { budget: usize, page_size: usize },
+    #[error("write policy WriteBack backs up on host eviction and needs the host tier")]
+    WriteBackWithoutHost,
+    #[error("host_pages must be 0 when the host tier is disabled")]
+    HostPagesWithoutHost,
+    #[error("host tier enabled with 0 host pages")]
+    HostWithoutPages,
+    #[error("prefetch timeout must allow some time (base_ms or per_1k_tokens_ms > 0)")]
+    ZeroTimeout,
+    #[error("write_through_selective needs hit_threshold ≥ 1")]
+    ZeroHitThreshold,
+    #[error("max_context_tokens ({0}) exceeds the device capacity in tokens")]
+    ContextExceedsDevice(usize),
+    #[error("page_size {0} too large (max 65536)")]
+    PageTooLarge(usize),
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (field, v) in [
+            ("page_size", self.page_size),
+            ("device_pages", self.device_pages as usize),
+            ("max_batch_size", self.max_batch_size),
+            ("token_budget", self.token_budget),
+            ("chunked_prefill_size", self.chunked_prefill_size),
+            ("max_context_tokens", self.max_context_tokens),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Zero { field });
+            }
+        }
+        if self.page_size > 65536 {
+            return Err(ConfigError::PageTooLarge(self.page_size));
+        }
+        if self.token_budget < self.page_size {
+            return Err(ConfigError::BudgetBelowPage {
+                budget: self.token_budget,
+                page_size: self.page_size,
+            });
+        }
+        if !self.host_enabled {
+            if self.write_policy == WritePolicy::WriteBack {
+                return Err(ConfigError::WriteBackWithoutHost);
+            }
+            if self.host_pages > 0 {
+                return Err(ConfigError::HostPagesWithoutHost);
+            }
+        } else if self.host_pages == 0 {
+            return Err(ConfigError::HostWithoutPages);
+        }
+        if let PrefetchStopPolicy::Timeout {
+            base_ms: 0,
+            per_1k_tokens_ms: 0,
+        } = self.prefetch_stop
+        {
+            return Err(ConfigError::ZeroTimeout);
+        }
+        if let WritePolicy::WriteThroughSelective { hit_threshold: 0 } = self.write_policy {
+            return Err(ConfigError::ZeroHitThreshold);
+        }
+        if self.max_context_tokens > self.device_pages as usize * self.page_size {
+            return Err(ConfigError::ContextExceedsDevice(self.max_context_tokens));
+        }
+        Ok(())
+    }
+}

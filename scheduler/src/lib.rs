@@ -1,0 +1,34 @@
+//! # kvtier-scheduler — the request lifecycle across device, host and L3
+//!
+//! The engine's event loop calls [`Scheduler::next_execution_plan`] every step and reports
+//! what happened with [`Scheduler::on_event`]. The scheduler decides which requests run,
+//! which prefix pages they reuse from device, which they load back from host, which it probes
+//! and prefetches from L3, and which finished pages it writes back to host and backs up to L3.
+//!
+//! - `config.rs`: [`SchedulerConfig`] and its policies, validated into [`ConfigError`]s;
+//! - `types.rs`: requests, events, and the [`ExecutionPlan`];
+//! - `scheduler.rs`: state, public API, the plan's skeleton;
+//! - `admission.rs`: decode rows, prefill chunks, admission (match, load-back, L3);
+//! - `completion.rs`: validating and applying completions;
+//! - `lifecycle.rs`: publish, finish, write-back, backup, retraction, release;
+//! - `ops.rs`: the in-flight op table with the locks each op holds;
+//! - `stats.rs`: counters, also exported through the `metrics` facade.
+
+mod admission;
+mod completion;
+mod config;
+mod error;
+mod lifecycle;
+mod ops;
+mod request;
+mod scheduler;
+mod stats;
+mod types;
+
+pub use config::{ConfigError, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, WritePolicy};
+pub use error::SchedulerError;
+pub use kvtier_fsm::{OpKind, RequestState};
+pub use kvtier_radix::{DevicePageId, HostPageId, KeyNamespace, KvEvent, PageHash};
+pub use scheduler::Scheduler;
+pub use stats::{OpStats, Stats};
+pub use types::*;

@@ -1,0 +1,481 @@
+//! The back half of a request's life: publishing computed pages into the tree, finishing
+//! (write-back device → host, backup host → L3), retraction under device pressure, and
+//! releasing everything a request held exactly once.
+//!
+//! Ownership rule: a request's `pages[..tree_pages]` belong to the tree (pinned by its device
+//! lock), `pages[tree_pages..]` are the request's own. Publishing moves pages from the second
+//! group to the first; releasing unlocks the first and frees the second. Every op that reads
+//! pages after the request let go of them holds its own lock (see `ops.rs`).
+
+use kvtier_fsm::{OpKind, RequestEvent, RequestState};
+use kvtier_radix::{Device, Host, HostPageId, LockHandle, NodeId, PageHash};
+
+use crate::config::{RetractionPolicy, WritePolicy};
+use crate::ops::{AnyLock, OpCtx};
+use crate::scheduler::Scheduler;
+use crate::types::*;
+
+impl Scheduler {
+    /// Publishes the request's pages `tree_pages .. upto` (full pages whose KV is computed)
+    /// into the device tree, so concurrent requests with the same prefix reuse them at once.
+    /// Pages the tree already had are swapped into the request's page table and its own copies
+    /// freed; the engine receives the change as a page-table delta.
+    pub(crate) fn publish_device(&mut self, id: RequestId, upto: usize) {
+        let ps = self.cfg.page_size;
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        let upto = upto.min(r.pages.len());
+        if upto <= r.tree_pages {
+            return;
+        }
+        r.ensure_hashes(upto, ps);
+        if r.hashes.len() < upto {
+            return;
+        }
+        let Some(dl) = r.dev_lock.take() else {
+            return;
+        };
+        let from = r.tree_pages;
+        match self.cache.insert::<Device>(
+            dl.node(),
+            from,
+            &r.hashes,
+            &r.tokens,
+            &r.pages[from..upto],
+        ) {
+            Ok(out) => {
+                for &(idx, mine, theirs) in &out.duplicates {
+                    r.pages[idx] = theirs;
+                    r.dirty_from = r.dirty_from.min(idx);
+                    let _ = self.cache.free(&[mine]);
+                }
+                match self.cache.relock(dl, out.end_node) {
+                    Ok(nl) => {
+                        r.dev_lock = Some(nl);
+                        r.tree_pages = upto;
+                    }
+                    Err(e) => tracing::error!(req = ?id, error = %e, "relock failed"),
+                }
+            }
+            Err(e) => {
+                tracing::error!(req = ?id, error = %e, "publish failed");
+                r.dev_lock = Some(dl);
+            }
+        }
+    }
+
+    /// Generation is over: publish the pages, write back what host lacks, back up per policy.
+    pub(crate) fn finish(&mut self, id: RequestId) {
+        let ps = self.cfg.page_size;
+        let Some(r) = self.reqs.get(&id) else {
+            return;
+        };
+        let full = r.kv_len() / ps;
+        let seq = r.seq;
+        self.publish_device(id, full);
+        self.drop_own_pages(id);
+        self.running.remove(&seq);
+        let n = if self.cfg.host_enabled {
+            self.plan_write_back(id, false)
+        } else {
+            0
+        };
+        self.apply(
+            id,
+            RequestEvent::Finish {
+                pages_to_write_back: n as u32,
+            },
+        );
+        self.apply(id, RequestEvent::CommitDraining);
+        if n == 0 {
+            // Everything already on host (or no host tier): back up from where it is, with the
+            // backup holding its own lock, then end the request.
+            if let Some(end) = self.reqs.get(&id).and_then(|r| r.dev_lock.as_ref()).map(|l| l.node()) {
+                if self.cfg.host_enabled {
+                    if self.cache.is_resident(end, kvtier_radix::TierKind::Host) == Ok(true) {
+                        self.plan_backup(end, true, None, false);
+                    }
+                } else {
+                    self.plan_backup(end, false, None, false);
+                }
+            }
+            self.release(id);
+        }
+    }
+
+    /// Frees the request's own (unpublished) pages and truncates its table to the tree part.
+    fn drop_own_pages(&mut self, id: RequestId) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        let own: Vec<_> = r.pages.drain(r.tree_pages.min(r.pages.len())..).collect();
+        let _ = self.cache.free(&own);
+        r.sent = r.sent.min(r.pages.len());
+    }
+
+    /// Plans the device → host write-back of the request's published pages that host lacks.
+    /// Returns the number of pages (0: nothing to write, or no host memory).
+    pub(crate) fn plan_write_back(&mut self, id: RequestId, retract: bool) -> usize {
+        let Some(r) = self.reqs.get(&id) else {
+            return 0;
+        };
+        let Some(end) = r.dev_lock.as_ref().map(|l| l.node()) else {
+            return 0;
+        };
+        let full = r.tree_pages;
+        if full == 0 {
+            return 0;
+        }
+        let Ok(path) = self.cache.path_nodes(end) else {
+            return 0;
+        };
+        let Some(&(_, host_from, _)) = path
+            .iter()
+            .find(|(n, _, _)| self.cache.is_resident(*n, kvtier_radix::TierKind::Host) != Ok(true))
+        else {
+            return 0;
+        };
+        let Ok(host_start) = self.cache.node_at_depth(end, host_from) else {
+            return 0;
+        };
+        let Ok(hl) = self.cache.lock::<Host>(host_start) else {
+            return 0;
+        };
+        let n = full - host_from;
+        let Some(dst) = self.alloc_host(n) else {
+            let _ = self.cache.unlock(hl);
+            return 0;
+        };
+        let src = self
+            .cache
+            .path_pages_from::<Device>(end, host_from)
+            .unwrap_or_default();
+        self.new_op(
+            OpKind::WriteBack,
+            Some(id),
+            false,
+            OpSpec::WriteBack {
+                src,
+                dst: dst.clone(),
+            },
+            OpCtx::WriteBack {
+                host_lock: hl,
+                from: host_from,
+                to: full,
+                dst,
+                retract,
+            },
+        );
+        n
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn finish_write_back(
+        &mut self,
+        req: Option<RequestId>,
+        host_lock: LockHandle<Host>,
+        from: usize,
+        to: usize,
+        dst: Vec<HostPageId>,
+        retract: bool,
+        success: bool,
+    ) {
+        let mut host_end = None;
+        if let Some(r) = req.and_then(|id| self.reqs.get(&id))
+            && success
+        {
+            match self
+                .cache
+                .insert::<Host>(host_lock.node(), from, &r.hashes, &r.tokens, &dst)
+            {
+                Ok(out) => {
+                    let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
+                    let _ = self.cache.free(&dups);
+                    host_end = Some(out.end_node);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "write-back insert failed");
+                    let _ = self.cache.free(&dst);
+                }
+            }
+        } else {
+            let _ = self.cache.free(&dst);
+        }
+        let _ = self.cache.unlock(host_lock);
+        let Some(id) = req else { return };
+        let _ = to;
+        // The device copy was the source; the request's hold on it ends here.
+        let dev_end = self.take_dev_lock(id);
+        if retract {
+            self.apply(
+                id,
+                RequestEvent::WriteBackDone {
+                    success,
+                    backups: 0,
+                },
+            );
+            self.stats.retracted += 0;
+            self.requeue_or_release(id);
+            return;
+        }
+        let mut backups = 0;
+        if success && let Some(end) = host_end {
+            if self.plan_backup(end, true, Some(id), false) {
+                backups = 1;
+            }
+            if !self.cfg.keep_device_after_write_back
+                && let Some(dev_end) = dev_end
+            {
+                self.drop_device_copies(dev_end);
+            }
+        }
+        self.apply(id, RequestEvent::WriteBackDone { success, backups });
+        if self.reqs.get(&id).is_some_and(|r| r.state.is_terminal()) {
+            self.release(id);
+        }
+    }
+
+    /// Unlocks the request's device pin and forgets its (now void) page table.
+    fn take_dev_lock(&mut self, id: RequestId) -> Option<NodeId> {
+        let r = self.reqs.get_mut(&id)?;
+        let lock = r.dev_lock.take();
+        let own: Vec<_> = r.pages.drain(r.tree_pages.min(r.pages.len())..).collect();
+        r.pages.clear();
+        r.tree_pages = 0;
+        r.sent = 0;
+        r.dirty_from = usize::MAX;
+        let _ = self.cache.free(&own);
+        let lock = lock?;
+        let node = lock.node();
+        let _ = self.cache.unlock(lock);
+        Some(node)
+    }
+
+    /// Evicts the device copies of `end` and its ancestors, deepest first, while they are
+    /// unlocked leaves (write-back done and the policy is to drop device copies).
+    fn drop_device_copies(&mut self, end: NodeId) {
+        let Ok(path) = self.cache.path_nodes(end) else {
+            return;
+        };
+        for (node, _, _) in path.into_iter().rev() {
+            if self.cache.evict_node::<Device>(node).is_err() {
+                break;
+            }
+        }
+    }
+
+    /// Plans a backup to L3 of the nodes on the path to `end` that L3 lacks (per the write
+    /// policy unless `force`). The backup locks `end` on its source tier until `BackUpDone`.
+    pub(crate) fn plan_backup(
+        &mut self,
+        end: NodeId,
+        from_host: bool,
+        req: Option<RequestId>,
+        force: bool,
+    ) -> bool {
+        if !self.cfg.l3_enabled {
+            return false;
+        }
+        let threshold = match self.cfg.write_policy {
+            WritePolicy::WriteThrough => 0,
+            WritePolicy::WriteThroughSelective { hit_threshold } => hit_threshold,
+            WritePolicy::WriteBack if force => 0,
+            WritePolicy::WriteBack => return false,
+        };
+        let Ok(path) = self.cache.path_nodes(end) else {
+            return false;
+        };
+        let mut depths: Vec<usize> = Vec::new();
+        let mut hashes: Vec<PageHash> = Vec::new();
+        let mut nodes = Vec::new();
+        for (node, s, e) in path {
+            if self.cache.in_l3(node) != Ok(false) || self.cache.hit_count(node).unwrap_or(0) < threshold {
+                continue;
+            }
+            let Ok(hs) = self.cache.node_hashes(node) else {
+                continue;
+            };
+            let mut all = true;
+            for (i, h) in hs.iter().enumerate() {
+                if self.backing_up.contains(h) {
+                    all = false;
+                } else {
+                    depths.push(s + i);
+                    hashes.push(*h);
+                }
+            }
+            if all {
+                nodes.push((s, e));
+            }
+        }
+        if hashes.is_empty() {
+            return false;
+        }
+        let keys = self.keys_for(&hashes);
+        let (src, lock) = if from_host {
+            let Ok(all) = self.cache.path_pages::<Host>(end) else {
+                return false;
+            };
+            let Ok(l) = self.cache.lock::<Host>(end) else {
+                return false;
+            };
+            (
+                TierPages::Host(depths.iter().map(|&d| all[d]).collect()),
+                AnyLock::Host(l),
+            )
+        } else {
+            let Ok(all) = self.cache.path_pages::<Device>(end) else {
+                return false;
+            };
+            let Ok(l) = self.cache.lock::<Device>(end) else {
+                return false;
+            };
+            (
+                TierPages::Device(depths.iter().map(|&d| all[d]).collect()),
+                AnyLock::Device(l),
+            )
+        };
+        self.backing_up.extend(hashes.iter().copied());
+        self.new_op(
+            OpKind::BackUp,
+            req,
+            false,
+            OpSpec::BackUp { keys, src },
+            OpCtx::BackUp {
+                lock,
+                nodes,
+                hashes,
+            },
+        );
+        true
+    }
+
+    /// Write-back policy: before host evicts a page L3 lacks, back it up. Evicts LRU host leaves
+    /// already in L3; for the others issues backups (which pin them until done) and stops once
+    /// free pages plus pages being backed up cover `n`.
+    pub(crate) fn make_room_on_host(&mut self, n: usize) {
+        let mut pending = 0usize;
+        for _ in 0..100_000 {
+            if self.cache.usage(kvtier_radix::TierKind::Host).free + pending >= n {
+                return;
+            }
+            let Some(node) = self.cache.evictable_lru::<Host>().next() else {
+                return;
+            };
+            if self.cache.in_l3(node) == Ok(true) {
+                let _ = self.cache.evict_node::<Host>(node);
+                continue;
+            }
+            let len = self.cache.node_hashes(node).map(|h| h.len()).unwrap_or(0);
+            if self.plan_backup(node, true, None, true) {
+                pending += len;
+            } else {
+                let _ = self.cache.evict_node::<Host>(node);
+            }
+        }
+    }
+
+    /// Device is out of pages for `needy`'s next decode token: retract a victim. Returns true if
+    /// device pages were freed at once (a victim written back to host frees them later).
+    pub(crate) fn retract_for(&mut self, needy: RequestId) -> bool {
+        let mut best: Option<(RequestId, (u64, u64))> = None;
+        for &id in self.running.values() {
+            if id == needy {
+                continue;
+            }
+            let Some(r) = self.reqs.get(&id) else { continue };
+            if !matches!(
+                r.state,
+                RequestState::Decoding {
+                    in_flight: false,
+                    abort_pending: false,
+                    ..
+                }
+            ) {
+                continue;
+            }
+            let key = match self.cfg.retraction {
+                RetractionPolicy::LatestArrival => (r.seq, 0),
+                RetractionPolicy::FewestGenerated => (u64::MAX - r.generated() as u64, r.seq),
+                RetractionPolicy::MostPages => (r.pages.len() as u64, r.seq),
+            };
+            if best.as_ref().is_none_or(|(_, k)| key > *k) {
+                best = Some((id, key));
+            }
+        }
+        let victim = best.map(|b| b.0).unwrap_or(needy);
+        self.retract(victim, false)
+    }
+
+    /// Preempts a running request: its computed pages are published and written back to host
+    /// (or dropped, to be recomputed, when host is full or absent, or when `garbage`), and it
+    /// waits to resume. Returns true if its device pages were unpinned at once.
+    pub(crate) fn retract(&mut self, id: RequestId, garbage_free: bool) -> bool {
+        let ps = self.cfg.page_size;
+        let Some(r) = self.reqs.get(&id) else {
+            return false;
+        };
+        let seq = r.seq;
+        let kv = match r.state {
+            RequestState::Prefilling { done, .. } => done as usize,
+            _ => r.kv_len(),
+        };
+        let garbage = garbage_free || r.recompute;
+        if !garbage {
+            self.publish_device(id, kv / ps);
+        }
+        self.drop_own_pages(id);
+        self.running.remove(&seq);
+        let n = if self.cfg.host_enabled && !garbage {
+            self.plan_write_back(id, true)
+        } else {
+            0
+        };
+        self.apply(
+            id,
+            RequestEvent::Retract {
+                write_back_pages: n as u32,
+            },
+        );
+        self.stats.retracted += 1;
+        self.retracted_out.push(id);
+        if n == 0 {
+            self.take_dev_lock(id);
+            self.waiting.insert(seq, id);
+            return true;
+        }
+        false
+    }
+
+    /// Ends a request in a terminal state: unpins and frees everything it held, once.
+    pub(crate) fn release(&mut self, id: RequestId) {
+        self.take_dev_lock(id);
+        let Some(r) = self.reqs.remove(&id) else {
+            return;
+        };
+        self.waiting.remove(&r.seq);
+        self.running.remove(&r.seq);
+        let outcome = match r.state {
+            RequestState::Finished => {
+                self.stats.finished += 1;
+                Outcome::Finished
+            }
+            RequestState::Aborted => {
+                self.stats.aborted += 1;
+                Outcome::Aborted
+            }
+            _ => {
+                self.stats.failed += 1;
+                Outcome::Failed
+            }
+        };
+        metrics::counter!("kvtier_requests_ended_total", "outcome" => match outcome {
+            Outcome::Finished => "finished",
+            Outcome::Aborted => "aborted",
+            Outcome::Failed => "failed",
+        })
+        .increment(1);
+        self.ended.push((id, outcome));
+    }
+}

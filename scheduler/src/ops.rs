@@ -1,0 +1,78 @@
+//! The table of cache operations in flight.
+//!
+//! Why a table: every op the scheduler hands out must come back exactly once, with a
+//! completion of its own kind. The table holds each op's FSM (`Pending → Issued → Done |
+//! Failed`), the request it serves, and the context needed to finish it — most importantly
+//! the **locks** that keep its source and destination pages alive until its completion
+//! arrives (a backup's host pages stay locked until `BackUpDone`: the review bug where backup
+//! sources were reused before the backup read them cannot happen).
+
+use kvtier_fsm::{CacheOp, OpKind};
+use kvtier_radix::{Device, DevicePageId, Host, HostPageId, LockHandle, PageHash};
+
+use crate::types::RequestId;
+
+/// A lock on either tier.
+pub(crate) enum AnyLock {
+    Device(LockHandle<Device>),
+    Host(LockHandle<Host>),
+}
+
+/// Destination pages of a prefetch.
+pub(crate) enum PrefetchDst {
+    /// Into host pages, inserted below the locked host node.
+    Host(Vec<HostPageId>, LockHandle<Host>),
+    /// Into device pages (host tier disabled), inserted below the locked device node.
+    Device(Vec<DevicePageId>, LockHandle<Device>),
+}
+
+pub(crate) enum OpCtx {
+    Query {
+        /// First prompt page probed (the local match at probe time).
+        start: usize,
+        n: usize,
+    },
+    Prefetch {
+        /// Prompt page the first key is for: the local match *when the prefetch was issued*.
+        start: usize,
+        dst: PrefetchDst,
+    },
+    LoadBack {
+        /// Pins the host source pages until the copy is done.
+        host_lock: LockHandle<Host>,
+        /// Prompt pages `from..to` are copied into `req.pages[from..to]`.
+        from: usize,
+        to: usize,
+    },
+    WriteBack {
+        /// Pins the host node the written pages will hang below.
+        host_lock: LockHandle<Host>,
+        from: usize,
+        to: usize,
+        dst: Vec<HostPageId>,
+        /// Written back because the request is being retracted (not because it finished).
+        retract: bool,
+    },
+    BackUp {
+        /// Pins the source pages (host, or device without a host tier) until `BackUpDone`.
+        lock: AnyLock,
+        /// Depth ranges of the nodes entirely covered by this backup (marked in L3 on success).
+        nodes: Vec<(usize, usize)>,
+        /// Hashes of the pages being backed up (de-duplicates concurrent backups).
+        hashes: Vec<PageHash>,
+    },
+}
+
+pub(crate) struct OpRecord {
+    pub op: CacheOp,
+    pub req: Option<RequestId>,
+    /// `now` (ms) of the plan that issued it.
+    pub issued_ms: u64,
+    pub ctx: OpCtx,
+}
+
+impl OpRecord {
+    pub(crate) fn kind(&self) -> OpKind {
+        self.op.kind
+    }
+}

@@ -1,0 +1,80 @@
+//! The scheduler's record of one request: its tokens, page table, locks and FSM state.
+//!
+//! Invariants (kept by the scheduler, checked in tests through `Scheduler::check`):
+//! - `pages[..tree_pages]` are device pages owned by the radix tree, pinned by `dev_lock`,
+//!   whose node ends exactly at depth `tree_pages`;
+//! - `pages[tree_pages..]` are device pages *held* by this request (allocated, not yet
+//!   published into the tree);
+//! - `hashes[i]` is the chained hash of page `i` of `tokens`, for every full page computed so far.
+
+use smallvec::SmallVec;
+
+use kvtier_fsm::RequestState;
+use kvtier_radix::{Device, DevicePageId, LockHandle, PageHash, extend_hashes};
+
+use crate::types::{OpId, PageTableDelta, RequestId};
+
+pub(crate) struct Request {
+    pub id: RequestId,
+    /// Arrival order; queues are ordered by it (retracted requests keep theirs, so they resume first).
+    pub seq: u64,
+    /// Prompt followed by the generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub max_new: u32,
+    pub hashes: Vec<PageHash>,
+    pub state: RequestState,
+    /// Device page table: page `i` holds KV of tokens `i*ps .. (i+1)*ps`.
+    pub pages: Vec<DevicePageId>,
+    pub tree_pages: usize,
+    pub dev_lock: Option<LockHandle<Device>>,
+    /// Entries of `pages` the engine has been sent.
+    pub sent: usize,
+    /// Smallest index changed in place since the last send (usize::MAX: none).
+    pub dirty_from: usize,
+    /// `(start page, hit pages)` from the L3 probe.
+    pub l3_probe: Option<(usize, usize)>,
+    /// L3 was consulted (probe answered, prefetch done or skipped): do not ask again.
+    pub l3_done: bool,
+    /// Ops in flight that serve this request.
+    pub ops: SmallVec<[OpId; 2]>,
+    /// A load-back this request's current chunk reads failed: recompute instead.
+    pub recompute: bool,
+    /// Time (ms, the engine's clock) the request arrived.
+    pub arrival_ms: u64,
+    pub first_token_ms: Option<u64>,
+}
+
+impl Request {
+    pub(crate) fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens whose KV is on device once no forward is in flight: all but the last token,
+    /// which is the input of the next decode step.
+    pub(crate) fn kv_len(&self) -> usize {
+        self.tokens.len().saturating_sub(1)
+    }
+
+    /// Makes sure `hashes` covers the first `pages` full pages.
+    pub(crate) fn ensure_hashes(&mut self, pages: usize, page_size: usize) {
+        if self.hashes.len() < pages {
+            let from = self.hashes.len();
+            extend_hashes(&mut self.hashes, &self.tokens, page_size, from, pages);
+        }
+    }
+
+    /// The page-table change to send with the next row of this request, if any.
+    pub(crate) fn take_delta(&mut self) -> Option<PageTableDelta> {
+        let from = self.sent.min(self.dirty_from);
+        self.dirty_from = usize::MAX;
+        if from >= self.pages.len() && self.sent == self.pages.len() {
+            return None;
+        }
+        self.sent = self.pages.len();
+        Some(PageTableDelta {
+            from: from as u32,
+            pages: self.pages[from..].to_vec(),
+        })
+    }
+}

@@ -1,0 +1,124 @@
+//! Counters an operator watches: where prompt tokens came from, what ops ran and how long
+//! they took, how long the queues are and how full the pools are.
+//!
+//! Why both a struct and the `metrics` facade: tests and the simulator read [`Stats`]
+//! directly; a production engine already runs a Prometheus (or other) exporter, and every
+//! counter here is also recorded through `metrics` under `kvtier_*` names, so it shows up
+//! there without kvtier choosing an exporter.
+
+use serde::Serialize;
+use strum::IntoEnumIterator;
+
+use kvtier_fsm::OpKind;
+use kvtier_radix::TierUsage;
+
+/// Per-kind op counters. Latencies are measured in the engine's clock (the `now` passed to
+/// `next_execution_plan`), from the plan that issued the op to the first plan after its
+/// completion was reported.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct OpStats {
+    pub issued: u64,
+    pub succeeded: u64,
+    pub failed: u64,
+    pub latency_ms_sum: u64,
+    pub latency_ms_max: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Stats {
+    pub submitted: u64,
+    pub finished: u64,
+    pub aborted: u64,
+    pub failed: u64,
+    pub retracted: u64,
+    /// Prompt tokens found on device at admission.
+    pub device_hit_tokens: u64,
+    pub device_hit_pages: u64,
+    /// Prompt tokens loaded back from host.
+    pub host_hit_tokens: u64,
+    pub host_hit_pages: u64,
+    /// Prompt tokens prefetched from L3 (and then loaded back).
+    pub l3_hit_tokens: u64,
+    pub l3_hit_pages: u64,
+    /// Prompt tokens computed by prefill.
+    pub computed_tokens: u64,
+    /// Per op kind, in `OpKind` order: LoadBack, WriteBack, Prefetch, BackUp, L3Query.
+    pub ops: Vec<(OpKind, OpStats)>,
+    pub waiting: usize,
+    pub running: usize,
+    pub prefetching: usize,
+    pub device: TierUsage,
+    pub host: TierUsage,
+    pub plans: u64,
+}
+
+impl Stats {
+    pub(crate) fn new() -> Self {
+        Stats {
+            ops: OpKind::iter().map(|k| (k, OpStats::default())).collect(),
+            ..Stats::default()
+        }
+    }
+
+    pub(crate) fn op_mut(&mut self, kind: OpKind) -> &mut OpStats {
+        let i = OpKind::iter().position(|k| k == kind).unwrap_or(0);
+        &mut self.ops[i].1
+    }
+
+    pub fn op(&self, kind: OpKind) -> OpStats {
+        self.ops
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, s)| *s)
+            .unwrap_or_default()
+    }
+
+    pub(crate) fn record_issue(&mut self, kind: OpKind) {
+        self.op_mut(kind).issued += 1;
+        metrics::counter!("kvtier_ops_issued_total", "kind" => kind_name(kind)).increment(1);
+    }
+
+    pub(crate) fn record_completion(&mut self, kind: OpKind, success: bool, latency_ms: u64) {
+        let s = self.op_mut(kind);
+        if success {
+            s.succeeded += 1;
+        } else {
+            s.failed += 1;
+        }
+        s.latency_ms_sum += latency_ms;
+        s.latency_ms_max = s.latency_ms_max.max(latency_ms);
+        let k = kind_name(kind);
+        metrics::counter!("kvtier_ops_completed_total", "kind" => k, "success" => if success { "true" } else { "false" })
+            .increment(1);
+        metrics::histogram!("kvtier_op_latency_ms", "kind" => k).record(latency_ms as f64);
+    }
+
+    pub(crate) fn record_hits(&mut self, tier: &'static str, pages: u64, page_size: u64) {
+        let (p, t) = match tier {
+            "device" => (&mut self.device_hit_pages, &mut self.device_hit_tokens),
+            "host" => (&mut self.host_hit_pages, &mut self.host_hit_tokens),
+            _ => (&mut self.l3_hit_pages, &mut self.l3_hit_tokens),
+        };
+        *p += pages;
+        *t += pages * page_size;
+        metrics::counter!("kvtier_hit_pages_total", "tier" => tier).increment(pages);
+        metrics::counter!("kvtier_hit_tokens_total", "tier" => tier).increment(pages * page_size);
+    }
+
+    /// Publishes the gauges (once per plan).
+    pub(crate) fn publish_gauges(&self) {
+        metrics::gauge!("kvtier_waiting_requests").set(self.waiting as f64);
+        metrics::gauge!("kvtier_running_requests").set(self.running as f64);
+        metrics::gauge!("kvtier_prefetching_requests").set(self.prefetching as f64);
+        for (tier, u) in [("device", self.device), ("host", self.host)] {
+            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "free").set(u.free as f64);
+            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "held").set(u.held as f64);
+            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "cached").set(u.cached as f64);
+            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "locked").set(u.locked as f64);
+        }
+    }
+}
+
+fn kind_name(k: OpKind) -> &'static str {
+    k.into()
+}

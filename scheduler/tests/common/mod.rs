@@ -1,0 +1,327 @@
+//! A test engine that executes execution plans against simulated memory and checks, for every
+//! forward, that every page it reads holds the KV its position requires.
+//!
+//! Content model (the integrity oracle): a page's content is the hash of the page it holds KV
+//! for (`PageHash`), or `None` when it holds nothing complete. Copies (load-back, write-back,
+//! prefetch, backup) move contents; a forward writes the hash of each page it completes. L3 is a
+//! map from key to content; a backup asserts that the content it stores matches its key.
+//!
+//! Ops may complete at once or be held back and completed later in a random order; a copy reads
+//! its source when it *completes*, so a source page reused before its copy finished is caught.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+
+use kvtier_radix::page_hashes;
+use kvtier_scheduler::*;
+
+pub struct Engine {
+    pub page_size: usize,
+    pub device: Vec<Option<PageHash>>,
+    pub host: Vec<Option<PageHash>>,
+    pub l3: HashMap<String, PageHash>,
+    /// The engine's copy of each request's page table and tokens.
+    pub tables: HashMap<RequestId, Vec<DevicePageId>>,
+    pub tokens: HashMap<RequestId, Vec<u32>>,
+    pub held: Vec<PlannedOp>,
+    pub forward: Option<ForwardBatch>,
+    pub ended: Vec<(RequestId, Outcome)>,
+    pub pages_checked: u64,
+    /// Fail ops of these kinds (every n-th, by op id), to test failure paths.
+    pub fail_every: Option<(OpKind, u64)>,
+    /// Stop a request after this many generated tokens (engine-side stop condition).
+    pub stop_after: HashMap<RequestId, usize>,
+}
+
+fn key_hash(key: &str) -> Option<PageHash> {
+    let hex = key.split(':').nth(1)?;
+    let mut b = [0u8; 32];
+    for (i, c) in hex.as_bytes().chunks(2).enumerate() {
+        b[i] = u8::from_str_radix(std::str::from_utf8(c).ok()?, 16).ok()?;
+    }
+    Some(PageHash(b))
+}
+
+impl Engine {
+    pub fn new(cfg: &SchedulerConfig) -> Engine {
+        Engine {
+            page_size: cfg.page_size,
+            device: vec![None; cfg.device_pages as usize],
+            host: vec![None; cfg.host_pages as usize],
+            l3: HashMap::new(),
+            tables: HashMap::new(),
+            tokens: HashMap::new(),
+            held: Vec::new(),
+            forward: None,
+            ended: Vec::new(),
+            pages_checked: 0,
+            fail_every: None,
+            stop_after: HashMap::new(),
+        }
+    }
+
+    pub fn submit(&mut self, s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_new: u32) {
+        self.tokens.insert(RequestId(id), prompt.clone());
+        s.submit(RequestSpec {
+            id: RequestId(id),
+            prompt,
+            max_new_tokens: max_new,
+        })
+        .expect("submit");
+    }
+
+    /// Takes a plan; ops are held (to be completed by `complete_*`), the forward is kept.
+    pub fn take_plan(&mut self, plan: ExecutionPlan) {
+        for (id, o) in &plan.ended {
+            self.tables.remove(id);
+            self.ended.push((*id, *o));
+        }
+        for id in &plan.retracted {
+            self.tables.remove(id);
+        }
+        self.held.extend(plan.ops);
+        // Terminated prefetches are answered at once with what "arrived" so far.
+        for op in plan.terminate_prefetch {
+            let _ = op;
+        }
+        assert!(self.forward.is_none() || plan.forward.step.is_none());
+        if plan.forward.step.is_some() {
+            self.forward = Some(plan.forward);
+        }
+    }
+
+    fn fails(&self, op: &PlannedOp) -> bool {
+        matches!(self.fail_every, Some((k, n)) if k == op.kind && op.id.0 % n == 0)
+    }
+
+    /// Executes one held op (by index) and reports its completion.
+    pub fn complete_op(&mut self, s: &mut Scheduler, idx: usize) {
+        let op = self.held.remove(idx);
+        let fail = self.fails(&op);
+        let ev = match &op.spec {
+            OpSpec::L3Query { keys } => Event::L3QueryDone {
+                op: op.id,
+                hit_pages: keys.iter().take_while(|k| self.l3.contains_key(*k)).count() as u32,
+            },
+            OpSpec::Prefetch { keys, dst } => {
+                let mut n = 0;
+                for (i, k) in keys.iter().enumerate() {
+                    if fail && i >= keys.len() / 2 {
+                        break;
+                    }
+                    let Some(c) = self.l3.get(k).copied() else { break };
+                    match dst {
+                        TierPages::Host(p) => self.host[p[i].index() as usize] = Some(c),
+                        TierPages::Device(p) => self.device[p[i].index() as usize] = Some(c),
+                    }
+                    n += 1;
+                }
+                Event::PrefetchDone {
+                    op: op.id,
+                    completed: n,
+                }
+            }
+            OpSpec::LoadBack { src, dst } => {
+                if !fail {
+                    for (a, b) in src.iter().zip(dst) {
+                        self.device[b.index() as usize] = self.host[a.index() as usize];
+                    }
+                }
+                Event::LoadBackDone {
+                    op: op.id,
+                    success: !fail,
+                }
+            }
+            OpSpec::WriteBack { src, dst } => {
+                if !fail {
+                    for (a, b) in src.iter().zip(dst) {
+                        self.host[b.index() as usize] = self.device[a.index() as usize];
+                    }
+                }
+                Event::WriteBackDone {
+                    op: op.id,
+                    success: !fail,
+                }
+            }
+            OpSpec::BackUp { keys, src } => {
+                if !fail {
+                    for (i, k) in keys.iter().enumerate() {
+                        let c = match src {
+                            TierPages::Host(p) => self.host[p[i].index() as usize],
+                            TierPages::Device(p) => self.device[p[i].index() as usize],
+                        };
+                        assert_eq!(c, key_hash(k), "backup stores other content under {k}");
+                        if let Some(c) = c {
+                            self.l3.insert(k.clone(), c);
+                        }
+                    }
+                }
+                Event::BackUpDone {
+                    op: op.id,
+                    success: !fail,
+                }
+            }
+        };
+        s.on_event(ev).expect("op completion accepted");
+    }
+
+    /// Whether the held forward may complete (every op its chunks wait for has completed).
+    pub fn forward_ready(&self) -> bool {
+        let Some(f) = &self.forward else { return false };
+        f.prefill
+            .iter()
+            .flat_map(|c| c.waits_for.iter())
+            .all(|w| !self.held.iter().any(|o| o.id == *w))
+    }
+
+    fn apply_delta(&mut self, req: RequestId, d: &Option<PageTableDelta>) {
+        let t = self.tables.entry(req).or_default();
+        if let Some(d) = d {
+            t.truncate(d.from as usize);
+            t.extend_from_slice(&d.pages);
+        }
+    }
+
+    /// Checks that pages `0 .. upto_tokens / ps` of `req` hold the right KV.
+    fn check_pages(&mut self, req: RequestId, upto_tokens: usize) {
+        let ps = self.page_size;
+        let toks = &self.tokens[&req];
+        let hs = page_hashes(&toks[..upto_tokens], ps, None);
+        let table = &self.tables[&req];
+        for (i, h) in hs.iter().enumerate() {
+            let p = table[i].index() as usize;
+            assert_eq!(
+                self.device[p],
+                Some(*h),
+                "{req:?} reads wrong KV at page {i} (device page {p})"
+            );
+        }
+        self.pages_checked += hs.len() as u64;
+    }
+
+    fn write_pages(&mut self, req: RequestId, from_tok: usize, to_tok: usize) {
+        let ps = self.page_size;
+        let toks = &self.tokens[&req];
+        let hs = page_hashes(&toks[..to_tok.min(toks.len())], ps, None);
+        let table = self.tables[&req].clone();
+        for (i, h) in hs.iter().enumerate().skip(from_tok / ps) {
+            self.device[table[i].index() as usize] = Some(*h);
+        }
+    }
+
+    pub fn token_for(req: RequestId, pos: usize) -> u32 {
+        ((req.0 as u32).wrapping_mul(7919) ^ (pos as u32).wrapping_mul(104_729)) % 1000 + 5000
+    }
+
+    /// Runs the held forward, checking every page it reads, and reports the results.
+    pub fn complete_forward(&mut self, s: &mut Scheduler) {
+        let f = self.forward.take().expect("forward");
+        let mut outputs = Vec::new();
+        for c in &f.prefill {
+            self.apply_delta(c.req, &c.table);
+            let start = c.start as usize;
+            let len = c.len as usize;
+            assert_eq!(
+                &self.tokens[&c.req][start..start + len],
+                &c.tokens[..],
+                "chunk tokens"
+            );
+            self.check_pages(c.req, start);
+            self.write_pages(c.req, start, start + len);
+            let mut token = 0;
+            let mut stop = false;
+            if c.last {
+                let pos = start + len;
+                token = Self::token_for(c.req, pos);
+                let t = self.tokens.get_mut(&c.req).unwrap();
+                t.push(token);
+                stop = self.stop_after.get(&c.req).is_some_and(|n| t.len() >= *n);
+            }
+            outputs.push(TokenOutput {
+                req: c.req,
+                token,
+                stop,
+            });
+        }
+        for d in &f.decode {
+            self.apply_delta(d.req, &d.table);
+            let p = d.position as usize;
+            assert_eq!(p + 1, self.tokens[&d.req].len(), "decode position");
+            self.check_pages(d.req, p);
+            self.write_pages(d.req, p, p + 1);
+            let token = Self::token_for(d.req, p + 1);
+            let t = self.tokens.get_mut(&d.req).unwrap();
+            t.push(token);
+            let stop = self.stop_after.get(&d.req).is_some_and(|n| t.len() >= *n);
+            outputs.push(TokenOutput {
+                req: d.req,
+                token,
+                stop,
+            });
+        }
+        s.on_event(Event::ForwardDone {
+            step: f.step.expect("step"),
+            outputs,
+        })
+        .expect("forward completion accepted");
+    }
+
+    /// One engine step with every op acknowledged at once: plan, ops, forward.
+    pub fn step(&mut self, s: &mut Scheduler, now: u64) -> bool {
+        let plan = s.next_execution_plan(now);
+        let busy = !plan.ops.is_empty() || plan.forward.step.is_some();
+        self.take_plan(plan);
+        while !self.held.is_empty() {
+            self.complete_op(s, 0);
+        }
+        if self.forward.is_some() {
+            self.complete_forward(s);
+        }
+        busy
+    }
+
+    /// Steps until the scheduler is idle (or `max_steps`), returning the steps taken.
+    pub fn run_to_idle(&mut self, s: &mut Scheduler, max_steps: usize) -> usize {
+        for i in 0..max_steps {
+            if s.is_idle() {
+                // Collect what the last completions ended.
+                let plan = s.next_execution_plan(i as u64);
+                assert!(plan.ops.is_empty() && plan.forward.step.is_none());
+                self.take_plan(plan);
+                return i;
+            }
+            self.step(s, i as u64);
+        }
+        panic!("not idle after {max_steps} steps: {:?}", s.stats());
+    }
+}
+
+pub fn cfg() -> SchedulerConfig {
+    SchedulerConfig {
+        page_size: 4,
+        device_pages: 64,
+        host_pages: 128,
+        max_batch_size: 8,
+        token_budget: 64,
+        chunked_prefill_size: 32,
+        max_context_tokens: 256,
+        ..SchedulerConfig::default()
+    }
+}
+
+pub fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| seed * 1000 + i).collect()
+}
+
+/// At quiescence nothing is held: no locks, no held pages, no live requests.
+pub fn assert_quiescent(s: &Scheduler) {
+    assert!(s.is_idle(), "not idle: {:?}", s.stats());
+    s.check().expect("scheduler consistent");
+    let st = s.stats();
+    assert_eq!(st.device.held, 0, "device pages still held");
+    assert_eq!(st.host.held, 0, "host pages still held");
+    assert_eq!(st.device.locked, 0, "device pages still locked");
+    assert_eq!(st.host.locked, 0, "host pages still locked");
+    assert_eq!(s.cache().outstanding_locks(), (0, 0));
+}
