@@ -281,6 +281,29 @@ impl Engine {
         busy
     }
 
+    /// Steps until every request but `except` has ended, holding back `except`'s ops.
+    pub fn run_to_idle_except(&mut self, s: &mut Scheduler, max_steps: usize, except: RequestId) {
+        for i in 0..max_steps {
+            if s.live_requests() <= 1 && self.forward.is_none() && self.held.iter().all(|o| o.req == Some(except)) {
+                return;
+            }
+            let plan = s.next_execution_plan(i as u64);
+            self.take_plan(plan);
+            let mut j = 0;
+            while j < self.held.len() {
+                if self.held[j].req == Some(except) {
+                    j += 1;
+                } else {
+                    self.complete_op(s, j);
+                }
+            }
+            if self.forward.is_some() {
+                self.complete_forward(s);
+            }
+        }
+        panic!("still busy after {max_steps} steps");
+    }
+
     /// Steps until the scheduler is idle (or `max_steps`), returning the steps taken.
     pub fn run_to_idle(&mut self, s: &mut Scheduler, max_steps: usize) -> usize {
         for i in 0..max_steps {
