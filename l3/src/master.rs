@@ -606,6 +606,35 @@ impl Master {
             .is_some_and(|o| o.is_complete() && o.has_data())
     }
 
+    /// `BatchExistKey` for one tenant: one tenant lookup, then one lookup per key. With
+    /// `ssd_only` given, keys that exist only on SSD are appended to it (promotion candidates).
+    pub fn exists_many<K: AsRef<str>>(
+        &self,
+        t: &Tenant,
+        keys: &[K],
+        mut ssd_only: Option<&mut Vec<String>>,
+    ) -> Vec<L3Result<bool>> {
+        let m = self.tenants.get(t);
+        keys.iter()
+            .map(|k| {
+                let k = k.as_ref();
+                crate::types::validate_key(k)?;
+                let Some(o) = m.and_then(|m| m.get(k)) else {
+                    return Ok(false);
+                };
+                let e = o.is_complete() && o.has_data();
+                if e && o.mem.is_none()
+                    && o.staged.is_none()
+                    && o.disk.is_some()
+                    && let Some(v) = ssd_only.as_deref_mut()
+                {
+                    v.push(k.to_string());
+                }
+                Ok(e)
+            })
+            .collect()
+    }
+
     /// Whether the object is on SSD only (candidate for promotion); returns its disk location.
     pub fn ssd_only(&self, t: &Tenant, key: &str) -> Option<(u64, DiskLoc)> {
         let o = self.obj(t, key)?;

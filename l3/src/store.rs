@@ -237,12 +237,51 @@ impl EmbeddedStore {
     /// Reads objects without copying DRAM replicas: memory hits come back as shared
     /// [`Blob::Shared`] handles, SSD reads as verified owned bytes. This is what the server
     /// serialises straight onto the wire.
-    pub fn batch_get_blobs(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<Blob> {
+    pub fn batch_get_blobs<K: AsRef<str>>(&self, tenant: &Tenant, keys: &[K]) -> BatchResult<Blob> {
         check_batch(&self.inner.cfg, keys.len())?;
         let t0 = Instant::now();
         let srcs = self.inner.resolve(tenant, keys);
         let out = self.inner.blobs(tenant, keys, srcs);
         self.inner.metrics.observe(Op::Get, t0.elapsed());
+        Ok(out)
+    }
+
+    /// `BatchExistKey` over any key type (the transfer channel passes borrowed keys).
+    /// Probes take no lease and touch no recency; with `prefetch_to_memory`, SSD-only keys
+    /// are handed to the promoter (or a DRAM-pressure cool-down starts).
+    pub fn exist_many<K: AsRef<str>>(
+        &self,
+        tenant: &Tenant,
+        keys: &[K],
+        opts: ExistOptions,
+    ) -> BatchResult<bool> {
+        check_batch(&self.inner.cfg, keys.len())?;
+        let t0 = Instant::now();
+        let want_promote = opts.prefetch_to_memory && self.inner.promoter.is_some();
+        let mut promote = Vec::new();
+        let mut pressure = false;
+        let out = {
+            let m = self.inner.master.lock();
+            if want_promote {
+                pressure = m.under_pressure(0);
+            }
+            let sink = if want_promote && !pressure {
+                Some(&mut promote)
+            } else {
+                None
+            };
+            m.exists_many(tenant, keys, sink)
+        };
+        if let Some(p) = &self.inner.promoter {
+            if want_promote && pressure {
+                p.note_pressure();
+            } else if !promote.is_empty() {
+                // Outcomes (queued / deduplicated / cooling / queue full) are counted by the
+                // promoter; a probe never waits for them.
+                let _ = p.trigger_many(promote.into_iter().map(|k| (tenant.clone(), k)).collect());
+            }
+        }
+        self.inner.metrics.observe(Op::Exist, t0.elapsed());
         Ok(out)
     }
 
@@ -533,10 +572,10 @@ impl Inner {
     }
 
     /// Turns sources into blobs: DRAM shared, SSD read and verified.
-    fn blobs(
+    fn blobs<K: AsRef<str>>(
         &self,
         t: &Tenant,
-        keys: &[String],
+        keys: &[K],
         srcs: Vec<L3Result<(u64, ReadSource)>>,
     ) -> Vec<L3Result<Blob>> {
         let mut out = Vec::with_capacity(srcs.len());
@@ -557,7 +596,7 @@ impl Inner {
                                 Ok(Blob::Owned(v))
                             }
                             Ok(false) => {
-                                self.on_corrupt(t, &keys[i], &loc);
+                                self.on_corrupt(t, keys[i].as_ref(), &loc);
                                 Err(L3Error::ObjectNotFound)
                             }
                             Err(e) => Err(e),
@@ -575,24 +614,24 @@ impl Inner {
 
     /// Resolves keys to sources under one lock; waits for in-flight promotions of SSD-only
     /// keys (notification, bounded by `ssd_get_wait`) and re-resolves those.
-    fn resolve(&self, t: &Tenant, keys: &[String]) -> Vec<L3Result<(u64, ReadSource)>> {
+    fn resolve<K: AsRef<str>>(&self, t: &Tenant, keys: &[K]) -> Vec<L3Result<(u64, ReadSource)>> {
         let now = self.clock.now_ms();
         let mut res: Vec<L3Result<(u64, ReadSource)>> = {
             let mut m = self.master.lock();
             keys.iter()
                 .map(|k| {
-                    validate_key(k)?;
-                    m.read_source(t, k, now)
+                    validate_key(k.as_ref())?;
+                    m.read_source(t, k.as_ref(), now)
                 })
                 .collect()
         };
         if let Some(p) = &self.promoter {
             for (i, r) in res.iter_mut().enumerate() {
                 if let Ok((_, ReadSource::Disk(_))) = r
-                    && p.wait_in_flight(t, &keys[i])
+                    && p.wait_in_flight(t, keys[i].as_ref())
                 {
                     let now = self.clock.now_ms();
-                    *r = self.master.lock().read_source(t, &keys[i], now);
+                    *r = self.master.lock().read_source(t, keys[i].as_ref(), now);
                 }
             }
         }
@@ -824,38 +863,7 @@ impl L3Store for EmbeddedStore {
         keys: &[String],
         opts: ExistOptions,
     ) -> BatchResult<bool> {
-        check_batch(&self.inner.cfg, keys.len())?;
-        let t0 = Instant::now();
-        let mut promote = Vec::new();
-        let mut pressure = false;
-        let out: Vec<L3Result<bool>> = {
-            let m = self.inner.master.lock();
-            let want_promote = opts.prefetch_to_memory && self.inner.promoter.is_some();
-            if want_promote {
-                pressure = m.under_pressure(0);
-            }
-            keys.iter()
-                .map(|k| {
-                    validate_key(k)?;
-                    let e = m.exists(tenant, k);
-                    if e && want_promote && !pressure && m.ssd_only(tenant, k).is_some() {
-                        promote.push((tenant.clone(), k.clone()));
-                    }
-                    Ok(e)
-                })
-                .collect()
-        };
-        if let Some(p) = &self.inner.promoter {
-            if pressure {
-                p.note_pressure();
-            } else if !promote.is_empty() {
-                // Outcomes (queued / deduplicated / cooling / queue full) are counted by the
-                // promoter; a probe never waits for them.
-                let _ = p.trigger_many(promote);
-            }
-        }
-        self.inner.metrics.observe(Op::Exist, t0.elapsed());
-        Ok(out)
+        self.exist_many(tenant, keys, opts)
     }
 
     fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {

@@ -391,3 +391,125 @@ fn ssd_backed_server_serves_disk_hits_remotely() {
     let st = c.stats().unwrap();
     assert!(st.mem_objects < 8 && st.disk_objects == 8, "{st:?}");
 }
+
+#[test]
+fn tarpc_only_path_and_transfer_channel_agree() {
+    let h = server(
+        StoreConfig {
+            local_segment_bytes: 64 << 20,
+            ..Default::default()
+        },
+        Some("tok"),
+    );
+    let fast = client(h.addr, Some("tok"));
+    let slow = RemoteStore::connect(
+        h.addr,
+        ClientOptions {
+            token: Some("tok".into()),
+            use_transfer_channel: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_ne!(fast.limits().xfer_port, 0);
+    let a = t("a");
+    let ks: Vec<String> = (0..32).map(|i| format!("k{i}")).collect();
+    let objs: Vec<Vec<u8>> = (0..32).map(|i| payload(i, 100_000 + i)).collect();
+    let refs: Vec<&[u8]> = objs.iter().map(|v| v.as_slice()).collect();
+    slow.batch_put_from(&a, &ks, &refs, PutOptions::default())
+        .unwrap();
+    let mut probe = ks.clone();
+    probe.push("absent".into());
+    let e1 = fast.batch_is_exist(&a, &probe).unwrap();
+    let e2 = slow.batch_is_exist(&a, &probe).unwrap();
+    assert_eq!(e1, e2);
+    assert_eq!(e1.last(), Some(&Ok(false)));
+    for c in [&fast, &slow] {
+        let mut data = vec![0u8; 33 * 100_100];
+        let mut bufs: Vec<&mut [u8]> = data.chunks_mut(100_100).collect();
+        // One buffer too small: -10 for that key only.
+        bufs[5] = &mut [];
+        let r = c.batch_get_into(&a, &probe, &mut bufs).unwrap();
+        assert_eq!(r[5].as_ref().unwrap_err().code_i32(), -10);
+        assert_eq!(r[32].as_ref().unwrap_err().code_i32(), -704);
+        for i in (0..32).filter(|&i| i != 5) {
+            assert_eq!(r[i], Ok((100_000 + i) as u64));
+            assert_eq!(&bufs[i][..100_000 + i], &objs[i][..]);
+        }
+        let qs: Vec<_> = c
+            .batch_query(&a, &ks[..4])
+            .unwrap()
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let mut bufs4: Vec<&mut [u8]> = data.chunks_mut(100_100).take(4).collect();
+        let r = c.batch_get_with_query(&a, &qs, &mut bufs4).unwrap();
+        assert!(r.iter().all(Result::is_ok));
+    }
+}
+
+#[test]
+fn transfer_channel_rejects_bad_token_malformed_and_oversized_frames() {
+    use kvtier_l3::rpc::xfer::{XferClient, XferReply, read_frame};
+    let h = server(
+        StoreConfig {
+            local_segment_bytes: 8 << 20,
+            ..Default::default()
+        },
+        Some("tok"),
+    );
+    let c = client(h.addr, Some("tok"));
+    let a = t("a");
+    c.put(&a, "k", b"v", PutOptions::default()).unwrap();
+    let xa = SocketAddr::new(h.addr.ip(), c.limits().xfer_port);
+    assert_eq!(
+        XferClient::connect(xa, Some("bad".into()), 1 << 20)
+            .err()
+            .unwrap()
+            .code_i32(),
+        -601
+    );
+    assert_eq!(
+        XferClient::connect(xa, None, 1 << 20)
+            .err()
+            .unwrap()
+            .code_i32(),
+        -601
+    );
+    // Garbage body: typed error reply, then the connection closes.
+    let mut s = TcpStream::connect(xa).unwrap();
+    s.write_all(&8u32.to_le_bytes()).unwrap();
+    s.write_all(&[0xEE; 8]).unwrap();
+    let reply: XferReply = read_frame(&mut s, 1 << 20).unwrap();
+    assert!(
+        matches!(reply, XferReply::Get(Err(L3Error::InvalidParams(_)))),
+        "{reply:?}"
+    );
+    // Oversized frame announcement: typed error reply, connection closed.
+    let mut s = TcpStream::connect(xa).unwrap();
+    s.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    let reply: XferReply = read_frame(&mut s, 1 << 20).unwrap();
+    assert!(matches!(
+        reply,
+        XferReply::Get(Err(L3Error::InvalidParams(_)))
+    ));
+    // Requests before hello are refused.
+    let mut s = TcpStream::connect(xa).unwrap();
+    kvtier_l3::rpc::xfer::write_frame(
+        &mut s,
+        &kvtier_l3::rpc::xfer::XferRequest::Exist {
+            tenant: a.clone(),
+            opts: ExistOptions::default(),
+            keys: serde_bytes::ByteBuf::from(kvtier_l3::rpc::xfer::pack_keys(&["k"]).unwrap()),
+        },
+    )
+    .unwrap();
+    let reply: XferReply = read_frame(&mut s, 1 << 20).unwrap();
+    assert!(matches!(
+        reply,
+        XferReply::Get(Err(L3Error::IllegalClient(_)))
+    ));
+    // The server still serves.
+    assert!(c.is_exist(&a, "k").unwrap());
+    assert_eq!(c.get(&a, "k").unwrap(), b"v");
+}

@@ -77,6 +77,9 @@ struct Args {
     /// Largest object in bytes.
     #[arg(long, default_value_t = 32 << 20)]
     max_object_bytes: u64,
+    /// Do not serve the transfer channel (bulk reads and probes then go through tarpc).
+    #[arg(long)]
+    no_transfer_channel: bool,
 }
 
 fn main() -> ExitCode {
@@ -134,6 +137,7 @@ fn run(args: Args) -> Result<(), String> {
         token,
         max_frame_bytes: args.max_frame,
         metrics_addr: args.metrics,
+        transfer_channel: !args.no_transfer_channel,
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     rt.block_on(async {

@@ -276,6 +276,25 @@ fn remote(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>, which: &[Stri
         }
         let p50 = pct(&mut lat, 0.5);
         let p99 = pct(&mut lat, 0.99);
+        let mut one = Vec::new();
+        for i in 0..520 {
+            let t0 = Instant::now();
+            let r = c
+                .is_exist(&tenant(), &keys[i % 1024])
+                .map_err(|e| e.to_string())?;
+            if i >= 20 && r {
+                one.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        let p50_one = pct(&mut one, 0.5);
+        rows.push(row(
+            "tcp is_exist 1 key p50",
+            p50_one,
+            "us",
+            "Mooncake 72.7",
+            "(info)",
+            true,
+        ));
         rows.push(row(
             "tcp batch_is_exist 1024 keys p50",
             p50,

@@ -21,6 +21,7 @@ use tarpc::tokio_serde::formats::Bincode;
 
 use super::server::DEFAULT_MAX_FRAME;
 use super::service::{L3RpcClient, ServerLimits};
+use super::xfer::XferClient;
 use crate::api::{BatchResult, L3Store};
 use crate::error::{L3Error, L3Result};
 use crate::types::{
@@ -39,6 +40,8 @@ pub struct ClientOptions {
     pub max_frame_bytes: usize,
     /// Target bytes per chunk of a batched transfer.
     pub chunk_bytes: usize,
+    /// Use the server's transfer channel for bulk reads and batched probes when it has one.
+    pub use_transfer_channel: bool,
 }
 
 impl Default for ClientOptions {
@@ -48,6 +51,7 @@ impl Default for ClientOptions {
             rpc_timeout: Duration::from_secs(120),
             max_frame_bytes: DEFAULT_MAX_FRAME,
             chunk_bytes: 16 << 20,
+            use_transfer_channel: true,
         }
     }
 }
@@ -57,6 +61,7 @@ const PER_KEY_OVERHEAD: usize = 64;
 
 /// A connection to a `kvtier-l3` server.
 pub struct RemoteStore {
+    xfer: Option<parking_lot::Mutex<XferClient>>,
     rt: tokio::runtime::Runtime,
     client: L3RpcClient,
     limits: ServerLimits,
@@ -70,9 +75,9 @@ fn rpc_err(e: RpcError) -> L3Error {
 impl RemoteStore {
     /// Connects and authenticates.
     pub fn connect(addr: SocketAddr, opts: ClientOptions) -> L3Result<Self> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("kvtier-l3-client")
+        // Current-thread runtime: the caller's thread drives the connection while it waits,
+        // so a call costs no cross-thread wake-ups (this halves small-call latency).
+        let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| L3Error::Internal(format!("runtime: {e}")))?;
@@ -87,12 +92,14 @@ impl RemoteStore {
             Ok::<_, L3Error>(L3RpcClient::new(client::Config::default(), transport).spawn())
         })?;
         let mut me = RemoteStore {
+            xfer: None,
             rt,
             client,
             limits: ServerLimits {
                 max_frame_bytes: max_frame as u64,
                 max_batch_keys: 0,
                 max_object_bytes: 0,
+                xfer_port: 0,
             },
             opts,
         };
@@ -103,6 +110,15 @@ impl RemoteStore {
             .block_on(me.client.hello(ctx, token))
             .map_err(rpc_err)??;
         me.limits = limits;
+        if me.opts.use_transfer_channel && limits.xfer_port != 0 {
+            let xa = SocketAddr::new(addr.ip(), limits.xfer_port);
+            let frame = me.frame_cap();
+            me.xfer = Some(parking_lot::Mutex::new(XferClient::connect(
+                xa,
+                me.opts.token.clone(),
+                frame,
+            )?));
+        }
         Ok(me)
     }
 
@@ -179,6 +195,9 @@ impl RemoteStore {
             ));
         }
         self.check_keys(keys.len())?;
+        if let Some(x) = &self.xfer {
+            return x.lock().get(tenant, keys, queries, bufs);
+        }
         let ranges = self.chunks(keys.len(), |i| bufs[i].len());
         let calls = ranges.iter().map(|r| {
             let ctx = self.ctx();
@@ -303,6 +322,9 @@ impl L3Store for RemoteStore {
         opts: ExistOptions,
     ) -> BatchResult<bool> {
         self.check_keys(keys.len())?;
+        if let Some(x) = &self.xfer {
+            return x.lock().exist(tenant, keys, opts);
+        }
         self.run(
             self.client
                 .batch_exist(self.ctx(), tenant.clone(), keys.to_vec(), opts),

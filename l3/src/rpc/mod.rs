@@ -3,3 +3,4 @@
 pub mod client;
 pub mod server;
 pub mod service;
+pub mod xfer;

@@ -25,6 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 use super::service::{L3Rpc, ServerLimits, WireBatch};
+use super::xfer::XferServer;
 use crate::api::L3Store;
 use crate::error::{L3Error, L3Result};
 use crate::store::EmbeddedStore;
@@ -47,6 +48,9 @@ pub struct ServerOptions {
     pub max_frame_bytes: usize,
     /// Prometheus endpoint (None = off). Must be a loopback address.
     pub metrics_addr: Option<SocketAddr>,
+    /// Also serve the transfer channel (bulk reads, batched probes) on an ephemeral port
+    /// of the same address; advertised to clients by `hello`.
+    pub transfer_channel: bool,
 }
 
 impl Default for ServerOptions {
@@ -56,6 +60,7 @@ impl Default for ServerOptions {
             token: None,
             max_frame_bytes: DEFAULT_MAX_FRAME,
             metrics_addr: None,
+            transfer_channel: true,
         }
     }
 }
@@ -334,12 +339,31 @@ pub async fn start(
     listener.config_mut().max_frame_length(opts.max_frame_bytes);
     let addr = listener.local_addr();
     let cfg = store.config();
+    let token: Option<Arc<str>> = opts.token.as_deref().map(Arc::from);
+    let xfer = if opts.transfer_channel {
+        let x = XferServer::start(
+            store.clone(),
+            SocketAddr::new(addr.ip(), 0),
+            token.clone(),
+            opts.max_frame_bytes,
+        )?;
+        Some(x)
+    } else {
+        None
+    };
     let limits = ServerLimits {
         max_frame_bytes: opts.max_frame_bytes as u64,
         max_batch_keys: cfg.max_batch_keys as u64,
         max_object_bytes: cfg.max_object_bytes,
+        xfer_port: xfer.as_ref().map(|x| x.addr.port()).unwrap_or(0),
     };
-    let token: Option<Arc<str>> = opts.token.as_deref().map(Arc::from);
+    if let Some(x) = xfer {
+        let mut stop_x = stop.clone();
+        tokio::spawn(async move {
+            let _ = stop_x.wait_for(|s| *s).await;
+            let _ = tokio::task::spawn_blocking(move || drop(x)).await;
+        });
+    }
     let st = store.clone();
     let mut stop_rpc = stop.clone();
     tokio::spawn(async move {

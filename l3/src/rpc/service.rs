@@ -25,6 +25,8 @@ pub struct ServerLimits {
     pub max_batch_keys: u64,
     /// Largest object.
     pub max_object_bytes: u64,
+    /// Port of the transfer channel on the same host (0 = none), see [`super::xfer`].
+    pub xfer_port: u16,
 }
 
 /// Per-key results.
