@@ -35,7 +35,9 @@ impl Scheduler {
             if budget.rows == 0 || budget.tokens == 0 {
                 break;
             }
-            let Some(r) = self.reqs.get(&id) else { continue };
+            let Some(r) = self.reqs.get(&id) else {
+                continue;
+            };
             if !matches!(
                 r.state,
                 RequestState::Decoding {
@@ -63,7 +65,13 @@ impl Scheduler {
                     let _ = self.cache.free(&page);
                     continue;
                 };
-                if !matches!(r.state, RequestState::Decoding { in_flight: false, .. }) {
+                if !matches!(
+                    r.state,
+                    RequestState::Decoding {
+                        in_flight: false,
+                        ..
+                    }
+                ) {
                     // Retracted itself to make room.
                     let _ = self.cache.free(&page);
                     continue;
@@ -71,7 +79,9 @@ impl Scheduler {
                 r.pages.extend(page);
             }
             self.apply(id, RequestEvent::ScheduleDecode);
-            let Some(r) = self.reqs.get_mut(&id) else { continue };
+            let Some(r) = self.reqs.get_mut(&id) else {
+                continue;
+            };
             batch.decode.push(DecodeRow {
                 req: id,
                 position: r.kv_len() as u32,
@@ -95,7 +105,9 @@ impl Scheduler {
             if budget.rows == 0 || budget.tokens == 0 {
                 break;
             }
-            let Some(r) = self.reqs.get(&id) else { continue };
+            let Some(r) = self.reqs.get(&id) else {
+                continue;
+            };
             let RequestState::Prefilling {
                 total,
                 done,
@@ -115,13 +127,24 @@ impl Scheduler {
                 .min(budget.tokens);
             let need = (done + chunk).div_ceil(ps).saturating_sub(r.pages.len());
             if need > 0 {
-                match self.cache.alloc_evicting::<Device>(need) {
-                    Ok(p) => {
-                        if let Some(r) = self.reqs.get_mut(&id) {
-                            r.pages.extend(p);
-                        }
+                let got = match self.cache.alloc_evicting::<Device>(need) {
+                    Ok(p) => Some(p),
+                    // Decode growth ate the pages this prefill was admitted with: preempt
+                    // someone (possibly this request) rather than wait forever.
+                    Err(_) if self.retract_for(id) => {
+                        self.cache.alloc_evicting::<Device>(need).ok()
                     }
-                    Err(_) => continue,
+                    Err(_) => None,
+                };
+                let Some(p) = got else { continue };
+                match self.reqs.get_mut(&id) {
+                    Some(r) if matches!(r.state, RequestState::Prefilling { .. }) => {
+                        r.pages.extend(p)
+                    }
+                    _ => {
+                        let _ = self.cache.free(&p);
+                        continue;
+                    }
                 }
             }
             self.apply(
@@ -130,7 +153,9 @@ impl Scheduler {
                     tokens: chunk as u32,
                 },
             );
-            let Some(r) = self.reqs.get_mut(&id) else { continue };
+            let Some(r) = self.reqs.get_mut(&id) else {
+                continue;
+            };
             batch.prefill.push(PrefillChunk {
                 req: id,
                 start: done as u32,
@@ -154,8 +179,27 @@ impl Scheduler {
         rows: &mut Vec<(RequestId, RowKind)>,
     ) {
         let waiting: Vec<(u64, RequestId)> = self.waiting.iter().map(|(s, i)| (*s, *i)).collect();
+        if waiting.is_empty() {
+            return;
+        }
+        // Pages running prefills will still allocate: admission leaves them alone, so chunked
+        // prefills admitted together cannot deadlock each other.
+        let ps = self.cfg.page_size;
+        self.reserved_pages = self
+            .running
+            .values()
+            .filter_map(|id| self.reqs.get(id))
+            .map(|r| match r.state {
+                RequestState::Prefilling { total, .. } => {
+                    (total as usize).div_ceil(ps).saturating_sub(r.pages.len())
+                }
+                _ => 0,
+            })
+            .sum();
         for (_, id) in waiting {
-            if budget.rows == 0 || budget.tokens == 0 || self.running.len() >= self.cfg.max_batch_size
+            if budget.rows == 0
+                || budget.tokens == 0
+                || self.running.len() >= self.cfg.max_batch_size
             {
                 break;
             }
@@ -312,7 +356,11 @@ impl Scheduler {
         let total = r.tokens.len();
         let seq = r.seq;
         let dev = m.device_pages;
-        let host = if self.cfg.host_enabled { m.host_pages } else { 0 };
+        let host = if self.cfg.host_enabled {
+            m.host_pages
+        } else {
+            0
+        };
         let lb = host.saturating_sub(dev);
         let cached = dev + lb;
         let chunk = (total - cached * ps)
@@ -336,6 +384,18 @@ impl Scheduler {
         } else {
             None
         };
+        let whole_prompt = total.div_ceil(ps) - cached;
+        let obtainable = self
+            .cache
+            .usage(kvtier_radix::TierKind::Device)
+            .obtainable();
+        if obtainable < lb + whole_prompt + self.reserved_pages {
+            let _ = self.cache.unlock(dl);
+            if let Some(h) = hl {
+                let _ = self.cache.unlock(h);
+            }
+            return Admit::Blocked;
+        }
         let fresh = match self.cache.alloc_evicting::<Device>(lb + new_pages) {
             Ok(p) => p,
             Err(_) => {
@@ -346,7 +406,10 @@ impl Scheduler {
                 return Admit::Blocked;
             }
         };
-        let mut pages = self.cache.path_pages::<Device>(m.device_node).unwrap_or_default();
+        let mut pages = self
+            .cache
+            .path_pages::<Device>(m.device_node)
+            .unwrap_or_default();
         pages.extend_from_slice(&fresh);
         let mut waits_for = smallvec::SmallVec::new();
         if let Some(hl) = hl {
@@ -364,7 +427,6 @@ impl Scheduler {
                 },
                 OpCtx::LoadBack {
                     host_lock: hl,
-                    from: dev,
                     to: host,
                 },
             );
@@ -407,6 +469,7 @@ impl Scheduler {
         ));
         self.waiting.remove(&seq);
         self.running.insert(seq, id);
+        self.reserved_pages += whole_prompt - new_pages;
         budget.rows -= 1;
         budget.tokens -= chunk;
         Admit::Admitted

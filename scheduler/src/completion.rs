@@ -145,7 +145,14 @@ impl Scheduler {
                 },
                 _,
             ) => self.finish_write_back(req, host_lock, from, to, dst, retract, success),
-            (OpCtx::BackUp { lock, nodes, hashes }, _) => {
+            (
+                OpCtx::BackUp {
+                    lock,
+                    nodes,
+                    hashes,
+                },
+                _,
+            ) => {
                 let end = match &lock {
                     AnyLock::Host(l) => l.node(),
                     AnyLock::Device(l) => l.node(),
@@ -188,7 +195,10 @@ impl Scheduler {
             PrefetchDst::Host(pages, lock) => {
                 let (ok, rest) = pages.split_at(completed);
                 let mut end = None;
-                match self.cache.insert::<Host>(lock.node(), start, &r.hashes, &r.tokens, ok) {
+                match self
+                    .cache
+                    .insert::<Host>(lock.node(), start, &r.hashes, &r.tokens, ok)
+                {
                     Ok(out) => {
                         let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
                         let _ = self.cache.free(&dups);
@@ -206,7 +216,10 @@ impl Scheduler {
             PrefetchDst::Device(pages, lock) => {
                 let (ok, rest) = pages.split_at(completed);
                 let mut end = None;
-                match self.cache.insert::<Device>(lock.node(), start, &r.hashes, &r.tokens, ok) {
+                match self
+                    .cache
+                    .insert::<Device>(lock.node(), start, &r.hashes, &r.tokens, ok)
+                {
                     Ok(out) => {
                         let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
                         let _ = self.cache.free(&dups);
@@ -278,8 +291,12 @@ impl Scheduler {
         let order: Vec<usize> = if in_order {
             (0..outputs.len()).collect()
         } else {
-            let index: HashMap<RequestId, usize> =
-                st.rows.iter().enumerate().map(|(i, (r, _))| (*r, i)).collect();
+            let index: HashMap<RequestId, usize> = st
+                .rows
+                .iter()
+                .enumerate()
+                .map(|(i, (r, _))| (*r, i))
+                .collect();
             let mut seen = vec![false; st.rows.len()];
             let mut order = Vec::with_capacity(outputs.len());
             for o in outputs {
@@ -352,6 +369,10 @@ impl Scheduler {
                 r.tokens.push(out.token);
                 if r.first_token_ms.is_none() {
                     r.first_token_ms = Some(self.now_ms);
+                    let ttft = self.now_ms.saturating_sub(r.arrival_ms);
+                    self.stats.ttft_ms_sum += ttft;
+                    self.stats.ttft_count += 1;
+                    metrics::histogram!("kvtier_ttft_ms").record(ttft as f64);
                 }
                 self.publish_device(id, full);
                 self.maybe_finish(id, out.stop);

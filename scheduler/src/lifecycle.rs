@@ -91,7 +91,12 @@ impl Scheduler {
         if n == 0 {
             // Everything already on host (or no host tier): back up from where it is, with the
             // backup holding its own lock, then end the request.
-            if let Some(end) = self.reqs.get(&id).and_then(|r| r.dev_lock.as_ref()).map(|l| l.node()) {
+            if let Some(end) = self
+                .reqs
+                .get(&id)
+                .and_then(|r| r.dev_lock.as_ref())
+                .map(|l| l.node())
+            {
                 if self.cfg.host_enabled {
                     if self.cache.is_resident(end, kvtier_radix::TierKind::Host) == Ok(true) {
                         self.plan_backup(end, true, None, false);
@@ -290,7 +295,9 @@ impl Scheduler {
         let mut hashes: Vec<PageHash> = Vec::new();
         let mut nodes = Vec::new();
         for (node, s, e) in path {
-            if self.cache.in_l3(node) != Ok(false) || self.cache.hit_count(node).unwrap_or(0) < threshold {
+            if self.cache.in_l3(node) != Ok(false)
+                || self.cache.hit_count(node).unwrap_or(0) < threshold
+            {
                 continue;
             }
             let Ok(hs) = self.cache.node_hashes(node) else {
@@ -384,15 +391,24 @@ impl Scheduler {
             if id == needy {
                 continue;
             }
-            let Some(r) = self.reqs.get(&id) else { continue };
-            if !matches!(
-                r.state,
+            let Some(r) = self.reqs.get(&id) else {
+                continue;
+            };
+            let idle = match r.state {
                 RequestState::Decoding {
                     in_flight: false,
                     abort_pending: false,
                     ..
-                }
-            ) {
+                } => true,
+                RequestState::Prefilling {
+                    done,
+                    scheduled,
+                    abort_pending: false,
+                    ..
+                } => done == scheduled,
+                _ => false,
+            };
+            if !idle {
                 continue;
             }
             let key = match self.cfg.retraction {
@@ -405,7 +421,27 @@ impl Scheduler {
             }
         }
         let victim = best.map(|b| b.0).unwrap_or(needy);
+        if victim == needy && !self.retractable(needy) {
+            return false;
+        }
         self.retract(victim, false)
+    }
+
+    fn retractable(&self, id: RequestId) -> bool {
+        self.reqs.get(&id).is_some_and(|r| match r.state {
+            RequestState::Decoding {
+                in_flight: false,
+                abort_pending: false,
+                ..
+            } => true,
+            RequestState::Prefilling {
+                done,
+                scheduled,
+                abort_pending: false,
+                ..
+            } => done == scheduled,
+            _ => false,
+        })
     }
 
     /// Preempts a running request: its computed pages are published and written back to host

@@ -40,8 +40,7 @@ pub(crate) enum OpCtx {
     LoadBack {
         /// Pins the host source pages until the copy is done.
         host_lock: LockHandle<Host>,
-        /// Prompt pages `from..to` are copied into `req.pages[from..to]`.
-        from: usize,
+        /// Prompt pages up to `to` are on device once the copy is done.
         to: usize,
     },
     WriteBack {

@@ -13,8 +13,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use kvtier_fsm::{OpEvent, OpKind, RequestEvent, RequestState};
 use kvtier_radix::{
-    Device, Host, KvEvent, L3KeyBuilder, PageHash, RadixCache, RadixConfig, TierKind,
-    page_hashes,
+    Device, Host, KvEvent, L3KeyBuilder, PageHash, RadixCache, RadixConfig, TierKind, page_hashes,
 };
 
 use crate::config::{ConfigError, PrefetchStopPolicy, SchedulerConfig};
@@ -66,6 +65,8 @@ pub struct Scheduler {
     /// Pages whose backup to L3 is in flight.
     pub(crate) backing_up: HashSet<PageHash>,
     pub(crate) stats: Stats,
+    /// Device pages running prefills will still allocate (computed during admission).
+    pub(crate) reserved_pages: usize,
     /// The `now` of the latest plan (ms).
     pub(crate) now_ms: u64,
 }
@@ -100,6 +101,7 @@ impl Scheduler {
             retracted_out: Vec::new(),
             backing_up: HashSet::new(),
             stats: Stats::new(),
+            reserved_pages: 0,
             now_ms: 0,
         })
     }
@@ -177,7 +179,10 @@ impl Scheduler {
             .get(&id)
             .ok_or(SchedulerError::UnknownRequest(id))?;
         let next = self.check_event(r, &RequestEvent::Abort)?;
-        let r = self.reqs.get_mut(&id).ok_or(SchedulerError::UnknownRequest(id))?;
+        let r = self
+            .reqs
+            .get_mut(&id)
+            .ok_or(SchedulerError::UnknownRequest(id))?;
         r.state = next;
         if r.state.is_terminal() {
             self.release(id);
@@ -249,7 +254,10 @@ impl Scheduler {
                 dev_locks += 1;
                 let end = self.cache.node_end(l.node()).map_err(|e| e.to_string())?;
                 if end != r.tree_pages {
-                    return Err(format!("{:?}: lock ends at {end}, tree_pages {}", r.id, r.tree_pages));
+                    return Err(format!(
+                        "{:?}: lock ends at {end}, tree_pages {}",
+                        r.id, r.tree_pages
+                    ));
                 }
                 let tree = self
                     .cache
@@ -316,13 +324,17 @@ impl Scheduler {
             };
             let mut batch = ForwardBatch::default();
             let mut rows = Vec::new();
-            let prefill_pending = self.has_prefill_work();
-            if self.cfg.mixed_prefill_decode || !prefill_pending {
+            if self.cfg.mixed_prefill_decode {
                 self.schedule_decode(&mut budget, &mut batch, &mut rows);
-            }
-            if self.cfg.mixed_prefill_decode || batch.decode.is_empty() {
                 self.schedule_chunks(&mut budget, &mut batch, &mut rows);
                 self.admit(&mut budget, &mut batch, &mut rows);
+            } else {
+                // Prefill batches first (as SGLang does without mixing); decode when none.
+                self.schedule_chunks(&mut budget, &mut batch, &mut rows);
+                self.admit(&mut budget, &mut batch, &mut rows);
+                if batch.prefill.is_empty() {
+                    self.schedule_decode(&mut budget, &mut batch, &mut rows);
+                }
             }
             if !batch.is_empty() {
                 let id = StepId(self.next_step);
@@ -346,19 +358,10 @@ impl Scheduler {
         plan.terminate_prefetch = std::mem::take(&mut self.terminate);
         plan.ended = std::mem::take(&mut self.ended);
         plan.retracted = std::mem::take(&mut self.retracted_out);
-        if self.stats.plans % 64 == 0 {
+        if self.stats.plans.is_multiple_of(64) {
             self.stats().publish_gauges();
         }
         plan
-    }
-
-    fn has_prefill_work(&self) -> bool {
-        self.running.values().any(|id| {
-            matches!(
-                self.reqs.get(id).map(|r| &r.state),
-                Some(RequestState::Prefilling { done, scheduled, .. }) if done == scheduled
-            )
-        }) || !self.waiting.is_empty()
     }
 
     // ----- helpers shared by the flows ------------------------------------------------

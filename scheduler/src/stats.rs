@@ -42,6 +42,9 @@ pub struct Stats {
     pub l3_hit_pages: u64,
     /// Prompt tokens computed by prefill.
     pub computed_tokens: u64,
+    /// Time to first token (engine clock, ms), summed over requests that produced one.
+    pub ttft_ms_sum: u64,
+    pub ttft_count: u64,
     /// Per op kind, in `OpKind` order: LoadBack, WriteBack, Prefetch, BackUp, L3Query.
     pub ops: Vec<(OpKind, OpStats)>,
     pub waiting: usize,
@@ -111,10 +114,14 @@ impl Stats {
         metrics::gauge!("kvtier_running_requests").set(self.running as f64);
         metrics::gauge!("kvtier_prefetching_requests").set(self.prefetching as f64);
         for (tier, u) in [("device", self.device), ("host", self.host)] {
-            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "free").set(u.free as f64);
-            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "held").set(u.held as f64);
-            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "cached").set(u.cached as f64);
-            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "locked").set(u.locked as f64);
+            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "free")
+                .set(u.free as f64);
+            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "held")
+                .set(u.held as f64);
+            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "cached")
+                .set(u.cached as f64);
+            metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "locked")
+                .set(u.locked as f64);
         }
     }
 }

@@ -46,12 +46,27 @@ pub struct TokenOutput {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Event {
     /// An `L3Query` came back: `hit_pages` consecutive keys, from the first, exist in L3.
-    L3QueryDone { op: OpId, hit_pages: u32 },
+    L3QueryDone {
+        op: OpId,
+        hit_pages: u32,
+    },
     /// A `Prefetch` came back: the first `completed` pages arrived (partial success is normal).
-    PrefetchDone { op: OpId, completed: u32 },
-    LoadBackDone { op: OpId, success: bool },
-    WriteBackDone { op: OpId, success: bool },
-    BackUpDone { op: OpId, success: bool },
+    PrefetchDone {
+        op: OpId,
+        completed: u32,
+    },
+    LoadBackDone {
+        op: OpId,
+        success: bool,
+    },
+    WriteBackDone {
+        op: OpId,
+        success: bool,
+    },
+    BackUpDone {
+        op: OpId,
+        success: bool,
+    },
     /// A forward batch ran. Prefill rows that complete a request's prompt and all decode rows
     /// produce a token; rows of non-final prefill chunks are listed with any token (ignored).
     ForwardDone {

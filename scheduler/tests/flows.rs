@@ -29,7 +29,10 @@ fn resubmitted_prompt_hits_device_then_host_with_load_back() {
     e.submit(&mut s, 2, prompt(1, 40), 2);
     e.run_to_idle(&mut s, 100);
     let st = s.stats();
-    assert_eq!(st.device_hit_pages, 9, "(40-1)/4 = 9 usable pages on device");
+    assert_eq!(
+        st.device_hit_pages, 9,
+        "(40-1)/4 = 9 usable pages on device"
+    );
     // Push the prefix out of device with other prompts, then come back: host hit + load-back.
     for i in 0..6 {
         e.submit(&mut s, 10 + i, prompt(100 + i as u32, 40), 2);
@@ -60,7 +63,12 @@ fn chunked_prefill_respects_budget_and_publishes_each_chunk() {
     e.complete_forward(&mut s);
     // After one chunk of 8 tokens, 2 pages are already in the tree: a second request with
     // the same prefix matches them before the first finishes.
-    assert_eq!(s.cache().peek_prefix(&kvtier_radix::page_hashes(&prompt(1, 30), 4, None)).0, 2);
+    assert_eq!(
+        s.cache()
+            .peek_prefix(&kvtier_radix::page_hashes(&prompt(1, 30), 4, None))
+            .0,
+        2
+    );
     e.submit(&mut s, 2, prompt(1, 30), 3);
     e.run_to_idle(&mut s, 100);
     assert!(s.stats().device_hit_pages >= 2);

@@ -44,7 +44,10 @@ fn second_instance_prefetches_from_l3_instead_of_recomputing() {
     assert_eq!(st.op(OpKind::Prefetch).succeeded, 1);
     assert_eq!(st.l3_hit_pages, 10, "(41-1)/4 usable pages all from L3");
     assert_eq!(st.host_hit_pages, 10, "then loaded back from host");
-    assert!(st.computed_tokens <= 1, "only the last token computed: {st:?}");
+    assert!(
+        st.computed_tokens <= 1,
+        "only the last token computed: {st:?}"
+    );
     assert_quiescent(&s);
 }
 
@@ -130,7 +133,10 @@ fn regression_prefetch_keys_follow_host_match_at_prefetch_time() {
         })
         .expect("prefetch issued");
     let want: Vec<String> = hs[5..10].iter().map(|h| key(&c, h)).collect();
-    assert_eq!(keys, want, "keys computed against the current host match (page 5)");
+    assert_eq!(
+        keys, want,
+        "keys computed against the current host match (page 5)"
+    );
     e.take_plan(plan);
     e.run_to_idle(&mut s, 100);
     assert_quiescent(&s);
@@ -150,12 +156,11 @@ fn regression_backup_sources_stay_pinned_until_backup_done() {
     for t in 0..100 {
         let plan = s.next_execution_plan(t);
         e.take_plan(plan);
-        let mut i = 0;
-        while i < e.held.len() {
-            if e.held[i].kind == OpKind::BackUp {
-                backups.push(e.held.remove(i));
+        while !e.held.is_empty() {
+            if e.held[0].kind == OpKind::BackUp {
+                backups.push(e.held.remove(0));
             } else {
-                e.complete_op(&mut s, i);
+                e.complete_op(&mut s, 0);
             }
         }
         if e.forward.is_some() {
@@ -174,12 +179,11 @@ fn regression_backup_sources_stay_pinned_until_backup_done() {
     for t in 100..400 {
         let plan = s.next_execution_plan(t);
         e.take_plan(plan);
-        let mut i = 0;
-        while i < e.held.len() {
-            if e.held[i].kind == OpKind::BackUp {
-                backups.push(e.held.remove(i));
+        while !e.held.is_empty() {
+            if e.held[0].kind == OpKind::BackUp {
+                backups.push(e.held.remove(0));
             } else {
-                e.complete_op(&mut s, i);
+                e.complete_op(&mut s, 0);
             }
         }
         if e.forward.is_some() {
@@ -210,8 +214,21 @@ fn host_disabled_moves_pages_directly_between_device_and_l3() {
     e1.submit(&mut s1, 1, p.clone(), 1);
     for t in 0..100 {
         let plan = s1.next_execution_plan(t);
-        saw_device_backup |= plan.ops.iter().any(|o| matches!(o.spec, OpSpec::BackUp { src: TierPages::Device(_), .. }));
-        assert!(!plan.ops.iter().any(|o| matches!(o.kind, OpKind::WriteBack | OpKind::LoadBack)));
+        saw_device_backup |= plan.ops.iter().any(|o| {
+            matches!(
+                o.spec,
+                OpSpec::BackUp {
+                    src: TierPages::Device(_),
+                    ..
+                }
+            )
+        });
+        assert!(
+            !plan
+                .ops
+                .iter()
+                .any(|o| matches!(o.kind, OpKind::WriteBack | OpKind::LoadBack))
+        );
         e1.take_plan(plan);
         while !e1.held.is_empty() {
             e1.complete_op(&mut s1, 0);
@@ -231,7 +248,15 @@ fn host_disabled_moves_pages_directly_between_device_and_l3() {
     let mut saw_device_prefetch = false;
     for t in 0..100 {
         let plan = s2.next_execution_plan(t);
-        saw_device_prefetch |= plan.ops.iter().any(|o| matches!(o.spec, OpSpec::Prefetch { dst: TierPages::Device(_), .. }));
+        saw_device_prefetch |= plan.ops.iter().any(|o| {
+            matches!(
+                o.spec,
+                OpSpec::Prefetch {
+                    dst: TierPages::Device(_),
+                    ..
+                }
+            )
+        });
         e2.take_plan(plan);
         while !e2.held.is_empty() {
             e2.complete_op(&mut s2, 0);
@@ -266,12 +291,23 @@ fn prefetch_timeout_terminates_on_the_clock() {
     e.complete_op(&mut s, 0); // probe
     let plan = s.next_execution_plan(10);
     assert!(plan.ops.iter().any(|o| o.kind == OpKind::Prefetch));
-    let prefetch = plan.ops.iter().find(|o| o.kind == OpKind::Prefetch).unwrap().id;
+    let prefetch = plan
+        .ops
+        .iter()
+        .find(|o| o.kind == OpKind::Prefetch)
+        .unwrap()
+        .id;
     e.take_plan(plan);
     // Deadline: 10 + 100 + 1000*41/1000 = 151 ms.
     assert!(s.next_execution_plan(150).terminate_prefetch.is_empty());
-    assert_eq!(s.next_execution_plan(151).terminate_prefetch, vec![prefetch]);
-    assert!(s.next_execution_plan(152).terminate_prefetch.is_empty(), "asked once");
+    assert_eq!(
+        s.next_execution_plan(151).terminate_prefetch,
+        vec![prefetch]
+    );
+    assert!(
+        s.next_execution_plan(152).terminate_prefetch.is_empty(),
+        "asked once"
+    );
     e.run_to_idle(&mut s, 100);
     assert_quiescent(&s);
 }
@@ -330,12 +366,19 @@ fn write_back_policy_backs_up_only_on_host_eviction() {
     let mut e = Engine::new(&c);
     e.submit(&mut s, 1, prompt(1, 41), 1);
     e.run_to_idle(&mut s, 100);
-    assert_eq!(s.stats().op(OpKind::BackUp).issued, 0, "no backup while host has room");
+    assert_eq!(
+        s.stats().op(OpKind::BackUp).issued,
+        0,
+        "no backup while host has room"
+    );
     for i in 0..4 {
         e.submit(&mut s, 10 + i, prompt(20 + i as u32, 41), 1);
         e.run_to_idle(&mut s, 200);
     }
-    assert!(s.stats().op(OpKind::BackUp).succeeded >= 1, "host eviction backed pages up");
+    assert!(
+        s.stats().op(OpKind::BackUp).succeeded >= 1,
+        "host eviction backed pages up"
+    );
     for k in e.l3.keys() {
         assert!(k.contains(':'));
     }

@@ -17,7 +17,10 @@ fn retraction_under_device_pressure_writes_back_and_resumes_with_load_back() {
     }
     e.run_to_idle(&mut s, 2000);
     let st = s.stats();
-    assert!(st.retracted > 0, "device pressure forced retraction: {st:?}");
+    assert!(
+        st.retracted > 0,
+        "device pressure forced retraction: {st:?}"
+    );
     assert_eq!(st.finished, 4);
     assert!(st.host_hit_pages > 0, "resumed with load-back: {st:?}");
     for i in 0..4 {
@@ -106,11 +109,18 @@ fn abort_when(c: SchedulerConfig, l3: bool, want: RequestStateKind) {
     assert!(reached, "never reached {want}");
     s.abort(id).expect("abort accepted");
     assert!(
-        matches!(s.abort(id), Err(SchedulerError::IllegalEvent { .. }) | Err(SchedulerError::UnknownRequest(_))),
+        matches!(
+            s.abort(id),
+            Err(SchedulerError::IllegalEvent { .. }) | Err(SchedulerError::UnknownRequest(_))
+        ),
         "a second abort is reported"
     );
     e.run_to_idle(&mut s, 400);
-    assert!(e.ended.contains(&(id, Outcome::Aborted)), "{want}: {:?}", e.ended);
+    assert!(
+        e.ended.contains(&(id, Outcome::Aborted)),
+        "{want}: {:?}",
+        e.ended
+    );
     assert_quiescent(&s);
 }
 
@@ -194,41 +204,127 @@ fn bad_input_is_rejected_and_changes_nothing() {
     let bad = |s: &mut Scheduler, plan: &ExecutionPlan| {
         let mut errs = vec![
             s.abort(RequestId(77)).unwrap_err(),
-            s.on_event(Event::LoadBackDone { op: OpId(1 << 40), success: true }).unwrap_err(),
-            s.on_event(Event::ForwardDone { step: StepId(1 << 40), outputs: vec![] }).unwrap_err(),
-            s.submit(RequestSpec { id: RequestId(50), prompt: vec![], max_new_tokens: 1 }).unwrap_err(),
-            s.submit(RequestSpec { id: RequestId(51), prompt: vec![1; 300], max_new_tokens: 1 }).unwrap_err(),
-            s.submit(RequestSpec { id: RequestId(52), prompt: vec![1], max_new_tokens: 0 }).unwrap_err(),
+            s.on_event(Event::LoadBackDone {
+                op: OpId(1 << 40),
+                success: true,
+            })
+            .unwrap_err(),
+            s.on_event(Event::ForwardDone {
+                step: StepId(1 << 40),
+                outputs: vec![],
+            })
+            .unwrap_err(),
+            s.submit(RequestSpec {
+                id: RequestId(50),
+                prompt: vec![],
+                max_new_tokens: 1,
+            })
+            .unwrap_err(),
+            s.submit(RequestSpec {
+                id: RequestId(51),
+                prompt: vec![1; 300],
+                max_new_tokens: 1,
+            })
+            .unwrap_err(),
+            s.submit(RequestSpec {
+                id: RequestId(52),
+                prompt: vec![1],
+                max_new_tokens: 0,
+            })
+            .unwrap_err(),
         ];
         for live in [1, 2, 3] {
             if s.request_state(RequestId(live)).is_some() {
-                errs.push(s.submit(RequestSpec { id: RequestId(live), prompt: vec![1], max_new_tokens: 1 }).unwrap_err());
+                errs.push(
+                    s.submit(RequestSpec {
+                        id: RequestId(live),
+                        prompt: vec![1],
+                        max_new_tokens: 1,
+                    })
+                    .unwrap_err(),
+                );
             }
         }
         if let Some(op) = plan.ops.first() {
             // A completion of the wrong kind.
             let wrong = if op.kind == OpKind::LoadBack {
-                Event::WriteBackDone { op: op.id, success: true }
+                Event::WriteBackDone {
+                    op: op.id,
+                    success: true,
+                }
             } else {
-                Event::LoadBackDone { op: op.id, success: true }
+                Event::LoadBackDone {
+                    op: op.id,
+                    success: true,
+                }
             };
             errs.push(s.on_event(wrong).unwrap_err());
             if op.kind == OpKind::L3Query {
-                errs.push(s.on_event(Event::L3QueryDone { op: op.id, hit_pages: 10_000 }).unwrap_err());
+                errs.push(
+                    s.on_event(Event::L3QueryDone {
+                        op: op.id,
+                        hit_pages: 10_000,
+                    })
+                    .unwrap_err(),
+                );
             }
         }
         if let Some(step) = plan.forward.step {
-            errs.push(s.on_event(Event::ForwardDone { step, outputs: vec![] }).unwrap_err());
-            let mut outs: Vec<TokenOutput> = plan.forward.prefill.iter().map(|c| TokenOutput { req: c.req, token: 0, stop: false })
-                .chain(plan.forward.decode.iter().map(|d| TokenOutput { req: d.req, token: 0, stop: false })).collect();
+            errs.push(
+                s.on_event(Event::ForwardDone {
+                    step,
+                    outputs: vec![],
+                })
+                .unwrap_err(),
+            );
+            let mut outs: Vec<TokenOutput> = plan
+                .forward
+                .prefill
+                .iter()
+                .map(|c| TokenOutput {
+                    req: c.req,
+                    token: 0,
+                    stop: false,
+                })
+                .chain(plan.forward.decode.iter().map(|d| TokenOutput {
+                    req: d.req,
+                    token: 0,
+                    stop: false,
+                }))
+                .collect();
             if let Some(first) = outs.first_mut() {
                 first.req = RequestId(9999);
-                errs.push(s.on_event(Event::ForwardDone { step, outputs: outs.clone() }).unwrap_err());
+                errs.push(
+                    s.on_event(Event::ForwardDone {
+                        step,
+                        outputs: outs.clone(),
+                    })
+                    .unwrap_err(),
+                );
             }
             if plan.forward.prefill.iter().any(|c| !c.waits_for.is_empty()) {
-                let outs: Vec<TokenOutput> = plan.forward.prefill.iter().map(|c| TokenOutput { req: c.req, token: 0, stop: false })
-                    .chain(plan.forward.decode.iter().map(|d| TokenOutput { req: d.req, token: 0, stop: false })).collect();
-                errs.push(s.on_event(Event::ForwardDone { step, outputs: outs }).unwrap_err());
+                let outs: Vec<TokenOutput> = plan
+                    .forward
+                    .prefill
+                    .iter()
+                    .map(|c| TokenOutput {
+                        req: c.req,
+                        token: 0,
+                        stop: false,
+                    })
+                    .chain(plan.forward.decode.iter().map(|d| TokenOutput {
+                        req: d.req,
+                        token: 0,
+                        stop: false,
+                    }))
+                    .collect();
+                errs.push(
+                    s.on_event(Event::ForwardDone {
+                        step,
+                        outputs: outs,
+                    })
+                    .unwrap_err(),
+                );
             }
         }
         errs
@@ -252,7 +348,10 @@ fn bad_input_is_rejected_and_changes_nothing() {
         }
         for id in ids {
             assert!(matches!(
-                b.on_event(Event::LoadBackDone { op: id, success: true }),
+                b.on_event(Event::LoadBackDone {
+                    op: id,
+                    success: true
+                }),
                 Err(SchedulerError::DuplicateCompletion(_))
             ));
         }
@@ -261,7 +360,10 @@ fn bad_input_is_rejected_and_changes_nothing() {
             ea.complete_forward(&mut a);
             eb.complete_forward(&mut b);
             assert!(matches!(
-                b.on_event(Event::ForwardDone { step, outputs: vec![] }),
+                b.on_event(Event::ForwardDone {
+                    step,
+                    outputs: vec![]
+                }),
                 Err(SchedulerError::UnknownStep(_))
             ));
         }
@@ -284,15 +386,47 @@ fn s_check(a: &Scheduler, b: &Scheduler) {
 #[test]
 fn config_errors_are_typed() {
     let bad = [
-        SchedulerConfig { page_size: 0, ..cfg() },
-        SchedulerConfig { token_budget: 2, ..cfg() },
-        SchedulerConfig { host_enabled: false, ..cfg() },
-        SchedulerConfig { host_enabled: false, host_pages: 0, write_policy: WritePolicy::WriteBack, ..cfg() },
-        SchedulerConfig { host_pages: 0, ..cfg() },
-        SchedulerConfig { prefetch_stop: PrefetchStopPolicy::Timeout { base_ms: 0, per_1k_tokens_ms: 0 }, ..cfg() },
-        SchedulerConfig { write_policy: WritePolicy::WriteThroughSelective { hit_threshold: 0 }, ..cfg() },
-        SchedulerConfig { max_context_tokens: 1 << 30, ..cfg() },
-        SchedulerConfig { max_batch_size: 0, ..cfg() },
+        SchedulerConfig {
+            page_size: 0,
+            ..cfg()
+        },
+        SchedulerConfig {
+            token_budget: 2,
+            ..cfg()
+        },
+        SchedulerConfig {
+            host_enabled: false,
+            ..cfg()
+        },
+        SchedulerConfig {
+            host_enabled: false,
+            host_pages: 0,
+            write_policy: WritePolicy::WriteBack,
+            ..cfg()
+        },
+        SchedulerConfig {
+            host_pages: 0,
+            ..cfg()
+        },
+        SchedulerConfig {
+            prefetch_stop: PrefetchStopPolicy::Timeout {
+                base_ms: 0,
+                per_1k_tokens_ms: 0,
+            },
+            ..cfg()
+        },
+        SchedulerConfig {
+            write_policy: WritePolicy::WriteThroughSelective { hit_threshold: 0 },
+            ..cfg()
+        },
+        SchedulerConfig {
+            max_context_tokens: 1 << 30,
+            ..cfg()
+        },
+        SchedulerConfig {
+            max_batch_size: 0,
+            ..cfg()
+        },
     ];
     for c in bad {
         assert!(Scheduler::new(c.clone()).is_err(), "{c:?}");
@@ -329,7 +463,10 @@ fn page_tables_are_sent_as_deltas() {
         }
     }
     assert!(rows >= 19);
-    assert!(deltas <= 5, "a delta only when a page is added: {deltas} of {rows}");
+    assert!(
+        deltas <= 5,
+        "a delta only when a page is added: {deltas} of {rows}"
+    );
 }
 
 #[test]
@@ -350,5 +487,8 @@ fn kv_events_and_stats_are_reported() {
     let st = s.stats();
     assert_eq!((st.submitted, st.finished), (2, 2));
     assert!(st.computed_tokens > 0 && st.device_hit_tokens > 0);
-    assert_eq!(st.op(OpKind::WriteBack).issued, st.op(OpKind::WriteBack).succeeded);
+    assert_eq!(
+        st.op(OpKind::WriteBack).issued,
+        st.op(OpKind::WriteBack).succeeded
+    );
 }

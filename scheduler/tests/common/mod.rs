@@ -92,7 +92,7 @@ impl Engine {
     }
 
     fn fails(&self, op: &PlannedOp) -> bool {
-        matches!(self.fail_every, Some((k, n)) if k == op.kind && op.id.0 % n == 0)
+        matches!(self.fail_every, Some((k, n)) if k == op.kind && op.id.0.is_multiple_of(n))
     }
 
     /// Executes one held op (by index) and reports its completion.
@@ -110,7 +110,9 @@ impl Engine {
                     if fail && i >= keys.len() / 2 {
                         break;
                     }
-                    let Some(c) = self.l3.get(k).copied() else { break };
+                    let Some(c) = self.l3.get(k).copied() else {
+                        break;
+                    };
                     match dst {
                         TierPages::Host(p) => self.host[p[i].index() as usize] = Some(c),
                         TierPages::Device(p) => self.device[p[i].index() as usize] = Some(c),
@@ -284,7 +286,10 @@ impl Engine {
     /// Steps until every request but `except` has ended, holding back `except`'s ops.
     pub fn run_to_idle_except(&mut self, s: &mut Scheduler, max_steps: usize, except: RequestId) {
         for i in 0..max_steps {
-            if s.live_requests() <= 1 && self.forward.is_none() && self.held.iter().all(|o| o.req == Some(except)) {
+            if s.live_requests() <= 1
+                && self.forward.is_none()
+                && self.held.iter().all(|o| o.req == Some(except))
+            {
                 return;
             }
             let plan = s.next_execution_plan(i as u64);

@@ -1,0 +1,199 @@
+//! `sched-bench`: the scheduler's issue-3 benchmark figures as latency percentiles.
+//!
+//! Run: `cargo run --release -p kvtier-scheduler --bin sched-bench [-- --quick]`.
+//!
+//! Why a binary beside criterion: the targets are stated as p50 (and the finish/load-back
+//! cases need a fresh scheduler per sample), so this times every call on its own and prints
+//! p50/p90/p99 next to the target and the C++ reference. The scenario (shared with
+//! `benches/scheduler.rs`) is described in `benches/scenario/mod.rs`.
+
+#[path = "../../benches/scenario/mod.rs"]
+mod scenario;
+
+use std::time::{Duration, Instant};
+
+use scenario::*;
+
+struct Row {
+    name: String,
+    samples: Vec<Duration>,
+    target_us: f64,
+    reference_us: f64,
+}
+
+fn pct(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e6
+}
+
+impl Row {
+    fn print(&mut self) -> f64 {
+        self.samples.sort();
+        let s = &self.samples;
+        let (p50, p90, p99) = (pct(s, 0.5), pct(s, 0.9), pct(s, 0.99));
+        println!(
+            "{:<44} {:>6} {:>10.1} {:>10.1} {:>10.1} {:>9.0} {:>9.0} {:>7.1}× {:>5}",
+            self.name,
+            s.len(),
+            p50,
+            p90,
+            p99,
+            self.target_us,
+            self.reference_us,
+            self.reference_us / p50,
+            if p50 <= self.target_us { "ok" } else { "MISS" },
+        );
+        p50
+    }
+}
+
+fn decode(n: usize, steps: usize, warmup: usize) -> (Vec<Duration>, Vec<Duration>, Duration) {
+    let (mut plan, mut ingest) = (Vec::with_capacity(steps), Vec::with_capacity(steps));
+    let mut setup = Duration::ZERO;
+    let mut d: Option<Driver> = None;
+    let mut i = 0;
+    while plan.len() < steps {
+        if d.as_ref().is_none_or(|d| d.steps_left == 0) {
+            let t = Instant::now();
+            d = Some(decoding(n));
+            setup = t.elapsed();
+        }
+        let (p, f) = timed_decode_step(d.as_mut().expect("driver"));
+        i += 1;
+        if i > warmup {
+            plan.push(p);
+            ingest.push(f);
+        }
+    }
+    (plan, ingest, setup)
+}
+
+/// `--profile CASE`: run only one case, for a profiler (`decode256`, `decode1024`, `finish`,
+/// `loadback`).
+fn profile(case: &str, rounds: usize) {
+    match case {
+        "decode256" | "decode1024" => {
+            let n = if case == "decode256" { 256 } else { 1024 };
+            decode(n, rounds * 100, 0);
+        }
+        "finish" => {
+            for _ in 0..rounds {
+                let (mut d, ev) = about_to_finish(256);
+                timed_finish(&mut d, ev);
+            }
+        }
+        "loadback" => {
+            for _ in 0..rounds {
+                let mut d = host_only(256, 2 * TOKEN_BUDGET);
+                timed_loadback_plan(&mut d);
+            }
+        }
+        other => panic!("unknown case {other}"),
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    if let Some(i) = args.iter().position(|a| a == "--profile") {
+        profile(
+            args.get(i + 1).map(String::as_str).unwrap_or("decode256"),
+            if quick { 2 } else { 20 },
+        );
+        return;
+    }
+    let (steps, rounds) = if quick { (300, 8) } else { (3000, 40) };
+    println!(
+        "kvtier-scheduler bench: page 64, 4,096-token distinct prompts, budget 8,192, host = 2 × device, ops acked at once"
+    );
+    println!(
+        "{:<44} {:>6} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>5}",
+        "case (µs)", "n", "p50", "p90", "p99", "target", "C++ ref", "vs ref", ""
+    );
+
+    let (p256, f256, setup256) = decode(256, steps, 20);
+    let mut r = Row {
+        name: "next_execution_plan, decode step of 256".into(),
+        samples: p256,
+        target_us: 40.0,
+        reference_us: 205.0,
+    };
+    let d256 = r.print();
+    Row {
+        name: "ingest 256 decode results (ForwardDone)".into(),
+        samples: f256,
+        target_us: 15.0,
+        reference_us: 58.0,
+    }
+    .print();
+
+    let mut fin = Vec::new();
+    let mut fin_setup = Duration::ZERO;
+    for _ in 0..rounds {
+        let t = Instant::now();
+        let (mut d, ev) = about_to_finish(256);
+        fin_setup += t.elapsed();
+        fin.push(timed_finish(&mut d, ev));
+    }
+    Row {
+        name: "finish all 256 (ForwardDone + plan, 256 WB)".into(),
+        samples: fin,
+        target_us: 1000.0,
+        reference_us: 6100.0,
+    }
+    .print();
+
+    let mut lb = Vec::new();
+    let mut lb_half = Vec::new();
+    for _ in 0..rounds {
+        let mut d = host_only(256, 2 * TOKEN_BUDGET);
+        let (t, n) = timed_loadback_plan(&mut d);
+        assert_eq!(n, 256, "256 load-backs in the first plan");
+        lb.push(t);
+        let mut d = host_only(256, TOKEN_BUDGET);
+        let (t, n) = timed_loadback_plan(&mut d);
+        assert_eq!(n, 128, "budget 8,192 admits 128 one-page chunks");
+        lb_half.push(t);
+    }
+    Row {
+        name: "first plan, 256 host hits → 256 load-backs".into(),
+        samples: lb,
+        target_us: 500.0,
+        reference_us: 2000.0,
+    }
+    .print();
+    Row {
+        name: "  same, budget 8,192 (128 admitted, 128 LB)".into(),
+        samples: lb_half,
+        target_us: 500.0,
+        reference_us: 2000.0,
+    }
+    .print();
+
+    let (p1024, f1024, setup1024) = decode(1024, steps, 20);
+    let mut r = Row {
+        name: "next_execution_plan, decode step of 1,024".into(),
+        samples: p1024,
+        target_us: 160.0,
+        reference_us: 1228.0,
+    };
+    let d1024 = r.print();
+    let mut r = Row {
+        name: "ingest 1,024 decode results (no target)".into(),
+        samples: f1024,
+        target_us: f64::INFINITY,
+        reference_us: f64::NAN,
+    };
+    r.print();
+    println!(
+        "decode plan p50 1,024 / 256 = {:.2} (linear = 4.00; C++ reference 1228/205 = {:.2})",
+        d1024 / d256,
+        1228.0 / 205.0
+    );
+    println!(
+        "setup (not timed): 256 decoding {:.0} ms, 1,024 decoding {:.0} ms, finish round {:.0} ms",
+        setup256.as_secs_f64() * 1e3,
+        setup1024.as_secs_f64() * 1e3,
+        fin_setup.as_secs_f64() * 1e3 / rounds as f64
+    );
+}
