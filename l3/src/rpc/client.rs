@@ -61,7 +61,9 @@ const PER_KEY_OVERHEAD: usize = 64;
 
 /// A connection to a `kvtier-l3` server.
 pub struct RemoteStore {
-    xfer: Option<parking_lot::Mutex<XferClient>>,
+    /// Transfer channel: its address and the live connection (None after a failure; the
+    /// next call reconnects, because a failed read leaves the stream out of step).
+    xfer: Option<(SocketAddr, parking_lot::Mutex<Option<XferClient>>)>,
     rt: tokio::runtime::Runtime,
     client: L3RpcClient,
     limits: ServerLimits,
@@ -113,11 +115,8 @@ impl RemoteStore {
         if me.opts.use_transfer_channel && limits.xfer_port != 0 {
             let xa = SocketAddr::new(addr.ip(), limits.xfer_port);
             let frame = me.frame_cap();
-            me.xfer = Some(parking_lot::Mutex::new(XferClient::connect(
-                xa,
-                me.opts.token.clone(),
-                frame,
-            )?));
+            let conn = XferClient::connect(xa, me.opts.token.clone(), frame)?;
+            me.xfer = Some((xa, parking_lot::Mutex::new(Some(conn))));
         }
         Ok(me)
     }
@@ -182,6 +181,35 @@ impl RemoteStore {
         out
     }
 
+    /// Runs an idempotent call on the transfer channel, reconnecting (once) when the
+    /// connection is gone or broke during the previous call.
+    fn with_xfer<T>(&self, mut f: impl FnMut(&mut XferClient) -> L3Result<T>) -> L3Result<T> {
+        let Some((addr, slot)) = &self.xfer else {
+            return Err(L3Error::Unavailable("no transfer channel".into()));
+        };
+        let mut guard = slot.lock();
+        for attempt in 0..2 {
+            if guard.is_none() {
+                *guard = Some(XferClient::connect(
+                    *addr,
+                    self.opts.token.clone(),
+                    self.frame_cap(),
+                )?);
+            }
+            let Some(conn) = guard.as_mut() else { continue };
+            match f(conn) {
+                Err(L3Error::RpcFail(m)) => {
+                    *guard = None;
+                    if attempt == 1 {
+                        return Err(L3Error::RpcFail(m));
+                    }
+                }
+                other => return other,
+            }
+        }
+        Err(L3Error::RpcFail("transfer channel unavailable".into()))
+    }
+
     fn get_chunks(
         &self,
         tenant: &Tenant,
@@ -195,8 +223,8 @@ impl RemoteStore {
             ));
         }
         self.check_keys(keys.len())?;
-        if let Some(x) = &self.xfer {
-            return x.lock().get(tenant, keys, queries, bufs);
+        if self.xfer.is_some() {
+            return self.with_xfer(|x| x.get(tenant, keys, queries, bufs));
         }
         let ranges = self.chunks(keys.len(), |i| bufs[i].len());
         let calls = ranges.iter().map(|r| {
@@ -322,8 +350,8 @@ impl L3Store for RemoteStore {
         opts: ExistOptions,
     ) -> BatchResult<bool> {
         self.check_keys(keys.len())?;
-        if let Some(x) = &self.xfer {
-            return x.lock().exist(tenant, keys, opts);
+        if self.xfer.is_some() {
+            return self.with_xfer(|x| x.exist(tenant, keys, opts));
         }
         self.run(
             self.client
