@@ -1,0 +1,151 @@
+"""kvtier: KV-cache tiering for LLM serving engines, from Python.
+
+The engine loop::
+
+    import kvtier
+    s = kvtier.Scheduler(kvtier.SchedulerConfig(page_size=64, device_pages=4096, host_pages=8192))
+    s.submit(1, prompt_token_ids, max_new_tokens=128)
+    while True:
+        plan = s.next_execution_plan(now_ms)
+        ...  # run plan.ops, then the forward (plan.prefill chunks, plan.decode_* columns)
+        s.on_event(kvtier.LoadBackDone(op.id))
+        s.forward_done(plan.step, reqs, tokens, stops)
+
+``kvtier.engine`` is a complete reference executor (numpy arrays as KV pools, a pluggable L3
+backend); ``kvtier.mooncake_compat.MooncakeDistributedStore`` is a drop-in replacement of
+Mooncake's store class backed by kvtier's L3 store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping
+
+from . import _native
+from ._native import (  # noqa: F401  (re-exports)
+    BackUpDone,
+    BadCompletionError,
+    BufferOverflowError,
+    CacheError,
+    ClientNotFoundError,
+    CompletionOutOfOrderError,
+    ConfigError,
+    DuplicateCompletionError,
+    DuplicateRequestError,
+    ExecutionPlan,
+    FileOpenFailError,
+    FileReadFailError,
+    FileWriteFailError,
+    ForwardDone,
+    IllegalClientError,
+    IllegalEventError,
+    InvalidKeyError,
+    InvalidParamsError,
+    InvalidRequestError,
+    KvtierError,
+    L3Error,
+    L3InternalError,
+    L3QueryDone,
+    L3Server,
+    L3Store,
+    LeaseExpiredError,
+    LoadBackDone,
+    NoAvailableHandleError,
+    NotInStepError,
+    ObjectAlreadyExistsError,
+    ObjectHasLeaseError,
+    ObjectNotFoundError,
+    PlannedOp,
+    PrefetchDone,
+    PrefillChunk,
+    QueryResults,
+    ReplicaNotReadyError,
+    RowCountMismatchError,
+    RpcFailError,
+    Scheduler,
+    SchedulerError,
+    SegmentAlreadyExistsError,
+    SegmentNotFoundError,
+    UnableOffloadError,
+    UnableOffloadingError,
+    UnavailableError,
+    UnknownOpError,
+    UnknownRequestError,
+    UnknownStepError,
+    WriteBackDone,
+    WrongCompletionKindError,
+    page_hashes,
+)
+
+__version__: str = _native.__version__
+
+_DEFAULTS: Dict[str, Any] = _native.default_config()
+
+
+def _default(name: str) -> Any:
+    v = _DEFAULTS[name]
+    if isinstance(v, dict):
+        return field(default_factory=lambda: dict(v))
+    return field(default=v)
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduler configuration (defaults are the Rust ``SchedulerConfig::default()``).
+
+    Policies are strings: ``prefetch_stop`` in {"best_effort", "wait_complete", "timeout"}
+    (with ``prefetch_timeout_base_ms`` and ``prefetch_timeout_per_1k_tokens_ms``),
+    ``write_policy`` in {"write_through", "write_through_selective", "write_back"} (with
+    ``write_hit_threshold``), ``retraction`` in {"latest_arrival", "fewest_generated",
+    "most_pages"}. ``namespace`` is a dict with keys model, dtype, layout, tenant, adapter
+    (it selects the L3 key namespace). ``validate()`` raises ``ConfigError`` naming the field.
+    """
+
+    page_size: int = _default("page_size")
+    device_pages: int = _default("device_pages")
+    host_pages: int = _default("host_pages")
+    max_batch_size: int = _default("max_batch_size")
+    token_budget: int = _default("token_budget")
+    chunked_prefill_size: int = _default("chunked_prefill_size")
+    mixed_prefill_decode: bool = _default("mixed_prefill_decode")
+    host_enabled: bool = _default("host_enabled")
+    l3_enabled: bool = _default("l3_enabled")
+    prefetch_threshold: int = _default("prefetch_threshold")
+    prefetch_stop: str = _default("prefetch_stop")
+    prefetch_timeout_base_ms: int = _default("prefetch_timeout_base_ms")
+    prefetch_timeout_per_1k_tokens_ms: int = _default("prefetch_timeout_per_1k_tokens_ms")
+    write_policy: str = _default("write_policy")
+    write_hit_threshold: int = _default("write_hit_threshold")
+    keep_device_after_write_back: bool = _default("keep_device_after_write_back")
+    retraction: str = _default("retraction")
+    max_context_tokens: int = _default("max_context_tokens")
+    namespace: Dict[str, str] = _default("namespace")
+    rank: int = _default("rank")
+    record_kv_events: bool = _default("record_kv_events")
+
+    def validate(self) -> None:
+        """Raises ``ConfigError`` (or ``TypeError``) if the configuration is invalid."""
+        _native.validate_config(self)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The fields as a plain dict (``SchedulerConfig(**d)`` rebuilds it)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SchedulerConfig":
+        """Builds a config from a dict of fields (unknown keys raise ``TypeError``)."""
+        return cls(**dict(d))
+
+    def replace(self, **changes: Any) -> "SchedulerConfig":
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+OP_KINDS = tuple(_native.op_kinds())
+"""Cache op kinds, as ``PlannedOp.kind`` spells them."""
+
+EVENT_TYPES = (L3QueryDone, PrefetchDone, LoadBackDone, WriteBackDone, BackUpDone, ForwardDone)
+"""Every completion event class."""
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "dataclass", "dataclasses", "field", "Any", "Dict", "Mapping")]

@@ -1,0 +1,281 @@
+//! `SchedulerConfig` between Python and Rust.
+//!
+//! Why the Python class is a dataclass (in `kvtier/__init__.py`) and not a `#[pyclass]`: it
+//! gets equality, `repr`, `dataclasses.replace`, pickling and keyword construction for free,
+//! and an engine can build it from its own config dict. This module reads any object with the
+//! dataclass's attributes (or a plain dict with those keys) into the Rust
+//! [`SchedulerConfig`], naming the field in every type error, and writes a Rust config back as
+//! a dict of the same keys — the round trip `dict → Rust → dict` is the identity.
+//!
+//! Policies are flattened to strings plus their parameters:
+//! `prefetch_stop` ∈ {"best_effort", "wait_complete", "timeout"} with
+//! `prefetch_timeout_base_ms`, `prefetch_timeout_per_1k_tokens_ms`; `write_policy` ∈
+//! {"write_through", "write_through_selective", "write_back"} with `write_hit_threshold`;
+//! `retraction` ∈ {"latest_arrival", "fewest_generated", "most_pages"}; `namespace` is a dict
+//! with keys model, dtype, layout, tenant, adapter.
+
+use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use kvtier_scheduler::{
+    KeyNamespace, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, WritePolicy,
+};
+
+use crate::errors::config_err;
+
+/// Every key of the flattened configuration, in the dataclass's field order.
+pub const FIELDS: &[&str] = &[
+    "page_size",
+    "device_pages",
+    "host_pages",
+    "max_batch_size",
+    "token_budget",
+    "chunked_prefill_size",
+    "mixed_prefill_decode",
+    "host_enabled",
+    "l3_enabled",
+    "prefetch_threshold",
+    "prefetch_stop",
+    "prefetch_timeout_base_ms",
+    "prefetch_timeout_per_1k_tokens_ms",
+    "write_policy",
+    "write_hit_threshold",
+    "keep_device_after_write_back",
+    "retraction",
+    "max_context_tokens",
+    "namespace",
+    "rank",
+    "record_kv_events",
+];
+
+/// Reads one field from a dict (by key) or any object (by attribute); `None` when absent.
+fn field<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if let Ok(d) = obj.cast::<PyDict>() {
+        return d.get_item(name);
+    }
+    match obj.getattr(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(obj.py()) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn get<'py, T: FromPyObjectOwned<'py>>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+    default: T,
+) -> PyResult<T> {
+    match field(obj, name)? {
+        None => Ok(default),
+        Some(v) => v.extract::<T>().map_err(|e| {
+            let e: PyErr = e.into();
+            let kind = if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) {
+                "out of range"
+            } else {
+                "wrong type"
+            };
+            PyTypeError::new_err(format!(
+                "SchedulerConfig.{name}: {kind} ({})",
+                e.value(obj.py())
+            ))
+        }),
+    }
+}
+
+/// Python object (dataclass, any object with the attributes, or dict) → Rust config.
+/// Unknown dict keys are an error (a typo would otherwise be silently ignored).
+pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
+    if let Ok(d) = obj.cast::<PyDict>() {
+        for k in d.keys() {
+            let k: String = k
+                .extract()
+                .map_err(|_| PyTypeError::new_err("SchedulerConfig keys must be str"))?;
+            if !FIELDS.contains(&k.as_str()) {
+                return Err(PyKeyError::new_err(format!(
+                    "unknown SchedulerConfig field {k:?}"
+                )));
+            }
+        }
+    }
+    let d = SchedulerConfig::default();
+    let (def_base, def_per_1k) = match d.prefetch_stop {
+        PrefetchStopPolicy::Timeout {
+            base_ms,
+            per_1k_tokens_ms,
+        } => (base_ms, per_1k_tokens_ms),
+        _ => (50, 10),
+    };
+    let stop: String = get(obj, "prefetch_stop", "timeout".to_string())?;
+    let base_ms: u64 = get(obj, "prefetch_timeout_base_ms", def_base)?;
+    let per_1k: u64 = get(obj, "prefetch_timeout_per_1k_tokens_ms", def_per_1k)?;
+    let prefetch_stop = match stop.as_str() {
+        "best_effort" => PrefetchStopPolicy::BestEffort,
+        "wait_complete" => PrefetchStopPolicy::WaitComplete,
+        "timeout" => PrefetchStopPolicy::Timeout {
+            base_ms,
+            per_1k_tokens_ms: per_1k,
+        },
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "SchedulerConfig.prefetch_stop: {other:?} is not one of best_effort, wait_complete, timeout"
+            )));
+        }
+    };
+    let wp: String = get(obj, "write_policy", "write_through".to_string())?;
+    let hit_threshold: u32 = get(obj, "write_hit_threshold", 1)?;
+    let write_policy = match wp.as_str() {
+        "write_through" => WritePolicy::WriteThrough,
+        "write_through_selective" => WritePolicy::WriteThroughSelective { hit_threshold },
+        "write_back" => WritePolicy::WriteBack,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "SchedulerConfig.write_policy: {other:?} is not one of write_through, write_through_selective, write_back"
+            )));
+        }
+    };
+    let rp: String = get(obj, "retraction", "latest_arrival".to_string())?;
+    let retraction = match rp.as_str() {
+        "latest_arrival" => RetractionPolicy::LatestArrival,
+        "fewest_generated" => RetractionPolicy::FewestGenerated,
+        "most_pages" => RetractionPolicy::MostPages,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "SchedulerConfig.retraction: {other:?} is not one of latest_arrival, fewest_generated, most_pages"
+            )));
+        }
+    };
+    let namespace = match field(obj, "namespace")? {
+        None => d.namespace.clone(),
+        Some(v) if v.is_none() => d.namespace.clone(),
+        Some(v) => {
+            let nd = v.cast::<PyDict>().map_err(|_| {
+                PyTypeError::new_err("SchedulerConfig.namespace: expected a dict of str")
+            })?;
+            let mut ns = KeyNamespace::default();
+            for (k, val) in nd.iter() {
+                let k: String = k.extract().map_err(|_| {
+                    PyTypeError::new_err("SchedulerConfig.namespace: keys must be str")
+                })?;
+                let val: String = val.extract().map_err(|_| {
+                    PyTypeError::new_err(format!("SchedulerConfig.namespace[{k:?}]: expected str"))
+                })?;
+                match k.as_str() {
+                    "model" => ns.model = val,
+                    "dtype" => ns.dtype = val,
+                    "layout" => ns.layout = val,
+                    "tenant" => ns.tenant = val,
+                    "adapter" => ns.adapter = val,
+                    _ => {
+                        return Err(PyKeyError::new_err(format!(
+                            "SchedulerConfig.namespace: unknown key {k:?} (model, dtype, layout, tenant, adapter)"
+                        )));
+                    }
+                }
+            }
+            ns
+        }
+    };
+    Ok(SchedulerConfig {
+        page_size: get(obj, "page_size", d.page_size)?,
+        device_pages: get(obj, "device_pages", d.device_pages)?,
+        host_pages: get(obj, "host_pages", d.host_pages)?,
+        max_batch_size: get(obj, "max_batch_size", d.max_batch_size)?,
+        token_budget: get(obj, "token_budget", d.token_budget)?,
+        chunked_prefill_size: get(obj, "chunked_prefill_size", d.chunked_prefill_size)?,
+        mixed_prefill_decode: get(obj, "mixed_prefill_decode", d.mixed_prefill_decode)?,
+        host_enabled: get(obj, "host_enabled", d.host_enabled)?,
+        l3_enabled: get(obj, "l3_enabled", d.l3_enabled)?,
+        prefetch_threshold: get(obj, "prefetch_threshold", d.prefetch_threshold)?,
+        prefetch_stop,
+        write_policy,
+        keep_device_after_write_back: get(
+            obj,
+            "keep_device_after_write_back",
+            d.keep_device_after_write_back,
+        )?,
+        retraction,
+        max_context_tokens: get(obj, "max_context_tokens", d.max_context_tokens)?,
+        namespace,
+        rank: get(obj, "rank", d.rank)?,
+        record_kv_events: get(obj, "record_kv_events", d.record_kv_events)?,
+    })
+}
+
+/// Rust config → dict with the dataclass's keys.
+pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("page_size", c.page_size)?;
+    d.set_item("device_pages", c.device_pages)?;
+    d.set_item("host_pages", c.host_pages)?;
+    d.set_item("max_batch_size", c.max_batch_size)?;
+    d.set_item("token_budget", c.token_budget)?;
+    d.set_item("chunked_prefill_size", c.chunked_prefill_size)?;
+    d.set_item("mixed_prefill_decode", c.mixed_prefill_decode)?;
+    d.set_item("host_enabled", c.host_enabled)?;
+    d.set_item("l3_enabled", c.l3_enabled)?;
+    d.set_item("prefetch_threshold", c.prefetch_threshold)?;
+    let (stop, base, per_1k) = match c.prefetch_stop {
+        PrefetchStopPolicy::BestEffort => ("best_effort", 50, 10),
+        PrefetchStopPolicy::WaitComplete => ("wait_complete", 50, 10),
+        PrefetchStopPolicy::Timeout {
+            base_ms,
+            per_1k_tokens_ms,
+        } => ("timeout", base_ms, per_1k_tokens_ms),
+    };
+    d.set_item("prefetch_stop", stop)?;
+    d.set_item("prefetch_timeout_base_ms", base)?;
+    d.set_item("prefetch_timeout_per_1k_tokens_ms", per_1k)?;
+    let (wp, thr) = match c.write_policy {
+        WritePolicy::WriteThrough => ("write_through", 1),
+        WritePolicy::WriteThroughSelective { hit_threshold } => {
+            ("write_through_selective", hit_threshold)
+        }
+        WritePolicy::WriteBack => ("write_back", 1),
+    };
+    d.set_item("write_policy", wp)?;
+    d.set_item("write_hit_threshold", thr)?;
+    d.set_item(
+        "keep_device_after_write_back",
+        c.keep_device_after_write_back,
+    )?;
+    d.set_item(
+        "retraction",
+        match c.retraction {
+            RetractionPolicy::LatestArrival => "latest_arrival",
+            RetractionPolicy::FewestGenerated => "fewest_generated",
+            RetractionPolicy::MostPages => "most_pages",
+        },
+    )?;
+    d.set_item("max_context_tokens", c.max_context_tokens)?;
+    let ns = PyDict::new(py);
+    ns.set_item("model", &c.namespace.model)?;
+    ns.set_item("dtype", &c.namespace.dtype)?;
+    ns.set_item("layout", &c.namespace.layout)?;
+    ns.set_item("tenant", &c.namespace.tenant)?;
+    ns.set_item("adapter", &c.namespace.adapter)?;
+    d.set_item("namespace", ns)?;
+    d.set_item("rank", c.rank)?;
+    d.set_item("record_kv_events", c.record_kv_events)?;
+    Ok(d)
+}
+
+/// `kvtier._native.validate_config(cfg)`: raises `ConfigError` (or `TypeError`) if invalid.
+#[pyfunction]
+pub fn validate_config(cfg: &Bound<'_, PyAny>) -> PyResult<()> {
+    let c = config_from_py(cfg)?;
+    c.validate().map_err(config_err)
+}
+
+/// `kvtier._native.default_config()`: the Rust defaults as a dict.
+#[pyfunction]
+pub fn default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    config_to_dict(py, &SchedulerConfig::default())
+}
+
+/// `kvtier._native.config_roundtrip(cfg)`: Python → Rust → dict (tests).
+#[pyfunction]
+pub fn config_roundtrip<'py>(cfg: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    let c = config_from_py(cfg)?;
+    config_to_dict(cfg.py(), &c)
+}
