@@ -550,10 +550,21 @@ impl RadixCache {
         let ps = self.page_size;
         let n = &mut self.nodes[id];
         debug_assert!(k > 0 && k < n.len());
-        let front_hashes: SmallVec<[PageHash; 1]> = n.hashes.drain(..k).collect();
-        let front_tokens: Vec<u32> = n.tokens.drain(..k * ps).collect();
+        // The front part keeps the node's buffers (truncated) and only the back part is copied
+        // out: a prompt matching all but the last pages of a long run (the common split) costs
+        // a copy of those last pages, not of the whole run plus a shift (and no fresh
+        // allocation the size of the run).
+        let back_hashes = SmallVec::from_slice(&n.hashes[k..]);
+        n.hashes.truncate(k);
+        let front_hashes = std::mem::replace(&mut n.hashes, back_hashes);
+        let back_tokens = n.tokens.split_off(k * ps);
+        let front_tokens = std::mem::replace(&mut n.tokens, back_tokens);
         let front_slot = |slot: &mut TierSlot| TierSlot {
-            pages: slot.pages.as_mut().map(|p| p.drain(..k).collect()),
+            pages: slot.pages.as_mut().map(|p| {
+                let back = SmallVec::from_slice(&p[k..]);
+                p.truncate(k);
+                std::mem::replace(p, back)
+            }),
             lock: slot.lock,
             resident_children: slot.pages.is_some() as u32,
             evict_key: None,
@@ -667,11 +678,14 @@ impl RadixCache {
             let Some(pages) = &node.slot(T::KIND).pages else {
                 return Err(RadixError::NotResident { tier: T::KIND });
             };
+            // This node covers depths `s .. node.end()`, of which `from ..` are wanted.
             let s = node.start as usize;
-            for (i, p) in pages.iter().enumerate() {
-                if s + i >= from {
-                    out[s + i - from] = PageId::new(*p);
-                }
+            let skip = from.saturating_sub(s);
+            for (o, p) in out[s + skip - from..node.end() - from]
+                .iter_mut()
+                .zip(&pages[skip..])
+            {
+                *o = PageId::new(*p);
             }
             cur = node.parent;
         }

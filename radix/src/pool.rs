@@ -70,8 +70,9 @@ impl PagePool {
             });
         }
         let start = self.free.len() - n;
-        let mut out: Vec<u32> = self.free.drain(start..).collect();
-        out.reverse();
+        // The last `n` free entries, last first (what popping them one by one would give).
+        let out: Vec<u32> = self.free[start..].iter().rev().copied().collect();
+        self.free.truncate(start);
         for &p in &out {
             self.state[p as usize] = PageState::Held;
         }

@@ -31,6 +31,9 @@ impl Scheduler {
     ) {
         let ps = self.cfg.page_size;
         let ids: Vec<RequestId> = self.running.values().copied().collect();
+        // Room for every row up front: no regrowth of the batch as rows are added.
+        batch.decode.reserve(ids.len().min(budget.rows));
+        rows.reserve(ids.len().min(budget.rows));
         for id in ids {
             if budget.rows == 0 || budget.tokens == 0 {
                 break;

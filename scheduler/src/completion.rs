@@ -5,12 +5,11 @@
 //! the resulting event, a forward does not overtake the ops it waits for — and only then
 //! mutates. A rejected event leaves the scheduler exactly as it was.
 
-use std::collections::HashMap;
-
 use kvtier_fsm::{OpEvent, RequestEvent, RequestState};
 use kvtier_radix::{Device, Host};
 
 use crate::error::SchedulerError;
+use crate::idhash::IdMap;
 use crate::ops::{AnyLock, OpCtx, PrefetchDst};
 use crate::scheduler::{RowKind, Scheduler};
 use crate::types::*;
@@ -286,12 +285,27 @@ impl Scheduler {
                 got: outputs.len(),
             });
         }
-        // Row index of each output: same order as the batch (fast path), or by lookup.
+        // Row index of each output: same order as the batch's rows (decode rows, then prefill
+        // chunks), or as `ForwardBatch` lists them (prefill chunks, then decode rows), each
+        // recognised in one pass without a map; any other order by lookup.
+        let n = outputs.len();
         let in_order = outputs.iter().zip(&st.rows).all(|(o, (r, _))| o.req == *r);
+        let decode_rows = st
+            .rows
+            .iter()
+            .filter(|(_, k)| matches!(k, RowKind::Decode))
+            .count();
+        let prefill_first = !in_order
+            && outputs
+                .iter()
+                .enumerate()
+                .all(|(i, o)| o.req == st.rows[(i + decode_rows) % n].0);
         let order: Vec<usize> = if in_order {
-            (0..outputs.len()).collect()
+            (0..n).collect()
+        } else if prefill_first {
+            (0..n).map(|i| (i + decode_rows) % n).collect()
         } else {
-            let index: HashMap<RequestId, usize> = st
+            let index: IdMap<RequestId, usize> = st
                 .rows
                 .iter()
                 .enumerate()

@@ -18,6 +18,7 @@ mod admission;
 mod completion;
 mod config;
 mod error;
+mod idhash;
 mod lifecycle;
 mod ops;
 mod request;

@@ -60,6 +60,9 @@ impl Request {
     pub(crate) fn ensure_hashes(&mut self, pages: usize, page_size: usize) {
         if self.hashes.len() < pages {
             let from = self.hashes.len();
+            // Exactly what is missing (this runs once per publish, not per page): doubling a
+            // whole prompt's hashes for the few pages a decode added costs a fresh block.
+            self.hashes.reserve_exact(pages - from);
             extend_hashes(&mut self.hashes, &self.tokens, page_size, from, pages);
         }
     }

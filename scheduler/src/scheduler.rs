@@ -9,7 +9,7 @@
 //! This file holds the state, the public API and the plan's skeleton; admission, completions
 //! and the request lifecycle live in `admission.rs`, `completion.rs` and `lifecycle.rs`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 
 use kvtier_fsm::{OpEvent, OpKind, RequestEvent, RequestState};
 use kvtier_radix::{
@@ -18,6 +18,7 @@ use kvtier_radix::{
 
 use crate::config::{ConfigError, PrefetchStopPolicy, SchedulerConfig};
 use crate::error::SchedulerError;
+use crate::idhash::{IdMap, IdSet};
 use crate::ops::{OpCtx, OpRecord};
 use crate::request::Request;
 use crate::stats::Stats;
@@ -45,12 +46,12 @@ pub struct Scheduler {
     pub(crate) cfg: SchedulerConfig,
     pub(crate) cache: RadixCache,
     pub(crate) keys: L3KeyBuilder,
-    pub(crate) reqs: HashMap<RequestId, Request>,
+    pub(crate) reqs: IdMap<RequestId, Request>,
     /// Requests waiting for admission (Submitted, PrefetchDone, Retracted), by arrival seq.
     pub(crate) waiting: BTreeMap<u64, RequestId>,
     /// Requests prefilling or decoding, by arrival seq.
     pub(crate) running: BTreeMap<u64, RequestId>,
-    pub(crate) ops: HashMap<OpId, OpRecord>,
+    pub(crate) ops: IdMap<OpId, OpRecord>,
     pub(crate) next_op: u64,
     /// Prefetches to terminate at `deadline` (ms): `(deadline, op)`.
     pub(crate) prefetch_deadlines: BTreeSet<(u64, OpId)>,
@@ -63,7 +64,7 @@ pub struct Scheduler {
     pub(crate) ended: Vec<(RequestId, Outcome)>,
     pub(crate) retracted_out: Vec<RequestId>,
     /// Pages whose backup to L3 is in flight.
-    pub(crate) backing_up: HashSet<PageHash>,
+    pub(crate) backing_up: IdSet<PageHash>,
     pub(crate) stats: Stats,
     /// Device pages running prefills will still allocate (computed during admission).
     pub(crate) reserved_pages: usize,
@@ -86,10 +87,10 @@ impl Scheduler {
             cfg,
             cache,
             keys,
-            reqs: HashMap::new(),
+            reqs: IdMap::default(),
             waiting: BTreeMap::new(),
             running: BTreeMap::new(),
-            ops: HashMap::new(),
+            ops: IdMap::default(),
             next_op: 1,
             prefetch_deadlines: BTreeSet::new(),
             step: None,
@@ -99,7 +100,7 @@ impl Scheduler {
             terminate: Vec::new(),
             ended: Vec::new(),
             retracted_out: Vec::new(),
-            backing_up: HashSet::new(),
+            backing_up: IdSet::default(),
             stats: Stats::new(),
             reserved_pages: 0,
             now_ms: 0,
@@ -345,6 +346,7 @@ impl Scheduler {
             plan.forward = batch;
         }
 
+        plan.ops.reserve(self.outbox.len());
         for mut op in self.outbox.drain(..) {
             if let Some(rec) = self.ops.get_mut(&op.id) {
                 // Pending → Issued cannot fail for an op just created.

@@ -68,37 +68,81 @@ fn decode(n: usize, steps: usize, warmup: usize) -> (Vec<Duration>, Vec<Duration
     (plan, ingest, setup)
 }
 
-/// `--profile CASE`: run only one case, for a profiler (`decode256`, `decode1024`, `finish`,
-/// `loadback`).
+/// `--profile CASE [ROUNDS]`: run only one case (`decode256`, `decode1024`, `finish`,
+/// `loadback`), for a profiler or an A/B comparison; prints its p10/p50/p90.
 fn profile(case: &str, rounds: usize) {
-    match case {
+    let mut t = match case {
         "decode256" | "decode1024" => {
             let n = if case == "decode256" { 256 } else { 1024 };
-            decode(n, rounds * 100, 0);
+            let (plan, ingest, _) = decode(n, rounds * 100, 20);
+            let mut ingest = ingest;
+            ingest.sort();
+            println!(
+                "{case} ingest p10/p50/p90 µs: {:.1} {:.1} {:.1}",
+                pct(&ingest, 0.1),
+                pct(&ingest, 0.5),
+                pct(&ingest, 0.9)
+            );
+            plan
         }
         "finish" => {
-            for _ in 0..rounds {
-                let (mut d, ev) = about_to_finish(256);
-                timed_finish(&mut d, ev);
-            }
+            let mut faults = 0;
+            let t = (0..rounds)
+                .map(|_| {
+                    let (mut d, ev) = about_to_finish(256);
+                    let f0 = minor_faults();
+                    let t = timed_finish(&mut d, ev);
+                    faults += minor_faults() - f0;
+                    t
+                })
+                .collect();
+            println!("minor page faults per finish: {}", faults / rounds as u64);
+            t
         }
         "loadback" => {
-            for _ in 0..rounds {
-                let mut d = host_only(256, 2 * TOKEN_BUDGET);
-                timed_loadback_plan(&mut d);
-            }
+            let mut faults = 0;
+            let t = (0..rounds)
+                .map(|_| {
+                    let mut d = host_only(256, 2 * TOKEN_BUDGET);
+                    let f0 = minor_faults();
+                    let t = timed_loadback_plan(&mut d).0;
+                    faults += minor_faults() - f0;
+                    t
+                })
+                .collect::<Vec<_>>();
+            println!("minor page faults per plan: {}", faults / rounds as u64);
+            t
         }
         other => panic!("unknown case {other}"),
-    }
+    };
+    t.sort();
+    println!(
+        "{case} p10/p50/p90 µs: {:.1} {:.1} {:.1}",
+        pct(&t, 0.1),
+        pct(&t, 0.5),
+        pct(&t, 0.9)
+    );
+}
+
+/// Minor page faults of this process so far (Linux; 0 elsewhere).
+fn minor_faults() -> u64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            let rest = &s[s.rfind(')')? + 2..];
+            rest.split(' ').nth(7)?.parse().ok()
+        })
+        .unwrap_or(0)
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     if let Some(i) = args.iter().position(|a| a == "--profile") {
+        let rounds = args.get(i + 2).and_then(|r| r.parse().ok());
         profile(
             args.get(i + 1).map(String::as_str).unwrap_or("decode256"),
-            if quick { 2 } else { 20 },
+            rounds.unwrap_or(if quick { 2 } else { 20 }),
         );
         return;
     }
