@@ -86,6 +86,20 @@ fn get<'py, T: FromPyObjectOwned<'py>>(
 /// Python object (dataclass, any object with the attributes, or dict) → Rust config.
 /// Unknown dict keys are an error (a typo would otherwise be silently ignored).
 pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
+    if obj.cast::<PyDict>().is_err() {
+        let missing: Vec<&str> = FIELDS
+            .iter()
+            .copied()
+            .filter(|f| !obj.hasattr(*f).unwrap_or(false))
+            .collect();
+        if !missing.is_empty() {
+            return Err(PyTypeError::new_err(format!(
+                "expected a SchedulerConfig or a dict, got {} (missing {})",
+                obj.get_type().name().map(|n| n.to_string()).unwrap_or_default(),
+                missing.join(", ")
+            )));
+        }
+    }
     if let Ok(d) = obj.cast::<PyDict>() {
         for k in d.keys() {
             let k: String = k

@@ -20,6 +20,14 @@ use kvtier_scheduler::{
 
 use crate::convert::{bool_vec, u32_vec, u64_vec};
 
+fn py_opt<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "None".to_string(), |x| x.to_string())
+}
+
+fn py_bool(b: bool) -> &'static str {
+    if b { "True" } else { "False" }
+}
+
 fn dev_ids(v: Vec<DevicePageId>) -> Vec<u32> {
     v.into_iter().map(|p| p.index()).collect()
 }
@@ -101,11 +109,11 @@ impl PyPlannedOp {
 
     fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "PlannedOp(id={}, kind={}, req={:?}, before_forward={}, pages={}, keys={})",
+            "PlannedOp(id={}, kind={}, req={}, before_forward={}, pages={}, keys={})",
             self.id,
             self.kind,
-            self.req,
-            self.before_forward,
+            py_opt(self.req),
+            py_bool(self.before_forward),
             self.src.bind(py).len().unwrap_or(0).max(self.dst.bind(py).len().unwrap_or(0)),
             self.keys.len()
         )
@@ -181,8 +189,13 @@ pub struct PyPrefillChunk {
 impl PyPrefillChunk {
     fn __repr__(&self) -> String {
         format!(
-            "PrefillChunk(req={}, start={}, len={}, last={}, table_from={:?}, waits_for={:?})",
-            self.req, self.start, self.len, self.last, self.table_from, self.waits_for
+            "PrefillChunk(req={}, start={}, len={}, last={}, table_from={}, waits_for={:?})",
+            self.req,
+            self.start,
+            self.len,
+            py_bool(self.last),
+            py_opt(self.table_from),
+            self.waits_for
         )
     }
 }
@@ -282,8 +295,8 @@ impl PyPlan {
 
     fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "ExecutionPlan(step={:?}, ops={}, prefill={}, decode={}, terminate_prefetch={}, ended={}, retracted={})",
-            self.step,
+            "ExecutionPlan(step={}, ops={}, prefill={}, decode={}, terminate_prefetch={}, ended={}, retracted={})",
+            py_opt(self.step),
             self.ops.bind(py).len(),
             self.prefill.bind(py).len(),
             self.num_decode,
@@ -404,7 +417,7 @@ macro_rules! success_event {
                 $rs { op, success }
             }
             fn __repr__(&self) -> String {
-                format!(concat!($py, "(op={}, success={})"), self.op, self.success)
+                format!(concat!($py, "(op={}, success={})"), self.op, py_bool(self.success))
             }
         }
     };

@@ -1,0 +1,144 @@
+"""kvtier.L3Store, embedded and as a client of an in-process kvtier-l3 server."""
+
+import numpy as np
+import pytest
+
+import kvtier
+
+
+@pytest.fixture(params=["embedded", "remote"])
+def l3(request):
+    if request.param == "embedded":
+        yield kvtier.L3Store.embedded(1 << 24)
+    else:
+        srv = kvtier.L3Server(1 << 24)
+        yield kvtier.L3Store.connect(srv.addr)
+        srv.shutdown()
+
+
+def test_put_get_roundtrip(l3):
+    data = np.arange(1000, dtype=np.uint8)
+    l3.put("k1", data)
+    l3.put("k2", b"abc")
+    l3.put("k3", bytearray(b"xyz"))
+    l3.put("k4", memoryview(b"12345")[1:4])
+    assert l3.get("k1") == data.tobytes()
+    assert l3.get("k2") == b"abc" and l3.get("k3") == b"xyz" and l3.get("k4") == b"234"
+    assert l3.get_size("k1") == 1000
+    out = np.zeros(1200, dtype=np.uint8)
+    assert l3.get_into("k1", out) == 1000 and np.array_equal(out[:1000], data)
+    ba = bytearray(4)
+    assert l3.get_into("k2", ba) == 3 and bytes(ba[:3]) == b"abc"
+    assert l3.is_exist("k1") and not l3.is_exist("nope")
+    assert l3.batch_is_exist(["k1", "nope", "k2"]).tolist() == [1, 0, 1]
+
+
+def test_typed_errors_carry_mooncake_codes(l3):
+    with pytest.raises(kvtier.ObjectNotFoundError) as e:
+        l3.get("missing")
+    assert e.value.code == -704 and isinstance(e.value, kvtier.L3Error)
+    l3.put("dup", b"1")
+    with pytest.raises(kvtier.ObjectAlreadyExistsError) as e:
+        l3.put("dup", b"2")
+    assert e.value.code == -705
+    with pytest.raises(kvtier.BufferOverflowError) as e:
+        l3.get_into("dup", bytearray(0))
+    assert e.value.code == -10
+    with pytest.raises(kvtier.InvalidKeyError):
+        l3.put("", b"x")
+    l3.get("dup")  # a read takes a lease
+    with pytest.raises(kvtier.ObjectHasLeaseError) as e:
+        l3.remove("dup")
+    assert e.value.code == -706
+    l3.remove("dup", force=True)
+    assert not l3.is_exist("dup")
+
+
+def test_batches_and_pages(l3):
+    pool = np.zeros((8, 64), dtype=np.uint8)
+    for i in range(8):
+        pool[i] = i + 1
+    keys = [f"p{i}" for i in range(4)]
+    assert l3.batch_put_pages(keys, pool, [1, 3, 5, 7], 64).tolist() == [0, 0, 0, 0]
+    dst = np.zeros((8, 64), dtype=np.uint8)
+    got = l3.batch_get_pages(keys + ["nope"], dst, [0, 2, 4, 6, 1], 64)
+    assert got.tolist() == [64, 64, 64, 64, -704]
+    assert [int(dst[i, 0]) for i in (0, 2, 4, 6)] == [2, 4, 6, 8]
+    bufs = [bytearray(64) for _ in keys]
+    assert l3.batch_get_into(keys, bufs).tolist() == [64] * 4
+    assert l3.batch_put_from(["a", "b", "p0"], [b"1", b"22", b"333"]).tolist() == [0, 0, -705]
+    st = l3.stats()
+    assert st["objects"] >= 6
+    with pytest.raises(ValueError, match="outside the pool"):
+        l3.batch_get_pages(["p0"], dst, [8], 64)
+    with pytest.raises(ValueError, match="twice"):
+        l3.batch_get_pages(["p0", "p1"], dst, [3, 3], 64)
+    with pytest.raises(ValueError, match="differ"):
+        l3.batch_put_pages(["p0"], pool, [1, 2], 64)
+
+
+def test_query_then_get_with_query(l3):
+    pool = np.zeros((4, 32), dtype=np.uint8)
+    pool[:] = 9
+    l3.batch_put_pages(["q0", "q1", "q2"], pool, [0, 1, 2], 32)
+    q = l3.batch_query(["q0", "q1", "q2", "q3"])
+    assert len(q) == 4 and q.hit_prefix() == 3
+    assert q.codes.tolist() == [0, 0, 0, -704]
+    assert q.sizes.tolist() == [32, 32, 32, 0]
+    assert q.keys == ["q0", "q1", "q2", None]
+    assert q.min_deadline(3) is not None and q.min_deadline(4) is None
+    dst = np.zeros((4, 32), dtype=np.uint8)
+    assert l3.batch_get_pages_with_query(q, dst, [3, 2], 32, 1).tolist() == [32, 32]
+    assert (dst[3] == 9).all() and (dst[2] == 9).all() and (dst[0] == 0).all()
+    with pytest.raises(ValueError):
+        l3.batch_get_pages_with_query(q, dst, [0, 1, 2, 3], 32)
+
+
+def test_lease_expiry_is_refused_not_read():
+    st = kvtier.L3Store.embedded(1 << 20, lease_ttl_ms=1000)
+    st.put("x", b"a" * 16)
+    q = st.batch_query(["x"])
+    assert q.valid_prefix(st.now_ms()) == 1
+    st.advance_clock_ms(5000)
+    assert q.valid_prefix(st.now_ms()) == 0
+    dst = np.zeros((1, 16), dtype=np.uint8)
+    assert st.batch_get_pages_with_query(q, dst, [0], 16).tolist() == [-707]
+    assert (dst == 0).all()
+
+
+def test_tenants_are_isolated():
+    a = kvtier.L3Store.embedded(1 << 20, tenant="a", name="tenants-test")
+    b = a.with_tenant("b")
+    a.put("k", b"A")
+    assert not b.is_exist("k")
+    b.put("k", b"B")
+    assert a.get("k") == b"A" and b.get("k") == b"B"
+    assert a.tenant == "a" and b.tenant == "b"
+    shared = kvtier.L3Store.embedded(tenant="a", name="tenants-test")
+    assert shared.get("k") == b"A"
+    with pytest.raises(kvtier.InvalidParamsError):
+        a.with_tenant("bad/tenant")
+
+
+def test_remove_all_and_server_lifecycle():
+    with kvtier.L3Server(1 << 20) as srv:
+        c = kvtier.L3Store.connect(srv.addr)
+        assert not c.is_embedded and c.now_ms() is None
+        c.batch_put_from(["a", "b"], [b"1", b"2"])
+        assert c.remove_all() == 2
+        assert srv.running
+    assert not srv.running
+    with pytest.raises(kvtier.RpcFailError):
+        kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=2000).put("a", b"1")
+
+
+def test_remote_token():
+    srv = kvtier.L3Server(1 << 20, token="s3cret")
+    try:
+        with pytest.raises(kvtier.L3Error):
+            kvtier.L3Store.connect(srv.addr, token="wrong")
+        ok = kvtier.L3Store.connect(srv.addr, token="s3cret")
+        ok.put("t", b"1")
+        assert ok.get("t") == b"1"
+    finally:
+        srv.shutdown()

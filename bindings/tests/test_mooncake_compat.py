@@ -1,0 +1,158 @@
+"""kvtier.mooncake_compat.MooncakeDistributedStore: Mooncake's methods, arguments and codes."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.mooncake_compat import ErrorCode, MooncakeDistributedStore, ReplicateConfig
+
+_names = itertools.count()
+
+
+def new_store(master=None, seg=1 << 24):
+    s = MooncakeDistributedStore()
+    master = master or f"embedded://compat-{next(_names)}"
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", seg, 1 << 20, "tcp", "", master) == 0
+    return s
+
+
+def registered(store, nbytes):
+    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    buf = raw[off : off + nbytes]
+    assert store.register_buffer(buf.ctypes.data, nbytes) == 0
+    return raw, buf
+
+
+def test_setup_positional_dict_and_keywords():
+    a = new_store("embedded://shared-setup")
+    b = MooncakeDistributedStore()
+    assert b.setup({"local_hostname": "h", "metadata_server": "P2PHANDSHAKE",
+                    "global_segment_size": str(1 << 20), "local_buffer_size": 1 << 20,
+                    "protocol": "tcp", "master_server_addr": "embedded://shared-setup"}) == 0
+    c = MooncakeDistributedStore()
+    assert c.setup("h", "P2PHANDSHAKE", 1 << 20, 1 << 20, "tcp", "", "embedded://shared-setup",
+                   tenant_id="other") == 0
+    assert a.put("k", b"v") == 0
+    assert b.get("k") == b"v"  # same store, same tenant
+    assert c.is_exist("k") == 0  # another tenant
+    assert a.setup("h", "m", 1, 1, "tcp", "", "embedded://x") == 0  # second setup: no-op
+    assert MooncakeDistributedStore().setup({"local_hostname": "h"}) == ErrorCode.INVALID_PARAMS
+    with pytest.raises(TypeError):
+        MooncakeDistributedStore().setup("h", "m")
+    with pytest.raises(TypeError):
+        MooncakeDistributedStore().setup("h", "m", "lots", 1, "tcp", "", "embedded")
+    assert a.health_check() == 0 and a.get_hostname() == "h" and a.close() == 0
+
+
+def test_put_get_codes():
+    s = new_store()
+    assert s.put("a", b"hello") == 0
+    assert s.put("a", b"again") == ErrorCode.OBJECT_ALREADY_EXISTS == -705
+    assert s.get("a") == b"hello"
+    assert s.get("missing") == b""
+    assert s.is_exist("a") == 1 and s.is_exist("missing") == 0
+    assert s.batch_is_exist(["a", "missing", "a"]) == [1, 0, 1]
+    assert s.get_size("a") == 5 and s.get_size("missing") == -704
+    assert s.put("b", np.arange(10, dtype=np.uint8), ReplicateConfig()) == 0
+    assert s.put_parts("c", b"ab", bytearray(b"cd"), memoryview(b"ef")) == 0
+    assert s.get("c") == b"abcdef"
+    assert s.put_batch(["d", "e"], [b"1", b"2"]) == 0
+    assert s.get_batch(["d", "e", "zz"]) == [b"1", b"2", b""]
+    assert s.put("", b"x") == ErrorCode.INVALID_KEY
+
+
+def test_remove_force_and_remove_all():
+    s = new_store()
+    s.put("x", b"1")
+    s.put("y", b"2")
+    s.put("z", b"3")
+    assert s.remove("missing") == -704
+    assert s.get("x") == b"1"  # takes a lease
+    assert s.remove("x") == ErrorCode.OBJECT_HAS_LEASE == -706
+    assert s.remove("x", force=True) == 0
+    assert s.is_exist("x") == 0
+    assert s.batch_remove(["y", "missing"], True) == [0, -704]
+    assert s.remove_all(True) == 1
+    assert s.is_exist("z") == 0
+
+
+def test_zero_copy_with_registered_buffers():
+    s = new_store()
+    _, src = registered(s, 1 << 16)
+    _, dst = registered(s, 1 << 16)
+    src[:] = np.random.default_rng(1).integers(0, 256, size=src.size, dtype=np.uint8)
+    sp, dp = src.ctypes.data, dst.ctypes.data
+    assert s.put_from("z0", sp, 4096) == 0
+    assert s.get_into("z0", dp, 4096) == 4096
+    assert np.array_equal(dst[:4096], src[:4096])
+    keys = [f"zb{i}" for i in range(8)]
+    assert s.batch_put_from(keys, [sp + i * 1024 for i in range(8)], [1024] * 8) == [0] * 8
+    assert s.batch_get_into(keys, [dp + i * 1024 for i in range(8)], [1024] * 8) == [1024] * 8
+    assert np.array_equal(dst[: 8 * 1024], src[: 8 * 1024])
+    assert s.get_into("z0", dp, 100) == ErrorCode.BUFFER_OVERFLOW == -10
+    assert s.get_into("nope", dp, 4096) == -704
+    assert s.batch_get_into(["zb0", "nope"], [dp, dp + 2048], [1024, 1024]) == [1024, -704]
+    # destinations overlapping each other are refused, not raced
+    assert s.batch_get_into(["zb0", "zb1"], [dp, dp + 512], [1024, 1024]) == [-600, -600]
+    assert s.unregister_buffer(sp) == 0
+    assert s.put_from("z1", sp, 16) == ErrorCode.INVALID_PARAMS
+    assert s.unregister_buffer(sp) == ErrorCode.INVALID_PARAMS
+
+
+def test_unregistered_or_bad_pointers_are_refused():
+    s = new_store()
+    raw, buf = registered(s, 4096)
+    p = buf.ctypes.data
+    assert s.put_from("k", p + 4000, 200) == -600  # runs past the registration
+    assert s.put_from("k", 12345, 10) == -600  # never registered
+    assert s.put_from("k", p, -1) == -600
+    assert s.get_into("k", -5, 10) == -600
+    assert s.get_into("k", 0, 10) == -600
+    assert s.batch_put_from(["a", "b"], [p, 99], [16, 16]) == [0, -600]
+    assert s.batch_put_from(["a"], [p, p], [16]) == [-600]
+    assert s.register_buffer(p + 10, 10) == -600  # overlaps an existing registration
+    assert s.register_buffer(0, 10) == -600 and s.register_buffer(p, 0) == -600
+    with pytest.raises(TypeError):
+        s.put_from("k", "not a pointer", 10)
+    with pytest.raises(TypeError):
+        s.put_from(123, p, 10)
+    with pytest.raises(TypeError):
+        s.batch_get_into("abc", [p], [1])
+
+
+def test_calls_before_setup_and_after_close():
+    s = MooncakeDistributedStore()
+    assert s.put("a", b"1") == -1
+    assert s.get("a") == b""
+    assert s.is_exist("a") == -1 and s.get_size("a") == -1
+    assert s.batch_is_exist(["a", "b"]) == [-1, -1]
+    assert s.remove("a") == -1 and s.remove_all() == -1
+    s2 = new_store()
+    s2.put("a", b"1")
+    assert s2.close() == 0
+    assert s2.get("a") == b"" and s2.is_exist("a") == -1 and s2.health_check() == -1
+
+
+def test_remote_master_through_kvtier_server():
+    with kvtier.L3Server(1 << 22) as srv:
+        s = MooncakeDistributedStore()
+        host, port = srv.addr.rsplit(":", 1)
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", f"localhost:{port}") == 0
+        assert s.put("r", b"remote") == 0 and s.get("r") == b"remote"
+        t = MooncakeDistributedStore()
+        assert t.setup({"local_hostname": "x", "metadata_server": "y", "master_server_addr": f"kvtier://{srv.addr}"}) == 0
+        assert t.is_exist("r") == 1
+    bad = MooncakeDistributedStore()
+    assert bad.setup("h", "m", 0, 0, "tcp", "", "127.0.0.1:1") == -900
+    assert bad.setup("h", "m", 0, 0, "tcp", "", "no-port") == -600
+
+
+def test_setup_with_existing_l3store():
+    st = kvtier.L3Store.embedded(1 << 20, tenant="eng")
+    st.put("shared", b"yes")
+    s = MooncakeDistributedStore()
+    assert s.setup_with_store(st) == 0
+    assert s.get("shared") == b"yes"
