@@ -793,6 +793,25 @@ fn l3code(e: &L3Error) -> i64 {
     i64::from(e.code_i32())
 }
 
+/// A put's code as Mooncake's Python client reports it: a key that already exists is a
+/// success (first writer wins, the call returns 0), as measured against Mooncake 0.3.13.
+fn mc_put_code(r: &L3Result<()>) -> i64 {
+    match r {
+        Ok(()) | Err(L3Error::ObjectAlreadyExists) => 0,
+        Err(e) => l3code(e),
+    }
+}
+
+/// A read's result as Mooncake's Python client reports it: the size, or a negative code,
+/// with a too-small buffer reported as INVALID_PARAMS (-600), as Mooncake 0.3.13 does.
+fn mc_get_code(r: L3Result<u64>) -> i64 {
+    match r {
+        Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
+        Err(L3Error::BufferOverflow { .. }) => INVALID_PARAMS,
+        Err(e) => l3code(&e),
+    }
+}
+
 #[pymethods]
 impl MooncakeCore {
     #[new]
@@ -898,7 +917,7 @@ impl MooncakeCore {
         let Some((s, t)) = self.handle() else {
             return Ok(NOT_INITIALIZED);
         };
-        Ok(py.detach(|| code_of(&s.put(&t, key, b.as_slice(), PutOptions::default()))))
+        Ok(py.detach(|| mc_put_code(&s.put(&t, key, b.as_slice(), PutOptions::default()))))
     }
 
     fn put_batch(&self, py: Python<'_>, keys: Vec<String>, values: &Bound<'_, PyAny>) -> PyResult<i64> {
@@ -911,7 +930,7 @@ impl MooncakeCore {
         };
         let views: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
         Ok(py.detach(|| match s.batch_put_from(&t, &keys, &views, PutOptions::default()) {
-            Ok(v) => v.iter().map(code_of).find(|c| *c != 0).unwrap_or(0),
+            Ok(v) => v.iter().map(mc_put_code).find(|c| *c != 0).unwrap_or(0),
             Err(e) => l3code(&e),
         }))
     }
@@ -947,7 +966,7 @@ impl MooncakeCore {
         py.detach(|| {
             // SAFETY: checked against registered memory above.
             let data = unsafe { raw.slice() };
-            code_of(&s.put(&t, key, data, PutOptions::default()))
+            mc_put_code(&s.put(&t, key, data, PutOptions::default()))
         })
     }
 
@@ -962,10 +981,7 @@ impl MooncakeCore {
         py.detach(|| {
             // SAFETY: checked against registered memory above.
             let buf = unsafe { raw.slice_mut() };
-            match s.get_into(&t, key, buf) {
-                Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
-                Err(e) => l3code(&e),
-            }
+            mc_get_code(s.get_into(&t, key, buf))
         })
     }
 
@@ -997,7 +1013,7 @@ impl MooncakeCore {
             Ok(v) => {
                 for (j, r) in v.iter().enumerate() {
                     if let Some(&i) = idx.get(j) {
-                        out[i] = code_of(r);
+                        out[i] = mc_put_code(r);
                     }
                 }
             }
@@ -1051,10 +1067,7 @@ impl MooncakeCore {
             Ok(v) => {
                 for (j, r) in v.into_iter().enumerate() {
                     if let Some(&i) = idx.get(j) {
-                        out[i] = match r {
-                            Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
-                            Err(e) => l3code(&e),
-                        };
+                        out[i] = mc_get_code(r);
                     }
                 }
             }

@@ -10,8 +10,10 @@ Same method names, arguments and integer return conventions as ``mooncake.store`
 ``put``/``put_from``/``remove`` return 0 or a negative code; ``get_into`` and ``get_size`` the
 size or a negative code; ``is_exist`` 1, 0 or a negative code; batch calls a list of those;
 ``get`` the bytes (``b""`` when missing); ``remove_all`` the number removed. Codes are
-Mooncake's (-704 OBJECT_NOT_FOUND, -705 OBJECT_ALREADY_EXISTS, -706 OBJECT_HAS_LEASE,
--600 INVALID_PARAMS, -10 BUFFER_OVERFLOW, -1 not set up / internal, ...). Wrong argument
+Mooncake's (-704 OBJECT_NOT_FOUND, -706 OBJECT_HAS_LEASE, -600 INVALID_PARAMS, -1 not set
+up / internal, ...). As Mooncake 0.3.13's client does (checked side by side against a real
+master in tests/test_mooncake_real.py): a put of a key that exists returns 0 and keeps the
+first value; a read into a buffer smaller than the object returns -600. Wrong argument
 types raise ``TypeError`` as pybind11 does.
 
 Where the store lives is chosen by ``master_server_addr``:

@@ -1,0 +1,143 @@
+"""The reference executor (kvtier.engine) against kvtier's L3 store, embedded and remote,
+and against kvtier's Mooncake-compatible class."""
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.engine import Engine, IntegrityError, KvtierL3Backend, MooncakeL3Backend
+from kvtier.mooncake_compat import MooncakeDistributedStore
+from conftest import small_config
+
+
+def l3_config(**over):
+    return small_config(l3_enabled=True, prefetch_threshold=2, **over)
+
+
+def prompts(n=5, length=40, base=0):
+    return [list(range((base + i) * 1000, (base + i) * 1000 + length)) for i in range(n)]
+
+
+def serve(engine, ps, first_id=0, max_new=5):
+    for i, p in enumerate(ps):
+        engine.submit(first_id + i, p, max_new)
+    engine.run_to_idle()
+    for i in range(len(ps)):
+        assert len(engine.generated(first_id + i)) == max_new
+    assert engine.s.live_requests() == 0
+    engine.s.check()
+    st = engine.s.stats()
+    assert st["device"]["held"] == 0 and st["host"]["held"] == 0
+    assert st["device"]["locked"] == 0 and st["host"]["locked"] == 0
+    return st
+
+
+@pytest.fixture(params=["embedded", "remote", "compat"])
+def backends(request):
+    """Two backends on one shared store (two engine instances)."""
+    if request.param == "embedded":
+        st = kvtier.L3Store.embedded(1 << 24)
+        yield KvtierL3Backend(st), KvtierL3Backend(st)
+    elif request.param == "remote":
+        srv = kvtier.L3Server(1 << 24)
+        yield KvtierL3Backend(kvtier.L3Store.connect(srv.addr)), KvtierL3Backend(kvtier.L3Store.connect(srv.addr))
+        srv.shutdown()
+    else:
+        name = f"embedded://engine-{id(request)}"
+        a, b = MooncakeDistributedStore(), MooncakeDistributedStore()
+        assert a.setup("h", "m", 1 << 24, 0, "tcp", "", name) == 0
+        assert b.setup({"local_hostname": "h", "metadata_server": "m", "master_server_addr": name}) == 0
+        yield MooncakeL3Backend(a), MooncakeL3Backend(b)
+
+
+def test_cross_instance_l3_hits(backends):
+    ba, bb = backends
+    a = Engine(kvtier.Scheduler(l3_config()), ba)
+    sa = serve(a, prompts())
+    # 45 tokens (prompt + 4 decoded with KV) make 11 full pages per request
+    assert sa["computed_tokens"] == 5 * 40 and a.stats.l3_pages_written == 5 * 11
+    b = Engine(kvtier.Scheduler(l3_config()), bb)
+    sb = serve(b, prompts(), first_id=100)
+    # 9 of each prompt's 10 pages come from L3 (the last page holds the token to compute)
+    assert sb["l3_hit_tokens"] == 5 * 36 and sb["computed_tokens"] == 5 * 4
+    assert b.stats.prefetch_reused_query == 5 and b.stats.prefetch_requeried == 0
+    assert b.stats.l3_queries == 5  # one batched query per request, none repeated
+    assert b.stats.pages_checked > 0
+    st = sb["ops"]
+    assert st["Prefetch"]["succeeded"] == 5 and st["L3Query"]["succeeded"] == 5
+
+
+def test_device_and_host_hits_in_one_instance():
+    st = kvtier.L3Store.embedded(1 << 24)
+    e = Engine(kvtier.Scheduler(l3_config(keep_device_after_write_back=False)), KvtierL3Backend(st))
+    serve(e, prompts(3))
+    s2 = serve(e, prompts(3), first_id=10)  # same prompts again: host → device load-backs
+    assert s2["host_hit_tokens"] > 0
+    e2 = Engine(kvtier.Scheduler(l3_config()), None)
+    serve(e2, prompts(2))
+    s3 = serve(e2, prompts(2), first_id=10)
+    assert s3["device_hit_tokens"] == 2 * 36
+
+
+def test_expired_query_results_are_requeried_not_reused():
+    st = kvtier.L3Store.embedded(1 << 24, lease_ttl_ms=1000)
+    serve(Engine(kvtier.Scheduler(l3_config()), KvtierL3Backend(st)), prompts(1))
+    b = Engine(kvtier.Scheduler(l3_config()), KvtierL3Backend(st))
+    b.submit(7, prompts(1)[0], 3)
+    plan = b.step(0)
+    assert [o.kind for o in plan.ops] == ["L3Query"]
+    st.advance_clock_ms(5000)  # the query's leases pass before the prefetch is planned
+    b.run_to_idle(start_ms=1)
+    assert b.stats.prefetch_reused_query == 0 and b.stats.prefetch_requeried == 1
+    assert b.stats.l3_queries == 2 and b.stats.l3_pages_read == 9
+    assert b.s.stats()["l3_hit_tokens"] == 36
+
+
+def test_lease_refused_by_the_store_triggers_a_requery():
+    st = kvtier.L3Store.embedded(1 << 24, lease_ttl_ms=1000)
+    serve(Engine(kvtier.Scheduler(l3_config()), KvtierL3Backend(st)), prompts(1))
+    # An engine that believes every lease holds: the store still refuses (-707) and the
+    # executor queries again instead of reading.
+    b = Engine(kvtier.Scheduler(l3_config()), KvtierL3Backend(st), lease_margin_ms=-1e12)
+    b.submit(7, prompts(1)[0], 3)
+    b.step(0)
+    st.advance_clock_ms(5000)
+    b.run_to_idle(start_ms=1)
+    assert b.stats.prefetch_reused_query == 1 and b.stats.lease_expired_on_read == 9
+    assert b.stats.l3_queries == 2 and b.stats.l3_pages_read == 9
+
+
+def test_oracle_catches_stale_l3_data():
+    st = kvtier.L3Store.embedded(1 << 24)
+    cfg = l3_config()
+    s = kvtier.Scheduler(cfg)
+    p = prompts(1)[0]
+    keys = s.l3_keys(p)
+    # Poison L3: right keys, wrong bytes.
+    st.batch_put_from(keys, [np.full(64, 7, dtype=np.uint8) for _ in keys])
+    e = Engine(s, KvtierL3Backend(st))
+    e.submit(1, p, 2)
+    with pytest.raises(IntegrityError, match="prefetch"):
+        e.run_to_idle()
+
+
+def test_oracle_catches_a_corrupted_host_page():
+    e = Engine(kvtier.Scheduler(small_config(keep_device_after_write_back=False)))
+    serve(e, prompts(1))
+    e.host[:] = 0  # lose every host copy behind the scheduler's back
+    e.submit(5, prompts(1)[0], 2)
+    with pytest.raises(IntegrityError):
+        e.run_to_idle()
+
+
+def test_abort_and_retraction_paths_stay_consistent():
+    e = Engine(kvtier.Scheduler(small_config(device_pages=24, max_context_tokens=96)))
+    for i, p in enumerate(prompts(6, length=30)):
+        e.submit(i, p, 40)
+    e.step(0)
+    e.s.abort(2)
+    e.run_to_idle(start_ms=1)
+    ended = dict(e.ended)
+    assert ended[2] == "aborted" and sum(1 for o in ended.values() if o == "finished") == 5
+    assert e.s.stats()["retracted"] >= 0
+    e.s.check()
