@@ -41,7 +41,11 @@ pub fn bench_prompt(py: Python<'_>, i: u64) -> Bound<'_, numpy::PyArray1<u32>> {
 
 /// `kvtier._native.bench_config(n, max_new)`: the scenario's configuration as a dict.
 #[pyfunction]
-pub fn bench_config(py: Python<'_>, n: usize, max_new: u32) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+pub fn bench_config(
+    py: Python<'_>,
+    n: usize,
+    max_new: u32,
+) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     crate::config::config_to_dict(py, &scenario::config(n, max_new))
 }
 

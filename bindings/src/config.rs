@@ -95,7 +95,10 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         if !missing.is_empty() {
             return Err(PyTypeError::new_err(format!(
                 "expected a SchedulerConfig or a dict, got {} (missing {})",
-                obj.get_type().name().map(|n| n.to_string()).unwrap_or_default(),
+                obj.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default(),
                 missing.join(", ")
             )));
         }

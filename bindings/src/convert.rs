@@ -75,11 +75,16 @@ macro_rules! int_vec {
             let n = obj.len().map_err(|_| {
                 PyTypeError::new_err(format!(
                     "{what}: expected a 1-D integer array or a sequence of integers, got {}",
-                    obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                    obj.get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_default()
                 ))
             })?;
             if n > MAX_ELEMS {
-                return Err(PyValueError::new_err(format!("{what}: {n} elements is too many")));
+                return Err(PyValueError::new_err(format!(
+                    "{what}: {n} elements is too many"
+                )));
             }
             let mut out = Vec::with_capacity(n);
             for item in obj.try_iter()? {
@@ -109,7 +114,9 @@ pub fn bool_vec(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<bool>> {
         .len()
         .map_err(|_| PyTypeError::new_err(format!("{what}: expected a sequence of bools")))?;
     if n > MAX_ELEMS {
-        return Err(PyValueError::new_err(format!("{what}: {n} elements is too many")));
+        return Err(PyValueError::new_err(format!(
+            "{what}: {n} elements is too many"
+        )));
     }
     let mut out = Vec::with_capacity(n);
     for item in obj.try_iter()? {
@@ -121,7 +128,9 @@ pub fn bool_vec(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<bool>> {
 /// A list of `str` (keys), refusing a bare `str` (which is a sequence of characters).
 pub fn str_list(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<String>> {
     if obj.is_instance_of::<pyo3::types::PyString>() {
-        return Err(PyTypeError::new_err(format!("{what}: expected a list of str, got str")));
+        return Err(PyTypeError::new_err(format!(
+            "{what}: expected a list of str, got str"
+        )));
     }
     obj.extract::<Vec<String>>()
         .map_err(|_| PyTypeError::new_err(format!("{what}: expected a list of str")))
@@ -152,7 +161,10 @@ impl ByteBuf {
         let type_err = || {
             PyTypeError::new_err(format!(
                 "{what}: expected a bytes-like object, got {}",
-                obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                obj.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
             ))
         };
         if let Ok(b) = obj.cast::<pyo3::types::PyBytes>() {
@@ -178,9 +190,13 @@ impl ByteBuf {
             np.call_method1("frombuffer", (obj, "uint8"))
                 .map_err(|_| type_err())?
         };
-        let a = arr.cast::<numpy::PyUntypedArray>().map_err(|_| type_err())?;
+        let a = arr
+            .cast::<numpy::PyUntypedArray>()
+            .map_err(|_| type_err())?;
         if !a.is_c_contiguous() {
-            return Err(PyValueError::new_err(format!("{what}: buffer must be C-contiguous")));
+            return Err(PyValueError::new_err(format!(
+                "{what}: buffer must be C-contiguous"
+            )));
         }
         // SAFETY: a live ndarray; fields read under the GIL.
         let (data, flags) = unsafe {

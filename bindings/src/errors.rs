@@ -29,7 +29,12 @@ use kvtier_scheduler::{ConfigError, SchedulerError};
 pub mod base {
     use pyo3::exceptions::{PyException, PyValueError};
 
-    pyo3::create_exception!(kvtier, KvtierError, PyException, "Base class of every kvtier error.");
+    pyo3::create_exception!(
+        kvtier,
+        KvtierError,
+        PyException,
+        "Base class of every kvtier error."
+    );
     pyo3::create_exception!(
         kvtier,
         ConfigError,
@@ -50,7 +55,10 @@ pub mod base {
     );
 }
 
-use base::{ConfigError as PyConfigError, KvtierError, L3Error as PyL3Error, SchedulerError as PySchedulerError};
+use base::{
+    ConfigError as PyConfigError, KvtierError, L3Error as PyL3Error,
+    SchedulerError as PySchedulerError,
+};
 
 macro_rules! sched_errors {
     ($($name:ident: $doc:literal),* $(,)?) => {

@@ -29,9 +29,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use kvtier_l3::{
-    ClientOptions, EmbeddedStore, ErrorCode, L3Error, L3Result, L3Store, PutOptions,
-    QueryResult, RemoteStore, ServerHandle, ServerOptions, SsdConfig, StoreConfig, Tenant,
-    spawn_server,
+    ClientOptions, EmbeddedStore, ErrorCode, L3Error, L3Result, L3Store, PutOptions, QueryResult,
+    RemoteStore, ServerHandle, ServerOptions, SsdConfig, StoreConfig, Tenant, spawn_server,
 };
 
 use crate::convert::{ByteBuf, str_list, u32_vec};
@@ -374,13 +373,21 @@ impl PyL3Store {
                 s.clock().advance(ms(ms_));
                 Ok(())
             }
-            None => Err(PyRuntimeError::new_err("only an embedded store has a local clock")),
+            None => Err(PyRuntimeError::new_err(
+                "only an embedded store has a local clock",
+            )),
         }
     }
 
     /// Stores `data` (any bytes-like object) under `key`. First writer wins (-705).
     #[pyo3(signature = (key, data, *, soft_pin = false))]
-    fn put(&self, py: Python<'_>, key: &str, data: &Bound<'_, PyAny>, soft_pin: bool) -> PyResult<()> {
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        data: &Bound<'_, PyAny>,
+        soft_pin: bool,
+    ) -> PyResult<()> {
         let b = ByteBuf::get(data, false, "data")?;
         let opts = PutOptions {
             soft_pin,
@@ -573,7 +580,10 @@ impl PyL3Store {
         let ranges = page_ranges(&ids, page_bytes, b.len())?;
         let mut views = split_pages(b.as_mut_slice(), &ranges)?;
         let v = py
-            .detach(|| self.store.batch_get_with_query(&self.tenant, &qs, &mut views))
+            .detach(|| {
+                self.store
+                    .batch_get_with_query(&self.tenant, &qs, &mut views)
+            })
             .map_err(l3_err)?;
         Ok(PyArray1::from_vec(py, sizes_or_codes(v)))
     }
@@ -626,7 +636,10 @@ fn buf_list(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Vec<ByteBuf>> {
     let list = obj
         .cast::<PyList>()
         .map(|l| l.iter().collect::<Vec<_>>())
-        .or_else(|_| obj.try_iter().and_then(|it| it.collect::<PyResult<Vec<_>>>()))
+        .or_else(|_| {
+            obj.try_iter()
+                .and_then(|it| it.collect::<PyResult<Vec<_>>>())
+        })
         .map_err(|_| PyTypeError::new_err("bufs: expected a list of buffers"))?;
     list.iter()
         .enumerate()
@@ -920,7 +933,12 @@ impl MooncakeCore {
         Ok(py.detach(|| mc_put_code(&s.put(&t, key, b.as_slice(), PutOptions::default()))))
     }
 
-    fn put_batch(&self, py: Python<'_>, keys: Vec<String>, values: &Bound<'_, PyAny>) -> PyResult<i64> {
+    fn put_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<i64> {
         let bufs = buf_list(values, false)?;
         if bufs.len() != keys.len() {
             return Ok(INVALID_PARAMS);
@@ -929,10 +947,12 @@ impl MooncakeCore {
             return Ok(NOT_INITIALIZED);
         };
         let views: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
-        Ok(py.detach(|| match s.batch_put_from(&t, &keys, &views, PutOptions::default()) {
-            Ok(v) => v.iter().map(mc_put_code).find(|c| *c != 0).unwrap_or(0),
-            Err(e) => l3code(&e),
-        }))
+        Ok(py.detach(
+            || match s.batch_put_from(&t, &keys, &views, PutOptions::default()) {
+                Ok(v) => v.iter().map(mc_put_code).find(|c| *c != 0).unwrap_or(0),
+                Err(e) => l3code(&e),
+            },
+        ))
     }
 
     fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
@@ -985,7 +1005,13 @@ impl MooncakeCore {
         })
     }
 
-    fn batch_put_from(&self, py: Python<'_>, keys: Vec<String>, ptrs: Vec<u64>, sizes: Vec<i64>) -> Vec<i64> {
+    fn batch_put_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<u64>,
+        sizes: Vec<i64>,
+    ) -> Vec<i64> {
         if keys.len() != ptrs.len() || keys.len() != sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }
@@ -1026,7 +1052,13 @@ impl MooncakeCore {
         out
     }
 
-    fn batch_get_into(&self, py: Python<'_>, keys: Vec<String>, ptrs: Vec<u64>, sizes: Vec<i64>) -> Vec<i64> {
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<u64>,
+        sizes: Vec<i64>,
+    ) -> Vec<i64> {
         if keys.len() != ptrs.len() || keys.len() != sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }

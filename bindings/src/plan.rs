@@ -114,7 +114,11 @@ impl PyPlannedOp {
             self.kind,
             py_opt(self.req),
             py_bool(self.before_forward),
-            self.src.bind(py).len().unwrap_or(0).max(self.dst.bind(py).len().unwrap_or(0)),
+            self.src
+                .bind(py)
+                .len()
+                .unwrap_or(0)
+                .max(self.dst.bind(py).len().unwrap_or(0)),
             self.keys.len()
         )
     }
@@ -271,7 +275,15 @@ impl PyPlan {
         let items: Vec<Bound<'py, PyTuple>> = self
             .ended
             .iter()
-            .map(|(r, o)| PyTuple::new(py, [r.into_pyobject(py)?.into_any(), o.into_pyobject(py)?.into_any()]))
+            .map(|(r, o)| {
+                PyTuple::new(
+                    py,
+                    [
+                        r.into_pyobject(py)?.into_any(),
+                        o.into_pyobject(py)?.into_any(),
+                    ],
+                )
+            })
             .collect::<PyResult<_>>()?;
         PyList::new(py, items)
     }
@@ -417,14 +429,26 @@ macro_rules! success_event {
                 $rs { op, success }
             }
             fn __repr__(&self) -> String {
-                format!(concat!($py, "(op={}, success={})"), self.op, py_bool(self.success))
+                format!(
+                    concat!($py, "(op={}, success={})"),
+                    self.op,
+                    py_bool(self.success)
+                )
             }
         }
     };
 }
 
-success_event!(PyLoadBackDone, "LoadBackDone", "A host → device copy finished.");
-success_event!(PyWriteBackDone, "WriteBackDone", "A device → host copy finished.");
+success_event!(
+    PyLoadBackDone,
+    "LoadBackDone",
+    "A host → device copy finished."
+);
+success_event!(
+    PyWriteBackDone,
+    "WriteBackDone",
+    "A device → host copy finished."
+);
 success_event!(PyBackUpDone, "BackUpDone", "A backup to L3 finished.");
 
 /// A forward batch ran: one row per chunk/decode row, `tokens[i]` produced for `reqs[i]`
@@ -571,7 +595,10 @@ pub fn event_from_py(ev: &Bound<'_, PyAny>) -> PyResult<Event> {
     }
     Err(pyo3::exceptions::PyTypeError::new_err(format!(
         "expected a kvtier event (L3QueryDone, PrefetchDone, LoadBackDone, WriteBackDone, BackUpDone, ForwardDone), got {}",
-        ev.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ev.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default()
     )))
 }
 
@@ -594,30 +621,15 @@ pub fn event_to_py(py: Python<'_>, ev: Event) -> PyResult<Py<PyAny>> {
             },
         )?
         .into_any(),
-        Event::LoadBackDone { op, success } => Py::new(
-            py,
-            PyLoadBackDone {
-                op: op.0,
-                success,
-            },
-        )?
-        .into_any(),
-        Event::WriteBackDone { op, success } => Py::new(
-            py,
-            PyWriteBackDone {
-                op: op.0,
-                success,
-            },
-        )?
-        .into_any(),
-        Event::BackUpDone { op, success } => Py::new(
-            py,
-            PyBackUpDone {
-                op: op.0,
-                success,
-            },
-        )?
-        .into_any(),
+        Event::LoadBackDone { op, success } => {
+            Py::new(py, PyLoadBackDone { op: op.0, success })?.into_any()
+        }
+        Event::WriteBackDone { op, success } => {
+            Py::new(py, PyWriteBackDone { op: op.0, success })?.into_any()
+        }
+        Event::BackUpDone { op, success } => {
+            Py::new(py, PyBackUpDone { op: op.0, success })?.into_any()
+        }
         Event::ForwardDone { step, outputs } => Py::new(
             py,
             PyForwardDone {
@@ -647,7 +659,9 @@ pub fn page_hashes<'py>(
     page_size: usize,
 ) -> PyResult<Bound<'py, PyArray2<u8>>> {
     if page_size == 0 {
-        return Err(pyo3::exceptions::PyValueError::new_err("page_size must be positive"));
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "page_size must be positive",
+        ));
     }
     let toks = u32_vec(tokens, "tokens")?;
     let hs = py.detach(|| kvtier_radix::page_hashes(&toks, page_size, None));

@@ -10,9 +10,7 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use kvtier_scheduler::{
-    KvEvent, OpKind, RequestId, RequestSpec, Scheduler, SchedulerError, Stats,
-};
+use kvtier_scheduler::{KvEvent, OpKind, RequestId, RequestSpec, Scheduler, SchedulerError, Stats};
 
 use crate::config::{config_from_py, config_to_dict};
 use crate::convert::u32_vec;
@@ -80,7 +78,10 @@ fn tier_name(t: kvtier_radix::TierKind) -> &'static str {
     }
 }
 
-fn hashes_array<'py>(py: Python<'py>, hs: &[kvtier_radix::PageHash]) -> PyResult<Bound<'py, PyAny>> {
+fn hashes_array<'py>(
+    py: Python<'py>,
+    hs: &[kvtier_radix::PageHash],
+) -> PyResult<Bound<'py, PyAny>> {
     let flat: Vec<u8> = hs.iter().flat_map(|h| h.0).collect();
     let n = hs.len();
     Ok(PyArray1::from_vec(py, flat).reshape([n, 32])?.into_any())
@@ -184,9 +185,18 @@ impl PyScheduler {
             evs.push(match kind.as_str() {
                 "L3Query" => E::L3QueryDone { op, hit_pages: *r },
                 "Prefetch" => E::PrefetchDone { op, completed: *r },
-                "LoadBack" => E::LoadBackDone { op, success: *r != 0 },
-                "WriteBack" => E::WriteBackDone { op, success: *r != 0 },
-                "BackUp" => E::BackUpDone { op, success: *r != 0 },
+                "LoadBack" => E::LoadBackDone {
+                    op,
+                    success: *r != 0,
+                },
+                "WriteBack" => E::WriteBackDone {
+                    op,
+                    success: *r != 0,
+                },
+                "BackUp" => E::BackUpDone {
+                    op,
+                    success: *r != 0,
+                },
                 other => {
                     return Err(pyo3::exceptions::PyValueError::new_err(format!(
                         "unknown op kind {other:?}"
