@@ -358,6 +358,8 @@ impl Scheduler {
         };
         let total = r.tokens.len();
         let seq = r.seq;
+        let prefetched = r.prefetched;
+        let first_admission = !r.resumed;
         let dev = m.device_pages;
         let host = if self.cfg.host_enabled {
             m.host_pages
@@ -409,11 +411,20 @@ impl Scheduler {
                 return Admit::Blocked;
             }
         };
-        let mut pages = self
-            .cache
-            .path_pages::<Device>(m.device_node)
-            .unwrap_or_default();
-        pages.extend_from_slice(&fresh);
+        // The load-back's destination, then the page table: the device match's pages and the
+        // fresh ones (taken as they are when nothing matched on device: one allocation and
+        // copy less per admission).
+        let lb_dst = hl.as_ref().map(|_| fresh[..lb].to_vec());
+        let pages = if dev == 0 {
+            fresh
+        } else {
+            let mut pages = self
+                .cache
+                .path_pages::<Device>(m.device_node)
+                .unwrap_or_default();
+            pages.extend_from_slice(&fresh);
+            pages
+        };
         let mut waits_for = smallvec::SmallVec::new();
         if let Some(hl) = hl {
             let src = self
@@ -426,7 +437,7 @@ impl Scheduler {
                 true,
                 OpSpec::LoadBack {
                     src,
-                    dst: fresh[..lb].to_vec(),
+                    dst: lb_dst.unwrap_or_default(),
                 },
                 OpCtx::LoadBack {
                     host_lock: hl,
@@ -443,13 +454,23 @@ impl Scheduler {
                 tokens: chunk as u32,
             },
         );
-        self.stats.record_hits("device", dev as u64, ps as u64);
-        self.stats.record_hits("host", lb as u64, ps as u64);
+        // Pages the last prefetch brought from L3 count as L3 hits, whether they were then
+        // loaded back from host or (without a host tier) landed on device directly.
+        let overlap = |a: usize, b: usize| {
+            prefetched.map_or(0, |(s, n)| (s + n).min(b).saturating_sub(s.max(a)))
+        };
+        let (l3_dev, l3_lb) = (overlap(0, dev), overlap(dev, host.max(dev)));
+        if first_admission {
+            self.stats.record_hits("device", (dev - l3_dev) as u64, ps as u64);
+            self.stats.record_hits("host", (lb - l3_lb) as u64, ps as u64);
+            self.stats.record_hits("l3", (l3_dev + l3_lb) as u64, ps as u64);
+        }
         self.stats.computed_tokens += chunk as u64;
         let Some(r) = self.reqs.get_mut(&id) else {
             return Admit::Deferred;
         };
         r.pages = pages;
+        r.prefetched = None;
         r.tree_pages = dev;
         r.dev_lock = Some(dl);
         r.sent = 0;

@@ -186,7 +186,6 @@ impl Scheduler {
     /// were computed against — below the node locked when the prefetch was issued, and frees
     /// the rest. Pages that meanwhile reached the tree another way are duplicates and freed.
     fn finish_prefetch(&mut self, id: RequestId, start: usize, dst: PrefetchDst, completed: usize) {
-        let ps = self.cfg.page_size as u64;
         let Some(r) = self.reqs.get(&id) else {
             return;
         };
@@ -237,7 +236,9 @@ impl Scheduler {
         if let Some(end) = end {
             self.mark_in_l3(end, &[(start, start + completed)]);
         }
-        self.stats.record_hits("l3", completed as u64, ps);
+        if let Some(r) = self.reqs.get_mut(&id) {
+            r.prefetched = Some((start, completed));
+        }
     }
 
     /// Marks in L3 every node on the path to `end` lying entirely inside one of `ranges`.
@@ -368,12 +369,10 @@ impl Scheduler {
             RequestState::Aborted => self.release(id),
             _ if r.recompute => {
                 // A page this chunk read never arrived from host: its KV (and the token, if
-                // any) are garbage. Give everything back and recompute from the tree.
+                // any: it is not appended) are garbage. Drop everything the request computed
+                // without publishing it, and recompute from the tree.
                 r.recompute = false;
-                if matches!(r.state, RequestState::Decoding { .. }) {
-                    // Nothing was appended yet; the token is dropped with the state.
-                }
-                self.retract(id, false);
+                self.retract(id, true);
             }
             RequestState::Prefilling { done, .. } => {
                 self.publish_device(id, done as usize / ps);

@@ -476,6 +476,9 @@ impl Scheduler {
         );
         self.stats.retracted += 1;
         self.retracted_out.push(id);
+        if let Some(r) = self.reqs.get_mut(&id) {
+            r.resumed = true;
+        }
         if n == 0 {
             self.take_dev_lock(id);
             self.waiting.insert(seq, id);

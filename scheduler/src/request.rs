@@ -36,6 +36,12 @@ pub(crate) struct Request {
     pub l3_probe: Option<(usize, usize)>,
     /// L3 was consulted (probe answered, prefetch done or skipped): do not ask again.
     pub l3_done: bool,
+    /// Prompt pages `start .. start + n` arrived from L3 by the last prefetch (hits on them
+    /// are L3 hits, not host hits).
+    pub prefetched: Option<(usize, usize)>,
+    /// The request was retracted once: later admissions reuse its own pages, which are not
+    /// counted as prefix hits.
+    pub resumed: bool,
     /// Ops in flight that serve this request.
     pub ops: SmallVec<[OpId; 2]>,
     /// A load-back this request's current chunk reads failed: recompute instead.

@@ -160,6 +160,8 @@ impl Scheduler {
                 dirty_from: usize::MAX,
                 l3_probe: None,
                 l3_done: !self.cfg.l3_enabled,
+                prefetched: None,
+                resumed: false,
                 ops: Default::default(),
                 recompute: false,
                 arrival_ms: now_ms,

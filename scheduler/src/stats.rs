@@ -31,7 +31,8 @@ pub struct Stats {
     pub aborted: u64,
     pub failed: u64,
     pub retracted: u64,
-    /// Prompt tokens found on device at admission.
+    /// Prompt tokens found on device at a request's first admission (a resumed request's own
+    /// pages are not prefix hits).
     pub device_hit_tokens: u64,
     pub device_hit_pages: u64,
     /// Prompt tokens loaded back from host.

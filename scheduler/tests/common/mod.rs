@@ -32,6 +32,9 @@ pub struct Engine {
     pub fail_every: Option<(OpKind, u64)>,
     /// Stop a request after this many generated tokens (engine-side stop condition).
     pub stop_after: HashMap<RequestId, usize>,
+    /// Ops this engine reported as failed: a chunk waiting for one reads garbage, so it is
+    /// not checked, and the pages it writes are garbage (content `None`).
+    pub failed: std::collections::HashSet<OpId>,
 }
 
 fn key_hash(key: &str) -> Option<PageHash> {
@@ -58,6 +61,7 @@ impl Engine {
             pages_checked: 0,
             fail_every: None,
             stop_after: HashMap::new(),
+            failed: Default::default(),
         }
     }
 
@@ -99,6 +103,9 @@ impl Engine {
     pub fn complete_op(&mut self, s: &mut Scheduler, idx: usize) {
         let op = self.held.remove(idx);
         let fail = self.fails(&op);
+        if fail {
+            self.failed.insert(op.id);
+        }
         let ev = match &op.spec {
             OpSpec::L3Query { keys } => Event::L3QueryDone {
                 op: op.id,
@@ -229,11 +236,21 @@ impl Engine {
                 &c.tokens[..],
                 "chunk tokens"
             );
-            self.check_pages(c.req, start);
-            self.write_pages(c.req, start, start + len);
+            let garbage = c.waits_for.iter().any(|w| self.failed.contains(w));
+            if garbage {
+                // Garbage in, garbage out: the scheduler must discard this chunk.
+                let ps = self.page_size;
+                let table = self.tables[&c.req].clone();
+                for p in &table[start / ps..(start + len).div_ceil(ps).min(table.len())] {
+                    self.device[p.index() as usize] = None;
+                }
+            } else {
+                self.check_pages(c.req, start);
+                self.write_pages(c.req, start, start + len);
+            }
             let mut token = 0;
             let mut stop = false;
-            if c.last {
+            if c.last && !garbage {
                 let pos = start + len;
                 token = Self::token_for(c.req, pos);
                 let t = self.tokens.get_mut(&c.req).unwrap();

@@ -1,0 +1,352 @@
+//! `kvtier`: the simulator and the L3 server roles from one command.
+//!
+//! `kvtier sim` replays a workload (a built-in multi-turn chat by default, or `--trace FILE`
+//! in Mooncake's format) through the real scheduler and L3 store and prints per-tier hit rates,
+//! TTFT and traffic; `--sweep` sizes the cache against the offline optimum; `kvtier l3 ...`
+//! starts the L3 store server (the `kvtier-l3` binary's roles).
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use kvtier_scheduler::{PrefetchStopPolicy, WritePolicy};
+use kvtier_sim::plot::{SweepPoint, write_sweep_plot};
+use kvtier_sim::profile::{BUILTIN_PROFILES, builtin};
+use kvtier_sim::workload::{ChatSpec, Routing, SimRequest, parse_trace, synthetic_chat};
+use kvtier_sim::{SimConfig, simulate};
+
+#[derive(Parser)]
+#[command(
+    name = "kvtier",
+    version,
+    about = "kvtier: KV-cache tiering simulator and L3 store"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Replay a workload through the real scheduler and L3 store.
+    Sim(Box<SimArgs>),
+    /// Run the L3 store server (arguments are passed to `kvtier-l3`; try `kvtier l3 --help`).
+    L3 {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+#[derive(Parser, Debug)]
+struct SimArgs {
+    /// Mooncake trace (JSON lines); without it a built-in multi-turn chat workload runs.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Use only the first N requests of the trace.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// TOML file with a SimConfig (flags override it).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Model profile: llama3-8b, llama3-70b-tp8, qwen2.5-7b.
+    #[arg(long)]
+    profile: Option<String>,
+    #[arg(long)]
+    page_size: Option<usize>,
+    #[arg(long)]
+    device_pages: Option<u32>,
+    #[arg(long)]
+    host_pages: Option<u32>,
+    /// Disable the host tier.
+    #[arg(long)]
+    no_host: bool,
+    /// L3 capacity in pages (shared by all instances).
+    #[arg(long)]
+    l3_pages: Option<u64>,
+    /// Disable L3.
+    #[arg(long)]
+    no_l3: bool,
+    /// Engine instances sharing one L3.
+    #[arg(long)]
+    instances: Option<usize>,
+    #[arg(long, value_enum)]
+    routing: Option<Routing>,
+    /// write-through | selective:HITS | write-back
+    #[arg(long)]
+    write_policy: Option<String>,
+    /// best-effort | wait-complete | timeout:BASE_MS:PER_1K_MS
+    #[arg(long)]
+    prefetch_stop: Option<String>,
+    #[arg(long)]
+    prefetch_threshold: Option<u32>,
+    /// Chat workload: clients and rounds.
+    #[arg(long)]
+    clients: Option<u32>,
+    #[arg(long)]
+    rounds: Option<u32>,
+    /// Sweep the local cache capacity (×1/8 … ×4) and plot hit rate against Belady's ceiling.
+    #[arg(long)]
+    sweep: bool,
+    /// Where the sweep writes sweep.json, sweep.svg and sweep.png.
+    #[arg(long, default_value = "sweep")]
+    sweep_out: PathBuf,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn fail(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("error: {msg}");
+    ExitCode::from(2)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Sim(a) => match run_sim(*a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(e),
+        },
+        Cmd::L3 { args } => run_l3(&args),
+    }
+}
+
+fn run_l3(args: &[String]) -> ExitCode {
+    let exe = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join("kvtier-l3")))
+        .filter(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from("kvtier-l3"));
+    match std::process::Command::new(&exe).args(args).status() {
+        Ok(s) if s.success() => ExitCode::SUCCESS,
+        Ok(s) => ExitCode::from(s.code().unwrap_or(1).clamp(1, 255) as u8),
+        Err(e) => fail(format!(
+            "cannot start {} ({e}); build it with `cargo build --release -p kvtier-l3`",
+            exe.display()
+        )),
+    }
+}
+
+fn config(a: &SimArgs) -> Result<SimConfig, String> {
+    let mut c = match &a.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+            toml::from_str(&text).map_err(|e| format!("{}: {e}", p.display()))?
+        }
+        None => SimConfig::default(),
+    };
+    if let Some(p) = &a.profile {
+        c.profile = builtin(p).ok_or_else(|| {
+            format!(
+                "unknown profile `{p}` (known: {})",
+                BUILTIN_PROFILES.join(", ")
+            )
+        })?;
+    }
+    let s = &mut c.scheduler;
+    if let Some(v) = a.page_size {
+        s.page_size = v;
+    }
+    if let Some(v) = a.device_pages {
+        s.device_pages = v;
+    }
+    if let Some(v) = a.host_pages {
+        s.host_pages = v;
+    }
+    if a.no_host {
+        s.host_enabled = false;
+        s.host_pages = 0;
+    }
+    if a.no_l3 {
+        s.l3_enabled = false;
+    }
+    if let Some(v) = a.prefetch_threshold {
+        s.prefetch_threshold = v;
+    }
+    if let Some(w) = &a.write_policy {
+        s.write_policy = match w.split_once(':') {
+            None if w == "write-through" => WritePolicy::WriteThrough,
+            None if w == "write-back" => WritePolicy::WriteBack,
+            Some(("selective", n)) => WritePolicy::WriteThroughSelective {
+                hit_threshold: n.parse().map_err(|_| format!("bad hit threshold `{n}`"))?,
+            },
+            _ => return Err(format!("unknown write policy `{w}`")),
+        };
+    }
+    if let Some(p) = &a.prefetch_stop {
+        let parts: Vec<&str> = p.split(':').collect();
+        s.prefetch_stop = match parts.as_slice() {
+            ["best-effort"] => PrefetchStopPolicy::BestEffort,
+            ["wait-complete"] => PrefetchStopPolicy::WaitComplete,
+            ["timeout", b, k] => PrefetchStopPolicy::Timeout {
+                base_ms: b.parse().map_err(|_| format!("bad timeout `{b}`"))?,
+                per_1k_tokens_ms: k.parse().map_err(|_| format!("bad timeout `{k}`"))?,
+            },
+            _ => return Err(format!("unknown prefetch stop policy `{p}`")),
+        };
+    }
+    if let Some(v) = a.l3_pages {
+        c.l3_pages = v;
+    }
+    if let Some(v) = a.instances {
+        c.instances = v.max(1);
+    }
+    if let Some(r) = a.routing {
+        c.routing = r;
+    }
+    let s = &mut c.scheduler;
+    s.max_context_tokens = s
+        .max_context_tokens
+        .min(s.device_pages as usize * s.page_size);
+    s.validate().map_err(|e| format!("configuration: {e}"))?;
+    Ok(c)
+}
+
+fn workload(a: &SimArgs) -> Result<Vec<SimRequest>, String> {
+    match &a.trace {
+        Some(p) => {
+            let f = File::open(p).map_err(|e| format!("{}: {e}", p.display()))?;
+            parse_trace(BufReader::new(f), a.limit).map_err(|e| format!("{}: {e}", p.display()))
+        }
+        None => {
+            let mut spec = ChatSpec::default();
+            if let Some(c) = a.clients {
+                spec.clients = c;
+            }
+            if let Some(r) = a.rounds {
+                spec.rounds = r;
+            }
+            Ok(synthetic_chat(&spec))
+        }
+    }
+}
+
+fn run_sim(a: SimArgs) -> Result<(), String> {
+    let cfg = config(&a)?;
+    let reqs = workload(&a)?;
+    let bar = |n: u64| {
+        if a.quiet || a.json {
+            ProgressBar::hidden()
+        } else {
+            let b = ProgressBar::new(n);
+            b.set_style(
+                ProgressStyle::with_template(
+                    "{elapsed_precise} [{bar:40}] {pos}/{len} requests ({eta})",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            b
+        }
+    };
+    if !a.sweep {
+        let pb = bar(reqs.len() as u64);
+        let report = simulate(&cfg, &reqs, |n| pb.set_position(n))?;
+        pb.finish_and_clear();
+        if a.json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
+            );
+        } else {
+            println!(
+                "kvtier sim: {} requests, profile {}, page {} tokens, device {} / host {} / L3 {} pages, {} instance(s)",
+                reqs.len(),
+                cfg.profile.name,
+                cfg.scheduler.page_size,
+                cfg.scheduler.device_pages,
+                if cfg.scheduler.host_enabled {
+                    cfg.scheduler.host_pages
+                } else {
+                    0
+                },
+                if cfg.scheduler.l3_enabled {
+                    cfg.l3_pages
+                } else {
+                    0
+                },
+                cfg.instances
+            );
+            print!("{}", report.table());
+        }
+        if report.oracle.failures > 0 {
+            return Err(format!(
+                "integrity oracle failed: {:?}",
+                report.oracle.first_failures
+            ));
+        }
+        return Ok(());
+    }
+    let mut pts = Vec::new();
+    let factors = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0];
+    let pb = bar(factors.len() as u64);
+    for f in factors {
+        let mut c = cfg.clone();
+        let s = &mut c.scheduler;
+        s.device_pages = ((s.device_pages as f64 * f) as u32).max(8);
+        if s.host_enabled {
+            s.host_pages = ((s.host_pages as f64 * f) as u32).max(8);
+        }
+        s.max_context_tokens = s
+            .max_context_tokens
+            .min(s.device_pages as usize * s.page_size);
+        if c.scheduler.validate().is_err() {
+            continue;
+        }
+        let r = simulate(&c, &reqs, |_| {})?;
+        let cap = c.scheduler.device_pages as u64
+            + if c.scheduler.host_enabled {
+                c.scheduler.host_pages as u64
+            } else {
+                0
+            };
+        pts.push(SweepPoint {
+            capacity_pages: cap,
+            hit_rate: r.hits.total,
+            device: r.hits.device,
+            belady: r.belady.as_ref().map_or(0.0, |b| b.hit_rate),
+        });
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    std::fs::create_dir_all(&a.sweep_out).map_err(|e| e.to_string())?;
+    std::fs::write(
+        a.sweep_out.join("sweep.json"),
+        serde_json::to_string_pretty(&pts).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
+    write_sweep_plot(
+        &a.sweep_out,
+        "sweep",
+        "prompt-token hit rate vs. cache capacity",
+        &pts,
+    )?;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&pts).map_err(|e| e.to_string())?
+        );
+    } else {
+        println!(
+            "{:>16} {:>10} {:>10} {:>10}",
+            "capacity pages", "hit %", "device %", "Belady %"
+        );
+        for p in &pts {
+            println!(
+                "{:>16} {:>10.2} {:>10.2} {:>10.2}",
+                p.capacity_pages,
+                p.hit_rate * 100.0,
+                p.device * 100.0,
+                p.belady * 100.0
+            );
+        }
+        println!("plot: {}/sweep.svg and sweep.png", a.sweep_out.display());
+    }
+    Ok(())
+}

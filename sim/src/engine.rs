@@ -1,0 +1,710 @@
+//! The simulated engine: a discrete-event loop that drives the real `Scheduler`s and the real
+//! embedded L3 store, with copies and forwards completing at their modelled finish times.
+//!
+//! Integrity oracle: device and host pages hold an 8-byte fingerprint of the page hash whose
+//! KV they contain; L3 objects hold the fingerprint as their (small) payload. Copies move
+//! fingerprints when they *complete* (a source reused before its copy finished is caught); a
+//! forward checks that every page it reads holds the fingerprint of the page its position
+//! requires, and every backup checks that it stores under a key the content of that key's page.
+//! Any mismatch is counted in `oracle_failures` (tests require zero).
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvtier_l3::{EmbeddedStore, ErrorCode, L3Store, PutOptions, StoreConfig, Tenant};
+use kvtier_radix::{DevicePageId, PageHash, extend_hashes};
+use kvtier_scheduler::*;
+
+use crate::config::SimConfig;
+use crate::report::{Collector, Report};
+use crate::workload::{SimRequest, generated_token, route};
+
+/// What completes at a point in simulated time.
+enum Pending {
+    Arrival(usize),
+    Op {
+        inst: usize,
+        op: PlannedOp,
+    },
+    /// A prefetch completes at `at` unless a termination moved its completion.
+    Prefetch {
+        inst: usize,
+        op: OpId,
+        at: u64,
+    },
+    Forward {
+        inst: usize,
+        batch: ForwardBatch,
+    },
+    Wake(usize),
+}
+
+/// A prefetch in flight.
+struct LivePrefetch {
+    start: u64,
+    dur: u64,
+    keys: Vec<String>,
+    dst: TierPages,
+    /// Completion time of the live heap entry.
+    at: u64,
+    /// Pages that arrived before a termination.
+    truncated: Option<usize>,
+}
+
+struct Track {
+    /// Fingerprints of the request's full pages, extended as it grows.
+    fps: Vec<u64>,
+    hashes: Vec<PageHash>,
+    /// Pages of the current table already verified since they last changed.
+    verified: usize,
+    arrival_us: u64,
+    first_token_us: Option<u64>,
+    /// Sequence length at which the request is done (its last forward re-verifies everything).
+    final_len: usize,
+    prompt_len: usize,
+    logged: bool,
+}
+
+struct Instance {
+    sched: Scheduler,
+    dev: Vec<u64>,
+    host: Vec<u64>,
+    tables: HashMap<RequestId, Vec<DevicePageId>>,
+    tracks: HashMap<RequestId, Track>,
+    forward_busy: bool,
+    /// Link availability (µs): host→device, device→host, network.
+    h2d_free: u64,
+    d2h_free: u64,
+    net_free: u64,
+    prefetches: HashMap<OpId, LivePrefetch>,
+}
+
+pub fn fingerprint(h: &PageHash) -> u64 {
+    h.prefix_u64()
+}
+
+/// The fingerprint encoded in an L3 key `"{ns}:{hex digest}:{rank}"`.
+pub fn key_fingerprint(key: &str) -> Option<u64> {
+    let hex = key.split(':').nth(1)?;
+    let mut b = [0u8; 8];
+    for (i, out) in b.iter_mut().enumerate() {
+        *out = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(u64::from_le_bytes(b))
+}
+
+/// Runs a workload through the simulator and returns the report.
+pub struct Simulation {
+    cfg: SimConfig,
+    insts: Vec<Instance>,
+    store: Option<Arc<EmbeddedStore>>,
+    tenant: Tenant,
+    heap: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    pending: Vec<Option<Pending>>,
+    free_slots: Vec<usize>,
+    seq: u64,
+    now_us: u64,
+    store_now_ms: u64,
+    pub col: Collector,
+    backups_done: u64,
+    /// Page accesses in the order the engine saw them, for the Belady ceiling: prompt pages
+    /// looked up at a request's first prefill (counted), every page computed (written).
+    pub accesses: Vec<(u64, bool)>,
+}
+
+impl Simulation {
+    pub fn new(cfg: SimConfig) -> Result<Simulation, String> {
+        let mut insts = Vec::new();
+        for _ in 0..cfg.instances.max(1) {
+            let sched = Scheduler::new(cfg.scheduler.clone()).map_err(|e| e.to_string())?;
+            insts.push(Instance {
+                sched,
+                dev: vec![0; cfg.scheduler.device_pages as usize],
+                host: vec![0; cfg.scheduler.host_pages as usize],
+                tables: HashMap::new(),
+                tracks: HashMap::new(),
+                forward_busy: false,
+                h2d_free: 0,
+                d2h_free: 0,
+                net_free: 0,
+                prefetches: HashMap::new(),
+            });
+        }
+        let store = if cfg.scheduler.l3_enabled {
+            let s = EmbeddedStore::new(StoreConfig {
+                local_segment_bytes: cfg.l3_pages.max(1) * cfg.payload_bytes as u64,
+                lease_ttl: Duration::from_secs(10),
+                max_batch_keys: 1 << 20,
+                ..StoreConfig::default()
+            })
+            .map_err(|e| e.to_string())?;
+            Some(Arc::new(s))
+        } else {
+            None
+        };
+        let tenant = Tenant::new("sim").map_err(|e| e.to_string())?;
+        let ps = cfg.scheduler.page_size;
+        Ok(Simulation {
+            col: Collector::new(ps, cfg.profile.kv_bytes_per_token * ps as u64),
+            cfg,
+            insts,
+            store,
+            tenant,
+            heap: BinaryHeap::new(),
+            pending: Vec::new(),
+            free_slots: Vec::new(),
+            seq: 0,
+            now_us: 0,
+            store_now_ms: 0,
+            backups_done: 0,
+            accesses: Vec::new(),
+        })
+    }
+
+    fn push(&mut self, at_us: u64, p: Pending) {
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.pending[s] = Some(p);
+                s
+            }
+            None => {
+                self.pending.push(Some(p));
+                self.pending.len() - 1
+            }
+        };
+        self.seq += 1;
+        self.heap.push(Reverse((at_us, self.seq, slot)));
+    }
+
+    /// Replays `reqs` (sorted by arrival) to the end. `progress` is called after each request
+    /// ends with the number ended so far.
+    pub fn run(
+        mut self,
+        reqs: &[SimRequest],
+        mut progress: impl FnMut(u64),
+    ) -> Result<Report, String> {
+        for (i, r) in reqs.iter().enumerate() {
+            if i < 64 {
+                self.push(r.arrival_ms * 1000, Pending::Arrival(i));
+            }
+        }
+        let mut next_arrival = 64.min(reqs.len());
+        let wall = std::time::Instant::now();
+        while let Some(Reverse((t, _, slot))) = self.heap.pop() {
+            let Some(p) = self.pending[slot].take() else {
+                continue;
+            };
+            self.free_slots.push(slot);
+            self.now_us = self.now_us.max(t);
+            self.sync_store_clock();
+            let inst = match p {
+                Pending::Arrival(i) => {
+                    // Keep the heap small: schedule arrivals a window ahead.
+                    if next_arrival < reqs.len() {
+                        self.push(
+                            reqs[next_arrival].arrival_ms * 1000,
+                            Pending::Arrival(next_arrival),
+                        );
+                        next_arrival += 1;
+                    }
+                    self.arrive(&reqs[i])?
+                }
+                Pending::Op { inst, op } => {
+                    self.complete_op(inst, op)?;
+                    inst
+                }
+                Pending::Prefetch { inst, op, at } => {
+                    if self.insts[inst].prefetches.get(&op).map(|p| p.at) != Some(at) {
+                        continue; // superseded by a termination
+                    }
+                    self.complete_prefetch(inst, op)?;
+                    inst
+                }
+                Pending::Forward { inst, batch } => {
+                    self.complete_forward(inst, batch)?;
+                    self.insts[inst].forward_busy = false;
+                    inst
+                }
+                Pending::Wake(inst) => inst,
+            };
+            self.plan(inst)?;
+            progress(self.col.ended);
+        }
+        // Quiescence: every request ended, every op answered, every lock given back, and the
+        // pools balance (nothing held outside the tree).
+        for (i, inst) in self.insts.iter().enumerate() {
+            if !inst.sched.is_idle() {
+                return Err(format!(
+                    "simulation stalled: instance {i} not idle: {:?}",
+                    inst.sched.stats()
+                ));
+            }
+            inst.sched
+                .check()
+                .map_err(|e| format!("instance {i}: {e}"))?;
+            let st = inst.sched.stats();
+            if st.device.held + st.host.held + st.device.locked + st.host.locked != 0
+                || inst.sched.cache().outstanding_locks() != (0, 0)
+            {
+                return Err(format!("instance {i} not quiescent at the end: {st:?}"));
+            }
+        }
+        let stats: Vec<Stats> = self.insts.iter().map(|i| i.sched.stats()).collect();
+        let accesses = std::mem::take(&mut self.accesses);
+        let mut report = self.col.finish(&stats, self.now_us, wall.elapsed());
+        report.accesses = accesses;
+        if let Some(s) = &self.store {
+            report.l3_objects = s.stats().map(|x| x.objects).unwrap_or(0);
+        }
+        Ok(report)
+    }
+
+    fn sync_store_clock(&mut self) {
+        let ms = self.now_us / 1000;
+        if let Some(s) = &self.store
+            && ms > self.store_now_ms
+        {
+            s.clock()
+                .advance(Duration::from_millis(ms - self.store_now_ms));
+            self.store_now_ms = ms;
+        }
+    }
+
+    fn arrive(&mut self, r: &SimRequest) -> Result<usize, String> {
+        let inst = route(r, self.insts.len(), self.cfg.routing);
+        let id = RequestId(r.id);
+        let i = &mut self.insts[inst];
+        let spec = RequestSpec {
+            id,
+            prompt: r.prompt.clone(),
+            max_new_tokens: r.output_len,
+        };
+        match i.sched.submit_at(spec, self.now_us / 1000) {
+            Ok(()) => {
+                i.tracks.insert(
+                    id,
+                    Track {
+                        fps: Vec::new(),
+                        hashes: Vec::new(),
+                        verified: 0,
+                        arrival_us: self.now_us,
+                        first_token_us: None,
+                        final_len: r.prompt.len() + r.output_len as usize,
+                        prompt_len: r.prompt.len(),
+                        logged: false,
+                    },
+                );
+                self.col.submitted(r.prompt.len() as u64);
+            }
+            Err(e) => {
+                self.col.rejected += 1;
+                if self.col.rejected <= 3 {
+                    eprintln!("request {} rejected: {e}", r.id);
+                }
+            }
+        }
+        Ok(inst)
+    }
+
+    fn plan(&mut self, inst: usize) -> Result<(), String> {
+        if self.insts[inst].forward_busy {
+            return Ok(());
+        }
+        let now = self.now_us;
+        let plan = self.insts[inst].sched.next_execution_plan(now / 1000);
+        let links = self.cfg.links.clone();
+        let page_bytes = self.col.page_bytes;
+        {
+            let i = &mut self.insts[inst];
+            for (id, outcome) in &plan.ended {
+                i.tables.remove(id);
+                if let Some(tr) = i.tracks.remove(id) {
+                    self.col
+                        .ended(*outcome, tr.first_token_us.map(|f| f - tr.arrival_us));
+                }
+            }
+            for id in &plan.retracted {
+                i.tables.remove(id);
+                if let Some(tr) = i.tracks.get_mut(id) {
+                    tr.verified = 0;
+                }
+            }
+        }
+        let mut before_forward_end = now;
+        for op in plan.ops {
+            let n = match &op.spec {
+                OpSpec::L3Query { keys } => keys.len(),
+                OpSpec::Prefetch { keys, .. } | OpSpec::BackUp { keys, .. } => keys.len(),
+                OpSpec::LoadBack { src, .. } => src.len(),
+                OpSpec::WriteBack { src, .. } => src.len(),
+            } as u64;
+            let bytes = n * page_bytes;
+            let i = &mut self.insts[inst];
+            let (link, dur) = match op.kind {
+                OpKind::LoadBack => (&mut i.h2d_free, links.pcie_us(bytes)),
+                OpKind::WriteBack => (&mut i.d2h_free, links.pcie_us(bytes)),
+                OpKind::Prefetch | OpKind::BackUp => (&mut i.net_free, links.l3_us(bytes)),
+                OpKind::L3Query => (&mut 0u64, links.l3_query_us as u64),
+            };
+            let start = now.max(*link);
+            let end = start + dur;
+            if op.kind != OpKind::L3Query {
+                *link = end;
+            }
+            self.col.traffic(op.kind, bytes);
+            if op.before_forward {
+                before_forward_end = before_forward_end.max(end);
+            }
+            if let OpSpec::Prefetch { keys, dst } = op.spec {
+                i.prefetches.insert(
+                    op.id,
+                    LivePrefetch {
+                        start,
+                        dur,
+                        keys,
+                        dst,
+                        at: end,
+                        truncated: None,
+                    },
+                );
+                self.push(
+                    end,
+                    Pending::Prefetch {
+                        inst,
+                        op: op.id,
+                        at: end,
+                    },
+                );
+            } else {
+                self.push(end, Pending::Op { inst, op });
+            }
+        }
+        for op in plan.terminate_prefetch {
+            if let Some(p) = self.insts[inst].prefetches.get_mut(&op) {
+                let n = p.keys.len();
+                let done = if now <= p.start {
+                    0
+                } else {
+                    ((now - p.start) as u128 * n as u128 / p.dur.max(1) as u128) as usize
+                };
+                p.truncated = Some(done.min(n));
+                p.at = now;
+                self.push(now, Pending::Prefetch { inst, op, at: now });
+            }
+        }
+        if plan.forward.step.is_some() {
+            let f = &plan.forward;
+            let prefill: u64 = f.prefill.iter().map(|c| c.len as u64).sum();
+            let ctx: u64 = f.decode.iter().map(|d| d.position as u64).sum();
+            let dur = self
+                .cfg
+                .profile
+                .forward_us(prefill, f.decode.len() as u64, ctx);
+            let end = before_forward_end + dur;
+            self.insts[inst].forward_busy = true;
+            self.col.forward(prefill, f.decode.len() as u64, dur);
+            self.push(
+                end,
+                Pending::Forward {
+                    inst,
+                    batch: plan.forward,
+                },
+            );
+        } else if !self.insts[inst].prefetches.is_empty() {
+            // Prefetch stop policies run on the clock: look again shortly.
+            self.push(now + 2000, Pending::Wake(inst));
+        }
+        Ok(())
+    }
+
+    fn complete_prefetch(&mut self, inst: usize, op: OpId) -> Result<(), String> {
+        let Some(p) = self.insts[inst].prefetches.remove(&op) else {
+            return Ok(());
+        };
+        let mut n = p.truncated.unwrap_or(p.keys.len());
+        let every = self.cfg.faults.fail_prefetch_every;
+        if every > 0 && op.0.is_multiple_of(every) {
+            n /= 2;
+        }
+        let done = self.fetch(inst, &p.keys[..n], &p.dst);
+        self.insts[inst]
+            .sched
+            .on_event(Event::PrefetchDone {
+                op,
+                completed: done as u32,
+            })
+            .map_err(|e| format!("engine event rejected: {e}"))
+    }
+
+    /// Reads `keys` from L3 into `dst`; returns how many leading pages arrived intact.
+    fn fetch(&mut self, inst: usize, keys: &[String], dst: &TierPages) -> usize {
+        let Some(store) = &self.store else { return 0 };
+        let pb = self.cfg.payload_bytes;
+        let mut buf = vec![0u8; keys.len() * pb];
+        let results = {
+            let mut bufs: Vec<&mut [u8]> = buf.chunks_mut(pb).collect();
+            match store.batch_get_into(&self.tenant, keys, &mut bufs) {
+                Ok(r) => r,
+                Err(_) => return 0,
+            }
+        };
+        let mut done = 0;
+        for (i, r) in results.iter().enumerate() {
+            if r.is_err() {
+                break;
+            }
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&buf[i * pb..i * pb + 8]);
+            let fp = u64::from_le_bytes(b);
+            if Some(fp) != key_fingerprint(&keys[i]) {
+                self.col
+                    .oracle_failure(format!("L3 returned other content for {}", keys[i]));
+                break;
+            }
+            let ins = &mut self.insts[inst];
+            match dst {
+                TierPages::Host(p) => ins.host[p[i].index() as usize] = fp,
+                TierPages::Device(p) => ins.dev[p[i].index() as usize] = fp,
+            }
+            done += 1;
+        }
+        self.col.l3_read(done as u64);
+        done
+    }
+
+    /// Stores the source pages under `keys`; checks each page holds its key's content.
+    fn backup(&mut self, inst: usize, op: OpId, keys: &[String], src: &TierPages) -> bool {
+        let Some(store) = self.store.clone() else {
+            return false;
+        };
+        let every = self.cfg.faults.fail_backup_every;
+        if every > 0 && op.0.is_multiple_of(every) {
+            return false;
+        }
+        let pb = self.cfg.payload_bytes;
+        let ins = &self.insts[inst];
+        let mut payload = vec![0u8; keys.len() * pb];
+        for (i, k) in keys.iter().enumerate() {
+            let fp = match src {
+                TierPages::Host(p) => ins.host[p[i].index() as usize],
+                TierPages::Device(p) => ins.dev[p[i].index() as usize],
+            };
+            if Some(fp) != key_fingerprint(k) {
+                self.col
+                    .oracle_failure(format!("backup would store other content under {k}"));
+                return false;
+            }
+            payload[i * pb..i * pb + 8].copy_from_slice(&fp.to_le_bytes());
+        }
+        let bufs: Vec<&[u8]> = payload.chunks(pb).collect();
+        let ok = match store.batch_put_from(&self.tenant, keys, &bufs, PutOptions::default()) {
+            Ok(rs) => rs.iter().all(|r| match r {
+                Ok(()) => true,
+                Err(e) => e.code() == ErrorCode::ObjectAlreadyExists,
+            }),
+            Err(_) => false,
+        };
+        if ok {
+            self.col.l3_written(keys.len() as u64);
+        }
+        self.backups_done += 1;
+        let lose = self.cfg.faults.lose_l3_every;
+        if lose > 0
+            && self.backups_done.is_multiple_of(lose)
+            && let Some(k) = keys.first()
+        {
+            // An L3 object disappears (evicted elsewhere, node lost).
+            let _ = store.remove(&self.tenant, k, true);
+        }
+        ok
+    }
+
+    fn complete_op(&mut self, inst: usize, op: PlannedOp) -> Result<(), String> {
+        let ev = match op.spec {
+            OpSpec::LoadBack { src, dst } => {
+                let i = &mut self.insts[inst];
+                for (a, b) in src.iter().zip(&dst) {
+                    i.dev[b.index() as usize] = i.host[a.index() as usize];
+                }
+                Event::LoadBackDone {
+                    op: op.id,
+                    success: true,
+                }
+            }
+            OpSpec::WriteBack { src, dst } => {
+                let i = &mut self.insts[inst];
+                for (a, b) in src.iter().zip(&dst) {
+                    i.host[b.index() as usize] = i.dev[a.index() as usize];
+                }
+                Event::WriteBackDone {
+                    op: op.id,
+                    success: true,
+                }
+            }
+            OpSpec::L3Query { keys } => {
+                let hits = match &self.store {
+                    Some(s) => match s.batch_is_exist(&self.tenant, &keys) {
+                        Ok(v) => v.iter().take_while(|r| matches!(r, Ok(true))).count(),
+                        Err(_) => 0,
+                    },
+                    None => 0,
+                };
+                Event::L3QueryDone {
+                    op: op.id,
+                    hit_pages: hits as u32,
+                }
+            }
+            OpSpec::Prefetch { .. } => return Ok(()),
+            OpSpec::BackUp { keys, src } => {
+                let success = self.backup(inst, op.id, &keys, &src);
+                Event::BackUpDone { op: op.id, success }
+            }
+        };
+        self.insts[inst]
+            .sched
+            .on_event(ev)
+            .map_err(|e| format!("engine event rejected: {e}"))
+    }
+
+    /// Logs a request's prompt pages (once) for the Belady ceiling.
+    fn log_prompt(&mut self, inst: usize, id: RequestId) {
+        let ps = self.cfg.scheduler.page_size;
+        let Some(tr) = self.insts[inst].tracks.get(&id) else {
+            return;
+        };
+        if tr.logged {
+            return;
+        }
+        let n = tr.prompt_len / ps;
+        self.ensure_fps(inst, id, n);
+        if let Some(tr) = self.insts[inst].tracks.get_mut(&id) {
+            tr.logged = true;
+            self.accesses
+                .extend(tr.fps[..n.min(tr.fps.len())].iter().map(|&f| (f, true)));
+        }
+    }
+
+    /// Makes sure the track has fingerprints for the first `pages` full pages.
+    fn ensure_fps(&mut self, inst: usize, id: RequestId, pages: usize) {
+        let ps = self.cfg.scheduler.page_size;
+        let i = &mut self.insts[inst];
+        let Some(tr) = i.tracks.get_mut(&id) else {
+            return;
+        };
+        if tr.fps.len() >= pages {
+            return;
+        }
+        let Some(tokens) = i.sched.request_tokens(id) else {
+            return;
+        };
+        let from = tr.hashes.len();
+        extend_hashes(&mut tr.hashes, tokens, ps, from, pages);
+        tr.fps.extend(tr.hashes[from..].iter().map(fingerprint));
+    }
+
+    /// Verifies pages `0..pages` of `id`'s table (from the first unverified one).
+    fn verify(&mut self, inst: usize, id: RequestId, pages: usize) {
+        self.ensure_fps(inst, id, pages);
+        let i = &mut self.insts[inst];
+        let (Some(tr), Some(table)) = (i.tracks.get_mut(&id), i.tables.get(&id)) else {
+            return;
+        };
+        let upto = pages.min(table.len()).min(tr.fps.len());
+        for (p, page) in table
+            .iter()
+            .enumerate()
+            .take(upto)
+            .skip(tr.verified.min(upto))
+        {
+            let got = i.dev[page.index() as usize];
+            if got != tr.fps[p] {
+                let msg = format!("{id:?} reads wrong KV at page {p}");
+                tr.verified = p;
+                self.col.oracle_failure(msg);
+                return;
+            }
+        }
+        self.col.pages_checked += (upto - tr.verified.min(upto)) as u64;
+        tr.verified = tr.verified.max(upto);
+    }
+
+    fn write(&mut self, inst: usize, id: RequestId, from_page: usize, to_page: usize) {
+        self.ensure_fps(inst, id, to_page);
+        let i = &mut self.insts[inst];
+        let (Some(tr), Some(table)) = (i.tracks.get(&id), i.tables.get(&id)) else {
+            return;
+        };
+        let to = to_page.min(table.len()).min(tr.fps.len());
+        for (page, fp) in table.iter().zip(&tr.fps).take(to).skip(from_page) {
+            i.dev[page.index() as usize] = *fp;
+            // Every computed page may enter the cache from now on (published per chunk, at
+            // retraction or at finish): log it as written, as early as any policy could use it.
+            self.accesses.push((*fp, false));
+        }
+    }
+
+    fn apply_delta(&mut self, inst: usize, id: RequestId, d: &Option<PageTableDelta>) {
+        let i = &mut self.insts[inst];
+        let t = i.tables.entry(id).or_default();
+        if let Some(d) = d {
+            t.truncate(d.from as usize);
+            t.extend_from_slice(&d.pages);
+            if let Some(tr) = i.tracks.get_mut(&id) {
+                tr.verified = tr.verified.min(d.from as usize);
+            }
+        }
+    }
+
+    fn complete_forward(&mut self, inst: usize, batch: ForwardBatch) -> Result<(), String> {
+        let ps = self.cfg.scheduler.page_size;
+        let now = self.now_us;
+        let mut outputs = Vec::with_capacity(batch.rows());
+        for c in &batch.prefill {
+            self.log_prompt(inst, c.req);
+            self.apply_delta(inst, c.req, &c.table);
+            let (start, end) = (c.start as usize, (c.start + c.len) as usize);
+            self.verify(inst, c.req, start / ps);
+            self.write(inst, c.req, start / ps, end / ps);
+            let mut token = 0;
+            if c.last {
+                token = generated_token(c.req.0, end);
+                if let Some(tr) = self.insts[inst].tracks.get_mut(&c.req)
+                    && tr.first_token_us.is_none()
+                {
+                    tr.first_token_us = Some(now);
+                }
+            }
+            outputs.push(TokenOutput {
+                req: c.req,
+                token,
+                stop: false,
+            });
+        }
+        for d in &batch.decode {
+            self.apply_delta(inst, d.req, &d.table);
+            let p = d.position as usize;
+            if let Some(tr) = self.insts[inst].tracks.get_mut(&d.req)
+                && p + 2 >= tr.final_len
+            {
+                // Last step: re-read the whole table, catching any page changed under it.
+                tr.verified = 0;
+            }
+            self.verify(inst, d.req, p / ps);
+            if (p + 1).is_multiple_of(ps) {
+                self.write(inst, d.req, p / ps, p / ps + 1);
+            }
+            outputs.push(TokenOutput {
+                req: d.req,
+                token: generated_token(d.req.0, p + 1),
+                stop: false,
+            });
+        }
+        let step = batch.step.ok_or("forward without a step id")?;
+        self.insts[inst]
+            .sched
+            .on_event(Event::ForwardDone { step, outputs })
+            .map_err(|e| format!("engine forward rejected: {e}"))
+    }
+}

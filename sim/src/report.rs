@@ -1,0 +1,373 @@
+//! What a simulation measured, and the report users read (a table) or programs read (JSON).
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use kvtier_scheduler::{OpKind, Outcome, Stats};
+
+/// Running tallies kept by the engine.
+#[derive(Debug, Default)]
+pub struct Collector {
+    pub page_size: usize,
+    pub page_bytes: u64,
+    pub submitted: u64,
+    pub rejected: u64,
+    pub ended: u64,
+    pub prompt_tokens: u64,
+    pub ttft_us: Vec<u64>,
+    pub outcomes: [u64; 3],
+    pub pages_checked: u64,
+    pub oracle_failures: u64,
+    pub first_failures: Vec<String>,
+    pub pcie_bytes: u64,
+    pub l3_read_bytes: u64,
+    pub l3_write_bytes: u64,
+    pub l3_pages_read: u64,
+    pub l3_pages_written: u64,
+    pub forwards: u64,
+    pub forward_us: u64,
+    pub prefill_tokens: u64,
+    pub decode_rows: u64,
+}
+
+impl Collector {
+    pub fn new(page_size: usize, page_bytes: u64) -> Self {
+        Collector {
+            page_size,
+            page_bytes,
+            ..Default::default()
+        }
+    }
+    pub fn submitted(&mut self, prompt: u64) {
+        self.submitted += 1;
+        self.prompt_tokens += prompt;
+    }
+    pub fn ended(&mut self, o: Outcome, ttft_us: Option<u64>) {
+        self.ended += 1;
+        self.outcomes[o as usize] += 1;
+        if let Some(t) = ttft_us {
+            self.ttft_us.push(t);
+        }
+    }
+    pub fn oracle_failure(&mut self, msg: String) {
+        self.oracle_failures += 1;
+        if self.first_failures.len() < 5 {
+            self.first_failures.push(msg);
+        }
+    }
+    pub fn traffic(&mut self, kind: OpKind, bytes: u64) {
+        match kind {
+            OpKind::LoadBack | OpKind::WriteBack => self.pcie_bytes += bytes,
+            OpKind::Prefetch => self.l3_read_bytes += bytes,
+            OpKind::BackUp => self.l3_write_bytes += bytes,
+            OpKind::L3Query => {}
+        }
+    }
+    pub fn l3_read(&mut self, pages: u64) {
+        self.l3_pages_read += pages;
+    }
+    pub fn l3_written(&mut self, pages: u64) {
+        self.l3_pages_written += pages;
+    }
+    pub fn forward(&mut self, prefill: u64, decode: u64, us: u64) {
+        self.forwards += 1;
+        self.prefill_tokens += prefill;
+        self.decode_rows += decode;
+        self.forward_us += us;
+    }
+
+    pub fn finish(mut self, stats: &[Stats], end_us: u64, wall: Duration) -> Report {
+        let sum = |f: fn(&Stats) -> u64| stats.iter().map(f).sum::<u64>();
+        let ps = self.page_size as u64;
+        let device = sum(|s| s.device_hit_tokens);
+        let host = sum(|s| s.host_hit_tokens);
+        let l3 = sum(|s| s.l3_hit_tokens);
+        let computed = sum(|s| s.computed_tokens);
+        // Rates are fractions of the prompt tokens submitted; tokens computed again after a
+        // retraction are reported separately.
+        let prompt = self.prompt_tokens;
+        let rate = |x: u64| {
+            if prompt == 0 {
+                0.0
+            } else {
+                x as f64 / prompt as f64
+            }
+        };
+        let miss = prompt.saturating_sub(device + host + l3);
+        let recomputed = computed.saturating_sub(miss);
+        self.ttft_us.sort_unstable();
+        let pct = |p: f64| -> f64 {
+            if self.ttft_us.is_empty() {
+                return 0.0;
+            }
+            let i = ((self.ttft_us.len() as f64 - 1.0) * p).round() as usize;
+            self.ttft_us[i] as f64 / 1000.0
+        };
+        let secs = end_us as f64 / 1e6;
+        let ops = [
+            OpKind::L3Query,
+            OpKind::Prefetch,
+            OpKind::LoadBack,
+            OpKind::WriteBack,
+            OpKind::BackUp,
+        ]
+        .iter()
+        .map(|k| {
+            let issued = stats.iter().map(|s| s.op(*k).issued).sum();
+            let failed = stats.iter().map(|s| s.op(*k).failed).sum();
+            OpCount {
+                kind: format!("{k}"),
+                issued,
+                failed,
+            }
+        })
+        .collect();
+        let output_tokens = self.decode_rows + sum(|s| s.ttft_count);
+        Report {
+            requests: self.submitted,
+            rejected: self.rejected,
+            finished: self.outcomes[Outcome::Finished as usize],
+            aborted: self.outcomes[Outcome::Aborted as usize],
+            failed: self.outcomes[Outcome::Failed as usize],
+            retracted: sum(|s| s.retracted),
+            prompt_tokens: self.prompt_tokens,
+            hits: HitRates {
+                device_tokens: device,
+                host_tokens: host,
+                l3_tokens: l3,
+                miss_tokens: miss,
+                recomputed_tokens: recomputed,
+                device_pages: device / ps,
+                host_pages: host / ps,
+                l3_pages: l3 / ps,
+                device: rate(device),
+                host: rate(host),
+                l3: rate(l3),
+                miss: rate(miss),
+                total: rate(device + host + l3),
+            },
+            prefill_tokens_saved: device + host + l3,
+            ttft_ms: Percentiles {
+                p50: pct(0.5),
+                p90: pct(0.9),
+                p99: pct(0.99),
+            },
+            simulated_seconds: secs,
+            throughput_requests_per_s: if secs > 0.0 {
+                self.ended as f64 / secs
+            } else {
+                0.0
+            },
+            throughput_output_tokens_per_s: if secs > 0.0 {
+                output_tokens as f64 / secs
+            } else {
+                0.0
+            },
+            pcie_bytes: self.pcie_bytes,
+            l3_read_bytes: self.l3_read_bytes,
+            l3_write_bytes: self.l3_write_bytes,
+            ops,
+            belady: None,
+            oracle: Oracle {
+                pages_checked: self.pages_checked,
+                failures: self.oracle_failures,
+                first_failures: self.first_failures,
+            },
+            l3_objects: 0,
+            wall_seconds: wall.as_secs_f64(),
+            accesses: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct HitRates {
+    pub device_tokens: u64,
+    pub host_tokens: u64,
+    pub l3_tokens: u64,
+    pub miss_tokens: u64,
+    /// Tokens computed again because their request was retracted.
+    pub recomputed_tokens: u64,
+    pub device_pages: u64,
+    pub host_pages: u64,
+    pub l3_pages: u64,
+    /// Fractions of the prompt tokens submitted.
+    pub device: f64,
+    pub host: f64,
+    pub l3: f64,
+    pub miss: f64,
+    pub total: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct OpCount {
+    pub kind: String,
+    pub issued: u64,
+    pub failed: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Oracle {
+    pub pages_checked: u64,
+    pub failures: u64,
+    pub first_failures: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BeladyBound {
+    pub capacity_pages: u64,
+    /// Page-level offline-optimal (MIN) hit rate over prompt tokens: no policy can do better.
+    pub hit_rate: f64,
+    pub hit_pages: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub requests: u64,
+    pub rejected: u64,
+    pub finished: u64,
+    pub aborted: u64,
+    pub failed: u64,
+    pub retracted: u64,
+    pub prompt_tokens: u64,
+    pub hits: HitRates,
+    pub prefill_tokens_saved: u64,
+    pub ttft_ms: Percentiles,
+    pub simulated_seconds: f64,
+    pub throughput_requests_per_s: f64,
+    pub throughput_output_tokens_per_s: f64,
+    pub pcie_bytes: u64,
+    pub l3_read_bytes: u64,
+    pub l3_write_bytes: u64,
+    pub ops: Vec<OpCount>,
+    pub belady: Option<BeladyBound>,
+    pub oracle: Oracle,
+    pub l3_objects: u64,
+    pub wall_seconds: f64,
+    /// The access sequence the Belady ceiling is computed over (not serialized).
+    #[serde(skip)]
+    pub accesses: Vec<(u64, bool)>,
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+impl Report {
+    /// A readable table for the terminal.
+    pub fn table(&self) -> String {
+        let h = &self.hits;
+        let mut s = String::new();
+        let mut line = |k: &str, v: String| {
+            s.push_str(&format!("  {k:<28} {v}\n"));
+        };
+        line(
+            "requests",
+            format!(
+                "{} ({} finished, {} aborted, {} failed, {} rejected, {} retractions)",
+                self.requests,
+                self.finished,
+                self.aborted,
+                self.failed,
+                self.rejected,
+                self.retracted
+            ),
+        );
+        line("prompt tokens", format!("{}", self.prompt_tokens));
+        line(
+            "hit rate: device",
+            format!("{:>6.2} %  ({} tokens)", h.device * 100.0, h.device_tokens),
+        );
+        line(
+            "hit rate: host",
+            format!("{:>6.2} %  ({} tokens)", h.host * 100.0, h.host_tokens),
+        );
+        line(
+            "hit rate: L3",
+            format!("{:>6.2} %  ({} tokens)", h.l3 * 100.0, h.l3_tokens),
+        );
+        line(
+            "miss (computed)",
+            format!(
+                "{:>6.2} %  ({} tokens; {} recomputed after retraction)",
+                h.miss * 100.0,
+                h.miss_tokens,
+                h.recomputed_tokens
+            ),
+        );
+        line("total hit rate", format!("{:>6.2} %", h.total * 100.0));
+        if let Some(b) = &self.belady {
+            line(
+                "Belady ceiling",
+                format!(
+                    "{:>6.2} %  (capacity {} pages)",
+                    b.hit_rate * 100.0,
+                    b.capacity_pages
+                ),
+            );
+        }
+        line(
+            "prefill tokens saved",
+            format!("{}", self.prefill_tokens_saved),
+        );
+        line(
+            "TTFT p50 / p90 / p99",
+            format!(
+                "{:.1} / {:.1} / {:.1} ms",
+                self.ttft_ms.p50, self.ttft_ms.p90, self.ttft_ms.p99
+            ),
+        );
+        line(
+            "throughput",
+            format!(
+                "{:.2} req/s, {:.0} output tok/s over {:.1} s simulated",
+                self.throughput_requests_per_s,
+                self.throughput_output_tokens_per_s,
+                self.simulated_seconds
+            ),
+        );
+        line(
+            "PCIe / L3 read / L3 write",
+            format!(
+                "{} / {} / {}",
+                gib(self.pcie_bytes),
+                gib(self.l3_read_bytes),
+                gib(self.l3_write_bytes)
+            ),
+        );
+        let ops: Vec<String> = self
+            .ops
+            .iter()
+            .map(|o| {
+                format!(
+                    "{} {}{}",
+                    o.kind,
+                    o.issued,
+                    if o.failed > 0 {
+                        format!(" ({} failed)", o.failed)
+                    } else {
+                        String::new()
+                    }
+                )
+            })
+            .collect();
+        line("ops", ops.join(", "));
+        line(
+            "oracle",
+            format!(
+                "{} page reads checked, {} failures",
+                self.oracle.pages_checked, self.oracle.failures
+            ),
+        );
+        line("wall time", format!("{:.2} s", self.wall_seconds));
+        s
+    }
+}

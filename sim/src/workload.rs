@@ -1,0 +1,332 @@
+//! Workloads: Mooncake's public trace format, a synthetic multi-turn chat generator, and the
+//! routing of requests to engine instances.
+//!
+//! Why token ids from hash ids: the public trace carries no text, only one hash id per
+//! 512-token block, with equal ids meaning equal prefixes. We turn each block id into 512
+//! deterministic token ids, so equal ids give equal tokens, equal tokens give equal page
+//! hashes, and the real radix cache sees exactly the sharing the trace describes.
+
+use std::io::BufRead;
+
+use serde::Deserialize;
+use thiserror::Error;
+
+/// Tokens per block in Mooncake's trace format.
+pub const TRACE_BLOCK: usize = 512;
+
+/// One request of a workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimRequest {
+    pub id: u64,
+    pub arrival_ms: u64,
+    pub prompt: Vec<u32>,
+    pub output_len: u32,
+    /// Conversation / session the request belongs to (for affinity routing).
+    pub session: u64,
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum WorkloadError {
+    #[error("trace line {line}: {msg}")]
+    Line { line: usize, msg: String },
+    #[error("trace line {line}, field `{field}`: {msg}")]
+    Field {
+        line: usize,
+        field: &'static str,
+        msg: String,
+    },
+    #[error("reading the trace: {0}")]
+    Io(String),
+    #[error("empty workload")]
+    Empty,
+}
+
+/// splitmix64: a tiny, fast, well-mixed PRNG step (deterministic across platforms).
+pub fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Token `i` of trace block `block_id` (a vocabulary of 128K ids).
+pub fn block_token(block_id: u64, i: usize) -> u32 {
+    (mix(block_id.wrapping_mul(4096).wrapping_add(i as u64)) % 128_000) as u32
+}
+
+/// The token a simulated engine generates at `pos` for request `req` (the synthetic chat
+/// generator puts the same tokens in the next turn's prompt, so answers are reusable KV).
+pub fn generated_token(req: u64, pos: usize) -> u32 {
+    (mix(req ^ 0xa5a5_0000_0000_0000 ^ ((pos as u64) << 20)) % 128_000) as u32
+}
+
+#[derive(Deserialize)]
+struct TraceLine {
+    timestamp: Option<serde_json::Value>,
+    input_length: Option<serde_json::Value>,
+    output_length: Option<serde_json::Value>,
+    hash_ids: Option<Vec<serde_json::Value>>,
+}
+
+fn field_u64(
+    v: Option<serde_json::Value>,
+    line: usize,
+    field: &'static str,
+) -> Result<u64, WorkloadError> {
+    let v = v.ok_or(WorkloadError::Field {
+        line,
+        field,
+        msg: "missing".into(),
+    })?;
+    if let Some(n) = v.as_u64() {
+        return Ok(n);
+    }
+    let msg = match v.as_i64() {
+        Some(n) if n < 0 => format!("negative ({n})"),
+        _ => format!("not a non-negative integer ({v})"),
+    };
+    Err(WorkloadError::Field { line, field, msg })
+}
+
+/// Parses a Mooncake trace (JSON lines `{timestamp (ms), input_length, output_length,
+/// hash_ids}`) into requests. Every error names the line and the field; nothing is returned
+/// on error. `limit` keeps only the first `limit` requests.
+pub fn parse_trace(
+    r: impl BufRead,
+    limit: Option<usize>,
+) -> Result<Vec<SimRequest>, WorkloadError> {
+    let mut out = Vec::new();
+    for (i, line) in r.lines().enumerate() {
+        let n = i + 1;
+        if limit.is_some_and(|l| out.len() >= l) {
+            break;
+        }
+        let line = line.map_err(|e| WorkloadError::Io(e.to_string()))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let t: TraceLine = serde_json::from_str(&line).map_err(|e| WorkloadError::Line {
+            line: n,
+            msg: format!("malformed JSON: {e}"),
+        })?;
+        let ts = field_u64(t.timestamp, n, "timestamp")?;
+        let input = field_u64(t.input_length, n, "input_length")? as usize;
+        let output = field_u64(t.output_length, n, "output_length")?;
+        let ids = t.hash_ids.ok_or(WorkloadError::Field {
+            line: n,
+            field: "hash_ids",
+            msg: "missing".into(),
+        })?;
+        if input == 0 {
+            return Err(WorkloadError::Field {
+                line: n,
+                field: "input_length",
+                msg: "must be positive".into(),
+            });
+        }
+        if input > 4 << 20 {
+            return Err(WorkloadError::Field {
+                line: n,
+                field: "input_length",
+                msg: format!("{input} is implausibly long"),
+            });
+        }
+        if ids.len() != input.div_ceil(TRACE_BLOCK) {
+            return Err(WorkloadError::Field {
+                line: n,
+                field: "hash_ids",
+                msg: format!(
+                    "{} ids for input_length {input} (expected {} blocks of {TRACE_BLOCK})",
+                    ids.len(),
+                    input.div_ceil(TRACE_BLOCK)
+                ),
+            });
+        }
+        let mut prompt = Vec::with_capacity(input);
+        for (j, v) in ids.iter().enumerate() {
+            let id = v.as_u64().ok_or(WorkloadError::Field {
+                line: n,
+                field: "hash_ids",
+                msg: format!("element {j} is not a non-negative integer ({v})"),
+            })?;
+            let len = TRACE_BLOCK.min(input - j * TRACE_BLOCK);
+            prompt.extend((0..len).map(|k| block_token(id, k)));
+        }
+        let session = ids.get(1).and_then(|v| v.as_u64()).unwrap_or(0);
+        out.push(SimRequest {
+            id: out.len() as u64,
+            arrival_ms: ts,
+            prompt,
+            output_len: u32::try_from(output.max(1)).unwrap_or(u32::MAX),
+            session,
+        });
+    }
+    if out.is_empty() {
+        return Err(WorkloadError::Empty);
+    }
+    Ok(out)
+}
+
+/// The synthetic multi-turn chat generator.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct ChatSpec {
+    pub clients: u32,
+    pub rounds: u32,
+    pub system_prompt_tokens: u32,
+    pub turn_tokens: u32,
+    pub answer_tokens: u32,
+    /// Mean gap between a client's turns (ms, exponential).
+    pub think_ms: u64,
+    /// Mean gap between client starts (ms, exponential: Poisson arrivals).
+    pub client_interarrival_ms: u64,
+    pub seed: u64,
+}
+
+impl Default for ChatSpec {
+    fn default() -> Self {
+        ChatSpec {
+            clients: 48,
+            rounds: 6,
+            system_prompt_tokens: 1024,
+            turn_tokens: 384,
+            answer_tokens: 128,
+            think_ms: 8_000,
+            client_interarrival_ms: 400,
+            seed: 7,
+        }
+    }
+}
+
+fn exp_sample(state: &mut u64, mean_ms: u64) -> u64 {
+    *state = mix(*state);
+    let u = ((*state >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    (-(u.ln()) * mean_ms as f64) as u64
+}
+
+/// Generates a multi-turn chat workload: every client shares the system prompt; turn k's
+/// prompt is the whole conversation so far (earlier turns and the engine's answers) plus a new
+/// user turn.
+pub fn synthetic_chat(spec: &ChatSpec) -> Vec<SimRequest> {
+    let mut rng = spec.seed ^ 0x5eed;
+    let system: Vec<u32> = (0..spec.system_prompt_tokens as usize)
+        .map(|i| block_token(u64::MAX - 1, i))
+        .collect();
+    let mut out = Vec::new();
+    let mut start = 0u64;
+    for c in 0..spec.clients as u64 {
+        start += exp_sample(&mut rng, spec.client_interarrival_ms);
+        let mut t = start;
+        let mut convo = system.clone();
+        for k in 0..spec.rounds as u64 {
+            let id = c * spec.rounds as u64 + k;
+            convo.extend((0..spec.turn_tokens as usize).map(|i| block_token(mix(id) | 1 << 63, i)));
+            let prompt = convo.clone();
+            // The engine's answer tokens are what `generated_token` produces for this id.
+            let p = prompt.len();
+            convo.extend((0..spec.answer_tokens as usize).map(|i| generated_token(id, p + i)));
+            out.push(SimRequest {
+                id,
+                arrival_ms: t,
+                prompt,
+                output_len: spec.answer_tokens.max(1),
+                session: c,
+            });
+            t += exp_sample(&mut rng, spec.think_ms).max(1);
+        }
+    }
+    out.sort_by_key(|r| (r.arrival_ms, r.id));
+    out
+}
+
+/// How requests are spread over engine instances.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+pub enum Routing {
+    /// Request i goes to instance i mod N.
+    RoundRobin,
+    /// A session always goes to the same instance.
+    Session,
+}
+
+pub fn route(r: &SimRequest, instances: usize, routing: Routing) -> usize {
+    let n = instances.max(1) as u64;
+    (match routing {
+        Routing::RoundRobin => r.id % n,
+        Routing::Session => mix(r.session) % n,
+    }) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_errors_name_line_and_field() {
+        let ok = r#"{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}"#;
+        let cases = [
+            ("{not json", "line 2"),
+            (
+                r#"{"timestamp": 0, "input_length": 600, "output_length": 3}"#,
+                "hash_ids",
+            ),
+            (
+                r#"{"timestamp": -5, "input_length": 600, "output_length": 3, "hash_ids": [1,2]}"#,
+                "timestamp",
+            ),
+            (
+                r#"{"timestamp": 0, "input_length": -1, "output_length": 3, "hash_ids": [1]}"#,
+                "negative",
+            ),
+            (
+                r#"{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1]}"#,
+                "expected 2 blocks",
+            ),
+            (
+                r#"{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, "x"]}"#,
+                "element 1",
+            ),
+            (
+                r#"{"timestamp": 0, "input_length": 600, "output_length": 3.5, "hash_ids": [1, 2]}"#,
+                "output_length",
+            ),
+            (
+                r#"{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2"#,
+                "line 2",
+            ),
+        ];
+        for (bad, want) in cases {
+            let text = format!("{ok}\n{bad}\n");
+            let e = parse_trace(text.as_bytes(), None).unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.contains("line 2"), "{msg}");
+            assert!(msg.contains(want), "{msg} should mention {want}");
+        }
+        assert_eq!(parse_trace("".as_bytes(), None), Err(WorkloadError::Empty));
+    }
+
+    #[test]
+    fn equal_ids_give_equal_tokens() {
+        let t = "{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 3, \"hash_ids\": [5, 6]}\n\
+                 {\"timestamp\": 9, \"input_length\": 700, \"output_length\": 3, \"hash_ids\": [5, 7]}\n";
+        let r = parse_trace(t.as_bytes(), None).unwrap();
+        assert_eq!(r[0].prompt[..512], r[1].prompt[..512]);
+        assert_ne!(r[0].prompt[512..700], r[1].prompt[512..700]);
+        assert_eq!(r[1].prompt.len(), 700);
+    }
+
+    #[test]
+    fn chat_turns_extend_the_conversation() {
+        let w = synthetic_chat(&ChatSpec {
+            clients: 2,
+            rounds: 3,
+            ..ChatSpec::default()
+        });
+        assert_eq!(w.len(), 6);
+        let c0: Vec<_> = w.iter().filter(|r| r.session == 0).collect();
+        assert!(c0[1].prompt.starts_with(&c0[0].prompt));
+        let p = c0[0].prompt.len();
+        assert_eq!(c0[1].prompt[p], generated_token(c0[0].id, p));
+    }
+}

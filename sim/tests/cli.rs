@@ -1,0 +1,139 @@
+//! The `kvtier` command: its main job runs, bad input gets a clear error and writes nothing.
+
+use std::process::Command;
+
+fn kvtier() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+}
+
+#[test]
+fn default_sim_runs_and_reports_every_tier() {
+    let out = kvtier()
+        .args(["sim", "--quiet", "--clients", "12", "--rounds", "3"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "hit rate: device",
+        "hit rate: host",
+        "hit rate: L3",
+        "Belady ceiling",
+        "TTFT p50",
+        "0 failures",
+    ] {
+        assert!(s.contains(want), "missing {want} in:\n{s}");
+    }
+}
+
+#[test]
+fn json_report_is_machine_readable() {
+    let out = kvtier()
+        .args([
+            "sim",
+            "--json",
+            "--clients",
+            "4",
+            "--rounds",
+            "2",
+            "--instances",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["hits"]["total"].as_f64().is_some());
+    assert_eq!(v["oracle"]["failures"], 0);
+}
+
+#[test]
+fn bad_input_gets_a_clear_error_and_writes_nothing() {
+    let dir = std::env::temp_dir().join(format!("kvtier-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("bad.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 1, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [1]}\n",
+    )
+    .unwrap();
+    let out_dir = dir.join("sweep-out");
+    let out = kvtier()
+        .args(["sim", "--quiet", "--sweep", "--trace"])
+        .arg(&trace)
+        .arg("--sweep-out")
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("line 2") && err.contains("hash_ids"), "{err}");
+    assert!(!out_dir.exists(), "nothing half-written");
+
+    for (args, want) in [
+        (vec!["sim", "--profile", "gpt-99"], "unknown profile"),
+        (
+            vec!["sim", "--write-policy", "sometimes"],
+            "unknown write policy",
+        ),
+        (vec!["sim", "--prefetch-stop", "timeout:x:1"], "bad timeout"),
+        (vec!["sim", "--device-pages", "0"], "configuration"),
+    ] {
+        let out = kvtier().args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(want),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let missing = kvtier()
+        .args(["sim", "--trace", "/nonexistent/trace.jsonl"])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn sweep_writes_json_svg_and_png() {
+    let dir = std::env::temp_dir().join(format!("kvtier-sweep-{}", std::process::id()));
+    let out = kvtier()
+        .args([
+            "sim",
+            "--quiet",
+            "--sweep",
+            "--clients",
+            "8",
+            "--rounds",
+            "3",
+            "--device-pages",
+            "256",
+            "--host-pages",
+            "512",
+        ])
+        .arg("--sweep-out")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for f in ["sweep.json", "sweep.svg", "sweep.png"] {
+        let m = std::fs::metadata(dir.join(f)).unwrap();
+        assert!(m.len() > 100, "{f} too small");
+    }
+    let pts: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("sweep.json")).unwrap()).unwrap();
+    for p in pts.as_array().unwrap() {
+        assert!(p["hit_rate"].as_f64().unwrap() <= p["belady"].as_f64().unwrap() + 1e-9);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,0 +1,120 @@
+//! Property tests of the simulator: random workloads, capacities, policies, instance counts and
+//! injected failures (failed prefetches, failed backups, lost L3 objects). The integrity oracle
+//! never fails, every run ends quiescent (all locks released, pools balanced: `simulate` returns
+//! an error otherwise), and no policy beats the Belady ceiling.
+
+use kvtier_scheduler::{PrefetchStopPolicy, RetractionPolicy, WritePolicy};
+use kvtier_sim::workload::{ChatSpec, Routing, synthetic_chat};
+use kvtier_sim::{Faults, SimConfig, simulate};
+use proptest::prelude::*;
+
+fn sim_config() -> impl Strategy<Value = SimConfig> {
+    (
+        prop_oneof![Just(16usize), Just(32)],
+        (24u32..200, 0u32..400, 0u64..3000),
+        1usize..4,
+        (0u8..3, 0u8..3, 0u8..3, any::<bool>(), any::<bool>()),
+        (0u64..4, 0u64..4, 0u64..6),
+    )
+        .prop_map(
+            |(
+                ps,
+                (dev, host, l3),
+                instances,
+                (stop, write, retract, mixed, keep),
+                (fp, fb, lose),
+            )| {
+                let mut c = SimConfig::default();
+                let host_enabled = host >= 8;
+                let s = &mut c.scheduler;
+                s.page_size = ps;
+                s.device_pages = dev;
+                s.host_enabled = host_enabled;
+                s.host_pages = if host_enabled { host } else { 0 };
+                s.l3_enabled = l3 >= 16;
+                s.max_batch_size = 16;
+                s.token_budget = 512;
+                s.chunked_prefill_size = 256;
+                s.mixed_prefill_decode = mixed;
+                s.keep_device_after_write_back = keep;
+                s.prefetch_threshold = 1;
+                s.max_context_tokens = (dev as usize * ps).min(4096);
+                s.prefetch_stop = [
+                    PrefetchStopPolicy::BestEffort,
+                    PrefetchStopPolicy::WaitComplete,
+                    PrefetchStopPolicy::Timeout {
+                        base_ms: 2,
+                        per_1k_tokens_ms: 5,
+                    },
+                ][stop as usize];
+                s.write_policy = match write {
+                    0 => WritePolicy::WriteThrough,
+                    1 => WritePolicy::WriteThroughSelective { hit_threshold: 2 },
+                    _ if host_enabled => WritePolicy::WriteBack,
+                    _ => WritePolicy::WriteThrough,
+                };
+                s.retraction = [
+                    RetractionPolicy::LatestArrival,
+                    RetractionPolicy::FewestGenerated,
+                    RetractionPolicy::MostPages,
+                ][retract as usize];
+                c.l3_pages = l3;
+                c.instances = instances;
+                c.routing = if instances % 2 == 0 {
+                    Routing::Session
+                } else {
+                    Routing::RoundRobin
+                };
+                c.faults = Faults {
+                    fail_prefetch_every: fp,
+                    fail_backup_every: fb,
+                    lose_l3_every: lose,
+                };
+                c
+            },
+        )
+}
+
+fn chat() -> impl Strategy<Value = ChatSpec> {
+    (
+        1u32..10,
+        1u32..5,
+        0u32..300,
+        1u32..200,
+        1u32..60,
+        0u64..3000,
+        any::<u64>(),
+    )
+        .prop_map(
+            |(clients, rounds, sys, turn, answer, think, seed)| ChatSpec {
+                clients,
+                rounds,
+                system_prompt_tokens: sys,
+                turn_tokens: turn,
+                answer_tokens: answer,
+                think_ms: think,
+                client_interarrival_ms: 50,
+                seed,
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn simulations_are_correct_quiescent_and_below_belady(cfg in sim_config(), spec in chat()) {
+        let mut reqs = synthetic_chat(&spec);
+        let max = cfg.scheduler.max_context_tokens;
+        reqs.retain(|r| r.prompt.len() + r.output_len as usize <= max);
+        prop_assume!(!reqs.is_empty());
+        let r = simulate(&cfg, &reqs, |_| {}).map_err(TestCaseError::fail)?;
+        if std::env::var_os("KVTIER_PROP_VERBOSE").is_some() {
+            eprintln!("{} reqs, {} pages checked, hit {:.2} belady {:.2}, retracted {}, ops {:?}", reqs.len(), r.oracle.pages_checked, r.hits.total, r.belady.as_ref().unwrap().hit_rate, r.retracted, r.ops.iter().map(|o| (o.issued, o.failed)).collect::<Vec<_>>());
+        }
+        prop_assert_eq!(r.oracle.failures, 0, "{:?}", r.oracle.first_failures);
+        prop_assert_eq!(r.finished + r.aborted + r.failed, reqs.len() as u64);
+        let b = r.belady.as_ref().unwrap();
+        prop_assert!(r.hits.total <= b.hit_rate + 1e-9, "policy {} beats Belady {}", r.hits.total, b.hit_rate);
+    }
+}
