@@ -53,7 +53,7 @@ fn benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("scheduler");
     g.sample_size(10)
         .warm_up_time(Duration::from_millis(20))
-        .measurement_time(Duration::from_millis(100));
+        .measurement_time(Duration::from_millis(300));
     g.bench_function("finish_all_256", |b| {
         b.iter_custom(|iters| {
             (0..iters)

@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 use scenario::*;
 
 struct Row {
-    name: String,
+    name: &'static str,
     samples: Vec<Duration>,
-    target_us: f64,
-    reference_us: f64,
+    /// (target p50, C++ reference), µs; `None` for informational rows.
+    goal: Option<(f64, f64)>,
 }
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
@@ -27,21 +27,31 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 }
 
 impl Row {
-    fn print(&mut self) -> f64 {
+    fn new(name: &'static str, samples: Vec<Duration>, goal: Option<(f64, f64)>) -> Row {
+        Row {
+            name,
+            samples,
+            goal,
+        }
+    }
+
+    /// Prints the row; returns its p50 (µs).
+    fn print(mut self) -> f64 {
         self.samples.sort();
         let s = &self.samples;
         let (p50, p90, p99) = (pct(s, 0.5), pct(s, 0.9), pct(s, 0.99));
+        let goal = match self.goal {
+            Some((target, reference)) => format!(
+                "{target:>9.0} {reference:>9.0} {:>7.1}× {:>5}",
+                reference / p50,
+                if p50 <= target { "ok" } else { "MISS" }
+            ),
+            None => format!("{:>9} {:>9} {:>8} {:>5}", "-", "-", "-", ""),
+        };
         println!(
-            "{:<44} {:>6} {:>10.1} {:>10.1} {:>10.1} {:>9.0} {:>9.0} {:>7.1}× {:>5}",
+            "{:<46} {:>6} {p50:>9.1} {p90:>9.1} {p99:>9.1} {goal}",
             self.name,
-            s.len(),
-            p50,
-            p90,
-            p99,
-            self.target_us,
-            self.reference_us,
-            self.reference_us / p50,
-            if p50 <= self.target_us { "ok" } else { "MISS" },
+            s.len()
         );
         p50
     }
@@ -148,27 +158,26 @@ fn main() {
     }
     let (steps, rounds) = if quick { (300, 8) } else { (3000, 40) };
     println!(
-        "kvtier-scheduler bench: page 64, 4,096-token distinct prompts, budget 8,192, host = 2 × device, ops acked at once"
+        "kvtier-scheduler: distinct 4,096-token prompts, page 64, budget 8,192, host = 2 × device, \
+         ops acknowledged at once"
     );
     println!(
-        "{:<44} {:>6} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>5}",
-        "case (µs)", "n", "p50", "p90", "p99", "target", "C++ ref", "vs ref", ""
+        "{:<46} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>5}",
+        "case (µs)", "n", "p50", "p90", "p99", "target", "C++ ref", "ref/p50", ""
     );
 
     let (p256, f256, setup256) = decode(256, steps, 20);
-    let mut r = Row {
-        name: "next_execution_plan, decode step of 256".into(),
-        samples: p256,
-        target_us: 40.0,
-        reference_us: 205.0,
-    };
-    let d256 = r.print();
-    Row {
-        name: "ingest 256 decode results (ForwardDone)".into(),
-        samples: f256,
-        target_us: 15.0,
-        reference_us: 58.0,
-    }
+    let d256 = Row::new(
+        "decode step of 256: next_execution_plan",
+        p256,
+        Some((40.0, 205.0)),
+    )
+    .print();
+    Row::new(
+        "decode step of 256: ForwardDone (256 rows)",
+        f256,
+        Some((15.0, 58.0)),
+    )
     .print();
 
     let mut fin = Vec::new();
@@ -179,16 +188,14 @@ fn main() {
         fin_setup += t.elapsed();
         fin.push(timed_finish(&mut d, ev));
     }
-    Row {
-        name: "finish all 256 (ForwardDone + plan, 256 WB)".into(),
-        samples: fin,
-        target_us: 1000.0,
-        reference_us: 6100.0,
-    }
+    Row::new(
+        "finish 256: ForwardDone + plan (256 WB ops)",
+        fin,
+        Some((1000.0, 6100.0)),
+    )
     .print();
 
-    let mut lb = Vec::new();
-    let mut lb_half = Vec::new();
+    let (mut lb, mut lb_half) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         let mut d = host_only(256, 2 * TOKEN_BUDGET);
         let (t, n) = timed_loadback_plan(&mut d);
@@ -199,43 +206,34 @@ fn main() {
         assert_eq!(n, 128, "budget 8,192 admits 128 one-page chunks");
         lb_half.push(t);
     }
-    Row {
-        name: "first plan, 256 host hits → 256 load-backs".into(),
-        samples: lb,
-        target_us: 500.0,
-        reference_us: 2000.0,
-    }
+    Row::new(
+        "resubmit 256 host-only: first plan (256 LB)",
+        lb,
+        Some((500.0, 2000.0)),
+    )
     .print();
-    Row {
-        name: "  same, budget 8,192 (128 admitted, 128 LB)".into(),
-        samples: lb_half,
-        target_us: 500.0,
-        reference_us: 2000.0,
-    }
+    Row::new(
+        "  same at budget 8,192 (128 admitted, 128 LB)",
+        lb_half,
+        None,
+    )
     .print();
 
     let (p1024, f1024, setup1024) = decode(1024, steps, 20);
-    let mut r = Row {
-        name: "next_execution_plan, decode step of 1,024".into(),
-        samples: p1024,
-        target_us: 160.0,
-        reference_us: 1228.0,
-    };
-    let d1024 = r.print();
-    let mut r = Row {
-        name: "ingest 1,024 decode results (no target)".into(),
-        samples: f1024,
-        target_us: f64::INFINITY,
-        reference_us: f64::NAN,
-    };
-    r.print();
+    let d1024 = Row::new(
+        "decode step of 1,024: next_execution_plan",
+        p1024,
+        Some((160.0, 1228.0)),
+    )
+    .print();
+    Row::new("decode step of 1,024: ForwardDone", f1024, None).print();
     println!(
-        "decode plan p50 1,024 / 256 = {:.2} (linear = 4.00; C++ reference 1228/205 = {:.2})",
+        "decode plan p50, 1,024 / 256 = {:.2} (linear: 4.00; C++ reference 1,228 / 205 = {:.2})",
         d1024 / d256,
         1228.0 / 205.0
     );
     println!(
-        "setup (not timed): 256 decoding {:.0} ms, 1,024 decoding {:.0} ms, finish round {:.0} ms",
+        "untimed setup: 256 decoding {:.0} ms, 1,024 decoding {:.0} ms, finish round {:.0} ms",
         setup256.as_secs_f64() * 1e3,
         setup1024.as_secs_f64() * 1e3,
         fin_setup.as_secs_f64() * 1e3 / rounds as f64
