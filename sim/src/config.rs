@@ -39,14 +39,14 @@ impl Default for SimConfig {
         SimConfig {
             scheduler: SchedulerConfig {
                 page_size: 64,
-                device_pages: 8192,
-                host_pages: 32768,
+                device_pages: 2048,
+                host_pages: 8192,
                 max_batch_size: 256,
                 token_budget: 16384,
                 chunked_prefill_size: 8192,
                 l3_enabled: true,
                 prefetch_threshold: 4,
-                max_context_tokens: 8192 * 64,
+                max_context_tokens: 2048 * 64,
                 ..SchedulerConfig::default()
             },
             profile: builtin("llama3-8b").unwrap_or_else(|| ModelProfile {
@@ -60,7 +60,7 @@ impl Default for SimConfig {
             links: LinkProfile::default(),
             instances: 1,
             routing: Routing::RoundRobin,
-            l3_pages: 262_144,
+            l3_pages: 131_072,
             payload_bytes: 16,
             faults: Faults::default(),
         }

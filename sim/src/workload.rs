@@ -186,8 +186,8 @@ pub struct ChatSpec {
 impl Default for ChatSpec {
     fn default() -> Self {
         ChatSpec {
-            clients: 48,
-            rounds: 6,
+            clients: 400,
+            rounds: 8,
             system_prompt_tokens: 1024,
             turn_tokens: 384,
             answer_tokens: 128,
