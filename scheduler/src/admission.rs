@@ -461,9 +461,12 @@ impl Scheduler {
         };
         let (l3_dev, l3_lb) = (overlap(0, dev), overlap(dev, host.max(dev)));
         if first_admission {
-            self.stats.record_hits("device", (dev - l3_dev) as u64, ps as u64);
-            self.stats.record_hits("host", (lb - l3_lb) as u64, ps as u64);
-            self.stats.record_hits("l3", (l3_dev + l3_lb) as u64, ps as u64);
+            self.stats
+                .record_hits("device", (dev - l3_dev) as u64, ps as u64);
+            self.stats
+                .record_hits("host", (lb - l3_lb) as u64, ps as u64);
+            self.stats
+                .record_hits("l3", (l3_dev + l3_lb) as u64, ps as u64);
         }
         self.stats.computed_tokens += chunk as u64;
         let Some(r) = self.reqs.get_mut(&id) else {

@@ -43,7 +43,10 @@ fn second_instance_prefetches_from_l3_instead_of_recomputing() {
     assert_eq!(st.op(OpKind::L3Query).succeeded, 1);
     assert_eq!(st.op(OpKind::Prefetch).succeeded, 1);
     assert_eq!(st.l3_hit_pages, 10, "(41-1)/4 usable pages all from L3");
-    assert_eq!(st.host_hit_pages, 0, "loaded back via host but counted as L3 hits");
+    assert_eq!(
+        st.host_hit_pages, 0,
+        "loaded back via host but counted as L3 hits"
+    );
     assert_eq!(st.op(OpKind::LoadBack).succeeded, 1);
     assert!(
         st.computed_tokens <= 1,

@@ -26,7 +26,10 @@ fn retraction_under_device_pressure_writes_back_and_resumes_with_load_back() {
         st.op(OpKind::LoadBack).succeeded > 0,
         "resumed with load-back: {st:?}"
     );
-    assert_eq!(st.host_hit_pages, 0, "a resumed request's own pages are not prefix hits");
+    assert_eq!(
+        st.host_hit_pages, 0,
+        "a resumed request's own pages are not prefix hits"
+    );
     for i in 0..4 {
         assert_eq!(e.tokens[&RequestId(i)].len(), 60);
     }
