@@ -29,6 +29,12 @@ pub struct SimConfig {
     pub routing: Routing,
     /// L3 DRAM capacity in pages (shared by all instances).
     pub l3_pages: u64,
+    /// L3 SSD tier capacity in pages (0: no SSD tier). DRAM evictions are offloaded to it;
+    /// prefetching an SSD-only object costs an SSD read before the network transfer.
+    pub l3_ssd_pages: u64,
+    /// Directory for the SSD tier's bucket files (default: a fresh temporary directory,
+    /// removed at the end).
+    pub l3_ssd_dir: Option<std::path::PathBuf>,
     /// Bytes kept per page in the simulated L3 (timing uses the model's real page size).
     pub payload_bytes: usize,
     pub faults: Faults,
@@ -61,6 +67,8 @@ impl Default for SimConfig {
             instances: 1,
             routing: Routing::RoundRobin,
             l3_pages: 131_072,
+            l3_ssd_pages: 0,
+            l3_ssd_dir: None,
             payload_bytes: 16,
             faults: Faults::default(),
         }

@@ -13,7 +13,9 @@ use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvtier_l3::{EmbeddedStore, ErrorCode, L3Store, PutOptions, StoreConfig, Tenant};
+use kvtier_l3::{
+    EmbeddedStore, ErrorCode, L3Store, OffloadMode, PutOptions, SsdConfig, StoreConfig, Tenant,
+};
 use kvtier_radix::{DevicePageId, PageHash, extend_hashes};
 use kvtier_scheduler::*;
 
@@ -112,6 +114,19 @@ pub struct Simulation {
     /// Page accesses in the order the engine saw them, for the Belady ceiling: prompt pages
     /// looked up at a request's first prefill (counted), every page computed (written).
     pub accesses: Vec<(u64, bool)>,
+    /// The SSD tier's temporary directory, removed when the simulation ends.
+    temp_dir: Option<std::path::PathBuf>,
+}
+
+impl Drop for Simulation {
+    fn drop(&mut self) {
+        if let Some(s) = &self.store {
+            s.shutdown();
+        }
+        if let Some(d) = &self.temp_dir {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
 }
 
 impl Simulation {
@@ -132,11 +147,36 @@ impl Simulation {
                 prefetches: HashMap::new(),
             });
         }
+        let mut temp_dir = None;
         let store = if cfg.scheduler.l3_enabled {
+            let ssd = if cfg.l3_ssd_pages > 0 {
+                let dir = match &cfg.l3_ssd_dir {
+                    Some(d) => d.clone(),
+                    None => {
+                        static N: std::sync::atomic::AtomicU64 =
+                            std::sync::atomic::AtomicU64::new(0);
+                        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let d = std::env::temp_dir()
+                            .join(format!("kvtier-sim-ssd-{}-{n}", std::process::id()));
+                        temp_dir = Some(d.clone());
+                        d
+                    }
+                };
+                let mut s = SsdConfig::new(dir);
+                s.mode = OffloadMode::OnEvict;
+                s.capacity_bytes = cfg.l3_ssd_pages * cfg.payload_bytes as u64;
+                s.bucket_bytes_limit = 1 << 20;
+                s.bucket_keys_limit = 4096;
+                s.queue_len = 1 << 16;
+                Some(s)
+            } else {
+                None
+            };
             let s = EmbeddedStore::new(StoreConfig {
                 local_segment_bytes: cfg.l3_pages.max(1) * cfg.payload_bytes as u64,
                 lease_ttl: Duration::from_secs(10),
                 max_batch_keys: 1 << 20,
+                ssd,
                 ..StoreConfig::default()
             })
             .map_err(|e| e.to_string())?;
@@ -160,6 +200,7 @@ impl Simulation {
             store_now_ms: 0,
             backups_done: 0,
             accesses: Vec::new(),
+            temp_dir,
         })
     }
 
@@ -253,7 +294,8 @@ impl Simulation {
         }
         let stats: Vec<Stats> = self.insts.iter().map(|i| i.sched.stats()).collect();
         let accesses = std::mem::take(&mut self.accesses);
-        let mut report = self.col.finish(&stats, self.now_us, wall.elapsed());
+        let col = std::mem::take(&mut self.col);
+        let mut report = col.finish(&stats, self.now_us, wall.elapsed());
         report.accesses = accesses;
         if let Some(s) = &self.store {
             report.l3_objects = s.stats().map(|x| x.objects).unwrap_or(0);
@@ -345,7 +387,23 @@ impl Simulation {
             let (link, dur) = match op.kind {
                 OpKind::LoadBack => (&mut i.h2d_free, links.pcie_us(bytes)),
                 OpKind::WriteBack => (&mut i.d2h_free, links.pcie_us(bytes)),
-                OpKind::Prefetch | OpKind::BackUp => (&mut i.net_free, links.l3_us(bytes)),
+                OpKind::Prefetch => {
+                    // SSD-only objects are read from the store's SSD before they travel.
+                    let ssd_only = match (&self.store, &op.spec) {
+                        (Some(s), OpSpec::Prefetch { keys, .. }) if self.cfg.l3_ssd_pages > 0 => {
+                            keys.iter()
+                                .filter(|k| s.residency(&self.tenant, k) == (false, true))
+                                .count() as u64
+                        }
+                        _ => 0,
+                    };
+                    self.col.ssd_read(ssd_only * page_bytes);
+                    (
+                        &mut i.net_free,
+                        links.l3_us(bytes) + links.ssd_us(ssd_only * page_bytes),
+                    )
+                }
+                OpKind::BackUp => (&mut i.net_free, links.l3_us(bytes)),
                 OpKind::L3Query => (&mut 0u64, links.l3_query_us as u64),
             };
             let start = now.max(*link);

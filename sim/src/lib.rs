@@ -42,7 +42,12 @@ pub fn simulate(
             0
         })
         * cfg.instances.max(1) as u64;
-    let capacity = local + if s.l3_enabled { cfg.l3_pages } else { 0 };
+    let capacity = local
+        + if s.l3_enabled {
+            cfg.l3_pages + cfg.l3_ssd_pages
+        } else {
+            0
+        };
     let accesses = std::mem::take(&mut report.accesses);
     let hit_pages = belady::belady_hits(&accesses, capacity);
     report.belady = Some(report::BeladyBound {

@@ -29,6 +29,18 @@ pub struct LinkProfile {
     pub l3_latency_us: f64,
     /// Metadata round trip of an L3 existence probe.
     pub l3_query_us: f64,
+    /// L3's SSD tier: a prefetch of SSD-only objects reads them from SSD first.
+    #[serde(default = "default_ssd_gbps")]
+    pub ssd_gb_per_s: f64,
+    #[serde(default = "default_ssd_latency")]
+    pub ssd_latency_us: f64,
+}
+
+fn default_ssd_gbps() -> f64 {
+    3.0
+}
+fn default_ssd_latency() -> f64 {
+    100.0
 }
 
 impl Default for LinkProfile {
@@ -39,6 +51,8 @@ impl Default for LinkProfile {
             l3_gb_per_s: 10.0,
             l3_latency_us: 50.0,
             l3_query_us: 150.0,
+            ssd_gb_per_s: default_ssd_gbps(),
+            ssd_latency_us: default_ssd_latency(),
         }
     }
 }
@@ -81,6 +95,12 @@ impl ModelProfile {
 impl LinkProfile {
     pub fn pcie_us(&self, bytes: u64) -> u64 {
         (self.pcie_latency_us + bytes as f64 / (self.pcie_gb_per_s * 1e3)).max(1.0) as u64
+    }
+    pub fn ssd_us(&self, bytes: u64) -> u64 {
+        if bytes == 0 {
+            return 0;
+        }
+        (self.ssd_latency_us + bytes as f64 / (self.ssd_gb_per_s * 1e3)).max(1.0) as u64
     }
     pub fn l3_us(&self, bytes: u64) -> u64 {
         (self.l3_latency_us + bytes as f64 / (self.l3_gb_per_s * 1e3)).max(1.0) as u64

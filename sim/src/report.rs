@@ -23,6 +23,7 @@ pub struct Collector {
     pub pcie_bytes: u64,
     pub l3_read_bytes: u64,
     pub l3_write_bytes: u64,
+    pub ssd_read_bytes: u64,
     pub l3_pages_read: u64,
     pub l3_pages_written: u64,
     pub forwards: u64,
@@ -63,6 +64,9 @@ impl Collector {
             OpKind::BackUp => self.l3_write_bytes += bytes,
             OpKind::L3Query => {}
         }
+    }
+    pub fn ssd_read(&mut self, bytes: u64) {
+        self.ssd_read_bytes += bytes;
     }
     pub fn l3_read(&mut self, pages: u64) {
         self.l3_pages_read += pages;
@@ -167,6 +171,7 @@ impl Collector {
             pcie_bytes: self.pcie_bytes,
             l3_read_bytes: self.l3_read_bytes,
             l3_write_bytes: self.l3_write_bytes,
+            ssd_read_bytes: self.ssd_read_bytes,
             ops,
             belady: None,
             oracle: Oracle {
@@ -247,6 +252,8 @@ pub struct Report {
     pub pcie_bytes: u64,
     pub l3_read_bytes: u64,
     pub l3_write_bytes: u64,
+    /// Bytes prefetches read from L3's SSD tier.
+    pub ssd_read_bytes: u64,
     pub ops: Vec<OpCount>,
     pub belady: Option<BeladyBound>,
     pub oracle: Oracle,
@@ -335,11 +342,12 @@ impl Report {
             ),
         );
         line(
-            "PCIe / L3 read / L3 write",
+            "PCIe / L3 read (SSD) / write",
             format!(
-                "{} / {} / {}",
+                "{} / {} ({}) / {}",
                 gib(self.pcie_bytes),
                 gib(self.l3_read_bytes),
+                gib(self.ssd_read_bytes),
                 gib(self.l3_write_bytes)
             ),
         );

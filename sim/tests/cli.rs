@@ -137,3 +137,54 @@ fn sweep_writes_json_svg_and_png() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn toml_config_ssd_tier_and_overrides() {
+    let dir = std::env::temp_dir().join(format!("kvtier-toml-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("sim.toml");
+    std::fs::write(
+        &cfg,
+        "instances = 2\nl3_pages = 512\nl3_ssd_pages = 20000\n[links]\npcie_gb_per_s = 25.0\npcie_latency_us = 10.0\nl3_gb_per_s = 40.0\nl3_latency_us = 50.0\nl3_query_us = 100.0\nssd_gb_per_s = 2.0\n",
+    )
+    .unwrap();
+    let out = kvtier()
+        .args([
+            "sim",
+            "--json",
+            "--clients",
+            "40",
+            "--rounds",
+            "4",
+            "--device-pages",
+            "256",
+            "--host-pages",
+            "256",
+        ])
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["oracle"]["failures"], 0);
+    assert!(
+        v["ssd_read_bytes"].as_u64().unwrap() > 0,
+        "prefetches read SSD-only objects: {v}"
+    );
+    std::fs::write(&cfg, "instances = \"many\"\n").unwrap();
+    let out = kvtier()
+        .args(["sim", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sim.toml"));
+    let out = kvtier().args(["sim", "--l3-gbps", "-1"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    std::fs::remove_dir_all(&dir).ok();
+}

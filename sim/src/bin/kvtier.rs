@@ -70,6 +70,21 @@ struct SimArgs {
     /// Disable L3.
     #[arg(long)]
     no_l3: bool,
+    /// L3 SSD tier capacity in pages (DRAM evictions go there; 0: none).
+    #[arg(long)]
+    l3_ssd_pages: Option<u64>,
+    /// Override the profile: KV bytes per token, prefill tokens/s.
+    #[arg(long)]
+    kv_bytes_per_token: Option<u64>,
+    #[arg(long)]
+    prefill_tokens_per_s: Option<f64>,
+    /// Link bandwidths (GB/s): PCIe, L3 network, L3 SSD.
+    #[arg(long)]
+    pcie_gbps: Option<f64>,
+    #[arg(long)]
+    l3_gbps: Option<f64>,
+    #[arg(long)]
+    ssd_gbps: Option<f64>,
     /// Engine instances sharing one L3.
     #[arg(long)]
     instances: Option<usize>,
@@ -149,6 +164,30 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
                 BUILTIN_PROFILES.join(", ")
             )
         })?;
+    }
+    if let Some(v) = a.kv_bytes_per_token {
+        c.profile.kv_bytes_per_token = v;
+    }
+    if let Some(v) = a.prefill_tokens_per_s {
+        c.profile.prefill_tokens_per_s = v;
+    }
+    if let Some(v) = a.l3_ssd_pages {
+        c.l3_ssd_pages = v;
+    }
+    for (v, dst) in [
+        (a.pcie_gbps, &mut c.links.pcie_gb_per_s),
+        (a.l3_gbps, &mut c.links.l3_gb_per_s),
+        (a.ssd_gbps, &mut c.links.ssd_gb_per_s),
+    ] {
+        if let Some(v) = v {
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(format!("bandwidth must be positive, got {v}"));
+            }
+            *dst = v;
+        }
+    }
+    if !(c.profile.prefill_tokens_per_s > 0.0) || c.profile.kv_bytes_per_token == 0 {
+        return Err("profile: prefill_tokens_per_s and kv_bytes_per_token must be positive".into());
     }
     let s = &mut c.scheduler;
     if let Some(v) = a.page_size {
@@ -256,7 +295,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             );
         } else {
             println!(
-                "kvtier sim: {} requests, profile {}, page {} tokens, device {} / host {} / L3 {} pages, {} instance(s)",
+                "kvtier sim: {} requests, profile {}, page {} tokens, device {} / host {} / L3 {} (+{} SSD) pages, {} instance(s)",
                 reqs.len(),
                 cfg.profile.name,
                 cfg.scheduler.page_size,
@@ -268,6 +307,11 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
                 },
                 if cfg.scheduler.l3_enabled {
                     cfg.l3_pages
+                } else {
+                    0
+                },
+                if cfg.scheduler.l3_enabled {
+                    cfg.l3_ssd_pages
                 } else {
                     0
                 },
