@@ -186,7 +186,9 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
             *dst = v;
         }
     }
-    if !(c.profile.prefill_tokens_per_s > 0.0) || c.profile.kv_bytes_per_token == 0 {
+    let rate_ok =
+        c.profile.prefill_tokens_per_s.is_finite() && c.profile.prefill_tokens_per_s > 0.0;
+    if !rate_ok || c.profile.kv_bytes_per_token == 0 {
         return Err("profile: prefill_tokens_per_s and kv_bytes_per_token must be positive".into());
     }
     let s = &mut c.scheduler;
