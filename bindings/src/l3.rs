@@ -761,6 +761,27 @@ impl MooncakeCore {
         self.store.read().clone()
     }
 
+    /// Per key: its parts as registered raw ranges, or None if any part is not registered or
+    /// the pointer and size lists differ in length.
+    fn multi_parts(&self, all_ptrs: &[Vec<u64>], all_sizes: &[Vec<i64>]) -> Vec<Option<Vec<Raw>>> {
+        all_ptrs
+            .iter()
+            .zip(all_sizes)
+            .map(|(ps, ns)| {
+                if ps.len() != ns.len() || ps.is_empty() {
+                    return None;
+                }
+                ps.iter()
+                    .zip(ns)
+                    .map(|(p, n)| {
+                        self.registered(*p, *n)
+                            .then_some(Raw(*p as usize, *n as usize))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// Whether `[ptr, ptr + size)` lies inside one registered region.
     fn registered(&self, ptr: u64, size: i64) -> bool {
         if size < 0 {
@@ -1093,6 +1114,117 @@ impl MooncakeCore {
             // SAFETY: registered, pairwise disjoint ranges.
             let mut views: Vec<&mut [u8]> = raws.iter().map(|r| unsafe { r.slice_mut() }).collect();
             s.batch_get_into(&t, &sel_keys, &mut views)
+        });
+        let mut out = vec![INVALID_PARAMS; keys.len()];
+        match res {
+            Ok(v) => {
+                for (j, r) in v.into_iter().enumerate() {
+                    if let Some(&i) = idx.get(j) {
+                        out[i] = mc_get_code(r);
+                    }
+                }
+            }
+            Err(e) => {
+                for &i in &idx {
+                    out[i] = l3code(&e);
+                }
+            }
+        }
+        out
+    }
+
+    /// Puts each key from several registered buffers, concatenated in order (Mooncake's
+    /// `batch_put_from_multi_buffers`, e.g. a page's K and V halves).
+    fn batch_put_from_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_ptrs: Vec<Vec<u64>>,
+        all_sizes: Vec<Vec<i64>>,
+    ) -> Vec<i64> {
+        if keys.len() != all_ptrs.len() || keys.len() != all_sizes.len() {
+            return vec![INVALID_PARAMS; keys.len()];
+        }
+        let Some((s, t)) = self.handle() else {
+            return vec![NOT_INITIALIZED; keys.len()];
+        };
+        let parts = self.multi_parts(&all_ptrs, &all_sizes);
+        let idx: Vec<usize> = (0..keys.len()).filter(|i| parts[*i].is_some()).collect();
+        let sel_keys: Vec<String> = idx.iter().map(|&i| keys[i].clone()).collect();
+        let res = py.detach(|| {
+            // SAFETY: every part was checked against registered memory.
+            let objs: Vec<Vec<u8>> = idx
+                .iter()
+                .map(|&i| {
+                    parts[i]
+                        .iter()
+                        .flatten()
+                        .flat_map(|r| unsafe { r.slice() }.iter().copied())
+                        .collect()
+                })
+                .collect();
+            let views: Vec<&[u8]> = objs.iter().map(|o| o.as_slice()).collect();
+            s.batch_put_from(&t, &sel_keys, &views, PutOptions::default())
+        });
+        let mut out = vec![INVALID_PARAMS; keys.len()];
+        match res {
+            Ok(v) => {
+                for (j, r) in v.iter().enumerate() {
+                    if let Some(&i) = idx.get(j) {
+                        out[i] = mc_put_code(r);
+                    }
+                }
+            }
+            Err(e) => {
+                for &i in &idx {
+                    out[i] = l3code(&e);
+                }
+            }
+        }
+        out
+    }
+
+    /// Reads each key and scatters its bytes over several registered buffers in order
+    /// (Mooncake's `batch_get_into_multi_buffers`); per key the bytes read or a code.
+    fn batch_get_into_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_ptrs: Vec<Vec<u64>>,
+        all_sizes: Vec<Vec<i64>>,
+    ) -> Vec<i64> {
+        if keys.len() != all_ptrs.len() || keys.len() != all_sizes.len() {
+            return vec![INVALID_PARAMS; keys.len()];
+        }
+        let Some((s, t)) = self.handle() else {
+            return vec![NOT_INITIALIZED; keys.len()];
+        };
+        let parts = self.multi_parts(&all_ptrs, &all_sizes);
+        let idx: Vec<usize> = (0..keys.len()).filter(|i| parts[*i].is_some()).collect();
+        let sel_keys: Vec<String> = idx.iter().map(|&i| keys[i].clone()).collect();
+        let res = py.detach(|| {
+            let mut tmp: Vec<Vec<u8>> = idx
+                .iter()
+                .map(|&i| vec![0u8; parts[i].iter().flatten().map(|r| r.1).sum()])
+                .collect();
+            let mut views: Vec<&mut [u8]> = tmp.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let r = s.batch_get_into(&t, &sel_keys, &mut views);
+            if let Ok(v) = &r {
+                for (j, res) in v.iter().enumerate() {
+                    let (Ok(n), Some(&i)) = (res, idx.get(j)) else {
+                        continue;
+                    };
+                    let mut src = &tmp[j][..*n as usize];
+                    for part in parts[i].iter().flatten() {
+                        let k = part.1.min(src.len());
+                        // SAFETY: registered memory, checked above.
+                        let dst = unsafe { part.slice_mut() };
+                        dst[..k].copy_from_slice(&src[..k]);
+                        src = &src[k..];
+                    }
+                }
+            }
+            r
         });
         let mut out = vec![INVALID_PARAMS; keys.len()];
         match res {

@@ -66,6 +66,15 @@ def behaviours(s):
     out["batch_get_into_small"] = s.batch_get_into(keys[:2], [dp, dp + 1024], [1024, 100])
     out["get_then_remove"] = (s.get("b-k1") != b"", s.remove("b-k1"))
     out["get_into_then_remove"] = (s.get_into("b-k2", dp, 1024), s.remove("b-k2"))
+    mk = ["b-m0", "b-m1"]
+    out["multi_put"] = s.batch_put_from_multi_buffers(
+        mk, [[sp, sp + 4096], [sp + 8192, sp + 12288]], [[1024, 512], [256, 256]])
+    dst[:16384] = 0
+    out["multi_get"] = s.batch_get_into_multi_buffers(
+        mk + ["b-missing"], [[dp, dp + 4096], [dp + 8192, dp + 12288], [dp + 16384]], [[1024, 512], [256, 256], [64]])
+    out["multi_equal"] = bool(np.array_equal(dst[:1024], buf[:1024]) and np.array_equal(dst[4096:4608], buf[4096:4608])
+                              and np.array_equal(dst[12288:12544], buf[12288:12544]))
+    out["multi_size"] = s.get_size("b-m0")
     out["remove"] = s.remove("b-k0", True)
     out["remove_missing"] = s.remove("b-missing")
     out["remove_all"] = s.remove_all(True)

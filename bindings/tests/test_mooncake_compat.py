@@ -159,3 +159,24 @@ def test_setup_with_existing_l3store():
     s = MooncakeDistributedStore()
     assert s.setup_with_store(st) == 0
     assert s.get("shared") == b"yes"
+
+
+def test_multi_buffer_batches():
+    s = new_store()
+    _, src = registered(s, 1 << 14)
+    _, dst = registered(s, 1 << 14)
+    src[:] = np.arange(src.size, dtype=np.uint64).astype(np.uint8)
+    sp, dp = src.ctypes.data, dst.ctypes.data
+    # key i = K half (512 bytes) + V half (512 bytes) from two places
+    keys = ["mb0", "mb1"]
+    assert s.batch_put_from_multi_buffers(keys, [[sp, sp + 8192], [sp + 1024, sp + 9216]],
+                                          [[512, 512], [512, 512]]) == [0, 0]
+    assert s.get_size("mb0") == 1024
+    got = s.batch_get_into_multi_buffers(keys + ["nope"], [[dp, dp + 4096], [dp + 1024, dp + 5120], [dp + 12000]],
+                                         [[512, 512], [512, 512], [16]])
+    assert got == [1024, 1024, -704]
+    assert np.array_equal(dst[:512], src[:512]) and np.array_equal(dst[4096:4608], src[8192:8704])
+    assert np.array_equal(dst[5120:5632], src[9216:9728])
+    assert s.batch_put_from_multi_buffers(["bad"], [[sp, 77]], [[16, 16]]) == [-600]
+    assert s.batch_put_from_multi_buffers(["bad"], [[sp]], [[16, 16]]) == [-600]
+    assert s.batch_get_into_multi_buffers(["mb0"], [[dp]], [[100]]) == [-600]  # too small

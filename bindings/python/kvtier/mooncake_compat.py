@@ -295,6 +295,38 @@ class MooncakeDistributedStore:
         out = self._core.batch_get_into(keys, [max(p, 0) for p in ptrs], sizes)
         return [ErrorCode.INVALID_PARAMS if b else r for b, r in zip(bad, out)]
 
+    def _multi_args(self, keys, all_ptrs, all_sizes):
+        keys = [_check_str(k, "keys[i]") for k in _check_list(keys, "keys")]
+        ptrs = [[_check_int(p, "all_buffer_ptrs[i][j]") for p in _check_list(ps, "all_buffer_ptrs[i]")]
+                for ps in _check_list(all_ptrs, "all_buffer_ptrs")]
+        sizes = [[_check_int(n, "all_sizes[i][j]") for n in _check_list(ns, "all_sizes[i]")]
+                 for ns in _check_list(all_sizes, "all_sizes")]
+        bad = [any(p <= 0 for p in ps) or any(n < 0 for n in ns) for ps, ns in zip(ptrs, sizes)]
+        ptrs = [[max(p, 0) for p in ps] for ps in ptrs]
+        return keys, ptrs, sizes, bad
+
+    def batch_put_from_multi_buffers(
+        self, keys: List[str], all_buffer_ptrs: List[List[int]], all_sizes: List[List[int]],
+        config: Optional[ReplicateConfig] = None,
+    ) -> List[int]:
+        """Stores each key from several registered buffers, concatenated in order."""
+        keys, ptrs, sizes, bad = self._multi_args(keys, all_buffer_ptrs, all_sizes)
+        if len(keys) != len(ptrs) or len(keys) != len(sizes):
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        out = self._core.batch_put_from_multi_buffers(keys, ptrs, sizes)
+        return [ErrorCode.INVALID_PARAMS if b else r for b, r in zip(bad, out)]
+
+    def batch_get_into_multi_buffers(
+        self, keys: List[str], all_buffer_ptrs: List[List[int]], all_sizes: List[List[int]],
+        prefer_alloc_in_same_node: bool = False,
+    ) -> List[int]:
+        """Reads each key and scatters its bytes over several registered buffers in order."""
+        keys, ptrs, sizes, bad = self._multi_args(keys, all_buffer_ptrs, all_sizes)
+        if len(keys) != len(ptrs) or len(keys) != len(sizes):
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        out = self._core.batch_get_into_multi_buffers(keys, ptrs, sizes)
+        return [ErrorCode.INVALID_PARAMS if b else r for b, r in zip(bad, out)]
+
     # ---- metadata -----------------------------------------------------------------------
 
     def is_exist(self, key: str) -> int:
