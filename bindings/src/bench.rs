@@ -17,9 +17,9 @@ mod scenario;
 #[pyfunction]
 #[pyo3(signature = (n = 256, iters = 200))]
 pub fn bench_native_decode_step(py: Python<'_>, n: usize, iters: usize) -> PyResult<Vec<u64>> {
-    if n == 0 || iters == 0 || iters > 1800 {
+    if n == 0 || n > 4096 || iters == 0 || iters > 1800 {
         return Err(pyo3::exceptions::PyValueError::new_err(
-            "n must be positive and iters in 1..=1800",
+            "n must be in 1..=4096 and iters in 1..=1800",
         ));
     }
     Ok(py.detach(|| {

@@ -70,15 +70,14 @@ fn get<'py, T: FromPyObjectOwned<'py>>(
         None => Ok(default),
         Some(v) => v.extract::<T>().map_err(|e| {
             let e: PyErr = e.into();
-            let kind = if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) {
-                "out of range"
+            let detail = e.value(obj.py()).to_string();
+            if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) {
+                pyo3::exceptions::PyOverflowError::new_err(format!(
+                    "SchedulerConfig.{name}: out of range ({detail})"
+                ))
             } else {
-                "wrong type"
-            };
-            PyTypeError::new_err(format!(
-                "SchedulerConfig.{name}: {kind} ({})",
-                e.value(obj.py())
-            ))
+                PyTypeError::new_err(format!("SchedulerConfig.{name}: wrong type ({detail})"))
+            }
         }),
     }
 }
@@ -277,11 +276,41 @@ pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bou
     Ok(d)
 }
 
+/// Bytes of bookkeeping per pool page assumed by [`check_memory`] (measured ≈ 5; margin
+/// for growth).
+const BYTES_PER_PAGE: u64 = 16;
+
+fn mem_total_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
+/// Refuses pools whose page bookkeeping alone would not fit in this machine's memory: the
+/// allocation would abort the interpreter instead of raising (a Rust allocation failure is
+/// not recoverable).
+pub fn check_memory(c: &SchedulerConfig) -> PyResult<()> {
+    let host = if c.host_enabled { c.host_pages } else { 0 };
+    let pages = u64::from(c.device_pages) + u64::from(host);
+    let need = pages.saturating_mul(BYTES_PER_PAGE);
+    let have = mem_total_bytes().unwrap_or(16 << 30);
+    if need > have / 2 {
+        return Err(crate::errors::base::ConfigError::new_err(format!(
+            "device_pages + host_pages = {pages} pages need ~{} MiB of bookkeeping; this machine has {} MiB",
+            need >> 20,
+            have >> 20
+        )));
+    }
+    Ok(())
+}
+
 /// `kvtier._native.validate_config(cfg)`: raises `ConfigError` (or `TypeError`) if invalid.
 #[pyfunction]
 pub fn validate_config(cfg: &Bound<'_, PyAny>) -> PyResult<()> {
     let c = config_from_py(cfg)?;
-    c.validate().map_err(config_err)
+    c.validate().map_err(config_err)?;
+    check_memory(&c)
 }
 
 /// `kvtier._native.default_config()`: the Rust defaults as a dict.

@@ -98,6 +98,8 @@ impl PyScheduler {
             Some(c) if !c.is_none() => config_from_py(c)?,
             _ => kvtier_scheduler::SchedulerConfig::default(),
         };
+        cfg.validate().map_err(config_err)?;
+        crate::config::check_memory(&cfg)?;
         let inner = Scheduler::new(cfg).map_err(config_err)?;
         Ok(PyScheduler { inner })
     }
@@ -329,23 +331,14 @@ impl PyScheduler {
 /// Op kind names in `OpKind` order (for stubs and tests).
 #[pyfunction]
 pub fn op_kinds() -> Vec<&'static str> {
-    use strum_like::all_kinds;
-    all_kinds()
-}
-
-mod strum_like {
-    use super::OpKind;
-
-    pub fn all_kinds() -> Vec<&'static str> {
-        [
-            OpKind::LoadBack,
-            OpKind::WriteBack,
-            OpKind::Prefetch,
-            OpKind::BackUp,
-            OpKind::L3Query,
-        ]
-        .into_iter()
-        .map(|k| k.into())
-        .collect()
-    }
+    [
+        OpKind::LoadBack,
+        OpKind::WriteBack,
+        OpKind::Prefetch,
+        OpKind::BackUp,
+        OpKind::L3Query,
+    ]
+    .into_iter()
+    .map(|k| k.into())
+    .collect()
 }

@@ -64,6 +64,16 @@ def test_negative_and_huge_numbers(cfg):
         kvtier.page_hashes([1, 2], 0)
 
 
+def test_absurd_pool_sizes_raise_instead_of_exhausting_memory():
+    big = small_config(device_pages=2**32 - 1, host_pages=2**32 - 1, max_context_tokens=64)
+    with pytest.raises(kvtier.ConfigError, match="bookkeeping"):
+        kvtier.Scheduler(big)
+    with pytest.raises(kvtier.ConfigError):
+        big.validate()
+    with pytest.raises(OverflowError):
+        kvtier.Scheduler(small_config(device_pages=2**32))
+
+
 def test_a_million_element_list(cfg):
     s = kvtier.Scheduler(cfg)
     big = list(range(1_000_000))

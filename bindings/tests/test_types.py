@@ -67,7 +67,7 @@ def test_config_errors_name_the_field():
         kvtier.Scheduler(small_config(prefetch_stop="sometimes"))
     with pytest.raises(TypeError, match="device_pages"):
         kvtier.Scheduler(small_config(device_pages="many"))
-    with pytest.raises(TypeError, match="page_size.*out of range"):
+    with pytest.raises(OverflowError, match="page_size.*out of range"):
         kvtier.Scheduler(small_config(page_size=-4))
     with pytest.raises(KeyError, match="bogus"):
         kvtier.Scheduler({"bogus": 1})
