@@ -19,3 +19,6 @@ def test_multi_turn_example(backend):
     assert m, p.stdout
     device, host, l3, computed = map(int, m.groups())
     assert device > 0 and host > 0 and l3 > 0 and computed > 0, p.stdout
+    requeried = [int(n) for n in re.findall(r"(\d+) re-queried", p.stdout)]
+    reused = [int(n) for n in re.findall(r"(\d+) prefetches reused", p.stdout)]
+    assert requeried == [0, 0] and sum(reused) > 0, p.stdout  # every prefetch reused its query

@@ -13,8 +13,8 @@ prefetch offset, a page reused before its copy finished, or stale L3 data all sh
 mismatch (``IntegrityError``).
 
 L3 metadata reuse: an ``L3Query`` op is answered with one batched query; its results
-(replica metadata with lease deadlines) are kept per key and reused by the ``Prefetch`` that
-follows while the leases hold, so that read pays no second metadata lookup. Results whose
+(replica metadata with lease deadlines) are kept for the request and reused by the
+``Prefetch`` planned after it while the leases hold, so that read pays no second metadata lookup. Results whose
 lease expired are queried again, never read blindly (kvtier's store also refuses an expired
 lease with -707, which triggers a re-query).
 
@@ -274,8 +274,8 @@ class Engine:
         self.ended: List[Tuple[int, str]] = []
         self.outputs: Dict[int, List[int]] = {}
         self.stop_after: Dict[int, int] = {}
-        # key -> (query record, index in it): what the L3Query ops learnt.
-        self._leases: Dict[str, Tuple[QueryRecord, int]] = {}
+        # request -> its latest L3Query's results, for the Prefetch planned after it.
+        self._queries: Dict[Optional[int], QueryRecord] = {}
         self.stats = EngineStats()
 
     # ---- requests -------------------------------------------------------------------------
@@ -354,16 +354,20 @@ class Engine:
             return L3QueryDone(op.id, 0)
         q = self.backend.query(keys)
         self.stats.l3_queries += 1
-        for i in range(q.hit):
-            self._leases[keys[i]] = (q, i)
+        self._queries[op.req] = q
         return L3QueryDone(op.id, q.hit)
 
-    def _cached_query(self, keys: List[str]) -> Optional[Tuple[QueryRecord, int]]:
-        """The query record covering ``keys`` at consecutive indices, if leases still hold."""
-        first = self._leases.get(keys[0]) if keys else None
-        if first is None:
+    def _cached_query(self, req: Optional[int], keys: List[str]) -> Optional[Tuple[QueryRecord, int]]:
+        """The request's query record covering ``keys`` at consecutive indices (the prefetch
+        may start later than the query did, when the local match grew meanwhile), if its
+        leases still hold."""
+        q = self._queries.pop(req, None)
+        if q is None or not keys:
             return None
-        q, off = first
+        try:
+            off = q.keys.index(keys[0], 0, q.hit)
+        except ValueError:
+            return None
         if off + len(keys) > q.hit or q.keys[off : off + len(keys)] != keys:
             return None
         if not self.backend.lease_valid(q, off, len(keys), self.lease_margin_ms):
@@ -376,7 +380,7 @@ class Engine:
         ids = np.asarray(op.dst)
         if self.backend is None or not keys:
             return PrefetchDone(op.id, 0)
-        cached = self._cached_query(keys)
+        cached = self._cached_query(op.req, keys)
         if cached is not None:
             self.stats.prefetch_reused_query += 1
             q, off = cached
@@ -399,8 +403,6 @@ class Engine:
                 if m > 0:
                     codes2 = self.backend.get_with_query(q2, 0, pool, ids[done : done + m])
                     done += _leading_ok(codes2)
-        for k in keys:
-            self._leases.pop(k, None)
         self._verify_keys("prefetch", keys, pool, ids, done)
         self.stats.l3_pages_read += done
         return PrefetchDone(op.id, done)
@@ -497,6 +499,7 @@ class Engine:
         plan = self.s.next_execution_plan(now_ms)
         for r, outcome in plan.ended:
             self.tables.pop(r, None)
+            self._queries.pop(r, None)
             self._hashes.pop(r, None)
             self.ended.append((r, outcome))
         for r in plan.retracted:
