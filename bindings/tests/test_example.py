@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multi_turn.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "multi_turn.py"
 
 
 @pytest.mark.parametrize("backend", ["embedded", "remote", "compat"])

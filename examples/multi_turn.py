@@ -8,10 +8,10 @@ its prefix on device (same instance, still resident), on host (same instance, ev
 device), or in L3 (written by the other instance), and only the new tail is computed. Every
 forward is checked by the executor's integrity oracle.
 
-    python bindings/examples/multi_turn.py                       # kvtier's embedded store
-    python bindings/examples/multi_turn.py --backend remote      # a kvtier-l3 server (in process)
-    python bindings/examples/multi_turn.py --backend compat      # kvtier.mooncake_compat
-    python bindings/examples/multi_turn.py --backend mooncake --master 127.0.0.1:50051  # real Mooncake
+    python examples/multi_turn.py                       # kvtier's embedded store
+    python examples/multi_turn.py --backend remote      # a kvtier-l3 server (in process)
+    python examples/multi_turn.py --backend compat      # kvtier.mooncake_compat
+    python examples/multi_turn.py --backend mooncake --master 127.0.0.1:50051  # real Mooncake
 """
 
 from __future__ import annotations
