@@ -138,12 +138,11 @@ impl Scheduler {
                 OpCtx::WriteBack {
                     host_lock,
                     from,
-                    to,
                     dst,
                     retract,
                 },
                 _,
-            ) => self.finish_write_back(req, host_lock, from, to, dst, retract, success),
+            ) => self.finish_write_back(req, host_lock, from, dst, retract, success),
             (
                 OpCtx::BackUp {
                     lock,
@@ -186,49 +185,17 @@ impl Scheduler {
     /// were computed against — below the node locked when the prefetch was issued, and frees
     /// the rest. Pages that meanwhile reached the tree another way are duplicates and freed.
     fn finish_prefetch(&mut self, id: RequestId, start: usize, dst: PrefetchDst, completed: usize) {
-        let Some(r) = self.reqs.get(&id) else {
-            return;
-        };
+        // Pages that arrived are adopted below the node locked at issue time; the rest is freed.
         let end = match dst {
             PrefetchDst::Host(pages, lock) => {
-                let (ok, rest) = pages.split_at(completed);
-                let mut end = None;
-                match self
-                    .cache
-                    .insert::<Host>(lock.node(), start, &r.hashes, &r.tokens, ok)
-                {
-                    Ok(out) => {
-                        let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
-                        let _ = self.cache.free(&dups);
-                        end = Some(out.end_node);
-                    }
-                    Err(e) => {
-                        tracing::error!(req = ?id, error = %e, "prefetch insert failed");
-                        let _ = self.cache.free(ok);
-                    }
-                }
-                let _ = self.cache.free(rest);
+                let end = self.adopt_pages::<Host>(id, lock.node(), start, &pages[..completed]);
+                let _ = self.cache.free(&pages[completed..]);
                 let _ = self.cache.unlock(lock);
                 end
             }
             PrefetchDst::Device(pages, lock) => {
-                let (ok, rest) = pages.split_at(completed);
-                let mut end = None;
-                match self
-                    .cache
-                    .insert::<Device>(lock.node(), start, &r.hashes, &r.tokens, ok)
-                {
-                    Ok(out) => {
-                        let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
-                        let _ = self.cache.free(&dups);
-                        end = Some(out.end_node);
-                    }
-                    Err(e) => {
-                        tracing::error!(req = ?id, error = %e, "prefetch insert failed");
-                        let _ = self.cache.free(ok);
-                    }
-                }
-                let _ = self.cache.free(rest);
+                let end = self.adopt_pages::<Device>(id, lock.node(), start, &pages[..completed]);
+                let _ = self.cache.free(&pages[completed..]);
                 let _ = self.cache.unlock(lock);
                 end
             }
@@ -238,6 +205,34 @@ impl Scheduler {
         }
         if let Some(r) = self.reqs.get_mut(&id) {
             r.prefetched = Some((start, completed));
+        }
+    }
+
+    /// Inserts the held copies `pages` of the request's pages `from ..` below `start` on tier
+    /// `T`: the tree takes the pages it lacks; the caller's duplicates of pages it already has
+    /// are freed, as is everything if the insert is refused. Returns the node ending the run.
+    pub(crate) fn adopt_pages<T: kvtier_radix::Tier>(
+        &mut self,
+        id: RequestId,
+        start: kvtier_radix::NodeId,
+        from: usize,
+        pages: &[kvtier_radix::PageId<T>],
+    ) -> Option<kvtier_radix::NodeId> {
+        let r = self.reqs.get(&id)?;
+        match self
+            .cache
+            .insert::<T>(start, from, &r.hashes, &r.tokens, pages)
+        {
+            Ok(out) => {
+                let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
+                let _ = self.cache.free(&dups);
+                Some(out.end_node)
+            }
+            Err(e) => {
+                tracing::error!(req = ?id, error = %e, "insert of copied pages refused");
+                let _ = self.cache.free(pages);
+                None
+            }
         }
     }
 

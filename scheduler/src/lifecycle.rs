@@ -167,7 +167,6 @@ impl Scheduler {
             OpCtx::WriteBack {
                 host_lock: hl,
                 from: host_from,
-                to: full,
                 dst,
                 retract,
             },
@@ -175,41 +174,24 @@ impl Scheduler {
         n
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn finish_write_back(
         &mut self,
         req: Option<RequestId>,
         host_lock: LockHandle<Host>,
         from: usize,
-        to: usize,
         dst: Vec<HostPageId>,
         retract: bool,
         success: bool,
     ) {
-        let mut host_end = None;
-        if let Some(r) = req.and_then(|id| self.reqs.get(&id))
-            && success
-        {
-            match self
-                .cache
-                .insert::<Host>(host_lock.node(), from, &r.hashes, &r.tokens, &dst)
-            {
-                Ok(out) => {
-                    let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
-                    let _ = self.cache.free(&dups);
-                    host_end = Some(out.end_node);
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "write-back insert failed");
-                    let _ = self.cache.free(&dst);
-                }
+        let host_end = match req {
+            Some(id) if success => self.adopt_pages::<Host>(id, host_lock.node(), from, &dst),
+            _ => {
+                let _ = self.cache.free(&dst);
+                None
             }
-        } else {
-            let _ = self.cache.free(&dst);
-        }
+        };
         let _ = self.cache.unlock(host_lock);
         let Some(id) = req else { return };
-        let _ = to;
         // The device copy was the source; the request's hold on it ends here.
         let dev_end = self.take_dev_lock(id);
         if retract {
@@ -220,7 +202,6 @@ impl Scheduler {
                     backups: 0,
                 },
             );
-            self.stats.retracted += 0;
             self.requeue_or_release(id);
             return;
         }

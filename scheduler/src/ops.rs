@@ -46,8 +46,8 @@ pub(crate) enum OpCtx {
     WriteBack {
         /// Pins the host node the written pages will hang below.
         host_lock: LockHandle<Host>,
+        /// The written pages are the request's pages `from .. from + dst.len()`.
         from: usize,
-        to: usize,
         dst: Vec<HostPageId>,
         /// Written back because the request is being retracted (not because it finished).
         retract: bool,

@@ -73,24 +73,13 @@ fn regression_partial_host_l3_hit_inserts_suffix_at_host_offset() {
     e.l3 = seeded.l3;
     e.submit(&mut s, 2, p.clone(), 2);
     let mut prefetch_keys = None;
-    for t in 0..100 {
-        let plan = s.next_execution_plan(t);
+    e.run_watching(&mut s, 100, |plan| {
         for op in &plan.ops {
             if let OpSpec::Prefetch { keys, .. } = &op.spec {
                 prefetch_keys = Some(keys.clone());
             }
         }
-        e.take_plan(plan);
-        while !e.held.is_empty() {
-            e.complete_op(&mut s, 0);
-        }
-        if e.forward.is_some() {
-            e.complete_forward(&mut s);
-        }
-        if s.is_idle() {
-            break;
-        }
-    }
+    });
     let keys = prefetch_keys.expect("a prefetch was issued");
     let want: Vec<String> = hs[3..10].iter().map(|h| key(&c, h)).collect();
     assert_eq!(keys, want, "prefetch keys start at the host match (page 3)");
@@ -216,8 +205,7 @@ fn host_disabled_moves_pages_directly_between_device_and_l3() {
     let mut e1 = Engine::new(&c);
     let mut saw_device_backup = false;
     e1.submit(&mut s1, 1, p.clone(), 1);
-    for t in 0..100 {
-        let plan = s1.next_execution_plan(t);
+    e1.run_watching(&mut s1, 100, |plan| {
         saw_device_backup |= plan.ops.iter().any(|o| {
             matches!(
                 o.spec,
@@ -233,25 +221,14 @@ fn host_disabled_moves_pages_directly_between_device_and_l3() {
                 .iter()
                 .any(|o| matches!(o.kind, OpKind::WriteBack | OpKind::LoadBack))
         );
-        e1.take_plan(plan);
-        while !e1.held.is_empty() {
-            e1.complete_op(&mut s1, 0);
-        }
-        if e1.forward.is_some() {
-            e1.complete_forward(&mut s1);
-        }
-        if s1.is_idle() {
-            break;
-        }
-    }
+    });
     assert!(saw_device_backup);
     let mut s2 = Scheduler::new(c.clone()).unwrap();
     let mut e2 = Engine::new(&c);
     e2.l3 = e1.l3.clone();
     e2.submit(&mut s2, 2, p, 1);
     let mut saw_device_prefetch = false;
-    for t in 0..100 {
-        let plan = s2.next_execution_plan(t);
+    e2.run_watching(&mut s2, 100, |plan| {
         saw_device_prefetch |= plan.ops.iter().any(|o| {
             matches!(
                 o.spec,
@@ -261,17 +238,7 @@ fn host_disabled_moves_pages_directly_between_device_and_l3() {
                 }
             )
         });
-        e2.take_plan(plan);
-        while !e2.held.is_empty() {
-            e2.complete_op(&mut s2, 0);
-        }
-        if e2.forward.is_some() {
-            e2.complete_forward(&mut s2);
-        }
-        if s2.is_idle() {
-            break;
-        }
-    }
+    });
     assert!(saw_device_prefetch);
     assert_eq!(s2.stats().l3_hit_pages, 10);
     assert_quiescent(&s2);

@@ -286,6 +286,31 @@ impl Engine {
         .expect("forward completion accepted");
     }
 
+    /// Steps with every op acknowledged at once, showing each plan to `see` first, until the
+    /// scheduler is idle (or `max_steps`).
+    pub fn run_watching(
+        &mut self,
+        s: &mut Scheduler,
+        max_steps: u64,
+        mut see: impl FnMut(&ExecutionPlan),
+    ) {
+        for t in 0..max_steps {
+            let plan = s.next_execution_plan(t);
+            see(&plan);
+            self.take_plan(plan);
+            while !self.held.is_empty() {
+                self.complete_op(s, 0);
+            }
+            if self.forward.is_some() {
+                self.complete_forward(s);
+            }
+            if s.is_idle() {
+                return;
+            }
+        }
+        panic!("not idle after {max_steps} steps");
+    }
+
     /// One engine step with every op acknowledged at once: plan, ops, forward.
     pub fn step(&mut self, s: &mut Scheduler, now: u64) -> bool {
         let plan = s.next_execution_plan(now);
