@@ -48,3 +48,56 @@ impl Clock {
 pub fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
+
+/// A background thread that runs `tick` every `period` until stopped (or until `tick`
+/// returns false). Stopping wakes it at once; dropping stops it.
+pub struct Periodic {
+    stop: Option<std::sync::mpsc::SyncSender<()>>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Periodic {
+    /// Spawns the thread.
+    pub fn spawn(
+        name: &str,
+        period: Duration,
+        mut tick: impl FnMut() -> bool + Send + 'static,
+    ) -> crate::error::L3Result<Self> {
+        use std::sync::mpsc::RecvTimeoutError;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
+        let h = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                loop {
+                    match rx.recv_timeout(period) {
+                        Err(RecvTimeoutError::Timeout) => {}
+                        _ => return,
+                    }
+                    if !tick() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| crate::error::L3Error::Internal(format!("spawn {name}: {e}")))?;
+        Ok(Periodic {
+            stop: Some(tx),
+            handle: Some(h),
+        })
+    }
+
+    /// Stops the thread and waits for it (unless called from the thread itself).
+    pub fn stop(&mut self) {
+        drop(self.stop.take());
+        if let Some(h) = self.handle.take()
+            && h.thread().id() != std::thread::current().id()
+        {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Periodic {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

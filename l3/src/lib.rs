@@ -3,11 +3,13 @@
 //!
 //! Why: the scheduler and the simulator need L3 semantics (two-phase puts, leases, eviction,
 //! SSD offload, promotion, Mooncake's error codes) in-process and fast; a deployment that
-//! outgrows one process runs the same store behind the `kvtier-l3` binary. Both implement
-//! [`L3Store`]. Start with [`EmbeddedStore::new`] and [`StoreConfig`]; see docs/l3.md.
+//! outgrows one process runs the same store behind the `kvtier-l3` binary — in one process
+//! (`--role both`) or split into a metadata-only master and store nodes holding the bytes
+//! ([`cluster`]). Every form implements [`L3Store`]. Start with [`EmbeddedStore::new`] and [`StoreConfig`]; see docs/l3.md.
 
 pub mod api;
 pub mod clock;
+pub mod cluster;
 pub mod config;
 pub mod error;
 pub mod eviction;
@@ -22,12 +24,13 @@ pub mod types;
 
 pub use api::{BatchResult, L3Store};
 pub use clock::Clock;
+pub use cluster::{ClusterMaster, NodeOptions, StoreNode};
 pub use config::{OffloadMode, PromotionConfig, SsdConfig, StoreConfig};
 pub use error::{ErrorCode, L3Error, L3Result};
 pub use rpc::client::{ClientOptions, RemoteStore};
 pub use rpc::server::{ServerHandle, ServerOptions, spawn_server};
 pub use store::EmbeddedStore;
 pub use types::{
-    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
+    Blob, ClientId, ClientStatus, ExistOptions, NodeRef, PutHandle, PutOptions, QueryResult,
     ReplicaDescriptor, SegmentId, StoreStats, Tenant,
 };

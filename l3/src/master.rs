@@ -14,20 +14,31 @@
 //! - A leased object is never evicted and never removed without `force`.
 //! - Existence probes take no lease and do not touch recency, so they cannot starve eviction.
 //! - Removing a segment (unmount, dead client) drops memory replicas only; disk replicas stay.
+//! - Split deployment (`--role master`): segments and SSD buckets live on store nodes. The
+//!   master then holds no bytes: it records which node holds each replica, queues the frees
+//!   and tombstones a node must apply ([`NodeSync`], delivered on its pings and put ends), and
+//!   never hands out a replica whose node is down.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
 
 use crate::error::{L3Error, L3Result};
 use crate::eviction::{Candidate, select_victims};
 use crate::segment::Segments;
 use crate::types::{
-    ClientId, ClientStatus, PutHandle, QueryResult, ReplicaDescriptor, SegmentId, StoreStats,
-    Tenant,
+    ClientId, ClientStatus, NodeRef, PutHandle, QueryResult, ReplicaDescriptor, SegmentId,
+    StoreStats, Tenant,
 };
 
+/// The client id under which the serving process itself holds segments and SSD buckets
+/// (embedded store and `--role both`).
+pub const LOCAL_NODE: ClientId = ClientId(0);
+
 /// Where an SSD copy lives (node-local bucket file).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DiskLoc {
     /// Bucket id.
     pub bucket: u64,
@@ -40,15 +51,64 @@ pub struct DiskLoc {
 }
 
 impl DiskLoc {
-    /// As a wire descriptor.
+    /// As a wire descriptor (held by the serving process).
     pub fn descriptor(&self) -> ReplicaDescriptor {
+        self.descriptor_on(None)
+    }
+
+    /// As a wire descriptor held by `node`.
+    pub fn descriptor_on(&self, node: Option<NodeRef>) -> ReplicaDescriptor {
         ReplicaDescriptor::Disk {
             bucket: self.bucket,
             offset: self.offset,
             size: self.size,
             crc: self.crc,
+            node,
         }
     }
+
+    /// The location a disk descriptor names (None for a memory descriptor).
+    pub fn from_descriptor(d: &ReplicaDescriptor) -> Option<DiskLoc> {
+        match *d {
+            ReplicaDescriptor::Disk {
+                bucket,
+                offset,
+                size,
+                crc,
+                ..
+            } => Some(DiskLoc {
+                bucket,
+                offset,
+                size,
+                crc,
+            }),
+            ReplicaDescriptor::Memory { .. } => None,
+        }
+    }
+}
+
+/// What a store node must apply to its own state, handed to it with every ping reply and
+/// put-end reply.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSync {
+    /// `Ok`, or `NeedRemount` when the master does not know the node (declared dead, or the
+    /// master restarted): the node drops its memory bytes and mounts again.
+    pub need_remount: bool,
+    /// Allocations of its segment the master freed (evicted, removed, revoked): drop the bytes.
+    pub freed: Vec<u64>,
+    /// SSD records whose objects were removed: tombstone them.
+    pub tombstones: Vec<DiskLoc>,
+}
+
+#[derive(Debug, Default)]
+struct NodeState {
+    /// Data-channel address while the node is alive; None once declared dead.
+    addr: Option<SocketAddr>,
+    /// Its segment.
+    segment: Option<SegmentId>,
+    /// Removed objects' SSD records it has not been told about yet (kept across its death,
+    /// so a restart rescan does not bring removed keys back).
+    tombstones: Vec<DiskLoc>,
 }
 
 #[derive(Debug, Clone)]
@@ -64,6 +124,8 @@ struct Object {
     state: ObjState,
     mem: Option<(SegmentId, u64)>,
     disk: Option<DiskLoc>,
+    /// Node holding the bucket of `disk` ([`LOCAL_NODE`] when this process holds it).
+    disk_node: ClientId,
     /// Evicted in offload-on-evict mode and waiting for its SSD write: readable from here.
     staged: Option<Arc<[u8]>>,
     lease_until_ms: u64,
@@ -100,6 +162,25 @@ pub struct MasterPolicy {
     pub client_ttl_ms: u64,
     /// Keep evicted objects staged for an SSD write (offload-on-evict mode).
     pub offload_on_evict: bool,
+}
+
+impl MasterPolicy {
+    /// The policy a store configuration asks for.
+    pub fn from_config(cfg: &crate::config::StoreConfig) -> Self {
+        use crate::clock::ms;
+        MasterPolicy {
+            lease_ttl_ms: ms(cfg.lease_ttl),
+            soft_pin_ttl_ms: ms(cfg.soft_pin_ttl),
+            high_watermark: cfg.high_watermark,
+            eviction_ratio: cfg.eviction_ratio,
+            put_timeout_ms: ms(cfg.put_timeout),
+            client_ttl_ms: ms(cfg.client_ttl),
+            offload_on_evict: cfg
+                .ssd
+                .as_ref()
+                .is_some_and(|s| s.mode == crate::config::OffloadMode::OnEvict),
+        }
+    }
 }
 
 /// What a memory read resolved to.
@@ -149,6 +230,7 @@ pub struct Master {
     tenants: HashMap<Tenant, HashMap<String, Object>>,
     segments: Segments,
     clients: HashMap<ClientId, ClientInfo>,
+    nodes: HashMap<ClientId, NodeState>,
     next_token: u64,
     tick: u64,
     /// Memory replicas dropped by eviction (for metrics).
@@ -163,6 +245,7 @@ impl Master {
             tenants: HashMap::new(),
             segments: Segments::default(),
             clients: HashMap::new(),
+            nodes: HashMap::new(),
             next_token: 0,
             tick: 0,
             evictions_total: 0,
@@ -273,6 +356,113 @@ impl Master {
         }
     }
 
+    /// A store node joins (or rejoins after a restart or after being declared dead) with an
+    /// empty memory segment: whatever segment it had is unmounted first (its memory replicas
+    /// are gone with its old process), then `seg` is mounted with frees tracked for the node.
+    pub fn mount_node(
+        &mut self,
+        node: ClientId,
+        seg: SegmentId,
+        capacity: u64,
+        addr: SocketAddr,
+        now: u64,
+    ) -> L3Result<()> {
+        if node == LOCAL_NODE {
+            return Err(L3Error::InvalidParams("node id 0 is reserved".into()));
+        }
+        if let Some(s) = self.segments.get(seg)
+            && s.owner != node
+        {
+            return Err(L3Error::SegmentAlreadyExists);
+        }
+        for old in self.segments.owned_by(node) {
+            if let Ok(gone) = self.segments.unmount(old) {
+                self.drop_allocs(&gone);
+            }
+        }
+        self.segments.mount_remote(seg, node, capacity)?;
+        self.clients.insert(
+            node,
+            ClientInfo {
+                last_ping_ms: now,
+                immortal: false,
+            },
+        );
+        let st = self.nodes.entry(node).or_default();
+        st.addr = Some(addr);
+        st.segment = Some(seg);
+        Ok(())
+    }
+
+    /// A node's ping: renews its liveness and hands it what it must apply.
+    pub fn node_ping(&mut self, node: ClientId, now: u64) -> NodeSync {
+        let need_remount = self.ping(node, now) == ClientStatus::NeedRemount
+            || self.nodes.get(&node).is_none_or(|n| n.addr.is_none());
+        let mut sync = self.node_sync(node);
+        sync.need_remount = need_remount;
+        sync
+    }
+
+    /// A node leaves gracefully: like a death, without waiting for the TTL.
+    pub fn leave_node(&mut self, node: ClientId) {
+        self.clients.remove(&node);
+        for seg in self.segments.owned_by(node) {
+            if let Ok(gone) = self.segments.unmount(seg) {
+                self.drop_allocs(&gone);
+            }
+        }
+        if let Some(n) = self.nodes.get_mut(&node) {
+            n.addr = None;
+            n.segment = None;
+        }
+    }
+
+    /// Frees and tombstones queued for a node (drained).
+    pub fn node_sync(&mut self, node: ClientId) -> NodeSync {
+        let Some(st) = self.nodes.get_mut(&node) else {
+            return NodeSync {
+                need_remount: true,
+                ..Default::default()
+            };
+        };
+        let tombstones = std::mem::take(&mut st.tombstones);
+        let freed = match st.segment {
+            Some(seg) => self.segments.take_freed(seg),
+            None => Vec::new(),
+        };
+        NodeSync {
+            need_remount: false,
+            freed,
+            tombstones,
+        }
+    }
+
+    /// Live store nodes (split deployment).
+    pub fn live_nodes(&self) -> Vec<NodeRef> {
+        let mut v: Vec<NodeRef> = self
+            .nodes
+            .iter()
+            .filter_map(|(&id, n)| n.addr.map(|addr| NodeRef { id, addr }))
+            .collect();
+        v.sort_by_key(|n| n.id);
+        v
+    }
+
+    fn node_ref(&self, node: ClientId) -> Option<NodeRef> {
+        self.nodes
+            .get(&node)
+            .and_then(|n| n.addr)
+            .map(|addr| NodeRef { id: node, addr })
+    }
+
+    /// Queues the tombstone of a removed object's SSD record for the node holding it (a
+    /// no-op for [`LOCAL_NODE`], whose caller tombstones directly).
+    pub fn queue_tombstone(&mut self, node: ClientId, loc: DiskLoc) {
+        if node != LOCAL_NODE {
+            self.nodes.entry(node).or_default().tombstones.push(loc);
+        }
+    }
+
     /// Revokes timed-out puts and declares silent clients dead (their memory replicas go,
     /// their SSD replicas stay). Returns (puts revoked, clients expired).
     pub fn sweep(&mut self, now: u64) -> (u64, u64) {
@@ -300,6 +490,11 @@ impl Master {
             .collect();
         for c in &dead {
             self.clients.remove(c);
+            if let Some(n) = self.nodes.get_mut(c) {
+                // Its SSD replicas stay registered (readable again when it comes back).
+                n.addr = None;
+                n.segment = None;
+            }
             for seg in self.segments.owned_by(*c) {
                 if let Ok(gone) = self.segments.unmount(seg) {
                     self.drop_allocs(&gone);
@@ -336,6 +531,7 @@ impl Master {
             }
         }
         let (seg, alloc) = self.allocate(size, now, out)?;
+        let node = self.segments.get(seg).and_then(|s| self.node_ref(s.owner));
         self.next_token += 1;
         let token = self.next_token;
         let last_access = self.touch();
@@ -347,6 +543,7 @@ impl Master {
                 state: ObjState::Pending { since_ms: now },
                 mem: Some((seg, alloc)),
                 disk: None,
+                disk_node: LOCAL_NODE,
                 staged: None,
                 lease_until_ms: 0,
                 pin_until_ms: 0,
@@ -362,6 +559,7 @@ impl Master {
                 segment: seg,
                 alloc,
                 size,
+                node,
             },
         })
     }
@@ -466,10 +664,13 @@ impl Master {
     }
 
     /// `PutEnd`: the object becomes visible. Returns its bytes (for write-through offload).
+    /// With `bytes_checked` the caller (a store node holding the bytes) has verified the
+    /// write itself; otherwise the bytes must be in this master's segment (-703 if not).
     pub fn put_end(
         &mut self,
         h: &PutHandle,
         soft_pin: bool,
+        bytes_checked: bool,
         now: u64,
     ) -> L3Result<Option<Arc<[u8]>>> {
         let pin_ttl = self.policy.soft_pin_ttl_ms;
@@ -482,7 +683,7 @@ impl Master {
             return Err(L3Error::ObjectAlreadyExists);
         }
         let (_, alloc) = o.mem.ok_or(L3Error::ObjectNotFound)?;
-        if !self.segments.is_written(alloc) {
+        if !bytes_checked && !self.segments.is_written(alloc) {
             return Err(L3Error::ReplicaIsNotReady);
         }
         let data = self.segments.data(alloc);
@@ -535,22 +736,40 @@ impl Master {
         }
         o.lease_until_ms = o.lease_until_ms.max(lease);
         o.last_access = tick;
+        let (size, mem, disk, disk_node, deadline) =
+            (o.size, o.mem, o.disk, o.disk_node, o.lease_until_ms);
         let mut replicas = Vec::with_capacity(2);
-        if let Some((segment, alloc)) = o.mem {
+        if let Some((segment, alloc)) = mem {
+            let node = self
+                .segments
+                .get(segment)
+                .and_then(|s| self.node_ref(s.owner));
             replicas.push(ReplicaDescriptor::Memory {
                 segment,
                 alloc,
-                size: o.size,
+                size,
+                node,
             });
         }
-        if let Some(d) = o.disk {
-            replicas.push(d.descriptor());
+        if let Some(d) = disk {
+            if disk_node == LOCAL_NODE {
+                replicas.push(d.descriptor());
+            } else if let Some(n) = self.node_ref(disk_node) {
+                replicas.push(d.descriptor_on(Some(n)));
+            }
+        }
+        if replicas.is_empty() && disk.is_some() {
+            // Registered on a node that is down: readable again once it is back.
+            return Err(L3Error::Unavailable(format!(
+                "the node holding this object ({}) is down",
+                disk_node.0
+            )));
         }
         Ok(QueryResult {
             key: key.to_string(),
-            size: o.size,
+            size,
             replicas,
-            lease_deadline_ms: o.lease_until_ms,
+            lease_deadline_ms: deadline,
         })
     }
 
@@ -593,6 +812,31 @@ impl Master {
             return Err(L3Error::ReplicaIsNotReady);
         }
         Ok((o.mem.map(|(_, a)| a), o.disk))
+    }
+
+    /// Checks a query result handed back for a read on a store node: its lease must still
+    /// hold (-707) and one of its replicas must still be this tenant's current one (-704).
+    pub fn check_query(&self, t: &Tenant, q: &QueryResult, now: u64) -> L3Result<()> {
+        if now >= q.lease_deadline_ms {
+            return Err(L3Error::LeaseExpired);
+        }
+        crate::types::validate_key(&q.key)?;
+        let o = self.obj(t, &q.key).ok_or(L3Error::ObjectNotFound)?;
+        if !o.is_complete() {
+            return Err(L3Error::ReplicaIsNotReady);
+        }
+        let current = q.replicas.iter().any(|r| match r {
+            ReplicaDescriptor::Memory { alloc, .. } => o.mem.is_some_and(|(_, a)| a == *alloc),
+            d => {
+                DiskLoc::from_descriptor(d).is_some_and(|l| o.disk == Some(l))
+                    && d.node().map_or(LOCAL_NODE, |n| n.id) == o.disk_node
+            }
+        });
+        if current {
+            Ok(())
+        } else {
+            Err(L3Error::ObjectNotFound)
+        }
     }
 
     /// Bytes of a memory allocation named by a query result.
@@ -659,14 +903,15 @@ impl Master {
 
     // ---- removal -----------------------------------------------------------------------------
 
-    /// `Remove`: -706 if leased (unless `force`). Returns the disk copy to tombstone.
+    /// `Remove`: -706 if leased (unless `force`). Returns the disk copy to tombstone and the
+    /// node holding it.
     pub fn remove(
         &mut self,
         t: &Tenant,
         key: &str,
         force: bool,
         now: u64,
-    ) -> L3Result<Option<DiskLoc>> {
+    ) -> L3Result<Option<(ClientId, DiskLoc)>> {
         let o = self.obj(t, key).ok_or(L3Error::ObjectNotFound)?;
         if !force {
             if !o.is_complete() {
@@ -680,12 +925,17 @@ impl Master {
         if let Some((_, a)) = o.mem {
             self.segments.free(a);
         }
-        Ok(o.disk)
+        Ok(o.disk.map(|d| (o.disk_node, d)))
     }
 
     /// `RemoveAll` for one tenant: removes every complete object without a lease (all with
     /// `force`). Returns the count and the disk copies to tombstone.
-    pub fn remove_all(&mut self, t: &Tenant, force: bool, now: u64) -> (u64, Vec<DiskLoc>) {
+    pub fn remove_all(
+        &mut self,
+        t: &Tenant,
+        force: bool,
+        now: u64,
+    ) -> (u64, Vec<(ClientId, DiskLoc)>) {
         let Some(m) = self.tenants.get(t) else {
             return (0, Vec::new());
         };
@@ -709,10 +959,18 @@ impl Master {
 
     /// Registers a freshly written SSD copy, if the object is still the same version.
     /// Returns false when the object is gone or was replaced (the caller tombstones the record).
-    pub fn register_disk(&mut self, t: &Tenant, key: &str, token: u64, loc: DiskLoc) -> bool {
+    pub fn register_disk(
+        &mut self,
+        node: ClientId,
+        t: &Tenant,
+        key: &str,
+        token: u64,
+        loc: DiskLoc,
+    ) -> bool {
         match self.obj_mut(t, key) {
             Some(o) if o.token == token && o.is_complete() && o.disk.is_none() => {
                 o.disk = Some(loc);
+                o.disk_node = node;
                 o.staged = None;
                 true
             }
@@ -737,11 +995,30 @@ impl Master {
 
     /// Re-registers an SSD copy found by a restart rescan. An object already known keeps its
     /// memory copy and gains the disk one; an unknown key becomes an SSD-only object.
-    pub fn register_rescanned(&mut self, t: &Tenant, key: &str, loc: DiskLoc) -> bool {
+    /// A record the master has a queued tombstone for (removed while its node was down) is
+    /// refused, and so is one whose key now has another version: the caller tombstones it.
+    /// A node re-registering a record the master still has for it is accepted as is.
+    pub fn register_rescanned(
+        &mut self,
+        node: ClientId,
+        t: &Tenant,
+        key: &str,
+        loc: DiskLoc,
+    ) -> bool {
+        if let Some(st) = self.nodes.get_mut(&node)
+            && let Some(i) = st.tombstones.iter().position(|l| *l == loc)
+        {
+            st.tombstones.swap_remove(i);
+            return false;
+        }
         let tick = self.touch();
         if let Some(o) = self.obj_mut(t, key) {
+            if o.disk == Some(loc) && o.disk_node == node {
+                return true;
+            }
             if o.is_complete() && o.disk.is_none() && o.size == loc.size {
                 o.disk = Some(loc);
+                o.disk_node = node;
                 return true;
             }
             return false;
@@ -756,6 +1033,7 @@ impl Master {
                 state: ObjState::Complete,
                 mem: None,
                 disk: Some(loc),
+                disk_node: node,
                 staged: None,
                 lease_until_ms: 0,
                 pin_until_ms: 0,
@@ -766,9 +1044,9 @@ impl Master {
     }
 
     /// Drops an SSD copy (corrupt read, bucket evicted). The object goes if nothing is left.
-    pub fn drop_disk(&mut self, t: &Tenant, key: &str, loc: &DiskLoc) {
+    pub fn drop_disk(&mut self, node: ClientId, t: &Tenant, key: &str, loc: &DiskLoc) {
         let drop_it = match self.obj_mut(t, key) {
-            Some(o) if o.disk.as_ref() == Some(loc) => {
+            Some(o) if o.disk.as_ref() == Some(loc) && o.disk_node == node => {
                 o.disk = None;
                 !o.has_data()
             }
@@ -780,9 +1058,16 @@ impl Master {
     }
 
     /// Whether an SSD copy may be dropped by SSD eviction now (not leased).
-    pub fn disk_evictable(&self, t: &Tenant, key: &str, loc: &DiskLoc, now: u64) -> bool {
+    pub fn disk_evictable(
+        &self,
+        node: ClientId,
+        t: &Tenant,
+        key: &str,
+        loc: &DiskLoc,
+        now: u64,
+    ) -> bool {
         match self.obj(t, key) {
-            Some(o) if o.disk.as_ref() == Some(loc) => !o.leased(now),
+            Some(o) if o.disk.as_ref() == Some(loc) && o.disk_node == node => !o.leased(now),
             _ => true,
         }
     }

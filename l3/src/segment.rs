@@ -25,6 +25,9 @@ pub struct SegmentInfo {
     pub capacity: u64,
     /// Bytes allocated.
     pub used: u64,
+    /// Allocations freed since the owner last asked (only for segments whose bytes live in
+    /// another process, a store node: it drops those bytes when told).
+    pub freed: Option<Vec<u64>>,
 }
 
 /// One allocation inside a segment.
@@ -49,6 +52,22 @@ pub struct Segments {
 impl Segments {
     /// Mounts a segment; -102 if the id is taken.
     pub fn mount(&mut self, id: SegmentId, owner: ClientId, capacity: u64) -> L3Result<()> {
+        self.mount_with(id, owner, capacity, false)
+    }
+
+    /// Mounts a segment whose bytes live on a store node: frees are recorded for
+    /// [`Segments::take_freed`] so the node can drop the bytes.
+    pub fn mount_remote(&mut self, id: SegmentId, owner: ClientId, capacity: u64) -> L3Result<()> {
+        self.mount_with(id, owner, capacity, true)
+    }
+
+    fn mount_with(
+        &mut self,
+        id: SegmentId,
+        owner: ClientId,
+        capacity: u64,
+        remote: bool,
+    ) -> L3Result<()> {
         if capacity == 0 {
             return Err(L3Error::InvalidParams(
                 "segment capacity must be > 0".into(),
@@ -63,6 +82,7 @@ impl Segments {
                 owner,
                 capacity,
                 used: 0,
+                freed: remote.then(Vec::new),
             },
         );
         Ok(())
@@ -137,7 +157,19 @@ impl Segments {
             && let Some(s) = self.segs.get_mut(&a.segment)
         {
             s.used = s.used.saturating_sub(a.size);
+            if let Some(f) = &mut s.freed {
+                f.push(alloc);
+            }
         }
+    }
+
+    /// Allocations of a remote segment freed since the last call (its node drops them).
+    pub fn take_freed(&mut self, id: SegmentId) -> Vec<u64> {
+        self.segs
+            .get_mut(&id)
+            .and_then(|s| s.freed.as_mut())
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Stores the bytes of an allocation. The length must equal the allocation's size.

@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::api::{BatchResult, L3Store};
-use crate::clock::{Clock, ms};
+use crate::clock::Clock;
 use crate::config::{OffloadMode, StoreConfig};
 use crate::error::{L3Error, L3Result};
-use crate::master::{DiskLoc, EvictionOutcome, Master, MasterPolicy, ReadSource};
+use crate::master::{DiskLoc, EvictionOutcome, LOCAL_NODE, Master, MasterPolicy, ReadSource};
 use crate::metrics::{Metrics, Op};
 use crate::promotion::Promoter;
 use crate::ssd::{OffloadJob, SsdTier, TierHooks, TierStats};
@@ -66,7 +66,7 @@ impl TierHooks for Hooks {
         let mut m = inner.master.lock();
         items
             .iter()
-            .map(|(j, loc)| m.register_disk(&j.tenant, &j.key, j.token, *loc))
+            .map(|(j, loc)| m.register_disk(LOCAL_NODE, &j.tenant, &j.key, j.token, *loc))
             .collect()
     }
 
@@ -85,11 +85,14 @@ impl TierHooks for Hooks {
         };
         let now = inner.clock.now_ms();
         let mut m = inner.master.lock();
-        if !recs.iter().all(|(t, k, l)| m.disk_evictable(t, k, l, now)) {
+        if !recs
+            .iter()
+            .all(|(t, k, l)| m.disk_evictable(LOCAL_NODE, t, k, l, now))
+        {
             return false;
         }
         for (t, k, l) in recs {
-            m.drop_disk(t, k, l);
+            m.drop_disk(LOCAL_NODE, t, k, l);
         }
         true
     }
@@ -115,18 +118,7 @@ impl EmbeddedStore {
     /// As [`EmbeddedStore::new`], with a caller-provided clock (simulation).
     pub fn with_clock(cfg: StoreConfig, clock: Arc<Clock>) -> L3Result<Self> {
         cfg.validate()?;
-        let policy = MasterPolicy {
-            lease_ttl_ms: ms(cfg.lease_ttl),
-            soft_pin_ttl_ms: ms(cfg.soft_pin_ttl),
-            high_watermark: cfg.high_watermark,
-            eviction_ratio: cfg.eviction_ratio,
-            put_timeout_ms: ms(cfg.put_timeout),
-            client_ttl_ms: ms(cfg.client_ttl),
-            offload_on_evict: cfg
-                .ssd
-                .as_ref()
-                .is_some_and(|s| s.mode == OffloadMode::OnEvict),
-        };
+        let policy = MasterPolicy::from_config(&cfg);
         let mut master = Master::new(policy);
         let now = clock.now_ms();
         master.register_immortal_client(LOCAL_CLIENT, now);
@@ -142,7 +134,7 @@ impl EmbeddedStore {
         };
         let mut refused = Vec::new();
         for (t, k, loc) in rescanned {
-            if !master.register_rescanned(&t, &k, loc) {
+            if !master.register_rescanned(LOCAL_NODE, &t, &k, loc) {
                 refused.push(loc);
             }
         }
@@ -439,7 +431,7 @@ impl Inner {
 
     fn on_corrupt(&self, t: &Tenant, key: &str, loc: &DiskLoc) {
         Metrics::add(&self.metrics.corrupt_reads, 1);
-        self.master.lock().drop_disk(t, key, loc);
+        self.master.lock().drop_disk(LOCAL_NODE, t, key, loc);
         if let Some(s) = &self.ssd {
             s.tombstone(loc);
         }
@@ -483,7 +475,7 @@ impl Inner {
 
     fn put_end(&self, h: &PutHandle, opts: PutOptions) -> L3Result<()> {
         let now = self.clock.now_ms();
-        let data = self.master.lock().put_end(h, opts.soft_pin, now)?;
+        let data = self.master.lock().put_end(h, opts.soft_pin, false, now)?;
         let Some(ssd) = &self.ssd else {
             return Ok(());
         };
@@ -552,6 +544,7 @@ impl Inner {
                             offset,
                             size,
                             crc,
+                            ..
                         } => {
                             let loc = DiskLoc {
                                 bucket: *bucket,
@@ -908,7 +901,7 @@ impl L3Store for EmbeddedStore {
         let t0 = Instant::now();
         let now = self.inner.clock.now_ms();
         let disk = self.inner.master.lock().remove(tenant, key, force, now)?;
-        if let (Some(l), Some(s)) = (disk, &self.inner.ssd) {
+        if let (Some((_, l)), Some(s)) = (disk, &self.inner.ssd) {
             s.tombstone(&l);
         }
         self.inner.metrics.observe(Op::Remove, t0.elapsed());
@@ -919,7 +912,7 @@ impl L3Store for EmbeddedStore {
         let now = self.inner.clock.now_ms();
         let (n, disks) = self.inner.master.lock().remove_all(tenant, force, now);
         if let Some(s) = &self.inner.ssd {
-            for l in &disks {
+            for (_, l) in &disks {
                 s.tombstone(l);
             }
         }

@@ -57,6 +57,17 @@ pub struct ClientId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct SegmentId(pub u64);
 
+/// A store node of a split deployment (`kvtier-l3 --role node`): who it is and where its
+/// data channel listens. Replica descriptors handed out by a master carry it, so a client
+/// reads (and writes) the bytes on the node directly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct NodeRef {
+    /// The node's client id (it mounts its segment and pings under this id).
+    pub id: ClientId,
+    /// The node's data-channel address.
+    pub addr: std::net::SocketAddr,
+}
+
 /// Where one copy of an object lives.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ReplicaDescriptor {
@@ -68,6 +79,8 @@ pub enum ReplicaDescriptor {
         alloc: u64,
         /// Object size in bytes.
         size: u64,
+        /// The node holding the segment (None: the serving process itself holds it).
+        node: Option<NodeRef>,
     },
     /// An SSD copy in a bucket file of a store node.
     Disk {
@@ -79,7 +92,18 @@ pub enum ReplicaDescriptor {
         size: u64,
         /// CRC32C of the payload.
         crc: u32,
+        /// The node holding the bucket file (None: the serving process itself).
+        node: Option<NodeRef>,
     },
+}
+
+impl ReplicaDescriptor {
+    /// The node holding this replica (None when the serving process holds it).
+    pub fn node(&self) -> Option<NodeRef> {
+        match self {
+            ReplicaDescriptor::Memory { node, .. } | ReplicaDescriptor::Disk { node, .. } => *node,
+        }
+    }
 }
 
 /// Result of `GetReplicaList` / `BatchQuery`: replica descriptors plus the lease they hold.

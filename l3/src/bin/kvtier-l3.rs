@@ -1,10 +1,15 @@
 //! `kvtier-l3`: the L3 store as a server process.
 //!
 //! Why a binary: when one engine process is not enough (several engines sharing one L3),
-//! the embedded store moves behind tarpc. This process holds the master metadata, a memory
-//! segment and the SSD tier ("both" roles in one process), listens on 127.0.0.1 unless told
-//! otherwise, prints `LISTENING <addr>` (and `METRICS <addr>`) on stdout once bound, and on
-//! SIGTERM/SIGINT stops accepting, flushes queued SSD writes and exits 0 — nothing
+//! the embedded store moves behind tarpc. Three roles:
+//! - `both` (default): master metadata, a memory segment and the SSD tier in one process;
+//! - `master`: metadata only (placement, leases, pins, eviction, node liveness);
+//! - `node --master ADDR`: mounts a memory segment (and an SSD tier) with the master, pings
+//!   it, and serves the bytes on its data channel.
+//!
+//! Each listens on 127.0.0.1 unless told otherwise, prints `LISTENING <addr>` (and
+//! `METRICS <addr>`) on stdout once ready (a node: once mounted, with its data address), and
+//! on SIGTERM/SIGINT stops accepting, flushes queued SSD writes and exits 0 — nothing
 //! acknowledged as persisted is lost, and a restart rescans the buckets.
 
 use std::io::Write;
@@ -15,13 +20,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use kvtier_l3::rpc::server::{DEFAULT_MAX_FRAME, ServerOptions, start};
-use kvtier_l3::{EmbeddedStore, L3Store, OffloadMode, SsdConfig, StoreConfig};
+use kvtier_l3::rpc::server::{Backend, DEFAULT_MAX_FRAME, ServerOptions, start};
+use kvtier_l3::{
+    ClientId, ClusterMaster, EmbeddedStore, L3Store, NodeOptions, OffloadMode, SsdConfig,
+    StoreConfig, StoreNode,
+};
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Role {
     /// Master metadata, memory segment and SSD tier in this one process.
     Both,
+    /// Metadata only: store nodes mount segments and hold the bytes.
+    Master,
+    /// A store node: mounts a segment (and --ssd-dir) with --master, serves its bytes.
+    Node,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -35,15 +47,33 @@ enum Mode {
 #[derive(Debug, Parser)]
 #[command(
     name = "kvtier-l3",
-    about = "kvtier L3 store server (Mooncake-compatible)"
+    about = "kvtier L3 store server (Mooncake-compatible)",
+    after_help = "Roles:\n  \
+        kvtier-l3 --role both   [--listen A] [--ssd-dir D]   one process: metadata + DRAM + SSD\n  \
+        kvtier-l3 --role master [--listen A]                 metadata only (clients connect here)\n  \
+        kvtier-l3 --role node --master A [--node-id N] [--listen B] [--ssd-dir D]\n                                                  \
+        holds the bytes: DRAM segment + SSD tier\n\n\
+        A node that stops pinging for --client-ttl-ms (set on the master) is declared dead: its\n\
+        memory replicas are dropped, its SSD replicas stay registered and are readable again\n\
+        once it restarts with the same --node-id and --ssd-dir."
 )]
 struct Args {
     /// Roles served by this process.
     #[arg(long, value_enum, default_value = "both")]
     role: Role,
-    /// RPC listen address.
-    #[arg(long, default_value = "127.0.0.1:50051")]
-    listen: SocketAddr,
+    /// Listen address: RPC for both/master (default 127.0.0.1:50051), data channel for a
+    /// node (default 127.0.0.1:50052).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Node role: the master's RPC address.
+    #[arg(long)]
+    master: Option<SocketAddr>,
+    /// Node role: node id (> 0; keep it across restarts so its SSD replicas are recognised).
+    #[arg(long, default_value_t = 1)]
+    node_id: u64,
+    /// Node role: ping period in milliseconds (keep it well under the master's TTL).
+    #[arg(long, default_value_t = 1_000)]
+    ping_ms: u64,
     /// Prometheus metrics address (loopback only); omit to disable.
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -65,7 +95,7 @@ struct Args {
     /// Read lease in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     lease_ms: u64,
-    /// Client liveness TTL in milliseconds.
+    /// Client (node) liveness TTL in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     client_ttl_ms: u64,
     /// Largest frame in bytes.
@@ -98,7 +128,6 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), String> {
-    let Role::Both = args.role;
     let token = match &args.token_file {
         Some(p) => Some(
             std::fs::read_to_string(p)
@@ -117,6 +146,19 @@ fn run(args: Args) -> Result<(), String> {
         };
         s
     });
+    if args.role != Role::Node && args.master.is_some() {
+        return Err("--master is for --role node".into());
+    }
+    let listen = args.listen.unwrap_or(match args.role {
+        Role::Node => SocketAddr::from(([127, 0, 0, 1], 50052)),
+        _ => SocketAddr::from(([127, 0, 0, 1], 50051)),
+    });
+    if args.role == Role::Node {
+        return run_node(&args, listen, token, ssd);
+    }
+    if args.role == Role::Master && ssd.is_some() {
+        return Err("a master holds no SSD tier: give --ssd-dir to the nodes".into());
+    }
     let cfg = StoreConfig {
         local_segment_bytes: args.segment_bytes,
         lease_ttl: Duration::from_millis(args.lease_ms),
@@ -126,22 +168,85 @@ fn run(args: Args) -> Result<(), String> {
         ssd,
         ..Default::default()
     };
-    let store = Arc::new(EmbeddedStore::new(cfg).map_err(|e| e.to_string())?);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
     let opts = ServerOptions {
-        addr: args.listen,
+        addr: listen,
         token,
         max_frame_bytes: args.max_frame,
         metrics_addr: args.metrics,
         transfer_channel: !args.no_transfer_channel,
     };
+    if args.role == Role::Master {
+        let master = ClusterMaster::new(cfg).map_err(|e| e.to_string())?;
+        serve(master.clone(), opts)?;
+        master.shutdown();
+        eprintln!("kvtier-l3: master shut down cleanly");
+        return Ok(());
+    }
+    let store = Arc::new(EmbeddedStore::new(cfg).map_err(|e| e.to_string())?);
+    serve(store.clone(), opts)?;
+    // Every queued write-through lands on disk before exit.
+    store.flush().map_err(|e| e.to_string())?;
+    store.shutdown();
+    eprintln!("kvtier-l3: shut down cleanly");
+    Ok(())
+}
+
+/// A store node: mount with the master, serve until SIGTERM/SIGINT, flush, leave.
+fn run_node(
+    args: &Args,
+    listen: SocketAddr,
+    token: Option<String>,
+    ssd: Option<SsdConfig>,
+) -> Result<(), String> {
+    let master = args
+        .master
+        .ok_or("--role node needs --master <addr> (the master's RPC address)")?;
+    if args.metrics.is_some() {
+        return Err("--metrics is served by the master (and by --role both)".into());
+    }
+    let mut opts = NodeOptions::new(ClientId(args.node_id), master);
+    opts.listen = listen;
+    opts.token = token;
+    opts.segment_bytes = args.segment_bytes;
+    opts.ssd = ssd;
+    opts.max_frame_bytes = args.max_frame;
+    opts.max_batch_keys = args.max_batch_keys;
+    opts.max_object_bytes = args.max_object_bytes;
+    opts.ping_interval = Duration::from_millis(args.ping_ms);
+    let node = StoreNode::start(opts).map_err(|e| e.to_string())?;
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "LISTENING {}", node.data_addr());
+        let _ = out.flush();
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| e.to_string())?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        Ok::<(), String>(())
+    })?;
+    node.shutdown();
+    eprintln!("kvtier-l3: node shut down cleanly");
+    Ok(())
+}
+
+/// Serves `backend` over tarpc until SIGTERM/SIGINT.
+fn serve<B: Backend>(backend: Arc<B>, opts: ServerOptions) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     rt.block_on(async {
-        let (addr, maddr) = start(store.clone(), opts, stop_rx)
+        let (addr, maddr) = start(backend, opts, stop_rx)
             .await
             .map_err(|e| e.to_string())?;
         let mut out = std::io::stdout().lock();
@@ -161,9 +266,5 @@ fn run(args: Args) -> Result<(), String> {
         Ok::<(), String>(())
     })?;
     rt.shutdown_timeout(Duration::from_secs(2));
-    // Every queued write-through lands on disk before exit.
-    store.flush().map_err(|e| e.to_string())?;
-    store.shutdown();
-    eprintln!("kvtier-l3: shut down cleanly");
     Ok(())
 }

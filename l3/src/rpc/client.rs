@@ -10,8 +10,17 @@
 //! while the previous reply is on the wire. The RPC deadline is raised from tarpc's 10 s
 //! default (big transfers over slow links take longer). Requests that would exceed a limit
 //! fail here with a typed error (-600) instead of being cut off by the transport.
+//!
+//! Against the master of a split deployment (`hello` says `cluster`), metadata calls go to
+//! the master as usual and bytes go to the store nodes: a put asks the master to place it
+//! (`PutStart`), then writes and ends it on the node named by the handle's descriptor; a get
+//! asks the master for descriptors (`BatchQuery`, which takes the lease) and reads each key
+//! from the node its first live replica names. One transfer connection per node, opened on
+//! first use and reopened after a failure.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
@@ -20,14 +29,16 @@ use tarpc::context;
 use tarpc::tokio_serde::formats::Bincode;
 
 use super::server::DEFAULT_MAX_FRAME;
-use super::service::{L3RpcClient, ServerLimits};
+use super::service::{ClusterReply, ClusterRequest, L3RpcClient, ServerLimits};
 use super::xfer::XferClient;
 use crate::api::{BatchResult, L3Store};
 use crate::error::{L3Error, L3Result};
 use crate::types::{
-    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, SegmentId,
-    StoreStats, Tenant,
+    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
+    ReplicaDescriptor, SegmentId, StoreStats, Tenant,
 };
+
+type NodeConn = Arc<parking_lot::Mutex<Option<XferClient>>>;
 
 /// Client settings.
 #[derive(Debug, Clone)]
@@ -64,6 +75,8 @@ pub struct RemoteStore {
     /// Transfer channel: its address and the live connection (None after a failure; the
     /// next call reconnects, because a failed read leaves the stream out of step).
     xfer: Option<(SocketAddr, parking_lot::Mutex<Option<XferClient>>)>,
+    /// Split deployment: data connections to store nodes, by data address.
+    nodes: parking_lot::Mutex<HashMap<SocketAddr, NodeConn>>,
     rt: tokio::runtime::Runtime,
     client: L3RpcClient,
     limits: ServerLimits,
@@ -95,6 +108,7 @@ impl RemoteStore {
         })?;
         let mut me = RemoteStore {
             xfer: None,
+            nodes: parking_lot::Mutex::new(HashMap::new()),
             rt,
             client,
             limits: ServerLimits {
@@ -102,6 +116,7 @@ impl RemoteStore {
                 max_batch_keys: 0,
                 max_object_bytes: 0,
                 xfer_port: 0,
+                cluster: false,
             },
             opts,
         };
@@ -124,6 +139,257 @@ impl RemoteStore {
     /// The server's limits.
     pub fn limits(&self) -> ServerLimits {
         self.limits
+    }
+
+    /// Whether the server is the master of a split deployment (bytes live on store nodes).
+    pub fn is_cluster(&self) -> bool {
+        self.limits.cluster
+    }
+
+    /// The `cluster` call (store node ↔ master, cluster queries); -1010 unless the server
+    /// is a master.
+    pub fn cluster(&self, req: ClusterRequest) -> L3Result<ClusterReply> {
+        self.run(self.client.cluster(self.ctx(), req))
+    }
+
+    /// Runs `f` on the data connection to the store node at `addr` (opened on first use).
+    /// A transport failure drops the connection; `retry` (idempotent calls only) then runs
+    /// `f` once more on a fresh one.
+    fn with_node<T>(
+        &self,
+        addr: SocketAddr,
+        retry: bool,
+        mut f: impl FnMut(&mut XferClient) -> L3Result<T>,
+    ) -> L3Result<T> {
+        let slot = self.nodes.lock().entry(addr).or_default().clone();
+        let mut guard = slot.lock();
+        let attempts = if retry { 2 } else { 1 };
+        let mut last = L3Error::RpcFail("store node unavailable".into());
+        for _ in 0..attempts {
+            if guard.is_none() {
+                *guard = Some(XferClient::connect(
+                    addr,
+                    self.opts.token.clone(),
+                    self.frame_cap(),
+                )?);
+            }
+            let Some(conn) = guard.as_mut() else { continue };
+            match f(conn) {
+                Err(L3Error::RpcFail(m)) => {
+                    *guard = None;
+                    last = L3Error::RpcFail(m);
+                }
+                other => return other,
+            }
+        }
+        Err(last)
+    }
+
+    /// Split deployment: reads through the master's descriptors from the nodes.
+    fn cluster_get(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+        queries: Option<&[QueryResult]>,
+    ) -> BatchResult<u64> {
+        if keys.len() != bufs.len() {
+            return Err(L3Error::InvalidParams(
+                "keys and buffers differ in length".into(),
+            ));
+        }
+        self.check_keys(keys.len())?;
+        let qs: Vec<L3Result<QueryResult>> = match queries {
+            None => self.batch_query(tenant, keys)?,
+            Some(q) => {
+                let req = ClusterRequest::CheckQueries {
+                    tenant: tenant.clone(),
+                    queries: q.to_vec(),
+                };
+                match self.cluster(req)? {
+                    ClusterReply::Checked(v) if v.len() == q.len() => q
+                        .iter()
+                        .zip(v)
+                        .map(|(q, c)| c.map(|()| q.clone()))
+                        .collect(),
+                    _ => return Err(L3Error::RpcFail("unexpected reply".into())),
+                }
+            }
+        };
+        self.cluster_read(tenant, keys, bufs, qs)
+    }
+
+    /// Split deployment: reads each key from the node its first live replica names.
+    fn cluster_read(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+        qs: Vec<L3Result<QueryResult>>,
+    ) -> BatchResult<u64> {
+        if qs.len() != keys.len() || bufs.len() != keys.len() {
+            return Err(L3Error::RpcFail("reply length mismatch".into()));
+        }
+        let mut out: Vec<L3Result<u64>> = Vec::with_capacity(keys.len());
+        let mut groups: HashMap<SocketAddr, Vec<(usize, ReplicaDescriptor)>> = HashMap::new();
+        for (i, q) in qs.into_iter().enumerate() {
+            out.push(Err(L3Error::ObjectNotFound));
+            let q = match q {
+                Ok(q) => q,
+                Err(e) => {
+                    out[i] = Err(e);
+                    continue;
+                }
+            };
+            let have = bufs[i].len() as u64;
+            if have < q.size {
+                out[i] = Err(L3Error::BufferOverflow {
+                    needed: q.size,
+                    have,
+                });
+                continue;
+            }
+            // Memory replicas come first in a descriptor list.
+            match q.replicas.into_iter().find(|r| r.node().is_some()) {
+                Some(r) => {
+                    if let Some(n) = r.node() {
+                        groups.entry(n.addr).or_default().push((i, r));
+                    }
+                }
+                None => {
+                    out[i] = Err(L3Error::Unavailable(
+                        "no replica on a live store node".into(),
+                    ))
+                }
+            }
+        }
+        let mut slots: Vec<Option<&mut [u8]>> = bufs.iter_mut().map(|b| Some(&mut **b)).collect();
+        for (addr, items) in groups {
+            let ks: Vec<String> = items.iter().map(|(i, _)| keys[*i].clone()).collect();
+            let reps: Vec<ReplicaDescriptor> = items.iter().map(|(_, r)| r.clone()).collect();
+            let mut sub: Vec<&mut [u8]> = items
+                .iter()
+                .map(|(i, _)| slots[*i].take().unwrap_or_default())
+                .collect();
+            match self.with_node(addr, true, |x| x.node_read(tenant, &ks, &reps, &mut sub)) {
+                Ok(v) => {
+                    for ((i, _), r) in items.iter().zip(v) {
+                        out[*i] = r;
+                    }
+                }
+                Err(e) => {
+                    for (i, _) in &items {
+                        out[*i] = Err(e.clone());
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Split deployment: writes (`data` one per handle, or empty) and/or ends (`end`) puts
+    /// on the nodes their handles name.
+    fn cluster_put_on_nodes(
+        &self,
+        handles: &[PutHandle],
+        data: &[&[u8]],
+        end: Option<PutOptions>,
+    ) -> Vec<L3Result<()>> {
+        let mut out: Vec<L3Result<()>> = vec![Ok(()); handles.len()];
+        let mut groups: HashMap<SocketAddr, Vec<usize>> = HashMap::new();
+        for (i, h) in handles.iter().enumerate() {
+            match h.replica.node() {
+                Some(n) => groups.entry(n.addr).or_default().push(i),
+                None => {
+                    out[i] = Err(L3Error::Unavailable(
+                        "the put was placed on no store node".into(),
+                    ))
+                }
+            }
+        }
+        for (addr, idx) in groups {
+            let ranges = self.chunks(idx.len(), |j| {
+                data.get(idx[j]).map_or(0, |d| d.len()) + handles[idx[j]].key.len()
+            });
+            for r in ranges {
+                let part = &idx[r];
+                let hs: Vec<PutHandle> = part.iter().map(|&i| handles[i].clone()).collect();
+                let ds: Vec<&[u8]> = if data.is_empty() {
+                    Vec::new()
+                } else {
+                    part.iter().map(|&i| data[i]).collect()
+                };
+                match self.with_node(addr, false, |x| x.node_put(&hs, &ds, end)) {
+                    Ok(v) => {
+                        for (&i, res) in part.iter().zip(v) {
+                            out[i] = res;
+                        }
+                    }
+                    Err(e) => {
+                        for &i in part {
+                            out[i] = Err(e.clone());
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Split deployment: whole puts (place at the master, write and end on the node).
+    fn cluster_put(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &[&[u8]],
+        opts: PutOptions,
+    ) -> BatchResult<()> {
+        let sizes: Vec<u64> = bufs.iter().map(|b| b.len() as u64).collect();
+        let started = self.batch_put_start(tenant, keys, &sizes)?;
+        if started.len() != keys.len() {
+            return Err(L3Error::RpcFail("reply length mismatch".into()));
+        }
+        let mut out: Vec<L3Result<()>> = Vec::with_capacity(keys.len());
+        let mut handles = Vec::new();
+        let mut data = Vec::new();
+        let mut at = Vec::new();
+        for (i, r) in started.into_iter().enumerate() {
+            match r {
+                Ok(h) => {
+                    out.push(Ok(()));
+                    handles.push(h);
+                    data.push(bufs[i]);
+                    at.push(i);
+                }
+                Err(e) => out.push(Err(e)),
+            }
+        }
+        let res = self.cluster_put_on_nodes(&handles, &data, Some(opts));
+        let mut failed = Vec::new();
+        for ((i, h), r) in at.into_iter().zip(handles).zip(res) {
+            if let Err(e) = r {
+                if !matches!(e, L3Error::ObjectAlreadyExists) {
+                    failed.push(h);
+                }
+                out[i] = Err(e);
+            }
+        }
+        if !failed.is_empty() {
+            // Best effort: free the placements at once instead of at the put timeout.
+            let _ = self.batch_put_revoke(&failed);
+        }
+        Ok(out)
+    }
+
+    fn cluster_flush(&self) -> L3Result<()> {
+        let nodes = match self.cluster(ClusterRequest::Nodes)? {
+            ClusterReply::Nodes(v) => v,
+            _ => return Err(L3Error::RpcFail("unexpected reply".into())),
+        };
+        for n in nodes {
+            self.with_node(n.addr, true, |x| x.node_flush())?;
+        }
+        Ok(())
     }
 
     fn ctx(&self) -> context::Context {
@@ -285,6 +551,12 @@ impl L3Store for RemoteStore {
             ));
         }
         self.check_request(data.len() + PER_KEY_OVERHEAD + handle.key.len())?;
+        if self.limits.cluster {
+            let mut v = self.cluster_put_on_nodes(std::slice::from_ref(handle), &[data], None);
+            return v
+                .pop()
+                .unwrap_or(Err(L3Error::RpcFail("empty reply".into())));
+        }
         self.run(
             self.client
                 .put_write(self.ctx(), handle.clone(), Blob::Owned(data.to_vec())),
@@ -292,6 +564,12 @@ impl L3Store for RemoteStore {
     }
 
     fn put_end(&self, handle: &PutHandle, opts: PutOptions) -> L3Result<()> {
+        if self.limits.cluster {
+            let mut v = self.cluster_put_on_nodes(std::slice::from_ref(handle), &[], Some(opts));
+            return v
+                .pop()
+                .unwrap_or(Err(L3Error::RpcFail("empty reply".into())));
+        }
         self.run(self.client.put_end(self.ctx(), handle.clone(), opts))
     }
 
@@ -316,6 +594,9 @@ impl L3Store for RemoteStore {
 
     fn batch_put_end(&self, handles: &[PutHandle], opts: PutOptions) -> BatchResult<()> {
         self.check_keys(handles.len())?;
+        if self.limits.cluster {
+            return Ok(self.cluster_put_on_nodes(handles, &[], Some(opts)));
+        }
         self.run(
             self.client
                 .batch_put_end(self.ctx(), handles.to_vec(), opts),
@@ -374,6 +655,9 @@ impl L3Store for RemoteStore {
         bufs: &mut [&mut [u8]],
     ) -> BatchResult<u64> {
         let keys: Vec<String> = queries.iter().map(|q| q.key.clone()).collect();
+        if self.limits.cluster {
+            return self.cluster_get(tenant, &keys, bufs, Some(queries));
+        }
         self.get_chunks(tenant, &keys, bufs, Some(queries))
     }
 
@@ -415,6 +699,17 @@ impl L3Store for RemoteStore {
     }
 
     fn get(&self, tenant: &Tenant, key: &str) -> L3Result<Vec<u8>> {
+        if self.limits.cluster {
+            let q = self.get_replica_list(tenant, key)?;
+            let mut buf = vec![0u8; q.size as usize];
+            let mut bufs = [&mut buf[..]];
+            let n = self
+                .cluster_read(tenant, &[key.to_string()], &mut bufs, vec![Ok(q)])?
+                .pop()
+                .unwrap_or(Err(L3Error::RpcFail("empty reply".into())))?;
+            buf.truncate(n as usize);
+            return Ok(buf);
+        }
         let mut v = self.run(self.client.batch_get(
             self.ctx(),
             tenant.clone(),
@@ -459,6 +754,9 @@ impl L3Store for RemoteStore {
             }
             self.check_request(b.len() + k.len() + PER_KEY_OVERHEAD)?;
         }
+        if self.limits.cluster {
+            return self.cluster_put(tenant, keys, bufs, opts);
+        }
         let ranges = self.chunks(keys.len(), |i| bufs[i].len());
         let calls = ranges.iter().map(|r| {
             let ctx = self.ctx();
@@ -489,6 +787,9 @@ impl L3Store for RemoteStore {
         keys: &[String],
         bufs: &mut [&mut [u8]],
     ) -> BatchResult<u64> {
+        if self.limits.cluster {
+            return self.cluster_get(tenant, keys, bufs, None);
+        }
         self.get_chunks(tenant, keys, bufs, None)
     }
 
@@ -500,6 +801,9 @@ impl L3Store for RemoteStore {
     }
 
     fn flush(&self) -> L3Result<()> {
+        if self.limits.cluster {
+            return self.cluster_flush();
+        }
         self.run(self.client.flush(self.ctx()))
     }
 

@@ -1,5 +1,7 @@
-//! The tarpc server: an [`EmbeddedStore`] behind the [`L3Rpc`] service, plus the loopback
-//! Prometheus endpoint.
+//! The tarpc server: a [`Backend`] behind the [`L3Rpc`] service, plus the loopback
+//! Prometheus endpoint. The backend is an [`EmbeddedStore`] (`--role both`: metadata and
+//! bytes in this process) or a [`crate::cluster::ClusterMaster`] (`--role master`: metadata
+//! only, bytes on store nodes).
 //!
 //! Why these choices:
 //! - Loopback by default: the store has no per-tenant authentication beyond the optional
@@ -24,9 +26,9 @@ use tarpc::tokio_serde::formats::Bincode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
-use super::service::{L3Rpc, ServerLimits, WireBatch};
-use super::xfer::XferServer;
-use crate::api::L3Store;
+use super::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits, WireBatch};
+use super::xfer::{XferHandler, XferServer};
+use crate::api::{BatchResult, L3Store};
 use crate::error::{L3Error, L3Result};
 use crate::store::EmbeddedStore;
 use crate::types::{
@@ -65,12 +67,69 @@ impl Default for ServerOptions {
     }
 }
 
-#[derive(Clone)]
-struct Conn {
-    store: Arc<EmbeddedStore>,
+/// What the tarpc server serves: the [`L3Store`] operations plus the server-side extras.
+pub trait Backend: L3Store + 'static {
+    /// Most keys per batch.
+    fn max_batch_keys(&self) -> usize;
+    /// Largest object.
+    fn max_object_bytes(&self) -> u64;
+    /// Whether this is the master of a split deployment (bytes live on store nodes).
+    fn is_cluster_master(&self) -> bool {
+        false
+    }
+    /// Reads objects as wire blobs (DRAM replicas without a copy).
+    fn get_blobs(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<Blob>;
+    /// Reads objects reusing query results, as wire blobs.
+    fn get_with_query_blobs(&self, tenant: &Tenant, queries: &[QueryResult]) -> BatchResult<Blob>;
+    /// Prometheus text.
+    fn render_metrics(&self) -> String;
+    /// What the transfer channel serves (None: no transfer channel).
+    fn xfer_handler(self: Arc<Self>) -> Option<Arc<dyn XferHandler>>;
+    /// The `cluster` call (node ↔ master); -1010 unless this is a master.
+    fn cluster(&self, _req: ClusterRequest) -> L3Result<ClusterReply> {
+        Err(L3Error::Unavailable(
+            "not a master (start one with `kvtier-l3 --role master`)".into(),
+        ))
+    }
+}
+
+impl Backend for EmbeddedStore {
+    fn max_batch_keys(&self) -> usize {
+        self.config().max_batch_keys
+    }
+    fn max_object_bytes(&self) -> u64 {
+        self.config().max_object_bytes
+    }
+    fn get_blobs(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<Blob> {
+        self.batch_get_blobs(tenant, keys)
+    }
+    fn get_with_query_blobs(&self, tenant: &Tenant, queries: &[QueryResult]) -> BatchResult<Blob> {
+        self.batch_get_with_query_blobs(tenant, queries)
+    }
+    fn render_metrics(&self) -> String {
+        EmbeddedStore::render_metrics(self)
+    }
+    fn xfer_handler(self: Arc<Self>) -> Option<Arc<dyn XferHandler>> {
+        Some(self)
+    }
+}
+
+struct Conn<B> {
+    store: Arc<B>,
     token: Option<Arc<str>>,
     authed: Arc<AtomicBool>,
     limits: ServerLimits,
+}
+
+impl<B> Clone for Conn<B> {
+    fn clone(&self) -> Self {
+        Conn {
+            store: self.store.clone(),
+            token: self.token.clone(),
+            authed: self.authed.clone(),
+            limits: self.limits,
+        }
+    }
 }
 
 fn ct_eq(a: &[u8], b: &[u8]) -> bool {
@@ -80,7 +139,7 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-impl Conn {
+impl<B: Backend> Conn<B> {
     fn auth(&self) -> L3Result<()> {
         if self.authed.load(Ordering::Acquire) {
             Ok(())
@@ -93,7 +152,7 @@ impl Conn {
 
     async fn blocking<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&EmbeddedStore) -> L3Result<T> + Send + 'static,
+        f: impl FnOnce(&B) -> L3Result<T> + Send + 'static,
     ) -> L3Result<T> {
         self.auth()?;
         let s = self.store.clone();
@@ -103,7 +162,7 @@ impl Conn {
     }
 }
 
-impl L3Rpc for Conn {
+impl<B: Backend> L3Rpc for Conn<B> {
     async fn hello(self, _: Context, token: Option<String>) -> L3Result<ServerLimits> {
         let ok = match (&self.token, &token) {
             (None, _) => true,
@@ -195,7 +254,7 @@ impl L3Rpc for Conn {
         tenant: Tenant,
         queries: Vec<QueryResult>,
     ) -> WireBatch<Blob> {
-        self.blocking(move |s| s.batch_get_with_query_blobs(&tenant, &queries))
+        self.blocking(move |s| s.get_with_query_blobs(&tenant, &queries))
             .await
     }
 
@@ -250,8 +309,7 @@ impl L3Rpc for Conn {
     }
 
     async fn batch_get(self, _: Context, tenant: Tenant, keys: Vec<String>) -> WireBatch<Blob> {
-        self.blocking(move |s| s.batch_get_blobs(&tenant, &keys))
-            .await
+        self.blocking(move |s| s.get_blobs(&tenant, &keys)).await
     }
 
     async fn get_size(self, _: Context, tenant: Tenant, key: String) -> L3Result<u64> {
@@ -266,6 +324,10 @@ impl L3Rpc for Conn {
     async fn stats(self, _: Context) -> L3Result<StoreStats> {
         self.auth()?;
         self.store.stats()
+    }
+
+    async fn cluster(self, _: Context, req: ClusterRequest) -> L3Result<ClusterReply> {
+        self.blocking(move |s| s.cluster(req)).await
     }
 }
 
@@ -328,8 +390,8 @@ pub fn spawn_server(store: Arc<EmbeddedStore>, opts: ServerOptions) -> L3Result<
 
 /// Binds and spawns the RPC listener (and metrics endpoint) on the current runtime; both
 /// stop when `stop` turns true. Returns the bound addresses.
-pub async fn start(
-    store: Arc<EmbeddedStore>,
+pub async fn start<B: Backend>(
+    store: Arc<B>,
     opts: ServerOptions,
     stop: watch::Receiver<bool>,
 ) -> L3Result<(SocketAddr, Option<SocketAddr>)> {
@@ -338,24 +400,27 @@ pub async fn start(
         .map_err(|e| L3Error::Unavailable(format!("bind {}: {e}", opts.addr)))?;
     listener.config_mut().max_frame_length(opts.max_frame_bytes);
     let addr = listener.local_addr();
-    let cfg = store.config();
     let token: Option<Arc<str>> = opts.token.as_deref().map(Arc::from);
-    let xfer = if opts.transfer_channel {
-        let x = XferServer::start(
-            store.clone(),
-            SocketAddr::new(addr.ip(), 0),
-            token.clone(),
-            opts.max_frame_bytes,
-        )?;
-        Some(x)
+    let handler = if opts.transfer_channel {
+        store.clone().xfer_handler()
     } else {
         None
     };
+    let xfer = match handler {
+        Some(h) => Some(XferServer::start(
+            h,
+            SocketAddr::new(addr.ip(), 0),
+            token.clone(),
+            opts.max_frame_bytes,
+        )?),
+        None => None,
+    };
     let limits = ServerLimits {
         max_frame_bytes: opts.max_frame_bytes as u64,
-        max_batch_keys: cfg.max_batch_keys as u64,
-        max_object_bytes: cfg.max_object_bytes,
+        max_batch_keys: store.max_batch_keys() as u64,
+        max_object_bytes: store.max_object_bytes(),
         xfer_port: xfer.as_ref().map(|x| x.addr.port()).unwrap_or(0),
+        cluster: store.is_cluster_master(),
     };
     if let Some(x) = xfer {
         let mut stop_x = stop.clone();
@@ -395,8 +460,8 @@ pub async fn start(
     Ok((addr, metrics_addr))
 }
 
-async fn start_metrics(
-    store: Arc<EmbeddedStore>,
+async fn start_metrics<B: Backend>(
+    store: Arc<B>,
     addr: SocketAddr,
     mut stop: watch::Receiver<bool>,
 ) -> L3Result<SocketAddr> {

@@ -5,15 +5,24 @@
 //! embedded caller sees. Payloads are [`Blob`]s (a `serde_bytes` byte string on the wire),
 //! which lets the server serialise DRAM replicas without copying them first.
 //!
+//! Split deployment (`kvtier-l3 --role master` + `--role node`): the master serves the
+//! metadata calls of this service and answers data calls with -1010; `hello` tells the
+//! client (`ServerLimits::cluster`), which then moves bytes on the nodes named by the replica
+//! descriptors. Store nodes talk to the master through the one extra call, `cluster`
+//! ([`ClusterRequest`]): mount, ping, put end, SSD registration.
+//!
 //! A connection must call `hello` first (with the shared-secret token when the server has
 //! one); every other call on an unauthenticated connection fails with -601.
+
+use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::L3Result;
+use crate::master::{DiskLoc, NodeSync};
 use crate::types::{
-    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, SegmentId,
-    StoreStats, Tenant,
+    Blob, ClientId, ClientStatus, ExistOptions, NodeRef, PutHandle, PutOptions, QueryResult,
+    SegmentId, StoreStats, Tenant,
 };
 
 /// Limits a server enforces, advertised by `hello` so clients can refuse early (typed).
@@ -27,6 +36,105 @@ pub struct ServerLimits {
     pub max_object_bytes: u64,
     /// Port of the transfer channel on the same host (0 = none), see [`super::xfer`].
     pub xfer_port: u16,
+    /// The server is the master of a split deployment: object bytes live on store nodes,
+    /// reached at the addresses in replica descriptors.
+    pub cluster: bool,
+}
+
+/// Requests of the `cluster` call: store nodes → master, plus two client queries.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ClusterRequest {
+    /// A node joins with an empty memory segment (dropping whatever it had before) and
+    /// serves data at `data_addr`.
+    Mount {
+        /// Node id.
+        node: ClientId,
+        /// Its segment.
+        segment: SegmentId,
+        /// Segment capacity in bytes.
+        capacity: u64,
+        /// Its data-channel address.
+        data_addr: SocketAddr,
+    },
+    /// SSD records found by a node's rescan (or all its records after a remount).
+    Rescanned {
+        /// Node id.
+        node: ClientId,
+        /// Records.
+        disks: Vec<(Tenant, String, DiskLoc)>,
+    },
+    /// Liveness; the reply carries frees and tombstones to apply.
+    Ping {
+        /// Node id.
+        node: ClientId,
+    },
+    /// `PutEnd` of puts whose bytes the node holds.
+    PutEnd {
+        /// Node id.
+        node: ClientId,
+        /// Handles.
+        handles: Vec<PutHandle>,
+        /// Soft pin.
+        soft_pin: bool,
+    },
+    /// Freshly written SSD copies: (tenant, key, put token, location).
+    RegisterDisk {
+        /// Node id.
+        node: ClientId,
+        /// Records.
+        items: Vec<(Tenant, String, u64, DiskLoc)>,
+    },
+    /// SSD eviction of a bucket: allowed only if none of its objects is leased.
+    EvictDisk {
+        /// Node id.
+        node: ClientId,
+        /// The bucket's live records.
+        recs: Vec<(Tenant, String, DiskLoc)>,
+    },
+    /// A corrupt SSD copy: drop it.
+    DropDisk {
+        /// Node id.
+        node: ClientId,
+        /// Tenant.
+        tenant: Tenant,
+        /// Key.
+        key: String,
+        /// Location.
+        loc: DiskLoc,
+    },
+    /// Graceful leave: the node's memory replicas are dropped, its SSD ones stay registered.
+    Leave {
+        /// Node id.
+        node: ClientId,
+    },
+    /// Client: do these query results still hold (lease, current replica)? Per key.
+    CheckQueries {
+        /// Tenant.
+        tenant: Tenant,
+        /// Query results.
+        queries: Vec<QueryResult>,
+    },
+    /// Client: live store nodes.
+    Nodes,
+}
+
+/// Replies of the `cluster` call.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ClusterReply {
+    /// Per record: registered (false: the node tombstones it).
+    Accepted(Vec<bool>),
+    /// What the node must apply.
+    Sync(NodeSync),
+    /// Per handle, plus what the node must apply.
+    Ended(Vec<L3Result<()>>, NodeSync),
+    /// Whether the bucket may be evicted (its records were dropped if so).
+    Evictable(bool),
+    /// Done.
+    Done,
+    /// Per query result.
+    Checked(Vec<L3Result<()>>),
+    /// Live nodes.
+    Nodes(Vec<NodeRef>),
 }
 
 /// Per-key results.
@@ -86,4 +194,6 @@ pub trait L3Rpc {
     async fn flush() -> L3Result<()>;
     /// Summary numbers.
     async fn stats() -> L3Result<StoreStats>;
+    /// Split deployment: node ↔ master and client cluster queries (-1010 elsewhere).
+    async fn cluster(req: ClusterRequest) -> L3Result<ClusterReply>;
 }

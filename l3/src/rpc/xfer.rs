@@ -19,6 +19,11 @@
 //! Limits (frame size, keys per batch, the caller's buffer sizes) give typed errors; a
 //! frame over the limit or one that does not decode gets an error reply and the connection
 //! is closed, while the listener keeps serving.
+//!
+//! The same framing is the data channel of a store node (`kvtier-l3 --role node`): `NodePut`
+//! writes (and ends) puts whose allocations the master placed on the node, `NodeRead` reads
+//! replicas named by the master's descriptors. What a connection serves is an
+//! [`XferHandler`]: the embedded store (bulk reads, probes) or a store node.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -31,7 +36,9 @@ use serde_bytes::ByteBuf;
 
 use crate::error::{L3Error, L3Result};
 use crate::store::EmbeddedStore;
-use crate::types::{Blob, ExistOptions, QueryResult, Tenant};
+use crate::types::{
+    Blob, ExistOptions, PutHandle, PutOptions, QueryResult, ReplicaDescriptor, Tenant,
+};
 
 /// Most concurrent transfer connections a server accepts.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -71,6 +78,29 @@ pub enum XferRequest {
         /// Size of the caller's buffer for each key.
         caps: Vec<u64>,
     },
+    /// Store node: write the bytes of placed puts (when `data` is not empty, one per handle)
+    /// and, with `end`, end them (the node then tells the master and offloads to its SSD).
+    NodePut {
+        /// Handles from the master's `PutStart`.
+        handles: Vec<PutHandle>,
+        /// Bytes, one per handle, or none (end only).
+        data: Vec<ByteBuf>,
+        /// End the puts with these options.
+        end: Option<PutOptions>,
+    },
+    /// Store node: read replicas named by the master's descriptors.
+    NodeRead {
+        /// Tenant.
+        tenant: Tenant,
+        /// Keys.
+        keys: Vec<String>,
+        /// One descriptor per key.
+        replicas: Vec<ReplicaDescriptor>,
+        /// Size of the caller's buffer for each key.
+        caps: Vec<u64>,
+    },
+    /// Store node: wait until queued SSD writes are durable and registered.
+    NodeFlush,
 }
 
 /// Replies.
@@ -82,6 +112,27 @@ pub enum XferReply {
     Exist(L3Result<ByteBuf>),
     /// Per-key sizes; raw bytes of the `Ok` ones follow.
     Get(L3Result<Vec<L3Result<u64>>>),
+    /// Per-item outcome (`NodePut`, `NodeFlush`).
+    Batch(L3Result<Vec<L3Result<()>>>),
+}
+
+/// What a transfer connection serves once authenticated: one request, written reply.
+/// Returns false to close the connection.
+pub trait XferHandler: Send + Sync + 'static {
+    /// Serves `req` on `sock`.
+    fn handle(&self, sock: &mut TcpStream, req: XferRequest) -> bool;
+}
+
+/// Replies to a request this handler does not serve with a typed error (-1010) of the
+/// reply kind the request expects.
+pub fn refuse(sock: &mut TcpStream, req: &XferRequest, why: &str) -> bool {
+    let e = L3Error::Unavailable(why.to_string());
+    let reply = match req {
+        XferRequest::Exist { .. } => XferReply::Exist(Err(e)),
+        XferRequest::NodePut { .. } | XferRequest::NodeFlush => XferReply::Batch(Err(e)),
+        _ => XferReply::Get(Err(e)),
+    };
+    write_frame(sock, &reply).is_ok()
 }
 
 /// Packs keys as `u16 len` + bytes.
@@ -209,7 +260,7 @@ pub struct XferServer {
 impl XferServer {
     /// Binds `addr` and serves `store` on blocking threads.
     pub fn start(
-        store: Arc<EmbeddedStore>,
+        store: Arc<dyn XferHandler>,
         addr: SocketAddr,
         token: Option<Arc<str>>,
         max_frame: usize,
@@ -242,7 +293,7 @@ impl XferServer {
                     let spawned = std::thread::Builder::new()
                         .name("kvtier-l3-xfer".into())
                         .spawn(move || {
-                            serve_conn(sock, &store, token.as_deref(), max_frame, &st2);
+                            serve_conn(sock, &*store, token.as_deref(), max_frame, &st2);
                             live2.fetch_sub(1, Ordering::AcqRel);
                         });
                     if spawned.is_err() {
@@ -276,7 +327,7 @@ impl Drop for XferServer {
 
 fn serve_conn(
     mut sock: TcpStream,
-    store: &EmbeddedStore,
+    store: &dyn XferHandler,
     token: Option<&str>,
     max_frame: usize,
     stop: &AtomicBool,
@@ -331,6 +382,18 @@ fn serve_conn(
                 );
                 false
             }
+            req => store.handle(&mut sock, req),
+        };
+        if !ok {
+            return;
+        }
+    }
+}
+
+impl XferHandler for EmbeddedStore {
+    fn handle(&self, sock: &mut TcpStream, req: XferRequest) -> bool {
+        let store = self;
+        match req {
             XferRequest::Exist { tenant, opts, keys } => {
                 let r = unpack_keys(&keys)
                     .and_then(|ks| store.exist_many(&tenant, &ks, opts))
@@ -345,7 +408,7 @@ fn serve_conn(
                                 .collect::<Vec<u8>>(),
                         )
                     });
-                write_frame(&mut sock, &XferReply::Exist(r)).is_ok()
+                write_frame(sock, &XferReply::Exist(r)).is_ok()
             }
             XferRequest::Get { tenant, keys, caps } => {
                 let blobs = unpack_keys(&keys).and_then(|ks| {
@@ -356,7 +419,7 @@ fn serve_conn(
                     }
                     store.batch_get_blobs(&tenant, &ks)
                 });
-                send_blobs(&mut sock, blobs, &caps).is_ok()
+                send_blobs(sock, blobs, &caps).is_ok()
             }
             XferRequest::GetWithQuery {
                 tenant,
@@ -370,16 +433,19 @@ fn serve_conn(
                 } else {
                     store.batch_get_with_query_blobs(&tenant, &queries)
                 };
-                send_blobs(&mut sock, blobs, &caps).is_ok()
+                send_blobs(sock, blobs, &caps).is_ok()
             }
-        };
-        if !ok {
-            return;
+            other => refuse(
+                sock,
+                &other,
+                "not a store node (node requests go to `kvtier-l3 --role node`)",
+            ),
         }
     }
 }
 
-fn send_blobs(
+/// Writes a `Get` reply: per-key sizes (checked against `caps`), then the raw bytes.
+pub fn send_blobs(
     sock: &mut TcpStream,
     blobs: L3Result<Vec<L3Result<Blob>>>,
     caps: &[u64],
@@ -521,6 +587,70 @@ impl XferClient {
         let approx = keys.iter().map(|k| k.len() + 96).sum::<usize>() + 512;
         self.check_request(approx)?;
         write_frame(&mut self.sock, &req).map_err(io_err)?;
+        self.read_blobs(bufs)
+    }
+
+    /// Store node: reads the replicas named by `replicas` into `bufs`.
+    pub fn node_read(
+        &mut self,
+        tenant: &Tenant,
+        keys: &[String],
+        replicas: &[ReplicaDescriptor],
+        bufs: &mut [&mut [u8]],
+    ) -> L3Result<Vec<L3Result<u64>>> {
+        let approx = keys.iter().map(|k| k.len() + 160).sum::<usize>() + 512;
+        self.check_request(approx)?;
+        let req = XferRequest::NodeRead {
+            tenant: tenant.clone(),
+            keys: keys.to_vec(),
+            replicas: replicas.to_vec(),
+            caps: bufs.iter().map(|b| b.len() as u64).collect(),
+        };
+        write_frame(&mut self.sock, &req).map_err(io_err)?;
+        self.read_blobs(bufs)
+    }
+
+    /// Store node: writes and/or ends puts (see [`XferRequest::NodePut`]).
+    pub fn node_put(
+        &mut self,
+        handles: &[PutHandle],
+        data: &[&[u8]],
+        end: Option<PutOptions>,
+    ) -> L3Result<Vec<L3Result<()>>> {
+        let approx = handles.iter().map(|h| h.key.len() + 256).sum::<usize>()
+            + data.iter().map(|d| d.len() + 8).sum::<usize>()
+            + 512;
+        self.check_request(approx)?;
+        let req = XferRequest::NodePut {
+            handles: handles.to_vec(),
+            data: data.iter().map(|d| ByteBuf::from(d.to_vec())).collect(),
+            end,
+        };
+        write_frame(&mut self.sock, &req).map_err(io_err)?;
+        match read_frame(&mut self.sock, self.max_frame).map_err(frame_err)? {
+            XferReply::Batch(r) => {
+                let v = r?;
+                if v.len() != handles.len() {
+                    return Err(L3Error::RpcFail("reply length mismatch".into()));
+                }
+                Ok(v)
+            }
+            XferReply::Get(Err(e)) | XferReply::Exist(Err(e)) => Err(e),
+            _ => Err(L3Error::RpcFail("unexpected reply".into())),
+        }
+    }
+
+    /// Store node: waits for its queued SSD writes.
+    pub fn node_flush(&mut self) -> L3Result<()> {
+        write_frame(&mut self.sock, &XferRequest::NodeFlush).map_err(io_err)?;
+        match read_frame(&mut self.sock, self.max_frame).map_err(frame_err)? {
+            XferReply::Batch(r) => r.map(|_| ()),
+            XferReply::Get(Err(e)) | XferReply::Exist(Err(e)) => Err(e),
+            _ => Err(L3Error::RpcFail("unexpected reply".into())),
+        }
+    }
+
+    fn read_blobs(&mut self, bufs: &mut [&mut [u8]]) -> L3Result<Vec<L3Result<u64>>> {
         let sizes = match read_frame(&mut self.sock, self.max_frame).map_err(frame_err)? {
             XferReply::Get(r) => r?,
             _ => return Err(L3Error::RpcFail("unexpected reply".into())),

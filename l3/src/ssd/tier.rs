@@ -312,6 +312,36 @@ impl SsdTier {
         }
     }
 
+    /// The tenant and key a live record at `loc` belongs to (a store node checks that a read
+    /// names this tenant's object before it returns a byte).
+    pub fn owner_of(&self, loc: &DiskLoc) -> Option<(Tenant, String)> {
+        let st = self.shared.state.lock();
+        st.buckets
+            .get(&loc.bucket)?
+            .records
+            .iter()
+            .find(|r| r.alive && r.loc == *loc)
+            .map(|r| (r.tenant.clone(), r.key.clone()))
+    }
+
+    /// Every live record, newest first (a store node re-registers them with a master that
+    /// lost track of it).
+    pub fn live_records(&self) -> Vec<Rescanned> {
+        let st = self.shared.state.lock();
+        let mut v: Vec<Rescanned> = st
+            .buckets
+            .values()
+            .flat_map(|b| b.records.iter().filter(|r| r.alive))
+            .map(|r| (r.tenant.clone(), r.key.clone(), r.loc))
+            .collect();
+        v.sort_by(|a, b| {
+            b.2.bucket
+                .cmp(&a.2.bucket)
+                .then(b.2.offset.cmp(&a.2.offset))
+        });
+        v
+    }
+
     /// Directory of the tier.
     pub fn dir(&self) -> &Path {
         &self.shared.cfg.dir

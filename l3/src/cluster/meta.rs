@@ -1,0 +1,459 @@
+//! [`ClusterMaster`]: the master of a split deployment — Mooncake's master service over
+//! the network, holding metadata only.
+//!
+//! Why: a master process that holds no bytes can serve many store nodes and survive any of
+//! them. It runs the same [`Master`] as the embedded store (placement, two-phase puts,
+//! leases, pins, eviction, liveness), with segments mounted by nodes instead of by itself.
+//!
+//! Invariants:
+//! - No object bytes ever live here: data calls of [`L3Store`] (`put_write`, `put_end`,
+//!   `get*`, `batch_put_from`) fail with -1010 naming the node role; clients that saw
+//!   `ServerLimits::cluster` send bytes to the nodes instead.
+//! - Every segment belongs to a node that pings; the sweeper declares silent nodes dead, which
+//!   drops their memory replicas and keeps their SSD ones registered.
+//! - Frees and tombstones a node must apply are queued here and handed over with its next
+//!   ping or put end ([`crate::master::NodeSync`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::api::{BatchResult, L3Store};
+use crate::clock::{Clock, Periodic};
+use crate::config::StoreConfig;
+use crate::error::{L3Error, L3Result};
+use crate::master::{EvictionOutcome, Master, MasterPolicy};
+use crate::metrics::{Metrics, Op};
+use crate::rpc::server::Backend;
+use crate::rpc::service::{ClusterReply, ClusterRequest};
+use crate::rpc::xfer::XferHandler;
+use crate::types::{
+    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, SegmentId,
+    StoreStats, Tenant, validate_key,
+};
+
+fn on_nodes() -> L3Error {
+    L3Error::Unavailable(
+        "this is a metadata-only master: object bytes are read and written on the store \
+         node named by the replica descriptor (RemoteStore does this)"
+            .into(),
+    )
+}
+
+/// The metadata-only master.
+pub struct ClusterMaster {
+    cfg: StoreConfig,
+    clock: Arc<Clock>,
+    master: Mutex<Master>,
+    metrics: Metrics,
+    sweeper: Mutex<Option<Periodic>>,
+}
+
+impl ClusterMaster {
+    /// Builds a master (no segment of its own; `cfg.ssd` must be None) and starts its sweeper.
+    pub fn new(cfg: StoreConfig) -> L3Result<Arc<Self>> {
+        cfg.validate()?;
+        if cfg.ssd.is_some() {
+            return Err(L3Error::InvalidParams(
+                "a master holds no SSD tier: give --ssd-dir to the nodes".into(),
+            ));
+        }
+        let period = cfg
+            .put_timeout
+            .min(cfg.client_ttl)
+            .div_f64(4.0)
+            .clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let me = Arc::new(ClusterMaster {
+            master: Mutex::new(Master::new(MasterPolicy::from_config(&cfg))),
+            cfg,
+            clock: Arc::new(Clock::new()),
+            metrics: Metrics::default(),
+            sweeper: Mutex::new(None),
+        });
+        let weak = Arc::downgrade(&me);
+        let p = Periodic::spawn("kvtier-l3-master-sweeper", period, move || {
+            let Some(m) = weak.upgrade() else {
+                return false;
+            };
+            let now = m.clock.now_ms();
+            let (_, dead) = m.master.lock().sweep(now);
+            if dead > 0 {
+                tracing::warn!(dead, "store nodes declared dead; memory replicas dropped");
+            }
+            true
+        })?;
+        *me.sweeper.lock() = Some(p);
+        Ok(me)
+    }
+
+    /// The master's clock (lease deadlines in query results are on it).
+    pub fn clock(&self) -> &Arc<Clock> {
+        &self.clock
+    }
+
+    /// Stops the sweeper.
+    pub fn shutdown(&self) {
+        if let Some(mut p) = self.sweeper.lock().take() {
+            p.stop();
+        }
+    }
+
+    fn check_batch(&self, n: usize) -> L3Result<()> {
+        if n > self.cfg.max_batch_keys {
+            return Err(L3Error::InvalidParams(format!(
+                "{n} keys in one batch; limit is {}",
+                self.cfg.max_batch_keys
+            )));
+        }
+        Ok(())
+    }
+
+    fn put_start_one(&self, t: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
+        validate_key(key)?;
+        if size > self.cfg.max_object_bytes {
+            return Err(L3Error::InvalidParams(format!(
+                "object of {size} bytes exceeds the {}-byte limit",
+                self.cfg.max_object_bytes
+            )));
+        }
+        let now = self.clock.now_ms();
+        // No offload-on-evict here (nodes are write-through): the outcome has nothing to stage.
+        let mut out = EvictionOutcome::default();
+        self.master.lock().put_start(t, key, size, now, &mut out)
+    }
+
+    /// Serves the `cluster` call.
+    pub fn handle(&self, req: ClusterRequest) -> L3Result<ClusterReply> {
+        let now = self.clock.now_ms();
+        match req {
+            ClusterRequest::Mount {
+                node,
+                segment,
+                capacity,
+                data_addr,
+            } => {
+                self.master
+                    .lock()
+                    .mount_node(node, segment, capacity, data_addr, now)?;
+                tracing::info!(node = node.0, %data_addr, capacity, "store node mounted");
+                Ok(ClusterReply::Accepted(Vec::new()))
+            }
+            ClusterRequest::Rescanned { node, disks } => {
+                let mut m = self.master.lock();
+                Ok(ClusterReply::Accepted(
+                    disks
+                        .iter()
+                        .map(|(t, k, loc)| m.register_rescanned(node, t, k, *loc))
+                        .collect(),
+                ))
+            }
+            ClusterRequest::Ping { node } => {
+                Ok(ClusterReply::Sync(self.master.lock().node_ping(node, now)))
+            }
+            ClusterRequest::PutEnd {
+                node,
+                handles,
+                soft_pin,
+            } => {
+                self.check_batch(handles.len())?;
+                let mut m = self.master.lock();
+                let res = handles
+                    .iter()
+                    .map(|h| m.put_end(h, soft_pin, true, now).map(|_| ()))
+                    .collect();
+                Ok(ClusterReply::Ended(res, m.node_sync(node)))
+            }
+            ClusterRequest::RegisterDisk { node, items } => {
+                let mut m = self.master.lock();
+                Ok(ClusterReply::Accepted(
+                    items
+                        .iter()
+                        .map(|(t, k, token, loc)| m.register_disk(node, t, k, *token, *loc))
+                        .collect(),
+                ))
+            }
+            ClusterRequest::EvictDisk { node, recs } => {
+                let mut m = self.master.lock();
+                if !recs
+                    .iter()
+                    .all(|(t, k, l)| m.disk_evictable(node, t, k, l, now))
+                {
+                    return Ok(ClusterReply::Evictable(false));
+                }
+                for (t, k, l) in &recs {
+                    m.drop_disk(node, t, k, l);
+                }
+                Ok(ClusterReply::Evictable(true))
+            }
+            ClusterRequest::DropDisk {
+                node,
+                tenant,
+                key,
+                loc,
+            } => {
+                self.master.lock().drop_disk(node, &tenant, &key, &loc);
+                Ok(ClusterReply::Done)
+            }
+            ClusterRequest::Leave { node } => {
+                let mut m = self.master.lock();
+                m.leave_node(node);
+                tracing::info!(node = node.0, "store node left");
+                Ok(ClusterReply::Done)
+            }
+            ClusterRequest::CheckQueries { tenant, queries } => {
+                self.check_batch(queries.len())?;
+                let m = self.master.lock();
+                let res: Vec<L3Result<()>> = queries
+                    .iter()
+                    .map(|q| m.check_query(&tenant, q, now))
+                    .collect();
+                drop(m);
+                let expired = res
+                    .iter()
+                    .filter(|r| matches!(r, Err(L3Error::LeaseExpired)))
+                    .count();
+                Metrics::add(&self.metrics.lease_rejections, expired as u64);
+                Ok(ClusterReply::Checked(res))
+            }
+            ClusterRequest::Nodes => Ok(ClusterReply::Nodes(self.master.lock().live_nodes())),
+        }
+    }
+}
+
+impl Drop for ClusterMaster {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl L3Store for ClusterMaster {
+    fn put_start(&self, tenant: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
+        self.put_start_one(tenant, key, size)
+    }
+
+    fn put_write(&self, _handle: &PutHandle, _data: &[u8]) -> L3Result<()> {
+        Err(on_nodes())
+    }
+
+    fn put_end(&self, _handle: &PutHandle, _opts: PutOptions) -> L3Result<()> {
+        Err(on_nodes())
+    }
+
+    fn put_revoke(&self, handle: &PutHandle) -> L3Result<()> {
+        self.master.lock().put_revoke(handle)
+    }
+
+    fn batch_put_start(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        sizes: &[u64],
+    ) -> BatchResult<PutHandle> {
+        self.check_batch(keys.len())?;
+        if keys.len() != sizes.len() {
+            return Err(L3Error::InvalidParams(
+                "keys and sizes differ in length".into(),
+            ));
+        }
+        let t0 = Instant::now();
+        let out = keys
+            .iter()
+            .zip(sizes)
+            .map(|(k, &s)| self.put_start_one(tenant, k, s))
+            .collect();
+        self.metrics.observe(Op::Put, t0.elapsed());
+        Ok(out)
+    }
+
+    fn batch_put_end(&self, _handles: &[PutHandle], _opts: PutOptions) -> BatchResult<()> {
+        Err(on_nodes())
+    }
+
+    fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()> {
+        self.check_batch(handles.len())?;
+        let mut m = self.master.lock();
+        Ok(handles.iter().map(|h| m.put_revoke(h)).collect())
+    }
+
+    fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult> {
+        validate_key(key)?;
+        let now = self.clock.now_ms();
+        self.master.lock().query(tenant, key, now)
+    }
+
+    fn batch_get_replica_list(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
+        self.batch_query(tenant, keys)
+    }
+
+    fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool> {
+        let mut v = self.batch_exist_key(tenant, std::slice::from_ref(&key.to_string()), opts)?;
+        v.pop()
+            .unwrap_or(Err(L3Error::Internal("empty batch result".into())))
+    }
+
+    fn batch_exist_key(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        _opts: ExistOptions,
+    ) -> BatchResult<bool> {
+        // Promotion (prefetch_to_memory) needs the node holding the SSD copy to read it; the
+        // split deployment does not promote yet, so the option is accepted and ignored.
+        self.check_batch(keys.len())?;
+        let t0 = Instant::now();
+        let out = self.master.lock().exists_many(tenant, keys, None);
+        self.metrics.observe(Op::Exist, t0.elapsed());
+        Ok(out)
+    }
+
+    fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
+        self.check_batch(keys.len())?;
+        let t0 = Instant::now();
+        let now = self.clock.now_ms();
+        let mut m = self.master.lock();
+        let out: Vec<L3Result<QueryResult>> = keys
+            .iter()
+            .map(|k| {
+                validate_key(k)?;
+                m.query(tenant, k, now)
+            })
+            .collect();
+        drop(m);
+        Metrics::add(
+            &self.metrics.misses,
+            out.iter().filter(|r| r.is_err()).count() as u64,
+        );
+        self.metrics.observe(Op::Query, t0.elapsed());
+        Ok(out)
+    }
+
+    fn batch_get_with_query(
+        &self,
+        _tenant: &Tenant,
+        _queries: &[QueryResult],
+        _bufs: &mut [&mut [u8]],
+    ) -> BatchResult<u64> {
+        Err(on_nodes())
+    }
+
+    fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()> {
+        validate_key(key)?;
+        let now = self.clock.now_ms();
+        let mut m = self.master.lock();
+        if let Some((node, loc)) = m.remove(tenant, key, force, now)? {
+            m.queue_tombstone(node, loc);
+        }
+        Ok(())
+    }
+
+    fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
+        let now = self.clock.now_ms();
+        let mut m = self.master.lock();
+        let (n, disks) = m.remove_all(tenant, force, now);
+        for (node, loc) in disks {
+            m.queue_tombstone(node, loc);
+        }
+        Ok(n)
+    }
+
+    fn mount_segment(&self, _client: ClientId, _segment: SegmentId, _cap: u64) -> L3Result<()> {
+        Err(L3Error::Unavailable(
+            "segments are mounted by store nodes (`kvtier-l3 --role node`), which hold their bytes"
+                .into(),
+        ))
+    }
+
+    fn unmount_segment(&self, client: ClientId, segment: SegmentId) -> L3Result<()> {
+        self.master
+            .lock()
+            .unmount_segment(client, segment)
+            .map(|_| ())
+    }
+
+    fn ping(&self, client: ClientId) -> L3Result<ClientStatus> {
+        let now = self.clock.now_ms();
+        Ok(self.master.lock().ping(client, now))
+    }
+
+    fn put(&self, _t: &Tenant, _key: &str, _data: &[u8], _opts: PutOptions) -> L3Result<()> {
+        Err(on_nodes())
+    }
+
+    fn get(&self, _tenant: &Tenant, _key: &str) -> L3Result<Vec<u8>> {
+        Err(on_nodes())
+    }
+
+    fn get_into(&self, _tenant: &Tenant, _key: &str, _buf: &mut [u8]) -> L3Result<u64> {
+        Err(on_nodes())
+    }
+
+    fn batch_put_from(
+        &self,
+        _tenant: &Tenant,
+        _keys: &[String],
+        _bufs: &[&[u8]],
+        _opts: PutOptions,
+    ) -> BatchResult<()> {
+        Err(on_nodes())
+    }
+
+    fn batch_get_into(
+        &self,
+        _tenant: &Tenant,
+        _keys: &[String],
+        _bufs: &mut [&mut [u8]],
+    ) -> BatchResult<u64> {
+        Err(on_nodes())
+    }
+
+    fn get_size(&self, tenant: &Tenant, key: &str) -> L3Result<u64> {
+        validate_key(key)?;
+        self.master.lock().size_of(tenant, key)
+    }
+
+    fn flush(&self) -> L3Result<()> {
+        // SSD queues live on the nodes (RemoteStore::flush asks each live node).
+        Ok(())
+    }
+
+    fn stats(&self) -> L3Result<StoreStats> {
+        Ok(self.master.lock().stats())
+    }
+}
+
+impl Backend for ClusterMaster {
+    fn max_batch_keys(&self) -> usize {
+        self.cfg.max_batch_keys
+    }
+    fn max_object_bytes(&self) -> u64 {
+        self.cfg.max_object_bytes
+    }
+    fn is_cluster_master(&self) -> bool {
+        true
+    }
+    fn get_blobs(&self, _tenant: &Tenant, _keys: &[String]) -> BatchResult<Blob> {
+        Err(on_nodes())
+    }
+    fn get_with_query_blobs(&self, _t: &Tenant, _queries: &[QueryResult]) -> BatchResult<Blob> {
+        Err(on_nodes())
+    }
+    fn render_metrics(&self) -> String {
+        let stats = self.master.lock().stats();
+        let evictions = self.master.lock().evictions_total;
+        self.metrics
+            .evictions
+            .store(evictions, std::sync::atomic::Ordering::Relaxed);
+        let nodes = self.master.lock().live_nodes().len() as u64;
+        self.metrics.render(
+            &stats,
+            &[("kvtier_l3_live_nodes", "Live store nodes", nodes)],
+        )
+    }
+    fn xfer_handler(self: Arc<Self>) -> Option<Arc<dyn XferHandler>> {
+        None
+    }
+    fn cluster(&self, req: ClusterRequest) -> L3Result<ClusterReply> {
+        ClusterMaster::handle(self, req)
+    }
+}

@@ -1,0 +1,721 @@
+//! [`StoreNode`]: a store node of a split deployment (`kvtier-l3 --role node`) — Mooncake's
+//! client that mounts a segment: it holds the bytes of the memory replicas the master placed
+//! in its segment and its own SSD tier, and serves them on its data channel.
+//!
+//! Why this shape: the master decides placement, leases and eviction; the node only keeps
+//! bytes by allocation id and does what the master tells it. Every message the master sends
+//! it rides on a reply the node asked for ([`NodeSync`] on pings and put ends), so the master
+//! never connects to nodes and a dead node costs it nothing but a TTL.
+//!
+//! Lifecycle: open the SSD tier (rescanning buckets) → bind the data channel → `Mount` with
+//! the master (an empty segment) → `Rescanned` with every live SSD record (the master refuses
+//! records of objects removed meanwhile; those are tombstoned) → ping every `ping_interval`.
+//! A ping answered `need_remount` (declared dead while partitioned, or a restarted master)
+//! drops all memory bytes and mounts again. SIGTERM: stop serving, flush the SSD queue (each
+//! record is registered once durable), `Leave`, exit.
+//!
+//! Invariants:
+//! - A read returns bytes only for the tenant and key they were written for (memory: the
+//!   allocation's recorded owner; SSD: the bucket record's tenant and key), and SSD bytes only
+//!   after their checksum verified.
+//! - A put ends (becomes visible at the master) only after its bytes are held here; its
+//!   write-through SSD copy is queued after the master accepted the end.
+//! - Bytes of an allocation the master freed are dropped when the node hears of it; bytes
+//!   written but never ended are dropped after `put_timeout`; memory held never exceeds twice
+//!   the segment (-200 beyond), which bounds the lag between a free and its notice.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::sync_channel;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use serde_bytes::ByteBuf;
+
+use crate::clock::Periodic;
+use crate::config::{OffloadMode, SsdConfig};
+use crate::error::{L3Error, L3Result};
+use crate::master::{DiskLoc, NodeSync};
+use crate::rpc::client::{ClientOptions, RemoteStore};
+use crate::rpc::server::DEFAULT_MAX_FRAME;
+use crate::rpc::service::{ClusterReply, ClusterRequest};
+use crate::rpc::xfer::{
+    XferHandler, XferReply, XferRequest, XferServer, refuse, send_blobs, write_frame,
+};
+use crate::ssd::{OffloadJob, SsdTier, TierHooks};
+use crate::types::{
+    Blob, ClientId, PutHandle, PutOptions, ReplicaDescriptor, SegmentId, Tenant, validate_key,
+};
+
+/// SSD records registered per `Rescanned` call.
+const RESCAN_CHUNK: usize = 4096;
+
+/// How to run a store node.
+#[derive(Debug, Clone)]
+pub struct NodeOptions {
+    /// Node id (its client id at the master; keep it across restarts so its SSD replicas are
+    /// recognised). Its segment gets the same number. Must not be 0.
+    pub id: ClientId,
+    /// The master's RPC address.
+    pub master: SocketAddr,
+    /// Data-channel listen address (advertised to clients through the master).
+    pub listen: SocketAddr,
+    /// Shared-secret token (for the master and for this node's data channel).
+    pub token: Option<String>,
+    /// DRAM segment size.
+    pub segment_bytes: u64,
+    /// SSD tier (write-through only).
+    pub ssd: Option<SsdConfig>,
+    /// Largest frame on the data channel.
+    pub max_frame_bytes: usize,
+    /// Most keys per request.
+    pub max_batch_keys: usize,
+    /// Largest object.
+    pub max_object_bytes: u64,
+    /// Ping period (keep it well under the master's client TTL).
+    pub ping_interval: Duration,
+    /// Bytes written but never ended are dropped after this long.
+    pub put_timeout: Duration,
+}
+
+impl NodeOptions {
+    /// Defaults: 127.0.0.1:0, 1 GiB segment, no SSD, 64 MiB frames, 1 s pings.
+    pub fn new(id: ClientId, master: SocketAddr) -> Self {
+        NodeOptions {
+            id,
+            master,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            token: None,
+            segment_bytes: 1 << 30,
+            ssd: None,
+            max_frame_bytes: DEFAULT_MAX_FRAME,
+            max_batch_keys: 65_536,
+            max_object_bytes: 1 << 30,
+            ping_interval: Duration::from_secs(1),
+            put_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+struct Held {
+    tenant: Tenant,
+    key: String,
+    token: u64,
+    data: Arc<[u8]>,
+    ended: bool,
+    since: Instant,
+}
+
+#[derive(Default)]
+struct Mem {
+    allocs: HashMap<u64, Held>,
+    used: u64,
+}
+
+impl Mem {
+    fn drop_alloc(&mut self, alloc: u64) {
+        if let Some(h) = self.allocs.remove(&alloc) {
+            self.used = self.used.saturating_sub(h.data.len() as u64);
+        }
+    }
+}
+
+/// The node's connection to the master; reconnects on the next call after a failure.
+struct MasterLink {
+    addr: SocketAddr,
+    token: Option<String>,
+    conn: Mutex<Option<Arc<RemoteStore>>>,
+}
+
+impl MasterLink {
+    fn call(&self, req: ClusterRequest) -> L3Result<ClusterReply> {
+        let c = {
+            let mut g = self.conn.lock();
+            match &*g {
+                Some(c) => c.clone(),
+                None => {
+                    let c = Arc::new(RemoteStore::connect(
+                        self.addr,
+                        ClientOptions {
+                            token: self.token.clone(),
+                            rpc_timeout: Duration::from_secs(10),
+                            use_transfer_channel: false,
+                            ..Default::default()
+                        },
+                    )?);
+                    if !c.limits().cluster {
+                        return Err(L3Error::InvalidParams(format!(
+                            "{} is not a master (start one with `kvtier-l3 --role master`)",
+                            self.addr
+                        )));
+                    }
+                    *g = Some(c.clone());
+                    c
+                }
+            }
+        };
+        let r = c.cluster(req);
+        if let Err(L3Error::RpcFail(_)) = &r {
+            *self.conn.lock() = None;
+        }
+        r
+    }
+}
+
+struct NodeInner {
+    opts: NodeOptions,
+    segment: SegmentId,
+    link: MasterLink,
+    mem: Mutex<Mem>,
+    ssd: Option<SsdTier>,
+    data_addr: OnceLock<SocketAddr>,
+    mounted: AtomicBool,
+}
+
+struct NodeHooks(Weak<NodeInner>);
+
+impl TierHooks for NodeHooks {
+    fn register(&self, items: &[(&OffloadJob, DiskLoc)]) -> Vec<bool> {
+        let Some(n) = self.0.upgrade() else {
+            return vec![true; items.len()];
+        };
+        let req = ClusterRequest::RegisterDisk {
+            node: n.opts.id,
+            items: items
+                .iter()
+                .map(|(j, l)| (j.tenant.clone(), j.key.clone(), j.token, *l))
+                .collect(),
+        };
+        match n.link.call(req) {
+            Ok(ClusterReply::Accepted(v)) if v.len() == items.len() => v,
+            // Master unreachable: keep the durable records; the next mount re-registers them.
+            other => {
+                tracing::warn!(
+                    ?other,
+                    "ssd registration not confirmed; kept for re-registration"
+                );
+                vec![true; items.len()]
+            }
+        }
+    }
+
+    fn write_failed(&self, _jobs: &[OffloadJob]) {
+        // Nodes are write-through only: nothing was staged.
+    }
+
+    fn evict_disk(&self, recs: &[(Tenant, String, DiskLoc)]) -> bool {
+        let Some(n) = self.0.upgrade() else {
+            return false;
+        };
+        matches!(
+            n.link.call(ClusterRequest::EvictDisk {
+                node: n.opts.id,
+                recs: recs.to_vec(),
+            }),
+            Ok(ClusterReply::Evictable(true))
+        )
+    }
+}
+
+impl NodeInner {
+    fn data_addr(&self) -> L3Result<SocketAddr> {
+        self.data_addr
+            .get()
+            .copied()
+            .ok_or_else(|| L3Error::Internal("data channel not bound".into()))
+    }
+
+    /// Joins the master with an empty segment, then registers every live SSD record.
+    fn mount(&self) -> L3Result<()> {
+        self.mounted.store(false, Ordering::Release);
+        *self.mem.lock() = Mem::default();
+        self.link.call(ClusterRequest::Mount {
+            node: self.opts.id,
+            segment: self.segment,
+            capacity: self.opts.segment_bytes,
+            data_addr: self.data_addr()?,
+        })?;
+        if let Some(ssd) = &self.ssd {
+            let recs = ssd.live_records();
+            let mut refused = 0usize;
+            for chunk in recs.chunks(RESCAN_CHUNK) {
+                let reply = self.link.call(ClusterRequest::Rescanned {
+                    node: self.opts.id,
+                    disks: chunk.to_vec(),
+                })?;
+                let ClusterReply::Accepted(ok) = reply else {
+                    return Err(L3Error::RpcFail("unexpected reply to Rescanned".into()));
+                };
+                for ((_, _, loc), accepted) in chunk.iter().zip(ok) {
+                    if !accepted {
+                        refused += 1;
+                        ssd.tombstone(loc);
+                    }
+                }
+            }
+            tracing::info!(
+                registered = recs.len() - refused,
+                refused,
+                "ssd replicas registered with the master"
+            );
+        }
+        self.mounted.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn apply(&self, s: NodeSync) {
+        if !s.freed.is_empty() {
+            let mut m = self.mem.lock();
+            for a in &s.freed {
+                m.drop_alloc(*a);
+            }
+        }
+        if let Some(ssd) = &self.ssd {
+            for loc in &s.tombstones {
+                ssd.tombstone(loc);
+            }
+        }
+    }
+
+    /// One ping period: drop stale unended writes, ping (or mount), apply the reply.
+    fn tick(&self) {
+        let stale = self.opts.put_timeout;
+        {
+            let mut m = self.mem.lock();
+            let old: Vec<u64> = m
+                .allocs
+                .iter()
+                .filter(|(_, h)| !h.ended && h.since.elapsed() > stale)
+                .map(|(&a, _)| a)
+                .collect();
+            for a in old {
+                m.drop_alloc(a);
+            }
+        }
+        if !self.mounted.load(Ordering::Acquire) {
+            if let Err(e) = self.mount() {
+                tracing::warn!(error = %e, "mount with the master failed; retrying");
+            }
+            return;
+        }
+        match self.link.call(ClusterRequest::Ping { node: self.opts.id }) {
+            Ok(ClusterReply::Sync(s)) if s.need_remount => {
+                tracing::warn!(
+                    "master does not know this node (declared dead or restarted): remounting"
+                );
+                if let Err(e) = self.mount() {
+                    tracing::warn!(error = %e, "remount failed; retrying");
+                }
+            }
+            Ok(ClusterReply::Sync(s)) => self.apply(s),
+            Ok(other) => tracing::warn!(?other, "unexpected ping reply"),
+            Err(e) => tracing::warn!(error = %e, "ping failed"),
+        }
+    }
+
+    fn alloc_of(&self, h: &PutHandle) -> L3Result<u64> {
+        match h.replica {
+            ReplicaDescriptor::Memory {
+                segment,
+                alloc,
+                size,
+                ..
+            } if segment == self.segment && size == h.size => Ok(alloc),
+            _ => Err(L3Error::InvalidParams(
+                "the handle names no allocation of this node".into(),
+            )),
+        }
+    }
+
+    fn write_one(&self, h: &PutHandle, data: Vec<u8>) -> L3Result<()> {
+        validate_key(&h.key)?;
+        let alloc = self.alloc_of(h)?;
+        if data.len() as u64 != h.size {
+            return Err(L3Error::InvalidParams(
+                "data length differs from put size".into(),
+            ));
+        }
+        if h.size > self.opts.max_object_bytes {
+            return Err(L3Error::InvalidParams(format!(
+                "object of {} bytes exceeds the {}-byte limit",
+                h.size, self.opts.max_object_bytes
+            )));
+        }
+        let bytes: Arc<[u8]> = Arc::from(data);
+        let mut m = self.mem.lock();
+        let prev = match m.allocs.get(&alloc) {
+            Some(e) if e.ended => return Err(L3Error::ObjectAlreadyExists),
+            Some(e) => e.data.len() as u64,
+            None => 0,
+        };
+        let used = m.used.saturating_sub(prev);
+        if used + h.size > self.opts.segment_bytes.saturating_mul(2) {
+            return Err(L3Error::NoAvailableHandle { needed: h.size });
+        }
+        m.used = used + h.size;
+        m.allocs.insert(
+            alloc,
+            Held {
+                tenant: h.tenant.clone(),
+                key: h.key.clone(),
+                token: h.token,
+                data: bytes,
+                ended: false,
+                since: Instant::now(),
+            },
+        );
+        Ok(())
+    }
+
+    fn end_many(&self, handles: &[PutHandle], out: &mut [L3Result<()>], opts: PutOptions) {
+        let mut ready = Vec::new();
+        {
+            let m = self.mem.lock();
+            for (i, h) in handles.iter().enumerate() {
+                if out[i].is_err() {
+                    continue;
+                }
+                let r = self.alloc_of(h).and_then(|a| match m.allocs.get(&a) {
+                    Some(e) if e.token == h.token && e.tenant == h.tenant && e.key == h.key => {
+                        if e.ended {
+                            Err(L3Error::ObjectAlreadyExists)
+                        } else {
+                            Ok(())
+                        }
+                    }
+                    _ => Err(L3Error::ReplicaIsNotReady),
+                });
+                match r {
+                    Ok(()) => ready.push(i),
+                    Err(e) => out[i] = Err(e),
+                }
+            }
+        }
+        if ready.is_empty() {
+            return;
+        }
+        let req = ClusterRequest::PutEnd {
+            node: self.opts.id,
+            handles: ready.iter().map(|&i| handles[i].clone()).collect(),
+            soft_pin: opts.soft_pin,
+        };
+        let (res, sync) = match self.link.call(req) {
+            Ok(ClusterReply::Ended(res, sync)) if res.len() == ready.len() => (res, sync),
+            Ok(_) => {
+                for &i in &ready {
+                    out[i] = Err(L3Error::RpcFail("unexpected reply from the master".into()));
+                }
+                return;
+            }
+            Err(e) => {
+                for &i in &ready {
+                    out[i] = Err(e.clone());
+                }
+                return;
+            }
+        };
+        let mut jobs = Vec::new();
+        {
+            let mut m = self.mem.lock();
+            for (&i, r) in ready.iter().zip(res) {
+                let Ok(alloc) = self.alloc_of(&handles[i]) else {
+                    continue;
+                };
+                match r {
+                    Ok(()) => {
+                        if let Some(e) = m.allocs.get_mut(&alloc) {
+                            e.ended = true;
+                            jobs.push((i, e.data.clone()));
+                        }
+                    }
+                    Err(e) => {
+                        // Revoked or gone at the master: the allocation is free there.
+                        if matches!(e, L3Error::IllegalClient(_) | L3Error::ObjectNotFound) {
+                            m.drop_alloc(alloc);
+                        }
+                        out[i] = Err(e);
+                    }
+                }
+            }
+        }
+        self.apply(sync);
+        let Some(ssd) = &self.ssd else { return };
+        let mut waits = Vec::new();
+        for (i, data) in jobs {
+            let h = &handles[i];
+            let (done, wait) = if opts.wait_persisted {
+                let (tx, rx) = sync_channel(1);
+                (Some(tx), Some(rx))
+            } else {
+                (None, None)
+            };
+            let job = OffloadJob {
+                tenant: h.tenant.clone(),
+                key: h.key.clone(),
+                token: h.token,
+                data,
+                staged: false,
+                done,
+            };
+            match ssd.enqueue(job, opts.wait_persisted) {
+                Ok(()) => {
+                    if let Some(rx) = wait {
+                        waits.push((i, rx));
+                    }
+                }
+                // The object is in DRAM; only its SSD copy is missing.
+                Err(e) if opts.wait_persisted => out[i] = Err(e),
+                Err(_) => {}
+            }
+        }
+        for (i, rx) in waits {
+            match rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => out[i] = Err(e),
+                Err(_) => out[i] = Err(L3Error::Unavailable("ssd writer stopped".into())),
+            }
+        }
+    }
+
+    fn node_put(
+        &self,
+        handles: Vec<PutHandle>,
+        data: Vec<ByteBuf>,
+        end: Option<PutOptions>,
+    ) -> L3Result<Vec<L3Result<()>>> {
+        if handles.len() > self.opts.max_batch_keys {
+            return Err(L3Error::InvalidParams(format!(
+                "{} keys in one batch; limit is {}",
+                handles.len(),
+                self.opts.max_batch_keys
+            )));
+        }
+        if !data.is_empty() && data.len() != handles.len() {
+            return Err(L3Error::InvalidParams(
+                "handles and data differ in length".into(),
+            ));
+        }
+        let mut out: Vec<L3Result<()>> = vec![Ok(()); handles.len()];
+        for (i, (h, d)) in handles.iter().zip(data).enumerate() {
+            out[i] = self.write_one(h, d.into_vec());
+        }
+        if let Some(opts) = end {
+            self.end_many(&handles, &mut out, opts);
+        }
+        Ok(out)
+    }
+
+    fn read_one(&self, t: &Tenant, key: &str, r: &ReplicaDescriptor) -> L3Result<Blob> {
+        validate_key(key)?;
+        match r {
+            ReplicaDescriptor::Memory { segment, alloc, .. } => {
+                if *segment != self.segment {
+                    return Err(L3Error::ObjectNotFound);
+                }
+                let m = self.mem.lock();
+                match m.allocs.get(alloc) {
+                    Some(e) if e.ended && e.tenant == *t && e.key == key => {
+                        Ok(Blob::Shared(e.data.clone()))
+                    }
+                    _ => Err(L3Error::ObjectNotFound),
+                }
+            }
+            d => {
+                let loc = DiskLoc::from_descriptor(d).ok_or(L3Error::ObjectNotFound)?;
+                let ssd = self.ssd.as_ref().ok_or(L3Error::UnableOffload)?;
+                match ssd.owner_of(&loc) {
+                    Some((tt, kk)) if tt == *t && kk == key => {}
+                    _ => return Err(L3Error::ObjectNotFound),
+                }
+                let mut v = vec![0u8; loc.size as usize];
+                if ssd.read(&loc, &mut v)? {
+                    Ok(Blob::Owned(v))
+                } else {
+                    // Corrupt: a miss, dropped at the master and tombstoned here.
+                    let _ = self.link.call(ClusterRequest::DropDisk {
+                        node: self.opts.id,
+                        tenant: t.clone(),
+                        key: key.to_string(),
+                        loc,
+                    });
+                    ssd.tombstone(&loc);
+                    Err(L3Error::ObjectNotFound)
+                }
+            }
+        }
+    }
+
+    fn node_read(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        replicas: &[ReplicaDescriptor],
+        n_caps: usize,
+    ) -> L3Result<Vec<L3Result<Blob>>> {
+        if keys.len() > self.opts.max_batch_keys {
+            return Err(L3Error::InvalidParams(format!(
+                "{} keys in one batch; limit is {}",
+                keys.len(),
+                self.opts.max_batch_keys
+            )));
+        }
+        if replicas.len() != keys.len() || n_caps != keys.len() {
+            return Err(L3Error::InvalidParams(
+                "keys, replicas and capacities differ in length".into(),
+            ));
+        }
+        Ok(keys
+            .iter()
+            .zip(replicas)
+            .map(|(k, r)| self.read_one(tenant, k, r))
+            .collect())
+    }
+}
+
+impl XferHandler for NodeInner {
+    fn handle(&self, sock: &mut TcpStream, req: XferRequest) -> bool {
+        match req {
+            XferRequest::NodePut { handles, data, end } => {
+                let r = self.node_put(handles, data, end);
+                write_frame(sock, &XferReply::Batch(r)).is_ok()
+            }
+            XferRequest::NodeRead {
+                tenant,
+                keys,
+                replicas,
+                caps,
+            } => {
+                let r = self.node_read(&tenant, &keys, &replicas, caps.len());
+                send_blobs(sock, r, &caps).is_ok()
+            }
+            XferRequest::NodeFlush => {
+                if let Some(s) = &self.ssd {
+                    s.flush();
+                }
+                write_frame(sock, &XferReply::Batch(Ok(Vec::new()))).is_ok()
+            }
+            other => refuse(
+                sock,
+                &other,
+                "this is a store node: metadata calls and probes go to the master",
+            ),
+        }
+    }
+}
+
+/// A running store node. Dropping it (or [`StoreNode::shutdown`]) stops serving, flushes the
+/// SSD queue and leaves the master.
+pub struct StoreNode {
+    inner: Arc<NodeInner>,
+    xfer: Mutex<Option<XferServer>>,
+    pinger: Mutex<Option<Periodic>>,
+}
+
+impl StoreNode {
+    /// Opens the SSD tier, binds the data channel, mounts with the master (registering the
+    /// SSD records found) and starts pinging. Fails if the master cannot be reached.
+    pub fn start(opts: NodeOptions) -> L3Result<Self> {
+        if opts.id.0 == 0 {
+            return Err(L3Error::InvalidParams("node id 0 is reserved".into()));
+        }
+        if opts.segment_bytes == 0 || opts.max_batch_keys == 0 || opts.max_object_bytes == 0 {
+            return Err(L3Error::InvalidParams(
+                "segment size and limits must be positive".into(),
+            ));
+        }
+        if opts.ping_interval.is_zero() {
+            return Err(L3Error::InvalidParams("ping interval must be > 0".into()));
+        }
+        if let Some(s) = &opts.ssd
+            && s.mode != OffloadMode::WriteThrough
+        {
+            return Err(L3Error::InvalidParams(
+                "store nodes offload write-through only (on-evict needs the bytes the master \
+                 evicts, which it does not hold)"
+                    .into(),
+            ));
+        }
+        let ssd = match &opts.ssd {
+            Some(c) => Some(SsdTier::open(c.clone())?.0),
+            None => None,
+        };
+        let inner = Arc::new(NodeInner {
+            segment: SegmentId(opts.id.0),
+            link: MasterLink {
+                addr: opts.master,
+                token: opts.token.clone(),
+                conn: Mutex::new(None),
+            },
+            mem: Mutex::new(Mem::default()),
+            ssd,
+            data_addr: OnceLock::new(),
+            mounted: AtomicBool::new(false),
+            opts,
+        });
+        if let Some(t) = &inner.ssd {
+            t.start(Arc::new(NodeHooks(Arc::downgrade(&inner))))?;
+        }
+        let x = XferServer::start(
+            inner.clone(),
+            inner.opts.listen,
+            inner.opts.token.as_deref().map(Arc::from),
+            inner.opts.max_frame_bytes,
+        )?;
+        let _ = inner.data_addr.set(x.addr);
+        let node = StoreNode {
+            inner: inner.clone(),
+            xfer: Mutex::new(Some(x)),
+            pinger: Mutex::new(None),
+        };
+        inner.mount()?;
+        let weak = Arc::downgrade(&inner);
+        let p = Periodic::spawn("kvtier-l3-node-ping", inner.opts.ping_interval, move || {
+            let Some(n) = weak.upgrade() else {
+                return false;
+            };
+            n.tick();
+            true
+        })?;
+        *node.pinger.lock() = Some(p);
+        Ok(node)
+    }
+
+    /// The data-channel address clients are sent to.
+    pub fn data_addr(&self) -> SocketAddr {
+        self.inner
+            .data_addr
+            .get()
+            .copied()
+            .unwrap_or(self.inner.opts.listen)
+    }
+
+    /// Stops serving, writes and registers every queued SSD copy, and leaves the master
+    /// (its memory replicas are dropped there; its SSD replicas stay registered).
+    pub fn shutdown(&self) {
+        if let Some(mut p) = self.pinger.lock().take() {
+            p.stop();
+        }
+        if let Some(mut x) = self.xfer.lock().take() {
+            x.stop();
+        }
+        if let Some(s) = &self.inner.ssd {
+            s.flush();
+        }
+        if self.inner.mounted.swap(false, Ordering::AcqRel) {
+            let _ = self.inner.link.call(ClusterRequest::Leave {
+                node: self.inner.opts.id,
+            });
+        }
+        if let Some(s) = &self.inner.ssd {
+            s.shutdown();
+        }
+    }
+}
+
+impl Drop for StoreNode {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,424 @@
+//! Split deployment with real processes on 127.0.0.1 (ephemeral ports) and real temp dirs:
+//! `kvtier-l3 --role master` plus `--role node` processes. Bytes live on the nodes, metadata
+//! on the master; a `kill -9`ed node loses its memory replicas (-704 once the master's TTL
+//! passes) while its SSD replicas stay registered and are readable again after it restarts
+//! with the same SSD directory; the master keeps serving throughout; bad requests on either
+//! process get typed errors.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtier_l3::rpc::xfer::{XferClient, XferReply, XferRequest, read_frame, write_frame};
+use kvtier_l3::{
+    ClientId, ClientOptions, ExistOptions, L3Error, L3Store, PutOptions, RemoteStore, Tenant,
+};
+
+/// A child process, killed (SIGKILL) when dropped.
+struct Proc {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn(args: &[String], token: Option<&str>) -> Proc {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"));
+    cmd.args(args)
+        .env_remove("KVTIER_L3_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    if let Some(t) = token {
+        cmd.env("KVTIER_L3_TOKEN", t);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let out = child.stdout.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("LISTENING ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?} from {args:?}"))
+        .parse()
+        .unwrap();
+    Proc { child, addr }
+}
+
+fn args(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn master(extra: &[&str], token: Option<&str>) -> Proc {
+    let mut a = args(&["--role", "master", "--listen", "127.0.0.1:0"]);
+    a.extend(args(extra));
+    spawn(&a, token)
+}
+
+fn node(master: SocketAddr, id: u64, ssd: Option<&Path>, token: Option<&str>) -> Proc {
+    let mut a = args(&[
+        "--role",
+        "node",
+        "--listen",
+        "127.0.0.1:0",
+        "--segment-bytes",
+        "16777216",
+        "--ping-ms",
+        "100",
+    ]);
+    a.extend(["--master".to_string(), master.to_string()]);
+    a.extend(["--node-id".to_string(), id.to_string()]);
+    if let Some(d) = ssd {
+        a.push("--ssd-dir".into());
+        a.push(d.display().to_string());
+    }
+    spawn(&a, token)
+}
+
+fn client(addr: SocketAddr, token: Option<&str>) -> RemoteStore {
+    RemoteStore::connect(
+        addr,
+        ClientOptions {
+            token: token.map(str::to_string),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn t(n: &str) -> Tenant {
+    Tenant::new(n).unwrap()
+}
+
+fn payload(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i * 131 + j * 7) as u8).collect()
+}
+
+fn persisted() -> PutOptions {
+    PutOptions {
+        wait_persisted: true,
+        ..Default::default()
+    }
+}
+
+/// Polls `f` until it holds or `limit` passes.
+fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn holder(c: &RemoteStore, tn: &Tenant, key: &str) -> ClientId {
+    c.get_replica_list(tn, key).unwrap().replicas[0]
+        .node()
+        .expect("descriptor names a node")
+        .id
+}
+
+#[test]
+fn killed_node_loses_memory_replicas_and_gets_its_ssd_ones_back() {
+    let m = master(&["--client-ttl-ms", "1000"], None);
+    let d = tempfile::tempdir().unwrap();
+    let n1 = node(m.addr, 1, None, None); // DRAM only
+    let n2 = node(m.addr, 2, Some(d.path()), None); // DRAM + SSD write-through
+    let c = client(m.addr, None);
+    assert!(c.is_cluster());
+    let a = t("a");
+    let keys: Vec<String> = (0..16).map(|i| format!("k{i}")).collect();
+    let objs: Vec<Vec<u8>> = (0..16).map(|i| payload(i, 64 * 1024 + i)).collect();
+    for (k, o) in keys.iter().zip(&objs) {
+        c.put(&a, k, o, persisted()).unwrap();
+    }
+    // Batched put too (placed, written and ended per node).
+    let more: Vec<String> = (0..8).map(|i| format!("b{i}")).collect();
+    let refs: Vec<&[u8]> = objs[..8].iter().map(Vec::as_slice).collect();
+    assert!(
+        c.batch_put_from(&a, &more, &refs, persisted())
+            .unwrap()
+            .iter()
+            .all(Result::is_ok)
+    );
+    // Reads through the master's descriptors, from the nodes.
+    for (k, o) in keys.iter().zip(&objs) {
+        assert_eq!(&c.get(&a, k).unwrap(), o, "{k}");
+    }
+    let mut data = vec![0u8; 16 * 70_000];
+    let mut bufs: Vec<&mut [u8]> = data.chunks_mut(70_000).collect();
+    let r = c.batch_get_into(&a, &keys, &mut bufs).unwrap();
+    for (i, res) in r.iter().enumerate() {
+        assert_eq!(*res, Ok(objs[i].len() as u64));
+        assert_eq!(&bufs[i][..objs[i].len()], &objs[i][..]);
+    }
+    // The master spread the objects over both nodes; node 2's also have an SSD replica.
+    let on1: Vec<&String> = keys
+        .iter()
+        .filter(|k| holder(&c, &a, k) == ClientId(1))
+        .collect();
+    let on2: Vec<&String> = keys
+        .iter()
+        .filter(|k| holder(&c, &a, k) == ClientId(2))
+        .collect();
+    assert!(!on1.is_empty() && !on2.is_empty(), "{on1:?} {on2:?}");
+    for k in &on2 {
+        assert_eq!(c.get_replica_list(&a, k).unwrap().replicas.len(), 2);
+    }
+    // Tenant isolation holds across the split.
+    assert_eq!(c.get(&t("b"), "k0").unwrap_err().code_i32(), -704);
+    assert!(!c.is_exist(&t("b"), "k0").unwrap());
+
+    // kill -9 both nodes: no flush, no goodbye.
+    let mut n1 = n1;
+    let mut n2 = n2;
+    n1.child.kill().unwrap();
+    n2.child.kill().unwrap();
+    n1.child.wait().unwrap();
+    n2.child.wait().unwrap();
+    let k1 = on1[0].clone();
+    assert!(
+        eventually(Duration::from_secs(10), || c
+            .get(&a, &k1)
+            .is_err_and(|e| e.code_i32() == -704)),
+        "memory replicas of the dead node must be dropped after the TTL"
+    );
+    // The master keeps serving during the outage.
+    for k in &on1 {
+        assert_eq!(c.get(&a, k).unwrap_err().code_i32(), -704, "{k}");
+        assert!(!c.is_exist(&a, k).unwrap());
+    }
+    for k in &on2 {
+        assert!(c.is_exist(&a, k).unwrap(), "SSD replica stays registered");
+        assert_eq!(
+            c.get(&a, k).unwrap_err().code_i32(),
+            -1010,
+            "its node is down"
+        );
+    }
+    let st = c.stats().unwrap();
+    assert_eq!(st.mem_objects, 0);
+    assert_eq!(st.mem_capacity_bytes, 0);
+    assert_eq!(
+        c.put(&a, "nowhere", b"x", PutOptions::default())
+            .unwrap_err()
+            .code_i32(),
+        -200,
+        "no live node, no room"
+    );
+
+    // Node 2 restarts from the same SSD directory (new process, new port).
+    let _n2 = node(m.addr, 2, Some(d.path()), None);
+    for k in &on2 {
+        let i: usize = k[1..].parse().unwrap();
+        assert_eq!(c.get(&a, k).unwrap(), objs[i], "{k} after restart");
+        let q = c.get_replica_list(&a, k).unwrap();
+        assert!(matches!(
+            q.replicas[..],
+            [kvtier_l3::ReplicaDescriptor::Disk { .. }]
+        ));
+    }
+    for k in &on1 {
+        assert_eq!(c.get(&a, k).unwrap_err().code_i32(), -704);
+    }
+    // And it takes new puts.
+    c.put(&a, "after", b"restart", PutOptions::default())
+        .unwrap();
+    assert_eq!(c.get(&a, "after").unwrap(), b"restart");
+    c.flush().unwrap();
+}
+
+#[test]
+fn split_two_phase_put_leases_and_typed_errors() {
+    let tok = Some("s3cret");
+    let m = master(
+        &[
+            "--max-batch-keys",
+            "16",
+            "--max-object-bytes",
+            "1048576",
+            "--lease-ms",
+            "300",
+        ],
+        tok,
+    );
+    let n = node(m.addr, 7, None, tok);
+    // Wrong or missing token: -601 (the node refuses it too).
+    let e = RemoteStore::connect(
+        m.addr,
+        ClientOptions {
+            token: Some("wrong".into()),
+            ..Default::default()
+        },
+    )
+    .err()
+    .unwrap();
+    assert_eq!(e.code_i32(), -601);
+    assert_eq!(
+        XferClient::connect(n.addr, None, 1 << 20)
+            .err()
+            .unwrap()
+            .code_i32(),
+        -601
+    );
+    let c = client(m.addr, tok);
+    let a = t("a");
+
+    // Two-phase put over the split: first writer wins, end needs the bytes, revoke frees.
+    let h = c.put_start(&a, "two", 3).unwrap();
+    assert_eq!(h.replica.node().unwrap().addr, n.addr);
+    assert_eq!(c.put_start(&a, "two", 3).unwrap_err().code_i32(), -705);
+    assert_eq!(
+        c.put_end(&h, PutOptions::default()).unwrap_err().code_i32(),
+        -703
+    );
+    assert_eq!(c.put_write(&h, b"toolong").unwrap_err().code_i32(), -600);
+    c.put_write(&h, b"abc").unwrap();
+    c.put_end(&h, PutOptions::default()).unwrap();
+    assert_eq!(c.get(&a, "two").unwrap(), b"abc");
+    assert_eq!(
+        c.put_end(&h, PutOptions::default()).unwrap_err().code_i32(),
+        -705
+    );
+    let r = c.put_start(&a, "gone", 4).unwrap();
+    c.put_revoke(&r).unwrap();
+    assert_eq!(c.get(&a, "gone").unwrap_err().code_i32(), -704);
+    c.put(&a, "gone", b"back", PutOptions::default()).unwrap();
+
+    // Limits: client-side and master-side -600.
+    let many: Vec<String> = (0..17).map(|i| format!("k{i}")).collect();
+    assert_eq!(c.batch_is_exist(&a, &many).unwrap_err().code_i32(), -600);
+    assert_eq!(
+        c.put(&a, "big", &vec![0u8; (1 << 20) + 1], PutOptions::default())
+            .unwrap_err()
+            .code_i32(),
+        -600
+    );
+    assert_eq!(
+        c.put_start(&a, "big", 4 << 20).unwrap_err().code_i32(),
+        -600
+    );
+    assert_eq!(c.get(&a, "").unwrap_err().code_i32(), -400);
+
+    // Leases: -706 on remove, -707 for a query result reused after its lease.
+    let ks = vec!["two".to_string(), "gone".to_string()];
+    let qs: Vec<_> = c
+        .batch_query(&a, &ks)
+        .unwrap()
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(c.remove(&a, "two", false).unwrap_err().code_i32(), -706);
+    let mut data = [0u8; 16];
+    let mut bufs: Vec<&mut [u8]> = data.chunks_mut(8).collect();
+    let r = c.batch_get_with_query(&a, &qs, &mut bufs).unwrap();
+    assert_eq!(r, vec![Ok(3), Ok(4)]);
+    assert_eq!(&bufs[1][..4], b"back");
+    std::thread::sleep(Duration::from_millis(350));
+    let r = c.batch_get_with_query(&a, &qs, &mut bufs).unwrap();
+    assert_eq!(
+        r,
+        vec![Err(L3Error::LeaseExpired), Err(L3Error::LeaseExpired)]
+    );
+    c.remove(&a, "two", false).unwrap();
+    assert_eq!(c.get(&a, "two").unwrap_err().code_i32(), -704);
+    assert!(c.is_exist(&a, "gone").unwrap());
+    assert_eq!(
+        c.batch_exist_key(&a, &ks, ExistOptions::default()).unwrap(),
+        vec![Ok(false), Ok(true)]
+    );
+
+    // The node: garbage, oversized frames, requests before hello, metadata calls, and a
+    // forged descriptor naming another tenant's object all get typed errors.
+    let mut s = TcpStream::connect(n.addr).unwrap();
+    s.write_all(&8u32.to_le_bytes()).unwrap();
+    s.write_all(&[0xEE; 8]).unwrap();
+    let reply: XferReply = read_frame(&mut s, 1 << 20).unwrap();
+    assert!(
+        matches!(reply, XferReply::Get(Err(L3Error::InvalidParams(_)))),
+        "{reply:?}"
+    );
+    let mut s = TcpStream::connect(n.addr).unwrap();
+    s.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    let reply: XferReply = read_frame(&mut s, 1 << 20).unwrap();
+    assert!(matches!(
+        reply,
+        XferReply::Get(Err(L3Error::InvalidParams(_)))
+    ));
+    let mut s = TcpStream::connect(n.addr).unwrap();
+    write_frame(&mut s, &XferRequest::NodeFlush).unwrap();
+    let reply: XferReply = read_frame(&mut s, 1 << 20).unwrap();
+    assert!(matches!(
+        reply,
+        XferReply::Get(Err(L3Error::IllegalClient(_)))
+    ));
+    let mut x = XferClient::connect(n.addr, tok.map(str::to_string), 1 << 20).unwrap();
+    assert_eq!(
+        x.exist(&a, &["gone".to_string()], ExistOptions::default())
+            .unwrap_err()
+            .code_i32(),
+        -1010
+    );
+    let q = c.get_replica_list(&a, "gone").unwrap();
+    let mut buf = [0u8; 8];
+    let r = x
+        .node_read(
+            &t("b"),
+            &["gone".to_string()],
+            &q.replicas,
+            &mut [&mut buf[..]],
+        )
+        .unwrap();
+    assert_eq!(r[0].as_ref().unwrap_err().code_i32(), -704);
+    assert_eq!(buf, [0u8; 8], "no foreign byte leaked");
+    // A frame of garbage to the master: that connection closes, the master keeps serving.
+    let mut s = TcpStream::connect(m.addr).unwrap();
+    s.write_all(&[0, 0, 0, 16]).unwrap();
+    s.write_all(&[0xFF; 16]).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut b = [0u8; 64];
+    assert!(matches!(s.read(&mut b), Ok(0) | Err(_)));
+    // Both still serve.
+    assert_eq!(c.get(&a, "gone").unwrap(), b"back");
+    let c2 = client(m.addr, tok);
+    assert_eq!(c2.get(&a, "gone").unwrap(), b"back");
+    assert_eq!(c2.remove_all(&a, true).unwrap(), 1);
+}
+
+#[test]
+fn sigterm_on_a_node_flushes_and_leaves() {
+    let m = master(&["--client-ttl-ms", "60000"], None);
+    let d = tempfile::tempdir().unwrap();
+    let mut n = node(m.addr, 3, Some(d.path()), None);
+    let c = client(m.addr, None);
+    let a = t("a");
+    let ks: Vec<String> = (0..32).map(|i| format!("k{i}")).collect();
+    let objs: Vec<Vec<u8>> = (0..32).map(|i| payload(i, 32 * 1024)).collect();
+    let refs: Vec<&[u8]> = objs.iter().map(Vec::as_slice).collect();
+    // Not waited for: the SIGTERM flush makes them durable and registered.
+    c.batch_put_from(&a, &ks, &refs, PutOptions::default())
+        .unwrap();
+    let pid = n.child.id() as libc::pid_t;
+    // SAFETY: sending a signal to our own child process.
+    unsafe {
+        libc::kill(pid, libc::SIGTERM);
+    }
+    assert!(n.child.wait().unwrap().success());
+    // Left gracefully: memory replicas gone at once (the TTL is a minute), SSD ones stay.
+    let st = c.stats().unwrap();
+    assert_eq!((st.mem_objects, st.disk_objects), (0, 32), "{st:?}");
+    let _n = node(m.addr, 3, Some(d.path()), None);
+    for (k, o) in ks.iter().zip(&objs) {
+        assert_eq!(&c.get(&a, k).unwrap(), o);
+    }
+}
