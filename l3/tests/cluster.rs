@@ -56,7 +56,11 @@ fn args(v: &[&str]) -> Vec<String> {
 }
 
 fn master(extra: &[&str], token: Option<&str>) -> Proc {
-    let mut a = args(&["--role", "master", "--listen", "127.0.0.1:0"]);
+    master_at("127.0.0.1:0", extra, token)
+}
+
+fn master_at(listen: &str, extra: &[&str], token: Option<&str>) -> Proc {
+    let mut a = args(&["--role", "master", "--listen", listen]);
     a.extend(args(extra));
     spawn(&a, token)
 }
@@ -217,9 +221,19 @@ fn killed_node_loses_memory_replicas_and_gets_its_ssd_ones_back() {
         "no live node, no room"
     );
 
+    // Removed while its node is down: the tombstone waits at the master for the restart.
+    let removed = on2[0].clone();
+    c.remove(&a, &removed, true).unwrap();
+    let on2 = &on2[1..];
+
     // Node 2 restarts from the same SSD directory (new process, new port).
     let _n2 = node(m.addr, 2, Some(d.path()), None);
-    for k in &on2 {
+    assert_eq!(
+        c.get(&a, &removed).unwrap_err().code_i32(),
+        -704,
+        "a key removed during the outage stays removed"
+    );
+    for k in on2 {
         let i: usize = k[1..].parse().unwrap();
         assert_eq!(c.get(&a, k).unwrap(), objs[i], "{k} after restart");
         let q = c.get_replica_list(&a, k).unwrap();
@@ -421,4 +435,37 @@ fn sigterm_on_a_node_flushes_and_leaves() {
     for (k, o) in ks.iter().zip(&objs) {
         assert_eq!(&c.get(&a, k).unwrap(), o);
     }
+}
+
+#[test]
+fn restarted_master_gets_ssd_replicas_back_from_its_nodes() {
+    let m = master(&[], None);
+    let addr = m.addr;
+    let d = tempfile::tempdir().unwrap();
+    let _n = node(addr, 4, Some(d.path()), None);
+    let a = t("a");
+    let objs: Vec<Vec<u8>> = (0..8).map(|i| payload(i, 16 * 1024)).collect();
+    {
+        let c = client(addr, None);
+        for (i, o) in objs.iter().enumerate() {
+            c.put(&a, &format!("k{i}"), o, persisted()).unwrap();
+        }
+    }
+    // The master dies with all its metadata and comes back on the same address.
+    drop(m);
+    let _m = master_at(&addr.to_string(), &[], None);
+    let c = client(addr, None);
+    // The node's next ping is answered "remount": it mounts again and re-registers its
+    // SSD records, so every persisted object is found again (memory ones are gone).
+    assert!(
+        eventually(Duration::from_secs(10), || c
+            .is_exist(&a, "k7")
+            .unwrap_or(false)),
+        "node did not re-register with the restarted master"
+    );
+    for (i, o) in objs.iter().enumerate() {
+        assert_eq!(&c.get(&a, &format!("k{i}")).unwrap(), o);
+    }
+    let st = c.stats().unwrap();
+    assert_eq!((st.objects, st.mem_objects, st.disk_objects), (8, 0, 8));
 }
