@@ -49,12 +49,11 @@ enum Mode {
     name = "kvtier-l3",
     about = "kvtier L3 store server (Mooncake-compatible)",
     after_help = "Roles:\n  \
-        kvtier-l3 --role both   [--listen A] [--ssd-dir D]   one process: metadata + DRAM + SSD\n  \
-        kvtier-l3 --role master [--listen A]                 metadata only (clients connect here)\n  \
-        kvtier-l3 --role node --master A [--node-id N] [--listen B] [--ssd-dir D]\n                                                  \
-        holds the bytes: DRAM segment + SSD tier\n\n\
+        --role both                one process: metadata, DRAM segment and SSD tier (default)\n  \
+        --role master              metadata only; clients connect here\n  \
+        --role node --master ADDR  a store node: DRAM segment (+ --ssd-dir), serves its bytes\n\n\
         A node that stops pinging for --client-ttl-ms (set on the master) is declared dead: its\n\
-        memory replicas are dropped, its SSD replicas stay registered and are readable again\n\
+        memory replicas are dropped; its SSD replicas stay registered and are readable again\n\
         once it restarts with the same --node-id and --ssd-dir."
 )]
 struct Args {

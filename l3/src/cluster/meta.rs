@@ -444,11 +444,12 @@ impl Backend for ClusterMaster {
         self.metrics
             .evictions
             .store(evictions, std::sync::atomic::Ordering::Relaxed);
-        let nodes = self.master.lock().live_nodes().len() as u64;
-        self.metrics.render(
-            &stats,
-            &[("kvtier_l3_live_nodes", "Live store nodes", nodes)],
-        )
+        let nodes = self.master.lock().live_nodes().len();
+        let mut text = self.metrics.render(&stats, &[]);
+        text.push_str(&format!(
+            "# HELP kvtier_l3_live_nodes Live store nodes\n# TYPE kvtier_l3_live_nodes gauge\nkvtier_l3_live_nodes {nodes}\n"
+        ));
+        text
     }
     fn xfer_handler(self: Arc<Self>) -> Option<Arc<dyn XferHandler>> {
         None
