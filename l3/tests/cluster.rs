@@ -435,6 +435,20 @@ fn sigterm_on_a_node_flushes_and_leaves() {
     for (k, o) in ks.iter().zip(&objs) {
         assert_eq!(&c.get(&a, k).unwrap(), o);
     }
+    // A corrupted SSD copy on a node is a miss (and dropped at the master), never bytes.
+    let q = c.get_replica_list(&a, "k0").unwrap();
+    let Some(kvtier_l3::ReplicaDescriptor::Disk { bucket, offset, .. }) = q.replicas.first() else {
+        panic!("expected an SSD replica, got {q:?}");
+    };
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(kvtier_l3::ssd::bucket::bucket_path(d.path(), *bucket))
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[0xA5; 8], *offset).unwrap();
+    drop(f);
+    assert_eq!(c.get(&a, "k0").unwrap_err().code_i32(), -704);
+    assert!(!c.is_exist(&a, "k0").unwrap());
+    assert_eq!(&c.get(&a, "k1").unwrap(), &objs[1]);
 }
 
 #[test]
