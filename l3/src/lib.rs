@@ -8,6 +8,7 @@
 //! ([`cluster`]). Every form implements [`L3Store`]. Start with [`EmbeddedStore::new`] and [`StoreConfig`]; see docs/l3.md.
 
 pub mod api;
+pub mod cli;
 pub mod clock;
 pub mod cluster;
 pub mod config;

@@ -188,3 +188,49 @@ fn toml_config_ssd_tier_and_overrides() {
     assert_eq!(out.status.code(), Some(2));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn l3_subcommand_serves_the_store_on_loopback() {
+    let help = kvtier().args(["l3", "--help"]).output().unwrap();
+    assert!(help.status.success());
+    let h = String::from_utf8_lossy(&help.stdout);
+    assert!(h.contains("--role") && h.contains("master"), "{h}");
+    let bad = kvtier().args(["l3", "--role", "leader"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+
+    // A real server on an ephemeral loopback port: it says where it listens, then stops on SIGTERM.
+    use std::io::{BufRead, BufReader};
+    let mut child = kvtier()
+        .args([
+            "l3",
+            "--listen",
+            "127.0.0.1:0",
+            "--segment-bytes",
+            "1048576",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("LISTENING 127.0.0.1:"), "{line}");
+    let addr: std::net::SocketAddr = line
+        .trim()
+        .trim_start_matches("LISTENING ")
+        .parse()
+        .unwrap();
+    assert!(std::net::TcpStream::connect(addr).is_ok());
+    kill_term(child.id());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+}
+
+fn kill_term(pid: u32) {
+    let ok = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}

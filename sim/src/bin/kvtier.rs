@@ -34,7 +34,8 @@ struct Cli {
 enum Cmd {
     /// Replay a workload through the real scheduler and L3 store.
     Sim(Box<SimArgs>),
-    /// Run the L3 store server (arguments are passed to `kvtier-l3`; try `kvtier l3 --help`).
+    /// Run the L3 store server: roles both | master | node (try `kvtier l3 --help`).
+    #[command(disable_help_flag = true)]
     L3 {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -134,19 +135,9 @@ fn main() -> ExitCode {
 }
 
 fn run_l3(args: &[String]) -> ExitCode {
-    let exe = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(|d| d.join("kvtier-l3")))
-        .filter(|p| p.exists())
-        .unwrap_or_else(|| PathBuf::from("kvtier-l3"));
-    match std::process::Command::new(&exe).args(args).status() {
-        Ok(s) if s.success() => ExitCode::SUCCESS,
-        Ok(s) => ExitCode::from(s.code().unwrap_or(1).clamp(1, 255) as u8),
-        Err(e) => fail(format!(
-            "cannot start {} ({e}); build it with `cargo build --release -p kvtier-l3`",
-            exe.display()
-        )),
-    }
+    kvtier_l3::cli::main_with_args(
+        std::iter::once("kvtier l3".to_string()).chain(args.iter().cloned()),
+    )
 }
 
 fn config(a: &SimArgs) -> Result<SimConfig, String> {

@@ -1,0 +1,285 @@
+//! The `kvtier-l3` command line (also `kvtier l3 …`): the L3 store as a server process.
+//!
+//! Why a binary: when one engine process is not enough (several engines sharing one L3),
+//! the embedded store moves behind tarpc. Three roles:
+//! - `both` (default): master metadata, a memory segment and the SSD tier in one process;
+//! - `master`: metadata only (placement, leases, pins, eviction, node liveness);
+//! - `node --master ADDR`: mounts a memory segment (and an SSD tier) with the master, pings
+//!   it, and serves the bytes on its data channel.
+//!
+//! Each listens on 127.0.0.1 unless told otherwise, prints `LISTENING <addr>` (and
+//! `METRICS <addr>`) on stdout once ready (a node: once mounted, with its data address), and
+//! on SIGTERM/SIGINT stops accepting, flushes queued SSD writes and exits 0 — nothing
+//! acknowledged as persisted is lost, and a restart rescans the buckets.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::rpc::server::{Backend, DEFAULT_MAX_FRAME, ServerOptions, start};
+use crate::{
+    ClientId, ClusterMaster, EmbeddedStore, L3Store, NodeOptions, OffloadMode, SsdConfig,
+    StoreConfig, StoreNode,
+};
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Role {
+    /// Master metadata, memory segment and SSD tier in this one process.
+    Both,
+    /// Metadata only: store nodes mount segments and hold the bytes.
+    Master,
+    /// A store node: mounts a segment (and --ssd-dir) with --master, serves its bytes.
+    Node,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Mode {
+    /// Every put is written to SSD after PutEnd.
+    WriteThrough,
+    /// Objects go to SSD when DRAM eviction drops them.
+    OnEvict,
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvtier-l3",
+    about = "kvtier L3 store server (Mooncake-compatible)",
+    after_help = "Roles:\n  \
+        --role both                one process: metadata, DRAM segment and SSD tier (default)\n  \
+        --role master              metadata only; clients connect here\n  \
+        --role node --master ADDR  a store node: DRAM segment (+ --ssd-dir), serves its bytes\n\n\
+        A node that stops pinging for --client-ttl-ms (set on the master) is declared dead: its\n\
+        memory replicas are dropped; its SSD replicas stay registered and are readable again\n\
+        once it restarts with the same --node-id and --ssd-dir."
+)]
+struct Args {
+    /// Roles served by this process.
+    #[arg(long, value_enum, default_value = "both")]
+    role: Role,
+    /// Listen address: RPC for both/master (default 127.0.0.1:50051), data channel for a
+    /// node (default 127.0.0.1:50052).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Node role: the master's RPC address.
+    #[arg(long)]
+    master: Option<SocketAddr>,
+    /// Node role: node id (> 0; keep it across restarts so its SSD replicas are recognised).
+    #[arg(long, default_value_t = 1)]
+    node_id: u64,
+    /// Node role: ping period in milliseconds (keep it well under the master's TTL).
+    #[arg(long, default_value_t = 1_000)]
+    ping_ms: u64,
+    /// Prometheus metrics address (loopback only); omit to disable.
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    /// File holding the shared-secret token (the env var KVTIER_L3_TOKEN also works).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// DRAM segment size in bytes.
+    #[arg(long, default_value_t = 1 << 30)]
+    segment_bytes: u64,
+    /// SSD tier directory (omit for DRAM only).
+    #[arg(long)]
+    ssd_dir: Option<PathBuf>,
+    /// SSD capacity in bytes.
+    #[arg(long, default_value_t = 64 << 30)]
+    ssd_capacity: u64,
+    /// SSD offload mode.
+    #[arg(long, value_enum, default_value = "write-through")]
+    offload: Mode,
+    /// Read lease in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    lease_ms: u64,
+    /// Client (node) liveness TTL in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    client_ttl_ms: u64,
+    /// Largest frame in bytes.
+    #[arg(long, default_value_t = DEFAULT_MAX_FRAME)]
+    max_frame: usize,
+    /// Most keys per batch.
+    #[arg(long, default_value_t = 65_536)]
+    max_batch_keys: usize,
+    /// Largest object in bytes.
+    #[arg(long, default_value_t = 32 << 20)]
+    max_object_bytes: u64,
+    /// Do not serve the transfer channel (bulk reads and probes then go through tarpc).
+    #[arg(long)]
+    no_transfer_channel: bool,
+}
+
+/// Parses `args` (the first item is the program name) and runs the server role they name
+/// until SIGTERM/SIGINT. Used by the `kvtier-l3` binary and by `kvtier l3`.
+pub fn main_with_args<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+    let args = match Args::try_parse_from(args) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvtier-l3: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), String> {
+    let token = match &args.token_file {
+        Some(p) => Some(
+            std::fs::read_to_string(p)
+                .map_err(|e| format!("token file {}: {e}", p.display()))?
+                .trim()
+                .to_string(),
+        ),
+        None => std::env::var("KVTIER_L3_TOKEN").ok(),
+    };
+    let ssd = args.ssd_dir.as_ref().map(|d| {
+        let mut s = SsdConfig::new(d);
+        s.capacity_bytes = args.ssd_capacity;
+        s.mode = match args.offload {
+            Mode::WriteThrough => OffloadMode::WriteThrough,
+            Mode::OnEvict => OffloadMode::OnEvict,
+        };
+        s
+    });
+    if args.role != Role::Node && args.master.is_some() {
+        return Err("--master is for --role node".into());
+    }
+    let listen = args.listen.unwrap_or(match args.role {
+        Role::Node => SocketAddr::from(([127, 0, 0, 1], 50052)),
+        _ => SocketAddr::from(([127, 0, 0, 1], 50051)),
+    });
+    if args.role == Role::Node {
+        return run_node(&args, listen, token, ssd);
+    }
+    if args.role == Role::Master && ssd.is_some() {
+        return Err("a master holds no SSD tier: give --ssd-dir to the nodes".into());
+    }
+    let cfg = StoreConfig {
+        local_segment_bytes: args.segment_bytes,
+        lease_ttl: Duration::from_millis(args.lease_ms),
+        client_ttl: Duration::from_millis(args.client_ttl_ms),
+        max_batch_keys: args.max_batch_keys,
+        max_object_bytes: args.max_object_bytes,
+        ssd,
+        ..Default::default()
+    };
+    let opts = ServerOptions {
+        addr: listen,
+        token,
+        max_frame_bytes: args.max_frame,
+        metrics_addr: args.metrics,
+        transfer_channel: !args.no_transfer_channel,
+    };
+    if args.role == Role::Master {
+        let master = ClusterMaster::new(cfg).map_err(|e| e.to_string())?;
+        serve(master.clone(), opts)?;
+        master.shutdown();
+        eprintln!("kvtier-l3: master shut down cleanly");
+        return Ok(());
+    }
+    let store = Arc::new(EmbeddedStore::new(cfg).map_err(|e| e.to_string())?);
+    serve(store.clone(), opts)?;
+    // Every queued write-through lands on disk before exit.
+    store.flush().map_err(|e| e.to_string())?;
+    store.shutdown();
+    eprintln!("kvtier-l3: shut down cleanly");
+    Ok(())
+}
+
+/// A store node: mount with the master, serve until SIGTERM/SIGINT, flush, leave.
+fn run_node(
+    args: &Args,
+    listen: SocketAddr,
+    token: Option<String>,
+    ssd: Option<SsdConfig>,
+) -> Result<(), String> {
+    let master = args
+        .master
+        .ok_or("--role node needs --master <addr> (the master's RPC address)")?;
+    if args.metrics.is_some() {
+        return Err("--metrics is served by the master (and by --role both)".into());
+    }
+    let mut opts = NodeOptions::new(ClientId(args.node_id), master);
+    opts.listen = listen;
+    opts.token = token;
+    opts.segment_bytes = args.segment_bytes;
+    opts.ssd = ssd;
+    opts.max_frame_bytes = args.max_frame;
+    opts.max_batch_keys = args.max_batch_keys;
+    opts.max_object_bytes = args.max_object_bytes;
+    opts.ping_interval = Duration::from_millis(args.ping_ms);
+    let node = StoreNode::start(opts).map_err(|e| e.to_string())?;
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "LISTENING {}", node.data_addr());
+        let _ = out.flush();
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| e.to_string())?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        Ok::<(), String>(())
+    })?;
+    node.shutdown();
+    eprintln!("kvtier-l3: node shut down cleanly");
+    Ok(())
+}
+
+/// Serves `backend` over tarpc until SIGTERM/SIGINT.
+fn serve<B: Backend>(backend: Arc<B>, opts: ServerOptions) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    rt.block_on(async {
+        let (addr, maddr) = start(backend, opts, stop_rx)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "LISTENING {addr}");
+        if let Some(m) = maddr {
+            let _ = writeln!(out, "METRICS {m}");
+        }
+        let _ = out.flush();
+        drop(out);
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| e.to_string())?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        let _ = stop_tx.send(true);
+        Ok::<(), String>(())
+    })?;
+    rt.shutdown_timeout(Duration::from_secs(2));
+    Ok(())
+}
