@@ -12,7 +12,7 @@
 //! RemoveAll, MountSegment, UnmountSegment, Ping; client level: put, get, batch_put_from,
 //! batch_get_into, is_exist, batch_is_exist, get_size.
 
-use crate::error::L3Result;
+use crate::error::{L3Error, L3Result};
 use crate::types::{
     ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, SegmentId,
     StoreStats, Tenant,
@@ -20,6 +20,16 @@ use crate::types::{
 
 /// Per-key results of a batch call.
 pub type BatchResult<T> = L3Result<Vec<L3Result<T>>>;
+
+/// The result of a one-key batch call; `empty` is the error for a reply that holds none.
+pub(crate) fn single<T>(mut results: Vec<L3Result<T>>, empty: fn() -> L3Error) -> L3Result<T> {
+    results.pop().unwrap_or_else(|| Err(empty()))
+}
+
+/// The error for a one-key batch that returned no result.
+fn empty_batch() -> L3Error {
+    L3Error::Internal("empty batch result".into())
+}
 
 /// Mooncake Store's operations.
 pub trait L3Store: Send + Sync {
@@ -49,7 +59,10 @@ pub trait L3Store: Send + Sync {
     /// `BatchGetReplicaList`.
     fn batch_get_replica_list(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult>;
     /// `ExistKey`: never takes or renews a lease; may trigger promotion.
-    fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool>;
+    fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool> {
+        let v = self.batch_exist_key(tenant, &[key.to_string()], opts)?;
+        single(v, empty_batch)
+    }
     /// `BatchExistKey`.
     fn batch_exist_key(
         &self,
@@ -85,7 +98,10 @@ pub trait L3Store: Send + Sync {
     /// Reads an object into a new vector.
     fn get(&self, tenant: &Tenant, key: &str) -> L3Result<Vec<u8>>;
     /// Reads an object into `buf`; returns its size (-10 if `buf` is too small).
-    fn get_into(&self, tenant: &Tenant, key: &str, buf: &mut [u8]) -> L3Result<u64>;
+    fn get_into(&self, tenant: &Tenant, key: &str, buf: &mut [u8]) -> L3Result<u64> {
+        let v = self.batch_get_into(tenant, &[key.to_string()], &mut [buf])?;
+        single(v, empty_batch)
+    }
     /// Puts many objects from caller buffers.
     fn batch_put_from(
         &self,

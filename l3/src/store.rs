@@ -844,12 +844,6 @@ impl L3Store for EmbeddedStore {
         self.batch_query(tenant, keys)
     }
 
-    fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool> {
-        let mut v = self.batch_exist_key(tenant, std::slice::from_ref(&key.to_string()), opts)?;
-        v.pop()
-            .unwrap_or(Err(L3Error::Internal("empty batch result".into())))
-    }
-
     fn batch_exist_key(
         &self,
         tenant: &Tenant,
@@ -959,14 +953,6 @@ impl L3Store for EmbeddedStore {
         let n = self.get_into(tenant, key, &mut buf)?;
         buf.truncate(n as usize);
         Ok(buf)
-    }
-
-    fn get_into(&self, tenant: &Tenant, key: &str, buf: &mut [u8]) -> L3Result<u64> {
-        let mut bufs = [buf];
-        let mut v =
-            self.batch_get_into(tenant, std::slice::from_ref(&key.to_string()), &mut bufs)?;
-        v.pop()
-            .unwrap_or(Err(L3Error::Internal("empty batch result".into())))
     }
 
     fn batch_put_from(

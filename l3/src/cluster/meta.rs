@@ -286,12 +286,6 @@ impl L3Store for ClusterMaster {
         self.batch_query(tenant, keys)
     }
 
-    fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool> {
-        let mut v = self.batch_exist_key(tenant, std::slice::from_ref(&key.to_string()), opts)?;
-        v.pop()
-            .unwrap_or(Err(L3Error::Internal("empty batch result".into())))
-    }
-
     fn batch_exist_key(
         &self,
         tenant: &Tenant,
@@ -381,10 +375,6 @@ impl L3Store for ClusterMaster {
     }
 
     fn get(&self, _tenant: &Tenant, _key: &str) -> L3Result<Vec<u8>> {
-        Err(on_nodes())
-    }
-
-    fn get_into(&self, _tenant: &Tenant, _key: &str, _buf: &mut [u8]) -> L3Result<u64> {
         Err(on_nodes())
     }
 

@@ -31,7 +31,7 @@ use tarpc::tokio_serde::formats::Bincode;
 use super::server::DEFAULT_MAX_FRAME;
 use super::service::{ClusterReply, ClusterRequest, L3RpcClient, ServerLimits};
 use super::xfer::XferClient;
-use crate::api::{BatchResult, L3Store};
+use crate::api::{BatchResult, L3Store, single};
 use crate::error::{L3Error, L3Result};
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
@@ -81,6 +81,11 @@ pub struct RemoteStore {
     client: L3RpcClient,
     limits: ServerLimits,
     opts: ClientOptions,
+}
+
+/// The error for a one-key call whose reply holds no result.
+fn empty_reply() -> L3Error {
+    L3Error::RpcFail("empty reply".into())
 }
 
 fn rpc_err(e: RpcError) -> L3Error {
@@ -552,10 +557,8 @@ impl L3Store for RemoteStore {
         }
         self.check_request(data.len() + PER_KEY_OVERHEAD + handle.key.len())?;
         if self.limits.cluster {
-            let mut v = self.cluster_put_on_nodes(std::slice::from_ref(handle), &[data], None);
-            return v
-                .pop()
-                .unwrap_or(Err(L3Error::RpcFail("empty reply".into())));
+            let v = self.cluster_put_on_nodes(std::slice::from_ref(handle), &[data], None);
+            return single(v, empty_reply);
         }
         self.run(
             self.client
@@ -565,10 +568,8 @@ impl L3Store for RemoteStore {
 
     fn put_end(&self, handle: &PutHandle, opts: PutOptions) -> L3Result<()> {
         if self.limits.cluster {
-            let mut v = self.cluster_put_on_nodes(std::slice::from_ref(handle), &[], Some(opts));
-            return v
-                .pop()
-                .unwrap_or(Err(L3Error::RpcFail("empty reply".into())));
+            let v = self.cluster_put_on_nodes(std::slice::from_ref(handle), &[], Some(opts));
+            return single(v, empty_reply);
         }
         self.run(self.client.put_end(self.ctx(), handle.clone(), opts))
     }
@@ -609,9 +610,8 @@ impl L3Store for RemoteStore {
     }
 
     fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult> {
-        let mut v = self.batch_query(tenant, std::slice::from_ref(&key.to_string()))?;
-        v.pop()
-            .unwrap_or(Err(L3Error::RpcFail("empty reply".into())))
+        let v = self.batch_query(tenant, &[key.to_string()])?;
+        single(v, empty_reply)
     }
 
     fn batch_get_replica_list(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
@@ -619,9 +619,8 @@ impl L3Store for RemoteStore {
     }
 
     fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool> {
-        let mut v = self.batch_exist_key(tenant, std::slice::from_ref(&key.to_string()), opts)?;
-        v.pop()
-            .unwrap_or(Err(L3Error::RpcFail("empty reply".into())))
+        let v = self.batch_exist_key(tenant, &[key.to_string()], opts)?;
+        single(v, empty_reply)
     }
 
     fn batch_exist_key(
@@ -688,14 +687,8 @@ impl L3Store for RemoteStore {
     }
 
     fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()> {
-        let mut v = self.batch_put_from(
-            tenant,
-            std::slice::from_ref(&key.to_string()),
-            &[data],
-            opts,
-        )?;
-        v.pop()
-            .unwrap_or(Err(L3Error::RpcFail("empty reply".into())))
+        let v = self.batch_put_from(tenant, &[key.to_string()], &[data], opts)?;
+        single(v, empty_reply)
     }
 
     fn get(&self, tenant: &Tenant, key: &str) -> L3Result<Vec<u8>> {
@@ -703,32 +696,25 @@ impl L3Store for RemoteStore {
             let q = self.get_replica_list(tenant, key)?;
             let mut buf = vec![0u8; q.size as usize];
             let mut bufs = [&mut buf[..]];
-            let n = self
-                .cluster_read(tenant, &[key.to_string()], &mut bufs, vec![Ok(q)])?
-                .pop()
-                .unwrap_or(Err(L3Error::RpcFail("empty reply".into())))?;
+            let v = self.cluster_read(tenant, &[key.to_string()], &mut bufs, vec![Ok(q)])?;
+            let n = single(v, empty_reply)?;
             buf.truncate(n as usize);
             return Ok(buf);
         }
-        let mut v = self.run(self.client.batch_get(
+        let v = self.run(self.client.batch_get(
             self.ctx(),
             tenant.clone(),
             vec![key.to_string()],
         ))?;
-        match v.pop() {
-            Some(Ok(Blob::Owned(b))) => Ok(b),
-            Some(Ok(b)) => Ok(b.as_slice().to_vec()),
-            Some(Err(e)) => Err(e),
-            None => Err(L3Error::RpcFail("empty reply".into())),
+        match single(v, empty_reply)? {
+            Blob::Owned(b) => Ok(b),
+            b => Ok(b.as_slice().to_vec()),
         }
     }
 
     fn get_into(&self, tenant: &Tenant, key: &str, buf: &mut [u8]) -> L3Result<u64> {
-        let mut bufs = [buf];
-        let mut v =
-            self.batch_get_into(tenant, std::slice::from_ref(&key.to_string()), &mut bufs)?;
-        v.pop()
-            .unwrap_or(Err(L3Error::RpcFail("empty reply".into())))
+        let v = self.batch_get_into(tenant, &[key.to_string()], &mut [buf])?;
+        single(v, empty_reply)
     }
 
     fn batch_put_from(
