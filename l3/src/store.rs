@@ -483,20 +483,7 @@ impl Inner {
             return Ok(());
         }
         let Some(data) = data else { return Ok(()) };
-        let (done, wait) = if opts.wait_persisted {
-            let (tx, rx) = sync_channel(1);
-            (Some(tx), Some(rx))
-        } else {
-            (None, None)
-        };
-        let job = OffloadJob {
-            tenant: h.tenant.clone(),
-            key: h.key.clone(),
-            token: h.token,
-            data,
-            staged: false,
-            done,
-        };
+        let (job, wait) = OffloadJob::for_put(h, data, opts.wait_persisted);
         match ssd.enqueue(job, opts.wait_persisted) {
             Ok(()) => {}
             Err(e) => {

@@ -27,7 +27,6 @@
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -444,21 +443,7 @@ impl NodeInner {
         let Some(ssd) = &self.ssd else { return };
         let mut waits = Vec::new();
         for (i, data) in jobs {
-            let h = &handles[i];
-            let (done, wait) = if opts.wait_persisted {
-                let (tx, rx) = sync_channel(1);
-                (Some(tx), Some(rx))
-            } else {
-                (None, None)
-            };
-            let job = OffloadJob {
-                tenant: h.tenant.clone(),
-                key: h.key.clone(),
-                token: h.token,
-                data,
-                staged: false,
-                done,
-            };
+            let (job, wait) = OffloadJob::for_put(&handles[i], data, opts.wait_persisted);
             match ssd.enqueue(job, opts.wait_persisted) {
                 Ok(()) => {
                     if let Some(rx) = wait {

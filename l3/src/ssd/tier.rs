@@ -28,7 +28,7 @@ use super::bucket::{self, NewRecord};
 use crate::config::SsdConfig;
 use crate::error::{L3Error, L3Result};
 use crate::master::DiskLoc;
-use crate::types::Tenant;
+use crate::types::{PutHandle, Tenant};
 
 /// An object queued for SSD.
 pub struct OffloadJob {
@@ -44,6 +44,32 @@ pub struct OffloadJob {
     pub staged: bool,
     /// Completion for callers that wait for persistence.
     pub done: Option<SyncSender<L3Result<()>>>,
+}
+
+impl OffloadJob {
+    /// The write-through job for the object `h` put; with `wait`, also the receiver its
+    /// completion is sent to.
+    pub fn for_put(
+        h: &PutHandle,
+        data: Arc<[u8]>,
+        wait: bool,
+    ) -> (Self, Option<Receiver<L3Result<()>>>) {
+        let (done, wait) = if wait {
+            let (tx, rx) = sync_channel(1);
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let job = Self {
+            tenant: h.tenant.clone(),
+            key: h.key.clone(),
+            token: h.token,
+            data,
+            staged: false,
+            done,
+        };
+        (job, wait)
+    }
 }
 
 enum Msg {
