@@ -12,8 +12,8 @@ use kvtier_l3::rpc::client::ClientOptions;
 use kvtier_l3::rpc::server::ServerOptions;
 use kvtier_l3::rpc::service::L3RpcClient;
 use kvtier_l3::{
-    EmbeddedStore, ExistOptions, L3Error, L3Store, PutOptions, RemoteStore, SsdConfig, StoreConfig,
-    Tenant, spawn_server,
+    EmbeddedStore, ExistOptions, L3Error, L3Store, PutOptions, QueryResult, RemoteStore, SsdConfig,
+    StoreConfig, Tenant, spawn_server,
 };
 
 fn t(n: &str) -> Tenant {
@@ -22,6 +22,41 @@ fn t(n: &str) -> Tenant {
 
 fn payload(i: usize, len: usize) -> Vec<u8> {
     (0..len).map(|j| (i * 131 + j * 7) as u8).collect()
+}
+
+/// Keys `k0` .. `k{n-1}`.
+fn keys(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("k{i}")).collect()
+}
+
+/// The objects as the slices `batch_put_from` takes.
+fn slices(objs: &[Vec<u8>]) -> Vec<&[u8]> {
+    objs.iter().map(|v| v.as_slice()).collect()
+}
+
+/// A put that waits for the SSD copy.
+fn persisted() -> PutOptions {
+    PutOptions {
+        wait_persisted: true,
+        ..Default::default()
+    }
+}
+
+/// `batch_query`, every key expected to be found.
+fn query_all(c: &RemoteStore, tenant: &Tenant, keys: &[String]) -> Vec<QueryResult> {
+    c.batch_query(tenant, keys)
+        .unwrap()
+        .into_iter()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// A store with `bytes` of DRAM and the other settings at their defaults.
+fn dram(bytes: u64) -> StoreConfig {
+    StoreConfig {
+        local_segment_bytes: bytes,
+        ..Default::default()
+    }
 }
 
 fn server(cfg: StoreConfig, token: Option<&str>) -> kvtier_l3::ServerHandle {
@@ -50,19 +85,13 @@ fn client(addr: SocketAddr, token: Option<&str>) -> RemoteStore {
 
 #[test]
 fn data_path_leases_and_isolation_over_the_wire() {
-    let h = server(
-        StoreConfig {
-            local_segment_bytes: 256 << 20,
-            ..Default::default()
-        },
-        None,
-    );
+    let h = server(dram(256 << 20), None);
     let c = client(h.addr, None);
     let (a, b) = (t("a"), t("b"));
     // Big batch: 64 x 1 MiB = 64 MiB, far above tarpc's 8 MiB default frame.
-    let ks: Vec<String> = (0..64).map(|i| format!("k{i}")).collect();
+    let ks = keys(64);
     let objs: Vec<Vec<u8>> = (0..64).map(|i| payload(i, 1 << 20)).collect();
-    let refs: Vec<&[u8]> = objs.iter().map(|v| v.as_slice()).collect();
+    let refs = slices(&objs);
     assert!(
         c.batch_put_from(&a, &ks, &refs, PutOptions::default())
             .unwrap()
@@ -88,12 +117,7 @@ fn data_path_leases_and_isolation_over_the_wire() {
     assert_eq!(c.remove(&b, "two", true).unwrap_err().code_i32(), -704);
     // Leases: -706 on remove, then BatchQuery + get with one expired.
     assert_eq!(c.remove(&a, "two", false).unwrap_err().code_i32(), -706);
-    let qs: Vec<_> = c
-        .batch_query(&a, &ks[..2])
-        .unwrap()
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let qs = query_all(&c, &a, &ks[..2]);
     let mut bufs2: Vec<&mut [u8]> = data.chunks_mut(1 << 20).take(2).collect();
     let r = c.batch_get_with_query(&a, &qs, &mut bufs2).unwrap();
     assert_eq!(r, vec![Ok(1 << 20), Ok(1 << 20)]);
@@ -127,10 +151,9 @@ fn data_path_leases_and_isolation_over_the_wire() {
 fn token_and_limits_are_typed_errors() {
     let h = server(
         StoreConfig {
-            local_segment_bytes: 8 << 20,
             max_batch_keys: 16,
             max_object_bytes: 1 << 20,
-            ..Default::default()
+            ..dram(8 << 20)
         },
         Some("s3cret"),
     );
@@ -147,7 +170,7 @@ fn token_and_limits_are_typed_errors() {
     assert!(RemoteStore::connect(h.addr, ClientOptions::default()).is_err());
     let c = client(h.addr, Some("s3cret"));
     let a = t("a");
-    let many: Vec<String> = (0..17).map(|i| format!("k{i}")).collect();
+    let many = keys(17);
     assert_eq!(c.batch_is_exist(&a, &many).unwrap_err().code_i32(), -600);
     assert_eq!(
         c.put(&a, "big", &vec![0u8; (1 << 20) + 1], PutOptions::default())
@@ -193,15 +216,19 @@ fn token_and_limits_are_typed_errors() {
     assert!(c.is_exist(&a, "k0").is_ok());
 }
 
+/// The server closed `s`: a read returns end of stream or fails (5 s timeout).
+fn assert_closed(s: &mut TcpStream) {
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 64];
+    assert!(
+        matches!(s.read(&mut buf), Ok(0) | Err(_)),
+        "connection must be closed"
+    );
+}
+
 #[test]
 fn malformed_and_oversized_frames_do_not_take_the_server_down() {
-    let h = server(
-        StoreConfig {
-            local_segment_bytes: 8 << 20,
-            ..Default::default()
-        },
-        None,
-    );
+    let h = server(dram(8 << 20), None);
     let c = client(h.addr, None);
     let a = t("a");
     c.put(&a, "k", b"still here", PutOptions::default())
@@ -210,20 +237,11 @@ fn malformed_and_oversized_frames_do_not_take_the_server_down() {
     let mut s = TcpStream::connect(h.addr).unwrap();
     s.write_all(&[0, 0, 0, 16]).unwrap();
     s.write_all(&[0xFF; 16]).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut buf = [0u8; 64];
-    assert!(
-        matches!(s.read(&mut buf), Ok(0) | Err(_)),
-        "connection must be closed"
-    );
+    assert_closed(&mut s);
     // A frame header announcing 1 GiB (above the frame limit).
     let mut s = TcpStream::connect(h.addr).unwrap();
     s.write_all(&(1u32 << 30).to_be_bytes()).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    assert!(
-        matches!(s.read(&mut buf), Ok(0) | Err(_)),
-        "connection must be closed"
-    );
+    assert_closed(&mut s);
     // A truncated connection.
     let mut s = TcpStream::connect(h.addr).unwrap();
     s.write_all(&[0, 0, 1]).unwrap();
@@ -236,13 +254,7 @@ fn malformed_and_oversized_frames_do_not_take_the_server_down() {
 
 #[test]
 fn metrics_endpoint_on_loopback() {
-    let h = server(
-        StoreConfig {
-            local_segment_bytes: 8 << 20,
-            ..Default::default()
-        },
-        None,
-    );
+    let h = server(dram(8 << 20), None);
     let c = client(h.addr, None);
     let a = t("a");
     c.put(&a, "k", b"v", PutOptions::default()).unwrap();
@@ -297,27 +309,30 @@ fn start_node(dir: &std::path::Path) -> Node {
     Node { child, addr }
 }
 
+impl Node {
+    /// SIGKILL: no flush, no goodbye.
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
 #[test]
 fn killed_node_restarts_with_ssd_replicas_and_no_memory_ones() {
     let d = tempfile::tempdir().unwrap();
     let a = t("a");
-    let mut node = start_node(d.path());
+    let node = start_node(d.path());
     {
         let c = client(node.addr, None);
         for i in 0..16 {
-            let opts = PutOptions {
-                wait_persisted: true,
-                ..Default::default()
-            };
-            c.put(&a, &format!("k{i}"), &payload(i, 256 * 1024), opts)
+            c.put(&a, &format!("k{i}"), &payload(i, 256 * 1024), persisted())
                 .unwrap();
         }
         let st = c.stats().unwrap();
         assert_eq!((st.mem_objects, st.disk_objects), (16, 16));
     }
-    node.child.kill().unwrap(); // SIGKILL: no flush, no goodbye.
-    node.child.wait().unwrap();
-    let mut node = start_node(d.path());
+    node.kill(); // SIGKILL: no flush, no goodbye.
+    let node = start_node(d.path());
     let c = client(node.addr, None);
     let st = c.stats().unwrap();
     assert_eq!(st.mem_objects, 0, "memory replicas died with the process");
@@ -328,8 +343,7 @@ fn killed_node_restarts_with_ssd_replicas_and_no_memory_ones() {
     for i in 0..16 {
         assert_eq!(c.get(&a, &format!("k{i}")).unwrap(), payload(i, 256 * 1024));
     }
-    node.child.kill().unwrap();
-    node.child.wait().unwrap();
+    node.kill();
 }
 
 #[test]
@@ -339,9 +353,9 @@ fn sigterm_flushes_queued_writes() {
     let mut node = start_node(d.path());
     {
         let c = client(node.addr, None);
-        let ks: Vec<String> = (0..64).map(|i| format!("k{i}")).collect();
+        let ks = keys(64);
         let objs: Vec<Vec<u8>> = (0..64).map(|i| payload(i, 64 * 1024)).collect();
-        let refs: Vec<&[u8]> = objs.iter().map(|v| v.as_slice()).collect();
+        let refs = slices(&objs);
         c.batch_put_from(&a, &ks, &refs, PutOptions::default())
             .unwrap();
     }
@@ -352,7 +366,7 @@ fn sigterm_flushes_queued_writes() {
     }
     let status = node.child.wait().unwrap();
     assert!(status.success(), "{status:?}");
-    let mut node = start_node(d.path());
+    let node = start_node(d.path());
     let c = client(node.addr, None);
     for i in 0..64 {
         assert_eq!(
@@ -361,27 +375,21 @@ fn sigterm_flushes_queued_writes() {
             "k{i}"
         );
     }
-    node.child.kill().unwrap();
-    node.child.wait().unwrap();
+    node.kill();
 }
 
 #[test]
 fn ssd_backed_server_serves_disk_hits_remotely() {
     let d = tempfile::tempdir().unwrap();
     let cfg = StoreConfig {
-        local_segment_bytes: 1 << 20,
         ssd: Some(SsdConfig::new(d.path())),
-        ..Default::default()
+        ..dram(1 << 20)
     };
     let h = server(cfg, None);
     let c = client(h.addr, None);
     let a = t("a");
     for i in 0..8 {
-        let opts = PutOptions {
-            wait_persisted: true,
-            ..Default::default()
-        };
-        c.put(&a, &format!("k{i}"), &payload(i, 256 * 1024), opts)
+        c.put(&a, &format!("k{i}"), &payload(i, 256 * 1024), persisted())
             .unwrap();
     }
     // Only ~3 fit in 1 MiB of DRAM: the rest come from SSD.
@@ -394,13 +402,7 @@ fn ssd_backed_server_serves_disk_hits_remotely() {
 
 #[test]
 fn tarpc_only_path_and_transfer_channel_agree() {
-    let h = server(
-        StoreConfig {
-            local_segment_bytes: 64 << 20,
-            ..Default::default()
-        },
-        Some("tok"),
-    );
+    let h = server(dram(64 << 20), Some("tok"));
     let fast = client(h.addr, Some("tok"));
     let slow = RemoteStore::connect(
         h.addr,
@@ -413,9 +415,9 @@ fn tarpc_only_path_and_transfer_channel_agree() {
     .unwrap();
     assert_ne!(fast.limits().xfer_port, 0);
     let a = t("a");
-    let ks: Vec<String> = (0..32).map(|i| format!("k{i}")).collect();
+    let ks = keys(32);
     let objs: Vec<Vec<u8>> = (0..32).map(|i| payload(i, 100_000 + i)).collect();
-    let refs: Vec<&[u8]> = objs.iter().map(|v| v.as_slice()).collect();
+    let refs = slices(&objs);
     slow.batch_put_from(&a, &ks, &refs, PutOptions::default())
         .unwrap();
     let mut probe = ks.clone();
@@ -436,12 +438,7 @@ fn tarpc_only_path_and_transfer_channel_agree() {
             assert_eq!(r[i], Ok((100_000 + i) as u64));
             assert_eq!(&bufs[i][..100_000 + i], &objs[i][..]);
         }
-        let qs: Vec<_> = c
-            .batch_query(&a, &ks[..4])
-            .unwrap()
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
+        let qs = query_all(c, &a, &ks[..4]);
         let mut bufs4: Vec<&mut [u8]> = data.chunks_mut(100_100).take(4).collect();
         let r = c.batch_get_with_query(&a, &qs, &mut bufs4).unwrap();
         assert!(r.iter().all(Result::is_ok));
@@ -451,13 +448,7 @@ fn tarpc_only_path_and_transfer_channel_agree() {
 #[test]
 fn transfer_channel_rejects_bad_token_malformed_and_oversized_frames() {
     use kvtier_l3::rpc::xfer::{XferClient, XferReply, read_frame};
-    let h = server(
-        StoreConfig {
-            local_segment_bytes: 8 << 20,
-            ..Default::default()
-        },
-        Some("tok"),
-    );
+    let h = server(dram(8 << 20), Some("tok"));
     let c = client(h.addr, Some("tok"));
     let a = t("a");
     c.put(&a, "k", b"v", PutOptions::default()).unwrap();
