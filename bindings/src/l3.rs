@@ -29,8 +29,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use kvtier_l3::{
-    ClientOptions, EmbeddedStore, ErrorCode, L3Error, L3Result, L3Store, PutOptions, QueryResult,
-    RemoteStore, ServerHandle, ServerOptions, SsdConfig, StoreConfig, Tenant, spawn_server,
+    BatchResult, ClientOptions, EmbeddedStore, ErrorCode, L3Error, L3Result, L3Store, PutOptions,
+    QueryResult, RemoteStore, ServerHandle, ServerOptions, SsdConfig, StoreConfig, Tenant,
+    spawn_server,
 };
 
 use crate::convert::{ByteBuf, str_list, u32_vec};
@@ -782,6 +783,50 @@ impl MooncakeCore {
             .collect()
     }
 
+    /// Per buffer: whether it lies inside one registered region.
+    fn registered_all(&self, ptrs: &[u64], sizes: &[i64]) -> Vec<bool> {
+        ptrs.iter()
+            .zip(sizes)
+            .map(|(p, n)| self.registered(*p, *n))
+            .collect()
+    }
+
+    /// The shared part of the Mooncake batch calls: the keys `valid` accepts go to `call`
+    /// (with their indices, in order) with the GIL released, and each per-key result goes
+    /// back to its key's slot as `code` reports it. A key not accepted is INVALID_PARAMS; a
+    /// call that fails as a whole gives its code to every accepted key.
+    fn mc_batch<T: Send>(
+        &self,
+        py: Python<'_>,
+        keys: &[String],
+        valid: impl Fn(usize) -> bool,
+        call: impl FnOnce(&dyn L3Store, &Tenant, &[usize], &[String]) -> BatchResult<T> + Send,
+        code: impl Fn(L3Result<T>) -> i64,
+    ) -> Vec<i64> {
+        let Some((s, t)) = self.handle() else {
+            return vec![NOT_INITIALIZED; keys.len()];
+        };
+        let idx: Vec<usize> = (0..keys.len()).filter(|&i| valid(i)).collect();
+        let sel_keys: Vec<String> = idx.iter().map(|&i| keys[i].clone()).collect();
+        let res = py.detach(|| call(s.as_ref(), &t, &idx, &sel_keys));
+        let mut out = vec![INVALID_PARAMS; keys.len()];
+        match res {
+            Ok(v) => {
+                for (j, r) in v.into_iter().enumerate() {
+                    if let Some(&i) = idx.get(j) {
+                        out[i] = code(r);
+                    }
+                }
+            }
+            Err(e) => {
+                for &i in &idx {
+                    out[i] = l3code(&e);
+                }
+            }
+        }
+        out
+    }
+
     /// Whether `[ptr, ptr + size)` lies inside one registered region.
     fn registered(&self, ptr: u64, size: i64) -> bool {
         if size < 0 {
@@ -821,6 +866,13 @@ impl Raw {
         }
         unsafe { std::slice::from_raw_parts_mut(self.0 as *mut u8, self.1) }
     }
+}
+
+/// The ranges of the buffers at `idx`.
+fn raw_ranges(idx: &[usize], ptrs: &[u64], sizes: &[i64]) -> Vec<Raw> {
+    idx.iter()
+        .map(|&i| Raw(ptrs[i] as usize, sizes[i] as usize))
+        .collect()
 }
 
 fn l3code(e: &L3Error) -> i64 {
@@ -1036,41 +1088,19 @@ impl MooncakeCore {
         if keys.len() != ptrs.len() || keys.len() != sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }
-        let Some((s, t)) = self.handle() else {
-            return vec![NOT_INITIALIZED; keys.len()];
-        };
-        let ok: Vec<bool> = ptrs
-            .iter()
-            .zip(&sizes)
-            .map(|(p, n)| self.registered(*p, *n))
-            .collect();
-        let idx: Vec<usize> = (0..keys.len()).filter(|i| ok[*i]).collect();
-        let sel_keys: Vec<String> = idx.iter().map(|&i| keys[i].clone()).collect();
-        let raws: Vec<Raw> = idx
-            .iter()
-            .map(|&i| Raw(ptrs[i] as usize, sizes[i] as usize))
-            .collect();
-        let res = py.detach(|| {
-            // SAFETY: every range was checked against registered memory.
-            let views: Vec<&[u8]> = raws.iter().map(|r| unsafe { r.slice() }).collect();
-            s.batch_put_from(&t, &sel_keys, &views, PutOptions::default())
-        });
-        let mut out = vec![INVALID_PARAMS; keys.len()];
-        match res {
-            Ok(v) => {
-                for (j, r) in v.iter().enumerate() {
-                    if let Some(&i) = idx.get(j) {
-                        out[i] = mc_put_code(r);
-                    }
-                }
-            }
-            Err(e) => {
-                for &i in &idx {
-                    out[i] = l3code(&e);
-                }
-            }
-        }
-        out
+        let ok = self.registered_all(&ptrs, &sizes);
+        self.mc_batch(
+            py,
+            &keys,
+            |i| ok[i],
+            |s, t, idx, sel_keys| {
+                let raws = raw_ranges(idx, &ptrs, &sizes);
+                // SAFETY: every range was checked against registered memory.
+                let views: Vec<&[u8]> = raws.iter().map(|r| unsafe { r.slice() }).collect();
+                s.batch_put_from(t, sel_keys, &views, PutOptions::default())
+            },
+            |r| mc_put_code(&r),
+        )
     }
 
     fn batch_get_into(
@@ -1083,14 +1113,7 @@ impl MooncakeCore {
         if keys.len() != ptrs.len() || keys.len() != sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }
-        let Some((s, t)) = self.handle() else {
-            return vec![NOT_INITIALIZED; keys.len()];
-        };
-        let ok: Vec<bool> = ptrs
-            .iter()
-            .zip(&sizes)
-            .map(|(p, n)| self.registered(*p, *n))
-            .collect();
+        let ok = self.registered_all(&ptrs, &sizes);
         // Overlapping destinations would alias; refuse them like unregistered memory.
         let mut spans: Vec<(usize, usize, usize)> = (0..keys.len())
             .filter(|i| ok[*i])
@@ -1104,33 +1127,19 @@ impl MooncakeCore {
                 bad[w[1].2] = true;
             }
         }
-        let idx: Vec<usize> = (0..keys.len()).filter(|i| ok[*i] && !bad[*i]).collect();
-        let sel_keys: Vec<String> = idx.iter().map(|&i| keys[i].clone()).collect();
-        let raws: Vec<Raw> = idx
-            .iter()
-            .map(|&i| Raw(ptrs[i] as usize, sizes[i] as usize))
-            .collect();
-        let res = py.detach(|| {
-            // SAFETY: registered, pairwise disjoint ranges.
-            let mut views: Vec<&mut [u8]> = raws.iter().map(|r| unsafe { r.slice_mut() }).collect();
-            s.batch_get_into(&t, &sel_keys, &mut views)
-        });
-        let mut out = vec![INVALID_PARAMS; keys.len()];
-        match res {
-            Ok(v) => {
-                for (j, r) in v.into_iter().enumerate() {
-                    if let Some(&i) = idx.get(j) {
-                        out[i] = mc_get_code(r);
-                    }
-                }
-            }
-            Err(e) => {
-                for &i in &idx {
-                    out[i] = l3code(&e);
-                }
-            }
-        }
-        out
+        self.mc_batch(
+            py,
+            &keys,
+            |i| ok[i] && !bad[i],
+            |s, t, idx, sel_keys| {
+                let raws = raw_ranges(idx, &ptrs, &sizes);
+                // SAFETY: registered, pairwise disjoint ranges.
+                let mut views: Vec<&mut [u8]> =
+                    raws.iter().map(|r| unsafe { r.slice_mut() }).collect();
+                s.batch_get_into(t, sel_keys, &mut views)
+            },
+            mc_get_code,
+        )
     }
 
     /// Puts each key from several registered buffers, concatenated in order (Mooncake's
@@ -1145,43 +1154,28 @@ impl MooncakeCore {
         if keys.len() != all_ptrs.len() || keys.len() != all_sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }
-        let Some((s, t)) = self.handle() else {
-            return vec![NOT_INITIALIZED; keys.len()];
-        };
         let parts = self.multi_parts(&all_ptrs, &all_sizes);
-        let idx: Vec<usize> = (0..keys.len()).filter(|i| parts[*i].is_some()).collect();
-        let sel_keys: Vec<String> = idx.iter().map(|&i| keys[i].clone()).collect();
-        let res = py.detach(|| {
-            // SAFETY: every part was checked against registered memory.
-            let objs: Vec<Vec<u8>> = idx
-                .iter()
-                .map(|&i| {
-                    parts[i]
-                        .iter()
-                        .flatten()
-                        .flat_map(|r| unsafe { r.slice() }.iter().copied())
-                        .collect()
-                })
-                .collect();
-            let views: Vec<&[u8]> = objs.iter().map(|o| o.as_slice()).collect();
-            s.batch_put_from(&t, &sel_keys, &views, PutOptions::default())
-        });
-        let mut out = vec![INVALID_PARAMS; keys.len()];
-        match res {
-            Ok(v) => {
-                for (j, r) in v.iter().enumerate() {
-                    if let Some(&i) = idx.get(j) {
-                        out[i] = mc_put_code(r);
-                    }
-                }
-            }
-            Err(e) => {
-                for &i in &idx {
-                    out[i] = l3code(&e);
-                }
-            }
-        }
-        out
+        self.mc_batch(
+            py,
+            &keys,
+            |i| parts[i].is_some(),
+            |s, t, idx, sel_keys| {
+                // SAFETY: every part was checked against registered memory.
+                let objs: Vec<Vec<u8>> = idx
+                    .iter()
+                    .map(|&i| {
+                        parts[i]
+                            .iter()
+                            .flatten()
+                            .flat_map(|r| unsafe { r.slice() }.iter().copied())
+                            .collect()
+                    })
+                    .collect();
+                let views: Vec<&[u8]> = objs.iter().map(|o| o.as_slice()).collect();
+                s.batch_put_from(t, sel_keys, &views, PutOptions::default())
+            },
+            |r| mc_put_code(&r),
+        )
     }
 
     /// Reads each key and scatters its bytes over several registered buffers in order
@@ -1196,52 +1190,37 @@ impl MooncakeCore {
         if keys.len() != all_ptrs.len() || keys.len() != all_sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }
-        let Some((s, t)) = self.handle() else {
-            return vec![NOT_INITIALIZED; keys.len()];
-        };
         let parts = self.multi_parts(&all_ptrs, &all_sizes);
-        let idx: Vec<usize> = (0..keys.len()).filter(|i| parts[*i].is_some()).collect();
-        let sel_keys: Vec<String> = idx.iter().map(|&i| keys[i].clone()).collect();
-        let res = py.detach(|| {
-            let mut tmp: Vec<Vec<u8>> = idx
-                .iter()
-                .map(|&i| vec![0u8; parts[i].iter().flatten().map(|r| r.1).sum()])
-                .collect();
-            let mut views: Vec<&mut [u8]> = tmp.iter_mut().map(|v| v.as_mut_slice()).collect();
-            let r = s.batch_get_into(&t, &sel_keys, &mut views);
-            if let Ok(v) = &r {
-                for (j, res) in v.iter().enumerate() {
-                    let (Ok(n), Some(&i)) = (res, idx.get(j)) else {
-                        continue;
-                    };
-                    let mut src = &tmp[j][..*n as usize];
-                    for part in parts[i].iter().flatten() {
-                        let k = part.1.min(src.len());
-                        // SAFETY: registered memory, checked above.
-                        let dst = unsafe { part.slice_mut() };
-                        dst[..k].copy_from_slice(&src[..k]);
-                        src = &src[k..];
+        self.mc_batch(
+            py,
+            &keys,
+            |i| parts[i].is_some(),
+            |s, t, idx, sel_keys| {
+                let mut tmp: Vec<Vec<u8>> = idx
+                    .iter()
+                    .map(|&i| vec![0u8; parts[i].iter().flatten().map(|r| r.1).sum()])
+                    .collect();
+                let mut views: Vec<&mut [u8]> = tmp.iter_mut().map(|v| v.as_mut_slice()).collect();
+                let r = s.batch_get_into(t, sel_keys, &mut views);
+                if let Ok(v) = &r {
+                    for (j, res) in v.iter().enumerate() {
+                        let (Ok(n), Some(&i)) = (res, idx.get(j)) else {
+                            continue;
+                        };
+                        let mut src = &tmp[j][..*n as usize];
+                        for part in parts[i].iter().flatten() {
+                            let k = part.1.min(src.len());
+                            // SAFETY: registered memory, checked above.
+                            let dst = unsafe { part.slice_mut() };
+                            dst[..k].copy_from_slice(&src[..k]);
+                            src = &src[k..];
+                        }
                     }
                 }
-            }
-            r
-        });
-        let mut out = vec![INVALID_PARAMS; keys.len()];
-        match res {
-            Ok(v) => {
-                for (j, r) in v.into_iter().enumerate() {
-                    if let Some(&i) = idx.get(j) {
-                        out[i] = mc_get_code(r);
-                    }
-                }
-            }
-            Err(e) => {
-                for &i in &idx {
-                    out[i] = l3code(&e);
-                }
-            }
-        }
-        out
+                r
+            },
+            mc_get_code,
+        )
     }
 
     fn is_exist(&self, py: Python<'_>, key: &str) -> i64 {
