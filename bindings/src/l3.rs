@@ -67,17 +67,42 @@ fn tenant(name: &str) -> PyResult<Tenant> {
 fn code_of<T>(r: &L3Result<T>) -> i64 {
     match r {
         Ok(_) => 0,
-        Err(e) => i64::from(e.code_i32()),
+        Err(e) => l3code(e),
+    }
+}
+
+/// A size or count (saturated to i64), or a negative code.
+fn size_code(r: L3Result<u64>) -> i64 {
+    match r {
+        Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
+        Err(e) => l3code(&e),
     }
 }
 
 fn sizes_or_codes(v: Vec<L3Result<u64>>) -> Vec<i64> {
-    v.into_iter()
-        .map(|r| match r {
-            Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
-            Err(e) => i64::from(e.code_i32()),
-        })
-        .collect()
+    v.into_iter().map(size_code).collect()
+}
+
+/// 1 exists, 0 missing, or a negative code.
+fn exist_code(r: L3Result<bool>) -> i64 {
+    match r {
+        Ok(true) => 1,
+        Ok(false) => 0,
+        Err(e) => l3code(&e),
+    }
+}
+
+/// A page call's keys and page ids, one page per key.
+fn keyed_pages(
+    keys: &Bound<'_, PyAny>,
+    page_ids: &Bound<'_, PyAny>,
+) -> PyResult<(Vec<String>, Vec<u32>)> {
+    let keys = str_list(keys, "keys")?;
+    let ids = u32_vec(page_ids, "page_ids")?;
+    if ids.len() != keys.len() {
+        return Err(PyValueError::new_err("keys and page_ids differ in length"));
+    }
+    Ok((keys, ids))
 }
 
 fn ms(v: u64) -> Duration {
@@ -238,6 +263,37 @@ pub struct PyL3Store {
 impl PyL3Store {
     pub fn dyn_store(&self) -> Arc<dyn L3Store> {
         self.store.clone()
+    }
+
+    /// Puts `views[i]` under `keys[i]` with the GIL released; per key 0 or a negative code.
+    fn put_views<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &[String],
+        views: &[&[u8]],
+        soft_pin: bool,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let opts = PutOptions {
+            soft_pin,
+            wait_persisted: false,
+        };
+        let v = py
+            .detach(|| self.store.batch_put_from(&self.tenant, keys, views, opts))
+            .map_err(l3_err)?;
+        Ok(PyArray1::from_vec(py, v.iter().map(code_of).collect()))
+    }
+
+    /// Reads `keys[i]` into `views[i]` with the GIL released; per key its size or a code.
+    fn get_views<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &[String],
+        views: &mut [&mut [u8]],
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let v = py
+            .detach(|| self.store.batch_get_into(&self.tenant, keys, views))
+            .map_err(l3_err)?;
+        Ok(PyArray1::from_vec(py, sizes_or_codes(v)))
     }
 }
 
@@ -436,14 +492,7 @@ impl PyL3Store {
         let v = py
             .detach(|| self.store.batch_is_exist(&self.tenant, &keys))
             .map_err(l3_err)?;
-        let out: Vec<i64> = v
-            .into_iter()
-            .map(|r| match r {
-                Ok(true) => 1,
-                Ok(false) => 0,
-                Err(e) => i64::from(e.code_i32()),
-            })
-            .collect();
+        let out: Vec<i64> = v.into_iter().map(exist_code).collect();
         Ok(PyArray1::from_vec(py, out))
     }
 
@@ -459,14 +508,7 @@ impl PyL3Store {
         let keys = str_list(keys, "keys")?;
         let bufs = buf_list(bufs, false)?;
         let views: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
-        let opts = PutOptions {
-            soft_pin,
-            wait_persisted: false,
-        };
-        let v = py
-            .detach(|| self.store.batch_put_from(&self.tenant, &keys, &views, opts))
-            .map_err(l3_err)?;
-        Ok(PyArray1::from_vec(py, v.iter().map(code_of).collect()))
+        self.put_views(py, &keys, &views, soft_pin)
     }
 
     /// Reads `keys[i]` into writable `bufs[i]`; per key its size or a negative code.
@@ -479,10 +521,7 @@ impl PyL3Store {
         let keys = str_list(keys, "keys")?;
         let mut bufs = buf_list(bufs, true)?;
         let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-        let v = py
-            .detach(|| self.store.batch_get_into(&self.tenant, &keys, &mut views))
-            .map_err(l3_err)?;
-        Ok(PyArray1::from_vec(py, sizes_or_codes(v)))
+        self.get_views(py, &keys, &mut views)
     }
 
     /// Puts pages of a pool: key `i` ← bytes of page `page_ids[i]` of `pool` (a C-contiguous
@@ -497,23 +536,12 @@ impl PyL3Store {
         page_bytes: usize,
         soft_pin: bool,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let keys = str_list(keys, "keys")?;
-        let ids = u32_vec(page_ids, "page_ids")?;
-        if ids.len() != keys.len() {
-            return Err(PyValueError::new_err("keys and page_ids differ in length"));
-        }
+        let (keys, ids) = keyed_pages(keys, page_ids)?;
         let b = ByteBuf::get(pool, false, "pool")?;
         let ranges = page_ranges(&ids, page_bytes, b.len())?;
         let src = b.as_slice();
         let views: Vec<&[u8]> = ranges.iter().map(|r| &src[r.clone()]).collect();
-        let opts = PutOptions {
-            soft_pin,
-            wait_persisted: false,
-        };
-        let v = py
-            .detach(|| self.store.batch_put_from(&self.tenant, &keys, &views, opts))
-            .map_err(l3_err)?;
-        Ok(PyArray1::from_vec(py, v.iter().map(code_of).collect()))
+        self.put_views(py, &keys, &views, soft_pin)
     }
 
     /// Reads key `i` into page `page_ids[i]` of `pool`. Per key its size or a negative code.
@@ -525,18 +553,11 @@ impl PyL3Store {
         page_ids: &Bound<'py, PyAny>,
         page_bytes: usize,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let keys = str_list(keys, "keys")?;
-        let ids = u32_vec(page_ids, "page_ids")?;
-        if ids.len() != keys.len() {
-            return Err(PyValueError::new_err("keys and page_ids differ in length"));
-        }
+        let (keys, ids) = keyed_pages(keys, page_ids)?;
         let mut b = ByteBuf::get(pool, true, "pool")?;
         let ranges = page_ranges(&ids, page_bytes, b.len())?;
         let mut views = split_pages(b.as_mut_slice(), &ranges)?;
-        let v = py
-            .detach(|| self.store.batch_get_into(&self.tenant, &keys, &mut views))
-            .map_err(l3_err)?;
-        Ok(PyArray1::from_vec(py, sizes_or_codes(v)))
+        self.get_views(py, &keys, &mut views)
     }
 
     /// One batched metadata query: replica descriptors with lease deadlines.
@@ -892,9 +913,8 @@ fn mc_put_code(r: &L3Result<()>) -> i64 {
 /// with a too-small buffer reported as INVALID_PARAMS (-600), as Mooncake 0.3.13 does.
 fn mc_get_code(r: L3Result<u64>) -> i64 {
     match r {
-        Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
         Err(L3Error::BufferOverflow { .. }) => INVALID_PARAMS,
-        Err(e) => l3code(&e),
+        r => size_code(r),
     }
 }
 
@@ -1225,12 +1245,8 @@ impl MooncakeCore {
 
     fn is_exist(&self, py: Python<'_>, key: &str) -> i64 {
         py.detach(|| {
-            self.with_store(|s, t| match s.is_exist(t, key) {
-                Ok(true) => 1,
-                Ok(false) => 0,
-                Err(e) => l3code(&e),
-            })
-            .unwrap_or(NOT_INITIALIZED)
+            self.with_store(|s, t| exist_code(s.is_exist(t, key)))
+                .unwrap_or(NOT_INITIALIZED)
         })
     }
 
@@ -1238,14 +1254,7 @@ impl MooncakeCore {
         let n = keys.len();
         py.detach(|| {
             self.with_store(|s, t| match s.batch_is_exist(t, &keys) {
-                Ok(v) => v
-                    .into_iter()
-                    .map(|r| match r {
-                        Ok(true) => 1,
-                        Ok(false) => 0,
-                        Err(e) => l3code(&e),
-                    })
-                    .collect(),
+                Ok(v) => v.into_iter().map(exist_code).collect(),
                 Err(e) => vec![l3code(&e); n],
             })
             .unwrap_or_else(|| vec![NOT_INITIALIZED; n])
@@ -1254,11 +1263,8 @@ impl MooncakeCore {
 
     fn get_size(&self, py: Python<'_>, key: &str) -> i64 {
         py.detach(|| {
-            self.with_store(|s, t| match s.get_size(t, key) {
-                Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
-                Err(e) => l3code(&e),
-            })
-            .unwrap_or(NOT_INITIALIZED)
+            self.with_store(|s, t| size_code(s.get_size(t, key)))
+                .unwrap_or(NOT_INITIALIZED)
         })
     }
 
@@ -1283,11 +1289,8 @@ impl MooncakeCore {
 
     fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
         py.detach(|| {
-            self.with_store(|s, t| match s.remove_all(t, force) {
-                Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
-                Err(e) => l3code(&e),
-            })
-            .unwrap_or(NOT_INITIALIZED)
+            self.with_store(|s, t| size_code(s.remove_all(t, force)))
+                .unwrap_or(NOT_INITIALIZED)
         })
     }
 
