@@ -123,6 +123,29 @@ def _check_list(v: Any, name: str) -> list:
     return list(v)
 
 
+def _check_keys(keys: Any) -> List[str]:
+    return [_check_str(k, "keys[i]") for k in _check_list(keys, "keys")]
+
+
+def _one_range(call, key: str, buffer_ptr: int, size: int) -> int:
+    """``call(key, ptr, size)`` for a checked key and range; INVALID_PARAMS for a bad range."""
+    _check_str(key, "key")
+    ptr = _check_int(buffer_ptr, "buffer_ptr")
+    n = _check_int(size, "size")
+    if ptr <= 0 or n < 0:
+        return ErrorCode.INVALID_PARAMS
+    return call(key, ptr, n)
+
+
+def _masked(call, keys: List[str], ptrs: list, sizes: list, bad: List[bool]) -> List[int]:
+    """``call(keys, ptrs, sizes)`` with the keys whose ranges are ``bad`` reported as
+    INVALID_PARAMS (every key when the lists differ in length)."""
+    if len(keys) != len(ptrs) or len(keys) != len(sizes):
+        return [ErrorCode.INVALID_PARAMS] * len(keys)
+    out = call(keys, ptrs, sizes)
+    return [ErrorCode.INVALID_PARAMS if b else r for b, r in zip(bad, out)]
+
+
 class MooncakeDistributedStore:
     """kvtier's store with Mooncake's ``MooncakeDistributedStore`` interface."""
 
@@ -242,7 +265,7 @@ class MooncakeDistributedStore:
         return self._core.put(key, b"".join(bytes(memoryview(p)) for p in parts))
 
     def put_batch(self, keys: List[str], values: List[Any], config: Optional[ReplicateConfig] = None) -> int:
-        keys = [_check_str(k, "keys[i]") for k in _check_list(keys, "keys")]
+        keys = _check_keys(keys)
         return self._core.put_batch(keys, _check_list(values, "values"))
 
     def get(self, key: str) -> bytes:
@@ -250,53 +273,34 @@ class MooncakeDistributedStore:
         return self._core.get(key)
 
     def get_batch(self, keys: List[str]) -> List[bytes]:
-        keys = [_check_str(k, "keys[i]") for k in _check_list(keys, "keys")]
+        keys = _check_keys(keys)
         return self._core.get_batch(keys)
 
     # ---- zero-copy API ------------------------------------------------------------------
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None) -> int:
-        _check_str(key, "key")
-        ptr = _check_int(buffer_ptr, "buffer_ptr")
-        n = _check_int(size, "size")
-        if ptr <= 0 or n < 0:
-            return ErrorCode.INVALID_PARAMS
-        return self._core.put_from(key, ptr, n)
+        return _one_range(self._core.put_from, key, buffer_ptr, size)
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
-        _check_str(key, "key")
-        ptr = _check_int(buffer_ptr, "buffer_ptr")
-        n = _check_int(size, "size")
-        if ptr <= 0 or n < 0:
-            return ErrorCode.INVALID_PARAMS
-        return self._core.get_into(key, ptr, n)
+        return _one_range(self._core.get_into, key, buffer_ptr, size)
 
     def _batch_args(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]):
-        keys = [_check_str(k, "keys[i]") for k in _check_list(keys, "keys")]
+        keys = _check_keys(keys)
         ptrs = [_check_int(p, "buffer_ptrs[i]") for p in _check_list(ptrs, "buffer_ptrs")]
         sizes = [_check_int(s, "sizes[i]") for s in _check_list(sizes, "sizes")]
-        return keys, ptrs, sizes
+        bad = [p <= 0 or s < 0 for p, s in zip(ptrs, sizes)]
+        return keys, [max(p, 0) for p in ptrs], sizes, bad
 
     def batch_put_from(
         self, keys: List[str], buffer_ptrs: List[int], sizes: List[int], config: Optional[ReplicateConfig] = None
     ) -> List[int]:
-        keys, ptrs, sizes = self._batch_args(keys, buffer_ptrs, sizes)
-        if len(keys) != len(ptrs) or len(keys) != len(sizes):
-            return [ErrorCode.INVALID_PARAMS] * len(keys)
-        bad = [p <= 0 or s < 0 for p, s in zip(ptrs, sizes)]
-        out = self._core.batch_put_from(keys, [max(p, 0) for p in ptrs], sizes)
-        return [ErrorCode.INVALID_PARAMS if b else r for b, r in zip(bad, out)]
+        return _masked(self._core.batch_put_from, *self._batch_args(keys, buffer_ptrs, sizes))
 
     def batch_get_into(self, keys: List[str], buffer_ptrs: List[int], sizes: List[int]) -> List[int]:
-        keys, ptrs, sizes = self._batch_args(keys, buffer_ptrs, sizes)
-        if len(keys) != len(ptrs) or len(keys) != len(sizes):
-            return [ErrorCode.INVALID_PARAMS] * len(keys)
-        bad = [p <= 0 or s < 0 for p, s in zip(ptrs, sizes)]
-        out = self._core.batch_get_into(keys, [max(p, 0) for p in ptrs], sizes)
-        return [ErrorCode.INVALID_PARAMS if b else r for b, r in zip(bad, out)]
+        return _masked(self._core.batch_get_into, *self._batch_args(keys, buffer_ptrs, sizes))
 
     def _multi_args(self, keys, all_ptrs, all_sizes):
-        keys = [_check_str(k, "keys[i]") for k in _check_list(keys, "keys")]
+        keys = _check_keys(keys)
         ptrs = [[_check_int(p, "all_buffer_ptrs[i][j]") for p in _check_list(ps, "all_buffer_ptrs[i]")]
                 for ps in _check_list(all_ptrs, "all_buffer_ptrs")]
         sizes = [[_check_int(n, "all_sizes[i][j]") for n in _check_list(ns, "all_sizes[i]")]
@@ -310,22 +314,16 @@ class MooncakeDistributedStore:
         config: Optional[ReplicateConfig] = None,
     ) -> List[int]:
         """Stores each key from several registered buffers, concatenated in order."""
-        keys, ptrs, sizes, bad = self._multi_args(keys, all_buffer_ptrs, all_sizes)
-        if len(keys) != len(ptrs) or len(keys) != len(sizes):
-            return [ErrorCode.INVALID_PARAMS] * len(keys)
-        out = self._core.batch_put_from_multi_buffers(keys, ptrs, sizes)
-        return [ErrorCode.INVALID_PARAMS if b else r for b, r in zip(bad, out)]
+        args = self._multi_args(keys, all_buffer_ptrs, all_sizes)
+        return _masked(self._core.batch_put_from_multi_buffers, *args)
 
     def batch_get_into_multi_buffers(
         self, keys: List[str], all_buffer_ptrs: List[List[int]], all_sizes: List[List[int]],
         prefer_alloc_in_same_node: bool = False,
     ) -> List[int]:
         """Reads each key and scatters its bytes over several registered buffers in order."""
-        keys, ptrs, sizes, bad = self._multi_args(keys, all_buffer_ptrs, all_sizes)
-        if len(keys) != len(ptrs) or len(keys) != len(sizes):
-            return [ErrorCode.INVALID_PARAMS] * len(keys)
-        out = self._core.batch_get_into_multi_buffers(keys, ptrs, sizes)
-        return [ErrorCode.INVALID_PARAMS if b else r for b, r in zip(bad, out)]
+        args = self._multi_args(keys, all_buffer_ptrs, all_sizes)
+        return _masked(self._core.batch_get_into_multi_buffers, *args)
 
     # ---- metadata -----------------------------------------------------------------------
 
@@ -334,7 +332,7 @@ class MooncakeDistributedStore:
         return self._core.is_exist(key)
 
     def batch_is_exist(self, keys: List[str]) -> List[int]:
-        keys = [_check_str(k, "keys[i]") for k in _check_list(keys, "keys")]
+        keys = _check_keys(keys)
         return self._core.batch_is_exist(keys)
 
     def get_size(self, key: str) -> int:
@@ -346,7 +344,7 @@ class MooncakeDistributedStore:
         return self._core.remove(key, bool(force))
 
     def batch_remove(self, keys: List[str], force: bool = False) -> List[int]:
-        keys = [_check_str(k, "keys[i]") for k in _check_list(keys, "keys")]
+        keys = _check_keys(keys)
         return self._core.batch_remove(keys, bool(force))
 
     def remove_all(self, force: bool = False) -> int:
