@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{L3Error, L3Result};
+use crate::types::validate_key;
 
 /// SSD offload policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,4 +159,35 @@ impl StoreConfig {
         }
         Ok(())
     }
+
+    /// `InvalidParams` for a batch of more than `max_batch_keys` keys.
+    pub(crate) fn check_batch(&self, n: usize) -> L3Result<()> {
+        check_batch_keys(n, self.max_batch_keys)
+    }
+
+    /// `InvalidParams` for a bad key or an object larger than `max_object_bytes`.
+    pub(crate) fn check_put(&self, key: &str, size: u64) -> L3Result<()> {
+        validate_key(key)?;
+        check_object_bytes(size, self.max_object_bytes)
+    }
+}
+
+/// `InvalidParams` for a batch of more than `limit` keys.
+pub(crate) fn check_batch_keys(n: usize, limit: usize) -> L3Result<()> {
+    if n > limit {
+        return Err(L3Error::InvalidParams(format!(
+            "{n} keys in one batch; limit is {limit}"
+        )));
+    }
+    Ok(())
+}
+
+/// `InvalidParams` for an object of more than `limit` bytes.
+pub(crate) fn check_object_bytes(size: u64, limit: u64) -> L3Result<()> {
+    if size > limit {
+        return Err(L3Error::InvalidParams(format!(
+            "object of {size} bytes exceeds the {limit}-byte limit"
+        )));
+    }
+    Ok(())
 }

@@ -98,16 +98,6 @@ impl TierHooks for Hooks {
     }
 }
 
-fn check_batch(cfg: &StoreConfig, n: usize) -> L3Result<()> {
-    if n > cfg.max_batch_keys {
-        return Err(L3Error::InvalidParams(format!(
-            "{n} keys in one batch; limit is {}",
-            cfg.max_batch_keys
-        )));
-    }
-    Ok(())
-}
-
 impl EmbeddedStore {
     /// Builds a store: validates the config, mounts the local segment, opens the SSD tier
     /// (rescanning and re-registering its buckets) and starts the background threads.
@@ -230,7 +220,7 @@ impl EmbeddedStore {
     /// [`Blob::Shared`] handles, SSD reads as verified owned bytes. This is what the server
     /// serialises straight onto the wire.
     pub fn batch_get_blobs<K: AsRef<str>>(&self, tenant: &Tenant, keys: &[K]) -> BatchResult<Blob> {
-        check_batch(&self.inner.cfg, keys.len())?;
+        self.inner.cfg.check_batch(keys.len())?;
         let t0 = Instant::now();
         let srcs = self.inner.resolve(tenant, keys);
         let out = self.inner.blobs(tenant, keys, srcs);
@@ -247,7 +237,7 @@ impl EmbeddedStore {
         keys: &[K],
         opts: ExistOptions,
     ) -> BatchResult<bool> {
-        check_batch(&self.inner.cfg, keys.len())?;
+        self.inner.cfg.check_batch(keys.len())?;
         let t0 = Instant::now();
         let want_promote = opts.prefetch_to_memory && self.inner.promoter.is_some();
         let mut promote = Vec::new();
@@ -283,7 +273,7 @@ impl EmbeddedStore {
         tenant: &Tenant,
         queries: &[QueryResult],
     ) -> BatchResult<Blob> {
-        check_batch(&self.inner.cfg, queries.len())?;
+        self.inner.cfg.check_batch(queries.len())?;
         let t0 = Instant::now();
         let keys: Vec<String> = queries.iter().map(|q| q.key.clone()).collect();
         let srcs = self.inner.resolve_query(tenant, queries);
@@ -457,13 +447,7 @@ impl Inner {
     }
 
     fn put_start(&self, t: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
-        validate_key(key)?;
-        if size > self.cfg.max_object_bytes {
-            return Err(L3Error::InvalidParams(format!(
-                "object of {size} bytes exceeds the {}-byte limit",
-                self.cfg.max_object_bytes
-            )));
-        }
+        self.cfg.check_put(key, size)?;
         let now = self.clock.now_ms();
         let mut out = EvictionOutcome::default();
         let r = self.master.lock().put_start(t, key, size, now, &mut out);
@@ -794,7 +778,7 @@ impl L3Store for EmbeddedStore {
         keys: &[String],
         sizes: &[u64],
     ) -> BatchResult<PutHandle> {
-        check_batch(&self.inner.cfg, keys.len())?;
+        self.inner.cfg.check_batch(keys.len())?;
         if keys.len() != sizes.len() {
             return Err(L3Error::InvalidParams(
                 "keys and sizes differ in length".into(),
@@ -808,7 +792,7 @@ impl L3Store for EmbeddedStore {
     }
 
     fn batch_put_end(&self, handles: &[PutHandle], opts: PutOptions) -> BatchResult<()> {
-        check_batch(&self.inner.cfg, handles.len())?;
+        self.inner.cfg.check_batch(handles.len())?;
         Ok(handles
             .iter()
             .map(|h| self.inner.put_end(h, opts))
@@ -816,7 +800,7 @@ impl L3Store for EmbeddedStore {
     }
 
     fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()> {
-        check_batch(&self.inner.cfg, handles.len())?;
+        self.inner.cfg.check_batch(handles.len())?;
         let mut m = self.inner.master.lock();
         Ok(handles.iter().map(|h| m.put_revoke(h)).collect())
     }
@@ -841,7 +825,7 @@ impl L3Store for EmbeddedStore {
     }
 
     fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
-        check_batch(&self.inner.cfg, keys.len())?;
+        self.inner.cfg.check_batch(keys.len())?;
         let t0 = Instant::now();
         let now = self.inner.clock.now_ms();
         let mut m = self.inner.master.lock();
@@ -863,7 +847,7 @@ impl L3Store for EmbeddedStore {
         queries: &[QueryResult],
         bufs: &mut [&mut [u8]],
     ) -> BatchResult<u64> {
-        check_batch(&self.inner.cfg, queries.len())?;
+        self.inner.cfg.check_batch(queries.len())?;
         if queries.len() != bufs.len() {
             return Err(L3Error::InvalidParams(
                 "queries and buffers differ in length".into(),
@@ -949,7 +933,7 @@ impl L3Store for EmbeddedStore {
         bufs: &[&[u8]],
         opts: PutOptions,
     ) -> BatchResult<()> {
-        check_batch(&self.inner.cfg, keys.len())?;
+        self.inner.cfg.check_batch(keys.len())?;
         if keys.len() != bufs.len() {
             return Err(L3Error::InvalidParams(
                 "keys and buffers differ in length".into(),
@@ -968,7 +952,7 @@ impl L3Store for EmbeddedStore {
         keys: &[String],
         bufs: &mut [&mut [u8]],
     ) -> BatchResult<u64> {
-        check_batch(&self.inner.cfg, keys.len())?;
+        self.inner.cfg.check_batch(keys.len())?;
         if keys.len() != bufs.len() {
             return Err(L3Error::InvalidParams(
                 "keys and buffers differ in length".into(),

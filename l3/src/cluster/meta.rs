@@ -99,24 +99,8 @@ impl ClusterMaster {
         }
     }
 
-    fn check_batch(&self, n: usize) -> L3Result<()> {
-        if n > self.cfg.max_batch_keys {
-            return Err(L3Error::InvalidParams(format!(
-                "{n} keys in one batch; limit is {}",
-                self.cfg.max_batch_keys
-            )));
-        }
-        Ok(())
-    }
-
     fn put_start_one(&self, t: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
-        validate_key(key)?;
-        if size > self.cfg.max_object_bytes {
-            return Err(L3Error::InvalidParams(format!(
-                "object of {size} bytes exceeds the {}-byte limit",
-                self.cfg.max_object_bytes
-            )));
-        }
+        self.cfg.check_put(key, size)?;
         let now = self.clock.now_ms();
         // No offload-on-evict here (nodes are write-through): the outcome has nothing to stage.
         let mut out = EvictionOutcome::default();
@@ -156,7 +140,7 @@ impl ClusterMaster {
                 handles,
                 soft_pin,
             } => {
-                self.check_batch(handles.len())?;
+                self.cfg.check_batch(handles.len())?;
                 let mut m = self.master.lock();
                 let res = handles
                     .iter()
@@ -202,7 +186,7 @@ impl ClusterMaster {
                 Ok(ClusterReply::Done)
             }
             ClusterRequest::CheckQueries { tenant, queries } => {
-                self.check_batch(queries.len())?;
+                self.cfg.check_batch(queries.len())?;
                 let m = self.master.lock();
                 let res: Vec<L3Result<()>> = queries
                     .iter()
@@ -250,7 +234,7 @@ impl L3Store for ClusterMaster {
         keys: &[String],
         sizes: &[u64],
     ) -> BatchResult<PutHandle> {
-        self.check_batch(keys.len())?;
+        self.cfg.check_batch(keys.len())?;
         if keys.len() != sizes.len() {
             return Err(L3Error::InvalidParams(
                 "keys and sizes differ in length".into(),
@@ -271,7 +255,7 @@ impl L3Store for ClusterMaster {
     }
 
     fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()> {
-        self.check_batch(handles.len())?;
+        self.cfg.check_batch(handles.len())?;
         let mut m = self.master.lock();
         Ok(handles.iter().map(|h| m.put_revoke(h)).collect())
     }
@@ -294,7 +278,7 @@ impl L3Store for ClusterMaster {
     ) -> BatchResult<bool> {
         // Promotion (prefetch_to_memory) needs the node holding the SSD copy to read it; the
         // split deployment does not promote yet, so the option is accepted and ignored.
-        self.check_batch(keys.len())?;
+        self.cfg.check_batch(keys.len())?;
         let t0 = Instant::now();
         let out = self.master.lock().exists_many(tenant, keys, None);
         self.metrics.observe(Op::Exist, t0.elapsed());
@@ -302,7 +286,7 @@ impl L3Store for ClusterMaster {
     }
 
     fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
-        self.check_batch(keys.len())?;
+        self.cfg.check_batch(keys.len())?;
         let t0 = Instant::now();
         let now = self.clock.now_ms();
         let mut m = self.master.lock();

@@ -34,7 +34,7 @@ use parking_lot::Mutex;
 use serde_bytes::ByteBuf;
 
 use crate::clock::Periodic;
-use crate::config::{OffloadMode, SsdConfig};
+use crate::config::{OffloadMode, SsdConfig, check_batch_keys, check_object_bytes};
 use crate::error::{L3Error, L3Result};
 use crate::master::{DiskLoc, NodeSync};
 use crate::rpc::client::{ClientOptions, RemoteStore};
@@ -336,12 +336,7 @@ impl NodeInner {
                 "data length differs from put size".into(),
             ));
         }
-        if h.size > self.opts.max_object_bytes {
-            return Err(L3Error::InvalidParams(format!(
-                "object of {} bytes exceeds the {}-byte limit",
-                h.size, self.opts.max_object_bytes
-            )));
-        }
+        check_object_bytes(h.size, self.opts.max_object_bytes)?;
         let bytes: Arc<[u8]> = Arc::from(data);
         let mut m = self.mem.lock();
         let prev = match m.allocs.get(&alloc) {
@@ -470,13 +465,7 @@ impl NodeInner {
         data: Vec<ByteBuf>,
         end: Option<PutOptions>,
     ) -> L3Result<Vec<L3Result<()>>> {
-        if handles.len() > self.opts.max_batch_keys {
-            return Err(L3Error::InvalidParams(format!(
-                "{} keys in one batch; limit is {}",
-                handles.len(),
-                self.opts.max_batch_keys
-            )));
-        }
+        check_batch_keys(handles.len(), self.opts.max_batch_keys)?;
         if !data.is_empty() && data.len() != handles.len() {
             return Err(L3Error::InvalidParams(
                 "handles and data differ in length".into(),
@@ -539,13 +528,7 @@ impl NodeInner {
         replicas: &[ReplicaDescriptor],
         n_caps: usize,
     ) -> L3Result<Vec<L3Result<Blob>>> {
-        if keys.len() > self.opts.max_batch_keys {
-            return Err(L3Error::InvalidParams(format!(
-                "{} keys in one batch; limit is {}",
-                keys.len(),
-                self.opts.max_batch_keys
-            )));
-        }
+        check_batch_keys(keys.len(), self.opts.max_batch_keys)?;
         if replicas.len() != keys.len() || n_caps != keys.len() {
             return Err(L3Error::InvalidParams(
                 "keys, replicas and capacities differ in length".into(),
