@@ -198,12 +198,7 @@ impl RemoteStore {
         bufs: &mut [&mut [u8]],
         queries: Option<&[QueryResult]>,
     ) -> BatchResult<u64> {
-        if keys.len() != bufs.len() {
-            return Err(L3Error::InvalidParams(
-                "keys and buffers differ in length".into(),
-            ));
-        }
-        self.check_keys(keys.len())?;
+        self.check_bufs(keys.len(), bufs.len())?;
         let qs: Vec<L3Result<QueryResult>> = match queries {
             None => self.batch_query(tenant, keys)?,
             Some(q) => {
@@ -417,6 +412,16 @@ impl RemoteStore {
         Ok(())
     }
 
+    /// One buffer per key, and no more keys than the server takes.
+    fn check_bufs(&self, keys: usize, bufs: usize) -> L3Result<()> {
+        if keys != bufs {
+            return Err(L3Error::InvalidParams(
+                "keys and buffers differ in length".into(),
+            ));
+        }
+        self.check_keys(keys)
+    }
+
     fn check_request(&self, bytes: usize) -> L3Result<()> {
         if bytes > self.frame_cap() {
             return Err(L3Error::InvalidParams(format!(
@@ -488,12 +493,7 @@ impl RemoteStore {
         bufs: &mut [&mut [u8]],
         queries: Option<&[QueryResult]>,
     ) -> BatchResult<u64> {
-        if keys.len() != bufs.len() {
-            return Err(L3Error::InvalidParams(
-                "keys and buffers differ in length".into(),
-            ));
-        }
-        self.check_keys(keys.len())?;
+        self.check_bufs(keys.len(), bufs.len())?;
         if self.xfer.is_some() {
             return self.with_xfer(|x| x.get(tenant, keys, queries, bufs));
         }
@@ -724,12 +724,7 @@ impl L3Store for RemoteStore {
         bufs: &[&[u8]],
         opts: PutOptions,
     ) -> BatchResult<()> {
-        if keys.len() != bufs.len() {
-            return Err(L3Error::InvalidParams(
-                "keys and buffers differ in length".into(),
-            ));
-        }
-        self.check_keys(keys.len())?;
+        self.check_bufs(keys.len(), bufs.len())?;
         for (k, b) in keys.iter().zip(bufs) {
             if b.len() as u64 > self.limits.max_object_bytes {
                 return Err(L3Error::InvalidParams(format!(
