@@ -11,6 +11,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{client, payload, persisted, t};
 use kvtier_l3::rpc::xfer::{XferClient, XferReply, XferRequest, read_frame, write_frame};
 use kvtier_l3::{
     ClientId, ClientOptions, ExistOptions, L3Error, L3Store, PutOptions, RemoteStore, Tenant,
@@ -83,32 +86,6 @@ fn node(master: SocketAddr, id: u64, ssd: Option<&Path>, token: Option<&str>) ->
         a.push(d.display().to_string());
     }
     spawn(&a, token)
-}
-
-fn client(addr: SocketAddr, token: Option<&str>) -> RemoteStore {
-    RemoteStore::connect(
-        addr,
-        ClientOptions {
-            token: token.map(str::to_string),
-            ..Default::default()
-        },
-    )
-    .unwrap()
-}
-
-fn t(n: &str) -> Tenant {
-    Tenant::new(n).unwrap()
-}
-
-fn payload(i: usize, len: usize) -> Vec<u8> {
-    (0..len).map(|j| (i * 131 + j * 7) as u8).collect()
-}
-
-fn persisted() -> PutOptions {
-    PutOptions {
-        wait_persisted: true,
-        ..Default::default()
-    }
 }
 
 /// Polls `f` until it holds or `limit` passes.

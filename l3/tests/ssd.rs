@@ -6,6 +6,9 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::persisted;
 use kvtier_l3::ssd::bucket;
 use kvtier_l3::{
     EmbeddedStore, ExistOptions, L3Store, OffloadMode, PutOptions, SsdConfig, StoreConfig, Tenant,
@@ -20,13 +23,6 @@ fn cfg(dir: &Path, seg: u64) -> StoreConfig {
     StoreConfig {
         local_segment_bytes: seg,
         ssd: Some(SsdConfig::new(dir)),
-        ..Default::default()
-    }
-}
-
-fn persisted() -> PutOptions {
-    PutOptions {
-        wait_persisted: true,
         ..Default::default()
     }
 }

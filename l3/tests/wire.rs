@@ -8,6 +8,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
+use common::{client, payload, persisted, t};
 use kvtier_l3::rpc::client::ClientOptions;
 use kvtier_l3::rpc::server::ServerOptions;
 use kvtier_l3::rpc::service::L3RpcClient;
@@ -15,14 +18,6 @@ use kvtier_l3::{
     EmbeddedStore, ExistOptions, L3Error, L3Store, PutOptions, QueryResult, RemoteStore, SsdConfig,
     StoreConfig, Tenant, spawn_server,
 };
-
-fn t(n: &str) -> Tenant {
-    Tenant::new(n).unwrap()
-}
-
-fn payload(i: usize, len: usize) -> Vec<u8> {
-    (0..len).map(|j| (i * 131 + j * 7) as u8).collect()
-}
 
 /// Keys `k0` .. `k{n-1}`.
 fn keys(n: usize) -> Vec<String> {
@@ -32,14 +27,6 @@ fn keys(n: usize) -> Vec<String> {
 /// The objects as the slices `batch_put_from` takes.
 fn slices(objs: &[Vec<u8>]) -> Vec<&[u8]> {
     objs.iter().map(|v| v.as_slice()).collect()
-}
-
-/// A put that waits for the SSD copy.
-fn persisted() -> PutOptions {
-    PutOptions {
-        wait_persisted: true,
-        ..Default::default()
-    }
 }
 
 /// `batch_query`, every key expected to be found.
@@ -66,17 +53,6 @@ fn server(cfg: StoreConfig, token: Option<&str>) -> kvtier_l3::ServerHandle {
         ServerOptions {
             token: token.map(str::to_string),
             metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-            ..Default::default()
-        },
-    )
-    .unwrap()
-}
-
-fn client(addr: SocketAddr, token: Option<&str>) -> RemoteStore {
-    RemoteStore::connect(
-        addr,
-        ClientOptions {
-            token: token.map(str::to_string),
             ..Default::default()
         },
     )

@@ -1,0 +1,34 @@
+//! Helpers shared by the integration tests that talk to a server or to store processes.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+
+use kvtier_l3::{ClientOptions, PutOptions, RemoteStore, Tenant};
+
+pub fn t(n: &str) -> Tenant {
+    Tenant::new(n).unwrap()
+}
+
+pub fn payload(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i * 131 + j * 7) as u8).collect()
+}
+
+/// A put that waits for the SSD copy.
+pub fn persisted() -> PutOptions {
+    PutOptions {
+        wait_persisted: true,
+        ..Default::default()
+    }
+}
+
+pub fn client(addr: SocketAddr, token: Option<&str>) -> RemoteStore {
+    RemoteStore::connect(
+        addr,
+        ClientOptions {
+            token: token.map(str::to_string),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
