@@ -18,6 +18,14 @@ fn range_err(what: &str, v: impl std::fmt::Display, max: u64) -> PyErr {
     PyOverflowError::new_err(format!("{what}: {v} is outside 0..={max}"))
 }
 
+/// `v` as a `T` if it lies in `0..=max` (`max` fits `T`), else an `OverflowError`.
+fn in_range<T: TryFrom<i128>>(v: i128, what: &str, max: u64) -> PyResult<T> {
+    if v < 0 || v > max as i128 {
+        return Err(range_err(what, v, max));
+    }
+    T::try_from(v).map_err(|_| range_err(what, v, max))
+}
+
 /// Reads a 1-D integer array-like into `Vec<T>` (copying only when the dtype differs).
 macro_rules! int_vec {
     ($fname:ident, $t:ty) => {
@@ -30,39 +38,21 @@ macro_rules! int_vec {
                 return a
                     .as_array()
                     .iter()
-                    .map(|&v| {
-                        if v < 0 || v as u64 > max {
-                            Err(range_err(what, v, max))
-                        } else {
-                            Ok(v as $t)
-                        }
-                    })
+                    .map(|&v| in_range(v.into(), what, max))
                     .collect();
             }
             if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
                 return a
                     .as_array()
                     .iter()
-                    .map(|&v| {
-                        if v > max {
-                            Err(range_err(what, v, max))
-                        } else {
-                            Ok(v as $t)
-                        }
-                    })
+                    .map(|&v| in_range(v.into(), what, max))
                     .collect();
             }
             if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
                 return a
                     .as_array()
                     .iter()
-                    .map(|&v| {
-                        if v < 0 || v as u64 > max {
-                            Err(range_err(what, v, max))
-                        } else {
-                            Ok(v as $t)
-                        }
-                    })
+                    .map(|&v| in_range(v.into(), what, max))
                     .collect();
             }
             if obj.is_instance_of::<pyo3::types::PyString>()
@@ -92,10 +82,7 @@ macro_rules! int_vec {
                 let v: i128 = item.extract().map_err(|_| {
                     PyTypeError::new_err(format!("{what}: elements must be integers"))
                 })?;
-                if v < 0 || v > max as i128 {
-                    return Err(range_err(what, v, max));
-                }
-                out.push(v as $t);
+                out.push(in_range(v, what, max)?);
             }
             Ok(out)
         }
