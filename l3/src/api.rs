@@ -56,8 +56,10 @@ pub trait L3Store: Send + Sync {
     fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()>;
     /// `GetReplicaList`: replica descriptors; takes a read lease.
     fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult>;
-    /// `BatchGetReplicaList`.
-    fn batch_get_replica_list(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult>;
+    /// `BatchGetReplicaList`: the same as `batch_query`.
+    fn batch_get_replica_list(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
+        self.batch_query(tenant, keys)
+    }
     /// `ExistKey`: never takes or renews a lease; may trigger promotion.
     fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool> {
         let v = self.batch_exist_key(tenant, &[key.to_string()], opts)?;

@@ -879,6 +879,21 @@ impl Master {
             .collect()
     }
 
+    /// One `query` per key of a `BatchQuery`; a bad key fails alone.
+    pub fn query_many(
+        &mut self,
+        t: &Tenant,
+        keys: &[String],
+        now: u64,
+    ) -> Vec<L3Result<QueryResult>> {
+        keys.iter()
+            .map(|k| {
+                crate::types::validate_key(k)?;
+                self.query(t, k, now)
+            })
+            .collect()
+    }
+
     /// Whether the object is on SSD only (candidate for promotion); returns its disk location.
     pub fn ssd_only(&self, t: &Tenant, key: &str) -> Option<(u64, DiskLoc)> {
         let o = self.obj(t, key)?;

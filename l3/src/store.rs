@@ -811,10 +811,6 @@ impl L3Store for EmbeddedStore {
         self.inner.master.lock().query(tenant, key, now)
     }
 
-    fn batch_get_replica_list(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
-        self.batch_query(tenant, keys)
-    }
-
     fn batch_exist_key(
         &self,
         tenant: &Tenant,
@@ -828,15 +824,7 @@ impl L3Store for EmbeddedStore {
         self.inner.cfg.check_batch(keys.len())?;
         let t0 = Instant::now();
         let now = self.inner.clock.now_ms();
-        let mut m = self.inner.master.lock();
-        let out = keys
-            .iter()
-            .map(|k| {
-                validate_key(k)?;
-                m.query(tenant, k, now)
-            })
-            .collect();
-        drop(m);
+        let out = self.inner.master.lock().query_many(tenant, keys, now);
         self.inner.metrics.observe(Op::Query, t0.elapsed());
         Ok(out)
     }

@@ -266,10 +266,6 @@ impl L3Store for ClusterMaster {
         self.master.lock().query(tenant, key, now)
     }
 
-    fn batch_get_replica_list(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
-        self.batch_query(tenant, keys)
-    }
-
     fn batch_exist_key(
         &self,
         tenant: &Tenant,
@@ -289,15 +285,7 @@ impl L3Store for ClusterMaster {
         self.cfg.check_batch(keys.len())?;
         let t0 = Instant::now();
         let now = self.clock.now_ms();
-        let mut m = self.master.lock();
-        let out: Vec<L3Result<QueryResult>> = keys
-            .iter()
-            .map(|k| {
-                validate_key(k)?;
-                m.query(tenant, k, now)
-            })
-            .collect();
-        drop(m);
+        let out = self.master.lock().query_many(tenant, keys, now);
         Metrics::add(
             &self.metrics.misses,
             out.iter().filter(|r| r.is_err()).count() as u64,

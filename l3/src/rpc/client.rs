@@ -614,10 +614,6 @@ impl L3Store for RemoteStore {
         single(v, empty_reply)
     }
 
-    fn batch_get_replica_list(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
-        self.batch_query(tenant, keys)
-    }
-
     fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool> {
         let v = self.batch_exist_key(tenant, &[key.to_string()], opts)?;
         single(v, empty_reply)
