@@ -372,26 +372,12 @@ impl Scheduler {
             if id == needy {
                 continue;
             }
+            if !self.retractable(id) {
+                continue;
+            }
             let Some(r) = self.reqs.get(&id) else {
                 continue;
             };
-            let idle = match r.state {
-                RequestState::Decoding {
-                    in_flight: false,
-                    abort_pending: false,
-                    ..
-                } => true,
-                RequestState::Prefilling {
-                    done,
-                    scheduled,
-                    abort_pending: false,
-                    ..
-                } => done == scheduled,
-                _ => false,
-            };
-            if !idle {
-                continue;
-            }
             let key = match self.cfg.retraction {
                 RetractionPolicy::LatestArrival => (r.seq, 0),
                 RetractionPolicy::FewestGenerated => (u64::MAX - r.generated() as u64, r.seq),
@@ -408,6 +394,7 @@ impl Scheduler {
         self.retract(victim, false)
     }
 
+    /// Running with nothing in flight and no abort pending: can give its pages back now.
     fn retractable(&self, id: RequestId) -> bool {
         self.reqs.get(&id).is_some_and(|r| match r.state {
             RequestState::Decoding {
