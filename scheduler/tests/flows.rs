@@ -86,22 +86,11 @@ fn batch_size_and_token_budget_bound_each_step() {
     for i in 0..6 {
         e.submit(&mut s, i, prompt(i as u32 + 1, 12), 4);
     }
-    for t in 0..60 {
-        let plan = s.next_execution_plan(t);
+    e.run_watching(&mut s, 60, |plan| {
         let f = &plan.forward;
         assert!(f.rows() <= 3);
         let toks: u32 = f.prefill.iter().map(|c| c.len).sum::<u32>() + f.decode.len() as u32;
         assert!(toks <= 40);
-        e.take_plan(plan);
-        while !e.held.is_empty() {
-            e.complete_op(&mut s, 0);
-        }
-        if e.forward.is_some() {
-            e.complete_forward(&mut s);
-        }
-        if s.is_idle() {
-            break;
-        }
-    }
+    });
     assert_quiescent(&s);
 }

@@ -284,21 +284,7 @@ fn bad_input_is_rejected_and_changes_nothing() {
                 })
                 .unwrap_err(),
             );
-            let mut outs: Vec<TokenOutput> = plan
-                .forward
-                .prefill
-                .iter()
-                .map(|c| TokenOutput {
-                    req: c.req,
-                    token: 0,
-                    stop: false,
-                })
-                .chain(plan.forward.decode.iter().map(|d| TokenOutput {
-                    req: d.req,
-                    token: 0,
-                    stop: false,
-                }))
-                .collect();
+            let mut outs = row_outputs(&plan.forward);
             if let Some(first) = outs.first_mut() {
                 first.req = RequestId(9999);
                 errs.push(
@@ -310,21 +296,7 @@ fn bad_input_is_rejected_and_changes_nothing() {
                 );
             }
             if plan.forward.prefill.iter().any(|c| !c.waits_for.is_empty()) {
-                let outs: Vec<TokenOutput> = plan
-                    .forward
-                    .prefill
-                    .iter()
-                    .map(|c| TokenOutput {
-                        req: c.req,
-                        token: 0,
-                        stop: false,
-                    })
-                    .chain(plan.forward.decode.iter().map(|d| TokenOutput {
-                        req: d.req,
-                        token: 0,
-                        stop: false,
-                    }))
-                    .collect();
+                let outs = row_outputs(&plan.forward);
                 errs.push(
                     s.on_event(Event::ForwardDone {
                         step,
@@ -382,6 +354,21 @@ fn bad_input_is_rejected_and_changes_nothing() {
     assert!(kinds.len() >= 8, "exercised error kinds: {kinds:?}");
     assert_eq!(a.stats(), b.stats());
     assert_quiescent(&b);
+}
+
+/// One (ignored) output per row of a forward, in row order.
+fn row_outputs(f: &ForwardBatch) -> Vec<TokenOutput> {
+    let reqs = f
+        .prefill
+        .iter()
+        .map(|c| c.req)
+        .chain(f.decode.iter().map(|d| d.req));
+    reqs.map(|req| TokenOutput {
+        req,
+        token: 0,
+        stop: false,
+    })
+    .collect()
 }
 
 fn s_check(a: &Scheduler, b: &Scheduler) {
@@ -449,8 +436,7 @@ fn page_tables_are_sent_as_deltas() {
     e.submit(&mut s, 1, prompt(1, 10), 20);
     let mut deltas = 0;
     let mut rows = 0;
-    for t in 0..100 {
-        let plan = s.next_execution_plan(t);
+    e.run_watching(&mut s, 100, |plan| {
         for d in &plan.forward.decode {
             rows += 1;
             if let Some(delta) = &d.table {
@@ -458,17 +444,7 @@ fn page_tables_are_sent_as_deltas() {
                 assert_eq!(delta.pages.len(), 1, "only the new page is sent");
             }
         }
-        e.take_plan(plan);
-        while !e.held.is_empty() {
-            e.complete_op(&mut s, 0);
-        }
-        if e.forward.is_some() {
-            e.complete_forward(&mut s);
-        }
-        if s.is_idle() {
-            break;
-        }
-    }
+    });
     assert!(rows >= 19);
     assert!(
         deltas <= 5,
