@@ -650,13 +650,18 @@ pub fn event_roundtrip(ev: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
     event_to_py(ev.py(), e)
 }
 
-/// `kvtier.page_hashes(tokens, page_size)`: the chained SHA-256 of every full page, as an
-/// `(n, 32)` uint8 array (SGLang-compatible; see docs/page-keys.md).
+/// `kvtier.page_hashes(tokens, page_size, *, cache_salt=None, adapter=None, extra_keys=None)`:
+/// the chained SHA-256 of every full page, as an `(n, 32)` uint8 array. Unscoped it is
+/// SGLang's chain (see docs/page-keys.md); a scope seeds and marks it as `submit` does.
 #[pyfunction]
+#[pyo3(signature = (tokens, page_size, *, cache_salt = None, adapter = None, extra_keys = None))]
 pub fn page_hashes<'py>(
     py: Python<'py>,
     tokens: &Bound<'py, PyAny>,
     page_size: usize,
+    cache_salt: Option<String>,
+    adapter: Option<String>,
+    extra_keys: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray2<u8>>> {
     if page_size == 0 {
         return Err(pyo3::exceptions::PyValueError::new_err(
@@ -664,7 +669,11 @@ pub fn page_hashes<'py>(
         ));
     }
     let toks = u32_vec(tokens, "tokens")?;
-    let hs = py.detach(|| kvtier_radix::page_hashes(&toks, page_size, None));
+    let extra = crate::sched::extra_keys_from_py(extra_keys)?;
+    let hs = py.detach(|| {
+        kvtier_radix::HashScope::new(cache_salt.as_deref(), adapter.as_deref(), extra)
+            .page_hashes(&toks, page_size)
+    });
     let flat: Vec<u8> = hs.iter().flat_map(|h| h.0).collect();
     let n = hs.len();
     PyArray1::from_vec(py, flat).reshape([n, 32])

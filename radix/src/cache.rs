@@ -18,13 +18,14 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use slotmap::SlotMap;
 use smallvec::SmallVec;
 
 use crate::error::RadixError;
-use crate::events::KvEvent;
+use crate::events::{KvEvent, ScopeLabel};
 use crate::hash::PageHash;
 use crate::lock::LockRecord;
 use crate::node::{EvictKey, Node, NodeId, TierSlot};
@@ -174,6 +175,7 @@ impl RadixCache {
             last_access: 0,
             hit_count: 0,
             seq: 0,
+            label: None,
         });
         Ok(RadixCache {
             id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
@@ -374,6 +376,20 @@ impl RadixCache {
         tokens: &[u32],
         pages: &[PageId<T>],
     ) -> Result<InsertOutcome<T>, RadixError> {
+        self.insert_labelled(start, from_page, hashes, tokens, pages, None)
+    }
+
+    /// [`Self::insert`] for a scoped request: a new leaf directly below the root records
+    /// `label` (deeper leaves inherit their parent's), and KV events carry it.
+    pub fn insert_labelled<T: Tier>(
+        &mut self,
+        start: NodeId,
+        from_page: usize,
+        hashes: &[PageHash],
+        tokens: &[u32],
+        pages: &[PageId<T>],
+        label: Option<&Arc<ScopeLabel>>,
+    ) -> Result<InsertOutcome<T>, RadixError> {
         let t = T::KIND;
         let end = from_page + pages.len();
         let s = self.node(start)?;
@@ -425,9 +441,9 @@ impl RadixCache {
                     depth,
                     &hashes[depth..end],
                     &tokens[depth * self.page_size..end * self.page_size],
-                    t,
-                    &raw[depth - from_page..],
+                    label,
                 );
+                self.give_pages(leaf, t, &raw[depth - from_page..]);
                 out.inserted += end - depth;
                 node = leaf;
                 break;
@@ -489,16 +505,20 @@ impl RadixCache {
         Ok(())
     }
 
-    /// Creates a leaf under `parent` holding `pages` on tier `t`.
+    /// Creates a leaf under `parent` (without pages: the caller gives them).
     fn new_leaf(
         &mut self,
         parent: NodeId,
         start: usize,
         hashes: &[PageHash],
         tokens: &[u32],
-        t: TierKind,
-        pages: &[u32],
+        label: Option<&Arc<ScopeLabel>>,
     ) -> NodeId {
+        let label = if parent == self.root {
+            label.cloned()
+        } else {
+            self.nodes[parent].label.clone()
+        };
         let seq = self.next_seq;
         self.next_seq += 1;
         let leaf = self.nodes.insert(Node {
@@ -513,10 +533,10 @@ impl RadixCache {
             last_access: self.tick,
             hit_count: 0,
             seq,
+            label,
         });
         self.index.insert(hashes[0], leaf);
         self.nodes[parent].children += 1;
-        self.give_pages(leaf, t, pages);
         leaf
     }
 
@@ -533,6 +553,7 @@ impl RadixCache {
                 tier: t,
                 parent: parent_hash,
                 hashes,
+                label: self.nodes[id].label.clone(),
             });
         }
         if let Some(p) = parent {
@@ -583,6 +604,7 @@ impl RadixCache {
             last_access: n.last_access,
             hit_count: n.hit_count,
             seq,
+            label: n.label.clone(),
         };
         n.start += k as u32;
         let back_first = n.hashes[0];

@@ -83,11 +83,13 @@ impl RadixCache {
             removed,
             in_l3: node.in_l3,
         };
+        let label = node.label.clone();
         self.pool_mut(t).release_cached(&pages);
         if self.record_events {
             self.events.push(KvEvent::Removed {
                 tier: t,
                 hashes: ev.hashes.clone(),
+                label,
             });
         }
         if removed {

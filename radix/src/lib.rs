@@ -27,9 +27,11 @@ mod tier;
 
 pub use cache::{InsertOutcome, PrefixMatch, RadixCache, RadixConfig, TierUsage};
 pub use error::RadixError;
-pub use events::KvEvent;
+pub use events::{KvEvent, ScopeLabel};
 pub use evict::{EvictOutcome, EvictedNode};
-pub use hash::{KeyNamespace, L3KeyBuilder, PageHash, extend_hashes, page_hashes};
+pub use hash::{
+    ExtraKey, HashScope, KeyNamespace, L3KeyBuilder, PageHash, extend_hashes, page_hashes,
+};
 pub use lock::{LockHandle, LockId};
 pub use node::NodeId;
 pub use pool::PageState;

@@ -9,6 +9,9 @@
 use slotmap::new_key_type;
 use smallvec::SmallVec;
 
+use std::sync::Arc;
+
+use crate::events::ScopeLabel;
 use crate::hash::PageHash;
 use crate::tier::TierKind;
 
@@ -56,6 +59,9 @@ pub(crate) struct Node {
     pub hit_count: u32,
     /// Creation sequence number.
     pub seq: u64,
+    /// The scope (salt, adapter) of the prefix; the same for a whole subtree below the root,
+    /// since the scope seeds the hash chain.
+    pub label: Option<Arc<ScopeLabel>>,
 }
 
 impl Node {

@@ -221,7 +221,7 @@ impl Scheduler {
         let r = self.reqs.get(&id)?;
         match self
             .cache
-            .insert::<T>(start, from, &r.hashes, &r.tokens, pages)
+            .insert_labelled::<T>(start, from, &r.hashes, &r.tokens, pages, r.label())
         {
             Ok(out) => {
                 let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();

@@ -68,7 +68,9 @@ pub struct SchedulerConfig {
     /// Keep the device copy of pages after they were written back to host.
     pub keep_device_after_write_back: bool,
     pub retraction: RetractionPolicy,
-    /// Longest request (prompt + new tokens) accepted.
+    /// Longest request (prompt + new tokens) accepted; at most `device_pages × page_size`
+    /// (a request must fit on device). The default, 131,072 (a 128K-context model), fits the
+    /// default 4,096 device pages of 64 tokens.
     pub max_context_tokens: usize,
     /// L3 key namespace and this scheduler's tensor-parallel rank.
     pub namespace: KeyNamespace,
@@ -97,7 +99,7 @@ impl Default for SchedulerConfig {
             write_policy: WritePolicy::WriteThrough,
             keep_device_after_write_back: true,
             retraction: RetractionPolicy::LatestArrival,
-            max_context_tokens: 1 << 20,
+            max_context_tokens: 128 * 1024,
             namespace: KeyNamespace::default(),
             rank: 0,
             record_kv_events: false,
@@ -174,5 +176,21 @@ impl SchedulerConfig {
             return Err(ConfigError::ContextExceedsDevice(self.max_context_tokens));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A new user's first line, `Scheduler::new(SchedulerConfig::default())`, must work.
+    #[test]
+    fn default_config_is_valid() {
+        assert_eq!(SchedulerConfig::default().validate(), Ok(()));
+        let l3 = SchedulerConfig {
+            l3_enabled: true,
+            ..SchedulerConfig::default()
+        };
+        assert_eq!(l3.validate(), Ok(()));
     }
 }

@@ -29,7 +29,9 @@ mod types;
 pub use config::{ConfigError, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, WritePolicy};
 pub use error::SchedulerError;
 pub use kvtier_fsm::{OpKind, RequestState};
-pub use kvtier_radix::{DevicePageId, HostPageId, KeyNamespace, KvEvent, PageHash};
+pub use kvtier_radix::{
+    DevicePageId, ExtraKey, HashScope, HostPageId, KeyNamespace, KvEvent, PageHash, ScopeLabel,
+};
 pub use scheduler::Scheduler;
 pub use stats::{OpStats, Stats};
 pub use types::*;

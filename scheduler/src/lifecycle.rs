@@ -37,12 +37,13 @@ impl Scheduler {
             return;
         };
         let from = r.tree_pages;
-        match self.cache.insert::<Device>(
+        match self.cache.insert_labelled::<Device>(
             dl.node(),
             from,
             &r.hashes,
             &r.tokens,
             &r.pages[from..upto],
+            r.scope.as_ref().map(|s| &s.1),
         ) {
             Ok(out) => {
                 for &(idx, mine, theirs) in &out.duplicates {

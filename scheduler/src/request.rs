@@ -10,7 +10,11 @@
 use smallvec::SmallVec;
 
 use kvtier_fsm::RequestState;
-use kvtier_radix::{Device, DevicePageId, LockHandle, PageHash, extend_hashes};
+use std::sync::Arc;
+
+use kvtier_radix::{
+    Device, DevicePageId, HashScope, LockHandle, PageHash, ScopeLabel, extend_hashes,
+};
 
 use crate::types::{OpId, PageTableDelta, RequestId};
 
@@ -23,6 +27,8 @@ pub(crate) struct Request {
     pub prompt_len: usize,
     pub max_new: u32,
     pub hashes: Vec<PageHash>,
+    /// Salt, adapter and extra keys when the request is scoped (`None`: the plain chain).
+    pub scope: Option<Box<(HashScope, Arc<ScopeLabel>)>>,
     pub state: RequestState,
     /// Device page table: page `i` holds KV of tokens `i*ps .. (i+1)*ps`.
     pub pages: Vec<DevicePageId>,
@@ -62,6 +68,11 @@ impl Request {
         self.tokens.len().saturating_sub(1)
     }
 
+    /// The scope label recorded on the tree nodes this request creates.
+    pub(crate) fn label(&self) -> Option<&Arc<ScopeLabel>> {
+        self.scope.as_ref().map(|s| &s.1)
+    }
+
     /// Makes sure `hashes` covers the first `pages` full pages.
     pub(crate) fn ensure_hashes(&mut self, pages: usize, page_size: usize) {
         if self.hashes.len() < pages {
@@ -69,7 +80,12 @@ impl Request {
             // Exactly what is missing (this runs once per publish, not per page): doubling a
             // whole prompt's hashes for the few pages a decode added costs a fresh block.
             self.hashes.reserve_exact(pages - from);
-            extend_hashes(&mut self.hashes, &self.tokens, page_size, from, pages);
+            match &self.scope {
+                None => extend_hashes(&mut self.hashes, &self.tokens, page_size, from, pages),
+                Some(s) => {
+                    s.0.extend_hashes(&mut self.hashes, &self.tokens, page_size, from, pages)
+                }
+            }
         }
     }
 

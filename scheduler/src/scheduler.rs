@@ -10,10 +10,12 @@
 //! and the request lifecycle live in `admission.rs`, `completion.rs` and `lifecycle.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use kvtier_fsm::{OpEvent, OpKind, RequestEvent, RequestState};
 use kvtier_radix::{
-    Device, Host, KvEvent, L3KeyBuilder, PageHash, RadixCache, RadixConfig, TierKind, page_hashes,
+    Device, HashScope, Host, KvEvent, L3KeyBuilder, PageHash, RadixCache, RadixConfig, ScopeLabel,
+    TierKind, page_hashes,
 };
 
 use crate::config::{ConfigError, PrefetchStopPolicy, SchedulerConfig};
@@ -139,7 +141,35 @@ impl Scheduler {
                 max: self.cfg.max_context_tokens,
             });
         }
-        let hashes = page_hashes(&spec.prompt, self.cfg.page_size, None);
+        for (index, k) in spec.extra_keys.iter().enumerate() {
+            if k.start >= k.end || k.end as usize > spec.prompt.len() {
+                return Err(SchedulerError::BadExtraKey {
+                    index,
+                    start: k.start,
+                    end: k.end,
+                    prompt_len: spec.prompt.len(),
+                });
+            }
+        }
+        let scope =
+            (spec.cache_salt.is_some() || spec.adapter.is_some() || !spec.extra_keys.is_empty())
+                .then(|| {
+                    Box::new((
+                        HashScope::new(
+                            spec.cache_salt.as_deref(),
+                            spec.adapter.as_deref(),
+                            spec.extra_keys,
+                        ),
+                        Arc::new(ScopeLabel {
+                            cache_salt: spec.cache_salt,
+                            adapter: spec.adapter,
+                        }),
+                    ))
+                });
+        let hashes = match &scope {
+            None => page_hashes(&spec.prompt, self.cfg.page_size, None),
+            Some(s) => s.0.page_hashes(&spec.prompt, self.cfg.page_size),
+        };
         let seq = self.next_seq;
         self.next_seq += 1;
         let prompt_len = spec.prompt.len();
@@ -152,6 +182,7 @@ impl Scheduler {
                 prompt_len,
                 max_new: spec.max_new_tokens,
                 hashes,
+                scope,
                 state: RequestState::Submitted,
                 pages: Vec::new(),
                 tree_pages: 0,

@@ -318,11 +318,7 @@ impl Simulation {
         let inst = route(r, self.insts.len(), self.cfg.routing);
         let id = RequestId(r.id);
         let i = &mut self.insts[inst];
-        let spec = RequestSpec {
-            id,
-            prompt: r.prompt.clone(),
-            max_new_tokens: r.output_len,
-        };
+        let spec = RequestSpec::new(id, r.prompt.clone(), r.output_len);
         match i.sched.submit_at(spec, self.now_us / 1000) {
             Ok(()) => {
                 i.tracks.insert(

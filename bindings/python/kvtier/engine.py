@@ -271,6 +271,7 @@ class Engine:
         self.tables: Dict[int, List[int]] = {}
         self.tokens: Dict[int, List[int]] = {}
         self._hashes: Dict[int, np.ndarray] = {}
+        self._scopes: Dict[int, Dict[str, Any]] = {}
         self.ended: List[Tuple[int, str]] = []
         self.outputs: Dict[int, List[int]] = {}
         self.stop_after: Dict[int, int] = {}
@@ -280,10 +281,20 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def submit(self, req: int, prompt: Sequence[int], max_new_tokens: int, now_ms: Optional[int] = None) -> None:
+    def submit(
+        self,
+        req: int,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        now_ms: Optional[int] = None,
+        **scope: Any,
+    ) -> None:
+        """Submits a request; ``scope``: ``cache_salt``, ``adapter``, ``extra_keys`` as
+        ``Scheduler.submit`` takes them (the oracle hashes the request's pages in its scope)."""
         toks = [int(t) for t in prompt]
-        self.s.submit(req, np.asarray(toks, dtype=np.uint32), max_new_tokens, now_ms)
+        self.s.submit(req, np.asarray(toks, dtype=np.uint32), max_new_tokens, now_ms, **scope)
         self.tokens[req] = toks
+        self._scopes[req] = scope
         self.outputs[req] = []
 
     @staticmethod
@@ -303,7 +314,8 @@ class Engine:
     def _expected(self, req: int, pages: int) -> np.ndarray:
         h = self._hashes.get(req)
         if h is None or h.shape[0] < pages:
-            h = page_hashes(np.asarray(self.tokens[req], dtype=np.uint32), self.page_size)
+            toks = np.asarray(self.tokens[req], dtype=np.uint32)
+            h = page_hashes(toks, self.page_size, **self._scopes.get(req, {}))
             self._hashes[req] = h
         return h[:pages]
 

@@ -24,6 +24,8 @@ pub struct Engine {
     /// The engine's copy of each request's page table and tokens.
     pub tables: HashMap<RequestId, Vec<DevicePageId>>,
     pub tokens: HashMap<RequestId, Vec<u32>>,
+    /// Scopes of scoped requests: their pages' contents are the scoped chain.
+    pub scopes: HashMap<RequestId, HashScope>,
     pub held: Vec<PlannedOp>,
     pub forward: Option<ForwardBatch>,
     pub ended: Vec<(RequestId, Outcome)>,
@@ -55,6 +57,7 @@ impl Engine {
             l3: HashMap::new(),
             tables: HashMap::new(),
             tokens: HashMap::new(),
+            scopes: HashMap::new(),
             held: Vec::new(),
             forward: None,
             ended: Vec::new(),
@@ -66,13 +69,31 @@ impl Engine {
     }
 
     pub fn submit(&mut self, s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_new: u32) {
-        self.tokens.insert(RequestId(id), prompt.clone());
-        s.submit(RequestSpec {
-            id: RequestId(id),
-            prompt,
-            max_new_tokens: max_new,
-        })
-        .expect("submit");
+        self.submit_spec(s, RequestSpec::new(RequestId(id), prompt, max_new));
+    }
+
+    /// Submits any request (scoped ones too); the oracle hashes its pages in its scope.
+    pub fn submit_spec(&mut self, s: &mut Scheduler, spec: RequestSpec) {
+        self.tokens.insert(spec.id, spec.prompt.clone());
+        let scope = HashScope::new(
+            spec.cache_salt.as_deref(),
+            spec.adapter.as_deref(),
+            spec.extra_keys.clone(),
+        );
+        if !scope.is_plain() {
+            self.scopes.insert(spec.id, scope);
+        }
+        s.submit(spec).expect("submit");
+    }
+
+    /// The chained hashes of the full pages of `req`'s first `upto` tokens, in its scope.
+    fn hashes(&self, req: RequestId, upto: usize) -> Vec<PageHash> {
+        let toks = &self.tokens[&req];
+        let toks = &toks[..upto.min(toks.len())];
+        match self.scopes.get(&req) {
+            Some(sc) => sc.page_hashes(toks, self.page_size),
+            None => page_hashes(toks, self.page_size, None),
+        }
     }
 
     /// Takes a plan; ops are held (to be completed by `complete_*`), the forward is kept.
@@ -194,9 +215,7 @@ impl Engine {
 
     /// Checks that pages `0 .. upto_tokens / ps` of `req` hold the right KV.
     fn check_pages(&mut self, req: RequestId, upto_tokens: usize) {
-        let ps = self.page_size;
-        let toks = &self.tokens[&req];
-        let hs = page_hashes(&toks[..upto_tokens], ps, None);
+        let hs = self.hashes(req, upto_tokens);
         let table = &self.tables[&req];
         for (i, h) in hs.iter().enumerate() {
             let p = table[i].index() as usize;
@@ -211,8 +230,7 @@ impl Engine {
 
     fn write_pages(&mut self, req: RequestId, from_tok: usize, to_tok: usize) {
         let ps = self.page_size;
-        let toks = &self.tokens[&req];
-        let hs = page_hashes(&toks[..to_tok.min(toks.len())], ps, None);
+        let hs = self.hashes(req, to_tok);
         let table = self.tables[&req].clone();
         for (i, h) in hs.iter().enumerate().skip(from_tok / ps) {
             self.device[table[i].index() as usize] = Some(*h);
