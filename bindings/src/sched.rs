@@ -344,6 +344,13 @@ impl PyScheduler {
         }))
     }
 
+    /// L3 lost these objects (the store reported them evicted or removed): their pages are no
+    /// longer taken to be in L3, so they are backed up again before host drops them. Keys of
+    /// other namespaces or ranks are ignored. Returns the number of tree nodes cleared.
+    fn l3_lost(&mut self, keys: Vec<String>) -> usize {
+        self.inner.l3_lost(&keys)
+    }
+
     /// Number of live requests.
     fn live_requests(&self) -> usize {
         self.inner.live_requests()
@@ -389,6 +396,19 @@ impl PyScheduler {
             self.inner.ops_in_flight()
         )
     }
+}
+
+/// `kvtier.parse_l3_key(key)`: `(namespace, page_hash: bytes, rank)` of a kvtier L3 key
+/// `"{namespace}:{hex digest}:{rank}"`, or `None` for anything else (the one key parser).
+#[pyfunction]
+pub fn parse_l3_key(py: Python<'_>, key: &str) -> Option<(String, Py<PyBytes>, u32)> {
+    kvtier_radix::parse_l3_key(key).map(|k| {
+        (
+            k.namespace.to_string(),
+            PyBytes::new(py, &k.page.0).unbind(),
+            k.rank,
+        )
+    })
 }
 
 /// Op kind names in `OpKind` order (for stubs and tests).

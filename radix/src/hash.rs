@@ -345,6 +345,37 @@ impl L3KeyBuilder {
     pub fn keys<'a>(&self, pages: impl IntoIterator<Item = &'a PageHash>) -> Vec<String> {
         pages.into_iter().map(|p| self.key(p)).collect()
     }
+
+    /// The page hash of `key` if it is a key of this namespace and rank.
+    pub fn page_of(&self, key: &str) -> Option<PageHash> {
+        let k = parse_l3_key(key)?;
+        (k.namespace == self.prefix && k.rank == self.rank).then_some(k.page)
+    }
+}
+
+/// The parts of an L3 key `"{namespace}:{hex digest}:{rank}"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParsedKey<'a> {
+    pub namespace: &'a str,
+    pub page: PageHash,
+    pub rank: u32,
+}
+
+/// Parses an L3 key built by [`L3KeyBuilder`] (the one parser: test engines, the simulator's
+/// oracle and the Python executor all use it). `None` for anything else.
+pub fn parse_l3_key(key: &str) -> Option<ParsedKey<'_>> {
+    let mut parts = key.split(':');
+    let (namespace, digest, rank) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || digest.len() != 64 {
+        return None;
+    }
+    let mut page = [0u8; 32];
+    hex::decode_to_slice(digest, &mut page).ok()?;
+    Some(ParsedKey {
+        namespace,
+        page: PageHash(page),
+        rank: rank.parse().ok()?,
+    })
 }
 
 #[cfg(test)]
@@ -400,5 +431,19 @@ mod tests {
         let k = a.keys_for_rank(3).key(&h);
         assert!(k.ends_with(":3"));
         assert!(k.contains(&h.to_hex()));
+        let p = parse_l3_key(&k).expect("parses");
+        assert_eq!((p.namespace, p.page, p.rank), (&a.fingerprint()[..], h, 3));
+        assert_eq!(a.keys_for_rank(3).page_of(&k), Some(h));
+        assert_eq!(a.keys_for_rank(2).page_of(&k), None, "other rank");
+        assert_eq!(b.keys_for_rank(3).page_of(&k), None, "other namespace");
+        for bad in [
+            "",
+            "x:y:z",
+            &k[..k.len() - 2],
+            &format!("{k}:1"),
+            &k.replace(":3", ":-1"),
+        ] {
+            assert_eq!(parse_l3_key(bad), None, "{bad}");
+        }
     }
 }

@@ -30,7 +30,8 @@ pub use error::RadixError;
 pub use events::{KvEvent, ScopeLabel};
 pub use evict::{EvictOutcome, EvictedNode};
 pub use hash::{
-    ExtraKey, HashScope, KeyNamespace, L3KeyBuilder, PageHash, extend_hashes, page_hashes,
+    ExtraKey, HashScope, KeyNamespace, L3KeyBuilder, PageHash, ParsedKey, extend_hashes,
+    page_hashes, parse_l3_key,
 };
 pub use lock::{LockHandle, LockId};
 pub use node::NodeId;

@@ -318,7 +318,7 @@ impl Scheduler {
         let Some(r) = self.reqs.get(&id) else {
             return false;
         };
-        let keys = self.keys_for(&r.hashes[local..end]);
+        let keys = self.l3_keys(&r.hashes[local..end]);
         self.apply(
             id,
             RequestEvent::SchedulePrefetch {

@@ -158,8 +158,15 @@ impl Scheduler {
                 if success {
                     self.mark_in_l3(end, &nodes);
                 }
+                let mut lost = std::collections::HashSet::new();
                 for h in &hashes {
                     self.backing_up.remove(h);
+                    if self.lost_in_backup.remove(h) {
+                        lost.insert(*h);
+                    }
+                }
+                if success && !lost.is_empty() {
+                    self.cache.forget_l3(&lost);
                 }
                 match lock {
                     AnyLock::Host(l) => {

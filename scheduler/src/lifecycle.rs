@@ -301,7 +301,7 @@ impl Scheduler {
         if hashes.is_empty() {
             return false;
         }
-        let keys = self.keys_for(&hashes);
+        let keys = self.l3_keys(&hashes);
         let (src, lock) = if from_host {
             let Ok(all) = self.cache.path_pages::<Host>(end) else {
                 return false;

@@ -67,6 +67,8 @@ pub struct Scheduler {
     pub(crate) retracted_out: Vec<RequestId>,
     /// Pages whose backup to L3 is in flight.
     pub(crate) backing_up: IdSet<PageHash>,
+    /// Pages of in-flight backups that L3 reported lost before the backup's completion.
+    pub(crate) lost_in_backup: IdSet<PageHash>,
     pub(crate) stats: Stats,
     /// Device pages running prefills will still allocate (computed during admission).
     pub(crate) reserved_pages: usize,
@@ -103,6 +105,7 @@ impl Scheduler {
             ended: Vec::new(),
             retracted_out: Vec::new(),
             backing_up: IdSet::default(),
+            lost_in_backup: IdSet::default(),
             stats: Stats::new(),
             reserved_pages: 0,
             now_ms: 0,
@@ -230,6 +233,33 @@ impl Scheduler {
             Event::ForwardDone { step, outputs } => self.on_forward_done(step, &outputs),
             other => self.on_op_done(other),
         }
+    }
+
+    /// L3 lost these objects (the store reported them evicted or removed, a node holding them
+    /// died): the pages' tree nodes and their descendants are no longer taken to be in L3, so
+    /// write-through backs them up again and the write-back policy backs a host copy up before
+    /// dropping it. Keys of other namespaces or ranks are ignored. Returns the number of tree
+    /// nodes whose L3 flag was cleared.
+    ///
+    /// Why the engine must report losses: the tree's "in L3" flag is set by a successful
+    /// backup or prefetch and is otherwise a *hint*; L3 evicts on its own schedule. Without the
+    /// report, a page dropped from host under write-back on the strength of a stale flag is
+    /// gone from every tier.
+    pub fn l3_lost<K: AsRef<str>>(&mut self, keys: &[K]) -> usize {
+        let lost: std::collections::HashSet<PageHash> = keys
+            .iter()
+            .filter_map(|k| self.keys.page_of(k.as_ref()))
+            .collect();
+        // A loss can overtake the completion of the backup that stored the page: remember it,
+        // so that the `BackUpDone` does not mark the page as in L3 again.
+        self.lost_in_backup.extend(
+            lost.iter()
+                .filter(|h| self.backing_up.contains(*h))
+                .copied(),
+        );
+        let n = self.cache.forget_l3(&lost);
+        self.stats.l3_lost_nodes += n as u64;
+        n
     }
 
     /// Store/remove events of cached pages since the last call, for a KV-aware router.
@@ -462,7 +492,8 @@ impl Scheduler {
         id
     }
 
-    pub(crate) fn keys_for(&self, hashes: &[PageHash]) -> Vec<String> {
+    /// The L3 keys of pages under this scheduler's namespace and rank.
+    pub fn l3_keys(&self, hashes: &[PageHash]) -> Vec<String> {
         self.keys.keys(hashes)
     }
 

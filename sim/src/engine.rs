@@ -16,7 +16,7 @@ use std::time::Duration;
 use kvtier_l3::{
     EmbeddedStore, ErrorCode, L3Store, OffloadMode, PutOptions, SsdConfig, StoreConfig, Tenant,
 };
-use kvtier_radix::{DevicePageId, PageHash, extend_hashes};
+use kvtier_radix::{DevicePageId, PageHash, TierKind, extend_hashes};
 use kvtier_scheduler::*;
 
 use crate::config::SimConfig;
@@ -89,12 +89,7 @@ pub fn fingerprint(h: &PageHash) -> u64 {
 
 /// The fingerprint encoded in an L3 key `"{ns}:{hex digest}:{rank}"`.
 pub fn key_fingerprint(key: &str) -> Option<u64> {
-    let hex = key.split(':').nth(1)?;
-    let mut b = [0u8; 8];
-    for (i, out) in b.iter_mut().enumerate() {
-        *out = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(u64::from_le_bytes(b))
+    kvtier_radix::parse_l3_key(key).map(|k| fingerprint(&k.page))
 }
 
 /// Runs a workload through the simulator and returns the report.
@@ -132,8 +127,12 @@ impl Drop for Simulation {
 impl Simulation {
     pub fn new(cfg: SimConfig) -> Result<Simulation, String> {
         let mut insts = Vec::new();
+        let mut sched_cfg = cfg.scheduler.clone();
+        // Write-back makes L3 the only copy of pages host drops: watch every drop.
+        sched_cfg.record_kv_events |=
+            sched_cfg.l3_enabled && sched_cfg.write_policy == WritePolicy::WriteBack;
         for _ in 0..cfg.instances.max(1) {
-            let sched = Scheduler::new(cfg.scheduler.clone()).map_err(|e| e.to_string())?;
+            let sched = Scheduler::new(sched_cfg.clone()).map_err(|e| e.to_string())?;
             insts.push(Instance {
                 sched,
                 dev: vec![0; cfg.scheduler.device_pages as usize],
@@ -352,6 +351,7 @@ impl Simulation {
         }
         let now = self.now_us;
         let plan = self.insts[inst].sched.next_execution_plan(now / 1000);
+        self.check_host_drops(inst);
         let links = self.cfg.links.clone();
         let page_bytes = self.col.page_bytes;
         {
@@ -473,6 +473,46 @@ impl Simulation {
         Ok(())
     }
 
+    /// Under write-back, host is the last local tier a page leaves: every page the scheduler
+    /// dropped from host must still be in L3 or on this instance's device, or it is lost from
+    /// every tier (an oracle failure). Runs only where KV events are recorded (write-back
+    /// with L3: `Simulation::new` turns them on).
+    fn check_host_drops(&mut self, inst: usize) {
+        if !self.insts[inst].sched.config().record_kv_events {
+            return;
+        }
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let mut dropped = Vec::new();
+        for ev in self.insts[inst].sched.drain_kv_events() {
+            if let KvEvent::Removed {
+                tier: TierKind::Host,
+                hashes,
+                ..
+            } = ev
+            {
+                dropped.extend(hashes);
+            }
+        }
+        if dropped.is_empty() {
+            return;
+        }
+        let i = &self.insts[inst];
+        let on_device: std::collections::HashSet<u64> = i.dev.iter().copied().collect();
+        let keys = i.sched.l3_keys(&dropped);
+        let exist = store.batch_is_exist(&self.tenant, &keys);
+        for (j, h) in dropped.iter().enumerate() {
+            let in_l3 = matches!(exist.as_ref().map(|v| v.get(j)), Ok(Some(Ok(true))));
+            if !in_l3 && !on_device.contains(&fingerprint(h)) {
+                self.col.oracle_failure(format!(
+                    "page {} dropped from host while in no other tier",
+                    keys[j]
+                ));
+            }
+        }
+    }
+
     fn complete_prefetch(&mut self, inst: usize, op: OpId) -> Result<(), String> {
         let Some(p) = self.insts[inst].prefetches.remove(&op) else {
             return Ok(());
@@ -569,8 +609,13 @@ impl Simulation {
             && self.backups_done.is_multiple_of(lose)
             && let Some(k) = keys.first()
         {
-            // An L3 object disappears (evicted elsewhere, node lost).
-            let _ = store.remove(&self.tenant, k, true);
+            // An L3 object disappears (evicted elsewhere, node lost); the store's report reaches
+            // every instance, as an engine subscribed to its evictions would pass it on.
+            if store.remove(&self.tenant, k, true).is_ok() {
+                for i in &mut self.insts {
+                    i.sched.l3_lost(std::slice::from_ref(k));
+                }
+            }
         }
         ok
     }

@@ -76,6 +76,7 @@ from ._native import (  # noqa: F401  (re-exports)
     WriteBackDone,
     WrongCompletionKindError,
     page_hashes,
+    parse_l3_key,
 )
 
 __version__: str = _native.__version__

@@ -48,6 +48,7 @@ from . import (
     SchedulerConfig,
     WriteBackDone,
     page_hashes,
+    parse_l3_key,
 )
 
 __all__ = [
@@ -71,7 +72,10 @@ class IntegrityError(AssertionError):
 
 def key_hash(key: str) -> bytes:
     """The 32-byte page hash an L3 key (``"{namespace}:{hex}:{rank}"``) names."""
-    return bytes.fromhex(key.split(":")[1])
+    parsed = parse_l3_key(key)
+    if parsed is None:
+        raise IntegrityError(f"not a kvtier L3 key: {key!r}")
+    return parsed[1]
 
 
 def page_content(h: bytes, page_bytes: int) -> np.ndarray:

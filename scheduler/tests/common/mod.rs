@@ -40,12 +40,7 @@ pub struct Engine {
 }
 
 fn key_hash(key: &str) -> Option<PageHash> {
-    let hex = key.split(':').nth(1)?;
-    let mut b = [0u8; 32];
-    for (i, c) in hex.as_bytes().chunks(2).enumerate() {
-        b[i] = u8::from_str_radix(std::str::from_utf8(c).ok()?, 16).ok()?;
-    }
-    Some(PageHash(b))
+    kvtier_radix::parse_l3_key(key).map(|k| k.page)
 }
 
 impl Engine {
