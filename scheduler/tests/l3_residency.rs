@@ -122,7 +122,7 @@ fn run_losing_l3(seeds: &[u32], lose_every: usize, report: Report) -> Option<Str
                     }
                 }
             }
-            if (t as usize + i) % lose_every == 0
+            if (t as usize + i).is_multiple_of(lose_every)
                 && let Some(k) = e.l3.keys().min().cloned()
             {
                 e.l3.remove(&k);
