@@ -208,8 +208,29 @@ impl Scheduler {
             }
             match self.try_admit(id, budget, batch, rows) {
                 Admit::Admitted | Admit::Deferred => {}
-                Admit::Blocked => break,
+                Admit::Blocked => {
+                    self.unpin_device_prefetches_behind(id);
+                    break;
+                }
             }
+        }
+    }
+
+    /// Without a host tier prefetches land on device and their pins hold device pages; when
+    /// the head of the queue does not fit, the pins of the requests behind it give way (they
+    /// may lose their prefetched pages and recompute) so that pins cannot deadlock admission.
+    fn unpin_device_prefetches_behind(&mut self, head: RequestId) {
+        if self.cfg.host_enabled || !self.cfg.l3_enabled {
+            return;
+        }
+        let behind: Vec<RequestId> = self
+            .waiting
+            .values()
+            .copied()
+            .filter(|w| *w != head)
+            .collect();
+        for w in behind {
+            self.unpin_prefetch(w);
         }
     }
 
@@ -474,6 +495,11 @@ impl Scheduler {
         };
         r.pages = pages;
         r.prefetched = None;
+        // Admitted: its own locks (device match, load-back source) now hold what it reads.
+        self.unpin_prefetch(id);
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Admit::Deferred;
+        };
         r.tree_pages = dev;
         r.dev_lock = Some(dl);
         r.sent = 0;

@@ -151,10 +151,7 @@ impl Scheduler {
                 },
                 _,
             ) => {
-                let end = match &lock {
-                    AnyLock::Host(l) => l.node(),
-                    AnyLock::Device(l) => l.node(),
-                };
+                let end = lock.node();
                 if success {
                     self.mark_in_l3(end, &nodes);
                 }
@@ -168,14 +165,7 @@ impl Scheduler {
                 if success && !lost.is_empty() {
                     self.cache.forget_l3(&lost);
                 }
-                match lock {
-                    AnyLock::Host(l) => {
-                        let _ = self.cache.unlock(l);
-                    }
-                    AnyLock::Device(l) => {
-                        let _ = self.cache.unlock(l);
-                    }
-                }
+                lock.release(&mut self.cache);
                 if let Some(id) = req {
                     self.apply(id, RequestEvent::BackupDone);
                     if self.reqs.get(&id).is_some_and(|r| r.state.is_terminal()) {
@@ -210,8 +200,21 @@ impl Scheduler {
         if let Some(end) = end {
             self.mark_in_l3(end, &[(start, start + completed)]);
         }
+        // Pin what arrived until the request is admitted (see `Request::prefetch_pin`).
+        let pin = match end {
+            Some(end) if completed > 0 && self.cfg.host_enabled => {
+                self.cache.lock::<Host>(end).ok().map(AnyLock::Host)
+            }
+            Some(end) if completed > 0 => self.cache.lock::<Device>(end).ok().map(AnyLock::Device),
+            _ => None,
+        };
         if let Some(r) = self.reqs.get_mut(&id) {
             r.prefetched = Some((start, completed));
+            if let Some(old) = std::mem::replace(&mut r.prefetch_pin, pin) {
+                old.release(&mut self.cache);
+            }
+        } else if let Some(pin) = pin {
+            pin.release(&mut self.cache);
         }
     }
 

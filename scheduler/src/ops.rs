@@ -18,6 +18,27 @@ pub(crate) enum AnyLock {
     Host(LockHandle<Host>),
 }
 
+impl AnyLock {
+    /// Gives the lock back to the cache.
+    pub(crate) fn release(self, cache: &mut kvtier_radix::RadixCache) {
+        let r = match self {
+            AnyLock::Device(l) => cache.unlock(l),
+            AnyLock::Host(l) => cache.unlock(l),
+        };
+        if let Err(e) = r {
+            tracing::error!(error = %e, "internal: unlock failed");
+            debug_assert!(false, "internal: unlock failed: {e}");
+        }
+    }
+
+    pub(crate) fn node(&self) -> kvtier_radix::NodeId {
+        match self {
+            AnyLock::Device(l) => l.node(),
+            AnyLock::Host(l) => l.node(),
+        }
+    }
+}
+
 /// Destination pages of a prefetch.
 pub(crate) enum PrefetchDst {
     /// Into host pages, inserted below the locked host node.

@@ -16,6 +16,7 @@ use kvtier_radix::{
     Device, DevicePageId, HashScope, LockHandle, PageHash, ScopeLabel, extend_hashes,
 };
 
+use crate::ops::AnyLock;
 use crate::types::{OpId, PageTableDelta, RequestId};
 
 pub(crate) struct Request {
@@ -45,6 +46,11 @@ pub(crate) struct Request {
     /// Prompt pages `start .. start + n` arrived from L3 by the last prefetch (hits on them
     /// are L3 hits, not host hits).
     pub prefetched: Option<(usize, usize)>,
+    /// Pins the pages the last prefetch brought in (host, or device without a host tier) from
+    /// `PrefetchDone` until the request is admitted: unpinned, host pressure in between could
+    /// evict them (and under write-back drop them without a backup) before their only reader
+    /// gets to them.
+    pub prefetch_pin: Option<AnyLock>,
     /// The request was retracted once: later admissions reuse its own pages, which are not
     /// counted as prefix hits.
     pub resumed: bool,

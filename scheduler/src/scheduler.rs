@@ -195,6 +195,7 @@ impl Scheduler {
                 l3_probe: None,
                 l3_done: !self.cfg.l3_enabled,
                 prefetched: None,
+                prefetch_pin: None,
                 resumed: false,
                 ops: Default::default(),
                 recompute: false,
@@ -332,6 +333,11 @@ impl Scheduler {
                 }
             } else if r.tree_pages != 0 {
                 return Err(format!("{:?}: tree pages without a lock", r.id));
+            }
+            match &r.prefetch_pin {
+                Some(crate::ops::AnyLock::Host(_)) => host_locks += 1,
+                Some(crate::ops::AnyLock::Device(_)) => dev_locks += 1,
+                None => {}
             }
             for p in &r.pages[r.tree_pages.min(r.pages.len())..] {
                 if self.cache.page_state(*p) != Some(kvtier_radix::PageState::Held) {
