@@ -10,6 +10,7 @@ use kvtier_fsm::{OpKind, RequestEvent, RequestState};
 use kvtier_radix::{Device, Host, PrefixMatch};
 
 use crate::ops::{OpCtx, PrefetchDst};
+use crate::request::{L3Progress, MAX_REPROBES};
 use crate::scheduler::{Budget, RowKind, Scheduler};
 use crate::types::*;
 
@@ -259,36 +260,59 @@ impl Scheduler {
         let m = self.cache.match_prefix(&r.hashes[..usable]);
         let seq = r.seq;
 
-        if matches!(r.state, RequestState::Submitted) && !r.l3_done {
+        if matches!(r.state, RequestState::Submitted) && r.l3 != L3Progress::Done {
             let local = m.matched_pages;
             let threshold = (self.cfg.prefetch_threshold as usize).max(1);
-            let probe = r.l3_probe;
-            r.l3_done = probe.is_some() || usable < local + threshold;
-            match probe {
-                None if usable >= local + threshold => {
-                    let keys = self.keys.keys(&r.hashes[local..usable]);
-                    self.apply(id, RequestEvent::ScheduleQuery);
-                    self.new_op(
-                        OpKind::L3Query,
-                        Some(id),
-                        false,
-                        OpSpec::L3Query { keys },
-                        OpCtx::Query {
-                            start: local,
-                            n: usable - local,
-                        },
-                    );
-                    self.waiting.remove(&seq);
-                    return Admit::Deferred;
+            // A prefetch starts at the host match (the device match without a host tier).
+            let from = if self.cfg.host_enabled {
+                m.host_pages
+            } else {
+                m.device_pages
+            };
+            let probe_from = match r.l3 {
+                L3Progress::Unprobed { .. } if usable >= local + threshold => Some(local),
+                L3Progress::Probed {
+                    start, reprobes, ..
+                } if from < start && reprobes < MAX_REPROBES && usable >= from + threshold => {
+                    // The local match shrank since the probe: pages `from .. start` were never
+                    // probed, and a prefetch must not ask for them. Probe again from here.
+                    r.l3 = L3Progress::Unprobed {
+                        reprobes: reprobes + 1,
+                    };
+                    Some(local)
                 }
-                Some((start, hit)) => {
+                L3Progress::Probed { start, hit, .. } => {
+                    r.l3 = L3Progress::Done;
                     let end = (start + hit).min(usable);
-                    if end >= local + threshold && self.start_prefetch(id, &m, end) {
+                    if from >= start && end >= local + threshold && self.start_prefetch(id, &m, end)
+                    {
                         self.waiting.remove(&seq);
                         return Admit::Deferred;
                     }
+                    None
                 }
-                None => {}
+                _ => {
+                    r.l3 = L3Progress::Done;
+                    None
+                }
+            };
+            if let Some(local) = probe_from
+                && let Some(r) = self.reqs.get(&id)
+            {
+                let keys = self.keys.keys(&r.hashes[local..usable]);
+                self.apply(id, RequestEvent::ScheduleQuery);
+                self.new_op(
+                    OpKind::L3Query,
+                    Some(id),
+                    false,
+                    OpSpec::L3Query { keys },
+                    OpCtx::Query {
+                        start: local,
+                        n: usable - local,
+                    },
+                );
+                self.waiting.remove(&seq);
+                return Admit::Deferred;
             }
         }
         self.admit_prefill(id, m, budget, batch, rows)

@@ -11,6 +11,7 @@ use kvtier_radix::{Device, Host};
 use crate::error::SchedulerError;
 use crate::idhash::IdMap;
 use crate::ops::{AnyLock, OpCtx, PrefetchDst};
+use crate::request::L3Progress;
 use crate::scheduler::{RowKind, Scheduler};
 use crate::types::*;
 
@@ -111,7 +112,15 @@ impl Scheduler {
             (OpCtx::Query { start, .. }, Event::L3QueryDone { hit_pages, .. }) => {
                 let Some(id) = req else { return Ok(()) };
                 if let Some(r) = self.reqs.get_mut(&id) {
-                    r.l3_probe = Some((start, hit_pages as usize));
+                    let reprobes = match r.l3 {
+                        L3Progress::Unprobed { reprobes } => reprobes,
+                        _ => 0,
+                    };
+                    r.l3 = L3Progress::Probed {
+                        start,
+                        hit: hit_pages as usize,
+                        reprobes,
+                    };
                 }
                 self.apply(id, RequestEvent::QueryDone { hit_pages });
                 self.requeue_or_release(id);

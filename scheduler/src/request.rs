@@ -19,6 +19,25 @@ use kvtier_radix::{
 use crate::ops::AnyLock;
 use crate::types::{OpId, PageTableDelta, RequestId};
 
+/// A request's progress in consulting L3 before its first admission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum L3Progress {
+    /// Not probed yet. `reprobes`: probes already thrown away because the local match shrank
+    /// below their start before the prefetch could be planned.
+    Unprobed { reprobes: u8 },
+    /// The probe found keys of pages `start .. start + hit` in L3 (and nothing else was asked).
+    Probed {
+        start: usize,
+        hit: usize,
+        reprobes: u8,
+    },
+    /// L3 was consulted (prefetched, or not worth it) or is disabled: do not ask again.
+    Done,
+}
+
+/// How many times a request probes again after its local match shrank below its probe.
+pub(crate) const MAX_REPROBES: u8 = 1;
+
 pub(crate) struct Request {
     pub id: RequestId,
     /// Arrival order; queues are ordered by it (retracted requests keep theirs, so they resume first).
@@ -39,10 +58,8 @@ pub(crate) struct Request {
     pub sent: usize,
     /// Smallest index changed in place since the last send (usize::MAX: none).
     pub dirty_from: usize,
-    /// `(start page, hit pages)` from the L3 probe.
-    pub l3_probe: Option<(usize, usize)>,
-    /// L3 was consulted (probe answered, prefetch done or skipped): do not ask again.
-    pub l3_done: bool,
+    /// Where the request is in consulting L3.
+    pub l3: L3Progress,
     /// Prompt pages `start .. start + n` arrived from L3 by the last prefetch (hits on them
     /// are L3 hits, not host hits).
     pub prefetched: Option<(usize, usize)>,

@@ -22,7 +22,7 @@ use crate::config::{ConfigError, PrefetchStopPolicy, SchedulerConfig};
 use crate::error::SchedulerError;
 use crate::idhash::{IdMap, IdSet};
 use crate::ops::{OpCtx, OpRecord};
-use crate::request::Request;
+use crate::request::{L3Progress, Request};
 use crate::stats::Stats;
 use crate::types::*;
 
@@ -192,8 +192,11 @@ impl Scheduler {
                 dev_lock: None,
                 sent: 0,
                 dirty_from: usize::MAX,
-                l3_probe: None,
-                l3_done: !self.cfg.l3_enabled,
+                l3: if self.cfg.l3_enabled {
+                    L3Progress::Unprobed { reprobes: 0 }
+                } else {
+                    L3Progress::Done
+                },
                 prefetched: None,
                 prefetch_pin: None,
                 resumed: false,

@@ -50,3 +50,126 @@ fn prefetched_pages_stay_pinned_until_admission() {
         "A used every page it prefetched: {st:?}"
     );
 }
+
+/// Runs requests over prompts sharing prefixes with small tiers and a seeded L3, checking that
+/// every prefetch asks only for keys a probe of its request answered as hits.
+fn prefetches_ask_only_probed_keys(seeds: &[(u32, usize)], host_pages: u32) -> Result<(), String> {
+    use std::collections::{HashMap, HashSet};
+    let c = SchedulerConfig {
+        device_pages: 24,
+        host_pages,
+        max_context_tokens: 96,
+        prefetch_stop: PrefetchStopPolicy::BestEffort,
+        ..l3_cfg()
+    };
+    let mut e = Engine::new(&c);
+    for s in 0..4 {
+        let mut l3 = seeded(&c, prompt(s, 61)).l3;
+        e.l3.extend(l3.drain());
+    }
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let mut probed: HashMap<RequestId, HashSet<String>> = HashMap::new();
+    let mut err = None;
+    for (i, &(seed, len)) in seeds.iter().enumerate() {
+        e.submit(&mut s, i as u64, prompt(seed, len), 3);
+    }
+    let l3 = e.l3.clone();
+    e.run_watching(&mut s, 2000, |plan| {
+        for op in &plan.ops {
+            let Some(r) = op.req else { continue };
+            match &op.spec {
+                OpSpec::L3Query { keys } => probed
+                    .entry(r)
+                    .or_default()
+                    .extend(keys.iter().take_while(|k| l3.contains_key(*k)).cloned()),
+                OpSpec::Prefetch { keys, .. } => {
+                    let p = probed.get(&r).cloned().unwrap_or_default();
+                    if let Some(k) = keys.iter().find(|k| !p.contains(*k)) {
+                        err.get_or_insert(format!("{r:?} prefetches unprobed key {k}"));
+                    }
+                }
+                _ => {}
+            }
+        }
+    });
+    assert_quiescent(&s);
+    err.map_or(Ok(()), Err)
+}
+
+#[test]
+fn prefetches_ask_only_for_probed_keys() {
+    // Requests whose prefixes sit on host when probed and are evicted by host pressure (other
+    // requests' write-backs and prefetches) before their prefetch is planned.
+    for k in 0..60u32 {
+        let seeds: Vec<(u32, usize)> = (0..10)
+            .map(|i| ((i * 3 + k) % 4, 21 + ((i + k) as usize * 8) % 41))
+            .collect();
+        for host in [12, 16, 24] {
+            prefetches_ask_only_probed_keys(&seeds, host)
+                .unwrap_or_else(|e| panic!("k={k} host={host}: {e}"));
+        }
+    }
+}
+
+/// Deterministic case: A's probe starts after X's 5 pages on host; before the probe's answer
+/// is used, Y's write-back evicts X's pages from host (and Y's growth from device). The
+/// prefetch must not ask for pages 0..5, which the probe never looked at.
+#[test]
+fn regression_prefetch_after_the_match_shrank_asks_only_probed_keys() {
+    let c = SchedulerConfig {
+        device_pages: 16,
+        host_pages: 12,
+        max_context_tokens: 64,
+        ..l3_cfg()
+    };
+    let p = prompt(1, 41);
+    let mut e = Engine::new(&c);
+    e.l3 = seeded(&c, p.clone()).l3;
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    e.submit(&mut s, 1, p[..21].to_vec(), 1); // X: pages 0..5 of p, on device and host
+    e.run_to_idle(&mut s, 300);
+    let x_hits = s.stats().l3_hit_pages; // X found its 5 pages in L3 too
+    e.submit(&mut s, 2, p.clone(), 2); // A
+    let plan = s.next_execution_plan(1000);
+    let probe: Vec<String> = plan
+        .ops
+        .iter()
+        .find_map(|o| match &o.spec {
+            OpSpec::L3Query { keys } => Some(keys.clone()),
+            _ => None,
+        })
+        .expect("A is probed");
+    assert_eq!(probe.len(), 5, "probed from the local match (page 5)");
+    e.take_plan(plan);
+    e.submit(&mut s, 3, prompt(9, 41), 8); // Y: evicts X's pages from device and host
+    e.run_to_idle_except(&mut s, 300, RequestId(2));
+    let mut probed = probe.clone();
+    let mut unprobed = Vec::new();
+    let mut reprobes = 0;
+    e.run_watching(&mut s, 300, |plan| {
+        for o in &plan.ops {
+            match &o.spec {
+                OpSpec::L3Query { keys } => {
+                    reprobes += 1;
+                    probed.extend(keys.clone());
+                }
+                OpSpec::Prefetch { keys, .. } => {
+                    unprobed.extend(keys.iter().filter(|k| !probed.contains(k)).cloned())
+                }
+                _ => {}
+            }
+        }
+    });
+    assert_quiescent(&s);
+    assert_eq!(
+        unprobed,
+        Vec::<String>::new(),
+        "prefetched keys no probe answered"
+    );
+    assert_eq!(reprobes, 1, "A probed again from its shrunken match");
+    assert_eq!(
+        s.stats().l3_hit_pages - x_hits,
+        10,
+        "and got every page from L3"
+    );
+}
