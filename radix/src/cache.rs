@@ -277,7 +277,7 @@ impl RadixCache {
 
     /// Finds the longest cached prefix of a prompt given its page hashes, on each tier.
     ///
-    /// Marks the matched nodes as used (LRU) and counts a hit on each; splits the last node if
+    /// Marks the matched nodes as used (LRU); splits the last node if
     /// the prompt diverges inside it, so the returned nodes end exactly at the matched depths.
     pub fn match_prefix(&mut self, hashes: &[PageHash]) -> PrefixMatch {
         self.tick += 1;
@@ -298,8 +298,7 @@ impl RadixCache {
             let n = common_prefix(&c.hashes, &hashes[depth..]);
             let full = n == c.len();
             let child = if full { child } else { self.split(child, n) };
-            let c = &mut self.nodes[child];
-            c.hit_count = c.hit_count.saturating_add(1);
+            let c = &self.nodes[child];
             let (has_dev, has_host) = (c.has(TierKind::Device), c.has(TierKind::Host));
             self.touch(child);
             depth += n;
@@ -802,7 +801,25 @@ impl RadixCache {
         Ok(&self.node(id)?.hashes)
     }
 
-    /// How many matches went through this node.
+    /// Records that one request reused the prefix ending at `node` (every node on its path
+    /// counts one more reuse). Called once per request, not per match attempt: a request that
+    /// probes, prefetches and is admitted, or waits blocked for many steps, matches many times
+    /// but reuses the prefix once.
+    pub fn record_reuse(&mut self, node: NodeId) -> Result<(), RadixError> {
+        self.node(node)?;
+        let mut cur = node;
+        while cur != self.root {
+            let n = &mut self.nodes[cur];
+            n.hit_count = n.hit_count.saturating_add(1);
+            match n.parent {
+                Some(p) => cur = p,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// How many requests reused this node's pages (see [`Self::record_reuse`]).
     pub fn hit_count(&self, id: NodeId) -> Result<u32, RadixError> {
         Ok(self.node(id)?.hit_count)
     }

@@ -55,7 +55,7 @@ pub(crate) struct Node {
     /// Known (from a successful backup or an L3 hit) to be stored in L3.
     pub in_l3: bool,
     pub last_access: u64,
-    /// Number of matches that went through this node (drives write-through-selective).
+    /// Number of requests that reused this node (drives write-through-selective).
     pub hit_count: u32,
     /// Creation sequence number.
     pub seq: u64,

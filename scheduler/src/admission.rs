@@ -505,6 +505,17 @@ impl Scheduler {
             prefetched.map_or(0, |(s, n)| (s + n).min(b).saturating_sub(s.max(a)))
         };
         let (l3_dev, l3_lb) = (overlap(0, dev), overlap(dev, host.max(dev)));
+        if first_admission && cached > 0 {
+            // One reuse per request (write-through-selective counts requests, not matches).
+            let deepest = if host > dev {
+                m.host_node
+            } else {
+                m.device_node
+            };
+            if let Err(e) = self.cache.record_reuse(deepest) {
+                tracing::error!(req = ?id, error = %e, "internal: record_reuse");
+            }
+        }
         if first_admission {
             self.stats
                 .record_hits("device", (dev - l3_dev) as u64, ps as u64);

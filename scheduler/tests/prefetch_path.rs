@@ -173,3 +173,37 @@ fn regression_prefetch_after_the_match_shrank_asks_only_probed_keys() {
         "and got every page from L3"
     );
 }
+
+/// `write_through_selective { hit_threshold: 2 }` backs up prefixes that two requests reused.
+/// B's probe and its admission both match A's pages: that is one request, not two.
+#[test]
+fn write_through_selective_counts_requests_not_match_attempts() {
+    let c = SchedulerConfig {
+        write_policy: WritePolicy::WriteThroughSelective { hit_threshold: 2 },
+        ..l3_cfg()
+    };
+    let p = prompt(1, 41);
+    let a_keys = c
+        .namespace
+        .keys_for_rank(c.rank)
+        .keys(&kvtier_radix::page_hashes(&p[..20], c.page_size, None));
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let mut e = Engine::new(&c);
+    e.submit(&mut s, 1, p[..21].to_vec(), 1); // A computes pages 0..5
+    e.run_to_idle(&mut s, 300);
+    e.submit(&mut s, 2, p.clone(), 1); // B reuses them (probing L3 for the rest first)
+    e.run_to_idle(&mut s, 300);
+    assert_eq!(
+        s.stats().op(OpKind::L3Query).issued,
+        2,
+        "B probed L3 past A's pages"
+    );
+    assert!(
+        a_keys.iter().all(|k| !e.l3.contains_key(k)),
+        "one reusing request is below the threshold of 2"
+    );
+    e.submit(&mut s, 3, p, 1); // C reuses them too: now two requests did
+    e.run_to_idle(&mut s, 300);
+    assert!(a_keys.iter().all(|k| e.l3.contains_key(k)));
+    assert_quiescent(&s);
+}
