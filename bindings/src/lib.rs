@@ -27,11 +27,13 @@ mod errors;
 mod l3;
 mod plan;
 mod sched;
+mod tp;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<sched::PyScheduler>()?;
+    m.add_class::<tp::PyRankAgreement>()?;
     m.add_class::<plan::PyPlan>()?;
     m.add_class::<plan::PyPlannedOp>()?;
     m.add_class::<plan::PyPrefillChunk>()?;

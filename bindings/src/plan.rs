@@ -255,6 +255,10 @@ pub struct PyPlan {
     /// Requests preempted since the last plan (their page tables are void).
     #[pyo3(get)]
     retracted: Vec<u64>,
+    /// `ExecutionPlan::digest()` when asked for (`next_execution_plan(..., digest=True)`):
+    /// equal on every tensor-parallel rank that planned the same step; else None.
+    #[pyo3(get)]
+    digest: Option<u64>,
     num_decode: usize,
 }
 
@@ -319,8 +323,14 @@ impl PyPlan {
     }
 }
 
+impl PyPlannedOp {
+    pub(crate) fn kind_name(&self) -> &'static str {
+        self.kind
+    }
+}
+
 /// Builds the Python plan: columns for decode rows, objects for ops and chunks.
-pub fn convert_plan(py: Python<'_>, plan: ExecutionPlan) -> PyResult<PyPlan> {
+pub fn convert_plan(py: Python<'_>, plan: ExecutionPlan, digest: Option<u64>) -> PyResult<PyPlan> {
     let n = plan.forward.decode.len();
     let mut reqs = Vec::with_capacity(n);
     let mut pos = Vec::with_capacity(n);
@@ -361,6 +371,7 @@ pub fn convert_plan(py: Python<'_>, plan: ExecutionPlan) -> PyResult<PyPlan> {
         decode_table_from: PyArray1::from_vec(py, from).unbind(),
         decode_table_offsets: arr_u64(py, offs),
         decode_table_pages: arr_u32(py, pages),
+        digest,
         ended: plan
             .ended
             .iter()

@@ -24,7 +24,7 @@ use crate::plan::{PyPlan, convert_plan, event_from_py, forward_columns, forward_
 /// ops and forward, report each completion with `on_event` (or `forward_done`).
 #[pyclass(module = "kvtier", name = "Scheduler")]
 pub struct PyScheduler {
-    inner: Scheduler,
+    pub(crate) inner: Scheduler,
 }
 
 fn usage_dict<'py>(py: Python<'py>, u: &kvtier_radix::TierUsage) -> PyResult<Bound<'py, PyDict>> {
@@ -268,11 +268,41 @@ impl PyScheduler {
     }
 
     /// What the engine should do now (`now_ms`: the engine's clock, for prefetch timeouts).
-    #[pyo3(signature = (now_ms = 0))]
-    fn next_execution_plan(&mut self, py: Python<'_>, now_ms: u64) -> PyResult<PyPlan> {
+    /// `digest=True` also computes `plan.digest` (tensor-parallel debug mode: compare it
+    /// across ranks every step).
+    #[pyo3(signature = (now_ms = 0, *, digest = false))]
+    fn next_execution_plan(
+        &mut self,
+        py: Python<'_>,
+        now_ms: u64,
+        digest: bool,
+    ) -> PyResult<PyPlan> {
         let s = &mut self.inner;
-        let plan = py.detach(|| s.next_execution_plan(now_ms));
-        convert_plan(py, plan)
+        let (plan, d) = py.detach(|| {
+            let plan = s.next_execution_plan(now_ms);
+            let d = digest.then(|| plan.digest());
+            (plan, d)
+        });
+        convert_plan(py, plan, d)
+    }
+
+    /// Ids and kinds of the ops issued and not yet completed, by id: the same on every
+    /// tensor-parallel rank (what `RankAgreement` reduces over).
+    fn in_flight_ops(&self) -> Vec<(u64, &'static str)> {
+        self.inner
+            .in_flight_ops()
+            .into_iter()
+            .map(|(o, k)| (o.0, k.into()))
+            .collect()
+    }
+
+    /// Whether this rank runs `op` (under `l3_sharing="replicated"` only the leader runs
+    /// L3Query and BackUp; the others `RankAgreement.skip` them).
+    fn runs_here(&self, op: &crate::plan::PyPlannedOp) -> bool {
+        ALL_KINDS
+            .into_iter()
+            .find(|k| <&'static str>::from(*k) == op.kind_name())
+            .is_none_or(|k| self.inner.runs_here(k))
     }
 
     /// Counters, queue lengths and pool usage, as a dict.
@@ -414,14 +444,13 @@ pub fn parse_l3_key(py: Python<'_>, key: &str) -> Option<(String, Py<PyBytes>, u
 /// Op kind names in `OpKind` order (for stubs and tests).
 #[pyfunction]
 pub fn op_kinds() -> Vec<&'static str> {
-    [
-        OpKind::LoadBack,
-        OpKind::WriteBack,
-        OpKind::Prefetch,
-        OpKind::BackUp,
-        OpKind::L3Query,
-    ]
-    .into_iter()
-    .map(|k| k.into())
-    .collect()
+    ALL_KINDS.into_iter().map(|k| k.into()).collect()
 }
+
+const ALL_KINDS: [OpKind; 5] = [
+    OpKind::LoadBack,
+    OpKind::WriteBack,
+    OpKind::Prefetch,
+    OpKind::BackUp,
+    OpKind::L3Query,
+];

@@ -44,6 +44,20 @@ pub enum RetractionPolicy {
     MostPages,
 }
 
+/// How tensor-parallel ranks share L3.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum L3Sharing {
+    /// Each rank stores its own shard of every page under its own keys (suffix `:{rank}`), and
+    /// runs every L3 op (the default: KV heads are sharded across ranks).
+    #[default]
+    PerRank,
+    /// Every rank holds the same KV (MLA's latent cache): all ranks use the `leader`'s keys,
+    /// only the leader probes (`L3Query`) and backs up (`BackUp`), every rank prefetches its
+    /// own copy. The others skip those ops and take the leader's answer through the agreement
+    /// (see `RankAgreement::skip`).
+    Replicated { leader: u32 },
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SchedulerConfig {
     /// Tokens per KV page.
@@ -75,6 +89,9 @@ pub struct SchedulerConfig {
     /// L3 key namespace and this scheduler's tensor-parallel rank.
     pub namespace: KeyNamespace,
     pub rank: u32,
+    /// Per-rank keys (default) or one replicated copy written by a leader rank (MLA).
+    #[serde(default)]
+    pub l3_sharing: L3Sharing,
     /// Record KV store/remove events for an external router.
     pub record_kv_events: bool,
 }
@@ -102,6 +119,7 @@ impl Default for SchedulerConfig {
             max_context_tokens: 128 * 1024,
             namespace: KeyNamespace::default(),
             rank: 0,
+            l3_sharing: L3Sharing::PerRank,
             record_kv_events: false,
         }
     }

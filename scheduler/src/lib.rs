@@ -12,9 +12,11 @@
 //! - `completion.rs`: validating and applying completions;
 //! - `lifecycle.rs`: publish, finish, write-back, backup, retraction, release;
 //! - `ops.rs`: the in-flight op table with the locks each op holds;
+//! - `agreement.rs`: tensor-parallel agreement ([`RankAgreement`], [`ExecutionPlan::digest`]);
 //! - `stats.rs`: counters, also exported through the `metrics` facade.
 
 mod admission;
+mod agreement;
 mod completion;
 mod config;
 mod error;
@@ -26,7 +28,10 @@ mod scheduler;
 mod stats;
 mod types;
 
-pub use config::{ConfigError, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, WritePolicy};
+pub use agreement::{AgreementError, RankAgreement};
+pub use config::{
+    ConfigError, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, WritePolicy,
+};
 pub use error::SchedulerError;
 pub use kvtier_fsm::{OpKind, RequestState};
 pub use kvtier_radix::{

@@ -86,7 +86,11 @@ impl Scheduler {
             record_events: cfg.record_kv_events,
         })
         .map_err(|_| ConfigError::Zero { field: "page_size" })?;
-        let keys = cfg.namespace.keys_for_rank(cfg.rank);
+        let key_rank = match cfg.l3_sharing {
+            crate::config::L3Sharing::PerRank => cfg.rank,
+            crate::config::L3Sharing::Replicated { leader } => leader,
+        };
+        let keys = cfg.namespace.keys_for_rank(key_rank);
         Ok(Scheduler {
             cfg,
             cache,
@@ -308,6 +312,31 @@ impl Scheduler {
     /// Ops issued and not yet completed.
     pub fn ops_in_flight(&self) -> usize {
         self.ops.len()
+    }
+
+    /// The ops issued and not yet completed, by id (the same list on every tensor-parallel
+    /// rank fed the same calls: what `RankAgreement` reduces over).
+    pub fn in_flight_ops(&self) -> Vec<(OpId, OpKind)> {
+        let mut v: Vec<(OpId, OpKind)> = self
+            .ops
+            .iter()
+            .filter(|(_, r)| !matches!(r.op.state, kvtier_fsm::OpState::Pending))
+            .map(|(id, r)| (*id, r.kind()))
+            .collect();
+        v.sort_unstable_by_key(|(id, _)| *id);
+        v
+    }
+
+    /// Whether this rank runs ops of `kind`: every op, except that under
+    /// `L3Sharing::Replicated` only the leader runs `L3Query` and `BackUp` (the others
+    /// `RankAgreement::skip` them).
+    pub fn runs_here(&self, kind: OpKind) -> bool {
+        match self.cfg.l3_sharing {
+            crate::config::L3Sharing::PerRank => true,
+            crate::config::L3Sharing::Replicated { leader } => {
+                leader == self.cfg.rank || !matches!(kind, OpKind::L3Query | OpKind::BackUp)
+            }
+        }
     }
 
     /// Full consistency check (tests): the cache's invariants, plus every live request's page

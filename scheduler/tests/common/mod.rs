@@ -118,11 +118,18 @@ impl Engine {
     /// Executes one held op (by index) and reports its completion.
     pub fn complete_op(&mut self, s: &mut Scheduler, idx: usize) {
         let op = self.held.remove(idx);
-        let fail = self.fails(&op);
+        let ev = self.execute_op(&op);
+        s.on_event(ev).expect("op completion accepted");
+    }
+
+    /// Executes an op against this engine's memory and L3, returning its completion (for an
+    /// engine that reduces completions across ranks before reporting them).
+    pub fn execute_op(&mut self, op: &PlannedOp) -> Event {
+        let fail = self.fails(op);
         if fail {
             self.failed.insert(op.id);
         }
-        let ev = match &op.spec {
+        match &op.spec {
             OpSpec::L3Query { keys } => Event::L3QueryDone {
                 op: op.id,
                 hit_pages: keys.iter().take_while(|k| self.l3.contains_key(*k)).count() as u32,
@@ -187,8 +194,7 @@ impl Engine {
                     success: !fail,
                 }
             }
-        };
-        s.on_event(ev).expect("op completion accepted");
+        }
     }
 
     /// Whether the held forward may complete (every op its chunks wait for has completed).
