@@ -37,6 +37,27 @@ pub struct Engine {
     /// Ops this engine reported as failed: a chunk waiting for one reads garbage, so it is
     /// not checked, and the pages it writes are garbage (content `None`).
     pub failed: std::collections::HashSet<OpId>,
+    /// Leave prefetches in flight until the scheduler terminates them (BestEffort/Timeout).
+    pub hold_prefetches: bool,
+    /// How this engine answers `terminate_prefetch` (see [`Termination`]).
+    pub termination: Termination,
+    /// Prefetches the last plan asked to stop.
+    terminating: Vec<OpId>,
+    /// Copies still in flight after their op was reported: `(tier is host, page, content)`;
+    /// they land at the end of the next step.
+    late_writes: Vec<(bool, u32, Option<PageHash>)>,
+}
+
+/// How an engine stops a prefetch the scheduler terminates: half its pages have arrived and
+/// the copy into the next page is in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Termination {
+    /// The contract: report `PrefetchDone` only once every write into the destination pages
+    /// has landed (the in-flight copy finishes first).
+    Landed,
+    /// A broken engine: reports at once; the in-flight copy lands a step later, into a page
+    /// the scheduler has freed and may have handed to someone else.
+    ReportEarly,
 }
 
 fn key_hash(key: &str) -> Option<PageHash> {
@@ -60,6 +81,10 @@ impl Engine {
             fail_every: None,
             stop_after: HashMap::new(),
             failed: Default::default(),
+            hold_prefetches: false,
+            termination: Termination::Landed,
+            terminating: Vec::new(),
+            late_writes: Vec::new(),
         }
     }
 
@@ -101,10 +126,8 @@ impl Engine {
             self.tables.remove(id);
         }
         self.held.extend(plan.ops);
-        // Terminated prefetches are answered at once with what "arrived" so far.
-        for op in plan.terminate_prefetch {
-            let _ = op;
-        }
+        // Terminated prefetches are answered by `stop_prefetches` (it needs the scheduler).
+        self.terminating.extend(plan.terminate_prefetch);
         assert!(self.forward.is_none() || plan.forward.step.is_none());
         if plan.forward.step.is_some() {
             self.forward = Some(plan.forward);
@@ -330,18 +353,88 @@ impl Engine {
         panic!("not idle after {max_steps} steps");
     }
 
-    /// One engine step with every op acknowledged at once: plan, ops, forward.
+    /// One engine step with every op acknowledged at once (prefetches stay in flight with
+    /// `hold_prefetches` until terminated): plan, ops, forward.
     pub fn step(&mut self, s: &mut Scheduler, now: u64) -> bool {
         let plan = s.next_execution_plan(now);
         let busy = !plan.ops.is_empty() || plan.forward.step.is_some();
         self.take_plan(plan);
-        while !self.held.is_empty() {
-            self.complete_op(s, 0);
+        let late = std::mem::take(&mut self.late_writes);
+        self.stop_prefetches(s);
+        let mut i = 0;
+        while i < self.held.len() {
+            if self.hold_prefetches && self.held[i].kind == OpKind::Prefetch {
+                i += 1;
+            } else {
+                self.complete_op(s, i);
+            }
         }
         if self.forward.is_some() {
             self.complete_forward(s);
         }
+        // Copies an early-reporting engine left in flight land now, after the scheduler
+        // freed their pages and this step's ops may have reused them.
+        for (host, page, content) in late {
+            let pool = if host {
+                &mut self.host
+            } else {
+                &mut self.device
+            };
+            pool[page as usize] = content;
+        }
         busy
+    }
+
+    /// Answers the prefetches the last plan terminated: the first half of the keys arrived,
+    /// the copy into the next page is in flight (see [`Termination`]).
+    fn stop_prefetches(&mut self, s: &mut Scheduler) {
+        for op in std::mem::take(&mut self.terminating) {
+            let Some(i) = self.held.iter().position(|o| o.id == op) else {
+                continue; // already completed
+            };
+            let op = self.held.remove(i);
+            let OpSpec::Prefetch { keys, dst } = &op.spec else {
+                continue;
+            };
+            let mut done = 0;
+            for (i, k) in keys.iter().enumerate() {
+                let Some(c) = self.l3.get(k).copied() else {
+                    break;
+                };
+                let (host, page) = match dst {
+                    TierPages::Host(p) => (true, p[i].index()),
+                    TierPages::Device(p) => (false, p[i].index()),
+                };
+                if i < keys.len() / 2 {
+                    let pool = if host {
+                        &mut self.host
+                    } else {
+                        &mut self.device
+                    };
+                    pool[page as usize] = Some(c);
+                    done += 1;
+                    continue;
+                }
+                match self.termination {
+                    // The in-flight copy lands, then the engine reports.
+                    Termination::Landed => {
+                        let pool = if host {
+                            &mut self.host
+                        } else {
+                            &mut self.device
+                        };
+                        pool[page as usize] = Some(c);
+                    }
+                    Termination::ReportEarly => self.late_writes.push((host, page, Some(c))),
+                }
+                break;
+            }
+            s.on_event(Event::PrefetchDone {
+                op: op.id,
+                completed: done,
+            })
+            .expect("prefetch completion accepted");
+        }
     }
 
     /// Steps until every request but `except` has ended, holding back `except`'s ops.
