@@ -10,6 +10,7 @@ use kvtier_fsm::{OpKind, RequestEvent, RequestState};
 use kvtier_radix::{Device, Host, PrefixMatch};
 
 use crate::ops::{OpCtx, PrefetchDst};
+use crate::release;
 use crate::request::{L3Progress, MAX_REPROBES};
 use crate::scheduler::{Budget, RowKind, Scheduler};
 use crate::types::*;
@@ -66,7 +67,7 @@ impl Scheduler {
                     }
                 };
                 let Some(r) = self.reqs.get_mut(&id) else {
-                    let _ = self.cache.free(&page);
+                    release::free(&mut self.cache, &mut self.stats, &page);
                     continue;
                 };
                 if !matches!(
@@ -77,7 +78,7 @@ impl Scheduler {
                     }
                 ) {
                     // Retracted itself to make room.
-                    let _ = self.cache.free(&page);
+                    release::free(&mut self.cache, &mut self.stats, &page);
                     continue;
                 }
                 r.pages.extend(page);
@@ -146,7 +147,7 @@ impl Scheduler {
                         r.pages.extend(p)
                     }
                     _ => {
-                        let _ = self.cache.free(&p);
+                        release::free(&mut self.cache, &mut self.stats, &p);
                         continue;
                     }
                 }
@@ -337,7 +338,7 @@ impl Scheduler {
                 return false;
             };
             let Some(dst) = self.alloc_host(end - local) else {
-                let _ = self.cache.unlock(hl);
+                release::unlock(&mut self.cache, &mut self.stats, hl);
                 return false;
             };
             (
@@ -351,7 +352,7 @@ impl Scheduler {
                 return false;
             };
             let Ok(dst) = self.cache.alloc_evicting::<Device>(end - local) else {
-                let _ = self.cache.unlock(dl);
+                release::unlock(&mut self.cache, &mut self.stats, dl);
                 return false;
             };
             (
@@ -427,7 +428,7 @@ impl Scheduler {
             match self.cache.lock::<Host>(m.host_node) {
                 Ok(h) => Some(h),
                 Err(_) => {
-                    let _ = self.cache.unlock(dl);
+                    release::unlock(&mut self.cache, &mut self.stats, dl);
                     return Admit::Blocked;
                 }
             }
@@ -440,18 +441,18 @@ impl Scheduler {
             .usage(kvtier_radix::TierKind::Device)
             .obtainable();
         if obtainable < lb + whole_prompt + self.reserved_pages {
-            let _ = self.cache.unlock(dl);
+            release::unlock(&mut self.cache, &mut self.stats, dl);
             if let Some(h) = hl {
-                let _ = self.cache.unlock(h);
+                release::unlock(&mut self.cache, &mut self.stats, h);
             }
             return Admit::Blocked;
         }
         let fresh = match self.cache.alloc_evicting::<Device>(lb + new_pages) {
             Ok(p) => p,
             Err(_) => {
-                let _ = self.cache.unlock(dl);
+                release::unlock(&mut self.cache, &mut self.stats, dl);
                 if let Some(h) = hl {
-                    let _ = self.cache.unlock(h);
+                    release::unlock(&mut self.cache, &mut self.stats, h);
                 }
                 return Admit::Blocked;
             }

@@ -11,6 +11,7 @@ use kvtier_radix::{Device, Host};
 use crate::error::SchedulerError;
 use crate::idhash::IdMap;
 use crate::ops::{AnyLock, OpCtx, PrefetchDst};
+use crate::release;
 use crate::request::L3Progress;
 use crate::scheduler::{RowKind, Scheduler};
 use crate::types::*;
@@ -134,7 +135,7 @@ impl Scheduler {
                 self.requeue_or_release(id);
             }
             (OpCtx::LoadBack { host_lock, to, .. }, _) => {
-                let _ = self.cache.unlock(host_lock);
+                release::unlock(&mut self.cache, &mut self.stats, host_lock);
                 if let Some(id) = req {
                     if success {
                         self.publish_device(id, to);
@@ -174,7 +175,7 @@ impl Scheduler {
                 if success && !lost.is_empty() {
                     self.cache.forget_l3(&lost);
                 }
-                lock.release(&mut self.cache);
+                lock.release(&mut self.cache, &mut self.stats);
                 if let Some(id) = req {
                     self.apply(id, RequestEvent::BackupDone);
                     if self.reqs.get(&id).is_some_and(|r| r.state.is_terminal()) {
@@ -195,14 +196,14 @@ impl Scheduler {
         let end = match dst {
             PrefetchDst::Host(pages, lock) => {
                 let end = self.adopt_pages::<Host>(id, lock.node(), start, &pages[..completed]);
-                let _ = self.cache.free(&pages[completed..]);
-                let _ = self.cache.unlock(lock);
+                release::free(&mut self.cache, &mut self.stats, &pages[completed..]);
+                release::unlock(&mut self.cache, &mut self.stats, lock);
                 end
             }
             PrefetchDst::Device(pages, lock) => {
                 let end = self.adopt_pages::<Device>(id, lock.node(), start, &pages[..completed]);
-                let _ = self.cache.free(&pages[completed..]);
-                let _ = self.cache.unlock(lock);
+                release::free(&mut self.cache, &mut self.stats, &pages[completed..]);
+                release::unlock(&mut self.cache, &mut self.stats, lock);
                 end
             }
         };
@@ -220,10 +221,10 @@ impl Scheduler {
         if let Some(r) = self.reqs.get_mut(&id) {
             r.prefetched = Some((start, completed));
             if let Some(old) = std::mem::replace(&mut r.prefetch_pin, pin) {
-                old.release(&mut self.cache);
+                old.release(&mut self.cache, &mut self.stats);
             }
         } else if let Some(pin) = pin {
-            pin.release(&mut self.cache);
+            pin.release(&mut self.cache, &mut self.stats);
         }
     }
 
@@ -244,12 +245,12 @@ impl Scheduler {
         {
             Ok(out) => {
                 let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
-                let _ = self.cache.free(&dups);
+                release::free(&mut self.cache, &mut self.stats, &dups);
                 Some(out.end_node)
             }
             Err(e) => {
                 tracing::error!(req = ?id, error = %e, "insert of copied pages refused");
-                let _ = self.cache.free(pages);
+                release::free(&mut self.cache, &mut self.stats, pages);
                 None
             }
         }

@@ -23,6 +23,7 @@ mod error;
 mod idhash;
 mod lifecycle;
 mod ops;
+mod release;
 mod request;
 mod scheduler;
 mod stats;

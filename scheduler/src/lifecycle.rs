@@ -12,6 +12,7 @@ use kvtier_radix::{Device, Host, HostPageId, LockHandle, NodeId, PageHash};
 
 use crate::config::{RetractionPolicy, WritePolicy};
 use crate::ops::{AnyLock, OpCtx};
+use crate::release;
 use crate::scheduler::Scheduler;
 use crate::types::*;
 
@@ -49,7 +50,7 @@ impl Scheduler {
                 for &(idx, mine, theirs) in &out.duplicates {
                     r.pages[idx] = theirs;
                     r.dirty_from = r.dirty_from.min(idx);
-                    let _ = self.cache.free(&[mine]);
+                    release::free(&mut self.cache, &mut self.stats, &[mine]);
                 }
                 match self.cache.relock(dl, out.end_node) {
                     Ok(nl) => {
@@ -116,7 +117,7 @@ impl Scheduler {
             return;
         };
         let own: Vec<_> = r.pages.drain(r.tree_pages.min(r.pages.len())..).collect();
-        let _ = self.cache.free(&own);
+        release::free(&mut self.cache, &mut self.stats, &own);
         r.sent = r.sent.min(r.pages.len());
     }
 
@@ -150,7 +151,7 @@ impl Scheduler {
         };
         let n = full - host_from;
         let Some(dst) = self.alloc_host(n) else {
-            let _ = self.cache.unlock(hl);
+            release::unlock(&mut self.cache, &mut self.stats, hl);
             return 0;
         };
         let src = self
@@ -187,11 +188,11 @@ impl Scheduler {
         let host_end = match req {
             Some(id) if success => self.adopt_pages::<Host>(id, host_lock.node(), from, &dst),
             _ => {
-                let _ = self.cache.free(&dst);
+                release::free(&mut self.cache, &mut self.stats, &dst);
                 None
             }
         };
-        let _ = self.cache.unlock(host_lock);
+        release::unlock(&mut self.cache, &mut self.stats, host_lock);
         let Some(id) = req else { return };
         // The device copy was the source; the request's hold on it ends here.
         let dev_end = self.take_dev_lock(id);
@@ -232,10 +233,10 @@ impl Scheduler {
         r.tree_pages = 0;
         r.sent = 0;
         r.dirty_from = usize::MAX;
-        let _ = self.cache.free(&own);
+        release::free(&mut self.cache, &mut self.stats, &own);
         let lock = lock?;
         let node = lock.node();
-        let _ = self.cache.unlock(lock);
+        release::unlock(&mut self.cache, &mut self.stats, lock);
         Some(node)
     }
 
@@ -459,7 +460,7 @@ impl Scheduler {
     /// Gives back the pin on the request's prefetched pages (admitted, or ended).
     pub(crate) fn unpin_prefetch(&mut self, id: RequestId) {
         if let Some(pin) = self.reqs.get_mut(&id).and_then(|r| r.prefetch_pin.take()) {
-            pin.release(&mut self.cache);
+            pin.release(&mut self.cache, &mut self.stats);
         }
     }
 

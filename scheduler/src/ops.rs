@@ -20,14 +20,10 @@ pub(crate) enum AnyLock {
 
 impl AnyLock {
     /// Gives the lock back to the cache.
-    pub(crate) fn release(self, cache: &mut kvtier_radix::RadixCache) {
-        let r = match self {
-            AnyLock::Device(l) => cache.unlock(l),
-            AnyLock::Host(l) => cache.unlock(l),
-        };
-        if let Err(e) = r {
-            tracing::error!(error = %e, "internal: unlock failed");
-            debug_assert!(false, "internal: unlock failed: {e}");
+    pub(crate) fn release(self, cache: &mut kvtier_radix::RadixCache, stats: &mut crate::Stats) {
+        match self {
+            AnyLock::Device(l) => crate::release::unlock(cache, stats, l),
+            AnyLock::Host(l) => crate::release::unlock(cache, stats, l),
         }
     }
 

@@ -344,6 +344,12 @@ impl Scheduler {
     /// hold.
     pub fn check(&self) -> Result<(), String> {
         self.cache.check_invariants()?;
+        if self.stats.internal_errors > 0 {
+            return Err(format!(
+                "{} locks or pages could not be given back",
+                self.stats.internal_errors
+            ));
+        }
         let mut dev_locks = 0;
         let mut host_locks = 0;
         for r in self.reqs.values() {
