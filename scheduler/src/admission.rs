@@ -9,7 +9,7 @@
 use kvtier_fsm::{OpKind, RequestEvent, RequestState};
 use kvtier_radix::{Device, Host, PrefixMatch};
 
-use crate::ops::{OpCtx, PrefetchDst};
+use crate::ops::OpCtx;
 use crate::release;
 use crate::request::{L3Progress, MAX_REPROBES};
 use crate::scheduler::{Budget, RowKind, Scheduler};
@@ -218,24 +218,6 @@ impl Scheduler {
         }
     }
 
-    /// Without a host tier prefetches land on device and their pins hold device pages; when
-    /// the head of the queue does not fit, the pins of the requests behind it give way (they
-    /// may lose their prefetched pages and recompute) so that pins cannot deadlock admission.
-    fn unpin_device_prefetches_behind(&mut self, head: RequestId) {
-        if self.cfg.host_enabled || !self.cfg.l3_enabled {
-            return;
-        }
-        let behind: Vec<RequestId> = self
-            .waiting
-            .values()
-            .copied()
-            .filter(|w| *w != head)
-            .collect();
-        for w in behind {
-            self.unpin_prefetch(w);
-        }
-    }
-
     fn try_admit(
         &mut self,
         id: RequestId,
@@ -317,75 +299,6 @@ impl Scheduler {
             }
         }
         self.admit_prefill(id, m, budget, batch, rows)
-    }
-
-    /// Issues a prefetch of prompt pages `local .. end`, where `local` is the match *now*: the
-    /// keys are computed here, against this match, and the pages will be inserted at exactly
-    /// this offset below the node locked here.
-    fn start_prefetch(&mut self, id: RequestId, m: &PrefixMatch, end: usize) -> bool {
-        let Some(r) = self.reqs.get(&id) else {
-            return false;
-        };
-        let total_tokens = r.tokens.len();
-        let (local, dst_spec, dst) = if self.cfg.host_enabled {
-            // Prefetched pages hang below the host match; device-only pages past it would leave
-            // a hole in host residency, so only prefetch when host covers the local match.
-            if m.host_pages < m.device_pages {
-                return false;
-            }
-            let local = m.host_pages;
-            let Ok(hl) = self.cache.lock::<Host>(m.host_node) else {
-                return false;
-            };
-            let Some(dst) = self.alloc_host(end - local) else {
-                release::unlock(&mut self.cache, &mut self.stats, hl);
-                return false;
-            };
-            (
-                local,
-                TierPages::Host(dst.clone()),
-                PrefetchDst::Host(dst, hl),
-            )
-        } else {
-            let local = m.device_pages;
-            let Ok(dl) = self.cache.lock::<Device>(m.device_node) else {
-                return false;
-            };
-            let Ok(dst) = self.cache.alloc_evicting::<Device>(end - local) else {
-                release::unlock(&mut self.cache, &mut self.stats, dl);
-                return false;
-            };
-            (
-                local,
-                TierPages::Device(dst.clone()),
-                PrefetchDst::Device(dst, dl),
-            )
-        };
-        let Some(r) = self.reqs.get(&id) else {
-            return false;
-        };
-        let keys = self.l3_keys(&r.hashes[local..end]);
-        self.apply(
-            id,
-            RequestEvent::SchedulePrefetch {
-                start_page: local as u32,
-                pages: (end - local) as u32,
-            },
-        );
-        let op = self.new_op(
-            OpKind::Prefetch,
-            Some(id),
-            false,
-            OpSpec::Prefetch {
-                keys,
-                dst: dst_spec,
-            },
-            OpCtx::Prefetch { start: local, dst },
-        );
-        if let Some(deadline) = self.prefetch_deadline(total_tokens) {
-            self.prefetch_deadlines.insert((deadline, op));
-        }
-        true
     }
 
     /// Admits a request into prefill: pins its device match, loads host-only pages back, and

@@ -6,11 +6,10 @@
 //! mutates. A rejected event leaves the scheduler exactly as it was.
 
 use kvtier_fsm::{OpEvent, RequestEvent, RequestState};
-use kvtier_radix::{Device, Host};
 
 use crate::error::SchedulerError;
 use crate::idhash::IdMap;
-use crate::ops::{AnyLock, OpCtx, PrefetchDst};
+use crate::ops::{OpCtx, PrefetchDst};
 use crate::release;
 use crate::request::L3Progress;
 use crate::scheduler::{RowKind, Scheduler};
@@ -186,46 +185,6 @@ impl Scheduler {
             _ => {}
         }
         Ok(())
-    }
-
-    /// Inserts the first `completed` prefetched pages at page `start` — the offset their keys
-    /// were computed against — below the node locked when the prefetch was issued, and frees
-    /// the rest. Pages that meanwhile reached the tree another way are duplicates and freed.
-    fn finish_prefetch(&mut self, id: RequestId, start: usize, dst: PrefetchDst, completed: usize) {
-        // Pages that arrived are adopted below the node locked at issue time; the rest is freed.
-        let end = match dst {
-            PrefetchDst::Host(pages, lock) => {
-                let end = self.adopt_pages::<Host>(id, lock.node(), start, &pages[..completed]);
-                release::free(&mut self.cache, &mut self.stats, &pages[completed..]);
-                release::unlock(&mut self.cache, &mut self.stats, lock);
-                end
-            }
-            PrefetchDst::Device(pages, lock) => {
-                let end = self.adopt_pages::<Device>(id, lock.node(), start, &pages[..completed]);
-                release::free(&mut self.cache, &mut self.stats, &pages[completed..]);
-                release::unlock(&mut self.cache, &mut self.stats, lock);
-                end
-            }
-        };
-        if let Some(end) = end {
-            self.mark_in_l3(end, &[(start, start + completed)]);
-        }
-        // Pin what arrived until the request is admitted (see `Request::prefetch_pin`).
-        let pin = match end {
-            Some(end) if completed > 0 && self.cfg.host_enabled => {
-                self.cache.lock::<Host>(end).ok().map(AnyLock::Host)
-            }
-            Some(end) if completed > 0 => self.cache.lock::<Device>(end).ok().map(AnyLock::Device),
-            _ => None,
-        };
-        if let Some(r) = self.reqs.get_mut(&id) {
-            r.prefetched = Some((start, completed));
-            if let Some(old) = std::mem::replace(&mut r.prefetch_pin, pin) {
-                old.release(&mut self.cache, &mut self.stats);
-            }
-        } else if let Some(pin) = pin {
-            pin.release(&mut self.cache, &mut self.stats);
-        }
     }
 
     /// Inserts the held copies `pages` of the request's pages `from ..` below `start` on tier

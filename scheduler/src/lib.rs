@@ -12,6 +12,7 @@
 //! - `completion.rs`: validating and applying completions;
 //! - `lifecycle.rs`: publish, finish, write-back, backup, retraction, release;
 //! - `ops.rs`: the in-flight op table with the locks each op holds;
+//! - `prefetch.rs`: the prefetch path (start, deadline, finish, pin until admission);
 //! - `agreement.rs`: tensor-parallel agreement ([`RankAgreement`], [`ExecutionPlan::digest`]);
 //! - `stats.rs`: counters, also exported through the `metrics` facade.
 
@@ -23,6 +24,7 @@ mod error;
 mod idhash;
 mod lifecycle;
 mod ops;
+mod prefetch;
 mod release;
 mod request;
 mod scheduler;

@@ -457,13 +457,6 @@ impl Scheduler {
         false
     }
 
-    /// Gives back the pin on the request's prefetched pages (admitted, or ended).
-    pub(crate) fn unpin_prefetch(&mut self, id: RequestId) {
-        if let Some(pin) = self.reqs.get_mut(&id).and_then(|r| r.prefetch_pin.take()) {
-            pin.release(&mut self.cache, &mut self.stats);
-        }
-    }
-
     /// Ends a request in a terminal state: unpins and frees everything it held, once.
     pub(crate) fn release(&mut self, id: RequestId) {
         self.unpin_prefetch(id);

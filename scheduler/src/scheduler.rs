@@ -18,7 +18,7 @@ use kvtier_radix::{
     TierKind, page_hashes,
 };
 
-use crate::config::{ConfigError, PrefetchStopPolicy, SchedulerConfig};
+use crate::config::{ConfigError, SchedulerConfig};
 use crate::error::SchedulerError;
 use crate::idhash::{IdMap, IdSet};
 use crate::ops::{OpCtx, OpRecord};
@@ -551,21 +551,5 @@ impl Scheduler {
             return self.cache.alloc::<Host>(n).ok();
         }
         self.cache.alloc_evicting::<Host>(n).ok()
-    }
-
-    /// The prefetch deadline for a request of `tokens` tokens issued now.
-    pub(crate) fn prefetch_deadline(&self, tokens: usize) -> Option<u64> {
-        match self.cfg.prefetch_stop {
-            PrefetchStopPolicy::WaitComplete => None,
-            PrefetchStopPolicy::BestEffort => Some(self.now_ms),
-            PrefetchStopPolicy::Timeout {
-                base_ms,
-                per_1k_tokens_ms,
-            } => Some(
-                self.now_ms
-                    .saturating_add(base_ms)
-                    .saturating_add(per_1k_tokens_ms.saturating_mul(tokens as u64) / 1000),
-            ),
-        }
     }
 }
