@@ -328,7 +328,8 @@ impl Inner {
     }
 
     fn shutdown(&self) {
-        if let Some((tx, h)) = self.sweeper.lock().take() {
+        let sweeper = self.sweeper.lock().take();
+        if let Some((tx, h)) = sweeper {
             drop(tx);
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
@@ -897,7 +898,13 @@ impl L3Store for EmbeddedStore {
         let t0 = Instant::now();
         let h = self.inner.put_start(tenant, key, data.len() as u64)?;
         let bytes: Arc<[u8]> = Arc::from(data);
-        if let Err(e) = self.inner.master.lock().put_write(&h, bytes) {
+        // Bind the result first: the guard of the first lock must be gone before the revoke
+        // locks again (parking_lot's mutex is not reentrant; holding it here deadlocked the
+        // store when a forced remove raced this put).
+        let written = self.inner.master.lock().put_write(&h, bytes);
+        if let Err(e) = written {
+            // The revoke fails only if the pending object is already gone (a forced remove
+            // took it): nothing is left to release then.
             let _ = self.inner.master.lock().put_revoke(&h);
             return Err(e);
         }

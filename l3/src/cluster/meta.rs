@@ -94,7 +94,8 @@ impl ClusterMaster {
 
     /// Stops the sweeper.
     pub fn shutdown(&self) {
-        if let Some(mut p) = self.sweeper.lock().take() {
+        let sweeper = self.sweeper.lock().take();
+        if let Some(mut p) = sweeper {
             p.stop();
         }
     }

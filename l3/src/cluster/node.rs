@@ -662,10 +662,12 @@ impl StoreNode {
     /// Stops serving, writes and registers every queued SSD copy, and leaves the master
     /// (its memory replicas are dropped there; its SSD replicas stay registered).
     pub fn shutdown(&self) {
-        if let Some(mut p) = self.pinger.lock().take() {
+        let pinger = self.pinger.lock().take();
+        if let Some(mut p) = pinger {
             p.stop();
         }
-        if let Some(mut x) = self.xfer.lock().take() {
+        let xfer = self.xfer.lock().take();
+        if let Some(mut x) = xfer {
             x.stop();
         }
         if let Some(s) = &self.inner.ssd {
