@@ -259,8 +259,8 @@ impl<B: Backend> L3Rpc for Conn<B> {
     }
 
     async fn remove(self, _: Context, tenant: Tenant, key: String, force: bool) -> L3Result<()> {
-        self.auth()?;
-        self.store.remove(&tenant, &key, force)
+        // Blocking pool: a remove syncs its SSD tombstone before it is acknowledged.
+        self.blocking(move |s| s.remove(&tenant, &key, force)).await
     }
 
     async fn remove_all(self, _: Context, tenant: Tenant, force: bool) -> L3Result<u64> {
