@@ -33,7 +33,8 @@ use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
 
-use super::bucket::{self, NewRecord};
+use super::bucket;
+use super::writer;
 use crate::config::SsdConfig;
 use crate::error::{L3Error, L3Result};
 use crate::master::DiskLoc;
@@ -81,7 +82,7 @@ impl OffloadJob {
     }
 }
 
-enum Msg {
+pub(super) enum Msg {
     Write(OffloadJob),
     Flush(SyncSender<()>),
 }
@@ -97,34 +98,34 @@ pub trait TierHooks: Send + Sync {
 }
 
 #[derive(Debug, Clone)]
-struct RecMeta {
-    tenant: Tenant,
-    key: String,
-    loc: DiskLoc,
-    index: u32,
-    alive: bool,
+pub(super) struct RecMeta {
+    pub(super) tenant: Tenant,
+    pub(super) key: String,
+    pub(super) loc: DiskLoc,
+    pub(super) index: u32,
+    pub(super) alive: bool,
 }
 
 #[derive(Debug)]
-struct BucketMeta {
-    file_size: u64,
-    records: Vec<RecMeta>,
-    live: usize,
+pub(super) struct BucketMeta {
+    pub(super) file_size: u64,
+    pub(super) records: Vec<RecMeta>,
+    pub(super) live: usize,
 }
 
 #[derive(Debug, Default)]
-struct TierState {
-    buckets: BTreeMap<u64, BucketMeta>,
-    files: HashMap<u64, Arc<File>>,
-    next_id: u64,
+pub(super) struct TierState {
+    pub(super) buckets: BTreeMap<u64, BucketMeta>,
+    pub(super) files: HashMap<u64, Arc<File>>,
+    pub(super) next_id: u64,
     /// Ids below this are durably reserved (`next-bucket-id`).
-    reserved: u64,
-    used: u64,
+    pub(super) reserved: u64,
+    pub(super) used: u64,
     /// Counters for metrics.
-    written_objects: u64,
-    write_failures: u64,
-    evicted_buckets: u64,
-    corrupt_reads: u64,
+    pub(super) written_objects: u64,
+    pub(super) write_failures: u64,
+    pub(super) evicted_buckets: u64,
+    pub(super) corrupt_reads: u64,
 }
 
 /// Numbers of the SSD tier.
@@ -145,17 +146,17 @@ pub struct TierStats {
 }
 
 /// Ids reserved per write of `next-bucket-id`.
-const ID_BLOCK: u64 = 1024;
+pub(super) const ID_BLOCK: u64 = 1024;
 
 /// Writes announced and not yet settled, per object: token → `None` while queued or being
 /// written, `Some(loc)` once its bucket is published (until the master registered it).
 type Inflight = HashMap<(Tenant, String), Vec<(u64, Option<DiskLoc>)>>;
 
-struct Shared {
-    cfg: SsdConfig,
-    state: Mutex<TierState>,
-    inflight: Mutex<Inflight>,
-    tomb_io: Mutex<()>,
+pub(super) struct Shared {
+    pub(super) cfg: SsdConfig,
+    pub(super) state: Mutex<TierState>,
+    pub(super) inflight: Mutex<Inflight>,
+    pub(super) tomb_io: Mutex<()>,
 }
 
 /// The SSD tier.
@@ -273,7 +274,7 @@ impl SsdTier {
         let shared = self.shared.clone();
         let h = std::thread::Builder::new()
             .name("kvtier-l3-ssd-writer".into())
-            .spawn(move || writer_loop(shared, rx, hooks))
+            .spawn(move || writer::writer_loop(shared, rx, hooks))
             .map_err(|e| L3Error::Internal(format!("spawn ssd writer: {e}")))?;
         *self.tx.lock() = Some(tx);
         *self.worker.lock() = Some(h);
@@ -339,7 +340,7 @@ impl SsdTier {
             }),
         };
         if sent.is_err() {
-            settle(&self.shared, &tenant, &key, token);
+            writer::settle(&self.shared, &tenant, &key, token);
         }
         sent
     }
@@ -469,243 +470,10 @@ impl Drop for SsdTier {
     }
 }
 
-fn writer_loop(shared: Arc<Shared>, rx: Receiver<Msg>, hooks: Arc<dyn TierHooks>) {
-    let keys_limit = shared.cfg.bucket_keys_limit;
-    let bytes_limit = shared.cfg.bucket_bytes_limit;
-    let mut carry: Option<Msg> = None;
-    loop {
-        let first = match carry.take() {
-            Some(m) => m,
-            None => match rx.recv() {
-                Ok(m) => m,
-                Err(_) => return,
-            },
-        };
-        let mut batch = Vec::new();
-        let mut bytes = 0u64;
-        let mut flush = None;
-        match first {
-            Msg::Flush(d) => {
-                let _ = d.send(());
-                continue;
-            }
-            Msg::Write(j) => {
-                bytes += j.data.len() as u64;
-                batch.push(j);
-            }
-        }
-        while batch.len() < keys_limit && bytes < bytes_limit {
-            match rx.try_recv() {
-                Ok(Msg::Write(j)) => {
-                    if bytes + j.data.len() as u64 > bytes_limit {
-                        carry = Some(Msg::Write(j));
-                        break;
-                    }
-                    bytes += j.data.len() as u64;
-                    batch.push(j);
-                }
-                Ok(Msg::Flush(d)) => {
-                    flush = Some(d);
-                    break;
-                }
-                Err(_) => break,
-            }
-        }
-        write_batch(&shared, batch, hooks.as_ref());
-        if let Some(d) = flush {
-            let _ = d.send(());
-        }
-    }
-}
-
-/// Withdraws the announcement of one write (written and registered, failed, or skipped).
-fn settle(shared: &Shared, tenant: &Tenant, key: &str, token: u64) {
-    let mut inf = shared.inflight.lock();
-    let k = (tenant.clone(), key.to_string());
-    if let Some(v) = inf.get_mut(&k) {
-        v.retain(|(t, _)| *t != token);
-        if v.is_empty() {
-            inf.remove(&k);
-        }
-    }
-}
-
-/// The next bucket id, reserving a new block durably when the reserved one is used up.
-fn next_bucket_id(shared: &Shared) -> std::io::Result<u64> {
-    let mut st = shared.state.lock();
-    if st.next_id >= st.reserved {
-        let bound = st.next_id.saturating_add(ID_BLOCK);
-        bucket::write_next_id(&shared.cfg.dir, bound)?;
-        st.reserved = bound;
-    }
-    let id = st.next_id;
-    st.next_id += 1;
-    Ok(id)
-}
-
-/// A batch could not be written: nothing registered, waiters told, staged copies released.
-fn fail_batch(
-    shared: &Shared,
-    id: Option<u64>,
-    batch: &[OffloadJob],
-    e: &std::io::Error,
-    hooks: &dyn TierHooks,
-) {
-    tracing::warn!(bucket = ?id, error = %e, "ssd bucket write failed; nothing registered");
-    shared.state.lock().write_failures += 1;
-    let msg = e.to_string();
-    for j in batch {
-        settle(shared, &j.tenant, &j.key, j.token);
-        if let Some(d) = &j.done {
-            // A waiter that gave up is fine: the failure is counted either way.
-            let _ = d.send(Err(L3Error::FileWriteFail(msg.clone())));
-        }
-    }
-    hooks.write_failed(batch);
-}
-
-fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
-    let cfg = &shared.cfg;
-    let bytes: u64 = batch.iter().map(|j| j.data.len() as u64).sum();
-    evict_for(shared, bytes, hooks);
-    let id = match next_bucket_id(shared) {
-        Ok(id) => id,
-        Err(e) => return fail_batch(shared, None, &batch, &e, hooks),
-    };
-    let over_capacity = {
-        let st = shared.state.lock();
-        st.used + bytes > cfg.capacity_bytes
-    };
-    let staged = if over_capacity {
-        Err(std::io::Error::other("ssd tier capacity exhausted"))
-    } else {
-        let recs: Vec<NewRecord<'_>> = batch
-            .iter()
-            .map(|j| NewRecord {
-                tenant: j.tenant.as_str(),
-                key: &j.key,
-                data: &j.data,
-            })
-            .collect();
-        bucket::write_staged(&cfg.dir, id, &recs)
-    };
-    let (staged, written) = match staged {
-        Ok(x) => x,
-        Err(e) => return fail_batch(shared, Some(id), &batch, &e, hooks),
-    };
-    let file_size = bucket::FILE_HDR
-        + batch
-            .iter()
-            .map(|j| {
-                (bucket::REC_HDR + j.tenant.as_str().len() + j.key.len()) as u64
-                    + j.data.len() as u64
-            })
-            .sum::<u64>();
-    let locs: Vec<DiskLoc> = batch
-        .iter()
-        .zip(&written)
-        .map(|(j, w)| DiskLoc {
-            bucket: id,
-            offset: w.offset,
-            size: j.data.len() as u64,
-            crc: w.crc,
-        })
-        .collect();
-    // Publish under the inflight lock: a job cancelled before this point is tombstoned in
-    // the bucket's sidecar before the rename; one cancelled after it sees its location.
-    let live: Vec<bool> = {
-        let mut inf = shared.inflight.lock();
-        let live: Vec<bool> = batch
-            .iter()
-            .map(|j| {
-                inf.get(&(j.tenant.clone(), j.key.clone()))
-                    .is_some_and(|v| v.iter().any(|(t, _)| *t == j.token))
-            })
-            .collect();
-        if !live.iter().any(|l| *l) {
-            // Everything was removed while queued: the bucket is never published.
-            drop(inf);
-            drop(staged);
-            for j in &batch {
-                if let Some(d) = &j.done {
-                    // The put's object is gone; its waiter (if still there) is done.
-                    let _ = d.send(Ok(()));
-                }
-            }
-            return;
-        }
-        let dead: Vec<u32> = (0..batch.len() as u32)
-            .filter(|i| !live[*i as usize])
-            .collect();
-        if let Err(e) = staged.publish(&dead) {
-            drop(inf);
-            return fail_batch(shared, Some(id), &batch, &e, hooks);
-        }
-        let metas: Vec<RecMeta> = batch
-            .iter()
-            .zip(&locs)
-            .enumerate()
-            .map(|(i, (j, loc))| RecMeta {
-                tenant: j.tenant.clone(),
-                key: j.key.clone(),
-                loc: *loc,
-                index: i as u32,
-                alive: live[i],
-            })
-            .collect();
-        {
-            let mut st = shared.state.lock();
-            st.used += file_size;
-            st.written_objects += batch.len() as u64;
-            st.buckets.insert(
-                id,
-                BucketMeta {
-                    file_size,
-                    live: live.iter().filter(|l| **l).count(),
-                    records: metas,
-                },
-            );
-        }
-        for (j, loc) in batch.iter().zip(&locs) {
-            if let Some(v) = inf.get_mut(&(j.tenant.clone(), j.key.clone()))
-                && let Some(e) = v.iter_mut().find(|(t, _)| *t == j.token)
-            {
-                e.1 = Some(*loc);
-            }
-        }
-        live
-    };
-    let items: Vec<(&OffloadJob, DiskLoc)> = batch
-        .iter()
-        .zip(&locs)
-        .zip(&live)
-        .filter(|(_, l)| **l)
-        .map(|((j, loc), _)| (j, *loc))
-        .collect();
-    let accepted = hooks.register(&items);
-    // Records the master refused (object removed or replaced meanwhile) are dead at once.
-    let refused: Vec<DiskLoc> = items
-        .iter()
-        .zip(accepted.iter().chain(std::iter::repeat(&false)))
-        .filter(|(_, ok)| !**ok)
-        .map(|((_, loc), _)| *loc)
-        .collect();
-    if let Err(e) = TierRef(shared).tombstone_many(&refused) {
-        tracing::warn!(bucket = id, error = %e, "could not tombstone refused records");
-    }
-    for j in &batch {
-        settle(shared, &j.tenant, &j.key, j.token);
-        if let Some(d) = &j.done {
-            // A waiter that gave up (its caller is gone) needs no answer.
-            let _ = d.send(Ok(()));
-        }
-    }
-}
-
-struct TierRef<'a>(&'a Shared);
+pub(super) struct TierRef<'a>(pub(super) &'a Shared);
 
 impl TierRef<'_> {
-    fn tombstone_many(&self, locs: &[DiskLoc]) -> L3Result<()> {
+    pub(super) fn tombstone_many(&self, locs: &[DiskLoc]) -> L3Result<()> {
         if locs.is_empty() {
             return Ok(());
         }
@@ -756,50 +524,5 @@ impl TierRef<'_> {
                 .map_err(io)?;
         }
         Ok(())
-    }
-}
-
-/// SSD eviction: above the high watermark (counting `incoming`), drop oldest buckets whose
-/// objects are not leased until usage is below the low watermark.
-fn evict_for(shared: &Shared, incoming: u64, hooks: &dyn TierHooks) {
-    let cfg = &shared.cfg;
-    let high = (cfg.capacity_bytes as f64 * cfg.high_watermark) as u64;
-    let low = (cfg.capacity_bytes as f64 * cfg.low_watermark) as u64;
-    let candidates: Vec<u64> = {
-        let st = shared.state.lock();
-        if st.used + incoming <= high {
-            return;
-        }
-        st.buckets.keys().copied().collect()
-    };
-    for id in candidates {
-        let recs: Vec<(Tenant, String, DiskLoc)> = {
-            let st = shared.state.lock();
-            if st.used + incoming <= low {
-                return;
-            }
-            match st.buckets.get(&id) {
-                Some(b) => b
-                    .records
-                    .iter()
-                    .filter(|r| r.alive)
-                    .map(|r| (r.tenant.clone(), r.key.clone(), r.loc))
-                    .collect(),
-                None => continue,
-            }
-        };
-        if !hooks.evict_disk(&recs) {
-            continue;
-        }
-        let mut st = shared.state.lock();
-        if let Some(b) = st.buckets.remove(&id) {
-            st.used = st.used.saturating_sub(b.file_size);
-            st.evicted_buckets += 1;
-        }
-        st.files.remove(&id);
-        drop(st);
-        if let Err(e) = bucket::delete_bucket(&cfg.dir, id) {
-            tracing::warn!(bucket = id, error = %e, "could not delete an evicted bucket");
-        }
     }
 }
