@@ -22,10 +22,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use futures::prelude::*;
 use tarpc::context::Context;
 use tarpc::server::{self, Channel};
-use tarpc::tokio_serde::formats::Bincode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
+use super::codec::ClampedBincode;
 use super::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits, WireBatch};
 use super::xfer::{XferHandler, XferServer};
 use crate::api::{BatchResult, L3Store};
@@ -395,7 +395,7 @@ pub async fn start<B: Backend>(
     opts: ServerOptions,
     stop: watch::Receiver<bool>,
 ) -> L3Result<(SocketAddr, Option<SocketAddr>)> {
-    let mut listener = tarpc::serde_transport::tcp::listen(opts.addr, Bincode::default)
+    let mut listener = tarpc::serde_transport::tcp::listen(opts.addr, ClampedBincode::default)
         .await
         .map_err(|e| L3Error::Unavailable(format!("bind {}: {e}", opts.addr)))?;
     listener.config_mut().max_frame_length(opts.max_frame_bytes);
