@@ -215,6 +215,8 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         namespace,
         rank: get(obj, "rank", d.rank)?,
         record_kv_events: get(obj, "record_kv_events", d.record_kv_events)?,
+        // Eviction policy: not exposed to Python yet; the scheduler's default.
+        eviction: d.eviction,
     })
 }
 

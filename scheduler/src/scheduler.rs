@@ -75,13 +75,14 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Result<Scheduler, ConfigError> {
         cfg.validate()?;
-        let cache = RadixCache::new(RadixConfig {
+        let mut cache = RadixCache::new(RadixConfig {
             page_size: cfg.page_size,
             device_pages: cfg.device_pages,
             host_pages: if cfg.host_enabled { cfg.host_pages } else { 0 },
             record_events: cfg.record_kv_events,
         })
         .map_err(|_| ConfigError::Zero { field: "page_size" })?;
+        cache.set_eviction_policy(cfg.eviction);
         let keys = cfg.namespace.keys_for_rank(cfg.rank);
         Ok(Scheduler {
             cfg,

@@ -207,6 +207,8 @@ impl Collector {
             },
             l3_objects: 0,
             wall_seconds: wall.as_secs_f64(),
+            policy: String::new(),
+            lru: None,
             accesses: AccessLog::default(),
         }
     }
@@ -260,6 +262,14 @@ pub struct BeladyBound {
     pub hit_pages: u64,
 }
 
+/// The headline figures of a run, for side-by-side comparisons.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub hit_rate: f64,
+    pub device: f64,
+    pub ttft_ms: Percentiles,
+}
+
 /// Requests the scheduler refused, with why.
 #[derive(Debug, Clone, Serialize)]
 pub struct Rejection {
@@ -299,6 +309,10 @@ pub struct Report {
     pub oracle: Oracle,
     pub l3_objects: u64,
     pub wall_seconds: f64,
+    /// The eviction policy that ran (set by the caller; empty if unknown).
+    pub policy: String,
+    /// The same workload and capacity under LRU, for comparison (set by the caller).
+    pub lru: Option<Summary>,
     /// The access sequence the Belady ceiling is computed over (not serialized).
     #[serde(skip)]
     pub accesses: AccessLog,
@@ -309,6 +323,14 @@ fn gib(b: u64) -> String {
 }
 
 impl Report {
+    pub fn summary(&self) -> Summary {
+        Summary {
+            hit_rate: self.hits.total,
+            device: self.hits.device,
+            ttft_ms: self.ttft_ms.clone(),
+        }
+    }
+
     /// A readable table for the terminal.
     pub fn table(&self) -> String {
         let h = &self.hits;
@@ -357,7 +379,26 @@ impl Report {
                 h.recomputed_tokens
             ),
         );
-        line("total hit rate", format!("{:>6.2} %", h.total * 100.0));
+        let policy = if self.policy.is_empty() {
+            String::new()
+        } else {
+            format!("  (eviction {})", self.policy)
+        };
+        line(
+            "total hit rate",
+            format!("{:>6.2} %{policy}", h.total * 100.0),
+        );
+        if let Some(l) = &self.lru {
+            line(
+                "LRU, same capacity",
+                format!(
+                    "{:>6.2} %  (TTFT p50 / p99 {:.1} / {:.1} ms)",
+                    l.hit_rate * 100.0,
+                    l.ttft_ms.p50,
+                    l.ttft_ms.p99
+                ),
+            );
+        }
         if let Some(b) = &self.belady {
             line(
                 "Belady ceiling",

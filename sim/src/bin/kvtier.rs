@@ -13,6 +13,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use kvtier_radix::EvictionPolicy;
 use kvtier_scheduler::{PrefetchStopPolicy, WritePolicy};
 use kvtier_sim::plot::{SweepPoint, SweepTitle, write_sweep_plot};
 use kvtier_sim::profile::{BUILTIN_PROFILES, builtin};
@@ -102,6 +103,13 @@ struct SimArgs {
     prefetch_stop: Option<String>,
     #[arg(long)]
     prefetch_threshold: Option<u32>,
+    /// Eviction policy: lru | freq-depth (the setting tuned on the conversation trace) |
+    /// freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE
+    #[arg(long)]
+    eviction: Option<String>,
+    /// Do not also run LRU at the same capacity for comparison.
+    #[arg(long)]
+    no_lru_baseline: bool,
     /// Chat workload: clients and rounds.
     #[arg(long)]
     clients: Option<u32>,
@@ -215,6 +223,9 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
             _ => return Err(format!("unknown write policy `{w}`")),
         };
     }
+    if let Some(e) = &a.eviction {
+        s.eviction = parse_eviction(e)?;
+    }
     if let Some(p) = &a.prefetch_stop {
         let parts: Vec<&str> = p.split(':').collect();
         s.prefetch_stop = match parts.as_slice() {
@@ -284,6 +295,47 @@ impl Workload {
     }
 }
 
+fn parse_eviction(e: &str) -> Result<EvictionPolicy, String> {
+    let parts: Vec<&str> = e.split(':').collect();
+    let num = |s: &str| {
+        s.parse::<u64>()
+            .map_err(|_| format!("bad number `{s}` in eviction policy `{e}`"))
+    };
+    Ok(match parts.as_slice() {
+        ["lru"] => EvictionPolicy::Lru,
+        ["freq-depth"] => EvictionPolicy::CONVERSATION,
+        ["freq-depth", c, m, d] => EvictionPolicy::FrequencyDepth {
+            use_credit_pages: num(c)?,
+            max_credited_uses: u32::try_from(num(m)?)
+                .map_err(|_| format!("max uses `{m}` too large"))?,
+            depth_debit_per_page: num(d)?,
+        },
+        _ => return Err(format!("unknown eviction policy `{e}`")),
+    })
+}
+
+fn policy_name(p: EvictionPolicy) -> String {
+    match p {
+        EvictionPolicy::Lru => "lru".into(),
+        EvictionPolicy::FrequencyDepth {
+            use_credit_pages,
+            max_credited_uses,
+            depth_debit_per_page,
+        } => format!("freq-depth:{use_credit_pages}:{max_credited_uses}:{depth_debit_per_page}"),
+    }
+}
+
+/// The same run under LRU, for the side-by-side comparison (None when the policy is LRU or
+/// the comparison is turned off).
+fn lru_baseline(a: &SimArgs, cfg: &SimConfig, w: &Workload) -> Result<Option<Report>, String> {
+    if a.no_lru_baseline || cfg.scheduler.eviction == EvictionPolicy::Lru {
+        return Ok(None);
+    }
+    let mut c = cfg.clone();
+    c.scheduler.eviction = EvictionPolicy::Lru;
+    run_one(&c, w, |_| {}).map(Some)
+}
+
 fn workload(a: &SimArgs) -> Result<Workload, String> {
     match &a.trace {
         Some(p) => {
@@ -332,8 +384,10 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
     };
     if !a.sweep {
         let pb = bar(reqs.len() as u64);
-        let report = run_one(&cfg, &reqs, |n| pb.set_position(n))?;
+        let mut report = run_one(&cfg, &reqs, |n| pb.set_position(n))?;
         pb.finish_and_clear();
+        report.policy = policy_name(cfg.scheduler.eviction);
+        report.lru = lru_baseline(&a, &cfg, &reqs)?.map(|r| r.summary());
         if a.json {
             println!(
                 "{}",
@@ -388,6 +442,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             continue;
         }
         let r = run_one(&c, &reqs, |_| {})?;
+        let lru = lru_baseline(&a, &c, &reqs)?;
         let cap = (c.scheduler.device_pages as u64
             + if c.scheduler.host_enabled {
                 c.scheduler.host_pages as u64
@@ -402,7 +457,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             hit_rate: r.hits.total,
             device: r.hits.device,
             belady: belady.map_or(0.0, |b| b.hit_rate),
-            lru: None,
+            lru: lru.map(|l| l.hits.total),
         });
         pb.inc(1);
     }
@@ -423,7 +478,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         },
         l3_pages: s.l3_enabled.then_some(cfg.l3_pages + cfg.l3_ssd_pages),
         model: cfg.profile.name.clone(),
-        policy: "lru".into(),
+        policy: policy_name(s.eviction),
     };
     write_sweep_plot(&a.sweep_out, "sweep", &title, &pts)?;
     if a.json {
