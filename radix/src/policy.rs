@@ -37,11 +37,11 @@ pub enum EvictionPolicy {
 impl EvictionPolicy {
     /// The setting measured best on the conversation trace (see docs/sim.md): a read is worth
     /// about 300 requests' worth of traffic (56K pages of 64 tokens), at most four are
-    /// credited, and each page of depth costs 120 pages of traffic.
+    /// credited, and each page of depth costs 60 pages of traffic.
     pub const CONVERSATION: EvictionPolicy = EvictionPolicy::FrequencyDepth {
         use_credit_pages: 56_000,
         max_credited_uses: 4,
-        depth_debit_per_page: 120,
+        depth_debit_per_page: 60,
     };
 
     /// The node's rank under this policy.

@@ -31,7 +31,7 @@ fn a_policy_is_reported_beside_lru() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["policy"], "freq-depth:56000:4:120");
+    assert_eq!(v["policy"], "freq-depth:56000:4:60");
     assert_eq!(v["oracle"]["failures"], 0);
     let lru = &v["lru"];
     assert!(lru["hit_rate"].as_f64().unwrap() <= v["belady"]["hit_rate"].as_f64().unwrap());
