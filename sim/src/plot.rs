@@ -114,6 +114,7 @@ where
     let mut chart = ChartBuilder::on(&root)
         .caption(title.text(), ("sans-serif", 20))
         .margin(14)
+        .margin_right(48)
         .x_label_area_size(48)
         .y_label_area_size(56)
         .build_cartesian_2d(x0..x1, 0f64..y_top(pts))

@@ -127,6 +127,10 @@ struct SimArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Check the flags, the configuration and the whole workload, say what would run, and
+    /// run nothing (the documentation's commands are tested this way).
+    #[arg(long)]
+    dry_run: bool,
 }
 
 fn fail(msg: impl std::fmt::Display) -> ExitCode {
@@ -368,6 +372,16 @@ fn run_one(cfg: &SimConfig, w: &Workload, progress: impl FnMut(u64)) -> Result<R
 fn run_sim(a: SimArgs) -> Result<(), String> {
     let cfg = config(&a)?;
     let reqs = workload(&a)?;
+    if a.dry_run {
+        println!(
+            "dry run: {} ({} requests), eviction {}, {}",
+            reqs.name(),
+            reqs.len(),
+            policy_name(cfg.scheduler.eviction),
+            if a.sweep { "capacity sweep" } else { "one run" }
+        );
+        return Ok(());
+    }
     let bar = |n: u64| {
         if a.quiet || a.json {
             ProgressBar::hidden()
