@@ -230,6 +230,8 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         rank: get(obj, "rank", d.rank)?,
         l3_sharing,
         record_kv_events: get(obj, "record_kv_events", d.record_kv_events)?,
+        // Eviction policy: not exposed to Python yet; the scheduler's default.
+        eviction: d.eviction,
     })
 }
 

@@ -29,6 +29,7 @@ use crate::events::{KvEvent, ScopeLabel};
 use crate::hash::PageHash;
 use crate::lock::LockRecord;
 use crate::node::{EvictKey, Node, NodeId, TierSlot};
+use crate::policy::EvictionPolicy;
 use crate::pool::{PagePool, PageState};
 use crate::tier::{PageId, Tier, TierKind};
 
@@ -135,6 +136,12 @@ pub struct RadixCache {
     /// Logical clock for LRU (deterministic, unlike wall time).
     pub(crate) tick: u64,
     pub(crate) next_seq: u64,
+    /// How evictable leaves are ranked.
+    pub(crate) policy: EvictionPolicy,
+    /// Pages given to the device tier so far (the policies' clock).
+    pub(crate) traffic: u64,
+    /// The previous match's query (length, last hash), to count repeated queries once.
+    pub(crate) last_query: Option<(usize, PageHash)>,
     pub(crate) record_events: bool,
     pub(crate) events: Vec<KvEvent>,
 }
@@ -174,6 +181,8 @@ impl RadixCache {
             in_l3: true,
             last_access: 0,
             hit_count: 0,
+            uses: 0,
+            last_use: 0,
             seq: 0,
             label: None,
         });
@@ -189,6 +198,9 @@ impl RadixCache {
             locks: SlotMap::with_key(),
             tick: 0,
             next_seq: 1,
+            policy: EvictionPolicy::Lru,
+            traffic: 0,
+            last_query: None,
             record_events: cfg.record_events,
             events: Vec::new(),
         })
@@ -288,6 +300,9 @@ impl RadixCache {
             host_pages: 0,
             host_node: self.root,
         };
+        let query = hashes.last().map(|h| (hashes.len(), *h));
+        let repeated = query.is_some() && query == self.last_query;
+        self.last_query = query;
         let mut node = self.root;
         let mut depth = 0usize;
         while depth < hashes.len() {
@@ -298,7 +313,10 @@ impl RadixCache {
             let n = common_prefix(&c.hashes, &hashes[depth..]);
             let full = n == c.len();
             let child = if full { child } else { self.split(child, n) };
-            let c = &self.nodes[child];
+            let c = &mut self.nodes[child];
+            if !repeated {
+                c.uses = c.uses.saturating_add(1);
+            }
             let (has_dev, has_host) = (c.has(TierKind::Device), c.has(TierKind::Host));
             self.touch(child);
             depth += n;
@@ -531,6 +549,8 @@ impl RadixCache {
             in_l3: false,
             last_access: self.tick,
             hit_count: 0,
+            uses: 0,
+            last_use: self.traffic,
             seq,
             label,
         });
@@ -541,8 +561,12 @@ impl RadixCache {
 
     /// Gives a node that lacks a copy on `t` the caller's (held, validated) pages.
     fn give_pages(&mut self, id: NodeId, t: TierKind, pages: &[u32]) {
+        if t == TierKind::Device {
+            self.traffic += pages.len() as u64;
+        }
         self.pool_mut(t).mark_cached(pages);
         let node = &mut self.nodes[id];
+        node.last_use = self.traffic;
         node.slot_mut(t).pages = Some(pages.iter().copied().collect());
         let parent = node.parent;
         if self.record_events {
@@ -559,7 +583,9 @@ impl RadixCache {
             self.nodes[p].slot_mut(t).resident_children += 1;
             self.refresh_evictable(p, t);
         }
-        self.refresh_evictable(id, t);
+        // The last use changed: both tiers rank the node again.
+        self.refresh_evictable(id, TierKind::Device);
+        self.refresh_evictable(id, TierKind::Host);
     }
 
     /// Splits `id` after its first `k` pages (0 < k < len). The new node holds the front part
@@ -602,6 +628,8 @@ impl RadixCache {
             in_l3: n.in_l3,
             last_access: n.last_access,
             hit_count: n.hit_count,
+            uses: n.uses,
+            last_use: n.last_use,
             seq,
             label: n.label.clone(),
         };
@@ -617,7 +645,10 @@ impl RadixCache {
 
     /// Marks `id` as used now.
     pub(crate) fn touch(&mut self, id: NodeId) {
-        self.nodes[id].last_access = self.tick;
+        let traffic = self.traffic;
+        let n = &mut self.nodes[id];
+        n.last_access = self.tick;
+        n.last_use = traffic;
         self.refresh_evictable(id, TierKind::Device);
         self.refresh_evictable(id, TierKind::Host);
     }
@@ -628,7 +659,7 @@ impl RadixCache {
         let Some(node) = self.nodes.get_mut(id) else {
             return;
         };
-        let key = (node.last_access, node.seq, id);
+        let key = (self.policy.rank(node), node.seq, id);
         let slot = node.slot_mut(t);
         let should =
             id != root && slot.pages.is_some() && slot.lock == 0 && slot.resident_children == 0;

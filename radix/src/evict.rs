@@ -1,8 +1,9 @@
-//! Leaf-first LRU eviction per tier.
+//! Leaf-first eviction per tier, in the order of the cache's [`EvictionPolicy`] (LRU by
+//! default).
 //!
 //! Why leaf-first: residency is prefix-closed, so only a node with no child on the tier can
 //! lose its copy without leaving a hole in the middle of a cached prefix. Each tier keeps a
-//! `BTreeSet` of such unlocked leaves ordered by `(last_access, creation seq)`: the victim is
+//! `BTreeSet` of such unlocked leaves ordered by `(policy rank, creation seq)`: the victim is
 //! its first element, O(log n), and every tensor-parallel rank picks the same one. Evicting a
 //! device copy keeps the host copy; a node left with no copy is removed from the tree, which
 //! may make its parent the next leaf.
@@ -12,6 +13,7 @@ use crate::error::RadixError;
 use crate::events::KvEvent;
 use crate::hash::PageHash;
 use crate::node::NodeId;
+use crate::policy::EvictionPolicy;
 use crate::tier::{Tier, TierKind};
 
 /// What one eviction did.
@@ -34,8 +36,8 @@ pub struct EvictOutcome {
 }
 
 impl RadixCache {
-    /// Evicts least-recently-used unlocked leaves of tier `T` until at least `n_pages` pages
-    /// are freed or nothing evictable is left.
+    /// Evicts the lowest-ranked unlocked leaves of tier `T` (least recently used first under
+    /// LRU) until at least `n_pages` pages are freed or nothing evictable is left.
     pub fn evict<T: Tier>(&mut self, n_pages: usize) -> EvictOutcome {
         let mut out = EvictOutcome::default();
         while out.freed_pages < n_pages {
@@ -49,7 +51,8 @@ impl RadixCache {
         out
     }
 
-    /// Evictable leaves of tier `T`, least recently used first. Evicting the first one may
+    /// Evictable leaves of tier `T` in eviction order (least recently used first under LRU).
+    /// Evicting the first one may
     /// make its parent evictable, so a policy that needs to act before eviction (e.g. back up
     /// to L3) should look at the first few, act, and evict them with [`Self::evict_node`].
     pub fn evictable_lru<T: Tier>(&self) -> impl Iterator<Item = NodeId> + '_ {
@@ -57,6 +60,22 @@ impl RadixCache {
             .evictable
             .iter()
             .map(|&(_, _, id)| id)
+    }
+
+    /// The policy that ranks evictable leaves.
+    pub fn eviction_policy(&self) -> EvictionPolicy {
+        self.policy
+    }
+
+    /// Switches the eviction policy; every evictable leaf is ranked again at once.
+    pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) {
+        self.policy = policy;
+        let ids: Vec<NodeId> = self.nodes.keys().collect();
+        for t in [TierKind::Device, TierKind::Host] {
+            for &id in &ids {
+                self.refresh_evictable(id, t);
+            }
+        }
     }
 
     /// Evicts one specific node from tier `T`; it must be an unlocked leaf on that tier.

@@ -9,7 +9,8 @@
 //! - [`RadixCache`]: match / insert / split over page runs in a `slotmap` arena;
 //! - per-tier typed page pools ([`PageId<Device>`] vs [`PageId<Host>`]);
 //! - locks through [`LockHandle`]s that must be given back;
-//! - leaf-first LRU eviction per tier in O(log n), deterministic across tensor-parallel ranks;
+//! - leaf-first eviction per tier in O(log n), deterministic across tensor-parallel ranks, by
+//!   LRU or a frequency- and depth-aware [`EvictionPolicy`];
 //! - [`KvEvent`]s for KV-aware routers.
 //!
 //! Every fallible method validates before it mutates: on `Err`, nothing changed.
@@ -22,6 +23,7 @@ mod evict;
 pub mod hash;
 mod lock;
 mod node;
+mod policy;
 mod pool;
 mod tier;
 
@@ -35,5 +37,6 @@ pub use hash::{
 };
 pub use lock::{LockHandle, LockId};
 pub use node::NodeId;
+pub use policy::EvictionPolicy;
 pub use pool::PageState;
 pub use tier::{Device, DevicePageId, Host, HostPageId, PageId, Tier, TierKind};

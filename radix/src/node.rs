@@ -21,8 +21,9 @@ new_key_type! {
     pub struct NodeId;
 }
 
-/// Key of a node in a tier's evictable set: least recently used first, ties broken by the
-/// node's creation sequence number, which is the same on every tensor-parallel rank.
+/// Key of a node in a tier's evictable set: lowest policy rank first (for LRU the last access),
+/// ties broken by the node's creation sequence number, which is the same on every
+/// tensor-parallel rank.
 pub(crate) type EvictKey = (u64, u64, NodeId);
 
 /// Residency and lock state of one node on one tier.
@@ -57,6 +58,11 @@ pub(crate) struct Node {
     pub last_access: u64,
     /// Number of requests that reused this node (drives write-through-selective).
     pub hit_count: u32,
+    /// Distinct matches through this node: a match repeating the previous query (a blocked
+    /// request tried again) is not counted. Drives frequency-aware eviction.
+    pub uses: u32,
+    /// The cache's traffic clock (pages given to the device tier) at the last touch.
+    pub last_use: u64,
     /// Creation sequence number.
     pub seq: u64,
     /// The scope (salt, adapter) of the prefix; the same for a whole subtree below the root,

@@ -4,7 +4,9 @@
 //! copy, when it was last used, and which locks cover it. After every random operation the
 //! cache must agree with the model on what matches, must pass `check_invariants` (prefix-closed
 //! residency, pool accounting, no page owned twice, lock counts), and every eviction must pick
-//! an unlocked leaf with the oldest last use.
+//! an unlocked leaf, under LRU the one with the oldest last use. Every eviction policy runs
+//! the same operations (and the policy may change mid-run): a policy only ranks the
+//! evictable leaves, so prefix closure, locks and pool balance must hold under each.
 
 use std::collections::{HashMap, HashSet};
 
@@ -30,6 +32,31 @@ enum Op {
         host: bool,
     },
     LoadBack(usize),
+    /// Switch to policy `i` of [`policies`].
+    SetPolicy(usize),
+}
+
+/// LRU and frequency/depth-aware settings, including extreme ones (huge credit, huge debit).
+fn policies() -> Vec<EvictionPolicy> {
+    vec![
+        EvictionPolicy::Lru,
+        EvictionPolicy::CONVERSATION,
+        EvictionPolicy::FrequencyDepth {
+            use_credit_pages: 3,
+            max_credited_uses: 2,
+            depth_debit_per_page: 1,
+        },
+        EvictionPolicy::FrequencyDepth {
+            use_credit_pages: u64::MAX,
+            max_credited_uses: u32::MAX,
+            depth_debit_per_page: u64::MAX,
+        },
+        EvictionPolicy::FrequencyDepth {
+            use_credit_pages: 0,
+            max_credited_uses: 0,
+            depth_debit_per_page: 0,
+        },
+    ]
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -40,6 +67,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..16usize).prop_map(Op::Unlock),
         3 => any::<bool>().prop_map(|host| Op::Evict { host }),
         1 => (0..8usize).prop_map(Op::LoadBack),
+        1 => (0..5usize).prop_map(Op::SetPolicy),
     ]
 }
 
@@ -84,10 +112,11 @@ proptest! {
 
     #[test]
     fn cache_agrees_with_model(prompts in prompts(), ops in prop::collection::vec(op(), 1..80),
-                               dev_cap in 4u32..24, host_cap in 4u32..24) {
+                               dev_cap in 4u32..24, host_cap in 4u32..24, first_policy in 0..5usize) {
         let mut cache = RadixCache::new(RadixConfig {
             page_size: PS, device_pages: dev_cap, host_pages: host_cap, record_events: false,
         }).unwrap();
+        cache.set_eviction_policy(policies()[first_policy]);
         let hashes: Vec<Vec<PageHash>> = prompts.iter().map(|p| page_hashes(p, PS, None)).collect();
         let mut m = Model::default();
         for hs in &hashes {
@@ -99,6 +128,10 @@ proptest! {
 
         for op in ops {
             match op {
+                Op::SetPolicy(i) => {
+                    cache.set_eviction_policy(policies()[i]);
+                    prop_assert_eq!(cache.eviction_policy(), policies()[i]);
+                }
                 Op::Match(i) => {
                     let r = cache.match_prefix(&hashes[i]);
                     let (d, h) = (m.matched(0, &hashes[i]), m.matched(1, &hashes[i]));
@@ -178,17 +211,23 @@ proptest! {
                         _ => None,
                     }).flatten().collect();
                     // Oldest last-use among the model's unlocked leaf pages on this tier.
-                    let oldest = m.resident[t].iter()
-                        .filter(|h| !locked.contains(*h) && m.is_leaf(t, h))
-                        .map(|h| m.access[h]).min();
+                    let candidates: Vec<PageHash> = m.resident[t].iter()
+                        .filter(|h| !locked.contains(*h) && m.is_leaf(t, h)).copied().collect();
+                    let oldest = candidates.iter().map(|h| m.access[h]).min();
+                    let lru = cache.eviction_policy() == EvictionPolicy::Lru;
                     prop_assert!(out.evicted.len() <= 1);
                     match (out.evicted.first(), oldest) {
                         (None, None) => {}
                         (Some(ev), Some(oldest)) => {
+                            // The node's last page is an unlocked leaf page of the model.
+                            let last = ev.hashes.last().unwrap();
+                            prop_assert!(candidates.contains(last), "evicted a locked page or a non-leaf");
                             for h in &ev.hashes {
                                 prop_assert!(!locked.contains(h), "locked page evicted");
                                 prop_assert!(m.resident[t].remove(h));
-                                prop_assert_eq!(m.access[h], oldest, "eviction is LRU");
+                                if lru {
+                                    prop_assert_eq!(m.access[h], oldest, "eviction is LRU");
+                                }
                             }
                             prop_assert_eq!(ev.removed, !m.resident[1 - t].contains(&ev.hashes[0]));
                         }

@@ -8,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use kvtier_radix::KeyNamespace;
+use kvtier_radix::{EvictionPolicy, KeyNamespace};
 
 /// When to stop waiting for an L3 → host prefetch and start prefilling with what arrived.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -94,6 +94,9 @@ pub struct SchedulerConfig {
     pub l3_sharing: L3Sharing,
     /// Record KV store/remove events for an external router.
     pub record_kv_events: bool,
+    /// How the device and host tiers choose what to evict.
+    #[serde(default)]
+    pub eviction: EvictionPolicy,
 }
 
 impl Default for SchedulerConfig {
@@ -121,6 +124,7 @@ impl Default for SchedulerConfig {
             rank: 0,
             l3_sharing: L3Sharing::PerRank,
             record_kv_events: false,
+            eviction: EvictionPolicy::Lru,
         }
     }
 }

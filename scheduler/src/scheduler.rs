@@ -79,13 +79,14 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Result<Scheduler, ConfigError> {
         cfg.validate()?;
-        let cache = RadixCache::new(RadixConfig {
+        let mut cache = RadixCache::new(RadixConfig {
             page_size: cfg.page_size,
             device_pages: cfg.device_pages,
             host_pages: if cfg.host_enabled { cfg.host_pages } else { 0 },
             record_events: cfg.record_kv_events,
         })
         .map_err(|_| ConfigError::Zero { field: "page_size" })?;
+        cache.set_eviction_policy(cfg.eviction);
         let key_rank = match cfg.l3_sharing {
             crate::config::L3Sharing::PerRank => cfg.rank,
             crate::config::L3Sharing::Replicated { leader } => leader,

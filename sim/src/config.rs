@@ -52,7 +52,8 @@ impl Default for SimConfig {
                 chunked_prefill_size: 8192,
                 l3_enabled: true,
                 prefetch_threshold: 4,
-                max_context_tokens: 2048 * 64,
+                // Clamped to the device capacity by `effective_scheduler`.
+                max_context_tokens: 1 << 30,
                 ..SchedulerConfig::default()
             },
             profile: builtin("llama3-8b").unwrap_or_else(|| ModelProfile {
@@ -72,5 +73,74 @@ impl Default for SimConfig {
             payload_bytes: 16,
             faults: Faults::default(),
         }
+    }
+}
+
+impl SimConfig {
+    /// Reads a TOML config: every table present is laid over the defaults field by field, so
+    /// a `[scheduler]` table that names only `device_pages` keeps every other scheduler
+    /// default (a field's own value, e.g. an enum, is replaced whole).
+    pub fn from_toml(text: &str) -> Result<SimConfig, String> {
+        let user: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        let mut merged = toml::Table::try_from(SimConfig::default()).map_err(|e| e.to_string())?;
+        for (k, v) in user {
+            match (merged.get_mut(&k), v) {
+                (Some(toml::Value::Table(base)), toml::Value::Table(over)) => {
+                    for (field, value) in over {
+                        base.insert(field, value);
+                    }
+                }
+                (_, v) => {
+                    merged.insert(k, v);
+                }
+            }
+        }
+        toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e: toml::de::Error| e.to_string())
+    }
+
+    /// The scheduler configuration a simulation runs with: the longest request accepted is
+    /// at most what the device tier can hold (`device_pages × page_size`), so by default it
+    /// *is* the device capacity, and a trace's long prompts run instead of being rejected by
+    /// a fixed limit.
+    pub fn effective_scheduler(&self) -> SchedulerConfig {
+        let mut s = self.scheduler.clone();
+        s.max_context_tokens = s
+            .max_context_tokens
+            .min((s.device_pages as usize).saturating_mul(s.page_size))
+            .max(1);
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_merge_over_the_defaults() {
+        let c = SimConfig::from_toml(
+            "[scheduler]\ndevice_pages = 100\n[faults]\nfail_backup_every = 3\n",
+        )
+        .unwrap();
+        let d = SimConfig::default();
+        assert_eq!(c.scheduler.device_pages, 100);
+        assert_eq!(c.scheduler.host_pages, d.scheduler.host_pages);
+        assert_eq!(c.scheduler.prefetch_stop, d.scheduler.prefetch_stop);
+        assert_eq!(c.faults.fail_backup_every, 3);
+        assert_eq!(c.profile, d.profile);
+        let e = SimConfig::from_toml("[scheduler]\npage_size = -1\n").unwrap_err();
+        assert!(e.contains("page_size"), "{e}");
+        assert!(SimConfig::from_toml("[scheduler\n").is_err());
+    }
+
+    #[test]
+    fn the_context_limit_defaults_to_the_device_capacity() {
+        let mut c = SimConfig::default();
+        c.scheduler.device_pages = 4096;
+        assert_eq!(c.effective_scheduler().max_context_tokens, 4096 * 64);
+        c.scheduler.max_context_tokens = 1000;
+        assert_eq!(c.effective_scheduler().max_context_tokens, 1000);
     }
 }

@@ -19,13 +19,15 @@ use kvtier_l3::{
 use kvtier_radix::{DevicePageId, PageHash, TierKind, extend_hashes};
 use kvtier_scheduler::*;
 
+use crate::belady::AccessLog;
 use crate::config::SimConfig;
 use crate::report::{Collector, Report};
-use crate::workload::{SimRequest, generated_token, route};
+use crate::workload::{SimRequest, WorkloadError, generated_token, route};
 
 /// What completes at a point in simulated time.
 enum Pending {
-    Arrival(usize),
+    /// A request that arrives (pulled from the workload a window ahead of the clock).
+    Arrival(Box<SimRequest>),
     Op {
         inst: usize,
         op: PlannedOp,
@@ -83,6 +85,9 @@ struct Instance {
     prefetches: HashMap<OpId, LivePrefetch>,
 }
 
+/// How many requests are pulled from the workload ahead of the clock.
+pub const ARRIVAL_WINDOW: usize = 64;
+
 pub fn fingerprint(h: &PageHash) -> u64 {
     h.prefix_u64()
 }
@@ -108,7 +113,7 @@ pub struct Simulation {
     backups_done: u64,
     /// Page accesses in the order the engine saw them, for the Belady ceiling: prompt pages
     /// looked up at a request's first prefill (counted), every page computed (written).
-    pub accesses: Vec<(u64, bool)>,
+    pub accesses: AccessLog,
     /// The SSD tier's temporary directory, removed when the simulation ends.
     temp_dir: Option<std::path::PathBuf>,
 }
@@ -127,7 +132,7 @@ impl Drop for Simulation {
 impl Simulation {
     pub fn new(cfg: SimConfig) -> Result<Simulation, String> {
         let mut insts = Vec::new();
-        let mut sched_cfg = cfg.scheduler.clone();
+        let mut sched_cfg = cfg.effective_scheduler();
         // Write-back makes L3 the only copy of pages host drops: watch every drop.
         sched_cfg.record_kv_events |=
             sched_cfg.l3_enabled && sched_cfg.write_policy == WritePolicy::WriteBack;
@@ -198,7 +203,7 @@ impl Simulation {
             now_us: 0,
             store_now_ms: 0,
             backups_done: 0,
-            accesses: Vec::new(),
+            accesses: AccessLog::default(),
             temp_dir,
         })
     }
@@ -220,17 +225,21 @@ impl Simulation {
 
     /// Replays `reqs` (sorted by arrival) to the end. `progress` is called after each request
     /// ends with the number ended so far.
+    ///
+    /// Requests are pulled from `reqs` a window of [`ARRIVAL_WINDOW`] ahead of the clock and
+    /// dropped when they end, so a trace is streamed: memory holds the live requests, not the
+    /// workload. An error from `reqs` ends the run with that error.
     pub fn run(
         mut self,
-        reqs: &[SimRequest],
+        reqs: impl IntoIterator<Item = Result<SimRequest, WorkloadError>>,
         mut progress: impl FnMut(u64),
     ) -> Result<Report, String> {
-        for (i, r) in reqs.iter().enumerate() {
-            if i < 64 {
-                self.push(r.arrival_ms * 1000, Pending::Arrival(i));
+        let mut reqs = reqs.into_iter();
+        for _ in 0..ARRIVAL_WINDOW {
+            if !self.pull(&mut reqs)? {
+                break;
             }
         }
-        let mut next_arrival = 64.min(reqs.len());
         let wall = std::time::Instant::now();
         while let Some(Reverse((t, _, slot))) = self.heap.pop() {
             let Some(p) = self.pending[slot].take() else {
@@ -240,16 +249,10 @@ impl Simulation {
             self.now_us = self.now_us.max(t);
             self.sync_store_clock();
             let inst = match p {
-                Pending::Arrival(i) => {
+                Pending::Arrival(r) => {
                     // Keep the heap small: schedule arrivals a window ahead.
-                    if next_arrival < reqs.len() {
-                        self.push(
-                            reqs[next_arrival].arrival_ms * 1000,
-                            Pending::Arrival(next_arrival),
-                        );
-                        next_arrival += 1;
-                    }
-                    self.arrive(&reqs[i])?
+                    self.pull(&mut reqs)?;
+                    self.arrive(*r)?
                 }
                 Pending::Op { inst, op } => {
                     self.complete_op(inst, op)?;
@@ -302,6 +305,24 @@ impl Simulation {
         Ok(report)
     }
 
+    /// Schedules the next request of the workload; false when it is exhausted.
+    fn pull(
+        &mut self,
+        reqs: &mut impl Iterator<Item = Result<SimRequest, WorkloadError>>,
+    ) -> Result<bool, String> {
+        match reqs.next() {
+            None => Ok(false),
+            Some(Err(e)) => Err(e.to_string()),
+            Some(Ok(r)) => {
+                self.push(
+                    r.arrival_ms.saturating_mul(1000),
+                    Pending::Arrival(Box::new(r)),
+                );
+                Ok(true)
+            }
+        }
+    }
+
     fn sync_store_clock(&mut self) {
         let ms = self.now_us / 1000;
         if let Some(s) = &self.store
@@ -313,11 +334,14 @@ impl Simulation {
         }
     }
 
-    fn arrive(&mut self, r: &SimRequest) -> Result<usize, String> {
-        let inst = route(r, self.insts.len(), self.cfg.routing);
+    fn arrive(&mut self, r: SimRequest) -> Result<usize, String> {
+        let inst = route(&r, self.insts.len(), self.cfg.routing);
         let id = RequestId(r.id);
         let i = &mut self.insts[inst];
-        let spec = RequestSpec::new(id, r.prompt.clone(), r.output_len);
+        let prompt_len = r.prompt.len();
+        let spec = RequestSpec::new(id, r.prompt, r.output_len);
+        self.col
+            .longest(prompt_len as u64 + u64::from(r.output_len));
         match i.sched.submit_at(spec, self.now_us / 1000) {
             Ok(()) => {
                 i.tracks.insert(
@@ -328,19 +352,14 @@ impl Simulation {
                         verified: 0,
                         arrival_us: self.now_us,
                         first_token_us: None,
-                        final_len: r.prompt.len() + r.output_len as usize,
-                        prompt_len: r.prompt.len(),
+                        final_len: prompt_len + r.output_len as usize,
+                        prompt_len,
                         logged: false,
                     },
                 );
-                self.col.submitted(r.prompt.len() as u64);
+                self.col.submitted(prompt_len as u64);
             }
-            Err(e) => {
-                self.col.rejected += 1;
-                if self.col.rejected <= 3 {
-                    eprintln!("request {} rejected: {e}", r.id);
-                }
-            }
+            Err(e) => self.col.rejected(&e),
         }
         Ok(inst)
     }
@@ -680,8 +699,9 @@ impl Simulation {
         self.ensure_fps(inst, id, n);
         if let Some(tr) = self.insts[inst].tracks.get_mut(&id) {
             tr.logged = true;
-            self.accesses
-                .extend(tr.fps[..n.min(tr.fps.len())].iter().map(|&f| (f, true)));
+            for &f in &tr.fps[..n.min(tr.fps.len())] {
+                self.accesses.push(f, true);
+            }
         }
     }
 
@@ -740,7 +760,7 @@ impl Simulation {
             i.dev[page.index() as usize] = *fp;
             // Every computed page may enter the cache from now on (published per chunk, at
             // retraction or at finish): log it as written, as early as any policy could use it.
-            self.accesses.push((*fp, false));
+            self.accesses.push(*fp, false);
         }
     }
 

@@ -32,6 +32,16 @@ pub fn simulate(
     reqs: &[workload::SimRequest],
     progress: impl FnMut(u64),
 ) -> Result<Report, String> {
+    simulate_stream(cfg, reqs.iter().cloned().map(Ok), progress)
+}
+
+/// [`simulate`] over a stream of requests (e.g. a [`workload::TraceReader`]): requests are
+/// pulled as the simulated clock reaches them, so memory does not grow with the workload.
+pub fn simulate_stream(
+    cfg: &SimConfig,
+    reqs: impl IntoIterator<Item = Result<workload::SimRequest, workload::WorkloadError>>,
+    progress: impl FnMut(u64),
+) -> Result<Report, String> {
     let sim = Simulation::new(cfg.clone())?;
     let mut report = sim.run(reqs, progress)?;
     let s = &cfg.scheduler;
@@ -42,22 +52,28 @@ pub fn simulate(
             0
         })
         * cfg.instances.max(1) as u64;
-    let capacity = local
-        + if s.l3_enabled {
-            cfg.l3_pages + cfg.l3_ssd_pages
-        } else {
-            0
-        };
+    let l3 = if s.l3_enabled {
+        cfg.l3_pages + cfg.l3_ssd_pages
+    } else {
+        0
+    };
     let accesses = std::mem::take(&mut report.accesses);
-    let hit_pages = belady::belady_hits(&accesses, capacity);
-    report.belady = Some(report::BeladyBound {
-        capacity_pages: capacity,
-        hit_rate: if report.prompt_tokens == 0 {
-            0.0
-        } else {
-            (hit_pages * s.page_size as u64) as f64 / report.prompt_tokens as f64
-        },
-        hit_pages,
-    });
+    let bound = |capacity: u64| {
+        accesses
+            .belady_hits(capacity)
+            .map(|hit_pages| report::BeladyBound {
+                capacity_pages: capacity,
+                hit_rate: if report.prompt_tokens == 0 {
+                    0.0
+                } else {
+                    (hit_pages * s.page_size as u64) as f64 / report.prompt_tokens as f64
+                },
+                hit_pages,
+            })
+    };
+    report.belady = bound(local + l3);
+    if l3 > 0 {
+        report.belady_local = bound(local);
+    }
     Ok(report)
 }

@@ -1,4 +1,9 @@
 //! Hit rate against capacity, with the offline-optimal line beside it, as SVG and PNG.
+//!
+//! Why a log-2 capacity axis: sweeps double the capacity at each point, and a linear axis
+//! crowds the small capacities, where policies differ most, into one corner. Ticks name the
+//! capacity in pages and in GB of KV, so a reader can map the plot to hardware; the y axis is
+//! fitted to the data so that small differences between policies stay visible.
 
 use std::path::Path;
 
@@ -9,59 +14,153 @@ use plotters::prelude::*;
 pub struct SweepPoint {
     /// Local cache capacity per instance (device + host pages).
     pub capacity_pages: u64,
+    /// The same capacity in GB of KV (the model's bytes per page).
+    pub capacity_gb: f64,
+    /// Hit rate of the configured policy (all tiers).
     pub hit_rate: f64,
+    /// Part of `hit_rate` served from the device tier.
     pub device: f64,
+    /// Belady (MIN) ceiling for `capacity_pages` (the local tiers, what the x axis shows).
     pub belady: f64,
+    /// Hit rate of plain LRU at the same point, when the configured policy is not LRU.
+    pub lru: Option<f64>,
+}
+
+/// What the plot's title names.
+#[derive(Clone, Debug)]
+pub struct SweepTitle {
+    pub workload: String,
+    /// Host pages per device page.
+    pub host_per_device: f64,
+    /// L3 capacity in pages, if enabled.
+    pub l3_pages: Option<u64>,
+    pub model: String,
+    /// The configured policy's name.
+    pub policy: String,
+}
+
+impl SweepTitle {
+    pub fn text(&self) -> String {
+        let l3 = match self.l3_pages {
+            Some(p) => format!("L3 {p} pages"),
+            None => "no L3".into(),
+        };
+        format!(
+            "{}: device:host 1:{}, {l3}, {}",
+            self.workload,
+            fmt_num(self.host_per_device),
+            self.model
+        )
+    }
+}
+
+fn fmt_num(x: f64) -> String {
+    if (x - x.round()).abs() < 1e-9 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.2}")
+    }
+}
+
+/// `pages` as a short count (`40K`).
+fn short_pages(pages: f64) -> String {
+    if pages >= 1024.0 * 1024.0 {
+        format!("{}M", fmt_num(pages / (1024.0 * 1024.0)))
+    } else if pages >= 1024.0 {
+        format!("{}K", fmt_num(pages / 1024.0))
+    } else {
+        fmt_num(pages)
+    }
+}
+
+/// The y range: 0 to a little above the highest value, in whole 5 % steps.
+fn y_top(pts: &[SweepPoint]) -> f64 {
+    let max = pts
+        .iter()
+        .flat_map(|p| [p.hit_rate, p.device, p.belady, p.lru.unwrap_or(0.0)])
+        .fold(0.0f64, f64::max)
+        * 100.0;
+    ((max * 1.1 / 5.0).ceil() * 5.0).clamp(5.0, 100.0)
 }
 
 fn draw<DB: DrawingBackend>(
     root: DrawingArea<DB, plotters::coord::Shift>,
-    title: &str,
+    title: &SweepTitle,
     pts: &[SweepPoint],
 ) -> Result<(), String>
 where
     DB::ErrorType: 'static,
 {
     root.fill(&WHITE).map_err(|e| e.to_string())?;
-    let xmax = pts.iter().map(|p| p.capacity_pages).max().unwrap_or(1) as f64 * 1.05;
+    let lg = |p: u64| (p.max(1) as f64).log2();
+    let xmin = pts
+        .iter()
+        .map(|p| lg(p.capacity_pages))
+        .fold(f64::MAX, f64::min);
+    let xmax = pts
+        .iter()
+        .map(|p| lg(p.capacity_pages))
+        .fold(f64::MIN, f64::max);
+    let (x0, x1) = if xmin <= xmax {
+        (xmin.floor(), xmax.ceil().max(xmin.floor() + 1.0))
+    } else {
+        (0.0, 1.0)
+    };
+    // GB per page, from any point (all share the page size).
+    let gb_per_page = pts
+        .iter()
+        .find(|p| p.capacity_pages > 0)
+        .map_or(0.0, |p| p.capacity_gb / p.capacity_pages as f64);
     let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(44)
+        .caption(title.text(), ("sans-serif", 20))
+        .margin(14)
+        .margin_right(48)
+        .x_label_area_size(48)
         .y_label_area_size(56)
-        .build_cartesian_2d(0f64..xmax, 0f64..100f64)
+        .build_cartesian_2d(x0..x1, 0f64..y_top(pts))
         .map_err(|e| e.to_string())?;
     chart
         .configure_mesh()
-        .x_desc("cache capacity (device + host pages)")
+        .x_labels((x1 - x0) as usize + 1)
+        .x_label_formatter(&|v| {
+            let pages = v.exp2();
+            format!(
+                "{} ({} GB)",
+                short_pages(pages),
+                fmt_num((pages * gb_per_page).round())
+            )
+        })
+        .x_desc("cache capacity per instance, device + host pages (GB of KV), log scale")
         .y_desc("prompt tokens hit (%)")
         .draw()
         .map_err(|e| e.to_string())?;
-    let series = [
+    let line = |f: &dyn Fn(&SweepPoint) -> Option<f64>| -> Vec<(f64, f64)> {
+        pts.iter()
+            .filter_map(|p| f(p).map(|y| (lg(p.capacity_pages), y * 100.0)))
+            .collect()
+    };
+    let mut series = vec![
         (
-            "kvtier (all tiers)",
-            &BLUE,
-            pts.iter()
-                .map(|p| (p.capacity_pages as f64, p.hit_rate * 100.0))
-                .collect::<Vec<_>>(),
+            format!("kvtier, {} (all tiers)", title.policy),
+            BLUE,
+            line(&|p| Some(p.hit_rate)),
         ),
         (
-            "device only",
-            &GREEN,
-            pts.iter()
-                .map(|p| (p.capacity_pages as f64, p.device * 100.0))
-                .collect(),
+            "device share of hits".to_string(),
+            GREEN,
+            line(&|p| Some(p.device)),
         ),
         (
-            "Belady MIN ceiling",
-            &RED,
-            pts.iter()
-                .map(|p| (p.capacity_pages as f64, p.belady * 100.0))
-                .collect(),
+            "Belady MIN ceiling (device + host)".to_string(),
+            RED,
+            line(&|p| Some(p.belady)),
         ),
     ];
-    for (name, color, data) in series {
-        let c = *color;
+    let lru = line(&|p| p.lru);
+    if !lru.is_empty() {
+        series.push(("LRU (all tiers)".to_string(), BLACK, lru));
+    }
+    for (name, c, data) in series {
         chart
             .draw_series(LineSeries::new(data.clone(), c.stroke_width(2)))
             .map_err(|e| e.to_string())?
@@ -85,21 +184,57 @@ where
 pub fn write_sweep_plot(
     dir: &Path,
     stem: &str,
-    title: &str,
+    title: &SweepTitle,
     pts: &[SweepPoint],
 ) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     let svg = dir.join(format!("{stem}.svg"));
     let png = dir.join(format!("{stem}.png"));
     draw(
-        SVGBackend::new(&svg, (900, 560)).into_drawing_area(),
+        SVGBackend::new(&svg, (960, 600)).into_drawing_area(),
         title,
         pts,
     )?;
     draw(
-        BitMapBackend::new(&png, (900, 560)).into_drawing_area(),
+        BitMapBackend::new(&png, (960, 600)).into_drawing_area(),
         title,
         pts,
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pt(pages: u64, hit: f64, belady: f64) -> SweepPoint {
+        SweepPoint {
+            capacity_pages: pages,
+            capacity_gb: pages as f64 * 0.008,
+            hit_rate: hit,
+            device: hit / 2.0,
+            belady,
+            lru: Some(hit * 0.9),
+        }
+    }
+
+    #[test]
+    fn the_y_axis_fits_the_data_and_the_title_names_the_setup() {
+        let pts = [pt(10_240, 0.05, 0.2), pt(20_480, 0.1, 0.3733)];
+        assert_eq!(y_top(&pts), 45.0);
+        assert_eq!(y_top(&[pt(8, 0.0, 0.0)]), 5.0);
+        let t = SweepTitle {
+            workload: "conversation_trace.jsonl".into(),
+            host_per_device: 4.0,
+            l3_pages: None,
+            model: "llama3-8b".into(),
+            policy: "lru".into(),
+        };
+        assert_eq!(
+            t.text(),
+            "conversation_trace.jsonl: device:host 1:4, no L3, llama3-8b"
+        );
+        assert_eq!(short_pages(40_960.0), "40K");
+        assert_eq!(short_pages(1536.0), "1.50K");
+    }
 }

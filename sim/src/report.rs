@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use kvtier_scheduler::{OpKind, Outcome, Stats};
+use kvtier_scheduler::{OpKind, Outcome, SchedulerError, Stats};
+
+use crate::belady::AccessLog;
 
 /// Running tallies kept by the engine.
 #[derive(Debug, Default)]
@@ -13,6 +15,10 @@ pub struct Collector {
     pub page_bytes: u64,
     pub submitted: u64,
     pub rejected: u64,
+    /// Rejected requests by reason.
+    pub rejected_by: std::collections::BTreeMap<String, u64>,
+    /// Longest request offered (prompt + output tokens), accepted or not.
+    pub longest_request: u64,
     pub ended: u64,
     pub prompt_tokens: u64,
     pub ttft_us: Vec<u64>,
@@ -43,6 +49,20 @@ impl Collector {
     pub fn submitted(&mut self, prompt: u64) {
         self.submitted += 1;
         self.prompt_tokens += prompt;
+    }
+    /// A request the scheduler refused at submission.
+    pub fn rejected(&mut self, e: &SchedulerError) {
+        self.rejected += 1;
+        let reason = match e {
+            SchedulerError::TooLong { max, .. } => {
+                format!("prompt + output longer than max_context_tokens {max}")
+            }
+            other => other.to_string(),
+        };
+        *self.rejected_by.entry(reason).or_default() += 1;
+    }
+    pub fn longest(&mut self, tokens: u64) {
+        self.longest_request = self.longest_request.max(tokens);
     }
     pub fn ended(&mut self, o: Outcome, ttft_us: Option<u64>) {
         self.ended += 1;
@@ -131,6 +151,11 @@ impl Collector {
         Report {
             requests: self.submitted,
             rejected: self.rejected,
+            rejections: std::mem::take(&mut self.rejected_by)
+                .into_iter()
+                .map(|(reason, count)| Rejection { reason, count })
+                .collect(),
+            longest_request_tokens: self.longest_request,
             finished: self.outcomes[Outcome::Finished as usize],
             aborted: self.outcomes[Outcome::Aborted as usize],
             failed: self.outcomes[Outcome::Failed as usize],
@@ -174,6 +199,7 @@ impl Collector {
             ssd_read_bytes: self.ssd_read_bytes,
             ops,
             belady: None,
+            belady_local: None,
             oracle: Oracle {
                 pages_checked: self.pages_checked,
                 failures: self.oracle_failures,
@@ -181,7 +207,9 @@ impl Collector {
             },
             l3_objects: 0,
             wall_seconds: wall.as_secs_f64(),
-            accesses: Vec::new(),
+            policy: String::new(),
+            lru: None,
+            accesses: AccessLog::default(),
         }
     }
 }
@@ -234,10 +262,29 @@ pub struct BeladyBound {
     pub hit_pages: u64,
 }
 
+/// The headline figures of a run, for side-by-side comparisons.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub hit_rate: f64,
+    pub device: f64,
+    pub ttft_ms: Percentiles,
+}
+
+/// Requests the scheduler refused, with why.
+#[derive(Debug, Clone, Serialize)]
+pub struct Rejection {
+    pub reason: String,
+    pub count: u64,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
+    /// Requests accepted.
     pub requests: u64,
     pub rejected: u64,
+    pub rejections: Vec<Rejection>,
+    /// Longest request offered (prompt + output tokens).
+    pub longest_request_tokens: u64,
     pub finished: u64,
     pub aborted: u64,
     pub failed: u64,
@@ -256,12 +303,19 @@ pub struct Report {
     pub ssd_read_bytes: u64,
     pub ops: Vec<OpCount>,
     pub belady: Option<BeladyBound>,
+    /// With L3 enabled: the ceiling for the local tiers alone (device + host), the capacity a
+    /// sweep's x axis shows.
+    pub belady_local: Option<BeladyBound>,
     pub oracle: Oracle,
     pub l3_objects: u64,
     pub wall_seconds: f64,
+    /// The eviction policy that ran (set by the caller; empty if unknown).
+    pub policy: String,
+    /// The same workload and capacity under LRU, for comparison (set by the caller).
+    pub lru: Option<Summary>,
     /// The access sequence the Belady ceiling is computed over (not serialized).
     #[serde(skip)]
-    pub accesses: Vec<(u64, bool)>,
+    pub accesses: AccessLog,
 }
 
 fn gib(b: u64) -> String {
@@ -269,6 +323,14 @@ fn gib(b: u64) -> String {
 }
 
 impl Report {
+    pub fn summary(&self) -> Summary {
+        Summary {
+            hit_rate: self.hits.total,
+            device: self.hits.device,
+            ttft_ms: self.ttft_ms.clone(),
+        }
+    }
+
     /// A readable table for the terminal.
     pub fn table(&self) -> String {
         let h = &self.hits;
@@ -287,6 +349,13 @@ impl Report {
                 self.rejected,
                 self.retracted
             ),
+        );
+        for r in &self.rejections {
+            line("rejected", format!("{}: {}", r.count, r.reason));
+        }
+        line(
+            "longest request",
+            format!("{} tokens (prompt + output)", self.longest_request_tokens),
         );
         line("prompt tokens", format!("{}", self.prompt_tokens));
         line(
@@ -310,10 +379,39 @@ impl Report {
                 h.recomputed_tokens
             ),
         );
-        line("total hit rate", format!("{:>6.2} %", h.total * 100.0));
+        let policy = if self.policy.is_empty() {
+            String::new()
+        } else {
+            format!("  (eviction {})", self.policy)
+        };
+        line(
+            "total hit rate",
+            format!("{:>6.2} %{policy}", h.total * 100.0),
+        );
+        if let Some(l) = &self.lru {
+            line(
+                "LRU, same capacity",
+                format!(
+                    "{:>6.2} %  (TTFT p50 / p99 {:.1} / {:.1} ms)",
+                    l.hit_rate * 100.0,
+                    l.ttft_ms.p50,
+                    l.ttft_ms.p99
+                ),
+            );
+        }
         if let Some(b) = &self.belady {
             line(
                 "Belady ceiling",
+                format!(
+                    "{:>6.2} %  (capacity {} pages)",
+                    b.hit_rate * 100.0,
+                    b.capacity_pages
+                ),
+            );
+        }
+        if let Some(b) = &self.belady_local {
+            line(
+                "Belady, device + host only",
                 format!(
                     "{:>6.2} %  (capacity {} pages)",
                     b.hit_rate * 100.0,

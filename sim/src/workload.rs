@@ -88,79 +88,171 @@ fn field_u64(
     Err(WorkloadError::Field { line, field, msg })
 }
 
-/// Parses a Mooncake trace (JSON lines `{timestamp (ms), input_length, output_length,
-/// hash_ids}`) into requests. Every error names the line and the field; nothing is returned
-/// on error. `limit` keeps only the first `limit` requests.
+/// One validated trace line, before its blocks become token ids.
+struct TraceEntry {
+    timestamp: u64,
+    input: usize,
+    output: u64,
+    ids: Vec<u64>,
+}
+
+fn parse_line(line: &str, n: usize) -> Result<TraceEntry, WorkloadError> {
+    let t: TraceLine = serde_json::from_str(line).map_err(|e| WorkloadError::Line {
+        line: n,
+        msg: format!("malformed JSON: {e}"),
+    })?;
+    let timestamp = field_u64(t.timestamp, n, "timestamp")?;
+    let input = field_u64(t.input_length, n, "input_length")? as usize;
+    let output = field_u64(t.output_length, n, "output_length")?;
+    let ids = t.hash_ids.ok_or(WorkloadError::Field {
+        line: n,
+        field: "hash_ids",
+        msg: "missing".into(),
+    })?;
+    if input == 0 {
+        return Err(WorkloadError::Field {
+            line: n,
+            field: "input_length",
+            msg: "must be positive".into(),
+        });
+    }
+    if input > 4 << 20 {
+        return Err(WorkloadError::Field {
+            line: n,
+            field: "input_length",
+            msg: format!("{input} is implausibly long"),
+        });
+    }
+    if ids.len() != input.div_ceil(TRACE_BLOCK) {
+        return Err(WorkloadError::Field {
+            line: n,
+            field: "hash_ids",
+            msg: format!(
+                "{} ids for input_length {input} (expected {} blocks of {TRACE_BLOCK})",
+                ids.len(),
+                input.div_ceil(TRACE_BLOCK)
+            ),
+        });
+    }
+    let ids = ids
+        .iter()
+        .enumerate()
+        .map(|(j, v)| {
+            v.as_u64().ok_or(WorkloadError::Field {
+                line: n,
+                field: "hash_ids",
+                msg: format!("element {j} is not a non-negative integer ({v})"),
+            })
+        })
+        .collect::<Result<Vec<u64>, _>>()?;
+    Ok(TraceEntry {
+        timestamp,
+        input,
+        output,
+        ids,
+    })
+}
+
+/// Reads a Mooncake trace (JSON lines `{timestamp (ms), input_length, output_length,
+/// hash_ids}`) one request at a time.
+///
+/// Why an iterator: a request's token ids are 4 bytes per prompt token, so a whole public
+/// trace held at once costs gigabytes; the simulator pulls requests as their arrival comes
+/// and drops them when they end, so memory does not grow with the trace's length. Every
+/// error names the line and the field; [`scan_trace`] checks a whole file first without
+/// building token ids.
+pub struct TraceReader<R> {
+    lines: std::io::Lines<R>,
+    line: usize,
+    limit: Option<usize>,
+    yielded: usize,
+}
+
+impl<R: BufRead> TraceReader<R> {
+    /// `limit` keeps only the first `limit` requests.
+    pub fn new(r: R, limit: Option<usize>) -> Self {
+        TraceReader {
+            lines: r.lines(),
+            line: 0,
+            limit,
+            yielded: 0,
+        }
+    }
+
+    /// The next validated entry, skipping blank lines.
+    fn next_entry(&mut self) -> Option<Result<TraceEntry, WorkloadError>> {
+        if self.limit.is_some_and(|l| self.yielded >= l) {
+            return None;
+        }
+        loop {
+            let line = self.lines.next()?;
+            self.line += 1;
+            let line = match line {
+                Ok(l) => l,
+                Err(e) => return Some(Err(WorkloadError::Io(e.to_string()))),
+            };
+            if line.trim().is_empty() {
+                continue;
+            }
+            self.yielded += 1;
+            return Some(parse_line(&line, self.line));
+        }
+    }
+}
+
+impl<R: BufRead> Iterator for TraceReader<R> {
+    type Item = Result<SimRequest, WorkloadError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let id = self.yielded as u64;
+        Some(self.next_entry()?.map(|e| {
+            let mut prompt = Vec::with_capacity(e.input);
+            for (j, &b) in e.ids.iter().enumerate() {
+                let len = TRACE_BLOCK.min(e.input - j * TRACE_BLOCK);
+                prompt.extend((0..len).map(|k| block_token(b, k)));
+            }
+            SimRequest {
+                id,
+                arrival_ms: e.timestamp,
+                prompt,
+                output_len: u32::try_from(e.output.max(1)).unwrap_or(u32::MAX),
+                session: e.ids.get(1).copied().unwrap_or(0),
+            }
+        }))
+    }
+}
+
+/// What a pass over a whole trace found (without building token ids).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceSummary {
+    pub requests: usize,
+    /// Longest request, prompt + output tokens.
+    pub longest_tokens: u64,
+}
+
+/// Validates every line of a trace (the same checks as [`TraceReader`]) and summarises it, so
+/// a bad line is reported before a long replay starts.
+pub fn scan_trace(r: impl BufRead, limit: Option<usize>) -> Result<TraceSummary, WorkloadError> {
+    let mut reader = TraceReader::new(r, limit);
+    let mut s = TraceSummary::default();
+    while let Some(e) = reader.next_entry() {
+        let e = e?;
+        s.requests += 1;
+        s.longest_tokens = s.longest_tokens.max(e.input as u64 + e.output.max(1));
+    }
+    if s.requests == 0 {
+        return Err(WorkloadError::Empty);
+    }
+    Ok(s)
+}
+
+/// Parses a whole trace into requests (for tests and small traces; the simulator streams
+/// with [`TraceReader`]). Nothing is returned on error.
 pub fn parse_trace(
     r: impl BufRead,
     limit: Option<usize>,
 ) -> Result<Vec<SimRequest>, WorkloadError> {
-    let mut out = Vec::new();
-    for (i, line) in r.lines().enumerate() {
-        let n = i + 1;
-        if limit.is_some_and(|l| out.len() >= l) {
-            break;
-        }
-        let line = line.map_err(|e| WorkloadError::Io(e.to_string()))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let t: TraceLine = serde_json::from_str(&line).map_err(|e| WorkloadError::Line {
-            line: n,
-            msg: format!("malformed JSON: {e}"),
-        })?;
-        let ts = field_u64(t.timestamp, n, "timestamp")?;
-        let input = field_u64(t.input_length, n, "input_length")? as usize;
-        let output = field_u64(t.output_length, n, "output_length")?;
-        let ids = t.hash_ids.ok_or(WorkloadError::Field {
-            line: n,
-            field: "hash_ids",
-            msg: "missing".into(),
-        })?;
-        if input == 0 {
-            return Err(WorkloadError::Field {
-                line: n,
-                field: "input_length",
-                msg: "must be positive".into(),
-            });
-        }
-        if input > 4 << 20 {
-            return Err(WorkloadError::Field {
-                line: n,
-                field: "input_length",
-                msg: format!("{input} is implausibly long"),
-            });
-        }
-        if ids.len() != input.div_ceil(TRACE_BLOCK) {
-            return Err(WorkloadError::Field {
-                line: n,
-                field: "hash_ids",
-                msg: format!(
-                    "{} ids for input_length {input} (expected {} blocks of {TRACE_BLOCK})",
-                    ids.len(),
-                    input.div_ceil(TRACE_BLOCK)
-                ),
-            });
-        }
-        let mut prompt = Vec::with_capacity(input);
-        for (j, v) in ids.iter().enumerate() {
-            let id = v.as_u64().ok_or(WorkloadError::Field {
-                line: n,
-                field: "hash_ids",
-                msg: format!("element {j} is not a non-negative integer ({v})"),
-            })?;
-            let len = TRACE_BLOCK.min(input - j * TRACE_BLOCK);
-            prompt.extend((0..len).map(|k| block_token(id, k)));
-        }
-        let session = ids.get(1).and_then(|v| v.as_u64()).unwrap_or(0);
-        out.push(SimRequest {
-            id: out.len() as u64,
-            arrival_ms: ts,
-            prompt,
-            output_len: u32::try_from(output.max(1)).unwrap_or(u32::MAX),
-            session,
-        });
-    }
+    let out = TraceReader::new(r, limit).collect::<Result<Vec<_>, _>>()?;
     if out.is_empty() {
         return Err(WorkloadError::Empty);
     }
@@ -304,6 +396,31 @@ mod tests {
             assert!(msg.contains(want), "{msg} should mention {want}");
         }
         assert_eq!(parse_trace("".as_bytes(), None), Err(WorkloadError::Empty));
+    }
+
+    #[test]
+    fn the_reader_streams_and_the_scan_summarises() {
+        let t = "{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 3, \"hash_ids\": [5, 6]}\n\n\
+                 {\"timestamp\": 9, \"input_length\": 700, \"output_length\": 0, \"hash_ids\": [5, 7]}\n\
+                 {\"timestamp\": 9, \"input_length\": 700, \"output_length\": 0, \"hash_ids\": [5]}\n";
+        let mut r = TraceReader::new(t.as_bytes(), None);
+        let a = r.next().unwrap().unwrap();
+        assert_eq!((a.id, a.prompt.len(), a.output_len), (0, 1000, 3));
+        let b = r.next().unwrap().unwrap();
+        assert_eq!((b.id, b.arrival_ms, b.output_len), (1, 9, 1));
+        let e = r.next().unwrap().unwrap_err();
+        assert!(e.to_string().contains("line 4"), "{e}");
+        let e = scan_trace(t.as_bytes(), None).unwrap_err();
+        assert!(e.to_string().contains("line 4"), "{e}");
+        let s = scan_trace(t.as_bytes(), Some(2)).unwrap();
+        assert_eq!(
+            s,
+            TraceSummary {
+                requests: 2,
+                longest_tokens: 1003
+            }
+        );
+        assert_eq!(scan_trace("\n".as_bytes(), None), Err(WorkloadError::Empty));
     }
 
     #[test]

@@ -1,8 +1,10 @@
-//! Property tests of the simulator: random workloads, capacities, policies, instance counts and
-//! injected failures (failed prefetches, failed backups, lost L3 objects). The integrity oracle
-//! never fails, every run ends quiescent (all locks released, pools balanced: `simulate` returns
-//! an error otherwise), and no policy beats the Belady ceiling.
+//! Property tests of the simulator: random workloads, capacities, policies (eviction
+//! included), instance counts and injected failures (failed prefetches, failed backups, lost
+//! L3 objects). The integrity oracle never fails, every run ends quiescent (all locks
+//! released, pools balanced: `simulate` returns an error otherwise), and no policy beats the
+//! Belady ceiling.
 
+use kvtier_radix::EvictionPolicy;
 use kvtier_scheduler::{PrefetchStopPolicy, RetractionPolicy, WritePolicy};
 use kvtier_sim::workload::{ChatSpec, Routing, synthetic_chat};
 use kvtier_sim::{Faults, SimConfig, simulate};
@@ -13,7 +15,7 @@ fn sim_config() -> impl Strategy<Value = SimConfig> {
         prop_oneof![Just(16usize), Just(32)],
         (24u32..200, 0u32..400, 0u64..3000),
         1usize..4,
-        (0u8..3, 0u8..3, 0u8..3, any::<bool>(), any::<bool>()),
+        (0u8..3, 0u8..3, 0u8..3, any::<bool>(), any::<bool>(), 0u8..3),
         (0u64..4, 0u64..4, 0u64..6),
     )
         .prop_map(
@@ -21,7 +23,7 @@ fn sim_config() -> impl Strategy<Value = SimConfig> {
                 ps,
                 (dev, host, l3),
                 instances,
-                (stop, write, retract, mixed, keep),
+                (stop, write, retract, mixed, keep, evict),
                 (fp, fb, lose),
             )| {
                 let mut c = SimConfig::default();
@@ -37,6 +39,15 @@ fn sim_config() -> impl Strategy<Value = SimConfig> {
                 s.chunked_prefill_size = 256;
                 s.mixed_prefill_decode = mixed;
                 s.keep_device_after_write_back = keep;
+                s.eviction = [
+                    EvictionPolicy::Lru,
+                    EvictionPolicy::CONVERSATION,
+                    EvictionPolicy::FrequencyDepth {
+                        use_credit_pages: 8,
+                        max_credited_uses: 3,
+                        depth_debit_per_page: 2,
+                    },
+                ][evict as usize];
                 s.prefetch_threshold = 1;
                 s.max_context_tokens = (dev as usize * ps).min(4096);
                 s.prefetch_stop = [

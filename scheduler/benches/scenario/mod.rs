@@ -10,6 +10,9 @@
 //! the steady state of a decode batch.
 //!
 //! Nothing here is timed; the callers time the scheduler calls they measure.
+//!
+//! `KVTIER_BENCH_EVICTION=freq-depth` runs the scenario under the frequency/depth-aware
+//! eviction policy instead of LRU (to measure what a policy costs per plan).
 
 #![allow(dead_code)]
 
@@ -23,6 +26,14 @@ pub const PROMPT_PAGES: usize = PROMPT_TOKENS / PAGE;
 pub const TOKEN_BUDGET: usize = 8192;
 /// Generation limit of the decode scenarios (never reached: the setup is rebuilt first).
 pub const DECODE_MAX_NEW: u32 = 2048;
+
+/// The eviction policy the scenario runs under (`KVTIER_BENCH_EVICTION`, LRU by default).
+pub fn eviction() -> kvtier_radix::EvictionPolicy {
+    match std::env::var("KVTIER_BENCH_EVICTION").as_deref() {
+        Ok("freq-depth") => kvtier_radix::EvictionPolicy::CONVERSATION,
+        _ => kvtier_radix::EvictionPolicy::Lru,
+    }
+}
 
 /// The scenario's configuration for `n` requests generating up to `max_new` tokens each.
 pub fn config(n: usize, max_new: u32) -> SchedulerConfig {
@@ -39,6 +50,7 @@ pub fn config(n: usize, max_new: u32) -> SchedulerConfig {
         host_enabled: true,
         l3_enabled: false,
         max_context_tokens: PROMPT_TOKENS + max_new as usize,
+        eviction: eviction(),
         ..SchedulerConfig::default()
     }
 }

@@ -13,11 +13,15 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use kvtier_radix::EvictionPolicy;
 use kvtier_scheduler::{PrefetchStopPolicy, WritePolicy};
-use kvtier_sim::plot::{SweepPoint, write_sweep_plot};
+use kvtier_sim::plot::{SweepPoint, SweepTitle, write_sweep_plot};
 use kvtier_sim::profile::{BUILTIN_PROFILES, builtin};
-use kvtier_sim::workload::{ChatSpec, Routing, SimRequest, parse_trace, synthetic_chat};
-use kvtier_sim::{SimConfig, simulate};
+use kvtier_sim::workload::{
+    ChatSpec, Routing, SimRequest, TraceReader, TraceSummary, WorkloadError, scan_trace,
+    synthetic_chat,
+};
+use kvtier_sim::{Report, SimConfig, simulate_stream};
 
 #[derive(Parser)]
 #[command(
@@ -99,6 +103,13 @@ struct SimArgs {
     prefetch_stop: Option<String>,
     #[arg(long)]
     prefetch_threshold: Option<u32>,
+    /// Eviction policy: lru | freq-depth (the setting tuned on the conversation trace) |
+    /// freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE
+    #[arg(long)]
+    eviction: Option<String>,
+    /// Do not also run LRU at the same capacity for comparison.
+    #[arg(long)]
+    no_lru_baseline: bool,
     /// Chat workload: clients and rounds.
     #[arg(long)]
     clients: Option<u32>,
@@ -116,6 +127,10 @@ struct SimArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Check the flags, the configuration and the whole workload, say what would run, and
+    /// run nothing (the documentation's commands are tested this way).
+    #[arg(long)]
+    dry_run: bool,
 }
 
 fn fail(msg: impl std::fmt::Display) -> ExitCode {
@@ -144,7 +159,7 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
     let mut c = match &a.config {
         Some(p) => {
             let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
-            toml::from_str(&text).map_err(|e| format!("{}: {e}", p.display()))?
+            SimConfig::from_toml(&text).map_err(|e| format!("{}: {e}", p.display()))?
         }
         None => SimConfig::default(),
     };
@@ -212,6 +227,9 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
             _ => return Err(format!("unknown write policy `{w}`")),
         };
     }
+    if let Some(e) = &a.eviction {
+        s.eviction = parse_eviction(e)?;
+    }
     if let Some(p) = &a.prefetch_stop {
         let parts: Vec<&str> = p.split(':').collect();
         s.prefetch_stop = match parts.as_slice() {
@@ -233,19 +251,106 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
     if let Some(r) = a.routing {
         c.routing = r;
     }
-    let s = &mut c.scheduler;
-    s.max_context_tokens = s
-        .max_context_tokens
-        .min(s.device_pages as usize * s.page_size);
-    s.validate().map_err(|e| format!("configuration: {e}"))?;
+    c.effective_scheduler()
+        .validate()
+        .map_err(|e| format!("configuration: {e}"))?;
     Ok(c)
 }
 
-fn workload(a: &SimArgs) -> Result<Vec<SimRequest>, String> {
+/// The requests to replay: a trace file streamed from disk (checked once up front, so a bad
+/// line fails before anything runs), or the synthetic chat held in memory.
+enum Workload {
+    Trace {
+        path: PathBuf,
+        limit: Option<usize>,
+        summary: TraceSummary,
+    },
+    Chat(Vec<SimRequest>),
+}
+
+type RequestStream = Box<dyn Iterator<Item = Result<SimRequest, WorkloadError>>>;
+
+impl Workload {
+    fn len(&self) -> usize {
+        match self {
+            Workload::Trace { summary, .. } => summary.requests,
+            Workload::Chat(r) => r.len(),
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Workload::Trace { path, .. } => path.file_name().map_or_else(
+                || path.display().to_string(),
+                |f| f.to_string_lossy().into(),
+            ),
+            Workload::Chat(r) => format!("synthetic chat ({} requests)", r.len()),
+        }
+    }
+
+    fn stream(&self) -> Result<RequestStream, String> {
+        match self {
+            Workload::Trace { path, limit, .. } => {
+                let f = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+                Ok(Box::new(TraceReader::new(BufReader::new(f), *limit)))
+            }
+            Workload::Chat(r) => Ok(Box::new(r.clone().into_iter().map(Ok))),
+        }
+    }
+}
+
+fn parse_eviction(e: &str) -> Result<EvictionPolicy, String> {
+    let parts: Vec<&str> = e.split(':').collect();
+    let num = |s: &str| {
+        s.parse::<u64>()
+            .map_err(|_| format!("bad number `{s}` in eviction policy `{e}`"))
+    };
+    Ok(match parts.as_slice() {
+        ["lru"] => EvictionPolicy::Lru,
+        ["freq-depth"] => EvictionPolicy::CONVERSATION,
+        ["freq-depth", c, m, d] => EvictionPolicy::FrequencyDepth {
+            use_credit_pages: num(c)?,
+            max_credited_uses: u32::try_from(num(m)?)
+                .map_err(|_| format!("max uses `{m}` too large"))?,
+            depth_debit_per_page: num(d)?,
+        },
+        _ => return Err(format!("unknown eviction policy `{e}`")),
+    })
+}
+
+fn policy_name(p: EvictionPolicy) -> String {
+    match p {
+        EvictionPolicy::Lru => "lru".into(),
+        EvictionPolicy::FrequencyDepth {
+            use_credit_pages,
+            max_credited_uses,
+            depth_debit_per_page,
+        } => format!("freq-depth:{use_credit_pages}:{max_credited_uses}:{depth_debit_per_page}"),
+    }
+}
+
+/// The same run under LRU, for the side-by-side comparison (None when the policy is LRU or
+/// the comparison is turned off).
+fn lru_baseline(a: &SimArgs, cfg: &SimConfig, w: &Workload) -> Result<Option<Report>, String> {
+    if a.no_lru_baseline || cfg.scheduler.eviction == EvictionPolicy::Lru {
+        return Ok(None);
+    }
+    let mut c = cfg.clone();
+    c.scheduler.eviction = EvictionPolicy::Lru;
+    run_one(&c, w, |_| {}).map(Some)
+}
+
+fn workload(a: &SimArgs) -> Result<Workload, String> {
     match &a.trace {
         Some(p) => {
             let f = File::open(p).map_err(|e| format!("{}: {e}", p.display()))?;
-            parse_trace(BufReader::new(f), a.limit).map_err(|e| format!("{}: {e}", p.display()))
+            let summary = scan_trace(BufReader::new(f), a.limit)
+                .map_err(|e| format!("{}: {e}", p.display()))?;
+            Ok(Workload::Trace {
+                path: p.clone(),
+                limit: a.limit,
+                summary,
+            })
         }
         None => {
             let mut spec = ChatSpec::default();
@@ -255,14 +360,28 @@ fn workload(a: &SimArgs) -> Result<Vec<SimRequest>, String> {
             if let Some(r) = a.rounds {
                 spec.rounds = r;
             }
-            Ok(synthetic_chat(&spec))
+            Ok(Workload::Chat(synthetic_chat(&spec)))
         }
     }
+}
+
+fn run_one(cfg: &SimConfig, w: &Workload, progress: impl FnMut(u64)) -> Result<Report, String> {
+    simulate_stream(cfg, w.stream()?, progress)
 }
 
 fn run_sim(a: SimArgs) -> Result<(), String> {
     let cfg = config(&a)?;
     let reqs = workload(&a)?;
+    if a.dry_run {
+        println!(
+            "dry run: {} ({} requests), eviction {}, {}",
+            reqs.name(),
+            reqs.len(),
+            policy_name(cfg.scheduler.eviction),
+            if a.sweep { "capacity sweep" } else { "one run" }
+        );
+        return Ok(());
+    }
     let bar = |n: u64| {
         if a.quiet || a.json {
             ProgressBar::hidden()
@@ -279,8 +398,10 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
     };
     if !a.sweep {
         let pb = bar(reqs.len() as u64);
-        let report = simulate(&cfg, &reqs, |n| pb.set_position(n))?;
+        let mut report = run_one(&cfg, &reqs, |n| pb.set_position(n))?;
         pb.finish_and_clear();
+        report.policy = policy_name(cfg.scheduler.eviction);
+        report.lru = lru_baseline(&a, &cfg, &reqs)?.map(|r| r.summary());
         if a.json {
             println!(
                 "{}",
@@ -323,6 +444,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
     let mut pts = Vec::new();
     let factors = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0];
     let pb = bar(factors.len() as u64);
+    let page_gb = (cfg.profile.kv_bytes_per_token * cfg.scheduler.page_size as u64) as f64 / 1e9;
     for f in factors {
         let mut c = cfg.clone();
         let s = &mut c.scheduler;
@@ -330,24 +452,26 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         if s.host_enabled {
             s.host_pages = ((s.host_pages as f64 * f) as u32).max(8);
         }
-        s.max_context_tokens = s
-            .max_context_tokens
-            .min(s.device_pages as usize * s.page_size);
-        if c.scheduler.validate().is_err() {
+        if c.effective_scheduler().validate().is_err() {
             continue;
         }
-        let r = simulate(&c, &reqs, |_| {})?;
-        let cap = c.scheduler.device_pages as u64
+        let r = run_one(&c, &reqs, |_| {})?;
+        let lru = lru_baseline(&a, &c, &reqs)?;
+        let cap = (c.scheduler.device_pages as u64
             + if c.scheduler.host_enabled {
                 c.scheduler.host_pages as u64
             } else {
                 0
-            };
+            })
+            * c.instances.max(1) as u64;
+        let belady = r.belady_local.as_ref().or(r.belady.as_ref());
         pts.push(SweepPoint {
             capacity_pages: cap,
+            capacity_gb: cap as f64 * page_gb,
             hit_rate: r.hits.total,
             device: r.hits.device,
-            belady: r.belady.as_ref().map_or(0.0, |b| b.hit_rate),
+            belady: belady.map_or(0.0, |b| b.hit_rate),
+            lru: lru.map(|l| l.hits.total),
         });
         pb.inc(1);
     }
@@ -358,12 +482,19 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         serde_json::to_string_pretty(&pts).map_err(|e| e.to_string())?,
     )
     .map_err(|e| e.to_string())?;
-    write_sweep_plot(
-        &a.sweep_out,
-        "sweep",
-        "prompt-token hit rate vs. cache capacity",
-        &pts,
-    )?;
+    let s = &cfg.scheduler;
+    let title = SweepTitle {
+        workload: reqs.name(),
+        host_per_device: if s.host_enabled {
+            s.host_pages as f64 / s.device_pages.max(1) as f64
+        } else {
+            0.0
+        },
+        l3_pages: s.l3_enabled.then_some(cfg.l3_pages + cfg.l3_ssd_pages),
+        model: cfg.profile.name.clone(),
+        policy: policy_name(s.eviction),
+    };
+    write_sweep_plot(&a.sweep_out, "sweep", &title, &pts)?;
     if a.json {
         println!(
             "{}",
@@ -371,15 +502,16 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         );
     } else {
         println!(
-            "{:>16} {:>10} {:>10} {:>10}",
-            "capacity pages", "hit %", "device %", "Belady %"
+            "{:>16} {:>10} {:>10} {:>10} {:>10}",
+            "capacity pages", "hit %", "device %", "LRU %", "Belady %"
         );
         for p in &pts {
             println!(
-                "{:>16} {:>10.2} {:>10.2} {:>10.2}",
+                "{:>16} {:>10.2} {:>10.2} {:>10} {:>10.2}",
                 p.capacity_pages,
                 p.hit_rate * 100.0,
                 p.device * 100.0,
+                p.lru.map_or("-".into(), |l| format!("{:.2}", l * 100.0)),
                 p.belady * 100.0
             );
         }

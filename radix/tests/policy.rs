@@ -1,0 +1,101 @@
+//! What each eviction policy evicts, on small cases where LRU's choice is the wrong one, and
+//! that repeated matches of one query (a blocked request tried again) count as one use.
+
+use kvtier_radix::*;
+
+const PS: usize = 4;
+
+fn cache(policy: EvictionPolicy) -> RadixCache {
+    let mut c = RadixCache::new(RadixConfig {
+        page_size: PS,
+        device_pages: 64,
+        host_pages: 8,
+        record_events: false,
+    })
+    .unwrap();
+    c.set_eviction_policy(policy);
+    c
+}
+
+fn prompt(seed: u32, pages: usize) -> (Vec<u32>, Vec<PageHash>) {
+    let toks: Vec<u32> = (0..(pages * PS) as u32).map(|i| seed * 1000 + i).collect();
+    let hs = page_hashes(&toks, PS, None);
+    (toks, hs)
+}
+
+fn put_device(c: &mut RadixCache, toks: &[u32], hs: &[PageHash]) {
+    let m = c.match_prefix(hs);
+    let pages = c.alloc::<Device>(hs.len() - m.device_pages).unwrap();
+    c.insert::<Device>(m.device_node, m.device_pages, hs, toks, &pages)
+        .unwrap();
+}
+
+/// A short prefix read three times, then a long one-off prompt: which is evicted first?
+fn first_victim(policy: EvictionPolicy, repeat_same_query: bool) -> PageHash {
+    let mut c = cache(policy);
+    let (ta, ha) = prompt(1, 2);
+    put_device(&mut c, &ta, &ha);
+    for i in 0..3 {
+        if repeat_same_query {
+            c.match_prefix(&ha);
+        } else {
+            // Distinct queries through the prefix: different continuations.
+            let (_, other) = prompt(100 + i, 3);
+            c.match_prefix(&[ha[0], ha[1], other[2]]);
+        }
+    }
+    let (tb, hb) = prompt(2, 12);
+    put_device(&mut c, &tb, &hb);
+    c.evict::<Device>(1).evicted[0].hashes[0]
+}
+
+#[test]
+fn frequency_depth_keeps_a_reused_prefix_over_a_fresh_one_off() {
+    let (_, ha) = prompt(1, 2);
+    let (_, hb) = prompt(2, 12);
+    // LRU evicts the older, reused prefix.
+    assert_eq!(first_victim(EvictionPolicy::Lru, false), ha[0]);
+    let p = EvictionPolicy::FrequencyDepth {
+        use_credit_pages: 16,
+        max_credited_uses: 4,
+        depth_debit_per_page: 1,
+    };
+    assert_eq!(first_victim(p, false), hb[0]);
+    // Depth alone (no credit) already prefers the deep one-off.
+    let depth_only = EvictionPolicy::FrequencyDepth {
+        use_credit_pages: 0,
+        max_credited_uses: 0,
+        depth_debit_per_page: 2,
+    };
+    assert_eq!(first_victim(depth_only, false), hb[0]);
+}
+
+#[test]
+fn a_repeated_query_counts_as_one_use() {
+    // Credit only (no depth): three distinct reads outweigh 12 pages of newer traffic, one
+    // read repeated three times does not.
+    let p = EvictionPolicy::FrequencyDepth {
+        use_credit_pages: 6,
+        max_credited_uses: 4,
+        depth_debit_per_page: 0,
+    };
+    let (_, ha) = prompt(1, 2);
+    let (_, hb) = prompt(2, 12);
+    assert_eq!(first_victim(p, false), hb[0]);
+    assert_eq!(first_victim(p, true), ha[0]);
+}
+
+#[test]
+fn switching_policy_reranks_what_is_already_cached() {
+    let mut c = cache(EvictionPolicy::Lru);
+    let (ta, ha) = prompt(1, 2);
+    put_device(&mut c, &ta, &ha);
+    let (tb, hb) = prompt(2, 12);
+    put_device(&mut c, &tb, &hb);
+    let lru_first = c.evictable_lru::<Device>().next().unwrap();
+    assert_eq!(c.node_hashes(lru_first).unwrap()[0], ha[0]);
+    c.set_eviction_policy(EvictionPolicy::CONVERSATION);
+    let first = c.evictable_lru::<Device>().next().unwrap();
+    assert_eq!(c.node_hashes(first).unwrap()[0], hb[0]);
+    c.check_invariants().unwrap();
+}

@@ -1,0 +1,183 @@
+//! Problems a new user hit with `kvtier sim` (issue 12), each pinned by a test: a partial
+//! `[scheduler]` table, long prompts rejected by a default context limit, and rejections
+//! nobody was told about.
+
+use std::process::Command;
+
+fn kvtier() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+}
+
+fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("kvtier-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// One trace line of `blocks` 512-token blocks, ids starting at `first_id`.
+fn line(ts: u64, input: usize, first_id: u64) -> String {
+    let ids: Vec<String> = (0..input.div_ceil(512) as u64)
+        .map(|i| (first_id + i).to_string())
+        .collect();
+    format!(
+        "{{\"timestamp\": {ts}, \"input_length\": {input}, \"output_length\": 4, \"hash_ids\": [{}]}}\n",
+        ids.join(", ")
+    )
+}
+
+#[test]
+fn a_partial_scheduler_table_takes_the_defaults() {
+    let dir = temp_dir("partial-toml");
+    let cfg = dir.join("sim.toml");
+    std::fs::write(
+        &cfg,
+        "l3_pages = 4096\n[scheduler]\ndevice_pages = 512\nhost_pages = 1024\n[links]\nl3_gb_per_s = 40.0\n",
+    )
+    .unwrap();
+    let out = kvtier()
+        .args(["sim", "--json", "--clients", "6", "--rounds", "2"])
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["oracle"]["failures"], 0);
+    // The table's own fields are used: Belady's capacity is 512 + 1024 + 4096 pages.
+    assert_eq!(v["belady"]["capacity_pages"], 512 + 1024 + 4096);
+
+    // A field of the wrong type is still an error naming the file.
+    std::fs::write(&cfg, "[scheduler]\ndevice_pages = \"lots\"\n").unwrap();
+    let out = kvtier()
+        .args(["sim", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("sim.toml") && err.contains("device_pages"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn long_prompts_run_and_rejections_are_counted_with_their_reason() {
+    let dir = temp_dir("long-prompts");
+    let trace = dir.join("long.jsonl");
+    // 140K tokens (over the old 131,072 default), then 300K tokens (over the device capacity
+    // of 4,096 pages × 64 tokens = 262,144), then a short one.
+    let text = [
+        line(0, 140_000, 0),
+        line(10, 300_000, 1_000),
+        line(20, 2_000, 0),
+    ]
+    .concat();
+    std::fs::write(&trace, text).unwrap();
+    let out = kvtier()
+        .args([
+            "sim",
+            "--json",
+            "--no-l3",
+            "--device-pages",
+            "4096",
+            "--host-pages",
+            "8192",
+        ])
+        .arg("--trace")
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["requests"], 2, "{v}");
+    assert_eq!(v["rejected"], 1, "{v}");
+    let reasons = v["rejections"].as_array().expect("rejections listed");
+    assert_eq!(reasons.len(), 1, "{v}");
+    assert_eq!(reasons[0]["count"], 1);
+    let why = reasons[0]["reason"].as_str().unwrap();
+    assert!(why.contains("262144"), "{why}");
+    assert_eq!(v["longest_request_tokens"], 300_004);
+
+    // The table says it too.
+    let out = kvtier()
+        .args(["sim", "--quiet", "--no-l3", "--device-pages", "4096"])
+        .arg("--trace")
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("rejected") && s.contains("max_context_tokens 262144"),
+        "{s}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn the_sweep_belady_line_is_for_the_capacity_on_its_x_axis() {
+    let dir = temp_dir("sweep-belady");
+    let common = [
+        "--clients",
+        "30",
+        "--rounds",
+        "3",
+        "--device-pages",
+        "32",
+        "--host-pages",
+        "64",
+        "--l3-pages",
+        "100000",
+    ];
+    let out = kvtier()
+        .args(["sim", "--json", "--sweep"])
+        .args(common)
+        .arg("--sweep-out")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pts: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let one = kvtier()
+        .args(["sim", "--json"])
+        .args(common)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&one.stdout).unwrap();
+    let local = &v["belady_local"];
+    assert_eq!(local["capacity_pages"], 32 + 64);
+    assert!(local["hit_rate"].as_f64().unwrap() < v["belady"]["hit_rate"].as_f64().unwrap());
+    let p = pts
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["capacity_pages"] == 96)
+        .expect("the ×1 point");
+    assert_eq!(p["belady"], local["hit_rate"]);
+    let gb = 96.0 * 64.0 * 131_072.0 / 1e9;
+    assert!((p["capacity_gb"].as_f64().unwrap() - gb).abs() < 1e-9);
+    let svg = std::fs::read_to_string(dir.join("sweep.svg")).unwrap();
+    for want in [
+        "device:host 1:2",
+        "L3 100000 pages",
+        "llama3-8b",
+        "device share of hits",
+    ] {
+        assert!(svg.contains(want), "plot lacks {want}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
