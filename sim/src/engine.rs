@@ -102,6 +102,11 @@ pub struct Simulation {
     cfg: SimConfig,
     insts: Vec<Instance>,
     store: Option<Arc<EmbeddedStore>>,
+    /// SSD-only L3 objects a probe had promoted to DRAM: key → simulated time (µs) the
+    /// promotion is done. Modelled on the simulated clock (the store's own promoter runs on
+    /// wall time and would make runs irreproducible); the entry is used by the next prefetch
+    /// of the key.
+    promoting: HashMap<String, u64>,
     tenant: Tenant,
     heap: BinaryHeap<Reverse<(u64, u64, usize)>>,
     pending: Vec<Option<Pending>>,
@@ -195,6 +200,7 @@ impl Simulation {
             cfg,
             insts,
             store,
+            promoting: HashMap::new(),
             tenant,
             heap: BinaryHeap::new(),
             pending: Vec::new(),
@@ -403,23 +409,60 @@ impl Simulation {
                 OpKind::LoadBack => (&mut i.h2d_free, links.pcie_us(bytes)),
                 OpKind::WriteBack => (&mut i.d2h_free, links.pcie_us(bytes)),
                 OpKind::Prefetch => {
-                    // SSD-only objects are read from the store's SSD before they travel.
-                    let ssd_only = match (&self.store, &op.spec) {
+                    // SSD-only objects are read from the store's SSD before they travel —
+                    // unless the probe already had them promoted to DRAM (then only what is
+                    // left of that promotion is waited for).
+                    let (ssd_only, promo_ready) = match (&self.store, &op.spec) {
                         (Some(s), OpSpec::Prefetch { keys, .. }) if self.cfg.l3_ssd_pages > 0 => {
-                            keys.iter()
-                                .filter(|k| s.residency(&self.tenant, k) == (false, true))
-                                .count() as u64
+                            let mut n = 0u64;
+                            let mut ready = 0u64;
+                            for k in keys {
+                                if let Some(r) = self.promoting.remove(k) {
+                                    ready = ready.max(r);
+                                } else if s.residency(&self.tenant, k) == (false, true) {
+                                    n += 1;
+                                }
+                            }
+                            (n, ready)
                         }
-                        _ => 0,
+                        _ => (0, 0),
                     };
                     self.col.ssd_read(ssd_only * page_bytes);
-                    (
-                        &mut i.net_free,
-                        links.l3_us(bytes) + links.ssd_us(ssd_only * page_bytes),
-                    )
+                    // The transfer starts when the network link is free; a promotion that
+                    // finished by then costs nothing.
+                    let ssd = links
+                        .ssd_us(ssd_only * page_bytes)
+                        .max(promo_ready.saturating_sub(now.max(i.net_free)));
+                    self.col.prefetch_ssd_wait(ssd);
+                    (&mut i.net_free, links.l3_us(bytes) + ssd)
                 }
                 OpKind::BackUp => (&mut i.net_free, links.l3_us(bytes)),
-                OpKind::L3Query => (&mut 0u64, links.l3_query_us as u64),
+                OpKind::L3Query => {
+                    // The probe asks the store to promote SSD-only hits to DRAM
+                    // (`prefetch_to_memory`): their SSD reads start now, one after another,
+                    // off the prefetch's critical path.
+                    if let (Some(s), OpSpec::L3Query { keys }) = (&self.store, &op.spec)
+                        && self.cfg.l3_ssd_pages > 0
+                        && self.cfg.l3_promote_on_probe
+                    {
+                        let mut t = now + links.l3_query_us as u64;
+                        for k in keys {
+                            match s.residency(&self.tenant, k) {
+                                (false, true) if !self.promoting.contains_key(k) => {
+                                    t += links.ssd_us(page_bytes);
+                                    self.col.ssd_read(page_bytes);
+                                    self.promoting.insert(k.clone(), t);
+                                }
+                                (false, false) => break, // the probe's hits end here
+                                _ => {}
+                            }
+                        }
+                        if self.promoting.len() > 1 << 16 {
+                            self.promoting.retain(|_, r| *r > now);
+                        }
+                    }
+                    (&mut 0u64, links.l3_query_us as u64)
+                }
             };
             let start = now.max(*link);
             let end = start + dur;
