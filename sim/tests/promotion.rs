@@ -12,11 +12,13 @@ fn run(promote: bool, seed: u64) -> kvtier_sim::Report {
 }
 
 fn run_with(promote: bool, seed: u64, clients: u32, ssd: f64) -> kvtier_sim::Report {
-    let mut c = SimConfig::default();
-    c.instances = 2;
-    c.l3_pages = 512; // small DRAM: most of L3 is on the SSD
-    c.l3_ssd_pages = 20_000;
-    c.l3_promote_on_probe = promote;
+    let mut c = SimConfig {
+        instances: 2,
+        l3_pages: 512, // small DRAM: most of L3 is on the SSD
+        l3_ssd_pages: 20_000,
+        l3_promote_on_probe: promote,
+        ..SimConfig::default()
+    };
     c.links.ssd_gb_per_s = ssd;
     c.links.l3_query_us = 2_000.0; // a slow probe: room to promote behind it
     c.scheduler.device_pages = 256;
