@@ -148,10 +148,10 @@ impl Scheduler {
                     host_lock,
                     from,
                     dst,
-                    retract,
+                    cause,
                 },
                 _,
-            ) => self.finish_write_back(req, host_lock, from, dst, retract, success),
+            ) => self.finish_write_back(req, host_lock, from, dst, cause, success),
             (
                 OpCtx::BackUp {
                     lock,
@@ -346,7 +346,7 @@ impl Scheduler {
                 // any: it is not appended) are garbage. Drop everything the request computed
                 // without publishing it, and recompute from the tree.
                 r.recompute = false;
-                self.retract(id, true);
+                self.retract(id, crate::ops::RetractedKv::Garbage);
             }
             RequestState::Prefilling { done, .. } => {
                 self.publish_device(id, done as usize / ps);

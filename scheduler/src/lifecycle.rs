@@ -11,7 +11,7 @@ use kvtier_fsm::{OpKind, RequestEvent, RequestState};
 use kvtier_radix::{Device, Host, HostPageId, LockHandle, NodeId, PageHash};
 
 use crate::config::{RetractionPolicy, WritePolicy};
-use crate::ops::{AnyLock, OpCtx};
+use crate::ops::{AnyLock, BackupSource, BackupUrgency, OpCtx, RetractedKv, WriteBackCause};
 use crate::release;
 use crate::scheduler::Scheduler;
 use crate::types::*;
@@ -79,7 +79,7 @@ impl Scheduler {
         self.drop_own_pages(id);
         self.running.remove(&seq);
         let n = if self.cfg.host_enabled {
-            self.plan_write_back(id, false)
+            self.plan_write_back(id, WriteBackCause::Finish)
         } else {
             0
         };
@@ -101,10 +101,10 @@ impl Scheduler {
             {
                 if self.cfg.host_enabled {
                     if self.cache.is_resident(end, kvtier_radix::TierKind::Host) == Ok(true) {
-                        self.plan_backup(end, true, None, false);
+                        self.plan_backup(end, BackupSource::Host, None, BackupUrgency::PerPolicy);
                     }
                 } else {
-                    self.plan_backup(end, false, None, false);
+                    self.plan_backup(end, BackupSource::Device, None, BackupUrgency::PerPolicy);
                 }
             }
             self.release(id);
@@ -123,7 +123,7 @@ impl Scheduler {
 
     /// Plans the device → host write-back of the request's published pages that host lacks.
     /// Returns the number of pages (0: nothing to write, or no host memory).
-    pub(crate) fn plan_write_back(&mut self, id: RequestId, retract: bool) -> usize {
+    pub(crate) fn plan_write_back(&mut self, id: RequestId, cause: WriteBackCause) -> usize {
         let Some(r) = self.reqs.get(&id) else {
             return 0;
         };
@@ -170,7 +170,7 @@ impl Scheduler {
                 host_lock: hl,
                 from: host_from,
                 dst,
-                retract,
+                cause,
             },
         );
         n
@@ -182,7 +182,7 @@ impl Scheduler {
         host_lock: LockHandle<Host>,
         from: usize,
         dst: Vec<HostPageId>,
-        retract: bool,
+        cause: WriteBackCause,
         success: bool,
     ) {
         let host_end = match req {
@@ -196,7 +196,7 @@ impl Scheduler {
         let Some(id) = req else { return };
         // The device copy was the source; the request's hold on it ends here.
         let dev_end = self.take_dev_lock(id);
-        if retract {
+        if cause == WriteBackCause::Retract {
             self.apply(
                 id,
                 RequestEvent::WriteBackDone {
@@ -209,7 +209,7 @@ impl Scheduler {
         }
         let mut backups = 0;
         if success && let Some(end) = host_end {
-            if self.plan_backup(end, true, Some(id), false) {
+            if self.plan_backup(end, BackupSource::Host, Some(id), BackupUrgency::PerPolicy) {
                 backups = 1;
             }
             if !self.cfg.keep_device_after_write_back
@@ -254,13 +254,13 @@ impl Scheduler {
     }
 
     /// Plans a backup to L3 of the nodes on the path to `end` that L3 lacks (per the write
-    /// policy unless `force`). The backup locks `end` on its source tier until `BackUpDone`.
+    /// policy, or regardless `BeforeHostDrop`). The backup locks `end` on its source tier until `BackUpDone`.
     pub(crate) fn plan_backup(
         &mut self,
         end: NodeId,
-        from_host: bool,
+        source: BackupSource,
         req: Option<RequestId>,
-        force: bool,
+        urgency: BackupUrgency,
     ) -> bool {
         if !self.cfg.l3_enabled {
             return false;
@@ -268,7 +268,7 @@ impl Scheduler {
         let threshold = match self.cfg.write_policy {
             WritePolicy::WriteThrough => 0,
             WritePolicy::WriteThroughSelective { hit_threshold } => hit_threshold,
-            WritePolicy::WriteBack if force => 0,
+            WritePolicy::WriteBack if urgency == BackupUrgency::BeforeHostDrop => 0,
             WritePolicy::WriteBack => return false,
         };
         let Ok(path) = self.cache.path_nodes(end) else {
@@ -303,7 +303,7 @@ impl Scheduler {
             return false;
         }
         let keys = self.l3_keys(&hashes);
-        let (src, lock) = if from_host {
+        let (src, lock) = if source == BackupSource::Host {
             let Ok(all) = self.cache.path_pages::<Host>(end) else {
                 return false;
             };
@@ -358,7 +358,12 @@ impl Scheduler {
                 continue;
             }
             let len = self.cache.node_hashes(node).map(|h| h.len()).unwrap_or(0);
-            if self.plan_backup(node, true, None, true) {
+            if self.plan_backup(
+                node,
+                BackupSource::Host,
+                None,
+                BackupUrgency::BeforeHostDrop,
+            ) {
                 pending += len;
             } else {
                 let _ = self.cache.evict_node::<Host>(node);
@@ -393,7 +398,7 @@ impl Scheduler {
         if victim == needy && !self.retractable(needy) {
             return false;
         }
-        self.retract(victim, false)
+        self.retract(victim, RetractedKv::Keep)
     }
 
     /// Running with nothing in flight and no abort pending: can give its pages back now.
@@ -415,26 +420,26 @@ impl Scheduler {
     }
 
     /// Preempts a running request: its computed pages are published and written back to host
-    /// (or dropped, to be recomputed, when host is full or absent, or when `garbage`), and it
+    /// (or dropped, to be recomputed, when host is full or absent, or when `Garbage`), and it
     /// waits to resume. Returns true if its device pages were unpinned at once.
-    pub(crate) fn retract(&mut self, id: RequestId, garbage_free: bool) -> bool {
+    pub(crate) fn retract(&mut self, id: RequestId, kv: RetractedKv) -> bool {
         let ps = self.cfg.page_size;
         let Some(r) = self.reqs.get(&id) else {
             return false;
         };
         let seq = r.seq;
+        let garbage = kv == RetractedKv::Garbage || r.recompute;
         let kv = match r.state {
             RequestState::Prefilling { done, .. } => done as usize,
             _ => r.kv_len(),
         };
-        let garbage = garbage_free || r.recompute;
         if !garbage {
             self.publish_device(id, kv / ps);
         }
         self.drop_own_pages(id);
         self.running.remove(&seq);
         let n = if self.cfg.host_enabled && !garbage {
-            self.plan_write_back(id, true)
+            self.plan_write_back(id, WriteBackCause::Retract)
         } else {
             0
         };

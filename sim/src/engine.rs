@@ -88,6 +88,12 @@ struct Instance {
 /// How many requests are pulled from the workload ahead of the clock.
 pub const ARRIVAL_WINDOW: usize = 64;
 
+/// Waits until the SSD writer has written every queued offload (see the prefetch cost).
+/// (The embedded store's flush cannot fail: it only waits for its writer.)
+fn flush_offloads(s: &EmbeddedStore) {
+    s.flush().ok();
+}
+
 pub fn fingerprint(h: &PageHash) -> u64 {
     h.prefix_u64()
 }
@@ -414,6 +420,9 @@ impl Simulation {
                     // left of that promotion is waited for).
                     let (ssd_only, promo_ready) = match (&self.store, &op.spec) {
                         (Some(s), OpSpec::Prefetch { keys, .. }) if self.cfg.l3_ssd_pages > 0 => {
+                            // Offloads run on the store's writer thread (wall time): let them
+                            // land so residency, and the run, do not depend on thread timing.
+                            flush_offloads(s);
                             let mut n = 0u64;
                             let mut ready = 0u64;
                             for k in keys {
@@ -445,6 +454,7 @@ impl Simulation {
                         && self.cfg.l3_ssd_pages > 0
                         && self.cfg.l3_promote_on_probe
                     {
+                        flush_offloads(s);
                         let mut t = now + links.l3_query_us as u64;
                         for k in keys {
                             match s.residency(&self.tenant, k) {

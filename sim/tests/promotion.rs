@@ -40,7 +40,7 @@ fn promotion_on_probe_takes_ssd_reads_off_the_prefetch_path() {
         let (on, off) = (run(true, seed), run(false, seed));
         assert!(off.ssd_read_bytes > 0, "the workload reads L3 from SSD");
         eprintln!(
-            "seed {seed}: TTFT p50/p90/p99 {:.1}/{:.1}/{:.1} ms with promotion, {:.1}/{:.1}/{:.1} without; hits {:.3} vs {:.3}",
+            "seed {seed}: TTFT p50/p90/p99 {:.1}/{:.1}/{:.1} ms with promotion, {:.1}/{:.1}/{:.1} without; hits {:.3} vs {:.3}; SSD wait {:.0} vs {:.0} ms",
             on.ttft_ms.p50,
             on.ttft_ms.p90,
             on.ttft_ms.p99,
@@ -48,7 +48,9 @@ fn promotion_on_probe_takes_ssd_reads_off_the_prefetch_path() {
             off.ttft_ms.p90,
             off.ttft_ms.p99,
             on.hits.total,
-            off.hits.total
+            off.hits.total,
+            on.prefetch_ssd_wait_ms,
+            off.prefetch_ssd_wait_ms
         );
         // Prefetches wait less for the SSD: the promotion ran behind the probe.
         assert!(
