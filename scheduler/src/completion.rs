@@ -16,18 +16,67 @@ use crate::scheduler::{RowKind, Scheduler};
 use crate::types::*;
 
 impl Scheduler {
+    /// An op's completion: validated as a whole first (nothing changes on `Err`), then applied
+    /// by the handler of its kind.
     pub(crate) fn on_op_done(&mut self, ev: Event) -> Result<(), SchedulerError> {
-        let Some((op, claimed)) = ev.op_kind() else {
+        let Some((op, success)) = self.validate_op_done(&ev)? else {
             return Ok(());
         };
-        let success = match ev {
+        let Some(rec) = self.ops.remove(&op) else {
+            return Ok(());
+        };
+        let latency = self.now_ms.saturating_sub(rec.issued_ms);
+        self.stats.record_completion(rec.kind(), success, latency);
+        let req = rec.req;
+        if let Some(r) = req.and_then(|id| self.reqs.get_mut(&id)) {
+            r.ops.retain(|o| *o != op);
+        }
+        match (rec.ctx, ev) {
+            (OpCtx::Query { start, .. }, Event::L3QueryDone { hit_pages, .. }) => {
+                self.query_done(req, start, hit_pages)
+            }
+            (OpCtx::Prefetch { start, dst }, Event::PrefetchDone { completed, .. }) => {
+                self.prefetch_done(op, req, start, dst, completed)
+            }
+            (OpCtx::LoadBack { host_lock, to, .. }, _) => {
+                self.load_back_done(req, host_lock, to, success)
+            }
+            (
+                OpCtx::WriteBack {
+                    host_lock,
+                    from,
+                    dst,
+                    cause,
+                },
+                _,
+            ) => self.finish_write_back(req, host_lock, from, dst, cause, success),
+            (
+                OpCtx::BackUp {
+                    lock,
+                    nodes,
+                    hashes,
+                },
+                _,
+            ) => self.backup_done(req, lock, &nodes, &hashes, success),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Checks an op completion without changing anything: the op is in flight, the completion
+    /// is of its kind, its payload is within bounds and the request's FSM accepts it. Returns
+    /// the op and whether it succeeded (`None` for a forward result, handled elsewhere).
+    fn validate_op_done(&self, ev: &Event) -> Result<Option<(OpId, bool)>, SchedulerError> {
+        let Some((op, claimed)) = ev.op_kind() else {
+            return Ok(None);
+        };
+        let success = match *ev {
             Event::L3QueryDone { .. } | Event::PrefetchDone { .. } => true,
             Event::LoadBackDone { success, .. }
             | Event::WriteBackDone { success, .. }
             | Event::BackUpDone { success, .. } => success,
             Event::ForwardDone { .. } => true,
         };
-        // ---- validate --------------------------------------------------------------
         let Some(rec) = self.ops.get(&op) else {
             return Err(if op.0 > 0 && op.0 < self.next_op {
                 SchedulerError::DuplicateCompletion(op)
@@ -50,7 +99,7 @@ impl Scheduler {
                 what: "op not in flight",
                 detail: format!("{reason}"),
             })?;
-        let req_event = match (&ev, &rec.ctx) {
+        let req_event = match (ev, &rec.ctx) {
             (Event::L3QueryDone { hit_pages, .. }, OpCtx::Query { n, .. }) => {
                 if *hit_pages as usize > *n {
                     return Err(SchedulerError::BadCompletion {
@@ -97,94 +146,94 @@ impl Scheduler {
                 .ok_or(SchedulerError::UnknownRequest(rid))?;
             self.check_event(r, e)?;
         }
+        Ok(Some((op, success)))
+    }
 
-        // ---- apply -------------------------------------------------------------------
-        let Some(rec) = self.ops.remove(&op) else {
-            return Ok(());
-        };
-        let latency = self.now_ms.saturating_sub(rec.issued_ms);
-        self.stats.record_completion(rec.kind(), success, latency);
-        let req = rec.req;
-        if let Some(r) = req.and_then(|id| self.reqs.get_mut(&id)) {
-            r.ops.retain(|o| *o != op);
+    /// `L3QueryDone`: record what the probe found; the request waits for admission again.
+    fn query_done(&mut self, req: Option<RequestId>, start: usize, hit_pages: u32) {
+        let Some(id) = req else { return };
+        if let Some(r) = self.reqs.get_mut(&id) {
+            let reprobes = match r.l3 {
+                L3Progress::Unprobed { reprobes } => reprobes,
+                _ => 0,
+            };
+            r.l3 = L3Progress::Probed {
+                start,
+                hit: hit_pages as usize,
+                reprobes,
+            };
         }
-        match (rec.ctx, ev) {
-            (OpCtx::Query { start, .. }, Event::L3QueryDone { hit_pages, .. }) => {
-                let Some(id) = req else { return Ok(()) };
-                if let Some(r) = self.reqs.get_mut(&id) {
-                    let reprobes = match r.l3 {
-                        L3Progress::Unprobed { reprobes } => reprobes,
-                        _ => 0,
-                    };
-                    r.l3 = L3Progress::Probed {
-                        start,
-                        hit: hit_pages as usize,
-                        reprobes,
-                    };
-                }
-                self.apply(id, RequestEvent::QueryDone { hit_pages });
-                self.requeue_or_release(id);
+        self.apply(id, RequestEvent::QueryDone { hit_pages });
+        self.requeue_or_release(id);
+    }
+
+    /// `PrefetchDone`: adopt what arrived (see `prefetch.rs`); the request waits again.
+    fn prefetch_done(
+        &mut self,
+        op: OpId,
+        req: Option<RequestId>,
+        start: usize,
+        dst: PrefetchDst,
+        completed: u32,
+    ) {
+        self.prefetch_deadlines.retain(|(_, o)| *o != op);
+        self.terminate.retain(|o| *o != op);
+        let Some(id) = req else { return };
+        self.finish_prefetch(id, start, dst, completed as usize);
+        self.apply(id, RequestEvent::PrefetchDone { completed });
+        self.requeue_or_release(id);
+    }
+
+    /// `LoadBackDone`: the device copies are published, or the chunk that read them must be
+    /// recomputed.
+    fn load_back_done(
+        &mut self,
+        req: Option<RequestId>,
+        host_lock: kvtier_radix::LockHandle<kvtier_radix::Host>,
+        to: usize,
+        success: bool,
+    ) {
+        release::unlock(&mut self.cache, &mut self.stats, host_lock);
+        if let Some(id) = req {
+            if success {
+                self.publish_device(id, to);
+            } else if let Some(r) = self.reqs.get_mut(&id) {
+                r.recompute = true;
             }
-            (OpCtx::Prefetch { start, dst }, Event::PrefetchDone { completed, .. }) => {
-                self.prefetch_deadlines.retain(|(_, o)| *o != op);
-                self.terminate.retain(|o| *o != op);
-                let Some(id) = req else { return Ok(()) };
-                self.finish_prefetch(id, start, dst, completed as usize);
-                self.apply(id, RequestEvent::PrefetchDone { completed });
-                self.requeue_or_release(id);
-            }
-            (OpCtx::LoadBack { host_lock, to, .. }, _) => {
-                release::unlock(&mut self.cache, &mut self.stats, host_lock);
-                if let Some(id) = req {
-                    if success {
-                        self.publish_device(id, to);
-                    } else if let Some(r) = self.reqs.get_mut(&id) {
-                        r.recompute = true;
-                    }
-                }
-            }
-            (
-                OpCtx::WriteBack {
-                    host_lock,
-                    from,
-                    dst,
-                    cause,
-                },
-                _,
-            ) => self.finish_write_back(req, host_lock, from, dst, cause, success),
-            (
-                OpCtx::BackUp {
-                    lock,
-                    nodes,
-                    hashes,
-                },
-                _,
-            ) => {
-                let end = lock.node();
-                if success {
-                    self.mark_in_l3(end, &nodes);
-                }
-                let mut lost = std::collections::HashSet::new();
-                for h in &hashes {
-                    self.backing_up.remove(h);
-                    if self.lost_in_backup.remove(h) {
-                        lost.insert(*h);
-                    }
-                }
-                if success && !lost.is_empty() {
-                    self.cache.forget_l3(&lost);
-                }
-                lock.release(&mut self.cache, &mut self.stats);
-                if let Some(id) = req {
-                    self.apply(id, RequestEvent::BackupDone);
-                    if self.reqs.get(&id).is_some_and(|r| r.state.is_terminal()) {
-                        self.release(id);
-                    }
-                }
-            }
-            _ => {}
         }
-        Ok(())
+    }
+
+    /// `BackUpDone`: on success the covered nodes are in L3 (unless a loss report overtook the
+    /// completion); the source pages are unpinned.
+    fn backup_done(
+        &mut self,
+        req: Option<RequestId>,
+        lock: crate::ops::AnyLock,
+        nodes: &[(usize, usize)],
+        hashes: &[kvtier_radix::PageHash],
+        success: bool,
+    ) {
+        let end = lock.node();
+        if success {
+            self.mark_in_l3(end, nodes);
+        }
+        let mut lost = std::collections::HashSet::new();
+        for h in hashes {
+            self.backing_up.remove(h);
+            if self.lost_in_backup.remove(h) {
+                lost.insert(*h);
+            }
+        }
+        if success && !lost.is_empty() {
+            self.cache.forget_l3(&lost);
+        }
+        lock.release(&mut self.cache, &mut self.stats);
+        if let Some(id) = req {
+            self.apply(id, RequestEvent::BackupDone);
+            if self.reqs.get(&id).is_some_and(|r| r.state.is_terminal()) {
+                self.release(id);
+            }
+        }
     }
 
     /// Inserts the held copies `pages` of the request's pages `from ..` below `start` on tier
