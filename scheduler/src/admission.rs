@@ -53,7 +53,7 @@ impl Scheduler {
             ) {
                 continue;
             }
-            if r.kv_len() + 1 > r.pages.len() * ps {
+            if r.kv_len() + 1 > r.table.pages.len() * ps {
                 let page = match self.cache.alloc_evicting::<Device>(1) {
                     Ok(p) => p,
                     Err(_) => {
@@ -81,7 +81,7 @@ impl Scheduler {
                     release::free(&mut self.cache, &mut self.stats, &page);
                     continue;
                 }
-                r.pages.extend(page);
+                r.table.pages.extend(page);
             }
             self.apply(id, RequestEvent::ScheduleDecode);
             let Some(r) = self.reqs.get_mut(&id) else {
@@ -90,7 +90,7 @@ impl Scheduler {
             batch.decode.push(DecodeRow {
                 req: id,
                 position: r.kv_len() as u32,
-                table: r.take_delta(),
+                table: r.table.take_delta(),
             });
             rows.push((id, RowKind::Decode));
             budget.rows -= 1;
@@ -130,7 +130,9 @@ impl Scheduler {
             let chunk = (total - done)
                 .min(self.cfg.chunked_prefill_size)
                 .min(budget.tokens);
-            let need = (done + chunk).div_ceil(ps).saturating_sub(r.pages.len());
+            let need = (done + chunk)
+                .div_ceil(ps)
+                .saturating_sub(r.table.pages.len());
             if need > 0 {
                 let got = match self.cache.alloc_evicting::<Device>(need) {
                     Ok(p) => Some(p),
@@ -144,7 +146,7 @@ impl Scheduler {
                 let Some(p) = got else { continue };
                 match self.reqs.get_mut(&id) {
                     Some(r) if matches!(r.state, RequestState::Prefilling { .. }) => {
-                        r.pages.extend(p)
+                        r.table.pages.extend(p)
                     }
                     _ => {
                         release::free(&mut self.cache, &mut self.stats, &p);
@@ -166,7 +168,7 @@ impl Scheduler {
                 start: done as u32,
                 len: chunk as u32,
                 last: done + chunk == total,
-                table: r.take_delta(),
+                table: r.table.take_delta(),
                 tokens: r.tokens[done..done + chunk].to_vec(),
                 waits_for: Default::default(),
             });
@@ -195,9 +197,9 @@ impl Scheduler {
             .values()
             .filter_map(|id| self.reqs.get(id))
             .map(|r| match r.state {
-                RequestState::Prefilling { total, .. } => {
-                    (total as usize).div_ceil(ps).saturating_sub(r.pages.len())
-                }
+                RequestState::Prefilling { total, .. } => (total as usize)
+                    .div_ceil(ps)
+                    .saturating_sub(r.table.pages.len()),
                 _ => 0,
             })
             .sum();
@@ -442,24 +444,24 @@ impl Scheduler {
         let Some(r) = self.reqs.get_mut(&id) else {
             return Admit::Deferred;
         };
-        r.pages = pages;
+        r.table.pages = pages;
         r.prefetched = None;
         // Admitted: its own locks (device match, load-back source) now hold what it reads.
         self.unpin_prefetch(id);
         let Some(r) = self.reqs.get_mut(&id) else {
             return Admit::Deferred;
         };
-        r.tree_pages = dev;
-        r.dev_lock = Some(dl);
-        r.sent = 0;
-        r.dirty_from = usize::MAX;
+        r.table.tree_pages = dev;
+        r.table.lock = Some(dl);
+        r.table.sent = 0;
+        r.table.dirty_from = usize::MAX;
         let start = cached * ps;
         batch.prefill.push(PrefillChunk {
             req: id,
             start: start as u32,
             len: chunk as u32,
             last: start + chunk == total,
-            table: r.take_delta(),
+            table: r.table.take_delta(),
             tokens: r.tokens[start..start + chunk].to_vec(),
             waits_for: waits_for.clone(),
         });

@@ -2,9 +2,9 @@
 //! (write-back device → host, backup host → L3), retraction under device pressure, and
 //! releasing everything a request held exactly once.
 //!
-//! Ownership rule: a request's `pages[..tree_pages]` belong to the tree (pinned by its device
-//! lock), `pages[tree_pages..]` are the request's own. Publishing moves pages from the second
-//! group to the first; releasing unlocks the first and frees the second. Every op that reads
+//! Ownership rule (written on `DeviceTable`): a request's `pages[..tree_pages]` belong to the
+//! tree (pinned by its device lock), `pages[tree_pages..]` are the request's own. Publishing
+//! moves pages from the second group to the first; releasing unlocks the first and frees the second. Every op that reads
 //! pages after the request let go of them holds its own lock (see `ops.rs`).
 
 use kvtier_fsm::{OpKind, RequestEvent, RequestState};
@@ -26,43 +26,43 @@ impl Scheduler {
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
         };
-        let upto = upto.min(r.pages.len());
-        if upto <= r.tree_pages {
+        let upto = upto.min(r.table.pages.len());
+        if upto <= r.table.tree_pages {
             return;
         }
         r.ensure_hashes(upto, ps);
         if r.hashes.len() < upto {
             return;
         }
-        let Some(dl) = r.dev_lock.take() else {
+        let Some(dl) = r.table.lock.take() else {
             return;
         };
-        let from = r.tree_pages;
+        let from = r.table.tree_pages;
         match self.cache.insert_labelled::<Device>(
             dl.node(),
             from,
             &r.hashes,
             &r.tokens,
-            &r.pages[from..upto],
+            &r.table.pages[from..upto],
             r.scope.as_ref().map(|s| &s.1),
         ) {
             Ok(out) => {
                 for &(idx, mine, theirs) in &out.duplicates {
-                    r.pages[idx] = theirs;
-                    r.dirty_from = r.dirty_from.min(idx);
+                    r.table.pages[idx] = theirs;
+                    r.table.dirty_from = r.table.dirty_from.min(idx);
                     release::free(&mut self.cache, &mut self.stats, &[mine]);
                 }
                 match self.cache.relock(dl, out.end_node) {
                     Ok(nl) => {
-                        r.dev_lock = Some(nl);
-                        r.tree_pages = upto;
+                        r.table.lock = Some(nl);
+                        r.table.tree_pages = upto;
                     }
                     Err(e) => tracing::error!(req = ?id, error = %e, "relock failed"),
                 }
             }
             Err(e) => {
                 tracing::error!(req = ?id, error = %e, "publish failed");
-                r.dev_lock = Some(dl);
+                r.table.lock = Some(dl);
             }
         }
     }
@@ -96,7 +96,7 @@ impl Scheduler {
             if let Some(end) = self
                 .reqs
                 .get(&id)
-                .and_then(|r| r.dev_lock.as_ref())
+                .and_then(|r| r.table.lock.as_ref())
                 .map(|l| l.node())
             {
                 if self.cfg.host_enabled {
@@ -116,9 +116,13 @@ impl Scheduler {
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
         };
-        let own: Vec<_> = r.pages.drain(r.tree_pages.min(r.pages.len())..).collect();
+        let own: Vec<_> = r
+            .table
+            .pages
+            .drain(r.table.tree_pages.min(r.table.pages.len())..)
+            .collect();
         release::free(&mut self.cache, &mut self.stats, &own);
-        r.sent = r.sent.min(r.pages.len());
+        r.table.sent = r.table.sent.min(r.table.pages.len());
     }
 
     /// Plans the device → host write-back of the request's published pages that host lacks.
@@ -127,10 +131,10 @@ impl Scheduler {
         let Some(r) = self.reqs.get(&id) else {
             return 0;
         };
-        let Some(end) = r.dev_lock.as_ref().map(|l| l.node()) else {
+        let Some(end) = r.table.lock.as_ref().map(|l| l.node()) else {
             return 0;
         };
-        let full = r.tree_pages;
+        let full = r.table.tree_pages;
         if full == 0 {
             return 0;
         }
@@ -227,12 +231,16 @@ impl Scheduler {
     /// Unlocks the request's device pin and forgets its (now void) page table.
     fn take_dev_lock(&mut self, id: RequestId) -> Option<NodeId> {
         let r = self.reqs.get_mut(&id)?;
-        let lock = r.dev_lock.take();
-        let own: Vec<_> = r.pages.drain(r.tree_pages.min(r.pages.len())..).collect();
-        r.pages.clear();
-        r.tree_pages = 0;
-        r.sent = 0;
-        r.dirty_from = usize::MAX;
+        let lock = r.table.lock.take();
+        let own: Vec<_> = r
+            .table
+            .pages
+            .drain(r.table.tree_pages.min(r.table.pages.len())..)
+            .collect();
+        r.table.pages.clear();
+        r.table.tree_pages = 0;
+        r.table.sent = 0;
+        r.table.dirty_from = usize::MAX;
         release::free(&mut self.cache, &mut self.stats, &own);
         let lock = lock?;
         let node = lock.node();
@@ -388,7 +396,7 @@ impl Scheduler {
             let key = match self.cfg.retraction {
                 RetractionPolicy::LatestArrival => (r.seq, 0),
                 RetractionPolicy::FewestGenerated => (u64::MAX - r.generated() as u64, r.seq),
-                RetractionPolicy::MostPages => (r.pages.len() as u64, r.seq),
+                RetractionPolicy::MostPages => (r.table.pages.len() as u64, r.seq),
             };
             if best.as_ref().is_none_or(|(_, k)| key > *k) {
                 best = Some((id, key));

@@ -1,11 +1,9 @@
 //! The scheduler's record of one request: its tokens, page table, locks and FSM state.
 //!
 //! Invariants (kept by the scheduler, checked in tests through `Scheduler::check`):
-//! - `pages[..tree_pages]` are device pages owned by the radix tree, pinned by `dev_lock`,
-//!   whose node ends exactly at depth `tree_pages`;
-//! - `pages[tree_pages..]` are device pages *held* by this request (allocated, not yet
-//!   published into the tree);
-//! - `hashes[i]` is the chained hash of page `i` of `tokens`, for every full page computed so far.
+//! - the device page table ([`DeviceTable`]) keeps its own (written on the type);
+//! - `hashes[i]` is the chained (scoped) hash of page `i` of `tokens`, for every full page
+//!   computed so far.
 
 use smallvec::SmallVec;
 
@@ -38,6 +36,47 @@ pub(crate) enum L3Progress {
 /// How many times a request probes again after its local match shrank below its probe.
 pub(crate) const MAX_REPROBES: u8 = 1;
 
+/// A request's device page table: page `i` holds the KV of tokens `i*ps .. (i+1)*ps`.
+///
+/// Invariant (checked by `Scheduler::check`): `pages[..tree_pages]` are pages owned by the
+/// radix tree, pinned by `lock`, whose node ends exactly at depth `tree_pages` (no lock iff
+/// `tree_pages == 0`); `pages[tree_pages..]` are pages *held* by the request (allocated, not yet
+/// published into the tree). The engine holds a copy: `sent` entries were sent, and entries
+/// from `dirty_from` on were changed in place since (a publish swapped in the tree's copy), so
+/// the next row carries the delta from `min(sent, dirty_from)`.
+#[derive(Default)]
+pub(crate) struct DeviceTable {
+    pub pages: Vec<DevicePageId>,
+    pub tree_pages: usize,
+    pub lock: Option<LockHandle<Device>>,
+    pub sent: usize,
+    /// Smallest index changed in place since the last send (usize::MAX: none).
+    pub dirty_from: usize,
+}
+
+impl DeviceTable {
+    pub(crate) fn new() -> DeviceTable {
+        DeviceTable {
+            dirty_from: usize::MAX,
+            ..DeviceTable::default()
+        }
+    }
+
+    /// The page-table change to send with the next row of this request, if any.
+    pub(crate) fn take_delta(&mut self) -> Option<PageTableDelta> {
+        let from = self.sent.min(self.dirty_from);
+        self.dirty_from = usize::MAX;
+        if from >= self.pages.len() && self.sent == self.pages.len() {
+            return None;
+        }
+        self.sent = self.pages.len();
+        Some(PageTableDelta {
+            from: from as u32,
+            pages: self.pages[from..].to_vec(),
+        })
+    }
+}
+
 pub(crate) struct Request {
     pub id: RequestId,
     /// Arrival order; queues are ordered by it (retracted requests keep theirs, so they resume first).
@@ -50,14 +89,8 @@ pub(crate) struct Request {
     /// Salt, adapter and extra keys when the request is scoped (`None`: the plain chain).
     pub scope: Option<Box<(HashScope, Arc<ScopeLabel>)>>,
     pub state: RequestState,
-    /// Device page table: page `i` holds KV of tokens `i*ps .. (i+1)*ps`.
-    pub pages: Vec<DevicePageId>,
-    pub tree_pages: usize,
-    pub dev_lock: Option<LockHandle<Device>>,
-    /// Entries of `pages` the engine has been sent.
-    pub sent: usize,
-    /// Smallest index changed in place since the last send (usize::MAX: none).
-    pub dirty_from: usize,
+    /// The device page table the engine's attention kernels read.
+    pub table: DeviceTable,
     /// Where the request is in consulting L3.
     pub l3: L3Progress,
     /// Prompt pages `start .. start + n` arrived from L3 by the last prefetch (hits on them
@@ -110,19 +143,5 @@ impl Request {
                 }
             }
         }
-    }
-
-    /// The page-table change to send with the next row of this request, if any.
-    pub(crate) fn take_delta(&mut self) -> Option<PageTableDelta> {
-        let from = self.sent.min(self.dirty_from);
-        self.dirty_from = usize::MAX;
-        if from >= self.pages.len() && self.sent == self.pages.len() {
-            return None;
-        }
-        self.sent = self.pages.len();
-        Some(PageTableDelta {
-            from: from as u32,
-            pages: self.pages[from..].to_vec(),
-        })
     }
 }

@@ -22,7 +22,7 @@ use crate::config::{ConfigError, SchedulerConfig};
 use crate::error::SchedulerError;
 use crate::idhash::{IdMap, IdSet};
 use crate::ops::{OpCtx, OpRecord};
-use crate::request::{L3Progress, Request};
+use crate::request::{DeviceTable, L3Progress, Request};
 use crate::stats::Stats;
 use crate::types::*;
 
@@ -192,11 +192,7 @@ impl Scheduler {
                 hashes,
                 scope,
                 state: RequestState::Submitted,
-                pages: Vec::new(),
-                tree_pages: 0,
-                dev_lock: None,
-                sent: 0,
-                dirty_from: usize::MAX,
+                table: DeviceTable::new(),
                 l3: if self.cfg.l3_enabled {
                     L3Progress::Unprobed { reprobes: 0 }
                 } else {
@@ -354,23 +350,23 @@ impl Scheduler {
         let mut dev_locks = 0;
         let mut host_locks = 0;
         for r in self.reqs.values() {
-            if let Some(l) = &r.dev_lock {
+            if let Some(l) = &r.table.lock {
                 dev_locks += 1;
                 let end = self.cache.node_end(l.node()).map_err(|e| e.to_string())?;
-                if end != r.tree_pages {
+                if end != r.table.tree_pages {
                     return Err(format!(
                         "{:?}: lock ends at {end}, tree_pages {}",
-                        r.id, r.tree_pages
+                        r.id, r.table.tree_pages
                     ));
                 }
                 let tree = self
                     .cache
                     .path_pages::<Device>(l.node())
                     .map_err(|e| e.to_string())?;
-                if tree[..] != r.pages[..r.tree_pages] {
+                if tree[..] != r.table.pages[..r.table.tree_pages] {
                     return Err(format!("{:?}: page table disagrees with the tree", r.id));
                 }
-            } else if r.tree_pages != 0 {
+            } else if r.table.tree_pages != 0 {
                 return Err(format!("{:?}: tree pages without a lock", r.id));
             }
             match &r.prefetch_pin {
@@ -378,7 +374,7 @@ impl Scheduler {
                 Some(crate::ops::AnyLock::Device(_)) => dev_locks += 1,
                 None => {}
             }
-            for p in &r.pages[r.tree_pages.min(r.pages.len())..] {
+            for p in &r.table.pages[r.table.tree_pages.min(r.table.pages.len())..] {
                 if self.cache.page_state(*p) != Some(kvtier_radix::PageState::Held) {
                     return Err(format!("{:?}: own page {p:?} not held", r.id));
                 }
