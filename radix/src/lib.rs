@@ -25,6 +25,7 @@ mod lock;
 mod node;
 mod policy;
 mod pool;
+mod query;
 mod tier;
 
 pub use cache::{InsertOutcome, PrefixMatch, RadixCache, RadixConfig, TierUsage};
