@@ -30,6 +30,7 @@ use crate::lock::LockRecord;
 use crate::node::{EvictKey, Node, NodeId, TierSlot};
 use crate::policy::EvictionPolicy;
 use crate::pool::{PagePool, PageState};
+use crate::tenant::{TenantBooks, TenantId};
 use crate::tier::{PageId, Tier, TierKind};
 
 /// Sizing of a cache.
@@ -141,6 +142,10 @@ pub struct RadixCache {
     pub(crate) traffic: u64,
     /// The previous match's query (length, last hash), to count repeated queries once.
     pub(crate) last_query: Option<(usize, PageHash)>,
+    /// Tenants with a cap on some tier, and their books.
+    pub(crate) tenants: TenantBooks,
+    /// Owner of the nodes the insert in progress creates.
+    pub(crate) insert_owner: TenantId,
     pub(crate) record_events: bool,
     pub(crate) events: Vec<KvEvent>,
 }
@@ -182,6 +187,7 @@ impl RadixCache {
             hit_count: 0,
             uses: 0,
             last_use: 0,
+            tenant: TenantId::SHARED,
             seq: 0,
         });
         Ok(RadixCache {
@@ -199,6 +205,8 @@ impl RadixCache {
             policy: EvictionPolicy::Lru,
             traffic: 0,
             last_query: None,
+            tenants: TenantBooks::new(),
+            insert_owner: TenantId::SHARED,
             record_events: cfg.record_events,
             events: Vec::new(),
         })
@@ -392,6 +400,20 @@ impl RadixCache {
         tokens: &[u32],
         pages: &[PageId<T>],
     ) -> Result<InsertOutcome<T>, RadixError> {
+        self.insert_for(TenantId::SHARED, start, from_page, hashes, tokens, pages)
+    }
+
+    /// [`Self::insert`] on behalf of `tenant`, who owns the nodes it creates (see
+    /// [`crate::tenant`]).
+    pub fn insert_for<T: Tier>(
+        &mut self,
+        tenant: TenantId,
+        start: NodeId,
+        from_page: usize,
+        hashes: &[PageHash],
+        tokens: &[u32],
+        pages: &[PageId<T>],
+    ) -> Result<InsertOutcome<T>, RadixError> {
         let t = T::KIND;
         let end = from_page + pages.len();
         let s = self.node(start)?;
@@ -429,6 +451,7 @@ impl RadixCache {
 
         // Validated: from here on nothing fails.
         self.tick += 1;
+        self.insert_owner = tenant;
         let mut out = InsertOutcome {
             end_node: start,
             inserted: 0,
@@ -532,6 +555,7 @@ impl RadixCache {
             hit_count: 0,
             uses: 0,
             last_use: self.traffic,
+            tenant: self.insert_owner,
             seq,
         });
         self.index.insert(hashes[0], leaf);
@@ -546,6 +570,8 @@ impl RadixCache {
             self.traffic += pages.len() as u64;
         }
         self.pool_mut(t).mark_cached(pages);
+        let owner = self.nodes[id].tenant;
+        self.tenant_pages(owner, t, pages.len(), 0);
         let node = &mut self.nodes[id];
         node.last_use = self.traffic;
         node.slot_mut(t).pages = Some(pages.iter().copied().collect());
@@ -610,6 +636,7 @@ impl RadixCache {
             hit_count: n.hit_count,
             uses: n.uses,
             last_use: n.last_use,
+            tenant: n.tenant,
             seq,
         };
         n.start += k as u32;
@@ -645,13 +672,16 @@ impl RadixCache {
         let want = should.then_some(key);
         if slot.evict_key != want {
             let set = &mut self.books[t as usize].evictable;
-            if let Some(old) = slot.evict_key.take() {
+            let old = slot.evict_key.take();
+            if let Some(old) = old {
                 set.remove(&old);
             }
             if let Some(k) = want {
                 set.insert(k);
             }
             slot.evict_key = want;
+            let owner = node.tenant;
+            self.tenant_key_changed(owner, t, old, want);
         }
     }
 
