@@ -117,8 +117,8 @@ def main() -> None:
         s = e.s.stats()
         print(f"instance {i}: device {s['device_hit_tokens']}, host {s['host_hit_tokens']}, "
               f"L3 {s['l3_hit_tokens']}, computed {s['computed_tokens']} tokens; "
-              f"{e.stats.l3_queries} L3 queries, {e.stats.prefetch_reused_query} prefetches reused their "
-              f"query, {e.stats.prefetch_requeried} re-queried; {e.stats.pages_checked} pages verified")
+              f"{e.stats.l3_probes} lease-free L3 probes, {e.stats.l3_queries} lease-taking reads; "
+              f"{e.stats.pages_checked} pages verified")
     tot = {k: sum(e.s.stats()[k] for e in engines)
            for k in ("device_hit_tokens", "host_hit_tokens", "l3_hit_tokens", "computed_tokens")}
     allp = sum(tot.values())

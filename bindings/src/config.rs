@@ -11,7 +11,8 @@
 //! `prefetch_stop` ∈ {"best_effort", "wait_complete", "timeout"} with
 //! `prefetch_timeout_base_ms`, `prefetch_timeout_per_1k_tokens_ms`; `write_policy` ∈
 //! {"write_through", "write_through_selective", "write_back"} with `write_hit_threshold`;
-//! `retraction` ∈ {"latest_arrival", "fewest_generated", "most_pages"}; `namespace` is a dict
+//! `retraction` ∈ {"latest_arrival", "fewest_generated", "most_pages"}; `l3_sharing` ∈
+//! {"per_rank", "replicated"} with `l3_leader_rank`; `namespace` is a dict
 //! with keys model, dtype, layout, tenant, adapter.
 
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
@@ -19,7 +20,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use kvtier_scheduler::{
-    KeyNamespace, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, WritePolicy,
+    KeyNamespace, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, WritePolicy,
 };
 
 use crate::errors::config_err;
@@ -46,6 +47,8 @@ pub const FIELDS: &[&str] = &[
     "max_context_tokens",
     "namespace",
     "rank",
+    "l3_sharing",
+    "l3_leader_rank",
     "record_kv_events",
 ];
 
@@ -192,6 +195,17 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
             ns
         }
     };
+    let sharing: String = get(obj, "l3_sharing", "per_rank".to_string())?;
+    let leader: u32 = get(obj, "l3_leader_rank", 0)?;
+    let l3_sharing = match sharing.as_str() {
+        "per_rank" => L3Sharing::PerRank,
+        "replicated" => L3Sharing::Replicated { leader },
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "SchedulerConfig.l3_sharing: {other:?} is not one of per_rank, replicated"
+            )));
+        }
+    };
     Ok(SchedulerConfig {
         page_size: get(obj, "page_size", d.page_size)?,
         device_pages: get(obj, "device_pages", d.device_pages)?,
@@ -214,6 +228,7 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         max_context_tokens: get(obj, "max_context_tokens", d.max_context_tokens)?,
         namespace,
         rank: get(obj, "rank", d.rank)?,
+        l3_sharing,
         record_kv_events: get(obj, "record_kv_events", d.record_kv_events)?,
         // Eviction policy: not exposed to Python yet; the scheduler's default.
         eviction: d.eviction,
@@ -274,6 +289,12 @@ pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bou
     ns.set_item("adapter", &c.namespace.adapter)?;
     d.set_item("namespace", ns)?;
     d.set_item("rank", c.rank)?;
+    let (sharing, leader) = match c.l3_sharing {
+        L3Sharing::PerRank => ("per_rank", 0),
+        L3Sharing::Replicated { leader } => ("replicated", leader),
+    };
+    d.set_item("l3_sharing", sharing)?;
+    d.set_item("l3_leader_rank", leader)?;
     d.set_item("record_kv_events", c.record_kv_events)?;
     Ok(d)
 }

@@ -153,7 +153,8 @@ pub fn sched_err(e: SchedulerError) -> PyErr {
         SchedulerError::DuplicateRequest(_) => DuplicateRequestError::new_err(msg),
         SchedulerError::EmptyPrompt
         | SchedulerError::ZeroMaxNewTokens
-        | SchedulerError::TooLong { .. } => InvalidRequestError::new_err(msg),
+        | SchedulerError::TooLong { .. }
+        | SchedulerError::BadExtraKey { .. } => InvalidRequestError::new_err(msg),
         SchedulerError::UnknownOp(_) => UnknownOpError::new_err(msg),
         SchedulerError::DuplicateCompletion(_) => DuplicateCompletionError::new_err(msg),
         SchedulerError::WrongCompletionKind { .. } => WrongCompletionKindError::new_err(msg),

@@ -27,11 +27,13 @@ mod errors;
 mod l3;
 mod plan;
 mod sched;
+mod tp;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<sched::PyScheduler>()?;
+    m.add_class::<tp::PyRankAgreement>()?;
     m.add_class::<plan::PyPlan>()?;
     m.add_class::<plan::PyPlannedOp>()?;
     m.add_class::<plan::PyPrefillChunk>()?;
@@ -51,6 +53,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(config::default_config, m)?)?;
     m.add_function(wrap_pyfunction!(config::config_roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(sched::op_kinds, m)?)?;
+    m.add_function(wrap_pyfunction!(sched::parse_l3_key, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench_native_decode_step, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench_prompt, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench_config, m)?)?;

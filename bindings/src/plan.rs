@@ -255,6 +255,10 @@ pub struct PyPlan {
     /// Requests preempted since the last plan (their page tables are void).
     #[pyo3(get)]
     retracted: Vec<u64>,
+    /// `ExecutionPlan::digest()` when asked for (`next_execution_plan(..., digest=True)`):
+    /// equal on every tensor-parallel rank that planned the same step; else None.
+    #[pyo3(get)]
+    digest: Option<u64>,
     num_decode: usize,
 }
 
@@ -319,8 +323,14 @@ impl PyPlan {
     }
 }
 
+impl PyPlannedOp {
+    pub(crate) fn kind_name(&self) -> &'static str {
+        self.kind
+    }
+}
+
 /// Builds the Python plan: columns for decode rows, objects for ops and chunks.
-pub fn convert_plan(py: Python<'_>, plan: ExecutionPlan) -> PyResult<PyPlan> {
+pub fn convert_plan(py: Python<'_>, plan: ExecutionPlan, digest: Option<u64>) -> PyResult<PyPlan> {
     let n = plan.forward.decode.len();
     let mut reqs = Vec::with_capacity(n);
     let mut pos = Vec::with_capacity(n);
@@ -361,6 +371,7 @@ pub fn convert_plan(py: Python<'_>, plan: ExecutionPlan) -> PyResult<PyPlan> {
         decode_table_from: PyArray1::from_vec(py, from).unbind(),
         decode_table_offsets: arr_u64(py, offs),
         decode_table_pages: arr_u32(py, pages),
+        digest,
         ended: plan
             .ended
             .iter()
@@ -650,13 +661,18 @@ pub fn event_roundtrip(ev: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
     event_to_py(ev.py(), e)
 }
 
-/// `kvtier.page_hashes(tokens, page_size)`: the chained SHA-256 of every full page, as an
-/// `(n, 32)` uint8 array (SGLang-compatible; see docs/page-keys.md).
+/// `kvtier.page_hashes(tokens, page_size, *, cache_salt=None, adapter=None, extra_keys=None)`:
+/// the chained SHA-256 of every full page, as an `(n, 32)` uint8 array. Unscoped it is
+/// SGLang's chain (see docs/page-keys.md); a scope seeds and marks it as `submit` does.
 #[pyfunction]
+#[pyo3(signature = (tokens, page_size, *, cache_salt = None, adapter = None, extra_keys = None))]
 pub fn page_hashes<'py>(
     py: Python<'py>,
     tokens: &Bound<'py, PyAny>,
     page_size: usize,
+    cache_salt: Option<String>,
+    adapter: Option<String>,
+    extra_keys: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray2<u8>>> {
     if page_size == 0 {
         return Err(pyo3::exceptions::PyValueError::new_err(
@@ -664,7 +680,11 @@ pub fn page_hashes<'py>(
         ));
     }
     let toks = u32_vec(tokens, "tokens")?;
-    let hs = py.detach(|| kvtier_radix::page_hashes(&toks, page_size, None));
+    let extra = crate::sched::extra_keys_from_py(extra_keys)?;
+    let hs = py.detach(|| {
+        kvtier_radix::HashScope::new(cache_salt.as_deref(), adapter.as_deref(), extra)
+            .page_hashes(&toks, page_size)
+    });
     let flat: Vec<u8> = hs.iter().flat_map(|h| h.0).collect();
     let n = hs.len();
     PyArray1::from_vec(py, flat).reshape([n, 32])

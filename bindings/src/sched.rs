@@ -10,7 +10,10 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use kvtier_scheduler::{KvEvent, OpKind, RequestId, RequestSpec, Scheduler, SchedulerError, Stats};
+use kvtier_scheduler::{
+    ExtraKey, HashScope, KvEvent, OpKind, RequestId, RequestSpec, Scheduler, SchedulerError,
+    ScopeLabel, Stats,
+};
 
 use crate::config::{config_from_py, config_to_dict};
 use crate::convert::u32_vec;
@@ -21,7 +24,7 @@ use crate::plan::{PyPlan, convert_plan, event_from_py, forward_columns, forward_
 /// ops and forward, report each completion with `on_event` (or `forward_done`).
 #[pyclass(module = "kvtier", name = "Scheduler")]
 pub struct PyScheduler {
-    inner: Scheduler,
+    pub(crate) inner: Scheduler,
 }
 
 fn usage_dict<'py>(py: Python<'py>, u: &kvtier_radix::TierUsage) -> PyResult<Bound<'py, PyDict>> {
@@ -71,6 +74,38 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     Ok(d)
 }
 
+fn set_label(d: &Bound<'_, PyDict>, label: Option<&ScopeLabel>) -> PyResult<()> {
+    d.set_item("cache_salt", label.and_then(|l| l.cache_salt.as_deref()))?;
+    d.set_item("adapter", label.and_then(|l| l.adapter.as_deref()))
+}
+
+/// `extra_keys=[(start, end, digest), ...]` (digest `bytes` or `str`) → [`ExtraKey`]s.
+pub(crate) fn extra_keys_from_py(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<ExtraKey>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for item in obj.try_iter()? {
+        let item = item?;
+        let (start, end, digest): (u32, u32, Bound<'_, PyAny>) = item.extract().map_err(|_| {
+            pyo3::exceptions::PyTypeError::new_err(
+                "extra_keys: each item must be (start: int, end: int, digest: bytes | str)",
+            )
+        })?;
+        let digest = if let Ok(b) = digest.cast::<PyBytes>() {
+            b.as_bytes().to_vec()
+        } else if let Ok(s) = digest.extract::<String>() {
+            s.into_bytes()
+        } else {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "extra_keys: digest must be bytes or str",
+            ));
+        };
+        out.push(ExtraKey { start, end, digest });
+    }
+    Ok(out)
+}
+
 fn tier_name(t: kvtier_radix::TierKind) -> &'static str {
     match t {
         kvtier_radix::TierKind::Device => "device",
@@ -111,7 +146,12 @@ impl PyScheduler {
 
     /// Adds a request. `prompt`: token ids (numpy integer array or sequence).
     /// `now_ms`: arrival time for latency statistics (default: the latest plan's clock).
-    #[pyo3(signature = (req, prompt, max_new_tokens, now_ms = None))]
+    ///
+    /// Scope (keyword-only): `cache_salt` (a tenant's salt: requests of different salts never
+    /// share KV), `adapter` (a LoRA id), `extra_keys` (a sequence of `(start, end, digest)`
+    /// multimodal spans, `digest` bytes or str). Unscoped requests share under SGLang keys.
+    #[pyo3(signature = (req, prompt, max_new_tokens, now_ms = None, *, cache_salt = None, adapter = None, extra_keys = None))]
+    #[allow(clippy::too_many_arguments)]
     fn submit(
         &mut self,
         py: Python<'_>,
@@ -119,12 +159,16 @@ impl PyScheduler {
         prompt: &Bound<'_, PyAny>,
         max_new_tokens: u32,
         now_ms: Option<u64>,
+        cache_salt: Option<String>,
+        adapter: Option<String>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let prompt = u32_vec(prompt, "prompt")?;
         let spec = RequestSpec {
-            id: RequestId(req),
-            prompt,
-            max_new_tokens,
+            cache_salt,
+            adapter,
+            extra_keys: extra_keys_from_py(extra_keys)?,
+            ..RequestSpec::new(RequestId(req), prompt, max_new_tokens)
         };
         let s = &mut self.inner;
         py.detach(|| match now_ms {
@@ -224,11 +268,41 @@ impl PyScheduler {
     }
 
     /// What the engine should do now (`now_ms`: the engine's clock, for prefetch timeouts).
-    #[pyo3(signature = (now_ms = 0))]
-    fn next_execution_plan(&mut self, py: Python<'_>, now_ms: u64) -> PyResult<PyPlan> {
+    /// `digest=True` also computes `plan.digest` (tensor-parallel debug mode: compare it
+    /// across ranks every step).
+    #[pyo3(signature = (now_ms = 0, *, digest = false))]
+    fn next_execution_plan(
+        &mut self,
+        py: Python<'_>,
+        now_ms: u64,
+        digest: bool,
+    ) -> PyResult<PyPlan> {
         let s = &mut self.inner;
-        let plan = py.detach(|| s.next_execution_plan(now_ms));
-        convert_plan(py, plan)
+        let (plan, d) = py.detach(|| {
+            let plan = s.next_execution_plan(now_ms);
+            let d = digest.then(|| plan.digest());
+            (plan, d)
+        });
+        convert_plan(py, plan, d)
+    }
+
+    /// Ids and kinds of the ops issued and not yet completed, by id: the same on every
+    /// tensor-parallel rank (what `RankAgreement` reduces over).
+    fn in_flight_ops(&self) -> Vec<(u64, &'static str)> {
+        self.inner
+            .in_flight_ops()
+            .into_iter()
+            .map(|(o, k)| (o.0, k.into()))
+            .collect()
+    }
+
+    /// Whether this rank runs `op` (under `l3_sharing="replicated"` only the leader runs
+    /// L3Query and BackUp; the others `RankAgreement.skip` them).
+    fn runs_here(&self, op: &crate::plan::PyPlannedOp) -> bool {
+        ALL_KINDS
+            .into_iter()
+            .find(|k| <&'static str>::from(*k) == op.kind_name())
+            .is_none_or(|k| self.inner.runs_here(k))
     }
 
     /// Counters, queue lengths and pool usage, as a dict.
@@ -238,7 +312,8 @@ impl PyScheduler {
 
     /// Store/remove events of cached pages since the last call (needs
     /// `record_kv_events=True`): list of dicts `{"type": "stored" | "removed", "tier":
-    /// "device" | "host", "parent": bytes | None, "hashes": (n, 32) uint8 array}`.
+    /// "device" | "host", "parent": bytes | None, "hashes": (n, 32) uint8 array,
+    /// "cache_salt": str | None, "adapter": str | None}` (the scope the pages belong to).
     fn drain_kv_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let evs = self.inner.drain_kv_events();
         let out = PyList::empty(py);
@@ -249,7 +324,9 @@ impl PyScheduler {
                     tier,
                     parent,
                     hashes,
+                    label,
                 } => {
+                    set_label(&d, label.as_deref())?;
                     d.set_item("type", "stored")?;
                     d.set_item("tier", tier_name(tier))?;
                     match parent {
@@ -258,7 +335,12 @@ impl PyScheduler {
                     }
                     d.set_item("hashes", hashes_array(py, &hashes)?)?;
                 }
-                KvEvent::Removed { tier, hashes } => {
+                KvEvent::Removed {
+                    tier,
+                    hashes,
+                    label,
+                } => {
+                    set_label(&d, label.as_deref())?;
                     d.set_item("type", "removed")?;
                     d.set_item("tier", tier_name(tier))?;
                     d.set_item("parent", py.None())?;
@@ -270,15 +352,33 @@ impl PyScheduler {
         Ok(out)
     }
 
-    /// L3 keys of a prompt's full pages under this scheduler's namespace and rank.
-    fn l3_keys(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    /// L3 keys of a prompt's full pages under this scheduler's namespace and rank, for a
+    /// request of the given scope (the same keywords as `submit`).
+    #[pyo3(signature = (prompt, *, cache_salt = None, adapter = None, extra_keys = None))]
+    fn l3_keys(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        cache_salt: Option<String>,
+        adapter: Option<String>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<String>> {
         let toks = u32_vec(prompt, "prompt")?;
+        let extra = extra_keys_from_py(extra_keys)?;
         let cfg = self.inner.config();
         let (ps, ns, rank) = (cfg.page_size, cfg.namespace.clone(), cfg.rank);
         Ok(py.detach(|| {
-            let hs = kvtier_radix::page_hashes(&toks, ps, None);
+            let scope = HashScope::new(cache_salt.as_deref(), adapter.as_deref(), extra);
+            let hs = scope.page_hashes(&toks, ps);
             ns.keys_for_rank(rank).keys(&hs)
         }))
+    }
+
+    /// L3 lost these objects (the store reported them evicted or removed): their pages are no
+    /// longer taken to be in L3, so they are backed up again before host drops them. Keys of
+    /// other namespaces or ranks are ignored. Returns the number of tree nodes cleared.
+    fn l3_lost(&mut self, keys: Vec<String>) -> usize {
+        self.inner.l3_lost(&keys)
     }
 
     /// Number of live requests.
@@ -328,17 +428,29 @@ impl PyScheduler {
     }
 }
 
+/// `kvtier.parse_l3_key(key)`: `(namespace, page_hash: bytes, rank)` of a kvtier L3 key
+/// `"{namespace}:{hex digest}:{rank}"`, or `None` for anything else (the one key parser).
+#[pyfunction]
+pub fn parse_l3_key(py: Python<'_>, key: &str) -> Option<(String, Py<PyBytes>, u32)> {
+    kvtier_radix::parse_l3_key(key).map(|k| {
+        (
+            k.namespace.to_string(),
+            PyBytes::new(py, &k.page.0).unbind(),
+            k.rank,
+        )
+    })
+}
+
 /// Op kind names in `OpKind` order (for stubs and tests).
 #[pyfunction]
 pub fn op_kinds() -> Vec<&'static str> {
-    [
-        OpKind::LoadBack,
-        OpKind::WriteBack,
-        OpKind::Prefetch,
-        OpKind::BackUp,
-        OpKind::L3Query,
-    ]
-    .into_iter()
-    .map(|k| k.into())
-    .collect()
+    ALL_KINDS.into_iter().map(|k| k.into()).collect()
 }
+
+const ALL_KINDS: [OpKind; 5] = [
+    OpKind::LoadBack,
+    OpKind::WriteBack,
+    OpKind::Prefetch,
+    OpKind::BackUp,
+    OpKind::L3Query,
+];

@@ -107,7 +107,7 @@ def serve(store, tag):
         "b_l3_hit_tokens": sb["l3_hit_tokens"],
         "b_computed_tokens": sb["computed_tokens"],
         "b_pages_checked": b.stats.pages_checked,
-        "b_prefetch_reused": b.stats.prefetch_reused_query,
+        "b_l3_probes": b.stats.l3_probes,
         "b_l3_pages_read": b.stats.l3_pages_read,
         "all_generated": all(len(a.generated(i)) == 8 and len(b.generated(100 + i)) == 8 for i in range(6)),
     }

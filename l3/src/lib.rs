@@ -7,6 +7,10 @@
 //! (`--role both`) or split into a metadata-only master and store nodes holding the bytes
 //! ([`cluster`]). Every form implements [`L3Store`]. Start with [`EmbeddedStore::new`] and [`StoreConfig`]; see docs/l3.md.
 
+// A lock guard in an `if let`/`match` scrutinee lives through the whole block; re-locking
+// the same (non-reentrant) mutex inside deadlocked the store once. Bind results first.
+#![deny(clippy::significant_drop_in_scrutinee)]
+
 pub mod api;
 pub mod cli;
 pub mod clock;

@@ -100,6 +100,17 @@ pub struct NodeSync {
     pub tombstones: Vec<DiskLoc>,
 }
 
+/// What a remove took away.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Removed {
+    /// The key.
+    pub key: String,
+    /// The removed version's put token.
+    pub token: u64,
+    /// Its SSD copy and the node holding it.
+    pub disk: Option<(ClientId, DiskLoc)>,
+}
+
 #[derive(Debug, Default)]
 struct NodeState {
     /// Data-channel address while the node is alive; None once declared dead.
@@ -918,15 +929,10 @@ impl Master {
 
     // ---- removal -----------------------------------------------------------------------------
 
-    /// `Remove`: -706 if leased (unless `force`). Returns the disk copy to tombstone and the
-    /// node holding it.
-    pub fn remove(
-        &mut self,
-        t: &Tenant,
-        key: &str,
-        force: bool,
-        now: u64,
-    ) -> L3Result<Option<(ClientId, DiskLoc)>> {
+    /// `Remove`: -706 if leased (unless `force`). Returns the removed version's token (its
+    /// queued SSD write is cancelled with it) and the disk copy to tombstone with the node
+    /// holding it.
+    pub fn remove(&mut self, t: &Tenant, key: &str, force: bool, now: u64) -> L3Result<Removed> {
         let o = self.obj(t, key).ok_or(L3Error::ObjectNotFound)?;
         if !force {
             if !o.is_complete() {
@@ -940,34 +946,27 @@ impl Master {
         if let Some((_, a)) = o.mem {
             self.segments.free(a);
         }
-        Ok(o.disk.map(|d| (o.disk_node, d)))
+        Ok(Removed {
+            key: key.to_string(),
+            token: o.token,
+            disk: o.disk.map(|d| (o.disk_node, d)),
+        })
     }
 
     /// `RemoveAll` for one tenant: removes every complete object without a lease (all with
-    /// `force`). Returns the count and the disk copies to tombstone.
-    pub fn remove_all(
-        &mut self,
-        t: &Tenant,
-        force: bool,
-        now: u64,
-    ) -> (u64, Vec<(ClientId, DiskLoc)>) {
+    /// `force`). Returns what was removed.
+    pub fn remove_all(&mut self, t: &Tenant, force: bool, now: u64) -> Vec<Removed> {
         let Some(m) = self.tenants.get(t) else {
-            return (0, Vec::new());
+            return Vec::new();
         };
         let keys: Vec<String> = m
             .iter()
             .filter(|(_, o)| force || (o.is_complete() && !o.leased(now)))
             .map(|(k, _)| k.clone())
             .collect();
-        let mut disks = Vec::new();
-        let mut n = 0;
-        for k in keys {
-            if let Ok(d) = self.remove(t, &k, true, now) {
-                n += 1;
-                disks.extend(d);
-            }
-        }
-        (n, disks)
+        keys.iter()
+            .filter_map(|k| self.remove(t, k, true, now).ok())
+            .collect()
     }
 
     // ---- SSD registration ---------------------------------------------------------------------

@@ -23,7 +23,9 @@ use crate::api::{BatchResult, L3Store};
 use crate::clock::Clock;
 use crate::config::{OffloadMode, StoreConfig};
 use crate::error::{L3Error, L3Result};
-use crate::master::{DiskLoc, EvictionOutcome, LOCAL_NODE, Master, MasterPolicy, ReadSource};
+use crate::master::{
+    DiskLoc, EvictionOutcome, LOCAL_NODE, Master, MasterPolicy, ReadSource, Removed,
+};
 use crate::metrics::{Metrics, Op};
 use crate::promotion::Promoter;
 use crate::ssd::{OffloadJob, SsdTier, TierHooks, TierStats};
@@ -129,9 +131,7 @@ impl EmbeddedStore {
             }
         }
         if let Some(tier) = &ssd {
-            for loc in &refused {
-                tier.tombstone(loc);
-            }
+            tier.tombstone_many(&refused)?;
         }
         let has_ssd = ssd.is_some();
         let mut start_err = None;
@@ -328,7 +328,8 @@ impl Inner {
     }
 
     fn shutdown(&self) {
-        if let Some((tx, h)) = self.sweeper.lock().take() {
+        let sweeper = self.sweeper.lock().take();
+        if let Some((tx, h)) = sweeper {
             drop(tx);
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
@@ -419,11 +420,26 @@ impl Inner {
             .promote(t, key, token, Arc::from(buf), now)
     }
 
+    /// After the master removed objects: cancels their queued SSD writes and tombstones
+    /// their SSD copies (published or registered), durably, so an acknowledged remove
+    /// survives a crash at any point of the write.
+    fn forget_on_disk(&self, t: &Tenant, removed: &[Removed]) -> L3Result<()> {
+        let Some(ssd) = &self.ssd else { return Ok(()) };
+        let mut locs = Vec::new();
+        for r in removed {
+            locs.extend(ssd.cancel(t, &r.key, r.token));
+            locs.extend(r.disk.map(|(_, l)| l));
+        }
+        ssd.tombstone_many(&locs)
+    }
+
     fn on_corrupt(&self, t: &Tenant, key: &str, loc: &DiskLoc) {
         Metrics::add(&self.metrics.corrupt_reads, 1);
         self.master.lock().drop_disk(LOCAL_NODE, t, key, loc);
-        if let Some(s) = &self.ssd {
-            s.tombstone(loc);
+        if let Some(s) = &self.ssd
+            && let Err(e) = s.tombstone(loc)
+        {
+            tracing::warn!(error = %e, "could not tombstone a corrupt record");
         }
     }
 
@@ -450,7 +466,17 @@ impl Inner {
         self.cfg.check_put(key, size)?;
         let now = self.clock.now_ms();
         let mut out = EvictionOutcome::default();
-        let r = self.master.lock().put_start(t, key, size, now, &mut out);
+        let r = {
+            let mut m = self.master.lock();
+            let r = m.put_start(t, key, size, now, &mut out);
+            // Announced with the eviction that staged them, so a remove cancels them.
+            if let Some(ssd) = &self.ssd {
+                for s in &out.to_offload {
+                    ssd.announce(&s.tenant, &s.key, s.token);
+                }
+            }
+            r
+        };
         if !out.to_offload.is_empty() {
             self.offload_evicted(out);
         }
@@ -459,13 +485,23 @@ impl Inner {
 
     fn put_end(&self, h: &PutHandle, opts: PutOptions) -> L3Result<()> {
         let now = self.clock.now_ms();
-        let data = self.master.lock().put_end(h, opts.soft_pin, false, now)?;
-        let Some(ssd) = &self.ssd else {
+        let write_through = self
+            .ssd
+            .as_ref()
+            .filter(|s| s.config().mode == OffloadMode::WriteThrough);
+        let data = {
+            let mut m = self.master.lock();
+            let data = m.put_end(h, opts.soft_pin, false, now)?;
+            // Announced in the critical section that makes the object visible: a remove
+            // either precedes both or finds the announcement and cancels the write.
+            if let (Some(ssd), Some(_)) = (write_through, &data) {
+                ssd.announce(&h.tenant, &h.key, h.token);
+            }
+            data
+        };
+        let Some(ssd) = write_through else {
             return Ok(());
         };
-        if ssd.config().mode != OffloadMode::WriteThrough {
-            return Ok(());
-        }
         let Some(data) = data else { return Ok(()) };
         let (job, wait) = OffloadJob::for_put(h, data, opts.wait_persisted);
         match ssd.enqueue(job, opts.wait_persisted) {
@@ -853,23 +889,18 @@ impl L3Store for EmbeddedStore {
         validate_key(key)?;
         let t0 = Instant::now();
         let now = self.inner.clock.now_ms();
-        let disk = self.inner.master.lock().remove(tenant, key, force, now)?;
-        if let (Some((_, l)), Some(s)) = (disk, &self.inner.ssd) {
-            s.tombstone(&l);
-        }
+        let removed = self.inner.master.lock().remove(tenant, key, force, now)?;
+        self.inner
+            .forget_on_disk(tenant, std::slice::from_ref(&removed))?;
         self.inner.metrics.observe(Op::Remove, t0.elapsed());
         Ok(())
     }
 
     fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
         let now = self.inner.clock.now_ms();
-        let (n, disks) = self.inner.master.lock().remove_all(tenant, force, now);
-        if let Some(s) = &self.inner.ssd {
-            for (_, l) in &disks {
-                s.tombstone(l);
-            }
-        }
-        Ok(n)
+        let removed = self.inner.master.lock().remove_all(tenant, force, now);
+        self.inner.forget_on_disk(tenant, &removed)?;
+        Ok(removed.len() as u64)
     }
 
     fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()> {
@@ -897,7 +928,13 @@ impl L3Store for EmbeddedStore {
         let t0 = Instant::now();
         let h = self.inner.put_start(tenant, key, data.len() as u64)?;
         let bytes: Arc<[u8]> = Arc::from(data);
-        if let Err(e) = self.inner.master.lock().put_write(&h, bytes) {
+        // Bind the result first: the guard of the first lock must be gone before the revoke
+        // locks again (parking_lot's mutex is not reentrant; holding it here deadlocked the
+        // store when a forced remove raced this put).
+        let written = self.inner.master.lock().put_write(&h, bytes);
+        if let Err(e) = written {
+            // The revoke fails only if the pending object is already gone (a forced remove
+            // took it): nothing is left to release then.
             let _ = self.inner.master.lock().put_revoke(&h);
             return Err(e);
         }

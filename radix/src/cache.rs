@@ -18,13 +18,14 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use slotmap::SlotMap;
 use smallvec::SmallVec;
 
 use crate::error::RadixError;
-use crate::events::KvEvent;
+use crate::events::{KvEvent, ScopeLabel};
 use crate::hash::PageHash;
 use crate::lock::LockRecord;
 use crate::node::{EvictKey, Node, NodeId, TierSlot};
@@ -189,6 +190,7 @@ impl RadixCache {
             last_use: 0,
             tenant: TenantId::SHARED,
             seq: 0,
+            label: None,
         });
         Ok(RadixCache {
             id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
@@ -295,7 +297,7 @@ impl RadixCache {
 
     /// Finds the longest cached prefix of a prompt given its page hashes, on each tier.
     ///
-    /// Marks the matched nodes as used (LRU) and counts a hit on each; splits the last node if
+    /// Marks the matched nodes as used (LRU); splits the last node if
     /// the prompt diverges inside it, so the returned nodes end exactly at the matched depths.
     pub fn match_prefix(&mut self, hashes: &[PageHash]) -> PrefixMatch {
         self.tick += 1;
@@ -320,7 +322,6 @@ impl RadixCache {
             let full = n == c.len();
             let child = if full { child } else { self.split(child, n) };
             let c = &mut self.nodes[child];
-            c.hit_count = c.hit_count.saturating_add(1);
             if !repeated {
                 c.uses = c.uses.saturating_add(1);
             }
@@ -400,7 +401,8 @@ impl RadixCache {
         tokens: &[u32],
         pages: &[PageId<T>],
     ) -> Result<InsertOutcome<T>, RadixError> {
-        self.insert_for(TenantId::SHARED, start, from_page, hashes, tokens, pages)
+        self.insert_owner = TenantId::SHARED;
+        self.insert_impl(start, from_page, hashes, tokens, pages, None)
     }
 
     /// [`Self::insert`] on behalf of `tenant`, who owns the nodes it creates (see
@@ -413,6 +415,35 @@ impl RadixCache {
         hashes: &[PageHash],
         tokens: &[u32],
         pages: &[PageId<T>],
+    ) -> Result<InsertOutcome<T>, RadixError> {
+        self.insert_owner = tenant;
+        self.insert_impl(start, from_page, hashes, tokens, pages, None)
+    }
+
+    /// [`Self::insert`] for a scoped request: a new leaf directly below the root records
+    /// `label` (deeper leaves inherit their parent's), and KV events carry it.
+    pub fn insert_labelled<T: Tier>(
+        &mut self,
+        start: NodeId,
+        from_page: usize,
+        hashes: &[PageHash],
+        tokens: &[u32],
+        pages: &[PageId<T>],
+        label: Option<&Arc<ScopeLabel>>,
+    ) -> Result<InsertOutcome<T>, RadixError> {
+        self.insert_owner = TenantId::SHARED;
+        self.insert_impl(start, from_page, hashes, tokens, pages, label)
+    }
+
+    /// The insert itself; the owner of new nodes is `self.insert_owner`.
+    fn insert_impl<T: Tier>(
+        &mut self,
+        start: NodeId,
+        from_page: usize,
+        hashes: &[PageHash],
+        tokens: &[u32],
+        pages: &[PageId<T>],
+        label: Option<&Arc<ScopeLabel>>,
     ) -> Result<InsertOutcome<T>, RadixError> {
         let t = T::KIND;
         let end = from_page + pages.len();
@@ -451,7 +482,6 @@ impl RadixCache {
 
         // Validated: from here on nothing fails.
         self.tick += 1;
-        self.insert_owner = tenant;
         let mut out = InsertOutcome {
             end_node: start,
             inserted: 0,
@@ -466,9 +496,9 @@ impl RadixCache {
                     depth,
                     &hashes[depth..end],
                     &tokens[depth * self.page_size..end * self.page_size],
-                    t,
-                    &raw[depth - from_page..],
+                    label,
                 );
+                self.give_pages(leaf, t, &raw[depth - from_page..]);
                 out.inserted += end - depth;
                 node = leaf;
                 break;
@@ -530,16 +560,20 @@ impl RadixCache {
         Ok(())
     }
 
-    /// Creates a leaf under `parent` holding `pages` on tier `t`.
+    /// Creates a leaf under `parent` (without pages: the caller gives them).
     fn new_leaf(
         &mut self,
         parent: NodeId,
         start: usize,
         hashes: &[PageHash],
         tokens: &[u32],
-        t: TierKind,
-        pages: &[u32],
+        label: Option<&Arc<ScopeLabel>>,
     ) -> NodeId {
+        let label = if parent == self.root {
+            label.cloned()
+        } else {
+            self.nodes[parent].label.clone()
+        };
         let seq = self.next_seq;
         self.next_seq += 1;
         let leaf = self.nodes.insert(Node {
@@ -557,10 +591,10 @@ impl RadixCache {
             last_use: self.traffic,
             tenant: self.insert_owner,
             seq,
+            label,
         });
         self.index.insert(hashes[0], leaf);
         self.nodes[parent].children += 1;
-        self.give_pages(leaf, t, pages);
         leaf
     }
 
@@ -583,6 +617,7 @@ impl RadixCache {
                 tier: t,
                 parent: parent_hash,
                 hashes,
+                label: self.nodes[id].label.clone(),
             });
         }
         if let Some(p) = parent {
@@ -638,6 +673,7 @@ impl RadixCache {
             last_use: n.last_use,
             tenant: n.tenant,
             seq,
+            label: n.label.clone(),
         };
         n.start += k as u32;
         let back_first = n.hashes[0];

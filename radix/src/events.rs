@@ -5,10 +5,22 @@
 //! gains or loses a copy on a tier; the scheduler drains them and the engine publishes them
 //! (the shape follows the BlockStored/BlockRemoved events of vLLM and Dynamo).
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
 use crate::hash::PageHash;
 use crate::tier::TierKind;
+
+/// Whose prefix a cached page belongs to: the cache salt (tenant) and adapter of the requests
+/// that computed it (`None` for both: the shared, unscoped prefix space). Page hashes of
+/// different labels never collide (see [`crate::HashScope`]); the label tells a router or a
+/// quota *which* space a page is in without recomputing hashes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct ScopeLabel {
+    pub cache_salt: Option<String>,
+    pub adapter: Option<String>,
+}
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum KvEvent {
@@ -17,10 +29,13 @@ pub enum KvEvent {
         tier: TierKind,
         parent: Option<PageHash>,
         hashes: Vec<PageHash>,
+        /// The scope the pages belong to (`None`: unscoped).
+        label: Option<Arc<ScopeLabel>>,
     },
     /// `hashes` no longer have a copy on `tier`.
     Removed {
         tier: TierKind,
         hashes: Vec<PageHash>,
+        label: Option<Arc<ScopeLabel>>,
     },
 }

@@ -105,6 +105,7 @@ impl RadixCache {
             removed,
             in_l3: node.in_l3,
         };
+        let label = node.label.clone();
         self.pool_mut(t).release_cached(&pages);
         self.tenant_key_changed(owner, t, old_key, None);
         self.tenant_pages(owner, t, 0, pages.len());
@@ -112,6 +113,7 @@ impl RadixCache {
             self.events.push(KvEvent::Removed {
                 tier: t,
                 hashes: ev.hashes.clone(),
+                label,
             });
         }
         if removed {

@@ -141,6 +141,146 @@ pub fn extend_hashes(
     extend_page_hashes(hashes, &tokens[start..end], page_size, prev);
 }
 
+/// A span of prompt tokens whose KV depends on more than the token ids: the placeholder tokens
+/// an image, audio clip or video expands to. `digest` identifies the content (e.g. a hash of
+/// the image's bytes); it enters the hash of every page the span `start .. end` overlaps.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ExtraKey {
+    pub start: u32,
+    pub end: u32,
+    pub digest: Vec<u8>,
+}
+
+/// Everything besides the tokens that makes a request's KV its own: a per-request cache salt
+/// (tenant isolation, as vLLM's `cache_salt`), an adapter (LoRA) id, and extra keys of
+/// multimodal spans.
+///
+/// Why in the page hash and not beside it: every tier — the device and host radix tree and the
+/// L3 keys — is keyed by the chained page hash, so a scope that enters the chain separates
+/// requests everywhere at once, and nothing downstream can forget to compare it. The rule:
+///
+/// ```text
+/// seed   = SHA-256("kvtier-scope-v1" ‖ field(salt) ‖ field(adapter))   (only if either is set)
+/// h_0    = SHA-256(seed? ‖ tok_0 … ‖ extra(0)?)
+/// h_i    = SHA-256(h_{i-1} ‖ tok_i … ‖ extra(i)?)
+/// extra(i) = "kvtier-extra-v1" ‖ (start u32 ‖ end u32 ‖ len u64 ‖ digest) for each extra key
+///            overlapping page i's tokens, in (start, end, digest) order
+/// field(None) = 0u8, field(Some(s)) = 1u8 ‖ len u64 ‖ s
+/// ```
+///
+/// With no salt, no adapter and no extra keys this is exactly the plain chain
+/// ([`page_hashes`]), byte-compatible with SGLang's keys. Because the chain covers the whole
+/// prefix, two requests share page `i` only if their tokens, salt, adapter and the extra keys
+/// of pages `0..=i` are all equal.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HashScope {
+    seed: Option<PageHash>,
+    /// Sorted by `(start, end, digest)`.
+    extra: Vec<ExtraKey>,
+}
+
+fn scope_field(h: &mut Sha256, v: Option<&str>) {
+    match v {
+        None => h.update([0u8]),
+        Some(s) => {
+            h.update([1u8]);
+            h.update((s.len() as u64).to_le_bytes());
+            h.update(s.as_bytes());
+        }
+    }
+}
+
+impl HashScope {
+    /// A scope from a salt, an adapter id and extra keys (any order; spans are not validated
+    /// here — the scheduler checks them against the prompt).
+    pub fn new(salt: Option<&str>, adapter: Option<&str>, mut extra: Vec<ExtraKey>) -> HashScope {
+        let seed = (salt.is_some() || adapter.is_some()).then(|| {
+            let mut h = Sha256::new();
+            h.update(b"kvtier-scope-v1");
+            scope_field(&mut h, salt);
+            scope_field(&mut h, adapter);
+            PageHash(h.finalize().into())
+        });
+        extra.sort();
+        extra.dedup();
+        HashScope { seed, extra }
+    }
+
+    /// No salt, adapter or extra key: the plain (SGLang-compatible) chain.
+    pub fn is_plain(&self) -> bool {
+        self.seed.is_none() && self.extra.is_empty()
+    }
+
+    /// The extra keys, sorted.
+    pub fn extra_keys(&self) -> &[ExtraKey] {
+        &self.extra
+    }
+
+    /// Extends `hashes` (the scoped hashes of the first `from` full pages of `tokens`) to the
+    /// first `to` full pages, like [`extend_hashes`].
+    pub fn extend_hashes(
+        &self,
+        hashes: &mut Vec<PageHash>,
+        tokens: &[u32],
+        page_size: usize,
+        from: usize,
+        to: usize,
+    ) {
+        if self.is_plain() {
+            return extend_hashes(hashes, tokens, page_size, from, to);
+        }
+        if page_size == 0 || from >= to {
+            return;
+        }
+        let to = to.min(tokens.len() / page_size);
+        hashes.truncate(from);
+        let mut prev = match from.checked_sub(1) {
+            Some(i) => match hashes.get(i) {
+                Some(h) => Some(*h),
+                None => return,
+            },
+            None => self.seed,
+        };
+        for i in from..to {
+            let (lo, hi) = (i * page_size, (i + 1) * page_size);
+            let mut h = Sha256::new();
+            if let Some(p) = &prev {
+                h.update(p.0);
+            }
+            for t in &tokens[lo..hi] {
+                h.update(t.to_le_bytes());
+            }
+            let mut marked = false;
+            for k in self
+                .extra
+                .iter()
+                .filter(|k| (k.start as usize) < hi && (k.end as usize) > lo)
+            {
+                if !marked {
+                    h.update(b"kvtier-extra-v1");
+                    marked = true;
+                }
+                h.update(k.start.to_le_bytes());
+                h.update(k.end.to_le_bytes());
+                h.update((k.digest.len() as u64).to_le_bytes());
+                h.update(&k.digest);
+            }
+            let d = PageHash(h.finalize().into());
+            hashes.push(d);
+            prev = Some(d);
+        }
+    }
+
+    /// The scoped hashes of every full page of `tokens`.
+    pub fn page_hashes(&self, tokens: &[u32], page_size: usize) -> Vec<PageHash> {
+        let mut out = Vec::new();
+        if page_size > 0 {
+            self.extend_hashes(&mut out, tokens, page_size, 0, tokens.len() / page_size);
+        }
+        out
+    }
+}
+
 /// What makes two identical token sequences *different* KV: the model, the KV dtype, the
 /// tensor-parallel layout, the tenant (or a per-tenant salt) and the adapter (LoRA).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -205,6 +345,37 @@ impl L3KeyBuilder {
     pub fn keys<'a>(&self, pages: impl IntoIterator<Item = &'a PageHash>) -> Vec<String> {
         pages.into_iter().map(|p| self.key(p)).collect()
     }
+
+    /// The page hash of `key` if it is a key of this namespace and rank.
+    pub fn page_of(&self, key: &str) -> Option<PageHash> {
+        let k = parse_l3_key(key)?;
+        (k.namespace == self.prefix && k.rank == self.rank).then_some(k.page)
+    }
+}
+
+/// The parts of an L3 key `"{namespace}:{hex digest}:{rank}"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParsedKey<'a> {
+    pub namespace: &'a str,
+    pub page: PageHash,
+    pub rank: u32,
+}
+
+/// Parses an L3 key built by [`L3KeyBuilder`] (the one parser: test engines, the simulator's
+/// oracle and the Python executor all use it). `None` for anything else.
+pub fn parse_l3_key(key: &str) -> Option<ParsedKey<'_>> {
+    let mut parts = key.split(':');
+    let (namespace, digest, rank) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || digest.len() != 64 {
+        return None;
+    }
+    let mut page = [0u8; 32];
+    hex::decode_to_slice(digest, &mut page).ok()?;
+    Some(ParsedKey {
+        namespace,
+        page: PageHash(page),
+        rank: rank.parse().ok()?,
+    })
 }
 
 #[cfg(test)]
@@ -260,5 +431,19 @@ mod tests {
         let k = a.keys_for_rank(3).key(&h);
         assert!(k.ends_with(":3"));
         assert!(k.contains(&h.to_hex()));
+        let p = parse_l3_key(&k).expect("parses");
+        assert_eq!((p.namespace, p.page, p.rank), (&a.fingerprint()[..], h, 3));
+        assert_eq!(a.keys_for_rank(3).page_of(&k), Some(h));
+        assert_eq!(a.keys_for_rank(2).page_of(&k), None, "other rank");
+        assert_eq!(b.keys_for_rank(3).page_of(&k), None, "other namespace");
+        for bad in [
+            "",
+            "x:y:z",
+            &k[..k.len() - 2],
+            &format!("{k}:1"),
+            &k.replace(":3", ":-1"),
+        ] {
+            assert_eq!(parse_l3_key(bad), None, "{bad}");
+        }
     }
 }

@@ -31,9 +31,12 @@ mod tier;
 
 pub use cache::{InsertOutcome, PrefixMatch, RadixCache, RadixConfig, TierUsage};
 pub use error::RadixError;
-pub use events::KvEvent;
+pub use events::{KvEvent, ScopeLabel};
 pub use evict::{EvictOutcome, EvictedNode};
-pub use hash::{KeyNamespace, L3KeyBuilder, PageHash, extend_hashes, page_hashes};
+pub use hash::{
+    ExtraKey, HashScope, KeyNamespace, L3KeyBuilder, PageHash, ParsedKey, extend_hashes,
+    page_hashes, parse_l3_key,
+};
 pub use lock::{LockHandle, LockId};
 pub use node::NodeId;
 pub use policy::EvictionPolicy;

@@ -9,6 +9,9 @@
 use slotmap::new_key_type;
 use smallvec::SmallVec;
 
+use std::sync::Arc;
+
+use crate::events::ScopeLabel;
 use crate::hash::PageHash;
 use crate::tier::TierKind;
 
@@ -53,7 +56,7 @@ pub(crate) struct Node {
     /// Known (from a successful backup or an L3 hit) to be stored in L3.
     pub in_l3: bool,
     pub last_access: u64,
-    /// Number of matches that went through this node (drives write-through-selective).
+    /// Number of requests that reused this node (drives write-through-selective).
     pub hit_count: u32,
     /// Distinct matches through this node: a match repeating the previous query (a blocked
     /// request tried again) is not counted. Drives frequency-aware eviction.
@@ -64,6 +67,9 @@ pub(crate) struct Node {
     pub tenant: crate::tenant::TenantId,
     /// Creation sequence number.
     pub seq: u64,
+    /// The scope (salt, adapter) of the prefix; the same for a whole subtree below the root,
+    /// since the scope seeds the hash chain.
+    pub label: Option<Arc<ScopeLabel>>,
 }
 
 impl Node {

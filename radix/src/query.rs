@@ -119,12 +119,73 @@ impl RadixCache {
         Ok(())
     }
 
+    /// L3 lost the pages `lost` (the store evicted or removed them, or a node holding them
+    /// died): every node holding one of them, and every descendant of such a node, is no
+    /// longer known to be in L3 (a page is only reachable in L3 through its whole prefix, as
+    /// probes and prefetches read leading runs). Returns the number of nodes cleared.
+    ///
+    /// One pass over the nodes plus a walk up from each flagged node: it runs when the store
+    /// reports losses (batched by the engine), not per request.
+    pub fn forget_l3(&mut self, lost: &std::collections::HashSet<PageHash>) -> usize {
+        if lost.is_empty() {
+            return 0;
+        }
+        let hit: std::collections::HashSet<NodeId> = self
+            .nodes
+            .iter()
+            .filter(|(id, n)| {
+                *id != self.root && n.in_l3 && n.hashes.iter().any(|h| lost.contains(h))
+            })
+            .map(|(id, _)| id)
+            .collect();
+        if hit.is_empty() {
+            return 0;
+        }
+        let mut clear = Vec::new();
+        for (id, n) in &self.nodes {
+            if id == self.root || !n.in_l3 {
+                continue;
+            }
+            let mut cur = Some(id);
+            while let Some(c) = cur {
+                if hit.contains(&c) {
+                    clear.push(id);
+                    break;
+                }
+                cur = self.nodes[c].parent;
+            }
+        }
+        for id in &clear {
+            self.nodes[*id].in_l3 = false;
+        }
+        clear.len()
+    }
+
     /// The page hashes of a node's run (pages `start .. end` of its prefix).
     pub fn node_hashes(&self, id: NodeId) -> Result<&[PageHash], RadixError> {
         Ok(&self.node(id)?.hashes)
     }
 
-    /// How many matches went through this node.
+    /// Records that one request reused the prefix ending at `node` (every node on its path
+    /// counts one more reuse). Called once per request, not per match attempt: a request that
+    /// probes, prefetches and is admitted, or waits blocked for many steps, matches many times
+    /// but reuses the prefix once.
+    pub fn record_reuse(&mut self, node: NodeId) -> Result<(), RadixError> {
+        self.node(node)?;
+        let mut cur = node;
+        while cur != self.root {
+            let n = &mut self.nodes[cur];
+            n.hit_count = n.hit_count.saturating_add(1);
+            match n.parent {
+                Some(p) => cur = p,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// How many requests reused this node's pages (see [`Self::record_reuse`]).
+    /// How many requests reused this node's pages (see [`Self::record_reuse`]).
     pub fn hit_count(&self, id: NodeId) -> Result<u32, RadixError> {
         Ok(self.node(id)?.hit_count)
     }

@@ -9,7 +9,9 @@
 use kvtier_fsm::{OpKind, RequestEvent, RequestState};
 use kvtier_radix::{Device, Host, PrefixMatch};
 
-use crate::ops::{OpCtx, PrefetchDst};
+use crate::ops::OpCtx;
+use crate::release;
+use crate::request::{L3Progress, MAX_REPROBES};
 use crate::scheduler::{Budget, RowKind, Scheduler};
 use crate::types::*;
 
@@ -65,7 +67,7 @@ impl Scheduler {
                     }
                 };
                 let Some(r) = self.reqs.get_mut(&id) else {
-                    let _ = self.cache.free(&page);
+                    release::free(&mut self.cache, &mut self.stats, &page);
                     continue;
                 };
                 if !matches!(
@@ -76,7 +78,7 @@ impl Scheduler {
                     }
                 ) {
                     // Retracted itself to make room.
-                    let _ = self.cache.free(&page);
+                    release::free(&mut self.cache, &mut self.stats, &page);
                     continue;
                 }
                 r.pages.extend(page);
@@ -145,7 +147,7 @@ impl Scheduler {
                         r.pages.extend(p)
                     }
                     _ => {
-                        let _ = self.cache.free(&p);
+                        release::free(&mut self.cache, &mut self.stats, &p);
                         continue;
                     }
                 }
@@ -208,7 +210,10 @@ impl Scheduler {
             }
             match self.try_admit(id, budget, batch, rows) {
                 Admit::Admitted | Admit::Deferred => {}
-                Admit::Blocked => break,
+                Admit::Blocked => {
+                    self.unpin_device_prefetches_behind(id);
+                    break;
+                }
             }
         }
     }
@@ -238,108 +243,62 @@ impl Scheduler {
         let m = self.cache.match_prefix(&r.hashes[..usable]);
         let seq = r.seq;
 
-        if matches!(r.state, RequestState::Submitted) && !r.l3_done {
+        if matches!(r.state, RequestState::Submitted) && r.l3 != L3Progress::Done {
             let local = m.matched_pages;
             let threshold = (self.cfg.prefetch_threshold as usize).max(1);
-            let probe = r.l3_probe;
-            r.l3_done = probe.is_some() || usable < local + threshold;
-            match probe {
-                None if usable >= local + threshold => {
-                    let keys = self.keys.keys(&r.hashes[local..usable]);
-                    self.apply(id, RequestEvent::ScheduleQuery);
-                    self.new_op(
-                        OpKind::L3Query,
-                        Some(id),
-                        false,
-                        OpSpec::L3Query { keys },
-                        OpCtx::Query {
-                            start: local,
-                            n: usable - local,
-                        },
-                    );
-                    self.waiting.remove(&seq);
-                    return Admit::Deferred;
+            // A prefetch starts at the host match (the device match without a host tier).
+            let from = if self.cfg.host_enabled {
+                m.host_pages
+            } else {
+                m.device_pages
+            };
+            let probe_from = match r.l3 {
+                L3Progress::Unprobed { .. } if usable >= local + threshold => Some(local),
+                L3Progress::Probed {
+                    start, reprobes, ..
+                } if from < start && reprobes < MAX_REPROBES && usable >= from + threshold => {
+                    // The local match shrank since the probe: pages `from .. start` were never
+                    // probed, and a prefetch must not ask for them. Probe again from here.
+                    r.l3 = L3Progress::Unprobed {
+                        reprobes: reprobes + 1,
+                    };
+                    Some(local)
                 }
-                Some((start, hit)) => {
+                L3Progress::Probed { start, hit, .. } => {
+                    r.l3 = L3Progress::Done;
                     let end = (start + hit).min(usable);
-                    if end >= local + threshold && self.start_prefetch(id, &m, end) {
+                    if from >= start && end >= local + threshold && self.start_prefetch(id, &m, end)
+                    {
                         self.waiting.remove(&seq);
                         return Admit::Deferred;
                     }
+                    None
                 }
-                None => {}
+                _ => {
+                    r.l3 = L3Progress::Done;
+                    None
+                }
+            };
+            if let Some(local) = probe_from
+                && let Some(r) = self.reqs.get(&id)
+            {
+                let keys = self.keys.keys(&r.hashes[local..usable]);
+                self.apply(id, RequestEvent::ScheduleQuery);
+                self.new_op(
+                    OpKind::L3Query,
+                    Some(id),
+                    false,
+                    OpSpec::L3Query { keys },
+                    OpCtx::Query {
+                        start: local,
+                        n: usable - local,
+                    },
+                );
+                self.waiting.remove(&seq);
+                return Admit::Deferred;
             }
         }
         self.admit_prefill(id, m, budget, batch, rows)
-    }
-
-    /// Issues a prefetch of prompt pages `local .. end`, where `local` is the match *now*: the
-    /// keys are computed here, against this match, and the pages will be inserted at exactly
-    /// this offset below the node locked here.
-    fn start_prefetch(&mut self, id: RequestId, m: &PrefixMatch, end: usize) -> bool {
-        let Some(r) = self.reqs.get(&id) else {
-            return false;
-        };
-        let total_tokens = r.tokens.len();
-        let (local, dst_spec, dst) = if self.cfg.host_enabled {
-            // Prefetched pages hang below the host match; device-only pages past it would leave
-            // a hole in host residency, so only prefetch when host covers the local match.
-            if m.host_pages < m.device_pages {
-                return false;
-            }
-            let local = m.host_pages;
-            let Ok(hl) = self.cache.lock::<Host>(m.host_node) else {
-                return false;
-            };
-            let Some(dst) = self.alloc_host(end - local) else {
-                let _ = self.cache.unlock(hl);
-                return false;
-            };
-            (
-                local,
-                TierPages::Host(dst.clone()),
-                PrefetchDst::Host(dst, hl),
-            )
-        } else {
-            let local = m.device_pages;
-            let Ok(dl) = self.cache.lock::<Device>(m.device_node) else {
-                return false;
-            };
-            let Ok(dst) = self.cache.alloc_evicting::<Device>(end - local) else {
-                let _ = self.cache.unlock(dl);
-                return false;
-            };
-            (
-                local,
-                TierPages::Device(dst.clone()),
-                PrefetchDst::Device(dst, dl),
-            )
-        };
-        let Some(r) = self.reqs.get(&id) else {
-            return false;
-        };
-        let keys = self.keys_for(&r.hashes[local..end]);
-        self.apply(
-            id,
-            RequestEvent::SchedulePrefetch {
-                start_page: local as u32,
-                pages: (end - local) as u32,
-            },
-        );
-        let op = self.new_op(
-            OpKind::Prefetch,
-            Some(id),
-            false,
-            OpSpec::Prefetch {
-                keys,
-                dst: dst_spec,
-            },
-            OpCtx::Prefetch { start: local, dst },
-        );
-        if let Some(deadline) = self.prefetch_deadline(total_tokens) {
-            self.prefetch_deadlines.insert((deadline, op));
-        }
-        true
     }
 
     /// Admits a request into prefill: pins its device match, loads host-only pages back, and
@@ -382,7 +341,7 @@ impl Scheduler {
             match self.cache.lock::<Host>(m.host_node) {
                 Ok(h) => Some(h),
                 Err(_) => {
-                    let _ = self.cache.unlock(dl);
+                    release::unlock(&mut self.cache, &mut self.stats, dl);
                     return Admit::Blocked;
                 }
             }
@@ -395,18 +354,18 @@ impl Scheduler {
             .usage(kvtier_radix::TierKind::Device)
             .obtainable();
         if obtainable < lb + whole_prompt + self.reserved_pages {
-            let _ = self.cache.unlock(dl);
+            release::unlock(&mut self.cache, &mut self.stats, dl);
             if let Some(h) = hl {
-                let _ = self.cache.unlock(h);
+                release::unlock(&mut self.cache, &mut self.stats, h);
             }
             return Admit::Blocked;
         }
         let fresh = match self.cache.alloc_evicting::<Device>(lb + new_pages) {
             Ok(p) => p,
             Err(_) => {
-                let _ = self.cache.unlock(dl);
+                release::unlock(&mut self.cache, &mut self.stats, dl);
                 if let Some(h) = hl {
-                    let _ = self.cache.unlock(h);
+                    release::unlock(&mut self.cache, &mut self.stats, h);
                 }
                 return Admit::Blocked;
             }
@@ -460,6 +419,17 @@ impl Scheduler {
             prefetched.map_or(0, |(s, n)| (s + n).min(b).saturating_sub(s.max(a)))
         };
         let (l3_dev, l3_lb) = (overlap(0, dev), overlap(dev, host.max(dev)));
+        if first_admission && cached > 0 {
+            // One reuse per request (write-through-selective counts requests, not matches).
+            let deepest = if host > dev {
+                m.host_node
+            } else {
+                m.device_node
+            };
+            if let Err(e) = self.cache.record_reuse(deepest) {
+                tracing::error!(req = ?id, error = %e, "internal: record_reuse");
+            }
+        }
         if first_admission {
             self.stats
                 .record_hits("device", (dev - l3_dev) as u64, ps as u64);
@@ -474,6 +444,11 @@ impl Scheduler {
         };
         r.pages = pages;
         r.prefetched = None;
+        // Admitted: its own locks (device match, load-back source) now hold what it reads.
+        self.unpin_prefetch(id);
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Admit::Deferred;
+        };
         r.tree_pages = dev;
         r.dev_lock = Some(dl);
         r.sent = 0;

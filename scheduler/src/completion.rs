@@ -6,11 +6,12 @@
 //! mutates. A rejected event leaves the scheduler exactly as it was.
 
 use kvtier_fsm::{OpEvent, RequestEvent, RequestState};
-use kvtier_radix::{Device, Host};
 
 use crate::error::SchedulerError;
 use crate::idhash::IdMap;
-use crate::ops::{AnyLock, OpCtx, PrefetchDst};
+use crate::ops::{OpCtx, PrefetchDst};
+use crate::release;
+use crate::request::L3Progress;
 use crate::scheduler::{RowKind, Scheduler};
 use crate::types::*;
 
@@ -111,7 +112,15 @@ impl Scheduler {
             (OpCtx::Query { start, .. }, Event::L3QueryDone { hit_pages, .. }) => {
                 let Some(id) = req else { return Ok(()) };
                 if let Some(r) = self.reqs.get_mut(&id) {
-                    r.l3_probe = Some((start, hit_pages as usize));
+                    let reprobes = match r.l3 {
+                        L3Progress::Unprobed { reprobes } => reprobes,
+                        _ => 0,
+                    };
+                    r.l3 = L3Progress::Probed {
+                        start,
+                        hit: hit_pages as usize,
+                        reprobes,
+                    };
                 }
                 self.apply(id, RequestEvent::QueryDone { hit_pages });
                 self.requeue_or_release(id);
@@ -125,7 +134,7 @@ impl Scheduler {
                 self.requeue_or_release(id);
             }
             (OpCtx::LoadBack { host_lock, to, .. }, _) => {
-                let _ = self.cache.unlock(host_lock);
+                release::unlock(&mut self.cache, &mut self.stats, host_lock);
                 if let Some(id) = req {
                     if success {
                         self.publish_device(id, to);
@@ -139,10 +148,10 @@ impl Scheduler {
                     host_lock,
                     from,
                     dst,
-                    retract,
+                    cause,
                 },
                 _,
-            ) => self.finish_write_back(req, host_lock, from, dst, retract, success),
+            ) => self.finish_write_back(req, host_lock, from, dst, cause, success),
             (
                 OpCtx::BackUp {
                     lock,
@@ -151,24 +160,21 @@ impl Scheduler {
                 },
                 _,
             ) => {
-                let end = match &lock {
-                    AnyLock::Host(l) => l.node(),
-                    AnyLock::Device(l) => l.node(),
-                };
+                let end = lock.node();
                 if success {
                     self.mark_in_l3(end, &nodes);
                 }
+                let mut lost = std::collections::HashSet::new();
                 for h in &hashes {
                     self.backing_up.remove(h);
-                }
-                match lock {
-                    AnyLock::Host(l) => {
-                        let _ = self.cache.unlock(l);
-                    }
-                    AnyLock::Device(l) => {
-                        let _ = self.cache.unlock(l);
+                    if self.lost_in_backup.remove(h) {
+                        lost.insert(*h);
                     }
                 }
+                if success && !lost.is_empty() {
+                    self.cache.forget_l3(&lost);
+                }
+                lock.release(&mut self.cache, &mut self.stats);
                 if let Some(id) = req {
                     self.apply(id, RequestEvent::BackupDone);
                     if self.reqs.get(&id).is_some_and(|r| r.state.is_terminal()) {
@@ -179,33 +185,6 @@ impl Scheduler {
             _ => {}
         }
         Ok(())
-    }
-
-    /// Inserts the first `completed` prefetched pages at page `start` — the offset their keys
-    /// were computed against — below the node locked when the prefetch was issued, and frees
-    /// the rest. Pages that meanwhile reached the tree another way are duplicates and freed.
-    fn finish_prefetch(&mut self, id: RequestId, start: usize, dst: PrefetchDst, completed: usize) {
-        // Pages that arrived are adopted below the node locked at issue time; the rest is freed.
-        let end = match dst {
-            PrefetchDst::Host(pages, lock) => {
-                let end = self.adopt_pages::<Host>(id, lock.node(), start, &pages[..completed]);
-                let _ = self.cache.free(&pages[completed..]);
-                let _ = self.cache.unlock(lock);
-                end
-            }
-            PrefetchDst::Device(pages, lock) => {
-                let end = self.adopt_pages::<Device>(id, lock.node(), start, &pages[..completed]);
-                let _ = self.cache.free(&pages[completed..]);
-                let _ = self.cache.unlock(lock);
-                end
-            }
-        };
-        if let Some(end) = end {
-            self.mark_in_l3(end, &[(start, start + completed)]);
-        }
-        if let Some(r) = self.reqs.get_mut(&id) {
-            r.prefetched = Some((start, completed));
-        }
     }
 
     /// Inserts the held copies `pages` of the request's pages `from ..` below `start` on tier
@@ -221,16 +200,16 @@ impl Scheduler {
         let r = self.reqs.get(&id)?;
         match self
             .cache
-            .insert::<T>(start, from, &r.hashes, &r.tokens, pages)
+            .insert_labelled::<T>(start, from, &r.hashes, &r.tokens, pages, r.label())
         {
             Ok(out) => {
                 let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
-                let _ = self.cache.free(&dups);
+                release::free(&mut self.cache, &mut self.stats, &dups);
                 Some(out.end_node)
             }
             Err(e) => {
                 tracing::error!(req = ?id, error = %e, "insert of copied pages refused");
-                let _ = self.cache.free(pages);
+                release::free(&mut self.cache, &mut self.stats, pages);
                 None
             }
         }
@@ -367,7 +346,7 @@ impl Scheduler {
                 // any: it is not appended) are garbage. Drop everything the request computed
                 // without publishing it, and recompute from the tree.
                 r.recompute = false;
-                self.retract(id, true);
+                self.retract(id, crate::ops::RetractedKv::Garbage);
             }
             RequestState::Prefilling { done, .. } => {
                 self.publish_device(id, done as usize / ps);

@@ -44,6 +44,20 @@ pub enum RetractionPolicy {
     MostPages,
 }
 
+/// How tensor-parallel ranks share L3.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum L3Sharing {
+    /// Each rank stores its own shard of every page under its own keys (suffix `:{rank}`), and
+    /// runs every L3 op (the default: KV heads are sharded across ranks).
+    #[default]
+    PerRank,
+    /// Every rank holds the same KV (MLA's latent cache): all ranks use the `leader`'s keys,
+    /// only the leader probes (`L3Query`) and backs up (`BackUp`), every rank prefetches its
+    /// own copy. The others skip those ops and take the leader's answer through the agreement
+    /// (see `RankAgreement::skip`).
+    Replicated { leader: u32 },
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SchedulerConfig {
     /// Tokens per KV page.
@@ -68,11 +82,16 @@ pub struct SchedulerConfig {
     /// Keep the device copy of pages after they were written back to host.
     pub keep_device_after_write_back: bool,
     pub retraction: RetractionPolicy,
-    /// Longest request (prompt + new tokens) accepted.
+    /// Longest request (prompt + new tokens) accepted; at most `device_pages × page_size`
+    /// (a request must fit on device). The default, 131,072 (a 128K-context model), fits the
+    /// default 4,096 device pages of 64 tokens.
     pub max_context_tokens: usize,
     /// L3 key namespace and this scheduler's tensor-parallel rank.
     pub namespace: KeyNamespace,
     pub rank: u32,
+    /// Per-rank keys (default) or one replicated copy written by a leader rank (MLA).
+    #[serde(default)]
+    pub l3_sharing: L3Sharing,
     /// Record KV store/remove events for an external router.
     pub record_kv_events: bool,
     /// How the device and host tiers choose what to evict.
@@ -100,9 +119,10 @@ impl Default for SchedulerConfig {
             write_policy: WritePolicy::WriteThrough,
             keep_device_after_write_back: true,
             retraction: RetractionPolicy::LatestArrival,
-            max_context_tokens: 1 << 20,
+            max_context_tokens: 128 * 1024,
             namespace: KeyNamespace::default(),
             rank: 0,
+            l3_sharing: L3Sharing::PerRank,
             record_kv_events: false,
             eviction: EvictionPolicy::Lru,
         }
@@ -178,5 +198,21 @@ impl SchedulerConfig {
             return Err(ConfigError::ContextExceedsDevice(self.max_context_tokens));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A new user's first line, `Scheduler::new(SchedulerConfig::default())`, must work.
+    #[test]
+    fn default_config_is_valid() {
+        assert_eq!(SchedulerConfig::default().validate(), Ok(()));
+        let l3 = SchedulerConfig {
+            l3_enabled: true,
+            ..SchedulerConfig::default()
+        };
+        assert_eq!(l3.validate(), Ok(()));
     }
 }

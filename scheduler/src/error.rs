@@ -23,6 +23,15 @@ pub enum SchedulerError {
     ZeroMaxNewTokens,
     #[error("request of {tokens} tokens exceeds max_context_tokens {max}")]
     TooLong { tokens: usize, max: usize },
+    #[error(
+        "extra key {index} spans tokens {start}..{end}, outside the prompt of {prompt_len} tokens (or empty)"
+    )]
+    BadExtraKey {
+        index: usize,
+        start: u32,
+        end: u32,
+        prompt_len: usize,
+    },
     #[error("unknown op {0:?}")]
     UnknownOp(OpId),
     #[error("op {0:?} already completed (duplicated or late completion)")]

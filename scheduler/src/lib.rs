@@ -12,24 +12,34 @@
 //! - `completion.rs`: validating and applying completions;
 //! - `lifecycle.rs`: publish, finish, write-back, backup, retraction, release;
 //! - `ops.rs`: the in-flight op table with the locks each op holds;
+//! - `prefetch.rs`: the prefetch path (start, deadline, finish, pin until admission);
+//! - `agreement.rs`: tensor-parallel agreement ([`RankAgreement`], [`ExecutionPlan::digest`]);
 //! - `stats.rs`: counters, also exported through the `metrics` facade.
 
 mod admission;
+mod agreement;
 mod completion;
 mod config;
 mod error;
 mod idhash;
 mod lifecycle;
 mod ops;
+mod prefetch;
+mod release;
 mod request;
 mod scheduler;
 mod stats;
 mod types;
 
-pub use config::{ConfigError, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, WritePolicy};
+pub use agreement::{AgreementError, RankAgreement};
+pub use config::{
+    ConfigError, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, WritePolicy,
+};
 pub use error::SchedulerError;
 pub use kvtier_fsm::{OpKind, RequestState};
-pub use kvtier_radix::{DevicePageId, HostPageId, KeyNamespace, KvEvent, PageHash};
+pub use kvtier_radix::{
+    DevicePageId, ExtraKey, HashScope, HostPageId, KeyNamespace, KvEvent, PageHash, ScopeLabel,
+};
 pub use scheduler::Scheduler;
 pub use stats::{OpStats, Stats};
 pub use types::*;

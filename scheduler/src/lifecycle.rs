@@ -11,7 +11,8 @@ use kvtier_fsm::{OpKind, RequestEvent, RequestState};
 use kvtier_radix::{Device, Host, HostPageId, LockHandle, NodeId, PageHash};
 
 use crate::config::{RetractionPolicy, WritePolicy};
-use crate::ops::{AnyLock, OpCtx};
+use crate::ops::{AnyLock, BackupSource, BackupUrgency, OpCtx, RetractedKv, WriteBackCause};
+use crate::release;
 use crate::scheduler::Scheduler;
 use crate::types::*;
 
@@ -37,18 +38,19 @@ impl Scheduler {
             return;
         };
         let from = r.tree_pages;
-        match self.cache.insert::<Device>(
+        match self.cache.insert_labelled::<Device>(
             dl.node(),
             from,
             &r.hashes,
             &r.tokens,
             &r.pages[from..upto],
+            r.scope.as_ref().map(|s| &s.1),
         ) {
             Ok(out) => {
                 for &(idx, mine, theirs) in &out.duplicates {
                     r.pages[idx] = theirs;
                     r.dirty_from = r.dirty_from.min(idx);
-                    let _ = self.cache.free(&[mine]);
+                    release::free(&mut self.cache, &mut self.stats, &[mine]);
                 }
                 match self.cache.relock(dl, out.end_node) {
                     Ok(nl) => {
@@ -77,7 +79,7 @@ impl Scheduler {
         self.drop_own_pages(id);
         self.running.remove(&seq);
         let n = if self.cfg.host_enabled {
-            self.plan_write_back(id, false)
+            self.plan_write_back(id, WriteBackCause::Finish)
         } else {
             0
         };
@@ -99,10 +101,10 @@ impl Scheduler {
             {
                 if self.cfg.host_enabled {
                     if self.cache.is_resident(end, kvtier_radix::TierKind::Host) == Ok(true) {
-                        self.plan_backup(end, true, None, false);
+                        self.plan_backup(end, BackupSource::Host, None, BackupUrgency::PerPolicy);
                     }
                 } else {
-                    self.plan_backup(end, false, None, false);
+                    self.plan_backup(end, BackupSource::Device, None, BackupUrgency::PerPolicy);
                 }
             }
             self.release(id);
@@ -115,13 +117,13 @@ impl Scheduler {
             return;
         };
         let own: Vec<_> = r.pages.drain(r.tree_pages.min(r.pages.len())..).collect();
-        let _ = self.cache.free(&own);
+        release::free(&mut self.cache, &mut self.stats, &own);
         r.sent = r.sent.min(r.pages.len());
     }
 
     /// Plans the device → host write-back of the request's published pages that host lacks.
     /// Returns the number of pages (0: nothing to write, or no host memory).
-    pub(crate) fn plan_write_back(&mut self, id: RequestId, retract: bool) -> usize {
+    pub(crate) fn plan_write_back(&mut self, id: RequestId, cause: WriteBackCause) -> usize {
         let Some(r) = self.reqs.get(&id) else {
             return 0;
         };
@@ -149,7 +151,7 @@ impl Scheduler {
         };
         let n = full - host_from;
         let Some(dst) = self.alloc_host(n) else {
-            let _ = self.cache.unlock(hl);
+            release::unlock(&mut self.cache, &mut self.stats, hl);
             return 0;
         };
         let src = self
@@ -168,7 +170,7 @@ impl Scheduler {
                 host_lock: hl,
                 from: host_from,
                 dst,
-                retract,
+                cause,
             },
         );
         n
@@ -180,21 +182,21 @@ impl Scheduler {
         host_lock: LockHandle<Host>,
         from: usize,
         dst: Vec<HostPageId>,
-        retract: bool,
+        cause: WriteBackCause,
         success: bool,
     ) {
         let host_end = match req {
             Some(id) if success => self.adopt_pages::<Host>(id, host_lock.node(), from, &dst),
             _ => {
-                let _ = self.cache.free(&dst);
+                release::free(&mut self.cache, &mut self.stats, &dst);
                 None
             }
         };
-        let _ = self.cache.unlock(host_lock);
+        release::unlock(&mut self.cache, &mut self.stats, host_lock);
         let Some(id) = req else { return };
         // The device copy was the source; the request's hold on it ends here.
         let dev_end = self.take_dev_lock(id);
-        if retract {
+        if cause == WriteBackCause::Retract {
             self.apply(
                 id,
                 RequestEvent::WriteBackDone {
@@ -207,7 +209,7 @@ impl Scheduler {
         }
         let mut backups = 0;
         if success && let Some(end) = host_end {
-            if self.plan_backup(end, true, Some(id), false) {
+            if self.plan_backup(end, BackupSource::Host, Some(id), BackupUrgency::PerPolicy) {
                 backups = 1;
             }
             if !self.cfg.keep_device_after_write_back
@@ -231,10 +233,10 @@ impl Scheduler {
         r.tree_pages = 0;
         r.sent = 0;
         r.dirty_from = usize::MAX;
-        let _ = self.cache.free(&own);
+        release::free(&mut self.cache, &mut self.stats, &own);
         let lock = lock?;
         let node = lock.node();
-        let _ = self.cache.unlock(lock);
+        release::unlock(&mut self.cache, &mut self.stats, lock);
         Some(node)
     }
 
@@ -252,13 +254,13 @@ impl Scheduler {
     }
 
     /// Plans a backup to L3 of the nodes on the path to `end` that L3 lacks (per the write
-    /// policy unless `force`). The backup locks `end` on its source tier until `BackUpDone`.
+    /// policy, or regardless `BeforeHostDrop`). The backup locks `end` on its source tier until `BackUpDone`.
     pub(crate) fn plan_backup(
         &mut self,
         end: NodeId,
-        from_host: bool,
+        source: BackupSource,
         req: Option<RequestId>,
-        force: bool,
+        urgency: BackupUrgency,
     ) -> bool {
         if !self.cfg.l3_enabled {
             return false;
@@ -266,7 +268,7 @@ impl Scheduler {
         let threshold = match self.cfg.write_policy {
             WritePolicy::WriteThrough => 0,
             WritePolicy::WriteThroughSelective { hit_threshold } => hit_threshold,
-            WritePolicy::WriteBack if force => 0,
+            WritePolicy::WriteBack if urgency == BackupUrgency::BeforeHostDrop => 0,
             WritePolicy::WriteBack => return false,
         };
         let Ok(path) = self.cache.path_nodes(end) else {
@@ -300,8 +302,8 @@ impl Scheduler {
         if hashes.is_empty() {
             return false;
         }
-        let keys = self.keys_for(&hashes);
-        let (src, lock) = if from_host {
+        let keys = self.l3_keys(&hashes);
+        let (src, lock) = if source == BackupSource::Host {
             let Ok(all) = self.cache.path_pages::<Host>(end) else {
                 return false;
             };
@@ -356,7 +358,12 @@ impl Scheduler {
                 continue;
             }
             let len = self.cache.node_hashes(node).map(|h| h.len()).unwrap_or(0);
-            if self.plan_backup(node, true, None, true) {
+            if self.plan_backup(
+                node,
+                BackupSource::Host,
+                None,
+                BackupUrgency::BeforeHostDrop,
+            ) {
                 pending += len;
             } else {
                 let _ = self.cache.evict_node::<Host>(node);
@@ -391,7 +398,7 @@ impl Scheduler {
         if victim == needy && !self.retractable(needy) {
             return false;
         }
-        self.retract(victim, false)
+        self.retract(victim, RetractedKv::Keep)
     }
 
     /// Running with nothing in flight and no abort pending: can give its pages back now.
@@ -413,26 +420,26 @@ impl Scheduler {
     }
 
     /// Preempts a running request: its computed pages are published and written back to host
-    /// (or dropped, to be recomputed, when host is full or absent, or when `garbage`), and it
+    /// (or dropped, to be recomputed, when host is full or absent, or when `Garbage`), and it
     /// waits to resume. Returns true if its device pages were unpinned at once.
-    pub(crate) fn retract(&mut self, id: RequestId, garbage_free: bool) -> bool {
+    pub(crate) fn retract(&mut self, id: RequestId, kv: RetractedKv) -> bool {
         let ps = self.cfg.page_size;
         let Some(r) = self.reqs.get(&id) else {
             return false;
         };
         let seq = r.seq;
+        let garbage = kv == RetractedKv::Garbage || r.recompute;
         let kv = match r.state {
             RequestState::Prefilling { done, .. } => done as usize,
             _ => r.kv_len(),
         };
-        let garbage = garbage_free || r.recompute;
         if !garbage {
             self.publish_device(id, kv / ps);
         }
         self.drop_own_pages(id);
         self.running.remove(&seq);
         let n = if self.cfg.host_enabled && !garbage {
-            self.plan_write_back(id, true)
+            self.plan_write_back(id, WriteBackCause::Retract)
         } else {
             0
         };
@@ -457,6 +464,7 @@ impl Scheduler {
 
     /// Ends a request in a terminal state: unpins and frees everything it held, once.
     pub(crate) fn release(&mut self, id: RequestId) {
+        self.unpin_prefetch(id);
         self.take_dev_lock(id);
         let Some(r) = self.reqs.remove(&id) else {
             return;

@@ -12,10 +12,62 @@ use kvtier_radix::{Device, DevicePageId, Host, HostPageId, LockHandle, PageHash}
 
 use crate::types::RequestId;
 
+/// Why pages are written back device → host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WriteBackCause {
+    /// The request finished: its pages are kept for later requests (then backed up per policy).
+    Finish,
+    /// The request is retracted: its pages wait on host for it to resume.
+    Retract,
+}
+
+/// Where a backup reads its pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BackupSource {
+    Host,
+    /// Without a host tier.
+    Device,
+}
+
+/// Whether a backup follows the write policy or must happen regardless.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BackupUrgency {
+    /// Per the write policy (write-through, selective; nothing under write-back).
+    PerPolicy,
+    /// Host is about to drop pages L3 lacks (write-back policy): back up now.
+    BeforeHostDrop,
+}
+
+/// What a retracted request's computed KV is worth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RetractedKv {
+    /// Correct: publish it and write it back to host.
+    Keep,
+    /// Computed from pages that never arrived: drop it and recompute.
+    Garbage,
+}
+
 /// A lock on either tier.
 pub(crate) enum AnyLock {
     Device(LockHandle<Device>),
     Host(LockHandle<Host>),
+}
+
+impl AnyLock {
+    /// Gives the lock back to the cache.
+    pub(crate) fn release(self, cache: &mut kvtier_radix::RadixCache, stats: &mut crate::Stats) {
+        match self {
+            AnyLock::Device(l) => crate::release::unlock(cache, stats, l),
+            AnyLock::Host(l) => crate::release::unlock(cache, stats, l),
+        }
+    }
+
+    pub(crate) fn node(&self) -> kvtier_radix::NodeId {
+        match self {
+            AnyLock::Device(l) => l.node(),
+            AnyLock::Host(l) => l.node(),
+        }
+    }
 }
 
 /// Destination pages of a prefetch.
@@ -49,8 +101,8 @@ pub(crate) enum OpCtx {
         /// The written pages are the request's pages `from .. from + dst.len()`.
         from: usize,
         dst: Vec<HostPageId>,
-        /// Written back because the request is being retracted (not because it finished).
-        retract: bool,
+        /// Written back because the request finished, or because it is being retracted.
+        cause: WriteBackCause,
     },
     BackUp {
         /// Pins the source pages (host, or device without a host tier) until `BackUpDone`.

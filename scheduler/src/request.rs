@@ -10,9 +10,33 @@
 use smallvec::SmallVec;
 
 use kvtier_fsm::RequestState;
-use kvtier_radix::{Device, DevicePageId, LockHandle, PageHash, extend_hashes};
+use std::sync::Arc;
 
+use kvtier_radix::{
+    Device, DevicePageId, HashScope, LockHandle, PageHash, ScopeLabel, extend_hashes,
+};
+
+use crate::ops::AnyLock;
 use crate::types::{OpId, PageTableDelta, RequestId};
+
+/// A request's progress in consulting L3 before its first admission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum L3Progress {
+    /// Not probed yet. `reprobes`: probes already thrown away because the local match shrank
+    /// below their start before the prefetch could be planned.
+    Unprobed { reprobes: u8 },
+    /// The probe found keys of pages `start .. start + hit` in L3 (and nothing else was asked).
+    Probed {
+        start: usize,
+        hit: usize,
+        reprobes: u8,
+    },
+    /// L3 was consulted (prefetched, or not worth it) or is disabled: do not ask again.
+    Done,
+}
+
+/// How many times a request probes again after its local match shrank below its probe.
+pub(crate) const MAX_REPROBES: u8 = 1;
 
 pub(crate) struct Request {
     pub id: RequestId,
@@ -23,6 +47,8 @@ pub(crate) struct Request {
     pub prompt_len: usize,
     pub max_new: u32,
     pub hashes: Vec<PageHash>,
+    /// Salt, adapter and extra keys when the request is scoped (`None`: the plain chain).
+    pub scope: Option<Box<(HashScope, Arc<ScopeLabel>)>>,
     pub state: RequestState,
     /// Device page table: page `i` holds KV of tokens `i*ps .. (i+1)*ps`.
     pub pages: Vec<DevicePageId>,
@@ -32,13 +58,16 @@ pub(crate) struct Request {
     pub sent: usize,
     /// Smallest index changed in place since the last send (usize::MAX: none).
     pub dirty_from: usize,
-    /// `(start page, hit pages)` from the L3 probe.
-    pub l3_probe: Option<(usize, usize)>,
-    /// L3 was consulted (probe answered, prefetch done or skipped): do not ask again.
-    pub l3_done: bool,
+    /// Where the request is in consulting L3.
+    pub l3: L3Progress,
     /// Prompt pages `start .. start + n` arrived from L3 by the last prefetch (hits on them
     /// are L3 hits, not host hits).
     pub prefetched: Option<(usize, usize)>,
+    /// Pins the pages the last prefetch brought in (host, or device without a host tier) from
+    /// `PrefetchDone` until the request is admitted: unpinned, host pressure in between could
+    /// evict them (and under write-back drop them without a backup) before their only reader
+    /// gets to them.
+    pub prefetch_pin: Option<AnyLock>,
     /// The request was retracted once: later admissions reuse its own pages, which are not
     /// counted as prefix hits.
     pub resumed: bool,
@@ -62,6 +91,11 @@ impl Request {
         self.tokens.len().saturating_sub(1)
     }
 
+    /// The scope label recorded on the tree nodes this request creates.
+    pub(crate) fn label(&self) -> Option<&Arc<ScopeLabel>> {
+        self.scope.as_ref().map(|s| &s.1)
+    }
+
     /// Makes sure `hashes` covers the first `pages` full pages.
     pub(crate) fn ensure_hashes(&mut self, pages: usize, page_size: usize) {
         if self.hashes.len() < pages {
@@ -69,7 +103,12 @@ impl Request {
             // Exactly what is missing (this runs once per publish, not per page): doubling a
             // whole prompt's hashes for the few pages a decode added costs a fresh block.
             self.hashes.reserve_exact(pages - from);
-            extend_hashes(&mut self.hashes, &self.tokens, page_size, from, pages);
+            match &self.scope {
+                None => extend_hashes(&mut self.hashes, &self.tokens, page_size, from, pages),
+                Some(s) => {
+                    s.0.extend_hashes(&mut self.hashes, &self.tokens, page_size, from, pages)
+                }
+            }
         }
     }
 

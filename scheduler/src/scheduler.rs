@@ -10,17 +10,19 @@
 //! and the request lifecycle live in `admission.rs`, `completion.rs` and `lifecycle.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use kvtier_fsm::{OpEvent, OpKind, RequestEvent, RequestState};
 use kvtier_radix::{
-    Device, Host, KvEvent, L3KeyBuilder, PageHash, RadixCache, RadixConfig, TierKind, page_hashes,
+    Device, HashScope, Host, KvEvent, L3KeyBuilder, PageHash, RadixCache, RadixConfig, ScopeLabel,
+    TierKind, page_hashes,
 };
 
-use crate::config::{ConfigError, PrefetchStopPolicy, SchedulerConfig};
+use crate::config::{ConfigError, SchedulerConfig};
 use crate::error::SchedulerError;
 use crate::idhash::{IdMap, IdSet};
 use crate::ops::{OpCtx, OpRecord};
-use crate::request::Request;
+use crate::request::{L3Progress, Request};
 use crate::stats::Stats;
 use crate::types::*;
 
@@ -65,6 +67,8 @@ pub struct Scheduler {
     pub(crate) retracted_out: Vec<RequestId>,
     /// Pages whose backup to L3 is in flight.
     pub(crate) backing_up: IdSet<PageHash>,
+    /// Pages of in-flight backups that L3 reported lost before the backup's completion.
+    pub(crate) lost_in_backup: IdSet<PageHash>,
     pub(crate) stats: Stats,
     /// Device pages running prefills will still allocate (computed during admission).
     pub(crate) reserved_pages: usize,
@@ -83,7 +87,11 @@ impl Scheduler {
         })
         .map_err(|_| ConfigError::Zero { field: "page_size" })?;
         cache.set_eviction_policy(cfg.eviction);
-        let keys = cfg.namespace.keys_for_rank(cfg.rank);
+        let key_rank = match cfg.l3_sharing {
+            crate::config::L3Sharing::PerRank => cfg.rank,
+            crate::config::L3Sharing::Replicated { leader } => leader,
+        };
+        let keys = cfg.namespace.keys_for_rank(key_rank);
         Ok(Scheduler {
             cfg,
             cache,
@@ -102,6 +110,7 @@ impl Scheduler {
             ended: Vec::new(),
             retracted_out: Vec::new(),
             backing_up: IdSet::default(),
+            lost_in_backup: IdSet::default(),
             stats: Stats::new(),
             reserved_pages: 0,
             now_ms: 0,
@@ -140,7 +149,35 @@ impl Scheduler {
                 max: self.cfg.max_context_tokens,
             });
         }
-        let hashes = page_hashes(&spec.prompt, self.cfg.page_size, None);
+        for (index, k) in spec.extra_keys.iter().enumerate() {
+            if k.start >= k.end || k.end as usize > spec.prompt.len() {
+                return Err(SchedulerError::BadExtraKey {
+                    index,
+                    start: k.start,
+                    end: k.end,
+                    prompt_len: spec.prompt.len(),
+                });
+            }
+        }
+        let scope =
+            (spec.cache_salt.is_some() || spec.adapter.is_some() || !spec.extra_keys.is_empty())
+                .then(|| {
+                    Box::new((
+                        HashScope::new(
+                            spec.cache_salt.as_deref(),
+                            spec.adapter.as_deref(),
+                            spec.extra_keys,
+                        ),
+                        Arc::new(ScopeLabel {
+                            cache_salt: spec.cache_salt,
+                            adapter: spec.adapter,
+                        }),
+                    ))
+                });
+        let hashes = match &scope {
+            None => page_hashes(&spec.prompt, self.cfg.page_size, None),
+            Some(s) => s.0.page_hashes(&spec.prompt, self.cfg.page_size),
+        };
         let seq = self.next_seq;
         self.next_seq += 1;
         let prompt_len = spec.prompt.len();
@@ -153,15 +190,20 @@ impl Scheduler {
                 prompt_len,
                 max_new: spec.max_new_tokens,
                 hashes,
+                scope,
                 state: RequestState::Submitted,
                 pages: Vec::new(),
                 tree_pages: 0,
                 dev_lock: None,
                 sent: 0,
                 dirty_from: usize::MAX,
-                l3_probe: None,
-                l3_done: !self.cfg.l3_enabled,
+                l3: if self.cfg.l3_enabled {
+                    L3Progress::Unprobed { reprobes: 0 }
+                } else {
+                    L3Progress::Done
+                },
                 prefetched: None,
+                prefetch_pin: None,
                 resumed: false,
                 ops: Default::default(),
                 recompute: false,
@@ -200,6 +242,33 @@ impl Scheduler {
             Event::ForwardDone { step, outputs } => self.on_forward_done(step, &outputs),
             other => self.on_op_done(other),
         }
+    }
+
+    /// L3 lost these objects (the store reported them evicted or removed, a node holding them
+    /// died): the pages' tree nodes and their descendants are no longer taken to be in L3, so
+    /// write-through backs them up again and the write-back policy backs a host copy up before
+    /// dropping it. Keys of other namespaces or ranks are ignored. Returns the number of tree
+    /// nodes whose L3 flag was cleared.
+    ///
+    /// Why the engine must report losses: the tree's "in L3" flag is set by a successful
+    /// backup or prefetch and is otherwise a *hint*; L3 evicts on its own schedule. Without the
+    /// report, a page dropped from host under write-back on the strength of a stale flag is
+    /// gone from every tier.
+    pub fn l3_lost<K: AsRef<str>>(&mut self, keys: &[K]) -> usize {
+        let lost: std::collections::HashSet<PageHash> = keys
+            .iter()
+            .filter_map(|k| self.keys.page_of(k.as_ref()))
+            .collect();
+        // A loss can overtake the completion of the backup that stored the page: remember it,
+        // so that the `BackUpDone` does not mark the page as in L3 again.
+        self.lost_in_backup.extend(
+            lost.iter()
+                .filter(|h| self.backing_up.contains(*h))
+                .copied(),
+        );
+        let n = self.cache.forget_l3(&lost);
+        self.stats.l3_lost_nodes += n as u64;
+        n
     }
 
     /// Store/remove events of cached pages since the last call, for a KV-aware router.
@@ -246,11 +315,42 @@ impl Scheduler {
         self.ops.len()
     }
 
+    /// The ops issued and not yet completed, by id (the same list on every tensor-parallel
+    /// rank fed the same calls: what `RankAgreement` reduces over).
+    pub fn in_flight_ops(&self) -> Vec<(OpId, OpKind)> {
+        let mut v: Vec<(OpId, OpKind)> = self
+            .ops
+            .iter()
+            .filter(|(_, r)| !matches!(r.op.state, kvtier_fsm::OpState::Pending))
+            .map(|(id, r)| (*id, r.kind()))
+            .collect();
+        v.sort_unstable_by_key(|(id, _)| *id);
+        v
+    }
+
+    /// Whether this rank runs ops of `kind`: every op, except that under
+    /// `L3Sharing::Replicated` only the leader runs `L3Query` and `BackUp` (the others
+    /// `RankAgreement::skip` them).
+    pub fn runs_here(&self, kind: OpKind) -> bool {
+        match self.cfg.l3_sharing {
+            crate::config::L3Sharing::PerRank => true,
+            crate::config::L3Sharing::Replicated { leader } => {
+                leader == self.cfg.rank || !matches!(kind, OpKind::L3Query | OpKind::BackUp)
+            }
+        }
+    }
+
     /// Full consistency check (tests): the cache's invariants, plus every live request's page
     /// table and lock agreeing with the tree, and the lock count matching what requests and ops
     /// hold.
     pub fn check(&self) -> Result<(), String> {
         self.cache.check_invariants()?;
+        if self.stats.internal_errors > 0 {
+            return Err(format!(
+                "{} locks or pages could not be given back",
+                self.stats.internal_errors
+            ));
+        }
         let mut dev_locks = 0;
         let mut host_locks = 0;
         for r in self.reqs.values() {
@@ -272,6 +372,11 @@ impl Scheduler {
                 }
             } else if r.tree_pages != 0 {
                 return Err(format!("{:?}: tree pages without a lock", r.id));
+            }
+            match &r.prefetch_pin {
+                Some(crate::ops::AnyLock::Host(_)) => host_locks += 1,
+                Some(crate::ops::AnyLock::Device(_)) => dev_locks += 1,
+                None => {}
             }
             for p in &r.pages[r.tree_pages.min(r.pages.len())..] {
                 if self.cache.page_state(*p) != Some(kvtier_radix::PageState::Held) {
@@ -432,7 +537,8 @@ impl Scheduler {
         id
     }
 
-    pub(crate) fn keys_for(&self, hashes: &[PageHash]) -> Vec<String> {
+    /// The L3 keys of pages under this scheduler's namespace and rank.
+    pub fn l3_keys(&self, hashes: &[PageHash]) -> Vec<String> {
         self.keys.keys(hashes)
     }
 
@@ -446,21 +552,5 @@ impl Scheduler {
             return self.cache.alloc::<Host>(n).ok();
         }
         self.cache.alloc_evicting::<Host>(n).ok()
-    }
-
-    /// The prefetch deadline for a request of `tokens` tokens issued now.
-    pub(crate) fn prefetch_deadline(&self, tokens: usize) -> Option<u64> {
-        match self.cfg.prefetch_stop {
-            PrefetchStopPolicy::WaitComplete => None,
-            PrefetchStopPolicy::BestEffort => Some(self.now_ms),
-            PrefetchStopPolicy::Timeout {
-                base_ms,
-                per_1k_tokens_ms,
-            } => Some(
-                self.now_ms
-                    .saturating_add(base_ms)
-                    .saturating_add(per_1k_tokens_ms.saturating_mul(tokens as u64) / 1000),
-            ),
-        }
     }
 }

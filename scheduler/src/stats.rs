@@ -43,6 +43,10 @@ pub struct Stats {
     pub l3_hit_pages: u64,
     /// Prompt tokens computed by prefill.
     pub computed_tokens: u64,
+    /// Tree nodes whose "in L3" flag was cleared by reported L3 losses.
+    pub l3_lost_nodes: u64,
+    /// Locks or pages the scheduler failed to give back (a scheduler bug; `check` wants 0).
+    pub internal_errors: u64,
     /// Time to first token (engine clock, ms), summed over requests that produced one.
     pub ttft_ms_sum: u64,
     pub ttft_count: u64,

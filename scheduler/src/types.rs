@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 use kvtier_fsm::OpKind;
-use kvtier_radix::{DevicePageId, HostPageId};
+use kvtier_radix::{DevicePageId, ExtraKey, HostPageId};
 
 /// The engine's id for a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -25,12 +25,55 @@ pub struct OpId(pub u64);
 pub struct StepId(pub u64);
 
 /// A new request.
+///
+/// `cache_salt`, `adapter` and `extra_keys` scope the request's KV: two requests share a
+/// cached page (on any tier, and in L3) only if their tokens, salt, adapter and the extra keys
+/// of the whole prefix up to that page are equal (see [`kvtier_radix::HashScope`]). A request
+/// with none of them set shares with every other unscoped request, under SGLang-compatible
+/// page keys.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestSpec {
     pub id: RequestId,
     pub prompt: Vec<u32>,
     /// Generation stops after this many new tokens (or earlier, when the engine says so).
     pub max_new_tokens: u32,
+    /// Per-request (per-tenant) salt, as vLLM's `cache_salt`: requests of different salts
+    /// never share KV, so one tenant cannot learn from its latency what another sent.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+    /// The adapter (e.g. LoRA) the request runs with: its KV differs from the base model's.
+    #[serde(default)]
+    pub adapter: Option<String>,
+    /// Multimodal spans: `(start, end, digest)` of placeholder tokens whose KV depends on the
+    /// content `digest` names (an image's hash); `start < end ≤ prompt length`.
+    #[serde(default)]
+    pub extra_keys: Vec<ExtraKey>,
+}
+
+impl RequestSpec {
+    /// An unscoped request (no salt, adapter or extra keys).
+    pub fn new(id: RequestId, prompt: Vec<u32>, max_new_tokens: u32) -> RequestSpec {
+        RequestSpec {
+            id,
+            prompt,
+            max_new_tokens,
+            cache_salt: None,
+            adapter: None,
+            extra_keys: Vec::new(),
+        }
+    }
+
+    /// The same request under a cache salt.
+    pub fn with_salt(mut self, salt: impl Into<String>) -> RequestSpec {
+        self.cache_salt = Some(salt.into());
+        self
+    }
+
+    /// The same request with an adapter.
+    pub fn with_adapter(mut self, adapter: impl Into<String>) -> RequestSpec {
+        self.adapter = Some(adapter.into());
+        self
+    }
 }
 
 /// One token produced by a forward row.

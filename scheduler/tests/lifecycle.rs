@@ -221,34 +221,18 @@ fn bad_input_is_rejected_and_changes_nothing() {
                 outputs: vec![],
             })
             .unwrap_err(),
-            s.submit(RequestSpec {
-                id: RequestId(50),
-                prompt: vec![],
-                max_new_tokens: 1,
-            })
-            .unwrap_err(),
-            s.submit(RequestSpec {
-                id: RequestId(51),
-                prompt: vec![1; 300],
-                max_new_tokens: 1,
-            })
-            .unwrap_err(),
-            s.submit(RequestSpec {
-                id: RequestId(52),
-                prompt: vec![1],
-                max_new_tokens: 0,
-            })
-            .unwrap_err(),
+            s.submit(RequestSpec::new(RequestId(50), vec![], 1))
+                .unwrap_err(),
+            s.submit(RequestSpec::new(RequestId(51), vec![1; 300], 1))
+                .unwrap_err(),
+            s.submit(RequestSpec::new(RequestId(52), vec![1], 0))
+                .unwrap_err(),
         ];
         for live in [1, 2, 3] {
             if s.request_state(RequestId(live)).is_some() {
                 errs.push(
-                    s.submit(RequestSpec {
-                        id: RequestId(live),
-                        prompt: vec![1],
-                        max_new_tokens: 1,
-                    })
-                    .unwrap_err(),
+                    s.submit(RequestSpec::new(RequestId(live), vec![1], 1))
+                        .unwrap_err(),
                 );
             }
         }

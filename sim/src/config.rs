@@ -32,6 +32,9 @@ pub struct SimConfig {
     /// L3 SSD tier capacity in pages (0: no SSD tier). DRAM evictions are offloaded to it;
     /// prefetching an SSD-only object costs an SSD read before the network transfer.
     pub l3_ssd_pages: u64,
+    /// With an SSD tier: `L3Query` probes ask the store to promote SSD-only hits to DRAM
+    /// (`prefetch_to_memory`), so the prefetch that follows reads DRAM (default: on).
+    pub l3_promote_on_probe: bool,
     /// Directory for the SSD tier's bucket files (default: a fresh temporary directory,
     /// removed at the end).
     pub l3_ssd_dir: Option<std::path::PathBuf>,
@@ -69,6 +72,7 @@ impl Default for SimConfig {
             routing: Routing::RoundRobin,
             l3_pages: 131_072,
             l3_ssd_pages: 0,
+            l3_promote_on_probe: true,
             l3_ssd_dir: None,
             payload_bytes: 16,
             faults: Faults::default(),

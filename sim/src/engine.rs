@@ -16,7 +16,7 @@ use std::time::Duration;
 use kvtier_l3::{
     EmbeddedStore, ErrorCode, L3Store, OffloadMode, PutOptions, SsdConfig, StoreConfig, Tenant,
 };
-use kvtier_radix::{DevicePageId, PageHash};
+use kvtier_radix::{DevicePageId, PageHash, TierKind};
 use kvtier_scheduler::*;
 
 use crate::belady::AccessLog;
@@ -90,18 +90,19 @@ struct Instance {
 /// How many requests are pulled from the workload ahead of the clock.
 pub const ARRIVAL_WINDOW: usize = 64;
 
+/// Waits until the SSD writer has written every queued offload (see the prefetch cost).
+/// (The embedded store's flush cannot fail: it only waits for its writer.)
+fn flush_offloads(s: &EmbeddedStore) {
+    s.flush().ok();
+}
+
 pub fn fingerprint(h: &PageHash) -> u64 {
     h.prefix_u64()
 }
 
 /// The fingerprint encoded in an L3 key `"{ns}:{hex digest}:{rank}"`.
 pub fn key_fingerprint(key: &str) -> Option<u64> {
-    let hex = key.split(':').nth(1)?;
-    let mut b = [0u8; 8];
-    for (i, out) in b.iter_mut().enumerate() {
-        *out = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(u64::from_le_bytes(b))
+    kvtier_radix::parse_l3_key(key).map(|k| fingerprint(&k.page))
 }
 
 /// Runs a workload through the simulator and returns the report.
@@ -109,6 +110,11 @@ pub struct Simulation {
     cfg: SimConfig,
     insts: Vec<Instance>,
     store: Option<Arc<EmbeddedStore>>,
+    /// SSD-only L3 objects a probe had promoted to DRAM: key → simulated time (µs) the
+    /// promotion is done. Modelled on the simulated clock (the store's own promoter runs on
+    /// wall time and would make runs irreproducible); the entry is used by the next prefetch
+    /// of the key.
+    promoting: HashMap<String, u64>,
     tenant: Tenant,
     heap: BinaryHeap<Reverse<(u64, u64, usize)>>,
     pending: Vec<Option<Pending>>,
@@ -139,8 +145,12 @@ impl Drop for Simulation {
 impl Simulation {
     pub fn new(cfg: SimConfig) -> Result<Simulation, String> {
         let mut insts = Vec::new();
+        let mut sched_cfg = cfg.effective_scheduler();
+        // Write-back makes L3 the only copy of pages host drops: watch every drop.
+        sched_cfg.record_kv_events |=
+            sched_cfg.l3_enabled && sched_cfg.write_policy == WritePolicy::WriteBack;
         for _ in 0..cfg.instances.max(1) {
-            let sched = Scheduler::new(cfg.effective_scheduler()).map_err(|e| e.to_string())?;
+            let sched = Scheduler::new(sched_cfg.clone()).map_err(|e| e.to_string())?;
             insts.push(Instance {
                 sched,
                 dev: vec![0; cfg.scheduler.device_pages as usize],
@@ -198,6 +208,7 @@ impl Simulation {
             cfg,
             insts,
             store,
+            promoting: HashMap::new(),
             tenant,
             heap: BinaryHeap::new(),
             pending: Vec::new(),
@@ -342,11 +353,7 @@ impl Simulation {
         let id = RequestId(r.id);
         let i = &mut self.insts[inst];
         let prompt_len = r.prompt.len();
-        let spec = RequestSpec {
-            id,
-            prompt: r.prompt,
-            max_new_tokens: r.output_len,
-        };
+        let spec = RequestSpec::new(id, r.prompt, r.output_len);
         self.col
             .longest(prompt_len as u64 + u64::from(r.output_len));
         match i.sched.submit_at(spec, self.now_us / 1000) {
@@ -377,6 +384,7 @@ impl Simulation {
         }
         let now = self.now_us;
         let plan = self.insts[inst].sched.next_execution_plan(now / 1000);
+        self.check_host_drops(inst);
         let links = self.cfg.links.clone();
         let page_bytes = self.col.page_bytes;
         {
@@ -409,23 +417,64 @@ impl Simulation {
                 OpKind::LoadBack => (&mut i.h2d_free, links.pcie_us(bytes)),
                 OpKind::WriteBack => (&mut i.d2h_free, links.pcie_us(bytes)),
                 OpKind::Prefetch => {
-                    // SSD-only objects are read from the store's SSD before they travel.
-                    let ssd_only = match (&self.store, &op.spec) {
+                    // SSD-only objects are read from the store's SSD before they travel —
+                    // unless the probe already had them promoted to DRAM (then only what is
+                    // left of that promotion is waited for).
+                    let (ssd_only, promo_ready) = match (&self.store, &op.spec) {
                         (Some(s), OpSpec::Prefetch { keys, .. }) if self.cfg.l3_ssd_pages > 0 => {
-                            keys.iter()
-                                .filter(|k| s.residency(&self.tenant, k) == (false, true))
-                                .count() as u64
+                            // Offloads run on the store's writer thread (wall time): let them
+                            // land so residency, and the run, do not depend on thread timing.
+                            flush_offloads(s);
+                            let mut n = 0u64;
+                            let mut ready = 0u64;
+                            for k in keys {
+                                if let Some(r) = self.promoting.remove(k) {
+                                    ready = ready.max(r);
+                                } else if s.residency(&self.tenant, k) == (false, true) {
+                                    n += 1;
+                                }
+                            }
+                            (n, ready)
                         }
-                        _ => 0,
+                        _ => (0, 0),
                     };
                     self.col.ssd_read(ssd_only * page_bytes);
-                    (
-                        &mut i.net_free,
-                        links.l3_us(bytes) + links.ssd_us(ssd_only * page_bytes),
-                    )
+                    // The transfer starts when the network link is free; a promotion that
+                    // finished by then costs nothing.
+                    let ssd = links
+                        .ssd_us(ssd_only * page_bytes)
+                        .max(promo_ready.saturating_sub(now.max(i.net_free)));
+                    self.col.prefetch_ssd_wait(ssd);
+                    (&mut i.net_free, links.l3_us(bytes) + ssd)
                 }
                 OpKind::BackUp => (&mut i.net_free, links.l3_us(bytes)),
-                OpKind::L3Query => (&mut 0u64, links.l3_query_us as u64),
+                OpKind::L3Query => {
+                    // The probe asks the store to promote SSD-only hits to DRAM
+                    // (`prefetch_to_memory`): their SSD reads start now, one after another,
+                    // off the prefetch's critical path.
+                    if let (Some(s), OpSpec::L3Query { keys }) = (&self.store, &op.spec)
+                        && self.cfg.l3_ssd_pages > 0
+                        && self.cfg.l3_promote_on_probe
+                    {
+                        flush_offloads(s);
+                        let mut t = now + links.l3_query_us as u64;
+                        for k in keys {
+                            match s.residency(&self.tenant, k) {
+                                (false, true) if !self.promoting.contains_key(k) => {
+                                    t += links.ssd_us(page_bytes);
+                                    self.col.ssd_read(page_bytes);
+                                    self.promoting.insert(k.clone(), t);
+                                }
+                                (false, false) => break, // the probe's hits end here
+                                _ => {}
+                            }
+                        }
+                        if self.promoting.len() > 1 << 16 {
+                            self.promoting.retain(|_, r| *r > now);
+                        }
+                    }
+                    (&mut 0u64, links.l3_query_us as u64)
+                }
             };
             let start = now.max(*link);
             let end = start + dur;
@@ -496,6 +545,46 @@ impl Simulation {
             self.push(now + 2000, Pending::Wake(inst));
         }
         Ok(())
+    }
+
+    /// Under write-back, host is the last local tier a page leaves: every page the scheduler
+    /// dropped from host must still be in L3 or on this instance's device, or it is lost from
+    /// every tier (an oracle failure). Runs only where KV events are recorded (write-back
+    /// with L3: `Simulation::new` turns them on).
+    fn check_host_drops(&mut self, inst: usize) {
+        if !self.insts[inst].sched.config().record_kv_events {
+            return;
+        }
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let mut dropped = Vec::new();
+        for ev in self.insts[inst].sched.drain_kv_events() {
+            if let KvEvent::Removed {
+                tier: TierKind::Host,
+                hashes,
+                ..
+            } = ev
+            {
+                dropped.extend(hashes);
+            }
+        }
+        if dropped.is_empty() {
+            return;
+        }
+        let i = &self.insts[inst];
+        let on_device: std::collections::HashSet<u64> = i.dev.iter().copied().collect();
+        let keys = i.sched.l3_keys(&dropped);
+        let exist = store.batch_is_exist(&self.tenant, &keys);
+        for (j, h) in dropped.iter().enumerate() {
+            let in_l3 = matches!(exist.as_ref().map(|v| v.get(j)), Ok(Some(Ok(true))));
+            if !in_l3 && !on_device.contains(&fingerprint(h)) {
+                self.col.oracle_failure(format!(
+                    "page {} dropped from host while in no other tier",
+                    keys[j]
+                ));
+            }
+        }
     }
 
     fn complete_prefetch(&mut self, inst: usize, op: OpId) -> Result<(), String> {
@@ -594,8 +683,13 @@ impl Simulation {
             && self.backups_done.is_multiple_of(lose)
             && let Some(k) = keys.first()
         {
-            // An L3 object disappears (evicted elsewhere, node lost).
-            let _ = store.remove(&self.tenant, k, true);
+            // An L3 object disappears (evicted elsewhere, node lost); the store's report reaches
+            // every instance, as an engine subscribed to its evictions would pass it on.
+            if store.remove(&self.tenant, k, true).is_ok() {
+                for i in &mut self.insts {
+                    i.sched.l3_lost(std::slice::from_ref(k));
+                }
+            }
         }
         ok
     }

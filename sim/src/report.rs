@@ -30,6 +30,7 @@ pub struct Collector {
     pub l3_read_bytes: u64,
     pub l3_write_bytes: u64,
     pub ssd_read_bytes: u64,
+    pub prefetch_ssd_wait_us: u64,
     pub l3_pages_read: u64,
     pub l3_pages_written: u64,
     pub forwards: u64,
@@ -87,6 +88,10 @@ impl Collector {
     }
     pub fn ssd_read(&mut self, bytes: u64) {
         self.ssd_read_bytes += bytes;
+    }
+    /// Time a prefetch spent waiting for SSD reads (inline, or a promotion not yet done).
+    pub fn prefetch_ssd_wait(&mut self, us: u64) {
+        self.prefetch_ssd_wait_us += us;
     }
     pub fn l3_read(&mut self, pages: u64) {
         self.l3_pages_read += pages;
@@ -197,6 +202,7 @@ impl Collector {
             l3_read_bytes: self.l3_read_bytes,
             l3_write_bytes: self.l3_write_bytes,
             ssd_read_bytes: self.ssd_read_bytes,
+            prefetch_ssd_wait_ms: self.prefetch_ssd_wait_us as f64 / 1000.0,
             ops,
             belady: None,
             belady_local: None,
@@ -303,6 +309,8 @@ pub struct Report {
     pub l3_write_bytes: u64,
     /// Bytes prefetches read from L3's SSD tier.
     pub ssd_read_bytes: u64,
+    /// Total time prefetches waited for the L3's SSD (promotion on probe shortens it).
+    pub prefetch_ssd_wait_ms: f64,
     pub ops: Vec<OpCount>,
     pub belady: Option<BeladyBound>,
     /// With L3 enabled: the ceiling for the local tiers alone (device + host), the capacity a

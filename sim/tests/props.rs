@@ -129,3 +129,42 @@ proptest! {
         prop_assert!(r.hits.total <= b.hit_rate + 1e-9, "policy {} beats Belady {}", r.hits.total, b.hit_rate);
     }
 }
+
+/// L3 residency is a hint: with L3 objects disappearing after every few backups (and the
+/// store's reports passed to the schedulers), write-back never drops a host page that is in
+/// no other tier. The oracle checks every host drop (`check_host_drops`); without the reports
+/// (`Scheduler::l3_lost`) stale "in L3" flags make this fail.
+#[test]
+fn write_back_with_lost_l3_objects_loses_no_page() {
+    for (lose, seed) in [(1u64, 1u64), (2, 2), (3, 3), (1, 4), (2, 5)] {
+        let mut c = SimConfig::default();
+        let s = &mut c.scheduler;
+        s.page_size = 16;
+        s.device_pages = 48;
+        s.host_pages = 64;
+        s.l3_enabled = true;
+        s.max_batch_size = 16;
+        s.token_budget = 512;
+        s.chunked_prefill_size = 256;
+        s.prefetch_threshold = 1;
+        s.max_context_tokens = 768;
+        s.write_policy = WritePolicy::WriteBack;
+        c.l3_pages = 2000;
+        c.faults.lose_l3_every = lose;
+        let spec = ChatSpec {
+            clients: 6,
+            rounds: 4,
+            system_prompt_tokens: 100,
+            turn_tokens: 60,
+            answer_tokens: 20,
+            think_ms: 500,
+            client_interarrival_ms: 50,
+            seed,
+        };
+        let mut reqs = synthetic_chat(&spec);
+        reqs.retain(|r| r.prompt.len() + r.output_len as usize <= 768);
+        let r = simulate(&c, &reqs, |_| {}).expect("simulates");
+        assert_eq!(r.oracle.failures, 0, "{:?}", r.oracle.first_failures);
+        assert_eq!(r.finished, reqs.len() as u64);
+    }
+}

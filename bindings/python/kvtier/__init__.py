@@ -60,6 +60,7 @@ from ._native import (  # noqa: F401  (re-exports)
     PrefetchDone,
     PrefillChunk,
     QueryResults,
+    RankAgreement,
     ReplicaNotReadyError,
     RowCountMismatchError,
     RpcFailError,
@@ -76,6 +77,7 @@ from ._native import (  # noqa: F401  (re-exports)
     WriteBackDone,
     WrongCompletionKindError,
     page_hashes,
+    parse_l3_key,
 )
 
 __version__: str = _native.__version__
@@ -98,7 +100,8 @@ class SchedulerConfig:
     (with ``prefetch_timeout_base_ms`` and ``prefetch_timeout_per_1k_tokens_ms``),
     ``write_policy`` in {"write_through", "write_through_selective", "write_back"} (with
     ``write_hit_threshold``), ``retraction`` in {"latest_arrival", "fewest_generated",
-    "most_pages"}. ``namespace`` is a dict with keys model, dtype, layout, tenant, adapter
+    "most_pages"}, ``l3_sharing`` in {"per_rank", "replicated"} (with ``l3_leader_rank``: MLA
+    models, where one rank probes and backs up for all). ``namespace`` is a dict with keys model, dtype, layout, tenant, adapter
     (it selects the L3 key namespace). ``validate()`` raises ``ConfigError`` naming the field.
     """
 
@@ -122,6 +125,8 @@ class SchedulerConfig:
     max_context_tokens: int = _default("max_context_tokens")
     namespace: Dict[str, str] = _default("namespace")
     rank: int = _default("rank")
+    l3_sharing: str = _default("l3_sharing")
+    l3_leader_rank: int = _default("l3_leader_rank")
     record_kv_events: bool = _default("record_kv_events")
 
     def validate(self) -> None:

@@ -12,20 +12,22 @@ forward writes each page it completes; a backup checks that what it stores match
 prefetch offset, a page reused before its copy finished, or stale L3 data all show up as a
 mismatch (``IntegrityError``).
 
-L3 metadata reuse: an ``L3Query`` op is answered with one batched query; its results
-(replica metadata with lease deadlines) are kept for the request and reused by the
-``Prefetch`` planned after it while the leases hold, so that read pays no second metadata lookup. Results whose
-lease expired are queried again, never read blindly (kvtier's store also refuses an expired
-lease with -707, which triggers a re-query).
+Probes take no leases: an ``L3Query`` op is answered with a lease-free existence check
+(``batch_is_exist``), because most probes are not followed by a read (too few hits, the
+request admitted from local pages meanwhile) and a probe that leased every hit key would keep
+the store from evicting them for a lease TTL — the probe-starves-eviction problem. The
+``Prefetch`` takes its leases with one batched query right before its read and reads with those
+results (no second lookup inside the read); results whose lease expired are queried again,
+never read blindly (kvtier's store refuses an expired lease with -707, which triggers a
+re-query).
 
 Backends:
-- ``KvtierL3Backend(kvtier.L3Store)``: batched query + get-with-query-results (no second
-  lookup);
+- ``KvtierL3Backend(kvtier.L3Store)``: lease-free probes; batched query + get-with-query-results
+  for reads;
 - ``MooncakeL3Backend(store)``: any object with Mooncake's ``MooncakeDistributedStore``
   methods — the real ``mooncake.store.MooncakeDistributedStore`` or
   ``kvtier.mooncake_compat.MooncakeDistributedStore``. Mooncake's Python API has no
-  get-with-query-results call, so with it the prefetch read reuses the query's existence and
-  sizes (it skips keys known missing) but Mooncake's client looks the replicas up again.
+  get-with-query-results call: its reads look the replicas up inside ``batch_get_into``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from . import (
     SchedulerConfig,
     WriteBackDone,
     page_hashes,
+    parse_l3_key,
 )
 
 __all__ = [
@@ -71,7 +74,10 @@ class IntegrityError(AssertionError):
 
 def key_hash(key: str) -> bytes:
     """The 32-byte page hash an L3 key (``"{namespace}:{hex}:{rank}"``) names."""
-    return bytes.fromhex(key.split(":")[1])
+    parsed = parse_l3_key(key)
+    if parsed is None:
+        raise IntegrityError(f"not a kvtier L3 key: {key!r}")
+    return parsed[1]
 
 
 def page_content(h: bytes, page_bytes: int) -> np.ndarray:
@@ -105,10 +111,12 @@ class L3Backend:
     def attach_pools(self, pools: Sequence[np.ndarray]) -> None:
         """Called once with the KV pools reads and writes will target."""
 
-    def query(self, keys: List[str]) -> QueryRecord:
+    def probe(self, keys: List[str]) -> int:
+        """How many leading keys exist, without taking leases (answers ``L3Query``)."""
         raise NotImplementedError
 
-    def lease_valid(self, q: QueryRecord, offset: int, n: int, margin_ms: float) -> bool:
+    def query(self, keys: List[str]) -> QueryRecord:
+        """Leases the leading keys that exist, for a read that follows at once."""
         raise NotImplementedError
 
     def get_with_query(
@@ -124,8 +132,8 @@ class L3Backend:
 
 
 class KvtierL3Backend(L3Backend):
-    """kvtier's own store (embedded or remote): one batched query, then reads that reuse the
-    query results (no second metadata lookup while the leases hold)."""
+    """kvtier's own store (embedded or remote): lease-free probes; a read leases its keys with
+    one batched query and reads with its results (no second metadata lookup)."""
 
     name = "kvtier"
 
@@ -133,19 +141,13 @@ class KvtierL3Backend(L3Backend):
         self.store = store
         self.lease_ttl_ms = lease_ttl_ms
 
+    def probe(self, keys: List[str]) -> int:
+        return _leading_found(self.store.batch_is_exist(keys))
+
     def query(self, keys: List[str]) -> QueryRecord:
         t0 = _now_ms()
         r = self.store.batch_query(keys)
         return QueryRecord(keys, r.hit_prefix(), r, t0 + self.lease_ttl_ms)
-
-    def lease_valid(self, q: QueryRecord, offset: int, n: int, margin_ms: float) -> bool:
-        d = q.handle.min_deadline(n, offset)
-        if d is None:
-            return False
-        now = self.store.now_ms()
-        if now is None:  # remote: deadlines are on the server's clock; use the local estimate
-            return q.local_deadline_ms - margin_ms > _now_ms()
-        return d > now + margin_ms
 
     def get_with_query(self, q, offset, pool, page_ids):
         return self.store.batch_get_pages_with_query(
@@ -159,8 +161,7 @@ class KvtierL3Backend(L3Backend):
 class MooncakeL3Backend(L3Backend):
     """Any store with Mooncake's Python API (real Mooncake or kvtier's compat class).
 
-    ``lease_ttl_ms``: the master's ``default_kv_lease_ttl`` (Mooncake's default 5 s); query
-    results are reused for reads only within it."""
+    ``lease_ttl_ms``: the master's ``default_kv_lease_ttl`` (Mooncake's default 5 s)."""
 
     name = "mooncake"
 
@@ -183,20 +184,13 @@ class MooncakeL3Backend(L3Backend):
             self.store.unregister_buffer(ptr)
         self._registered.clear()
 
+    def probe(self, keys: List[str]) -> int:
+        return _leading_found(self.store.batch_is_exist(keys))
+
     def query(self, keys: List[str]) -> QueryRecord:
         t0 = _now_ms()
-        if hasattr(self.store, "batch_get_replica_desc"):
-            desc = self.store.batch_get_replica_desc(keys)
-            found = [bool(desc.get(k)) for k in keys]
-        else:
-            found = [r == 1 for r in self.store.batch_is_exist(keys)]
-        hit = 0
-        while hit < len(found) and found[hit]:
-            hit += 1
-        return QueryRecord(keys, hit, found, t0 + self.lease_ttl_ms)
-
-    def lease_valid(self, q: QueryRecord, offset: int, n: int, margin_ms: float) -> bool:
-        return offset + n <= q.hit and q.local_deadline_ms - margin_ms > _now_ms()
+        hit = self.probe(keys)
+        return QueryRecord(keys, hit, None, t0 + self.lease_ttl_ms)
 
     def get_with_query(self, q, offset, pool, page_ids):
         keys = q.keys[offset : offset + len(page_ids)]
@@ -224,16 +218,24 @@ class EngineStats:
     forwards: int = 0
     pages_checked: int = 0
     l3_queries: int = 0
-    """Batched metadata queries sent (one per L3Query op, plus re-queries)."""
-    prefetch_reused_query: int = 0
-    """Prefetches served from an L3Query's results (no second lookup)."""
-    prefetch_requeried: int = 0
-    """Prefetches whose results had expired (or were missing) and were queried again."""
+    """Batched lease-taking queries (one per Prefetch, plus re-queries after -707)."""
+    l3_probes: int = 0
+    """Lease-free existence probes (one per L3Query op)."""
     lease_expired_on_read: int = 0
     """Keys the store refused with -707 (lease expired) and that were re-queried."""
     l3_pages_read: int = 0
     l3_pages_written: int = 0
     ops: Dict[str, int] = field(default_factory=dict)
+
+
+def _leading_found(codes: Sequence[int]) -> int:
+    """Length of the leading run of 1s (``batch_is_exist``: 1 exists, 0 missing, <0 error)."""
+    n = 0
+    for c in codes:
+        if int(c) != 1:
+            break
+        n += 1
+    return n
 
 
 def _leading_ok(codes: np.ndarray) -> int:
@@ -253,7 +255,6 @@ class Engine:
         *,
         page_bytes: int = 64,
         check: bool = True,
-        lease_margin_ms: float = 20.0,
     ) -> None:
         if page_bytes < 32:
             raise ValueError("page_bytes must be at least 32 (a page hash)")
@@ -267,23 +268,31 @@ class Engine:
         if backend is not None:
             backend.attach_pools([self.device, self.host])
         self.check = check
-        self.lease_margin_ms = lease_margin_ms
         self.tables: Dict[int, List[int]] = {}
         self.tokens: Dict[int, List[int]] = {}
         self._hashes: Dict[int, np.ndarray] = {}
+        self._scopes: Dict[int, Dict[str, Any]] = {}
         self.ended: List[Tuple[int, str]] = []
         self.outputs: Dict[int, List[int]] = {}
         self.stop_after: Dict[int, int] = {}
-        # request -> its latest L3Query's results, for the Prefetch planned after it.
-        self._queries: Dict[Optional[int], QueryRecord] = {}
         self.stats = EngineStats()
 
     # ---- requests -------------------------------------------------------------------------
 
-    def submit(self, req: int, prompt: Sequence[int], max_new_tokens: int, now_ms: Optional[int] = None) -> None:
+    def submit(
+        self,
+        req: int,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        now_ms: Optional[int] = None,
+        **scope: Any,
+    ) -> None:
+        """Submits a request; ``scope``: ``cache_salt``, ``adapter``, ``extra_keys`` as
+        ``Scheduler.submit`` takes them (the oracle hashes the request's pages in its scope)."""
         toks = [int(t) for t in prompt]
-        self.s.submit(req, np.asarray(toks, dtype=np.uint32), max_new_tokens, now_ms)
+        self.s.submit(req, np.asarray(toks, dtype=np.uint32), max_new_tokens, now_ms, **scope)
         self.tokens[req] = toks
+        self._scopes[req] = scope
         self.outputs[req] = []
 
     @staticmethod
@@ -303,7 +312,8 @@ class Engine:
     def _expected(self, req: int, pages: int) -> np.ndarray:
         h = self._hashes.get(req)
         if h is None or h.shape[0] < pages:
-            h = page_hashes(np.asarray(self.tokens[req], dtype=np.uint32), self.page_size)
+            toks = np.asarray(self.tokens[req], dtype=np.uint32)
+            h = page_hashes(toks, self.page_size, **self._scopes.get(req, {}))
             self._hashes[req] = h
         return h[:pages]
 
@@ -349,30 +359,10 @@ class Engine:
     # ---- ops --------------------------------------------------------------------------------
 
     def _l3_query(self, op: PlannedOp):
-        keys = op.keys
         if self.backend is None:
             return L3QueryDone(op.id, 0)
-        q = self.backend.query(keys)
-        self.stats.l3_queries += 1
-        self._queries[op.req] = q
-        return L3QueryDone(op.id, q.hit)
-
-    def _cached_query(self, req: Optional[int], keys: List[str]) -> Optional[Tuple[QueryRecord, int]]:
-        """The request's query record covering ``keys`` at consecutive indices (the prefetch
-        may start later than the query did, when the local match grew meanwhile), if its
-        leases still hold."""
-        q = self._queries.pop(req, None)
-        if q is None or not keys:
-            return None
-        try:
-            off = q.keys.index(keys[0], 0, q.hit)
-        except ValueError:
-            return None
-        if off + len(keys) > q.hit or q.keys[off : off + len(keys)] != keys:
-            return None
-        if not self.backend.lease_valid(q, off, len(keys), self.lease_margin_ms):
-            return None
-        return q, off
+        self.stats.l3_probes += 1
+        return L3QueryDone(op.id, self.backend.probe(op.keys))
 
     def _prefetch(self, op: PlannedOp):
         keys = op.keys
@@ -380,29 +370,21 @@ class Engine:
         ids = np.asarray(op.dst)
         if self.backend is None or not keys:
             return PrefetchDone(op.id, 0)
-        cached = self._cached_query(op.req, keys)
-        if cached is not None:
-            self.stats.prefetch_reused_query += 1
-            q, off = cached
-        else:
-            self.stats.prefetch_requeried += 1
-            q, off = self.backend.query(keys), 0
-            self.stats.l3_queries += 1
-        n_try = min(len(keys), q.hit - off)
         done = 0
-        if n_try > 0:
-            codes = self.backend.get_with_query(q, off, pool, ids[:n_try])
-            done = _leading_ok(codes)
-            if done < n_try and int(codes[done]) == LEASE_EXPIRED:
-                # Never read blindly: query the rest again and read with fresh results.
-                self.stats.lease_expired_on_read += int((codes == LEASE_EXPIRED).sum())
-                rest = keys[done:]
-                q2 = self.backend.query(rest)
-                self.stats.l3_queries += 1
-                m = min(len(rest), q2.hit)
-                if m > 0:
-                    codes2 = self.backend.get_with_query(q2, 0, pool, ids[done : done + m])
-                    done += _leading_ok(codes2)
+        # Lease what is read now, read with those results; a lease the store refuses (-707)
+        # is queried again once, never read blindly.
+        for attempt in range(2):
+            q = self.backend.query(keys[done:])
+            self.stats.l3_queries += 1
+            n_try = min(len(keys) - done, q.hit)
+            if n_try <= 0:
+                break
+            codes = self.backend.get_with_query(q, 0, pool, ids[done : done + n_try])
+            ok = _leading_ok(codes)
+            done += ok
+            if ok == n_try or int(codes[ok]) != LEASE_EXPIRED or attempt == 1:
+                break
+            self.stats.lease_expired_on_read += int((codes == LEASE_EXPIRED).sum())
         self._verify_keys("prefetch", keys, pool, ids, done)
         self.stats.l3_pages_read += done
         return PrefetchDone(op.id, done)
@@ -499,7 +481,6 @@ class Engine:
         plan = self.s.next_execution_plan(now_ms)
         for r, outcome in plan.ended:
             self.tables.pop(r, None)
-            self._queries.pop(r, None)
             self._hashes.pop(r, None)
             self.ended.append((r, outcome))
         for r in plan.retracted:

@@ -94,7 +94,8 @@ impl ClusterMaster {
 
     /// Stops the sweeper.
     pub fn shutdown(&self) {
-        if let Some(mut p) = self.sweeper.lock().take() {
+        let sweeper = self.sweeper.lock().take();
+        if let Some(mut p) = sweeper {
             p.stop();
         }
     }
@@ -307,7 +308,7 @@ impl L3Store for ClusterMaster {
         validate_key(key)?;
         let now = self.clock.now_ms();
         let mut m = self.master.lock();
-        if let Some((node, loc)) = m.remove(tenant, key, force, now)? {
+        if let Some((node, loc)) = m.remove(tenant, key, force, now)?.disk {
             m.queue_tombstone(node, loc);
         }
         Ok(())
@@ -316,11 +317,11 @@ impl L3Store for ClusterMaster {
     fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
         let now = self.clock.now_ms();
         let mut m = self.master.lock();
-        let (n, disks) = m.remove_all(tenant, force, now);
-        for (node, loc) in disks {
+        let removed = m.remove_all(tenant, force, now);
+        for (node, loc) in removed.iter().filter_map(|r| r.disk) {
             m.queue_tombstone(node, loc);
         }
-        Ok(n)
+        Ok(removed.len() as u64)
     }
 
     fn mount_segment(&self, _client: ClientId, _segment: SegmentId, _cap: u64) -> L3Result<()> {

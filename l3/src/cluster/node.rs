@@ -247,11 +247,15 @@ impl NodeInner {
                 let ClusterReply::Accepted(ok) = reply else {
                     return Err(L3Error::RpcFail("unexpected reply to Rescanned".into()));
                 };
-                for ((_, _, loc), accepted) in chunk.iter().zip(ok) {
-                    if !accepted {
-                        refused += 1;
-                        ssd.tombstone(loc);
-                    }
+                let dead: Vec<DiskLoc> = chunk
+                    .iter()
+                    .zip(ok)
+                    .filter(|(_, accepted)| !accepted)
+                    .map(|((_, _, loc), _)| *loc)
+                    .collect();
+                refused += dead.len();
+                if let Err(e) = ssd.tombstone_many(&dead) {
+                    tracing::warn!(error = %e, "could not tombstone refused records");
                 }
             }
             tracing::info!(
@@ -271,10 +275,10 @@ impl NodeInner {
                 m.drop_alloc(*a);
             }
         }
-        if let Some(ssd) = &self.ssd {
-            for loc in &s.tombstones {
-                ssd.tombstone(loc);
-            }
+        if let Some(ssd) = &self.ssd
+            && let Err(e) = ssd.tombstone_many(&s.tombstones)
+        {
+            tracing::warn!(error = %e, "could not tombstone removed records");
         }
     }
 
@@ -438,7 +442,9 @@ impl NodeInner {
         let Some(ssd) = &self.ssd else { return };
         let mut waits = Vec::new();
         for (i, data) in jobs {
-            let (job, wait) = OffloadJob::for_put(&handles[i], data, opts.wait_persisted);
+            let h = &handles[i];
+            ssd.announce(&h.tenant, &h.key, h.token);
+            let (job, wait) = OffloadJob::for_put(h, data, opts.wait_persisted);
             match ssd.enqueue(job, opts.wait_persisted) {
                 Ok(()) => {
                     if let Some(rx) = wait {
@@ -514,7 +520,9 @@ impl NodeInner {
                         key: key.to_string(),
                         loc,
                     });
-                    ssd.tombstone(&loc);
+                    if let Err(e) = ssd.tombstone(&loc) {
+                        tracing::warn!(error = %e, "could not tombstone a corrupt record");
+                    }
                     Err(L3Error::ObjectNotFound)
                 }
             }
@@ -662,10 +670,12 @@ impl StoreNode {
     /// Stops serving, writes and registers every queued SSD copy, and leaves the master
     /// (its memory replicas are dropped there; its SSD replicas stay registered).
     pub fn shutdown(&self) {
-        if let Some(mut p) = self.pinger.lock().take() {
+        let pinger = self.pinger.lock().take();
+        if let Some(mut p) = pinger {
             p.stop();
         }
-        if let Some(mut x) = self.xfer.lock().take() {
+        let xfer = self.xfer.lock().take();
+        if let Some(mut x) = xfer {
             x.stop();
         }
         if let Some(s) = &self.inner.ssd {

@@ -67,6 +67,10 @@ impl Default for ClientOptions {
     }
 }
 
+/// Largest accepted [`ClientOptions::rpc_timeout`] (one day): tarpc's timer wheel panics on
+/// deadlines past ~2^36 ms, and no store call should wait that long.
+pub const MAX_RPC_TIMEOUT: Duration = Duration::from_secs(86_400);
+
 /// Per-key overhead allowance when sizing frames (key, tenant, enum tags, lengths).
 const PER_KEY_OVERHEAD: usize = 64;
 
@@ -97,6 +101,13 @@ impl RemoteStore {
     pub fn connect(addr: SocketAddr, opts: ClientOptions) -> L3Result<Self> {
         // Current-thread runtime: the caller's thread drives the connection while it waits,
         // so a call costs no cross-thread wake-ups (this halves small-call latency).
+        if opts.rpc_timeout < Duration::from_millis(1) || opts.rpc_timeout > MAX_RPC_TIMEOUT {
+            return Err(L3Error::InvalidParams(format!(
+                "rpc_timeout must be within 1 ms ..= {} s, got {:?}",
+                MAX_RPC_TIMEOUT.as_secs(),
+                opts.rpc_timeout
+            )));
+        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

@@ -22,10 +22,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use futures::prelude::*;
 use tarpc::context::Context;
 use tarpc::server::{self, Channel};
-use tarpc::tokio_serde::formats::Bincode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
+use super::codec::ClampedBincode;
 use super::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits, WireBatch};
 use super::xfer::{XferHandler, XferServer};
 use crate::api::{BatchResult, L3Store};
@@ -259,8 +259,8 @@ impl<B: Backend> L3Rpc for Conn<B> {
     }
 
     async fn remove(self, _: Context, tenant: Tenant, key: String, force: bool) -> L3Result<()> {
-        self.auth()?;
-        self.store.remove(&tenant, &key, force)
+        // Blocking pool: a remove syncs its SSD tombstone before it is acknowledged.
+        self.blocking(move |s| s.remove(&tenant, &key, force)).await
     }
 
     async fn remove_all(self, _: Context, tenant: Tenant, force: bool) -> L3Result<u64> {
@@ -395,7 +395,7 @@ pub async fn start<B: Backend>(
     opts: ServerOptions,
     stop: watch::Receiver<bool>,
 ) -> L3Result<(SocketAddr, Option<SocketAddr>)> {
-    let mut listener = tarpc::serde_transport::tcp::listen(opts.addr, Bincode::default)
+    let mut listener = tarpc::serde_transport::tcp::listen(opts.addr, ClampedBincode::default)
         .await
         .map_err(|e| L3Error::Unavailable(format!("bind {}: {e}", opts.addr)))?;
     listener.config_mut().max_frame_length(opts.max_frame_bytes);

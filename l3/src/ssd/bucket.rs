@@ -14,8 +14,20 @@
 //! ```
 //! `crc` is CRC32C of the payload (checked on every read: a mismatch is a miss, never data);
 //! `hdr_crc` covers the first 20 header bytes plus tenant and key, so a rescan never trusts a
-//! torn or corrupted header. Removed records are listed in a sidecar `<id>.tomb` file
-//! (u32 record indices) so a restart does not bring them back.
+//! torn or corrupted header.
+//!
+//! Removed records are listed in a sidecar `<id>.tomb` file so a restart does not bring them
+//! back. Each tombstone is `index:u32 crc:u32` with `crc` = CRC32C of `bucket_id:u64 index:u32`:
+//! a flipped bit cannot silently kill another record (and let the removed one live), and a
+//! record copied from another bucket's sidecar does not validate. A corrupt tombstone makes
+//! the whole bucket untrusted (dropped at restart): losing cached objects is acceptable,
+//! resurrecting removed ones is not. A tombstone is appended and `fdatasync`ed before the
+//! remove it records is acknowledged.
+//!
+//! Bucket ids are never reused: they come from a durable reservation (`next-bucket-id`,
+//! blocks of ids recorded before use), so a restart never hands out an id that a crashed
+//! run used, and stale sidecars cannot attach to a new bucket. Orphan sidecars (a crash
+//! between the two unlinks of a deletion) are removed at startup.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -43,6 +55,16 @@ pub fn tomb_path(dir: &Path, id: u64) -> PathBuf {
 
 fn tmp_path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!("{id:020}.bkt.tmp"))
+}
+
+/// Name of the bucket id reservation file.
+pub const NEXT_ID_FILE: &str = "next-bucket-id";
+const NEXT_ID_MAGIC: &[u8; 8] = b"KVL3NID1";
+/// Bytes per tombstone record.
+pub const TOMB_REC: usize = 8;
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 /// One object to write.
@@ -80,38 +102,95 @@ fn rec_header(tenant: &str, key: &str, size: u64, crc: u32) -> Vec<u8> {
     h
 }
 
-/// Writes a complete bucket durably (tmp file, fsync, rename, fsync dir). On any error the
-/// temporary file is removed and the error returned: nothing of it is visible afterwards.
-pub fn write_bucket(dir: &Path, id: u64, recs: &[NewRecord<'_>]) -> io::Result<Vec<Written>> {
-    let tmp = tmp_path(dir, id);
-    let res = (|| {
-        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-        let mut out = Vec::with_capacity(recs.len());
-        let mut hdr = Vec::with_capacity(16);
-        hdr.extend_from_slice(FILE_MAGIC);
-        hdr.extend_from_slice(&id.to_le_bytes());
-        f.write_all(&hdr)?;
-        let mut pos = FILE_HDR;
-        for r in recs {
-            let crc = crc32c::crc32c(r.data);
-            let h = rec_header(r.tenant, r.key, r.data.len() as u64, crc);
-            f.write_all(&h)?;
-            pos += h.len() as u64;
-            f.write_all(r.data)?;
-            out.push(Written { offset: pos, crc });
-            pos += r.data.len() as u64;
-        }
-        f.sync_data()?;
-        drop(f);
-        fs::rename(&tmp, bucket_path(dir, id))?;
-        File::open(dir)?.sync_all()?;
-        Ok(out)
-    })();
-    if res.is_err() {
-        let _ = fs::remove_file(&tmp);
-        let _ = fs::remove_file(bucket_path(dir, id));
+/// A bucket written and synced under its temporary name, not yet visible to a rescan.
+/// Dropping it without [`Staged::publish`] removes the temporary file.
+pub struct Staged {
+    dir: PathBuf,
+    id: u64,
+    published: bool,
+}
+
+impl Staged {
+    /// The bucket id.
+    pub fn id(&self) -> u64 {
+        self.id
     }
-    res
+
+    /// Renames the bucket to its final name and syncs the directory: from here on a restart
+    /// finds it. `dead` record indices are tombstoned durably *before* the rename, so a
+    /// record removed while it was being written never becomes visible alive.
+    pub fn publish(mut self, dead: &[u32]) -> io::Result<()> {
+        let res = (|| {
+            if !dead.is_empty() {
+                append_tombstones(&self.dir, self.id, dead)?;
+            }
+            fs::rename(
+                tmp_path(&self.dir, self.id),
+                bucket_path(&self.dir, self.id),
+            )?;
+            sync_dir(&self.dir)
+        })();
+        if res.is_err() {
+            // Nothing of it may stay: a bucket without its tombstones would resurrect them.
+            if let Err(e) = delete_bucket(&self.dir, self.id) {
+                tracing::warn!(bucket = self.id, error = %e, "could not remove a failed bucket");
+            }
+        }
+        self.published = res.is_ok();
+        res
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.published
+            && let Err(e) = fs::remove_file(tmp_path(&self.dir, self.id))
+            && e.kind() != io::ErrorKind::NotFound
+        {
+            tracing::warn!(bucket = self.id, error = %e, "could not remove a temporary bucket");
+        }
+    }
+}
+
+/// Writes a bucket to its temporary name and syncs it. On any error the temporary file is
+/// removed and the error returned: nothing of it is visible afterwards.
+pub fn write_staged(
+    dir: &Path,
+    id: u64,
+    recs: &[NewRecord<'_>],
+) -> io::Result<(Staged, Vec<Written>)> {
+    let tmp = tmp_path(dir, id);
+    let staged = Staged {
+        dir: dir.to_path_buf(),
+        id,
+        published: false,
+    };
+    let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+    let mut out = Vec::with_capacity(recs.len());
+    let mut hdr = Vec::with_capacity(16);
+    hdr.extend_from_slice(FILE_MAGIC);
+    hdr.extend_from_slice(&id.to_le_bytes());
+    f.write_all(&hdr)?;
+    let mut pos = FILE_HDR;
+    for r in recs {
+        let crc = crc32c::crc32c(r.data);
+        let h = rec_header(r.tenant, r.key, r.data.len() as u64, crc);
+        f.write_all(&h)?;
+        pos += h.len() as u64;
+        f.write_all(r.data)?;
+        out.push(Written { offset: pos, crc });
+        pos += r.data.len() as u64;
+    }
+    f.sync_data()?;
+    Ok((staged, out))
+}
+
+/// Writes a complete bucket durably (tmp file, fsync, rename, fsync dir). On any error
+/// nothing of it is visible afterwards.
+pub fn write_bucket(dir: &Path, id: u64, recs: &[NewRecord<'_>]) -> io::Result<Vec<Written>> {
+    let (staged, w) = write_staged(dir, id, recs)?;
+    staged.publish(&[])?;
+    Ok(w)
 }
 
 /// Reads a payload into `buf` (exactly `buf.len()` bytes at `offset`) and checks its CRC.
@@ -206,53 +285,182 @@ pub fn scan_bucket(path: &Path) -> io::Result<(Vec<ScannedRecord>, u64)> {
     Ok((out, len))
 }
 
-/// Appends a tombstone (record index) to a bucket's sidecar.
-pub fn append_tombstone(dir: &Path, id: u64, index: u32) -> io::Result<()> {
-    let mut f = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(tomb_path(dir, id))?;
-    f.write_all(&index.to_le_bytes())
+fn tomb_crc(id: u64, index: u32) -> u32 {
+    let c = crc32c::crc32c(&id.to_le_bytes());
+    crc32c::crc32c_append(c, &index.to_le_bytes())
 }
 
-/// Reads a bucket's tombstones (missing file = none).
-pub fn read_tombstones(dir: &Path, id: u64) -> Vec<u32> {
-    match fs::read(tomb_path(dir, id)) {
-        Ok(b) => b
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Err(_) => Vec::new(),
+/// Appends tombstones (record indices) to a bucket's sidecar and syncs them (and the
+/// directory, when the sidecar is new) before returning: a remove acknowledged after this
+/// survives a crash.
+pub fn append_tombstones(dir: &Path, id: u64, indices: &[u32]) -> io::Result<()> {
+    let path = tomb_path(dir, id);
+    let (mut f, created) = match OpenOptions::new().append(true).create_new(true).open(&path) {
+        Ok(f) => (f, true),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            (OpenOptions::new().append(true).open(&path)?, false)
+        }
+        Err(e) => return Err(e),
+    };
+    let mut buf = Vec::with_capacity(indices.len() * TOMB_REC);
+    for &i in indices {
+        buf.extend_from_slice(&i.to_le_bytes());
+        buf.extend_from_slice(&tomb_crc(id, i).to_le_bytes());
     }
+    f.write_all(&buf)?;
+    f.sync_data()?;
+    if created {
+        sync_dir(dir)?;
+    }
+    Ok(())
+}
+
+/// A bucket's tombstones as read at restart.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tombstones {
+    /// Indices of removed records.
+    pub dead: Vec<u32>,
+    /// A complete record failed its checksum: which record it removed is unknown, so no
+    /// record of the bucket can be trusted to be alive.
+    pub corrupt: bool,
+}
+
+/// Reads a bucket's tombstones (missing file = none). A torn last record (a crash inside
+/// the append, never acknowledged) is ignored and cut off, so later appends stay aligned.
+pub fn read_tombstones(dir: &Path, id: u64) -> io::Result<Tombstones> {
+    let path = tomb_path(dir, id);
+    let b = match fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Tombstones::default()),
+        Err(e) => return Err(e),
+    };
+    let whole = b.len() - b.len() % TOMB_REC;
+    if whole != b.len() {
+        let f = OpenOptions::new().write(true).open(&path)?;
+        f.set_len(whole as u64)?;
+        f.sync_data()?;
+    }
+    let mut out = Tombstones::default();
+    for c in b[..whole].chunks_exact(TOMB_REC) {
+        let index = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        let crc = u32::from_le_bytes([c[4], c[5], c[6], c[7]]);
+        if crc == tomb_crc(id, index) {
+            out.dead.push(index);
+        } else {
+            out.corrupt = true;
+        }
+    }
+    Ok(out)
 }
 
 /// Removes a bucket and its sidecar.
 pub fn delete_bucket(dir: &Path, id: u64) -> io::Result<()> {
-    let r = fs::remove_file(bucket_path(dir, id));
-    let _ = fs::remove_file(tomb_path(dir, id));
-    match r {
+    // The bucket goes first: a crash between the two unlinks leaves an orphan sidecar
+    // (removed at startup), never a bucket without its tombstones.
+    match fs::remove_file(bucket_path(dir, id)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    match fs::remove_file(tomb_path(dir, id)) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
     }
 }
 
-/// Bucket ids in a directory; removes leftover temporary files of interrupted writes.
-pub fn list_buckets(dir: &Path) -> io::Result<Vec<u64>> {
-    let mut ids = Vec::new();
+/// What a directory holds: bucket ids, tombstone sidecars without a bucket (orphans of a
+/// crash between the two unlinks of [`delete_bucket`]) and the highest id any file names.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DirScan {
+    /// Bucket ids, ascending.
+    pub buckets: Vec<u64>,
+    /// Ids of `.tomb` files whose bucket is gone.
+    pub orphan_tombs: Vec<u64>,
+    /// Highest id named by any bucket, sidecar or temporary file.
+    pub max_id: Option<u64>,
+}
+
+/// Lists a directory; removes leftover temporary files of interrupted writes.
+pub fn scan_dir(dir: &Path) -> io::Result<DirScan> {
+    let mut out = DirScan::default();
+    let mut tombs = Vec::new();
     for e in fs::read_dir(dir)? {
         let e = e?;
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        if name.ends_with(".bkt.tmp") {
-            let _ = fs::remove_file(e.path());
-        } else if let Some(stem) = name.strip_suffix(".bkt")
-            && let Ok(id) = stem.parse::<u64>()
-        {
-            ids.push(id);
+        let (stem, kind) = if let Some(s) = name.strip_suffix(".bkt.tmp") {
+            (s, 0)
+        } else if let Some(s) = name.strip_suffix(".bkt") {
+            (s, 1)
+        } else if let Some(s) = name.strip_suffix(".tomb") {
+            (s, 2)
+        } else {
+            continue;
+        };
+        let Ok(id) = stem.parse::<u64>() else {
+            continue;
+        };
+        out.max_id = Some(out.max_id.map_or(id, |m| m.max(id)));
+        match kind {
+            0 => {
+                if let Err(e) = fs::remove_file(e.path()) {
+                    tracing::warn!(bucket = id, error = %e, "could not remove a temporary bucket");
+                }
+            }
+            1 => out.buckets.push(id),
+            _ => tombs.push(id),
         }
     }
-    ids.sort_unstable();
-    Ok(ids)
+    out.buckets.sort_unstable();
+    out.orphan_tombs = tombs
+        .into_iter()
+        .filter(|t| out.buckets.binary_search(t).is_err())
+        .collect();
+    out.orphan_tombs.sort_unstable();
+    Ok(out)
+}
+
+/// Bucket ids in a directory; removes leftover temporary files of interrupted writes.
+pub fn list_buckets(dir: &Path) -> io::Result<Vec<u64>> {
+    Ok(scan_dir(dir)?.buckets)
+}
+
+/// The reserved id bound stored in the directory (None: missing or unreadable).
+pub fn read_next_id(dir: &Path) -> Option<u64> {
+    let b = fs::read(dir.join(NEXT_ID_FILE)).ok()?;
+    if b.len() != 20 || &b[..8] != NEXT_ID_MAGIC {
+        return None;
+    }
+    let crc = u32::from_le_bytes([b[16], b[17], b[18], b[19]]);
+    if crc32c::crc32c(&b[..16]) != crc {
+        return None;
+    }
+    let mut n = [0u8; 8];
+    n.copy_from_slice(&b[8..16]);
+    Some(u64::from_le_bytes(n))
+}
+
+/// Durably records that ids below `bound` may have been used (tmp file, fsync, rename,
+/// fsync dir): a restart starts at or above it.
+pub fn write_next_id(dir: &Path, bound: u64) -> io::Result<()> {
+    let mut b = Vec::with_capacity(20);
+    b.extend_from_slice(NEXT_ID_MAGIC);
+    b.extend_from_slice(&bound.to_le_bytes());
+    b.extend_from_slice(&crc32c::crc32c(&b).to_le_bytes());
+    let tmp = dir.join(format!("{NEXT_ID_FILE}.tmp"));
+    let res = (|| {
+        let mut f = File::create(&tmp)?;
+        f.write_all(&b)?;
+        f.sync_data()?;
+        fs::rename(&tmp, dir.join(NEXT_ID_FILE))?;
+        sync_dir(dir)
+    })();
+    if res.is_err()
+        && let Err(e) = fs::remove_file(&tmp)
+        && e.kind() != io::ErrorKind::NotFound
+    {
+        tracing::warn!(error = %e, "could not remove {NEXT_ID_FILE}.tmp");
+    }
+    res
 }
 
 #[cfg(test)]

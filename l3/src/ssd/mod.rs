@@ -5,5 +5,6 @@
 
 pub mod bucket;
 pub mod tier;
+mod writer;
 
 pub use tier::{OffloadJob, SsdTier, TierHooks, TierStats};

@@ -12,8 +12,17 @@
 //! - `used` is the sum of the sizes of bucket files in `buckets`.
 //! - A record is registered with the master at most once; one the master refuses (object
 //!   removed or replaced meanwhile) is tombstoned at once.
-//! - Lock order: the tier's lock is never held while calling the [`TierHooks`] (which take
-//!   the master's lock), and the master's lock is never held while calling into the tier.
+//! - A remove is durable before it is acknowledged, whatever stage the object's SSD write is
+//!   in. Every write is *announced* (under the master's lock, atomically with the put or
+//!   eviction that makes it) before it is queued; [`SsdTier::cancel`] (after the master
+//!   removed the object) drops a queued announcement, and the writer tombstones the records
+//!   of cancelled jobs *before* it renames their bucket into view. A job already published
+//!   but not yet registered is tombstoned (synced) by `cancel`'s caller.
+//! - Tombstones are synced before [`SsdTier::tombstone`] returns; concurrent callers for
+//!   the same record both return only after it is durable (`tomb_io`).
+//! - Bucket ids are reserved durably in blocks before use and never reused.
+//! - Lock order: master → `inflight` → `state`; `tomb_io` → `state`. The tier never calls
+//!   the [`TierHooks`] (which take the master's lock) while holding any of its locks.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -24,7 +33,8 @@ use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
 
-use super::bucket::{self, NewRecord};
+use super::bucket;
+use super::writer;
 use crate::config::SsdConfig;
 use crate::error::{L3Error, L3Result};
 use crate::master::DiskLoc;
@@ -72,7 +82,7 @@ impl OffloadJob {
     }
 }
 
-enum Msg {
+pub(super) enum Msg {
     Write(OffloadJob),
     Flush(SyncSender<()>),
 }
@@ -88,32 +98,34 @@ pub trait TierHooks: Send + Sync {
 }
 
 #[derive(Debug, Clone)]
-struct RecMeta {
-    tenant: Tenant,
-    key: String,
-    loc: DiskLoc,
-    index: u32,
-    alive: bool,
+pub(super) struct RecMeta {
+    pub(super) tenant: Tenant,
+    pub(super) key: String,
+    pub(super) loc: DiskLoc,
+    pub(super) index: u32,
+    pub(super) alive: bool,
 }
 
 #[derive(Debug)]
-struct BucketMeta {
-    file_size: u64,
-    records: Vec<RecMeta>,
-    live: usize,
+pub(super) struct BucketMeta {
+    pub(super) file_size: u64,
+    pub(super) records: Vec<RecMeta>,
+    pub(super) live: usize,
 }
 
 #[derive(Debug, Default)]
-struct TierState {
-    buckets: BTreeMap<u64, BucketMeta>,
-    files: HashMap<u64, Arc<File>>,
-    next_id: u64,
-    used: u64,
+pub(super) struct TierState {
+    pub(super) buckets: BTreeMap<u64, BucketMeta>,
+    pub(super) files: HashMap<u64, Arc<File>>,
+    pub(super) next_id: u64,
+    /// Ids below this are durably reserved (`next-bucket-id`).
+    pub(super) reserved: u64,
+    pub(super) used: u64,
     /// Counters for metrics.
-    written_objects: u64,
-    write_failures: u64,
-    evicted_buckets: u64,
-    corrupt_reads: u64,
+    pub(super) written_objects: u64,
+    pub(super) write_failures: u64,
+    pub(super) evicted_buckets: u64,
+    pub(super) corrupt_reads: u64,
 }
 
 /// Numbers of the SSD tier.
@@ -133,9 +145,18 @@ pub struct TierStats {
     pub corrupt_reads: u64,
 }
 
-struct Shared {
-    cfg: SsdConfig,
-    state: Mutex<TierState>,
+/// Ids reserved per write of `next-bucket-id`.
+pub(super) const ID_BLOCK: u64 = 1024;
+
+/// Writes announced and not yet settled, per object: token → `None` while queued or being
+/// written, `Some(loc)` once its bucket is published (until the master registered it).
+type Inflight = HashMap<(Tenant, String), Vec<(u64, Option<DiskLoc>)>>;
+
+pub(super) struct Shared {
+    pub(super) cfg: SsdConfig,
+    pub(super) state: Mutex<TierState>,
+    pub(super) inflight: Mutex<Inflight>,
+    pub(super) tomb_io: Mutex<()>,
 }
 
 /// The SSD tier.
@@ -152,14 +173,23 @@ impl SsdTier {
     /// Opens (creating) the directory and rescans existing buckets. The writer thread is not
     /// started yet: call [`SsdTier::start`] once the master has registered the rescan.
     pub fn open(cfg: SsdConfig) -> L3Result<(Self, Vec<Rescanned>)> {
-        std::fs::create_dir_all(&cfg.dir)
-            .map_err(|e| L3Error::FileOpenFail(format!("{}: {e}", cfg.dir.display())))?;
-        let ids = bucket::list_buckets(&cfg.dir)
-            .map_err(|e| L3Error::FileOpenFail(format!("{}: {e}", cfg.dir.display())))?;
+        let open_err =
+            |e: std::io::Error| L3Error::FileOpenFail(format!("{}: {e}", cfg.dir.display()));
+        std::fs::create_dir_all(&cfg.dir).map_err(open_err)?;
+        let scan = bucket::scan_dir(&cfg.dir).map_err(open_err)?;
+        for id in &scan.orphan_tombs {
+            // A crash between the unlinks of a deleted bucket: its sidecar must not outlive it.
+            std::fs::remove_file(bucket::tomb_path(&cfg.dir, *id)).map_err(open_err)?;
+        }
         let mut st = TierState::default();
+        st.next_id = scan
+            .max_id
+            .map_or(0, |m| m.saturating_add(1))
+            .max(bucket::read_next_id(&cfg.dir).unwrap_or(0));
+        // Nothing reserved yet in this run: the first bucket reserves a block.
+        st.reserved = st.next_id;
         let mut found = Vec::new();
-        for id in ids {
-            st.next_id = st.next_id.max(id + 1);
+        for id in scan.buckets {
             let (recs, size) = match bucket::scan_bucket(&bucket::bucket_path(&cfg.dir, id)) {
                 Ok(x) => x,
                 Err(e) => {
@@ -167,14 +197,26 @@ impl SsdTier {
                     continue;
                 }
             };
-            let dead = bucket::read_tombstones(&cfg.dir, id);
+            // A bucket whose tombstones cannot be trusted is dropped whole: which record a
+            // corrupt tombstone removed is unknown, and a removed key must not come back.
+            let (dead, untrusted) = match bucket::read_tombstones(&cfg.dir, id) {
+                Ok(t) if !t.corrupt => (t.dead, false),
+                Ok(_) => {
+                    tracing::warn!(bucket = id, "corrupt tombstone: bucket dropped");
+                    (Vec::new(), true)
+                }
+                Err(e) => {
+                    tracing::warn!(bucket = id, error = %e, "unreadable tombstones: bucket dropped");
+                    (Vec::new(), true)
+                }
+            };
             let mut metas = Vec::with_capacity(recs.len());
             let mut live = 0;
             for r in recs {
                 let Ok(tenant) = Tenant::new(r.tenant) else {
                     continue;
                 };
-                let alive = !dead.contains(&r.index);
+                let alive = !untrusted && !dead.contains(&r.index);
                 let loc = DiskLoc {
                     bucket: id,
                     offset: r.offset,
@@ -194,7 +236,7 @@ impl SsdTier {
                 });
             }
             if live == 0 {
-                let _ = bucket::delete_bucket(&cfg.dir, id);
+                bucket::delete_bucket(&cfg.dir, id).map_err(open_err)?;
                 continue;
             }
             st.used += size;
@@ -217,6 +259,8 @@ impl SsdTier {
             shared: Arc::new(Shared {
                 cfg,
                 state: Mutex::new(st),
+                inflight: Mutex::new(Inflight::new()),
+                tomb_io: Mutex::new(()),
             }),
             tx: Mutex::new(None),
             worker: Mutex::new(None),
@@ -230,7 +274,7 @@ impl SsdTier {
         let shared = self.shared.clone();
         let h = std::thread::Builder::new()
             .name("kvtier-l3-ssd-writer".into())
-            .spawn(move || writer_loop(shared, rx, hooks))
+            .spawn(move || writer::writer_loop(shared, rx, hooks))
             .map_err(|e| L3Error::Internal(format!("spawn ssd writer: {e}")))?;
         *self.tx.lock() = Some(tx);
         *self.worker.lock() = Some(h);
@@ -242,22 +286,63 @@ impl SsdTier {
         &self.shared.cfg
     }
 
-    /// Queues an object. `block` waits for queue space; otherwise a full queue is -1301.
-    /// On error the job is dropped; the caller still knows its tenant/key/token.
-    pub fn enqueue(&self, job: OffloadJob, block: bool) -> L3Result<()> {
-        let tx = self.tx.lock().clone();
-        let Some(tx) = tx else {
-            return Err(L3Error::Unavailable("ssd tier stopped".into()));
-        };
-        if block {
-            tx.send(Msg::Write(job))
-                .map_err(|_| L3Error::Unavailable("ssd tier stopped".into()))
-        } else {
-            tx.try_send(Msg::Write(job)).map_err(|e| match e {
-                TrySendError::Full(_) => L3Error::UnableOffloading,
-                TrySendError::Disconnected(_) => L3Error::Unavailable("ssd tier stopped".into()),
-            })
+    /// Announces the write of version `token` of an object. Call it under the master's lock,
+    /// in the same critical section that makes the object (put end, eviction to stage), so
+    /// that a remove either sees the announcement or happens before it; then [`enqueue`].
+    ///
+    /// [`enqueue`]: SsdTier::enqueue
+    pub fn announce(&self, tenant: &Tenant, key: &str, token: u64) {
+        let mut inf = self.shared.inflight.lock();
+        let v = inf.entry((tenant.clone(), key.to_string())).or_default();
+        if !v.iter().any(|(t, _)| *t == token) {
+            v.push((token, None));
         }
+    }
+
+    /// The object was removed (its version `token` and any older one): queued writes of it
+    /// are dropped (the writer tombstones their records before they become visible).
+    /// Returns the records already published but not yet registered; the caller tombstones
+    /// them before acknowledging the remove.
+    pub fn cancel(&self, tenant: &Tenant, key: &str, token: u64) -> Vec<DiskLoc> {
+        let mut inf = self.shared.inflight.lock();
+        let k = (tenant.clone(), key.to_string());
+        let Some(v) = inf.get_mut(&k) else {
+            return Vec::new();
+        };
+        let mut published = Vec::new();
+        v.retain(|(t, loc)| {
+            if *t > token {
+                return true;
+            }
+            published.extend(*loc);
+            false
+        });
+        if v.is_empty() {
+            inf.remove(&k);
+        }
+        published
+    }
+
+    /// Queues an object [announced](SsdTier::announce) before (a job whose announcement
+    /// was cancelled meanwhile is written as dead). `block` waits for queue space;
+    /// otherwise a full queue is -1301. On error the job is dropped and its announcement
+    /// withdrawn; the caller still knows its tenant/key/token.
+    pub fn enqueue(&self, job: OffloadJob, block: bool) -> L3Result<()> {
+        let (tenant, key, token) = (job.tenant.clone(), job.key.clone(), job.token);
+        let tx = self.tx.lock().clone();
+        let stopped = || L3Error::Unavailable("ssd tier stopped".into());
+        let sent = match tx {
+            None => Err(stopped()),
+            Some(tx) if block => tx.send(Msg::Write(job)).map_err(|_| stopped()),
+            Some(tx) => tx.try_send(Msg::Write(job)).map_err(|e| match e {
+                TrySendError::Full(_) => L3Error::UnableOffloading,
+                TrySendError::Disconnected(_) => stopped(),
+            }),
+        };
+        if sent.is_err() {
+            writer::settle(&self.shared, &tenant, &key, token);
+        }
+        sent
     }
 
     /// Waits until everything queued before this call is written and registered.
@@ -319,10 +404,15 @@ impl SsdTier {
         Ok(ok)
     }
 
-    /// Marks a record dead (object removed / replaced / corrupt); deletes the bucket when
-    /// nothing in it is alive.
-    pub fn tombstone(&self, loc: &DiskLoc) {
-        TierRef(&self.shared).tombstone(loc);
+    /// Marks a record dead (object removed / replaced / corrupt) and makes that durable
+    /// before returning; deletes the bucket when nothing in it is alive.
+    pub fn tombstone(&self, loc: &DiskLoc) -> L3Result<()> {
+        TierRef(&self.shared).tombstone_many(std::slice::from_ref(loc))
+    }
+
+    /// [`SsdTier::tombstone`] for many records: one synced append per bucket.
+    pub fn tombstone_many(&self, locs: &[DiskLoc]) -> L3Result<()> {
+        TierRef(&self.shared).tombstone_many(locs)
     }
 
     /// Current numbers.
@@ -380,226 +470,59 @@ impl Drop for SsdTier {
     }
 }
 
-fn writer_loop(shared: Arc<Shared>, rx: Receiver<Msg>, hooks: Arc<dyn TierHooks>) {
-    let keys_limit = shared.cfg.bucket_keys_limit;
-    let bytes_limit = shared.cfg.bucket_bytes_limit;
-    let mut carry: Option<Msg> = None;
-    loop {
-        let first = match carry.take() {
-            Some(m) => m,
-            None => match rx.recv() {
-                Ok(m) => m,
-                Err(_) => return,
-            },
-        };
-        let mut batch = Vec::new();
-        let mut bytes = 0u64;
-        let mut flush = None;
-        match first {
-            Msg::Flush(d) => {
-                let _ = d.send(());
-                continue;
-            }
-            Msg::Write(j) => {
-                bytes += j.data.len() as u64;
-                batch.push(j);
-            }
-        }
-        while batch.len() < keys_limit && bytes < bytes_limit {
-            match rx.try_recv() {
-                Ok(Msg::Write(j)) => {
-                    if bytes + j.data.len() as u64 > bytes_limit {
-                        carry = Some(Msg::Write(j));
-                        break;
-                    }
-                    bytes += j.data.len() as u64;
-                    batch.push(j);
-                }
-                Ok(Msg::Flush(d)) => {
-                    flush = Some(d);
-                    break;
-                }
-                Err(_) => break,
-            }
-        }
-        write_batch(&shared, batch, hooks.as_ref());
-        if let Some(d) = flush {
-            let _ = d.send(());
-        }
-    }
-}
-
-fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
-    let cfg = &shared.cfg;
-    let bytes: u64 = batch.iter().map(|j| j.data.len() as u64).sum();
-    evict_for(shared, bytes, hooks);
-    let id = {
-        let mut st = shared.state.lock();
-        let id = st.next_id;
-        st.next_id += 1;
-        id
-    };
-    let over_capacity = {
-        let st = shared.state.lock();
-        st.used + bytes > cfg.capacity_bytes
-    };
-    let res = if over_capacity {
-        Err(std::io::Error::other("ssd tier capacity exhausted"))
-    } else {
-        let recs: Vec<NewRecord<'_>> = batch
-            .iter()
-            .map(|j| NewRecord {
-                tenant: j.tenant.as_str(),
-                key: &j.key,
-                data: &j.data,
-            })
-            .collect();
-        bucket::write_bucket(&cfg.dir, id, &recs)
-    };
-    let written = match res {
-        Ok(w) => w,
-        Err(e) => {
-            tracing::warn!(bucket = id, error = %e, "ssd bucket write failed; nothing registered");
-            shared.state.lock().write_failures += 1;
-            let msg = e.to_string();
-            for j in &batch {
-                if let Some(d) = &j.done {
-                    let _ = d.send(Err(L3Error::FileWriteFail(msg.clone())));
-                }
-            }
-            hooks.write_failed(&batch);
-            return;
-        }
-    };
-    let file_size = bucket::FILE_HDR
-        + batch
-            .iter()
-            .map(|j| {
-                (bucket::REC_HDR + j.tenant.as_str().len() + j.key.len()) as u64
-                    + j.data.len() as u64
-            })
-            .sum::<u64>();
-    let metas: Vec<RecMeta> = batch
-        .iter()
-        .zip(&written)
-        .enumerate()
-        .map(|(i, (j, w))| RecMeta {
-            tenant: j.tenant.clone(),
-            key: j.key.clone(),
-            loc: DiskLoc {
-                bucket: id,
-                offset: w.offset,
-                size: j.data.len() as u64,
-                crc: w.crc,
-            },
-            index: i as u32,
-            alive: true,
-        })
-        .collect();
-    {
-        let mut st = shared.state.lock();
-        st.used += file_size;
-        st.written_objects += batch.len() as u64;
-        st.buckets.insert(
-            id,
-            BucketMeta {
-                file_size,
-                live: metas.len(),
-                records: metas.clone(),
-            },
-        );
-    }
-    let items: Vec<(&OffloadJob, DiskLoc)> =
-        batch.iter().zip(&metas).map(|(j, m)| (j, m.loc)).collect();
-    let accepted = hooks.register(&items);
-    // Records the master refused (object removed or replaced meanwhile) are dead at once.
-    let refused: Vec<DiskLoc> = metas
-        .iter()
-        .zip(accepted.iter().chain(std::iter::repeat(&false)))
-        .filter(|(_, ok)| !**ok)
-        .map(|(m, _)| m.loc)
-        .collect();
-    for j in &batch {
-        if let Some(d) = &j.done {
-            let _ = d.send(Ok(()));
-        }
-    }
-    let tier = TierRef(shared);
-    for loc in refused {
-        tier.tombstone(&loc);
-    }
-}
-
-struct TierRef<'a>(&'a Shared);
+pub(super) struct TierRef<'a>(pub(super) &'a Shared);
 
 impl TierRef<'_> {
-    fn tombstone(&self, loc: &DiskLoc) {
-        let dir = self.0.cfg.dir.clone();
-        let mut st = self.0.state.lock();
-        let mut delete = None;
-        if let Some(b) = st.buckets.get_mut(&loc.bucket)
-            && let Some(r) = b
-                .records
-                .iter_mut()
-                .find(|r| r.loc.offset == loc.offset && r.alive)
+    pub(super) fn tombstone_many(&self, locs: &[DiskLoc]) -> L3Result<()> {
+        if locs.is_empty() {
+            return Ok(());
+        }
+        let dir = &self.0.cfg.dir;
+        // Held through the file writes: a second caller for the same record returns only
+        // once the first one's tombstone is durable.
+        let _io = self.0.tomb_io.lock();
+        let mut appends: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+        let mut deletes = Vec::new();
         {
-            r.alive = false;
-            b.live -= 1;
-            if b.live == 0 {
-                delete = Some(b.file_size);
-            } else {
-                let _ = bucket::append_tombstone(&dir, loc.bucket, r.index);
-            }
-        }
-        if let Some(size) = delete {
-            st.buckets.remove(&loc.bucket);
-            st.files.remove(&loc.bucket);
-            st.used = st.used.saturating_sub(size);
-            drop(st);
-            let _ = bucket::delete_bucket(&dir, loc.bucket);
-        }
-    }
-}
-
-/// SSD eviction: above the high watermark (counting `incoming`), drop oldest buckets whose
-/// objects are not leased until usage is below the low watermark.
-fn evict_for(shared: &Shared, incoming: u64, hooks: &dyn TierHooks) {
-    let cfg = &shared.cfg;
-    let high = (cfg.capacity_bytes as f64 * cfg.high_watermark) as u64;
-    let low = (cfg.capacity_bytes as f64 * cfg.low_watermark) as u64;
-    let candidates: Vec<u64> = {
-        let st = shared.state.lock();
-        if st.used + incoming <= high {
-            return;
-        }
-        st.buckets.keys().copied().collect()
-    };
-    for id in candidates {
-        let recs: Vec<(Tenant, String, DiskLoc)> = {
-            let st = shared.state.lock();
-            if st.used + incoming <= low {
-                return;
-            }
-            match st.buckets.get(&id) {
-                Some(b) => b
+            let mut st = self.0.state.lock();
+            for loc in locs {
+                let Some(b) = st.buckets.get_mut(&loc.bucket) else {
+                    continue;
+                };
+                let Some(r) = b
                     .records
-                    .iter()
-                    .filter(|r| r.alive)
-                    .map(|r| (r.tenant.clone(), r.key.clone(), r.loc))
-                    .collect(),
-                None => continue,
+                    .iter_mut()
+                    .find(|r| r.loc.offset == loc.offset && r.alive)
+                else {
+                    continue;
+                };
+                r.alive = false;
+                b.live -= 1;
+                appends.entry(loc.bucket).or_default().push(r.index);
+                if b.live == 0 {
+                    deletes.push(loc.bucket);
+                }
             }
-        };
-        if !hooks.evict_disk(&recs) {
-            continue;
+            for id in &deletes {
+                appends.remove(id);
+                if let Some(b) = st.buckets.remove(id) {
+                    st.used = st.used.saturating_sub(b.file_size);
+                }
+                st.files.remove(id);
+            }
         }
-        let mut st = shared.state.lock();
-        if let Some(b) = st.buckets.remove(&id) {
-            st.used = st.used.saturating_sub(b.file_size);
-            st.evicted_buckets += 1;
+        let io = |e: std::io::Error| L3Error::FileWriteFail(format!("tombstone: {e}"));
+        for (id, idx) in &appends {
+            bucket::append_tombstones(dir, *id, idx).map_err(io)?;
         }
-        st.files.remove(&id);
-        drop(st);
-        let _ = bucket::delete_bucket(&cfg.dir, id);
+        for id in &deletes {
+            bucket::delete_bucket(dir, *id).map_err(io)?;
+        }
+        if !deletes.is_empty() {
+            std::fs::File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(io)?;
+        }
+        Ok(())
     }
 }

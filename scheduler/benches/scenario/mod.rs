@@ -141,11 +141,11 @@ impl Driver {
     pub fn submit(&mut self, ids: std::ops::Range<u64>, max_new: u32) {
         for id in ids {
             self.s
-                .submit(RequestSpec {
-                    id: RequestId(id),
-                    prompt: prompt(id % 1_000_000),
-                    max_new_tokens: max_new,
-                })
+                .submit(RequestSpec::new(
+                    RequestId(id),
+                    prompt(id % 1_000_000),
+                    max_new,
+                ))
                 .expect("submit");
         }
     }
@@ -291,12 +291,8 @@ pub fn host_only(n: usize, budget: usize) -> Driver {
     assert_eq!(st.device.cached, 0, "device copies dropped");
     assert_eq!(st.host.cached, n * PROMPT_PAGES, "prompts on host");
     for id in 0..n as u64 {
-        d.s.submit(RequestSpec {
-            id: RequestId(1_000_000 + id),
-            prompt: prompt(id),
-            max_new_tokens: 1,
-        })
-        .expect("resubmit");
+        d.s.submit(RequestSpec::new(RequestId(1_000_000 + id), prompt(id), 1))
+            .expect("resubmit");
     }
     d
 }

@@ -24,6 +24,8 @@ pub struct Engine {
     /// The engine's copy of each request's page table and tokens.
     pub tables: HashMap<RequestId, Vec<DevicePageId>>,
     pub tokens: HashMap<RequestId, Vec<u32>>,
+    /// Scopes of scoped requests: their pages' contents are the scoped chain.
+    pub scopes: HashMap<RequestId, HashScope>,
     pub held: Vec<PlannedOp>,
     pub forward: Option<ForwardBatch>,
     pub ended: Vec<(RequestId, Outcome)>,
@@ -35,15 +37,31 @@ pub struct Engine {
     /// Ops this engine reported as failed: a chunk waiting for one reads garbage, so it is
     /// not checked, and the pages it writes are garbage (content `None`).
     pub failed: std::collections::HashSet<OpId>,
+    /// Leave prefetches in flight until the scheduler terminates them (BestEffort/Timeout).
+    pub hold_prefetches: bool,
+    /// How this engine answers `terminate_prefetch` (see [`Termination`]).
+    pub termination: Termination,
+    /// Prefetches the last plan asked to stop.
+    terminating: Vec<OpId>,
+    /// Copies still in flight after their op was reported: `(tier is host, page, content)`;
+    /// they land at the end of the next step.
+    late_writes: Vec<(bool, u32, Option<PageHash>)>,
+}
+
+/// How an engine stops a prefetch the scheduler terminates: half its pages have arrived and
+/// the copy into the next page is in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Termination {
+    /// The contract: report `PrefetchDone` only once every write into the destination pages
+    /// has landed (the in-flight copy finishes first).
+    Landed,
+    /// A broken engine: reports at once; the in-flight copy lands a step later, into a page
+    /// the scheduler has freed and may have handed to someone else.
+    ReportEarly,
 }
 
 fn key_hash(key: &str) -> Option<PageHash> {
-    let hex = key.split(':').nth(1)?;
-    let mut b = [0u8; 32];
-    for (i, c) in hex.as_bytes().chunks(2).enumerate() {
-        b[i] = u8::from_str_radix(std::str::from_utf8(c).ok()?, 16).ok()?;
-    }
-    Some(PageHash(b))
+    kvtier_radix::parse_l3_key(key).map(|k| k.page)
 }
 
 impl Engine {
@@ -55,6 +73,7 @@ impl Engine {
             l3: HashMap::new(),
             tables: HashMap::new(),
             tokens: HashMap::new(),
+            scopes: HashMap::new(),
             held: Vec::new(),
             forward: None,
             ended: Vec::new(),
@@ -62,17 +81,39 @@ impl Engine {
             fail_every: None,
             stop_after: HashMap::new(),
             failed: Default::default(),
+            hold_prefetches: false,
+            termination: Termination::Landed,
+            terminating: Vec::new(),
+            late_writes: Vec::new(),
         }
     }
 
     pub fn submit(&mut self, s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_new: u32) {
-        self.tokens.insert(RequestId(id), prompt.clone());
-        s.submit(RequestSpec {
-            id: RequestId(id),
-            prompt,
-            max_new_tokens: max_new,
-        })
-        .expect("submit");
+        self.submit_spec(s, RequestSpec::new(RequestId(id), prompt, max_new));
+    }
+
+    /// Submits any request (scoped ones too); the oracle hashes its pages in its scope.
+    pub fn submit_spec(&mut self, s: &mut Scheduler, spec: RequestSpec) {
+        self.tokens.insert(spec.id, spec.prompt.clone());
+        let scope = HashScope::new(
+            spec.cache_salt.as_deref(),
+            spec.adapter.as_deref(),
+            spec.extra_keys.clone(),
+        );
+        if !scope.is_plain() {
+            self.scopes.insert(spec.id, scope);
+        }
+        s.submit(spec).expect("submit");
+    }
+
+    /// The chained hashes of the full pages of `req`'s first `upto` tokens, in its scope.
+    fn hashes(&self, req: RequestId, upto: usize) -> Vec<PageHash> {
+        let toks = &self.tokens[&req];
+        let toks = &toks[..upto.min(toks.len())];
+        match self.scopes.get(&req) {
+            Some(sc) => sc.page_hashes(toks, self.page_size),
+            None => page_hashes(toks, self.page_size, None),
+        }
     }
 
     /// Takes a plan; ops are held (to be completed by `complete_*`), the forward is kept.
@@ -85,10 +126,8 @@ impl Engine {
             self.tables.remove(id);
         }
         self.held.extend(plan.ops);
-        // Terminated prefetches are answered at once with what "arrived" so far.
-        for op in plan.terminate_prefetch {
-            let _ = op;
-        }
+        // Terminated prefetches are answered by `stop_prefetches` (it needs the scheduler).
+        self.terminating.extend(plan.terminate_prefetch);
         assert!(self.forward.is_none() || plan.forward.step.is_none());
         if plan.forward.step.is_some() {
             self.forward = Some(plan.forward);
@@ -102,11 +141,18 @@ impl Engine {
     /// Executes one held op (by index) and reports its completion.
     pub fn complete_op(&mut self, s: &mut Scheduler, idx: usize) {
         let op = self.held.remove(idx);
-        let fail = self.fails(&op);
+        let ev = self.execute_op(&op);
+        s.on_event(ev).expect("op completion accepted");
+    }
+
+    /// Executes an op against this engine's memory and L3, returning its completion (for an
+    /// engine that reduces completions across ranks before reporting them).
+    pub fn execute_op(&mut self, op: &PlannedOp) -> Event {
+        let fail = self.fails(op);
         if fail {
             self.failed.insert(op.id);
         }
-        let ev = match &op.spec {
+        match &op.spec {
             OpSpec::L3Query { keys } => Event::L3QueryDone {
                 op: op.id,
                 hit_pages: keys.iter().take_while(|k| self.l3.contains_key(*k)).count() as u32,
@@ -171,8 +217,7 @@ impl Engine {
                     success: !fail,
                 }
             }
-        };
-        s.on_event(ev).expect("op completion accepted");
+        }
     }
 
     /// Whether the held forward may complete (every op its chunks wait for has completed).
@@ -194,9 +239,7 @@ impl Engine {
 
     /// Checks that pages `0 .. upto_tokens / ps` of `req` hold the right KV.
     fn check_pages(&mut self, req: RequestId, upto_tokens: usize) {
-        let ps = self.page_size;
-        let toks = &self.tokens[&req];
-        let hs = page_hashes(&toks[..upto_tokens], ps, None);
+        let hs = self.hashes(req, upto_tokens);
         let table = &self.tables[&req];
         for (i, h) in hs.iter().enumerate() {
             let p = table[i].index() as usize;
@@ -211,8 +254,7 @@ impl Engine {
 
     fn write_pages(&mut self, req: RequestId, from_tok: usize, to_tok: usize) {
         let ps = self.page_size;
-        let toks = &self.tokens[&req];
-        let hs = page_hashes(&toks[..to_tok.min(toks.len())], ps, None);
+        let hs = self.hashes(req, to_tok);
         let table = self.tables[&req].clone();
         for (i, h) in hs.iter().enumerate().skip(from_tok / ps) {
             self.device[table[i].index() as usize] = Some(*h);
@@ -311,18 +353,88 @@ impl Engine {
         panic!("not idle after {max_steps} steps");
     }
 
-    /// One engine step with every op acknowledged at once: plan, ops, forward.
+    /// One engine step with every op acknowledged at once (prefetches stay in flight with
+    /// `hold_prefetches` until terminated): plan, ops, forward.
     pub fn step(&mut self, s: &mut Scheduler, now: u64) -> bool {
         let plan = s.next_execution_plan(now);
         let busy = !plan.ops.is_empty() || plan.forward.step.is_some();
         self.take_plan(plan);
-        while !self.held.is_empty() {
-            self.complete_op(s, 0);
+        let late = std::mem::take(&mut self.late_writes);
+        self.stop_prefetches(s);
+        let mut i = 0;
+        while i < self.held.len() {
+            if self.hold_prefetches && self.held[i].kind == OpKind::Prefetch {
+                i += 1;
+            } else {
+                self.complete_op(s, i);
+            }
         }
         if self.forward.is_some() {
             self.complete_forward(s);
         }
+        // Copies an early-reporting engine left in flight land now, after the scheduler
+        // freed their pages and this step's ops may have reused them.
+        for (host, page, content) in late {
+            let pool = if host {
+                &mut self.host
+            } else {
+                &mut self.device
+            };
+            pool[page as usize] = content;
+        }
         busy
+    }
+
+    /// Answers the prefetches the last plan terminated: the first half of the keys arrived,
+    /// the copy into the next page is in flight (see [`Termination`]).
+    fn stop_prefetches(&mut self, s: &mut Scheduler) {
+        for op in std::mem::take(&mut self.terminating) {
+            let Some(i) = self.held.iter().position(|o| o.id == op) else {
+                continue; // already completed
+            };
+            let op = self.held.remove(i);
+            let OpSpec::Prefetch { keys, dst } = &op.spec else {
+                continue;
+            };
+            let mut done = 0;
+            for (i, k) in keys.iter().enumerate() {
+                let Some(c) = self.l3.get(k).copied() else {
+                    break;
+                };
+                let (host, page) = match dst {
+                    TierPages::Host(p) => (true, p[i].index()),
+                    TierPages::Device(p) => (false, p[i].index()),
+                };
+                if i < keys.len() / 2 {
+                    let pool = if host {
+                        &mut self.host
+                    } else {
+                        &mut self.device
+                    };
+                    pool[page as usize] = Some(c);
+                    done += 1;
+                    continue;
+                }
+                match self.termination {
+                    // The in-flight copy lands, then the engine reports.
+                    Termination::Landed => {
+                        let pool = if host {
+                            &mut self.host
+                        } else {
+                            &mut self.device
+                        };
+                        pool[page as usize] = Some(c);
+                    }
+                    Termination::ReportEarly => self.late_writes.push((host, page, Some(c))),
+                }
+                break;
+            }
+            s.on_event(Event::PrefetchDone {
+                op: op.id,
+                completed: done,
+            })
+            .expect("prefetch completion accepted");
+        }
     }
 
     /// Steps until every request but `except` has ended, holding back `except`'s ops.

@@ -1,0 +1,106 @@
+"""Tensor-parallel agreement from Python: two ranks' schedulers fed different L3 answers agree
+through ``kvtier.RankAgreement`` (an in-process stand-in for ``torch.distributed.all_reduce``
+with MIN), and ``plan.digest`` shows when they do not."""
+
+import numpy as np
+import pytest
+
+import kvtier
+
+from conftest import prompt, small_config
+
+
+def _ranks(**over):
+    return [kvtier.Scheduler(small_config(l3_enabled=True, prefetch_threshold=1, rank=r, **over)) for r in (0, 1)]
+
+
+def _all_reduce_min(arrays):
+    m = np.minimum.reduce(arrays)
+
+    def reduce(v):
+        v[:] = m  # in place, as torch.distributed.all_reduce does
+
+    return reduce
+
+
+def _probe_round(ranks, hits, agreed):
+    """Both ranks plan, answer their L3Query with their own hit count, and plan again."""
+    plans = [s.next_execution_plan(0, digest=True) for s in ranks]
+    assert plans[0].digest == plans[1].digest
+    agrees = [kvtier.RankAgreement() for _ in ranks]
+    for s, a, p, h in zip(ranks, agrees, plans, hits):
+        (op,) = [o for o in p.ops if o.kind == "L3Query"]
+        ev = kvtier.L3QueryDone(op.id, h)
+        a.push(ev) if agreed else s.on_event(ev)
+    if agreed:
+        red = _all_reduce_min([a.values(s) for s, a in zip(ranks, agrees)])
+        for s, a in zip(ranks, agrees):
+            for ev in a.reduce(s, red):
+                s.on_event(ev)
+            assert a.pending() == 0
+    return [s.next_execution_plan(1, digest=True) for s in ranks]
+
+
+def test_agreed_ranks_plan_the_same_prefetch():
+    ranks = _ranks()
+    for s in ranks:
+        s.submit(1, prompt(1, 41), 2)
+    p0, p1 = _probe_round(ranks, hits=[10, 6], agreed=True)
+    assert p0.digest == p1.digest
+    (f0,), (f1,) = [[o for o in p.ops if o.kind == "Prefetch"] for p in (p0, p1)]
+    assert len(f0.keys) == len(f1.keys) == 6  # the minimum
+    assert [k.rsplit(":", 1)[0] for k in f0.keys] == [k.rsplit(":", 1)[0] for k in f1.keys]
+
+
+def test_unreduced_ranks_diverge_and_the_digest_says_so():
+    ranks = _ranks()
+    for s in ranks:
+        s.submit(1, prompt(1, 41), 2)
+    p0, p1 = _probe_round(ranks, hits=[10, 6], agreed=False)
+    assert p0.digest != p1.digest
+
+
+def test_an_op_waits_until_every_rank_finished_it():
+    ranks = _ranks()
+    for s in ranks:
+        s.submit(1, prompt(1, 41), 2)
+    plans = [s.next_execution_plan(0) for s in ranks]
+    a0, a1 = kvtier.RankAgreement(), kvtier.RankAgreement()
+    a0.push(kvtier.L3QueryDone(plans[0].ops[0].id, 4))  # rank 1 not done yet
+    red = _all_reduce_min([a0.values(ranks[0]), a1.values(ranks[1])])
+    assert a0.reduce(ranks[0], red) == [] and a1.reduce(ranks[1], red) == []
+    assert a0.pending() == 1 and ranks[0].ops_in_flight() == 1
+
+
+def test_mla_leader_probes_for_everyone():
+    ranks = _ranks(l3_sharing="replicated", l3_leader_rank=0)
+    for s in ranks:
+        s.submit(1, prompt(1, 41), 2)
+    plans = [s.next_execution_plan(0) for s in ranks]
+    (q0,), (q1,) = [p.ops for p in plans]
+    assert q0.keys == q1.keys  # one set of keys: the leader's
+    assert ranks[0].runs_here(q0) and not ranks[1].runs_here(q1)
+    a0, a1 = kvtier.RankAgreement(), kvtier.RankAgreement()
+    a0.push(kvtier.L3QueryDone(q0.id, 7))
+    a1.skip(q1.id)
+    red = _all_reduce_min([a0.values(ranks[0]), a1.values(ranks[1])])
+    assert a1.reduce(ranks[1], red) == [kvtier.L3QueryDone(q1.id, 7)]  # the leader's answer
+    assert a0.reduce(ranks[0], red) == [kvtier.L3QueryDone(q0.id, 7)]
+
+
+def test_bad_reductions_raise():
+    (s, _) = _ranks()
+    s.submit(1, prompt(1, 41), 2)
+    s.next_execution_plan(0)
+    a = kvtier.RankAgreement()
+    with pytest.raises(ValueError):
+        a.reduce(s, lambda v: np.zeros(3, dtype=np.int64))  # wrong length
+    with pytest.raises(ValueError):
+        a.reduce(s, lambda v: np.full(1, -1, dtype=np.int64))
+    with pytest.raises(TypeError):
+        a.reduce(s, lambda v: "nope")
+    with pytest.raises(ValueError):
+        a.push(kvtier.ForwardDone(1, [1], [2]))
+    with pytest.raises(ValueError):
+        kvtier.Scheduler(small_config(l3_sharing="sometimes"))
+    assert s.ops_in_flight() == 1  # nothing applied

@@ -1,0 +1,295 @@
+//! The SSD tier's writer thread: batches queued objects into buckets, publishes them
+//! (tombstoning records whose objects were removed while queued *before* the rename), hands
+//! them to the master, and evicts old buckets above the SSD high watermark.
+//!
+//! Why a separate file: this is the one place where the ordering of crash-safety steps
+//! lives (reserve id → write + fsync temporary → under the inflight lock: tombstone
+//! cancelled records, rename, record the bucket → register → tombstone refused records →
+//! acknowledge waiters); [`super::tier`] holds the state and the callers' API.
+
+use std::sync::Arc;
+use std::sync::mpsc::Receiver;
+
+use super::bucket::{self, NewRecord};
+use super::tier::{BucketMeta, ID_BLOCK, Msg, OffloadJob, RecMeta, Shared, TierHooks, TierRef};
+use crate::error::L3Error;
+use crate::master::DiskLoc;
+use crate::types::Tenant;
+
+pub(super) fn writer_loop(shared: Arc<Shared>, rx: Receiver<Msg>, hooks: Arc<dyn TierHooks>) {
+    let keys_limit = shared.cfg.bucket_keys_limit;
+    let bytes_limit = shared.cfg.bucket_bytes_limit;
+    let mut carry: Option<Msg> = None;
+    loop {
+        let first = match carry.take() {
+            Some(m) => m,
+            None => match rx.recv() {
+                Ok(m) => m,
+                Err(_) => return,
+            },
+        };
+        let mut batch = Vec::new();
+        let mut bytes = 0u64;
+        let mut flush = None;
+        match first {
+            Msg::Flush(d) => {
+                let _ = d.send(());
+                continue;
+            }
+            Msg::Write(j) => {
+                bytes += j.data.len() as u64;
+                batch.push(j);
+            }
+        }
+        while batch.len() < keys_limit && bytes < bytes_limit {
+            match rx.try_recv() {
+                Ok(Msg::Write(j)) => {
+                    if bytes + j.data.len() as u64 > bytes_limit {
+                        carry = Some(Msg::Write(j));
+                        break;
+                    }
+                    bytes += j.data.len() as u64;
+                    batch.push(j);
+                }
+                Ok(Msg::Flush(d)) => {
+                    flush = Some(d);
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        write_batch(&shared, batch, hooks.as_ref());
+        if let Some(d) = flush {
+            let _ = d.send(());
+        }
+    }
+}
+
+/// Withdraws the announcement of one write (written and registered, failed, or skipped).
+pub(super) fn settle(shared: &Shared, tenant: &Tenant, key: &str, token: u64) {
+    let mut inf = shared.inflight.lock();
+    let k = (tenant.clone(), key.to_string());
+    if let Some(v) = inf.get_mut(&k) {
+        v.retain(|(t, _)| *t != token);
+        if v.is_empty() {
+            inf.remove(&k);
+        }
+    }
+}
+
+/// The next bucket id, reserving a new block durably when the reserved one is used up.
+fn next_bucket_id(shared: &Shared) -> std::io::Result<u64> {
+    let mut st = shared.state.lock();
+    if st.next_id >= st.reserved {
+        let bound = st.next_id.saturating_add(ID_BLOCK);
+        bucket::write_next_id(&shared.cfg.dir, bound)?;
+        st.reserved = bound;
+    }
+    let id = st.next_id;
+    st.next_id += 1;
+    Ok(id)
+}
+
+/// A batch could not be written: nothing registered, waiters told, staged copies released.
+fn fail_batch(
+    shared: &Shared,
+    id: Option<u64>,
+    batch: &[OffloadJob],
+    e: &std::io::Error,
+    hooks: &dyn TierHooks,
+) {
+    tracing::warn!(bucket = ?id, error = %e, "ssd bucket write failed; nothing registered");
+    shared.state.lock().write_failures += 1;
+    let msg = e.to_string();
+    for j in batch {
+        settle(shared, &j.tenant, &j.key, j.token);
+        if let Some(d) = &j.done {
+            // A waiter that gave up is fine: the failure is counted either way.
+            let _ = d.send(Err(L3Error::FileWriteFail(msg.clone())));
+        }
+    }
+    hooks.write_failed(batch);
+}
+
+fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
+    let cfg = &shared.cfg;
+    let bytes: u64 = batch.iter().map(|j| j.data.len() as u64).sum();
+    evict_for(shared, bytes, hooks);
+    let id = match next_bucket_id(shared) {
+        Ok(id) => id,
+        Err(e) => return fail_batch(shared, None, &batch, &e, hooks),
+    };
+    let over_capacity = {
+        let st = shared.state.lock();
+        st.used + bytes > cfg.capacity_bytes
+    };
+    let staged = if over_capacity {
+        Err(std::io::Error::other("ssd tier capacity exhausted"))
+    } else {
+        let recs: Vec<NewRecord<'_>> = batch
+            .iter()
+            .map(|j| NewRecord {
+                tenant: j.tenant.as_str(),
+                key: &j.key,
+                data: &j.data,
+            })
+            .collect();
+        bucket::write_staged(&cfg.dir, id, &recs)
+    };
+    let (staged, written) = match staged {
+        Ok(x) => x,
+        Err(e) => return fail_batch(shared, Some(id), &batch, &e, hooks),
+    };
+    let file_size = bucket::FILE_HDR
+        + batch
+            .iter()
+            .map(|j| {
+                (bucket::REC_HDR + j.tenant.as_str().len() + j.key.len()) as u64
+                    + j.data.len() as u64
+            })
+            .sum::<u64>();
+    let locs: Vec<DiskLoc> = batch
+        .iter()
+        .zip(&written)
+        .map(|(j, w)| DiskLoc {
+            bucket: id,
+            offset: w.offset,
+            size: j.data.len() as u64,
+            crc: w.crc,
+        })
+        .collect();
+    // Publish under the inflight lock: a job cancelled before this point is tombstoned in
+    // the bucket's sidecar before the rename; one cancelled after it sees its location.
+    let live: Vec<bool> = {
+        let mut inf = shared.inflight.lock();
+        let live: Vec<bool> = batch
+            .iter()
+            .map(|j| {
+                inf.get(&(j.tenant.clone(), j.key.clone()))
+                    .is_some_and(|v| v.iter().any(|(t, _)| *t == j.token))
+            })
+            .collect();
+        if !live.iter().any(|l| *l) {
+            // Everything was removed while queued: the bucket is never published.
+            drop(inf);
+            drop(staged);
+            for j in &batch {
+                if let Some(d) = &j.done {
+                    // The put's object is gone; its waiter (if still there) is done.
+                    let _ = d.send(Ok(()));
+                }
+            }
+            return;
+        }
+        let dead: Vec<u32> = (0..batch.len() as u32)
+            .filter(|i| !live[*i as usize])
+            .collect();
+        if let Err(e) = staged.publish(&dead) {
+            drop(inf);
+            return fail_batch(shared, Some(id), &batch, &e, hooks);
+        }
+        let metas: Vec<RecMeta> = batch
+            .iter()
+            .zip(&locs)
+            .enumerate()
+            .map(|(i, (j, loc))| RecMeta {
+                tenant: j.tenant.clone(),
+                key: j.key.clone(),
+                loc: *loc,
+                index: i as u32,
+                alive: live[i],
+            })
+            .collect();
+        {
+            let mut st = shared.state.lock();
+            st.used += file_size;
+            st.written_objects += batch.len() as u64;
+            st.buckets.insert(
+                id,
+                BucketMeta {
+                    file_size,
+                    live: live.iter().filter(|l| **l).count(),
+                    records: metas,
+                },
+            );
+        }
+        for (j, loc) in batch.iter().zip(&locs) {
+            if let Some(v) = inf.get_mut(&(j.tenant.clone(), j.key.clone()))
+                && let Some(e) = v.iter_mut().find(|(t, _)| *t == j.token)
+            {
+                e.1 = Some(*loc);
+            }
+        }
+        live
+    };
+    let items: Vec<(&OffloadJob, DiskLoc)> = batch
+        .iter()
+        .zip(&locs)
+        .zip(&live)
+        .filter(|(_, l)| **l)
+        .map(|((j, loc), _)| (j, *loc))
+        .collect();
+    let accepted = hooks.register(&items);
+    // Records the master refused (object removed or replaced meanwhile) are dead at once.
+    let refused: Vec<DiskLoc> = items
+        .iter()
+        .zip(accepted.iter().chain(std::iter::repeat(&false)))
+        .filter(|(_, ok)| !**ok)
+        .map(|((_, loc), _)| *loc)
+        .collect();
+    if let Err(e) = TierRef(shared).tombstone_many(&refused) {
+        tracing::warn!(bucket = id, error = %e, "could not tombstone refused records");
+    }
+    for j in &batch {
+        settle(shared, &j.tenant, &j.key, j.token);
+        if let Some(d) = &j.done {
+            // A waiter that gave up (its caller is gone) needs no answer.
+            let _ = d.send(Ok(()));
+        }
+    }
+}
+
+/// SSD eviction: above the high watermark (counting `incoming`), drop oldest buckets whose
+/// objects are not leased until usage is below the low watermark.
+fn evict_for(shared: &Shared, incoming: u64, hooks: &dyn TierHooks) {
+    let cfg = &shared.cfg;
+    let high = (cfg.capacity_bytes as f64 * cfg.high_watermark) as u64;
+    let low = (cfg.capacity_bytes as f64 * cfg.low_watermark) as u64;
+    let candidates: Vec<u64> = {
+        let st = shared.state.lock();
+        if st.used + incoming <= high {
+            return;
+        }
+        st.buckets.keys().copied().collect()
+    };
+    for id in candidates {
+        let recs: Vec<(Tenant, String, DiskLoc)> = {
+            let st = shared.state.lock();
+            if st.used + incoming <= low {
+                return;
+            }
+            match st.buckets.get(&id) {
+                Some(b) => b
+                    .records
+                    .iter()
+                    .filter(|r| r.alive)
+                    .map(|r| (r.tenant.clone(), r.key.clone(), r.loc))
+                    .collect(),
+                None => continue,
+            }
+        };
+        if !hooks.evict_disk(&recs) {
+            continue;
+        }
+        let mut st = shared.state.lock();
+        if let Some(b) = st.buckets.remove(&id) {
+            st.used = st.used.saturating_sub(b.file_size);
+            st.evicted_buckets += 1;
+        }
+        st.files.remove(&id);
+        drop(st);
+        if let Err(e) = bucket::delete_bucket(&cfg.dir, id) {
+            tracing::warn!(bucket = id, error = %e, "could not delete an evicted bucket");
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Property tests of per-request hash scopes (cache salt, adapter, multimodal extra keys)
+//! against a model of the sharing rule: two requests share page `i` if and only if their
+//! tokens of pages `0..=i`, their salts, their adapters, and the extra keys overlapping pages
+//! `0..=i` are all equal.
+
+use std::collections::BTreeSet;
+
+use kvtier_radix::*;
+use proptest::prelude::*;
+
+const PS: usize = 4;
+
+#[derive(Clone, Debug)]
+struct Req {
+    tokens: Vec<u32>,
+    salt: Option<String>,
+    adapter: Option<String>,
+    extra: Vec<ExtraKey>,
+}
+
+fn req() -> impl Strategy<Value = Req> {
+    // Small alphabets, so that equal prefixes, salts and spans are common.
+    let tokens = prop::collection::vec(0..2u32, 0..24);
+    let name = prop::option::of(prop_oneof![Just("a".to_string()), Just("b".to_string())]);
+    let extra = prop::collection::vec((0..24u32, 1..9u32, 0..2u8), 0..3);
+    (tokens, name.clone(), name, extra).prop_map(|(tokens, salt, adapter, extra)| Req {
+        extra: extra
+            .into_iter()
+            .map(|(start, len, d)| ExtraKey {
+                start,
+                end: start + len,
+                digest: vec![d],
+            })
+            .collect(),
+        tokens,
+        salt,
+        adapter,
+    })
+}
+
+fn scope(r: &Req) -> HashScope {
+    HashScope::new(r.salt.as_deref(), r.adapter.as_deref(), r.extra.clone())
+}
+
+/// The model: what must be equal for page `i` to be shared.
+fn shares(a: &Req, b: &Req, i: usize) -> bool {
+    let end = (i + 1) * PS;
+    let upto = |r: &Req| -> BTreeSet<ExtraKey> {
+        r.extra
+            .iter()
+            .filter(|k| (k.start as usize) < end && k.end > k.start)
+            .cloned()
+            .collect()
+    };
+    a.tokens[..end] == b.tokens[..end]
+        && a.salt == b.salt
+        && a.adapter == b.adapter
+        && upto(a) == upto(b)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn pages_are_shared_exactly_when_the_model_says(a in req(), b in req()) {
+        let (ha, hb) = (scope(&a).page_hashes(&a.tokens, PS), scope(&b).page_hashes(&b.tokens, PS));
+        prop_assert_eq!(ha.len(), a.tokens.len() / PS);
+        for i in 0..ha.len().min(hb.len()) {
+            prop_assert_eq!(ha[i] == hb[i], shares(&a, &b, i), "page {}", i);
+        }
+    }
+
+    #[test]
+    fn an_unscoped_request_hashes_like_sglang(tokens in prop::collection::vec(any::<u32>(), 0..40)) {
+        let plain = HashScope::new(None, None, Vec::new());
+        prop_assert!(plain.is_plain());
+        prop_assert_eq!(plain.page_hashes(&tokens, PS), page_hashes(&tokens, PS, None));
+    }
+
+    #[test]
+    fn extending_page_by_page_equals_hashing_at_once(r in req(), cut in 0..7usize) {
+        let s = scope(&r);
+        let all = s.page_hashes(&r.tokens, PS);
+        let mut inc = Vec::new();
+        let cut = cut.min(all.len());
+        s.extend_hashes(&mut inc, &r.tokens, PS, 0, cut);
+        s.extend_hashes(&mut inc, &r.tokens, PS, cut, all.len() + 3);
+        prop_assert_eq!(inc, all);
+    }
+}
+
+#[test]
+fn salt_and_adapter_are_not_interchangeable() {
+    let t = [1, 2, 3, 4];
+    let salt = HashScope::new(Some("x"), None, Vec::new()).page_hashes(&t, PS);
+    let adapter = HashScope::new(None, Some("x"), Vec::new()).page_hashes(&t, PS);
+    let plain = page_hashes(&t, PS, None);
+    assert_ne!(salt, adapter);
+    assert_ne!(salt, plain);
+    assert_ne!(adapter, plain);
+}

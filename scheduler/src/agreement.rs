@@ -1,0 +1,289 @@
+//! Tensor-parallel agreement: every rank's scheduler must produce the same plan every step.
+//!
+//! Why this needs help from the engine: each tensor-parallel rank runs its own scheduler over
+//! its own shard of the KV, and its own L3 keys (suffixed by rank). Completions that report what
+//! L3 held — `L3QueryDone.hit_pages`, `PrefetchDone.completed`, `BackUpDone.success` — and even
+//! whether a local copy succeeded can differ between ranks (rank 1's shard of a page was
+//! evicted, rank 0's was not). Fed as they are, the schedulers diverge: different prefix
+//! lengths, different forward shapes, a collective that hangs or mixes garbage. SGLang
+//! all-reduces the minimum hit length across the group for this reason.
+//!
+//! The contract: **the engine feeds every rank's scheduler the same completions, reduced across
+//! ranks**: the minimum of `hit_pages` and of `completed`, the conjunction of every `success`,
+//! and only once *every* rank has completed the op. [`RankAgreement`] does that with one
+//! reduction per step: one `u64` per op in flight (0 while this rank has not finished it, else
+//! the value plus one; a rank that does not run an op contributes [`SKIPPED`]), the
+//! element-wise minimum across ranks (e.g. one `torch.distributed.all_reduce(MIN)` of an int64
+//! tensor), decoded back into events. Ops in flight are identical on every rank because the
+//! plans are, so the vectors line up.
+//!
+//! [`ExecutionPlan::digest`] is a cheap, rank-independent fingerprint of a plan (L3 keys are
+//! hashed without their rank suffix) for a debug mode that all-gathers it and stops at the
+//! first step where ranks disagree.
+//!
+//! For MLA models the latent KV is the same on every rank: with
+//! [`L3Sharing::Replicated`](crate::L3Sharing) all ranks use the leader's keys, only the leader
+//! runs `L3Query` and `BackUp` ([`crate::Scheduler::runs_here`]), and the others mark those ops
+//! [`RankAgreement::skip`], so the reduction broadcasts the leader's answer.
+
+use std::collections::BTreeMap;
+use std::hash::Hasher;
+
+use kvtier_fsm::OpKind;
+use thiserror::Error;
+
+use crate::scheduler::Scheduler;
+use crate::types::*;
+
+/// A completion the agreement cannot take.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum AgreementError {
+    #[error("forward results are not reduced (every rank computes the same tokens)")]
+    Forward,
+    #[error("op {0:?} was already recorded this round")]
+    Duplicate(OpId),
+    #[error("reduced vector has {got} values, {expected} ops are in flight")]
+    Length { expected: usize, got: usize },
+}
+
+/// One rank's completions of a step, waiting to be reduced with the other ranks'.
+#[derive(Clone, Debug, Default)]
+pub struct RankAgreement {
+    done: BTreeMap<OpId, Slot>,
+}
+
+#[derive(Clone, Debug)]
+enum Slot {
+    Done(Event),
+    Skipped,
+}
+
+/// Identity of the minimum: a rank that does not run an op. `i64::MAX`, so that the values
+/// reduce the same as signed 64-bit integers (what `torch.distributed` reduces).
+pub const SKIPPED: u64 = i64::MAX as u64;
+
+fn encode(ev: &Event) -> u64 {
+    match *ev {
+        Event::L3QueryDone { hit_pages, .. } => hit_pages as u64 + 1,
+        Event::PrefetchDone { completed, .. } => completed as u64 + 1,
+        Event::LoadBackDone { success, .. }
+        | Event::WriteBackDone { success, .. }
+        | Event::BackUpDone { success, .. } => success as u64 + 1,
+        Event::ForwardDone { .. } => 0,
+    }
+}
+
+fn decode(op: OpId, kind: OpKind, v: u64) -> Event {
+    let n = (v - 1).min(u32::MAX as u64) as u32;
+    let success = v >= 2;
+    match kind {
+        OpKind::L3Query => Event::L3QueryDone { op, hit_pages: n },
+        OpKind::Prefetch => Event::PrefetchDone { op, completed: n },
+        OpKind::LoadBack => Event::LoadBackDone { op, success },
+        OpKind::WriteBack => Event::WriteBackDone { op, success },
+        OpKind::BackUp => Event::BackUpDone { op, success },
+    }
+}
+
+impl RankAgreement {
+    pub fn new() -> RankAgreement {
+        RankAgreement::default()
+    }
+
+    /// Records this rank's completion of an op (held until every rank completed it).
+    pub fn push(&mut self, ev: Event) -> Result<(), AgreementError> {
+        let (op, _) = ev.op_kind().ok_or(AgreementError::Forward)?;
+        if self.done.contains_key(&op) {
+            return Err(AgreementError::Duplicate(op));
+        }
+        self.done.insert(op, Slot::Done(ev));
+        Ok(())
+    }
+
+    /// This rank does not run `op` (another rank answers for all: see `Scheduler::runs_here`).
+    pub fn skip(&mut self, op: OpId) -> Result<(), AgreementError> {
+        if self.done.contains_key(&op) {
+            return Err(AgreementError::Duplicate(op));
+        }
+        self.done.insert(op, Slot::Skipped);
+        Ok(())
+    }
+
+    /// Completions recorded and not yet agreed.
+    pub fn pending(&self) -> usize {
+        self.done.len()
+    }
+
+    /// This rank's contribution: one value per op in flight in `sched`, in op-id order.
+    pub fn values(&self, sched: &Scheduler) -> Vec<u64> {
+        sched
+            .in_flight_ops()
+            .iter()
+            .map(|(op, _)| match self.done.get(op) {
+                None => 0,
+                Some(Slot::Skipped) => SKIPPED,
+                Some(Slot::Done(ev)) => encode(ev),
+            })
+            .collect()
+    }
+
+    /// Reduces this step's completions across ranks and returns the agreed events, to be fed to
+    /// `sched` in order. `all_reduce_min` must replace each element with its minimum over all
+    /// ranks (every rank calls `reduce` once per step, with the same ops in flight). Ops not
+    /// yet done on some rank stay recorded for a later step.
+    pub fn reduce(
+        &mut self,
+        sched: &Scheduler,
+        all_reduce_min: impl FnOnce(&mut [u64]),
+    ) -> Vec<Event> {
+        let mut v = self.values(sched);
+        all_reduce_min(&mut v);
+        self.apply_reduced(sched, &v).unwrap_or_default()
+    }
+
+    /// The second half of [`Self::reduce`], for callers that reduce [`Self::values`]
+    /// themselves: the agreed events for the element-wise minimum `reduced`.
+    pub fn apply_reduced(
+        &mut self,
+        sched: &Scheduler,
+        reduced: &[u64],
+    ) -> Result<Vec<Event>, AgreementError> {
+        let ops = sched.in_flight_ops();
+        if ops.len() != reduced.len() {
+            return Err(AgreementError::Length {
+                expected: ops.len(),
+                got: reduced.len(),
+            });
+        }
+        let mut out = Vec::new();
+        for ((op, kind), &x) in ops.iter().zip(reduced) {
+            // 0: a rank has not finished it; SKIPPED: nobody ran it (not a valid answer).
+            if x == 0 || x >= SKIPPED {
+                continue;
+            }
+            self.done.remove(op);
+            out.push(decode(*op, *kind, x));
+        }
+        Ok(out)
+    }
+}
+
+/// FNV-1a, 64 bit: stable across processes, builds and platforms (unlike `DefaultHasher`).
+struct Fnv(u64);
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= *b as u64;
+            self.0 = self.0.wrapping_mul(0x100_0000_01b3);
+        }
+    }
+}
+
+fn key_without_rank(k: &str) -> &str {
+    k.rsplit_once(':').map_or(k, |(head, _)| head)
+}
+
+impl ExecutionPlan {
+    /// A fingerprint of the plan, equal on every tensor-parallel rank whose scheduler made the
+    /// same decisions (L3 keys count without their rank suffix). For a debug mode: all-gather
+    /// it each step and stop at the first step where ranks differ.
+    pub fn digest(&self) -> u64 {
+        let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+        let ids = |h: &mut Fnv, v: &mut dyn Iterator<Item = u32>| {
+            let mut n = 0u32;
+            for x in v {
+                h.write_u32(x);
+                n += 1;
+            }
+            h.write_u32(n);
+        };
+        let keys = |h: &mut Fnv, ks: &[String]| {
+            for k in ks {
+                h.write(key_without_rank(k).as_bytes());
+                h.write_u8(0xff);
+            }
+            h.write_usize(ks.len());
+        };
+        let tier = |h: &mut Fnv, t: &TierPages| match t {
+            TierPages::Device(p) => {
+                h.write_u8(0);
+                ids(h, &mut p.iter().map(|x| x.index()));
+            }
+            TierPages::Host(p) => {
+                h.write_u8(1);
+                ids(h, &mut p.iter().map(|x| x.index()));
+            }
+        };
+        let delta = |h: &mut Fnv, d: &Option<PageTableDelta>| match d {
+            None => h.write_u8(0),
+            Some(d) => {
+                h.write_u8(1);
+                h.write_u32(d.from);
+                ids(h, &mut d.pages.iter().map(|x| x.index()));
+            }
+        };
+        h.write_usize(self.ops.len());
+        for op in &self.ops {
+            h.write_u64(op.id.0);
+            h.write_u8(op.kind as u8);
+            h.write_u64(op.req.map_or(u64::MAX, |r| r.0));
+            h.write_u8(op.before_forward as u8);
+            match &op.spec {
+                OpSpec::L3Query { keys: k } => keys(&mut h, k),
+                OpSpec::Prefetch { keys: k, dst } => {
+                    keys(&mut h, k);
+                    tier(&mut h, dst);
+                }
+                OpSpec::LoadBack { src, dst } => {
+                    ids(&mut h, &mut src.iter().map(|x| x.index()));
+                    ids(&mut h, &mut dst.iter().map(|x| x.index()));
+                }
+                OpSpec::WriteBack { src, dst } => {
+                    ids(&mut h, &mut src.iter().map(|x| x.index()));
+                    ids(&mut h, &mut dst.iter().map(|x| x.index()));
+                }
+                OpSpec::BackUp { keys: k, src } => {
+                    keys(&mut h, k);
+                    tier(&mut h, src);
+                }
+            }
+        }
+        for op in &self.terminate_prefetch {
+            h.write_u64(op.0);
+        }
+        h.write_usize(self.terminate_prefetch.len());
+        h.write_u64(self.forward.step.map_or(0, |s| s.0));
+        for c in &self.forward.prefill {
+            h.write_u64(c.req.0);
+            h.write_u32(c.start);
+            h.write_u32(c.len);
+            h.write_u8(c.last as u8);
+            delta(&mut h, &c.table);
+            ids(&mut h, &mut c.tokens.iter().copied());
+            for w in &c.waits_for {
+                h.write_u64(w.0);
+            }
+        }
+        h.write_usize(self.forward.prefill.len());
+        for d in &self.forward.decode {
+            h.write_u64(d.req.0);
+            h.write_u32(d.position);
+            delta(&mut h, &d.table);
+        }
+        h.write_usize(self.forward.decode.len());
+        for (r, o) in &self.ended {
+            h.write_u64(r.0);
+            h.write_u8(*o as u8);
+        }
+        h.write_usize(self.ended.len());
+        for r in &self.retracted {
+            h.write_u64(r.0);
+        }
+        h.write_usize(self.retracted.len());
+        h.finish()
+    }
+}

@@ -1,0 +1,177 @@
+//! The prefetch path, L3 → host (or device without a host tier), in one place: starting a
+//! prefetch against the match *at that moment*, its deadline under the stop policy, finishing
+//! it (adopting what arrived at exactly the offset its keys were computed for), and the pin
+//! that keeps the prefetched pages until their request is admitted.
+//!
+//! Invariants kept here: a prefetch asks only for keys a probe answered (the caller,
+//! `admission.rs`, re-probes when the match shrank below the probe); its pages are inserted
+//! below the node locked at issue time, at the offset its keys were computed against; what
+//! arrived stays pinned until admission, except that device pins give way when the head of the
+//! queue does not fit (so pins cannot deadlock admission).
+
+use kvtier_fsm::{OpKind, RequestEvent};
+use kvtier_radix::{Device, Host, PrefixMatch};
+
+use crate::config::PrefetchStopPolicy;
+use crate::ops::{AnyLock, OpCtx, PrefetchDst};
+use crate::release;
+use crate::scheduler::Scheduler;
+use crate::types::*;
+
+impl Scheduler {
+    /// Without a host tier prefetches land on device and their pins hold device pages; when
+    /// the head of the queue does not fit, the pins of the requests behind it give way (they
+    /// may lose their prefetched pages and recompute) so that pins cannot deadlock admission.
+    pub(crate) fn unpin_device_prefetches_behind(&mut self, head: RequestId) {
+        if self.cfg.host_enabled || !self.cfg.l3_enabled {
+            return;
+        }
+        let behind: Vec<RequestId> = self
+            .waiting
+            .values()
+            .copied()
+            .filter(|w| *w != head)
+            .collect();
+        for w in behind {
+            self.unpin_prefetch(w);
+        }
+    }
+
+    /// Issues a prefetch of prompt pages `local .. end`, where `local` is the match *now*: the
+    /// keys are computed here, against this match, and the pages will be inserted at exactly
+    /// this offset below the node locked here.
+    pub(crate) fn start_prefetch(&mut self, id: RequestId, m: &PrefixMatch, end: usize) -> bool {
+        let Some(r) = self.reqs.get(&id) else {
+            return false;
+        };
+        let total_tokens = r.tokens.len();
+        let (local, dst_spec, dst) = if self.cfg.host_enabled {
+            // Prefetched pages hang below the host match; device-only pages past it would leave
+            // a hole in host residency, so only prefetch when host covers the local match.
+            if m.host_pages < m.device_pages {
+                return false;
+            }
+            let local = m.host_pages;
+            let Ok(hl) = self.cache.lock::<Host>(m.host_node) else {
+                return false;
+            };
+            let Some(dst) = self.alloc_host(end - local) else {
+                release::unlock(&mut self.cache, &mut self.stats, hl);
+                return false;
+            };
+            (
+                local,
+                TierPages::Host(dst.clone()),
+                PrefetchDst::Host(dst, hl),
+            )
+        } else {
+            let local = m.device_pages;
+            let Ok(dl) = self.cache.lock::<Device>(m.device_node) else {
+                return false;
+            };
+            let Ok(dst) = self.cache.alloc_evicting::<Device>(end - local) else {
+                release::unlock(&mut self.cache, &mut self.stats, dl);
+                return false;
+            };
+            (
+                local,
+                TierPages::Device(dst.clone()),
+                PrefetchDst::Device(dst, dl),
+            )
+        };
+        let Some(r) = self.reqs.get(&id) else {
+            return false;
+        };
+        let keys = self.l3_keys(&r.hashes[local..end]);
+        self.apply(
+            id,
+            RequestEvent::SchedulePrefetch {
+                start_page: local as u32,
+                pages: (end - local) as u32,
+            },
+        );
+        let op = self.new_op(
+            OpKind::Prefetch,
+            Some(id),
+            false,
+            OpSpec::Prefetch {
+                keys,
+                dst: dst_spec,
+            },
+            OpCtx::Prefetch { start: local, dst },
+        );
+        if let Some(deadline) = self.prefetch_deadline(total_tokens) {
+            self.prefetch_deadlines.insert((deadline, op));
+        }
+        true
+    }
+
+    /// Inserts the first `completed` prefetched pages at page `start` — the offset their keys
+    /// were computed against — below the node locked when the prefetch was issued, and frees
+    /// the rest. Pages that meanwhile reached the tree another way are duplicates and freed.
+    pub(crate) fn finish_prefetch(
+        &mut self,
+        id: RequestId,
+        start: usize,
+        dst: PrefetchDst,
+        completed: usize,
+    ) {
+        // Pages that arrived are adopted below the node locked at issue time; the rest is freed.
+        let end = match dst {
+            PrefetchDst::Host(pages, lock) => {
+                let end = self.adopt_pages::<Host>(id, lock.node(), start, &pages[..completed]);
+                release::free(&mut self.cache, &mut self.stats, &pages[completed..]);
+                release::unlock(&mut self.cache, &mut self.stats, lock);
+                end
+            }
+            PrefetchDst::Device(pages, lock) => {
+                let end = self.adopt_pages::<Device>(id, lock.node(), start, &pages[..completed]);
+                release::free(&mut self.cache, &mut self.stats, &pages[completed..]);
+                release::unlock(&mut self.cache, &mut self.stats, lock);
+                end
+            }
+        };
+        if let Some(end) = end {
+            self.mark_in_l3(end, &[(start, start + completed)]);
+        }
+        // Pin what arrived until the request is admitted (see `Request::prefetch_pin`).
+        let pin = match end {
+            Some(end) if completed > 0 && self.cfg.host_enabled => {
+                self.cache.lock::<Host>(end).ok().map(AnyLock::Host)
+            }
+            Some(end) if completed > 0 => self.cache.lock::<Device>(end).ok().map(AnyLock::Device),
+            _ => None,
+        };
+        if let Some(r) = self.reqs.get_mut(&id) {
+            r.prefetched = Some((start, completed));
+            if let Some(old) = std::mem::replace(&mut r.prefetch_pin, pin) {
+                old.release(&mut self.cache, &mut self.stats);
+            }
+        } else if let Some(pin) = pin {
+            pin.release(&mut self.cache, &mut self.stats);
+        }
+    }
+
+    /// Gives back the pin on the request's prefetched pages (admitted, or ended).
+    pub(crate) fn unpin_prefetch(&mut self, id: RequestId) {
+        if let Some(pin) = self.reqs.get_mut(&id).and_then(|r| r.prefetch_pin.take()) {
+            pin.release(&mut self.cache, &mut self.stats);
+        }
+    }
+
+    /// The prefetch deadline for a request of `tokens` tokens issued now.
+    pub(crate) fn prefetch_deadline(&self, tokens: usize) -> Option<u64> {
+        match self.cfg.prefetch_stop {
+            PrefetchStopPolicy::WaitComplete => None,
+            PrefetchStopPolicy::BestEffort => Some(self.now_ms),
+            PrefetchStopPolicy::Timeout {
+                base_ms,
+                per_1k_tokens_ms,
+            } => Some(
+                self.now_ms
+                    .saturating_add(base_ms)
+                    .saturating_add(per_1k_tokens_ms.saturating_mul(tokens as u64) / 1000),
+            ),
+        }
+    }
+}

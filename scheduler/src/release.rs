@@ -1,0 +1,35 @@
+//! Giving locks and pages back to the cache, with failures made visible.
+//!
+//! Why not `let _ = cache.unlock(..)`: a failed release is a scheduler bug (a lock given back
+//! twice, a page freed that the request did not hold), and a discarded `Result` hides it until
+//! the pools no longer balance far from the cause. Every release goes through here: a failure
+//! is logged, counted in `Stats::internal_errors` (which `Scheduler::check` requires to be 0,
+//! so every test that checks quiescence catches it, release builds included) and asserted in
+//! debug builds.
+
+use kvtier_radix::{LockHandle, PageId, RadixCache, RadixError, Tier};
+
+use crate::stats::Stats;
+
+fn failed(stats: &mut Stats, what: &'static str, e: RadixError) {
+    tracing::error!(what, error = %e, "internal: release failed");
+    stats.internal_errors += 1;
+    debug_assert!(false, "internal: {what} failed: {e}");
+}
+
+/// Gives a lock back.
+pub(crate) fn unlock<T: Tier>(cache: &mut RadixCache, stats: &mut Stats, lock: LockHandle<T>) {
+    if let Err(e) = cache.unlock(lock) {
+        failed(stats, "unlock", e);
+    }
+}
+
+/// Frees pages the scheduler holds (no-op for an empty slice).
+pub(crate) fn free<T: Tier>(cache: &mut RadixCache, stats: &mut Stats, pages: &[PageId<T>]) {
+    if pages.is_empty() {
+        return;
+    }
+    if let Err(e) = cache.free(pages) {
+        failed(stats, "free", e);
+    }
+}

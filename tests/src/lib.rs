@@ -1,0 +1,262 @@
+//! # kvtier-e2e — the scheduler end to end, with the real L3 store
+//!
+//! Why a crate of its own: the scheduler's unit and property tests model L3 as a map, so that
+//! they can hold, reorder and fail ops at will; the store's tests exercise the store alone.
+//! What neither shows is the two together: page bytes put by one engine instance and read by
+//! another through the real `EmbeddedStore`, its namespaced keys, its existence probes, its
+//! removals. [`StoreEngine`] executes plans against byte pools and any [`L3Store`], and checks
+//! every page a forward reads (a page's 32 bytes are its chained, scoped page hash — the same
+//! oracle as the other test engines; keys are parsed with the one `parse_l3_key`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvtier_l3::{ExistOptions, L3Store, PutOptions, Tenant};
+use kvtier_radix::{HashScope, PageHash, parse_l3_key};
+use kvtier_scheduler::*;
+
+/// One engine instance: device and host pools of 32-byte pages, an L3 store.
+pub struct StoreEngine {
+    pub s: Scheduler,
+    pub l3: Arc<dyn L3Store>,
+    pub tenant: Tenant,
+    page_size: usize,
+    device: Vec<[u8; 32]>,
+    host: Vec<[u8; 32]>,
+    tables: HashMap<RequestId, Vec<DevicePageId>>,
+    tokens: HashMap<RequestId, Vec<u32>>,
+    scopes: HashMap<RequestId, HashScope>,
+    /// Pages every forward read and found right.
+    pub pages_checked: u64,
+}
+
+impl StoreEngine {
+    pub fn new(cfg: SchedulerConfig, l3: Arc<dyn L3Store>, tenant: &str) -> StoreEngine {
+        StoreEngine {
+            page_size: cfg.page_size,
+            device: vec![[0; 32]; cfg.device_pages as usize],
+            host: vec![[0; 32]; cfg.host_pages as usize],
+            s: Scheduler::new(cfg).expect("valid config"),
+            l3,
+            tenant: Tenant::new(tenant).expect("valid tenant"),
+            tables: HashMap::new(),
+            tokens: HashMap::new(),
+            scopes: HashMap::new(),
+            pages_checked: 0,
+        }
+    }
+
+    pub fn submit(&mut self, spec: RequestSpec) -> Result<(), SchedulerError> {
+        let scope = HashScope::new(
+            spec.cache_salt.as_deref(),
+            spec.adapter.as_deref(),
+            spec.extra_keys.clone(),
+        );
+        let (id, prompt) = (spec.id, spec.prompt.clone());
+        self.s.submit(spec)?;
+        self.tokens.insert(id, prompt);
+        self.scopes.insert(id, scope);
+        Ok(())
+    }
+
+    fn hashes(&self, req: RequestId, upto: usize) -> Vec<PageHash> {
+        let t = &self.tokens[&req];
+        self.scopes[&req].page_hashes(&t[..upto.min(t.len())], self.page_size)
+    }
+
+    fn pool(&mut self, t: &TierPages) -> (&mut Vec<[u8; 32]>, Vec<usize>) {
+        match t {
+            TierPages::Device(p) => (
+                &mut self.device,
+                p.iter().map(|x| x.index() as usize).collect(),
+            ),
+            TierPages::Host(p) => (
+                &mut self.host,
+                p.iter().map(|x| x.index() as usize).collect(),
+            ),
+        }
+    }
+
+    /// Runs one op against the pools and the store; returns its completion.
+    pub fn execute(&mut self, op: &PlannedOp) -> Result<Event, String> {
+        let id = op.id;
+        Ok(match &op.spec {
+            OpSpec::L3Query { keys } => {
+                let found = self
+                    .l3
+                    .batch_exist_key(
+                        &self.tenant,
+                        keys,
+                        ExistOptions {
+                            prefetch_to_memory: true,
+                        },
+                    )
+                    .map_err(|e| e.to_string())?;
+                let hit = found.iter().take_while(|r| matches!(r, Ok(true))).count();
+                Event::L3QueryDone {
+                    op: id,
+                    hit_pages: hit as u32,
+                }
+            }
+            OpSpec::Prefetch { keys, dst } => {
+                let (tenant, l3) = (self.tenant.clone(), self.l3.clone());
+                let (pool, idx) = self.pool(dst);
+                let mut done = 0;
+                for (k, &p) in keys.iter().zip(&idx) {
+                    let Ok(bytes) = l3.get(&tenant, k) else { break };
+                    let want = parse_l3_key(k).ok_or("bad key")?.page;
+                    if bytes[..] != want.0[..] {
+                        return Err(format!("L3 returned other bytes for {k}"));
+                    }
+                    pool[p] = want.0;
+                    done += 1;
+                }
+                Event::PrefetchDone {
+                    op: id,
+                    completed: done,
+                }
+            }
+            OpSpec::LoadBack { src, dst } => {
+                for (a, b) in src.iter().zip(dst) {
+                    self.device[b.index() as usize] = self.host[a.index() as usize];
+                }
+                Event::LoadBackDone {
+                    op: id,
+                    success: true,
+                }
+            }
+            OpSpec::WriteBack { src, dst } => {
+                for (a, b) in src.iter().zip(dst) {
+                    self.host[b.index() as usize] = self.device[a.index() as usize];
+                }
+                Event::WriteBackDone {
+                    op: id,
+                    success: true,
+                }
+            }
+            OpSpec::BackUp { keys, src } => {
+                let (tenant, l3) = (self.tenant.clone(), self.l3.clone());
+                let (pool, idx) = self.pool(src);
+                let mut ok = true;
+                for (k, &p) in keys.iter().zip(&idx) {
+                    let want = parse_l3_key(k).ok_or("bad key")?.page;
+                    if pool[p] != want.0 {
+                        return Err(format!("backup would store other bytes under {k}"));
+                    }
+                    match l3.put(&tenant, k, &pool[p], PutOptions::default()) {
+                        Ok(()) => {}
+                        Err(e) if e.code() == kvtier_l3::ErrorCode::ObjectAlreadyExists => {}
+                        Err(_) => ok = false,
+                    }
+                }
+                Event::BackUpDone {
+                    op: id,
+                    success: ok,
+                }
+            }
+        })
+    }
+
+    /// Runs a forward: checks every page each row reads, writes the pages it completes.
+    pub fn forward(&mut self, f: &ForwardBatch) -> Result<Event, String> {
+        let mut outputs = Vec::new();
+        for c in &f.prefill {
+            self.delta(c.req, &c.table);
+            let start = c.start as usize;
+            self.check(c.req, start)?;
+            self.write(c.req, start, start + c.len as usize);
+            outputs.push(TokenOutput {
+                req: c.req,
+                token: 7,
+                stop: false,
+            });
+        }
+        for d in &f.decode {
+            self.delta(d.req, &d.table);
+            let pos = d.position as usize;
+            self.check(d.req, pos)?;
+            self.tokens
+                .get_mut(&d.req)
+                .ok_or("unknown request")?
+                .push(7);
+            self.write(d.req, pos, pos + 1);
+            outputs.push(TokenOutput {
+                req: d.req,
+                token: 7,
+                stop: false,
+            });
+        }
+        for c in &f.prefill {
+            if c.last {
+                self.tokens
+                    .get_mut(&c.req)
+                    .ok_or("unknown request")?
+                    .push(7);
+            }
+        }
+        Ok(Event::ForwardDone {
+            step: f.step.ok_or("no step")?,
+            outputs,
+        })
+    }
+
+    fn delta(&mut self, req: RequestId, d: &Option<PageTableDelta>) {
+        let t = self.tables.entry(req).or_default();
+        if let Some(d) = d {
+            t.truncate(d.from as usize);
+            t.extend_from_slice(&d.pages);
+        }
+    }
+
+    fn check(&mut self, req: RequestId, upto_tokens: usize) -> Result<(), String> {
+        let hs = self.hashes(req, upto_tokens);
+        let table = &self.tables[&req];
+        for (i, h) in hs.iter().enumerate() {
+            if self.device[table[i].index() as usize] != h.0 {
+                return Err(format!("{req:?} reads wrong KV at page {i}"));
+            }
+        }
+        self.pages_checked += hs.len() as u64;
+        Ok(())
+    }
+
+    fn write(&mut self, req: RequestId, from: usize, to: usize) {
+        let hs = self.hashes(req, to);
+        let table = self.tables[&req].clone();
+        for (i, h) in hs.iter().enumerate().skip(from / self.page_size) {
+            self.device[table[i].index() as usize] = h.0;
+        }
+    }
+
+    /// One step: plan, every op executed and reported, the forward.
+    pub fn step(&mut self, now: u64) -> Result<(), String> {
+        let plan = self.s.next_execution_plan(now);
+        for (id, _) in &plan.ended {
+            self.tables.remove(id);
+        }
+        for id in &plan.retracted {
+            self.tables.remove(id);
+        }
+        for op in &plan.ops {
+            let ev = self.execute(op)?;
+            self.s.on_event(ev).map_err(|e| e.to_string())?;
+        }
+        if plan.forward.step.is_some() {
+            let ev = self.forward(&plan.forward)?;
+            self.s.on_event(ev).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Steps until the scheduler is idle; checks it is quiescent.
+    pub fn run_to_idle(&mut self) -> Result<(), String> {
+        for t in 0..10_000 {
+            if self.s.is_idle() {
+                self.s.next_execution_plan(t);
+                return self.s.check();
+            }
+            self.step(t)?;
+        }
+        Err("not idle after 10,000 steps".into())
+    }
+}
