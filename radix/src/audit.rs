@@ -136,6 +136,6 @@ impl RadixCache {
             }
             self.pool(t).audit()?;
         }
-        Ok(())
+        self.check_tenants()
     }
 }

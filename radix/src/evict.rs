@@ -89,11 +89,14 @@ impl RadixCache {
 
     fn evict_leaf(&mut self, id: NodeId, t: TierKind) -> EvictedNode {
         let node = &mut self.nodes[id];
+        let owner = node.tenant;
         let slot = node.slot_mut(t);
-        if let Some(k) = slot.evict_key.take() {
+        let old_key = slot.evict_key.take();
+        if let Some(k) = old_key {
             self.books[t as usize].evictable.remove(&k);
         }
         let pages = slot.pages.take().unwrap_or_default();
+        let node = &self.nodes[id];
         let parent = node.parent;
         let removed = !node.has_any_copy();
         let ev = EvictedNode {
@@ -104,6 +107,8 @@ impl RadixCache {
         };
         let label = node.label.clone();
         self.pool_mut(t).release_cached(&pages);
+        self.tenant_key_changed(owner, t, old_key, None);
+        self.tenant_pages(owner, t, 0, pages.len());
         if self.record_events {
             self.events.push(KvEvent::Removed {
                 tier: t,

@@ -25,6 +25,8 @@ mod lock;
 mod node;
 mod policy;
 mod pool;
+mod query;
+pub mod tenant;
 mod tier;
 
 pub use cache::{InsertOutcome, PrefixMatch, RadixCache, RadixConfig, TierUsage};
@@ -39,4 +41,5 @@ pub use lock::{LockHandle, LockId};
 pub use node::NodeId;
 pub use policy::EvictionPolicy;
 pub use pool::PageState;
+pub use tenant::TenantId;
 pub use tier::{Device, DevicePageId, Host, HostPageId, PageId, Tier, TierKind};

@@ -63,6 +63,8 @@ pub(crate) struct Node {
     pub uses: u32,
     /// The cache's traffic clock (pages given to the device tier) at the last touch.
     pub last_use: u64,
+    /// The tenant whose insert created the node (see `tenant.rs`).
+    pub tenant: crate::tenant::TenantId,
     /// Creation sequence number.
     pub seq: u64,
     /// The scope (salt, adapter) of the prefix; the same for a whole subtree below the root,

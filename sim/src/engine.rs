@@ -16,13 +16,15 @@ use std::time::Duration;
 use kvtier_l3::{
     EmbeddedStore, ErrorCode, L3Store, OffloadMode, PutOptions, SsdConfig, StoreConfig, Tenant,
 };
-use kvtier_radix::{DevicePageId, PageHash, TierKind, extend_hashes};
+use kvtier_radix::{DevicePageId, PageHash, TierKind};
 use kvtier_scheduler::*;
 
 use crate::belady::AccessLog;
 use crate::config::SimConfig;
 use crate::report::{Collector, Report};
 use crate::workload::{SimRequest, WorkloadError, generated_token, route};
+
+mod oracle;
 
 /// What completes at a point in simulated time.
 enum Pending {
@@ -737,84 +739,6 @@ impl Simulation {
             .sched
             .on_event(ev)
             .map_err(|e| format!("engine event rejected: {e}"))
-    }
-
-    /// Logs a request's prompt pages (once) for the Belady ceiling.
-    fn log_prompt(&mut self, inst: usize, id: RequestId) {
-        let ps = self.cfg.scheduler.page_size;
-        let Some(tr) = self.insts[inst].tracks.get(&id) else {
-            return;
-        };
-        if tr.logged {
-            return;
-        }
-        let n = tr.prompt_len / ps;
-        self.ensure_fps(inst, id, n);
-        if let Some(tr) = self.insts[inst].tracks.get_mut(&id) {
-            tr.logged = true;
-            for &f in &tr.fps[..n.min(tr.fps.len())] {
-                self.accesses.push(f, true);
-            }
-        }
-    }
-
-    /// Makes sure the track has fingerprints for the first `pages` full pages.
-    fn ensure_fps(&mut self, inst: usize, id: RequestId, pages: usize) {
-        let ps = self.cfg.scheduler.page_size;
-        let i = &mut self.insts[inst];
-        let Some(tr) = i.tracks.get_mut(&id) else {
-            return;
-        };
-        if tr.fps.len() >= pages {
-            return;
-        }
-        let Some(tokens) = i.sched.request_tokens(id) else {
-            return;
-        };
-        let from = tr.hashes.len();
-        extend_hashes(&mut tr.hashes, tokens, ps, from, pages);
-        tr.fps.extend(tr.hashes[from..].iter().map(fingerprint));
-    }
-
-    /// Verifies pages `0..pages` of `id`'s table (from the first unverified one).
-    fn verify(&mut self, inst: usize, id: RequestId, pages: usize) {
-        self.ensure_fps(inst, id, pages);
-        let i = &mut self.insts[inst];
-        let (Some(tr), Some(table)) = (i.tracks.get_mut(&id), i.tables.get(&id)) else {
-            return;
-        };
-        let upto = pages.min(table.len()).min(tr.fps.len());
-        for (p, page) in table
-            .iter()
-            .enumerate()
-            .take(upto)
-            .skip(tr.verified.min(upto))
-        {
-            let got = i.dev[page.index() as usize];
-            if got != tr.fps[p] {
-                let msg = format!("{id:?} reads wrong KV at page {p}");
-                tr.verified = p;
-                self.col.oracle_failure(msg);
-                return;
-            }
-        }
-        self.col.pages_checked += (upto - tr.verified.min(upto)) as u64;
-        tr.verified = tr.verified.max(upto);
-    }
-
-    fn write(&mut self, inst: usize, id: RequestId, from_page: usize, to_page: usize) {
-        self.ensure_fps(inst, id, to_page);
-        let i = &mut self.insts[inst];
-        let (Some(tr), Some(table)) = (i.tracks.get(&id), i.tables.get(&id)) else {
-            return;
-        };
-        let to = to_page.min(table.len()).min(tr.fps.len());
-        for (page, fp) in table.iter().zip(&tr.fps).take(to).skip(from_page) {
-            i.dev[page.index() as usize] = *fp;
-            // Every computed page may enter the cache from now on (published per chunk, at
-            // retraction or at finish): log it as written, as early as any policy could use it.
-            self.accesses.push(*fp, false);
-        }
     }
 
     fn apply_delta(&mut self, inst: usize, id: RequestId, d: &Option<PageTableDelta>) {

@@ -22,8 +22,15 @@ pub struct SweepPoint {
     pub device: f64,
     /// Belady (MIN) ceiling for `capacity_pages` (the local tiers, what the x axis shows).
     pub belady: f64,
-    /// Hit rate of plain LRU at the same point, when the configured policy is not LRU.
-    pub lru: Option<f64>,
+    /// Hit rates of the other online policies at the same point (LRU, freq-depth).
+    pub compared: Vec<ComparedRate>,
+}
+
+/// One other policy's hit rate at a sweep point.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ComparedRate {
+    pub policy: String,
+    pub hit_rate: f64,
 }
 
 /// What the plot's title names.
@@ -77,7 +84,11 @@ fn short_pages(pages: f64) -> String {
 fn y_top(pts: &[SweepPoint]) -> f64 {
     let max = pts
         .iter()
-        .flat_map(|p| [p.hit_rate, p.device, p.belady, p.lru.unwrap_or(0.0)])
+        .flat_map(|p| {
+            [p.hit_rate, p.device, p.belady]
+                .into_iter()
+                .chain(p.compared.iter().map(|c| c.hit_rate))
+        })
         .fold(0.0f64, f64::max)
         * 100.0;
     ((max * 1.1 / 5.0).ceil() * 5.0).clamp(5.0, 100.0)
@@ -156,9 +167,19 @@ where
             line(&|p| Some(p.belady)),
         ),
     ];
-    let lru = line(&|p| p.lru);
-    if !lru.is_empty() {
-        series.push(("LRU (all tiers)".to_string(), BLACK, lru));
+    let others: Vec<String> = pts
+        .first()
+        .map(|p| p.compared.iter().map(|c| c.policy.clone()).collect())
+        .unwrap_or_default();
+    for (i, name) in others.iter().enumerate() {
+        let data = line(&|p| {
+            p.compared
+                .iter()
+                .find(|c| &c.policy == name)
+                .map(|c| c.hit_rate)
+        });
+        let color = if i == 0 { BLACK } else { MAGENTA };
+        series.push((format!("{name} (all tiers)"), color, data));
     }
     for (name, c, data) in series {
         chart
@@ -214,7 +235,10 @@ mod tests {
             hit_rate: hit,
             device: hit / 2.0,
             belady,
-            lru: Some(hit * 0.9),
+            compared: vec![ComparedRate {
+                policy: "lru".into(),
+                hit_rate: hit * 0.9,
+            }],
         }
     }
 

@@ -214,7 +214,7 @@ impl Collector {
             l3_objects: 0,
             wall_seconds: wall.as_secs_f64(),
             policy: String::new(),
-            lru: None,
+            compared: Vec::new(),
             accesses: AccessLog::default(),
         }
     }
@@ -271,6 +271,8 @@ pub struct BeladyBound {
 /// The headline figures of a run, for side-by-side comparisons.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
+    /// The eviction policy that ran.
+    pub policy: String,
     pub hit_rate: f64,
     pub device: f64,
     pub ttft_ms: Percentiles,
@@ -319,8 +321,9 @@ pub struct Report {
     pub wall_seconds: f64,
     /// The eviction policy that ran (set by the caller; empty if unknown).
     pub policy: String,
-    /// The same workload and capacity under LRU, for comparison (set by the caller).
-    pub lru: Option<Summary>,
+    /// The same workload and capacity under the simulator's other online policies (LRU and
+    /// the frequency/depth-aware one), for comparison (set by the caller).
+    pub compared: Vec<Summary>,
     /// The access sequence the Belady ceiling is computed over (not serialized).
     #[serde(skip)]
     pub accesses: AccessLog,
@@ -333,6 +336,7 @@ fn gib(b: u64) -> String {
 impl Report {
     pub fn summary(&self) -> Summary {
         Summary {
+            policy: self.policy.clone(),
             hit_rate: self.hits.total,
             device: self.hits.device,
             ttft_ms: self.ttft_ms.clone(),
@@ -396,9 +400,9 @@ impl Report {
             "total hit rate",
             format!("{:>6.2} %{policy}", h.total * 100.0),
         );
-        if let Some(l) = &self.lru {
+        for l in &self.compared {
             line(
-                "LRU, same capacity",
+                &format!("{}, same capacity", l.policy),
                 format!(
                     "{:>6.2} %  (TTFT p50 / p99 {:.1} / {:.1} ms)",
                     l.hit_rate * 100.0,

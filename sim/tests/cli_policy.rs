@@ -1,5 +1,6 @@
-//! `kvtier sim --eviction`: a policy other than LRU is reported beside LRU at the same
-//! capacity (hit rate and TTFT), in the table, the JSON and the sweep; bad names are errors.
+//! `kvtier sim --eviction`: every report and sweep shows the simulator's other online policy
+//! (LRU beside freq-depth, freq-depth beside LRU) at the same capacity (hit rate and TTFT), in
+//! the table, the JSON and the sweep, unless `--no-compare`; bad names are errors.
 
 use std::process::Command;
 
@@ -33,7 +34,10 @@ fn a_policy_is_reported_beside_lru() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["policy"], "freq-depth:56000:4:60");
     assert_eq!(v["oracle"]["failures"], 0);
-    let lru = &v["lru"];
+    let cmp = v["compared"].as_array().unwrap();
+    assert_eq!(cmp.len(), 1);
+    let lru = &cmp[0];
+    assert_eq!(lru["policy"], "lru");
     assert!(lru["hit_rate"].as_f64().unwrap() <= v["belady"]["hit_rate"].as_f64().unwrap());
     assert!(lru["ttft_ms"]["p99"].as_f64().is_some());
 
@@ -51,22 +55,32 @@ fn a_policy_is_reported_beside_lru() {
     assert!(out.status.success());
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(
-        s.contains("eviction freq-depth:100:2:3") && s.contains("LRU, same capacity"),
+        s.contains("eviction freq-depth:100:2:3") && s.contains("lru, same capacity"),
         "{s}"
     );
 
-    // LRU itself has nothing to compare with.
+    // LRU (the default) is shown beside the conversation setting of freq-depth.
     let out = kvtier()
-        .args(["sim", "--json", "--no-l3", "--eviction", "lru"])
+        .args(["sim", "--json", "--no-l3"])
         .args(SMALL)
         .output()
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert!(v["lru"].is_null());
+    assert_eq!(v["policy"], "lru");
+    assert_eq!(v["compared"][0]["policy"], "freq-depth:56000:4:60");
+
+    // And nothing is compared on request.
+    let out = kvtier()
+        .args(["sim", "--json", "--no-l3", "--no-compare"])
+        .args(SMALL)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["compared"].as_array().unwrap().len(), 0);
 }
 
 #[test]
-fn the_sweep_has_an_lru_line() {
+fn the_sweep_has_a_line_per_online_policy() {
     let dir = std::env::temp_dir().join(format!("kvtier-sweep-lru-{}", std::process::id()));
     let out = kvtier()
         .args([
@@ -85,11 +99,15 @@ fn the_sweep_has_an_lru_line() {
     assert!(out.status.success());
     let pts: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for p in pts.as_array().unwrap() {
-        let lru = p["lru"].as_f64().expect("an LRU value at every point");
+        let lru = &p["compared"][0];
+        assert_eq!(lru["policy"], "lru");
+        let lru = lru["hit_rate"]
+            .as_f64()
+            .expect("an LRU value at every point");
         assert!(lru <= p["belady"].as_f64().unwrap() + 1e-9);
     }
     let svg = std::fs::read_to_string(dir.join("sweep.svg")).unwrap();
-    assert!(svg.contains("LRU (all tiers)") && svg.contains("freq-depth"));
+    assert!(svg.contains("lru (all tiers)") && svg.contains("freq-depth"));
     std::fs::remove_dir_all(&dir).ok();
 }
 

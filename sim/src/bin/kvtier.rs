@@ -15,8 +15,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use kvtier_radix::EvictionPolicy;
 use kvtier_scheduler::{PrefetchStopPolicy, WritePolicy};
-use kvtier_sim::plot::{SweepPoint, SweepTitle, write_sweep_plot};
+use kvtier_sim::plot::{ComparedRate, SweepPoint, SweepTitle, write_sweep_plot};
 use kvtier_sim::profile::{BUILTIN_PROFILES, builtin};
+use kvtier_sim::report::Summary;
 use kvtier_sim::workload::{
     ChatSpec, Routing, SimRequest, TraceReader, TraceSummary, WorkloadError, scan_trace,
     synthetic_chat,
@@ -107,9 +108,9 @@ struct SimArgs {
     /// freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE
     #[arg(long)]
     eviction: Option<String>,
-    /// Do not also run LRU at the same capacity for comparison.
+    /// Do not also run the other online policies (LRU, freq-depth) at the same capacity.
     #[arg(long)]
-    no_lru_baseline: bool,
+    no_compare: bool,
     /// Chat workload: clients and rounds.
     #[arg(long)]
     clients: Option<u32>,
@@ -329,15 +330,24 @@ fn policy_name(p: EvictionPolicy) -> String {
     }
 }
 
-/// The same run under LRU, for the side-by-side comparison (None when the policy is LRU or
-/// the comparison is turned off).
-fn lru_baseline(a: &SimArgs, cfg: &SimConfig, w: &Workload) -> Result<Option<Report>, String> {
-    if a.no_lru_baseline || cfg.scheduler.eviction == EvictionPolicy::Lru {
-        return Ok(None);
+/// The same run under the simulator's other online policies (LRU and the conversation
+/// setting of freq-depth, whichever did not run), for the side-by-side comparison.
+fn compare(a: &SimArgs, cfg: &SimConfig, w: &Workload) -> Result<Vec<Summary>, String> {
+    if a.no_compare {
+        return Ok(Vec::new());
     }
-    let mut c = cfg.clone();
-    c.scheduler.eviction = EvictionPolicy::Lru;
-    run_one(&c, w, |_| {}).map(Some)
+    let mut out = Vec::new();
+    for p in [EvictionPolicy::Lru, EvictionPolicy::CONVERSATION] {
+        if p == cfg.scheduler.eviction {
+            continue;
+        }
+        let mut c = cfg.clone();
+        c.scheduler.eviction = p;
+        let mut r = run_one(&c, w, |_| {})?;
+        r.policy = policy_name(p);
+        out.push(r.summary());
+    }
+    Ok(out)
 }
 
 fn workload(a: &SimArgs) -> Result<Workload, String> {
@@ -401,7 +411,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         let mut report = run_one(&cfg, &reqs, |n| pb.set_position(n))?;
         pb.finish_and_clear();
         report.policy = policy_name(cfg.scheduler.eviction);
-        report.lru = lru_baseline(&a, &cfg, &reqs)?.map(|r| r.summary());
+        report.compared = compare(&a, &cfg, &reqs)?;
         if a.json {
             println!(
                 "{}",
@@ -456,7 +466,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             continue;
         }
         let r = run_one(&c, &reqs, |_| {})?;
-        let lru = lru_baseline(&a, &c, &reqs)?;
+        let compared = compare(&a, &c, &reqs)?;
         let cap = (c.scheduler.device_pages as u64
             + if c.scheduler.host_enabled {
                 c.scheduler.host_pages as u64
@@ -471,7 +481,13 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             hit_rate: r.hits.total,
             device: r.hits.device,
             belady: belady.map_or(0.0, |b| b.hit_rate),
-            lru: lru.map(|l| l.hits.total),
+            compared: compared
+                .into_iter()
+                .map(|s| ComparedRate {
+                    policy: s.policy,
+                    hit_rate: s.hit_rate,
+                })
+                .collect(),
         });
         pb.inc(1);
     }
@@ -501,19 +517,34 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             serde_json::to_string_pretty(&pts).map_err(|e| e.to_string())?
         );
     } else {
-        println!(
-            "{:>16} {:>10} {:>10} {:>10} {:>10}",
-            "capacity pages", "hit %", "device %", "LRU %", "Belady %"
+        let others: Vec<String> = pts
+            .first()
+            .map(|p| {
+                p.compared
+                    .iter()
+                    .map(|c| format!("{} %", c.policy))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut head = format!(
+            "{:>16} {:>10} {:>10}",
+            "capacity pages", "hit %", "device %"
         );
+        for o in &others {
+            head.push_str(&format!(" {o:>24}"));
+        }
+        println!("{head} {:>10}", "Belady %");
         for p in &pts {
-            println!(
-                "{:>16} {:>10.2} {:>10.2} {:>10} {:>10.2}",
+            let mut row = format!(
+                "{:>16} {:>10.2} {:>10.2}",
                 p.capacity_pages,
                 p.hit_rate * 100.0,
-                p.device * 100.0,
-                p.lru.map_or("-".into(), |l| format!("{:.2}", l * 100.0)),
-                p.belady * 100.0
+                p.device * 100.0
             );
+            for c in &p.compared {
+                row.push_str(&format!(" {:>24.2}", c.hit_rate * 100.0));
+            }
+            println!("{row} {:>10.2}", p.belady * 100.0);
         }
         println!("plot: {}/sweep.svg and sweep.png", a.sweep_out.display());
     }

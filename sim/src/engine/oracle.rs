@@ -1,0 +1,91 @@
+//! The integrity oracle's bookkeeping: the fingerprints a request's pages must hold, the
+//! checks of every page a forward reads, the pages it writes, and the access log for the
+//! Belady ceiling.
+//!
+//! Why apart from the event loop: the loop decides *when* things happen; this decides whether
+//! what the scheduler handed out is right, and it must stay simple enough to trust.
+
+use kvtier_radix::extend_hashes;
+use kvtier_scheduler::RequestId;
+
+use super::{Simulation, fingerprint};
+
+impl Simulation {
+    /// Logs a request's prompt pages (once) for the Belady ceiling.
+    pub(super) fn log_prompt(&mut self, inst: usize, id: RequestId) {
+        let ps = self.cfg.scheduler.page_size;
+        let Some(tr) = self.insts[inst].tracks.get(&id) else {
+            return;
+        };
+        if tr.logged {
+            return;
+        }
+        let n = tr.prompt_len / ps;
+        self.ensure_fps(inst, id, n);
+        if let Some(tr) = self.insts[inst].tracks.get_mut(&id) {
+            tr.logged = true;
+            for &f in &tr.fps[..n.min(tr.fps.len())] {
+                self.accesses.push(f, true);
+            }
+        }
+    }
+
+    /// Makes sure the track has fingerprints for the first `pages` full pages.
+    pub(super) fn ensure_fps(&mut self, inst: usize, id: RequestId, pages: usize) {
+        let ps = self.cfg.scheduler.page_size;
+        let i = &mut self.insts[inst];
+        let Some(tr) = i.tracks.get_mut(&id) else {
+            return;
+        };
+        if tr.fps.len() >= pages {
+            return;
+        }
+        let Some(tokens) = i.sched.request_tokens(id) else {
+            return;
+        };
+        let from = tr.hashes.len();
+        extend_hashes(&mut tr.hashes, tokens, ps, from, pages);
+        tr.fps.extend(tr.hashes[from..].iter().map(fingerprint));
+    }
+
+    /// Verifies pages `0..pages` of `id`'s table (from the first unverified one).
+    pub(super) fn verify(&mut self, inst: usize, id: RequestId, pages: usize) {
+        self.ensure_fps(inst, id, pages);
+        let i = &mut self.insts[inst];
+        let (Some(tr), Some(table)) = (i.tracks.get_mut(&id), i.tables.get(&id)) else {
+            return;
+        };
+        let upto = pages.min(table.len()).min(tr.fps.len());
+        for (p, page) in table
+            .iter()
+            .enumerate()
+            .take(upto)
+            .skip(tr.verified.min(upto))
+        {
+            let got = i.dev[page.index() as usize];
+            if got != tr.fps[p] {
+                let msg = format!("{id:?} reads wrong KV at page {p}");
+                tr.verified = p;
+                self.col.oracle_failure(msg);
+                return;
+            }
+        }
+        self.col.pages_checked += (upto - tr.verified.min(upto)) as u64;
+        tr.verified = tr.verified.max(upto);
+    }
+
+    pub(super) fn write(&mut self, inst: usize, id: RequestId, from_page: usize, to_page: usize) {
+        self.ensure_fps(inst, id, to_page);
+        let i = &mut self.insts[inst];
+        let (Some(tr), Some(table)) = (i.tracks.get(&id), i.tables.get(&id)) else {
+            return;
+        };
+        let to = to_page.min(table.len()).min(tr.fps.len());
+        for (page, fp) in table.iter().zip(&tr.fps).take(to).skip(from_page) {
+            i.dev[page.index() as usize] = *fp;
+            // Every computed page may enter the cache from now on (published per chunk, at
+            // retraction or at finish): log it as written, as early as any policy could use it.
+            self.accesses.push(*fp, false);
+        }
+    }
+}
