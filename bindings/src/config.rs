@@ -50,6 +50,8 @@ pub const FIELDS: &[&str] = &[
     "l3_sharing",
     "l3_leader_rank",
     "record_kv_events",
+    "tenant_quota_device_pages",
+    "tenant_quota_host_pages",
 ];
 
 /// Reads one field from a dict (by key) or any object (by attribute); `None` when absent.
@@ -229,6 +231,10 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         namespace,
         rank: get(obj, "rank", d.rank)?,
         l3_sharing,
+        tenant_quota: kvtier_scheduler::TenantQuota {
+            device_pages: get(obj, "tenant_quota_device_pages", None)?,
+            host_pages: get(obj, "tenant_quota_host_pages", None)?,
+        },
         record_kv_events: get(obj, "record_kv_events", d.record_kv_events)?,
         // Eviction policy: not exposed to Python yet; the scheduler's default.
         eviction: d.eviction,
@@ -296,6 +302,8 @@ pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bou
     d.set_item("l3_sharing", sharing)?;
     d.set_item("l3_leader_rank", leader)?;
     d.set_item("record_kv_events", c.record_kv_events)?;
+    d.set_item("tenant_quota_device_pages", c.tenant_quota.device_pages)?;
+    d.set_item("tenant_quota_host_pages", c.tenant_quota.host_pages)?;
     Ok(d)
 }
 

@@ -96,3 +96,13 @@ def test_bad_extra_keys_raise_and_change_nothing(extra, err):
         s.submit(1, prompt(1, 41), 2, extra_keys=extra)
     assert s.live_requests() == 0
     s.submit(1, prompt(1, 41), 2)  # the id was not taken
+
+
+def test_tenant_quotas_configure_and_validate():
+    s = kvtier.Scheduler(small_config(tenant_quota_device_pages=8, tenant_quota_host_pages=16))
+    assert (s.config()["tenant_quota_device_pages"], s.config()["tenant_quota_host_pages"]) == (8, 16)
+    assert kvtier.Scheduler(small_config()).config()["tenant_quota_device_pages"] is None
+    with pytest.raises(OverflowError):
+        kvtier.Scheduler(small_config(tenant_quota_host_pages=-1))
+    with pytest.raises(TypeError):
+        kvtier.Scheduler(small_config(tenant_quota_device_pages="many"))

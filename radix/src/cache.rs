@@ -60,6 +60,14 @@ pub struct PrefixMatch {
     pub host_node: NodeId,
 }
 
+/// Who an insert is for: the tenant that owns the nodes it creates and the scope label
+/// recorded on them.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct InsertOwner<'a> {
+    pub tenant: crate::tenant::TenantId,
+    pub label: Option<&'a Arc<ScopeLabel>>,
+}
+
 /// Result of [`RadixCache::insert`].
 #[derive(Debug, PartialEq, Eq)]
 pub struct InsertOutcome<T: Tier> {
@@ -420,8 +428,9 @@ impl RadixCache {
         self.insert_impl(start, from_page, hashes, tokens, pages, None)
     }
 
-    /// [`Self::insert`] for a scoped request: a new leaf directly below the root records
-    /// `label` (deeper leaves inherit their parent's), and KV events carry it.
+    /// [`Self::insert`] for a scoped request: `owner.tenant` owns the nodes it creates (see
+    /// [`crate::tenant`]); a new leaf directly below the root records `owner.label` (deeper
+    /// leaves inherit their parent's), and KV events carry it.
     pub fn insert_labelled<T: Tier>(
         &mut self,
         start: NodeId,
@@ -429,10 +438,10 @@ impl RadixCache {
         hashes: &[PageHash],
         tokens: &[u32],
         pages: &[PageId<T>],
-        label: Option<&Arc<ScopeLabel>>,
+        owner: InsertOwner<'_>,
     ) -> Result<InsertOutcome<T>, RadixError> {
-        self.insert_owner = TenantId::SHARED;
-        self.insert_impl(start, from_page, hashes, tokens, pages, label)
+        self.insert_owner = owner.tenant;
+        self.insert_impl(start, from_page, hashes, tokens, pages, owner.label)
     }
 
     /// The insert itself; the owner of new nodes is `self.insert_owner`.

@@ -29,7 +29,7 @@ mod query;
 pub mod tenant;
 mod tier;
 
-pub use cache::{InsertOutcome, PrefixMatch, RadixCache, RadixConfig, TierUsage};
+pub use cache::{InsertOutcome, InsertOwner, PrefixMatch, RadixCache, RadixConfig, TierUsage};
 pub use error::RadixError;
 pub use events::{KvEvent, ScopeLabel};
 pub use evict::{EvictOutcome, EvictedNode};

@@ -54,13 +54,14 @@ impl Scheduler {
                 continue;
             }
             if r.kv_len() + 1 > r.table.pages.len() * ps {
-                let page = match self.cache.alloc_evicting::<Device>(1) {
+                let tenant = r.tenant;
+                let page = match self.cache.alloc_evicting_for::<Device>(tenant, 1) {
                     Ok(p) => p,
                     Err(_) => {
                         if !self.retract_for(id) {
                             continue;
                         }
-                        match self.cache.alloc_evicting::<Device>(1) {
+                        match self.cache.alloc_evicting_for::<Device>(tenant, 1) {
                             Ok(p) => p,
                             Err(_) => continue,
                         }
@@ -134,12 +135,13 @@ impl Scheduler {
                 .div_ceil(ps)
                 .saturating_sub(r.table.pages.len());
             if need > 0 {
-                let got = match self.cache.alloc_evicting::<Device>(need) {
+                let tenant = r.tenant;
+                let got = match self.cache.alloc_evicting_for::<Device>(tenant, need) {
                     Ok(p) => Some(p),
                     // Decode growth ate the pages this prefill was admitted with: preempt
                     // someone (possibly this request) rather than wait forever.
                     Err(_) if self.retract_for(id) => {
-                        self.cache.alloc_evicting::<Device>(need).ok()
+                        self.cache.alloc_evicting_for::<Device>(tenant, need).ok()
                     }
                     Err(_) => None,
                 };
@@ -362,7 +364,11 @@ impl Scheduler {
             }
             return Admit::Blocked;
         }
-        let fresh = match self.cache.alloc_evicting::<Device>(lb + new_pages) {
+        let tenant = self.tenant_of(id);
+        let fresh = match self
+            .cache
+            .alloc_evicting_for::<Device>(tenant, lb + new_pages)
+        {
             Ok(p) => p,
             Err(_) => {
                 release::unlock(&mut self.cache, &mut self.stats, dl);

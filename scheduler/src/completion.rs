@@ -249,7 +249,7 @@ impl Scheduler {
         let r = self.reqs.get(&id)?;
         match self
             .cache
-            .insert_labelled::<T>(start, from, &r.hashes, &r.tokens, pages, r.label())
+            .insert_labelled::<T>(start, from, &r.hashes, &r.tokens, pages, r.owner())
         {
             Ok(out) => {
                 let dups: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();

@@ -97,6 +97,20 @@ pub struct SchedulerConfig {
     /// How the device and host tiers choose what to evict.
     #[serde(default)]
     pub eviction: EvictionPolicy,
+    /// Pages each tenant (each distinct `cache_salt`) may keep cached per tier, so that one
+    /// tenant's burst cannot flush another's prefixes (default: no caps).
+    #[serde(default)]
+    pub tenant_quota: TenantQuota,
+}
+
+/// Per-tenant caps on cached pages (a tenant is a request's `cache_salt`; unsalted requests
+/// share the uncapped common space). A capped tenant's allocations evict its own leaves
+/// first once it holds its cap.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TenantQuota {
+    pub device_pages: Option<u32>,
+    pub host_pages: Option<u32>,
 }
 
 impl Default for SchedulerConfig {
@@ -125,6 +139,7 @@ impl Default for SchedulerConfig {
             l3_sharing: L3Sharing::PerRank,
             record_kv_events: false,
             eviction: EvictionPolicy::Lru,
+            tenant_quota: TenantQuota::default(),
         }
     }
 }

@@ -33,7 +33,8 @@ mod types;
 
 pub use agreement::{AgreementError, RankAgreement};
 pub use config::{
-    ConfigError, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, WritePolicy,
+    ConfigError, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, TenantQuota,
+    WritePolicy,
 };
 pub use error::SchedulerError;
 pub use kvtier_fsm::{OpKind, RequestState};

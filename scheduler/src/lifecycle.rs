@@ -44,7 +44,7 @@ impl Scheduler {
             &r.hashes,
             &r.tokens,
             &r.table.pages[from..upto],
-            r.scope.as_ref().map(|s| &s.1),
+            r.owner(),
         ) {
             Ok(out) => {
                 for &(idx, mine, theirs) in &out.duplicates {
@@ -154,7 +154,8 @@ impl Scheduler {
             return 0;
         };
         let n = full - host_from;
-        let Some(dst) = self.alloc_host(n) else {
+        let tenant = self.tenant_of(id);
+        let Some(dst) = self.alloc_host(tenant, n) else {
             release::unlock(&mut self.cache, &mut self.stats, hl);
             return 0;
         };

@@ -55,7 +55,7 @@ impl Scheduler {
             let Ok(hl) = self.cache.lock::<Host>(m.host_node) else {
                 return false;
             };
-            let Some(dst) = self.alloc_host(end - local) else {
+            let Some(dst) = self.alloc_host(r.tenant, end - local) else {
                 release::unlock(&mut self.cache, &mut self.stats, hl);
                 return false;
             };
@@ -69,7 +69,10 @@ impl Scheduler {
             let Ok(dl) = self.cache.lock::<Device>(m.device_node) else {
                 return false;
             };
-            let Ok(dst) = self.cache.alloc_evicting::<Device>(end - local) else {
+            let Ok(dst) = self
+                .cache
+                .alloc_evicting_for::<Device>(r.tenant, end - local)
+            else {
                 release::unlock(&mut self.cache, &mut self.stats, dl);
                 return false;
             };

@@ -11,7 +11,8 @@ use kvtier_fsm::RequestState;
 use std::sync::Arc;
 
 use kvtier_radix::{
-    Device, DevicePageId, HashScope, LockHandle, PageHash, ScopeLabel, extend_hashes,
+    Device, DevicePageId, HashScope, InsertOwner, LockHandle, PageHash, ScopeLabel, TenantId,
+    extend_hashes,
 };
 
 use crate::ops::AnyLock;
@@ -88,6 +89,9 @@ pub(crate) struct Request {
     pub hashes: Vec<PageHash>,
     /// Salt, adapter and extra keys when the request is scoped (`None`: the plain chain).
     pub scope: Option<Box<(HashScope, Arc<ScopeLabel>)>>,
+    /// The tenant its cache salt names ([`TenantId::SHARED`] without a salt): owns the tree
+    /// nodes the request creates and is charged for its allocations (per-tenant quotas).
+    pub tenant: TenantId,
     pub state: RequestState,
     /// The device page table the engine's attention kernels read.
     pub table: DeviceTable,
@@ -124,9 +128,12 @@ impl Request {
         self.tokens.len().saturating_sub(1)
     }
 
-    /// The scope label recorded on the tree nodes this request creates.
-    pub(crate) fn label(&self) -> Option<&Arc<ScopeLabel>> {
-        self.scope.as_ref().map(|s| &s.1)
+    /// Who the tree nodes this request creates belong to: its tenant and scope label.
+    pub(crate) fn owner(&self) -> InsertOwner<'_> {
+        InsertOwner {
+            tenant: self.tenant,
+            label: self.scope.as_ref().map(|s| &s.1),
+        }
     }
 
     /// Makes sure `hashes` covers the first `pages` full pages.

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use kvtier_fsm::{OpEvent, OpKind, RequestEvent, RequestState};
 use kvtier_radix::{
     Device, HashScope, Host, KvEvent, L3KeyBuilder, PageHash, RadixCache, RadixConfig, ScopeLabel,
-    TierKind, page_hashes,
+    TenantId, TierKind, page_hashes,
 };
 
 use crate::config::{ConfigError, SchedulerConfig};
@@ -174,6 +174,13 @@ impl Scheduler {
                         }),
                     ))
                 });
+        let tenant = match &scope {
+            Some(sc) => match &sc.1.cache_salt {
+                Some(salt) => self.tenant_for_salt(salt),
+                None => TenantId::SHARED,
+            },
+            None => TenantId::SHARED,
+        };
         let hashes = match &scope {
             None => page_hashes(&spec.prompt, self.cfg.page_size, None),
             Some(s) => s.0.page_hashes(&spec.prompt, self.cfg.page_size),
@@ -191,6 +198,7 @@ impl Scheduler {
                 max_new: spec.max_new_tokens,
                 hashes,
                 scope,
+                tenant,
                 state: RequestState::Submitted,
                 table: DeviceTable::new(),
                 l3: if self.cfg.l3_enabled {
@@ -539,7 +547,36 @@ impl Scheduler {
     }
 
     /// Host pages for `n`, evicting per the write policy (see `lifecycle.rs`).
-    pub(crate) fn alloc_host(&mut self, n: usize) -> Option<Vec<kvtier_radix::HostPageId>> {
+    /// The tenant a cache salt names (never `SHARED`); registers its caps on first sight when
+    /// `tenant_quota` sets any.
+    fn tenant_for_salt(&mut self, salt: &str) -> TenantId {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in b"kvtier-tenant-v1".iter().chain(salt.as_bytes()) {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x100_0000_01b3);
+        }
+        let t = TenantId(h.max(1));
+        let q = self.cfg.tenant_quota;
+        let capped = q.device_pages.is_some() || q.host_pages.is_some();
+        if capped && self.cache.tenant_cached(t, TierKind::Device).is_none() {
+            self.cache
+                .set_tenant_cap(t, TierKind::Device, q.device_pages.map(|x| x as usize));
+            self.cache
+                .set_tenant_cap(t, TierKind::Host, q.host_pages.map(|x| x as usize));
+        }
+        t
+    }
+
+    /// The tenant a live request is charged to.
+    pub(crate) fn tenant_of(&self, id: RequestId) -> TenantId {
+        self.reqs.get(&id).map_or(TenantId::SHARED, |r| r.tenant)
+    }
+
+    pub(crate) fn alloc_host(
+        &mut self,
+        tenant: TenantId,
+        n: usize,
+    ) -> Option<Vec<kvtier_radix::HostPageId>> {
         if n == 0 {
             return Some(Vec::new());
         }
@@ -547,6 +584,6 @@ impl Scheduler {
             self.make_room_on_host(n);
             return self.cache.alloc::<Host>(n).ok();
         }
-        self.cache.alloc_evicting::<Host>(n).ok()
+        self.cache.alloc_evicting_for::<Host>(tenant, n).ok()
     }
 }

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 from . import _native
 from ._native import (  # noqa: F401  (re-exports)
@@ -102,7 +102,9 @@ class SchedulerConfig:
     ``write_hit_threshold``), ``retraction`` in {"latest_arrival", "fewest_generated",
     "most_pages"}, ``l3_sharing`` in {"per_rank", "replicated"} (with ``l3_leader_rank``: MLA
     models, where one rank probes and backs up for all). ``namespace`` is a dict with keys model, dtype, layout, tenant, adapter
-    (it selects the L3 key namespace). ``validate()`` raises ``ConfigError`` naming the field.
+    (it selects the L3 key namespace). ``tenant_quota_device_pages`` / ``tenant_quota_host_pages``
+    cap the pages each tenant (each distinct ``cache_salt``) keeps cached per tier (None: no
+    cap). ``validate()`` raises ``ConfigError`` naming the field.
     """
 
     page_size: int = _default("page_size")
@@ -128,6 +130,8 @@ class SchedulerConfig:
     l3_sharing: str = _default("l3_sharing")
     l3_leader_rank: int = _default("l3_leader_rank")
     record_kv_events: bool = _default("record_kv_events")
+    tenant_quota_device_pages: Optional[int] = _default("tenant_quota_device_pages")
+    tenant_quota_host_pages: Optional[int] = _default("tenant_quota_host_pages")
 
     def validate(self) -> None:
         """Raises ``ConfigError`` (or ``TypeError``) if the configuration is invalid."""
@@ -153,4 +157,4 @@ OP_KINDS = tuple(_native.op_kinds())
 EVENT_TYPES = (L3QueryDone, PrefetchDone, LoadBackDone, WriteBackDone, BackUpDone, ForwardDone)
 """Every completion event class."""
 
-__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "dataclass", "dataclasses", "field", "Any", "Dict", "Mapping")]
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "dataclass", "dataclasses", "field", "Any", "Dict", "Mapping", "Optional")]
