@@ -14,7 +14,9 @@
 //! - `ops.rs`: the in-flight op table with the locks each op holds;
 //! - `prefetch.rs`: the prefetch path (start, deadline, finish, pin until admission);
 //! - `agreement.rs`: tensor-parallel agreement ([`RankAgreement`], [`ExecutionPlan::digest`]);
-//! - `stats.rs`: counters, also exported through the `metrics` facade.
+//! - `stats.rs`: counters, also exported through the `metrics` facade;
+//! - [`model`]: the reference engine model (page contents, page tables, the integrity oracle)
+//!   shared by the scheduler's tests, the simulator and the end-to-end tests.
 
 mod admission;
 mod agreement;
@@ -23,6 +25,7 @@ mod config;
 mod error;
 mod idhash;
 mod lifecycle;
+pub mod model;
 mod ops;
 mod prefetch;
 mod release;

@@ -116,7 +116,7 @@ fn run_losing_l3(seeds: &[u32], lose_every: usize, report: Report) -> Option<Str
                 } = ev
                 {
                     for h in hashes {
-                        if !e.l3.contains_key(&kb.key(&h)) && !e.device.contains(&Some(h)) {
+                        if !e.l3.contains_key(&kb.key(&h)) && !e.model.device.contains(&Some(h)) {
                             return Some(format!("page {h:?} dropped from host, in no tier"));
                         }
                     }

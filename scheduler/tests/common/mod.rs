@@ -14,15 +14,15 @@
 use std::collections::HashMap;
 
 use kvtier_radix::page_hashes;
+use kvtier_scheduler::model::PageModel;
 use kvtier_scheduler::*;
 
 pub struct Engine {
     pub page_size: usize,
-    pub device: Vec<Option<PageHash>>,
-    pub host: Vec<Option<PageHash>>,
+    /// Page contents (a full page holds its chained hash) and page tables: the shared model.
+    pub model: PageModel<Option<PageHash>>,
     pub l3: HashMap<String, PageHash>,
     /// The engine's copy of each request's page table and tokens.
-    pub tables: HashMap<RequestId, Vec<DevicePageId>>,
     pub tokens: HashMap<RequestId, Vec<u32>>,
     /// Scopes of scoped requests: their pages' contents are the scoped chain.
     pub scopes: HashMap<RequestId, HashScope>,
@@ -43,9 +43,9 @@ pub struct Engine {
     pub termination: Termination,
     /// Prefetches the last plan asked to stop.
     terminating: Vec<OpId>,
-    /// Copies still in flight after their op was reported: `(tier is host, page, content)`;
-    /// they land at the end of the next step.
-    late_writes: Vec<(bool, u32, Option<PageHash>)>,
+    /// Copies still in flight after their op was reported: `(pages, index, content)`; they
+    /// land at the end of the next step.
+    late_writes: Vec<(TierPages, usize, Option<PageHash>)>,
 }
 
 /// How an engine stops a prefetch the scheduler terminates: half its pages have arrived and
@@ -68,10 +68,8 @@ impl Engine {
     pub fn new(cfg: &SchedulerConfig) -> Engine {
         Engine {
             page_size: cfg.page_size,
-            device: vec![None; cfg.device_pages as usize],
-            host: vec![None; cfg.host_pages as usize],
+            model: PageModel::new(cfg.device_pages, cfg.host_pages),
             l3: HashMap::new(),
-            tables: HashMap::new(),
             tokens: HashMap::new(),
             scopes: HashMap::new(),
             held: Vec::new(),
@@ -119,11 +117,11 @@ impl Engine {
     /// Takes a plan; ops are held (to be completed by `complete_*`), the forward is kept.
     pub fn take_plan(&mut self, plan: ExecutionPlan) {
         for (id, o) in &plan.ended {
-            self.tables.remove(id);
+            self.model.forget(*id);
             self.ended.push((*id, *o));
         }
         for id in &plan.retracted {
-            self.tables.remove(id);
+            self.model.forget(*id);
         }
         self.held.extend(plan.ops);
         // Terminated prefetches are answered by `stop_prefetches` (it needs the scheduler).
@@ -166,10 +164,7 @@ impl Engine {
                     let Some(c) = self.l3.get(k).copied() else {
                         break;
                     };
-                    match dst {
-                        TierPages::Host(p) => self.host[p[i].index() as usize] = Some(c),
-                        TierPages::Device(p) => self.device[p[i].index() as usize] = Some(c),
-                    }
+                    self.model.set(dst, i, Some(c));
                     n += 1;
                 }
                 Event::PrefetchDone {
@@ -177,22 +172,18 @@ impl Engine {
                     completed: n,
                 }
             }
-            OpSpec::LoadBack { src, dst } => {
+            OpSpec::LoadBack { .. } => {
                 if !fail {
-                    for (a, b) in src.iter().zip(dst) {
-                        self.device[b.index() as usize] = self.host[a.index() as usize];
-                    }
+                    self.model.copy(&op.spec);
                 }
                 Event::LoadBackDone {
                     op: op.id,
                     success: !fail,
                 }
             }
-            OpSpec::WriteBack { src, dst } => {
+            OpSpec::WriteBack { .. } => {
                 if !fail {
-                    for (a, b) in src.iter().zip(dst) {
-                        self.host[b.index() as usize] = self.device[a.index() as usize];
-                    }
+                    self.model.copy(&op.spec);
                 }
                 Event::WriteBackDone {
                     op: op.id,
@@ -202,10 +193,7 @@ impl Engine {
             OpSpec::BackUp { keys, src } => {
                 if !fail {
                     for (i, k) in keys.iter().enumerate() {
-                        let c = match src {
-                            TierPages::Host(p) => self.host[p[i].index() as usize],
-                            TierPages::Device(p) => self.device[p[i].index() as usize],
-                        };
+                        let c = self.model.get(src, i);
                         assert_eq!(c, key_hash(k), "backup stores other content under {k}");
                         if let Some(c) = c {
                             self.l3.insert(k.clone(), c);
@@ -230,35 +218,31 @@ impl Engine {
     }
 
     fn apply_delta(&mut self, req: RequestId, d: &Option<PageTableDelta>) {
-        let t = self.tables.entry(req).or_default();
-        if let Some(d) = d {
-            t.truncate(d.from as usize);
-            t.extend_from_slice(&d.pages);
-        }
+        self.model.apply_delta(req, d);
     }
 
     /// Checks that pages `0 .. upto_tokens / ps` of `req` hold the right KV.
     fn check_pages(&mut self, req: RequestId, upto_tokens: usize) {
-        let hs = self.hashes(req, upto_tokens);
-        let table = &self.tables[&req];
-        for (i, h) in hs.iter().enumerate() {
-            let p = table[i].index() as usize;
-            assert_eq!(
-                self.device[p],
-                Some(*h),
-                "{req:?} reads wrong KV at page {i} (device page {p})"
-            );
+        let want: Vec<Option<PageHash>> = self
+            .hashes(req, upto_tokens)
+            .into_iter()
+            .map(Some)
+            .collect();
+        match self.model.check(req, 0, &want) {
+            Ok(n) => {
+                assert_eq!(n, want.len(), "{req:?}: page table shorter than its KV");
+                self.pages_checked += n as u64;
+            }
+            Err(w) => panic!(
+                "{req:?} reads wrong KV at page {} (device page {})",
+                w.page, w.device_page
+            ),
         }
-        self.pages_checked += hs.len() as u64;
     }
 
     fn write_pages(&mut self, req: RequestId, from_tok: usize, to_tok: usize) {
-        let ps = self.page_size;
-        let hs = self.hashes(req, to_tok);
-        let table = self.tables[&req].clone();
-        for (i, h) in hs.iter().enumerate().skip(from_tok / ps) {
-            self.device[table[i].index() as usize] = Some(*h);
-        }
+        let hs: Vec<Option<PageHash>> = self.hashes(req, to_tok).into_iter().map(Some).collect();
+        self.model.write(req, from_tok / self.page_size, &hs);
     }
 
     pub fn token_for(req: RequestId, pos: usize) -> u32 {
@@ -282,9 +266,9 @@ impl Engine {
             if garbage {
                 // Garbage in, garbage out: the scheduler must discard this chunk.
                 let ps = self.page_size;
-                let table = self.tables[&c.req].clone();
+                let table = self.model.table(c.req).to_vec();
                 for p in &table[start / ps..(start + len).div_ceil(ps).min(table.len())] {
-                    self.device[p.index() as usize] = None;
+                    self.model.device[p.index() as usize] = None;
                 }
             } else {
                 self.check_pages(c.req, start);
@@ -374,13 +358,8 @@ impl Engine {
         }
         // Copies an early-reporting engine left in flight land now, after the scheduler
         // freed their pages and this step's ops may have reused them.
-        for (host, page, content) in late {
-            let pool = if host {
-                &mut self.host
-            } else {
-                &mut self.device
-            };
-            pool[page as usize] = content;
+        for (pages, i, content) in late {
+            self.model.set(&pages, i, content);
         }
         busy
     }
@@ -401,31 +380,15 @@ impl Engine {
                 let Some(c) = self.l3.get(k).copied() else {
                     break;
                 };
-                let (host, page) = match dst {
-                    TierPages::Host(p) => (true, p[i].index()),
-                    TierPages::Device(p) => (false, p[i].index()),
-                };
                 if i < keys.len() / 2 {
-                    let pool = if host {
-                        &mut self.host
-                    } else {
-                        &mut self.device
-                    };
-                    pool[page as usize] = Some(c);
+                    self.model.set(dst, i, Some(c));
                     done += 1;
                     continue;
                 }
                 match self.termination {
                     // The in-flight copy lands, then the engine reports.
-                    Termination::Landed => {
-                        let pool = if host {
-                            &mut self.host
-                        } else {
-                            &mut self.device
-                        };
-                        pool[page as usize] = Some(c);
-                    }
-                    Termination::ReportEarly => self.late_writes.push((host, page, Some(c))),
+                    Termination::Landed => self.model.set(dst, i, Some(c)),
+                    Termination::ReportEarly => self.late_writes.push((dst.clone(), i, Some(c))),
                 }
                 break;
             }
