@@ -16,7 +16,7 @@ use std::time::Duration;
 use kvtier_l3::{
     EmbeddedStore, ErrorCode, L3Store, OffloadMode, PutOptions, SsdConfig, StoreConfig, Tenant,
 };
-use kvtier_radix::{DevicePageId, PageHash, TierKind};
+use kvtier_radix::{PageHash, TierKind};
 use kvtier_scheduler::*;
 
 use crate::belady::AccessLog;
@@ -75,9 +75,9 @@ struct Track {
 
 struct Instance {
     sched: Scheduler,
-    dev: Vec<u64>,
-    host: Vec<u64>,
-    tables: HashMap<RequestId, Vec<DevicePageId>>,
+    /// Page contents (fingerprints) and page tables: the shared engine model, whose
+    /// integrity oracle every forward goes through (`engine/oracle.rs`).
+    model: kvtier_scheduler::model::PageModel<u64>,
     tracks: HashMap<RequestId, Track>,
     forward_busy: bool,
     /// Link availability (µs): host→device, device→host, network.
@@ -153,9 +153,10 @@ impl Simulation {
             let sched = Scheduler::new(sched_cfg.clone()).map_err(|e| e.to_string())?;
             insts.push(Instance {
                 sched,
-                dev: vec![0; cfg.scheduler.device_pages as usize],
-                host: vec![0; cfg.scheduler.host_pages as usize],
-                tables: HashMap::new(),
+                model: kvtier_scheduler::model::PageModel::new(
+                    cfg.scheduler.device_pages,
+                    cfg.scheduler.host_pages,
+                ),
                 tracks: HashMap::new(),
                 forward_busy: false,
                 h2d_free: 0,
@@ -390,14 +391,14 @@ impl Simulation {
         {
             let i = &mut self.insts[inst];
             for (id, outcome) in &plan.ended {
-                i.tables.remove(id);
+                i.model.forget(*id);
                 if let Some(tr) = i.tracks.remove(id) {
                     self.col
                         .ended(*outcome, tr.first_token_us.map(|f| f - tr.arrival_us));
                 }
             }
             for id in &plan.retracted {
-                i.tables.remove(id);
+                i.model.forget(*id);
                 if let Some(tr) = i.tracks.get_mut(id) {
                     tr.verified = 0;
                 }
@@ -573,7 +574,7 @@ impl Simulation {
             return;
         }
         let i = &self.insts[inst];
-        let on_device: std::collections::HashSet<u64> = i.dev.iter().copied().collect();
+        let on_device: std::collections::HashSet<u64> = i.model.device.iter().copied().collect();
         let keys = i.sched.l3_keys(&dropped);
         let exist = store.batch_is_exist(&self.tenant, &keys);
         for (j, h) in dropped.iter().enumerate() {
@@ -631,11 +632,7 @@ impl Simulation {
                     .oracle_failure(format!("L3 returned other content for {}", keys[i]));
                 break;
             }
-            let ins = &mut self.insts[inst];
-            match dst {
-                TierPages::Host(p) => ins.host[p[i].index() as usize] = fp,
-                TierPages::Device(p) => ins.dev[p[i].index() as usize] = fp,
-            }
+            self.insts[inst].model.set(dst, i, fp);
             done += 1;
         }
         self.col.l3_read(done as u64);
@@ -655,10 +652,7 @@ impl Simulation {
         let ins = &self.insts[inst];
         let mut payload = vec![0u8; keys.len() * pb];
         for (i, k) in keys.iter().enumerate() {
-            let fp = match src {
-                TierPages::Host(p) => ins.host[p[i].index() as usize],
-                TierPages::Device(p) => ins.dev[p[i].index() as usize],
-            };
+            let fp = ins.model.get(src, i);
             if Some(fp) != key_fingerprint(k) {
                 self.col
                     .oracle_failure(format!("backup would store other content under {k}"));
@@ -696,21 +690,15 @@ impl Simulation {
 
     fn complete_op(&mut self, inst: usize, op: PlannedOp) -> Result<(), String> {
         let ev = match op.spec {
-            OpSpec::LoadBack { src, dst } => {
-                let i = &mut self.insts[inst];
-                for (a, b) in src.iter().zip(&dst) {
-                    i.dev[b.index() as usize] = i.host[a.index() as usize];
-                }
+            OpSpec::LoadBack { .. } => {
+                self.insts[inst].model.copy(&op.spec);
                 Event::LoadBackDone {
                     op: op.id,
                     success: true,
                 }
             }
-            OpSpec::WriteBack { src, dst } => {
-                let i = &mut self.insts[inst];
-                for (a, b) in src.iter().zip(&dst) {
-                    i.host[b.index() as usize] = i.dev[a.index() as usize];
-                }
+            OpSpec::WriteBack { .. } => {
+                self.insts[inst].model.copy(&op.spec);
                 Event::WriteBackDone {
                     op: op.id,
                     success: true,
@@ -743,13 +731,11 @@ impl Simulation {
 
     fn apply_delta(&mut self, inst: usize, id: RequestId, d: &Option<PageTableDelta>) {
         let i = &mut self.insts[inst];
-        let t = i.tables.entry(id).or_default();
-        if let Some(d) = d {
-            t.truncate(d.from as usize);
-            t.extend_from_slice(&d.pages);
-            if let Some(tr) = i.tracks.get_mut(&id) {
-                tr.verified = tr.verified.min(d.from as usize);
-            }
+        i.model.apply_delta(id, d);
+        if let Some(d) = d
+            && let Some(tr) = i.tracks.get_mut(&id)
+        {
+            tr.verified = tr.verified.min(d.from as usize);
         }
     }
 

@@ -52,39 +52,35 @@ impl Simulation {
     pub(super) fn verify(&mut self, inst: usize, id: RequestId, pages: usize) {
         self.ensure_fps(inst, id, pages);
         let i = &mut self.insts[inst];
-        let (Some(tr), Some(table)) = (i.tracks.get_mut(&id), i.tables.get(&id)) else {
+        let Some(tr) = i.tracks.get_mut(&id) else {
             return;
         };
-        let upto = pages.min(table.len()).min(tr.fps.len());
-        for (p, page) in table
-            .iter()
-            .enumerate()
-            .take(upto)
-            .skip(tr.verified.min(upto))
-        {
-            let got = i.dev[page.index() as usize];
-            if got != tr.fps[p] {
-                let msg = format!("{id:?} reads wrong KV at page {p}");
-                tr.verified = p;
-                self.col.oracle_failure(msg);
-                return;
+        let upto = pages.min(i.model.table(id).len()).min(tr.fps.len());
+        let from = tr.verified.min(upto);
+        match i.model.check(id, from, &tr.fps[..upto]) {
+            Ok(n) => {
+                self.col.pages_checked += n as u64;
+                tr.verified = tr.verified.max(upto);
+            }
+            Err(w) => {
+                tr.verified = w.page;
+                self.col
+                    .oracle_failure(format!("{id:?} reads wrong KV at page {}", w.page));
             }
         }
-        self.col.pages_checked += (upto - tr.verified.min(upto)) as u64;
-        tr.verified = tr.verified.max(upto);
     }
 
     pub(super) fn write(&mut self, inst: usize, id: RequestId, from_page: usize, to_page: usize) {
         self.ensure_fps(inst, id, to_page);
         let i = &mut self.insts[inst];
-        let (Some(tr), Some(table)) = (i.tracks.get(&id), i.tables.get(&id)) else {
+        let Some(tr) = i.tracks.get(&id) else {
             return;
         };
-        let to = to_page.min(table.len()).min(tr.fps.len());
-        for (page, fp) in table.iter().zip(&tr.fps).take(to).skip(from_page) {
-            i.dev[page.index() as usize] = *fp;
-            // Every computed page may enter the cache from now on (published per chunk, at
-            // retraction or at finish): log it as written, as early as any policy could use it.
+        let to = to_page.min(i.model.table(id).len()).min(tr.fps.len());
+        i.model.write(id, from_page, &tr.fps[..to]);
+        // Every computed page may enter the cache from now on (published per chunk, at
+        // retraction or at finish): log it as written, as early as any policy could use it.
+        for fp in tr.fps.iter().take(to).skip(from_page) {
             self.accesses.push(*fp, false);
         }
     }
