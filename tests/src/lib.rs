@@ -4,15 +4,17 @@
 //! they can hold, reorder and fail ops at will; the store's tests exercise the store alone.
 //! What neither shows is the two together: page bytes put by one engine instance and read by
 //! another through the real `EmbeddedStore`, its namespaced keys, its existence probes, its
-//! removals. [`StoreEngine`] executes plans against byte pools and any [`L3Store`], and checks
-//! every page a forward reads (a page's 32 bytes are its chained, scoped page hash — the same
-//! oracle as the other test engines; keys are parsed with the one `parse_l3_key`).
+//! removals. [`StoreEngine`] executes plans on the shared engine model
+//! (`kvtier_scheduler::model::PageModel`, the same oracle as the scheduler's tests and the
+//! simulator; a page's 32 bytes are its chained, scoped page hash) with any [`L3Store`] as L3;
+//! keys are parsed with the one `parse_l3_key`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvtier_l3::{ExistOptions, L3Store, PutOptions, Tenant};
 use kvtier_radix::{HashScope, PageHash, parse_l3_key};
+use kvtier_scheduler::model::PageModel;
 use kvtier_scheduler::*;
 
 /// One engine instance: device and host pools of 32-byte pages, an L3 store.
@@ -21,9 +23,8 @@ pub struct StoreEngine {
     pub l3: Arc<dyn L3Store>,
     pub tenant: Tenant,
     page_size: usize,
-    device: Vec<[u8; 32]>,
-    host: Vec<[u8; 32]>,
-    tables: HashMap<RequestId, Vec<DevicePageId>>,
+    /// The shared engine model, with a page's 32 bytes as its content.
+    model: PageModel<[u8; 32]>,
     tokens: HashMap<RequestId, Vec<u32>>,
     scopes: HashMap<RequestId, HashScope>,
     /// Pages every forward read and found right.
@@ -34,12 +35,10 @@ impl StoreEngine {
     pub fn new(cfg: SchedulerConfig, l3: Arc<dyn L3Store>, tenant: &str) -> StoreEngine {
         StoreEngine {
             page_size: cfg.page_size,
-            device: vec![[0; 32]; cfg.device_pages as usize],
-            host: vec![[0; 32]; cfg.host_pages as usize],
+            model: PageModel::new(cfg.device_pages, cfg.host_pages),
             s: Scheduler::new(cfg).expect("valid config"),
             l3,
             tenant: Tenant::new(tenant).expect("valid tenant"),
-            tables: HashMap::new(),
             tokens: HashMap::new(),
             scopes: HashMap::new(),
             pages_checked: 0,
@@ -64,19 +63,6 @@ impl StoreEngine {
         self.scopes[&req].page_hashes(&t[..upto.min(t.len())], self.page_size)
     }
 
-    fn pool(&mut self, t: &TierPages) -> (&mut Vec<[u8; 32]>, Vec<usize>) {
-        match t {
-            TierPages::Device(p) => (
-                &mut self.device,
-                p.iter().map(|x| x.index() as usize).collect(),
-            ),
-            TierPages::Host(p) => (
-                &mut self.host,
-                p.iter().map(|x| x.index() as usize).collect(),
-            ),
-        }
-    }
-
     /// Runs one op against the pools and the store; returns its completion.
     pub fn execute(&mut self, op: &PlannedOp) -> Result<Event, String> {
         let id = op.id;
@@ -99,16 +85,16 @@ impl StoreEngine {
                 }
             }
             OpSpec::Prefetch { keys, dst } => {
-                let (tenant, l3) = (self.tenant.clone(), self.l3.clone());
-                let (pool, idx) = self.pool(dst);
                 let mut done = 0;
-                for (k, &p) in keys.iter().zip(&idx) {
-                    let Ok(bytes) = l3.get(&tenant, k) else { break };
+                for (i, k) in keys.iter().enumerate() {
+                    let Ok(bytes) = self.l3.get(&self.tenant, k) else {
+                        break;
+                    };
                     let want = parse_l3_key(k).ok_or("bad key")?.page;
                     if bytes[..] != want.0[..] {
                         return Err(format!("L3 returned other bytes for {k}"));
                     }
-                    pool[p] = want.0;
+                    self.model.set(dst, i, want.0);
                     done += 1;
                 }
                 Event::PrefetchDone {
@@ -116,34 +102,29 @@ impl StoreEngine {
                     completed: done,
                 }
             }
-            OpSpec::LoadBack { src, dst } => {
-                for (a, b) in src.iter().zip(dst) {
-                    self.device[b.index() as usize] = self.host[a.index() as usize];
-                }
+            OpSpec::LoadBack { .. } => {
+                self.model.copy(&op.spec);
                 Event::LoadBackDone {
                     op: id,
                     success: true,
                 }
             }
-            OpSpec::WriteBack { src, dst } => {
-                for (a, b) in src.iter().zip(dst) {
-                    self.host[b.index() as usize] = self.device[a.index() as usize];
-                }
+            OpSpec::WriteBack { .. } => {
+                self.model.copy(&op.spec);
                 Event::WriteBackDone {
                     op: id,
                     success: true,
                 }
             }
             OpSpec::BackUp { keys, src } => {
-                let (tenant, l3) = (self.tenant.clone(), self.l3.clone());
-                let (pool, idx) = self.pool(src);
                 let mut ok = true;
-                for (k, &p) in keys.iter().zip(&idx) {
+                for (i, k) in keys.iter().enumerate() {
                     let want = parse_l3_key(k).ok_or("bad key")?.page;
-                    if pool[p] != want.0 {
+                    let have = self.model.get(src, i);
+                    if have != want.0 {
                         return Err(format!("backup would store other bytes under {k}"));
                     }
-                    match l3.put(&tenant, k, &pool[p], PutOptions::default()) {
+                    match self.l3.put(&self.tenant, k, &have, PutOptions::default()) {
                         Ok(()) => {}
                         Err(e) if e.code() == kvtier_l3::ErrorCode::ObjectAlreadyExists => {}
                         Err(_) => ok = false,
@@ -201,41 +182,34 @@ impl StoreEngine {
     }
 
     fn delta(&mut self, req: RequestId, d: &Option<PageTableDelta>) {
-        let t = self.tables.entry(req).or_default();
-        if let Some(d) = d {
-            t.truncate(d.from as usize);
-            t.extend_from_slice(&d.pages);
-        }
+        self.model.apply_delta(req, d);
     }
 
     fn check(&mut self, req: RequestId, upto_tokens: usize) -> Result<(), String> {
-        let hs = self.hashes(req, upto_tokens);
-        let table = &self.tables[&req];
-        for (i, h) in hs.iter().enumerate() {
-            if self.device[table[i].index() as usize] != h.0 {
-                return Err(format!("{req:?} reads wrong KV at page {i}"));
+        let want: Vec<[u8; 32]> = self.hashes(req, upto_tokens).iter().map(|h| h.0).collect();
+        match self.model.check(req, 0, &want) {
+            Ok(n) if n == want.len() => {
+                self.pages_checked += n as u64;
+                Ok(())
             }
+            Ok(_) => Err(format!("{req:?}: page table shorter than its KV")),
+            Err(w) => Err(format!("{req:?} reads wrong KV at page {}", w.page)),
         }
-        self.pages_checked += hs.len() as u64;
-        Ok(())
     }
 
     fn write(&mut self, req: RequestId, from: usize, to: usize) {
-        let hs = self.hashes(req, to);
-        let table = self.tables[&req].clone();
-        for (i, h) in hs.iter().enumerate().skip(from / self.page_size) {
-            self.device[table[i].index() as usize] = h.0;
-        }
+        let content: Vec<[u8; 32]> = self.hashes(req, to).iter().map(|h| h.0).collect();
+        self.model.write(req, from / self.page_size, &content);
     }
 
     /// One step: plan, every op executed and reported, the forward.
     pub fn step(&mut self, now: u64) -> Result<(), String> {
         let plan = self.s.next_execution_plan(now);
         for (id, _) in &plan.ended {
-            self.tables.remove(id);
+            self.model.forget(*id);
         }
         for id in &plan.retracted {
-            self.tables.remove(id);
+            self.model.forget(*id);
         }
         for op in &plan.ops {
             let ev = self.execute(op)?;
