@@ -482,15 +482,20 @@ impl PyL3Store {
             .map_err(l3_err)
     }
 
-    /// Per key: 1 exists, 0 missing, negative code on error (int64 array).
+    /// Per key: 1 exists, 0 missing, negative code on error (int64 array). Takes no lease;
+    /// `prefetch_to_memory=True` also asks the store to promote SSD-only keys to DRAM (what
+    /// an `L3Query` probe does, so the prefetch that follows reads DRAM).
+    #[pyo3(signature = (keys, *, prefetch_to_memory = false))]
     fn batch_is_exist<'py>(
         &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
+        prefetch_to_memory: bool,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let keys = str_list(keys, "keys")?;
+        let opts = kvtier_l3::ExistOptions { prefetch_to_memory };
         let v = py
-            .detach(|| self.store.batch_is_exist(&self.tenant, &keys))
+            .detach(|| self.store.batch_exist_key(&self.tenant, &keys, opts))
             .map_err(l3_err)?;
         let out: Vec<i64> = v.into_iter().map(exist_code).collect();
         Ok(PyArray1::from_vec(py, out))

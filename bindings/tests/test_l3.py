@@ -31,6 +31,8 @@ def test_put_get_roundtrip(l3):
     assert l3.get_into("k2", ba) == 3 and bytes(ba[:3]) == b"abc"
     assert l3.is_exist("k1") and not l3.is_exist("nope")
     assert l3.batch_is_exist(["k1", "nope", "k2"]).tolist() == [1, 0, 1]
+    # A probe that asks for promotion answers the same (and takes no lease: removable).
+    assert l3.batch_is_exist(["k1", "nope", "k2"], prefetch_to_memory=True).tolist() == [1, 0, 1]
 
 
 def test_typed_errors_carry_mooncake_codes(l3):

@@ -142,7 +142,8 @@ class KvtierL3Backend(L3Backend):
         self.lease_ttl_ms = lease_ttl_ms
 
     def probe(self, keys: List[str]) -> int:
-        return _leading_found(self.store.batch_is_exist(keys))
+        # Lease-free, and SSD-only hits are promoted to DRAM for the prefetch that follows.
+        return _leading_found(self.store.batch_is_exist(keys, prefetch_to_memory=True))
 
     def query(self, keys: List[str]) -> QueryRecord:
         t0 = _now_ms()
