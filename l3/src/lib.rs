@@ -39,3 +39,9 @@ pub use types::{
     Blob, ClientId, ClientStatus, ExistOptions, NodeRef, PutHandle, PutOptions, QueryResult,
     ReplicaDescriptor, SegmentId, StoreStats, Tenant,
 };
+
+/// The code in docs/l3.md, compiled and run as a doctest (`cargo test -p kvtier-l3 --doc`,
+/// part of `scripts/test-all`), so the page cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/l3.md")]
+pub struct DocsL3;
