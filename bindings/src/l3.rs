@@ -271,12 +271,8 @@ impl PyL3Store {
         py: Python<'py>,
         keys: &[String],
         views: &[&[u8]],
-        soft_pin: bool,
+        opts: PutOptions,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let opts = PutOptions {
-            soft_pin,
-            wait_persisted: false,
-        };
         let v = py
             .detach(|| self.store.batch_put_from(&self.tenant, keys, views, opts))
             .map_err(l3_err)?;
@@ -437,18 +433,21 @@ impl PyL3Store {
     }
 
     /// Stores `data` (any bytes-like object) under `key`. First writer wins (-705).
-    #[pyo3(signature = (key, data, *, soft_pin = false))]
+    /// With `wait_persisted`, returns only once the SSD copy is durable (an SSD write
+    /// failure raises; without an SSD tier it is the plain put).
+    #[pyo3(signature = (key, data, *, soft_pin = false, wait_persisted = false))]
     fn put(
         &self,
         py: Python<'_>,
         key: &str,
         data: &Bound<'_, PyAny>,
         soft_pin: bool,
+        wait_persisted: bool,
     ) -> PyResult<()> {
         let b = ByteBuf::get(data, false, "data")?;
         let opts = PutOptions {
             soft_pin,
-            wait_persisted: false,
+            wait_persisted,
         };
         py.detach(|| self.store.put(&self.tenant, key, b.as_slice(), opts))
             .map_err(l3_err)
@@ -502,18 +501,24 @@ impl PyL3Store {
     }
 
     /// Puts `bufs[i]` under `keys[i]`; per key 0 or a negative code (int64 array).
-    #[pyo3(signature = (keys, bufs, *, soft_pin = false))]
+    /// `wait_persisted` as for `put`.
+    #[pyo3(signature = (keys, bufs, *, soft_pin = false, wait_persisted = false))]
     fn batch_put_from<'py>(
         &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
         bufs: &Bound<'py, PyAny>,
         soft_pin: bool,
+        wait_persisted: bool,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let keys = str_list(keys, "keys")?;
         let bufs = buf_list(bufs, false)?;
         let views: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
-        self.put_views(py, &keys, &views, soft_pin)
+        let opts = PutOptions {
+            soft_pin,
+            wait_persisted,
+        };
+        self.put_views(py, &keys, &views, opts)
     }
 
     /// Reads `keys[i]` into writable `bufs[i]`; per key its size or a negative code.
@@ -531,7 +536,9 @@ impl PyL3Store {
 
     /// Puts pages of a pool: key `i` ← bytes of page `page_ids[i]` of `pool` (a C-contiguous
     /// buffer cut in `page_bytes` pages). Per key 0 or a negative code.
-    #[pyo3(signature = (keys, pool, page_ids, page_bytes, *, soft_pin = false))]
+    /// `wait_persisted` as for `put`.
+    #[pyo3(signature = (keys, pool, page_ids, page_bytes, *, soft_pin = false, wait_persisted = false))]
+    #[allow(clippy::too_many_arguments)]
     fn batch_put_pages<'py>(
         &self,
         py: Python<'py>,
@@ -540,13 +547,18 @@ impl PyL3Store {
         page_ids: &Bound<'py, PyAny>,
         page_bytes: usize,
         soft_pin: bool,
+        wait_persisted: bool,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let (keys, ids) = keyed_pages(keys, page_ids)?;
         let b = ByteBuf::get(pool, false, "pool")?;
         let ranges = page_ranges(&ids, page_bytes, b.len())?;
         let src = b.as_slice();
         let views: Vec<&[u8]> = ranges.iter().map(|r| &src[r.clone()]).collect();
-        self.put_views(py, &keys, &views, soft_pin)
+        let opts = PutOptions {
+            soft_pin,
+            wait_persisted,
+        };
+        self.put_views(py, &keys, &views, opts)
     }
 
     /// Reads key `i` into page `page_ids[i]` of `pool`. Per key its size or a negative code.

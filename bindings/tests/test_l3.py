@@ -144,3 +144,30 @@ def test_remote_token():
         assert ok.get("t") == b"1"
     finally:
         srv.shutdown()
+
+
+def test_wait_persisted_puts_are_on_disk_when_they_return(tmp_path):
+    s = kvtier.L3Store.embedded(1 << 24, ssd_dir=str(tmp_path))
+    for i in range(8):
+        s.put(f"p{i}", bytes([i]) * 1000, wait_persisted=True)
+        # No flush: the put returned only once its SSD copy was registered.
+        assert s.stats()["disk_objects"] == i + 1
+    codes = s.batch_put_from(["b0", "b1"], [b"x" * 10, b"y" * 10], wait_persisted=True)
+    assert codes.tolist() == [0, 0] and s.stats()["disk_objects"] == 10
+    pool = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64)
+    codes = s.batch_put_pages(["g0", "g1"], pool, np.array([1, 3]), 64, wait_persisted=True)
+    assert codes.tolist() == [0, 0] and s.stats()["disk_objects"] == 12
+    del s
+    # A restart finds every one of them.
+    s = kvtier.L3Store.embedded(1 << 24, ssd_dir=str(tmp_path))
+    assert s.get("p3") == bytes([3]) * 1000 and s.get("g1") == pool[3].tobytes()
+
+
+@pytest.mark.parametrize("ms", [0, 1 << 36, 2**64 - 1])
+def test_out_of_range_rpc_timeout_is_a_typed_error(ms):
+    srv = kvtier.L3Server(1 << 20)
+    try:
+        with pytest.raises(kvtier.InvalidParamsError):
+            kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=ms)
+    finally:
+        srv.shutdown()

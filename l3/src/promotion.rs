@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
@@ -103,6 +103,8 @@ pub struct PromotionCounters {
     pub failed: AtomicU64,
     /// Triggers skipped (dedup, cool-down, queue full).
     pub skipped: AtomicU64,
+    /// Times a get blocked on an in-flight promotion.
+    pub get_waits: AtomicU64,
 }
 
 struct Inner {
@@ -227,6 +229,25 @@ impl Promoter {
     /// If a promotion of the key is queued or in flight, blocks on its notification for at
     /// most `ssd_get_wait`. Returns true if it waited and the promotion finished.
     pub fn wait_in_flight(&self, t: &Tenant, key: &str) -> bool {
+        self.wait_until(t, key, Instant::now() + self.inner.cfg.ssd_get_wait)
+    }
+
+    /// For a batched get: waits for the in-flight promotions of `keys` (index, key) under
+    /// *one* deadline, `ssd_get_wait` from now, so a batch waits at most that long in total
+    /// rather than that long per key. Returns the indices whose promotion finished.
+    pub fn wait_many<'a>(
+        &self,
+        t: &Tenant,
+        keys: impl IntoIterator<Item = (usize, &'a str)>,
+    ) -> Vec<usize> {
+        let deadline = Instant::now() + self.inner.cfg.ssd_get_wait;
+        keys.into_iter()
+            .filter(|(_, k)| self.wait_until(t, k, deadline))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    fn wait_until(&self, t: &Tenant, key: &str, deadline: Instant) -> bool {
         let k = (t.clone(), key.to_string());
         let signal = {
             let th = self.inner.throttle.lock();
@@ -236,8 +257,13 @@ impl Promoter {
             }
         };
         let mut done = signal.done.lock();
-        if !*done {
-            let _ = signal.cv.wait_for(&mut done, self.inner.cfg.ssd_get_wait);
+        if !*done && Instant::now() < deadline {
+            self.inner
+                .counters
+                .get_waits
+                .fetch_add(1, Ordering::Relaxed);
+            // Timing out is an answer (the get reads the SSD copy), not an error.
+            let _ = signal.cv.wait_until(&mut done, deadline);
         }
         *done
     }
@@ -462,5 +488,35 @@ mod tests {
         for _ in 0..10 {
             let _ = gate.send(Ok(()));
         }
+    }
+
+    /// A batched get of keys whose promotions are all stalled blocks once, until one shared
+    /// deadline, not once per key (which multiplied `ssd_get_wait` by the batch size).
+    #[test]
+    fn a_batch_waits_under_one_deadline() {
+        let clock = Arc::new(Clock::new());
+        let (f, gate) = gated();
+        let p = Promoter::start(cfg(), clock, f).unwrap();
+        let t = Tenant::new("t").unwrap();
+        let keys: Vec<String> = (0..5).map(|i| format!("k{i}")).collect();
+        // k0 in flight on the one worker (gated), then k1..k4 fill the queue.
+        assert_eq!(
+            p.trigger_many(vec![key("k0")]),
+            vec![TriggerOutcome::Queued]
+        );
+        wait_state(&p, "k0", Some(PromotionState::InFlight));
+        let out = p.trigger_many(keys[1..].iter().map(|k| key(k)).collect());
+        assert!(out.iter().all(|o| *o == TriggerOutcome::Queued), "{out:?}");
+        let done = p.wait_many(&t, keys.iter().enumerate().map(|(i, k)| (i, k.as_str())));
+        let waits = p.counters().get_waits.load(Ordering::Relaxed);
+        // Release the worker before asserting, so a failure does not hang the drop.
+        for _ in 0..5 {
+            let _ = gate.send(Ok(()));
+        }
+        assert!(done.is_empty(), "nothing finished: {done:?}");
+        assert_eq!(
+            waits, 1,
+            "the first stalled key used up the batch's wait; the others did not wait again"
+        );
     }
 }

@@ -626,12 +626,18 @@ impl Inner {
                 .collect()
         };
         if let Some(p) = &self.promoter {
-            for (i, r) in res.iter_mut().enumerate() {
-                if let Ok((_, ReadSource::Disk(_))) = r
-                    && p.wait_in_flight(t, keys[i].as_ref())
-                {
-                    let now = self.clock.now_ms();
-                    *r = self.master.lock().read_source(t, keys[i].as_ref(), now);
+            // One deadline for the whole batch (not `ssd_get_wait` per key).
+            let on_disk = res
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| matches!(r, Ok((_, ReadSource::Disk(_)))))
+                .map(|(i, _)| (i, keys[i].as_ref()));
+            let promoted = p.wait_many(t, on_disk);
+            if !promoted.is_empty() {
+                let now = self.clock.now_ms();
+                let mut m = self.master.lock();
+                for i in promoted {
+                    res[i] = m.read_source(t, keys[i].as_ref(), now);
                 }
             }
         }

@@ -146,8 +146,16 @@ impl RemoteStore {
         if me.opts.use_transfer_channel && limits.xfer_port != 0 {
             let xa = SocketAddr::new(addr.ip(), limits.xfer_port);
             let frame = me.frame_cap();
-            let conn = XferClient::connect(xa, me.opts.token.clone(), frame)?;
-            me.xfer = Some((xa, parking_lot::Mutex::new(Some(conn))));
+            match XferClient::connect(xa, me.opts.token.clone(), frame) {
+                Ok(conn) => me.xfer = Some((xa, parking_lot::Mutex::new(Some(conn)))),
+                // A refused token is the caller's error; anything else (the channel is
+                // saturated or unreachable) leaves this client on the RPC path, which serves
+                // every call the channel does.
+                Err(e @ L3Error::IllegalClient(_)) => return Err(e),
+                Err(e) => {
+                    tracing::warn!(error = %e, "transfer channel unavailable; using RPC only");
+                }
+            }
         }
         Ok(me)
     }

@@ -42,6 +42,12 @@ use crate::types::{
 
 /// Most concurrent transfer connections a server accepts.
 pub const MAX_CONNECTIONS: usize = 64;
+/// Most connections that have not said a valid hello yet. Beyond it new connections are
+/// closed at once, so unauthenticated peers can hold at most this many threads, each for
+/// at most [`HELLO_TIMEOUT`]; a client refused here uses the RPC path instead.
+pub const MAX_PENDING_HELLOS: usize = 8;
+/// How long a new connection may take to send its hello.
+pub const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Requests.
 #[derive(Debug, Serialize, Deserialize)]
@@ -272,6 +278,7 @@ impl XferServer {
             .map_err(|e| L3Error::Internal(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let live = Arc::new(AtomicUsize::new(0));
+        let pending = Arc::new(AtomicUsize::new(0));
         let st = stop.clone();
         let accept = std::thread::Builder::new()
             .name("kvtier-l3-xfer-accept".into())
@@ -281,23 +288,36 @@ impl XferServer {
                         return;
                     }
                     let Ok(sock) = conn else { continue };
-                    if live.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+                    if live.load(Ordering::Acquire) >= MAX_CONNECTIONS
+                        || pending.load(Ordering::Acquire) >= MAX_PENDING_HELLOS
+                    {
                         drop(sock);
                         continue;
                     }
                     live.fetch_add(1, Ordering::AcqRel);
+                    pending.fetch_add(1, Ordering::AcqRel);
                     let store = store.clone();
                     let token = token.clone();
-                    let live2 = live.clone();
+                    let (live2, pending2) = (live.clone(), pending.clone());
                     let st2 = st.clone();
                     let spawned = std::thread::Builder::new()
                         .name("kvtier-l3-xfer".into())
                         .spawn(move || {
-                            serve_conn(sock, &*store, token.as_deref(), max_frame, &st2);
+                            let mut hello = Pending(Some(&pending2));
+                            serve_conn(
+                                sock,
+                                &*store,
+                                token.as_deref(),
+                                max_frame,
+                                &st2,
+                                &mut hello,
+                            );
+                            drop(hello);
                             live2.fetch_sub(1, Ordering::AcqRel);
                         });
                     if spawned.is_err() {
                         live.fetch_sub(1, Ordering::AcqRel);
+                        pending.fetch_sub(1, Ordering::AcqRel);
                     }
                 }
             })
@@ -325,14 +345,37 @@ impl Drop for XferServer {
     }
 }
 
+/// A connection's slot among those awaiting hello; released once (hello or close).
+struct Pending<'a>(Option<&'a AtomicUsize>);
+
+impl Pending<'_> {
+    fn release(&mut self) {
+        if let Some(p) = self.0.take() {
+            p.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 fn serve_conn(
     mut sock: TcpStream,
     store: &dyn XferHandler,
     token: Option<&str>,
     max_frame: usize,
     stop: &AtomicBool,
+    hello: &mut Pending<'_>,
 ) {
     let _ = sock.set_nodelay(true);
+    // A silent peer is dropped after HELLO_TIMEOUT; without a timeout set, it would hold
+    // this thread forever.
+    if sock.set_read_timeout(Some(HELLO_TIMEOUT)).is_err() {
+        return;
+    }
     let mut authed = false;
     loop {
         if stop.load(Ordering::Acquire) {
@@ -373,6 +416,14 @@ fn serve_conn(
                 } else {
                     Err(L3Error::IllegalClient("bad token".into()))
                 };
+                if authed {
+                    // Authenticated: no longer pending, and reads may block (an
+                    // authenticated client between calls is idle by design).
+                    hello.release();
+                    if sock.set_read_timeout(None).is_err() {
+                        return;
+                    }
+                }
                 write_frame(&mut sock, &XferReply::Hello(r)).is_ok() && authed
             }
             _ if !authed => {
