@@ -12,7 +12,8 @@
 //! `prefetch_timeout_base_ms`, `prefetch_timeout_per_1k_tokens_ms`; `write_policy` ∈
 //! {"write_through", "write_through_selective", "write_back"} with `write_hit_threshold`;
 //! `retraction` ∈ {"latest_arrival", "fewest_generated", "most_pages"}; `l3_sharing` ∈
-//! {"per_rank", "replicated"} with `l3_leader_rank`; `namespace` is a dict
+//! {"per_rank", "replicated"} with `l3_leader_rank`; `eviction` ∈ {"lru", "freq-depth",
+//! "freq-depth:CREDIT:MAX_USES:DEBIT"}; `namespace` is a dict
 //! with keys model, dtype, layout, tenant, adapter.
 
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
@@ -52,6 +53,7 @@ pub const FIELDS: &[&str] = &[
     "record_kv_events",
     "tenant_quota_device_pages",
     "tenant_quota_host_pages",
+    "eviction",
 ];
 
 /// Reads one field from a dict (by key) or any object (by attribute); `None` when absent.
@@ -236,8 +238,12 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
             host_pages: get(obj, "tenant_quota_host_pages", None)?,
         },
         record_kv_events: get(obj, "record_kv_events", d.record_kv_events)?,
-        // Eviction policy: not exposed to Python yet; the scheduler's default.
-        eviction: d.eviction,
+        eviction: {
+            let e: String = get(obj, "eviction", d.eviction.to_string())?;
+            e.parse().map_err(|m: String| {
+                PyValueError::new_err(format!("SchedulerConfig.eviction: {m}"))
+            })?
+        },
     })
 }
 
@@ -304,6 +310,7 @@ pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bou
     d.set_item("record_kv_events", c.record_kv_events)?;
     d.set_item("tenant_quota_device_pages", c.tenant_quota.device_pages)?;
     d.set_item("tenant_quota_host_pages", c.tenant_quota.host_pages)?;
+    d.set_item("eviction", c.eviction.to_string())?;
     Ok(d)
 }
 

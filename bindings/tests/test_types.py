@@ -35,6 +35,8 @@ def test_config_defaults_are_the_rust_defaults():
         dict(namespace=dict(model="m", dtype="bf16", layout="tp8", tenant="t", adapter="a"), rank=3),
         dict(host_enabled=False, host_pages=0),
         dict(mixed_prefill_decode=False, keep_device_after_write_back=False, record_kv_events=True),
+        dict(eviction="freq-depth:100:3:7"),
+        dict(eviction="lru"),
     ],
 )
 def test_config_roundtrip(over):
@@ -69,6 +71,13 @@ def test_config_errors_name_the_field():
         kvtier.Scheduler(small_config(device_pages="many"))
     with pytest.raises(OverflowError, match="page_size.*out of range"):
         kvtier.Scheduler(small_config(page_size=-4))
+    with pytest.raises(ValueError, match="eviction"):
+        kvtier.Scheduler(small_config(eviction="lfu"))
+    with pytest.raises(ValueError, match="eviction"):
+        kvtier.Scheduler(small_config(eviction="freq-depth:1:99999999999:2"))
+    # The short spelling names the measured setting, which comes back spelled out.
+    full = kvtier.Scheduler(small_config(eviction="freq-depth")).config()["eviction"]
+    assert full.startswith("freq-depth:") and full.count(":") == 3
     with pytest.raises(KeyError, match="bogus"):
         kvtier.Scheduler({"bogus": 1})
     with pytest.raises(KeyError):

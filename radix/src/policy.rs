@@ -34,6 +34,48 @@ pub enum EvictionPolicy {
     },
 }
 
+/// `"lru"`, `"freq-depth"` (the conversation setting) or
+/// `"freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE"` — the spelling of the CLI, TOML-free
+/// configs and Python.
+impl std::str::FromStr for EvictionPolicy {
+    type Err = String;
+
+    fn from_str(e: &str) -> Result<EvictionPolicy, String> {
+        let parts: Vec<&str> = e.split(':').collect();
+        let num = |s: &str| {
+            s.parse::<u64>()
+                .map_err(|_| format!("bad number `{s}` in eviction policy `{e}`"))
+        };
+        Ok(match parts.as_slice() {
+            ["lru"] => EvictionPolicy::Lru,
+            ["freq-depth"] => EvictionPolicy::CONVERSATION,
+            ["freq-depth", c, m, d] => EvictionPolicy::FrequencyDepth {
+                use_credit_pages: num(c)?,
+                max_credited_uses: u32::try_from(num(m)?)
+                    .map_err(|_| format!("max uses `{m}` too large"))?,
+                depth_debit_per_page: num(d)?,
+            },
+            _ => return Err(format!("unknown eviction policy `{e}`")),
+        })
+    }
+}
+
+impl std::fmt::Display for EvictionPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EvictionPolicy::Lru => f.write_str("lru"),
+            EvictionPolicy::FrequencyDepth {
+                use_credit_pages,
+                max_credited_uses,
+                depth_debit_per_page,
+            } => write!(
+                f,
+                "freq-depth:{use_credit_pages}:{max_credited_uses}:{depth_debit_per_page}"
+            ),
+        }
+    }
+}
+
 impl EvictionPolicy {
     /// The setting measured best on the conversation trace (see docs/sim.md): a read is worth
     /// about 300 requests' worth of traffic (56K pages of 64 tokens), at most four are

@@ -99,3 +99,49 @@ fn switching_policy_reranks_what_is_already_cached() {
     assert_eq!(c.node_hashes(first).unwrap()[0], hb[0]);
     c.check_invariants().unwrap();
 }
+
+mod spelling {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Every policy prints as a spelling that parses back to itself (CLI, TOML and Python
+        /// all use it).
+        #[test]
+        fn display_parses_back(c in any::<u64>(), m in any::<u32>(), d in any::<u64>()) {
+            for p in [
+                EvictionPolicy::Lru,
+                EvictionPolicy::FrequencyDepth {
+                    use_credit_pages: c,
+                    max_credited_uses: m,
+                    depth_debit_per_page: d,
+                },
+            ] {
+                prop_assert_eq!(p.to_string().parse::<EvictionPolicy>(), Ok(p));
+            }
+        }
+
+        /// Any other text is a typed error, never a panic.
+        #[test]
+        fn garbage_is_an_error(s in "\\PC{0,40}") {
+            let ok = s == "lru" || s.starts_with("freq-depth");
+            if !ok {
+                prop_assert!(s.parse::<EvictionPolicy>().is_err());
+            }
+        }
+    }
+
+    #[test]
+    fn short_spelling_is_the_conversation_setting() {
+        assert_eq!(
+            "freq-depth".parse::<EvictionPolicy>(),
+            Ok(EvictionPolicy::CONVERSATION)
+        );
+        assert!(
+            "freq-depth:1:4294967296:2"
+                .parse::<EvictionPolicy>()
+                .is_err()
+        );
+        assert!("freq-depth:1:2".parse::<EvictionPolicy>().is_err());
+    }
+}

@@ -104,7 +104,8 @@ class SchedulerConfig:
     models, where one rank probes and backs up for all). ``namespace`` is a dict with keys model, dtype, layout, tenant, adapter
     (it selects the L3 key namespace). ``tenant_quota_device_pages`` / ``tenant_quota_host_pages``
     cap the pages each tenant (each distinct ``cache_salt``) keeps cached per tier (None: no
-    cap). ``validate()`` raises ``ConfigError`` naming the field.
+    cap). ``eviction`` is ``"lru"`` (default), ``"freq-depth"`` or
+    ``"freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE"`` (see docs/sim.md). ``validate()`` raises ``ConfigError`` naming the field.
     """
 
     page_size: int = _default("page_size")
@@ -132,6 +133,7 @@ class SchedulerConfig:
     record_kv_events: bool = _default("record_kv_events")
     tenant_quota_device_pages: Optional[int] = _default("tenant_quota_device_pages")
     tenant_quota_host_pages: Optional[int] = _default("tenant_quota_host_pages")
+    eviction: str = _default("eviction")
 
     def validate(self) -> None:
         """Raises ``ConfigError`` (or ``TypeError``) if the configuration is invalid."""

@@ -301,33 +301,11 @@ impl Workload {
 }
 
 fn parse_eviction(e: &str) -> Result<EvictionPolicy, String> {
-    let parts: Vec<&str> = e.split(':').collect();
-    let num = |s: &str| {
-        s.parse::<u64>()
-            .map_err(|_| format!("bad number `{s}` in eviction policy `{e}`"))
-    };
-    Ok(match parts.as_slice() {
-        ["lru"] => EvictionPolicy::Lru,
-        ["freq-depth"] => EvictionPolicy::CONVERSATION,
-        ["freq-depth", c, m, d] => EvictionPolicy::FrequencyDepth {
-            use_credit_pages: num(c)?,
-            max_credited_uses: u32::try_from(num(m)?)
-                .map_err(|_| format!("max uses `{m}` too large"))?,
-            depth_debit_per_page: num(d)?,
-        },
-        _ => return Err(format!("unknown eviction policy `{e}`")),
-    })
+    e.parse()
 }
 
 fn policy_name(p: EvictionPolicy) -> String {
-    match p {
-        EvictionPolicy::Lru => "lru".into(),
-        EvictionPolicy::FrequencyDepth {
-            use_credit_pages,
-            max_credited_uses,
-            depth_debit_per_page,
-        } => format!("freq-depth:{use_credit_pages}:{max_credited_uses}:{depth_debit_per_page}"),
-    }
+    p.to_string()
 }
 
 /// The same run under the simulator's other online policies (LRU and the conversation
