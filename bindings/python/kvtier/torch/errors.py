@@ -1,0 +1,29 @@
+"""Typed errors of ``kvtier.torch``.
+
+Why a family of its own: an engine choosing a mover at start-up wants to catch "this mover
+cannot run here" (no CUDA, no cuda-python, CUDA older than 12.8, no Triton) and fall back, and
+must be able to tell that apart from a pool whose layout does not fit the scheduler (a
+configuration bug to fix, not to fall back from).
+"""
+
+from __future__ import annotations
+
+from .. import KvtierError
+
+__all__ = ["KvtierTorchError", "MoverUnavailableError", "PoolLayoutError", "ExecutorError"]
+
+
+class KvtierTorchError(KvtierError):
+    """Base class of the errors ``kvtier.torch`` raises."""
+
+
+class MoverUnavailableError(KvtierTorchError):
+    """The requested page mover cannot run on this machine (the message says what is missing)."""
+
+
+class PoolLayoutError(KvtierTorchError, ValueError):
+    """A pool's tensors do not have the shape, dtype, device or memory layout required."""
+
+
+class ExecutorError(KvtierTorchError):
+    """An op the executor cannot run (unknown tier, a page outside the pool, a closed executor)."""
