@@ -39,3 +39,44 @@ def server():
     s = kvtier.L3Server(1 << 24)
     yield s
     s.shutdown()
+
+
+# ---- kvtier.torch ------------------------------------------------------------------------
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, device: str = "cpu"):
+    """A small Hugging Face Llama with random weights (fp32), the same for the same seed.
+    GQA (4 query heads, 2 KV heads) so paged attention's head grouping is exercised."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        dtype=torch.float32,
+    )
+    m = LlamaForCausalLM(cfg).eval().to(device)
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+class HandOp:
+    """An op built by hand (``PlannedOp``'s fields) to put the executor in a state the
+    scheduler reaches only through timing: two ops touching one page while both in flight."""
+
+    def __init__(self, id, kind, src_tier=None, dst_tier=None, src=(), dst=(), keys=(), before_forward=False):
+        import numpy as np
+
+        self.id, self.kind = id, kind
+        self.src_tier, self.dst_tier = src_tier, dst_tier
+        self.src = np.asarray(src, dtype=np.uint32)
+        self.dst = np.asarray(dst, dtype=np.uint32)
+        self.keys = list(keys)
+        self.before_forward = before_forward

@@ -1,0 +1,231 @@
+"""kvtier.torch pools and page movers on CPU: layouts, wrapping, copy descriptors (built and
+executed with memmove, coalescing as a property), the torch mover, and the Triton kernel run
+by Triton's CPU interpreter."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.torch import (
+    DevicePool,
+    Direction,
+    Executor,
+    HostOrder,
+    HostPool,
+    KVLayout,
+    MoverUnavailableError,
+    Pinning,
+    PoolLayoutError,
+    TorchMover,
+    make_mover,
+)
+from kvtier.torch.movers import build, coalesce, memmove_all
+
+import kvtier
+from kvtier.engine import KvtierL3Backend
+
+
+def layouts():
+    return [
+        KVLayout.mha(num_layers=3, kv_heads=2, head_dim=4, page_size=2, dtype=torch.float32),
+        KVLayout.mla(num_layers=2, latent_dim=4, page_size=3, dtype=torch.bfloat16),
+    ]
+
+
+def filled_pools(layout, dev_pages, host_pages, order=HostOrder.PAGE_FIRST, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dev = DevicePool.allocate(layout, dev_pages)
+    for comps in dev.tensors:
+        for t in comps:
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    lc = (layout.num_layers, layout.components)
+    shape = (host_pages, *lc, *layout.chunk_shape) if order == HostOrder.PAGE_FIRST else (*lc, host_pages, *layout.chunk_shape)
+    host = HostPool.wrap(layout, torch.randn(shape, generator=g).to(layout.dtype), order)
+    return dev, host
+
+
+def expected_after(direction, dev, host, dp, hp):
+    """What each pool must hold after the copy, computed chunk by chunk."""
+    d = [[t.clone() for t in comps] for comps in dev.tensors]
+    h = host.data.clone()
+    hview = HostPool.wrap(host.layout, h, host.order)
+    for l in range(dev.layout.num_layers):
+        for c in range(dev.layout.components):
+            for a, b in zip(dp.tolist(), hp.tolist()):
+                if direction == Direction.LOAD:
+                    d[l][c][a] = hview.chunks(l, c)[b]
+                else:
+                    hview.chunks(l, c)[b] = d[l][c][a]
+    return d, h
+
+
+def assert_pools(dev, host, d, h):
+    for l, comps in enumerate(dev.tensors):
+        for c, t in enumerate(comps):
+            assert torch.equal(t, d[l][c]), (l, c)
+    assert torch.equal(host.data, h)
+
+
+# ---- pools ------------------------------------------------------------------------------
+
+
+def test_host_page_is_one_contiguous_l3_object():
+    lay = layouts()[0]
+    host = HostPool.allocate(lay, 5, Pinning.PAGEABLE)
+    b = host.byte_pages()
+    assert b.shape == (5, lay.page_bytes) and b.dtype == np.uint8
+    b[3, :] = 0xFF  # the byte view is the pool itself (zero-copy L3 reads land in the tensor)
+    assert torch.isnan(host.page(3)).all() and not torch.isnan(host.page(2)).any()
+    assert host.page(3).is_contiguous()
+
+
+def test_wrap_uses_the_engines_tensors_and_checks_them():
+    lay = layouts()[0]
+    k = [torch.zeros(4, *lay.chunk_shape) for _ in range(3)]
+    v = [torch.zeros(4, *lay.chunk_shape) for _ in range(3)]
+    dev = DevicePool.wrap(lay, k, v)
+    dev.k(1)[2].fill_(7)
+    assert (k[1][2] == 7).all()  # wrapped, not copied
+    with pytest.raises(PoolLayoutError, match="shape"):
+        DevicePool.wrap(lay, k, [torch.zeros(5, *lay.chunk_shape) for _ in range(3)])
+    with pytest.raises(PoolLayoutError, match="dtype"):
+        DevicePool.wrap(lay, k, [torch.zeros(4, *lay.chunk_shape, dtype=torch.float16) for _ in range(3)])
+    with pytest.raises(PoolLayoutError, match="contiguous"):
+        DevicePool.wrap(lay, k, [torch.zeros(*lay.chunk_shape, 4).movedim(-1, 0) for _ in range(3)])
+    with pytest.raises(PoolLayoutError, match="layers"):
+        DevicePool.wrap(lay, k[:2], v[:2])
+    with pytest.raises(PoolLayoutError, match="MLA"):
+        DevicePool.wrap(lay, k)
+    with pytest.raises(PoolLayoutError, match="positive"):
+        KVLayout.mha(0, 2, 4, 2, torch.float32)
+    with pytest.raises(PoolLayoutError, match="torch.Tensor"):
+        HostPool.wrap(lay, np.zeros(3))
+
+
+def test_layer_first_host_pool_cannot_back_l3():
+    lay = layouts()[0]
+    dev, host = filled_pools(lay, 4, 4, HostOrder.LAYER_FIRST)
+    with pytest.raises(PoolLayoutError, match="page-first"):
+        host.byte_pages()
+    with pytest.raises(PoolLayoutError, match="page-first"):
+        Executor(dev, host, KvtierL3Backend(kvtier.L3Store.embedded(1 << 20)))
+
+
+# ---- descriptors ------------------------------------------------------------------------
+
+
+def test_coalesce_merges_exactly_the_runs_contiguous_on_both_sides():
+    d = coalesce([100, 110, 120, 200, 210], [0, 10, 25, 35, 45], [10, 10, 10, 10, 10])
+    # 0-1 contiguous on both; 2 breaks on the source side; 3 breaks on the destination; 3-4 merge
+    assert d.dsts.tolist() == [100, 120, 200] and d.srcs.tolist() == [0, 25, 35]
+    assert d.sizes.tolist() == [20, 10, 20]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.integers(0, 1),
+    order=st.sampled_from(list(HostOrder)),
+    direction=st.sampled_from(list(Direction)),
+    data=st.data(),
+)
+def test_descriptors_move_exactly_the_listed_pages(which, order, direction, data):
+    lay = layouts()[which]
+    n_dev, n_host = 9, 11
+    n = data.draw(st.integers(0, 8))
+    dp = np.asarray(data.draw(st.permutations(range(n_dev)))[:n], dtype=np.int64)
+    if data.draw(st.booleans()):  # runs of consecutive pages, as the scheduler often allocates
+        start = data.draw(st.integers(0, n_dev - n))
+        dp = np.arange(start, start + n, dtype=np.int64)
+    hp = np.asarray(data.draw(st.permutations(range(n_host)))[:n], dtype=np.int64)
+    if data.draw(st.booleans()):
+        start = data.draw(st.integers(0, n_host - n))
+        hp = np.arange(start, start + n, dtype=np.int64)
+    dev, host = filled_pools(lay, n_dev, n_host, order, seed=n)
+    d, h = expected_after(direction, dev, host, dp, hp)
+    merged = build(direction, dev, host, dp, hp, range(lay.num_layers))
+    plain = build(direction, dev, host, dp, hp, range(lay.num_layers), merge=False)
+    assert len(plain) == n * lay.num_layers * lay.components
+    assert merged.total_bytes == plain.total_bytes == n * lay.num_layers * lay.components * lay.chunk_bytes
+    assert len(merged) <= len(plain)
+    memmove_all(merged)
+    assert_pools(dev, host, d, h)
+
+
+def test_layer_first_host_with_consecutive_pages_coalesces_to_one_copy_per_chunk_column():
+    lay = layouts()[0]
+    dev, host = filled_pools(lay, 16, 16, HostOrder.LAYER_FIRST)
+    dp, hp = np.arange(3, 11), np.arange(5, 13)
+    desc = build(Direction.LOAD, dev, host, dp, hp, range(lay.num_layers))
+    assert len(desc) == lay.num_layers * lay.components  # 8 pages each: one copy per (layer, K/V)
+    assert set(desc.sizes.tolist()) == {8 * lay.chunk_bytes}
+    # page-first hosts interleave layers inside a page: runs of pages never merge there
+    dev2, host2 = filled_pools(lay, 16, 16, HostOrder.PAGE_FIRST)
+    assert len(build(Direction.LOAD, dev2, host2, dp, hp, range(lay.num_layers))) == 8 * lay.num_layers * 2
+
+
+# ---- movers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("direction", list(Direction))
+def test_torch_mover_moves_scattered_pages(which, direction):
+    lay = layouts()[which]
+    dev, host = filled_pools(lay, 10, 12, seed=3)
+    dp, hp = np.array([7, 0, 3, 9]), np.array([2, 11, 5, 6])
+    d, h = expected_after(direction, dev, host, dp, hp)
+    TorchMover().copy(direction, dev, host, dp, hp, range(lay.num_layers))
+    assert_pools(dev, host, d, h)
+
+
+def test_gpu_movers_raise_a_typed_error_where_they_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the GPU tests cover dma and kernel")
+    with pytest.raises(MoverUnavailableError, match="CUDA"):
+        make_mover("dma")
+    with pytest.raises(MoverUnavailableError, match="CUDA"):
+        make_mover("kernel")
+    with pytest.raises(MoverUnavailableError, match="unknown mover"):
+        make_mover("rdma")
+
+
+KERNEL_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from kvtier.torch import Direction, make_mover
+    from test_torch_pools_movers import layouts, filled_pools, expected_after, assert_pools
+    for which in (0, 1):
+        lay = layouts()[which]
+        for direction in Direction:
+            dev, host = filled_pools(lay, 10, 12, seed=5)
+            dp, hp = np.array([7, 0, 3, 9, 4]), np.array([2, 11, 5, 6, 7])
+            d, h = expected_after(direction, dev, host, dp, hp)
+            m = make_mover("kernel", max_blocks=2, block_words=4)  # more chunks than blocks, several words each
+            m.check_pools(dev, host)
+            m.copy(direction, dev, host, dp, hp, range(lay.num_layers))
+            assert_pools(dev, host, d, h)
+    from kvtier.torch import KVLayout, PoolLayoutError
+    odd = KVLayout.mla(num_layers=1, latent_dim=3, page_size=3, dtype=torch.bfloat16)  # 18-byte chunks
+    dev, host = filled_pools(odd, 2, 2)
+    try:
+        make_mover("kernel").check_pools(dev, host)
+        raise SystemExit("18-byte chunks accepted")
+    except PoolLayoutError:
+        pass
+    print("kernel ok")
+    """
+)
+
+
+def test_triton_kernel_mover_under_the_cpu_interpreter():
+    """The kernel mover's Triton kernel itself, run by Triton's interpreter on CPU tensors."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(__file__))
+    p = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and "kernel ok" in p.stdout, p.stderr[-3000:]
