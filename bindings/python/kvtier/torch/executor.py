@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -176,13 +177,19 @@ class Executor:
     # ---- submitting ---------------------------------------------------------------------
 
     def submit(self, ops: Sequence[Any]) -> None:
-        """Starts ops (``PlannedOp`` or anything with its fields), in order."""
+        """Starts ops (``PlannedOp`` or anything with its fields), in order. The whole batch is
+        checked first: on ``ExecutorError`` nothing was started."""
         if self._closed:
             raise ExecutorError("executor is closed")
+        ops = list(ops)
+        seen: Set[int] = set()
+        for op in ops:
+            if op.id in self._ops or op.id in seen:
+                raise ExecutorError(f"op {op.id} is already in flight")
+            seen.add(op.id)
+            self._check(op)
         compute: Optional[Signal] = None
         for op in ops:
-            if op.id in self._ops:
-                raise ExecutorError(f"op {op.id} is already in flight")
             kind = op.kind
             if kind in ("LoadBack", "WriteBack"):
                 if compute is None and self.cuda and self.ordering == Ordering.ENFORCED:
@@ -192,11 +199,29 @@ class Executor:
                 self._prefetch(op)
             elif kind == "BackUp":
                 self._backup(op)
-            elif kind == "L3Query":
-                self._probe(op)
             else:
-                raise ExecutorError(f"unknown op kind {kind!r}")
+                self._probe(op)
             self.stats.ops[kind] = self.stats.ops.get(kind, 0) + 1
+
+    def _check(self, op: Any) -> None:
+        kind = op.kind
+        if kind in ("LoadBack", "WriteBack"):
+            src = self._pages_of(op.src_tier, op.src, kind)
+            dst = self._pages_of(op.dst_tier, op.dst, kind)
+            if src.size != dst.size:
+                raise ExecutorError(f"{kind} {op.id}: {src.size} source pages, {dst.size} destination pages")
+            want = ("host", "device") if kind == "LoadBack" else ("device", "host")
+            if (op.src_tier, op.dst_tier) != want:
+                raise ExecutorError(f"{kind} {op.id}: {op.src_tier} -> {op.dst_tier}")
+        elif kind in ("Prefetch", "BackUp"):
+            tier, pages = (op.dst_tier, op.dst) if kind == "Prefetch" else (op.src_tier, op.src)
+            if tier != "host":
+                raise ExecutorError(f"{kind} {op.id}: kvtier.torch moves L3 pages from and into host pages, not {tier}")
+            arr = self._pages_of(tier, pages, kind)
+            if len(op.keys) != arr.size:
+                raise ExecutorError(f"{kind} {op.id}: {len(op.keys)} keys for {arr.size} pages")
+        elif kind != "L3Query":
+            raise ExecutorError(f"unknown op kind {kind!r}")
 
     def _compute_mark(self) -> Signal:
         s = Signal()
@@ -237,11 +262,6 @@ class Executor:
     def _copy(self, op: Any, direction: Direction, compute: Optional[Signal]) -> None:
         src = self._pages_of(op.src_tier, op.src, op.kind)
         dst = self._pages_of(op.dst_tier, op.dst, op.kind)
-        if src.size != dst.size:
-            raise ExecutorError(f"{op.kind} {op.id}: {src.size} source pages, {dst.size} destination pages")
-        want = ("host", "device") if direction == Direction.LOAD else ("device", "host")
-        if (op.src_tier, op.dst_tier) != want:
-            raise ExecutorError(f"{op.kind} {op.id}: {op.src_tier} -> {op.dst_tier}")
         nl = self.device.layout.num_layers
         rec = _Op(op.id, op.kind, Signal())
         if direction == Direction.LOAD:
@@ -293,12 +313,8 @@ class Executor:
         self._l3_op(op, none, none, run, self.probe_lane)
 
     def _backup(self, op: Any) -> None:
-        if op.src_tier != "host":
-            raise ExecutorError(f"BackUp {op.id}: from {op.src_tier}; kvtier.torch backs up host pages only")
         keys = list(op.keys)
         src = self._pages_of(op.src_tier, op.src, "BackUp")
-        if len(keys) != src.size:
-            raise ExecutorError(f"BackUp {op.id}: {len(keys)} keys for {src.size} pages")
         backend, pool = self.backend, self._host_bytes
 
         def run(rec: _Op) -> None:
@@ -313,12 +329,8 @@ class Executor:
         self._l3_op(op, ("host", src), ("", np.zeros(0, dtype=np.int64)), run, self.l3_lanes[next(self._l3_rr)])
 
     def _prefetch(self, op: Any) -> None:
-        if op.dst_tier != "host":
-            raise ExecutorError(f"Prefetch {op.id}: into {op.dst_tier}; kvtier.torch prefetches into host pages only")
         keys = list(op.keys)
         dst = self._pages_of(op.dst_tier, op.dst, "Prefetch")
-        if len(keys) != dst.size:
-            raise ExecutorError(f"Prefetch {op.id}: {len(keys)} keys for {dst.size} pages")
         backend, pool, chunk = self.backend, self._host_bytes, self.prefetch_chunk_pages
 
         def run(rec: _Op) -> None:
@@ -449,13 +461,11 @@ class Executor:
         recs = list(self._ops.values())
         if not recs:
             return
-        step = min(timeout, 0.002)
-        waited = 0.0
-        while waited < timeout:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             if any(r.done.done() or r.forced for r in recs):
                 return
-            recs[0].done.wait(step)
-            waited += step
+            time.sleep(0.0005)
 
     def drain(self) -> List[Any]:
         """Waits for every op in flight and returns their completions."""
