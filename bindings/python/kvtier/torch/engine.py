@@ -63,6 +63,8 @@ class TorchEngine:
         self.first_logits: Dict[int, torch.Tensor] = {}
         self.ended: List[Tuple[int, str]] = []
         self.forwards = 0
+        self.terminated = 0
+        """Prefetches the scheduler stopped (``plan.terminate_prefetch``)."""
 
     # ---- requests --------------------------------------------------------------------
 
@@ -125,6 +127,7 @@ class TorchEngine:
         ex = self.executor
         ex.submit(plan.ops)
         ex.terminate(plan.terminate_prefetch)
+        self.terminated += len(plan.terminate_prefetch)
         if plan.step is None:
             for ev in ex.poll():
                 self.s.on_event(ev)
