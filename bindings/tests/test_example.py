@@ -23,3 +23,15 @@ def test_multi_turn_example(backend):
     reads = [int(n) for n in re.findall(r"(\d+) lease-taking reads", p.stdout)]
     assert len(probes) == 2 and all(n > 0 for n in probes), p.stdout
     assert sum(reads) > 0 and all(r <= q for r, q in zip(reads, probes)), p.stdout
+
+
+def test_torch_engine_example():
+    """examples/torch_engine.py: a HF Llama on kvtier's pools; the second, empty engine reads
+    the shared prefixes from L3, and every request matches transformers' generate()."""
+    ex = EXAMPLE.parent / "torch_engine.py"
+    p = subprocess.run([sys.executable, str(ex)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    l3 = [int(n) for n in re.findall(r"L3 (\d+), computed", p.stdout)]
+    assert len(l3) == 2 and l3[0] == 0 and l3[1] > 0, p.stdout
+    m = re.search(r"(\d+) of (\d+) requests match", p.stdout)
+    assert m and m.group(1) == m.group(2) == "6", p.stdout
