@@ -17,7 +17,7 @@ import torch
 
 import kvtier
 from kvtier.engine import KvtierL3Backend
-from kvtier.torch import LoadWait, Ordering, TorchEngine, TorchMover
+from kvtier.torch import LoadWait, TorchEngine, TorchMover
 from conftest import small_config, tiny_llama
 
 MAX_NEW = 6
@@ -69,11 +69,13 @@ def serve(engine, system, users, first_id=0):
 
 
 def check_against_transformers(engine, prompts, ref):
+    dev = next(ref.parameters()).device
     for r, p in prompts.items():
-        want = ref.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(p):].tolist()
+        ids = torch.tensor([p], device=dev)
+        want = ref.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)[0, len(p):].tolist()
         assert engine.generated(r) == want, f"request {r}"
         with torch.no_grad():
-            full = ref(torch.tensor([p])).logits[0, -1]
+            full = ref(ids).logits[0, -1].float().cpu()
         assert torch.allclose(engine.first_logits[r], full, atol=1e-4, rtol=0), f"request {r}"
 
 
@@ -83,9 +85,14 @@ def ref():
 
 
 def test_multi_turn_through_every_tier_matches_generate(ref):
+    multi_turn_through_every_tier(ref, "cpu", "torch")
+
+
+def multi_turn_through_every_tier(ref, device, mover):
     system, users = conversations()
     store = kvtier.L3Store.embedded(1 << 24)
-    with TorchEngine(kvtier.Scheduler(config()), tiny_llama(seed=3), KvtierL3Backend(store)) as a:
+    model = tiny_llama(seed=3, device=device)
+    with TorchEngine(kvtier.Scheduler(config()), model, KvtierL3Backend(store), mover=mover) as a:
         prompts = serve(a, system, users)
         st = a.s.stats()
         ops = a.executor.stats.ops
@@ -95,7 +102,8 @@ def test_multi_turn_through_every_tier_matches_generate(ref):
         check_against_transformers(a, prompts, ref)
         a.s.check()
     # A second engine, empty, on the same L3: the shared prefixes come from L3.
-    with TorchEngine(kvtier.Scheduler(config()), tiny_llama(seed=3), KvtierL3Backend(store)) as b:
+    model = tiny_llama(seed=3, device=device)
+    with TorchEngine(kvtier.Scheduler(config()), model, KvtierL3Backend(store), mover=mover) as b:
         prompts_b = serve(b, system, users, first_id=1000)
         assert b.s.stats()["l3_hit_tokens"] > 0 and b.executor.stats.l3_pages_read > 0
         assert b.executor.stats.ops.get("Prefetch", 0) > 0
@@ -122,14 +130,18 @@ class Jittery(KvtierL3Backend):
 def test_random_copy_delays_and_early_terminated_prefetches_keep_outputs_exact(ref):
     """The scheduler's own plans with every copy and L3 call slowed at random, prefetches
     stopped at the next plan (``best_effort``) and load-backs waited for per layer."""
+    rng = random.Random(5)
+    random_delays(ref, "cpu", TorchMover(delay=lambda d, layers: time.sleep(rng.uniform(0, 0.01))), rng)
+
+
+def random_delays(ref, device, mover, rng):
     system, users = conversations(seed=11)
     store = kvtier.L3Store.embedded(1 << 24)
-    with TorchEngine(kvtier.Scheduler(config()), tiny_llama(seed=3), KvtierL3Backend(store)) as a:
+    with TorchEngine(kvtier.Scheduler(config()), tiny_llama(seed=3, device=device), KvtierL3Backend(store),
+                     mover=mover) as a:
         serve(a, system, users)
-    rng = random.Random(5)
-    mover = TorchMover(delay=lambda d, layers: time.sleep(rng.uniform(0, 0.01)))
     cfg = config(prefetch_stop="best_effort")
-    with TorchEngine(kvtier.Scheduler(cfg), tiny_llama(seed=3), Jittery(store, rng), mover=mover,
+    with TorchEngine(kvtier.Scheduler(cfg), tiny_llama(seed=3, device=device), Jittery(store, rng), mover=mover,
                      loads=LoadWait.PER_LAYER, prefetch_chunk_pages=1) as b:
         prompts = serve(b, system, users, first_id=500)
         assert b.executor.stats.ops.get("Prefetch", 0) > 0
