@@ -240,4 +240,6 @@ class HostPool:
         L3 store reads pages from and writes pages into."""
         if not self.page_contiguous:
             raise PoolLayoutError("L3 needs a page-first host pool (one page, one object)")
+        if self.num_pages == 0:
+            return np.zeros((0, self.layout.page_bytes), dtype=np.uint8)
         return self.data.view(self.num_pages, -1).view(torch.uint8).numpy()
