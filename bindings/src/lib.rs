@@ -8,8 +8,10 @@
 //! - `plan.rs`: `ExecutionPlan` (decode rows as numpy columns, page ids as uint32 arrays),
 //!   `PlannedOp`, `PrefillChunk`, the completion events, `page_hashes`;
 //! - `config.rs`: `SchedulerConfig` (a Python dataclass) ↔ Rust;
-//! - `l3.rs`: `L3Store` (embedded / remote), `L3Server`, `QueryResults`, and the integer-code
-//!   core of `kvtier.mooncake_compat.MooncakeDistributedStore`;
+//! - `l3/`: `L3Store` (embedded / remote), `L3Server`, `QueryResults`;
+//! - `mooncake/`: the integer-code core of `kvtier.mooncake_compat.MooncakeDistributedStore`
+//!   (registered memory, contributed segments, byte-range and replica calls) and
+//!   `ERROR_CODES`, Mooncake's code table exported from the l3 crate;
 //! - `errors.rs`: one Python exception class per Rust error kind;
 //! - `convert.rs`: checked conversion of integer arrays and byte buffers;
 //! - `bench.rs`: the scheduler bench scenario timed natively, for the Python/Rust ratio.
@@ -25,6 +27,7 @@ mod config;
 mod convert;
 mod errors;
 mod l3;
+mod mooncake;
 mod plan;
 mod sched;
 mod tp;
@@ -46,7 +49,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<l3::PyL3Store>()?;
     m.add_class::<l3::PyL3Server>()?;
     m.add_class::<l3::PyQueryResults>()?;
-    m.add_class::<l3::MooncakeCore>()?;
+    m.add_class::<mooncake::MooncakeCore>()?;
+    m.add("ERROR_CODES", mooncake::error_codes(m.py())?)?;
     m.add_function(wrap_pyfunction!(plan::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(plan::event_roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(config::validate_config, m)?)?;

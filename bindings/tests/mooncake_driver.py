@@ -14,6 +14,7 @@ import numpy as np
 import kvtier
 from kvtier.engine import Engine, MooncakeL3Backend
 from kvtier.mooncake_compat import MooncakeDistributedStore as KvtierStore
+from mooncake_api_driver import api_behaviours
 
 MASTER = "127.0.0.1:50051"
 
@@ -127,6 +128,16 @@ def main():
             res[f"{name}_behaviours"] = behaviours(s)
         except Exception:  # noqa: BLE001
             res[f"{name}_behaviours_error"] = traceback.format_exc()
+        try:
+            if name == "real":
+                import mooncake.store as mod
+                args = (mod.MooncakeDistributedStore, MASTER, mod)
+            else:
+                import kvtier.mooncake_compat as mod
+                args = (KvtierStore, "embedded://driver", mod)
+            res[f"{name}_api"] = api_behaviours(s, *args)
+        except Exception:  # noqa: BLE001
+            res[f"{name}_api_error"] = traceback.format_exc()
         try:
             res[f"{name}_serve"] = serve(s, name)
         except Exception:  # noqa: BLE001

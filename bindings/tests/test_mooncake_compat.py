@@ -44,7 +44,11 @@ def test_setup_positional_dict_and_keywords():
         MooncakeDistributedStore().setup("h", "m")
     with pytest.raises(TypeError):
         MooncakeDistributedStore().setup("h", "m", "lots", 1, "tcp", "", "embedded")
-    assert a.health_check() == 0 and a.get_hostname() == "h" and a.close() == 0
+    # host:port as Mooncake reports it; a second setup (a no-op) does not rename the client
+    host, _, port = a.get_hostname().rpartition(":")
+    assert host == "127.0.0.1" and port.isdigit() and int(port) > 0
+    assert b.get_hostname().startswith("h:") and b.get_hostname() != a.get_hostname()
+    assert a.health_check() == 0 and a.close() == 0
 
 
 def test_put_get_codes():
@@ -136,14 +140,16 @@ def test_calls_before_setup_and_after_close():
     s2 = new_store()
     s2.put("a", b"1")
     assert s2.close() == 0
-    assert s2.get("a") == b"" and s2.is_exist("a") == -1 and s2.health_check() == -1
+    # health_check: 1 when not set up or closed (Mooncake's documented and measured code)
+    assert s2.get("a") == b"" and s2.is_exist("a") == -1 and s2.health_check() == 1
+    assert s.health_check() == 1
 
 
 def test_remote_master_through_kvtier_server():
     with kvtier.L3Server(1 << 22) as srv:
         s = MooncakeDistributedStore()
         host, port = srv.addr.rsplit(":", 1)
-        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", f"localhost:{port}") == 0
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", f"localhost:{port}") == 0
         assert s.put("r", b"remote") == 0 and s.get("r") == b"remote"
         t = MooncakeDistributedStore()
         assert t.setup({"local_hostname": "x", "metadata_server": "y", "master_server_addr": f"kvtier://{srv.addr}"}) == 0

@@ -64,6 +64,17 @@ def test_compat_class_matches_real_mooncake(driver_result):
     assert real["get_size_missing"] == -704 and real["remove_missing"] == -704
 
 
+def test_added_api_matches_real_mooncake(driver_result):
+    """Upserts, buffers, replica calls, ranged reads, tensors (bytes of the stored layout
+    included), setup semantics: the same results on the real class and on kvtier's."""
+    real, compat = driver_result["real_api"], driver_result["compat_api"]
+    assert set(real) == set(compat)
+    diff = {k: (real[k], compat[k]) for k in real if real[k] != compat[k]}
+    assert not diff, f"kvtier compat differs from Mooncake (real, compat): {diff}"
+    assert real["size '50%'"] == -600 and real["size '16 MB'"] == 0
+    assert real["tp_uneven"] == -600 and real["get_tensor"][1] == [2, 3]
+
+
 def test_executor_serves_through_real_mooncake(driver_result):
     r = driver_result["real_serve"]
     assert r["a_written"] > 0, r

@@ -113,6 +113,109 @@ impl ErrorCode {
     }
 }
 
+impl ErrorCode {
+    /// Every code, in Mooncake's order: the one table the Python bindings export
+    /// (`kvtier.ERROR_CODES`, `kvtier.mooncake_compat.ErrorCode`), so no copy of it drifts.
+    pub const ALL: &'static [ErrorCode] = &[
+        ErrorCode::Ok,
+        ErrorCode::InternalError,
+        ErrorCode::BufferOverflow,
+        ErrorCode::ShardIndexOutOfRange,
+        ErrorCode::SegmentNotFound,
+        ErrorCode::SegmentAlreadyExists,
+        ErrorCode::ClientNotFound,
+        ErrorCode::NoAvailableHandle,
+        ErrorCode::InvalidVersion,
+        ErrorCode::InvalidKey,
+        ErrorCode::WriteFail,
+        ErrorCode::InvalidParams,
+        ErrorCode::IllegalClient,
+        ErrorCode::InvalidWrite,
+        ErrorCode::InvalidRead,
+        ErrorCode::InvalidReplica,
+        ErrorCode::ReplicaIsNotReady,
+        ErrorCode::ObjectNotFound,
+        ErrorCode::ObjectAlreadyExists,
+        ErrorCode::ObjectHasLease,
+        ErrorCode::LeaseExpired,
+        ErrorCode::ObjectHasReplicationTask,
+        ErrorCode::ObjectNoReplicationTask,
+        ErrorCode::ReplicaNotFound,
+        ErrorCode::ReplicaAlreadyExists,
+        ErrorCode::ReplicaIsGone,
+        ErrorCode::TransferFail,
+        ErrorCode::RpcFail,
+        ErrorCode::UnavailableInCurrentStatus,
+        ErrorCode::UnavailableInCurrentMode,
+        ErrorCode::FileNotFound,
+        ErrorCode::FileOpenFail,
+        ErrorCode::FileReadFail,
+        ErrorCode::FileWriteFail,
+        ErrorCode::FileInvalidBuffer,
+        ErrorCode::FileLockFail,
+        ErrorCode::FileInvalidHandle,
+        ErrorCode::BucketNotFound,
+        ErrorCode::BucketAlreadyExists,
+        ErrorCode::KeysExceedBucketLimit,
+        ErrorCode::KeysUltraLimit,
+        ErrorCode::UnableOffload,
+        ErrorCode::UnableOffloading,
+        ErrorCode::TaskNotFound,
+        ErrorCode::TaskPendingLimitExceeded,
+    ];
+
+    /// Mooncake's name of the code (`OBJECT_NOT_FOUND` for -704), as in its `types.h`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorCode::Ok => "OK",
+            ErrorCode::InternalError => "INTERNAL_ERROR",
+            ErrorCode::BufferOverflow => "BUFFER_OVERFLOW",
+            ErrorCode::ShardIndexOutOfRange => "SHARD_INDEX_OUT_OF_RANGE",
+            ErrorCode::SegmentNotFound => "SEGMENT_NOT_FOUND",
+            ErrorCode::SegmentAlreadyExists => "SEGMENT_ALREADY_EXISTS",
+            ErrorCode::ClientNotFound => "CLIENT_NOT_FOUND",
+            ErrorCode::NoAvailableHandle => "NO_AVAILABLE_HANDLE",
+            ErrorCode::InvalidVersion => "INVALID_VERSION",
+            ErrorCode::InvalidKey => "INVALID_KEY",
+            ErrorCode::WriteFail => "WRITE_FAIL",
+            ErrorCode::InvalidParams => "INVALID_PARAMS",
+            ErrorCode::IllegalClient => "ILLEGAL_CLIENT",
+            ErrorCode::InvalidWrite => "INVALID_WRITE",
+            ErrorCode::InvalidRead => "INVALID_READ",
+            ErrorCode::InvalidReplica => "INVALID_REPLICA",
+            ErrorCode::ReplicaIsNotReady => "REPLICA_IS_NOT_READY",
+            ErrorCode::ObjectNotFound => "OBJECT_NOT_FOUND",
+            ErrorCode::ObjectAlreadyExists => "OBJECT_ALREADY_EXISTS",
+            ErrorCode::ObjectHasLease => "OBJECT_HAS_LEASE",
+            ErrorCode::LeaseExpired => "LEASE_EXPIRED",
+            ErrorCode::ObjectHasReplicationTask => "OBJECT_HAS_REPLICATION_TASK",
+            ErrorCode::ObjectNoReplicationTask => "OBJECT_NO_REPLICATION_TASK",
+            ErrorCode::ReplicaNotFound => "REPLICA_NOT_FOUND",
+            ErrorCode::ReplicaAlreadyExists => "REPLICA_ALREADY_EXISTS",
+            ErrorCode::ReplicaIsGone => "REPLICA_IS_GONE",
+            ErrorCode::TransferFail => "TRANSFER_FAIL",
+            ErrorCode::RpcFail => "RPC_FAIL",
+            ErrorCode::UnavailableInCurrentStatus => "UNAVAILABLE_IN_CURRENT_STATUS",
+            ErrorCode::UnavailableInCurrentMode => "UNAVAILABLE_IN_CURRENT_MODE",
+            ErrorCode::FileNotFound => "FILE_NOT_FOUND",
+            ErrorCode::FileOpenFail => "FILE_OPEN_FAIL",
+            ErrorCode::FileReadFail => "FILE_READ_FAIL",
+            ErrorCode::FileWriteFail => "FILE_WRITE_FAIL",
+            ErrorCode::FileInvalidBuffer => "FILE_INVALID_BUFFER",
+            ErrorCode::FileLockFail => "FILE_LOCK_FAIL",
+            ErrorCode::FileInvalidHandle => "FILE_INVALID_HANDLE",
+            ErrorCode::BucketNotFound => "BUCKET_NOT_FOUND",
+            ErrorCode::BucketAlreadyExists => "BUCKET_ALREADY_EXISTS",
+            ErrorCode::KeysExceedBucketLimit => "KEYS_EXCEED_BUCKET_LIMIT",
+            ErrorCode::KeysUltraLimit => "KEYS_ULTRA_LIMIT",
+            ErrorCode::UnableOffload => "UNABLE_OFFLOAD",
+            ErrorCode::UnableOffloading => "UNABLE_OFFLOADING",
+            ErrorCode::TaskNotFound => "TASK_NOT_FOUND",
+            ErrorCode::TaskPendingLimitExceeded => "TASK_PENDING_LIMIT_EXCEEDED",
+        }
+    }
+}
+
 /// The error every L3 operation returns.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum L3Error {
@@ -239,5 +342,27 @@ mod tests {
         assert_eq!(L3Error::NoAvailableHandle { needed: 1 }.code_i32(), -200);
         assert_eq!(L3Error::InvalidParams(String::new()).code_i32(), -600);
         assert_eq!(ErrorCode::KeysExceedBucketLimit.as_i32(), -1202);
+    }
+
+    #[test]
+    fn table_is_complete_and_unique() {
+        use std::collections::HashSet;
+        let codes: HashSet<i32> = ErrorCode::ALL.iter().map(|c| c.as_i32()).collect();
+        let names: HashSet<&str> = ErrorCode::ALL.iter().map(|c| c.name()).collect();
+        assert_eq!(codes.len(), ErrorCode::ALL.len());
+        assert_eq!(names.len(), ErrorCode::ALL.len());
+        assert_eq!(ErrorCode::ObjectNotFound.name(), "OBJECT_NOT_FOUND");
+        assert_eq!(
+            ErrorCode::UnavailableInCurrentStatus.name(),
+            "UNAVAILABLE_IN_CURRENT_STATUS"
+        );
+        // Every variant an L3Error maps to is in the table.
+        for e in [
+            L3Error::ObjectNotFound,
+            L3Error::Unavailable(String::new()),
+            L3Error::UnableOffloading,
+        ] {
+            assert!(ErrorCode::ALL.contains(&e.code()));
+        }
     }
 }

@@ -52,6 +52,7 @@ from . import (
     page_hashes,
     parse_l3_key,
 )
+from ._native import ERROR_CODES
 
 __all__ = [
     "Engine",
@@ -64,8 +65,8 @@ __all__ = [
     "page_content",
 ]
 
-OBJECT_ALREADY_EXISTS = -705
-LEASE_EXPIRED = -707
+OBJECT_ALREADY_EXISTS = ERROR_CODES["OBJECT_ALREADY_EXISTS"]  # -705, from l3's one table
+LEASE_EXPIRED = ERROR_CODES["LEASE_EXPIRED"]  # -707
 
 
 class IntegrityError(AssertionError):

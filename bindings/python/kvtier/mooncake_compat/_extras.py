@@ -1,0 +1,142 @@
+"""The rest of Mooncake's store class: put/get sessions and ranged multi-buffer calls,
+segment management, replica tasks, ``remove_by_regex`` and offload counters (mixed into the
+store class).
+
+Sessions are emulated on the client: ``batch_put_session_start`` reserves a zeroed staging
+buffer per key, ranged puts copy registered memory into it, ``batch_put_session_end`` stores
+it (``revoke`` drops it); a get session needs no cached state in kvtier (every ranged read
+looks the object up). Calls that need what kvtier does not have return a documented code:
+segment mounting beyond ``setup`` (kvtier's store owns its memory) and replica copy/move
+tasks (one replica per object) return -1011 UNAVAILABLE_IN_CURRENT_MODE; ``query_task`` finds
+no task (-1400); ``remove_by_regex`` needs a key listing the store does not offer (-1011).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+from ._setup import check_int, check_str
+from ._types import ErrorCode, ReplicateConfig, config_code
+
+INVALID = int(ErrorCode.INVALID_PARAMS)
+UNAVAILABLE = int(ErrorCode.UNAVAILABLE_IN_CURRENT_MODE)
+
+
+class ExtraCalls:
+    """Mixin: needs ``self._core`` and ``self._sessions`` (key → staging bytearray)."""
+
+    # ---- put sessions ---------------------------------------------------------------------
+
+    def batch_put_session_start(self, keys: List[str], sizes: List[int], config: ReplicateConfig = None) -> List[int]:
+        keys = [check_str(k, "keys[i]") for k in keys]
+        sizes = [check_int(n, "sizes[i]") for n in sizes]
+        rc = config_code(config)
+        if rc or len(keys) != len(sizes):
+            return [rc or INVALID] * len(keys)
+        out = []
+        for k, n in zip(keys, sizes):
+            if n <= 0 or k in self._sessions:
+                out.append(INVALID if n <= 0 else int(ErrorCode.OBJECT_ALREADY_EXISTS))
+            elif self._core.is_exist(k) == 1:
+                out.append(int(ErrorCode.OBJECT_ALREADY_EXISTS))
+            else:
+                self._sessions[k] = bytearray(n)
+                out.append(0)
+        return out
+
+    def batch_put_from_multi_buffer_ranges(self, keys: List[str], all_buffer_ptrs: List[List[int]],
+                                           all_sizes: List[List[int]], all_dst_offsets: List[List[int]]) -> List[int]:
+        """Copies registered ranges into the keys' session buffers at ``dst_offsets``."""
+        out = []
+        for i, k in enumerate(keys):
+            stage = self._sessions.get(k)
+            try:
+                ptrs, sizes, offs = all_buffer_ptrs[i], all_sizes[i], all_dst_offsets[i]
+            except IndexError:
+                out.append(INVALID)
+                continue
+            if stage is None or not len(ptrs) == len(sizes) == len(offs):
+                out.append(INVALID if stage is not None else int(ErrorCode.OBJECT_NOT_FOUND))
+                continue
+            rc = 0
+            for p, n, o in zip(ptrs, sizes, offs):
+                b = self._core.read_registered(check_int(p, "ptr"), check_int(n, "size"))
+                if b is None or o < 0 or o + n > len(stage):
+                    rc = INVALID
+                    break
+                stage[o:o + n] = b
+            out.append(rc)
+        return out
+
+    def batch_put_session_end(self, keys: List[str]) -> List[int]:
+        out = []
+        for k in keys:
+            stage = self._sessions.pop(check_str(k, "keys[i]"), None)
+            out.append(int(ErrorCode.OBJECT_NOT_FOUND) if stage is None else self._core.put(k, bytes(stage)))
+        return out
+
+    def batch_put_session_revoke(self, keys: List[str]) -> List[int]:
+        return [0 if self._sessions.pop(check_str(k, "keys[i]"), None) is not None
+                else int(ErrorCode.OBJECT_NOT_FOUND) for k in keys]
+
+    # ---- get sessions ---------------------------------------------------------------------
+
+    def batch_get_session_start(self, keys: List[str]) -> List[int]:
+        """Per key 0 if it exists, else its code (kvtier caches nothing: each ranged read
+        looks the object up)."""
+        res = self._core.batch_is_exist([check_str(k, "keys[i]") for k in keys])
+        return [0 if r == 1 else (int(ErrorCode.OBJECT_NOT_FOUND) if r == 0 else r) for r in res]
+
+    def batch_get_session_end(self, keys: List[str]) -> int:
+        return 0
+
+    def batch_get_into_multi_buffer_ranges(self, keys: List[str], all_buffer_ptrs: List[List[int]],
+                                           all_sizes: List[List[int]], all_src_offsets: List[List[int]]) -> List[int]:
+        """Per key: copies ``size`` bytes from ``src_offset`` of the object to each
+        registered buffer; the bytes copied in all, or the first negative code."""
+        if not len(keys) == len(all_buffer_ptrs) == len(all_sizes) == len(all_src_offsets):
+            return [INVALID] * len(keys)
+        dst = [[list(p)] for p in all_buffer_ptrs]  # absolute pointers: buffer 0 + offset
+        res = self._core.get_into_ranges(
+            [0] * len(keys), [[check_str(k, "keys[i]")] for k in keys], dst,
+            [[list(o)] for o in all_src_offsets], [[list(n)] for n in all_sizes])
+        out = []
+        for per_key in res:
+            codes = per_key[0] if per_key else [INVALID]
+            neg = [c for c in codes if c < 0]
+            out.append(neg[0] if neg else sum(codes))
+        return out
+
+    # ---- segments, tasks, misc --------------------------------------------------------------
+
+    def allocate_and_mount_segment(self, size: int, protocol: str = "tcp", location: str = "") -> Dict[str, Any]:
+        return {"error_code": UNAVAILABLE}
+
+    def mount_segment(self, path: str, size: int, offset: int = 0, protocol: str = "tcp",
+                      location: str = "") -> Dict[str, Any]:
+        return {"error_code": UNAVAILABLE}
+
+    def unmount_segment(self, segment_ids: List[str], grace_period_seconds: int = 0) -> int:
+        return UNAVAILABLE
+
+    def unmount_and_free_segment(self, segment_ids: List[str], grace_period_seconds: int = 0) -> int:
+        return UNAVAILABLE
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        return UNAVAILABLE
+
+    def create_copy_task(self, key: str, targets: List[str]) -> Tuple[Tuple[int, int], int]:
+        return (0, 0), UNAVAILABLE
+
+    def create_move_task(self, key: str, source: str, target: str) -> Tuple[Tuple[int, int], int]:
+        return (0, 0), UNAVAILABLE
+
+    def query_task(self, task_id: Tuple[int, int]) -> Tuple[None, int]:
+        return None, int(ErrorCode.TASK_NOT_FOUND)
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        check_str(regex_pattern, "regex_pattern")
+        return UNAVAILABLE
+
+    def get_offload_rpc_read_count(self) -> int:
+        return 0

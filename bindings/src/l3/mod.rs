@@ -1,0 +1,154 @@
+//! The L3 store from Python: `kvtier.L3Store` (embedded or client of a `kvtier-l3` server),
+//! `kvtier.L3Server` (a server in this process, for tests and single-host setups),
+//! `kvtier.QueryResults` (batched query results with lease deadlines) and the integer-code
+//! core of `kvtier.mooncake_compat.MooncakeDistributedStore`.
+//!
+//! Why two error conventions: `L3Store` is kvtier's own API and raises one exception class
+//! per error kind (whole-call failures) while batch calls return per-key integer results in
+//! numpy arrays (size or 0 on success, Mooncake's negative code on failure), so one missing
+//! key does not hide the others. The Mooncake-compatible core never raises for store
+//! failures: it returns Mooncake's integers, exactly as `mooncake.store` does.
+//!
+//! Safety of raw pointers: Mooncake's `put_from`/`get_into` take integer addresses. The
+//! compatible core accepts an address range only inside memory registered with
+//! `register_buffer` (anything else returns -600, INVALID_PARAMS, where Mooncake would read
+//! or write wild memory). Registration trusts the caller to keep that memory alive, as
+//! Mooncake does. Everything else goes through the buffer protocol and is bounds-checked.
+//!
+//! The GIL is released around every store call.
+//!
+//! Files: `query.rs` (`QueryResults`), `store.rs` (`L3Store`), `server.rs` (`L3Server`); this
+//! one holds the named registry of embedded stores and the result-to-code helpers shared
+//! with the Mooncake-compatible core (`crate::mooncake`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+use kvtier_l3::{EmbeddedStore, L3Error, L3Result, SsdConfig, StoreConfig, Tenant};
+
+use crate::convert::ByteBuf;
+use crate::errors::l3_err;
+
+mod query;
+mod server;
+mod store;
+
+pub use query::PyQueryResults;
+pub use server::PyL3Server;
+pub use store::PyL3Store;
+
+/// Embedded stores by name, shared by every handle of this process that names them
+/// (`L3Store.embedded(name=...)`, `MooncakeDistributedStore.setup(..., "embedded://name")`).
+fn registry() -> &'static Mutex<HashMap<String, Weak<EmbeddedStore>>> {
+    static R: OnceLock<Mutex<HashMap<String, Weak<EmbeddedStore>>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The embedded store named `name`, created with `cfg` if no live one has that name.
+/// An empty name always creates a private store.
+pub fn shared_embedded(name: &str, cfg: StoreConfig) -> L3Result<Arc<EmbeddedStore>> {
+    if name.is_empty() {
+        return Ok(Arc::new(EmbeddedStore::new(cfg)?));
+    }
+    let mut r = registry().lock();
+    if let Some(s) = r.get(name).and_then(Weak::upgrade) {
+        return Ok(s);
+    }
+    let s = Arc::new(EmbeddedStore::new(cfg)?);
+    r.retain(|_, w| w.strong_count() > 0);
+    r.insert(name.to_string(), Arc::downgrade(&s));
+    Ok(s)
+}
+
+pub(crate) fn tenant(name: &str) -> PyResult<Tenant> {
+    Tenant::new(name).map_err(l3_err)
+}
+
+pub(crate) fn code_of<T>(r: &L3Result<T>) -> i64 {
+    match r {
+        Ok(_) => 0,
+        Err(e) => l3code(e),
+    }
+}
+
+/// A size or count (saturated to i64), or a negative code.
+pub(crate) fn size_code(r: L3Result<u64>) -> i64 {
+    match r {
+        Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
+        Err(e) => l3code(&e),
+    }
+}
+
+pub(crate) fn sizes_or_codes(v: Vec<L3Result<u64>>) -> Vec<i64> {
+    v.into_iter().map(size_code).collect()
+}
+
+/// 1 exists, 0 missing, or a negative code.
+pub(crate) fn exist_code(r: L3Result<bool>) -> i64 {
+    match r {
+        Ok(true) => 1,
+        Ok(false) => 0,
+        Err(e) => l3code(&e),
+    }
+}
+
+/// Mooncake's integer code of an error (e.g. -704).
+pub(crate) fn l3code(e: &L3Error) -> i64 {
+    i64::from(e.code_i32())
+}
+
+pub(crate) fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+/// Builds a store config from keyword values.
+#[allow(clippy::too_many_arguments)]
+pub fn store_config(
+    segment_bytes: u64,
+    lease_ttl_ms: u64,
+    max_object_bytes: u64,
+    max_batch_keys: usize,
+    ssd_dir: Option<String>,
+    ssd_capacity_bytes: Option<u64>,
+) -> StoreConfig {
+    let mut cfg = StoreConfig {
+        local_segment_bytes: segment_bytes,
+        lease_ttl: ms(lease_ttl_ms),
+        max_object_bytes,
+        max_batch_keys,
+        ..StoreConfig::default()
+    };
+    if let Some(d) = ssd_dir {
+        let mut s = SsdConfig::new(d);
+        if let Some(c) = ssd_capacity_bytes {
+            s.capacity_bytes = c;
+        }
+        cfg.ssd = Some(s);
+    }
+    cfg
+}
+
+/// A list of buffers (each bytes-like), refusing a single buffer passed where a list is due.
+pub(crate) fn buf_list(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Vec<ByteBuf>> {
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<pyo3::types::PyByteArray>() {
+        return Err(PyTypeError::new_err("bufs: expected a list of buffers"));
+    }
+    let list = obj
+        .cast::<PyList>()
+        .map(|l| l.iter().collect::<Vec<_>>())
+        .or_else(|_| {
+            obj.try_iter()
+                .and_then(|it| it.collect::<PyResult<Vec<_>>>())
+        })
+        .map_err(|_| PyTypeError::new_err("bufs: expected a list of buffers"))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, b)| ByteBuf::get(b, writable, &format!("bufs[{i}]")))
+        .collect()
+}

@@ -1,0 +1,475 @@
+//! `kvtier.L3Store`: kvtier's own store API (exceptions for whole-call failures, per-key
+//! integer arrays for batches), embedded or a client of a `kvtier-l3` server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use numpy::PyArray1;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use kvtier_l3::{ClientOptions, EmbeddedStore, L3Store, PutOptions, RemoteStore, Tenant};
+
+use super::{
+    PyQueryResults, buf_list, code_of, exist_code, ms, shared_embedded, sizes_or_codes,
+    store_config,
+};
+use crate::convert::{ByteBuf, str_list, u32_vec};
+use crate::errors::l3_err;
+
+/// A page call's keys and page ids, one page per key.
+fn keyed_pages(
+    keys: &Bound<'_, PyAny>,
+    page_ids: &Bound<'_, PyAny>,
+) -> PyResult<(Vec<String>, Vec<u32>)> {
+    let keys = str_list(keys, "keys")?;
+    let ids = u32_vec(page_ids, "page_ids")?;
+    if ids.len() != keys.len() {
+        return Err(PyValueError::new_err("keys and page_ids differ in length"));
+    }
+    Ok((keys, ids))
+}
+
+/// Checks `page_ids` against a pool of `pool_len` bytes cut in `page_bytes` pages and
+/// returns the byte ranges.
+fn page_ranges(
+    page_ids: &[u32],
+    page_bytes: usize,
+    pool_len: usize,
+) -> PyResult<Vec<std::ops::Range<usize>>> {
+    if page_bytes == 0 {
+        return Err(PyValueError::new_err("page_bytes must be positive"));
+    }
+    let pages = pool_len / page_bytes;
+    page_ids
+        .iter()
+        .map(|&p| {
+            let p = p as usize;
+            if p >= pages {
+                Err(PyValueError::new_err(format!(
+                    "page {p} is outside the pool ({pages} pages of {page_bytes} bytes)"
+                )))
+            } else {
+                Ok(p * page_bytes..(p + 1) * page_bytes)
+            }
+        })
+        .collect()
+}
+
+/// Disjoint mutable slices of `pool` at `ranges` (duplicates refused).
+fn split_pages<'a>(
+    pool: &'a mut [u8],
+    ranges: &[std::ops::Range<usize>],
+) -> PyResult<Vec<&'a mut [u8]>> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| ranges[i].start);
+    let mut out: Vec<Option<&'a mut [u8]>> = (0..ranges.len()).map(|_| None).collect();
+    let mut rest: &'a mut [u8] = pool;
+    let mut consumed = 0usize;
+    for &i in &order {
+        let r = &ranges[i];
+        if r.start < consumed {
+            return Err(PyValueError::new_err("the same page appears twice"));
+        }
+        let tail = std::mem::take(&mut rest);
+        let (_, tail) = tail.split_at_mut(r.start - consumed);
+        let (page, tail) = tail.split_at_mut(r.end - r.start);
+        out[i] = Some(page);
+        rest = tail;
+        consumed = r.end;
+    }
+    out.into_iter()
+        .map(|o| o.ok_or_else(|| PyRuntimeError::new_err("internal: page not split")))
+        .collect()
+}
+
+/// A handle on an L3 store (embedded in this process, or a client of a `kvtier-l3` server),
+/// bound to one tenant. Whole-call failures raise the `L3Error` subclass of their kind.
+#[pyclass(frozen, module = "kvtier", name = "L3Store")]
+pub struct PyL3Store {
+    pub(crate) store: Arc<dyn L3Store>,
+    embedded: Option<Arc<EmbeddedStore>>,
+    pub(crate) tenant: Tenant,
+    remote_addr: Option<String>,
+}
+
+impl PyL3Store {
+    pub fn dyn_store(&self) -> Arc<dyn L3Store> {
+        self.store.clone()
+    }
+
+    /// Puts `views[i]` under `keys[i]` with the GIL released; per key 0 or a negative code.
+    fn put_views<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &[String],
+        views: &[&[u8]],
+        opts: PutOptions,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let v = py
+            .detach(|| self.store.batch_put_from(&self.tenant, keys, views, opts))
+            .map_err(l3_err)?;
+        Ok(PyArray1::from_vec(py, v.iter().map(code_of).collect()))
+    }
+
+    /// Reads `keys[i]` into `views[i]` with the GIL released; per key its size or a code.
+    fn get_views<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &[String],
+        views: &mut [&mut [u8]],
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let v = py
+            .detach(|| self.store.batch_get_into(&self.tenant, keys, views))
+            .map_err(l3_err)?;
+        Ok(PyArray1::from_vec(py, sizes_or_codes(v)))
+    }
+}
+
+#[pymethods]
+impl PyL3Store {
+    /// An in-process store. `name`: share the store with every other handle of this process
+    /// naming it (empty: a private store). Other arguments apply when the store is created.
+    #[staticmethod]
+    #[pyo3(signature = (segment_bytes = 1 << 30, *, lease_ttl_ms = 10_000, max_object_bytes = 1 << 30,
+                        max_batch_keys = 65_536, ssd_dir = None, ssd_capacity_bytes = None,
+                        tenant = "default", name = ""))]
+    #[allow(clippy::too_many_arguments)]
+    fn embedded(
+        py: Python<'_>,
+        segment_bytes: u64,
+        lease_ttl_ms: u64,
+        max_object_bytes: u64,
+        max_batch_keys: usize,
+        ssd_dir: Option<String>,
+        ssd_capacity_bytes: Option<u64>,
+        tenant: &str,
+        name: &str,
+    ) -> PyResult<Self> {
+        let t = super::tenant(tenant)?;
+        let cfg = store_config(
+            segment_bytes,
+            lease_ttl_ms,
+            max_object_bytes,
+            max_batch_keys,
+            ssd_dir,
+            ssd_capacity_bytes,
+        );
+        let name = name.to_string();
+        let s = py
+            .detach(move || shared_embedded(&name, cfg))
+            .map_err(l3_err)?;
+        Ok(PyL3Store {
+            store: s.clone(),
+            embedded: Some(s),
+            tenant: t,
+            remote_addr: None,
+        })
+    }
+
+    /// A client of a `kvtier-l3` server at `addr` ("host:port").
+    #[staticmethod]
+    #[pyo3(signature = (addr, *, token = None, tenant = "default", rpc_timeout_ms = 120_000))]
+    fn connect(
+        py: Python<'_>,
+        addr: &str,
+        token: Option<String>,
+        tenant: &str,
+        rpc_timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let t = super::tenant(tenant)?;
+        let sa: SocketAddr = addr
+            .parse()
+            .map_err(|e| PyValueError::new_err(format!("bad address {addr:?}: {e}")))?;
+        let opts = ClientOptions {
+            token,
+            rpc_timeout: ms(rpc_timeout_ms),
+            ..ClientOptions::default()
+        };
+        let s = py
+            .detach(move || RemoteStore::connect(sa, opts))
+            .map_err(l3_err)?;
+        Ok(PyL3Store {
+            store: Arc::new(s),
+            embedded: None,
+            tenant: t,
+            remote_addr: Some(addr.to_string()),
+        })
+    }
+
+    /// Another handle on the same store for another tenant (keys never meet across tenants).
+    fn with_tenant(&self, tenant: &str) -> PyResult<Self> {
+        Ok(PyL3Store {
+            store: self.store.clone(),
+            embedded: self.embedded.clone(),
+            tenant: super::tenant(tenant)?,
+            remote_addr: self.remote_addr.clone(),
+        })
+    }
+
+    /// The tenant of this handle.
+    #[getter]
+    fn tenant(&self) -> String {
+        self.tenant.as_str().to_string()
+    }
+
+    /// Whether the store runs in this process.
+    #[getter]
+    fn is_embedded(&self) -> bool {
+        self.embedded.is_some()
+    }
+
+    /// The store's clock in ms (lease deadlines are on it). None for a remote store, whose
+    /// deadlines are on the server's clock.
+    fn now_ms(&self) -> Option<u64> {
+        self.embedded.as_ref().map(|s| s.clock().now_ms())
+    }
+
+    /// Moves an embedded store's clock forward (tests: expire leases without sleeping).
+    fn advance_clock_ms(&self, ms_: u64) -> PyResult<()> {
+        match &self.embedded {
+            Some(s) => {
+                s.clock().advance(ms(ms_));
+                Ok(())
+            }
+            None => Err(PyRuntimeError::new_err(
+                "only an embedded store has a local clock",
+            )),
+        }
+    }
+
+    /// Stores `data` (any bytes-like object) under `key`. First writer wins (-705).
+    /// With `wait_persisted`, returns only once the SSD copy is durable (an SSD write
+    /// failure raises; without an SSD tier it is the plain put).
+    #[pyo3(signature = (key, data, *, soft_pin = false, wait_persisted = false))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        data: &Bound<'_, PyAny>,
+        soft_pin: bool,
+        wait_persisted: bool,
+    ) -> PyResult<()> {
+        let b = ByteBuf::get(data, false, "data")?;
+        let opts = PutOptions {
+            soft_pin,
+            wait_persisted,
+        };
+        py.detach(|| self.store.put(&self.tenant, key, b.as_slice(), opts))
+            .map_err(l3_err)
+    }
+
+    /// Reads an object into new bytes.
+    fn get<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let v = py
+            .detach(|| self.store.get(&self.tenant, key))
+            .map_err(l3_err)?;
+        Ok(PyBytes::new(py, &v))
+    }
+
+    /// Reads an object into a writable buffer; returns its size (BufferOverflowError if the
+    /// buffer is too small).
+    fn get_into(&self, py: Python<'_>, key: &str, buf: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let mut b = ByteBuf::get(buf, true, "buf")?;
+        py.detach(|| self.store.get_into(&self.tenant, key, b.as_mut_slice()))
+            .map_err(l3_err)
+    }
+
+    /// Size of an object in bytes.
+    fn get_size(&self, py: Python<'_>, key: &str) -> PyResult<u64> {
+        py.detach(|| self.store.get_size(&self.tenant, key))
+            .map_err(l3_err)
+    }
+
+    /// Whether the key exists (takes no lease).
+    fn is_exist(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        py.detach(|| self.store.is_exist(&self.tenant, key))
+            .map_err(l3_err)
+    }
+
+    /// Per key: 1 exists, 0 missing, negative code on error (int64 array). Takes no lease;
+    /// `prefetch_to_memory=True` also asks the store to promote SSD-only keys to DRAM (what
+    /// an `L3Query` probe does, so the prefetch that follows reads DRAM).
+    #[pyo3(signature = (keys, *, prefetch_to_memory = false))]
+    fn batch_is_exist<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        prefetch_to_memory: bool,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let keys = str_list(keys, "keys")?;
+        let opts = kvtier_l3::ExistOptions { prefetch_to_memory };
+        let v = py
+            .detach(|| self.store.batch_exist_key(&self.tenant, &keys, opts))
+            .map_err(l3_err)?;
+        let out: Vec<i64> = v.into_iter().map(exist_code).collect();
+        Ok(PyArray1::from_vec(py, out))
+    }
+
+    /// Puts `bufs[i]` under `keys[i]`; per key 0 or a negative code (int64 array).
+    /// `wait_persisted` as for `put`.
+    #[pyo3(signature = (keys, bufs, *, soft_pin = false, wait_persisted = false))]
+    fn batch_put_from<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        bufs: &Bound<'py, PyAny>,
+        soft_pin: bool,
+        wait_persisted: bool,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let keys = str_list(keys, "keys")?;
+        let bufs = buf_list(bufs, false)?;
+        let views: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
+        let opts = PutOptions {
+            soft_pin,
+            wait_persisted,
+        };
+        self.put_views(py, &keys, &views, opts)
+    }
+
+    /// Reads `keys[i]` into writable `bufs[i]`; per key its size or a negative code.
+    fn batch_get_into<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        bufs: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let keys = str_list(keys, "keys")?;
+        let mut bufs = buf_list(bufs, true)?;
+        let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+        self.get_views(py, &keys, &mut views)
+    }
+
+    /// Puts pages of a pool: key `i` ← bytes of page `page_ids[i]` of `pool` (a C-contiguous
+    /// buffer cut in `page_bytes` pages). Per key 0 or a negative code.
+    /// `wait_persisted` as for `put`.
+    #[pyo3(signature = (keys, pool, page_ids, page_bytes, *, soft_pin = false, wait_persisted = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_put_pages<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        pool: &Bound<'py, PyAny>,
+        page_ids: &Bound<'py, PyAny>,
+        page_bytes: usize,
+        soft_pin: bool,
+        wait_persisted: bool,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let (keys, ids) = keyed_pages(keys, page_ids)?;
+        let b = ByteBuf::get(pool, false, "pool")?;
+        let ranges = page_ranges(&ids, page_bytes, b.len())?;
+        let src = b.as_slice();
+        let views: Vec<&[u8]> = ranges.iter().map(|r| &src[r.clone()]).collect();
+        let opts = PutOptions {
+            soft_pin,
+            wait_persisted,
+        };
+        self.put_views(py, &keys, &views, opts)
+    }
+
+    /// Reads key `i` into page `page_ids[i]` of `pool`. Per key its size or a negative code.
+    fn batch_get_pages<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        pool: &Bound<'py, PyAny>,
+        page_ids: &Bound<'py, PyAny>,
+        page_bytes: usize,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let (keys, ids) = keyed_pages(keys, page_ids)?;
+        let mut b = ByteBuf::get(pool, true, "pool")?;
+        let ranges = page_ranges(&ids, page_bytes, b.len())?;
+        let mut views = split_pages(b.as_mut_slice(), &ranges)?;
+        self.get_views(py, &keys, &mut views)
+    }
+
+    /// One batched metadata query: replica descriptors with lease deadlines.
+    fn batch_query(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<PyQueryResults> {
+        let keys = str_list(keys, "keys")?;
+        let v = py
+            .detach(|| self.store.batch_query(&self.tenant, &keys))
+            .map_err(l3_err)?;
+        Ok(PyQueryResults { results: v })
+    }
+
+    /// Reads keys `offset .. offset + n` of `results` into pages `page_ids` (n of them) of
+    /// `pool`, reusing the query's metadata (no second lookup). A key whose lease expired gives -707 and is not
+    /// read. Per key its size or a negative code.
+    #[pyo3(signature = (results, pool, page_ids, page_bytes, offset = 0))]
+    fn batch_get_pages_with_query<'py>(
+        &self,
+        py: Python<'py>,
+        results: &PyQueryResults,
+        pool: &Bound<'py, PyAny>,
+        page_ids: &Bound<'py, PyAny>,
+        page_bytes: usize,
+        offset: usize,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let ids = u32_vec(page_ids, "page_ids")?;
+        let end = offset
+            .checked_add(ids.len())
+            .filter(|e| *e <= results.results.len())
+            .ok_or_else(|| PyValueError::new_err("offset + pages exceeds the query results"))?;
+        let mut qs = Vec::with_capacity(ids.len());
+        for r in &results.results[offset..end] {
+            match r {
+                Ok(q) => qs.push(q.clone()),
+                Err(_) => {
+                    return Err(PyValueError::new_err(
+                        "a query result in range is a miss; read only the hit prefix",
+                    ));
+                }
+            }
+        }
+        let mut b = ByteBuf::get(pool, true, "pool")?;
+        let ranges = page_ranges(&ids, page_bytes, b.len())?;
+        let mut views = split_pages(b.as_mut_slice(), &ranges)?;
+        let v = py
+            .detach(|| {
+                self.store
+                    .batch_get_with_query(&self.tenant, &qs, &mut views)
+            })
+            .map_err(l3_err)?;
+        Ok(PyArray1::from_vec(py, sizes_or_codes(v)))
+    }
+
+    /// Removes a key (ObjectHasLeaseError while leased, unless `force`).
+    #[pyo3(signature = (key, force = false))]
+    fn remove(&self, py: Python<'_>, key: &str, force: bool) -> PyResult<()> {
+        py.detach(|| self.store.remove(&self.tenant, key, force))
+            .map_err(l3_err)
+    }
+
+    /// Removes every key of the tenant (leased ones stay unless `force`); returns the count.
+    #[pyo3(signature = (force = false))]
+    fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<u64> {
+        py.detach(|| self.store.remove_all(&self.tenant, force))
+            .map_err(l3_err)
+    }
+
+    /// Waits until queued SSD writes are durable.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.store.flush()).map_err(l3_err)
+    }
+
+    /// Store-wide numbers (objects, bytes in memory and on disk).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.store.stats()).map_err(l3_err)?;
+        let d = PyDict::new(py);
+        d.set_item("objects", s.objects)?;
+        d.set_item("mem_objects", s.mem_objects)?;
+        d.set_item("mem_used_bytes", s.mem_used_bytes)?;
+        d.set_item("mem_capacity_bytes", s.mem_capacity_bytes)?;
+        d.set_item("disk_objects", s.disk_objects)?;
+        d.set_item("disk_used_bytes", s.disk_used_bytes)?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        match &self.remote_addr {
+            Some(a) => format!("L3Store(remote={a:?}, tenant={:?})", self.tenant.as_str()),
+            None => format!("L3Store(embedded, tenant={:?})", self.tenant.as_str()),
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! The shared machinery of the compatible core's calls: write modes (put vs upsert), the
+//! per-key batch driver that releases the GIL, and Mooncake's result-code conventions.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+
+use kvtier_l3::{BatchResult, L3Error, L3Result, L3Store, PutOptions, Tenant};
+
+use super::ranges::{gather, multi_parts, removed_or_missing};
+use super::{Attached, INVALID_PARAMS, MooncakeCore, NOT_INITIALIZED};
+use crate::convert::ByteBuf;
+use crate::l3::{buf_list, l3code, size_code};
+
+/// Whether a write keeps an existing object (Mooncake's put: first writer wins) or replaces
+/// it (Mooncake's upsert).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum WriteMode {
+    Insert,
+    Upsert,
+}
+
+/// A put's code as Mooncake's Python client reports it: a key that already exists is a
+/// success (first writer wins, the call returns 0), as measured against Mooncake 0.3.13.
+pub(super) fn mc_put_code(r: &L3Result<()>) -> i64 {
+    match r {
+        Ok(()) | Err(L3Error::ObjectAlreadyExists) => 0,
+        Err(e) => l3code(e),
+    }
+}
+
+/// A read's result as Mooncake's Python client reports it: the size, or a negative code,
+/// with a too-small buffer reported as INVALID_PARAMS (-600), as Mooncake 0.3.13 does.
+pub(crate) fn mc_get_code(r: L3Result<u64>) -> i64 {
+    match r {
+        Err(L3Error::BufferOverflow { .. }) => INVALID_PARAMS,
+        r => size_code(r),
+    }
+}
+
+/// Puts `views` under `keys` (replacing existing objects in `Upsert` mode).
+fn write_many(
+    s: &dyn L3Store,
+    t: &Tenant,
+    keys: &[String],
+    views: &[&[u8]],
+    mode: WriteMode,
+) -> BatchResult<()> {
+    if mode == WriteMode::Upsert {
+        for k in keys {
+            // A failed remove shows up as the put's own error (-705 for a leased object).
+            let _ = removed_or_missing(s.remove(t, k, true));
+        }
+    }
+    s.batch_put_from(t, keys, views, PutOptions::default())
+}
+
+impl MooncakeCore {
+    pub(super) fn handle(&self) -> Option<(Arc<dyn L3Store>, Tenant)> {
+        self.state
+            .read()
+            .as_ref()
+            .map(|a| (a.store.clone(), a.tenant.clone()))
+    }
+
+    pub(super) fn attach(&self, a: Attached) {
+        *self.state.write() = Some(a);
+    }
+
+    /// The shared part of the batch calls: keys whose range is valid go to `call` (with
+    /// their indices) with the GIL released; each result goes back to its key's slot as
+    /// `code` reports it. An invalid key is INVALID_PARAMS; a whole-call failure gives its
+    /// code to every valid key.
+    pub(super) fn mc_batch<T: Send>(
+        &self,
+        py: Python<'_>,
+        keys: &[String],
+        valid: impl Fn(usize) -> bool,
+        call: impl FnOnce(&dyn L3Store, &Tenant, &[usize], &[String]) -> BatchResult<T> + Send,
+        code: impl Fn(L3Result<T>) -> i64,
+    ) -> Vec<i64> {
+        let Some((s, t)) = self.handle() else {
+            return vec![NOT_INITIALIZED; keys.len()];
+        };
+        let idx: Vec<usize> = (0..keys.len()).filter(|&i| valid(i)).collect();
+        let sel: Vec<String> = idx.iter().map(|&i| keys[i].clone()).collect();
+        let res = py.detach(|| call(s.as_ref(), &t, &idx, &sel));
+        let mut out = vec![INVALID_PARAMS; keys.len()];
+        match res {
+            Ok(v) => {
+                for (j, r) in v.into_iter().enumerate() {
+                    if let Some(&i) = idx.get(j) {
+                        out[i] = code(r);
+                    }
+                }
+            }
+            Err(e) => idx.iter().for_each(|&i| out[i] = l3code(&e)),
+        }
+        out
+    }
+
+    pub(super) fn put_bytes(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        value: &Bound<'_, PyAny>,
+        mode: WriteMode,
+    ) -> PyResult<i64> {
+        let b = ByteBuf::get(value, false, "value")?;
+        let Some((s, t)) = self.handle() else {
+            return Ok(NOT_INITIALIZED);
+        };
+        let keys = [key.to_string()];
+        Ok(py.detach(
+            || match write_many(s.as_ref(), &t, &keys, &[b.as_slice()], mode) {
+                Ok(v) => v.iter().map(mc_put_code).next().unwrap_or(NOT_INITIALIZED),
+                Err(e) => l3code(&e),
+            },
+        ))
+    }
+
+    /// Mooncake's `put_batch`/`upsert_batch`: one code for the whole batch (the first failure).
+    pub(super) fn put_many(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: &Bound<'_, PyAny>,
+        mode: WriteMode,
+    ) -> PyResult<i64> {
+        let bufs = buf_list(values, false)?;
+        if bufs.len() != keys.len() {
+            return Ok(INVALID_PARAMS);
+        }
+        let Some((s, t)) = self.handle() else {
+            return Ok(NOT_INITIALIZED);
+        };
+        let views: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
+        Ok(
+            py.detach(|| match write_many(s.as_ref(), &t, &keys, &views, mode) {
+                Ok(v) => v.iter().map(mc_put_code).find(|c| *c != 0).unwrap_or(0),
+                Err(e) => l3code(&e),
+            }),
+        )
+    }
+
+    pub(super) fn put_ranges(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<u64>,
+        sizes: Vec<i64>,
+        mode: WriteMode,
+    ) -> Vec<i64> {
+        if keys.len() != ptrs.len() || keys.len() != sizes.len() {
+            return vec![INVALID_PARAMS; keys.len()];
+        }
+        let ranges = self.regions.check_all(&ptrs, &sizes);
+        self.mc_batch(
+            py,
+            &keys,
+            |i| ranges[i].is_some(),
+            |s, t, idx, sel| {
+                // SAFETY: every range came from `Regions::check`.
+                let views: Vec<&[u8]> = idx
+                    .iter()
+                    .filter_map(|&i| ranges[i].map(|r| unsafe { r.bytes() }))
+                    .collect();
+                write_many(s, t, sel, &views, mode)
+            },
+            |r| mc_put_code(&r),
+        )
+    }
+
+    pub(super) fn put_multi(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_ptrs: Vec<Vec<u64>>,
+        all_sizes: Vec<Vec<i64>>,
+        mode: WriteMode,
+    ) -> Vec<i64> {
+        if keys.len() != all_ptrs.len() || keys.len() != all_sizes.len() {
+            return vec![INVALID_PARAMS; keys.len()];
+        }
+        let parts = multi_parts(&self.regions, &all_ptrs, &all_sizes);
+        self.mc_batch(
+            py,
+            &keys,
+            |i| parts[i].is_some(),
+            |s, t, idx, sel| {
+                let objs: Vec<Vec<u8>> = idx
+                    .iter()
+                    .map(|&i| parts[i].as_deref().map(gather).unwrap_or_default())
+                    .collect();
+                let views: Vec<&[u8]> = objs.iter().map(|o| o.as_slice()).collect();
+                write_many(s, t, sel, &views, mode)
+            },
+            |r| mc_put_code(&r),
+        )
+    }
+}

@@ -1,0 +1,547 @@
+//! The integer-code core of `kvtier.mooncake_compat.MooncakeDistributedStore`.
+//!
+//! Why a core in Rust under a Python class: Mooncake's store takes integer addresses, and
+//! touching them is only sound after the registration check, which must live where the
+//! bytes are copied (`registered.rs`); the GIL is released around every store call. Argument
+//! parsing (positional or dict `setup`, sizes as text), tensors and the Python-visible types
+//! live in the Python package `kvtier.mooncake_compat`.
+//!
+//! This core never raises for store failures: it returns Mooncake's integers, exactly as
+//! `mooncake.store` does. Files: `registered.rs` (registered memory and the only type that
+//! reads raw addresses), `segment.rs` (a client's contributed global segment), `ranges.rs`
+//! (multi-buffer and byte-range calls, replica calls).
+
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use kvtier_l3::{ClientOptions, EmbeddedStore, ErrorCode, L3Result, L3Store, RemoteStore, Tenant};
+
+use crate::convert::ByteBuf;
+use crate::l3::{
+    PyL3Store, code_of, exist_code, l3code, ms, shared_embedded, size_code, store_config,
+};
+
+mod batch;
+mod ranges;
+mod registered;
+mod segment;
+
+use batch::{WriteMode, mc_get_code};
+use ranges::{ReplicaRow, multi_parts, scatter};
+use registered::{Regions, RegisteredRange, drop_overlapping};
+use segment::Contribution;
+
+pub(crate) const INVALID_PARAMS: i64 = ErrorCode::InvalidParams as i64;
+const NOT_INITIALIZED: i64 = ErrorCode::InternalError as i64;
+
+/// Mooncake's error codes by name, from the one table in the l3 crate (`kvtier.ERROR_CODES`).
+pub fn error_codes(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for c in ErrorCode::ALL {
+        d.set_item(c.name(), c.as_i32())?;
+    }
+    Ok(d)
+}
+
+/// What a set-up client is attached to.
+struct Attached {
+    store: Arc<dyn L3Store>,
+    embedded: Option<Arc<EmbeddedStore>>,
+    tenant: Tenant,
+    /// Dropped (unmounted) on close, before the store handle.
+    _segment: Option<Contribution>,
+}
+
+#[pyclass(frozen, module = "kvtier._native", name = "MooncakeCore")]
+pub struct MooncakeCore {
+    state: RwLock<Option<Attached>>,
+    regions: Regions,
+    /// Memory of `setup_dummy`'s pool (`alloc_from_mem_pool`), registered while set up.
+    pool: Mutex<Option<(Box<[u8]>, usize)>>,
+}
+
+#[pymethods]
+impl MooncakeCore {
+    #[new]
+    fn new() -> Self {
+        MooncakeCore {
+            state: RwLock::new(None),
+            regions: Regions::default(),
+            pool: Mutex::new(None),
+        }
+    }
+
+    /// Attaches to (or creates) the embedded store `name` and mounts this client's global
+    /// segment of `segment_bytes` into it (none if 0). `lease_ttl_ms` applies when this
+    /// call creates the store. 0 or a negative code.
+    #[pyo3(signature = (name, segment_bytes, tenant, hostname, lease_ttl_ms = 10_000))]
+    fn setup_embedded(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        segment_bytes: u64,
+        tenant: &str,
+        hostname: &str,
+        lease_ttl_ms: u64,
+    ) -> i64 {
+        let t = match Tenant::new(tenant) {
+            Ok(t) => t,
+            Err(e) => return l3code(&e),
+        };
+        let cfg = store_config(0, lease_ttl_ms, 1 << 30, 65_536, None, None);
+        let name = name.to_string();
+        let r = py.detach(move || -> L3Result<Attached> {
+            let s = shared_embedded(&name, cfg)?;
+            let store: Arc<dyn L3Store> = s.clone();
+            let seg = (segment_bytes > 0)
+                .then(|| Contribution::mount(store.clone(), segment_bytes, hostname))
+                .transpose()?;
+            Ok(Attached {
+                store,
+                embedded: Some(s),
+                tenant: t,
+                _segment: seg,
+            })
+        });
+        match r {
+            Ok(a) => {
+                self.attach(a);
+                0
+            }
+            Err(e) => l3code(&e),
+        }
+    }
+
+    /// Connects to a `kvtier-l3` server (which holds the memory, as Mooncake's real client
+    /// does for a dummy client); 0 or a negative code.
+    #[pyo3(signature = (addr, tenant, token = None))]
+    fn setup_remote(&self, py: Python<'_>, addr: &str, tenant: &str, token: Option<String>) -> i64 {
+        let t = match Tenant::new(tenant) {
+            Ok(t) => t,
+            Err(e) => return l3code(&e),
+        };
+        let Ok(sa) = addr.parse::<std::net::SocketAddr>() else {
+            return INVALID_PARAMS;
+        };
+        let opts = ClientOptions {
+            token,
+            ..ClientOptions::default()
+        };
+        match py.detach(move || RemoteStore::connect(sa, opts)) {
+            Ok(s) => {
+                self.attach(Attached {
+                    store: Arc::new(s),
+                    embedded: None,
+                    tenant: t,
+                    _segment: None,
+                });
+                0
+            }
+            Err(e) => l3code(&e),
+        }
+    }
+
+    /// Attaches to the store behind a `kvtier.L3Store` handle (same tenant).
+    fn setup_from(&self, store: &PyL3Store) -> i64 {
+        self.attach(Attached {
+            store: store.store.clone(),
+            embedded: None,
+            tenant: store.tenant.clone(),
+            _segment: None,
+        });
+        0
+    }
+
+    /// Allocates `pool_bytes` of registered memory for `alloc_from_mem_pool` (a dummy
+    /// client's shared pool in Mooncake). 0 or a negative code.
+    fn setup_pool(&self, pool_bytes: u64) -> i64 {
+        let Ok(n) = usize::try_from(pool_bytes) else {
+            return INVALID_PARAMS;
+        };
+        if n == 0 {
+            return 0;
+        }
+        let mem = vec![0u8; n].into_boxed_slice();
+        let rc = self.regions.register(mem.as_ptr() as u64, n as i64);
+        if rc == 0 {
+            *self.pool.lock() = Some((mem, 0));
+        }
+        rc
+    }
+
+    /// `size` bytes of the pool (64-byte aligned): their address, or 0 when it is exhausted.
+    fn alloc_from_mem_pool(&self, size: u64) -> u64 {
+        let mut g = self.pool.lock();
+        let Some((mem, used)) = g.as_mut() else {
+            return 0;
+        };
+        let start = used.div_ceil(64) * 64;
+        match usize::try_from(size)
+            .ok()
+            .and_then(|n| start.checked_add(n))
+        {
+            Some(end) if size > 0 && end <= mem.len() => {
+                *used = end;
+                mem.as_ptr() as u64 + start as u64
+            }
+            _ => 0,
+        }
+    }
+
+    fn is_setup(&self) -> bool {
+        self.state.read().is_some()
+    }
+
+    /// Unmounts this client's segment (its objects are gone), detaches, forgets registered
+    /// memory. The pool's memory stays allocated until the object is dropped (a pointer
+    /// handed out earlier must never dangle), but is no longer registered.
+    fn close(&self, py: Python<'_>) -> i64 {
+        let a = self.state.write().take();
+        py.detach(move || drop(a));
+        self.regions.clear();
+        0
+    }
+
+    fn register_buffer(&self, ptr: u64, size: i64) -> i64 {
+        self.regions.register(ptr, size)
+    }
+
+    fn unregister_buffer(&self, ptr: u64) -> i64 {
+        self.regions.unregister(ptr)
+    }
+
+    /// A copy of `[ptr, ptr + size)` if it lies inside registered memory (the tensor calls
+    /// read a buffer's tensor header through this), else None.
+    fn read_registered<'py>(
+        &self,
+        py: Python<'py>,
+        ptr: u64,
+        size: i64,
+    ) -> Option<Bound<'py, PyBytes>> {
+        let r = self.regions.check(ptr, size)?;
+        // SAFETY: a checked range.
+        Some(PyBytes::new(py, unsafe { r.bytes() }))
+    }
+
+    fn put(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>) -> PyResult<i64> {
+        self.put_bytes(py, key, value, WriteMode::Insert)
+    }
+
+    fn upsert(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>) -> PyResult<i64> {
+        self.put_bytes(py, key, value, WriteMode::Upsert)
+    }
+
+    fn put_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<i64> {
+        self.put_many(py, keys, values, WriteMode::Insert)
+    }
+
+    fn upsert_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<i64> {
+        self.put_many(py, keys, values, WriteMode::Upsert)
+    }
+
+    fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
+        let r = match self.handle() {
+            Some((s, t)) => py.detach(|| s.get(&t, key).unwrap_or_default()),
+            None => Vec::new(),
+        };
+        PyBytes::new(py, &r)
+    }
+
+    fn get_batch<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyList>> {
+        let vals: Vec<Vec<u8>> = match self.handle() {
+            Some((s, t)) => py.detach(|| {
+                keys.iter()
+                    .map(|k| s.get(&t, k).unwrap_or_default())
+                    .collect()
+            }),
+            None => vec![Vec::new(); keys.len()],
+        };
+        PyList::new(py, vals.iter().map(|v| PyBytes::new(py, v)))
+    }
+
+    /// Reads `key` into a writable buffer object (what `get_buffer` hands out): its size or
+    /// a negative code (-10 when the buffer is too small: the object grew; read again).
+    fn get_into_buffer(&self, py: Python<'_>, key: &str, buf: &Bound<'_, PyAny>) -> PyResult<i64> {
+        let mut b = ByteBuf::get(buf, true, "buf")?;
+        let Some((s, t)) = self.handle() else {
+            return Ok(NOT_INITIALIZED);
+        };
+        Ok(py.detach(|| size_code(s.get_into(&t, key, b.as_mut_slice()))))
+    }
+
+    fn put_from(&self, py: Python<'_>, key: String, ptr: u64, size: i64) -> i64 {
+        self.put_ranges(py, vec![key], vec![ptr], vec![size], WriteMode::Insert)[0]
+    }
+
+    fn upsert_from(&self, py: Python<'_>, key: String, ptr: u64, size: i64) -> i64 {
+        self.put_ranges(py, vec![key], vec![ptr], vec![size], WriteMode::Upsert)[0]
+    }
+
+    fn batch_put_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<u64>,
+        sizes: Vec<i64>,
+    ) -> Vec<i64> {
+        self.put_ranges(py, keys, ptrs, sizes, WriteMode::Insert)
+    }
+
+    fn batch_upsert_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<u64>,
+        sizes: Vec<i64>,
+    ) -> Vec<i64> {
+        self.put_ranges(py, keys, ptrs, sizes, WriteMode::Upsert)
+    }
+
+    fn get_into(&self, py: Python<'_>, key: String, ptr: u64, size: i64) -> i64 {
+        self.batch_get_into(py, vec![key], vec![ptr], vec![size])[0]
+    }
+
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<u64>,
+        sizes: Vec<i64>,
+    ) -> Vec<i64> {
+        if keys.len() != ptrs.len() || keys.len() != sizes.len() {
+            return vec![INVALID_PARAMS; keys.len()];
+        }
+        let mut ranges: Vec<Option<RegisteredRange>> = self.regions.check_all(&ptrs, &sizes);
+        drop_overlapping(&mut ranges);
+        self.mc_batch(
+            py,
+            &keys,
+            |i| ranges[i].is_some(),
+            |s, t, idx, sel| {
+                // SAFETY: registered, pairwise disjoint ranges.
+                let mut views: Vec<&mut [u8]> = idx
+                    .iter()
+                    .filter_map(|&i| ranges[i].map(|r| unsafe { r.bytes_mut() }))
+                    .collect();
+                s.batch_get_into(t, sel, &mut views)
+            },
+            mc_get_code,
+        )
+    }
+
+    /// Stores each key from several registered buffers, concatenated in order.
+    fn batch_put_from_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_ptrs: Vec<Vec<u64>>,
+        all_sizes: Vec<Vec<i64>>,
+    ) -> Vec<i64> {
+        self.put_multi(py, keys, all_ptrs, all_sizes, WriteMode::Insert)
+    }
+
+    /// As `batch_put_from_multi_buffers`, replacing existing objects.
+    fn batch_upsert_from_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_ptrs: Vec<Vec<u64>>,
+        all_sizes: Vec<Vec<i64>>,
+    ) -> Vec<i64> {
+        self.put_multi(py, keys, all_ptrs, all_sizes, WriteMode::Upsert)
+    }
+
+    /// Reads each key and scatters its bytes over several registered buffers in order.
+    fn batch_get_into_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_ptrs: Vec<Vec<u64>>,
+        all_sizes: Vec<Vec<i64>>,
+    ) -> Vec<i64> {
+        if keys.len() != all_ptrs.len() || keys.len() != all_sizes.len() {
+            return vec![INVALID_PARAMS; keys.len()];
+        }
+        let parts = multi_parts(&self.regions, &all_ptrs, &all_sizes);
+        self.mc_batch(
+            py,
+            &keys,
+            |i| parts[i].is_some(),
+            |s, t, idx, sel| {
+                let cap = |i: usize| parts[i].iter().flatten().map(|r| r.len()).sum::<usize>();
+                let mut tmp: Vec<Vec<u8>> = idx.iter().map(|&i| vec![0u8; cap(i)]).collect();
+                let mut views: Vec<&mut [u8]> = tmp.iter_mut().map(|v| v.as_mut_slice()).collect();
+                let r = s.batch_get_into(t, sel, &mut views);
+                if let Ok(v) = &r {
+                    for (j, res) in v.iter().enumerate() {
+                        if let (Ok(n), Some(&i), Some(src)) = (res, idx.get(j), tmp.get(j)) {
+                            let n = (*n as usize).min(src.len());
+                            scatter(&src[..n], parts[i].as_deref().unwrap_or_default());
+                        }
+                    }
+                }
+                r
+            },
+            mc_get_code,
+        )
+    }
+
+    /// Mooncake's `get_into_ranges`: per buffer, per key, per range the bytes copied from
+    /// `src_offsets` of the object to `dst_offsets` of the buffer, or a negative code.
+    fn get_into_ranges(
+        &self,
+        py: Python<'_>,
+        buffer_ptrs: Vec<u64>,
+        all_keys: Vec<Vec<String>>,
+        all_dst_offsets: Vec<Vec<Vec<i64>>>,
+        all_src_offsets: Vec<Vec<Vec<i64>>>,
+        all_sizes: Vec<Vec<Vec<i64>>>,
+    ) -> Vec<Vec<Vec<i64>>> {
+        let n = buffer_ptrs.len();
+        let per_key = |c: i64, i: usize| -> Vec<Vec<i64>> {
+            all_keys
+                .get(i)
+                .map(|ks| ks.iter().map(|_| vec![c]).collect())
+                .unwrap_or_default()
+        };
+        if all_keys.len() != n
+            || all_dst_offsets.len() != n
+            || all_src_offsets.len() != n
+            || all_sizes.len() != n
+        {
+            return (0..n).map(|i| per_key(INVALID_PARAMS, i)).collect();
+        }
+        let Some((s, t)) = self.handle() else {
+            return (0..n).map(|i| per_key(NOT_INITIALIZED, i)).collect();
+        };
+        py.detach(|| {
+            (0..n)
+                .map(|i| {
+                    ranges::get_ranges_into(
+                        s.as_ref(),
+                        &t,
+                        &self.regions,
+                        buffer_ptrs[i],
+                        &all_keys[i],
+                        &all_dst_offsets[i],
+                        &all_src_offsets[i],
+                        &all_sizes[i],
+                    )
+                })
+                .collect()
+        })
+    }
+
+    /// Per key its replicas as rows (see `ranges::ReplicaRow`); empty for a missing key.
+    fn replica_rows(&self, py: Python<'_>, keys: Vec<String>) -> Vec<Vec<ReplicaRow>> {
+        let Some((s, t)) = self.handle() else {
+            return vec![Vec::new(); keys.len()];
+        };
+        py.detach(|| {
+            keys.iter()
+                .map(|k| ranges::replica_rows(s.as_ref(), &t, k))
+                .collect()
+        })
+    }
+
+    /// The keys whose replicas were cleared (see `ranges::replica_clear`).
+    fn batch_replica_clear(&self, py: Python<'_>, keys: Vec<String>, segment: &str) -> Vec<String> {
+        let g = self.state.read();
+        let Some(a) = g.as_ref() else {
+            return Vec::new();
+        };
+        py.detach(|| {
+            ranges::replica_clear(
+                a.store.as_ref(),
+                a.embedded.as_deref(),
+                &a.tenant,
+                &keys,
+                segment,
+            )
+        })
+    }
+
+    fn is_exist(&self, py: Python<'_>, key: String) -> i64 {
+        self.batch_is_exist(py, vec![key])[0]
+    }
+
+    fn batch_is_exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
+        let Some((s, t)) = self.handle() else {
+            return vec![NOT_INITIALIZED; keys.len()];
+        };
+        py.detach(|| match s.batch_is_exist(&t, &keys) {
+            Ok(v) => v.into_iter().map(exist_code).collect(),
+            Err(e) => vec![l3code(&e); keys.len()],
+        })
+    }
+
+    fn get_size(&self, py: Python<'_>, key: &str) -> i64 {
+        let Some((s, t)) = self.handle() else {
+            return NOT_INITIALIZED;
+        };
+        py.detach(|| size_code(s.get_size(&t, key)))
+    }
+
+    fn remove(&self, py: Python<'_>, key: String, force: bool) -> i64 {
+        self.batch_remove(py, vec![key], force)[0]
+    }
+
+    fn batch_remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i64> {
+        let Some((s, t)) = self.handle() else {
+            return vec![NOT_INITIALIZED; keys.len()];
+        };
+        py.detach(|| {
+            keys.iter()
+                .map(|k| code_of(&s.remove(&t, k, force)))
+                .collect()
+        })
+    }
+
+    fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
+        let Some((s, t)) = self.handle() else {
+            return NOT_INITIALIZED;
+        };
+        py.detach(|| size_code(s.remove_all(&t, force)))
+    }
+
+    /// 0 when the store answers, else a negative code.
+    fn health_check(&self, py: Python<'_>) -> i64 {
+        let Some((s, _)) = self.handle() else {
+            return NOT_INITIALIZED;
+        };
+        py.detach(|| code_of(&s.stats()))
+    }
+
+    /// The embedded store's lease TTL in ms (None for a remote store).
+    fn lease_ttl_ms(&self) -> Option<u64> {
+        let g = self.state.read();
+        let e = g.as_ref()?.embedded.as_ref()?;
+        Some(e.config().lease_ttl.as_millis() as u64)
+    }
+
+    /// Moves an embedded store's clock forward (tests: expire leases without sleeping);
+    /// false on a remote store.
+    fn advance_clock_ms(&self, v: u64) -> bool {
+        let g = self.state.read();
+        match g.as_ref().and_then(|a| a.embedded.as_ref()) {
+            Some(e) => {
+                e.clock().advance(ms(v));
+                true
+            }
+            None => false,
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! The pointer-taking reads and writes of the compatible core that go beyond one key → one
+//! buffer: multi-buffer puts and gets, byte-range reads (`get_into_ranges`), and the replica
+//! calls (`get_replica_desc`, `batch_replica_clear`). Return conventions are Mooncake 0.3.13's
+//! as measured side by side (bindings/tests/test_mooncake_real.py).
+
+use kvtier_l3::{L3Error, L3Result, L3Store, ReplicaDescriptor, Tenant};
+
+use super::INVALID_PARAMS;
+use super::batch::mc_get_code;
+use super::registered::{Regions, RegisteredRange};
+use super::segment::segment_name;
+
+/// Per key: its parts as registered ranges, or None if any part is not registered or the
+/// pointer and size lists differ in length (or are empty).
+pub(crate) fn multi_parts(
+    regions: &Regions,
+    all_ptrs: &[Vec<u64>],
+    all_sizes: &[Vec<i64>],
+) -> Vec<Option<Vec<RegisteredRange>>> {
+    all_ptrs
+        .iter()
+        .zip(all_sizes)
+        .map(|(ps, ns)| {
+            if ps.len() != ns.len() || ps.is_empty() {
+                return None;
+            }
+            ps.iter()
+                .zip(ns)
+                .map(|(p, n)| regions.check(*p, *n))
+                .collect()
+        })
+        .collect()
+}
+
+/// One object's bytes: its parts concatenated in order.
+pub(crate) fn gather(parts: &[RegisteredRange]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(parts.iter().map(|r| r.len()).sum());
+    for r in parts {
+        // SAFETY: every part came from `Regions::check`.
+        out.extend_from_slice(unsafe { r.bytes() });
+    }
+    out
+}
+
+/// Copies `src` over `parts` in order (each part filled before the next).
+pub(crate) fn scatter(mut src: &[u8], parts: &[RegisteredRange]) {
+    for part in parts {
+        let k = part.len().min(src.len());
+        // SAFETY: registered memory; parts are written one at a time, so no two live slices
+        // alias even if parts overlap.
+        let dst = unsafe { part.bytes_mut() };
+        dst[..k].copy_from_slice(&src[..k]);
+        src = &src[k..];
+    }
+}
+
+/// Mooncake's `get_into_ranges` for one buffer: per key, per range the bytes copied or a
+/// negative code. A key whose range lists differ in length, or that is missing, gets its
+/// code once per range (at least once).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn get_ranges_into(
+    s: &dyn L3Store,
+    t: &Tenant,
+    regions: &Regions,
+    buffer: u64,
+    keys: &[String],
+    dst: &[Vec<i64>],
+    src: &[Vec<i64>],
+    sizes: &[Vec<i64>],
+) -> Vec<Vec<i64>> {
+    if keys.len() != dst.len() || keys.len() != src.len() || keys.len() != sizes.len() {
+        return keys.iter().map(|_| vec![INVALID_PARAMS]).collect();
+    }
+    keys.iter()
+        .enumerate()
+        .map(|(k, key)| {
+            let (d, sr, n) = (&dst[k], &src[k], &sizes[k]);
+            let fill = |c: i64| vec![c; d.len().max(1)];
+            if d.len() != sr.len() || d.len() != n.len() {
+                return fill(INVALID_PARAMS);
+            }
+            let obj = match s.get(t, key) {
+                Ok(v) => v,
+                Err(e) => return fill(mc_get_code(Err(e))),
+            };
+            (0..d.len())
+                .map(|j| copy_range(regions, buffer, &obj, d[j], sr[j], n[j]))
+                .collect()
+        })
+        .collect()
+}
+
+/// Copies `obj[src .. src + n]` to `buffer + dst`; n, or INVALID_PARAMS for a range outside
+/// the object or outside registered memory.
+fn copy_range(regions: &Regions, buffer: u64, obj: &[u8], dst: i64, src: i64, n: i64) -> i64 {
+    let (Ok(d), Ok(sr), Ok(len)) = (u64::try_from(dst), usize::try_from(src), usize::try_from(n))
+    else {
+        return INVALID_PARAMS;
+    };
+    let Some(from) = sr.checked_add(len).and_then(|end| obj.get(sr..end)) else {
+        return INVALID_PARAMS;
+    };
+    let Some(to) = buffer.checked_add(d).and_then(|p| regions.check(p, n)) else {
+        return INVALID_PARAMS;
+    };
+    // SAFETY: a checked range; one live slice at a time.
+    unsafe { to.bytes_mut() }.copy_from_slice(from);
+    n
+}
+
+/// One replica as the Python layer builds its `ReplicaDescriptor`:
+/// (is_memory, segment or file name, address or offset, size).
+pub(crate) type ReplicaRow = (bool, String, u64, u64);
+
+/// The replicas of `key` (empty if it is missing or the query fails, as Mooncake returns).
+pub(crate) fn replica_rows(s: &dyn L3Store, t: &Tenant, key: &str) -> Vec<ReplicaRow> {
+    let Ok(q) = s.get_replica_list(t, key) else {
+        return Vec::new();
+    };
+    q.replicas
+        .iter()
+        .map(|r| match r {
+            ReplicaDescriptor::Memory {
+                segment,
+                alloc,
+                size,
+                ..
+            } => (true, segment_name(*segment), *alloc, *size),
+            ReplicaDescriptor::Disk {
+                bucket,
+                offset,
+                size,
+                ..
+            } => (false, format!("bucket-{bucket}"), *offset, *size),
+        })
+        .collect()
+}
+
+/// Mooncake's `batch_replica_clear`: the keys whose replicas were cleared. kvtier keeps one
+/// replica per object, so clearing it removes the object; a leased object is kept (Mooncake:
+/// "requires lease to be expired"). With `segment`, only objects whose memory replica lies
+/// in that segment are cleared; the check reads the replica list without keeping a lease
+/// of its own on an embedded store (`is_leased` first), and is skipped on a remote one.
+pub(crate) fn replica_clear(
+    s: &dyn L3Store,
+    embedded: Option<&kvtier_l3::EmbeddedStore>,
+    t: &Tenant,
+    keys: &[String],
+    segment: &str,
+) -> Vec<String> {
+    keys.iter()
+        .filter(|k| {
+            if segment.is_empty() {
+                return s.remove(t, k, false).is_ok();
+            }
+            let Some(e) = embedded else { return false };
+            if e.is_leased(t, k) {
+                return false;
+            }
+            let here = replica_rows(s, t, k)
+                .iter()
+                .any(|(mem, name, _, _)| *mem && name == segment);
+            // The lookup above leased it; the lease is ours, so force is what "not leased" meant.
+            here && s.remove(t, k, true).is_ok()
+        })
+        .cloned()
+        .collect()
+}
+
+/// Ignores a missing key (an upsert of a new key has nothing to remove).
+pub(crate) fn removed_or_missing(r: L3Result<()>) -> L3Result<()> {
+    match r {
+        Err(L3Error::ObjectNotFound) => Ok(()),
+        r => r,
+    }
+}
