@@ -55,27 +55,45 @@ impl Master {
         Ok(self.drop_allocs(&gone))
     }
 
-    /// Drops every replica living in the given allocations; returns how many objects lost one.
+    /// Drops every replica living in the given allocations (already gone from their
+    /// segment); returns how many objects lost one. A complete object keeps its other
+    /// replicas; a pending put that lost one can never end and is dropped with the rest of
+    /// its replicas (and its SSD copy, if its first replica's node already registered one).
     pub(super) fn drop_allocs(&mut self, allocs: &[u64]) -> u64 {
         if allocs.is_empty() {
             return 0;
         }
         let set: std::collections::HashSet<u64> = allocs.iter().copied().collect();
         let mut n = 0;
+        let mut orphans: Vec<u64> = Vec::new();
+        let mut tombstones: Vec<(ClientId, DiskLoc)> = Vec::new();
         for m in self.tenants.values_mut() {
             m.retain(|_, o| {
-                if let Some((_, a)) = o.mem
-                    && set.contains(&a)
-                {
-                    n += 1;
-                    o.mem = None;
-                    // A pending put whose target vanished can never end: drop it.
-                    return o.is_complete() && o.has_data();
+                let before = o.mem.len();
+                o.mem.retain(|r| !set.contains(&r.alloc));
+                if o.mem.len() == before {
+                    return true;
                 }
-                true
+                n += 1;
+                if o.is_complete() && o.has_data() {
+                    return true;
+                }
+                orphans.extend(o.allocs());
+                if !o.is_complete()
+                    && let Some(d) = o.disk
+                {
+                    tombstones.push((o.disk_node, d));
+                }
+                false
             });
         }
         self.tenants.retain(|_, m| !m.is_empty());
+        for a in orphans {
+            self.segments.free(a);
+        }
+        for (node, d) in tombstones {
+            self.queue_tombstone(node, d);
+        }
         n
     }
 

@@ -14,6 +14,8 @@
 //! - A leased object is never evicted and never removed without `force`.
 //! - Existence probes take no lease and do not touch recency, so they cannot starve eviction.
 //! - Removing a segment (unmount, dead client) drops memory replicas only; disk replicas stay.
+//!   A complete object keeps its other replicas; a pending put that lost one is dropped.
+//! - The memory replicas of one object live in segments of distinct owners (nodes).
 //! - Split deployment (`--role master`): segments and SSD buckets live on store nodes. The
 //!   master then holds no bytes: it records which node holds each replica, queues the frees
 //!   and tombstones a node must apply ([`NodeSync`], delivered on its pings and put ends), and
@@ -128,12 +130,23 @@ enum ObjState {
     Complete,
 }
 
+/// One memory replica of an object.
+#[derive(Debug, Clone, Copy)]
+struct MemReplica {
+    seg: SegmentId,
+    alloc: u64,
+    /// A store node ended this replica (its bytes are held there). A replicated put becomes
+    /// complete when every replica is ended.
+    ended: bool,
+}
+
 #[derive(Debug, Clone)]
 struct Object {
     size: u64,
     token: u64,
     state: ObjState,
-    mem: Option<(SegmentId, u64)>,
+    /// Memory replicas, the first placed first; in a split deployment each on another node.
+    mem: Vec<MemReplica>,
     disk: Option<DiskLoc>,
     /// Node holding the bucket of `disk` ([`LOCAL_NODE`] when this process holds it).
     disk_node: ClientId,
@@ -152,7 +165,10 @@ impl Object {
         matches!(self.state, ObjState::Complete)
     }
     fn has_data(&self) -> bool {
-        self.mem.is_some() || self.disk.is_some() || self.staged.is_some()
+        !self.mem.is_empty() || self.disk.is_some() || self.staged.is_some()
+    }
+    fn allocs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.mem.iter().map(|r| r.alloc)
     }
 }
 
@@ -214,6 +230,16 @@ pub struct StagedOffload {
     pub token: u64,
     /// Bytes.
     pub data: Arc<[u8]>,
+}
+
+/// What ending one replica of a put did ([`Master::end_replica`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaEnded {
+    /// Every replica is ended: the object is visible.
+    pub complete: bool,
+    /// This is the object's first replica: its node writes the write-through SSD copy (one
+    /// SSD copy per object, not one per replica).
+    pub primary: bool,
 }
 
 /// Outcome of an eviction pass.

@@ -127,7 +127,9 @@ impl Master {
         loc: DiskLoc,
     ) -> bool {
         match self.obj_mut(t, key) {
-            Some(o) if o.token == token && o.is_complete() && o.disk.is_none() => {
+            // A pending replicated put too: its first replica's node writes the SSD copy
+            // as soon as that replica ended (a revoke tombstones it).
+            Some(o) if o.token == token && o.disk.is_none() => {
                 o.disk = Some(loc);
                 o.disk_node = node;
                 o.staged = None;
@@ -190,7 +192,7 @@ impl Master {
                 size: loc.size,
                 token,
                 state: ObjState::Complete,
-                mem: None,
+                mem: Vec::new(),
                 disk: Some(loc),
                 disk_node: node,
                 staged: None,

@@ -22,17 +22,17 @@ impl Master {
         }
         o.lease_until_ms = o.lease_until_ms.max(lease);
         o.last_access = tick;
-        let (size, mem, disk, disk_node, deadline) =
-            (o.size, o.mem, o.disk, o.disk_node, o.lease_until_ms);
-        let mut replicas = Vec::with_capacity(2);
-        if let Some((segment, alloc)) = mem {
+        let (size, disk, disk_node, deadline) = (o.size, o.disk, o.disk_node, o.lease_until_ms);
+        let mem = o.mem.clone();
+        let mut replicas = Vec::with_capacity(mem.len() + 1);
+        for r in mem {
             let node = self
                 .segments
-                .get(segment)
+                .get(r.seg)
                 .and_then(|s| self.node_ref(s.owner));
             replicas.push(ReplicaDescriptor::Memory {
-                segment,
-                alloc,
+                segment: r.seg,
+                alloc: r.alloc,
                 size,
                 node,
             });
@@ -70,10 +70,10 @@ impl Master {
         o.lease_until_ms = o.lease_until_ms.max(lease);
         o.last_access = tick;
         let size = o.size;
-        let mem = o.mem;
+        let first = o.mem.first().map(|r| r.alloc);
         let staged = o.staged.clone();
         let disk = o.disk;
-        if let Some((_, a)) = mem
+        if let Some(a) = first
             && let Some(d) = self.segments.data(a)
         {
             return Ok((size, ReadSource::Memory(d)));
@@ -87,17 +87,13 @@ impl Master {
         }
     }
 
-    /// Current (memory alloc, disk location) of a complete object of this tenant.
-    pub fn current_replicas(
-        &self,
-        t: &Tenant,
-        key: &str,
-    ) -> L3Result<(Option<u64>, Option<DiskLoc>)> {
+    /// Current (memory allocs, disk location) of a complete object of this tenant.
+    pub fn current_replicas(&self, t: &Tenant, key: &str) -> L3Result<(Vec<u64>, Option<DiskLoc>)> {
         let o = self.obj(t, key).ok_or(L3Error::ObjectNotFound)?;
         if !o.is_complete() {
             return Err(L3Error::ReplicaIsNotReady);
         }
-        Ok((o.mem.map(|(_, a)| a), o.disk))
+        Ok((o.allocs().collect(), o.disk))
     }
 
     /// Checks a query result handed back for a read on a store node: its lease must still
@@ -112,7 +108,7 @@ impl Master {
             return Err(L3Error::ReplicaIsNotReady);
         }
         let current = q.replicas.iter().any(|r| match r {
-            ReplicaDescriptor::Memory { alloc, .. } => o.mem.is_some_and(|(_, a)| a == *alloc),
+            ReplicaDescriptor::Memory { alloc, .. } => o.allocs().any(|a| a == *alloc),
             d => {
                 DiskLoc::from_descriptor(d).is_some_and(|l| o.disk == Some(l))
                     && d.node().map_or(LOCAL_NODE, |n| n.id) == o.disk_node
@@ -153,7 +149,7 @@ impl Master {
                     return Ok(false);
                 };
                 let e = o.is_complete() && o.has_data();
-                if e && o.mem.is_none()
+                if e && o.mem.is_empty()
                     && o.staged.is_none()
                     && o.disk.is_some()
                     && let Some(v) = ssd_only.as_deref_mut()
@@ -183,7 +179,7 @@ impl Master {
     /// Whether the object is on SSD only (candidate for promotion); returns its disk location.
     pub fn ssd_only(&self, t: &Tenant, key: &str) -> Option<(u64, DiskLoc)> {
         let o = self.obj(t, key)?;
-        if o.is_complete() && o.mem.is_none() && o.staged.is_none() {
+        if o.is_complete() && o.mem.is_empty() && o.staged.is_none() {
             o.disk.map(|d| (o.token, d))
         } else {
             None
@@ -218,7 +214,7 @@ impl Master {
             }
         }
         let o = self.take_obj(t, key).ok_or(L3Error::ObjectNotFound)?;
-        if let Some((_, a)) = o.mem {
+        for a in o.allocs() {
             self.segments.free(a);
         }
         Ok(Removed {
@@ -267,7 +263,7 @@ impl Master {
         let lease = now.saturating_add(self.policy.lease_ttl_ms);
         match self.obj(t, key) {
             Some(o) if o.token == token && o.is_complete() && o.size == size => {
-                if o.mem.is_some() {
+                if !o.mem.is_empty() {
                     return Ok(());
                 }
             }
@@ -286,7 +282,11 @@ impl Master {
         }
         let tick = self.touch();
         if let Some(o) = self.obj_mut(t, key) {
-            o.mem = Some((seg, alloc));
+            o.mem.push(MemReplica {
+                seg,
+                alloc,
+                ended: true,
+            });
             // Like Mooncake's NotifyPromotionSuccess(from_prefetch): a normal KV lease so the
             // promoted copy survives until the get that the prefetch anticipated.
             o.lease_until_ms = o.lease_until_ms.max(lease);
@@ -310,7 +310,7 @@ impl Master {
                     continue;
                 }
                 s.objects += 1;
-                if o.mem.is_some() {
+                if !o.mem.is_empty() {
                     s.mem_objects += 1;
                 }
                 if o.disk.is_some() {
@@ -328,7 +328,12 @@ impl Master {
 
     /// Whether an object has a memory replica (tests, metrics).
     pub fn in_memory(&self, t: &Tenant, key: &str) -> bool {
-        self.obj(t, key).is_some_and(|o| o.mem.is_some())
+        self.obj(t, key).is_some_and(|o| !o.mem.is_empty())
+    }
+
+    /// Memory replicas of an object (tests, metrics).
+    pub fn mem_replicas(&self, t: &Tenant, key: &str) -> usize {
+        self.obj(t, key).map_or(0, |o| o.mem.len())
     }
 
     /// Whether an object has a disk replica (tests, metrics).

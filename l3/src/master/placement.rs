@@ -1,19 +1,28 @@
-//! Object placement: two-phase puts (start, write, end, revoke), allocation and eviction.
+//! Object placement: two-phase puts (start, write, end, revoke), replica placement,
+//! allocation and eviction.
 //!
 //! Why apart: this is where memory is spent; eviction runs only from here, when a put needs
 //! room.
+//!
+//! Replicas: a put asking for `n` replicas gets them in segments of distinct owners (store
+//! nodes), most free space first, best effort like Mooncake's allocation strategy: fewer
+//! owners with room means fewer replicas, at least one (-200 if none). A store node ends
+//! its own replica ([`Master::end_replica`]); the object becomes visible when every replica
+//! is ended. The embedded store asks for one replica.
 
 use super::*;
 
 impl Master {
     // ---- puts ------------------------------------------------------------------------------
 
-    /// `PutStart`: reserve space (evicting if needed) and register a pending object.
+    /// `PutStart`: reserve `replicas` memory replicas on distinct owners (evicting if
+    /// needed; best effort, at least one) and register a pending object.
     pub fn put_start(
         &mut self,
         t: &Tenant,
         key: &str,
         size: u64,
+        replicas: usize,
         now: u64,
         out: &mut EvictionOutcome,
     ) -> L3Result<PutHandle> {
@@ -32,8 +41,19 @@ impl Master {
                 }
             }
         }
-        let (seg, alloc) = self.allocate(size, now, out)?;
-        let node = self.segments.get(seg).and_then(|s| self.node_ref(s.owner));
+        let placed = self.allocate(size, replicas.max(1), now, out)?;
+        let descs: Vec<ReplicaDescriptor> = placed
+            .iter()
+            .map(|&(segment, alloc)| ReplicaDescriptor::Memory {
+                segment,
+                alloc,
+                size,
+                node: self
+                    .segments
+                    .get(segment)
+                    .and_then(|s| self.node_ref(s.owner)),
+            })
+            .collect();
         self.next_token += 1;
         let token = self.next_token;
         let last_access = self.touch();
@@ -43,7 +63,14 @@ impl Master {
                 size,
                 token,
                 state: ObjState::Pending { since_ms: now },
-                mem: Some((seg, alloc)),
+                mem: placed
+                    .iter()
+                    .map(|&(seg, alloc)| MemReplica {
+                        seg,
+                        alloc,
+                        ended: false,
+                    })
+                    .collect(),
                 disk: None,
                 disk_node: LOCAL_NODE,
                 staged: None,
@@ -52,60 +79,75 @@ impl Master {
                 last_access,
             },
         );
+        let mut descs = descs.into_iter();
+        let replica = descs
+            .next()
+            .ok_or(L3Error::NoAvailableHandle { needed: size })?;
         Ok(PutHandle {
             tenant: t.clone(),
             key: key.to_string(),
             size,
             token,
-            replica: ReplicaDescriptor::Memory {
-                segment: seg,
-                alloc,
-                size,
-                node,
-            },
+            replica,
+            extra_replicas: descs.collect(),
         })
     }
 
-    /// Allocates, evicting first when usage would pass the high watermark or space is short.
+    /// Allocates `n` replicas (best effort, at least one) on distinct owners, evicting first
+    /// when usage would pass the high watermark or space is short.
     pub(super) fn allocate(
         &mut self,
         size: u64,
+        n: usize,
         now: u64,
         out: &mut EvictionOutcome,
-    ) -> L3Result<(SegmentId, u64)> {
+    ) -> L3Result<Vec<(SegmentId, u64)>> {
         let cap = self.segments.capacity();
         if size > cap {
             return Err(L3Error::NoAvailableHandle { needed: size });
         }
+        let total = size.saturating_mul(n as u64);
         let high = (cap as f64 * self.policy.high_watermark) as u64;
         let used = self.segments.used();
-        if used + size > high {
+        if used.saturating_add(total) > high {
             let ratio_bytes = (cap as f64 * self.policy.eviction_ratio) as u64;
-            let need = (used + size).saturating_sub(high).max(ratio_bytes);
+            let need = used
+                .saturating_add(total)
+                .saturating_sub(high)
+                .max(ratio_bytes);
             self.evict(need, now, out);
         }
-        if let Some(a) = self.segments.allocate(size) {
-            return Ok(a);
+        let mut placed = self.segments.allocate_spread(size, n, &[]);
+        if placed.len() < n {
+            // Fragmented across segments or still short: one more pass for what is missing,
+            // on owners not used yet.
+            self.evict(size.saturating_mul((n - placed.len()) as u64), now, out);
+            let skip: Vec<ClientId> = placed
+                .iter()
+                .filter_map(|(s, _)| self.segments.get(*s).map(|i| i.owner))
+                .collect();
+            let more = self.segments.allocate_spread(size, n - placed.len(), &skip);
+            placed.extend(more);
         }
-        // Fragmented across segments or still short: one more pass for exactly this size.
-        self.evict(size, now, out);
-        self.segments
-            .allocate(size)
-            .ok_or(L3Error::NoAvailableHandle { needed: size })
+        if placed.is_empty() {
+            return Err(L3Error::NoAvailableHandle { needed: size });
+        }
+        Ok(placed)
     }
 
     /// Evicts memory replicas (near-LRU, never leased, pinned last) to free `need` bytes.
+    /// An object is evicted whole: all its memory replicas go.
     pub fn evict(&mut self, need: u64, now: u64, out: &mut EvictionOutcome) {
         let mut refs: Vec<(Tenant, String)> = Vec::new();
         let mut cands: Vec<Candidate> = Vec::new();
         for (t, m) in &self.tenants {
             for (k, o) in m {
-                if o.mem.is_none() || !o.is_complete() {
+                if o.mem.is_empty() || !o.is_complete() {
                     continue;
                 }
                 refs.push((t.clone(), k.clone()));
                 cands.push(Candidate {
-                    size: o.size,
+                    size: o.size.saturating_mul(o.mem.len() as u64),
                     leased: o.leased(now),
                     pinned: o.pin_until_ms > now,
                     last_access: o.last_access,
@@ -119,16 +161,19 @@ impl Master {
             let Some(o) = self.obj_mut(t, k) else {
                 continue;
             };
-            let Some((_, alloc)) = o.mem.take() else {
+            let gone = std::mem::take(&mut o.mem);
+            if gone.is_empty() {
                 continue;
-            };
+            }
             let size = o.size;
             let token = o.token;
             let keep_disk = o.disk.is_some();
-            let data = self.segments.data(alloc);
-            self.segments.free(alloc);
+            let data = gone.iter().find_map(|r| self.segments.data(r.alloc));
+            for r in &gone {
+                self.segments.free(r.alloc);
+            }
             out.evicted += 1;
-            out.freed += size;
+            out.freed += size.saturating_mul(gone.len() as u64);
             self.evictions_total += 1;
             if keep_disk {
                 continue;
@@ -152,8 +197,8 @@ impl Master {
         }
     }
 
-    /// Stores the bytes of a pending put (token-checked).
-    pub fn put_write(&mut self, h: &PutHandle, data: Arc<[u8]>) -> L3Result<()> {
+    /// The pending object a handle names (token-checked).
+    fn pending(&self, h: &PutHandle) -> L3Result<&Object> {
         let o = self.obj(&h.tenant, &h.key).ok_or(L3Error::ObjectNotFound)?;
         if o.token != h.token {
             return Err(L3Error::IllegalClient("put token does not match".into()));
@@ -161,34 +206,90 @@ impl Master {
         if o.is_complete() {
             return Err(L3Error::ObjectAlreadyExists);
         }
-        let (_, alloc) = o.mem.ok_or(L3Error::ObjectNotFound)?;
-        self.segments.write(alloc, data)
+        Ok(o)
     }
 
-    /// `PutEnd`: the object becomes visible. Returns its bytes (for write-through offload).
-    /// With `bytes_checked` the caller (a store node holding the bytes) has verified the
-    /// write itself; otherwise the bytes must be in this master's segment (-703 if not).
+    /// Stores the bytes of a pending put in every replica this master holds the bytes of
+    /// (token-checked).
+    pub fn put_write(&mut self, h: &PutHandle, data: Arc<[u8]>) -> L3Result<()> {
+        let allocs: Vec<u64> = self.pending(h)?.allocs().collect();
+        if allocs.is_empty() {
+            return Err(L3Error::ObjectNotFound);
+        }
+        for a in allocs {
+            self.segments.write(a, data.clone())?;
+        }
+        Ok(())
+    }
+
+    /// `PutEnd` where this master holds the bytes (embedded, `--role both`): every replica
+    /// must be written (-703 if not); the object becomes visible. Returns its bytes (for
+    /// write-through offload).
     pub fn put_end(
         &mut self,
         h: &PutHandle,
         soft_pin: bool,
-        bytes_checked: bool,
         now: u64,
     ) -> L3Result<Option<Arc<[u8]>>> {
-        let pin_ttl = self.policy.soft_pin_ttl_ms;
-        let tick = self.touch();
-        let o = self.obj(&h.tenant, &h.key).ok_or(L3Error::ObjectNotFound)?;
-        if o.token != h.token {
-            return Err(L3Error::IllegalClient("put token does not match".into()));
+        let o = self.pending(h)?;
+        let allocs: Vec<u64> = o.allocs().collect();
+        if allocs.is_empty() {
+            return Err(L3Error::ObjectNotFound);
         }
-        if o.is_complete() {
-            return Err(L3Error::ObjectAlreadyExists);
-        }
-        let (_, alloc) = o.mem.ok_or(L3Error::ObjectNotFound)?;
-        if !bytes_checked && !self.segments.is_written(alloc) {
+        if !allocs.iter().all(|&a| self.segments.is_written(a)) {
             return Err(L3Error::ReplicaIsNotReady);
         }
-        let data = self.segments.data(alloc);
+        let data = self.segments.data(allocs[0]);
+        self.complete(h, soft_pin, now)?;
+        Ok(data)
+    }
+
+    /// `PutEnd` of one replica by the store node holding its bytes (split deployment): the
+    /// replica named by the handle is marked ended; the object becomes visible when every
+    /// replica is. The node writes the write-through SSD copy when `primary` is true.
+    pub fn end_replica(
+        &mut self,
+        node: ClientId,
+        h: &PutHandle,
+        soft_pin: bool,
+        now: u64,
+    ) -> L3Result<ReplicaEnded> {
+        let alloc = match h.replica {
+            ReplicaDescriptor::Memory { alloc, .. } => alloc,
+            ReplicaDescriptor::Disk { .. } => {
+                return Err(L3Error::InvalidParams(
+                    "a put handle names a memory replica".into(),
+                ));
+            }
+        };
+        let o = self.pending(h)?;
+        let i = o
+            .mem
+            .iter()
+            .position(|r| r.alloc == alloc)
+            .ok_or(L3Error::ObjectNotFound)?;
+        if self.segments.get(o.mem[i].seg).map(|s| s.owner) != Some(node) {
+            return Err(L3Error::IllegalClient(
+                "the replica lives on another node".into(),
+            ));
+        }
+        let o = self
+            .obj_mut(&h.tenant, &h.key)
+            .ok_or(L3Error::ObjectNotFound)?;
+        o.mem[i].ended = true;
+        let complete = o.mem.iter().all(|r| r.ended);
+        if complete {
+            self.complete(h, soft_pin, now)?;
+        }
+        Ok(ReplicaEnded {
+            complete,
+            primary: i == 0,
+        })
+    }
+
+    fn complete(&mut self, h: &PutHandle, soft_pin: bool, now: u64) -> L3Result<()> {
+        let pin_ttl = self.policy.soft_pin_ttl_ms;
+        let tick = self.touch();
         let o = self
             .obj_mut(&h.tenant, &h.key)
             .ok_or(L3Error::ObjectNotFound)?;
@@ -197,7 +298,7 @@ impl Master {
         if soft_pin {
             o.pin_until_ms = now.saturating_add(pin_ttl);
         }
-        Ok(data)
+        Ok(())
     }
 
     /// `PutRevoke`: drops a pending put (token-checked).
@@ -215,11 +316,16 @@ impl Master {
         Ok(())
     }
 
+    /// Drops an object with all its memory replicas; an SSD copy already registered (the
+    /// first replica's node writes it as soon as its replica ended) is tombstoned.
     pub(super) fn revoke_object(&mut self, t: &Tenant, key: &str) {
-        if let Some(o) = self.take_obj(t, key)
-            && let Some((_, a)) = o.mem
-        {
-            self.segments.free(a);
+        if let Some(o) = self.take_obj(t, key) {
+            for a in o.allocs() {
+                self.segments.free(a);
+            }
+            if let Some(d) = o.disk {
+                self.queue_tombstone(o.disk_node, d);
+            }
         }
     }
 }

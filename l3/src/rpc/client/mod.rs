@@ -34,8 +34,8 @@ use super::xfer::XferClient;
 use crate::api::{BatchResult, L3Store, single};
 use crate::error::{L3Error, L3Result};
 use crate::types::{
-    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, SegmentId,
-    StoreStats, Tenant,
+    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
+    ReplicateConfig, SegmentId, StoreStats, Tenant,
 };
 
 mod routing;
@@ -364,19 +364,39 @@ impl L3Store for RemoteStore {
         self.run(self.client.put_revoke(self.ctx(), handle.clone()))
     }
 
-    fn batch_put_start(
+    fn batch_put_start_with(
         &self,
         tenant: &Tenant,
         keys: &[String],
         sizes: &[u64],
+        cfg: ReplicateConfig,
     ) -> BatchResult<PutHandle> {
+        cfg.validate()?;
         self.check_keys(keys.len())?;
-        self.run(self.client.batch_put_start(
+        if cfg.replica_num == 1 {
+            // The call every server version knows.
+            return self.run(self.client.batch_put_start(
+                self.ctx(),
+                tenant.clone(),
+                keys.to_vec(),
+                sizes.to_vec(),
+            ));
+        }
+        let v = self.run(self.client.batch_put_start_replicated(
             self.ctx(),
             tenant.clone(),
             keys.to_vec(),
             sizes.to_vec(),
-        ))
+            cfg,
+        ))?;
+        Ok(v.into_iter()
+            .map(|r| {
+                r.map(|(mut h, extra)| {
+                    h.extra_replicas = extra;
+                    h
+                })
+            })
+            .collect())
     }
 
     fn batch_put_end(&self, handles: &[PutHandle], opts: PutOptions) -> BatchResult<()> {
@@ -499,13 +519,15 @@ impl L3Store for RemoteStore {
         single(v, empty_reply)
     }
 
-    fn batch_put_from(
+    fn batch_put_from_with(
         &self,
         tenant: &Tenant,
         keys: &[String],
         bufs: &[&[u8]],
         opts: PutOptions,
+        cfg: ReplicateConfig,
     ) -> BatchResult<()> {
+        cfg.validate()?;
         self.check_bufs(keys.len(), bufs.len())?;
         for (k, b) in keys.iter().zip(bufs) {
             if b.len() as u64 > self.limits.max_object_bytes {
@@ -518,8 +540,9 @@ impl L3Store for RemoteStore {
             self.check_request(b.len() + k.len() + PER_KEY_OVERHEAD)?;
         }
         if self.limits.cluster {
-            return self.cluster_put(tenant, keys, bufs, opts);
+            return self.cluster_put(tenant, keys, bufs, opts, cfg);
         }
+        // `--role both` is one process: one replica (see `EmbeddedStore`).
         let ranges = self.chunks(keys.len(), |i| bufs[i].len());
         let calls = ranges.iter().map(|r| {
             let ctx = self.ctx();
