@@ -14,8 +14,8 @@
 
 use crate::error::{L3Error, L3Result};
 use crate::types::{
-    ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, SegmentId,
-    StoreStats, Tenant,
+    ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, ReplicateConfig,
+    SegmentId, StoreStats, Tenant,
 };
 
 /// Per-key results of a batch call.
@@ -43,12 +43,39 @@ pub trait L3Store: Send + Sync {
     fn put_end(&self, handle: &PutHandle, opts: PutOptions) -> L3Result<()>;
     /// `PutRevoke`: abandon a pending put.
     fn put_revoke(&self, handle: &PutHandle) -> L3Result<()>;
-    /// `BatchPutStart`.
+    /// `PutStart` with a [`ReplicateConfig`]: `replica_num` memory replicas on distinct
+    /// nodes in a split deployment (best effort, at least one; see the type). The handle
+    /// names them all; `put_write`/`put_end` write and end every one.
+    fn put_start_with(
+        &self,
+        tenant: &Tenant,
+        key: &str,
+        size: u64,
+        cfg: ReplicateConfig,
+    ) -> L3Result<PutHandle> {
+        cfg.validate()?;
+        if cfg.replica_num == 1 {
+            return self.put_start(tenant, key, size);
+        }
+        let v = self.batch_put_start_with(tenant, &[key.to_string()], &[size], cfg)?;
+        single(v, empty_batch)
+    }
+    /// `BatchPutStart` (one replica each).
     fn batch_put_start(
         &self,
         tenant: &Tenant,
         keys: &[String],
         sizes: &[u64],
+    ) -> BatchResult<PutHandle> {
+        self.batch_put_start_with(tenant, keys, sizes, ReplicateConfig::default())
+    }
+    /// `BatchPutStart` with a [`ReplicateConfig`] (-600 for the whole call if it is invalid).
+    fn batch_put_start_with(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        sizes: &[u64],
+        cfg: ReplicateConfig,
     ) -> BatchResult<PutHandle>;
     /// `BatchPutEnd`.
     fn batch_put_end(&self, handles: &[PutHandle], opts: PutOptions) -> BatchResult<()>;
@@ -97,6 +124,23 @@ pub trait L3Store: Send + Sync {
 
     /// Two-phase put of a whole object.
     fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()>;
+    /// Two-phase put of a whole object with a [`ReplicateConfig`]: succeeds only once every
+    /// replica is written and ended (otherwise the put is revoked).
+    fn put_with(
+        &self,
+        tenant: &Tenant,
+        key: &str,
+        data: &[u8],
+        opts: PutOptions,
+        cfg: ReplicateConfig,
+    ) -> L3Result<()> {
+        cfg.validate()?;
+        if cfg.replica_num == 1 {
+            return self.put(tenant, key, data, opts);
+        }
+        let v = self.batch_put_from_with(tenant, &[key.to_string()], &[data], opts, cfg)?;
+        single(v, empty_batch)
+    }
     /// Reads an object into a new vector.
     fn get(&self, tenant: &Tenant, key: &str) -> L3Result<Vec<u8>>;
     /// Reads an object into `buf`; returns its size (-10 if `buf` is too small).
@@ -104,13 +148,25 @@ pub trait L3Store: Send + Sync {
         let v = self.batch_get_into(tenant, &[key.to_string()], &mut [buf])?;
         single(v, empty_batch)
     }
-    /// Puts many objects from caller buffers.
+    /// Puts many objects from caller buffers (one replica each).
     fn batch_put_from(
         &self,
         tenant: &Tenant,
         keys: &[String],
         bufs: &[&[u8]],
         opts: PutOptions,
+    ) -> BatchResult<()> {
+        self.batch_put_from_with(tenant, keys, bufs, opts, ReplicateConfig::default())
+    }
+    /// Puts many objects from caller buffers with a [`ReplicateConfig`] (-600 for the whole
+    /// call if it is invalid).
+    fn batch_put_from_with(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &[&[u8]],
+        opts: PutOptions,
+        cfg: ReplicateConfig,
     ) -> BatchResult<()>;
     /// Reads many objects into caller buffers (one copy each).
     fn batch_get_into(

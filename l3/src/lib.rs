@@ -33,11 +33,13 @@ pub use cluster::{ClusterMaster, NodeOptions, StoreNode};
 pub use config::{OffloadMode, PromotionConfig, SsdConfig, StoreConfig};
 pub use error::{ErrorCode, L3Error, L3Result};
 pub use rpc::client::{ClientOptions, RemoteStore};
-pub use rpc::server::{ServerHandle, ServerOptions, spawn_server};
+pub use rpc::server::{
+    ClusterMasterHandle, ServerHandle, ServerOptions, spawn_cluster_master, spawn_server,
+};
 pub use store::EmbeddedStore;
 pub use types::{
     Blob, ClientId, ClientStatus, ExistOptions, NodeRef, PutHandle, PutOptions, QueryResult,
-    ReplicaDescriptor, SegmentId, StoreStats, Tenant,
+    ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant,
 };
 
 /// The code in docs/l3.md, compiled and run as a doctest (`cargo test -p kvtier-l3 --doc`,

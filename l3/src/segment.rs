@@ -131,11 +131,43 @@ impl Segments {
 
     /// Allocates `size` bytes in the segment with the most free space that fits.
     pub fn allocate(&mut self, size: u64) -> Option<(SegmentId, u64)> {
-        let (&sid, _) = self
+        self.allocate_spread(size, 1, &[]).pop()
+    }
+
+    /// Allocates `size` bytes in each of up to `n` segments with distinct owners, none of
+    /// them in `skip`, the segments with the most free space first (ties: lowest id).
+    /// Returns what it placed: fewer than `n` (maybe none) when fewer owners have room.
+    pub fn allocate_spread(
+        &mut self,
+        size: u64,
+        n: usize,
+        skip: &[ClientId],
+    ) -> Vec<(SegmentId, u64)> {
+        let mut fits: Vec<(u64, SegmentId, ClientId)> = self
             .segs
             .iter()
-            .filter(|(_, s)| s.capacity - s.used >= size)
-            .max_by_key(|(_, s)| s.capacity - s.used)?;
+            .filter(|(_, s)| s.capacity - s.used >= size && !skip.contains(&s.owner))
+            .map(|(&id, s)| (s.capacity - s.used, id, s.owner))
+            .collect();
+        fits.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut owners: Vec<ClientId> = Vec::new();
+        let mut out = Vec::new();
+        for (_, sid, owner) in fits {
+            if out.len() >= n {
+                break;
+            }
+            if owners.contains(&owner) {
+                continue;
+            }
+            owners.push(owner);
+            if let Some(a) = self.allocate_in(sid, size) {
+                out.push((sid, a));
+            }
+        }
+        out
+    }
+
+    fn allocate_in(&mut self, sid: SegmentId, size: u64) -> Option<u64> {
         let seg = self.segs.get_mut(&sid)?;
         seg.used += size;
         self.next_alloc += 1;
@@ -148,7 +180,7 @@ impl Segments {
                 data: None,
             },
         );
-        Some((sid, id))
+        Some(id)
     }
 
     /// Frees an allocation (no-op if already gone).

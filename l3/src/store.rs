@@ -31,7 +31,7 @@ use crate::promotion::Promoter;
 use crate::ssd::{OffloadJob, SsdTier, TierHooks, TierStats};
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
-    ReplicaDescriptor, SegmentId, StoreStats, Tenant, validate_key,
+    ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant, validate_key,
 };
 
 /// The client id the embedded store uses for its own segment (never declared dead).
@@ -468,7 +468,7 @@ impl Inner {
         let mut out = EvictionOutcome::default();
         let r = {
             let mut m = self.master.lock();
-            let r = m.put_start(t, key, size, now, &mut out);
+            let r = m.put_start(t, key, size, 1, now, &mut out);
             // Announced with the eviction that staged them, so a remove cancels them.
             if let Some(ssd) = &self.ssd {
                 for s in &out.to_offload {
@@ -491,7 +491,7 @@ impl Inner {
             .filter(|s| s.config().mode == OffloadMode::WriteThrough);
         let data = {
             let mut m = self.master.lock();
-            let data = m.put_end(h, opts.soft_pin, false, now)?;
+            let data = m.put_end(h, opts.soft_pin, now)?;
             // Announced in the critical section that makes the object visible: a remove
             // either precedes both or finds the announcement and cancels the write.
             if let (Some(ssd), Some(_)) = (write_through, &data) {
@@ -541,7 +541,7 @@ impl Inner {
                 let qr = m.current_replicas(tenant, &q.key)?;
                 for r in &q.replicas {
                     match r {
-                        ReplicaDescriptor::Memory { alloc, .. } if qr.0 == Some(*alloc) => {
+                        ReplicaDescriptor::Memory { alloc, .. } if qr.0.contains(alloc) => {
                             if let Some(d) = m.alloc_data(*alloc) {
                                 return Ok((d.len() as u64, ReadSource::Memory(d)));
                             }
@@ -814,12 +814,16 @@ impl L3Store for EmbeddedStore {
         self.inner.master.lock().put_revoke(handle)
     }
 
-    fn batch_put_start(
+    /// One process is one failure domain: a valid `replica_num` is accepted and one memory
+    /// replica is kept (extra copies in the same process would only cost DRAM).
+    fn batch_put_start_with(
         &self,
         tenant: &Tenant,
         keys: &[String],
         sizes: &[u64],
+        cfg: ReplicateConfig,
     ) -> BatchResult<PutHandle> {
+        cfg.validate()?;
         self.inner.cfg.check_batch(keys.len())?;
         if keys.len() != sizes.len() {
             return Err(L3Error::InvalidParams(
@@ -957,13 +961,16 @@ impl L3Store for EmbeddedStore {
         Ok(buf)
     }
 
-    fn batch_put_from(
+    /// One replica whatever `replica_num` says (see `batch_put_start_with`).
+    fn batch_put_from_with(
         &self,
         tenant: &Tenant,
         keys: &[String],
         bufs: &[&[u8]],
         opts: PutOptions,
+        cfg: ReplicateConfig,
     ) -> BatchResult<()> {
+        cfg.validate()?;
         self.inner.cfg.check_batch(keys.len())?;
         if keys.len() != bufs.len() {
             return Err(L3Error::InvalidParams(

@@ -137,7 +137,54 @@ pub struct PutOptions {
     pub wait_persisted: bool,
 }
 
+/// Most replicas one put may ask for (more is -600: a placement never has more failure
+/// domains than nodes, and this bounds what one request can make the master do).
+pub const MAX_REPLICA_NUM: u32 = 64;
+
+/// Where a put's bytes go: the placement half of Mooncake's `ReplicateConfig` (its
+/// `with_soft_pin` is [`PutOptions::soft_pin`], given when the put ends).
+///
+/// `replica_num` memory replicas are placed on distinct segments of distinct store nodes
+/// (split deployment), best effort like Mooncake: with fewer live nodes (or fewer with room)
+/// than asked, the put gets as many replicas as there are, at least one (-200 if none). The
+/// embedded store and `--role both` are one process, one failure domain: they accept any
+/// valid `replica_num` and keep one memory replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicateConfig {
+    /// Memory replicas wanted, 1 ..= [`MAX_REPLICA_NUM`] (Mooncake's default is 1).
+    pub replica_num: u32,
+}
+
+impl Default for ReplicateConfig {
+    fn default() -> Self {
+        ReplicateConfig { replica_num: 1 }
+    }
+}
+
+impl ReplicateConfig {
+    /// A config asking for `n` replicas.
+    pub fn replicas(n: u32) -> Self {
+        ReplicateConfig { replica_num: n }
+    }
+
+    /// Checks `replica_num` (-600 when 0 or above [`MAX_REPLICA_NUM`]).
+    pub fn validate(&self) -> L3Result<()> {
+        if self.replica_num == 0 || self.replica_num > MAX_REPLICA_NUM {
+            return Err(L3Error::InvalidParams(format!(
+                "replica_num must be 1..={MAX_REPLICA_NUM}, got {}",
+                self.replica_num
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// What `PutStart` hands back: the writer's token and where to write.
+///
+/// On the wire a handle names one replica (`replica`): that is all a store node needs to
+/// write and end its own copy, and it keeps the encoding of single-replica puts unchanged.
+/// The other replicas of a replicated put (`extra_replicas`) travel beside the handle in the
+/// reply of `batch_put_start_replicated` and are filled in by the client.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PutHandle {
     /// Tenant of the key.
@@ -148,8 +195,31 @@ pub struct PutHandle {
     pub size: u64,
     /// Put token: `PutEnd`/`PutRevoke` must present it (a revoked writer cannot end a newer put).
     pub token: u64,
-    /// The memory replica to write.
+    /// The (first) memory replica to write.
     pub replica: ReplicaDescriptor,
+    /// The other memory replicas of a replicated put, each on another node (not serialised:
+    /// see the type's documentation).
+    #[serde(skip)]
+    pub extra_replicas: Vec<ReplicaDescriptor>,
+}
+
+impl PutHandle {
+    /// Every memory replica to write, the first one first.
+    pub fn replicas(&self) -> impl Iterator<Item = &ReplicaDescriptor> {
+        std::iter::once(&self.replica).chain(&self.extra_replicas)
+    }
+
+    /// The handle a store node gets for one replica: that replica alone.
+    pub fn for_replica(&self, r: &ReplicaDescriptor) -> PutHandle {
+        PutHandle {
+            tenant: self.tenant.clone(),
+            key: self.key.clone(),
+            size: self.size,
+            token: self.token,
+            replica: r.clone(),
+            extra_replicas: Vec::new(),
+        }
+    }
 }
 
 /// What `Ping` answers.

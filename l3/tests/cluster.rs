@@ -5,102 +5,18 @@
 //! with the same SSD directory; the master keeps serving throughout; bad requests on either
 //! process get typed errors.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
 
 mod common;
 
+use common::procs::{eventually, master, master_at, node};
 use common::{client, payload, persisted, t};
 use kvtier_l3::rpc::xfer::{XferClient, XferReply, XferRequest, read_frame, write_frame};
 use kvtier_l3::{
     ClientId, ClientOptions, ExistOptions, L3Error, L3Store, PutOptions, RemoteStore, Tenant,
 };
-
-/// A child process, killed (SIGKILL) when dropped.
-struct Proc {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn(args: &[String], token: Option<&str>) -> Proc {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"));
-    cmd.args(args)
-        .env_remove("KVTIER_L3_TOKEN")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    if let Some(t) = token {
-        cmd.env("KVTIER_L3_TOKEN", t);
-    }
-    let mut child = cmd.spawn().unwrap();
-    let out = child.stdout.take().unwrap();
-    let mut line = String::new();
-    BufReader::new(out).read_line(&mut line).unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("LISTENING ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?} from {args:?}"))
-        .parse()
-        .unwrap();
-    Proc { child, addr }
-}
-
-fn args(v: &[&str]) -> Vec<String> {
-    v.iter().map(|s| s.to_string()).collect()
-}
-
-fn master(extra: &[&str], token: Option<&str>) -> Proc {
-    master_at("127.0.0.1:0", extra, token)
-}
-
-fn master_at(listen: &str, extra: &[&str], token: Option<&str>) -> Proc {
-    let mut a = args(&["--role", "master", "--listen", listen]);
-    a.extend(args(extra));
-    spawn(&a, token)
-}
-
-fn node(master: SocketAddr, id: u64, ssd: Option<&Path>, token: Option<&str>) -> Proc {
-    let mut a = args(&[
-        "--role",
-        "node",
-        "--listen",
-        "127.0.0.1:0",
-        "--segment-bytes",
-        "16777216",
-        "--ping-ms",
-        "100",
-    ]);
-    a.extend(["--master".to_string(), master.to_string()]);
-    a.extend(["--node-id".to_string(), id.to_string()]);
-    if let Some(d) = ssd {
-        a.push("--ssd-dir".into());
-        a.push(d.display().to_string());
-    }
-    spawn(&a, token)
-}
-
-/// Polls `f` until it holds or `limit` passes.
-fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + limit;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= end {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 fn holder(c: &RemoteStore, tn: &Tenant, key: &str) -> ClientId {
     c.get_replica_list(tn, key).unwrap().replicas[0]

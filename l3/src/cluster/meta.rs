@@ -29,8 +29,8 @@ use crate::rpc::server::Backend;
 use crate::rpc::service::{ClusterReply, ClusterRequest};
 use crate::rpc::xfer::XferHandler;
 use crate::types::{
-    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, SegmentId,
-    StoreStats, Tenant, validate_key,
+    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
+    ReplicateConfig, SegmentId, StoreStats, Tenant, validate_key,
 };
 
 fn on_nodes() -> L3Error {
@@ -100,12 +100,20 @@ impl ClusterMaster {
         }
     }
 
-    fn put_start_one(&self, t: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
+    fn put_start_one(
+        &self,
+        t: &Tenant,
+        key: &str,
+        size: u64,
+        cfg: ReplicateConfig,
+    ) -> L3Result<PutHandle> {
         self.cfg.check_put(key, size)?;
         let now = self.clock.now_ms();
         // No offload-on-evict here (nodes are write-through): the outcome has nothing to stage.
         let mut out = EvictionOutcome::default();
-        self.master.lock().put_start(t, key, size, now, &mut out)
+        self.master
+            .lock()
+            .put_start(t, key, size, cfg.replica_num as usize, now, &mut out)
     }
 
     /// Serves the `cluster` call.
@@ -145,9 +153,22 @@ impl ClusterMaster {
                 let mut m = self.master.lock();
                 let res = handles
                     .iter()
-                    .map(|h| m.put_end(h, soft_pin, true, now).map(|_| ()))
+                    .map(|h| m.end_replica(node, h, soft_pin, now).map(|_| ()))
                     .collect();
                 Ok(ClusterReply::Ended(res, m.node_sync(node)))
+            }
+            ClusterRequest::PutEndReplicas {
+                node,
+                handles,
+                soft_pin,
+            } => {
+                self.cfg.check_batch(handles.len())?;
+                let mut m = self.master.lock();
+                let res = handles
+                    .iter()
+                    .map(|h| m.end_replica(node, h, soft_pin, now))
+                    .collect();
+                Ok(ClusterReply::EndedReplicas(res, m.node_sync(node)))
             }
             ClusterRequest::RegisterDisk { node, items } => {
                 let mut m = self.master.lock();
@@ -214,7 +235,7 @@ impl Drop for ClusterMaster {
 
 impl L3Store for ClusterMaster {
     fn put_start(&self, tenant: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
-        self.put_start_one(tenant, key, size)
+        self.put_start_one(tenant, key, size, ReplicateConfig::default())
     }
 
     fn put_write(&self, _handle: &PutHandle, _data: &[u8]) -> L3Result<()> {
@@ -229,12 +250,14 @@ impl L3Store for ClusterMaster {
         self.master.lock().put_revoke(handle)
     }
 
-    fn batch_put_start(
+    fn batch_put_start_with(
         &self,
         tenant: &Tenant,
         keys: &[String],
         sizes: &[u64],
+        cfg: ReplicateConfig,
     ) -> BatchResult<PutHandle> {
+        cfg.validate()?;
         self.cfg.check_batch(keys.len())?;
         if keys.len() != sizes.len() {
             return Err(L3Error::InvalidParams(
@@ -245,7 +268,7 @@ impl L3Store for ClusterMaster {
         let out = keys
             .iter()
             .zip(sizes)
-            .map(|(k, &s)| self.put_start_one(tenant, k, s))
+            .map(|(k, &s)| self.put_start_one(tenant, k, s, cfg))
             .collect();
         self.metrics.observe(Op::Put, t0.elapsed());
         Ok(out)
@@ -351,12 +374,13 @@ impl L3Store for ClusterMaster {
         Err(on_nodes())
     }
 
-    fn batch_put_from(
+    fn batch_put_from_with(
         &self,
         _tenant: &Tenant,
         _keys: &[String],
         _bufs: &[&[u8]],
         _opts: PutOptions,
+        _cfg: ReplicateConfig,
     ) -> BatchResult<()> {
         Err(on_nodes())
     }

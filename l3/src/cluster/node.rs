@@ -394,13 +394,13 @@ impl NodeInner {
         if ready.is_empty() {
             return;
         }
-        let req = ClusterRequest::PutEnd {
+        let req = ClusterRequest::PutEndReplicas {
             node: self.opts.id,
             handles: ready.iter().map(|&i| handles[i].clone()).collect(),
             soft_pin: opts.soft_pin,
         };
         let (res, sync) = match self.link.call(req) {
-            Ok(ClusterReply::Ended(res, sync)) if res.len() == ready.len() => (res, sync),
+            Ok(ClusterReply::EndedReplicas(res, sync)) if res.len() == ready.len() => (res, sync),
             Ok(_) => {
                 for &i in &ready {
                     out[i] = Err(L3Error::RpcFail("unexpected reply from the master".into()));
@@ -422,10 +422,13 @@ impl NodeInner {
                     continue;
                 };
                 match r {
-                    Ok(()) => {
+                    Ok(ended) => {
                         if let Some(e) = m.allocs.get_mut(&alloc) {
                             e.ended = true;
-                            jobs.push((i, e.data.clone()));
+                            // One SSD copy per object: the first replica's node writes it.
+                            if ended.primary {
+                                jobs.push((i, e.data.clone()));
+                            }
                         }
                     }
                     Err(e) => {

@@ -29,11 +29,12 @@ use super::codec::ClampedBincode;
 use super::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits, WireBatch};
 use super::xfer::{XferHandler, XferServer};
 use crate::api::{BatchResult, L3Store};
+use crate::cluster::ClusterMaster;
 use crate::error::{L3Error, L3Result};
 use crate::store::EmbeddedStore;
 use crate::types::{
-    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, SegmentId,
-    StoreStats, Tenant,
+    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
+    ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant,
 };
 
 /// Default frame limit (above tarpc's 8 MiB default).
@@ -329,6 +330,27 @@ impl<B: Backend> L3Rpc for Conn<B> {
     async fn cluster(self, _: Context, req: ClusterRequest) -> L3Result<ClusterReply> {
         self.blocking(move |s| s.cluster(req)).await
     }
+
+    async fn batch_put_start_replicated(
+        self,
+        _: Context,
+        tenant: Tenant,
+        keys: Vec<String>,
+        sizes: Vec<u64>,
+        cfg: ReplicateConfig,
+    ) -> WireBatch<(PutHandle, Vec<ReplicaDescriptor>)> {
+        let v = self
+            .blocking(move |s| s.batch_put_start_with(&tenant, &keys, &sizes, cfg))
+            .await?;
+        Ok(v.into_iter()
+            .map(|r| {
+                r.map(|mut h| {
+                    let extra = std::mem::take(&mut h.extra_replicas);
+                    (h, extra)
+                })
+            })
+            .collect())
+    }
 }
 
 /// A running server. Dropping it (or [`ServerHandle::shutdown`]) stops accepting and flushes
@@ -384,6 +406,56 @@ pub fn spawn_server(store: Arc<EmbeddedStore>, opts: ServerOptions) -> L3Result<
         metrics_addr,
         stop,
         store,
+        rt: Some(rt),
+    })
+}
+
+/// A metadata-only master of a split deployment served on its own runtime, in this
+/// process (tests and benchmarks; the `kvtier-l3 --role master` binary does the same).
+/// Dropping it stops serving and the master's sweeper.
+pub struct ClusterMasterHandle {
+    /// Bound RPC address (what nodes and clients connect to).
+    pub addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    master: Arc<ClusterMaster>,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl ClusterMasterHandle {
+    /// The served master.
+    pub fn master(&self) -> &Arc<ClusterMaster> {
+        &self.master
+    }
+}
+
+impl Drop for ClusterMasterHandle {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_timeout(std::time::Duration::from_secs(2));
+        }
+        self.master.shutdown();
+    }
+}
+
+/// Starts a [`ClusterMaster`] server on its own runtime (2 worker threads) and returns once
+/// it listens.
+pub fn spawn_cluster_master(
+    master: Arc<ClusterMaster>,
+    opts: ServerOptions,
+) -> L3Result<ClusterMasterHandle> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvtier-l3-master")
+        .enable_all()
+        .build()
+        .map_err(|e| L3Error::Internal(format!("runtime: {e}")))?;
+    let (stop, stop_rx) = watch::channel(false);
+    let (addr, _) = rt.block_on(start(master.clone(), opts, stop_rx))?;
+    Ok(ClusterMasterHandle {
+        addr,
+        stop,
+        master,
         rt: Some(rt),
     })
 }

@@ -19,10 +19,10 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::L3Result;
-use crate::master::{DiskLoc, NodeSync};
+use crate::master::{DiskLoc, NodeSync, ReplicaEnded};
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, NodeRef, PutHandle, PutOptions, QueryResult,
-    SegmentId, StoreStats, Tenant,
+    ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant,
 };
 
 /// Limits a server enforces, advertised by `hello` so clients can refuse early (typed).
@@ -116,6 +116,17 @@ pub enum ClusterRequest {
     },
     /// Client: live store nodes.
     Nodes,
+    /// `PutEnd` of the replicas a node holds (replicated puts). Each handle names one
+    /// replica; the reply says per handle whether the object became visible and whether this
+    /// node writes its SSD copy. (Appended after `PutEnd`, which older nodes still send.)
+    PutEndReplicas {
+        /// Node id.
+        node: ClientId,
+        /// Handles, one replica each.
+        handles: Vec<PutHandle>,
+        /// Soft pin.
+        soft_pin: bool,
+    },
 }
 
 /// Replies of the `cluster` call.
@@ -135,6 +146,8 @@ pub enum ClusterReply {
     Checked(Vec<L3Result<()>>),
     /// Live nodes.
     Nodes(Vec<NodeRef>),
+    /// Per handle of `PutEndReplicas`, plus what the node must apply.
+    EndedReplicas(Vec<L3Result<ReplicaEnded>>, NodeSync),
 }
 
 /// Per-key results.
@@ -196,4 +209,13 @@ pub trait L3Rpc {
     async fn stats() -> L3Result<StoreStats>;
     /// Split deployment: node ↔ master and client cluster queries (-1010 elsewhere).
     async fn cluster(req: ClusterRequest) -> L3Result<ClusterReply>;
+    /// `BatchPutStart` with a [`ReplicateConfig`]: per key the handle (naming the first
+    /// replica) and the other replicas. Appended last so the calls above keep their wire
+    /// numbers; clients use it only for `replica_num > 1`.
+    async fn batch_put_start_replicated(
+        tenant: Tenant,
+        keys: Vec<String>,
+        sizes: Vec<u64>,
+        cfg: ReplicateConfig,
+    ) -> WireBatch<(PutHandle, Vec<ReplicaDescriptor>)>;
 }

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod procs;
+
 use std::net::SocketAddr;
 
 use kvtier_l3::{ClientOptions, PutOptions, RemoteStore, Tenant};

@@ -1,0 +1,318 @@
+//! Master metadata: key → replicas, two-phase puts, leases, soft pins, eviction, liveness.
+//!
+//! Why: this is Mooncake's master service, minus the network. It owns *what is where*; it
+//! does no I/O, so every operation runs under one short lock in the caller
+//! ([`crate::EmbeddedStore`]) and bytes are copied after the lock is dropped.
+//!
+//! Invariants kept in this file:
+//! - Tenant isolation: objects are stored in `tenants[tenant][key]`; every entry point takes
+//!   a tenant and only looks inside that tenant's map.
+//! - First writer wins: `put_start` on a key that is complete or has a live pending put
+//!   fails with -705; a pending put older than `put_timeout` is revoked first.
+//! - A put's token must match for `put_end`/`put_revoke`, so a writer whose put was revoked
+//!   can never end somebody else's newer put.
+//! - A leased object is never evicted and never removed without `force`.
+//! - Existence probes take no lease and do not touch recency, so they cannot starve eviction.
+//! - Removing a segment (unmount, dead client) drops memory replicas only; disk replicas stay.
+//!   A complete object keeps its other replicas; a pending put that lost one is dropped.
+//! - The memory replicas of one object live in segments of distinct owners (nodes).
+//! - Split deployment (`--role master`): segments and SSD buckets live on store nodes. The
+//!   master then holds no bytes: it records which node holds each replica, queues the frees
+//!   and tombstones a node must apply ([`NodeSync`], delivered on its pings and put ends), and
+//!   never hands out a replica whose node is down.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{L3Error, L3Result};
+use crate::eviction::{Candidate, select_victims};
+use crate::segment::Segments;
+use crate::types::{
+    ClientId, ClientStatus, NodeRef, PutHandle, QueryResult, ReplicaDescriptor, SegmentId,
+    StoreStats, Tenant,
+};
+
+/// The client id under which the serving process itself holds segments and SSD buckets
+/// (embedded store and `--role both`).
+pub const LOCAL_NODE: ClientId = ClientId(0);
+
+/// Where an SSD copy lives (node-local bucket file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DiskLoc {
+    /// Bucket id.
+    pub bucket: u64,
+    /// Payload offset in the bucket file.
+    pub offset: u64,
+    /// Payload size.
+    pub size: u64,
+    /// CRC32C of the payload.
+    pub crc: u32,
+}
+
+impl DiskLoc {
+    /// As a wire descriptor (held by the serving process).
+    pub fn descriptor(&self) -> ReplicaDescriptor {
+        self.descriptor_on(None)
+    }
+
+    /// As a wire descriptor held by `node`.
+    pub fn descriptor_on(&self, node: Option<NodeRef>) -> ReplicaDescriptor {
+        ReplicaDescriptor::Disk {
+            bucket: self.bucket,
+            offset: self.offset,
+            size: self.size,
+            crc: self.crc,
+            node,
+        }
+    }
+
+    /// The location a disk descriptor names (None for a memory descriptor).
+    pub fn from_descriptor(d: &ReplicaDescriptor) -> Option<DiskLoc> {
+        match *d {
+            ReplicaDescriptor::Disk {
+                bucket,
+                offset,
+                size,
+                crc,
+                ..
+            } => Some(DiskLoc {
+                bucket,
+                offset,
+                size,
+                crc,
+            }),
+            ReplicaDescriptor::Memory { .. } => None,
+        }
+    }
+}
+
+/// What a store node must apply to its own state, handed to it with every ping reply and
+/// put-end reply.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSync {
+    /// `Ok`, or `NeedRemount` when the master does not know the node (declared dead, or the
+    /// master restarted): the node drops its memory bytes and mounts again.
+    pub need_remount: bool,
+    /// Allocations of its segment the master freed (evicted, removed, revoked): drop the bytes.
+    pub freed: Vec<u64>,
+    /// SSD records whose objects were removed: tombstone them.
+    pub tombstones: Vec<DiskLoc>,
+}
+
+/// What a remove took away.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Removed {
+    /// The key.
+    pub key: String,
+    /// The removed version's put token.
+    pub token: u64,
+    /// Its SSD copy and the node holding it.
+    pub disk: Option<(ClientId, DiskLoc)>,
+}
+
+#[derive(Debug, Default)]
+struct NodeState {
+    /// Data-channel address while the node is alive; None once declared dead.
+    addr: Option<SocketAddr>,
+    /// Its segment.
+    segment: Option<SegmentId>,
+    /// Removed objects' SSD records it has not been told about yet (kept across its death,
+    /// so a restart rescan does not bring removed keys back).
+    tombstones: Vec<DiskLoc>,
+}
+
+#[derive(Debug, Clone)]
+enum ObjState {
+    Pending { since_ms: u64 },
+    Complete,
+}
+
+/// One memory replica of an object.
+#[derive(Debug, Clone, Copy)]
+struct MemReplica {
+    seg: SegmentId,
+    alloc: u64,
+    /// A store node ended this replica (its bytes are held there). A replicated put becomes
+    /// complete when every replica is ended.
+    ended: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Object {
+    size: u64,
+    token: u64,
+    state: ObjState,
+    /// Memory replicas, the first placed first; in a split deployment each on another node.
+    mem: Vec<MemReplica>,
+    disk: Option<DiskLoc>,
+    /// Node holding the bucket of `disk` ([`LOCAL_NODE`] when this process holds it).
+    disk_node: ClientId,
+    /// Evicted in offload-on-evict mode and waiting for its SSD write: readable from here.
+    staged: Option<Arc<[u8]>>,
+    lease_until_ms: u64,
+    pin_until_ms: u64,
+    last_access: u64,
+}
+
+impl Object {
+    fn leased(&self, now: u64) -> bool {
+        self.lease_until_ms > now
+    }
+    fn is_complete(&self) -> bool {
+        matches!(self.state, ObjState::Complete)
+    }
+    fn has_data(&self) -> bool {
+        !self.mem.is_empty() || self.disk.is_some() || self.staged.is_some()
+    }
+    fn allocs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.mem.iter().map(|r| r.alloc)
+    }
+}
+
+/// Timing and policy knobs of the master (milliseconds).
+#[derive(Debug, Clone)]
+pub struct MasterPolicy {
+    /// Lease length.
+    pub lease_ttl_ms: u64,
+    /// Soft pin length.
+    pub soft_pin_ttl_ms: u64,
+    /// Evict above this fraction of DRAM capacity.
+    pub high_watermark: f64,
+    /// Free this fraction of capacity per pass.
+    pub eviction_ratio: f64,
+    /// Revoke pending puts older than this.
+    pub put_timeout_ms: u64,
+    /// Declare a client dead after this long without a ping.
+    pub client_ttl_ms: u64,
+    /// Keep evicted objects staged for an SSD write (offload-on-evict mode).
+    pub offload_on_evict: bool,
+}
+
+impl MasterPolicy {
+    /// The policy a store configuration asks for.
+    pub fn from_config(cfg: &crate::config::StoreConfig) -> Self {
+        use crate::clock::ms;
+        MasterPolicy {
+            lease_ttl_ms: ms(cfg.lease_ttl),
+            soft_pin_ttl_ms: ms(cfg.soft_pin_ttl),
+            high_watermark: cfg.high_watermark,
+            eviction_ratio: cfg.eviction_ratio,
+            put_timeout_ms: ms(cfg.put_timeout),
+            client_ttl_ms: ms(cfg.client_ttl),
+            offload_on_evict: cfg
+                .ssd
+                .as_ref()
+                .is_some_and(|s| s.mode == crate::config::OffloadMode::OnEvict),
+        }
+    }
+}
+
+/// What a memory read resolved to.
+#[derive(Debug, Clone)]
+pub enum ReadSource {
+    /// Bytes in DRAM (or staged for offload).
+    Memory(Arc<[u8]>),
+    /// An SSD copy to read.
+    Disk(DiskLoc),
+}
+
+/// An object written to SSD after eviction, identified by the put token it belongs to.
+#[derive(Debug, Clone)]
+pub struct StagedOffload {
+    /// Tenant.
+    pub tenant: Tenant,
+    /// Key.
+    pub key: String,
+    /// Put token (version) of the object.
+    pub token: u64,
+    /// Bytes.
+    pub data: Arc<[u8]>,
+}
+
+/// What ending one replica of a put did ([`Master::end_replica`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaEnded {
+    /// Every replica is ended: the object is visible.
+    pub complete: bool,
+    /// This is the object's first replica: its node writes the write-through SSD copy (one
+    /// SSD copy per object, not one per replica).
+    pub primary: bool,
+}
+
+/// Outcome of an eviction pass.
+#[derive(Debug, Default)]
+pub struct EvictionOutcome {
+    /// Memory replicas dropped.
+    pub evicted: u64,
+    /// Bytes freed.
+    pub freed: u64,
+    /// Objects to write to SSD (offload-on-evict).
+    pub to_offload: Vec<StagedOffload>,
+}
+
+#[derive(Debug)]
+struct ClientInfo {
+    last_ping_ms: u64,
+    /// Never declared dead (the embedded store's own client).
+    immortal: bool,
+}
+
+/// The master's state. All methods take `now` (ms on [`crate::clock::Clock`]).
+#[derive(Debug)]
+pub struct Master {
+    policy: MasterPolicy,
+    tenants: HashMap<Tenant, HashMap<String, Object>>,
+    segments: Segments,
+    clients: HashMap<ClientId, ClientInfo>,
+    nodes: HashMap<ClientId, NodeState>,
+    next_token: u64,
+    tick: u64,
+    /// Memory replicas dropped by eviction (for metrics).
+    pub evictions_total: u64,
+}
+
+impl Master {
+    /// An empty master.
+    pub fn new(policy: MasterPolicy) -> Self {
+        Master {
+            policy,
+            tenants: HashMap::new(),
+            segments: Segments::default(),
+            clients: HashMap::new(),
+            nodes: HashMap::new(),
+            next_token: 0,
+            tick: 0,
+            evictions_total: 0,
+        }
+    }
+
+    fn touch(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    fn obj(&self, t: &Tenant, key: &str) -> Option<&Object> {
+        self.tenants.get(t).and_then(|m| m.get(key))
+    }
+
+    fn obj_mut(&mut self, t: &Tenant, key: &str) -> Option<&mut Object> {
+        self.tenants.get_mut(t).and_then(|m| m.get_mut(key))
+    }
+
+    fn take_obj(&mut self, t: &Tenant, key: &str) -> Option<Object> {
+        let m = self.tenants.get_mut(t)?;
+        let o = m.remove(key);
+        if m.is_empty() {
+            self.tenants.remove(t);
+        }
+        o
+    }
+}
+
+mod clients;
+mod nodes;
+mod objects;
+mod placement;

@@ -1,0 +1,235 @@
+//! Node sync (split deployment): store nodes joining, pinging and leaving, the frees and
+//! tombstones queued for them ([`NodeSync`]), and the SSD records nodes register.
+//!
+//! Why apart: this is the master's side of the node protocol (`cluster` RPC); the embedded
+//! store uses only the SSD registration half, with [`LOCAL_NODE`] as the node.
+
+use super::*;
+
+impl Master {
+    /// A store node joins (or rejoins after a restart or after being declared dead) with an
+    /// empty memory segment: whatever segment it had is unmounted first (its memory replicas
+    /// are gone with its old process), then `seg` is mounted with frees tracked for the node.
+    pub fn mount_node(
+        &mut self,
+        node: ClientId,
+        seg: SegmentId,
+        capacity: u64,
+        addr: SocketAddr,
+        now: u64,
+    ) -> L3Result<()> {
+        if node == LOCAL_NODE {
+            return Err(L3Error::InvalidParams("node id 0 is reserved".into()));
+        }
+        if let Some(s) = self.segments.get(seg)
+            && s.owner != node
+        {
+            return Err(L3Error::SegmentAlreadyExists);
+        }
+        for old in self.segments.owned_by(node) {
+            if let Ok(gone) = self.segments.unmount(old) {
+                self.drop_allocs(&gone);
+            }
+        }
+        self.segments.mount_remote(seg, node, capacity)?;
+        self.clients.insert(
+            node,
+            ClientInfo {
+                last_ping_ms: now,
+                immortal: false,
+            },
+        );
+        let st = self.nodes.entry(node).or_default();
+        st.addr = Some(addr);
+        st.segment = Some(seg);
+        Ok(())
+    }
+
+    /// A node's ping: renews its liveness and hands it what it must apply.
+    pub fn node_ping(&mut self, node: ClientId, now: u64) -> NodeSync {
+        let need_remount = self.ping(node, now) == ClientStatus::NeedRemount
+            || self.nodes.get(&node).is_none_or(|n| n.addr.is_none());
+        let mut sync = self.node_sync(node);
+        sync.need_remount = need_remount;
+        sync
+    }
+
+    /// A node leaves gracefully: like a death, without waiting for the TTL.
+    pub fn leave_node(&mut self, node: ClientId) {
+        self.clients.remove(&node);
+        for seg in self.segments.owned_by(node) {
+            if let Ok(gone) = self.segments.unmount(seg) {
+                self.drop_allocs(&gone);
+            }
+        }
+        if let Some(n) = self.nodes.get_mut(&node) {
+            n.addr = None;
+            n.segment = None;
+        }
+    }
+
+    /// Frees and tombstones queued for a node (drained).
+    pub fn node_sync(&mut self, node: ClientId) -> NodeSync {
+        let Some(st) = self.nodes.get_mut(&node) else {
+            return NodeSync {
+                need_remount: true,
+                ..Default::default()
+            };
+        };
+        let tombstones = std::mem::take(&mut st.tombstones);
+        let freed = match st.segment {
+            Some(seg) => self.segments.take_freed(seg),
+            None => Vec::new(),
+        };
+        NodeSync {
+            need_remount: false,
+            freed,
+            tombstones,
+        }
+    }
+
+    /// Live store nodes (split deployment).
+    pub fn live_nodes(&self) -> Vec<NodeRef> {
+        let mut v: Vec<NodeRef> = self
+            .nodes
+            .iter()
+            .filter_map(|(&id, n)| n.addr.map(|addr| NodeRef { id, addr }))
+            .collect();
+        v.sort_by_key(|n| n.id);
+        v
+    }
+
+    pub(super) fn node_ref(&self, node: ClientId) -> Option<NodeRef> {
+        self.nodes
+            .get(&node)
+            .and_then(|n| n.addr)
+            .map(|addr| NodeRef { id: node, addr })
+    }
+
+    /// Queues the tombstone of a removed object's SSD record for the node holding it (a
+    /// no-op for [`LOCAL_NODE`], whose caller tombstones directly).
+    pub fn queue_tombstone(&mut self, node: ClientId, loc: DiskLoc) {
+        if node != LOCAL_NODE {
+            self.nodes.entry(node).or_default().tombstones.push(loc);
+        }
+    }
+
+    // ---- SSD registration ---------------------------------------------------------------------
+
+    /// Registers a freshly written SSD copy, if the object is still the same version.
+    /// Returns false when the object is gone or was replaced (the caller tombstones the record).
+    pub fn register_disk(
+        &mut self,
+        node: ClientId,
+        t: &Tenant,
+        key: &str,
+        token: u64,
+        loc: DiskLoc,
+    ) -> bool {
+        match self.obj_mut(t, key) {
+            // A pending replicated put too: its first replica's node writes the SSD copy
+            // as soon as that replica ended (a revoke tombstones it).
+            Some(o) if o.token == token && o.disk.is_none() => {
+                o.disk = Some(loc);
+                o.disk_node = node;
+                o.staged = None;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// An offload-on-evict write failed or was skipped: drop the staged copy (and the object
+    /// if nothing else holds it).
+    pub fn unstage(&mut self, t: &Tenant, key: &str, token: u64) {
+        let drop_it = match self.obj_mut(t, key) {
+            Some(o) if o.token == token => {
+                o.staged = None;
+                !o.has_data()
+            }
+            _ => false,
+        };
+        if drop_it {
+            self.take_obj(t, key);
+        }
+    }
+
+    /// Re-registers an SSD copy found by a restart rescan. An object already known keeps its
+    /// memory copy and gains the disk one; an unknown key becomes an SSD-only object.
+    /// A record the master has a queued tombstone for (removed while its node was down) is
+    /// refused, and so is one whose key now has another version: the caller tombstones it.
+    /// A node re-registering a record the master still has for it is accepted as is.
+    pub fn register_rescanned(
+        &mut self,
+        node: ClientId,
+        t: &Tenant,
+        key: &str,
+        loc: DiskLoc,
+    ) -> bool {
+        if let Some(st) = self.nodes.get_mut(&node)
+            && let Some(i) = st.tombstones.iter().position(|l| *l == loc)
+        {
+            st.tombstones.swap_remove(i);
+            return false;
+        }
+        let tick = self.touch();
+        if let Some(o) = self.obj_mut(t, key) {
+            if o.disk == Some(loc) && o.disk_node == node {
+                return true;
+            }
+            if o.is_complete() && o.disk.is_none() && o.size == loc.size {
+                o.disk = Some(loc);
+                o.disk_node = node;
+                return true;
+            }
+            return false;
+        }
+        self.next_token += 1;
+        let token = self.next_token;
+        self.tenants.entry(t.clone()).or_default().insert(
+            key.to_string(),
+            Object {
+                size: loc.size,
+                token,
+                state: ObjState::Complete,
+                mem: Vec::new(),
+                disk: Some(loc),
+                disk_node: node,
+                staged: None,
+                lease_until_ms: 0,
+                pin_until_ms: 0,
+                last_access: tick,
+            },
+        );
+        true
+    }
+
+    /// Drops an SSD copy (corrupt read, bucket evicted). The object goes if nothing is left.
+    pub fn drop_disk(&mut self, node: ClientId, t: &Tenant, key: &str, loc: &DiskLoc) {
+        let drop_it = match self.obj_mut(t, key) {
+            Some(o) if o.disk.as_ref() == Some(loc) && o.disk_node == node => {
+                o.disk = None;
+                !o.has_data()
+            }
+            _ => false,
+        };
+        if drop_it {
+            self.take_obj(t, key);
+        }
+    }
+
+    /// Whether an SSD copy may be dropped by SSD eviction now (not leased).
+    pub fn disk_evictable(
+        &self,
+        node: ClientId,
+        t: &Tenant,
+        key: &str,
+        loc: &DiskLoc,
+        now: u64,
+    ) -> bool {
+        match self.obj(t, key) {
+            Some(o) if o.disk.as_ref() == Some(loc) && o.disk_node == node => !o.leased(now),
+            _ => true,
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! Object metadata: reads (descriptors, leases, read sources), probes, removal, promotion
+//! and stats.
+//!
+//! Why apart: these calls look objects up and hand out what is where; they never place
+//! anything (promotion adds a replica without evicting).
+
+use super::*;
+
+impl Master {
+    // ---- reads -----------------------------------------------------------------------------
+
+    /// `GetReplicaList` / one key of `BatchQuery`: descriptors plus a fresh lease.
+    pub fn query(&mut self, t: &Tenant, key: &str, now: u64) -> L3Result<QueryResult> {
+        let lease = now.saturating_add(self.policy.lease_ttl_ms);
+        let tick = self.touch();
+        let o = self.obj_mut(t, key).ok_or(L3Error::ObjectNotFound)?;
+        if !o.is_complete() {
+            return Err(L3Error::ReplicaIsNotReady);
+        }
+        if !o.has_data() {
+            return Err(L3Error::ObjectNotFound);
+        }
+        o.lease_until_ms = o.lease_until_ms.max(lease);
+        o.last_access = tick;
+        let (size, disk, disk_node, deadline) = (o.size, o.disk, o.disk_node, o.lease_until_ms);
+        let mem = o.mem.clone();
+        let mut replicas = Vec::with_capacity(mem.len() + 1);
+        for r in mem {
+            let node = self
+                .segments
+                .get(r.seg)
+                .and_then(|s| self.node_ref(s.owner));
+            replicas.push(ReplicaDescriptor::Memory {
+                segment: r.seg,
+                alloc: r.alloc,
+                size,
+                node,
+            });
+        }
+        if let Some(d) = disk {
+            if disk_node == LOCAL_NODE {
+                replicas.push(d.descriptor());
+            } else if let Some(n) = self.node_ref(disk_node) {
+                replicas.push(d.descriptor_on(Some(n)));
+            }
+        }
+        if replicas.is_empty() && disk.is_some() {
+            // Registered on a node that is down: readable again once it is back.
+            return Err(L3Error::Unavailable(format!(
+                "the node holding this object ({}) is down",
+                disk_node.0
+            )));
+        }
+        Ok(QueryResult {
+            key: key.to_string(),
+            size,
+            replicas,
+            lease_deadline_ms: deadline,
+        })
+    }
+
+    /// Resolves a key to the best source (memory first) and takes a lease.
+    pub fn read_source(&mut self, t: &Tenant, key: &str, now: u64) -> L3Result<(u64, ReadSource)> {
+        let lease = now.saturating_add(self.policy.lease_ttl_ms);
+        let tick = self.touch();
+        let o = self.obj_mut(t, key).ok_or(L3Error::ObjectNotFound)?;
+        if !o.is_complete() {
+            return Err(L3Error::ReplicaIsNotReady);
+        }
+        o.lease_until_ms = o.lease_until_ms.max(lease);
+        o.last_access = tick;
+        let size = o.size;
+        let first = o.mem.first().map(|r| r.alloc);
+        let staged = o.staged.clone();
+        let disk = o.disk;
+        if let Some(a) = first
+            && let Some(d) = self.segments.data(a)
+        {
+            return Ok((size, ReadSource::Memory(d)));
+        }
+        if let Some(d) = staged {
+            return Ok((size, ReadSource::Memory(d)));
+        }
+        match disk {
+            Some(d) => Ok((size, ReadSource::Disk(d))),
+            None => Err(L3Error::ObjectNotFound),
+        }
+    }
+
+    /// Current (memory allocs, disk location) of a complete object of this tenant.
+    pub fn current_replicas(&self, t: &Tenant, key: &str) -> L3Result<(Vec<u64>, Option<DiskLoc>)> {
+        let o = self.obj(t, key).ok_or(L3Error::ObjectNotFound)?;
+        if !o.is_complete() {
+            return Err(L3Error::ReplicaIsNotReady);
+        }
+        Ok((o.allocs().collect(), o.disk))
+    }
+
+    /// Checks a query result handed back for a read on a store node: its lease must still
+    /// hold (-707) and one of its replicas must still be this tenant's current one (-704).
+    pub fn check_query(&self, t: &Tenant, q: &QueryResult, now: u64) -> L3Result<()> {
+        if now >= q.lease_deadline_ms {
+            return Err(L3Error::LeaseExpired);
+        }
+        crate::types::validate_key(&q.key)?;
+        let o = self.obj(t, &q.key).ok_or(L3Error::ObjectNotFound)?;
+        if !o.is_complete() {
+            return Err(L3Error::ReplicaIsNotReady);
+        }
+        let current = q.replicas.iter().any(|r| match r {
+            ReplicaDescriptor::Memory { alloc, .. } => o.allocs().any(|a| a == *alloc),
+            d => {
+                DiskLoc::from_descriptor(d).is_some_and(|l| o.disk == Some(l))
+                    && d.node().map_or(LOCAL_NODE, |n| n.id) == o.disk_node
+            }
+        });
+        if current {
+            Ok(())
+        } else {
+            Err(L3Error::ObjectNotFound)
+        }
+    }
+
+    /// Bytes of a memory allocation named by a query result.
+    pub fn alloc_data(&self, alloc: u64) -> Option<Arc<[u8]>> {
+        self.segments.data(alloc)
+    }
+
+    /// `ExistKey`: complete and holding data. Takes no lease and does not touch recency.
+    pub fn exists(&self, t: &Tenant, key: &str) -> bool {
+        self.obj(t, key)
+            .is_some_and(|o| o.is_complete() && o.has_data())
+    }
+
+    /// `BatchExistKey` for one tenant: one tenant lookup, then one lookup per key. With
+    /// `ssd_only` given, keys that exist only on SSD are appended to it (promotion candidates).
+    pub fn exists_many<K: AsRef<str>>(
+        &self,
+        t: &Tenant,
+        keys: &[K],
+        mut ssd_only: Option<&mut Vec<String>>,
+    ) -> Vec<L3Result<bool>> {
+        let m = self.tenants.get(t);
+        keys.iter()
+            .map(|k| {
+                let k = k.as_ref();
+                crate::types::validate_key(k)?;
+                let Some(o) = m.and_then(|m| m.get(k)) else {
+                    return Ok(false);
+                };
+                let e = o.is_complete() && o.has_data();
+                if e && o.mem.is_empty()
+                    && o.staged.is_none()
+                    && o.disk.is_some()
+                    && let Some(v) = ssd_only.as_deref_mut()
+                {
+                    v.push(k.to_string());
+                }
+                Ok(e)
+            })
+            .collect()
+    }
+
+    /// One `query` per key of a `BatchQuery`; a bad key fails alone.
+    pub fn query_many(
+        &mut self,
+        t: &Tenant,
+        keys: &[String],
+        now: u64,
+    ) -> Vec<L3Result<QueryResult>> {
+        keys.iter()
+            .map(|k| {
+                crate::types::validate_key(k)?;
+                self.query(t, k, now)
+            })
+            .collect()
+    }
+
+    /// Whether the object is on SSD only (candidate for promotion); returns its disk location.
+    pub fn ssd_only(&self, t: &Tenant, key: &str) -> Option<(u64, DiskLoc)> {
+        let o = self.obj(t, key)?;
+        if o.is_complete() && o.mem.is_empty() && o.staged.is_none() {
+            o.disk.map(|d| (o.token, d))
+        } else {
+            None
+        }
+    }
+
+    /// Size of a complete object.
+    pub fn size_of(&self, t: &Tenant, key: &str) -> L3Result<u64> {
+        let o = self.obj(t, key).ok_or(L3Error::ObjectNotFound)?;
+        if !o.is_complete() {
+            return Err(L3Error::ReplicaIsNotReady);
+        }
+        if !o.has_data() {
+            return Err(L3Error::ObjectNotFound);
+        }
+        Ok(o.size)
+    }
+
+    // ---- removal -----------------------------------------------------------------------------
+
+    /// `Remove`: -706 if leased (unless `force`). Returns the removed version's token (its
+    /// queued SSD write is cancelled with it) and the disk copy to tombstone with the node
+    /// holding it.
+    pub fn remove(&mut self, t: &Tenant, key: &str, force: bool, now: u64) -> L3Result<Removed> {
+        let o = self.obj(t, key).ok_or(L3Error::ObjectNotFound)?;
+        if !force {
+            if !o.is_complete() {
+                return Err(L3Error::ReplicaIsNotReady);
+            }
+            if o.leased(now) {
+                return Err(L3Error::ObjectHasLease);
+            }
+        }
+        let o = self.take_obj(t, key).ok_or(L3Error::ObjectNotFound)?;
+        for a in o.allocs() {
+            self.segments.free(a);
+        }
+        Ok(Removed {
+            key: key.to_string(),
+            token: o.token,
+            disk: o.disk.map(|d| (o.disk_node, d)),
+        })
+    }
+
+    /// `RemoveAll` for one tenant: removes every complete object without a lease (all with
+    /// `force`). Returns what was removed.
+    pub fn remove_all(&mut self, t: &Tenant, force: bool, now: u64) -> Vec<Removed> {
+        let Some(m) = self.tenants.get(t) else {
+            return Vec::new();
+        };
+        let keys: Vec<String> = m
+            .iter()
+            .filter(|(_, o)| force || (o.is_complete() && !o.leased(now)))
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.iter()
+            .filter_map(|k| self.remove(t, k, true, now).ok())
+            .collect()
+    }
+
+    // ---- promotion ----------------------------------------------------------------------------
+
+    /// Whether DRAM use is at or above the high watermark (promotion cools down then).
+    pub fn under_pressure(&self, extra: u64) -> bool {
+        let cap = self.segments.capacity();
+        let high = (cap as f64 * self.policy.high_watermark) as u64;
+        self.segments.used() + extra > high
+    }
+
+    /// Adds a memory replica to an SSD-only object (promotion). Never evicts: a promotion
+    /// that does not fit under the high watermark fails with -200 (DRAM pressure).
+    pub fn promote(
+        &mut self,
+        t: &Tenant,
+        key: &str,
+        token: u64,
+        data: Arc<[u8]>,
+        now: u64,
+    ) -> L3Result<()> {
+        let size = data.len() as u64;
+        let lease = now.saturating_add(self.policy.lease_ttl_ms);
+        match self.obj(t, key) {
+            Some(o) if o.token == token && o.is_complete() && o.size == size => {
+                if !o.mem.is_empty() {
+                    return Ok(());
+                }
+            }
+            _ => return Err(L3Error::ObjectNotFound),
+        }
+        if self.under_pressure(size) {
+            return Err(L3Error::NoAvailableHandle { needed: size });
+        }
+        let (seg, alloc) = self
+            .segments
+            .allocate(size)
+            .ok_or(L3Error::NoAvailableHandle { needed: size })?;
+        if let Err(e) = self.segments.write(alloc, data) {
+            self.segments.free(alloc);
+            return Err(e);
+        }
+        let tick = self.touch();
+        if let Some(o) = self.obj_mut(t, key) {
+            o.mem.push(MemReplica {
+                seg,
+                alloc,
+                ended: true,
+            });
+            // Like Mooncake's NotifyPromotionSuccess(from_prefetch): a normal KV lease so the
+            // promoted copy survives until the get that the prefetch anticipated.
+            o.lease_until_ms = o.lease_until_ms.max(lease);
+            o.last_access = tick;
+        }
+        Ok(())
+    }
+
+    // ---- stats ---------------------------------------------------------------------------------
+
+    /// Current numbers.
+    pub fn stats(&self) -> StoreStats {
+        let mut s = StoreStats {
+            mem_used_bytes: self.segments.used(),
+            mem_capacity_bytes: self.segments.capacity(),
+            ..Default::default()
+        };
+        for m in self.tenants.values() {
+            for o in m.values() {
+                if !o.is_complete() {
+                    continue;
+                }
+                s.objects += 1;
+                if !o.mem.is_empty() {
+                    s.mem_objects += 1;
+                }
+                if o.disk.is_some() {
+                    s.disk_objects += 1;
+                }
+            }
+        }
+        s
+    }
+
+    /// Whether the lease of a complete object is still held (tests).
+    pub fn is_leased(&self, t: &Tenant, key: &str, now: u64) -> bool {
+        self.obj(t, key).is_some_and(|o| o.leased(now))
+    }
+
+    /// Whether an object has a memory replica (tests, metrics).
+    pub fn in_memory(&self, t: &Tenant, key: &str) -> bool {
+        self.obj(t, key).is_some_and(|o| !o.mem.is_empty())
+    }
+
+    /// Memory replicas of an object (tests, metrics).
+    pub fn mem_replicas(&self, t: &Tenant, key: &str) -> usize {
+        self.obj(t, key).map_or(0, |o| o.mem.len())
+    }
+
+    /// Whether an object has a disk replica (tests, metrics).
+    pub fn on_disk(&self, t: &Tenant, key: &str) -> bool {
+        self.obj(t, key).is_some_and(|o| o.disk.is_some())
+    }
+}

@@ -1,0 +1,331 @@
+//! Object placement: two-phase puts (start, write, end, revoke), replica placement,
+//! allocation and eviction.
+//!
+//! Why apart: this is where memory is spent; eviction runs only from here, when a put needs
+//! room.
+//!
+//! Replicas: a put asking for `n` replicas gets them in segments of distinct owners (store
+//! nodes), most free space first, best effort like Mooncake's allocation strategy: fewer
+//! owners with room means fewer replicas, at least one (-200 if none). A store node ends
+//! its own replica ([`Master::end_replica`]); the object becomes visible when every replica
+//! is ended. The embedded store asks for one replica.
+
+use super::*;
+
+impl Master {
+    // ---- puts ------------------------------------------------------------------------------
+
+    /// `PutStart`: reserve `replicas` memory replicas on distinct owners (evicting if
+    /// needed; best effort, at least one) and register a pending object.
+    pub fn put_start(
+        &mut self,
+        t: &Tenant,
+        key: &str,
+        size: u64,
+        replicas: usize,
+        now: u64,
+        out: &mut EvictionOutcome,
+    ) -> L3Result<PutHandle> {
+        if size == 0 {
+            return Err(L3Error::InvalidParams("object size must be > 0".into()));
+        }
+        if let Some(o) = self.obj(t, key) {
+            match o.state {
+                ObjState::Complete => return Err(L3Error::ObjectAlreadyExists),
+                ObjState::Pending { since_ms } => {
+                    if now.saturating_sub(since_ms) < self.policy.put_timeout_ms {
+                        return Err(L3Error::ObjectAlreadyExists);
+                    }
+                    // Half-done put past its timeout: revoke it, the new writer proceeds.
+                    self.revoke_object(t, key);
+                }
+            }
+        }
+        let placed = self.allocate(size, replicas.max(1), now, out)?;
+        let descs: Vec<ReplicaDescriptor> = placed
+            .iter()
+            .map(|&(segment, alloc)| ReplicaDescriptor::Memory {
+                segment,
+                alloc,
+                size,
+                node: self
+                    .segments
+                    .get(segment)
+                    .and_then(|s| self.node_ref(s.owner)),
+            })
+            .collect();
+        self.next_token += 1;
+        let token = self.next_token;
+        let last_access = self.touch();
+        self.tenants.entry(t.clone()).or_default().insert(
+            key.to_string(),
+            Object {
+                size,
+                token,
+                state: ObjState::Pending { since_ms: now },
+                mem: placed
+                    .iter()
+                    .map(|&(seg, alloc)| MemReplica {
+                        seg,
+                        alloc,
+                        ended: false,
+                    })
+                    .collect(),
+                disk: None,
+                disk_node: LOCAL_NODE,
+                staged: None,
+                lease_until_ms: 0,
+                pin_until_ms: 0,
+                last_access,
+            },
+        );
+        let mut descs = descs.into_iter();
+        let replica = descs
+            .next()
+            .ok_or(L3Error::NoAvailableHandle { needed: size })?;
+        Ok(PutHandle {
+            tenant: t.clone(),
+            key: key.to_string(),
+            size,
+            token,
+            replica,
+            extra_replicas: descs.collect(),
+        })
+    }
+
+    /// Allocates `n` replicas (best effort, at least one) on distinct owners, evicting first
+    /// when usage would pass the high watermark or space is short.
+    pub(super) fn allocate(
+        &mut self,
+        size: u64,
+        n: usize,
+        now: u64,
+        out: &mut EvictionOutcome,
+    ) -> L3Result<Vec<(SegmentId, u64)>> {
+        let cap = self.segments.capacity();
+        if size > cap {
+            return Err(L3Error::NoAvailableHandle { needed: size });
+        }
+        let total = size.saturating_mul(n as u64);
+        let high = (cap as f64 * self.policy.high_watermark) as u64;
+        let used = self.segments.used();
+        if used.saturating_add(total) > high {
+            let ratio_bytes = (cap as f64 * self.policy.eviction_ratio) as u64;
+            let need = used
+                .saturating_add(total)
+                .saturating_sub(high)
+                .max(ratio_bytes);
+            self.evict(need, now, out);
+        }
+        let mut placed = self.segments.allocate_spread(size, n, &[]);
+        if placed.len() < n {
+            // Fragmented across segments or still short: one more pass for what is missing,
+            // on owners not used yet.
+            self.evict(size.saturating_mul((n - placed.len()) as u64), now, out);
+            let skip: Vec<ClientId> = placed
+                .iter()
+                .filter_map(|(s, _)| self.segments.get(*s).map(|i| i.owner))
+                .collect();
+            let more = self.segments.allocate_spread(size, n - placed.len(), &skip);
+            placed.extend(more);
+        }
+        if placed.is_empty() {
+            return Err(L3Error::NoAvailableHandle { needed: size });
+        }
+        Ok(placed)
+    }
+
+    /// Evicts memory replicas (near-LRU, never leased, pinned last) to free `need` bytes.
+    /// An object is evicted whole: all its memory replicas go.
+    pub fn evict(&mut self, need: u64, now: u64, out: &mut EvictionOutcome) {
+        let mut refs: Vec<(Tenant, String)> = Vec::new();
+        let mut cands: Vec<Candidate> = Vec::new();
+        for (t, m) in &self.tenants {
+            for (k, o) in m {
+                if o.mem.is_empty() || !o.is_complete() {
+                    continue;
+                }
+                refs.push((t.clone(), k.clone()));
+                cands.push(Candidate {
+                    size: o.size.saturating_mul(o.mem.len() as u64),
+                    leased: o.leased(now),
+                    pinned: o.pin_until_ms > now,
+                    last_access: o.last_access,
+                });
+            }
+        }
+        let victims = select_victims(&cands, need);
+        let on_evict = self.policy.offload_on_evict;
+        for i in victims {
+            let (t, k) = &refs[i];
+            let Some(o) = self.obj_mut(t, k) else {
+                continue;
+            };
+            let gone = std::mem::take(&mut o.mem);
+            if gone.is_empty() {
+                continue;
+            }
+            let size = o.size;
+            let token = o.token;
+            let keep_disk = o.disk.is_some();
+            let data = gone.iter().find_map(|r| self.segments.data(r.alloc));
+            for r in &gone {
+                self.segments.free(r.alloc);
+            }
+            out.evicted += 1;
+            out.freed += size.saturating_mul(gone.len() as u64);
+            self.evictions_total += 1;
+            if keep_disk {
+                continue;
+            }
+            match (on_evict, data) {
+                (true, Some(d)) => {
+                    if let Some(o) = self.obj_mut(t, k) {
+                        o.staged = Some(d.clone());
+                    }
+                    out.to_offload.push(StagedOffload {
+                        tenant: t.clone(),
+                        key: k.clone(),
+                        token,
+                        data: d,
+                    });
+                }
+                _ => {
+                    self.take_obj(t, k);
+                }
+            }
+        }
+    }
+
+    /// The pending object a handle names (token-checked).
+    fn pending(&self, h: &PutHandle) -> L3Result<&Object> {
+        let o = self.obj(&h.tenant, &h.key).ok_or(L3Error::ObjectNotFound)?;
+        if o.token != h.token {
+            return Err(L3Error::IllegalClient("put token does not match".into()));
+        }
+        if o.is_complete() {
+            return Err(L3Error::ObjectAlreadyExists);
+        }
+        Ok(o)
+    }
+
+    /// Stores the bytes of a pending put in every replica this master holds the bytes of
+    /// (token-checked).
+    pub fn put_write(&mut self, h: &PutHandle, data: Arc<[u8]>) -> L3Result<()> {
+        let allocs: Vec<u64> = self.pending(h)?.allocs().collect();
+        if allocs.is_empty() {
+            return Err(L3Error::ObjectNotFound);
+        }
+        for a in allocs {
+            self.segments.write(a, data.clone())?;
+        }
+        Ok(())
+    }
+
+    /// `PutEnd` where this master holds the bytes (embedded, `--role both`): every replica
+    /// must be written (-703 if not); the object becomes visible. Returns its bytes (for
+    /// write-through offload).
+    pub fn put_end(
+        &mut self,
+        h: &PutHandle,
+        soft_pin: bool,
+        now: u64,
+    ) -> L3Result<Option<Arc<[u8]>>> {
+        let o = self.pending(h)?;
+        let allocs: Vec<u64> = o.allocs().collect();
+        if allocs.is_empty() {
+            return Err(L3Error::ObjectNotFound);
+        }
+        if !allocs.iter().all(|&a| self.segments.is_written(a)) {
+            return Err(L3Error::ReplicaIsNotReady);
+        }
+        let data = self.segments.data(allocs[0]);
+        self.complete(h, soft_pin, now)?;
+        Ok(data)
+    }
+
+    /// `PutEnd` of one replica by the store node holding its bytes (split deployment): the
+    /// replica named by the handle is marked ended; the object becomes visible when every
+    /// replica is. The node writes the write-through SSD copy when `primary` is true.
+    pub fn end_replica(
+        &mut self,
+        node: ClientId,
+        h: &PutHandle,
+        soft_pin: bool,
+        now: u64,
+    ) -> L3Result<ReplicaEnded> {
+        let alloc = match h.replica {
+            ReplicaDescriptor::Memory { alloc, .. } => alloc,
+            ReplicaDescriptor::Disk { .. } => {
+                return Err(L3Error::InvalidParams(
+                    "a put handle names a memory replica".into(),
+                ));
+            }
+        };
+        let o = self.pending(h)?;
+        let i = o
+            .mem
+            .iter()
+            .position(|r| r.alloc == alloc)
+            .ok_or(L3Error::ObjectNotFound)?;
+        if self.segments.get(o.mem[i].seg).map(|s| s.owner) != Some(node) {
+            return Err(L3Error::IllegalClient(
+                "the replica lives on another node".into(),
+            ));
+        }
+        let o = self
+            .obj_mut(&h.tenant, &h.key)
+            .ok_or(L3Error::ObjectNotFound)?;
+        o.mem[i].ended = true;
+        let complete = o.mem.iter().all(|r| r.ended);
+        if complete {
+            self.complete(h, soft_pin, now)?;
+        }
+        Ok(ReplicaEnded {
+            complete,
+            primary: i == 0,
+        })
+    }
+
+    fn complete(&mut self, h: &PutHandle, soft_pin: bool, now: u64) -> L3Result<()> {
+        let pin_ttl = self.policy.soft_pin_ttl_ms;
+        let tick = self.touch();
+        let o = self
+            .obj_mut(&h.tenant, &h.key)
+            .ok_or(L3Error::ObjectNotFound)?;
+        o.state = ObjState::Complete;
+        o.last_access = tick;
+        if soft_pin {
+            o.pin_until_ms = now.saturating_add(pin_ttl);
+        }
+        Ok(())
+    }
+
+    /// `PutRevoke`: drops a pending put (token-checked).
+    pub fn put_revoke(&mut self, h: &PutHandle) -> L3Result<()> {
+        let o = self.obj(&h.tenant, &h.key).ok_or(L3Error::ObjectNotFound)?;
+        if o.token != h.token {
+            return Err(L3Error::IllegalClient("put token does not match".into()));
+        }
+        if o.is_complete() {
+            return Err(L3Error::InvalidParams(
+                "cannot revoke a completed put".into(),
+            ));
+        }
+        self.revoke_object(&h.tenant, &h.key);
+        Ok(())
+    }
+
+    /// Drops an object with all its memory replicas; an SSD copy already registered (the
+    /// first replica's node writes it as soon as its replica ended) is tombstoned.
+    pub(super) fn revoke_object(&mut self, t: &Tenant, key: &str) {
+        if let Some(o) = self.take_obj(t, key) {
+            for a in o.allocs() {
+                self.segments.free(a);
+            }
+            if let Some(d) = o.disk {
+                self.queue_tombstone(o.disk_node, d);
+            }
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! Cluster routing for [`RemoteStore`]: against the master of a split deployment, metadata
+//! goes to the master and bytes go to the store nodes its descriptors name.
+//!
+//! Why apart from the tarpc client: routing decides *which node* serves each key and keeps
+//! one data connection per node; the parent module only speaks to one server.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+use super::RemoteStore;
+use crate::api::{BatchResult, L3Store};
+use crate::error::{L3Error, L3Result};
+use crate::rpc::service::{ClusterReply, ClusterRequest};
+use crate::rpc::xfer::XferClient;
+use crate::types::{
+    PutHandle, PutOptions, QueryResult, ReplicaDescriptor, ReplicateConfig, Tenant,
+};
+
+/// Whether a data-channel call may run again on a fresh connection after a transport
+/// failure (only idempotent calls may).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Retry {
+    /// Reads, flushes.
+    Once,
+    /// Writes and ends.
+    Never,
+}
+
+impl RemoteStore {
+    /// Runs `f` on the data connection to the store node at `addr` (opened on first use).
+    /// A transport failure drops the connection; `retry` (idempotent calls only) then runs
+    /// `f` once more on a fresh one.
+    fn with_node<T>(
+        &self,
+        addr: SocketAddr,
+        retry: Retry,
+        mut f: impl FnMut(&mut XferClient) -> L3Result<T>,
+    ) -> L3Result<T> {
+        let slot = self.nodes.lock().entry(addr).or_default().clone();
+        let mut guard = slot.lock();
+        let attempts = match retry {
+            Retry::Once => 2,
+            Retry::Never => 1,
+        };
+        let mut last = L3Error::RpcFail("store node unavailable".into());
+        for _ in 0..attempts {
+            if guard.is_none() {
+                *guard = Some(XferClient::connect(
+                    addr,
+                    self.opts.token.clone(),
+                    self.frame_cap(),
+                )?);
+            }
+            let Some(conn) = guard.as_mut() else { continue };
+            match f(conn) {
+                Err(L3Error::RpcFail(m)) => {
+                    *guard = None;
+                    last = L3Error::RpcFail(m);
+                }
+                other => return other,
+            }
+        }
+        Err(last)
+    }
+
+    /// Split deployment: reads through the master's descriptors from the nodes.
+    pub(super) fn cluster_get(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+        queries: Option<&[QueryResult]>,
+    ) -> BatchResult<u64> {
+        self.check_bufs(keys.len(), bufs.len())?;
+        let qs: Vec<L3Result<QueryResult>> = match queries {
+            None => self.batch_query(tenant, keys)?,
+            Some(q) => {
+                let req = ClusterRequest::CheckQueries {
+                    tenant: tenant.clone(),
+                    queries: q.to_vec(),
+                };
+                match self.cluster(req)? {
+                    ClusterReply::Checked(v) if v.len() == q.len() => q
+                        .iter()
+                        .zip(v)
+                        .map(|(q, c)| c.map(|()| q.clone()))
+                        .collect(),
+                    _ => return Err(L3Error::RpcFail("unexpected reply".into())),
+                }
+            }
+        };
+        self.cluster_read(tenant, keys, bufs, qs)
+    }
+
+    /// Split deployment: reads each key from the first of its replicas whose node answers
+    /// (memory replicas come first in a descriptor list). A node that fails (unreachable,
+    /// killed, transport error) or no longer holds the bytes sends its keys to their next
+    /// replica; a key fails only when every replica did (with the last error).
+    pub(super) fn cluster_read(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+        qs: Vec<L3Result<QueryResult>>,
+    ) -> BatchResult<u64> {
+        if qs.len() != keys.len() || bufs.len() != keys.len() {
+            return Err(L3Error::RpcFail("reply length mismatch".into()));
+        }
+        let mut out: Vec<L3Result<u64>> = Vec::with_capacity(keys.len());
+        let mut cands: Vec<Vec<ReplicaDescriptor>> = Vec::with_capacity(keys.len());
+        let mut pending: Vec<usize> = Vec::new();
+        for (i, q) in qs.into_iter().enumerate() {
+            let on_nodes = match q {
+                Err(e) => {
+                    out.push(Err(e));
+                    Vec::new()
+                }
+                Ok(q) if (bufs[i].len() as u64) < q.size => {
+                    out.push(Err(L3Error::BufferOverflow {
+                        needed: q.size,
+                        have: bufs[i].len() as u64,
+                    }));
+                    Vec::new()
+                }
+                Ok(q) => {
+                    let v: Vec<ReplicaDescriptor> = q
+                        .replicas
+                        .into_iter()
+                        .filter(|r| r.node().is_some())
+                        .collect();
+                    out.push(Err(L3Error::Unavailable(
+                        "no replica on a live store node".into(),
+                    )));
+                    if !v.is_empty() {
+                        pending.push(i);
+                    }
+                    v
+                }
+            };
+            cands.push(on_nodes);
+        }
+        let mut next = vec![0usize; keys.len()];
+        while !pending.is_empty() {
+            let mut groups: HashMap<SocketAddr, Vec<usize>> = HashMap::new();
+            pending.sort_unstable();
+            for &i in &pending {
+                if let Some(n) = cands[i].get(next[i]).and_then(ReplicaDescriptor::node) {
+                    groups.entry(n.addr).or_default().push(i);
+                }
+            }
+            pending.clear();
+            for (addr, items) in groups {
+                let ks: Vec<String> = items.iter().map(|&i| keys[i].clone()).collect();
+                let reps: Vec<ReplicaDescriptor> =
+                    items.iter().map(|&i| cands[i][next[i]].clone()).collect();
+                let mut mask = vec![false; keys.len()];
+                for &i in &items {
+                    mask[i] = true;
+                }
+                let mut sub: Vec<&mut [u8]> = bufs
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| mask[*i])
+                    .map(|(_, b)| &mut **b)
+                    .collect();
+                let res = self.with_node(addr, Retry::Once, |x| {
+                    x.node_read(tenant, &ks, &reps, &mut sub)
+                });
+                let per_key: Vec<L3Result<u64>> = match res {
+                    Ok(v) if v.len() == items.len() => v,
+                    Ok(_) => {
+                        vec![Err(L3Error::RpcFail("reply length mismatch".into())); items.len()]
+                    }
+                    Err(e) => vec![Err(e); items.len()],
+                };
+                for (&i, r) in items.iter().zip(per_key) {
+                    let try_next = matches!(
+                        r,
+                        Err(L3Error::RpcFail(_)
+                            | L3Error::Unavailable(_)
+                            | L3Error::ObjectNotFound)
+                    );
+                    out[i] = r;
+                    if try_next {
+                        next[i] += 1;
+                        if next[i] < cands[i].len() {
+                            pending.push(i);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Split deployment: writes (`data` one per handle, or empty) and/or ends (`end`) puts
+    /// on the nodes their handles name — every replica of each, the nodes in parallel. A
+    /// put succeeds only when every one of its replicas did (per key: the first error).
+    pub(super) fn cluster_put_on_nodes(
+        &self,
+        handles: &[PutHandle],
+        data: &[&[u8]],
+        end: Option<PutOptions>,
+    ) -> Vec<L3Result<()>> {
+        let mut out: Vec<L3Result<()>> = vec![Ok(()); handles.len()];
+        let mut groups: HashMap<SocketAddr, Vec<(usize, PutHandle)>> = HashMap::new();
+        for (i, h) in handles.iter().enumerate() {
+            for r in h.replicas() {
+                match r.node() {
+                    Some(n) => groups
+                        .entry(n.addr)
+                        .or_default()
+                        .push((i, h.for_replica(r))),
+                    None => {
+                        out[i] = Err(L3Error::Unavailable(
+                            "the put was placed on no store node".into(),
+                        ))
+                    }
+                }
+            }
+        }
+        let one_node =
+            |addr: SocketAddr, items: Vec<(usize, PutHandle)>| {
+                let mut res: Vec<(usize, L3Result<()>)> = Vec::with_capacity(items.len());
+                let ranges = self.chunks(items.len(), |j| {
+                    data.get(items[j].0).map_or(0, |d| d.len()) + items[j].1.key.len()
+                });
+                for r in ranges {
+                    let part = &items[r];
+                    let hs: Vec<PutHandle> = part.iter().map(|(_, h)| h.clone()).collect();
+                    let ds: Vec<&[u8]> = if data.is_empty() {
+                        Vec::new()
+                    } else {
+                        part.iter().map(|(i, _)| data[*i]).collect()
+                    };
+                    match self.with_node(addr, Retry::Never, |x| x.node_put(&hs, &ds, end)) {
+                        Ok(v) if v.len() == part.len() => {
+                            res.extend(part.iter().map(|(i, _)| *i).zip(v));
+                        }
+                        Ok(_) => res.extend(part.iter().map(|(i, _)| {
+                            (*i, Err(L3Error::RpcFail("reply length mismatch".into())))
+                        })),
+                        Err(e) => res.extend(part.iter().map(|(i, _)| (*i, Err(e.clone())))),
+                    }
+                }
+                res
+            };
+        let mut groups: Vec<(SocketAddr, Vec<(usize, PutHandle)>)> = groups.into_iter().collect();
+        let results: Vec<Vec<(usize, L3Result<()>)>> = match groups.pop() {
+            None => Vec::new(),
+            Some(last) if groups.is_empty() => vec![one_node(last.0, last.1)],
+            // Replicas on several nodes: one thread per extra node, so a replicated put costs
+            // about one node's write time, not one per replica.
+            Some(last) => std::thread::scope(|sc| {
+                let f = &one_node;
+                let spawned: Vec<_> = groups
+                    .into_iter()
+                    .map(|(a, items)| {
+                        let idx: Vec<usize> = items.iter().map(|(i, _)| *i).collect();
+                        (idx, sc.spawn(move || f(a, items)))
+                    })
+                    .collect();
+                let mut all = vec![f(last.0, last.1)];
+                for (idx, h) in spawned {
+                    all.push(h.join().unwrap_or_else(|_| {
+                        let e = L3Error::Internal("store node writer thread failed".into());
+                        idx.into_iter().map(|i| (i, Err(e.clone()))).collect()
+                    }));
+                }
+                all
+            }),
+        };
+        for (i, r) in results.into_iter().flatten() {
+            if let Err(e) = r
+                && out[i].is_ok()
+            {
+                out[i] = Err(e);
+            }
+        }
+        out
+    }
+
+    /// Split deployment: whole puts (place at the master, write and end every replica on
+    /// its node; revoke what failed).
+    pub(super) fn cluster_put(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &[&[u8]],
+        opts: PutOptions,
+        cfg: ReplicateConfig,
+    ) -> BatchResult<()> {
+        let sizes: Vec<u64> = bufs.iter().map(|b| b.len() as u64).collect();
+        let started = self.batch_put_start_with(tenant, keys, &sizes, cfg)?;
+        if started.len() != keys.len() {
+            return Err(L3Error::RpcFail("reply length mismatch".into()));
+        }
+        let mut out: Vec<L3Result<()>> = Vec::with_capacity(keys.len());
+        let mut handles = Vec::new();
+        let mut data = Vec::new();
+        let mut at = Vec::new();
+        for (i, r) in started.into_iter().enumerate() {
+            match r {
+                Ok(h) => {
+                    out.push(Ok(()));
+                    handles.push(h);
+                    data.push(bufs[i]);
+                    at.push(i);
+                }
+                Err(e) => out.push(Err(e)),
+            }
+        }
+        let res = self.cluster_put_on_nodes(&handles, &data, Some(opts));
+        let mut failed = Vec::new();
+        for ((i, h), r) in at.into_iter().zip(handles).zip(res) {
+            if let Err(e) = r {
+                if !matches!(e, L3Error::ObjectAlreadyExists) {
+                    failed.push(h);
+                }
+                out[i] = Err(e);
+            }
+        }
+        if !failed.is_empty() {
+            // Best effort: free the placements at once instead of at the put timeout.
+            let _ = self.batch_put_revoke(&failed);
+        }
+        Ok(out)
+    }
+
+    pub(super) fn cluster_flush(&self) -> L3Result<()> {
+        let nodes = match self.cluster(ClusterRequest::Nodes)? {
+            ClusterReply::Nodes(v) => v,
+            _ => return Err(L3Error::RpcFail("unexpected reply".into())),
+        };
+        for n in nodes {
+            self.with_node(n.addr, Retry::Once, |x| x.node_flush())?;
+        }
+        Ok(())
+    }
+}
