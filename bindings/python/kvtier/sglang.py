@@ -1,0 +1,555 @@
+"""kvtier as SGLang's HiCache L3: a storage backend class over kvtier's L3 store.
+
+Why: SGLang's hierarchical cache keeps the GPU and host tiers itself and asks a *storage
+backend* for the third. Plugging kvtier's L3 in there gives SGLang deployments its leases
+that probes never take, tenants, an SSD tier with verified reads and a ``kvtier-l3`` server
+many engine instances share, without touching SGLang: it loads the class with
+``--hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+'{"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name":
+"KvtierHiCacheStorage", "interface_v1": 1}'`` (``interface_v1`` selects the zero-copy
+calls; see docs/sglang.md).
+
+How: a page of SGLang's host pool is, in every layout this backend takes, a fixed set of
+*chunks* — byte ranges of the pool's one ``kv_buffer`` that hold the page's tokens of one
+component (page-major layouts: K and V; ``layer_first``: K and V of each layer; MLA: the
+latent rows, per layer in ``layer_first``). Viewed as a flat byte array, the buffer is a
+pool of equal chunks, and chunk ``(part, page)`` is chunk number ``part * pages + page``.
+Each chunk is one L3 object under ``{namespace}:{page hash}:{rank}/{part}``, written and
+read with ``L3Store.batch_put_pages`` / ``batch_get_pages`` straight between the host pool
+and the store: no staging copy in Python, every page id checked against the pool by the
+extension. SGLang's flat page (``get_data_page(flat=True)``) is exactly the chunks in part
+order, so the value-based calls (``get``/``set``/``batch_*``) store the same objects.
+
+Keys: the namespace is kvtier's (docs/page-keys.md: model, dtype, layout, tenant, adapter
+hashed); the layout field carries SGLang's layout and the parallel shape (tp size, pp and
+attention-cp rank), the rank field the tensor-parallel rank — for MLA models, whose KV is
+replicated over ranks, the one writer's rank (``HiCacheStorageConfig.is_storage_writer``):
+only it writes, every rank reads its objects. The tenant is the deployment's (extra config
+``tenant``) or, per call, the request's ``cache_salt`` (``extra_info.extra_info["cache_salt"]``)
+made into its own kvtier tenant: the store keeps tenants in separate maps, so a salted
+request can neither read nor probe another salt's pages.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+import kvtier
+
+from .mooncake_compat._setup import parse_size
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "KvtierHiCacheStorage",
+    "SGLangBackendError",
+    "HostIndicesError",
+    "BatchTooLargeError",
+    "UnsupportedPoolError",
+    "PoolNotRegisteredError",
+    "l3_namespace",
+]
+
+ENV_ADDR = "KVTIER_L3_ADDR"
+ENV_TOKEN = "KVTIER_L3_TOKEN"
+_EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
+# Layouts whose page is a fixed set of chunks of the one kv_buffer (see the module doc).
+_PAGE_MAJOR = ("page_first", "page_first_direct", "page_head")
+_LAYOUTS = _PAGE_MAJOR + ("layer_first",)
+
+
+class SGLangBackendError(kvtier.KvtierError, ValueError):
+    """Bad input to the SGLang backend; raised before anything was read or written."""
+
+
+class HostIndicesError(SGLangBackendError):
+    """``host_indices`` are not whole, in-range pages of the registered host pool (wrong
+    dtype or shape, a count that is not ``len(keys) * page_size``, misaligned or
+    non-consecutive pages, indices outside the pool, one page twice in a read)."""
+
+
+class BatchTooLargeError(SGLangBackendError):
+    """More pages in one call than ``max_batch_pages`` (extra config)."""
+
+
+class UnsupportedPoolError(SGLangBackendError):
+    """A host pool whose buffer layout this backend does not know."""
+
+
+class PoolNotRegisteredError(SGLangBackendError):
+    """A page call before ``register_mem_pool_host`` (keys need the pool's dtype and layout)."""
+
+
+class Interface(enum.Enum):
+    """Which calls SGLang's controller makes: ``interface_v1`` in the extra config picks the
+    zero-copy ``batch_get_v1``/``batch_set_v1``; otherwise it uses ``batch_get``/``batch_set``.
+    Both store the same objects, so this only names what the backend expects."""
+
+    ZERO_COPY = "v1"
+    VALUES = "values"
+
+
+def l3_namespace(model: str, dtype: str, layout: str, tenant: str, adapter: str = "") -> str:
+    """kvtier's L3 key namespace (docs/page-keys.md): the first 8 bytes, as hex, of
+    SHA-256("kvtier-ns-v1" ‖ for each field: LE64(len) ‖ field)."""
+    h = hashlib.sha256(b"kvtier-ns-v1")
+    for f in (model, dtype, layout, tenant, adapter):
+        b = f.encode("utf-8")
+        h.update(len(b).to_bytes(8, "little") + b)
+    return h.hexdigest()[:16]
+
+
+def salt_tenant(base: str, cache_salt: Optional[str]) -> str:
+    """The kvtier tenant of a request: the deployment's, or one of its own per cache salt."""
+    if cache_salt is None:
+        return base
+    if not isinstance(cache_salt, str):
+        raise SGLangBackendError(f"cache_salt must be a str, not {type(cache_salt).__name__}")
+    return f"{base}.salt-{hashlib.sha256(cache_salt.encode('utf-8')).hexdigest()[:32]}"
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """A host pool as a pool of chunks: ``parts`` chunks of ``chunk_bytes`` per page."""
+
+    pool: Any
+    flat: np.ndarray  # the kv_buffer's bytes (shares memory with the torch tensor)
+    page_size: int
+    pages: int
+    parts: Tuple[str, ...]
+    chunk_bytes: int
+    layout: str
+    dtype: str
+
+    @property
+    def page_bytes(self) -> int:
+        return self.chunk_bytes * len(self.parts)
+
+    def chunk_ids(self, page_ids: np.ndarray) -> np.ndarray:
+        """Chunk numbers of the pages, page-major (all parts of page 0, then page 1, ...)."""
+        parts = np.arange(len(self.parts), dtype=np.int64) * self.pages
+        return (page_ids[:, None].astype(np.int64) + parts[None, :]).reshape(-1)
+
+
+def _grid(pool: Any, mla: bool) -> _Grid:
+    layout = getattr(pool, "layout", None)
+    buf = getattr(pool, "kv_buffer", None)
+    if layout not in _LAYOUTS or not isinstance(buf, torch.Tensor):
+        raise UnsupportedPoolError(f"host pool layout {layout!r} (supported: {', '.join(_LAYOUTS)})")
+    if buf.device.type != "cpu" or not buf.is_contiguous():
+        raise UnsupportedPoolError("the host pool's kv_buffer must be a contiguous CPU tensor")
+    if getattr(pool, "dcp_size", 1) != 1:
+        raise UnsupportedPoolError("decode context parallelism (dcp_size > 1) is not supported")
+    ps, size = int(pool.page_size), int(pool.size)
+    layers = int(pool.layer_num)
+    comps = ("kv",) if mla else ("k", "v")
+    if not mla and buf.shape[0] != 2:
+        raise UnsupportedPoolError(f"an MHA pool's kv_buffer starts with K/V (2), got {tuple(buf.shape)}")
+    if layout == "layer_first":
+        parts = tuple(f"{c}{layer}" for c in comps for layer in range(layers))
+    else:
+        parts = comps
+    pages = size // ps
+    nbytes = buf.numel() * buf.element_size()
+    chunk = nbytes // (len(parts) * pages) if pages else 0
+    if size % ps or chunk == 0 or chunk * len(parts) * pages != nbytes:
+        raise UnsupportedPoolError(f"kv_buffer {tuple(buf.shape)} is not {len(parts)} parts x {pages} pages")
+    flat = buf.view(-1).view(torch.uint8).numpy()
+    return _Grid(pool, flat, ps, pages, parts, chunk, layout, str(buf.dtype).replace("torch.", ""))
+
+
+@dataclass
+class _Counters:
+    pages_written: int = 0
+    pages_read: int = 0
+    read_misses: int = 0
+    rejected_batches: int = 0
+    store_errors: int = 0
+    probes: int = 0
+    ssd_prefetches: int = 0
+    skipped_non_writer: int = 0
+
+
+class KvtierHiCacheStorage(HiCacheStorage):
+    """SGLang ``HiCacheStorage`` over kvtier's L3 store (module doc: why and how).
+
+    Built as SGLang's ``dynamic`` backend builds it: ``KvtierHiCacheStorage(storage_config,
+    kwargs)``; options come from ``storage_config.extra_config``:
+
+    - ``server``: ``"HOST:PORT"`` of a ``kvtier-l3`` server shared by many instances (else
+      ``$KVTIER_L3_ADDR``; neither: an embedded store in this process), ``token`` (else
+      ``$KVTIER_L3_TOKEN``), ``rpc_timeout_ms``;
+    - embedded: ``segment_bytes`` (DRAM, default "4GB"; text sizes as Mooncake's), ``ssd_dir``,
+      ``ssd_capacity_bytes``, ``name`` (instances of one process naming the same store share it);
+    - ``tenant`` (default "default"), ``max_batch_pages`` (default 1024), ``prefetch_ssd``
+      (promote SSD-only pages to DRAM on ``batch_exists``; default: on when ``ssd_dir`` is set),
+      ``interface_v1`` (SGLang's switch to the zero-copy calls).
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        extra = dict(storage_config.extra_config or {})
+        self.storage_config = storage_config
+        self.interface = Interface.ZERO_COPY if extra.get("interface_v1") else Interface.VALUES
+        self.tenant = str(extra.get("tenant") or "default")
+        self.max_batch_pages = int(extra.get("max_batch_pages", 1024))
+        if self.max_batch_pages <= 0:
+            raise SGLangBackendError("max_batch_pages must be positive")
+        self.is_mla = bool(storage_config.is_mla_model)
+        self.is_writer = bool(storage_config.is_storage_writer)
+        # MLA: every rank reads the writer's objects (rank == dcp_rank there, 0 without DCP).
+        self.rank = int(storage_config.dcp_rank if self.is_mla else storage_config.tp_rank)
+        sc = storage_config
+        shape = f"pp{sc.pp_rank}of{sc.pp_size}.cp{sc.attn_cp_rank}of{sc.attn_cp_size}"
+        self._shape = shape if self.is_mla else f"tp{sc.tp_size}.{shape}"
+        self.model = str(sc.model_name or "")
+        addr = extra.get("server") or os.environ.get(ENV_ADDR)
+        ssd_dir = extra.get("ssd_dir")
+        if addr:
+            token = extra.get("token") or os.environ.get(ENV_TOKEN)
+            self.store = kvtier.L3Store.connect(
+                str(addr), token=token, tenant=self.tenant,
+                rpc_timeout_ms=int(extra.get("rpc_timeout_ms", 120_000)),
+            )
+        else:
+            seg = parse_size(extra.get("segment_bytes", "4GB"))
+            if not seg:
+                raise SGLangBackendError(f"bad segment_bytes {extra.get('segment_bytes')!r}")
+            cap = extra.get("ssd_capacity_bytes")
+            self.store = kvtier.L3Store.embedded(
+                seg, ssd_dir=None if ssd_dir is None else str(ssd_dir),
+                ssd_capacity_bytes=None if cap is None else parse_size(cap),
+                tenant=self.tenant, name=str(extra.get("name", "")),
+            )
+        self.prefetch_ssd = bool(extra.get("prefetch_ssd", ssd_dir is not None))
+        self.registered_pools: Dict[Any, Any] = {}
+        self._grids: Dict[str, _Grid] = {}
+        self._tenants: Dict[str, kvtier.L3Store] = {self.tenant: self.store}
+        self._lock = threading.Lock()
+        self.counters = _Counters()
+        self._metrics = StorageMetrics()
+        self.mem_pool_host = None
+
+    # ---- registration ------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Takes the anchor host pool (SGLang calls this once, before any page call)."""
+        grid = _grid(mem_pool_host, self.is_mla)
+        super().register_mem_pool_host(mem_pool_host)
+        self._grids[str(PoolName.KV)] = grid
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Side pools of hybrid models (v2 calls): any pool with a ``kv_buffer`` in a known
+        layout; others are kept and answered with failures by the v2 calls."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        try:
+            self._grids[str(host_pool_name)] = _grid(host_pool, self.is_mla)
+        except UnsupportedPoolError as e:
+            logger.warning("kvtier: pool %s not served: %s", host_pool_name, e)
+
+    # ---- keys and input checks ---------------------------------------------------------
+
+    def _tenant_of(self, extra_info: Optional[HiCacheStorageExtraInfo]) -> str:
+        info = getattr(extra_info, "extra_info", None) if extra_info is not None else None
+        salt = info.get("cache_salt") if isinstance(info, dict) else None
+        return salt_tenant(self.tenant, salt)
+
+    def _view(self, tenant: str) -> kvtier.L3Store:
+        with self._lock:
+            v = self._tenants.get(tenant)
+            if v is None:
+                v = self._tenants[tenant] = self.store.with_tenant(tenant)
+            return v
+
+    def namespace(self, tenant: Optional[str] = None, pool: str = "kv") -> str:
+        """The L3 key namespace of ``tenant``'s pages of the registered pool ``pool``."""
+        g = self._grid_of(pool)
+        layout = f"sglang.{g.layout}.{'mla' if self.is_mla else 'mha'}.{self._shape}.{pool}"
+        return l3_namespace(self.model, g.dtype, layout, tenant or self.tenant)
+
+    def object_keys(self, keys: Sequence[str], tenant: Optional[str] = None, pool: str = "kv") -> List[str]:
+        """The L3 object keys of pages ``keys`` (SGLang's page hashes), page-major."""
+        g = self._grid_of(pool)
+        ns = self.namespace(tenant, pool)
+        return [f"{ns}:{k}:{self.rank}/{p}" for k in keys for p in g.parts]
+
+    def _grid_of(self, pool: str) -> _Grid:
+        g = self._grids.get(str(pool))
+        if g is None:
+            raise PoolNotRegisteredError(f"no host pool registered as {pool!r}")
+        return g
+
+    def _check_keys(self, keys: Any) -> List[str]:
+        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k for k in keys):
+            raise SGLangBackendError("keys must be a list of non-empty str")
+        if len(keys) > self.max_batch_pages:
+            raise BatchTooLargeError(f"{len(keys)} pages in one call; max_batch_pages is {self.max_batch_pages}")
+        return list(keys)
+
+    def page_ids(self, keys: Any, host_indices: Any, pool: str = "kv", *, for_read: bool = False) -> np.ndarray:
+        """Checks a v1 call's input and returns its page numbers; raises a
+        ``SGLangBackendError`` subclass (nothing read or written) when it is not whole,
+        in-range pages of the pool, one per key."""
+        keys = self._check_keys(keys)
+        g = self._grid_of(pool)
+        if not isinstance(host_indices, torch.Tensor):
+            raise HostIndicesError(f"host_indices must be a torch.Tensor, not {type(host_indices).__name__}")
+        if host_indices.dtype.is_floating_point or host_indices.dtype.is_complex or host_indices.dtype == torch.bool:
+            raise HostIndicesError(f"host_indices must be an integer tensor, not {host_indices.dtype}")
+        if host_indices.dim() != 1 or host_indices.numel() != len(keys) * g.page_size:
+            raise HostIndicesError(
+                f"{tuple(host_indices.shape)} host_indices for {len(keys)} pages of {g.page_size} tokens"
+            )
+        idx = host_indices.detach().to("cpu", torch.int64).numpy().reshape(len(keys), g.page_size)
+        if idx.size and (idx.min() < 0 or idx.max() >= g.pages * g.page_size):
+            raise HostIndicesError(f"host_indices outside the pool's {g.pages * g.page_size} tokens")
+        starts = idx[:, 0]
+        if np.any(starts % g.page_size) or np.any(idx != starts[:, None] + np.arange(g.page_size)):
+            raise HostIndicesError("host_indices are not whole pages (aligned, consecutive tokens)")
+        pages = starts // g.page_size
+        if for_read and len(np.unique(pages)) != len(pages):
+            raise HostIndicesError("one host page named twice in a read")
+        return pages
+
+    # ---- the zero-copy calls -----------------------------------------------------------
+
+    def _io_pages(self, op: str, keys: List[str], pages: np.ndarray, pool: str, tenant: str) -> List[bool]:
+        g = self._grid_of(pool)
+        if not keys:
+            return []
+        okeys = self.object_keys(keys, tenant, pool)
+        ids = g.chunk_ids(pages)
+        store = self._view(tenant)
+        t0 = time.perf_counter()
+        try:
+            if op == "set":
+                codes = store.batch_put_pages(okeys, g.flat, ids, g.chunk_bytes)
+                ok = ((codes == 0) | (codes == _EXISTS)).reshape(len(keys), -1).all(axis=1)
+            else:
+                codes = store.batch_get_pages(okeys, g.flat, ids, g.chunk_bytes)
+                ok = (codes == g.chunk_bytes).reshape(len(keys), -1).all(axis=1)
+        except kvtier.L3Error as e:
+            self.counters.store_errors += 1
+            logger.warning("kvtier: batch %s of %d pages failed: %r", op, len(keys), e)
+            return [False] * len(keys)
+        dt = max(time.perf_counter() - t0, 1e-9)
+        n = int(ok.sum())
+        gb = n * g.page_bytes / (1 << 30)
+        if op == "set":
+            self.counters.pages_written += n
+            self._metrics.backup_pgs.append(len(keys))
+            self._metrics.backup_bandwidth.append(gb / dt)
+        else:
+            self.counters.pages_read += n
+            self.counters.read_misses += len(keys) - n
+            self._metrics.prefetch_pgs.append(len(keys))
+            self._metrics.prefetch_bandwidth.append(gb / dt)
+        return ok.tolist()
+
+    def _v1(self, op: str, keys: Any, host_indices: Any, extra_info: Any, pool: str = "kv") -> List[bool]:
+        n = len(keys) if isinstance(keys, (list, tuple)) else 0
+        try:
+            pages = self.page_ids(keys, host_indices, pool, for_read=(op == "get"))
+            tenant = self._tenant_of(extra_info)
+        except SGLangBackendError as e:
+            self.counters.rejected_batches += 1
+            logger.warning("kvtier: batch_%s refused: %s", op, e)
+            return [False] * n
+        if op == "set" and not self.is_writer:
+            self.counters.skipped_non_writer += n
+            return [True] * n  # MLA: the writer rank stores the (replicated) page
+        return self._io_pages(op, list(keys), pages, pool, tenant)
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Reads pages ``keys`` into the host pool at ``host_indices``; per page whether it
+        was read whole. Bad input: all False, the pool untouched."""
+        return self._v1("get", keys, host_indices, extra_info)
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Writes host pages ``host_indices`` as pages ``keys`` (present pages count as
+        written); per page whether it is stored. Bad input: all False, nothing written."""
+        return self._v1("set", keys, host_indices, extra_info)
+
+    def _leading(self, keys: List[str], tenant: str, pool: str = "kv") -> int:
+        g = self._grid_of(pool)
+        okeys = self.object_keys(keys, tenant, pool)
+        store = self._view(tenant)
+        self.counters.probes += 1
+        present = np.asarray(store.batch_is_exist(okeys)).reshape(len(keys), len(g.parts)).all(axis=1)
+        n = int(np.argmin(present)) if not present.all() else len(keys)
+        if self.prefetch_ssd and n:
+            # Promote SSD-only pages of the run SGLang will read next (not those past a gap).
+            store.batch_is_exist(okeys[: n * len(g.parts)], prefetch_to_memory=True)
+            self.counters.ssd_prefetches += 1
+        return n
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """How many of ``keys``, from the first, are stored whole (a page with a missing
+        part ends the run). Takes no lease; with ``prefetch_ssd`` the run is promoted from
+        SSD to DRAM. Bad input or a store error: 0."""
+        try:
+            keys = self._check_keys(keys)
+            return self._leading(keys, self._tenant_of(extra_info)) if keys else 0
+        except (SGLangBackendError, kvtier.L3Error) as e:
+            self.counters.rejected_batches += 1
+            logger.warning("kvtier: batch_exists refused: %s", e)
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ---- the value calls (SGLang's generic path: flat pages) -----------------------------
+
+    def _values(self, op: str, keys: Any, values: Any) -> List[bool]:
+        keys = self._check_keys(keys)
+        g = self._grid_of("kv")
+        if not isinstance(values, (list, tuple)) or len(values) != len(keys):
+            raise SGLangBackendError("one value tensor per key")
+        bufs = []
+        for v in values:
+            if not isinstance(v, torch.Tensor) or v.device.type != "cpu" or not v.is_contiguous():
+                raise SGLangBackendError("values must be contiguous CPU tensors")
+            if v.numel() * v.element_size() != g.page_bytes:
+                raise SGLangBackendError(f"a flat page is {g.page_bytes} bytes, got {v.numel() * v.element_size()}")
+            b = v.view(-1).view(torch.uint8).numpy()
+            bufs.extend(b[i * g.chunk_bytes:(i + 1) * g.chunk_bytes] for i in range(len(g.parts)))
+        if op == "set" and not self.is_writer:
+            return [True] * len(keys)
+        store = self._view(self.tenant)
+        okeys = self.object_keys(keys)
+        try:
+            if op == "set":
+                codes = store.batch_put_from(okeys, bufs)
+                ok = (codes == 0) | (codes == _EXISTS)
+            else:
+                ok = store.batch_get_into(okeys, bufs) == g.chunk_bytes
+        except kvtier.L3Error as e:
+            self.counters.store_errors += 1
+            logger.warning("kvtier: %s of %d pages failed: %r", op, len(keys), e)
+            return [False] * len(keys)
+        return ok.reshape(len(keys), -1).all(axis=1).tolist()
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+        """Reads flat pages into ``target_locations`` (tensors); each the tensor or None."""
+        try:
+            ok = self._values("get", keys, target_locations)
+        except SGLangBackendError as e:
+            self.counters.rejected_batches += 1
+            logger.warning("kvtier: batch_get refused: %s", e)
+            return [None] * (len(keys) if isinstance(keys, (list, tuple)) else 0)
+        return [t if o else None for t, o in zip(target_locations, ok)]
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        """Writes flat pages; True when every one is stored."""
+        try:
+            return all(self._values("set", keys, values))
+        except SGLangBackendError as e:
+            self.counters.rejected_batches += 1
+            logger.warning("kvtier: batch_set refused: %s", e)
+            return False
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        return self.batch_get([key], [target_location])[0]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    # ---- v2: per-pool transfers (hybrid models) -----------------------------------------
+
+    def _pool_keys(self, name: Any, keys: List[str]) -> List[str]:
+        return list(keys) if str(name) == str(PoolName.KV) else [f"{k}.{name}" for k in keys]
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        """The KV run, cut to what every side pool can restore (SGLang's hit policies:
+        ALL_PAGES: every page of the run; TRAILING_PAGES: the last ``len(keys)`` pages)."""
+        kv = self.batch_exists(keys, extra_info)
+        hits: Dict[str, int] = {str(PoolName.KV): kv} if kv else {}
+        restorable = set(range(1, kv + 1))
+        tenant = self._tenant_of(extra_info)
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            name = str(t.name)
+            try:
+                g = self._grid_of(name)
+                okeys = self.object_keys(self._pool_keys(name, keys[:kv]), tenant, name)
+                codes = np.asarray(self._view(tenant).batch_is_exist(okeys)) if okeys else np.zeros(0)
+                have = codes.reshape(kv, len(g.parts)).all(axis=1) if kv else np.zeros(0, bool)
+            except (SGLangBackendError, kvtier.L3Error):
+                have = np.zeros(kv, bool)
+            if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                w = max(1, len(t.keys) if t.keys else 1)
+                ok = {p for p in range(1, kv + 1) if have[max(0, p - w):p].all()}
+            else:
+                run = int(np.argmin(have)) if not have.all() else kv
+                ok = set(range(1, run + 1))
+            if ok:
+                hits[name] = max(ok)
+            restorable &= ok
+        final = sorted(restorable)
+        return PoolTransferResult(final[-1] if final else 0, hits, final)
+
+    def _v2(self, op: str, transfers: List[PoolTransfer], extra_info: Any) -> Dict[str, List[bool]]:
+        out: Dict[str, List[bool]] = {}
+        for t in transfers:
+            name = str(t.name)
+            keys = list(t.keys or [])
+            out[name] = self._v1(op, self._pool_keys(name, keys), t.host_indices, extra_info, pool=name)
+        return out
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+        return self._v2("get", transfers, extra_info)
+
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+        return self._v2("set", transfers, extra_info)
+
+    # ---- housekeeping ------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Removes this backend's tenants' objects (leased ones too)."""
+        with self._lock:
+            views = list(self._tenants.values())
+        for v in views:
+            v.remove_all(True)
+
+    def get_stats(self) -> StorageMetrics:
+        """SGLang's ``StorageMetrics`` since the last call (pages and GB/s per batch), with
+        ``.kvtier``: cumulative counters and the store's own stats."""
+        m, self._metrics = self._metrics, StorageMetrics()
+        m.kvtier = dict(vars(self.counters))
+        try:
+            m.kvtier.update({f"store_{k}": v for k, v in self.store.stats().items()})
+        except kvtier.L3Error:
+            pass
+        return m
+
+    def close(self) -> None:
+        pass
