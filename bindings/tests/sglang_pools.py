@@ -28,8 +28,8 @@ def _ptrs(ts):
 
 def mha_pool(layout: str, *, layers=2, heads=2, head_dim=8, page_size=4, host_pages=16,
              dtype=torch.bfloat16) -> MHATokenToKVPoolHost:
-    """A real MHA host pool of ``host_pages`` usable pages (plus SGLang's padding page)."""
-    dev_tokens = host_pages * page_size
+    """A real MHA host pool of ``host_pages`` pages."""
+    dev_tokens = page_size  # the "device" pool only has to exist; the host pool is sized below
     k = tuple(torch.zeros(dev_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
     v = tuple(torch.zeros(dev_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
     info = MHABufferInfo(
@@ -39,12 +39,13 @@ def mha_pool(layout: str, *, layers=2, heads=2, head_dim=8, page_size=4, host_pa
     return MHATokenToKVPoolHost(
         info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
         device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers - 1,
+        host_token_capacity=host_pages * page_size,
     )
 
 
 def mla_pool(layout: str, *, layers=2, lora=8, rope=4, page_size=4, host_pages=16,
              dtype=torch.bfloat16) -> MLATokenToKVPoolHost:
-    dev_tokens = host_pages * page_size
+    dev_tokens = page_size
     bufs = tuple(torch.zeros(dev_tokens, 1, lora + rope, dtype=dtype) for _ in range(layers))
     info = MLABufferInfo(
         buffers=bufs, data_ptrs=_ptrs(bufs), layer_indices=tuple(range(layers)), device_layer_num=layers,
@@ -54,6 +55,7 @@ def mla_pool(layout: str, *, layers=2, lora=8, rope=4, page_size=4, host_pages=1
     return MLATokenToKVPoolHost(
         info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
         device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers - 1, target_layer_num=layers,
+        host_token_capacity=host_pages * page_size,
     )
 
 

@@ -230,6 +230,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 str(addr), token=token, tenant=self.tenant,
                 rpc_timeout_ms=int(extra.get("rpc_timeout_ms", 120_000)),
             )
+            self.store_name = str(addr)
+            self.store.is_exist("kvtier-sglang-hello")  # a bad address or token fails at launch
         else:
             seg = parse_size(extra.get("segment_bytes", "4GB"))
             if not seg:
@@ -240,6 +242,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 ssd_capacity_bytes=None if cap is None else parse_size(cap),
                 tenant=self.tenant, name=str(extra.get("name", "")),
             )
+            self.store_name = str(extra.get("name", ""))
         self.prefetch_ssd = bool(extra.get("prefetch_ssd", ssd_dir is not None))
         self.registered_pools: Dict[Any, Any] = {}
         self._grids: Dict[str, _Grid] = {}

@@ -1,0 +1,407 @@
+"""kvtier.sglang against the real SGLang package (0.5.23 from PyPI): its ``HiCacheStorage``
+base class, its dynamic backend factory, its real host pools (``MHATokenToKVPoolHost``,
+``MLATokenToKVPoolHost``) on CPU, and its own Mooncake backend pointed at
+``kvtier.mooncake_compat`` for a side-by-side check. Bytes are compared page by page through
+``get_data_page``, so a page read into the wrong slot, a torn layer or a write outside the
+named pages fails."""
+
+import sys
+import time
+import types
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvtier
+from conftest import prompt, small_config
+from sglang_pools import fill, mha_pool, mla_pool, page_bytes, page_indices, storage_config
+
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402  (after sglang_pools: warnings)
+    HiCacheStorage,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from kvtier import sglang as ks
+from kvtier.sglang import KvtierHiCacheStorage
+
+LAYOUTS = ["page_first", "layer_first", "page_first_direct"]
+PS = 4
+
+
+def backend(pool=None, *, mla=False, tp_rank=0, tp_size=1, **extra):
+    extra.setdefault("interface_v1", 1)
+    extra.setdefault("segment_bytes", "64MB")
+    layout = pool.layout if pool is not None else "page_first"
+    b = KvtierHiCacheStorage(storage_config(extra, mla=mla, tp_rank=tp_rank, tp_size=tp_size, layout=layout), {})
+    if pool is not None:
+        b.register_mem_pool_host(pool)
+    return b
+
+
+def make_pool(layout, mla, **kw):
+    return (mla_pool if mla else mha_pool)(layout, **kw)
+
+
+def salt(s):
+    return HiCacheStorageExtraInfo(extra_info={"cache_salt": s})
+
+
+def snapshot(pool):
+    return pool.kv_buffer.view(-1).view(torch.int16).clone()
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_through_a_real_host_pool(layout, mla):
+    src, dst = make_pool(layout, mla), make_pool(layout, mla)
+    fill(src, 1)
+    b = backend(src, mla=mla, name=f"rt-{layout}-{mla}")
+    keys = [f"page-{i}" for i in range(3)]
+    assert b.batch_set_v1(keys, page_indices([2, 5, 7], PS)) == [True] * 3
+    assert b.batch_exists(keys) == 3
+    reader = backend(dst, mla=mla, name=b.store_name)  # another instance on the same store
+    assert reader.batch_get_v1(keys, page_indices([9, 0, 4], PS)) == [True] * 3
+    for got, want in [(9, 2), (0, 5), (4, 7)]:
+        assert page_bytes(dst, got) == page_bytes(src, want)
+    written = {p for p in range(16) if dst.get_data_page(p * PS).view(torch.int16).ne(0).any()}
+    assert written == {9, 0, 4}, "only the named pages were written"
+    # SGLang's value path (flat pages) reads the very same objects.
+    t = dst.get_dummy_flat_data_page()
+    assert b.batch_get(["page-1"], [t])[0] is t and t.view(torch.int16).numpy().tobytes() == page_bytes(src, 5)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_partial_hits_misses_and_the_leading_run(layout):
+    src, dst = mha_pool(layout), mha_pool(layout)
+    fill(src, 2)
+    b = backend(src)
+    keys = [f"k{i}" for i in range(5)]
+    assert b.batch_set_v1([keys[0], keys[1], keys[3]], page_indices([0, 1, 3], PS)) == [True] * 3
+    assert b.batch_exists(keys) == 2  # k2 is missing: k3 does not count
+    assert b.batch_exists(keys[3:]) == 1 and b.batch_exists(["nope"]) == 0 and b.batch_exists([]) == 0
+    assert b.exists("k3") and not b.exists("k2")
+    b.register_mem_pool_host(dst)
+    assert b.batch_get_v1(keys, page_indices([5, 6, 7, 8, 9], PS)) == [True, True, False, True, False]
+    assert page_bytes(dst, 8) == page_bytes(src, 3)
+    assert not dst.get_data_page(7 * PS).view(torch.int16).ne(0).any(), "a miss writes nothing"
+    # A page with one part gone (evicted) ends the run and reads as a miss.
+    b.store.remove(b.object_keys(["k1"])[-1], True)
+    assert b.batch_exists(keys) == 1
+    assert b.batch_get_v1(keys[:2], page_indices([10, 11], PS)) == [True, False]
+
+
+def test_tenants_are_isolated():
+    src, dst = mha_pool("page_first"), mha_pool("page_first")
+    fill(src, 3)
+    b = backend(src)
+    keys = ["t0", "t1"]
+    assert b.batch_set_v1(keys, page_indices([0, 1], PS), salt("alice")) == [True, True]
+    assert b.batch_exists(keys, salt("alice")) == 2
+    assert b.batch_exists(keys, salt("bob")) == 0 and b.batch_exists(keys) == 0
+    b.register_mem_pool_host(dst)
+    assert b.batch_get_v1(keys, page_indices([2, 3], PS), salt("bob")) == [False, False]
+    assert not dst.kv_buffer.view(torch.int16).ne(0).any()
+    assert b.batch_get_v1(keys, page_indices([2, 3], PS), salt("alice")) == [True, True]
+    assert page_bytes(dst, 3) == page_bytes(src, 1)
+    # Different tenants: different kvtier tenants and different key namespaces.
+    assert ks.salt_tenant("default", "alice") != ks.salt_tenant("default", "bob")
+    assert b.namespace(ks.salt_tenant("default", "alice")) != b.namespace("default")
+
+
+@settings(max_examples=30, deadline=None)
+@given(a=st.one_of(st.none(), st.text(max_size=6)), c=st.one_of(st.none(), st.text(max_size=6)),
+       keys=st.lists(st.text("0123456789abcdef", min_size=1, max_size=8), min_size=1, max_size=4, unique=True))
+def test_tenant_rule_property(prop_backend, a, c, keys):
+    """Pages written under one cache salt are visible under exactly that salt."""
+    b = prop_backend
+    b.clear()
+    n = len(keys)
+    assert b.batch_set_v1(keys, page_indices(range(n), PS), salt(a)) == [True] * n
+    assert b.batch_exists(keys, salt(c)) == (n if a == c else 0)
+    ta, tc = ks.salt_tenant("default", a), ks.salt_tenant("default", c)
+    assert (ta == tc) == (a == c)
+    assert (set(b.object_keys(keys, ta)) == set(b.object_keys(keys, tc))) == (a == c)
+
+
+@pytest.fixture(scope="module")
+def prop_backend():
+    p = mha_pool("page_first")
+    fill(p, 4)
+    return backend(p)
+
+
+def test_namespace_is_kvtiers():
+    """l3_namespace is the formula of docs/page-keys.md, as the native scheduler computes it."""
+    ns = {"model": "m/x", "dtype": "bf16", "layout": "page_first", "tenant": "t", "adapter": ""}
+    s = kvtier.Scheduler(small_config(namespace=ns))
+    key = s.l3_keys(prompt(1, 8))[0]
+    assert kvtier.parse_l3_key(key)[0] == ks.l3_namespace("m/x", "bf16", "page_first", "t")
+    src = mha_pool("page_first")
+    b = backend(src)
+    k = b.object_keys(["a" * 64])[0]
+    assert kvtier.parse_l3_key(k.split("/")[0])[1] == bytes.fromhex("a" * 64)
+
+
+def test_two_instances_share_one_server(monkeypatch):
+    """Two backends (two SGLang instances) on one kvtier-l3 server on 127.0.0.1: pages one
+    backs up are hits, byte for byte, for the other. A wrong token is refused."""
+    srv = kvtier.L3Server(1 << 24, token="s3cret")
+    try:
+        a_pool, b_pool = mha_pool("layer_first"), mha_pool("layer_first")
+        fill(a_pool, 5)
+        a = backend(a_pool, server=srv.addr, token="s3cret")
+        monkeypatch.setenv(ks.ENV_ADDR, srv.addr)
+        monkeypatch.setenv(ks.ENV_TOKEN, "s3cret")
+        b = backend(b_pool)  # address and token from the environment
+        assert not b.store.is_embedded
+        keys = [f"shared{i}" for i in range(4)]
+        assert a.batch_set_v1(keys, page_indices([3, 1, 4, 2], PS)) == [True] * 4
+        assert b.batch_exists(keys) == 4
+        assert b.batch_get_v1(keys, page_indices([0, 1, 2, 3], PS)) == [True] * 4
+        assert [page_bytes(b_pool, i) for i in range(4)] == [page_bytes(a_pool, p) for p in (3, 1, 4, 2)]
+        monkeypatch.setenv(ks.ENV_TOKEN, "wrong")
+        with pytest.raises(kvtier.IllegalClientError):  # at construction, not at the first page
+            backend(mha_pool("layer_first"))
+    finally:
+        srv.shutdown()
+
+
+def test_mla_only_the_writer_rank_writes_and_every_rank_reads():
+    src, other = mla_pool("page_first"), mla_pool("page_first")
+    fill(src, 6)
+    r1 = backend(src, mla=True, tp_rank=1, tp_size=2, name="mla-tp")
+    keys = ["m0", "m1"]
+    assert r1.batch_set_v1(keys, page_indices([0, 1], PS)) == [True, True]
+    assert r1.store.stats()["objects"] == 0 and r1.counters.skipped_non_writer == 2
+    r0 = backend(src, mla=True, tp_rank=0, tp_size=2, name="mla-tp")
+    assert r0.batch_set_v1(keys, page_indices([0, 1], PS)) == [True, True]
+    r1.register_mem_pool_host(other)
+    assert r1.batch_exists(keys) == 2 and r1.batch_get_v1(keys, page_indices([5, 6], PS)) == [True, True]
+    assert page_bytes(other, 6) == page_bytes(src, 1)
+    # MHA ranks hold different heads: rank 1 never sees rank 0's pages.
+    m0 = backend(mha_pool("page_first"), tp_rank=0, tp_size=2, name="mha-tp")
+    m1 = backend(mha_pool("page_first"), tp_rank=1, tp_size=2, name="mha-tp")
+    assert m0.batch_set_v1(keys, page_indices([0, 1], PS)) == [True, True]
+    assert m1.batch_exists(keys) == 0 and m0.batch_exists(keys) == 2
+
+
+BAD = [
+    ("float dtype", ks.HostIndicesError, lambda: page_indices([0, 1], PS).to(torch.float32)),
+    ("bool dtype", ks.HostIndicesError, lambda: page_indices([0, 1], PS) > 3),
+    ("numpy, not a tensor", ks.HostIndicesError, lambda: page_indices([0, 1], PS).numpy()),
+    ("too few", ks.HostIndicesError, lambda: page_indices([0, 1], PS)[:-1]),
+    ("2-D", ks.HostIndicesError, lambda: page_indices([0, 1], PS).reshape(2, PS)),
+    ("past the pool", ks.HostIndicesError, lambda: page_indices([0, 16], PS)),
+    ("negative", ks.HostIndicesError, lambda: page_indices([0, 1], PS) - PS),
+    ("misaligned", ks.HostIndicesError, lambda: page_indices([0, 1], PS) + 1),
+    ("not consecutive", ks.HostIndicesError, lambda: page_indices([0, 1], PS).flip(0)),
+    ("huge", ks.HostIndicesError, lambda: page_indices([0, 1], PS) + (1 << 40)),
+]
+
+
+@pytest.mark.parametrize("what,err,make", BAD, ids=[b[0] for b in BAD])
+def test_bad_indices_leave_pool_and_store_untouched(what, err, make):
+    pool = mha_pool("page_first")
+    fill(pool, 7)
+    b = backend(pool)
+    keys = ["x0", "x1"]
+    assert b.batch_set_v1(keys, page_indices([0, 1], PS)) == [True, True]
+    objects = b.store.stats()["objects"]
+    before = snapshot(pool)
+    idx = make()
+    with pytest.raises(err):
+        b.page_ids(keys, idx)
+    assert b.batch_get_v1(keys, idx) == [False, False]
+    assert torch.equal(snapshot(pool), before), "a refused read wrote into the pool"
+    assert b.batch_set_v1(["y0", "y1"], idx) == [False, False]
+    assert b.store.stats()["objects"] == objects and b.batch_exists(["y0"]) == 0
+    assert b.counters.rejected_batches == 2
+
+
+def test_other_bad_input_is_refused():
+    pool = mha_pool("page_first")
+    fill(pool, 8)
+    b = backend(pool, max_batch_pages=4)
+    before = snapshot(pool)
+    with pytest.raises(ks.BatchTooLargeError):
+        b.page_ids([f"o{i}" for i in range(5)], page_indices(range(5), PS))
+    assert b.batch_get_v1([f"o{i}" for i in range(5)], page_indices(range(5), PS)) == [False] * 5
+    assert b.batch_exists([f"o{i}" for i in range(5)]) == 0
+    with pytest.raises(ks.HostIndicesError):  # one host page twice in a read
+        b.page_ids(["a", "b"], page_indices([3, 3], PS), for_read=True)
+    assert b.batch_get_v1(["a", "b"], page_indices([3, 3], PS)) == [False, False]
+    assert b.batch_get_v1([1, 2], page_indices([0, 1], PS)) == [False, False]  # keys not str
+    assert b.batch_get_v1(["a"], page_indices([0], PS), salt(42)) == [False]  # salt not str
+    assert torch.equal(snapshot(pool), before)
+    # Value calls: a wrong-size page is refused, nothing stored.
+    assert b.batch_set(["v"], [torch.zeros(3, dtype=torch.bfloat16)]) is False and not b.exists("v")
+    with pytest.raises(ks.PoolNotRegisteredError):
+        backend().page_ids(["a"], page_indices([0], PS))
+    assert backend().batch_get_v1(["a"], page_indices([0], PS)) == [False]
+    with pytest.raises(ks.UnsupportedPoolError):
+        backend(types.SimpleNamespace(layout="page_unified", kv_buffer=None))
+    assert issubclass(ks.HostIndicesError, kvtier.KvtierError) and issubclass(ks.HostIndicesError, ValueError)
+
+
+def test_value_calls_store_the_objects_v1_reads():
+    src, dst = mha_pool("layer_first"), mha_pool("layer_first")
+    fill(src, 9)
+    b = backend(src)
+    vals = [src.get_data_page(p * PS, flat=True).contiguous() for p in (4, 6)]
+    assert b.batch_set(["f0", "f1"], vals) is True and b.set("f2", vals[0]) is True
+    b.register_mem_pool_host(dst)
+    assert b.batch_get_v1(["f0", "f1", "f2"], page_indices([0, 1, 2], PS)) == [True] * 3
+    assert page_bytes(dst, 1) == page_bytes(src, 6) and page_bytes(dst, 2) == page_bytes(src, 4)
+    t = dst.get_dummy_flat_data_page()
+    assert b.get("missing", t) is None
+
+
+def test_built_by_sglangs_dynamic_factory():
+    pool = mha_pool("page_first")
+    extra = {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierHiCacheStorage",
+             "interface_v1": 1, "segment_bytes": "16MB"}
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
+    assert isinstance(b, KvtierHiCacheStorage) and isinstance(b, HiCacheStorage)
+    b.register_mem_pool_host(pool)
+    assert b.interface is ks.Interface.ZERO_COPY
+    fill(pool, 10)
+    assert b.batch_set_v1(["d"], page_indices([1], PS)) == [True]
+    m = b.get_stats()
+    assert isinstance(m, StorageMetrics) and m.backup_pgs == [1] and m.kvtier["pages_written"] == 1
+    assert b.get_stats().backup_pgs == []  # drained, as SGLang's metrics collector expects
+    b.clear()
+    assert b.batch_exists(["d"]) == 0
+
+
+def test_v2_pool_transfers():
+    kv_src, swa_src = mha_pool("page_first"), mha_pool("page_first", layers=1)
+    kv_dst, swa_dst = mha_pool("page_first"), mha_pool("page_first", layers=1)
+    fill(kv_src, 11)
+    fill(swa_src, 12)
+    b = backend(kv_src, name="v2")
+    b.register_mem_host_pool_v2(kv_src, PoolName.KV)
+    b.register_mem_host_pool_v2(swa_src, PoolName.SWA)
+    keys = ["s0", "s1", "s2"]
+    res = b.batch_set_v2([
+        PoolTransfer(name=PoolName.KV, keys=keys, host_indices=page_indices([0, 1, 2], PS)),
+        PoolTransfer(name=PoolName.SWA, keys=keys[2:], host_indices=page_indices([5], PS)),
+    ])
+    assert res == {"kv": [True] * 3, "swa": [True]}
+    trailing = PoolTransfer(name=PoolName.SWA, keys=keys[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    r = b.batch_exists_v2(keys, [trailing])
+    assert r.kv_hit_pages == 3 and r.restorable_prefix_pages == [3] and r.extra_pool_hit_pages["swa"] == 3
+    r = b.batch_exists_v2(keys, [PoolTransfer(name=PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert r.kv_hit_pages == 0  # SWA holds only the last page: no prefix is fully restorable
+    b2 = backend(kv_dst, name=b.store_name)
+    b2.register_mem_host_pool_v2(swa_dst, PoolName.SWA)
+    res = b2.batch_get_v2([
+        PoolTransfer(name=PoolName.KV, keys=keys, host_indices=page_indices([3, 4, 5], PS)),
+        PoolTransfer(name=PoolName.SWA, keys=keys[2:], host_indices=page_indices([0], PS)),
+    ])
+    assert res == {"kv": [True] * 3, "swa": [True]}
+    assert page_bytes(kv_dst, 5) == page_bytes(kv_src, 2) and page_bytes(swa_dst, 0) == page_bytes(swa_src, 5)
+
+
+def _ssd_run(tmp_path, prefetch):
+    pool = mha_pool("page_first", layers=4, heads=4, head_dim=64, page_size=16, host_pages=8)
+    fill(pool, 13)
+    b = KvtierHiCacheStorage(storage_config({"interface_v1": 1, "segment_bytes": 1 << 20, "ssd_dir": str(tmp_path),
+                                             "prefetch_ssd": prefetch}), {})
+    b.register_mem_pool_host(pool)
+    keys = [f"ssd{i}" for i in range(4)]
+    assert b.batch_set_v1(keys, torch.arange(4 * 16)) == [True] * 4
+    b.store.flush()  # the SSD copies are durable
+    filler = np.zeros(64 << 10, np.uint8)
+    for i in range(24):  # push the pages out of DRAM, then make room again
+        b.store.put(f"filler{i}", filler)
+    b.store.flush()
+    for i in range(24):
+        if b.store.is_exist(f"filler{i}"):
+            b.store.remove(f"filler{i}", True)
+    st0 = b.store.stats()
+    assert st0["disk_objects"] >= 8 and st0["mem_objects"] == 0, st0
+    assert b.batch_exists(keys) == 4  # SSD-only pages exist
+    for _ in range(50):
+        if b.store.stats()["mem_objects"] >= 8:
+            break
+        time.sleep(0.05)
+    return b.store.stats()["mem_objects"]
+
+
+def test_batch_exists_prefetches_ssd_only_pages_to_dram(tmp_path):
+    assert _ssd_run(tmp_path / "on", True) == 8  # both parts of all 4 pages promoted
+    assert _ssd_run(tmp_path / "off", False) == 0  # the control: without prefetch none is
+
+
+# ---- side by side with SGLang's own Mooncake backend over kvtier.mooncake_compat ------------
+
+
+@contextmanager
+def mooncake_is_kvtier():
+    """``mooncake.store`` is kvtier.mooncake_compat while SGLang's backend is built (it imports
+    the class at construction), whatever Mooncake package is installed."""
+    import kvtier.mooncake_compat as compat
+
+    shim = types.ModuleType("mooncake.store")
+    shim.__dict__.update({k: getattr(compat, k) for k in dir(compat) if not k.startswith("_")})
+    pkg = types.ModuleType("mooncake")
+    pkg.store = shim
+    saved = {k: sys.modules.get(k) for k in ("mooncake", "mooncake.store")}
+    sys.modules.update({"mooncake": pkg, "mooncake.store": shim})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def sglang_mooncake(pool, name, mla):
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+    extra = {"master_server_address": f"embedded://{name}", "local_hostname": "127.0.0.1",
+             "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "global_segment_size": 64 << 20,
+             "check_server": False}
+    with mooncake_is_kvtier():
+        m = MooncakeStore(storage_config(extra, mla=mla, layout=pool.layout), pool)
+    assert type(m.store).__module__.startswith("kvtier.mooncake_compat")
+    m.register_mem_pool_host(pool)
+    return m
+
+
+@pytest.mark.parametrize("layout,mla", [("page_first", False), ("page_first", True), ("layer_first", True)])
+def test_side_by_side_with_sglangs_mooncake_backend(layout, mla):
+    """The same calls on SGLang's MooncakeStore (over kvtier.mooncake_compat) and on
+    kvtier.sglang give the same answers and the same bytes in the pools."""
+    pools = {}
+    backends = {}
+    for who in ("mooncake", "kvtier"):
+        src, dst = make_pool(layout, mla), make_pool(layout, mla)
+        fill(src, 14)
+        pools[who] = (src, dst)
+        backends[who] = sglang_mooncake(src, f"sbs-{layout}-{mla}", mla) if who == "mooncake" else backend(src, mla=mla)
+    out = {}
+    for who, b in backends.items():
+        src, dst = pools[who]
+        keys = [f"sbs{i}" for i in range(6)]
+        r = [b.batch_set_v1(keys[:2] + keys[3:5], page_indices([1, 2, 3, 4], PS))]
+        r.append(b.batch_set_v1(keys[:2], page_indices([1, 2], PS)))  # present pages: success
+        r += [b.batch_exists(keys), b.batch_exists(keys[3:]), b.batch_exists(["none"])]
+        b.register_mem_pool_host(dst)
+        r.append(b.batch_get_v1(keys, page_indices([10, 11, 12, 13, 14, 15], PS)))
+        r.append([page_bytes(dst, p) for p in range(16)])
+        out[who] = r
+    assert out["mooncake"] == out["kvtier"]
+    assert out["kvtier"][:5] == [[True] * 4, [True] * 2, 2, 2, 0]
+    assert out["kvtier"][5] == [True, True, False, True, True, False]
