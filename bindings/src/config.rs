@@ -13,7 +13,8 @@
 //! {"write_through", "write_through_selective", "write_back"} with `write_hit_threshold`;
 //! `retraction` ∈ {"latest_arrival", "fewest_generated", "most_pages"}; `l3_sharing` ∈
 //! {"per_rank", "replicated"} with `l3_leader_rank`; `eviction` ∈ {"lru", "freq-depth",
-//! "freq-depth:CREDIT:MAX_USES:DEBIT"}; `namespace` is a dict
+//! "freq-depth:CREDIT:MAX_USES:DEBIT"}; `host_admission` ∈ {"on-finish",
+//! "on-device-eviction:AHEAD_PAGES"}; `namespace` is a dict
 //! with keys model, dtype, layout, tenant, adapter.
 
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
@@ -54,6 +55,7 @@ pub const FIELDS: &[&str] = &[
     "tenant_quota_device_pages",
     "tenant_quota_host_pages",
     "eviction",
+    "host_admission",
 ];
 
 /// Reads one field from a dict (by key) or any object (by attribute); `None` when absent.
@@ -244,6 +246,12 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
                 PyValueError::new_err(format!("SchedulerConfig.eviction: {m}"))
             })?
         },
+        host_admission: {
+            let h: String = get(obj, "host_admission", d.host_admission.to_string())?;
+            h.parse().map_err(|m: String| {
+                PyValueError::new_err(format!("SchedulerConfig.host_admission: {m}"))
+            })?
+        },
     })
 }
 
@@ -311,6 +319,7 @@ pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bou
     d.set_item("tenant_quota_device_pages", c.tenant_quota.device_pages)?;
     d.set_item("tenant_quota_host_pages", c.tenant_quota.host_pages)?;
     d.set_item("eviction", c.eviction.to_string())?;
+    d.set_item("host_admission", c.host_admission.to_string())?;
     Ok(d)
 }
 

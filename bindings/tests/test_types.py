@@ -37,6 +37,8 @@ def test_config_defaults_are_the_rust_defaults():
         dict(mixed_prefill_decode=False, keep_device_after_write_back=False, record_kv_events=True),
         dict(eviction="freq-depth:100:3:7"),
         dict(eviction="lru"),
+        dict(host_admission="on-device-eviction:16"),
+        dict(host_admission="on-finish"),
     ],
 )
 def test_config_roundtrip(over):
@@ -78,6 +80,12 @@ def test_config_errors_name_the_field():
     # The short spelling names the measured setting, which comes back spelled out.
     full = kvtier.Scheduler(small_config(eviction="freq-depth")).config()["eviction"]
     assert full.startswith("freq-depth:") and full.count(":") == 3
+    with pytest.raises(ValueError, match="host_admission"):
+        kvtier.Scheduler(small_config(host_admission="on-device-eviction"))
+    with pytest.raises(kvtier.ConfigError, match="host"):
+        kvtier.Scheduler(small_config(host_admission="on-device-eviction:4", host_enabled=False, host_pages=0))
+    with pytest.raises(kvtier.ConfigError, match="ahead_pages"):
+        kvtier.Scheduler(small_config(host_admission="on-device-eviction:0"))
     with pytest.raises(KeyError, match="bogus"):
         kvtier.Scheduler({"bogus": 1})
     with pytest.raises(KeyError):

@@ -116,7 +116,7 @@ impl RadixCache {
                 let should =
                     id != self.root && s.pages.is_some() && s.lock == 0 && s.resident_children == 0;
                 if should {
-                    let key = (self.policy.rank(n), n.seq, id);
+                    let key = (self.policy.rank(n, t), n.seq, id);
                     if s.evict_key != Some(key) {
                         return Err(format!("{t} evictable key of {id:?} stale or missing"));
                     }

@@ -130,6 +130,15 @@ pub(crate) struct TierBook {
 
 static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
 
+/// Whether giving a node pages counts as a use of it (for eviction order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Recency {
+    /// The pages were just computed or loaded for a request: the node is fresh.
+    Touch,
+    /// A copy of pages the node already has elsewhere: its rank stays as it was.
+    Keep,
+}
+
 /// The tiered radix prefix cache. See the module docs for its invariants.
 pub struct RadixCache {
     pub(crate) id: u64,
@@ -507,7 +516,7 @@ impl RadixCache {
                     &tokens[depth * self.page_size..end * self.page_size],
                     label,
                 );
-                self.give_pages(leaf, t, &raw[depth - from_page..]);
+                self.give_pages(leaf, t, &raw[depth - from_page..], Recency::Touch);
                 out.inserted += end - depth;
                 node = leaf;
                 break;
@@ -527,7 +536,7 @@ impl RadixCache {
                         .map(|(i, (&a, &b))| (depth + i, PageId::new(a), PageId::new(b))),
                 );
             } else {
-                self.give_pages(child, t, mine);
+                self.give_pages(child, t, mine, Recency::Touch);
                 out.inserted += n;
             }
             self.touch(child);
@@ -608,15 +617,18 @@ impl RadixCache {
     }
 
     /// Gives a node that lacks a copy on `t` the caller's (held, validated) pages.
-    fn give_pages(&mut self, id: NodeId, t: TierKind, pages: &[u32]) {
-        if t == TierKind::Device {
+    pub(crate) fn give_pages(&mut self, id: NodeId, t: TierKind, pages: &[u32], recency: Recency) {
+        if t == TierKind::Device && recency == Recency::Touch {
             self.traffic += pages.len() as u64;
         }
         self.pool_mut(t).mark_cached(pages);
         let owner = self.nodes[id].tenant;
         self.tenant_pages(owner, t, pages.len(), 0);
         let node = &mut self.nodes[id];
-        node.last_use = self.traffic;
+        match recency {
+            Recency::Touch => node.last_use = self.traffic,
+            Recency::Keep => node.slot_mut(t).copied_at = (self.tick, self.traffic),
+        }
         node.slot_mut(t).pages = Some(pages.iter().copied().collect());
         let parent = node.parent;
         if self.record_events {
@@ -664,6 +676,7 @@ impl RadixCache {
             lock: slot.lock,
             resident_children: slot.pages.is_some() as u32,
             evict_key: None,
+            copied_at: slot.copied_at,
         };
         let device = front_slot(&mut n.device);
         let host = front_slot(&mut n.host);
@@ -710,7 +723,7 @@ impl RadixCache {
         let Some(node) = self.nodes.get_mut(id) else {
             return;
         };
-        let key = (self.policy.rank(node), node.seq, id);
+        let key = (self.policy.rank(node, t), node.seq, id);
         let slot = node.slot_mut(t);
         let should =
             id != root && slot.pages.is_some() && slot.lock == 0 && slot.resident_children == 0;

@@ -96,6 +96,7 @@ impl RadixCache {
             self.books[t as usize].evictable.remove(&k);
         }
         let pages = slot.pages.take().unwrap_or_default();
+        slot.copied_at = (0, 0);
         let node = &self.nodes[id];
         let parent = node.parent;
         let removed = !node.has_any_copy();

@@ -17,6 +17,7 @@
 
 mod audit;
 mod cache;
+mod copies;
 mod error;
 mod events;
 mod evict;

@@ -38,6 +38,10 @@ pub(crate) struct TierSlot {
     pub resident_children: u32,
     /// Present iff the node is in the tier's evictable set under this key.
     pub evict_key: Option<EvictKey>,
+    /// `(tick, traffic)` when this tier got a copy of pages the node had elsewhere (a
+    /// demotion): the copy ranks on this tier as if used then, while the node keeps its rank
+    /// on the tier it came from. Zero (no effect) for pages computed or loaded for a request.
+    pub copied_at: (u64, u64),
 }
 
 #[derive(Debug, Clone)]

@@ -17,6 +17,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::node::Node;
+use crate::tier::TierKind;
 
 /// How each tier ranks its evictable leaves (lowest rank evicted first).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -86,10 +87,13 @@ impl EvictionPolicy {
         depth_debit_per_page: 60,
     };
 
-    /// The node's rank under this policy.
-    pub(crate) fn rank(&self, n: &Node) -> u64 {
+    /// The node's rank on tier `t` under this policy (a copy made for `t` after the node's
+    /// last use counts as a use on `t` only: see `TierSlot::copied_at`).
+    pub(crate) fn rank(&self, n: &Node, t: TierKind) -> u64 {
+        let (copied_tick, copied_traffic) = n.slot(t).copied_at;
+        let last_use = n.last_use.max(copied_traffic);
         match *self {
-            EvictionPolicy::Lru => n.last_access,
+            EvictionPolicy::Lru => n.last_access.max(copied_tick),
             EvictionPolicy::FrequencyDepth {
                 use_credit_pages,
                 max_credited_uses,
@@ -102,7 +106,7 @@ impl EvictionPolicy {
                 // their order instead of all saturating at zero.
                 let offset = (u128::from(u32::MAX) * 2).saturating_mul(depth_debit_per_page.into());
                 let ranked =
-                    (u128::from(n.last_use) + u128::from(credit) + offset).saturating_sub(debit);
+                    (u128::from(last_use) + u128::from(credit) + offset).saturating_sub(debit);
                 u64::try_from(ranked).unwrap_or(u64::MAX)
             }
         }

@@ -1,33 +1,17 @@
 //! Unit tests of the cache's individual behaviours and of every misuse error.
 
+mod common;
+use common::*;
 use kvtier_radix::*;
 
 const PS: usize = 4;
 
 fn cache(dev: u32, host: u32) -> RadixCache {
-    RadixCache::new(RadixConfig {
-        page_size: PS,
-        device_pages: dev,
-        host_pages: host,
-        record_events: true,
-    })
-    .unwrap()
+    cache_with(PS, dev, host, true)
 }
 
 fn prompt(seed: u32, pages: usize) -> (Vec<u32>, Vec<PageHash>) {
-    let toks: Vec<u32> = (0..(pages * PS) as u32).map(|i| seed * 1000 + i).collect();
-    let hs = page_hashes(&toks, PS, None);
-    (toks, hs)
-}
-
-/// Inserts the whole prompt on device from the root.
-fn put_device(c: &mut RadixCache, toks: &[u32], hs: &[PageHash]) -> NodeId {
-    let m = c.match_prefix(hs);
-    let pages = c.alloc::<Device>(hs.len() - m.device_pages).unwrap();
-    let out = c
-        .insert::<Device>(m.device_node, m.device_pages, hs, toks, &pages)
-        .unwrap();
-    out.end_node
+    prompt_with(PS, seed, pages)
 }
 
 #[test]

@@ -1,25 +1,19 @@
 //! Per-tenant caps: one tenant's burst cannot flush another tenant's prefixes, and the tenant
 //! books stay exact under random operations (`check_invariants` audits them).
 
+mod common;
+use common::*;
 use kvtier_radix::*;
 use proptest::prelude::*;
 
 const PS: usize = 2;
 
 fn cache(dev: u32) -> RadixCache {
-    RadixCache::new(RadixConfig {
-        page_size: PS,
-        device_pages: dev,
-        host_pages: 8,
-        record_events: false,
-    })
-    .unwrap()
+    cache_with(PS, dev, 8, false)
 }
 
 fn prompt(seed: u32, pages: usize) -> (Vec<u32>, Vec<PageHash>) {
-    let toks: Vec<u32> = (0..(pages * PS) as u32).map(|i| seed * 1000 + i).collect();
-    let hs = page_hashes(&toks, PS, None);
-    (toks, hs)
+    prompt_with(PS, seed, pages)
 }
 
 /// Inserts the prompt on device for `tenant` as the scheduler would: match, pin the start,

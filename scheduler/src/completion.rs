@@ -51,6 +51,15 @@ impl Scheduler {
                 _,
             ) => self.finish_write_back(req, host_lock, from, dst, cause, success),
             (
+                OpCtx::Demotion {
+                    dev_lock,
+                    host_lock,
+                    from,
+                    dst,
+                },
+                _,
+            ) => self.demotion_done(dev_lock, host_lock, from, dst, success),
+            (
                 OpCtx::BackUp {
                     lock,
                     nodes,

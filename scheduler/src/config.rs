@@ -44,6 +44,51 @@ pub enum RetractionPolicy {
     MostPages,
 }
 
+/// When pages computed on device get a host copy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HostAdmission {
+    /// When the request that computed them finishes (the default). The tiers are inclusive:
+    /// device's cached pages are on host too, so device + host hold what host alone holds.
+    #[default]
+    OnFinish,
+    /// When device is about to evict them (demotion): every plan writes the coldest
+    /// device-only leaves back to host until at least `ahead_pages` of device's free and
+    /// evictable pages have a host copy, so eviction drops a copy instead of the page. Device
+    /// and host then hold mostly different pages (a page loaded back keeps its host copy);
+    /// under pressure faster than the write-backs, device drops uncopied leaves as before.
+    OnDeviceEviction { ahead_pages: u32 },
+}
+
+/// `"on-finish"` or `"on-device-eviction:AHEAD_PAGES"`: the spelling of the CLI and Python.
+impl std::str::FromStr for HostAdmission {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<HostAdmission, String> {
+        match s.split_once(':') {
+            None if s == "on-finish" => Ok(HostAdmission::OnFinish),
+            Some(("on-device-eviction", n)) => Ok(HostAdmission::OnDeviceEviction {
+                ahead_pages: n
+                    .parse()
+                    .map_err(|_| format!("bad page count `{n}` in host admission `{s}`"))?,
+            }),
+            _ => Err(format!(
+                "unknown host admission `{s}` (on-finish | on-device-eviction:AHEAD_PAGES)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for HostAdmission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HostAdmission::OnFinish => f.write_str("on-finish"),
+            HostAdmission::OnDeviceEviction { ahead_pages } => {
+                write!(f, "on-device-eviction:{ahead_pages}")
+            }
+        }
+    }
+}
+
 /// How tensor-parallel ranks share L3.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum L3Sharing {
@@ -101,6 +146,9 @@ pub struct SchedulerConfig {
     /// tenant's burst cannot flush another's prefixes (default: no caps).
     #[serde(default)]
     pub tenant_quota: TenantQuota,
+    /// When device pages get a host copy: at finish (inclusive tiers) or on demotion.
+    #[serde(default)]
+    pub host_admission: HostAdmission,
 }
 
 /// Per-tenant caps on cached pages (a tenant is a request's `cache_salt`; unsalted requests
@@ -140,6 +188,7 @@ impl Default for SchedulerConfig {
             record_kv_events: false,
             eviction: EvictionPolicy::Lru,
             tenant_quota: TenantQuota::default(),
+            host_admission: HostAdmission::OnFinish,
         }
     }
 }
@@ -162,6 +211,15 @@ pub enum ConfigError {
     ZeroHitThreshold,
     #[error("max_context_tokens ({0}) exceeds the device capacity in tokens")]
     ContextExceedsDevice(usize),
+    #[error("host_admission OnDeviceEviction writes device pages to host and needs the host tier")]
+    DemotionWithoutHost,
+    #[error("host_admission OnDeviceEviction needs 1 ≤ ahead_pages ≤ device_pages, got {0}")]
+    DemotionAhead(u32),
+    /// Write-back promises that every page leaves the instance through host (and host backs
+    /// it up to L3 before dropping it); with demotion, device drops the leaves it could not
+    /// demote in time, which would then never reach L3.
+    #[error("host_admission OnDeviceEviction cannot be combined with write_policy WriteBack")]
+    DemotionWithWriteBack,
     #[error("page_size {0} too large (max 65536)")]
     PageTooLarge(usize),
 }
@@ -188,6 +246,17 @@ impl SchedulerConfig {
                 budget: self.token_budget,
                 page_size: self.page_size,
             });
+        }
+        if let HostAdmission::OnDeviceEviction { ahead_pages } = self.host_admission {
+            if !self.host_enabled {
+                return Err(ConfigError::DemotionWithoutHost);
+            }
+            if ahead_pages == 0 || ahead_pages > self.device_pages {
+                return Err(ConfigError::DemotionAhead(ahead_pages));
+            }
+            if self.write_policy == WritePolicy::WriteBack {
+                return Err(ConfigError::DemotionWithWriteBack);
+            }
         }
         if !self.host_enabled {
             if self.write_policy == WritePolicy::WriteBack {

@@ -22,6 +22,7 @@ mod admission;
 mod agreement;
 mod completion;
 mod config;
+mod demotion;
 mod error;
 mod idhash;
 mod lifecycle;
@@ -36,8 +37,8 @@ mod types;
 
 pub use agreement::{AgreementError, RankAgreement};
 pub use config::{
-    ConfigError, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig, TenantQuota,
-    WritePolicy,
+    ConfigError, HostAdmission, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig,
+    TenantQuota, WritePolicy,
 };
 pub use error::SchedulerError;
 pub use kvtier_fsm::{OpKind, RequestState};

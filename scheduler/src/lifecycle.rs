@@ -10,7 +10,7 @@
 use kvtier_fsm::{OpKind, RequestEvent, RequestState};
 use kvtier_radix::{Device, Host, HostPageId, LockHandle, NodeId, PageHash};
 
-use crate::config::{RetractionPolicy, WritePolicy};
+use crate::config::{HostAdmission, RetractionPolicy, WritePolicy};
 use crate::ops::{AnyLock, BackupSource, BackupUrgency, OpCtx, RetractedKv, WriteBackCause};
 use crate::release;
 use crate::scheduler::Scheduler;
@@ -78,7 +78,9 @@ impl Scheduler {
         self.publish_device(id, full);
         self.drop_own_pages(id);
         self.running.remove(&seq);
-        let n = if self.cfg.host_enabled {
+        self.demotions_paused = false;
+        let copy_at_finish = self.cfg.host_admission == HostAdmission::OnFinish;
+        let n = if self.cfg.host_enabled && copy_at_finish {
             self.plan_write_back(id, WriteBackCause::Finish)
         } else {
             0
@@ -99,11 +101,12 @@ impl Scheduler {
                 .and_then(|r| r.table.lock.as_ref())
                 .map(|l| l.node())
             {
-                if self.cfg.host_enabled {
-                    if self.cache.is_resident(end, kvtier_radix::TierKind::Host) == Ok(true) {
-                        self.plan_backup(end, BackupSource::Host, None, BackupUrgency::PerPolicy);
-                    }
-                } else {
+                let on_host = self.cache.is_resident(end, kvtier_radix::TierKind::Host) == Ok(true);
+                if self.cfg.host_enabled && on_host {
+                    self.plan_backup(end, BackupSource::Host, None, BackupUrgency::PerPolicy);
+                } else if !self.cfg.host_enabled || !copy_at_finish {
+                    // No host tier, or host gets its copy only on demotion: L3 gets its copy
+                    // from device now (write-through does not wait for device pressure).
                     self.plan_backup(end, BackupSource::Device, None, BackupUrgency::PerPolicy);
                 }
             }

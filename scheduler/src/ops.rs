@@ -104,6 +104,16 @@ pub(crate) enum OpCtx {
         /// Written back because the request finished, or because it is being retracted.
         cause: WriteBackCause,
     },
+    /// A device leaf written back to host before device evicts it (see `demotion.rs`).
+    Demotion {
+        /// Pins the source path on device.
+        dev_lock: LockHandle<Device>,
+        /// Pins the host node the written pages will hang below.
+        host_lock: LockHandle<Host>,
+        /// Depth of the first written page.
+        from: usize,
+        dst: Vec<HostPageId>,
+    },
     BackUp {
         /// Pins the source pages (host, or device without a host tier) until `BackUpDone`.
         lock: AnyLock,

@@ -67,6 +67,12 @@ pub struct Scheduler {
     pub(crate) retracted_out: Vec<RequestId>,
     /// Pages whose backup to L3 is in flight.
     pub(crate) backing_up: IdSet<PageHash>,
+    /// Pages being demoted device → host (`demotion.rs`).
+    pub(crate) demoting_pages: usize,
+    /// Set when a demotion's copy failed: no new demotions until a request finishes (so a
+    /// failing host path costs one failed copy per finished request, as copies at finish do,
+    /// not one per plan).
+    pub(crate) demotions_paused: bool,
     /// Pages of in-flight backups that L3 reported lost before the backup's completion.
     pub(crate) lost_in_backup: IdSet<PageHash>,
     pub(crate) stats: Stats,
@@ -110,6 +116,8 @@ impl Scheduler {
             ended: Vec::new(),
             retracted_out: Vec::new(),
             backing_up: IdSet::default(),
+            demoting_pages: 0,
+            demotions_paused: false,
             lost_in_backup: IdSet::default(),
             stats: Stats::new(),
             reserved_pages: 0,
@@ -391,6 +399,10 @@ impl Scheduler {
         for o in self.ops.values() {
             match &o.ctx {
                 OpCtx::LoadBack { .. } | OpCtx::WriteBack { .. } => host_locks += 1,
+                OpCtx::Demotion { .. } => {
+                    host_locks += 1;
+                    dev_locks += 1;
+                }
                 OpCtx::Prefetch { dst, .. } => match dst {
                     crate::ops::PrefetchDst::Host(..) => host_locks += 1,
                     crate::ops::PrefetchDst::Device(..) => dev_locks += 1,
@@ -457,6 +469,7 @@ impl Scheduler {
             }
             plan.forward = batch;
         }
+        self.plan_demotions();
 
         plan.ops.reserve(self.outbox.len());
         for mut op in self.outbox.drain(..) {

@@ -45,6 +45,8 @@ pub struct Stats {
     pub computed_tokens: u64,
     /// Tree nodes whose "in L3" flag was cleared by reported L3 losses.
     pub l3_lost_nodes: u64,
+    /// Device leaves written back to host before eviction (`HostAdmission::OnDeviceEviction`).
+    pub demotions: u64,
     /// Locks or pages the scheduler failed to give back (a scheduler bug; `check` wants 0).
     pub internal_errors: u64,
     /// Time to first token (engine clock, ms), summed over requests that produced one.

@@ -32,10 +32,20 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             0u8..3,
             any::<bool>(),
         ),
+        (any::<bool>(), prop::option::of(1u32..12)),
     )
         .prop_map(
-            |(ps, dev, host, l3, batch, (chunk, mixed, stop, write, retract, keep))| {
+            |(
+                ps,
+                dev,
+                host,
+                l3,
+                batch,
+                (chunk, mixed, stop, write, retract, keep),
+                (freq, demote),
+            )| {
                 let host_enabled = host > 0;
+                let write_back = write >= 2 && host_enabled;
                 SchedulerConfig {
                     page_size: ps,
                     device_pages: dev,
@@ -68,6 +78,21 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                         RetractionPolicy::MostPages,
                     ][retract as usize],
                     max_context_tokens: (dev as usize * ps).min(64),
+                    eviction: if freq {
+                        "freq-depth"
+                            .parse()
+                            .expect("the conversation setting parses")
+                    } else {
+                        Default::default()
+                    },
+                    host_admission: match demote {
+                        Some(ahead_pages) if host_enabled && !write_back => {
+                            HostAdmission::OnDeviceEviction {
+                                ahead_pages: ahead_pages.min(dev),
+                            }
+                        }
+                        _ => HostAdmission::OnFinish,
+                    },
                     ..SchedulerConfig::default()
                 }
             },

@@ -5,7 +5,7 @@
 //! Belady ceiling.
 
 use kvtier_radix::EvictionPolicy;
-use kvtier_scheduler::{PrefetchStopPolicy, RetractionPolicy, WritePolicy};
+use kvtier_scheduler::{HostAdmission, PrefetchStopPolicy, RetractionPolicy, WritePolicy};
 use kvtier_sim::workload::{ChatSpec, Routing, synthetic_chat};
 use kvtier_sim::{Faults, SimConfig, simulate};
 use proptest::prelude::*;
@@ -17,6 +17,7 @@ fn sim_config() -> impl Strategy<Value = SimConfig> {
         1usize..4,
         (0u8..3, 0u8..3, 0u8..3, any::<bool>(), any::<bool>(), 0u8..3),
         (0u64..4, 0u64..4, 0u64..6),
+        prop::option::of(1u32..48),
     )
         .prop_map(
             |(
@@ -25,9 +26,11 @@ fn sim_config() -> impl Strategy<Value = SimConfig> {
                 instances,
                 (stop, write, retract, mixed, keep, evict),
                 (fp, fb, lose),
+                demote,
             )| {
                 let mut c = SimConfig::default();
                 let host_enabled = host >= 8;
+                let write_back = write >= 2 && host_enabled;
                 let s = &mut c.scheduler;
                 s.page_size = ps;
                 s.device_pages = dev;
@@ -48,6 +51,14 @@ fn sim_config() -> impl Strategy<Value = SimConfig> {
                         depth_debit_per_page: 2,
                     },
                 ][evict as usize];
+                s.host_admission = match demote {
+                    Some(ahead_pages) if host_enabled && !write_back => {
+                        HostAdmission::OnDeviceEviction {
+                            ahead_pages: ahead_pages.min(dev),
+                        }
+                    }
+                    _ => HostAdmission::OnFinish,
+                };
                 s.prefetch_threshold = 1;
                 s.max_context_tokens = (dev as usize * ps).min(4096);
                 s.prefetch_stop = [

@@ -105,7 +105,9 @@ class SchedulerConfig:
     (it selects the L3 key namespace). ``tenant_quota_device_pages`` / ``tenant_quota_host_pages``
     cap the pages each tenant (each distinct ``cache_salt``) keeps cached per tier (None: no
     cap). ``eviction`` is ``"lru"`` (default), ``"freq-depth"`` or
-    ``"freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE"`` (see docs/sim.md). ``validate()`` raises ``ConfigError`` naming the field.
+    ``"freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE"`` (see docs/sim.md). ``host_admission`` is ``"on-finish"`` (default: pages computed on
+    device get a host copy when their request finishes) or ``"on-device-eviction:AHEAD_PAGES"``
+    (demotion: device pages are written to host just before device evicts them). ``validate()`` raises ``ConfigError`` naming the field.
     """
 
     page_size: int = _default("page_size")
@@ -134,6 +136,7 @@ class SchedulerConfig:
     tenant_quota_device_pages: Optional[int] = _default("tenant_quota_device_pages")
     tenant_quota_host_pages: Optional[int] = _default("tenant_quota_host_pages")
     eviction: str = _default("eviction")
+    host_admission: str = _default("host_admission")
 
     def validate(self) -> None:
         """Raises ``ConfigError`` (or ``TypeError``) if the configuration is invalid."""

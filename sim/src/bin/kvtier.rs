@@ -14,7 +14,7 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use kvtier_radix::EvictionPolicy;
-use kvtier_scheduler::{PrefetchStopPolicy, WritePolicy};
+use kvtier_scheduler::{HostAdmission, PrefetchStopPolicy, SchedulerConfig, WritePolicy};
 use kvtier_sim::plot::{ComparedRate, SweepPoint, SweepTitle, write_sweep_plot};
 use kvtier_sim::profile::{BUILTIN_PROFILES, builtin};
 use kvtier_sim::report::Summary;
@@ -108,6 +108,10 @@ struct SimArgs {
     /// freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE
     #[arg(long)]
     eviction: Option<String>,
+    /// When device pages get a host copy: on-finish (default, inclusive tiers) |
+    /// on-device-eviction:AHEAD_PAGES (demotion: mostly exclusive tiers)
+    #[arg(long)]
+    host_admission: Option<String>,
     /// Do not also run the other online policies (LRU, freq-depth) at the same capacity.
     #[arg(long)]
     no_compare: bool,
@@ -231,6 +235,9 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
     if let Some(e) = &a.eviction {
         s.eviction = parse_eviction(e)?;
     }
+    if let Some(h) = &a.host_admission {
+        s.host_admission = h.parse()?;
+    }
     if let Some(p) = &a.prefetch_stop {
         let parts: Vec<&str> = p.split(':').collect();
         s.prefetch_stop = match parts.as_slice() {
@@ -304,8 +311,12 @@ fn parse_eviction(e: &str) -> Result<EvictionPolicy, String> {
     e.parse()
 }
 
-fn policy_name(p: EvictionPolicy) -> String {
-    p.to_string()
+/// The policies that ran: eviction, and host admission where it is not the default.
+fn policy_name(s: &SchedulerConfig) -> String {
+    match s.host_admission {
+        HostAdmission::OnFinish => s.eviction.to_string(),
+        h => format!("{} + {h}", s.eviction),
+    }
 }
 
 /// The same run under the simulator's other online policies (LRU and the conversation
@@ -322,7 +333,7 @@ fn compare(a: &SimArgs, cfg: &SimConfig, w: &Workload) -> Result<Vec<Summary>, S
         let mut c = cfg.clone();
         c.scheduler.eviction = p;
         let mut r = run_one(&c, w, |_| {})?;
-        r.policy = policy_name(p);
+        r.policy = policy_name(&c.scheduler);
         out.push(r.summary());
     }
     Ok(out)
@@ -365,7 +376,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             "dry run: {} ({} requests), eviction {}, {}",
             reqs.name(),
             reqs.len(),
-            policy_name(cfg.scheduler.eviction),
+            policy_name(&cfg.scheduler),
             if a.sweep { "capacity sweep" } else { "one run" }
         );
         return Ok(());
@@ -388,7 +399,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         let pb = bar(reqs.len() as u64);
         let mut report = run_one(&cfg, &reqs, |n| pb.set_position(n))?;
         pb.finish_and_clear();
-        report.policy = policy_name(cfg.scheduler.eviction);
+        report.policy = policy_name(&cfg.scheduler);
         report.compared = compare(&a, &cfg, &reqs)?;
         if a.json {
             println!(
@@ -486,7 +497,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         },
         l3_pages: s.l3_enabled.then_some(cfg.l3_pages + cfg.l3_ssd_pages),
         model: cfg.profile.name.clone(),
-        policy: policy_name(s.eviction),
+        policy: policy_name(s),
     };
     write_sweep_plot(&a.sweep_out, "sweep", &title, &pts)?;
     if a.json {
