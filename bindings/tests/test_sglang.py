@@ -405,3 +405,33 @@ def test_side_by_side_with_sglangs_mooncake_backend(layout, mla):
     assert out["mooncake"] == out["kvtier"]
     assert out["kvtier"][:5] == [[True] * 4, [True] * 2, 2, 2, 0]
     assert out["kvtier"][5] == [True, True, False, True, True, False]
+
+
+def test_the_documented_launch_flags_parse_and_build_the_backend():
+    # docs/sglang.md's launch command, as a user pastes it: SGLang's own argument parser takes
+    # it, and its extra config builds this backend through SGLang's dynamic factory.
+    import argparse
+    import json
+    import pathlib
+    import re
+    import shlex
+
+    from sglang.srt.server_args import ServerArgs
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    blocks = [b for b in re.findall(r"^```sh\n(.*?)^```", doc, re.S | re.M) if "sglang.launch_server" in b]
+    assert len(blocks) == 1
+    words = shlex.split(blocks[0].replace("\\\n", " "), comments=True)
+    args = words[words.index("sglang.launch_server") + 1 :]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(args)
+    assert ns.enable_hierarchical_cache and ns.hicache_storage_backend == "dynamic"
+    extra = json.loads(ns.hicache_storage_backend_extra_config)
+    assert extra["interface_v1"] == 1
+    extra["segment_bytes"] = "16MB"  # the documented size is for a real deployment
+    pool = mha_pool("page_first")
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
+    assert isinstance(b, KvtierHiCacheStorage)
+    b.register_mem_pool_host(pool)
+    assert b.interface is ks.Interface.ZERO_COPY
