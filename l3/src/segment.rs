@@ -167,6 +167,15 @@ impl Segments {
         out
     }
 
+    /// Allocates `size` bytes in segment `sid` if it has room.
+    pub fn allocate_on(&mut self, sid: SegmentId, size: u64) -> Option<u64> {
+        let s = self.segs.get(&sid)?;
+        if s.capacity.saturating_sub(s.used) < size {
+            return None;
+        }
+        self.allocate_in(sid, size)
+    }
+
     fn allocate_in(&mut self, sid: SegmentId, size: u64) -> Option<u64> {
         let seg = self.segs.get_mut(&sid)?;
         seg.used += size;

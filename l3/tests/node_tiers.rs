@@ -122,10 +122,17 @@ fn promote_one(c: &RemoteStore, tn: &Tenant, objs: &[Vec<u8>]) {
     // The promoted copy comes first in the replica list (reads go there) and the SSD copy
     // stays registered.
     let q = c.get_replica_list(tn, &key).unwrap();
-    assert!(matches!(q.replicas[0], ReplicaDescriptor::Memory { .. }), "{q:?}");
+    assert!(
+        matches!(q.replicas[0], ReplicaDescriptor::Memory { .. }),
+        "{q:?}"
+    );
     assert!(where_is(c, tn, &key).1);
     let after = c.stats().unwrap();
-    assert_eq!(after.mem_objects, before.mem_objects + 1, "{before:?} {after:?}");
+    assert_eq!(
+        after.mem_objects,
+        before.mem_objects + 1,
+        "{before:?} {after:?}"
+    );
     assert_eq!(c.get(tn, &key).unwrap(), objs[target]);
 }
 
@@ -179,7 +186,10 @@ fn on_evict_node_writes_evicted_objects_to_ssd_and_promotes_them() {
     );
     let s = c.stats().unwrap();
     assert_eq!(s.objects, OBJECTS as u64);
-    assert!(s.disk_objects > 0 && s.mem_objects < OBJECTS as u64, "{s:?}");
+    assert!(
+        s.disk_objects > 0 && s.mem_objects < OBJECTS as u64,
+        "{s:?}"
+    );
     assert_eq!(s.disk_objects + s.mem_objects, OBJECTS as u64, "{s:?}");
     assert!(bucket_files(dir.path()) > 0);
     all_read_back(&c, &a, &objs);
