@@ -13,7 +13,7 @@ use std::time::Duration;
 mod common;
 
 use common::procs::{Proc, args, eventually, master, spawn};
-use common::{client, payload, t};
+use common::{client, payload, persisted, t};
 use kvtier_l3::{ExistOptions, L3Store, PutOptions, RemoteStore, ReplicaDescriptor, Tenant};
 
 const MIB: usize = 1 << 20;
@@ -58,10 +58,10 @@ fn keys() -> Vec<String> {
     (0..OBJECTS).map(|i| format!("obj-{i}")).collect()
 }
 
-fn fill(c: &RemoteStore, tn: &Tenant) -> Vec<Vec<u8>> {
+fn fill(c: &RemoteStore, tn: &Tenant, opts: PutOptions) -> Vec<Vec<u8>> {
     let objs: Vec<Vec<u8>> = (0..OBJECTS).map(|i| payload(i, MIB)).collect();
     for (k, o) in keys().iter().zip(&objs) {
-        c.put(tn, k, o, PutOptions::default()).unwrap();
+        c.put(tn, k, o, opts).unwrap();
     }
     objs
 }
@@ -143,8 +143,9 @@ fn write_through_node_reads_evicted_objects_from_ssd_and_promotes_them() {
     let _n = node_with(&m, dir.path(), "write-through");
     let c = client(m.addr, None);
     let a = t("a");
-    let objs = fill(&c, &a);
-    c.flush().unwrap();
+    // Each put waits for its SSD copy: an object evicted while its write-through copy is
+    // still queued is dropped, here as in the single process.
+    let objs = fill(&c, &a, persisted());
     let s = c.stats().unwrap();
     assert_eq!(s.objects, OBJECTS as u64);
     assert!(s.mem_objects < OBJECTS as u64, "nothing was evicted: {s:?}");
@@ -169,7 +170,7 @@ fn on_evict_node_writes_evicted_objects_to_ssd_and_promotes_them() {
     assert_eq!(bucket_files(dir.path()), 0);
     c.remove(&a, "small", true).unwrap();
 
-    let objs = fill(&c, &a);
+    let objs = fill(&c, &a, PutOptions::default());
     let ks = keys();
     // Every object is readable at every moment: in DRAM, staged on the node, or on SSD.
     all_read_back(&c, &a, &objs);

@@ -126,6 +126,11 @@ impl Master {
         }
     }
 
+    /// A recycled buffer for a put's bytes ([`crate::buffers`]).
+    pub fn take_buffer(&mut self, size: u64) -> Option<Arc<[u8]>> {
+        self.segments.take_buffer(size)
+    }
+
     /// Bytes of a memory allocation named by a query result.
     pub fn alloc_data(&self, alloc: u64) -> Option<Arc<[u8]>> {
         self.segments.data(alloc)
