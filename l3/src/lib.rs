@@ -12,6 +12,7 @@
 #![deny(clippy::significant_drop_in_scrutinee)]
 
 pub mod api;
+pub mod buffers;
 pub mod cli;
 pub mod clock;
 pub mod cluster;

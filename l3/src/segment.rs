@@ -9,10 +9,13 @@
 //!
 //! Invariant: `used` of a segment is the sum of `size` of its allocations (written or not).
 //! Bytes are `Arc<[u8]>` so a reader copies them out *after* the metadata lock is released.
+//! Freed buffers nobody else holds are recycled for later puts of the same size
+//! ([`crate::buffers`]); recycled plus allocated bytes never exceed the total capacity.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use crate::buffers::Recycler;
 use crate::error::{L3Error, L3Result};
 use crate::types::{ClientId, SegmentId};
 
@@ -47,6 +50,7 @@ pub struct Segments {
     segs: BTreeMap<SegmentId, SegmentInfo>,
     allocs: HashMap<u64, Alloc>,
     next_alloc: u64,
+    recycler: Recycler,
 }
 
 impl Segments {
@@ -167,9 +171,23 @@ impl Segments {
         out
     }
 
+    /// Allocates `size` bytes in segment `sid` if it has room.
+    pub fn allocate_on(&mut self, sid: SegmentId, size: u64) -> Option<u64> {
+        let s = self.segs.get(&sid)?;
+        if s.capacity.saturating_sub(s.used) < size {
+            return None;
+        }
+        self.allocate_in(sid, size)
+    }
+
     fn allocate_in(&mut self, sid: SegmentId, size: u64) -> Option<u64> {
         let seg = self.segs.get_mut(&sid)?;
         seg.used += size;
+        let free = self.capacity().saturating_sub(self.used());
+        if self.recycler.bytes() > free {
+            // Kept buffers must fit in what is not allocated.
+            drop(self.recycler.trim(free));
+        }
         self.next_alloc += 1;
         let id = self.next_alloc;
         self.allocs.insert(
@@ -192,7 +210,16 @@ impl Segments {
             if let Some(f) = &mut s.freed {
                 f.push(alloc);
             }
+            if let Some(d) = a.data {
+                let free = self.capacity().saturating_sub(self.used());
+                drop(self.recycler.keep(d, free));
+            }
         }
+    }
+
+    /// A recycled buffer of `size` bytes for a put's bytes (see [`crate::buffers`]).
+    pub fn take_buffer(&mut self, size: u64) -> Option<Arc<[u8]>> {
+        self.recycler.take(usize::try_from(size).ok()?)
     }
 
     /// Allocations of a remote segment freed since the last call (its node drops them).

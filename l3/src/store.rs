@@ -462,6 +462,13 @@ impl Inner {
         }
     }
 
+    /// A put's bytes in a buffer of their own: a recycled one when the segment has one of
+    /// this size (taken under the lock, filled after it), else a fresh one. One copy.
+    fn object_bytes(&self, data: &[u8]) -> Arc<[u8]> {
+        let recycled = self.master.lock().take_buffer(data.len() as u64);
+        crate::buffers::fill(recycled, data)
+    }
+
     fn put_start(&self, t: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
         self.cfg.check_put(key, size)?;
         let now = self.clock.now_ms();
@@ -802,7 +809,7 @@ impl L3Store for EmbeddedStore {
                 "data length differs from put size".into(),
             ));
         }
-        let bytes: Arc<[u8]> = Arc::from(data);
+        let bytes = self.inner.object_bytes(data);
         self.inner.master.lock().put_write(handle, bytes)
     }
 
@@ -937,7 +944,7 @@ impl L3Store for EmbeddedStore {
     fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()> {
         let t0 = Instant::now();
         let h = self.inner.put_start(tenant, key, data.len() as u64)?;
-        let bytes: Arc<[u8]> = Arc::from(data);
+        let bytes = self.inner.object_bytes(data);
         // Bind the result first: the guard of the first lock must be gone before the revoke
         // locks again (parking_lot's mutex is not reentrant; holding it here deadlocked the
         // store when a forced remove raced this put).

@@ -109,7 +109,8 @@ impl ClusterMaster {
     ) -> L3Result<PutHandle> {
         self.cfg.check_put(key, size)?;
         let now = self.clock.now_ms();
-        // No offload-on-evict here (nodes are write-through): the outcome has nothing to stage.
+        // The master holds no bytes: evictions on offloading nodes are staged there (told
+        // with `NodeSync::offload`), so the outcome has nothing to stage here.
         let mut out = EvictionOutcome::default();
         self.master
             .lock()
@@ -223,6 +224,44 @@ impl ClusterMaster {
                 Ok(ClusterReply::Checked(res))
             }
             ClusterRequest::Nodes => Ok(ClusterReply::Nodes(self.master.lock().live_nodes())),
+            ClusterRequest::MountNode {
+                node,
+                segment,
+                capacity,
+                data_addr,
+                offload_on_evict,
+            } => {
+                let mut m = self.master.lock();
+                m.mount_node(node, segment, capacity, data_addr, now)?;
+                m.set_node_offload(node, offload_on_evict);
+                drop(m);
+                tracing::info!(
+                    node = node.0,
+                    %data_addr,
+                    capacity,
+                    offload_on_evict,
+                    "store node mounted"
+                );
+                Ok(ClusterReply::Accepted(Vec::new()))
+            }
+            ClusterRequest::Promote { node, items } => {
+                self.cfg.check_batch(items.len())?;
+                let mut m = self.master.lock();
+                Ok(ClusterReply::Promoted(
+                    items
+                        .iter()
+                        .map(|(t, k, loc)| m.promote_on_node(node, t, k, *loc, now))
+                        .collect(),
+                ))
+            }
+            ClusterRequest::Unstage { node: _, items } => {
+                self.cfg.check_batch(items.len())?;
+                let mut m = self.master.lock();
+                for (t, k, token) in &items {
+                    m.unstage(t, k, *token);
+                }
+                Ok(ClusterReply::Done)
+            }
         }
     }
 }
@@ -294,13 +333,21 @@ impl L3Store for ClusterMaster {
         &self,
         tenant: &Tenant,
         keys: &[String],
-        _opts: ExistOptions,
+        opts: ExistOptions,
     ) -> BatchResult<bool> {
-        // Promotion (prefetch_to_memory) needs the node holding the SSD copy to read it; the
-        // split deployment does not promote yet, so the option is accepted and ignored.
+        // Promotion (prefetch_to_memory) needs the node holding the SSD copy to read it: the
+        // keys are queued for that node, which hears of them on its next ping (or put end),
+        // reads its SSD and asks for a replica in its own segment (`Promote`).
         self.cfg.check_batch(keys.len())?;
         let t0 = Instant::now();
-        let out = self.master.lock().exists_many(tenant, keys, None);
+        let out = {
+            let mut m = self.master.lock();
+            let out = m.exists_many(tenant, keys, None);
+            if opts.prefetch_to_memory {
+                m.queue_promotions(tenant, keys);
+            }
+            out
+        };
         self.metrics.observe(Op::Exist, t0.elapsed());
         Ok(out)
     }

@@ -7,9 +7,17 @@
 //! it rides on a reply the node asked for ([`NodeSync`] on pings and put ends), so the master
 //! never connects to nodes and a dead node costs it nothing but a TTL.
 //!
-//! Lifecycle: open the SSD tier (rescanning buckets) → bind the data channel → `Mount` with
-//! the master (an empty segment) → `Rescanned` with every live SSD record (the master refuses
-//! records of objects removed meanwhile; those are tombstoned) → ping every `ping_interval`.
+//! Lifecycle: open the SSD tier (rescanning buckets) → bind the data channel → `MountNode`
+//! with the master (an empty segment, the offload mode) → `Rescanned` with every live SSD
+//! record (the master refuses records of objects removed meanwhile; those are tombstoned) →
+//! ping every `ping_interval`.
+//!
+//! Tiers, as in the single process: in write-through mode every ended put is queued for the
+//! SSD, so a DRAM eviction only drops bytes; in offload-on-evict mode the master leaves the
+//! bytes of an evicted replica staged here ([`NodeSync::offload`]): they stay readable under
+//! their allocation until their SSD copy is registered, then go. A prefetching probe at the
+//! master queues SSD-only keys for their node ([`NodeSync::promote`]); the node's promoter
+//! thread reads them (verified) and asks for a replica in its own segment (`Promote`).
 //! A ping answered `need_remount` (declared dead while partitioned, or a restarted master)
 //! drops all memory bytes and mounts again. SIGTERM: stop serving, flush the SSD queue (each
 //! record is registered once durable), `Leave`, exit.
@@ -27,7 +35,9 @@
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{SyncSender, sync_channel};
 use std::sync::{Arc, OnceLock, Weak};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -50,6 +60,8 @@ use crate::types::{
 
 /// SSD records registered per `Rescanned` call.
 const RESCAN_CHUNK: usize = 4096;
+/// Promotion batches waiting for the promoter thread (more are skipped).
+const PROMOTE_QUEUE: usize = 64;
 
 /// How to run a store node.
 #[derive(Debug, Clone)]
@@ -65,7 +77,7 @@ pub struct NodeOptions {
     pub token: Option<String>,
     /// DRAM segment size.
     pub segment_bytes: u64,
-    /// SSD tier (write-through only).
+    /// SSD tier (write-through or offload-on-evict).
     pub ssd: Option<SsdConfig>,
     /// Largest frame on the data channel.
     pub max_frame_bytes: usize,
@@ -104,22 +116,57 @@ struct Held {
     token: u64,
     data: Arc<[u8]>,
     ended: bool,
+    /// Evicted at the master, kept for its SSD write (offload-on-evict).
+    staged: Staging,
     since: Instant,
+}
+
+/// Where an evicted-but-staged allocation stands.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Staging {
+    /// A live replica (not evicted).
+    No,
+    /// Waiting for its SSD write; a master free does not drop it.
+    Writing,
+    /// Written (or failed): dropped at the first tick after `since` plus a ping period,
+    /// so a reader holding its descriptor a moment longer still finds it.
+    Retired,
 }
 
 #[derive(Default)]
 struct Mem {
     allocs: HashMap<u64, Held>,
+    /// Bytes of live replicas (staged bytes are bounded by the SSD queue and the grace
+    /// period instead: they must not make puts fail while they drain).
     used: u64,
+    /// (tenant, key, token) → allocation of staged bytes.
+    staged: HashMap<(Tenant, String, u64), u64>,
 }
 
 impl Mem {
     fn drop_alloc(&mut self, alloc: u64) {
         if let Some(h) = self.allocs.remove(&alloc) {
-            self.used = self.used.saturating_sub(h.data.len() as u64);
+            if h.staged == Staging::No {
+                self.used = self.used.saturating_sub(h.data.len() as u64);
+            } else {
+                self.staged.remove(&(h.tenant, h.key, h.token));
+            }
+        }
+    }
+
+    /// The staged bytes of this object version are done with (written or failed).
+    fn retire(&mut self, t: &Tenant, key: &str, token: u64) {
+        if let Some(a) = self.staged.get(&(t.clone(), key.to_string(), token))
+            && let Some(h) = self.allocs.get_mut(a)
+        {
+            h.staged = Staging::Retired;
+            h.since = Instant::now();
         }
     }
 }
+
+/// A batch of promotions for the promoter thread.
+type PromoteBatch = Vec<(Tenant, String, DiskLoc)>;
 
 /// The node's connection to the master; reconnects on the next call after a failure.
 struct MasterLink {
@@ -168,9 +215,14 @@ struct NodeInner {
     segment: SegmentId,
     link: MasterLink,
     mem: Mutex<Mem>,
+    /// Held while applying what the master said (frees, remounts) and across a `Promote`
+    /// call until its bytes are in `mem`, so a free of a just-promoted allocation can never
+    /// be applied before the bytes it frees arrive (order: `gate`, then `mem`).
+    gate: Mutex<()>,
     ssd: Option<SsdTier>,
     data_addr: OnceLock<SocketAddr>,
     mounted: AtomicBool,
+    promote_tx: Mutex<Option<SyncSender<PromoteBatch>>>,
 }
 
 struct NodeHooks(Weak<NodeInner>);
@@ -188,7 +240,14 @@ impl TierHooks for NodeHooks {
                 .collect(),
         };
         match n.link.call(req) {
-            Ok(ClusterReply::Accepted(v)) if v.len() == items.len() => v,
+            Ok(ClusterReply::Accepted(v)) if v.len() == items.len() => {
+                // Registered (or refused: removed meanwhile): staged bytes are done with.
+                let mut m = n.mem.lock();
+                for (j, _) in items.iter().filter(|(j, _)| j.staged) {
+                    m.retire(&j.tenant, &j.key, j.token);
+                }
+                v
+            }
             // Master unreachable: keep the durable records; the next mount re-registers them.
             other => {
                 tracing::warn!(
@@ -200,8 +259,9 @@ impl TierHooks for NodeHooks {
         }
     }
 
-    fn write_failed(&self, _jobs: &[OffloadJob]) {
-        // Nodes are write-through only: nothing was staged.
+    fn write_failed(&self, jobs: &[OffloadJob]) {
+        let Some(n) = self.0.upgrade() else { return };
+        n.unstage(jobs.iter().filter(|j| j.staged));
     }
 
     fn evict_disk(&self, recs: &[(Tenant, String, DiskLoc)]) -> bool {
@@ -226,15 +286,23 @@ impl NodeInner {
             .ok_or_else(|| L3Error::Internal("data channel not bound".into()))
     }
 
+    fn offload_on_evict(&self) -> bool {
+        self.ssd
+            .as_ref()
+            .is_some_and(|s| s.config().mode == OffloadMode::OnEvict)
+    }
+
     /// Joins the master with an empty segment, then registers every live SSD record.
     fn mount(&self) -> L3Result<()> {
+        let _gate = self.gate.lock();
         self.mounted.store(false, Ordering::Release);
         *self.mem.lock() = Mem::default();
-        self.link.call(ClusterRequest::Mount {
+        self.link.call(ClusterRequest::MountNode {
             node: self.opts.id,
             segment: self.segment,
             capacity: self.opts.segment_bytes,
             data_addr: self.data_addr()?,
+            offload_on_evict: self.offload_on_evict(),
         })?;
         if let Some(ssd) = &self.ssd {
             let recs = ssd.live_records();
@@ -269,28 +337,175 @@ impl NodeInner {
     }
 
     fn apply(&self, s: NodeSync) {
-        if !s.freed.is_empty() {
+        let _gate = self.gate.lock();
+        let mut jobs = Vec::new();
+        let mut lost = Vec::new();
+        if !s.freed.is_empty() || !s.offload.is_empty() {
             let mut m = self.mem.lock();
+            // Evicted replicas to write first: their allocations are in `freed` too.
+            for a in &s.offload {
+                let Some(h) = m.allocs.get_mut(a) else {
+                    continue;
+                };
+                if !h.ended || h.staged != Staging::No || self.ssd.is_none() {
+                    continue;
+                }
+                h.staged = Staging::Writing;
+                let (t, k, tok, data) = (h.tenant.clone(), h.key.clone(), h.token, h.data.clone());
+                m.used = m.used.saturating_sub(data.len() as u64);
+                m.staged.insert((t.clone(), k.clone(), tok), *a);
+                jobs.push(OffloadJob {
+                    tenant: t,
+                    key: k,
+                    token: tok,
+                    data,
+                    staged: true,
+                    done: None,
+                });
+            }
             for a in &s.freed {
-                m.drop_alloc(*a);
+                if m.allocs.get(a).is_some_and(|h| h.staged == Staging::No) {
+                    m.drop_alloc(*a);
+                }
             }
         }
-        if let Some(ssd) = &self.ssd
-            && let Err(e) = ssd.tombstone_many(&s.tombstones)
+        if let Some(ssd) = &self.ssd {
+            for j in jobs {
+                ssd.announce(&j.tenant, &j.key, j.token);
+                let (t, k, tok) = (j.tenant.clone(), j.key.clone(), j.token);
+                if ssd.enqueue(j, false).is_err() {
+                    lost.push(OffloadJob {
+                        tenant: t,
+                        key: k,
+                        token: tok,
+                        data: Arc::from(Vec::new()),
+                        staged: true,
+                        done: None,
+                    });
+                }
+            }
+            if let Err(e) = ssd.tombstone_many(&s.tombstones) {
+                tracing::warn!(error = %e, "could not tombstone removed records");
+            }
+        }
+        // A full SSD queue skips the write, as in the single process: the copy is dropped.
+        self.unstage(lost.iter());
+        if !s.promote.is_empty()
+            && let Some(tx) = &*self.promote_tx.lock()
         {
-            tracing::warn!(error = %e, "could not tombstone removed records");
+            // A full promoter queue skips the batch (a later probe asks again).
+            let _ = tx.try_send(s.promote);
+        }
+    }
+
+    /// Staged copies whose SSD write failed or was skipped: dropped here and at the master.
+    fn unstage<'a>(&self, jobs: impl Iterator<Item = &'a OffloadJob>) {
+        let items: Vec<(Tenant, String, u64)> = {
+            let mut m = self.mem.lock();
+            jobs.map(|j| {
+                m.retire(&j.tenant, &j.key, j.token);
+                (j.tenant.clone(), j.key.clone(), j.token)
+            })
+            .collect()
+        };
+        if items.is_empty() {
+            return;
+        }
+        if let Err(e) = self.link.call(ClusterRequest::Unstage {
+            node: self.opts.id,
+            items,
+        }) {
+            tracing::warn!(error = %e, "could not tell the master of failed offloads");
+        }
+    }
+
+    /// Promoter thread work: read each SSD copy (verified), get a replica for it in this
+    /// node's segment from the master, keep the bytes under it.
+    fn promote(&self, batch: PromoteBatch) {
+        let Some(ssd) = &self.ssd else { return };
+        let mut read: Vec<((Tenant, String, DiskLoc), Vec<u8>)> = Vec::new();
+        for (t, k, loc) in batch {
+            match ssd.owner_of(&loc) {
+                Some((tt, kk)) if tt == t && kk == k => {}
+                _ => continue,
+            }
+            let mut v = vec![0u8; loc.size as usize];
+            match ssd.read(&loc, &mut v) {
+                Ok(true) => read.push(((t, k, loc), v)),
+                Ok(false) => self.on_corrupt(&t, &k, loc),
+                Err(e) => tracing::warn!(error = %e, "promotion read failed"),
+            }
+        }
+        if read.is_empty() {
+            return;
+        }
+        let _gate = self.gate.lock();
+        let room = {
+            let m = self.mem.lock();
+            let want: u64 = read.iter().map(|(_, v)| v.len() as u64).sum();
+            m.used + want <= self.opts.segment_bytes.saturating_mul(2)
+        };
+        if !room {
+            return;
+        }
+        let items: Vec<(Tenant, String, DiskLoc)> = read.iter().map(|(i, _)| i.clone()).collect();
+        let n = items.len();
+        let res = match self.link.call(ClusterRequest::Promote {
+            node: self.opts.id,
+            items,
+        }) {
+            Ok(ClusterReply::Promoted(v)) if v.len() == n => v,
+            other => {
+                tracing::warn!(?other, "promotion not confirmed by the master");
+                return;
+            }
+        };
+        let mut m = self.mem.lock();
+        for (((t, k, _), v), r) in read.into_iter().zip(res) {
+            let Ok((alloc, token)) = r else { continue };
+            m.used += v.len() as u64;
+            m.allocs.insert(
+                alloc,
+                Held {
+                    tenant: t,
+                    key: k,
+                    token,
+                    data: Arc::from(v),
+                    ended: true,
+                    staged: Staging::No,
+                    since: Instant::now(),
+                },
+            );
+        }
+    }
+
+    fn on_corrupt(&self, t: &Tenant, key: &str, loc: DiskLoc) {
+        let _ = self.link.call(ClusterRequest::DropDisk {
+            node: self.opts.id,
+            tenant: t.clone(),
+            key: key.to_string(),
+            loc,
+        });
+        if let Some(ssd) = &self.ssd
+            && let Err(e) = ssd.tombstone(&loc)
+        {
+            tracing::warn!(error = %e, "could not tombstone a corrupt record");
         }
     }
 
     /// One ping period: drop stale unended writes, ping (or mount), apply the reply.
     fn tick(&self) {
         let stale = self.opts.put_timeout;
+        let grace = self.opts.ping_interval;
         {
             let mut m = self.mem.lock();
             let old: Vec<u64> = m
                 .allocs
                 .iter()
-                .filter(|(_, h)| !h.ended && h.since.elapsed() > stale)
+                .filter(|(_, h)| {
+                    (!h.ended && h.since.elapsed() > stale)
+                        || (h.staged == Staging::Retired && h.since.elapsed() >= grace)
+                })
                 .map(|(&a, _)| a)
                 .collect();
             for a in old {
@@ -361,6 +576,7 @@ impl NodeInner {
                 token: h.token,
                 data: bytes,
                 ended: false,
+                staged: Staging::No,
                 since: Instant::now(),
             },
         );
@@ -442,7 +658,14 @@ impl NodeInner {
             }
         }
         self.apply(sync);
-        let Some(ssd) = &self.ssd else { return };
+        // Offload-on-evict writes evictions only (as the single process does).
+        let Some(ssd) = self
+            .ssd
+            .as_ref()
+            .filter(|s| s.config().mode == OffloadMode::WriteThrough)
+        else {
+            return;
+        };
         let mut waits = Vec::new();
         for (i, data) in jobs {
             let h = &handles[i];
@@ -517,15 +740,7 @@ impl NodeInner {
                     Ok(Blob::Owned(v))
                 } else {
                     // Corrupt: a miss, dropped at the master and tombstoned here.
-                    let _ = self.link.call(ClusterRequest::DropDisk {
-                        node: self.opts.id,
-                        tenant: t.clone(),
-                        key: key.to_string(),
-                        loc,
-                    });
-                    if let Err(e) = ssd.tombstone(&loc) {
-                        tracing::warn!(error = %e, "could not tombstone a corrupt record");
-                    }
+                    self.on_corrupt(t, key, loc);
                     Err(L3Error::ObjectNotFound)
                 }
             }
@@ -590,6 +805,7 @@ pub struct StoreNode {
     inner: Arc<NodeInner>,
     xfer: Mutex<Option<XferServer>>,
     pinger: Mutex<Option<Periodic>>,
+    promoter: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl StoreNode {
@@ -607,15 +823,6 @@ impl StoreNode {
         if opts.ping_interval.is_zero() {
             return Err(L3Error::InvalidParams("ping interval must be > 0".into()));
         }
-        if let Some(s) = &opts.ssd
-            && s.mode != OffloadMode::WriteThrough
-        {
-            return Err(L3Error::InvalidParams(
-                "store nodes offload write-through only (on-evict needs the bytes the master \
-                 evicts, which it does not hold)"
-                    .into(),
-            ));
-        }
         let ssd = match &opts.ssd {
             Some(c) => Some(SsdTier::open(c.clone())?.0),
             None => None,
@@ -628,13 +835,29 @@ impl StoreNode {
                 conn: Mutex::new(None),
             },
             mem: Mutex::new(Mem::default()),
+            gate: Mutex::new(()),
             ssd,
             data_addr: OnceLock::new(),
             mounted: AtomicBool::new(false),
+            promote_tx: Mutex::new(None),
             opts,
         });
+        let mut promoter = None;
         if let Some(t) = &inner.ssd {
             t.start(Arc::new(NodeHooks(Arc::downgrade(&inner))))?;
+            let (tx, rx) = sync_channel::<PromoteBatch>(PROMOTE_QUEUE);
+            let weak = Arc::downgrade(&inner);
+            let h = std::thread::Builder::new()
+                .name("kvtier-l3-node-promoter".into())
+                .spawn(move || {
+                    while let Ok(batch) = rx.recv() {
+                        let Some(n) = weak.upgrade() else { return };
+                        n.promote(batch);
+                    }
+                })
+                .map_err(|e| L3Error::Internal(format!("spawn promoter: {e}")))?;
+            *inner.promote_tx.lock() = Some(tx);
+            promoter = Some(h);
         }
         let x = XferServer::start(
             inner.clone(),
@@ -647,6 +870,7 @@ impl StoreNode {
             inner: inner.clone(),
             xfer: Mutex::new(Some(x)),
             pinger: Mutex::new(None),
+            promoter: Mutex::new(promoter),
         };
         inner.mount()?;
         let weak = Arc::downgrade(&inner);
@@ -680,6 +904,13 @@ impl StoreNode {
         let xfer = self.xfer.lock().take();
         if let Some(mut x) = xfer {
             x.stop();
+        }
+        // Closing the queue ends the promoter thread after its current batch.
+        let tx = self.inner.promote_tx.lock().take();
+        drop(tx);
+        let promoter = self.promoter.lock().take();
+        if let Some(h) = promoter {
+            let _ = h.join();
         }
         if let Some(s) = &self.inner.ssd {
             s.flush();

@@ -145,6 +145,7 @@ impl Master {
                     self.drop_allocs(&gone);
                 }
             }
+            self.drop_node_memory_state(*c);
         }
         (revoked, dead.len() as u64)
     }

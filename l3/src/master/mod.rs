@@ -100,6 +100,11 @@ pub struct NodeSync {
     pub freed: Vec<u64>,
     /// SSD records whose objects were removed: tombstone them.
     pub tombstones: Vec<DiskLoc>,
+    /// Allocations (also in `freed`) evicted from DRAM whose bytes the node writes to its
+    /// SSD before dropping them (offload-on-evict nodes); applied before `freed`.
+    pub offload: Vec<u64>,
+    /// SSD-only objects a prefetching probe asked to bring back into the node's DRAM.
+    pub promote: Vec<(Tenant, String, DiskLoc)>,
 }
 
 /// What a remove took away.
@@ -122,6 +127,12 @@ struct NodeState {
     /// Removed objects' SSD records it has not been told about yet (kept across its death,
     /// so a restart rescan does not bring removed keys back).
     tombstones: Vec<DiskLoc>,
+    /// The node writes its DRAM evictions to its SSD (`--offload on-evict`).
+    offload_on_evict: bool,
+    /// Evicted allocations to write to its SSD, not yet told.
+    offload: Vec<u64>,
+    /// Promotions asked for, not yet told (one per key).
+    promote: HashMap<(Tenant, String), DiskLoc>,
 }
 
 #[derive(Debug, Clone)]
@@ -150,8 +161,8 @@ struct Object {
     disk: Option<DiskLoc>,
     /// Node holding the bucket of `disk` ([`LOCAL_NODE`] when this process holds it).
     disk_node: ClientId,
-    /// Evicted in offload-on-evict mode and waiting for its SSD write: readable from here.
-    staged: Option<Arc<[u8]>>,
+    /// Evicted in offload-on-evict mode and waiting for its SSD write: readable meanwhile.
+    staged: Option<Staged>,
     lease_until_ms: u64,
     pin_until_ms: u64,
     last_access: u64,
@@ -170,6 +181,21 @@ impl Object {
     fn allocs(&self) -> impl Iterator<Item = u64> + '_ {
         self.mem.iter().map(|r| r.alloc)
     }
+}
+
+/// Where the bytes of an object evicted in offload-on-evict mode wait for their SSD write.
+#[derive(Debug, Clone)]
+enum Staged {
+    /// Held by this process (embedded, `--role both`).
+    Bytes(Arc<[u8]>),
+    /// Still held by the store node whose DRAM replica was evicted, under the evicted
+    /// allocation's id (ids are never reused): the node writes them to its SSD, then drops
+    /// them. Readable there meanwhile.
+    OnNode {
+        node: ClientId,
+        seg: SegmentId,
+        alloc: u64,
+    },
 }
 
 /// Timing and policy knobs of the master (milliseconds).

@@ -31,6 +31,7 @@ impl Master {
                 self.drop_allocs(&gone);
             }
         }
+        self.drop_node_memory_state(node);
         self.segments.mount_remote(seg, node, capacity)?;
         self.clients.insert(
             node,
@@ -66,6 +67,135 @@ impl Master {
             n.addr = None;
             n.segment = None;
         }
+        self.drop_node_memory_state(node);
+    }
+
+    /// Sets whether a node writes its DRAM evictions to its SSD (`--offload on-evict`).
+    pub fn set_node_offload(&mut self, node: ClientId, on_evict: bool) {
+        if let Some(n) = self.nodes.get_mut(&node) {
+            n.offload_on_evict = on_evict;
+        }
+    }
+
+    /// A node's memory is gone (death, leave, remount): bytes staged on it for an SSD write
+    /// are lost (an object with nothing else goes), and orders it was not told yet are moot.
+    pub(super) fn drop_node_memory_state(&mut self, node: ClientId) {
+        if let Some(n) = self.nodes.get_mut(&node) {
+            n.offload.clear();
+            n.promote.clear();
+        }
+        for m in self.tenants.values_mut() {
+            m.retain(|_, o| {
+                if matches!(o.staged, Some(Staged::OnNode { node: s, .. }) if s == node) {
+                    o.staged = None;
+                    return o.has_data();
+                }
+                true
+            });
+        }
+        self.tenants.retain(|_, m| !m.is_empty());
+    }
+
+    /// Prefetching probe (split deployment): queues SSD-only keys for promotion on the
+    /// node holding their SSD copy, told on its next ping or put end. Skipped (like the
+    /// embedded promoter under DRAM pressure) when that node's segment is at or above the
+    /// high watermark, and once per key while queued. Returns how many were queued.
+    pub fn queue_promotions<K: AsRef<str>>(&mut self, t: &Tenant, keys: &[K]) -> usize {
+        const MAX_QUEUED: usize = 65_536;
+        let Some(m) = self.tenants.get(t) else {
+            return 0;
+        };
+        let mut todo: Vec<(ClientId, String, DiskLoc)> = Vec::new();
+        for k in keys {
+            let k = k.as_ref();
+            if let Some(o) = m.get(k)
+                && o.is_complete()
+                && o.mem.is_empty()
+                && o.staged.is_none()
+                && o.disk_node != LOCAL_NODE
+                && let Some(d) = o.disk
+            {
+                todo.push((o.disk_node, k.to_string(), d));
+            }
+        }
+        let high = self.policy.high_watermark;
+        let mut queued = 0;
+        for (node, key, loc) in todo {
+            let Some(seg) = self.nodes.get(&node).and_then(|n| n.segment) else {
+                continue;
+            };
+            let pressure = self
+                .segments
+                .get(seg)
+                .is_none_or(|s| s.used.saturating_add(loc.size) as f64 > s.capacity as f64 * high);
+            if pressure {
+                continue;
+            }
+            if let Some(n) = self.nodes.get_mut(&node)
+                && n.promote.len() < MAX_QUEUED
+                && n.promote.insert((t.clone(), key), loc).is_none()
+            {
+                queued += 1;
+            }
+        }
+        queued
+    }
+
+    /// A node read the SSD copy `loc` of an object it was asked to promote: adds a memory
+    /// replica in the node's own segment (never evicting; -200 at or above the high
+    /// watermark) and returns its allocation and the object's put token, under which the node keeps the bytes. The
+    /// replica is listed first from now on; until the node holds the bytes a read of it
+    /// misses there and falls back to the SSD copy listed after it.
+    pub fn promote_on_node(
+        &mut self,
+        node: ClientId,
+        t: &Tenant,
+        key: &str,
+        loc: DiskLoc,
+        now: u64,
+    ) -> L3Result<(u64, u64)> {
+        let token = match self.obj(t, key) {
+            Some(o)
+                if o.is_complete()
+                    && o.disk == Some(loc)
+                    && o.disk_node == node
+                    && o.mem.is_empty()
+                    && o.staged.is_none() =>
+            {
+                o.token
+            }
+            _ => return Err(L3Error::ObjectNotFound),
+        };
+        let seg = self
+            .nodes
+            .get(&node)
+            .and_then(|n| n.segment)
+            .ok_or(L3Error::ObjectNotFound)?;
+        let high = self.policy.high_watermark;
+        let fits = self
+            .segments
+            .get(seg)
+            .is_some_and(|s| s.used.saturating_add(loc.size) as f64 <= s.capacity as f64 * high);
+        if !fits {
+            return Err(L3Error::NoAvailableHandle { needed: loc.size });
+        }
+        let alloc = self
+            .segments
+            .allocate_on(seg, loc.size)
+            .ok_or(L3Error::NoAvailableHandle { needed: loc.size })?;
+        let lease = now.saturating_add(self.policy.lease_ttl_ms);
+        let tick = self.touch();
+        if let Some(o) = self.obj_mut(t, key) {
+            o.mem.push(MemReplica {
+                seg,
+                alloc,
+                ended: true,
+            });
+            // As in the embedded promoter: one normal lease for the get the probe anticipated.
+            o.lease_until_ms = o.lease_until_ms.max(lease);
+            o.last_access = tick;
+        }
+        Ok((alloc, token))
     }
 
     /// Frees and tombstones queued for a node (drained).
@@ -77,6 +207,11 @@ impl Master {
             };
         };
         let tombstones = std::mem::take(&mut st.tombstones);
+        let offload = std::mem::take(&mut st.offload);
+        let promote = std::mem::take(&mut st.promote)
+            .into_iter()
+            .map(|((t, k), loc)| (t, k, loc))
+            .collect();
         let freed = match st.segment {
             Some(seg) => self.segments.take_freed(seg),
             None => Vec::new(),
@@ -85,6 +220,8 @@ impl Master {
             need_remount: false,
             freed,
             tombstones,
+            offload,
+            promote,
         }
     }
 

@@ -23,16 +23,18 @@ impl Master {
         o.lease_until_ms = o.lease_until_ms.max(lease);
         o.last_access = tick;
         let (size, disk, disk_node, deadline) = (o.size, o.disk, o.disk_node, o.lease_until_ms);
-        let mem = o.mem.clone();
+        let mut mem: Vec<(SegmentId, u64)> = o.mem.iter().map(|r| (r.seg, r.alloc)).collect();
+        if let Some(Staged::OnNode { seg, alloc, .. }) = o.staged {
+            // Evicted on an offloading node that still holds the bytes (until its SSD copy
+            // is registered): read from there.
+            mem.push((seg, alloc));
+        }
         let mut replicas = Vec::with_capacity(mem.len() + 1);
-        for r in mem {
-            let node = self
-                .segments
-                .get(r.seg)
-                .and_then(|s| self.node_ref(s.owner));
+        for (seg, alloc) in mem {
+            let node = self.segments.get(seg).and_then(|s| self.node_ref(s.owner));
             replicas.push(ReplicaDescriptor::Memory {
-                segment: r.seg,
-                alloc: r.alloc,
+                segment: seg,
+                alloc,
                 size,
                 node,
             });
@@ -78,7 +80,7 @@ impl Master {
         {
             return Ok((size, ReadSource::Memory(d)));
         }
-        if let Some(d) = staged {
+        if let Some(Staged::Bytes(d)) = staged {
             return Ok((size, ReadSource::Memory(d)));
         }
         match disk {
@@ -108,7 +110,10 @@ impl Master {
             return Err(L3Error::ReplicaIsNotReady);
         }
         let current = q.replicas.iter().any(|r| match r {
-            ReplicaDescriptor::Memory { alloc, .. } => o.allocs().any(|a| a == *alloc),
+            ReplicaDescriptor::Memory { alloc, .. } => {
+                o.allocs().any(|a| a == *alloc)
+                    || matches!(o.staged, Some(Staged::OnNode { alloc: s, .. }) if s == *alloc)
+            }
             d => {
                 DiskLoc::from_descriptor(d).is_some_and(|l| o.disk == Some(l))
                     && d.node().map_or(LOCAL_NODE, |n| n.id) == o.disk_node
@@ -119,6 +124,11 @@ impl Master {
         } else {
             Err(L3Error::ObjectNotFound)
         }
+    }
+
+    /// A recycled buffer for a put's bytes ([`crate::buffers`]).
+    pub fn take_buffer(&mut self, size: u64) -> Option<Arc<[u8]>> {
+        self.segments.take_buffer(size)
     }
 
     /// Bytes of a memory allocation named by a query result.

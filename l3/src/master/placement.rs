@@ -169,6 +169,17 @@ impl Master {
             let token = o.token;
             let keep_disk = o.disk.is_some();
             let data = gone.iter().find_map(|r| self.segments.data(r.alloc));
+            // A store node that offloads its evictions keeps the bytes of this replica
+            // until they are on its SSD (the first such replica; the others just go).
+            let on_node = if keep_disk {
+                None
+            } else {
+                gone.iter().find_map(|r| {
+                    let owner = self.segments.get(r.seg)?.owner;
+                    let st = self.nodes.get(&owner)?;
+                    (st.offload_on_evict && st.addr.is_some()).then_some((owner, r.seg, r.alloc))
+                })
+            };
             for r in &gone {
                 self.segments.free(r.alloc);
             }
@@ -178,10 +189,19 @@ impl Master {
             if keep_disk {
                 continue;
             }
+            if let Some((node, seg, alloc)) = on_node {
+                if let Some(st) = self.nodes.get_mut(&node) {
+                    st.offload.push(alloc);
+                }
+                if let Some(o) = self.obj_mut(t, k) {
+                    o.staged = Some(Staged::OnNode { node, seg, alloc });
+                }
+                continue;
+            }
             match (on_evict, data) {
                 (true, Some(d)) => {
                     if let Some(o) = self.obj_mut(t, k) {
-                        o.staged = Some(d.clone());
+                        o.staged = Some(Staged::Bytes(d.clone()));
                     }
                     out.to_offload.push(StagedOffload {
                         tenant: t.clone(),

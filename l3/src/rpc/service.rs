@@ -127,6 +127,37 @@ pub enum ClusterRequest {
         /// Soft pin.
         soft_pin: bool,
     },
+    /// `Mount` naming the node's offload mode: with `offload_on_evict` the master leaves
+    /// the bytes of the node's evicted DRAM replicas to be written to its SSD
+    /// ([`NodeSync::offload`]). (Appended after `Mount`, which means write-through.)
+    MountNode {
+        /// Node id.
+        node: ClientId,
+        /// Its segment.
+        segment: SegmentId,
+        /// Segment capacity in bytes.
+        capacity: u64,
+        /// Its data-channel address.
+        data_addr: SocketAddr,
+        /// The node writes its DRAM evictions to its SSD.
+        offload_on_evict: bool,
+    },
+    /// SSD copies the node read back for promotion: per item, a memory replica in its own
+    /// segment (reply `Promoted`: the allocation to keep the bytes under, or why not).
+    Promote {
+        /// Node id.
+        node: ClientId,
+        /// (tenant, key, the SSD copy read).
+        items: Vec<(Tenant, String, DiskLoc)>,
+    },
+    /// Offload-on-evict writes that failed or were skipped: (tenant, key, put token). The
+    /// staged copies are gone; an object with nothing else goes too.
+    Unstage {
+        /// Node id.
+        node: ClientId,
+        /// Items.
+        items: Vec<(Tenant, String, u64)>,
+    },
 }
 
 /// Replies of the `cluster` call.
@@ -148,6 +179,9 @@ pub enum ClusterReply {
     Nodes(Vec<NodeRef>),
     /// Per handle of `PutEndReplicas`, plus what the node must apply.
     EndedReplicas(Vec<L3Result<ReplicaEnded>>, NodeSync),
+    /// Per `Promote` item: the allocation holding the promoted replica, and the object's
+    /// put token.
+    Promoted(Vec<L3Result<(u64, u64)>>),
 }
 
 /// Per-key results.

@@ -13,13 +13,17 @@
 //!    disk's O_DIRECT read bandwidth, measured here with dd; Mooncake 0.305 of 0.63 GB/s);
 //! 5. `replicas`: a split deployment (a `--role master` and three `--role node` processes on
 //!    loopback), put and get of 128 × 1 MiB with `replica_num` 1, 2 and 3, interleaved per
-//!    repetition; each figure also as a ratio to `replica_num` 1 of the same run.
+//!    repetition; each figure also as a ratio to `replica_num` 1 of the same run;
+//! 6. `put`: the embedded put path, 64 × 8 MiB, as a ratio to a memcpy of the same bytes
+//!    measured in the same run (`put.rs`).
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod put;
 
 use clap::Parser;
 use kvtier_l3::{
@@ -45,7 +49,7 @@ struct Args {
     /// Directory for SSD buckets (must be on the disk under test, not tmpfs).
     #[arg(long, default_value = "/var/tmp/kvtier-l3-bench")]
     ssd_dir: PathBuf,
-    /// Only these scenarios (embedded, remote, exist, ssd, replicas); default all.
+    /// Only these scenarios (embedded, remote, exist, ssd, replicas, put); default all.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Write results as JSON here.
@@ -579,6 +583,9 @@ fn main() {
     }
     if want("replicas") {
         report(replicas(&bin, args.reps, &mut rows), "replicas");
+    }
+    if want("put") {
+        report(put::put(args.reps, &mut rows), "put");
     }
     if let Some(p) = &args.json {
         let text = format!(
