@@ -93,10 +93,17 @@ impl Scheduler {
             release::unlock(&mut self.cache, &mut self.stats, dev_lock);
             return false;
         };
-        let src = self
-            .cache
-            .path_pages_from::<Device>(end, from)
-            .unwrap_or_default();
+        let src = match self.cache.path_pages_from::<Device>(end, from) {
+            Ok(src) if src.len() == dst.len() => src,
+            _ => {
+                // Cannot happen while `end` is pinned on device; give everything back.
+                self.stats.internal_errors += 1;
+                release::free(&mut self.cache, &mut self.stats, &dst);
+                release::unlock(&mut self.cache, &mut self.stats, host_lock);
+                release::unlock(&mut self.cache, &mut self.stats, dev_lock);
+                return false;
+            }
+        };
         self.demoting_pages += dst.len();
         self.stats.demotions += 1;
         self.new_op(
