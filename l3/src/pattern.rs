@@ -66,10 +66,11 @@ fn non_ecmascript_group(p: &str) -> Option<usize> {
             b'\\' => i += 1,
             b'[' if !in_class => in_class = true,
             b']' if in_class => in_class = false,
-            b'(' if !in_class && b.get(i + 1) == Some(&b'?') => {
-                if !matches!(b.get(i + 2), Some(b':' | b'=' | b'!')) {
-                    return Some(i);
-                }
+            b'(' if !in_class
+                && b.get(i + 1) == Some(&b'?')
+                && !matches!(b.get(i + 2), Some(b':' | b'=' | b'!')) =>
+            {
+                return Some(i);
             }
             _ => {}
         }
