@@ -104,6 +104,24 @@ def api_behaviours(s, setup_store, master, mod):
     out["put_with_parallelism"] = s.put_tensor_with_parallelism("u-pp", torch.arange(4.0))
     out["get_with_parallelism"] = tensor_json(s.get_tensor_with_parallelism("u-pp"))
     out["remove_all"] = s.remove_all(True)
+    # remove_by_regex on an emptied store (no get/is_exist before a removal: Mooncake's
+    # ExistKey leases the object, kvtier's does not)
+    for k in ["rx-a1", "rx-a2", "x-rx-a3", "RX-A4", "rx-b1", "rx-lease"]:
+        s.put(k, k.encode())
+    s.get("rx-lease")  # a read lease: kept unless forced
+    out["regex_search"] = s.remove_by_regex("rx-a")
+    out["regex_invalid"] = [s.remove_by_regex(p) for p in ["(", "[a-", "a{2,1}", "*a", "(?<=a)b", "(?i)rx"]]
+    out["regex_leased"] = s.remove_by_regex("^rx-lease$")
+    out["regex_leased_force"] = s.remove_by_regex("^rx-lease$", True)
+    out["regex_class_anchor"] = s.remove_by_regex(r"^RX-[A-Z]\d$")
+    out["regex_none"] = s.remove_by_regex("zzz")
+    out["regex_empty"] = s.remove_by_regex("")
+    out["regex_left"] = s.batch_is_exist(["rx-a1", "rx-a2", "x-rx-a3", "RX-A4", "rx-b1", "rx-lease"])
+    try:
+        s.remove_by_regex(5)
+        out["regex_not_str"] = "no error"
+    except TypeError:
+        out["regex_not_str"] = "TypeError"
     s.unregister_buffer(p)
     # setup semantics
     for v in ["16MB", "16 MB", "16M", "1gb", "1.5GB", " 16MB", "50%", "16MiB", "abc", "", "-16MB", -5]:

@@ -195,7 +195,8 @@ def test_sessions_and_unsupported_calls():
     assert s.batch_get_into_multi_buffer_ranges(["s1"], [[dst.ctypes.data]], [[4]], [[2]]) == [4]
     assert dst[:4].tolist() == [102, 103, 0, 1]
     assert s.batch_get_session_end(["s1"]) == 0
-    assert s.remove_by_regex("^s") == ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
+    assert s.remove_by_regex("^s") == 0  # s1 is leased by the get above
+    assert s.remove_by_regex("^s", True) == 1 and s.is_exist("s1") == 0
     assert s.create_copy_task("s1", ["x"])[1] == ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
     assert s.query_task((1, 2)) == (None, ErrorCode.TASK_NOT_FOUND)
     cfg = ReplicateConfig()
@@ -203,3 +204,38 @@ def test_sessions_and_unsupported_calls():
     assert s.put("pinned", b"v", cfg) == 0
     with pytest.raises(TypeError):
         cfg.replica_num = "2"
+
+
+@pytest.mark.parametrize("where", ["embedded", "server"])
+def test_remove_by_regex_in_the_store_per_tenant(server, where):
+    """The store filters keys itself, per tenant (a client never reaches another tenant's
+    keys), embedded and over the tarpc server; the side-by-side driver compares the codes
+    with real Mooncake."""
+    name = f"embedded://rx-{next(_names)}" if where == "embedded" else server.addr
+    a, b = store(name, tenant_id="ta"), store(name, tenant_id="tb")
+    keys = [f"doc/{i}/kv" for i in range(10)] + ["other", "DOC/1"]
+    assert [a.put(k, b"a") for k in keys] == [0] * len(keys)
+    assert [b.put(k, b"b") for k in keys] == [0] * len(keys)
+    assert a.remove_by_regex(r"^doc/[0-4]/") == 5
+    assert a.batch_is_exist(keys) == [0] * 5 + [1] * 7
+    assert b.batch_is_exist(keys) == [1] * len(keys)
+    assert a.remove_by_regex("(") == ErrorCode.INVALID_PARAMS and a.is_exist("other") == 1
+    assert a.remove_by_regex("(?i)doc") == ErrorCode.INVALID_PARAMS  # not ECMAScript: Mooncake's -600
+    assert a.get("other") == b"a" and a.remove_by_regex("other") == 0  # leased
+    assert a.remove_by_regex("", True) == 7 and a.batch_is_exist(keys) == [0] * len(keys)
+    assert b.remove_by_regex("DOC|other") == 2 and b.get("doc/0/kv") == b"b"
+    with pytest.raises(TypeError):
+        a.remove_by_regex(None)
+    assert MooncakeDistributedStore().remove_by_regex("x") == -1  # before setup
+    a.close()
+    b.close()
+
+
+def test_native_l3_store_remove_by_regex_raises_typed(server):
+    for s in (kvtier.L3Store.embedded(1 << 20), kvtier.L3Store.connect(server.addr, tenant="rx-native")):
+        s.put("a1", b"x")
+        s.put("b1", b"y")
+        assert s.remove_by_regex("^a") == 1 and s.remove_by_regex("^a") == 0
+        with pytest.raises(kvtier.InvalidParamsError) as e:
+            s.remove_by_regex("[")
+        assert e.value.code == -600 and s.get("b1") == b"y"

@@ -73,6 +73,8 @@ def test_added_api_matches_real_mooncake(driver_result):
     assert not diff, f"kvtier compat differs from Mooncake (real, compat): {diff}"
     assert real["size '50%'"] == -600 and real["size '16 MB'"] == 0
     assert real["tp_uneven"] == -600 and real["get_tensor"][1] == [2, 3]
+    assert (real["regex_search"], real["regex_leased"], real["regex_leased_force"]) == (3, 0, 1)
+    assert real["regex_invalid"] == [-600] * 6 and real["regex_left"] == [0] * 6
 
 
 def test_executor_serves_through_real_mooncake(driver_result):

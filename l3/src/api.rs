@@ -113,6 +113,10 @@ pub trait L3Store: Send + Sync {
     fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()>;
     /// `RemoveAll` of the tenant's keys (leased ones stay unless `force`); returns the count.
     fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64>;
+    /// `RemoveByRegex` of the tenant's keys in which `pattern` is found (Mooncake's
+    /// ECMAScript `regex_search`, see [`crate::KeyPattern`]); leased or unfinished objects
+    /// stay unless `force`. Returns the count; -600 for an invalid pattern, nothing removed.
+    fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64>;
     /// `MountSegment`: a client contributes `capacity` bytes of DRAM.
     fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()>;
     /// `UnmountSegment`: its memory replicas are dropped.

@@ -21,6 +21,7 @@ pub mod error;
 pub mod eviction;
 pub mod master;
 pub mod metrics;
+pub mod pattern;
 pub mod promotion;
 pub mod rpc;
 pub mod segment;
@@ -33,6 +34,7 @@ pub use clock::Clock;
 pub use cluster::{ClusterMaster, NodeOptions, StoreNode};
 pub use config::{OffloadMode, PromotionConfig, SsdConfig, StoreConfig};
 pub use error::{ErrorCode, L3Error, L3Result};
+pub use pattern::KeyPattern;
 pub use rpc::client::{ClientOptions, RemoteStore};
 pub use rpc::server::{
     ClusterMasterHandle, ServerHandle, ServerOptions, spawn_cluster_master, spawn_server,

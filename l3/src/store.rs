@@ -27,6 +27,7 @@ use crate::master::{
     DiskLoc, EvictionOutcome, LOCAL_NODE, Master, MasterPolicy, ReadSource, Removed,
 };
 use crate::metrics::{Metrics, Op};
+use crate::pattern::KeyPattern;
 use crate::promotion::Promoter;
 use crate::ssd::{OffloadJob, SsdTier, TierHooks, TierStats};
 use crate::types::{
@@ -917,6 +918,16 @@ impl L3Store for EmbeddedStore {
         let now = self.inner.clock.now_ms();
         let removed = self.inner.master.lock().remove_all(tenant, force, now);
         self.inner.forget_on_disk(tenant, &removed)?;
+        Ok(removed.len() as u64)
+    }
+
+    fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64> {
+        let pattern = KeyPattern::new(pattern)?;
+        let t0 = Instant::now();
+        let now = self.inner.clock.now_ms();
+        let removed = (self.inner.master.lock()).remove_matching(tenant, &pattern, force, now);
+        self.inner.forget_on_disk(tenant, &removed)?;
+        self.inner.metrics.observe(Op::Remove, t0.elapsed());
         Ok(removed.len() as u64)
     }
 

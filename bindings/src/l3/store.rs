@@ -448,6 +448,15 @@ impl PyL3Store {
             .map_err(l3_err)
     }
 
+    /// Removes the tenant's keys in which the (ECMAScript) pattern is found, as Mooncake's
+    /// `RemoveByRegex` (leased ones stay unless `force`); returns the count. An invalid
+    /// pattern raises the -600 error class and removes nothing.
+    #[pyo3(signature = (pattern, force = false))]
+    fn remove_by_regex(&self, py: Python<'_>, pattern: String, force: bool) -> PyResult<u64> {
+        py.detach(|| self.store.remove_by_regex(&self.tenant, &pattern, force))
+            .map_err(l3_err)
+    }
+
     /// Waits until queued SSD writes are durable.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.store.flush()).map_err(l3_err)

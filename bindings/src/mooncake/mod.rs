@@ -517,6 +517,15 @@ impl MooncakeCore {
         py.detach(|| size_code(s.remove_all(&t, force)))
     }
 
+    /// Mooncake's `remove_by_regex`: the count removed, or a negative code (-600 for an
+    /// invalid pattern). The store filters its own keys: nothing is listed to Python.
+    fn remove_by_regex(&self, py: Python<'_>, pattern: String, force: bool) -> i64 {
+        let Some((s, t)) = self.handle() else {
+            return NOT_INITIALIZED;
+        };
+        py.detach(|| size_code(s.remove_by_regex(&t, &pattern, force)))
+    }
+
     /// 0 when the store answers, else a negative code.
     fn health_check(&self, py: Python<'_>) -> i64 {
         let Some((s, _)) = self.handle() else {

@@ -25,6 +25,7 @@ use crate::config::StoreConfig;
 use crate::error::{L3Error, L3Result};
 use crate::master::{EvictionOutcome, Master, MasterPolicy};
 use crate::metrics::{Metrics, Op};
+use crate::pattern::KeyPattern;
 use crate::rpc::server::Backend;
 use crate::rpc::service::{ClusterReply, ClusterRequest};
 use crate::rpc::xfer::XferHandler;
@@ -388,6 +389,17 @@ impl L3Store for ClusterMaster {
         let now = self.clock.now_ms();
         let mut m = self.master.lock();
         let removed = m.remove_all(tenant, force, now);
+        for (node, loc) in removed.iter().filter_map(|r| r.disk) {
+            m.queue_tombstone(node, loc);
+        }
+        Ok(removed.len() as u64)
+    }
+
+    fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64> {
+        let pattern = KeyPattern::new(pattern)?;
+        let now = self.clock.now_ms();
+        let mut m = self.master.lock();
+        let removed = m.remove_matching(tenant, &pattern, force, now);
         for (node, loc) in removed.iter().filter_map(|r| r.disk) {
             m.queue_tombstone(node, loc);
         }

@@ -5,6 +5,7 @@
 //! anything (promotion adds a replica without evicting).
 
 use super::*;
+use crate::pattern::KeyPattern;
 
 impl Master {
     // ---- reads -----------------------------------------------------------------------------
@@ -237,12 +238,36 @@ impl Master {
     /// `RemoveAll` for one tenant: removes every complete object without a lease (all with
     /// `force`). Returns what was removed.
     pub fn remove_all(&mut self, t: &Tenant, force: bool, now: u64) -> Vec<Removed> {
+        self.remove_where(t, |_| true, force, now)
+    }
+
+    /// `RemoveByRegex` for one tenant: as [`Self::remove_all`], for the keys in which
+    /// `pattern` is found (Mooncake's `regex_search`).
+    pub fn remove_matching(
+        &mut self,
+        t: &Tenant,
+        pattern: &KeyPattern,
+        force: bool,
+        now: u64,
+    ) -> Vec<Removed> {
+        self.remove_where(t, |k| pattern.is_found_in(k), force, now)
+    }
+
+    /// Removes the tenant's keys selected by `select` that are complete and unleased (all
+    /// selected ones with `force`).
+    fn remove_where(
+        &mut self,
+        t: &Tenant,
+        select: impl Fn(&str) -> bool,
+        force: bool,
+        now: u64,
+    ) -> Vec<Removed> {
         let Some(m) = self.tenants.get(t) else {
             return Vec::new();
         };
         let keys: Vec<String> = m
             .iter()
-            .filter(|(_, o)| force || (o.is_complete() && !o.leased(now)))
+            .filter(|(k, o)| select(k) && (force || (o.is_complete() && !o.leased(now))))
             .map(|(k, _)| k.clone())
             .collect();
         keys.iter()

@@ -268,6 +268,18 @@ impl<B: Backend> L3Rpc for Conn<B> {
         self.blocking(move |s| s.remove_all(&tenant, force)).await
     }
 
+    async fn remove_by_regex(
+        self,
+        _: Context,
+        tenant: Tenant,
+        pattern: String,
+        force: bool,
+    ) -> L3Result<u64> {
+        // Blocking pool: the removes sync their SSD tombstones before the reply.
+        self.blocking(move |s| s.remove_by_regex(&tenant, &pattern, force))
+            .await
+    }
+
     async fn mount_segment(
         self,
         _: Context,

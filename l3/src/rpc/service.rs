@@ -252,4 +252,7 @@ pub trait L3Rpc {
         sizes: Vec<u64>,
         cfg: ReplicateConfig,
     ) -> WireBatch<(PutHandle, Vec<ReplicaDescriptor>)>;
+    /// `RemoveByRegex` (see [`crate::KeyPattern`]). Appended after the calls above, which
+    /// keep their wire numbers.
+    async fn remove_by_regex(tenant: Tenant, pattern: String, force: bool) -> L3Result<u64>;
 }

@@ -7,8 +7,9 @@ buffer per key, ranged puts copy registered memory into it, ``batch_put_session_
 it (``revoke`` drops it); a get session needs no cached state in kvtier (every ranged read
 looks the object up). Calls that need what kvtier does not have return a documented code:
 segment mounting beyond ``setup`` (kvtier's store owns its memory) and replica copy/move
-tasks (one replica per object) return -1011 UNAVAILABLE_IN_CURRENT_MODE; ``query_task`` finds
-no task (-1400); ``remove_by_regex`` needs a key listing the store does not offer (-1011).
+tasks return -1011 UNAVAILABLE_IN_CURRENT_MODE; ``query_task`` finds no task (-1400).
+``remove_by_regex`` runs in the store (embedded, server or split master), which filters the
+caller's tenant's keys itself: no key listing crosses to Python.
 """
 
 from __future__ import annotations
@@ -135,8 +136,10 @@ class ExtraCalls:
         return None, int(ErrorCode.TASK_NOT_FOUND)
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
-        check_str(regex_pattern, "regex_pattern")
-        return UNAVAILABLE
+        """Removes the keys in which the pattern is found (Mooncake's ECMAScript
+        ``regex_search``); leased or unfinished objects stay unless ``force``. The count
+        removed, or -600 for an invalid pattern (the store filters its own tenant's keys)."""
+        return self._core.remove_by_regex(check_str(regex_pattern, "regex_pattern"), bool(force))
 
     def get_offload_rpc_read_count(self) -> int:
         return 0

@@ -33,6 +33,7 @@ use super::service::{ClusterReply, ClusterRequest, L3RpcClient, ServerLimits};
 use super::xfer::XferClient;
 use crate::api::{BatchResult, L3Store, single};
 use crate::error::{L3Error, L3Result};
+use crate::pattern::KeyPattern;
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
     ReplicateConfig, SegmentId, StoreStats, Tenant,
@@ -471,6 +472,17 @@ impl L3Store for RemoteStore {
 
     fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
         self.run(self.client.remove_all(self.ctx(), tenant.clone(), force))
+    }
+
+    fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64> {
+        // Checked here too: a bad pattern costs no round trip (the server checks again).
+        KeyPattern::new(pattern)?;
+        self.run(self.client.remove_by_regex(
+            self.ctx(),
+            tenant.clone(),
+            pattern.to_string(),
+            force,
+        ))
     }
 
     fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()> {

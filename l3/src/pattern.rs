@@ -1,0 +1,112 @@
+//! Key patterns for `RemoveByRegex`: Mooncake's master compiles the pattern with
+//! `std::regex` (ECMAScript grammar) and removes every key in which it is *found*
+//! (`regex_search`, not a whole-key match); a pattern it cannot compile is -600.
+//!
+//! Why the `regex` crate and not a hand-written matcher: it guarantees linear-time matching
+//! (a key pattern comes from a client, and one slow pattern would hold the master's lock),
+//! bounds the compiled size, and rejects bad syntax with an error instead of panicking.
+//! Its grammar is close to ECMAScript's for what key filters use (classes, anchors,
+//! alternation, repetition, `\d \w \s \b`). Where they differ we follow Mooncake when it
+//! refuses: inline flags and named groups (`(?i)`, `(?P<n>..)`, `(?<n>..)`) are not
+//! ECMAScript and are -600, as Mooncake answers. Lookahead (`(?=..)`, `(?!..)`) and
+//! backreferences (`\1`), which Mooncake accepts, need backtracking and are -600 here
+//! (documented in docs/python.md).
+
+use regex::{Regex, RegexBuilder};
+
+use crate::error::{L3Error, L3Result};
+
+/// Longest pattern accepted, in bytes (a key is at most a few hundred bytes; this only
+/// bounds the work a client can ask of the master).
+pub const MAX_PATTERN_BYTES: usize = 4096;
+
+/// Compiled size limit of a pattern (the `regex` crate's own guard against blow-up).
+const MAX_COMPILED_BYTES: usize = 1 << 20;
+
+/// A compiled key pattern; only [`KeyPattern::new`] builds one, so a pattern that reaches
+/// the master is valid.
+#[derive(Debug, Clone)]
+pub struct KeyPattern(Regex);
+
+impl KeyPattern {
+    /// Compiles a Mooncake (ECMAScript) key pattern; -600 if it is invalid or unsupported.
+    pub fn new(pattern: &str) -> L3Result<Self> {
+        if pattern.len() > MAX_PATTERN_BYTES {
+            return Err(L3Error::InvalidParams(format!(
+                "regex pattern is {} bytes, more than {MAX_PATTERN_BYTES}",
+                pattern.len()
+            )));
+        }
+        if let Some(at) = non_ecmascript_group(pattern) {
+            return Err(L3Error::InvalidParams(format!(
+                "invalid regex pattern: `(?` at byte {at} (inline flags and named groups are not ECMAScript)"
+            )));
+        }
+        RegexBuilder::new(pattern)
+            .size_limit(MAX_COMPILED_BYTES)
+            .dfa_size_limit(MAX_COMPILED_BYTES)
+            .build()
+            .map(KeyPattern)
+            .map_err(|e| L3Error::InvalidParams(format!("invalid regex pattern: {e}")))
+    }
+
+    /// Whether the pattern occurs anywhere in `key` (`std::regex_search`).
+    pub fn is_found_in(&self, key: &str) -> bool {
+        self.0.is_match(key)
+    }
+}
+
+/// Byte offset of a `(?` group other than `(?:` outside a character class, if any.
+/// (`(?=`/`(?!` are ECMAScript but the `regex` crate refuses them itself.)
+fn non_ecmascript_group(p: &str) -> Option<usize> {
+    let b = p.as_bytes();
+    let (mut i, mut in_class) = (0, false);
+    while i < b.len() {
+        match b[i] {
+            b'\\' => i += 1,
+            b'[' if !in_class => in_class = true,
+            b']' if in_class => in_class = false,
+            b'(' if !in_class
+                && b.get(i + 1) == Some(&b'?')
+                && !matches!(b.get(i + 2), Some(b':' | b'=' | b'!')) =>
+            {
+                return Some(i);
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn search_not_whole_match() {
+        let p = KeyPattern::new("rx-a").unwrap();
+        assert!(p.is_found_in("rx-a1") && p.is_found_in("x-rx-a3") && !p.is_found_in("RX-A4"));
+        assert!(KeyPattern::new("").unwrap().is_found_in("anything"));
+        let anchored = KeyPattern::new(r"^rx-\d+$").unwrap();
+        assert!(anchored.is_found_in("rx-12") && !anchored.is_found_in("rx-12x"));
+    }
+
+    #[test]
+    fn what_mooncake_refuses_is_invalid_params() {
+        // Each of these is -600 from Mooncake 0.3.x's master (measured side by side).
+        for bad in ["(", "[a-", "a{2,1}", "*a", "(?<=a)b", "(?i)rx", "(?P<n>a)"] {
+            let e = KeyPattern::new(bad).unwrap_err();
+            assert_eq!(e.code_i32(), -600, "{bad}");
+        }
+        assert!(KeyPattern::new(&"a".repeat(MAX_PATTERN_BYTES + 1)).is_err());
+    }
+
+    #[test]
+    fn escaped_and_class_parens_are_not_groups() {
+        for ok in [r"\(?x", "[(?]x", "(?:ab)+", r"[\]](?:x)"] {
+            assert!(KeyPattern::new(ok).is_ok(), "{ok}");
+        }
+        assert!(KeyPattern::new(r"[\]](?i)x").is_err());
+    }
+}
