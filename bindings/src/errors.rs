@@ -193,5 +193,6 @@ pub fn l3_err(e: L3Error) -> PyErr {
         L3Error::RpcFail(_) => RpcFailError::new_err(msg),
         L3Error::Unavailable(_) => UnavailableError::new_err(msg),
         L3Error::Internal(_) => L3InternalError::new_err(msg),
+        L3Error::UnavailableInMode(_) => UnavailableError::new_err(msg),
     }
 }

@@ -12,6 +12,67 @@ def tensor_json(t):
     return [str(t.dtype), list(t.shape), t.reshape(-1).to(torch.float64).tolist()]
 
 
+def _task_done(s, tid):
+    """query_task until the task has run (Mooncake's run on a client; kvtier's already ran):
+    (type, status, message, id echoed) or the code."""
+    import time
+
+    for _ in range(100):
+        r, rc = s.query_task(tid)
+        if rc != 0:
+            return rc
+        if int(r.status) not in (0, 1):  # PENDING, PROCESSING
+            break
+        time.sleep(0.05)
+    return [int(r.type), int(r.status), r.message, tuple(r.id) == tuple(tid)]
+
+
+def replica_tasks(s, setup_store, master):
+    """create_copy_task / create_move_task / query_task between this client's segment and a
+    second client's: return codes, the task reports and the replica count after each call."""
+    out = {}
+    x = setup_store()
+    out["task_second_client"] = x.setup(dict(local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE",
+                                             protocol="tcp", master_server_addr=master,
+                                             global_segment_size="64MB", local_buffer_size="1MB"))
+    ha, hb = s.get_hostname(), x.get_hostname()
+    n = lambda k: len(s.get_replica_desc(k))  # noqa: E731
+    s.put("tk-1", b"t" * 3000)
+
+    def copy(k, targets):
+        tid, rc = s.create_copy_task(k, targets)
+        return [rc, _task_done(s, tid) if rc == 0 else tid, n(k)]
+
+    def move(k, src, dst):
+        tid, rc = s.create_move_task(k, src, dst)
+        return [rc, _task_done(s, tid) if rc == 0 else tid, n(k)]
+
+    out["copy_missing_key"] = copy("tk-nope", [hb])
+    out["copy_missing_key_bad_target"] = copy("tk-nope", ["nope:1"])
+    out["copy_unknown_target"] = copy("tk-1", ["nope:1"])
+    out["copy_one_unknown_of_two"] = copy("tk-1", [ha, "nope:1"])
+    out["copy_no_target"] = copy("tk-1", [])
+    out["copy_both"] = copy("tk-1", [ha, hb])
+    out["copy_again_holder"] = copy("tk-1", [ha])
+    out["move_same_segment"] = move("tk-1", ha, ha)
+    out["move_unknown_source"] = move("tk-1", "nope:1", hb)
+    out["move_unknown_target"] = move("tk-1", ha, "nope:1")
+    out["move_missing_key"] = move("tk-nope", ha, hb)
+    out["move_onto_holder"] = move("tk-1", ha, hb)
+    out["move_back"] = move("tk-1", hb, ha)
+    out["move_from_empty"] = move("tk-1", hb, ha)
+    out["get_after_moves"] = s.get("tk-1") == b"t" * 3000
+    out["query_unknown_task"] = s.query_task((1, 2))
+    try:
+        s.create_copy_task("tk-1", "notalist")
+        out["copy_targets_str"] = "no error"
+    except TypeError:
+        out["copy_targets_str"] = "TypeError"
+    s.remove("tk-1", True)
+    x.close()
+    return out
+
+
 def api_behaviours(s, setup_store, master, mod):
     """The same call sequence on `s` (set up on `master`); `setup_store()` makes a fresh
     unset store; `mod` is the module of the class (for ReplicateConfig, SoftPinAction)."""
@@ -122,6 +183,7 @@ def api_behaviours(s, setup_store, master, mod):
         out["regex_not_str"] = "no error"
     except TypeError:
         out["regex_not_str"] = "TypeError"
+    out.update(replica_tasks(s, setup_store, master))
     s.unregister_buffer(p)
     # setup semantics
     for v in ["16MB", "16 MB", "16M", "1gb", "1.5GB", " 16MB", "50%", "16MiB", "abc", "", "-16MB", -5]:

@@ -197,7 +197,6 @@ def test_sessions_and_unsupported_calls():
     assert s.batch_get_session_end(["s1"]) == 0
     assert s.remove_by_regex("^s") == 0  # s1 is leased by the get above
     assert s.remove_by_regex("^s", True) == 1 and s.is_exist("s1") == 0
-    assert s.create_copy_task("s1", ["x"])[1] == ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
     assert s.query_task((1, 2)) == (None, ErrorCode.TASK_NOT_FOUND)
     cfg = ReplicateConfig()
     cfg.soft_pin_action = SoftPinAction.ENABLE
@@ -239,3 +238,51 @@ def test_native_l3_store_remove_by_regex_raises_typed(server):
         with pytest.raises(kvtier.InvalidParamsError) as e:
             s.remove_by_regex("[")
         assert e.value.code == -600 and s.get("b1") == b"y"
+
+
+def test_replica_tasks_between_two_clients_segments():
+    """create_copy_task / create_move_task over the embedded store between two clients'
+    segments (named by get_hostname, as in Mooncake): they run before returning, query_task
+    reports them done, bad input gives Mooncake's codes and changes nothing."""
+    from kvtier.mooncake_compat import TaskStatus, TaskType
+
+    name = f"embedded://tasks-{next(_names)}"
+    a, b = store(name), store(name)
+    ha, hb = a.get_hostname(), b.get_hostname()
+    data = bytes(range(256)) * 20
+    assert a.put("t1", data) == 0
+    n = lambda: len(a.get_replica_desc("t1"))  # noqa: E731
+    assert n() == 1
+    for call, code in [(lambda: a.create_copy_task("nope", [hb]), ErrorCode.OBJECT_NOT_FOUND),
+                       (lambda: a.create_copy_task("t1", ["nope:1"]), ErrorCode.INVALID_PARAMS),
+                       (lambda: a.create_copy_task("t1", [ha, "nope:1"]), ErrorCode.INVALID_PARAMS),
+                       (lambda: a.create_copy_task("t1", []), ErrorCode.INVALID_PARAMS),
+                       (lambda: a.create_move_task("t1", ha, ha), ErrorCode.INVALID_PARAMS),
+                       (lambda: a.create_move_task("t1", "nope:1", hb), ErrorCode.INVALID_PARAMS),
+                       (lambda: a.create_move_task("nope", ha, hb), ErrorCode.OBJECT_NOT_FOUND)]:
+        assert call() == ((0, 0), code)
+        assert n() == 1
+    with pytest.raises(TypeError):
+        a.create_copy_task("t1", hb)
+    with pytest.raises(TypeError):
+        a.create_move_task("t1", ha, None)
+    tid, rc = a.create_copy_task("t1", [ha, hb])
+    assert rc == 0 and tid != (0, 0) and n() == 2
+    r, rc = a.query_task(tid)
+    assert rc == 0 and r.id == tid and r.type == TaskType.REPLICA_COPY and r.status == TaskStatus.SUCCESS
+    assert a.create_copy_task("t1", [hb])[1] == 0 and n() == 2  # already there
+    segs = sorted(d.get_memory_descriptor().buffer_descriptor.transport_endpoint for d in a.get_replica_desc("t1"))
+    assert segs == sorted([ha, hb])
+    tid, rc = a.create_move_task("t1", hb, ha)  # ha holds one: hb's goes
+    assert rc == 0 and n() == 1 and a.query_task(tid)[0].type == TaskType.REPLICA_MOVE
+    src = a.get_replica_desc("t1")[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+    other = hb if src == ha else ha
+    assert a.create_move_task("t1", other, src) == ((0, 0), ErrorCode.INVALID_PARAMS)  # holds none
+    assert a.create_move_task("t1", src, other)[1] == 0 and n() == 1
+    assert a.get_replica_desc("t1")[0].get_memory_descriptor().buffer_descriptor.transport_endpoint == other
+    assert b.get("t1") == data
+    # The mover's segment goes with its client: the object, now only there, goes too.
+    (a if other == ha else b).close()
+    survivor = b if other == ha else a
+    assert survivor.is_exist("t1") == 0
+    survivor.close()

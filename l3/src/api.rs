@@ -117,6 +117,21 @@ pub trait L3Store: Send + Sync {
     /// ECMAScript `regex_search`, see [`crate::KeyPattern`]); leased or unfinished objects
     /// stay unless `force`. Returns the count; -600 for an invalid pattern, nothing removed.
     fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64>;
+    /// `CreateCopyTask` for one target: adds a memory replica of the tenant's key in segment
+    /// `target` (run to completion before returning). `Ok(false)` when that segment already
+    /// holds one. -704 for a missing key, -600 for a segment that is not mounted, -1011
+    /// where the bytes live in store nodes (split deployment).
+    fn copy_replica(&self, tenant: &Tenant, key: &str, target: SegmentId) -> L3Result<bool>;
+    /// `CreateMoveTask`: the key's memory replica in `source` moves to `target` (copy, then
+    /// the source replica is freed). -600 when `source == target`, either segment is not
+    /// mounted or `source` holds no replica of the key; -704 for a missing key.
+    fn move_replica(
+        &self,
+        tenant: &Tenant,
+        key: &str,
+        source: SegmentId,
+        target: SegmentId,
+    ) -> L3Result<()>;
     /// `MountSegment`: a client contributes `capacity` bytes of DRAM.
     fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()>;
     /// `UnmountSegment`: its memory replicas are dropped.

@@ -290,6 +290,10 @@ pub enum L3Error {
     /// -1: a bug or an unexpected OS failure.
     #[error("internal error: {0} (-1)")]
     Internal(String),
+    /// -1011: this deployment mode cannot do the call (appended: earlier variants keep
+    /// their wire numbers).
+    #[error("unavailable in current mode: {0} (-1011)")]
+    UnavailableInMode(String),
 }
 
 impl L3Error {
@@ -317,6 +321,7 @@ impl L3Error {
             L3Error::RpcFail(_) => ErrorCode::RpcFail,
             L3Error::Unavailable(_) => ErrorCode::UnavailableInCurrentStatus,
             L3Error::Internal(_) => ErrorCode::InternalError,
+            L3Error::UnavailableInMode(_) => ErrorCode::UnavailableInCurrentMode,
         }
     }
 

@@ -931,6 +931,22 @@ impl L3Store for EmbeddedStore {
         Ok(removed.len() as u64)
     }
 
+    fn copy_replica(&self, tenant: &Tenant, key: &str, target: SegmentId) -> L3Result<bool> {
+        validate_key(key)?;
+        self.inner.master.lock().copy_replica(tenant, key, target)
+    }
+
+    fn move_replica(
+        &self,
+        tenant: &Tenant,
+        key: &str,
+        source: SegmentId,
+        target: SegmentId,
+    ) -> L3Result<()> {
+        validate_key(key)?;
+        (self.inner.master.lock()).move_replica(tenant, key, source, target)
+    }
+
     fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()> {
         let now = self.inner.clock.now_ms();
         self.inner

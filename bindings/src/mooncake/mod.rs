@@ -526,6 +526,42 @@ impl MooncakeCore {
         py.detach(|| size_code(s.remove_by_regex(&t, &pattern, force)))
     }
 
+    /// Mooncake's `create_copy_task(key, targets)`, run to completion: 0, or the first
+    /// negative code (-600 for no target or a name that is no segment, checked before any
+    /// copy; -704 for a missing key). A target that already holds a replica is skipped.
+    fn copy_replica(&self, py: Python<'_>, key: String, targets: Vec<String>) -> i64 {
+        let Some((s, t)) = self.handle() else {
+            return NOT_INITIALIZED;
+        };
+        let segs: Option<Vec<_>> = targets.iter().map(|n| segment::segment_by_name(n)).collect();
+        let Some(segs) = segs.filter(|v| !v.is_empty()) else {
+            return ErrorCode::InvalidParams as i64;
+        };
+        py.detach(|| {
+            for seg in segs {
+                if let Err(e) = s.copy_replica(&t, &key, seg) {
+                    return i64::from(e.code_i32());
+                }
+            }
+            0
+        })
+    }
+
+    /// Mooncake's `create_move_task(key, source, target)`, run to completion: 0 or a
+    /// negative code (-600 for a name that is no segment).
+    fn move_replica(&self, py: Python<'_>, key: String, source: &str, target: &str) -> i64 {
+        let Some((s, t)) = self.handle() else {
+            return NOT_INITIALIZED;
+        };
+        let (Some(src), Some(dst)) = (
+            segment::segment_by_name(source),
+            segment::segment_by_name(target),
+        ) else {
+            return ErrorCode::InvalidParams as i64;
+        };
+        py.detach(|| code_of(&s.move_replica(&t, &key, src, dst)))
+    }
+
     /// 0 when the store answers, else a negative code.
     fn health_check(&self, py: Python<'_>) -> i64 {
         let Some((s, _)) = self.handle() else {

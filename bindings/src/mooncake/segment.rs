@@ -48,6 +48,24 @@ pub(crate) fn segment_name(seg: SegmentId) -> String {
     }
 }
 
+/// The segment a Mooncake segment name stands for: a client's `get_hostname()` (a segment
+/// mounted by this process), `"embedded"`, or `"segment-<id>"` as [`segment_name`] reports
+/// them. None for any other name (Mooncake's -600 for an unknown segment).
+pub(crate) fn segment_by_name(name: &str) -> Option<SegmentId> {
+    if let Some((&id, _)) = names().lock().iter().find(|(_, n)| n.as_str() == name) {
+        return Some(SegmentId(id));
+    }
+    if name == "embedded" {
+        return Some(kvtier_l3::store::LOCAL_SEGMENT);
+    }
+    let id = name.strip_prefix("segment-")?;
+    // Only the canonical spelling (no sign, no leading zeros) names a segment.
+    id.parse::<u64>()
+        .ok()
+        .filter(|v| v.to_string() == id)
+        .map(SegmentId)
+}
+
 /// Client and segment ids unique in this process (0 is the embedded store's own).
 fn next_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);

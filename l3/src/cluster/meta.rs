@@ -273,6 +273,14 @@ impl Drop for ClusterMaster {
     }
 }
 
+/// Replica copy/move in a split deployment would need a node-to-node transfer of the bytes
+/// (the master holds none): not implemented, so -1011 (UNAVAILABLE_IN_CURRENT_MODE).
+fn split_replica_tasks() -> L3Error {
+    L3Error::UnavailableInMode(
+        "replica copy/move tasks need node-to-node transfers in a split deployment".into(),
+    )
+}
+
 impl L3Store for ClusterMaster {
     fn put_start(&self, tenant: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
         self.put_start_one(tenant, key, size, ReplicateConfig::default())
@@ -404,6 +412,20 @@ impl L3Store for ClusterMaster {
             m.queue_tombstone(node, loc);
         }
         Ok(removed.len() as u64)
+    }
+
+    fn copy_replica(&self, _tenant: &Tenant, _key: &str, _target: SegmentId) -> L3Result<bool> {
+        Err(split_replica_tasks())
+    }
+
+    fn move_replica(
+        &self,
+        _tenant: &Tenant,
+        _key: &str,
+        _source: SegmentId,
+        _target: SegmentId,
+    ) -> L3Result<()> {
+        Err(split_replica_tasks())
     }
 
     fn mount_segment(&self, _client: ClientId, _segment: SegmentId, _cap: u64) -> L3Result<()> {

@@ -342,3 +342,4 @@ mod clients;
 mod nodes;
 mod objects;
 mod placement;
+mod replicas;

@@ -280,6 +280,29 @@ impl<B: Backend> L3Rpc for Conn<B> {
             .await
     }
 
+    async fn copy_replica(
+        self,
+        _: Context,
+        tenant: Tenant,
+        key: String,
+        target: SegmentId,
+    ) -> L3Result<bool> {
+        self.blocking(move |s| s.copy_replica(&tenant, &key, target))
+            .await
+    }
+
+    async fn move_replica(
+        self,
+        _: Context,
+        tenant: Tenant,
+        key: String,
+        source: SegmentId,
+        target: SegmentId,
+    ) -> L3Result<()> {
+        self.blocking(move |s| s.move_replica(&tenant, &key, source, target))
+            .await
+    }
+
     async fn mount_segment(
         self,
         _: Context,

@@ -255,4 +255,14 @@ pub trait L3Rpc {
     /// `RemoveByRegex` (see [`crate::KeyPattern`]). Appended after the calls above, which
     /// keep their wire numbers.
     async fn remove_by_regex(tenant: Tenant, pattern: String, force: bool) -> L3Result<u64>;
+    /// `CreateCopyTask` for one target segment (appended: earlier calls keep their wire
+    /// numbers).
+    async fn copy_replica(tenant: Tenant, key: String, target: SegmentId) -> L3Result<bool>;
+    /// `CreateMoveTask` (appended after `copy_replica`).
+    async fn move_replica(
+        tenant: Tenant,
+        key: String,
+        source: SegmentId,
+        target: SegmentId,
+    ) -> L3Result<()>;
 }

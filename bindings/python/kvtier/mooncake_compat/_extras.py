@@ -6,25 +6,35 @@ Sessions are emulated on the client: ``batch_put_session_start`` reserves a zero
 buffer per key, ranged puts copy registered memory into it, ``batch_put_session_end`` stores
 it (``revoke`` drops it); a get session needs no cached state in kvtier (every ranged read
 looks the object up). Calls that need what kvtier does not have return a documented code:
-segment mounting beyond ``setup`` (kvtier's store owns its memory) and replica copy/move
-tasks return -1011 UNAVAILABLE_IN_CURRENT_MODE; ``query_task`` finds no task (-1400).
+segment mounting beyond ``setup`` (kvtier's store owns its memory) returns -1011
+UNAVAILABLE_IN_CURRENT_MODE.
+
+Replica tasks (``create_copy_task``, ``create_move_task``) run in the store (embedded, server)
+and are complete when the call returns: Mooncake hands them to a client to execute and
+``query_task`` reports PENDING until then; kvtier records each created task as SUCCESS, so
+``query_task`` answers what Mooncake answers once the task has run. Segments are named as
+Mooncake names them: a client's ``get_hostname()``, or the names kvtier reports in replica
+descriptors. A split deployment (``--role master``) returns -1011 for them.
 ``remove_by_regex`` runs in the store (embedded, server or split master), which filters the
 caller's tenant's keys itself: no key listing crosses to Python.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import random
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 from ._setup import check_int, check_str
-from ._types import ErrorCode, ReplicateConfig, config_code
+from ._types import ErrorCode, QueryTaskResponse, ReplicateConfig, TaskStatus, TaskType, config_code
 
 INVALID = int(ErrorCode.INVALID_PARAMS)
 UNAVAILABLE = int(ErrorCode.UNAVAILABLE_IN_CURRENT_MODE)
 
 
 class ExtraCalls:
-    """Mixin: needs ``self._core`` and ``self._sessions`` (key → staging bytearray)."""
+    """Mixin: needs ``self._core``, ``self._sessions`` (key → staging bytearray) and
+    ``self._tasks`` (task id → QueryTaskResponse)."""
 
     # ---- put sessions ---------------------------------------------------------------------
 
@@ -127,13 +137,50 @@ class ExtraCalls:
         return UNAVAILABLE
 
     def create_copy_task(self, key: str, targets: List[str]) -> Tuple[Tuple[int, int], int]:
-        return (0, 0), UNAVAILABLE
+        """Adds a replica of ``key`` in each target segment (one already there is kept):
+        ``(task id, 0)``, or ``((0, 0), code)``: -704 missing key, -600 no target or an
+        unknown segment (checked before any copy)."""
+        key = check_str(key, "key")
+        if not isinstance(targets, (list, tuple)):
+            raise TypeError(f"targets: expected a list of str, got {type(targets).__name__}")
+        targets = [check_str(t, "targets[i]") for t in targets]
+        return self._task(TaskType.REPLICA_COPY, self._core.copy_replica(key, targets))
 
     def create_move_task(self, key: str, source: str, target: str) -> Tuple[Tuple[int, int], int]:
-        return (0, 0), UNAVAILABLE
+        """Moves the replica of ``key`` in ``source`` to ``target``: ``(task id, 0)``, or
+        ``((0, 0), code)``: -704 missing key, -600 unknown segment, ``source == target`` or
+        no replica in ``source``."""
+        rc = self._core.move_replica(check_str(key, "key"), check_str(source, "source"),
+                                     check_str(target, "target"))
+        return self._task(TaskType.REPLICA_MOVE, rc)
 
-    def query_task(self, task_id: Tuple[int, int]) -> Tuple[None, int]:
-        return None, int(ErrorCode.TASK_NOT_FOUND)
+    def _task(self, kind: TaskType, rc: int) -> Tuple[Tuple[int, int], int]:
+        if rc != 0:
+            return (0, 0), rc
+        now = int(time.time() * 1000)
+        r = QueryTaskResponse()
+        r.id = (random.getrandbits(64), random.getrandbits(64))
+        r.type, r.status = kind, TaskStatus.SUCCESS
+        r.created_at_ms_epoch = r.last_updated_at_ms_epoch = now
+        r.assigned_client = self._client_id
+        r.message = "Task completed successfully"
+        self._tasks[r.id] = r
+        return r.id, 0
+
+    @property
+    def _client_id(self) -> Tuple[int, int]:
+        cid = getattr(self, "_task_client", None)
+        if cid is None:
+            cid = self._task_client = (random.getrandbits(64), random.getrandbits(64))
+        return cid
+
+    def query_task(self, task_id: Tuple[int, int]) -> Tuple[Optional[QueryTaskResponse], int]:
+        """The task's response and 0, or ``(None, -1400)`` for an id this client did not
+        create."""
+        if not isinstance(task_id, tuple) or len(task_id) != 2:
+            raise TypeError("query_task(): task_id must be tuple[int, int]")
+        r = self._tasks.get((check_int(task_id[0], "task_id[0]"), check_int(task_id[1], "task_id[1]")))
+        return (None, int(ErrorCode.TASK_NOT_FOUND)) if r is None else (r, 0)
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         """Removes the keys in which the pattern is found (Mooncake's ECMAScript

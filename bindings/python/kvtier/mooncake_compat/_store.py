@@ -8,14 +8,14 @@ the GIL released) is ``kvtier._native.MooncakeCore``.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._native import L3Store, MooncakeCore
 from . import _setup
 from ._extras import ExtraCalls
 from ._setup import check_int, check_str
 from ._tensor_api import TensorCalls
-from ._types import BufferHandle, ErrorCode, ReplicaDescriptor, ReplicateConfig, config_code
+from ._types import BufferHandle, ErrorCode, QueryTaskResponse, ReplicaDescriptor, ReplicateConfig, config_code
 
 INVALID = int(ErrorCode.INVALID_PARAMS)
 NO_BUFFER = INVALID  # Mooncake: a bytes put without a local buffer (local_buffer_size=0)
@@ -53,6 +53,7 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
         self._hostname = ""
         self._local_buffer = _setup.DEFAULT_SIZE
         self._sessions: Dict[str, bytearray] = {}
+        self._tasks: Dict[Tuple[int, int], QueryTaskResponse] = {}
 
     # ---- lifecycle --------------------------------------------------------------------
 

@@ -67,8 +67,8 @@ class ReplicaStatus(enum.IntEnum):
 class TaskStatus(enum.IntEnum):
     PENDING = 0
     PROCESSING = 1
-    SUCCESS = 2
-    FAILED = 3
+    SUCCESS = 3
+    FAILED = 2
 
 
 class TaskType(enum.IntEnum):
@@ -220,7 +220,8 @@ class ReadTarget:
 
 
 class QueryTaskResponse:
-    """Response of ``query_task`` (kvtier runs no replica tasks: never returned)."""
+    """Response of ``query_task``: kvtier's replica tasks run to completion in the call that
+    creates them, so a task is reported ``SUCCESS`` (or ``FAILED``) from the start."""
 
     def __init__(self) -> None:
         self.id = (0, 0)
@@ -228,5 +229,12 @@ class QueryTaskResponse:
         self.status = TaskStatus.PENDING
         self.created_at_ms_epoch = 0
         self.last_updated_at_ms_epoch = 0
-        self.assigned_client = ""
+        self.assigned_client = (0, 0)
         self.message = ""
+
+    def __repr__(self) -> str:
+        return (f"QueryTaskResponse(id={self.id[0]}-{self.id[1]}, type={int(self.type)}, "
+                f"status={int(self.status)}, created_at={self.created_at_ms_epoch}, "
+                f"last_updated_at={self.last_updated_at_ms_epoch}, "
+                f"assigned_client={self.assigned_client[0]}-{self.assigned_client[1]}, "
+                f'message="{self.message}")')

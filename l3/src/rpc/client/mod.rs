@@ -485,6 +485,31 @@ impl L3Store for RemoteStore {
         ))
     }
 
+    fn copy_replica(&self, tenant: &Tenant, key: &str, target: SegmentId) -> L3Result<bool> {
+        crate::types::validate_key(key)?;
+        self.run(
+            self.client
+                .copy_replica(self.ctx(), tenant.clone(), key.to_string(), target),
+        )
+    }
+
+    fn move_replica(
+        &self,
+        tenant: &Tenant,
+        key: &str,
+        source: SegmentId,
+        target: SegmentId,
+    ) -> L3Result<()> {
+        crate::types::validate_key(key)?;
+        self.run(self.client.move_replica(
+            self.ctx(),
+            tenant.clone(),
+            key.to_string(),
+            source,
+            target,
+        ))
+    }
+
     fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()> {
         self.run(
             self.client
