@@ -58,6 +58,8 @@ def replica_tasks(s, setup_store, master):
     out["move_unknown_source"] = move("tk-1", "nope:1", hb)
     out["move_unknown_target"] = move("tk-1", ha, "nope:1")
     out["move_missing_key"] = move("tk-nope", ha, hb)
+    out["move_missing_key_bad_segment"] = move("tk-nope", ha, "nope:1")
+    out["copy_no_target_missing_key"] = copy("tk-nope", [])
     out["move_onto_holder"] = move("tk-1", ha, hb)
     out["move_back"] = move("tk-1", hb, ha)
     out["move_from_empty"] = move("tk-1", hb, ha)

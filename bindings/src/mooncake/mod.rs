@@ -63,6 +63,16 @@ pub struct MooncakeCore {
     pool: Mutex<Option<(Box<[u8]>, usize)>>,
 }
 
+/// The code of a replica task naming no segment: -704 if the key is missing (Mooncake looks
+/// the key up first, measured side by side), else -600.
+fn bad_segment_code(s: &dyn L3Store, t: &Tenant, key: &str) -> i64 {
+    match s.is_exist(t, key) {
+        Ok(true) => ErrorCode::InvalidParams as i64,
+        Ok(false) => ErrorCode::ObjectNotFound as i64,
+        Err(e) => i64::from(e.code_i32()),
+    }
+}
+
 #[pymethods]
 impl MooncakeCore {
     #[new]
@@ -527,17 +537,25 @@ impl MooncakeCore {
     }
 
     /// Mooncake's `create_copy_task(key, targets)`, run to completion: 0, or the first
-    /// negative code (-600 for no target or a name that is no segment, checked before any
-    /// copy; -704 for a missing key). A target that already holds a replica is skipped.
+    /// negative code (-600 for no target, or for a name that is no segment when the key
+    /// exists, checked before any copy; -704 for a missing key). A target that already
+    /// holds a replica is skipped.
     fn copy_replica(&self, py: Python<'_>, key: String, targets: Vec<String>) -> i64 {
         let Some((s, t)) = self.handle() else {
             return NOT_INITIALIZED;
         };
-        let segs: Option<Vec<_>> = targets.iter().map(|n| segment::segment_by_name(n)).collect();
-        let Some(segs) = segs.filter(|v| !v.is_empty()) else {
+        let segs: Option<Vec<_>> = targets
+            .iter()
+            .map(|n| segment::segment_by_name(n))
+            .collect();
+        if targets.is_empty() {
+            // Refused before the key is looked up (Mooncake: -600 even for a missing key).
             return ErrorCode::InvalidParams as i64;
-        };
+        }
         py.detach(|| {
+            let Some(segs) = segs else {
+                return bad_segment_code(s.as_ref(), &t, &key);
+            };
             for seg in segs {
                 if let Err(e) = s.copy_replica(&t, &key, seg) {
                     return i64::from(e.code_i32());
@@ -553,13 +571,15 @@ impl MooncakeCore {
         let Some((s, t)) = self.handle() else {
             return NOT_INITIALIZED;
         };
-        let (Some(src), Some(dst)) = (
-            segment::segment_by_name(source),
-            segment::segment_by_name(target),
-        ) else {
-            return ErrorCode::InvalidParams as i64;
-        };
-        py.detach(|| code_of(&s.move_replica(&t, &key, src, dst)))
+        py.detach(|| {
+            match (
+                segment::segment_by_name(source),
+                segment::segment_by_name(target),
+            ) {
+                (Some(src), Some(dst)) => code_of(&s.move_replica(&t, &key, src, dst)),
+                _ => bad_segment_code(s.as_ref(), &t, &key),
+            }
+        })
     }
 
     /// 0 when the store answers, else a negative code.

@@ -18,17 +18,16 @@ use super::*;
 impl Master {
     /// Adds a memory replica of `key` in segment `target` (nothing if one is there already).
     /// Returns whether a replica was added.
-    pub fn copy_replica(
-        &mut self,
-        t: &Tenant,
-        key: &str,
-        target: SegmentId,
-    ) -> L3Result<bool> {
+    pub fn copy_replica(&mut self, t: &Tenant, key: &str, target: SegmentId) -> L3Result<bool> {
         let (size, src) = self.replica_source(t, key)?;
         let tgt = self.local_segment(target)?;
         let o = self.obj(t, key).ok_or(L3Error::ObjectNotFound)?;
         let owner_has = o.mem.iter().any(|r| {
-            r.seg == target || self.segments.get(r.seg).is_some_and(|s| s.owner == tgt.owner)
+            r.seg == target
+                || self
+                    .segments
+                    .get(r.seg)
+                    .is_some_and(|s| s.owner == tgt.owner)
         });
         if owner_has {
             return Ok(false);
