@@ -66,7 +66,8 @@ def test_compat_class_matches_real_mooncake(driver_result):
 
 def test_added_api_matches_real_mooncake(driver_result):
     """Upserts, buffers, replica calls, ranged reads, tensors (bytes of the stored layout
-    included), setup semantics: the same results on the real class and on kvtier's."""
+    included), replica copy/move tasks (codes, task reports, replica counts after each),
+    setup semantics: the same results on the real class and on kvtier's."""
     real, compat = driver_result["real_api"], driver_result["compat_api"]
     assert set(real) == set(compat)
     diff = {k: (real[k], compat[k]) for k in real if real[k] != compat[k]}
@@ -75,6 +76,13 @@ def test_added_api_matches_real_mooncake(driver_result):
     assert real["tp_uneven"] == -600 and real["get_tensor"][1] == [2, 3]
     assert (real["regex_search"], real["regex_leased"], real["regex_leased_force"]) == (3, 0, 1)
     assert real["regex_invalid"] == [-600] * 6 and real["regex_left"] == [0] * 6
+    # replica tasks: [code, task report or id, replica count after]
+    done = "Task completed successfully"
+    assert real["copy_missing_key"][0] == -704 and real["copy_unknown_target"] == [-600, [0, 0], 1]
+    assert real["copy_both"] == [0, [0, 3, done, True], 2] and real["copy_again_holder"][2] == 2
+    assert real["move_onto_holder"] == [0, [1, 3, done, True], 1] and real["move_back"][2] == 1
+    assert real["move_same_segment"][0] == real["move_from_empty"][0] == -600
+    assert real["get_after_moves"] is True
 
 
 def test_executor_serves_through_real_mooncake(driver_result):
