@@ -42,7 +42,7 @@ impl Scheduler {
         if covered >= want {
             return;
         }
-        let mut victims: Vec<(NodeId, usize)> = Vec::new();
+        let mut victims: Vec<NodeId> = Vec::new();
         for node in self.cache.evictable_lru::<Device>() {
             if covered >= want {
                 break;
@@ -50,48 +50,48 @@ impl Scheduler {
             let len = self.cache.node_hashes(node).map_or(0, |h| h.len());
             covered += len;
             if self.cache.is_resident(node, TierKind::Host) != Ok(true) {
-                victims.push((node, len));
+                victims.push(node);
             }
         }
-        for (node, _) in victims {
+        for node in victims {
             // A leaf host has no room for (everything there is warmer) is left for device to
             // drop; a warmer one behind it may still fit.
             self.plan_demotion(node);
         }
     }
 
-    /// Writes `end`'s path back to host from its first node host lacks. False when host could
-    /// not give the pages (nothing planned, nothing held).
-    fn plan_demotion(&mut self, end: NodeId) -> bool {
+    /// Writes `end`'s path back to host from its first node host lacks; plans nothing (and
+    /// holds nothing) when host cannot give the pages.
+    fn plan_demotion(&mut self, end: NodeId) {
         let Ok(path) = self.cache.path_nodes(end) else {
-            return false;
+            return;
         };
         let Some(&(_, from, _)) = path
             .iter()
             .find(|(n, _, _)| self.cache.is_resident(*n, TierKind::Host) != Ok(true))
         else {
-            return true;
+            return;
         };
         let Ok(to) = self.cache.node_end(end) else {
-            return false;
+            return;
         };
         let Ok(above) = self.cache.node_at_depth(end, from) else {
-            return false;
+            return;
         };
         let Ok(dev_lock) = self.cache.lock::<Device>(end) else {
-            return false;
+            return;
         };
         let host_lock = match self.cache.lock::<Host>(above) {
             Ok(l) => l,
             Err(_) => {
                 release::unlock(&mut self.cache, &mut self.stats, dev_lock);
-                return false;
+                return;
             }
         };
         let Some(dst) = self.alloc_demotion(end, to - from) else {
             release::unlock(&mut self.cache, &mut self.stats, host_lock);
             release::unlock(&mut self.cache, &mut self.stats, dev_lock);
-            return false;
+            return;
         };
         let src = match self.cache.path_pages_from::<Device>(end, from) {
             Ok(src) if src.len() == dst.len() => src,
@@ -101,7 +101,7 @@ impl Scheduler {
                 release::free(&mut self.cache, &mut self.stats, &dst);
                 release::unlock(&mut self.cache, &mut self.stats, host_lock);
                 release::unlock(&mut self.cache, &mut self.stats, dev_lock);
-                return false;
+                return;
             }
         };
         self.demoting_pages += dst.len();
@@ -121,7 +121,6 @@ impl Scheduler {
                 dst,
             },
         );
-        true
     }
 
     /// Host pages for demoting `n` pages of `end`: only host leaves colder than `end` make

@@ -40,6 +40,7 @@ use crate::types::{
 };
 
 mod routing;
+use routing::Retry;
 
 type NodeConn = Arc<parking_lot::Mutex<Option<XferClient>>>;
 
@@ -246,31 +247,47 @@ impl RemoteStore {
 
     /// Runs an idempotent call on the transfer channel, reconnecting (once) when the
     /// connection is gone or broke during the previous call.
-    fn with_xfer<T>(&self, mut f: impl FnMut(&mut XferClient) -> L3Result<T>) -> L3Result<T> {
+    fn with_xfer<T>(&self, f: impl FnMut(&mut XferClient) -> L3Result<T>) -> L3Result<T> {
         let Some((addr, slot)) = &self.xfer else {
             return Err(L3Error::Unavailable("no transfer channel".into()));
         };
-        let mut guard = slot.lock();
-        for attempt in 0..2 {
-            if guard.is_none() {
-                *guard = Some(XferClient::connect(
-                    *addr,
+        self.on_conn(*addr, &mut slot.lock(), Retry::Once, f)
+    }
+
+    /// Runs `f` on the data connection in `conn` to `addr`, opening it first if needed. A
+    /// transport failure drops the connection; with `Retry::Once` (idempotent calls only) `f`
+    /// runs once more on a fresh one. The one reconnect loop of the transfer channel and of
+    /// the store nodes.
+    fn on_conn<T>(
+        &self,
+        addr: SocketAddr,
+        conn: &mut Option<XferClient>,
+        retry: Retry,
+        mut f: impl FnMut(&mut XferClient) -> L3Result<T>,
+    ) -> L3Result<T> {
+        let attempts = match retry {
+            Retry::Once => 2,
+            Retry::Never => 1,
+        };
+        let mut last = L3Error::RpcFail("data connection unavailable".into());
+        for _ in 0..attempts {
+            let c = match conn {
+                Some(c) => c,
+                None => conn.insert(XferClient::connect(
+                    addr,
                     self.opts.token.clone(),
                     self.frame_cap(),
-                )?);
-            }
-            let Some(conn) = guard.as_mut() else { continue };
-            match f(conn) {
+                )?),
+            };
+            match f(c) {
                 Err(L3Error::RpcFail(m)) => {
-                    *guard = None;
-                    if attempt == 1 {
-                        return Err(L3Error::RpcFail(m));
-                    }
+                    *conn = None;
+                    last = L3Error::RpcFail(m);
                 }
                 other => return other,
             }
         }
-        Err(L3Error::RpcFail("transfer channel unavailable".into()))
+        Err(last)
     }
 
     fn get_chunks(

@@ -34,33 +34,10 @@ impl RemoteStore {
         &self,
         addr: SocketAddr,
         retry: Retry,
-        mut f: impl FnMut(&mut XferClient) -> L3Result<T>,
+        f: impl FnMut(&mut XferClient) -> L3Result<T>,
     ) -> L3Result<T> {
         let slot = self.nodes.lock().entry(addr).or_default().clone();
-        let mut guard = slot.lock();
-        let attempts = match retry {
-            Retry::Once => 2,
-            Retry::Never => 1,
-        };
-        let mut last = L3Error::RpcFail("store node unavailable".into());
-        for _ in 0..attempts {
-            if guard.is_none() {
-                *guard = Some(XferClient::connect(
-                    addr,
-                    self.opts.token.clone(),
-                    self.frame_cap(),
-                )?);
-            }
-            let Some(conn) = guard.as_mut() else { continue };
-            match f(conn) {
-                Err(L3Error::RpcFail(m)) => {
-                    *guard = None;
-                    last = L3Error::RpcFail(m);
-                }
-                other => return other,
-            }
-        }
-        Err(last)
+        self.on_conn(addr, &mut slot.lock(), retry, f)
     }
 
     /// Split deployment: reads through the master's descriptors from the nodes.
