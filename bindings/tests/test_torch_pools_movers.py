@@ -199,7 +199,7 @@ def test_gpu_movers_raise_a_typed_error_where_they_cannot_run(monkeypatch):
 KERNEL_SCRIPT = textwrap.dedent(
     """
     import numpy as np, torch
-    from kvtier.torch import Direction, make_mover
+    from kvtier.torch import DevicePool, Direction, HostPool, make_mover
     from test_torch_pools_movers import layouts, filled_pools, expected_after, assert_pools
     for which in (0, 1):
         lay = layouts()[which]
@@ -211,6 +211,29 @@ KERNEL_SCRIPT = textwrap.dedent(
             m.check_pools(dev, host)
             m.copy(direction, dev, host, dp, hp, range(lay.num_layers))
             assert_pools(dev, host, d, h)
+    # two lanes launching at once (the executor's load and store lanes do): the interpreter is
+    # not thread-safe, the mover serializes its launches; both copies must land
+    import sys, threading
+    sys.setswitchinterval(1e-6)  # switch threads often, so the launches interleave
+    lay = layouts()[0]
+    dev, host = filled_pools(lay, 10, 12, seed=6)
+    jobs = [(Direction.LOAD, np.array([1, 2, 3]), np.array([4, 5, 6])),
+            (Direction.STORE, np.array([7, 8, 9]), np.array([0, 10, 11]))]
+    d, h = expected_after(jobs[0][0], dev, host, jobs[0][1], jobs[0][2])
+    d, h = expected_after(jobs[1][0], DevicePool(lay, d), HostPool.wrap(lay, h), jobs[1][1], jobs[1][2])
+    m = make_mover("kernel", max_blocks=2, block_words=4)
+    errors = []
+    def run(job):
+        try:
+            for _ in range(10):
+                m.copy(job[0], dev, host, job[1], job[2], range(lay.num_layers))
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(j,)) for j in jobs]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    assert_pools(dev, host, d, h)
     from kvtier.torch import KVLayout, PoolLayoutError
     odd = KVLayout.mla(num_layers=1, latent_dim=3, page_size=3, dtype=torch.bfloat16)  # 18-byte chunks
     dev, host = filled_pools(odd, 2, 2)

@@ -10,13 +10,17 @@ share of the descriptors.
 The kernel reads ``[n, 3]`` int64 descriptors ``(dst, src, bytes)`` and copies 8-byte words,
 so chunk sizes and addresses must be multiples of 8 (checked). It also runs under Triton's
 CPU interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how CI tests the kernel's
-logic without a GPU.
+logic without a GPU. The interpreter is not thread-safe (it swaps ``triton.language``'s
+functions for the length of a run), so interpreted launches are serialized by a lock; on a GPU
+launches from several lanes run at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -31,6 +35,9 @@ __all__ = ["KernelMover", "interpreted"]
 def interpreted() -> bool:
     """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_INTERPRETER_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,4 +104,5 @@ class KernelMover(Mover):
         if device.device.type == "cuda":
             arr = arr.pin_memory().to(device.device, non_blocking=True)
         grid = (min(n, self.max_blocks),)
-        self.kernel[grid](arr, n, BLOCK=self.block_words)
+        with _INTERPRETER_LOCK if interpreted() else contextlib.nullcontext():
+            self.kernel[grid](arr, n, BLOCK=self.block_words)
