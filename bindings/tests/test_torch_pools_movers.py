@@ -196,6 +196,32 @@ def test_gpu_movers_raise_a_typed_error_where_they_cannot_run(monkeypatch):
         make_mover("rdma")
 
 
+def test_dma_batches_reach_the_cuda_runtime_through_the_real_cuda_python():
+    """The dma mover's call into cuda-python (torch's own dependency, so CI has it) with real
+    descriptors: every argument is accepted (a wrong type would raise TypeError before the
+    call) and, with no driver here, the runtime's refusal comes back as a CopyError."""
+    from kvtier.torch import CopyError
+    from kvtier.torch.movers.dma import batch_attributes, issue_batch, runtime_module
+
+    rt = runtime_module()
+    lay = layouts()[0]
+    dev, host = filled_pools(lay, 10, 12)
+    desc = build(Direction.LOAD, dev, host, np.array([1, 2, 7]), np.array([3, 4, 0]), range(lay.num_layers))
+    assert len(desc) > 0
+    host_t, dev_t = rt.cudaMemLocationType.cudaMemLocationTypeHost, rt.cudaMemLocationType.cudaMemLocationTypeDevice
+    load, store = batch_attributes(rt, Direction.LOAD, 0), batch_attributes(rt, Direction.STORE, 0)
+    assert (load.srcLocHint.type, load.dstLocHint.type) == (host_t, dev_t)
+    assert (store.srcLocHint.type, store.dstLocHint.type) == (dev_t, host_t)
+    assert load.srcAccessOrder == rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+    issue_batch(rt, build(Direction.LOAD, dev, host, np.array([], np.int64), np.array([], np.int64), [0]), load, 0)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: test_torch_gpu.py runs real batches")
+    before = [t.clone() for comps in dev.tensors for t in comps]
+    with pytest.raises(CopyError, match="cudaError"):
+        issue_batch(rt, desc, load, 0)
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for comps in dev.tensors for t in comps)))
+
+
 KERNEL_SCRIPT = textwrap.dedent(
     """
     import numpy as np, torch

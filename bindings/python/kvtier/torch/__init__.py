@@ -18,7 +18,7 @@ paged KV. See docs/torch.md.
 
 from __future__ import annotations
 
-from .errors import ExecutorError, KvtierTorchError, MoverUnavailableError, PoolLayoutError
+from .errors import CopyError, ExecutorError, KvtierTorchError, MoverUnavailableError, PoolLayoutError
 from .executor import Executor, ExecutorStats, LoadWait, Ordering
 from .lanes import Lane, Signal
 from .movers import MOVERS, Direction, Mover, TorchMover, make_mover
@@ -29,6 +29,7 @@ __all__ = [
     "DevicePool",
     "Direction",
     "Executor",
+    "CopyError",
     "ExecutorError",
     "ExecutorStats",
     "HostOrder",

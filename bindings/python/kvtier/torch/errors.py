@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import KvtierError
 
-__all__ = ["KvtierTorchError", "MoverUnavailableError", "PoolLayoutError", "ExecutorError"]
+__all__ = ["KvtierTorchError", "MoverUnavailableError", "PoolLayoutError", "ExecutorError", "CopyError"]
 
 
 class KvtierTorchError(KvtierError):
@@ -27,3 +27,8 @@ class PoolLayoutError(KvtierTorchError, ValueError):
 
 class ExecutorError(KvtierTorchError):
     """An op the executor cannot run (unknown tier, a page outside the pool, a closed executor)."""
+
+
+class CopyError(KvtierTorchError):
+    """The CUDA runtime refused a copy a mover issued (the message carries its error code); the
+    op it belonged to completes as failed."""
