@@ -13,7 +13,7 @@ fn tokens(seed: u32, n_pages: usize) -> Vec<u32> {
         .collect()
 }
 
-fn main() -> Result<(), RadixError> {
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut cache = RadixCache::new(RadixConfig {
         page_size: PS,
         device_pages: 24,

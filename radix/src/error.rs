@@ -56,3 +56,34 @@ pub enum RadixError {
     #[error("page {page} of the inserted run does not continue the path (hash mismatch)")]
     NotAContinuation { page: usize },
 }
+
+/// A lock transition the cache refused, with the handle handed back unchanged: still valid
+/// wherever it was valid before the call, so the caller keeps it or gives it back and nothing
+/// is pinned forever by a handle lost in an error path.
+pub struct Refused<H> {
+    /// Why the cache refused.
+    pub error: RadixError,
+    /// The handle the call took, untouched.
+    pub handle: H,
+}
+
+impl<H: std::fmt::Debug> std::fmt::Debug for Refused<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Refused")
+            .field("error", &self.error)
+            .field("handle", &self.handle)
+            .finish()
+    }
+}
+
+impl<H> std::fmt::Display for Refused<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "refused: {}", self.error)
+    }
+}
+
+impl<H: std::fmt::Debug> std::error::Error for Refused<H> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}

@@ -31,7 +31,7 @@ pub mod tenant;
 mod tier;
 
 pub use cache::{InsertOutcome, InsertOwner, PrefixMatch, RadixCache, RadixConfig, TierUsage};
-pub use error::RadixError;
+pub use error::{RadixError, Refused};
 pub use events::{KvEvent, ScopeLabel};
 pub use evict::{EvictOutcome, EvictedNode};
 pub use hash::{

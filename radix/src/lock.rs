@@ -6,6 +6,10 @@
 //! ancestors on that tier. The caller gets a [`LockHandle`] that is neither `Clone` nor `Copy`
 //! and must be given back with [`RadixCache::unlock`]; every live lock is also recorded in the
 //! cache, so [`RadixCache::outstanding_locks`] finds any that were never given back.
+//!
+//! A refused `unlock` or `relock` hands the handle back inside [`Refused`] (as Dynamo's
+//! `stage(self) -> Result<_, BlockError<MutableBlock>>` does): a handle consumed by a failed
+//! call could never be given back, and its path would stay pinned for the cache's lifetime.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -13,7 +17,7 @@ use std::marker::PhantomData;
 use slotmap::new_key_type;
 
 use crate::cache::RadixCache;
-use crate::error::RadixError;
+use crate::error::{RadixError, Refused};
 use crate::node::NodeId;
 use crate::tier::{Tier, TierKind};
 
@@ -69,8 +73,45 @@ impl RadixCache {
         })
     }
 
-    /// Gives a lock back. Returns the node it was held on.
-    pub fn unlock<T: Tier>(&mut self, handle: LockHandle<T>) -> Result<NodeId, RadixError> {
+    /// Gives a lock back. Returns the node it was held on; a handle of another cache or tier
+    /// is refused and handed back.
+    pub fn unlock<T: Tier>(
+        &mut self,
+        handle: LockHandle<T>,
+    ) -> Result<NodeId, Refused<LockHandle<T>>> {
+        match self.lock_record(&handle) {
+            Ok(rec) => {
+                self.release_record(handle.id, rec);
+                Ok(rec.node)
+            }
+            Err(error) => Err(Refused { error, handle }),
+        }
+    }
+
+    /// Moves a lock to another node (typically deeper, after inserting more pages): locks the
+    /// new node first, then releases the old one, so the shared prefix is never unpinned. On
+    /// refusal (a bad handle, or `node` not lockable on `T`) the old lock is handed back, still
+    /// held.
+    pub fn relock<T: Tier>(
+        &mut self,
+        handle: LockHandle<T>,
+        node: NodeId,
+    ) -> Result<LockHandle<T>, Refused<LockHandle<T>>> {
+        let rec = match self.lock_record(&handle) {
+            Ok(rec) => rec,
+            Err(error) => return Err(Refused { error, handle }),
+        };
+        match self.lock::<T>(node) {
+            Ok(new) => {
+                self.release_record(handle.id, rec);
+                Ok(new)
+            }
+            Err(error) => Err(Refused { error, handle }),
+        }
+    }
+
+    /// The live record `handle` proves, if it is one of this cache's locks on `T`.
+    fn lock_record<T: Tier>(&self, handle: &LockHandle<T>) -> Result<LockRecord, RadixError> {
         if handle.cache != self.id {
             return Err(RadixError::ForeignHandle);
         }
@@ -78,27 +119,13 @@ impl RadixCache {
         if rec.tier != T::KIND || rec.node != handle.node {
             return Err(RadixError::WrongTier { tier: T::KIND });
         }
-        self.locks.remove(handle.id);
-        self.add_lock(rec.node, rec.tier, -1);
-        Ok(rec.node)
+        Ok(rec)
     }
 
-    /// Moves a lock to another node (typically deeper, after inserting more pages): locks the
-    /// new node first, then releases the old one, so the shared prefix is never unpinned.
-    pub fn relock<T: Tier>(
-        &mut self,
-        handle: LockHandle<T>,
-        node: NodeId,
-    ) -> Result<LockHandle<T>, RadixError> {
-        if handle.cache != self.id {
-            return Err(RadixError::ForeignHandle);
-        }
-        if !self.locks.contains_key(handle.id) {
-            return Err(RadixError::UnknownLock);
-        }
-        let new = self.lock::<T>(node)?;
-        self.unlock(handle)?;
-        Ok(new)
+    /// Drops a checked lock record and its pin counts (cannot fail).
+    fn release_record(&mut self, id: LockId, rec: LockRecord) {
+        self.locks.remove(id);
+        self.add_lock(rec.node, rec.tier, -1);
     }
 
     /// Number of locks taken and not yet given back, per tier `(device, host)`.

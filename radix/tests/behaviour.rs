@@ -208,16 +208,54 @@ fn lock_misuse_errors() {
         })
     ));
     let l = a.lock::<Device>(end).unwrap();
-    assert!(matches!(b.unlock(l), Err(RadixError::ForeignHandle)));
-    assert_eq!(a.outstanding_locks(), (1, 0), "leak check sees the lock");
-    // The handle was consumed by the failed unlock: the leak stays visible.
+    let refused = b.unlock(l).unwrap_err();
+    assert_eq!(refused.error, RadixError::ForeignHandle);
+    assert_eq!(a.outstanding_locks(), (1, 0), "the lock is still held");
+    // The failed unlock handed the handle back: it can still be given to its own cache.
+    assert_eq!(a.unlock(refused.handle).unwrap(), end);
+    assert_eq!(a.outstanding_locks(), (0, 0));
     let (t2, h2) = prompt(2, 1);
     let e2 = put_device(&mut a, &t2, &h2);
     let l2 = a.lock::<Device>(e2).unwrap();
     let l3 = a.relock(l2, end).unwrap();
     assert_eq!(l3.node(), end);
-    assert_eq!(a.outstanding_locks(), (2, 0));
+    assert_eq!(a.outstanding_locks(), (1, 0));
     a.unlock(l3).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn refused_relock_hands_the_old_lock_back_still_held() {
+    let mut a = cache(8, 8);
+    let (t, h) = prompt(1, 2);
+    let dev_only = put_device(&mut a, &t, &h);
+    let (t2, h2) = prompt(2, 1);
+    let m = a.match_prefix(&h2);
+    let pages = a.alloc::<Host>(1).unwrap();
+    let host_node = a
+        .insert::<Host>(m.host_node, m.host_pages, &h2, &t2, &pages)
+        .unwrap()
+        .end_node;
+    let hl = a.lock::<Host>(host_node).unwrap();
+    // The target holds no host copy: refused, and the old lock comes back still held.
+    let refused = a.relock(hl, dev_only).unwrap_err();
+    assert_eq!(
+        refused.error,
+        RadixError::NotResident {
+            tier: TierKind::Host
+        }
+    );
+    assert_eq!(refused.handle.node(), host_node);
+    assert_eq!(a.outstanding_locks(), (0, 1));
+    assert_eq!(a.evict::<Host>(1).freed_pages, 0, "the path stays pinned");
+    assert!(a.is_resident(host_node, TierKind::Host).unwrap());
+    // A handle of another cache is refused and handed back as well.
+    let mut b = cache(8, 8);
+    let root = b.root();
+    let refused = b.relock(refused.handle, root).unwrap_err();
+    assert_eq!(refused.error, RadixError::ForeignHandle);
+    assert_eq!(a.unlock(refused.handle).unwrap(), host_node);
+    assert_eq!(a.outstanding_locks(), (0, 0));
     a.check_invariants().unwrap();
 }
 

@@ -28,6 +28,12 @@ enum Op {
         host: bool,
     },
     Unlock(usize),
+    /// Moves lock `lock` to the node the *other* tier matched for `prompt`: held on the
+    /// lock's tier or not, so both an accepted and a refused relock happen.
+    Relock {
+        lock: usize,
+        prompt: usize,
+    },
     Evict {
         host: bool,
     },
@@ -65,6 +71,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0..8usize, 1..6usize, any::<bool>()).prop_map(|(prompt, pages, host)| Op::Insert { prompt, pages, host }),
         2 => (0..8usize, any::<bool>()).prop_map(|(prompt, host)| Op::Lock { prompt, host }),
         2 => (0..16usize).prop_map(Op::Unlock),
+        2 => (0..16usize, 0..8usize).prop_map(|(lock, prompt)| Op::Relock { lock, prompt }),
         3 => any::<bool>().prop_map(|host| Op::Evict { host }),
         1 => (0..8usize).prop_map(Op::LoadBack),
         1 => (0..5usize).prop_map(Op::SetPolicy),
@@ -201,6 +208,40 @@ proptest! {
                             AnyLock::Host(h, _) => { cache.unlock(h).unwrap(); }
                         }
                     }
+                }
+                Op::Relock { lock, prompt } => {
+                    if lock >= locks.len() { continue; }
+                    let r = cache.match_prefix(&hashes[prompt]);
+                    m.tick += 1;
+                    for x in &hashes[prompt][..r.matched_pages] { m.access.insert(*x, m.tick); }
+                    let (d, h) = (r.device_pages, r.host_pages);
+                    let moved = match locks.swap_remove(lock) {
+                        AnyLock::Dev(l, held) => {
+                            let old = l.node();
+                            match cache.relock(l, r.host_node) {
+                                Ok(nl) => { prop_assert!(d >= h, "a device lock moved to a node without device pages"); AnyLock::Dev(nl, hashes[prompt][..h].to_vec()) }
+                                Err(refused) => {
+                                    prop_assert!(d < h, "refused a node with device pages: {}", refused.error);
+                                    prop_assert_eq!(refused.error.clone(), RadixError::NotResident { tier: TierKind::Device });
+                                    prop_assert_eq!(refused.handle.node(), old);
+                                    AnyLock::Dev(refused.handle, held)
+                                }
+                            }
+                        }
+                        AnyLock::Host(l, held) => {
+                            let old = l.node();
+                            match cache.relock(l, r.device_node) {
+                                Ok(nl) => { prop_assert!(h >= d, "a host lock moved to a node without host pages"); AnyLock::Host(nl, hashes[prompt][..d].to_vec()) }
+                                Err(refused) => {
+                                    prop_assert!(h < d, "refused a node with host pages: {}", refused.error);
+                                    prop_assert_eq!(refused.error.clone(), RadixError::NotResident { tier: TierKind::Host });
+                                    prop_assert_eq!(refused.handle.node(), old);
+                                    AnyLock::Host(refused.handle, held)
+                                }
+                            }
+                        }
+                    };
+                    locks.push(moved);
                 }
                 Op::Evict { host } => {
                     let t = ti(host);

@@ -52,12 +52,12 @@ impl Scheduler {
                     r.table.dirty_from = r.table.dirty_from.min(idx);
                     release::free(&mut self.cache, &mut self.stats, &[mine]);
                 }
-                match self.cache.relock(dl, out.end_node) {
+                match release::relock(&mut self.cache, &mut self.stats, dl, out.end_node) {
                     Ok(nl) => {
                         r.table.lock = Some(nl);
                         r.table.tree_pages = upto;
                     }
-                    Err(e) => tracing::error!(req = ?id, error = %e, "relock failed"),
+                    Err(old) => r.table.lock = Some(old),
                 }
             }
             Err(e) => {

@@ -17,11 +17,28 @@ fn failed(stats: &mut Stats, what: &'static str, e: RadixError) {
     debug_assert!(false, "internal: {what} failed: {e}");
 }
 
-/// Gives a lock back.
+/// Gives a lock back. A refused handle (another cache's, or a stale one) cannot be given back
+/// anywhere from here: the failure is counted and the handle dropped, and the cache's
+/// `outstanding_locks` keeps showing whatever it still pins.
 pub(crate) fn unlock<T: Tier>(cache: &mut RadixCache, stats: &mut Stats, lock: LockHandle<T>) {
-    if let Err(e) = cache.unlock(lock) {
-        failed(stats, "unlock", e);
+    if let Err(refused) = cache.unlock(lock) {
+        failed(stats, "unlock", refused.error);
     }
+}
+
+/// Moves a request's lock to `node`; on refusal the old lock is handed back, still held (the
+/// request keeps its shorter pinned prefix and gives it back when it finishes), and the
+/// failure is counted like any failed release.
+pub(crate) fn relock<T: Tier>(
+    cache: &mut RadixCache,
+    stats: &mut Stats,
+    lock: LockHandle<T>,
+    node: kvtier_radix::NodeId,
+) -> Result<LockHandle<T>, LockHandle<T>> {
+    cache.relock(lock, node).map_err(|refused| {
+        failed(stats, "relock", refused.error);
+        refused.handle
+    })
 }
 
 /// Frees pages the scheduler holds (no-op for an empty slice).
