@@ -10,11 +10,11 @@
 //!
 //! This file holds the simulation's state and its event loop (arrivals, the heap, the final
 //! quiescence check); the rest:
-//! - [`plan`]: an execution plan's ops and forward turned into timed events on the modelled
+//! - `plan`: an execution plan's ops and forward turned into timed events on the modelled
 //!   links,
-//! - [`complete`]: what happens when an op or a forward completes (L3 reads and writes, page
+//! - `complete`: what happens when an op or a forward completes (L3 reads and writes, page
 //!   copies, scheduler events),
-//! - [`oracle`]: the integrity oracle's checks.
+//! - `oracle`: the integrity oracle's checks.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};

@@ -7,11 +7,11 @@
 //!
 //! This file builds the store, owns its background threads (sweeper, promoter, SSD writer)
 //! and its metrics; the rest is split by path:
-//! - [`read`]: resolving keys to sources and copying them out (the read path),
-//! - [`write`]: put start / end and the write-through hand-off to the SSD (the write path),
-//! - [`tier`]: the glue between the master and the SSD tier (offload, promotion, corruption,
+//! - `read`: resolving keys to sources and copying them out (the read path),
+//! - `write`: put start / end and the write-through hand-off to the SSD (the write path),
+//! - `tier`: the glue between the master and the SSD tier (offload, promotion, corruption,
 //!   removal on disk),
-//! - [`api`]: the [`L3Store`](crate::L3Store) implementation over those pieces.
+//! - `api`: the [`L3Store`](crate::L3Store) implementation over those pieces.
 //!
 //! Invariant (kept by every submodule): the master lock is held only for metadata work; no
 //! I/O and no memcpy happen under it.

@@ -12,7 +12,7 @@
 //! - A put ends (becomes visible at the master) only after its bytes are held here; its
 //!   write-through SSD copy is queued after the master accepted the end.
 //! - Memory held never exceeds twice the segment (-200 beyond), which bounds the lag between
-//!   a free and its notice (see [`sync`](super::sync)).
+//!   a free and its notice (see `sync`).
 
 use std::net::TcpStream;
 use std::sync::Arc;

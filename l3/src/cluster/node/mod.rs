@@ -15,11 +15,11 @@
 //! registered once durable), `Leave`, exit.
 //!
 //! This file holds the options, the node's state and its start / shutdown; the rest:
-//! - [`mem`]: the bytes held by allocation id (live, staged for the SSD, retired),
-//! - [`link`]: the connection to the master,
-//! - [`sync`]: mounting, pinging and applying what the master said,
-//! - [`tier`]: the node's SSD tier (offload of evicted replicas, promotion, corrupt records),
-//! - [`data`]: the data channel (puts and reads of bytes).
+//! - `mem`: the bytes held by allocation id (live, staged for the SSD, retired),
+//! - `link`: the connection to the master,
+//! - `sync`: mounting, pinging and applying what the master said,
+//! - `tier`: the node's SSD tier (offload of evicted replicas, promotion, corrupt records),
+//! - `data`: the data channel (puts and reads of bytes).
 
 mod data;
 mod link;

@@ -8,7 +8,7 @@
 //!
 //! Invariant: bytes of an allocation the master freed are dropped when the node hears of it;
 //! bytes written but never ended are dropped after `put_timeout` (the data channel bounds the
-//! memory held meanwhile, see [`data`](super::data)).
+//! memory held meanwhile, see `data`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
