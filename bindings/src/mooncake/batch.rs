@@ -1,11 +1,13 @@
 //! The shared machinery of the compatible core's calls: write modes (put vs upsert), the
-//! per-key batch driver that releases the GIL, and Mooncake's result-code conventions.
+//! per-key batch driver that releases the GIL, and Mooncake's result-code conventions (with
+//! the table of codes the package exports as `kvtier.ERROR_CODES`).
 
 use std::sync::Arc;
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
-use kvtier_l3::{BatchResult, L3Error, L3Result, L3Store, PutOptions, Tenant};
+use kvtier_l3::{BatchResult, ErrorCode, L3Error, L3Result, L3Store, PutOptions, Tenant};
 
 use super::ranges::{gather, multi_parts, removed_or_missing};
 use super::{Attached, INVALID_PARAMS, MooncakeCore, NOT_INITIALIZED};
@@ -36,6 +38,25 @@ pub(crate) fn mc_get_code(r: L3Result<u64>) -> i64 {
         Err(L3Error::BufferOverflow { .. }) => INVALID_PARAMS,
         r => size_code(r),
     }
+}
+
+/// The code of a replica task naming no segment: -704 if the key is missing (Mooncake looks
+/// the key up first, measured side by side), else -600.
+pub(super) fn bad_segment_code(s: &dyn L3Store, t: &Tenant, key: &str) -> i64 {
+    match s.is_exist(t, key) {
+        Ok(true) => ErrorCode::InvalidParams as i64,
+        Ok(false) => ErrorCode::ObjectNotFound as i64,
+        Err(e) => i64::from(e.code_i32()),
+    }
+}
+
+/// Mooncake's error codes by name, from the one table in the l3 crate (`kvtier.ERROR_CODES`).
+pub fn error_codes(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for c in ErrorCode::ALL {
+        d.set_item(c.name(), c.as_i32())?;
+    }
+    Ok(d)
 }
 
 /// Puts `views` under `keys` (replacing existing objects in `Upsert` mode).

@@ -9,13 +9,14 @@
 //! This core never raises for store failures: it returns Mooncake's integers, exactly as
 //! `mooncake.store` does. Files: `registered.rs` (registered memory and the only type that
 //! reads raw addresses), `segment.rs` (a client's contributed global segment), `ranges.rs`
-//! (multi-buffer and byte-range calls, replica calls).
+//! (multi-buffer and byte-range calls, replica calls), `batch.rs` (write modes, the batch
+//! driver, Mooncake's result codes).
 
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyList};
 
 use kvtier_l3::{ClientOptions, EmbeddedStore, ErrorCode, L3Result, L3Store, RemoteStore, Tenant};
 
@@ -29,22 +30,14 @@ mod ranges;
 mod registered;
 mod segment;
 
-use batch::{WriteMode, mc_get_code};
+pub use batch::error_codes;
+use batch::{WriteMode, bad_segment_code, mc_get_code};
 use ranges::{ReplicaRow, multi_parts, scatter};
 use registered::{Regions, RegisteredRange, drop_overlapping};
 use segment::Contribution;
 
 pub(crate) const INVALID_PARAMS: i64 = ErrorCode::InvalidParams as i64;
 const NOT_INITIALIZED: i64 = ErrorCode::InternalError as i64;
-
-/// Mooncake's error codes by name, from the one table in the l3 crate (`kvtier.ERROR_CODES`).
-pub fn error_codes(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let d = PyDict::new(py);
-    for c in ErrorCode::ALL {
-        d.set_item(c.name(), c.as_i32())?;
-    }
-    Ok(d)
-}
 
 /// What a set-up client is attached to.
 struct Attached {
@@ -61,16 +54,6 @@ pub struct MooncakeCore {
     regions: Regions,
     /// Memory of `setup_dummy`'s pool (`alloc_from_mem_pool`), registered while set up.
     pool: Mutex<Option<(Box<[u8]>, usize)>>,
-}
-
-/// The code of a replica task naming no segment: -704 if the key is missing (Mooncake looks
-/// the key up first, measured side by side), else -600.
-fn bad_segment_code(s: &dyn L3Store, t: &Tenant, key: &str) -> i64 {
-    match s.is_exist(t, key) {
-        Ok(true) => ErrorCode::InvalidParams as i64,
-        Ok(false) => ErrorCode::ObjectNotFound as i64,
-        Err(e) => i64::from(e.code_i32()),
-    }
 }
 
 #[pymethods]

@@ -1,12 +1,14 @@
 //! The integrity oracle's bookkeeping: the fingerprints a request's pages must hold, the
-//! checks of every page a forward reads, the pages it writes, and the access log for the
-//! Belady ceiling.
+//! checks of every page a forward reads, the pages it writes, the check that a page dropped
+//! from host under write-back is still in some tier, and the access log for the Belady
+//! ceiling.
 //!
 //! Why apart from the event loop: the loop decides *when* things happen; this decides whether
 //! what the scheduler handed out is right, and it must stay simple enough to trust.
 
-use kvtier_radix::extend_hashes;
-use kvtier_scheduler::RequestId;
+use kvtier_l3::L3Store;
+use kvtier_radix::{TierKind, extend_hashes};
+use kvtier_scheduler::{KvEvent, RequestId};
 
 use super::{Simulation, fingerprint};
 
@@ -82,6 +84,46 @@ impl Simulation {
         // retraction or at finish): log it as written, as early as any policy could use it.
         for fp in tr.fps.iter().take(to).skip(from_page) {
             self.accesses.push(*fp, false);
+        }
+    }
+
+    /// Under write-back, host is the last local tier a page leaves: every page the scheduler
+    /// dropped from host must still be in L3 or on this instance's device, or it is lost from
+    /// every tier (an oracle failure). Runs only where KV events are recorded (write-back
+    /// with L3: `Simulation::new` turns them on).
+    pub(super) fn check_host_drops(&mut self, inst: usize) {
+        if !self.insts[inst].sched.config().record_kv_events {
+            return;
+        }
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let mut dropped = Vec::new();
+        for ev in self.insts[inst].sched.drain_kv_events() {
+            if let KvEvent::Removed {
+                tier: TierKind::Host,
+                hashes,
+                ..
+            } = ev
+            {
+                dropped.extend(hashes);
+            }
+        }
+        if dropped.is_empty() {
+            return;
+        }
+        let i = &self.insts[inst];
+        let on_device: std::collections::HashSet<u64> = i.model.device.iter().copied().collect();
+        let keys = i.sched.l3_keys(&dropped);
+        let exist = store.batch_is_exist(&self.tenant, &keys);
+        for (j, h) in dropped.iter().enumerate() {
+            let in_l3 = matches!(exist.as_ref().map(|v| v.get(j)), Ok(Some(Ok(true))));
+            if !in_l3 && !on_device.contains(&fingerprint(h)) {
+                self.col.oracle_failure(format!(
+                    "page {} dropped from host while in no other tier",
+                    keys[j]
+                ));
+            }
         }
     }
 }

@@ -10,10 +10,12 @@
 //!    (≥ 1.5 × Mooncake TCP 1.362 GB/s and ≥ 80 % of iperf3's single stream 2.42 GB/s);
 //! 3. `batch_is_exist` of 1,024 keys across processes, p50 ≤ 150 µs (Mooncake 555 µs);
 //! 4. cold SSD `batch_get_into` 256 × 1 MiB after dropping the page cache (≥ 80 % of the
-//!    disk's O_DIRECT read bandwidth, measured here with dd; Mooncake 0.305 of 0.63 GB/s);
+//!    disk's O_DIRECT read bandwidth, measured here with dd; Mooncake 0.305 of 0.63 GB/s;
+//!    `ssd.rs`);
 //! 5. `replicas`: a split deployment (a `--role master` and three `--role node` processes on
 //!    loopback), put and get of 128 × 1 MiB with `replica_num` 1, 2 and 3, interleaved per
-//!    repetition; each figure also as a ratio to `replica_num` 1 of the same run;
+//!    repetition; each figure also as a ratio to `replica_num` 1 of the same run
+//!    (`replicas.rs`);
 //! 6. `put`: the embedded put path, 64 × 8 MiB, as a ratio to a memcpy of the same bytes
 //!    measured in the same run (`put.rs`).
 
@@ -24,18 +26,18 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod put;
+mod replicas;
+mod ssd;
 
 use clap::Parser;
 use kvtier_l3::{
-    ClientOptions, EmbeddedStore, L3Store, PutOptions, RemoteStore, ReplicateConfig, SsdConfig,
-    StoreConfig, Tenant,
+    ClientOptions, EmbeddedStore, L3Store, PutOptions, RemoteStore, StoreConfig, Tenant,
 };
 
 const MOONCAKE_LOCAL_GBPS: f64 = 4.543;
 const MOONCAKE_TCP_GBPS: f64 = 1.362;
 const IPERF3_GBPS: f64 = 2.42;
 const MOONCAKE_EXIST_P50_US: f64 = 554.85;
-const MOONCAKE_SSD_COLD_GBPS: f64 = 0.305;
 
 #[derive(Parser, Debug)]
 #[command(about = "kvtier-l3 benchmarks vs Mooncake reference figures")]
@@ -324,232 +326,6 @@ fn remote(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>, which: &[Stri
     Ok(())
 }
 
-fn drop_caches(dir: &Path) -> &'static str {
-    if std::fs::write("/proc/sys/vm/drop_caches", b"3").is_ok() {
-        return "drop_caches";
-    }
-    // Unprivileged fallback: evict each bucket file's clean pages.
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            if let Ok(f) = std::fs::File::open(e.path()) {
-                use std::os::fd::AsRawFd;
-                // SAFETY: valid fd for the duration of the call.
-                unsafe {
-                    libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
-                }
-            }
-        }
-    }
-    "posix_fadvise(DONTNEED)"
-}
-
-/// O_DIRECT sequential read bandwidth of `file` measured with dd (GB/s).
-fn dd_direct(file: &Path) -> R<f64> {
-    let out = Command::new("dd")
-        .arg(format!("if={}", file.display()))
-        .args(["of=/dev/null", "bs=1M", "iflag=direct"])
-        .output()
-        .map_err(|e| format!("dd: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stderr).to_string();
-    // "... bytes (...) copied, 0.4 s, 630 MB/s"
-    let last = text.lines().last().unwrap_or("").to_string();
-    let parts: Vec<&str> = last.split(',').collect();
-    let bytes: f64 = last
-        .split_whitespace()
-        .next()
-        .and_then(|b| b.parse().ok())
-        .ok_or_else(|| format!("cannot parse dd output {text:?}"))?;
-    let secs: f64 = parts
-        .get(parts.len().saturating_sub(2))
-        .and_then(|s| s.split_whitespace().next())
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| format!("cannot parse dd output {text:?}"))?;
-    Ok(bytes / secs / 1e9)
-}
-
-fn ssd(dir: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
-    let _ = std::fs::remove_dir_all(dir);
-    let mk = |seg: u64| {
-        let mut ssd = SsdConfig::new(dir);
-        ssd.bucket_bytes_limit = 64 << 20;
-        EmbeddedStore::new(StoreConfig {
-            local_segment_bytes: seg,
-            ssd: Some(ssd),
-            ..Default::default()
-        })
-        .map_err(|e| e.to_string())
-    };
-    let keys = {
-        let s = mk(1 << 30)?;
-        let k = fill(&s, 256, 1 << 20, PutOptions::default())?;
-        s.flush().map_err(|e| e.to_string())?;
-        k
-    };
-    // Restarted store: DRAM empty, every object SSD-only.
-    let s = mk(1 << 30)?;
-    let mut cold = Vec::new();
-    let mut how = "";
-    let mut data = vec![0u8; 256 << 20];
-    for _ in 0..reps.clamp(3, 5) {
-        how = drop_caches(dir);
-        let mut bufs: Vec<&mut [u8]> = data.chunks_mut(1 << 20).collect();
-        let t0 = Instant::now();
-        let r = s
-            .batch_get_into(&tenant(), &keys, &mut bufs)
-            .map_err(|e| e.to_string())?;
-        let dt = t0.elapsed().as_secs_f64();
-        if r.iter().any(|x| x.is_err()) {
-            return Err("ssd read failed".into());
-        }
-        cold.push((256 << 20) as f64 / dt / 1e9);
-    }
-    let m = median(&mut cold);
-    // The disk's direct-read bandwidth on the same files.
-    let mut dd = Vec::new();
-    let mut biggest: Option<(u64, PathBuf)> = None;
-    for e in std::fs::read_dir(dir).map_err(|e| e.to_string())?.flatten() {
-        let len = e.metadata().map(|m| m.len()).unwrap_or(0);
-        if biggest.as_ref().is_none_or(|(l, _)| len > *l) {
-            biggest = Some((len, e.path()));
-        }
-    }
-    if let Some((_, p)) = &biggest {
-        for _ in 0..3 {
-            drop_caches(dir);
-            dd.push(dd_direct(p)?);
-        }
-    }
-    let disk = median(&mut dd);
-    rows.push(row(
-        &format!("cold SSD batch_get_into 256x1MiB ({how})"),
-        m,
-        "GB/s",
-        &format!("Mooncake {MOONCAKE_SSD_COLD_GBPS} of 0.63"),
-        &format!(">= {:.3} (0.8 x dd {:.3})", 0.8 * disk, disk),
-        m >= 0.8 * disk,
-    ));
-    rows.push(row(
-        "  disk O_DIRECT read (dd bs=1M iflag=direct)",
-        disk,
-        "GB/s",
-        "0.63 (Mooncake run)",
-        "(info)",
-        true,
-    ));
-    drop(s);
-    let _ = std::fs::remove_dir_all(dir);
-    Ok(())
-}
-
-/// Objects and size of the replicated case.
-const REPL_OBJECTS: usize = 128;
-const REPL_SIZE: usize = 1 << 20;
-
-fn replicas(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
-    let master = start_proc(bin, &["--role", "master", "--listen", "127.0.0.1:0"])?;
-    let maddr = master.addr.to_string();
-    let seg = (1u64 << 30).to_string();
-    let mut nodes = Vec::new();
-    for id in 1..=3u64 {
-        let id = id.to_string();
-        nodes.push(start_proc(
-            bin,
-            &[
-                "--role",
-                "node",
-                "--master",
-                &maddr,
-                "--node-id",
-                &id,
-                "--listen",
-                "127.0.0.1:0",
-                "--segment-bytes",
-                &seg,
-                "--ping-ms",
-                "100",
-            ],
-        )?);
-    }
-    let c =
-        RemoteStore::connect(master.addr, ClientOptions::default()).map_err(|e| e.to_string())?;
-    let t = tenant();
-    let objs: Vec<Vec<u8>> = (0..REPL_OBJECTS).map(|i| payload(i, REPL_SIZE)).collect();
-    let bytes = (REPL_OBJECTS * REPL_SIZE) as f64;
-    let ns = [1u32, 2, 3];
-    let mut put: Vec<Vec<f64>> = vec![Vec::new(); ns.len()];
-    let mut get: Vec<Vec<f64>> = vec![Vec::new(); ns.len()];
-    let mut data = vec![0u8; REPL_OBJECTS * REPL_SIZE];
-    // Repetition 0 warms up; the replica counts are interleaved so that load drifts on the
-    // shared machine hit all three alike.
-    for rep in 0..=reps {
-        for (j, &n) in ns.iter().enumerate() {
-            let keys: Vec<String> = (0..REPL_OBJECTS).map(|i| format!("repl-{n}-{i}")).collect();
-            let cfg = ReplicateConfig::replicas(n);
-            let t0 = Instant::now();
-            for (ks, os) in keys.chunks(32).zip(objs.chunks(32)) {
-                let refs: Vec<&[u8]> = os.iter().map(|v| v.as_slice()).collect();
-                for r in c
-                    .batch_put_from_with(&t, ks, &refs, PutOptions::default(), cfg)
-                    .map_err(|e| e.to_string())?
-                {
-                    r.map_err(|e| e.to_string())?;
-                }
-            }
-            let dput = t0.elapsed().as_secs_f64();
-            let q = c
-                .get_replica_list(&t, &keys[0])
-                .map_err(|e| e.to_string())?;
-            if q.replicas.len() != n as usize {
-                return Err(format!("{} replicas placed, {n} asked", q.replicas.len()));
-            }
-            let mut bufs: Vec<&mut [u8]> = data.chunks_mut(REPL_SIZE).collect();
-            let t0 = Instant::now();
-            for r in c
-                .batch_get_into(&t, &keys, &mut bufs)
-                .map_err(|e| e.to_string())?
-            {
-                r.map_err(|e| e.to_string())?;
-            }
-            let dget = t0.elapsed().as_secs_f64();
-            if data[REPL_SIZE..2 * REPL_SIZE] != objs[1][..] {
-                return Err("read data mismatch".into());
-            }
-            c.remove_all(&t, true).map_err(|e| e.to_string())?;
-            if rep > 0 {
-                put[j].push(bytes / dput / 1e9);
-                get[j].push(bytes / dget / 1e9);
-            }
-        }
-        // Let the nodes hear of the frees (ping period 100 ms) before the next round.
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    let p1 = median(&mut put[0].clone());
-    let g1 = median(&mut get[0].clone());
-    for (j, &n) in ns.iter().enumerate() {
-        let p = median(&mut put[j]);
-        let g = median(&mut get[j]);
-        rows.push(row(
-            &format!("split 3 nodes put 128x1MiB replica_num {n}"),
-            p,
-            "GB/s",
-            &format!("x{:.2} of replica_num 1", p / p1),
-            "(info)",
-            true,
-        ));
-        rows.push(row(
-            &format!("split 3 nodes get 128x1MiB replica_num {n}"),
-            g,
-            "GB/s",
-            &format!("x{:.2} of replica_num 1", g / g1),
-            "(info)",
-            true,
-        ));
-    }
-    drop(nodes);
-    drop(master);
-    Ok(())
-}
-
 fn main() {
     let args = Args::parse();
     let want = |w: &str| args.only.is_empty() || args.only.iter().any(|o| o == w);
@@ -579,10 +355,10 @@ fn main() {
         report(remote(&bin, args.reps, &mut rows, &which), "remote");
     }
     if want("ssd") {
-        report(ssd(&args.ssd_dir, args.reps, &mut rows), "ssd");
+        report(ssd::ssd(&args.ssd_dir, args.reps, &mut rows), "ssd");
     }
     if want("replicas") {
-        report(replicas(&bin, args.reps, &mut rows), "replicas");
+        report(replicas::replicas(&bin, args.reps, &mut rows), "replicas");
     }
     if want("put") {
         report(put::put(args.reps, &mut rows), "put");

@@ -8,34 +8,34 @@
 //!   shared-secret token, so exposure beyond the host is an explicit operator decision.
 //! - Frame limit raised to 64 MiB by default (tokio-util's default is 8 MiB, too small for a
 //!   batch of 1 MiB objects); clients split batches below it and learn it from `hello`.
-//! - Data-moving calls run on the blocking pool so a large memcpy or SSD read never stalls
-//!   the reactor; metadata-only calls (exist, query, ping) run inline for latency.
 //! - A malformed or oversized frame only closes *that* connection (tarpc/tokio-util reject
 //!   it); the listener and other connections keep serving.
 //! - Shutdown stops accepting, then flushes the SSD queue, so every put acknowledged as
 //!   persisted (and every queued write-through) is on disk before the process exits.
+//!
+//! The per-connection service (authentication, blocking pool vs inline) is in `conn`.
+
+mod conn;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 use futures::prelude::*;
-use tarpc::context::Context;
 use tarpc::server::{self, Channel};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 use super::codec::ClampedBincode;
-use super::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits, WireBatch};
+use super::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits};
 use super::xfer::{XferHandler, XferServer};
 use crate::api::{BatchResult, L3Store};
 use crate::cluster::ClusterMaster;
 use crate::error::{L3Error, L3Result};
 use crate::store::EmbeddedStore;
-use crate::types::{
-    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
-    ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant,
-};
+use crate::types::{Blob, QueryResult, Tenant};
+
+use conn::Conn;
 
 /// Default frame limit (above tarpc's 8 MiB default).
 pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
@@ -112,279 +112,6 @@ impl Backend for EmbeddedStore {
     }
     fn xfer_handler(self: Arc<Self>) -> Option<Arc<dyn XferHandler>> {
         Some(self)
-    }
-}
-
-struct Conn<B> {
-    store: Arc<B>,
-    token: Option<Arc<str>>,
-    authed: Arc<AtomicBool>,
-    limits: ServerLimits,
-}
-
-impl<B> Clone for Conn<B> {
-    fn clone(&self) -> Self {
-        Conn {
-            store: self.store.clone(),
-            token: self.token.clone(),
-            authed: self.authed.clone(),
-            limits: self.limits,
-        }
-    }
-}
-
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-impl<B: Backend> Conn<B> {
-    fn auth(&self) -> L3Result<()> {
-        if self.authed.load(Ordering::Acquire) {
-            Ok(())
-        } else {
-            Err(L3Error::IllegalClient(
-                "call hello (with the token) first".into(),
-            ))
-        }
-    }
-
-    async fn blocking<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&B) -> L3Result<T> + Send + 'static,
-    ) -> L3Result<T> {
-        self.auth()?;
-        let s = self.store.clone();
-        tokio::task::spawn_blocking(move || f(&s))
-            .await
-            .map_err(|e| L3Error::Internal(format!("worker failed: {e}")))?
-    }
-}
-
-impl<B: Backend> L3Rpc for Conn<B> {
-    async fn hello(self, _: Context, token: Option<String>) -> L3Result<ServerLimits> {
-        let ok = match (&self.token, &token) {
-            (None, _) => true,
-            (Some(want), Some(got)) => ct_eq(want.as_bytes(), got.as_bytes()),
-            (Some(_), None) => false,
-        };
-        if !ok {
-            return Err(L3Error::IllegalClient("bad token".into()));
-        }
-        self.authed.store(true, Ordering::Release);
-        Ok(self.limits)
-    }
-
-    async fn put_start(
-        self,
-        _: Context,
-        tenant: Tenant,
-        key: String,
-        size: u64,
-    ) -> L3Result<PutHandle> {
-        self.auth()?;
-        self.store.put_start(&tenant, &key, size)
-    }
-
-    async fn put_write(self, _: Context, handle: PutHandle, data: Blob) -> L3Result<()> {
-        self.blocking(move |s| s.put_write(&handle, data.as_slice()))
-            .await
-    }
-
-    async fn put_end(self, _: Context, handle: PutHandle, opts: PutOptions) -> L3Result<()> {
-        self.blocking(move |s| s.put_end(&handle, opts)).await
-    }
-
-    async fn put_revoke(self, _: Context, handle: PutHandle) -> L3Result<()> {
-        self.auth()?;
-        self.store.put_revoke(&handle)
-    }
-
-    async fn batch_put_start(
-        self,
-        _: Context,
-        tenant: Tenant,
-        keys: Vec<String>,
-        sizes: Vec<u64>,
-    ) -> WireBatch<PutHandle> {
-        self.blocking(move |s| s.batch_put_start(&tenant, &keys, &sizes))
-            .await
-    }
-
-    async fn batch_put_end(
-        self,
-        _: Context,
-        handles: Vec<PutHandle>,
-        opts: PutOptions,
-    ) -> WireBatch<()> {
-        self.blocking(move |s| s.batch_put_end(&handles, opts))
-            .await
-    }
-
-    async fn batch_put_revoke(self, _: Context, handles: Vec<PutHandle>) -> WireBatch<()> {
-        self.auth()?;
-        self.store.batch_put_revoke(&handles)
-    }
-
-    async fn batch_query(
-        self,
-        _: Context,
-        tenant: Tenant,
-        keys: Vec<String>,
-    ) -> WireBatch<QueryResult> {
-        self.auth()?;
-        self.store.batch_query(&tenant, &keys)
-    }
-
-    async fn batch_exist(
-        self,
-        _: Context,
-        tenant: Tenant,
-        keys: Vec<String>,
-        opts: ExistOptions,
-    ) -> WireBatch<bool> {
-        self.auth()?;
-        self.store.batch_exist_key(&tenant, &keys, opts)
-    }
-
-    async fn batch_get_with_query(
-        self,
-        _: Context,
-        tenant: Tenant,
-        queries: Vec<QueryResult>,
-    ) -> WireBatch<Blob> {
-        self.blocking(move |s| s.get_with_query_blobs(&tenant, &queries))
-            .await
-    }
-
-    async fn remove(self, _: Context, tenant: Tenant, key: String, force: bool) -> L3Result<()> {
-        // Blocking pool: a remove syncs its SSD tombstone before it is acknowledged.
-        self.blocking(move |s| s.remove(&tenant, &key, force)).await
-    }
-
-    async fn remove_all(self, _: Context, tenant: Tenant, force: bool) -> L3Result<u64> {
-        self.blocking(move |s| s.remove_all(&tenant, force)).await
-    }
-
-    async fn remove_by_regex(
-        self,
-        _: Context,
-        tenant: Tenant,
-        pattern: String,
-        force: bool,
-    ) -> L3Result<u64> {
-        // Blocking pool: the removes sync their SSD tombstones before the reply.
-        self.blocking(move |s| s.remove_by_regex(&tenant, &pattern, force))
-            .await
-    }
-
-    async fn copy_replica(
-        self,
-        _: Context,
-        tenant: Tenant,
-        key: String,
-        target: SegmentId,
-    ) -> L3Result<bool> {
-        self.blocking(move |s| s.copy_replica(&tenant, &key, target))
-            .await
-    }
-
-    async fn move_replica(
-        self,
-        _: Context,
-        tenant: Tenant,
-        key: String,
-        source: SegmentId,
-        target: SegmentId,
-    ) -> L3Result<()> {
-        self.blocking(move |s| s.move_replica(&tenant, &key, source, target))
-            .await
-    }
-
-    async fn mount_segment(
-        self,
-        _: Context,
-        client: ClientId,
-        segment: SegmentId,
-        capacity: u64,
-    ) -> L3Result<()> {
-        self.auth()?;
-        self.store.mount_segment(client, segment, capacity)
-    }
-
-    async fn unmount_segment(
-        self,
-        _: Context,
-        client: ClientId,
-        segment: SegmentId,
-    ) -> L3Result<()> {
-        self.auth()?;
-        self.store.unmount_segment(client, segment)
-    }
-
-    async fn ping(self, _: Context, client: ClientId) -> L3Result<ClientStatus> {
-        self.auth()?;
-        self.store.ping(client)
-    }
-
-    async fn batch_put(
-        self,
-        _: Context,
-        tenant: Tenant,
-        keys: Vec<String>,
-        data: Vec<Blob>,
-        opts: PutOptions,
-    ) -> WireBatch<()> {
-        self.blocking(move |s| {
-            let refs: Vec<&[u8]> = data.iter().map(Blob::as_slice).collect();
-            s.batch_put_from(&tenant, &keys, &refs, opts)
-        })
-        .await
-    }
-
-    async fn batch_get(self, _: Context, tenant: Tenant, keys: Vec<String>) -> WireBatch<Blob> {
-        self.blocking(move |s| s.get_blobs(&tenant, &keys)).await
-    }
-
-    async fn get_size(self, _: Context, tenant: Tenant, key: String) -> L3Result<u64> {
-        self.auth()?;
-        self.store.get_size(&tenant, &key)
-    }
-
-    async fn flush(self, _: Context) -> L3Result<()> {
-        self.blocking(|s| s.flush()).await
-    }
-
-    async fn stats(self, _: Context) -> L3Result<StoreStats> {
-        self.auth()?;
-        self.store.stats()
-    }
-
-    async fn cluster(self, _: Context, req: ClusterRequest) -> L3Result<ClusterReply> {
-        self.blocking(move |s| s.cluster(req)).await
-    }
-
-    async fn batch_put_start_replicated(
-        self,
-        _: Context,
-        tenant: Tenant,
-        keys: Vec<String>,
-        sizes: Vec<u64>,
-        cfg: ReplicateConfig,
-    ) -> WireBatch<(PutHandle, Vec<ReplicaDescriptor>)> {
-        let v = self
-            .blocking(move |s| s.batch_put_start_with(&tenant, &keys, &sizes, cfg))
-            .await?;
-        Ok(v.into_iter()
-            .map(|r| {
-                r.map(|mut h| {
-                    let extra = std::mem::take(&mut h.extra_replicas);
-                    (h, extra)
-                })
-            })
-            .collect())
     }
 }
 

@@ -1,0 +1,299 @@
+//! The node's data channel: clients write the bytes of their puts here (ending them at the
+//! master through the node) and read replicas by descriptor.
+//!
+//! Why: bytes never pass through the master; it hands out descriptors naming a node's
+//! allocation (or SSD record) and the client fetches them here, on the transfer-channel
+//! framing of [`crate::rpc::xfer`], token-checked.
+//!
+//! Invariants:
+//! - A read returns bytes only for the tenant and key they were written for (memory: the
+//!   allocation's recorded owner; SSD: the bucket record's tenant and key), and SSD bytes only
+//!   after their checksum verified.
+//! - A put ends (becomes visible at the master) only after its bytes are held here; its
+//!   write-through SSD copy is queued after the master accepted the end.
+//! - Memory held never exceeds twice the segment (-200 beyond), which bounds the lag between
+//!   a free and its notice (see `sync`).
+
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_bytes::ByteBuf;
+
+use crate::config::{OffloadMode, check_batch_keys, check_object_bytes};
+use crate::error::{L3Error, L3Result};
+use crate::master::DiskLoc;
+use crate::rpc::service::{ClusterReply, ClusterRequest};
+use crate::rpc::xfer::{XferHandler, XferReply, XferRequest, refuse, send_blobs, write_frame};
+use crate::ssd::OffloadJob;
+use crate::types::{Blob, PutHandle, PutOptions, ReplicaDescriptor, Tenant, validate_key};
+
+use super::NodeInner;
+use super::mem::{Held, Staging};
+
+impl NodeInner {
+    fn alloc_of(&self, h: &PutHandle) -> L3Result<u64> {
+        match h.replica {
+            ReplicaDescriptor::Memory {
+                segment,
+                alloc,
+                size,
+                ..
+            } if segment == self.segment && size == h.size => Ok(alloc),
+            _ => Err(L3Error::InvalidParams(
+                "the handle names no allocation of this node".into(),
+            )),
+        }
+    }
+
+    fn write_one(&self, h: &PutHandle, data: Vec<u8>) -> L3Result<()> {
+        validate_key(&h.key)?;
+        let alloc = self.alloc_of(h)?;
+        if data.len() as u64 != h.size {
+            return Err(L3Error::InvalidParams(
+                "data length differs from put size".into(),
+            ));
+        }
+        check_object_bytes(h.size, self.opts.max_object_bytes)?;
+        let bytes: Arc<[u8]> = Arc::from(data);
+        let mut m = self.mem.lock();
+        let prev = match m.allocs.get(&alloc) {
+            Some(e) if e.ended => return Err(L3Error::ObjectAlreadyExists),
+            Some(e) => e.data.len() as u64,
+            None => 0,
+        };
+        let used = m.used.saturating_sub(prev);
+        if used + h.size > self.opts.segment_bytes.saturating_mul(2) {
+            return Err(L3Error::NoAvailableHandle { needed: h.size });
+        }
+        m.used = used + h.size;
+        m.allocs.insert(
+            alloc,
+            Held {
+                tenant: h.tenant.clone(),
+                key: h.key.clone(),
+                token: h.token,
+                data: bytes,
+                ended: false,
+                staged: Staging::No,
+                since: Instant::now(),
+            },
+        );
+        Ok(())
+    }
+
+    fn end_many(&self, handles: &[PutHandle], out: &mut [L3Result<()>], opts: PutOptions) {
+        let mut ready = Vec::new();
+        {
+            let m = self.mem.lock();
+            for (i, h) in handles.iter().enumerate() {
+                if out[i].is_err() {
+                    continue;
+                }
+                let r = self.alloc_of(h).and_then(|a| match m.allocs.get(&a) {
+                    Some(e) if e.token == h.token && e.tenant == h.tenant && e.key == h.key => {
+                        if e.ended {
+                            Err(L3Error::ObjectAlreadyExists)
+                        } else {
+                            Ok(())
+                        }
+                    }
+                    _ => Err(L3Error::ReplicaIsNotReady),
+                });
+                match r {
+                    Ok(()) => ready.push(i),
+                    Err(e) => out[i] = Err(e),
+                }
+            }
+        }
+        if ready.is_empty() {
+            return;
+        }
+        let req = ClusterRequest::PutEndReplicas {
+            node: self.opts.id,
+            handles: ready.iter().map(|&i| handles[i].clone()).collect(),
+            soft_pin: opts.soft_pin,
+        };
+        let (res, sync) = match self.link.call(req) {
+            Ok(ClusterReply::EndedReplicas(res, sync)) if res.len() == ready.len() => (res, sync),
+            Ok(_) => {
+                for &i in &ready {
+                    out[i] = Err(L3Error::RpcFail("unexpected reply from the master".into()));
+                }
+                return;
+            }
+            Err(e) => {
+                for &i in &ready {
+                    out[i] = Err(e.clone());
+                }
+                return;
+            }
+        };
+        let mut jobs = Vec::new();
+        {
+            let mut m = self.mem.lock();
+            for (&i, r) in ready.iter().zip(res) {
+                let Ok(alloc) = self.alloc_of(&handles[i]) else {
+                    continue;
+                };
+                match r {
+                    Ok(ended) => {
+                        if let Some(e) = m.allocs.get_mut(&alloc) {
+                            e.ended = true;
+                            // One SSD copy per object: the first replica's node writes it.
+                            if ended.primary {
+                                jobs.push((i, e.data.clone()));
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        // Revoked or gone at the master: the allocation is free there.
+                        if matches!(e, L3Error::IllegalClient(_) | L3Error::ObjectNotFound) {
+                            m.drop_alloc(alloc);
+                        }
+                        out[i] = Err(e);
+                    }
+                }
+            }
+        }
+        self.apply(sync);
+        // Offload-on-evict writes evictions only (as the single process does).
+        let Some(ssd) = self
+            .ssd
+            .as_ref()
+            .filter(|s| s.config().mode == OffloadMode::WriteThrough)
+        else {
+            return;
+        };
+        let mut waits = Vec::new();
+        for (i, data) in jobs {
+            let h = &handles[i];
+            ssd.announce(&h.tenant, &h.key, h.token);
+            let (job, wait) = OffloadJob::for_put(h, data, opts.wait_persisted);
+            match ssd.enqueue(job, opts.wait_persisted) {
+                Ok(()) => {
+                    if let Some(rx) = wait {
+                        waits.push((i, rx));
+                    }
+                }
+                // The object is in DRAM; only its SSD copy is missing.
+                Err(e) if opts.wait_persisted => out[i] = Err(e),
+                Err(_) => {}
+            }
+        }
+        for (i, rx) in waits {
+            match rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => out[i] = Err(e),
+                Err(_) => out[i] = Err(L3Error::Unavailable("ssd writer stopped".into())),
+            }
+        }
+    }
+
+    fn node_put(
+        &self,
+        handles: Vec<PutHandle>,
+        data: Vec<ByteBuf>,
+        end: Option<PutOptions>,
+    ) -> L3Result<Vec<L3Result<()>>> {
+        check_batch_keys(handles.len(), self.opts.max_batch_keys)?;
+        if !data.is_empty() && data.len() != handles.len() {
+            return Err(L3Error::InvalidParams(
+                "handles and data differ in length".into(),
+            ));
+        }
+        let mut out: Vec<L3Result<()>> = vec![Ok(()); handles.len()];
+        for (i, (h, d)) in handles.iter().zip(data).enumerate() {
+            out[i] = self.write_one(h, d.into_vec());
+        }
+        if let Some(opts) = end {
+            self.end_many(&handles, &mut out, opts);
+        }
+        Ok(out)
+    }
+
+    fn read_one(&self, t: &Tenant, key: &str, r: &ReplicaDescriptor) -> L3Result<Blob> {
+        validate_key(key)?;
+        match r {
+            ReplicaDescriptor::Memory { segment, alloc, .. } => {
+                if *segment != self.segment {
+                    return Err(L3Error::ObjectNotFound);
+                }
+                let m = self.mem.lock();
+                match m.allocs.get(alloc) {
+                    Some(e) if e.ended && e.tenant == *t && e.key == key => {
+                        Ok(Blob::Shared(e.data.clone()))
+                    }
+                    _ => Err(L3Error::ObjectNotFound),
+                }
+            }
+            d => {
+                let loc = DiskLoc::from_descriptor(d).ok_or(L3Error::ObjectNotFound)?;
+                let ssd = self.ssd.as_ref().ok_or(L3Error::UnableOffload)?;
+                match ssd.owner_of(&loc) {
+                    Some((tt, kk)) if tt == *t && kk == key => {}
+                    _ => return Err(L3Error::ObjectNotFound),
+                }
+                let mut v = vec![0u8; loc.size as usize];
+                if ssd.read(&loc, &mut v)? {
+                    Ok(Blob::Owned(v))
+                } else {
+                    // Corrupt: a miss, dropped at the master and tombstoned here.
+                    self.on_corrupt(t, key, loc);
+                    Err(L3Error::ObjectNotFound)
+                }
+            }
+        }
+    }
+
+    fn node_read(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        replicas: &[ReplicaDescriptor],
+        n_caps: usize,
+    ) -> L3Result<Vec<L3Result<Blob>>> {
+        check_batch_keys(keys.len(), self.opts.max_batch_keys)?;
+        if replicas.len() != keys.len() || n_caps != keys.len() {
+            return Err(L3Error::InvalidParams(
+                "keys, replicas and capacities differ in length".into(),
+            ));
+        }
+        Ok(keys
+            .iter()
+            .zip(replicas)
+            .map(|(k, r)| self.read_one(tenant, k, r))
+            .collect())
+    }
+}
+
+impl XferHandler for NodeInner {
+    fn handle(&self, sock: &mut TcpStream, req: XferRequest) -> bool {
+        match req {
+            XferRequest::NodePut { handles, data, end } => {
+                let r = self.node_put(handles, data, end);
+                write_frame(sock, &XferReply::Batch(r)).is_ok()
+            }
+            XferRequest::NodeRead {
+                tenant,
+                keys,
+                replicas,
+                caps,
+            } => {
+                let r = self.node_read(&tenant, &keys, &replicas, caps.len());
+                send_blobs(sock, r, &caps).is_ok()
+            }
+            XferRequest::NodeFlush => {
+                if let Some(s) = &self.ssd {
+                    s.flush();
+                }
+                write_frame(sock, &XferReply::Batch(Ok(Vec::new()))).is_ok()
+            }
+            other => refuse(
+                sock,
+                &other,
+                "this is a store node: metadata calls and probes go to the master",
+            ),
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! The bytes a node holds, by allocation id.
+//!
+//! Why: the master owns placement and frees; the node only keeps each allocation's bytes with
+//! the tenant, key and token they were written for, so reads can check ownership and frees
+//! can be applied by id. An evicted replica in offload-on-evict mode stays here, *staged*,
+//! until its SSD copy is registered (then *retired* for one grace period, so a reader holding
+//! its descriptor a moment longer still finds it).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::types::Tenant;
+
+pub(super) struct Held {
+    pub(super) tenant: Tenant,
+    pub(super) key: String,
+    pub(super) token: u64,
+    pub(super) data: Arc<[u8]>,
+    pub(super) ended: bool,
+    /// Evicted at the master, kept for its SSD write (offload-on-evict).
+    pub(super) staged: Staging,
+    pub(super) since: Instant,
+}
+
+/// Where an evicted-but-staged allocation stands.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Staging {
+    /// A live replica (not evicted).
+    No,
+    /// Waiting for its SSD write; a master free does not drop it.
+    Writing,
+    /// Written (or failed): dropped at the first tick after `since` plus a ping period,
+    /// so a reader holding its descriptor a moment longer still finds it.
+    Retired,
+}
+
+#[derive(Default)]
+pub(super) struct Mem {
+    pub(super) allocs: HashMap<u64, Held>,
+    /// Bytes of live replicas (staged bytes are bounded by the SSD queue and the grace
+    /// period instead: they must not make puts fail while they drain).
+    pub(super) used: u64,
+    /// (tenant, key, token) → allocation of staged bytes.
+    pub(super) staged: HashMap<(Tenant, String, u64), u64>,
+}
+
+impl Mem {
+    pub(super) fn drop_alloc(&mut self, alloc: u64) {
+        if let Some(h) = self.allocs.remove(&alloc) {
+            if h.staged == Staging::No {
+                self.used = self.used.saturating_sub(h.data.len() as u64);
+            } else {
+                self.staged.remove(&(h.tenant, h.key, h.token));
+            }
+        }
+    }
+
+    /// The staged bytes of this object version are done with (written or failed).
+    pub(super) fn retire(&mut self, t: &Tenant, key: &str, token: u64) {
+        if let Some(a) = self.staged.get(&(t.clone(), key.to_string(), token))
+            && let Some(h) = self.allocs.get_mut(a)
+        {
+            h.staged = Staging::Retired;
+            h.since = Instant::now();
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! The node's side of the conversation with the master: mount (with the SSD records found),
+//! ping, and apply the [`NodeSync`] every reply carries (frees, evictions to offload,
+//! tombstones, promotions).
+//!
+//! Why: the master never connects to nodes; what it has to say waits for the node's next
+//! call. A ping answered `need_remount` (declared dead while partitioned, or a restarted
+//! master) drops all memory bytes and mounts again.
+//!
+//! Invariant: bytes of an allocation the master freed are dropped when the node hears of it;
+//! bytes written but never ended are dropped after `put_timeout` (the data channel bounds the
+//! memory held meanwhile, see `data`).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use crate::error::{L3Error, L3Result};
+use crate::master::{DiskLoc, NodeSync};
+use crate::rpc::service::{ClusterReply, ClusterRequest};
+use crate::ssd::OffloadJob;
+
+use super::NodeInner;
+use super::mem::{Mem, Staging};
+
+/// SSD records registered per `Rescanned` call.
+const RESCAN_CHUNK: usize = 4096;
+
+impl NodeInner {
+    /// Joins the master with an empty segment, then registers every live SSD record.
+    pub(super) fn mount(&self) -> L3Result<()> {
+        let _gate = self.gate.lock();
+        self.mounted.store(false, Ordering::Release);
+        *self.mem.lock() = Mem::default();
+        self.link.call(ClusterRequest::MountNode {
+            node: self.opts.id,
+            segment: self.segment,
+            capacity: self.opts.segment_bytes,
+            data_addr: self.data_addr()?,
+            offload_on_evict: self.offload_on_evict(),
+        })?;
+        if let Some(ssd) = &self.ssd {
+            let recs = ssd.live_records();
+            let mut refused = 0usize;
+            for chunk in recs.chunks(RESCAN_CHUNK) {
+                let reply = self.link.call(ClusterRequest::Rescanned {
+                    node: self.opts.id,
+                    disks: chunk.to_vec(),
+                })?;
+                let ClusterReply::Accepted(ok) = reply else {
+                    return Err(L3Error::RpcFail("unexpected reply to Rescanned".into()));
+                };
+                let dead: Vec<DiskLoc> = chunk
+                    .iter()
+                    .zip(ok)
+                    .filter(|(_, accepted)| !accepted)
+                    .map(|((_, _, loc), _)| *loc)
+                    .collect();
+                refused += dead.len();
+                if let Err(e) = ssd.tombstone_many(&dead) {
+                    tracing::warn!(error = %e, "could not tombstone refused records");
+                }
+            }
+            tracing::info!(
+                registered = recs.len() - refused,
+                refused,
+                "ssd replicas registered with the master"
+            );
+        }
+        self.mounted.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    pub(super) fn apply(&self, s: NodeSync) {
+        let _gate = self.gate.lock();
+        let mut jobs = Vec::new();
+        let mut lost = Vec::new();
+        if !s.freed.is_empty() || !s.offload.is_empty() {
+            let mut m = self.mem.lock();
+            // Evicted replicas to write first: their allocations are in `freed` too.
+            for a in &s.offload {
+                let Some(h) = m.allocs.get_mut(a) else {
+                    continue;
+                };
+                if !h.ended || h.staged != Staging::No || self.ssd.is_none() {
+                    continue;
+                }
+                h.staged = Staging::Writing;
+                let (t, k, tok, data) = (h.tenant.clone(), h.key.clone(), h.token, h.data.clone());
+                m.used = m.used.saturating_sub(data.len() as u64);
+                m.staged.insert((t.clone(), k.clone(), tok), *a);
+                jobs.push(OffloadJob {
+                    tenant: t,
+                    key: k,
+                    token: tok,
+                    data,
+                    staged: true,
+                    done: None,
+                });
+            }
+            for a in &s.freed {
+                if m.allocs.get(a).is_some_and(|h| h.staged == Staging::No) {
+                    m.drop_alloc(*a);
+                }
+            }
+        }
+        if let Some(ssd) = &self.ssd {
+            for j in jobs {
+                ssd.announce(&j.tenant, &j.key, j.token);
+                let (t, k, tok) = (j.tenant.clone(), j.key.clone(), j.token);
+                if ssd.enqueue(j, false).is_err() {
+                    lost.push(OffloadJob {
+                        tenant: t,
+                        key: k,
+                        token: tok,
+                        data: Arc::from(Vec::new()),
+                        staged: true,
+                        done: None,
+                    });
+                }
+            }
+            if let Err(e) = ssd.tombstone_many(&s.tombstones) {
+                tracing::warn!(error = %e, "could not tombstone removed records");
+            }
+        }
+        // A full SSD queue skips the write, as in the single process: the copy is dropped.
+        self.unstage(lost.iter());
+        if !s.promote.is_empty()
+            && let Some(tx) = &*self.promote_tx.lock()
+        {
+            // A full promoter queue skips the batch (a later probe asks again).
+            let _ = tx.try_send(s.promote);
+        }
+    }
+
+    /// One ping period: drop stale unended writes, ping (or mount), apply the reply.
+    pub(super) fn tick(&self) {
+        let stale = self.opts.put_timeout;
+        let grace = self.opts.ping_interval;
+        {
+            let mut m = self.mem.lock();
+            let old: Vec<u64> = m
+                .allocs
+                .iter()
+                .filter(|(_, h)| {
+                    (!h.ended && h.since.elapsed() > stale)
+                        || (h.staged == Staging::Retired && h.since.elapsed() >= grace)
+                })
+                .map(|(&a, _)| a)
+                .collect();
+            for a in old {
+                m.drop_alloc(a);
+            }
+        }
+        if !self.mounted.load(Ordering::Acquire) {
+            if let Err(e) = self.mount() {
+                tracing::warn!(error = %e, "mount with the master failed; retrying");
+            }
+            return;
+        }
+        match self.link.call(ClusterRequest::Ping { node: self.opts.id }) {
+            Ok(ClusterReply::Sync(s)) if s.need_remount => {
+                tracing::warn!(
+                    "master does not know this node (declared dead or restarted): remounting"
+                );
+                if let Err(e) = self.mount() {
+                    tracing::warn!(error = %e, "remount failed; retrying");
+                }
+            }
+            Ok(ClusterReply::Sync(s)) => self.apply(s),
+            Ok(other) => tracing::warn!(?other, "unexpected ping reply"),
+            Err(e) => tracing::warn!(error = %e, "ping failed"),
+        }
+    }
+}

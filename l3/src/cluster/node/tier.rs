@@ -1,0 +1,174 @@
+//! The node's SSD tier and its crossings with the master.
+//!
+//! Why: tiers work as in the single process, but the master's metadata is a call away. In
+//! write-through mode every ended put is queued for the SSD, so a DRAM eviction only drops
+//! bytes; in offload-on-evict mode the master leaves the bytes of an evicted replica staged
+//! here ([`NodeSync::offload`](crate::master::NodeSync::offload)): they stay readable under
+//! their allocation until their SSD copy is registered ([`NodeHooks`]), then go. A
+//! prefetching probe at the master queues SSD-only keys for their node
+//! ([`NodeSync::promote`](crate::master::NodeSync::promote)); the node's promoter thread reads
+//! them (verified) and asks for a replica in its own segment (`Promote`).
+//!
+//! Invariant: SSD bytes are kept or served only after their checksum verified; a corrupt
+//! record is dropped at the master and tombstoned here.
+
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use crate::master::DiskLoc;
+use crate::rpc::service::{ClusterReply, ClusterRequest};
+use crate::ssd::{OffloadJob, TierHooks};
+use crate::types::Tenant;
+
+use super::mem::{Held, Staging};
+use super::{NodeInner, PromoteBatch};
+
+pub(super) struct NodeHooks(pub(super) Weak<NodeInner>);
+
+impl TierHooks for NodeHooks {
+    fn register(&self, items: &[(&OffloadJob, DiskLoc)]) -> Vec<bool> {
+        let Some(n) = self.0.upgrade() else {
+            return vec![true; items.len()];
+        };
+        let req = ClusterRequest::RegisterDisk {
+            node: n.opts.id,
+            items: items
+                .iter()
+                .map(|(j, l)| (j.tenant.clone(), j.key.clone(), j.token, *l))
+                .collect(),
+        };
+        match n.link.call(req) {
+            Ok(ClusterReply::Accepted(v)) if v.len() == items.len() => {
+                // Registered (or refused: removed meanwhile): staged bytes are done with.
+                let mut m = n.mem.lock();
+                for (j, _) in items.iter().filter(|(j, _)| j.staged) {
+                    m.retire(&j.tenant, &j.key, j.token);
+                }
+                v
+            }
+            // Master unreachable: keep the durable records; the next mount re-registers them.
+            other => {
+                tracing::warn!(
+                    ?other,
+                    "ssd registration not confirmed; kept for re-registration"
+                );
+                vec![true; items.len()]
+            }
+        }
+    }
+
+    fn write_failed(&self, jobs: &[OffloadJob]) {
+        let Some(n) = self.0.upgrade() else { return };
+        n.unstage(jobs.iter().filter(|j| j.staged));
+    }
+
+    fn evict_disk(&self, recs: &[(Tenant, String, DiskLoc)]) -> bool {
+        let Some(n) = self.0.upgrade() else {
+            return false;
+        };
+        matches!(
+            n.link.call(ClusterRequest::EvictDisk {
+                node: n.opts.id,
+                recs: recs.to_vec(),
+            }),
+            Ok(ClusterReply::Evictable(true))
+        )
+    }
+}
+
+impl NodeInner {
+    /// Staged copies whose SSD write failed or was skipped: dropped here and at the master.
+    pub(super) fn unstage<'a>(&self, jobs: impl Iterator<Item = &'a OffloadJob>) {
+        let items: Vec<(Tenant, String, u64)> = {
+            let mut m = self.mem.lock();
+            jobs.map(|j| {
+                m.retire(&j.tenant, &j.key, j.token);
+                (j.tenant.clone(), j.key.clone(), j.token)
+            })
+            .collect()
+        };
+        if items.is_empty() {
+            return;
+        }
+        if let Err(e) = self.link.call(ClusterRequest::Unstage {
+            node: self.opts.id,
+            items,
+        }) {
+            tracing::warn!(error = %e, "could not tell the master of failed offloads");
+        }
+    }
+
+    /// Promoter thread work: read each SSD copy (verified), get a replica for it in this
+    /// node's segment from the master, keep the bytes under it.
+    pub(super) fn promote(&self, batch: PromoteBatch) {
+        let Some(ssd) = &self.ssd else { return };
+        let mut read: Vec<((Tenant, String, DiskLoc), Vec<u8>)> = Vec::new();
+        for (t, k, loc) in batch {
+            match ssd.owner_of(&loc) {
+                Some((tt, kk)) if tt == t && kk == k => {}
+                _ => continue,
+            }
+            let mut v = vec![0u8; loc.size as usize];
+            match ssd.read(&loc, &mut v) {
+                Ok(true) => read.push(((t, k, loc), v)),
+                Ok(false) => self.on_corrupt(&t, &k, loc),
+                Err(e) => tracing::warn!(error = %e, "promotion read failed"),
+            }
+        }
+        if read.is_empty() {
+            return;
+        }
+        let _gate = self.gate.lock();
+        let room = {
+            let m = self.mem.lock();
+            let want: u64 = read.iter().map(|(_, v)| v.len() as u64).sum();
+            m.used + want <= self.opts.segment_bytes.saturating_mul(2)
+        };
+        if !room {
+            return;
+        }
+        let items: Vec<(Tenant, String, DiskLoc)> = read.iter().map(|(i, _)| i.clone()).collect();
+        let n = items.len();
+        let res = match self.link.call(ClusterRequest::Promote {
+            node: self.opts.id,
+            items,
+        }) {
+            Ok(ClusterReply::Promoted(v)) if v.len() == n => v,
+            other => {
+                tracing::warn!(?other, "promotion not confirmed by the master");
+                return;
+            }
+        };
+        let mut m = self.mem.lock();
+        for (((t, k, _), v), r) in read.into_iter().zip(res) {
+            let Ok((alloc, token)) = r else { continue };
+            m.used += v.len() as u64;
+            m.allocs.insert(
+                alloc,
+                Held {
+                    tenant: t,
+                    key: k,
+                    token,
+                    data: Arc::from(v),
+                    ended: true,
+                    staged: Staging::No,
+                    since: Instant::now(),
+                },
+            );
+        }
+    }
+
+    pub(super) fn on_corrupt(&self, t: &Tenant, key: &str, loc: DiskLoc) {
+        let _ = self.link.call(ClusterRequest::DropDisk {
+            node: self.opts.id,
+            tenant: t.clone(),
+            key: key.to_string(),
+            loc,
+        });
+        if let Some(ssd) = &self.ssd
+            && let Err(e) = ssd.tombstone(&loc)
+        {
+            tracing::warn!(error = %e, "could not tombstone a corrupt record");
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! [`L3Store`] for [`RemoteStore`]: each call one tarpc request (or, for big batches, chunks
+//! of them sent at once), bulk reads and probes on the transfer channel when the server has
+//! one, and data calls sent to the store nodes when the server is a cluster master.
+//!
+//! Why apart from the connection: the trait is long and every method is the same few steps
+//! (check limits, pick the path, call, map the reply); the connection's machinery lives once
+//! in the parent module.
+
+use futures::future::join_all;
+
+use super::{PER_KEY_OVERHEAD, RemoteStore, empty_reply, rpc_err};
+use crate::api::{BatchResult, L3Store, single};
+use crate::error::{L3Error, L3Result};
+use crate::pattern::KeyPattern;
+use crate::types::{
+    Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
+    ReplicateConfig, SegmentId, StoreStats, Tenant,
+};
+
+impl L3Store for RemoteStore {
+    fn put_start(&self, tenant: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
+        self.run(
+            self.client
+                .put_start(self.ctx(), tenant.clone(), key.to_string(), size),
+        )
+    }
+
+    fn put_write(&self, handle: &PutHandle, data: &[u8]) -> L3Result<()> {
+        if data.len() as u64 > self.limits.max_object_bytes {
+            return Err(L3Error::InvalidParams(
+                "object exceeds the server's object limit".into(),
+            ));
+        }
+        self.check_request(data.len() + PER_KEY_OVERHEAD + handle.key.len())?;
+        if self.limits.cluster {
+            let v = self.cluster_put_on_nodes(std::slice::from_ref(handle), &[data], None);
+            return single(v, empty_reply);
+        }
+        self.run(
+            self.client
+                .put_write(self.ctx(), handle.clone(), Blob::Owned(data.to_vec())),
+        )
+    }
+
+    fn put_end(&self, handle: &PutHandle, opts: PutOptions) -> L3Result<()> {
+        if self.limits.cluster {
+            let v = self.cluster_put_on_nodes(std::slice::from_ref(handle), &[], Some(opts));
+            return single(v, empty_reply);
+        }
+        self.run(self.client.put_end(self.ctx(), handle.clone(), opts))
+    }
+
+    fn put_revoke(&self, handle: &PutHandle) -> L3Result<()> {
+        self.run(self.client.put_revoke(self.ctx(), handle.clone()))
+    }
+
+    fn batch_put_start_with(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        sizes: &[u64],
+        cfg: ReplicateConfig,
+    ) -> BatchResult<PutHandle> {
+        cfg.validate()?;
+        self.check_keys(keys.len())?;
+        if cfg.replica_num == 1 {
+            // The call every server version knows.
+            return self.run(self.client.batch_put_start(
+                self.ctx(),
+                tenant.clone(),
+                keys.to_vec(),
+                sizes.to_vec(),
+            ));
+        }
+        let v = self.run(self.client.batch_put_start_replicated(
+            self.ctx(),
+            tenant.clone(),
+            keys.to_vec(),
+            sizes.to_vec(),
+            cfg,
+        ))?;
+        Ok(v.into_iter()
+            .map(|r| {
+                r.map(|(mut h, extra)| {
+                    h.extra_replicas = extra;
+                    h
+                })
+            })
+            .collect())
+    }
+
+    fn batch_put_end(&self, handles: &[PutHandle], opts: PutOptions) -> BatchResult<()> {
+        self.check_keys(handles.len())?;
+        if self.limits.cluster {
+            return Ok(self.cluster_put_on_nodes(handles, &[], Some(opts)));
+        }
+        self.run(
+            self.client
+                .batch_put_end(self.ctx(), handles.to_vec(), opts),
+        )
+    }
+
+    fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()> {
+        self.check_keys(handles.len())?;
+        self.run(self.client.batch_put_revoke(self.ctx(), handles.to_vec()))
+    }
+
+    fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult> {
+        let v = self.batch_query(tenant, &[key.to_string()])?;
+        single(v, empty_reply)
+    }
+
+    fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool> {
+        let v = self.batch_exist_key(tenant, &[key.to_string()], opts)?;
+        single(v, empty_reply)
+    }
+
+    fn batch_exist_key(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        opts: ExistOptions,
+    ) -> BatchResult<bool> {
+        self.check_keys(keys.len())?;
+        if self.xfer.is_some() {
+            return self.with_xfer(|x| x.exist(tenant, keys, opts));
+        }
+        self.run(
+            self.client
+                .batch_exist(self.ctx(), tenant.clone(), keys.to_vec(), opts),
+        )
+    }
+
+    fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
+        self.check_keys(keys.len())?;
+        self.run(
+            self.client
+                .batch_query(self.ctx(), tenant.clone(), keys.to_vec()),
+        )
+    }
+
+    fn batch_get_with_query(
+        &self,
+        tenant: &Tenant,
+        queries: &[QueryResult],
+        bufs: &mut [&mut [u8]],
+    ) -> BatchResult<u64> {
+        let keys: Vec<String> = queries.iter().map(|q| q.key.clone()).collect();
+        if self.limits.cluster {
+            return self.cluster_get(tenant, &keys, bufs, Some(queries));
+        }
+        self.get_chunks(tenant, &keys, bufs, Some(queries))
+    }
+
+    fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()> {
+        self.run(
+            self.client
+                .remove(self.ctx(), tenant.clone(), key.to_string(), force),
+        )
+    }
+
+    fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
+        self.run(self.client.remove_all(self.ctx(), tenant.clone(), force))
+    }
+
+    fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64> {
+        // Checked here too: a bad pattern costs no round trip (the server checks again).
+        KeyPattern::new(pattern)?;
+        self.run(self.client.remove_by_regex(
+            self.ctx(),
+            tenant.clone(),
+            pattern.to_string(),
+            force,
+        ))
+    }
+
+    fn copy_replica(&self, tenant: &Tenant, key: &str, target: SegmentId) -> L3Result<bool> {
+        crate::types::validate_key(key)?;
+        self.run(
+            self.client
+                .copy_replica(self.ctx(), tenant.clone(), key.to_string(), target),
+        )
+    }
+
+    fn move_replica(
+        &self,
+        tenant: &Tenant,
+        key: &str,
+        source: SegmentId,
+        target: SegmentId,
+    ) -> L3Result<()> {
+        crate::types::validate_key(key)?;
+        self.run(self.client.move_replica(
+            self.ctx(),
+            tenant.clone(),
+            key.to_string(),
+            source,
+            target,
+        ))
+    }
+
+    fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()> {
+        self.run(
+            self.client
+                .mount_segment(self.ctx(), client, segment, capacity),
+        )
+    }
+
+    fn unmount_segment(&self, client: ClientId, segment: SegmentId) -> L3Result<()> {
+        self.run(self.client.unmount_segment(self.ctx(), client, segment))
+    }
+
+    fn ping(&self, client: ClientId) -> L3Result<ClientStatus> {
+        self.run(self.client.ping(self.ctx(), client))
+    }
+
+    fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()> {
+        let v = self.batch_put_from(tenant, &[key.to_string()], &[data], opts)?;
+        single(v, empty_reply)
+    }
+
+    fn get(&self, tenant: &Tenant, key: &str) -> L3Result<Vec<u8>> {
+        if self.limits.cluster {
+            let q = self.get_replica_list(tenant, key)?;
+            let mut buf = vec![0u8; q.size as usize];
+            let mut bufs = [&mut buf[..]];
+            let v = self.cluster_read(tenant, &[key.to_string()], &mut bufs, vec![Ok(q)])?;
+            let n = single(v, empty_reply)?;
+            buf.truncate(n as usize);
+            return Ok(buf);
+        }
+        let v = self.run(self.client.batch_get(
+            self.ctx(),
+            tenant.clone(),
+            vec![key.to_string()],
+        ))?;
+        match single(v, empty_reply)? {
+            Blob::Owned(b) => Ok(b),
+            b => Ok(b.as_slice().to_vec()),
+        }
+    }
+
+    fn get_into(&self, tenant: &Tenant, key: &str, buf: &mut [u8]) -> L3Result<u64> {
+        let v = self.batch_get_into(tenant, &[key.to_string()], &mut [buf])?;
+        single(v, empty_reply)
+    }
+
+    fn batch_put_from_with(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &[&[u8]],
+        opts: PutOptions,
+        cfg: ReplicateConfig,
+    ) -> BatchResult<()> {
+        cfg.validate()?;
+        self.check_bufs(keys.len(), bufs.len())?;
+        for (k, b) in keys.iter().zip(bufs) {
+            if b.len() as u64 > self.limits.max_object_bytes {
+                return Err(L3Error::InvalidParams(format!(
+                    "object of {} bytes exceeds the server's {}-byte limit",
+                    b.len(),
+                    self.limits.max_object_bytes
+                )));
+            }
+            self.check_request(b.len() + k.len() + PER_KEY_OVERHEAD)?;
+        }
+        if self.limits.cluster {
+            return self.cluster_put(tenant, keys, bufs, opts, cfg);
+        }
+        // `--role both` is one process: one replica (see `EmbeddedStore`).
+        let ranges = self.chunks(keys.len(), |i| bufs[i].len());
+        let calls = ranges.iter().map(|r| {
+            let ctx = self.ctx();
+            let c = self.client.clone();
+            let t = tenant.clone();
+            let ks = keys[r.clone()].to_vec();
+            let data: Vec<Blob> = bufs[r.clone()]
+                .iter()
+                .map(|b| Blob::Owned(b.to_vec()))
+                .collect();
+            async move { c.batch_put(ctx, t, ks, data, opts).await }
+        });
+        let replies = self.rt.block_on(join_all(calls));
+        let mut out = Vec::with_capacity(keys.len());
+        for (r, reply) in ranges.iter().zip(replies) {
+            let v = reply.map_err(rpc_err)??;
+            if v.len() != r.len() {
+                return Err(L3Error::RpcFail("reply length mismatch".into()));
+            }
+            out.extend(v);
+        }
+        Ok(out)
+    }
+
+    fn batch_get_into(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+    ) -> BatchResult<u64> {
+        if self.limits.cluster {
+            return self.cluster_get(tenant, keys, bufs, None);
+        }
+        self.get_chunks(tenant, keys, bufs, None)
+    }
+
+    fn get_size(&self, tenant: &Tenant, key: &str) -> L3Result<u64> {
+        self.run(
+            self.client
+                .get_size(self.ctx(), tenant.clone(), key.to_string()),
+        )
+    }
+
+    fn flush(&self) -> L3Result<()> {
+        if self.limits.cluster {
+            return self.cluster_flush();
+        }
+        self.run(self.client.flush(self.ctx()))
+    }
+
+    fn stats(&self) -> L3Result<StoreStats> {
+        self.run(self.client.stats(self.ctx()))
+    }
+}

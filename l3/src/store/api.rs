@@ -1,0 +1,277 @@
+//! [`L3Store`] for [`EmbeddedStore`]: Mooncake's client API over the read and write paths.
+//!
+//! Why: the trait is what the scheduler, the server and the bindings program against; this
+//! file only validates batch shapes, times the operations and delegates, so the logic lives
+//! once in the path modules.
+
+use std::time::Instant;
+
+use crate::api::{BatchResult, L3Store};
+use crate::error::{L3Error, L3Result};
+use crate::metrics::Op;
+use crate::pattern::KeyPattern;
+use crate::types::{
+    ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, ReplicateConfig,
+    SegmentId, StoreStats, Tenant, validate_key,
+};
+
+use super::EmbeddedStore;
+
+impl L3Store for EmbeddedStore {
+    fn put_start(&self, tenant: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
+        self.inner.put_start(tenant, key, size)
+    }
+
+    fn put_write(&self, handle: &PutHandle, data: &[u8]) -> L3Result<()> {
+        if data.len() as u64 != handle.size {
+            return Err(L3Error::InvalidParams(
+                "data length differs from put size".into(),
+            ));
+        }
+        let bytes = self.inner.object_bytes(data);
+        self.inner.master.lock().put_write(handle, bytes)
+    }
+
+    fn put_end(&self, handle: &PutHandle, opts: PutOptions) -> L3Result<()> {
+        self.inner.put_end(handle, opts)
+    }
+
+    fn put_revoke(&self, handle: &PutHandle) -> L3Result<()> {
+        self.inner.master.lock().put_revoke(handle)
+    }
+
+    /// One process is one failure domain: a valid `replica_num` is accepted and one memory
+    /// replica is kept (extra copies in the same process would only cost DRAM).
+    fn batch_put_start_with(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        sizes: &[u64],
+        cfg: ReplicateConfig,
+    ) -> BatchResult<PutHandle> {
+        cfg.validate()?;
+        self.inner.cfg.check_batch(keys.len())?;
+        if keys.len() != sizes.len() {
+            return Err(L3Error::InvalidParams(
+                "keys and sizes differ in length".into(),
+            ));
+        }
+        Ok(keys
+            .iter()
+            .zip(sizes)
+            .map(|(k, &s)| self.inner.put_start(tenant, k, s))
+            .collect())
+    }
+
+    fn batch_put_end(&self, handles: &[PutHandle], opts: PutOptions) -> BatchResult<()> {
+        self.inner.cfg.check_batch(handles.len())?;
+        Ok(handles
+            .iter()
+            .map(|h| self.inner.put_end(h, opts))
+            .collect())
+    }
+
+    fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()> {
+        self.inner.cfg.check_batch(handles.len())?;
+        let mut m = self.inner.master.lock();
+        Ok(handles.iter().map(|h| m.put_revoke(h)).collect())
+    }
+
+    fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult> {
+        validate_key(key)?;
+        let now = self.inner.clock.now_ms();
+        self.inner.master.lock().query(tenant, key, now)
+    }
+
+    fn batch_exist_key(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        opts: ExistOptions,
+    ) -> BatchResult<bool> {
+        self.exist_many(tenant, keys, opts)
+    }
+
+    fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
+        self.inner.cfg.check_batch(keys.len())?;
+        let t0 = Instant::now();
+        let now = self.inner.clock.now_ms();
+        let out = self.inner.master.lock().query_many(tenant, keys, now);
+        self.inner.metrics.observe(Op::Query, t0.elapsed());
+        Ok(out)
+    }
+
+    fn batch_get_with_query(
+        &self,
+        tenant: &Tenant,
+        queries: &[QueryResult],
+        bufs: &mut [&mut [u8]],
+    ) -> BatchResult<u64> {
+        self.inner.cfg.check_batch(queries.len())?;
+        if queries.len() != bufs.len() {
+            return Err(L3Error::InvalidParams(
+                "queries and buffers differ in length".into(),
+            ));
+        }
+        let t0 = Instant::now();
+        let keys: Vec<String> = queries.iter().map(|q| q.key.clone()).collect();
+        let srcs = self.inner.resolve_query(tenant, queries);
+        let out = self.inner.fill(tenant, &keys, srcs, bufs);
+        self.inner.metrics.observe(Op::Get, t0.elapsed());
+        Ok(out)
+    }
+
+    fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()> {
+        validate_key(key)?;
+        let t0 = Instant::now();
+        let now = self.inner.clock.now_ms();
+        let removed = self.inner.master.lock().remove(tenant, key, force, now)?;
+        self.inner
+            .forget_on_disk(tenant, std::slice::from_ref(&removed))?;
+        self.inner.metrics.observe(Op::Remove, t0.elapsed());
+        Ok(())
+    }
+
+    fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
+        let now = self.inner.clock.now_ms();
+        let removed = self.inner.master.lock().remove_all(tenant, force, now);
+        self.inner.forget_on_disk(tenant, &removed)?;
+        Ok(removed.len() as u64)
+    }
+
+    fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64> {
+        let pattern = KeyPattern::new(pattern)?;
+        let t0 = Instant::now();
+        let now = self.inner.clock.now_ms();
+        let removed = (self.inner.master.lock()).remove_matching(tenant, &pattern, force, now);
+        self.inner.forget_on_disk(tenant, &removed)?;
+        self.inner.metrics.observe(Op::Remove, t0.elapsed());
+        Ok(removed.len() as u64)
+    }
+
+    fn copy_replica(&self, tenant: &Tenant, key: &str, target: SegmentId) -> L3Result<bool> {
+        validate_key(key)?;
+        self.inner.master.lock().copy_replica(tenant, key, target)
+    }
+
+    fn move_replica(
+        &self,
+        tenant: &Tenant,
+        key: &str,
+        source: SegmentId,
+        target: SegmentId,
+    ) -> L3Result<()> {
+        validate_key(key)?;
+        (self.inner.master.lock()).move_replica(tenant, key, source, target)
+    }
+
+    fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()> {
+        let now = self.inner.clock.now_ms();
+        self.inner
+            .master
+            .lock()
+            .mount_segment(client, segment, capacity, now)
+    }
+
+    fn unmount_segment(&self, client: ClientId, segment: SegmentId) -> L3Result<()> {
+        self.inner
+            .master
+            .lock()
+            .unmount_segment(client, segment)
+            .map(|_| ())
+    }
+
+    fn ping(&self, client: ClientId) -> L3Result<ClientStatus> {
+        let now = self.inner.clock.now_ms();
+        Ok(self.inner.master.lock().ping(client, now))
+    }
+
+    fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()> {
+        let t0 = Instant::now();
+        let h = self.inner.put_start(tenant, key, data.len() as u64)?;
+        let bytes = self.inner.object_bytes(data);
+        // Bind the result first: the guard of the first lock must be gone before the revoke
+        // locks again (parking_lot's mutex is not reentrant; holding it here deadlocked the
+        // store when a forced remove raced this put).
+        let written = self.inner.master.lock().put_write(&h, bytes);
+        if let Err(e) = written {
+            // The revoke fails only if the pending object is already gone (a forced remove
+            // took it): nothing is left to release then.
+            let _ = self.inner.master.lock().put_revoke(&h);
+            return Err(e);
+        }
+        let r = self.inner.put_end(&h, opts);
+        self.inner.metrics.observe(Op::Put, t0.elapsed());
+        r
+    }
+
+    fn get(&self, tenant: &Tenant, key: &str) -> L3Result<Vec<u8>> {
+        let size = self.get_size(tenant, key)?;
+        let mut buf = vec![0u8; size as usize];
+        let n = self.get_into(tenant, key, &mut buf)?;
+        buf.truncate(n as usize);
+        Ok(buf)
+    }
+
+    /// One replica whatever `replica_num` says (see `batch_put_start_with`).
+    fn batch_put_from_with(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &[&[u8]],
+        opts: PutOptions,
+        cfg: ReplicateConfig,
+    ) -> BatchResult<()> {
+        cfg.validate()?;
+        self.inner.cfg.check_batch(keys.len())?;
+        if keys.len() != bufs.len() {
+            return Err(L3Error::InvalidParams(
+                "keys and buffers differ in length".into(),
+            ));
+        }
+        Ok(keys
+            .iter()
+            .zip(bufs)
+            .map(|(k, b)| self.put(tenant, k, b, opts))
+            .collect())
+    }
+
+    fn batch_get_into(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+    ) -> BatchResult<u64> {
+        self.inner.cfg.check_batch(keys.len())?;
+        if keys.len() != bufs.len() {
+            return Err(L3Error::InvalidParams(
+                "keys and buffers differ in length".into(),
+            ));
+        }
+        let t0 = Instant::now();
+        let srcs = self.inner.resolve(tenant, keys);
+        let out = self.inner.fill(tenant, keys, srcs, bufs);
+        self.inner.metrics.observe(Op::Get, t0.elapsed());
+        Ok(out)
+    }
+
+    fn get_size(&self, tenant: &Tenant, key: &str) -> L3Result<u64> {
+        validate_key(key)?;
+        self.inner.master.lock().size_of(tenant, key)
+    }
+
+    fn flush(&self) -> L3Result<()> {
+        if let Some(s) = &self.inner.ssd {
+            s.flush();
+        }
+        Ok(())
+    }
+
+    fn stats(&self) -> L3Result<StoreStats> {
+        let mut s = self.inner.master.lock().stats();
+        if let Some(t) = &self.inner.ssd {
+            s.disk_used_bytes = t.stats().used_bytes;
+        }
+        Ok(s)
+    }
+}

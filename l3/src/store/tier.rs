@@ -1,0 +1,132 @@
+//! Glue between the master's metadata and the SSD tier.
+//!
+//! Why: the SSD tier knows buckets and records, the master knows objects and replicas; each
+//! crossing (an evicted object staged for offload, a written bucket registered, a disk bucket
+//! evicted, a promotion back to DRAM, a corrupt record, a removed object) must update both
+//! sides in an order that survives a crash. This module holds those crossings; the tier's
+//! callbacks reach the store through a weak handle so they never keep it alive.
+//!
+//! Invariants:
+//! - A corrupt SSD copy is dropped from the master and tombstoned; readers see a miss (-704).
+//! - An acknowledged remove tombstones the object's SSD copies durably (queued writes are
+//!   cancelled first), so it survives a crash at any point of the write.
+
+use std::sync::{Arc, Weak};
+
+use crate::error::{L3Error, L3Result};
+use crate::master::{DiskLoc, EvictionOutcome, LOCAL_NODE, Removed};
+use crate::metrics::Metrics;
+use crate::ssd::{OffloadJob, TierHooks};
+use crate::types::Tenant;
+
+use super::Inner;
+
+pub(super) struct Hooks(pub(super) Weak<Inner>);
+
+impl TierHooks for Hooks {
+    fn register(&self, items: &[(&OffloadJob, DiskLoc)]) -> Vec<bool> {
+        let Some(inner) = self.0.upgrade() else {
+            // Store is going away: the bucket is durable and a restart rescan registers it.
+            return vec![true; items.len()];
+        };
+        let mut m = inner.master.lock();
+        items
+            .iter()
+            .map(|(j, loc)| m.register_disk(LOCAL_NODE, &j.tenant, &j.key, j.token, *loc))
+            .collect()
+    }
+
+    fn write_failed(&self, jobs: &[OffloadJob]) {
+        if let Some(inner) = self.0.upgrade() {
+            let mut m = inner.master.lock();
+            for j in jobs.iter().filter(|j| j.staged) {
+                m.unstage(&j.tenant, &j.key, j.token);
+            }
+        }
+    }
+
+    fn evict_disk(&self, recs: &[(Tenant, String, DiskLoc)]) -> bool {
+        let Some(inner) = self.0.upgrade() else {
+            return false;
+        };
+        let now = inner.clock.now_ms();
+        let mut m = inner.master.lock();
+        if !recs
+            .iter()
+            .all(|(t, k, l)| m.disk_evictable(LOCAL_NODE, t, k, l, now))
+        {
+            return false;
+        }
+        for (t, k, l) in recs {
+            m.drop_disk(LOCAL_NODE, t, k, l);
+        }
+        true
+    }
+}
+
+impl Inner {
+    /// Promotion work: read the SSD copy (verified) and add a memory replica.
+    pub(super) fn promote_one(&self, t: &Tenant, key: &str) -> L3Result<()> {
+        let Some(ssd) = &self.ssd else {
+            return Err(L3Error::UnableOffload);
+        };
+        let (token, loc) = {
+            let m = self.master.lock();
+            if m.under_pressure(0) {
+                return Err(L3Error::NoAvailableHandle { needed: 0 });
+            }
+            m.ssd_only(t, key).ok_or(L3Error::ObjectNotFound)?
+        };
+        let mut buf = vec![0u8; loc.size as usize];
+        if !ssd.read(&loc, &mut buf)? {
+            self.on_corrupt(t, key, &loc);
+            return Err(L3Error::ObjectNotFound);
+        }
+        let now = self.clock.now_ms();
+        self.master
+            .lock()
+            .promote(t, key, token, Arc::from(buf), now)
+    }
+
+    /// After the master removed objects: cancels their queued SSD writes and tombstones
+    /// their SSD copies (published or registered), durably, so an acknowledged remove
+    /// survives a crash at any point of the write.
+    pub(super) fn forget_on_disk(&self, t: &Tenant, removed: &[Removed]) -> L3Result<()> {
+        let Some(ssd) = &self.ssd else { return Ok(()) };
+        let mut locs = Vec::new();
+        for r in removed {
+            locs.extend(ssd.cancel(t, &r.key, r.token));
+            locs.extend(r.disk.map(|(_, l)| l));
+        }
+        ssd.tombstone_many(&locs)
+    }
+
+    pub(super) fn on_corrupt(&self, t: &Tenant, key: &str, loc: &DiskLoc) {
+        Metrics::add(&self.metrics.corrupt_reads, 1);
+        self.master.lock().drop_disk(LOCAL_NODE, t, key, loc);
+        if let Some(s) = &self.ssd
+            && let Err(e) = s.tombstone(loc)
+        {
+            tracing::warn!(error = %e, "could not tombstone a corrupt record");
+        }
+    }
+
+    pub(super) fn offload_evicted(&self, out: EvictionOutcome) {
+        let Some(ssd) = &self.ssd else { return };
+        for s in out.to_offload {
+            let (t, k, tok) = (s.tenant.clone(), s.key.clone(), s.token);
+            let job = OffloadJob {
+                tenant: s.tenant,
+                key: s.key,
+                token: s.token,
+                data: s.data,
+                staged: true,
+                done: None,
+            };
+            if ssd.enqueue(job, false).is_err() {
+                Metrics::add(&self.metrics.offload_skipped, 1);
+                self.master.lock().unstage(&t, &k, tok);
+            }
+        }
+    }
+}

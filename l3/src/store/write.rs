@@ -1,0 +1,84 @@
+//! The write path: put start (allocation, with eviction staging objects for the SSD) and put
+//! end (publication, with the write-through hand-off to the SSD writer).
+//!
+//! Why: a put is two metadata steps around a copy done outside the lock; what evicting or
+//! publishing hands to the SSD tier must be announced in the same critical section that
+//! makes it so, or a concurrent remove could miss a queued write.
+
+use std::sync::Arc;
+
+use crate::config::OffloadMode;
+use crate::error::{L3Error, L3Result};
+use crate::master::EvictionOutcome;
+use crate::metrics::Metrics;
+use crate::ssd::OffloadJob;
+use crate::types::{PutHandle, PutOptions, Tenant};
+
+use super::Inner;
+
+impl Inner {
+    /// A put's bytes in a buffer of their own: a recycled one when the segment has one of
+    /// this size (taken under the lock, filled after it), else a fresh one. One copy.
+    pub(super) fn object_bytes(&self, data: &[u8]) -> Arc<[u8]> {
+        let recycled = self.master.lock().take_buffer(data.len() as u64);
+        crate::buffers::fill(recycled, data)
+    }
+
+    pub(super) fn put_start(&self, t: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
+        self.cfg.check_put(key, size)?;
+        let now = self.clock.now_ms();
+        let mut out = EvictionOutcome::default();
+        let r = {
+            let mut m = self.master.lock();
+            let r = m.put_start(t, key, size, 1, now, &mut out);
+            // Announced with the eviction that staged them, so a remove cancels them.
+            if let Some(ssd) = &self.ssd {
+                for s in &out.to_offload {
+                    ssd.announce(&s.tenant, &s.key, s.token);
+                }
+            }
+            r
+        };
+        if !out.to_offload.is_empty() {
+            self.offload_evicted(out);
+        }
+        r
+    }
+
+    pub(super) fn put_end(&self, h: &PutHandle, opts: PutOptions) -> L3Result<()> {
+        let now = self.clock.now_ms();
+        let write_through = self
+            .ssd
+            .as_ref()
+            .filter(|s| s.config().mode == OffloadMode::WriteThrough);
+        let data = {
+            let mut m = self.master.lock();
+            let data = m.put_end(h, opts.soft_pin, now)?;
+            // Announced in the critical section that makes the object visible: a remove
+            // either precedes both or finds the announcement and cancels the write.
+            if let (Some(ssd), Some(_)) = (write_through, &data) {
+                ssd.announce(&h.tenant, &h.key, h.token);
+            }
+            data
+        };
+        let Some(ssd) = write_through else {
+            return Ok(());
+        };
+        let Some(data) = data else { return Ok(()) };
+        let (job, wait) = OffloadJob::for_put(h, data, opts.wait_persisted);
+        match ssd.enqueue(job, opts.wait_persisted) {
+            Ok(()) => {}
+            Err(e) => {
+                Metrics::add(&self.metrics.offload_skipped, 1);
+                // The object is in DRAM; only its SSD copy is missing.
+                return if opts.wait_persisted { Err(e) } else { Ok(()) };
+            }
+        }
+        match wait {
+            Some(rx) => rx
+                .recv()
+                .map_err(|_| L3Error::Unavailable("ssd writer stopped".into()))?,
+            None => Ok(()),
+        }
+    }
+}

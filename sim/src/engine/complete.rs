@@ -1,0 +1,221 @@
+//! Completions: what the engine does when an op or a forward finishes at its modelled time —
+//! page copies applied to the model, L3 reads and writes on the real embedded store, and the
+//! matching event handed back to the scheduler.
+//!
+//! Why apart from the event loop: this is where the simulated engine touches the real store
+//! and where the faults the config asks for (failed prefetches and backups, lost L3 objects)
+//! are injected.
+
+use kvtier_l3::{ErrorCode, L3Store, PutOptions};
+use kvtier_scheduler::*;
+
+use super::{Simulation, key_fingerprint};
+use crate::workload::generated_token;
+
+impl Simulation {
+    pub(super) fn complete_prefetch(&mut self, inst: usize, op: OpId) -> Result<(), String> {
+        let Some(p) = self.insts[inst].prefetches.remove(&op) else {
+            return Ok(());
+        };
+        let mut n = p.truncated.unwrap_or(p.keys.len());
+        let every = self.cfg.faults.fail_prefetch_every;
+        if every > 0 && op.0.is_multiple_of(every) {
+            n /= 2;
+        }
+        let done = self.fetch(inst, &p.keys[..n], &p.dst);
+        self.insts[inst]
+            .sched
+            .on_event(Event::PrefetchDone {
+                op,
+                completed: done as u32,
+            })
+            .map_err(|e| format!("engine event rejected: {e}"))
+    }
+
+    /// Reads `keys` from L3 into `dst`; returns how many leading pages arrived intact.
+    fn fetch(&mut self, inst: usize, keys: &[String], dst: &TierPages) -> usize {
+        let Some(store) = &self.store else { return 0 };
+        let pb = self.cfg.payload_bytes;
+        let mut buf = vec![0u8; keys.len() * pb];
+        let results = {
+            let mut bufs: Vec<&mut [u8]> = buf.chunks_mut(pb).collect();
+            match store.batch_get_into(&self.tenant, keys, &mut bufs) {
+                Ok(r) => r,
+                Err(_) => return 0,
+            }
+        };
+        let mut done = 0;
+        for (i, r) in results.iter().enumerate() {
+            if r.is_err() {
+                break;
+            }
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&buf[i * pb..i * pb + 8]);
+            let fp = u64::from_le_bytes(b);
+            if Some(fp) != key_fingerprint(&keys[i]) {
+                self.col
+                    .oracle_failure(format!("L3 returned other content for {}", keys[i]));
+                break;
+            }
+            self.insts[inst].model.set(dst, i, fp);
+            done += 1;
+        }
+        self.col.l3_read(done as u64);
+        done
+    }
+
+    /// Stores the source pages under `keys`; checks each page holds its key's content.
+    fn backup(&mut self, inst: usize, op: OpId, keys: &[String], src: &TierPages) -> bool {
+        let Some(store) = self.store.clone() else {
+            return false;
+        };
+        let every = self.cfg.faults.fail_backup_every;
+        if every > 0 && op.0.is_multiple_of(every) {
+            return false;
+        }
+        let pb = self.cfg.payload_bytes;
+        let ins = &self.insts[inst];
+        let mut payload = vec![0u8; keys.len() * pb];
+        for (i, k) in keys.iter().enumerate() {
+            let fp = ins.model.get(src, i);
+            if Some(fp) != key_fingerprint(k) {
+                self.col
+                    .oracle_failure(format!("backup would store other content under {k}"));
+                return false;
+            }
+            payload[i * pb..i * pb + 8].copy_from_slice(&fp.to_le_bytes());
+        }
+        let bufs: Vec<&[u8]> = payload.chunks(pb).collect();
+        let ok = match store.batch_put_from(&self.tenant, keys, &bufs, PutOptions::default()) {
+            Ok(rs) => rs.iter().all(|r| match r {
+                Ok(()) => true,
+                Err(e) => e.code() == ErrorCode::ObjectAlreadyExists,
+            }),
+            Err(_) => false,
+        };
+        if ok {
+            self.col.l3_written(keys.len() as u64);
+        }
+        self.backups_done += 1;
+        let lose = self.cfg.faults.lose_l3_every;
+        if lose > 0
+            && self.backups_done.is_multiple_of(lose)
+            && let Some(k) = keys.first()
+        {
+            // An L3 object disappears (evicted elsewhere, node lost); the store's report reaches
+            // every instance, as an engine subscribed to its evictions would pass it on.
+            if store.remove(&self.tenant, k, true).is_ok() {
+                for i in &mut self.insts {
+                    i.sched.l3_lost(std::slice::from_ref(k));
+                }
+            }
+        }
+        ok
+    }
+
+    pub(super) fn complete_op(&mut self, inst: usize, op: PlannedOp) -> Result<(), String> {
+        let ev = match op.spec {
+            OpSpec::LoadBack { .. } => {
+                self.insts[inst].model.copy(&op.spec);
+                Event::LoadBackDone {
+                    op: op.id,
+                    success: true,
+                }
+            }
+            OpSpec::WriteBack { .. } => {
+                self.insts[inst].model.copy(&op.spec);
+                Event::WriteBackDone {
+                    op: op.id,
+                    success: true,
+                }
+            }
+            OpSpec::L3Query { keys } => {
+                let hits = match &self.store {
+                    Some(s) => match s.batch_is_exist(&self.tenant, &keys) {
+                        Ok(v) => v.iter().take_while(|r| matches!(r, Ok(true))).count(),
+                        Err(_) => 0,
+                    },
+                    None => 0,
+                };
+                Event::L3QueryDone {
+                    op: op.id,
+                    hit_pages: hits as u32,
+                }
+            }
+            OpSpec::Prefetch { .. } => return Ok(()),
+            OpSpec::BackUp { keys, src } => {
+                let success = self.backup(inst, op.id, &keys, &src);
+                Event::BackUpDone { op: op.id, success }
+            }
+        };
+        self.insts[inst]
+            .sched
+            .on_event(ev)
+            .map_err(|e| format!("engine event rejected: {e}"))
+    }
+
+    fn apply_delta(&mut self, inst: usize, id: RequestId, d: &Option<PageTableDelta>) {
+        let i = &mut self.insts[inst];
+        i.model.apply_delta(id, d);
+        if let Some(d) = d
+            && let Some(tr) = i.tracks.get_mut(&id)
+        {
+            tr.verified = tr.verified.min(d.from as usize);
+        }
+    }
+
+    pub(super) fn complete_forward(
+        &mut self,
+        inst: usize,
+        batch: ForwardBatch,
+    ) -> Result<(), String> {
+        let ps = self.cfg.scheduler.page_size;
+        let now = self.now_us;
+        let mut outputs = Vec::with_capacity(batch.rows());
+        for c in &batch.prefill {
+            self.log_prompt(inst, c.req);
+            self.apply_delta(inst, c.req, &c.table);
+            let (start, end) = (c.start as usize, (c.start + c.len) as usize);
+            self.verify(inst, c.req, start / ps);
+            self.write(inst, c.req, start / ps, end / ps);
+            let mut token = 0;
+            if c.last {
+                token = generated_token(c.req.0, end);
+                if let Some(tr) = self.insts[inst].tracks.get_mut(&c.req)
+                    && tr.first_token_us.is_none()
+                {
+                    tr.first_token_us = Some(now);
+                }
+            }
+            outputs.push(TokenOutput {
+                req: c.req,
+                token,
+                stop: false,
+            });
+        }
+        for d in &batch.decode {
+            self.apply_delta(inst, d.req, &d.table);
+            let p = d.position as usize;
+            if let Some(tr) = self.insts[inst].tracks.get_mut(&d.req)
+                && p + 2 >= tr.final_len
+            {
+                // Last step: re-read the whole table, catching any page changed under it.
+                tr.verified = 0;
+            }
+            self.verify(inst, d.req, p / ps);
+            if (p + 1).is_multiple_of(ps) {
+                self.write(inst, d.req, p / ps, p / ps + 1);
+            }
+            outputs.push(TokenOutput {
+                req: d.req,
+                token: generated_token(d.req.0, p + 1),
+                stop: false,
+            });
+        }
+        let step = batch.step.ok_or("forward without a step id")?;
+        self.insts[inst]
+            .sched
+            .on_event(Event::ForwardDone { step, outputs })
+            .map_err(|e| format!("engine forward rejected: {e}"))
+    }
+}
