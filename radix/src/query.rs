@@ -1,7 +1,7 @@
 //! Read-only (and splitting) queries about nodes: depths, residency, the page ids along a
 //! path, L3 flags.
 //!
-//! Why apart from `cache.rs`: the scheduler walks paths and asks about residency on every
+//! Why apart from `cache/`: the scheduler walks paths and asks about residency on every
 //! admission, write-back and backup; these are the tree's public read API, separate from
 //! matching, inserting and the bookkeeping that keeps the invariants.
 

@@ -8,6 +8,8 @@
 //! - `config.rs`: [`SchedulerConfig`] and its policies, validated into [`ConfigError`]s;
 //! - `types.rs`: requests, events, and the [`ExecutionPlan`];
 //! - `scheduler.rs`: state, public API, the plan's skeleton;
+//! - `submit.rs`: validating and recording submitted requests (hash scope, tenant, page hashes);
+//! - `check.rs`: the full consistency check between requests, ops and the tree;
 //! - `admission.rs`: decode rows, prefill chunks, admission (match, load-back, L3);
 //! - `completion.rs`: validating and applying completions;
 //! - `lifecycle.rs`: publish, finish, write-back, backup, retraction, release;
@@ -20,6 +22,7 @@
 
 mod admission;
 mod agreement;
+mod check;
 mod completion;
 mod config;
 mod demotion;
@@ -33,6 +36,7 @@ mod release;
 mod request;
 mod scheduler;
 mod stats;
+mod submit;
 mod types;
 
 pub use agreement::{AgreementError, RankAgreement};

@@ -6,23 +6,23 @@
 //! change, with ties broken by stable ids — so two schedulers fed the same calls produce the
 //! same plans, which is what lets every tensor-parallel rank run its own copy.
 //!
-//! This file holds the state, the public API and the plan's skeleton; admission, completions
-//! and the request lifecycle live in `admission.rs`, `completion.rs` and `lifecycle.rs`.
+//! This file holds the state, the public API and the plan's skeleton; submission (validation,
+//! hashing, tenants) lives in `submit.rs`, the full consistency check in `check.rs`, and
+//! admission, completions and the request lifecycle in `admission.rs`, `completion.rs` and
+//! `lifecycle.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 
 use kvtier_fsm::{OpEvent, OpKind, RequestEvent, RequestState};
 use kvtier_radix::{
-    Device, HashScope, Host, KvEvent, L3KeyBuilder, PageHash, RadixCache, RadixConfig, ScopeLabel,
-    TenantId, TierKind, page_hashes,
+    Host, KvEvent, L3KeyBuilder, PageHash, RadixCache, RadixConfig, TenantId, TierKind,
 };
 
 use crate::config::{ConfigError, SchedulerConfig};
 use crate::error::SchedulerError;
 use crate::idhash::{IdMap, IdSet};
 use crate::ops::{OpCtx, OpRecord};
-use crate::request::{DeviceTable, L3Progress, Request};
+use crate::request::Request;
 use crate::stats::Stats;
 use crate::types::*;
 
@@ -132,101 +132,6 @@ impl Scheduler {
     /// Read access to the prefix cache (for inspection and tests).
     pub fn cache(&self) -> &RadixCache {
         &self.cache
-    }
-
-    /// Adds a request to the waiting queue. Its prompt's page hashes are computed once, here.
-    pub fn submit(&mut self, spec: RequestSpec) -> Result<(), SchedulerError> {
-        self.submit_at(spec, self.now_ms)
-    }
-
-    /// Like [`Self::submit`], with the arrival time (ms) for latency statistics.
-    pub fn submit_at(&mut self, spec: RequestSpec, now_ms: u64) -> Result<(), SchedulerError> {
-        if self.reqs.contains_key(&spec.id) {
-            return Err(SchedulerError::DuplicateRequest(spec.id));
-        }
-        if spec.prompt.is_empty() {
-            return Err(SchedulerError::EmptyPrompt);
-        }
-        if spec.max_new_tokens == 0 {
-            return Err(SchedulerError::ZeroMaxNewTokens);
-        }
-        let total = spec.prompt.len() + spec.max_new_tokens as usize;
-        if total > self.cfg.max_context_tokens {
-            return Err(SchedulerError::TooLong {
-                tokens: total,
-                max: self.cfg.max_context_tokens,
-            });
-        }
-        for (index, k) in spec.extra_keys.iter().enumerate() {
-            if k.start >= k.end || k.end as usize > spec.prompt.len() {
-                return Err(SchedulerError::BadExtraKey {
-                    index,
-                    start: k.start,
-                    end: k.end,
-                    prompt_len: spec.prompt.len(),
-                });
-            }
-        }
-        let scope =
-            (spec.cache_salt.is_some() || spec.adapter.is_some() || !spec.extra_keys.is_empty())
-                .then(|| {
-                    Box::new((
-                        HashScope::new(
-                            spec.cache_salt.as_deref(),
-                            spec.adapter.as_deref(),
-                            spec.extra_keys,
-                        ),
-                        Arc::new(ScopeLabel {
-                            cache_salt: spec.cache_salt,
-                            adapter: spec.adapter,
-                        }),
-                    ))
-                });
-        let tenant = match &scope {
-            Some(sc) => match &sc.1.cache_salt {
-                Some(salt) => self.tenant_for_salt(salt),
-                None => TenantId::SHARED,
-            },
-            None => TenantId::SHARED,
-        };
-        let hashes = match &scope {
-            None => page_hashes(&spec.prompt, self.cfg.page_size, None),
-            Some(s) => s.0.page_hashes(&spec.prompt, self.cfg.page_size),
-        };
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let prompt_len = spec.prompt.len();
-        self.reqs.insert(
-            spec.id,
-            Request {
-                id: spec.id,
-                seq,
-                tokens: spec.prompt,
-                prompt_len,
-                max_new: spec.max_new_tokens,
-                hashes,
-                scope,
-                tenant,
-                state: RequestState::Submitted,
-                table: DeviceTable::new(),
-                l3: if self.cfg.l3_enabled {
-                    L3Progress::Unprobed { reprobes: 0 }
-                } else {
-                    L3Progress::Done
-                },
-                prefetched: None,
-                prefetch_pin: None,
-                resumed: false,
-                ops: Default::default(),
-                recompute: false,
-                arrival_ms: now_ms,
-                first_token_ms: None,
-            },
-        );
-        self.waiting.insert(seq, spec.id);
-        self.stats.submitted += 1;
-        metrics::counter!("kvtier_requests_submitted_total").increment(1);
-        Ok(())
     }
 
     /// Aborts a request. With an op or forward in flight the abort is deferred until its
@@ -350,77 +255,6 @@ impl Scheduler {
                 leader == self.cfg.rank || !matches!(kind, OpKind::L3Query | OpKind::BackUp)
             }
         }
-    }
-
-    /// Full consistency check (tests): the cache's invariants, plus every live request's page
-    /// table and lock agreeing with the tree, and the lock count matching what requests and ops
-    /// hold.
-    pub fn check(&self) -> Result<(), String> {
-        self.cache.check_invariants()?;
-        if self.stats.internal_errors > 0 {
-            return Err(format!(
-                "{} locks or pages could not be given back",
-                self.stats.internal_errors
-            ));
-        }
-        let mut dev_locks = 0;
-        let mut host_locks = 0;
-        for r in self.reqs.values() {
-            if let Some(l) = &r.table.lock {
-                dev_locks += 1;
-                let end = self.cache.node_end(l.node()).map_err(|e| e.to_string())?;
-                if end != r.table.tree_pages {
-                    return Err(format!(
-                        "{:?}: lock ends at {end}, tree_pages {}",
-                        r.id, r.table.tree_pages
-                    ));
-                }
-                let tree = self
-                    .cache
-                    .path_pages::<Device>(l.node())
-                    .map_err(|e| e.to_string())?;
-                if tree[..] != r.table.pages[..r.table.tree_pages] {
-                    return Err(format!("{:?}: page table disagrees with the tree", r.id));
-                }
-            } else if r.table.tree_pages != 0 {
-                return Err(format!("{:?}: tree pages without a lock", r.id));
-            }
-            match &r.prefetch_pin {
-                Some(crate::ops::AnyLock::Host(_)) => host_locks += 1,
-                Some(crate::ops::AnyLock::Device(_)) => dev_locks += 1,
-                None => {}
-            }
-            for p in &r.table.pages[r.table.tree_pages.min(r.table.pages.len())..] {
-                if self.cache.page_state(*p) != Some(kvtier_radix::PageState::Held) {
-                    return Err(format!("{:?}: own page {p:?} not held", r.id));
-                }
-            }
-        }
-        for o in self.ops.values() {
-            match &o.ctx {
-                OpCtx::LoadBack { .. } | OpCtx::WriteBack { .. } => host_locks += 1,
-                OpCtx::Demotion { .. } => {
-                    host_locks += 1;
-                    dev_locks += 1;
-                }
-                OpCtx::Prefetch { dst, .. } => match dst {
-                    crate::ops::PrefetchDst::Host(..) => host_locks += 1,
-                    crate::ops::PrefetchDst::Device(..) => dev_locks += 1,
-                },
-                OpCtx::BackUp { lock, .. } => match lock {
-                    crate::ops::AnyLock::Host(_) => host_locks += 1,
-                    crate::ops::AnyLock::Device(_) => dev_locks += 1,
-                },
-                OpCtx::Query { .. } => {}
-            }
-        }
-        let (d, h) = self.cache.outstanding_locks();
-        if (d, h) != (dev_locks, host_locks) {
-            return Err(format!(
-                "cache has ({d}, {h}) locks, requests and ops account for ({dev_locks}, {host_locks})"
-            ));
-        }
-        Ok(())
     }
 
     // ----- the plan ----------------------------------------------------------------------
@@ -559,32 +393,12 @@ impl Scheduler {
         self.keys.keys(hashes)
     }
 
-    /// Host pages for `n`, evicting per the write policy (see `lifecycle.rs`).
-    /// The tenant a cache salt names (never `SHARED`); registers its caps on first sight when
-    /// `tenant_quota` sets any.
-    fn tenant_for_salt(&mut self, salt: &str) -> TenantId {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in b"kvtier-tenant-v1".iter().chain(salt.as_bytes()) {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x100_0000_01b3);
-        }
-        let t = TenantId(h.max(1));
-        let q = self.cfg.tenant_quota;
-        let capped = q.device_pages.is_some() || q.host_pages.is_some();
-        if capped && self.cache.tenant_cached(t, TierKind::Device).is_none() {
-            self.cache
-                .set_tenant_cap(t, TierKind::Device, q.device_pages.map(|x| x as usize));
-            self.cache
-                .set_tenant_cap(t, TierKind::Host, q.host_pages.map(|x| x as usize));
-        }
-        t
-    }
-
     /// The tenant a live request is charged to.
     pub(crate) fn tenant_of(&self, id: RequestId) -> TenantId {
         self.reqs.get(&id).map_or(TenantId::SHARED, |r| r.tenant)
     }
 
+    /// Host pages for `n`, evicting per the write policy (see `lifecycle.rs`).
     pub(crate) fn alloc_host(
         &mut self,
         tenant: TenantId,
