@@ -4,8 +4,8 @@
 //! review, document or reason about as a whole. A table of `(from kind, event kind) → possible
 //! target kinds, guard` is what a reader wants, what `docs/fsm.md` prints, and what a test can hold
 //! the code to. Keeping both is only safe if they cannot drift, so the crate's tests check, over
-//! representative sample states and events ([`RequestStateKind::samples`],
-//! [`RequestEventKind::samples`]), that every successful `apply` lands in a kind listed in its row,
+//! representative sample states and events ([`crate::RequestStateKind::samples`],
+//! [`crate::RequestEventKind::samples`]), that every successful `apply` lands in a kind listed in its row,
 //! that every pair without a row is always illegal, and that every listed target is actually
 //! reached by some sample (the table does not promise transitions the code never makes).
 //!
