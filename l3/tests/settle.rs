@@ -6,6 +6,8 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use proptest::prelude::*;
+
 mod common;
 
 use common::t;
@@ -275,4 +277,281 @@ fn settles_repeat_until_acknowledged_then_go() {
     assert_eq!(disk_replicas(&cm, &a, "k2"), vec![loc(3)]);
     // And a record of a key unknown to the master with nothing to settle is adopted.
     assert!(rescanned(&cm, N1, &a, "fresh", loc(4)));
+}
+
+// ---- property: a simulated node against the real master ----------------------------------
+
+/// What a store node does, reduced to what settlement depends on.
+#[derive(Debug, Clone)]
+enum Op {
+    /// Put a key (its write-through copy announced before the end reaches the master).
+    Put(usize),
+    /// Remove a key.
+    Remove(usize),
+    /// Remove, then put a newer version of the same size.
+    Replace(usize),
+    /// The writer publishes the oldest queued write of a key, then registers it.
+    Write(usize),
+    /// The writer publishes it, and the node crashes before registering it.
+    WriteThenCrash(usize),
+    /// A ping: acknowledge what was applied, apply what the reply carries.
+    Ping,
+    /// The node crashes (queued writes and unacknowledged progress lost) and restarts:
+    /// mount, rescan every live record.
+    Crash,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0..KEYS).prop_map(Op::Put),
+        (0..KEYS).prop_map(Op::Remove),
+        (0..KEYS).prop_map(Op::Replace),
+        (0..KEYS).prop_map(Op::Write),
+        (0..KEYS).prop_map(Op::WriteThenCrash),
+        Just(Op::Ping),
+        Just(Op::Crash),
+    ]
+}
+
+const KEYS: usize = 3;
+
+struct Record {
+    key: String,
+    version: u64,
+    alive: bool,
+}
+
+/// The simulated node and what the test knows.
+struct Sim {
+    cm: Arc<ClusterMaster>,
+    tn: Tenant,
+    /// Announced writes not cancelled: (key, token, version).
+    queued: Vec<(String, u64, u64)>,
+    /// Bucket id → its one record.
+    disk: std::collections::BTreeMap<u64, Record>,
+    applied: u64,
+    next_version: u64,
+    /// Memory allocation → version.
+    mem: std::collections::HashMap<u64, u64>,
+    /// The only version each key may show (None: removed).
+    current: Vec<Option<u64>>,
+    /// Versions removed or replaced: never readable again.
+    dead: std::collections::HashSet<u64>,
+}
+
+impl Sim {
+    fn key(i: usize) -> String {
+        format!("k{i}")
+    }
+
+    fn apply(&mut self, s: &NodeSync) {
+        for (_, st) in &s.settles {
+            match st {
+                Settle::Tombstone(l) => {
+                    if let Some(r) = self.disk.get_mut(&l.bucket) {
+                        r.alive = false;
+                    }
+                }
+                Settle::Cancel { key, token, .. } => {
+                    self.queued.retain(|(k, t, _)| !(k == key && t <= token));
+                }
+            }
+        }
+        let mut a = self.applied.max(s.settled);
+        for (n, _) in &s.settles {
+            if *n == a + 1 {
+                a = *n;
+            }
+        }
+        self.applied = a;
+    }
+
+    fn put(&mut self, i: usize) {
+        let key = Self::key(i);
+        let h = match self
+            .cm
+            .batch_put_start_with(
+                &self.tn,
+                &[key.clone()],
+                &[SIZE],
+                ReplicateConfig::default(),
+            )
+            .unwrap()
+            .remove(0)
+        {
+            Ok(h) => h,
+            Err(L3Error::ObjectAlreadyExists) => return,
+            Err(e) => panic!("{e:?}"),
+        };
+        self.next_version += 1;
+        let v = self.next_version;
+        if let Some(old) = self.current[i].replace(v) {
+            // Lost meanwhile (memory only, node restarted): superseded.
+            self.dead.insert(old);
+        }
+        if let ReplicaDescriptor::Memory { alloc, .. } = h.replica {
+            self.mem.insert(alloc, v);
+        }
+        self.queued.push((key, h.token, v));
+        let reply = self
+            .cm
+            .handle(ClusterRequest::PutEndReplicas {
+                node: N1,
+                handles: vec![h],
+                soft_pin: false,
+            })
+            .unwrap();
+        let ClusterReply::EndedReplicas(res, s) = reply else {
+            panic!("{reply:?}")
+        };
+        assert!(res[0].is_ok());
+        self.apply(&s);
+    }
+
+    fn remove(&mut self, i: usize) {
+        if self.cm.remove(&self.tn, &Self::key(i), true).is_ok() {
+            let v = self.current[i]
+                .take()
+                .expect("removed a key the model lost");
+            self.dead.insert(v);
+        }
+    }
+
+    /// Publishes the oldest queued write of key `i` in a new bucket; returns its location.
+    fn publish(&mut self, i: usize) -> Option<(u64, DiskLoc)> {
+        let key = Self::key(i);
+        let at = self.queued.iter().position(|(k, _, _)| *k == key)?;
+        let (key, token, version) = self.queued.remove(at);
+        let bucket = self.disk.keys().next_back().map_or(1, |b| b + 1);
+        self.disk.insert(
+            bucket,
+            Record {
+                key,
+                version,
+                alive: true,
+            },
+        );
+        Some((token, loc(bucket)))
+    }
+
+    fn write(&mut self, i: usize) {
+        let Some((token, l)) = self.publish(i) else {
+            return;
+        };
+        let reply = self
+            .cm
+            .handle(ClusterRequest::RegisterDisk {
+                node: N1,
+                items: vec![(self.tn.clone(), Self::key(i), token, l)],
+            })
+            .unwrap();
+        let ClusterReply::Accepted(v) = reply else {
+            panic!("{reply:?}")
+        };
+        if !v[0] {
+            self.disk.get_mut(&l.bucket).unwrap().alive = false;
+        }
+    }
+
+    fn ping(&mut self) {
+        let s = ping(&self.cm, N1, self.applied);
+        assert!(!s.need_remount);
+        self.apply(&s);
+    }
+
+    fn crash(&mut self) {
+        self.queued.clear();
+        self.applied = 0;
+        self.mem.clear();
+        mount(&self.cm, N1, 64 << 20);
+        let live: Vec<u64> = self
+            .disk
+            .iter()
+            .filter(|(_, r)| r.alive)
+            .map(|(b, _)| *b)
+            .collect();
+        for b in live.into_iter().rev() {
+            let key = self.disk[&b].key.clone();
+            if !rescanned(&self.cm, N1, &self.tn, &key, loc(b)) {
+                self.disk.get_mut(&b).unwrap().alive = false;
+            }
+        }
+    }
+
+    /// What each key reads as must be its current version, never a dead one.
+    fn check(&self) -> Result<(), TestCaseError> {
+        for i in 0..KEYS {
+            let key = Self::key(i);
+            let q = match self.cm.get_replica_list(&self.tn, &key) {
+                Ok(q) => q,
+                Err(L3Error::ObjectNotFound) => continue,
+                Err(e) => return Err(TestCaseError::fail(format!("{key}: {e:?}"))),
+            };
+            let seen = match &q.replicas[0] {
+                ReplicaDescriptor::Memory { alloc, .. } => self.mem[alloc],
+                d => {
+                    let l = DiskLoc::from_descriptor(d).unwrap();
+                    let r = &self.disk[&l.bucket];
+                    prop_assert!(
+                        r.alive && r.key == key,
+                        "{key} names a dead or foreign record"
+                    );
+                    r.version
+                }
+            };
+            prop_assert!(
+                !self.dead.contains(&seen),
+                "{key}: dropped version {seen} is back"
+            );
+            prop_assert_eq!(self.current[i], Some(seen), "{}", key);
+        }
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, .. ProptestConfig::default() })]
+
+    /// Random puts, removes, replacements, SSD writes (some cut by a crash before their
+    /// registration), pings and crashes: a removed or replaced version is never readable
+    /// again, and once the node has pinged twice without crashing every settle is
+    /// acknowledged and gone.
+    #[test]
+    fn dropped_versions_never_return_and_settles_drain(ops in proptest::collection::vec(op(), 1..48)) {
+        let cm = cm();
+        mount(&cm, N1, 64 << 20);
+        let mut sim = Sim {
+            cm,
+            tn: t("p"),
+            queued: Vec::new(),
+            disk: Default::default(),
+            applied: 0,
+            next_version: 0,
+            mem: Default::default(),
+            current: vec![None; KEYS],
+            dead: Default::default(),
+        };
+        for op in ops {
+            match op {
+                Op::Put(i) => sim.put(i),
+                Op::Remove(i) => sim.remove(i),
+                Op::Replace(i) => {
+                    sim.remove(i);
+                    sim.put(i);
+                }
+                Op::Write(i) => sim.write(i),
+                Op::WriteThenCrash(i) => {
+                    sim.publish(i);
+                    sim.crash();
+                }
+                Op::Ping => sim.ping(),
+                Op::Crash => sim.crash(),
+            }
+            sim.check()?;
+        }
+        sim.ping();
+        sim.ping();
+        prop_assert_eq!(sim.cm.unsettled(N1), 0);
+        prop_assert!(ping(&sim.cm, N1, sim.applied).settles.is_empty());
+    }
 }
