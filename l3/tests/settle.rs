@@ -372,7 +372,7 @@ impl Sim {
             .cm
             .batch_put_start_with(
                 &self.tn,
-                &[key.clone()],
+                std::slice::from_ref(&key),
                 &[SIZE],
                 ReplicateConfig::default(),
             )
