@@ -11,8 +11,10 @@
 //!   `ServerLimits::cluster` send bytes to the nodes instead.
 //! - Every segment belongs to a node that pings; the sweeper declares silent nodes dead, which
 //!   drops their memory replicas and keeps their SSD ones registered.
-//! - Frees and tombstones a node must apply are queued here and handed over with its next
-//!   ping or put end ([`crate::master::NodeSync`]).
+//! - Frees a node must apply are queued here and handed over with its next ping or put end
+//!   ([`crate::master::NodeSync`]); tombstones and write cancels of dropped versions stay
+//!   queued until the node acknowledges them on a ping (`master::settle`), so a node that
+//!   crashes before they reach its disk is refused those records at its restart rescan.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,6 +90,11 @@ impl ClusterMaster {
         Ok(me)
     }
 
+    /// Tombstones and write cancels `node` has not acknowledged yet (tests, metrics).
+    pub fn unsettled(&self, node: ClientId) -> usize {
+        self.master.lock().unsettled(node)
+    }
+
     /// The master's clock (lease deadlines in query results are on it).
     pub fn clock(&self) -> &Arc<Clock> {
         &self.clock
@@ -143,9 +150,9 @@ impl ClusterMaster {
                         .collect(),
                 ))
             }
-            ClusterRequest::Ping { node } => {
-                Ok(ClusterReply::Sync(self.master.lock().node_ping(node, now)))
-            }
+            ClusterRequest::Ping { node, applied } => Ok(ClusterReply::Sync(
+                self.master.lock().node_ping(node, applied, now),
+            )),
             ClusterRequest::PutEnd {
                 node,
                 handles,
@@ -386,31 +393,25 @@ impl L3Store for ClusterMaster {
     fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()> {
         validate_key(key)?;
         let now = self.clock.now_ms();
-        let mut m = self.master.lock();
-        if let Some((node, loc)) = m.remove(tenant, key, force, now)?.disk {
-            m.queue_tombstone(node, loc);
-        }
+        // The master queues the settles (tombstone, or cancel of a write in flight) for the
+        // node holding the copy, until it acknowledges them.
+        self.master.lock().remove(tenant, key, force, now)?;
         Ok(())
     }
 
     fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
         let now = self.clock.now_ms();
-        let mut m = self.master.lock();
-        let removed = m.remove_all(tenant, force, now);
-        for (node, loc) in removed.iter().filter_map(|r| r.disk) {
-            m.queue_tombstone(node, loc);
-        }
+        let removed = self.master.lock().remove_all(tenant, force, now);
         Ok(removed.len() as u64)
     }
 
     fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64> {
         let pattern = KeyPattern::new(pattern)?;
         let now = self.clock.now_ms();
-        let mut m = self.master.lock();
-        let removed = m.remove_matching(tenant, &pattern, force, now);
-        for (node, loc) in removed.iter().filter_map(|r| r.disk) {
-            m.queue_tombstone(node, loc);
-        }
+        let removed = self
+            .master
+            .lock()
+            .remove_matching(tenant, &pattern, force, now);
         Ok(removed.len() as u64)
     }
 
@@ -513,9 +514,13 @@ impl Backend for ClusterMaster {
             .evictions
             .store(evictions, std::sync::atomic::Ordering::Relaxed);
         let nodes = self.master.lock().live_nodes().len();
+        let unsettled = self.master.lock().unsettled_total();
         let mut text = self.metrics.render(&stats, &[]);
         text.push_str(&format!(
             "# HELP kvtier_l3_live_nodes Live store nodes\n# TYPE kvtier_l3_live_nodes gauge\nkvtier_l3_live_nodes {nodes}\n"
+        ));
+        text.push_str(&format!(
+            "# HELP kvtier_l3_unsettled Tombstones and write cancels not yet acknowledged by their store node\n# TYPE kvtier_l3_unsettled gauge\nkvtier_l3_unsettled {unsettled}\n"
         ));
         text
     }

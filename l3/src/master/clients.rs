@@ -58,7 +58,8 @@ impl Master {
     /// Drops every replica living in the given allocations (already gone from their
     /// segment); returns how many objects lost one. A complete object keeps its other
     /// replicas; a pending put that lost one can never end and is dropped with the rest of
-    /// its replicas (and its SSD copy, if its first replica's node already registered one).
+    /// its replicas (and its SSD copy, if its first replica's node already registered one;
+    /// a copy still being written is cancelled).
     pub(super) fn drop_allocs(&mut self, allocs: &[u64]) -> u64 {
         if allocs.is_empty() {
             return 0;
@@ -66,9 +67,9 @@ impl Master {
         let set: std::collections::HashSet<u64> = allocs.iter().copied().collect();
         let mut n = 0;
         let mut orphans: Vec<u64> = Vec::new();
-        let mut tombstones: Vec<(ClientId, DiskLoc)> = Vec::new();
-        for m in self.tenants.values_mut() {
-            m.retain(|_, o| {
+        let mut gone: Vec<(Tenant, String, settle::Gone)> = Vec::new();
+        for (t, m) in self.tenants.iter_mut() {
+            m.retain(|k, o| {
                 let before = o.mem.len();
                 o.mem.retain(|r| !set.contains(&r.alloc));
                 if o.mem.len() == before {
@@ -79,11 +80,7 @@ impl Master {
                     return true;
                 }
                 orphans.extend(o.allocs());
-                if !o.is_complete()
-                    && let Some(d) = o.disk
-                {
-                    tombstones.push((o.disk_node, d));
-                }
+                gone.push((t.clone(), k.clone(), o.gone()));
                 false
             });
         }
@@ -91,8 +88,8 @@ impl Master {
         for a in orphans {
             self.segments.free(a);
         }
-        for (node, d) in tombstones {
-            self.queue_tombstone(node, d);
+        for (t, k, g) in gone {
+            self.settle_gone(&t, &k, g);
         }
         n
     }

@@ -18,8 +18,9 @@
 //! - The memory replicas of one object live in segments of distinct owners (nodes).
 //! - Split deployment (`--role master`): segments and SSD buckets live on store nodes. The
 //!   master then holds no bytes: it records which node holds each replica, queues the frees
-//!   and tombstones a node must apply ([`NodeSync`], delivered on its pings and put ends), and
-//!   never hands out a replica whose node is down.
+//!   a node must apply ([`NodeSync`], delivered on its pings and put ends), keeps the
+//!   tombstones and write cancels of dropped versions until the node acknowledges them
+//!   (`settle`), and never hands out a replica whose node is down.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -98,8 +99,13 @@ pub struct NodeSync {
     pub need_remount: bool,
     /// Allocations of its segment the master freed (evicted, removed, revoked): drop the bytes.
     pub freed: Vec<u64>,
-    /// SSD records whose objects were removed: tombstone them.
-    pub tombstones: Vec<DiskLoc>,
+    /// Orders about dropped object versions (tombstone a record, cancel a write), with
+    /// their sequence numbers: applied durably, then acknowledged by the next `Ping`.
+    /// Repeated until acknowledged ([`settle`](self::Settle)).
+    pub settles: Vec<(u64, Settle)>,
+    /// Every settle up to this sequence number is acknowledged already (a restarted node
+    /// counts on from here).
+    pub settled: u64,
     /// Allocations (also in `freed`) evicted from DRAM whose bytes the node writes to its
     /// SSD before dropping them (offload-on-evict nodes); applied before `freed`.
     pub offload: Vec<u64>,
@@ -124,9 +130,9 @@ struct NodeState {
     addr: Option<SocketAddr>,
     /// Its segment.
     segment: Option<SegmentId>,
-    /// Removed objects' SSD records it has not been told about yet (kept across its death,
-    /// so a restart rescan does not bring removed keys back).
-    tombstones: Vec<DiskLoc>,
+    /// Tombstones and cancels it has not acknowledged yet (kept across its death, so a
+    /// restart rescan does not bring dropped versions back).
+    settle: settle::Settlement,
     /// The node writes its DRAM evictions to its SSD (`--offload on-evict`).
     offload_on_evict: bool,
     /// Evicted allocations to write to its SSD, not yet told.
@@ -161,6 +167,9 @@ struct Object {
     disk: Option<DiskLoc>,
     /// Node holding the bucket of `disk` ([`LOCAL_NODE`] when this process holds it).
     disk_node: ClientId,
+    /// Node that writes this version's write-through SSD copy: the owner of its first
+    /// placed replica ([`LOCAL_NODE`] in the single process).
+    writer: ClientId,
     /// Evicted in offload-on-evict mode and waiting for its SSD write: readable meanwhile.
     staged: Option<Staged>,
     lease_until_ms: u64,
@@ -343,3 +352,6 @@ mod nodes;
 mod objects;
 mod placement;
 mod replicas;
+mod settle;
+
+pub use settle::Settle;

@@ -1,5 +1,6 @@
 //! Node sync (split deployment): store nodes joining, pinging and leaving, the frees and
-//! tombstones queued for them ([`NodeSync`]), and the SSD records nodes register.
+//! settles queued for them ([`NodeSync`]; settles in `settle`), and the SSD records nodes
+//! register.
 //!
 //! Why apart: this is the master's side of the node protocol (`cluster` RPC); the embedded
 //! store uses only the SSD registration half, with [`LOCAL_NODE`] as the node.
@@ -43,14 +44,23 @@ impl Master {
         let st = self.nodes.entry(node).or_default();
         st.addr = Some(addr);
         st.segment = Some(seg);
+        // A new process (or one that dropped its state): whatever it had not acknowledged
+        // may never have reached its disk.
+        self.redeliver_settles(node);
         Ok(())
     }
 
-    /// A node's ping: renews its liveness and hands it what it must apply.
-    pub fn node_ping(&mut self, node: ClientId, now: u64) -> NodeSync {
+    /// A node's ping: renews its liveness, takes its acknowledgement (`applied`: every
+    /// settle up to it is durable there) and hands it what it must apply, with every
+    /// settle it has not acknowledged. The acknowledgement of a node that must remount is
+    /// ignored (it may count from before a master restart).
+    pub fn node_ping(&mut self, node: ClientId, applied: u64, now: u64) -> NodeSync {
         let need_remount = self.ping(node, now) == ClientStatus::NeedRemount
             || self.nodes.get(&node).is_none_or(|n| n.addr.is_none());
-        let mut sync = self.node_sync(node);
+        if !need_remount {
+            self.node_ack(node, applied);
+        }
+        let mut sync = self.node_sync_with(node, settle::Deliver::Unacked);
         sync.need_remount = need_remount;
         sync
     }
@@ -78,22 +88,31 @@ impl Master {
     }
 
     /// A node's memory is gone (death, leave, remount): bytes staged on it for an SSD write
-    /// are lost (an object with nothing else goes), and orders it was not told yet are moot.
+    /// are lost (an object with nothing else goes; the write, if it was published before a
+    /// crash, is cancelled), and orders it was not told yet are moot.
     pub(super) fn drop_node_memory_state(&mut self, node: ClientId) {
         if let Some(n) = self.nodes.get_mut(&node) {
             n.offload.clear();
             n.promote.clear();
         }
-        for m in self.tenants.values_mut() {
-            m.retain(|_, o| {
+        let mut gone = Vec::new();
+        for (t, m) in self.tenants.iter_mut() {
+            m.retain(|k, o| {
                 if matches!(o.staged, Some(Staged::OnNode { node: s, .. }) if s == node) {
+                    let g = o.gone();
                     o.staged = None;
-                    return o.has_data();
+                    if !o.has_data() {
+                        gone.push((t.clone(), k.clone(), g));
+                        return false;
+                    }
                 }
                 true
             });
         }
         self.tenants.retain(|_, m| !m.is_empty());
+        for (t, k, g) in gone {
+            self.settle_gone(&t, &k, g);
+        }
     }
 
     /// Prefetching probe (split deployment): queues SSD-only keys for promotion on the
@@ -198,15 +217,20 @@ impl Master {
         Ok((alloc, token))
     }
 
-    /// Frees and tombstones queued for a node (drained).
+    /// Frees, offloads and promotions queued for a node (drained) and the settles not
+    /// handed out yet (a put-end reply; pings carry every unacknowledged one).
     pub fn node_sync(&mut self, node: ClientId) -> NodeSync {
+        self.node_sync_with(node, settle::Deliver::New)
+    }
+
+    fn node_sync_with(&mut self, node: ClientId, d: settle::Deliver) -> NodeSync {
+        let (settles, settled) = self.take_settles(node, d);
         let Some(st) = self.nodes.get_mut(&node) else {
             return NodeSync {
                 need_remount: true,
                 ..Default::default()
             };
         };
-        let tombstones = std::mem::take(&mut st.tombstones);
         let offload = std::mem::take(&mut st.offload);
         let promote = std::mem::take(&mut st.promote)
             .into_iter()
@@ -219,7 +243,8 @@ impl Master {
         NodeSync {
             need_remount: false,
             freed,
-            tombstones,
+            settles,
+            settled,
             offload,
             promote,
         }
@@ -241,14 +266,6 @@ impl Master {
             .get(&node)
             .and_then(|n| n.addr)
             .map(|addr| NodeRef { id: node, addr })
-    }
-
-    /// Queues the tombstone of a removed object's SSD record for the node holding it (a
-    /// no-op for [`LOCAL_NODE`], whose caller tombstones directly).
-    pub fn queue_tombstone(&mut self, node: ClientId, loc: DiskLoc) {
-        if node != LOCAL_NODE {
-            self.nodes.entry(node).or_default().tombstones.push(loc);
-        }
     }
 
     // ---- SSD registration ---------------------------------------------------------------------
@@ -291,11 +308,14 @@ impl Master {
         }
     }
 
-    /// Re-registers an SSD copy found by a restart rescan. An object already known keeps its
-    /// memory copy and gains the disk one; an unknown key becomes an SSD-only object.
-    /// A record the master has a queued tombstone for (removed while its node was down) is
-    /// refused, and so is one whose key now has another version: the caller tombstones it.
-    /// A node re-registering a record the master still has for it is accepted as is.
+    /// Re-registers an SSD copy found by a restart rescan. A node re-registering the record
+    /// the master still has for it is accepted as is; an unknown key becomes an SSD-only
+    /// object. Refused (the caller tombstones it): a record the node has an unacknowledged
+    /// tombstone for, any record of a key it has an unacknowledged cancel for (a version
+    /// dropped while its write may have been in flight), and any record of a key the master
+    /// knows with another copy or none — a record carries no version, so it is never
+    /// attached to a version it cannot be proven to belong to (losing a cached copy is
+    /// acceptable, serving an old version's bytes is not).
     pub fn register_rescanned(
         &mut self,
         node: ClientId,
@@ -303,24 +323,13 @@ impl Master {
         key: &str,
         loc: DiskLoc,
     ) -> bool {
-        if let Some(st) = self.nodes.get_mut(&node)
-            && let Some(i) = st.tombstones.iter().position(|l| *l == loc)
-        {
-            st.tombstones.swap_remove(i);
+        if let Some(o) = self.obj(t, key) {
+            return o.disk == Some(loc) && o.disk_node == node;
+        }
+        if self.settle_refuses(node, t, key, &loc) {
             return false;
         }
         let tick = self.touch();
-        if let Some(o) = self.obj_mut(t, key) {
-            if o.disk == Some(loc) && o.disk_node == node {
-                return true;
-            }
-            if o.is_complete() && o.disk.is_none() && o.size == loc.size {
-                o.disk = Some(loc);
-                o.disk_node = node;
-                return true;
-            }
-            return false;
-        }
         self.next_token += 1;
         let token = self.next_token;
         self.tenants.entry(t.clone()).or_default().insert(
@@ -332,6 +341,7 @@ impl Master {
                 mem: Vec::new(),
                 disk: Some(loc),
                 disk_node: node,
+                writer: node,
                 staged: None,
                 lease_until_ms: 0,
                 pin_until_ms: 0,

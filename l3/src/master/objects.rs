@@ -213,7 +213,7 @@ impl Master {
 
     /// `Remove`: -706 if leased (unless `force`). Returns the removed version's token (its
     /// queued SSD write is cancelled with it) and the disk copy to tombstone with the node
-    /// holding it.
+    /// holding it; for a store node both are queued as settles here.
     pub fn remove(&mut self, t: &Tenant, key: &str, force: bool, now: u64) -> L3Result<Removed> {
         let o = self.obj(t, key).ok_or(L3Error::ObjectNotFound)?;
         if !force {
@@ -228,6 +228,9 @@ impl Master {
         for a in o.allocs() {
             self.segments.free(a);
         }
+        // Store nodes are told (and told again until they acknowledge); the embedded store
+        // cancels and tombstones with what is returned.
+        self.settle_gone(t, key, o.gone());
         Ok(Removed {
             key: key.to_string(),
             token: o.token,

@@ -57,6 +57,10 @@ impl Master {
         self.next_token += 1;
         let token = self.next_token;
         let last_access = self.touch();
+        let writer = placed
+            .first()
+            .and_then(|(seg, _)| self.segments.get(*seg))
+            .map_or(LOCAL_NODE, |s| s.owner);
         self.tenants.entry(t.clone()).or_default().insert(
             key.to_string(),
             Object {
@@ -73,6 +77,7 @@ impl Master {
                     .collect(),
                 disk: None,
                 disk_node: LOCAL_NODE,
+                writer,
                 staged: None,
                 lease_until_ms: 0,
                 pin_until_ms: 0,
@@ -211,7 +216,10 @@ impl Master {
                     });
                 }
                 _ => {
-                    self.take_obj(t, k);
+                    // Gone: an SSD copy its node may still be writing is cancelled.
+                    if let Some(o) = self.take_obj(t, k) {
+                        self.settle_gone(t, k, o.gone());
+                    }
                 }
             }
         }
@@ -337,15 +345,14 @@ impl Master {
     }
 
     /// Drops an object with all its memory replicas; an SSD copy already registered (the
-    /// first replica's node writes it as soon as its replica ended) is tombstoned.
+    /// first replica's node writes it as soon as its replica ended) is tombstoned, one
+    /// still being written is cancelled.
     pub(super) fn revoke_object(&mut self, t: &Tenant, key: &str) {
         if let Some(o) = self.take_obj(t, key) {
             for a in o.allocs() {
                 self.segments.free(a);
             }
-            if let Some(d) = o.disk {
-                self.queue_tombstone(o.disk_node, d);
-            }
+            self.settle_gone(t, key, o.gone());
         }
     }
 }

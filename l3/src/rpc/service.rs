@@ -63,10 +63,13 @@ pub enum ClusterRequest {
         /// Records.
         disks: Vec<(Tenant, String, DiskLoc)>,
     },
-    /// Liveness; the reply carries frees and tombstones to apply.
+    /// Liveness; the reply carries frees and settles to apply.
     Ping {
         /// Node id.
         node: ClientId,
+        /// Every settle ([`NodeSync::settles`]) up to this sequence number is applied
+        /// durably: the master drops them.
+        applied: u64,
     },
     /// `PutEnd` of puts whose bytes the node holds.
     PutEnd {

@@ -323,6 +323,12 @@ impl SsdTier {
         published
     }
 
+    /// Withdraws the announcement of exactly version `token` (a write announced ahead of a
+    /// put end that then failed, or that another node writes).
+    pub fn withdraw(&self, tenant: &Tenant, key: &str, token: u64) {
+        writer::settle(&self.shared, tenant, key, token);
+    }
+
     /// Queues an object [announced](SsdTier::announce) before (a job whose announcement
     /// was cancelled meanwhile is written as dead). `block` waits for queue space;
     /// otherwise a full queue is -1301. On error the job is dropped and its announcement
@@ -473,6 +479,11 @@ impl Drop for SsdTier {
 pub(super) struct TierRef<'a>(pub(super) &'a Shared);
 
 impl TierRef<'_> {
+    /// Plan under the state lock, write the tombstones (or delete the buckets), and only
+    /// then mark the records dead: a failed write leaves them alive here, so a retry writes
+    /// them again instead of finding them "already dead" (a store node acknowledges a
+    /// tombstone to its master only once this returned `Ok`). Serialised by `tomb_io`, so
+    /// no other tombstone changes the plan meanwhile; a bucket evicted meanwhile is skipped.
     pub(super) fn tombstone_many(&self, locs: &[DiskLoc]) -> L3Result<()> {
         if locs.is_empty() {
             return Ok(());
@@ -484,41 +495,78 @@ impl TierRef<'_> {
         let mut appends: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
         let mut deletes = Vec::new();
         {
-            let mut st = self.0.state.lock();
+            let st = self.0.state.lock();
             for loc in locs {
-                let Some(b) = st.buckets.get_mut(&loc.bucket) else {
+                let Some(b) = st.buckets.get(&loc.bucket) else {
                     continue;
                 };
                 let Some(r) = b
                     .records
-                    .iter_mut()
+                    .iter()
                     .find(|r| r.loc.offset == loc.offset && r.alive)
                 else {
                     continue;
                 };
-                r.alive = false;
-                b.live -= 1;
-                appends.entry(loc.bucket).or_default().push(r.index);
-                if b.live == 0 {
-                    deletes.push(loc.bucket);
+                let v = appends.entry(loc.bucket).or_default();
+                if !v.contains(&r.index) {
+                    v.push(r.index);
                 }
             }
+            appends.retain(|id, idx| {
+                let whole = st.buckets.get(id).is_some_and(|b| b.live <= idx.len());
+                if whole {
+                    deletes.push(*id);
+                }
+                !whole
+            });
+        }
+        let io = |e: std::io::Error| L3Error::FileWriteFail(format!("tombstone: {e}"));
+        let mut done: Vec<(u64, &[u32])> = Vec::new();
+        let mut failed = None;
+        for (id, idx) in &appends {
+            match bucket::append_tombstones(dir, *id, idx) {
+                Ok(()) => done.push((*id, idx)),
+                Err(e) => {
+                    failed = Some(io(e));
+                    break;
+                }
+            }
+        }
+        let mut deleted = Vec::new();
+        if failed.is_none() {
             for id in &deletes {
-                appends.remove(id);
+                match bucket::delete_bucket(dir, *id) {
+                    Ok(()) => deleted.push(*id),
+                    Err(e) => {
+                        failed = Some(io(e));
+                        break;
+                    }
+                }
+            }
+        }
+        {
+            let mut st = self.0.state.lock();
+            for (id, idx) in &done {
+                if let Some(b) = st.buckets.get_mut(id) {
+                    for r in b.records.iter_mut().filter(|r| idx.contains(&r.index)) {
+                        if r.alive {
+                            r.alive = false;
+                            b.live -= 1;
+                        }
+                    }
+                }
+            }
+            for id in &deleted {
                 if let Some(b) = st.buckets.remove(id) {
                     st.used = st.used.saturating_sub(b.file_size);
                 }
                 st.files.remove(id);
             }
         }
-        let io = |e: std::io::Error| L3Error::FileWriteFail(format!("tombstone: {e}"));
-        for (id, idx) in &appends {
-            bucket::append_tombstones(dir, *id, idx).map_err(io)?;
+        if let Some(e) = failed {
+            return Err(e);
         }
-        for id in &deletes {
-            bucket::delete_bucket(dir, *id).map_err(io)?;
-        }
-        if !deletes.is_empty() {
+        if !deleted.is_empty() {
             std::fs::File::open(dir)
                 .and_then(|d| d.sync_all())
                 .map_err(io)?;

@@ -10,7 +10,8 @@
 //!   allocation's recorded owner; SSD: the bucket record's tenant and key), and SSD bytes only
 //!   after their checksum verified.
 //! - A put ends (becomes visible at the master) only after its bytes are held here; its
-//!   write-through SSD copy is queued after the master accepted the end.
+//!   write-through SSD copy is announced before the end is sent (so a cancel of the version
+//!   always finds it) and queued after the master accepted the end.
 //! - Memory held never exceeds twice the segment (-200 beyond), which bounds the lag between
 //!   a free and its notice (see `sync`).
 
@@ -109,6 +110,26 @@ impl NodeInner {
         if ready.is_empty() {
             return;
         }
+        // Offload-on-evict writes evictions only (as the single process does).
+        let ssd = self
+            .ssd
+            .as_ref()
+            .filter(|s| s.config().mode == OffloadMode::WriteThrough);
+        // Announced before the master can see the end: a remove that follows the end
+        // queues a cancel for this version, which then always finds the announcement (or
+        // the record it became), never an announcement made after it.
+        if let Some(ssd) = ssd {
+            for &i in &ready {
+                ssd.announce(&handles[i].tenant, &handles[i].key, handles[i].token);
+            }
+        }
+        let withdraw = |idx: &mut dyn Iterator<Item = usize>| {
+            if let Some(ssd) = ssd {
+                for i in idx {
+                    ssd.withdraw(&handles[i].tenant, &handles[i].key, handles[i].token);
+                }
+            }
+        };
         let req = ClusterRequest::PutEndReplicas {
             node: self.opts.id,
             handles: ready.iter().map(|&i| handles[i].clone()).collect(),
@@ -120,12 +141,14 @@ impl NodeInner {
                 for &i in &ready {
                     out[i] = Err(L3Error::RpcFail("unexpected reply from the master".into()));
                 }
+                withdraw(&mut ready.iter().copied());
                 return;
             }
             Err(e) => {
                 for &i in &ready {
                     out[i] = Err(e.clone());
                 }
+                withdraw(&mut ready.iter().copied());
                 return;
             }
         };
@@ -156,19 +179,20 @@ impl NodeInner {
                 }
             }
         }
+        // Only this node's primary replicas are written (one SSD copy per object).
+        withdraw(
+            &mut ready
+                .iter()
+                .copied()
+                .filter(|i| !jobs.iter().any(|(j, _)| j == i)),
+        );
         self.apply(sync);
-        // Offload-on-evict writes evictions only (as the single process does).
-        let Some(ssd) = self
-            .ssd
-            .as_ref()
-            .filter(|s| s.config().mode == OffloadMode::WriteThrough)
-        else {
+        let Some(ssd) = ssd else {
             return;
         };
         let mut waits = Vec::new();
         for (i, data) in jobs {
             let h = &handles[i];
-            ssd.announce(&h.tenant, &h.key, h.token);
             let (job, wait) = OffloadJob::for_put(h, data, opts.wait_persisted);
             match ssd.enqueue(job, opts.wait_persisted) {
                 Ok(()) => {

@@ -11,7 +11,7 @@
 //! Lifecycle: open the SSD tier (rescanning buckets) → bind the data channel → `MountNode`
 //! with the master (an empty segment, the offload mode) → `Rescanned` with every live SSD
 //! record (the master refuses records of objects removed meanwhile; those are tombstoned) →
-//! ping every `ping_interval`. SIGTERM: stop serving, flush the SSD queue (each record is
+//! ping every `ping_interval`, acknowledging the settles applied (see `sync`). SIGTERM: stop serving, flush the SSD queue (each record is
 //! registered once durable), `Leave`, exit.
 //!
 //! This file holds the options, the node's state and its start / shutdown; the rest:
@@ -28,7 +28,7 @@ mod sync;
 mod tier;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
@@ -115,6 +115,9 @@ struct NodeInner {
     ssd: Option<SsdTier>,
     data_addr: OnceLock<SocketAddr>,
     mounted: AtomicBool,
+    /// Every settle (tombstone, write cancel) up to this sequence number is applied
+    /// durably; sent on each ping so the master can forget them. Reset at each mount.
+    applied: AtomicU64,
     promote_tx: Mutex<Option<SyncSender<PromoteBatch>>>,
 }
 
@@ -173,6 +176,7 @@ impl StoreNode {
             ssd,
             data_addr: OnceLock::new(),
             mounted: AtomicBool::new(false),
+            applied: AtomicU64::new(0),
             promote_tx: Mutex::new(None),
             opts,
         });

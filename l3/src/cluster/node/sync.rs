@@ -1,20 +1,31 @@
 //! The node's side of the conversation with the master: mount (with the SSD records found),
 //! ping, and apply the [`NodeSync`] every reply carries (frees, evictions to offload,
-//! tombstones, promotions).
+//! settles, promotions).
 //!
 //! Why: the master never connects to nodes; what it has to say waits for the node's next
 //! call. A ping answered `need_remount` (declared dead while partitioned, or a restarted
 //! master) drops all memory bytes and mounts again.
 //!
-//! Invariant: bytes of an allocation the master freed are dropped when the node hears of it;
-//! bytes written but never ended are dropped after `put_timeout` (the data channel bounds the
-//! memory held meanwhile, see `data`).
+//! Invariants:
+//! - Bytes of an allocation the master freed are dropped when the node hears of it; bytes
+//!   written but never ended are dropped after `put_timeout` (the data channel bounds the
+//!   memory held meanwhile, see `data`).
+//! - A settle (tombstone a record, cancel a version's write) is acknowledged — `applied`,
+//!   sent on the next ping — only after it is durable: cancels drop queued writes (the
+//!   writer tombstones their records before they become visible) and return the records
+//!   already published, which are tombstoned with the tombstones in one synced call. A
+//!   failed tombstone acknowledges nothing; the master repeats its settles until they are
+//!   acknowledged, and applying one twice is harmless. `applied` only moves over
+//!   consecutive sequence numbers, so a settle lost on the way is never skipped.
+//! - A mount re-registers only records the master accepts and fails (to be retried) if the
+//!   refused ones cannot be tombstoned, so nothing is acknowledged while a refused record
+//!   is still live on disk.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crate::error::{L3Error, L3Result};
-use crate::master::{DiskLoc, NodeSync};
+use crate::master::{DiskLoc, NodeSync, Settle};
 use crate::rpc::service::{ClusterReply, ClusterRequest};
 use crate::ssd::OffloadJob;
 
@@ -29,6 +40,9 @@ impl NodeInner {
     pub(super) fn mount(&self) -> L3Result<()> {
         let _gate = self.gate.lock();
         self.mounted.store(false, Ordering::Release);
+        // The master hands out every unacknowledged settle again after a mount, with the
+        // number it has seen acknowledged: count from there.
+        self.applied.store(0, Ordering::Release);
         *self.mem.lock() = Mem::default();
         self.link.call(ClusterRequest::MountNode {
             node: self.opts.id,
@@ -55,9 +69,9 @@ impl NodeInner {
                     .map(|((_, _, loc), _)| *loc)
                     .collect();
                 refused += dead.len();
-                if let Err(e) = ssd.tombstone_many(&dead) {
-                    tracing::warn!(error = %e, "could not tombstone refused records");
-                }
+                // Not mounted until they are dead: a refused record left live would come
+                // back at a later restart, once the master forgot why it refused it.
+                ssd.tombstone_many(&dead)?;
             }
             tracing::info!(
                 registered = recs.len() - refused,
@@ -117,10 +131,9 @@ impl NodeInner {
                     });
                 }
             }
-            if let Err(e) = ssd.tombstone_many(&s.tombstones) {
-                tracing::warn!(error = %e, "could not tombstone removed records");
-            }
         }
+        // After the offloads above were announced, so a cancel in the same reply finds them.
+        self.settle(&s.settles, s.settled);
         // A full SSD queue skips the write, as in the single process: the copy is dropped.
         self.unstage(lost.iter());
         if !s.promote.is_empty()
@@ -129,6 +142,41 @@ impl NodeInner {
             // A full promoter queue skips the batch (a later probe asks again).
             let _ = tx.try_send(s.promote);
         }
+    }
+
+    /// Applies settles durably, then moves `applied` over the consecutive ones.
+    fn settle(&self, settles: &[(u64, Settle)], settled: u64) {
+        let mut locs = Vec::new();
+        for (_, s) in settles {
+            match s {
+                Settle::Tombstone(l) => locs.push(*l),
+                Settle::Cancel { tenant, key, token } => {
+                    if let Some(ssd) = &self.ssd {
+                        locs.extend(ssd.cancel(tenant, key, *token));
+                    }
+                }
+            }
+        }
+        let durable = match &self.ssd {
+            Some(ssd) => ssd
+                .tombstone_many(&locs)
+                .inspect_err(
+                    |e| tracing::warn!(error = %e, "could not apply settles; not acknowledged"),
+                )
+                .is_ok(),
+            None => true,
+        };
+        let mut a = self.applied.load(Ordering::Acquire).max(settled);
+        if durable {
+            let mut seqs: Vec<u64> = settles.iter().map(|(n, _)| *n).collect();
+            seqs.sort_unstable();
+            for n in seqs {
+                if n == a + 1 {
+                    a = n;
+                }
+            }
+        }
+        self.applied.fetch_max(a, Ordering::AcqRel);
     }
 
     /// One ping period: drop stale unended writes, ping (or mount), apply the reply.
@@ -156,7 +204,11 @@ impl NodeInner {
             }
             return;
         }
-        match self.link.call(ClusterRequest::Ping { node: self.opts.id }) {
+        let applied = self.applied.load(Ordering::Acquire);
+        match self.link.call(ClusterRequest::Ping {
+            node: self.opts.id,
+            applied,
+        }) {
             Ok(ClusterReply::Sync(s)) if s.need_remount => {
                 tracing::warn!(
                     "master does not know this node (declared dead or restarted): remounting"
