@@ -229,27 +229,36 @@ fn run_node(
     opts.max_object_bytes = args.max_object_bytes;
     opts.ping_interval = Duration::from_millis(args.ping_ms);
     let node = StoreNode::start(opts).map_err(|e| e.to_string())?;
-    {
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "LISTENING {}", node.data_addr());
-        let _ = out.flush();
-    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
     rt.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(|e| e.to_string())?;
+        // The handler before the readiness line: a SIGTERM sent the moment a supervisor reads
+        // `LISTENING` must reach the shutdown path, not the default disposition.
+        let (mut term, mut int) = stop_signals()?;
+        {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "LISTENING {}", node.data_addr());
+            let _ = out.flush();
+        }
         tokio::select! {
             _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
+            _ = int.recv() => {}
         }
         Ok::<(), String>(())
     })?;
     node.shutdown();
     eprintln!("kvtier-l3: node shut down cleanly");
     Ok(())
+}
+
+/// SIGTERM and SIGINT handlers (inside a runtime), installed before a server reports ready.
+fn stop_signals() -> Result<(tokio::signal::unix::Signal, tokio::signal::unix::Signal), String> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
+    let int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+    Ok((term, int))
 }
 
 /// Serves `backend` over tarpc until SIGTERM/SIGINT.
@@ -261,6 +270,8 @@ fn serve<B: Backend>(backend: Arc<B>, opts: ServerOptions) -> Result<(), String>
         .map_err(|e| e.to_string())?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     rt.block_on(async {
+        // The handler before the readiness line (see `run_node`).
+        let (mut term, mut int) = stop_signals()?;
         let (addr, maddr) = start(backend, opts, stop_rx)
             .await
             .map_err(|e| e.to_string())?;
@@ -271,11 +282,9 @@ fn serve<B: Backend>(backend: Arc<B>, opts: ServerOptions) -> Result<(), String>
         }
         let _ = out.flush();
         drop(out);
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(|e| e.to_string())?;
         tokio::select! {
             _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
+            _ = int.recv() => {}
         }
         let _ = stop_tx.send(true);
         Ok::<(), String>(())
