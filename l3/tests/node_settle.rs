@@ -18,9 +18,8 @@ use std::time::Duration;
 mod common;
 
 use common::procs::{Proc, eventually, master, node};
-use common::{client, payload, persisted, t};
-use kvtier_l3::master::DiskLoc;
-use kvtier_l3::{L3Error, L3Store, RemoteStore, Tenant};
+use common::{client, disk_of, payload, persisted, t};
+use kvtier_l3::{L3Error, L3Store};
 
 const LEN: usize = 64 << 10;
 
@@ -31,14 +30,6 @@ fn signal(p: &Proc, sig: &str) {
         .unwrap()
         .success();
     assert!(ok, "kill {sig} failed");
-}
-
-fn disk_of(c: &RemoteStore, tn: &Tenant, key: &str) -> Option<DiskLoc> {
-    c.get_replica_list(tn, key)
-        .ok()?
-        .replicas
-        .iter()
-        .find_map(DiskLoc::from_descriptor)
 }
 
 fn tomb_path(dir: &Path, bucket: u64) -> std::path::PathBuf {

@@ -10,8 +10,11 @@
 //!
 //! Invariants:
 //! - `used` is the sum of the sizes of bucket files in `buckets`.
-//! - A record is registered with the master at most once; one the master refuses (object
-//!   removed or replaced meanwhile) is tombstoned at once.
+//! - A record the master refuses (object removed or replaced meanwhile) is tombstoned at
+//!   once. One whose registration was not confirmed (a store node's master unreachable)
+//!   stays live — after a master restart, records are how objects are found again — and
+//!   keeps its announcement with its location, so a cancel of its version returns it to be
+//!   tombstoned; the node registers it again ([`SsdTier::unconfirmed`], [`SsdTier::confirm`]).
 //! - A remove is durable before it is acknowledged, whatever stage the object's SSD write is
 //!   in. Every write is *announced* (under the master's lock, atomically with the put or
 //!   eviction that makes it) before it is queued; [`SsdTier::cancel`] (after the master
@@ -21,8 +24,9 @@
 //! - Tombstones are synced before [`SsdTier::tombstone`] returns; concurrent callers for
 //!   the same record both return only after it is durable (`tomb_io`).
 //! - Bucket ids are reserved durably in blocks before use and never reused.
-//! - Lock order: master → `inflight` → `state`; `tomb_io` → `state`. The tier never calls
-//!   the [`TierHooks`] (which take the master's lock) while holding any of its locks.
+//! - Lock order: master → `inflight` → `unconfirmed`, `inflight` → `state`; `tomb_io` →
+//!   `state`. The tier never calls the [`TierHooks`] (which take the master's lock) while
+//!   holding any of its locks.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -34,6 +38,7 @@ use std::thread::JoinHandle;
 use parking_lot::Mutex;
 
 use super::bucket;
+use super::unconfirmed::{Registration, Unconfirmed};
 use super::writer;
 use crate::config::SsdConfig;
 use crate::error::{L3Error, L3Result};
@@ -87,10 +92,11 @@ pub(super) enum Msg {
     Flush(SyncSender<()>),
 }
 
-/// What the tier needs from the master (implemented by the embedded store).
+/// What the tier needs from the master (implemented by the embedded store and store nodes).
 pub trait TierHooks: Send + Sync {
-    /// Register written copies; returns, per item, whether the master accepted it.
-    fn register(&self, items: &[(&OffloadJob, DiskLoc)]) -> Vec<bool>;
+    /// Register written copies; returns the master's answer per item. The embedded store
+    /// never answers [`Registration::Unconfirmed`].
+    fn register(&self, items: &[(&OffloadJob, DiskLoc)]) -> Vec<Registration>;
     /// A write failed: staged copies must be released.
     fn write_failed(&self, jobs: &[OffloadJob]);
     /// Atomically drop these disk replicas if none is leased; false = keep the bucket.
@@ -157,11 +163,13 @@ pub(super) struct Shared {
     pub(super) state: Mutex<TierState>,
     pub(super) inflight: Mutex<Inflight>,
     pub(super) tomb_io: Mutex<()>,
+    /// Published records whose registration was not confirmed (their announcements stay).
+    pub(super) unconfirmed: Mutex<Vec<Unconfirmed>>,
 }
 
 /// The SSD tier.
 pub struct SsdTier {
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
     tx: Mutex<Option<SyncSender<Msg>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
@@ -261,6 +269,7 @@ impl SsdTier {
                 state: Mutex::new(st),
                 inflight: Mutex::new(Inflight::new()),
                 tomb_io: Mutex::new(()),
+                unconfirmed: Mutex::new(Vec::new()),
             }),
             tx: Mutex::new(None),
             worker: Mutex::new(None),

@@ -5,13 +5,15 @@
 //! Why a separate file: this is the one place where the ordering of crash-safety steps
 //! lives (reserve id → write + fsync temporary → under the inflight lock: tombstone
 //! cancelled records, rename, record the bucket → register → tombstone refused records →
-//! acknowledge waiters); [`super::tier`] holds the state and the callers' API.
+//! settle the announcements, except those of unconfirmed registrations → acknowledge
+//! waiters); [`super::tier`] holds the state and the callers' API.
 
 use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 
 use super::bucket::{self, NewRecord};
 use super::tier::{BucketMeta, ID_BLOCK, Msg, OffloadJob, RecMeta, Shared, TierHooks, TierRef};
+use super::unconfirmed::{Registration, Unconfirmed};
 use crate::error::L3Error;
 use crate::master::DiskLoc;
 use crate::types::Tenant;
@@ -229,23 +231,42 @@ fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
         .filter(|(_, l)| **l)
         .map(|((j, loc), _)| (j, *loc))
         .collect();
-    let accepted = hooks.register(&items);
+    let answers = hooks.register(&items);
+    let answer = |i: usize| answers.get(i).copied().unwrap_or(Registration::Unconfirmed);
     // Records the master refused (object removed or replaced meanwhile) are dead at once.
-    let refused: Vec<DiskLoc> = items
-        .iter()
-        .zip(accepted.iter().chain(std::iter::repeat(&false)))
-        .filter(|(_, ok)| !**ok)
-        .map(|((_, loc), _)| *loc)
+    let refused: Vec<DiskLoc> = (0..items.len())
+        .filter(|i| answer(*i) == Registration::Refused)
+        .map(|i| items[i].1)
         .collect();
     if let Err(e) = TierRef(shared).tombstone_many(&refused) {
         tracing::warn!(bucket = id, error = %e, "could not tombstone refused records");
     }
+    // Unconfirmed records keep their announcement (with their location), so a cancel of
+    // their version still finds them; the node registers them again later.
+    let unconfirmed: Vec<Unconfirmed> = (0..items.len())
+        .filter(|i| answer(*i) == Registration::Unconfirmed)
+        .map(|i| Unconfirmed {
+            tenant: items[i].0.tenant.clone(),
+            key: items[i].0.key.clone(),
+            token: items[i].0.token,
+            loc: items[i].1,
+            staged: items[i].0.staged,
+        })
+        .collect();
     for j in &batch {
-        settle(shared, &j.tenant, &j.key, j.token);
+        let kept = unconfirmed
+            .iter()
+            .any(|u| u.token == j.token && u.key == j.key && u.tenant == j.tenant);
+        if !kept {
+            settle(shared, &j.tenant, &j.key, j.token);
+        }
         if let Some(d) = &j.done {
             // A waiter that gave up (its caller is gone) needs no answer.
             let _ = d.send(Ok(()));
         }
+    }
+    if !unconfirmed.is_empty() {
+        shared.unconfirmed.lock().extend(unconfirmed);
     }
 }
 

@@ -16,7 +16,7 @@ use std::sync::{Arc, Weak};
 use crate::error::{L3Error, L3Result};
 use crate::master::{DiskLoc, EvictionOutcome, LOCAL_NODE, Removed};
 use crate::metrics::Metrics;
-use crate::ssd::{OffloadJob, TierHooks};
+use crate::ssd::{OffloadJob, Registration, TierHooks};
 use crate::types::Tenant;
 
 use super::Inner;
@@ -24,15 +24,20 @@ use super::Inner;
 pub(super) struct Hooks(pub(super) Weak<Inner>);
 
 impl TierHooks for Hooks {
-    fn register(&self, items: &[(&OffloadJob, DiskLoc)]) -> Vec<bool> {
+    fn register(&self, items: &[(&OffloadJob, DiskLoc)]) -> Vec<Registration> {
         let Some(inner) = self.0.upgrade() else {
             // Store is going away: the bucket is durable and a restart rescan registers it.
-            return vec![true; items.len()];
+            return vec![Registration::Registered; items.len()];
         };
         let mut m = inner.master.lock();
         items
             .iter()
-            .map(|(j, loc)| m.register_disk(LOCAL_NODE, &j.tenant, &j.key, j.token, *loc))
+            .map(
+                |(j, loc)| match m.register_disk(LOCAL_NODE, &j.tenant, &j.key, j.token, *loc) {
+                    true => Registration::Registered,
+                    false => Registration::Refused,
+                },
+            )
             .collect()
     }
 

@@ -6,7 +6,8 @@ pub mod procs;
 
 use std::net::SocketAddr;
 
-use kvtier_l3::{ClientOptions, PutOptions, RemoteStore, Tenant};
+use kvtier_l3::master::DiskLoc;
+use kvtier_l3::{ClientOptions, L3Store, PutOptions, RemoteStore, Tenant};
 
 pub fn t(n: &str) -> Tenant {
     Tenant::new(n).unwrap()
@@ -33,4 +34,13 @@ pub fn client(addr: SocketAddr, token: Option<&str>) -> RemoteStore {
         },
     )
     .unwrap()
+}
+
+/// The SSD copy the master lists for a key, if any.
+pub fn disk_of(c: &RemoteStore, tn: &Tenant, key: &str) -> Option<DiskLoc> {
+    c.get_replica_list(tn, key)
+        .ok()?
+        .replicas
+        .iter()
+        .find_map(DiskLoc::from_descriptor)
 }

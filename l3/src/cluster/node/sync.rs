@@ -20,6 +20,11 @@
 //! - A mount re-registers only records the master accepts and fails (to be retried) if the
 //!   refused ones cannot be tombstoned, so nothing is acknowledged while a refused record
 //!   is still live on disk.
+//! - A record whose registration went unanswered (master unreachable) keeps its
+//!   announcement, so a cancel still tombstones it before it is acknowledged; after each
+//!   ping the master answered (its settles applied first) the node registers such records
+//!   again: registered → settled, refused → tombstoned then settled, unanswered → kept. A
+//!   mount re-registers every live record, so it settles them all.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -39,6 +44,25 @@ impl NodeInner {
     /// Joins the master with an empty segment, then registers every live SSD record.
     pub(super) fn mount(&self) -> L3Result<()> {
         let _gate = self.gate.lock();
+        // Every live record is registered again below (the rescan path), those whose
+        // registration was unconfirmed included: they are settled once that succeeded.
+        let taken = self
+            .ssd
+            .as_ref()
+            .map(|s| s.take_unconfirmed())
+            .unwrap_or_default();
+        let r = self.join();
+        if let Some(ssd) = &self.ssd {
+            match &r {
+                Ok(()) => ssd.remounted(&taken),
+                Err(_) => ssd.restore_unconfirmed(taken),
+            }
+        }
+        r
+    }
+
+    /// [`NodeInner::mount`], under the gate.
+    fn join(&self) -> L3Result<()> {
         self.mounted.store(false, Ordering::Release);
         // The master hands out every unacknowledged settle again after a mount, with the
         // number it has seen acknowledged: count from there.
@@ -179,7 +203,8 @@ impl NodeInner {
         self.applied.fetch_max(a, Ordering::AcqRel);
     }
 
-    /// One ping period: drop stale unended writes, ping (or mount), apply the reply.
+    /// One ping period: drop stale unended writes, ping (or mount), apply the reply, register
+    /// again what was not confirmed.
     pub(super) fn tick(&self) {
         let stale = self.opts.put_timeout;
         let grace = self.opts.ping_interval;
@@ -217,7 +242,11 @@ impl NodeInner {
                     tracing::warn!(error = %e, "remount failed; retrying");
                 }
             }
-            Ok(ClusterReply::Sync(s)) => self.apply(s),
+            Ok(ClusterReply::Sync(s)) => {
+                self.apply(s);
+                // The master is reachable again, and the cancels it sent are applied.
+                self.retry_unconfirmed();
+            }
             Ok(other) => tracing::warn!(?other, "unexpected ping reply"),
             Err(e) => tracing::warn!(error = %e, "ping failed"),
         }

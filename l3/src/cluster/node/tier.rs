@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use crate::master::DiskLoc;
 use crate::rpc::service::{ClusterReply, ClusterRequest};
-use crate::ssd::{OffloadJob, TierHooks};
+use crate::ssd::{OffloadJob, Registration, TierHooks, Unconfirmed};
 use crate::types::Tenant;
 
 use super::mem::{Held, Staging};
@@ -26,35 +26,22 @@ use super::{NodeInner, PromoteBatch};
 pub(super) struct NodeHooks(pub(super) Weak<NodeInner>);
 
 impl TierHooks for NodeHooks {
-    fn register(&self, items: &[(&OffloadJob, DiskLoc)]) -> Vec<bool> {
+    fn register(&self, items: &[(&OffloadJob, DiskLoc)]) -> Vec<Registration> {
         let Some(n) = self.0.upgrade() else {
-            return vec![true; items.len()];
+            // Node going away: the record stays live and its next start re-registers it.
+            return vec![Registration::Unconfirmed; items.len()];
         };
-        let req = ClusterRequest::RegisterDisk {
-            node: n.opts.id,
-            items: items
-                .iter()
-                .map(|(j, l)| (j.tenant.clone(), j.key.clone(), j.token, *l))
-                .collect(),
-        };
-        match n.link.call(req) {
-            Ok(ClusterReply::Accepted(v)) if v.len() == items.len() => {
-                // Registered (or refused: removed meanwhile): staged bytes are done with.
-                let mut m = n.mem.lock();
-                for (j, _) in items.iter().filter(|(j, _)| j.staged) {
-                    m.retire(&j.tenant, &j.key, j.token);
-                }
-                v
-            }
-            // Master unreachable: keep the durable records; the next mount re-registers them.
-            other => {
-                tracing::warn!(
-                    ?other,
-                    "ssd registration not confirmed; kept for re-registration"
-                );
-                vec![true; items.len()]
-            }
-        }
+        let recs: Vec<Unconfirmed> = items
+            .iter()
+            .map(|(j, loc)| Unconfirmed {
+                tenant: j.tenant.clone(),
+                key: j.key.clone(),
+                token: j.token,
+                loc: *loc,
+                staged: j.staged,
+            })
+            .collect();
+        n.register_disk(&recs)
     }
 
     fn write_failed(&self, jobs: &[OffloadJob]) {
@@ -77,6 +64,57 @@ impl TierHooks for NodeHooks {
 }
 
 impl NodeInner {
+    /// Registers written SSD copies with the master. Unreachable (or an unexpected reply):
+    /// every item is [`Registration::Unconfirmed`] — the records stay live (after a master
+    /// restart they are how objects are found again) and are registered again on a later
+    /// tick ([`NodeInner::retry_unconfirmed`]) or by the next mount.
+    fn register_disk(&self, recs: &[Unconfirmed]) -> Vec<Registration> {
+        let req = ClusterRequest::RegisterDisk {
+            node: self.opts.id,
+            items: recs
+                .iter()
+                .map(|r| (r.tenant.clone(), r.key.clone(), r.token, r.loc))
+                .collect(),
+        };
+        match self.link.call(req) {
+            Ok(ClusterReply::Accepted(v)) if v.len() == recs.len() => {
+                // Registered (or refused: removed meanwhile): staged bytes are done with.
+                let mut m = self.mem.lock();
+                for r in recs.iter().filter(|r| r.staged) {
+                    m.retire(&r.tenant, &r.key, r.token);
+                }
+                v.into_iter()
+                    .map(|ok| match ok {
+                        true => Registration::Registered,
+                        false => Registration::Refused,
+                    })
+                    .collect()
+            }
+            other => {
+                tracing::warn!(
+                    ?other,
+                    "ssd registration not confirmed; kept, to be registered again"
+                );
+                vec![Registration::Unconfirmed; recs.len()]
+            }
+        }
+    }
+
+    /// Registers again the records whose registration was not confirmed (called after a
+    /// ping the master answered, once its settles are applied, so a cancel of such a record
+    /// has tombstoned it already): registered ones are settled, refused ones tombstoned.
+    pub(super) fn retry_unconfirmed(&self) {
+        let Some(ssd) = &self.ssd else { return };
+        let recs = ssd.unconfirmed();
+        if recs.is_empty() {
+            return;
+        }
+        let answers = self.register_disk(&recs);
+        if let Err(e) = ssd.confirm(&recs, &answers) {
+            tracing::warn!(error = %e, "could not tombstone refused records; retrying");
+        }
+    }
+
     /// Staged copies whose SSD write failed or was skipped: dropped here and at the master.
     pub(super) fn unstage<'a>(&self, jobs: impl Iterator<Item = &'a OffloadJob>) {
         let items: Vec<(Tenant, String, u64)> = {
