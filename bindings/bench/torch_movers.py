@@ -92,6 +92,7 @@ class Clock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.side: Optional["torch.cuda.Stream"] = self.stream()  # where side work runs on GPU
 
     def stream(self) -> Optional["torch.cuda.Stream"]:
         return torch.cuda.Stream(device=self.device) if self.cuda else None
@@ -136,7 +137,7 @@ class Clock:
         returned ``join`` re-raises what the side work raised."""
         began = threading.Event()
         errors: List[BaseException] = []
-        s2 = self._side()
+        s2 = self.side
 
         def run() -> None:
             with self.on(s2):
@@ -161,12 +162,12 @@ class Clock:
         """Runs ``side`` beside ``main``; returns when both are done (on GPU: when the current
         stream has been made to wait for the side stream)."""
         if self.cuda:
-            self._side().wait_stream(torch.cuda.current_stream(self.device))
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
         join = self._start_side(side)
         main()
         join()
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._side())
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
 
     def time_beside(self, main: Callable[[], None], side: Callable[[], None], iters: int,
                     stream: Optional["torch.cuda.Stream"] = None) -> float:
@@ -180,13 +181,6 @@ class Clock:
             join()
             self.sync()
         return statistics.median(times)
-
-    def _side(self) -> Optional["torch.cuda.Stream"]:
-        if not self.cuda:
-            return None
-        if not hasattr(self, "_s2"):
-            self._s2 = torch.cuda.Stream(device=self.device)
-        return self._s2
 
 
 def _disjoint_pages(rng: np.random.Generator, pool_pages: int, n: int) -> List[np.ndarray]:
