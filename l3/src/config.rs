@@ -110,6 +110,10 @@ pub struct StoreConfig {
     pub ssd: Option<SsdConfig>,
     /// Promotion settings (used only with an SSD tier).
     pub promotion: PromotionConfig,
+    /// Keep a journal of up to this many keys that stopped existing (evicted, removed, lost
+    /// with a node) for [`crate::EmbeddedStore::drain_losses`]; 0 = no journal. An engine
+    /// that marks pages as "in L3" turns it on and reports the losses to its scheduler.
+    pub loss_journal_keys: usize,
 }
 
 impl Default for StoreConfig {
@@ -126,6 +130,7 @@ impl Default for StoreConfig {
             max_batch_keys: 65_536,
             ssd: None,
             promotion: PromotionConfig::default(),
+            loss_journal_keys: 0,
         }
     }
 }

@@ -161,6 +161,16 @@ impl RadixCache {
         clear.len()
     }
 
+    /// Every node is no longer known to be in L3 (the engine lost track of what L3 holds).
+    /// Returns the number of nodes cleared.
+    pub fn forget_l3_all(&mut self) -> usize {
+        let mut n = 0;
+        for (_, node) in self.nodes.iter_mut() {
+            n += usize::from(std::mem::take(&mut node.in_l3));
+        }
+        n
+    }
+
     /// The page hashes of a node's run (pages `start .. end` of its prefix).
     pub fn node_hashes(&self, id: NodeId) -> Result<&[PageHash], RadixError> {
         Ok(&self.node(id)?.hashes)

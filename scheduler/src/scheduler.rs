@@ -188,6 +188,16 @@ impl Scheduler {
         n
     }
 
+    /// The store's loss report was incomplete (its journal overflowed): no L3 mark can be
+    /// trusted, so every one is cleared, as by [`Self::l3_lost`] for every page. Returns the
+    /// number of tree nodes whose L3 flag was cleared.
+    pub fn l3_lost_all(&mut self) -> usize {
+        self.lost_in_backup.extend(self.backing_up.iter().copied());
+        let n = self.cache.forget_l3_all();
+        self.stats.l3_lost_nodes += n as u64;
+        n
+    }
+
     /// Store/remove events of cached pages since the last call, for a KV-aware router.
     pub fn drain_kv_events(&mut self) -> Vec<KvEvent> {
         self.cache.drain_events()

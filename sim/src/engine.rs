@@ -202,6 +202,7 @@ impl Simulation {
                 local_segment_bytes: cfg.l3_pages.max(1) * cfg.payload_bytes as u64,
                 lease_ttl: Duration::from_secs(10),
                 max_batch_keys: 1 << 20,
+                loss_journal_keys: 1 << 20,
                 ssd,
                 ..StoreConfig::default()
             })

@@ -67,7 +67,7 @@ impl Master {
         let set: std::collections::HashSet<u64> = allocs.iter().copied().collect();
         let mut n = 0;
         let mut orphans: Vec<u64> = Vec::new();
-        let mut gone: Vec<(Tenant, String, settle::Gone)> = Vec::new();
+        let mut gone: Vec<(Tenant, String, settle::Gone, bool)> = Vec::new();
         for (t, m) in self.tenants.iter_mut() {
             m.retain(|k, o| {
                 let before = o.mem.len();
@@ -80,7 +80,7 @@ impl Master {
                     return true;
                 }
                 orphans.extend(o.allocs());
-                gone.push((t.clone(), k.clone(), o.gone()));
+                gone.push((t.clone(), k.clone(), o.gone(), o.is_complete()));
                 false
             });
         }
@@ -88,7 +88,10 @@ impl Master {
         for a in orphans {
             self.segments.free(a);
         }
-        for (t, k, g) in gone {
+        for (t, k, g, complete) in gone {
+            if complete {
+                self.losses.record(&t, &k);
+            }
             self.settle_gone(&t, &k, g);
         }
         n

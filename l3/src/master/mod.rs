@@ -224,6 +224,8 @@ pub struct MasterPolicy {
     pub client_ttl_ms: u64,
     /// Keep evicted objects staged for an SSD write (offload-on-evict mode).
     pub offload_on_evict: bool,
+    /// Capacity of the loss journal (0 = off; see [`Losses`]).
+    pub loss_journal_keys: usize,
 }
 
 impl MasterPolicy {
@@ -241,6 +243,7 @@ impl MasterPolicy {
                 .ssd
                 .as_ref()
                 .is_some_and(|s| s.mode == crate::config::OffloadMode::OnEvict),
+            loss_journal_keys: cfg.loss_journal_keys,
         }
     }
 }
@@ -307,13 +310,14 @@ pub struct Master {
     tick: u64,
     /// Memory replicas dropped by eviction (for metrics).
     pub evictions_total: u64,
+    /// Keys that stopped existing, for the engine (off unless configured).
+    losses: losses::LossJournal,
 }
 
 impl Master {
     /// An empty master.
     pub fn new(policy: MasterPolicy) -> Self {
         Master {
-            policy,
             tenants: HashMap::new(),
             segments: Segments::default(),
             clients: HashMap::new(),
@@ -321,6 +325,8 @@ impl Master {
             next_token: 0,
             tick: 0,
             evictions_total: 0,
+            losses: losses::LossJournal::new(policy.loss_journal_keys),
+            policy,
         }
     }
 
@@ -337,21 +343,34 @@ impl Master {
         self.tenants.get_mut(t).and_then(|m| m.get_mut(key))
     }
 
+    /// Takes an object out of the store: the one place an object stops existing, apart from
+    /// the bulk drops of dead replicas (`drop_allocs`, `drop_node_memory_state`), which
+    /// record their losses themselves. A complete object's key goes to the loss journal.
     fn take_obj(&mut self, t: &Tenant, key: &str) -> Option<Object> {
         let m = self.tenants.get_mut(t)?;
         let o = m.remove(key);
         if m.is_empty() {
             self.tenants.remove(t);
         }
+        if o.as_ref().is_some_and(|o| o.is_complete()) {
+            self.losses.record(t, key);
+        }
         o
+    }
+
+    /// Keys that stopped existing since the last call (empty when the journal is off).
+    pub fn drain_losses(&mut self) -> Losses {
+        self.losses.drain()
     }
 }
 
 mod clients;
+mod losses;
 mod nodes;
 mod objects;
 mod placement;
 mod replicas;
 mod settle;
 
+pub use losses::Losses;
 pub use settle::Settle;

@@ -189,18 +189,7 @@ impl L3Store for EmbeddedStore {
     fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()> {
         let t0 = Instant::now();
         let h = self.inner.put_start(tenant, key, data.len() as u64)?;
-        let bytes = self.inner.object_bytes(data);
-        // Bind the result first: the guard of the first lock must be gone before the revoke
-        // locks again (parking_lot's mutex is not reentrant; holding it here deadlocked the
-        // store when a forced remove raced this put).
-        let written = self.inner.master.lock().put_write(&h, bytes);
-        if let Err(e) = written {
-            // The revoke fails only if the pending object is already gone (a forced remove
-            // took it): nothing is left to release then.
-            let _ = self.inner.master.lock().put_revoke(&h);
-            return Err(e);
-        }
-        let r = self.inner.put_end(&h, opts);
+        let r = self.inner.put_finish(&h, data, opts);
         self.inner.metrics.observe(Op::Put, t0.elapsed());
         r
     }
@@ -229,11 +218,24 @@ impl L3Store for EmbeddedStore {
                 "keys and buffers differ in length".into(),
             ));
         }
-        Ok(keys
+        // The whole batch is allocated before any of it is written, as Mooncake's
+        // BatchPutStart does: pending objects are never eviction victims, so a batch cannot
+        // evict its own keys (before, a batch larger than the free space evicted its first
+        // keys to store its last and still answered Ok for them). Keys that do not fit fail
+        // with -200.
+        let t0 = Instant::now();
+        let handles: Vec<L3Result<PutHandle>> = keys
             .iter()
             .zip(bufs)
-            .map(|(k, b)| self.put(tenant, k, b, opts))
-            .collect())
+            .map(|(k, b)| self.inner.put_start(tenant, k, b.len() as u64))
+            .collect();
+        let out = handles
+            .into_iter()
+            .zip(bufs)
+            .map(|(h, b)| self.inner.put_finish(&h?, b, opts))
+            .collect();
+        self.inner.metrics.observe(Op::Put, t0.elapsed());
+        Ok(out)
     }
 
     fn batch_get_into(

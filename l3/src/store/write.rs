@@ -45,6 +45,22 @@ impl Inner {
         r
     }
 
+    /// Writes and ends a started put; a failed write revokes it.
+    pub(super) fn put_finish(&self, h: &PutHandle, data: &[u8], opts: PutOptions) -> L3Result<()> {
+        let bytes = self.object_bytes(data);
+        // Bind the result first: the guard of the first lock must be gone before the revoke
+        // locks again (parking_lot's mutex is not reentrant; holding it here deadlocked the
+        // store when a forced remove raced this put).
+        let written = self.master.lock().put_write(h, bytes);
+        if let Err(e) = written {
+            // The revoke fails only if the pending object is already gone (a forced remove
+            // took it): nothing is left to release then.
+            let _ = self.master.lock().put_revoke(h);
+            return Err(e);
+        }
+        self.put_end(h, opts)
+    }
+
     pub(super) fn put_end(&self, h: &PutHandle, opts: PutOptions) -> L3Result<()> {
         let now = self.clock.now_ms();
         let write_through = self

@@ -102,15 +102,36 @@ impl Simulation {
             && self.backups_done.is_multiple_of(lose)
             && let Some(k) = keys.first()
         {
-            // An L3 object disappears (evicted elsewhere, node lost); the store's report reaches
-            // every instance, as an engine subscribed to its evictions would pass it on.
-            if store.remove(&self.tenant, k, true).is_ok() {
-                for i in &mut self.insts {
-                    i.sched.l3_lost(std::slice::from_ref(k));
-                }
+            // An L3 object disappears (evicted elsewhere, node lost); the loss journal
+            // reports it with the rest.
+            store.remove(&self.tenant, k, true).ok();
+        }
+        self.report_l3_losses();
+        ok
+    }
+
+    /// Passes the store's loss journal to every instance, as an engine embedding the store
+    /// does: objects evicted to make room (by this backup or any other), removed, or lost
+    /// with their SSD bucket stop counting as "in L3" before any scheduler trusts the mark
+    /// to drop a host copy.
+    pub(super) fn report_l3_losses(&mut self) {
+        let Some(store) = &self.store else {
+            return;
+        };
+        let lost = store.drain_losses();
+        let keys: Vec<&str> = lost
+            .keys
+            .iter()
+            .filter(|(t, _)| *t == self.tenant)
+            .map(|(_, k)| k.as_str())
+            .collect();
+        for i in &mut self.insts {
+            if lost.overflowed {
+                i.sched.l3_lost_all();
+            } else if !keys.is_empty() {
+                i.sched.l3_lost(&keys);
             }
         }
-        ok
     }
 
     pub(super) fn complete_op(&mut self, inst: usize, op: PlannedOp) -> Result<(), String> {
