@@ -215,8 +215,15 @@ impl Scheduler {
             match self.try_admit(id, budget, batch, rows) {
                 Admit::Admitted | Admit::Deferred => {}
                 Admit::Blocked => {
-                    self.unpin_device_prefetches_behind(id);
-                    break;
+                    // The pins behind the head give way for it; if any did, the head gets
+                    // its chance in this pass. Waiting for the next pass instead stalled an
+                    // engine that plans again only on events: the plan came out empty with
+                    // nothing in flight, and nothing woke it.
+                    if !self.unpin_device_prefetches_behind(id)
+                        || matches!(self.try_admit(id, budget, batch, rows), Admit::Blocked)
+                    {
+                        break;
+                    }
                 }
             }
         }

@@ -22,9 +22,10 @@ impl Scheduler {
     /// Without a host tier prefetches land on device and their pins hold device pages; when
     /// the head of the queue does not fit, the pins of the requests behind it give way (they
     /// may lose their prefetched pages and recompute) so that pins cannot deadlock admission.
-    pub(crate) fn unpin_device_prefetches_behind(&mut self, head: RequestId) {
+    /// Returns whether any pin was released.
+    pub(crate) fn unpin_device_prefetches_behind(&mut self, head: RequestId) -> bool {
         if self.cfg.host_enabled || !self.cfg.l3_enabled {
-            return;
+            return false;
         }
         let behind: Vec<RequestId> = self
             .waiting
@@ -32,9 +33,11 @@ impl Scheduler {
             .copied()
             .filter(|w| *w != head)
             .collect();
+        let mut released = false;
         for w in behind {
-            self.unpin_prefetch(w);
+            released |= self.unpin_prefetch(w);
         }
+        released
     }
 
     /// Issues a prefetch of prompt pages `local .. end`, where `local` is the match *now*: the
@@ -156,9 +159,13 @@ impl Scheduler {
     }
 
     /// Gives back the pin on the request's prefetched pages (admitted, or ended).
-    pub(crate) fn unpin_prefetch(&mut self, id: RequestId) {
-        if let Some(pin) = self.reqs.get_mut(&id).and_then(|r| r.prefetch_pin.take()) {
-            pin.release(&mut self.cache, &mut self.stats);
+    pub(crate) fn unpin_prefetch(&mut self, id: RequestId) -> bool {
+        match self.reqs.get_mut(&id).and_then(|r| r.prefetch_pin.take()) {
+            Some(pin) => {
+                pin.release(&mut self.cache, &mut self.stats);
+                true
+            }
+            None => false,
         }
     }
 

@@ -242,3 +242,31 @@ fn write_back_with_failing_backups_and_a_small_l3_loses_no_page() {
     };
     assert_correct(&c, &spec);
 }
+
+/// Found by the proptest: device only (no host) with L3, mixed prefill/decode, every
+/// prefetch failing, every second backup failing and every backup losing an L3 object.
+#[test]
+fn failing_prefetches_and_lost_l3_objects_do_not_stall() {
+    let mut c = base_config(
+        49,
+        0,
+        128,
+        Faults {
+            fail_prefetch_every: 1,
+            fail_backup_every: 2,
+            lose_l3_every: 1,
+        },
+    );
+    c.scheduler.mixed_prefill_decode = true;
+    let spec = ChatSpec {
+        clients: 8,
+        rounds: 4,
+        system_prompt_tokens: 110,
+        turn_tokens: 86,
+        answer_tokens: 52,
+        think_ms: 302,
+        client_interarrival_ms: 50,
+        seed: 15069893878901060071,
+    };
+    assert_correct(&c, &spec);
+}
