@@ -381,6 +381,12 @@ impl PyScheduler {
         self.inner.l3_lost(&keys)
     }
 
+    /// The store's loss report was incomplete (``L3Store.drain_losses`` said it overflowed):
+    /// every L3 mark is cleared. Returns the number of tree nodes cleared.
+    fn l3_lost_all(&mut self) -> usize {
+        self.inner.l3_lost_all()
+    }
+
     /// Number of live requests.
     fn live_requests(&self) -> usize {
         self.inner.live_requests()

@@ -1,5 +1,7 @@
 """L3 residency is a hint: a loss the store reports (``Scheduler.l3_lost``) makes the scheduler
-back the page up again; the one key parser (``kvtier.parse_l3_key``)."""
+back the page up again; an embedded store's loss journal (``L3Store.drain_losses``) reports
+what it evicted or removed, and the reference engine passes it on; the one key parser
+(``kvtier.parse_l3_key``)."""
 
 import pytest
 
@@ -30,6 +32,51 @@ def _run(report: bool) -> bool:
 def test_a_reported_loss_is_backed_up_again():
     assert _run(report=True)
     assert not _run(report=False)  # the stale flag keeps it out of L3: the test can fail
+
+
+def _run_journaled(journal: int) -> bool:
+    store = kvtier.L3Store.embedded(1 << 22, loss_journal_keys=journal)
+    s = kvtier.Scheduler(small_config(l3_enabled=True))
+    e = Engine(s, KvtierL3Backend(store))
+    p = prompt(5, 41)
+    e.submit(1, p, 2)
+    e.run_to_idle()
+    keys = s.l3_keys(p)
+    store.remove(keys[3], True)  # the store drops it; nobody calls l3_lost by hand
+    e.submit(2, p, 2)
+    e.run_to_idle()
+    s.check()
+    return store.is_exist(keys[3])
+
+
+def test_the_engine_passes_the_stores_losses_on():
+    assert _run_journaled(1024)
+    assert not _run_journaled(0)  # no journal, no report: the stale mark stays
+
+
+def test_drain_losses_reports_evictions_per_tenant():
+    obj = 1024
+    a = kvtier.L3Store.embedded(4 * obj, loss_journal_keys=64, tenant="a")
+    b = a.with_tenant("b")
+    assert a.drain_losses() == ([], False)
+    keys = [f"k{i}" for i in range(8)]
+    for k in keys:
+        a.put(k, b"x" * obj)
+    lost, overflowed = a.drain_losses()
+    assert not overflowed and lost
+    assert sorted(lost) == sorted(k for k in keys if not a.is_exist(k))
+    b.put("kb", b"y" * obj)
+    b.remove("kb", True)
+    lost, _ = a.drain_losses()  # b's put may evict one of a's keys: a hears of it
+    assert "kb" not in lost and all(not a.is_exist(k) for k in lost), "b's loss is b's to drain"
+    assert b.drain_losses() == (["kb"], False)
+    off = kvtier.L3Store.embedded(4 * obj)
+    for k in keys:
+        off.put(k, b"x" * obj)
+    assert off.drain_losses() == ([], False)
+    with kvtier.L3Server(1 << 20) as srv:
+        with pytest.raises(RuntimeError):
+            kvtier.L3Store.connect(srv.addr).drain_losses()
 
 
 def test_parse_l3_key():

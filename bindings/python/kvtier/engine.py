@@ -131,6 +131,11 @@ class L3Backend:
         """Stores pool pages under keys; per key 0 or a negative code."""
         raise NotImplementedError
 
+    def losses(self) -> Tuple[List[str], bool]:
+        """Keys the store lost since the last call, and whether some went unreported. A
+        store that reports none answers ``([], False)``: the scheduler's L3 marks are hints."""
+        return [], False
+
 
 class KvtierL3Backend(L3Backend):
     """kvtier's own store (embedded or remote): lease-free probes; a read leases its keys with
@@ -158,6 +163,10 @@ class KvtierL3Backend(L3Backend):
 
     def put(self, keys, pool, page_ids):
         return self.store.batch_put_pages(keys, pool, page_ids, pool.shape[1] * pool.itemsize)
+
+    def losses(self) -> Tuple[List[str], bool]:
+        # An embedded store made with ``loss_journal_keys`` reports what it evicted.
+        return self.store.drain_losses() if self.store.is_embedded else ([], False)
 
 
 class MooncakeL3Backend(L3Backend):
@@ -479,7 +488,9 @@ class Engine:
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self, now_ms: int) -> ExecutionPlan:
-        """One engine step: plan, ops (every one acknowledged at once), forward."""
+        """One engine step: losses reported, plan, ops (every one acknowledged at once),
+        forward."""
+        self.report_losses()
         plan = self.s.next_execution_plan(now_ms)
         for r, outcome in plan.ended:
             self.tables.pop(r, None)
@@ -494,6 +505,17 @@ class Engine:
             self.run_forward(plan)
         self.stats.steps += 1
         return plan
+
+    def report_losses(self) -> None:
+        """Passes what the L3 store lost to the scheduler, so that a write-back never drops a
+        host page on the strength of a stale "in L3" mark."""
+        if self.backend is None:
+            return
+        keys, overflowed = self.backend.losses()
+        if overflowed:
+            self.s.l3_lost_all()
+        elif keys:
+            self.s.l3_lost(keys)
 
     def run_to_idle(self, max_steps: int = 100_000, start_ms: int = 0, ms_per_step: int = 1) -> int:
         """Steps until every request ended and every op was answered; returns steps taken."""

@@ -134,7 +134,7 @@ impl PyL3Store {
     #[staticmethod]
     #[pyo3(signature = (segment_bytes = 1 << 30, *, lease_ttl_ms = 10_000, max_object_bytes = 1 << 30,
                         max_batch_keys = 65_536, ssd_dir = None, ssd_capacity_bytes = None,
-                        tenant = "default", name = ""))]
+                        tenant = "default", name = "", loss_journal_keys = 0))]
     #[allow(clippy::too_many_arguments)]
     fn embedded(
         py: Python<'_>,
@@ -146,9 +146,10 @@ impl PyL3Store {
         ssd_capacity_bytes: Option<u64>,
         tenant: &str,
         name: &str,
+        loss_journal_keys: usize,
     ) -> PyResult<Self> {
         let t = super::tenant(tenant)?;
-        let cfg = store_config(
+        let mut cfg = store_config(
             segment_bytes,
             lease_ttl_ms,
             max_object_bytes,
@@ -156,6 +157,7 @@ impl PyL3Store {
             ssd_dir,
             ssd_capacity_bytes,
         );
+        cfg.loss_journal_keys = loss_journal_keys;
         let name = name.to_string();
         let s = py
             .detach(move || shared_embedded(&name, cfg))
@@ -224,6 +226,24 @@ impl PyL3Store {
     /// deadlines are on the server's clock.
     fn now_ms(&self) -> Option<u64> {
         self.embedded.as_ref().map(|s| s.clock().now_ms())
+    }
+
+    /// Keys of this handle's tenant that stopped existing since the last call (evicted with
+    /// no copy left, removed, lost with an SSD bucket) and whether some were not kept, as
+    /// ``(keys, overflowed)``. Needs ``loss_journal_keys`` when the embedded store is made
+    /// (else always ``([], False)``); an engine passes the keys to ``Scheduler.l3_lost``
+    /// (``l3_lost_all`` when overflowed). A remote store raises RuntimeError: its journal
+    /// is the server's.
+    fn drain_losses(&self) -> PyResult<(Vec<String>, bool)> {
+        match &self.embedded {
+            Some(s) => {
+                let l = s.drain_losses_of(&self.tenant);
+                Ok((l.keys.into_iter().map(|(_, k)| k).collect(), l.overflowed))
+            }
+            None => Err(PyRuntimeError::new_err(
+                "only an embedded store keeps a loss journal here",
+            )),
+        }
     }
 
     /// Moves an embedded store's clock forward (tests: expire leases without sleeping).

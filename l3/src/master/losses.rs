@@ -9,10 +9,11 @@
 //! removes included — is recorded once, and the engine drains the journal and clears its
 //! marks (`Scheduler::l3_lost`) before it trusts them again.
 //!
-//! Bounded: past `capacity` entries the oldest are dropped and `overflowed` is set, which
-//! tells the reader that some losses are unknown (it must treat every mark as stale).
+//! Bounded: past `capacity` entries the oldest are dropped and `overflowed` is set for the
+//! dropped entry's tenant, which tells that tenant's reader that some losses are unknown (it
+//! must treat every mark as stale). Each tenant's reader drains its own entries only.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use crate::types::Tenant;
 
@@ -31,7 +32,8 @@ pub struct Losses {
 pub(super) struct LossJournal {
     capacity: usize,
     keys: VecDeque<(Tenant, String)>,
-    overflowed: bool,
+    /// Tenants an entry was dropped for since their last drain.
+    overflowed: HashSet<Tenant>,
 }
 
 impl LossJournal {
@@ -39,7 +41,7 @@ impl LossJournal {
         LossJournal {
             capacity,
             keys: VecDeque::new(),
-            overflowed: false,
+            overflowed: HashSet::new(),
         }
     }
 
@@ -48,17 +50,28 @@ impl LossJournal {
         if self.capacity == 0 {
             return;
         }
-        if self.keys.len() == self.capacity {
-            self.keys.pop_front();
-            self.overflowed = true;
+        if self.keys.len() == self.capacity
+            && let Some((dropped, _)) = self.keys.pop_front()
+        {
+            self.overflowed.insert(dropped);
         }
         self.keys.push_back((t.clone(), key.to_string()));
     }
 
-    pub(super) fn drain(&mut self) -> Losses {
+    /// The entries of tenant `only` (of every tenant with `None`), taken out of the journal.
+    pub(super) fn drain(&mut self, only: Option<&Tenant>) -> Losses {
+        let Some(t) = only else {
+            return Losses {
+                keys: self.keys.drain(..).collect(),
+                overflowed: !std::mem::take(&mut self.overflowed).is_empty(),
+            };
+        };
+        let (mine, rest): (VecDeque<_>, VecDeque<_>) =
+            self.keys.drain(..).partition(|(k, _)| k == t);
+        self.keys = rest;
         Losses {
-            keys: self.keys.drain(..).collect(),
-            overflowed: std::mem::take(&mut self.overflowed),
+            keys: mine.into(),
+            overflowed: self.overflowed.remove(t),
         }
     }
 }
@@ -71,11 +84,30 @@ mod tests {
         Tenant::new("t").expect("valid tenant")
     }
 
+    fn u() -> Tenant {
+        Tenant::new("u").expect("valid tenant")
+    }
+
+    #[test]
+    fn a_tenant_drains_its_own_entries_and_overflows() {
+        let mut j = LossJournal::new(2);
+        j.record(&t(), "a");
+        j.record(&u(), "b");
+        j.record(&u(), "c");
+        let l = j.drain(Some(&t()));
+        assert!(l.overflowed, "t's entry was dropped");
+        assert!(l.keys.is_empty());
+        let l = j.drain(Some(&u()));
+        assert!(!l.overflowed);
+        assert_eq!(l.keys, vec![(u(), "b".to_string()), (u(), "c".to_string())]);
+        assert_eq!(j.drain(None), Losses::default());
+    }
+
     #[test]
     fn off_records_nothing() {
         let mut j = LossJournal::new(0);
         j.record(&t(), "a");
-        assert_eq!(j.drain(), Losses::default());
+        assert_eq!(j.drain(None), Losses::default());
     }
 
     #[test]
@@ -84,14 +116,14 @@ mod tests {
         for k in ["a", "b", "c"] {
             j.record(&t(), k);
         }
-        let l = j.drain();
+        let l = j.drain(None);
         assert!(l.overflowed);
         assert_eq!(
             l.keys.iter().map(|(_, k)| k.as_str()).collect::<Vec<_>>(),
             ["b", "c"]
         );
         j.record(&t(), "d");
-        let l = j.drain();
+        let l = j.drain(None);
         assert!(
             !l.overflowed,
             "the overflow is reported by the drain that lost entries"

@@ -358,9 +358,10 @@ impl Master {
         o
     }
 
-    /// Keys that stopped existing since the last call (empty when the journal is off).
-    pub fn drain_losses(&mut self) -> Losses {
-        self.losses.drain()
+    /// Keys that stopped existing since the last call, of tenant `only` or of all
+    /// (empty when the journal is off).
+    pub fn drain_losses(&mut self, only: Option<&Tenant>) -> Losses {
+        self.losses.drain(only)
     }
 }
 

@@ -175,7 +175,13 @@ impl EmbeddedStore {
     /// set (empty otherwise). An engine passes them to `Scheduler::l3_lost`; `overflowed`
     /// means some were not kept and every "in L3" mark is to be taken as stale.
     pub fn drain_losses(&self) -> crate::master::Losses {
-        self.inner.master.lock().drain_losses()
+        self.inner.master.lock().drain_losses(None)
+    }
+
+    /// [`Self::drain_losses`] for one tenant: its entries only (others stay for their own
+    /// readers), `overflowed` if one of its entries was dropped.
+    pub fn drain_losses_of(&self, tenant: &Tenant) -> crate::master::Losses {
+        self.inner.master.lock().drain_losses(Some(tenant))
     }
 
     /// Whether the key is leased now.

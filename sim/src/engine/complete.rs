@@ -118,13 +118,8 @@ impl Simulation {
         let Some(store) = &self.store else {
             return;
         };
-        let lost = store.drain_losses();
-        let keys: Vec<&str> = lost
-            .keys
-            .iter()
-            .filter(|(t, _)| *t == self.tenant)
-            .map(|(_, k)| k.as_str())
-            .collect();
+        let lost = store.drain_losses_of(&self.tenant);
+        let keys: Vec<&str> = lost.keys.iter().map(|(_, k)| k.as_str()).collect();
         for i in &mut self.insts {
             if lost.overflowed {
                 i.sched.l3_lost_all();
