@@ -126,6 +126,15 @@ l3_errors! {
     L3InternalError = ErrorCode::InternalError, "-1: an internal error of the store.";
 }
 
+// -1011 is a kind of "unavailable": `except UnavailableError` still catches it, and its own
+// `code` says which (before, it was raised as UnavailableError with code -1010).
+pyo3::create_exception!(
+    kvtier,
+    UnavailableInModeError,
+    UnavailableError,
+    "-1011: this deployment mode (or store configuration) cannot do the call."
+);
+
 /// Registers every exception class on the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -137,6 +146,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("L3Error", l3)?;
     add_sched_errors(m)?;
     add_l3_errors(m)?;
+    let t = py.get_type::<UnavailableInModeError>();
+    t.setattr("code", ErrorCode::UnavailableInCurrentMode.as_i32())?;
+    m.add("UnavailableInModeError", t)?;
     Ok(())
 }
 
@@ -193,6 +205,6 @@ pub fn l3_err(e: L3Error) -> PyErr {
         L3Error::RpcFail(_) => RpcFailError::new_err(msg),
         L3Error::Unavailable(_) => UnavailableError::new_err(msg),
         L3Error::Internal(_) => L3InternalError::new_err(msg),
-        L3Error::UnavailableInMode(_) => UnavailableError::new_err(msg),
+        L3Error::UnavailableInMode(_) => UnavailableInModeError::new_err(msg),
     }
 }

@@ -34,8 +34,8 @@ def test_a_reported_loss_is_backed_up_again():
     assert not _run(report=False)  # the stale flag keeps it out of L3: the test can fail
 
 
-def _run_journaled(journal: int) -> bool:
-    store = kvtier.L3Store.embedded(1 << 22, loss_journal_keys=journal)
+def _run_journaled(journal: int, store=None) -> bool:
+    store = store or kvtier.L3Store.embedded(1 << 22, loss_journal_keys=journal)
     s = kvtier.Scheduler(small_config(l3_enabled=True))
     e = Engine(s, KvtierL3Backend(store))
     p = prompt(5, 41)
@@ -52,31 +52,49 @@ def _run_journaled(journal: int) -> bool:
 def test_the_engine_passes_the_stores_losses_on():
     assert _run_journaled(1024)
     assert not _run_journaled(0)  # no journal, no report: the stale mark stays
+    with kvtier.L3Server(1 << 22) as srv:  # over the wire
+        assert _run_journaled(0, kvtier.L3Store.connect(srv.addr))
+    with kvtier.L3Server(1 << 22, loss_journal_keys=0) as srv:
+        assert not _run_journaled(0, kvtier.L3Store.connect(srv.addr))
 
 
-def test_drain_losses_reports_evictions_per_tenant():
+def _evict_and_check(a):
+    """Puts eight objects into a store of four: what the handle reports lost is exactly what
+    is gone."""
     obj = 1024
-    a = kvtier.L3Store.embedded(4 * obj, loss_journal_keys=64, tenant="a")
-    b = a.with_tenant("b")
-    assert a.drain_losses() == ([], False)
     keys = [f"k{i}" for i in range(8)]
     for k in keys:
         a.put(k, b"x" * obj)
     lost, overflowed = a.drain_losses()
     assert not overflowed and lost
     assert sorted(lost) == sorted(k for k in keys if not a.is_exist(k))
+    return lost
+
+
+def test_drain_losses_reports_evictions_per_handle_and_tenant():
+    obj = 1024
+    a = kvtier.L3Store.embedded(4 * obj, loss_journal_keys=64, tenant="a", name="losses-shared")
+    a2 = kvtier.L3Store.embedded(tenant="a", name="losses-shared")  # another engine, same tenant
+    b = a.with_tenant("b")
+    assert a.drain_losses() == ([], False)
+    lost = _evict_and_check(a)
+    assert sorted(a2.drain_losses()[0]) == sorted(lost), "a's reads took nothing from a2"
     b.put("kb", b"y" * obj)
     b.remove("kb", True)
     lost, _ = a.drain_losses()  # b's put may evict one of a's keys: a hears of it
-    assert "kb" not in lost and all(not a.is_exist(k) for k in lost), "b's loss is b's to drain"
+    assert "kb" not in lost and all(not a.is_exist(k) for k in lost), "b's loss is b's"
     assert b.drain_losses() == (["kb"], False)
-    off = kvtier.L3Store.embedded(4 * obj)
-    for k in keys:
-        off.put(k, b"x" * obj)
-    assert off.drain_losses() == ([], False)
-    with kvtier.L3Server(1 << 20) as srv:
-        with pytest.raises(RuntimeError):
-            kvtier.L3Store.connect(srv.addr).drain_losses()
+
+
+def test_drain_losses_over_the_wire_and_without_a_journal():
+    with kvtier.L3Server(4 * 1024) as srv:  # servers keep a journal (65,536 keys by default)
+        _evict_and_check(kvtier.L3Store.connect(srv.addr))
+    off = kvtier.L3Store.embedded(4 * 1024)
+    with pytest.raises(kvtier.UnavailableInModeError) as e:
+        off.drain_losses()
+    assert e.value.code == -1011 and isinstance(e.value, kvtier.UnavailableError)
+    assert kvtier.UnavailableError.code == -1010
+    assert KvtierL3Backend(off).losses() == ([], False)  # the engine then runs without reports
 
 
 def test_parse_l3_key():

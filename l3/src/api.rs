@@ -13,6 +13,7 @@
 //! batch_get_into, is_exist, batch_is_exist, get_size.
 
 use crate::error::{L3Error, L3Result};
+use crate::master::{LossCursor, Losses};
 use crate::types::{
     ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult, ReplicateConfig,
     SegmentId, StoreStats, Tenant,
@@ -211,4 +212,12 @@ pub trait L3Store: Send + Sync {
     fn flush(&self) -> L3Result<()>;
     /// Summary numbers.
     fn stats(&self) -> L3Result<StoreStats>;
+
+    // ---- kvtier additions -----------------------------------------------------------------
+
+    /// The loss journal (`StoreConfig::loss_journal_keys`): tenant's keys that stopped
+    /// existing from `cursor` on, and the cursor to read from next; `None` subscribes at
+    /// the journal's end. Each reader keeps its own cursor, so readers never take entries
+    /// from each other. -1011 when the store keeps no journal. See [`Losses`].
+    fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses>;
 }

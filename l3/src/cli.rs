@@ -103,6 +103,10 @@ struct Args {
     /// Most keys per batch.
     #[arg(long, default_value_t = 65_536)]
     max_batch_keys: usize,
+    /// Keys the loss journal keeps for engines reading what the store evicted or removed
+    /// (`L3Store::losses_since`); 0 turns it off.
+    #[arg(long, default_value_t = 65_536)]
+    loss_journal_keys: usize,
     /// Largest object in bytes.
     #[arg(long, default_value_t = 32 << 20)]
     max_object_bytes: u64,
@@ -180,6 +184,7 @@ fn run(args: Args) -> Result<(), String> {
         client_ttl: Duration::from_millis(args.client_ttl_ms),
         max_batch_keys: args.max_batch_keys,
         max_object_bytes: args.max_object_bytes,
+        loss_journal_keys: args.loss_journal_keys,
         ssd,
         ..Default::default()
     };

@@ -111,8 +111,8 @@ pub struct StoreConfig {
     /// Promotion settings (used only with an SSD tier).
     pub promotion: PromotionConfig,
     /// Keep a journal of up to this many keys that stopped existing (evicted, removed, lost
-    /// with a node) for [`crate::EmbeddedStore::drain_losses`]; 0 = no journal. An engine
-    /// that marks pages as "in L3" turns it on and reports the losses to its scheduler.
+    /// with a node) for [`crate::L3Store::losses_since`]; 0 = no journal. An engine that
+    /// marks pages as "in L3" reads it and reports the losses to its scheduler.
     pub loss_journal_keys: usize,
 }
 

@@ -34,7 +34,7 @@ pub use clock::Clock;
 pub use cluster::{ClusterMaster, NodeOptions, StoreNode};
 pub use config::{OffloadMode, PromotionConfig, SsdConfig, StoreConfig};
 pub use error::{ErrorCode, L3Error, L3Result};
-pub use master::Losses;
+pub use master::{LossCursor, Losses};
 pub use pattern::KeyPattern;
 pub use rpc::client::{ClientOptions, RemoteStore};
 pub use rpc::server::{

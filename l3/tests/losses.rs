@@ -1,13 +1,19 @@
-//! The loss journal (`StoreConfig::loss_journal_keys`, `EmbeddedStore::drain_losses`): an
-//! engine that believes "this key is stored" after a successful put, and forgets the belief
-//! for every key the journal reports, never believes in a key the store no longer has —
-//! whatever evicted or removed it (DRAM eviction, SSD bucket eviction, removes). And a batch
-//! put never evicts keys of its own batch (Mooncake allocates a whole batch before writing
-//! it): a key the batch reports stored is there when the call returns.
+//! The loss journal (`StoreConfig::loss_journal_keys`, `L3Store::losses_since`): an engine
+//! that believes "this key is stored" after a successful put, and forgets the belief for
+//! every key the journal reports, never believes in a key the store no longer has — whatever
+//! evicted or removed it (DRAM eviction, SSD bucket eviction, removes). Readers keep their
+//! own cursors (none takes entries from another), over the wire too. And a batch put never
+//! evicts keys of its own batch (Mooncake allocates a whole batch before writing it): a key
+//! the batch reports stored is there when the call returns.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
-use kvtier_l3::{EmbeddedStore, L3Store, OffloadMode, PutOptions, SsdConfig, StoreConfig, Tenant};
+use kvtier_l3::rpc::server::ServerOptions;
+use kvtier_l3::{
+    ClientOptions, EmbeddedStore, ErrorCode, L3Store, LossCursor, Losses, OffloadMode, PutOptions,
+    RemoteStore, SsdConfig, StoreConfig, Tenant, spawn_server,
+};
 use proptest::prelude::*;
 
 const OBJ: usize = 1024;
@@ -46,8 +52,25 @@ fn batch_put(s: &EmbeddedStore, ks: &[String]) -> Vec<bool> {
     }
 }
 
-fn exists(s: &EmbeddedStore, k: &str) -> bool {
+fn exists(s: &dyn L3Store, k: &str) -> bool {
     s.is_exist(&tenant(), k).unwrap_or(false)
+}
+
+/// One engine's view of the journal: its own cursor.
+struct Reader(Option<LossCursor>);
+
+impl Reader {
+    fn subscribe(s: &dyn L3Store) -> Reader {
+        Reader(Some(
+            s.losses_since(&tenant(), None).expect("journal on").next,
+        ))
+    }
+
+    fn read(&mut self, s: &dyn L3Store) -> Losses {
+        let l = s.losses_since(&tenant(), self.0).expect("journal on");
+        self.0 = Some(l.next);
+        l
+    }
 }
 
 #[test]
@@ -70,44 +93,109 @@ fn a_batch_put_never_evicts_its_own_keys() {
     assert!(ok.iter().any(|o| !o), "22 objects cannot all fit in 16");
 }
 
-#[test]
-fn evictions_and_removes_are_journaled_once() {
-    let s = store(16, 1024, None);
+/// Evictions and removes are journaled; two readers each see every entry once.
+fn journal_scenario(s: &dyn L3Store) {
     let t = tenant();
+    let (mut r1, mut r2) = (Reader::subscribe(s), Reader::subscribe(s));
+    let data = vec![7u8; OBJ];
     let first = keys(0..12);
-    assert!(batch_put(&s, &first).iter().all(|o| *o));
-    assert_eq!(s.drain_losses().keys, vec![]);
+    for k in &first {
+        s.put(&t, k, &data, PutOptions::default()).expect("put");
+    }
+    assert_eq!(r1.read(s).keys, Vec::<String>::new());
     // Twelve more do not fit beside the first twelve: some of the first are evicted.
     let second = keys(12..24);
-    assert!(batch_put(&s, &second).iter().all(|o| *o));
-    let lost = s.drain_losses();
+    for k in &second {
+        s.put(&t, k, &data, PutOptions::default()).expect("put");
+    }
+    let lost = r1.read(s);
     assert!(!lost.overflowed);
-    let lost: HashSet<String> = lost.keys.into_iter().map(|(_, k)| k).collect();
+    let lost: HashSet<String> = lost.keys.into_iter().collect();
     assert!(!lost.is_empty());
     for k in first.iter().chain(&second) {
-        assert_eq!(lost.contains(k), !exists(&s, k), "{k}");
+        assert_eq!(lost.contains(k), !exists(s, k), "{k}");
     }
-    let kept = second.iter().find(|k| exists(&s, k)).expect("a kept key");
+    let kept = second.iter().find(|k| exists(s, k)).expect("a kept key");
     s.remove(&t, kept, false).expect("remove");
-    let lost = s.drain_losses();
-    assert_eq!(lost.keys, vec![(t.clone(), kept.clone())]);
+    assert_eq!(r1.read(s).keys, vec![kept.clone()]);
     let n = s.remove_all(&t, false).expect("remove_all");
-    assert_eq!(s.drain_losses().keys.len() as u64, n);
-    assert_eq!(s.drain_losses(), Default::default());
+    assert_eq!(r1.read(s).keys.len() as u64, n);
+    assert_eq!(r1.read(s).keys, Vec::<String>::new());
+    // The second reader took nothing from the first, nor the first from it.
+    let all: HashSet<String> = r2.read(s).keys.into_iter().collect();
+    assert_eq!(all.len(), lost.len() + 1 + n as usize);
+    // Another tenant's reader sees none of it.
+    let other = Tenant::new("other").expect("tenant");
+    let c = s.losses_since(&other, None).expect("journal").next;
+    s.put(&t, "late", &data, PutOptions::default())
+        .expect("put");
+    s.remove(&t, "late", true).expect("remove");
+    assert!(
+        s.losses_since(&other, Some(c))
+            .expect("journal")
+            .keys
+            .is_empty()
+    );
+}
+
+#[test]
+fn evictions_and_removes_are_journaled_for_every_reader() {
+    journal_scenario(&store(16, 1024, None));
+}
+
+#[test]
+fn the_journal_over_the_wire_and_after_a_restart() {
+    let cfg = |journal| StoreConfig {
+        local_segment_bytes: 16 * OBJ as u64,
+        loss_journal_keys: journal,
+        ..StoreConfig::default()
+    };
+    let h = spawn_server(
+        Arc::new(EmbeddedStore::new(cfg(1024)).expect("store")),
+        ServerOptions::default(),
+    )
+    .expect("server on 127.0.0.1");
+    let c = RemoteStore::connect(h.addr, ClientOptions::default()).expect("connect");
+    journal_scenario(&c);
+    // A cursor of this server's journal, shown to a new store: it is not that journal.
+    let cursor = c.losses_since(&tenant(), None).expect("journal").next;
+    let h2 = spawn_server(
+        Arc::new(EmbeddedStore::new(cfg(1024)).expect("store")),
+        ServerOptions::default(),
+    )
+    .expect("server");
+    let c2 = RemoteStore::connect(h2.addr, ClientOptions::default()).expect("connect");
+    assert!(
+        c2.losses_since(&tenant(), Some(cursor))
+            .expect("journal")
+            .overflowed
+    );
+    let h3 = spawn_server(
+        Arc::new(EmbeddedStore::new(cfg(0)).expect("store")),
+        ServerOptions::default(),
+    )
+    .expect("server");
+    let c3 = RemoteStore::connect(h3.addr, ClientOptions::default()).expect("connect");
+    let e = c3.losses_since(&tenant(), None).expect_err("no journal");
+    assert_eq!(e.code(), ErrorCode::UnavailableInCurrentMode);
 }
 
 #[test]
 fn the_journal_is_off_by_default_and_bounded_when_on() {
     let s = store(4, 0, None);
-    batch_put(&s, &keys(0..8));
-    assert_eq!(s.drain_losses(), Default::default());
+    assert_eq!(
+        s.losses_since(&tenant(), None).expect_err("off").code(),
+        ErrorCode::UnavailableInCurrentMode
+    );
     let s = store(4, 2, None);
+    let mut r = Reader::subscribe(&s);
     for k in keys(0..12) {
         batch_put(&s, &[k]);
     }
-    let l = s.drain_losses();
+    let l = r.read(&s);
     assert!(l.overflowed, "eight losses do not fit in two entries");
     assert_eq!(l.keys.len(), 2);
+    assert!(!r.read(&s).overflowed, "caught up");
 }
 
 #[derive(Debug, Clone)]
@@ -136,6 +224,7 @@ proptest! {
     fn believed_keys_are_stored(ops in prop::collection::vec(op(), 1..60), with_ssd in any::<bool>()) {
         let dir = tempfile::tempdir().expect("tempdir");
         let s = store(10, 1 << 16, with_ssd.then(|| dir.path()));
+        let mut reader = Reader::subscribe(&s);
         let t = tenant();
         let mut believed: HashSet<String> = HashSet::new();
         for op in ops {
@@ -160,9 +249,9 @@ proptest! {
                 }
             }
             s.flush().expect("flush");
-            let lost = s.drain_losses();
+            let lost = reader.read(&s);
             prop_assert!(!lost.overflowed);
-            for (_, k) in lost.keys {
+            for k in lost.keys {
                 believed.remove(&k);
             }
             for k in &believed {

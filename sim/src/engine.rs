@@ -123,6 +123,8 @@ pub struct Simulation {
     /// wall time and would make runs irreproducible); the entry is used by the next prefetch
     /// of the key.
     promoting: HashMap<String, u64>,
+    /// Where the simulator reads the store's loss journal from next.
+    loss_cursor: Option<kvtier_l3::LossCursor>,
     tenant: Tenant,
     heap: BinaryHeap<Reverse<(u64, u64, usize)>>,
     pending: Vec<Option<Pending>>,
@@ -212,6 +214,14 @@ impl Simulation {
             None
         };
         let tenant = Tenant::new("sim").map_err(|e| e.to_string())?;
+        let loss_cursor = match &store {
+            Some(s) => Some(
+                s.losses_since(&tenant, None)
+                    .map_err(|e| e.to_string())?
+                    .next,
+            ),
+            None => None,
+        };
         let ps = cfg.scheduler.page_size;
         Ok(Simulation {
             col: Collector::new(ps, cfg.profile.kv_bytes_per_token * ps as u64),
@@ -227,6 +237,7 @@ impl Simulation {
             now_us: 0,
             store_now_ms: 0,
             backups_done: 0,
+            loss_cursor,
             accesses: AccessLog::default(),
             temp_dir,
         })

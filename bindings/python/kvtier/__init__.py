@@ -71,6 +71,7 @@ from ._native import (  # noqa: F401  (re-exports)
     UnableOffloadError,
     UnableOffloadingError,
     UnavailableError,
+    UnavailableInModeError,
     UnknownOpError,
     UnknownRequestError,
     UnknownStepError,

@@ -48,6 +48,7 @@ from . import (
     PrefetchDone,
     Scheduler,
     SchedulerConfig,
+    UnavailableError,
     WriteBackDone,
     page_hashes,
     parse_l3_key,
@@ -146,6 +147,7 @@ class KvtierL3Backend(L3Backend):
     def __init__(self, store: L3Store, lease_ttl_ms: float = 10_000.0) -> None:
         self.store = store
         self.lease_ttl_ms = lease_ttl_ms
+        self.no_journal = False
 
     def probe(self, keys: List[str]) -> int:
         # Lease-free, and SSD-only hits are promoted to DRAM for the prefetch that follows.
@@ -165,8 +167,15 @@ class KvtierL3Backend(L3Backend):
         return self.store.batch_put_pages(keys, pool, page_ids, pool.shape[1] * pool.itemsize)
 
     def losses(self) -> Tuple[List[str], bool]:
-        # An embedded store made with ``loss_journal_keys`` reports what it evicted.
-        return self.store.drain_losses() if self.store.is_embedded else ([], False)
+        # The store's loss journal, read with this handle's cursor; a store without one
+        # (-1011) leaves the scheduler's L3 marks as hints, as before.
+        if self.no_journal:
+            return [], False
+        try:
+            return self.store.drain_losses()
+        except UnavailableError:
+            self.no_journal = True
+            return [], False
 
 
 class MooncakeL3Backend(L3Backend):

@@ -25,7 +25,7 @@ impl PyL3Server {
     #[new]
     #[pyo3(signature = (segment_bytes = 1 << 30, *, addr = "127.0.0.1:0", token = None,
                         lease_ttl_ms = 10_000, max_object_bytes = 1 << 30, max_batch_keys = 65_536,
-                        ssd_dir = None))]
+                        ssd_dir = None, loss_journal_keys = 65_536))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -36,11 +36,12 @@ impl PyL3Server {
         max_object_bytes: u64,
         max_batch_keys: usize,
         ssd_dir: Option<String>,
+        loss_journal_keys: usize,
     ) -> PyResult<Self> {
         let sa: SocketAddr = addr
             .parse()
             .map_err(|e| PyValueError::new_err(format!("bad address {addr:?}: {e}")))?;
-        let cfg = store_config(
+        let mut cfg = store_config(
             segment_bytes,
             lease_ttl_ms,
             max_object_bytes,
@@ -48,6 +49,7 @@ impl PyL3Server {
             ssd_dir,
             None,
         );
+        cfg.loss_journal_keys = loss_journal_keys;
         let h = py
             .detach(move || -> L3Result<ServerHandle> {
                 let store = Arc::new(EmbeddedStore::new(cfg)?);

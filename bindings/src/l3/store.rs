@@ -9,7 +9,10 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use kvtier_l3::{ClientOptions, EmbeddedStore, L3Store, PutOptions, RemoteStore, Tenant};
+use kvtier_l3::{
+    ClientOptions, EmbeddedStore, L3Store, LossCursor, PutOptions, RemoteStore, Tenant,
+};
+use parking_lot::Mutex;
 
 use super::{
     PyQueryResults, buf_list, code_of, exist_code, ms, shared_embedded, sizes_or_codes,
@@ -92,9 +95,28 @@ pub struct PyL3Store {
     embedded: Option<Arc<EmbeddedStore>>,
     pub(crate) tenant: Tenant,
     remote_addr: Option<String>,
+    /// This handle's place in the store's loss journal (None: the store keeps none).
+    loss_cursor: Mutex<Option<LossCursor>>,
 }
 
 impl PyL3Store {
+    /// A handle subscribed to the store's loss journal from now on (if it keeps one).
+    fn new(
+        store: Arc<dyn L3Store>,
+        embedded: Option<Arc<EmbeddedStore>>,
+        tenant: Tenant,
+        remote_addr: Option<String>,
+    ) -> Self {
+        let cursor = store.losses_since(&tenant, None).ok().map(|l| l.next);
+        PyL3Store {
+            store,
+            embedded,
+            tenant,
+            remote_addr,
+            loss_cursor: Mutex::new(cursor),
+        }
+    }
+
     pub fn dyn_store(&self) -> Arc<dyn L3Store> {
         self.store.clone()
     }
@@ -162,12 +184,7 @@ impl PyL3Store {
         let s = py
             .detach(move || shared_embedded(&name, cfg))
             .map_err(l3_err)?;
-        Ok(PyL3Store {
-            store: s.clone(),
-            embedded: Some(s),
-            tenant: t,
-            remote_addr: None,
-        })
+        Ok(PyL3Store::new(s.clone(), Some(s), t, None))
     }
 
     /// A client of a `kvtier-l3` server at `addr` ("host:port").
@@ -192,22 +209,19 @@ impl PyL3Store {
         let s = py
             .detach(move || RemoteStore::connect(sa, opts))
             .map_err(l3_err)?;
-        Ok(PyL3Store {
-            store: Arc::new(s),
-            embedded: None,
-            tenant: t,
-            remote_addr: Some(addr.to_string()),
-        })
+        let addr = Some(addr.to_string());
+        Ok(py.detach(move || PyL3Store::new(Arc::new(s), None, t, addr)))
     }
 
     /// Another handle on the same store for another tenant (keys never meet across tenants).
-    fn with_tenant(&self, tenant: &str) -> PyResult<Self> {
-        Ok(PyL3Store {
-            store: self.store.clone(),
-            embedded: self.embedded.clone(),
-            tenant: super::tenant(tenant)?,
-            remote_addr: self.remote_addr.clone(),
-        })
+    fn with_tenant(&self, py: Python<'_>, tenant: &str) -> PyResult<Self> {
+        let t = super::tenant(tenant)?;
+        let (store, embedded, addr) = (
+            self.store.clone(),
+            self.embedded.clone(),
+            self.remote_addr.clone(),
+        );
+        Ok(py.detach(move || PyL3Store::new(store, embedded, t, addr)))
     }
 
     /// The tenant of this handle.
@@ -228,22 +242,26 @@ impl PyL3Store {
         self.embedded.as_ref().map(|s| s.clock().now_ms())
     }
 
-    /// Keys of this handle's tenant that stopped existing since the last call (evicted with
-    /// no copy left, removed, lost with an SSD bucket) and whether some were not kept, as
-    /// ``(keys, overflowed)``. Needs ``loss_journal_keys`` when the embedded store is made
-    /// (else always ``([], False)``); an engine passes the keys to ``Scheduler.l3_lost``
-    /// (``l3_lost_all`` when overflowed). A remote store raises RuntimeError: its journal
-    /// is the server's.
-    fn drain_losses(&self) -> PyResult<(Vec<String>, bool)> {
-        match &self.embedded {
-            Some(s) => {
-                let l = s.drain_losses_of(&self.tenant);
-                Ok((l.keys.into_iter().map(|(_, k)| k).collect(), l.overflowed))
-            }
-            None => Err(PyRuntimeError::new_err(
-                "only an embedded store keeps a loss journal here",
-            )),
-        }
+    /// Keys of this handle's tenant that stopped existing since the handle was made or last
+    /// asked (evicted with no copy left, removed, lost with an SSD bucket or a node) and
+    /// whether some went unreported, as ``(keys, overflowed)``. Every handle reads the
+    /// store's loss journal with its own cursor: handles never take entries from each other.
+    /// An engine passes the keys to ``Scheduler.l3_lost`` (``l3_lost_all`` when overflowed).
+    /// Raises ``UnavailableError`` (-1011) when the store keeps no journal (an embedded store
+    /// made without ``loss_journal_keys``, a server started with ``--loss-journal-keys 0``).
+    fn drain_losses(&self, py: Python<'_>) -> PyResult<(Vec<String>, bool)> {
+        py.detach(|| {
+            let mut cur = self.loss_cursor.lock();
+            let l = self
+                .store
+                .losses_since(&self.tenant, *cur)
+                .map_err(l3_err)?;
+            // Not subscribed before (the subscription at creation failed): what was lost
+            // since the handle was made is unknown.
+            let overflowed = l.overflowed || cur.is_none();
+            *cur = Some(l.next);
+            Ok((l.keys, overflowed))
+        })
     }
 
     /// Moves an embedded store's clock forward (tests: expire leases without sleeping).

@@ -25,7 +25,7 @@ use crate::api::{BatchResult, L3Store};
 use crate::clock::{Clock, Periodic};
 use crate::config::StoreConfig;
 use crate::error::{L3Error, L3Result};
-use crate::master::{EvictionOutcome, Master, MasterPolicy};
+use crate::master::{EvictionOutcome, LossCursor, Losses, Master, MasterPolicy};
 use crate::metrics::{Metrics, Op};
 use crate::pattern::KeyPattern;
 use crate::rpc::server::Backend;
@@ -488,6 +488,10 @@ impl L3Store for ClusterMaster {
 
     fn stats(&self) -> L3Result<StoreStats> {
         Ok(self.master.lock().stats())
+    }
+
+    fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses> {
+        self.master.lock().losses_since(tenant, cursor)
     }
 }
 

@@ -1,48 +1,76 @@
-//! The loss journal: keys that stopped existing in the store, for an engine that keeps
+//! The loss journal: keys that stopped existing in the store, for engines that keep
 //! "this page is in L3" hints.
 //!
 //! Why: an engine's prefix cache marks a page as stored in L3 when a backup succeeds, and a
 //! write-back policy drops the page's host copy on the strength of that mark. The store
 //! evicts on its own schedule (a later put needs the space, an SSD bucket is evicted, a node
 //! holding the only replica dies), so the mark goes stale and the dropped page is gone from
-//! every tier. With the journal on, every object that disappears — for whatever reason,
-//! removes included — is recorded once, and the engine drains the journal and clears its
-//! marks (`Scheduler::l3_lost`) before it trusts them again.
+//! every tier. With the journal on, every complete object that disappears — for whatever
+//! reason, removes included — is recorded, and each engine reads what it has not seen yet and
+//! clears its marks (`Scheduler::l3_lost`) before it trusts them again.
 //!
-//! Bounded: past `capacity` entries the oldest are dropped and `overflowed` is set for the
-//! dropped entry's tenant, which tells that tenant's reader that some losses are unknown (it
-//! must treat every mark as stale). Each tenant's reader drains its own entries only.
+//! How: a bounded log with sequence numbers, read with a cursor the *reader* keeps
+//! ([`LossCursor`]), so any number of engines (in this process or over RPC) read the same
+//! journal without taking entries from each other. A reader that falls behind by more than
+//! the capacity, or whose cursor names another journal (the store restarted: a new `epoch`),
+//! is told `overflowed`: some losses are unknown and every mark is to be taken as stale.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
 
 use crate::types::Tenant;
 
-/// Keys that stopped existing since the last drain.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// A reader's position in a loss journal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LossCursor {
+    /// The journal's identity (a new one on every store start).
+    pub epoch: u64,
+    /// The sequence number of the next entry this reader has not seen.
+    pub seq: u64,
+}
+
+/// What a reader has not seen yet, for one tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Losses {
-    /// (tenant, key) of each object gone, oldest first. A key may appear more than once
-    /// (stored again and lost again).
-    pub keys: Vec<(Tenant, String)>,
-    /// Entries were dropped because the journal was full: some losses are not listed.
+    /// Keys gone since the cursor, oldest first. A key may appear more than once (stored
+    /// again and lost again).
+    pub keys: Vec<String>,
+    /// Some losses since the cursor are not listed (the reader fell behind the journal's
+    /// capacity, or the store restarted since the cursor was taken).
     pub overflowed: bool,
+    /// The cursor to read from next time.
+    pub next: LossCursor,
 }
 
 /// The master's journal (off when `capacity` is 0).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct LossJournal {
     capacity: usize,
-    keys: VecDeque<(Tenant, String)>,
-    /// Tenants an entry was dropped for since their last drain.
-    overflowed: HashSet<Tenant>,
+    epoch: u64,
+    /// Sequence number the next entry gets; the oldest kept is `next_seq - entries.len()`.
+    next_seq: u64,
+    entries: VecDeque<(Tenant, String)>,
 }
 
 impl LossJournal {
     pub(super) fn new(capacity: usize) -> Self {
+        // Distinct per start: a cursor taken before a restart must not read the new journal
+        // as if it continued the old one.
+        let epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            | 1;
         LossJournal {
             capacity,
-            keys: VecDeque::new(),
-            overflowed: HashSet::new(),
+            epoch,
+            next_seq: 0,
+            entries: VecDeque::new(),
         }
+    }
+
+    pub(super) fn is_on(&self) -> bool {
+        self.capacity > 0
     }
 
     /// Records that `key` of `t` is gone (no-op when the journal is off).
@@ -50,29 +78,44 @@ impl LossJournal {
         if self.capacity == 0 {
             return;
         }
-        if self.keys.len() == self.capacity
-            && let Some((dropped, _)) = self.keys.pop_front()
-        {
-            self.overflowed.insert(dropped);
+        if self.entries.len() == self.capacity {
+            self.entries.pop_front();
         }
-        self.keys.push_back((t.clone(), key.to_string()));
+        self.entries.push_back((t.clone(), key.to_string()));
+        self.next_seq += 1;
     }
 
-    /// The entries of tenant `only` (of every tenant with `None`), taken out of the journal.
-    pub(super) fn drain(&mut self, only: Option<&Tenant>) -> Losses {
-        let Some(t) = only else {
-            return Losses {
-                keys: self.keys.drain(..).collect(),
-                overflowed: !std::mem::take(&mut self.overflowed).is_empty(),
-            };
-        };
-        let (mine, rest): (VecDeque<_>, VecDeque<_>) =
-            self.keys.drain(..).partition(|(k, _)| k == t);
-        self.keys = rest;
-        Losses {
-            keys: mine.into(),
-            overflowed: self.overflowed.remove(t),
+    fn head(&self) -> LossCursor {
+        LossCursor {
+            epoch: self.epoch,
+            seq: self.next_seq,
         }
+    }
+
+    /// Tenant `t`'s losses from `cursor` on; `None` subscribes (nothing listed, the cursor
+    /// of the journal's end).
+    pub(super) fn since(&self, t: &Tenant, cursor: Option<LossCursor>) -> Losses {
+        let next = self.head();
+        let mut out = Losses {
+            keys: Vec::new(),
+            overflowed: false,
+            next,
+        };
+        let Some(c) = cursor else {
+            return out;
+        };
+        if c.epoch != self.epoch || c.seq > self.next_seq {
+            out.overflowed = true;
+            return out;
+        }
+        let oldest = self.next_seq - self.entries.len() as u64;
+        out.overflowed = c.seq < oldest;
+        let skip = c.seq.saturating_sub(oldest) as usize;
+        out.keys = (self.entries.iter().skip(skip))
+            .filter(|(et, _)| et == t)
+            .map(|(_, k)| k.clone())
+            .collect();
+        out
     }
 }
 
@@ -89,45 +132,55 @@ mod tests {
     }
 
     #[test]
-    fn a_tenant_drains_its_own_entries_and_overflows() {
-        let mut j = LossJournal::new(2);
-        j.record(&t(), "a");
-        j.record(&u(), "b");
-        j.record(&u(), "c");
-        let l = j.drain(Some(&t()));
-        assert!(l.overflowed, "t's entry was dropped");
-        assert!(l.keys.is_empty());
-        let l = j.drain(Some(&u()));
-        assert!(!l.overflowed);
-        assert_eq!(l.keys, vec![(u(), "b".to_string()), (u(), "c".to_string())]);
-        assert_eq!(j.drain(None), Losses::default());
-    }
-
-    #[test]
     fn off_records_nothing() {
         let mut j = LossJournal::new(0);
+        assert!(!j.is_on());
+        let c = j.since(&t(), None).next;
         j.record(&t(), "a");
-        assert_eq!(j.drain(None), Losses::default());
+        assert_eq!(j.since(&t(), Some(c)).keys, Vec::<String>::new());
     }
 
     #[test]
-    fn full_journal_drops_the_oldest_and_says_so_once() {
+    fn readers_keep_their_own_cursors_and_see_their_tenant_only() {
+        let mut j = LossJournal::new(8);
+        let (a, b) = (j.since(&t(), None).next, j.since(&t(), None).next);
+        let cu = j.since(&u(), None).next;
+        j.record(&t(), "x");
+        j.record(&u(), "y");
+        let la = j.since(&t(), Some(a));
+        assert_eq!(
+            (la.keys.clone(), la.overflowed),
+            (vec!["x".to_string()], false)
+        );
+        assert_eq!(
+            j.since(&t(), Some(b)).keys,
+            la.keys,
+            "a's read took nothing from b"
+        );
+        assert_eq!(j.since(&u(), Some(cu)).keys, vec!["y".to_string()]);
+        assert!(j.since(&t(), Some(la.next)).keys.is_empty());
+    }
+
+    #[test]
+    fn a_reader_behind_the_capacity_or_from_another_start_is_told_it_overflowed() {
         let mut j = LossJournal::new(2);
+        let c = j.since(&t(), None).next;
         for k in ["a", "b", "c"] {
             j.record(&t(), k);
         }
-        let l = j.drain(None);
+        let l = j.since(&t(), Some(c));
         assert!(l.overflowed);
-        assert_eq!(
-            l.keys.iter().map(|(_, k)| k.as_str()).collect::<Vec<_>>(),
-            ["b", "c"]
-        );
-        j.record(&t(), "d");
-        let l = j.drain(None);
-        assert!(
-            !l.overflowed,
-            "the overflow is reported by the drain that lost entries"
-        );
-        assert_eq!(l.keys.len(), 1);
+        assert_eq!(l.keys, vec!["b".to_string(), "c".to_string()]);
+        assert!(!j.since(&t(), Some(l.next)).overflowed);
+        let other = LossCursor {
+            epoch: l.next.epoch ^ 2,
+            seq: 0,
+        };
+        assert!(j.since(&t(), Some(other)).overflowed, "restarted store");
+        let ahead = LossCursor {
+            seq: l.next.seq + 5,
+            ..l.next
+        };
+        assert!(j.since(&t(), Some(ahead)).overflowed);
     }
 }

@@ -358,10 +358,16 @@ impl Master {
         o
     }
 
-    /// Keys that stopped existing since the last call, of tenant `only` or of all
-    /// (empty when the journal is off).
-    pub fn drain_losses(&mut self, only: Option<&Tenant>) -> Losses {
-        self.losses.drain(only)
+    /// Tenant `t`'s keys that stopped existing from `cursor` on (`None`: subscribe, see
+    /// [`Losses`]). -1011 when the journal is off: an engine must not take silence for
+    /// "nothing lost".
+    pub fn losses_since(&self, t: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses> {
+        if !self.losses.is_on() {
+            return Err(L3Error::UnavailableInMode(
+                "the loss journal is off (loss_journal_keys = 0)".into(),
+            ));
+        }
+        Ok(self.losses.since(t, cursor))
     }
 }
 
@@ -373,5 +379,5 @@ mod placement;
 mod replicas;
 mod settle;
 
-pub use losses::Losses;
+pub use losses::{LossCursor, Losses};
 pub use settle::Settle;

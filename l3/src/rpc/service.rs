@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::L3Result;
-use crate::master::{DiskLoc, NodeSync, ReplicaEnded};
+use crate::master::{DiskLoc, LossCursor, Losses, NodeSync, ReplicaEnded};
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, NodeRef, PutHandle, PutOptions, QueryResult,
     ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant,
@@ -268,4 +268,7 @@ pub trait L3Rpc {
         source: SegmentId,
         target: SegmentId,
     ) -> L3Result<()>;
+    /// The loss journal read from a cursor (appended after `move_replica`; see
+    /// [`crate::L3Store::losses_since`]).
+    async fn losses_since(tenant: Tenant, cursor: Option<LossCursor>) -> L3Result<Losses>;
 }

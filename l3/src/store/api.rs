@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use crate::api::{BatchResult, L3Store};
 use crate::error::{L3Error, L3Result};
+use crate::master::{LossCursor, Losses};
 use crate::metrics::Op;
 use crate::pattern::KeyPattern;
 use crate::types::{
@@ -267,6 +268,10 @@ impl L3Store for EmbeddedStore {
             s.flush();
         }
         Ok(())
+    }
+
+    fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses> {
+        self.inner.master.lock().losses_since(tenant, cursor)
     }
 
     fn stats(&self) -> L3Result<StoreStats> {

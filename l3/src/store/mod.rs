@@ -170,20 +170,6 @@ impl EmbeddedStore {
         (m.in_memory(tenant, key), m.on_disk(tenant, key))
     }
 
-    /// Keys that stopped existing since the last call — evicted with no copy left, removed,
-    /// lost with a node or a corrupt SSD record — when [`StoreConfig::loss_journal_keys`] is
-    /// set (empty otherwise). An engine passes them to `Scheduler::l3_lost`; `overflowed`
-    /// means some were not kept and every "in L3" mark is to be taken as stale.
-    pub fn drain_losses(&self) -> crate::master::Losses {
-        self.inner.master.lock().drain_losses(None)
-    }
-
-    /// [`Self::drain_losses`] for one tenant: its entries only (others stay for their own
-    /// readers), `overflowed` if one of its entries was dropped.
-    pub fn drain_losses_of(&self, tenant: &Tenant) -> crate::master::Losses {
-        self.inner.master.lock().drain_losses(Some(tenant))
-    }
-
     /// Whether the key is leased now.
     pub fn is_leased(&self, tenant: &Tenant, key: &str) -> bool {
         let now = self.inner.clock.now_ms();

@@ -118,8 +118,13 @@ impl Simulation {
         let Some(store) = &self.store else {
             return;
         };
-        let lost = store.drain_losses_of(&self.tenant);
-        let keys: Vec<&str> = lost.keys.iter().map(|(_, k)| k.as_str()).collect();
+        // The simulator's store always keeps a journal; were it off there would be nothing
+        // to report.
+        let Ok(lost) = store.losses_since(&self.tenant, self.loss_cursor) else {
+            return;
+        };
+        self.loss_cursor = Some(lost.next);
+        let keys: Vec<&str> = lost.keys.iter().map(String::as_str).collect();
         for i in &mut self.insts {
             if lost.overflowed {
                 i.sched.l3_lost_all();

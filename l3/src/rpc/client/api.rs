@@ -11,6 +11,7 @@ use futures::future::join_all;
 use super::{PER_KEY_OVERHEAD, RemoteStore, empty_reply, rpc_err};
 use crate::api::{BatchResult, L3Store, single};
 use crate::error::{L3Error, L3Result};
+use crate::master::{LossCursor, Losses};
 use crate::pattern::KeyPattern;
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
@@ -321,5 +322,9 @@ impl L3Store for RemoteStore {
 
     fn stats(&self) -> L3Result<StoreStats> {
         self.run(self.client.stats(self.ctx()))
+    }
+
+    fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses> {
+        self.run(self.client.losses_since(self.ctx(), tenant.clone(), cursor))
     }
 }

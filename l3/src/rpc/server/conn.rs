@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tarpc::context::Context;
 
 use crate::error::{L3Error, L3Result};
+use crate::master::{LossCursor, Losses};
 use crate::rpc::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits, WireBatch};
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
@@ -266,6 +267,16 @@ impl<B: Backend> L3Rpc for Conn<B> {
     async fn stats(self, _: Context) -> L3Result<StoreStats> {
         self.auth()?;
         self.store.stats()
+    }
+
+    async fn losses_since(
+        self,
+        _: Context,
+        tenant: Tenant,
+        cursor: Option<LossCursor>,
+    ) -> L3Result<Losses> {
+        self.auth()?;
+        self.store.losses_since(&tenant, cursor)
     }
 
     async fn cluster(self, _: Context, req: ClusterRequest) -> L3Result<ClusterReply> {
