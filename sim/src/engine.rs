@@ -307,6 +307,9 @@ impl Simulation {
                 }
                 Pending::Wake(inst) => inst,
             };
+            // Completions drop host pages too (a finish writes back and makes room): check
+            // them now, against the store as the scheduler saw it.
+            self.check_host_drops(inst);
             self.plan(inst)?;
             progress(self.col.ended);
         }

@@ -270,3 +270,37 @@ fn failing_prefetches_and_lost_l3_objects_do_not_stall() {
     };
     assert_correct(&c, &spec);
 }
+
+/// Write-back over an L3 with a small SSD tier: the SSD writer evicts buckets on its own
+/// thread, so an object a backup stored can be gone by the next plan. The loss journal reports
+/// it (read after the writer settled) and the oracle checks each host drop right after the
+/// scheduler call that made it. `kvtier sim --write-policy write-back --l3-pages 500
+/// --l3-ssd-pages 1000` failed its oracle before.
+#[test]
+fn write_back_over_a_small_ssd_tier_loses_no_page() {
+    for seed in [1u64, 2, 3] {
+        let mut c = base_config(
+            48,
+            64,
+            24,
+            Faults {
+                fail_prefetch_every: 0,
+                fail_backup_every: 0,
+                lose_l3_every: 0,
+            },
+        );
+        c.scheduler.write_policy = WritePolicy::WriteBack;
+        c.l3_ssd_pages = 48;
+        let spec = ChatSpec {
+            clients: 8,
+            rounds: 4,
+            system_prompt_tokens: 120,
+            turn_tokens: 60,
+            answer_tokens: 20,
+            think_ms: 400,
+            client_interarrival_ms: 50,
+            seed,
+        };
+        assert_correct(&c, &spec);
+    }
+}

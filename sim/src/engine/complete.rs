@@ -9,7 +9,7 @@
 use kvtier_l3::{ErrorCode, L3Store, PutOptions};
 use kvtier_scheduler::*;
 
-use super::{Simulation, key_fingerprint};
+use super::{Simulation, flush_offloads, key_fingerprint};
 use crate::workload::generated_token;
 
 impl Simulation {
@@ -106,8 +106,23 @@ impl Simulation {
             // reports it with the rest.
             store.remove(&self.tenant, k, true).ok();
         }
+        self.settle_store();
         self.report_l3_losses();
         ok
+    }
+
+    /// Under write-back with an SSD tier: lets the store's SSD writer finish what the puts
+    /// queued (its bucket evictions drop objects), so that the loss journal is complete before
+    /// a scheduler trusts an "in L3" mark to drop a host copy, and the oracle checks that drop
+    /// against the store as it was. (Other policies only lose a prefetch to a stale mark; a
+    /// flush per plan would cost them 2.6x the wall time.)
+    pub(super) fn settle_store(&self) {
+        if let Some(s) = &self.store
+            && s.ssd_stats().is_some()
+            && self.cfg.scheduler.write_policy == WritePolicy::WriteBack
+        {
+            flush_offloads(s);
+        }
     }
 
     /// Passes the store's loss journal to every instance, as an engine embedding the store

@@ -16,13 +16,7 @@ impl Simulation {
             return Ok(());
         }
         let now = self.now_us;
-        if let Some(s) = &self.store
-            && s.ssd_stats().is_some()
-        {
-            // SSD bucket evictions happen on the writer: let it finish so that what it
-            // dropped is in the journal.
-            flush_offloads(s);
-        }
+        self.settle_store();
         self.report_l3_losses();
         let plan = self.insts[inst].sched.next_execution_plan(now / 1000);
         self.check_host_drops(inst);
