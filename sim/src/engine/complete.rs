@@ -117,9 +117,11 @@ impl Simulation {
     /// against the store as it was. (Other policies only lose a prefetch to a stale mark; a
     /// flush per plan would cost them 2.6x the wall time.)
     pub(super) fn settle_store(&self) {
-        if let Some(s) = &self.store
-            && s.ssd_stats().is_some()
-            && self.cfg.scheduler.write_policy == WritePolicy::WriteBack
+        // From the configuration (the store has an SSD tier exactly when `l3_ssd_pages > 0`),
+        // not `ssd_stats()`, which locks the tier and runs on every plan.
+        if self.cfg.scheduler.write_policy == WritePolicy::WriteBack
+            && self.cfg.l3_ssd_pages > 0
+            && let Some(s) = &self.store
         {
             flush_offloads(s);
         }
