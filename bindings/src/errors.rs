@@ -124,6 +124,7 @@ l3_errors! {
     RpcFailError = ErrorCode::RpcFail, "-900: transport failure talking to a server.";
     UnavailableError = ErrorCode::UnavailableInCurrentStatus, "-1010: the server is shutting down or not ready.";
     L3InternalError = ErrorCode::InternalError, "-1: an internal error of the store.";
+    ReplicaIsGoneError = ErrorCode::ReplicaIsGone, "-712: the object was dropped (evicted, removed) before its SSD copy was registered.";
 }
 
 // -1011 is a kind of "unavailable": `except UnavailableError` still catches it, and its own
@@ -206,5 +207,6 @@ pub fn l3_err(e: L3Error) -> PyErr {
         L3Error::Unavailable(_) => UnavailableError::new_err(msg),
         L3Error::Internal(_) => L3InternalError::new_err(msg),
         L3Error::UnavailableInMode(_) => UnavailableInModeError::new_err(msg),
+        L3Error::ReplicaIsGone(_) => ReplicaIsGoneError::new_err(msg),
     }
 }

@@ -294,6 +294,11 @@ pub enum L3Error {
     /// their wire numbers).
     #[error("unavailable in current mode: {0} (-1011)")]
     UnavailableInMode(String),
+
+    /// -712: the object version existed but is gone (dropped before its SSD copy was
+    /// registered: evicted, removed or replaced while its write was queued).
+    #[error("replica is gone: {0} (-712)")]
+    ReplicaIsGone(String),
 }
 
 impl L3Error {
@@ -322,6 +327,7 @@ impl L3Error {
             L3Error::Unavailable(_) => ErrorCode::UnavailableInCurrentStatus,
             L3Error::Internal(_) => ErrorCode::InternalError,
             L3Error::UnavailableInMode(_) => ErrorCode::UnavailableInCurrentMode,
+            L3Error::ReplicaIsGone(_) => ErrorCode::ReplicaIsGone,
         }
     }
 

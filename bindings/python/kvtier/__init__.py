@@ -61,6 +61,7 @@ from ._native import (  # noqa: F401  (re-exports)
     PrefillChunk,
     QueryResults,
     RankAgreement,
+    ReplicaIsGoneError,
     ReplicaNotReadyError,
     RowCountMismatchError,
     RpcFailError,

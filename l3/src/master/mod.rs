@@ -172,6 +172,11 @@ struct Object {
     writer: ClientId,
     /// Evicted in offload-on-evict mode and waiting for its SSD write: readable meanwhile.
     staged: Option<Staged>,
+    /// This process queued this version's write-through SSD copy (embedded, `--role
+    /// both`): evicting it stages the bytes the queued write holds anyway instead of
+    /// dropping the object, so a DRAM flood cannot lose what the SSD writer is about to
+    /// make durable (a `wait_persisted` put found its object gone: issue 19).
+    copy_queued: bool,
     lease_until_ms: u64,
     pin_until_ms: u64,
     last_access: u64,

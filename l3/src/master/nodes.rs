@@ -289,24 +289,37 @@ impl Master {
                 o.disk = Some(loc);
                 o.disk_node = node;
                 o.staged = None;
+                o.copy_queued = false;
                 true
             }
             _ => false,
         }
     }
 
-    /// An offload-on-evict write failed or was skipped: drop the staged copy (and the object
-    /// if nothing else holds it).
+    /// An SSD write of this version failed or was skipped (offload-on-evict, or a queued
+    /// write-through copy): drop the staged copy (and the object if nothing else holds it).
     pub fn unstage(&mut self, t: &Tenant, key: &str, token: u64) {
         let drop_it = match self.obj_mut(t, key) {
             Some(o) if o.token == token => {
                 o.staged = None;
+                o.copy_queued = false;
                 !o.has_data()
             }
             _ => false,
         };
         if drop_it {
             self.take_obj(t, key);
+        }
+    }
+
+    /// This process queued the write-through SSD copy of this version (called in the
+    /// critical section that ends the put, before the write is enqueued; [`Master::unstage`]
+    /// withdraws it if the enqueue or the write fails).
+    pub fn mark_copy_queued(&mut self, t: &Tenant, key: &str, token: u64) {
+        if let Some(o) = self.obj_mut(t, key)
+            && o.token == token
+        {
+            o.copy_queued = true;
         }
     }
 
@@ -345,6 +358,7 @@ impl Master {
                 disk_node: node,
                 writer: node,
                 staged: None,
+                copy_queued: false,
                 lease_until_ms: 0,
                 pin_until_ms: 0,
                 last_access: tick,

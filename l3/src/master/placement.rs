@@ -79,6 +79,7 @@ impl Master {
                 disk_node: LOCAL_NODE,
                 writer,
                 staged: None,
+                copy_queued: false,
                 lease_until_ms: 0,
                 pin_until_ms: 0,
                 last_access,
@@ -155,6 +156,7 @@ impl Master {
                     size: o.size.saturating_mul(o.mem.len() as u64),
                     leased: o.leased(now),
                     pinned: o.pin_until_ms > now,
+                    unsaved: o.disk.is_none(),
                     last_access: o.last_access,
                 });
             }
@@ -200,6 +202,15 @@ impl Master {
                 }
                 if let Some(o) = self.obj_mut(t, k) {
                     o.staged = Some(Staged::OnNode { node, seg, alloc });
+                }
+                continue;
+            }
+            let copy_queued = self.obj(t, k).is_some_and(|o| o.copy_queued);
+            if copy_queued && let Some(d) = data.clone() {
+                // Its write-through copy is queued and holds these bytes: stage them (readable
+                // meanwhile) until the writer registers the copy or gives up (`unstage`).
+                if let Some(o) = self.obj_mut(t, k) {
+                    o.staged = Some(Staged::Bytes(d));
                 }
                 continue;
             }

@@ -14,7 +14,7 @@ use std::sync::mpsc::Receiver;
 use super::bucket::{self, NewRecord};
 use super::tier::{BucketMeta, ID_BLOCK, Msg, OffloadJob, RecMeta, Shared, TierHooks, TierRef};
 use super::unconfirmed::{Registration, Unconfirmed};
-use crate::error::L3Error;
+use crate::error::{L3Error, L3Result};
 use crate::master::DiskLoc;
 use crate::types::Tenant;
 
@@ -76,6 +76,19 @@ pub(super) fn settle(shared: &Shared, tenant: &Tenant, key: &str, token: u64) {
         if v.is_empty() {
             inf.remove(&k);
         }
+    }
+}
+
+/// The error of a write whose object version was dropped before its bucket was published.
+fn gone_while_queued() -> L3Error {
+    L3Error::ReplicaIsGone("the object was dropped while its SSD write was queued".into())
+}
+
+/// Tells a `wait_persisted` caller how its write ended. A waiter that gave up (its caller
+/// is gone) needs no answer, so a closed channel is not an error.
+fn answer_waiter(j: &OffloadJob, result: L3Result<()>) {
+    if let Some(d) = &j.done {
+        let _ = d.send(result);
     }
 }
 
@@ -176,10 +189,7 @@ fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
             drop(inf);
             drop(staged);
             for j in &batch {
-                if let Some(d) = &j.done {
-                    // The put's object is gone; its waiter (if still there) is done.
-                    let _ = d.send(Ok(()));
-                }
+                answer_waiter(j, Err(gone_while_queued()));
             }
             return;
         }
@@ -233,6 +243,28 @@ fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
         .collect();
     let answers = hooks.register(&items);
     let answer = |i: usize| answers.get(i).copied().unwrap_or(Registration::Unconfirmed);
+    // What each job's waiter is told, by batch index: only a registered copy is "durable
+    // and findable"; every other outcome fails with the code that says why.
+    let mut outcome: Vec<L3Result<()>> = live
+        .iter()
+        .map(|l| if *l { Ok(()) } else { Err(gone_while_queued()) })
+        .collect();
+    let live_idx: Vec<usize> = (0..batch.len()).filter(|i| live[*i]).collect();
+    for (n, &bi) in live_idx.iter().enumerate() {
+        outcome[bi] = match answer(n) {
+            Registration::Registered => Ok(()),
+            Registration::Refused => Err(L3Error::ReplicaIsGone(
+                "the object was dropped (evicted, removed or replaced) before its SSD copy \
+                 was registered"
+                    .into(),
+            )),
+            Registration::Unconfirmed => Err(L3Error::RpcFail(
+                "the SSD copy is written but the master did not answer its registration \
+                 (it is retried)"
+                    .into(),
+            )),
+        };
+    }
     // Records the master refused (object removed or replaced meanwhile) are dead at once.
     let refused: Vec<DiskLoc> = (0..items.len())
         .filter(|i| answer(*i) == Registration::Refused)
@@ -253,17 +285,14 @@ fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
             staged: items[i].0.staged,
         })
         .collect();
-    for j in &batch {
+    for (j, result) in batch.iter().zip(outcome) {
         let kept = unconfirmed
             .iter()
             .any(|u| u.token == j.token && u.key == j.key && u.tenant == j.tenant);
         if !kept {
             settle(shared, &j.tenant, &j.key, j.token);
         }
-        if let Some(d) = &j.done {
-            // A waiter that gave up (its caller is gone) needs no answer.
-            let _ = d.send(Ok(()));
-        }
+        answer_waiter(j, result);
     }
     if !unconfirmed.is_empty() {
         shared.unconfirmed.lock().extend(unconfirmed);

@@ -44,7 +44,9 @@ impl TierHooks for Hooks {
     fn write_failed(&self, jobs: &[OffloadJob]) {
         if let Some(inner) = self.0.upgrade() {
             let mut m = inner.master.lock();
-            for j in jobs.iter().filter(|j| j.staged) {
+            // Staged on eviction (offload-on-evict) or while its write-through copy was
+            // queued: either way no copy is coming.
+            for j in jobs {
                 m.unstage(&j.tenant, &j.key, j.token);
             }
         }

@@ -74,6 +74,7 @@ impl Inner {
             // either precedes both or finds the announcement and cancels the write.
             if let (Some(ssd), Some(_)) = (write_through, &data) {
                 ssd.announce(&h.tenant, &h.key, h.token);
+                m.mark_copy_queued(&h.tenant, &h.key, h.token);
             }
             data
         };
@@ -86,6 +87,9 @@ impl Inner {
             Ok(()) => {}
             Err(e) => {
                 Metrics::add(&self.metrics.offload_skipped, 1);
+                // No copy is coming: an eviction may not stage it any more (and one that
+                // already did leaves no bytes behind).
+                self.master.lock().unstage(&h.tenant, &h.key, h.token);
                 // The object is in DRAM; only its SSD copy is missing.
                 return if opts.wait_persisted { Err(e) } else { Ok(()) };
             }
