@@ -15,7 +15,6 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +22,7 @@ use parking_lot::Mutex;
 
 mod common;
 
-use common::procs::{Proc, eventually, master, node};
+use common::procs::{eventually, kill9, master, node};
 use common::{client, disk_of, payload, persisted, t};
 use kvtier_l3::{L3Error, L3Store};
 
@@ -137,16 +136,6 @@ fn pump(mut from: TcpStream, mut to: TcpStream, watch: Option<Arc<Mutex<ProxySta
     let _ = to.shutdown(Shutdown::Both);
 }
 
-fn kill9(p: &mut Proc) {
-    let ok = Command::new("kill")
-        .args(["-KILL", &p.child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -KILL failed");
-    p.child.wait().unwrap();
-}
-
 #[test]
 fn a_record_whose_registration_failed_is_cancelled_or_registered_once_the_link_is_back() {
     let dir = tempfile::tempdir().unwrap();
@@ -192,7 +181,7 @@ fn a_record_whose_registration_failed_is_cancelled_or_registered_once_the_link_i
     std::thread::sleep(Duration::from_millis(600));
 
     // 4. Crash and restart on the same directory with the same id.
-    kill9(&mut n);
+    kill9(&mut n.child);
     drop(n);
     let _n = node(m.addr, 1, Some(dir.path()), None);
     assert!(

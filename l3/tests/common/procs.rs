@@ -89,3 +89,26 @@ pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Starts a `kvtier-l3` process without waiting for its `LISTENING` line (a node whose
+/// mount has not been answered prints nothing yet); its output is discarded.
+pub fn spawn_unready(args: &[String]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
+        .args(args)
+        .env_remove("KVTIER_L3_TOKEN")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// SIGKILLs a process and reaps it.
+pub fn kill9(p: &mut Child) {
+    let ok = Command::new("kill")
+        .args(["-KILL", &p.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -KILL failed");
+    p.wait().unwrap();
+}

@@ -17,6 +17,7 @@
 
 use std::net::TcpStream;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use serde_bytes::ByteBuf;
@@ -248,6 +249,13 @@ impl NodeInner {
                     Some(e) if e.ended && e.tenant == *t && e.key == key => {
                         Ok(Blob::Shared(e.data.clone()))
                     }
+                    // Not mounted (a new process, or remounting): the descriptor may name
+                    // bytes of the previous incarnation that the master has not dropped yet,
+                    // so "not here" is not yet a definitive miss (issue 19).
+                    None if !self.mounted.load(Ordering::Acquire) => Err(L3Error::RpcFail(
+                        "the store node is (re)mounting: retry once the master has processed it"
+                            .into(),
+                    )),
                     _ => Err(L3Error::ObjectNotFound),
                 }
             }
