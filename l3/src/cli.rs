@@ -113,6 +113,15 @@ struct Args {
     /// Do not serve the transfer channel (bulk reads and probes then go through tarpc).
     #[arg(long)]
     no_transfer_channel: bool,
+    /// Master role: directory of its durable state (the settle log: tombstones and write
+    /// cancels its nodes have not acknowledged). Required, so that a restarted master never
+    /// brings back a removed key, unless --no-state-dir.
+    #[arg(long, conflicts_with = "no_state_dir")]
+    state_dir: Option<PathBuf>,
+    /// Master role: keep settles in memory only. A master restart may then bring back keys
+    /// removed shortly before it (their SSD records on nodes that had not heard yet).
+    #[arg(long)]
+    no_state_dir: bool,
 }
 
 /// Parses `args` (the first item is the program name) and runs the server role they name
@@ -178,6 +187,16 @@ fn run(args: Args) -> Result<(), String> {
     if args.role == Role::Master && ssd.is_some() {
         return Err("a master holds no SSD tier: give --ssd-dir to the nodes".into());
     }
+    if args.role != Role::Master && (args.state_dir.is_some() || args.no_state_dir) {
+        return Err("--state-dir / --no-state-dir are for --role master".into());
+    }
+    if args.role == Role::Master && args.state_dir.is_none() && !args.no_state_dir {
+        return Err(
+            "--role master needs --state-dir DIR (its settle log, so a restart never \
+                    brings back a removed key), or --no-state-dir to keep it in memory only"
+                .into(),
+        );
+    }
     let cfg = StoreConfig {
         local_segment_bytes: args.segment_bytes,
         lease_ttl: Duration::from_millis(args.lease_ms),
@@ -196,7 +215,8 @@ fn run(args: Args) -> Result<(), String> {
         transfer_channel: !args.no_transfer_channel,
     };
     if args.role == Role::Master {
-        let master = ClusterMaster::new(cfg).map_err(|e| e.to_string())?;
+        let master =
+            ClusterMaster::open(cfg, args.state_dir.as_deref()).map_err(|e| e.to_string())?;
         serve(master.clone(), opts)?;
         master.shutdown();
         eprintln!("kvtier-l3: master shut down cleanly");

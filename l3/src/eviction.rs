@@ -56,15 +56,20 @@ mod tests {
     use proptest::prelude::*;
 
     fn cand() -> impl Strategy<Value = Candidate> {
-        (1u64..1000, any::<bool>(), any::<bool>(), any::<bool>(), 0u64..100).prop_map(
-            |(size, leased, pinned, unsaved, last_access)| Candidate {
+        (
+            1u64..1000,
+            any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
+            0u64..100,
+        )
+            .prop_map(|(size, leased, pinned, unsaved, last_access)| Candidate {
                 size,
                 leased,
                 pinned,
                 unsaved,
                 last_access,
-            },
-        )
+            })
     }
 
     proptest! {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 mod common;
 
-use common::procs::{eventually, master, master_at, node};
+use common::procs::{eventually, master, master_in, node};
 use common::{client, payload, persisted, t};
 use kvtier_l3::rpc::xfer::{XferClient, XferReply, XferRequest, read_frame, write_frame};
 use kvtier_l3::{
@@ -346,7 +346,8 @@ fn sigterm_on_a_node_flushes_and_leaves() {
 
 #[test]
 fn restarted_master_gets_ssd_replicas_back_from_its_nodes() {
-    let m = master(&[], None);
+    let state = tempfile::tempdir().unwrap();
+    let m = master_in("127.0.0.1:0", state.path(), &[], None);
     let addr = m.addr;
     let d = tempfile::tempdir().unwrap();
     let _n = node(addr, 4, Some(d.path()), None);
@@ -360,7 +361,7 @@ fn restarted_master_gets_ssd_replicas_back_from_its_nodes() {
     }
     // The master dies with all its metadata and comes back on the same address.
     drop(m);
-    let _m = master_at(&addr.to_string(), &[], None);
+    let _m = master_in(&addr.to_string(), state.path(), &[], None);
     let c = client(addr, None);
     // The node's next ping is answered "remount": it mounts again and re-registers its
     // SSD records, so every persisted object is found again (memory ones are gone).

@@ -33,7 +33,8 @@ fn a_read_before_the_remount_is_processed_is_not_a_definitive_miss() {
     let a = t("a");
     let keys: Vec<String> = (0..8).map(|i| format!("quick-restart-{i}")).collect();
     for (i, k) in keys.iter().enumerate() {
-        c.put(&a, k, &payload(i, 4096), PutOptions::default()).unwrap();
+        c.put(&a, k, &payload(i, 4096), PutOptions::default())
+            .unwrap();
     }
     let mut cursor = Some(c.losses_since(&a, None).unwrap().next);
 
@@ -53,7 +54,8 @@ fn a_read_before_the_remount_is_processed_is_not_a_definitive_miss() {
         "16777216",
     ]));
     assert!(
-        eventually(Duration::from_secs(10), || TcpStream::connect(data_addr).is_ok()),
+        eventually(Duration::from_secs(10), || TcpStream::connect(data_addr)
+            .is_ok()),
         "the restarted node never bound its data channel"
     );
     let (_held, _) = hole.accept().unwrap();

@@ -88,9 +88,11 @@ fn an_acknowledged_persisted_put_exists_under_a_dram_flood() {
     eprintln!(
         "{acked} acknowledged and present, {} refused ({:?}), flood {flooded} puts",
         refused.len(),
-        refused.iter().fold(std::collections::BTreeMap::new(), |mut m, c| {
-            *m.entry(*c).or_insert(0) += 1;
-            m
-        })
+        refused
+            .iter()
+            .fold(std::collections::BTreeMap::new(), |mut m, c| {
+                *m.entry(*c).or_insert(0) += 1;
+                m
+            })
     );
 }

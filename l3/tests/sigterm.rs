@@ -22,7 +22,17 @@ fn sigterm_right_after_listening_is_a_clean_shutdown_for_every_role() {
         let mut both = args(&["--role", "both", "--listen", "127.0.0.1:0"]);
         both.extend(args(&seg));
         term_at_once(&both);
-        term_at_once(&args(&["--role", "master", "--listen", "127.0.0.1:0"]));
+        let state = tempfile::tempdir().unwrap();
+        let mut master = args(&["--role", "master", "--listen", "127.0.0.1:0", "--state-dir"]);
+        master.push(state.path().display().to_string());
+        term_at_once(&master);
+        term_at_once(&args(&[
+            "--role",
+            "master",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-state-dir",
+        ]));
     }
     let m = master(&[], None);
     for id in 1..=8u64 {

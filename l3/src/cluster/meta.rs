@@ -15,12 +15,18 @@
 //!   ([`crate::master::NodeSync`]); tombstones and write cancels of dropped versions stay
 //!   queued until the node acknowledges them on a ping (`master::settle`), so a node that
 //!   crashes before they reach its disk is refused those records at its restart rescan.
+//! - With a state dir ([`ClusterMaster::open`]), every settle is durable before any reply
+//!   leaves the master ([`super::durable`]), and a restart replays them before serving: a
+//!   master SIGKILLed between a remove and the node's next ping does not bring it back.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::durable::DurableMaster;
+use super::state::SettleLog;
 use crate::api::{BatchResult, L3Store};
 use crate::clock::{Clock, Periodic};
 use crate::config::StoreConfig;
@@ -48,14 +54,22 @@ fn on_nodes() -> L3Error {
 pub struct ClusterMaster {
     cfg: StoreConfig,
     clock: Arc<Clock>,
-    master: Mutex<Master>,
+    master: DurableMaster,
     metrics: Metrics,
     sweeper: Mutex<Option<Periodic>>,
 }
 
 impl ClusterMaster {
-    /// Builds a master (no segment of its own; `cfg.ssd` must be None) and starts its sweeper.
+    /// Builds a master (no segment of its own; `cfg.ssd` must be None) and starts its
+    /// sweeper. Its settles live in memory only: a restart forgets them (see
+    /// [`ClusterMaster::open`]).
     pub fn new(cfg: StoreConfig) -> L3Result<Arc<Self>> {
+        Self::open(cfg, None)
+    }
+
+    /// [`ClusterMaster::new`] keeping its settles in `state_dir` (created if missing): the
+    /// log there is replayed first, and every settle is durable before a reply leaves.
+    pub fn open(cfg: StoreConfig, state_dir: Option<&Path>) -> L3Result<Arc<Self>> {
         cfg.validate()?;
         if cfg.ssd.is_some() {
             return Err(L3Error::InvalidParams(
@@ -67,8 +81,26 @@ impl ClusterMaster {
             .min(cfg.client_ttl)
             .div_f64(4.0)
             .clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let mut master = Master::new(MasterPolicy::from_config(&cfg));
+        let log = match state_dir {
+            Some(dir) => {
+                let (mut log, entries) = SettleLog::open(dir)?;
+                let n = entries.len();
+                master.restore_settles(entries);
+                master.keep_settle_log();
+                log.compact(&master.settle_snapshot())?;
+                tracing::info!(
+                    dir = %dir.display(),
+                    replayed = n,
+                    unsettled = master.unsettled_total(),
+                    "settle log replayed"
+                );
+                Some(log)
+            }
+            None => None,
+        };
         let me = Arc::new(ClusterMaster {
-            master: Mutex::new(Master::new(MasterPolicy::from_config(&cfg))),
+            master: DurableMaster::new(master, log),
             cfg,
             clock: Arc::new(Clock::new()),
             metrics: Metrics::default(),

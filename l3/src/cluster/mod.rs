@@ -12,8 +12,10 @@
 //! node for bytes, at the address the master's replica descriptors carry. Nodes talk to the
 //! master through the service's `cluster` call ([`crate::rpc::service::ClusterRequest`]).
 
+mod durable;
 pub mod meta;
 pub mod node;
+pub mod state;
 
 pub use meta::ClusterMaster;
 pub use node::{NodeOptions, StoreNode};

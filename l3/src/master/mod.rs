@@ -31,6 +31,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::{L3Error, L3Result};
 use crate::eviction::{Candidate, select_victims};
 use crate::segment::Segments;
+pub use settle::SettleLogEntry;
+
 use crate::types::{
     ClientId, ClientStatus, NodeRef, PutHandle, QueryResult, ReplicaDescriptor, SegmentId,
     StoreStats, Tenant,
@@ -317,6 +319,9 @@ pub struct Master {
     pub evictions_total: u64,
     /// Keys that stopped existing, for the engine (off unless configured).
     losses: losses::LossJournal,
+    /// Settle changes not yet handed to the durable log (`Some` when the master keeps one:
+    /// `--role master --state-dir`); see [`Master::take_settle_log`].
+    settle_log: Option<Vec<SettleLogEntry>>,
 }
 
 impl Master {
@@ -328,6 +333,7 @@ impl Master {
             clients: HashMap::new(),
             nodes: HashMap::new(),
             next_token: 0,
+            settle_log: None,
             tick: 0,
             evictions_total: 0,
             losses: losses::LossJournal::new(policy.loss_journal_keys),

@@ -39,6 +39,37 @@ pub enum Settle {
     },
 }
 
+/// One change to the settles, as the master's durable log records it (`--state-dir`):
+/// replaying a log in order rebuilds every node's unacknowledged settles and counters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SettleLogEntry {
+    /// Settle `seq` was issued to `node`.
+    Issued {
+        /// Node.
+        node: ClientId,
+        /// Its sequence number.
+        seq: u64,
+        /// The order.
+        settle: Settle,
+    },
+    /// `node` acknowledged every settle up to `applied` (also a floor for the counter).
+    Acked {
+        /// Node.
+        node: ClientId,
+        /// Acknowledged up to.
+        applied: u64,
+    },
+}
+
+impl SettleLogEntry {
+    /// Whether the entry must be durable before a reply leaves the master (an issued
+    /// settle: a reply may acknowledge the drop it records). A lost acknowledgement only
+    /// repeats settles, which is harmless.
+    pub fn needs_sync(&self) -> bool {
+        matches!(self, SettleLogEntry::Issued { .. })
+    }
+}
+
 /// Which unacknowledged settles a reply carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Deliver {
@@ -120,6 +151,21 @@ impl Settlement {
         v
     }
 
+    /// Replays a logged issue (one already acknowledged is skipped).
+    fn restore_issued(&mut self, seq: u64, s: Settle) {
+        self.issued = self.issued.max(seq);
+        if seq > self.acked && !self.pending.contains_key(&seq) {
+            self.index(&s, true);
+            self.pending.insert(seq, s);
+        }
+    }
+
+    /// Replays a logged acknowledgement.
+    fn restore_acked(&mut self, applied: u64) {
+        self.issued = self.issued.max(applied);
+        self.ack(applied);
+    }
+
     fn refuses(&self, t: &Tenant, key: &str, loc: &DiskLoc) -> bool {
         self.locs.contains_key(loc)
             || (!self.keys.is_empty() && self.keys.contains_key(&(t.clone(), key.to_string())))
@@ -157,6 +203,13 @@ impl Master {
             return;
         }
         if let Some(st) = self.nodes.get_mut(&node) {
+            if let Some(log) = &mut self.settle_log {
+                log.push(SettleLogEntry::Issued {
+                    node,
+                    seq: st.settle.issued + 1,
+                    settle: s.clone(),
+                });
+            }
             st.settle.push(s);
         }
     }
@@ -202,8 +255,87 @@ impl Master {
     /// The node applied (durably) every settle up to `applied`: they are dropped.
     pub fn node_ack(&mut self, node: ClientId, applied: u64) {
         if let Some(st) = self.nodes.get_mut(&node) {
+            let before = st.settle.acked;
             st.settle.ack(applied);
+            if st.settle.acked != before
+                && let Some(log) = &mut self.settle_log
+            {
+                log.push(SettleLogEntry::Acked {
+                    node,
+                    applied: st.settle.acked,
+                });
+            }
         }
+    }
+
+    /// Starts recording settle changes for a durable log ([`Master::take_settle_log`]).
+    pub fn keep_settle_log(&mut self) {
+        self.settle_log.get_or_insert_with(Vec::new);
+    }
+
+    /// The settle changes since the last call, in order (empty without a log).
+    pub fn take_settle_log(&mut self) -> Vec<SettleLogEntry> {
+        self.settle_log
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Whether settle changes wait for the durable log.
+    pub fn settle_log_pending(&self) -> bool {
+        self.settle_log.as_ref().is_some_and(|l| !l.is_empty())
+    }
+
+    /// Rebuilds the settles of a log replayed in order (a master restarting on its state
+    /// dir): the nodes they concern are known (not mounted) until they mount again, their
+    /// rescanned records are refused as before the restart, and new put tokens start above
+    /// every cancelled one (a redelivered cancel must not cancel a newer version).
+    pub fn restore_settles(&mut self, entries: impl IntoIterator<Item = SettleLogEntry>) {
+        for e in entries {
+            match e {
+                SettleLogEntry::Issued { node, seq, settle } => {
+                    if let Settle::Cancel { token, .. } = &settle {
+                        self.next_token = self.next_token.max(*token);
+                    }
+                    self.nodes
+                        .entry(node)
+                        .or_default()
+                        .settle
+                        .restore_issued(seq, settle);
+                }
+                SettleLogEntry::Acked { node, applied } => {
+                    self.nodes
+                        .entry(node)
+                        .or_default()
+                        .settle
+                        .restore_acked(applied);
+                }
+            }
+        }
+    }
+
+    /// Every node's settle state as log entries (a compacted log replays to the same
+    /// state): its acknowledgement, then each unacknowledged settle.
+    pub fn settle_snapshot(&self) -> Vec<SettleLogEntry> {
+        let mut ids: Vec<&ClientId> = self.nodes.keys().collect();
+        ids.sort_by_key(|c| c.0);
+        let mut out = Vec::new();
+        for node in ids {
+            let st = &self.nodes[node].settle;
+            if st.issued == 0 {
+                continue;
+            }
+            out.push(SettleLogEntry::Acked {
+                node: *node,
+                applied: st.acked,
+            });
+            out.extend(st.pending.iter().map(|(seq, s)| SettleLogEntry::Issued {
+                node: *node,
+                seq: *seq,
+                settle: s.clone(),
+            }));
+        }
+        out
     }
 
     /// After a (re)mount every unacknowledged settle is handed out again.

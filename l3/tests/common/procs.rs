@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 pub struct Proc {
     pub child: Child,
     pub addr: SocketAddr,
+    /// A master's state dir made for it (removed after the process is killed).
+    pub state: Option<tempfile::TempDir>,
 }
 
 impl Drop for Proc {
@@ -39,17 +41,38 @@ pub fn spawn(args: &[String], token: Option<&str>) -> Proc {
         .unwrap_or_else(|| panic!("unexpected first line {line:?} from {args:?}"))
         .parse()
         .unwrap();
-    Proc { child, addr }
+    Proc {
+        child,
+        addr,
+        state: None,
+    }
 }
 
 pub fn args(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
+/// A master on an ephemeral port with a state dir of its own.
 pub fn master(extra: &[&str], token: Option<&str>) -> Proc {
-    master_at("127.0.0.1:0", extra, token)
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = master_in("127.0.0.1:0", dir.path(), extra, token);
+    p.state = Some(dir);
+    p
 }
 
+/// A master keeping its durable state (settles) in `state` — give the same directory to a
+/// restart on the same address.
+pub fn master_in(listen: &str, state: &Path, extra: &[&str], token: Option<&str>) -> Proc {
+    let mut a = args(&["--state-dir", &state.display().to_string()]);
+    a.extend(args(extra));
+    master_at(
+        listen,
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        token,
+    )
+}
+
+/// A master with exactly these flags (`--state-dir DIR` or `--no-state-dir` among them).
 pub fn master_at(listen: &str, extra: &[&str], token: Option<&str>) -> Proc {
     let mut a = args(&["--role", "master", "--listen", listen]);
     a.extend(args(extra));
@@ -57,16 +80,28 @@ pub fn master_at(listen: &str, extra: &[&str], token: Option<&str>) -> Proc {
 }
 
 pub fn node(master: SocketAddr, id: u64, ssd: Option<&Path>, token: Option<&str>) -> Proc {
-    let mut a = args(&[
-        "--role",
-        "node",
-        "--listen",
-        "127.0.0.1:0",
-        "--segment-bytes",
-        "16777216",
-        "--ping-ms",
-        "100",
-    ]);
+    node_with(master, id, ssd, token, &[])
+}
+
+/// A node with extra flags (given after the defaults, so they override them).
+pub fn node_with(
+    master: SocketAddr,
+    id: u64,
+    ssd: Option<&Path>,
+    token: Option<&str>,
+    extra: &[&str],
+) -> Proc {
+    let mut a = args(&["--role", "node"]);
+    for (flag, value) in [
+        ("--listen", "127.0.0.1:0"),
+        ("--segment-bytes", "16777216"),
+        ("--ping-ms", "100"),
+    ] {
+        if !extra.contains(&flag) {
+            a.extend(args(&[flag, value]));
+        }
+    }
+    a.extend(args(extra));
     a.extend(["--master".to_string(), master.to_string()]);
     a.extend(["--node-id".to_string(), id.to_string()]);
     if let Some(d) = ssd {

@@ -17,7 +17,21 @@ const REPL_OBJECTS: usize = 128;
 const REPL_SIZE: usize = 1 << 20;
 
 pub fn replicas(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
-    let master = start_proc(bin, &["--role", "master", "--listen", "127.0.0.1:0"])?;
+    // The master's settle log (removed at the end; a bench run never restarts it).
+    let state = std::env::temp_dir().join(format!("kvtier-l3-bench-master-{}", std::process::id()));
+    let state_dir = state.display().to_string();
+    let _cleanup = RemoveOnDrop(state.clone());
+    let master = start_proc(
+        bin,
+        &[
+            "--role",
+            "master",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            &state_dir,
+        ],
+    )?;
     let maddr = master.addr.to_string();
     let seg = (1u64 << 30).to_string();
     let mut nodes = Vec::new();
@@ -119,4 +133,17 @@ pub fn replicas(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()
     drop(nodes);
     drop(master);
     Ok(())
+}
+
+/// Removes a scratch directory when the scenario ends (however it ends).
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            eprintln!("l3-bench: could not remove {}: {e}", self.0.display());
+        }
+    }
 }

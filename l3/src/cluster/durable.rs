@@ -1,0 +1,104 @@
+//! The master's lock, made durable: [`DurableMaster::lock`] hands out a guard that, when
+//! dropped, writes the settle changes made under it to the state dir's log and syncs them
+//! before the caller can reply.
+//!
+//! Why a guard: every reply of the master is computed under its one lock, and a reply must
+//! not leave before the settles it implies are durable (a remove answered, then a crash
+//! that forgot its tombstone, brought the key back: issue 19). Doing it on drop means no
+//! call site can forget it. Order: the changes are appended under the master lock (the log
+//! is in the order the master made them), the master lock is released, then the file is
+//! synced — concurrent callers share syncs (group commit) and the master is not held
+//! during an fsync. An append or sync that fails is fatal: the process aborts rather than
+//! answer what it cannot keep (as databases do on a failed fsync); a restart replays the
+//! log up to its last whole entry.
+
+use std::ops::{Deref, DerefMut};
+
+use parking_lot::{Mutex, MutexGuard};
+
+use super::state::SettleLog;
+use crate::master::Master;
+
+/// The master behind its lock, with its settle log when it has a state dir.
+pub(super) struct DurableMaster {
+    master: Mutex<Master>,
+    log: Option<Mutex<SettleLog>>,
+}
+
+/// A locked master; see the module doc for what dropping it does.
+pub(super) struct MasterGuard<'a> {
+    g: Option<MutexGuard<'a, Master>>,
+    log: Option<&'a Mutex<SettleLog>>,
+}
+
+impl DurableMaster {
+    pub(super) fn new(master: Master, log: Option<SettleLog>) -> Self {
+        DurableMaster {
+            master: Mutex::new(master),
+            log: log.map(Mutex::new),
+        }
+    }
+
+    pub(super) fn lock(&self) -> MasterGuard<'_> {
+        MasterGuard {
+            g: Some(self.master.lock()),
+            log: self.log.as_ref(),
+        }
+    }
+}
+
+fn fatal(what: &str, e: &dyn std::fmt::Display) -> ! {
+    tracing::error!(error = %e, "settle log: {what} failed; aborting");
+    eprintln!("kvtier-l3 master: settle log: {what} failed: {e}; aborting");
+    std::process::abort()
+}
+
+impl Deref for MasterGuard<'_> {
+    type Target = Master;
+    fn deref(&self) -> &Master {
+        // Only `drop` takes it.
+        self.g
+            .as_ref()
+            .map(|g| &**g)
+            .unwrap_or_else(|| unreachable!())
+    }
+}
+
+impl DerefMut for MasterGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Master {
+        self.g
+            .as_mut()
+            .map(|g| &mut **g)
+            .unwrap_or_else(|| unreachable!())
+    }
+}
+
+impl Drop for MasterGuard<'_> {
+    fn drop(&mut self) {
+        let (Some(mut g), Some(log)) = (self.g.take(), self.log) else {
+            return;
+        };
+        if !g.settle_log_pending() {
+            return;
+        }
+        let entries = g.take_settle_log();
+        let must_sync = entries.iter().any(|e| e.needs_sync());
+        let mut l = log.lock();
+        let file = match l.append(&entries) {
+            Ok(f) => f,
+            Err(e) => fatal("append", &e),
+        };
+        if l.wants_compaction(g.unsettled_total()) {
+            // Synced by `compact` itself (the snapshot includes what was just appended).
+            if let Err(e) = l.compact(&g.settle_snapshot()) {
+                fatal("compaction", &e);
+            }
+            return;
+        }
+        drop(l);
+        drop(g);
+        if must_sync && let Err(e) = file.sync_data() {
+            fatal("sync", &e);
+        }
+    }
+}
