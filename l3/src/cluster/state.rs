@@ -190,6 +190,7 @@ mod tests {
                 node: ClientId(n),
                 applied
             }),
+            any::<u64>().prop_map(|floor| SettleLogEntry::TokensBelow { floor }),
         ]
     }
 

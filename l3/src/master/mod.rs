@@ -314,6 +314,10 @@ pub struct Master {
     clients: HashMap<ClientId, ClientInfo>,
     nodes: HashMap<ClientId, NodeState>,
     next_token: u64,
+    /// With a settle log: tokens below this are reserved durably (a restarted master starts
+    /// at it, so no put token of the previous incarnation is ever reused — a queued SSD
+    /// write of an old version must never be registered as a new version's copy).
+    token_floor: Option<u64>,
     tick: u64,
     /// Memory replicas dropped by eviction (for metrics).
     pub evictions_total: u64,
@@ -333,6 +337,7 @@ impl Master {
             clients: HashMap::new(),
             nodes: HashMap::new(),
             next_token: 0,
+            token_floor: None,
             settle_log: None,
             tick: 0,
             evictions_total: 0,

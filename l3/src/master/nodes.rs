@@ -345,8 +345,7 @@ impl Master {
             return false;
         }
         let tick = self.touch();
-        self.next_token += 1;
-        let token = self.next_token;
+        let token = self.new_token();
         self.tenants.entry(t.clone()).or_default().insert(
             key.to_string(),
             Object {

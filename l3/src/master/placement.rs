@@ -54,8 +54,7 @@ impl Master {
                     .and_then(|s| self.node_ref(s.owner)),
             })
             .collect();
-        self.next_token += 1;
-        let token = self.next_token;
+        let token = self.new_token();
         let last_access = self.touch();
         let writer = placed
             .first()

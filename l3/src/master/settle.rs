@@ -59,6 +59,11 @@ pub enum SettleLogEntry {
         /// Acknowledged up to.
         applied: u64,
     },
+    /// Put tokens below `floor` may have been handed out: a restart starts at it.
+    TokensBelow {
+        /// Reserved bound.
+        floor: u64,
+    },
 }
 
 impl SettleLogEntry {
@@ -66,9 +71,15 @@ impl SettleLogEntry {
     /// settle: a reply may acknowledge the drop it records). A lost acknowledgement only
     /// repeats settles, which is harmless.
     pub fn needs_sync(&self) -> bool {
-        matches!(self, SettleLogEntry::Issued { .. })
+        matches!(
+            self,
+            SettleLogEntry::Issued { .. } | SettleLogEntry::TokensBelow { .. }
+        )
     }
 }
+
+/// Put tokens reserved per durable `TokensBelow` entry.
+const TOKEN_BLOCK: u64 = 1 << 20;
 
 /// Which unacknowledged settles a reply carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -268,9 +279,26 @@ impl Master {
         }
     }
 
-    /// Starts recording settle changes for a durable log ([`Master::take_settle_log`]).
+    /// Starts recording settle changes for a durable log ([`Master::take_settle_log`]),
+    /// and reserving put tokens in it.
     pub fn keep_settle_log(&mut self) {
         self.settle_log.get_or_insert_with(Vec::new);
+        let floor = self.token_floor.unwrap_or(0).max(self.next_token);
+        self.token_floor = Some(floor);
+    }
+
+    /// The next put token. With a settle log, tokens are reserved in blocks (a durable
+    /// `TokensBelow` entry, synced before the reply that hands out the first of them).
+    pub(super) fn new_token(&mut self) -> u64 {
+        self.next_token += 1;
+        if let (Some(floor), Some(log)) = (self.token_floor, &mut self.settle_log)
+            && self.next_token >= floor
+        {
+            let bound = self.next_token.saturating_add(TOKEN_BLOCK);
+            log.push(SettleLogEntry::TokensBelow { floor: bound });
+            self.token_floor = Some(bound);
+        }
+        self.next_token
     }
 
     /// The settle changes since the last call, in order (empty without a log).
@@ -310,6 +338,10 @@ impl Master {
                         .settle
                         .restore_acked(applied);
                 }
+                SettleLogEntry::TokensBelow { floor } => {
+                    self.next_token = self.next_token.max(floor);
+                    self.token_floor = Some(self.token_floor.unwrap_or(0).max(floor));
+                }
             }
         }
     }
@@ -320,6 +352,9 @@ impl Master {
         let mut ids: Vec<&ClientId> = self.nodes.keys().collect();
         ids.sort_by_key(|c| c.0);
         let mut out = Vec::new();
+        if let Some(floor) = self.token_floor {
+            out.push(SettleLogEntry::TokensBelow { floor });
+        }
         for node in ids {
             let st = &self.nodes[node].settle;
             if st.issued == 0 {
