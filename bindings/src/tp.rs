@@ -16,7 +16,7 @@ use crate::plan::{event_from_py, event_to_py};
 use crate::sched::PyScheduler;
 
 fn agree_err(e: AgreementError) -> PyErr {
-    pyo3::exceptions::PyValueError::new_err(e.to_string())
+    crate::errors::base::AgreementError::new_err(e.to_string())
 }
 
 /// One rank's completions, reduced with the other ranks' once per step.

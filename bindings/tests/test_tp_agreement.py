@@ -104,3 +104,22 @@ def test_bad_reductions_raise():
     with pytest.raises(ValueError):
         kvtier.Scheduler(small_config(l3_sharing="sometimes"))
     assert s.ops_in_flight() == 1  # nothing applied
+
+
+def test_a_reduced_value_above_this_ranks_own_is_refused():
+    # A SUM or MAX all-reduce configured by mistake hands back values no MIN can produce: a
+    # larger hit count than this rank found, or a completion of an op this rank has not
+    # finished. Refused with a typed error; nothing recorded is consumed or applied.
+    (s, _) = _ranks()
+    s.submit(1, prompt(1, 41), 2)
+    s.submit(2, prompt(2, 41), 2)
+    q0, q1 = [o.id for o in s.next_execution_plan(0).ops]
+    a = kvtier.RankAgreement()
+    a.push(kvtier.L3QueryDone(q0, 3))  # this rank found 3 pages, and has not finished q1
+    for bad in ([4 + 1, 0], [3 + 1, 5 + 1], [0, 2 + 1]):
+        with pytest.raises(kvtier.AgreementError, match="not the minimum"):
+            a.reduce(s, lambda v, bad=bad: np.array(bad, dtype=np.int64))
+        assert a.pending() == 1 and s.ops_in_flight() == 2
+    assert isinstance(kvtier.AgreementError("x"), ValueError)  # as before: a ValueError
+    assert a.reduce(s, lambda v: np.array([2 + 1, 0], dtype=np.int64)) == [kvtier.L3QueryDone(q0, 2)]
+    assert a.pending() == 0

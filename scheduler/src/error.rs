@@ -67,6 +67,8 @@ pub enum SchedulerError {
         event: RequestEventKind,
         reason: IllegalReason,
     },
+    #[error("forward result of step {0:?} in a batch of op completions (report it with on_event)")]
+    NotAnOpCompletion(StepId),
     #[error("cache: {0}")]
     Cache(#[from] RadixError),
 }

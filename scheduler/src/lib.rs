@@ -39,7 +39,7 @@ mod stats;
 mod submit;
 mod types;
 
-pub use agreement::{AgreementError, RankAgreement};
+pub use agreement::{AgreementError, RankAgreement, SKIPPED};
 pub use config::{
     ConfigError, HostAdmission, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig,
     TenantQuota, WritePolicy,

@@ -149,7 +149,7 @@ fn run(prompts: &[(u32, usize)], lost: &[usize], seed: u64, mode: Mode) -> Vec<(
             assert_eq!(v0.len(), v1.len(), "ops in flight differ between ranks");
             let min: Vec<u64> = v0.iter().zip(&v1).map(|(a, b)| *a.min(b)).collect();
             for r in &mut ranks {
-                let evs = r.agree.reduce(&r.s, |v| v.copy_from_slice(&min));
+                let evs = r.agree.reduce(&r.s, |v| v.copy_from_slice(&min)).unwrap();
                 for ev in evs {
                     r.s.on_event(ev).unwrap();
                 }
@@ -243,4 +243,97 @@ fn agreement_rejects_forward_results_and_duplicates() {
     .unwrap();
     assert_eq!(a.skip(OpId(3)), Err(AgreementError::Duplicate(OpId(3))));
     assert_eq!(a.pending(), 1);
+}
+
+/// Two L3 probes in flight on one scheduler (rank 0 of a pair).
+fn two_probes() -> (Scheduler, OpId, OpId) {
+    let mut s = Scheduler::new(cfg_for(0)).unwrap();
+    let mut e = Engine::new(s.config());
+    e.submit(&mut s, 1, prompt(1, 41), 2);
+    e.submit(&mut s, 2, prompt(2, 41), 2);
+    let plan = s.next_execution_plan(0);
+    let ops: Vec<OpId> = plan.ops.iter().map(|o| o.id).collect();
+    assert_eq!(ops.len(), 2);
+    (s, ops[0], ops[1])
+}
+
+#[test]
+fn a_reduced_value_above_this_ranks_own_is_refused() {
+    // A SUM or MAX all-reduce configured by mistake: the "minimum" exceeds what this rank
+    // reported (3 hit pages), or completes an op this rank has not finished. No MIN over
+    // ranks can produce either; the reduction is refused and nothing is consumed.
+    let (s, q0, q1) = two_probes();
+    let mut a = RankAgreement::new();
+    a.push(Event::L3QueryDone {
+        op: q0,
+        hit_pages: 3,
+    })
+    .unwrap();
+    assert_eq!(a.values(&s), vec![4, 0]);
+    for bad in [[5, 0], [4, 6], [0, 3], [SKIPPED, 0]] {
+        let err = a.apply_reduced(&s, &bad).unwrap_err();
+        assert!(
+            matches!(err, AgreementError::NotMinimum { .. }),
+            "{bad:?}: {err:?}"
+        );
+        let mut b = a.clone();
+        assert_eq!(b.reduce(&s, |v| v.copy_from_slice(&bad)), Err(err));
+        assert_eq!(a.pending(), 1);
+    }
+    assert_eq!(
+        a.apply_reduced(&s, &[3, 0]).unwrap(),
+        vec![Event::L3QueryDone {
+            op: q0,
+            hit_pages: 2
+        }]
+    );
+    assert_eq!(a.pending(), 0);
+    let _ = q1;
+}
+
+#[test]
+fn a_batch_of_completions_is_checked_whole_before_any_is_applied() {
+    let (mut s, q0, q1) = two_probes();
+    let ok = |op| Event::L3QueryDone { op, hit_pages: 0 };
+    let bad_batches = [
+        (vec![ok(q0), ok(OpId(999))], "unknown op"),
+        (vec![ok(q0), ok(q0)], "twice in the batch"),
+        (
+            vec![
+                ok(q0),
+                Event::BackUpDone {
+                    op: q1,
+                    success: true,
+                },
+            ],
+            "wrong kind",
+        ),
+        (
+            vec![
+                ok(q0),
+                Event::L3QueryDone {
+                    op: q1,
+                    hit_pages: 99,
+                },
+            ],
+            "impossible payload",
+        ),
+        (
+            vec![
+                ok(q0),
+                Event::ForwardDone {
+                    step: StepId(1),
+                    outputs: vec![],
+                },
+            ],
+            "a forward result",
+        ),
+    ];
+    for (batch, why) in bad_batches {
+        assert!(s.on_op_events(batch).is_err(), "{why}");
+        assert_eq!(s.in_flight_ops().len(), 2, "{why}: something was applied");
+    }
+    assert_eq!(s.on_op_events(vec![ok(q0), ok(q1)]), Ok(2));
+    assert!(s.in_flight_ops().is_empty());
+    s.check().unwrap();
 }

@@ -24,6 +24,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from . import _native
 from ._native import (  # noqa: F401  (re-exports)
+    AgreementError,
     BackUpDone,
     BadCompletionError,
     BufferOverflowError,
