@@ -11,8 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use kvtier_scheduler::{
-    ExtraKey, HashScope, KvEvent, OpKind, RequestId, RequestSpec, Scheduler, SchedulerError,
-    ScopeLabel, Stats,
+    ExtraKey, HashScope, KvEvent, OpKind, RequestId, RequestSpec, Scheduler, ScopeLabel, Stats,
 };
 
 use crate::config::{config_from_py, config_to_dict};

@@ -17,6 +17,9 @@
 //! tensor), decoded back into events. Ops in flight are identical on every rank because the
 //! plans are, so the vectors line up.
 //!
+//! L3 *losses* need the same agreement (one rank's store lost a page, the others' did not):
+//! see `agreed_losses.rs` ([`RankAgreement::lost`], [`RankAgreement::agree_losses`]).
+//!
 //! [`ExecutionPlan::digest`] is a cheap, rank-independent fingerprint of a plan (L3 keys are
 //! hashed without their rank suffix) for a debug mode that all-gathers it and stops at the
 //! first step where ranks disagree.
@@ -50,12 +53,20 @@ pub enum AgreementError {
         "reduced value {reduced} for op {op:?} is above this rank's own {own}: not the minimum over ranks (reduce with MIN)"
     )]
     NotMinimum { op: OpId, own: u64, reduced: u64 },
+    #[error("loss words of rank {rank}: {why}")]
+    BadLossWords { rank: usize, why: &'static str },
+    #[error("the gathered losses leave out losses this rank recorded (its own words are missing)")]
+    OwnLossesMissing,
 }
 
 /// One rank's completions of a step, waiting to be reduced with the other ranks'.
 #[derive(Clone, Debug, Default)]
 pub struct RankAgreement {
     done: BTreeMap<OpId, Slot>,
+    /// Pages this rank's store reported lost, not yet agreed (`agreed_losses.rs`).
+    pub(crate) lost: std::collections::BTreeSet<kvtier_radix::PageHash>,
+    /// This rank's loss report overflowed, not yet agreed.
+    pub(crate) lost_all: bool,
 }
 
 #[derive(Clone, Debug)]
