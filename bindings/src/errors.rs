@@ -174,7 +174,8 @@ pub fn sched_err(e: SchedulerError) -> PyErr {
         SchedulerError::EmptyPrompt
         | SchedulerError::ZeroMaxNewTokens
         | SchedulerError::TooLong { .. }
-        | SchedulerError::BadExtraKey { .. } => InvalidRequestError::new_err(msg),
+        | SchedulerError::BadExtraKey { .. }
+        | SchedulerError::ExceedsTenantQuota { .. } => InvalidRequestError::new_err(msg),
         SchedulerError::UnknownOp(_) => UnknownOpError::new_err(msg),
         SchedulerError::DuplicateCompletion(_) => DuplicateCompletionError::new_err(msg),
         SchedulerError::WrongCompletionKind { .. } => WrongCompletionKindError::new_err(msg),

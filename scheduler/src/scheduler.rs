@@ -433,8 +433,8 @@ impl Scheduler {
             return Some(Vec::new());
         }
         if self.cfg.write_policy == crate::config::WritePolicy::WriteBack && self.cfg.l3_enabled {
-            self.make_room_on_host(n);
-            return self.cache.alloc::<Host>(n).ok();
+            self.make_room_on_host(tenant, n);
+            return self.cache.alloc_for::<Host>(tenant, n).ok();
         }
         self.cache.alloc_evicting_for::<Host>(tenant, n).ok()
     }
