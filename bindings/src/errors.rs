@@ -7,6 +7,7 @@
 //! ```text
 //! KvtierError
 //! ├── ConfigError (also a ValueError)
+//! ├── AgreementError (also a ValueError): `RankAgreement` refused a call
 //! ├── SchedulerError ── UnknownRequestError, DuplicateRequestError, InvalidRequestError,
 //! │                     UnknownOpError, DuplicateCompletionError, WrongCompletionKindError,
 //! │                     BadCompletionError, UnknownStepError, NotInStepError,
@@ -40,6 +41,12 @@ pub mod base {
         ConfigError,
         PyValueError,
         "An invalid SchedulerConfig (names the field)."
+    );
+    pyo3::create_exception!(
+        kvtier,
+        AgreementError,
+        PyValueError,
+        "RankAgreement refused a call (a forward result, an op recorded twice, a reduced vector of the wrong length or that is not the minimum over ranks); nothing changed."
     );
     pyo3::create_exception!(
         kvtier,
@@ -141,6 +148,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("KvtierError", py.get_type::<KvtierError>())?;
     m.add("ConfigError", py.get_type::<PyConfigError>())?;
+    m.add("AgreementError", py.get_type::<base::AgreementError>())?;
     m.add("SchedulerError", py.get_type::<PySchedulerError>())?;
     let l3: Bound<'_, PyType> = py.get_type::<PyL3Error>();
     l3.setattr("code", ErrorCode::InternalError.as_i32())?;
@@ -167,11 +175,14 @@ pub fn sched_err(e: SchedulerError) -> PyErr {
         SchedulerError::EmptyPrompt
         | SchedulerError::ZeroMaxNewTokens
         | SchedulerError::TooLong { .. }
-        | SchedulerError::BadExtraKey { .. } => InvalidRequestError::new_err(msg),
+        | SchedulerError::BadExtraKey { .. }
+        | SchedulerError::ExceedsTenantQuota { .. } => InvalidRequestError::new_err(msg),
         SchedulerError::UnknownOp(_) => UnknownOpError::new_err(msg),
         SchedulerError::DuplicateCompletion(_) => DuplicateCompletionError::new_err(msg),
         SchedulerError::WrongCompletionKind { .. } => WrongCompletionKindError::new_err(msg),
-        SchedulerError::BadCompletion { .. } => BadCompletionError::new_err(msg),
+        SchedulerError::BadCompletion { .. } | SchedulerError::NotAnOpCompletion(_) => {
+            BadCompletionError::new_err(msg)
+        }
         SchedulerError::UnknownStep(_) => UnknownStepError::new_err(msg),
         SchedulerError::NotInStep { .. } => NotInStepError::new_err(msg),
         SchedulerError::RowCountMismatch { .. } => RowCountMismatchError::new_err(msg),

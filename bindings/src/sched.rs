@@ -11,8 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use kvtier_scheduler::{
-    ExtraKey, HashScope, KvEvent, OpKind, RequestId, RequestSpec, Scheduler, SchedulerError,
-    ScopeLabel, Stats,
+    ExtraKey, HashScope, KvEvent, OpKind, RequestId, RequestSpec, Scheduler, ScopeLabel, Stats,
 };
 
 use crate::config::{config_from_py, config_to_dict};
@@ -208,8 +207,8 @@ impl PyScheduler {
 
     /// Reports the completion of many ops at once: `results[i]` answers `ops[i]`
     /// (hit pages for L3Query, completed pages for Prefetch, 0/1 success otherwise).
-    /// Stops at the first rejected completion and raises its error; the earlier ones stay
-    /// applied. Returns the number applied.
+    /// The whole batch is checked before any of it is applied: on error nothing changed
+    /// (resend the valid ones). Returns the number applied.
     fn ops_done(
         &mut self,
         py: Python<'_>,
@@ -251,20 +250,7 @@ impl PyScheduler {
             });
         }
         let s = &mut self.inner;
-        let (n, err) = py.detach(|| {
-            let mut n = 0;
-            for ev in evs {
-                if let Err(e) = s.on_event(ev) {
-                    return (n, Some(e));
-                }
-                n += 1;
-            }
-            (n, None::<SchedulerError>)
-        });
-        match err {
-            Some(e) => Err(sched_err(e)),
-            None => Ok(n),
-        }
+        py.detach(|| s.on_op_events(evs)).map_err(sched_err)
     }
 
     /// What the engine should do now (`now_ms`: the engine's clock, for prefetch timeouts).

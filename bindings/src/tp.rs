@@ -6,6 +6,12 @@
 //! in place with the element-wise minimum over ranks — e.g.
 //! `t = torch.from_numpy(v); torch.distributed.all_reduce(t, op=ReduceOp.MIN)` — and gets the
 //! agreed completion events back to feed to its scheduler.
+//!
+//! L3 losses are agreed the same way (`lost`, `lost_all`, then once per step on every rank
+//! `agree_losses(scheduler, all_gather)`): the union of every rank's losses is applied on every
+//! rank, so that no rank backs up or refetches a page the others still take to be in L3. The
+//! engine's `all_gather` gets this rank's int64 words and returns every rank's (e.g.
+//! `torch.distributed.all_gather_object`, or `all_gather` of arrays zero-padded to the longest).
 
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -16,7 +22,7 @@ use crate::plan::{event_from_py, event_to_py};
 use crate::sched::PyScheduler;
 
 fn agree_err(e: AgreementError) -> PyErr {
-    pyo3::exceptions::PyValueError::new_err(e.to_string())
+    crate::errors::base::AgreementError::new_err(e.to_string())
 }
 
 /// One rank's completions, reduced with the other ranks' once per step.
@@ -93,5 +99,65 @@ impl PyRankAgreement {
             .apply_reduced(&scheduler.inner, &v)
             .map_err(agree_err)?;
         evs.into_iter().map(|e| event_to_py(py, e)).collect()
+    }
+
+    /// Records keys this rank's store reported lost (``L3Store.drain_losses``), to be agreed
+    /// with the other ranks by ``agree_losses``; keys of other namespaces or ranks are
+    /// ignored. Returns the number recorded. Do not call ``Scheduler.l3_lost`` on one rank of
+    /// a tensor-parallel group: the ranks would diverge.
+    fn lost(&mut self, scheduler: &PyScheduler, keys: Vec<String>) -> usize {
+        self.inner.lost(&scheduler.inner, &keys)
+    }
+
+    /// This rank's loss journal overflowed: at the next agreement every rank clears every L3
+    /// mark.
+    fn lost_all(&mut self) {
+        self.inner.lost_all()
+    }
+
+    /// Losses recorded and not yet agreed: ``(pages, overflowed)``.
+    fn pending_losses(&self) -> (usize, bool) {
+        self.inner.pending_losses()
+    }
+
+    /// This rank's loss words (int64; page hashes as bit patterns): what ``agree_losses``
+    /// all-gathers.
+    fn loss_words<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let v: Vec<i64> = self
+            .inner
+            .loss_words()
+            .into_iter()
+            .map(|x| x as i64)
+            .collect();
+        PyArray1::from_vec(py, v)
+    }
+
+    /// Agrees L3 losses across ranks: calls ``all_gather(words)`` with this rank's int64
+    /// words, which must return every rank's words (this rank's included; a list of int64
+    /// arrays, zero padding allowed), and applies their union to ``scheduler`` (every L3 mark
+    /// if some rank overflowed). Collective: every rank calls it once per step, at the same
+    /// point. Raises ``AgreementError`` (nothing changed) on malformed words or when this
+    /// rank's own are missing. Returns the number of tree nodes whose L3 mark was cleared.
+    fn agree_losses(
+        &mut self,
+        py: Python<'_>,
+        mut scheduler: PyRefMut<'_, PyScheduler>,
+        all_gather: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let words = self.loss_words(py);
+        let ret = all_gather.call1((words,))?;
+        let type_err = || {
+            pyo3::exceptions::PyTypeError::new_err(
+                "all_gather must return a list of int64 arrays, one per rank",
+            )
+        };
+        let mut gathered: Vec<Vec<u64>> = Vec::new();
+        for item in ret.try_iter().map_err(|_| type_err())? {
+            let a: PyReadonlyArray1<'_, i64> = item?.extract().map_err(|_| type_err())?;
+            gathered.push(a.as_slice()?.iter().map(|&x| x as u64).collect());
+        }
+        self.inner
+            .apply_losses(&mut scheduler.inner, &gathered)
+            .map_err(agree_err)
     }
 }

@@ -191,3 +191,26 @@ def test_concurrent_use_is_an_error_not_a_race(cfg):
     for t in ts:
         t.join()
     s.check()
+
+
+def test_ops_done_checks_every_completion_before_applying_any():
+    # A batch with one valid completion and one bad one raises and applies neither: the
+    # engine can retry the valid one (before, it stayed applied and the count was lost).
+    s = kvtier.Scheduler(small_config(l3_enabled=True, prefetch_threshold=1))
+    s.submit(1, prompt(1, 41), 2)
+    s.submit(2, prompt(2, 41), 2)
+    qs = [o.id for o in s.next_execution_plan(0).ops if o.kind == "L3Query"]
+    assert len(qs) == 2 and s.ops_in_flight() == 2
+    with pytest.raises(kvtier.UnknownOpError):
+        s.ops_done([qs[0], 999], ["L3Query", "L3Query"], [0, 0])
+    assert s.ops_in_flight() == 2, "the valid completion was applied although the batch raised"
+    with pytest.raises(kvtier.DuplicateCompletionError):
+        s.ops_done([qs[0], qs[0]], ["L3Query", "L3Query"], [0, 0])
+    with pytest.raises(kvtier.WrongCompletionKindError):
+        s.ops_done([qs[0], qs[1]], ["L3Query", "BackUp"], [0, 1])
+    with pytest.raises(kvtier.BadCompletionError):
+        s.ops_done([qs[0], qs[1]], ["L3Query", "L3Query"], [0, 99])
+    assert s.ops_in_flight() == 2
+    assert s.ops_done(qs, ["L3Query", "L3Query"], [0, 0]) == 2
+    assert s.ops_in_flight() == 0
+    s.check()

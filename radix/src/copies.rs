@@ -79,7 +79,9 @@ impl RadixCache {
     /// page being copied, as an exclusive cache would drop them first). Fails without evicting
     /// anything ([`RadixError::PoolExhausted`]) if that does not give `n` pages: copying a page
     /// colder than everything on `T` would only push out a warmer one (and, for a demotion,
-    /// make the two take turns forever). Tenant caps are the caller's to check.
+    /// make the two take turns forever). Leaves of other capped tenants within their caps are
+    /// spared (see [`crate::tenant`]); the pages count against the node owner's cap until
+    /// given to the tree, but the cap itself is the caller's to check.
     pub fn alloc_for_copy<T: Tier>(
         &mut self,
         node: NodeId,
@@ -87,12 +89,16 @@ impl RadixCache {
         n: usize,
     ) -> Result<Vec<PageId<T>>, RadixError> {
         let rank = self.policy.rank(self.node(node)?, from);
+        let owner = self.node(node)?.tenant;
         let free = self.usage(T::KIND).free;
         let mut victims = Vec::new();
         let mut room = free;
         for &(r, _, id) in &self.books[T::KIND as usize].evictable {
             if room >= n || r >= rank {
                 break;
+            }
+            if self.tenant_protected(self.nodes[id].tenant, owner, T::KIND) {
+                continue;
             }
             room += self.nodes[id].len();
             victims.push(id);
@@ -107,7 +113,9 @@ impl RadixCache {
         for id in victims {
             self.evict_node::<T>(id)?;
         }
-        self.alloc::<T>(n)
+        let pages = self.alloc::<T>(n)?;
+        self.tag_held(owner, T::KIND, pages.iter().map(|p| p.index()));
+        Ok(pages)
     }
 
     /// The tenant that owns `id` (whose insert created it).

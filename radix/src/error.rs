@@ -27,6 +27,16 @@ pub enum RadixError {
         requested: usize,
         available: usize,
     },
+    #[error(
+        "tenant {tenant} holds {charged} {tier} pages of its quota of {cap}, none of them evictable; {requested} more do not fit"
+    )]
+    TenantQuota {
+        tier: TierKind,
+        tenant: u64,
+        charged: usize,
+        cap: usize,
+        requested: usize,
+    },
     #[error("{tier} page {page} is out of range (capacity {capacity})")]
     InvalidPage {
         tier: TierKind,

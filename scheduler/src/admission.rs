@@ -22,6 +22,14 @@ enum Admit {
     Deferred,
     /// Does not fit now; stop admitting.
     Blocked,
+    /// Its tenant is at its device quota: it waits, the requests behind it are still tried
+    /// (another tenant's usage must not hold them up).
+    OverQuota,
+}
+
+/// An allocation refused by the tenant's own quota: only the tenant's own requests make room.
+fn own_quota(e: &kvtier_radix::RadixError) -> bool {
+    matches!(e, kvtier_radix::RadixError::TenantQuota { .. })
 }
 
 impl Scheduler {
@@ -57,8 +65,8 @@ impl Scheduler {
                 let tenant = r.tenant;
                 let page = match self.cache.alloc_evicting_for::<Device>(tenant, 1) {
                     Ok(p) => p,
-                    Err(_) => {
-                        if !self.retract_for(id) {
+                    Err(e) => {
+                        if !self.retract_for(id, own_quota(&e)) {
                             continue;
                         }
                         match self.cache.alloc_evicting_for::<Device>(tenant, 1) {
@@ -140,7 +148,7 @@ impl Scheduler {
                     Ok(p) => Some(p),
                     // Decode growth ate the pages this prefill was admitted with: preempt
                     // someone (possibly this request) rather than wait forever.
-                    Err(_) if self.retract_for(id) => {
+                    Err(e) if self.retract_for(id, own_quota(&e)) => {
                         self.cache.alloc_evicting_for::<Device>(tenant, need).ok()
                     }
                     Err(_) => None,
@@ -214,6 +222,13 @@ impl Scheduler {
             }
             match self.try_admit(id, budget, batch, rows) {
                 Admit::Admitted | Admit::Deferred => {}
+                Admit::OverQuota => {
+                    // Its tenant's prefetch pins behind it give way (they count against the
+                    // same quota); either way the requests behind it are tried.
+                    if self.unpin_device_prefetches_behind(id) {
+                        let _ = self.try_admit(id, budget, batch, rows);
+                    }
+                }
                 Admit::Blocked => {
                     // The pins behind the head give way for it; if any did, the head gets
                     // its chance in this pass. Waiting for the next pass instead stalled an
@@ -372,17 +387,26 @@ impl Scheduler {
             return Admit::Blocked;
         }
         let tenant = self.tenant_of(id);
-        let fresh = match self
-            .cache
-            .alloc_evicting_for::<Device>(tenant, lb + new_pages)
-        {
+        // Quotas: other tenants within theirs are spared while something runs (its pages come
+        // back); with nothing running or in flight, waiting would be forever: last resort.
+        let idle = self.running.is_empty() && self.ops.is_empty();
+        let fresh = match if idle {
+            self.cache
+                .alloc_evicting_for_last_resort::<Device>(tenant, lb + new_pages)
+        } else {
+            self.cache
+                .alloc_evicting_for::<Device>(tenant, lb + new_pages)
+        } {
             Ok(p) => p,
-            Err(_) => {
+            Err(e) => {
                 release::unlock(&mut self.cache, &mut self.stats, dl);
                 if let Some(h) = hl {
                     release::unlock(&mut self.cache, &mut self.stats, h);
                 }
-                return Admit::Blocked;
+                return match e {
+                    kvtier_radix::RadixError::TenantQuota { .. } => Admit::OverQuota,
+                    _ => Admit::Blocked,
+                };
             }
         };
         // The load-back's destination, then the page table: the device match's pages and the

@@ -17,6 +17,9 @@
 //! tensor), decoded back into events. Ops in flight are identical on every rank because the
 //! plans are, so the vectors line up.
 //!
+//! L3 *losses* need the same agreement (one rank's store lost a page, the others' did not):
+//! see `agreed_losses.rs` ([`RankAgreement::lost`], [`RankAgreement::agree_losses`]).
+//!
 //! [`ExecutionPlan::digest`] is a cheap, rank-independent fingerprint of a plan (L3 keys are
 //! hashed without their rank suffix) for a debug mode that all-gathers it and stops at the
 //! first step where ranks disagree.
@@ -44,12 +47,26 @@ pub enum AgreementError {
     Duplicate(OpId),
     #[error("reduced vector has {got} values, {expected} ops are in flight")]
     Length { expected: usize, got: usize },
+    /// The reduction is not a minimum (a SUM or MAX all-reduce configured by mistake): a
+    /// value exceeds this rank's own, e.g. it completes an op this rank has not finished.
+    #[error(
+        "reduced value {reduced} for op {op:?} is above this rank's own {own}: not the minimum over ranks (reduce with MIN)"
+    )]
+    NotMinimum { op: OpId, own: u64, reduced: u64 },
+    #[error("loss words of rank {rank}: {why}")]
+    BadLossWords { rank: usize, why: &'static str },
+    #[error("the gathered losses leave out losses this rank recorded (its own words are missing)")]
+    OwnLossesMissing,
 }
 
 /// One rank's completions of a step, waiting to be reduced with the other ranks'.
 #[derive(Clone, Debug, Default)]
 pub struct RankAgreement {
     done: BTreeMap<OpId, Slot>,
+    /// Pages this rank's store reported lost, not yet agreed (`agreed_losses.rs`).
+    pub(crate) lost: std::collections::BTreeSet<kvtier_radix::PageHash>,
+    /// This rank's loss report overflowed, not yet agreed.
+    pub(crate) lost_all: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -130,19 +147,25 @@ impl RankAgreement {
     /// Reduces this step's completions across ranks and returns the agreed events, to be fed to
     /// `sched` in order. `all_reduce_min` must replace each element with its minimum over all
     /// ranks (every rank calls `reduce` once per step, with the same ops in flight). Ops not
-    /// yet done on some rank stay recorded for a later step.
+    /// yet done on some rank stay recorded for a later step. A reduced vector that cannot be
+    /// the minimum (see [`Self::apply_reduced`]) is refused and nothing changes.
     pub fn reduce(
         &mut self,
         sched: &Scheduler,
         all_reduce_min: impl FnOnce(&mut [u64]),
-    ) -> Vec<Event> {
+    ) -> Result<Vec<Event>, AgreementError> {
         let mut v = self.values(sched);
         all_reduce_min(&mut v);
-        self.apply_reduced(sched, &v).unwrap_or_default()
+        self.apply_reduced(sched, &v)
     }
 
     /// The second half of [`Self::reduce`], for callers that reduce [`Self::values`]
     /// themselves: the agreed events for the element-wise minimum `reduced`.
+    ///
+    /// Checked whole before anything is consumed: the length must match the ops in flight,
+    /// and no value may exceed this rank's own ([`AgreementError::NotMinimum`]): a minimum
+    /// over ranks never does, while a SUM or MAX reduction would complete ops this rank never
+    /// finished, or with more pages than it holds.
     pub fn apply_reduced(
         &mut self,
         sched: &Scheduler,
@@ -154,6 +177,16 @@ impl RankAgreement {
                 expected: ops.len(),
                 got: reduced.len(),
             });
+        }
+        let own = self.values(sched);
+        for (((op, _), &x), &mine) in ops.iter().zip(reduced).zip(&own) {
+            if x > mine {
+                return Err(AgreementError::NotMinimum {
+                    op: *op,
+                    own: mine,
+                    reduced: x,
+                });
+            }
         }
         let mut out = Vec::new();
         for ((op, kind), &x) in ops.iter().zip(reduced) {

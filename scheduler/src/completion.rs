@@ -15,6 +15,14 @@ use crate::request::L3Progress;
 use crate::scheduler::{RowKind, Scheduler};
 use crate::types::*;
 
+/// An op completion that passed the checks that do not involve its request's state.
+struct CheckedOp {
+    op: OpId,
+    success: bool,
+    /// The event the completion applies to its request.
+    req_event: Option<(RequestId, RequestEvent)>,
+}
+
 impl Scheduler {
     /// An op's completion: validated as a whole first (nothing changes on `Err`), then applied
     /// by the handler of its kind.
@@ -72,10 +80,69 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Many op completions at once (Python `Scheduler.ops_done`): the whole batch is checked
+    /// before any of it is applied, so on `Err` nothing changed and the engine can resend the
+    /// valid ones. Each completion is checked as [`Scheduler::on_event`] would; an op may
+    /// appear once (`DuplicateCompletion` otherwise), a forward result not at all
+    /// (`NotAnOpCompletion`), and completions of one request are checked in order against the
+    /// state the earlier ones of the batch leave it in. Returns the number applied.
+    pub fn on_op_events(&mut self, evs: Vec<Event>) -> Result<usize, SchedulerError> {
+        let mut seen = crate::idhash::IdSet::default();
+        let mut states: IdMap<RequestId, RequestState> = IdMap::default();
+        for ev in &evs {
+            let Some(c) = self.check_op_done(ev)? else {
+                if let Event::ForwardDone { step, .. } = ev {
+                    return Err(SchedulerError::NotAnOpCompletion(*step));
+                }
+                continue;
+            };
+            if !seen.insert(c.op) {
+                return Err(SchedulerError::DuplicateCompletion(c.op));
+            }
+            if let Some((rid, e)) = c.req_event {
+                let r = self
+                    .reqs
+                    .get(&rid)
+                    .ok_or(SchedulerError::UnknownRequest(rid))?;
+                let now = states.get(&rid).unwrap_or(&r.state);
+                let next = now
+                    .next_state(&e)
+                    .map_err(|reason| SchedulerError::IllegalEvent {
+                        req: rid,
+                        state: now.kind(),
+                        event: e.kind(),
+                        reason,
+                    })?;
+                states.insert(rid, next);
+            }
+        }
+        let n = evs.len();
+        for ev in evs {
+            self.on_op_done(ev)?;
+        }
+        Ok(n)
+    }
+
     /// Checks an op completion without changing anything: the op is in flight, the completion
     /// is of its kind, its payload is within bounds and the request's FSM accepts it. Returns
     /// the op and whether it succeeded (`None` for a forward result, handled elsewhere).
     fn validate_op_done(&self, ev: &Event) -> Result<Option<(OpId, bool)>, SchedulerError> {
+        let Some(c) = self.check_op_done(ev)? else {
+            return Ok(None);
+        };
+        if let Some((rid, e)) = &c.req_event {
+            let r = self
+                .reqs
+                .get(rid)
+                .ok_or(SchedulerError::UnknownRequest(*rid))?;
+            self.check_event(r, e)?;
+        }
+        Ok(Some((c.op, c.success)))
+    }
+
+    /// The checks of [`Self::validate_op_done`] that do not involve the request's state;
+    /// returns the request event the completion will apply.
+    fn check_op_done(&self, ev: &Event) -> Result<Option<CheckedOp>, SchedulerError> {
         let Some((op, claimed)) = ev.op_kind() else {
             return Ok(None);
         };
@@ -148,14 +215,11 @@ impl Scheduler {
             }
             _ => None,
         };
-        if let (Some(e), Some(rid)) = (&req_event, rec.req) {
-            let r = self
-                .reqs
-                .get(&rid)
-                .ok_or(SchedulerError::UnknownRequest(rid))?;
-            self.check_event(r, e)?;
-        }
-        Ok(Some((op, success)))
+        Ok(Some(CheckedOp {
+            op,
+            success,
+            req_event: req_event.and_then(|e| rec.req.map(|rid| (rid, e))),
+        }))
     }
 
     /// `L3QueryDone`: record what the probe found; the request waits for admission again.

@@ -142,8 +142,8 @@ pub struct SchedulerConfig {
     /// How the device and host tiers choose what to evict.
     #[serde(default)]
     pub eviction: EvictionPolicy,
-    /// Pages each tenant (each distinct `cache_salt`) may keep cached per tier, so that one
-    /// tenant's burst cannot flush another's prefixes (default: no caps).
+    /// Pages each tenant (each distinct `cache_salt`) may hold per tier, cached or in use, so
+    /// that one tenant's burst cannot flush another's prefixes (default: no caps).
     #[serde(default)]
     pub tenant_quota: TenantQuota,
     /// When device pages get a host copy: at finish (inclusive tiers) or on demotion.
@@ -151,9 +151,11 @@ pub struct SchedulerConfig {
     pub host_admission: HostAdmission,
 }
 
-/// Per-tenant caps on cached pages (a tenant is a request's `cache_salt`; unsalted requests
-/// share the uncapped common space). A capped tenant's allocations evict its own leaves
-/// first once it holds its cap.
+/// Per-tenant caps on pages per tier (a tenant is a request's `cache_salt`; unsalted requests
+/// share the uncapped common space). A cap bounds the tenant's cached pages plus the pages
+/// held for its requests (running requests, prefetches, copies); at its cap a tenant's
+/// allocations evict its own leaves, and nobody's allocation evicts a tenant within its cap.
+/// See `docs/scheduler.md` (Isolation) for the full rule.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TenantQuota {

@@ -129,7 +129,7 @@ impl Scheduler {
     fn alloc_demotion(&mut self, end: NodeId, n: usize) -> Option<Vec<HostPageId>> {
         let owner = self.cache.owner(end).ok()?;
         if let (Some(cached), Some(cap)) = (
-            self.cache.tenant_cached(owner, TierKind::Host),
+            self.cache.tenant_charge(owner, TierKind::Host),
             self.cfg.tenant_quota.host_pages,
         ) && cached + n > cap as usize
         {

@@ -32,6 +32,10 @@ pub enum SchedulerError {
         end: u32,
         prompt_len: usize,
     },
+    #[error(
+        "request needs up to {pages} device pages, more than its tenant's device quota of {quota}"
+    )]
+    ExceedsTenantQuota { pages: usize, quota: u32 },
     #[error("unknown op {0:?}")]
     UnknownOp(OpId),
     #[error("op {0:?} already completed (duplicated or late completion)")]
@@ -67,6 +71,8 @@ pub enum SchedulerError {
         event: RequestEventKind,
         reason: IllegalReason,
     },
+    #[error("forward result of step {0:?} in a batch of op completions (report it with on_event)")]
+    NotAnOpCompletion(StepId),
     #[error("cache: {0}")]
     Cache(#[from] RadixError),
 }

@@ -16,11 +16,13 @@
 //! - `ops.rs`: the in-flight op table with the locks each op holds;
 //! - `prefetch.rs`: the prefetch path (start, deadline, finish, pin until admission);
 //! - `agreement.rs`: tensor-parallel agreement ([`RankAgreement`], [`ExecutionPlan::digest`]);
+//!   `agreed_losses.rs`: the same for L3 losses (the union of every rank's, on every rank);
 //! - `stats.rs`: counters, also exported through the `metrics` facade;
 //! - [`model`]: the reference engine model (page contents, page tables, the integrity oracle)
 //!   shared by the scheduler's tests, the simulator and the end-to-end tests.
 
 mod admission;
+mod agreed_losses;
 mod agreement;
 mod check;
 mod completion;
@@ -39,7 +41,8 @@ mod stats;
 mod submit;
 mod types;
 
-pub use agreement::{AgreementError, RankAgreement};
+pub use agreed_losses::LOSS_WORDS_TAG;
+pub use agreement::{AgreementError, RankAgreement, SKIPPED};
 pub use config::{
     ConfigError, HostAdmission, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig,
     TenantQuota, WritePolicy,

@@ -356,13 +356,19 @@ impl Scheduler {
     /// Write-back policy: before host evicts a page L3 lacks, back it up. Evicts LRU host leaves
     /// already in L3; for the others issues backups (which pin them until done) and stops once
     /// free pages plus pages being backed up cover `n`.
-    pub(crate) fn make_room_on_host(&mut self, n: usize) {
+    /// Leaves of other tenants within their host quota are spared (docs/scheduler.md).
+    pub(crate) fn make_room_on_host(&mut self, tenant: kvtier_radix::TenantId, n: usize) {
         let mut pending = 0usize;
         for _ in 0..100_000 {
             if self.cache.usage(kvtier_radix::TierKind::Host).free + pending >= n {
                 return;
             }
-            let Some(node) = self.cache.evictable_lru::<Host>().next() else {
+            let cache = &self.cache;
+            let Some(node) = cache.evictable_lru::<Host>().find(|&id| {
+                cache
+                    .owner(id)
+                    .is_ok_and(|o| !cache.tenant_protected(o, tenant, kvtier_radix::TierKind::Host))
+            }) else {
                 return;
             };
             if self.cache.in_l3(node) == Ok(true) {
@@ -384,8 +390,12 @@ impl Scheduler {
     }
 
     /// Device is out of pages for `needy`'s next decode token: retract a victim. Returns true if
-    /// device pages were freed at once (a victim written back to host frees them later).
-    pub(crate) fn retract_for(&mut self, needy: RequestId) -> bool {
+    /// device pages were freed at once (a victim written back to host frees them later). When
+    /// `same_tenant`, the allocation was refused by `needy`'s tenant quota: only that tenant's
+    /// requests are candidates (retracting another's would not help, and would make one
+    /// tenant's load cost another its progress).
+    pub(crate) fn retract_for(&mut self, needy: RequestId, same_tenant: bool) -> bool {
+        let tenant = self.tenant_of(needy);
         let mut best: Option<(RequestId, (u64, u64))> = None;
         for &id in self.running.values() {
             if id == needy {
@@ -397,6 +407,9 @@ impl Scheduler {
             let Some(r) = self.reqs.get(&id) else {
                 continue;
             };
+            if same_tenant && r.tenant != tenant {
+                continue;
+            }
             let key = match self.cfg.retraction {
                 RetractionPolicy::LatestArrival => (r.seq, 0),
                 RetractionPolicy::FewestGenerated => (u64::MAX - r.generated() as u64, r.seq),

@@ -171,11 +171,25 @@ impl Scheduler {
     /// backup or prefetch and is otherwise a *hint*; L3 evicts on its own schedule. Without the
     /// report, a page dropped from host under write-back on the strength of a stale flag is
     /// gone from every tier.
+    ///
+    /// Under tensor parallelism, do not call it on the rank that heard of the loss alone: the
+    /// ranks would diverge. Record the keys with `RankAgreement::lost` instead, which applies
+    /// the union of every rank's losses on every rank.
     pub fn l3_lost<K: AsRef<str>>(&mut self, keys: &[K]) -> usize {
         let lost: std::collections::HashSet<PageHash> = keys
             .iter()
             .filter_map(|k| self.keys.page_of(k.as_ref()))
             .collect();
+        self.forget_l3_pages(lost)
+    }
+
+    /// [`Self::l3_lost`] by page hash (the same on every rank and namespace-free: what
+    /// `RankAgreement` applies). Returns the number of tree nodes whose L3 flag was cleared.
+    pub fn l3_lost_pages(&mut self, pages: &[PageHash]) -> usize {
+        self.forget_l3_pages(pages.iter().copied().collect())
+    }
+
+    fn forget_l3_pages(&mut self, lost: std::collections::HashSet<PageHash>) -> usize {
         // A loss can overtake the completion of the backup that stored the page: remember it,
         // so that the `BackUpDone` does not mark the page as in L3 again.
         self.lost_in_backup.extend(
@@ -190,7 +204,8 @@ impl Scheduler {
 
     /// The store's loss report was incomplete (its journal overflowed): no L3 mark can be
     /// trusted, so every one is cleared, as by [`Self::l3_lost`] for every page. Returns the
-    /// number of tree nodes whose L3 flag was cleared.
+    /// number of tree nodes whose L3 flag was cleared. Under tensor parallelism, use
+    /// `RankAgreement::lost_all` (see [`Self::l3_lost`]).
     pub fn l3_lost_all(&mut self) -> usize {
         self.lost_in_backup.extend(self.backing_up.iter().copied());
         let n = self.cache.forget_l3_all();
@@ -418,8 +433,8 @@ impl Scheduler {
             return Some(Vec::new());
         }
         if self.cfg.write_policy == crate::config::WritePolicy::WriteBack && self.cfg.l3_enabled {
-            self.make_room_on_host(n);
-            return self.cache.alloc::<Host>(n).ok();
+            self.make_room_on_host(tenant, n);
+            return self.cache.alloc_for::<Host>(tenant, n).ok();
         }
         self.cache.alloc_evicting_for::<Host>(tenant, n).ok()
     }

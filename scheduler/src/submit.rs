@@ -40,6 +40,14 @@ impl Scheduler {
                 max: self.cfg.max_context_tokens,
             });
         }
+        // A request that alone needs more device pages than its tenant may hold could never
+        // finish (it would retract itself forever): refused up front.
+        if let (Some(_), Some(quota)) = (&spec.cache_salt, self.cfg.tenant_quota.device_pages) {
+            let pages = total.div_ceil(self.cfg.page_size);
+            if pages > quota as usize {
+                return Err(SchedulerError::ExceedsTenantQuota { pages, quota });
+            }
+        }
         for (index, k) in spec.extra_keys.iter().enumerate() {
             if k.start >= k.end || k.end as usize > spec.prompt.len() {
                 return Err(SchedulerError::BadExtraKey {
@@ -115,12 +123,7 @@ impl Scheduler {
     /// The tenant a cache salt names (never `SHARED`); registers its caps on first sight when
     /// `tenant_quota` sets any.
     fn tenant_for_salt(&mut self, salt: &str) -> TenantId {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in b"kvtier-tenant-v1".iter().chain(salt.as_bytes()) {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x100_0000_01b3);
-        }
-        let t = TenantId(h.max(1));
+        let t = tenant_id(salt);
         let q = self.cfg.tenant_quota;
         let capped = q.device_pages.is_some() || q.host_pages.is_some();
         if capped && self.cache.tenant_cached(t, TierKind::Device).is_none() {
@@ -130,5 +133,24 @@ impl Scheduler {
                 .set_tenant_cap(t, TierKind::Host, q.host_pages.map(|x| x as usize));
         }
         t
+    }
+}
+
+/// The tenant a cache salt names (never `SHARED`).
+fn tenant_id(salt: &str) -> TenantId {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in b"kvtier-tenant-v1".iter().chain(salt.as_bytes()) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x100_0000_01b3);
+    }
+    TenantId(h.max(1))
+}
+
+impl Scheduler {
+    /// The pages of tier `t` that count against the quota of the tenant `cache_salt` names:
+    /// cached in its tree nodes plus held for its requests, prefetches and copies. `None`
+    /// when no quota is configured or the salt was never seen.
+    pub fn tenant_pages(&self, cache_salt: &str, t: TierKind) -> Option<usize> {
+        self.cache.tenant_charge(tenant_id(cache_salt), t)
     }
 }

@@ -76,19 +76,68 @@ enum Mode {
     Unreduced,
 }
 
+/// What one rank's store lost at a step, while the other rank's store kept everything.
+#[derive(Clone, Debug)]
+enum Loss {
+    /// The store lost these of its keys (indices into its sorted keys, modulo their number)
+    /// and its journal reports them: the engine passes them on.
+    Keys(Vec<usize>),
+    /// The store lost one key (as `Keys`) and its journal overflowed: the engine can only say
+    /// "everything may be lost" (`l3_lost_all`).
+    All(usize),
+}
+
+/// Two ranks' inputs: prompts (seed, length, step at which both ranks receive it), the pages
+/// (by index over the prompts' pages) rank 1's L3 lacks from the start, one-sided store losses
+/// `(step, rank, loss)`, and the seed of each rank's op-completion order.
+#[derive(Clone, Debug)]
+struct Workload {
+    prompts: Vec<(u32, usize, u64)>,
+    missing: Vec<usize>,
+    losses: Vec<(u64, u32, Loss)>,
+    seed: u64,
+}
+
+impl Workload {
+    fn at_start(prompts: &[(u32, usize)], missing: &[usize], seed: u64) -> Workload {
+        Workload {
+            prompts: prompts.iter().map(|&(p, l)| (p, l, 0)).collect(),
+            missing: missing.to_vec(),
+            losses: vec![],
+            seed,
+        }
+    }
+}
+
+/// Removes `loss`'s keys from the rank's store; returns the keys its journal reports, or
+/// `None` if it overflowed.
+fn lose(r: &mut Rank, loss: &Loss) -> Option<Vec<String>> {
+    let mut keys: Vec<String> = r.e.l3.keys().cloned().collect();
+    keys.sort();
+    let pick = |i: &usize| (!keys.is_empty()).then(|| keys[i % keys.len()].clone());
+    let (gone, overflowed): (Vec<String>, bool) = match loss {
+        Loss::Keys(ix) => (ix.iter().filter_map(pick).collect(), false),
+        Loss::All(i) => (pick(i).into_iter().collect(), true),
+    };
+    for k in &gone {
+        r.e.l3.remove(k);
+    }
+    (!overflowed).then_some(gone)
+}
+
 /// Runs the workload on two ranks; returns, per step, the two plans' digests and whether the
 /// normalized plans were equal.
-fn run(prompts: &[(u32, usize)], lost: &[usize], seed: u64, mode: Mode) -> Vec<(u64, u64, bool)> {
+fn run(w: &Workload, mode: Mode) -> Vec<(u64, u64, bool)> {
     let mut ranks: Vec<Rank> = (0..2)
         .map(|r| {
             let c = cfg_for(r);
             let mut e = Engine::new(&c);
-            // Each rank's shard of every prompt page is in its L3, except what rank 1 lost.
+            // Each rank's shard of every prompt page is in its L3, except what rank 1 lacks.
             let kb = c.namespace.keys_for_rank(r);
             let mut n = 0;
-            for &(p, len) in prompts {
+            for &(p, len, _) in &w.prompts {
                 for h in kvtier_radix::page_hashes(&prompt(p, len), c.page_size, None) {
-                    if !(r == 1 && lost.contains(&n)) {
+                    if !(r == 1 && w.missing.contains(&n)) {
                         e.l3.insert(kb.key(&h), h);
                     }
                     n += 1;
@@ -98,19 +147,48 @@ fn run(prompts: &[(u32, usize)], lost: &[usize], seed: u64, mode: Mode) -> Vec<(
                 s: Scheduler::new(c).unwrap(),
                 e,
                 agree: RankAgreement::new(),
-                rng: seed.wrapping_mul(2 * r as u64 + 1) | 1,
+                rng: w.seed.wrapping_mul(2 * r as u64 + 1) | 1,
             }
         })
         .collect();
-    for (i, &(p, len)) in prompts.iter().enumerate() {
-        for r in &mut ranks {
-            r.e.submit(&mut r.s, i as u64, prompt(p, len), 3);
-        }
-    }
+    let last_input = w
+        .prompts
+        .iter()
+        .map(|p| p.2)
+        .chain(w.losses.iter().map(|l| l.0))
+        .max()
+        .unwrap_or(0);
     let mut steps = Vec::new();
     for t in 0..3000u64 {
-        if ranks.iter().all(|r| r.s.is_idle()) {
+        if t > last_input && ranks.iter().all(|r| r.s.is_idle()) {
             break;
+        }
+        for (i, &(p, len, at)) in w.prompts.iter().enumerate() {
+            if at == t {
+                for r in &mut ranks {
+                    r.e.submit(&mut r.s, i as u64, prompt(p, len), 3);
+                }
+            }
+        }
+        // One rank's store loses objects; only that rank's engine hears of it.
+        for (at, rank, loss) in &w.losses {
+            if *at != t {
+                continue;
+            }
+            let r = &mut ranks[*rank as usize];
+            let reported = lose(r, loss);
+            match (mode, reported) {
+                (Mode::Agreed, Some(keys)) => {
+                    r.agree.lost(&r.s, &keys);
+                }
+                (Mode::Agreed, None) => r.agree.lost_all(),
+                (Mode::Unreduced, Some(keys)) => {
+                    r.s.l3_lost(&keys);
+                }
+                (Mode::Unreduced, None) => {
+                    r.s.l3_lost_all();
+                }
+            }
         }
         let plans: Vec<ExecutionPlan> = ranks
             .iter_mut()
@@ -149,10 +227,15 @@ fn run(prompts: &[(u32, usize)], lost: &[usize], seed: u64, mode: Mode) -> Vec<(
             assert_eq!(v0.len(), v1.len(), "ops in flight differ between ranks");
             let min: Vec<u64> = v0.iter().zip(&v1).map(|(a, b)| *a.min(b)).collect();
             for r in &mut ranks {
-                let evs = r.agree.reduce(&r.s, |v| v.copy_from_slice(&min));
+                let evs = r.agree.reduce(&r.s, |v| v.copy_from_slice(&min)).unwrap();
                 for ev in evs {
                     r.s.on_event(ev).unwrap();
                 }
+            }
+            // The losses: every rank's words all-gathered, the union applied on every rank.
+            let words: Vec<Vec<u64>> = ranks.iter().map(|r| r.agree.loss_words()).collect();
+            for r in &mut ranks {
+                r.agree.apply_losses(&mut r.s, &words).unwrap();
             }
             if ranks.iter().all(|r| r.forward_ready()) {
                 for r in &mut ranks {
@@ -176,20 +259,37 @@ fn run(prompts: &[(u32, usize)], lost: &[usize], seed: u64, mode: Mode) -> Vec<(
     steps
 }
 
-fn workload() -> impl Strategy<Value = (Vec<(u32, usize)>, Vec<usize>, u64)> {
+fn loss() -> impl Strategy<Value = Loss> {
+    prop_oneof![
+        4 => prop::collection::vec(0..64usize, 1..5).prop_map(Loss::Keys),
+        1 => (0..64usize).prop_map(Loss::All),
+    ]
+}
+
+fn workload() -> impl Strategy<Value = Workload> {
     (
-        prop::collection::vec((0..4u32, 9..60usize), 1..8),
+        prop::collection::vec((0..4u32, 9..60usize, 0..60u64), 1..8),
         prop::collection::vec(0..40usize, 0..12),
+        prop::collection::vec((0..80u64, 0..2u32, loss()), 0..5),
         1..u64::MAX,
     )
+        .prop_map(|(prompts, missing, losses, seed)| Workload {
+            prompts,
+            missing,
+            losses,
+            seed,
+        })
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
+    /// Ops finish at different times on each rank, rank 1's L3 lacks some shards, and either
+    /// rank's store loses objects mid-run (reported to that rank only, or its journal
+    /// overflows): with the agreement every plan is the same on both ranks.
     #[test]
-    fn agreed_ranks_plan_identically_every_step((prompts, lost, seed) in workload()) {
-        let steps = run(&prompts, &lost, seed, Mode::Agreed);
+    fn agreed_ranks_plan_identically_every_step(w in workload()) {
+        let steps = run(&w, Mode::Agreed);
         for (i, (d0, d1, same)) in steps.into_iter().enumerate() {
             prop_assert!(same, "step {}: plans differ", i);
             prop_assert_eq!(d0, d1, "step {}: digests differ on equal plans", i);
@@ -199,8 +299,8 @@ proptest! {
     /// Without agreement, wherever the ranks' plans first differ the digests differ too (and
     /// they are equal at every step before it).
     #[test]
-    fn the_digest_names_the_step_where_unreduced_ranks_diverge((prompts, lost, seed) in workload()) {
-        let steps = run(&prompts, &lost, seed, Mode::Unreduced);
+    fn the_digest_names_the_step_where_unreduced_ranks_diverge(w in workload()) {
+        let steps = run(&w, Mode::Unreduced);
         for (i, (d0, d1, same)) in steps.iter().enumerate() {
             prop_assert_eq!(d0 == d1, *same, "step {}", i);
         }
@@ -209,9 +309,9 @@ proptest! {
 
 #[test]
 fn unreduced_ranks_do_diverge() {
-    // The agreement is needed: rank 1 lost shards, so without it the plans part ways.
-    let prompts = [(1, 41), (2, 41), (1, 57)];
-    let steps = run(&prompts, &[3, 12], 7, Mode::Unreduced);
+    // The agreement is needed: rank 1 lacks shards, so without it the plans part ways.
+    let w = Workload::at_start(&[(1, 41), (2, 41), (1, 57)], &[3, 12], 7);
+    let steps = run(&w, Mode::Unreduced);
     let first = steps.iter().position(|s| !s.2).expect("ranks diverged");
     assert_ne!(
         steps[first].0, steps[first].1,
@@ -219,11 +319,36 @@ fn unreduced_ranks_do_diverge() {
     );
     assert!(steps[..first].iter().all(|s| s.0 == s.1));
     // ... and with the agreement they do not.
-    assert!(
-        run(&prompts, &[3, 12], 7, Mode::Agreed)
-            .iter()
-            .all(|s| s.2 && s.0 == s.1)
-    );
+    assert!(run(&w, Mode::Agreed).iter().all(|s| s.2 && s.0 == s.1));
+}
+
+/// Issue 19's case: same requests, every op answered identically, but rank 0's store lost 3
+/// keys of its shard and only rank 0 is told. Unagreed, the next finish backs the pages up
+/// on rank 0 only; agreed, both ranks forget them and back them up in the same step. The
+/// same with a journal overflow on rank 1 (`l3_lost_all` on one rank).
+#[test]
+fn one_sided_losses_are_agreed_across_ranks() {
+    for (rank, loss) in [(0, Loss::Keys(vec![0, 1, 2])), (1, Loss::All(0))] {
+        let w = Workload {
+            prompts: vec![(1, 41, 0), (1, 45, 40)],
+            missing: vec![],
+            losses: vec![(30, rank, loss.clone())],
+            seed: 11,
+        };
+        let steps = run(&w, Mode::Unreduced);
+        assert!(
+            steps.iter().any(|s| !s.2 && s.0 != s.1),
+            "{loss:?} on rank {rank}: unagreed ranks diverge"
+        );
+        let steps = run(&w, Mode::Agreed);
+        assert!(steps.len() > 40, "the second request ran");
+        for (i, s) in steps.iter().enumerate() {
+            assert!(
+                s.2 && s.0 == s.1,
+                "{loss:?} on rank {rank}: step {i} differs"
+            );
+        }
+    }
 }
 
 #[test]
@@ -243,4 +368,132 @@ fn agreement_rejects_forward_results_and_duplicates() {
     .unwrap();
     assert_eq!(a.skip(OpId(3)), Err(AgreementError::Duplicate(OpId(3))));
     assert_eq!(a.pending(), 1);
+}
+
+/// Two L3 probes in flight on one scheduler (rank 0 of a pair).
+fn two_probes() -> (Scheduler, OpId, OpId) {
+    let mut s = Scheduler::new(cfg_for(0)).unwrap();
+    let mut e = Engine::new(s.config());
+    e.submit(&mut s, 1, prompt(1, 41), 2);
+    e.submit(&mut s, 2, prompt(2, 41), 2);
+    let plan = s.next_execution_plan(0);
+    let ops: Vec<OpId> = plan.ops.iter().map(|o| o.id).collect();
+    assert_eq!(ops.len(), 2);
+    (s, ops[0], ops[1])
+}
+
+#[test]
+fn a_reduced_value_above_this_ranks_own_is_refused() {
+    // A SUM or MAX all-reduce configured by mistake: the "minimum" exceeds what this rank
+    // reported (3 hit pages), or completes an op this rank has not finished. No MIN over
+    // ranks can produce either; the reduction is refused and nothing is consumed.
+    let (s, q0, q1) = two_probes();
+    let mut a = RankAgreement::new();
+    a.push(Event::L3QueryDone {
+        op: q0,
+        hit_pages: 3,
+    })
+    .unwrap();
+    assert_eq!(a.values(&s), vec![4, 0]);
+    for bad in [[5, 0], [4, 6], [0, 3], [SKIPPED, 0]] {
+        let err = a.apply_reduced(&s, &bad).unwrap_err();
+        assert!(
+            matches!(err, AgreementError::NotMinimum { .. }),
+            "{bad:?}: {err:?}"
+        );
+        let mut b = a.clone();
+        assert_eq!(b.reduce(&s, |v| v.copy_from_slice(&bad)), Err(err));
+        assert_eq!(a.pending(), 1);
+    }
+    assert_eq!(
+        a.apply_reduced(&s, &[3, 0]).unwrap(),
+        vec![Event::L3QueryDone {
+            op: q0,
+            hit_pages: 2
+        }]
+    );
+    assert_eq!(a.pending(), 0);
+    let _ = q1;
+}
+
+#[test]
+fn a_batch_of_completions_is_checked_whole_before_any_is_applied() {
+    let (mut s, q0, q1) = two_probes();
+    let ok = |op| Event::L3QueryDone { op, hit_pages: 0 };
+    let bad_batches = [
+        (vec![ok(q0), ok(OpId(999))], "unknown op"),
+        (vec![ok(q0), ok(q0)], "twice in the batch"),
+        (
+            vec![
+                ok(q0),
+                Event::BackUpDone {
+                    op: q1,
+                    success: true,
+                },
+            ],
+            "wrong kind",
+        ),
+        (
+            vec![
+                ok(q0),
+                Event::L3QueryDone {
+                    op: q1,
+                    hit_pages: 99,
+                },
+            ],
+            "impossible payload",
+        ),
+        (
+            vec![
+                ok(q0),
+                Event::ForwardDone {
+                    step: StepId(1),
+                    outputs: vec![],
+                },
+            ],
+            "a forward result",
+        ),
+    ];
+    for (batch, why) in bad_batches {
+        assert!(s.on_op_events(batch).is_err(), "{why}");
+        assert_eq!(s.in_flight_ops().len(), 2, "{why}: something was applied");
+    }
+    assert_eq!(s.on_op_events(vec![ok(q0), ok(q1)]), Ok(2));
+    assert!(s.in_flight_ops().is_empty());
+    s.check().unwrap();
+}
+
+#[test]
+fn bad_loss_words_are_refused_and_change_nothing() {
+    let c = cfg_for(0);
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let mut e = Engine::new(&c);
+    e.submit(&mut s, 1, prompt(1, 41), 2);
+    e.run_to_idle(&mut s, 400);
+    let hashes = kvtier_radix::page_hashes(&prompt(1, 41), c.page_size, None);
+    let mut a = RankAgreement::new();
+    let keys = s.l3_keys(&hashes[..3]);
+    let other_rank = c.namespace.keys_for_rank(1).key(&hashes[0]);
+    assert_eq!(a.lost(&s, &[keys[0].clone(), other_rank, "junk".into()]), 1);
+    let mine = a.loss_words();
+    let mut padded = mine.clone();
+    padded.extend([0, 0]);
+    let bad: Vec<(Vec<Vec<u64>>, &str)> = vec![
+        (vec![vec![1, 2, 3]], "not loss words"),
+        (vec![mine.clone(), vec![LOSS_WORDS_TAG, 0, 2]], "short"),
+        (vec![mine.clone(), vec![LOSS_WORDS_TAG, 3, 0]], "flag"),
+        (vec![vec![LOSS_WORDS_TAG, 0, 0]], "own losses left out"),
+    ];
+    for (g, why) in bad {
+        assert!(a.apply_losses(&mut s, &g).is_err(), "{why}");
+        assert_eq!(a.pending_losses(), (1, false), "{why}");
+    }
+    assert_eq!(s.stats().l3_lost_nodes, 0, "nothing applied");
+    // The other rank reports a loss of its own: the union clears both pages' marks here.
+    let mut b = RankAgreement::new();
+    let s1 = Scheduler::new(cfg_for(1)).unwrap();
+    let k1 = c.namespace.keys_for_rank(1).key(&hashes[2]);
+    assert_eq!(b.lost(&s1, &[k1]), 1);
+    assert!(a.apply_losses(&mut s, &[b.loss_words(), padded]).unwrap() >= 1);
+    assert_eq!(a.pending_losses(), (0, false));
 }

@@ -141,7 +141,7 @@ fn two_ranks_agree_over_a_store_that_lost_one_ranks_shards() {
             .collect();
         let min: Vec<u64> = v[0].iter().zip(&v[1]).map(|(x, y)| *x.min(y)).collect();
         for (e, a) in ranks.iter_mut().zip(&mut agree) {
-            for ev in a.reduce(&e.s, |x| x.copy_from_slice(&min)) {
+            for ev in a.reduce(&e.s, |x| x.copy_from_slice(&min)).unwrap() {
                 e.s.on_event(ev).unwrap();
             }
         }

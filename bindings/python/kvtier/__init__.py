@@ -24,6 +24,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from . import _native
 from ._native import (  # noqa: F401  (re-exports)
+    AgreementError,
     BackUpDone,
     BadCompletionError,
     BufferOverflowError,
@@ -105,8 +106,9 @@ class SchedulerConfig:
     "most_pages"}, ``l3_sharing`` in {"per_rank", "replicated"} (with ``l3_leader_rank``: MLA
     models, where one rank probes and backs up for all). ``namespace`` is a dict with keys model, dtype, layout, tenant, adapter
     (it selects the L3 key namespace). ``tenant_quota_device_pages`` / ``tenant_quota_host_pages``
-    cap the pages each tenant (each distinct ``cache_salt``) keeps cached per tier (None: no
-    cap). ``eviction`` is ``"lru"`` (default), ``"freq-depth"`` or
+    cap the pages each tenant (each distinct ``cache_salt``) holds per tier, cached or in use
+    by its requests; no tenant's allocation evicts a tenant within its quota (None: no cap;
+    see docs/scheduler.md). ``eviction`` is ``"lru"`` (default), ``"freq-depth"`` or
     ``"freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE"`` (see docs/sim.md). ``host_admission`` is ``"on-finish"`` (default: pages computed on
     device get a host copy when their request finishes) or ``"on-device-eviction:AHEAD_PAGES"``
     (demotion: device pages are written to host just before device evicts them). ``validate()`` raises ``ConfigError`` naming the field.

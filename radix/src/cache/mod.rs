@@ -177,6 +177,9 @@ pub struct RadixCache {
     pub(crate) last_query: Option<(usize, PageHash)>,
     /// Tenants with a cap on some tier, and their books.
     pub(crate) tenants: TenantBooks,
+    /// Held pages allocated on behalf of a capped tenant, per tier (`[device, host]`): they
+    /// count against its cap until freed or given to the tree.
+    pub(crate) held_for: [std::collections::HashMap<u32, TenantId>; 2],
     /// Owner of the nodes the insert in progress creates.
     pub(crate) insert_owner: TenantId,
     pub(crate) record_events: bool,
@@ -240,6 +243,7 @@ impl RadixCache {
             traffic: 0,
             last_query: None,
             tenants: TenantBooks::new(),
+            held_for: Default::default(),
             insert_owner: TenantId::SHARED,
             record_events: cfg.record_events,
             events: Vec::new(),
@@ -317,7 +321,9 @@ impl RadixCache {
     /// Returns pages held by the caller to the pool (all-or-nothing).
     pub fn free<T: Tier>(&mut self, pages: &[PageId<T>]) -> Result<(), RadixError> {
         let raw: Vec<u32> = pages.iter().map(|p| p.index()).collect();
-        self.pool_mut(T::KIND).free_held(&raw)
+        self.pool_mut(T::KIND).free_held(&raw)?;
+        self.untag_held(T::KIND, &raw);
+        Ok(())
     }
 
     /// Who owns `page` (None if out of range).

@@ -26,6 +26,7 @@ impl RadixCache {
             self.traffic += pages.len() as u64;
         }
         self.pool_mut(t).mark_cached(pages);
+        self.untag_held(t, pages);
         let owner = self.nodes[id].tenant;
         self.tenant_pages(owner, t, pages.len(), 0);
         let node = &mut self.nodes[id];

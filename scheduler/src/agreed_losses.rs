@@ -1,0 +1,191 @@
+//! Tensor-parallel agreement on L3 losses: every rank forgets the same L3 marks in the same
+//! step.
+//!
+//! Why: each rank's store holds that rank's shard of every page under rank-suffixed keys, and
+//! loses objects on its own schedule. A rank whose store reports a loss clears the page's "in
+//! L3" mark (`Scheduler::l3_lost`); the other ranks, told nothing, keep it. At the next finish
+//! the first rank backs the page up and the others do not: the plans differ, and a collective
+//! that follows hangs. A journal overflow (`l3_lost_all`) on one rank does the same to every
+//! page. Losses therefore go through [`RankAgreement`] like op completions do: **the union of
+//! every rank's losses, applied on every rank at the same point of the same step**. A page
+//! lost on one rank is refetched or backed up again by all of them (the other ranks' copies
+//! are overwritten with the same content), which is what keeps the shards of a page
+//! consistent, too.
+//!
+//! How: a rank records its store's reports with [`RankAgreement::lost`] (its own keys,
+//! translated to page hashes, which are the same on every rank) and [`RankAgreement::lost_all`].
+//! Once per step every rank calls [`RankAgreement::agree_losses`] (or [`RankAgreement::loss_words`]
+//! and [`RankAgreement::apply_losses`]), which all-gathers each rank's words — a header and
+//! four words per lost page, three words when nothing was lost — and applies the union. The
+//! call is collective: every rank makes it every step, at the same point (e.g. right after
+//! [`RankAgreement::reduce`]), whether or not it has anything to report.
+
+use std::collections::BTreeSet;
+
+use kvtier_radix::PageHash;
+
+use crate::agreement::{AgreementError, RankAgreement};
+use crate::scheduler::Scheduler;
+
+/// First word of every rank's loss words ("kvtierL1"): a vector that does not start with it
+/// is not loss words (a mix-up with another collective's buffers).
+pub const LOSS_WORDS_TAG: u64 = 0x6b76_7469_6572_4c31;
+
+/// Words before the pages: tag, "everything lost" flag, number of pages.
+const HEADER: usize = 3;
+
+/// What one rank reported: every mark may be stale (journal overflow), and these pages.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Losses {
+    all: bool,
+    pages: BTreeSet<PageHash>,
+}
+
+fn page_words(h: &PageHash) -> [u64; 4] {
+    let mut w = [0u64; 4];
+    for (i, chunk) in h.0.chunks_exact(8).enumerate() {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(chunk);
+        w[i] = u64::from_be_bytes(b);
+    }
+    w
+}
+
+fn words_page(w: &[u64]) -> PageHash {
+    let mut h = [0u8; 32];
+    for (i, x) in w.iter().take(4).enumerate() {
+        h[i * 8..i * 8 + 8].copy_from_slice(&x.to_be_bytes());
+    }
+    PageHash(h)
+}
+
+/// Decodes one rank's words (zero padding after them is allowed: `all_gather` collectives
+/// need equal sizes).
+fn decode(rank: usize, w: &[u64]) -> Result<Losses, AgreementError> {
+    let bad = |why: &'static str| AgreementError::BadLossWords { rank, why };
+    if w.len() < HEADER || w[0] != LOSS_WORDS_TAG {
+        return Err(bad("does not start with the loss-words tag"));
+    }
+    let all = match w[1] {
+        0 => false,
+        1 => true,
+        _ => return Err(bad("the overflow flag is neither 0 nor 1")),
+    };
+    let n = usize::try_from(w[2]).map_err(|_| bad("page count out of range"))?;
+    let end = n
+        .checked_mul(4)
+        .and_then(|x| x.checked_add(HEADER))
+        .filter(|&e| e <= w.len())
+        .ok_or(bad("shorter than its page count says"))?;
+    if w[end..].iter().any(|&x| x != 0) {
+        return Err(bad("padding after the pages is not zero"));
+    }
+    let pages = w[HEADER..end].chunks_exact(4).map(words_page).collect();
+    Ok(Losses { all, pages })
+}
+
+impl RankAgreement {
+    /// Records keys this rank's store reported lost (its journal, an eviction callback, a
+    /// dead node), to be agreed with the other ranks at the next [`Self::agree_losses`]. Keys
+    /// are translated to page hashes with `sched`'s key builder; keys of other namespaces or
+    /// ranks are ignored. Returns the number of keys recorded. Nothing changes in `sched`
+    /// until the agreement.
+    pub fn lost<K: AsRef<str>>(&mut self, sched: &Scheduler, keys: &[K]) -> usize {
+        let mut n = 0;
+        for h in keys.iter().filter_map(|k| sched.keys.page_of(k.as_ref())) {
+            self.lost.insert(h);
+            n += 1;
+        }
+        n
+    }
+
+    /// This rank's loss report was incomplete (the store's journal overflowed): at the next
+    /// agreement every rank clears every L3 mark (`Scheduler::l3_lost_all`).
+    pub fn lost_all(&mut self) {
+        self.lost_all = true;
+    }
+
+    /// Losses recorded and not yet agreed: `(pages, overflowed)`.
+    pub fn pending_losses(&self) -> (usize, bool) {
+        (self.lost.len(), self.lost_all)
+    }
+
+    /// This rank's contribution to the all-gather: [`LOSS_WORDS_TAG`], 0 or 1 (overflowed),
+    /// the number of pages, then four big-endian words of each page hash (`3 + 4n` words;
+    /// as int64 for `torch.distributed`, whose reductions are signed: bit patterns, not
+    /// numbers).
+    pub fn loss_words(&self) -> Vec<u64> {
+        let mut w = Vec::with_capacity(HEADER + 4 * self.lost.len());
+        w.extend([LOSS_WORDS_TAG, self.lost_all as u64, self.lost.len() as u64]);
+        for h in &self.lost {
+            w.extend(page_words(h));
+        }
+        w
+    }
+
+    /// Applies the union of every rank's losses to `sched`. `gathered` holds every rank's
+    /// [`Self::loss_words`] (this rank's included, any order, each possibly zero-padded).
+    /// Checked whole before anything changes: each entry must decode
+    /// ([`AgreementError::BadLossWords`]) and the union must cover what this rank recorded
+    /// ([`AgreementError::OwnLossesMissing`]: its own words were left out). Then every rank
+    /// clears the same marks: all of them if some rank overflowed, else those of the union's
+    /// pages; this rank's recorded losses are consumed. Returns the tree nodes cleared.
+    pub fn apply_losses<W: AsRef<[u64]>>(
+        &mut self,
+        sched: &mut Scheduler,
+        gathered: &[W],
+    ) -> Result<usize, AgreementError> {
+        let mut union = Losses::default();
+        for (rank, w) in gathered.iter().enumerate() {
+            let l = decode(rank, w.as_ref())?;
+            union.all |= l.all;
+            union.pages.extend(l.pages);
+        }
+        if (self.lost_all && !union.all) || !self.lost.is_subset(&union.pages) {
+            return Err(AgreementError::OwnLossesMissing);
+        }
+        self.lost.clear();
+        self.lost_all = false;
+        Ok(if union.all {
+            sched.l3_lost_all()
+        } else {
+            let pages: Vec<PageHash> = union.pages.into_iter().collect();
+            sched.l3_lost_pages(&pages)
+        })
+    }
+
+    /// [`Self::loss_words`], all-gathered by `all_gather` (which returns every rank's words,
+    /// this rank's included), then [`Self::apply_losses`]. Collective: every rank calls it
+    /// once per step at the same point.
+    pub fn agree_losses(
+        &mut self,
+        sched: &mut Scheduler,
+        all_gather: impl FnOnce(&[u64]) -> Vec<Vec<u64>>,
+    ) -> Result<usize, AgreementError> {
+        let gathered = all_gather(&self.loss_words());
+        self.apply_losses(sched, &gathered)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_round_trip_and_padding() {
+        let h = PageHash([7u8; 32]);
+        let mut a = RankAgreement::new();
+        a.lost.insert(h);
+        let mut w = a.loss_words();
+        assert_eq!(w.len(), HEADER + 4);
+        w.extend([0, 0, 0]);
+        let l = decode(0, &w).unwrap();
+        assert!(!l.all && l.pages.len() == 1 && l.pages.contains(&h));
+        w.push(5);
+        assert!(decode(0, &w).is_err());
+        assert!(decode(0, &[LOSS_WORDS_TAG, 2, 0]).is_err());
+        assert!(decode(0, &[LOSS_WORDS_TAG, 0, 1, 9]).is_err());
+        assert!(decode(0, &[LOSS_WORDS_TAG, 0, u64::MAX]).is_err());
+        assert!(decode(0, &[1, 0, 0]).is_err());
+    }
+}
