@@ -155,8 +155,10 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
     # ---- memory registration ----------------------------------------------------------
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        """Registers ``[buffer_ptr, buffer_ptr + size)`` for the pointer calls. The caller
-        keeps that memory alive until ``unregister_buffer``."""
+        """Registers ``[buffer_ptr, buffer_ptr + size)`` for the pointer calls: 0, or -600
+        when the range is not mapped readable and writable right now (a wild pointer), or
+        overlaps a registration. The caller keeps that memory alive until
+        ``unregister_buffer`` (memory freed while registered is not noticed)."""
         ptr, n = check_int(buffer_ptr, "buffer_ptr"), check_int(size, "size")
         if ptr <= 0 or n <= 0:
             return INVALID
