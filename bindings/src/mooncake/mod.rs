@@ -32,7 +32,7 @@ mod ranges;
 mod registered;
 mod segment;
 
-pub use batch::error_codes;
+pub use batch::{error_codes, join_parts};
 use batch::{WriteMode, bad_segment_code, mc_get_code};
 use ranges::{ReplicaRow, multi_parts, scatter};
 use registered::{Regions, RegisteredRange, drop_overlapping};
