@@ -129,8 +129,11 @@ pub fn str_list(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<String>> {
 ///
 /// How without the buffer protocol: the abi3 (Python ≥ 3.9) limited API lacks
 /// `PyObject_GetBuffer` before 3.11, so `bytes` is read directly and everything else goes
-/// through a numpy array (the object itself, or `numpy.frombuffer` over it), whose data
-/// pointer, size and writeable flag numpy's C API gives.
+/// through a numpy array (the object itself, or `numpy.asarray(memoryview(obj))`, which
+/// keeps the exporter's format and strides), whose data pointer, size, dtype and flags
+/// numpy's C API gives. Refused: arrays holding Python objects (`TypeError`: their bytes are
+/// pointers), non-contiguous ones (`ValueError`), read-only ones where kvtier writes
+/// (`TypeError`).
 pub struct ByteBuf {
     _owner: Py<PyAny>,
     ptr: *mut u8,
@@ -173,13 +176,32 @@ impl ByteBuf {
         let arr: Bound<'_, PyAny> = if obj.cast::<numpy::PyUntypedArray>().is_ok() {
             obj.clone()
         } else {
-            let np = obj.py().import("numpy")?;
-            np.call_method1("frombuffer", (obj, "uint8"))
-                .map_err(|_| type_err())?
+            // Through a memoryview, so numpy sees the exporter's format, shape and strides
+            // (`numpy.frombuffer` would see only bytes: an object array's pointers, a
+            // strided view's span).
+            let py = obj.py();
+            let mv = py
+                .import("builtins")?
+                .getattr("memoryview")?
+                .call1((obj,))
+                .map_err(|_| type_err())?;
+            py.import("numpy")?
+                .call_method1("asarray", (mv,))
+                .map_err(|e| {
+                    PyTypeError::new_err(format!("{what}: unsupported buffer format ({e})"))
+                })?
         };
         let a = arr
             .cast::<numpy::PyUntypedArray>()
             .map_err(|_| type_err())?;
+        if a.dtype().has_object() {
+            // Its bytes are addresses of Python objects: storing them leaks heap addresses,
+            // writing them corrupts the interpreter.
+            return Err(PyTypeError::new_err(format!(
+                "{what}: the buffer holds Python objects (dtype {}), not bytes",
+                a.dtype()
+            )));
+        }
         if !a.is_c_contiguous() {
             return Err(PyValueError::new_err(format!(
                 "{what}: buffer must be C-contiguous"

@@ -51,6 +51,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<l3::PyQueryResults>()?;
     m.add_class::<mooncake::MooncakeCore>()?;
     m.add("ERROR_CODES", mooncake::error_codes(m.py())?)?;
+    m.add_function(wrap_pyfunction!(mooncake::join_parts, m)?)?;
     m.add_function(wrap_pyfunction!(plan::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(plan::event_roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(config::validate_config, m)?)?;

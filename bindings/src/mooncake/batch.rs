@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use kvtier_l3::{BatchResult, ErrorCode, L3Error, L3Result, L3Store, PutOptions, Tenant};
 
@@ -57,6 +57,25 @@ pub fn error_codes(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         d.set_item(c.name(), c.as_i32())?;
     }
     Ok(d)
+}
+
+/// `put_parts`' value: the parts (each bytes-like, checked as every buffer argument is:
+/// no object arrays, C-contiguous) concatenated in order.
+#[pyfunction]
+pub fn join_parts<'py>(
+    py: Python<'py>,
+    parts: Vec<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let bufs = parts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| ByteBuf::get(p, false, &format!("parts[{i}]")))
+        .collect::<PyResult<Vec<_>>>()?;
+    let mut out = Vec::with_capacity(bufs.iter().map(ByteBuf::len).sum());
+    for b in &bufs {
+        out.extend_from_slice(b.as_slice());
+    }
+    Ok(PyBytes::new(py, &out))
 }
 
 /// Puts `views` under `keys` (replacing existing objects in `Upsert` mode).

@@ -8,9 +8,10 @@
 //!
 //! This core never raises for store failures: it returns Mooncake's integers, exactly as
 //! `mooncake.store` does. Files: `registered.rs` (registered memory and the only type that
-//! reads raw addresses), `segment.rs` (a client's contributed global segment), `ranges.rs`
-//! (multi-buffer and byte-range calls, replica calls), `batch.rs` (write modes, the batch
-//! driver, Mooncake's result codes).
+//! reads raw addresses), `mapped.rs` (is a range mapped read-write: the registration
+//! check against wild pointers), `segment.rs` (a client's contributed global segment),
+//! `ranges.rs` (multi-buffer and byte-range calls, replica calls), `batch.rs` (write
+//! modes, the batch driver, Mooncake's result codes).
 
 use std::sync::Arc;
 
@@ -26,11 +27,12 @@ use crate::l3::{
 };
 
 mod batch;
+mod mapped;
 mod ranges;
 mod registered;
 mod segment;
 
-pub use batch::error_codes;
+pub use batch::{error_codes, join_parts};
 use batch::{WriteMode, bad_segment_code, mc_get_code};
 use ranges::{ReplicaRow, multi_parts, scatter};
 use registered::{Regions, RegisteredRange, drop_overlapping};

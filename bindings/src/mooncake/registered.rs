@@ -5,13 +5,16 @@
 //! caller registered (and promised to keep alive until `unregister_buffer`). A
 //! [`RegisteredRange`] has private fields and is built only by [`Regions::check`] (or by
 //! narrowing a range that was), so a raw range that skipped the registration check cannot
-//! exist anywhere in the crate: every `unsafe` slice comes from a checked range.
+//! exist anywhere in the crate: every `unsafe` slice comes from a checked range. A region
+//! is registered only while it is mapped readable and writable (`mapped.rs`); keeping it
+//! mapped until `unregister_buffer` is the caller's part.
 
 use std::collections::BTreeMap;
 
 use parking_lot::Mutex;
 
 use super::INVALID_PARAMS;
+use super::mapped::is_mapped_rw;
 
 /// A byte range inside one registered region. `Send`: it is an address, not a borrow, so the
 /// store call that uses it can run with the GIL released.
@@ -63,12 +66,14 @@ pub(crate) struct Regions {
 
 impl Regions {
     /// Registers `[ptr, ptr + size)`; 0, or INVALID_PARAMS for a null, empty, wrapping or
-    /// overlapping region (Mooncake refuses double registration too).
+    /// overlapping region (Mooncake refuses double registration too), and for one that is
+    /// not mapped readable and writable in this process right now ([`is_mapped_rw`]: a
+    /// wild integer must never become a [`RegisteredRange`]).
     pub(crate) fn register(&self, ptr: u64, size: i64) -> i64 {
         let (Ok(p), Ok(n)) = (usize::try_from(ptr), usize::try_from(size)) else {
             return INVALID_PARAMS;
         };
-        if p == 0 || n == 0 || p.checked_add(n).is_none() {
+        if p == 0 || n == 0 || p.checked_add(n).is_none() || !is_mapped_rw(p, n) {
             return INVALID_PARAMS;
         }
         let mut r = self.map.lock();

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .._native import L3Store, MooncakeCore
+from .._native import L3Store, MooncakeCore, join_parts
 from . import _setup
 from ._extras import ExtraCalls
 from ._setup import check_int, check_str
@@ -155,8 +155,10 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
     # ---- memory registration ----------------------------------------------------------
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        """Registers ``[buffer_ptr, buffer_ptr + size)`` for the pointer calls. The caller
-        keeps that memory alive until ``unregister_buffer``."""
+        """Registers ``[buffer_ptr, buffer_ptr + size)`` for the pointer calls: 0, or -600
+        when the range is not mapped readable and writable right now (a wild pointer), or
+        overlaps a registration. The caller keeps that memory alive until
+        ``unregister_buffer`` (memory freed while registered is not noticed)."""
         ptr, n = check_int(buffer_ptr, "buffer_ptr"), check_int(size, "size")
         if ptr <= 0 or n <= 0:
             return INVALID
@@ -186,10 +188,10 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
         return self._bytes_put(self._core.upsert, key, value, config)
 
     def put_parts(self, key: str, *parts: Any, config: Optional[ReplicateConfig] = None) -> int:
-        return self.put(key, b"".join(bytes(memoryview(p)) for p in parts), config)
+        return self.put(key, join_parts(list(parts)), config)
 
     def upsert_parts(self, key: str, *parts: Any, config: Optional[ReplicateConfig] = None) -> int:
-        return self.upsert(key, b"".join(bytes(memoryview(p)) for p in parts), config)
+        return self.upsert(key, join_parts(list(parts)), config)
 
     def _bytes_batch(self, call, keys, values, config) -> int:
         keys = _check_keys(keys)

@@ -19,8 +19,14 @@ ErrorCode.__doc__ = "Mooncake's integer error codes (kvtier._native.ERROR_CODES)
 ErrorCode.__module__ = __name__
 
 
+_SIZE_T_MAX = 2**64 - 1
+
+
 def _int_field(name: str):
-    """A settable ``int`` attribute that refuses other types as pybind11 does (TypeError)."""
+    """A settable ``size_t`` attribute (Mooncake's ``def_readwrite`` of a ``size_t`` field):
+    anything but an ``int`` in 0 ..= 2**64 - 1 is a ``TypeError``, as pybind11 raises when
+    its integer caster refuses a value (it does not raise ``OverflowError``); the field
+    keeps its value."""
     attr = "_" + name
 
     def get(self):
@@ -29,6 +35,8 @@ def _int_field(name: str):
     def set_(self, v):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name}: incompatible type {type(v).__name__}, expected int")
+        if not 0 <= v <= _SIZE_T_MAX:
+            raise TypeError(f"{name}: {v} is outside 0..=2**64-1 (a size_t)")
         setattr(self, attr, v)
 
     return property(get, set_)
