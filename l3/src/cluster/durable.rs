@@ -57,19 +57,13 @@ impl Deref for MasterGuard<'_> {
     type Target = Master;
     fn deref(&self) -> &Master {
         // Only `drop` takes it.
-        self.g
-            .as_ref()
-            .map(|g| &**g)
-            .unwrap_or_else(|| unreachable!())
+        self.g.as_deref().unwrap_or_else(|| unreachable!())
     }
 }
 
 impl DerefMut for MasterGuard<'_> {
     fn deref_mut(&mut self) -> &mut Master {
-        self.g
-            .as_mut()
-            .map(|g| &mut **g)
-            .unwrap_or_else(|| unreachable!())
+        self.g.as_deref_mut().unwrap_or_else(|| unreachable!())
     }
 }
 
