@@ -32,8 +32,8 @@ mod ranges;
 mod registered;
 mod segment;
 
-pub use batch::{error_codes, join_parts};
 use batch::{WriteMode, bad_segment_code, mc_get_code};
+pub use batch::{error_codes, join_parts};
 use ranges::{ReplicaRow, multi_parts, scatter};
 use registered::{Regions, RegisteredRange, drop_overlapping};
 use segment::Contribution;
