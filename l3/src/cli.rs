@@ -122,6 +122,13 @@ struct Args {
     /// removed shortly before it (their SSD records on nodes that had not heard yet).
     #[arg(long)]
     no_state_dir: bool,
+    /// Recycled object buffers kept once the store is idle, in bytes; the rest are freed
+    /// and free heap pages returned to the system (both/node roles).
+    #[arg(long, default_value_t = 64 << 20)]
+    recycle_idle_bytes: u64,
+    /// The store is idle after this many milliseconds without an operation.
+    #[arg(long, default_value_t = 5_000)]
+    idle_trim_ms: u64,
 }
 
 /// Parses `args` (the first item is the program name) and runs the server role they name
@@ -204,6 +211,8 @@ fn run(args: Args) -> Result<(), String> {
         max_batch_keys: args.max_batch_keys,
         max_object_bytes: args.max_object_bytes,
         loss_journal_keys: args.loss_journal_keys,
+        recycle_idle_bytes: args.recycle_idle_bytes,
+        idle_trim_after: Duration::from_millis(args.idle_trim_ms),
         ssd,
         ..Default::default()
     };

@@ -114,6 +114,22 @@ pub struct StoreConfig {
     /// with a node) for [`crate::L3Store::losses_since`]; 0 = no journal. An engine that
     /// marks pages as "in L3" reads it and reports the losses to its scheduler.
     pub loss_journal_keys: usize,
+    /// Recycled object buffers ([`crate::buffers`]) kept once the store is idle; the rest
+    /// are freed, and the allocator is asked to return free pages to the system.
+    #[serde(default = "default_recycle_idle_bytes")]
+    pub recycle_idle_bytes: u64,
+    /// The store is idle after this long without an operation (checked by the sweeper,
+    /// at most once a second).
+    #[serde(default = "default_idle_trim_after")]
+    pub idle_trim_after: Duration,
+}
+
+fn default_recycle_idle_bytes() -> u64 {
+    64 << 20
+}
+
+fn default_idle_trim_after() -> Duration {
+    Duration::from_secs(5)
 }
 
 impl Default for StoreConfig {
@@ -131,6 +147,8 @@ impl Default for StoreConfig {
             ssd: None,
             promotion: PromotionConfig::default(),
             loss_journal_keys: 0,
+            recycle_idle_bytes: default_recycle_idle_bytes(),
+            idle_trim_after: default_idle_trim_after(),
         }
     }
 }

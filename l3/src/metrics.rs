@@ -77,6 +77,14 @@ impl Metrics {
         h.sum_us.fetch_add(us, Ordering::Relaxed);
     }
 
+    /// Operations recorded so far (all kinds).
+    pub fn ops_total(&self) -> u64 {
+        self.hist
+            .iter()
+            .map(|h| h.count.load(Ordering::Relaxed))
+            .fold(0u64, u64::wrapping_add)
+    }
+
     /// Adds to a counter.
     pub fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Ordering::Relaxed);

@@ -50,6 +50,7 @@ pub struct Segments {
     segs: BTreeMap<SegmentId, SegmentInfo>,
     allocs: HashMap<u64, Alloc>,
     next_alloc: u64,
+    frees: u64,
     recycler: Recycler,
 }
 
@@ -203,6 +204,7 @@ impl Segments {
 
     /// Frees an allocation (no-op if already gone).
     pub fn free(&mut self, alloc: u64) {
+        self.frees = self.frees.wrapping_add(1);
         if let Some(a) = self.allocs.remove(&alloc)
             && let Some(s) = self.segs.get_mut(&a.segment)
         {
@@ -220,6 +222,22 @@ impl Segments {
     /// A recycled buffer of `size` bytes for a put's bytes (see [`crate::buffers`]).
     pub fn take_buffer(&mut self, size: u64) -> Option<Arc<[u8]>> {
         self.recycler.take(usize::try_from(size).ok()?)
+    }
+
+    /// Cuts the recycled buffers to at most `limit` bytes (an idle store gives memory
+    /// back); returns the others for the caller to drop outside its lock.
+    pub fn trim_recycled(&mut self, limit: u64) -> Vec<Arc<[u8]>> {
+        self.recycler.trim(limit)
+    }
+
+    /// Bytes of recycled buffers held.
+    pub fn recycled_bytes(&self) -> u64 {
+        self.recycler.bytes()
+    }
+
+    /// Moves with every allocation and free (the sweeper's idle test).
+    pub fn activity(&self) -> u64 {
+        self.next_alloc.wrapping_add(self.frees)
     }
 
     /// Allocations of a remote segment freed since the last call (its node drops them).

@@ -132,6 +132,17 @@ impl Master {
         self.segments.take_buffer(size)
     }
 
+    /// The segments' recycled buffers cut to `limit` bytes (see [`crate::buffers`]); the
+    /// others are returned, to be dropped outside the lock.
+    pub fn trim_recycled(&mut self, limit: u64) -> Vec<Arc<[u8]>> {
+        self.segments.trim_recycled(limit)
+    }
+
+    /// Moves with every allocation and free in the segments.
+    pub fn segment_activity(&self) -> u64 {
+        self.segments.activity()
+    }
+
     /// Bytes of a memory allocation named by a query result.
     pub fn alloc_data(&self, alloc: u64) -> Option<Arc<[u8]>> {
         self.segments.data(alloc)

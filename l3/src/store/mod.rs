@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::api::BatchResult;
+use crate::buffers::{IdleTrim, release_free_memory};
 use crate::clock::Clock;
 use crate::config::StoreConfig;
 use crate::error::{L3Error, L3Result};
@@ -270,6 +271,8 @@ impl Inner {
             .clamp(Duration::from_millis(10), Duration::from_secs(1));
         let (tx, rx) = sync_channel::<()>(1);
         let weak = Arc::downgrade(this);
+        let mut idle = IdleTrim::new(this.cfg.idle_trim_after);
+        let keep = this.cfg.recycle_idle_bytes;
         let h = std::thread::Builder::new()
             .name("kvtier-l3-sweeper".into())
             .spawn(move || {
@@ -280,7 +283,15 @@ impl Inner {
                     }
                     let Some(inner) = weak.upgrade() else { return };
                     let now = inner.clock.now_ms();
-                    inner.master.lock().sweep(now);
+                    let mut m = inner.master.lock();
+                    m.sweep(now);
+                    let activity = m.segment_activity().wrapping_add(inner.metrics.ops_total());
+                    if idle.due(activity, Instant::now()) {
+                        let freed = m.trim_recycled(keep);
+                        drop(m);
+                        drop(freed); // outside the lock
+                        release_free_memory();
+                    }
                 }
             })
             .map_err(|e| L3Error::Internal(format!("spawn sweeper: {e}")))?;
