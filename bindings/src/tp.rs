@@ -56,13 +56,7 @@ impl PyRankAgreement {
 
     /// This rank's contribution (int64, one value per op in flight in `scheduler`).
     fn values<'py>(&self, py: Python<'py>, scheduler: &PyScheduler) -> Bound<'py, PyArray1<i64>> {
-        let v: Vec<i64> = self
-            .inner
-            .values(&scheduler.inner)
-            .into_iter()
-            .map(|x| x as i64)
-            .collect();
-        PyArray1::from_vec(py, v)
+        words_to_py(py, self.inner.values(&scheduler.inner))
     }
 
     /// Reduces: calls `all_reduce_min(values)` with this rank's int64 array, which must
@@ -123,13 +117,7 @@ impl PyRankAgreement {
     /// This rank's loss words (int64; page hashes as bit patterns): what ``agree_losses``
     /// all-gathers.
     fn loss_words<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        let v: Vec<i64> = self
-            .inner
-            .loss_words()
-            .into_iter()
-            .map(|x| x as i64)
-            .collect();
-        PyArray1::from_vec(py, v)
+        words_to_py(py, self.inner.loss_words())
     }
 
     /// Agrees L3 losses across ranks: calls ``all_gather(words)`` with this rank's int64
@@ -160,4 +148,9 @@ impl PyRankAgreement {
             .apply_losses(&mut scheduler.inner, &gathered)
             .map_err(agree_err)
     }
+}
+
+/// u64 words as the int64 array collectives exchange (bit patterns kept).
+fn words_to_py(py: Python<'_>, words: Vec<u64>) -> Bound<'_, PyArray1<i64>> {
+    PyArray1::from_vec(py, words.into_iter().map(|x| x as i64).collect())
 }

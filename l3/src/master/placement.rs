@@ -174,6 +174,7 @@ impl Master {
             let size = o.size;
             let token = o.token;
             let keep_disk = o.disk.is_some();
+            let copy_queued = o.copy_queued;
             let data = gone.iter().find_map(|r| self.segments.data(r.alloc));
             // A store node that offloads its evictions keeps the bytes of this replica
             // until they are on its SSD (the first such replica; the others just go).
@@ -204,26 +205,22 @@ impl Master {
                 }
                 continue;
             }
-            let copy_queued = self.obj(t, k).is_some_and(|o| o.copy_queued);
-            if copy_queued && let Some(d) = data.clone() {
-                // Its write-through copy is queued and holds these bytes: stage them (readable
-                // meanwhile) until the writer registers the copy or gives up (`unstage`).
-                if let Some(o) = self.obj_mut(t, k) {
-                    o.staged = Some(Staged::Bytes(d));
-                }
-                continue;
-            }
-            match (on_evict, data) {
+            // Staged (readable meanwhile) until its SSD copy is registered or the write
+            // gives up (`unstage`): written now in offload-on-evict mode, or already queued
+            // as this version's write-through copy (the queued write holds these bytes).
+            match (on_evict || copy_queued, data) {
                 (true, Some(d)) => {
                     if let Some(o) = self.obj_mut(t, k) {
                         o.staged = Some(Staged::Bytes(d.clone()));
                     }
-                    out.to_offload.push(StagedOffload {
-                        tenant: t.clone(),
-                        key: k.clone(),
-                        token,
-                        data: d,
-                    });
+                    if !copy_queued {
+                        out.to_offload.push(StagedOffload {
+                            tenant: t.clone(),
+                            key: k.clone(),
+                            token,
+                            data: d,
+                        });
+                    }
                 }
                 _ => {
                     // Gone: an SSD copy its node may still be writing is cancelled.
