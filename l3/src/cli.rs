@@ -129,6 +129,12 @@ struct Args {
     /// The store is idle after this many milliseconds without an operation.
     #[arg(long, default_value_t = 5_000)]
     idle_trim_ms: u64,
+    /// Master role with --state-dir: after a restart, clients are answered -1010 until every
+    /// store node it knew has mounted again and reported its SSD records, or this many
+    /// milliseconds have passed (the late nodes are then fenced: their old records are
+    /// dropped when they come back).
+    #[arg(long, default_value_t = 30_000)]
+    rebuild_timeout_ms: u64,
 }
 
 /// Parses `args` (the first item is the program name) and runs the server role they name
@@ -213,6 +219,7 @@ fn run(args: Args) -> Result<(), String> {
         loss_journal_keys: args.loss_journal_keys,
         recycle_idle_bytes: args.recycle_idle_bytes,
         idle_trim_after: Duration::from_millis(args.idle_trim_ms),
+        rebuild_timeout: Duration::from_millis(args.rebuild_timeout_ms),
         ssd,
         ..Default::default()
     };

@@ -122,6 +122,15 @@ pub struct StoreConfig {
     /// at most once a second).
     #[serde(default = "default_idle_trim_after")]
     pub idle_trim_after: Duration,
+    /// Split deployment with a state dir: after a restart the master serves clients only
+    /// once every store node it knew has mounted again, or this long has passed (the late
+    /// ones are then fenced: their old SSD records are dropped when they mount).
+    #[serde(default = "default_rebuild_timeout")]
+    pub rebuild_timeout: Duration,
+}
+
+fn default_rebuild_timeout() -> Duration {
+    Duration::from_secs(30)
 }
 
 fn default_recycle_idle_bytes() -> u64 {
@@ -148,6 +157,7 @@ impl Default for StoreConfig {
             promotion: PromotionConfig::default(),
             loss_journal_keys: 0,
             recycle_idle_bytes: default_recycle_idle_bytes(),
+            rebuild_timeout: default_rebuild_timeout(),
             idle_trim_after: default_idle_trim_after(),
         }
     }

@@ -311,6 +311,9 @@ enum Op {
     /// The node crashes (queued writes and unacknowledged progress lost) and restarts:
     /// mount, rescan every live record.
     Crash,
+    /// The master is restarted on its state dir; the node is told to remount (cancelling
+    /// the writes it announced before, rescanning its live records), then pings.
+    MasterRestart,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -322,6 +325,7 @@ fn op() -> impl Strategy<Value = Op> {
         (0..KEYS).prop_map(Op::WriteThenCrash),
         Just(Op::Ping),
         Just(Op::Crash),
+        Just(Op::MasterRestart),
     ]
 }
 
@@ -336,6 +340,8 @@ struct Record {
 /// The simulated node and what the test knows.
 struct Sim {
     cm: Arc<ClusterMaster>,
+    /// The master's state dir.
+    state: std::path::PathBuf,
     tn: Tenant,
     /// Announced writes not cancelled: (key, token, version).
     queued: Vec<(String, u64, u64)>,
@@ -471,6 +477,26 @@ impl Sim {
         self.apply(&s);
     }
 
+    /// The master restarts: memory-only versions are gone, versions with a live record the
+    /// master re-adopts stay current, and the node's writes announced before its remount
+    /// are cancelled by it (`SsdTier::cancel_before_mount`).
+    fn restart_master(&mut self) {
+        self.cm.shutdown();
+        self.cm = cm_in(&self.state);
+        let s = ping(&self.cm, N1, self.applied);
+        assert!(s.need_remount);
+        self.crash();
+        self.ping();
+        for i in 0..KEYS {
+            let Some(v) = self.current[i] else { continue };
+            let on_disk = self.disk.values().any(|r| r.alive && r.version == v);
+            if !on_disk {
+                self.current[i] = None;
+                self.dead.insert(v);
+            }
+        }
+    }
+
     fn crash(&mut self) {
         self.queued.clear();
         self.applied = 0;
@@ -538,6 +564,8 @@ fn a_restarted_master_never_reuses_a_put_token() {
     };
     let cm = cm_in(state.path());
     mount(&cm, N1, 64 << 20);
+    // Its first ping after the mount: the rescan is done, the restarted master serves.
+    ping(&cm, N1, 0);
     let new = put(&cm, N1, &tn, "k");
     assert!(
         new.token > old.token,
@@ -565,15 +593,17 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 512, .. ProptestConfig::default() })]
 
     /// Random puts, removes, replacements, SSD writes (some cut by a crash before their
-    /// registration), pings and crashes: a removed or replaced version is never readable
+    /// registration), pings, node crashes and master restarts: a removed or replaced version is never readable
     /// again, and once the node has pinged twice without crashing every settle is
     /// acknowledged and gone.
     #[test]
     fn dropped_versions_never_return_and_settles_drain(ops in proptest::collection::vec(op(), 1..48)) {
-        let cm = cm();
+        let state = tempfile::tempdir().unwrap();
+        let cm = cm_in(state.path());
         mount(&cm, N1, 64 << 20);
         let mut sim = Sim {
             cm,
+            state: state.path().to_path_buf(),
             tn: t("p"),
             queued: Vec::new(),
             disk: Default::default(),
@@ -598,6 +628,7 @@ proptest! {
                 }
                 Op::Ping => sim.ping(),
                 Op::Crash => sim.crash(),
+                Op::MasterRestart => sim.restart_master(),
             }
             sim.check()?;
         }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::durable::DurableMaster;
+use super::durable::{DurableMaster, MasterGuard};
 use super::state::SettleLog;
 use crate::api::{BatchResult, L3Store};
 use crate::clock::{Clock, Periodic};
@@ -81,6 +81,7 @@ impl ClusterMaster {
             .min(cfg.client_ttl)
             .div_f64(4.0)
             .clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let clock = Arc::new(Clock::new());
         let mut master = Master::new(MasterPolicy::from_config(&cfg));
         let log = match state_dir {
             Some(dir) => {
@@ -89,6 +90,11 @@ impl ClusterMaster {
                 master.restore_settles(entries);
                 master.keep_settle_log();
                 log.compact(&master.settle_snapshot())?;
+                master.begin_rebuild(
+                    clock
+                        .now_ms()
+                        .saturating_add(crate::clock::ms(cfg.rebuild_timeout)),
+                );
                 tracing::info!(
                     dir = %dir.display(),
                     replayed = n,
@@ -102,7 +108,7 @@ impl ClusterMaster {
         let me = Arc::new(ClusterMaster {
             master: DurableMaster::new(master, log),
             cfg,
-            clock: Arc::new(Clock::new()),
+            clock,
             metrics: Metrics::default(),
             sweeper: Mutex::new(None),
         });
@@ -112,7 +118,11 @@ impl ClusterMaster {
                 return false;
             };
             let now = m.clock.now_ms();
-            let (_, dead) = m.master.lock().sweep(now);
+            let (_, dead) = {
+                let mut g = m.master.lock();
+                g.rebuild_deadline(now);
+                g.sweep(now)
+            };
             if dead > 0 {
                 tracing::warn!(dead, "store nodes declared dead; memory replicas dropped");
             }
@@ -152,9 +162,16 @@ impl ClusterMaster {
         // The master holds no bytes: evictions on offloading nodes are staged there (told
         // with `NodeSync::offload`), so the outcome has nothing to stage here.
         let mut out = EvictionOutcome::default();
-        self.master
-            .lock()
+        self.client_lock()?
             .put_start(t, key, size, cfg.replica_num as usize, now, &mut out)
+    }
+
+    /// The master, for a client's call: -1010 while a restarted master waits for its store
+    /// nodes to report their records (`master::rebuild`). Nodes' own calls are not gated.
+    fn client_lock(&self) -> L3Result<MasterGuard<'_>> {
+        let g = self.master.lock();
+        g.serving()?;
+        Ok(g)
     }
 
     /// Serves the `cluster` call.
@@ -374,7 +391,7 @@ impl L3Store for ClusterMaster {
     fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult> {
         validate_key(key)?;
         let now = self.clock.now_ms();
-        self.master.lock().query(tenant, key, now)
+        self.client_lock()?.query(tenant, key, now)
     }
 
     fn batch_exist_key(
@@ -389,7 +406,7 @@ impl L3Store for ClusterMaster {
         self.cfg.check_batch(keys.len())?;
         let t0 = Instant::now();
         let out = {
-            let mut m = self.master.lock();
+            let mut m = self.client_lock()?;
             let out = m.exists_many(tenant, keys, None);
             if opts.prefetch_to_memory {
                 m.queue_promotions(tenant, keys);
@@ -404,7 +421,7 @@ impl L3Store for ClusterMaster {
         self.cfg.check_batch(keys.len())?;
         let t0 = Instant::now();
         let now = self.clock.now_ms();
-        let out = self.master.lock().query_many(tenant, keys, now);
+        let out = self.client_lock()?.query_many(tenant, keys, now);
         Metrics::add(
             &self.metrics.misses,
             out.iter().filter(|r| r.is_err()).count() as u64,
@@ -427,13 +444,13 @@ impl L3Store for ClusterMaster {
         let now = self.clock.now_ms();
         // The master queues the settles (tombstone, or cancel of a write in flight) for the
         // node holding the copy, until it acknowledges them.
-        self.master.lock().remove(tenant, key, force, now)?;
+        self.client_lock()?.remove(tenant, key, force, now)?;
         Ok(())
     }
 
     fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
         let now = self.clock.now_ms();
-        let removed = self.master.lock().remove_all(tenant, force, now);
+        let removed = self.client_lock()?.remove_all(tenant, force, now);
         Ok(removed.len() as u64)
     }
 
@@ -441,8 +458,7 @@ impl L3Store for ClusterMaster {
         let pattern = KeyPattern::new(pattern)?;
         let now = self.clock.now_ms();
         let removed = self
-            .master
-            .lock()
+            .client_lock()?
             .remove_matching(tenant, &pattern, force, now);
         Ok(removed.len() as u64)
     }
@@ -510,7 +526,7 @@ impl L3Store for ClusterMaster {
 
     fn get_size(&self, tenant: &Tenant, key: &str) -> L3Result<u64> {
         validate_key(key)?;
-        self.master.lock().size_of(tenant, key)
+        self.client_lock()?.size_of(tenant, key)
     }
 
     fn flush(&self) -> L3Result<()> {

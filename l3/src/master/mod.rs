@@ -326,6 +326,8 @@ pub struct Master {
     /// Settle changes not yet handed to the durable log (`Some` when the master keeps one:
     /// `--role master --state-dir`); see [`Master::take_settle_log`].
     settle_log: Option<Vec<SettleLogEntry>>,
+    /// Store nodes a restart waits for (`rebuild`).
+    members: rebuild::Membership,
 }
 
 impl Master {
@@ -339,6 +341,7 @@ impl Master {
             next_token: 0,
             token_floor: None,
             settle_log: None,
+            members: rebuild::Membership::default(),
             tick: 0,
             evictions_total: 0,
             losses: losses::LossJournal::new(policy.loss_journal_keys),
@@ -392,6 +395,7 @@ mod losses;
 mod nodes;
 mod objects;
 mod placement;
+mod rebuild;
 mod replicas;
 mod settle;
 

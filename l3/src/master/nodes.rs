@@ -47,6 +47,7 @@ impl Master {
         // A new process (or one that dropped its state): whatever it had not acknowledged
         // may never have reached its disk.
         self.redeliver_settles(node);
+        self.member_mounted(node);
         Ok(())
     }
 
@@ -59,6 +60,7 @@ impl Master {
             || self.nodes.get(&node).is_none_or(|n| n.addr.is_none());
         if !need_remount {
             self.node_ack(node, applied);
+            self.member_pinged(node);
         }
         let mut sync = self.node_sync_with(node, settle::Deliver::Unacked);
         sync.need_remount = need_remount;
@@ -330,7 +332,8 @@ impl Master {
     /// dropped while its write may have been in flight), and any record of a key the master
     /// knows with another copy or none — a record carries no version, so it is never
     /// attached to a version it cannot be proven to belong to (losing a cached copy is
-    /// acceptable, serving an old version's bytes is not).
+    /// acceptable, serving an old version's bytes is not) — and every record of a fenced
+    /// node (`rebuild`).
     pub fn register_rescanned(
         &mut self,
         node: ClientId,
@@ -341,7 +344,7 @@ impl Master {
         if let Some(o) = self.obj(t, key) {
             return o.disk == Some(loc) && o.disk_node == node;
         }
-        if self.settle_refuses(node, t, key, &loc) {
+        if self.member_fenced(node) || self.settle_refuses(node, t, key, &loc) {
             return false;
         }
         let tick = self.touch();

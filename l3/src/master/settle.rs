@@ -64,17 +64,25 @@ pub enum SettleLogEntry {
         /// Reserved bound.
         floor: u64,
     },
+    /// `node` mounted: a restart waits for it to report its records (`rebuild`).
+    Member {
+        /// Node.
+        node: ClientId,
+    },
+    /// `node` did not come back in time after a restart: its old records are refused.
+    Fenced {
+        /// Node.
+        node: ClientId,
+    },
 }
 
 impl SettleLogEntry {
     /// Whether the entry must be durable before a reply leaves the master (an issued
-    /// settle: a reply may acknowledge the drop it records). A lost acknowledgement only
-    /// repeats settles, which is harmless.
+    /// settle: a reply may acknowledge the drop it records; a member: the mount reply lets
+    /// it register records a restart must wait for). A lost acknowledgement only repeats
+    /// settles, which is harmless.
     pub fn needs_sync(&self) -> bool {
-        matches!(
-            self,
-            SettleLogEntry::Issued { .. } | SettleLogEntry::TokensBelow { .. }
-        )
+        !matches!(self, SettleLogEntry::Acked { .. })
     }
 }
 
@@ -342,12 +350,16 @@ impl Master {
                     self.next_token = self.next_token.max(floor);
                     self.token_floor = Some(self.token_floor.unwrap_or(0).max(floor));
                 }
+                SettleLogEntry::Member { .. } | SettleLogEntry::Fenced { .. } => {
+                    self.restore_member(&e)
+                }
             }
         }
     }
 
     /// Every node's settle state as log entries (a compacted log replays to the same
-    /// state): its acknowledgement, then each unacknowledged settle.
+    /// state): the token floor, the membership, then per node its acknowledgement and each
+    /// unacknowledged settle.
     pub fn settle_snapshot(&self) -> Vec<SettleLogEntry> {
         let mut ids: Vec<&ClientId> = self.nodes.keys().collect();
         ids.sort_by_key(|c| c.0);
@@ -355,6 +367,7 @@ impl Master {
         if let Some(floor) = self.token_floor {
             out.push(SettleLogEntry::TokensBelow { floor });
         }
+        out.extend(self.members_snapshot());
         for node in ids {
             let st = &self.nodes[node].settle;
             if st.issued == 0 {

@@ -118,3 +118,57 @@ impl SsdTier {
         }
     }
 }
+
+/// A key, and one announced write of it (its token, its record once published).
+type KeyOf = (Tenant, String);
+type Announced = (u64, Option<DiskLoc>);
+
+impl SsdTier {
+    /// A store node (re)mounts: every write announced before the mount is cancelled except
+    /// the unconfirmed records in `kept`, which the mount's rescan registers. A queued
+    /// write is then written dead; a record already published but not registered is
+    /// tombstoned here (synced). On a failed tombstone the announcements are put back and
+    /// the error returned, so the mount fails and its retry cancels them again.
+    ///
+    /// Why: the master the node mounts with may be a restarted one that never heard of
+    /// these versions. Registered later, such a record would be adopted for a key whose
+    /// newer version (put after the mount, then lost) or whose remove the master cannot
+    /// remember once it restarts again: a stale version or a removed key would come back
+    /// (issue 19's chaos run). Copies written from here on belong to this mount.
+    pub fn cancel_before_mount(&self, kept: &[Unconfirmed]) -> L3Result<()> {
+        let keep: std::collections::HashSet<(&Tenant, &str, u64)> = kept
+            .iter()
+            .map(|u| (&u.tenant, u.key.as_str(), u.token))
+            .collect();
+        let mut taken: Vec<(KeyOf, Announced)> = Vec::new();
+        {
+            let mut inf = self.shared.inflight.lock();
+            inf.retain(|k, v| {
+                v.retain(|e| {
+                    if keep.contains(&(&k.0, k.1.as_str(), e.0)) {
+                        return true;
+                    }
+                    taken.push((k.clone(), *e));
+                    false
+                });
+                !v.is_empty()
+            });
+        }
+        let published: Vec<DiskLoc> = taken.iter().filter_map(|(_, (_, l))| *l).collect();
+        if let Err(e) = self.tombstone_many(&published) {
+            let mut inf = self.shared.inflight.lock();
+            for (k, e) in taken {
+                inf.entry(k).or_default().push(e);
+            }
+            return Err(e);
+        }
+        if !taken.is_empty() {
+            tracing::info!(
+                cancelled = taken.len(),
+                tombstoned = published.len(),
+                "ssd writes announced before this mount cancelled"
+            );
+        }
+        Ok(())
+    }
+}

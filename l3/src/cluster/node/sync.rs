@@ -20,6 +20,10 @@
 //! - A mount re-registers only records the master accepts and fails (to be retried) if the
 //!   refused ones cannot be tombstoned, so nothing is acknowledged while a refused record
 //!   is still live on disk.
+//! - A mount first cancels every SSD write announced before it (queued ones are written
+//!   dead, published but unregistered ones tombstoned), except the unconfirmed records its
+//!   rescan registers: a copy is only ever registered with the master incarnation that
+//!   knew its version.
 //! - A record whose registration went unanswered (master unreachable) keeps its
 //!   announcement, so a cancel still tombstones it before it is acknowledged; after each
 //!   ping the master answered (its settles applied first) the node registers such records
@@ -51,7 +55,13 @@ impl NodeInner {
             .as_ref()
             .map(|s| s.take_unconfirmed())
             .unwrap_or_default();
-        let r = self.join();
+        // Writes announced under an earlier mount are cancelled: the master may not know
+        // them (see `SsdTier::cancel_before_mount`).
+        let r = match &self.ssd {
+            Some(ssd) => ssd.cancel_before_mount(&taken),
+            None => Ok(()),
+        }
+        .and_then(|()| self.join());
         if let Some(ssd) = &self.ssd {
             match &r {
                 Ok(()) => ssd.remounted(&taken),

@@ -1,0 +1,387 @@
+//! `l3-chaos`: a split deployment (one master, store nodes with SSD tiers) driven by client
+//! threads while its processes are SIGKILLed and restarted, checked against a model of what
+//! the store acknowledged. Exits 1 if any wrong bytes, stale version, resurrected remove,
+//! unreported loss or lost persisted put was seen (or if the run did no work).
+//!
+//! Why a binary: the faults are real process deaths (the master's settle log and the
+//! nodes' SSD records on real files are what is under test), and the run is meant to last
+//! minutes (`--seconds`); `tests/chaos.rs` runs it briefly in CI, docs/l3.md gives the
+//! long command.
+//!
+//! Checks (see `oracle`): every read is compared with the key's model; "not found" where a
+//! version was acknowledged must be named by the loss journal (or an `overflowed` report)
+//! after the acknowledgement; at the end every process is restarted twice over and every
+//! key read again, and a put acknowledged with `wait_persisted` on an all-write-through
+//! cluster must still be there.
+
+mod cluster;
+mod oracle;
+mod workload;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+
+use cluster::Cluster;
+use oracle::{Rng, Shared, Violation};
+use workload::{Conn, Counts, Keys, Worker};
+
+/// How store nodes write SSD copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// Every node writes every put through to SSD.
+    WriteThrough,
+    /// Every node writes objects to SSD when DRAM eviction drops them.
+    OnEvict,
+    /// Half the nodes each way.
+    Mixed,
+}
+
+/// Which processes the chaos kills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Faults {
+    /// Store nodes only (every loss must be named by the loss journal).
+    Nodes,
+    /// The master only.
+    Master,
+    /// Both, sometimes together.
+    Both,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "SIGKILL a kvtier-l3 split deployment under load and check every answer")]
+struct Args {
+    /// How long the chaos lasts.
+    #[arg(long, default_value_t = 120)]
+    seconds: u64,
+    #[arg(long, value_enum, default_value = "write-through")]
+    mode: Mode,
+    #[arg(long, value_enum, default_value = "both")]
+    faults: Faults,
+    /// Store nodes.
+    #[arg(long, default_value_t = 3)]
+    nodes: usize,
+    /// Client threads (each owns its keys).
+    #[arg(long, default_value_t = 4)]
+    workers: u32,
+    /// Keys per client thread.
+    #[arg(long, default_value_t = 48)]
+    keys: u32,
+    /// Largest object in bytes (objects are 64 B ..= this).
+    #[arg(long, default_value_t = 96 << 10)]
+    max_bytes: usize,
+    /// Each node's DRAM segment (small, so that eviction happens).
+    #[arg(long, default_value_t = 4 << 20)]
+    segment_bytes: u64,
+    /// Mean time between faults in milliseconds.
+    #[arg(long, default_value_t = 1_500)]
+    fault_every_ms: u64,
+    /// The master's node liveness TTL in milliseconds.
+    #[arg(long, default_value_t = 1_000)]
+    ttl_ms: u64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The kvtier-l3 binary (default: next to this one).
+    #[arg(long)]
+    server_bin: Option<PathBuf>,
+    /// Working directory (state and SSD dirs); a fresh temporary one by default.
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    match run(&args) {
+        Ok(0) => {}
+        Ok(_) => std::process::exit(1),
+        Err(e) => {
+            eprintln!("l3-chaos: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// Which faults were injected.
+#[derive(Default)]
+struct Kills {
+    node: u64,
+    master: u64,
+}
+
+/// A process to bring back at a given time.
+enum Revive {
+    Node(usize),
+    Master,
+}
+
+fn run(a: &Args) -> Result<u64, String> {
+    let bin = match &a.server_bin {
+        Some(b) => b.clone(),
+        None => std::env::current_exe()
+            .map_err(|e| e.to_string())?
+            .with_file_name("kvtier-l3"),
+    };
+    let tmp = std::env::temp_dir().join(format!("kvtier-l3-chaos-{}", std::process::id()));
+    let dir = a.dir.clone().unwrap_or(tmp);
+    if dir.exists() {
+        return Err(format!("{} exists; give a fresh --dir", dir.display()));
+    }
+    let result = chaos(a, &bin, &dir);
+    if a.dir.is_none()
+        && let Err(e) = std::fs::remove_dir_all(&dir)
+    {
+        eprintln!("l3-chaos: could not remove {}: {e}", dir.display());
+    }
+    result
+}
+
+fn chaos(a: &Args, bin: &std::path::Path, dir: &std::path::Path) -> Result<u64, String> {
+    if a.nodes < 2 || a.workers == 0 || a.keys == 0 {
+        return Err("need at least 2 nodes, 1 worker and 1 key".into());
+    }
+    let mut c = Cluster::start(bin, dir, a.mode, a.nodes, a.segment_bytes, a.ttl_ms)?;
+    let addr = c.master_addr;
+    let shared = Arc::new(Shared::default());
+    let counts = Arc::new(Counts::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop_reader = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (s, st) = (shared.clone(), stop_reader.clone());
+        std::thread::spawn(move || workload::read_losses(addr, st, s))
+    };
+    // Let the nodes mount before the first put.
+    std::thread::sleep(Duration::from_millis(500));
+    let workers: Vec<_> = (0..a.workers)
+        .map(|i| {
+            let w = Worker {
+                addr,
+                first_key: i * a.keys,
+                keys: a.keys,
+                max_bytes: a.max_bytes,
+                persisted_is_durable: a.mode == Mode::WriteThrough,
+                seed: a.seed.wrapping_mul(1_000_003).wrapping_add(i as u64),
+            };
+            let (st, sh, co) = (stop.clone(), shared.clone(), counts.clone());
+            std::thread::spawn(move || workload::run(w, st, sh, co))
+        })
+        .collect();
+
+    let kills = inject(a, &mut c)?;
+    stop.store(true, Ordering::Relaxed);
+    let mut keys: Keys = Vec::new();
+    for w in workers {
+        keys.extend(w.join().map_err(|_| "a worker panicked")?);
+    }
+
+    // Every process up, then read every key; then all of them killed and restarted at once
+    // (every node rescans, the master replays its log), and every key read again.
+    let mut restarted_at = None;
+    for round in 0..2 {
+        if round == 1 {
+            // Its `overflowed` report covers every loss: losses seen before it must have
+            // been reported before it.
+            restarted_at = Some(Instant::now());
+            c.kill_master();
+            for i in 0..c.nodes() {
+                c.kill_node(i);
+            }
+        }
+        c.revive_all()?;
+        std::thread::sleep(Duration::from_millis(a.ttl_ms + 1_500));
+        final_reads(addr, &keys, &shared, &counts);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    stop_reader.store(true, Ordering::Relaxed);
+    reader.join().map_err(|_| "the loss reader panicked")?;
+    Ok(report(a, &kills, &keys, &shared, &counts, restarted_at))
+}
+
+/// Kills and restarts processes at random until `--seconds` have passed.
+fn inject(a: &Args, c: &mut Cluster) -> Result<Kills, String> {
+    let mut rng = Rng::new(a.seed ^ 0x5eed);
+    let mut kills = Kills::default();
+    let mut revive: Vec<(Instant, Revive)> = Vec::new();
+    let end = Instant::now() + Duration::from_secs(a.seconds);
+    let mut next = Instant::now() + Duration::from_millis(a.fault_every_ms);
+    while Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = Instant::now();
+        let (due, later): (Vec<_>, Vec<_>) = revive.into_iter().partition(|(t, _)| *t <= now);
+        revive = later;
+        for (_, r) in due {
+            match r {
+                // A node exits when it cannot mount (its master is down): try again soon,
+                // as a supervisor would.
+                Revive::Node(i) => {
+                    if c.revive_node(i).is_err() {
+                        revive.push((now + Duration::from_millis(300), Revive::Node(i)));
+                    }
+                }
+                Revive::Master => c.revive_master()?,
+            }
+        }
+        if now < next {
+            continue;
+        }
+        next = now + Duration::from_millis(a.fault_every_ms / 2 + rng.below(a.fault_every_ms));
+        let node_kill = match a.faults {
+            Faults::Nodes => true,
+            Faults::Master => false,
+            Faults::Both => rng.below(10) < 6,
+        };
+        let also_node = a.faults == Faults::Both && rng.below(5) == 0;
+        if (node_kill || also_node)
+            && let Some(i) = pick_live_node(c, &mut rng)
+        {
+            c.kill_node(i);
+            kills.node += 1;
+            let back = now + Duration::from_millis(200 + rng.below(1_500));
+            revive.push((back, Revive::Node(i)));
+        }
+        if !node_kill && c.master_up() {
+            c.kill_master();
+            kills.master += 1;
+            let back = now + Duration::from_millis(100 + rng.below(900));
+            revive.push((back, Revive::Master));
+        }
+    }
+    Ok(kills)
+}
+
+/// A live node to kill, keeping at least one node up.
+fn pick_live_node(c: &Cluster, rng: &mut Rng) -> Option<usize> {
+    let live: Vec<usize> = (0..c.nodes()).filter(|i| c.node_up(*i)).collect();
+    if live.len() < 2 {
+        return None;
+    }
+    Some(live[rng.below(live.len() as u64) as usize])
+}
+
+/// Reads every key once more, retrying transport errors for up to 30 s; a persisted put
+/// that is not found now (everything is up) is lost.
+fn final_reads(addr: std::net::SocketAddr, keys: &Keys, shared: &Shared, counts: &Counts) {
+    let mut conn = Conn::new(addr);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut todo: Vec<&(u32, oracle::KeyState)> = keys.iter().collect();
+    while !todo.is_empty() && Instant::now() < deadline {
+        todo.retain(|(id, st)| {
+            let before = workload::lock(&shared.findings).misses.len();
+            if workload::read_and_check(&mut conn, *id, st, shared, counts).is_err() {
+                return true;
+            }
+            let missing = workload::lock(&shared.findings).misses.len() > before;
+            if missing && st.persisted {
+                workload::record(
+                    shared,
+                    Violation::LostPersisted,
+                    format!(
+                        "{}: version {:?} acknowledged as persisted",
+                        workload::key_name(*id),
+                        st.present
+                    ),
+                );
+            }
+            false
+        });
+        if !todo.is_empty() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    for (id, _) in todo {
+        eprintln!(
+            "l3-chaos: {} could not be read at the end",
+            workload::key_name(*id)
+        );
+    }
+}
+
+/// Prints the figures and returns the number of violations (0 for a clean, useful run).
+fn report(
+    a: &Args,
+    kills: &Kills,
+    keys: &Keys,
+    shared: &Shared,
+    counts: &Counts,
+    restarted_at: Option<Instant>,
+) -> u64 {
+    let far = Instant::now() + Duration::from_secs(3_600);
+    let mut f = workload::lock(&shared.findings);
+    let reports = workload::lock(&shared.reports);
+    let misses = std::mem::take(&mut f.misses);
+    let mut explained = 0u64;
+    for m in &misses {
+        let k = workload::key_name(m.key_id);
+        let until = match restarted_at {
+            Some(r) if m.seen_at < r => r,
+            _ => far,
+        };
+        if reports.explains(&k, m.acked_at, until) {
+            explained += 1;
+        } else {
+            f.record(
+                Violation::UnreportedLoss,
+                format!(
+                    "{k}: version {} not found and never reported lost",
+                    m.version
+                ),
+            );
+        }
+    }
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    println!(
+        "l3-chaos: mode {:?}, faults {:?}, {} s, seed {}, {} nodes, {} workers x {} keys",
+        a.mode, a.faults, a.seconds, a.seed, a.nodes, a.workers, a.keys
+    );
+    println!("kills: {} node, {} master", kills.node, kills.master);
+    println!(
+        "puts acked {} (persisted {}), failed {}; removes acked {}; reads checked {} (failed {}); \
+         misses {} (explained by the loss journal {}); loss reports {} keys, {} overflows",
+        n(&counts.puts_acked),
+        n(&counts.puts_persisted),
+        n(&counts.puts_failed),
+        n(&counts.removes_acked),
+        n(&counts.reads_checked),
+        n(&counts.reads_failed),
+        misses.len(),
+        explained,
+        reports.keys.values().map(Vec::len).sum::<usize>(),
+        reports.overflows.len(),
+    );
+    let c = |v: Violation| f.counts.get(&v).copied().unwrap_or(0);
+    println!(
+        "violations: wrong bytes {}, stale versions {}, resurrected removes {}, \
+         unreported losses {}, lost persisted puts {}",
+        c(Violation::WrongBytes),
+        c(Violation::StaleVersion),
+        c(Violation::ResurrectedRemove),
+        c(Violation::UnreportedLoss),
+        c(Violation::LostPersisted),
+    );
+    for e in &f.examples {
+        println!("  {e}");
+    }
+    let still_present = keys.iter().filter(|(_, s)| s.present.is_some()).count();
+    println!(
+        "keys: {} ({} present at the end)",
+        keys.len(),
+        still_present
+    );
+    let idle = n(&counts.puts_acked) == 0
+        || n(&counts.reads_checked) == 0
+        || (a.seconds > 0 && kills.node + kills.master == 0);
+    if idle {
+        println!("the run did no useful work (no acknowledged put, checked read or fault)");
+        return f.total().max(1);
+    }
+    f.total()
+}

@@ -1,0 +1,287 @@
+//! What a correct store may answer, per key, and the violations found.
+//!
+//! Why per key and sequential: each key is owned by one worker thread, so its operations
+//! never overlap each other and "after the acknowledgement" is simply "later in the
+//! worker". The only concurrency is the faults, which is what is under test.
+//!
+//! The model of one key: `present` is the version whose put was acknowledged and not
+//! removed since (certain); `maybe` the versions whose put ended with an error whose outcome
+//! is unknown (they may exist, Jepsen-style, until the next acknowledged put, after which
+//! they are stale); `removed_upto` the newest version an acknowledged remove has killed.
+//! A read may return `present` or one of `maybe`; anything older than `present` is a stale
+//! version, anything at or below `removed_upto` (and not in `maybe`) a resurrected remove,
+//! bytes that are not exactly what was put for that key and version are wrong bytes, and a
+//! "not found" while `present` is set is a loss that the loss journal must name (checked at
+//! the end, when every report has arrived).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
+const MAGIC: u32 = 0x4b56_4348; // "KVCH"
+const HDR: usize = 20;
+
+/// splitmix64: a tiny deterministic generator (the chaos schedule is reproducible by seed).
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// The bytes of version `version` of key `key_id`: a header naming both, then bytes drawn
+/// from them, so any mix-up of keys, versions or offsets is detected.
+pub fn payload(key_id: u32, version: u64, len: usize) -> Vec<u8> {
+    let len = len.max(HDR);
+    let mut v = Vec::with_capacity(len);
+    v.extend_from_slice(&MAGIC.to_le_bytes());
+    v.extend_from_slice(&key_id.to_le_bytes());
+    v.extend_from_slice(&version.to_le_bytes());
+    v.extend_from_slice(&(len as u32).to_le_bytes());
+    let mut r = Rng::new(((key_id as u64) << 40) ^ version);
+    while v.len() < len {
+        let w = r.next().to_le_bytes();
+        let n = (len - v.len()).min(8);
+        v.extend_from_slice(&w[..n]);
+    }
+    v
+}
+
+/// The version `bytes` hold if they are exactly a payload of `key_id`; `None` otherwise.
+pub fn decode(key_id: u32, bytes: &[u8]) -> Option<u64> {
+    if bytes.len() < HDR {
+        return None;
+    }
+    let word = |a: usize| u32::from_le_bytes([bytes[a], bytes[a + 1], bytes[a + 2], bytes[a + 3]]);
+    let mut ver = [0u8; 8];
+    ver.copy_from_slice(&bytes[8..16]);
+    let version = u64::from_le_bytes(ver);
+    let ok = word(0) == MAGIC
+        && word(4) == key_id
+        && word(16) as usize == bytes.len()
+        && payload(key_id, version, bytes.len()) == bytes;
+    ok.then_some(version)
+}
+
+/// What a read returned.
+pub enum Read<'a> {
+    Bytes(&'a [u8]),
+    NotFound,
+}
+
+/// Violation kinds, in report order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Violation {
+    WrongBytes,
+    StaleVersion,
+    ResurrectedRemove,
+    UnreportedLoss,
+    LostPersisted,
+}
+
+/// One key's model (see the module docs).
+#[derive(Debug, Default, Clone)]
+pub struct KeyState {
+    pub present: Option<u64>,
+    /// When `present`'s put was acknowledged.
+    pub acked_at: Option<Instant>,
+    /// `present` was acknowledged with `wait_persisted` on an all-write-through cluster.
+    pub persisted: bool,
+    pub maybe: Vec<u64>,
+    pub removed_upto: u64,
+    pub next_version: u64,
+}
+
+impl KeyState {
+    pub fn new_version(&mut self) -> u64 {
+        self.next_version += 1;
+        self.next_version
+    }
+
+    pub fn put_acked(&mut self, v: u64, persisted: bool) {
+        self.present = Some(v);
+        self.acked_at = Some(Instant::now());
+        self.persisted = persisted;
+        self.maybe.clear();
+    }
+
+    pub fn put_unknown(&mut self, v: u64) {
+        self.maybe.push(v);
+    }
+
+    pub fn removed(&mut self) {
+        self.present = None;
+        self.acked_at = None;
+        self.persisted = false;
+        self.removed_upto = self.next_version;
+        self.maybe.clear();
+    }
+
+    /// A remove answered "not found": nothing was removed, and what was acknowledged is
+    /// missing now (a loss to explain) but may still come back (an SSD copy the master has
+    /// not heard of yet), so it may exist until a remove or a put is acknowledged.
+    pub fn remove_not_found(&mut self, key_id: u32) -> Option<Miss> {
+        let miss = self.miss(key_id);
+        self.remove_unknown();
+        miss
+    }
+
+    /// A remove whose outcome is unknown: `present` may still be there.
+    pub fn remove_unknown(&mut self) {
+        if let Some(v) = self.present.take() {
+            self.maybe.push(v);
+        }
+        self.acked_at = None;
+        self.persisted = false;
+    }
+
+    /// The loss a "not found" answer is, if a version was acknowledged.
+    fn miss(&self, key_id: u32) -> Option<Miss> {
+        match (self.present, self.acked_at) {
+            (Some(version), Some(acked_at)) => Some(Miss {
+                key_id,
+                version,
+                acked_at,
+                seen_at: Instant::now(),
+                persisted: self.persisted,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Checks a read; a "not found" of a present version is returned as a loss to explain.
+    pub fn check(&self, key_id: u32, r: Read<'_>) -> Result<Option<Miss>, Violation> {
+        match r {
+            Read::NotFound => Ok(self.miss(key_id)),
+            Read::Bytes(b) => {
+                let Some(w) = decode(key_id, b) else {
+                    return Err(Violation::WrongBytes);
+                };
+                if Some(w) == self.present || self.maybe.contains(&w) {
+                    return Ok(None);
+                }
+                if w > self.next_version {
+                    return Err(Violation::WrongBytes);
+                }
+                if self.present.is_some_and(|p| w < p) {
+                    return Err(Violation::StaleVersion);
+                }
+                if w <= self.removed_upto {
+                    return Err(Violation::ResurrectedRemove);
+                }
+                // Issued, never acknowledged, not in `maybe`: only a put whose error said
+                // it had no effect could be here, and it did have one.
+                Err(Violation::StaleVersion)
+            }
+        }
+    }
+}
+
+/// A read that found nothing where an acknowledged version should be.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Miss {
+    pub key_id: u32,
+    pub version: u64,
+    pub acked_at: Instant,
+    /// When the read found nothing.
+    pub seen_at: Instant,
+    pub persisted: bool,
+}
+
+/// What the loss-journal reader heard, with when.
+#[derive(Debug, Default)]
+pub struct Reports {
+    pub keys: HashMap<String, Vec<Instant>>,
+    pub overflows: Vec<Instant>,
+}
+
+impl Reports {
+    /// Whether a report (for `key`, or an overflow) arrived within `since..until`.
+    pub fn explains(&self, key: &str, since: Instant, until: Instant) -> bool {
+        let within = |t: &Instant| *t >= since && *t < until;
+        self.overflows.iter().any(within)
+            || self.keys.get(key).is_some_and(|v| v.iter().any(within))
+    }
+}
+
+/// Violations found, with a few examples each.
+#[derive(Debug, Default)]
+pub struct Findings {
+    pub counts: HashMap<Violation, u64>,
+    pub examples: Vec<String>,
+    pub misses: Vec<Miss>,
+}
+
+impl Findings {
+    pub fn record(&mut self, v: Violation, what: String) {
+        *self.counts.entry(v).or_default() += 1;
+        if self.examples.len() < 20 {
+            self.examples.push(format!("{v:?}: {what}"));
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.counts.values().sum()
+    }
+}
+
+/// Shared between the workers, the loss reader and the final checks.
+#[derive(Default)]
+pub struct Shared {
+    pub reports: Mutex<Reports>,
+    pub findings: Mutex<Findings>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_name_their_key_and_version() {
+        let p = payload(7, 3, 100);
+        assert_eq!(decode(7, &p), Some(3));
+        assert_eq!(decode(8, &p), None, "another key");
+        let mut q = p.clone();
+        q[60] ^= 1;
+        assert_eq!(decode(7, &q), None, "a flipped byte");
+        assert_eq!(decode(7, &p[..99]), None, "cut short");
+    }
+
+    #[test]
+    fn the_model_flags_stale_resurrected_and_lost() {
+        let mut k = KeyState::default();
+        let v1 = k.new_version();
+        k.put_acked(v1, false);
+        k.removed();
+        let v2 = k.new_version();
+        k.put_acked(v2, true);
+        let old = payload(1, v1, 64);
+        assert_eq!(k.check(1, Read::Bytes(&old)), Err(Violation::StaleVersion));
+        assert!(matches!(k.check(1, Read::NotFound), Ok(Some(m)) if m.persisted));
+        k.removed();
+        let newer = payload(1, v2, 64);
+        assert_eq!(
+            k.check(1, Read::Bytes(&newer)),
+            Err(Violation::ResurrectedRemove)
+        );
+        let v3 = k.new_version();
+        k.put_unknown(v3);
+        assert_eq!(k.check(1, Read::Bytes(&payload(1, v3, 64))), Ok(None));
+        assert!(matches!(k.check(1, Read::NotFound), Ok(None)));
+    }
+}

@@ -1,0 +1,250 @@
+//! The clients: worker threads that put, read and remove their own keys through
+//! [`RemoteStore`] while processes die under them, and the loss-journal reader.
+//!
+//! Why reconnect on every transport error: a killed master or node leaves the connection
+//! dead; a production client reconnects, and so does this one, so the store keeps being
+//! exercised across every restart.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvtier_l3::{
+    ClientOptions, L3Error, L3Store, LossCursor, PutOptions, RemoteStore, ReplicateConfig, Tenant,
+};
+
+use crate::oracle::{KeyState, Read, Rng, Shared, Violation, payload};
+
+pub fn tenant() -> Tenant {
+    Tenant::new("chaos").unwrap_or_else(|_| unreachable!("a valid tenant name"))
+}
+
+pub fn key_name(key_id: u32) -> String {
+    format!("chaos-{key_id}")
+}
+
+/// A connection that reconnects after transport errors.
+pub struct Conn {
+    addr: SocketAddr,
+    store: Option<RemoteStore>,
+}
+
+impl Conn {
+    pub fn new(addr: SocketAddr) -> Self {
+        Conn { addr, store: None }
+    }
+
+    /// Runs `f` on a live connection; a transport error (or none to be had) drops it.
+    pub fn call<T>(
+        &mut self,
+        f: impl FnOnce(&RemoteStore) -> Result<T, L3Error>,
+    ) -> Result<T, L3Error> {
+        if self.store.is_none() {
+            let opts = ClientOptions {
+                rpc_timeout: Duration::from_secs(5),
+                ..Default::default()
+            };
+            self.store = Some(RemoteStore::connect(self.addr, opts)?);
+        }
+        let Some(s) = &self.store else {
+            return Err(L3Error::RpcFail("not connected".into()));
+        };
+        let r = f(s);
+        if matches!(r, Err(L3Error::RpcFail(_))) {
+            self.store = None;
+        }
+        r
+    }
+}
+
+/// Counters of what the workers did.
+#[derive(Default)]
+pub struct Counts {
+    pub puts_acked: AtomicU64,
+    pub puts_persisted: AtomicU64,
+    pub puts_failed: AtomicU64,
+    pub removes_acked: AtomicU64,
+    pub reads_checked: AtomicU64,
+    pub reads_failed: AtomicU64,
+    pub misses: AtomicU64,
+}
+
+/// One worker's settings.
+pub struct Worker {
+    pub addr: SocketAddr,
+    pub first_key: u32,
+    pub keys: u32,
+    pub max_bytes: usize,
+    pub persisted_is_durable: bool,
+    pub seed: u64,
+}
+
+/// The keys a worker owns, with their models (read back by the final checks).
+pub type Keys = Vec<(u32, KeyState)>;
+
+/// Reads one key and checks the answer; transport errors are counted, not judged.
+pub fn read_and_check(
+    conn: &mut Conn,
+    key_id: u32,
+    st: &KeyState,
+    shared: &Shared,
+    counts: &Counts,
+) -> Result<(), L3Error> {
+    let t = tenant();
+    let k = key_name(key_id);
+    let r = conn.call(|s| s.get(&t, &k));
+    let verdict = match &r {
+        Ok(b) => st.check(key_id, Read::Bytes(b)),
+        Err(L3Error::ObjectNotFound) => st.check(key_id, Read::NotFound),
+        Err(_) => {
+            counts.reads_failed.fetch_add(1, Ordering::Relaxed);
+            return r.map(|_| ());
+        }
+    };
+    counts.reads_checked.fetch_add(1, Ordering::Relaxed);
+    let mut f = lock(&shared.findings);
+    match verdict {
+        Ok(Some(miss)) => {
+            counts.misses.fetch_add(1, Ordering::Relaxed);
+            f.misses.push(miss);
+        }
+        Ok(None) => {}
+        Err(v) => {
+            let got = match &r {
+                Ok(b) => crate::oracle::decode(key_id, b).map_or_else(
+                    || format!("{} undecodable bytes", b.len()),
+                    |w| format!("version {w}"),
+                ),
+                Err(e) => e.to_string(),
+            };
+            f.record(v, format!("{k}: read {got}, model {st:?}"));
+        }
+    }
+    Ok(())
+}
+
+/// The worker loop: until `stop`, pick a key and put, read or remove it.
+pub fn run(w: Worker, stop: Arc<AtomicBool>, shared: Arc<Shared>, counts: Arc<Counts>) -> Keys {
+    let mut rng = Rng::new(w.seed);
+    let mut keys: Keys = (w.first_key..w.first_key + w.keys)
+        .map(|k| (k, KeyState::default()))
+        .collect();
+    let mut conn = Conn::new(w.addr);
+    let t = tenant();
+    while !stop.load(Ordering::Relaxed) {
+        let i = rng.below(keys.len() as u64) as usize;
+        let (key_id, st) = &mut keys[i];
+        let key_id = *key_id;
+        let k = key_name(key_id);
+        let dice = rng.below(100);
+        let remove = match st.present {
+            Some(_) => dice < 15,
+            // Versions that may exist (unknown outcomes): remove them now and then, so the
+            // key gets back to a known state.
+            None => !st.maybe.is_empty() && dice < 20,
+        };
+        if remove {
+            // Forced: a read lease must not block it.
+            match conn.call(|s| s.remove(&t, &k, true)) {
+                Ok(()) => {
+                    st.removed();
+                    counts.removes_acked.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(L3Error::ObjectNotFound) => {
+                    if let Some(m) = st.remove_not_found(key_id) {
+                        counts.misses.fetch_add(1, Ordering::Relaxed);
+                        lock(&shared.findings).misses.push(m);
+                    }
+                }
+                Err(_) => st.remove_unknown(),
+            }
+        } else if st.present.is_none() && dice < 60 {
+            let v = st.new_version();
+            let len = 64 + rng.below(w.max_bytes as u64) as usize;
+            let data = payload(key_id, v, len);
+            let replicas = 1 + rng.below(3) as u32;
+            let wait_persisted = rng.below(3) == 0;
+            let opts = PutOptions {
+                soft_pin: false,
+                wait_persisted,
+            };
+            match conn
+                .call(|s| s.put_with(&t, &k, &data, opts, ReplicateConfig::replicas(replicas)))
+            {
+                Ok(()) => {
+                    let durable = wait_persisted && w.persisted_is_durable;
+                    st.put_acked(v, durable);
+                    counts.puts_acked.fetch_add(1, Ordering::Relaxed);
+                    if durable {
+                        counts.puts_persisted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                Err(L3Error::ObjectAlreadyExists) => {
+                    // Something is stored that the model may not know of (a pending put of
+                    // an earlier failed call, or a version that came back): read it.
+                    counts.puts_failed.fetch_add(1, Ordering::Relaxed);
+                    if let Err(e) = read_and_check(&mut conn, key_id, st, &shared, &counts) {
+                        tracing::debug!(error = %e, "read after -705 failed");
+                    }
+                }
+                Err(_) => {
+                    st.put_unknown(v);
+                    counts.puts_failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        } else if let Err(e) = read_and_check(&mut conn, key_id, st, &shared, &counts) {
+            tracing::debug!(error = %e, "read failed");
+        }
+        if conn.store.is_none() || rng.below(64) == 0 {
+            // Down or rebuilding: do not spin on a server that cannot answer yet.
+            std::thread::sleep(Duration::from_millis(if conn.store.is_none() {
+                10
+            } else {
+                1
+            }));
+        }
+    }
+    keys
+}
+
+/// Reads the loss journal every 20 ms until `stop`, noting when each report arrived.
+pub fn read_losses(addr: SocketAddr, stop: Arc<AtomicBool>, shared: Arc<Shared>) {
+    let t = tenant();
+    let mut conn = Conn::new(addr);
+    let mut cursor: Option<LossCursor> = None;
+    loop {
+        let done = stop.load(Ordering::Relaxed);
+        match conn.call(|s| s.losses_since(&t, cursor)) {
+            Ok(l) => {
+                let now = std::time::Instant::now();
+                let mut r = lock(&shared.reports);
+                if l.overflowed {
+                    r.overflows.push(now);
+                }
+                for k in l.keys {
+                    r.keys.entry(k).or_default().push(now);
+                }
+                cursor = Some(l.next);
+                if done {
+                    return;
+                }
+            }
+            // Connected or not, a reader that cannot read when asked to stop has reported
+            // what it could; the final check counts anything it missed as unreported.
+            Err(_) if done => return,
+            Err(_) => {}
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Counts a violation (for the final checks).
+pub fn record(shared: &Shared, v: Violation, what: String) {
+    lock(&shared.findings).record(v, what);
+}
+
+/// Locks, whether or not a thread panicked while holding it (the counts stay usable).
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
