@@ -16,7 +16,7 @@ from kvtier.engine import KvtierL3Backend
 from kvtier.torch import Attention, DevicePool, KVLayout, PoolLayoutError, TorchEngine
 from kvtier.torch.model import PagedRow, layout_of, run_row
 from conftest import tiny_deepseek_v3, tiny_llama
-from test_torch_model import check_against_transformers, config, conversations, serve
+from test_torch_model import check_against_transformers, config, conversations, named_scheduler, serve
 
 DIMS = [(8, 8, 16), (16, 8, 8)]  # (qk_nope, qk_rope, v): V wider and narrower than the key
 
@@ -34,14 +34,16 @@ def test_mla_multi_turn_through_every_tier_matches_generate(nope, rope, v):
     system, users = conversations(seed=5)
     store = kvtier.L3Store.embedded(1 << 24)
     ref = tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v)
-    with TorchEngine(config(), tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v), KvtierL3Backend(store)) as a:
+    with TorchEngine(named_scheduler(config(), "mla"), tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v),
+                     KvtierL3Backend(store)) as a:
         assert a.device_pool.layout.attention == Attention.MLA
         prompts = serve(a, system, users)
         ops = a.executor.stats.ops
         assert ops.get("LoadBack", 0) > 0 and ops.get("BackUp", 0) > 0
         assert a.s.stats()["host_hit_tokens"] > 0 and a.executor.stats.failed_ops == 0
         check_against_transformers(a, prompts, ref)
-    with TorchEngine(config(), tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v), KvtierL3Backend(store)) as b:
+    with TorchEngine(named_scheduler(config(), "mla"), tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v),
+                     KvtierL3Backend(store)) as b:
         prompts = serve(b, system, users, first_id=1000)
         assert b.s.stats()["l3_hit_tokens"] > 0 and b.executor.stats.ops.get("Prefetch", 0) > 0
         check_against_transformers(b, prompts, ref)

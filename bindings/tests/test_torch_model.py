@@ -40,6 +40,12 @@ def config(**over):
     return small_config(**base)
 
 
+def named_scheduler(cfg, name):
+    """A scheduler built by the caller, with an explicit L3 namespace (the override of the
+    one TorchEngine derives from a SchedulerConfig)."""
+    return kvtier.Scheduler(cfg.replace(namespace={"model": name}))
+
+
 def conversations(n=3, turns=3, seed=7):
     """Per turn, per conversation: the full prompt (shared system prompt + history + new user
     message). Answers are filled in as the engine produces them."""
