@@ -77,6 +77,8 @@ class ExecutorStats:
     lease_expired_on_read: int = 0
     l3_pages_read: int = 0
     l3_pages_written: int = 0
+    device_backups: int = 0
+    """BackUps of device pages (demotion with L3), staged through host pages."""
     pages_loaded: int = 0
     pages_stored: int = 0
     failed_ops: int = 0
@@ -350,6 +352,7 @@ class Executor:
         rec = _Op(op.id, op.kind, Signal())
         deps = self._deps_and_record(("device", src), ("", np.zeros(0, dtype=np.int64)), rec.done, compute)
         self._ops[op.id] = rec
+        self.stats.device_backups += 1
 
         def task(ctx: LaneContext) -> None:
             if backend is None:
