@@ -75,16 +75,25 @@ def test_namespaces_differ_exactly_when_kv_is_incompatible(x, y):
 def test_demotion_with_l3_backs_device_pages_up_and_stays_exact():
     """``on-device-eviction`` admission plans BackUps from device pages on purpose (docs/
     scheduler.md); before, TorchEngine failed with ``ExecutorError: BackUp ... not device``."""
+    demotion_with_l3("cpu", "torch")
+
+
+def demotion_with_l3(device, mover):
     system, users = conversations(seed=17)
     store = kvtier.L3Store.embedded(1 << 24)
-    ref = tiny_llama(seed=3)
+    ref = tiny_llama(seed=3, device=device)
     cfg = config(host_admission="on-device-eviction:2")
-    with TorchEngine(named_scheduler(cfg, "llama"), tiny_llama(seed=3), KvtierL3Backend(store)) as a:
+
+    def engine():
+        return TorchEngine(named_scheduler(cfg, "llama"), tiny_llama(seed=3, device=device), KvtierL3Backend(store),
+                           mover=mover)
+
+    with engine() as a:
         prompts = serve(a, system, users)
         assert a.executor.stats.device_backups > 0 and a.executor.stats.failed_ops == 0
         check_against_transformers(a, prompts, ref)
         a.s.check()
-    with TorchEngine(named_scheduler(cfg, "llama"), tiny_llama(seed=3), KvtierL3Backend(store)) as b:
+    with engine() as b:  # reads what a backed up
         prompts = serve(b, system, users, first_id=100)
         assert b.s.stats()["l3_hit_tokens"] > 0
         check_against_transformers(b, prompts, ref)

@@ -31,19 +31,28 @@ def test_layout_of_a_deepseek_v3_config_is_the_latent(nope, rope, v):
 
 @pytest.mark.parametrize("nope,rope,v", DIMS)
 def test_mla_multi_turn_through_every_tier_matches_generate(nope, rope, v):
+    mla_through_every_tier((nope, rope, v), "cpu", "torch")
+
+
+def mla_through_every_tier(dims, device, mover):
+    nope, rope, v = dims
     system, users = conversations(seed=5)
     store = kvtier.L3Store.embedded(1 << 24)
-    ref = tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v)
-    with TorchEngine(named_scheduler(config(), "mla"), tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v),
-                     KvtierL3Backend(store)) as a:
+    ref = tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v, device=device)
+
+    def engine():
+        return TorchEngine(named_scheduler(config(), "mla"), tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v,
+                                                                             device=device),
+                           KvtierL3Backend(store), mover=mover)
+
+    with engine() as a:
         assert a.device_pool.layout.attention == Attention.MLA
         prompts = serve(a, system, users)
         ops = a.executor.stats.ops
         assert ops.get("LoadBack", 0) > 0 and ops.get("BackUp", 0) > 0
         assert a.s.stats()["host_hit_tokens"] > 0 and a.executor.stats.failed_ops == 0
         check_against_transformers(a, prompts, ref)
-    with TorchEngine(named_scheduler(config(), "mla"), tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v),
-                     KvtierL3Backend(store)) as b:
+    with engine() as b:  # empty, on the same L3: prefetches
         prompts = serve(b, system, users, first_id=1000)
         assert b.s.stats()["l3_hit_tokens"] > 0 and b.executor.stats.ops.get("Prefetch", 0) > 0
         check_against_transformers(b, prompts, ref)
