@@ -89,3 +89,44 @@ def test_non_causal_attention_is_refused():
     with use_paged_attention(model):
         with pytest.raises(UnsupportedModelError, match="not causal"):
             run_row(model, PagedRow(pool, torch.arange(8), 0), [1, 2, 3])
+
+
+def _tiny(name, **kw):
+    torch.manual_seed(0)
+    cfg = getattr(transformers, name)(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, dtype=torch.float32, **kw)
+    return getattr(transformers, name.replace("Config", "ForCausalLM"))(cfg).eval()
+
+
+def _paged_logits(model, prompt, chunk):
+    pool = DevicePool.allocate(layout_of(model.config, 4, torch.float32), 16)
+    pages = torch.arange(15, 7, -1)
+    with use_paged_attention(model):
+        for lo in range(0, len(prompt), chunk):
+            got = run_row(model, PagedRow(pool, pages, lo), prompt[lo : lo + chunk])
+    return got
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("MistralConfig", dict(sliding_window=5)),
+    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),  # window on layer 1 only
+])
+def test_windowed_models_match_a_full_forward(name, kw):
+    model = _tiny(name, **kw)
+    prompt = list(range(3, 26))
+    got = _paged_logits(model, prompt, chunk=7)
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0, -1]
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("Qwen2MoeConfig", dict(use_sliding_window=True, sliding_window=4, max_window_layers=2, num_experts=2,
+                            num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    ("PhimoeConfig", dict(sliding_window=4, num_local_experts=2, num_experts_per_tok=1)),
+])
+def test_a_window_kept_only_in_the_mask_is_refused(name, kw):
+    """These models put the window into the attention mask alone, which paged attention does
+    not read: served as they are, they would attend past the window."""
+    with pytest.raises(UnsupportedModelError, match="sliding window"):
+        _paged_logits(_tiny(name, **kw), list(range(3, 12)), chunk=9)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from .errors import PoolLayoutError, UnsupportedModelError
 from .pools import Attention, DevicePool, KVLayout
-from .support import IGNORED_KWARGS, check_model, mla_dims
+from .support import IGNORED_KWARGS, check_model, expects_window, mla_dims
 
 __all__ = [
     "ATTENTION_NAME",
@@ -175,6 +175,9 @@ def paged_attention(
     window = _check_kwargs(kwargs)
     row = kvtier_row
     layer = module.layer_idx
+    if window is None and expects_window(getattr(module, "config", None), layer):
+        raise UnsupportedModelError(f"layer {layer}: the config declares a sliding window the attention call does not"
+                                    " pass (the model keeps it in its mask only)")
     pool = row.pool
     layout = pool.layout
     if query.shape[0] != 1:

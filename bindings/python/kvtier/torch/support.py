@@ -19,7 +19,7 @@ from typing import Any, Optional, Tuple
 
 from .errors import UnsupportedModelError
 
-__all__ = ["IGNORED_KWARGS", "MLA_MODEL_TYPES", "check_model", "mla_dims"]
+__all__ = ["IGNORED_KWARGS", "MLA_MODEL_TYPES", "check_model", "expects_window", "mla_dims"]
 
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 """Models whose attention hands (latent, rope key) to ``past_key_values.update``, which
@@ -54,3 +54,14 @@ def check_model(config: Any) -> None:
     other = sorted(set(getattr(config, "layer_types", None) or ()) - _LAYER_TYPES)
     if other:
         raise UnsupportedModelError(f"{kind}: layer types {other} are not served (only {sorted(_LAYER_TYPES)})")
+
+
+def expects_window(config: Any, layer: int) -> bool:
+    """Whether ``config`` declares a sliding window for ``layer`` (``layer_types``, else a
+    ``sliding_window`` for every layer). Some models (Qwen2-MoE, PhiMoE) put the window only
+    into the attention mask, which paged attention does not read: their windowed layers call
+    it without ``sliding_window`` and are refused rather than served without the window."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return 0 <= layer < len(types) and types[layer] == "sliding_attention"
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
