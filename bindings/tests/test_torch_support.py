@@ -130,3 +130,15 @@ def test_a_window_kept_only_in_the_mask_is_refused(name, kw):
     not read: served as they are, they would attend past the window."""
     with pytest.raises(UnsupportedModelError, match="sliding window"):
         _paged_logits(_tiny(name, **kw), list(range(3, 12)), chunk=9)
+
+
+def test_torch_engine_refuses_at_construction_and_gives_the_model_back():
+    """Features refused only at a forward are found by the engine's one-token probe, before
+    any request is accepted; the model keeps its own attention."""
+    model = _tiny("Qwen2MoeConfig", use_sliding_window=True, sliding_window=4, max_window_layers=2, num_experts=2,
+                  num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    impl = model.config._attn_implementation
+    with pytest.raises(UnsupportedModelError, match="sliding window"):
+        TorchEngine(config(l3_enabled=False), model)
+    assert model.config._attn_implementation == impl
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 64)

@@ -86,7 +86,14 @@ class TorchEngine:
                                  l3_workers=l3_workers, prefetch_chunk_pages=prefetch_chunk_pages)
         self.backend = backend
         self.loads = loads
-        self.paged = use_paged_attention(model)
+        try:
+            self.paged = use_paged_attention(model)
+            self._probe(layout, dev)
+        except BaseException:
+            self.executor.close()
+            if hasattr(self, "paged"):
+                self.paged.restore()
+            raise
         self.tables: Dict[int, List[int]] = {}
         self.tokens: Dict[int, List[int]] = {}
         self.outputs: Dict[int, List[int]] = {}
@@ -99,6 +106,13 @@ class TorchEngine:
         self.l3_losses_reported = 0
         """L3 keys the store reported lost and the engine passed on (``l3_lost``)."""
         self.l3_lost_all_reported = 0
+
+    def _probe(self, layout: Any, dev: torch.device) -> None:
+        """One token through the model over a scratch page: attention features refused only
+        at a forward (attention sinks, a window kept in the mask) are refused here, before
+        any request, with the model given back."""
+        scratch = DevicePool.allocate(layout, 1, dev)
+        run_row(self.model, PagedRow(scratch, torch.zeros(1, dtype=torch.long, device=dev), 0), [0])
 
     @staticmethod
     def _complete(cfg: SchedulerConfig, model: Any, dtype: torch.dtype, model_id: Optional[str]) -> SchedulerConfig:
