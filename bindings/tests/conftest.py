@@ -113,6 +113,34 @@ def greedy_reference(ref, prompt, max_new):
     return out[0, len(prompt):].tolist()
 
 
+def paged_last_logits(model, prompt, page_size, chunks, perm_seed=0, spare=2):
+    """``prompt`` run through ``model`` over paged KV in chunks (sizes cycled from ``chunks``)
+    on a shuffled page table; the last token's logits."""
+    import torch
+
+    from kvtier.torch import DevicePool
+    from kvtier.torch.model import PagedRow, layout_of, run_row, use_paged_attention
+
+    n = len(prompt)
+    need = -(-n // page_size)
+    pool = DevicePool.allocate(layout_of(model.config, page_size, torch.float32), need + spare)
+    pages = torch.randperm(need + spare, generator=torch.Generator().manual_seed(perm_seed))[:need]
+    lo, i = 0, 0
+    with use_paged_attention(model):
+        while lo < n:
+            step = chunks[i % len(chunks)]
+            got = run_row(model, PagedRow(pool, pages, lo), prompt[lo : lo + step])
+            lo, i = lo + step, i + 1
+    return got
+
+
+def full_last_logits(model, prompt):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(prompt)])).logits[0, -1]
+
+
 class HandOp:
     """An op built by hand (``PlannedOp``'s fields) to put the executor in a state the
     scheduler reaches only through timing: two ops touching one page while both in flight."""

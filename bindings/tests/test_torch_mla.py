@@ -10,12 +10,13 @@ error), and ``layout_of`` took DeepSeek-V3's ``head_dim`` (the rope dim) as the 
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import kvtier
 from kvtier.engine import KvtierL3Backend
 from kvtier.torch import Attention, DevicePool, KVLayout, PoolLayoutError, TorchEngine
-from kvtier.torch.model import PagedRow, layout_of, run_row
-from conftest import tiny_deepseek_v3, tiny_llama
+from kvtier.torch.model import PagedRow, layout_of, run_row, use_paged_attention
+from conftest import full_last_logits, paged_last_logits, tiny_deepseek_v3, tiny_llama
 from test_torch_model import check_against_transformers, config, conversations, named_scheduler, serve
 
 DIMS = [(8, 8, 16), (16, 8, 8)]  # (qk_nope, qk_rope, v): V wider and narrower than the key
@@ -62,8 +63,6 @@ def mla_through_every_tier(dims, device, mover):
 def test_an_mla_model_on_a_kv_pool_and_a_kv_model_on_an_mla_pool_are_typed_errors():
     mla = tiny_deepseek_v3()
     kv_pool = DevicePool.allocate(KVLayout.mha(2, 4, 24, 4, torch.float32), 8)
-    from kvtier.torch.model import use_paged_attention
-
     with use_paged_attention(mla):
         with pytest.raises(PoolLayoutError):
             run_row(mla, PagedRow(kv_pool, torch.arange(8), 0), [1, 2, 3])
@@ -75,3 +74,17 @@ def test_an_mla_model_on_a_kv_pool_and_a_kv_model_on_an_mla_pool_are_typed_error
         wrong_dim = DevicePool.allocate(KVLayout.mha(2, 2, 4, 4, torch.float32), 8)  # head_dim 8 in the model
         with pytest.raises(PoolLayoutError):
             run_row(llama, PagedRow(wrong_dim, torch.arange(8), 0), [1, 2, 3])
+
+
+@settings(max_examples=20, deadline=None)
+@given(page_size=st.sampled_from([1, 3, 4, 16]), n=st.integers(2, 30),
+       chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8), perm_seed=st.integers(0, 1000),
+       dims=st.sampled_from(DIMS))
+def test_paged_mla_equals_a_full_forward(page_size, n, chunks, perm_seed, dims):
+    """Any page size, chunking (prefixes ending mid-page) and page order: the latents read back
+    from the pool give a full forward's logits."""
+    nope, rope, v = dims
+    model = tiny_deepseek_v3(seed=1, nope=nope, rope=rope, v=v)
+    prompt = [(5 * i + 1) % 128 for i in range(n)]
+    got = paged_last_logits(model, prompt, page_size, chunks, perm_seed)
+    assert torch.allclose(got, full_last_logits(model, prompt), atol=1e-4, rtol=0)

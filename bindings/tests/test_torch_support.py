@@ -5,6 +5,7 @@ every attention feature the paged glue does not implement is a typed
 ``UnsupportedModelError`` naming it, never a silently wrong token."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 import transformers
 
@@ -13,7 +14,7 @@ from kvtier.engine import KvtierL3Backend
 from kvtier.torch import DevicePool, TorchEngine, UnsupportedModelError
 from kvtier.torch.model import PagedRow, layout_of, run_row, use_paged_attention
 from kvtier.torch.support import check_model
-from conftest import tiny_llama, tiny_mistral
+from conftest import full_last_logits, paged_last_logits, tiny_llama, tiny_mistral
 from test_torch_model import check_against_transformers, config, conversations, named_scheduler, serve
 
 
@@ -99,12 +100,7 @@ def _tiny(name, **kw):
 
 
 def _paged_logits(model, prompt, chunk):
-    pool = DevicePool.allocate(layout_of(model.config, 4, torch.float32), 16)
-    pages = torch.arange(15, 7, -1)
-    with use_paged_attention(model):
-        for lo in range(0, len(prompt), chunk):
-            got = run_row(model, PagedRow(pool, pages, lo), prompt[lo : lo + chunk])
-    return got
+    return paged_last_logits(model, prompt, 4, [chunk])
 
 
 @pytest.mark.parametrize("name,kw", [
@@ -115,9 +111,7 @@ def test_windowed_models_match_a_full_forward(name, kw):
     model = _tiny(name, **kw)
     prompt = list(range(3, 26))
     got = _paged_logits(model, prompt, chunk=7)
-    with torch.no_grad():
-        want = model(torch.tensor([prompt])).logits[0, -1]
-    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert torch.allclose(got, full_last_logits(model, prompt), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name,kw", [
@@ -142,3 +136,14 @@ def test_torch_engine_refuses_at_construction_and_gives_the_model_back():
         TorchEngine(config(l3_enabled=False), model)
     assert model.config._attn_implementation == impl
     assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 64)
+
+
+@settings(max_examples=25, deadline=None)
+@given(window=st.integers(1, 12), page_size=st.sampled_from([1, 2, 4, 16]), n=st.integers(2, 30),
+       chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8), perm_seed=st.integers(0, 1000))
+def test_paged_window_attention_equals_a_full_forward(window, page_size, n, chunks, perm_seed):
+    """Any window, page size, chunking (prefixes ending mid-page) and page order."""
+    model = _tiny("MistralConfig", sliding_window=window)
+    prompt = [(7 * i + 3) % 64 for i in range(n)]
+    got = paged_last_logits(model, prompt, page_size, chunks, perm_seed, spare=3)
+    assert torch.allclose(got, full_last_logits(model, prompt), atol=1e-5, rtol=0)
