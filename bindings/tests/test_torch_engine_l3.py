@@ -53,6 +53,21 @@ def test_two_models_on_one_store_never_hit_each_others_pages():
         check_against_transformers(c, prompts, tiny_llama(seed=3))
 
 
+def test_namespace_fields_set_by_the_caller_are_kept():
+    cfg = config(l3_enabled=True)
+    store = kvtier.L3Store.embedded(1 << 22)
+    with TorchEngine(cfg.replace(namespace={"tenant": "t7"}), tiny_llama(), KvtierL3Backend(store)) as a:
+        ns = a.s.config()["namespace"]
+        assert ns["tenant"] == "t7" and "LlamaForCausalLM" in ns["model"] and ns["dtype"] == "float32"
+    with TorchEngine(cfg.replace(namespace={"model": "mine"}), tiny_llama(), KvtierL3Backend(store)) as b:
+        assert b.s.config()["namespace"]["model"] == "mine"
+    try:  # a scheduler the caller built, naming a tenant but no model
+        TorchEngine(kvtier.Scheduler(cfg.replace(namespace={"tenant": "t7"})), tiny_llama(), KvtierL3Backend(store))
+    except NamespaceError:
+        return
+    raise AssertionError("a scheduler without a model namespace was accepted")
+
+
 class Probe:
     def __init__(self, cfg):
         self.config = cfg

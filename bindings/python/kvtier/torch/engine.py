@@ -41,11 +41,11 @@ class TorchEngine:
     """Serves requests with ``model`` (a transformers causal LM), KV in pools sized from the
     scheduler's config, L3 through ``backend``.
 
-    ``scheduler``: a :class:`SchedulerConfig` (the engine builds the scheduler: an empty
-    namespace becomes the model's, :func:`kvtier.torch.namespace.torch_namespace`, and a
+    ``scheduler``: a :class:`SchedulerConfig` (the engine builds the scheduler: the namespace
+    fields left empty are filled from :func:`kvtier.torch.namespace.torch_namespace`, and a
     ``max_context_tokens`` left at its default is capped to the device pool) or a
-    :class:`Scheduler` built by the caller, which must carry a namespace when ``backend`` is
-    set (else :class:`NamespaceError`). ``kv_dtype``: the pools' dtype (default: the
+    :class:`Scheduler` built by the caller, whose namespace must name the model when
+    ``backend`` is set (else :class:`NamespaceError`). ``kv_dtype``: the pools' dtype (default: the
     model's). ``stop_token_ids``: tokens that end a request (default: the model's
     ``generation_config.eos_token_id``; ``()`` for none); ``submit`` may override them per
     request. ``model_id``: the weights' name in the derived namespace."""
@@ -72,7 +72,7 @@ class TorchEngine:
         cfg = scheduler.config()
         if not cfg["host_enabled"]:
             raise PoolLayoutError("kvtier.torch needs the host tier (host_enabled=True): L3 I/O runs from host pages")
-        if backend is not None and cfg["l3_enabled"] and not any(cfg["namespace"].values()):
+        if backend is not None and cfg["l3_enabled"] and not cfg["namespace"].get("model"):
             raise NamespaceError("an L3 store needs the model's namespace: pass a SchedulerConfig (the engine derives"
                                  " it) or set namespace=kvtier.torch.torch_namespace(model, layout)")
         layout = layout_of(model.config, cfg["page_size"], dtype)
@@ -117,9 +117,9 @@ class TorchEngine:
     @staticmethod
     def _complete(cfg: SchedulerConfig, model: Any, dtype: torch.dtype, model_id: Optional[str]) -> SchedulerConfig:
         """The namespace and context limit the caller left at their defaults, filled in."""
-        if not any(cfg.namespace.values()):
-            layout = layout_of(model.config, cfg.page_size, dtype)
-            cfg = cfg.replace(namespace=torch_namespace(model, layout, model_id))
+        derived = torch_namespace(model, layout_of(model.config, cfg.page_size, dtype), model_id)
+        given = cfg.namespace or {}
+        cfg = cfg.replace(namespace={k: given.get(k) or v for k, v in derived.items()})  # a field set is kept
         cap = cfg.device_pages * cfg.page_size
         if cfg.max_context_tokens == _DEFAULT_CONTEXT and cap < _DEFAULT_CONTEXT:
             cfg = cfg.replace(max_context_tokens=cap)
