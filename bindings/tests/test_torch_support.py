@@ -147,3 +147,12 @@ def test_paged_window_attention_equals_a_full_forward(window, page_size, n, chun
     prompt = [(7 * i + 3) % 64 for i in range(n)]
     got = paged_last_logits(model, prompt, page_size, chunks, perm_seed, spare=3)
     assert torch.allclose(got, full_last_logits(model, prompt), atol=1e-5, rtol=0)
+
+
+def test_an_is_causal_false_argument_is_refused():
+    model = tiny_llama()
+    pool = DevicePool.allocate(layout_of(model.config, 4, torch.float32), 8)
+    with use_paged_attention(model):
+        with pytest.raises(UnsupportedModelError, match="non-causal"):
+            model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False, is_causal=False,
+                  kvtier_row=PagedRow(pool, torch.arange(8), 0))

@@ -143,9 +143,11 @@ def _attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, star
 def _check_kwargs(kwargs: Any) -> Optional[int]:
     """The sliding window, if any; refuses attention arguments this path does not implement."""
     for name, val in kwargs.items():
-        if name in IGNORED_KWARGS or val is None or val is False:
+        if name == "is_causal":
+            if val is False:
+                raise UnsupportedModelError("non-causal attention (is_causal=False) is not served")
             continue
-        if name == "is_causal" and val is True:
+        if name in IGNORED_KWARGS or val is None or val is False:
             continue
         if name != "sliding_window":
             raise UnsupportedModelError(f"attention argument {name!r} (e.g. logit softcapping or attention sinks)"
