@@ -88,3 +88,20 @@ def test_paged_mla_equals_a_full_forward(page_size, n, chunks, perm_seed, dims):
     prompt = [(5 * i + 1) % 128 for i in range(n)]
     got = paged_last_logits(model, prompt, page_size, chunks, perm_seed)
     assert torch.allclose(got, full_last_logits(model, prompt), atol=1e-4, rtol=0)
+
+
+def test_deepseek_v2_is_served_too():
+    """DeepSeek-V2 hands its latents to the cache the same way (no rope interleave, q LoRA)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, dtype=torch.float32)
+    model = transformers.DeepseekV2ForCausalLM(cfg).eval()
+    assert layout_of(cfg, 4, torch.float32).chunk_shape == (4, 24)
+    prompt = list(range(1, 23))
+    got = paged_last_logits(model, prompt, 4, [5, 3], perm_seed=7)
+    assert torch.allclose(got, full_last_logits(model, prompt), atol=1e-4, rtol=0)
