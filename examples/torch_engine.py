@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvtier
 from kvtier.engine import KvtierL3Backend
-from kvtier.torch import DevicePool, Executor, HostPool, LoadWait
+from kvtier.torch import DevicePool, Executor, HostPool, LoadWait, torch_namespace
 from kvtier.torch.model import PagedRow, layout_of, run_row, use_paged_attention
 
 
@@ -31,15 +31,28 @@ def tiny_llama(device: str) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval().to(device)
 
 
+def reference(ref: LlamaForCausalLM, prompt: list, max_new: int) -> list:
+    """transformers' greedy generate() on one prompt. The attention mask is explicit: without
+    it generate() infers one from pad_token_id, and a generated token equal to it inside a
+    later turn's prompt would be masked out."""
+    ref.generation_config.eos_token_id, ref.generation_config.pad_token_id = None, 0
+    dev = next(ref.parameters()).device
+    ids = torch.tensor([prompt], device=dev)
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
 def serve(prompts: dict, store: kvtier.L3Store, args) -> dict:
     """One engine instance: serves ``prompts`` ({request id: tokens}) to completion."""
-    sched = kvtier.Scheduler(kvtier.SchedulerConfig(
-        page_size=4, device_pages=16, host_pages=64, max_batch_size=4, token_budget=64,
-        chunked_prefill_size=32, max_context_tokens=64, l3_enabled=True, prefetch_threshold=2,
-        keep_device_after_write_back=False))
     model = tiny_llama(args.device)
     use_paged_attention(model)  # attention reads and writes KV through kvtier's page tables
     layout = layout_of(model.config, page_size=4)
+    # The L3 namespace names what makes KV incompatible (model, config, dtype, layout, page
+    # size): another model on the same store never reads these pages as its own.
+    sched = kvtier.Scheduler(kvtier.SchedulerConfig(
+        page_size=4, device_pages=16, host_pages=64, max_batch_size=4, token_budget=64,
+        chunked_prefill_size=32, max_context_tokens=64, l3_enabled=True, prefetch_threshold=2,
+        keep_device_after_write_back=False, namespace=torch_namespace(model, layout)))
     device_pool = DevicePool.allocate(layout, 16, args.device)
     host_pool = HostPool.allocate(layout, 64)  # page-first, pinned when CUDA is available
     ex = Executor(device_pool, host_pool, KvtierL3Backend(store), mover=args.mover)
@@ -115,11 +128,9 @@ def main() -> None:
     turn2 = {r + 10: turn1[r] + out1[r] + rng.integers(1, 128, size=4).tolist() for r in range(3)}
     out1.update(serve(turn2, store, args))  # a second engine, empty, on the same L3
     ref = tiny_llama(args.device)
-    ref.generation_config.eos_token_id, ref.generation_config.pad_token_id = None, 0
     same = 0
     for r, p in {**turn1, **turn2}.items():
-        want = ref.generate(torch.tensor([p], device=args.device), max_new_tokens=args.max_new, do_sample=False)
-        same += out1[r] == want[0, len(p):].tolist()
+        same += out1[r] == reference(ref, p, args.max_new)
     print(f"{same} of {len(out1)} requests match transformers' generate()")
 
 

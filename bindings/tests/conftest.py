@@ -67,6 +67,80 @@ def tiny_llama(seed: int = 0, layers: int = 2, device: str = "cpu"):
     return m
 
 
+def _eval(m, device):
+    m = m.eval().to(device)
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def tiny_deepseek_v3(seed: int = 0, nope: int = 8, rope: int = 8, v: int = 16, device: str = "cpu"):
+    """A tiny DeepSeek-V3 (MLA: latent of kv_lora_rank 16 + rope ``rope``; MoE after the
+    first layer) with random weights."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=1024, dtype=torch.float32,
+    )
+    return _eval(DeepseekV3ForCausalLM(cfg), device)
+
+
+def tiny_mistral(seed: int = 0, window: int = 6, device: str = "cpu"):
+    """A tiny Mistral with a sliding window of ``window`` tokens (shorter than the prompts)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
+                        max_position_embeddings=1024, dtype=torch.float32)
+    return _eval(MistralForCausalLM(cfg), device)
+
+
+def greedy_reference(ref, prompt, max_new):
+    """transformers' greedy ``generate()`` on one prompt, with an explicit attention mask (a
+    token equal to ``pad_token_id`` inside a prompt is a token, not padding)."""
+    import torch
+
+    dev = next(ref.parameters()).device
+    ids = torch.tensor([list(prompt)], device=dev)
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def paged_last_logits(model, prompt, page_size, chunks, perm_seed=0, spare=2):
+    """``prompt`` run through ``model`` over paged KV in chunks (sizes cycled from ``chunks``)
+    on a shuffled page table; the last token's logits."""
+    import torch
+
+    from kvtier.torch import DevicePool
+    from kvtier.torch.model import PagedRow, layout_of, run_row, use_paged_attention
+
+    n = len(prompt)
+    need = -(-n // page_size)
+    pool = DevicePool.allocate(layout_of(model.config, page_size, torch.float32), need + spare)
+    pages = torch.randperm(need + spare, generator=torch.Generator().manual_seed(perm_seed))[:need]
+    lo, i = 0, 0
+    with use_paged_attention(model):
+        while lo < n:
+            step = chunks[i % len(chunks)]
+            got = run_row(model, PagedRow(pool, pages, lo), prompt[lo : lo + step])
+            lo, i = lo + step, i + 1
+    return got
+
+
+def full_last_logits(model, prompt):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(prompt)])).logits[0, -1]
+
+
 class HandOp:
     """An op built by hand (``PlannedOp``'s fields) to put the executor in a state the
     scheduler reaches only through timing: two ops touching one page while both in flight."""

@@ -35,3 +35,25 @@ def test_torch_engine_example():
     assert len(l3) == 2 and l3[0] == 0 and l3[1] > 0, p.stdout
     m = re.search(r"(\d+) of (\d+) requests match", p.stdout)
     assert m and m.group(1) == m.group(2) == "6", p.stdout
+
+
+def test_torch_engine_example_reference_counts_every_token():
+    """The example's reference check (issue 21 item 6): a token equal to ``pad_token_id`` (0)
+    inside a prompt is attended to, as in a plain greedy loop over full forwards."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("torch_engine_example", EXAMPLE.parent / "torch_engine.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    ref = ex.tiny_llama("cpu")
+    prompt = [5, 0, 17, 0, 0, 42, 9, 0, 3, 77, 0, 1]
+    ids = torch.tensor([prompt])
+    want = []
+    with torch.no_grad():
+        for _ in range(5):
+            tok = int(ref(ids).logits[0, -1].argmax())
+            want.append(tok)
+            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    assert ex.reference(ref, prompt, 5) == want

@@ -151,3 +151,18 @@ def test_model_with_slow_streams_and_terminated_prefetches_on_gpu(mover):
     rng = random.Random(9)
     m = make_mover(mover, delay=lambda d, layers: torch.cuda._sleep(rng.randrange(0, 2 * 10**7)))
     random_delays(tiny_llama(seed=3, device="cuda"), "cuda", m, rng)
+
+
+@pytest.mark.parametrize("mover", MOVERS)
+def test_mla_through_every_tier_on_gpu(mover):
+    from test_torch_mla import DIMS, mla_through_every_tier
+
+    for dims in DIMS:
+        mla_through_every_tier(dims, "cuda", mover)
+
+
+@pytest.mark.parametrize("mover", MOVERS)
+def test_demotion_with_l3_on_gpu(mover):
+    from test_torch_engine_l3 import demotion_with_l3
+
+    demotion_with_l3("cuda", mover)

@@ -18,7 +18,7 @@ import torch
 import kvtier
 from kvtier.engine import KvtierL3Backend
 from kvtier.torch import LoadWait, TorchEngine, TorchMover
-from conftest import small_config, tiny_llama
+from conftest import greedy_reference, small_config, tiny_llama
 
 MAX_NEW = 6
 
@@ -38,6 +38,12 @@ def config(**over):
     )
     base.update(over)
     return small_config(**base)
+
+
+def named_scheduler(cfg, name):
+    """A scheduler built by the caller, with an explicit L3 namespace (the override of the
+    one TorchEngine derives from a SchedulerConfig)."""
+    return kvtier.Scheduler(cfg.replace(namespace={"model": name}))
 
 
 def conversations(n=3, turns=3, seed=7):
@@ -72,7 +78,7 @@ def check_against_transformers(engine, prompts, ref):
     dev = next(ref.parameters()).device
     for r, p in prompts.items():
         ids = torch.tensor([p], device=dev)
-        want = ref.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)[0, len(p):].tolist()
+        want = greedy_reference(ref, p, MAX_NEW)
         assert engine.generated(r) == want, f"request {r}"
         with torch.no_grad():
             full = ref(ids).logits[0, -1].float().cpu()
@@ -92,7 +98,7 @@ def multi_turn_through_every_tier(ref, device, mover):
     system, users = conversations()
     store = kvtier.L3Store.embedded(1 << 24)
     model = tiny_llama(seed=3, device=device)
-    with TorchEngine(kvtier.Scheduler(config()), model, KvtierL3Backend(store), mover=mover) as a:
+    with TorchEngine(config(), model, KvtierL3Backend(store), mover=mover) as a:
         prompts = serve(a, system, users)
         st = a.s.stats()
         ops = a.executor.stats.ops
@@ -103,7 +109,7 @@ def multi_turn_through_every_tier(ref, device, mover):
         a.s.check()
     # A second engine, empty, on the same L3: the shared prefixes come from L3.
     model = tiny_llama(seed=3, device=device)
-    with TorchEngine(kvtier.Scheduler(config()), model, KvtierL3Backend(store), mover=mover) as b:
+    with TorchEngine(config(), model, KvtierL3Backend(store), mover=mover) as b:
         prompts_b = serve(b, system, users, first_id=1000)
         assert b.s.stats()["l3_hit_tokens"] > 0 and b.executor.stats.l3_pages_read > 0
         assert b.executor.stats.ops.get("Prefetch", 0) > 0
@@ -137,11 +143,11 @@ def test_random_copy_delays_and_early_terminated_prefetches_keep_outputs_exact(r
 def random_delays(ref, device, mover, rng):
     system, users = conversations(seed=11)
     store = kvtier.L3Store.embedded(1 << 24)
-    with TorchEngine(kvtier.Scheduler(config()), tiny_llama(seed=3, device=device), KvtierL3Backend(store),
+    with TorchEngine(config(), tiny_llama(seed=3, device=device), KvtierL3Backend(store),
                      mover=mover) as a:
         serve(a, system, users)
     cfg = config(prefetch_stop="best_effort")
-    with TorchEngine(kvtier.Scheduler(cfg), tiny_llama(seed=3, device=device), Jittery(store, rng), mover=mover,
+    with TorchEngine(cfg, tiny_llama(seed=3, device=device), Jittery(store, rng), mover=mover,
                      loads=LoadWait.PER_LAYER, prefetch_chunk_pages=1) as b:
         prompts = serve(b, system, users, first_id=500)
         assert b.executor.stats.ops.get("Prefetch", 0) > 0

@@ -18,10 +18,19 @@ paged KV. See docs/torch.md.
 
 from __future__ import annotations
 
-from .errors import CopyError, ExecutorError, KvtierTorchError, MoverUnavailableError, PoolLayoutError
+from .errors import (
+    CopyError,
+    ExecutorError,
+    KvtierTorchError,
+    MoverUnavailableError,
+    NamespaceError,
+    PoolLayoutError,
+    UnsupportedModelError,
+)
 from .executor import Executor, ExecutorStats, LoadWait, Ordering
 from .lanes import Lane, Signal
 from .movers import MOVERS, Direction, Mover, TorchMover, make_mover
+from .namespace import torch_namespace
 from .pools import Attention, DevicePool, HostOrder, HostPool, KVLayout, Pinning
 
 __all__ = [
@@ -41,13 +50,16 @@ __all__ = [
     "MOVERS",
     "Mover",
     "MoverUnavailableError",
+    "NamespaceError",
     "Ordering",
     "Pinning",
     "PoolLayoutError",
     "Signal",
     "TorchEngine",
     "TorchMover",
+    "UnsupportedModelError",
     "make_mover",
+    "torch_namespace",
 ]
 
 

@@ -10,29 +10,49 @@ docs/scheduler.md.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
 
-from .. import ExecutionPlan, Scheduler
+from .. import ExecutionPlan, Scheduler, SchedulerConfig
 from ..engine import L3Backend
-from .errors import PoolLayoutError
+from .errors import NamespaceError, PoolLayoutError
 from .executor import Executor, LoadWait, Ordering
 from .movers import Mover
 from .model import PagedRow, layout_of, run_row, use_paged_attention
+from .namespace import torch_namespace
 from .pools import DevicePool, HostPool, Pinning
 
 __all__ = ["TorchEngine"]
 
+_DEFAULT_CONTEXT = SchedulerConfig().max_context_tokens
+
+
+def _eos_of(model: Any) -> Set[int]:
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+
 
 class TorchEngine:
-    """Serves requests of ``scheduler`` with ``model`` (a transformers causal LM), KV in
-    pools sized from the scheduler's config, L3 through ``backend``."""
+    """Serves requests with ``model`` (a transformers causal LM), KV in pools sized from the
+    scheduler's config, L3 through ``backend``.
+
+    ``scheduler``: a :class:`SchedulerConfig` (the engine builds the scheduler: the namespace
+    fields left empty are filled from :func:`kvtier.torch.namespace.torch_namespace`, and a
+    ``max_context_tokens`` left at its default is capped to the device pool) or a
+    :class:`Scheduler` built by the caller, whose namespace must name the model when
+    ``backend`` is set (else :class:`NamespaceError`). ``kv_dtype``: the pools' dtype (default: the
+    model's). ``stop_token_ids``: tokens that end a request (default: the model's
+    ``generation_config.eos_token_id``; ``()`` for none); ``submit`` may override them per
+    request. ``model_id``: the weights' name in the derived namespace."""
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: Union[Scheduler, SchedulerConfig],
         model: Any,
         backend: Optional[L3Backend] = None,
         *,
@@ -41,38 +61,87 @@ class TorchEngine:
         loads: LoadWait = LoadWait.PER_LAYER,
         l3_workers: int = 2,
         prefetch_chunk_pages: int = 4,
+        kv_dtype: Optional[torch.dtype] = None,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        model_id: Optional[str] = None,
     ) -> None:
+        dev = next(model.parameters()).device
+        dtype = kv_dtype or next(model.parameters()).dtype
+        if isinstance(scheduler, SchedulerConfig):
+            scheduler = Scheduler(self._complete(scheduler, model, dtype, model_id))
         cfg = scheduler.config()
         if not cfg["host_enabled"]:
             raise PoolLayoutError("kvtier.torch needs the host tier (host_enabled=True): L3 I/O runs from host pages")
+        if backend is not None and cfg["l3_enabled"] and not cfg["namespace"].get("model"):
+            raise NamespaceError("an L3 store needs the model's namespace: pass a SchedulerConfig (the engine derives"
+                                 " it) or set namespace=kvtier.torch.torch_namespace(model, layout)")
+        layout = layout_of(model.config, cfg["page_size"], dtype)
         self.s = scheduler
         self.model = model
-        dev = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
-        layout = layout_of(model.config, cfg["page_size"], dtype)
         self.page_size = cfg["page_size"]
+        self.stop_token_ids = _eos_of(model) if stop_token_ids is None else {int(t) for t in stop_token_ids}
         self.device_pool = DevicePool.allocate(layout, cfg["device_pages"], dev)
         self.host_pool = HostPool.allocate(layout, cfg["host_pages"], Pinning.AUTO)
         self.executor = Executor(self.device_pool, self.host_pool, backend, mover=mover, ordering=ordering,
                                  l3_workers=l3_workers, prefetch_chunk_pages=prefetch_chunk_pages)
+        self.backend = backend
         self.loads = loads
-        use_paged_attention(model)
+        try:
+            self.paged = use_paged_attention(model)
+            self._probe(layout, dev)
+        except BaseException:
+            self.executor.close()
+            if hasattr(self, "paged"):
+                self.paged.restore()
+            raise
         self.tables: Dict[int, List[int]] = {}
         self.tokens: Dict[int, List[int]] = {}
         self.outputs: Dict[int, List[int]] = {}
+        self.stops: Dict[int, Set[int]] = {}
         self.first_logits: Dict[int, torch.Tensor] = {}
         self.ended: List[Tuple[int, str]] = []
         self.forwards = 0
         self.terminated = 0
         """Prefetches the scheduler stopped (``plan.terminate_prefetch``)."""
+        self.l3_losses_reported = 0
+        """L3 keys the store reported lost and the engine passed on (``l3_lost``)."""
+        self.l3_lost_all_reported = 0
+
+    def _probe(self, layout: Any, dev: torch.device) -> None:
+        """One token through the model over a scratch page: attention features refused only
+        at a forward (attention sinks, a window kept in the mask) are refused here, before
+        any request, with the model given back."""
+        scratch = DevicePool.allocate(layout, 1, dev)
+        run_row(self.model, PagedRow(scratch, torch.zeros(1, dtype=torch.long, device=dev), 0), [0])
+
+    @staticmethod
+    def _complete(cfg: SchedulerConfig, model: Any, dtype: torch.dtype, model_id: Optional[str]) -> SchedulerConfig:
+        """The namespace and context limit the caller left at their defaults, filled in."""
+        derived = torch_namespace(model, layout_of(model.config, cfg.page_size, dtype), model_id)
+        given = cfg.namespace or {}
+        cfg = cfg.replace(namespace={k: given.get(k) or v for k, v in derived.items()})  # a field set is kept
+        cap = cfg.device_pages * cfg.page_size
+        if cfg.max_context_tokens == _DEFAULT_CONTEXT and cap < _DEFAULT_CONTEXT:
+            cfg = cfg.replace(max_context_tokens=cap)
+        return cfg
 
     # ---- requests --------------------------------------------------------------------
 
-    def submit(self, req: int, prompt: Sequence[int], max_new_tokens: int, now_ms: Optional[int] = None) -> None:
+    def submit(self, req: int, prompt: Sequence[int], max_new_tokens: int, now_ms: Optional[int] = None,
+               stop_token_ids: Optional[Sequence[int]] = None) -> None:
+        """Queues a request; it ends after ``max_new_tokens`` or at a stop token (the
+        engine's unless ``stop_token_ids`` is given), which is kept in its output."""
         toks = [int(t) for t in prompt]
         self.s.submit(req, np.asarray(toks, dtype=np.uint32), max_new_tokens, now_ms)
         self.tokens[req] = toks
         self.outputs[req] = []
+        self.stops[req] = self.stop_token_ids if stop_token_ids is None else {int(t) for t in stop_token_ids}
+
+    def abort(self, req: int) -> None:
+        """Cancels a request (queued, running or retracted); its pages are released by the
+        scheduler once no op or forward touches them. Unknown ids raise the scheduler's error."""
+        self.s.abort(req)
+        self.tables.pop(req, None)
 
     def generated(self, req: int) -> List[int]:
         return list(self.outputs.get(req, []))
@@ -89,9 +158,10 @@ class TorchEngine:
         pages = torch.as_tensor(self.tables[req], dtype=torch.long, device=self.device_pool.device)
         return PagedRow(self.device_pool, pages, start, self.executor.wait_for_layer)
 
-    def _forward(self, plan: ExecutionPlan) -> Tuple[List[int], List[int]]:
+    def _forward(self, plan: ExecutionPlan) -> Tuple[List[int], List[int], List[bool]]:
         reqs: List[int] = []
         toks: List[int] = []
+        stops: List[bool] = []
         for c in plan.prefill:
             self._apply(c.req, c.table_from, c.table_pages)
             logits = run_row(self.model, self._row(c.req, c.start), c.tokens.tolist())
@@ -104,6 +174,7 @@ class TorchEngine:
                 self.outputs[c.req].append(tok)
             reqs.append(c.req)
             toks.append(tok)
+            stops.append(c.last and tok in self.stops.get(c.req, ()))
         frm, offs, pages = plan.decode_table_from, plan.decode_table_offsets, plan.decode_table_pages
         for i, (r, p) in enumerate(zip(plan.decode_reqs.tolist(), plan.decode_positions.tolist())):
             if frm[i] >= 0:
@@ -114,10 +185,13 @@ class TorchEngine:
             self.outputs[r].append(tok)
             reqs.append(r)
             toks.append(tok)
-        return reqs, toks
+            stops.append(tok in self.stops.get(r, ()))
+        return reqs, toks, stops
 
     def step(self, now_ms: int) -> ExecutionPlan:
-        """Plan, start the ops, stop terminated prefetches, forward, report completions."""
+        """Report L3 losses, plan, start the ops, stop terminated prefetches, forward, report
+        completions."""
+        self.report_losses()
         plan = self.s.next_execution_plan(now_ms)
         for r, outcome in plan.ended:
             self.tables.pop(r, None)
@@ -133,15 +207,28 @@ class TorchEngine:
                 self.s.on_event(ev)
             return plan
         ex.wait_before_forward(plan, self.loads)
-        reqs, toks = self._forward(plan)
+        reqs, toks, stops = self._forward(plan)
         self.forwards += 1
         need = [op.id for op in plan.ops if op.before_forward]
         for c in plan.prefill:
             need.extend(int(x) for x in c.waits_for)
         for ev in ex.poll(require=need):  # completions before the forward that waited on them
             self.s.on_event(ev)
-        self.s.forward_done(plan.step, np.asarray(reqs, dtype=np.uint64), np.asarray(toks, dtype=np.uint32))
+        self.s.forward_done(plan.step, np.asarray(reqs, dtype=np.uint64), np.asarray(toks, dtype=np.uint32), stops)
         return plan
+
+    def report_losses(self) -> None:
+        """Passes what the L3 store lost (its loss journal) to the scheduler, so that no page
+        is dropped from host on the strength of a stale "in L3" mark (docs/scheduler.md)."""
+        if self.backend is None:
+            return
+        keys, overflowed = self.backend.losses()
+        if overflowed:
+            self.s.l3_lost_all()
+            self.l3_lost_all_reported += 1
+        elif keys:
+            self.s.l3_lost(keys)
+            self.l3_losses_reported += len(keys)
 
     def run_to_idle(self, max_steps: int = 100_000, start_ms: int = 0, ms_per_step: int = 1) -> int:
         """Steps until every request ended and every op was reported; returns steps taken."""
@@ -157,7 +244,9 @@ class TorchEngine:
         raise RuntimeError(f"not idle after {max_steps} steps: {self.s.stats()}")
 
     def close(self) -> None:
+        """Stops the executor and gives the model its own attention back (idempotent)."""
         self.executor.close()
+        self.paged.restore()
 
     def __enter__(self) -> "TorchEngine":
         return self

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from .. import KvtierError
 
-__all__ = ["KvtierTorchError", "MoverUnavailableError", "PoolLayoutError", "ExecutorError", "CopyError"]
+__all__ = [
+    "KvtierTorchError",
+    "MoverUnavailableError",
+    "PoolLayoutError",
+    "ExecutorError",
+    "CopyError",
+    "UnsupportedModelError",
+    "NamespaceError",
+]
 
 
 class KvtierTorchError(KvtierError):
@@ -32,3 +40,13 @@ class ExecutorError(KvtierTorchError):
 class CopyError(KvtierTorchError):
     """The CUDA runtime refused a copy a mover issued (the message carries its error code); the
     op it belonged to completes as failed."""
+
+
+class UnsupportedModelError(KvtierTorchError, ValueError):
+    """The model uses an attention feature the paged glue does not serve (the message names
+    it): refused, never served wrong. docs/torch.md lists what is refused."""
+
+
+class NamespaceError(KvtierTorchError, ValueError):
+    """An engine on an L3 store without an L3 namespace: another model's pages on the same
+    store would be read as this model's KV."""

@@ -77,6 +77,8 @@ class ExecutorStats:
     lease_expired_on_read: int = 0
     l3_pages_read: int = 0
     l3_pages_written: int = 0
+    device_backups: int = 0
+    """BackUps of device pages (demotion with L3), staged through host pages."""
     pages_loaded: int = 0
     pages_stored: int = 0
     failed_ops: int = 0
@@ -155,9 +157,17 @@ class Executor:
         self.mover.check_pools(device, host)
         self.backend = backend
         self._host_bytes = None
+        # One staging host pool per L3 lane (a lane runs one op at a time): a BackUp of device
+        # pages copies them there, then stores them from there.
+        staging: List[Tuple[HostPool, np.ndarray]] = []
         if backend is not None:
             self._host_bytes = host.byte_pages()  # raises PoolLayoutError unless page-first
-            backend.attach_pools([self._host_bytes])
+            for _ in range(l3_workers):
+                st = HostPool.allocate(host.layout, prefetch_chunk_pages)
+                staging.append((st, st.byte_pages()))
+            backend.attach_pools([self._host_bytes, *(b for _, b in staging)])
+        self.l3_lanes = [Lane(f"l3-{i}", torch.device("cpu")) for i in range(l3_workers)]
+        self._staging: Dict[Lane, Tuple[HostPool, np.ndarray]] = dict(zip(self.l3_lanes, staging))
         self.ordering = ordering
         self.prefetch_chunk_pages = prefetch_chunk_pages
         self.cuda = device.device.type == "cuda"
@@ -165,7 +175,6 @@ class Executor:
         self.store_lane = Lane("store", device.device, gpu_deps_on_stream=self.mover.gpu_ordered)
         cpu = torch.device("cpu")
         self.probe_lane = Lane("l3-probe", cpu)
-        self.l3_lanes = [Lane(f"l3-{i}", cpu) for i in range(l3_workers)]
         self._l3_rr = itertools.cycle(range(l3_workers))
         self._pages = {"device": _Pages(), "host": _Pages()}
         self._ops: Dict[int, _Op] = {}
@@ -197,6 +206,10 @@ class Executor:
                 self._copy(op, Direction.LOAD if kind == "LoadBack" else Direction.STORE, compute)
             elif kind == "Prefetch":
                 self._prefetch(op)
+            elif kind == "BackUp" and op.src_tier == "device":
+                if compute is None and self.cuda and self.ordering == Ordering.ENFORCED:
+                    compute = self._compute_mark()
+                self._backup_device(op, compute)
             elif kind == "BackUp":
                 self._backup(op)
             else:
@@ -215,8 +228,9 @@ class Executor:
                 raise ExecutorError(f"{kind} {op.id}: {op.src_tier} -> {op.dst_tier}")
         elif kind in ("Prefetch", "BackUp"):
             tier, pages = (op.dst_tier, op.dst) if kind == "Prefetch" else (op.src_tier, op.src)
-            if tier != "host":
-                raise ExecutorError(f"{kind} {op.id}: kvtier.torch moves L3 pages from and into host pages, not {tier}")
+            # A BackUp may read device pages (demotion with L3): staged through host pages.
+            if tier != "host" and not (kind == "BackUp" and tier == "device"):
+                raise ExecutorError(f"{kind} {op.id}: kvtier.torch moves L3 pages from host or device pages, not {tier}")
             arr = self._pages_of(tier, pages, kind)
             if len(op.keys) != arr.size:
                 raise ExecutorError(f"{kind} {op.id}: {len(op.keys)} keys for {arr.size} pages")
@@ -327,6 +341,40 @@ class Executor:
                 self.stats.l3_pages_written += int((codes == 0).sum())
 
         self._l3_op(op, ("host", src), ("", np.zeros(0, dtype=np.int64)), run, self.l3_lanes[next(self._l3_rr)])
+
+    def _backup_device(self, op: Any, compute: Optional[Signal]) -> None:
+        """A BackUp of device pages (the scheduler's demotion with L3): chunk by chunk, the
+        mover copies them into the lane's staging host pages, then the store reads those."""
+        keys = list(op.keys)
+        src = self._pages_of(op.src_tier, op.src, "BackUp")
+        backend, lane = self.backend, self.l3_lanes[next(self._l3_rr)]
+        mover, device, nl = self.mover, self.device, self.device.layout.num_layers
+        rec = _Op(op.id, op.kind, Signal())
+        deps = self._deps_and_record(("device", src), ("", np.zeros(0, dtype=np.int64)), rec.done, compute)
+        self._ops[op.id] = rec
+        self.stats.device_backups += 1
+
+        def task(ctx: LaneContext) -> None:
+            if backend is None:
+                ctx.mark(rec.done)
+                return
+            staging, staging_bytes = self._staging[lane]
+            ok, written = True, 0
+            for lo in range(0, src.size, staging.num_pages):
+                chunk = src[lo : lo + staging.num_pages]
+                slots = np.arange(chunk.size, dtype=np.int64)
+                mover.copy(Direction.STORE, device, staging, chunk, slots, range(nl))
+                if self.cuda:
+                    torch.cuda.synchronize(device.device)  # the store reads the staged bytes next
+                codes = np.asarray(backend.put(keys[lo : lo + chunk.size], staging_bytes, slots))
+                ok = ok and bool(((codes == 0) | (codes == OBJECT_ALREADY_EXISTS)).all())
+                written += int((codes == 0).sum())
+            rec.value = int(ok)
+            with self._lock:
+                self.stats.l3_pages_written += written
+            ctx.mark(rec.done)
+
+        lane.submit(deps, task, [rec.done])
 
     def _prefetch(self, op: Any) -> None:
         keys = list(op.keys)

@@ -9,6 +9,19 @@ scatters the new tokens' K/V into the pages the plan assigned, gathers the row's
 context from its page table and attends over it. No transformers cache holds KV, so every
 token the model sees came through kvtier's pages (a wrong page shows up as a wrong token).
 
+MLA models (DeepSeek-V2/V3) are the exception: what they cache is not K and V but one
+compressed latent and one rope key per token, which only exist inside the attention module,
+before ``kv_b_proj`` expands them. transformers hands exactly those to
+``past_key_values.update``; :class:`LatentCache` is that cache for one row: it writes the
+latents into a ``KVLayout.mla`` pool and returns the row's whole context of latents, which
+the module expands and passes on to :func:`paged_attention`.
+
+Every layout is checked where it is used: the K/V (or latent) tensors the model produces
+must have the pool's shape, else :class:`PoolLayoutError`; attention features this path does
+not implement raise :class:`UnsupportedModelError` (see :mod:`kvtier.torch.support`), never
+a silently wrong token. Sliding windows are served: a query attends only to the last
+``sliding_window`` positions, and pages wholly before the window are not read.
+
 This path favours being obviously correct over speed (one row per model call, a gather per
 layer): it is what the tests and the example run on CPU. A production engine keeps its own
 paged attention kernel and calls ``Executor.wait_for_layer(l)`` before layer l reads KV,
@@ -17,15 +30,26 @@ as :func:`paged_attention` does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from .errors import PoolLayoutError, UnsupportedModelError
 from .pools import Attention, DevicePool, KVLayout
+from .support import IGNORED_KWARGS, check_model, expects_window, mla_dims
 
-__all__ = ["ATTENTION_NAME", "PagedRow", "layout_of", "paged_attention", "use_paged_attention", "run_row"]
+__all__ = [
+    "ATTENTION_NAME",
+    "LatentCache",
+    "PagedAttention",
+    "PagedRow",
+    "layout_of",
+    "paged_attention",
+    "use_paged_attention",
+    "run_row",
+]
 
 ATTENTION_NAME = "kvtier_paged"
 
@@ -39,20 +63,99 @@ class PagedRow:
     pages: torch.Tensor
     start: int
     wait_for_layer: Optional[Callable[[int], None]] = None
+    latent_layers: Set[int] = field(default_factory=set)
+    """MLA: the layers whose latents went through :class:`LatentCache` in this call."""
 
 
 def layout_of(config: Any, page_size: int, dtype: Optional[torch.dtype] = None) -> KVLayout:
-    """The KV layout of a Llama-style config (``num_key_value_heads``, ``head_dim``)."""
+    """The KV layout of a config: ``KVLayout.mla`` (latent ``kv_lora_rank`` +
+    ``qk_rope_head_dim``) for DeepSeek-V2/V3-style MLA, else K/V with
+    ``num_key_value_heads`` and ``head_dim`` (``hidden_size / heads`` when unset)."""
+    dt = dtype or config.dtype
+    mla = mla_dims(config)
+    if mla is not None:
+        return KVLayout.mla(config.num_hidden_layers, mla[0] + mla[1], page_size, dt)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return KVLayout.mha(config.num_hidden_layers, kv_heads, head_dim, page_size, dtype or config.dtype)
+    return KVLayout.mha(config.num_hidden_layers, kv_heads, head_dim, page_size, dt)
 
 
 def _slots(row: PagedRow, lo: int, hi: int) -> torch.Tensor:
     ps = row.pool.layout.page_size
+    if hi > row.pages.numel() * ps:
+        raise PoolLayoutError(f"positions up to {hi} need {-(-hi // ps)} pages, the row's table has {row.pages.numel()}")
     pos = torch.arange(lo, hi, device=row.pages.device)
     return row.pages[pos // ps] * ps + pos % ps
+
+
+def _expect(t: torch.Tensor, shape: Tuple[int, ...], what: str, layout: KVLayout) -> None:
+    if tuple(t.shape) != shape:
+        raise PoolLayoutError(f"{what}: the model gave {tuple(t.shape)}, the pool's {layout} needs {shape}")
+
+
+class LatentCache:
+    """``past_key_values`` for one MLA row: ``update(kv_nope, k_rot, layer)`` writes the new
+    tokens' latents (``[1, 1, t, kv_lora_rank]`` and ``[1, 1, t, qk_rope_head_dim]``, rope
+    applied) into the row's pages and returns the row's whole context of both."""
+
+    def __init__(self, row: PagedRow) -> None:
+        self.row = row
+
+    def update(self, kv_nope: torch.Tensor, k_rot: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        row = self.row
+        layout = row.pool.layout
+        if layout.attention != Attention.MLA:
+            raise PoolLayoutError(f"the model caches MLA latents, the pool is {layout.attention.value}")
+        t = int(kv_nope.shape[2]) if kv_nope.dim() == 4 else -1
+        rank = int(kv_nope.shape[-1])
+        latent = layout.chunk_shape[1]
+        _expect(kv_nope, (1, 1, t, rank), "MLA latent", layout)
+        _expect(k_rot, (1, 1, t, latent - rank), "MLA rope key", layout)
+        if row.wait_for_layer is not None:
+            row.wait_for_layer(layer_idx)
+        flat = row.pool.k(layer_idx).view(-1, latent)
+        end = row.start + t
+        new = torch.cat([kv_nope[0, 0], k_rot[0, 0]], dim=-1)
+        flat.index_copy_(0, _slots(row, row.start, end), new.to(flat.dtype))
+        ctx = flat.index_select(0, _slots(row, 0, end)).to(kv_nope.dtype)
+        row.latent_layers.add(layer_idx)
+        return ctx[:, :rank].view(1, 1, end, rank), ctx[:, rank:].view(1, 1, end, latent - rank)
+
+
+def _attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, start: int,
+            window: Optional[int], scaling: Optional[float]) -> torch.Tensor:
+    """Causal (and windowed) attention of queries at ``start..`` over keys at ``lo..``."""
+    end = start + query.shape[2]
+    q_pos = torch.arange(start, end, device=query.device)[:, None]
+    k_pos = torch.arange(lo, end, device=query.device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (k_pos > q_pos - window)
+    groups = query.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def _check_kwargs(kwargs: Any) -> Optional[int]:
+    """The sliding window, if any; refuses attention arguments this path does not implement."""
+    for name, val in kwargs.items():
+        if name == "is_causal":
+            if val is False:
+                raise UnsupportedModelError("non-causal attention (is_causal=False) is not served")
+            continue
+        if name in IGNORED_KWARGS or val is None or val is False:
+            continue
+        if name != "sliding_window":
+            raise UnsupportedModelError(f"attention argument {name!r} (e.g. logit softcapping or attention sinks)"
+                                        " is not served by kvtier's paged attention")
+    window = kwargs.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise UnsupportedModelError(f"sliding_window={window!r} is not a positive token count")
+    return window
 
 
 def paged_attention(
@@ -69,43 +172,84 @@ def paged_attention(
     """transformers attention over paged KV (batch of one row; see the module docs)."""
     if kvtier_row is None:
         raise ValueError("paged_attention needs kvtier_row=PagedRow(...) passed to the model call")
+    if not getattr(module, "is_causal", True):
+        raise UnsupportedModelError(f"{type(module).__name__} is not causal attention")
+    window = _check_kwargs(kwargs)
     row = kvtier_row
     layer = module.layer_idx
+    if window is None and expects_window(getattr(module, "config", None), layer):
+        raise UnsupportedModelError(f"layer {layer}: the config declares a sliding window the attention call does not"
+                                    " pass (the model keeps it in its mask only)")
+    pool = row.pool
+    layout = pool.layout
+    if query.shape[0] != 1:
+        raise PoolLayoutError(f"paged attention runs one row per call, got a batch of {query.shape[0]}")
+    t = int(query.shape[2])
+    end = row.start + t
+    if layout.attention == Attention.MLA:
+        # The latents went through LatentCache: key and value are the row's whole context.
+        if layer not in row.latent_layers:
+            raise PoolLayoutError(f"layer {layer}: an MLA pool, but the model did not pass its latents "
+                                  "through past_key_values (not an MLA model?)")
+        if key.shape[2] != end or value.shape[2] != end:
+            raise PoolLayoutError(f"layer {layer}: {key.shape[2]} context keys for {end} positions")
+        return _attend(query, key, value, 0, row.start, window, scaling), None
     if row.wait_for_layer is not None:
         row.wait_for_layer(layer)
-    pool = row.pool
-    if pool.layout.attention != Attention.MHA:
-        raise ValueError("paged_attention handles K/V (MHA/GQA) pools")
-    _, kv_heads, t, head_dim = key.shape
+    _, kv_heads, head_dim = layout.chunk_shape
+    _expect(key, (1, kv_heads, t, head_dim), f"layer {layer} key", layout)
+    _expect(value, (1, kv_heads, t, head_dim), f"layer {layer} value", layout)
+    if query.shape[1] % kv_heads:
+        raise PoolLayoutError(f"{query.shape[1]} query heads are not a multiple of the pool's {kv_heads} KV heads")
     k_flat = pool.k(layer).view(-1, kv_heads, head_dim)
     v_flat = pool.v(layer).view(-1, kv_heads, head_dim)
-    end = row.start + t
     new = _slots(row, row.start, end)
     k_flat.index_copy_(0, new, key[0].transpose(0, 1).to(k_flat.dtype))
     v_flat.index_copy_(0, new, value[0].transpose(0, 1).to(v_flat.dtype))
-    ctx = _slots(row, 0, end)
+    lo = max(0, row.start - window + 1) if window is not None else 0  # pages before the window: not read
+    ctx = _slots(row, lo, end)
     k = k_flat.index_select(0, ctx).transpose(0, 1).unsqueeze(0).to(query.dtype)
     v = v_flat.index_select(0, ctx).transpose(0, 1).unsqueeze(0).to(query.dtype)
-    groups = query.shape[1] // kv_heads
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    q_pos = torch.arange(row.start, end, device=query.device)
-    mask = torch.arange(end, device=query.device)[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+    return _attend(query, k, v, lo, row.start, window, scaling), None
 
 
-def use_paged_attention(model: Any) -> None:
-    """Registers :func:`paged_attention` and switches ``model`` to it."""
+class PagedAttention:
+    """What :func:`use_paged_attention` changed, to undo it: ``restore()``, or use it as a
+    context manager (``with use_paged_attention(model): ...``)."""
+
+    def __init__(self, model: Any, previous: List[Tuple[Any, Any]]) -> None:
+        self.model = model
+        self._previous = previous
+
+    def restore(self) -> None:
+        """Gives every config its attention implementation back (idempotent)."""
+        for cfg, impl in reversed(self._previous):
+            cfg._attn_implementation = impl
+        self._previous = []
+
+    def __enter__(self) -> "PagedAttention":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+
+
+def use_paged_attention(model: Any) -> PagedAttention:
+    """Checks that kvtier serves ``model`` (else :class:`UnsupportedModelError`), registers
+    :func:`paged_attention` and switches ``model`` to it; the handle returned undoes it."""
     from transformers import AttentionInterface
 
+    check_model(model.config)
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
-    model.config._attn_implementation = ATTENTION_NAME
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = ATTENTION_NAME
+    previous: List[Tuple[Any, Any]] = []
+    seen: Set[int] = set()
+    for cfg in [model.config] + [getattr(m, "config", None) for m in model.modules()]:
+        if cfg is None or id(cfg) in seen or not hasattr(cfg, "_attn_implementation"):
+            continue
+        seen.add(id(cfg))
+        previous.append((cfg, cfg._attn_implementation))
+        cfg._attn_implementation = ATTENTION_NAME
+    return PagedAttention(model, previous)
 
 
 @torch.inference_mode()
@@ -115,5 +259,8 @@ def run_row(model: Any, row: PagedRow, tokens: Sequence[int]) -> torch.Tensor:
     dev = row.pages.device
     ids = torch.as_tensor(list(tokens), dtype=torch.long, device=dev)[None]
     pos = torch.arange(row.start, row.start + ids.shape[1], device=dev)[None]
-    out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, kvtier_row=row)
+    row.latent_layers.clear()
+    cache = LatentCache(row) if row.pool.layout.attention == Attention.MLA else None
+    out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=False, logits_to_keep=1,
+                kvtier_row=row)
     return out.logits[0, -1].float()
