@@ -8,7 +8,7 @@
 
 use futures::future::join_all;
 
-use super::{PER_KEY_OVERHEAD, RemoteStore, empty_reply, rpc_err};
+use super::{PER_KEY_OVERHEAD, RemoteStore, empty_reply};
 use crate::api::{BatchResult, L3Store, single};
 use crate::error::{L3Error, L3Result};
 use crate::master::{LossCursor, Losses};
@@ -21,7 +21,7 @@ use crate::types::{
 impl L3Store for RemoteStore {
     fn put_start(&self, tenant: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
         self.run(
-            self.client
+            self.rpc()
                 .put_start(self.ctx(), tenant.clone(), key.to_string(), size),
         )
     }
@@ -38,7 +38,7 @@ impl L3Store for RemoteStore {
             return single(v, empty_reply);
         }
         self.run(
-            self.client
+            self.rpc()
                 .put_write(self.ctx(), handle.clone(), Blob::Owned(data.to_vec())),
         )
     }
@@ -48,11 +48,11 @@ impl L3Store for RemoteStore {
             let v = self.cluster_put_on_nodes(std::slice::from_ref(handle), &[], Some(opts));
             return single(v, empty_reply);
         }
-        self.run(self.client.put_end(self.ctx(), handle.clone(), opts))
+        self.run(self.rpc().put_end(self.ctx(), handle.clone(), opts))
     }
 
     fn put_revoke(&self, handle: &PutHandle) -> L3Result<()> {
-        self.run(self.client.put_revoke(self.ctx(), handle.clone()))
+        self.run(self.rpc().put_revoke(self.ctx(), handle.clone()))
     }
 
     fn batch_put_start_with(
@@ -66,14 +66,14 @@ impl L3Store for RemoteStore {
         self.check_keys(keys.len())?;
         if cfg.replica_num == 1 {
             // The call every server version knows.
-            return self.run(self.client.batch_put_start(
+            return self.run(self.rpc().batch_put_start(
                 self.ctx(),
                 tenant.clone(),
                 keys.to_vec(),
                 sizes.to_vec(),
             ));
         }
-        let v = self.run(self.client.batch_put_start_replicated(
+        let v = self.run(self.rpc().batch_put_start_replicated(
             self.ctx(),
             tenant.clone(),
             keys.to_vec(),
@@ -95,15 +95,12 @@ impl L3Store for RemoteStore {
         if self.limits.cluster {
             return Ok(self.cluster_put_on_nodes(handles, &[], Some(opts)));
         }
-        self.run(
-            self.client
-                .batch_put_end(self.ctx(), handles.to_vec(), opts),
-        )
+        self.run(self.rpc().batch_put_end(self.ctx(), handles.to_vec(), opts))
     }
 
     fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()> {
         self.check_keys(handles.len())?;
-        self.run(self.client.batch_put_revoke(self.ctx(), handles.to_vec()))
+        self.run(self.rpc().batch_put_revoke(self.ctx(), handles.to_vec()))
     }
 
     fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult> {
@@ -127,7 +124,7 @@ impl L3Store for RemoteStore {
             return self.with_xfer(|x| x.exist(tenant, keys, opts));
         }
         self.run(
-            self.client
+            self.rpc()
                 .batch_exist(self.ctx(), tenant.clone(), keys.to_vec(), opts),
         )
     }
@@ -135,7 +132,7 @@ impl L3Store for RemoteStore {
     fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
         self.check_keys(keys.len())?;
         self.run(
-            self.client
+            self.rpc()
                 .batch_query(self.ctx(), tenant.clone(), keys.to_vec()),
         )
     }
@@ -155,30 +152,28 @@ impl L3Store for RemoteStore {
 
     fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()> {
         self.run(
-            self.client
+            self.rpc()
                 .remove(self.ctx(), tenant.clone(), key.to_string(), force),
         )
     }
 
     fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
-        self.run(self.client.remove_all(self.ctx(), tenant.clone(), force))
+        self.run(self.rpc().remove_all(self.ctx(), tenant.clone(), force))
     }
 
     fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64> {
         // Checked here too: a bad pattern costs no round trip (the server checks again).
         KeyPattern::new(pattern)?;
-        self.run(self.client.remove_by_regex(
-            self.ctx(),
-            tenant.clone(),
-            pattern.to_string(),
-            force,
-        ))
+        self.run(
+            self.rpc()
+                .remove_by_regex(self.ctx(), tenant.clone(), pattern.to_string(), force),
+        )
     }
 
     fn copy_replica(&self, tenant: &Tenant, key: &str, target: SegmentId) -> L3Result<bool> {
         crate::types::validate_key(key)?;
         self.run(
-            self.client
+            self.rpc()
                 .copy_replica(self.ctx(), tenant.clone(), key.to_string(), target),
         )
     }
@@ -191,7 +186,7 @@ impl L3Store for RemoteStore {
         target: SegmentId,
     ) -> L3Result<()> {
         crate::types::validate_key(key)?;
-        self.run(self.client.move_replica(
+        self.run(self.rpc().move_replica(
             self.ctx(),
             tenant.clone(),
             key.to_string(),
@@ -202,17 +197,17 @@ impl L3Store for RemoteStore {
 
     fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()> {
         self.run(
-            self.client
+            self.rpc()
                 .mount_segment(self.ctx(), client, segment, capacity),
         )
     }
 
     fn unmount_segment(&self, client: ClientId, segment: SegmentId) -> L3Result<()> {
-        self.run(self.client.unmount_segment(self.ctx(), client, segment))
+        self.run(self.rpc().unmount_segment(self.ctx(), client, segment))
     }
 
     fn ping(&self, client: ClientId) -> L3Result<ClientStatus> {
-        self.run(self.client.ping(self.ctx(), client))
+        self.run(self.rpc().ping(self.ctx(), client))
     }
 
     fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()> {
@@ -230,7 +225,7 @@ impl L3Store for RemoteStore {
             buf.truncate(n as usize);
             return Ok(buf);
         }
-        let v = self.run(self.client.batch_get(
+        let v = self.run(self.rpc().batch_get(
             self.ctx(),
             tenant.clone(),
             vec![key.to_string()],
@@ -273,7 +268,7 @@ impl L3Store for RemoteStore {
         let ranges = self.chunks(keys.len(), |i| bufs[i].len());
         let calls = ranges.iter().map(|r| {
             let ctx = self.ctx();
-            let c = self.client.clone();
+            let c = self.rpc().clone();
             let t = tenant.clone();
             let ks = keys[r.clone()].to_vec();
             let data: Vec<Blob> = bufs[r.clone()]
@@ -285,7 +280,7 @@ impl L3Store for RemoteStore {
         let replies = self.rt.block_on(join_all(calls));
         let mut out = Vec::with_capacity(keys.len());
         for (r, reply) in ranges.iter().zip(replies) {
-            let v = reply.map_err(rpc_err)??;
+            let v = reply.map_err(|e| self.transport_err(e))??;
             if v.len() != r.len() {
                 return Err(L3Error::RpcFail("reply length mismatch".into()));
             }
@@ -308,7 +303,7 @@ impl L3Store for RemoteStore {
 
     fn get_size(&self, tenant: &Tenant, key: &str) -> L3Result<u64> {
         self.run(
-            self.client
+            self.rpc()
                 .get_size(self.ctx(), tenant.clone(), key.to_string()),
         )
     }
@@ -317,14 +312,14 @@ impl L3Store for RemoteStore {
         if self.limits.cluster {
             return self.cluster_flush();
         }
-        self.run(self.client.flush(self.ctx()))
+        self.run(self.rpc().flush(self.ctx()))
     }
 
     fn stats(&self) -> L3Result<StoreStats> {
-        self.run(self.client.stats(self.ctx()))
+        self.run(self.rpc().stats(self.ctx()))
     }
 
     fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses> {
-        self.run(self.client.losses_since(self.ctx(), tenant.clone(), cursor))
+        self.run(self.rpc().losses_since(self.ctx(), tenant.clone(), cursor))
     }
 }

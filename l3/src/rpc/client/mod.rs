@@ -25,6 +25,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
@@ -73,6 +74,20 @@ impl Default for ClientOptions {
     }
 }
 
+/// Opens the RPC connection (not yet authenticated: `hello` follows).
+fn dial(rt: &tokio::runtime::Runtime, addr: SocketAddr, max_frame: usize) -> L3Result<L3RpcClient> {
+    rt.block_on(async {
+        let mut conn = tarpc::serde_transport::tcp::connect(addr, Bincode::default);
+        conn.config_mut().max_frame_length(max_frame);
+        let transport = conn
+            .await
+            .map_err(|e| L3Error::RpcFail(format!("connect {addr}: {e}")))?;
+        // Latency only: a socket without TCP_NODELAY still works.
+        let _ = transport.get_ref().set_nodelay(true);
+        Ok(L3RpcClient::new(client::Config::default(), transport).spawn())
+    })
+}
+
 /// Largest accepted [`ClientOptions::rpc_timeout`] (one day): tarpc's timer wheel panics on
 /// deadlines past ~2^36 ms, and no store call should wait that long.
 pub const MAX_RPC_TIMEOUT: Duration = Duration::from_secs(86_400);
@@ -80,15 +95,29 @@ pub const MAX_RPC_TIMEOUT: Duration = Duration::from_secs(86_400);
 /// Per-key overhead allowance when sizing frames (key, tenant, enum tags, lengths).
 const PER_KEY_OVERHEAD: usize = 64;
 
+/// The transfer channel: its address (the server's port may change when it restarts) and
+/// the live connection (None after a failure; the next call reconnects, because a failed
+/// read leaves the stream out of step).
+struct XferSlot {
+    addr: SocketAddr,
+    conn: Option<XferClient>,
+}
+
 /// A connection to a `kvtier-l3` server.
+///
+/// The RPC connection is dialled again when it broke (the server restarted, or the link
+/// dropped): the call that found it broken fails with -900 (it may or may not have been
+/// applied, so it is not repeated), and the next call dials, authenticates and goes on.
 pub struct RemoteStore {
-    /// Transfer channel: its address and the live connection (None after a failure; the
-    /// next call reconnects, because a failed read leaves the stream out of step).
-    xfer: Option<(SocketAddr, parking_lot::Mutex<Option<XferClient>>)>,
+    addr: SocketAddr,
+    /// Transfer channel, when the server has one.
+    xfer: Option<parking_lot::Mutex<XferSlot>>,
     /// Split deployment: data connections to store nodes, by data address.
     nodes: parking_lot::Mutex<HashMap<SocketAddr, NodeConn>>,
     rt: tokio::runtime::Runtime,
-    client: L3RpcClient,
+    client: parking_lot::Mutex<L3RpcClient>,
+    /// The RPC connection failed in transport: dial again before the next call.
+    broken: AtomicBool,
     limits: ServerLimits,
     opts: ClientOptions,
 }
@@ -119,20 +148,13 @@ impl RemoteStore {
             .build()
             .map_err(|e| L3Error::Internal(format!("runtime: {e}")))?;
         let max_frame = opts.max_frame_bytes;
-        let client = rt.block_on(async {
-            let mut conn = tarpc::serde_transport::tcp::connect(addr, Bincode::default);
-            conn.config_mut().max_frame_length(max_frame);
-            let transport = conn
-                .await
-                .map_err(|e| L3Error::RpcFail(format!("connect {addr}: {e}")))?;
-            let _ = transport.get_ref().set_nodelay(true);
-            Ok::<_, L3Error>(L3RpcClient::new(client::Config::default(), transport).spawn())
-        })?;
         let mut me = RemoteStore {
+            addr,
             xfer: None,
             nodes: parking_lot::Mutex::new(HashMap::new()),
+            client: parking_lot::Mutex::new(dial(&rt, addr, max_frame)?),
+            broken: AtomicBool::new(false),
             rt,
-            client,
             limits: ServerLimits {
                 max_frame_bytes: max_frame as u64,
                 max_batch_keys: 0,
@@ -142,18 +164,19 @@ impl RemoteStore {
             },
             opts,
         };
-        let token = me.opts.token.clone();
-        let ctx = me.ctx();
-        let limits = me
-            .rt
-            .block_on(me.client.hello(ctx, token))
-            .map_err(rpc_err)??;
+        let first = me.client.lock().clone();
+        let limits = me.hello_on(&first)?;
         me.limits = limits;
         if me.opts.use_transfer_channel && limits.xfer_port != 0 {
             let xa = SocketAddr::new(addr.ip(), limits.xfer_port);
             let frame = me.frame_cap();
             match XferClient::connect(xa, me.opts.token.clone(), frame) {
-                Ok(conn) => me.xfer = Some((xa, parking_lot::Mutex::new(Some(conn)))),
+                Ok(conn) => {
+                    me.xfer = Some(parking_lot::Mutex::new(XferSlot {
+                        addr: xa,
+                        conn: Some(conn),
+                    }))
+                }
                 // A refused token is the caller's error; anything else (the channel is
                 // saturated or unreachable) leaves this client on the RPC path, which serves
                 // every call the channel does.
@@ -179,7 +202,59 @@ impl RemoteStore {
     /// The `cluster` call (store node ↔ master, cluster queries); -1010 unless the server
     /// is a master.
     pub fn cluster(&self, req: ClusterRequest) -> L3Result<ClusterReply> {
-        self.run(self.client.cluster(self.ctx(), req))
+        self.run(self.rpc().cluster(self.ctx(), req))
+    }
+
+    /// `hello` on connection `c`: authenticates, returns the server's limits.
+    fn hello_on(&self, c: &L3RpcClient) -> L3Result<ServerLimits> {
+        let token = self.opts.token.clone();
+        let ctx = self.ctx();
+        self.rt
+            .block_on(c.hello(ctx, token))
+            .map_err(|e| self.transport_err(e))?
+    }
+
+    /// The RPC client, dialled again first if the connection broke. A failed dial keeps
+    /// the broken one, so the call fails at once with -900 and the next one tries again.
+    fn rpc(&self) -> L3RpcClient {
+        if self.broken.load(Ordering::Acquire)
+            && let Err(e) = self.redial()
+        {
+            tracing::debug!(error = %e, addr = %self.addr, "reconnect failed");
+        }
+        self.client.lock().clone()
+    }
+
+    /// Dials the server again and authenticates; its transfer channel may have moved.
+    fn redial(&self) -> L3Result<()> {
+        let fresh = dial(&self.rt, self.addr, self.opts.max_frame_bytes)?;
+        // Authenticated before any other call can use it.
+        let limits = self.hello_on(&fresh)?;
+        *self.client.lock() = fresh;
+        self.broken.store(false, Ordering::Release);
+        if let Some(slot) = &self.xfer
+            && limits.xfer_port != 0
+        {
+            let xa = SocketAddr::new(self.addr.ip(), limits.xfer_port);
+            let mut s = slot.lock();
+            if s.addr != xa {
+                s.addr = xa;
+                s.conn = None;
+            }
+        }
+        tracing::info!(addr = %self.addr, "reconnected");
+        Ok(())
+    }
+
+    /// A transport error: -900, and a broken connection is dialled again by the next call.
+    fn transport_err(&self, e: RpcError) -> L3Error {
+        if matches!(
+            e,
+            RpcError::Shutdown | RpcError::Send(_) | RpcError::Channel(_)
+        ) {
+            self.broken.store(true, Ordering::Release);
+        }
+        rpc_err(e)
     }
 
     fn ctx(&self) -> context::Context {
@@ -223,7 +298,7 @@ impl RemoteStore {
     }
 
     fn run<T>(&self, f: impl Future<Output = Result<L3Result<T>, RpcError>>) -> L3Result<T> {
-        self.rt.block_on(f).map_err(rpc_err)?
+        self.rt.block_on(f).map_err(|e| self.transport_err(e))?
     }
 
     /// Splits `0..n` into consecutive ranges whose `size(i)` sum stays within a chunk.
@@ -250,10 +325,21 @@ impl RemoteStore {
     /// Runs an idempotent call on the transfer channel, reconnecting (once) when the
     /// connection is gone or broke during the previous call.
     fn with_xfer<T>(&self, f: impl FnMut(&mut XferClient) -> L3Result<T>) -> L3Result<T> {
-        let Some((addr, slot)) = &self.xfer else {
+        let Some(slot) = &self.xfer else {
             return Err(L3Error::Unavailable("no transfer channel".into()));
         };
-        self.on_conn(*addr, &mut slot.lock(), Retry::Once, f)
+        if self.broken.load(Ordering::Acquire) {
+            // The server restarted: its transfer channel may listen elsewhere now.
+            drop(self.rpc());
+        }
+        let mut s = slot.lock();
+        let addr = s.addr;
+        let r = self.on_conn(addr, &mut s.conn, Retry::Once, f);
+        if matches!(r, Err(L3Error::RpcFail(_))) {
+            // Twice in a row: the server is gone or moved; the next call redials.
+            self.broken.store(true, Ordering::Release);
+        }
+        r
     }
 
     /// Runs `f` on the data connection in `conn` to `addr`, opening it first if needed. A
@@ -304,9 +390,10 @@ impl RemoteStore {
             return self.with_xfer(|x| x.get(tenant, keys, queries, bufs));
         }
         let ranges = self.chunks(keys.len(), |i| bufs[i].len());
+        let client = self.rpc();
         let calls = ranges.iter().map(|r| {
             let ctx = self.ctx();
-            let c = self.client.clone();
+            let c = client.clone();
             let t = tenant.clone();
             match queries {
                 Some(q) => {
@@ -322,7 +409,7 @@ impl RemoteStore {
         let replies = self.rt.block_on(join_all(calls));
         let mut out = Vec::with_capacity(keys.len());
         for (r, reply) in ranges.iter().zip(replies) {
-            let per_key = reply.map_err(rpc_err)??;
+            let per_key = reply.map_err(|e| self.transport_err(e))??;
             if per_key.len() != r.len() {
                 return Err(L3Error::RpcFail("reply length mismatch".into()));
             }
