@@ -44,7 +44,7 @@ from vllm.utils.hashing import sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult  # noqa: E402
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult, make_offload_key  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -205,6 +205,7 @@ class Engine:
         self.tag = self.tag or f"{self.model}/{self.layers}/{self.dtype}"
         self.prompts: Dict[str, List[int]] = {}
         self.loaded: Dict[str, int] = {}
+        self.read: Dict[str, bytes] = {}
 
     @property
     def tier(self):
@@ -254,9 +255,21 @@ class Engine:
             ok = all(np.array_equal(self.gpu[blocks[i]], block_bytes(tokens, i, self.tag, self.page))
                      for i in range(start // BLOCK))
             self._ok[req.request_id] = self._ok.get(req.request_id, True) and ok
+            self.read[req.request_id] = b"".join(self.gpu[blocks[i]].tobytes() for i in range(start // BLOCK))
         full_end = min(start + n, len(tokens)) // BLOCK
         for i in range(start // BLOCK, full_end):
             self.gpu[blocks[i]] = block_bytes(tokens, i, self.tag, self.page)
+
+    def tier_keys_of(self, tokens: Sequence[int], cache_salt: Optional[str] = None) -> List[bytes]:
+        """vLLM's offload keys of the full chunks of a prompt (the block hash of each chunk's
+        last block, group 0), computed by vLLM's own hasher."""
+        r = Request("keys", list(tokens), SamplingParams(max_tokens=1), pooling_params=None,
+                    block_hasher=self.hasher, cache_salt=cache_salt)
+        return [make_offload_key(h, 0) for h in r.block_hashes[self.bpc - 1::self.bpc]]
+
+    def gpu_bytes_of(self, req_id: str, tokens: Sequence[int]) -> bytes:
+        """The bytes a request's forward found in its prefix blocks (those not computed by it)."""
+        return self.read[req_id]
 
     def run(self, max_steps: int = 500) -> None:
         """Steps until every request finished and the tiers are idle."""
@@ -271,7 +284,5 @@ class Engine:
         self.sched.reset_prefix_cache()
 
     def close(self) -> None:
-        try:
-            self.sched.shutdown()
-        finally:
-            self.connector.shutdown() if hasattr(self.connector, "shutdown") else None
+        self.dma.host = np.zeros((0, 0), dtype=np.uint8)  # our view of /dev/shm, so vLLM can unmap it
+        self.sched.shutdown()

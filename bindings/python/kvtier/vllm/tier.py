@@ -79,6 +79,7 @@ class TierCounters:
     load_failures: int = 0
     lookups: int = 0
     lookup_hits: int = 0
+    reconnects: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
 
@@ -91,7 +92,8 @@ class _ServerLookups(AsyncLookupManager):
         super().__init__(tier_type=tier.tier_type)
 
     def batch_lookup(self, keys: List[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        codes = self._tier.store.batch_is_exist([self._tier.key(k) for k in keys])
+        okeys = [self._tier.key(k) for k in keys]
+        codes = self._tier._io(lambda s: s.batch_is_exist(okeys))
         return (np.asarray(codes) == 1).tolist()
 
 
@@ -122,18 +124,20 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._load_keys: Dict[int, List[OffloadKey]] = {}
         self._lookups: Optional[_ServerLookups] = None if self.is_embedded else _ServerLookups(self)
         self._lock = threading.Lock()
+        self._reconnect_lock = threading.Lock()
         self.counters = TierCounters()
 
     # ---- setup --------------------------------------------------------------------------
 
     def _open(self, config: Dict[str, Any]) -> kvtier.L3Store:
         addr = config.get("server") or os.environ.get(ENV_ADDR)
+        self._server: Optional[Dict[str, Any]] = None
         if addr:
             token = config.get("token") or os.environ.get(ENV_TOKEN)
+            self._server = dict(addr=str(addr), token=token, tenant=self.tenant,
+                                rpc_timeout_ms=int(config.get("rpc_timeout_ms", 10_000)))
             try:
-                store = kvtier.L3Store.connect(str(addr), token=token, tenant=self.tenant,
-                                               rpc_timeout_ms=int(config.get("rpc_timeout_ms", 10_000)))
-                store.is_exist(f"{self.namespace}:hello")
+                store = self._connect()
             except kvtier.L3Error as e:
                 raise VllmTierConfigError(f"kvtier tier: L3 server {addr} did not accept us: {e!r}") from e
             return store
@@ -150,6 +154,30 @@ class KvtierSecondaryTier(SecondaryTierManager):
                                            tenant=self.tenant, name=str(config.get("name", "")))
         except (kvtier.L3Error, ValueError) as e:
             raise VllmTierConfigError(f"kvtier tier: cannot open the embedded store: {e!r}") from e
+
+    def _connect(self) -> kvtier.L3Store:
+        s = self._server or {}
+        store = kvtier.L3Store.connect(s["addr"], token=s["token"], tenant=s["tenant"],
+                                       rpc_timeout_ms=s["rpc_timeout_ms"])
+        store.is_exist(f"{self.namespace}:hello")  # a wrong token answers here
+        return store
+
+    def _io(self, call):
+        """``call(store)`` on an I/O thread; a server connection that failed (the server
+        died or restarted) is replaced by a new one for the next call."""
+        store = self.store
+        try:
+            return call(store)
+        except kvtier.RpcFailError:
+            if self._server is not None:
+                with self._reconnect_lock:
+                    if self.store is store:
+                        try:
+                            self.store = self._connect()
+                            self.counters.reconnects += 1
+                        except kvtier.L3Error as e:
+                            logger.warning("kvtier: L3 server %s still unreachable: %r", self._server["addr"], e)
+            raise
 
     def _check_chunk_fits(self) -> None:
         """One chunk-sized put and remove: a store that cannot hold vLLM's chunk (object or
@@ -211,7 +239,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
     def _store_job(self, job_id: int, keys: List[str], ids: np.ndarray) -> None:
         t0 = time.perf_counter()
         try:
-            codes = np.asarray(self.store.batch_put_pages(keys, self._flat, ids, self.block_size_bytes))
+            codes = np.asarray(self._io(lambda s: s.batch_put_pages(keys, self._flat, ids, self.block_size_bytes)))
             ok = (codes == 0) | (codes == _EXISTS)
         except (kvtier.L3Error, ValueError) as e:
             logger.warning("kvtier: store of %d chunks failed: %r", len(keys), e)
@@ -227,7 +255,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
     def _load_job(self, job_id: int, keys: List[str], ids: np.ndarray) -> None:
         t0 = time.perf_counter()
         try:
-            codes = np.asarray(self.store.batch_get_pages(keys, self._flat, ids, self.block_size_bytes))
+            codes = np.asarray(self._io(lambda s: s.batch_get_pages(keys, self._flat, ids, self.block_size_bytes)))
             ok = codes == self.block_size_bytes
         except (kvtier.L3Error, ValueError) as e:
             logger.warning("kvtier: load of %d chunks failed: %r", len(keys), e)
@@ -268,6 +296,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         if self._lookups is not None:
             self._lookups.shutdown()
         self._pool.shutdown(wait=True)
+        self._flat = np.zeros(0, dtype=np.uint8)  # lets vLLM unmap its /dev/shm region
 
     def stats(self) -> Dict[str, int]:
         """The tier's counters and the store's own statistics."""

@@ -1,0 +1,203 @@
+"""kvtier's L3 as vLLM's secondary offloading tier, against the real vLLM 0.33 on CPU
+(harness.py): two engines share chunks through the embedded store and through a
+token-protected ``kvtier-l3`` server; models, dtypes, layouts and salts never share; an
+evicting store, a chunk lost between lookup and load, and a killed server give misses and
+failed jobs while every request finishes with the right bytes; config errors stop startup."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+import kvtier
+from harness import BLOCK, Engine
+from kvtier.vllm import VllmTierConfigError
+from l3proc import L3Process
+
+PROMPT = list(range(100, 100 + BLOCK * 8 + 5))  # 8 full blocks = 4 chunks of 2 blocks
+FULL = BLOCK * 8
+
+
+def tier(**kw):
+    return {"type": "KvtierSecondaryTier", "module_path": "kvtier.vllm", **kw}
+
+
+def embedded(**kw):
+    return tier(segment_bytes="64MB", name=f"t-{uuid.uuid4().hex[:8]}", **kw)
+
+
+def serve(engine: Engine, prompts, salt=None):
+    for i, p in enumerate(prompts):
+        engine.add(f"r{i}-{uuid.uuid4().hex[:6]}", p, cache_salt=salt)
+    engine.run()
+    return [engine.finished[r] for r in list(engine.finished)[-len(prompts):]]
+
+
+@pytest.fixture
+def engines(tmp_path):
+    made = []
+
+    def make(tiers, **kw):
+        e = Engine(str(tmp_path), tiers, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def test_two_engines_share_chunks_through_the_embedded_store(engines):
+    t = embedded()
+    e1 = engines([t])
+    (a,) = serve(e1, [PROMPT])
+    assert a.external_tokens == 0 and a.gpu_ok
+    keys = [e1.tier.key(k) for k in e1.tier_keys_of(PROMPT)]
+    assert len(keys) == 4 and all(e1.tier.store.is_exist(k) for k in keys)
+    offloaded = [e1.tier.store.get(k) for k in keys]
+
+    e2 = engines([t])  # a new engine id, an empty host cache, the same L3
+    assert e2.vllm_config.kv_transfer_config.engine_id != e1.vllm_config.kv_transfer_config.engine_id
+    (b,) = serve(e2, [PROMPT])
+    assert b.external_tokens == FULL, "engine 2 loads every full block from L3"
+    assert b.gpu_ok
+    assert e2.tier.counters.chunks_loaded == 4 and e2.dma.loads >= 1
+    # The bytes that reached engine 2's "GPU" blocks are engine 1's offloaded chunks.
+    assert e2.gpu_bytes_of(b.req_id, PROMPT) == b"".join(offloaded)
+
+
+def test_two_engines_share_a_kvtier_l3_server_with_a_token(engines):
+    srv = L3Process(token="s3cret")
+    try:
+        t = tier(server=srv.addr, token="s3cret")
+        e1 = engines([t])
+        serve(e1, [PROMPT])
+        assert e1.tier.counters.chunks_stored == 4 and not e1.tier.is_embedded
+        e2 = engines([t])
+        (b,) = serve(e2, [PROMPT])
+        assert b.external_tokens == FULL and b.gpu_ok
+        assert e2.tier.counters.chunks_loaded == 4
+        with pytest.raises(VllmTierConfigError, match="did not accept"):
+            engines([tier(server=srv.addr, token="wrong")])
+        with pytest.raises(VllmTierConfigError, match="did not accept"):
+            engines([tier(server=srv.addr)])
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("what", ["model", "dtype", "layout", "layers"])
+def test_different_model_dtype_or_layout_never_hits(engines, what):
+    t = embedded()
+    e1 = engines([t])
+    serve(e1, [PROMPT])
+    other = {"model": dict(model="other-llama"), "dtype": dict(dtype="bfloat16"), "layout": dict(bpc=4),
+             "layers": dict(layers=3)}[what]
+    e2 = engines([t], **other)
+    (b,) = serve(e2, [PROMPT])
+    assert b.external_tokens == 0 and b.gpu_ok
+    assert e2.tier.counters.lookup_hits == 0 and e2.tier.counters.chunks_loaded == 0
+    assert e2.tier.namespace != e1.tier.namespace
+    # The same engine shape does hit (the test can fail).
+    e3 = engines([t], **other)
+    (c,) = serve(e3, [PROMPT])
+    assert c.external_tokens == FULL and c.gpu_ok
+
+
+def test_a_different_cache_salt_never_hits(engines):
+    t = embedded()
+    serve(engines([t]), [PROMPT], salt="alice")
+    (b,) = serve(engines([t]), [PROMPT], salt="bob")
+    assert b.external_tokens == 0
+    (c,) = serve(engines([t]), [PROMPT], salt="alice")
+    assert c.external_tokens == FULL and c.gpu_ok
+
+
+def test_tenants_are_separate_maps(engines):
+    t = embedded()
+    serve(engines([dict(t, tenant="a")]), [PROMPT])
+    (b,) = serve(engines([dict(t, tenant="b")]), [PROMPT])
+    assert b.external_tokens == 0
+    (c,) = serve(engines([dict(t, tenant="a")]), [PROMPT])
+    assert c.external_tokens == FULL
+
+
+def test_an_evicting_store_gives_misses_never_wrong_bytes(engines):
+    # Room for ~6 chunks of 8 KiB: 12 prompts of 4 chunks each evict most of each other.
+    t = tier(segment_bytes=6 * 8192 + 4096, name=f"t-{uuid.uuid4().hex[:8]}")
+    prompts = [list(range(1000 * i, 1000 * i + FULL + 3)) for i in range(12)]
+    e1 = engines([t])
+    serve(e1, prompts)
+    held = e1.tier.stats()["store_objects"]
+    assert 0 < held < 12 * 4, "the store evicted"
+    e2 = engines([t])
+    done = serve(e2, prompts[::-1])  # newest first: what survived is hit before e2's stores evict it
+    assert all(f.gpu_ok for f in done)
+    assert len(done) == 12
+    loaded = sum(f.external_tokens for f in done)
+    assert 0 < loaded < 12 * FULL, "some chunks were evicted, some survived"
+
+
+def test_a_chunk_lost_between_lookup_and_load_is_recomputed(engines):
+    t = embedded()
+    e1 = engines([t])
+    serve(e1, [PROMPT])
+    e2 = engines([t])
+    lost = [e1.tier.key(k) for k in e1.tier_keys_of(PROMPT)][2:]
+    submit = e2.tier.submit_load
+
+    def evict_then_load(job):  # the store evicts chunks 3 and 4 after lookup said HIT
+        for k in lost:
+            e2.tier.store.remove(k, True)
+        submit(job)
+
+    e2.tier.submit_load = evict_then_load
+    (b,) = serve(e2, [PROMPT])
+    assert b.gpu_ok, "recomputed, never wrong bytes"
+    assert b.external_tokens == 2 * 2 * BLOCK, "the two chunks before the loss are kept"
+    assert e2.tier.counters.load_failures == 1
+
+
+def test_a_killed_server_fails_jobs_and_a_restart_resumes(engines):
+    srv = L3Process(token="t0k")
+    t = tier(server=srv.addr, token="t0k", rpc_timeout_ms=2000)
+    try:
+        e1 = engines([t])
+        serve(e1, [PROMPT])
+        srv.kill()
+        fresh = list(range(5000, 5000 + FULL + 3))
+        done = serve(e1, [PROMPT[:FULL] + [1, 2, 3, 4], fresh])  # lookups miss, stores fail
+        assert all(f.gpu_ok for f in done) and len(done) == 2
+        assert e1.tier.counters.store_failures >= 1
+        srv = srv.restart()  # an empty server on the same address
+        again = list(range(9000, 9000 + FULL + 3))
+        serve(e1, [again])
+        e3 = engines([t])
+        (c,) = serve(e3, [again])
+        assert c.external_tokens == FULL and c.gpu_ok, "service resumed after the restart"
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(segment_bytes="64MB", colour="blue"), "unknown config keys"),
+    (dict(segment_bytes="lots"), "bad segment_bytes"),
+    (dict(segment_bytes=4096), "cannot hold one vLLM chunk"),
+    (dict(server="127.0.0.1:1"), "did not accept"),
+    (dict(segment_bytes="64MB", io_threads=0), "io_threads"),
+])
+def test_config_errors_stop_startup(engines, bad, match):
+    with pytest.raises(VllmTierConfigError, match=match):
+        engines([tier(**bad)])
+
+
+def test_l3_objects_are_exactly_vllms_chunk_slots(engines):
+    """Zero copy both ways: each L3 object is one host chunk slot's bytes."""
+    t = embedded()
+    e1 = engines([t])
+    serve(e1, [PROMPT])
+    for k in e1.tier_keys_of(PROMPT):
+        obj = np.frombuffer(e1.tier.store.get(e1.tier.key(k)), dtype=np.uint8)
+        assert obj.size == e1.tier.block_size_bytes
+    assert isinstance(kvtier.L3Store, type)
