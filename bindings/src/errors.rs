@@ -62,6 +62,7 @@ pub mod base {
     );
 }
 
+pub(crate) use base::ConfigError as PyConfigErrorPub;
 use base::{
     ConfigError as PyConfigError, KvtierError, L3Error as PyL3Error,
     SchedulerError as PySchedulerError,

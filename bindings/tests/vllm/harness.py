@@ -164,6 +164,7 @@ class Engine:
     policy: str = "lru"
     policy_module: Optional[str] = None
     max_num_seqs: int = 8
+    content: bool = True  # False: no block bytes written or checked (fast replays)
     extra: dict = field(default_factory=dict)
     finished: Dict[str, Finished] = field(default_factory=dict)
     _ok: Dict[str, bool] = field(default_factory=dict)
@@ -248,6 +249,9 @@ class Engine:
     def _forward(self, req, start: int, n: int) -> None:
         """Checks the prefix blocks the forward reads (those computed before ``start``) and
         writes the blocks it computes; records how many tokens came from outside."""
+        if not self.content:
+            self.loaded.setdefault(req.request_id, start)
+            return
         tokens = self.prompts[req.request_id]
         blocks = self.sched.kv_cache_manager.get_block_ids(req.request_id)[0]
         if req.request_id not in self.loaded:
