@@ -62,7 +62,6 @@ pub mod base {
     );
 }
 
-pub(crate) use base::ConfigError as PyConfigErrorPub;
 use base::{
     ConfigError as PyConfigError, KvtierError, L3Error as PyL3Error,
     SchedulerError as PySchedulerError,
@@ -165,6 +164,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// A configuration error as a Python `ConfigError`.
 pub fn config_err(e: ConfigError) -> PyErr {
     PyConfigError::new_err(e.to_string())
+}
+
+/// A configuration message (a bad setting string) as a Python `ConfigError`.
+pub fn config_msg(msg: String) -> PyErr {
+    PyConfigError::new_err(msg)
 }
 
 /// A scheduler error as the Python class of its kind.

@@ -23,9 +23,7 @@ pub fn eviction_ranks<'py>(
     uses: &Bound<'py, PyAny>,
     end_pages: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
-    let p: kvtier_radix::EvictionPolicy = policy
-        .parse()
-        .map_err(crate::errors::PyConfigErrorPub::new_err)?;
+    let p: kvtier_radix::EvictionPolicy = policy.parse().map_err(crate::errors::config_msg)?;
     let (a, l) = (
         u64_vec(last_access, "last_access")?,
         u64_vec(last_use, "last_use")?,

@@ -124,3 +124,23 @@ impl EvictionPolicy {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// `rank_of` is the radix tree's rank: LRU is the access clock; freq-depth rises
+        /// with recency and with credited uses (up to the cap) and falls with depth.
+        #[test]
+        fn rank_of_orders_as_documented(a in 0u64..1 << 40, l in 0u64..1 << 40, u in 0u32..8, e in 0u64..1 << 20) {
+            prop_assert_eq!(EvictionPolicy::Lru.rank_of(a, l, u, e), a);
+            let p = EvictionPolicy::CONVERSATION;
+            prop_assert!(p.rank_of(a, l + 1, u, e) > p.rank_of(a, l, u, e));
+            prop_assert!(p.rank_of(a, l, u, e + 1) < p.rank_of(a, l, u, e));
+            let more = p.rank_of(a, l, u + 1, e);
+            if u < 4 { prop_assert!(more > p.rank_of(a, l, u, e)); } else { prop_assert_eq!(more, p.rank_of(a, l, u, e)); }
+        }
+    }
+}

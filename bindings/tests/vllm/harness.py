@@ -54,15 +54,16 @@ HEADS, HEAD_DIM, LAYERS = 2, 16, 2
 _MODEL_DIRS: Dict[str, str] = {}
 
 
-def model_dir(root: str, name: str = "tiny-llama", layers: int = LAYERS) -> str:
-    """A hand-written tiny Llama config.json (no weights, no tokenizer: vLLM's ModelConfig
-    only reads the config with skip_tokenizer_init)."""
-    path = os.path.join(root, f"{name}-{layers}")
+def model_dir(root: str, name: str = "tiny-llama", layers: int = LAYERS, heads: int = HEADS,
+              head_dim: int = HEAD_DIM) -> str:
+    """A hand-written Llama config.json (no weights, no tokenizer: vLLM's ModelConfig only
+    reads the config with skip_tokenizer_init)."""
+    path = os.path.join(root, f"{name}-{layers}-{heads}-{head_dim}")
     if path not in _MODEL_DIRS:
         os.makedirs(path, exist_ok=True)
         cfg = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * HEAD_DIM * 2,
-            "intermediate_size": 64, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": heads * head_dim * 4,
+            "intermediate_size": 64, "num_attention_heads": heads * 4, "num_key_value_heads": heads,
             "num_hidden_layers": layers, "vocab_size": 1000, "max_position_embeddings": 4096,
             "torch_dtype": "float16", "rms_norm_eps": 1e-5,
         }
@@ -156,6 +157,8 @@ class Engine:
     tiers: Sequence[dict]
     model: str = "tiny-llama"
     layers: int = LAYERS
+    heads: int = HEADS
+    head_dim: int = HEAD_DIM
     dtype: str = "float16"
     tag: Optional[str] = None  # the KV content's identity (defaults to model+layers+dtype)
     num_gpu_blocks: int = 256
@@ -166,12 +169,15 @@ class Engine:
     max_num_seqs: int = 8
     content: bool = True  # False: no block bytes written or checked (fast replays)
     extra: dict = field(default_factory=dict)
+    kv_config: Optional[KVTransferConfig] = None  # as parsed from a command line (else built from the fields)
     finished: Dict[str, Finished] = field(default_factory=dict)
     _ok: Dict[str, bool] = field(default_factory=dict)
 
     def __post_init__(self):
         init_none_hash(sha256_cbor)
-        mc = ModelConfig(model=model_dir(self.root, self.model, self.layers), skip_tokenizer_init=True,
+        if self.kv_config is not None:
+            self.bpc = int(self.kv_config.kv_connector_extra_config.get("block_size", BLOCK)) // BLOCK
+        mc = ModelConfig(model=model_dir(self.root, self.model, self.layers, self.heads, self.head_dim), skip_tokenizer_init=True,
                          dtype=self.dtype, max_model_len=4096)
         self.vllm_config = VllmConfig(
             model_config=mc,
@@ -180,13 +186,13 @@ class Engine:
             cache_config=CacheConfig(block_size=BLOCK, prefix_caching_hash_algo="sha256_cbor",
                                      enable_prefix_caching=True),
             device_config=DeviceConfig("cpu"),
-            kv_transfer_config=kv_transfer_config(self.tiers, cpu_bytes=self.cpu_bytes, bpc=self.bpc,
-                                                  policy=self.policy, policy_module=self.policy_module,
-                                                  **self.extra),
+            kv_transfer_config=self.kv_config or kv_transfer_config(
+                self.tiers, cpu_bytes=self.cpu_bytes, bpc=self.bpc, policy=self.policy,
+                policy_module=self.policy_module, **self.extra),
         )
         self.vllm_config.cache_config.num_gpu_blocks = self.num_gpu_blocks
         dt = getattr(torch, self.dtype)
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dt)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=self.head_dim, dtype=dt)
         layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
         self.kv_cache_config = KVCacheConfig(num_blocks=self.num_gpu_blocks, kv_cache_tensors=[],
                                              kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])

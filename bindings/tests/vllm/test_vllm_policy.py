@@ -119,13 +119,17 @@ def test_evict_is_exact_and_atomic(ops, cls):
         assert len(p) == sum(1 for kk in chunks if p.get(kk) is not None)
 
 
+MAX_TRACE_BLOCKS = 96  # longer prompts are cut (the engine's max_model_len is 4096 tokens)
+
+
 def trace_prompts(n: int, tokens_per_block: int):
     """The first ``n`` requests of the public conversation trace, each 512-token trace
-    block scaled to ``tokens_per_block`` distinct tokens (same reuse structure)."""
+    block scaled to ``tokens_per_block`` distinct tokens (same reuse structure), prompts cut
+    at ``MAX_TRACE_BLOCKS`` blocks."""
     out = []
     with open(TRACE) as f:
         for line in f:
-            ids = json.loads(line)["hash_ids"]
+            ids = json.loads(line)["hash_ids"][:MAX_TRACE_BLOCKS]
             out.append([h * tokens_per_block + j for h in ids for j in range(tokens_per_block)])
             if len(out) == n:
                 break
@@ -148,7 +152,7 @@ def replay(root: str, policy: str, module, prompts, cpu_chunks: int) -> dict:
 
 
 def test_host_hit_rates_side_by_side_with_vllms_lru_and_arc(tmp_path):
-    n = int(os.environ.get("KVTIER_VLLM_REPLAY", "2000"))
+    n = int(os.environ.get("KVTIER_VLLM_REPLAY", "3000"))
     prompts = trace_prompts(n, 2 * BLOCK)  # one trace block = one 2-block chunk
     seen, reusable = set(), 0
     for p in prompts:

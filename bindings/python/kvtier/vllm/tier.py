@@ -121,7 +121,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-vllm-io")
         self._futures: Dict[int, cf.Future] = {}
         self._done: "queue.SimpleQueue[JobResult]" = queue.SimpleQueue()
-        self._load_keys: Dict[int, List[OffloadKey]] = {}
+        self._missed: "queue.SimpleQueue[List[OffloadKey]]" = queue.SimpleQueue()
         self._lookups: Optional[_ServerLookups] = None if self.is_embedded else _ServerLookups(self)
         self._lock = threading.Lock()
         self._reconnect_lock = threading.Lock()
@@ -226,18 +226,17 @@ class KvtierSecondaryTier(SecondaryTierManager):
     def _submit(self, job: TransferJob, fn) -> None:
         keys = list(job.keys)
         ids = np.asarray(job.chunk_ids, dtype=np.int64)
-        fut = self._pool.submit(fn, job.job_id, [self.key(k) for k in keys], ids)
-        self._futures[job.job_id] = fut
+        self._futures[job.job_id] = self._pool.submit(fn, job.job_id, keys, ids)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, self._store_job)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._load_keys[job_metadata.job_id] = list(job_metadata.keys)
         self._submit(job_metadata, self._load_job)
 
-    def _store_job(self, job_id: int, keys: List[str], ids: np.ndarray) -> None:
+    def _store_job(self, job_id: int, okeys: List[OffloadKey], ids: np.ndarray) -> None:
         t0 = time.perf_counter()
+        keys = [self.key(k) for k in okeys]
         try:
             codes = np.asarray(self._io(lambda s: s.batch_put_pages(keys, self._flat, ids, self.block_size_bytes)))
             ok = (codes == 0) | (codes == _EXISTS)
@@ -252,8 +251,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._done.put(JobResult(job_id=job_id, success=bool(ok.all()), transfer_time=time.perf_counter() - t0,
                                  transfer_bytes=n * self.block_size_bytes))
 
-    def _load_job(self, job_id: int, keys: List[str], ids: np.ndarray) -> None:
+    def _load_job(self, job_id: int, okeys: List[OffloadKey], ids: np.ndarray) -> None:
         t0 = time.perf_counter()
+        keys = [self.key(k) for k in okeys]
         try:
             codes = np.asarray(self._io(lambda s: s.batch_get_pages(keys, self._flat, ids, self.block_size_bytes)))
             ok = codes == self.block_size_bytes
@@ -266,25 +266,25 @@ class KvtierSecondaryTier(SecondaryTierManager):
             self.counters.chunks_loaded += run
             self.counters.bytes_read += run * self.block_size_bytes
             self.counters.load_failures += int(run < len(keys))
-        self._done.put(JobResult(job_id=job_id, success=run == len(keys), successful_keys=None if run == len(keys)
-                                 else tuple(range(run)), transfer_time=time.perf_counter() - t0,
-                                 transfer_bytes=run * self.block_size_bytes))
+        if run < len(keys):
+            self._missed.put(okeys[run:])
+        self._done.put(JobResult(job_id=job_id, success=run == len(keys),
+                                 successful_keys=None if run == len(keys) else tuple(okeys[:run]),
+                                 transfer_time=time.perf_counter() - t0, transfer_bytes=run * self.block_size_bytes))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out: List[JobResult] = []
-        while True:
-            try:
-                r = self._done.get_nowait()
-            except queue.Empty:
-                return out
+        while not self._done.empty():
+            r = self._done.get_nowait()
             self._futures.pop(r.job_id, None)
-            keys = self._load_keys.pop(r.job_id, None)
-            if keys is not None and not r.success:
-                run = len(r.successful_keys or ())
-                r.successful_keys = tuple(keys[:run]) or None
-                if self._lookups is not None:
-                    self._lookups.mark_miss(keys[run:])
             out.append(r)
+        # A failed load's missing keys: their cached lookup verdicts become misses, so vLLM
+        # does not promote them again (on the scheduler thread, as vLLM's fs tier does).
+        while not self._missed.empty():
+            missed = self._missed.get_nowait()
+            if self._lookups is not None:
+                self._lookups.mark_miss(missed)
+        return out
 
     def has_pending_work(self) -> bool:
         return bool(self._futures)
