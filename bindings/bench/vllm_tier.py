@@ -6,7 +6,7 @@ Why: the tier claims zero-copy moves between vLLM's /dev/shm chunk slots and kvt
 host) of one batch cost, next to the tier vLLM ships for the same job and to the floor (one
 memcpy of the same bytes), and prints ratios against memcpy.
 
-What: a real vLLM engine on CPU (bindings/tests/vllm/harness.py: real Scheduler,
+What: a real vLLM engine on CPU (bindings/tests/vllm_suite/harness.py: real Scheduler,
 OffloadingConnector, TieringOffloadingSpec with its /dev/shm host region) per tier, with
 Llama-3-8B-shaped KV: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks x 4 blocks
 per chunk = 8 MiB a chunk. The host slots 0..N-1 are filled with random bytes; each round
@@ -33,7 +33,7 @@ import uuid
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "vllm"))
+sys.path.insert(0, str(HERE.parent / "tests" / "vllm_suite"))
 
 import numpy as np  # noqa: E402
 from harness import Engine  # noqa: E402
