@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -224,7 +225,8 @@ class Engine:
         self.prompts[req_id] = list(tokens)
         self.sched.add_request(r)
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One engine step; whether it scheduled any tokens."""
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         self.worker.handle_preemptions(meta)
@@ -251,6 +253,7 @@ class Engine:
                 if o.finish_reason is not None and o.request_id not in self.finished:
                     self.finished[o.request_id] = Finished(o.request_id, self.loaded.get(o.request_id, 0),
                                                            self._ok.pop(o.request_id, True))
+        return bool(so.num_scheduled_tokens)
 
     def _forward(self, req, start: int, n: int) -> None:
         """Checks the prefix blocks the forward reads (those computed before ``start``) and
@@ -281,14 +284,17 @@ class Engine:
         """The bytes a request's forward found in its prefix blocks (those not computed by it)."""
         return self.read[req_id]
 
-    def run(self, max_steps: int = 500) -> None:
-        """Steps until every request finished and the tiers are idle."""
-        for _ in range(max_steps):
-            busy = self.sched.has_requests() or self.manager.has_pending_work()
-            if not busy:
+    def run(self, timeout_s: float = 120.0) -> None:
+        """Steps until every request finished and the tiers are idle. A step that scheduled
+        nothing (requests waiting on a lookup probe or a load) is followed by a 1 ms pause,
+        as an idle engine loop would wait, so kvtier's and vLLM's background threads run."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not (self.sched.has_requests() or self.manager.has_pending_work()):
                 return
-            self.step()
-        raise AssertionError(f"engine did not go idle in {max_steps} steps")
+            if not self.step():
+                time.sleep(0.001)
+        raise AssertionError(f"engine did not go idle in {timeout_s} s")
 
     def reset_gpu_cache(self) -> None:
         self.sched.reset_prefix_cache()
