@@ -214,6 +214,7 @@ class Engine:
         self.prompts: Dict[str, List[int]] = {}
         self.loaded: Dict[str, int] = {}
         self.read: Dict[str, bytes] = {}
+        self.stats_payloads: List[dict] = []  # the connector stats vLLM's scheduler reported
 
     @property
     def tier(self):
@@ -249,6 +250,8 @@ class Engine:
         )
         eco = self.sched.update_from_output(so, out)
         for outs in eco.values():
+            if outs.scheduler_stats is not None and outs.scheduler_stats.kv_connector_stats:
+                self.stats_payloads.append(outs.scheduler_stats.kv_connector_stats)
             for o in outs.outputs:
                 if o.finish_reason is not None and o.request_id not in self.finished:
                     self.finished[o.request_id] = Finished(o.request_id, self.loaded.get(o.request_id, 0),

@@ -222,3 +222,21 @@ def test_jobs_run_off_the_scheduler_thread_and_drain(engines):
     t.drain_jobs()
     (r,) = t.get_finished_jobs()
     assert not r.success and list(r.successful_keys) == [keys[0]], "the missing second chunk fails the rest"
+
+
+def test_metrics_through_vllms_hooks(engines):
+    """The tier's metric definitions reach vLLM's spec (so its Prometheus logger registers
+    them), and vLLM's scheduler reports the tier's counter increases and the embedded
+    store's gauges in its stats every step."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from kvtier.vllm.tier import METRIC_PREFIX
+
+    e = engines([embedded()])
+    defs = TieringOffloadingSpec.build_metric_definitions(e.vllm_config.kv_transfer_config.kv_connector_extra_config)
+    assert METRIC_PREFIX + "chunks_stored" in defs and METRIC_PREFIX + "store_objects" in defs
+    serve(e, [PROMPT])
+    flats = [OffloadingConnectorStats(data=p).reduce() for p in e.stats_payloads]
+    assert sum(f.get(METRIC_PREFIX + "chunks_stored", 0) for f in flats) == 4, "increases, summed: the total"
+    assert [f[METRIC_PREFIX + "store_objects"] for f in flats if METRIC_PREFIX + "store_objects" in f][-1] == 4

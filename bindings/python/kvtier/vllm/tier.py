@@ -37,6 +37,8 @@ import numpy as np
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -52,6 +54,22 @@ from .keys import l3_key, namespace_of
 
 logger = logging.getLogger(__name__)
 
+METRIC_PREFIX = "vllm:kv_offload_kvtier_"
+# Counters (cumulative in TierCounters; get_stats reports the increase since its last call)
+# and, for an embedded store, gauges of the store's own statistics.
+_COUNTER_DOCS = {
+    "chunks_stored": "Chunks kvtier's tier stored in its L3 store.",
+    "chunks_loaded": "Chunks kvtier's tier loaded from its L3 store into host slots.",
+    "store_failures": "Store jobs of kvtier's tier that failed (whole or in part).",
+    "load_failures": "Load jobs of kvtier's tier that failed (whole or in part).",
+    "lookups": "Lookups answered by kvtier's tier (RETRY included).",
+    "lookup_hits": "Lookups kvtier's tier answered with HIT.",
+    "reconnects": "New connections to the kvtier-l3 server after a failed one.",
+}
+_GAUGE_DOCS = {
+    "store_objects": "Objects in the embedded kvtier L3 store.",
+    "store_mem_used_bytes": "DRAM bytes used by the embedded kvtier L3 store.",
+}
 ENV_ADDR = "KVTIER_L3_ADDR"
 ENV_TOKEN = "KVTIER_L3_TOKEN"
 _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
@@ -297,6 +315,34 @@ class KvtierSecondaryTier(SecondaryTierManager):
             self._lookups.shutdown()
         self._pool.shutdown(wait=True)
         self._flat = np.zeros(0, dtype=np.uint8)  # lets vLLM unmap its /dev/shm region
+
+    # ---- metrics (vLLM's hooks) ----------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: Dict[str, Any]) -> Dict[str, Any]:
+        defs: Dict[str, Any] = {METRIC_PREFIX + k: OffloadingCounterMetadata(v) for k, v in _COUNTER_DOCS.items()}
+        defs.update({METRIC_PREFIX + k: OffloadingGaugeMetadata(v) for k, v in _GAUGE_DOCS.items()})
+        return defs
+
+    def get_stats(self) -> Any:
+        """vLLM's stats payload: counter increases since the last call; for an embedded
+        store also its object count and DRAM use (a server's are on its own --metrics, and
+        asking it here would be a round trip in the scheduler loop)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        with self._lock:
+            now = dict(vars(self.counters))
+        last = getattr(self, "_reported", {})
+        self._reported = now
+        stats = OffloadingConnectorStats()
+        for k in _COUNTER_DOCS:
+            if now[k] - last.get(k, 0):
+                stats.increase_counter(METRIC_PREFIX + k, now[k] - last.get(k, 0))
+        if self.is_embedded:
+            st = self.store.stats()
+            for k in _GAUGE_DOCS:
+                stats.set_gauge(METRIC_PREFIX + k, st.get(k[len("store_"):], 0))
+        return None if stats.is_empty() else stats
 
     def stats(self) -> Dict[str, int]:
         """The tier's counters and the store's own statistics."""
