@@ -102,6 +102,13 @@ class TierCounters:
     bytes_read: int = 0
 
 
+def _int(config: Dict[str, Any], key: str, default: int, minimum: int) -> int:
+    v = config.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise VllmTierConfigError(f"kvtier tier: {key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
 class _ServerLookups(AsyncLookupManager):
     """vLLM's async lookup manager over one batched existence probe per step."""
 
@@ -126,6 +133,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
         unknown = sorted(set(config) - set(TIER_KEYS))
         if unknown:
             raise VllmTierConfigError(f"kvtier tier: unknown config keys {unknown}; known: {list(TIER_KEYS)}")
+        threads = _int(config, "io_threads", 4, 1)
+        self._rpc_timeout_ms = _int(config, "rpc_timeout_ms", 10_000, 1)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.tenant = str(config.get("tenant", "default"))
         self._flat = np.asarray(primary_kv_view).view(np.uint8).reshape(-1)
@@ -133,9 +142,6 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self.store = self._open(config)
         self._check_chunk_fits()
         self.is_embedded = bool(self.store.is_embedded)
-        threads = int(config.get("io_threads", 4))
-        if threads < 1:
-            raise VllmTierConfigError(f"kvtier tier: io_threads must be >= 1, got {threads}")
         self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-vllm-io")
         self._futures: Dict[int, cf.Future] = {}
         self._done: "queue.SimpleQueue[JobResult]" = queue.SimpleQueue()
@@ -153,7 +159,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         if addr:
             token = config.get("token") or os.environ.get(ENV_TOKEN)
             self._server = dict(addr=str(addr), token=token, tenant=self.tenant,
-                                rpc_timeout_ms=int(config.get("rpc_timeout_ms", 10_000)))
+                                rpc_timeout_ms=self._rpc_timeout_ms)
             try:
                 store = self._connect()
             except kvtier.L3Error as e:
@@ -192,7 +198,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
                     if self.store is store:
                         try:
                             self.store = self._connect()
-                            self.counters.reconnects += 1
+                            with self._lock:
+                                self.counters.reconnects += 1
                         except kvtier.L3Error as e:
                             logger.warning("kvtier: L3 server %s still unreachable: %r", self._server["addr"], e)
             raise
