@@ -185,6 +185,7 @@ def test_a_killed_server_fails_jobs_and_a_restart_resumes(engines):
     (dict(segment_bytes=4096), "cannot hold one vLLM chunk"),
     (dict(server="127.0.0.1:1"), "did not accept"),
     (dict(segment_bytes="64MB", io_threads=0), "io_threads"),
+    (dict(segment_bytes="64MB", locality="moon"), "locality"),
     (dict(segment_bytes="64MB", io_threads="4"), "io_threads"),
     (dict(server="127.0.0.1:1", rpc_timeout_ms=-5), "rpc_timeout_ms"),
 ])

@@ -35,6 +35,7 @@ from typing import Any, Collection, Dict, Iterable, List, Optional
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
@@ -137,6 +138,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._rpc_timeout_ms = _int(config, "rpc_timeout_ms", 10_000, 1)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.tenant = str(config.get("tenant", "default"))
+        try:
+            self.locality = None if config.get("locality") is None else Locality(config["locality"])
+        except ValueError as e:
+            raise VllmTierConfigError(f"kvtier tier: bad locality {config.get('locality')!r}") from e
         self._flat = np.asarray(primary_kv_view).view(np.uint8).reshape(-1)
         self.namespace = namespace_of(offloading_spec.config, self.block_size_bytes, self.tenant)
         self.store = self._open(config)
