@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -169,6 +170,7 @@ class Engine:
     policy_module: Optional[str] = None
     max_num_seqs: int = 8
     content: bool = True  # False: no block bytes written or checked (fast replays)
+    kv_events: bool = False  # vLLM's KV cache events on (published batches kept in .published)
     extra: dict = field(default_factory=dict)
     kv_config: Optional[KVTransferConfig] = None  # as parsed from a command line (else built from the fields)
     finished: Dict[str, Finished] = field(default_factory=dict)
@@ -187,6 +189,7 @@ class Engine:
             cache_config=CacheConfig(block_size=BLOCK, prefix_caching_hash_algo="sha256_cbor",
                                      enable_prefix_caching=True),
             device_config=DeviceConfig("cpu"),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=self.kv_events, publisher="null"),
             kv_transfer_config=self.kv_config or kv_transfer_config(
                 self.tiers, cpu_bytes=self.cpu_bytes, bpc=self.bpc, policy=self.policy,
                 policy_module=self.policy_module, **self.extra),
@@ -200,6 +203,9 @@ class Engine:
         self.sched = Scheduler(self.vllm_config, self.kv_cache_config, StructuredOutputManager(self.vllm_config),
                                block_size=BLOCK, log_stats=True)
         self.connector = self.sched.connector
+        self.published: List = []  # KV event batches vLLM's scheduler published
+        publish = self.sched.kv_event_publisher.publish
+        self.sched.kv_event_publisher.publish = lambda batch: (self.published.append(batch), publish(batch))[1]
         self.cs = self.connector.connector_scheduler
         self.manager = self.cs.manager
         self.page = spec.page_size_bytes * self.layers

@@ -243,3 +243,21 @@ def test_metrics_through_vllms_hooks(engines):
     flats = [OffloadingConnectorStats(data=p).reduce() for p in e.stats_payloads]
     assert sum(f.get(METRIC_PREFIX + "chunks_stored", 0) for f in flats) == 4, "increases, summed: the total"
     assert [f[METRIC_PREFIX + "store_objects"] for f in flats if METRIC_PREFIX + "store_objects" in f][-1] == 4
+
+
+def test_kv_events_name_the_chunks_the_tier_stored(engines):
+    """With vLLM's KV events on, the tier's stores reach vLLM's published event batches as
+    BlockStored on the STORAGE medium, for exactly the chunks the host cache stored (what a
+    KV-aware router reads)."""
+    e = engines([embedded()], kv_events=True)
+    serve(e, [PROMPT])
+    events = [ev for b in e.published for ev in b.events]
+
+    def stored(medium):
+        return [h for ev in events if type(ev).__name__ == "BlockStored" and ev.medium == medium
+                for h in ev.block_hashes]
+
+    assert len(stored("STORAGE")) == 4 and set(stored("STORAGE")) == set(stored("CPU"))
+    off = engines([embedded()])
+    serve(off, [PROMPT])
+    assert not off.tier.take_events(), "no events unless vLLM's KV events are on"

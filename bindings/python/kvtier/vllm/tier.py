@@ -38,6 +38,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
     OffloadKey,
@@ -151,6 +152,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._futures: Dict[int, cf.Future] = {}
         self._done: "queue.SimpleQueue[JobResult]" = queue.SimpleQueue()
         self._missed: "queue.SimpleQueue[List[OffloadKey]]" = queue.SimpleQueue()
+        # KV events (vLLM's --kv-events-config): chunks this tier stored, for routers.
+        self._events: Optional["queue.SimpleQueue[OffloadingEvent]"] = (
+            queue.SimpleQueue() if offloading_spec.kv_events_config.enable_kv_cache_events else None)
         self._lookups: Optional[_ServerLookups] = None if self.is_embedded else _ServerLookups(self)
         self._lock = threading.Lock()
         self._reconnect_lock = threading.Lock()
@@ -274,6 +278,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
             logger.warning("kvtier: store of %d chunks failed: %r", len(keys), e)
             ok = np.zeros(len(keys), dtype=bool)
         n = int(ok.sum())
+        if self._events is not None and n:
+            stored = [k for k, good in zip(okeys, ok) if good]
+            self._events.put(OffloadingEvent(keys=stored, medium=self.medium, removed=False, locality=self.locality))
         with self._lock:
             self.counters.chunks_stored += n
             self.counters.bytes_written += n * self.block_size_bytes
@@ -314,6 +321,14 @@ class KvtierSecondaryTier(SecondaryTierManager):
             missed = self._missed.get_nowait()
             if self._lookups is not None:
                 self._lookups.mark_miss(missed)
+        return out
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """``BlockStored`` events (as vLLM's manager turns them) for chunks this tier stored,
+        when vLLM's KV events are enabled."""
+        out: List[OffloadingEvent] = []
+        while self._events is not None and not self._events.empty():
+            out.append(self._events.get_nowait())
         return out
 
     def has_pending_work(self) -> bool:
