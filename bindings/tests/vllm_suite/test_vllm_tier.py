@@ -261,3 +261,29 @@ def test_kv_events_name_the_chunks_the_tier_stored(engines):
     off = engines([embedded()])
     serve(off, [PROMPT])
     assert not off.tier.take_events(), "no events unless vLLM's KV events are on"
+
+
+def test_a_server_tier_answers_its_own_chunks_without_a_probe_and_forgets_lost_ones(engines):
+    """Against a server, chunks this engine stored are HIT at once (no RETRY step); after
+    vLLM resets its GPU and host caches (which drains the tier's jobs) they load from L3.
+    When the server lost them (restart), that HIT's load fails, vLLM recomputes with the
+    right bytes, and the next lookup probes instead of trusting the stale knowledge."""
+    srv = L3Process(token="k")
+    try:
+        e = engines([tier(server=srv.addr, token="k")])
+        serve(e, [PROMPT])
+        assert e.sched.reset_prefix_cache(reset_connector=True)
+        retries = e.tier.counters.lookup_retries
+        (b,) = serve(e, [PROMPT])
+        assert b.external_tokens == FULL and b.gpu_ok
+        assert e.tier.counters.lookup_retries == retries, "no probe for chunks it stored"
+        srv = srv.restart()  # an empty server: the engine's knowledge is stale
+        assert e.sched.reset_prefix_cache(reset_connector=True)
+        (c,) = serve(e, [PROMPT])
+        assert c.gpu_ok and c.external_tokens == 0 and e.tier.counters.load_failures >= 1
+        assert e.sched.reset_prefix_cache(reset_connector=True)
+        retries = e.tier.counters.lookup_retries
+        (d,) = serve(e, [PROMPT])  # c's recompute stored the chunks again: hits once more
+        assert d.gpu_ok and d.external_tokens == FULL
+    finally:
+        srv.kill()

@@ -15,7 +15,8 @@ copies from / into the ``primary_kv_view`` memory, no staging copy); ``get_finis
 hands back what finished. ``lookup`` of an embedded store answers in-process (no round
 trip); against a server it uses vLLM's own ``AsyncLookupManager``: the first lookup of a key
 returns RETRY, the step's keys are probed in one batch on a background thread, and the next
-step's lookup answers from the result. A load that finds an object gone (evicted, the server
+step's lookup answers from the result; chunks this engine stored itself are answered HIT at
+once. A load that finds an object gone (evicted, the server
 restarted) fails its job from that chunk on (vLLM keeps the chunks before it and recomputes
 the rest) and marks the key a miss; a store the store refuses fails its job (vLLM drops the
 chunk from L3, nothing else changes). Keys: ``keys.py``.
@@ -30,6 +31,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Collection, Dict, Iterable, List, Optional
 
@@ -79,7 +81,7 @@ _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
 # The tier's own keys in the secondary_tiers entry (vLLM passes every other key through).
 TIER_KEYS = (
     "server", "token", "segment_bytes", "ssd_dir", "ssd_capacity_bytes", "name", "tenant",
-    "rpc_timeout_ms", "io_threads", "locality",
+    "rpc_timeout_ms", "io_threads", "locality", "known_keys",
 )
 
 
@@ -99,6 +101,7 @@ class TierCounters:
     load_failures: int = 0
     lookups: int = 0
     lookup_hits: int = 0
+    lookup_retries: int = 0
     reconnects: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
@@ -136,6 +139,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         if unknown:
             raise VllmTierConfigError(f"kvtier tier: unknown config keys {unknown}; known: {list(TIER_KEYS)}")
         threads = _int(config, "io_threads", 4, 1)
+        self._known_cap = _int(config, "known_keys", 65_536, 0)
         self._rpc_timeout_ms = _int(config, "rpc_timeout_ms", 10_000, 1)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.tenant = str(config.get("tenant", "default"))
@@ -152,6 +156,11 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._futures: Dict[int, cf.Future] = {}
         self._done: "queue.SimpleQueue[JobResult]" = queue.SimpleQueue()
         self._missed: "queue.SimpleQueue[List[OffloadKey]]" = queue.SimpleQueue()
+        # Server mode: chunks this engine stored and has not seen fail since, answered HIT
+        # without a probe (most recent last, at most known_keys). A chunk the store dropped
+        # since fails its load, which vLLM recomputes, and is forgotten here.
+        self._known: "OrderedDict[OffloadKey, None]" = OrderedDict()
+        self._stored: "queue.SimpleQueue[List[OffloadKey]]" = queue.SimpleQueue()
         # KV events (vLLM's --kv-events-config): chunks this tier stored, for routers.
         self._events: Optional["queue.SimpleQueue[OffloadingEvent]"] = (
             queue.SimpleQueue() if offloading_spec.kv_events_config.enable_kv_cache_events else None)
@@ -233,8 +242,13 @@ class KvtierSecondaryTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters.lookups += 1
         if self._lookups is not None:
+            if key in self._known:
+                self._known.move_to_end(key)
+                self.counters.lookup_hits += 1
+                return LookupResult.HIT
             hit = self._lookups.lookup(key, req_context)
             if hit is None:
+                self.counters.lookup_retries += 1
                 return LookupResult.RETRY
         else:
             try:
@@ -278,8 +292,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
             logger.warning("kvtier: store of %d chunks failed: %r", len(keys), e)
             ok = np.zeros(len(keys), dtype=bool)
         n = int(ok.sum())
+        stored = [k for k, good in zip(okeys, ok) if good]
+        if stored and not self.is_embedded:
+            self._stored.put(stored)
         if self._events is not None and n:
-            stored = [k for k, good in zip(okeys, ok) if good]
             self._events.put(OffloadingEvent(keys=stored, medium=self.medium, removed=False, locality=self.locality))
         with self._lock:
             self.counters.chunks_stored += n
@@ -317,8 +333,16 @@ class KvtierSecondaryTier(SecondaryTierManager):
             out.append(r)
         # A failed load's missing keys: their cached lookup verdicts become misses, so vLLM
         # does not promote them again (on the scheduler thread, as vLLM's fs tier does).
+        while not self._stored.empty():
+            for k in self._stored.get_nowait():
+                self._known[k] = None
+                self._known.move_to_end(k)
+        while len(self._known) > self._known_cap:
+            self._known.popitem(last=False)
         while not self._missed.empty():
             missed = self._missed.get_nowait()
+            for k in missed:
+                self._known.pop(k, None)
             if self._lookups is not None:
                 self._lookups.mark_miss(missed)
         return out
