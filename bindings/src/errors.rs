@@ -166,6 +166,11 @@ pub fn config_err(e: ConfigError) -> PyErr {
     PyConfigError::new_err(e.to_string())
 }
 
+/// A configuration message (a bad setting string) as a Python `ConfigError`.
+pub fn config_msg(msg: String) -> PyErr {
+    PyConfigError::new_err(msg)
+}
+
 /// A scheduler error as the Python class of its kind.
 pub fn sched_err(e: SchedulerError) -> PyErr {
     let msg = e.to_string();

@@ -29,6 +29,7 @@ mod errors;
 mod l3;
 mod mooncake;
 mod plan;
+mod policy;
 mod sched;
 mod tp;
 
@@ -53,6 +54,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ERROR_CODES", mooncake::error_codes(m.py())?)?;
     m.add_function(wrap_pyfunction!(mooncake::join_parts, m)?)?;
     m.add_function(wrap_pyfunction!(plan::page_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(policy::eviction_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(plan::event_roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(config::validate_config, m)?)?;
     m.add_function(wrap_pyfunction!(config::default_config, m)?)?;

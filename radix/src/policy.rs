@@ -91,17 +91,29 @@ impl EvictionPolicy {
     /// last use counts as a use on `t` only: see `TierSlot::copied_at`).
     pub(crate) fn rank(&self, n: &Node, t: TierKind) -> u64 {
         let (copied_tick, copied_traffic) = n.slot(t).copied_at;
-        let last_use = n.last_use.max(copied_traffic);
+        self.rank_of(
+            n.last_access.max(copied_tick),
+            n.last_use.max(copied_traffic),
+            n.uses,
+            n.end() as u64,
+        )
+    }
+
+    /// The rank of an entry from its counters, for caches that are not a `RadixCache` (an
+    /// engine's own host cache ranked by kvtier's policy): `last_access` on the access
+    /// clock (LRU), `last_use` on the traffic clock, `uses` distinct uses, `end_pages` the
+    /// entry's end depth in pages. Lowest is evicted first.
+    pub fn rank_of(&self, last_access: u64, last_use: u64, uses: u32, end_pages: u64) -> u64 {
         match *self {
-            EvictionPolicy::Lru => n.last_access.max(copied_tick),
+            EvictionPolicy::Lru => last_access,
             EvictionPolicy::FrequencyDepth {
                 use_credit_pages,
                 max_credited_uses,
                 depth_debit_per_page,
             } => {
                 let credit =
-                    u64::from(n.uses.min(max_credited_uses)).saturating_mul(use_credit_pages);
-                let debit = u128::from(n.end() as u64) * u128::from(depth_debit_per_page);
+                    u64::from(uses.min(max_credited_uses)).saturating_mul(use_credit_pages);
+                let debit = u128::from(end_pages) * u128::from(depth_debit_per_page);
                 // Offset by (more than) the largest possible debit so that deep nodes keep
                 // their order instead of all saturating at zero.
                 let offset = (u128::from(u32::MAX) * 2).saturating_mul(depth_debit_per_page.into());
@@ -109,6 +121,26 @@ impl EvictionPolicy {
                     (u128::from(last_use) + u128::from(credit) + offset).saturating_sub(debit);
                 u64::try_from(ranked).unwrap_or(u64::MAX)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// `rank_of` is the radix tree's rank: LRU is the access clock; freq-depth rises
+        /// with recency and with credited uses (up to the cap) and falls with depth.
+        #[test]
+        fn rank_of_orders_as_documented(a in 0u64..1 << 40, l in 0u64..1 << 40, u in 0u32..8, e in 0u64..1 << 20) {
+            prop_assert_eq!(EvictionPolicy::Lru.rank_of(a, l, u, e), a);
+            let p = EvictionPolicy::CONVERSATION;
+            prop_assert!(p.rank_of(a, l + 1, u, e) > p.rank_of(a, l, u, e));
+            prop_assert!(p.rank_of(a, l, u, e + 1) < p.rank_of(a, l, u, e));
+            let more = p.rank_of(a, l, u + 1, e);
+            if u < 4 { prop_assert!(more > p.rank_of(a, l, u, e)); } else { prop_assert_eq!(more, p.rank_of(a, l, u, e)); }
         }
     }
 }

@@ -79,6 +79,7 @@ from ._native import (  # noqa: F401  (re-exports)
     UnknownStepError,
     WriteBackDone,
     WrongCompletionKindError,
+    eviction_ranks,
     page_hashes,
     parse_l3_key,
 )

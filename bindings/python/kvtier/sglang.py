@@ -57,6 +57,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 import kvtier
 
 from .mooncake_compat._setup import parse_size
+from .namespace import l3_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -107,16 +108,6 @@ class Interface(enum.Enum):
 
     ZERO_COPY = "v1"
     VALUES = "values"
-
-
-def l3_namespace(model: str, dtype: str, layout: str, tenant: str, adapter: str = "") -> str:
-    """kvtier's L3 key namespace (docs/page-keys.md): the first 8 bytes, as hex, of
-    SHA-256("kvtier-ns-v1" ‖ for each field: LE64(len) ‖ field)."""
-    h = hashlib.sha256(b"kvtier-ns-v1")
-    for f in (model, dtype, layout, tenant, adapter):
-        b = f.encode("utf-8")
-        h.update(len(b).to_bytes(8, "little") + b)
-    return h.hexdigest()[:16]
 
 
 def salt_tenant(base: str, cache_salt: Optional[str]) -> str:

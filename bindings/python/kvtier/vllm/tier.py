@@ -1,0 +1,406 @@
+"""kvtier's L3 as a secondary tier of vLLM's ``TieringOffloadingSpec``.
+
+Why: vLLM's offloading keeps a host cache (chunk slots in /dev/shm) and cascades every chunk
+it stores there to its *secondary tiers*; on a host miss it asks them and promotes a hit
+back into host slots. With kvtier's L3 as that tier, a vLLM deployment gets a store that is
+shared by engines (embedded in the engine, or one ``kvtier-l3`` server for many), has a DRAM
+and an SSD tier, survives a crash of an engine, and keeps tenants apart — enabled by one
+``--kv-transfer-config`` (docs/vllm.md), nothing in vLLM patched.
+
+How: vLLM calls the tier from its scheduler loop and wants every call light. So
+``submit_store`` / ``submit_load`` only queue a job on kvtier's I/O threads, which move the
+chunk slots straight between vLLM's /dev/shm region and the store
+(``L3Store.batch_put_pages`` / ``batch_get_pages``: the extension releases the GIL and
+copies from / into the ``primary_kv_view`` memory, no staging copy); ``get_finished_jobs``
+hands back what finished. ``lookup`` of an embedded store answers in-process (no round
+trip); against a server it uses vLLM's own ``AsyncLookupManager``: the first lookup of a key
+returns RETRY, the step's keys are probed in one batch on a background thread, and the next
+step's lookup answers from the result; chunks this engine stored itself are answered HIT at
+once. A load that finds an object gone (evicted, the server
+restarted) fails its job from that chunk on (vLLM keeps the chunks before it and recomputes
+the rest) and marks the key a miss; a store the store refuses fails its job (vLLM drops the
+chunk from L3, nothing else changes). Keys: ``keys.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Collection, Dict, Iterable, List, Optional
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+import kvtier
+
+from ..mooncake_compat._setup import parse_size
+from .keys import l3_key, namespace_of
+
+logger = logging.getLogger(__name__)
+
+METRIC_PREFIX = "vllm:kv_offload_kvtier_"
+# Counters (cumulative in TierCounters; get_stats reports the increase since its last call)
+# and, for an embedded store, gauges of the store's own statistics.
+_COUNTER_DOCS = {
+    "chunks_stored": "Chunks kvtier's tier stored in its L3 store.",
+    "chunks_loaded": "Chunks kvtier's tier loaded from its L3 store into host slots.",
+    "store_failures": "Store jobs of kvtier's tier that failed (whole or in part).",
+    "load_failures": "Load jobs of kvtier's tier that failed (whole or in part).",
+    "lookups": "Lookups answered by kvtier's tier (RETRY included).",
+    "lookup_hits": "Lookups kvtier's tier answered with HIT.",
+    "reconnects": "New connections to the kvtier-l3 server after a failed one.",
+}
+_GAUGE_DOCS = {
+    "store_objects": "Objects in the embedded kvtier L3 store.",
+    "store_mem_used_bytes": "DRAM bytes used by the embedded kvtier L3 store.",
+}
+ENV_ADDR = "KVTIER_L3_ADDR"
+ENV_TOKEN = "KVTIER_L3_TOKEN"
+_EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
+
+# The tier's own keys in the secondary_tiers entry (vLLM passes every other key through).
+TIER_KEYS = (
+    "server", "token", "segment_bytes", "ssd_dir", "ssd_capacity_bytes", "name", "tenant",
+    "rpc_timeout_ms", "io_threads", "locality", "known_keys",
+)
+
+
+class VllmTierConfigError(kvtier.KvtierError, ValueError):
+    """A ``secondary_tiers`` entry kvtier cannot run with (unknown key, bad size, a server
+    that does not answer or refuses the token, a chunk the store cannot hold); raised when
+    vLLM builds the tier, so the engine does not start."""
+
+
+@dataclass
+class TierCounters:
+    """Cumulative counters (also in ``get_stats``/Prometheus via vLLM's hooks)."""
+
+    chunks_stored: int = 0
+    chunks_loaded: int = 0
+    store_failures: int = 0
+    load_failures: int = 0
+    lookups: int = 0
+    lookup_hits: int = 0
+    lookup_retries: int = 0
+    reconnects: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+def _int(config: Dict[str, Any], key: str, default: int, minimum: int) -> int:
+    v = config.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise VllmTierConfigError(f"kvtier tier: {key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+class _ServerLookups(AsyncLookupManager):
+    """vLLM's async lookup manager over one batched existence probe per step."""
+
+    def __init__(self, tier: "KvtierSecondaryTier"):
+        self._tier = tier
+        super().__init__(tier_type=tier.tier_type)
+
+    def batch_lookup(self, keys: List[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        okeys = [self._tier.key(k) for k in keys]
+        codes = self._tier._io(lambda s: s.batch_is_exist(okeys))
+        return (np.asarray(codes) == 1).tolist()
+
+
+class KvtierSecondaryTier(SecondaryTierManager):
+    """vLLM ``SecondaryTierManager`` over a kvtier L3 store (see the module doc; config keys
+    in docs/vllm.md)."""
+
+    medium = Medium.STORAGE
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, **config: Any):
+        unknown = sorted(set(config) - set(TIER_KEYS))
+        if unknown:
+            raise VllmTierConfigError(f"kvtier tier: unknown config keys {unknown}; known: {list(TIER_KEYS)}")
+        threads = _int(config, "io_threads", 4, 1)
+        self._known_cap = _int(config, "known_keys", 65_536, 0)
+        self._rpc_timeout_ms = _int(config, "rpc_timeout_ms", 10_000, 1)
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.tenant = str(config.get("tenant", "default"))
+        try:
+            self.locality = None if config.get("locality") is None else Locality(config["locality"])
+        except ValueError as e:
+            raise VllmTierConfigError(f"kvtier tier: bad locality {config.get('locality')!r}") from e
+        self._flat = np.asarray(primary_kv_view).view(np.uint8).reshape(-1)
+        self.namespace = namespace_of(offloading_spec.config, self.block_size_bytes, self.tenant)
+        self.store = self._open(config)
+        self._check_chunk_fits()
+        self.is_embedded = bool(self.store.is_embedded)
+        self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-vllm-io")
+        self._futures: Dict[int, cf.Future] = {}
+        self._done: "queue.SimpleQueue[JobResult]" = queue.SimpleQueue()
+        self._missed: "queue.SimpleQueue[List[OffloadKey]]" = queue.SimpleQueue()
+        # Server mode: chunks this engine stored and has not seen fail since, answered HIT
+        # without a probe (most recent last, at most known_keys). A chunk the store dropped
+        # since fails its load, which vLLM recomputes, and is forgotten here.
+        self._known: "OrderedDict[OffloadKey, None]" = OrderedDict()
+        self._stored: "queue.SimpleQueue[List[OffloadKey]]" = queue.SimpleQueue()
+        # KV events (vLLM's --kv-events-config): chunks this tier stored, for routers.
+        self._events: Optional["queue.SimpleQueue[OffloadingEvent]"] = (
+            queue.SimpleQueue() if offloading_spec.kv_events_config.enable_kv_cache_events else None)
+        self._lookups: Optional[_ServerLookups] = None if self.is_embedded else _ServerLookups(self)
+        self._lock = threading.Lock()
+        self._reconnect_lock = threading.Lock()
+        self.counters = TierCounters()
+
+    # ---- setup --------------------------------------------------------------------------
+
+    def _open(self, config: Dict[str, Any]) -> kvtier.L3Store:
+        addr = config.get("server") or os.environ.get(ENV_ADDR)
+        self._server: Optional[Dict[str, Any]] = None
+        if addr:
+            token = config.get("token") or os.environ.get(ENV_TOKEN)
+            self._server = dict(addr=str(addr), token=token, tenant=self.tenant,
+                                rpc_timeout_ms=self._rpc_timeout_ms)
+            try:
+                store = self._connect()
+            except kvtier.L3Error as e:
+                raise VllmTierConfigError(f"kvtier tier: L3 server {addr} did not accept us: {e!r}") from e
+            return store
+        seg = parse_size(config.get("segment_bytes", "4GB"))
+        if not seg:
+            raise VllmTierConfigError(f"kvtier tier: bad segment_bytes {config.get('segment_bytes')!r}")
+        cap = config.get("ssd_capacity_bytes")
+        cap_b = None if cap is None else parse_size(cap)
+        if cap is not None and cap_b is None:
+            raise VllmTierConfigError(f"kvtier tier: bad ssd_capacity_bytes {cap!r}")
+        ssd = config.get("ssd_dir")
+        try:
+            return kvtier.L3Store.embedded(seg, ssd_dir=None if ssd is None else str(ssd), ssd_capacity_bytes=cap_b,
+                                           tenant=self.tenant, name=str(config.get("name", "")))
+        except (kvtier.L3Error, ValueError) as e:
+            raise VllmTierConfigError(f"kvtier tier: cannot open the embedded store: {e!r}") from e
+
+    def _connect(self) -> kvtier.L3Store:
+        s = self._server or {}
+        store = kvtier.L3Store.connect(s["addr"], token=s["token"], tenant=s["tenant"],
+                                       rpc_timeout_ms=s["rpc_timeout_ms"])
+        store.is_exist(f"{self.namespace}:hello")  # a wrong token answers here
+        return store
+
+    def _io(self, call):
+        """``call(store)`` on an I/O thread; a server connection that failed (the server
+        died or restarted) is replaced by a new one for the next call."""
+        store = self.store
+        try:
+            return call(store)
+        except kvtier.RpcFailError:
+            if self._server is not None:
+                with self._reconnect_lock:
+                    if self.store is store:
+                        try:
+                            self.store = self._connect()
+                            with self._lock:
+                                self.counters.reconnects += 1
+                        except kvtier.L3Error as e:
+                            logger.warning("kvtier: L3 server %s still unreachable: %r", self._server["addr"], e)
+            raise
+
+    def _check_chunk_fits(self) -> None:
+        """One chunk-sized put and remove: a store that cannot hold vLLM's chunk (object or
+        segment limit) is a startup error, not a failed job per chunk forever after."""
+        probe = f"{self.namespace}:kvtier-probe-{uuid.uuid4().hex}"
+        try:
+            self.store.put(probe, bytes(self.block_size_bytes))
+            self.store.remove(probe, True)
+        except kvtier.L3Error as e:
+            raise VllmTierConfigError(
+                f"kvtier tier: the L3 store cannot hold one vLLM chunk of {self.block_size_bytes} bytes: {e!r}"
+            ) from e
+
+    def key(self, offload_key: OffloadKey) -> str:
+        return l3_key(self.namespace, offload_key)
+
+    # ---- lookups ------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self.counters.lookups += 1
+        if self._lookups is not None:
+            if key in self._known:
+                self._known.move_to_end(key)
+                self.counters.lookup_hits += 1
+                return LookupResult.HIT
+            hit = self._lookups.lookup(key, req_context)
+            if hit is None:
+                self.counters.lookup_retries += 1
+                return LookupResult.RETRY
+        else:
+            try:
+                hit = int(self.store.batch_is_exist([self.key(key)])[0]) == 1
+            except kvtier.L3Error:
+                hit = False
+        self.counters.lookup_hits += int(hit)
+        return LookupResult.HIT if hit else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        if self._lookups is not None:
+            self._lookups.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._lookups is not None:
+            self._lookups.flush()
+
+    # ---- jobs ---------------------------------------------------------------------------
+
+    def _submit(self, job: TransferJob, fn) -> None:
+        keys = list(job.keys)
+        ids = np.asarray(job.chunk_ids, dtype=np.int64)
+        self._futures[job.job_id] = self._pool.submit(fn, job.job_id, keys, ids)
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, self._store_job)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, self._load_job)
+
+    def _store_job(self, job_id: int, okeys: List[OffloadKey], ids: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        keys = [self.key(k) for k in okeys]
+        try:
+            codes = np.asarray(self._io(lambda s: s.batch_put_pages(keys, self._flat, ids, self.block_size_bytes)))
+            ok = (codes == 0) | (codes == _EXISTS)
+        except (kvtier.L3Error, ValueError) as e:
+            logger.warning("kvtier: store of %d chunks failed: %r", len(keys), e)
+            ok = np.zeros(len(keys), dtype=bool)
+        n = int(ok.sum())
+        stored = [k for k, good in zip(okeys, ok) if good]
+        if stored and not self.is_embedded:
+            self._stored.put(stored)
+        if self._events is not None and n:
+            self._events.put(OffloadingEvent(keys=stored, medium=self.medium, removed=False, locality=self.locality))
+        with self._lock:
+            self.counters.chunks_stored += n
+            self.counters.bytes_written += n * self.block_size_bytes
+            self.counters.store_failures += int(not ok.all())
+        self._done.put(JobResult(job_id=job_id, success=bool(ok.all()), transfer_time=time.perf_counter() - t0,
+                                 transfer_bytes=n * self.block_size_bytes))
+
+    def _load_job(self, job_id: int, okeys: List[OffloadKey], ids: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        keys = [self.key(k) for k in okeys]
+        try:
+            codes = np.asarray(self._io(lambda s: s.batch_get_pages(keys, self._flat, ids, self.block_size_bytes)))
+            ok = codes == self.block_size_bytes
+        except (kvtier.L3Error, ValueError) as e:
+            logger.warning("kvtier: load of %d chunks failed: %r", len(keys), e)
+            ok = np.zeros(len(keys), dtype=bool)
+        # vLLM keeps the chunks a failed promotion loaded before its first failure.
+        run = len(keys) if ok.all() else int(np.argmin(ok))
+        with self._lock:
+            self.counters.chunks_loaded += run
+            self.counters.bytes_read += run * self.block_size_bytes
+            self.counters.load_failures += int(run < len(keys))
+        if run < len(keys):
+            self._missed.put(okeys[run:])
+        self._done.put(JobResult(job_id=job_id, success=run == len(keys),
+                                 successful_keys=None if run == len(keys) else tuple(okeys[:run]),
+                                 transfer_time=time.perf_counter() - t0, transfer_bytes=run * self.block_size_bytes))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out: List[JobResult] = []
+        while not self._done.empty():
+            r = self._done.get_nowait()
+            self._futures.pop(r.job_id, None)
+            out.append(r)
+        # A failed load's missing keys: their cached lookup verdicts become misses, so vLLM
+        # does not promote them again (on the scheduler thread, as vLLM's fs tier does).
+        while not self._stored.empty():
+            for k in self._stored.get_nowait():
+                self._known[k] = None
+                self._known.move_to_end(k)
+        while len(self._known) > self._known_cap:
+            self._known.popitem(last=False)
+        while not self._missed.empty():
+            missed = self._missed.get_nowait()
+            for k in missed:
+                self._known.pop(k, None)
+            if self._lookups is not None:
+                self._lookups.mark_miss(missed)
+        return out
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """``BlockStored`` events (as vLLM's manager turns them) for chunks this tier stored,
+        when vLLM's KV events are enabled."""
+        out: List[OffloadingEvent] = []
+        while self._events is not None and not self._events.empty():
+            out.append(self._events.get_nowait())
+        return out
+
+    def has_pending_work(self) -> bool:
+        return bool(self._futures)
+
+    def drain_jobs(self) -> None:
+        cf.wait(list(self._futures.values()))
+
+    def shutdown(self) -> None:
+        if self._lookups is not None:
+            self._lookups.shutdown()
+        self._pool.shutdown(wait=True)
+        self._flat = np.zeros(0, dtype=np.uint8)  # lets vLLM unmap its /dev/shm region
+
+    # ---- metrics (vLLM's hooks) ----------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: Dict[str, Any]) -> Dict[str, Any]:
+        defs: Dict[str, Any] = {METRIC_PREFIX + k: OffloadingCounterMetadata(v) for k, v in _COUNTER_DOCS.items()}
+        defs.update({METRIC_PREFIX + k: OffloadingGaugeMetadata(v) for k, v in _GAUGE_DOCS.items()})
+        return defs
+
+    def get_stats(self) -> Any:
+        """vLLM's stats payload: counter increases since the last call; for an embedded
+        store also its object count and DRAM use (a server's are on its own --metrics, and
+        asking it here would be a round trip in the scheduler loop)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        with self._lock:
+            now = dict(vars(self.counters))
+        last = getattr(self, "_reported", {})
+        self._reported = now
+        stats = OffloadingConnectorStats()
+        for k in _COUNTER_DOCS:
+            if now[k] - last.get(k, 0):
+                stats.increase_counter(METRIC_PREFIX + k, now[k] - last.get(k, 0))
+        if self.is_embedded:
+            st = self.store.stats()
+            for k in _GAUGE_DOCS:
+                stats.set_gauge(METRIC_PREFIX + k, st.get(k[len("store_"):], 0))
+        return None if stats.is_empty() else stats
+
+    def stats(self) -> Dict[str, int]:
+        """The tier's counters and the store's own statistics."""
+        with self._lock:
+            out = dict(vars(self.counters))
+        try:
+            out.update({f"store_{k}": v for k, v in self.store.stats().items()})
+        except kvtier.L3Error:
+            pass
+        return out

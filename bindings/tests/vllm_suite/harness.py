@@ -1,0 +1,313 @@
+"""A vLLM engine on CPU for kvtier.vllm's tests: the real ``Scheduler``, ``Request``s with
+vLLM's block hasher, the real ``OffloadingConnector`` (scheduler side and worker side) with
+``TieringOffloadingSpec``; only the GPU DMA is stood in for.
+
+Why: kvtier's tier and policy run in vLLM's scheduler process, so everything they touch is
+real here. The one thing a CPU box cannot run is vLLM's ``CPUOffloadingWorker`` (CUDA DMA);
+``FakeDma`` replaces just that object inside the real ``OffloadingConnectorWorker``: it
+copies real bytes between a "GPU" buffer (one row per GPU block, all layers) and vLLM's
+host chunk slots in /dev/shm, with the sub-block arithmetic of vLLM's worker, and reports
+jobs through ``get_finished`` as that worker does. A GPU block's content is a pure function
+of (token ids, position, model tag) so every test can say what bytes a block must hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (  # noqa: E402
+    OffloadingConnectorWorker,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256_cbor  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult, make_offload_key  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+BLOCK = 16  # tokens per GPU block
+HEADS, HEAD_DIM, LAYERS = 2, 16, 2
+_MODEL_DIRS: Dict[str, str] = {}
+
+
+def model_dir(root: str, name: str = "tiny-llama", layers: int = LAYERS, heads: int = HEADS,
+              head_dim: int = HEAD_DIM) -> str:
+    """A hand-written Llama config.json (no weights, no tokenizer: vLLM's ModelConfig only
+    reads the config with skip_tokenizer_init)."""
+    path = os.path.join(root, f"{name}-{layers}-{heads}-{head_dim}")
+    if path not in _MODEL_DIRS:
+        os.makedirs(path, exist_ok=True)
+        cfg = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": heads * head_dim * 4,
+            "intermediate_size": 64, "num_attention_heads": heads * 4, "num_key_value_heads": heads,
+            "num_hidden_layers": layers, "vocab_size": 1000, "max_position_embeddings": 4096,
+            "torch_dtype": "float16", "rms_norm_eps": 1e-5,
+        }
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        _MODEL_DIRS[path] = path
+    return path
+
+
+def kv_transfer_config(tiers: Sequence[dict], *, cpu_bytes: int = 1 << 22, bpc: int = 2,
+                       policy: str = "lru", policy_module: Optional[str] = None, engine_id: Optional[str] = None,
+                       **extra) -> KVTransferConfig:
+    ex = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_bytes, "block_size": BLOCK * bpc,
+          "eviction_policy": policy, "secondary_tiers": list(tiers), "tier_poll_interval_s": 0, **extra}
+    if policy_module:
+        ex["cache_policy_module_path"] = policy_module
+    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=ex,
+                            engine_id=engine_id or f"kvtier-test-{uuid.uuid4().hex[:12]}")
+
+
+class FakeDma(OffloadingWorker):
+    """vLLM's GPU<->host DMA worker, on CPU: real byte copies between ``gpu`` (rows = GPU
+    blocks) and the host chunk slots, reported through ``get_finished`` like vLLM's."""
+
+    def __init__(self, gpu: np.ndarray, host: memoryview, bpc: int):
+        self.gpu = gpu
+        self.host = np.asarray(host).view(np.uint8)  # (chunks, chunk_bytes), /dev/shm
+        self.bpc = bpc
+        self.page = gpu.shape[1]
+        self.done: List[TransferResult] = []
+        self.loads = self.stores = 0
+
+    def _pairs(self, gpu_spec, cpu_ids):
+        blocks = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+        skip = int(gpu_spec.block_indices[0]) % self.bpc if len(gpu_spec.block_indices) else 0
+        subs = (np.asarray(cpu_ids, dtype=np.int64)[:, None] * self.bpc + np.arange(self.bpc)).reshape(-1)
+        subs = subs[skip: skip + len(blocks)]
+        return blocks, subs
+
+    def _host_page(self, sub: int) -> np.ndarray:
+        c, s = divmod(int(sub), self.bpc)
+        return self.host[c, s * self.page:(s + 1) * self.page]
+
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        blocks, subs = self._pairs(src_spec, dst_spec.block_ids)
+        for b, s in zip(blocks, subs):
+            self._host_page(s)[:] = self.gpu[b]
+        self.stores += 1
+        self.done.append(TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page,
+                                        transfer_time=0.0))
+        return True
+
+    def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
+        blocks, subs = self._pairs(dst_spec, src_spec.block_ids)
+        for b, s in zip(blocks, subs):
+            self.gpu[b] = self._host_page(s)
+        self.loads += 1
+        self.done.append(TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page,
+                                        transfer_time=0.0))
+        return True
+
+    def get_finished(self):
+        out, self.done = self.done, []
+        return out
+
+    def wait(self, job_ids) -> None:
+        return None
+
+
+def block_bytes(tokens: Sequence[int], index: int, tag: str, page: int) -> np.ndarray:
+    """What the model computes for GPU block ``index`` of a prompt: a pure function of the
+    tokens up to and including the block (and the model tag), so a block loaded from the
+    wrong prefix or model is recognised."""
+    h = hashlib.sha256(tag.encode() + np.asarray(tokens[: (index + 1) * BLOCK], dtype=np.int64).tobytes())
+    seed = int.from_bytes(h.digest()[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, page, dtype=np.uint8)
+
+
+@dataclass
+class Finished:
+    req_id: str
+    external_tokens: int  # tokens vLLM loaded from the offloading connector (host or L3)
+    gpu_ok: bool  # every block the request's forward read held the bytes it must
+
+
+@dataclass
+class Engine:
+    """One vLLM engine (scheduler + offloading connector, both sides) on CPU."""
+
+    root: str
+    tiers: Sequence[dict]
+    model: str = "tiny-llama"
+    layers: int = LAYERS
+    heads: int = HEADS
+    head_dim: int = HEAD_DIM
+    dtype: str = "float16"
+    tag: Optional[str] = None  # the KV content's identity (defaults to model+layers+dtype)
+    num_gpu_blocks: int = 256
+    cpu_bytes: int = 1 << 22
+    bpc: int = 2
+    policy: str = "lru"
+    policy_module: Optional[str] = None
+    max_num_seqs: int = 8
+    content: bool = True  # False: no block bytes written or checked (fast replays)
+    kv_events: bool = False  # vLLM's KV cache events on (published batches kept in .published)
+    extra: dict = field(default_factory=dict)
+    kv_config: Optional[KVTransferConfig] = None  # as parsed from a command line (else built from the fields)
+    finished: Dict[str, Finished] = field(default_factory=dict)
+    _ok: Dict[str, bool] = field(default_factory=dict)
+
+    def __post_init__(self):
+        init_none_hash(sha256_cbor)
+        if self.kv_config is not None:
+            self.bpc = int(self.kv_config.kv_connector_extra_config.get("block_size", BLOCK)) // BLOCK
+        mc = ModelConfig(model=model_dir(self.root, self.model, self.layers, self.heads, self.head_dim), skip_tokenizer_init=True,
+                         dtype=self.dtype, max_model_len=4096)
+        self.vllm_config = VllmConfig(
+            model_config=mc,
+            scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=8192,
+                                             max_model_len=4096, is_encoder_decoder=False),
+            cache_config=CacheConfig(block_size=BLOCK, prefix_caching_hash_algo="sha256_cbor",
+                                     enable_prefix_caching=True),
+            device_config=DeviceConfig("cpu"),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=self.kv_events, publisher="null"),
+            kv_transfer_config=self.kv_config or kv_transfer_config(
+                self.tiers, cpu_bytes=self.cpu_bytes, bpc=self.bpc, policy=self.policy,
+                policy_module=self.policy_module, **self.extra),
+        )
+        self.vllm_config.cache_config.num_gpu_blocks = self.num_gpu_blocks
+        dt = getattr(torch, self.dtype)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=self.head_dim, dtype=dt)
+        layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
+        self.kv_cache_config = KVCacheConfig(num_blocks=self.num_gpu_blocks, kv_cache_tensors=[],
+                                             kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
+        self.sched = Scheduler(self.vllm_config, self.kv_cache_config, StructuredOutputManager(self.vllm_config),
+                               block_size=BLOCK, log_stats=True)
+        self.connector = self.sched.connector
+        self.published: List = []  # KV event batches vLLM's scheduler published
+        publish = self.sched.kv_event_publisher.publish
+        self.sched.kv_event_publisher.publish = lambda batch: (self.published.append(batch), publish(batch))[1]
+        self.cs = self.connector.connector_scheduler
+        self.manager = self.cs.manager
+        self.page = spec.page_size_bytes * self.layers
+        self.gpu = np.zeros((self.num_gpu_blocks, self.page), dtype=np.uint8)
+        # The worker side as OffloadingConnector builds it in a GPU worker process.
+        wspec = OffloadingSpecFactory.create_spec(build_offloading_config(self.vllm_config, self.kv_cache_config))
+        self.worker = OffloadingConnectorWorker(wspec, self.vllm_config, self.kv_cache_config)
+        self.dma = FakeDma(self.gpu, self.manager.primary_tier.get_kv_memoryview(), self.bpc)
+        self.worker.worker = self.dma
+        self.hasher = get_request_block_hasher(BLOCK, sha256_cbor)
+        self.tag = self.tag or f"{self.model}/{self.layers}/{self.dtype}"
+        self.prompts: Dict[str, List[int]] = {}
+        self.loaded: Dict[str, int] = {}
+        self.read: Dict[str, bytes] = {}
+        self.stats_payloads: List[dict] = []  # the connector stats vLLM's scheduler reported
+
+    @property
+    def tier(self):
+        return self.manager.secondary_tiers[0]
+
+    def add(self, req_id: str, tokens: Sequence[int], max_tokens: int = 2, cache_salt: Optional[str] = None):
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        r = Request(req_id, list(tokens), sp, pooling_params=None, block_hasher=self.hasher, cache_salt=cache_salt)
+        self.prompts[req_id] = list(tokens)
+        self.sched.add_request(r)
+
+    def step(self) -> bool:
+        """One engine step; whether it scheduled any tokens."""
+        so = self.sched.schedule()
+        meta = so.kv_connector_metadata
+        self.worker.handle_preemptions(meta)
+        self.worker.start_kv_transfers(meta)
+        sampled: Dict[str, List[int]] = {}
+        # The "forward": every scheduled token's block is read (checked) or computed (written).
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[req_id]
+            start = req.num_computed_tokens - n  # schedule() already advanced it
+            self._forward(req, start, n)
+            if start + n >= req.num_prompt_tokens:
+                sampled[req_id] = [7]
+        self.worker.prepare_store_kv(meta)
+        _, recving = self.worker.get_finished(set(so.finished_req_ids))
+        out = ModelRunnerOutput(
+            req_ids=list(so.num_scheduled_tokens), req_id_to_index={r: i for i, r in enumerate(so.num_scheduled_tokens)},
+            sampled_token_ids=[sampled.get(r, []) for r in so.num_scheduled_tokens],
+            kv_connector_output=KVConnectorOutput(finished_recving=recving or None,
+                                                  kv_connector_worker_meta=self.worker.build_connector_worker_meta()),
+        )
+        eco = self.sched.update_from_output(so, out)
+        for outs in eco.values():
+            if outs.scheduler_stats is not None and outs.scheduler_stats.kv_connector_stats:
+                self.stats_payloads.append(outs.scheduler_stats.kv_connector_stats)
+            for o in outs.outputs:
+                if o.finish_reason is not None and o.request_id not in self.finished:
+                    self.finished[o.request_id] = Finished(o.request_id, self.loaded.get(o.request_id, 0),
+                                                           self._ok.pop(o.request_id, True))
+        return bool(so.num_scheduled_tokens)
+
+    def _forward(self, req, start: int, n: int) -> None:
+        """Checks the prefix blocks the forward reads (those computed before ``start``) and
+        writes the blocks it computes; records how many tokens came from outside."""
+        if not self.content:
+            self.loaded.setdefault(req.request_id, start)
+            return
+        tokens = self.prompts[req.request_id]
+        blocks = self.sched.kv_cache_manager.get_block_ids(req.request_id)[0]
+        if req.request_id not in self.loaded:
+            self.loaded[req.request_id] = start if start else 0
+            ok = all(np.array_equal(self.gpu[blocks[i]], block_bytes(tokens, i, self.tag, self.page))
+                     for i in range(start // BLOCK))
+            self._ok[req.request_id] = self._ok.get(req.request_id, True) and ok
+            self.read[req.request_id] = b"".join(self.gpu[blocks[i]].tobytes() for i in range(start // BLOCK))
+        full_end = min(start + n, len(tokens)) // BLOCK
+        for i in range(start // BLOCK, full_end):
+            self.gpu[blocks[i]] = block_bytes(tokens, i, self.tag, self.page)
+
+    def tier_keys_of(self, tokens: Sequence[int], cache_salt: Optional[str] = None) -> List[bytes]:
+        """vLLM's offload keys of the full chunks of a prompt (the block hash of each chunk's
+        last block, group 0), computed by vLLM's own hasher."""
+        r = Request("keys", list(tokens), SamplingParams(max_tokens=1), pooling_params=None,
+                    block_hasher=self.hasher, cache_salt=cache_salt)
+        return [make_offload_key(h, 0) for h in r.block_hashes[self.bpc - 1::self.bpc]]
+
+    def gpu_bytes_of(self, req_id: str, tokens: Sequence[int]) -> bytes:
+        """The bytes a request's forward found in its prefix blocks (those not computed by it)."""
+        return self.read[req_id]
+
+    def run(self, timeout_s: float = 120.0) -> None:
+        """Steps until every request finished and the tiers are idle. A step that scheduled
+        nothing (requests waiting on a lookup probe or a load) is followed by a 1 ms pause,
+        as an idle engine loop would wait, so kvtier's and vLLM's background threads run."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not (self.sched.has_requests() or self.manager.has_pending_work()):
+                return
+            if not self.step():
+                time.sleep(0.001)
+        raise AssertionError(f"engine did not go idle in {timeout_s} s")
+
+    def reset_gpu_cache(self) -> None:
+        self.sched.reset_prefix_cache()
+
+    def close(self) -> None:
+        self.dma.host = np.zeros((0, 0), dtype=np.uint8)  # our view of /dev/shm, so vLLM can unmap it
+        self.sched.shutdown()

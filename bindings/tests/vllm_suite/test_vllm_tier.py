@@ -1,0 +1,289 @@
+"""kvtier's L3 as vLLM's secondary offloading tier, against the real vLLM 0.33 on CPU
+(harness.py): two engines share chunks through the embedded store and through a
+token-protected ``kvtier-l3`` server; models, dtypes, layouts and salts never share; an
+evicting store, a chunk lost between lookup and load, and a killed server give misses and
+failed jobs while every request finishes with the right bytes; config errors stop startup."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from harness import BLOCK, Engine
+from kvtier.vllm import VllmTierConfigError
+from l3proc import L3Process
+
+PROMPT = list(range(100, 100 + BLOCK * 8 + 5))  # 8 full blocks = 4 chunks of 2 blocks
+FULL = BLOCK * 8
+
+
+def tier(**kw):
+    return {"type": "KvtierSecondaryTier", "module_path": "kvtier.vllm", **kw}
+
+
+def embedded(**kw):
+    return tier(segment_bytes="64MB", name=f"t-{uuid.uuid4().hex[:8]}", **kw)
+
+
+def serve(engine: Engine, prompts, salt=None):
+    for i, p in enumerate(prompts):
+        engine.add(f"r{i}-{uuid.uuid4().hex[:6]}", p, cache_salt=salt)
+    engine.run()
+    return [engine.finished[r] for r in list(engine.finished)[-len(prompts):]]
+
+
+@pytest.fixture
+def engines(tmp_path):
+    made = []
+
+    def make(tiers, **kw):
+        e = Engine(str(tmp_path), tiers, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def test_two_engines_share_chunks_through_the_embedded_store(engines):
+    t = embedded()
+    e1 = engines([t])
+    (a,) = serve(e1, [PROMPT])
+    assert a.external_tokens == 0 and a.gpu_ok
+    keys = [e1.tier.key(k) for k in e1.tier_keys_of(PROMPT)]
+    assert len(keys) == 4 and all(e1.tier.store.is_exist(k) for k in keys)
+    offloaded = [e1.tier.store.get(k) for k in keys]
+
+    e2 = engines([t])  # a new engine id, an empty host cache, the same L3
+    assert e2.vllm_config.kv_transfer_config.engine_id != e1.vllm_config.kv_transfer_config.engine_id
+    (b,) = serve(e2, [PROMPT])
+    assert b.external_tokens == FULL, "engine 2 loads every full block from L3"
+    assert b.gpu_ok
+    assert e2.tier.counters.chunks_loaded == 4 and e2.dma.loads >= 1
+    # The bytes that reached engine 2's "GPU" blocks are engine 1's offloaded chunks.
+    assert e2.gpu_bytes_of(b.req_id, PROMPT) == b"".join(offloaded)
+
+
+def test_two_engines_share_a_kvtier_l3_server_with_a_token(engines):
+    srv = L3Process(token="s3cret")
+    try:
+        t = tier(server=srv.addr, token="s3cret")
+        e1 = engines([t])
+        serve(e1, [PROMPT])
+        assert e1.tier.counters.chunks_stored == 4 and not e1.tier.is_embedded
+        e2 = engines([t])
+        (b,) = serve(e2, [PROMPT])
+        assert b.external_tokens == FULL and b.gpu_ok
+        assert e2.tier.counters.chunks_loaded == 4
+        with pytest.raises(VllmTierConfigError, match="did not accept"):
+            engines([tier(server=srv.addr, token="wrong")])
+        with pytest.raises(VllmTierConfigError, match="did not accept"):
+            engines([tier(server=srv.addr)])
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("what", ["model", "dtype", "layout", "layers"])
+def test_different_model_dtype_or_layout_never_hits(engines, what):
+    t = embedded()
+    e1 = engines([t])
+    serve(e1, [PROMPT])
+    other = {"model": dict(model="other-llama"), "dtype": dict(dtype="bfloat16"), "layout": dict(bpc=4),
+             "layers": dict(layers=3)}[what]
+    e2 = engines([t], **other)
+    (b,) = serve(e2, [PROMPT])
+    assert b.external_tokens == 0 and b.gpu_ok
+    assert e2.tier.counters.lookup_hits == 0 and e2.tier.counters.chunks_loaded == 0
+    assert e2.tier.namespace != e1.tier.namespace
+    # The same engine shape does hit (the test can fail).
+    e3 = engines([t], **other)
+    (c,) = serve(e3, [PROMPT])
+    assert c.external_tokens == FULL and c.gpu_ok
+
+
+def test_a_different_cache_salt_never_hits(engines):
+    t = embedded()
+    serve(engines([t]), [PROMPT], salt="alice")
+    (b,) = serve(engines([t]), [PROMPT], salt="bob")
+    assert b.external_tokens == 0
+    (c,) = serve(engines([t]), [PROMPT], salt="alice")
+    assert c.external_tokens == FULL and c.gpu_ok
+
+
+def test_tenants_are_separate_maps(engines):
+    t = embedded()
+    serve(engines([dict(t, tenant="a")]), [PROMPT])
+    (b,) = serve(engines([dict(t, tenant="b")]), [PROMPT])
+    assert b.external_tokens == 0
+    (c,) = serve(engines([dict(t, tenant="a")]), [PROMPT])
+    assert c.external_tokens == FULL
+
+
+def test_an_evicting_store_gives_misses_never_wrong_bytes(engines):
+    # Room for ~6 chunks of 8 KiB: 12 prompts of 4 chunks each evict most of each other.
+    t = tier(segment_bytes=6 * 8192 + 4096, name=f"t-{uuid.uuid4().hex[:8]}")
+    prompts = [list(range(1000 * i, 1000 * i + FULL + 3)) for i in range(12)]
+    e1 = engines([t])
+    serve(e1, prompts)
+    held = e1.tier.stats()["store_objects"]
+    assert 0 < held < 12 * 4, "the store evicted"
+    e2 = engines([t])
+    done = serve(e2, prompts[::-1])  # newest first: what survived is hit before e2's stores evict it
+    assert all(f.gpu_ok for f in done)
+    assert len(done) == 12
+    loaded = sum(f.external_tokens for f in done)
+    assert 0 < loaded < 12 * FULL, "some chunks were evicted, some survived"
+
+
+def test_a_chunk_lost_between_lookup_and_load_is_recomputed(engines):
+    t = embedded()
+    e1 = engines([t])
+    serve(e1, [PROMPT])
+    e2 = engines([t])
+    lost = [e1.tier.key(k) for k in e1.tier_keys_of(PROMPT)][2:]
+    submit = e2.tier.submit_load
+
+    def evict_then_load(job):  # the store evicts chunks 3 and 4 after lookup said HIT
+        for k in lost:
+            e2.tier.store.remove(k, True)
+        submit(job)
+
+    e2.tier.submit_load = evict_then_load
+    (b,) = serve(e2, [PROMPT])
+    assert b.gpu_ok, "recomputed, never wrong bytes"
+    assert b.external_tokens == 2 * 2 * BLOCK, "the two chunks before the loss are kept"
+    assert e2.tier.counters.load_failures == 1
+
+
+def test_a_killed_server_fails_jobs_and_a_restart_resumes(engines):
+    srv = L3Process(token="t0k")
+    t = tier(server=srv.addr, token="t0k", rpc_timeout_ms=2000)
+    try:
+        e1 = engines([t])
+        serve(e1, [PROMPT])
+        srv.kill()
+        fresh = list(range(5000, 5000 + FULL + 3))
+        done = serve(e1, [PROMPT[:FULL] + [1, 2, 3, 4], fresh])  # lookups miss, stores fail
+        assert all(f.gpu_ok for f in done) and len(done) == 2
+        assert e1.tier.counters.store_failures >= 1
+        srv = srv.restart()  # an empty server on the same address
+        again = list(range(9000, 9000 + FULL + 3))
+        serve(e1, [again])
+        e3 = engines([t])
+        (c,) = serve(e3, [again])
+        assert c.external_tokens == FULL and c.gpu_ok, "service resumed after the restart"
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(segment_bytes="64MB", colour="blue"), "unknown config keys"),
+    (dict(segment_bytes="lots"), "bad segment_bytes"),
+    (dict(segment_bytes=4096), "cannot hold one vLLM chunk"),
+    (dict(server="127.0.0.1:1"), "did not accept"),
+    (dict(segment_bytes="64MB", io_threads=0), "io_threads"),
+    (dict(segment_bytes="64MB", locality="moon"), "locality"),
+    (dict(segment_bytes="64MB", io_threads="4"), "io_threads"),
+    (dict(server="127.0.0.1:1", rpc_timeout_ms=-5), "rpc_timeout_ms"),
+])
+def test_config_errors_stop_startup(engines, bad, match):
+    with pytest.raises(VllmTierConfigError, match=match):
+        engines([tier(**bad)])
+
+
+def test_l3_objects_are_exactly_vllms_chunk_slots(engines):
+    """Zero copy both ways: each L3 object is one host chunk slot's bytes."""
+    t = embedded()
+    e1 = engines([t])
+    serve(e1, [PROMPT])
+    for k in e1.tier_keys_of(PROMPT):
+        obj = np.frombuffer(e1.tier.store.get(e1.tier.key(k)), dtype=np.uint8)
+        assert obj.size == e1.tier.block_size_bytes
+
+
+def test_jobs_run_off_the_scheduler_thread_and_drain(engines):
+    """submit_* return at once; has_pending_work holds until the results are taken;
+    drain_jobs waits for every job (vLLM's cache reset relies on it)."""
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    e = engines([embedded(io_threads=2)])
+    t = e.tier
+    keys = [bytes([i]) * 36 for i in range(8)]
+    for j in range(4):
+        t.submit_store(TransferJob(j, keys[2 * j:2 * j + 2], np.array([2 * j, 2 * j + 1]), False, ReqContext("x")))
+    assert t.has_pending_work()
+    t.drain_jobs()
+    assert t.has_pending_work(), "finished but not yet handed to vLLM"
+    done = list(t.get_finished_jobs())
+    assert sorted(r.job_id for r in done) == [0, 1, 2, 3] and all(r.success for r in done)
+    assert not t.has_pending_work() and t.counters.chunks_stored == 8
+    t.submit_load(TransferJob(9, [keys[0], b"\xff" * 36], np.array([10, 11]), True, ReqContext("y")))
+    t.drain_jobs()
+    (r,) = t.get_finished_jobs()
+    assert not r.success and list(r.successful_keys) == [keys[0]], "the missing second chunk fails the rest"
+
+
+def test_metrics_through_vllms_hooks(engines):
+    """The tier's metric definitions reach vLLM's spec (so its Prometheus logger registers
+    them), and vLLM's scheduler reports the tier's counter increases and the embedded
+    store's gauges in its stats every step."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from kvtier.vllm.tier import METRIC_PREFIX
+
+    e = engines([embedded()])
+    defs = TieringOffloadingSpec.build_metric_definitions(e.vllm_config.kv_transfer_config.kv_connector_extra_config)
+    assert METRIC_PREFIX + "chunks_stored" in defs and METRIC_PREFIX + "store_objects" in defs
+    serve(e, [PROMPT])
+    flats = [OffloadingConnectorStats(data=p).reduce() for p in e.stats_payloads]
+    assert sum(f.get(METRIC_PREFIX + "chunks_stored", 0) for f in flats) == 4, "increases, summed: the total"
+    assert [f[METRIC_PREFIX + "store_objects"] for f in flats if METRIC_PREFIX + "store_objects" in f][-1] == 4
+
+
+def test_kv_events_name_the_chunks_the_tier_stored(engines):
+    """With vLLM's KV events on, the tier's stores reach vLLM's published event batches as
+    BlockStored on the STORAGE medium, for exactly the chunks the host cache stored (what a
+    KV-aware router reads)."""
+    e = engines([embedded()], kv_events=True)
+    serve(e, [PROMPT])
+    events = [ev for b in e.published for ev in b.events]
+
+    def stored(medium):
+        return [h for ev in events if type(ev).__name__ == "BlockStored" and ev.medium == medium
+                for h in ev.block_hashes]
+
+    assert len(stored("STORAGE")) == 4 and set(stored("STORAGE")) == set(stored("CPU"))
+    off = engines([embedded()])
+    serve(off, [PROMPT])
+    assert not off.tier.take_events(), "no events unless vLLM's KV events are on"
+
+
+def test_a_server_tier_answers_its_own_chunks_without_a_probe_and_forgets_lost_ones(engines):
+    """Against a server, chunks this engine stored are HIT at once (no RETRY step); after
+    vLLM resets its GPU and host caches (which drains the tier's jobs) they load from L3.
+    When the server lost them (restart), that HIT's load fails, vLLM recomputes with the
+    right bytes, and the next lookup probes instead of trusting the stale knowledge."""
+    srv = L3Process(token="k")
+    try:
+        e = engines([tier(server=srv.addr, token="k")])
+        serve(e, [PROMPT])
+        assert e.sched.reset_prefix_cache(reset_connector=True)
+        retries = e.tier.counters.lookup_retries
+        (b,) = serve(e, [PROMPT])
+        assert b.external_tokens == FULL and b.gpu_ok
+        assert e.tier.counters.lookup_retries == retries, "no probe for chunks it stored"
+        srv = srv.restart()  # an empty server: the engine's knowledge is stale
+        assert e.sched.reset_prefix_cache(reset_connector=True)
+        (c,) = serve(e, [PROMPT])
+        assert c.gpu_ok and c.external_tokens == 0 and e.tier.counters.load_failures >= 1
+        assert e.sched.reset_prefix_cache(reset_connector=True)
+        retries = e.tier.counters.lookup_retries
+        (d,) = serve(e, [PROMPT])  # c's recompute stored the chunks again: hits once more
+        assert d.gpu_ok and d.external_tokens == FULL
+    finally:
+        srv.kill()
