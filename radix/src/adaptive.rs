@@ -36,8 +36,10 @@ use crate::policy::EvictionPolicy;
 
 /// Levels between LRU (0) and the full frequency/depth setting.
 pub const LEVELS: u32 = 8;
+/// A ghost lives for this many capacities of traffic.
+pub const GHOST_WINDOW: u64 = 1;
 /// Ghost hits per epoch: the level moves at most one step per epoch.
-pub const EPOCH_HITS: u64 = 32;
+pub const EPOCH_HITS: u64 = 64;
 /// A kind's ghost hit rate must exceed the other's by this factor (in tenths) to move the level.
 const MARGIN_TENTHS: u64 = 11;
 
@@ -132,16 +134,17 @@ impl AdaptiveState {
         }
         // The rate at which each kind's evicted pages came back: pages hit / pages evicted.
         // The kind whose pages come back more often deserves more protection.
+        // One more evicted page per kind (Laplace): a kind nothing of which was evicted this
+        // epoch (fully protected) still compares, and loses its protection if the other
+        // kind's pages come back.
         let [h_once, h_reused] = self.epoch_hits.map(u128::from);
-        let [e_once, e_reused] = self.evicted.map(u128::from);
+        let [e_once, e_reused] = self.evicted.map(|e| u128::from(e) + 1);
         let m = u128::from(MARGIN_TENTHS);
         let old = self.level;
-        if e_once > 0 && e_reused > 0 {
-            if 10 * h_reused * e_once > m * h_once * e_reused {
-                self.level = (self.level + 1).min(LEVELS);
-            } else if 10 * h_once * e_reused > m * h_reused * e_once {
-                self.level = self.level.saturating_sub(1);
-            }
+        if 10 * h_reused * e_once > m * h_once * e_reused {
+            self.level = (self.level + 1).min(LEVELS);
+        } else if 10 * h_once * e_reused > m * h_reused * e_once {
+            self.level = self.level.saturating_sub(1);
         }
         self.evicted = [0, 0];
         self.epoch_hits = [0, 0];
@@ -165,7 +168,7 @@ impl AdaptiveState {
     /// Drops ghosts older than one capacity of traffic.
     fn expire(&mut self, traffic: u64) {
         while let Some(&(t, _)) = self.order.front() {
-            if traffic.saturating_sub(t) <= self.capacity {
+            if traffic.saturating_sub(t) <= GHOST_WINDOW * self.capacity {
                 break;
             }
             self.pop_oldest();
