@@ -108,7 +108,13 @@ impl AdaptiveState {
     }
 
     /// Remembers a leaf that left the tree.
-    pub(crate) fn remember(&mut self, first: PageHash, pages: usize, kind: GhostKind, traffic: u64) {
+    pub(crate) fn remember(
+        &mut self,
+        first: PageHash,
+        pages: usize,
+        kind: GhostKind,
+        traffic: u64,
+    ) {
         self.expire(traffic);
         while self.order.len() as u64 >= self.capacity {
             self.pop_oldest();
@@ -197,7 +203,10 @@ impl AdaptiveState {
             return Err("more live ghosts than queued".into());
         }
         if self.level > LEVELS || self.epoch_count >= EPOCH_HITS {
-            return Err(format!("level {} / epoch {:?}", self.level, self.epoch_hits));
+            return Err(format!(
+                "level {} / epoch {:?}",
+                self.level, self.epoch_hits
+            ));
         }
         Ok(())
     }

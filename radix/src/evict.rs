@@ -72,9 +72,8 @@ impl RadixCache {
     /// [`EvictionPolicy::Adaptive`] starts it afresh (at LRU, no ghosts).
     pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) {
         self.policy = policy;
-        self.adaptive = (policy == EvictionPolicy::Adaptive).then(|| {
-            AdaptiveState::new(self.device_pool.capacity() + self.host_pool.capacity())
-        });
+        self.adaptive = (policy == EvictionPolicy::Adaptive)
+            .then(|| AdaptiveState::new(self.device_pool.capacity() + self.host_pool.capacity()));
         self.rerank();
     }
 
@@ -137,9 +136,7 @@ impl RadixCache {
                 label,
             });
         }
-        if removed
-            && let (Some(a), Some(&first)) = (self.adaptive.as_mut(), ev.hashes.first())
-        {
+        if removed && let (Some(a), Some(&first)) = (self.adaptive.as_mut(), ev.hashes.first()) {
             let kind = if self.nodes[id].uses == 0 {
                 GhostKind::Once
             } else {

@@ -21,7 +21,9 @@ fn cache(device_pages: u32) -> RadixCache {
 }
 
 fn prompt(seed: u32, pages: usize) -> (Vec<u32>, Vec<PageHash>) {
-    let toks: Vec<u32> = (0..(pages * PS) as u32).map(|i| seed * 10_000 + i).collect();
+    let toks: Vec<u32> = (0..(pages * PS) as u32)
+        .map(|i| seed * 10_000 + i)
+        .collect();
     let hs = page_hashes(&toks, PS, None);
     (toks, hs)
 }
@@ -209,4 +211,3 @@ proptest! {
         a.check_invariants().map_err(TestCaseError::fail)?;
     }
 }
-
