@@ -13,12 +13,16 @@
 //! - `Reused`: matched at least once (what frequency credit protects).
 //!
 //! When a later match stops exactly at a ghost (the prompt needs the evicted pages again),
-//! the eviction was a mistake of the signal that ranked that leaf low: a `Once` ghost hit
-//! says recency deserved more weight, a `Reused` one that frequency did. The hits move a
-//! score; every [`STEP_HITS`] net hits move the *level* one step between 0 (plain LRU) and
-//! [`LEVELS`] (the conversation setting of `FrequencyDepth`, credit and debit scaled by
-//! `level / LEVELS` in between), and the tree ranks its leaves again (O(n log n), at most once
-//! per [`STEP_HITS`] ghost hits).
+//! the eviction was a mistake of the signal that ranked that leaf low. Every [`EPOCH_HITS`]
+//! ghost hits the policy compares, per kind, the pages that came back with the pages evicted
+//! in the epoch (one added to each, so that a fully protected kind still compares): when
+//! `Reused` pages come back more often (by a margin), frequency deserves more weight and the
+//! *level* goes up, in the opposite case down; one step, two when the rates differ by more
+//! than 2 ×. Level 0 is plain LRU, [`LEVELS`] the conversation setting of `FrequencyDepth`, in
+//! between that setting's credit and debit halved `LEVELS − level` times. A step re-ranks the
+//! tree (O(n log n), at most once per epoch). Why per page and geometric: counting leaves let
+//! a few short reused leaves outweigh long fresh ones, and linear steps were too coarse for
+//! small caches (docs/sim.md, "Adaptive eviction").
 //!
 //! Bounded and deterministic: a ghost lives for one capacity's worth of traffic (device +
 //! host pages given to the device tier since its eviction: ARC's ghost list is the size of the
@@ -42,6 +46,8 @@ pub const GHOST_WINDOW: u64 = 1;
 pub const EPOCH_HITS: u64 = 64;
 /// A kind's ghost hit rate must exceed the other's by this factor (in tenths) to move the level.
 const MARGIN_TENTHS: u64 = 11;
+/// Beyond this ratio of the two rates the level moves two steps.
+const FAST: u128 = 2;
 
 /// What an evicted leaf was when it left the tree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,10 +153,13 @@ impl AdaptiveState {
         let [e_once, e_reused] = self.evicted.map(|e| u128::from(e) + 1);
         let m = u128::from(MARGIN_TENTHS);
         let old = self.level;
-        if 10 * h_reused * e_once > m * h_once * e_reused {
-            self.level = (self.level + 1).min(LEVELS);
-        } else if 10 * h_once * e_reused > m * h_reused * e_once {
-            self.level = self.level.saturating_sub(1);
+        let (reused, once) = (h_reused * e_once, h_once * e_reused);
+        if 10 * reused > m * once {
+            let step = if reused > FAST * once { 2 } else { 1 };
+            self.level = (self.level + step).min(LEVELS);
+        } else if 10 * once > m * reused {
+            let step = if once > FAST * reused { 2 } else { 1 };
+            self.level = self.level.saturating_sub(step);
         }
         self.evicted = [0, 0];
         self.epoch_hits = [0, 0];
