@@ -12,7 +12,7 @@
 //! `prefetch_timeout_base_ms`, `prefetch_timeout_per_1k_tokens_ms`; `write_policy` ∈
 //! {"write_through", "write_through_selective", "write_back"} with `write_hit_threshold`;
 //! `retraction` ∈ {"latest_arrival", "fewest_generated", "most_pages"}; `l3_sharing` ∈
-//! {"per_rank", "replicated"} with `l3_leader_rank`; `eviction` ∈ {"lru", "freq-depth",
+//! {"per_rank", "replicated"} with `l3_leader_rank`; `eviction` ∈ {"lru", "adaptive", "freq-depth",
 //! "freq-depth:CREDIT:MAX_USES:DEBIT"}; `host_admission` ∈ {"on-finish",
 //! "on-device-eviction:AHEAD_PAGES"}; `namespace` is a dict
 //! with keys model, dtype, layout, tenant, adapter.

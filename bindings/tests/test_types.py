@@ -37,6 +37,7 @@ def test_config_defaults_are_the_rust_defaults():
         dict(mixed_prefill_decode=False, keep_device_after_write_back=False, record_kv_events=True),
         dict(eviction="freq-depth:100:3:7"),
         dict(eviction="lru"),
+        dict(eviction="adaptive"),
         dict(host_admission="on-device-eviction:16"),
         dict(host_admission="on-finish"),
     ],

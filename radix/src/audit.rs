@@ -116,7 +116,7 @@ impl RadixCache {
                 let should =
                     id != self.root && s.pages.is_some() && s.lock == 0 && s.resident_children == 0;
                 if should {
-                    let key = (self.policy.rank(n, t), n.seq, id);
+                    let key = (self.ranking.rank(n, t), n.seq, id);
                     if s.evict_key != Some(key) {
                         return Err(format!("{t} evictable key of {id:?} stale or missing"));
                     }
@@ -136,6 +136,24 @@ impl RadixCache {
             }
             self.pool(t).audit()?;
         }
+        self.check_adaptive()?;
         self.check_tenants()
+    }
+
+    /// The adaptive policy's state: ranking matches its level, ghosts within their bound.
+    fn check_adaptive(&self) -> Result<(), String> {
+        match &self.adaptive {
+            None if self.ranking != self.policy => Err("fixed policy but ranking differs".into()),
+            None => Ok(()),
+            Some(a) => {
+                if self.policy != crate::EvictionPolicy::Adaptive {
+                    return Err("adaptive state under a fixed policy".into());
+                }
+                if self.ranking != a.ranking() {
+                    return Err("ranking is not the adaptive level's".into());
+                }
+                a.check_bounds()
+            }
+        }
     }
 }

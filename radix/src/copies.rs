@@ -88,7 +88,7 @@ impl RadixCache {
         from: TierKind,
         n: usize,
     ) -> Result<Vec<PageId<T>>, RadixError> {
-        let rank = self.policy.rank(self.node(node)?, from);
+        let rank = self.ranking.rank(self.node(node)?, from);
         let owner = self.node(node)?.tenant;
         let free = self.usage(T::KIND).free;
         let mut victims = Vec::new();

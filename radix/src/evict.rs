@@ -8,6 +8,7 @@
 //! device copy keeps the host copy; a node left with no copy is removed from the tree, which
 //! may make its parent the next leaf.
 
+use crate::adaptive::{AdaptiveSnapshot, AdaptiveState, GhostKind};
 use crate::cache::RadixCache;
 use crate::error::RadixError;
 use crate::events::KvEvent;
@@ -67,9 +68,27 @@ impl RadixCache {
         self.policy
     }
 
-    /// Switches the eviction policy; every evictable leaf is ranked again at once.
+    /// Switches the eviction policy; every evictable leaf is ranked again at once. Switching to
+    /// [`EvictionPolicy::Adaptive`] starts it afresh (at LRU, no ghosts).
     pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) {
         self.policy = policy;
+        self.adaptive = (policy == EvictionPolicy::Adaptive)
+            .then(|| AdaptiveState::new(self.device_pool.capacity() + self.host_pool.capacity()));
+        self.rerank();
+    }
+
+    /// What the adaptive policy has learnt (`None` under a fixed policy).
+    pub fn adaptive_snapshot(&self) -> Option<AdaptiveSnapshot> {
+        self.adaptive.as_ref().map(AdaptiveState::snapshot)
+    }
+
+    /// Ranks every evictable leaf again by the current ranking (the configured policy, or the
+    /// adaptive policy's level).
+    pub(crate) fn rerank(&mut self) {
+        self.ranking = match &self.adaptive {
+            Some(a) => a.ranking(),
+            None => self.policy,
+        };
         let ids: Vec<NodeId> = self.nodes.keys().collect();
         for t in [TierKind::Device, TierKind::Host] {
             for &id in &ids {
@@ -116,6 +135,14 @@ impl RadixCache {
                 hashes: ev.hashes.clone(),
                 label,
             });
+        }
+        if removed && let (Some(a), Some(&first)) = (self.adaptive.as_mut(), ev.hashes.first()) {
+            let kind = if self.nodes[id].uses == 0 {
+                GhostKind::Once
+            } else {
+                GhostKind::Reused
+            };
+            a.remember(first, ev.hashes.len(), kind, self.traffic);
         }
         if removed {
             // No copy on either tier: by prefix closure no child has one either, and nodes

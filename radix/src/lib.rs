@@ -15,6 +15,7 @@
 //!
 //! Every fallible method validates before it mutates: on `Err`, nothing changed.
 
+mod adaptive;
 mod audit;
 mod cache;
 mod copies;
@@ -30,6 +31,7 @@ mod query;
 pub mod tenant;
 mod tier;
 
+pub use adaptive::{AdaptiveSnapshot, LEVELS as ADAPTIVE_LEVELS};
 pub use cache::{InsertOutcome, InsertOwner, PrefixMatch, RadixCache, RadixConfig, TierUsage};
 pub use error::{RadixError, Refused};
 pub use events::{KvEvent, ScopeLabel};

@@ -33,9 +33,13 @@ pub enum EvictionPolicy {
         max_credited_uses: u32,
         depth_debit_per_page: u64,
     },
+    /// Learns online how much of [`EvictionPolicy::CONVERSATION`]'s credit and debit to use,
+    /// from LRU (none) to all of it, by which kind of evicted leaf later misses hit (ghost
+    /// lists, see `adaptive.rs`).
+    Adaptive,
 }
 
-/// `"lru"`, `"freq-depth"` (the conversation setting) or
+/// `"lru"`, `"adaptive"`, `"freq-depth"` (the conversation setting) or
 /// `"freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE"` — the spelling of the CLI, TOML-free
 /// configs and Python.
 impl std::str::FromStr for EvictionPolicy {
@@ -49,6 +53,7 @@ impl std::str::FromStr for EvictionPolicy {
         };
         Ok(match parts.as_slice() {
             ["lru"] => EvictionPolicy::Lru,
+            ["adaptive"] => EvictionPolicy::Adaptive,
             ["freq-depth"] => EvictionPolicy::CONVERSATION,
             ["freq-depth", c, m, d] => EvictionPolicy::FrequencyDepth {
                 use_credit_pages: num(c)?,
@@ -65,6 +70,7 @@ impl std::fmt::Display for EvictionPolicy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             EvictionPolicy::Lru => f.write_str("lru"),
+            EvictionPolicy::Adaptive => f.write_str("adaptive"),
             EvictionPolicy::FrequencyDepth {
                 use_credit_pages,
                 max_credited_uses,
@@ -105,7 +111,9 @@ impl EvictionPolicy {
     /// entry's end depth in pages. Lowest is evicted first.
     pub fn rank_of(&self, last_access: u64, last_use: u64, uses: u32, end_pages: u64) -> u64 {
         match *self {
-            EvictionPolicy::Lru => last_access,
+            // The adaptive policy ranks by its current level's policy (`RadixCache::ranking`);
+            // this arm is that of level 0.
+            EvictionPolicy::Lru | EvictionPolicy::Adaptive => last_access,
             EvictionPolicy::FrequencyDepth {
                 use_credit_pages,
                 max_credited_uses,

@@ -47,6 +47,7 @@ fn policies() -> Vec<EvictionPolicy> {
     vec![
         EvictionPolicy::Lru,
         EvictionPolicy::CONVERSATION,
+        EvictionPolicy::Adaptive,
         EvictionPolicy::FrequencyDepth {
             use_credit_pages: 3,
             max_credited_uses: 2,
@@ -74,7 +75,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..16usize, 0..8usize).prop_map(|(lock, prompt)| Op::Relock { lock, prompt }),
         3 => any::<bool>().prop_map(|host| Op::Evict { host }),
         1 => (0..8usize).prop_map(Op::LoadBack),
-        1 => (0..5usize).prop_map(Op::SetPolicy),
+        1 => (0..6usize).prop_map(Op::SetPolicy),
     ]
 }
 
@@ -119,7 +120,7 @@ proptest! {
 
     #[test]
     fn cache_agrees_with_model(prompts in prompts(), ops in prop::collection::vec(op(), 1..80),
-                               dev_cap in 4u32..24, host_cap in 4u32..24, first_policy in 0..5usize) {
+                               dev_cap in 4u32..24, host_cap in 4u32..24, first_policy in 0..6usize) {
         let mut cache = RadixCache::new(RadixConfig {
             page_size: PS, device_pages: dev_cap, host_pages: host_cap, record_events: false,
         }).unwrap();

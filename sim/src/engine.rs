@@ -337,6 +337,11 @@ impl Simulation {
         let col = std::mem::take(&mut self.col);
         let mut report = col.finish(&stats, self.now_us, wall.elapsed());
         report.accesses = accesses;
+        report.adaptive = self
+            .insts
+            .iter()
+            .filter_map(|i| i.sched.cache().adaptive_snapshot())
+            .collect();
         if let Some(s) = &self.store {
             report.l3_objects = s.stats().map(|x| x.objects).unwrap_or(0);
         }

@@ -16,6 +16,7 @@
 pub mod belady;
 pub mod config;
 pub mod engine;
+pub mod matching_capacity;
 pub mod plot;
 pub mod profile;
 pub mod report;

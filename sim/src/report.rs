@@ -216,6 +216,7 @@ impl Collector {
             policy: String::new(),
             compared: Vec::new(),
             accesses: AccessLog::default(),
+            adaptive: Vec::new(),
         }
     }
 }
@@ -324,6 +325,9 @@ pub struct Report {
     /// The same workload and capacity under the simulator's other online policies (LRU and
     /// the frequency/depth-aware one), for comparison (set by the caller).
     pub compared: Vec<Summary>,
+    /// What the adaptive eviction policy learnt, per instance (empty under a fixed policy).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub adaptive: Vec<kvtier_radix::AdaptiveSnapshot>,
     /// The access sequence the Belady ceiling is computed over (not serialized).
     #[serde(skip)]
     pub accesses: AccessLog,

@@ -15,7 +15,7 @@ fn sim_config() -> impl Strategy<Value = SimConfig> {
         prop_oneof![Just(16usize), Just(32)],
         (24u32..200, 0u32..400, 0u64..3000),
         1usize..4,
-        (0u8..3, 0u8..3, 0u8..3, any::<bool>(), any::<bool>(), 0u8..3),
+        (0u8..3, 0u8..3, 0u8..3, any::<bool>(), any::<bool>(), 0u8..4),
         (0u64..4, 0u64..4, 0u64..6),
         prop::option::of(1u32..48),
     )
@@ -50,6 +50,7 @@ fn sim_config() -> impl Strategy<Value = SimConfig> {
                         max_credited_uses: 3,
                         depth_debit_per_page: 2,
                     },
+                    EvictionPolicy::Adaptive,
                 ][evict as usize];
                 s.host_admission = match demote {
                     Some(ahead_pages) if host_enabled && !write_back => {

@@ -62,6 +62,13 @@ impl RadixCache {
             }
         }
         m.matched_pages = depth;
+        if !repeated
+            && let Some(next) = hashes.get(depth)
+            && let Some(a) = self.adaptive.as_mut()
+            && a.on_miss(next, self.traffic)
+        {
+            self.rerank();
+        }
         m
     }
 

@@ -169,8 +169,12 @@ pub struct RadixCache {
     /// Logical clock for LRU (deterministic, unlike wall time).
     pub(crate) tick: u64,
     pub(crate) next_seq: u64,
-    /// How evictable leaves are ranked.
+    /// The configured eviction policy.
     pub(crate) policy: EvictionPolicy,
+    /// The policy leaves are ranked by now: `policy`, or the adaptive policy's current level.
+    pub(crate) ranking: EvictionPolicy,
+    /// The adaptive policy's learnt state (`Some` iff `policy` is `Adaptive`).
+    pub(crate) adaptive: Option<crate::adaptive::AdaptiveState>,
     /// Pages given to the device tier so far (the policies' clock).
     pub(crate) traffic: u64,
     /// The previous match's query (length, last hash), to count repeated queries once.
@@ -240,6 +244,8 @@ impl RadixCache {
             tick: 0,
             next_seq: 1,
             policy: EvictionPolicy::Lru,
+            ranking: EvictionPolicy::Lru,
+            adaptive: None,
             traffic: 0,
             last_query: None,
             tenants: TenantBooks::new(),

@@ -128,7 +128,7 @@ impl RadixCache {
         let Some(node) = self.nodes.get_mut(id) else {
             return;
         };
-        let key = (self.policy.rank(node, t), node.seq, id);
+        let key = (self.ranking.rank(node, t), node.seq, id);
         let slot = node.slot_mut(t);
         let should =
             id != root && slot.pages.is_some() && slot.lock == 0 && slot.resident_children == 0;

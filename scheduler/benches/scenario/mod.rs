@@ -27,10 +27,11 @@ pub const TOKEN_BUDGET: usize = 8192;
 /// Generation limit of the decode scenarios (never reached: the setup is rebuilt first).
 pub const DECODE_MAX_NEW: u32 = 2048;
 
-/// The eviction policy the scenario runs under (`KVTIER_BENCH_EVICTION`, LRU by default).
+/// The eviction policy the scenario runs under (`KVTIER_BENCH_EVICTION`: `freq-depth`, `adaptive`; LRU by default).
 pub fn eviction() -> kvtier_radix::EvictionPolicy {
     match std::env::var("KVTIER_BENCH_EVICTION").as_deref() {
         Ok("freq-depth") => kvtier_radix::EvictionPolicy::CONVERSATION,
+        Ok("adaptive") => kvtier_radix::EvictionPolicy::Adaptive,
         _ => kvtier_radix::EvictionPolicy::Lru,
     }
 }

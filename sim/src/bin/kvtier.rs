@@ -15,6 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use kvtier_radix::EvictionPolicy;
 use kvtier_scheduler::{HostAdmission, PrefetchStopPolicy, SchedulerConfig, WritePolicy};
+use kvtier_sim::matching_capacity::{MatchLru, best_fixed, match_lru};
 use kvtier_sim::plot::{ComparedRate, SweepPoint, SweepTitle, write_sweep_plot};
 use kvtier_sim::profile::{BUILTIN_PROFILES, builtin};
 use kvtier_sim::report::Summary;
@@ -320,23 +321,70 @@ fn policy_name(s: &SchedulerConfig) -> String {
 }
 
 /// The same run under the simulator's other online policies (LRU and the conversation
-/// setting of freq-depth, whichever did not run), for the side-by-side comparison.
+/// setting of freq-depth, whichever did not run), for the side-by-side comparison. Beside the
+/// adaptive policy, both fixed ones also run with demotion (`on-device-eviction:256`) where
+/// the configuration allows it, so that the best fixed option is in the report.
 fn compare(a: &SimArgs, cfg: &SimConfig, w: &Workload) -> Result<Vec<Summary>, String> {
     if a.no_compare {
         return Ok(Vec::new());
     }
-    let mut out = Vec::new();
+    let mut settings = Vec::new();
     for p in [EvictionPolicy::Lru, EvictionPolicy::CONVERSATION] {
         if p == cfg.scheduler.eviction {
             continue;
         }
+        settings.push((p, cfg.scheduler.host_admission));
+    }
+    if cfg.scheduler.eviction == EvictionPolicy::Adaptive {
+        let demote = HostAdmission::OnDeviceEviction { ahead_pages: 256 };
+        for p in [EvictionPolicy::Lru, EvictionPolicy::CONVERSATION] {
+            for h in [HostAdmission::OnFinish, demote] {
+                if !settings.contains(&(p, h)) {
+                    settings.push((p, h));
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (p, h) in settings {
         let mut c = cfg.clone();
         c.scheduler.eviction = p;
+        c.scheduler.host_admission = h;
+        if c.effective_scheduler().validate().is_err() {
+            continue;
+        }
         let mut r = run_one(&c, w, |_| {})?;
         r.policy = policy_name(&c.scheduler);
         out.push(r.summary());
     }
     Ok(out)
+}
+
+/// The best fixed policy per point, and the capacity each policy needs to match LRU at the
+/// sweep's middle point.
+fn print_match(policy: &str, pts: &[SweepPoint], m: Option<&MatchLru>) {
+    for p in pts {
+        if let Some((name, rate)) = best_fixed(p) {
+            println!(
+                "{:>16} best fixed: {name} {:.2} %, {policy} {:+.2} points",
+                p.capacity_pages,
+                rate * 100.0,
+                (p.hit_rate - rate) * 100.0
+            );
+        }
+    }
+    let Some(m) = m else { return };
+    println!(
+        "capacity to match LRU's {:.2} % at {} pages:",
+        m.lru_hit_rate * 100.0,
+        m.at_capacity_pages
+    );
+    for c in &m.policies {
+        match c.capacity_pages {
+            Some(cap) => println!("  {:<40} {cap:>12.0} pages", c.policy),
+            None => println!("  {:<40} {:>12} (not reached)", c.policy, "-"),
+        }
+    }
 }
 
 fn workload(a: &SimArgs) -> Result<Workload, String> {
@@ -500,27 +548,33 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         policy: policy_name(s),
     };
     write_sweep_plot(&a.sweep_out, "sweep", &title, &pts)?;
+    let matched = match_lru(&title.policy, &pts);
+    if let Some(m) = &matched {
+        std::fs::write(
+            a.sweep_out.join("match-lru.json"),
+            serde_json::to_string_pretty(m).map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| e.to_string())?;
+    }
     if a.json {
         println!(
             "{}",
             serde_json::to_string_pretty(&pts).map_err(|e| e.to_string())?
         );
     } else {
-        let others: Vec<String> = pts
-            .first()
-            .map(|p| {
-                p.compared
-                    .iter()
-                    .map(|c| format!("{} %", c.policy))
-                    .collect()
-            })
-            .unwrap_or_default();
+        // Columns: every compared policy of any point (small points may lack demotion).
+        let mut others: Vec<String> = Vec::new();
+        for c in pts.iter().flat_map(|p| &p.compared) {
+            if !others.contains(&c.policy) {
+                others.push(c.policy.clone());
+            }
+        }
         let mut head = format!(
             "{:>16} {:>10} {:>10}",
             "capacity pages", "hit %", "device %"
         );
         for o in &others {
-            head.push_str(&format!(" {o:>24}"));
+            head.push_str(&format!(" {:>24}", format!("{o} %")));
         }
         println!("{head} {:>10}", "Belady %");
         for p in &pts {
@@ -530,11 +584,15 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
                 p.hit_rate * 100.0,
                 p.device * 100.0
             );
-            for c in &p.compared {
-                row.push_str(&format!(" {:>24.2}", c.hit_rate * 100.0));
+            for o in &others {
+                match p.compared.iter().find(|c| &c.policy == o) {
+                    Some(c) => row.push_str(&format!(" {:>24.2}", c.hit_rate * 100.0)),
+                    None => row.push_str(&format!(" {:>24}", "-")),
+                }
             }
             println!("{row} {:>10.2}", p.belady * 100.0);
         }
+        print_match(&title.policy, &pts, matched.as_ref());
         println!("plot: {}/sweep.svg and sweep.png", a.sweep_out.display());
     }
     Ok(())
