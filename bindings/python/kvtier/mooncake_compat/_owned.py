@@ -1,0 +1,59 @@
+"""The objects a client of a ``kvtier-l3`` server would hold in its own Mooncake segment.
+
+Why: in Mooncake every client that sets up with a ``global_segment_size`` mounts that memory,
+its puts land there, and ``close()`` (``tear_down_all``) unmounts it: a get after a close and a
+new setup answers ``b""`` (Mooncake's own ``test_client_tear_down``). A client of a
+``kvtier-l3`` server mounts nothing — the server holds the memory — so without help its
+objects outlived it. ``OwnedKeys`` wraps the native core, remembers the keys this client
+wrote successfully while it stands for a segment, and ``release`` removes them (forced, as an
+unmount does) when the client closes. An embedded client mounts a real segment and a dummy
+client has none, so neither tracks anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Set
+
+# The native calls that write objects: (name, is the first argument a list of keys).
+_WRITES = {
+    "put": False, "upsert": False, "put_from": False, "upsert_from": False,
+    "put_batch": True, "upsert_batch": True, "batch_put_from": True, "batch_upsert_from": True,
+    "batch_put_from_multi_buffers": True, "batch_upsert_from_multi_buffers": True,
+}
+
+
+class OwnedKeys:
+    """A native ``MooncakeCore`` that records, while ``tracking``, the keys written with
+    success (a batch's int result covers every key; a list result is per key)."""
+
+    def __init__(self, core: Any) -> None:
+        self._inner = core
+        self.tracking = False
+        self._keys: Set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in _WRITES:
+            return attr
+        many = _WRITES[name]
+
+        def write(keys: Any, *args: Any, **kwargs: Any) -> Any:
+            out = attr(keys, *args, **kwargs)
+            if self.tracking:
+                self._note(keys if many else [keys], out)
+            return out
+
+        return write
+
+    def _note(self, keys: List[str], out: Any) -> None:
+        if isinstance(out, list):
+            self._keys.update(k for k, rc in zip(keys, out) if isinstance(rc, int) and rc >= 0)
+        elif isinstance(out, int) and out >= 0:
+            self._keys.update(keys)
+
+    def release(self) -> None:
+        """Removes (forced) the objects written while tracking; forgets them."""
+        if self._keys and self._inner.is_setup():
+            self._inner.batch_remove(sorted(self._keys), True)
+        self._keys.clear()
+        self.tracking = False
