@@ -98,6 +98,27 @@ def tear_down(new_store, master):
     return out
 
 
+def replicated_close(new_store, master, mod):
+    """test_replication_failure_tolerance: an object put with replica_num=2 while another
+    client is mounted outlives the putting client's close (its other replica); one put plainly
+    does not (test_client_tear_down)."""
+    a, b, out = new_store(), new_store(), {}
+    setup = lambda s, port: s.setup(f"localhost:{port}", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "",  # noqa: E731
+                                    master)
+    out["setup"] = [setup(a, 12350), setup(b, 12351)]
+    c = mod.ReplicateConfig()
+    c.replica_num = 2
+    out["put_replicated"] = a.put("par-rep", b"replicated", c)
+    out["close"] = a.close()
+    out["get_from_other"] = b.get("par-rep").decode()
+    out["setup_again"] = setup(a, 12350)
+    out["get_after_reinit"] = a.get("par-rep").decode()
+    a.remove_all(True)
+    a.close()
+    b.close()
+    return out
+
+
 def replica_clear(new_store, master, lease_ms):
     """test_batch_replica_clear.py: a named segment (the client's own, another) after the
     lease expired."""
@@ -136,5 +157,6 @@ def parity_behaviours(new_store, master, mod, lease_ms):
     s.close()
     out["hostname"] = _section(hostname, new_store, master)
     out["tear_down"] = _section(tear_down, new_store, master)
+    out["replicated_close"] = _section(replicated_close, new_store, master, mod)
     out["replica_clear"] = _section(replica_clear, new_store, master, lease_ms)
     return out

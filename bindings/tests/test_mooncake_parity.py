@@ -42,6 +42,8 @@ MOONCAKE = {
     "hostname": [0, "localhost", True],
     "tear_down": {"setup": 0, "put": 0, "put_batch": 0, "close": 0, "setup_again": 0, "get_after": "",
                   "exist_after": [0, 0], "put_again": 0, "get_again": "Hello, World!"},
+    "replicated_close": {"setup": [0, 0], "put_replicated": 0, "close": 0, "get_from_other": "replicated",
+                         "setup_again": 0, "get_after_reinit": "replicated"},
     "replica_clear": {"puts": [0, 0, 0], "hostname": "localhost:12345", "clear_self": ["par-clear-self"],
                       "clear_other_segment": [], "clear_plain": ["par-clear-plain"], "exist_after": [0, 1, 0],
                       "get_self_after": ""},

@@ -6,7 +6,8 @@ new setup answers ``b""`` (Mooncake's own ``test_client_tear_down``). A client o
 ``kvtier-l3`` server mounts nothing — the server holds the memory — so without help its
 objects outlived it. ``OwnedKeys`` wraps the native core, remembers the keys this client
 wrote successfully while it stands for a segment, and ``release`` removes them (forced, as an
-unmount does) when the client closes. An embedded client mounts a real segment and a dummy
+unmount does) when the client closes. Keys written with ``replica_num > 1`` are kept: in
+Mooncake their other replicas lie in other clients' segments and survive the close. An embedded client mounts a real segment and a dummy
 client has none, so neither tracks anything.
 """
 
@@ -50,6 +51,13 @@ class OwnedKeys:
             self._keys.update(k for k, rc in zip(keys, out) if isinstance(rc, int) and rc >= 0)
         elif isinstance(out, int) and out >= 0:
             self._keys.update(keys)
+
+    def spare(self, keys: List[str], config: Any) -> None:
+        """Keeps ``keys`` written with ``config.replica_num > 1`` out of the release: Mooncake
+        placed their other replicas in other clients' segments, which outlive this client's
+        close (its test_replication_failure_tolerance reads them after it)."""
+        if config is not None and getattr(config, "replica_num", 1) > 1:
+            self._keys.difference_update(keys)
 
     def release(self) -> None:
         """Removes (forced) the objects written while tracking; forgets them."""

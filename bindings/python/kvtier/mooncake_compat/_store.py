@@ -204,7 +204,9 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             return rc
         if self._local_buffer == 0 or not len(memoryview(value)):
             return NO_BUFFER  # Mooncake: no local buffer to stage in; an empty value is -600
-        return call(key, value)
+        out = call(key, value)
+        self._core.spare([key], config)
+        return out
 
     def put(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
         return self._bytes_put(self._core.put, key, value, config)
@@ -228,7 +230,9 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             return rc
         if self._local_buffer == 0:
             return NO_BUFFER
-        return call(keys, values)
+        out = call(keys, values)
+        self._core.spare(keys, config)
+        return out
 
     def put_batch(self, keys: List[str], values: List[Any], config: Optional[ReplicateConfig] = None) -> int:
         return self._bytes_batch(self._core.put_batch, keys, values, config)
@@ -271,13 +275,21 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
     def _one(self, call, key, ptr, size, config=None) -> int:
         check_str(key, "key")
         rc = config_code(config)
-        return rc or _masked(call, [key], [check_int(ptr, "buffer_ptr")], [check_int(size, "size")])[0]
+        if rc:
+            return rc
+        out = _masked(call, [key], [check_int(ptr, "buffer_ptr")], [check_int(size, "size")])[0]
+        self._core.spare([key], config)
+        return out
 
     def _many(self, call, keys, ptrs, sizes, config=None) -> List[int]:
         keys = _check_keys(keys)
         ptrs, sizes = _ints(ptrs, "buffer_ptrs"), _ints(sizes, "sizes")
         rc = config_code(config)
-        return [rc] * len(keys) if rc else _masked(call, keys, ptrs, sizes)
+        if rc:
+            return [rc] * len(keys)
+        out = _masked(call, keys, ptrs, sizes)
+        self._core.spare(keys, config)
+        return out
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None) -> int:
         return self._one(self._core.batch_put_from, key, buffer_ptr, size, config)
@@ -318,6 +330,7 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             return [INVALID] * len(keys)
         bad = [any(p <= 0 for p in ps) or any(n < 0 for n in ns) for ps, ns in zip(ptrs, sizes)]
         out = call(keys, [[max(p, 0) for p in ps] for ps in ptrs], sizes)
+        self._core.spare(keys, config)
         return [INVALID if b else r for b, r in zip(bad, out)]
 
     def batch_put_from_multi_buffers(self, keys: List[str], all_buffer_ptrs: List[List[int]],
