@@ -5,8 +5,9 @@ real master and real client — or against those real processes, for the referen
 Why: the side-by-side drivers (mooncake_driver.py) check the calls we thought of; Mooncake's
 tests are what a new user runs first. Each test file imports ``mooncake.store``; for
 ``--impl kvtier`` a shim package on ``PYTHONPATH`` makes that import kvtier.mooncake_compat,
-and ``kvtier-l3`` servers (``kvtier.L3Server``) stand where Mooncake's CI starts its master
-(127.0.0.1:50051, lease TTL 500 ms) and its real client for dummy clients (127.0.0.1:50052).
+and ``kvtier-l3`` servers (``kvtier.L3Server``; for the SSD tests, which need offload on
+eviction, the ``kvtier-l3`` binary of target/release) stand where Mooncake's CI starts its
+master (127.0.0.1:50051, lease TTL 500 ms) and its real client for dummy clients (:50052).
 For ``--impl real`` the PyPI package's ``mooncake_master`` and ``mooncake_client`` are started
 there instead. The fixed ports are why this runs inside ``unshare -n`` (only loopback): it
 re-executes itself there when not already inside.
@@ -41,6 +42,7 @@ STORE_TESTS = {
     "test_offload_on_eviction.py": {"ssd": True, "segment": 128 << 20},
 }
 LEASE_MS = 500
+L3_BIN = Path(__file__).resolve().parents[2] / "target" / "release" / "kvtier-l3"
 SHIM = "from kvtier.mooncake_compat import *  # noqa: F401,F403\nfrom kvtier.mooncake_compat import __all__  # noqa: F401\n"
 
 
@@ -70,6 +72,14 @@ def _start_servers(impl: str, spec: dict, work: Path) -> list:
     procs = []
     ssd = work / "ssd"
     ssd.mkdir(exist_ok=True)
+    if impl == "kvtier" and spec.get("ssd"):
+        # Mooncake's CI runs these with --offload_on_evict=true: objects reach SSD only when
+        # evicted. kvtier.L3Server writes through, so the kvtier-l3 binary serves them.
+        procs.append(subprocess.Popen([str(L3_BIN), "--listen", "127.0.0.1:50051", "--segment-bytes",
+                                       str(spec["segment"]), "--ssd-dir", str(ssd), "--offload", "on-evict",
+                                       "--lease-ms", str(LEASE_MS)]))
+        _wait_port(50051)
+        return procs
     if impl == "kvtier":
         seg = spec.get("segment", 3 << 30)
         for port in (50051, 50052) if spec.get("real_client") else (50051,):
