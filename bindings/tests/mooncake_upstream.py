@@ -122,7 +122,9 @@ def run_file(impl: str, tests: Path, name: str, timeout_s: int, log_dir: Path = 
         work = Path(tmp)
         env = dict(os.environ, DEFAULT_KV_LEASE_TTL=str(LEASE_MS), MC_METADATA_SERVER="P2PHANDSHAKE",
                    MASTER_SERVER="127.0.0.1:50051", PROTOCOL="tcp", DEVICE_NAME="",
-                   MOONCAKE_OFFLOAD_FILE_STORAGE_PATH=str(work / "ssd"))
+                   MOONCAKE_OFFLOAD_FILE_STORAGE_PATH=str(work / "ssd"),
+                   # what test_promotion_on_hit asks of a real client (its bucket flush limits)
+                   MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT="10", MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES="10485760")
         if impl == "kvtier":
             pkg = work / "shim" / "mooncake"
             pkg.mkdir(parents=True)
