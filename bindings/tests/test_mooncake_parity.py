@@ -141,3 +141,24 @@ def test_an_ssd_only_key_reads_as_local_disk(tmp_path):
         assert not any(r.is_disk_replica() for r in s.get_replica_desc(cold))
         assert s.get(cold) == ref[cold]
         s.close()
+
+
+def test_a_server_client_remembers_a_bounded_set_of_its_keys():
+    """The keys a client of a server takes with it on close (see _owned.py) are bounded:
+    removals forget theirs, beyond the cap the oldest are forgotten (and outlive the close)."""
+    from kvtier.mooncake_compat._owned import OwnedKeys
+
+    with kvtier.L3Server(1 << 24, lease_ttl_ms=LEASE_MS) as srv:
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 24, 1 << 20, "tcp", "", srv.addr) == 0
+        s._core = OwnedKeys(s._core._inner, max_keys=3)
+        s._core.tracking = True
+        assert [s.put(f"b{i}", b"v") for i in range(5)] == [0] * 5
+        assert list(s._core._keys) == ["b2", "b3", "b4"]
+        assert s.remove("b3", True) == 0 and s.batch_remove(["b4"], True) == [0]
+        assert list(s._core._keys) == ["b2"]
+        assert s.close() == 0
+        o = MooncakeDistributedStore()
+        assert o.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", srv.addr) == 0
+        assert o.batch_is_exist(["b0", "b1", "b2"]) == [1, 1, 0]
+        o.close()
