@@ -15,6 +15,7 @@ import kvtier
 from kvtier.engine import Engine, MooncakeL3Backend
 from kvtier.mooncake_compat import MooncakeDistributedStore as KvtierStore
 from mooncake_api_driver import api_behaviours
+from mooncake_parity_driver import parity_behaviours
 
 MASTER = "127.0.0.1:50051"
 
@@ -114,8 +115,28 @@ def serve(store, tag):
     }
 
 
+def parity(res):
+    """mooncake_parity_driver.py on each class, before any other client is mounted (Mooncake
+    places objects in any mounted segment); kvtier's against a kvtier-l3 server with
+    Mooncake's default lease TTL (5 s, the real master's here)."""
+    import mooncake.store as mod
+
+    try:
+        res["real_parity"] = parity_behaviours(mod.MooncakeDistributedStore, MASTER, mod, 5000)
+    except Exception:  # noqa: BLE001
+        res["real_parity_error"] = traceback.format_exc()
+    import kvtier.mooncake_compat as kmod
+
+    with kvtier.L3Server(1 << 28, lease_ttl_ms=5000) as srv:
+        try:
+            res["compat_parity"] = parity_behaviours(KvtierStore, srv.addr, kmod, 5000)
+        except Exception:  # noqa: BLE001
+            res["compat_parity_error"] = traceback.format_exc()
+
+
 def main():
     res = {}
+    parity(res)
     try:
         real = real_store()
     except Exception as e:  # noqa: BLE001

@@ -150,8 +150,10 @@ impl MooncakeCore {
         0
     }
 
-    /// Allocates `pool_bytes` of registered memory for `alloc_from_mem_pool` (a dummy
-    /// client's shared pool in Mooncake). 0 or a negative code.
+    /// Allocates `pool_bytes` for `alloc_from_mem_pool` (a dummy client's shared pool in
+    /// Mooncake). 0 or a negative code. Each allocation is registered on its own, so a
+    /// pointer call through one can never reach its neighbour (Mooncake checks a range
+    /// against the buffer it was given, not against the whole pool).
     fn setup_pool(&self, pool_bytes: u64) -> i64 {
         let Ok(n) = usize::try_from(pool_bytes) else {
             return INVALID_PARAMS;
@@ -159,28 +161,29 @@ impl MooncakeCore {
         if n == 0 {
             return 0;
         }
-        let mem = vec![0u8; n].into_boxed_slice();
-        let rc = self.regions.register(mem.as_ptr() as u64, n as i64);
-        if rc == 0 {
-            *self.pool.lock() = Some((mem, 0));
-        }
-        rc
+        *self.pool.lock() = Some((vec![0u8; n].into_boxed_slice(), 0));
+        0
     }
 
-    /// `size` bytes of the pool (64-byte aligned): their address, or 0 when it is exhausted.
+    /// `size` bytes of the pool (64-byte aligned), registered: their address, or 0 when the
+    /// pool is exhausted.
     fn alloc_from_mem_pool(&self, size: u64) -> u64 {
         let mut g = self.pool.lock();
         let Some((mem, used)) = g.as_mut() else {
             return 0;
         };
         let start = used.div_ceil(64) * 64;
-        match usize::try_from(size)
-            .ok()
-            .and_then(|n| start.checked_add(n))
-        {
-            Some(end) if size > 0 && end <= mem.len() => {
+        let (Ok(n), Ok(len)) = (usize::try_from(size), i64::try_from(size)) else {
+            return 0;
+        };
+        match start.checked_add(n) {
+            Some(end) if n > 0 && end <= mem.len() => {
+                let addr = mem.as_ptr() as u64 + start as u64;
+                if self.regions.register(addr, len) != 0 {
+                    return 0;
+                }
                 *used = end;
-                mem.as_ptr() as u64 + start as u64
+                addr
             }
             _ => 0,
         }

@@ -8,6 +8,7 @@ ignored); text it cannot read ("50%", "16MiB", "abc", "", "-16MB") makes ``setup
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 from typing import Any, Dict, Optional, Tuple
@@ -98,21 +99,30 @@ def read_args(args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], int]
     return cfg, 0
 
 
+# Mooncake's handshake listener takes a random free port in this range when the hostname
+# names none (its test_basic_get_hostname checks 12300 ..= 14300).
+HANDSHAKE_PORTS = (12300, 14300)
+
+
 def hostname_with_port(local_hostname: str) -> str:
     """``host:port`` as Mooncake's ``get_hostname`` reports it: the given hostname with a
-    port of its own (a free ephemeral port, as Mooncake's handshake listener takes); a
-    hostname that already names a port is kept."""
+    free port of Mooncake's handshake range (tried from a random start); a hostname that
+    already names a port is kept."""
     host = local_hostname or "127.0.0.1"
     if host.count(":") == 1 and host.rsplit(":", 1)[1].isdigit():
         return host
-    for h in (host, "127.0.0.1"):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((h, 0))
-                return f"{host}:{s.getsockname()[1]}"
-        except (OSError, UnicodeError):
-            continue
-    return f"{host}:0"
+    lo, hi = HANDSHAKE_PORTS
+    start = random.randint(lo, hi)
+    for i in range(hi - lo + 1):
+        port = lo + (start - lo + i) % (hi - lo + 1)
+        for h in (host, "127.0.0.1"):
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((h, port))
+                    return f"{host}:{port}"
+            except (OSError, UnicodeError):
+                continue
+    return f"{host}:{start}"
 
 
 def resolve(master: str) -> Tuple[Optional[str], int]:

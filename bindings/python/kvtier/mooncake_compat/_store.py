@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .._native import L3Store, MooncakeCore, join_parts
 from . import _setup
 from ._extras import ExtraCalls
+from ._owned import OwnedKeys
 from ._setup import check_int, check_str
 from ._tensor_api import TensorCalls
 from ._types import BufferHandle, ErrorCode, QueryTaskResponse, ReplicaDescriptor, ReplicateConfig, config_code
@@ -49,8 +50,11 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
     """kvtier's store with Mooncake's ``MooncakeDistributedStore`` interface."""
 
     def __init__(self) -> None:
-        self._core = MooncakeCore()
+        self._core = OwnedKeys(MooncakeCore())
         self._hostname = ""
+        self._remote = False  # a kvtier-l3 server's client with a segment of its own
+        self._pool: Dict[int, int] = {}  # dummy client: alloc_from_mem_pool's (address, size)
+        self._pool_registered: set = set()
         self._local_buffer = _setup.DEFAULT_SIZE
         self._sessions: Dict[str, bytearray] = {}
         self._tasks: Dict[Tuple[int, int], QueryTaskResponse] = {}
@@ -82,6 +86,10 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             if addr is not None:
                 token = cfg.get("kvtier_token") or os.environ.get("KVTIER_L3_TOKEN")
                 rc = self._core.setup_remote(addr, tenant, token)
+                # it stands for a Mooncake client that mounted a segment: its objects go
+                # when it closes (see _owned.py)
+                self._remote = rc == 0 and cfg["global_segment_size"] > 0
+                self._core.tracking = self._remote
         if rc == 0:
             self._hostname, self._local_buffer = host, cfg["local_buffer_size"]
         return rc
@@ -114,7 +122,10 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
         """``size`` bytes of the dummy client's pool, already registered (so ``put_from``
         and ``get_into`` accept them); the address, or 0 when the pool is exhausted."""
         n = check_int(size, "size")
-        return self._core.alloc_from_mem_pool(n) if n > 0 else 0
+        addr = self._core.alloc_from_mem_pool(n) if n > 0 else 0
+        if addr:
+            self._pool[addr] = n
+        return addr
 
     def setup_with_store(self, store: L3Store) -> int:
         """kvtier extension: use an existing ``kvtier.L3Store`` handle (and its tenant)."""
@@ -140,6 +151,10 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
         """Unmounts this client's segment (the objects in it are gone, as in Mooncake),
         detaches, forgets registered buffers. Returns 0."""
         self._sessions.clear()
+        self._core.release()
+        self._remote = False
+        self._pool.clear()
+        self._pool_registered.clear()
         return self._core.close()
 
     def health_check(self) -> int:
@@ -162,10 +177,22 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
         ptr, n = check_int(buffer_ptr, "buffer_ptr"), check_int(size, "size")
         if ptr <= 0 or n <= 0:
             return INVALID
+        if self._in_pool(ptr, n):
+            # Mooncake's dummy client: pool memory is the real client's shared memory,
+            # registered already; registering it (again) answers 0
+            self._pool_registered.add(ptr)
+            return 0
         return self._core.register_buffer(ptr, n)
+
+    def _in_pool(self, ptr: int, n: int) -> bool:
+        """Whether ``[ptr, ptr + n)`` lies inside one ``alloc_from_mem_pool`` allocation."""
+        return any(a <= ptr and ptr + n <= a + size for a, size in self._pool.items())
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
         ptr = check_int(buffer_ptr, "buffer_ptr")
+        if ptr in self._pool_registered:
+            self._pool_registered.discard(ptr)
+            return 0  # the pool stays registered for the pointer calls, as in Mooncake
         return self._core.unregister_buffer(ptr) if ptr > 0 else INVALID
 
     # ---- bytes --------------------------------------------------------------------------
@@ -177,7 +204,9 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             return rc
         if self._local_buffer == 0 or not len(memoryview(value)):
             return NO_BUFFER  # Mooncake: no local buffer to stage in; an empty value is -600
-        return call(key, value)
+        out = call(key, value)
+        self._core.spare([key], config)
+        return out
 
     def put(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
         return self._bytes_put(self._core.put, key, value, config)
@@ -201,7 +230,9 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             return rc
         if self._local_buffer == 0:
             return NO_BUFFER
-        return call(keys, values)
+        out = call(keys, values)
+        self._core.spare(keys, config)
+        return out
 
     def put_batch(self, keys: List[str], values: List[Any], config: Optional[ReplicateConfig] = None) -> int:
         return self._bytes_batch(self._core.put_batch, keys, values, config)
@@ -244,13 +275,21 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
     def _one(self, call, key, ptr, size, config=None) -> int:
         check_str(key, "key")
         rc = config_code(config)
-        return rc or _masked(call, [key], [check_int(ptr, "buffer_ptr")], [check_int(size, "size")])[0]
+        if rc:
+            return rc
+        out = _masked(call, [key], [check_int(ptr, "buffer_ptr")], [check_int(size, "size")])[0]
+        self._core.spare([key], config)
+        return out
 
     def _many(self, call, keys, ptrs, sizes, config=None) -> List[int]:
         keys = _check_keys(keys)
         ptrs, sizes = _ints(ptrs, "buffer_ptrs"), _ints(sizes, "sizes")
         rc = config_code(config)
-        return [rc] * len(keys) if rc else _masked(call, keys, ptrs, sizes)
+        if rc:
+            return [rc] * len(keys)
+        out = _masked(call, keys, ptrs, sizes)
+        self._core.spare(keys, config)
+        return out
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None) -> int:
         return self._one(self._core.batch_put_from, key, buffer_ptr, size, config)
@@ -291,6 +330,7 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             return [INVALID] * len(keys)
         bad = [any(p <= 0 for p in ps) or any(n < 0 for n in ns) for ps, ns in zip(ptrs, sizes)]
         out = call(keys, [[max(p, 0) for p in ps] for ps in ptrs], sizes)
+        self._core.spare(keys, config)
         return [INVALID if b else r for b, r in zip(bad, out)]
 
     def batch_put_from_multi_buffers(self, keys: List[str], all_buffer_ptrs: List[List[int]],
@@ -351,8 +391,13 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
 
     def batch_replica_clear(self, keys: List[str], segment_name: str = "") -> List[str]:
         """Clears the replicas of the keys whose lease has expired (only those in segment
-        ``segment_name`` if given); returns the keys cleared."""
-        return self._core.batch_replica_clear(_check_keys(keys), check_str(segment_name, "segment_name"))
+        ``segment_name`` if given); returns the keys cleared. A client of a ``kvtier-l3``
+        server names its own segment with its ``get_hostname()``, as in Mooncake: that is the
+        server's memory, where its objects are (kvtier keeps one replica, so it is cleared)."""
+        segment = check_str(segment_name, "segment_name")
+        if self._remote and segment == self._hostname:
+            segment = ""
+        return self._core.batch_replica_clear(_check_keys(keys), segment)
 
     def __repr__(self) -> str:
         return f"kvtier.mooncake_compat.MooncakeDistributedStore(setup={self._core.is_setup()})"

@@ -42,12 +42,60 @@ def _int_field(name: str):
     return property(get, set_)
 
 
-class SoftPinAction(enum.IntEnum):
-    """What a put does to the object's soft pin (Mooncake: keep as is, pin, unpin)."""
+def _soft_pin_action_field():
+    """``soft_pin_action``: a ``SoftPinAction`` member only (an int, a bool or None is a
+    ``TypeError``, as pybind11's enum caster refuses them); the field keeps its value."""
+
+    def get(self):
+        return self._soft_pin_action
+
+    def set_(self, v):
+        if not isinstance(v, SoftPinAction):
+            raise TypeError(f"soft_pin_action: incompatible type {type(v).__name__}, expected SoftPinAction")
+        self._soft_pin_action = v
+
+    return property(get, set_)
+
+
+def _soft_pin_ttl_field():
+    """``soft_pin_ttl_ms``: Mooncake's ``std::optional<uint64_t>``: None (the store's
+    default TTL) or an int in 0 ..= 2**64 - 1 (``True`` reads as 1, as pybind11 converts
+    it); anything else is a ``TypeError`` and the field keeps its value."""
+
+    def get(self):
+        return self._soft_pin_ttl_ms
+
+    def set_(self, v):
+        if v is not None:
+            if not isinstance(v, int):
+                raise TypeError(f"soft_pin_ttl_ms: incompatible type {type(v).__name__}, expected int or None")
+            if not 0 <= v <= _SIZE_T_MAX:
+                raise TypeError(f"soft_pin_ttl_ms: {v} is outside 0..=2**64-1 (a uint64_t)")
+            v = int(v)
+        self._soft_pin_ttl_ms = v
+
+    return property(get, set_)
+
+
+class SoftPinAction(enum.Enum):
+    """What a put does to the object's soft pin (Mooncake: keep as is, pin, unpin).
+
+    A pybind11 enum in Mooncake, and so not an ``IntEnum`` here: members equal only
+    themselves (``SoftPinAction.ENABLE == 1`` is False, as there), while ``int()``,
+    ``operator.index`` and ``hash`` give the value."""
 
     PRESERVE = 0
     ENABLE = 1
     DISABLE = 2
+
+    def __int__(self) -> int:
+        return self.value
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
 
 
 class ObjectDataType(enum.IntEnum):
@@ -93,13 +141,15 @@ class ReplicateConfig:
     replica_num = _int_field("replica_num")
     nof_replica_num = _int_field("nof_replica_num")
     dfs_replica_num = _int_field("dfs_replica_num")
+    soft_pin_action = _soft_pin_action_field()
+    soft_pin_ttl_ms = _soft_pin_ttl_field()
 
     def __init__(self) -> None:
         self.replica_num = 1
         self.nof_replica_num = 0
         self.dfs_replica_num = 0
-        self.soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
-        self.soft_pin_ttl_ms: Optional[int] = None
+        self.soft_pin_action = SoftPinAction.PRESERVE
+        self.soft_pin_ttl_ms = None
         self.with_hard_pin: bool = False
         self.preferred_segment: str = ""
         self.preferred_segments: List[str] = []
@@ -129,7 +179,13 @@ def config_code(config: Optional[ReplicateConfig]) -> int:
         return 0
     if not isinstance(config, ReplicateConfig):
         raise TypeError("config: expected kvtier.mooncake_compat.ReplicateConfig")
-    return 0 if config.replica_num >= 1 else int(ErrorCode.INVALID_PARAMS)
+    if config.replica_num < 1:
+        return int(ErrorCode.INVALID_PARAMS)
+    # Mooncake: a soft-pin TTL is only meaningful with ENABLE; with PRESERVE or DISABLE the
+    # put is refused (-600), measured on 0.3.13 (mooncake_api_driver.py "soft_pin_*").
+    if config.soft_pin_ttl_ms is not None and config.soft_pin_action is not SoftPinAction.ENABLE:
+        return int(ErrorCode.INVALID_PARAMS)
+    return 0
 
 
 class Descriptor:
@@ -176,10 +232,14 @@ class ReplicaDescriptor:
         return self._memory is not None
 
     def is_disk_replica(self) -> bool:
-        return self._disk is not None
+        """False: Mooncake's DISK is a shared file system's copy, which kvtier has not."""
+        return False
 
     def is_local_disk_replica(self) -> bool:
-        return False
+        """Whether this is an SSD copy: kvtier's SSD tier lies on the store node holding the
+        segment, which Mooncake calls LOCAL_DISK (an offloaded object after eviction is
+        LOCAL_DISK only, as Mooncake's promotion-on-hit test reads it)."""
+        return self._disk is not None
 
     def get_memory_descriptor(self) -> MemoryDescriptor:
         if self._memory is None:
