@@ -135,6 +135,21 @@ struct Args {
     /// dropped when they come back).
     #[arg(long, default_value_t = 30_000)]
     rebuild_timeout_ms: u64,
+    /// Cap a tenant's DRAM bytes: NAME=BYTES (repeatable). A put past the cap evicts that
+    /// tenant's own objects first, and fails with -200 when it cannot make room.
+    #[arg(long = "tenant-quota", value_parser = parse_quota)]
+    tenant_quota: Vec<(String, u64)>,
+}
+
+fn parse_quota(s: &str) -> Result<(String, u64), String> {
+    let (name, bytes) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=BYTES, got {s:?}"))?;
+    crate::types::Tenant::new(name).map_err(|e| e.to_string())?;
+    let bytes = bytes
+        .parse::<u64>()
+        .map_err(|e| format!("bad byte count in {s:?}: {e}"))?;
+    Ok((name.to_string(), bytes))
 }
 
 /// Parses `args` (the first item is the program name) and runs the server role they name
@@ -220,6 +235,7 @@ fn run(args: Args) -> Result<(), String> {
         recycle_idle_bytes: args.recycle_idle_bytes,
         idle_trim_after: Duration::from_millis(args.idle_trim_ms),
         rebuild_timeout: Duration::from_millis(args.rebuild_timeout_ms),
+        tenant_quota_bytes: args.tenant_quota.iter().cloned().collect(),
         ssd,
         ..Default::default()
     };

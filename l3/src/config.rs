@@ -127,6 +127,12 @@ pub struct StoreConfig {
     /// ones are then fenced: their old SSD records are dropped when they mount).
     #[serde(default = "default_rebuild_timeout")]
     pub rebuild_timeout: Duration,
+    /// Most DRAM bytes (memory replicas, pending puts included) each named tenant may hold;
+    /// tenants not named have no cap. A put past its tenant's cap evicts that tenant's own
+    /// objects first (least recently used, never leased ones), and fails with -200 when
+    /// they cannot make room: one tenant cannot take another's cache.
+    #[serde(default)]
+    pub tenant_quota_bytes: std::collections::BTreeMap<String, u64>,
 }
 
 fn default_rebuild_timeout() -> Duration {
@@ -158,6 +164,7 @@ impl Default for StoreConfig {
             loss_journal_keys: 0,
             recycle_idle_bytes: default_recycle_idle_bytes(),
             rebuild_timeout: default_rebuild_timeout(),
+            tenant_quota_bytes: Default::default(),
             idle_trim_after: default_idle_trim_after(),
         }
     }
@@ -189,6 +196,9 @@ impl StoreConfig {
         }
         if self.promotion.workers == 0 || self.promotion.queue_len == 0 {
             return bad("promotion workers and queue length must be positive");
+        }
+        for name in self.tenant_quota_bytes.keys() {
+            crate::types::Tenant::new(name.as_str())?;
         }
         Ok(())
     }

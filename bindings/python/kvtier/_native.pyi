@@ -262,6 +262,7 @@ class L3Store:
         tenant: str = "default",
         name: str = "",
         loss_journal_keys: int = 0,
+        tenant_quota_bytes: Optional[Dict[str, int]] = None,
     ) -> "L3Store": ...
     @staticmethod
     def connect(
@@ -311,6 +312,7 @@ class L3Server:
         max_batch_keys: int = 65_536,
         ssd_dir: Optional[str] = None,
         loss_journal_keys: int = 65_536,
+        tenant_quota_bytes: Optional[Dict[str, int]] = None,
     ) -> None: ...
     @property
     def addr(self) -> str: ...

@@ -25,7 +25,7 @@ impl PyL3Server {
     #[new]
     #[pyo3(signature = (segment_bytes = 1 << 30, *, addr = "127.0.0.1:0", token = None,
                         lease_ttl_ms = 10_000, max_object_bytes = 1 << 30, max_batch_keys = 65_536,
-                        ssd_dir = None, loss_journal_keys = 65_536))]
+                        ssd_dir = None, loss_journal_keys = 65_536, tenant_quota_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -37,6 +37,7 @@ impl PyL3Server {
         max_batch_keys: usize,
         ssd_dir: Option<String>,
         loss_journal_keys: usize,
+        tenant_quota_bytes: Option<std::collections::HashMap<String, u64>>,
     ) -> PyResult<Self> {
         let sa: SocketAddr = addr
             .parse()
@@ -50,6 +51,7 @@ impl PyL3Server {
             None,
         );
         cfg.loss_journal_keys = loss_journal_keys;
+        cfg.tenant_quota_bytes = tenant_quota_bytes.unwrap_or_default().into_iter().collect();
         let h = py
             .detach(move || -> L3Result<ServerHandle> {
                 let store = Arc::new(EmbeddedStore::new(cfg)?);

@@ -156,7 +156,8 @@ impl PyL3Store {
     #[staticmethod]
     #[pyo3(signature = (segment_bytes = 1 << 30, *, lease_ttl_ms = 10_000, max_object_bytes = 1 << 30,
                         max_batch_keys = 65_536, ssd_dir = None, ssd_capacity_bytes = None,
-                        tenant = "default", name = "", loss_journal_keys = 0))]
+                        tenant = "default", name = "", loss_journal_keys = 0,
+                        tenant_quota_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn embedded(
         py: Python<'_>,
@@ -169,6 +170,7 @@ impl PyL3Store {
         tenant: &str,
         name: &str,
         loss_journal_keys: usize,
+        tenant_quota_bytes: Option<std::collections::HashMap<String, u64>>,
     ) -> PyResult<Self> {
         let t = super::tenant(tenant)?;
         let mut cfg = store_config(
@@ -180,6 +182,7 @@ impl PyL3Store {
             ssd_capacity_bytes,
         );
         cfg.loss_journal_keys = loss_journal_keys;
+        cfg.tenant_quota_bytes = tenant_quota_bytes.unwrap_or_default().into_iter().collect();
         let name = name.to_string();
         let s = py
             .detach(move || shared_embedded(&name, cfg))

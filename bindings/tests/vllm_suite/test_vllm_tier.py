@@ -24,7 +24,8 @@ def tier(**kw):
 
 
 def embedded(**kw):
-    return tier(segment_bytes="64MB", name=f"t-{uuid.uuid4().hex[:8]}", **kw)
+    kw.setdefault("name", f"t-{uuid.uuid4().hex[:8]}")
+    return tier(segment_bytes="64MB", **kw)
 
 
 def serve(engine: Engine, prompts, salt=None):
@@ -287,3 +288,25 @@ def test_a_server_tier_answers_its_own_chunks_without_a_probe_and_forgets_lost_o
         assert d.gpu_ok and d.external_tokens == FULL
     finally:
         srv.kill()
+
+
+def test_a_tenant_quota_keeps_one_tenant_to_its_share_of_the_store(engines):
+    # Chunks are 8 KiB: tenant "a" may hold two of them; tenant "b" has no cap.
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    ea = engines([embedded(name=name, tenant="a", tenant_quota_bytes=2 * 8192)])
+    eb = engines([dict(embedded(name=name), tenant="b")])
+    serve(eb, [PROMPT])
+    prompts = [list(range(5000 * (i + 1), 5000 * (i + 1) + FULL + 3)) for i in range(6)]
+    serve(ea, prompts)
+    held = [k for p in prompts for k in ea.tier_keys_of(p) if ea.tier.store.is_exist(ea.tier.key(k))]
+    assert 0 < len(held) <= 2, held
+    # The uncapped tenant kept everything, and a new engine of it hits in full.
+    (b2,) = serve(engines([dict(embedded(name=name), tenant="b")]), [PROMPT])
+    assert b2.external_tokens == FULL and b2.gpu_ok
+
+
+def test_a_tenant_quota_is_for_embedded_stores_only(engines):
+    with pytest.raises(VllmTierConfigError, match="--tenant-quota"):
+        engines([tier(server="127.0.0.1:1", tenant_quota_bytes="1GB")])
+    with pytest.raises(VllmTierConfigError, match="tenant_quota_bytes"):
+        engines([embedded(tenant_quota_bytes="lots")])

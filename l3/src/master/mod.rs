@@ -233,6 +233,8 @@ pub struct MasterPolicy {
     pub offload_on_evict: bool,
     /// Capacity of the loss journal (0 = off; see [`Losses`]).
     pub loss_journal_keys: usize,
+    /// DRAM cap per tenant name (`StoreConfig::tenant_quota_bytes`).
+    pub tenant_quota_bytes: std::collections::BTreeMap<String, u64>,
 }
 
 impl MasterPolicy {
@@ -251,6 +253,7 @@ impl MasterPolicy {
                 .as_ref()
                 .is_some_and(|s| s.mode == crate::config::OffloadMode::OnEvict),
             loss_journal_keys: cfg.loss_journal_keys,
+            tenant_quota_bytes: cfg.tenant_quota_bytes.clone(),
         }
     }
 }

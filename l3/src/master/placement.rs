@@ -41,6 +41,7 @@ impl Master {
                 }
             }
         }
+        self.tenant_room(t, size.saturating_mul(replicas.max(1) as u64), now, out)?;
         let placed = self.allocate(size, replicas.max(1), now, out)?;
         let descs: Vec<ReplicaDescriptor> = placed
             .iter()
@@ -140,12 +141,52 @@ impl Master {
         Ok(placed)
     }
 
+    /// DRAM bytes tenant `t` holds (memory replicas, pending puts included).
+    pub fn tenant_dram_bytes(&self, t: &Tenant) -> u64 {
+        self.tenants.get(t).map_or(0, |m| {
+            m.values()
+                .map(|o| o.size.saturating_mul(o.mem.len() as u64))
+                .sum()
+        })
+    }
+
+    /// Makes room for `bytes` more of tenant `t` under its quota, evicting its own objects
+    /// (the others' are never touched); -200 when it cannot (leased, or larger than the cap).
+    fn tenant_room(
+        &mut self,
+        t: &Tenant,
+        bytes: u64,
+        now: u64,
+        out: &mut EvictionOutcome,
+    ) -> L3Result<()> {
+        let Some(&cap) = self.policy.tenant_quota_bytes.get(t.as_str()) else {
+            return Ok(());
+        };
+        let over = |used: u64| used.saturating_add(bytes).saturating_sub(cap);
+        let need = over(self.tenant_dram_bytes(t));
+        if need > 0 && bytes <= cap {
+            self.evict_in(need, now, out, Some(t));
+        }
+        if over(self.tenant_dram_bytes(t)) > 0 {
+            return Err(L3Error::NoAvailableHandle { needed: bytes });
+        }
+        Ok(())
+    }
+
     /// Evicts memory replicas (near-LRU, never leased, pinned last) to free `need` bytes.
     /// An object is evicted whole: all its memory replicas go.
     pub fn evict(&mut self, need: u64, now: u64, out: &mut EvictionOutcome) {
+        self.evict_in(need, now, out, None);
+    }
+
+    /// [`Master::evict`] among tenant `only`'s objects (all tenants' when `None`).
+    fn evict_in(&mut self, need: u64, now: u64, out: &mut EvictionOutcome, only: Option<&Tenant>) {
         let mut refs: Vec<(Tenant, String)> = Vec::new();
         let mut cands: Vec<Candidate> = Vec::new();
         for (t, m) in &self.tenants {
+            if only.is_some_and(|o| o != t) {
+                continue;
+            }
             for (k, o) in m {
                 if o.mem.is_empty() || !o.is_complete() {
                     continue;

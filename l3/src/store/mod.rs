@@ -171,6 +171,11 @@ impl EmbeddedStore {
         (m.in_memory(tenant, key), m.on_disk(tenant, key))
     }
 
+    /// DRAM bytes the tenant holds (what `StoreConfig::tenant_quota_bytes` caps).
+    pub fn tenant_dram_bytes(&self, tenant: &Tenant) -> u64 {
+        self.inner.master.lock().tenant_dram_bytes(tenant)
+    }
+
     /// Whether the key is leased now.
     pub fn is_leased(&self, tenant: &Tenant, key: &str) -> bool {
         let now = self.inner.clock.now_ms();

@@ -81,7 +81,7 @@ _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
 # The tier's own keys in the secondary_tiers entry (vLLM passes every other key through).
 TIER_KEYS = (
     "server", "token", "segment_bytes", "ssd_dir", "ssd_capacity_bytes", "name", "tenant",
-    "rpc_timeout_ms", "io_threads", "locality", "known_keys",
+    "rpc_timeout_ms", "io_threads", "locality", "known_keys", "tenant_quota_bytes",
 )
 
 
@@ -174,7 +174,12 @@ class KvtierSecondaryTier(SecondaryTierManager):
     def _open(self, config: Dict[str, Any]) -> kvtier.L3Store:
         addr = config.get("server") or os.environ.get(ENV_ADDR)
         self._server: Optional[Dict[str, Any]] = None
+        quota = config.get("tenant_quota_bytes")
         if addr:
+            if quota is not None:
+                raise VllmTierConfigError(
+                    "kvtier tier: tenant_quota_bytes caps an embedded store; a kvtier-l3 server's "
+                    "tenants are capped by its own --tenant-quota NAME=BYTES")
             token = config.get("token") or os.environ.get(ENV_TOKEN)
             self._server = dict(addr=str(addr), token=token, tenant=self.tenant,
                                 rpc_timeout_ms=self._rpc_timeout_ms)
@@ -190,10 +195,14 @@ class KvtierSecondaryTier(SecondaryTierManager):
         cap_b = None if cap is None else parse_size(cap)
         if cap is not None and cap_b is None:
             raise VllmTierConfigError(f"kvtier tier: bad ssd_capacity_bytes {cap!r}")
+        quota_b = None if quota is None else parse_size(quota)
+        if quota is not None and quota_b is None:
+            raise VllmTierConfigError(f"kvtier tier: bad tenant_quota_bytes {quota!r}")
         ssd = config.get("ssd_dir")
         try:
             return kvtier.L3Store.embedded(seg, ssd_dir=None if ssd is None else str(ssd), ssd_capacity_bytes=cap_b,
-                                           tenant=self.tenant, name=str(config.get("name", "")))
+                                           tenant=self.tenant, name=str(config.get("name", "")),
+                                           tenant_quota_bytes=None if quota_b is None else {self.tenant: quota_b})
         except (kvtier.L3Error, ValueError) as e:
             raise VllmTierConfigError(f"kvtier tier: cannot open the embedded store: {e!r}") from e
 

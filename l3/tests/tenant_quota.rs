@@ -1,0 +1,153 @@
+//! Per-tenant DRAM caps (`StoreConfig::tenant_quota_bytes`, `kvtier-l3 --tenant-quota`): a
+//! tenant past its cap evicts its own least recently used objects, never another tenant's,
+//! and a put that cannot fit (larger than the cap, or every object leased) fails with -200
+//! leaving the store as it was. Engines that share one L3 (the vLLM tier's `tenant`) get a
+//! share each instead of the busiest taking the whole cache.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+mod common;
+
+use common::procs::{args, eventually, master_in, node_with, spawn};
+use common::{client, payload, t};
+use kvtier_l3::{EmbeddedStore, L3Error, L3Store, StoreConfig};
+use proptest::prelude::*;
+
+const OBJ: usize = 256 << 10;
+
+fn store(quota_a: u64) -> EmbeddedStore {
+    EmbeddedStore::new(StoreConfig {
+        local_segment_bytes: 64 << 20,
+        loss_journal_keys: 1024,
+        tenant_quota_bytes: BTreeMap::from([("a".to_string(), quota_a)]),
+        ..StoreConfig::default()
+    })
+    .unwrap()
+}
+
+fn exists(s: &dyn L3Store, tenant: &str, key: &str) -> bool {
+    s.is_exist(&t(tenant), key).unwrap()
+}
+
+/// What the cap must mean on any store (embedded, or a master of nodes): `a` keeps its four
+/// newest objects, `b` (no cap, all older) keeps everything, a put larger than the cap and a
+/// put that could only fit by evicting leased objects are -200 and change nothing.
+fn check_caps(s: &dyn L3Store) {
+    for i in 0..8 {
+        s.put(
+            &t("b"),
+            &format!("b{i}"),
+            &payload(i, OBJ),
+            Default::default(),
+        )
+        .unwrap();
+    }
+    for i in 0..8 {
+        s.put(
+            &t("a"),
+            &format!("a{i}"),
+            &payload(i, OBJ),
+            Default::default(),
+        )
+        .unwrap();
+    }
+    for i in 0..8 {
+        assert!(
+            exists(s, "b", &format!("b{i}")),
+            "b{i}: another tenant evicted"
+        );
+        assert_eq!(exists(s, "a", &format!("a{i}")), i >= 4, "a{i}");
+    }
+    let big = s.put(&t("a"), "big", &payload(9, 4 * OBJ + 1), Default::default());
+    assert!(
+        matches!(big, Err(L3Error::NoAvailableHandle { .. })),
+        "{big:?}"
+    );
+    // Leases on everything `a` holds: nothing of it may be evicted, so no room.
+    for i in 4..8 {
+        s.get_replica_list(&t("a"), &format!("a{i}")).unwrap();
+    }
+    let leased = s.put(&t("a"), "late", &payload(10, OBJ), Default::default());
+    assert!(
+        matches!(leased, Err(L3Error::NoAvailableHandle { .. })),
+        "{leased:?}"
+    );
+    for i in 4..8 {
+        assert!(exists(s, "a", &format!("a{i}")));
+    }
+    assert!(!exists(s, "a", "big") && !exists(s, "a", "late"));
+}
+
+#[test]
+fn a_tenant_past_its_cap_evicts_only_its_own_objects() {
+    let s = store(4 * OBJ as u64);
+    let cursor = s.losses_since(&t("a"), None).unwrap().next;
+    check_caps(&s);
+    // The engine is told: the loss journal names what the cap evicted.
+    let l = s.losses_since(&t("a"), Some(cursor)).unwrap();
+    for i in 0..4 {
+        assert!(l.keys.contains(&format!("a{i}")), "{:?}", l.keys);
+    }
+}
+
+#[test]
+fn a_master_caps_tenants_across_its_nodes() {
+    let state = tempfile::tempdir().unwrap();
+    let quota = format!("a={}", 4 * OBJ);
+    let master = master_in(
+        "127.0.0.1:0",
+        state.path(),
+        &["--tenant-quota", &quota],
+        None,
+    );
+    let _n1 = node_with(master.addr, 1, None, None, &["--segment-bytes", "33554432"]);
+    let c = client(master.addr, None);
+    assert!(eventually(Duration::from_secs(10), || c
+        .put(&t("probe"), "p", b"x", Default::default())
+        .is_ok()));
+    check_caps(&c);
+}
+
+#[test]
+fn a_malformed_quota_flag_is_refused_at_startup() {
+    for bad in ["a", "a=lots", "=5", "a/b=5"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
+            .args(args(&["--tenant-quota", bad]))
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad:?} accepted");
+    }
+    // A good one starts.
+    let _p = spawn(
+        &args(&["--listen", "127.0.0.1:0", "--tenant-quota", "a=1048576"]),
+        None,
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    /// Random puts of two tenants, one capped: the capped tenant never holds more than its
+    /// cap, and the uncapped one never loses an object (the segment is large enough).
+    #[test]
+    fn a_capped_tenant_never_exceeds_its_cap(
+        puts in proptest::collection::vec((any::<bool>(), 1usize..(3 * OBJ)), 1..40),
+    ) {
+        let cap = 4 * OBJ as u64;
+        let s = store(cap);
+        let mut b_keys = Vec::new();
+        for (i, (is_a, len)) in puts.into_iter().enumerate() {
+            let (tn, key) = if is_a { ("a", format!("a{i}")) } else { ("b", format!("b{i}")) };
+            let r = s.put(&t(tn), &key, &payload(i, len), Default::default());
+            prop_assert!(r.is_ok(), "{key}: {r:?}");
+            if !is_a {
+                b_keys.push(key);
+            }
+            prop_assert!(s.tenant_dram_bytes(&t("a")) <= cap);
+        }
+        for k in b_keys {
+            prop_assert!(exists(&s, "b", &k), "{k} evicted");
+        }
+    }
+}
