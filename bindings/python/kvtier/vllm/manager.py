@@ -1,0 +1,241 @@
+"""kvtier's scheduler as vLLM's offloading manager: ``KvtierOffloadingSpec``.
+
+Why: with a tier and a policy (tier.py, policy.py) vLLM's own manager decides what to load,
+store and keep; kvtier only stores bytes and ranks evictions. Here vLLM's
+``OffloadingConnector`` asks kvtier instead: ``KvtierOffloadingManager`` answers every
+manager call from ``kvtier.OffloadManager`` (the scheduler crate's offloading-manager mode:
+the radix tree over the host tier, prefix-closed residency, kvtier's eviction policy, locks
+on what a copy reads or extends). vLLM keeps its GPU prefix cache and its GPU↔host copy
+worker (``CPUOffloadingSpec``'s, over the same host slots), so the spec subclasses
+``CPUOffloadingSpec`` and replaces only the manager.
+
+How: ``chunks.py`` turns a request's offload keys (positions in its ``ReqContext``) into one
+page-hash chain per KV group; host slot ids are vLLM's CPU chunk ids. ``prepare_store`` stores
+the longest run of offered chunks right after the chain's host-resident prefix (kvtier's
+choice; the rest are not stored, so vLLM does not copy them) and reports the evicted keys;
+``complete_store`` / ``complete_load`` find the kvtier jobs by the key set vLLM passes back.
+Requests use vLLM's ``REQUEST_LEVEL`` offload policy so that chunks vLLM found in its GPU
+prefix cache are offered too: kvtier's host tier holds prefixes, not loose chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Dict, Iterable, List, Optional, Tuple
+
+from vllm.v1.kv_offload.base import (
+    CacheHitSource,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from .. import OffloadManager
+from .chunks import Chain, ChunkChains, group_of
+
+__all__ = ["KvtierOffloadingManager", "KvtierOffloadingSpec"]
+
+_LOOKUP = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING, "miss": LookupResult.MISS}
+
+
+def _positions(ctx: ReqContext) -> Dict[bytes, int]:
+    # vLLM 0.33 records every key's end-token position here (set_offload_key_position) and
+    # offers only a per-key getter; the chain needs them all.
+    return ctx._offload_key_positions  # noqa: SLF001
+
+
+class KvtierOffloadingManager(OffloadingManager):
+    """vLLM's ``OffloadingManager`` answered by kvtier's radix tree over ``num_chunks`` host
+    slots (see the module docs)."""
+
+    def __init__(self, num_chunks: int, tokens_per_chunk: Dict[int, int], policy: str = "lru",
+                 enable_events: bool = False):
+        self.policy = policy
+        self.native = OffloadManager(num_chunks, policy)
+        self.tokens_per_chunk = dict(tokens_per_chunk)
+        self.events: Optional[List[OffloadingEvent]] = [] if enable_events else None
+        self.medium = Medium.CPU
+        self._key_of: Dict[bytes, bytes] = {}  # page hash -> offload key, for host pages
+        # vLLM key set -> kvtier jobs, each (job, pages it writes)
+        self._stores: Dict[frozenset, List[List[Tuple[int, List[bytes]]]]] = {}
+        self._loads: Dict[frozenset, List[List[int]]] = {}
+
+    # ----- chains ---------------------------------------------------------------------
+
+    def _chains(self, ctx: ReqContext) -> ChunkChains:
+        c = ctx.get_state(ChunkChains)
+        if c is None:
+            c = ChunkChains(self.tokens_per_chunk)
+            ctx.set_state(c)
+        return c
+
+    def _by_chain(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> List[Tuple[Chain, List[int]]]:
+        """The keys that are pages, grouped by chain (group order), as sorted indices."""
+        chains = self._chains(ctx).update(_positions(ctx))
+        out: Dict[int, List[int]] = {}
+        for k in keys:
+            g = group_of(k)
+            c = chains.get(g)
+            i = None if c is None else c.index.get(bytes(k))
+            if i is not None:
+                out.setdefault(g, []).append(i)
+        return [(chains[g], sorted(ix)) for g, ix in sorted(out.items())]
+
+    # ----- vLLM's manager API -----------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        loc = self._chains(req_context).locate(_positions(req_context), bytes(key))
+        if loc is None:
+            return LookupResult.MISS
+        chain, i = loc
+        return _LOOKUP[self.native.lookup(chain.pages[: i + 1], i)]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        slot_of: Dict[bytes, int] = {}
+        jobs: List[int] = []
+        try:
+            for chain, ix in self._by_chain(keys, req_context):
+                lo, hi = ix[0], ix[-1] + 1
+                job, slots = self.native.prepare_load(chain.pages[:hi], lo, hi)
+                jobs.append(job)
+                for i in ix:
+                    slot_of[chain.keys[i]] = slots[i - lo]
+            spec = CPULoadStoreSpec([slot_of[bytes(k)] for k in keys])
+        except Exception:
+            for j in jobs:
+                self.native.complete_load(j)
+            raise
+        self._loads.setdefault(frozenset(bytes(k) for k in keys), []).append(jobs)
+        return spec
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for j in self._pop(self._loads, keys):
+            self.native.complete_load(j)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for chain, ix in self._by_chain(keys, req_context):
+            self.native.touch(chain.pages[: ix[-1] + 1])
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
+        to_store: List[bytes] = []
+        slots: List[int] = []
+        evicted: List[bytes] = []
+        jobs: List[Tuple[int, List[bytes]]] = []
+        refused = False
+        for chain, ix in self._by_chain(keys, req_context):
+            offered = set(ix)
+            start = self.native.host_prefix(chain.pages)
+            end = start
+            while end in offered:
+                end += 1
+            if end == start:
+                continue  # on host already, or its prefix is not: kvtier does not store it
+            plan = self.native.prepare_store(chain.pages[:end], end)
+            if plan is None:
+                refused = refused or self.native.lookup(chain.pages[: start + 1], start) == "miss"
+                continue
+            job, frm, got, gone = plan
+            jobs.append((job, chain.pages[frm:frm + len(got)]))
+            for off, slot in enumerate(got):
+                key = chain.keys[frm + off]
+                to_store.append(key)
+                slots.append(slot)
+                self._key_of[chain.pages[frm + off]] = key
+            evicted.extend(self._key_of[p] for p in gone if p in self._key_of)
+        self._drain()
+        if not jobs and refused:
+            return None  # every slot is pinned by copies in flight: vLLM retries later
+        if jobs:
+            self._stores.setdefault(frozenset(to_store), []).append(jobs)
+        return PrepareStoreOutput(keys_to_store=to_store, store_spec=CPULoadStoreSpec(slots),
+                                  evicted_keys=evicted)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        outcome = "done" if success else "failed"
+        for j, pages in self._pop(self._stores, keys):
+            self.native.complete_store(j, outcome)
+            if not success:  # never on host: the slots went back free
+                for p in pages:
+                    self._key_of.pop(p, None)
+        self._drain()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        self._drain()
+        if self.events:
+            out, self.events = self.events, []
+            yield from out
+
+    def reset_cache(self) -> None:
+        # Pinned pages stay until their copies complete; everything else is dropped.
+        pinned = self.native.usage()
+        if pinned["stores"] or pinned["loads"]:
+            return
+        self.native = OffloadManager(int(pinned["capacity"]), self.policy)
+        self._key_of.clear()
+
+    # ----- kvtier ---------------------------------------------------------------------
+
+    def check(self) -> None:
+        """kvtier's consistency check, plus this adapter's own books: every host page has
+        its key, every in-flight kvtier job is one vLLM job's."""
+        self.native.check()
+        u = self.native.usage()
+        if len(self._key_of) != u["cached"] + u["held"]:
+            raise AssertionError(f"{len(self._key_of)} keys known for {u['cached']} cached + {u['held']} held slots")
+        stores = sum(len(j) for js in self._stores.values() for j in js)
+        loads = sum(len(j) for js in self._loads.values() for j in js)
+        if (stores, loads) != (u["stores"], u["loads"]):
+            raise AssertionError(f"jobs: vLLM {stores} stores / {loads} loads, kvtier {u['stores']} / {u['loads']}")
+
+    def _pop(self, table: Dict[frozenset, List[Any]], keys: Collection[OffloadKey]) -> Any:
+        k = frozenset(bytes(x) for x in keys)
+        if not table.get(k):
+            return []
+        jobs = table[k].pop(0)
+        if not table[k]:
+            del table[k]
+        return jobs
+
+    def _drain(self) -> None:
+        for removed, pages in self.native.drain_events():
+            keys = [self._key_of[p] for p in pages if p in self._key_of]
+            if removed:
+                for p in pages:
+                    self._key_of.pop(p, None)
+            if self.events is not None and keys:
+                self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
+
+
+class KvtierOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading (its host slots and GPU↔host worker) with kvtier's manager.
+
+    ``--kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec", "spec_module_path":
+    "kvtier.vllm", "cpu_bytes_to_use": ..., "kvtier_eviction": "freq-depth"}}'``
+    """
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.kvtier_eviction = str(self.extra_config.get("kvtier_eviction", "lru"))
+        self.tokens_per_chunk = {int(g.group_id): int(g.tokens_per_block) * int(self.blocks_per_chunk)
+                                 for g in config.groups}
+
+    def get_manager(self) -> OffloadingManager:
+        if not self._manager:
+            self._manager = KvtierOffloadingManager(
+                self.num_chunks, self.tokens_per_chunk, self.kvtier_eviction,
+                enable_events=self.kv_events_config.enable_kv_cache_events)
+        return self._manager
