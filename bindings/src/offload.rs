@@ -150,8 +150,14 @@ impl PyOffloadManager {
         Ok(out)
     }
 
+    /// Page hashes of stores that ended without reaching the tree (failed, or their parent
+    /// store failed) since the last call.
+    fn take_dropped<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        hashes(py, &self.inner.take_dropped())
+    }
+
     /// Host slots: capacity, free, held (in-flight stores), cached, locked; and in-flight
-    /// store and load jobs.
+    /// store and load jobs, pages being stored.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let u = self.inner.usage();
         let (stores, loads) = self.inner.in_flight();
@@ -163,6 +169,7 @@ impl PyOffloadManager {
         d.set_item("locked", u.locked)?;
         d.set_item("stores", stores)?;
         d.set_item("loads", loads)?;
+        d.set_item("storing", self.inner.storing())?;
         Ok(d)
     }
 

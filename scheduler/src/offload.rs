@@ -17,7 +17,11 @@
 //! deepest host-resident prefix of the chain (so neither it nor the slots can go while the
 //! engine copies), evicts the policy's coldest unlocked leaves if the free slots are short,
 //! and hands out held slots; [`OffloadManager::complete_store`] inserts them (success) or
-//! frees them (failure). A load locks the path it reads until [`OffloadManager::complete_load`].
+//! frees them (failure). A store may start right after pages another store is still writing
+//! (two requests with a common prefix computed in one step): its pages are inserted once
+//! that parent store landed (its lock moves down onto the parent's pages as soon as they are
+//! in the tree), and dropped if the parent failed. A load locks the path it reads until
+//! [`OffloadManager::complete_load`].
 //! Pages being stored are not answered as hits ([`Lookup::Pending`]) until their bytes landed.
 //! Every method validates before it changes anything: on `Err`, nothing changed.
 //!
@@ -38,6 +42,8 @@ pub enum OffloadError {
     NoHostSlots,
     #[error("no {kind} job has id {job}")]
     UnknownJob { kind: JobKind, job: u64 },
+    #[error("store job {job} was already reported")]
+    AlreadyCompleted { job: u64 },
     #[error("pages {from}..{to} are not a range of the {len}-page chain")]
     BadRange { from: usize, to: usize, len: usize },
     #[error("only {resident} leading pages of the chain are on host, {wanted} asked for")]
@@ -96,7 +102,22 @@ struct PendingStore {
     chain: Vec<PageHash>,
     from: usize,
     slots: Vec<HostPageId>,
+    /// On the deepest host-resident node of `chain[..from]` (moved down as it grows).
     lock: LockHandle<Host>,
+    state: StoreState,
+}
+
+/// Where a store stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StoreState {
+    /// The engine is writing the slots.
+    Writing,
+    /// The engine reported the bytes landed; the pages wait for their parent store.
+    Landed,
+    /// Its parent store failed while the engine was still writing: the pages will not be
+    /// inserted, and the slots stay held until the engine reports the job (a copy still in
+    /// flight must not land in a slot given to someone else).
+    Orphaned,
 }
 
 /// kvtier's host tier for an engine that owns its device tier. See the module docs.
@@ -106,6 +127,8 @@ pub struct OffloadManager {
     loads: HashMap<u64, LockHandle<Host>>,
     /// Pages of in-flight stores (not hits until stored; not stored twice).
     storing: HashSet<PageHash>,
+    /// Pages of stores that ended without reaching the tree, since the last `take_dropped`.
+    dropped: Vec<PageHash>,
     next_job: u64,
 }
 
@@ -143,6 +166,7 @@ impl OffloadManager {
             stores: HashMap::new(),
             loads: HashMap::new(),
             storing: HashSet::new(),
+            dropped: Vec::new(),
             next_job: 1,
         })
     }
@@ -182,7 +206,12 @@ impl OffloadManager {
                 len: chain.len(),
             });
         }
-        let (_, from) = self.cache.peek_prefix(&chain[..to]);
+        let (_, host) = self.cache.peek_prefix(&chain[..to]);
+        let from = host
+            + chain[host..to]
+                .iter()
+                .take_while(|h| self.storing.contains(h))
+                .count();
         let want = chain[from..to]
             .iter()
             .take_while(|h| !self.storing.contains(h))
@@ -190,7 +219,7 @@ impl OffloadManager {
         if want == 0 {
             return Ok(None);
         }
-        let m = self.cache.match_prefix(&chain[..from]);
+        let m = self.cache.match_prefix(&chain[..host]);
         let lock = self.cache.lock::<Host>(m.host_node)?;
         let usage = self.cache.usage(TierKind::Host);
         let n = want.min(usage.obtainable());
@@ -219,6 +248,7 @@ impl OffloadManager {
                 from,
                 slots: slots.clone(),
                 lock,
+                state: StoreState::Writing,
             },
         );
         Ok(Some(StorePlan {
@@ -232,35 +262,125 @@ impl OffloadManager {
     /// A store's bytes landed (`Done`: its pages become host hits) or not (`Failed`: its
     /// slots are freed).
     pub fn complete_store(&mut self, job: u64, outcome: JobOutcome) -> Result<(), OffloadError> {
-        let Some(p) = self.stores.remove(&job) else {
+        let Some(p) = self.stores.get_mut(&job) else {
             return Err(OffloadError::UnknownJob {
                 kind: JobKind::Store,
                 job,
             });
         };
+        match (p.state, outcome) {
+            (StoreState::Landed, _) => return Err(OffloadError::AlreadyCompleted { job }),
+            (StoreState::Orphaned, _) | (StoreState::Writing, JobOutcome::Failed) => {
+                self.drop_store(job)
+            }
+            (StoreState::Writing, JobOutcome::Done) => p.state = StoreState::Landed,
+        }
+        self.settle();
+        Ok(())
+    }
+
+    /// Inserts every landed store whose parent pages are on host, moves the locks of stores
+    /// whose parents just arrived onto them, and drops stores whose parent will never come
+    /// (failed, or evicted before they landed); until nothing changes.
+    fn settle(&mut self) {
+        loop {
+            let mut jobs: Vec<u64> = self.stores.keys().copied().collect();
+            jobs.sort_unstable();
+            let mut changed = false;
+            for job in jobs {
+                let Some(p) = self.stores.get(&job) else {
+                    continue;
+                };
+                let (from, state) = (p.from, p.state);
+                if state == StoreState::Orphaned {
+                    continue;
+                }
+                let (_, resident) = self.cache.peek_prefix(&p.chain[..from]);
+                if resident < from {
+                    if !self.storing.contains(&p.chain[resident]) {
+                        if state == StoreState::Landed {
+                            self.drop_store(job);
+                        } else {
+                            self.orphan_store(job);
+                        }
+                        changed = true;
+                    }
+                    continue;
+                }
+                let locked_at = self.cache.node_end(p.lock.node()).unwrap_or(0);
+                if locked_at < from {
+                    let chain = p.chain[..from].to_vec();
+                    let node = self.cache.match_prefix(&chain).host_node;
+                    if let Some(p) = self.stores.remove(&job) {
+                        let lock = match self.cache.relock(p.lock, node) {
+                            Ok(l) => l,
+                            Err(r) => r.handle,
+                        };
+                        self.stores.insert(job, PendingStore { lock, ..p });
+                    }
+                }
+                if state == StoreState::Landed {
+                    self.insert_store(job);
+                    changed = true;
+                }
+            }
+            if !changed {
+                return;
+            }
+        }
+    }
+
+    /// Gives a landed store's pages to the tree (its parent is on host, under its lock).
+    fn insert_store(&mut self, job: u64) {
+        let Some(p) = self.stores.remove(&job) else {
+            return;
+        };
         for h in &p.chain[p.from..] {
             self.storing.remove(h);
         }
+        let tokens: Vec<u32> = p.chain.iter().map(token_of).collect();
         let mut unused = p.slots.clone();
-        if outcome == JobOutcome::Done {
-            let tokens: Vec<u32> = p.chain.iter().map(token_of).collect();
-            // Cannot fail: the locked start ends at `from` with a host copy, the chain
-            // continues it and the slots are held (checked again by the tree all the same).
-            if let Ok(out) =
-                self.cache
-                    .insert::<Host>(p.lock.node(), p.from, &p.chain, &tokens, &p.slots)
-            {
-                unused = out
-                    .duplicates
-                    .into_iter()
-                    .map(|(_, mine, _)| mine)
-                    .collect();
-            }
+        // Cannot fail: the locked start ends at `from` with a host copy, the chain continues
+        // it and the slots are held (checked again by the tree all the same).
+        if let Ok(out) =
+            self.cache
+                .insert::<Host>(p.lock.node(), p.from, &p.chain, &tokens, &p.slots)
+        {
+            unused = out
+                .duplicates
+                .into_iter()
+                .map(|(_, mine, _)| mine)
+                .collect();
         }
         // The slots are ours (held since prepare_store): freeing them cannot fail.
         let _ = self.cache.free::<Host>(&unused);
         self.release(p.lock);
-        Ok(())
+    }
+
+    /// A store whose pages can no longer be inserted, while the engine still writes them.
+    fn orphan_store(&mut self, job: u64) {
+        if let Some(p) = self.stores.get_mut(&job) {
+            p.state = StoreState::Orphaned;
+            for h in &p.chain[p.from..] {
+                self.storing.remove(h);
+            }
+            self.dropped.extend_from_slice(&p.chain[p.from..]);
+        }
+    }
+
+    /// Forgets a store: its slots freed, its pages no longer being stored.
+    fn drop_store(&mut self, job: u64) {
+        let Some(p) = self.stores.remove(&job) else {
+            return;
+        };
+        if p.state != StoreState::Orphaned {
+            for h in &p.chain[p.from..] {
+                self.storing.remove(h);
+            }
+            self.dropped.extend_from_slice(&p.chain[p.from..]);
+        }
+        let _ = self.cache.free::<Host>(&p.slots);
+        self.release(p.lock);
     }
 
     /// Slots of pages `from..to` of `chain` for a load; they stay pinned until
@@ -325,14 +445,30 @@ impl OffloadManager {
         self.cache.drain_events()
     }
 
+    /// Pages of stores that ended without reaching the tree (failed, or their parent store
+    /// failed) since the last call: never hits, their slots free (or freed when reported).
+    pub fn take_dropped(&mut self) -> Vec<PageHash> {
+        std::mem::take(&mut self.dropped)
+    }
+
+    /// Pages being stored now.
+    pub fn storing(&self) -> usize {
+        self.storing.len()
+    }
+
     /// Host occupancy.
     pub fn usage(&self) -> TierUsage {
         self.cache.usage(TierKind::Host)
     }
 
-    /// In-flight (store, load) jobs.
+    /// Jobs the engine has not reported yet: (stores, loads).
     pub fn in_flight(&self) -> (usize, usize) {
-        (self.stores.len(), self.loads.len())
+        let stores = self
+            .stores
+            .values()
+            .filter(|p| p.state != StoreState::Landed)
+            .count();
+        (stores, self.loads.len())
     }
 
     /// The full consistency check: the tree's own invariants, one lock per in-flight job,
@@ -352,10 +488,15 @@ impl OffloadManager {
                 u.held
             ));
         }
-        let storing: usize = self.stores.values().map(|p| p.chain.len() - p.from).sum();
-        if storing != self.storing.len() || storing != held {
+        let storing: usize = self
+            .stores
+            .values()
+            .filter(|p| p.state != StoreState::Orphaned)
+            .map(|p| p.chain.len() - p.from)
+            .sum();
+        if storing != self.storing.len() {
             return Err(format!(
-                "{} pages marked storing, in-flight stores write {storing} into {held} slots",
+                "{} pages marked storing, in-flight stores write {storing}",
                 self.storing.len()
             ));
         }

@@ -94,6 +94,77 @@ fn a_loading_prefix_is_pinned_and_bad_calls_change_nothing() {
     m.check().unwrap();
 }
 
+#[test]
+fn a_store_after_a_pending_prefix_waits_for_it_and_dies_with_it() {
+    for parent_ok in [true, false] {
+        let mut m = OffloadManager::new(16, EvictionPolicy::Lru).unwrap();
+        let (a, b) = (chain(1, 4, 2), chain(2, 4, 2)); // pages 0..2 shared
+        let pa = m.prepare_store(&a, 4).unwrap().unwrap();
+        let pb = m.prepare_store(&b, 4).unwrap().unwrap();
+        assert_eq!((pa.from, pa.slots.len()), (0, 4));
+        assert_eq!(
+            (pb.from, pb.slots.len()),
+            (2, 2),
+            "b stores only its own pages"
+        );
+        m.complete_store(pb.job, JobOutcome::Done).unwrap();
+        assert_eq!(
+            m.lookup(&b, 3),
+            Lookup::Pending,
+            "landed, waiting for a's pages"
+        );
+        assert_eq!(
+            m.complete_store(pb.job, JobOutcome::Done),
+            Err(OffloadError::AlreadyCompleted { job: pb.job })
+        );
+        m.check().unwrap();
+        let outcome = if parent_ok {
+            JobOutcome::Done
+        } else {
+            JobOutcome::Failed
+        };
+        m.complete_store(pa.job, outcome).unwrap();
+        m.check().unwrap();
+        let dropped = m.take_dropped();
+        if parent_ok {
+            assert!(dropped.is_empty());
+        } else {
+            assert_eq!(
+                dropped,
+                [&a[..], &b[2..]].concat(),
+                "a's pages, then b's orphaned ones"
+            );
+        }
+        let want = if parent_ok { 4 } else { 0 };
+        assert_eq!((m.host_prefix(&a), m.host_prefix(&b)), (want, want));
+        assert_eq!(
+            m.usage().free,
+            16 - 2 * want + if parent_ok { 2 } else { 0 }
+        );
+    }
+}
+
+#[test]
+fn a_waiting_store_pins_its_parent_once_it_is_in_the_tree() {
+    let mut m = OffloadManager::new(6, EvictionPolicy::Lru).unwrap();
+    let (a, b) = (chain(1, 3, 2), chain(2, 3, 2));
+    let pa = m.prepare_store(&a, 3).unwrap().unwrap();
+    let pb = m.prepare_store(&b, 3).unwrap().unwrap();
+    m.complete_store(pa.job, JobOutcome::Done).unwrap();
+    // b has not landed: a's pages are in the tree, and b's lock keeps the shared two.
+    let c = chain(3, 5, 0);
+    let pc = m.prepare_store(&c, 5).unwrap().unwrap();
+    assert!(
+        pc.evicted.iter().all(|h| !a[..2].contains(h)),
+        "{:?}",
+        pc.evicted
+    );
+    m.complete_store(pb.job, JobOutcome::Done).unwrap();
+    assert_eq!(m.host_prefix(&b), 3);
+    m.complete_store(pc.job, JobOutcome::Done).unwrap();
+    m.check().unwrap();
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Store { prompt: u8, len: usize },
@@ -138,15 +209,17 @@ proptest! {
             match op {
                 Op::Store { prompt, len } => {
                     let c = chain(prompt, len, shared);
+                    let host = m.host_prefix(&c);
                     if let Some(p) = m.prepare_store(&c, len).unwrap() {
                         prop_assert!(!p.slots.is_empty());
                         evicted = p.evicted.clone();
-                        stores.push((p, c));
+                        let direct = p.from == host; // no parent store to wait for
+                        stores.push((p, c, direct));
                     }
                 }
                 Op::Complete { nth, ok } => {
                     if !stores.is_empty() {
-                        let (p, c) = stores.remove(nth % stores.len());
+                        let (p, c, direct) = stores.remove(nth % stores.len());
                         if ok {
                             for (i, s) in p.slots.iter().enumerate() {
                                 content.insert(s.index(), c[p.from + i]);
@@ -154,7 +227,9 @@ proptest! {
                         }
                         let outcome = if ok { JobOutcome::Done } else { JobOutcome::Failed };
                         m.complete_store(p.job, outcome).unwrap();
-                        if ok {
+                        if ok && direct {
+                            // Its parent was on host (and locked): inserted at once. (A store
+                            // after a parent store waits for it, and dies with it.)
                             prop_assert!(m.host_prefix(&c) >= p.from + p.slots.len());
                         }
                     }

@@ -97,6 +97,8 @@ class FakeDma(OffloadingWorker):
         self.page = gpu.shape[1]
         self.done: List[TransferResult] = []
         self.loads = self.stores = 0
+        self.hold_loads = False  # True: loads' bytes land, their reports wait for release()
+        self.held: List[TransferResult] = []
 
     def _pairs(self, gpu_spec, cpu_ids):
         blocks = np.asarray(gpu_spec.block_ids, dtype=np.int64)
@@ -123,9 +125,15 @@ class FakeDma(OffloadingWorker):
         for b, s in zip(blocks, subs):
             self.gpu[b] = self._host_page(s)
         self.loads += 1
-        self.done.append(TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page,
-                                        transfer_time=0.0))
+        (self.held if self.hold_loads else self.done).append(
+            TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page, transfer_time=0.0))
         return True
+
+    def release(self) -> None:
+        """Reports the held loads (with the next ``get_finished``)."""
+        self.hold_loads = False
+        self.done.extend(self.held)
+        self.held = []
 
     def get_finished(self):
         out, self.done = self.done, []
@@ -213,7 +221,11 @@ class Engine:
         # The worker side as OffloadingConnector builds it in a GPU worker process.
         wspec = OffloadingSpecFactory.create_spec(build_offloading_config(self.vllm_config, self.kv_cache_config))
         self.worker = OffloadingConnectorWorker(wspec, self.vllm_config, self.kv_cache_config)
-        self.dma = FakeDma(self.gpu, self.manager.primary_tier.get_kv_memoryview(), self.bpc)
+        # The host slots: vLLM's /dev/shm region under tiering (the scheduler maps it too);
+        # under a plain CPUOffloadingSpec (kvtier's manager) only the worker holds them.
+        host = (self.manager.primary_tier.get_kv_memoryview() if hasattr(self.manager, "primary_tier")
+                else np.zeros((wspec.num_chunks, self.page * self.bpc), dtype=np.uint8))
+        self.dma = FakeDma(self.gpu, host, self.bpc)
         self.worker.worker = self.dma
         self.hasher = get_request_block_hasher(BLOCK, sha256_cbor)
         self.tag = self.tag or f"{self.model}/{self.layers}/{self.dtype}"

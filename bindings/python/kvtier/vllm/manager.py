@@ -63,8 +63,8 @@ class KvtierOffloadingManager(OffloadingManager):
         self.events: Optional[List[OffloadingEvent]] = [] if enable_events else None
         self.medium = Medium.CPU
         self._key_of: Dict[bytes, bytes] = {}  # page hash -> offload key, for host pages
-        # vLLM key set -> kvtier jobs, each (job, pages it writes)
-        self._stores: Dict[frozenset, List[List[Tuple[int, List[bytes]]]]] = {}
+        self._pending: Dict[bytes, bytes] = {}  # the same, for pages being stored
+        self._stores: Dict[frozenset, List[List[int]]] = {}  # vLLM key set -> kvtier jobs
         self._loads: Dict[frozenset, List[List[int]]] = {}
 
     # ----- chains ---------------------------------------------------------------------
@@ -130,7 +130,7 @@ class KvtierOffloadingManager(OffloadingManager):
         to_store: List[bytes] = []
         slots: List[int] = []
         evicted: List[bytes] = []
-        jobs: List[Tuple[int, List[bytes]]] = []
+        jobs: List[int] = []
         refused = False
         for chain, ix in self._by_chain(keys, req_context):
             offered = set(ix)
@@ -145,12 +145,12 @@ class KvtierOffloadingManager(OffloadingManager):
                 refused = refused or self.native.lookup(chain.pages[: start + 1], start) == "miss"
                 continue
             job, frm, got, gone = plan
-            jobs.append((job, chain.pages[frm:frm + len(got)]))
+            jobs.append(job)
             for off, slot in enumerate(got):
                 key = chain.keys[frm + off]
                 to_store.append(key)
                 slots.append(slot)
-                self._key_of[chain.pages[frm + off]] = key
+                self._pending[chain.pages[frm + off]] = key
             evicted.extend(self._key_of[p] for p in gone if p in self._key_of)
         self._drain()
         if not jobs and refused:
@@ -162,11 +162,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         outcome = "done" if success else "failed"
-        for j, pages in self._pop(self._stores, keys):
+        for j in self._pop(self._stores, keys):
             self.native.complete_store(j, outcome)
-            if not success:  # never on host: the slots went back free
-                for p in pages:
-                    self._key_of.pop(p, None)
         self._drain()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -185,6 +182,7 @@ class KvtierOffloadingManager(OffloadingManager):
             return
         self.native = OffloadManager(int(pinned["capacity"]), self.policy)
         self._key_of.clear()
+        self._pending.clear()
 
     # ----- kvtier ---------------------------------------------------------------------
 
@@ -193,8 +191,9 @@ class KvtierOffloadingManager(OffloadingManager):
         its key, every in-flight kvtier job is one vLLM job's."""
         self.native.check()
         u = self.native.usage()
-        if len(self._key_of) != u["cached"] + u["held"]:
-            raise AssertionError(f"{len(self._key_of)} keys known for {u['cached']} cached + {u['held']} held slots")
+        if (len(self._key_of), len(self._pending)) != (u["cached"], u["storing"]):
+            raise AssertionError(f"keys known for {len(self._key_of)} host / {len(self._pending)} pending pages, "
+                                 f"kvtier has {u['cached']} / {u['storing']}")
         stores = sum(len(j) for js in self._stores.values() for j in js)
         loads = sum(len(j) for js in self._loads.values() for j in js)
         if (stores, loads) != (u["stores"], u["loads"]):
@@ -210,7 +209,13 @@ class KvtierOffloadingManager(OffloadingManager):
         return jobs
 
     def _drain(self) -> None:
+        for p in self.native.take_dropped():
+            self._pending.pop(p, None)
         for removed, pages in self.native.drain_events():
+            if not removed:
+                for p in pages:
+                    if p in self._pending:
+                        self._key_of[p] = self._pending.pop(p)
             keys = [self._key_of[p] for p in pages if p in self._key_of]
             if removed:
                 for p in pages:

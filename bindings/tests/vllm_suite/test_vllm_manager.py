@@ -1,0 +1,191 @@
+"""kvtier's scheduler as vLLM's offloading manager (``KvtierOffloadingSpec``), through the
+real vLLM scheduler and ``OffloadingConnector`` (harness.py; only the GPU DMA is stood in
+for). After every engine step kvtier's consistency check runs (``KvtierOffloadingManager.check``:
+the radix tree's invariants, locks and held slots against in-flight jobs, the adapter's books),
+and every request's forward checks the bytes its loaded blocks hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+import uuid
+
+import pytest
+from harness import BLOCK, Engine
+from test_vllm_policy import trace_prompts
+from vllm.config import KVTransferConfig
+from vllm.v1.request import RequestStatus
+
+from kvtier.vllm import KvtierOffloadingManager, KvtierOffloadingSpec
+
+CHUNK_BYTES = 2 * 4096  # 2 blocks of 2 layers x (K, V) x 2 heads x 16 dims x fp16
+
+
+def kvtier_config(chunks: int, eviction: str = "lru", **extra) -> KVTransferConfig:
+    ex = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm",
+          "cpu_bytes_to_use": chunks * CHUNK_BYTES, "block_size": 2 * BLOCK, "kvtier_eviction": eviction, **extra}
+    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=ex,
+                            engine_id=f"kvtier-mgr-{uuid.uuid4().hex[:12]}")
+
+
+def engine(root, chunks: int = 256, eviction: str = "lru", **kw) -> Engine:
+    e = Engine(str(root), [], kv_config=kvtier_config(chunks, eviction), **kw)
+    assert isinstance(e.manager, KvtierOffloadingManager), type(e.manager)
+    return e
+
+
+def run_checked(e: Engine, timeout_s: float = 120.0) -> int:
+    """Engine.run with kvtier's consistency check after every step; the number of steps."""
+    deadline, steps = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        if not (e.sched.has_requests() or e.manager.has_pending_work()):
+            return steps
+        e.step()
+        e.manager.check()
+        steps += 1
+    raise AssertionError("engine did not go idle")
+
+
+def prompt(conv: int, chunks: int, shared: int = 0, extra: int = 5):
+    """``shared`` chunks common to every conversation, then ``chunks - shared`` of its own,
+    then ``extra`` tokens (a partial chunk)."""
+    toks = []
+    for c in range(chunks):
+        base = 10_000 + c if c < shared else 100_000 + conv * 1_000 + c
+        toks += [base * 7 % 997 + j for j in range(2 * BLOCK)]
+    return toks + list(range(1, extra + 1))
+
+
+def test_the_spec_is_built_by_vllms_factory_and_replaces_only_the_manager(tmp_path):
+    e = engine(tmp_path, chunks=64)
+    try:
+        spec = e.cs.spec if hasattr(e.cs, "spec") else None
+        assert spec is None or isinstance(spec, KvtierOffloadingSpec)
+        assert e.manager.native.usage()["capacity"] == 64
+        assert e.manager.tokens_per_chunk == {0: 2 * BLOCK}
+    finally:
+        e.close()
+
+
+def test_a_rerun_loads_exactly_the_bytes_the_first_run_offloaded(tmp_path):
+    e = engine(tmp_path)
+    try:
+        prompts = {f"a{i}": prompt(i, 6, shared=3) for i in range(3)}
+        for r, p in prompts.items():
+            e.add(r, p)
+        run_checked(e)
+        assert all(e.finished[r].gpu_ok for r in prompts)
+        assert e.manager.native.usage()["cached"] == 3 + 3 * 3  # shared prefix once, tails each
+        e.reset_gpu_cache()  # the GPU prefix cache forgets: hits must come from kvtier's host tier
+        for r, p in prompts.items():
+            e.add("b" + r[1:], p)
+        run_checked(e)
+        for r in prompts:
+            f = e.finished["b" + r[1:]]
+            assert f.gpu_ok, f
+            assert f.external_tokens == 6 * 2 * BLOCK, f  # every full chunk, from host
+        assert e.dma.loads > 0
+    finally:
+        e.close()
+
+
+def test_a_small_host_cache_evicts_by_kvtiers_choice_and_reports_the_keys(tmp_path):
+    e = engine(tmp_path, chunks=8, kv_events=True)
+    try:
+        for i in range(6):  # 6 prompts of 4 chunks through 8 slots: kvtier must evict
+            e.add(f"a{i}", prompt(i, 4))
+            run_checked(e)
+        u = e.manager.native.usage()
+        assert u["cached"] <= 8 and u["held"] == 0 and u["locked"] == 0
+        removed = [ev for batch in e.published for ev in batch.events if type(ev).__name__ == "BlockRemoved"]
+        assert removed, "kvtier's evictions reach vLLM's KV events"
+        e.reset_gpu_cache()
+        for i in (5, 4, 0):  # newest first (a cyclic order would evict each before its turn)
+            e.add(f"b{i}", prompt(i, 4))
+            run_checked(e)
+        hits = {i: e.finished[f"b{i}"].external_tokens for i in (5, 4, 0)}
+        assert all(e.finished[f"b{i}"].gpu_ok for i in (5, 4, 0))
+        assert hits[5] == hits[4] == 4 * 2 * BLOCK, hits  # the two latest prompts were kept whole
+        assert hits[0] == 0, hits  # the oldest was evicted (LRU)
+    finally:
+        e.close()
+
+
+def test_an_abort_mid_load_unpins_and_the_chunks_are_loaded_again(tmp_path):
+    e = engine(tmp_path, chunks=32)
+    try:
+        p = prompt(1, 4)
+        e.add("a", p)
+        run_checked(e)
+        e.reset_gpu_cache()
+        e.dma.hold_loads = True  # the load's bytes land but it is not reported yet
+        e.add("b", p)
+        for _ in range(3):
+            e.step()
+            e.manager.check()
+        assert e.manager.native.usage()["loads"] == 1, "the load pins its chunks in kvtier"
+        e.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        e.manager.check()
+        e.dma.release()
+        run_checked(e)
+        assert e.manager.native.usage()["loads"] == 0 and e.manager.native.usage()["locked"] == 0
+        e.reset_gpu_cache()
+        e.add("c", p)
+        run_checked(e)
+        assert e.finished["c"].gpu_ok and e.finished["c"].external_tokens == 4 * 2 * BLOCK
+    finally:
+        e.close()
+
+
+def _replay(root, kv_config, prompts) -> dict:
+    e = Engine(str(root), [], kv_config=kv_config, content=False, num_gpu_blocks=512, max_num_seqs=4)
+    try:
+        t0 = time.monotonic()
+        loads_before = 0
+        for i in range(0, len(prompts), 4):
+            for j, p in enumerate(prompts[i:i + 4]):
+                e.add(f"r{i + j}", p, max_tokens=1)
+            e.run()
+            loads_before = e.dma.loads
+        total = sum(len(p) // BLOCK * BLOCK for p in prompts)
+        host = sum(f.external_tokens for f in e.finished.values())
+        return {"host_hit_tokens": host, "prompt_tokens": total, "host_hit_rate": host / total,
+                "loads_per_request": loads_before / len(prompts), "seconds": time.monotonic() - t0}
+    finally:
+        e.close()
+
+
+def _vllm_config(policy: str, module, chunks: int) -> KVTransferConfig:
+    ex = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": chunks * CHUNK_BYTES, "block_size": 2 * BLOCK,
+          "eviction_policy": policy}
+    if module:
+        ex["cache_policy_module_path"] = module
+    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=ex,
+                            engine_id=f"kvtier-mgr-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.mark.skipif(os.environ.get("KVTIER_VLLM_REPLAY", "1") == "0", reason="KVTIER_VLLM_REPLAY=0")
+def test_host_hit_rates_of_kvtiers_manager_beside_vllms_own(tmp_path):
+    """The public trace through vLLM's scheduler: vLLM's CPU offloading (lru, arc), vLLM's
+    manager with kvtier's policy (the tier issue), and kvtier's manager (lru, freq-depth)."""
+    n = int(os.environ.get("KVTIER_VLLM_MANAGER_REPLAY", "1000"))
+    chunks = 1500
+    prompts = trace_prompts(n, 2 * BLOCK)
+    rows = []
+    for name, cfg in (
+        ("vLLM lru", _vllm_config("lru", None, chunks)),
+        ("vLLM arc", _vllm_config("arc", None, chunks)),
+        ("vLLM + KvtierFreqDepthPolicy", _vllm_config("KvtierFreqDepthPolicy", "kvtier.vllm", chunks)),
+        ("kvtier manager lru", kvtier_config(chunks, "lru")),
+        ("kvtier manager freq-depth", kvtier_config(chunks, "freq-depth")),
+    ):
+        rows.append({"manager": name, **_replay(tmp_path, cfg, prompts)})
+    print("\n" + "\n".join(f"{r['manager']:>30}: host hit rate {r['host_hit_rate']:.4f}, "
+                           f"loads/request {r['loads_per_request']:.3f}, {r['seconds']:.1f} s" for r in rows))
+    out = os.environ.get("KVTIER_VLLM_MANAGER_JSON")
+    if out:
+        pathlib.Path(out).write_text(json.dumps({"requests": n, "host_chunks": chunks, "rows": rows}, indent=1))
+    for r in rows:
+        assert 0 < r["host_hit_tokens"] <= r["prompt_tokens"], r
