@@ -30,6 +30,9 @@ fn chain_of(chain: &Bound<'_, PyAny>) -> PyResult<Vec<PageHash>> {
     Ok(out)
 }
 
+/// `(job, from, slots, evicted page hashes)` of a store.
+type StoreTuple<'py> = (u64, usize, Vec<u32>, Bound<'py, PyList>);
+
 fn err(e: OffloadError) -> PyErr {
     OffloadManagerError::new_err(e.to_string())
 }
@@ -78,7 +81,7 @@ impl PyOffloadManager {
         py: Python<'py>,
         chain: &Bound<'py, PyAny>,
         to: usize,
-    ) -> PyResult<Option<(u64, usize, Vec<u32>, Bound<'py, PyList>)>> {
+    ) -> PyResult<Option<StoreTuple<'py>>> {
         let c = chain_of(chain)?;
         match self.inner.prepare_store(&c, to).map_err(err)? {
             None => Ok(None),

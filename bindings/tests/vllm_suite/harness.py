@@ -97,6 +97,7 @@ class FakeDma(OffloadingWorker):
         self.page = gpu.shape[1]
         self.done: List[TransferResult] = []
         self.loads = self.stores = 0
+        self.loaded_blocks = 0  # GPU blocks written by loads (host hits the forward used)
         self.hold_loads = False  # True: loads' bytes land, their reports wait for release()
         self.held: List[TransferResult] = []
 
@@ -125,6 +126,7 @@ class FakeDma(OffloadingWorker):
         for b, s in zip(blocks, subs):
             self.gpu[b] = self._host_page(s)
         self.loads += 1
+        self.loaded_blocks += len(blocks)
         (self.held if self.hold_loads else self.done).append(
             TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page, transfer_time=0.0))
         return True
