@@ -234,6 +234,7 @@ class Engine:
         self.prompts: Dict[str, List[int]] = {}
         self.loaded: Dict[str, int] = {}
         self.read: Dict[str, bytes] = {}
+        self.preemptions: Dict[str, int] = {}  # times vLLM preempted each request
         self.stats_payloads: List[dict] = []  # the connector stats vLLM's scheduler reported
 
     @property
@@ -249,6 +250,8 @@ class Engine:
     def step(self) -> bool:
         """One engine step; whether it scheduled any tokens."""
         so = self.sched.schedule()
+        for rid, r in self.sched.requests.items():
+            self.preemptions[rid] = r.num_preemptions
         meta = so.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.start_kv_transfers(meta)

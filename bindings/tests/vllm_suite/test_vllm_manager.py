@@ -218,3 +218,22 @@ def test_host_hit_rates_of_kvtiers_manager_beside_vllms_own(tmp_path):
         pathlib.Path(out).write_text(json.dumps({"requests": n, "host_chunks": chunks, "rows": rows}, indent=1))
     for r in rows:
         assert 0 < r["host_hit_tokens"] <= r["prompt_tokens"], r
+
+
+def test_preempted_requests_resume_with_kvtiers_host_tier_consistent(tmp_path):
+    """A GPU too small for three growing requests: vLLM preempts and resumes them (their
+    prompts are found again in vLLM's GPU prefix cache here, so this exercises kvtier's
+    books under vLLM's preemption fencing, not a load on resume); kvtier's check holds after
+    every step and nothing stays pinned."""
+    e = engine(tmp_path, chunks=64, num_gpu_blocks=48, max_num_seqs=3)
+    try:
+        for i in range(3):
+            e.add(f"a{i}", prompt(i, 6, shared=2), max_tokens=150)
+        run_checked(e, timeout_s=300)
+        assert set(e.finished) == {"a0", "a1", "a2"}
+        assert all(f.gpu_ok for f in e.finished.values())
+        assert sum(r for r in e.preemptions.values()) > 0, "the test must preempt"
+        u = e.manager.native.usage()
+        assert (u["held"], u["locked"], u["stores"], u["loads"]) == (0, 0, 0, 0), u
+    finally:
+        e.close()
