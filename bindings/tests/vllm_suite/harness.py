@@ -99,6 +99,7 @@ class FakeDma(OffloadingWorker):
         self.loads = self.stores = 0
         self.loaded_blocks = 0  # GPU blocks written by loads (host hits the forward used)
         self.hold_loads = False  # True: loads' bytes land, their reports wait for release()
+        self.hold_stores = False  # the same for stores
         self.held: List[TransferResult] = []
 
     def _pairs(self, gpu_spec, cpu_ids):
@@ -117,8 +118,8 @@ class FakeDma(OffloadingWorker):
         for b, s in zip(blocks, subs):
             self._host_page(s)[:] = self.gpu[b]
         self.stores += 1
-        self.done.append(TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page,
-                                        transfer_time=0.0))
+        (self.held if self.hold_stores else self.done).append(
+            TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page, transfer_time=0.0))
         return True
 
     def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
@@ -132,8 +133,8 @@ class FakeDma(OffloadingWorker):
         return True
 
     def release(self) -> None:
-        """Reports the held loads (with the next ``get_finished``)."""
-        self.hold_loads = False
+        """Reports the held jobs (with the next ``get_finished``)."""
+        self.hold_loads = self.hold_stores = False
         self.done.extend(self.held)
         self.held = []
 

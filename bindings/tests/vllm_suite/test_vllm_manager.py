@@ -237,3 +237,47 @@ def test_preempted_requests_resume_with_kvtiers_host_tier_consistent(tmp_path):
         assert (u["held"], u["locked"], u["stores"], u["loads"]) == (0, 0, 0, 0), u
     finally:
         e.close()
+
+
+def test_a_connector_reset_empties_kvtiers_host_tier_and_it_fills_again(tmp_path):
+    e = engine(tmp_path, chunks=32)
+    try:
+        p = prompt(1, 4)
+        e.add("a", p)
+        run_checked(e)
+        assert e.manager.native.usage()["cached"] == 4
+        assert e.sched.reset_prefix_cache(reset_connector=True)
+        run_checked(e)
+        assert e.manager.native.usage()["cached"] == 0
+        e.add("b", p)  # nothing on host: computed, then stored again
+        run_checked(e)
+        assert e.finished["b"].external_tokens == 0 and e.manager.native.usage()["cached"] == 4
+        e.reset_gpu_cache()
+        e.add("c", p)
+        run_checked(e)
+        assert e.finished["c"].external_tokens == 4 * 2 * BLOCK and e.finished["c"].gpu_ok
+    finally:
+        e.close()
+
+
+def test_a_reset_during_a_store_leaves_nothing_pinned(tmp_path):
+    """vLLM never reports jobs issued before a connector reset: kvtier must not wait for them
+    (before, a reset with a copy in flight kept every slot and lock of the old tree)."""
+    e = engine(tmp_path, chunks=32)
+    try:
+        p = prompt(1, 4)
+        e.dma.hold_stores = True
+        e.add("a", p)
+        for _ in range(4):
+            e.step()
+        assert "a" in e.finished and e.manager.native.usage()["held"] == 4
+        assert e.sched.reset_prefix_cache(reset_connector=True)
+        e.dma.release()
+        run_checked(e)
+        u = e.manager.native.usage()
+        assert (u["stores"], u["locked"], u["held"], u["cached"]) == (0, 0, 0, 0), u
+        e.add("b", p)
+        run_checked(e)
+        assert e.manager.native.usage()["cached"] == 4, "the emptied tier fills again"
+    finally:
+        e.close()

@@ -176,13 +176,12 @@ class KvtierOffloadingManager(OffloadingManager):
             yield from out
 
     def reset_cache(self) -> None:
-        # Pinned pages stay until their copies complete; everything else is dropped.
-        pinned = self.native.usage()
-        if pinned["stores"] or pinned["loads"]:
-            return
-        self.native = OffloadManager(int(pinned["capacity"]), self.policy)
-        self._key_of.clear()
-        self._pending.clear()
+        # vLLM's contract (as its CPU manager's): everything goes, pinned or not; jobs issued
+        # before the reset are never reported, and vLLM flushes them to its workers before
+        # any new store can reuse a slot (``on_reset_flushed``).
+        self.native = OffloadManager(int(self.native.usage()["capacity"]), self.policy)
+        for table in (self._key_of, self._pending, self._stores, self._loads):
+            table.clear()
 
     # ----- kvtier ---------------------------------------------------------------------
 
