@@ -51,6 +51,15 @@ def run_checked(e: Engine, timeout_s: float = 120.0) -> int:
     raise AssertionError("engine did not go idle")
 
 
+def offloaded(root, chunks: int = 32):
+    """An engine that ran one 4-chunk prompt (so kvtier's host tier holds it), and the prompt."""
+    e = engine(root, chunks=chunks)
+    p = prompt(1, 4)
+    e.add("a", p)
+    run_checked(e)
+    return e, p
+
+
 def prompt(conv: int, chunks: int, shared: int = 0, extra: int = 5):
     """``shared`` chunks common to every conversation, then ``chunks - shared`` of its own,
     then ``extra`` tokens (a partial chunk)."""
@@ -140,11 +149,8 @@ def test_a_small_host_cache_evicts_by_kvtiers_choice_and_reports_the_keys(tmp_pa
 
 
 def test_an_abort_mid_load_unpins_and_the_chunks_are_loaded_again(tmp_path):
-    e = engine(tmp_path, chunks=32)
+    e, p = offloaded(tmp_path)
     try:
-        p = prompt(1, 4)
-        e.add("a", p)
-        run_checked(e)
         e.reset_gpu_cache()
         e.dma.hold_loads = True  # the load's bytes land but it is not reported yet
         e.add("b", p)
@@ -240,11 +246,8 @@ def test_preempted_requests_resume_with_kvtiers_host_tier_consistent(tmp_path):
 
 
 def test_a_connector_reset_empties_kvtiers_host_tier_and_it_fills_again(tmp_path):
-    e = engine(tmp_path, chunks=32)
+    e, p = offloaded(tmp_path)
     try:
-        p = prompt(1, 4)
-        e.add("a", p)
-        run_checked(e)
         assert e.manager.native.usage()["cached"] == 4
         assert e.sched.reset_prefix_cache(reset_connector=True)
         run_checked(e)
