@@ -59,6 +59,8 @@ pub enum JobKind {
     Store,
     /// Host slots → engine device.
     Load,
+    /// Host slots → L3.
+    Backup,
 }
 
 /// How a job the engine ran ended.
@@ -77,7 +79,9 @@ pub enum Lookup {
     Hit,
     /// Being stored: ask again once the store completed.
     Pending,
-    /// Not on host.
+    /// Not on host, known to be in L3 (backed up or found by a probe): prefetch it.
+    InL3,
+    /// Not on host (nor known in L3).
     Miss,
 }
 
@@ -122,14 +126,16 @@ enum StoreState {
 
 /// kvtier's host tier for an engine that owns its device tier. See the module docs.
 pub struct OffloadManager {
-    cache: RadixCache,
+    pub(crate) cache: RadixCache,
     stores: HashMap<u64, PendingStore>,
     loads: HashMap<u64, LockHandle<Host>>,
+    /// L3 below the host tier (`offload_l3.rs`).
+    pub(crate) l3: crate::offload_l3::L3Books,
     /// Pages of in-flight stores (not hits until stored; not stored twice).
     storing: HashSet<PageHash>,
     /// Pages of stores that ended without reaching the tree, since the last `take_dropped`.
     dropped: Vec<PageHash>,
-    next_job: u64,
+    pub(crate) next_job: u64,
 }
 
 impl std::fmt::Debug for OffloadManager {
@@ -167,6 +173,7 @@ impl OffloadManager {
             loads: HashMap::new(),
             storing: HashSet::new(),
             dropped: Vec::new(),
+            l3: Default::default(),
             next_job: 1,
         })
     }
@@ -185,6 +192,8 @@ impl OffloadManager {
             Lookup::Hit
         } else if self.storing.contains(page) {
             Lookup::Pending
+        } else if self.l3.holds(page) {
+            Lookup::InL3
         } else {
             Lookup::Miss
         }
@@ -355,6 +364,7 @@ impl OffloadManager {
         // The slots are ours (held since prepare_store): freeing them cannot fail.
         let _ = self.cache.free::<Host>(&unused);
         self.release(p.lock);
+        self.l3.on_inserted(&p.chain, p.from);
     }
 
     /// A store whose pages can no longer be inserted, while the engine still writes them.
@@ -476,7 +486,7 @@ impl OffloadManager {
     pub fn check(&self) -> Result<(), String> {
         self.cache.check_invariants()?;
         let (_, host_locks) = self.cache.outstanding_locks();
-        let jobs = self.stores.len() + self.loads.len();
+        let jobs = self.stores.len() + self.loads.len() + self.l3.backups();
         if host_locks != jobs {
             return Err(format!("{host_locks} host locks for {jobs} in-flight jobs"));
         }
@@ -508,7 +518,7 @@ impl OffloadManager {
 
     /// Gives a lock back. Our handles are of this cache and tier and given back once, so the
     /// tree cannot refuse; a refusal would leave the handle held, which `check` reports.
-    fn release(&mut self, lock: LockHandle<Host>) {
+    pub(crate) fn release(&mut self, lock: LockHandle<Host>) {
         let _ = self.cache.unlock(lock);
     }
 }

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use kvtier_radix::{EvictionPolicy, KvEvent, PageHash, TierKind};
-use kvtier_scheduler::{JobOutcome, Lookup, OffloadError, OffloadManager};
+use kvtier_scheduler::{JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager};
 use proptest::prelude::*;
 
 /// A chain of `n` pages: prompt `p`'s pages share their first `shared` with every prompt.
@@ -165,6 +165,61 @@ fn a_waiting_store_pins_its_parent_once_it_is_in_the_tree() {
     m.check().unwrap();
 }
 
+#[test]
+fn write_through_backs_up_stored_pages_and_evicted_ones_are_prefetched_from_l3() {
+    let mut m = OffloadManager::new(3, EvictionPolicy::Lru).unwrap();
+    m.set_l3_backups(L3Backups::WriteThrough);
+    let a = chain(1, 3, 0);
+    let s = m.prepare_store(&a, 3).unwrap().unwrap();
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    let backups = m.plan_backups();
+    assert_eq!(backups.len(), 1);
+    assert_eq!(
+        (backups[0].pages.clone(), backups[0].slots.clone()),
+        (a.clone(), s.slots.clone())
+    );
+    assert!(m.plan_backups().is_empty(), "planned once");
+    // Pinned while the backup runs: a new prompt finds no slot.
+    assert_eq!(m.prepare_store(&chain(2, 1, 0), 1).unwrap(), None);
+    m.check().unwrap();
+    m.complete_backup(backups[0].job, JobOutcome::Done).unwrap();
+    assert!(m.complete_backup(backups[0].job, JobOutcome::Done).is_err());
+    let b = chain(2, 3, 0);
+    let sb = m.prepare_store(&b, 3).unwrap().unwrap();
+    assert_eq!(sb.evicted, a);
+    m.complete_store(sb.job, JobOutcome::Done).unwrap();
+    assert_eq!(m.lookup(&a, 2), Lookup::InL3, "off host, in L3");
+    // The prefetch is a store whose bytes come from L3.
+    let back = m.prepare_store(&a, 3).unwrap().unwrap();
+    assert_eq!(
+        back.evicted, b,
+        "b was never backed up yet, but is the coldest"
+    );
+    m.complete_store(back.job, JobOutcome::Done).unwrap();
+    assert_eq!(m.lookup(&a, 2), Lookup::Hit);
+    assert!(
+        m.plan_backups().is_empty(),
+        "b left host before its backup was planned, a is in L3 already"
+    );
+    m.l3_lost(&a[1..]);
+    let c = chain(3, 3, 0);
+    let sc = m.prepare_store(&c, 3).unwrap().unwrap();
+    assert_eq!(sc.evicted, a);
+    assert_eq!(
+        (m.lookup(&a, 0), m.lookup(&a, 1)),
+        (Lookup::InL3, Lookup::Miss)
+    );
+    m.complete_store(sc.job, JobOutcome::Done).unwrap();
+    let bc = m.plan_backups();
+    assert_eq!(bc[0].pages, c);
+    m.complete_backup(bc[0].job, JobOutcome::Failed).unwrap();
+    assert!(
+        m.plan_backups().is_empty(),
+        "a failed backup is not retried by itself"
+    );
+    m.check().unwrap();
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Store { prompt: u8, len: usize },
@@ -172,6 +227,8 @@ enum Op {
     Load { prompt: u8, len: usize },
     FinishLoad { nth: usize },
     Touch { prompt: u8 },
+    PlanBackups,
+    CompleteBackup { nth: usize, ok: bool },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -181,6 +238,8 @@ fn op() -> impl Strategy<Value = Op> {
         (0u8..5, 1usize..7).prop_map(|(prompt, len)| Op::Load { prompt, len }),
         (0usize..4).prop_map(|nth| Op::FinishLoad { nth }),
         (0u8..5).prop_map(|prompt| Op::Touch { prompt }),
+        Just(Op::PlanBackups),
+        (0usize..4, any::<bool>()).prop_map(|(nth, ok)| Op::CompleteBackup { nth, ok }),
     ]
 }
 
@@ -200,6 +259,9 @@ proptest! {
     ) {
         let policy = if freq { EvictionPolicy::CONVERSATION } else { EvictionPolicy::Lru };
         let mut m = OffloadManager::new(slots, policy).unwrap();
+        m.set_l3_backups(L3Backups::WriteThrough);
+        let mut backups = Vec::new();
+        let mut in_l3: std::collections::HashSet<PageHash> = Default::default();
         let mut content: HashMap<u32, PageHash> = HashMap::new(); // slot -> page written
         let mut stores = Vec::new();
         let mut loads = Vec::new();
@@ -237,6 +299,12 @@ proptest! {
                 Op::Load { prompt, len } => {
                     let c = chain(prompt, len, shared);
                     let hits = (0..len).take_while(|&i| m.lookup(&c, i) == Lookup::Hit).count();
+                    for (i, h) in c.iter().enumerate().skip(hits) {
+                        // InL3 only for pages a backup stored.
+                        if m.lookup(&c, i) == Lookup::InL3 {
+                            prop_assert!(in_l3.contains(h));
+                        }
+                    }
                     prop_assert_eq!(hits, m.host_prefix(&c));
                     if hits > 0 {
                         let l = m.prepare_load(&c, 0, hits).unwrap();
@@ -255,6 +323,25 @@ proptest! {
                     }
                 }
                 Op::Touch { prompt } => m.touch(&chain(prompt, 6, shared)),
+                Op::PlanBackups => {
+                    for b in m.plan_backups() {
+                        // A backup reads host slots that hold exactly its pages.
+                        for (p, s) in b.pages.iter().zip(&b.slots) {
+                            prop_assert_eq!(content.get(&s.index()), Some(p));
+                        }
+                        backups.push((b.job, b.pages));
+                    }
+                }
+                Op::CompleteBackup { nth, ok } => {
+                    if !backups.is_empty() {
+                        let (j, pages) = backups.remove(nth % backups.len());
+                        let outcome = if ok { JobOutcome::Done } else { JobOutcome::Failed };
+                        m.complete_backup(j, outcome).unwrap();
+                        if ok {
+                            in_l3.extend(pages);
+                        }
+                    }
+                }
             }
             m.check().map_err(TestCaseError::fail)?;
             for e in m.drain_events() {
