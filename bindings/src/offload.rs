@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use kvtier_radix::{EvictionPolicy, KvEvent, PageHash, TierKind};
-use kvtier_scheduler::{JobOutcome, Lookup, OffloadError, OffloadManager};
+use kvtier_scheduler::{JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager};
 
 use crate::errors::{OffloadManagerError, config_msg};
 
@@ -33,6 +33,16 @@ fn chain_of(chain: &Bound<'_, PyAny>) -> PyResult<Vec<PageHash>> {
 /// `(job, from, slots, evicted page hashes)` of a store.
 type StoreTuple<'py> = (u64, usize, Vec<u32>, Bound<'py, PyList>);
 
+fn outcome_of(outcome: &str) -> PyResult<JobOutcome> {
+    match outcome {
+        "done" => Ok(JobOutcome::Done),
+        "failed" => Ok(JobOutcome::Failed),
+        other => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "outcome is \"done\" or \"failed\", got {other:?}"
+        ))),
+    }
+}
+
 fn err(e: OffloadError) -> PyErr {
     OffloadManagerError::new_err(e.to_string())
 }
@@ -51,12 +61,57 @@ pub struct PyOffloadManager {
 #[pymethods]
 impl PyOffloadManager {
     #[new]
-    #[pyo3(signature = (host_slots, policy = "lru"))]
-    fn new(host_slots: u32, policy: &str) -> PyResult<Self> {
+    #[pyo3(signature = (host_slots, policy = "lru", l3_backups = "off"))]
+    fn new(host_slots: u32, policy: &str, l3_backups: &str) -> PyResult<Self> {
         let p: EvictionPolicy = policy.parse().map_err(config_msg)?;
-        Ok(Self {
-            inner: OffloadManager::new(host_slots, p).map_err(err)?,
-        })
+        let b = match l3_backups {
+            "off" => L3Backups::Off,
+            "write-through" => L3Backups::WriteThrough,
+            other => {
+                return Err(config_msg(format!(
+                    "l3_backups is \"off\" or \"write-through\", got {other:?}"
+                )));
+            }
+        };
+        let mut inner = OffloadManager::new(host_slots, p).map_err(err)?;
+        inner.set_l3_backups(b);
+        Ok(Self { inner })
+    }
+
+    /// BackUp jobs for stored host pages L3 lacks: `[(job, [page hash], [slot])]`; each
+    /// pins its host slots until `complete_backup(job, outcome)`.
+    fn plan_backups<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(u64, Bound<'py, PyList>, Vec<u32>)>> {
+        self.inner
+            .plan_backups()
+            .into_iter()
+            .map(|b| {
+                Ok((
+                    b.job,
+                    hashes(py, &b.pages)?,
+                    b.slots.iter().map(|s| s.index()).collect(),
+                ))
+            })
+            .collect()
+    }
+
+    fn complete_backup(&mut self, job: u64, outcome: &str) -> PyResult<()> {
+        let o = outcome_of(outcome)?;
+        self.inner.complete_backup(job, o).map_err(err)
+    }
+
+    /// The engine's L3 probe found these pages.
+    fn l3_found(&mut self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.l3_found(&chain_of(pages)?);
+        Ok(())
+    }
+
+    /// L3 lost these pages.
+    fn l3_lost(&mut self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.l3_lost(&chain_of(pages)?);
+        Ok(())
     }
 
     /// How many leading pages of `chain` are on host.
@@ -64,11 +119,13 @@ impl PyOffloadManager {
         Ok(self.inner.host_prefix(&chain_of(chain)?))
     }
 
-    /// "hit", "pending" (being stored) or "miss" for page `index` of `chain`.
+    /// "hit", "pending" (being stored), "in-l3" (off host, known in L3) or "miss" for page
+    /// `index` of `chain`.
     fn lookup(&self, chain: &Bound<'_, PyAny>, index: usize) -> PyResult<&'static str> {
         Ok(match self.inner.lookup(&chain_of(chain)?, index) {
             Lookup::Hit => "hit",
             Lookup::Pending => "pending",
+            Lookup::InL3 => "in-l3",
             Lookup::Miss => "miss",
         })
     }
@@ -96,15 +153,7 @@ impl PyOffloadManager {
 
     /// A store's bytes landed (`outcome="done"`) or not (`"failed"`).
     fn complete_store(&mut self, job: u64, outcome: &str) -> PyResult<()> {
-        let o = match outcome {
-            "done" => JobOutcome::Done,
-            "failed" => JobOutcome::Failed,
-            other => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "outcome is \"done\" or \"failed\", got {other:?}"
-                )));
-            }
-        };
+        let o = outcome_of(outcome)?;
         self.inner.complete_store(job, o).map_err(err)
     }
 
@@ -173,6 +222,9 @@ impl PyOffloadManager {
         d.set_item("stores", stores)?;
         d.set_item("loads", loads)?;
         d.set_item("storing", self.inner.storing())?;
+        let (queued, backups) = self.inner.backups_pending();
+        d.set_item("backups_queued", queued)?;
+        d.set_item("backups", backups)?;
         Ok(d)
     }
 

@@ -226,8 +226,12 @@ class Engine:
         self.worker = OffloadingConnectorWorker(wspec, self.vllm_config, self.kv_cache_config)
         # The host slots: vLLM's /dev/shm region under tiering (the scheduler maps it too);
         # under a plain CPUOffloadingSpec (kvtier's manager) only the worker holds them.
-        host = (self.manager.primary_tier.get_kv_memoryview() if hasattr(self.manager, "primary_tier")
-                else np.zeros((wspec.num_chunks, self.page * self.bpc), dtype=np.uint8))
+        if hasattr(self.manager, "primary_tier"):
+            host = self.manager.primary_tier.get_kv_memoryview()
+        elif getattr(self.manager, "host_view", None) is not None:
+            host = self.manager.host_view  # kvtier's manager with L3 maps the region too
+        else:
+            host = np.zeros((wspec.num_chunks, self.page * self.bpc), dtype=np.uint8)
         self.dma = FakeDma(self.gpu, host, self.bpc)
         self.worker.worker = self.dma
         self.hasher = get_request_block_hasher(BLOCK, sha256_cbor)

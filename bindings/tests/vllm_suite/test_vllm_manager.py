@@ -21,7 +21,7 @@ from test_vllm_policy import trace_prompts
 from vllm.config import KVTransferConfig
 from vllm.v1.request import RequestStatus
 
-from kvtier.vllm import KvtierOffloadingManager, KvtierOffloadingSpec
+from kvtier.vllm import KvtierOffloadingManager, KvtierOffloadingSpec, page_of
 
 CHUNK_BYTES = 2 * 4096  # 2 blocks of 2 layers x (K, V) x 2 heads x 16 dims x fp16
 
@@ -284,3 +284,48 @@ def test_a_reset_during_a_store_leaves_nothing_pinned(tmp_path):
         assert e.manager.native.usage()["cached"] == 4, "the emptied tier fills again"
     finally:
         e.close()
+
+
+def l3_engine(root, l3_name: str, chunks: int = 8) -> Engine:
+    """kvtier's manager with kvtier's L3 below it (an embedded store engines in this process
+    share by name)."""
+    kv = kvtier_config(chunks, kvtier_l3={"segment_bytes": "64MB", "name": l3_name})
+    e = Engine(str(root), [], kv_config=kv)
+    assert e.manager.l3 is not None
+    return e
+
+
+def test_engines_sharing_kvtiers_l3_prefetch_what_the_other_backed_up(tmp_path):
+    name = uuid.uuid4().hex
+    p = prompt(1, 4)
+    e1 = l3_engine(tmp_path, name)
+    try:
+        e1.add("a", p)
+        run_checked(e1)
+        assert e1.manager.l3.counters.chunks_stored == 4, "write-through: every stored chunk backed up"
+        # Two other prompts through 8 host slots: kvtier evicts p from host (it stays in L3).
+        for i in (2, 3):
+            e1.add(f"x{i}", prompt(i, 4))
+            run_checked(e1)
+        pages = [page_of(k) for k in e1.tier_keys_of(p)]
+        assert e1.manager.native.host_prefix(pages) < 4, "p left e1's host"
+    except BaseException:
+        e1.close()
+        raise
+    e2 = l3_engine(tmp_path, name)
+    try:
+        e2.add("b", p)  # a new engine, empty host: a hit only through L3
+        run_checked(e2)
+        f = e2.finished["b"]
+        assert f.gpu_ok and f.external_tokens == 4 * 2 * BLOCK, f
+        assert e2.manager.l3.counters.chunks_loaded == 4
+    finally:
+        e2.close()
+    try:
+        e1.reset_gpu_cache()
+        e1.add("c", p)  # p left e1's host: prefetched back from its own backups
+        run_checked(e1)
+        f = e1.finished["c"]
+        assert f.gpu_ok and f.external_tokens == 4 * 2 * BLOCK, f
+    finally:
+        e1.close()

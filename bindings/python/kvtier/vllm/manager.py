@@ -33,16 +33,18 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from .. import OffloadManager
 from .chunks import Chain, ChunkChains, group_of
+from .manager_l3 import L3Plan
 
 __all__ = ["KvtierOffloadingManager", "KvtierOffloadingSpec"]
 
-_LOOKUP = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING, "miss": LookupResult.MISS}
+_LOOKUP = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING}
 
 
 def _positions(ctx: ReqContext) -> Dict[bytes, int]:
@@ -51,14 +53,18 @@ def _positions(ctx: ReqContext) -> Dict[bytes, int]:
     return ctx._offload_key_positions  # noqa: SLF001
 
 
-class KvtierOffloadingManager(OffloadingManager):
+class KvtierOffloadingManager(L3Plan, OffloadingManager):
     """vLLM's ``OffloadingManager`` answered by kvtier's radix tree over ``num_chunks`` host
-    slots (see the module docs)."""
+    slots (see the module docs); with ``l3`` (a ``KvtierSecondaryTier`` over the host slots)
+    kvtier's L3 below them (manager_l3.py)."""
 
     def __init__(self, num_chunks: int, tokens_per_chunk: Dict[int, int], policy: str = "lru",
-                 enable_events: bool = False):
+                 enable_events: bool = False, l3: Any = None):
         self.policy = policy
-        self.native = OffloadManager(num_chunks, policy)
+        self._backups = "off" if l3 is None else "write-through"
+        self.native = OffloadManager(num_chunks, policy, self._backups)
+        self._l3_init(l3)
+        self.host_view: Optional[memoryview] = None  # the host slots, when mapped here (L3)
         self.tokens_per_chunk = dict(tokens_per_chunk)
         self.events: Optional[List[OffloadingEvent]] = [] if enable_events else None
         self.medium = Medium.CPU
@@ -95,7 +101,12 @@ class KvtierOffloadingManager(OffloadingManager):
         if loc is None:
             return LookupResult.MISS
         chain, i = loc
-        return _LOOKUP[self.native.lookup(chain.pages[: i + 1], i)]
+        r = self.native.lookup(chain.pages[: i + 1], i)
+        if r == "in-l3":
+            return self._prefetch(chain, i, req_context)
+        if r == "miss":
+            return self._l3_lookup(chain, i, bytes(key), req_context) or LookupResult.MISS
+        return _LOOKUP[r]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
@@ -169,6 +180,24 @@ class KvtierOffloadingManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
 
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self.l3 is not None:
+            self.l3.on_schedule_end(context)  # its probes of the step, in one batch
+        self._l3_step()
+
+    def has_pending_work(self) -> bool:
+        return self._l3_busy()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        if self.l3 is not None:
+            self.l3.on_request_finished(req_context)
+
+    def shutdown(self) -> None:
+        if self.l3 is not None:
+            self.l3.shutdown()
+        if self.host_view is not None:
+            self.host_view.release()
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         self._drain()
         if self.events:
@@ -179,7 +208,8 @@ class KvtierOffloadingManager(OffloadingManager):
         # vLLM's contract (as its CPU manager's): everything goes, pinned or not; jobs issued
         # before the reset are never reported, and vLLM flushes them to its workers before
         # any new store can reuse a slot (``on_reset_flushed``).
-        self.native = OffloadManager(int(self.native.usage()["capacity"]), self.policy)
+        self._l3_reset()
+        self.native = OffloadManager(int(self.native.usage()["capacity"]), self.policy, self._backups)
         for table in (self._key_of, self._pending, self._stores, self._loads):
             table.clear()
 
@@ -193,7 +223,7 @@ class KvtierOffloadingManager(OffloadingManager):
         if (len(self._key_of), len(self._pending)) != (u["cached"], u["storing"]):
             raise AssertionError(f"keys known for {len(self._key_of)} host / {len(self._pending)} pending pages, "
                                  f"kvtier has {u['cached']} / {u['storing']}")
-        stores = sum(len(j) for js in self._stores.values() for j in js)
+        stores = sum(len(j) for js in self._stores.values() for j in js) + self._l3_unreported()
         loads = sum(len(j) for js in self._loads.values() for j in js)
         if (stores, loads) != (u["stores"], u["loads"]):
             raise AssertionError(f"jobs: vLLM {stores} stores / {loads} loads, kvtier {u['stores']} / {u['loads']}")
@@ -234,6 +264,8 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
     def __init__(self, config: Any):
         super().__init__(config)
         self.kvtier_eviction = str(self.extra_config.get("kvtier_eviction", "lru"))
+        self.kvtier_l3 = self.extra_config.get("kvtier_l3")  # KvtierSecondaryTier's keys, or None
+        self._scheduler_mmap = None
         self.tokens_per_chunk = {int(g.group_id): int(g.tokens_per_block) * int(self.blocks_per_chunk)
                                  for g in config.groups}
 
@@ -241,5 +273,22 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
         if not self._manager:
             self._manager = KvtierOffloadingManager(
                 self.num_chunks, self.tokens_per_chunk, self.kvtier_eviction,
-                enable_events=self.kv_events_config.enable_kv_cache_events)
+                enable_events=self.kv_events_config.enable_kv_cache_events, l3=self._l3_tier())
+            self._manager.host_view = getattr(self, "kv_view", None)
         return self._manager
+
+    def _l3_tier(self):
+        """kvtier's L3 tier over the host slots, mapped in this (the scheduler's) process as
+        vLLM's tiering spec maps them; None without ``kvtier_l3``."""
+        if self.kvtier_l3 is None:
+            return None
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+        from .tier import KvtierSecondaryTier
+
+        self._scheduler_mmap = SharedOffloadRegion(
+            engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=None,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk, cpu_page_size=self.cpu_page_size_per_worker)
+        self.kv_view = self._scheduler_mmap.create_kv_memoryview()
+        return KvtierSecondaryTier(offloading_spec=self, primary_kv_view=self.kv_view, tier_type="kvtier",
+                                   **dict(self.kvtier_l3))
