@@ -33,6 +33,9 @@ fn chain_of(chain: &Bound<'_, PyAny>) -> PyResult<Vec<PageHash>> {
 /// `(job, from, slots, evicted page hashes)` of a store.
 type StoreTuple<'py> = (u64, usize, Vec<u32>, Bound<'py, PyList>);
 
+/// `(job, page hashes, slots)` of a backup.
+type BackupTuple<'py> = (u64, Bound<'py, PyList>, Vec<u32>);
+
 fn outcome_of(outcome: &str) -> PyResult<JobOutcome> {
     match outcome {
         "done" => Ok(JobOutcome::Done),
@@ -80,10 +83,7 @@ impl PyOffloadManager {
 
     /// BackUp jobs for stored host pages L3 lacks: `[(job, [page hash], [slot])]`; each
     /// pins its host slots until `complete_backup(job, outcome)`.
-    fn plan_backups<'py>(
-        &mut self,
-        py: Python<'py>,
-    ) -> PyResult<Vec<(u64, Bound<'py, PyList>, Vec<u32>)>> {
+    fn plan_backups<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<BackupTuple<'py>>> {
         self.inner
             .plan_backups()
             .into_iter()
