@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 from harness import BLOCK, Engine, model_dir
+from l3proc import L3Process
 from test_vllm_launch import DOC, parse
 from test_vllm_policy import trace_prompts
 from vllm.config import KVTransferConfig
@@ -329,3 +330,45 @@ def test_engines_sharing_kvtiers_l3_prefetch_what_the_other_backed_up(tmp_path):
         assert f.gpu_ok and f.external_tokens == 4 * 2 * BLOCK, f
     finally:
         e1.close()
+
+
+def test_a_killed_l3_server_costs_hits_not_bytes_and_a_restart_resumes(tmp_path):
+    """kvtier's L3 is a ``kvtier-l3`` server process: while it is dead, backups and
+    prefetches fail, kvtier forgets what it thought L3 held and vLLM recomputes (right bytes);
+    an empty server restarted on the same address is used again without restarting engines."""
+    srv = L3Process(token="tk")
+    l3 = {"server": srv.addr, "token": "tk", "rpc_timeout_ms": 2000}
+    e1 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3))
+    try:
+        p = prompt(1, 4)
+        e1.add("a", p)
+        run_checked(e1)
+        e2 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3))
+        try:
+            e2.add("b", p)
+            run_checked(e2)
+            assert e2.finished["b"].gpu_ok and e2.finished["b"].external_tokens == 4 * 2 * BLOCK
+        finally:
+            e2.close()
+        srv.kill()
+        for i in (2, 3):  # p leaves e1's host; these backups fail
+            e1.add(f"x{i}", prompt(i, 4))
+            run_checked(e1)
+        e1.reset_gpu_cache()
+        e1.add("c", p)  # kvtier thinks p is in L3: the prefetch fails, vLLM recomputes
+        run_checked(e1)
+        assert e1.finished["c"].gpu_ok and e1.finished["c"].external_tokens == 0, e1.finished["c"]
+        srv = srv.restart()  # empty, same address
+        q = prompt(9, 4)
+        e1.add("d", q)
+        run_checked(e1)
+        e3 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3))
+        try:
+            e3.add("e", q)
+            run_checked(e3)
+            assert e3.finished["e"].gpu_ok and e3.finished["e"].external_tokens == 4 * 2 * BLOCK
+        finally:
+            e3.close()
+    finally:
+        e1.close()
+        srv.kill()
