@@ -192,6 +192,19 @@ def _replay(root, kv_config, prompts) -> dict:
         e.close()
 
 
+L3 = {"segment_bytes": "2GB"}  # holds the whole replay: L3 hits are bounded by reuse only
+
+
+def _tier_config(chunks: int) -> KVTransferConfig:
+    """The tier of docs/vllm.md: vLLM's tiering with kvtier's policy and kvtier's L3."""
+    ex = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": chunks * CHUNK_BYTES, "block_size": 2 * BLOCK,
+          "eviction_policy": "KvtierFreqDepthPolicy", "cache_policy_module_path": "kvtier.vllm",
+          "secondary_tiers": [{"type": "KvtierSecondaryTier", "module_path": "kvtier.vllm", "name": uuid.uuid4().hex,
+                               **L3}], "tier_poll_interval_s": 0}
+    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=ex,
+                            engine_id=f"kvtier-mgr-{uuid.uuid4().hex[:12]}")
+
+
 def _vllm_config(policy: str, module, chunks: int) -> KVTransferConfig:
     ex = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": chunks * CHUNK_BYTES, "block_size": 2 * BLOCK,
           "eviction_policy": policy}
@@ -204,7 +217,10 @@ def _vllm_config(policy: str, module, chunks: int) -> KVTransferConfig:
 @pytest.mark.skipif(os.environ.get("KVTIER_VLLM_REPLAY", "1") == "0", reason="KVTIER_VLLM_REPLAY=0")
 def test_host_hit_rates_of_kvtiers_manager_beside_vllms_own(tmp_path):
     """The public trace through vLLM's scheduler: vLLM's CPU offloading (lru, arc), vLLM's
-    manager with kvtier's policy (the tier issue), and kvtier's manager (lru, freq-depth)."""
+    manager with kvtier's policy, kvtier's manager (lru, freq-depth); then with an L3 below
+    the host cache: the tier of docs/vllm.md, and kvtier's manager with its L3. Host hit
+    rate counts every block loaded to the GPU, from host slots filled by a store or an L3
+    prefetch."""
     n = int(os.environ.get("KVTIER_VLLM_MANAGER_REPLAY", "3000"))
     chunks = 1500
     prompts = trace_prompts(n, 2 * BLOCK)
@@ -215,7 +231,10 @@ def test_host_hit_rates_of_kvtiers_manager_beside_vllms_own(tmp_path):
         ("vLLM + KvtierFreqDepthPolicy", _vllm_config("KvtierFreqDepthPolicy", "kvtier.vllm", chunks)),
         ("kvtier manager lru", kvtier_config(chunks, "lru")),
         ("kvtier manager freq-depth", kvtier_config(chunks, "freq-depth")),
+        ("vLLM tiering + KvtierSecondaryTier (L3)", _tier_config(chunks)),
+        ("kvtier manager freq-depth + L3", kvtier_config(chunks, "freq-depth", kvtier_l3={**L3, "name": uuid.uuid4().hex})),
     ):
+        print(f"replaying: {name}", flush=True)
         rows.append({"manager": name, **_replay(tmp_path, cfg, prompts)})
     print("\n" + "\n".join(f"{r['manager']:>30}: host hit rate {r['host_hit_rate']:.4f} "
                            f"(GPU + host {r['reused_rate']:.4f}), loads/request {r['loads_per_request']:.3f}, "
