@@ -391,3 +391,40 @@ def test_a_killed_l3_server_costs_hits_not_bytes_and_a_restart_resumes(tmp_path)
     finally:
         e1.close()
         srv.kill()
+
+
+class CountingNative:
+    """kvtier's OffloadManager, counting the pages its host tree took (Stored events)."""
+
+    def __init__(self, native):
+        self.native, self.stored = native, set()
+
+    def drain_events(self):
+        out = self.native.drain_events()
+        for removed, pages in out:
+            if not removed:
+                self.stored.update(pages)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.native, name)
+
+
+@pytest.mark.parametrize("gap", range(4))
+def test_every_chunk_the_host_took_reaches_l3_even_if_evicted_at_once(tmp_path, gap):
+    """Write-through: a chunk the host tree took is backed up before a later store can evict
+    it (before, the backup waited for the step's end and a store earlier in that step could
+    evict the chunk first: it never reached L3)."""
+    e = l3_engine(tmp_path, uuid.uuid4().hex, chunks=4)
+    try:
+        e.manager.native = CountingNative(e.manager.native)
+        e.add("a", prompt(1, 4))
+        for _ in range(gap):
+            e.step()
+            e.manager.check()
+        e.add("b", prompt(2, 4))  # 4 host slots: b's store evicts a's chunks
+        run_checked(e)
+        took = len(e.manager.native.stored)
+        assert took >= 4 and e.manager.l3.counters.chunks_stored == took, (gap, took, e.manager.l3.counters)
+    finally:
+        e.close()

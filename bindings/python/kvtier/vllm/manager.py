@@ -176,6 +176,7 @@ class KvtierOffloadingManager(L3Plan, OffloadingManager):
         for j in self._pop(self._stores, keys):
             self.native.complete_store(j, outcome)
         self._drain()
+        self._l3_backups()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)

@@ -11,7 +11,8 @@ How: a lookup that kvtier answers ``"in-l3"``, or that its tier's probe finds in
 a **Prefetch**: an ordinary kvtier store job (slots after the host-resident prefix, evictions
 reported as events) whose bytes come from L3, answered HIT_PENDING until it lands. Prefetches
 are submitted in a batch at ``on_schedule_end``, with the step's **BackUps**
-(``plan_backups``: stored host pages L3 lacks, their slots pinned until the copy ends).
+(``plan_backups``: stored host pages L3 lacks, their slots pinned until the copy ends; also
+right when stores complete, before the next step's stores could evict them unbacked).
 Finished jobs are polled at ``on_schedule_end``; a failed prefetch marks its pages lost
 (``l3_lost``) and frees its slots, so vLLM's next lookup misses and recomputes.
 """
@@ -74,10 +75,17 @@ class L3Plan:
         for job, pages, keys, slots, ctx in self._queued:
             self._submit("prefetch", job, pages, keys, slots, ctx)
         self._queued = []
+        self._l3_backups()
+        self._l3_poll()
+
+    def _l3_backups(self) -> None:
+        """Backs up what the host tree just took: called as soon as stores complete, so the
+        pages are pinned by their backup before the next step's stores may evict them."""
+        if self.l3 is None:
+            return
         for job, pages, slots in self.native.plan_backups():
             keys = [self._key_of[p] for p in pages]
             self._submit("backup", job, pages, keys, slots, _BACKUP_CTX)
-        self._l3_poll()
 
     def _submit(self, kind: str, job: int, pages, keys, slots, ctx) -> None:
         tid = self._next_l3_job
