@@ -15,7 +15,8 @@ the longest run of offered chunks right after the chain's host-resident prefix (
 choice; the rest are not stored, so vLLM does not copy them) and reports the evicted keys;
 ``complete_store`` / ``complete_load`` find the kvtier jobs by the key set vLLM passes back.
 Requests use vLLM's ``REQUEST_LEVEL`` offload policy so that chunks vLLM found in its GPU
-prefix cache are offered too: kvtier's host tier holds prefixes, not loose chunks.
+prefix cache are offered too: kvtier's host tier holds prefixes, not loose chunks. With
+``kvtier_l3`` in the config, kvtier's L3 goes below the host tier (manager_l3.py).
 """
 
 from __future__ import annotations
