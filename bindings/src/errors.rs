@@ -12,7 +12,7 @@
 //! │                     UnknownOpError, DuplicateCompletionError, WrongCompletionKindError,
 //! │                     BadCompletionError, UnknownStepError, NotInStepError,
 //! │                     RowCountMismatchError, CompletionOutOfOrderError, IllegalEventError,
-//! │                     CacheError
+//! │                     CacheError, OffloadManagerError
 //! └── L3Error ── ObjectNotFoundError, ObjectAlreadyExistsError, ... (each with a class
 //!                attribute `code`: Mooncake's integer error code, e.g. -704)
 //! ```
@@ -92,6 +92,7 @@ sched_errors! {
     CompletionOutOfOrderError: "A forward completed before an op it waits for.",
     IllegalEventError: "The event is illegal in the request's current state.",
     CacheError: "The prefix cache rejected the operation.",
+    OffloadManagerError: "OffloadManager refused a call (unknown job, a range off the chain, pages not on host) or failed its consistency check; nothing changed.",
 }
 
 macro_rules! l3_errors {

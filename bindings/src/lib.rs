@@ -5,6 +5,8 @@
 //! re-exports. Built with maturin as an abi3 wheel (CPython ≥ 3.9).
 //!
 //! - `sched.rs`: `Scheduler` (GIL released while it plans or hashes);
+//! - `offload.rs`: `OffloadManager`, kvtier's host tier for an engine that owns its device
+//!   tier (the scheduler crate's offloading-manager mode);
 //! - `plan.rs`: `ExecutionPlan` (decode rows as numpy columns, page ids as uint32 arrays),
 //!   `PlannedOp`, `PrefillChunk`, the completion events, `page_hashes`;
 //! - `config.rs`: `SchedulerConfig` (a Python dataclass) ↔ Rust;
@@ -28,6 +30,7 @@ mod convert;
 mod errors;
 mod l3;
 mod mooncake;
+mod offload;
 mod plan;
 mod policy;
 mod sched;
@@ -38,6 +41,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<sched::PyScheduler>()?;
     m.add_class::<tp::PyRankAgreement>()?;
+    m.add_class::<offload::PyOffloadManager>()?;
     m.add_class::<plan::PyPlan>()?;
     m.add_class::<plan::PyPlannedOp>()?;
     m.add_class::<plan::PyPrefillChunk>()?;

@@ -17,6 +17,9 @@
 //! - `prefetch.rs`: the prefetch path (start, deadline, finish, pin until admission);
 //! - `agreement.rs`: tensor-parallel agreement ([`RankAgreement`], [`ExecutionPlan::digest`]);
 //!   `agreed_losses.rs`: the same for L3 losses (the union of every rank's, on every rank);
+//! - `offload.rs`: [`OffloadManager`], the offloading-manager mode: the radix tree deciding an
+//!   engine's host tier (lookup, store slots and evictions, loads) without owning its device;
+//!   `offload_l3.rs`: L3 below it (write-through backups, what is known to be in L3);
 //! - `stats.rs`: counters, also exported through the `metrics` facade;
 //! - [`model`]: the reference engine model (page contents, page tables, the integrity oracle)
 //!   shared by the scheduler's tests, the simulator and the end-to-end tests.
@@ -32,6 +35,8 @@ mod error;
 mod idhash;
 mod lifecycle;
 pub mod model;
+mod offload;
+mod offload_l3;
 mod ops;
 mod prefetch;
 mod release;
@@ -52,6 +57,8 @@ pub use kvtier_fsm::{OpKind, RequestState};
 pub use kvtier_radix::{
     DevicePageId, ExtraKey, HashScope, HostPageId, KeyNamespace, KvEvent, PageHash, ScopeLabel,
 };
+pub use offload::{JobKind, JobOutcome, LoadPlan, Lookup, OffloadError, OffloadManager, StorePlan};
+pub use offload_l3::{BackupPlan, L3Backups};
 pub use scheduler::Scheduler;
 pub use stats::{OpStats, Stats};
 pub use types::*;

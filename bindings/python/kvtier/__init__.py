@@ -57,6 +57,8 @@ from ._native import (  # noqa: F401  (re-exports)
     ObjectAlreadyExistsError,
     ObjectHasLeaseError,
     ObjectNotFoundError,
+    OffloadManager,
+    OffloadManagerError,
     PlannedOp,
     PrefetchDone,
     PrefillChunk,

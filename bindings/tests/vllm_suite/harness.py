@@ -97,6 +97,10 @@ class FakeDma(OffloadingWorker):
         self.page = gpu.shape[1]
         self.done: List[TransferResult] = []
         self.loads = self.stores = 0
+        self.loaded_blocks = 0  # GPU blocks written by loads (host hits the forward used)
+        self.hold_loads = False  # True: loads' bytes land, their reports wait for release()
+        self.hold_stores = False  # the same for stores
+        self.held: List[TransferResult] = []
 
     def _pairs(self, gpu_spec, cpu_ids):
         blocks = np.asarray(gpu_spec.block_ids, dtype=np.int64)
@@ -114,8 +118,8 @@ class FakeDma(OffloadingWorker):
         for b, s in zip(blocks, subs):
             self._host_page(s)[:] = self.gpu[b]
         self.stores += 1
-        self.done.append(TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page,
-                                        transfer_time=0.0))
+        (self.held if self.hold_stores else self.done).append(
+            TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page, transfer_time=0.0))
         return True
 
     def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
@@ -123,9 +127,16 @@ class FakeDma(OffloadingWorker):
         for b, s in zip(blocks, subs):
             self.gpu[b] = self._host_page(s)
         self.loads += 1
-        self.done.append(TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page,
-                                        transfer_time=0.0))
+        self.loaded_blocks += len(blocks)
+        (self.held if self.hold_loads else self.done).append(
+            TransferResult(job_id=job_id, success=True, transfer_size=len(blocks) * self.page, transfer_time=0.0))
         return True
+
+    def release(self) -> None:
+        """Reports the held jobs (with the next ``get_finished``)."""
+        self.hold_loads = self.hold_stores = False
+        self.done.extend(self.held)
+        self.held = []
 
     def get_finished(self):
         out, self.done = self.done, []
@@ -213,13 +224,22 @@ class Engine:
         # The worker side as OffloadingConnector builds it in a GPU worker process.
         wspec = OffloadingSpecFactory.create_spec(build_offloading_config(self.vllm_config, self.kv_cache_config))
         self.worker = OffloadingConnectorWorker(wspec, self.vllm_config, self.kv_cache_config)
-        self.dma = FakeDma(self.gpu, self.manager.primary_tier.get_kv_memoryview(), self.bpc)
+        # The host slots: vLLM's /dev/shm region under tiering (the scheduler maps it too);
+        # under a plain CPUOffloadingSpec (kvtier's manager) only the worker holds them.
+        if hasattr(self.manager, "primary_tier"):
+            host = self.manager.primary_tier.get_kv_memoryview()
+        elif getattr(self.manager, "host_view", None) is not None:
+            host = self.manager.host_view  # kvtier's manager with L3 maps the region too
+        else:
+            host = np.zeros((wspec.num_chunks, self.page * self.bpc), dtype=np.uint8)
+        self.dma = FakeDma(self.gpu, host, self.bpc)
         self.worker.worker = self.dma
         self.hasher = get_request_block_hasher(BLOCK, sha256_cbor)
         self.tag = self.tag or f"{self.model}/{self.layers}/{self.dtype}"
         self.prompts: Dict[str, List[int]] = {}
         self.loaded: Dict[str, int] = {}
         self.read: Dict[str, bytes] = {}
+        self.preemptions: Dict[str, int] = {}  # times vLLM preempted each request
         self.stats_payloads: List[dict] = []  # the connector stats vLLM's scheduler reported
 
     @property
@@ -235,6 +255,8 @@ class Engine:
     def step(self) -> bool:
         """One engine step; whether it scheduled any tokens."""
         so = self.sched.schedule()
+        for rid, r in self.sched.requests.items():
+            self.preemptions[rid] = r.num_preemptions
         meta = so.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.start_kv_transfers(meta)

@@ -1,0 +1,101 @@
+"""vLLM's chunk keys as kvtier radix pages.
+
+Why: kvtier's radix tree knows a page only as a link of a chain — the page hashes of a
+prompt in prefix order — because a page is reusable only with its whole prefix, and its
+residency on every tier is prefix-closed. vLLM's offloading manager is asked about one chunk
+key at a time (``OffloadKey``: the block hash of the chunk's last block plus the KV group
+index, 4 bytes big-endian), with the request's ``ReqContext`` recording each key's end-token
+position. This module is the one place that turns those keys into chains and back:
+
+- **one page per full chunk**: page ``i`` of a group's chain is the chunk ending at token
+  ``(i + 1) * tokens_per_chunk``; the page hash is SHA-256 over a domain tag and the whole
+  offload key (which already chains over the prefix, salt and LoRA);
+- **prefix order** by position, not by the order vLLM recorded the keys in (a sliding-window
+  backfill records them out of order); the chain stops at the first missing chunk, since
+  pages past a hole cannot be placed in a prefix tree;
+- **partial chunks** (a boundary key of a request's partial tail, whose position is not a
+  multiple of the chunk size) are not pages: kvtier neither stores nor finds them;
+- **groups**: each KV cache group is its own chain (the group index is in every key, so two
+  groups' pages never collide in the one tree).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Tuple
+
+__all__ = ["Chain", "ChunkChains", "chains_of", "group_of", "page_of"]
+
+_TAG = b"kvtier.vllm.chunk\0"
+
+
+def page_of(key: bytes) -> bytes:
+    """The kvtier page hash (32 bytes) of one vLLM offload key."""
+    return hashlib.sha256(_TAG + bytes(key)).digest()
+
+
+def group_of(key: bytes) -> int:
+    """The KV cache group index of an offload key (its last 4 bytes, big-endian)."""
+    k = bytes(key)
+    if len(k) < 5:
+        raise ValueError(f"an offload key is a block hash plus 4 bytes of group, got {len(k)} bytes")
+    return int.from_bytes(k[-4:], "big")
+
+
+@dataclass
+class Chain:
+    """One group's full chunks of a request in prefix order: ``keys[i]`` is page ``i``."""
+
+    keys: List[bytes] = field(default_factory=list)
+    pages: List[bytes] = field(default_factory=list)
+    index: Dict[bytes, int] = field(default_factory=dict)
+
+
+def chains_of(positions: Mapping[bytes, int], tokens_per_chunk: Mapping[int, int]) -> Dict[int, Chain]:
+    """Each group's chain from ``{offload key: end-token position}``. A group missing from
+    ``tokens_per_chunk`` is not offloaded by kvtier (no chain)."""
+    by_group: Dict[int, List[Tuple[int, bytes]]] = {}
+    for key, pos in positions.items():
+        g = group_of(key)
+        tpc = tokens_per_chunk.get(g)
+        if tpc is None or pos <= 0 or pos % tpc:
+            continue  # another group's layout, or a partial chunk
+        by_group.setdefault(g, []).append((pos // tpc - 1, bytes(key)))
+    out: Dict[int, Chain] = {}
+    for g, items in by_group.items():
+        items.sort()
+        c = Chain()
+        for i, key in items:
+            if i != len(c.keys):
+                break  # a hole (or a duplicate position): the chain ends before it
+            c.index[key] = i
+            c.keys.append(key)
+            c.pages.append(page_of(key))
+        out[g] = c
+    return out
+
+
+class ChunkChains:
+    """A request's chains, rebuilt only when vLLM recorded new keys (kept in the request's
+    ``ReqContext`` with ``set_state``)."""
+
+    def __init__(self, tokens_per_chunk: Mapping[int, int]):
+        self.tokens_per_chunk = dict(tokens_per_chunk)
+        self._seen = -1
+        self._chains: Dict[int, Chain] = {}
+
+    def update(self, positions: Mapping[bytes, int]) -> Dict[int, Chain]:
+        if len(positions) != self._seen:
+            self._chains = chains_of(positions, self.tokens_per_chunk)
+            self._seen = len(positions)
+        return self._chains
+
+    def locate(self, positions: Mapping[bytes, int], key: bytes) -> Optional[Tuple[Chain, int]]:
+        """The chain a key is a page of and its index, or None (partial chunk, past a hole,
+        unknown key)."""
+        c = self.update(positions).get(group_of(key))
+        if c is None:
+            return None
+        i = c.index.get(bytes(key))
+        return None if i is None else (c, i)

@@ -1,0 +1,296 @@
+"""kvtier's scheduler as vLLM's offloading manager: ``KvtierOffloadingSpec``.
+
+Why: with a tier and a policy (tier.py, policy.py) vLLM's own manager decides what to load,
+store and keep; kvtier only stores bytes and ranks evictions. Here vLLM's
+``OffloadingConnector`` asks kvtier instead: ``KvtierOffloadingManager`` answers every
+manager call from ``kvtier.OffloadManager`` (the scheduler crate's offloading-manager mode:
+the radix tree over the host tier, prefix-closed residency, kvtier's eviction policy, locks
+on what a copy reads or extends). vLLM keeps its GPU prefix cache and its GPU↔host copy
+worker (``CPUOffloadingSpec``'s, over the same host slots), so the spec subclasses
+``CPUOffloadingSpec`` and replaces only the manager.
+
+How: ``chunks.py`` turns a request's offload keys (positions in its ``ReqContext``) into one
+page-hash chain per KV group; host slot ids are vLLM's CPU chunk ids. ``prepare_store`` stores
+the longest run of offered chunks right after the chain's host-resident prefix (kvtier's
+choice; the rest are not stored, so vLLM does not copy them) and reports the evicted keys;
+``complete_store`` / ``complete_load`` find the kvtier jobs by the key set vLLM passes back.
+Requests use vLLM's ``REQUEST_LEVEL`` offload policy so that chunks vLLM found in its GPU
+prefix cache are offered too: kvtier's host tier holds prefixes, not loose chunks. With
+``kvtier_l3`` in the config, kvtier's L3 goes below the host tier (manager_l3.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Dict, Iterable, List, Optional, Tuple
+
+from vllm.v1.kv_offload.base import (
+    CacheHitSource,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from .. import OffloadManager
+from .chunks import Chain, ChunkChains, group_of
+from .manager_l3 import L3Plan
+
+__all__ = ["KvtierOffloadingManager", "KvtierOffloadingSpec"]
+
+_LOOKUP = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING}
+
+
+def _positions(ctx: ReqContext) -> Dict[bytes, int]:
+    # vLLM 0.33 records every key's end-token position here (set_offload_key_position) and
+    # offers only a per-key getter; the chain needs them all.
+    return ctx._offload_key_positions  # noqa: SLF001
+
+
+class KvtierOffloadingManager(L3Plan, OffloadingManager):
+    """vLLM's ``OffloadingManager`` answered by kvtier's radix tree over ``num_chunks`` host
+    slots (see the module docs); with ``l3`` (a ``KvtierSecondaryTier`` over the host slots)
+    kvtier's L3 below them (manager_l3.py)."""
+
+    def __init__(self, num_chunks: int, tokens_per_chunk: Dict[int, int], policy: str = "lru",
+                 enable_events: bool = False, l3: Any = None):
+        self.policy = policy
+        self._backups = "off" if l3 is None else "write-through"
+        self.native = OffloadManager(num_chunks, policy, self._backups)
+        self._l3_init(l3)
+        self.host_view: Optional[memoryview] = None  # the host slots, when mapped here (L3)
+        self.tokens_per_chunk = dict(tokens_per_chunk)
+        self.events: Optional[List[OffloadingEvent]] = [] if enable_events else None
+        self.medium = Medium.CPU
+        self._key_of: Dict[bytes, bytes] = {}  # page hash -> offload key, for host pages
+        self._pending: Dict[bytes, bytes] = {}  # the same, for pages being stored
+        self._stores: Dict[frozenset, List[List[int]]] = {}  # vLLM key set -> kvtier jobs
+        self._loads: Dict[frozenset, List[List[int]]] = {}
+
+    # ----- chains ---------------------------------------------------------------------
+
+    def _chains(self, ctx: ReqContext) -> ChunkChains:
+        c = ctx.get_state(ChunkChains)
+        if c is None:
+            c = ChunkChains(self.tokens_per_chunk)
+            ctx.set_state(c)
+        return c
+
+    def _by_chain(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> List[Tuple[Chain, List[int]]]:
+        """The keys that are pages, grouped by chain (group order), as sorted indices."""
+        chains = self._chains(ctx).update(_positions(ctx))
+        out: Dict[int, List[int]] = {}
+        for k in keys:
+            g = group_of(k)
+            c = chains.get(g)
+            i = None if c is None else c.index.get(bytes(k))
+            if i is not None:
+                out.setdefault(g, []).append(i)
+        return [(chains[g], sorted(ix)) for g, ix in sorted(out.items())]
+
+    # ----- vLLM's manager API -----------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        loc = self._chains(req_context).locate(_positions(req_context), bytes(key))
+        if loc is None:
+            return LookupResult.MISS
+        chain, i = loc
+        r = self.native.lookup(chain.pages[: i + 1], i)
+        if r == "in-l3":
+            return self._prefetch(chain, i, req_context)
+        if r == "miss":
+            return self._l3_lookup(chain, i, bytes(key), req_context) or LookupResult.MISS
+        return _LOOKUP[r]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        slot_of: Dict[bytes, int] = {}
+        jobs: List[int] = []
+        try:
+            for chain, ix in self._by_chain(keys, req_context):
+                lo, hi = ix[0], ix[-1] + 1
+                job, slots = self.native.prepare_load(chain.pages[:hi], lo, hi)
+                jobs.append(job)
+                for i in ix:
+                    slot_of[chain.keys[i]] = slots[i - lo]
+            spec = CPULoadStoreSpec([slot_of[bytes(k)] for k in keys])
+        except Exception:
+            for j in jobs:
+                self.native.complete_load(j)
+            raise
+        self._loads.setdefault(frozenset(bytes(k) for k in keys), []).append(jobs)
+        return spec
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for j in self._pop(self._loads, keys):
+            self.native.complete_load(j)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for chain, ix in self._by_chain(keys, req_context):
+            self.native.touch(chain.pages[: ix[-1] + 1])
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
+        to_store: List[bytes] = []
+        slots: List[int] = []
+        evicted: List[bytes] = []
+        jobs: List[int] = []
+        refused = False
+        for chain, ix in self._by_chain(keys, req_context):
+            offered = set(ix)
+            start = self.native.host_prefix(chain.pages)
+            end = start
+            while end in offered:
+                end += 1
+            if end == start:
+                continue  # on host already, or its prefix is not: kvtier does not store it
+            plan = self.native.prepare_store(chain.pages[:end], end)
+            if plan is None:
+                refused = refused or self.native.lookup(chain.pages[: start + 1], start) == "miss"
+                continue
+            job, frm, got, gone = plan
+            jobs.append(job)
+            for off, slot in enumerate(got):
+                key = chain.keys[frm + off]
+                to_store.append(key)
+                slots.append(slot)
+                self._pending[chain.pages[frm + off]] = key
+            evicted.extend(self._key_of[p] for p in gone if p in self._key_of)
+        self._drain()
+        if not jobs and refused:
+            return None  # every slot is pinned by copies in flight: vLLM retries later
+        if jobs:
+            self._stores.setdefault(frozenset(to_store), []).append(jobs)
+        return PrepareStoreOutput(keys_to_store=to_store, store_spec=CPULoadStoreSpec(slots),
+                                  evicted_keys=evicted)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        outcome = "done" if success else "failed"
+        for j in self._pop(self._stores, keys):
+            self.native.complete_store(j, outcome)
+        self._drain()
+        self._l3_backups()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self.l3 is not None:
+            self.l3.on_schedule_end(context)  # its probes of the step, in one batch
+        self._l3_step()
+
+    def has_pending_work(self) -> bool:
+        return self._l3_busy()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        if self.l3 is not None:
+            self.l3.on_request_finished(req_context)
+
+    def shutdown(self) -> None:
+        if self.l3 is not None:
+            self.l3.shutdown()
+        if self.host_view is not None:
+            self.host_view.release()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        self._drain()
+        if self.events:
+            out, self.events = self.events, []
+            yield from out
+
+    def reset_cache(self) -> None:
+        # vLLM's contract (as its CPU manager's): everything goes, pinned or not; jobs issued
+        # before the reset are never reported, and vLLM flushes them to its workers before
+        # any new store can reuse a slot (``on_reset_flushed``).
+        self._l3_reset()
+        self.native = OffloadManager(int(self.native.usage()["capacity"]), self.policy, self._backups)
+        for table in (self._key_of, self._pending, self._stores, self._loads):
+            table.clear()
+
+    # ----- kvtier ---------------------------------------------------------------------
+
+    def check(self) -> None:
+        """kvtier's consistency check, plus this adapter's own books: every host page has
+        its key, every in-flight kvtier job is one vLLM job's."""
+        self.native.check()
+        u = self.native.usage()
+        if (len(self._key_of), len(self._pending)) != (u["cached"], u["storing"]):
+            raise AssertionError(f"keys known for {len(self._key_of)} host / {len(self._pending)} pending pages, "
+                                 f"kvtier has {u['cached']} / {u['storing']}")
+        stores = sum(len(j) for js in self._stores.values() for j in js) + self._l3_unreported()
+        loads = sum(len(j) for js in self._loads.values() for j in js)
+        if (stores, loads) != (u["stores"], u["loads"]):
+            raise AssertionError(f"jobs: vLLM {stores} stores / {loads} loads, kvtier {u['stores']} / {u['loads']}")
+
+    def _pop(self, table: Dict[frozenset, List[Any]], keys: Collection[OffloadKey]) -> Any:
+        k = frozenset(bytes(x) for x in keys)
+        if not table.get(k):
+            return []
+        jobs = table[k].pop(0)
+        if not table[k]:
+            del table[k]
+        return jobs
+
+    def _drain(self) -> None:
+        for p in self.native.take_dropped():
+            self._pending.pop(p, None)
+        for removed, pages in self.native.drain_events():
+            if not removed:
+                for p in pages:
+                    if p in self._pending:
+                        self._key_of[p] = self._pending.pop(p)
+            keys = [self._key_of[p] for p in pages if p in self._key_of]
+            if removed:
+                for p in pages:
+                    self._key_of.pop(p, None)
+            if self.events is not None and keys:
+                self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
+
+
+class KvtierOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading (its host slots and GPU↔host worker) with kvtier's manager.
+
+    ``--kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec", "spec_module_path":
+    "kvtier.vllm", "cpu_bytes_to_use": ..., "kvtier_eviction": "freq-depth"}}'``
+    """
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.kvtier_eviction = str(self.extra_config.get("kvtier_eviction", "lru"))
+        self.kvtier_l3 = self.extra_config.get("kvtier_l3")  # KvtierSecondaryTier's keys, or None
+        self._scheduler_mmap = None
+        self.tokens_per_chunk = {int(g.group_id): int(g.tokens_per_block) * int(self.blocks_per_chunk)
+                                 for g in config.groups}
+
+    def get_manager(self) -> OffloadingManager:
+        if not self._manager:
+            self._manager = KvtierOffloadingManager(
+                self.num_chunks, self.tokens_per_chunk, self.kvtier_eviction,
+                enable_events=self.kv_events_config.enable_kv_cache_events, l3=self._l3_tier())
+            self._manager.host_view = getattr(self, "kv_view", None)
+        return self._manager
+
+    def _l3_tier(self):
+        """kvtier's L3 tier over the host slots, mapped in this (the scheduler's) process as
+        vLLM's tiering spec maps them; None without ``kvtier_l3``."""
+        if self.kvtier_l3 is None:
+            return None
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+        from .tier import KvtierSecondaryTier
+
+        self._scheduler_mmap = SharedOffloadRegion(
+            engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=None,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk, cpu_page_size=self.cpu_page_size_per_worker)
+        self.kv_view = self._scheduler_mmap.create_kv_memoryview()
+        return KvtierSecondaryTier(offloading_spec=self, primary_kv_view=self.kv_view, tier_type="kvtier",
+                                   **dict(self.kvtier_l3))

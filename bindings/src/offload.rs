@@ -1,0 +1,237 @@
+//! `kvtier.OffloadManager`: kvtier's radix tree as the host tier of an engine that owns its
+//! device tier (vLLM's offloading manager, `kvtier.vllm.KvtierOffloadingManager`).
+//!
+//! Why a thin class: every decision (which chunks are kept, which slot each gets, what is
+//! evicted for them, what a load pins) is `kvtier_scheduler::OffloadManager`'s; Python only
+//! translates the engine's keys into page-hash chains (`kvtier.vllm.chunks`) and back.
+//! How: a chain is a list of 32-byte page hashes in prefix order; slots are host page ids.
+//! Errors are `OffloadError` (a `SchedulerError`); nothing changes on an error.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use kvtier_radix::{EvictionPolicy, KvEvent, PageHash, TierKind};
+use kvtier_scheduler::{JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager};
+
+use crate::errors::{OffloadManagerError, config_msg};
+
+fn chain_of(chain: &Bound<'_, PyAny>) -> PyResult<Vec<PageHash>> {
+    let mut out = Vec::new();
+    for item in chain.try_iter()? {
+        let b: Vec<u8> = item?.extract()?;
+        let h: [u8; 32] = b.as_slice().try_into().map_err(|_| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "a page hash is 32 bytes, got {}",
+                b.len()
+            ))
+        })?;
+        out.push(PageHash(h));
+    }
+    Ok(out)
+}
+
+/// `(job, from, slots, evicted page hashes)` of a store.
+type StoreTuple<'py> = (u64, usize, Vec<u32>, Bound<'py, PyList>);
+
+/// `(job, page hashes, slots)` of a backup.
+type BackupTuple<'py> = (u64, Bound<'py, PyList>, Vec<u32>);
+
+fn outcome_of(outcome: &str) -> PyResult<JobOutcome> {
+    match outcome {
+        "done" => Ok(JobOutcome::Done),
+        "failed" => Ok(JobOutcome::Failed),
+        other => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "outcome is \"done\" or \"failed\", got {other:?}"
+        ))),
+    }
+}
+
+fn err(e: OffloadError) -> PyErr {
+    OffloadManagerError::new_err(e.to_string())
+}
+
+fn hashes<'py>(py: Python<'py>, hs: &[PageHash]) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, hs.iter().map(|h| PyBytes::new(py, &h.0)))
+}
+
+/// kvtier's host tier for an engine that keeps its own device tier: `host_slots` slots
+/// (ids `0..host_slots`), evicting by `policy` ("lru", "freq-depth", "adaptive").
+#[pyclass(module = "kvtier", name = "OffloadManager")]
+pub struct PyOffloadManager {
+    inner: OffloadManager,
+}
+
+#[pymethods]
+impl PyOffloadManager {
+    #[new]
+    #[pyo3(signature = (host_slots, policy = "lru", l3_backups = "off"))]
+    fn new(host_slots: u32, policy: &str, l3_backups: &str) -> PyResult<Self> {
+        let p: EvictionPolicy = policy.parse().map_err(config_msg)?;
+        let b = match l3_backups {
+            "off" => L3Backups::Off,
+            "write-through" => L3Backups::WriteThrough,
+            other => {
+                return Err(config_msg(format!(
+                    "l3_backups is \"off\" or \"write-through\", got {other:?}"
+                )));
+            }
+        };
+        let mut inner = OffloadManager::new(host_slots, p).map_err(err)?;
+        inner.set_l3_backups(b);
+        Ok(Self { inner })
+    }
+
+    /// BackUp jobs for stored host pages L3 lacks: `[(job, [page hash], [slot])]`; each
+    /// pins its host slots until `complete_backup(job, outcome)`.
+    fn plan_backups<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<BackupTuple<'py>>> {
+        self.inner
+            .plan_backups()
+            .into_iter()
+            .map(|b| {
+                Ok((
+                    b.job,
+                    hashes(py, &b.pages)?,
+                    b.slots.iter().map(|s| s.index()).collect(),
+                ))
+            })
+            .collect()
+    }
+
+    fn complete_backup(&mut self, job: u64, outcome: &str) -> PyResult<()> {
+        let o = outcome_of(outcome)?;
+        self.inner.complete_backup(job, o).map_err(err)
+    }
+
+    /// The engine's L3 probe found these pages.
+    fn l3_found(&mut self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.l3_found(&chain_of(pages)?);
+        Ok(())
+    }
+
+    /// L3 lost these pages.
+    fn l3_lost(&mut self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.l3_lost(&chain_of(pages)?);
+        Ok(())
+    }
+
+    /// How many leading pages of `chain` are on host.
+    fn host_prefix(&self, chain: &Bound<'_, PyAny>) -> PyResult<usize> {
+        Ok(self.inner.host_prefix(&chain_of(chain)?))
+    }
+
+    /// "hit", "pending" (being stored), "in-l3" (off host, known in L3) or "miss" for page
+    /// `index` of `chain`.
+    fn lookup(&self, chain: &Bound<'_, PyAny>, index: usize) -> PyResult<&'static str> {
+        Ok(match self.inner.lookup(&chain_of(chain)?, index) {
+            Lookup::Hit => "hit",
+            Lookup::Pending => "pending",
+            Lookup::InL3 => "in-l3",
+            Lookup::Miss => "miss",
+        })
+    }
+
+    /// Slots for pages of `chain[..to]` not on host yet: `None` (nothing to store) or
+    /// `(job, from, slots, evicted)`: pages `from .. from + len(slots)` go to `slots`,
+    /// `evicted` are the page hashes dropped from host to make room.
+    fn prepare_store<'py>(
+        &mut self,
+        py: Python<'py>,
+        chain: &Bound<'py, PyAny>,
+        to: usize,
+    ) -> PyResult<Option<StoreTuple<'py>>> {
+        let c = chain_of(chain)?;
+        match self.inner.prepare_store(&c, to).map_err(err)? {
+            None => Ok(None),
+            Some(p) => Ok(Some((
+                p.job,
+                p.from,
+                p.slots.iter().map(|s| s.index()).collect(),
+                hashes(py, &p.evicted)?,
+            ))),
+        }
+    }
+
+    /// A store's bytes landed (`outcome="done"`) or not (`"failed"`).
+    fn complete_store(&mut self, job: u64, outcome: &str) -> PyResult<()> {
+        let o = outcome_of(outcome)?;
+        self.inner.complete_store(job, o).map_err(err)
+    }
+
+    /// `(job, slots)` of pages `from_..to` of `chain`, pinned until `complete_load(job)`.
+    fn prepare_load(
+        &mut self,
+        chain: &Bound<'_, PyAny>,
+        from_: usize,
+        to: usize,
+    ) -> PyResult<(u64, Vec<u32>)> {
+        let p = self
+            .inner
+            .prepare_load(&chain_of(chain)?, from_, to)
+            .map_err(err)?;
+        Ok((p.job, p.slots.iter().map(|s| s.index()).collect()))
+    }
+
+    fn complete_load(&mut self, job: u64) -> PyResult<()> {
+        self.inner.complete_load(job).map_err(err)
+    }
+
+    /// The engine used the host-resident prefix of `chain`.
+    fn touch(&mut self, chain: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.touch(&chain_of(chain)?);
+        Ok(())
+    }
+
+    /// Host events since the last call: `(removed, [page hash, ...])` pairs in order.
+    fn drain_events<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<(bool, Bound<'py, PyList>)>> {
+        let mut out = Vec::new();
+        for e in self.inner.drain_events() {
+            match e {
+                KvEvent::Stored {
+                    tier: TierKind::Host,
+                    hashes: hs,
+                    ..
+                } => out.push((false, hashes(py, &hs)?)),
+                KvEvent::Removed {
+                    tier: TierKind::Host,
+                    hashes: hs,
+                    ..
+                } => out.push((true, hashes(py, &hs)?)),
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// Page hashes of stores that ended without reaching the tree (failed, or their parent
+    /// store failed) since the last call.
+    fn take_dropped<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        hashes(py, &self.inner.take_dropped())
+    }
+
+    /// Host slots: capacity, free, held (in-flight stores), cached, locked; and in-flight
+    /// store and load jobs, pages being stored.
+    fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let u = self.inner.usage();
+        let (stores, loads) = self.inner.in_flight();
+        let d = PyDict::new(py);
+        d.set_item("capacity", u.capacity)?;
+        d.set_item("free", u.free)?;
+        d.set_item("held", u.held)?;
+        d.set_item("cached", u.cached)?;
+        d.set_item("locked", u.locked)?;
+        d.set_item("stores", stores)?;
+        d.set_item("loads", loads)?;
+        d.set_item("storing", self.inner.storing())?;
+        let (queued, backups) = self.inner.backups_pending();
+        d.set_item("backups_queued", queued)?;
+        d.set_item("backups", backups)?;
+        Ok(d)
+    }
+
+    /// kvtier's full consistency check; raises `OffloadManagerError` naming what is wrong.
+    fn check(&self) -> PyResult<()> {
+        self.inner
+            .check()
+            .map_err(|m| OffloadManagerError::new_err(format!("inconsistent: {m}")))
+    }
+}

@@ -1,0 +1,87 @@
+"""kvtier.OffloadManager from Python: the offloading-manager mode's calls, and bad input as
+typed errors that change nothing (the logic itself: scheduler/tests/offload_manager.rs)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvtier
+
+
+def chain(tag: str, n: int):
+    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
+
+
+def test_store_load_evict_and_events():
+    m = kvtier.OffloadManager(4, "freq-depth")
+    a = chain("a", 3)
+    job, first, slots, evicted = m.prepare_store(a, 3)
+    assert (first, len(set(slots)), evicted) == (0, 3, [])
+    assert m.usage()["storing"] == 3 and m.usage()["stores"] == 1
+    m.complete_store(job, "done")
+    assert m.drain_events() == [(False, a)]
+    assert [m.lookup(a, i) for i in range(3)] == ["hit"] * 3 and m.host_prefix(a) == 3
+    load, read = m.prepare_load(a, 1, 3)
+    assert read == slots[1:]
+    m.complete_load(load)
+    m.touch(a)
+    b = chain("b", 2)
+    job, _, _, evicted = m.prepare_store(b, 2)
+    assert evicted == a
+    m.complete_store(job, "failed")
+    assert m.take_dropped() == b and m.lookup(b, 0) == "miss"
+    assert m.drain_events() == [(True, a)]
+    m.check()
+
+
+def test_bad_input_is_a_typed_error_and_changes_nothing():
+    with pytest.raises(kvtier.OffloadManagerError):
+        kvtier.OffloadManager(0)
+    with pytest.raises(kvtier.ConfigError):
+        kvtier.OffloadManager(4, "mru")
+    m = kvtier.OffloadManager(4)
+    a = chain("a", 2)
+    job, *_ = m.prepare_store(a, 2)
+    before = m.usage()
+    with pytest.raises(ValueError):
+        m.prepare_store([b"short"], 1)
+    with pytest.raises(ValueError):
+        m.complete_store(job, "maybe")
+    with pytest.raises(kvtier.OffloadManagerError):
+        m.complete_store(job + 1, "done")
+    with pytest.raises(kvtier.OffloadManagerError):
+        m.prepare_store(a, 3)
+    with pytest.raises(kvtier.OffloadManagerError):
+        m.prepare_load(a, 0, 2)  # not on host yet
+    with pytest.raises(kvtier.OffloadManagerError):
+        m.complete_load(1)
+    with pytest.raises(TypeError):
+        m.lookup(None, 0)
+    assert m.usage() == before
+    m.check()
+    m.complete_store(job, "done")
+    with pytest.raises(kvtier.OffloadManagerError):
+        m.complete_store(job, "done")  # reported once
+    m.check()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5), st.booleans()), max_size=30),
+       st.integers(1, 8))
+def test_hits_are_exactly_what_landed_and_still_fits(ops, slots):
+    """Stores completed at once: every chain's hits are a prefix, host pages never exceed the
+    slots, and the consistency check holds after every call."""
+    m = kvtier.OffloadManager(slots)
+    for tag, n, ok in ops:
+        c = chain(str(tag), n)
+        plan = m.prepare_store(c, n)
+        if plan is not None:
+            m.complete_store(plan[0], "done" if ok else "failed")
+        m.check()
+        hits = [m.lookup(c, i) == "hit" for i in range(n)]
+        assert hits == sorted(hits, reverse=True)  # a prefix
+        assert m.usage()["cached"] <= slots

@@ -1,0 +1,524 @@
+//! The offloading-manager mode: kvtier's radix tree deciding an engine's host tier without
+//! owning its device tier.
+//!
+//! Why: an engine such as vLLM keeps its own GPU prefix cache and its own GPU↔host copy
+//! worker, and asks an "offloading manager" four questions per step: is this chunk on host
+//! (lookup), where do I read these chunks from (load), where do I write these new chunks and
+//! what did you drop for them (store), and what changed (events). [`Scheduler`] answers those
+//! for requests it runs itself, with device pages it owns; here the same [`RadixCache`] (its
+//! prefix-closed host residency, leaf-first eviction by kvtier's [`EvictionPolicy`], locks
+//! that pin what a copy reads or extends, router events) answers them for chunks the engine
+//! computed. Nothing is emulated by the caller: which chunks are kept, which slot each gets
+//! and which chunks are evicted for them are the tree's decisions.
+//!
+//! How: one radix page per engine chunk (`page_size` 1; the engine's chunk key, hashed by
+//! the caller into a [`PageHash`] chain, is the page's identity). Host page ids are the
+//! engine's host slots. A store is two-phase: [`OffloadManager::prepare_store`] locks the
+//! deepest host-resident prefix of the chain (so neither it nor the slots can go while the
+//! engine copies), evicts the policy's coldest unlocked leaves if the free slots are short,
+//! and hands out held slots; [`OffloadManager::complete_store`] inserts them (success) or
+//! frees them (failure). A store may start right after pages another store is still writing
+//! (two requests with a common prefix computed in one step): its pages are inserted once
+//! that parent store landed (its lock moves down onto the parent's pages as soon as they are
+//! in the tree), and dropped if the parent failed. A load locks the path it reads until
+//! [`OffloadManager::complete_load`].
+//! Pages being stored are not answered as hits ([`Lookup::Pending`]) until their bytes landed.
+//! Every method validates before it changes anything: on `Err`, nothing changed.
+//!
+//! [`Scheduler`]: crate::Scheduler
+
+use std::collections::{HashMap, HashSet};
+
+use kvtier_radix::{
+    EvictionPolicy, Host, HostPageId, KvEvent, LockHandle, PageHash, RadixCache, RadixConfig,
+    RadixError, TierKind, TierUsage,
+};
+use thiserror::Error;
+
+/// What the manager refused; nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum OffloadError {
+    #[error("the host tier needs at least one slot")]
+    NoHostSlots,
+    #[error("no {kind} job has id {job}")]
+    UnknownJob { kind: JobKind, job: u64 },
+    #[error("store job {job} was already reported")]
+    AlreadyCompleted { job: u64 },
+    #[error("pages {from}..{to} are not a range of the {len}-page chain")]
+    BadRange { from: usize, to: usize, len: usize },
+    #[error("only {resident} leading pages of the chain are on host, {wanted} asked for")]
+    NotOnHost { resident: usize, wanted: usize },
+    #[error("the prefix cache refused: {0}")]
+    Cache(#[from] RadixError),
+}
+
+/// The two kinds of copy job the engine runs for the manager.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::Display)]
+pub enum JobKind {
+    /// Engine device → host slots.
+    Store,
+    /// Host slots → engine device.
+    Load,
+    /// Host slots → L3.
+    Backup,
+}
+
+/// How a job the engine ran ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobOutcome {
+    /// Every byte landed.
+    Done,
+    /// The copy failed: a store's slots hold nothing usable.
+    Failed,
+}
+
+/// The answer to a lookup of one page of a chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// On host with its whole prefix: loadable now.
+    Hit,
+    /// Being stored: ask again once the store completed.
+    Pending,
+    /// Not on host, known to be in L3 (backed up or found by a probe): prefetch it.
+    InL3,
+    /// Not on host (nor known in L3).
+    Miss,
+}
+
+/// Slots handed out for a store: pages `from .. from + slots.len()` of the chain go to
+/// `slots` (in order), and `evicted` are the pages the tree dropped from host to make room.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorePlan {
+    pub job: u64,
+    pub from: usize,
+    pub slots: Vec<HostPageId>,
+    pub evicted: Vec<PageHash>,
+}
+
+/// Slots to read for a load of pages `from .. from + slots.len()` of the chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadPlan {
+    pub job: u64,
+    pub slots: Vec<HostPageId>,
+}
+
+struct PendingStore {
+    chain: Vec<PageHash>,
+    from: usize,
+    slots: Vec<HostPageId>,
+    /// On the deepest host-resident node of `chain[..from]` (moved down as it grows).
+    lock: LockHandle<Host>,
+    state: StoreState,
+}
+
+/// Where a store stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StoreState {
+    /// The engine is writing the slots.
+    Writing,
+    /// The engine reported the bytes landed; the pages wait for their parent store.
+    Landed,
+    /// Its parent store failed while the engine was still writing: the pages will not be
+    /// inserted, and the slots stay held until the engine reports the job (a copy still in
+    /// flight must not land in a slot given to someone else).
+    Orphaned,
+}
+
+/// kvtier's host tier for an engine that owns its device tier. See the module docs.
+pub struct OffloadManager {
+    pub(crate) cache: RadixCache,
+    stores: HashMap<u64, PendingStore>,
+    loads: HashMap<u64, LockHandle<Host>>,
+    /// L3 below the host tier (`offload_l3.rs`).
+    pub(crate) l3: crate::offload_l3::L3Books,
+    /// Pages of in-flight stores (not hits until stored; not stored twice).
+    storing: HashSet<PageHash>,
+    /// Pages of stores that ended without reaching the tree, since the last `take_dropped`.
+    dropped: Vec<PageHash>,
+    pub(crate) next_job: u64,
+}
+
+impl std::fmt::Debug for OffloadManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffloadManager")
+            .field("host", &self.cache.usage(TierKind::Host))
+            .field("stores", &self.stores.len())
+            .field("loads", &self.loads.len())
+            .finish()
+    }
+}
+
+/// The token run the tree keeps for a page (`page_size` 1): a function of the page's hash,
+/// so the tree's runs stay consistent with its hashes.
+fn token_of(h: &PageHash) -> u32 {
+    u32::from_le_bytes([h.0[0], h.0[1], h.0[2], h.0[3]])
+}
+
+impl OffloadManager {
+    /// A manager of `host_slots` host slots (ids `0..host_slots`), evicting by `policy`.
+    pub fn new(host_slots: u32, policy: EvictionPolicy) -> Result<Self, OffloadError> {
+        if host_slots == 0 {
+            return Err(OffloadError::NoHostSlots);
+        }
+        let mut cache = RadixCache::new(RadixConfig {
+            page_size: 1,
+            device_pages: 0,
+            host_pages: host_slots,
+            record_events: true,
+        })?;
+        cache.set_eviction_policy(policy);
+        Ok(Self {
+            cache,
+            stores: HashMap::new(),
+            loads: HashMap::new(),
+            storing: HashSet::new(),
+            dropped: Vec::new(),
+            l3: Default::default(),
+            next_job: 1,
+        })
+    }
+
+    /// How many leading pages of `chain` are on host (read-only: no recency change).
+    pub fn host_prefix(&self, chain: &[PageHash]) -> usize {
+        self.cache.peek_prefix(chain).1
+    }
+
+    /// Whether page `index` of `chain` can be loaded now.
+    pub fn lookup(&self, chain: &[PageHash], index: usize) -> Lookup {
+        let Some(page) = chain.get(index) else {
+            return Lookup::Miss;
+        };
+        if self.host_prefix(&chain[..=index]) > index {
+            Lookup::Hit
+        } else if self.storing.contains(page) {
+            Lookup::Pending
+        } else if self.l3.holds(page) {
+            Lookup::InL3
+        } else {
+            Lookup::Miss
+        }
+    }
+
+    /// The engine computed pages `..to` of `chain`: hands out slots for those of them not on
+    /// host yet, after the deepest host-resident prefix, as many as the tree can make room for
+    /// (its coldest unlocked leaves evicted), stopping before a page another store is
+    /// writing. `None`: nothing to store.
+    pub fn prepare_store(
+        &mut self,
+        chain: &[PageHash],
+        to: usize,
+    ) -> Result<Option<StorePlan>, OffloadError> {
+        if to > chain.len() {
+            return Err(OffloadError::BadRange {
+                from: 0,
+                to,
+                len: chain.len(),
+            });
+        }
+        let (_, host) = self.cache.peek_prefix(&chain[..to]);
+        let from = host
+            + chain[host..to]
+                .iter()
+                .take_while(|h| self.storing.contains(h))
+                .count();
+        let want = chain[from..to]
+            .iter()
+            .take_while(|h| !self.storing.contains(h))
+            .count();
+        if want == 0 {
+            return Ok(None);
+        }
+        let m = self.cache.match_prefix(&chain[..host]);
+        let lock = self.cache.lock::<Host>(m.host_node)?;
+        let usage = self.cache.usage(TierKind::Host);
+        let n = want.min(usage.obtainable());
+        let mut evicted = Vec::new();
+        if n > usage.free {
+            let out = self.cache.evict::<Host>(n - usage.free);
+            evicted.extend(out.evicted.into_iter().flat_map(|e| e.hashes));
+        }
+        let n = n.min(self.cache.usage(TierKind::Host).free);
+        // `n` is at most what is obtainable, and unlocked cached pages are all below no lock,
+        // so the evictions freed enough; an empty or refused allocation stores nothing.
+        let slots = match self.cache.alloc::<Host>(n) {
+            Ok(s) if !s.is_empty() => s,
+            Ok(_) | Err(_) => {
+                self.release(lock);
+                return Ok(None);
+            }
+        };
+        let job = self.next_job;
+        self.next_job += 1;
+        self.storing.extend(chain[from..from + n].iter().copied());
+        self.stores.insert(
+            job,
+            PendingStore {
+                chain: chain[..from + n].to_vec(),
+                from,
+                slots: slots.clone(),
+                lock,
+                state: StoreState::Writing,
+            },
+        );
+        Ok(Some(StorePlan {
+            job,
+            from,
+            slots,
+            evicted,
+        }))
+    }
+
+    /// A store's bytes landed (`Done`: its pages become host hits) or not (`Failed`: its
+    /// slots are freed).
+    pub fn complete_store(&mut self, job: u64, outcome: JobOutcome) -> Result<(), OffloadError> {
+        let Some(p) = self.stores.get_mut(&job) else {
+            return Err(OffloadError::UnknownJob {
+                kind: JobKind::Store,
+                job,
+            });
+        };
+        match (p.state, outcome) {
+            (StoreState::Landed, _) => return Err(OffloadError::AlreadyCompleted { job }),
+            (StoreState::Orphaned, _) | (StoreState::Writing, JobOutcome::Failed) => {
+                self.drop_store(job)
+            }
+            (StoreState::Writing, JobOutcome::Done) => p.state = StoreState::Landed,
+        }
+        self.settle();
+        Ok(())
+    }
+
+    /// Inserts every landed store whose parent pages are on host, moves the locks of stores
+    /// whose parents just arrived onto them, and drops stores whose parent will never come
+    /// (failed, or evicted before they landed); until nothing changes.
+    fn settle(&mut self) {
+        loop {
+            let mut jobs: Vec<u64> = self.stores.keys().copied().collect();
+            jobs.sort_unstable();
+            let mut changed = false;
+            for job in jobs {
+                let Some(p) = self.stores.get(&job) else {
+                    continue;
+                };
+                let (from, state) = (p.from, p.state);
+                if state == StoreState::Orphaned {
+                    continue;
+                }
+                let (_, resident) = self.cache.peek_prefix(&p.chain[..from]);
+                if resident < from {
+                    if !self.storing.contains(&p.chain[resident]) {
+                        if state == StoreState::Landed {
+                            self.drop_store(job);
+                        } else {
+                            self.orphan_store(job);
+                        }
+                        changed = true;
+                    }
+                    continue;
+                }
+                let locked_at = self.cache.node_end(p.lock.node()).unwrap_or(0);
+                if locked_at < from {
+                    let chain = p.chain[..from].to_vec();
+                    let node = self.cache.match_prefix(&chain).host_node;
+                    if let Some(p) = self.stores.remove(&job) {
+                        let lock = match self.cache.relock(p.lock, node) {
+                            Ok(l) => l,
+                            Err(r) => r.handle,
+                        };
+                        self.stores.insert(job, PendingStore { lock, ..p });
+                    }
+                }
+                if state == StoreState::Landed {
+                    self.insert_store(job);
+                    changed = true;
+                }
+            }
+            if !changed {
+                return;
+            }
+        }
+    }
+
+    /// Gives a landed store's pages to the tree (its parent is on host, under its lock).
+    fn insert_store(&mut self, job: u64) {
+        let Some(p) = self.stores.remove(&job) else {
+            return;
+        };
+        for h in &p.chain[p.from..] {
+            self.storing.remove(h);
+        }
+        let tokens: Vec<u32> = p.chain.iter().map(token_of).collect();
+        let mut unused = p.slots.clone();
+        // Cannot fail: the locked start ends at `from` with a host copy, the chain continues
+        // it and the slots are held (checked again by the tree all the same).
+        if let Ok(out) =
+            self.cache
+                .insert::<Host>(p.lock.node(), p.from, &p.chain, &tokens, &p.slots)
+        {
+            unused = out
+                .duplicates
+                .into_iter()
+                .map(|(_, mine, _)| mine)
+                .collect();
+        }
+        // The slots are ours (held since prepare_store): freeing them cannot fail.
+        let _ = self.cache.free::<Host>(&unused);
+        self.release(p.lock);
+        self.l3.on_inserted(&p.chain, p.from);
+    }
+
+    /// A store whose pages can no longer be inserted, while the engine still writes them.
+    fn orphan_store(&mut self, job: u64) {
+        if let Some(p) = self.stores.get_mut(&job) {
+            p.state = StoreState::Orphaned;
+            for h in &p.chain[p.from..] {
+                self.storing.remove(h);
+            }
+            self.dropped.extend_from_slice(&p.chain[p.from..]);
+        }
+    }
+
+    /// Forgets a store: its slots freed, its pages no longer being stored.
+    fn drop_store(&mut self, job: u64) {
+        let Some(p) = self.stores.remove(&job) else {
+            return;
+        };
+        if p.state != StoreState::Orphaned {
+            for h in &p.chain[p.from..] {
+                self.storing.remove(h);
+            }
+            self.dropped.extend_from_slice(&p.chain[p.from..]);
+        }
+        let _ = self.cache.free::<Host>(&p.slots);
+        self.release(p.lock);
+    }
+
+    /// Slots of pages `from..to` of `chain` for a load; they stay pinned until
+    /// [`Self::complete_load`].
+    pub fn prepare_load(
+        &mut self,
+        chain: &[PageHash],
+        from: usize,
+        to: usize,
+    ) -> Result<LoadPlan, OffloadError> {
+        if from >= to || to > chain.len() {
+            return Err(OffloadError::BadRange {
+                from,
+                to,
+                len: chain.len(),
+            });
+        }
+        let resident = self.host_prefix(&chain[..to]);
+        if resident < to {
+            return Err(OffloadError::NotOnHost {
+                resident,
+                wanted: to,
+            });
+        }
+        let m = self.cache.match_prefix(&chain[..to]);
+        let lock = self.cache.lock::<Host>(m.host_node)?;
+        let slots = match self.cache.path_pages::<Host>(m.host_node) {
+            Ok(p) => p[from..to].to_vec(),
+            Err(e) => {
+                self.release(lock);
+                return Err(e.into());
+            }
+        };
+        let job = self.next_job;
+        self.next_job += 1;
+        self.loads.insert(job, lock);
+        Ok(LoadPlan { job, slots })
+    }
+
+    /// A load finished (either way: the engine recomputes what failed); its pages unpinned.
+    pub fn complete_load(&mut self, job: u64) -> Result<(), OffloadError> {
+        let Some(lock) = self.loads.remove(&job) else {
+            return Err(OffloadError::UnknownJob {
+                kind: JobKind::Load,
+                job,
+            });
+        };
+        self.release(lock);
+        Ok(())
+    }
+
+    /// The engine used the host-resident prefix of `chain`: refreshes its rank.
+    pub fn touch(&mut self, chain: &[PageHash]) {
+        let (_, host) = self.cache.peek_prefix(chain);
+        if host > 0 {
+            self.cache.match_prefix(&chain[..host]);
+        }
+    }
+
+    /// Host `Stored` / `Removed` events since the last call.
+    pub fn drain_events(&mut self) -> Vec<KvEvent> {
+        self.cache.drain_events()
+    }
+
+    /// Pages of stores that ended without reaching the tree (failed, or their parent store
+    /// failed) since the last call: never hits, their slots free (or freed when reported).
+    pub fn take_dropped(&mut self) -> Vec<PageHash> {
+        std::mem::take(&mut self.dropped)
+    }
+
+    /// Pages being stored now.
+    pub fn storing(&self) -> usize {
+        self.storing.len()
+    }
+
+    /// Host occupancy.
+    pub fn usage(&self) -> TierUsage {
+        self.cache.usage(TierKind::Host)
+    }
+
+    /// Jobs the engine has not reported yet: (stores, loads).
+    pub fn in_flight(&self) -> (usize, usize) {
+        let stores = self
+            .stores
+            .values()
+            .filter(|p| p.state != StoreState::Landed)
+            .count();
+        (stores, self.loads.len())
+    }
+
+    /// The full consistency check: the tree's own invariants, one lock per in-flight job,
+    /// the held slots exactly those of in-flight stores, `storing` exactly their pages.
+    pub fn check(&self) -> Result<(), String> {
+        self.cache.check_invariants()?;
+        let (_, host_locks) = self.cache.outstanding_locks();
+        let jobs = self.stores.len() + self.loads.len() + self.l3.backups();
+        if host_locks != jobs {
+            return Err(format!("{host_locks} host locks for {jobs} in-flight jobs"));
+        }
+        let held: usize = self.stores.values().map(|p| p.slots.len()).sum();
+        let u = self.cache.usage(TierKind::Host);
+        if u.held != held {
+            return Err(format!(
+                "{} held slots, in-flight stores hold {held}",
+                u.held
+            ));
+        }
+        let storing: usize = self
+            .stores
+            .values()
+            .filter(|p| p.state != StoreState::Orphaned)
+            .map(|p| p.chain.len() - p.from)
+            .sum();
+        if storing != self.storing.len() {
+            return Err(format!(
+                "{} pages marked storing, in-flight stores write {storing}",
+                self.storing.len()
+            ));
+        }
+        if u.free + u.held + u.cached != u.capacity {
+            return Err(format!("host slots do not add up: {u:?}"));
+        }
+        Ok(())
+    }
+
+    /// Gives a lock back. Our handles are of this cache and tier and given back once, so the
+    /// tree cannot refuse; a refusal would leave the handle held, which `check` reports.
+    pub(crate) fn release(&mut self, lock: LockHandle<Host>) {
+        let _ = self.cache.unlock(lock);
+    }
+}

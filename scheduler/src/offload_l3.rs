@@ -1,0 +1,147 @@
+//! L3 below the offloading-manager mode: what [`OffloadManager`] backs up and knows is in L3.
+//!
+//! Why here and not in the engine's glue: the write policy (which host pages go to L3, and
+//! when) and the residency it implies are scheduler decisions, as in [`crate::Scheduler`];
+//! the glue only moves bytes. How: with [`L3Backups::WriteThrough`] every run of pages a store
+//! inserts into the host tree is queued; [`OffloadManager::plan_backups`] turns the queue
+//! into BackUp jobs (host slots → L3) for the pages L3 lacks, each locking its host path until
+//! [`OffloadManager::complete_backup`]. Pages backed up, or reported found by the engine's
+//! L3 probe ([`OffloadManager::l3_found`]), are answered [`Lookup::InL3`] once off host, and
+//! the engine prefetches them with an ordinary store job whose bytes come from L3
+//! ([`OffloadManager::prepare_store`]). What L3 loses the engine reports
+//! ([`OffloadManager::l3_lost`]): a hint, as docs/scheduler.md says of L3 residency.
+//!
+//! [`Lookup::InL3`]: crate::Lookup::InL3
+
+use std::collections::{HashMap, HashSet};
+
+use kvtier_radix::{Host, HostPageId, LockHandle, PageHash};
+
+use crate::offload::{JobKind, JobOutcome, OffloadError, OffloadManager};
+
+/// Whether the manager backs host pages up to L3.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum L3Backups {
+    /// No L3 below the host tier.
+    #[default]
+    Off,
+    /// Every page stored on host is backed up to L3 once.
+    WriteThrough,
+}
+
+/// A BackUp: copy host `slots` (in order) to L3 as `pages`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackupPlan {
+    pub job: u64,
+    pub pages: Vec<PageHash>,
+    pub slots: Vec<HostPageId>,
+}
+
+/// The L3 side of an [`OffloadManager`].
+#[derive(Default)]
+pub(crate) struct L3Books {
+    mode: L3Backups,
+    /// Known to be in L3.
+    in_l3: HashSet<PageHash>,
+    /// Inserted runs waiting for a backup: (chain up to the run's end, run start).
+    queued: Vec<(Vec<PageHash>, usize)>,
+    /// Pages of backups in flight.
+    backing_up: HashSet<PageHash>,
+    jobs: HashMap<u64, (LockHandle<Host>, Vec<PageHash>)>,
+}
+
+impl L3Books {
+    pub(crate) fn holds(&self, page: &PageHash) -> bool {
+        self.in_l3.contains(page)
+    }
+
+    pub(crate) fn on_inserted(&mut self, chain: &[PageHash], from: usize) {
+        if self.mode == L3Backups::WriteThrough && from < chain.len() {
+            self.queued.push((chain.to_vec(), from));
+        }
+    }
+
+    pub(crate) fn backups(&self) -> usize {
+        self.jobs.len()
+    }
+}
+
+impl OffloadManager {
+    /// Sets the write policy towards L3.
+    pub fn set_l3_backups(&mut self, mode: L3Backups) {
+        self.l3.mode = mode;
+    }
+
+    /// BackUp jobs for the queued host pages L3 lacks (pages evicted from host meanwhile are
+    /// skipped); each pins its host path until [`Self::complete_backup`].
+    pub fn plan_backups(&mut self) -> Vec<BackupPlan> {
+        let mut out = Vec::new();
+        for (chain, from) in std::mem::take(&mut self.l3.queued) {
+            let end = self.host_prefix(&chain);
+            if end <= from {
+                continue;
+            }
+            let todo: Vec<usize> = (from..end)
+                .filter(|&i| !self.l3.in_l3.contains(&chain[i]))
+                .filter(|&i| !self.l3.backing_up.contains(&chain[i]))
+                .collect();
+            if todo.is_empty() {
+                continue;
+            }
+            let node = self.cache.match_prefix(&chain[..end]).host_node;
+            let Ok(lock) = self.cache.lock::<Host>(node) else {
+                continue;
+            };
+            let path = match self.cache.path_pages::<Host>(node) {
+                Ok(p) => p,
+                Err(_) => {
+                    self.release(lock);
+                    continue;
+                }
+            };
+            let pages: Vec<PageHash> = todo.iter().map(|&i| chain[i]).collect();
+            let slots = todo.iter().map(|&i| path[i]).collect();
+            let job = self.next_job;
+            self.next_job += 1;
+            self.l3.backing_up.extend(pages.iter().copied());
+            self.l3.jobs.insert(job, (lock, pages.clone()));
+            out.push(BackupPlan { job, pages, slots });
+        }
+        out
+    }
+
+    /// A BackUp ended: on `Done` its pages are known in L3; either way its path is unpinned.
+    pub fn complete_backup(&mut self, job: u64, outcome: JobOutcome) -> Result<(), OffloadError> {
+        let Some((lock, pages)) = self.l3.jobs.remove(&job) else {
+            return Err(OffloadError::UnknownJob {
+                kind: JobKind::Backup,
+                job,
+            });
+        };
+        for p in &pages {
+            self.l3.backing_up.remove(p);
+        }
+        if outcome == JobOutcome::Done {
+            self.l3.in_l3.extend(pages);
+        }
+        self.release(lock);
+        Ok(())
+    }
+
+    /// The engine's probe found these pages in L3.
+    pub fn l3_found(&mut self, pages: &[PageHash]) {
+        self.l3.in_l3.extend(pages.iter().copied());
+    }
+
+    /// L3 lost these pages (evicted, removed, a failed read): no longer answered `InL3`.
+    pub fn l3_lost(&mut self, pages: &[PageHash]) {
+        for p in pages {
+            self.l3.in_l3.remove(p);
+        }
+    }
+
+    /// Backups waiting to be planned, and in flight.
+    pub fn backups_pending(&self) -> (usize, usize) {
+        (self.l3.queued.len(), self.l3.jobs.len())
+    }
+}
