@@ -8,7 +8,7 @@
 //! device copy keeps the host copy; a node left with no copy is removed from the tree, which
 //! may make its parent the next leaf.
 
-use crate::adaptive::{AdaptiveSnapshot, AdaptiveState, GhostKind};
+use crate::adaptive::{AdaptiveSnapshot, AdaptiveState, GhostKind, LearntAdmission};
 use crate::cache::RadixCache;
 use crate::error::RadixError;
 use crate::events::KvEvent;
@@ -80,6 +80,25 @@ impl RadixCache {
     /// What the adaptive policy has learnt (`None` under a fixed policy).
     pub fn adaptive_snapshot(&self) -> Option<AdaptiveSnapshot> {
         self.adaptive.as_ref().map(AdaptiveState::snapshot)
+    }
+
+    /// Where the adaptive policy would give finished requests' pages their host copy
+    /// (`None` under a fixed policy).
+    pub fn learnt_admission(&self) -> Option<LearntAdmission> {
+        self.adaptive.as_ref().map(AdaptiveState::admission)
+    }
+
+    /// Whether the pages of `id` were seen twice: the node was matched since it was written,
+    /// or the adaptive policy saw a prompt hit a ghost at its first hash within one capacity
+    /// of traffic (always false for an unmatched node under a fixed policy).
+    pub fn seen_twice(&self, id: NodeId) -> Result<bool, RadixError> {
+        let n = self.node(id)?;
+        Ok(n.uses > 0
+            || self.adaptive.as_ref().is_some_and(|a| {
+                n.hashes
+                    .first()
+                    .is_some_and(|h| a.resighted(h, self.traffic))
+            }))
     }
 
     /// Ranks every evictable leaf again by the current ranking (the configured policy, or the

@@ -19,19 +19,36 @@
 //! evictable and not seen again); the locks an op holds are counted by `Scheduler::check`.
 
 use kvtier_fsm::OpKind;
-use kvtier_radix::{Device, Host, HostPageId, LockHandle, NodeId, TierKind};
+use kvtier_radix::{Device, Host, HostPageId, LearntAdmission, LockHandle, NodeId, TierKind};
 
-use crate::config::HostAdmission;
+use crate::config::{AdmissionFilter, HostAdmission};
 use crate::ops::{BackupSource, BackupUrgency, OpCtx};
 use crate::release;
 use crate::scheduler::Scheduler;
 use crate::types::OpSpec;
 
 impl Scheduler {
+    /// Whether finished requests' pages get their host copy at finish (else on demotion).
+    pub(crate) fn copies_at_finish(&self) -> bool {
+        match self.cfg.host_admission {
+            HostAdmission::OnFinish => true,
+            HostAdmission::OnDeviceEviction { .. } => false,
+            HostAdmission::Adaptive { .. } => {
+                self.cache.learnt_admission() != Some(LearntAdmission::Demote)
+            }
+        }
+    }
+
     /// Plans the demotions that keep `ahead_pages` of device free or backed by host.
     pub(crate) fn plan_demotions(&mut self) {
-        let HostAdmission::OnDeviceEviction { ahead_pages } = self.cfg.host_admission else {
-            return;
+        let (ahead_pages, filter) = match self.cfg.host_admission {
+            HostAdmission::OnFinish => return,
+            HostAdmission::OnDeviceEviction { ahead_pages } => (ahead_pages, AdmissionFilter::None),
+            HostAdmission::Adaptive { .. } if self.copies_at_finish() => return,
+            HostAdmission::Adaptive {
+                ahead_pages,
+                filter,
+            } => (ahead_pages, filter),
         };
         // Device pressure only comes from requests; an idle scheduler plans nothing.
         if self.reqs.is_empty() || self.demotions_paused {
@@ -49,7 +66,11 @@ impl Scheduler {
             }
             let len = self.cache.node_hashes(node).map_or(0, |h| h.len());
             covered += len;
-            if self.cache.is_resident(node, TierKind::Host) != Ok(true) {
+            let admitted = match filter {
+                AdmissionFilter::None => true,
+                AdmissionFilter::SecondSighting => self.cache.seen_twice(node) == Ok(true),
+            };
+            if admitted && self.cache.is_resident(node, TierKind::Host) != Ok(true) {
                 victims.push(node);
             }
         }
