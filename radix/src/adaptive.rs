@@ -37,7 +37,6 @@ use std::hash::BuildHasherDefault;
 use crate::cache::PrefixHasher;
 use crate::hash::PageHash;
 use crate::policy::EvictionPolicy;
-use crate::sightings::Sightings;
 
 /// Levels between LRU (0) and the full frequency/depth setting.
 pub const LEVELS: u32 = 8;
@@ -55,10 +54,11 @@ pub const DEMOTE_FROM_LEVEL: u32 = 4;
 
 /// Where a finished request's pages get their host copy, as learnt by the adaptive policy
 /// (what `HostAdmission::Adaptive` follows).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub enum LearntAdmission {
     /// At finish: the level is below [`DEMOTE_FROM_LEVEL`] (recency pays, every turn is read
     /// again, inclusive tiers keep more of them).
+    #[default]
     CopyAtFinish,
     /// When device evicts them: the level is at or above [`DEMOTE_FROM_LEVEL`] (most pages are
     /// not read again; exclusive tiers hold more of those that are).
@@ -96,8 +96,6 @@ pub(crate) struct AdaptiveState {
     hits: [u64; 2],
     /// Level steps so far.
     steps: u64,
-    /// Hashes where prompts hit ghosts (the second-sighting filter).
-    sightings: Sightings,
 }
 
 /// What the adaptive policy has learnt, for reports and tests.
@@ -109,8 +107,9 @@ pub struct AdaptiveSnapshot {
     pub ghost_hits_once: u64,
     pub ghost_hits_reused: u64,
     pub steps: u64,
-    /// Second sightings remembered (hashes where a prompt hit a ghost).
-    pub sightings: usize,
+    /// Where finished requests' pages get their host copy at this level (followed only under
+    /// `HostAdmission::Adaptive`).
+    pub admission: LearntAdmission,
 }
 
 impl AdaptiveState {
@@ -125,7 +124,6 @@ impl AdaptiveState {
             capacity: capacity_pages.max(1) as u64,
             hits: [0, 0],
             steps: 0,
-            sightings: Sightings::new(GHOST_WINDOW * capacity_pages.max(1) as u64),
         }
     }
 
@@ -136,12 +134,6 @@ impl AdaptiveState {
         } else {
             LearntAdmission::CopyAtFinish
         }
-    }
-
-    /// Whether a leaf starting at `first` is a second sighting (a prompt hit a ghost there
-    /// within one capacity of traffic).
-    pub(crate) fn resighted(&self, first: &PageHash, traffic: u64) -> bool {
-        self.sightings.contains(first, traffic)
     }
 
     /// The policy leaves are ranked by at the current level.
@@ -174,7 +166,6 @@ impl AdaptiveState {
         let Some((_, kind, pages)) = self.ghosts.remove(next) else {
             return false;
         };
-        self.sightings.record(*next, traffic);
         self.hits[kind as usize] += 1;
         self.epoch_count += 1;
         self.epoch_hits[kind as usize] += u64::from(pages);
@@ -214,7 +205,7 @@ impl AdaptiveState {
             ghost_hits_once: self.hits[0],
             ghost_hits_reused: self.hits[1],
             steps: self.steps,
-            sightings: self.sightings.len(),
+            admission: self.admission(),
         }
     }
 
@@ -249,7 +240,6 @@ impl AdaptiveState {
         if self.ghosts.len() > self.order.len() {
             return Err("more live ghosts than queued".into());
         }
-        self.sightings.check_bounds()?;
         if self.level > LEVELS || self.epoch_count >= EPOCH_HITS {
             return Err(format!(
                 "level {} / epoch {:?}",

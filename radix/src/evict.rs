@@ -88,19 +88,6 @@ impl RadixCache {
         self.adaptive.as_ref().map(AdaptiveState::admission)
     }
 
-    /// Whether the pages of `id` were seen twice: the node was matched since it was written,
-    /// or the adaptive policy saw a prompt hit a ghost at its first hash within one capacity
-    /// of traffic (always false for an unmatched node under a fixed policy).
-    pub fn seen_twice(&self, id: NodeId) -> Result<bool, RadixError> {
-        let n = self.node(id)?;
-        Ok(n.uses > 0
-            || self.adaptive.as_ref().is_some_and(|a| {
-                n.hashes
-                    .first()
-                    .is_some_and(|h| a.resighted(h, self.traffic))
-            }))
-    }
-
     /// Ranks every evictable leaf again by the current ranking (the configured policy, or the
     /// adaptive policy's level).
     pub(crate) fn rerank(&mut self) {

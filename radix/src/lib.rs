@@ -28,7 +28,6 @@ mod node;
 mod policy;
 mod pool;
 mod query;
-mod sightings;
 pub mod tenant;
 mod tier;
 

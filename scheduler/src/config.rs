@@ -59,23 +59,9 @@ pub enum HostAdmission {
     OnDeviceEviction { ahead_pages: u32 },
     /// Learnt by the adaptive eviction policy (`EvictionPolicy::Adaptive` only): copies at
     /// finish while its level says recency pays, demotes with `ahead_pages` once it says
-    /// frequency pays (`kvtier_radix::LearntAdmission`); `filter` decides which demotions run.
-    Adaptive {
-        ahead_pages: u32,
-        filter: AdmissionFilter,
-    },
-}
-
-/// Which device leaves about to be evicted get a host copy under `HostAdmission::Adaptive`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum AdmissionFilter {
-    /// Every one (as `OnDeviceEviction`).
-    #[default]
-    None,
-    /// Only a leaf seen twice: matched since it was written, or written by a prompt that
-    /// stopped at a ghost within one capacity of traffic (`RadixCache::seen_twice`); the rest
-    /// are dropped from device without a copy.
-    SecondSighting,
+    /// frequency pays (`kvtier_radix::LearntAdmission`, from level
+    /// `kvtier_radix::ADAPTIVE_DEMOTE_FROM_LEVEL` on).
+    Adaptive { ahead_pages: u32 },
 }
 
 impl HostAdmission {
@@ -84,7 +70,7 @@ impl HostAdmission {
         match *self {
             HostAdmission::OnFinish => None,
             HostAdmission::OnDeviceEviction { ahead_pages }
-            | HostAdmission::Adaptive { ahead_pages, .. } => Some(ahead_pages),
+            | HostAdmission::Adaptive { ahead_pages } => Some(ahead_pages),
         }
     }
 }
@@ -100,18 +86,11 @@ impl std::str::FromStr for HostAdmission {
                 let ahead_pages = n
                     .parse()
                     .map_err(|_| format!("bad page count `{n}` in host admission `{s}`"))?;
-                let filter = match kind {
-                    "on-device-eviction" => {
-                        return Ok(HostAdmission::OnDeviceEviction { ahead_pages });
-                    }
-                    "adaptive" => AdmissionFilter::None,
-                    "adaptive-second-sighting" => AdmissionFilter::SecondSighting,
-                    _ => return Err(unknown_admission(s)),
-                };
-                Ok(HostAdmission::Adaptive {
-                    ahead_pages,
-                    filter,
-                })
+                match kind {
+                    "on-device-eviction" => Ok(HostAdmission::OnDeviceEviction { ahead_pages }),
+                    "adaptive" => Ok(HostAdmission::Adaptive { ahead_pages }),
+                    _ => Err(unknown_admission(s)),
+                }
             }
             _ => Err(unknown_admission(s)),
         }
@@ -121,7 +100,7 @@ impl std::str::FromStr for HostAdmission {
 fn unknown_admission(s: &str) -> String {
     format!(
         "unknown host admission `{s}` (on-finish | on-device-eviction:AHEAD_PAGES | \
-         adaptive:AHEAD_PAGES | adaptive-second-sighting:AHEAD_PAGES)"
+         adaptive:AHEAD_PAGES)"
     )
 }
 
@@ -132,14 +111,7 @@ impl std::fmt::Display for HostAdmission {
             HostAdmission::OnDeviceEviction { ahead_pages } => {
                 write!(f, "on-device-eviction:{ahead_pages}")
             }
-            HostAdmission::Adaptive {
-                ahead_pages,
-                filter: AdmissionFilter::None,
-            } => write!(f, "adaptive:{ahead_pages}"),
-            HostAdmission::Adaptive {
-                ahead_pages,
-                filter: AdmissionFilter::SecondSighting,
-            } => write!(f, "adaptive-second-sighting:{ahead_pages}"),
+            HostAdmission::Adaptive { ahead_pages } => write!(f, "adaptive:{ahead_pages}"),
         }
     }
 }

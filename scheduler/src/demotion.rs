@@ -21,7 +21,7 @@
 use kvtier_fsm::OpKind;
 use kvtier_radix::{Device, Host, HostPageId, LearntAdmission, LockHandle, NodeId, TierKind};
 
-use crate::config::{AdmissionFilter, HostAdmission};
+use crate::config::HostAdmission;
 use crate::ops::{BackupSource, BackupUrgency, OpCtx};
 use crate::release;
 use crate::scheduler::Scheduler;
@@ -41,14 +41,11 @@ impl Scheduler {
 
     /// Plans the demotions that keep `ahead_pages` of device free or backed by host.
     pub(crate) fn plan_demotions(&mut self) {
-        let (ahead_pages, filter) = match self.cfg.host_admission {
-            HostAdmission::OnFinish => return,
-            HostAdmission::OnDeviceEviction { ahead_pages } => (ahead_pages, AdmissionFilter::None),
-            HostAdmission::Adaptive { .. } if self.copies_at_finish() => return,
-            HostAdmission::Adaptive {
-                ahead_pages,
-                filter,
-            } => (ahead_pages, filter),
+        if self.copies_at_finish() {
+            return;
+        }
+        let Some(ahead_pages) = self.cfg.host_admission.ahead_pages() else {
+            return;
         };
         // Device pressure only comes from requests; an idle scheduler plans nothing.
         if self.reqs.is_empty() || self.demotions_paused {
@@ -66,11 +63,7 @@ impl Scheduler {
             }
             let len = self.cache.node_hashes(node).map_or(0, |h| h.len());
             covered += len;
-            let admitted = match filter {
-                AdmissionFilter::None => true,
-                AdmissionFilter::SecondSighting => self.cache.seen_twice(node) == Ok(true),
-            };
-            if admitted && self.cache.is_resident(node, TierKind::Host) != Ok(true) {
+            if self.cache.is_resident(node, TierKind::Host) != Ok(true) {
                 victims.push(node);
             }
         }

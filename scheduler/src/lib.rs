@@ -44,7 +44,7 @@ mod types;
 pub use agreed_losses::LOSS_WORDS_TAG;
 pub use agreement::{AgreementError, RankAgreement, SKIPPED};
 pub use config::{
-    AdmissionFilter, ConfigError, HostAdmission, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig,
+    ConfigError, HostAdmission, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig,
     TenantQuota, WritePolicy,
 };
 pub use error::SchedulerError;
