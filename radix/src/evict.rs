@@ -73,7 +73,7 @@ impl RadixCache {
     pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) {
         self.policy = policy;
         self.adaptive = (policy == EvictionPolicy::Adaptive)
-            .then(|| AdaptiveState::new(self.device_pool.capacity() + self.host_pool.capacity()));
+            .then(|| AdaptiveState::new(self.device_pool.capacity(), self.host_pool.capacity()));
         self.rerank();
     }
 
@@ -148,7 +148,7 @@ impl RadixCache {
             } else {
                 GhostKind::Reused
             };
-            a.remember(first, ev.hashes.len(), kind, self.traffic);
+            a.remember(first, ev.hashes.len(), kind, t, self.traffic);
         }
         if removed {
             // No copy on either tier: by prefix closure no child has one either, and nodes

@@ -207,9 +207,11 @@ proptest! {
             let eb = apply(&mut b, op);
             prop_assert_eq!(ea, eb);
             prop_assert_eq!(a.adaptive_snapshot(), b.adaptive_snapshot());
-            // The learnt host admission is the level's, the same on both ranks.
+            // The learnt host admission is its score's, the score within the cache's
+            // capacity (both snapshots are equal: the same on both ranks).
             let snap = a.adaptive_snapshot().unwrap();
-            let want = if snap.level >= ADAPTIVE_DEMOTE_FROM_LEVEL {
+            prop_assert!(snap.admission_score.unsigned_abs() <= u64::from(dev) + 4);
+            let want = if snap.admission_score > 0 {
                 LearntAdmission::Demote
             } else {
                 LearntAdmission::CopyAtFinish

@@ -58,9 +58,8 @@ pub enum HostAdmission {
     /// under pressure faster than the write-backs, device drops uncopied leaves as before.
     OnDeviceEviction { ahead_pages: u32 },
     /// Learnt by the adaptive eviction policy (`EvictionPolicy::Adaptive` only): copies at
-    /// finish while its level says recency pays, demotes with `ahead_pages` once it says
-    /// frequency pays (`kvtier_radix::LearntAdmission`, from level
-    /// `kvtier_radix::ADAPTIVE_DEMOTE_FROM_LEVEL` on).
+    /// finish until its ghost hits say demotion would have kept more, then demotes with
+    /// `ahead_pages`, and back (`kvtier_radix::LearntAdmission`).
     Adaptive { ahead_pages: u32 },
 }
 

@@ -1,10 +1,10 @@
 //! `HostAdmission::Adaptive` (issue 25): the host admission learnt by the adaptive eviction
-//! policy. It copies at finish while the policy's level says recency pays (here: from the
-//! start); the config only takes it with the adaptive eviction policy (the host-tier and
+//! policy. It copies at finish until ghost hits say demotion would have kept more (here:
+//! from the start); the config only takes it with the adaptive eviction policy (the host-tier and
 //! read-ahead errors it shares with demotion are in `demotion.rs`); its spelling round-trips.
-//! The switch to demotion at `ADAPTIVE_DEMOTE_FROM_LEVEL` is checked on the conversation
-//! trace, where the level gets there (`sim/tests/cli_adaptive.rs`), and the random workloads
-//! of `props.rs` run the admission with their KV checks.
+//! The switch to demotion is checked on the conversation trace, where it happens
+//! (`sim/tests/cli_adaptive.rs`); the rule itself in `radix/src/adaptive.rs`'s unit test; the
+//! random workloads of `props.rs` run the admission with their KV checks.
 
 mod common;
 use common::*;
@@ -13,7 +13,7 @@ use kvtier_scheduler::*;
 use proptest::prelude::*;
 
 #[test]
-fn copies_at_finish_until_the_level_says_frequency_pays() {
+fn copies_at_finish_until_ghosts_say_demotion_pays() {
     let c = learning(8);
     let mut s = Scheduler::new(c.clone()).unwrap();
     let mut e = Engine::new(&c);

@@ -102,10 +102,11 @@ fn the_sweep_names_the_best_fixed_option_and_the_capacity_to_match_lru() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// `--host-admission adaptive:256` on the conversation trace: the level climbs past
-/// `ADAPTIVE_DEMOTE_FROM_LEVEL`, so the learnt admission switches from copies at finish to
-/// demotion (the report says so, and the run differs from adaptive with copies at finish),
-/// with the oracle clean and the policy under Belady.
+/// `--host-admission adaptive:256` on the conversation trace: leaves host dropped come back
+/// (within a device capacity of traffic) more than leaves device dropped, so the learnt
+/// admission switches from copies at finish to demotion (the report says so, and the run
+/// differs from adaptive with copies at finish), with the oracle clean and the policy under
+/// Belady.
 #[test]
 fn the_learnt_admission_switches_to_demotion_on_the_conversation_trace() {
     let trace = concat!(
@@ -132,9 +133,8 @@ fn the_learnt_admission_switches_to_demotion_on_the_conversation_trace() {
     assert_eq!(learnt["policy"], "adaptive + adaptive:256");
     assert_eq!(learnt["oracle"]["failures"], 0);
     let snap = &learnt["adaptive"][0];
-    assert!(snap["level"].as_u64().unwrap() >= 4, "{snap}");
-    assert_eq!(snap["admission"], "Demote");
-    assert_eq!(at_finish["adaptive"][0]["admission"], "Demote");
+    assert_eq!(snap["admission"], "Demote", "{snap}");
+    assert!(snap["admission_score"].as_i64().unwrap() > 0, "{snap}");
     let (l, f) = (
         learnt["hits"]["total"].as_f64().unwrap(),
         at_finish["hits"]["total"].as_f64().unwrap(),
