@@ -24,6 +24,12 @@
 //! a few short reused leaves outweigh long fresh ones, and linear steps were too coarse for
 //! small caches (docs/sim.md, "Adaptive eviction").
 //!
+//! The same ghosts also choose the host admission (`HostAdmission::Adaptive`, see
+//! [`LearntAdmission`]): why, because demotion against copies at finish decides more than the
+//! eviction order on both workloads, and again each wins on one; how, by the tier that dropped
+//! the ghost's last copy (device without a host copy: demotion's mistake; host, within one
+//! device capacity of traffic: the inclusive tiers' mistake).
+//!
 //! Bounded and deterministic: a ghost lives for one capacity's worth of traffic (device +
 //! host pages given to the device tier since its eviction: ARC's ghost list is the size of the
 //! cache, here sized in time, not in entries) and at most `device + host` ghosts are kept
