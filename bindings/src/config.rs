@@ -14,7 +14,8 @@
 //! `retraction` ∈ {"latest_arrival", "fewest_generated", "most_pages"}; `l3_sharing` ∈
 //! {"per_rank", "replicated"} with `l3_leader_rank`; `eviction` ∈ {"lru", "adaptive", "freq-depth",
 //! "freq-depth:CREDIT:MAX_USES:DEBIT"}; `host_admission` ∈ {"on-finish",
-//! "on-device-eviction:AHEAD_PAGES"}; `namespace` is a dict
+//! "on-device-eviction:AHEAD_PAGES", "adaptive:AHEAD_PAGES" (with eviction "adaptive")};
+//! `namespace` is a dict
 //! with keys model, dtype, layout, tenant, adapter.
 
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};

@@ -40,6 +40,7 @@ def test_config_defaults_are_the_rust_defaults():
         dict(eviction="adaptive"),
         dict(host_admission="on-device-eviction:16"),
         dict(host_admission="on-finish"),
+        dict(eviction="adaptive", host_admission="adaptive:16"),
     ],
 )
 def test_config_roundtrip(over):
@@ -87,6 +88,9 @@ def test_config_errors_name_the_field():
         kvtier.Scheduler(small_config(host_admission="on-device-eviction:4", host_enabled=False, host_pages=0))
     with pytest.raises(kvtier.ConfigError, match="ahead_pages"):
         kvtier.Scheduler(small_config(host_admission="on-device-eviction:0"))
+    # The learnt admission follows the adaptive eviction policy only.
+    with pytest.raises(kvtier.ConfigError, match="eviction Adaptive"):
+        kvtier.Scheduler(small_config(host_admission="adaptive:4", eviction="lru"))
     with pytest.raises(KeyError, match="bogus"):
         kvtier.Scheduler({"bogus": 1})
     with pytest.raises(KeyError):

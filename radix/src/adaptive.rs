@@ -24,6 +24,12 @@
 //! a few short reused leaves outweigh long fresh ones, and linear steps were too coarse for
 //! small caches (docs/sim.md, "Adaptive eviction").
 //!
+//! The same ghosts also choose the host admission (`HostAdmission::Adaptive`, see
+//! [`LearntAdmission`]): why, because demotion against copies at finish decides more than the
+//! eviction order on both workloads, and again each wins on one; how, by the tier that dropped
+//! the ghost's last copy (device without a host copy: demotion's mistake; host, within one
+//! device capacity of traffic: the inclusive tiers' mistake).
+//!
 //! Bounded and deterministic: a ghost lives for one capacity's worth of traffic (device +
 //! host pages given to the device tier since its eviction: ARC's ghost list is the size of the
 //! cache, here sized in time, not in entries) and at most `device + host` ghosts are kept
@@ -37,6 +43,7 @@ use std::hash::BuildHasherDefault;
 use crate::cache::PrefixHasher;
 use crate::hash::PageHash;
 use crate::policy::EvictionPolicy;
+use crate::tier::TierKind;
 
 /// Levels between LRU (0) and the full frequency/depth setting.
 pub const LEVELS: u32 = 8;
@@ -48,6 +55,25 @@ pub const EPOCH_HITS: u64 = 64;
 const MARGIN_TENTHS: u64 = 11;
 /// Beyond this ratio of the two rates the level moves two steps.
 const FAST: u128 = 2;
+/// Where a finished request's pages get their host copy, as learnt by the adaptive policy
+/// (what `HostAdmission::Adaptive` follows), after ARC's "which ghost list the misses hit":
+/// - a ghost hit on a leaf that device dropped without a host copy is a mistake of demotion
+///   (copies at finish would have kept it on host);
+/// - a ghost hit on a leaf that host dropped, asked for again within one device capacity of
+///   traffic since, is a mistake of copies at finish (with exclusive tiers, the cache holds a
+///   device capacity more, so it would still be there).
+///
+/// The pages of each kind of mistake move a score, bounded by the cache's capacity; above
+/// zero the admission is [`LearntAdmission::Demote`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub enum LearntAdmission {
+    /// At finish (inclusive tiers): where it starts, and while demotion's mistakes weigh more.
+    #[default]
+    CopyAtFinish,
+    /// When device is about to evict them (exclusive tiers): while copies at finish's
+    /// mistakes weigh more.
+    Demote,
+}
 
 /// What an evicted leaf was when it left the tree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,16 +97,25 @@ pub(crate) struct AdaptiveState {
     epoch_count: u64,
     /// Ghosts in eviction order: (traffic at eviction, first hash).
     order: VecDeque<(u64, PageHash)>,
-    /// First hash → (traffic at eviction, kind, pages); an entry whose traffic differs from the
-    /// queue's is stale (the hash was evicted again later) and is skipped when expiring.
-    ghosts: HashMap<PageHash, (u64, GhostKind, u32), BuildHasherDefault<PrefixHasher>>,
+    /// First hash → (traffic at eviction, kind, pages, the tier that dropped it last); an
+    /// entry whose traffic differs from the queue's is stale (the hash was evicted again
+    /// later) and is skipped when expiring.
+    ghosts: HashMap<PageHash, Ghost, BuildHasherDefault<PrefixHasher>>,
     /// Traffic a ghost lives for, and most ghosts kept: device + host pages.
     capacity: u64,
+    /// Device pages: the extra capacity exclusive tiers have over inclusive ones.
+    device: u64,
+    /// Pages of copies-at-finish mistakes minus pages of demotion mistakes, within
+    /// ±`capacity` ([`LearntAdmission`]).
+    admission_score: i64,
     /// Ghost hits of each kind so far (`[once, reused]`), for reports.
     hits: [u64; 2],
     /// Level steps so far.
     steps: u64,
 }
+
+/// A ghost: (traffic at eviction, kind, pages, the tier that dropped the last copy).
+type Ghost = (u64, GhostKind, u32, TierKind);
 
 /// What the adaptive policy has learnt, for reports and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -91,10 +126,15 @@ pub struct AdaptiveSnapshot {
     pub ghost_hits_once: u64,
     pub ghost_hits_reused: u64,
     pub steps: u64,
+    /// Where finished requests' pages get their host copy (followed only under
+    /// `HostAdmission::Adaptive`), and the score it comes from.
+    pub admission: LearntAdmission,
+    pub admission_score: i64,
 }
 
 impl AdaptiveState {
-    pub(crate) fn new(capacity_pages: usize) -> Self {
+    pub(crate) fn new(device_pages: usize, host_pages: usize) -> Self {
+        let capacity_pages = device_pages + host_pages;
         AdaptiveState {
             level: 0,
             evicted: [0, 0],
@@ -103,6 +143,8 @@ impl AdaptiveState {
             order: VecDeque::new(),
             ghosts: HashMap::default(),
             capacity: capacity_pages.max(1) as u64,
+            device: device_pages as u64,
+            admission_score: 0,
             hits: [0, 0],
             steps: 0,
         }
@@ -113,12 +155,22 @@ impl AdaptiveState {
         level_policy(self.level)
     }
 
-    /// Remembers a leaf that left the tree.
+    /// Where finished requests' pages get their host copy (see [`LearntAdmission`]).
+    pub(crate) fn admission(&self) -> LearntAdmission {
+        if self.admission_score > 0 {
+            LearntAdmission::Demote
+        } else {
+            LearntAdmission::CopyAtFinish
+        }
+    }
+
+    /// Remembers a leaf that left the tree when tier `from` dropped its last copy.
     pub(crate) fn remember(
         &mut self,
         first: PageHash,
         pages: usize,
         kind: GhostKind,
+        from: TierKind,
         traffic: u64,
     ) {
         self.expire(traffic);
@@ -127,7 +179,7 @@ impl AdaptiveState {
         }
         self.order.push_back((traffic, first));
         let pages = u32::try_from(pages).unwrap_or(u32::MAX);
-        self.ghosts.insert(first, (traffic, kind, pages));
+        self.ghosts.insert(first, (traffic, kind, pages, from));
         self.evicted[kind as usize] += u64::from(pages);
     }
 
@@ -135,9 +187,10 @@ impl AdaptiveState {
     /// it. Returns true when the level changed (the caller ranks the tree again).
     pub(crate) fn on_miss(&mut self, next: &PageHash, traffic: u64) -> bool {
         self.expire(traffic);
-        let Some((_, kind, pages)) = self.ghosts.remove(next) else {
+        let Some((evicted_at, kind, pages, from)) = self.ghosts.remove(next) else {
             return false;
         };
+        self.learn_admission(from, traffic.saturating_sub(evicted_at), pages);
         self.hits[kind as usize] += 1;
         self.epoch_count += 1;
         self.epoch_hits[kind as usize] += u64::from(pages);
@@ -170,6 +223,19 @@ impl AdaptiveState {
         self.level != old
     }
 
+    /// A ghost hit of `pages` that `from` dropped `since` pages of traffic ago: whose mistake
+    /// it was (see [`LearntAdmission`]).
+    fn learn_admission(&mut self, from: TierKind, since: u64, pages: u32) {
+        let pages = i64::from(pages);
+        let delta = match from {
+            TierKind::Device => -pages,
+            TierKind::Host if since <= self.device => pages,
+            TierKind::Host => 0,
+        };
+        let cap = i64::try_from(self.capacity).unwrap_or(i64::MAX);
+        self.admission_score = (self.admission_score + delta).clamp(-cap, cap);
+    }
+
     pub(crate) fn snapshot(&self) -> AdaptiveSnapshot {
         AdaptiveSnapshot {
             level: self.level,
@@ -177,6 +243,8 @@ impl AdaptiveState {
             ghost_hits_once: self.hits[0],
             ghost_hits_reused: self.hits[1],
             steps: self.steps,
+            admission: self.admission(),
+            admission_score: self.admission_score,
         }
     }
 
@@ -192,7 +260,7 @@ impl AdaptiveState {
 
     fn pop_oldest(&mut self) {
         if let Some((t, h)) = self.order.pop_front()
-            && self.ghosts.get(&h).is_some_and(|&(gt, _, _)| gt == t)
+            && self.ghosts.get(&h).is_some_and(|&(gt, ..)| gt == t)
         {
             self.ghosts.remove(&h);
         }
@@ -210,6 +278,9 @@ impl AdaptiveState {
         }
         if self.ghosts.len() > self.order.len() {
             return Err("more live ghosts than queued".into());
+        }
+        if self.admission_score.unsigned_abs() > self.capacity {
+            return Err(format!("admission score {}", self.admission_score));
         }
         if self.level > LEVELS || self.epoch_count >= EPOCH_HITS {
             return Err(format!(
@@ -244,5 +315,48 @@ pub(crate) fn level_policy(level: u32) -> EvictionPolicy {
                 depth_debit_per_page: depth_debit_per_page >> shift,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hash(i: u64) -> PageHash {
+        let toks: Vec<u32> = vec![i as u32; 4];
+        crate::hash::page_hashes(&toks, 4, None)[0]
+    }
+
+    /// Host dropping what comes back within a device capacity votes for demotion; device
+    /// dropping what comes back votes for copies at finish; a host ghost back later than
+    /// that votes for neither; the score stays within ± the capacity.
+    #[test]
+    fn whose_mistake_moves_the_admission() {
+        let mut a = AdaptiveState::new(10, 40);
+        assert_eq!(a.admission(), LearntAdmission::CopyAtFinish);
+        a.remember(hash(1), 3, GhostKind::Once, TierKind::Host, 100);
+        a.on_miss(&hash(1), 105);
+        assert_eq!(
+            (a.admission_score, a.admission()),
+            (3, LearntAdmission::Demote)
+        );
+        a.remember(hash(2), 5, GhostKind::Reused, TierKind::Device, 110);
+        a.on_miss(&hash(2), 111);
+        assert_eq!(
+            (a.admission_score, a.admission()),
+            (-2, LearntAdmission::CopyAtFinish)
+        );
+        a.remember(hash(3), 4, GhostKind::Once, TierKind::Host, 120);
+        a.on_miss(&hash(3), 131);
+        assert_eq!(
+            a.admission_score, -2,
+            "back after more than a device capacity"
+        );
+        for i in 0..100 {
+            a.remember(hash(10 + i), 7, GhostKind::Once, TierKind::Host, 200 + i);
+            a.on_miss(&hash(10 + i), 200 + i);
+        }
+        assert_eq!(a.admission_score, 50);
+        a.check_bounds().unwrap();
     }
 }

@@ -8,7 +8,7 @@
 //! device copy keeps the host copy; a node left with no copy is removed from the tree, which
 //! may make its parent the next leaf.
 
-use crate::adaptive::{AdaptiveSnapshot, AdaptiveState, GhostKind};
+use crate::adaptive::{AdaptiveSnapshot, AdaptiveState, GhostKind, LearntAdmission};
 use crate::cache::RadixCache;
 use crate::error::RadixError;
 use crate::events::KvEvent;
@@ -73,13 +73,19 @@ impl RadixCache {
     pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) {
         self.policy = policy;
         self.adaptive = (policy == EvictionPolicy::Adaptive)
-            .then(|| AdaptiveState::new(self.device_pool.capacity() + self.host_pool.capacity()));
+            .then(|| AdaptiveState::new(self.device_pool.capacity(), self.host_pool.capacity()));
         self.rerank();
     }
 
     /// What the adaptive policy has learnt (`None` under a fixed policy).
     pub fn adaptive_snapshot(&self) -> Option<AdaptiveSnapshot> {
         self.adaptive.as_ref().map(AdaptiveState::snapshot)
+    }
+
+    /// Where the adaptive policy would give finished requests' pages their host copy
+    /// (`None` under a fixed policy).
+    pub fn learnt_admission(&self) -> Option<LearntAdmission> {
+        self.adaptive.as_ref().map(AdaptiveState::admission)
     }
 
     /// Ranks every evictable leaf again by the current ranking (the configured policy, or the
@@ -142,7 +148,7 @@ impl RadixCache {
             } else {
                 GhostKind::Reused
             };
-            a.remember(first, ev.hashes.len(), kind, self.traffic);
+            a.remember(first, ev.hashes.len(), kind, t, self.traffic);
         }
         if removed {
             // No copy on either tier: by prefix closure no child has one either, and nodes

@@ -31,7 +31,7 @@ mod query;
 pub mod tenant;
 mod tier;
 
-pub use adaptive::{AdaptiveSnapshot, LEVELS as ADAPTIVE_LEVELS};
+pub use adaptive::{AdaptiveSnapshot, LEVELS as ADAPTIVE_LEVELS, LearntAdmission};
 pub use cache::{InsertOutcome, InsertOwner, PrefixMatch, RadixCache, RadixConfig, TierUsage};
 pub use error::{RadixError, Refused};
 pub use events::{KvEvent, ScopeLabel};

@@ -103,6 +103,11 @@ fn fresh_rounds(c: &mut RadixCache, rounds: u32, seed: u32) {
 fn learns_frequency_when_reused_leaves_come_back_and_recency_when_fresh_ones_do() {
     let mut c = cache(16);
     assert_eq!(level(&c), 0, "starts as LRU");
+    assert_eq!(
+        c.learnt_admission(),
+        Some(LearntAdmission::CopyAtFinish),
+        "starts copying at finish"
+    );
     reused_rounds(&mut c, 400, 1);
     let up = level(&c);
     // One step already protects the hot prefixes here (its credit, 437 pages of traffic,
@@ -129,6 +134,11 @@ fn a_fixed_policy_has_no_adaptive_state_and_switching_back_starts_afresh() {
     assert!(level(&c) > 0);
     c.set_eviction_policy(EvictionPolicy::Lru);
     assert_eq!(c.adaptive_snapshot(), None);
+    assert_eq!(
+        c.learnt_admission(),
+        None,
+        "no learnt admission under a fixed policy"
+    );
     c.check_invariants().unwrap();
     c.set_eviction_policy(EvictionPolicy::Adaptive);
     assert_eq!(c.adaptive_snapshot(), Some(AdaptiveSnapshot::default()));
@@ -197,6 +207,17 @@ proptest! {
             let eb = apply(&mut b, op);
             prop_assert_eq!(ea, eb);
             prop_assert_eq!(a.adaptive_snapshot(), b.adaptive_snapshot());
+            // The learnt host admission is its score's, the score within the cache's
+            // capacity (both snapshots are equal: the same on both ranks).
+            let snap = a.adaptive_snapshot().unwrap();
+            prop_assert!(snap.admission_score.unsigned_abs() <= u64::from(dev) + 4);
+            let want = if snap.admission_score > 0 {
+                LearntAdmission::Demote
+            } else {
+                LearntAdmission::CopyAtFinish
+            };
+            prop_assert_eq!(a.learnt_admission(), Some(want));
+            prop_assert_eq!(snap.admission, want);
             let order_a: Vec<_> = a.evictable_lru::<Device>().map(|n| a.node_hashes(n).unwrap().to_vec()).collect();
             let order_b: Vec<_> = b.evictable_lru::<Device>().map(|n| b.node_hashes(n).unwrap().to_vec()).collect();
             prop_assert_eq!(order_a, order_b);

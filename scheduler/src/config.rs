@@ -57,6 +57,21 @@ pub enum HostAdmission {
     /// and host then hold mostly different pages (a page loaded back keeps its host copy);
     /// under pressure faster than the write-backs, device drops uncopied leaves as before.
     OnDeviceEviction { ahead_pages: u32 },
+    /// Learnt by the adaptive eviction policy (`EvictionPolicy::Adaptive` only): copies at
+    /// finish until its ghost hits say demotion would have kept more, then demotes with
+    /// `ahead_pages`, and back (`kvtier_radix::LearntAdmission`).
+    Adaptive { ahead_pages: u32 },
+}
+
+impl HostAdmission {
+    /// Demotion's read-ahead, for the admissions that demote.
+    pub fn ahead_pages(&self) -> Option<u32> {
+        match *self {
+            HostAdmission::OnFinish => None,
+            HostAdmission::OnDeviceEviction { ahead_pages }
+            | HostAdmission::Adaptive { ahead_pages } => Some(ahead_pages),
+        }
+    }
 }
 
 /// `"on-finish"` or `"on-device-eviction:AHEAD_PAGES"`: the spelling of the CLI and Python.
@@ -66,16 +81,26 @@ impl std::str::FromStr for HostAdmission {
     fn from_str(s: &str) -> Result<HostAdmission, String> {
         match s.split_once(':') {
             None if s == "on-finish" => Ok(HostAdmission::OnFinish),
-            Some(("on-device-eviction", n)) => Ok(HostAdmission::OnDeviceEviction {
-                ahead_pages: n
+            Some((kind, n)) => {
+                let ahead_pages = n
                     .parse()
-                    .map_err(|_| format!("bad page count `{n}` in host admission `{s}`"))?,
-            }),
-            _ => Err(format!(
-                "unknown host admission `{s}` (on-finish | on-device-eviction:AHEAD_PAGES)"
-            )),
+                    .map_err(|_| format!("bad page count `{n}` in host admission `{s}`"))?;
+                match kind {
+                    "on-device-eviction" => Ok(HostAdmission::OnDeviceEviction { ahead_pages }),
+                    "adaptive" => Ok(HostAdmission::Adaptive { ahead_pages }),
+                    _ => Err(unknown_admission(s)),
+                }
+            }
+            _ => Err(unknown_admission(s)),
         }
     }
+}
+
+fn unknown_admission(s: &str) -> String {
+    format!(
+        "unknown host admission `{s}` (on-finish | on-device-eviction:AHEAD_PAGES | \
+         adaptive:AHEAD_PAGES)"
+    )
 }
 
 impl std::fmt::Display for HostAdmission {
@@ -85,6 +110,7 @@ impl std::fmt::Display for HostAdmission {
             HostAdmission::OnDeviceEviction { ahead_pages } => {
                 write!(f, "on-device-eviction:{ahead_pages}")
             }
+            HostAdmission::Adaptive { ahead_pages } => write!(f, "adaptive:{ahead_pages}"),
         }
     }
 }
@@ -222,6 +248,9 @@ pub enum ConfigError {
     /// demote in time, which would then never reach L3.
     #[error("host_admission OnDeviceEviction cannot be combined with write_policy WriteBack")]
     DemotionWithWriteBack,
+    /// The learnt admission follows the adaptive eviction policy's level.
+    #[error("host_admission Adaptive needs eviction Adaptive")]
+    AdaptiveAdmissionWithoutAdaptiveEviction,
     #[error("page_size {0} too large (max 65536)")]
     PageTooLarge(usize),
 }
@@ -249,7 +278,12 @@ impl SchedulerConfig {
                 page_size: self.page_size,
             });
         }
-        if let HostAdmission::OnDeviceEviction { ahead_pages } = self.host_admission {
+        if let Some(ahead_pages) = self.host_admission.ahead_pages() {
+            if matches!(self.host_admission, HostAdmission::Adaptive { .. })
+                && self.eviction != EvictionPolicy::Adaptive
+            {
+                return Err(ConfigError::AdaptiveAdmissionWithoutAdaptiveEviction);
+            }
             if !self.host_enabled {
                 return Err(ConfigError::DemotionWithoutHost);
             }

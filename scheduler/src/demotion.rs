@@ -19,7 +19,7 @@
 //! evictable and not seen again); the locks an op holds are counted by `Scheduler::check`.
 
 use kvtier_fsm::OpKind;
-use kvtier_radix::{Device, Host, HostPageId, LockHandle, NodeId, TierKind};
+use kvtier_radix::{Device, Host, HostPageId, LearntAdmission, LockHandle, NodeId, TierKind};
 
 use crate::config::HostAdmission;
 use crate::ops::{BackupSource, BackupUrgency, OpCtx};
@@ -28,9 +28,23 @@ use crate::scheduler::Scheduler;
 use crate::types::OpSpec;
 
 impl Scheduler {
+    /// Whether finished requests' pages get their host copy at finish (else on demotion).
+    pub(crate) fn copies_at_finish(&self) -> bool {
+        match self.cfg.host_admission {
+            HostAdmission::OnFinish => true,
+            HostAdmission::OnDeviceEviction { .. } => false,
+            HostAdmission::Adaptive { .. } => {
+                self.cache.learnt_admission() != Some(LearntAdmission::Demote)
+            }
+        }
+    }
+
     /// Plans the demotions that keep `ahead_pages` of device free or backed by host.
     pub(crate) fn plan_demotions(&mut self) {
-        let HostAdmission::OnDeviceEviction { ahead_pages } = self.cfg.host_admission else {
+        if self.copies_at_finish() {
+            return;
+        }
+        let Some(ahead_pages) = self.cfg.host_admission.ahead_pages() else {
             return;
         };
         // Device pressure only comes from requests; an idle scheduler plans nothing.

@@ -10,7 +10,7 @@
 use kvtier_fsm::{OpKind, RequestEvent, RequestState};
 use kvtier_radix::{Device, Host, HostPageId, LockHandle, NodeId, PageHash};
 
-use crate::config::{HostAdmission, RetractionPolicy, WritePolicy};
+use crate::config::{RetractionPolicy, WritePolicy};
 use crate::ops::{AnyLock, BackupSource, BackupUrgency, OpCtx, RetractedKv, WriteBackCause};
 use crate::release;
 use crate::scheduler::Scheduler;
@@ -79,7 +79,7 @@ impl Scheduler {
         self.drop_own_pages(id);
         self.running.remove(&seq);
         self.demotions_paused = false;
-        let copy_at_finish = self.cfg.host_admission == HostAdmission::OnFinish;
+        let copy_at_finish = self.copies_at_finish();
         let n = if self.cfg.host_enabled && copy_at_finish {
             self.plan_write_back(id, WriteBackCause::Finish)
         } else {

@@ -1,7 +1,8 @@
 //! `HostAdmission::OnDeviceEviction` (demotion), driven through the checking engine: finished
 //! requests leave no host copy while device has room; device pressure writes the coldest
 //! device-only leaves to host before it evicts them, so they come back as host hits; a failed
-//! demotion frees its host pages; the config rejects demotion without a usable host tier.
+//! demotion frees its host pages; the config rejects demotion (fixed or learnt) without a
+//! usable host tier.
 
 mod common;
 use common::*;
@@ -99,29 +100,31 @@ fn failed_demotions_free_their_host_pages_and_lose_nothing_else() {
 
 #[test]
 fn demotion_config_errors() {
-    let no_host = SchedulerConfig {
-        host_enabled: false,
-        host_pages: 0,
-        ..demoting(4)
-    };
-    assert!(matches!(
-        Scheduler::new(no_host),
-        Err(ConfigError::DemotionWithoutHost)
-    ));
-    let write_back = SchedulerConfig {
-        write_policy: WritePolicy::WriteBack,
-        l3_enabled: true,
-        ..demoting(4)
-    };
-    assert!(matches!(
-        Scheduler::new(write_back),
-        Err(ConfigError::DemotionWithWriteBack)
-    ));
-    for bad in [0, 65] {
+    for make in [demoting, learning] {
+        let no_host = SchedulerConfig {
+            host_enabled: false,
+            host_pages: 0,
+            ..make(4)
+        };
         assert!(matches!(
-            Scheduler::new(demoting(bad)),
-            Err(ConfigError::DemotionAhead(n)) if n == bad
+            Scheduler::new(no_host),
+            Err(ConfigError::DemotionWithoutHost)
         ));
+        let write_back = SchedulerConfig {
+            write_policy: WritePolicy::WriteBack,
+            l3_enabled: true,
+            ..make(4)
+        };
+        assert!(matches!(
+            Scheduler::new(write_back),
+            Err(ConfigError::DemotionWithWriteBack)
+        ));
+        for bad in [0, 65] {
+            assert!(matches!(
+                Scheduler::new(make(bad)),
+                Err(ConfigError::DemotionAhead(n)) if n == bad
+            ));
+        }
     }
     for (text, want) in [
         ("on-finish", Some(HostAdmission::OnFinish)),

@@ -32,7 +32,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             0u8..3,
             any::<bool>(),
         ),
-        (any::<bool>(), prop::option::of(1u32..12)),
+        (0u8..3, prop::option::of(1u32..12)),
     )
         .prop_map(
             |(
@@ -42,7 +42,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                 l3,
                 batch,
                 (chunk, mixed, stop, write, retract, keep),
-                (freq, demote),
+                (evict, demote),
             )| {
                 let host_enabled = host > 0;
                 let write_back = write >= 2 && host_enabled;
@@ -78,14 +78,25 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                         RetractionPolicy::MostPages,
                     ][retract as usize],
                     max_context_tokens: (dev as usize * ps).min(64),
-                    eviction: if freq {
-                        "freq-depth"
+                    eviction: match evict {
+                        0 => Default::default(),
+                        1 => "freq-depth"
                             .parse()
-                            .expect("the conversation setting parses")
-                    } else {
-                        Default::default()
+                            .expect("the conversation setting parses"),
+                        _ => "adaptive".parse().expect("adaptive parses"),
                     },
                     host_admission: match demote {
+                        // The learnt admission with the adaptive policy, on odd read-aheads.
+                        Some(ahead_pages)
+                            if host_enabled
+                                && !write_back
+                                && evict == 2
+                                && ahead_pages % 2 == 1 =>
+                        {
+                            HostAdmission::Adaptive {
+                                ahead_pages: ahead_pages.min(dev),
+                            }
+                        }
                         Some(ahead_pages) if host_enabled && !write_back => {
                             HostAdmission::OnDeviceEviction {
                                 ahead_pages: ahead_pages.min(dev),

@@ -12,7 +12,9 @@
 //! Nothing here is timed; the callers time the scheduler calls they measure.
 //!
 //! `KVTIER_BENCH_EVICTION=freq-depth` runs the scenario under the frequency/depth-aware
-//! eviction policy instead of LRU (to measure what a policy costs per plan).
+//! eviction policy instead of LRU (to measure what a policy costs per plan), and
+//! `KVTIER_BENCH_ADMISSION=adaptive:256` (any `HostAdmission` spelling) under another host
+//! admission than copies at finish.
 
 #![allow(dead_code)]
 
@@ -36,6 +38,15 @@ pub fn eviction() -> kvtier_radix::EvictionPolicy {
     }
 }
 
+/// The host admission the scenario runs under (`KVTIER_BENCH_ADMISSION`, a `HostAdmission`
+/// spelling; copies at finish by default or when it does not parse).
+pub fn host_admission() -> HostAdmission {
+    std::env::var("KVTIER_BENCH_ADMISSION")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_default()
+}
+
 /// The scenario's configuration for `n` requests generating up to `max_new` tokens each.
 pub fn config(n: usize, max_new: u32) -> SchedulerConfig {
     let per_req = PROMPT_PAGES + (max_new as usize).div_ceil(PAGE) + 2;
@@ -52,6 +63,7 @@ pub fn config(n: usize, max_new: u32) -> SchedulerConfig {
         l3_enabled: false,
         max_context_tokens: PROMPT_TOKENS + max_new as usize,
         eviction: eviction(),
+        host_admission: host_admission(),
         ..SchedulerConfig::default()
     }
 }

@@ -455,6 +455,16 @@ pub fn cfg() -> SchedulerConfig {
     }
 }
 
+/// `cfg()` with the host admission learnt by the adaptive eviction policy
+/// (`HostAdmission::Adaptive`), demoting with `ahead_pages` once it demotes.
+pub fn learning(ahead_pages: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        eviction: kvtier_radix::EvictionPolicy::Adaptive,
+        host_admission: HostAdmission::Adaptive { ahead_pages },
+        ..cfg()
+    }
+}
+
 pub fn prompt(seed: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| seed * 1000 + i).collect()
 }
