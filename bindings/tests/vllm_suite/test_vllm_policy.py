@@ -168,3 +168,29 @@ def test_host_hit_rates_side_by_side_with_vllms_lru_and_arc(tmp_path):
         pathlib.Path(out).write_text(json.dumps({"requests": n, "host_chunks": 1500, "rows": rows}, indent=1))
     for r in rows:
         assert 0 < r["host_hit_tokens"] <= reusable, r
+
+
+def test_a_promoted_chunk_is_not_evicted_before_its_request_used_it():
+    """The tier's livelock (docs/vllm.md): promoting a request's later chunks evicted its
+    earlier, just-promoted ones (deep chunks never used rank first under freq-depth), so the
+    request never found all of its chunks on host at once. A chunk inserted and not yet used
+    by a finished request is evicted only after every other candidate."""
+    for cls in (KvtierFreqDepthPolicy, KvtierLruPolicy):
+        p = cls(64)
+        old = [key(i) for i in range(4)]  # a finished request's shallow chunks
+        for i, k in enumerate(old):
+            p.insert(k, ready(i), ctx("r0", old))
+        p.on_request_finished([old], set(old), set(), ctx("r0", old))
+        deep = [key(100 + i) for i in range(4)]
+        c1 = ctx("r1", [key(1000 + i) for i in range(200)] + deep)  # deep in a long prompt
+        p.insert(deep[0], ready(100), c1)
+        p.insert(deep[1], ready(101), c1)
+        evicted = [k for k, _ in p.evict(2, {deep[1]})]
+        assert deep[0] not in evicted and set(evicted) <= set(old), cls.__name__
+        # Once its request finished with it, it is ranked like any other chunk.
+        p.on_request_finished([deep[:2]], set(), set(deep[:2]), c1)
+        p.evict(2, set())  # the other two old chunks
+        assert {k for k, _ in p.evict(2, set())} == set(deep[:2])
+        # Nothing pending is left behind: all of it can still be evicted when nothing else is.
+        p.insert(deep[2], ready(102), c1)
+        assert p.evict(1, set())[0][0] == deep[2]

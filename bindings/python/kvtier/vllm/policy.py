@@ -59,10 +59,11 @@ class KvtierCachePolicy(CachePolicy):
             if old:
                 col[:old] = getattr(self, name)
             setattr(self, name, col)
-        col = np.zeros(old + n, dtype=bool)
-        if old:
-            col[:old] = self._evictable
-        self._evictable = col
+        for name in ("_evictable", "_pending"):
+            col = np.zeros(old + n, dtype=bool)
+            if old:
+                col[:old] = getattr(self, name)
+            setattr(self, name, col)
 
     # ---- vLLM's CachePolicy -----------------------------------------------------------------
 
@@ -84,13 +85,18 @@ class KvtierCachePolicy(CachePolicy):
         self._uses[s] = 0
         self._end[s] = 0 if pos is None else pos // PAGE_TOKENS
         self._evictable[s] = chunk.ref_cnt == 0
+        # Not used yet by a finished request (stored for a running one, or promoted for one
+        # about to load it): evicted only after every other candidate. Otherwise a deep chunk
+        # just promoted ranks first under freq-depth, and promoting a request's later chunks
+        # evicts its earlier ones before it can load them all (a livelock of the tier).
+        self._pending[s] = True
 
     def remove(self, key: OffloadKey) -> None:
         s = self._slot.pop(key, None)
         if s is None:
             return
         self._keys[s] = self._chunks[s] = None
-        self._evictable[s] = False
+        self._evictable[s] = self._pending[s] = False
         self._free.append(s)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
@@ -112,6 +118,7 @@ class KvtierCachePolicy(CachePolicy):
                 continue
             self._tick += 1
             self._access[s] = self._tick
+            self._pending[s] = False
             self._use[s] = now
             if end is not None:
                 self._end[s] = end // PAGE_TOKENS
@@ -141,7 +148,7 @@ class KvtierCachePolicy(CachePolicy):
             return None
         ranks = kvtier.eviction_ranks(self.POLICY, self._access[cand], self._use[cand], self._uses[cand],
                                       self._end[cand])
-        order = cand[np.lexsort((self._seq[cand], ranks))]
+        order = cand[np.lexsort((self._seq[cand], ranks, self._pending[cand]))]
         chosen = [int(s) for s in order if self._chunks[s] is not None and self._chunks[s].ref_cnt == 0][:n]
         if len(chosen) < n:
             return None
