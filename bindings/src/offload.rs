@@ -211,14 +211,8 @@ impl PyOffloadManager {
     /// Host slots: capacity, free, held (in-flight stores), cached, locked; and in-flight
     /// store and load jobs, pages being stored.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let u = self.inner.usage();
         let (stores, loads) = self.inner.in_flight();
-        let d = PyDict::new(py);
-        d.set_item("capacity", u.capacity)?;
-        d.set_item("free", u.free)?;
-        d.set_item("held", u.held)?;
-        d.set_item("cached", u.cached)?;
-        d.set_item("locked", u.locked)?;
+        let d = crate::sched::usage_dict(py, &self.inner.usage())?;
         d.set_item("stores", stores)?;
         d.set_item("loads", loads)?;
         d.set_item("storing", self.inner.storing())?;

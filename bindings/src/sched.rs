@@ -26,7 +26,10 @@ pub struct PyScheduler {
     pub(crate) inner: Scheduler,
 }
 
-fn usage_dict<'py>(py: Python<'py>, u: &kvtier_radix::TierUsage) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn usage_dict<'py>(
+    py: Python<'py>,
+    u: &kvtier_radix::TierUsage,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("capacity", u.capacity)?;
     d.set_item("free", u.free)?;

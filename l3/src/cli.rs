@@ -152,6 +152,21 @@ fn parse_quota(s: &str) -> Result<(String, u64), String> {
     Ok((name.to_string(), bytes))
 }
 
+/// The address a starting `kvtier-l3` prints on the first line of its stdout
+/// (`LISTENING <addr>`), for whoever launched it (benchmarks, the chaos tool, tests).
+pub fn read_listening(stdout: impl std::io::Read) -> Result<SocketAddr, String> {
+    use std::io::BufRead;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout)
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    line.trim()
+        .strip_prefix("LISTENING ")
+        .ok_or_else(|| format!("unexpected first line {line:?}"))?
+        .parse()
+        .map_err(|e| format!("bad address in {line:?}: {e}"))
+}
+
 /// Parses `args` (the first item is the program name) and runs the server role they name
 /// until SIGTERM/SIGINT. Used by the `kvtier-l3` binary and by `kvtier l3`.
 pub fn main_with_args<I, T>(args: I) -> ExitCode

@@ -1,7 +1,6 @@
 //! Real `kvtier-l3` processes on 127.0.0.1 (ephemeral ports) for the split-deployment tests:
 //! a master, store nodes, and `eventually` for what the master's sweeper decides.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -33,14 +32,7 @@ pub fn spawn(args: &[String], token: Option<&str>) -> Proc {
     }
     let mut child = cmd.spawn().unwrap();
     let out = child.stdout.take().unwrap();
-    let mut line = String::new();
-    BufReader::new(out).read_line(&mut line).unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("LISTENING ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?} from {args:?}"))
-        .parse()
-        .unwrap();
+    let addr = kvtier_l3::cli::read_listening(out).unwrap_or_else(|e| panic!("{e} from {args:?}"));
     Proc {
         child,
         addr,

@@ -19,7 +19,6 @@
 //! 6. `put`: the embedded put path, 64 × 8 MiB, as a ratio to a memcpy of the same bytes
 //!    measured in the same run (`put.rs`).
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -151,16 +150,7 @@ fn start_proc(bin: &Path, args: &[&str]) -> R<Server> {
         .spawn()
         .map_err(|e| format!("spawn {}: {e}", bin.display()))?;
     let out = child.stdout.take().ok_or("no stdout")?;
-    let mut line = String::new();
-    BufReader::new(out)
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let addr = line
-        .trim()
-        .strip_prefix("LISTENING ")
-        .ok_or_else(|| format!("unexpected server output {line:?}"))?
-        .parse()
-        .map_err(|e| format!("{e}"))?;
+    let addr = kvtier_l3::cli::read_listening(out)?;
     Ok(Server { child, addr })
 }
 

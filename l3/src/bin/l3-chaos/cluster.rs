@@ -3,7 +3,6 @@
 //! restarted with the same identity (the master on the same address and state dir; a node
 //! with the same `--node-id` and `--ssd-dir`).
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -34,16 +33,7 @@ fn start(bin: &Path, args: &[String]) -> Result<(Proc, SocketAddr), String> {
         .map_err(|e| format!("spawn {}: {e}", bin.display()))?;
     let out = child.stdout.take().ok_or("no stdout")?;
     let p = Proc { child };
-    let mut line = String::new();
-    BufReader::new(out)
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let addr = line
-        .trim()
-        .strip_prefix("LISTENING ")
-        .ok_or_else(|| format!("unexpected first line {line:?} from {args:?}"))?
-        .parse()
-        .map_err(|e| format!("{e}"))?;
+    let addr = kvtier_l3::cli::read_listening(out).map_err(|e| format!("{e} from {args:?}"))?;
     Ok((p, addr))
 }
 

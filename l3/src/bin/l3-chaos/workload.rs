@@ -1,9 +1,9 @@
 //! The clients: worker threads that put, read and remove their own keys through
 //! [`RemoteStore`] while processes die under them, and the loss-journal reader.
 //!
-//! Why reconnect on every transport error: a killed master or node leaves the connection
-//! dead; a production client reconnects, and so does this one, so the store keeps being
-//! exercised across every restart.
+//! Why a lazy connection: a worker may start while the master is down; once connected,
+//! `RemoteStore` redials a restarted server by itself, as a production client's does, so the
+//! store keeps being exercised across every restart.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,18 +24,24 @@ pub fn key_name(key_id: u32) -> String {
     format!("chaos-{key_id}")
 }
 
-/// A connection that reconnects after transport errors.
+/// A connection made on first use (the server may be down when a worker starts).
 pub struct Conn {
     addr: SocketAddr,
     store: Option<RemoteStore>,
+    /// The last call found the server down or rebuilding (-900 / -1010).
+    down: bool,
 }
 
 impl Conn {
     pub fn new(addr: SocketAddr) -> Self {
-        Conn { addr, store: None }
+        Conn {
+            addr,
+            store: None,
+            down: false,
+        }
     }
 
-    /// Runs `f` on a live connection; a transport error (or none to be had) drops it.
+    /// Runs `f` on the connection, connecting first if needed.
     pub fn call<T>(
         &mut self,
         f: impl FnOnce(&RemoteStore) -> Result<T, L3Error>,
@@ -45,15 +51,19 @@ impl Conn {
                 rpc_timeout: Duration::from_secs(5),
                 ..Default::default()
             };
-            self.store = Some(RemoteStore::connect(self.addr, opts)?);
+            match RemoteStore::connect(self.addr, opts) {
+                Ok(s) => self.store = Some(s),
+                Err(e) => {
+                    self.down = true;
+                    return Err(e);
+                }
+            }
         }
-        let Some(s) = &self.store else {
-            return Err(L3Error::RpcFail("not connected".into()));
+        let r = match &self.store {
+            Some(s) => f(s),
+            None => Err(L3Error::RpcFail("not connected".into())),
         };
-        let r = f(s);
-        if matches!(r, Err(L3Error::RpcFail(_))) {
-            self.store = None;
-        }
+        self.down = matches!(r, Err(L3Error::RpcFail(_) | L3Error::Unavailable(_)));
         r
     }
 }
@@ -196,13 +206,9 @@ pub fn run(w: Worker, stop: Arc<AtomicBool>, shared: Arc<Shared>, counts: Arc<Co
         } else if let Err(e) = read_and_check(&mut conn, key_id, st, &shared, &counts) {
             tracing::debug!(error = %e, "read failed");
         }
-        if conn.store.is_none() || rng.below(64) == 0 {
+        if conn.down || rng.below(64) == 0 {
             // Down or rebuilding: do not spin on a server that cannot answer yet.
-            std::thread::sleep(Duration::from_millis(if conn.store.is_none() {
-                10
-            } else {
-                1
-            }));
+            std::thread::sleep(Duration::from_millis(if conn.down { 10 } else { 1 }));
         }
     }
     keys
