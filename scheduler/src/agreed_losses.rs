@@ -24,7 +24,7 @@ use std::collections::BTreeSet;
 
 use kvtier_radix::PageHash;
 
-use crate::agreement::{AgreementError, RankAgreement};
+use crate::agreement::{AgreedOps, AgreementError, RankAgreement};
 use crate::scheduler::Scheduler;
 
 /// First word of every rank's loss words ("kvtierL1"): a vector that does not start with it
@@ -99,6 +99,14 @@ impl RankAgreement {
         n
     }
 
+    /// Records page hashes this rank found lost in its store (for planners that name pages
+    /// by hash, such as the offloading-manager mode, whose engine keys are not the
+    /// scheduler's), to be agreed at the next [`Self::agree_losses`]. Returns how many were
+    /// not recorded already.
+    pub fn lost_pages(&mut self, pages: &[PageHash]) -> usize {
+        pages.iter().filter(|h| self.lost.insert(**h)).count()
+    }
+
     /// This rank's loss report was incomplete (the store's journal overflowed): at the next
     /// agreement every rank clears every L3 mark (`Scheduler::l3_lost_all`).
     pub fn lost_all(&mut self) {
@@ -130,9 +138,9 @@ impl RankAgreement {
     /// ([`AgreementError::OwnLossesMissing`]: its own words were left out). Then every rank
     /// clears the same marks: all of them if some rank overflowed, else those of the union's
     /// pages; this rank's recorded losses are consumed. Returns the tree nodes cleared.
-    pub fn apply_losses<W: AsRef<[u64]>>(
+    pub fn apply_losses<S: AgreedOps + ?Sized, W: AsRef<[u64]>>(
         &mut self,
-        sched: &mut Scheduler,
+        sched: &mut S,
         gathered: &[W],
     ) -> Result<usize, AgreementError> {
         let mut union = Losses::default();
@@ -147,19 +155,19 @@ impl RankAgreement {
         self.lost.clear();
         self.lost_all = false;
         Ok(if union.all {
-            sched.l3_lost_all()
+            sched.forget_l3_all()
         } else {
             let pages: Vec<PageHash> = union.pages.into_iter().collect();
-            sched.l3_lost_pages(&pages)
+            sched.forget_l3_pages(&pages)
         })
     }
 
     /// [`Self::loss_words`], all-gathered by `all_gather` (which returns every rank's words,
     /// this rank's included), then [`Self::apply_losses`]. Collective: every rank calls it
     /// once per step at the same point.
-    pub fn agree_losses(
+    pub fn agree_losses<S: AgreedOps + ?Sized>(
         &mut self,
-        sched: &mut Scheduler,
+        sched: &mut S,
         all_gather: impl FnOnce(&[u64]) -> Vec<Vec<u64>>,
     ) -> Result<usize, AgreementError> {
         let gathered = all_gather(&self.loss_words());

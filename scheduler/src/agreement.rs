@@ -20,6 +20,11 @@
 //! L3 *losses* need the same agreement (one rank's store lost a page, the others' did not):
 //! see `agreed_losses.rs` ([`RankAgreement::lost`], [`RankAgreement::agree_losses`]).
 //!
+//! What is agreed is any [`AgreedOps`]: the [`Scheduler`] (its L3 queries, prefetches, loads,
+//! write-backs and backups) or the offloading-manager mode's [`crate::OffloadManager`] (its
+//! prefetches and backups; the engine counts its own workers' device↔host copies), whose plan
+//! is likewise the same for every rank's shard.
+//!
 //! [`ExecutionPlan::digest`] is a cheap, rank-independent fingerprint of a plan (L3 keys are
 //! hashed without their rank suffix) for a debug mode that all-gathers it and stops at the
 //! first step where ranks disagree.
@@ -57,6 +62,29 @@ pub enum AgreementError {
     BadLossWords { rank: usize, why: &'static str },
     #[error("the gathered losses leave out losses this rank recorded (its own words are missing)")]
     OwnLossesMissing,
+}
+
+/// What ranks agree on: a planner whose ops in flight are the same on every rank (because its
+/// plans are), and which forgets agreed L3 losses.
+pub trait AgreedOps {
+    /// The ops in flight whose completions ranks reduce, in op-id order.
+    fn agreed_ops(&self) -> Vec<(OpId, OpKind)>;
+    /// Clears the "in L3" marks of `pages`; the number of marks cleared.
+    fn forget_l3_pages(&mut self, pages: &[kvtier_radix::PageHash]) -> usize;
+    /// Clears every "in L3" mark (a rank's loss report overflowed); the number cleared.
+    fn forget_l3_all(&mut self) -> usize;
+}
+
+impl AgreedOps for Scheduler {
+    fn agreed_ops(&self) -> Vec<(OpId, OpKind)> {
+        self.in_flight_ops()
+    }
+    fn forget_l3_pages(&mut self, pages: &[kvtier_radix::PageHash]) -> usize {
+        self.l3_lost_pages(pages)
+    }
+    fn forget_l3_all(&mut self) -> usize {
+        self.l3_lost_all()
+    }
 }
 
 /// One rank's completions of a step, waiting to be reduced with the other ranks'.
@@ -132,9 +160,9 @@ impl RankAgreement {
     }
 
     /// This rank's contribution: one value per op in flight in `sched`, in op-id order.
-    pub fn values(&self, sched: &Scheduler) -> Vec<u64> {
+    pub fn values<S: AgreedOps + ?Sized>(&self, sched: &S) -> Vec<u64> {
         sched
-            .in_flight_ops()
+            .agreed_ops()
             .iter()
             .map(|(op, _)| match self.done.get(op) {
                 None => 0,
@@ -149,9 +177,9 @@ impl RankAgreement {
     /// ranks (every rank calls `reduce` once per step, with the same ops in flight). Ops not
     /// yet done on some rank stay recorded for a later step. A reduced vector that cannot be
     /// the minimum (see [`Self::apply_reduced`]) is refused and nothing changes.
-    pub fn reduce(
+    pub fn reduce<S: AgreedOps + ?Sized>(
         &mut self,
-        sched: &Scheduler,
+        sched: &S,
         all_reduce_min: impl FnOnce(&mut [u64]),
     ) -> Result<Vec<Event>, AgreementError> {
         let mut v = self.values(sched);
@@ -166,12 +194,12 @@ impl RankAgreement {
     /// and no value may exceed this rank's own ([`AgreementError::NotMinimum`]): a minimum
     /// over ranks never does, while a SUM or MAX reduction would complete ops this rank never
     /// finished, or with more pages than it holds.
-    pub fn apply_reduced(
+    pub fn apply_reduced<S: AgreedOps + ?Sized>(
         &mut self,
-        sched: &Scheduler,
+        sched: &S,
         reduced: &[u64],
     ) -> Result<Vec<Event>, AgreementError> {
-        let ops = sched.in_flight_ops();
+        let ops = sched.agreed_ops();
         if ops.len() != reduced.len() {
             return Err(AgreementError::Length {
                 expected: ops.len(),

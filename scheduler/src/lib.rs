@@ -36,6 +36,7 @@ mod idhash;
 mod lifecycle;
 pub mod model;
 mod offload;
+mod offload_agreement;
 mod offload_l3;
 mod ops;
 mod prefetch;
@@ -47,7 +48,7 @@ mod submit;
 mod types;
 
 pub use agreed_losses::LOSS_WORDS_TAG;
-pub use agreement::{AgreementError, RankAgreement, SKIPPED};
+pub use agreement::{AgreedOps, AgreementError, RankAgreement, SKIPPED};
 pub use config::{
     ConfigError, HostAdmission, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig,
     TenantQuota, WritePolicy,

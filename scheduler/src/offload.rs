@@ -50,6 +50,8 @@ pub enum OffloadError {
     NotOnHost { resident: usize, wanted: usize },
     #[error("the prefix cache refused: {0}")]
     Cache(#[from] RadixError),
+    #[error("{0} is not a completion of the manager's L3 ops (PrefetchDone or BackUpDone)")]
+    NotAnL3Completion(&'static str),
 }
 
 /// The two kinds of copy job the engine runs for the manager.
@@ -61,6 +63,8 @@ pub enum JobKind {
     Load,
     /// Host slots → L3.
     Backup,
+    /// L3 → host slots.
+    Prefetch,
 }
 
 /// How a job the engine ran ended.
@@ -284,8 +288,39 @@ impl OffloadManager {
             }
             (StoreState::Writing, JobOutcome::Done) => p.state = StoreState::Landed,
         }
+        self.l3.prefetch_ended(job);
         self.settle();
         Ok(())
+    }
+
+    /// Only the first `landed` pages of a store's run landed (a prefetch whose read failed
+    /// part way): the rest are given up (slots freed, reported by [`Self::take_dropped`]) and
+    /// the landed ones complete as `Done`; none landed is `Failed`.
+    pub(crate) fn complete_store_prefix(
+        &mut self,
+        job: u64,
+        landed: usize,
+    ) -> Result<(), OffloadError> {
+        let Some(p) = self.stores.get_mut(&job) else {
+            return Err(OffloadError::UnknownJob {
+                kind: JobKind::Store,
+                job,
+            });
+        };
+        if landed == 0 {
+            return self.complete_store(job, JobOutcome::Failed);
+        }
+        if landed < p.slots.len() && p.state == StoreState::Writing {
+            let gone: Vec<PageHash> = p.chain.drain(p.from + landed..).collect();
+            let freed: Vec<HostPageId> = p.slots.drain(landed..).collect();
+            for h in &gone {
+                self.storing.remove(h);
+            }
+            self.dropped.extend(gone);
+            // Held by this store since prepare_store: freeing them cannot fail.
+            let _ = self.cache.free::<Host>(&freed);
+        }
+        self.complete_store(job, JobOutcome::Done)
     }
 
     /// Inserts every landed store whose parent pages are on host, moves the locks of stores
@@ -509,6 +544,13 @@ impl OffloadManager {
                 "{} pages marked storing, in-flight stores write {storing}",
                 self.storing.len()
             ));
+        }
+        if let Some(job) = self
+            .l3
+            .prefetch_jobs()
+            .find(|j| !self.stores.contains_key(j))
+        {
+            return Err(format!("prefetch {job} has no store job"));
         }
         if u.free + u.held + u.cached != u.capacity {
             return Err(format!("host slots do not add up: {u:?}"));

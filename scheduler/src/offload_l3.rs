@@ -11,13 +11,18 @@
 //! ([`OffloadManager::prepare_store`]). What L3 loses the engine reports
 //! ([`OffloadManager::l3_lost`]): a hint, as docs/scheduler.md says of L3 residency.
 //!
+//! A prefetch started with [`OffloadManager::prepare_prefetch`] is an op of its own
+//! ([`OffloadManager::complete_prefetch`] takes how many pages were read, and what was not is
+//! lost in L3), so that tensor-parallel ranks, each reading its shard of the pages, agree on
+//! it with [`crate::RankAgreement`] like backups (`offload_agreement.rs`).
+//!
 //! [`Lookup::InL3`]: crate::Lookup::InL3
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvtier_radix::{Host, HostPageId, LockHandle, PageHash};
 
-use crate::offload::{JobKind, JobOutcome, OffloadError, OffloadManager};
+use crate::offload::{JobKind, JobOutcome, OffloadError, OffloadManager, StorePlan};
 
 /// Whether the manager backs host pages up to L3.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -48,6 +53,10 @@ pub(crate) struct L3Books {
     /// Pages of backups in flight.
     backing_up: HashSet<PageHash>,
     jobs: HashMap<u64, (LockHandle<Host>, Vec<PageHash>)>,
+    /// Prefetches in flight (store jobs whose bytes come from L3): job -> their pages.
+    prefetches: BTreeMap<u64, Vec<PageHash>>,
+    /// Pages L3 lost while a backup of them was in flight: its `Done` must not mark them.
+    lost_in_backup: HashSet<PageHash>,
 }
 
 impl L3Books {
@@ -63,6 +72,22 @@ impl L3Books {
 
     pub(crate) fn backups(&self) -> usize {
         self.jobs.len()
+    }
+
+    pub(crate) fn prefetch_ended(&mut self, job: u64) {
+        self.prefetches.remove(&job);
+    }
+
+    pub(crate) fn prefetch_jobs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.prefetches.keys().copied()
+    }
+
+    pub(crate) fn backup_jobs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.jobs.keys().copied()
+    }
+
+    pub(crate) fn known(&self) -> usize {
+        self.in_l3.len()
     }
 }
 
@@ -122,7 +147,15 @@ impl OffloadManager {
             self.l3.backing_up.remove(p);
         }
         if outcome == JobOutcome::Done {
-            self.l3.in_l3.extend(pages);
+            for p in pages {
+                if !self.l3.lost_in_backup.remove(&p) {
+                    self.l3.in_l3.insert(p);
+                }
+            }
+        } else {
+            for p in &pages {
+                self.l3.lost_in_backup.remove(p);
+            }
         }
         self.release(lock);
         Ok(())
@@ -137,7 +170,57 @@ impl OffloadManager {
     pub fn l3_lost(&mut self, pages: &[PageHash]) {
         for p in pages {
             self.l3.in_l3.remove(p);
+            // A loss can overtake the completion of the backup writing the page.
+            if self.l3.backing_up.contains(p) {
+                self.l3.lost_in_backup.insert(*p);
+            }
         }
+    }
+
+    /// L3 may have lost anything (a loss report overflowed): nothing is answered `InL3`
+    /// until backed up or found again.
+    pub fn l3_lost_all(&mut self) {
+        self.l3.in_l3.clear();
+        let l3 = &mut self.l3;
+        l3.lost_in_backup.extend(l3.backing_up.iter().copied());
+    }
+
+    /// Pages known to be in L3.
+    pub fn l3_known(&self) -> usize {
+        self.l3.known()
+    }
+
+    /// A **Prefetch**: host slots for pages `..to` of `chain` not on host, exactly as
+    /// [`Self::prepare_store`] hands them out (after the host-resident prefix, evicting as
+    /// needed), whose bytes the engine reads from L3; reported by [`Self::complete_prefetch`].
+    /// Pages being prefetched are answered [`crate::Lookup::Pending`].
+    pub fn prepare_prefetch(
+        &mut self,
+        chain: &[PageHash],
+        to: usize,
+    ) -> Result<Option<StorePlan>, OffloadError> {
+        let plan = self.prepare_store(chain, to)?;
+        if let Some(p) = &plan {
+            let pages = chain[p.from..p.from + p.slots.len()].to_vec();
+            self.l3.prefetches.insert(p.job, pages);
+        }
+        Ok(plan)
+    }
+
+    /// A Prefetch ended with its first `completed` pages read from L3: those become host
+    /// pages (once their parent is), the rest lose their slots and are no longer taken to be
+    /// in L3 (the read found them gone), so the engine computes them.
+    pub fn complete_prefetch(&mut self, job: u64, completed: usize) -> Result<(), OffloadError> {
+        let Some(pages) = self.l3.prefetches.get(&job) else {
+            return Err(OffloadError::UnknownJob {
+                kind: JobKind::Prefetch,
+                job,
+            });
+        };
+        let lost = pages[completed.min(pages.len())..].to_vec();
+        self.complete_store_prefix(job, completed)?;
+        self.l3_lost(&lost);
+        Ok(())
     }
 
     /// Backups waiting to be planned, and in flight.

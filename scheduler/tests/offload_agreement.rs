@@ -1,0 +1,268 @@
+//! Tensor-parallel agreement in the offloading-manager mode: one `OffloadManager`, one
+//! `RankAgreement` per rank, each rank reading (prefetch) or writing (backup) its own shard of
+//! every page in L3. A page must become a host page only when every rank's shard landed, be
+//! taken to be in L3 only when every rank's shard was written, and a loss one rank reports
+//! must be forgotten for all; kvtier's check holds after every call.
+
+use kvtier_radix::{EvictionPolicy, PageHash};
+use kvtier_scheduler::{
+    AgreedOps, Event, JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager, OpId, OpKind,
+    RankAgreement,
+};
+use proptest::prelude::*;
+
+fn chain(p: u8, n: usize) -> Vec<PageHash> {
+    (0..n)
+        .map(|i| {
+            let mut h = [0u8; 32];
+            h[0] = i as u8;
+            h[1] = p;
+            h[2] = 0xa5;
+            PageHash(h)
+        })
+        .collect()
+}
+
+/// A write-through manager whose host tier held `chain`, backed up (agreed by `ranks`) and
+/// then evicted by another chain: `chain` is only in L3.
+fn in_l3_only(ranks: &mut [RankAgreement], a: &[PageHash]) -> OffloadManager {
+    let mut m = OffloadManager::new(a.len() as u32, EvictionPolicy::Lru).unwrap();
+    m.set_l3_backups(L3Backups::WriteThrough);
+    let s = m.prepare_store(a, a.len()).unwrap().unwrap();
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    for b in m.plan_backups() {
+        for r in ranks.iter_mut() {
+            r.push(Event::BackUpDone {
+                op: OpId(b.job),
+                success: true,
+            })
+            .unwrap();
+        }
+    }
+    assert_eq!(m.agree_in_process(ranks).unwrap(), 1);
+    let other = chain(0xee, a.len());
+    let s = m.prepare_store(&other, other.len()).unwrap().unwrap();
+    assert_eq!(s.evicted.len(), a.len());
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    for b in m.plan_backups() {
+        for r in ranks.iter_mut() {
+            r.push(Event::BackUpDone {
+                op: OpId(b.job),
+                success: true,
+            })
+            .unwrap();
+        }
+    }
+    m.agree_in_process(ranks).unwrap();
+    assert_eq!(m.lookup(a, 0), Lookup::InL3);
+    m.check().unwrap();
+    m
+}
+
+#[test]
+fn a_prefetch_lands_only_when_every_rank_read_its_shard() {
+    let a = chain(1, 3);
+    let mut ranks = vec![RankAgreement::new(), RankAgreement::new()];
+    let mut m = in_l3_only(&mut ranks, &a);
+    let p = m.prepare_prefetch(&a, 3).unwrap().unwrap();
+    assert_eq!(m.agreed_ops(), vec![(OpId(p.job), OpKind::Prefetch)]);
+    ranks[0]
+        .push(Event::PrefetchDone {
+            op: OpId(p.job),
+            completed: 3,
+        })
+        .unwrap();
+    assert_eq!(
+        m.agree_in_process(&mut ranks).unwrap(),
+        0,
+        "rank 1 not done"
+    );
+    assert_eq!(m.lookup(&a, 2), Lookup::Pending);
+    m.check().unwrap();
+    ranks[1]
+        .push(Event::PrefetchDone {
+            op: OpId(p.job),
+            completed: 3,
+        })
+        .unwrap();
+    assert_eq!(m.agree_in_process(&mut ranks).unwrap(), 1);
+    assert!((0..3).all(|i| m.lookup(&a, i) == Lookup::Hit));
+    assert!(m.agreed_ops().is_empty() && ranks.iter().all(|r| r.pending() == 0));
+    m.check().unwrap();
+}
+
+#[test]
+fn a_shard_one_rank_could_not_read_is_computed_on_every_rank() {
+    let a = chain(2, 3);
+    let mut ranks = vec![RankAgreement::new(), RankAgreement::new()];
+    let mut m = in_l3_only(&mut ranks, &a);
+    let p = m.prepare_prefetch(&a, 3).unwrap().unwrap();
+    // Rank 1's shard of page 1 was gone from L3: its read stopped after page 0.
+    for (r, completed) in ranks.iter_mut().zip([3, 1]) {
+        r.push(Event::PrefetchDone {
+            op: OpId(p.job),
+            completed,
+        })
+        .unwrap();
+    }
+    assert_eq!(m.agree_in_process(&mut ranks).unwrap(), 1);
+    assert_eq!(m.lookup(&a, 0), Lookup::Hit, "every rank read page 0");
+    assert_eq!(
+        m.lookup(&a, 1),
+        Lookup::Miss,
+        "lost for all ranks: computed"
+    );
+    assert_eq!(m.lookup(&a, 2), Lookup::Miss);
+    let u = m.usage();
+    // The prefetch evicted the other chain (one node) for its 3 slots; 2 came back free.
+    assert_eq!((u.cached, u.held, u.free), (1, 0, 2));
+    assert_eq!(m.take_dropped(), a[1..].to_vec());
+    m.check().unwrap();
+}
+
+#[test]
+fn a_backup_one_rank_failed_does_not_count_as_in_l3() {
+    let a = chain(3, 2);
+    let mut m = OffloadManager::new(2, EvictionPolicy::Lru).unwrap();
+    m.set_l3_backups(L3Backups::WriteThrough);
+    let mut ranks = vec![RankAgreement::new(), RankAgreement::new()];
+    let s = m.prepare_store(&a, 2).unwrap().unwrap();
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    let b = m.plan_backups().pop().unwrap();
+    for (r, success) in ranks.iter_mut().zip([true, false]) {
+        r.push(Event::BackUpDone {
+            op: OpId(b.job),
+            success,
+        })
+        .unwrap();
+    }
+    assert_eq!(m.agree_in_process(&mut ranks).unwrap(), 1);
+    let other = chain(4, 2);
+    let s = m.prepare_store(&other, 2).unwrap().unwrap();
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    assert_eq!(
+        m.lookup(&a, 0),
+        Lookup::Miss,
+        "not every rank's shard is in L3"
+    );
+    m.check().unwrap();
+}
+
+#[test]
+fn a_loss_one_rank_reports_is_forgotten_for_all_even_during_a_backup() {
+    let a = chain(5, 2);
+    let mut ranks = vec![RankAgreement::new(), RankAgreement::new()];
+    let mut m = in_l3_only(&mut ranks, &a);
+    assert_eq!(ranks[1].lost_pages(&a[1..]), 1);
+    let words: Vec<Vec<u64>> = ranks.iter().map(|r| r.loss_words()).collect();
+    for r in ranks.iter_mut() {
+        r.apply_losses(&mut m, &words).unwrap();
+    }
+    assert_eq!(m.lookup(&a, 0), Lookup::InL3);
+    assert_eq!(m.lookup(&a, 1), Lookup::Miss, "the union is applied");
+    // A loss that overtakes the backup writing the page: the backup's success must not
+    // mark it in L3 again.
+    let c = chain(6, 1);
+    let s = m.prepare_store(&c, 1).unwrap().unwrap();
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    let b = m.plan_backups().pop().unwrap();
+    ranks[0].lost_pages(&c);
+    let words: Vec<Vec<u64>> = ranks.iter().map(|r| r.loss_words()).collect();
+    for r in ranks.iter_mut() {
+        r.agree_losses(&mut m, |_| words.clone()).unwrap();
+    }
+    for r in ranks.iter_mut() {
+        r.push(Event::BackUpDone {
+            op: OpId(b.job),
+            success: true,
+        })
+        .unwrap();
+    }
+    m.agree_in_process(&mut ranks).unwrap();
+    let d = chain(7, 2);
+    let s = m.prepare_store(&d, 2).unwrap().unwrap();
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    assert_eq!(m.host_prefix(&c), 0);
+    assert_eq!(m.lookup(&c, 0), Lookup::Miss);
+    m.check().unwrap();
+}
+
+#[test]
+fn other_completions_and_unknown_jobs_are_refused_and_change_nothing() {
+    let a = chain(8, 2);
+    let mut ranks = vec![RankAgreement::new()];
+    let mut m = in_l3_only(&mut ranks, &a);
+    let p = m.prepare_prefetch(&a, 2).unwrap().unwrap();
+    for ev in [
+        Event::LoadBackDone {
+            op: OpId(p.job),
+            success: true,
+        },
+        Event::L3QueryDone {
+            op: OpId(p.job),
+            hit_pages: 1,
+        },
+    ] {
+        assert!(matches!(
+            m.apply_agreed(&ev),
+            Err(OffloadError::NotAnL3Completion(_))
+        ));
+    }
+    assert!(matches!(
+        m.complete_prefetch(p.job + 100, 1),
+        Err(OffloadError::UnknownJob { .. })
+    ));
+    assert_eq!(m.lookup(&a, 0), Lookup::Pending);
+    m.check().unwrap();
+    m.complete_prefetch(p.job, 2).unwrap();
+    assert!(matches!(
+        m.complete_prefetch(p.job, 2),
+        Err(OffloadError::UnknownJob { .. })
+    ));
+    assert_eq!(m.lookup(&a, 1), Lookup::Hit);
+    m.check().unwrap();
+}
+
+proptest! {
+    /// Any number of ranks, any pages each rank reads of each prefetch, any order of their
+    /// reports: after the agreement a chain's host prefix is the minimum any rank read, the
+    /// pages after it are misses, and kvtier's check holds after every report.
+    #[test]
+    fn the_agreed_prefetch_is_the_minimum_over_ranks(
+        reads in prop::collection::vec(prop::collection::vec(0usize..=4, 1..4), 1..4),
+        order in prop::collection::vec(any::<u8>(), 0..16),
+    ) {
+        let n_ranks = reads[0].len();
+        let chains: Vec<Vec<PageHash>> = (0..reads.len()).map(|i| chain(10 + i as u8, 4)).collect();
+        let mut ranks: Vec<RankAgreement> = (0..n_ranks).map(|_| RankAgreement::new()).collect();
+        let mut m = OffloadManager::new(32, EvictionPolicy::Lru).unwrap();
+        m.set_l3_backups(L3Backups::WriteThrough);
+        let mut jobs = Vec::new();
+        for c in &chains {
+            m.l3_found(c);
+            jobs.push(m.prepare_prefetch(c, 4).unwrap().unwrap().job);
+        }
+        // Every (prefetch, rank) report, in an order drawn from `order`.
+        let mut reports: Vec<(usize, usize)> = (0..chains.len())
+            .flat_map(|p| (0..n_ranks).map(move |r| (p, r)))
+            .collect();
+        for (i, o) in order.iter().enumerate() {
+            let n = reports.len();
+            reports.swap(i % n, *o as usize % n);
+        }
+        for (p, r) in reports {
+            let completed = reads[p].get(r).copied().unwrap_or(reads[p][0]) as u32;
+            ranks[r].push(Event::PrefetchDone { op: OpId(jobs[p]), completed }).unwrap();
+            m.agree_in_process(&mut ranks).unwrap();
+            m.check().unwrap();
+        }
+        prop_assert!(m.agreed_ops().is_empty());
+        for (p, c) in chains.iter().enumerate() {
+            let min = (0..n_ranks).map(|r| reads[p].get(r).copied().unwrap_or(reads[p][0])).min().unwrap();
+            prop_assert_eq!(m.host_prefix(c), min);
+            for i in min..4 {
+                prop_assert_eq!(m.lookup(c, i), Lookup::Miss);
+            }
+        }
+    }
+}
