@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use kvtier_radix::{EvictionPolicy, KvEvent, PageHash, TierKind};
-use kvtier_scheduler::{JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager};
+use kvtier_scheduler::{JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager, StorePlan};
 
 use crate::errors::{OffloadManagerError, config_msg};
 
@@ -36,6 +36,18 @@ type StoreTuple<'py> = (u64, usize, Vec<u32>, Bound<'py, PyList>);
 /// `(job, page hashes, slots)` of a backup.
 type BackupTuple<'py> = (u64, Bound<'py, PyList>, Vec<u32>);
 
+fn store_tuple(py: Python<'_>, plan: Option<StorePlan>) -> PyResult<Option<StoreTuple<'_>>> {
+    match plan {
+        None => Ok(None),
+        Some(p) => Ok(Some((
+            p.job,
+            p.from,
+            p.slots.iter().map(|s| s.index()).collect(),
+            hashes(py, &p.evicted)?,
+        ))),
+    }
+}
+
 fn outcome_of(outcome: &str) -> PyResult<JobOutcome> {
     match outcome {
         "done" => Ok(JobOutcome::Done),
@@ -58,7 +70,7 @@ fn hashes<'py>(py: Python<'py>, hs: &[PageHash]) -> PyResult<Bound<'py, PyList>>
 /// (ids `0..host_slots`), evicting by `policy` ("lru", "freq-depth", "adaptive").
 #[pyclass(module = "kvtier", name = "OffloadManager")]
 pub struct PyOffloadManager {
-    inner: OffloadManager,
+    pub(crate) inner: OffloadManager,
 }
 
 #[pymethods]
@@ -114,6 +126,55 @@ impl PyOffloadManager {
         Ok(())
     }
 
+    /// L3 may have lost anything (a loss report overflowed).
+    fn l3_lost_all(&mut self) {
+        self.inner.l3_lost_all();
+    }
+
+    /// A Prefetch: slots as `prepare_store` hands them out, for bytes read from L3; `None`
+    /// or `(job, from, slots, evicted)`. Reported by `complete_prefetch(job, completed)` or
+    /// agreed across ranks (`agree`).
+    fn prepare_prefetch<'py>(
+        &mut self,
+        py: Python<'py>,
+        chain: &Bound<'py, PyAny>,
+        to: usize,
+    ) -> PyResult<Option<StoreTuple<'py>>> {
+        let c = chain_of(chain)?;
+        let plan = self.inner.prepare_prefetch(&c, to).map_err(err)?;
+        store_tuple(py, plan)
+    }
+
+    /// A Prefetch ended with its first `completed` pages read: the rest are lost in L3.
+    fn complete_prefetch(&mut self, job: u64, completed: usize) -> PyResult<()> {
+        self.inner.complete_prefetch(job, completed).map_err(err)
+    }
+
+    /// Agrees the prefetches and backups in flight across tensor-parallel ranks whose
+    /// `RankAgreement`s are in this process (one per rank, each holding that rank's
+    /// `PrefetchDone` / `BackUpDone` events): applies the element-wise minimum. Returns the
+    /// number of ops completed.
+    fn agree(
+        &mut self,
+        mut ranks: Vec<PyRefMut<'_, crate::tp::PyRankAgreement>>,
+    ) -> PyResult<usize> {
+        let mut taken: Vec<_> = ranks
+            .iter_mut()
+            .map(|r| std::mem::take(&mut r.inner))
+            .collect();
+        let out = self.inner.agree_in_process(&mut taken);
+        for (r, a) in ranks.iter_mut().zip(taken) {
+            r.inner = a;
+        }
+        out.map_err(crate::tp::agree_err)
+    }
+
+    /// Applies one agreed event (`PrefetchDone` or `BackUpDone`) of `RankAgreement.reduce`.
+    fn apply_agreed(&mut self, event: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ev = crate::plan::event_from_py(event)?;
+        self.inner.apply_agreed(&ev).map_err(err)
+    }
+
     /// How many leading pages of `chain` are on host.
     fn host_prefix(&self, chain: &Bound<'_, PyAny>) -> PyResult<usize> {
         Ok(self.inner.host_prefix(&chain_of(chain)?))
@@ -140,15 +201,8 @@ impl PyOffloadManager {
         to: usize,
     ) -> PyResult<Option<StoreTuple<'py>>> {
         let c = chain_of(chain)?;
-        match self.inner.prepare_store(&c, to).map_err(err)? {
-            None => Ok(None),
-            Some(p) => Ok(Some((
-                p.job,
-                p.from,
-                p.slots.iter().map(|s| s.index()).collect(),
-                hashes(py, &p.evicted)?,
-            ))),
-        }
+        let plan = self.inner.prepare_store(&c, to).map_err(err)?;
+        store_tuple(py, plan)
     }
 
     /// A store's bytes landed (`outcome="done"`) or not (`"failed"`).

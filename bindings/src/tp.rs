@@ -16,12 +16,13 @@
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use kvtier_scheduler::{AgreementError, OpId, RankAgreement};
+use kvtier_scheduler::{AgreedOps, AgreementError, OpId, RankAgreement};
 
+use crate::offload::PyOffloadManager;
 use crate::plan::{event_from_py, event_to_py};
 use crate::sched::PyScheduler;
 
-fn agree_err(e: AgreementError) -> PyErr {
+pub(crate) fn agree_err(e: AgreementError) -> PyErr {
     crate::errors::base::AgreementError::new_err(e.to_string())
 }
 
@@ -29,7 +30,23 @@ fn agree_err(e: AgreementError) -> PyErr {
 #[pyclass(module = "kvtier", name = "RankAgreement")]
 #[derive(Default)]
 pub struct PyRankAgreement {
-    inner: RankAgreement,
+    pub(crate) inner: RankAgreement,
+}
+
+/// What an agreement reduces over: a `Scheduler` or an `OffloadManager`.
+fn with_agreed<R>(
+    target: &Bound<'_, PyAny>,
+    f: impl FnOnce(&mut dyn AgreedOps) -> R,
+) -> PyResult<R> {
+    if let Ok(s) = target.cast::<PyScheduler>() {
+        return Ok(f(&mut s.try_borrow_mut()?.inner));
+    }
+    if let Ok(m) = target.cast::<PyOffloadManager>() {
+        return Ok(f(&mut m.try_borrow_mut()?.inner));
+    }
+    Err(pyo3::exceptions::PyTypeError::new_err(
+        "an agreement reduces over a kvtier Scheduler or OffloadManager",
+    ))
 }
 
 #[pymethods]
@@ -54,9 +71,15 @@ impl PyRankAgreement {
         self.inner.pending()
     }
 
-    /// This rank's contribution (int64, one value per op in flight in `scheduler`).
-    fn values<'py>(&self, py: Python<'py>, scheduler: &PyScheduler) -> Bound<'py, PyArray1<i64>> {
-        words_to_py(py, self.inner.values(&scheduler.inner))
+    /// This rank's contribution (int64, one value per op in flight in `scheduler`, a
+    /// `Scheduler` or an `OffloadManager`).
+    fn values<'py>(
+        &self,
+        py: Python<'py>,
+        scheduler: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let v = with_agreed(scheduler, |s| self.inner.values(s))?;
+        Ok(words_to_py(py, v))
     }
 
     /// Reduces: calls `all_reduce_min(values)` with this rank's int64 array, which must
@@ -65,10 +88,10 @@ impl PyRankAgreement {
     fn reduce(
         &mut self,
         py: Python<'_>,
-        scheduler: &PyScheduler,
+        scheduler: &Bound<'_, PyAny>,
         all_reduce_min: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Py<PyAny>>> {
-        let arr = self.values(py, scheduler);
+        let arr = self.values(py, scheduler)?;
         let ret = all_reduce_min.call1((arr.clone(),))?;
         let reduced: PyReadonlyArray1<'_, i64> = if ret.is_none() {
             arr.readonly()
@@ -88,10 +111,8 @@ impl PyRankAgreement {
             }
             v.push(x as u64);
         }
-        let evs = self
-            .inner
-            .apply_reduced(&scheduler.inner, &v)
-            .map_err(agree_err)?;
+        let evs =
+            with_agreed(scheduler, |s| self.inner.apply_reduced(s, &v))?.map_err(agree_err)?;
         evs.into_iter().map(|e| event_to_py(py, e)).collect()
     }
 
@@ -101,6 +122,23 @@ impl PyRankAgreement {
     /// a tensor-parallel group: the ranks would diverge.
     fn lost(&mut self, scheduler: &PyScheduler, keys: Vec<String>) -> usize {
         self.inner.lost(&scheduler.inner, &keys)
+    }
+
+    /// Records page hashes (32 bytes each) this rank found lost in its store, for an
+    /// `OffloadManager` (whose engine keys are not the scheduler's); agreed by
+    /// ``agree_losses``. Returns how many were new.
+    fn lost_pages(&mut self, pages: Vec<Vec<u8>>) -> PyResult<usize> {
+        let mut hs = Vec::with_capacity(pages.len());
+        for b in pages {
+            let h: [u8; 32] = b.as_slice().try_into().map_err(|_| {
+                pyo3::exceptions::PyValueError::new_err(format!(
+                    "a page hash is 32 bytes, got {}",
+                    b.len()
+                ))
+            })?;
+            hs.push(kvtier_radix::PageHash(h));
+        }
+        Ok(self.inner.lost_pages(&hs))
     }
 
     /// This rank's loss journal overflowed: at the next agreement every rank clears every L3
@@ -129,7 +167,7 @@ impl PyRankAgreement {
     fn agree_losses(
         &mut self,
         py: Python<'_>,
-        mut scheduler: PyRefMut<'_, PyScheduler>,
+        scheduler: &Bound<'_, PyAny>,
         all_gather: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let words = self.loss_words(py);
@@ -144,9 +182,7 @@ impl PyRankAgreement {
             let a: PyReadonlyArray1<'_, i64> = item?.extract().map_err(|_| type_err())?;
             gathered.push(a.as_slice()?.iter().map(|&x| x as u64).collect());
         }
-        self.inner
-            .apply_losses(&mut scheduler.inner, &gathered)
-            .map_err(agree_err)
+        with_agreed(scheduler, |s| self.inner.apply_losses(s, &gathered))?.map_err(agree_err)
     }
 }
 

@@ -496,6 +496,10 @@ impl OffloadManager {
         std::mem::take(&mut self.dropped)
     }
 
+    pub(crate) fn storing_page(&self, page: &PageHash) -> bool {
+        self.storing.contains(page)
+    }
+
     /// Pages being stored now.
     pub fn storing(&self) -> usize {
         self.storing.len()

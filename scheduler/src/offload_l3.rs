@@ -190,15 +190,24 @@ impl OffloadManager {
         self.l3.known()
     }
 
-    /// A **Prefetch**: host slots for pages `..to` of `chain` not on host, exactly as
-    /// [`Self::prepare_store`] hands them out (after the host-resident prefix, evicting as
-    /// needed), whose bytes the engine reads from L3; reported by [`Self::complete_prefetch`].
-    /// Pages being prefetched are answered [`crate::Lookup::Pending`].
+    /// A **Prefetch**: host slots for pages `..to` of `chain` not on host, and for the run of
+    /// pages after them known to be in L3 (a prefix is read in one job, not a job per page as
+    /// the engine asks about them), handed out as [`Self::prepare_store`] does (after the
+    /// host-resident prefix, evicting as needed); the engine reads their bytes from L3 and
+    /// reports [`Self::complete_prefetch`]. Pages being prefetched are answered
+    /// [`crate::Lookup::Pending`].
     pub fn prepare_prefetch(
         &mut self,
         chain: &[PageHash],
         to: usize,
     ) -> Result<Option<StorePlan>, OffloadError> {
+        let to = to
+            + chain
+                .get(to..)
+                .unwrap_or_default()
+                .iter()
+                .take_while(|h| self.l3.in_l3.contains(h) && !self.storing_page(h))
+                .count();
         let plan = self.prepare_store(chain, to)?;
         if let Some(p) = &plan {
             let pages = chain[p.from..p.from + p.slots.len()].to_vec();

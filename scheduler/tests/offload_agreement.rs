@@ -92,6 +92,22 @@ fn a_prefetch_lands_only_when_every_rank_read_its_shard() {
 }
 
 #[test]
+fn a_prefetch_reads_the_whole_run_known_in_l3_in_one_job() {
+    // The engine asks about page 0 first; the pages after it that kvtier knows in L3 are
+    // read by the same job (before, one job per page the engine asked about).
+    let a = chain(9, 4);
+    let mut ranks = vec![RankAgreement::new()];
+    let mut m = in_l3_only(&mut ranks, &a);
+    let p = m.prepare_prefetch(&a, 1).unwrap().unwrap();
+    assert_eq!((p.from, p.slots.len()), (0, 4));
+    assert!((0..4).all(|i| m.lookup(&a, i) == Lookup::Pending));
+    assert_eq!(m.prepare_prefetch(&a, 2).unwrap(), None, "all being read");
+    m.complete_prefetch(p.job, 4).unwrap();
+    assert!((0..4).all(|i| m.lookup(&a, i) == Lookup::Hit));
+    m.check().unwrap();
+}
+
+#[test]
 fn a_shard_one_rank_could_not_read_is_computed_on_every_rank() {
     let a = chain(2, 3);
     let mut ranks = vec![RankAgreement::new(), RankAgreement::new()];

@@ -8,11 +8,20 @@ real here. The one thing a CPU box cannot run is vLLM's ``CPUOffloadingWorker`` 
 copies real bytes between a "GPU" buffer (one row per GPU block, all layers) and vLLM's
 host chunk slots in /dev/shm, with the sub-block arithmetic of vLLM's worker, and reports
 jobs through ``get_finished`` as that worker does. A GPU block's content is a pure function
-of (token ids, position, model tag) so every test can say what bytes a block must hold.
+of (token ids, position, model tag, rank) so every test can say what bytes a block must hold.
+
+Tensor parallelism (``tp``): vLLM's scheduler with ``tensor_parallel_size=tp`` (it counts
+``world_size`` completions of every offloading job), one ``OffloadingConnectorWorker`` per
+rank (its own rank in its ``OffloadingConfig``, its own "GPU" holding that rank's KV heads,
+its own shard of every host slot: bytes ``[rank * shard, (rank + 1) * shard)`` of each row,
+as vLLM's ``SharedOffloadRegion`` lays them out), each given its own copy of the step's
+connector metadata, and their outputs merged by vLLM's ``KVOutputAggregator``.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,9 +42,11 @@ from vllm.config import (  # noqa: E402
     KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (  # noqa: E402
     OffloadingConnectorWorker,
@@ -163,6 +174,19 @@ class Finished:
 
 
 @dataclass
+class Rank:
+    """One tensor-parallel worker: its "GPU", its DMA over its shard of the host slots, vLLM's
+    worker-side connector, and the prefix bytes each request's forward read on this rank."""
+
+    index: int
+    gpu: np.ndarray
+    dma: FakeDma
+    worker: OffloadingConnectorWorker
+    tag: str
+    read: Dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
 class Engine:
     """One vLLM engine (scheduler + offloading connector, both sides) on CPU."""
 
@@ -180,6 +204,7 @@ class Engine:
     policy: str = "lru"
     policy_module: Optional[str] = None
     max_num_seqs: int = 8
+    tp: int = 1  # tensor-parallel ranks (each holds heads // tp KV heads)
     content: bool = True  # False: no block bytes written or checked (fast replays)
     kv_events: bool = False  # vLLM's KV cache events on (published batches kept in .published)
     extra: dict = field(default_factory=dict)
@@ -200,6 +225,7 @@ class Engine:
             cache_config=CacheConfig(block_size=BLOCK, prefix_caching_hash_algo="sha256_cbor",
                                      enable_prefix_caching=True),
             device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tp),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=self.kv_events, publisher="null"),
             kv_transfer_config=self.kv_config or kv_transfer_config(
                 self.tiers, cpu_bytes=self.cpu_bytes, bpc=self.bpc, policy=self.policy,
@@ -207,7 +233,8 @@ class Engine:
         )
         self.vllm_config.cache_config.num_gpu_blocks = self.num_gpu_blocks
         dt = getattr(torch, self.dtype)
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=self.head_dim, dtype=dt)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads // self.tp, head_size=self.head_dim,
+                                 dtype=dt)
         layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
         self.kv_cache_config = KVCacheConfig(num_blocks=self.num_gpu_blocks, kv_cache_tensors=[],
                                              kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
@@ -220,31 +247,56 @@ class Engine:
         self.cs = self.connector.connector_scheduler
         self.manager = self.cs.manager
         self.page = spec.page_size_bytes * self.layers
-        self.gpu = np.zeros((self.num_gpu_blocks, self.page), dtype=np.uint8)
-        # The worker side as OffloadingConnector builds it in a GPU worker process.
-        wspec = OffloadingSpecFactory.create_spec(build_offloading_config(self.vllm_config, self.kv_cache_config))
-        self.worker = OffloadingConnectorWorker(wspec, self.vllm_config, self.kv_cache_config)
+        ocfg = build_offloading_config(self.vllm_config, self.kv_cache_config)
+        wspec = OffloadingSpecFactory.create_spec(ocfg)
         # The host slots: vLLM's /dev/shm region under tiering (the scheduler maps it too);
-        # under a plain CPUOffloadingSpec (kvtier's manager) only the worker holds them.
+        # under a plain CPUOffloadingSpec (kvtier's manager) only the workers hold them.
         if hasattr(self.manager, "primary_tier"):
-            host = self.manager.primary_tier.get_kv_memoryview()
+            host = np.asarray(self.manager.primary_tier.get_kv_memoryview())
         elif getattr(self.manager, "host_view", None) is not None:
-            host = self.manager.host_view  # kvtier's manager with L3 maps the region too
+            host = np.asarray(self.manager.host_view)  # kvtier's manager with L3 maps the region too
         else:
-            host = np.zeros((wspec.num_chunks, self.page * self.bpc), dtype=np.uint8)
-        self.dma = FakeDma(self.gpu, host, self.bpc)
-        self.worker.worker = self.dma
+            host = np.zeros((wspec.num_chunks, max(wspec.kv_bytes_per_chunk, 1)), dtype=np.uint8)
+        shard = self.page * self.bpc
+        self.ranks: List[Rank] = []
+        for r in range(self.tp):
+            # The worker side as OffloadingConnector builds it in rank r's GPU worker process.
+            rcfg = dataclasses.replace(ocfg, parallel=dataclasses.replace(ocfg.parallel, rank=r))
+            worker = OffloadingConnectorWorker(OffloadingSpecFactory.create_spec(rcfg), self.vllm_config,
+                                               self.kv_cache_config)
+            gpu = np.zeros((self.num_gpu_blocks, self.page), dtype=np.uint8)
+            view = host if self.tp == 1 else host.view(np.uint8)[:, r * shard:(r + 1) * shard]
+            worker.worker = FakeDma(gpu, view, self.bpc)
+            self.ranks.append(Rank(r, gpu, worker.worker, worker, ""))
+        self.aggregator = KVOutputAggregator.from_connector(self.connector, self.vllm_config.parallel_config.world_size)
         self.hasher = get_request_block_hasher(BLOCK, sha256_cbor)
         self.tag = self.tag or f"{self.model}/{self.layers}/{self.dtype}"
+        for rk in self.ranks:
+            rk.tag = self.tag if rk.index == 0 else f"{self.tag}/rank{rk.index}"
         self.prompts: Dict[str, List[int]] = {}
         self.loaded: Dict[str, int] = {}
-        self.read: Dict[str, bytes] = {}
         self.preemptions: Dict[str, int] = {}  # times vLLM preempted each request
         self.stats_payloads: List[dict] = []  # the connector stats vLLM's scheduler reported
 
     @property
     def tier(self):
         return self.manager.secondary_tiers[0]
+
+    @property
+    def gpu(self) -> np.ndarray:
+        return self.ranks[0].gpu
+
+    @property
+    def dma(self) -> FakeDma:
+        return self.ranks[0].dma
+
+    @property
+    def worker(self) -> OffloadingConnectorWorker:
+        return self.ranks[0].worker
+
+    @property
+    def read(self) -> Dict[str, bytes]:
+        return self.ranks[0].read
 
     def add(self, req_id: str, tokens: Sequence[int], max_tokens: int = 2, cache_salt: Optional[str] = None):
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -258,24 +310,30 @@ class Engine:
         for rid, r in self.sched.requests.items():
             self.preemptions[rid] = r.num_preemptions
         meta = so.kv_connector_metadata
-        self.worker.handle_preemptions(meta)
-        self.worker.start_kv_transfers(meta)
-        sampled: Dict[str, List[int]] = {}
-        # The "forward": every scheduled token's block is read (checked) or computed (written).
-        for req_id, n in so.num_scheduled_tokens.items():
-            req = self.sched.requests[req_id]
-            start = req.num_computed_tokens - n  # schedule() already advanced it
-            self._forward(req, start, n)
-            if start + n >= req.num_prompt_tokens:
-                sampled[req_id] = [7]
-        self.worker.prepare_store_kv(meta)
-        _, recving = self.worker.get_finished(set(so.finished_req_ids))
-        out = ModelRunnerOutput(
-            req_ids=list(so.num_scheduled_tokens), req_id_to_index={r: i for i, r in enumerate(so.num_scheduled_tokens)},
-            sampled_token_ids=[sampled.get(r, []) for r in so.num_scheduled_tokens],
-            kv_connector_output=KVConnectorOutput(finished_recving=recving or None,
-                                                  kv_connector_worker_meta=self.worker.build_connector_worker_meta()),
-        )
+        outs = []
+        for rk in self.ranks:
+            # Every rank's worker gets its own copy of the metadata, as over vLLM's RPC.
+            m = meta if self.tp == 1 else copy.deepcopy(meta)
+            rk.worker.handle_preemptions(m)
+            rk.worker.start_kv_transfers(m)
+            sampled: Dict[str, List[int]] = {}
+            # The "forward": every scheduled token's block is read (checked) or computed (written).
+            for req_id, n in so.num_scheduled_tokens.items():
+                req = self.sched.requests[req_id]
+                start = req.num_computed_tokens - n  # schedule() already advanced it
+                self._forward(rk, req, start, n)
+                if start + n >= req.num_prompt_tokens:
+                    sampled[req_id] = [7]
+            rk.worker.prepare_store_kv(m)
+            _, recving = rk.worker.get_finished(set(so.finished_req_ids))
+            outs.append(ModelRunnerOutput(
+                req_ids=list(so.num_scheduled_tokens),
+                req_id_to_index={r: i for i, r in enumerate(so.num_scheduled_tokens)},
+                sampled_token_ids=[sampled.get(r, []) for r in so.num_scheduled_tokens],
+                kv_connector_output=KVConnectorOutput(finished_recving=recving or None,
+                                                      kv_connector_worker_meta=rk.worker.build_connector_worker_meta()),
+            ))
+        out = self.aggregator.aggregate(outs)
         eco = self.sched.update_from_output(so, out)
         for outs in eco.values():
             if outs.scheduler_stats is not None and outs.scheduler_stats.kv_connector_stats:
@@ -286,23 +344,25 @@ class Engine:
                                                            self._ok.pop(o.request_id, True))
         return bool(so.num_scheduled_tokens)
 
-    def _forward(self, req, start: int, n: int) -> None:
-        """Checks the prefix blocks the forward reads (those computed before ``start``) and
-        writes the blocks it computes; records how many tokens came from outside."""
+    def _forward(self, rk: Rank, req, start: int, n: int) -> None:
+        """Checks the prefix blocks rank ``rk``'s forward reads (those computed before
+        ``start``) and writes the blocks it computes; records how many tokens came from
+        outside."""
+        rid = req.request_id
         if not self.content:
-            self.loaded.setdefault(req.request_id, start)
+            self.loaded.setdefault(rid, start)
             return
-        tokens = self.prompts[req.request_id]
-        blocks = self.sched.kv_cache_manager.get_block_ids(req.request_id)[0]
-        if req.request_id not in self.loaded:
-            self.loaded[req.request_id] = start if start else 0
-            ok = all(np.array_equal(self.gpu[blocks[i]], block_bytes(tokens, i, self.tag, self.page))
+        tokens = self.prompts[rid]
+        blocks = self.sched.kv_cache_manager.get_block_ids(rid)[0]
+        if rid not in rk.read:
+            self.loaded.setdefault(rid, start)
+            ok = all(np.array_equal(rk.gpu[blocks[i]], block_bytes(tokens, i, rk.tag, self.page))
                      for i in range(start // BLOCK))
-            self._ok[req.request_id] = self._ok.get(req.request_id, True) and ok
-            self.read[req.request_id] = b"".join(self.gpu[blocks[i]].tobytes() for i in range(start // BLOCK))
+            self._ok[rid] = self._ok.get(rid, True) and ok
+            rk.read[rid] = b"".join(rk.gpu[blocks[i]].tobytes() for i in range(start // BLOCK))
         full_end = min(start + n, len(tokens)) // BLOCK
         for i in range(start // BLOCK, full_end):
-            self.gpu[blocks[i]] = block_bytes(tokens, i, self.tag, self.page)
+            rk.gpu[blocks[i]] = block_bytes(tokens, i, rk.tag, self.page)
 
     def tier_keys_of(self, tokens: Sequence[int], cache_salt: Optional[str] = None) -> List[bytes]:
         """vLLM's offload keys of the full chunks of a prompt (the block hash of each chunk's
@@ -331,5 +391,6 @@ class Engine:
         self.sched.reset_prefix_cache()
 
     def close(self) -> None:
-        self.dma.host = np.zeros((0, 0), dtype=np.uint8)  # our view of /dev/shm, so vLLM can unmap it
+        for rk in self.ranks:
+            rk.dma.host = np.zeros((0, 0), dtype=np.uint8)  # our views of /dev/shm, so vLLM can unmap it
         self.sched.shutdown()

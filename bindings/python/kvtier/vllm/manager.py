@@ -56,13 +56,14 @@ def _positions(ctx: ReqContext) -> Dict[bytes, int]:
 
 class KvtierOffloadingManager(L3Plan, OffloadingManager):
     """vLLM's ``OffloadingManager`` answered by kvtier's radix tree over ``num_chunks`` host
-    slots (see the module docs); with ``l3`` (a ``KvtierSecondaryTier`` over the host slots)
-    kvtier's L3 below them (manager_l3.py)."""
+    slots (see the module docs); with ``l3`` (one ``KvtierSecondaryTier`` per
+    tensor-parallel rank, each over its shard of the host slots) kvtier's L3 below them
+    (manager_l3.py)."""
 
     def __init__(self, num_chunks: int, tokens_per_chunk: Dict[int, int], policy: str = "lru",
-                 enable_events: bool = False, l3: Any = None):
+                 enable_events: bool = False, l3: Optional[List[Any]] = None):
         self.policy = policy
-        self._backups = "off" if l3 is None else "write-through"
+        self._backups = "off" if not l3 else "write-through"
         self.native = OffloadManager(num_chunks, policy, self._backups)
         self._l3_init(l3)
         self.host_view: Optional[memoryview] = None  # the host slots, when mapped here (L3)
@@ -183,20 +184,20 @@ class KvtierOffloadingManager(L3Plan, OffloadingManager):
         return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self.l3 is not None:
-            self.l3.on_schedule_end(context)  # its probes of the step, in one batch
+        for t in self.l3_ranks:
+            t.on_schedule_end(context)  # its probes of the step, in one batch
         self._l3_step()
 
     def has_pending_work(self) -> bool:
         return self._l3_busy()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        if self.l3 is not None:
-            self.l3.on_request_finished(req_context)
+        for t in self.l3_ranks:
+            t.on_request_finished(req_context)
 
     def shutdown(self) -> None:
-        if self.l3 is not None:
-            self.l3.shutdown()
+        for t in self.l3_ranks:
+            t.shutdown()
         if self.host_view is not None:
             self.host_view.release()
 
@@ -280,8 +281,10 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
         return self._manager
 
     def _l3_tier(self):
-        """kvtier's L3 tier over the host slots, mapped in this (the scheduler's) process as
-        vLLM's tiering spec maps them; None without ``kvtier_l3``."""
+        """kvtier's L3 tiers over the host slots, mapped in this (the scheduler's) process as
+        vLLM's tiering spec maps them: one per tensor-parallel rank, over its shard of each
+        slot (manager_l3.py), or one over whole rows when rows are not sharded (one rank,
+        vLLM's replicated or canonical layouts); None without ``kvtier_l3``."""
         if self.kvtier_l3 is None:
             return None
         from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -292,5 +295,9 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
             engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=None,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk, cpu_page_size=self.cpu_page_size_per_worker)
         self.kv_view = self._scheduler_mmap.create_kv_memoryview()
-        return KvtierSecondaryTier(offloading_spec=self, primary_kv_view=self.kv_view, tier_type="kvtier",
-                                   **dict(self.kvtier_l3))
+        world = int(self.config.parallel.world_size)
+        sharded = world > 1 and not self.replicated_layout and not self.config.canonical_layout
+        shards = [(r, r * self.cpu_page_size_per_worker, self.cpu_page_size_per_worker) for r in range(world)]
+        return [KvtierSecondaryTier(offloading_spec=self, primary_kv_view=self.kv_view, tier_type="kvtier",
+                                    shard=shard, **dict(self.kvtier_l3))
+                for shard in (shards if sharded else [None])]

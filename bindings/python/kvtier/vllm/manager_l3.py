@@ -1,20 +1,33 @@
 """kvtier's L3 below ``KvtierOffloadingManager``: the plan is kvtier's, the bytes move on
-kvtier's I/O threads.
+kvtier's I/O threads, and under tensor parallelism every rank's shard moves on its own.
 
 Why a part of its own: what to back up and what is in L3 are decided by the scheduler
 crate (``OffloadManager`` with ``l3_backups="write-through"``: ``plan_backups``, pages
-answered ``"in-l3"``); this module only turns those decisions into jobs of a
-``KvtierSecondaryTier`` (tier.py) — the same store, keys and I/O threads as the tier of
+answered ``"in-l3"``); this module only turns those decisions into jobs of
+``KvtierSecondaryTier``s (tier.py) — the same store, keys and I/O threads as the tier of
 docs/vllm.md, over the host slots vLLM's workers write — and reports the jobs back.
 
 How: a lookup that kvtier answers ``"in-l3"``, or that its tier's probe finds in L3, starts
-a **Prefetch**: an ordinary kvtier store job (slots after the host-resident prefix, evictions
-reported as events) whose bytes come from L3, answered HIT_PENDING until it lands. Prefetches
-are submitted in a batch at ``on_schedule_end``, with the step's **BackUps**
-(``plan_backups``: stored host pages L3 lacks, their slots pinned until the copy ends; also
-right when stores complete, before the next step's stores could evict them unbacked).
-Finished jobs are polled at ``on_schedule_end``; a failed prefetch marks its pages lost
-(``l3_lost``) and frees its slots, so vLLM's next lookup misses and recomputes.
+a **Prefetch** (``prepare_prefetch``: slots after the host-resident prefix as for a store,
+evictions reported as events) whose bytes come from L3, answered HIT_PENDING until it
+lands. Prefetches are submitted in a batch at ``on_schedule_end``, with the step's
+**BackUps** (``plan_backups``: stored host pages L3 lacks, their slots pinned until the copy
+ends; also right when stores complete, before the next step's stores could evict them
+unbacked). Finished jobs are polled at ``on_schedule_end``.
+
+**Ranks.** vLLM runs this manager once, but under tensor parallelism each worker rank owns
+its shard of every host slot (bytes ``[rank * shard, (rank + 1) * shard)`` of each row of the
+/dev/shm region). There is one tier per rank, moving only that shard under keys suffixed by
+the rank (docs/page-keys.md), and one ``kvtier.RankAgreement`` per rank holding what that
+rank's tier reported: ``PrefetchDone(job, pages read)``, ``BackUpDone(job, success)``.
+``OffloadManager.agree`` applies the element-wise minimum over ranks, so a prefetch lands
+only when every rank's shard did (and only the pages every rank read: the rest are lost in
+L3 for all ranks, and vLLM recomputes them on every rank), a backup counts only when every
+rank wrote its shard, and a probe is a hit only if every rank's shard is there. Losses a
+rank's embedded store reports (its loss journal: evictions, removals) are recorded with
+``RankAgreement.lost_pages`` and agreed once per step (``agree_losses``: their union is
+forgotten). With one rank (or vLLM's replicated or canonical layouts, where rows are not
+sharded) there is one tier over whole rows, with the tier's own keys.
 """
 
 from __future__ import annotations
@@ -25,7 +38,9 @@ import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from .chunks import Chain
+import kvtier
+
+from .chunks import Chain, page_of
 
 __all__ = ["L3Plan"]
 
@@ -36,28 +51,35 @@ class L3Plan:
     """The L3 half of ``KvtierOffloadingManager`` (a mixin: uses its ``native``, ``_pending``
     and ``_key_of``)."""
 
-    l3 = None  # a KvtierSecondaryTier, or None: no L3
+    l3 = None  # rank 0's KvtierSecondaryTier, or None: no L3
+    l3_ranks: List = []
 
-    def _l3_init(self, tier) -> None:
-        self.l3 = tier
+    def _l3_init(self, tiers) -> None:
+        self.l3_ranks = list(tiers or [])
+        self.l3 = self.l3_ranks[0] if self.l3_ranks else None
+        self.agreements = [kvtier.RankAgreement() for _ in self.l3_ranks]
         self._queued: List[Tuple[int, List[bytes], List[bytes], List[int], ReqContext]] = []
-        self._l3_jobs: Dict[int, Tuple[str, int, List[bytes]]] = {}  # tier job -> (kind, kvtier job, pages)
-        self._next_l3_job = 1
+        self._l3_jobs: Dict[int, Tuple[str, int]] = {}  # kvtier job -> (kind, pages)
+        self._reports: Dict[int, int] = {}  # kvtier job -> ranks that reported it
 
     def _l3_lookup(self, chain: Chain, i: int, key: bytes, ctx: ReqContext) -> Optional[LookupResult]:
-        """A host miss: L3 may have it. None: a plain miss."""
+        """A host miss: L3 may have it (every rank's shard). None: a plain miss."""
         if self.l3 is None:
             return None
-        probe = self.l3.lookup(key, ctx)
-        if probe is LookupResult.RETRY:
+        retry = False
+        for t in self.l3_ranks:
+            probe = t.lookup(key, ctx)
+            if probe is LookupResult.RETRY:
+                retry = True
+            elif probe is not LookupResult.HIT:
+                return None
+        if retry:
             return LookupResult.RETRY
-        if probe is not LookupResult.HIT:
-            return None
         self.native.l3_found([chain.pages[i]])
         return self._prefetch(chain, i, ctx)
 
     def _prefetch(self, chain: Chain, i: int, ctx: ReqContext) -> LookupResult:
-        plan = self.native.prepare_store(chain.pages[: i + 1], i + 1)
+        plan = self.native.prepare_prefetch(chain.pages, i + 1)  # and the L3 run after i
         if plan is None:
             return LookupResult.MISS  # no room (everything pinned): vLLM computes it
         job, frm, slots, _evicted = plan  # evictions reach vLLM as events
@@ -73,7 +95,7 @@ class L3Plan:
         if self.l3 is None:
             return
         for job, pages, keys, slots, ctx in self._queued:
-            self._submit("prefetch", job, pages, keys, slots, ctx)
+            self._submit("prefetch", job, keys, slots, ctx)
         self._queued = []
         self._l3_backups()
         self._l3_poll()
@@ -85,39 +107,67 @@ class L3Plan:
             return
         for job, pages, slots in self.native.plan_backups():
             keys = [self._key_of[p] for p in pages]
-            self._submit("backup", job, pages, keys, slots, _BACKUP_CTX)
+            self._submit("backup", job, keys, slots, _BACKUP_CTX)
 
-    def _submit(self, kind: str, job: int, pages, keys, slots, ctx) -> None:
-        tid = self._next_l3_job
-        self._next_l3_job += 1
-        self._l3_jobs[tid] = (kind, job, list(pages))
-        t = TransferJob(job_id=tid, keys=list(keys), chunk_ids=np.asarray(slots, dtype=np.int64),
-                        is_promotion=kind == "prefetch", req_context=ctx)
-        (self.l3.submit_load if kind == "prefetch" else self.l3.submit_store)(t)
+    def _submit(self, kind: str, job: int, keys, slots, ctx) -> None:
+        self._l3_jobs[job] = (kind, len(keys))
+        ids = np.asarray(slots, dtype=np.int64)
+        for t in self.l3_ranks:
+            tj = TransferJob(job_id=job, keys=list(keys), chunk_ids=ids, is_promotion=kind == "prefetch",
+                             req_context=ctx)
+            (t.submit_load if kind == "prefetch" else t.submit_store)(tj)
 
     def _l3_poll(self) -> None:
-        for r in list(self.l3.get_finished_jobs()):
-            kind, job, pages = self._l3_jobs.pop(r.job_id)
-            outcome = "done" if r.success else "failed"
-            if kind == "backup":
-                self.native.complete_backup(job, outcome)
-                continue
-            if not r.success:
-                self.native.l3_lost(pages)
-            self.native.complete_store(job, outcome)
+        """Every rank's finished jobs into its agreement, then the agreed outcomes (and the
+        agreed losses) applied once."""
+        for t, agreement in zip(self.l3_ranks, self.agreements):
+            for r in list(t.get_finished_jobs()):
+                kind, n = self._l3_jobs[r.job_id]
+                if kind == "backup":
+                    agreement.push(kvtier.BackUpDone(r.job_id, bool(r.success)))
+                else:
+                    read = n if r.success else len(r.successful_keys or ())
+                    agreement.push(kvtier.PrefetchDone(r.job_id, read))
+                self._reports[r.job_id] = self._reports.get(r.job_id, 0) + 1
+                if self._reports[r.job_id] == len(self.l3_ranks):  # agreed below
+                    del self._reports[r.job_id]
+                    del self._l3_jobs[r.job_id]
+            self._record_losses(t, agreement)
+        self.native.agree(self.agreements)
+        if any(a.pending_losses() != (0, False) for a in self.agreements):
+            # In-process ranks: the all-gather is every rank's words.
+            gathered = [a.loss_words() for a in self.agreements]
+            for a in self.agreements:
+                a.agree_losses(self.native, lambda _words: gathered)
         self._drain()
 
+    def _record_losses(self, tier, agreement) -> None:
+        """Keys this rank's embedded store reported lost, as pages for the agreement."""
+        if not getattr(tier, "journal", False):
+            return
+        keys, overflowed = tier.store.drain_losses()
+        if overflowed:
+            agreement.lost_all()
+        prefix, suffix = tier.namespace + ":", tier._suffix
+        pages = [page_of(bytes.fromhex(k[len(prefix):len(k) - len(suffix)]))
+                 for k in keys if k.startswith(prefix) and k.endswith(suffix)
+                 and k.count(":") == prefix.count(":") + suffix.count(":")]
+        if pages:
+            agreement.lost_pages(pages)
+
     def _l3_busy(self) -> bool:
-        return self.l3 is not None and bool(self._queued or self._l3_jobs or self.l3.has_pending_work())
+        return self.l3 is not None and bool(
+            self._queued or self._l3_jobs or any(t.has_pending_work() for t in self.l3_ranks))
 
     def _l3_unreported(self) -> int:
         """kvtier store jobs the L3 half has not reported (prefetches queued or running)."""
         if self.l3 is None:
             return 0
-        return len(self._queued) + sum(1 for kind, _, _ in self._l3_jobs.values() if kind == "prefetch")
+        return len(self._queued) + sum(1 for kind, _ in self._l3_jobs.values() if kind == "prefetch")
 
     def _l3_reset(self) -> None:
-        if self.l3 is not None:
-            self.l3.drain_jobs()
-            list(self.l3.get_finished_jobs())  # results of the old tree's jobs: dropped with it
-            self._queued, self._l3_jobs = [], {}
+        for t in self.l3_ranks:
+            t.drain_jobs()
+            list(t.get_finished_jobs())  # results of the old tree's jobs: dropped with it
+        self._queued, self._l3_jobs, self._reports = [], {}, {}
+        self.agreements = [kvtier.RankAgreement() for _ in self.l3_ranks]

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, Iterable, List, Optional
+from typing import Any, Collection, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -134,7 +134,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
     medium = Medium.STORAGE
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: Any = None, **config: Any):
+                 backpressure_detector: Any = None, *, shard: Optional[Tuple[int, int, int]] = None,
+                 **config: Any):
         unknown = sorted(set(config) - set(TIER_KEYS))
         if unknown:
             raise VllmTierConfigError(f"kvtier tier: unknown config keys {unknown}; known: {list(TIER_KEYS)}")
@@ -148,6 +149,13 @@ class KvtierSecondaryTier(SecondaryTierManager):
         except ValueError as e:
             raise VllmTierConfigError(f"kvtier tier: bad locality {config.get('locality')!r}") from e
         self._flat = np.asarray(primary_kv_view).view(np.uint8).reshape(-1)
+        # One tensor-parallel rank's shard of every slot (kvtier's manager under TP,
+        # manager_l3.py): bytes [offset, offset + nbytes) of each row, under keys suffixed by
+        # the rank (docs/page-keys.md); None: whole rows, as vLLM's tiering moves them.
+        self.shard = shard
+        self._rows = self._flat.reshape(len(primary_kv_view), -1)
+        self.chunk_bytes = self.block_size_bytes if shard is None else int(shard[2])
+        self._suffix = "" if shard is None else f":{int(shard[0])}"
         self.namespace = namespace_of(offloading_spec.config, self.block_size_bytes, self.tenant)
         self.store = self._open(config)
         self._check_chunk_fits()
@@ -236,15 +244,29 @@ class KvtierSecondaryTier(SecondaryTierManager):
         segment limit) is a startup error, not a failed job per chunk forever after."""
         probe = f"{self.namespace}:kvtier-probe-{uuid.uuid4().hex}"
         try:
-            self.store.put(probe, bytes(self.block_size_bytes))
+            self.store.put(probe, bytes(self.chunk_bytes))
             self.store.remove(probe, True)
         except kvtier.L3Error as e:
             raise VllmTierConfigError(
-                f"kvtier tier: the L3 store cannot hold one vLLM chunk of {self.block_size_bytes} bytes: {e!r}"
+                f"kvtier tier: the L3 store cannot hold one vLLM chunk of {self.chunk_bytes} bytes: {e!r}"
             ) from e
 
     def key(self, offload_key: OffloadKey) -> str:
-        return l3_key(self.namespace, offload_key)
+        return l3_key(self.namespace, offload_key) + self._suffix
+
+    def _shards(self, ids: np.ndarray) -> List[np.ndarray]:
+        off, n = int(self.shard[1]), int(self.shard[2])
+        return [self._rows[int(c), off:off + n] for c in ids]
+
+    def _put(self, store: kvtier.L3Store, keys: List[str], ids: np.ndarray):
+        if self.shard is None:
+            return store.batch_put_pages(keys, self._flat, ids, self.block_size_bytes)
+        return store.batch_put_from(keys, self._shards(ids))
+
+    def _get(self, store: kvtier.L3Store, keys: List[str], ids: np.ndarray):
+        if self.shard is None:
+            return store.batch_get_pages(keys, self._flat, ids, self.block_size_bytes)
+        return store.batch_get_into(keys, self._shards(ids))
 
     # ---- lookups ------------------------------------------------------------------------
 
@@ -295,7 +317,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         t0 = time.perf_counter()
         keys = [self.key(k) for k in okeys]
         try:
-            codes = np.asarray(self._io(lambda s: s.batch_put_pages(keys, self._flat, ids, self.block_size_bytes)))
+            codes = np.asarray(self._io(lambda s: self._put(s, keys, ids)))
             ok = (codes == 0) | (codes == _EXISTS)
         except (kvtier.L3Error, ValueError) as e:
             logger.warning("kvtier: store of %d chunks failed: %r", len(keys), e)
@@ -308,17 +330,17 @@ class KvtierSecondaryTier(SecondaryTierManager):
             self._events.put(OffloadingEvent(keys=stored, medium=self.medium, removed=False, locality=self.locality))
         with self._lock:
             self.counters.chunks_stored += n
-            self.counters.bytes_written += n * self.block_size_bytes
+            self.counters.bytes_written += n * self.chunk_bytes
             self.counters.store_failures += int(not ok.all())
         self._done.put(JobResult(job_id=job_id, success=bool(ok.all()), transfer_time=time.perf_counter() - t0,
-                                 transfer_bytes=n * self.block_size_bytes))
+                                 transfer_bytes=n * self.chunk_bytes))
 
     def _load_job(self, job_id: int, okeys: List[OffloadKey], ids: np.ndarray) -> None:
         t0 = time.perf_counter()
         keys = [self.key(k) for k in okeys]
         try:
-            codes = np.asarray(self._io(lambda s: s.batch_get_pages(keys, self._flat, ids, self.block_size_bytes)))
-            ok = codes == self.block_size_bytes
+            codes = np.asarray(self._io(lambda s: self._get(s, keys, ids)))
+            ok = codes == self.chunk_bytes
         except (kvtier.L3Error, ValueError) as e:
             logger.warning("kvtier: load of %d chunks failed: %r", len(keys), e)
             ok = np.zeros(len(keys), dtype=bool)
@@ -326,13 +348,13 @@ class KvtierSecondaryTier(SecondaryTierManager):
         run = len(keys) if ok.all() else int(np.argmin(ok))
         with self._lock:
             self.counters.chunks_loaded += run
-            self.counters.bytes_read += run * self.block_size_bytes
+            self.counters.bytes_read += run * self.chunk_bytes
             self.counters.load_failures += int(run < len(keys))
         if run < len(keys):
             self._missed.put(okeys[run:])
         self._done.put(JobResult(job_id=job_id, success=run == len(keys),
                                  successful_keys=None if run == len(keys) else tuple(okeys[:run]),
-                                 transfer_time=time.perf_counter() - t0, transfer_bytes=run * self.block_size_bytes))
+                                 transfer_time=time.perf_counter() - t0, transfer_bytes=run * self.chunk_bytes))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out: List[JobResult] = []
