@@ -85,3 +85,47 @@ def test_hits_are_exactly_what_landed_and_still_fits(ops, slots):
         hits = [m.lookup(c, i) == "hit" for i in range(n)]
         assert hits == sorted(hits, reverse=True)  # a prefix
         assert m.usage()["cached"] <= slots
+
+
+def test_tensor_parallel_ranks_agree_prefetches_and_losses():
+    """Two ranks' agreements over one manager: a prefetch lands with the pages both read;
+    a loss one rank reports is forgotten for both (scheduler/tests/offload_agreement.rs)."""
+    m = kvtier.OffloadManager(8, "lru", "write-through")
+    a = chain("tp", 3)
+    m.l3_found(a)
+    job, first, slots, _ = m.prepare_prefetch(a, 1)  # the whole run known in L3
+    assert (first, len(slots)) == (0, 3) and m.lookup(a, 2) == "pending"
+    ranks = [kvtier.RankAgreement(), kvtier.RankAgreement()]
+    ranks[0].push(kvtier.PrefetchDone(job, 3))
+    assert m.agree(ranks) == 0 and m.lookup(a, 0) == "pending", "rank 1 has not reported"
+    ranks[1].push(kvtier.PrefetchDone(job, 2))
+    assert m.agree(ranks) == 1
+    assert [m.lookup(a, i) for i in range(3)] == ["hit", "hit", "miss"]
+    m.check()
+    b = chain("tp-b", 2)
+    m.l3_found(b)
+    assert ranks[1].lost_pages(b[1:]) == 1
+    gathered = [r.loss_words() for r in ranks]
+    for r in ranks:
+        r.agree_losses(m, lambda _w: gathered)
+    assert [m.lookup(b, i) for i in range(2)] == ["in-l3", "miss"]
+    m.check()
+
+
+def test_agreement_bad_input_is_a_typed_error_that_changes_nothing():
+    m = kvtier.OffloadManager(4)
+    a = chain("bad", 2)
+    m.l3_found(a)
+    job, _, _, _ = m.prepare_prefetch(a, 2)
+    with pytest.raises(kvtier.OffloadManagerError):
+        m.complete_prefetch(job + 7, 1)
+    with pytest.raises(kvtier.OffloadManagerError):
+        m.apply_agreed(kvtier.LoadBackDone(job, True))
+    with pytest.raises(TypeError):
+        kvtier.RankAgreement().values(object())
+    with pytest.raises(ValueError):
+        kvtier.RankAgreement().lost_pages([b"short"])
+    assert m.lookup(a, 0) == "pending"
+    m.apply_agreed(kvtier.PrefetchDone(job, 2))
+    assert m.lookup(a, 1) == "hit"
+    m.check()
