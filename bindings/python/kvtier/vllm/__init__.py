@@ -9,10 +9,11 @@ in ``--kv-transfer-config``), so every class it names must be importable from he
 
 from .chunks import Chain, ChunkChains, chains_of, group_of, page_of
 from .keys import l3_key, layout_of, namespace_of
-from .manager import KvtierOffloadingManager, KvtierOffloadingSpec
+from .manager import KvtierOffloadingManager, KvtierOffloadingSpec, KvtierSpecConfigError
 from .policy import KvtierCachePolicy, KvtierFreqDepthPolicy, KvtierLruPolicy
 from .tier import KvtierSecondaryTier, TierCounters, VllmTierConfigError
 
 __all__ = ["Chain", "ChunkChains", "KvtierCachePolicy", "KvtierFreqDepthPolicy", "KvtierLruPolicy",
-           "KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierSecondaryTier", "TierCounters",
+           "KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierSecondaryTier", "KvtierSpecConfigError",
+           "TierCounters",
            "VllmTierConfigError", "chains_of", "group_of", "l3_key", "layout_of", "namespace_of", "page_of"]

@@ -39,11 +39,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from .. import OffloadManager
+from .. import KvtierError, OffloadManager
 from .chunks import Chain, ChunkChains, group_of
 from .manager_l3 import L3Plan
 
-__all__ = ["KvtierOffloadingManager", "KvtierOffloadingSpec"]
+__all__ = ["KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierSpecConfigError"]
 
 _LOOKUP = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING}
 
@@ -256,6 +256,27 @@ class KvtierOffloadingManager(L3Plan, OffloadingManager):
                 self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
 
 
+class KvtierSpecConfigError(KvtierError, ValueError):
+    """A ``KvtierOffloadingSpec`` kvtier cannot run with (raised when vLLM builds the spec, so
+    the engine does not start): a KV cache group whose chunks do not form prefixes."""
+
+
+def _refuse_non_prefix_groups(config: Any) -> None:
+    """kvtier's host tier is a radix tree: a chunk is kept, found and evicted with its whole
+    prefix. Sliding-window, chunked-local and Mamba groups keep only the last chunks of a
+    prompt (vLLM's ``sliding_window_size_in_chunks``), so their chunks do not form prefixes;
+    refused here rather than served wrongly. Their models run with vLLM's
+    ``TieringOffloadingSpec`` and kvtier's tier and policy (docs/vllm.md)."""
+    for g in config.groups:
+        window = getattr(g, "sliding_window_size_in_chunks", None)
+        if window is not None:
+            raise KvtierSpecConfigError(
+                f"KvtierOffloadingSpec: KV cache group {g.group_id} keeps a window of {window} chunk(s) "
+                f"(sliding-window, chunked-local or Mamba layers {list(g.layer_names)[:3]}...): its chunks do not "
+                "form prefixes, which kvtier's radix tree needs; use TieringOffloadingSpec with kvtier's "
+                "KvtierSecondaryTier and KvtierFreqDepthPolicy for this model")
+
+
 class KvtierOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading (its host slots and GPU↔host worker) with kvtier's manager.
 
@@ -265,6 +286,7 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
     """
 
     def __init__(self, config: Any):
+        _refuse_non_prefix_groups(config)
         super().__init__(config)
         self.kvtier_eviction = str(self.extra_config.get("kvtier_eviction", "lru"))
         self.kvtier_l3 = self.extra_config.get("kvtier_l3")  # KvtierSecondaryTier's keys, or None
