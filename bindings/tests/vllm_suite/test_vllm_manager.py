@@ -13,6 +13,7 @@ import pathlib
 import shlex
 import time
 import uuid
+from typing import Dict
 
 import pytest
 from harness import BLOCK, Engine, model_dir
@@ -176,6 +177,15 @@ def _replay(root, kv_config, prompts) -> dict:
     """Host hit rate = tokens vLLM's workers loaded from the host cache / prompt tokens (the
     GPU prefix cache answers first); loads per request = load jobs / requests."""
     e = Engine(str(root), [], kv_config=kv_config, content=False, num_gpu_blocks=512, max_num_seqs=4)
+    loads_of: Dict[str, int] = {}  # request -> its load jobs
+    submit = e.dma.submit_load
+
+    def counted(job_id, src, dst, expedited=False):
+        rid = e.worker._load_jobs.get(job_id)  # noqa: SLF001 (vLLM's job -> request map)
+        loads_of[rid] = loads_of.get(rid, 0) + 1
+        return submit(job_id, src, dst, expedited)
+
+    e.dma.submit_load = counted
     try:
         t0 = time.monotonic()
         for i in range(0, len(prompts), 4):
@@ -187,6 +197,8 @@ def _replay(root, kv_config, prompts) -> dict:
         reused = sum(f.external_tokens for f in e.finished.values())  # GPU prefix cache + host
         return {"host_hit_tokens": host, "prompt_tokens": total, "host_hit_rate": host / total,
                 "reused_rate": reused / total, "loads_per_request": e.dma.loads / len(prompts),
+                "requests_with_loads": len(loads_of), "max_loads_per_request": max(loads_of.values(), default=0),
+                "chunks_per_load": e.dma.loaded_blocks / max(e.dma.loads, 1) / e.bpc,
                 "seconds": time.monotonic() - t0}
     finally:
         e.close()
@@ -239,13 +251,17 @@ def test_host_hit_rates_of_kvtiers_manager_beside_vllms_own(tmp_path):
         print(f"replaying: {name}", flush=True)
         rows.append({"manager": name, **_replay(tmp_path, cfg, prompts)})
     print("\n" + "\n".join(f"{r['manager']:>30}: host hit rate {r['host_hit_rate']:.4f} "
-                           f"(GPU + host {r['reused_rate']:.4f}), loads/request {r['loads_per_request']:.3f}, "
+                           f"(GPU + host {r['reused_rate']:.4f}), loads/request {r['loads_per_request']:.3f} "
+                           f"({r['requests_with_loads']} requests, at most {r['max_loads_per_request']} each, "
+                           f"{r['chunks_per_load']:.1f} chunks a load), "
                            f"{r['seconds']:.1f} s" for r in rows))
     out = os.environ.get("KVTIER_VLLM_MANAGER_JSON")
     if out:
         pathlib.Path(out).write_text(json.dumps({"requests": n, "host_chunks": chunks, "rows": rows}, indent=1))
     for r in rows:
         assert 0 < r["host_hit_tokens"] <= r["prompt_tokens"], r
+        # One load job per request that hits (vLLM issues one; kvtier does not split them).
+        assert r["max_loads_per_request"] == 1, r
 
 
 def test_preempted_requests_resume_with_kvtiers_host_tier_consistent(tmp_path):

@@ -42,6 +42,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from .. import KvtierError, OffloadManager
 from .chunks import Chain, ChunkChains, group_of
 from .manager_l3 import L3Plan
+from .manager_metrics import ManagerCounters, ManagerMetrics, definitions
 
 __all__ = ["KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierSpecConfigError"]
 
@@ -54,7 +55,7 @@ def _positions(ctx: ReqContext) -> Dict[bytes, int]:
     return ctx._offload_key_positions  # noqa: SLF001
 
 
-class KvtierOffloadingManager(L3Plan, OffloadingManager):
+class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
     """vLLM's ``OffloadingManager`` answered by kvtier's radix tree over ``num_chunks`` host
     slots (see the module docs); with ``l3`` (one ``KvtierSecondaryTier`` per
     tensor-parallel rank, each over its shard of the host slots) kvtier's L3 below them
@@ -65,6 +66,7 @@ class KvtierOffloadingManager(L3Plan, OffloadingManager):
         self.policy = policy
         self._backups = "off" if not l3 else "write-through"
         self.native = OffloadManager(num_chunks, policy, self._backups)
+        self.counters = ManagerCounters()  # vLLM's stats hooks (manager_metrics.py)
         self._l3_init(l3)
         self.host_view: Optional[memoryview] = None  # the host slots, when mapped here (L3)
         self.tokens_per_chunk = dict(tokens_per_chunk)
@@ -99,6 +101,7 @@ class KvtierOffloadingManager(L3Plan, OffloadingManager):
     # ----- vLLM's manager API -----------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self.counters.lookups += 1
         loc = self._chains(req_context).locate(_positions(req_context), bytes(key))
         if loc is None:
             return LookupResult.MISS
@@ -108,6 +111,7 @@ class KvtierOffloadingManager(L3Plan, OffloadingManager):
             return self._prefetch(chain, i, req_context)
         if r == "miss":
             return self._l3_lookup(chain, i, bytes(key), req_context) or LookupResult.MISS
+        self.counters.lookup_hits += int(r == "hit")
         return _LOOKUP[r]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
@@ -129,6 +133,8 @@ class KvtierOffloadingManager(L3Plan, OffloadingManager):
                 self.native.complete_load(j)
             raise
         self._loads.setdefault(frozenset(bytes(k) for k in keys), []).append(jobs)
+        self.counters.load_jobs += 1
+        self.counters.chunks_loaded += len(keys)
         return spec
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -248,6 +254,10 @@ class KvtierOffloadingManager(L3Plan, OffloadingManager):
                 for p in pages:
                     if p in self._pending:
                         self._key_of[p] = self._pending.pop(p)
+            if removed:
+                self.counters.chunks_evicted += len(pages)
+            else:
+                self.counters.chunks_stored += len(pages)
             keys = [self._key_of[p] for p in pages if p in self._key_of]
             if removed:
                 for p in pages:
@@ -293,6 +303,12 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
         self._scheduler_mmap = None
         self.tokens_per_chunk = {int(g.group_id): int(g.tokens_per_block) * int(self.blocks_per_chunk)
                                  for g in config.groups}
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: Dict[str, Any]) -> Dict[str, Any]:
+        """vLLM's CPU offloading metrics (the spec fills its occupancy gauges) and kvtier's
+        manager's (and its L3 tier's): manager_metrics.py."""
+        return {**super().build_metric_definitions(extra_config), **definitions(extra_config)}
 
     def get_manager(self) -> OffloadingManager:
         if not self._manager:

@@ -88,6 +88,8 @@ class L3Plan:
         for p, k in zip(pages, keys):
             self._pending[p] = k
         self._queued.append((job, pages, keys, slots, ctx))
+        self.counters.prefetch_jobs += 1
+        self.counters.chunks_prefetched += len(slots)
         return LookupResult.HIT_PENDING
 
     def _l3_step(self) -> None:
@@ -108,6 +110,7 @@ class L3Plan:
         for job, pages, slots in self.native.plan_backups():
             keys = [self._key_of[p] for p in pages]
             self._submit("backup", job, keys, slots, _BACKUP_CTX)
+            self.counters.backup_jobs += 1
 
     def _submit(self, kind: str, job: int, keys, slots, ctx) -> None:
         self._l3_jobs[job] = (kind, len(keys))

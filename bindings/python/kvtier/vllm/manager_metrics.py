@@ -1,0 +1,102 @@
+"""kvtier's manager in vLLM's metrics: what ``KvtierOffloadingSpec`` reports through vLLM's
+stats hooks.
+
+Why: a vLLM deployment watches its offloading through vLLM's own Prometheus logger, which
+registers what the spec declares (``build_metric_definitions``) and exports what the manager
+reports every step (``get_stats``). With kvtier deciding, the interesting numbers are
+kvtier's: how often its host tree answered, what it stored and evicted, what it prefetched
+from L3 — so they go through the same hooks as vLLM's own CPU manager's (whose occupancy
+gauges the spec fills too) and kvtier's tier's (``vllm:kv_offload_kvtier_*``, one set summed
+over the tensor-parallel ranks' tiers).
+
+How: the manager counts in a ``ManagerCounters``; ``get_stats`` reports the increases since
+its last call, the host tree's occupancy as gauges, and merges each rank's tier stats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+
+__all__ = ["MANAGER_PREFIX", "ManagerCounters", "ManagerMetrics", "definitions"]
+
+MANAGER_PREFIX = "vllm:kv_offload_kvtier_manager_"
+_COUNTER_DOCS = {
+    "lookups": "Chunk lookups kvtier's manager answered.",
+    "lookup_hits": "Lookups answered HIT (the chunk and its prefix on host).",
+    "chunks_stored": "Chunks kvtier's host tree took (stores and prefetches that landed).",
+    "chunks_evicted": "Chunks kvtier's host tree evicted.",
+    "load_jobs": "Host-to-GPU load jobs kvtier handed to vLLM's worker.",
+    "chunks_loaded": "Chunks in those load jobs.",
+    "prefetch_jobs": "Prefetches from kvtier's L3 (one job read by every tensor-parallel rank).",
+    "chunks_prefetched": "Chunks in those prefetches.",
+    "backup_jobs": "Backups of host chunks to kvtier's L3.",
+}
+_GAUGE_DOCS = {
+    "host_cached_chunks": "Chunks in kvtier's host tree.",
+    "host_free_chunks": "Free host slots.",
+    "host_locked_chunks": "Host chunks pinned by a copy (load, backup) or as a store's prefix.",
+}
+
+
+@dataclass
+class ManagerCounters:
+    lookups: int = 0
+    lookup_hits: int = 0
+    chunks_stored: int = 0
+    chunks_evicted: int = 0
+    load_jobs: int = 0
+    chunks_loaded: int = 0
+    prefetch_jobs: int = 0
+    chunks_prefetched: int = 0
+    backup_jobs: int = 0
+
+
+def definitions(extra_config: Dict[str, Any]) -> Dict[str, Any]:
+    """The manager's metric definitions (and its tier's, with ``kvtier_l3``)."""
+    defs: Dict[str, Any] = {MANAGER_PREFIX + k: OffloadingCounterMetadata(v) for k, v in _COUNTER_DOCS.items()}
+    defs.update({MANAGER_PREFIX + k: OffloadingGaugeMetadata(v) for k, v in _GAUGE_DOCS.items()})
+    if extra_config.get("kvtier_l3") is not None:
+        from .tier import KvtierSecondaryTier
+
+        defs.update(KvtierSecondaryTier.build_metric_definitions(extra_config))
+    return defs
+
+
+class ManagerMetrics:
+    """``get_stats`` of ``KvtierOffloadingManager`` (a mixin: uses its ``native`` and
+    ``l3_ranks``, and ``counters``, which the manager increments)."""
+
+    counters: ManagerCounters
+    _reported: Dict[str, int]
+
+    def get_stats(self) -> Optional[Any]:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        stats = OffloadingConnectorStats()
+        now = dict(vars(self.counters))
+        last = getattr(self, "_reported", {})
+        self._reported = now
+        for k in _COUNTER_DOCS:
+            if now[k] - last.get(k, 0):
+                stats.increase_counter(MANAGER_PREFIX + k, now[k] - last.get(k, 0))
+        u = self.native.usage()
+        cap = max(int(u["capacity"]), 1)
+        stats.set_gauge(MANAGER_PREFIX + "host_cached_chunks", u["cached"])
+        stats.set_gauge(MANAGER_PREFIX + "host_free_chunks", u["free"])
+        stats.set_gauge(MANAGER_PREFIX + "host_locked_chunks", u["locked"])
+        # vLLM's CPU manager's gauges (declared by CPUOffloadingSpec): pinned by transfers.
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, u["held"] / cap)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, u["locked"] / cap)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (u["held"] + u["locked"]) / cap)
+        merged = None  # the ranks' tiers: counters summed, the shared store's gauges once
+        for t in self.l3_ranks:
+            s = t.get_stats()
+            if s is not None:
+                merged = s if merged is None else merged.aggregate(s)
+        if merged is not None:
+            stats.aggregate(merged)
+        return stats
