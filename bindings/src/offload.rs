@@ -10,7 +10,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use kvtier_radix::{EvictionPolicy, KvEvent, PageHash, TierKind};
+use kvtier_radix::{EvictionPolicy, KvEvent, PageHash, TenantId, TierKind};
 use kvtier_scheduler::{JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager, StorePlan};
 
 use crate::errors::{OffloadManagerError, config_msg};
@@ -35,6 +35,10 @@ type StoreTuple<'py> = (u64, usize, Vec<u32>, Bound<'py, PyList>);
 
 /// `(job, page hashes, slots)` of a backup.
 type BackupTuple<'py> = (u64, Bound<'py, PyList>, Vec<u32>);
+
+fn tenant_id(tenant: Option<&str>) -> TenantId {
+    tenant.map_or(TenantId::SHARED, OffloadManager::tenant_of)
+}
 
 fn store_tuple(py: Python<'_>, plan: Option<StorePlan>) -> PyResult<Option<StoreTuple<'_>>> {
     match plan {
@@ -134,15 +138,33 @@ impl PyOffloadManager {
     /// A Prefetch: slots as `prepare_store` hands them out, for bytes read from L3; `None`
     /// or `(job, from, slots, evicted)`. Reported by `complete_prefetch(job, completed)` or
     /// agreed across ranks (`agree`).
+    #[pyo3(signature = (chain, to, tenant = None))]
     fn prepare_prefetch<'py>(
         &mut self,
         py: Python<'py>,
         chain: &Bound<'py, PyAny>,
         to: usize,
+        tenant: Option<&str>,
     ) -> PyResult<Option<StoreTuple<'py>>> {
         let c = chain_of(chain)?;
-        let plan = self.inner.prepare_prefetch(&c, to).map_err(err)?;
+        let plan = self
+            .inner
+            .prepare_prefetch_for(tenant_id(tenant), &c, to)
+            .map_err(err)?;
         store_tuple(py, plan)
+    }
+
+    /// Caps the host chunks tenant `tenant` (a name) may hold (`None`: uncapped): past it, its
+    /// stores evict its own chunks first and store fewer; within it, no other tenant's store
+    /// evicts its chunks.
+    fn set_tenant_cap(&mut self, tenant: &str, cap: Option<usize>) {
+        self.inner
+            .set_tenant_cap(OffloadManager::tenant_of(tenant), cap);
+    }
+
+    /// Host chunks charged to a capped tenant (`None`: no cap).
+    fn tenant_charge(&self, tenant: &str) -> Option<usize> {
+        self.inner.tenant_charge(OffloadManager::tenant_of(tenant))
     }
 
     /// A Prefetch ended with its first `completed` pages read: the rest are lost in L3.
@@ -194,14 +216,20 @@ impl PyOffloadManager {
     /// Slots for pages of `chain[..to]` not on host yet: `None` (nothing to store) or
     /// `(job, from, slots, evicted)`: pages `from .. from + len(slots)` go to `slots`,
     /// `evicted` are the page hashes dropped from host to make room.
+    /// On behalf of `tenant` (a name; `None`: shared) when given: its cap applies.
+    #[pyo3(signature = (chain, to, tenant = None))]
     fn prepare_store<'py>(
         &mut self,
         py: Python<'py>,
         chain: &Bound<'py, PyAny>,
         to: usize,
+        tenant: Option<&str>,
     ) -> PyResult<Option<StoreTuple<'py>>> {
         let c = chain_of(chain)?;
-        let plan = self.inner.prepare_store(&c, to).map_err(err)?;
+        let plan = self
+            .inner
+            .prepare_store_for(tenant_id(tenant), &c, to)
+            .map_err(err)?;
         store_tuple(py, plan)
     }
 

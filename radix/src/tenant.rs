@@ -88,6 +88,11 @@ impl RadixCache {
         }
     }
 
+    /// Whether some tenant has a cap (else every allocation takes the plain path).
+    pub fn has_tenant_caps(&self) -> bool {
+        !self.tenants.is_empty()
+    }
+
     /// Pages of tier `t` cached in nodes `tenant` owns, if the tenant has a cap on some tier.
     pub fn tenant_cached(&self, tenant: TenantId, t: TierKind) -> Option<usize> {
         self.tenants.get(&tenant).map(|b| b[t as usize].cached)

@@ -38,6 +38,7 @@ pub mod model;
 mod offload;
 mod offload_agreement;
 mod offload_l3;
+mod offload_tenant;
 mod ops;
 mod prefetch;
 mod release;

@@ -31,7 +31,7 @@ use std::collections::{HashMap, HashSet};
 
 use kvtier_radix::{
     EvictionPolicy, Host, HostPageId, KvEvent, LockHandle, PageHash, RadixCache, RadixConfig,
-    RadixError, TierKind, TierUsage,
+    RadixError, TenantId, TierKind, TierUsage,
 };
 use thiserror::Error;
 
@@ -113,6 +113,8 @@ struct PendingStore {
     /// On the deepest host-resident node of `chain[..from]` (moved down as it grows).
     lock: LockHandle<Host>,
     state: StoreState,
+    /// Owns the nodes the store inserts (`TenantId::SHARED`: no tenant).
+    tenant: TenantId,
 }
 
 /// Where a store stands.
@@ -140,6 +142,8 @@ pub struct OffloadManager {
     /// Pages of stores that ended without reaching the tree, since the last `take_dropped`.
     dropped: Vec<PageHash>,
     pub(crate) next_job: u64,
+    /// Tree events drained early (to see a tenant allocation's evictions), not yet taken.
+    pub(crate) events: Vec<KvEvent>,
 }
 
 impl std::fmt::Debug for OffloadManager {
@@ -179,6 +183,7 @@ impl OffloadManager {
             dropped: Vec::new(),
             l3: Default::default(),
             next_job: 1,
+            events: Vec::new(),
         })
     }
 
@@ -212,6 +217,18 @@ impl OffloadManager {
         chain: &[PageHash],
         to: usize,
     ) -> Result<Option<StorePlan>, OffloadError> {
+        self.prepare_store_for(TenantId::SHARED, chain, to)
+    }
+
+    /// [`Self::prepare_store`] on behalf of `tenant`, whose host cap (`offload_tenant.rs`)
+    /// bounds what it keeps: it evicts its own leaves past its cap, and never the leaves of
+    /// another capped tenant within its cap.
+    pub fn prepare_store_for(
+        &mut self,
+        tenant: TenantId,
+        chain: &[PageHash],
+        to: usize,
+    ) -> Result<Option<StorePlan>, OffloadError> {
         if to > chain.len() {
             return Err(OffloadError::BadRange {
                 from: 0,
@@ -234,23 +251,11 @@ impl OffloadManager {
         }
         let m = self.cache.match_prefix(&chain[..host]);
         let lock = self.cache.lock::<Host>(m.host_node)?;
-        let usage = self.cache.usage(TierKind::Host);
-        let n = want.min(usage.obtainable());
-        let mut evicted = Vec::new();
-        if n > usage.free {
-            let out = self.cache.evict::<Host>(n - usage.free);
-            evicted.extend(out.evicted.into_iter().flat_map(|e| e.hashes));
-        }
-        let n = n.min(self.cache.usage(TierKind::Host).free);
-        // `n` is at most what is obtainable, and unlocked cached pages are all below no lock,
-        // so the evictions freed enough; an empty or refused allocation stores nothing.
-        let slots = match self.cache.alloc::<Host>(n) {
-            Ok(s) if !s.is_empty() => s,
-            Ok(_) | Err(_) => {
-                self.release(lock);
-                return Ok(None);
-            }
+        let Some((slots, evicted)) = self.alloc_slots(tenant, want) else {
+            self.release(lock);
+            return Ok(None);
         };
+        let n = slots.len();
         let job = self.next_job;
         self.next_job += 1;
         self.storing.extend(chain[from..from + n].iter().copied());
@@ -262,6 +267,7 @@ impl OffloadManager {
                 slots: slots.clone(),
                 lock,
                 state: StoreState::Writing,
+                tenant,
             },
         );
         Ok(Some(StorePlan {
@@ -386,10 +392,14 @@ impl OffloadManager {
         let mut unused = p.slots.clone();
         // Cannot fail: the locked start ends at `from` with a host copy, the chain continues
         // it and the slots are held (checked again by the tree all the same).
-        if let Ok(out) =
-            self.cache
-                .insert::<Host>(p.lock.node(), p.from, &p.chain, &tokens, &p.slots)
-        {
+        if let Ok(out) = self.cache.insert_for::<Host>(
+            p.tenant,
+            p.lock.node(),
+            p.from,
+            &p.chain,
+            &tokens,
+            &p.slots,
+        ) {
             unused = out
                 .duplicates
                 .into_iter()
@@ -487,7 +497,9 @@ impl OffloadManager {
 
     /// Host `Stored` / `Removed` events since the last call.
     pub fn drain_events(&mut self) -> Vec<KvEvent> {
-        self.cache.drain_events()
+        let mut out = std::mem::take(&mut self.events);
+        out.extend(self.cache.drain_events());
+        out
     }
 
     /// Pages of stores that ended without reaching the tree (failed, or their parent store

@@ -20,7 +20,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use kvtier_radix::{Host, HostPageId, LockHandle, PageHash};
+use kvtier_radix::{Host, HostPageId, LockHandle, PageHash, TenantId};
 
 use crate::offload::{JobKind, JobOutcome, OffloadError, OffloadManager, StorePlan};
 
@@ -201,6 +201,17 @@ impl OffloadManager {
         chain: &[PageHash],
         to: usize,
     ) -> Result<Option<StorePlan>, OffloadError> {
+        self.prepare_prefetch_for(TenantId::SHARED, chain, to)
+    }
+
+    /// [`Self::prepare_prefetch`] on behalf of `tenant` (its cap bounds the slots, and it
+    /// owns the pages: `offload_tenant.rs`).
+    pub fn prepare_prefetch_for(
+        &mut self,
+        tenant: TenantId,
+        chain: &[PageHash],
+        to: usize,
+    ) -> Result<Option<StorePlan>, OffloadError> {
         let to = to
             + chain
                 .get(to..)
@@ -208,7 +219,7 @@ impl OffloadManager {
                 .iter()
                 .take_while(|h| self.l3.in_l3.contains(h) && !self.storing_page(h))
                 .count();
-        let plan = self.prepare_store(chain, to)?;
+        let plan = self.prepare_store_for(tenant, chain, to)?;
         if let Some(p) = &plan {
             let pages = chain[p.from..p.from + p.slots.len()].to_vec();
             self.l3.prefetches.insert(p.job, pages);

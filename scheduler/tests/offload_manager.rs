@@ -362,3 +362,71 @@ proptest! {
         }
     }
 }
+
+/// Tenant quotas (`offload_tenant.rs`): a tenant within its host cap loses no page to
+/// another tenant's stores, and a tenant past its cap evicts its own pages first.
+#[test]
+fn a_tenant_within_its_cap_keeps_its_host_pages_under_another_tenants_burst() {
+    use kvtier_radix::TenantId;
+    let (a, b) = (TenantId(1), TenantId(2));
+    let mut m = OffloadManager::new(8, EvictionPolicy::Lru).unwrap();
+    m.set_tenant_cap(a, Some(4));
+    m.set_tenant_cap(b, Some(4));
+    let mine = chain(1, 4, 0);
+    let s = m.prepare_store_for(a, &mine, 4).unwrap().unwrap();
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    assert_eq!(m.tenant_charge(a), Some(4));
+    // b stores 3 prompts of 4 pages: it may use the 4 free slots, then only its own.
+    for p in 2..5u8 {
+        let c = chain(p, 4, 0);
+        let s = m.prepare_store_for(b, &c, 4).unwrap().unwrap();
+        assert!(
+            s.evicted.iter().all(|h| !mine.contains(h)),
+            "a's pages evicted for b"
+        );
+        assert_eq!(s.slots.len(), 4);
+        m.complete_store(s.job, JobOutcome::Done).unwrap();
+        m.check().unwrap();
+        assert_eq!(m.host_prefix(&mine), 4, "a within its cap keeps everything");
+        assert!(m.tenant_charge(b).unwrap() <= 4);
+    }
+    // The evictions reach the events too (in order, once).
+    let removed: usize = m
+        .drain_events()
+        .iter()
+        .map(|e| match e {
+            KvEvent::Removed { hashes, .. } => hashes.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(removed, 8);
+    // Without a cap the same burst evicts a (plain LRU): the control.
+    let mut m = OffloadManager::new(8, EvictionPolicy::Lru).unwrap();
+    let s = m.prepare_store(&mine, 4).unwrap().unwrap();
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    for p in 2..5u8 {
+        let c = chain(p, 4, 0);
+        let s = m.prepare_store(&c, 4).unwrap().unwrap();
+        m.complete_store(s.job, JobOutcome::Done).unwrap();
+    }
+    assert_eq!(m.host_prefix(&mine), 0);
+}
+
+#[test]
+fn a_tenant_past_its_cap_stores_only_what_fits() {
+    use kvtier_radix::TenantId;
+    let t = TenantId(7);
+    let mut m = OffloadManager::new(16, EvictionPolicy::Lru).unwrap();
+    m.set_tenant_cap(t, Some(3));
+    let c = chain(1, 5, 0);
+    let s = m.prepare_store_for(t, &c, 5).unwrap().unwrap();
+    assert_eq!(s.slots.len(), 3, "the cap bounds one store");
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    assert_eq!((m.host_prefix(&c), m.tenant_charge(t)), (3, Some(3)));
+    // Its next prompt evicts its own coldest leaf (the whole 3-page node) to fit.
+    let d = chain(2, 2, 0);
+    let s = m.prepare_store_for(t, &d, 2).unwrap().unwrap();
+    assert_eq!((s.slots.len(), s.evicted.len()), (2, 3));
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    m.check().unwrap();
+}

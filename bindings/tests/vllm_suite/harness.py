@@ -298,8 +298,11 @@ class Engine:
     def read(self) -> Dict[str, bytes]:
         return self.ranks[0].read
 
-    def add(self, req_id: str, tokens: Sequence[int], max_tokens: int = 2, cache_salt: Optional[str] = None):
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    def add(self, req_id: str, tokens: Sequence[int], max_tokens: int = 2, cache_salt: Optional[str] = None,
+            kv_params: Optional[dict] = None):
+        """Adds a request; ``kv_params``: its ``kv_transfer_params`` (as a client's extra_args)."""
+        extra = None if kv_params is None else {"kv_transfer_params": kv_params}
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         r = Request(req_id, list(tokens), sp, pooling_params=None, block_hasher=self.hasher, cache_salt=cache_salt)
         self.prompts[req_id] = list(tokens)
         self.sched.add_request(r)

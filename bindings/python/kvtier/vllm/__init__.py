@@ -9,7 +9,8 @@ in ``--kv-transfer-config``), so every class it names must be importable from he
 
 from .chunks import Chain, ChunkChains, chains_of, group_of, page_of
 from .keys import l3_key, layout_of, namespace_of
-from .manager import KvtierOffloadingManager, KvtierOffloadingSpec, KvtierSpecConfigError
+from .manager import KvtierOffloadingManager, KvtierOffloadingSpec
+from .spec_config import KvtierSpecConfigError
 from .policy import KvtierCachePolicy, KvtierFreqDepthPolicy, KvtierLruPolicy
 from .tier import KvtierSecondaryTier, TierCounters, VllmTierConfigError
 

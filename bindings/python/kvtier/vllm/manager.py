@@ -39,10 +39,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from .. import KvtierError, OffloadManager
+from .. import OffloadManager
 from .chunks import Chain, ChunkChains, group_of
 from .manager_l3 import L3Plan
 from .manager_metrics import ManagerCounters, ManagerMetrics, definitions
+from .spec_config import KvtierSpecConfigError, quotas_of, refuse_non_prefix_groups, tenant_of
 
 __all__ = ["KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierSpecConfigError"]
 
@@ -62,10 +63,12 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
     (manager_l3.py)."""
 
     def __init__(self, num_chunks: int, tokens_per_chunk: Dict[int, int], policy: str = "lru",
-                 enable_events: bool = False, l3: Optional[List[Any]] = None):
+                 enable_events: bool = False, l3: Optional[List[Any]] = None,
+                 tenant_quotas: Optional[Dict[str, int]] = None):
         self.policy = policy
         self._backups = "off" if not l3 else "write-through"
-        self.native = OffloadManager(num_chunks, policy, self._backups)
+        self.tenant_quotas = dict(tenant_quotas or {})
+        self.native = self._new_native(num_chunks)
         self.counters = ManagerCounters()  # vLLM's stats hooks (manager_metrics.py)
         self._l3_init(l3)
         self.host_view: Optional[memoryview] = None  # the host slots, when mapped here (L3)
@@ -76,6 +79,12 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         self._pending: Dict[bytes, bytes] = {}  # the same, for pages being stored
         self._stores: Dict[frozenset, List[List[int]]] = {}  # vLLM key set -> kvtier jobs
         self._loads: Dict[frozenset, List[List[int]]] = {}
+
+    def _new_native(self, num_chunks: int) -> OffloadManager:
+        native = OffloadManager(num_chunks, self.policy, self._backups)
+        for name, cap in self.tenant_quotas.items():
+            native.set_tenant_cap(name, cap)
+        return native
 
     # ----- chains ---------------------------------------------------------------------
 
@@ -159,7 +168,7 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
                 end += 1
             if end == start:
                 continue  # on host already, or its prefix is not: kvtier does not store it
-            plan = self.native.prepare_store(chain.pages[:end], end)
+            plan = self.native.prepare_store(chain.pages[:end], end, tenant_of(req_context))
             if plan is None:
                 refused = refused or self.native.lookup(chain.pages[: start + 1], start) == "miss"
                 continue
@@ -218,7 +227,7 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         # before the reset are never reported, and vLLM flushes them to its workers before
         # any new store can reuse a slot (``on_reset_flushed``).
         self._l3_reset()
-        self.native = OffloadManager(int(self.native.usage()["capacity"]), self.policy, self._backups)
+        self.native = self._new_native(int(self.native.usage()["capacity"]))
         for table in (self._key_of, self._pending, self._stores, self._loads):
             table.clear()
 
@@ -266,27 +275,6 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
                 self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
 
 
-class KvtierSpecConfigError(KvtierError, ValueError):
-    """A ``KvtierOffloadingSpec`` kvtier cannot run with (raised when vLLM builds the spec, so
-    the engine does not start): a KV cache group whose chunks do not form prefixes."""
-
-
-def _refuse_non_prefix_groups(config: Any) -> None:
-    """kvtier's host tier is a radix tree: a chunk is kept, found and evicted with its whole
-    prefix. Sliding-window, chunked-local and Mamba groups keep only the last chunks of a
-    prompt (vLLM's ``sliding_window_size_in_chunks``), so their chunks do not form prefixes;
-    refused here rather than served wrongly. Their models run with vLLM's
-    ``TieringOffloadingSpec`` and kvtier's tier and policy (docs/vllm.md)."""
-    for g in config.groups:
-        window = getattr(g, "sliding_window_size_in_chunks", None)
-        if window is not None:
-            raise KvtierSpecConfigError(
-                f"KvtierOffloadingSpec: KV cache group {g.group_id} keeps a window of {window} chunk(s) "
-                f"(sliding-window, chunked-local or Mamba layers {list(g.layer_names)[:3]}...): its chunks do not "
-                "form prefixes, which kvtier's radix tree needs; use TieringOffloadingSpec with kvtier's "
-                "KvtierSecondaryTier and KvtierFreqDepthPolicy for this model")
-
-
 class KvtierOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading (its host slots and GPU↔host worker) with kvtier's manager.
 
@@ -296,10 +284,11 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
     """
 
     def __init__(self, config: Any):
-        _refuse_non_prefix_groups(config)
+        refuse_non_prefix_groups(config)
         super().__init__(config)
         self.kvtier_eviction = str(self.extra_config.get("kvtier_eviction", "lru"))
         self.kvtier_l3 = self.extra_config.get("kvtier_l3")  # KvtierSecondaryTier's keys, or None
+        self.tenant_quotas = quotas_of(self.extra_config.get("kvtier_tenant_quotas"), self.num_chunks)
         self._scheduler_mmap = None
         self.tokens_per_chunk = {int(g.group_id): int(g.tokens_per_block) * int(self.blocks_per_chunk)
                                  for g in config.groups}
@@ -314,7 +303,8 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
         if not self._manager:
             self._manager = KvtierOffloadingManager(
                 self.num_chunks, self.tokens_per_chunk, self.kvtier_eviction,
-                enable_events=self.kv_events_config.enable_kv_cache_events, l3=self._l3_tier())
+                enable_events=self.kv_events_config.enable_kv_cache_events, l3=self._l3_tier(),
+                tenant_quotas=self.tenant_quotas)
             self._manager.host_view = getattr(self, "kv_view", None)
         return self._manager
 

@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 import kvtier
 
 from .chunks import Chain, page_of
+from .spec_config import tenant_of
 
 __all__ = ["L3Plan"]
 
@@ -79,7 +80,7 @@ class L3Plan:
         return self._prefetch(chain, i, ctx)
 
     def _prefetch(self, chain: Chain, i: int, ctx: ReqContext) -> LookupResult:
-        plan = self.native.prepare_prefetch(chain.pages, i + 1)  # and the L3 run after i
+        plan = self.native.prepare_prefetch(chain.pages, i + 1, tenant_of(ctx))  # and the L3 run after i
         if plan is None:
             return LookupResult.MISS  # no room (everything pinned): vLLM computes it
         job, frm, slots, _evicted = plan  # evictions reach vLLM as events
