@@ -178,11 +178,13 @@ def _replay(root, kv_config, prompts) -> dict:
     GPU prefix cache answers first); loads per request = load jobs / requests."""
     e = Engine(str(root), [], kv_config=kv_config, content=False, num_gpu_blocks=512, max_num_seqs=4)
     loads_of: Dict[str, int] = {}  # request -> its load jobs
+    starts: set = set()
     submit = e.dma.submit_load
 
     def counted(job_id, src, dst, expedited=False):
         rid = e.worker._load_jobs.get(job_id)  # noqa: SLF001 (vLLM's job -> request map)
         loads_of[rid] = loads_of.get(rid, 0) + 1
+        starts.add(int(dst.block_indices[0]) // e.bpc)  # the chunk the load starts at
         return submit(job_id, src, dst, expedited)
 
     e.dma.submit_load = counted
@@ -199,6 +201,7 @@ def _replay(root, kv_config, prompts) -> dict:
                 "reused_rate": reused / total, "loads_per_request": e.dma.loads / len(prompts),
                 "requests_with_loads": len(loads_of), "max_loads_per_request": max(loads_of.values(), default=0),
                 "chunks_per_load": e.dma.loaded_blocks / max(e.dma.loads, 1) / e.bpc,
+                "load_start_chunks": sorted(starts),
                 "seconds": time.monotonic() - t0}
     finally:
         e.close()

@@ -13,6 +13,7 @@ import time
 import uuid
 
 from harness import BLOCK, Engine
+from l3proc import L3Process
 from test_vllm_manager import kvtier_config, prompt, run_checked
 from vllm.v1.request import RequestStatus
 
@@ -181,3 +182,36 @@ def test_tp2_a_shard_lost_on_one_rank_is_recomputed_on_both(tmp_path):
         assert e.finished["d"].gpu_ok and e.finished["d"].external_tokens == 4 * CHUNK
     finally:
         e.close()
+
+
+def test_tp2_engines_sharing_a_kvtier_l3_server_probe_every_ranks_shard(tmp_path):
+    """Against a ``kvtier-l3`` server, another engine's chunks are found by probes (RETRY
+    while a probe runs): a chunk is a hit only once every rank's probe found its shard. With
+    rank 1's shards removed from the server, the new engine computes on both ranks."""
+    srv = L3Process(token="tk")
+    l3 = {"server": srv.addr, "token": "tk", "rpc_timeout_ms": 2000}
+    e1 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3), tp=2)
+    try:
+        p, q = prompt(1, 4), prompt(2, 4)
+        for r, x in (("a", p), ("b", q)):
+            e1.add(r, x)
+            run_checked(e1)
+        e2 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3), tp=2)
+        try:
+            e2.add("c", p)
+            run_checked(e2)
+            f = e2.finished["c"]
+            assert f.gpu_ok and f.external_tokens == 4 * CHUNK, f
+            assert e2.manager.l3_ranks[1].counters.lookup_retries > 0, "found by a probe"
+            r1 = e1.manager.l3_ranks[1]
+            for k in e1.tier_keys_of(q):
+                r1.store.remove(r1.key(k), True)
+            e2.add("d", q)
+            run_checked(e2)
+            f = e2.finished["d"]
+            assert f.gpu_ok and f.external_tokens == 0, f
+        finally:
+            e2.close()
+    finally:
+        e1.close()
+        srv.kill()

@@ -23,10 +23,9 @@ rank's tier reported: ``PrefetchDone(job, pages read)``, ``BackUpDone(job, succe
 ``OffloadManager.agree`` applies the element-wise minimum over ranks, so a prefetch lands
 only when every rank's shard did (and only the pages every rank read: the rest are lost in
 L3 for all ranks, and vLLM recomputes them on every rank), a backup counts only when every
-rank wrote its shard, and a probe is a hit only if every rank's shard is there. Losses a
-rank's embedded store reports (its loss journal: evictions, removals) are recorded with
-``RankAgreement.lost_pages`` and agreed once per step (``agree_losses``: their union is
-forgotten). With one rank (or vLLM's replicated or canonical layouts, where rows are not
+rank wrote its shard, and a probe is a hit only if every rank's shard is there. A shard one
+rank finds gone (its read fails) is thereby lost for every rank in the same step. With one
+rank (or vLLM's replicated or canonical layouts, where rows are not
 sharded) there is one tier over whole rows, with the tier's own keys.
 """
 
@@ -40,7 +39,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 
 import kvtier
 
-from .chunks import Chain, page_of
+from .chunks import Chain
 from .spec_config import tenant_of
 
 __all__ = ["L3Plan"]
@@ -122,8 +121,8 @@ class L3Plan:
             (t.submit_load if kind == "prefetch" else t.submit_store)(tj)
 
     def _l3_poll(self) -> None:
-        """Every rank's finished jobs into its agreement, then the agreed outcomes (and the
-        agreed losses) applied once."""
+        """Every rank's finished jobs into its agreement, then the agreed outcomes applied
+        once."""
         for t, agreement in zip(self.l3_ranks, self.agreements):
             for r in list(t.get_finished_jobs()):
                 kind, n = self._l3_jobs[r.job_id]
@@ -136,28 +135,8 @@ class L3Plan:
                 if self._reports[r.job_id] == len(self.l3_ranks):  # agreed below
                     del self._reports[r.job_id]
                     del self._l3_jobs[r.job_id]
-            self._record_losses(t, agreement)
         self.native.agree(self.agreements)
-        if any(a.pending_losses() != (0, False) for a in self.agreements):
-            # In-process ranks: the all-gather is every rank's words.
-            gathered = [a.loss_words() for a in self.agreements]
-            for a in self.agreements:
-                a.agree_losses(self.native, lambda _words: gathered)
         self._drain()
-
-    def _record_losses(self, tier, agreement) -> None:
-        """Keys this rank's embedded store reported lost, as pages for the agreement."""
-        if not getattr(tier, "journal", False):
-            return
-        keys, overflowed = tier.store.drain_losses()
-        if overflowed:
-            agreement.lost_all()
-        prefix, suffix = tier.namespace + ":", tier._suffix
-        pages = [page_of(bytes.fromhex(k[len(prefix):len(k) - len(suffix)]))
-                 for k in keys if k.startswith(prefix) and k.endswith(suffix)
-                 and k.count(":") == prefix.count(":") + suffix.count(":")]
-        if pages:
-            agreement.lost_pages(pages)
 
     def _l3_busy(self) -> bool:
         return self.l3 is not None and bool(
