@@ -157,12 +157,16 @@ def test_tp2_a_prefetch_is_a_hit_only_once_every_ranks_shard_landed(tmp_path):
         e.close()
 
 
-def test_tp2_a_shard_lost_on_one_rank_is_recomputed_on_both(tmp_path):
+def test_tp2_a_shard_one_rank_reads_missing_is_recomputed_on_both(tmp_path):
+    """The loss is found by rank 1's read (a store that keeps no loss journal: kvtier learns
+    of it only then): the prefetch lands with the chunks both ranks read."""
     e = tp_engine(tmp_path, chunks=8, l3_name=uuid.uuid4().hex)
     try:
         p = prompt(1, 4)
         _offload_and_evict(e, p)
         keys = e.tier_keys_of(p)
+        for t in e.manager.l3_ranks:
+            t._journal = False  # as against a server run with --loss-journal-keys 0
         r1 = e.manager.l3_ranks[1]
         r1.store.remove(r1.key(keys[2]), True)  # rank 1's shard of chunk 2 leaves L3
         e.reset_gpu_cache()
@@ -215,3 +219,28 @@ def test_tp2_engines_sharing_a_kvtier_l3_server_probe_every_ranks_shard(tmp_path
     finally:
         e1.close()
         srv.kill()
+
+
+def test_tp2_a_shard_one_rank_s_store_reports_lost_is_forgotten_for_both(tmp_path):
+    """The loss is reported by rank 1's store (its loss journal): agreed with rank 0 in the
+    next step, so neither rank tries to read the chunk (no failed read) and both compute it."""
+    e = tp_engine(tmp_path, chunks=8, l3_name=uuid.uuid4().hex)
+    try:
+        p = prompt(1, 4)
+        _offload_and_evict(e, p)
+        keys, pages = e.tier_keys_of(p), [page_of(k) for k in e.tier_keys_of(p)]
+        r0, r1 = e.manager.l3_ranks
+        r1.store.remove(r1.key(keys[2]), True)
+        e.step()  # an idle step: the manager polls its ranks' stores
+        e.manager.check()
+        assert [e.manager.native.lookup(pages, i) for i in range(4)] == ["in-l3", "in-l3", "miss", "in-l3"]
+        e.reset_gpu_cache()
+        e.add("c", p)
+        run_checked(e)
+        f = e.finished["c"]
+        assert f.gpu_ok and f.external_tokens == 2 * CHUNK, f
+        assert [t.counters.chunks_loaded for t in (r0, r1)] == [2, 2]
+        assert [t.counters.load_failures for t in (r0, r1)] == [0, 0], "nobody read the lost chunk"
+        assert int(r1.store.batch_is_exist([r1.key(keys[2])])[0]) == 1, "backed up again"
+    finally:
+        e.close()

@@ -24,8 +24,11 @@ rank's tier reported: ``PrefetchDone(job, pages read)``, ``BackUpDone(job, succe
 only when every rank's shard did (and only the pages every rank read: the rest are lost in
 L3 for all ranks, and vLLM recomputes them on every rank), a backup counts only when every
 rank wrote its shard, and a probe is a hit only if every rank's shard is there. A shard one
-rank finds gone (its read fails) is thereby lost for every rank in the same step. With one
-rank (or vLLM's replicated or canonical layouts, where rows are not
+rank finds gone (its read fails) is thereby lost for every rank in the same step; so is one
+its store reports lost (the store's loss journal, ``lost_keys``: evicted, removed), recorded
+on that rank's agreement (``RankAgreement.lost_pages``) and agreed in the same poll
+(``agree_losses``: the union is forgotten on every rank), so no rank prefetches a chunk
+another rank's store no longer has. With one rank (or vLLM's replicated or canonical layouts, where rows are not
 sharded) there is one tier over whole rows, with the tier's own keys.
 """
 
@@ -39,7 +42,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 
 import kvtier
 
-from .chunks import Chain
+from .chunks import Chain, page_of
 from .spec_config import tenant_of
 
 __all__ = ["L3Plan"]
@@ -121,8 +124,8 @@ class L3Plan:
             (t.submit_load if kind == "prefetch" else t.submit_store)(tj)
 
     def _l3_poll(self) -> None:
-        """Every rank's finished jobs into its agreement, then the agreed outcomes applied
-        once."""
+        """Every rank's finished jobs and store losses into its agreement, then the agreed
+        outcomes and the union of the losses applied once."""
         for t, agreement in zip(self.l3_ranks, self.agreements):
             for r in list(t.get_finished_jobs()):
                 kind, n = self._l3_jobs[r.job_id]
@@ -135,7 +138,17 @@ class L3Plan:
                 if self._reports[r.job_id] == len(self.l3_ranks):  # agreed below
                     del self._reports[r.job_id]
                     del self._l3_jobs[r.job_id]
+            lost, overflowed = t.lost_keys()
+            if overflowed:
+                agreement.lost_all()
+            if lost:
+                agreement.lost_pages([page_of(k) for k in lost])
         self.native.agree(self.agreements)
+        if any(a.pending_losses() != (0, False) for a in self.agreements):
+            # In-process ranks: the all-gather is every rank's words.
+            gathered = [a.loss_words() for a in self.agreements]
+            for a in self.agreements:
+                a.agree_losses(self.native, lambda _words: gathered)
         self._drain()
 
     def _l3_busy(self) -> bool:

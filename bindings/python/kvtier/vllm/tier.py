@@ -77,6 +77,7 @@ _GAUGE_DOCS = {
 ENV_ADDR = "KVTIER_L3_ADDR"
 ENV_TOKEN = "KVTIER_L3_TOKEN"
 _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
+_JOURNAL_KEYS = 65_536  # an embedded store's loss journal, when kvtier's manager reads it
 
 # The tier's own keys in the secondary_tiers entry (vLLM passes every other key through).
 TIER_KEYS = (
@@ -135,7 +136,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, *, shard: Optional[Tuple[int, int, int]] = None,
-                 **config: Any):
+                 loss_journal: bool = False, **config: Any):
         unknown = sorted(set(config) - set(TIER_KEYS))
         if unknown:
             raise VllmTierConfigError(f"kvtier tier: unknown config keys {unknown}; known: {list(TIER_KEYS)}")
@@ -157,6 +158,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self.chunk_bytes = self.block_size_bytes if shard is None else int(shard[2])
         self._suffix = "" if shard is None else f":{int(shard[0])}"
         self.namespace = namespace_of(offloading_spec.config, self.block_size_bytes, self.tenant)
+        # kvtier's manager reads the store's loss journal (lost_keys); vLLM's tiering does not.
+        self._journal = loss_journal
+        self._loss_read: Optional[cf.Future] = None
         self.store = self._open(config)
         self._check_chunk_fits()
         self.is_embedded = bool(self.store.is_embedded)
@@ -210,7 +214,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
         try:
             return kvtier.L3Store.embedded(seg, ssd_dir=None if ssd is None else str(ssd), ssd_capacity_bytes=cap_b,
                                            tenant=self.tenant, name=str(config.get("name", "")),
-                                           tenant_quota_bytes=None if quota_b is None else {self.tenant: quota_b})
+                                           tenant_quota_bytes=None if quota_b is None else {self.tenant: quota_b},
+                                           loss_journal_keys=_JOURNAL_KEYS if self._journal else 0)
         except (kvtier.L3Error, ValueError) as e:
             raise VllmTierConfigError(f"kvtier tier: cannot open the embedded store: {e!r}") from e
 
@@ -391,6 +396,41 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         cf.wait(list(self._futures.values()))
+
+    def lost_keys(self) -> Tuple[List[OffloadKey], bool]:
+        """vLLM offload keys of this tier's chunks (this rank's shard) that its store lost
+        since the last call (evicted, removed, a restarted node), and whether some went
+        unreported (the journal overflowed). An embedded store's journal is read here
+        (in-process); a server's on an I/O thread, one read in flight, its result returned by
+        a later call. Nothing without ``loss_journal`` or when the store keeps no journal."""
+        if not self._journal:
+            return [], False
+        try:
+            if self.is_embedded:
+                keys, over = self.store.drain_losses()
+            elif self._loss_read is None:
+                self._loss_read = self._pool.submit(self._io, lambda st: st.drain_losses())
+                return [], False
+            elif not self._loss_read.done():
+                return [], False
+            else:
+                read, self._loss_read = self._loss_read, None
+                keys, over = read.result()
+        except kvtier.UnavailableError:
+            self._journal = False  # the store keeps no journal (a server run without one)
+            return [], False
+        except kvtier.L3Error:
+            return [], False  # the server is gone: its failed reads tell the same
+        prefix, suffix = self.namespace + ":", self._suffix
+        out: List[OffloadKey] = []
+        for k in keys:
+            body = k[len(prefix):len(k) - len(suffix)] if k.startswith(prefix) and k.endswith(suffix) else ":"
+            if ":" not in body:
+                try:
+                    out.append(bytes.fromhex(body))
+                except ValueError:
+                    pass
+        return out, bool(over)
 
     def shutdown(self) -> None:
         if self._lookups is not None:
