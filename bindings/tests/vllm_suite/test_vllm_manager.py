@@ -372,18 +372,20 @@ def test_engines_sharing_kvtiers_l3_prefetch_what_the_other_backed_up(tmp_path):
         e1.close()
 
 
-def test_a_killed_l3_server_costs_hits_not_bytes_and_a_restart_resumes(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_killed_l3_server_costs_hits_not_bytes_and_a_restart_resumes(tmp_path, tp):
     """kvtier's L3 is a ``kvtier-l3`` server process: while it is dead, backups and
     prefetches fail, kvtier forgets what it thought L3 held and vLLM recomputes (right bytes);
-    an empty server restarted on the same address is used again without restarting engines."""
+    an empty server restarted on the same address is used again without restarting engines.
+    Also under TP 2 (every rank's shard, test_vllm_manager_tp.py)."""
     srv = L3Process(token="tk")
     l3 = {"server": srv.addr, "token": "tk", "rpc_timeout_ms": 2000}
-    e1 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3))
+    e1 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3), tp=tp)
     try:
         p = prompt(1, 4)
         e1.add("a", p)
         run_checked(e1)
-        e2 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3))
+        e2 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3), tp=tp)
         try:
             e2.add("b", p)
             run_checked(e2)
@@ -402,7 +404,7 @@ def test_a_killed_l3_server_costs_hits_not_bytes_and_a_restart_resumes(tmp_path)
         q = prompt(9, 4)
         e1.add("d", q)
         run_checked(e1)
-        e3 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3))
+        e3 = Engine(str(tmp_path), [], kv_config=kvtier_config(8, kvtier_l3=l3), tp=tp)
         try:
             e3.add("e", q)
             run_checked(e3)

@@ -244,3 +244,19 @@ def test_tp2_a_shard_one_rank_s_store_reports_lost_is_forgotten_for_both(tmp_pat
         assert int(r1.store.batch_is_exist([r1.key(keys[2])])[0]) == 1, "backed up again"
     finally:
         e.close()
+
+
+def test_tp2_preempted_requests_resume_with_both_ranks_bytes_right(tmp_path):
+    """A GPU too small for three growing requests: vLLM preempts and resumes them; both
+    ranks' blocks stay right, kvtier's check holds after every step, nothing stays pinned."""
+    e = tp_engine(tmp_path, chunks=64, num_gpu_blocks=48, max_num_seqs=3)
+    try:
+        for i in range(3):
+            e.add(f"a{i}", prompt(i, 6, shared=2), max_tokens=150)
+        run_checked(e, timeout_s=300)
+        assert set(e.finished) == {"a0", "a1", "a2"} and all(f.gpu_ok for f in e.finished.values())
+        assert sum(e.preemptions.values()) > 0, "the test must preempt"
+        u = e.manager.native.usage()
+        assert (u["held"], u["locked"], u["stores"], u["loads"]) == (0, 0, 0, 0), u
+    finally:
+        e.close()
