@@ -189,6 +189,8 @@ def test_a_killed_server_fails_jobs_and_a_restart_resumes(engines):
     (dict(segment_bytes="64MB", locality="moon"), "locality"),
     (dict(segment_bytes="64MB", io_threads="4"), "io_threads"),
     (dict(server="127.0.0.1:1", rpc_timeout_ms=-5), "rpc_timeout_ms"),
+    (dict(segment_bytes="64MB", shard=[0, 0, 10 ** 9]), "shard is"),
+    (dict(segment_bytes="64MB", shard="rank 1"), "shard is"),
 ])
 def test_config_errors_stop_startup(engines, bad, match):
     with pytest.raises(VllmTierConfigError, match=match):

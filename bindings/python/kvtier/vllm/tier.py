@@ -153,13 +153,20 @@ class KvtierSecondaryTier(SecondaryTierManager):
         # One tensor-parallel rank's shard of every slot (kvtier's manager under TP,
         # manager_l3.py): bytes [offset, offset + nbytes) of each row, under keys suffixed by
         # the rank (docs/page-keys.md); None: whole rows, as vLLM's tiering moves them.
-        self.shard = shard
         self._rows = self._flat.reshape(len(primary_kv_view), -1)
+        if shard is not None:
+            ok = (isinstance(shard, (tuple, list)) and len(shard) == 3
+                  and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shard)
+                  and shard[2] > 0 and shard[1] + shard[2] <= self._rows.shape[1])
+            if not ok:
+                raise VllmTierConfigError(f"kvtier tier: shard is (rank, offset, bytes) within a slot, got {shard!r}")
+            shard = tuple(shard)
+        self.shard = shard
         self.chunk_bytes = self.block_size_bytes if shard is None else int(shard[2])
         self._suffix = "" if shard is None else f":{int(shard[0])}"
         self.namespace = namespace_of(offloading_spec.config, self.block_size_bytes, self.tenant)
         # kvtier's manager reads the store's loss journal (lost_keys); vLLM's tiering does not.
-        self._journal = loss_journal
+        self._journal = bool(loss_journal)
         self._loss_read: Optional[cf.Future] = None
         self.store = self._open(config)
         self._check_chunk_fits()
