@@ -171,14 +171,6 @@ impl RadixCache {
         n
     }
 
-    /// Children of the node's parent other than it (experiment).
-    pub fn siblings(&self, id: NodeId) -> usize {
-        let Ok(n) = self.node(id) else { return 0 };
-        n.parent
-            .and_then(|p| self.node(p).ok())
-            .map_or(0, |p| (p.children as usize).saturating_sub(1))
-    }
-
     /// The page hashes of a node's run (pages `start .. end` of its prefix).
     pub fn node_hashes(&self, id: NodeId) -> Result<&[PageHash], RadixError> {
         Ok(&self.node(id)?.hashes)

@@ -63,12 +63,6 @@ impl RadixCache {
         }
         m.matched_pages = depth;
         if !repeated
-            && let Some(a) = self.adaptive.as_mut()
-            && a.on_lookup(depth, hashes.len(), self.traffic)
-        {
-            self.rerank();
-        }
-        if !repeated
             && let Some(next) = hashes.get(depth)
             && let Some(a) = self.adaptive.as_mut()
             && a.on_miss(next, self.traffic)
