@@ -79,24 +79,7 @@ impl Scheduler {
         self.drop_own_pages(id);
         self.running.remove(&seq);
         self.demotions_paused = false;
-        let cap = (self.cfg.device_pages + self.cfg.host_pages) as usize;
-        let div: usize = std::env::var("KN_DEPTHDIV").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        let copy_at_finish = self.copies_at_finish() && (div == 0 || full <= cap / div) && self.cache.admits_depth(full)
-            && {
-                let sib: usize = std::env::var("KN_SIB").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-                sib == 0
-                    || r_end_siblings(self, id) <= sib
-            }
-            && {
-                let plh: u64 = std::env::var("KN_PLH").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-                plh == 0
-                    || self
-                        .reqs
-                        .get(&id)
-                        .and_then(|r| r.table.lock.as_ref())
-                        .and_then(|l| self.cache.parent_gap(l.node()))
-                        .is_none_or(|g| g <= plh * cap as u64 / 4)
-            };
+        let copy_at_finish = self.copies_at_finish();
         let n = if self.cfg.host_enabled && copy_at_finish {
             self.plan_write_back(id, WriteBackCause::Finish)
         } else {
@@ -535,11 +518,4 @@ impl Scheduler {
         .increment(1);
         self.ended.push((id, outcome));
     }
-}
-
-fn r_end_siblings(s: &Scheduler, id: RequestId) -> usize {
-    s.reqs
-        .get(&id)
-        .and_then(|r| r.table.lock.as_ref())
-        .map_or(0, |l| s.cache.siblings(l.node()))
 }
