@@ -98,6 +98,7 @@ impl RadixCache {
             hit_count: n.hit_count,
             uses: n.uses,
             last_use: n.last_use,
+            prev_use: n.prev_use,
             tenant: n.tenant,
             seq,
             label: n.label.clone(),
