@@ -43,13 +43,7 @@ use std::hash::BuildHasherDefault;
 use crate::cache::PrefixHasher;
 use crate::hash::PageHash;
 use crate::policy::EvictionPolicy;
-use crate::referee::{Arm, Referee};
 use crate::tier::TierKind;
-
-#[allow(dead_code)]
-pub(crate) fn knob(name: &str, d: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
-}
 
 /// Levels between LRU (0) and the full frequency/depth setting.
 pub const LEVELS: u32 = 8;
@@ -118,20 +112,10 @@ pub(crate) struct AdaptiveState {
     hits: [u64; 2],
     /// Level steps so far.
     steps: u64,
-    /// Plays the learnt setting against the fixed ones (`referee.rs`).
-    referee: Referee,
-    streak: i32,
-    depth_limit: u64,
-    adm_regime: usize,
-    adm_since: u64,
-    adm_now: u64,
-    adm_epochs: u64,
-    adm_traffic: [u64; 2],
-    adm_mistakes: [u64; 2],
 }
 
 /// A ghost: (traffic at eviction, kind, pages, the tier that dropped the last copy).
-type Ghost = (u64, GhostKind, u32, TierKind, u64);
+type Ghost = (u64, GhostKind, u32, TierKind);
 
 /// What the adaptive policy has learnt, for reports and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -146,17 +130,13 @@ pub struct AdaptiveSnapshot {
     /// `HostAdmission::Adaptive`), and the score it comes from.
     pub admission: LearntAdmission,
     pub admission_score: i64,
-    /// The arm the referee plays now, and each arm's measured hit rate in per mille.
-    pub arm: Arm,
-    pub arm_rates: [u64; 5],
-    pub depth_limit: u64,
 }
 
 impl AdaptiveState {
     pub(crate) fn new(device_pages: usize, host_pages: usize) -> Self {
         let capacity_pages = device_pages + host_pages;
         AdaptiveState {
-            level: knob("KN_LEVEL", 0) as u32,
+            level: 0,
             evicted: [0, 0],
             epoch_hits: [0, 0],
             epoch_count: 0,
@@ -164,51 +144,19 @@ impl AdaptiveState {
             ghosts: HashMap::default(),
             capacity: capacity_pages.max(1) as u64,
             device: device_pages as u64,
-            admission_score: knob("KN_SCORE", 0) as i64,
+            admission_score: 0,
             hits: [0, 0],
             steps: 0,
-            referee: Referee::new(capacity_pages.max(1) as u64),
-            streak: 0,
-            adm_regime: 0,
-            adm_since: 0,
-            adm_now: 0,
-            adm_epochs: 0,
-            adm_traffic: [0, 0],
-            adm_mistakes: [0, 0],
-            depth_limit: capacity_pages.max(1) as u64 / knob("KN_DL0DIV", 1).max(1),
         }
     }
 
     /// The policy leaves are ranked by at the current level.
     pub(crate) fn ranking(&self) -> EvictionPolicy {
-        match self.referee.arm() {
-            Arm::Learnt => level_policy(self.level),
-            Arm::Fixed { level, .. } => level_policy(level),
-        }
-    }
-
-    /// A distinct lookup matched `matched` of `asked` pages: the referee's measure. Returns
-    /// true when the ranking changed.
-    pub(crate) fn on_lookup(&mut self, matched: usize, asked: usize, traffic: u64) -> bool {
-        if knob("KN_ADM", 0) == 1 {
-            self.admission_epoch(traffic);
-        }
-        if knob("KN_REF", 1) == 0 {
-            return false;
-        }
-        let before = self.ranking();
-        self.referee.on_lookup(matched, asked, traffic);
-        self.ranking() != before
+        level_policy(self.level)
     }
 
     /// Where finished requests' pages get their host copy (see [`LearntAdmission`]).
     pub(crate) fn admission(&self) -> LearntAdmission {
-        if let Arm::Fixed { admission, .. } = self.referee.arm() {
-            return admission;
-        }
-        if knob("KN_ADM", 0) == 1 {
-            return if self.adm_regime == 1 { LearntAdmission::Demote } else { LearntAdmission::CopyAtFinish };
-        }
         if self.admission_score > 0 {
             LearntAdmission::Demote
         } else {
@@ -224,7 +172,6 @@ impl AdaptiveState {
         kind: GhostKind,
         from: TierKind,
         traffic: u64,
-        end_depth: u64,
     ) {
         self.expire(traffic);
         while self.order.len() as u64 >= self.capacity {
@@ -232,7 +179,7 @@ impl AdaptiveState {
         }
         self.order.push_back((traffic, first));
         let pages = u32::try_from(pages).unwrap_or(u32::MAX);
-        self.ghosts.insert(first, (traffic, kind, pages, from, end_depth));
+        self.ghosts.insert(first, (traffic, kind, pages, from));
         self.evicted[kind as usize] += u64::from(pages);
     }
 
@@ -240,15 +187,14 @@ impl AdaptiveState {
     /// it. Returns true when the level changed (the caller ranks the tree again).
     pub(crate) fn on_miss(&mut self, next: &PageHash, traffic: u64) -> bool {
         self.expire(traffic);
-        let Some((evicted_at, kind, pages, from, end)) = self.ghosts.remove(next) else {
+        let Some((evicted_at, kind, pages, from)) = self.ghosts.remove(next) else {
             return false;
         };
-        self.learn_depth(from, traffic.saturating_sub(evicted_at), pages, end);
         self.learn_admission(from, traffic.saturating_sub(evicted_at), pages);
         self.hits[kind as usize] += 1;
         self.epoch_count += 1;
         self.epoch_hits[kind as usize] += u64::from(pages);
-        if self.epoch_count < knob("KN_EPOCH", EPOCH_HITS) {
+        if self.epoch_count < EPOCH_HITS {
             return false;
         }
         // The rate at which each kind's evicted pages came back: pages hit / pages evicted.
@@ -261,19 +207,12 @@ impl AdaptiveState {
         let m = u128::from(MARGIN_TENTHS);
         let old = self.level;
         let (reused, once) = (h_reused * e_once, h_once * e_reused);
-        let mom = knob("KN_MOM", 0) as u32;
         if 10 * reused > m * once {
             let step = if reused > FAST * once { 2 } else { 1 };
-            self.streak = if self.streak > 0 { self.streak + 1 } else { 1 };
-            let step = step << (self.streak as u32 - 1).min(mom);
             self.level = (self.level + step).min(LEVELS);
         } else if 10 * once > m * reused {
             let step = if once > FAST * reused { 2 } else { 1 };
-            self.streak = if self.streak < 0 { self.streak - 1 } else { -1 };
-            let step = step << ((-self.streak) as u32 - 1).min(mom);
             self.level = self.level.saturating_sub(step);
-        } else {
-            self.streak = 0;
         }
         self.evicted = [0, 0];
         self.epoch_hits = [0, 0];
@@ -284,65 +223,15 @@ impl AdaptiveState {
         self.level != old
     }
 
-    fn learn_depth(&mut self, from: TierKind, since: u64, pages: u32, end: u64) {
-        let pages = u64::from(pages);
-        match from {
-            TierKind::Device if end > self.depth_limit => {
-                self.depth_limit = if knob("KN_UPMODE", 0) == 1 {
-                    end.min(self.capacity)
-                } else {
-                    (self.depth_limit + pages * knob("KN_UP", 1)).min(self.capacity)
-                }
-            }
-            TierKind::Host if since <= self.device => {
-                self.depth_limit = self.depth_limit.saturating_sub(pages * knob("KN_DOWN", 1)).max(knob("KN_FLOOR", 8))
-            }
-            _ => {}
-        }
-    }
-
-    fn admission_epoch(&mut self, traffic: u64) {
-        let len = self.capacity * knob("KN_AEP", 1);
-        if traffic.saturating_sub(self.adm_since) < len {
-            return;
-        }
-        let r = self.adm_regime;
-        self.adm_traffic[r] = self.adm_traffic[r] / 2 + traffic.saturating_sub(self.adm_since);
-        self.adm_mistakes[r] = self.adm_mistakes[r] / 2 + self.adm_now;
-        self.adm_now = 0;
-        self.adm_since = traffic;
-        self.adm_epochs += 1;
-        // regret rate of each regime: mistakes / traffic (u128 cross-multiplied)
-        let [mc, md] = self.adm_mistakes.map(u128::from);
-        let [tc, td] = self.adm_traffic.map(u128::from);
-        let best = if tc == 0 { 0 } else if td == 0 { 1 } else if mc * td > md * tc { 1 } else { 0 };
-        let every = knob("KN_AEXP", 6);
-        self.adm_regime = if td == 0 || tc == 0 || self.adm_epochs % every != 0 { best } else { 1 - best };
-    }
-
-    /// Whether a finished leaf ending at `end` pages deep gets a host copy.
-    pub(crate) fn admits_depth(&self, end: u64) -> bool {
-        knob("KN_DLEARN", 0) == 0 || end <= self.depth_limit
-    }
-
     /// A ghost hit of `pages` that `from` dropped `since` pages of traffic ago: whose mistake
     /// it was (see [`LearntAdmission`]).
     fn learn_admission(&mut self, from: TierKind, since: u64, pages: u32) {
         let pages = i64::from(pages);
         let delta = match from {
-            TierKind::Device if knob("KN_DEVWIN", 0) == 0 || since <= (self.capacity - self.device) * knob("KN_DEVWIN", 0) / 4 => -pages,
-            TierKind::Device => 0,
+            TierKind::Device => -pages,
             TierKind::Host if since <= self.device => pages,
             TierKind::Host => 0,
         };
-        if knob("KN_ADM", 0) == 1 {
-            let regret = match (self.adm_regime, delta) {
-                (0, d) if d > 0 => d,
-                (1, d) if d < 0 => -d,
-                _ => 0,
-            };
-            self.adm_now += regret as u64;
-        }
         let cap = i64::try_from(self.capacity).unwrap_or(i64::MAX);
         self.admission_score = (self.admission_score + delta).clamp(-cap, cap);
     }
@@ -356,16 +245,13 @@ impl AdaptiveState {
             steps: self.steps,
             admission: self.admission(),
             admission_score: self.admission_score,
-            arm: self.referee.arm(),
-            depth_limit: self.depth_limit,
-            arm_rates: self.referee.rates().try_into().unwrap_or_default(),
         }
     }
 
     /// Drops ghosts older than one capacity of traffic.
     fn expire(&mut self, traffic: u64) {
         while let Some(&(t, _)) = self.order.front() {
-            if traffic.saturating_sub(t) <= knob("KN_GWIN", GHOST_WINDOW) * self.capacity {
+            if traffic.saturating_sub(t) <= GHOST_WINDOW * self.capacity {
                 break;
             }
             self.pop_oldest();
@@ -396,7 +282,7 @@ impl AdaptiveState {
         if self.admission_score.unsigned_abs() > self.capacity {
             return Err(format!("admission score {}", self.admission_score));
         }
-        if self.level > LEVELS {
+        if self.level > LEVELS || self.epoch_count >= EPOCH_HITS {
             return Err(format!(
                 "level {} / epoch {:?}",
                 self.level, self.epoch_hits
@@ -448,26 +334,26 @@ mod tests {
     fn whose_mistake_moves_the_admission() {
         let mut a = AdaptiveState::new(10, 40);
         assert_eq!(a.admission(), LearntAdmission::CopyAtFinish);
-        a.remember(hash(1), 3, GhostKind::Once, TierKind::Host, 100, 0);
+        a.remember(hash(1), 3, GhostKind::Once, TierKind::Host, 100);
         a.on_miss(&hash(1), 105);
         assert_eq!(
             (a.admission_score, a.admission()),
             (3, LearntAdmission::Demote)
         );
-        a.remember(hash(2), 5, GhostKind::Reused, TierKind::Device, 110, 0);
+        a.remember(hash(2), 5, GhostKind::Reused, TierKind::Device, 110);
         a.on_miss(&hash(2), 111);
         assert_eq!(
             (a.admission_score, a.admission()),
             (-2, LearntAdmission::CopyAtFinish)
         );
-        a.remember(hash(3), 4, GhostKind::Once, TierKind::Host, 120, 0);
+        a.remember(hash(3), 4, GhostKind::Once, TierKind::Host, 120);
         a.on_miss(&hash(3), 131);
         assert_eq!(
             a.admission_score, -2,
             "back after more than a device capacity"
         );
         for i in 0..100 {
-            a.remember(hash(10 + i), 7, GhostKind::Once, TierKind::Host, 200 + i, 0);
+            a.remember(hash(10 + i), 7, GhostKind::Once, TierKind::Host, 200 + i);
             a.on_miss(&hash(10 + i), 200 + i);
         }
         assert_eq!(a.admission_score, 50);

@@ -16,7 +16,6 @@
 //! Every fallible method validates before it mutates: on `Err`, nothing changed.
 
 mod adaptive;
-mod referee;
 mod audit;
 mod cache;
 mod copies;
@@ -33,7 +32,6 @@ pub mod tenant;
 mod tier;
 
 pub use adaptive::{AdaptiveSnapshot, LEVELS as ADAPTIVE_LEVELS, LearntAdmission};
-pub use referee::Arm;
 pub use cache::{InsertOutcome, InsertOwner, PrefixMatch, RadixCache, RadixConfig, TierUsage};
 pub use error::{RadixError, Refused};
 pub use events::{KvEvent, ScopeLabel};

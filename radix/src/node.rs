@@ -67,8 +67,6 @@ pub(crate) struct Node {
     pub uses: u32,
     /// The cache's traffic clock (pages given to the device tier) at the last touch.
     pub last_use: u64,
-    /// `last_use` before the last distinct match (experiment).
-    pub prev_use: u64,
     /// The tenant whose insert created the node (see `tenant.rs`).
     pub tenant: crate::tenant::TenantId,
     /// Creation sequence number.

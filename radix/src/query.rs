@@ -171,22 +171,6 @@ impl RadixCache {
         n
     }
 
-    /// Traffic between the parent's last two distinct matches (experiment; None at the root).
-    pub fn parent_gap(&self, id: NodeId) -> Option<u64> {
-        let n = self.node(id).ok()?;
-        let p = self.node(n.parent?).ok()?;
-        p.parent?;
-        Some(p.last_use.saturating_sub(p.prev_use))
-    }
-
-    /// Children of the node's parent other than it (experiment).
-    pub fn siblings(&self, id: NodeId) -> usize {
-        let Ok(n) = self.node(id) else { return 0 };
-        n.parent
-            .and_then(|p| self.node(p).ok())
-            .map_or(0, |p| (p.children as usize).saturating_sub(1))
-    }
-
     /// The page hashes of a node's run (pages `start .. end` of its prefix).
     pub fn node_hashes(&self, id: NodeId) -> Result<&[PageHash], RadixError> {
         Ok(&self.node(id)?.hashes)

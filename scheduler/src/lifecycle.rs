@@ -79,21 +79,7 @@ impl Scheduler {
         self.drop_own_pages(id);
         self.running.remove(&seq);
         self.demotions_paused = false;
-        let cap = (self.cfg.device_pages + self.cfg.host_pages) as usize;
-        let div: usize = std::env::var("KN_DEPTHDIV").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        let copy_at_finish = self.copies_at_finish() && (div == 0 || full <= cap / div) && self.cache.admits_depth(full)
-            && {
-                let sib: usize = std::env::var("KN_SIB").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-                sib == 0
-                    || r_end_siblings(self, id) <= sib
-            }
-            && {
-                let plh: u64 = std::env::var("KN_PLH").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-                plh == 0
-                    || branch_node(self, id)
-                        .and_then(|n| self.cache.parent_gap(n))
-                        .is_none_or(|g| g <= plh * cap as u64 / 4)
-            };
+        let copy_at_finish = self.copies_at_finish();
         let n = if self.cfg.host_enabled && copy_at_finish {
             self.plan_write_back(id, WriteBackCause::Finish)
         } else {
@@ -532,22 +518,4 @@ impl Scheduler {
         .increment(1);
         self.ended.push((id, outcome));
     }
-}
-
-/// The deepest node on the request's path that holds prompt pages (where it branched off).
-fn branch_node(s: &Scheduler, id: RequestId) -> Option<NodeId> {
-    let r = s.reqs.get(&id)?;
-    let end = r.table.lock.as_ref().map(|l| l.node())?;
-    let prompt_pages = r.prompt_len / s.cfg.page_size;
-    let path = s.cache.path_nodes(end).unwrap_or_default();
-    Some(
-        path.iter()
-            .rev()
-            .find(|&&(_, start, _)| start < prompt_pages)
-            .map_or(end, |&(n, _, _)| n),
-    )
-}
-
-fn r_end_siblings(s: &Scheduler, id: RequestId) -> usize {
-    branch_node(s, id).map_or(0, |n| s.cache.siblings(n))
 }

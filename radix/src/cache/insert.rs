@@ -229,7 +229,6 @@ impl RadixCache {
             hit_count: 0,
             uses: 0,
             last_use: self.traffic,
-            prev_use: self.traffic,
             tenant: self.insert_owner,
             seq,
             label,

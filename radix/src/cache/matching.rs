@@ -43,7 +43,6 @@ impl RadixCache {
             let child = if full { child } else { self.split(child, n) };
             let c = &mut self.nodes[child];
             if !repeated {
-                c.prev_use = c.last_use;
                 c.uses = c.uses.saturating_add(1);
             }
             let (has_dev, has_host) = (c.has(TierKind::Device), c.has(TierKind::Host));
@@ -63,12 +62,6 @@ impl RadixCache {
             }
         }
         m.matched_pages = depth;
-        if !repeated
-            && let Some(a) = self.adaptive.as_mut()
-            && a.on_lookup(depth, hashes.len(), self.traffic)
-        {
-            self.rerank();
-        }
         if !repeated
             && let Some(next) = hashes.get(depth)
             && let Some(a) = self.adaptive.as_mut()

@@ -227,7 +227,6 @@ impl RadixCache {
             hit_count: 0,
             uses: 0,
             last_use: 0,
-            prev_use: 0,
             tenant: TenantId::SHARED,
             seq: 0,
             label: None,

@@ -98,7 +98,6 @@ impl RadixCache {
             hit_count: n.hit_count,
             uses: n.uses,
             last_use: n.last_use,
-            prev_use: n.prev_use,
             tenant: n.tenant,
             seq,
             label: n.label.clone(),
