@@ -20,6 +20,7 @@ pub mod matching_capacity;
 pub mod plot;
 pub mod profile;
 pub mod report;
+pub mod sweep_table;
 pub mod workload;
 
 pub use config::{Faults, SimConfig};

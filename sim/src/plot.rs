@@ -9,6 +9,8 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
+use crate::report::Percentiles;
+
 /// One point of a capacity sweep.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct SweepPoint {
@@ -20,6 +22,8 @@ pub struct SweepPoint {
     pub hit_rate: f64,
     /// Part of `hit_rate` served from the device tier.
     pub device: f64,
+    /// Time to first token of the configured policy's run (ms).
+    pub ttft_ms: Percentiles,
     /// Belady (MIN) ceiling for `capacity_pages` (the local tiers, what the x axis shows).
     pub belady: f64,
     /// Hit rates of the other online policies at the same point (LRU, freq-depth).
@@ -31,6 +35,8 @@ pub struct SweepPoint {
 pub struct ComparedRate {
     pub policy: String,
     pub hit_rate: f64,
+    /// Time to first token of that policy's run (ms).
+    pub ttft_ms: Percentiles,
 }
 
 /// What the plot's title names.
@@ -234,10 +240,12 @@ mod tests {
             capacity_gb: pages as f64 * 0.008,
             hit_rate: hit,
             device: hit / 2.0,
+            ttft_ms: Percentiles::default(),
             belady,
             compared: vec![ComparedRate {
                 policy: "lru".into(),
                 hit_rate: hit * 0.9,
+                ttft_ms: Percentiles::default(),
             }],
         }
     }

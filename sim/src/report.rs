@@ -240,7 +240,7 @@ pub struct HitRates {
     pub total: f64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Percentiles {
     pub p50: f64,
     pub p90: f64,

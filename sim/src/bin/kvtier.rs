@@ -15,10 +15,11 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use kvtier_radix::EvictionPolicy;
 use kvtier_scheduler::{HostAdmission, PrefetchStopPolicy, SchedulerConfig, WritePolicy};
-use kvtier_sim::matching_capacity::{MatchLru, best_fixed, match_lru};
+use kvtier_sim::matching_capacity::match_lru;
 use kvtier_sim::plot::{ComparedRate, SweepPoint, SweepTitle, write_sweep_plot};
 use kvtier_sim::profile::{BUILTIN_PROFILES, builtin};
 use kvtier_sim::report::Summary;
+use kvtier_sim::sweep_table;
 use kvtier_sim::workload::{
     ChatSpec, Routing, SimRequest, TraceReader, TraceSummary, WorkloadError, scan_trace,
     synthetic_chat,
@@ -360,33 +361,6 @@ fn compare(a: &SimArgs, cfg: &SimConfig, w: &Workload) -> Result<Vec<Summary>, S
     Ok(out)
 }
 
-/// The best fixed policy per point, and the capacity each policy needs to match LRU at the
-/// sweep's middle point.
-fn print_match(policy: &str, pts: &[SweepPoint], m: Option<&MatchLru>) {
-    for p in pts {
-        if let Some((name, rate)) = best_fixed(p) {
-            println!(
-                "{:>16} best fixed: {name} {:.2} %, {policy} {:+.2} points",
-                p.capacity_pages,
-                rate * 100.0,
-                (p.hit_rate - rate) * 100.0
-            );
-        }
-    }
-    let Some(m) = m else { return };
-    println!(
-        "capacity to match LRU's {:.2} % at {} pages:",
-        m.lru_hit_rate * 100.0,
-        m.at_capacity_pages
-    );
-    for c in &m.policies {
-        match c.capacity_pages {
-            Some(cap) => println!("  {:<40} {cap:>12.0} pages", c.policy),
-            None => println!("  {:<40} {:>12} (not reached)", c.policy, "-"),
-        }
-    }
-}
-
 fn workload(a: &SimArgs) -> Result<Workload, String> {
     match &a.trace {
         Some(p) => {
@@ -517,12 +491,14 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             capacity_gb: cap as f64 * page_gb,
             hit_rate: r.hits.total,
             device: r.hits.device,
+            ttft_ms: r.ttft_ms.clone(),
             belady: belady.map_or(0.0, |b| b.hit_rate),
             compared: compared
                 .into_iter()
                 .map(|s| ComparedRate {
                     policy: s.policy,
                     hit_rate: s.hit_rate,
+                    ttft_ms: s.ttft_ms,
                 })
                 .collect(),
         });
@@ -562,37 +538,11 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             serde_json::to_string_pretty(&pts).map_err(|e| e.to_string())?
         );
     } else {
-        // Columns: every compared policy of any point (small points may lack demotion).
-        let mut others: Vec<String> = Vec::new();
-        for c in pts.iter().flat_map(|p| &p.compared) {
-            if !others.contains(&c.policy) {
-                others.push(c.policy.clone());
-            }
-        }
-        let mut head = format!(
-            "{:>16} {:>10} {:>10}",
-            "capacity pages", "hit %", "device %"
+        print!("{}", sweep_table::table(&title.policy, &pts));
+        print!(
+            "{}",
+            sweep_table::match_lines(&title.policy, &pts, matched.as_ref())
         );
-        for o in &others {
-            head.push_str(&format!(" {:>24}", format!("{o} %")));
-        }
-        println!("{head} {:>10}", "Belady %");
-        for p in &pts {
-            let mut row = format!(
-                "{:>16} {:>10.2} {:>10.2}",
-                p.capacity_pages,
-                p.hit_rate * 100.0,
-                p.device * 100.0
-            );
-            for o in &others {
-                match p.compared.iter().find(|c| &c.policy == o) {
-                    Some(c) => row.push_str(&format!(" {:>24.2}", c.hit_rate * 100.0)),
-                    None => row.push_str(&format!(" {:>24}", "-")),
-                }
-            }
-            println!("{row} {:>10.2}", p.belady * 100.0);
-        }
-        print_match(&title.policy, &pts, matched.as_ref());
         println!("plot: {}/sweep.svg and sweep.png", a.sweep_out.display());
     }
     Ok(())
