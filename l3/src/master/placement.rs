@@ -95,6 +95,7 @@ impl Master {
             size,
             token,
             replica,
+            epoch: self.epoch,
             extra_replicas: descs.collect(),
         })
     }
@@ -273,8 +274,21 @@ impl Master {
         }
     }
 
+    /// A handle placed by another leader epoch names no put of this master.
+    fn same_epoch(&self, h: &PutHandle) -> L3Result<()> {
+        if h.epoch != self.epoch {
+            return Err(L3Error::EpochFenced(format!(
+                "the put of {:?} started under master epoch {}, the leader is now epoch {}: \
+                 put it again",
+                h.key, h.epoch, self.epoch
+            )));
+        }
+        Ok(())
+    }
+
     /// The pending object a handle names (token-checked).
     fn pending(&self, h: &PutHandle) -> L3Result<&Object> {
+        self.same_epoch(h)?;
         let o = self.obj(&h.tenant, &h.key).ok_or(L3Error::ObjectNotFound)?;
         if o.token != h.token {
             return Err(L3Error::IllegalClient("put token does not match".into()));
@@ -379,6 +393,7 @@ impl Master {
 
     /// `PutRevoke`: drops a pending put (token-checked).
     pub fn put_revoke(&mut self, h: &PutHandle) -> L3Result<()> {
+        self.same_epoch(h)?;
         let o = self.obj(&h.tenant, &h.key).ok_or(L3Error::ObjectNotFound)?;
         if o.token != h.token {
             return Err(L3Error::IllegalClient("put token does not match".into()));

@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+pub mod ha;
 pub mod procs;
 
 use std::net::SocketAddr;

@@ -27,6 +27,7 @@ mod mem;
 mod sync;
 mod tier;
 
+use crate::ha::{EpochFence, Locator};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
@@ -79,6 +80,12 @@ pub struct NodeOptions {
     pub ping_interval: Duration,
     /// Bytes written but never ended are dropped after this long.
     pub put_timeout: Duration,
+    /// Where the master is found (None: at `master`). An etcd locator follows the leader:
+    /// after a failover the node mounts again on the new leader (reporting its records),
+    /// and refuses any master of an older epoch.
+    pub locator: Option<Locator>,
+    /// Deadline of one call on the master (a paused master costs this per try).
+    pub master_timeout: Duration,
 }
 
 impl NodeOptions {
@@ -96,6 +103,8 @@ impl NodeOptions {
             max_object_bytes: 1 << 30,
             ping_interval: Duration::from_secs(1),
             put_timeout: Duration::from_secs(30),
+            locator: None,
+            master_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -167,8 +176,10 @@ impl StoreNode {
         let inner = Arc::new(NodeInner {
             segment: SegmentId(opts.id.0),
             link: MasterLink {
-                addr: opts.master,
+                locator: opts.locator.clone().unwrap_or(Locator::Fixed(opts.master)),
                 token: opts.token.clone(),
+                timeout: opts.master_timeout,
+                fence: EpochFence::default(),
                 conn: Mutex::new(None),
             },
             mem: Mutex::new(Mem::default()),

@@ -1,0 +1,130 @@
+//! Master failover on etcd with real processes: 3 etcd members, 3 `kvtier-l3 --role master
+//! --etcd` (1 s leader lease), 3 store nodes with SSD tiers following the leader, a client
+//! following it through `etcd://`. The leader master is SIGKILLed and SIGSTOPped in turn;
+//! after each: a new leader of a higher epoch serves, every acknowledged put (one and two
+//! replicas) reads back with its bytes, no acknowledged remove comes back, and a paused
+//! leader that resumes never answers as the leader again.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::ha::{HaMaster, free_addr, ha_client, ha_node, leader, signal, spawn_master};
+use common::{payload, t};
+use kvtier_l3::ha::local_etcd::LocalEtcd;
+use kvtier_l3::{ClientOptions, L3Error, L3Store, PutOptions, RemoteStore, ReplicateConfig};
+
+const TTL_S: u64 = 1;
+
+fn new_leader(etcd: &LocalEtcd, after: u64) -> (std::net::SocketAddr, u64) {
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some((a, e)) = leader(etcd, Duration::from_secs(1))
+            && e > after
+        {
+            return (a, e);
+        }
+        assert!(Instant::now() < end, "no new leader after epoch {after}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Puts `n` keys of round `round` with `replicas` copies; returns the acknowledged ones.
+fn put_round(c: &RemoteStore, round: usize, replicas: usize, n: usize) -> Vec<(String, Vec<u8>)> {
+    let tn = t("ha");
+    let keys: Vec<String> = (0..n)
+        .map(|i| format!("r{round}-x{replicas}-{i}"))
+        .collect();
+    let data: Vec<Vec<u8>> = (0..n).map(|i| payload(round * 1000 + i, 3000)).collect();
+    let bufs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    let cfg = ReplicateConfig {
+        replica_num: replicas as u32,
+        ..Default::default()
+    };
+    let res = c
+        .batch_put_from_with(&tn, &keys, &bufs, PutOptions::default(), cfg)
+        .unwrap();
+    keys.into_iter()
+        .zip(data)
+        .zip(res)
+        .filter_map(|(kd, r)| r.ok().map(|_| kd))
+        .collect()
+}
+
+fn check(c: &RemoteStore, live: &BTreeMap<String, Vec<u8>>, removed: &[String]) {
+    let tn = t("ha");
+    for (k, v) in live {
+        let got = c
+            .get(&tn, k)
+            .unwrap_or_else(|e| panic!("acked put {k} lost: {e}"));
+        assert_eq!(&got, v, "{k} read back other bytes");
+    }
+    for k in removed {
+        assert_eq!(
+            c.get(&tn, k).unwrap_err(),
+            L3Error::ObjectNotFound,
+            "removed {k} came back"
+        );
+    }
+}
+
+#[test]
+fn killing_or_pausing_the_leader_loses_nothing_and_clients_follow() {
+    let etcd = LocalEtcd::start(3).unwrap();
+    let mut masters: Vec<HaMaster> = (0..3)
+        .map(|_| spawn_master(&etcd, free_addr(), TTL_S))
+        .collect();
+    let (_, mut epoch) = leader(&etcd, Duration::from_secs(20)).expect("a leader");
+    let ssd: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let _nodes: Vec<_> = (0..3)
+        .map(|i| ha_node(&etcd, i as u64 + 1, ssd[i].path()))
+        .collect();
+    let c = ha_client(&etcd);
+    assert!(c.is_cluster() && c.follows_leader());
+    let mut live = BTreeMap::new();
+    let mut removed = Vec::new();
+    for round in 0..4 {
+        for replicas in [1, 2] {
+            live.extend(put_round(&c, round, replicas, 8));
+        }
+        // Remove a few acknowledged keys of this round.
+        let tn = t("ha");
+        let doomed: Vec<String> = live.keys().filter(|k| k.ends_with("-3")).cloned().collect();
+        for k in doomed {
+            c.remove(&tn, &k, true).unwrap();
+            live.remove(&k);
+            removed.push(k);
+        }
+        check(&c, &live, &removed);
+        let (laddr, _) = leader(&etcd, Duration::from_secs(5)).unwrap();
+        let victim = masters.iter().position(|m| m.addr == laddr).unwrap();
+        let pause = round % 2 == 1;
+        if pause {
+            signal(&masters[victim].child, libc::SIGSTOP);
+        } else {
+            let _ = masters[victim].child.kill();
+            let _ = masters[victim].child.wait();
+        }
+        let (_, e) = new_leader(&etcd, epoch);
+        assert!(e > epoch);
+        epoch = e;
+        check(&c, &live, &removed);
+        assert_eq!(c.epoch(), epoch, "the client follows the newest leader");
+        if pause {
+            // The paused leader resumes: it must not answer as the leader again.
+            signal(&masters[victim].child, libc::SIGCONT);
+            std::thread::sleep(Duration::from_millis(300));
+            let direct = RemoteStore::connect(
+                laddr,
+                ClientOptions {
+                    rpc_timeout: Duration::from_secs(2),
+                    ..Default::default()
+                },
+            );
+            assert!(direct.is_err(), "a deposed leader answered hello");
+        } else {
+            masters[victim] = spawn_master(&etcd, laddr, TTL_S);
+        }
+    }
+}
