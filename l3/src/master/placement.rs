@@ -419,3 +419,35 @@ impl Master {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StoreConfig;
+    use crate::master::MasterPolicy;
+
+    /// A put placed by one leader epoch cannot be ended or revoked under another: the
+    /// writer gets a typed `EpochFenced` (put it again), never a silent success.
+    #[test]
+    fn a_handle_of_another_epoch_is_fenced() {
+        let mut m = Master::new(MasterPolicy::from_config(&StoreConfig::default()));
+        m.mount_segment(ClientId(1), SegmentId(1), 1 << 20, 0)
+            .unwrap();
+        m.set_epoch(7);
+        let t = Tenant::new("t").unwrap();
+        let mut out = EvictionOutcome::default();
+        let h = m.put_start(&t, "k", 10, 1, 0, &mut out).unwrap();
+        assert_eq!(h.epoch, 7);
+        for other in [6, 8] {
+            let mut stale = h.clone();
+            stale.epoch = other;
+            assert!(matches!(
+                m.end_replica(ClientId(1), &stale, false, 0),
+                Err(L3Error::EpochFenced(_))
+            ));
+            assert!(matches!(m.put_revoke(&stale), Err(L3Error::EpochFenced(_))));
+        }
+        // The put of this epoch is untouched by the refused ones.
+        assert!(m.put_revoke(&h).is_ok());
+    }
+}
