@@ -70,8 +70,9 @@ pub fn read_leader(etcd: &Etcd, keys: &ClusterKeys) -> L3Result<Option<LeaderVie
     }))
 }
 
-/// The safety margin kept between this process's view of its lease and etcd's.
-fn margin(ttl: Duration) -> Duration {
+/// The safety margin kept between this process's view of its lease and etcd's: a leader
+/// acts until `keep-alive sent + TTL - margin` (public for the fencing model test).
+pub fn margin(ttl: Duration) -> Duration {
     (ttl / 5).max(Duration::from_millis(100))
 }
 

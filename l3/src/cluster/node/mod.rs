@@ -130,7 +130,29 @@ struct NodeInner {
     promote_tx: Mutex<Option<SyncSender<PromoteBatch>>>,
 }
 
+/// How long a node following an etcd leader waits at start for one to be elected.
+const FIRST_LEADER_WAIT: Duration = Duration::from_secs(60);
+
 impl NodeInner {
+    /// The first mount. Following an etcd leader, the cluster may be electing one: wait
+    /// (up to [`FIRST_LEADER_WAIT`]) instead of failing.
+    fn mount_first(&self) -> L3Result<()> {
+        let end = std::time::Instant::now() + FIRST_LEADER_WAIT;
+        loop {
+            match self.mount() {
+                Err(
+                    L3Error::NotLeader(_)
+                    | L3Error::RpcFail(_)
+                    | L3Error::Unavailable(_)
+                    | L3Error::EpochFenced(_),
+                ) if self.link.locator.follows_leader() && std::time::Instant::now() < end => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                r => return r,
+            }
+        }
+    }
+
     fn data_addr(&self) -> L3Result<SocketAddr> {
         self.data_addr
             .get()
@@ -221,7 +243,7 @@ impl StoreNode {
             pinger: Mutex::new(None),
             promoter: Mutex::new(promoter),
         };
-        inner.mount()?;
+        inner.mount_first()?;
         let weak = Arc::downgrade(&inner);
         let p = Periodic::spawn("kvtier-l3-node-ping", inner.opts.ping_interval, move || {
             let Some(n) = weak.upgrade() else {
