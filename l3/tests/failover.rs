@@ -3,11 +3,15 @@
 //! following it through `etcd://`. The leader master is SIGKILLed and SIGSTOPped in turn;
 //! after each: a new leader of a higher epoch serves, every acknowledged put (one and two
 //! replicas) reads back with its bytes, no acknowledged remove comes back, and a paused
-//! leader that resumes never answers as the leader again.
+//! leader that resumes never answers as the leader again. Meanwhile two more clients put,
+//! get and remove keys of their own, judged by an oracle (`common::oracle`): no acknowledged
+//! put missing or read back with other bytes, no acknowledged remove back, no older version.
 
 mod common;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::ha::{HaMaster, free_addr, ha_client, ha_node, leader, signal, spawn_master};
@@ -83,6 +87,14 @@ fn killing_or_pausing_the_leader_loses_nothing_and_clients_follow() {
         .collect();
     let c = ha_client(&etcd);
     assert!(c.is_cluster() && c.follows_leader());
+    // Two more clients doing puts (1 and 2 replicas), gets and removes all along.
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..2)
+        .map(|id| {
+            let (c, stop) = (Arc::new(ha_client(&etcd)), stop.clone());
+            std::thread::spawn(move || common::oracle::worker(c, id, stop))
+        })
+        .collect();
     let mut live = BTreeMap::new();
     let mut removed = Vec::new();
     for round in 0..4 {
@@ -127,6 +139,19 @@ fn killing_or_pausing_the_leader_loses_nothing_and_clients_follow() {
         } else {
             masters[victim] = spawn_master(&etcd, laddr, TTL_S);
         }
+    }
+    stop.store(true, Ordering::Release);
+    for w in workers {
+        let r = w.join().unwrap();
+        eprintln!(
+            "oracle worker: {} puts, {} removes, {} gets, {} transient",
+            r.puts, r.removes, r.gets, r.transient
+        );
+        assert!(r.violations.is_empty(), "{:?}", r.violations);
+        assert!(
+            r.puts > 4 && r.removes > 0 && r.gets > 4,
+            "no progress: {r:?}"
+        );
     }
 }
 

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod ha;
+pub mod oracle;
 pub mod procs;
 
 use std::net::SocketAddr;
