@@ -46,7 +46,6 @@ fn put_round(c: &RemoteStore, round: usize, replicas: usize, n: usize) -> Vec<(S
     let bufs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
     let cfg = ReplicateConfig {
         replica_num: replicas as u32,
-        ..Default::default()
     };
     let res = c
         .batch_put_from_with(&tn, &keys, &bufs, common::persisted(), cfg)

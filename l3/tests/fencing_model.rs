@@ -26,7 +26,8 @@ enum Step {
     Campaign { m: usize, d1: u64, d2: u64 },
     /// Master sends a keep-alive (same delays).
     KeepAlive { m: usize, d1: u64, d2: u64 },
-    /// Master is paused (SIGSTOP) for this long.
+    /// Master is paused (SIGSTOP) for this long: it takes no step meanwhile, then acts on
+    /// what it believed before (time does not stop for the others).
     Pause { m: usize, ms: u64 },
     /// Master sends an order to a node, delivered after `delay` ms.
     Order { m: usize, node: usize, delay: u64 },
@@ -71,6 +72,8 @@ struct Sim {
     flight: Vec<(u64, usize, u64)>,
     /// (epoch, master) of every commit etcd accepted.
     commits: Vec<(u64, usize)>,
+    /// Per master: stopped until this time.
+    paused_until: [u64; MASTERS],
 }
 
 impl Sim {
@@ -95,6 +98,18 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
     let nodes: Vec<EpochFence> = (0..NODES).map(|_| EpochFence::default()).collect();
     let mut applied: Vec<u64> = vec![0; NODES];
     for st in steps {
+        let actor = match *st {
+            Step::Campaign { m, .. }
+            | Step::KeepAlive { m, .. }
+            | Step::Order { m, .. }
+            | Step::Commit { m, .. } => Some(m),
+            Step::Pause { .. } | Step::Idle { .. } => None,
+        };
+        if actor.is_some_and(|m| s.now < s.paused_until[m]) {
+            // A stopped process does nothing; time still passes a little.
+            s.advance(10);
+            continue;
+        }
         match *st {
             Step::Campaign { m, d1, d2 } => {
                 let sent = s.now;
@@ -131,7 +146,8 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                     s.leading[m] = renewed.then_some((e, until.max(sent + ttl - margin)));
                 }
             }
-            Step::Pause { m: _, ms } | Step::Idle { ms } => s.advance(ms),
+            Step::Pause { m, ms } => s.paused_until[m] = s.now + ms,
+            Step::Idle { ms } => s.advance(ms),
             Step::Order { m, node, delay } => {
                 if let Some(e) = s.valid(m) {
                     s.flight.push((s.now + delay, node, e));

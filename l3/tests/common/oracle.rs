@@ -68,8 +68,13 @@ pub fn worker(c: Arc<RemoteStore>, id: usize, stop: Arc<AtomicBool>) -> Report {
                 let cfg = ReplicateConfig {
                     replica_num: 1 + (step % 2) as u32,
                 };
-                let res =
-                    c.batch_put_from_with(&tn, &[k.clone()], &[&bytes(k, next)], persisted, cfg);
+                let res = c.batch_put_from_with(
+                    &tn,
+                    std::slice::from_ref(k),
+                    &[&bytes(k, next)],
+                    persisted,
+                    cfg,
+                );
                 match res.map(|mut v| v.remove(0)) {
                     Ok(Ok(())) => {
                         r.puts += 1;
@@ -82,7 +87,7 @@ pub fn worker(c: Arc<RemoteStore>, id: usize, stop: Arc<AtomicBool>) -> Report {
                 }
             }
             State::Live(v) => {
-                if step % 3 == 0 {
+                if step.is_multiple_of(3) {
                     match c.remove(&tn, k, true) {
                         Ok(()) => {
                             r.removes += 1;
