@@ -36,7 +36,8 @@ fn new_leader(etcd: &LocalEtcd, after: u64) -> (std::net::SocketAddr, u64) {
 
 /// Puts `n` keys of round `round` with `replicas` copies, each acknowledged once its SSD copy
 /// is registered (`wait_persisted`: DRAM replicas are dropped when a node remounts on a new
-/// leader, see docs/l3.md); returns the acknowledged ones.
+/// leader, see docs/l3.md); returns the acknowledged ones. Puts are not retried by the
+/// client: a batch refused as a whole (the master was failing over) is sent again here.
 fn put_round(c: &RemoteStore, round: usize, replicas: usize, n: usize) -> Vec<(String, Vec<u8>)> {
     let tn = t("ha");
     let keys: Vec<String> = (0..n)
@@ -47,9 +48,14 @@ fn put_round(c: &RemoteStore, round: usize, replicas: usize, n: usize) -> Vec<(S
     let cfg = ReplicateConfig {
         replica_num: replicas as u32,
     };
-    let res = c
-        .batch_put_from_with(&tn, &keys, &bufs, common::persisted(), cfg)
-        .unwrap();
+    let end = Instant::now() + Duration::from_secs(30);
+    let res = loop {
+        match c.batch_put_from_with(&tn, &keys, &bufs, common::persisted(), cfg) {
+            Ok(r) => break r,
+            Err(e) => assert!(Instant::now() < end, "puts fail for 30 s: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     keys.into_iter()
         .zip(data)
         .zip(res)
