@@ -260,3 +260,56 @@ fn a_node_paused_during_a_remove_never_brings_the_key_back() {
     c.put(&tn, "after", b"x", PutOptions::default()).unwrap();
     assert_eq!(c.get(&tn, "after").unwrap(), b"x");
 }
+
+/// etcd loses its quorum (2 of 3 members SIGSTOPped): the leader cannot renew its lease, so
+/// within the TTL no master serves at all (no split brain, no stale answers); once etcd is
+/// back a leader is elected again and every acknowledged put reads back.
+#[test]
+fn without_an_etcd_quorum_no_master_serves_and_service_returns_after() {
+    let etcd = LocalEtcd::start(3).unwrap();
+    let _masters: Vec<HaMaster> = (0..2)
+        .map(|_| spawn_master(&etcd, free_addr(), TTL_S))
+        .collect();
+    leader(&etcd, Duration::from_secs(20)).expect("a leader");
+    let ssd: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let _nodes: Vec<_> = (0..3)
+        .map(|i| ha_node(&etcd, i as u64 + 1, ssd[i].path()))
+        .collect();
+    let c = ha_client(&etcd);
+    // A client that does not retry: it shows what a caller gets while etcd is away.
+    let probe = RemoteStore::connect_to(
+        kvtier_l3::ha::Locator::parse(&etcd.locator(common::ha::CLUSTER)).unwrap(),
+        ClientOptions {
+            failover_timeout: Duration::from_millis(1),
+            leader_call_timeout: Duration::from_millis(500),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let live: BTreeMap<_, _> = put_round(&c, 0, 2, 8).into_iter().collect();
+    assert!(!live.is_empty());
+    let some_key = live.keys().next().unwrap().clone();
+    assert!(probe.get(&t("ha"), &some_key).is_ok());
+    let paused = [0, 1];
+    for i in paused {
+        etcd.pause(i);
+    }
+    // Past the TTL, the leader must have stopped: every call fails (typed), none answers.
+    std::thread::sleep(Duration::from_millis(TTL_S * 1000 + 500));
+    for _ in 0..5 {
+        let r = probe.get(&t("ha"), &some_key);
+        assert!(
+            matches!(
+                r,
+                Err(L3Error::NotLeader(_) | L3Error::RpcFail(_) | L3Error::Unavailable(_))
+            ),
+            "a master served without an etcd quorum: {:?}",
+            r.map(|v| v.len())
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for i in paused {
+        etcd.resume(i);
+    }
+    check(&c, &live, &[]);
+}
