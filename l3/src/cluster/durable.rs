@@ -22,7 +22,12 @@ use std::ops::{Deref, DerefMut};
 
 use parking_lot::{Mutex, MutexGuard};
 
+use std::path::Path;
+use std::sync::Arc;
+
 use super::state::SettleLog;
+use crate::error::L3Result;
+use crate::ha::LeaderLease;
 use crate::ha::settles::EtcdSettleLog;
 use crate::master::Master;
 
@@ -61,6 +66,63 @@ impl DurableMaster {
             log: self.log.as_ref(),
         }
     }
+}
+
+/// Where a master keeps its settles.
+pub(super) enum Durability<'a> {
+    /// In memory only (a restart forgets them).
+    Memory,
+    /// `--state-dir`: the file settle log.
+    Dir(&'a Path),
+    /// `--etcd`: in etcd, fenced on this leader's epoch.
+    Etcd(Arc<LeaderLease>),
+}
+
+/// Opens the settle log `durability` names, replays it into `master`, rewrites it as one
+/// snapshot, and starts the rebuild gate (until `rebuild_deadline`). Returns the log and,
+/// for etcd, the leader lease calls are gated on.
+pub(super) fn open_log(
+    master: &mut Master,
+    durability: Durability<'_>,
+    rebuild_deadline: u64,
+) -> L3Result<(Option<SettleBackend>, Option<Arc<LeaderLease>>)> {
+    let mut lease = None;
+    let log = match durability {
+        Durability::Memory => None,
+        Durability::Etcd(l) => {
+            let (mut log, entries) = EtcdSettleLog::open(l.clone())?;
+            let n = entries.len();
+            master.set_epoch(l.epoch());
+            master.restore_settles(entries);
+            master.keep_settle_log();
+            log.commit(&[], Some(&master.settle_snapshot()))?;
+            master.begin_rebuild(rebuild_deadline);
+            tracing::info!(
+                epoch = l.epoch(),
+                replayed = n,
+                unsettled = master.unsettled_total(),
+                "settle state replayed from etcd"
+            );
+            lease = Some(l);
+            Some(SettleBackend::Etcd(log))
+        }
+        Durability::Dir(dir) => {
+            let (mut log, entries) = SettleLog::open(dir)?;
+            let n = entries.len();
+            master.restore_settles(entries);
+            master.keep_settle_log();
+            log.compact(&master.settle_snapshot())?;
+            master.begin_rebuild(rebuild_deadline);
+            tracing::info!(
+                dir = %dir.display(),
+                replayed = n,
+                unsettled = master.unsettled_total(),
+                "settle log replayed"
+            );
+            Some(SettleBackend::File(log))
+        }
+    };
+    Ok((log, lease))
 }
 
 fn fatal(what: &str, e: &dyn std::fmt::Display) -> ! {

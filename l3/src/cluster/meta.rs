@@ -25,14 +25,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::durable::{DurableMaster, MasterGuard, SettleBackend};
-use super::state::SettleLog;
+use super::durable::{Durability, DurableMaster, MasterGuard, open_log};
 use crate::api::{BatchResult, L3Store};
 use crate::clock::{Clock, Periodic};
 use crate::config::StoreConfig;
 use crate::error::{L3Error, L3Result};
 use crate::ha::LeaderLease;
-use crate::ha::settles::EtcdSettleLog;
 use crate::master::{EvictionOutcome, LossCursor, Losses, Master, MasterPolicy};
 use crate::metrics::{Metrics, Op};
 use crate::pattern::KeyPattern;
@@ -61,13 +59,6 @@ pub struct ClusterMaster {
     sweeper: Mutex<Option<Periodic>>,
     /// etcd HA: this leader's lease (every call is gated on it).
     lease: Option<Arc<LeaderLease>>,
-}
-
-/// Where a master keeps its settles.
-enum Durability<'a> {
-    Memory,
-    Dir(&'a Path),
-    Etcd(Arc<LeaderLease>),
 }
 
 impl ClusterMaster {
@@ -109,42 +100,7 @@ impl ClusterMaster {
         let rebuild_deadline = clock
             .now_ms()
             .saturating_add(crate::clock::ms(cfg.rebuild_timeout));
-        let mut lease = None;
-        let log = match durability {
-            Durability::Memory => None,
-            Durability::Etcd(l) => {
-                let (mut log, entries) = EtcdSettleLog::open(l.clone())?;
-                let n = entries.len();
-                master.set_epoch(l.epoch());
-                master.restore_settles(entries);
-                master.keep_settle_log();
-                log.commit(&[], Some(&master.settle_snapshot()))?;
-                master.begin_rebuild(rebuild_deadline);
-                tracing::info!(
-                    epoch = l.epoch(),
-                    replayed = n,
-                    unsettled = master.unsettled_total(),
-                    "settle state replayed from etcd"
-                );
-                lease = Some(l);
-                Some(SettleBackend::Etcd(log))
-            }
-            Durability::Dir(dir) => {
-                let (mut log, entries) = SettleLog::open(dir)?;
-                let n = entries.len();
-                master.restore_settles(entries);
-                master.keep_settle_log();
-                log.compact(&master.settle_snapshot())?;
-                master.begin_rebuild(rebuild_deadline);
-                tracing::info!(
-                    dir = %dir.display(),
-                    replayed = n,
-                    unsettled = master.unsettled_total(),
-                    "settle log replayed"
-                );
-                Some(SettleBackend::File(log))
-            }
-        };
+        let (log, lease) = open_log(&mut master, durability, rebuild_deadline)?;
         let me = Arc::new(ClusterMaster {
             master: DurableMaster::new(master, log),
             cfg,
