@@ -221,7 +221,9 @@ pub fn l3_err(e: L3Error) -> PyErr {
         L3Error::UnableOffload => UnableOffloadError::new_err(msg),
         L3Error::UnableOffloading => UnableOffloadingError::new_err(msg),
         L3Error::RpcFail(_) => RpcFailError::new_err(msg),
-        L3Error::Unavailable(_) => UnavailableError::new_err(msg),
+        L3Error::Unavailable(_) | L3Error::NotLeader(_) | L3Error::EpochFenced(_) => {
+            UnavailableError::new_err(msg)
+        }
         L3Error::Internal(_) => L3InternalError::new_err(msg),
         L3Error::UnavailableInMode(_) => UnavailableInModeError::new_err(msg),
         L3Error::ReplicaIsGone(_) => ReplicaIsGoneError::new_err(msg),

@@ -64,9 +64,26 @@ struct Args {
     /// node (default 127.0.0.1:50052).
     #[arg(long)]
     listen: Option<SocketAddr>,
-    /// Node role: the master's RPC address.
+    /// Node role: the master's RPC address, or `etcd://h:p;h:p[/CLUSTER]` to follow the
+    /// leader of an etcd HA cluster.
     #[arg(long)]
-    master: Option<SocketAddr>,
+    master: Option<String>,
+    /// Master role: etcd endpoints (`h:p,h:p`, `http://h:p` or `etcd://h:p;h:p`). Several
+    /// masters campaign; the leader serves, the others wait to take over (see docs/l3.md,
+    /// "High availability"). Replaces --state-dir: the settle state lives in etcd.
+    #[arg(long, conflicts_with_all = ["state_dir", "no_state_dir"])]
+    etcd: Option<String>,
+    /// Master role with --etcd: the cluster name (its keys are under /kvtier/NAME/).
+    #[arg(long, default_value = "default")]
+    cluster: String,
+    /// Master role with --etcd: the leader lease TTL in seconds. A dead leader is replaced
+    /// after about this long.
+    #[arg(long, default_value_t = 5)]
+    leader_ttl_s: u64,
+    /// Node role: deadline of one call on the master, in milliseconds (with an etcd
+    /// locator, a paused leader costs this before the node looks for the next one).
+    #[arg(long, default_value_t = 10_000)]
+    master_timeout_ms: u64,
     /// Node role: node id (> 0; keep it across restarts so its SSD replicas are recognised).
     #[arg(long, default_value_t = 1)]
     node_id: u64,
@@ -233,10 +250,18 @@ fn run(args: Args) -> Result<(), String> {
     if args.role != Role::Master && (args.state_dir.is_some() || args.no_state_dir) {
         return Err("--state-dir / --no-state-dir are for --role master".into());
     }
-    if args.role == Role::Master && args.state_dir.is_none() && !args.no_state_dir {
+    if args.role != Role::Master && args.etcd.is_some() {
+        return Err("--etcd is for --role master (nodes take --master etcd://...)".into());
+    }
+    if args.role == Role::Master
+        && args.state_dir.is_none()
+        && !args.no_state_dir
+        && args.etcd.is_none()
+    {
         return Err(
             "--role master needs --state-dir DIR (its settle log, so a restart never \
-                    brings back a removed key), or --no-state-dir to keep it in memory only"
+                    brings back a removed key), --etcd URLS (several masters, the state in \
+                    etcd), or --no-state-dir to keep it in memory only"
                 .into(),
         );
     }
@@ -261,6 +286,17 @@ fn run(args: Args) -> Result<(), String> {
         metrics_addr: args.metrics,
         transfer_channel: !args.no_transfer_channel,
     };
+    if args.role == Role::Master
+        && let Some(spec) = &args.etcd
+    {
+        return crate::ha::serve::run_master(
+            spec,
+            &args.cluster,
+            Duration::from_secs(args.leader_ttl_s),
+            cfg,
+            opts,
+        );
+    }
     if args.role == Role::Master {
         let master =
             ClusterMaster::open(cfg, args.state_dir.as_deref()).map_err(|e| e.to_string())?;
@@ -287,11 +323,19 @@ fn run_node(
 ) -> Result<(), String> {
     let master = args
         .master
+        .as_deref()
         .ok_or("--role node needs --master <addr> (the master's RPC address)")?;
+    let locator = crate::ha::Locator::parse(master).map_err(|e| e.to_string())?;
     if args.metrics.is_some() {
         return Err("--metrics is served by the master (and by --role both)".into());
     }
-    let mut opts = NodeOptions::new(ClientId(args.node_id), master);
+    let fixed = match &locator {
+        crate::ha::Locator::Fixed(a) => *a,
+        crate::ha::Locator::Etcd { .. } => SocketAddr::from(([127, 0, 0, 1], 0)),
+    };
+    let mut opts = NodeOptions::new(ClientId(args.node_id), fixed);
+    opts.locator = Some(locator);
+    opts.master_timeout = Duration::from_millis(args.master_timeout_ms.max(1));
     opts.listen = listen;
     opts.token = token;
     opts.segment_bytes = args.segment_bytes;
@@ -335,6 +379,16 @@ fn stop_signals() -> Result<(tokio::signal::unix::Signal, tokio::signal::unix::S
 
 /// Serves `backend` over tarpc until SIGTERM/SIGINT.
 fn serve<B: Backend>(backend: Arc<B>, opts: ServerOptions) -> Result<(), String> {
+    serve_then(backend, opts, |_| Ok(()))
+}
+
+/// [`serve`], calling `listening` with the bound address before the readiness line (an
+/// etcd HA leader publishes itself there).
+pub(crate) fn serve_then<B: Backend>(
+    backend: Arc<B>,
+    opts: ServerOptions,
+    listening: impl FnOnce(SocketAddr) -> Result<(), String>,
+) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -347,6 +401,7 @@ fn serve<B: Backend>(backend: Arc<B>, opts: ServerOptions) -> Result<(), String>
         let (addr, maddr) = start(backend, opts, stop_rx)
             .await
             .map_err(|e| e.to_string())?;
+        listening(addr)?;
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "LISTENING {addr}");
         if let Some(m) = maddr {

@@ -299,6 +299,14 @@ pub enum L3Error {
     /// registered: evicted, removed or replaced while its write was queued).
     #[error("replica is gone: {0} (-712)")]
     ReplicaIsGone(String),
+    /// -1010: this master is not the leader (a standby, or a leader whose etcd lease ran
+    /// out): find the leader again (`etcd://` locator) and retry. Appended (wire order).
+    #[error("not the leader: {0} (-1010)")]
+    NotLeader(String),
+    /// -1010: an order or a handle from an older leader epoch, refused: a put whose two
+    /// phases straddle a master failover fails with this (put it again). Appended.
+    #[error("epoch fenced: {0} (-1010)")]
+    EpochFenced(String),
 }
 
 impl L3Error {
@@ -328,6 +336,9 @@ impl L3Error {
             L3Error::Internal(_) => ErrorCode::InternalError,
             L3Error::UnavailableInMode(_) => ErrorCode::UnavailableInCurrentMode,
             L3Error::ReplicaIsGone(_) => ErrorCode::ReplicaIsGone,
+            L3Error::NotLeader(_) | L3Error::EpochFenced(_) => {
+                ErrorCode::UnavailableInCurrentStatus
+            }
         }
     }
 

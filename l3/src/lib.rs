@@ -19,6 +19,7 @@ pub mod cluster;
 pub mod config;
 pub mod error;
 pub mod eviction;
+pub mod ha;
 pub mod master;
 pub mod metrics;
 pub mod pattern;

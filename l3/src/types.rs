@@ -197,6 +197,9 @@ pub struct PutHandle {
     pub token: u64,
     /// The (first) memory replica to write.
     pub replica: ReplicaDescriptor,
+    /// Epoch of the master that placed it (0 without etcd HA): another epoch's master
+    /// refuses to end or revoke it (`EpochFenced`).
+    pub epoch: u64,
     /// The other memory replicas of a replicated put, each on another node (not serialised:
     /// see the type's documentation).
     #[serde(skip)]
@@ -217,6 +220,7 @@ impl PutHandle {
             size: self.size,
             token: self.token,
             replica: r.clone(),
+            epoch: self.epoch,
             extra_replicas: Vec::new(),
         }
     }

@@ -1,7 +1,6 @@
 //! `kvtier.L3Store`: kvtier's own store API (exceptions for whole-call failures, per-key
 //! integer arrays for batches), embedded or a client of a `kvtier-l3` server.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use numpy::PyArray1;
@@ -190,7 +189,8 @@ impl PyL3Store {
         Ok(PyL3Store::new(s.clone(), Some(s), t, None))
     }
 
-    /// A client of a `kvtier-l3` server at `addr` ("host:port").
+    /// A client of a `kvtier-l3` server at `addr` ("host:port"), or of the leader of an etcd
+    /// HA cluster (`"etcd://h:p;h:p[/CLUSTER]"`), followed across failovers.
     #[staticmethod]
     #[pyo3(signature = (addr, *, token = None, tenant = "default", rpc_timeout_ms = 120_000))]
     fn connect(
@@ -201,8 +201,7 @@ impl PyL3Store {
         rpc_timeout_ms: u64,
     ) -> PyResult<Self> {
         let t = super::tenant(tenant)?;
-        let sa: SocketAddr = addr
-            .parse()
+        let sa = kvtier_l3::ha::Locator::parse(addr)
             .map_err(|e| PyValueError::new_err(format!("bad address {addr:?}: {e}")))?;
         let opts = ClientOptions {
             token,
@@ -210,7 +209,7 @@ impl PyL3Store {
             ..ClientOptions::default()
         };
         let s = py
-            .detach(move || RemoteStore::connect(sa, opts))
+            .detach(move || RemoteStore::connect_to(sa, opts))
             .map_err(l3_err)?;
         let addr = Some(addr.to_string());
         Ok(py.detach(move || PyL3Store::new(Arc::new(s), None, t, addr)))

@@ -118,14 +118,16 @@ impl MooncakeCore {
             Ok(t) => t,
             Err(e) => return l3code(&e),
         };
-        let Ok(sa) = addr.parse::<std::net::SocketAddr>() else {
+        // "host:port", or "etcd://a;b;c[/CLUSTER]": the leader of an etcd HA cluster,
+        // followed across failovers (as Mooncake's etcd master_server_address).
+        let Ok(sa) = kvtier_l3::ha::Locator::parse(addr) else {
             return INVALID_PARAMS;
         };
         let opts = ClientOptions {
             token,
             ..ClientOptions::default()
         };
-        match py.detach(move || RemoteStore::connect(sa, opts)) {
+        match py.detach(move || RemoteStore::connect_to(sa, opts)) {
             Ok(s) => {
                 self.attach(Attached {
                     store: Arc::new(s),

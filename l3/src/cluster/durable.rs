@@ -11,28 +11,49 @@
 //! during an fsync. An append or sync that fails is fatal: the process aborts rather than
 //! answer what it cannot keep (as databases do on a failed fsync); a restart replays the
 //! log up to its last whole entry.
+//!
+//! With `--etcd` the log lives in etcd ([`crate::ha::settles`]): the changes are committed
+//! in one txn fenced on the leader's epoch, under the log's lock (taken under the master
+//! lock, so the order is the master's), after the master lock is released. A commit that
+//! fails means this process may no longer be the leader: it steps down (the CLI restarts
+//! it as a candidate) instead of replying.
 
 use std::ops::{Deref, DerefMut};
 
 use parking_lot::{Mutex, MutexGuard};
 
+use std::path::Path;
+use std::sync::Arc;
+
 use super::state::SettleLog;
+use crate::error::L3Result;
+use crate::ha::LeaderLease;
+use crate::ha::settles::EtcdSettleLog;
 use crate::master::Master;
+
+/// Where the settle log is kept.
+#[derive(Debug)]
+pub enum SettleBackend {
+    /// `--state-dir`: a file, synced.
+    File(SettleLog),
+    /// `--etcd`: batches in etcd, fenced on the epoch.
+    Etcd(EtcdSettleLog),
+}
 
 /// The master behind its lock, with its settle log when it has a state dir.
 pub(super) struct DurableMaster {
     master: Mutex<Master>,
-    log: Option<Mutex<SettleLog>>,
+    log: Option<Mutex<SettleBackend>>,
 }
 
 /// A locked master; see the module doc for what dropping it does.
 pub(super) struct MasterGuard<'a> {
     g: Option<MutexGuard<'a, Master>>,
-    log: Option<&'a Mutex<SettleLog>>,
+    log: Option<&'a Mutex<SettleBackend>>,
 }
 
 impl DurableMaster {
-    pub(super) fn new(master: Master, log: Option<SettleLog>) -> Self {
+    pub(super) fn new(master: Master, log: Option<SettleBackend>) -> Self {
         DurableMaster {
             master: Mutex::new(master),
             log: log.map(Mutex::new),
@@ -45,6 +66,63 @@ impl DurableMaster {
             log: self.log.as_ref(),
         }
     }
+}
+
+/// Where a master keeps its settles.
+pub(super) enum Durability<'a> {
+    /// In memory only (a restart forgets them).
+    Memory,
+    /// `--state-dir`: the file settle log.
+    Dir(&'a Path),
+    /// `--etcd`: in etcd, fenced on this leader's epoch.
+    Etcd(Arc<LeaderLease>),
+}
+
+/// Opens the settle log `durability` names, replays it into `master`, rewrites it as one
+/// snapshot, and starts the rebuild gate (until `rebuild_deadline`). Returns the log and,
+/// for etcd, the leader lease calls are gated on.
+pub(super) fn open_log(
+    master: &mut Master,
+    durability: Durability<'_>,
+    rebuild_deadline: u64,
+) -> L3Result<(Option<SettleBackend>, Option<Arc<LeaderLease>>)> {
+    let mut lease = None;
+    let log = match durability {
+        Durability::Memory => None,
+        Durability::Etcd(l) => {
+            let (mut log, entries) = EtcdSettleLog::open(l.clone())?;
+            let n = entries.len();
+            master.set_epoch(l.epoch());
+            master.restore_settles(entries);
+            master.keep_settle_log();
+            log.commit(&[], Some(&master.settle_snapshot()))?;
+            master.begin_rebuild(rebuild_deadline);
+            tracing::info!(
+                epoch = l.epoch(),
+                replayed = n,
+                unsettled = master.unsettled_total(),
+                "settle state replayed from etcd"
+            );
+            lease = Some(l);
+            Some(SettleBackend::Etcd(log))
+        }
+        Durability::Dir(dir) => {
+            let (mut log, entries) = SettleLog::open(dir)?;
+            let n = entries.len();
+            master.restore_settles(entries);
+            master.keep_settle_log();
+            log.compact(&master.settle_snapshot())?;
+            master.begin_rebuild(rebuild_deadline);
+            tracing::info!(
+                dir = %dir.display(),
+                replayed = n,
+                unsettled = master.unsettled_total(),
+                "settle log replayed"
+            );
+            Some(SettleBackend::File(log))
+        }
+    };
+    Ok((log, lease))
 }
 
 fn fatal(what: &str, e: &dyn std::fmt::Display) -> ! {
@@ -76,22 +154,35 @@ impl Drop for MasterGuard<'_> {
             return;
         }
         let entries = g.take_settle_log();
-        let must_sync = entries.iter().any(|e| e.needs_sync());
         let mut l = log.lock();
-        let file = match l.append(&entries) {
+        let file = match &mut *l {
+            SettleBackend::Etcd(etcd) => {
+                let snap = etcd
+                    .wants_compaction(g.unsettled_total())
+                    .then(|| g.settle_snapshot());
+                drop(g);
+                if let Err(e) = etcd.commit(&entries, snap.as_deref()) {
+                    crate::ha::step_down(&e);
+                }
+                return;
+            }
+            SettleBackend::File(f) => f,
+        };
+        let must_sync = entries.iter().any(|e| e.needs_sync());
+        let synced = match file.append(&entries) {
             Ok(f) => f,
             Err(e) => fatal("append", &e),
         };
-        if l.wants_compaction(g.unsettled_total()) {
+        if file.wants_compaction(g.unsettled_total()) {
             // Synced by `compact` itself (the snapshot includes what was just appended).
-            if let Err(e) = l.compact(&g.settle_snapshot()) {
+            if let Err(e) = file.compact(&g.settle_snapshot()) {
                 fatal("compaction", &e);
             }
             return;
         }
         drop(l);
         drop(g);
-        if must_sync && let Err(e) = file.sync_data() {
+        if must_sync && let Err(e) = synced.sync_data() {
             fatal("sync", &e);
         }
     }

@@ -25,12 +25,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::durable::{DurableMaster, MasterGuard};
-use super::state::SettleLog;
+use super::durable::{Durability, DurableMaster, MasterGuard, open_log};
 use crate::api::{BatchResult, L3Store};
 use crate::clock::{Clock, Periodic};
 use crate::config::StoreConfig;
 use crate::error::{L3Error, L3Result};
+use crate::ha::LeaderLease;
 use crate::master::{EvictionOutcome, LossCursor, Losses, Master, MasterPolicy};
 use crate::metrics::{Metrics, Op};
 use crate::pattern::KeyPattern;
@@ -57,6 +57,8 @@ pub struct ClusterMaster {
     master: DurableMaster,
     metrics: Metrics,
     sweeper: Mutex<Option<Periodic>>,
+    /// etcd HA: this leader's lease (every call is gated on it).
+    lease: Option<Arc<LeaderLease>>,
 }
 
 impl ClusterMaster {
@@ -70,6 +72,18 @@ impl ClusterMaster {
     /// [`ClusterMaster::new`] keeping its settles in `state_dir` (created if missing): the
     /// log there is replayed first, and every settle is durable before a reply leaves.
     pub fn open(cfg: StoreConfig, state_dir: Option<&Path>) -> L3Result<Arc<Self>> {
+        Self::build(cfg, state_dir.map_or(Durability::Memory, Durability::Dir))
+    }
+
+    /// The master of a leader elected on etcd ([`crate::ha`]): replays the settle state the
+    /// previous leaders left in etcd, keeps it there (every write fenced on `lease`'s epoch),
+    /// stamps its epoch on put handles, and answers nothing once the lease may have run out.
+    /// Clients' key calls wait (-1010) until every member node has mounted again.
+    pub fn open_ha(cfg: StoreConfig, lease: Arc<LeaderLease>) -> L3Result<Arc<Self>> {
+        Self::build(cfg, Durability::Etcd(lease))
+    }
+
+    fn build(cfg: StoreConfig, durability: Durability<'_>) -> L3Result<Arc<Self>> {
         cfg.validate()?;
         if cfg.ssd.is_some() {
             return Err(L3Error::InvalidParams(
@@ -83,34 +97,17 @@ impl ClusterMaster {
             .clamp(Duration::from_millis(10), Duration::from_secs(1));
         let clock = Arc::new(Clock::new());
         let mut master = Master::new(MasterPolicy::from_config(&cfg));
-        let log = match state_dir {
-            Some(dir) => {
-                let (mut log, entries) = SettleLog::open(dir)?;
-                let n = entries.len();
-                master.restore_settles(entries);
-                master.keep_settle_log();
-                log.compact(&master.settle_snapshot())?;
-                master.begin_rebuild(
-                    clock
-                        .now_ms()
-                        .saturating_add(crate::clock::ms(cfg.rebuild_timeout)),
-                );
-                tracing::info!(
-                    dir = %dir.display(),
-                    replayed = n,
-                    unsettled = master.unsettled_total(),
-                    "settle log replayed"
-                );
-                Some(log)
-            }
-            None => None,
-        };
+        let rebuild_deadline = clock
+            .now_ms()
+            .saturating_add(crate::clock::ms(cfg.rebuild_timeout));
+        let (log, lease) = open_log(&mut master, durability, rebuild_deadline)?;
         let me = Arc::new(ClusterMaster {
             master: DurableMaster::new(master, log),
             cfg,
             clock,
             metrics: Metrics::default(),
             sweeper: Mutex::new(None),
+            lease,
         });
         let weak = Arc::downgrade(&me);
         let p = Periodic::spawn("kvtier-l3-master-sweeper", period, move || {
@@ -169,6 +166,7 @@ impl ClusterMaster {
     /// The master, for a client's call: -1010 while a restarted master waits for its store
     /// nodes to report their records (`master::rebuild`). Nodes' own calls are not gated.
     fn client_lock(&self) -> L3Result<MasterGuard<'_>> {
+        Backend::gate(self)?;
         let g = self.master.lock();
         g.serving()?;
         Ok(g)
@@ -550,6 +548,17 @@ impl Backend for ClusterMaster {
     fn max_object_bytes(&self) -> u64 {
         self.cfg.max_object_bytes
     }
+    fn epoch(&self) -> u64 {
+        self.lease.as_ref().map_or(0, |l| l.epoch())
+    }
+
+    fn gate(&self) -> L3Result<()> {
+        match &self.lease {
+            Some(l) => l.check(),
+            None => Ok(()),
+        }
+    }
+
     fn is_cluster_master(&self) -> bool {
         true
     }

@@ -16,6 +16,7 @@ mod durable;
 pub mod meta;
 pub mod node;
 pub mod state;
+pub use durable::SettleBackend;
 
 pub use meta::ClusterMaster;
 pub use node::{NodeOptions, StoreNode};

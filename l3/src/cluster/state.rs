@@ -51,7 +51,7 @@ fn sync_dir(dir: &Path) -> L3Result<()> {
         .map_err(|e| io("sync directory", dir, e))
 }
 
-fn encode(entries: &[SettleLogEntry], out: &mut Vec<u8>) -> L3Result<()> {
+pub(crate) fn encode(entries: &[SettleLogEntry], out: &mut Vec<u8>) -> L3Result<()> {
     for e in entries {
         let body = bincode::serialize(e)
             .map_err(|e| L3Error::Internal(format!("encode a settle log entry: {e}")))?;
@@ -63,7 +63,7 @@ fn encode(entries: &[SettleLogEntry], out: &mut Vec<u8>) -> L3Result<()> {
 }
 
 /// The entries of a log's bytes up to the first torn or corrupt frame, and where it ends.
-fn decode(bytes: &[u8]) -> (Vec<SettleLogEntry>, usize) {
+pub(crate) fn decode(bytes: &[u8]) -> (Vec<SettleLogEntry>, usize) {
     let mut out = Vec::new();
     let mut at = 0usize;
     while bytes.len() - at >= 8 {

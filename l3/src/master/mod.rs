@@ -331,6 +331,8 @@ pub struct Master {
     settle_log: Option<Vec<SettleLogEntry>>,
     /// Store nodes a restart waits for (`rebuild`).
     members: rebuild::Membership,
+    /// Leader epoch (etcd HA; 0 otherwise): stamped on put handles.
+    epoch: u64,
 }
 
 impl Master {
@@ -345,11 +347,22 @@ impl Master {
             token_floor: None,
             settle_log: None,
             members: rebuild::Membership::default(),
+            epoch: 0,
             tick: 0,
             evictions_total: 0,
             losses: losses::LossJournal::new(policy.loss_journal_keys),
             policy,
         }
+    }
+
+    /// Sets the leader epoch stamped on put handles (etcd HA).
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
+    /// The leader epoch (0 without etcd HA).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     fn touch(&mut self) -> u64 {

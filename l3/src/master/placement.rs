@@ -95,6 +95,7 @@ impl Master {
             size,
             token,
             replica,
+            epoch: self.epoch,
             extra_replicas: descs.collect(),
         })
     }
@@ -273,8 +274,21 @@ impl Master {
         }
     }
 
+    /// A handle placed by another leader epoch names no put of this master.
+    fn same_epoch(&self, h: &PutHandle) -> L3Result<()> {
+        if h.epoch != self.epoch {
+            return Err(L3Error::EpochFenced(format!(
+                "the put of {:?} started under master epoch {}, the leader is now epoch {}: \
+                 put it again",
+                h.key, h.epoch, self.epoch
+            )));
+        }
+        Ok(())
+    }
+
     /// The pending object a handle names (token-checked).
     fn pending(&self, h: &PutHandle) -> L3Result<&Object> {
+        self.same_epoch(h)?;
         let o = self.obj(&h.tenant, &h.key).ok_or(L3Error::ObjectNotFound)?;
         if o.token != h.token {
             return Err(L3Error::IllegalClient("put token does not match".into()));
@@ -379,6 +393,7 @@ impl Master {
 
     /// `PutRevoke`: drops a pending put (token-checked).
     pub fn put_revoke(&mut self, h: &PutHandle) -> L3Result<()> {
+        self.same_epoch(h)?;
         let o = self.obj(&h.tenant, &h.key).ok_or(L3Error::ObjectNotFound)?;
         if o.token != h.token {
             return Err(L3Error::IllegalClient("put token does not match".into()));
@@ -402,5 +417,37 @@ impl Master {
             }
             self.settle_gone(t, key, o.gone());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StoreConfig;
+    use crate::master::MasterPolicy;
+
+    /// A put placed by one leader epoch cannot be ended or revoked under another: the
+    /// writer gets a typed `EpochFenced` (put it again), never a silent success.
+    #[test]
+    fn a_handle_of_another_epoch_is_fenced() {
+        let mut m = Master::new(MasterPolicy::from_config(&StoreConfig::default()));
+        m.mount_segment(ClientId(1), SegmentId(1), 1 << 20, 0)
+            .unwrap();
+        m.set_epoch(7);
+        let t = Tenant::new("t").unwrap();
+        let mut out = EvictionOutcome::default();
+        let h = m.put_start(&t, "k", 10, 1, 0, &mut out).unwrap();
+        assert_eq!(h.epoch, 7);
+        for other in [6, 8] {
+            let mut stale = h.clone();
+            stale.epoch = other;
+            assert!(matches!(
+                m.end_replica(ClientId(1), &stale, false, 0),
+                Err(L3Error::EpochFenced(_))
+            ));
+            assert!(matches!(m.put_revoke(&stale), Err(L3Error::EpochFenced(_))));
+        }
+        // The put of this epoch is untouched by the refused ones.
+        assert!(m.put_revoke(&h).is_ok());
     }
 }

@@ -39,6 +39,9 @@ pub struct ServerLimits {
     /// The server is the master of a split deployment: object bytes live on store nodes,
     /// reached at the addresses in replica descriptors.
     pub cluster: bool,
+    /// The master's leader epoch (etcd HA; 0 otherwise): nodes and clients refuse a master
+    /// whose epoch is older than one they have seen.
+    pub epoch: u64,
 }
 
 /// Requests of the `cluster` call: store nodes → master, plus two client queries.

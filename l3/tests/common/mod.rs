@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod ha;
+pub mod oracle;
 pub mod procs;
 
 use std::net::SocketAddr;

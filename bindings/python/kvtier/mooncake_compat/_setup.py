@@ -8,6 +8,7 @@ ignored); text it cannot read ("50%", "16MiB", "abc", "", "-16MB") makes ``setup
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import socket
@@ -127,7 +128,15 @@ def hostname_with_port(local_hostname: str) -> str:
 
 def resolve(master: str) -> Tuple[Optional[str], int]:
     """A ``kvtier-l3`` server address ("IP:PORT") from ``HOST:PORT`` or
-    ``kvtier://HOST:PORT``; (None, code) if it cannot be read or resolved."""
+    ``kvtier://HOST:PORT``, or an etcd HA locator passed on as given
+    (``etcd://HOST:PORT;HOST:PORT``, Mooncake's form; the cluster is ``/NAME`` after the
+    members, else ``MC_STORE_CLUSTER_ID`` as in Mooncake, else ``default``); (None, code)
+    if it cannot be read or resolved."""
+    if master.startswith("etcd://"):
+        cluster = os.environ.get("MC_STORE_CLUSTER_ID")
+        if "/" not in master[len("etcd://"):] and cluster:
+            master = f"{master}/{cluster}"
+        return master, 0
     if master.startswith("kvtier://"):
         master = master[len("kvtier://"):]
     host, _, port = master.rpartition(":")

@@ -17,13 +17,17 @@
 //!    repetition; each figure also as a ratio to `replica_num` 1 of the same run
 //!    (`replicas.rs`);
 //! 6. `put`: the embedded put path, 64 × 8 MiB, as a ratio to a memcpy of the same bytes
-//!    measured in the same run (`put.rs`).
+//!    measured in the same run (`put.rs`);
+//! 7. `failover` (only when named: it needs Debian's `etcd`): the leader of an etcd HA
+//!    master set is SIGKILLed `--kills` times; time to a new leader and to every client's
+//!    first success, losses, throughput after / before (`failover.rs`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod failover;
 mod put;
 mod replicas;
 mod ssd;
@@ -50,9 +54,16 @@ struct Args {
     /// Directory for SSD buckets (must be on the disk under test, not tmpfs).
     #[arg(long, default_value = "/var/tmp/kvtier-l3-bench")]
     ssd_dir: PathBuf,
-    /// Only these scenarios (embedded, remote, exist, ssd, replicas, put); default all.
+    /// Only these scenarios (embedded, remote, exist, ssd, replicas, put, failover); default
+    /// all but failover.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// `failover`: leader kills.
+    #[arg(long, default_value_t = 20)]
+    kills: usize,
+    /// `failover`: the masters' leader lease TTL in seconds.
+    #[arg(long, default_value_t = 1)]
+    leader_ttl_s: u64,
     /// Write results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -352,6 +363,12 @@ fn main() {
     }
     if want("put") {
         report(put::put(args.reps, &mut rows), "put");
+    }
+    if args.only.iter().any(|o| o == "failover") {
+        report(
+            failover::failover(&bin, args.kills, args.leader_ttl_s, &mut rows),
+            "failover",
+        );
     }
     if let Some(p) = &args.json {
         let text = format!(

@@ -136,7 +136,7 @@ pub fn replicas(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()
 }
 
 /// Removes a scratch directory when the scenario ends (however it ends).
-struct RemoveOnDrop(std::path::PathBuf);
+pub(super) struct RemoveOnDrop(pub(super) std::path::PathBuf);
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {

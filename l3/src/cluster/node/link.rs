@@ -3,21 +3,29 @@
 //! Why: every exchange with the master is a call the node makes (mount, ping, put end,
 //! registrations), so one lazily (re)connected client is all the node needs; a failed call
 //! drops it and the next call connects again.
+//!
+//! With an etcd locator the next connection goes to the current leader, and a master of an
+//! older epoch than one already seen is refused (`EpochFenced`): orders (frees, settles,
+//! remounts) are only ever taken from the newest leader. A new leader does not know the
+//! node, so its first ping answers `NeedRemount`, and the node mounts again with its
+//! records — that is how the new leader rebuilds its metadata.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use crate::error::{L3Error, L3Result};
+use crate::ha::{EpochFence, Locator};
 use crate::rpc::client::{ClientOptions, RemoteStore};
 use crate::rpc::service::{ClusterReply, ClusterRequest};
 
 /// The node's connection to the master; reconnects on the next call after a failure.
 pub(super) struct MasterLink {
-    pub(super) addr: SocketAddr,
+    pub(super) locator: Locator,
     pub(super) token: Option<String>,
+    pub(super) timeout: Duration,
+    pub(super) fence: EpochFence,
     pub(super) conn: Mutex<Option<Arc<RemoteStore>>>,
 }
 
@@ -28,11 +36,13 @@ impl MasterLink {
             match &*g {
                 Some(c) => c.clone(),
                 None => {
-                    let c = Arc::new(RemoteStore::connect(
-                        self.addr,
+                    let c = Arc::new(RemoteStore::connect_to(
+                        self.locator.clone(),
                         ClientOptions {
                             token: self.token.clone(),
-                            rpc_timeout: Duration::from_secs(10),
+                            rpc_timeout: self.timeout,
+                            leader_call_timeout: self.timeout,
+                            failover_timeout: self.timeout,
                             use_transfer_channel: false,
                             ..Default::default()
                         },
@@ -40,16 +50,17 @@ impl MasterLink {
                     if !c.limits().cluster {
                         return Err(L3Error::InvalidParams(format!(
                             "{} is not a master (start one with `kvtier-l3 --role master`)",
-                            self.addr
+                            c.master_addr()
                         )));
                     }
+                    self.fence.admit(c.limits().epoch)?;
                     *g = Some(c.clone());
                     c
                 }
             }
         };
         let r = c.cluster(req);
-        if let Err(L3Error::RpcFail(_)) = &r {
+        if let Err(L3Error::RpcFail(_) | L3Error::NotLeader(_) | L3Error::EpochFenced(_)) = &r {
             *self.conn.lock() = None;
         }
         r

@@ -27,6 +27,7 @@ mod mem;
 mod sync;
 mod tier;
 
+use crate::ha::{EpochFence, Locator};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
@@ -79,6 +80,12 @@ pub struct NodeOptions {
     pub ping_interval: Duration,
     /// Bytes written but never ended are dropped after this long.
     pub put_timeout: Duration,
+    /// Where the master is found (None: at `master`). An etcd locator follows the leader:
+    /// after a failover the node mounts again on the new leader (reporting its records),
+    /// and refuses any master of an older epoch.
+    pub locator: Option<Locator>,
+    /// Deadline of one call on the master (a paused master costs this per try).
+    pub master_timeout: Duration,
 }
 
 impl NodeOptions {
@@ -96,6 +103,8 @@ impl NodeOptions {
             max_object_bytes: 1 << 30,
             ping_interval: Duration::from_secs(1),
             put_timeout: Duration::from_secs(30),
+            locator: None,
+            master_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -121,7 +130,29 @@ struct NodeInner {
     promote_tx: Mutex<Option<SyncSender<PromoteBatch>>>,
 }
 
+/// How long a node following an etcd leader waits at start for one to be elected.
+const FIRST_LEADER_WAIT: Duration = Duration::from_secs(60);
+
 impl NodeInner {
+    /// The first mount. Following an etcd leader, the cluster may be electing one: wait
+    /// (up to [`FIRST_LEADER_WAIT`]) instead of failing.
+    fn mount_first(&self) -> L3Result<()> {
+        let end = std::time::Instant::now() + FIRST_LEADER_WAIT;
+        loop {
+            match self.mount() {
+                Err(
+                    L3Error::NotLeader(_)
+                    | L3Error::RpcFail(_)
+                    | L3Error::Unavailable(_)
+                    | L3Error::EpochFenced(_),
+                ) if self.link.locator.follows_leader() && std::time::Instant::now() < end => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                r => return r,
+            }
+        }
+    }
+
     fn data_addr(&self) -> L3Result<SocketAddr> {
         self.data_addr
             .get()
@@ -167,8 +198,10 @@ impl StoreNode {
         let inner = Arc::new(NodeInner {
             segment: SegmentId(opts.id.0),
             link: MasterLink {
-                addr: opts.master,
+                locator: opts.locator.clone().unwrap_or(Locator::Fixed(opts.master)),
                 token: opts.token.clone(),
+                timeout: opts.master_timeout,
+                fence: EpochFence::default(),
                 conn: Mutex::new(None),
             },
             mem: Mutex::new(Mem::default()),
@@ -210,7 +243,7 @@ impl StoreNode {
             pinger: Mutex::new(None),
             promoter: Mutex::new(promoter),
         };
-        inner.mount()?;
+        inner.mount_first()?;
         let weak = Arc::downgrade(&inner);
         let p = Periodic::spawn("kvtier-l3-node-ping", inner.opts.ping_interval, move || {
             let Some(n) = weak.upgrade() else {

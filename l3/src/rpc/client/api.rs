@@ -120,21 +120,25 @@ impl L3Store for RemoteStore {
         opts: ExistOptions,
     ) -> BatchResult<bool> {
         self.check_keys(keys.len())?;
-        if self.xfer.is_some() {
-            return self.with_xfer(|x| x.exist(tenant, keys, opts));
-        }
-        self.run(
-            self.rpc()
-                .batch_exist(self.ctx(), tenant.clone(), keys.to_vec(), opts),
-        )
+        self.idempotent(|| {
+            if self.xfer.is_some() {
+                return self.with_xfer(|x| x.exist(tenant, keys, opts));
+            }
+            self.run(
+                self.rpc()
+                    .batch_exist(self.ctx(), tenant.clone(), keys.to_vec(), opts),
+            )
+        })
     }
 
     fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
         self.check_keys(keys.len())?;
-        self.run(
-            self.rpc()
-                .batch_query(self.ctx(), tenant.clone(), keys.to_vec()),
-        )
+        self.idempotent(|| {
+            self.run(
+                self.rpc()
+                    .batch_query(self.ctx(), tenant.clone(), keys.to_vec()),
+            )
+        })
     }
 
     fn batch_get_with_query(
@@ -150,11 +154,14 @@ impl L3Store for RemoteStore {
         self.get_chunks(tenant, &keys, bufs, Some(queries))
     }
 
+    /// Retried across a failover: a retry of a remove that was applied answers -704.
     fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()> {
-        self.run(
-            self.rpc()
-                .remove(self.ctx(), tenant.clone(), key.to_string(), force),
-        )
+        self.idempotent(|| {
+            self.run(
+                self.rpc()
+                    .remove(self.ctx(), tenant.clone(), key.to_string(), force),
+            )
+        })
     }
 
     fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
@@ -217,13 +224,15 @@ impl L3Store for RemoteStore {
 
     fn get(&self, tenant: &Tenant, key: &str) -> L3Result<Vec<u8>> {
         if self.limits.cluster {
-            let q = self.get_replica_list(tenant, key)?;
-            let mut buf = vec![0u8; q.size as usize];
-            let mut bufs = [&mut buf[..]];
-            let v = self.cluster_read(tenant, &[key.to_string()], &mut bufs, vec![Ok(q)])?;
-            let n = single(v, empty_reply)?;
-            buf.truncate(n as usize);
-            return Ok(buf);
+            return self.idempotent(|| {
+                let q = self.get_replica_list(tenant, key)?;
+                let mut buf = vec![0u8; q.size as usize];
+                let mut bufs = [&mut buf[..]];
+                let v = self.cluster_read(tenant, &[key.to_string()], &mut bufs, vec![Ok(q)])?;
+                let n = single(v, empty_reply)?;
+                buf.truncate(n as usize);
+                Ok(buf)
+            });
         }
         let v = self.run(self.rpc().batch_get(
             self.ctx(),
@@ -296,16 +305,18 @@ impl L3Store for RemoteStore {
         bufs: &mut [&mut [u8]],
     ) -> BatchResult<u64> {
         if self.limits.cluster {
-            return self.cluster_get(tenant, keys, bufs, None);
+            return self.idempotent(|| self.cluster_get(tenant, keys, bufs, None));
         }
         self.get_chunks(tenant, keys, bufs, None)
     }
 
     fn get_size(&self, tenant: &Tenant, key: &str) -> L3Result<u64> {
-        self.run(
-            self.rpc()
-                .get_size(self.ctx(), tenant.clone(), key.to_string()),
-        )
+        self.idempotent(|| {
+            self.run(
+                self.rpc()
+                    .get_size(self.ctx(), tenant.clone(), key.to_string()),
+            )
+        })
     }
 
     fn flush(&self) -> L3Result<()> {
@@ -316,7 +327,7 @@ impl L3Store for RemoteStore {
     }
 
     fn stats(&self) -> L3Result<StoreStats> {
-        self.run(self.rpc().stats(self.ctx()))
+        self.idempotent(|| self.run(self.rpc().stats(self.ctx())))
     }
 
     fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses> {

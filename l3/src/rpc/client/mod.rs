@@ -39,6 +39,7 @@ use super::service::{ClusterReply, ClusterRequest, L3RpcClient, ServerLimits};
 use super::xfer::XferClient;
 use crate::api::BatchResult;
 use crate::error::{L3Error, L3Result};
+use crate::ha::{EpochFence, Locator};
 use crate::types::{QueryResult, Tenant};
 
 mod api;
@@ -60,6 +61,12 @@ pub struct ClientOptions {
     pub chunk_bytes: usize,
     /// Use the server's transfer channel for bulk reads and batched probes when it has one.
     pub use_transfer_channel: bool,
+    /// Following an etcd HA leader ([`RemoteStore::connect_to`]): how long idempotent calls
+    /// (queries, gets, exists, removes) keep retrying across a failover before failing.
+    pub failover_timeout: Duration,
+    /// Following an etcd HA leader: the deadline of one call on the master (metadata only;
+    /// bytes go to the nodes), so a paused leader costs this, not `rpc_timeout`.
+    pub leader_call_timeout: Duration,
 }
 
 impl Default for ClientOptions {
@@ -70,6 +77,8 @@ impl Default for ClientOptions {
             max_frame_bytes: DEFAULT_MAX_FRAME,
             chunk_bytes: 16 << 20,
             use_transfer_channel: true,
+            failover_timeout: Duration::from_secs(30),
+            leader_call_timeout: Duration::from_secs(3),
         }
     }
 }
@@ -109,7 +118,12 @@ struct XferSlot {
 /// dropped): the call that found it broken fails with -900 (it may or may not have been
 /// applied, so it is not repeated), and the next call dials, authenticates and goes on.
 pub struct RemoteStore {
-    addr: SocketAddr,
+    /// The master's (server's) address; moves when an etcd HA leader changes.
+    addr: parking_lot::Mutex<SocketAddr>,
+    /// Where the master is found again after a failure.
+    locator: Locator,
+    /// The highest leader epoch seen (an older master is refused).
+    fence: EpochFence,
     /// Transfer channel, when the server has one.
     xfer: Option<parking_lot::Mutex<XferSlot>>,
     /// Split deployment: data connections to store nodes, by data address.
@@ -134,6 +148,14 @@ fn rpc_err(e: RpcError) -> L3Error {
 impl RemoteStore {
     /// Connects and authenticates.
     pub fn connect(addr: SocketAddr, opts: ClientOptions) -> L3Result<Self> {
+        Self::connect_to(Locator::Fixed(addr), opts)
+    }
+
+    /// Connects to the master `locator` names (`etcd://…`: the current leader, followed
+    /// across failovers: idempotent calls retry for `failover_timeout`, a put whose two
+    /// phases straddle a failover fails with `EpochFenced`).
+    pub fn connect_to(locator: Locator, opts: ClientOptions) -> L3Result<Self> {
+        let (addr, epoch) = locator.resolve(opts.failover_timeout)?;
         // Current-thread runtime: the caller's thread drives the connection while it waits,
         // so a call costs no cross-thread wake-ups (this halves small-call latency).
         if opts.rpc_timeout < Duration::from_millis(1) || opts.rpc_timeout > MAX_RPC_TIMEOUT {
@@ -149,7 +171,9 @@ impl RemoteStore {
             .map_err(|e| L3Error::Internal(format!("runtime: {e}")))?;
         let max_frame = opts.max_frame_bytes;
         let mut me = RemoteStore {
-            addr,
+            addr: parking_lot::Mutex::new(addr),
+            locator,
+            fence: EpochFence::default(),
             xfer: None,
             nodes: parking_lot::Mutex::new(HashMap::new()),
             client: parking_lot::Mutex::new(dial(&rt, addr, max_frame)?),
@@ -161,11 +185,13 @@ impl RemoteStore {
                 max_object_bytes: 0,
                 xfer_port: 0,
                 cluster: false,
+                epoch: 0,
             },
             opts,
         };
         let first = me.client.lock().clone();
         let limits = me.hello_on(&first)?;
+        me.fence.admit(epoch.max(limits.epoch))?;
         me.limits = limits;
         if me.opts.use_transfer_channel && limits.xfer_port != 0 {
             let xa = SocketAddr::new(addr.ip(), limits.xfer_port);
@@ -194,6 +220,49 @@ impl RemoteStore {
         self.limits
     }
 
+    /// The highest master epoch this client has seen (0 without etcd HA).
+    pub fn epoch(&self) -> u64 {
+        self.fence.seen()
+    }
+
+    /// The current master's address.
+    pub fn master_addr(&self) -> SocketAddr {
+        *self.addr.lock()
+    }
+
+    /// Whether this client follows an etcd HA leader.
+    pub fn follows_leader(&self) -> bool {
+        self.locator.follows_leader()
+    }
+
+    /// Runs an idempotent call, again after a failover-shaped failure (transport, not the
+    /// leader, rebuilding, an older epoch) until `failover_timeout` — only when following an
+    /// etcd leader; against a fixed address the first result is returned.
+    pub(crate) fn idempotent<T>(&self, mut f: impl FnMut() -> L3Result<T>) -> L3Result<T> {
+        let deadline = Instant::now() + self.opts.failover_timeout;
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let r = f();
+            let retry = self.locator.follows_leader()
+                && matches!(
+                    r,
+                    Err(L3Error::RpcFail(_)
+                        | L3Error::NotLeader(_)
+                        | L3Error::EpochFenced(_)
+                        | L3Error::Unavailable(_))
+                )
+                && Instant::now() + pause < deadline;
+            if !retry {
+                return r;
+            }
+            if matches!(r, Err(L3Error::RpcFail(_) | L3Error::NotLeader(_))) {
+                self.broken.store(true, Ordering::Release);
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(200));
+        }
+    }
+
     /// Whether the server is the master of a split deployment (bytes live on store nodes).
     pub fn is_cluster(&self) -> bool {
         self.limits.cluster
@@ -220,38 +289,49 @@ impl RemoteStore {
         if self.broken.load(Ordering::Acquire)
             && let Err(e) = self.redial()
         {
-            tracing::debug!(error = %e, addr = %self.addr, "reconnect failed");
+            tracing::debug!(error = %e, addr = %self.master_addr(), "reconnect failed");
         }
         self.client.lock().clone()
     }
 
     /// Dials the server again and authenticates; its transfer channel may have moved.
     fn redial(&self) -> L3Result<()> {
-        let fresh = dial(&self.rt, self.addr, self.opts.max_frame_bytes)?;
+        let (addr, epoch) = self.locator.resolve(self.leader_wait())?;
+        let fresh = dial(&self.rt, addr, self.opts.max_frame_bytes)?;
         // Authenticated before any other call can use it.
         let limits = self.hello_on(&fresh)?;
+        self.fence.admit(epoch.max(limits.epoch))?;
+        *self.addr.lock() = addr;
         *self.client.lock() = fresh;
         self.broken.store(false, Ordering::Release);
         if let Some(slot) = &self.xfer
             && limits.xfer_port != 0
         {
-            let xa = SocketAddr::new(self.addr.ip(), limits.xfer_port);
+            let xa = SocketAddr::new(addr.ip(), limits.xfer_port);
             let mut s = slot.lock();
             if s.addr != xa {
                 s.addr = xa;
                 s.conn = None;
             }
         }
-        tracing::info!(addr = %self.addr, "reconnected");
+        tracing::info!(%addr, epoch = limits.epoch, "reconnected");
         Ok(())
+    }
+
+    /// How long a redial waits for an etcd cluster to publish a leader (one call's worth).
+    fn leader_wait(&self) -> Duration {
+        self.opts.leader_call_timeout
     }
 
     /// A transport error: -900, and a broken connection is dialled again by the next call.
     fn transport_err(&self, e: RpcError) -> L3Error {
+        // Following a leader, a call past its deadline means a paused or cut-off master:
+        // find the leader again rather than wait on it.
         if matches!(
             e,
             RpcError::Shutdown | RpcError::Send(_) | RpcError::Channel(_)
-        ) {
+        ) || (self.locator.follows_leader() && matches!(e, RpcError::DeadlineExceeded))
+        {
             self.broken.store(true, Ordering::Release);
         }
         rpc_err(e)
@@ -259,7 +339,12 @@ impl RemoteStore {
 
     fn ctx(&self) -> context::Context {
         let mut c = context::current();
-        c.deadline = Instant::now() + self.opts.rpc_timeout;
+        let t = if self.locator.follows_leader() {
+            self.opts.rpc_timeout.min(self.opts.leader_call_timeout)
+        } else {
+            self.opts.rpc_timeout
+        };
+        c.deadline = Instant::now() + t;
         c
     }
 
@@ -298,7 +383,12 @@ impl RemoteStore {
     }
 
     fn run<T>(&self, f: impl Future<Output = Result<L3Result<T>, RpcError>>) -> L3Result<T> {
-        self.rt.block_on(f).map_err(|e| self.transport_err(e))?
+        let r = self.rt.block_on(f).map_err(|e| self.transport_err(e))?;
+        if let Err(L3Error::NotLeader(_)) = &r {
+            // The master stepped down: find the leader again before the next call.
+            self.broken.store(true, Ordering::Release);
+        }
+        r
     }
 
     /// Splits `0..n` into consecutive ranges whose `size(i)` sum stays within a chunk.

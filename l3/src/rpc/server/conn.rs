@@ -50,7 +50,7 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
 impl<B: Backend> Conn<B> {
     fn auth(&self) -> L3Result<()> {
         if self.authed.load(Ordering::Acquire) {
-            Ok(())
+            self.store.gate()
         } else {
             Err(L3Error::IllegalClient(
                 "call hello (with the token) first".into(),
@@ -64,9 +64,12 @@ impl<B: Backend> Conn<B> {
     ) -> L3Result<T> {
         self.auth()?;
         let s = self.store.clone();
-        tokio::task::spawn_blocking(move || f(&s))
+        let r = tokio::task::spawn_blocking(move || f(&s))
             .await
-            .map_err(|e| L3Error::Internal(format!("worker failed: {e}")))?
+            .map_err(|e| L3Error::Internal(format!("worker failed: {e}")))?;
+        // A leader that lost its lease while the call ran does not answer it.
+        self.store.gate()?;
+        r
     }
 }
 
@@ -80,6 +83,7 @@ impl<B: Backend> L3Rpc for Conn<B> {
         if !ok {
             return Err(L3Error::IllegalClient("bad token".into()));
         }
+        self.store.gate()?;
         self.authed.store(true, Ordering::Release);
         Ok(self.limits)
     }

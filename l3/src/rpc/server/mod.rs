@@ -87,6 +87,15 @@ pub trait Backend: L3Store + 'static {
     /// What the transfer channel serves (None: no transfer channel).
     fn xfer_handler(self: Arc<Self>) -> Option<Arc<dyn XferHandler>>;
     /// The `cluster` call (node ↔ master); -1010 unless this is a master.
+    /// Leader epoch advertised by `hello` (etcd HA masters; 0 otherwise).
+    fn epoch(&self) -> u64 {
+        0
+    }
+    /// Ok while this server may answer calls (an etcd HA master: while it surely holds its
+    /// leader lease); checked before and after every call.
+    fn gate(&self) -> L3Result<()> {
+        Ok(())
+    }
     fn cluster(&self, _req: ClusterRequest) -> L3Result<ClusterReply> {
         Err(L3Error::Unavailable(
             "not a master (start one with `kvtier-l3 --role master`)".into(),
@@ -255,6 +264,7 @@ pub async fn start<B: Backend>(
         max_object_bytes: store.max_object_bytes(),
         xfer_port: xfer.as_ref().map(|x| x.addr.port()).unwrap_or(0),
         cluster: store.is_cluster_master(),
+        epoch: store.epoch(),
     };
     if let Some(x) = xfer {
         let mut stop_x = stop.clone();

@@ -1,0 +1,231 @@
+//! [`LocalEtcd`]: a real etcd cluster of N members on 127.0.0.1 (ephemeral ports, a temp
+//! data dir), for the failover tests, `l3-bench --only failover` and the docs' example.
+//!
+//! Why in the library: the tests, the benchmark and the HA example all need the same thing —
+//! Debian's `etcd` binary started as separate processes, a quorum awaited, members killed,
+//! paused and restarted by PID, and everything stopped when dropped — and one copy of it
+//! keeps them honest. Short heartbeat/election timeouts (50/500 ms) make an etcd leader
+//! loss cost half a second instead of etcd's default second.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::etcd::Etcd;
+use crate::error::{L3Error, L3Result};
+
+struct Member {
+    name: String,
+    client: u16,
+    peer: u16,
+    child: Option<Child>,
+}
+
+/// A local etcd cluster; its processes are SIGKILLed and its data removed on drop.
+pub struct LocalEtcd {
+    members: Vec<Member>,
+    dir: PathBuf,
+    initial: String,
+}
+
+fn free_port() -> L3Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0")
+        .map_err(|e| L3Error::Internal(format!("bind a free port: {e}")))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| L3Error::Internal(e.to_string()))
+}
+
+fn signal(child: &Child, sig: libc::c_int) {
+    // SAFETY: kill(2) on the PID of a child this struct owns and has not reaped.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, sig);
+    }
+}
+
+impl LocalEtcd {
+    /// Starts `n` members (the `etcd` binary on PATH, or `$KVTIER_ETCD_BIN`) and waits for
+    /// a quorum with a leader.
+    pub fn start(n: usize) -> L3Result<Self> {
+        if n == 0 {
+            return Err(L3Error::InvalidParams(
+                "an etcd cluster needs a member".into(),
+            ));
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "kvtier-etcd-{}-{}",
+            std::process::id(),
+            free_port()?
+        ));
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| L3Error::Internal(format!("{}: {e}", dir.display())))?;
+        let mut members = Vec::new();
+        for i in 0..n {
+            members.push(Member {
+                name: format!("m{i}"),
+                client: free_port()?,
+                peer: free_port()?,
+                child: None,
+            });
+        }
+        let initial = members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut me = LocalEtcd {
+            members,
+            dir,
+            initial,
+        };
+        for i in 0..n {
+            me.spawn(i)?;
+        }
+        me.wait_leader(Duration::from_secs(20))?;
+        Ok(me)
+    }
+
+    fn spawn(&mut self, i: usize) -> L3Result<()> {
+        let bin = std::env::var("KVTIER_ETCD_BIN").unwrap_or_else(|_| "etcd".into());
+        let m = &self.members[i];
+        let data = self.dir.join(&m.name);
+        let client = format!("http://127.0.0.1:{}", m.client);
+        let peer = format!("http://127.0.0.1:{}", m.peer);
+        let child = Command::new(&bin)
+            .args(["--name", &m.name, "--data-dir"])
+            .arg(&data)
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &self.initial])
+            .args(["--initial-cluster-state", "new"])
+            .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+            .args(["--logger", "zap", "--log-outputs", "stderr"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| {
+                L3Error::Unavailable(format!(
+                    "cannot start {bin:?} ({e}): install etcd (Debian: apt-get install etcd-server)"
+                ))
+            })?;
+        self.members[i].child = Some(child);
+        Ok(())
+    }
+
+    /// `127.0.0.1:p,…` of every member (for `kvtier-l3 --etcd`).
+    pub fn endpoints(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// `etcd://a;b;c/CLUSTER`: the locator clients and nodes follow the leader with.
+    pub fn locator(&self, cluster: &str) -> String {
+        let eps: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client))
+            .collect();
+        format!("etcd://{}/{cluster}", eps.join(";"))
+    }
+
+    /// A client of the whole cluster.
+    pub fn client(&self) -> L3Result<Etcd> {
+        Etcd::parse(&self.endpoints(), Duration::from_millis(500))
+    }
+
+    /// The member that is etcd's raft leader now, if one answers.
+    pub fn leader(&self) -> Option<usize> {
+        let mut ids = Vec::new();
+        let mut leader = None;
+        for m in &self.members {
+            let one = Etcd::parse(
+                &format!("127.0.0.1:{}", m.client),
+                Duration::from_millis(300),
+            )
+            .ok()?;
+            let st = one.status().ok();
+            ids.push(st.as_ref().map(|s| s.0));
+            if let Some((_, l)) = st
+                && l != 0
+            {
+                leader = Some(l);
+            }
+        }
+        let l = leader?;
+        ids.iter().position(|id| *id == Some(l))
+    }
+
+    /// Waits until a member reports a leader.
+    pub fn wait_leader(&self, limit: Duration) -> L3Result<usize> {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(i) = self.leader() {
+                return Ok(i);
+            }
+            if Instant::now() >= end {
+                return Err(L3Error::Unavailable("etcd elected no leader".into()));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILLs member `i`.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts member `i` again on its data dir (after [`LocalEtcd::kill`]).
+    pub fn restart(&mut self, i: usize) -> L3Result<()> {
+        self.kill(i);
+        self.spawn(i)
+    }
+
+    /// SIGSTOPs member `i`.
+    pub fn pause(&self, i: usize) {
+        if let Some(c) = &self.members[i].child {
+            signal(c, libc::SIGSTOP);
+        }
+    }
+
+    /// SIGCONTs member `i`.
+    pub fn resume(&self, i: usize) {
+        if let Some(c) = &self.members[i].child {
+            signal(c, libc::SIGCONT);
+        }
+    }
+}
+
+impl Etcd {
+    /// This member's id and the raft leader's id (`/v3/maintenance/status`).
+    pub fn status(&self) -> L3Result<(u64, u64)> {
+        let v = self.call("/v3/maintenance/status", &json!({}))?;
+        let id = |v: &serde_json::Value| -> u64 {
+            v.as_str()
+                .and_then(|s| s.parse().ok())
+                .or_else(|| v.as_u64())
+                .unwrap_or(0)
+        };
+        Ok((id(&v["header"]["member_id"]), id(&v["leader"])))
+    }
+}
+
+impl Drop for LocalEtcd {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.resume(i);
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

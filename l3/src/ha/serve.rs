@@ -1,0 +1,77 @@
+//! `kvtier-l3 --role master --etcd …`: campaign, then serve as the leader until the lease is
+//! lost (then restart as a candidate) or SIGTERM (then resign, so a standby takes over at
+//! once instead of after the TTL).
+//!
+//! Why restart by re-executing the process: a deposed leader's whole state (objects, pending
+//! puts, connections) belongs to an epoch that is over. Starting clean as a candidate is the
+//! one way to be sure none of it is used again; everything that must survive is in etcd or
+//! on the nodes. The process id stays the same, so a supervisor (or a test) keeps its handle.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use super::election::{ClusterKeys, campaign};
+use super::etcd::Etcd;
+use crate::cluster::ClusterMaster;
+use crate::config::StoreConfig;
+use crate::rpc::server::ServerOptions;
+
+/// Replaces this process by a fresh run of itself with the same arguments.
+fn restart_self(why: &str) {
+    use std::os::unix::process::CommandExt;
+    eprintln!("kvtier-l3 master: restarting as a candidate ({why})");
+    match std::env::current_exe() {
+        Ok(exe) => {
+            let e = std::process::Command::new(exe)
+                .args(std::env::args_os().skip(1))
+                .exec();
+            eprintln!("kvtier-l3 master: re-exec failed: {e}");
+        }
+        Err(e) => eprintln!("kvtier-l3 master: cannot find my executable: {e}"),
+    }
+}
+
+/// Campaigns on `etcd_spec` for cluster `cluster`, then serves as its leader.
+pub(crate) fn run_master(
+    etcd_spec: &str,
+    cluster: &str,
+    ttl: Duration,
+    cfg: StoreConfig,
+    opts: ServerOptions,
+) -> Result<(), String> {
+    // A paused etcd member must cost well under the TTL, so the lease is renewed in time
+    // through another member.
+    let per_member = (ttl / 5).max(Duration::from_millis(150));
+    let etcd = Arc::new(Etcd::parse(etcd_spec, per_member).map_err(|e| e.to_string())?);
+    let keys = ClusterKeys::new(cluster).map_err(|e| e.to_string())?;
+    super::on_step_down(restart_self);
+    eprintln!("kvtier-l3 master: standby in cluster {cluster:?}, campaigning on etcd");
+    let never = AtomicBool::new(false);
+    let lease = campaign(etcd, keys, ttl, &never)
+        .map_err(|e| e.to_string())?
+        .ok_or("campaign stopped")?;
+    eprintln!(
+        "kvtier-l3 master: elected leader of epoch {}",
+        lease.epoch()
+    );
+    let _keeper = lease
+        .spawn_keeper(|| super::step_down(&"the etcd lease could not be renewed in time"))
+        .map_err(|e| e.to_string())?;
+    let master = match ClusterMaster::open_ha(cfg, lease.clone()) {
+        Ok(m) => m,
+        // etcd failed us while replaying: try again from the start.
+        Err(e) => super::step_down(&e),
+    };
+    let l2 = lease.clone();
+    let publish = move |addr: SocketAddr| match l2.publish(addr) {
+        Ok(()) => Ok(()),
+        Err(e) => super::step_down(&e),
+    };
+    crate::cli::serve_then(master.clone(), opts, publish)?;
+    lease.resign();
+    master.shutdown();
+    eprintln!("kvtier-l3: master shut down cleanly (leadership given up)");
+    Ok(())
+}

@@ -1,0 +1,133 @@
+//! An etcd HA deployment of real processes: 3 etcd members, several `kvtier-l3 --role
+//! master --etcd` (each on a port chosen here, so the leader's address names its process),
+//! store nodes with SSD tiers following the leader through `etcd://`.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtier_l3::ha::local_etcd::LocalEtcd;
+use kvtier_l3::ha::{ClusterKeys, Locator, read_leader};
+use kvtier_l3::{ClientOptions, RemoteStore};
+
+use super::procs::{Proc, args, spawn};
+
+pub const CLUSTER: &str = "t";
+
+pub fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+pub struct HaMaster {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Drop for HaMaster {
+    fn drop(&mut self) {
+        signal(&self.child, libc::SIGCONT);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn signal(c: &Child, sig: libc::c_int) {
+    // SAFETY: kill(2) on a child we own.
+    unsafe {
+        libc::kill(c.id() as libc::pid_t, sig);
+    }
+}
+
+/// Flags of every master of the test cluster.
+pub fn master_flags(etcd: &LocalEtcd, listen: SocketAddr, ttl_s: u64) -> Vec<String> {
+    args(&[
+        "--role",
+        "master",
+        "--listen",
+        &listen.to_string(),
+        "--etcd",
+        &etcd.endpoints(),
+        "--cluster",
+        CLUSTER,
+        "--leader-ttl-s",
+        &ttl_s.to_string(),
+        "--client-ttl-ms",
+        "5000",
+        "--rebuild-timeout-ms",
+        "15000",
+    ])
+}
+
+pub fn spawn_master(etcd: &LocalEtcd, listen: SocketAddr, ttl_s: u64) -> HaMaster {
+    let child = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
+        .args(master_flags(etcd, listen, ttl_s))
+        .env_remove("KVTIER_L3_TOKEN")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    HaMaster {
+        child,
+        addr: listen,
+    }
+}
+
+/// The published leader (address, epoch), waiting up to `limit`.
+pub fn leader(etcd: &LocalEtcd, limit: Duration) -> Option<(SocketAddr, u64)> {
+    let c = etcd.client().ok()?;
+    let keys = ClusterKeys::new(CLUSTER).unwrap();
+    let end = Instant::now() + limit;
+    loop {
+        if let Ok(Some(v)) = read_leader(&c, &keys)
+            && let Some(a) = v.addr
+        {
+            return Some((a, v.epoch));
+        }
+        if Instant::now() >= end {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A store node following the leader.
+pub fn ha_node(etcd: &LocalEtcd, id: u64, ssd: &Path) -> Proc {
+    spawn(
+        &args(&[
+            "--role",
+            "node",
+            "--listen",
+            "127.0.0.1:0",
+            "--segment-bytes",
+            "16777216",
+            "--ping-ms",
+            "100",
+            "--master-timeout-ms",
+            "1000",
+            "--master",
+            &etcd.locator(CLUSTER),
+            "--node-id",
+            &id.to_string(),
+            "--ssd-dir",
+            &ssd.display().to_string(),
+        ]),
+        None,
+    )
+}
+
+/// A client following the leader.
+pub fn ha_client(etcd: &LocalEtcd) -> RemoteStore {
+    RemoteStore::connect_to(
+        Locator::parse(&etcd.locator(CLUSTER)).unwrap(),
+        ClientOptions {
+            failover_timeout: Duration::from_secs(30),
+            leader_call_timeout: Duration::from_millis(1000),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
