@@ -110,7 +110,10 @@ fn a_paused_member_costs_one_deadline_and_never_hangs_a_call() {
     let t0 = Instant::now();
     assert_eq!(c.get(b"/p/k").unwrap().unwrap().value, b"v");
     let took = t0.elapsed();
-    assert!(took >= DEADLINE, "the paused member was not tried first: {took:?}");
+    assert!(
+        took >= DEADLINE,
+        "the paused member was not tried first: {took:?}"
+    );
     assert!(took < DEADLINE + SLACK, "get took {took:?}");
     // The member that answered is now preferred: no deadline spent.
     let t0 = Instant::now();
