@@ -13,8 +13,10 @@
 //! accepts connections but never answers — a SIGSTOPped etcd keeps its sockets, and
 //! Mooncake's master hung on exactly that (issue #2253). Here each attempt on a member is
 //! bounded by one deadline (connect and request together), and the members are tried in
-//! turn starting with the one that answered last: a paused, killed or leaderless member
-//! (`require_leader`) costs at most one deadline, then the next member answers.
+//! turn starting with the one that answered last: a paused or killed member costs at most
+//! one deadline, then the next member answers. No `require_leader`: during etcd's own
+//! leader election a request waits on its member (up to the deadline) rather than failing on
+//! every member at once — the settle log steps the master down when a commit fails.
 //!
 //! Every read is linearizable (etcd's default), so a read never returns a leader key older
 //! than one another process has already seen.
@@ -236,8 +238,7 @@ impl Etcd {
                     None => {
                         let opts = ec::ConnectOptions::new()
                             .with_connect_timeout(deadline)
-                            .with_timeout(deadline)
-                            .with_require_leader(true);
+                            .with_timeout(deadline);
                         let c = ec::Client::connect([url], Some(opts)).await?;
                         *slot.lock() = Some(c.clone());
                         c
