@@ -87,7 +87,7 @@ def ha(tmp_path):
 
 
 def leader_addr(locator):
-    """The leader's address, read from etcd's JSON gateway (as the Rust client does)."""
+    """The leader's address, read from etcd's JSON gateway (a linearizable read, as the Rust client's)."""
     members, _, cluster = locator[len("etcd://"):].partition("/")
     key = base64.b64encode(f"/kvtier/{cluster}/leader".encode()).decode()
     for m in members.split(";"):

@@ -1,26 +1,34 @@
-//! A small blocking etcd v3 client over etcd's own HTTP/JSON gateway (`/v3/kv/*`,
-//! `/v3/lease/*`), the documented JSON mapping of its gRPC API.
+//! A blocking etcd v3 client for the HA layer, built on the `etcd-client` crate (etcd's gRPC
+//! API over tonic).
 //!
-//! Why not the `etcd-client` crate: it is async (tonic, prost, hyper, h2; `protoc` at build
-//! time) while every caller here is synchronous — the settle log commits from a lock
-//! guard's `Drop`, clients resolve the leader from a plain thread — and the few calls the
-//! HA layer makes (grant, keep-alive, range, txn, compact) are one request and one reply
-//! each. So: one short-lived HTTP/1.0 connection per call (no chunked replies, no pooling to
-//! go stale), a deadline on connect, write and read, and the endpoints tried in turn
-//! starting with the one that answered last. A member that is paused or cut off costs one
-//! deadline, then the next member answers (Mooncake's master hung there: issue #2253).
+//! Why a blocking wrapper: every caller is synchronous — the settle log commits from a lock
+//! guard's `Drop`, clients resolve the leader from a plain thread — and some run on a worker
+//! thread of the tarpc server's tokio runtime, where `Runtime::block_on` panics. So the
+//! async calls run on one small runtime of this module's own (one worker thread, built on
+//! first use, never dropped), and the caller waits for the reply on a std channel: that
+//! works from any thread, inside another runtime or not.
 //!
-//! Every request is linearizable (the gateway's default), so a read never returns a leader
-//! key older than one another process has already seen.
+//! Why one `etcd_client::Client` per member rather than one for the whole cluster: its
+//! balanced channel spreads requests over the members and knows nothing of a member that
+//! accepts connections but never answers — a SIGSTOPped etcd keeps its sockets, and
+//! Mooncake's master hung on exactly that (issue #2253). Here each attempt on a member is
+//! bounded by one deadline (connect and request together), and the members are tried in
+//! turn starting with the one that answered last: a paused or killed member costs at most
+//! one deadline, then the next member answers. No `require_leader`: during etcd's own
+//! leader election a request waits on its member (up to the deadline) rather than failing on
+//! every member at once — the settle log steps the master down when a commit fails.
+//!
+//! Every read is linearizable (etcd's default), so a read never returns a leader key older
+//! than one another process has already seen.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use base64::Engine;
-use base64::engine::general_purpose::STANDARD as B64;
-use serde_json::{Value, json};
+use etcd_client as ec;
+use parking_lot::Mutex;
+use tokio::runtime::Runtime;
 
 use crate::error::{L3Error, L3Result};
 
@@ -65,39 +73,48 @@ pub enum Op {
     },
 }
 
+/// One member's client, connected on first use and dropped after a failure (the next
+/// attempt connects afresh).
+type Slot = Arc<Mutex<Option<ec::Client>>>;
+
 /// The etcd cluster's client endpoints.
-#[derive(Debug)]
 pub struct Etcd {
     endpoints: Vec<String>,
     timeout: Duration,
     /// Index of the endpoint that answered last (tried first).
     preferred: AtomicUsize,
+    members: Vec<Slot>,
+}
+
+impl std::fmt::Debug for Etcd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Etcd")
+            .field("endpoints", &self.endpoints)
+            .field("timeout", &self.timeout)
+            .field("preferred", &self.preferred)
+            .finish_non_exhaustive()
+    }
 }
 
 fn unavailable(what: String) -> L3Error {
     L3Error::Unavailable(format!("etcd: {what}"))
 }
 
-fn b64(b: &[u8]) -> String {
-    B64.encode(b)
-}
-
-fn unb64(v: &Value) -> L3Result<Vec<u8>> {
-    match v.as_str() {
-        None => Ok(Vec::new()),
-        Some(s) => B64
-            .decode(s)
-            .map_err(|e| unavailable(format!("bad base64 in a reply: {e}"))),
-    }
-}
-
-/// An int64 field (the gateway writes them as strings; absent means 0).
-fn int(v: &Value) -> i64 {
-    match v {
-        Value::String(s) => s.parse().unwrap_or(0),
-        Value::Number(n) => n.as_i64().unwrap_or(0),
-        _ => 0,
-    }
+/// The runtime every call runs on: one worker thread is plenty for a few small requests at
+/// a time, and being static it is never dropped (dropping a runtime on a runtime's worker
+/// thread panics).
+fn runtime() -> L3Result<&'static Runtime> {
+    static RT: OnceLock<Result<Runtime, String>> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvtier-etcd")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| L3Error::Internal(format!("etcd client runtime: {e}")))
 }
 
 /// The first key after every key starting with `prefix` (etcd's `range_end` for a prefix).
@@ -112,20 +129,22 @@ pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     vec![0]
 }
 
-fn parse_kvs(v: &Value) -> L3Result<Vec<Kv>> {
-    let Some(kvs) = v.get("kvs").and_then(Value::as_array) else {
-        return Ok(Vec::new());
-    };
-    kvs.iter()
-        .map(|kv| {
-            Ok(Kv {
-                key: unb64(&kv["key"])?,
-                value: unb64(&kv["value"])?,
-                create_revision: int(&kv["create_revision"]),
-                mod_revision: int(&kv["mod_revision"]),
-            })
-        })
-        .collect()
+fn kv(k: &ec::KeyValue) -> Kv {
+    Kv {
+        key: k.key().to_vec(),
+        value: k.value().to_vec(),
+        create_revision: k.create_revision(),
+        mod_revision: k.mod_revision(),
+    }
+}
+
+fn revision(h: Option<&ec::ResponseHeader>) -> i64 {
+    h.map_or(0, ec::ResponseHeader::revision)
+}
+
+/// What etcd-client reports when a keep-alive's reply has TTL 0 (the lease is gone).
+fn lease_not_found(e: &ec::Error) -> bool {
+    matches!(e, ec::Error::LeaseKeepAliveError(m) if m == "lease not found")
 }
 
 impl Etcd {
@@ -159,10 +178,12 @@ impl Etcd {
         if timeout.is_zero() {
             return Err(L3Error::InvalidParams("etcd timeout must be > 0".into()));
         }
+        let members = endpoints.iter().map(|_| Slot::default()).collect();
         Ok(Etcd {
             endpoints,
             timeout,
             preferred: AtomicUsize::new(0),
+            members,
         })
     }
 
@@ -171,109 +192,145 @@ impl Etcd {
         &self.endpoints
     }
 
-    /// Tries every member in turn from the preferred one; the first reply wins.
-    pub(crate) fn call(&self, path: &str, body: &Value) -> L3Result<Value> {
-        self.post(path, body)
-    }
-
-    fn post(&self, path: &str, body: &Value) -> L3Result<Value> {
+    /// Runs `op` on every member in turn from the preferred one; the first reply wins.
+    fn call<T, F, Fut>(&self, what: &str, op: F) -> L3Result<T>
+    where
+        T: Send + 'static,
+        F: Fn(ec::Client) -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = Result<T, ec::Error>> + Send + 'static,
+    {
+        let rt = runtime()?;
         let n = self.endpoints.len();
         let first = self.preferred.load(Ordering::Relaxed) % n;
         let mut last = String::new();
         for i in 0..n {
             let at = (first + i) % n;
-            match self.post_one(&self.endpoints[at], path, body) {
+            match self.once(rt, at, op.clone()) {
                 Ok(v) => {
                     self.preferred.store(at, Ordering::Relaxed);
                     return Ok(v);
                 }
-                Err(e) => last = format!("{}: {e}", self.endpoints[at]),
+                Err(e) => {
+                    *self.members[at].lock() = None;
+                    last = format!("{}: {e}", self.endpoints[at]);
+                }
             }
         }
-        Err(unavailable(format!("no member answered {path}: {last}")))
+        Err(unavailable(format!("no member answered {what}: {last}")))
     }
 
-    fn post_one(&self, hostport: &str, path: &str, body: &Value) -> Result<Value, String> {
-        let addr: SocketAddr = hostport
-            .to_socket_addrs()
-            .map_err(|e| e.to_string())?
-            .next()
-            .ok_or("no address")?;
-        let mut s = TcpStream::connect_timeout(&addr, self.timeout).map_err(|e| e.to_string())?;
-        s.set_read_timeout(Some(self.timeout))
-            .and_then(|_| s.set_write_timeout(Some(self.timeout)))
-            .map_err(|e| e.to_string())?;
-        let _ = s.set_nodelay(true);
-        let payload = body.to_string();
-        let req = format!(
-            "POST {path} HTTP/1.0\r\nHost: {hostport}\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n{payload}",
-            payload.len()
-        );
-        s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
-        let mut out = Vec::new();
-        s.take(64 << 20)
-            .read_to_end(&mut out)
-            .map_err(|e| e.to_string())?;
-        let text = String::from_utf8_lossy(&out);
-        let (head, body) = text.split_once("\r\n\r\n").ok_or("truncated reply")?;
-        let status = head.split_whitespace().nth(1).unwrap_or("");
-        let v: Value = serde_json::from_str(body.trim()).map_err(|e| format!("{e}: {body}"))?;
-        if status != "200" {
-            let msg = v
-                .get("error")
-                .or_else(|| v.get("message"))
-                .and_then(Value::as_str)
-                .unwrap_or("");
-            return Err(format!("HTTP {status}: {msg}"));
+    /// One attempt on member `at`, connect included, bounded by the deadline.
+    fn once<T, F, Fut>(&self, rt: &Runtime, at: usize, op: F) -> Result<T, String>
+    where
+        T: Send + 'static,
+        F: FnOnce(ec::Client) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, ec::Error>> + Send + 'static,
+    {
+        let slot = self.members[at].clone();
+        let url = format!("http://{}", self.endpoints[at]);
+        let deadline = self.timeout;
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        rt.spawn(async move {
+            let attempt = async {
+                let cached = slot.lock().clone();
+                let client = match cached {
+                    Some(c) => c,
+                    None => {
+                        let opts = ec::ConnectOptions::new()
+                            .with_connect_timeout(deadline)
+                            .with_timeout(deadline);
+                        let c = ec::Client::connect([url], Some(opts)).await?;
+                        *slot.lock() = Some(c.clone());
+                        c
+                    }
+                };
+                op(client).await
+            };
+            let r = match tokio::time::timeout(deadline, attempt).await {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err(format!("no reply within {deadline:?}")),
+            };
+            let _ = tx.send(r);
+        });
+        // The task always replies within the deadline; the margin only guards against a
+        // runtime that no longer runs (e.g. in a forked child).
+        match rx.recv_timeout(deadline * 2 + Duration::from_millis(100)) {
+            Ok(r) => r,
+            Err(e) => Err(format!("etcd client runtime: {e}")),
         }
-        // A streamed call (keep-alive) wraps its one reply in `result`.
-        Ok(v.get("result").cloned().unwrap_or(v))
     }
 
     /// Grants a lease of `ttl_s` seconds; returns its id.
     pub fn grant(&self, ttl_s: u64) -> L3Result<i64> {
-        let v = self.post("/v3/lease/grant", &json!({ "TTL": ttl_s.to_string() }))?;
-        match int(&v["ID"]) {
-            0 => Err(unavailable(format!("lease grant refused: {v}"))),
+        let ttl = i64::try_from(ttl_s)
+            .map_err(|_| L3Error::InvalidParams(format!("lease TTL {ttl_s}s is too long")))?;
+        let id = self.call("lease grant", move |mut c| async move {
+            Ok(c.lease_grant(ttl, None).await?.id())
+        })?;
+        match id {
+            0 => Err(unavailable("lease grant refused".into())),
             id => Ok(id),
         }
     }
 
     /// Renews a lease; returns its remaining TTL in seconds (0: the lease is gone).
+    ///
+    /// etcd-client's keep-alive stream sends one renewal and reads its reply when it opens
+    /// (refusing a TTL of 0 as "lease not found"); one more renewal on the stream, sent and
+    /// read, gives the remaining TTL. Both happen within the one deadline.
     pub fn keep_alive(&self, lease: i64) -> L3Result<i64> {
-        let v = self.post("/v3/lease/keepalive", &json!({ "ID": lease.to_string() }))?;
-        Ok(int(&v["TTL"]))
+        self.call("lease keep-alive", move |mut c| async move {
+            let (mut keeper, mut replies) = match c.lease_keep_alive(lease).await {
+                Ok(open) => open,
+                Err(e) if lease_not_found(&e) => return Ok(0),
+                Err(e) => return Err(e),
+            };
+            keeper.keep_alive().await?;
+            match replies.message().await? {
+                Some(r) => Ok(r.ttl()),
+                None => Err(ec::Error::LeaseKeepAliveError(
+                    "keep-alive stream closed".into(),
+                )),
+            }
+        })
     }
 
     /// Revokes a lease (its keys go with it).
     pub fn revoke(&self, lease: i64) -> L3Result<()> {
-        self.post("/v3/lease/revoke", &json!({ "ID": lease.to_string() }))
-            .map(|_| ())
+        self.call("lease revoke", move |mut c| async move {
+            c.lease_revoke(lease).await.map(|_| ())
+        })
     }
 
     /// The key, if it exists.
     pub fn get(&self, key: &[u8]) -> L3Result<Option<Kv>> {
-        let v = self.post("/v3/kv/range", &json!({ "key": b64(key) }))?;
-        Ok(parse_kvs(&v)?.into_iter().next())
+        let key = key.to_vec();
+        self.call("range", move |mut c| {
+            let key = key.clone();
+            async move { Ok(c.get(key, None).await?.kvs().first().map(kv)) }
+        })
     }
 
     /// Every key starting with `prefix`, in key order, and the store's revision.
     pub fn get_prefix(&self, prefix: &[u8]) -> L3Result<(Vec<Kv>, i64)> {
-        let v = self.post(
-            "/v3/kv/range",
-            &json!({ "key": b64(prefix), "range_end": b64(&prefix_end(prefix)) }),
-        )?;
-        Ok((parse_kvs(&v)?, int(&v["header"]["revision"])))
+        let prefix = prefix.to_vec();
+        self.call("range", move |mut c| {
+            let opts = ec::GetOptions::new().with_range(prefix_end(&prefix));
+            let prefix = prefix.clone();
+            async move {
+                let r = c.get(prefix, Some(opts)).await?;
+                Ok((r.kvs().iter().map(kv).collect(), revision(r.header())))
+            }
+        })
     }
 
     /// Puts a value (no lease), unconditionally.
     pub fn put(&self, key: &[u8], value: &[u8]) -> L3Result<()> {
-        self.post(
-            "/v3/kv/put",
-            &json!({ "key": b64(key), "value": b64(value) }),
-        )
-        .map(|_| ())
+        let (key, value) = (key.to_vec(), value.to_vec());
+        self.call("put", move |mut c| {
+            let (key, value) = (key.clone(), value.clone());
+            async move { c.put(key, value, None).await.map(|_| ()) }
+        })
     }
 
     /// A transaction: `ops` if every comparison holds. Returns whether it did, the
@@ -284,48 +341,59 @@ impl Etcd {
         ops: &[Op],
         read_on_failure: Option<&[u8]>,
     ) -> L3Result<(bool, i64, Option<Kv>)> {
-        let cmp: Vec<Value> = compare
+        let when: Vec<ec::Compare> = compare
             .iter()
             .map(|c| match c {
-                Compare::CreateRevision(k, r) => json!({
-                    "target": "CREATE", "key": b64(k), "create_revision": r.to_string()
-                }),
+                Compare::CreateRevision(k, r) => {
+                    ec::Compare::create_revision(k.clone(), ec::CompareOp::Equal, *r)
+                }
             })
             .collect();
-        let success: Vec<Value> = ops
+        let then: Vec<ec::TxnOp> = ops
             .iter()
             .map(|o| match o {
-                Op::Put { key, value, lease } => json!({ "request_put": {
-                    "key": b64(key), "value": b64(value), "lease": lease.to_string()
-                }}),
-                Op::DeleteRange { from, to } => json!({ "request_delete_range": {
-                    "key": b64(from), "range_end": b64(to)
-                }}),
+                Op::Put { key, value, lease } => ec::TxnOp::put(
+                    key.clone(),
+                    value.clone(),
+                    Some(ec::PutOptions::new().with_lease(*lease)),
+                ),
+                Op::DeleteRange { from, to } => ec::TxnOp::delete(
+                    from.clone(),
+                    Some(ec::DeleteOptions::new().with_range(to.clone())),
+                ),
             })
             .collect();
-        let failure: Vec<Value> = read_on_failure
-            .map(|k| vec![json!({ "request_range": { "key": b64(k) } })])
+        let otherwise: Vec<ec::TxnOp> = read_on_failure
+            .map(|k| vec![ec::TxnOp::get(k.to_vec(), None)])
             .unwrap_or_default();
-        let v = self.post(
-            "/v3/kv/txn",
-            &json!({ "compare": cmp, "success": success, "failure": failure }),
-        )?;
-        let ok = v["succeeded"].as_bool().unwrap_or(false);
-        let rev = int(&v["header"]["revision"]);
-        let mut current = None;
-        if !ok && let Some(r) = v["responses"].as_array().and_then(|a| a.first()) {
-            current = parse_kvs(&r["response_range"])?.into_iter().next();
-        }
-        Ok((ok, rev, current))
+        let txn = ec::Txn::new().when(when).and_then(then).or_else(otherwise);
+        self.call("txn", move |mut c| {
+            let txn = txn.clone();
+            async move {
+                let r = c.txn(txn).await?;
+                let ok = r.succeeded();
+                let mut current = None;
+                if !ok && let Some(ec::TxnOpResponse::Get(g)) = r.op_responses().first() {
+                    current = g.kvs().first().map(kv);
+                }
+                Ok((ok, revision(r.header()), current))
+            }
+        })
     }
 
     /// Drops the history before `revision` (keeps etcd's database bounded).
     pub fn compact(&self, revision: i64) -> L3Result<()> {
-        self.post(
-            "/v3/kv/compaction",
-            &json!({ "revision": revision.to_string() }),
-        )
-        .map(|_| ())
+        self.call("compaction", move |mut c| async move {
+            c.compact(revision, None).await.map(|_| ())
+        })
+    }
+
+    /// This member's id and the raft leader's id (etcd's maintenance status).
+    pub fn status(&self) -> L3Result<(u64, u64)> {
+        self.call("status", |mut c| async move {
+            let s = c.status().await?;
+            Ok((s.header().map_or(0, |h| h.member_id()), s.leader()))
+        })
     }
 }
 

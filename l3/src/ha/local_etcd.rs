@@ -12,8 +12,6 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
-
 use super::etcd::Etcd;
 use crate::error::{L3Error, L3Result};
 
@@ -203,20 +201,6 @@ impl LocalEtcd {
         if let Some(c) = &self.members[i].child {
             signal(c, libc::SIGCONT);
         }
-    }
-}
-
-impl Etcd {
-    /// This member's id and the raft leader's id (`/v3/maintenance/status`).
-    pub fn status(&self) -> L3Result<(u64, u64)> {
-        let v = self.call("/v3/maintenance/status", &json!({}))?;
-        let id = |v: &serde_json::Value| -> u64 {
-            v.as_str()
-                .and_then(|s| s.parse().ok())
-                .or_else(|| v.as_u64())
-                .unwrap_or(0)
-        };
-        Ok((id(&v["header"]["member_id"]), id(&v["leader"])))
     }
 }
 

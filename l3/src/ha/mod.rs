@@ -10,8 +10,8 @@
 //! settle state (`settles`) — and stays small and bounded.
 //!
 //! The pieces:
-//! - `etcd`: a blocking client of etcd's v3 JSON gateway (timeouts per member; a paused
-//!   member costs one timeout, then the next answers);
+//! - `etcd`: a blocking wrapper of the `etcd-client` crate (gRPC; timeouts per member; a
+//!   paused member costs one timeout, then the next answers);
 //! - `election`: campaign for `/kvtier/<cluster>/leader` under a lease; the key's create
 //!   revision is the **epoch**; a leader acts only while its lease is surely alive here;
 //! - `settles`: the settle log as etcd keys, every write fenced on the epoch;
