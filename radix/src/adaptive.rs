@@ -45,14 +45,6 @@ use crate::hash::PageHash;
 use crate::policy::EvictionPolicy;
 use crate::tier::TierKind;
 
-#[allow(dead_code)]
-pub(crate) fn knob(name: &str, d: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(d)
-}
-
 /// Levels between LRU (0) and the full frequency/depth setting.
 pub const LEVELS: u32 = 8;
 /// A ghost lives for this many capacities of traffic.
@@ -120,16 +112,10 @@ pub(crate) struct AdaptiveState {
     hits: [u64; 2],
     /// Level steps so far.
     steps: u64,
-    depth_limit: u64,
-    /// [shallow, deep]: pages removed, pages reused (in tree or ghost back).
-    cls_removed: [u64; 2],
-    cls_reused: [u64; 2],
-    cls_decay_at: u64,
-    gate: bool,
 }
 
 /// A ghost: (traffic at eviction, kind, pages, the tier that dropped the last copy).
-type Ghost = (u64, GhostKind, u32, TierKind, u64, usize);
+type Ghost = (u64, GhostKind, u32, TierKind);
 
 /// What the adaptive policy has learnt, for reports and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -144,10 +130,6 @@ pub struct AdaptiveSnapshot {
     /// `HostAdmission::Adaptive`), and the score it comes from.
     pub admission: LearntAdmission,
     pub admission_score: i64,
-    pub depth_limit: u64,
-    pub cls_removed: [u64; 2],
-    pub cls_reused: [u64; 2],
-    pub depth_gate: bool,
 }
 
 impl AdaptiveState {
@@ -165,11 +147,6 @@ impl AdaptiveState {
             admission_score: 0,
             hits: [0, 0],
             steps: 0,
-            depth_limit: capacity_pages.max(1) as u64 / knob("KN_DDIV", 30).max(1),
-            cls_removed: [0, 0],
-            cls_reused: [0, 0],
-            cls_decay_at: 0,
-            gate: false,
         }
     }
 
@@ -195,30 +172,14 @@ impl AdaptiveState {
         kind: GhostKind,
         from: TierKind,
         traffic: u64,
-        end: u64,
-        last: Option<&PageHash>,
     ) {
         self.expire(traffic);
-        let win = self.capacity * knob("KN_DECAY", 1);
-        if traffic.saturating_sub(self.cls_decay_at) > win {
-            self.cls_decay_at = traffic;
-            self.cls_removed = self.cls_removed.map(|x| x / 2);
-            self.cls_reused = self.cls_reused.map(|x| x / 2);
-        }
-        let cls = self.class_of(end, last).unwrap_or(2);
-        if cls < 2 {
-            self.cls_removed[cls] += pages as u64;
-            if kind == GhostKind::Reused {
-                self.cls_reused[cls] += pages as u64;
-            }
-        }
         while self.order.len() as u64 >= self.capacity {
             self.pop_oldest();
         }
         self.order.push_back((traffic, first));
         let pages = u32::try_from(pages).unwrap_or(u32::MAX);
-        self.ghosts
-            .insert(first, (traffic, kind, pages, from, end, cls));
+        self.ghosts.insert(first, (traffic, kind, pages, from));
         self.evicted[kind as usize] += u64::from(pages);
     }
 
@@ -226,18 +187,9 @@ impl AdaptiveState {
     /// it. Returns true when the level changed (the caller ranks the tree again).
     pub(crate) fn on_miss(&mut self, next: &PageHash, traffic: u64) -> bool {
         self.expire(traffic);
-        self.update_gate();
-        let Some((evicted_at, kind, pages, from, end, cls)) = self.ghosts.remove(next) else {
+        let Some((evicted_at, kind, pages, from)) = self.ghosts.remove(next) else {
             return false;
         };
-        if kind == GhostKind::Once && cls < 2 {
-            self.cls_reused[cls] += u64::from(pages);
-        }
-        if from == TierKind::Device && end > self.depth_limit {
-            self.depth_limit = end.min(self.capacity);
-        } else if from == TierKind::Host && traffic.saturating_sub(evicted_at) <= self.device {
-            self.depth_limit = self.depth_limit.saturating_sub(u64::from(pages)).max(8);
-        }
         self.learn_admission(from, traffic.saturating_sub(evicted_at), pages);
         self.hits[kind as usize] += 1;
         self.epoch_count += 1;
@@ -271,57 +223,6 @@ impl AdaptiveState {
         self.level != old
     }
 
-    fn class_of(&self, end: u64, last: Option<&PageHash>) -> Option<usize> {
-        if end <= self.class_limit() {
-            Some(0)
-        } else if knob("KN_DG", 0) < 3 || control(last) {
-            Some(1)
-        } else {
-            None
-        }
-    }
-
-    fn class_limit(&self) -> u64 {
-        if knob("KN_CLS", 0) == 1 {
-            self.capacity / knob("KN_DDIV", 30).max(1)
-        } else {
-            self.depth_limit
-        }
-    }
-
-    /// Deep leaves are reused less than shallow ones (rates, Laplace).
-    fn update_gate(&mut self) {
-        let [rs, rd] = self.cls_removed.map(|x| u128::from(x) + 1);
-        let [us, ud] = self.cls_reused.map(u128::from);
-        let on = u128::from(knob("KN_GON", 5));
-        let off = u128::from(knob("KN_GOFF", 7));
-        if 10 * ud * rs < on * us * rd {
-            self.gate = true;
-        } else if 10 * ud * rs > off * us * rd {
-            self.gate = false;
-        }
-    }
-
-    pub(crate) fn depth_gate(&self) -> bool {
-        if knob("KN_HYS", 0) == 1 {
-            return self.gate;
-        }
-        let [rs, rd] = self.cls_removed.map(|x| u128::from(x) + 1);
-        let [us, ud] = self.cls_reused.map(u128::from);
-        // ud/rd < f/10 * us/rs
-        10 * ud * rs < u128::from(knob("KN_GF", 10)) * us * rd
-    }
-
-    /// Whether a finished leaf ending at `end` pages deep, last page `last`, gets a host copy.
-    pub(crate) fn admits_depth(&self, end: u64, last: Option<&PageHash>) -> bool {
-        match knob("KN_DG", 0) {
-            0 => true,
-            1 => end <= self.depth_limit,
-            2 => end <= self.depth_limit || !self.depth_gate(),
-            _ => end <= self.depth_limit || control(last) || !self.depth_gate(),
-        }
-    }
-
     /// A ghost hit of `pages` that `from` dropped `since` pages of traffic ago: whose mistake
     /// it was (see [`LearntAdmission`]).
     fn learn_admission(&mut self, from: TierKind, since: u64, pages: u32) {
@@ -344,10 +245,6 @@ impl AdaptiveState {
             steps: self.steps,
             admission: self.admission(),
             admission_score: self.admission_score,
-            depth_limit: self.depth_limit,
-            cls_removed: self.cls_removed,
-            cls_reused: self.cls_reused,
-            depth_gate: self.depth_gate(),
         }
     }
 
@@ -395,11 +292,6 @@ impl AdaptiveState {
     }
 }
 
-/// The control sample: deep leaves always admitted (1 in KN_SAMPLE by the last page's hash).
-fn control(last: Option<&PageHash>) -> bool {
-    last.is_some_and(|h| u64::from(h.0[7]) % knob("KN_SAMPLE", 8).max(1) == 0)
-}
-
 /// The ranking of level `level`: LRU at 0; above, the conversation setting's credit and
 /// debit halved `LEVELS − level` times (geometric steps, so that the first steps are small
 /// next to small caches: the full credit, 56K pages of traffic, dwarfs a cache of a few
@@ -442,42 +334,26 @@ mod tests {
     fn whose_mistake_moves_the_admission() {
         let mut a = AdaptiveState::new(10, 40);
         assert_eq!(a.admission(), LearntAdmission::CopyAtFinish);
-        a.remember(hash(1), 3, GhostKind::Once, TierKind::Host, 100, 0, None);
+        a.remember(hash(1), 3, GhostKind::Once, TierKind::Host, 100);
         a.on_miss(&hash(1), 105);
         assert_eq!(
             (a.admission_score, a.admission()),
             (3, LearntAdmission::Demote)
         );
-        a.remember(
-            hash(2),
-            5,
-            GhostKind::Reused,
-            TierKind::Device,
-            110,
-            0,
-            None,
-        );
+        a.remember(hash(2), 5, GhostKind::Reused, TierKind::Device, 110);
         a.on_miss(&hash(2), 111);
         assert_eq!(
             (a.admission_score, a.admission()),
             (-2, LearntAdmission::CopyAtFinish)
         );
-        a.remember(hash(3), 4, GhostKind::Once, TierKind::Host, 120, 0, None);
+        a.remember(hash(3), 4, GhostKind::Once, TierKind::Host, 120);
         a.on_miss(&hash(3), 131);
         assert_eq!(
             a.admission_score, -2,
             "back after more than a device capacity"
         );
         for i in 0..100 {
-            a.remember(
-                hash(10 + i),
-                7,
-                GhostKind::Once,
-                TierKind::Host,
-                200 + i,
-                0,
-                None,
-            );
+            a.remember(hash(10 + i), 7, GhostKind::Once, TierKind::Host, 200 + i);
             a.on_miss(&hash(10 + i), 200 + i);
         }
         assert_eq!(a.admission_score, 50);

@@ -88,13 +88,6 @@ impl RadixCache {
         self.adaptive.as_ref().map(AdaptiveState::admission)
     }
 
-    /// Whether the adaptive policy gives a finished leaf ending `end` pages deep a host copy.
-    pub fn admits_depth(&self, end: usize, last: Option<&PageHash>) -> bool {
-        self.adaptive
-            .as_ref()
-            .is_none_or(|a| a.admits_depth(end as u64, last))
-    }
-
     /// Ranks every evictable leaf again by the current ranking (the configured policy, or the
     /// adaptive policy's level).
     pub(crate) fn rerank(&mut self) {
@@ -155,15 +148,7 @@ impl RadixCache {
             } else {
                 GhostKind::Reused
             };
-            a.remember(
-                first,
-                ev.hashes.len(),
-                kind,
-                t,
-                self.traffic,
-                (ev.start + ev.hashes.len()) as u64,
-                ev.hashes.last(),
-            );
+            a.remember(first, ev.hashes.len(), kind, t, self.traffic);
         }
         if removed {
             // No copy on either tier: by prefix closure no child has one either, and nodes

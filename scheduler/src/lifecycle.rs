@@ -79,12 +79,7 @@ impl Scheduler {
         self.drop_own_pages(id);
         self.running.remove(&seq);
         self.demotions_paused = false;
-        let last = self
-            .reqs
-            .get(&id)
-            .and_then(|r| r.hashes.get(full.wrapping_sub(1)).copied());
-        let copy_at_finish =
-            self.copies_at_finish() && self.cache.admits_depth(full, last.as_ref());
+        let copy_at_finish = self.copies_at_finish();
         let n = if self.cfg.host_enabled && copy_at_finish {
             self.plan_write_back(id, WriteBackCause::Finish)
         } else {
