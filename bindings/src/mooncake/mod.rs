@@ -45,9 +45,35 @@ const NOT_INITIALIZED: i64 = ErrorCode::InternalError as i64;
 struct Attached {
     store: Arc<dyn L3Store>,
     embedded: Option<Arc<EmbeddedStore>>,
+    /// A server client (its shared-memory path backs a dummy client's pool).
+    remote: Option<Arc<RemoteStore>>,
     tenant: Tenant,
     /// Dropped (unmounted) on close, before the store handle.
     _segment: Option<Contribution>,
+}
+
+/// A dummy client's pool: memory shared with the server (its shared-memory path: puts from
+/// and gets into it move with no copy in this process, as a Mooncake dummy client's pool
+/// is the real client's shared memory), or this process's heap where there is no such path
+/// (an embedded store, a server on another host, `KVTIER_L3_SHM=off`).
+enum PoolMem {
+    Shared(Arc<kvtier_l3::SharedRegion>),
+    Heap(Box<[u8]>),
+}
+
+impl PoolMem {
+    fn base(&self) -> u64 {
+        match self {
+            PoolMem::Shared(r) => r.as_ptr() as u64,
+            PoolMem::Heap(b) => b.as_ptr() as u64,
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            PoolMem::Shared(r) => r.len(),
+            PoolMem::Heap(b) => b.len(),
+        }
+    }
 }
 
 #[pyclass(frozen, module = "kvtier._native", name = "MooncakeCore")]
@@ -55,7 +81,7 @@ pub struct MooncakeCore {
     state: RwLock<Option<Attached>>,
     regions: Regions,
     /// Memory of `setup_dummy`'s pool (`alloc_from_mem_pool`), registered while set up.
-    pool: Mutex<Option<(Box<[u8]>, usize)>>,
+    pool: Mutex<Option<(PoolMem, usize)>>,
 }
 
 #[pymethods]
@@ -97,6 +123,7 @@ impl MooncakeCore {
             Ok(Attached {
                 store,
                 embedded: Some(s),
+                remote: None,
                 tenant: t,
                 _segment: seg,
             })
@@ -127,9 +154,11 @@ impl MooncakeCore {
         };
         match py.detach(move || RemoteStore::connect(sa, opts)) {
             Ok(s) => {
+                let s = Arc::new(s);
                 self.attach(Attached {
-                    store: Arc::new(s),
+                    store: s.clone(),
                     embedded: None,
+                    remote: Some(s),
                     tenant: t,
                     _segment: None,
                 });
@@ -144,6 +173,7 @@ impl MooncakeCore {
         self.attach(Attached {
             store: store.store.clone(),
             embedded: None,
+            remote: None,
             tenant: store.tenant.clone(),
             _segment: None,
         });
@@ -161,7 +191,15 @@ impl MooncakeCore {
         if n == 0 {
             return 0;
         }
-        *self.pool.lock() = Some((vec![0u8; n].into_boxed_slice(), 0));
+        let remote = self.state.read().as_ref().and_then(|a| a.remote.clone());
+        let shared = remote
+            .filter(|r| r.uses_shm())
+            .and_then(|r| r.shared_region(n).ok());
+        let mem = match shared {
+            Some(r) => PoolMem::Shared(r),
+            None => PoolMem::Heap(vec![0u8; n].into_boxed_slice()),
+        };
+        *self.pool.lock() = Some((mem, 0));
         0
     }
 
@@ -178,7 +216,7 @@ impl MooncakeCore {
         };
         match start.checked_add(n) {
             Some(end) if n > 0 && end <= mem.len() => {
-                let addr = mem.as_ptr() as u64 + start as u64;
+                let addr = mem.base() + start as u64;
                 if self.regions.register(addr, len) != 0 {
                     return 0;
                 }
@@ -187,6 +225,11 @@ impl MooncakeCore {
             }
             _ => 0,
         }
+    }
+
+    /// Whether `alloc_from_mem_pool` memory is shared with the server.
+    fn pool_is_shared(&self) -> bool {
+        matches!(self.pool.lock().as_ref(), Some((PoolMem::Shared(_), _)))
     }
 
     fn is_setup(&self) -> bool {

@@ -17,13 +17,17 @@
 //!    repetition; each figure also as a ratio to `replica_num` 1 of the same run
 //!    (`replicas.rs`);
 //! 6. `put`: the embedded put path, 64 × 8 MiB, as a ratio to a memcpy of the same bytes
-//!    measured in the same run (`put.rs`).
+//!    measured in the same run (`put.rs`);
+//! 7. `shm`: 1, 4 and 8 client processes doing batch put/get of 1 MiB and 8 MiB objects
+//!    through a server over shared memory and over TCP, against embedded stores, in one run
+//!    (`procs.rs`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod procs;
 mod put;
 mod replicas;
 mod ssd;
@@ -50,9 +54,12 @@ struct Args {
     /// Directory for SSD buckets (must be on the disk under test, not tmpfs).
     #[arg(long, default_value = "/var/tmp/kvtier-l3-bench")]
     ssd_dir: PathBuf,
-    /// Only these scenarios (embedded, remote, exist, ssd, replicas, put); default all.
+    /// Only these scenarios (embedded, remote, exist, ssd, replicas, put, shm); default all.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Internal: run as a worker process of the `shm` scenario.
+    #[arg(long, hide = true)]
+    worker: Option<String>,
     /// Write results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -318,6 +325,13 @@ fn remote(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>, which: &[Stri
 
 fn main() {
     let args = Args::parse();
+    if let Some(spec) = &args.worker {
+        if let Err(e) = procs::worker(spec) {
+            eprintln!("worker {spec}: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let want = |w: &str| args.only.is_empty() || args.only.iter().any(|o| o == w);
     let bin = args.server_bin.clone().unwrap_or_else(|| {
         std::env::current_exe()
@@ -352,6 +366,9 @@ fn main() {
     }
     if want("put") {
         report(put::put(args.reps, &mut rows), "put");
+    }
+    if want("shm") {
+        report(procs::shm(&bin, args.reps, &mut rows), "shm");
     }
     if let Some(p) = &args.json {
         let text = format!(
