@@ -34,7 +34,7 @@ mod ssd;
 
 use clap::Parser;
 use kvtier_l3::{
-    ClientOptions, EmbeddedStore, L3Store, PutOptions, RemoteStore, StoreConfig, Tenant,
+    ClientOptions, EmbeddedStore, L3Store, PutOptions, RemoteStore, ShmMode, StoreConfig, Tenant,
 };
 
 const MOONCAKE_LOCAL_GBPS: f64 = 4.543;
@@ -229,7 +229,13 @@ fn embedded(reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
 
 fn remote(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>, which: &[String]) -> R<()> {
     let srv = start_server(bin)?;
-    let c = RemoteStore::connect(srv.addr, ClientOptions::default()).map_err(|e| e.to_string())?;
+    // TCP on purpose (the transfer channel vs Mooncake's TCP); `--only shm` measures the
+    // shared-memory path.
+    let opts = ClientOptions {
+        shm: ShmMode::Off,
+        ..Default::default()
+    };
+    let c = RemoteStore::connect(srv.addr, opts).map_err(|e| e.to_string())?;
     if which.is_empty() || which.iter().any(|w| w == "remote") {
         let keys = fill(&c, 256, 1 << 20, PutOptions::default())?;
         let mut g = get_gbps(&c, &keys, 1 << 20, reps)?;

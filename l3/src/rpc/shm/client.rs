@@ -9,11 +9,13 @@
 //!
 //! Batches larger than the staging segment go in several requests; a batch with one
 //! staged object larger than the whole staging segment goes over TCP (`UseTcp`), as does
-//! every call while the socket cannot be reached. Regions outlive nothing: the client keeps
-//! only weak references, and a region dropped by its owner is unregistered at the next call.
+//! every call while the socket cannot be reached (tried again after [`RETRY_AFTER`]).
+//! Regions outlive nothing: the client keeps only weak references, and a region dropped by
+//! its owner is unregistered at the next call.
 
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use crate::error::{L3Error, L3Result};
 use crate::rpc::xfer::{FrameError, read_frame, write_frame};
@@ -82,7 +84,12 @@ pub struct ShmClient {
     staging: Option<Mapping>,
     /// Regions handed out, and their segment id on the live socket.
     regions: Vec<(Weak<SharedRegion>, Option<u32>)>,
+    /// After a failed connect, calls use TCP without trying again until then.
+    down_until: Option<Instant>,
 }
+
+/// How long calls stay on TCP after the socket could not be reached.
+const RETRY_AFTER: Duration = Duration::from_secs(2);
 
 fn io_fail(e: impl std::fmt::Display) -> L3Error {
     L3Error::RpcFail(format!("shared-memory channel: {e}"))
@@ -120,6 +127,7 @@ impl ShmClient {
             live: None,
             staging: None,
             regions: Vec::new(),
+            down_until: None,
         })
     }
 
@@ -128,6 +136,7 @@ impl ShmClient {
         if offer != self.offer {
             self.offer = offer;
             self.live = None;
+            self.down_until = None;
         }
     }
 
@@ -169,6 +178,17 @@ impl ShmClient {
         if self.live.is_some() {
             return Ok(());
         }
+        if self.down_until.is_some_and(|t| Instant::now() < t) {
+            return Err(L3Error::Unavailable(
+                "shared-memory socket unreachable".into(),
+            ));
+        }
+        let r = self.dial();
+        self.down_until = r.is_err().then(|| Instant::now() + RETRY_AFTER);
+        r
+    }
+
+    fn dial(&mut self) -> L3Result<()> {
         let mut sock = UnixStream::connect(&self.offer.path)
             .map_err(|e| L3Error::Unavailable(format!("{}: {e}", self.offer.path)))?;
         write_frame(
