@@ -9,9 +9,10 @@
 //!
 //! Why processes: the deployment is 8 engine processes per node sharing one L3, and
 //! what limits them (the server's copies, its threads, the kernel) only shows with real
-//! processes. Each worker is this binary re-run with `--worker`; all of one configuration
-//! start together on "GO", and the aggregate throughput of a phase is the bytes of every
-//! worker over the slowest worker's time. Goal: `shm` ≥ 60 % of `embedded` at 8 processes.
+//! processes. Each worker is this binary re-run with `--worker`; the parent starts each
+//! phase (put, get, remove) in all workers at once, and the aggregate throughput of a phase
+//! is the bytes of every worker over the phase's wall time (a warm-up round first, not
+//! counted). Goal: `shm` ≥ 60 % of `embedded` at 8 processes.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -51,16 +52,13 @@ impl Bufs {
     }
 }
 
-/// A worker: `mode,addr,size,reps,id`. Prints READY, waits for a line, runs a warm-up
-/// round and `reps` timed rounds of (put batch, get batch, remove), prints
-/// `RESULT put_s get_s`.
+/// A worker: `mode,addr,size,id`. Prints READY, then serves the parent's commands.
 pub fn worker(spec: &str) -> R<()> {
     let f: Vec<&str> = spec.split(',').collect();
-    let [mode, addr, size, reps, id] = f[..] else {
+    let [mode, addr, size, id] = f[..] else {
         return Err(format!("bad worker spec {spec}"));
     };
     let size: usize = size.parse().map_err(err)?;
-    let reps: usize = reps.parse().map_err(err)?;
     let n = BATCH_BYTES / size;
     if mode == "embedded" {
         let s = EmbeddedStore::new(StoreConfig {
@@ -69,7 +67,7 @@ pub fn worker(spec: &str) -> R<()> {
         })
         .map_err(err)?;
         let heap = Bufs::Heap(vec![0u8; BATCH_BYTES], vec![0u8; BATCH_BYTES]);
-        return run(&s, heap, n, size, reps, id);
+        return run(&s, heap, n, size, id);
     }
     let c = RemoteStore::connect(
         addr.parse().map_err(err)?,
@@ -91,89 +89,114 @@ pub fn worker(spec: &str) -> R<()> {
     } else {
         Bufs::Heap(vec![0u8; BATCH_BYTES], vec![0u8; BATCH_BYTES])
     };
-    run(&c, bufs, n, size, reps, id)
+    run(&c, bufs, n, size, id)
 }
 
-fn run(store: &dyn L3Store, mut bufs: Bufs, n: usize, size: usize, reps: usize, id: &str) -> R<()> {
+/// The worker's loop: one command per line from the parent (`put`, `get`, `rm`, `quit`),
+/// `OK` once done, so the parent times each phase across all workers at once.
+fn run(store: &dyn L3Store, mut bufs: Bufs, n: usize, size: usize, id: &str) -> R<()> {
     let tn = Tenant::new(format!("w{id}")).map_err(err)?;
     let (src, dst) = bufs.halves();
     for (i, c) in src.chunks_mut(size).enumerate() {
         c.copy_from_slice(&payload(i, size));
     }
     println!("READY");
-    let mut line = String::new();
-    std::io::stdin().read_line(&mut line).map_err(err)?;
-    let (mut put_s, mut get_s) = (0.0, 0.0);
-    // Round 0 warms up (first touch of the staging segment and of fresh store memory) and
-    // is not counted.
-    for rep in 0..=reps {
-        let keys: Vec<String> = (0..n).map(|i| format!("{rep}-{i}")).collect();
-        let srcs: Vec<&[u8]> = src.chunks(size).collect();
-        let t0 = Instant::now();
-        let r = store
-            .batch_put_from(&tn, &keys, &srcs, PutOptions::default())
-            .map_err(err)?;
-        if rep > 0 {
-            put_s += t0.elapsed().as_secs_f64();
+    let keys: Vec<String> = (0..n).map(|i| format!("o-{i}")).collect();
+    for line in std::io::stdin().lines() {
+        match line.map_err(err)?.as_str() {
+            "put" => {
+                let srcs: Vec<&[u8]> = src.chunks(size).collect();
+                let r = store
+                    .batch_put_from(&tn, &keys, &srcs, PutOptions::default())
+                    .map_err(err)?;
+                r.into_iter().collect::<Result<Vec<()>, _>>().map_err(err)?;
+            }
+            "get" => {
+                dst[..size].fill(0);
+                let mut dsts: Vec<&mut [u8]> = dst.chunks_mut(size).collect();
+                let r = store.batch_get_into(&tn, &keys, &mut dsts).map_err(err)?;
+                r.into_iter()
+                    .collect::<Result<Vec<u64>, _>>()
+                    .map_err(err)?;
+                if dst[..size] != src[..size] {
+                    return Err("read back differs".into());
+                }
+            }
+            "rm" => {
+                store.remove_all(&tn, true).map_err(err)?;
+            }
+            _ => return Ok(()),
         }
-        r.into_iter().collect::<Result<Vec<()>, _>>().map_err(err)?;
-        let mut dsts: Vec<&mut [u8]> = dst.chunks_mut(size).collect();
-        let t0 = Instant::now();
-        let r = store.batch_get_into(&tn, &keys, &mut dsts).map_err(err)?;
-        if rep > 0 {
-            get_s += t0.elapsed().as_secs_f64();
-        }
-        r.into_iter()
-            .collect::<Result<Vec<u64>, _>>()
-            .map_err(err)?;
-        if dst[..size] != src[..size] {
-            return Err("read back differs".into());
-        }
-        store.remove_all(&tn, true).map_err(err)?;
+        println!("OK");
     }
-    println!("RESULT {put_s} {get_s}");
     Ok(())
 }
 
+/// A started worker: its stdin, its stdout lines.
+struct Worker {
+    child: Child,
+    out: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+impl Worker {
+    fn send(&mut self, cmd: &str) -> R<()> {
+        let stdin = self.child.stdin.as_mut().ok_or("no stdin")?;
+        writeln!(stdin, "{cmd}").map_err(err)
+    }
+    fn wait_ok(&mut self, what: &str) -> R<()> {
+        match self.out.next() {
+            Some(Ok(l)) if l == what => Ok(()),
+            other => Err(format!("worker: {other:?} where {what} was expected")),
+        }
+    }
+}
+
+/// All workers do `cmd`; the wall time until the last is done.
+fn phase(ws: &mut [Worker], cmd: &str) -> R<f64> {
+    let t0 = Instant::now();
+    for w in ws.iter_mut() {
+        w.send(cmd)?;
+    }
+    for w in ws.iter_mut() {
+        w.wait_ok("OK")?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
 /// Runs one configuration: `procs` workers in `mode` against `addr`; aggregate put and
-/// get GB/s.
+/// get GB/s (all workers' bytes over the wall time of the phase, after a warm-up round).
 fn config(mode: &str, addr: &str, procs: usize, size: usize, reps: usize) -> R<(f64, f64)> {
     let exe = std::env::current_exe().map_err(err)?;
-    let mut kids: Vec<Child> = Vec::new();
-    let mut outs = Vec::new();
+    let mut ws = Vec::new();
     for id in 0..procs {
-        let mut k = Command::new(&exe)
-            .args(["--worker", &format!("{mode},{addr},{size},{reps},{id}")])
+        let mut child = Command::new(&exe)
+            .args(["--worker", &format!("{mode},{addr},{size},{id}")])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(err)?;
-        let mut lines = BufReader::new(k.stdout.take().ok_or("no stdout")?).lines();
-        match lines.next() {
-            Some(Ok(l)) if l == "READY" => {}
-            other => return Err(format!("worker {id}: {other:?}")),
+        let out = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
+        let mut w = Worker { child, out };
+        w.wait_ok("READY")?;
+        ws.push(w);
+    }
+    let (mut put_s, mut get_s) = (0.0, 0.0);
+    for rep in 0..=reps {
+        let p = phase(&mut ws, "put")?;
+        let g = phase(&mut ws, "get")?;
+        phase(&mut ws, "rm")?;
+        if rep > 0 {
+            put_s += p;
+            get_s += g;
         }
-        outs.push(lines);
-        kids.push(k);
     }
-    for k in &mut kids {
-        let stdin = k.stdin.as_mut().ok_or("no stdin")?;
-        writeln!(stdin, "GO").map_err(err)?;
-    }
-    let (mut put_max, mut get_max) = (0.0f64, 0.0f64);
-    for (k, lines) in kids.iter_mut().zip(outs) {
-        let res = lines
-            .map_while(Result::ok)
-            .find_map(|l| l.strip_prefix("RESULT ").map(str::to_string))
-            .ok_or("a worker failed")?;
-        let v: Vec<f64> = res.split(' ').filter_map(|x| x.parse().ok()).collect();
-        put_max = put_max.max(v.first().copied().unwrap_or(f64::INFINITY));
-        get_max = get_max.max(v.get(1).copied().unwrap_or(f64::INFINITY));
-        let _ = k.wait();
+    for w in &mut ws {
+        w.send("quit")?;
+        let _ = w.child.wait();
     }
     let bytes = (procs * reps * BATCH_BYTES) as f64;
-    Ok((bytes / put_max / 1e9, bytes / get_max / 1e9))
+    Ok((bytes / put_s / 1e9, bytes / get_s / 1e9))
 }
 
 pub fn shm(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
