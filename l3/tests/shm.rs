@@ -287,3 +287,49 @@ fn killed_client_leaks_nothing() {
             .unwrap();
     }
 }
+
+/// Sets a file's modification time `secs` into the past.
+fn age(path: &std::path::Path, secs: i64) {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let t = libc::timespec {
+        tv_sec: now - secs,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid C path and two timespecs.
+    let rc = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), [t, t].as_ptr(), 0) };
+    assert_eq!(rc, 0);
+}
+
+#[test]
+fn a_starting_server_removes_only_dead_servers_sockets() {
+    if std::env::var(CHILD_ENV).is_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("kvtier-l3-1-dead.sock");
+    drop(std::os::unix::net::UnixListener::bind(&dead).unwrap()); // file stays, nobody listens
+    let live_path = dir.path().join("kvtier-l3-2-live.sock");
+    let _live = std::os::unix::net::UnixListener::bind(&live_path).unwrap();
+    let young = dir.path().join("kvtier-l3-3-young.sock");
+    drop(std::os::unix::net::UnixListener::bind(&young).unwrap());
+    let other = dir.path().join("not-ours.sock");
+    drop(std::os::unix::net::UnixListener::bind(&other).unwrap());
+    for p in [&dead, &live_path, &other] {
+        age(p, 3600);
+    }
+    let d = dir.path().display().to_string();
+    let srv = server(&["--shm-dir", &d]);
+    assert!(!dead.exists(), "a dead server's socket stays");
+    assert!(live_path.exists() && young.exists() && other.exists());
+    let c = connect(srv.addr, ShmMode::Auto, 1 << 20);
+    assert!(c.uses_shm());
+    let offer = c.shm_offer().unwrap().unwrap();
+    assert!(offer.path.starts_with(&d));
+    drop(c);
+    drop(srv); // SIGKILL: its socket file stays behind
+    assert!(std::path::Path::new(&offer.path).exists());
+}

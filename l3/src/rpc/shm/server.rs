@@ -56,6 +56,7 @@ impl ShmServer {
         let boot_id =
             boot_id().ok_or_else(|| L3Error::Unavailable("no boot id on this host".into()))?;
         let nonce = random16()?;
+        remove_stale(dir);
         let path = dir.join(format!(
             "kvtier-l3-{}-{}.sock",
             std::process::id(),
@@ -103,6 +104,34 @@ impl ShmServer {
             let _ = h.join();
         }
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Removes sockets of servers that died without cleaning up (SIGKILL): files named like
+/// ours, older than a minute (a server starting right now may not listen yet), whose
+/// connect is refused (nobody listens). A live server's socket always accepts.
+fn remove_stale(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with("kvtier-l3-") && name.ends_with(".sock")) {
+            continue;
+        }
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > std::time::Duration::from_secs(60));
+        if old
+            && let Err(err) = UnixStream::connect(e.path())
+            && err.kind() == std::io::ErrorKind::ConnectionRefused
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 
