@@ -10,8 +10,9 @@
 //! `mooncake.store` does. Files: `registered.rs` (registered memory and the only type that
 //! reads raw addresses), `mapped.rs` (is a range mapped read-write: the registration
 //! check against wild pointers), `segment.rs` (a client's contributed global segment),
-//! `ranges.rs` (multi-buffer and byte-range calls, replica calls), `batch.rs` (write
-//! modes, the batch driver, Mooncake's result codes).
+//! `pool.rs` (a dummy client's pool, shared with the server when it can be), `ranges.rs`
+//! (multi-buffer and byte-range calls, replica calls), `batch.rs` (write modes, the batch
+//! driver, Mooncake's result codes).
 
 use std::sync::Arc;
 
@@ -28,12 +29,14 @@ use crate::l3::{
 
 mod batch;
 mod mapped;
+mod pool;
 mod ranges;
 mod registered;
 mod segment;
 
 use batch::{WriteMode, bad_segment_code, mc_get_code};
 pub use batch::{error_codes, join_parts};
+use pool::Pool;
 use ranges::{ReplicaRow, multi_parts, scatter};
 use registered::{Regions, RegisteredRange, drop_overlapping};
 use segment::Contribution;
@@ -52,36 +55,12 @@ struct Attached {
     _segment: Option<Contribution>,
 }
 
-/// A dummy client's pool: memory shared with the server (its shared-memory path: puts from
-/// and gets into it move with no copy in this process, as a Mooncake dummy client's pool
-/// is the real client's shared memory), or this process's heap where there is no such path
-/// (an embedded store, a server on another host, `KVTIER_L3_SHM=off`).
-enum PoolMem {
-    Shared(Arc<kvtier_l3::SharedRegion>),
-    Heap(Box<[u8]>),
-}
-
-impl PoolMem {
-    fn base(&self) -> u64 {
-        match self {
-            PoolMem::Shared(r) => r.as_ptr() as u64,
-            PoolMem::Heap(b) => b.as_ptr() as u64,
-        }
-    }
-    fn len(&self) -> usize {
-        match self {
-            PoolMem::Shared(r) => r.len(),
-            PoolMem::Heap(b) => b.len(),
-        }
-    }
-}
-
 #[pyclass(frozen, module = "kvtier._native", name = "MooncakeCore")]
 pub struct MooncakeCore {
     state: RwLock<Option<Attached>>,
     regions: Regions,
     /// Memory of `setup_dummy`'s pool (`alloc_from_mem_pool`), registered while set up.
-    pool: Mutex<Option<(PoolMem, usize)>>,
+    pool: Mutex<Option<Pool>>,
 }
 
 #[pymethods]
@@ -192,44 +171,27 @@ impl MooncakeCore {
             return 0;
         }
         let remote = self.state.read().as_ref().and_then(|a| a.remote.clone());
-        let shared = remote
-            .filter(|r| r.uses_shm())
-            .and_then(|r| r.shared_region(n).ok());
-        let mem = match shared {
-            Some(r) => PoolMem::Shared(r),
-            None => PoolMem::Heap(vec![0u8; n].into_boxed_slice()),
-        };
-        *self.pool.lock() = Some((mem, 0));
+        *self.pool.lock() = Some(Pool::new(remote.as_deref(), n));
         0
     }
 
     /// `size` bytes of the pool (64-byte aligned), registered: their address, or 0 when the
     /// pool is exhausted.
     fn alloc_from_mem_pool(&self, size: u64) -> u64 {
-        let mut g = self.pool.lock();
-        let Some((mem, used)) = g.as_mut() else {
-            return 0;
-        };
-        let start = used.div_ceil(64) * 64;
         let (Ok(n), Ok(len)) = (usize::try_from(size), i64::try_from(size)) else {
             return 0;
         };
-        match start.checked_add(n) {
-            Some(end) if n > 0 && end <= mem.len() => {
-                let addr = mem.base() + start as u64;
-                if self.regions.register(addr, len) != 0 {
-                    return 0;
-                }
-                *used = end;
-                addr
-            }
-            _ => 0,
-        }
+        let mut g = self.pool.lock();
+        let Some(pool) = g.as_mut() else {
+            return 0;
+        };
+        pool.alloc(n, |addr| self.regions.register(addr, len) == 0)
+            .unwrap_or(0)
     }
 
     /// Whether `alloc_from_mem_pool` memory is shared with the server.
     fn pool_is_shared(&self) -> bool {
-        matches!(self.pool.lock().as_ref(), Some((PoolMem::Shared(_), _)))
+        self.pool.lock().as_ref().is_some_and(Pool::is_shared)
     }
 
     fn is_setup(&self) -> bool {
