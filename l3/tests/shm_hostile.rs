@@ -12,8 +12,10 @@ use std::os::unix::net::UnixStream;
 
 use common::procs::{Proc, args, spawn};
 use common::{client, payload, t};
-use kvtier_l3::rpc::shm::segment::{Mapping, send_fd};
-use kvtier_l3::rpc::shm::{ShmOffer, ShmRange, ShmReply, ShmRequest, check_range};
+use kvtier_l3::rpc::shm::segment::{MAX_SEGMENT_BYTES, Mapping, send_fd};
+use kvtier_l3::rpc::shm::{
+    MAX_MAPPED_PER_CONN, ShmOffer, ShmRange, ShmReply, ShmRequest, check_range,
+};
 use kvtier_l3::rpc::xfer::{read_frame, write_frame};
 use kvtier_l3::{L3Error, L3Store, PutOptions, ReplicateConfig};
 use proptest::prelude::*;
@@ -233,6 +235,19 @@ fn hostile_requests_get_typed_errors_and_touch_nothing() {
             .chain(&bytes[1100..])
             .all(|&x| x == 0xAB)
     );
+
+    // Address space: at most MAX_MAPPED_PER_CONN per connection (sparse memfds: no memory).
+    let mut d = Raw::open(&offer, Some("sesame"));
+    let big = MAX_SEGMENT_BYTES as usize;
+    let bigs: Vec<Mapping> = (0..5)
+        .map(|_| Mapping::create("kvtier-shm-big", big).unwrap())
+        .collect();
+    let fits = (MAX_MAPPED_PER_CONN / MAX_SEGMENT_BYTES) as usize;
+    for (i, m) in bigs.iter().enumerate() {
+        let r = d.register(big as u64, m.fd());
+        assert_eq!(r.is_ok(), i < fits, "segment {i}: {r:?}");
+    }
+    drop(d);
 
     // A garbage frame: a typed error and this connection closes; the server serves on.
     let mut g = UnixStream::connect(&offer.path).unwrap();

@@ -43,7 +43,7 @@ use crate::error::{L3Error, L3Result};
 use crate::types::{PutOptions, QueryResult, ReplicateConfig, Tenant};
 
 pub use client::{SharedRegion, ShmClient, ShmOutcome};
-pub use server::{MAX_SEGMENTS_PER_CONN, ShmServer};
+pub use server::{MAX_MAPPED_PER_CONN, MAX_SEGMENTS_PER_CONN, ShmServer};
 
 /// Environment variable that turns the shared-memory path off for clients and servers of
 /// this process (`off`, `0`, `false`, `no`).

@@ -29,6 +29,10 @@ use super::{ShmOffer, ShmRange, ShmReply, ShmRequest, check_range};
 /// Most segments one connection may register (a client needs its staging segment plus a
 /// few registered pools).
 pub const MAX_SEGMENTS_PER_CONN: usize = 64;
+/// Most bytes one connection may have mapped (256 GiB of address space; memory is only used
+/// as the client touches it, and is charged to the client's memfds): with at most
+/// `MAX_CONNECTIONS` connections, clients cannot exhaust the server's address space.
+pub const MAX_MAPPED_PER_CONN: u64 = 256 << 30;
 
 /// A running shared-memory listener; the socket file is removed when it stops.
 pub struct ShmServer {
@@ -257,6 +261,12 @@ impl ShmConn<'_> {
         if self.segs.len() >= MAX_SEGMENTS_PER_CONN {
             return Err(L3Error::InvalidParams(format!(
                 "at most {MAX_SEGMENTS_PER_CONN} segments per connection"
+            )));
+        }
+        let mapped: u64 = self.segs.values().map(|m| m.len() as u64).sum();
+        if mapped.saturating_add(len) > MAX_MAPPED_PER_CONN {
+            return Err(L3Error::InvalidParams(format!(
+                "at most {MAX_MAPPED_PER_CONN} bytes mapped per connection"
             )));
         }
         let m = Mapping::adopt(fd, len)?;
