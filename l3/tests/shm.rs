@@ -333,3 +333,86 @@ fn a_starting_server_removes_only_dead_servers_sockets() {
     drop(srv); // SIGKILL: its socket file stays behind
     assert!(std::path::Path::new(&offer.path).exists());
 }
+
+/// Many requests per batch (a 256 KiB staging segment: 128 KiB halves, one or two objects
+/// per request, alternating halves, pipelined): every byte and every per-key result equals
+/// what a TCP client gets, mixed with in-place buffers of a shared region.
+#[test]
+fn pipelined_chunks_agree_with_tcp() {
+    if std::env::var(CHILD_ENV).is_ok() {
+        return;
+    }
+    let srv = server(&[]);
+    let shm = connect(srv.addr, ShmMode::Auto, 256 << 10);
+    let tcp = connect(srv.addr, ShmMode::Off, 256 << 10);
+    let region = shm.shared_region(1 << 20).unwrap();
+    // SAFETY: the region is ours for its whole length while `region` lives.
+    let mem = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), region.len()) };
+    let tn = t("pipe");
+    let sizes: Vec<usize> = (0..24).map(|i| 1 + (i * 37_813) % (120 << 10)).collect();
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| payload(i, n))
+        .collect();
+    let keys: Vec<String> = (0..sizes.len()).map(|i| format!("p{i}")).collect();
+    // Every third object is put from the region (in place), the rest staged.
+    let mut at = 0;
+    let mut srcs: Vec<&[u8]> = Vec::new();
+    let (reg, _) = mem.split_at_mut(1 << 20);
+    let mut placed = Vec::new();
+    for (i, d) in data.iter().enumerate() {
+        if i % 3 == 0 && at + d.len() <= reg.len() {
+            reg[at..at + d.len()].copy_from_slice(d);
+            placed.push(Some(at));
+            at += d.len();
+        } else {
+            placed.push(None);
+        }
+    }
+    for (i, d) in data.iter().enumerate() {
+        srcs.push(match placed[i] {
+            // SAFETY: a part of the region written above, read only while the put runs.
+            Some(a) => unsafe { std::slice::from_raw_parts(region.as_ptr().add(a), d.len()) },
+            None => d,
+        });
+    }
+    for r in shm
+        .batch_put_from(&tn, &keys, &srcs, PutOptions::default())
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    // Reads with a missing key and a too-small buffer in the middle.
+    let mut ks = keys.clone();
+    ks[7] = "missing".into();
+    let caps: Vec<usize> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| if i == 11 { n - 1 } else { n })
+        .collect();
+    let mut a: Vec<Vec<u8>> = caps.iter().map(|&n| vec![0u8; n]).collect();
+    let mut b: Vec<Vec<u8>> = caps.iter().map(|&n| vec![0u8; n]).collect();
+    let ra = shm
+        .batch_get_into(
+            &tn,
+            &ks,
+            &mut a.iter_mut().map(|v| &mut v[..]).collect::<Vec<_>>(),
+        )
+        .unwrap();
+    let rb = tcp
+        .batch_get_into(
+            &tn,
+            &ks,
+            &mut b.iter_mut().map(|v| &mut v[..]).collect::<Vec<_>>(),
+        )
+        .unwrap();
+    assert_eq!(format!("{ra:?}"), format!("{rb:?}"));
+    assert!(matches!(ra[7], Err(L3Error::ObjectNotFound)));
+    assert!(matches!(ra[11], Err(L3Error::BufferOverflow { .. })));
+    for i in (0..keys.len()).filter(|&i| i != 7 && i != 11) {
+        assert_eq!(a[i], data[i], "object {i}");
+        assert_eq!(b[i], data[i]);
+    }
+    assert!(shm.uses_shm());
+}

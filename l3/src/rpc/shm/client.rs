@@ -146,10 +146,51 @@ impl ShmClient {
     }
 
     fn call(&mut self, req: &ShmRequest) -> L3Result<ShmReply> {
+        self.send(req)?;
+        self.recv()
+    }
+
+    /// Writes a request; a failure drops the connection (the stream is out of step).
+    fn send(&mut self, req: &ShmRequest) -> L3Result<()> {
         let live = self.live.as_mut().ok_or_else(|| io_fail("not connected"))?;
-        let r = write_frame(&mut live.sock, req)
-            .map_err(io_fail)
-            .and_then(|()| read_frame(&mut live.sock, self.max_frame).map_err(frame_fail));
+        let r = write_frame(&mut live.sock, req).map_err(io_fail);
+        if r.is_err() {
+            self.live = None;
+        }
+        r
+    }
+
+    /// Reads the next reply; a failure drops the connection.
+    fn recv(&mut self) -> L3Result<ShmReply> {
+        let live = self.live.as_mut().ok_or_else(|| io_fail("not connected"))?;
+        let r = read_frame(&mut live.sock, self.max_frame).map_err(frame_fail);
+        if r.is_err() {
+            self.live = None;
+        }
+        r
+    }
+
+    /// Reads the reply to a `Put` of `n` keys. Any failure drops the connection: with
+    /// requests pipelined, a reply may still be on its way.
+    fn recv_put(&mut self, n: usize) -> L3Result<Vec<L3Result<()>>> {
+        let r = match self.recv()? {
+            ShmReply::Put(Ok(v)) if v.len() == n => Ok(v),
+            ShmReply::Put(Err(e)) | ShmReply::Done(Err(e)) => Err(e),
+            _ => Err(io_fail("unexpected reply")),
+        };
+        if r.is_err() {
+            self.live = None;
+        }
+        r
+    }
+
+    /// Reads the reply to a `Get` of `n` keys (as [`Self::recv_put`]).
+    fn recv_get(&mut self, n: usize) -> L3Result<Vec<L3Result<u64>>> {
+        let r = match self.recv()? {
+            ShmReply::Get(Ok(v)) if v.len() == n => Ok(v),
+            ShmReply::Get(Err(e)) | ShmReply::Done(Err(e)) => Err(e),
+            _ => Err(io_fail("unexpected reply")),
+        };
         if r.is_err() {
             self.live = None;
         }
@@ -277,14 +318,15 @@ impl ShmClient {
     }
 
     /// Places each buffer (in place or staged) and splits the batch into requests that fit
-    /// the staging segment, the server's key limit and the frame limit. None when a staged
-    /// buffer alone exceeds the staging segment.
+    /// half the staging segment, the server's key limit and the frame limit; requests
+    /// alternate between the two halves, so the client copies one while the server works on
+    /// the other. None when a staged buffer alone exceeds half the staging segment.
     fn plan(
         &self,
         bufs: &[(*const u8, usize)],
         keys: &[String],
     ) -> Option<Vec<Vec<(usize, Place)>>> {
-        let cap = self.staging_bytes;
+        let cap = self.staging_bytes / 2 / ALIGN * ALIGN;
         let mut out = Vec::new();
         let mut cur: Vec<(usize, Place)> = Vec::new();
         let (mut used, mut frame) = (0usize, 0usize);
@@ -306,7 +348,8 @@ impl ShmClient {
                 frame = 0;
             }
             let at = used.div_ceil(ALIGN) * ALIGN;
-            cur.push((i, place.map_or(Place::Staged(at), Place::InPlace)));
+            let base = (out.len() % 2) * cap;
+            cur.push((i, place.map_or(Place::Staged(base + at), Place::InPlace)));
             if place.is_none() {
                 used = at + n;
             }
@@ -354,13 +397,20 @@ impl ShmClient {
             return ShmOutcome::UseTcp;
         };
         let mut out = Vec::with_capacity(keys.len());
-        for chunk in plan {
+        // The reply to request k-1 is read after request k is sent: the client copies chunk
+        // k into one half of the staging segment while the server reads chunk k-1 from the
+        // other (chunk k+1 reuses chunk k-1's half only once that reply is in).
+        let mut pending: Option<usize> = None;
+        for chunk in &plan {
             let mut ranges = Vec::with_capacity(chunk.len());
-            for &(i, p) in &chunk {
+            for &(i, p) in chunk {
                 if let Place::Staged(at) = p {
                     match self.staging_mut(at, bufs[i].len()) {
                         Ok(dst) => dst.copy_from_slice(bufs[i]),
-                        Err(e) => return ShmOutcome::Done(Err(e)),
+                        Err(e) => {
+                            self.live = None; // a request may be outstanding
+                            return ShmOutcome::Done(Err(e));
+                        }
                     }
                 }
                 ranges.push(self.range_of(p, bufs[i].len()));
@@ -372,12 +422,19 @@ impl ShmClient {
                 opts,
                 cfg,
             };
-            match self.call(&req) {
-                Ok(ShmReply::Put(Ok(v))) if v.len() == chunk.len() => out.extend(v),
-                Ok(ShmReply::Put(Err(e)) | ShmReply::Done(Err(e))) => {
-                    return ShmOutcome::Done(Err(e));
+            if let Err(e) = self.send(&req) {
+                return ShmOutcome::Done(Err(e));
+            }
+            if let Some(n) = pending.replace(chunk.len()) {
+                match self.recv_put(n) {
+                    Ok(v) => out.extend(v),
+                    Err(e) => return ShmOutcome::Done(Err(e)),
                 }
-                Ok(_) => return ShmOutcome::Done(Err(io_fail("unexpected reply"))),
+            }
+        }
+        if let Some(n) = pending {
+            match self.recv_put(n) {
+                Ok(v) => out.extend(v),
                 Err(e) => return ShmOutcome::Done(Err(e)),
             }
         }
@@ -396,38 +453,51 @@ impl ShmClient {
         let Some(plan) = self.prepare(&ptrs, keys) else {
             return ShmOutcome::UseTcp;
         };
-        let mut out = Vec::with_capacity(keys.len());
-        for chunk in plan {
-            let ranges: Vec<ShmRange> = chunk
+        let request = |me: &Self, chunk: &[(usize, Place)], bufs: &[&mut [u8]]| ShmRequest::Get {
+            tenant: tenant.clone(),
+            keys: match queries {
+                Some(_) => Vec::new(),
+                None => chunk.iter().map(|&(i, _)| keys[i].clone()).collect(),
+            },
+            queries: queries.map(|q| chunk.iter().map(|&(i, _)| q[i].clone()).collect()),
+            ranges: chunk
                 .iter()
-                .map(|&(i, p)| self.range_of(p, bufs[i].len()))
-                .collect();
-            let req = ShmRequest::Get {
-                tenant: tenant.clone(),
-                keys: match queries {
-                    Some(_) => Vec::new(),
-                    None => chunk.iter().map(|&(i, _)| keys[i].clone()).collect(),
-                },
-                queries: queries.map(|q| chunk.iter().map(|&(i, _)| q[i].clone()).collect()),
-                ranges,
-            };
-            let sizes = match self.call(&req) {
-                Ok(ShmReply::Get(Ok(v))) if v.len() == chunk.len() => v,
-                Ok(ShmReply::Get(Err(e)) | ShmReply::Done(Err(e))) => {
+                .map(|&(i, p)| me.range_of(p, bufs[i].len()))
+                .collect(),
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        // Request k+1 is sent before chunk k is copied out: the server fills one half of the
+        // staging segment while the client empties the other.
+        if let Some(first) = plan.first() {
+            let req = request(self, first, bufs);
+            if let Err(e) = self.send(&req) {
+                return ShmOutcome::Done(Err(e));
+            }
+        }
+        for (k, chunk) in plan.iter().enumerate() {
+            if let Some(next) = plan.get(k + 1) {
+                let req = request(self, next, bufs);
+                if let Err(e) = self.send(&req) {
                     return ShmOutcome::Done(Err(e));
                 }
-                Ok(_) => return ShmOutcome::Done(Err(io_fail("unexpected reply"))),
+            }
+            let sizes = match self.recv_get(chunk.len()) {
+                Ok(v) => v,
                 Err(e) => return ShmOutcome::Done(Err(e)),
             };
             for (&(i, p), s) in chunk.iter().zip(&sizes) {
                 if let (Place::Staged(at), Ok(n)) = (p, s) {
                     let n = *n as usize;
                     if n > bufs[i].len() {
+                        self.live = None;
                         return ShmOutcome::Done(Err(io_fail("server wrote past the buffer")));
                     }
                     match self.staging_mut(at, n) {
                         Ok(src) => bufs[i][..n].copy_from_slice(src),
-                        Err(e) => return ShmOutcome::Done(Err(e)),
+                        Err(e) => {
+                            self.live = None; // a request may be outstanding
+                            return ShmOutcome::Done(Err(e));
+                        }
                     }
                 }
             }
