@@ -7,11 +7,12 @@
 //! [`SharedRegion`] this client handed out (a Mooncake dummy client's
 //! `alloc_from_mem_pool`) are named in place, with no copy in the client at all.
 //!
-//! Batches larger than the staging segment go in several requests; a batch with one
-//! staged object larger than the whole staging segment goes over TCP (`UseTcp`), as does
-//! every call while the socket cannot be reached (tried again after [`RETRY_AFTER`]).
-//! Regions outlive nothing: the client keeps only weak references, and a region dropped by
-//! its owner is unregistered at the next call.
+//! Batches larger than half the staging segment go in several requests, alternating
+//! between its halves and pipelined (the client copies one chunk while the server works on
+//! the previous); a batch with one staged object larger than half the staging segment goes
+//! over TCP (`UseTcp`), as does every call while the socket cannot be reached (tried again
+//! after [`RETRY_AFTER`]). Regions outlive nothing: the client keeps only weak references,
+//! and a region dropped by its owner is unregistered at the next call.
 
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Weak};
