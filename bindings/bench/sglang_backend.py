@@ -11,8 +11,9 @@ between rounds). Default
 sizes: Llama-3-8B KV with 64-token pages (32 layers, 8 KV heads, head_dim 128: 8 MiB a page,
 512 MiB a batch of 64). Backends:
 
-- kvtier embedded and kvtier over loopback (a ``kvtier-l3`` server, ``kvtier.L3Server`` in this
-  process, on 127.0.0.1);
+- kvtier embedded and kvtier through a ``kvtier-l3`` server (``kvtier.L3Server`` in this
+  process, on 127.0.0.1), twice: over its shared-memory path (what a client on the server's
+  host gets by default) and over TCP (``KVTIER_L3_SHM=off`` while the client connects);
 - SGLang's ``HiCacheFile`` (its v2 calls; files under a temporary directory);
 - SGLang's ``MooncakeStore`` over the real Mooncake (PyPI ``mooncake-transfer-engine-non-cuda``,
   master at 127.0.0.1:50051: run this script through ``bindings/tests/mooncake_netns.sh``
@@ -43,6 +44,19 @@ from kvtier.sglang import KvtierHiCacheStorage  # noqa: E402
 
 def kvtier_backend(extra):
     return KvtierHiCacheStorage(storage_config({"interface_v1": 1, **extra}), {})
+
+
+def tcp_only(make):
+    """``make()`` with the shared-memory path off for the clients it connects."""
+    old = os.environ.get("KVTIER_L3_SHM")
+    os.environ["KVTIER_L3_SHM"] = "off"
+    try:
+        return make()
+    finally:
+        if old is None:
+            del os.environ["KVTIER_L3_SHM"]
+        else:
+            os.environ["KVTIER_L3_SHM"] = old
 
 
 def file_backend(path):
@@ -136,7 +150,8 @@ def main():
     tmp = tempfile.mkdtemp(prefix="sglang-bench-")
     backends["kvtier embedded"] = lambda: kvtier_backend({"segment_bytes": seg})
     srv = kvtier.L3Server(seg, max_object_bytes=max(page, 1 << 20))
-    backends["kvtier kvtier-l3 loopback"] = lambda: kvtier_backend({"server": srv.addr})
+    backends["kvtier kvtier-l3 same host, shm"] = lambda: kvtier_backend({"server": srv.addr})
+    backends["kvtier kvtier-l3 loopback, TCP"] = lambda: tcp_only(lambda: kvtier_backend({"server": srv.addr}))
     backends["sglang HiCacheFile"] = lambda: file_backend(os.path.join(tmp, "file"))
     if a.mooncake_master:
         backends["sglang MooncakeStore, real Mooncake"] = lambda: mooncake_backend(pool, a.mooncake_master, seg)
@@ -150,6 +165,8 @@ def main():
             print(f"{name}: not measured: {e!r}")
             continue
         s, g = res[name]
+        if "kvtier-l3" in name:  # which path the client took
+            print(f"# {name}: uses_shm={b.store.uses_shm}")
         print(f"{name:38s} set {s * 1e3:8.1f} ms ({batch / s / 2**30:5.2f} GiB/s)   "
               f"get {g * 1e3:8.1f} ms ({batch / g / 2**30:5.2f} GiB/s)", flush=True)
     srv.shutdown()

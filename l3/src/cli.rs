@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::rpc::server::{Backend, DEFAULT_MAX_FRAME, ServerOptions, start};
+use crate::rpc::shm::ShmMode;
 use crate::{
     ClientId, ClusterMaster, EmbeddedStore, L3Store, NodeOptions, OffloadMode, SsdConfig,
     StoreConfig, StoreNode,
@@ -130,6 +131,13 @@ struct Args {
     /// Do not serve the transfer channel (bulk reads and probes then go through tarpc).
     #[arg(long)]
     no_transfer_channel: bool,
+    /// Do not serve the shared-memory path to clients on this host (they then use TCP;
+    /// `KVTIER_L3_SHM=off` does the same).
+    #[arg(long)]
+    no_shm: bool,
+    /// Directory of the shared-memory socket (default: the system's temporary directory).
+    #[arg(long)]
+    shm_dir: Option<PathBuf>,
     /// Master role: directory of its durable state (the settle log: tombstones and write
     /// cancels its nodes have not acknowledged). Required, so that a restarted master never
     /// brings back a removed key, unless --no-state-dir.
@@ -285,6 +293,12 @@ fn run(args: Args) -> Result<(), String> {
         max_frame_bytes: args.max_frame,
         metrics_addr: args.metrics,
         transfer_channel: !args.no_transfer_channel,
+        shm: if args.no_shm {
+            ShmMode::Off
+        } else {
+            ShmMode::from_env()
+        },
+        shm_dir: args.shm_dir.clone(),
     };
     if args.role == Role::Master
         && let Some(spec) = &args.etcd

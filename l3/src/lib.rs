@@ -41,6 +41,7 @@ pub use rpc::client::{ClientOptions, RemoteStore};
 pub use rpc::server::{
     ClusterMasterHandle, ServerHandle, ServerOptions, spawn_cluster_master, spawn_server,
 };
+pub use rpc::shm::{SHM_ENV, SharedRegion, ShmMode};
 pub use store::EmbeddedStore;
 pub use types::{
     Blob, ClientId, ClientStatus, ExistOptions, NodeRef, PutHandle, PutOptions, QueryResult,

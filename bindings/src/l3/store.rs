@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use kvtier_l3::{
-    ClientOptions, EmbeddedStore, L3Store, LossCursor, PutOptions, RemoteStore, Tenant,
+    ClientOptions, EmbeddedStore, L3Store, LossCursor, PutOptions, RemoteStore, ShmMode, Tenant,
 };
 use parking_lot::Mutex;
 
@@ -93,7 +93,8 @@ pub struct PyL3Store {
     pub(crate) store: Arc<dyn L3Store>,
     embedded: Option<Arc<EmbeddedStore>>,
     pub(crate) tenant: Tenant,
-    remote_addr: Option<String>,
+    /// A server client: its address and the client (for what only a remote store has).
+    remote: Option<(String, Arc<RemoteStore>)>,
     /// This handle's place in the store's loss journal (None: the store keeps none).
     loss_cursor: Mutex<Option<LossCursor>>,
 }
@@ -104,14 +105,14 @@ impl PyL3Store {
         store: Arc<dyn L3Store>,
         embedded: Option<Arc<EmbeddedStore>>,
         tenant: Tenant,
-        remote_addr: Option<String>,
+        remote: Option<(String, Arc<RemoteStore>)>,
     ) -> Self {
         let cursor = store.losses_since(&tenant, None).ok().map(|l| l.next);
         PyL3Store {
             store,
             embedded,
             tenant,
-            remote_addr,
+            remote,
             loss_cursor: Mutex::new(cursor),
         }
     }
@@ -191,14 +192,17 @@ impl PyL3Store {
 
     /// A client of a `kvtier-l3` server at `addr` ("host:port"), or of the leader of an etcd
     /// HA cluster (`"etcd://h:p;h:p[/CLUSTER]"`), followed across failovers.
+    /// With `shm` (the default) a server on this host is reached through shared memory
+    /// (see docs/l3-bench.md); `shm=False` or `KVTIER_L3_SHM=off` keeps it on TCP.
     #[staticmethod]
-    #[pyo3(signature = (addr, *, token = None, tenant = "default", rpc_timeout_ms = 120_000))]
+    #[pyo3(signature = (addr, *, token = None, tenant = "default", rpc_timeout_ms = 120_000, shm = true))]
     fn connect(
         py: Python<'_>,
         addr: &str,
         token: Option<String>,
         tenant: &str,
         rpc_timeout_ms: u64,
+        shm: bool,
     ) -> PyResult<Self> {
         let t = super::tenant(tenant)?;
         let sa = kvtier_l3::ha::Locator::parse(addr)
@@ -206,24 +210,36 @@ impl PyL3Store {
         let opts = ClientOptions {
             token,
             rpc_timeout: ms(rpc_timeout_ms),
+            shm: if shm {
+                ClientOptions::default().shm
+            } else {
+                ShmMode::Off
+            },
             ..ClientOptions::default()
         };
         let s = py
             .detach(move || RemoteStore::connect_to(sa, opts))
             .map_err(l3_err)?;
-        let addr = Some(addr.to_string());
-        Ok(py.detach(move || PyL3Store::new(Arc::new(s), None, t, addr)))
+        let s = Arc::new(s);
+        let remote = Some((addr.to_string(), s.clone()));
+        Ok(py.detach(move || PyL3Store::new(s, None, t, remote)))
     }
 
     /// Another handle on the same store for another tenant (keys never meet across tenants).
     fn with_tenant(&self, py: Python<'_>, tenant: &str) -> PyResult<Self> {
         let t = super::tenant(tenant)?;
-        let (store, embedded, addr) = (
+        let (store, embedded, remote) = (
             self.store.clone(),
             self.embedded.clone(),
-            self.remote_addr.clone(),
+            self.remote.clone(),
         );
-        Ok(py.detach(move || PyL3Store::new(store, embedded, t, addr)))
+        Ok(py.detach(move || PyL3Store::new(store, embedded, t, remote)))
+    }
+
+    /// Whether this handle moves bytes through shared memory (a server on this host).
+    #[getter]
+    fn uses_shm(&self) -> bool {
+        self.remote.as_ref().is_some_and(|(_, r)| r.uses_shm())
     }
 
     /// The tenant of this handle.
@@ -516,8 +532,8 @@ impl PyL3Store {
     }
 
     fn __repr__(&self) -> String {
-        match &self.remote_addr {
-            Some(a) => format!("L3Store(remote={a:?}, tenant={:?})", self.tenant.as_str()),
+        match &self.remote {
+            Some((a, _)) => format!("L3Store(remote={a:?}, tenant={:?})", self.tenant.as_str()),
             None => format!("L3Store(embedded, tenant={:?})", self.tenant.as_str()),
         }
     }

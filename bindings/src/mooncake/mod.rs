@@ -10,8 +10,9 @@
 //! `mooncake.store` does. Files: `registered.rs` (registered memory and the only type that
 //! reads raw addresses), `mapped.rs` (is a range mapped read-write: the registration
 //! check against wild pointers), `segment.rs` (a client's contributed global segment),
-//! `ranges.rs` (multi-buffer and byte-range calls, replica calls), `batch.rs` (write
-//! modes, the batch driver, Mooncake's result codes).
+//! `pool.rs` (a dummy client's pool, shared with the server when it can be), `ranges.rs`
+//! (multi-buffer and byte-range calls, replica calls), `batch.rs` (write modes, the batch
+//! driver, Mooncake's result codes).
 
 use std::sync::Arc;
 
@@ -28,12 +29,14 @@ use crate::l3::{
 
 mod batch;
 mod mapped;
+mod pool;
 mod ranges;
 mod registered;
 mod segment;
 
 use batch::{WriteMode, bad_segment_code, mc_get_code};
 pub use batch::{error_codes, join_parts};
+use pool::Pool;
 use ranges::{ReplicaRow, multi_parts, scatter};
 use registered::{Regions, RegisteredRange, drop_overlapping};
 use segment::Contribution;
@@ -45,6 +48,8 @@ const NOT_INITIALIZED: i64 = ErrorCode::InternalError as i64;
 struct Attached {
     store: Arc<dyn L3Store>,
     embedded: Option<Arc<EmbeddedStore>>,
+    /// A server client (its shared-memory path backs a dummy client's pool).
+    remote: Option<Arc<RemoteStore>>,
     tenant: Tenant,
     /// Dropped (unmounted) on close, before the store handle.
     _segment: Option<Contribution>,
@@ -55,7 +60,7 @@ pub struct MooncakeCore {
     state: RwLock<Option<Attached>>,
     regions: Regions,
     /// Memory of `setup_dummy`'s pool (`alloc_from_mem_pool`), registered while set up.
-    pool: Mutex<Option<(Box<[u8]>, usize)>>,
+    pool: Mutex<Option<Pool>>,
 }
 
 #[pymethods]
@@ -97,6 +102,7 @@ impl MooncakeCore {
             Ok(Attached {
                 store,
                 embedded: Some(s),
+                remote: None,
                 tenant: t,
                 _segment: seg,
             })
@@ -129,9 +135,11 @@ impl MooncakeCore {
         };
         match py.detach(move || RemoteStore::connect_to(sa, opts)) {
             Ok(s) => {
+                let s = Arc::new(s);
                 self.attach(Attached {
-                    store: Arc::new(s),
+                    store: s.clone(),
                     embedded: None,
+                    remote: Some(s),
                     tenant: t,
                     _segment: None,
                 });
@@ -146,6 +154,7 @@ impl MooncakeCore {
         self.attach(Attached {
             store: store.store.clone(),
             embedded: None,
+            remote: None,
             tenant: store.tenant.clone(),
             _segment: None,
         });
@@ -163,32 +172,28 @@ impl MooncakeCore {
         if n == 0 {
             return 0;
         }
-        *self.pool.lock() = Some((vec![0u8; n].into_boxed_slice(), 0));
+        let remote = self.state.read().as_ref().and_then(|a| a.remote.clone());
+        *self.pool.lock() = Some(Pool::new(remote.as_deref(), n));
         0
     }
 
     /// `size` bytes of the pool (64-byte aligned), registered: their address, or 0 when the
     /// pool is exhausted.
     fn alloc_from_mem_pool(&self, size: u64) -> u64 {
-        let mut g = self.pool.lock();
-        let Some((mem, used)) = g.as_mut() else {
-            return 0;
-        };
-        let start = used.div_ceil(64) * 64;
         let (Ok(n), Ok(len)) = (usize::try_from(size), i64::try_from(size)) else {
             return 0;
         };
-        match start.checked_add(n) {
-            Some(end) if n > 0 && end <= mem.len() => {
-                let addr = mem.as_ptr() as u64 + start as u64;
-                if self.regions.register(addr, len) != 0 {
-                    return 0;
-                }
-                *used = end;
-                addr
-            }
-            _ => 0,
-        }
+        let mut g = self.pool.lock();
+        let Some(pool) = g.as_mut() else {
+            return 0;
+        };
+        pool.alloc(n, |addr| self.regions.register(addr, len) == 0)
+            .unwrap_or(0)
+    }
+
+    /// Whether `alloc_from_mem_pool` memory is shared with the server.
+    fn pool_is_shared(&self) -> bool {
+        self.pool.lock().as_ref().is_some_and(Pool::is_shared)
     }
 
     fn is_setup(&self) -> bool {

@@ -274,4 +274,7 @@ pub trait L3Rpc {
     /// The loss journal read from a cursor (appended after `move_replica`; see
     /// [`crate::L3Store::losses_since`]).
     async fn losses_since(tenant: Tenant, cursor: Option<LossCursor>) -> L3Result<Losses>;
+    /// The server's shared-memory socket for clients on its host (None: it has none).
+    /// Appended after `losses_since`; see [`super::shm`].
+    async fn shm_offer() -> L3Result<Option<super::shm::ShmOffer>>;
 }

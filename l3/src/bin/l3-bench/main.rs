@@ -21,6 +21,9 @@
 //! 7. `failover` (only when named: it needs Debian's `etcd`): the leader of an etcd HA
 //!    master set is SIGKILLed `--kills` times; time to a new leader and to every client's
 //!    first success, losses, throughput after / before (`failover.rs`).
+//! 7. `shm`: 1, 4 and 8 client processes doing batch put/get of 1 MiB and 8 MiB objects
+//!    through a server over shared memory and over TCP, against embedded stores, in one run
+//!    (`procs.rs`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -28,13 +31,14 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod failover;
+mod procs;
 mod put;
 mod replicas;
 mod ssd;
 
 use clap::Parser;
 use kvtier_l3::{
-    ClientOptions, EmbeddedStore, L3Store, PutOptions, RemoteStore, StoreConfig, Tenant,
+    ClientOptions, EmbeddedStore, L3Store, PutOptions, RemoteStore, ShmMode, StoreConfig, Tenant,
 };
 
 const MOONCAKE_LOCAL_GBPS: f64 = 4.543;
@@ -54,8 +58,8 @@ struct Args {
     /// Directory for SSD buckets (must be on the disk under test, not tmpfs).
     #[arg(long, default_value = "/var/tmp/kvtier-l3-bench")]
     ssd_dir: PathBuf,
-    /// Only these scenarios (embedded, remote, exist, ssd, replicas, put, failover); default
-    /// all but failover.
+    /// Only these scenarios (embedded, remote, exist, ssd, replicas, put, shm, failover);
+    /// default all but failover.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// `failover`: leader kills.
@@ -64,6 +68,9 @@ struct Args {
     /// `failover`: the masters' leader lease TTL in seconds.
     #[arg(long, default_value_t = 1)]
     leader_ttl_s: u64,
+    /// Internal: run as a worker process of the `shm` scenario.
+    #[arg(long, hide = true)]
+    worker: Option<String>,
     /// Write results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -233,7 +240,13 @@ fn embedded(reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
 
 fn remote(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>, which: &[String]) -> R<()> {
     let srv = start_server(bin)?;
-    let c = RemoteStore::connect(srv.addr, ClientOptions::default()).map_err(|e| e.to_string())?;
+    // TCP on purpose (the transfer channel vs Mooncake's TCP); `--only shm` measures the
+    // shared-memory path.
+    let opts = ClientOptions {
+        shm: ShmMode::Off,
+        ..Default::default()
+    };
+    let c = RemoteStore::connect(srv.addr, opts).map_err(|e| e.to_string())?;
     if which.is_empty() || which.iter().any(|w| w == "remote") {
         let keys = fill(&c, 256, 1 << 20, PutOptions::default())?;
         let mut g = get_gbps(&c, &keys, 1 << 20, reps)?;
@@ -329,6 +342,13 @@ fn remote(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>, which: &[Stri
 
 fn main() {
     let args = Args::parse();
+    if let Some(spec) = &args.worker {
+        if let Err(e) = procs::worker(spec) {
+            eprintln!("worker {spec}: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let want = |w: &str| args.only.is_empty() || args.only.iter().any(|o| o == w);
     let bin = args.server_bin.clone().unwrap_or_else(|| {
         std::env::current_exe()
@@ -369,6 +389,9 @@ fn main() {
             failover::failover(&bin, args.kills, args.leader_ttl_s, &mut rows),
             "failover",
         );
+    }
+    if want("shm") {
+        report(procs::shm(&bin, args.reps, &mut rows), "shm");
     }
     if let Some(p) = &args.json {
         let text = format!(

@@ -13,6 +13,7 @@ use crate::api::{BatchResult, L3Store, single};
 use crate::error::{L3Error, L3Result};
 use crate::master::{LossCursor, Losses};
 use crate::pattern::KeyPattern;
+use crate::rpc::shm::ShmOutcome;
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
     ReplicateConfig, SegmentId, StoreStats, Tenant,
@@ -272,6 +273,11 @@ impl L3Store for RemoteStore {
         }
         if self.limits.cluster {
             return self.cluster_put(tenant, keys, bufs, opts, cfg);
+        }
+        if let Some(shm) = &self.shm
+            && let ShmOutcome::Done(r) = shm.lock().put(tenant, keys, bufs, opts, cfg)
+        {
+            return r;
         }
         // `--role both` is one process: one replica (see `EmbeddedStore`).
         let ranges = self.chunks(keys.len(), |i| bufs[i].len());

@@ -36,6 +36,7 @@ use tarpc::tokio_serde::formats::Bincode;
 
 use super::server::DEFAULT_MAX_FRAME;
 use super::service::{ClusterReply, ClusterRequest, L3RpcClient, ServerLimits};
+use super::shm::{SharedRegion, ShmClient, ShmMode, ShmOffer, ShmOutcome};
 use super::xfer::XferClient;
 use crate::api::BatchResult;
 use crate::error::{L3Error, L3Result};
@@ -67,6 +68,12 @@ pub struct ClientOptions {
     /// Following an etcd HA leader: the deadline of one call on the master (metadata only;
     /// bytes go to the nodes), so a paused leader costs this, not `rpc_timeout`.
     pub leader_call_timeout: Duration,
+    /// Use the server's shared-memory path when it runs on this host (see
+    /// [`crate::rpc::shm`]); defaults to `KVTIER_L3_SHM` (on unless it says `off`).
+    pub shm: ShmMode,
+    /// Size of the shared-memory staging segment: the most bytes of caller buffers (outside
+    /// shared regions) one shared-memory request carries.
+    pub shm_staging_bytes: usize,
 }
 
 impl Default for ClientOptions {
@@ -79,6 +86,8 @@ impl Default for ClientOptions {
             use_transfer_channel: true,
             failover_timeout: Duration::from_secs(30),
             leader_call_timeout: Duration::from_secs(3),
+            shm: ShmMode::from_env(),
+            shm_staging_bytes: 64 << 20,
         }
     }
 }
@@ -126,6 +135,8 @@ pub struct RemoteStore {
     fence: EpochFence,
     /// Transfer channel, when the server has one.
     xfer: Option<parking_lot::Mutex<XferSlot>>,
+    /// Shared-memory path, when the server is on this host.
+    shm: Option<parking_lot::Mutex<ShmClient>>,
     /// Split deployment: data connections to store nodes, by data address.
     nodes: parking_lot::Mutex<HashMap<SocketAddr, NodeConn>>,
     rt: tokio::runtime::Runtime,
@@ -175,6 +186,7 @@ impl RemoteStore {
             locator,
             fence: EpochFence::default(),
             xfer: None,
+            shm: None,
             nodes: parking_lot::Mutex::new(HashMap::new()),
             client: parking_lot::Mutex::new(dial(&rt, addr, max_frame)?),
             broken: AtomicBool::new(false),
@@ -212,7 +224,51 @@ impl RemoteStore {
                 }
             }
         }
+        me.shm = me.open_shm().map(parking_lot::Mutex::new);
         Ok(me)
+    }
+
+    /// The shared-memory path, when enabled, offered (an older server offers none) and on
+    /// this host; connected now so that a client reports at once which path it uses.
+    fn open_shm(&self) -> Option<ShmClient> {
+        if self.opts.shm == ShmMode::Off || self.limits.cluster {
+            return None;
+        }
+        let offer = self.run(self.rpc().shm_offer(self.ctx())).ok()??;
+        let mut c = ShmClient::new(
+            offer,
+            self.opts.token.clone(),
+            self.frame_cap(),
+            self.limits.max_batch_keys as usize,
+            self.opts.shm_staging_bytes,
+        )?;
+        if let Err(e) = c.connect() {
+            tracing::info!(error = %e, "shared-memory path unavailable; using TCP");
+        }
+        Some(c)
+    }
+
+    /// What the server offers for the shared-memory path (None: nothing, e.g. `--no-shm`).
+    pub fn shm_offer(&self) -> L3Result<Option<ShmOffer>> {
+        self.run(self.rpc().shm_offer(self.ctx()))
+    }
+
+    /// Whether calls move bytes through shared memory (the server is on this host and its
+    /// socket answered).
+    pub fn uses_shm(&self) -> bool {
+        self.shm.as_ref().is_some_and(|s| s.lock().is_live())
+    }
+
+    /// `len` bytes of memory shared with the server: puts from and gets into buffers inside
+    /// it move with no copy in this client (Mooncake's dummy-client pool). -1010 when this
+    /// client has no shared-memory path.
+    pub fn shared_region(&self, len: usize) -> L3Result<Arc<SharedRegion>> {
+        match &self.shm {
+            Some(s) => s.lock().alloc(len),
+            None => Err(L3Error::Unavailable(
+                "no shared-memory path to this server".into(),
+            )),
+        }
     }
 
     /// The server's limits.
@@ -313,6 +369,13 @@ impl RemoteStore {
                 s.addr = xa;
                 s.conn = None;
             }
+        }
+        if let Some(shm) = &self.shm
+            && let Ok(Ok(Some(offer))) = self
+                .rt
+                .block_on(self.client.lock().clone().shm_offer(self.ctx()))
+        {
+            shm.lock().reoffer(offer);
         }
         tracing::info!(%addr, epoch = limits.epoch, "reconnected");
         Ok(())
@@ -476,6 +539,11 @@ impl RemoteStore {
         queries: Option<&[QueryResult]>,
     ) -> BatchResult<u64> {
         self.check_bufs(keys.len(), bufs.len())?;
+        if let Some(shm) = &self.shm
+            && let ShmOutcome::Done(r) = shm.lock().get(tenant, keys, queries, bufs)
+        {
+            return r;
+        }
         if self.xfer.is_some() {
             return self.with_xfer(|x| x.get(tenant, keys, queries, bufs));
         }

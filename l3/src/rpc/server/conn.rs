@@ -14,7 +14,9 @@ use tarpc::context::Context;
 
 use crate::error::{L3Error, L3Result};
 use crate::master::{LossCursor, Losses};
+use crate::rpc::accept::token_ok;
 use crate::rpc::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits, WireBatch};
+use crate::rpc::shm::ShmOffer;
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
     ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant,
@@ -27,6 +29,7 @@ pub(super) struct Conn<B> {
     pub(super) token: Option<Arc<str>>,
     pub(super) authed: Arc<AtomicBool>,
     pub(super) limits: ServerLimits,
+    pub(super) shm: Arc<Option<ShmOffer>>,
 }
 
 impl<B> Clone for Conn<B> {
@@ -36,15 +39,9 @@ impl<B> Clone for Conn<B> {
             token: self.token.clone(),
             authed: self.authed.clone(),
             limits: self.limits,
+            shm: self.shm.clone(),
         }
     }
-}
-
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 impl<B: Backend> Conn<B> {
@@ -75,11 +72,7 @@ impl<B: Backend> Conn<B> {
 
 impl<B: Backend> L3Rpc for Conn<B> {
     async fn hello(self, _: Context, token: Option<String>) -> L3Result<ServerLimits> {
-        let ok = match (&self.token, &token) {
-            (None, _) => true,
-            (Some(want), Some(got)) => ct_eq(want.as_bytes(), got.as_bytes()),
-            (Some(_), None) => false,
-        };
+        let ok = token_ok(self.token.as_deref(), token.as_deref());
         if !ok {
             return Err(L3Error::IllegalClient("bad token".into()));
         }
@@ -281,6 +274,11 @@ impl<B: Backend> L3Rpc for Conn<B> {
     ) -> L3Result<Losses> {
         self.auth()?;
         self.store.losses_since(&tenant, cursor)
+    }
+
+    async fn shm_offer(self, _: Context) -> L3Result<Option<ShmOffer>> {
+        self.auth()?;
+        Ok((*self.shm).clone())
     }
 
     async fn cluster(self, _: Context, req: ClusterRequest) -> L3Result<ClusterReply> {

@@ -28,6 +28,7 @@ use tokio::sync::watch;
 
 use super::codec::ClampedBincode;
 use super::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits};
+use super::shm::{ShmMode, ShmServer};
 use super::xfer::{XferHandler, XferServer};
 use crate::api::{BatchResult, L3Store};
 use crate::cluster::ClusterMaster;
@@ -54,6 +55,11 @@ pub struct ServerOptions {
     /// Also serve the transfer channel (bulk reads, batched probes) on an ephemeral port
     /// of the same address; advertised to clients by `hello`.
     pub transfer_channel: bool,
+    /// Serve the shared-memory path to clients on this host (see [`crate::rpc::shm`]);
+    /// defaults to `KVTIER_L3_SHM` (on unless it says `off`).
+    pub shm: ShmMode,
+    /// Directory of the shared-memory socket (None: the system's temporary directory).
+    pub shm_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerOptions {
@@ -64,6 +70,8 @@ impl Default for ServerOptions {
             max_frame_bytes: DEFAULT_MAX_FRAME,
             metrics_addr: None,
             transfer_channel: true,
+            shm: ShmMode::from_env(),
+            shm_dir: None,
         }
     }
 }
@@ -86,6 +94,10 @@ pub trait Backend: L3Store + 'static {
     fn render_metrics(&self) -> String;
     /// What the transfer channel serves (None: no transfer channel).
     fn xfer_handler(self: Arc<Self>) -> Option<Arc<dyn XferHandler>>;
+    /// The store the shared-memory path serves (None: no shared-memory path).
+    fn shm_store(self: Arc<Self>) -> Option<Arc<EmbeddedStore>> {
+        None
+    }
     /// The `cluster` call (node ↔ master); -1010 unless this is a master.
     /// Leader epoch advertised by `hello` (etcd HA masters; 0 otherwise).
     fn epoch(&self) -> u64 {
@@ -120,6 +132,9 @@ impl Backend for EmbeddedStore {
         EmbeddedStore::render_metrics(self)
     }
     fn xfer_handler(self: Arc<Self>) -> Option<Arc<dyn XferHandler>> {
+        Some(self)
+    }
+    fn shm_store(self: Arc<Self>) -> Option<Arc<EmbeddedStore>> {
         Some(self)
     }
 }
@@ -266,11 +281,13 @@ pub async fn start<B: Backend>(
         cluster: store.is_cluster_master(),
         epoch: store.epoch(),
     };
-    if let Some(x) = xfer {
+    let shm = start_shm(&store, &opts, token.clone());
+    let offer = Arc::new(shm.as_ref().map(|s| s.offer.clone()));
+    if xfer.is_some() || shm.is_some() {
         let mut stop_x = stop.clone();
         tokio::spawn(async move {
             let _ = stop_x.wait_for(|s| *s).await;
-            let _ = tokio::task::spawn_blocking(move || drop(x)).await;
+            let _ = tokio::task::spawn_blocking(move || drop((xfer, shm))).await;
         });
     }
     let st = store.clone();
@@ -285,6 +302,7 @@ pub async fn start<B: Backend>(
                     token: token.clone(),
                     authed: Arc::new(AtomicBool::new(false)),
                     limits,
+                    shm: offer.clone(),
                 };
                 let channel = server::BaseChannel::with_defaults(transport);
                 tokio::spawn(channel.execute(conn.serve()).for_each(|fut| async move {
@@ -302,6 +320,27 @@ pub async fn start<B: Backend>(
         Some(m) => Some(start_metrics(store, m, stop).await?),
     };
     Ok((addr, metrics_addr))
+}
+
+/// The shared-memory listener, when enabled and the backend has one; a failure to start it
+/// only leaves clients on TCP.
+fn start_shm<B: Backend>(
+    store: &Arc<B>,
+    opts: &ServerOptions,
+    token: Option<Arc<str>>,
+) -> Option<ShmServer> {
+    if opts.shm == ShmMode::Off {
+        return None;
+    }
+    let s = store.clone().shm_store()?;
+    let dir = opts.shm_dir.clone().unwrap_or_else(std::env::temp_dir);
+    match ShmServer::start(s, &dir, token, opts.max_frame_bytes) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "shared-memory path unavailable; TCP only");
+            None
+        }
+    }
 }
 
 async fn start_metrics<B: Backend>(

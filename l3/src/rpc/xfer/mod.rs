@@ -35,9 +35,10 @@ use serde_bytes::ByteBuf;
 use crate::error::{L3Error, L3Result};
 use crate::types::{ExistOptions, PutHandle, PutOptions, QueryResult, ReplicaDescriptor, Tenant};
 
+pub use crate::rpc::accept::{HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_PENDING_HELLOS};
 pub use client::XferClient;
 pub use frame::{FrameError, pack_keys, read_frame, send_blobs, unpack_keys, write_frame};
-pub use server::{HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_PENDING_HELLOS, XferServer};
+pub use server::XferServer;
 
 /// Requests.
 #[derive(Debug, Serialize, Deserialize)]

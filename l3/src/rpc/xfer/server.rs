@@ -11,7 +11,7 @@
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 
 use serde_bytes::ByteBuf;
@@ -19,17 +19,10 @@ use serde_bytes::ByteBuf;
 use crate::error::{L3Error, L3Result};
 use crate::store::EmbeddedStore;
 
+use crate::rpc::accept::{HELLO_TIMEOUT, Pending, ServeConn, spawn_acceptor, token_ok};
+
 use super::frame::{FrameError, read_frame, send_blobs, unpack_keys, write_frame};
 use super::{XferHandler, XferReply, XferRequest, refuse};
-
-/// Most concurrent transfer connections a server accepts.
-pub const MAX_CONNECTIONS: usize = 64;
-/// Most connections that have not said a valid hello yet. Beyond it new connections are
-/// closed at once, so unauthenticated peers can hold at most this many threads, each for
-/// at most [`HELLO_TIMEOUT`]; a client refused here uses the RPC path instead.
-pub const MAX_PENDING_HELLOS: usize = 8;
-/// How long a new connection may take to send its hello.
-pub const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A running transfer listener.
 pub struct XferServer {
@@ -53,51 +46,16 @@ impl XferServer {
             .local_addr()
             .map_err(|e| L3Error::Internal(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let live = Arc::new(AtomicUsize::new(0));
-        let pending = Arc::new(AtomicUsize::new(0));
         let st = stop.clone();
-        let accept = std::thread::Builder::new()
-            .name("kvtier-l3-xfer-accept".into())
-            .spawn(move || {
-                for conn in l.incoming() {
-                    if st.load(Ordering::Acquire) {
-                        return;
-                    }
-                    let Ok(sock) = conn else { continue };
-                    if live.load(Ordering::Acquire) >= MAX_CONNECTIONS
-                        || pending.load(Ordering::Acquire) >= MAX_PENDING_HELLOS
-                    {
-                        drop(sock);
-                        continue;
-                    }
-                    live.fetch_add(1, Ordering::AcqRel);
-                    pending.fetch_add(1, Ordering::AcqRel);
-                    let store = store.clone();
-                    let token = token.clone();
-                    let (live2, pending2) = (live.clone(), pending.clone());
-                    let st2 = st.clone();
-                    let spawned = std::thread::Builder::new()
-                        .name("kvtier-l3-xfer".into())
-                        .spawn(move || {
-                            let mut hello = Pending(Some(&pending2));
-                            serve_conn(
-                                sock,
-                                &*store,
-                                token.as_deref(),
-                                max_frame,
-                                &st2,
-                                &mut hello,
-                            );
-                            drop(hello);
-                            live2.fetch_sub(1, Ordering::AcqRel);
-                        });
-                    if spawned.is_err() {
-                        live.fetch_sub(1, Ordering::AcqRel);
-                        pending.fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
-            })
-            .map_err(|e| L3Error::Internal(format!("spawn xfer: {e}")))?;
+        let serve: ServeConn<TcpStream> = Arc::new(move |sock, hello| {
+            serve_conn(sock, &*store, token.as_deref(), max_frame, &st, hello)
+        });
+        let accept = spawn_acceptor(
+            "kvtier-l3-xfer",
+            move || l.accept().map(|(s, _)| s),
+            stop.clone(),
+            serve,
+        )?;
         Ok(XferServer {
             addr: bound,
             stop,
@@ -118,23 +76,6 @@ impl XferServer {
 impl Drop for XferServer {
     fn drop(&mut self) {
         self.stop();
-    }
-}
-
-/// A connection's slot among those awaiting hello; released once (hello or close).
-struct Pending<'a>(Option<&'a AtomicUsize>);
-
-impl Pending<'_> {
-    fn release(&mut self) {
-        if let Some(p) = self.0.take() {
-            p.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
-}
-
-impl Drop for Pending<'_> {
-    fn drop(&mut self) {
-        self.release();
     }
 }
 
@@ -179,14 +120,7 @@ fn serve_conn(
         };
         let ok = match req {
             XferRequest::Hello { token: got } => {
-                authed = match (token, got.as_deref()) {
-                    (None, _) => true,
-                    (Some(w), Some(g)) => {
-                        w.len() == g.len()
-                            && w.bytes().zip(g.bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0
-                    }
-                    (Some(_), None) => false,
-                };
+                authed = token_ok(token, got.as_deref());
                 let r = if authed {
                     Ok(())
                 } else {

@@ -1,0 +1,65 @@
+//! A dummy client's pool (`setup_dummy`'s `mem_pool_size`, handed out by
+//! `alloc_from_mem_pool`).
+//!
+//! Why shared memory when it can be: a Mooncake dummy client's pool is the real client's
+//! shared memory, so puts from and gets into it cost no copy in the dummy process. Here, on a
+//! `kvtier-l3` server of the same host, the pool is a region of the client's shared-memory
+//! path (a memfd the server maps too): the server reads and writes pool memory in place.
+//! Elsewhere (an embedded store, a server on another host, `KVTIER_L3_SHM=off`) it is this
+//! process's heap, with the same results through the ordinary paths.
+
+use std::sync::Arc;
+
+use kvtier_l3::{RemoteStore, SharedRegion};
+
+/// Where the pool's bytes live.
+enum Mem {
+    Shared(Arc<SharedRegion>),
+    Heap(Box<[u8]>),
+}
+
+/// The pool and how much of it is handed out.
+pub struct Pool {
+    mem: Mem,
+    used: usize,
+}
+
+impl Pool {
+    /// `n` bytes (n > 0), shared with `remote`'s server when it has a shared-memory path.
+    pub fn new(remote: Option<&RemoteStore>, n: usize) -> Self {
+        let shared = remote
+            .filter(|r| r.uses_shm())
+            .and_then(|r| r.shared_region(n).ok());
+        let mem = match shared {
+            Some(r) => Mem::Shared(r),
+            None => Mem::Heap(vec![0u8; n].into_boxed_slice()),
+        };
+        Pool { mem, used: 0 }
+    }
+
+    /// Whether the pool is memory the server maps.
+    pub fn is_shared(&self) -> bool {
+        matches!(self.mem, Mem::Shared(_))
+    }
+
+    fn base_len(&self) -> (u64, usize) {
+        match &self.mem {
+            Mem::Shared(r) => (r.as_ptr() as u64, r.len()),
+            Mem::Heap(b) => (b.as_ptr() as u64, b.len()),
+        }
+    }
+
+    /// The address of the next `n` bytes (64-byte aligned), handed out once `register`
+    /// accepts them; None when the pool is exhausted or `register` refuses.
+    pub fn alloc(&mut self, n: usize, register: impl FnOnce(u64) -> bool) -> Option<u64> {
+        let (base, len) = self.base_len();
+        let start = self.used.div_ceil(64) * 64;
+        let end = start.checked_add(n).filter(|&e| n > 0 && e <= len)?;
+        let addr = base + start as u64;
+        if !register(addr) {
+            return None;
+        }
+        self.used = end;
+        Some(addr)
+    }
+}

@@ -1,0 +1,129 @@
+"""The shared-memory path from Python (issue 23): ``kvtier.L3Store.connect`` and the Mooncake
+compat class's dummy client reach a ``kvtier-l3`` process on this host through shared memory
+without any change in the caller's code, agree byte for byte with a TCP client, and have an
+off switch (``shm=False``, ``KVTIER_L3_SHM=off``, the server's ``--no-shm``).
+
+The servers here are real ``kvtier-l3`` processes (the binary ``cargo test`` builds), so the
+pool of a dummy client is checked to be mapped by the *server* (``/proc/<pid>/maps``).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.mooncake_compat import MooncakeDistributedStore
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = pathlib.Path(os.environ.get("KVTIER_L3_BIN", ROOT / "target" / "release" / "kvtier-l3"))
+
+
+class Proc:
+    def __init__(self, *extra, env=None):
+        if not BIN.exists():
+            pytest.fail(f"{BIN} missing: build it with `cargo build --release -p kvtier-l3`")
+        e = dict(os.environ)
+        e.pop("KVTIER_L3_TOKEN", None)
+        e.update(env or {})
+        self.p = subprocess.Popen([str(BIN), "--listen", "127.0.0.1:0", "--segment-bytes", str(64 << 20), *extra],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=e)
+        for line in self.p.stdout:
+            if line.startswith("LISTENING"):
+                self.addr = line.split()[1]
+                break
+        else:
+            raise RuntimeError("kvtier-l3 did not start")
+
+    def memfd_maps(self, name):
+        with open(f"/proc/{self.p.pid}/maps") as f:
+            return [l for l in f if f"memfd:{name}" in l]
+
+    def close(self):
+        self.p.kill()
+        self.p.wait()
+
+
+@pytest.fixture
+def proc():
+    p = Proc()
+    yield p
+    p.close()
+
+
+def test_l3store_uses_shm_on_the_same_host_and_agrees_with_tcp(proc):
+    fast = kvtier.L3Store.connect(proc.addr)
+    slow = kvtier.L3Store.connect(proc.addr, shm=False)
+    assert fast.uses_shm and not slow.uses_shm
+    rng = np.random.default_rng(0)
+    objs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 4096, 1 << 20, 3 << 20)]
+    keys = [f"k{i}" for i in range(len(objs))]
+    assert list(fast.batch_put_from(keys[:2], objs[:2])) == [0, 0]
+    assert list(slow.batch_put_from(keys[2:], objs[2:])) == [0, 0]
+    for reader in (fast, slow):
+        outs = [np.zeros(len(o) + 5, dtype=np.uint8) for o in objs]
+        assert list(reader.batch_get_into(keys, outs)) == [len(o) for o in objs]
+        for o, b in zip(objs, outs):
+            assert np.array_equal(b[:len(o)], o) and not b[len(o):].any()
+    small = np.zeros(10, dtype=np.uint8)
+    assert list(fast.batch_get_into(["k2", "absent"], [small, small])) == \
+        list(slow.batch_get_into(["k2", "absent"], [small, small]))
+    # The server maps this client's staging segment (and nothing of the TCP client's).
+    assert len(proc.memfd_maps("kvtier-shm-staging")) == 1
+
+
+def test_off_switches(proc):
+    code = ("import kvtier, sys; s = kvtier.L3Store.connect(sys.argv[1]); "
+            "s.put('e', b'x'); print(s.uses_shm, s.get('e'))")
+    env = dict(os.environ, KVTIER_L3_SHM="off")
+    out = subprocess.run([sys.executable, "-c", code, proc.addr], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["False", "b'x'"], out.stderr[-2000:]
+    off = Proc("--no-shm")
+    try:
+        s = kvtier.L3Store.connect(off.addr)
+        s.put("k", b"v")
+        assert not s.uses_shm and s.get("k") == b"v"
+    finally:
+        off.close()
+
+
+def test_dummy_client_pool_is_shared_with_the_server(proc):
+    d = MooncakeDistributedStore()
+    assert d.setup_dummy(8 << 20, 1 << 20, proc.addr) == 0
+    assert d._core.pool_is_shared()
+    assert len(proc.memfd_maps("kvtier-shm-region")) == 1, "the server maps the dummy client's pool"
+    tcp = kvtier.L3Store.connect(proc.addr, shm=False)  # tenant "default", as the compat class
+    n = 1 << 20
+    a, b = d.alloc_from_mem_pool(n), d.alloc_from_mem_pool(n)
+    assert a and b
+    src = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+    # Write the pool through a view of it, put from it in place, read it back elsewhere.
+    pool_a = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(a))
+    pool_b = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(b))
+    pool_a[:] = src
+    assert d.register_buffer(a, n) == 0  # Mooncake: 0 on pool memory in dummy mode
+    assert d.put_from("pf", a, n) == 0
+    assert tcp.get("pf") == src.tobytes()
+    assert d.get_into("pf", b, n) == n and np.array_equal(pool_b, src)
+    # Batch forms and ranges of the pool.
+    half = n // 2
+    assert d.batch_put_from(["b0", "b1"], [a, a + half], [half, half]) == [0, 0]
+    pool_b[:] = 0
+    assert d.batch_get_into(["b1", "b0"], [b, b + half], [half, half]) == [half, half]
+    assert np.array_equal(pool_b[:half], src[half:]) and np.array_equal(pool_b[half:], src[:half])
+    assert d.batch_put_from_multi_buffers(["m"], [[a + 10, a + 100]], [[5, 7]]) == [0]
+    assert tcp.get("m") == src[10:15].tobytes() + src[100:107].tobytes()
+    # Caller memory registered with register_buffer goes through the staging segment.
+    mine = np.arange(4096, dtype=np.uint8)
+    assert d.register_buffer(mine.ctypes.data, mine.nbytes) == 0
+    assert d.put_from("mine", mine.ctypes.data, mine.nbytes) == 0
+    assert tcp.get("mine") == mine.tobytes()
+    got = np.zeros(4096, dtype=np.uint8)
+    assert d.register_buffer(got.ctypes.data, got.nbytes) == 0
+    assert d.get_into("pf", got.ctypes.data, got.nbytes) < 0  # too small: Mooncake's code
+    assert d.get_into("mine", got.ctypes.data, got.nbytes) == 4096 and np.array_equal(got, mine)
+    assert d.close() == 0

@@ -1,0 +1,104 @@
+//! The blocking accept loop shared by the transfer channel (TCP) and the shared-memory
+//! path (Unix socket), and the token check of every `Hello`.
+//!
+//! Why one loop: both serve one blocking thread per connection behind the same limits —
+//! at most [`MAX_CONNECTIONS`] live, at most [`MAX_PENDING_HELLOS`] that have not
+//! authenticated yet (each dropped after [`HELLO_TIMEOUT`]) — so unauthenticated peers hold
+//! a bounded number of threads whichever socket they reach.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+
+use crate::error::{L3Error, L3Result};
+
+/// Most concurrent connections a listener accepts.
+pub const MAX_CONNECTIONS: usize = 64;
+/// Most connections that have not said a valid hello yet. Beyond it new connections are
+/// closed at once, so unauthenticated peers can hold at most this many threads, each for
+/// at most [`HELLO_TIMEOUT`]; a client refused here uses the RPC path instead.
+pub const MAX_PENDING_HELLOS: usize = 8;
+/// How long a new connection may take to send its hello.
+pub const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether `got` is the token a server configured with `want` accepts (constant time).
+pub fn token_ok(want: Option<&str>, got: Option<&str>) -> bool {
+    match (want, got) {
+        (None, _) => true,
+        (Some(w), Some(g)) => {
+            w.len() == g.len() && w.bytes().zip(g.bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0
+        }
+        (Some(_), None) => false,
+    }
+}
+
+/// A connection's slot among those awaiting hello; released once (hello or close).
+pub struct Pending<'a>(Option<&'a AtomicUsize>);
+
+impl Pending<'_> {
+    /// The connection authenticated: it no longer counts as pending.
+    pub fn release(&mut self) {
+        if let Some(p) = self.0.take() {
+            p.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Serves one accepted connection (its hello slot released once it authenticates).
+pub type ServeConn<S> = Arc<dyn Fn(S, &mut Pending<'_>) + Send + Sync>;
+
+/// Spawns the accept thread: `accept` blocks for the next connection; each one accepted
+/// within the limits is served by `serve` on a thread of its own. The loop ends at the
+/// first connection accepted after `stop` turned true.
+pub fn spawn_acceptor<S: Send + 'static>(
+    name: &str,
+    mut accept: impl FnMut() -> io::Result<S> + Send + 'static,
+    stop: Arc<AtomicBool>,
+    serve: ServeConn<S>,
+) -> L3Result<JoinHandle<()>> {
+    let live = Arc::new(AtomicUsize::new(0));
+    let pending = Arc::new(AtomicUsize::new(0));
+    let conn_name = name.to_string();
+    std::thread::Builder::new()
+        .name(format!("{name}-accept"))
+        .spawn(move || {
+            loop {
+                let conn = accept();
+                if stop.load(Ordering::Acquire) {
+                    return;
+                }
+                let Ok(sock) = conn else { continue };
+                if live.load(Ordering::Acquire) >= MAX_CONNECTIONS
+                    || pending.load(Ordering::Acquire) >= MAX_PENDING_HELLOS
+                {
+                    drop(sock);
+                    continue;
+                }
+                live.fetch_add(1, Ordering::AcqRel);
+                pending.fetch_add(1, Ordering::AcqRel);
+                let serve = serve.clone();
+                let (live2, pending2) = (live.clone(), pending.clone());
+                let spawned =
+                    std::thread::Builder::new()
+                        .name(conn_name.clone())
+                        .spawn(move || {
+                            let mut hello = Pending(Some(&pending2));
+                            serve(sock, &mut hello);
+                            drop(hello);
+                            live2.fetch_sub(1, Ordering::AcqRel);
+                        });
+                if spawned.is_err() {
+                    live.fetch_sub(1, Ordering::AcqRel);
+                    pending.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        })
+        .map_err(|e| L3Error::Internal(format!("spawn {name}: {e}")))
+}

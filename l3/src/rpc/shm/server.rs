@@ -1,0 +1,317 @@
+//! The shared-memory listener: a Unix socket beside the RPC port, one blocking thread per
+//! connection (the accept loop and limits of the transfer channel), each connection with
+//! its own table of mapped segments.
+//!
+//! Why per connection: a segment id means something only on the connection that
+//! registered it, so no request can name another client's memory, and everything a client
+//! registered is unmapped when its connection ends (a killed client's socket closes).
+//! Every range of a request is checked against that table before the store is called; one
+//! bad range fails the whole call and nothing is read or written.
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+use crate::api::L3Store;
+use crate::error::{L3Error, L3Result};
+use crate::rpc::accept::{HELLO_TIMEOUT, Pending, ServeConn, spawn_acceptor, token_ok};
+use crate::rpc::xfer::{FrameError, read_frame, write_frame};
+use crate::store::EmbeddedStore;
+use crate::types::Blob;
+
+use super::segment::{Mapping, Received, boot_id, random16, recv_fd};
+use super::{ShmOffer, ShmRange, ShmReply, ShmRequest, check_range};
+
+/// Most segments one connection may register (a client needs its staging segment plus a
+/// few registered pools).
+pub const MAX_SEGMENTS_PER_CONN: usize = 64;
+/// Most bytes one connection may have mapped (256 GiB of address space; memory is only used
+/// as the client touches it, and is charged to the client's memfds): with at most
+/// `MAX_CONNECTIONS` connections, clients cannot exhaust the server's address space.
+pub const MAX_MAPPED_PER_CONN: u64 = 256 << 30;
+
+/// A running shared-memory listener; the socket file is removed when it stops.
+pub struct ShmServer {
+    /// What clients are told (`shm_offer`).
+    pub offer: ShmOffer,
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl ShmServer {
+    /// Binds a socket with an unguessable name in `dir` and serves `store`. Unavailable
+    /// (-1010) where the host's boot id cannot be read (clients could not tell they share
+    /// the host).
+    pub fn start(
+        store: Arc<EmbeddedStore>,
+        dir: &Path,
+        token: Option<Arc<str>>,
+        max_frame: usize,
+    ) -> L3Result<Self> {
+        let boot_id =
+            boot_id().ok_or_else(|| L3Error::Unavailable("no boot id on this host".into()))?;
+        let nonce = random16()?;
+        remove_stale(dir);
+        let path = dir.join(format!(
+            "kvtier-l3-{}-{}.sock",
+            std::process::id(),
+            hex(&nonce[..8])
+        ));
+        let l = UnixListener::bind(&path)
+            .map_err(|e| L3Error::Unavailable(format!("bind {}: {e}", path.display())))?;
+        // Any local user holding the token may connect, as on the TCP port.
+        let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666));
+        let offer = ShmOffer {
+            path: path.to_string_lossy().into_owned(),
+            boot_id,
+            nonce,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let st = stop.clone();
+        let serve: ServeConn<UnixStream> = Arc::new(move |sock, hello| {
+            let mut c = ShmConn {
+                store: &store,
+                segs: HashMap::new(),
+                next: 1,
+            };
+            c.serve(sock, token.as_deref(), max_frame, nonce, &st, hello);
+        });
+        let accept = spawn_acceptor(
+            "kvtier-l3-shm",
+            move || l.accept().map(|(s, _)| s),
+            stop.clone(),
+            serve,
+        )?;
+        Ok(ShmServer {
+            offer,
+            path,
+            stop,
+            accept: Some(accept),
+        })
+    }
+
+    /// Stops accepting and removes the socket file (open connections end with their next
+    /// request or when their client goes).
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = UnixStream::connect(&self.path);
+        if let Some(h) = self.accept.take() {
+            let _ = h.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Removes sockets of servers that died without cleaning up (SIGKILL): files named like
+/// ours, older than a minute (a server starting right now may not listen yet), whose
+/// connect is refused (nobody listens). A live server's socket always accepts.
+fn remove_stale(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with("kvtier-l3-") && name.ends_with(".sock")) {
+            continue;
+        }
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > std::time::Duration::from_secs(60));
+        if old
+            && let Err(err) = UnixStream::connect(e.path())
+            && err.kind() == std::io::ErrorKind::ConnectionRefused
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+impl Drop for ShmServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One connection: its segments, dropped (unmapped) with it.
+struct ShmConn<'a> {
+    store: &'a EmbeddedStore,
+    segs: HashMap<u32, Mapping>,
+    next: u32,
+}
+
+impl ShmConn<'_> {
+    fn serve(
+        &mut self,
+        mut sock: UnixStream,
+        token: Option<&str>,
+        max_frame: usize,
+        nonce: [u8; 16],
+        stop: &AtomicBool,
+        hello: &mut Pending<'_>,
+    ) {
+        if sock.set_read_timeout(Some(HELLO_TIMEOUT)).is_err() {
+            return;
+        }
+        let mut authed = false;
+        while !stop.load(Ordering::Acquire) {
+            let req: ShmRequest = match read_frame(&mut sock, max_frame) {
+                Ok(r) => r,
+                Err(FrameError::TooLarge(n)) => {
+                    let e = L3Error::InvalidParams(format!(
+                        "frame of {n} bytes exceeds the {max_frame}-byte limit"
+                    ));
+                    let _ = write_frame(&mut sock, &ShmReply::Done(Err(e)));
+                    return;
+                }
+                Err(FrameError::Malformed(m)) => {
+                    let e = L3Error::InvalidParams(format!("malformed request: {m}"));
+                    let _ = write_frame(&mut sock, &ShmReply::Done(Err(e)));
+                    return;
+                }
+                Err(_) => return,
+            };
+            let reply = match req {
+                ShmRequest::Hello { token: got } => {
+                    authed = token_ok(token, got.as_deref());
+                    if !authed {
+                        let e = L3Error::IllegalClient("bad token".into());
+                        let _ = write_frame(&mut sock, &ShmReply::Hello(Err(e)));
+                        return;
+                    }
+                    hello.release();
+                    if sock.set_read_timeout(None).is_err() {
+                        return;
+                    }
+                    ShmReply::Hello(Ok(nonce))
+                }
+                _ if !authed => {
+                    let e = L3Error::IllegalClient("hello first".into());
+                    let _ = write_frame(&mut sock, &ShmReply::Done(Err(e)));
+                    return;
+                }
+                ShmRequest::Register { len } => match recv_fd(&sock) {
+                    Ok(Received::One(fd)) => ShmReply::Registered(self.register(fd, len)),
+                    Ok(Received::Bad(why)) => {
+                        ShmReply::Registered(Err(L3Error::InvalidParams(why)))
+                    }
+                    Ok(Received::Closed) | Err(_) => return,
+                },
+                ShmRequest::Unregister { seg } => ShmReply::Done(
+                    self.segs
+                        .remove(&seg)
+                        .map(drop)
+                        .ok_or(L3Error::SegmentNotFound),
+                ),
+                ShmRequest::Put {
+                    tenant,
+                    keys,
+                    ranges,
+                    opts,
+                    cfg,
+                } => ShmReply::Put(self.resolve(&ranges, keys.len()).and_then(|rs| {
+                    // SAFETY: every range was checked inside its mapping; the store only
+                    // copies out of these slices.
+                    let bufs: Vec<&[u8]> = rs
+                        .iter()
+                        .map(|(m, r)| unsafe { m.bytes(r.start, r.len()) })
+                        .collect();
+                    self.store
+                        .batch_put_from_with(&tenant, &keys, &bufs, opts, cfg)
+                })),
+                ShmRequest::Get {
+                    tenant,
+                    keys,
+                    queries,
+                    ranges,
+                } => {
+                    let n = queries.as_ref().map_or(keys.len(), Vec::len);
+                    ShmReply::Get(self.resolve(&ranges, n).and_then(|rs| {
+                        let blobs = match &queries {
+                            Some(q) => self.store.batch_get_with_query_blobs(&tenant, q)?,
+                            None => self.store.batch_get_blobs(&tenant, &keys)?,
+                        };
+                        Ok(blobs
+                            .into_iter()
+                            .zip(rs)
+                            .map(|(b, (m, r))| b.and_then(|b| copy_out(&b, m, r)))
+                            .collect())
+                    }))
+                }
+            };
+            if write_frame(&mut sock, &reply).is_err() {
+                return;
+            }
+        }
+    }
+
+    fn register(&mut self, fd: std::os::fd::OwnedFd, len: u64) -> L3Result<u32> {
+        if self.segs.len() >= MAX_SEGMENTS_PER_CONN {
+            return Err(L3Error::InvalidParams(format!(
+                "at most {MAX_SEGMENTS_PER_CONN} segments per connection"
+            )));
+        }
+        let mapped: u64 = self.segs.values().map(|m| m.len() as u64).sum();
+        if mapped.saturating_add(len) > MAX_MAPPED_PER_CONN {
+            return Err(L3Error::InvalidParams(format!(
+                "at most {MAX_MAPPED_PER_CONN} bytes mapped per connection"
+            )));
+        }
+        let m = Mapping::adopt(fd, len)?;
+        let id = self.next;
+        self.next = self.next.wrapping_add(1).max(1);
+        self.segs.insert(id, m);
+        Ok(id)
+    }
+
+    /// Checks `ranges` (one per key, `n` keys) against this connection's segments.
+    fn resolve(
+        &self,
+        ranges: &[ShmRange],
+        n: usize,
+    ) -> L3Result<Vec<(&Mapping, std::ops::Range<usize>)>> {
+        if ranges.len() != n {
+            return Err(L3Error::InvalidParams(
+                "keys and ranges differ in length".into(),
+            ));
+        }
+        ranges
+            .iter()
+            .map(|r| {
+                let m = self.segs.get(&r.seg).ok_or_else(|| {
+                    L3Error::IllegalClient(format!(
+                        "segment {} is not registered on this connection",
+                        r.seg
+                    ))
+                })?;
+                Ok((m, check_range(m.len() as u64, r.off, r.len)?))
+            })
+            .collect()
+    }
+}
+
+/// Copies an object into a checked range: its size, or -10 when the range is too small.
+fn copy_out(b: &Blob, m: &Mapping, r: std::ops::Range<usize>) -> L3Result<u64> {
+    let src = b.as_slice();
+    if src.len() > r.len() {
+        return Err(L3Error::BufferOverflow {
+            needed: src.len() as u64,
+            have: r.len() as u64,
+        });
+    }
+    // SAFETY: `r` was checked inside the mapping; no other reference to it lives here.
+    unsafe { m.bytes_mut(r.start, src.len()) }.copy_from_slice(src);
+    Ok(src.len() as u64)
+}
