@@ -12,7 +12,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::ha::{HaMaster, free_addr, ha_client, ha_node, leader, spawn_master};
+use common::ha::{HaMaster, ha_client, ha_cluster, leader, spawn_master};
 use common::{payload, t};
 use kvtier_l3::ha::local_etcd::LocalEtcd;
 use kvtier_l3::rpc::service::{ClusterReply, ClusterRequest};
@@ -44,16 +44,9 @@ fn fail_over(etcd: &LocalEtcd, masters: &mut [HaMaster], c: &RemoteStore) {
 
 #[test]
 fn a_put_straddling_a_failover_is_fenced_and_nothing_half_written_is_readable() {
-    let etcd = LocalEtcd::start(3).unwrap();
-    let mut masters: Vec<HaMaster> = (0..2)
-        .map(|_| spawn_master(&etcd, free_addr(), 1))
-        .collect();
-    leader(&etcd, Duration::from_secs(20)).expect("a leader");
-    let ssd: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let _nodes: Vec<_> = (0..3)
-        .map(|i| ha_node(&etcd, i as u64 + 1, ssd[i].path()))
-        .collect();
-    let c = ha_client(&etcd);
+    let cl = ha_cluster(2);
+    let (etcd, mut masters) = (&cl.etcd, cl.masters);
+    let c = ha_client(etcd);
     let tn = t("straddle");
     let v = payload(7, 5000);
 
@@ -61,7 +54,7 @@ fn a_put_straddling_a_failover_is_fenced_and_nothing_half_written_is_readable() 
     let h = c.put_start(&tn, "written", v.len() as u64).unwrap();
     c.put_write(&h, &v).unwrap();
     let old_epoch = c.epoch();
-    fail_over(&etcd, &mut masters, &c);
+    fail_over(etcd, &mut masters, &c);
     match c.put_end(&h, common::persisted()) {
         Err(L3Error::EpochFenced(m)) => assert!(m.contains("put it again"), "{m}"),
         other => panic!("a put ended across a failover gave {other:?}, not EpochFenced"),
@@ -73,7 +66,7 @@ fn a_put_straddling_a_failover_is_fenced_and_nothing_half_written_is_readable() 
 
     // 2. Start under the old leader, write and end under the new one.
     let h2 = c.put_start(&tn, "unwritten", v.len() as u64).unwrap();
-    fail_over(&etcd, &mut masters, &c);
+    fail_over(etcd, &mut masters, &c);
     let wrote = c.put_write(&h2, &v);
     let ended = c.put_end(&h2, PutOptions::default());
     assert!(
@@ -87,7 +80,7 @@ fn a_put_straddling_a_failover_is_fenced_and_nothing_half_written_is_readable() 
     );
 
     // Nothing half-written is readable, to this client or a fresh one.
-    let fresh = ha_client(&etcd);
+    let fresh = ha_client(etcd);
     for k in ["written", "unwritten"] {
         for reader in [&c, &fresh] {
             assert_eq!(

@@ -131,3 +131,30 @@ pub fn ha_client(etcd: &LocalEtcd) -> RemoteStore {
     )
     .unwrap()
 }
+
+/// A running HA deployment: 3 etcd members, `masters` masters (1 s lease), 3 store nodes with
+/// SSD tiers following the leader. Dropped in field order: processes first, etcd last.
+pub struct HaCluster {
+    pub masters: Vec<HaMaster>,
+    pub nodes: Vec<Proc>,
+    pub ssd: Vec<tempfile::TempDir>,
+    pub etcd: LocalEtcd,
+}
+
+pub fn ha_cluster(masters: usize) -> HaCluster {
+    let etcd = LocalEtcd::start(3).unwrap();
+    let masters: Vec<HaMaster> = (0..masters)
+        .map(|_| spawn_master(&etcd, free_addr(), 1))
+        .collect();
+    leader(&etcd, Duration::from_secs(20)).expect("a leader");
+    let ssd: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let nodes = (0..3)
+        .map(|i| ha_node(&etcd, i as u64 + 1, ssd[i].path()))
+        .collect();
+    HaCluster {
+        masters,
+        nodes,
+        ssd,
+        etcd,
+    }
+}

@@ -334,23 +334,29 @@ impl RemoteStore {
         mut addr: SocketAddr,
         mut c: L3RpcClient,
     ) -> L3Result<(SocketAddr, L3RpcClient, ServerLimits)> {
-        for _ in 0..4 {
-            match self.hello_on(&c) {
+        // A standby that knows no serving leader yet (an election under way) is asked
+        // again, as an `etcd://` client waits for a published leader.
+        let deadline = Instant::now() + self.leader_wait();
+        let mut hops = 0;
+        loop {
+            let e = match self.hello_on(&c) {
                 Ok(limits) => return Ok((addr, c, limits)),
-                Err(e) => match redirect_of(&e) {
-                    Some(leader) if leader != addr => {
-                        tracing::info!(standby = %addr, %leader, "redirected to the leader");
-                        self.redirected.store(true, Ordering::Release);
-                        addr = leader;
-                        c = dial(&self.rt, addr, self.opts.max_frame_bytes)?;
-                    }
-                    _ => return Err(e),
-                },
+                Err(e) => e,
+            };
+            match redirect_of(&e) {
+                Some(leader) if leader != addr && hops < 4 => {
+                    tracing::info!(standby = %addr, %leader, "redirected to the leader");
+                    self.redirected.store(true, Ordering::Release);
+                    hops += 1;
+                    addr = leader;
+                    c = dial(&self.rt, addr, self.opts.max_frame_bytes)?;
+                }
+                _ if matches!(e, L3Error::NotLeader(_)) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                _ => return Err(e),
             }
         }
-        Err(L3Error::NotLeader(format!(
-            "redirected too many times; last to {addr}"
-        )))
     }
 
     /// How long a redial waits for an etcd cluster to publish a leader (one call's worth).
