@@ -62,6 +62,13 @@ pub(crate) fn run_master(
     let _keeper = lease
         .spawn_keeper(|| super::step_down(&"the etcd lease could not be renewed in time"))
         .map_err(|e| e.to_string())?;
+    // The tenant quotas every leader of the cluster enforces (from etcd when this master
+    // was given none).
+    let mut cfg = cfg;
+    cfg.tenant_quota_bytes = match super::tenants::settle_quotas(&lease, &cfg.tenant_quota_bytes) {
+        Ok(q) => q,
+        Err(e) => super::step_down(&e),
+    };
     let master = match ClusterMaster::open_ha(cfg, lease.clone()) {
         Ok(m) => m,
         // etcd failed us while replaying: try again from the start.

@@ -63,8 +63,19 @@ pub fn master_flags(etcd: &LocalEtcd, listen: SocketAddr, ttl_s: u64) -> Vec<Str
 }
 
 pub fn spawn_master(etcd: &LocalEtcd, listen: SocketAddr, ttl_s: u64) -> HaMaster {
+    spawn_master_with(etcd, listen, ttl_s, &[])
+}
+
+/// A master with flags of its own besides [`master_flags`].
+pub fn spawn_master_with(
+    etcd: &LocalEtcd,
+    listen: SocketAddr,
+    ttl_s: u64,
+    extra: &[&str],
+) -> HaMaster {
     let child = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
         .args(master_flags(etcd, listen, ttl_s))
+        .args(extra)
         .env_remove("KVTIER_L3_TOKEN")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
