@@ -29,6 +29,8 @@ pub struct ClusterKeys {
     pub leader: Vec<u8>,
     /// `/kvtier/<cluster>/settles/`: the durable settle state, fenced by the epoch.
     pub settles: Vec<u8>,
+    /// `/kvtier/<cluster>/tenants`: the tenant quotas every leader enforces.
+    pub tenants: Vec<u8>,
 }
 
 impl ClusterKeys {
@@ -47,6 +49,7 @@ impl ClusterKeys {
         Ok(ClusterKeys {
             leader: format!("/kvtier/{name}/leader").into_bytes(),
             settles: format!("/kvtier/{name}/settles/").into_bytes(),
+            tenants: format!("/kvtier/{name}/tenants").into_bytes(),
         })
     }
 }

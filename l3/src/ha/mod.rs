@@ -16,7 +16,11 @@
 //!   revision is the **epoch**; a leader acts only while its lease is surely alive here;
 //! - `settles`: the settle log as etcd keys, every write fenced on the epoch;
 //! - `locator`: how clients and nodes find the leader (`etcd://a;b;c` or a fixed address),
-//!   and the highest epoch they have seen (older epochs are refused: [`EpochFence`]).
+//!   and the highest epoch they have seen (older epochs are refused: [`EpochFence`]);
+//! - `standby`: a standby listens and answers `NotLeader` naming the leader, so a client
+//!   given any master's plain address follows the redirect;
+//! - `tenants`: the tenant quotas, written by a leader given `--tenant-quota`, read by one
+//!   that was not.
 //!
 //! A master that loses its lease (keep-alive failing past its deadline, or a fenced write
 //! refused) answers every call with `NotLeader` and restarts as a candidate
@@ -30,6 +34,8 @@ pub mod local_etcd;
 pub mod locator;
 pub(crate) mod serve;
 pub mod settles;
+pub mod standby;
+pub mod tenants;
 
 use std::sync::OnceLock;
 

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use super::election::{ClusterKeys, campaign};
 use super::etcd::Etcd;
+use super::standby::StandbyServer;
 use crate::cluster::ClusterMaster;
 use crate::config::StoreConfig;
 use crate::rpc::server::ServerOptions;
@@ -48,6 +49,8 @@ pub(crate) fn run_master(
     let keys = ClusterKeys::new(cluster).map_err(|e| e.to_string())?;
     super::on_step_down(restart_self);
     eprintln!("kvtier-l3 master: standby in cluster {cluster:?}, campaigning on etcd");
+    // Meanwhile, clients given this address are told where the leader is.
+    let standby = StandbyServer::start(etcd.clone(), keys.clone(), ttl / 10, &opts)?;
     let never = AtomicBool::new(false);
     let lease = campaign(etcd, keys, ttl, &never)
         .map_err(|e| e.to_string())?
@@ -59,6 +62,13 @@ pub(crate) fn run_master(
     let _keeper = lease
         .spawn_keeper(|| super::step_down(&"the etcd lease could not be renewed in time"))
         .map_err(|e| e.to_string())?;
+    // The tenant quotas every leader of the cluster enforces (from etcd when this master
+    // was given none).
+    let mut cfg = cfg;
+    cfg.tenant_quota_bytes = match super::tenants::settle_quotas(&lease, &cfg.tenant_quota_bytes) {
+        Ok(q) => q,
+        Err(e) => super::step_down(&e),
+    };
     let master = match ClusterMaster::open_ha(cfg, lease.clone()) {
         Ok(m) => m,
         // etcd failed us while replaying: try again from the start.
@@ -69,6 +79,9 @@ pub(crate) fn run_master(
         Ok(()) => Ok(()),
         Err(e) => super::step_down(&e),
     };
+    if let Some(s) = standby {
+        s.stop();
+    }
     crate::cli::serve_then(master.clone(), opts, publish)?;
     lease.resign();
     master.shutdown();

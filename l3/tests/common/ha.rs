@@ -63,8 +63,19 @@ pub fn master_flags(etcd: &LocalEtcd, listen: SocketAddr, ttl_s: u64) -> Vec<Str
 }
 
 pub fn spawn_master(etcd: &LocalEtcd, listen: SocketAddr, ttl_s: u64) -> HaMaster {
+    spawn_master_with(etcd, listen, ttl_s, &[])
+}
+
+/// A master with flags of its own besides [`master_flags`].
+pub fn spawn_master_with(
+    etcd: &LocalEtcd,
+    listen: SocketAddr,
+    ttl_s: u64,
+    extra: &[&str],
+) -> HaMaster {
     let child = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
         .args(master_flags(etcd, listen, ttl_s))
+        .args(extra)
         .env_remove("KVTIER_L3_TOKEN")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -130,4 +141,31 @@ pub fn ha_client(etcd: &LocalEtcd) -> RemoteStore {
         },
     )
     .unwrap()
+}
+
+/// A running HA deployment: 3 etcd members, `masters` masters (1 s lease), 3 store nodes with
+/// SSD tiers following the leader. Dropped in field order: processes first, etcd last.
+pub struct HaCluster {
+    pub masters: Vec<HaMaster>,
+    pub nodes: Vec<Proc>,
+    pub ssd: Vec<tempfile::TempDir>,
+    pub etcd: LocalEtcd,
+}
+
+pub fn ha_cluster(masters: usize) -> HaCluster {
+    let etcd = LocalEtcd::start(3).unwrap();
+    let masters: Vec<HaMaster> = (0..masters)
+        .map(|_| spawn_master(&etcd, free_addr(), 1))
+        .collect();
+    leader(&etcd, Duration::from_secs(20)).expect("a leader");
+    let ssd: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let nodes = (0..3)
+        .map(|i| ha_node(&etcd, i as u64 + 1, ssd[i].path()))
+        .collect();
+    HaCluster {
+        masters,
+        nodes,
+        ssd,
+        etcd,
+    }
 }

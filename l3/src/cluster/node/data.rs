@@ -48,8 +48,25 @@ impl NodeInner {
         }
     }
 
+    /// A put placed by an older leader epoch than the one this node now follows: the new
+    /// leader never placed it (and this node dropped its pending bytes when it remounted),
+    /// so the writer is told to put it again — not `ReplicaIsNotReady`, which reads as
+    /// "retry the same handle".
+    fn same_epoch(&self, h: &PutHandle) -> L3Result<()> {
+        let now = self.link.fence.seen();
+        if h.epoch < now {
+            return Err(L3Error::EpochFenced(format!(
+                "the put of {:?} started under master epoch {}, the leader is now epoch {now}: \
+                 put it again",
+                h.key, h.epoch
+            )));
+        }
+        Ok(())
+    }
+
     fn write_one(&self, h: &PutHandle, data: Vec<u8>) -> L3Result<()> {
         validate_key(&h.key)?;
+        self.same_epoch(h)?;
         let alloc = self.alloc_of(h)?;
         if data.len() as u64 != h.size {
             return Err(L3Error::InvalidParams(
@@ -92,7 +109,8 @@ impl NodeInner {
                 if out[i].is_err() {
                     continue;
                 }
-                let r = self.alloc_of(h).and_then(|a| match m.allocs.get(&a) {
+                let r = self.same_epoch(h).and_then(|()| self.alloc_of(h));
+                let r = r.and_then(|a| match m.allocs.get(&a) {
                     Some(e) if e.token == h.token && e.tenant == h.tenant && e.key == h.key => {
                         if e.ended {
                             Err(L3Error::ObjectAlreadyExists)

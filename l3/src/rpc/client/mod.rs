@@ -40,6 +40,7 @@ use super::shm::{SharedRegion, ShmClient, ShmMode, ShmOffer, ShmOutcome};
 use super::xfer::XferClient;
 use crate::api::BatchResult;
 use crate::error::{L3Error, L3Result};
+use crate::ha::standby::redirect_of;
 use crate::ha::{EpochFence, Locator};
 use crate::types::{QueryResult, Tenant};
 
@@ -143,6 +144,10 @@ pub struct RemoteStore {
     client: parking_lot::Mutex<L3RpcClient>,
     /// The RPC connection failed in transport: dial again before the next call.
     broken: AtomicBool,
+    /// A standby master redirected this client (given a plain address) to the leader: it
+    /// is in an etcd HA cluster, so it retries and re-finds the leader as an `etcd://`
+    /// client does (through the address it was given).
+    redirected: AtomicBool,
     limits: ServerLimits,
     opts: ClientOptions,
 }
@@ -190,6 +195,7 @@ impl RemoteStore {
             nodes: parking_lot::Mutex::new(HashMap::new()),
             client: parking_lot::Mutex::new(dial(&rt, addr, max_frame)?),
             broken: AtomicBool::new(false),
+            redirected: AtomicBool::new(false),
             rt,
             limits: ServerLimits {
                 max_frame_bytes: max_frame as u64,
@@ -202,9 +208,11 @@ impl RemoteStore {
             opts,
         };
         let first = me.client.lock().clone();
-        let limits = me.hello_on(&first)?;
+        let (addr, first, limits) = me.hello_following(addr, first)?;
         me.fence.admit(epoch.max(limits.epoch))?;
         me.limits = limits;
+        *me.addr.lock() = addr;
+        *me.client.lock() = first;
         if me.opts.use_transfer_channel && limits.xfer_port != 0 {
             let xa = SocketAddr::new(addr.ip(), limits.xfer_port);
             let frame = me.frame_cap();
@@ -288,7 +296,7 @@ impl RemoteStore {
 
     /// Whether this client follows an etcd HA leader.
     pub fn follows_leader(&self) -> bool {
-        self.locator.follows_leader()
+        self.locator.follows_leader() || self.redirected.load(Ordering::Acquire)
     }
 
     /// Runs an idempotent call, again after a failover-shaped failure (transport, not the
@@ -299,7 +307,7 @@ impl RemoteStore {
         let mut pause = Duration::from_millis(20);
         loop {
             let r = f();
-            let retry = self.locator.follows_leader()
+            let retry = self.follows_leader()
                 && matches!(
                     r,
                     Err(L3Error::RpcFail(_)
@@ -355,7 +363,7 @@ impl RemoteStore {
         let (addr, epoch) = self.locator.resolve(self.leader_wait())?;
         let fresh = dial(&self.rt, addr, self.opts.max_frame_bytes)?;
         // Authenticated before any other call can use it.
-        let limits = self.hello_on(&fresh)?;
+        let (addr, fresh, limits) = self.hello_following(addr, fresh)?;
         self.fence.admit(epoch.max(limits.epoch))?;
         *self.addr.lock() = addr;
         *self.client.lock() = fresh;
@@ -381,6 +389,39 @@ impl RemoteStore {
         Ok(())
     }
 
+    /// `hello` on `c` (dialled to `addr`), following a standby master's redirect to the
+    /// leader (a few hops at most: a redirect names the leader etcd published, which may
+    /// have just been replaced). Returns where the client ends up.
+    fn hello_following(
+        &self,
+        mut addr: SocketAddr,
+        mut c: L3RpcClient,
+    ) -> L3Result<(SocketAddr, L3RpcClient, ServerLimits)> {
+        // A standby that knows no serving leader yet (an election under way) is asked
+        // again, as an `etcd://` client waits for a published leader.
+        let deadline = Instant::now() + self.leader_wait();
+        let mut hops = 0;
+        loop {
+            let e = match self.hello_on(&c) {
+                Ok(limits) => return Ok((addr, c, limits)),
+                Err(e) => e,
+            };
+            match redirect_of(&e) {
+                Some(leader) if leader != addr && hops < 4 => {
+                    tracing::info!(standby = %addr, %leader, "redirected to the leader");
+                    self.redirected.store(true, Ordering::Release);
+                    hops += 1;
+                    addr = leader;
+                    c = dial(&self.rt, addr, self.opts.max_frame_bytes)?;
+                }
+                _ if matches!(e, L3Error::NotLeader(_)) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                _ => return Err(e),
+            }
+        }
+    }
+
     /// How long a redial waits for an etcd cluster to publish a leader (one call's worth).
     fn leader_wait(&self) -> Duration {
         self.opts.leader_call_timeout
@@ -393,7 +434,7 @@ impl RemoteStore {
         if matches!(
             e,
             RpcError::Shutdown | RpcError::Send(_) | RpcError::Channel(_)
-        ) || (self.locator.follows_leader() && matches!(e, RpcError::DeadlineExceeded))
+        ) || (self.follows_leader() && matches!(e, RpcError::DeadlineExceeded))
         {
             self.broken.store(true, Ordering::Release);
         }
@@ -402,7 +443,7 @@ impl RemoteStore {
 
     fn ctx(&self) -> context::Context {
         let mut c = context::current();
-        let t = if self.locator.follows_leader() {
+        let t = if self.follows_leader() {
             self.opts.rpc_timeout.min(self.opts.leader_call_timeout)
         } else {
             self.opts.rpc_timeout
