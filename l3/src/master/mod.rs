@@ -141,6 +141,11 @@ struct NodeState {
     offload: Vec<u64>,
     /// Promotions asked for, not yet told (one per key).
     promote: HashMap<(Tenant, String), DiskLoc>,
+    /// The node mounted here at least once (its memory, if dropped since, was dropped by
+    /// this master without telling it).
+    seen_mounted: bool,
+    /// Its DRAM replicas may be adopted (`adopt`): its first mount on this master.
+    adopts: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -406,6 +411,7 @@ impl Master {
     }
 }
 
+mod adopt;
 mod clients;
 mod losses;
 mod nodes;
@@ -415,5 +421,6 @@ mod rebuild;
 mod replicas;
 mod settle;
 
+pub use adopt::{Refusal, RetainedObject};
 pub use losses::{LossCursor, Losses};
 pub use settle::Settle;

@@ -44,6 +44,8 @@ impl Master {
         let st = self.nodes.entry(node).or_default();
         st.addr = Some(addr);
         st.segment = Some(seg);
+        st.adopts = !st.seen_mounted;
+        st.seen_mounted = true;
         // A new process (or one that dropped its state): whatever it had not acknowledged
         // may never have reached its disk.
         self.redeliver_settles(node);

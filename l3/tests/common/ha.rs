@@ -96,27 +96,34 @@ pub fn leader(etcd: &LocalEtcd, limit: Duration) -> Option<(SocketAddr, u64)> {
 
 /// A store node following the leader.
 pub fn ha_node(etcd: &LocalEtcd, id: u64, ssd: &Path) -> Proc {
-    spawn(
-        &args(&[
-            "--role",
-            "node",
-            "--listen",
-            "127.0.0.1:0",
-            "--segment-bytes",
-            "16777216",
-            "--ping-ms",
-            "100",
-            "--master-timeout-ms",
-            "1000",
-            "--master",
-            &etcd.locator(CLUSTER),
-            "--node-id",
-            &id.to_string(),
-            "--ssd-dir",
-            &ssd.display().to_string(),
-        ]),
-        None,
-    )
+    let mut a = ha_node_args(etcd, id, 100);
+    a.extend(args(&["--ssd-dir", &ssd.display().to_string()]));
+    spawn(&a, None)
+}
+
+/// A store node following the leader, without an SSD tier (its objects live in DRAM only),
+/// pinging every `ping_ms`.
+pub fn ha_dram_node(etcd: &LocalEtcd, id: u64, ping_ms: u64) -> Proc {
+    spawn(&ha_node_args(etcd, id, ping_ms), None)
+}
+
+fn ha_node_args(etcd: &LocalEtcd, id: u64, ping_ms: u64) -> Vec<String> {
+    args(&[
+        "--role",
+        "node",
+        "--listen",
+        "127.0.0.1:0",
+        "--segment-bytes",
+        "16777216",
+        "--ping-ms",
+        &ping_ms.to_string(),
+        "--master-timeout-ms",
+        "1000",
+        "--master",
+        &etcd.locator(CLUSTER),
+        "--node-id",
+        &id.to_string(),
+    ])
 }
 
 /// A client following the leader.

@@ -65,4 +65,23 @@ impl Mem {
             h.since = Instant::now();
         }
     }
+
+    /// Empties the memory for a remount and returns the replicas to report to the master
+    /// (`Retained`): the ended, live ones. Puts never ended and staged bytes are dropped
+    /// (the mount cancels staged writes; an unended put is no version anybody saw).
+    pub(super) fn take_retained(&mut self) -> Vec<Held> {
+        let all = std::mem::take(self);
+        all.allocs
+            .into_values()
+            .filter(|h| h.ended && h.staged == Staging::No)
+            .collect()
+    }
+
+    /// Keeps the bytes of an adopted replica under the allocation the master gave it.
+    pub(super) fn adopt(&mut self, alloc: u64, h: Held) {
+        self.used += h.data.len() as u64;
+        if let Some(old) = self.allocs.insert(alloc, h) {
+            self.used = self.used.saturating_sub(old.data.len() as u64);
+        }
+    }
 }

@@ -1,0 +1,154 @@
+//! Adoption of the DRAM replicas a store node kept across a remount (a new etcd leader, a
+//! restarted master, issue 22).
+//!
+//! Why: a failover used to cost every DRAM-only object — the node cleared its memory when it
+//! mounted again and reported only its SSD records. A node now keeps its ended replicas and
+//! reports them after `MountNode` ([`RetainedObject`]: tenant, key, put token, size); the
+//! master adopts each into its object table and gives it an allocation in the node's
+//! segment (the node keeps the bytes under that id from then on). Unlike an SSD record, a
+//! DRAM replica carries its version (the put token; tokens only grow across restarts and
+//! failovers: `TokensBelow`), so duplicates resolve to the newest.
+//!
+//! Rules (checked in this order; refused → the node frees the bytes):
+//! 1. The node must be mounted and not fenced (`rebuild`), and this master must never have
+//!    dropped its memory (its first mount here): a node this master declared dead, or saw
+//!    leave or remount, had its replicas dropped here without being told, so what it kept
+//!    may be versions removed since.
+//! 2. Settles first: a version some node has an unacknowledged cancel for (that token or a
+//!    newer one: "this version and any older one is gone") is not adopted — a removed key
+//!    or a replaced version never comes back. Cancels are issued to every node holding a
+//!    replica of a dropped version (`settle_gone`) and are durable before the reply.
+//! 3. A key the master knows at a newer version: refused (an older version is never served).
+//!    At the same version: one more replica (on a node with none yet). At an older,
+//!    complete version: that version is dropped (settled gone) and this one adopted. A
+//!    pending put of the key (started on this master, so newer): refused.
+//! 4. Only ended replicas are reported (the node frees puts it never ended).
+
+use serde::{Deserialize, Serialize};
+
+use super::*;
+
+/// One DRAM replica a node kept across a remount.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetainedObject {
+    /// Tenant.
+    pub tenant: Tenant,
+    /// Key.
+    pub key: String,
+    /// The version's put token.
+    pub token: u64,
+    /// Size in bytes (the bytes the node holds).
+    pub size: u64,
+}
+
+/// Why a retained replica was not adopted (the node frees it either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The node has no segment here, or is fenced.
+    NotMounted,
+    /// A settle says this version is gone.
+    Settled,
+    /// The master has a newer version (or a put of the key in progress).
+    Older,
+    /// The node holds this version twice, or its segment is full.
+    NoRoom,
+}
+
+impl Master {
+    /// Adopts one DRAM replica `node` kept: returns the allocation the node keeps its bytes
+    /// under, or why it must free them (module docs).
+    pub fn adopt_retained(&mut self, node: ClientId, r: &RetainedObject) -> Result<u64, Refusal> {
+        let seg = self
+            .nodes
+            .get(&node)
+            .filter(|n| n.adopts)
+            .and_then(|n| n.segment)
+            .filter(|_| !self.member_fenced(node))
+            .ok_or(Refusal::NotMounted)?;
+        if r.size == 0 || self.version_settled(&r.tenant, &r.key, r.token) {
+            return Err(Refusal::Settled);
+        }
+        let existing = self
+            .obj(&r.tenant, &r.key)
+            .map(|o| (o.token, o.is_complete(), o.mem.iter().any(|m| m.seg == seg)));
+        match existing {
+            Some((tok, _, _)) if tok > r.token => return Err(Refusal::Older),
+            Some((_, false, _)) => return Err(Refusal::Older),
+            Some((tok, true, true)) if tok == r.token => return Err(Refusal::NoRoom),
+            Some((tok, true, false)) if tok == r.token => {
+                if self
+                    .obj(&r.tenant, &r.key)
+                    .is_some_and(|o| o.size != r.size)
+                {
+                    return Err(Refusal::Settled);
+                }
+                let alloc = self
+                    .segments
+                    .allocate_on(seg, r.size)
+                    .ok_or(Refusal::NoRoom)?;
+                if let Some(o) = self.obj_mut(&r.tenant, &r.key) {
+                    o.mem.push(MemReplica {
+                        seg,
+                        alloc,
+                        ended: true,
+                    });
+                }
+                return Ok(alloc);
+            }
+            Some(_) => {
+                // An older complete version: dropped (and settled) for this newer one.
+                if let Some(o) = self.take_obj(&r.tenant, &r.key) {
+                    for a in o.allocs() {
+                        self.segments.free(a);
+                    }
+                    self.settle_gone(&r.tenant, &r.key, o.gone());
+                }
+            }
+            None => {}
+        }
+        let alloc = self
+            .segments
+            .allocate_on(seg, r.size)
+            .ok_or(Refusal::NoRoom)?;
+        self.next_token = self.next_token.max(r.token);
+        let tick = self.touch();
+        self.tenants.entry(r.tenant.clone()).or_default().insert(
+            r.key.clone(),
+            Object {
+                size: r.size,
+                token: r.token,
+                state: ObjState::Complete,
+                mem: vec![MemReplica {
+                    seg,
+                    alloc,
+                    ended: true,
+                }],
+                disk: None,
+                disk_node: node,
+                writer: node,
+                staged: None,
+                copy_queued: false,
+                lease_until_ms: 0,
+                pin_until_ms: 0,
+                last_access: tick,
+            },
+        );
+        Ok(alloc)
+    }
+
+    /// [`Master::adopt_retained`] for each object: the allocations, None where refused.
+    pub fn adopt_all(&mut self, node: ClientId, objects: &[RetainedObject]) -> Vec<Option<u64>> {
+        let v: Vec<Option<u64>> = objects
+            .iter()
+            .map(|r| self.adopt_retained(node, r).ok())
+            .collect();
+        let adopted = v.iter().filter(|a| a.is_some()).count();
+        tracing::info!(
+            node = node.0,
+            adopted,
+            refused = v.len() - adopted,
+            "dram replicas reported"
+        );
+        v
+    }
+}
