@@ -12,7 +12,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::ha::{HaMaster, free_addr, ha_client, ha_dram_node, leader, spawn_master};
+use common::ha::{HaMaster, check_keys, free_addr, ha_client, ha_dram_node, leader, spawn_master};
 use common::procs::{eventually, kill9, master_in, node_with};
 use common::{client, payload, t};
 use kvtier_l3::ha::local_etcd::LocalEtcd;
@@ -68,19 +68,7 @@ fn remove_some(c: &RemoteStore, live: &mut BTreeMap<String, Vec<u8>>) -> Vec<Str
 }
 
 fn check(c: &RemoteStore, live: &BTreeMap<String, Vec<u8>>, removed: &[String]) {
-    let tn = t("d");
-    for (k, v) in live {
-        let got = c
-            .get(&tn, k)
-            .unwrap_or_else(|e| panic!("acked DRAM-only put {k} lost: {e}"));
-        assert_eq!(&got, v, "{k} read back other bytes");
-    }
-    for k in removed {
-        match c.get(&tn, k) {
-            Ok(v) => panic!("removed {k} came back ({} bytes)", v.len()),
-            Err(e) => assert_eq!(e, L3Error::ObjectNotFound, "{k}"),
-        }
-    }
+    check_keys(c, &t("d"), live, removed);
 }
 
 #[test]

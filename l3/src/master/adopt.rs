@@ -112,27 +112,16 @@ impl Master {
             .ok_or(Refusal::NoRoom)?;
         self.next_token = self.next_token.max(r.token);
         let tick = self.touch();
-        self.tenants.entry(r.tenant.clone()).or_default().insert(
-            r.key.clone(),
-            Object {
-                size: r.size,
-                token: r.token,
-                state: ObjState::Complete,
-                mem: vec![MemReplica {
-                    seg,
-                    alloc,
-                    ended: true,
-                }],
-                disk: None,
-                disk_node: node,
-                writer: node,
-                staged: None,
-                copy_queued: false,
-                lease_until_ms: 0,
-                pin_until_ms: 0,
-                last_access: tick,
-            },
-        );
+        let mut o = Object::found(r.size, r.token, node, tick);
+        o.mem.push(MemReplica {
+            seg,
+            alloc,
+            ended: true,
+        });
+        self.tenants
+            .entry(r.tenant.clone())
+            .or_default()
+            .insert(r.key.clone(), o);
         Ok(alloc)
     }
 

@@ -190,6 +190,25 @@ struct Object {
 }
 
 impl Object {
+    /// A complete object a node reported after a remount (its copy added by the caller),
+    /// with no lease or pin.
+    fn found(size: u64, token: u64, node: ClientId, tick: u64) -> Self {
+        Object {
+            size,
+            token,
+            state: ObjState::Complete,
+            mem: Vec::new(),
+            disk: None,
+            disk_node: node,
+            writer: node,
+            staged: None,
+            copy_queued: false,
+            lease_until_ms: 0,
+            pin_until_ms: 0,
+            last_access: tick,
+        }
+    }
+
     fn leased(&self, now: u64) -> bool {
         self.lease_until_ms > now
     }

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use kvtier_l3::ha::local_etcd::LocalEtcd;
 use kvtier_l3::ha::{ClusterKeys, Locator, read_leader};
-use kvtier_l3::{ClientOptions, RemoteStore};
+use std::collections::BTreeMap;
+
+use kvtier_l3::{ClientOptions, L3Error, L3Store, RemoteStore, Tenant};
 
 use super::procs::{Proc, args, spawn};
 
@@ -137,4 +139,25 @@ pub fn ha_client(etcd: &LocalEtcd) -> RemoteStore {
         },
     )
     .unwrap()
+}
+
+/// Every acknowledged put in `live` reads back with its bytes; no key in `removed` is back.
+pub fn check_keys(
+    c: &RemoteStore,
+    tn: &Tenant,
+    live: &BTreeMap<String, Vec<u8>>,
+    removed: &[String],
+) {
+    for (k, v) in live {
+        let got = c
+            .get(tn, k)
+            .unwrap_or_else(|e| panic!("acked put {k} lost: {e}"));
+        assert_eq!(&got, v, "{k} read back other bytes");
+    }
+    for k in removed {
+        match c.get(tn, k) {
+            Ok(v) => panic!("removed {k} came back ({} bytes)", v.len()),
+            Err(e) => assert_eq!(e, L3Error::ObjectNotFound, "{k}"),
+        }
+    }
 }
