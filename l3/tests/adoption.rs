@@ -38,6 +38,7 @@ fn report(m: &mut Master, node: u64, key: &str, token: u64) -> Result<u64, Refus
         key: key.into(),
         token,
         size: SIZE,
+        disk: None,
     };
     m.adopt_retained(ClientId(node), &r)
 }
@@ -93,6 +94,7 @@ fn a_node_this_master_dropped_has_nothing_adopted() {
         key: "e".into(),
         token: 9,
         size: 0,
+        disk: None,
     };
     assert!(m.adopt_retained(ClientId(1), &empty).is_err());
     assert_eq!(report(&mut m, 7, "x", 1), Err(Refusal::NotMounted));

@@ -23,6 +23,8 @@
 //!    complete version: that version is dropped (settled gone) and this one adopted. A
 //!    pending put of the key (started on this master, so newer): refused.
 //! 4. Only ended replicas are reported (the node frees puts it never ended).
+//! 5. An SSD record of the same node holding the very same bytes (the node compares size
+//!    and CRC32C) is attached as the adopted version's SSD copy; its rescan is then accepted.
 
 use serde::{Deserialize, Serialize};
 
@@ -39,6 +41,10 @@ pub struct RetainedObject {
     pub token: u64,
     /// Size in bytes (the bytes the node holds).
     pub size: u64,
+    /// The node's live SSD record of the key holding the very same bytes (same size and
+    /// CRC32C as the DRAM copy), if any: attached as the adopted version's SSD copy (an SSD
+    /// record alone carries no version, so it could not be attached otherwise).
+    pub disk: Option<DiskLoc>,
 }
 
 /// Why a retained replica was not adopted (the node frees it either way).
@@ -86,12 +92,19 @@ impl Master {
                     .segments
                     .allocate_on(seg, r.size)
                     .ok_or(Refusal::NoRoom)?;
+                let disk = self.attachable(node, r);
                 if let Some(o) = self.obj_mut(&r.tenant, &r.key) {
                     o.mem.push(MemReplica {
                         seg,
                         alloc,
                         ended: true,
                     });
+                    if o.disk.is_none()
+                        && let Some(d) = disk
+                    {
+                        o.disk = Some(d);
+                        o.disk_node = node;
+                    }
                 }
                 return Ok(alloc);
             }
@@ -113,6 +126,7 @@ impl Master {
         self.next_token = self.next_token.max(r.token);
         let tick = self.touch();
         let mut o = Object::found(r.size, r.token, node, tick);
+        o.disk = self.attachable(node, r);
         o.mem.push(MemReplica {
             seg,
             alloc,
@@ -123,6 +137,12 @@ impl Master {
             .or_default()
             .insert(r.key.clone(), o);
         Ok(alloc)
+    }
+
+    /// The SSD record a node paired with a retained replica, unless a settle refuses it.
+    fn attachable(&self, node: ClientId, r: &RetainedObject) -> Option<DiskLoc> {
+        r.disk
+            .filter(|d| d.size == r.size && !self.settle_refuses(node, &r.tenant, &r.key, d))
     }
 
     /// [`Master::adopt_retained`] for each object: the allocations, None where refused.

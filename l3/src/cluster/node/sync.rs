@@ -125,6 +125,20 @@ impl NodeInner {
     /// master adopts under their new allocation, drops the others.
     fn report_retained(&self, kept: Vec<Held>) -> L3Result<()> {
         let (mut adopted, total) = (0usize, kept.len());
+        // A live SSD record holding the same bytes as a DRAM copy goes with it (module docs
+        // of `master::adopt`).
+        let records: std::collections::HashMap<(crate::types::Tenant, String), DiskLoc> =
+            match (&self.ssd, total) {
+                (Some(ssd), 1..) => {
+                    let mut m = std::collections::HashMap::new();
+                    // Newest first: the newest record of a key is the one compared.
+                    for (t, k, l) in ssd.live_records() {
+                        m.entry((t, k)).or_insert(l);
+                    }
+                    m
+                }
+                _ => Default::default(),
+            };
         let mut rest = kept;
         while !rest.is_empty() {
             let chunk: Vec<Held> = rest.drain(..rest.len().min(RESCAN_CHUNK)).collect();
@@ -135,6 +149,12 @@ impl NodeInner {
                     key: h.key.clone(),
                     token: h.token,
                     size: h.data.len() as u64,
+                    disk: records
+                        .get(&(h.tenant.clone(), h.key.clone()))
+                        .filter(|d| {
+                            d.size == h.data.len() as u64 && d.crc == crc32c::crc32c(&h.data)
+                        })
+                        .copied(),
                 })
                 .collect();
             let reply = self.link.call(ClusterRequest::Retained {
