@@ -12,8 +12,10 @@
 //!
 //! Orders: [`Settle::Tombstone`] for a registered SSD copy; [`Settle::Cancel`] for a version
 //! whose SSD copy may still be queued or unregistered on the node that writes it (the node
-//! drops the queued write, or tombstones the record if already written). Both are
-//! idempotent on the node, so repeating them is harmless.
+//! drops the queued write, or tombstones the record if already written), and to every node
+//! holding a memory replica of it (a master adopting DRAM replicas after a failover refuses
+//! a cancelled version, `adopt`). Both are idempotent on the node, so repeating them is
+//! harmless.
 //!
 //! The embedded store (and `--role both`) tombstones and cancels under its own lock
 //! ([`LOCAL_NODE`]); nothing is queued for it, nor for clients that are not store nodes.
@@ -246,7 +248,9 @@ impl Master {
     /// A version of `key` left the master (removed, replaced, revoked, evicted without an
     /// SSD copy, lost with its node's memory): its registered SSD copy is tombstoned, or,
     /// when none is registered yet, the nodes that may be writing one (the write-through
-    /// writer, the node it is staged on) cancel the write.
+    /// writer, the node it is staged on) cancel the write; every node still holding a
+    /// memory replica of it gets the cancel too (it keeps its memory across a remount, and
+    /// a cancelled version is never adopted: `adopt`).
     pub(super) fn settle_gone(&mut self, t: &Tenant, key: &str, g: Gone) {
         let mut to = Vec::new();
         if let Some((node, loc)) = g.disk {
