@@ -363,8 +363,9 @@ fn restarted_master_gets_ssd_replicas_back_from_its_nodes() {
     drop(m);
     let _m = master_in(&addr.to_string(), state.path(), &[], None);
     let c = client(addr, None);
-    // The node's next ping is answered "remount": it mounts again and re-registers its
-    // SSD records, so every persisted object is found again (memory ones are gone).
+    // The node's next ping is answered "remount": it mounts again, reports the DRAM replicas
+    // it kept (adopted, each with its SSD record of the same bytes) and re-registers its SSD
+    // records, so every object is found again, in memory and on SSD (issue 22).
     assert!(
         eventually(Duration::from_secs(10), || c
             .is_exist(&a, "k7")
@@ -375,5 +376,5 @@ fn restarted_master_gets_ssd_replicas_back_from_its_nodes() {
         assert_eq!(&c.get(&a, &format!("k{i}")).unwrap(), o);
     }
     let st = c.stats().unwrap();
-    assert_eq!((st.objects, st.mem_objects, st.disk_objects), (8, 0, 8));
+    assert_eq!((st.objects, st.mem_objects, st.disk_objects), (8, 8, 8));
 }

@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::ha::{HaMaster, free_addr, ha_client, ha_node, leader, signal, spawn_master};
+use common::ha::{
+    HaMaster, check_keys, free_addr, ha_client, ha_node, leader, signal, spawn_master,
+};
 use common::{payload, t};
 use kvtier_l3::ha::local_etcd::LocalEtcd;
 use kvtier_l3::{ClientOptions, L3Error, L3Store, PutOptions, RemoteStore, ReplicateConfig};
@@ -34,9 +36,9 @@ fn new_leader(etcd: &LocalEtcd, after: u64) -> (std::net::SocketAddr, u64) {
     }
 }
 
-/// Puts `n` keys of round `round` with `replicas` copies, each acknowledged once its SSD copy
-/// is registered (`wait_persisted`: DRAM replicas are dropped when a node remounts on a new
-/// leader, see docs/l3.md); returns the acknowledged ones. Puts are not retried by the
+/// Puts `n` keys of round `round` with `replicas` copies, acknowledged once their DRAM
+/// replicas are written (no `wait_persisted`: a node keeps its DRAM replicas when it remounts
+/// on a new leader, which adopts them); returns the acknowledged ones. Puts are not retried by the
 /// client: a batch refused as a whole (the master was failing over) is sent again here.
 fn put_round(c: &RemoteStore, round: usize, replicas: usize, n: usize) -> Vec<(String, Vec<u8>)> {
     let tn = t("ha");
@@ -50,7 +52,7 @@ fn put_round(c: &RemoteStore, round: usize, replicas: usize, n: usize) -> Vec<(S
     };
     let end = Instant::now() + Duration::from_secs(30);
     let res = loop {
-        match c.batch_put_from_with(&tn, &keys, &bufs, common::persisted(), cfg) {
+        match c.batch_put_from_with(&tn, &keys, &bufs, PutOptions::default(), cfg) {
             Ok(r) => break r,
             Err(e) => assert!(Instant::now() < end, "puts fail for 30 s: {e}"),
         }
@@ -64,19 +66,7 @@ fn put_round(c: &RemoteStore, round: usize, replicas: usize, n: usize) -> Vec<(S
 }
 
 fn check(c: &RemoteStore, live: &BTreeMap<String, Vec<u8>>, removed: &[String]) {
-    let tn = t("ha");
-    for (k, v) in live {
-        let got = c
-            .get(&tn, k)
-            .unwrap_or_else(|e| panic!("acked put {k} lost: {e}"));
-        assert_eq!(&got, v, "{k} read back other bytes");
-    }
-    for k in removed {
-        match c.get(&tn, k) {
-            Ok(v) => panic!("removed {k} came back ({} bytes)", v.len()),
-            Err(e) => assert_eq!(e, L3Error::ObjectNotFound, "{k}"),
-        }
-    }
+    check_keys(c, &t("ha"), live, removed);
 }
 
 #[test]

@@ -200,7 +200,14 @@ fn delivered_but_unacknowledged_tombstone_still_refuses() {
     cm.remove(&a, "k", false).unwrap();
     let s = ping(&cm, N1, 0);
     assert!(!s.need_remount);
-    assert_eq!(s.settles, vec![(1, Settle::Tombstone(loc(1)))]);
+    // The tombstone of its SSD copy, and the cancel of its memory replica's version (the node
+    // keeps memory across a remount; issue 22).
+    let cancel = Settle::Cancel {
+        tenant: a.clone(),
+        key: "k".into(),
+        token: h.token,
+    };
+    assert_eq!(s.settles, vec![(1, Settle::Tombstone(loc(1))), (2, cancel)]);
     // Crash before the tombstone is durable; restart, rescan.
     mount(&cm, N1, 64 << 20);
     assert!(
@@ -250,10 +257,20 @@ fn settles_repeat_until_acknowledged_then_go() {
     let h2 = put(&cm, N1, &a, "k2");
     cm.remove(&a, "k1", false).unwrap();
     cm.remove(&a, "k2", false).unwrap();
+    // k1: its SSD copy's tombstone and its memory replica's cancel (issue 22); k2: the
+    // cancel of its write and of its memory replica (one order: the same node).
     let want = vec![
         (1, Settle::Tombstone(loc(1))),
         (
             2,
+            Settle::Cancel {
+                tenant: a.clone(),
+                key: "k1".into(),
+                token: h1.token,
+            },
+        ),
+        (
+            3,
             Settle::Cancel {
                 tenant: a.clone(),
                 key: "k2".into(),
@@ -269,7 +286,7 @@ fn settles_repeat_until_acknowledged_then_go() {
     mount(&cm, N1, 64 << 20);
     assert_eq!(put_end_sync(&cm, N1).settles, want);
     // An acknowledgement past what was issued is ignored; a partial one drops the first.
-    assert_eq!(ping(&cm, N1, 3).settles, want);
+    assert_eq!(ping(&cm, N1, 4).settles, want);
     let s = ping(&cm, N1, 1);
     assert_eq!(s.settles, want[1..].to_vec());
     assert_eq!(s.settled, 1);
@@ -277,9 +294,9 @@ fn settles_repeat_until_acknowledged_then_go() {
         !rescanned(&cm, N1, &a, "k2", loc(2)),
         "cancel not acknowledged yet"
     );
-    let s = ping(&cm, N1, 2);
+    let s = ping(&cm, N1, 3);
     assert!(s.settles.is_empty());
-    assert_eq!(s.settled, 2);
+    assert_eq!(s.settled, 3);
     assert_eq!(cm.unsettled(N1), 0);
     // Re-put: its fresh record registers, and after a restart re-registers.
     let h = put(&cm, N1, &a, "k2");

@@ -309,6 +309,12 @@ impl ClusterMaster {
                         .collect(),
                 ))
             }
+            ClusterRequest::Retained { node, objects } => {
+                self.cfg.check_batch(objects.len())?;
+                Ok(ClusterReply::Adopted(
+                    self.master.lock().adopt_all(node, &objects),
+                ))
+            }
             ClusterRequest::Unstage { node: _, items } => {
                 self.cfg.check_batch(items.len())?;
                 let mut m = self.master.lock();

@@ -141,6 +141,11 @@ struct NodeState {
     offload: Vec<u64>,
     /// Promotions asked for, not yet told (one per key).
     promote: HashMap<(Tenant, String), DiskLoc>,
+    /// The node mounted here at least once (its memory, if dropped since, was dropped by
+    /// this master without telling it).
+    seen_mounted: bool,
+    /// Its DRAM replicas may be adopted (`adopt`): its first mount on this master.
+    adopts: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -185,6 +190,25 @@ struct Object {
 }
 
 impl Object {
+    /// A complete object a node reported after a remount (its copy added by the caller),
+    /// with no lease or pin.
+    fn found(size: u64, token: u64, node: ClientId, tick: u64) -> Self {
+        Object {
+            size,
+            token,
+            state: ObjState::Complete,
+            mem: Vec::new(),
+            disk: None,
+            disk_node: node,
+            writer: node,
+            staged: None,
+            copy_queued: false,
+            lease_until_ms: 0,
+            pin_until_ms: 0,
+            last_access: tick,
+        }
+    }
+
     fn leased(&self, now: u64) -> bool {
         self.lease_until_ms > now
     }
@@ -406,6 +430,7 @@ impl Master {
     }
 }
 
+mod adopt;
 mod clients;
 mod losses;
 mod nodes;
@@ -415,5 +440,6 @@ mod rebuild;
 mod replicas;
 mod settle;
 
+pub use adopt::{Refusal, RetainedObject};
 pub use losses::{LossCursor, Losses};
 pub use settle::Settle;

@@ -44,6 +44,8 @@ impl Master {
         let st = self.nodes.entry(node).or_default();
         st.addr = Some(addr);
         st.segment = Some(seg);
+        st.adopts = !st.seen_mounted;
+        st.seen_mounted = true;
         // A new process (or one that dropped its state): whatever it had not acknowledged
         // may never have reached its disk.
         self.redeliver_settles(node);
@@ -349,23 +351,12 @@ impl Master {
         }
         let tick = self.touch();
         let token = self.new_token();
-        self.tenants.entry(t.clone()).or_default().insert(
-            key.to_string(),
-            Object {
-                size: loc.size,
-                token,
-                state: ObjState::Complete,
-                mem: Vec::new(),
-                disk: Some(loc),
-                disk_node: node,
-                writer: node,
-                staged: None,
-                copy_queued: false,
-                lease_until_ms: 0,
-                pin_until_ms: 0,
-                last_access: tick,
-            },
-        );
+        let mut o = Object::found(loc.size, token, node, tick);
+        o.disk = Some(loc);
+        self.tenants
+            .entry(t.clone())
+            .or_default()
+            .insert(key.to_string(), o);
         true
     }
 

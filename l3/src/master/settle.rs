@@ -12,8 +12,10 @@
 //!
 //! Orders: [`Settle::Tombstone`] for a registered SSD copy; [`Settle::Cancel`] for a version
 //! whose SSD copy may still be queued or unregistered on the node that writes it (the node
-//! drops the queued write, or tombstones the record if already written). Both are
-//! idempotent on the node, so repeating them is harmless.
+//! drops the queued write, or tombstones the record if already written), and to every node
+//! holding a memory replica of it (a master adopting DRAM replicas after a failover refuses
+//! a cancelled version, `adopt`). Both are idempotent on the node, so repeating them is
+//! harmless.
 //!
 //! The embedded store (and `--role both`) tombstones and cancels under its own lock
 //! ([`LOCAL_NODE`]); nothing is queued for it, nor for clients that are not store nodes.
@@ -192,9 +194,12 @@ impl Settlement {
 }
 
 /// What a dropped object version leaves to settle on nodes.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Gone {
     token: u64,
+    /// Segments holding its memory replicas (their nodes may keep the bytes across a
+    /// remount: they are told the version is gone, see `adopt`).
+    mem_segs: Vec<SegmentId>,
     writer: ClientId,
     staged_on: Option<ClientId>,
     disk: Option<(ClientId, DiskLoc)>,
@@ -204,6 +209,7 @@ impl Object {
     pub(super) fn gone(&self) -> Gone {
         Gone {
             token: self.token,
+            mem_segs: self.mem.iter().map(|r| r.seg).collect(),
             writer: self.writer,
             staged_on: match self.staged {
                 Some(Staged::OnNode { node, .. }) => Some(node),
@@ -242,14 +248,26 @@ impl Master {
     /// A version of `key` left the master (removed, replaced, revoked, evicted without an
     /// SSD copy, lost with its node's memory): its registered SSD copy is tombstoned, or,
     /// when none is registered yet, the nodes that may be writing one (the write-through
-    /// writer, the node it is staged on) cancel the write.
+    /// writer, the node it is staged on) cancel the write; every node still holding a
+    /// memory replica of it gets the cancel too (it keeps its memory across a remount, and
+    /// a cancelled version is never adopted: `adopt`).
     pub(super) fn settle_gone(&mut self, t: &Tenant, key: &str, g: Gone) {
+        let mut to = Vec::new();
         if let Some((node, loc)) = g.disk {
             self.queue_settle(node, Settle::Tombstone(loc));
-            return;
+        } else {
+            to.push(g.writer);
+            to.extend(g.staged_on);
         }
-        let mut to = vec![g.writer];
-        to.extend(g.staged_on.filter(|n| *n != g.writer));
+        // Nodes holding a memory replica keep it across a remount: a new master must not
+        // adopt it (`adopt`).
+        to.extend(
+            g.mem_segs
+                .iter()
+                .filter_map(|s| self.segments.get(*s).map(|i| i.owner)),
+        );
+        to.sort_unstable();
+        to.dedup();
         for node in to {
             self.queue_settle(
                 node,
@@ -260,6 +278,19 @@ impl Master {
                 },
             );
         }
+    }
+
+    /// Whether some node has an unacknowledged cancel of this version of the key (or of a
+    /// newer one: a cancel covers every older version).
+    pub(super) fn version_settled(&self, t: &Tenant, key: &str, token: u64) -> bool {
+        let k = (t.clone(), key.to_string());
+        self.nodes.values().any(|n| {
+            n.settle.keys.contains_key(&k)
+                && n.settle.pending.values().any(|s| {
+                    matches!(s, Settle::Cancel { tenant, key: kk, token: c }
+                        if tenant == t && kk == key && *c >= token)
+                })
+        })
     }
 
     /// Settles for a node, and every settle up to which it acknowledged (the node counts

@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::L3Result;
-use crate::master::{DiskLoc, LossCursor, Losses, NodeSync, ReplicaEnded};
+use crate::master::{DiskLoc, LossCursor, Losses, NodeSync, ReplicaEnded, RetainedObject};
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, NodeRef, PutHandle, PutOptions, QueryResult,
     ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant,
@@ -164,6 +164,15 @@ pub enum ClusterRequest {
         /// Items.
         items: Vec<(Tenant, String, u64)>,
     },
+    /// DRAM replicas the node kept across a remount (sent after `MountNode`, before its
+    /// SSD records): per object, reply `Adopted` with the allocation to keep the bytes
+    /// under, or None (the node frees them).
+    Retained {
+        /// Node id.
+        node: ClientId,
+        /// The ended replicas it holds.
+        objects: Vec<RetainedObject>,
+    },
 }
 
 /// Replies of the `cluster` call.
@@ -188,6 +197,8 @@ pub enum ClusterReply {
     /// Per `Promote` item: the allocation holding the promoted replica, and the object's
     /// put token.
     Promoted(Vec<L3Result<(u64, u64)>>),
+    /// Per `Retained` object: the allocation it was adopted under, or None.
+    Adopted(Vec<Option<u64>>),
 }
 
 /// Per-key results.

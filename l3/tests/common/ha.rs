@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use kvtier_l3::ha::local_etcd::LocalEtcd;
 use kvtier_l3::ha::{ClusterKeys, Locator, read_leader};
-use kvtier_l3::{ClientOptions, RemoteStore};
+use std::collections::BTreeMap;
+
+use kvtier_l3::{ClientOptions, L3Error, L3Store, RemoteStore, Tenant};
 
 use super::procs::{Proc, args, spawn};
 
@@ -107,27 +109,34 @@ pub fn leader(etcd: &LocalEtcd, limit: Duration) -> Option<(SocketAddr, u64)> {
 
 /// A store node following the leader.
 pub fn ha_node(etcd: &LocalEtcd, id: u64, ssd: &Path) -> Proc {
-    spawn(
-        &args(&[
-            "--role",
-            "node",
-            "--listen",
-            "127.0.0.1:0",
-            "--segment-bytes",
-            "16777216",
-            "--ping-ms",
-            "100",
-            "--master-timeout-ms",
-            "1000",
-            "--master",
-            &etcd.locator(CLUSTER),
-            "--node-id",
-            &id.to_string(),
-            "--ssd-dir",
-            &ssd.display().to_string(),
-        ]),
-        None,
-    )
+    let mut a = ha_node_args(etcd, id, 100);
+    a.extend(args(&["--ssd-dir", &ssd.display().to_string()]));
+    spawn(&a, None)
+}
+
+/// A store node following the leader, without an SSD tier (its objects live in DRAM only),
+/// pinging every `ping_ms`.
+pub fn ha_dram_node(etcd: &LocalEtcd, id: u64, ping_ms: u64) -> Proc {
+    spawn(&ha_node_args(etcd, id, ping_ms), None)
+}
+
+fn ha_node_args(etcd: &LocalEtcd, id: u64, ping_ms: u64) -> Vec<String> {
+    args(&[
+        "--role",
+        "node",
+        "--listen",
+        "127.0.0.1:0",
+        "--segment-bytes",
+        "16777216",
+        "--ping-ms",
+        &ping_ms.to_string(),
+        "--master-timeout-ms",
+        "1000",
+        "--master",
+        &etcd.locator(CLUSTER),
+        "--node-id",
+        &id.to_string(),
+    ])
 }
 
 /// A client following the leader.
@@ -167,5 +176,26 @@ pub fn ha_cluster(masters: usize) -> HaCluster {
         nodes,
         ssd,
         etcd,
+    }
+}
+
+/// Every acknowledged put in `live` reads back with its bytes; no key in `removed` is back.
+pub fn check_keys(
+    c: &RemoteStore,
+    tn: &Tenant,
+    live: &BTreeMap<String, Vec<u8>>,
+    removed: &[String],
+) {
+    for (k, v) in live {
+        let got = c
+            .get(tn, k)
+            .unwrap_or_else(|e| panic!("acked put {k} lost: {e}"));
+        assert_eq!(&got, v, "{k} read back other bytes");
+    }
+    for k in removed {
+        match c.get(tn, k) {
+            Ok(v) => panic!("removed {k} came back ({} bytes)", v.len()),
+            Err(e) => assert_eq!(e, L3Error::ObjectNotFound, "{k}"),
+        }
     }
 }

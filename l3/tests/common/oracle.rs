@@ -1,8 +1,8 @@
-//! A client worker for the failover tests: puts (persisted), gets and removes on keys of its
-//! own while masters die, judged by an oracle.
+//! A client worker for the failover tests: puts (DRAM, not waiting for the SSD), gets and
+//! removes on keys of its own while masters die, judged by an oracle.
 //!
-//! Each key moves through versions: put version v (acknowledged only with its SSD copy
-//! registered), maybe remove it, put v + 1… One thread owns each key, so the expected state
+//! Each key moves through versions: put version v (acknowledged once its DRAM replicas are
+//! written), maybe remove it, put v + 1… One thread owns each key, so the expected state
 //! is exact: a get must return the live version's bytes, a removed key must not be found, and
 //! a live key must not be missing. A put or remove that failed has an unknown outcome: the
 //! key is not judged until a later acknowledged remove settles it. Transient errors (-900,
@@ -46,10 +46,6 @@ pub fn worker(c: Arc<RemoteStore>, id: usize, stop: Arc<AtomicBool>) -> Report {
         .collect();
     let mut next: u32 = 0;
     let mut step = 0usize;
-    let persisted = PutOptions {
-        wait_persisted: true,
-        ..Default::default()
-    };
     while !stop.load(Ordering::Acquire) {
         step += 1;
         let names: Vec<String> = keys.keys().cloned().collect();
@@ -72,7 +68,7 @@ pub fn worker(c: Arc<RemoteStore>, id: usize, stop: Arc<AtomicBool>) -> Report {
                     &tn,
                     std::slice::from_ref(k),
                     &[&bytes(k, next)],
-                    persisted,
+                    PutOptions::default(),
                     cfg,
                 );
                 match res.map(|mut v| v.remove(0)) {

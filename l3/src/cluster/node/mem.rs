@@ -65,4 +65,66 @@ impl Mem {
             h.since = Instant::now();
         }
     }
+
+    /// Empties the memory for a remount and returns the replicas to report to the master
+    /// (`Retained`): the ended, live ones. Puts never ended and staged bytes are dropped
+    /// (the mount cancels staged writes; an unended put is no version anybody saw).
+    pub(super) fn take_retained(&mut self) -> Vec<Held> {
+        let all = std::mem::take(self);
+        all.allocs
+            .into_values()
+            .filter(|h| h.ended && h.staged == Staging::No)
+            .collect()
+    }
+
+    /// Keeps the bytes of an adopted replica under the allocation the master gave it.
+    pub(super) fn adopt(&mut self, alloc: u64, h: Held) {
+        self.used += h.data.len() as u64;
+        if let Some(old) = self.allocs.insert(alloc, h) {
+            self.used = self.used.saturating_sub(old.data.len() as u64);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(key: &str, ended: bool, staged: Staging) -> Held {
+        Held {
+            tenant: Tenant::new("a").unwrap(),
+            key: key.into(),
+            token: 1,
+            data: Arc::from(vec![7u8; 10]),
+            ended,
+            staged,
+            since: Instant::now(),
+        }
+    }
+
+    /// A remount reports only ended, live replicas: a put never ended and staged bytes are
+    /// freed, not offered for adoption; the memory is empty until the master answers.
+    #[test]
+    fn a_remount_reports_only_ended_live_replicas() {
+        let mut m = Mem::default();
+        for (a, h) in [
+            (1, held("done", true, Staging::No)),
+            (2, held("unended", false, Staging::No)),
+            (3, held("staged", true, Staging::Writing)),
+            (4, held("retired", true, Staging::Retired)),
+        ] {
+            if h.staged == Staging::No {
+                m.used += h.data.len() as u64;
+            }
+            m.allocs.insert(a, h);
+        }
+        let kept = m.take_retained();
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].key, "done");
+        assert!(m.allocs.is_empty() && m.used == 0);
+        let h = kept.into_iter().next().unwrap();
+        m.adopt(9, h);
+        assert_eq!(m.used, 10);
+        assert!(m.allocs.contains_key(&9));
+    }
 }

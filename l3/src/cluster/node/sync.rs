@@ -1,10 +1,11 @@
 //! The node's side of the conversation with the master: mount (with the SSD records found),
 //! ping, and apply the [`NodeSync`] every reply carries (frees, evictions to offload,
-//! settles, promotions).
+//! settles, promotions). A mount keeps the ended DRAM replicas and reports them
+//! (`Retained`): the master adopts those it can prove are live versions (`master::adopt`).
 //!
 //! Why: the master never connects to nodes; what it has to say waits for the node's next
 //! call. A ping answered `need_remount` (declared dead while partitioned, or a restarted
-//! master) drops all memory bytes and mounts again.
+//! master) mounts again, reporting what the node holds.
 //!
 //! Invariants:
 //! - Bytes of an allocation the master freed are dropped when the node hears of it; bytes
@@ -34,12 +35,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crate::error::{L3Error, L3Result};
-use crate::master::{DiskLoc, NodeSync, Settle};
+use crate::master::{DiskLoc, NodeSync, RetainedObject, Settle};
 use crate::rpc::service::{ClusterReply, ClusterRequest};
 use crate::ssd::OffloadJob;
 
 use super::NodeInner;
-use super::mem::{Mem, Staging};
+use super::mem::{Held, Staging};
 
 /// SSD records registered per `Rescanned` call.
 const RESCAN_CHUNK: usize = 4096;
@@ -77,7 +78,7 @@ impl NodeInner {
         // The master hands out every unacknowledged settle again after a mount, with the
         // number it has seen acknowledged: count from there.
         self.applied.store(0, Ordering::Release);
-        *self.mem.lock() = Mem::default();
+        let kept = self.mem.lock().take_retained();
         self.link.call(ClusterRequest::MountNode {
             node: self.opts.id,
             segment: self.segment,
@@ -85,6 +86,9 @@ impl NodeInner {
             data_addr: self.data_addr()?,
             offload_on_evict: self.offload_on_evict(),
         })?;
+        // DRAM first: its replicas carry their version, SSD records do not (a record of a
+        // key adopted here is refused below, never attached to a version it may not be).
+        self.report_retained(kept)?;
         if let Some(ssd) = &self.ssd {
             let recs = ssd.live_records();
             let mut refused = 0usize;
@@ -114,6 +118,66 @@ impl NodeInner {
             );
         }
         self.mounted.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Reports the DRAM replicas kept across the remount; keeps the bytes of those the
+    /// master adopts under their new allocation, drops the others.
+    fn report_retained(&self, kept: Vec<Held>) -> L3Result<()> {
+        let (mut adopted, total) = (0usize, kept.len());
+        // A live SSD record holding the same bytes as a DRAM copy goes with it (module docs
+        // of `master::adopt`).
+        let records: std::collections::HashMap<(crate::types::Tenant, String), DiskLoc> =
+            match (&self.ssd, total) {
+                (Some(ssd), 1..) => {
+                    let mut m = std::collections::HashMap::new();
+                    // Newest first: the newest record of a key is the one compared.
+                    for (t, k, l) in ssd.live_records() {
+                        m.entry((t, k)).or_insert(l);
+                    }
+                    m
+                }
+                _ => Default::default(),
+            };
+        let mut rest = kept;
+        while !rest.is_empty() {
+            let chunk: Vec<Held> = rest.drain(..rest.len().min(RESCAN_CHUNK)).collect();
+            let objects: Vec<RetainedObject> = chunk
+                .iter()
+                .map(|h| RetainedObject {
+                    tenant: h.tenant.clone(),
+                    key: h.key.clone(),
+                    token: h.token,
+                    size: h.data.len() as u64,
+                    disk: records
+                        .get(&(h.tenant.clone(), h.key.clone()))
+                        .filter(|d| {
+                            d.size == h.data.len() as u64 && d.crc == crc32c::crc32c(&h.data)
+                        })
+                        .copied(),
+                })
+                .collect();
+            let reply = self.link.call(ClusterRequest::Retained {
+                node: self.opts.id,
+                objects,
+            })?;
+            let ClusterReply::Adopted(allocs) = reply else {
+                return Err(L3Error::RpcFail("unexpected reply to Retained".into()));
+            };
+            if allocs.len() != chunk.len() {
+                return Err(L3Error::RpcFail("short reply to Retained".into()));
+            }
+            let mut m = self.mem.lock();
+            for (h, a) in chunk.into_iter().zip(allocs) {
+                if let Some(a) = a {
+                    m.adopt(a, h);
+                    adopted += 1;
+                }
+            }
+        }
+        if total > 0 {
+            tracing::info!(adopted, refused = total - adopted, "dram replicas reported");
+        }
         Ok(())
     }
 

@@ -1,0 +1,138 @@
+//! DRAM replicas survive the master (issue 22): store nodes without an SSD tier, puts
+//! acknowledged without `wait_persisted` (one and two replicas), then the master goes — the
+//! etcd leader SIGKILLed (a standby takes over), or a single `--state-dir` master SIGKILLed
+//! and restarted. Every acknowledged put reads back with its bytes: the nodes keep their
+//! memory across the remount and report it, the new master adopts it. Keys removed just
+//! before the kill (the nodes ping every 3 s, so they had not heard of the removes) do not
+//! come back: their holders have a durable cancel, and a cancelled version is not adopted.
+//! Before this, a node cleared its memory at the remount and every such put was lost.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::ha::{HaMaster, check_keys, free_addr, ha_client, ha_dram_node, leader, spawn_master};
+use common::procs::{eventually, kill9, master_in, node_with};
+use common::{client, payload, t};
+use kvtier_l3::ha::local_etcd::LocalEtcd;
+use kvtier_l3::{L3Error, L3Store, PutOptions, RemoteStore, ReplicateConfig};
+
+/// Slow pings: a remove reaches the node (as a free) only after the master is dead.
+const SLOW_PING_MS: u64 = 3000;
+
+/// Puts `n` keys with `replicas` copies, DRAM only; returns the acknowledged ones (a batch
+/// refused as a whole while a master fails over is sent again).
+fn put_keys(c: &RemoteStore, prefix: &str, replicas: u32, n: usize) -> BTreeMap<String, Vec<u8>> {
+    let tn = t("d");
+    let keys: Vec<String> = (0..n)
+        .map(|i| format!("{prefix}-x{replicas}-{i}"))
+        .collect();
+    let data: Vec<Vec<u8>> = (0..n)
+        .map(|i| payload(i + 100 * replicas as usize + prefix.len(), 5000))
+        .collect();
+    let bufs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    let cfg = ReplicateConfig {
+        replica_num: replicas,
+    };
+    let end = Instant::now() + Duration::from_secs(30);
+    let res = loop {
+        match c.batch_put_from_with(&tn, &keys, &bufs, PutOptions::default(), cfg) {
+            Ok(r) => break r,
+            Err(e) => assert!(Instant::now() < end, "puts fail for 30 s: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let acked: BTreeMap<String, Vec<u8>> = keys
+        .into_iter()
+        .zip(data)
+        .zip(res)
+        .filter_map(|(kd, r)| r.ok().map(|_| kd))
+        .collect();
+    assert_eq!(acked.len(), n, "puts on a healthy cluster fail");
+    acked
+}
+
+/// Removes every key ending in `-3` or `-7` from `live` (forced), returning them.
+fn remove_some(c: &RemoteStore, live: &mut BTreeMap<String, Vec<u8>>) -> Vec<String> {
+    let doomed: Vec<String> = live
+        .keys()
+        .filter(|k| k.ends_with("-3") || k.ends_with("-7"))
+        .cloned()
+        .collect();
+    for k in &doomed {
+        c.remove(&t("d"), k, true).unwrap();
+        live.remove(k);
+    }
+    doomed
+}
+
+fn check(c: &RemoteStore, live: &BTreeMap<String, Vec<u8>>, removed: &[String]) {
+    check_keys(c, &t("d"), live, removed);
+}
+
+#[test]
+fn dram_only_puts_survive_leader_master_kills() {
+    let etcd = LocalEtcd::start(3).unwrap();
+    let mut masters: Vec<HaMaster> = (0..2)
+        .map(|_| spawn_master(&etcd, free_addr(), 1))
+        .collect();
+    let (_, mut epoch) = leader(&etcd, Duration::from_secs(20)).expect("a leader");
+    let _nodes: Vec<_> = (1..=3)
+        .map(|id| ha_dram_node(&etcd, id, SLOW_PING_MS))
+        .collect();
+    let c = ha_client(&etcd);
+    let (mut live, mut removed) = (BTreeMap::new(), Vec::new());
+    for round in 0..2 {
+        for replicas in [1, 2] {
+            live.extend(put_keys(&c, &format!("r{round}"), replicas, 10));
+        }
+        removed.extend(remove_some(&c, &mut live));
+        // At once: the nodes have not heard of the removes.
+        let (laddr, _) = leader(&etcd, Duration::from_secs(5)).unwrap();
+        let victim = masters.iter().position(|m| m.addr == laddr).unwrap();
+        let _ = masters[victim].child.kill();
+        let _ = masters[victim].child.wait();
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            match leader(&etcd, Duration::from_secs(1)) {
+                Some((_, e)) if e > epoch => {
+                    epoch = e;
+                    break;
+                }
+                _ => assert!(Instant::now() < end, "no new leader"),
+            }
+        }
+        masters[victim] = spawn_master(&etcd, laddr, 1);
+        check(&c, &live, &removed);
+    }
+}
+
+#[test]
+fn dram_only_puts_survive_a_master_restart() {
+    let state = tempfile::tempdir().unwrap();
+    let mut master = master_in("127.0.0.1:0", state.path(), &[], None);
+    let ping = SLOW_PING_MS.to_string();
+    let _nodes: Vec<_> = (1..=2)
+        .map(|id| node_with(master.addr, id, None, None, &["--ping-ms", &ping]))
+        .collect();
+    let c = client(master.addr, None);
+    assert!(eventually(Duration::from_secs(10), || c
+        .put(&t("d"), "probe", b"p", PutOptions::default())
+        .is_ok()));
+    let mut live = put_keys(&c, "restart", 1, 10);
+    live.extend(put_keys(&c, "restart", 2, 10));
+    let removed = remove_some(&c, &mut live);
+    let addr = master.addr;
+    kill9(&mut master.child);
+    let _master = master_in(&addr.to_string(), state.path(), &[], None);
+    let c = client(addr, None);
+    assert!(
+        eventually(Duration::from_secs(20), || !matches!(
+            c.get(&t("d"), "probe"),
+            Err(L3Error::Unavailable(_) | L3Error::RpcFail(_))
+        )),
+        "the restarted master never served"
+    );
+    check(&c, &live, &removed);
+}
