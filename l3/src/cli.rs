@@ -290,6 +290,7 @@ fn run(args: Args) -> Result<(), String> {
     let opts = ServerOptions {
         addr: listen,
         token,
+        token_digest: None,
         max_frame_bytes: args.max_frame,
         metrics_addr: args.metrics,
         transfer_channel: !args.no_transfer_channel,

@@ -31,6 +31,9 @@ pub struct ClusterKeys {
     pub settles: Vec<u8>,
     /// `/kvtier/<cluster>/tenants`: the tenant quotas every leader enforces.
     pub tenants: Vec<u8>,
+    /// `/kvtier/<cluster>/token`: the hex digest of the shared-secret token (never the
+    /// token itself) every leader checks hellos against.
+    pub token: Vec<u8>,
 }
 
 impl ClusterKeys {
@@ -50,6 +53,7 @@ impl ClusterKeys {
             leader: format!("/kvtier/{name}/leader").into_bytes(),
             settles: format!("/kvtier/{name}/settles/").into_bytes(),
             tenants: format!("/kvtier/{name}/tenants").into_bytes(),
+            token: format!("/kvtier/{name}/token").into_bytes(),
         })
     }
 }

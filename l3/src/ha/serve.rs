@@ -69,6 +69,13 @@ pub(crate) fn run_master(
         Ok(q) => q,
         Err(e) => super::step_down(&e),
     };
+    // The token every leader checks hellos against (its digest from etcd when this master
+    // was given none).
+    let mut opts = opts;
+    opts.token_digest = match super::tenants::settle_token(&lease, opts.token.as_deref()) {
+        Ok(d) => d,
+        Err(e) => super::step_down(&e),
+    };
     let master = match ClusterMaster::open_ha(cfg, lease.clone()) {
         Ok(m) => m,
         // etcd failed us while replaying: try again from the start.

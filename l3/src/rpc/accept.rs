@@ -22,14 +22,72 @@ pub const MAX_PENDING_HELLOS: usize = 8;
 /// How long a new connection may take to send its hello.
 pub const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Whether `got` is the token a server configured with `want` accepts (constant time).
-pub fn token_ok(want: Option<&str>, got: Option<&str>) -> bool {
-    match (want, got) {
-        (None, _) => true,
-        (Some(w), Some(g)) => {
-            w.len() == g.len() && w.bytes().zip(g.bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0
+/// What a server checks a `Hello`'s token against: the SHA-256 of the shared secret, domain
+/// separated. A server given the token hashes it once; an HA leader started without it
+/// loads the digest a previous leader stored in etcd (`crate::ha::tenants`), so the
+/// plaintext never has to sit in etcd (which has neither TLS nor auth here).
+///
+/// Why a plain (unsalted, fast) hash is enough: the token is a random shared secret, not a
+/// password; the digest only has to keep an etcd reader from learning it, and preimage
+/// resistance does that for any secret with the entropy a generated token has.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct TokenDigest([u8; 32]);
+
+impl std::fmt::Debug for TokenDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenDigest(..)")
+    }
+}
+
+impl TokenDigest {
+    /// The digest of `token`.
+    pub fn of(token: &str) -> Self {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(b"kvtier-l3 token v1\0");
+        h.update(token.as_bytes());
+        TokenDigest(h.finalize().into())
+    }
+
+    /// Lower-case hex, the form stored in etcd.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Parses [`Self::to_hex`]'s form (64 hex digits); anything else is a typed error.
+    pub fn from_hex(s: &str) -> L3Result<Self> {
+        let bad = || L3Error::Internal(format!("a token digest must be 64 hex digits, got {s:?}"));
+        if s.len() != 64 || !s.is_ascii() {
+            return Err(bad());
         }
-        (Some(_), None) => false,
+        let mut out = [0u8; 32];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(TokenDigest(out))
+    }
+
+    /// Whether `got` hashes to this digest (compared in constant time).
+    pub fn accepts(&self, got: Option<&str>) -> bool {
+        match got {
+            Some(g) => {
+                let d = TokenDigest::of(g);
+                self.0
+                    .iter()
+                    .zip(d.0.iter())
+                    .fold(0u8, |a, (x, y)| a | (x ^ y))
+                    == 0
+            }
+            None => false,
+        }
+    }
+}
+
+/// Whether `got` is the token a server configured with `want` accepts (constant time).
+pub fn token_ok(want: Option<&TokenDigest>, got: Option<&str>) -> bool {
+    match want {
+        None => true,
+        Some(w) => w.accepts(got),
     }
 }
 

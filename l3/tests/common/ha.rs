@@ -75,14 +75,27 @@ pub fn spawn_master_with(
     ttl_s: u64,
     extra: &[&str],
 ) -> HaMaster {
-    let child = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
-        .args(master_flags(etcd, listen, ttl_s))
+    spawn_master_token(etcd, listen, ttl_s, extra, None)
+}
+
+/// A master given `token` through `KVTIER_L3_TOKEN` (None: no token at all).
+pub fn spawn_master_token(
+    etcd: &LocalEtcd,
+    listen: SocketAddr,
+    ttl_s: u64,
+    extra: &[&str],
+    token: Option<&str>,
+) -> HaMaster {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"));
+    cmd.args(master_flags(etcd, listen, ttl_s))
         .args(extra)
         .env_remove("KVTIER_L3_TOKEN")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::null());
+    if let Some(t) = token {
+        cmd.env("KVTIER_L3_TOKEN", t);
+    }
+    let child = cmd.spawn().unwrap();
     HaMaster {
         child,
         addr: listen,
@@ -117,7 +130,12 @@ pub fn ha_node(etcd: &LocalEtcd, id: u64, ssd: &Path) -> Proc {
 /// A store node following the leader, without an SSD tier (its objects live in DRAM only),
 /// pinging every `ping_ms`.
 pub fn ha_dram_node(etcd: &LocalEtcd, id: u64, ping_ms: u64) -> Proc {
-    spawn(&ha_node_args(etcd, id, ping_ms), None)
+    ha_dram_node_token(etcd, id, ping_ms, None)
+}
+
+/// [`ha_dram_node`] presenting `token` to the master.
+pub fn ha_dram_node_token(etcd: &LocalEtcd, id: u64, ping_ms: u64, token: Option<&str>) -> Proc {
+    spawn(&ha_node_args(etcd, id, ping_ms), token)
 }
 
 fn ha_node_args(etcd: &LocalEtcd, id: u64, ping_ms: u64) -> Vec<String> {
@@ -141,15 +159,20 @@ fn ha_node_args(etcd: &LocalEtcd, id: u64, ping_ms: u64) -> Vec<String> {
 
 /// A client following the leader.
 pub fn ha_client(etcd: &LocalEtcd) -> RemoteStore {
+    ha_client_token(etcd, None).unwrap()
+}
+
+/// A client following the leader, presenting `token` in its hellos.
+pub fn ha_client_token(etcd: &LocalEtcd, token: Option<&str>) -> Result<RemoteStore, L3Error> {
     RemoteStore::connect_to(
         Locator::parse(&etcd.locator(CLUSTER)).unwrap(),
         ClientOptions {
             failover_timeout: Duration::from_secs(30),
             leader_call_timeout: Duration::from_millis(1000),
+            token: token.map(str::to_string),
             ..Default::default()
         },
     )
-    .unwrap()
 }
 
 /// A running HA deployment: 3 etcd members, `masters` masters (1 s lease), 3 store nodes with

@@ -41,6 +41,7 @@ use crate::clock::Periodic;
 use crate::config::{OffloadMode, SsdConfig};
 use crate::error::{L3Error, L3Result};
 use crate::master::DiskLoc;
+use crate::rpc::accept::TokenDigest;
 use crate::rpc::server::DEFAULT_MAX_FRAME;
 use crate::rpc::service::ClusterRequest;
 use crate::rpc::xfer::XferServer;
@@ -233,7 +234,7 @@ impl StoreNode {
         let x = XferServer::start(
             inner.clone(),
             inner.opts.listen,
-            inner.opts.token.as_deref().map(Arc::from),
+            inner.opts.token.as_deref().map(TokenDigest::of),
             inner.opts.max_frame_bytes,
         )?;
         let _ = inner.data_addr.set(x.addr);

@@ -14,7 +14,7 @@ use tarpc::context::Context;
 
 use crate::error::{L3Error, L3Result};
 use crate::master::{LossCursor, Losses};
-use crate::rpc::accept::token_ok;
+use crate::rpc::accept::{TokenDigest, token_ok};
 use crate::rpc::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits, WireBatch};
 use crate::rpc::shm::ShmOffer;
 use crate::types::{
@@ -26,7 +26,7 @@ use super::Backend;
 
 pub(super) struct Conn<B> {
     pub(super) store: Arc<B>,
-    pub(super) token: Option<Arc<str>>,
+    pub(super) token: Option<TokenDigest>,
     pub(super) authed: Arc<AtomicBool>,
     pub(super) limits: ServerLimits,
     pub(super) shm: Arc<Option<ShmOffer>>,
@@ -36,7 +36,7 @@ impl<B> Clone for Conn<B> {
     fn clone(&self) -> Self {
         Conn {
             store: self.store.clone(),
-            token: self.token.clone(),
+            token: self.token,
             authed: self.authed.clone(),
             limits: self.limits,
             shm: self.shm.clone(),
@@ -72,7 +72,7 @@ impl<B: Backend> Conn<B> {
 
 impl<B: Backend> L3Rpc for Conn<B> {
     async fn hello(self, _: Context, token: Option<String>) -> L3Result<ServerLimits> {
-        let ok = token_ok(self.token.as_deref(), token.as_deref());
+        let ok = token_ok(self.token.as_ref(), token.as_deref());
         if !ok {
             return Err(L3Error::IllegalClient("bad token".into()));
         }

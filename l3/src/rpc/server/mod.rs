@@ -26,6 +26,7 @@ use tarpc::server::{self, Channel};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
+use super::accept::TokenDigest;
 use super::codec::ClampedBincode;
 use super::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits};
 use super::shm::{ShmMode, ShmServer};
@@ -48,6 +49,9 @@ pub struct ServerOptions {
     pub addr: SocketAddr,
     /// Shared-secret token clients must present in `hello` (None = no token).
     pub token: Option<String>,
+    /// The token's digest, for a server not given the token itself (an HA leader loads it
+    /// from etcd); used only when `token` is None.
+    pub token_digest: Option<TokenDigest>,
     /// Largest frame accepted or sent.
     pub max_frame_bytes: usize,
     /// Prometheus endpoint (None = off). Must be a loopback address.
@@ -67,6 +71,7 @@ impl Default for ServerOptions {
         ServerOptions {
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             token: None,
+            token_digest: None,
             max_frame_bytes: DEFAULT_MAX_FRAME,
             metrics_addr: None,
             transfer_channel: true,
@@ -258,7 +263,11 @@ pub async fn start<B: Backend>(
         .map_err(|e| L3Error::Unavailable(format!("bind {}: {e}", opts.addr)))?;
     listener.config_mut().max_frame_length(opts.max_frame_bytes);
     let addr = listener.local_addr();
-    let token: Option<Arc<str>> = opts.token.as_deref().map(Arc::from);
+    let token: Option<TokenDigest> = opts
+        .token
+        .as_deref()
+        .map(TokenDigest::of)
+        .or(opts.token_digest);
     let handler = if opts.transfer_channel {
         store.clone().xfer_handler()
     } else {
@@ -268,7 +277,7 @@ pub async fn start<B: Backend>(
         Some(h) => Some(XferServer::start(
             h,
             SocketAddr::new(addr.ip(), 0),
-            token.clone(),
+            token,
             opts.max_frame_bytes,
         )?),
         None => None,
@@ -281,7 +290,7 @@ pub async fn start<B: Backend>(
         cluster: store.is_cluster_master(),
         epoch: store.epoch(),
     };
-    let shm = start_shm(&store, &opts, token.clone());
+    let shm = start_shm(&store, &opts, token);
     let offer = Arc::new(shm.as_ref().map(|s| s.offer.clone()));
     if xfer.is_some() || shm.is_some() {
         let mut stop_x = stop.clone();
@@ -299,7 +308,7 @@ pub async fn start<B: Backend>(
                 let _ = transport.get_ref().set_nodelay(true);
                 let conn = Conn {
                     store: st.clone(),
-                    token: token.clone(),
+                    token,
                     authed: Arc::new(AtomicBool::new(false)),
                     limits,
                     shm: offer.clone(),
@@ -327,7 +336,7 @@ pub async fn start<B: Backend>(
 fn start_shm<B: Backend>(
     store: &Arc<B>,
     opts: &ServerOptions,
-    token: Option<Arc<str>>,
+    token: Option<TokenDigest>,
 ) -> Option<ShmServer> {
     if opts.shm == ShmMode::Off {
         return None;

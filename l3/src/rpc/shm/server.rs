@@ -18,7 +18,9 @@ use std::thread::JoinHandle;
 
 use crate::api::L3Store;
 use crate::error::{L3Error, L3Result};
-use crate::rpc::accept::{HELLO_TIMEOUT, Pending, ServeConn, spawn_acceptor, token_ok};
+use crate::rpc::accept::{
+    HELLO_TIMEOUT, Pending, ServeConn, TokenDigest, spawn_acceptor, token_ok,
+};
 use crate::rpc::xfer::{FrameError, read_frame, write_frame};
 use crate::store::EmbeddedStore;
 use crate::types::Blob;
@@ -54,7 +56,7 @@ impl ShmServer {
     pub fn start(
         store: Arc<EmbeddedStore>,
         dir: &Path,
-        token: Option<Arc<str>>,
+        token: Option<TokenDigest>,
         max_frame: usize,
     ) -> L3Result<Self> {
         let boot_id =
@@ -83,7 +85,7 @@ impl ShmServer {
                 segs: HashMap::new(),
                 next: 1,
             };
-            c.serve(sock, token.as_deref(), max_frame, nonce, &st, hello);
+            c.serve(sock, token.as_ref(), max_frame, nonce, &st, hello);
         });
         let accept = spawn_acceptor(
             "kvtier-l3-shm",
@@ -156,7 +158,7 @@ impl ShmConn<'_> {
     fn serve(
         &mut self,
         mut sock: UnixStream,
-        token: Option<&str>,
+        token: Option<&TokenDigest>,
         max_frame: usize,
         nonce: [u8; 16],
         stop: &AtomicBool,

@@ -19,7 +19,9 @@ use serde_bytes::ByteBuf;
 use crate::error::{L3Error, L3Result};
 use crate::store::EmbeddedStore;
 
-use crate::rpc::accept::{HELLO_TIMEOUT, Pending, ServeConn, spawn_acceptor, token_ok};
+use crate::rpc::accept::{
+    HELLO_TIMEOUT, Pending, ServeConn, TokenDigest, spawn_acceptor, token_ok,
+};
 
 use super::frame::{FrameError, read_frame, send_blobs, unpack_keys, write_frame};
 use super::{XferHandler, XferReply, XferRequest, refuse};
@@ -37,7 +39,7 @@ impl XferServer {
     pub fn start(
         store: Arc<dyn XferHandler>,
         addr: SocketAddr,
-        token: Option<Arc<str>>,
+        token: Option<TokenDigest>,
         max_frame: usize,
     ) -> L3Result<Self> {
         let l = TcpListener::bind(addr)
@@ -48,7 +50,7 @@ impl XferServer {
         let stop = Arc::new(AtomicBool::new(false));
         let st = stop.clone();
         let serve: ServeConn<TcpStream> = Arc::new(move |sock, hello| {
-            serve_conn(sock, &*store, token.as_deref(), max_frame, &st, hello)
+            serve_conn(sock, &*store, token.as_ref(), max_frame, &st, hello)
         });
         let accept = spawn_acceptor(
             "kvtier-l3-xfer",
@@ -82,7 +84,7 @@ impl Drop for XferServer {
 fn serve_conn(
     mut sock: TcpStream,
     store: &dyn XferHandler,
-    token: Option<&str>,
+    token: Option<&TokenDigest>,
     max_frame: usize,
     stop: &AtomicBool,
     hello: &mut Pending<'_>,
