@@ -144,6 +144,16 @@ pyo3::create_exception!(
     "-1011: this deployment mode (or store configuration) cannot do the call."
 );
 
+// A put whose phases straddle a master failover (or an answer from a deposed master): also
+// a kind of "unavailable" (`except UnavailableError` still catches it, with the same code
+// -1010), but one a caller handles differently: put the object again, do not just retry.
+pyo3::create_exception!(
+    kvtier,
+    EpochFencedError,
+    UnavailableError,
+    "-1010: the call straddled a master failover (an older leader epoch's put or answer); put it again."
+);
+
 /// Registers every exception class on the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -159,6 +169,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let t = py.get_type::<UnavailableInModeError>();
     t.setattr("code", ErrorCode::UnavailableInCurrentMode.as_i32())?;
     m.add("UnavailableInModeError", t)?;
+    let t = py.get_type::<EpochFencedError>();
+    t.setattr("code", ErrorCode::UnavailableInCurrentStatus.as_i32())?;
+    m.add("EpochFencedError", t)?;
     Ok(())
 }
 
@@ -221,9 +234,8 @@ pub fn l3_err(e: L3Error) -> PyErr {
         L3Error::UnableOffload => UnableOffloadError::new_err(msg),
         L3Error::UnableOffloading => UnableOffloadingError::new_err(msg),
         L3Error::RpcFail(_) => RpcFailError::new_err(msg),
-        L3Error::Unavailable(_) | L3Error::NotLeader(_) | L3Error::EpochFenced(_) => {
-            UnavailableError::new_err(msg)
-        }
+        L3Error::Unavailable(_) | L3Error::NotLeader(_) => UnavailableError::new_err(msg),
+        L3Error::EpochFenced(_) => EpochFencedError::new_err(msg),
         L3Error::Internal(_) => L3InternalError::new_err(msg),
         L3Error::UnavailableInMode(_) => UnavailableInModeError::new_err(msg),
         L3Error::ReplicaIsGone(_) => ReplicaIsGoneError::new_err(msg),

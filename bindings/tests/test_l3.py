@@ -1,5 +1,7 @@
 """kvtier.L3Store, embedded and as a client of an in-process kvtier-l3 server."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -171,3 +173,18 @@ def test_out_of_range_rpc_timeout_is_a_typed_error(ms):
             kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=ms)
     finally:
         srv.shutdown()
+
+
+def test_epoch_fenced_has_its_own_class_still_caught_as_unavailable():
+    """L3Error::EpochFenced (a put straddling a master failover) is kvtier.EpochFencedError:
+    a caller can tell "put it again" from a plain -1010, and ``except UnavailableError``
+    (the class it was raised as before) still catches it, with the same Mooncake code."""
+    e = kvtier.EpochFencedError
+    assert issubclass(e, kvtier.UnavailableError) and issubclass(e, kvtier.L3Error)
+    assert e.code == kvtier.UnavailableError.code == -1010
+    assert not issubclass(kvtier.UnavailableInModeError, e)
+    with pytest.raises(kvtier.UnavailableError) as caught:
+        raise e("epoch fenced: the put started under master epoch 1, the leader is now epoch 2")
+    assert caught.value.code == -1010
+    stub = (Path(__file__).resolve().parents[1] / "python" / "kvtier" / "_native.pyi").read_text()
+    assert "class EpochFencedError(UnavailableError)" in stub

@@ -34,6 +34,7 @@ from ._native import (  # noqa: F401  (re-exports)
     ConfigError,
     DuplicateCompletionError,
     DuplicateRequestError,
+    EpochFencedError,
     ExecutionPlan,
     FileOpenFailError,
     FileReadFailError,
