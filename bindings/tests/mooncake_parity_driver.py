@@ -138,6 +138,28 @@ def replica_clear(new_store, master, lease_ms):
     return out
 
 
+def replicated_clear(new_store, master, mod, lease_ms):
+    """test_clear_specific_segment_replica: with two clients mounted, an object put with
+    replica_num=2 has a replica in each one's segment; clearing the putting client's segment
+    (after the lease) leaves the other replica, from which the object still reads."""
+    a, b, out = new_store(), new_store(), {}
+    setup = lambda s, port: s.setup(f"localhost:{port}", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "",  # noqa: E731
+                                    master)
+    out["setup"] = [setup(a, 12360), setup(b, 12361)]
+    c = mod.ReplicateConfig()
+    c.replica_num = 2
+    out["put"] = a.put("par-rclear", b"two replicas", c)
+    time.sleep(lease_ms / 1000 + 0.5)
+    out["clear_own"] = a.batch_replica_clear(["par-rclear"], segment_name=a.get_hostname())
+    out["get_from_other"] = b.get("par-rclear").decode()
+    out["replicas_left"] = len(a.get_replica_desc("par-rclear"))
+    out["clear_own_again"] = a.batch_replica_clear(["par-rclear"], segment_name=a.get_hostname())
+    a.remove_all(True)
+    a.close()
+    b.close()
+    return out
+
+
 def _section(f, *args):
     """f(*args), or the exception's type and text (one section failing leaves the others)."""
     try:
@@ -159,4 +181,5 @@ def parity_behaviours(new_store, master, mod, lease_ms):
     out["tear_down"] = _section(tear_down, new_store, master)
     out["replicated_close"] = _section(replicated_close, new_store, master, mod)
     out["replica_clear"] = _section(replica_clear, new_store, master, lease_ms)
+    out["replicated_clear"] = _section(replicated_clear, new_store, master, mod, lease_ms)
     return out

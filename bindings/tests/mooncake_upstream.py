@@ -73,16 +73,22 @@ def _start_servers(impl: str, spec: dict, work: Path) -> list:
     ssd = work / "ssd"
     ssd.mkdir(exist_ok=True)
     if impl == "kvtier" and spec.get("ssd"):
-        # Mooncake's CI runs these with --offload_on_evict=true: objects reach SSD only when
-        # evicted. kvtier.L3Server writes through, so the kvtier-l3 binary serves them.
-        procs.append(subprocess.Popen([str(L3_BIN), "--listen", "127.0.0.1:50051", "--segment-bytes",
-                                       str(spec["segment"]), "--ssd-dir", str(ssd), "--offload", "on-evict",
-                                       "--lease-ms", str(LEASE_MS)]))
+        # Mooncake's CI runs these with --offload_on_evict=true --promotion_on_hit=true
+        # --promotion_admission_threshold=1: objects reach SSD only when evicted, and come back
+        # when read. kvtier.L3Server writes through, so the kvtier-l3 binary serves them. As
+        # Mooncake's master, it holds no memory of its own: the test's client mounts its
+        # segment (of the size the test sets up) into it.
+        procs.append(subprocess.Popen([str(L3_BIN), "--listen", "127.0.0.1:50051", "--segment-bytes", "0",
+                                       "--ssd-dir", str(ssd), "--offload", "on-evict", "--promotion-on-hit",
+                                       "--promotion-admission-threshold", "1", "--lease-ms", str(LEASE_MS)]))
         _wait_port(50051)
         return procs
     if impl == "kvtier":
-        seg = spec.get("segment", 3 << 30)
+        # At :50051 the master: like Mooncake's, no memory of its own (every client that sets
+        # up mounts its global segment into it); at :50052 the real client of dummy clients,
+        # which holds their memory.
         for port in (50051, 50052) if spec.get("real_client") else (50051,):
+            seg = spec.get("segment", 3 << 30) if port == 50052 else 0
             procs.append(subprocess.Popen([sys.executable, "-c", _KVTIER_SERVER, str(port), str(seg),
                                            str(ssd) if spec.get("ssd") else ""]))
             _wait_port(port)

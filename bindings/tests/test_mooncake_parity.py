@@ -47,12 +47,16 @@ MOONCAKE = {
     "replica_clear": {"puts": [0, 0, 0], "hostname": "localhost:12345", "clear_self": ["par-clear-self"],
                       "clear_other_segment": [], "clear_plain": ["par-clear-plain"], "exist_after": [0, 1, 0],
                       "get_self_after": ""},
+    "replicated_clear": {"setup": [0, 0], "put": 0, "clear_own": ["par-rclear"], "get_from_other": "two replicas",
+                         "replicas_left": 1, "clear_own_again": []},
 }
 
 
 @pytest.fixture(scope="module")
 def parity():
-    with kvtier.L3Server(1 << 26, lease_ttl_ms=LEASE_MS) as srv:
+    # The server stands for Mooncake's master, which holds no memory of its own: the
+    # clients' mounted segments are the memory, as in Mooncake's tests.
+    with kvtier.L3Server(0, lease_ttl_ms=LEASE_MS) as srv:
         yield parity_behaviours(MooncakeDistributedStore, srv.addr, mod, LEASE_MS)
 
 
@@ -122,7 +126,7 @@ def test_an_ssd_only_key_reads_as_local_disk(tmp_path):
     """Mooncake's test_promotion_on_hit, its first half: after DRAM eviction an object is
     LOCAL_DISK only (is_local_disk_replica, not is_disk_replica: kvtier's SSD lies on the
     store node; it read as a DISK replica, which the test does not look for) and its bytes
-    come back. (Promotion on a get is not kvtier's: it promotes on an L3 probe.)"""
+    come back. (Its second half, promotion on reads, is the next test.)"""
     with kvtier.L3Server(8 << 20, lease_ttl_ms=LEASE_MS, ssd_dir=str(tmp_path)) as srv:
         s = MooncakeDistributedStore()
         assert s.setup("localhost", "P2PHANDSHAKE", 8 << 20, 16 << 20, "tcp", "", srv.addr) == 0
@@ -150,7 +154,8 @@ def test_a_server_client_remembers_a_bounded_set_of_its_keys():
 
     with kvtier.L3Server(1 << 24, lease_ttl_ms=LEASE_MS) as srv:
         s = MooncakeDistributedStore()
-        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 24, 1 << 20, "tcp", "", srv.addr) == 0
+        # no segment of its own (its objects land in the server's), tracking set by hand
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", srv.addr) == 0
         s._core = OwnedKeys(s._core._inner, max_keys=3)
         s._core.tracking = True
         assert [s.put(f"b{i}", b"v") for i in range(5)] == [0] * 5
@@ -162,3 +167,46 @@ def test_a_server_client_remembers_a_bounded_set_of_its_keys():
         assert o.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", srv.addr) == 0
         assert o.batch_is_exist(["b0", "b1", "b2"]) == [1, 1, 0]
         o.close()
+
+
+def _memory(s, key):
+    return any(r.is_memory_replica() for r in s.get_replica_desc(key))
+
+
+def test_promotion_on_hit_as_mooncake(tmp_path):
+    """Mooncake's test_promotion_on_hit, second half, with Mooncake's rule (master flags
+    --promotion_on_hit --promotion_admission_threshold=2, read in master_service.cpp: every
+    GetReplicaList of a LOCAL_DISK-only key counts, the count reaching the threshold queues
+    the promotion): a real kvtier-l3 with --promotion-on-hit (no memory of its own, as
+    Mooncake's master; the client mounts its segment), offload on eviction. After a DRAM
+    flood, the replica listing is every cold key's first read; one get then promotes a key
+    (MEMORY replica, right bytes), while a key read only once stays LOCAL_DISK. Before, no
+    read promoted, and a promotion after such a flood was refused at the high watermark."""
+    from test_shm import Proc
+
+    p = Proc("--segment-bytes", "0", "--ssd-dir", str(tmp_path), "--offload", "on-evict",
+             "--promotion-on-hit", "--promotion-admission-threshold", "2", "--lease-ms", str(LEASE_MS))
+    try:
+        s = MooncakeDistributedStore()
+        assert s.setup("localhost", "P2PHANDSHAKE", 8 << 20, 16 << 20, "tcp", "", p.addr) == 0
+        rng = np.random.default_rng(11)
+        ref = {f"poh-{i}": rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes() for i in range(24)}
+        assert [s.put(k, v) for k, v in ref.items()] == [0] * 24
+        time.sleep(1.0)  # the SSD writer registers the evicted objects' copies
+        descs = s.batch_get_replica_desc(list(ref))  # the first read of each
+        cold = [k for k, rs in descs.items() if rs and all(r.is_local_disk_replica() for r in rs)]
+        out = {"cold_keys": len(cold) >= 2}
+        c1, c2 = cold[0], cold[-1]
+        out["c1_bytes"] = s.get(c1) == ref[c1]  # its second read: admitted
+        deadline = time.time() + 10
+        while not _memory(s, c1) and time.time() < deadline:
+            time.sleep(0.05)
+        out["c1_memory"] = _memory(s, c1)
+        out["c1_bytes_after"] = s.get(c1) == ref[c1]
+        out["c2_read_once_stays_on_disk"] = not _memory(s, c2)  # this listing is its second read
+        out["every_object_reads_back"] = all(s.get(k) == v for k, v in ref.items())
+        s.close()
+    finally:
+        p.close()
+    assert out == {"cold_keys": True, "c1_bytes": True, "c1_memory": True, "c1_bytes_after": True,
+                   "c2_read_once_stays_on_disk": True, "every_object_reads_back": True}

@@ -133,6 +133,21 @@ pub trait L3Store: Send + Sync {
         source: SegmentId,
         target: SegmentId,
     ) -> L3Result<()>;
+    /// `BatchReplicaClear` with a segment: per key, whether its memory replica in `segment`
+    /// was cleared — complete objects whose lease has expired only; the object goes with its
+    /// last copy, a replica elsewhere keeps it (see [`crate::master::Cleared`]). -1011 where
+    /// the store does not hold the replicas' bytes (a split deployment's master).
+    fn batch_replica_clear(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        segment: SegmentId,
+    ) -> BatchResult<bool> {
+        let _ = (tenant, keys, segment);
+        Err(L3Error::UnavailableInMode(
+            "batch_replica_clear by segment".into(),
+        ))
+    }
     /// `MountSegment`: a client contributes `capacity` bytes of DRAM.
     fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()>;
     /// `UnmountSegment`: its memory replicas are dropped.

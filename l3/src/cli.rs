@@ -22,8 +22,8 @@ use std::time::Duration;
 use crate::rpc::server::{Backend, DEFAULT_MAX_FRAME, ServerOptions, start};
 use crate::rpc::shm::ShmMode;
 use crate::{
-    ClientId, ClusterMaster, EmbeddedStore, L3Store, NodeOptions, OffloadMode, SsdConfig,
-    StoreConfig, StoreNode,
+    ClientId, ClusterMaster, EmbeddedStore, L3Store, NodeOptions, OffloadMode, PromotionConfig,
+    SsdConfig, StoreConfig, StoreNode,
 };
 use clap::{Parser, ValueEnum};
 
@@ -109,6 +109,15 @@ struct Args {
     /// SSD offload mode.
     #[arg(long, value_enum, default_value = "write-through")]
     offload: Mode,
+    /// Promote an SSD-only object to DRAM when reads hit it (Mooncake's master flag
+    /// `--promotion_on_hit`), evicting cold DRAM copies of objects already on SSD to make
+    /// room (never an object's only copy).
+    #[arg(long)]
+    promotion_on_hit: bool,
+    /// With --promotion-on-hit: reads of an SSD-only object before it is promoted
+    /// (Mooncake's `--promotion_admission_threshold`; clamped to 1..=255).
+    #[arg(long, default_value_t = 2)]
+    promotion_admission_threshold: u32,
     /// Read lease in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     lease_ms: u64,
@@ -284,6 +293,11 @@ fn run(args: Args) -> Result<(), String> {
         idle_trim_after: Duration::from_millis(args.idle_trim_ms),
         rebuild_timeout: Duration::from_millis(args.rebuild_timeout_ms),
         tenant_quota_bytes: args.tenant_quota.iter().cloned().collect(),
+        promotion: PromotionConfig {
+            on_hit: args.promotion_on_hit,
+            admission_threshold: args.promotion_admission_threshold,
+            ..PromotionConfig::default()
+        },
         ssd,
         ..Default::default()
     };

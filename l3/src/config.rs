@@ -71,6 +71,18 @@ pub struct PromotionConfig {
     pub pressure_cooldown: Duration,
     /// A `get` that finds a promotion in flight waits this long for it (`ssd_get_wait_ms`).
     pub ssd_get_wait: Duration,
+    /// Promote an SSD-only object when reads hit it (Mooncake's master flag
+    /// `--promotion_on_hit`, off by default as there); see [`crate::promotion::on_hit`].
+    #[serde(default)]
+    pub on_hit: bool,
+    /// Reads of an SSD-only object before a promotion on hit fires (Mooncake's
+    /// `--promotion_admission_threshold`, default 2; clamped to 1 ..= 255 as there).
+    #[serde(default = "default_admission_threshold")]
+    pub admission_threshold: u32,
+}
+
+fn default_admission_threshold() -> u32 {
+    2
 }
 
 impl Default for PromotionConfig {
@@ -81,6 +93,8 @@ impl Default for PromotionConfig {
             dedup_ttl: Duration::from_secs(5),
             pressure_cooldown: Duration::from_millis(500),
             ssd_get_wait: Duration::from_millis(10),
+            on_hit: false,
+            admission_threshold: default_admission_threshold(),
         }
     }
 }

@@ -147,8 +147,9 @@ pub const MAX_REPLICA_NUM: u32 = 64;
 /// `replica_num` memory replicas are placed on distinct segments of distinct store nodes
 /// (split deployment), best effort like Mooncake: with fewer live nodes (or fewer with room)
 /// than asked, the put gets as many replicas as there are, at least one (-200 if none). The
-/// embedded store and `--role both` are one process, one failure domain: they accept any
-/// valid `replica_num` and keep one memory replica.
+/// embedded store and `--role both` place them the same way over the segments they hold (their
+/// own and those clients mounted, one replica per segment owner): with their own segment alone
+/// that is one replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplicateConfig {
     /// Memory replicas wanted, 1 ..= [`MAX_REPLICA_NUM`] (Mooncake's default is 1).

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use kvtier_l3::{BatchResult, ErrorCode, L3Error, L3Result, L3Store, PutOptions, Tenant};
+use kvtier_l3::{
+    BatchResult, ErrorCode, L3Error, L3Result, L3Store, PutOptions, ReplicateConfig, Tenant,
+};
 
 use super::ranges::{gather, multi_parts, removed_or_missing};
 use super::{Attached, INVALID_PARAMS, MooncakeCore, NOT_INITIALIZED};
@@ -20,6 +22,23 @@ use crate::l3::{buf_list, l3code, size_code};
 pub(super) enum WriteMode {
     Insert,
     Upsert,
+}
+
+/// A write: its mode and the replicas it asks for (Mooncake's `ReplicateConfig.replica_num`,
+/// placed on segments of distinct owners by the store).
+#[derive(Clone, Copy)]
+pub(super) struct Write {
+    pub(super) mode: WriteMode,
+    pub(super) cfg: ReplicateConfig,
+}
+
+impl Write {
+    pub(super) fn new(mode: WriteMode, replica_num: u32) -> Self {
+        Write {
+            mode,
+            cfg: ReplicateConfig::replicas(replica_num),
+        }
+    }
 }
 
 /// A put's code as Mooncake's Python client reports it: a key that already exists is a
@@ -84,15 +103,15 @@ fn write_many(
     t: &Tenant,
     keys: &[String],
     views: &[&[u8]],
-    mode: WriteMode,
+    w: Write,
 ) -> BatchResult<()> {
-    if mode == WriteMode::Upsert {
+    if w.mode == WriteMode::Upsert {
         for k in keys {
             // A failed remove shows up as the put's own error (-705 for a leased object).
             let _ = removed_or_missing(s.remove(t, k, true));
         }
     }
-    s.batch_put_from(t, keys, views, PutOptions::default())
+    s.batch_put_from_with(t, keys, views, PutOptions::default(), w.cfg)
 }
 
 impl MooncakeCore {
@@ -144,7 +163,7 @@ impl MooncakeCore {
         py: Python<'_>,
         key: &str,
         value: &Bound<'_, PyAny>,
-        mode: WriteMode,
+        mode: Write,
     ) -> PyResult<i64> {
         let b = ByteBuf::get(value, false, "value")?;
         let Some((s, t)) = self.handle() else {
@@ -165,7 +184,7 @@ impl MooncakeCore {
         py: Python<'_>,
         keys: Vec<String>,
         values: &Bound<'_, PyAny>,
-        mode: WriteMode,
+        mode: Write,
     ) -> PyResult<i64> {
         let bufs = buf_list(values, false)?;
         if bufs.len() != keys.len() {
@@ -189,7 +208,7 @@ impl MooncakeCore {
         keys: Vec<String>,
         ptrs: Vec<u64>,
         sizes: Vec<i64>,
-        mode: WriteMode,
+        mode: Write,
     ) -> Vec<i64> {
         if keys.len() != ptrs.len() || keys.len() != sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
@@ -217,7 +236,7 @@ impl MooncakeCore {
         keys: Vec<String>,
         all_ptrs: Vec<Vec<u64>>,
         all_sizes: Vec<Vec<i64>>,
-        mode: WriteMode,
+        mode: Write,
     ) -> Vec<i64> {
         if keys.len() != all_ptrs.len() || keys.len() != all_sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];

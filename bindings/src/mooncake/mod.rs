@@ -34,7 +34,7 @@ mod ranges;
 mod registered;
 mod segment;
 
-use batch::{WriteMode, bad_segment_code, mc_get_code};
+use batch::{Write, WriteMode, bad_segment_code, mc_get_code};
 pub use batch::{error_codes, join_parts};
 use pool::Pool;
 use ranges::{ReplicaRow, multi_parts, scatter};
@@ -52,7 +52,7 @@ struct Attached {
     remote: Option<Arc<RemoteStore>>,
     tenant: Tenant,
     /// Dropped (unmounted) on close, before the store handle.
-    _segment: Option<Contribution>,
+    segment: Option<Contribution>,
 }
 
 #[pyclass(frozen, module = "kvtier._native", name = "MooncakeCore")]
@@ -104,7 +104,7 @@ impl MooncakeCore {
                 embedded: Some(s),
                 remote: None,
                 tenant: t,
-                _segment: seg,
+                segment: seg,
             })
         });
         match r {
@@ -116,10 +116,23 @@ impl MooncakeCore {
         }
     }
 
-    /// Connects to a `kvtier-l3` server (which holds the memory, as Mooncake's real client
-    /// does for a dummy client); 0 or a negative code.
-    #[pyo3(signature = (addr, tenant, token = None))]
-    fn setup_remote(&self, py: Python<'_>, addr: &str, tenant: &str, token: Option<String>) -> i64 {
+    /// Connects to a `kvtier-l3` server; 0 or a negative code. With `segment_bytes > 0` this
+    /// client contributes a segment of that many bytes named `hostname` to a `--role both`
+    /// server (Mooncake's model: a client's puts may land there, a put asking for several
+    /// replicas spreads them over distinct clients' segments, and the segment's objects go
+    /// when the client closes); the server holds its bytes, as it does for a dummy client.
+    /// A split deployment's master or an HA cluster gets no segment (its bytes would live in
+    /// no store node, or be lost with a leader).
+    #[pyo3(signature = (addr, tenant, token = None, segment_bytes = 0, hostname = ""))]
+    fn setup_remote(
+        &self,
+        py: Python<'_>,
+        addr: &str,
+        tenant: &str,
+        token: Option<String>,
+        segment_bytes: u64,
+        hostname: &str,
+    ) -> i64 {
         let t = match Tenant::new(tenant) {
             Ok(t) => t,
             Err(e) => return l3code(&e),
@@ -133,16 +146,23 @@ impl MooncakeCore {
             token,
             ..ClientOptions::default()
         };
-        match py.detach(move || RemoteStore::connect_to(sa, opts)) {
-            Ok(s) => {
-                let s = Arc::new(s);
-                self.attach(Attached {
-                    store: s.clone(),
-                    embedded: None,
-                    remote: Some(s),
-                    tenant: t,
-                    _segment: None,
-                });
+        let r = py.detach(move || -> L3Result<Attached> {
+            let s = Arc::new(RemoteStore::connect_to(sa, opts)?);
+            let store: Arc<dyn L3Store> = s.clone();
+            let seg = (segment_bytes > 0 && !s.is_cluster() && !s.follows_leader())
+                .then(|| Contribution::mount(store.clone(), segment_bytes, hostname))
+                .transpose()?;
+            Ok(Attached {
+                store,
+                embedded: None,
+                remote: Some(s),
+                tenant: t,
+                segment: seg,
+            })
+        });
+        match r {
+            Ok(a) => {
+                self.attach(a);
                 0
             }
             Err(e) => l3code(&e),
@@ -156,7 +176,7 @@ impl MooncakeCore {
             embedded: None,
             remote: None,
             tenant: store.tenant.clone(),
-            _segment: None,
+            segment: None,
         });
         0
     }
@@ -196,6 +216,14 @@ impl MooncakeCore {
         self.pool.lock().as_ref().is_some_and(Pool::is_shared)
     }
 
+    /// Whether this client contributed a segment (see `setup_embedded`, `setup_remote`).
+    fn has_segment(&self) -> bool {
+        self.state
+            .read()
+            .as_ref()
+            .is_some_and(|a| a.segment.is_some())
+    }
+
     fn is_setup(&self) -> bool {
         self.state.read().is_some()
     }
@@ -231,30 +259,48 @@ impl MooncakeCore {
         Some(PyBytes::new(py, unsafe { r.bytes() }))
     }
 
-    fn put(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>) -> PyResult<i64> {
-        self.put_bytes(py, key, value, WriteMode::Insert)
+    #[pyo3(signature = (key, value, replica_num = 1))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        value: &Bound<'_, PyAny>,
+        replica_num: u32,
+    ) -> PyResult<i64> {
+        self.put_bytes(py, key, value, Write::new(WriteMode::Insert, replica_num))
     }
 
-    fn upsert(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>) -> PyResult<i64> {
-        self.put_bytes(py, key, value, WriteMode::Upsert)
+    #[pyo3(signature = (key, value, replica_num = 1))]
+    fn upsert(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        value: &Bound<'_, PyAny>,
+        replica_num: u32,
+    ) -> PyResult<i64> {
+        self.put_bytes(py, key, value, Write::new(WriteMode::Upsert, replica_num))
     }
 
+    #[pyo3(signature = (keys, values, replica_num = 1))]
     fn put_batch(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         values: &Bound<'_, PyAny>,
+        replica_num: u32,
     ) -> PyResult<i64> {
-        self.put_many(py, keys, values, WriteMode::Insert)
+        self.put_many(py, keys, values, Write::new(WriteMode::Insert, replica_num))
     }
 
+    #[pyo3(signature = (keys, values, replica_num = 1))]
     fn upsert_batch(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         values: &Bound<'_, PyAny>,
+        replica_num: u32,
     ) -> PyResult<i64> {
-        self.put_many(py, keys, values, WriteMode::Upsert)
+        self.put_many(py, keys, values, Write::new(WriteMode::Upsert, replica_num))
     }
 
     fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
@@ -287,32 +333,49 @@ impl MooncakeCore {
         Ok(py.detach(|| size_code(s.get_into(&t, key, b.as_mut_slice()))))
     }
 
-    fn put_from(&self, py: Python<'_>, key: String, ptr: u64, size: i64) -> i64 {
-        self.put_ranges(py, vec![key], vec![ptr], vec![size], WriteMode::Insert)[0]
+    #[pyo3(signature = (key, ptr, size, replica_num = 1))]
+    fn put_from(&self, py: Python<'_>, key: String, ptr: u64, size: i64, replica_num: u32) -> i64 {
+        let w = Write::new(WriteMode::Insert, replica_num);
+        self.put_ranges(py, vec![key], vec![ptr], vec![size], w)[0]
     }
 
-    fn upsert_from(&self, py: Python<'_>, key: String, ptr: u64, size: i64) -> i64 {
-        self.put_ranges(py, vec![key], vec![ptr], vec![size], WriteMode::Upsert)[0]
+    #[pyo3(signature = (key, ptr, size, replica_num = 1))]
+    fn upsert_from(
+        &self,
+        py: Python<'_>,
+        key: String,
+        ptr: u64,
+        size: i64,
+        replica_num: u32,
+    ) -> i64 {
+        let w = Write::new(WriteMode::Upsert, replica_num);
+        self.put_ranges(py, vec![key], vec![ptr], vec![size], w)[0]
     }
 
+    #[pyo3(signature = (keys, ptrs, sizes, replica_num = 1))]
     fn batch_put_from(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         ptrs: Vec<u64>,
         sizes: Vec<i64>,
+        replica_num: u32,
     ) -> Vec<i64> {
-        self.put_ranges(py, keys, ptrs, sizes, WriteMode::Insert)
+        let w = Write::new(WriteMode::Insert, replica_num);
+        self.put_ranges(py, keys, ptrs, sizes, w)
     }
 
+    #[pyo3(signature = (keys, ptrs, sizes, replica_num = 1))]
     fn batch_upsert_from(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         ptrs: Vec<u64>,
         sizes: Vec<i64>,
+        replica_num: u32,
     ) -> Vec<i64> {
-        self.put_ranges(py, keys, ptrs, sizes, WriteMode::Upsert)
+        let w = Write::new(WriteMode::Upsert, replica_num);
+        self.put_ranges(py, keys, ptrs, sizes, w)
     }
 
     fn get_into(&self, py: Python<'_>, key: String, ptr: u64, size: i64) -> i64 {
@@ -348,25 +411,31 @@ impl MooncakeCore {
     }
 
     /// Stores each key from several registered buffers, concatenated in order.
+    #[pyo3(signature = (keys, all_ptrs, all_sizes, replica_num = 1))]
     fn batch_put_from_multi_buffers(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         all_ptrs: Vec<Vec<u64>>,
         all_sizes: Vec<Vec<i64>>,
+        replica_num: u32,
     ) -> Vec<i64> {
-        self.put_multi(py, keys, all_ptrs, all_sizes, WriteMode::Insert)
+        let w = Write::new(WriteMode::Insert, replica_num);
+        self.put_multi(py, keys, all_ptrs, all_sizes, w)
     }
 
     /// As `batch_put_from_multi_buffers`, replacing existing objects.
+    #[pyo3(signature = (keys, all_ptrs, all_sizes, replica_num = 1))]
     fn batch_upsert_from_multi_buffers(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         all_ptrs: Vec<Vec<u64>>,
         all_sizes: Vec<Vec<i64>>,
+        replica_num: u32,
     ) -> Vec<i64> {
-        self.put_multi(py, keys, all_ptrs, all_sizes, WriteMode::Upsert)
+        let w = Write::new(WriteMode::Upsert, replica_num);
+        self.put_multi(py, keys, all_ptrs, all_sizes, w)
     }
 
     /// Reads each key and scatters its bytes over several registered buffers in order.
@@ -468,15 +537,7 @@ impl MooncakeCore {
         let Some(a) = g.as_ref() else {
             return Vec::new();
         };
-        py.detach(|| {
-            ranges::replica_clear(
-                a.store.as_ref(),
-                a.embedded.as_deref(),
-                &a.tenant,
-                &keys,
-                segment,
-            )
-        })
+        py.detach(|| ranges::replica_clear(a.store.as_ref(), &a.tenant, &keys, segment))
     }
 
     fn is_exist(&self, py: Python<'_>, key: String) -> i64 {

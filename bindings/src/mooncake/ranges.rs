@@ -8,7 +8,7 @@ use kvtier_l3::{L3Error, L3Result, L3Store, ReplicaDescriptor, Tenant};
 use super::INVALID_PARAMS;
 use super::batch::mc_get_code;
 use super::registered::{Regions, RegisteredRange};
-use super::segment::segment_name;
+use super::segment::{segment_by_name, segment_name};
 
 /// Per key: its parts as registered ranges, or None if any part is not registered or the
 /// pointer and size lists differ in length (or are empty).
@@ -136,35 +136,41 @@ pub(crate) fn replica_rows(s: &dyn L3Store, t: &Tenant, key: &str) -> Vec<Replic
         .collect()
 }
 
-/// Mooncake's `batch_replica_clear`: the keys whose replicas were cleared. kvtier keeps one
-/// replica per object, so clearing it removes the object; a leased object is kept (Mooncake:
-/// "requires lease to be expired"). With `segment`, only objects whose memory replica lies
-/// in that segment are cleared; the check reads the replica list without keeping a lease
-/// of its own on an embedded store (`is_leased` first), and is skipped on a remote one.
+/// Mooncake's `batch_replica_clear`: the keys whose replicas were cleared, a leased object
+/// kept (Mooncake: "requires lease to be expired"). Without `segment` every replica goes
+/// (the object is removed); with one, only the key's replica in that segment
+/// (`L3Store::batch_replica_clear`): a replica in another segment keeps the object readable,
+/// as in Mooncake. A name that is no segment clears nothing.
 pub(crate) fn replica_clear(
     s: &dyn L3Store,
-    embedded: Option<&kvtier_l3::EmbeddedStore>,
     t: &Tenant,
     keys: &[String],
     segment: &str,
 ) -> Vec<String> {
-    keys.iter()
-        .filter(|k| {
-            if segment.is_empty() {
-                return s.remove(t, k, false).is_ok();
-            }
-            let Some(e) = embedded else { return false };
-            if e.is_leased(t, k) {
-                return false;
-            }
-            let here = replica_rows(s, t, k)
-                .iter()
-                .any(|(mem, name, _, _)| *mem && name == segment);
-            // The lookup above leased it; the lease is ours, so force is what "not leased" meant.
-            here && s.remove(t, k, true).is_ok()
-        })
+    if segment.is_empty() {
+        return keys
+            .iter()
+            .filter(|k| s.remove(t, k, false).is_ok())
+            .cloned()
+            .collect();
+    }
+    let Some(seg) = segment_by_name(segment) else {
+        return Vec::new();
+    };
+    let valid: Vec<String> = keys
+        .iter()
+        .filter(|k| kvtier_l3::types::validate_key(k).is_ok())
         .cloned()
-        .collect()
+        .collect();
+    match s.batch_replica_clear(t, &valid, seg) {
+        Ok(v) => valid
+            .into_iter()
+            .zip(v)
+            .filter(|(_, r)| matches!(r, Ok(true)))
+            .map(|(k, _)| k)
+            .collect(),
+        Err(_) => Vec::new(),
+    }
 }
 
 /// Ignores a missing key (an upsert of a new key has nothing to remove).

@@ -442,4 +442,5 @@ mod settle;
 
 pub use adopt::{Refusal, RetainedObject};
 pub use losses::{LossCursor, Losses};
+pub use replicas::Cleared;
 pub use settle::Settle;

@@ -2,10 +2,12 @@
 //! and stats.
 //!
 //! Why apart: these calls look objects up and hand out what is where; they never place
-//! anything (promotion adds a replica without evicting).
+//! anything (promotion adds a replica, evicting only copies that are also on SSD when its
+//! [`Room`] allows).
 
 use super::*;
 use crate::pattern::KeyPattern;
+use crate::promotion::Room;
 
 impl Master {
     // ---- reads -----------------------------------------------------------------------------
@@ -298,8 +300,11 @@ impl Master {
         self.segments.used() + extra > high
     }
 
-    /// Adds a memory replica to an SSD-only object (promotion). Never evicts: a promotion
-    /// that does not fit under the high watermark fails with -200 (DRAM pressure).
+    /// Adds a memory replica to an SSD-only object (promotion). A promotion that does not
+    /// fit under the high watermark fails with -200 (DRAM pressure), after, with
+    /// [`Room::EvictSaved`], evicting cold objects whose eviction loses nothing
+    /// ([`Master::evict_lossless`]; those staged for the SSD writer are in `out`).
+    #[allow(clippy::too_many_arguments)] // the object's identity, its bytes, the time, the room rule
     pub fn promote(
         &mut self,
         t: &Tenant,
@@ -307,6 +312,8 @@ impl Master {
         token: u64,
         data: Arc<[u8]>,
         now: u64,
+        room: Room,
+        out: &mut EvictionOutcome,
     ) -> L3Result<()> {
         let size = data.len() as u64;
         let lease = now.saturating_add(self.policy.lease_ttl_ms);
@@ -317,6 +324,15 @@ impl Master {
                 }
             }
             _ => return Err(L3Error::ObjectNotFound),
+        }
+        if room == Room::EvictSaved && self.under_pressure(size) {
+            let cap = self.segments.capacity();
+            let high = (cap as f64 * self.policy.high_watermark) as u64;
+            let ratio_bytes = (cap as f64 * self.policy.eviction_ratio) as u64;
+            let need = (self.segments.used() + size)
+                .saturating_sub(high)
+                .max(ratio_bytes);
+            self.evict_lossless(need, now, out);
         }
         if self.under_pressure(size) {
             return Err(L3Error::NoAvailableHandle { needed: size });

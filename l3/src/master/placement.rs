@@ -1,16 +1,28 @@
 //! Object placement: two-phase puts (start, write, end, revoke), replica placement,
 //! allocation and eviction.
 //!
-//! Why apart: this is where memory is spent; eviction runs only from here, when a put needs
-//! room.
+//! Why apart: this is where memory is spent; eviction runs only from here, when a put (or a
+//! promotion on hit) needs room.
 //!
 //! Replicas: a put asking for `n` replicas gets them in segments of distinct owners (store
 //! nodes), most free space first, best effort like Mooncake's allocation strategy: fewer
 //! owners with room means fewer replicas, at least one (-200 if none). A store node ends
 //! its own replica ([`Master::end_replica`]); the object becomes visible when every replica
-//! is ended. The embedded store asks for one replica.
+//! is ended. The embedded store and `--role both` ask for `replica_num` too: the owners are
+//! then the store itself and the clients that mounted segments (Mooncake's model).
 
 use super::*;
+
+/// Which objects an eviction may choose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Victims {
+    /// Any complete, unleased object (pinned last, saved before unsaved).
+    Any,
+    /// Only objects whose eviction loses nothing: those with a registered SSD copy, and in
+    /// offload-on-evict mode any other (eviction hands its bytes to the SSD writer, staged
+    /// and readable until the copy is registered).
+    Lossless,
+}
 
 impl Master {
     // ---- puts ------------------------------------------------------------------------------
@@ -180,8 +192,26 @@ impl Master {
         self.evict_in(need, now, out, None);
     }
 
+    /// [`Master::evict`] among the objects whose eviction loses nothing: those with a
+    /// registered SSD copy and, in offload-on-evict mode, those it stages for the SSD writer
+    /// (returned in `out.to_offload`). A promotion on hit makes room this way.
+    pub fn evict_lossless(&mut self, need: u64, now: u64, out: &mut EvictionOutcome) {
+        self.evict_where(need, now, out, None, Victims::Lossless);
+    }
+
     /// [`Master::evict`] among tenant `only`'s objects (all tenants' when `None`).
     fn evict_in(&mut self, need: u64, now: u64, out: &mut EvictionOutcome, only: Option<&Tenant>) {
+        self.evict_where(need, now, out, only, Victims::Any);
+    }
+
+    fn evict_where(
+        &mut self,
+        need: u64,
+        now: u64,
+        out: &mut EvictionOutcome,
+        only: Option<&Tenant>,
+        victims: Victims,
+    ) {
         let mut refs: Vec<(Tenant, String)> = Vec::new();
         let mut cands: Vec<Candidate> = Vec::new();
         for (t, m) in &self.tenants {
@@ -190,6 +220,10 @@ impl Master {
             }
             for (k, o) in m {
                 if o.mem.is_empty() || !o.is_complete() {
+                    continue;
+                }
+                if victims == Victims::Lossless && o.disk.is_none() && !self.policy.offload_on_evict
+                {
                     continue;
                 }
                 refs.push((t.clone(), k.clone()));

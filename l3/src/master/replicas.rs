@@ -1,4 +1,5 @@
-//! Replica copy and move (Mooncake's `CreateCopyTask` / `CreateMoveTask`).
+//! Replica copy, move and clear (Mooncake's `CreateCopyTask` / `CreateMoveTask`, and
+//! `BatchReplicaClear` with a segment name).
 //!
 //! Why: Mooncake lets a client ask for another replica of a key on a named segment (copy),
 //! or for a replica to change segment (move: copy, then free the source replica), e.g. to
@@ -12,8 +13,24 @@
 //! holds no replica of the key is -600; a copy to a segment that already holds a replica
 //! succeeds and changes nothing. Every check runs before any change, so a refused call
 //! leaves the object as it was.
+//!
+//! Clear (master_service.cpp `BatchReplicaClear`, segment given): a key whose lease has
+//! expired loses its memory replica in that segment; the object goes only when no copy is
+//! left, so a replica in another segment keeps it readable. A missing key, a leased or
+//! unfinished object, or one with no replica there is skipped (not an error).
 
 use super::*;
+
+/// What clearing one key's replica in a segment did.
+#[derive(Debug)]
+pub enum Cleared {
+    /// Nothing: missing key, leased or unfinished object, or no replica in the segment.
+    Skipped,
+    /// The replica went; other copies keep the object.
+    Replica,
+    /// The replica was the last copy: the object went with it.
+    Object(Removed),
+}
 
 impl Master {
     /// Adds a memory replica of `key` in segment `target` (nothing if one is there already).
@@ -107,6 +124,40 @@ impl Master {
         }
         self.segments.free(src_alloc);
         Ok(())
+    }
+
+    /// `BatchReplicaClear` of `key`'s memory replica in `segment` (see the module doc).
+    /// -1011 for a store node's segment, whose bytes live in that node.
+    pub fn clear_replica(
+        &mut self,
+        t: &Tenant,
+        key: &str,
+        segment: SegmentId,
+        now: u64,
+    ) -> L3Result<Cleared> {
+        if self.segments.get(segment).is_some() {
+            self.local_segment(segment)?;
+        }
+        let Some(o) = self.obj(t, key) else {
+            return Ok(Cleared::Skipped);
+        };
+        if !o.is_complete() || o.leased(now) {
+            return Ok(Cleared::Skipped);
+        }
+        let Some(alloc) = o.mem.iter().find(|r| r.seg == segment).map(|r| r.alloc) else {
+            return Ok(Cleared::Skipped);
+        };
+        // A write-through copy still queued is no copy yet: the object goes, the store
+        // cancels that write with what `remove` returns.
+        let last = o.mem.len() == 1 && o.disk.is_none() && o.staged.is_none();
+        if last {
+            return self.remove(t, key, true, now).map(Cleared::Object);
+        }
+        if let Some(o) = self.obj_mut(t, key) {
+            o.mem.retain(|r| r.alloc != alloc);
+        }
+        self.segments.free(alloc);
+        Ok(Cleared::Replica)
     }
 
     /// The size and bytes of a complete object's first memory replica held in this process

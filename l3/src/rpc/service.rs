@@ -288,4 +288,11 @@ pub trait L3Rpc {
     /// The server's shared-memory socket for clients on its host (None: it has none).
     /// Appended after `losses_since`; see [`super::shm`].
     async fn shm_offer() -> L3Result<Option<super::shm::ShmOffer>>;
+    /// `BatchReplicaClear` with a segment (appended after `shm_offer`; see
+    /// [`crate::L3Store::batch_replica_clear`]).
+    async fn batch_replica_clear(
+        tenant: Tenant,
+        keys: Vec<String>,
+        segment: SegmentId,
+    ) -> WireBatch<bool>;
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use crate::api::{BatchResult, L3Store};
 use crate::error::{L3Error, L3Result};
-use crate::master::{LossCursor, Losses};
+use crate::master::{Cleared, LossCursor, Losses};
 use crate::metrics::Op;
 use crate::pattern::KeyPattern;
 use crate::types::{
@@ -20,7 +20,7 @@ use super::EmbeddedStore;
 
 impl L3Store for EmbeddedStore {
     fn put_start(&self, tenant: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
-        self.inner.put_start(tenant, key, size)
+        self.inner.put_start(tenant, key, size, 1)
     }
 
     fn put_write(&self, handle: &PutHandle, data: &[u8]) -> L3Result<()> {
@@ -41,8 +41,10 @@ impl L3Store for EmbeddedStore {
         self.inner.master.lock().put_revoke(handle)
     }
 
-    /// One process is one failure domain: a valid `replica_num` is accepted and one memory
-    /// replica is kept (extra copies in the same process would only cost DRAM).
+    /// `replica_num` memory replicas on segments of distinct owners, best effort: with the
+    /// store's own segment alone that is one (one process is one failure domain), with
+    /// segments mounted by clients (Mooncake's model, `mount_segment`) one in each of up to
+    /// `replica_num` of them, so a client's segment going away leaves the other replicas.
     fn batch_put_start_with(
         &self,
         tenant: &Tenant,
@@ -60,7 +62,7 @@ impl L3Store for EmbeddedStore {
         Ok(keys
             .iter()
             .zip(sizes)
-            .map(|(k, &s)| self.inner.put_start(tenant, k, s))
+            .map(|(k, &s)| self.inner.put_start(tenant, k, s, cfg.replica_num))
             .collect())
     }
 
@@ -81,7 +83,9 @@ impl L3Store for EmbeddedStore {
     fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult> {
         validate_key(key)?;
         let now = self.inner.clock.now_ms();
-        self.inner.master.lock().query(tenant, key, now)
+        let q = self.inner.master.lock().query(tenant, key, now);
+        self.inner.note_query_hits(tenant, std::slice::from_ref(&q));
+        q
     }
 
     fn batch_exist_key(
@@ -98,6 +102,7 @@ impl L3Store for EmbeddedStore {
         let t0 = Instant::now();
         let now = self.inner.clock.now_ms();
         let out = self.inner.master.lock().query_many(tenant, keys, now);
+        self.inner.note_query_hits(tenant, &out);
         self.inner.metrics.observe(Op::Query, t0.elapsed());
         Ok(out)
     }
@@ -166,6 +171,36 @@ impl L3Store for EmbeddedStore {
         (self.inner.master.lock()).move_replica(tenant, key, source, target)
     }
 
+    fn batch_replica_clear(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        segment: SegmentId,
+    ) -> BatchResult<bool> {
+        self.inner.cfg.check_batch(keys.len())?;
+        let now = self.inner.clock.now_ms();
+        let mut removed = Vec::new();
+        let out = {
+            let mut m = self.inner.master.lock();
+            keys.iter()
+                .map(|k| {
+                    validate_key(k)?;
+                    Ok(match m.clear_replica(tenant, k, segment, now)? {
+                        Cleared::Skipped => false,
+                        Cleared::Replica => true,
+                        Cleared::Object(r) => {
+                            removed.push(r);
+                            true
+                        }
+                    })
+                })
+                .collect()
+        };
+        // An object that went with its last replica: its queued SSD write is cancelled.
+        self.inner.forget_on_disk(tenant, &removed)?;
+        Ok(out)
+    }
+
     fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()> {
         let now = self.inner.clock.now_ms();
         self.inner
@@ -189,7 +224,7 @@ impl L3Store for EmbeddedStore {
 
     fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()> {
         let t0 = Instant::now();
-        let h = self.inner.put_start(tenant, key, data.len() as u64)?;
+        let h = self.inner.put_start(tenant, key, data.len() as u64, 1)?;
         let r = self.inner.put_finish(&h, data, opts);
         self.inner.metrics.observe(Op::Put, t0.elapsed());
         r
@@ -203,7 +238,7 @@ impl L3Store for EmbeddedStore {
         Ok(buf)
     }
 
-    /// One replica whatever `replica_num` says (see `batch_put_start_with`).
+    /// `replica_num` replicas as `batch_put_start_with` places them.
     fn batch_put_from_with(
         &self,
         tenant: &Tenant,
@@ -228,7 +263,10 @@ impl L3Store for EmbeddedStore {
         let handles: Vec<L3Result<PutHandle>> = keys
             .iter()
             .zip(bufs)
-            .map(|(k, b)| self.inner.put_start(tenant, k, b.len() as u64))
+            .map(|(k, b)| {
+                self.inner
+                    .put_start(tenant, k, b.len() as u64, cfg.replica_num)
+            })
             .collect();
         let out = handles
             .into_iter()

@@ -100,8 +100,8 @@ impl EmbeddedStore {
             let promoter = if has_ssd {
                 let w = weak.clone();
                 let work: crate::promotion::PromoteFn =
-                    Arc::new(move |t: &Tenant, k: &str| match w.upgrade() {
-                        Some(inner) => inner.promote_one(t, k),
+                    Arc::new(move |t: &Tenant, k: &str, room| match w.upgrade() {
+                        Some(inner) => inner.promote_one(t, k, room),
                         None => Err(L3Error::Unavailable("store dropped".into())),
                     });
                 match Promoter::start(cfg.promotion.clone(), clock.clone(), work) {
@@ -226,7 +226,10 @@ impl EmbeddedStore {
             } else if !promote.is_empty() {
                 // Outcomes (queued / deduplicated / cooling / queue full) are counted by the
                 // promoter; a probe never waits for them.
-                let _ = p.trigger_many(promote.into_iter().map(|k| (tenant.clone(), k)).collect());
+                let _ = p.trigger_many(
+                    promote.into_iter().map(|k| (tenant.clone(), k)).collect(),
+                    crate::promotion::Room::Refuse,
+                );
             }
         }
         self.inner.metrics.observe(Op::Exist, t0.elapsed());

@@ -76,6 +76,25 @@ impl Inner {
             .collect()
     }
 
+    /// Promotion on hit: queries (Mooncake's `GetReplicaList`, what its reads start with)
+    /// that found objects on SSD only count towards their admission.
+    pub(super) fn note_query_hits(&self, t: &Tenant, out: &[L3Result<QueryResult>]) {
+        let Some(p) = &self.promoter else { return };
+        let ssd_only = |q: &QueryResult| {
+            !q.replicas.is_empty()
+                && q.replicas
+                    .iter()
+                    .all(|r| matches!(r, ReplicaDescriptor::Disk { .. }))
+        };
+        let hits = out
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .filter(|q| ssd_only(q))
+            .map(|q| (t.clone(), q.key.clone()))
+            .collect();
+        p.note_hits(hits);
+    }
+
     /// Turns sources into blobs: DRAM shared, SSD read and verified.
     pub(super) fn blobs<K: AsRef<str>>(
         &self,
@@ -149,6 +168,14 @@ impl Inner {
                     res[i] = m.read_source(t, keys[i].as_ref(), now);
                 }
             }
+            // Promotion on hit: the reads still served from SSD count towards admission.
+            let hits = res
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| matches!(r, Ok((_, ReadSource::Disk(_)))))
+                .map(|(i, _)| (t.clone(), keys[i].as_ref().to_string()))
+                .collect();
+            p.note_hits(hits);
         }
         res
     }

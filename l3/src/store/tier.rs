@@ -16,6 +16,7 @@ use std::sync::{Arc, Weak};
 use crate::error::{L3Error, L3Result};
 use crate::master::{DiskLoc, EvictionOutcome, LOCAL_NODE, Removed};
 use crate::metrics::Metrics;
+use crate::promotion::Room;
 use crate::ssd::{OffloadJob, Registration, TierHooks};
 use crate::types::Tenant;
 
@@ -72,14 +73,15 @@ impl TierHooks for Hooks {
 }
 
 impl Inner {
-    /// Promotion work: read the SSD copy (verified) and add a memory replica.
-    pub(super) fn promote_one(&self, t: &Tenant, key: &str) -> L3Result<()> {
+    /// Promotion work: read the SSD copy (verified) and add a memory replica, making room
+    /// as `room` allows (see [`Room`]).
+    pub(super) fn promote_one(&self, t: &Tenant, key: &str, room: Room) -> L3Result<()> {
         let Some(ssd) = &self.ssd else {
             return Err(L3Error::UnableOffload);
         };
         let (token, loc) = {
             let m = self.master.lock();
-            if m.under_pressure(0) {
+            if room == Room::Refuse && m.under_pressure(0) {
                 return Err(L3Error::NoAvailableHandle { needed: 0 });
             }
             m.ssd_only(t, key).ok_or(L3Error::ObjectNotFound)?
@@ -90,9 +92,21 @@ impl Inner {
             return Err(L3Error::ObjectNotFound);
         }
         let now = self.clock.now_ms();
-        self.master
-            .lock()
-            .promote(t, key, token, Arc::from(buf), now)
+        let mut out = EvictionOutcome::default();
+        let r = {
+            let mut m = self.master.lock();
+            let r = m.promote(t, key, token, Arc::from(buf), now, room, &mut out);
+            // Announced with the eviction that staged them, so a remove cancels them (as a
+            // put's eviction does).
+            for s in &out.to_offload {
+                ssd.announce(&s.tenant, &s.key, s.token);
+            }
+            r
+        };
+        if !out.to_offload.is_empty() {
+            self.offload_evicted(out);
+        }
+        r
     }
 
     /// After the master removed objects: cancels their queued SSD writes and tombstones

@@ -24,13 +24,22 @@ impl Inner {
         crate::buffers::fill(recycled, data)
     }
 
-    pub(super) fn put_start(&self, t: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
+    /// `PutStart` of `replicas` memory replicas, on segments of distinct owners where
+    /// several are mounted (each client of the store that contributed a segment is one, as
+    /// in Mooncake; best effort, at least one).
+    pub(super) fn put_start(
+        &self,
+        t: &Tenant,
+        key: &str,
+        size: u64,
+        replicas: u32,
+    ) -> L3Result<PutHandle> {
         self.cfg.check_put(key, size)?;
         let now = self.clock.now_ms();
         let mut out = EvictionOutcome::default();
         let r = {
             let mut m = self.master.lock();
-            let r = m.put_start(t, key, size, 1, now, &mut out);
+            let r = m.put_start(t, key, size, replicas as usize, now, &mut out);
             // Announced with the eviction that staged them, so a remove cancels them.
             if let Some(ssd) = &self.ssd {
                 for s in &out.to_offload {

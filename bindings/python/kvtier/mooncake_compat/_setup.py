@@ -104,11 +104,16 @@ def read_args(args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], int]
 # names none (its test_basic_get_hostname checks 12300 ..= 14300).
 HANDSHAKE_PORTS = (12300, 14300)
 
+# Names picked for live clients of this process: Mooncake's listener holds its port, so two
+# clients never share a name; ours binds only to test the port, so it remembers them (a
+# segment is found by its client's name: two clients of one name would mix their segments).
+TAKEN: set = set()
+
 
 def hostname_with_port(local_hostname: str) -> str:
     """``host:port`` as Mooncake's ``get_hostname`` reports it: the given hostname with a
-    free port of Mooncake's handshake range (tried from a random start); a hostname that
-    already names a port is kept."""
+    free port of Mooncake's handshake range (tried from a random start), not one a live
+    client of this process has; a hostname that already names a port is kept."""
     host = local_hostname or "127.0.0.1"
     if host.count(":") == 1 and host.rsplit(":", 1)[1].isdigit():
         return host
@@ -116,6 +121,8 @@ def hostname_with_port(local_hostname: str) -> str:
     start = random.randint(lo, hi)
     for i in range(hi - lo + 1):
         port = lo + (start - lo + i) % (hi - lo + 1)
+        if f"{host}:{port}" in TAKEN:
+            continue
         for h in (host, "127.0.0.1"):
             try:
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -36,13 +36,20 @@ def _ints(v: Any, name: str) -> List[int]:
     return [check_int(x, f"{name}[i]") for x in _check_list(v, name)]
 
 
-def _masked(call, keys: List[str], ptrs: list, sizes: list) -> List[int]:
+def _replicas(config: Any) -> Dict[str, int]:
+    """The native write calls' ``replica_num`` keyword for a (validated) config: the store
+    places that many replicas on segments of distinct clients."""
+    n = getattr(config, "replica_num", 1) if config is not None else 1
+    return {"replica_num": n} if n != 1 else {}
+
+
+def _masked(call, keys: List[str], ptrs: list, sizes: list, **kw: int) -> List[int]:
     """``call(keys, ptrs, sizes)`` with non-positive pointers or negative sizes reported as
     INVALID_PARAMS (every key when the lists differ in length)."""
     if len(keys) != len(ptrs) or len(keys) != len(sizes):
         return [INVALID] * len(keys)
     bad = [p <= 0 or s < 0 for p, s in zip(ptrs, sizes)]
-    out = call(keys, [max(p, 0) for p in ptrs], sizes)
+    out = call(keys, [max(p, 0) for p in ptrs], sizes, **kw)
     return [INVALID if b else r for b, r in zip(bad, out)]
 
 
@@ -85,13 +92,14 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             addr, rc = _setup.resolve(master)
             if addr is not None:
                 token = cfg.get("kvtier_token") or os.environ.get("KVTIER_L3_TOKEN")
-                rc = self._core.setup_remote(addr, tenant, token)
+                rc = self._core.setup_remote(addr, tenant, token, cfg["global_segment_size"], host)
                 # it stands for a Mooncake client that mounted a segment: its objects go
-                # when it closes (see _owned.py)
+                # when it closes (its segment on the server, and see _owned.py)
                 self._remote = rc == 0 and cfg["global_segment_size"] > 0
                 self._core.tracking = self._remote
         if rc == 0:
             self._hostname, self._local_buffer = host, cfg["local_buffer_size"]
+            _setup.TAKEN.add(host)
         return rc
 
     def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
@@ -145,12 +153,14 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
         rc = self._core.setup_embedded("default", size, "default", host, 10_000)
         if rc == 0:
             self._hostname = host
+            _setup.TAKEN.add(host)
         return rc
 
     def close(self) -> int:
         """Unmounts this client's segment (the objects in it are gone, as in Mooncake),
         detaches, forgets registered buffers. Returns 0."""
         self._sessions.clear()
+        _setup.TAKEN.discard(self._hostname)
         self._core.release()
         self._remote = False
         self._pool.clear()
@@ -204,7 +214,7 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             return rc
         if self._local_buffer == 0 or not len(memoryview(value)):
             return NO_BUFFER  # Mooncake: no local buffer to stage in; an empty value is -600
-        out = call(key, value)
+        out = call(key, value, **_replicas(config))
         self._core.spare([key], config)
         return out
 
@@ -230,7 +240,7 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             return rc
         if self._local_buffer == 0:
             return NO_BUFFER
-        out = call(keys, values)
+        out = call(keys, values, **_replicas(config))
         self._core.spare(keys, config)
         return out
 
@@ -277,7 +287,7 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
         rc = config_code(config)
         if rc:
             return rc
-        out = _masked(call, [key], [check_int(ptr, "buffer_ptr")], [check_int(size, "size")])[0]
+        out = _masked(call, [key], [check_int(ptr, "buffer_ptr")], [check_int(size, "size")], **_replicas(config))[0]
         self._core.spare([key], config)
         return out
 
@@ -287,7 +297,7 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
         rc = config_code(config)
         if rc:
             return [rc] * len(keys)
-        out = _masked(call, keys, ptrs, sizes)
+        out = _masked(call, keys, ptrs, sizes, **_replicas(config))
         self._core.spare(keys, config)
         return out
 
@@ -329,7 +339,7 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
         if len(keys) != len(ptrs) or len(keys) != len(sizes):
             return [INVALID] * len(keys)
         bad = [any(p <= 0 for p in ps) or any(n < 0 for n in ns) for ps, ns in zip(ptrs, sizes)]
-        out = call(keys, [[max(p, 0) for p in ps] for ps in ptrs], sizes)
+        out = call(keys, [[max(p, 0) for p in ps] for ps in ptrs], sizes, **_replicas(config))
         self._core.spare(keys, config)
         return [INVALID if b else r for b, r in zip(bad, out)]
 
@@ -391,11 +401,13 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
 
     def batch_replica_clear(self, keys: List[str], segment_name: str = "") -> List[str]:
         """Clears the replicas of the keys whose lease has expired (only those in segment
-        ``segment_name`` if given); returns the keys cleared. A client of a ``kvtier-l3``
-        server names its own segment with its ``get_hostname()``, as in Mooncake: that is the
-        server's memory, where its objects are (kvtier keeps one replica, so it is cleared)."""
+        ``segment_name`` if given: a replica in another segment keeps the object, as in
+        Mooncake); returns the keys cleared. A client names its own segment with its
+        ``get_hostname()``. A client of a server that took no segment from it (a split
+        deployment's master, an HA cluster) stands for its objects' memory there, so its own
+        name clears them whole."""
         segment = check_str(segment_name, "segment_name")
-        if self._remote and segment == self._hostname:
+        if self._remote and segment == self._hostname and not self._core.has_segment():
             segment = ""
         return self._core.batch_replica_clear(_check_keys(keys), segment)
 

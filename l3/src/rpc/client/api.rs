@@ -178,6 +178,22 @@ impl L3Store for RemoteStore {
         )
     }
 
+    fn batch_replica_clear(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        segment: SegmentId,
+    ) -> BatchResult<bool> {
+        self.check_keys(keys.len())?;
+        for k in keys {
+            crate::types::validate_key(k)?;
+        }
+        self.run(
+            self.rpc()
+                .batch_replica_clear(self.ctx(), tenant.clone(), keys.to_vec(), segment),
+        )
+    }
+
     fn copy_replica(&self, tenant: &Tenant, key: &str, target: SegmentId) -> L3Result<bool> {
         crate::types::validate_key(key)?;
         self.run(
@@ -279,7 +295,9 @@ impl L3Store for RemoteStore {
         {
             return r;
         }
-        // `--role both` is one process: one replica (see `EmbeddedStore`).
+        if cfg.replica_num > 1 {
+            return self.put_replicated(tenant, keys, bufs, opts, cfg);
+        }
         let ranges = self.chunks(keys.len(), |i| bufs[i].len());
         let calls = ranges.iter().map(|r| {
             let ctx = self.ctx();
@@ -338,5 +356,43 @@ impl L3Store for RemoteStore {
 
     fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses> {
         self.run(self.rpc().losses_since(self.ctx(), tenant.clone(), cursor))
+    }
+}
+
+impl RemoteStore {
+    /// Puts with `replica_num > 1` over TCP to a `--role both` server: start (the server
+    /// places the replicas, one per segment owner), write (every replica), end. A key whose
+    /// write fails is revoked.
+    fn put_replicated(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &[&[u8]],
+        opts: PutOptions,
+        cfg: ReplicateConfig,
+    ) -> BatchResult<()> {
+        let sizes: Vec<u64> = bufs.iter().map(|b| b.len() as u64).collect();
+        let starts = self.batch_put_start_with(tenant, keys, &sizes, cfg)?;
+        let mut out: Vec<L3Result<()>> = Vec::with_capacity(keys.len());
+        let mut written: Vec<(usize, PutHandle)> = Vec::new();
+        for (i, (h, b)) in starts.into_iter().zip(bufs).enumerate() {
+            out.push(h.and_then(|h| match self.put_write(&h, b) {
+                Ok(()) => {
+                    written.push((i, h));
+                    Ok(())
+                }
+                Err(e) => {
+                    // Already gone if the server revoked it: nothing left to release.
+                    let _ = self.put_revoke(&h);
+                    Err(e)
+                }
+            }));
+        }
+        let handles: Vec<PutHandle> = written.iter().map(|(_, h)| h.clone()).collect();
+        let ends = self.batch_put_end(&handles, opts)?;
+        for ((i, _), r) in written.iter().zip(ends) {
+            out[*i] = r;
+        }
+        Ok(out)
     }
 }

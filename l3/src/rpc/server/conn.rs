@@ -207,6 +207,18 @@ impl<B: Backend> L3Rpc for Conn<B> {
             .await
     }
 
+    async fn batch_replica_clear(
+        self,
+        _: Context,
+        tenant: Tenant,
+        keys: Vec<String>,
+        segment: SegmentId,
+    ) -> WireBatch<bool> {
+        // Blocking pool: an object that goes with its last replica syncs its SSD tombstones.
+        self.blocking(move |s| s.batch_replica_clear(&tenant, &keys, segment))
+            .await
+    }
+
     async fn mount_segment(
         self,
         _: Context,

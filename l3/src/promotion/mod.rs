@@ -1,5 +1,7 @@
 //! Promotion of SSD-only objects to DRAM, triggered by `exist` with `prefetch_to_memory`
-//! (seed 000: "Prefetch SSD-Only Objects to DRAM on Exist").
+//! (seed 000: "Prefetch SSD-Only Objects to DRAM on Exist"), and by reads that hit SSD-only
+//! objects when `PromotionConfig::on_hit` is set (Mooncake's `--promotion_on_hit`, see
+//! [`on_hit`]).
 //!
 //! Why: an engine probes L3 a little before it reads; promoting SSD-only keys during the
 //! probe turns the later `get` into a DRAM hit. The review of seed 000 named three bugs this
@@ -29,10 +31,15 @@ use crate::config::PromotionConfig;
 use crate::error::{L3Error, L3Result};
 use crate::types::Tenant;
 
+pub mod on_hit;
+
+pub use on_hit::{HitCounter, Room};
+
 type Key = (Tenant, String);
 
-/// The work a promotion does (read SSD, verify, register a memory replica).
-pub type PromoteFn = Arc<dyn Fn(&Tenant, &str) -> L3Result<()> + Send + Sync>;
+/// The work a promotion does (read SSD, verify, register a memory replica, making room as
+/// the [`Room`] says).
+pub type PromoteFn = Arc<dyn Fn(&Tenant, &str, Room) -> L3Result<()> + Send + Sync>;
 
 /// State of one key in the throttle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,14 +124,17 @@ struct Inner {
 /// The promoter: throttle plus bounded worker pool.
 pub struct Promoter {
     inner: Arc<Inner>,
-    tx: Mutex<Option<SyncSender<Key>>>,
+    /// Read counts for promotion on hit (None: `PromotionConfig::on_hit` is off).
+    hits: Option<HitCounter>,
+    tx: Mutex<Option<SyncSender<(Key, Room)>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Promoter {
     /// Starts `cfg.workers` threads running `work`.
     pub fn start(cfg: PromotionConfig, clock: Arc<Clock>, work: PromoteFn) -> L3Result<Self> {
-        let (tx, rx) = sync_channel::<Key>(cfg.queue_len);
+        let hits = cfg.on_hit.then(|| HitCounter::new(cfg.admission_threshold));
+        let (tx, rx) = sync_channel::<(Key, Room)>(cfg.queue_len);
         let rx = Arc::new(Mutex::new(rx));
         let inner = Arc::new(Inner {
             cfg,
@@ -145,6 +155,7 @@ impl Promoter {
         }
         Ok(Promoter {
             inner,
+            hits,
             tx: Mutex::new(Some(tx)),
             workers: Mutex::new(workers),
         })
@@ -162,8 +173,10 @@ impl Promoter {
         th.cooldown_until_ms = th.cooldown_until_ms.max(until);
     }
 
-    /// Triggers promotions of the given SSD-only keys (one throttle pass for the batch).
-    pub fn trigger_many(&self, keys: Vec<Key>) -> Vec<TriggerOutcome> {
+    /// Triggers promotions of the given SSD-only keys (one throttle pass for the batch); a
+    /// probe's promotions never evict ([`Room::Refuse`]), a read's on hit may
+    /// ([`Room::EvictSaved`]).
+    pub fn trigger_many(&self, keys: Vec<Key>, room: Room) -> Vec<TriggerOutcome> {
         let now = self.inner.clock.now_ms();
         let ttl = ms(self.inner.cfg.dedup_ttl);
         let tx = self.tx.lock().clone();
@@ -174,6 +187,11 @@ impl Promoter {
             .retain(|_, e| !(e.state.terminal() && now.saturating_sub(e.since_ms) > ttl));
         let cooling = th.cooldown_until_ms > now;
         for k in keys {
+            // A read's promotion on hit replaces a finished entry: the key was admitted again,
+            // so it is SSD-only again (evicted since), and its count gates repeats.
+            if room == Room::EvictSaved && th.entries.get(&k).is_some_and(|e| e.state.terminal()) {
+                th.entries.remove(&k);
+            }
             if th.entries.contains_key(&k) {
                 out.push(TriggerOutcome::Deduplicated);
                 continue;
@@ -194,9 +212,9 @@ impl Promoter {
                     signal: Arc::new(Signal::default()),
                 },
             );
-            match tx.try_send(k) {
+            match tx.try_send((k, room)) {
                 Ok(()) => out.push(TriggerOutcome::Queued),
-                Err(TrySendError::Full(k)) | Err(TrySendError::Disconnected(k)) => {
+                Err(TrySendError::Full((k, _))) | Err(TrySendError::Disconnected((k, _))) => {
                     // Nothing will run it: release the entry so a later probe may retry.
                     if let Some(e) = th.entries.remove(&k) {
                         e.signal.fire();
@@ -213,6 +231,21 @@ impl Promoter {
             };
         }
         out
+    }
+
+    /// Reads found these keys on SSD only: with promotion on hit, counts them and queues
+    /// those that reach the admission threshold, allowed to make room
+    /// ([`Room::EvictSaved`]). Nothing without it.
+    pub fn note_hits(&self, keys: Vec<Key>) {
+        let Some(h) = &self.hits else { return };
+        if keys.is_empty() {
+            return;
+        }
+        let admitted = h.admit(keys);
+        if !admitted.is_empty() {
+            // Outcomes are counted by `trigger_many`; a read never waits for them.
+            let _ = self.trigger_many(admitted, Room::EvictSaved);
+        }
     }
 
     /// Throttle state of a key (tests, metrics).
@@ -289,9 +322,9 @@ impl Drop for Promoter {
     }
 }
 
-fn worker_loop(inner: Arc<Inner>, rx: Arc<Mutex<Receiver<Key>>>, work: PromoteFn) {
+fn worker_loop(inner: Arc<Inner>, rx: Arc<Mutex<Receiver<(Key, Room)>>>, work: PromoteFn) {
     loop {
-        let k = {
+        let (k, room) = {
             let rx = rx.lock();
             match rx.recv() {
                 Ok(k) => k,
@@ -308,7 +341,7 @@ fn worker_loop(inner: Arc<Inner>, rx: Arc<Mutex<Receiver<Key>>>, work: PromoteFn
                 None => continue,
             }
         }
-        let res = work(&k.0, &k.1);
+        let res = work(&k.0, &k.1, room);
         let now = inner.clock.now_ms();
         let mut th = inner.throttle.lock();
         let signal = match &res {
@@ -363,6 +396,7 @@ mod tests {
             dedup_ttl: Duration::from_millis(100),
             pressure_cooldown: Duration::from_secs(60),
             ssd_get_wait: Duration::from_millis(300),
+            ..PromotionConfig::default()
         }
     }
 
@@ -370,7 +404,7 @@ mod tests {
     fn gated() -> (PromoteFn, std::sync::mpsc::Sender<L3Result<()>>) {
         let (tx, rx) = channel::<L3Result<()>>();
         let rx: Arc<Mutex<Receiver<L3Result<()>>>> = Arc::new(Mutex::new(rx));
-        let f: PromoteFn = Arc::new(move |_t: &Tenant, _k: &str| {
+        let f: PromoteFn = Arc::new(move |_t: &Tenant, _k: &str, _r: Room| {
             rx.lock()
                 .recv()
                 .unwrap_or(Err(L3Error::Internal("closed".into())))
@@ -395,7 +429,10 @@ mod tests {
         let clock = Arc::new(Clock::new());
         let (f, gate) = gated();
         let p = Promoter::start(cfg(), clock, f).unwrap();
-        assert_eq!(p.trigger_many(vec![key("a")]), vec![TriggerOutcome::Queued]);
+        assert_eq!(
+            p.trigger_many(vec![key("a")], Room::Refuse),
+            vec![TriggerOutcome::Queued]
+        );
         wait_state(&p, "a", Some(PromotionState::InFlight));
         let t = Tenant::new("t").unwrap();
         let waiter = std::thread::scope(|s| {
@@ -415,7 +452,10 @@ mod tests {
         );
         wait_state(&p, "a", None);
         // Released: a new trigger is accepted at once (no TTL wait).
-        assert_eq!(p.trigger_many(vec![key("a")]), vec![TriggerOutcome::Queued]);
+        assert_eq!(
+            p.trigger_many(vec![key("a")], Room::Refuse),
+            vec![TriggerOutcome::Queued]
+        );
         gate.send(Ok(())).unwrap();
         wait_state(&p, "a", Some(PromotionState::Completed));
     }
@@ -425,11 +465,11 @@ mod tests {
         let clock = Arc::new(Clock::new());
         let (f, gate) = gated();
         let p = Promoter::start(cfg(), clock.clone(), f).unwrap();
-        p.trigger_many(vec![key("a")]);
+        p.trigger_many(vec![key("a")], Room::Refuse);
         wait_state(&p, "a", Some(PromotionState::InFlight));
         clock.advance(Duration::from_secs(10));
         assert_eq!(
-            p.trigger_many(vec![key("a")]),
+            p.trigger_many(vec![key("a")], Room::Refuse),
             vec![TriggerOutcome::Deduplicated]
         );
         assert_eq!(
@@ -440,11 +480,14 @@ mod tests {
         wait_state(&p, "a", Some(PromotionState::Completed));
         // Terminal entries do expire after the TTL.
         assert_eq!(
-            p.trigger_many(vec![key("a")]),
+            p.trigger_many(vec![key("a")], Room::Refuse),
             vec![TriggerOutcome::Deduplicated]
         );
         clock.advance(Duration::from_millis(200));
-        assert_eq!(p.trigger_many(vec![key("a")]), vec![TriggerOutcome::Queued]);
+        assert_eq!(
+            p.trigger_many(vec![key("a")], Room::Refuse),
+            vec![TriggerOutcome::Queued]
+        );
         gate.send(Ok(())).unwrap();
     }
 
@@ -453,16 +496,19 @@ mod tests {
         let clock = Arc::new(Clock::new());
         let (f, gate) = gated();
         let p = Promoter::start(cfg(), clock.clone(), f).unwrap();
-        p.trigger_many(vec![key("a")]);
+        p.trigger_many(vec![key("a")], Room::Refuse);
         gate.send(Err(L3Error::NoAvailableHandle { needed: 1 }))
             .unwrap();
         wait_state(&p, "a", Some(PromotionState::Failed));
         assert_eq!(
-            p.trigger_many(vec![key("b")]),
+            p.trigger_many(vec![key("b")], Room::Refuse),
             vec![TriggerOutcome::CoolingDown]
         );
         clock.advance(Duration::from_secs(61));
-        assert_eq!(p.trigger_many(vec![key("b")]), vec![TriggerOutcome::Queued]);
+        assert_eq!(
+            p.trigger_many(vec![key("b")], Room::Refuse),
+            vec![TriggerOutcome::Queued]
+        );
         gate.send(Ok(())).unwrap();
     }
 
@@ -476,7 +522,10 @@ mod tests {
         let t = Tenant::new("t").unwrap();
         // Not in flight: no wait at all.
         assert!(!p.wait_in_flight(&t, "zzz"));
-        let out = p.trigger_many((0..10).map(|i| key(&format!("k{i}"))).collect());
+        let out = p.trigger_many(
+            (0..10).map(|i| key(&format!("k{i}"))).collect(),
+            Room::Refuse,
+        );
         // One worker busy + 4 queued; the rest dropped and released.
         let queued = out.iter().filter(|o| **o == TriggerOutcome::Queued).count();
         assert!((4..=5).contains(&queued), "{out:?}");
@@ -501,11 +550,11 @@ mod tests {
         let keys: Vec<String> = (0..5).map(|i| format!("k{i}")).collect();
         // k0 in flight on the one worker (gated), then k1..k4 fill the queue.
         assert_eq!(
-            p.trigger_many(vec![key("k0")]),
+            p.trigger_many(vec![key("k0")], Room::Refuse),
             vec![TriggerOutcome::Queued]
         );
         wait_state(&p, "k0", Some(PromotionState::InFlight));
-        let out = p.trigger_many(keys[1..].iter().map(|k| key(k)).collect());
+        let out = p.trigger_many(keys[1..].iter().map(|k| key(k)).collect(), Room::Refuse);
         assert!(out.iter().all(|o| *o == TriggerOutcome::Queued), "{out:?}");
         let done = p.wait_many(&t, keys.iter().enumerate().map(|(i, k)| (i, k.as_str())));
         let waits = p.counters().get_waits.load(Ordering::Relaxed);
