@@ -184,8 +184,8 @@ def test_promotion_on_hit_as_mooncake(tmp_path):
     read promoted, and a promotion after such a flood was refused at the high watermark."""
     from test_shm import Proc
 
-    p = Proc("--segment-bytes", "0", "--ssd-dir", str(tmp_path), "--offload", "on-evict",
-             "--promotion-on-hit", "--promotion-admission-threshold", "2", "--lease-ms", str(LEASE_MS))
+    p = Proc("--ssd-dir", str(tmp_path), "--offload", "on-evict", "--promotion-on-hit",
+             "--promotion-admission-threshold", "2", "--lease-ms", str(LEASE_MS), segment_bytes=0)
     try:
         s = MooncakeDistributedStore()
         assert s.setup("localhost", "P2PHANDSHAKE", 8 << 20, 16 << 20, "tcp", "", p.addr) == 0

@@ -23,13 +23,13 @@ BIN = pathlib.Path(os.environ.get("KVTIER_L3_BIN", ROOT / "target" / "release" /
 
 
 class Proc:
-    def __init__(self, *extra, env=None):
+    def __init__(self, *extra, env=None, segment_bytes=64 << 20):
         if not BIN.exists():
             pytest.fail(f"{BIN} missing: build it with `cargo build --release -p kvtier-l3`")
         e = dict(os.environ)
         e.pop("KVTIER_L3_TOKEN", None)
         e.update(env or {})
-        self.p = subprocess.Popen([str(BIN), "--listen", "127.0.0.1:0", "--segment-bytes", str(64 << 20), *extra],
+        self.p = subprocess.Popen([str(BIN), "--listen", "127.0.0.1:0", "--segment-bytes", str(segment_bytes), *extra],
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=e)
         for line in self.p.stdout:
             if line.startswith("LISTENING"):
