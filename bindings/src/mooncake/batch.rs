@@ -61,7 +61,7 @@ pub(crate) fn mc_get_code(r: L3Result<u64>) -> i64 {
 
 /// The code of a replica task naming no segment: -704 if the key is missing (Mooncake looks
 /// the key up first, measured side by side), else -600.
-pub(super) fn bad_segment_code(s: &dyn L3Store, t: &Tenant, key: &str) -> i64 {
+pub(crate) fn bad_segment_code(s: &dyn L3Store, t: &Tenant, key: &str) -> i64 {
     match s.is_exist(t, key) {
         Ok(true) => ErrorCode::InvalidParams as i64,
         Ok(false) => ErrorCode::ObjectNotFound as i64,

@@ -7,26 +7,23 @@
 //! live in the Python package `kvtier.mooncake_compat`.
 //!
 //! This core never raises for store failures: it returns Mooncake's integers, exactly as
-//! `mooncake.store` does. Files: `registered.rs` (registered memory and the only type that
+//! `mooncake.store` does. Files: `attach.rs` (what a client is attached to, set-up), `registered.rs` (registered memory and the only type that
 //! reads raw addresses), `mapped.rs` (is a range mapped read-write: the registration
 //! check against wild pointers), `segment.rs` (a client's contributed global segment),
 //! `pool.rs` (a dummy client's pool, shared with the server when it can be), `ranges.rs`
 //! (multi-buffer and byte-range calls, replica calls), `batch.rs` (write modes, the batch
 //! driver, Mooncake's result codes).
 
-use std::sync::Arc;
-
 use parking_lot::{Mutex, RwLock};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use kvtier_l3::{ClientOptions, EmbeddedStore, ErrorCode, L3Result, L3Store, RemoteStore, Tenant};
+use kvtier_l3::ErrorCode;
 
 use crate::convert::ByteBuf;
-use crate::l3::{
-    PyL3Store, code_of, exist_code, l3code, ms, shared_embedded, size_code, store_config,
-};
+use crate::l3::{PyL3Store, code_of, exist_code, l3code, ms, size_code};
 
+mod attach;
 mod batch;
 mod mapped;
 mod pool;
@@ -34,26 +31,15 @@ mod ranges;
 mod registered;
 mod segment;
 
-use batch::{Write, WriteMode, bad_segment_code, mc_get_code};
+use attach::{Attached, tenant_of};
+use batch::{Write, WriteMode, mc_get_code};
 pub use batch::{error_codes, join_parts};
 use pool::Pool;
 use ranges::{ReplicaRow, multi_parts, scatter};
 use registered::{Regions, RegisteredRange, drop_overlapping};
-use segment::Contribution;
 
 pub(crate) const INVALID_PARAMS: i64 = ErrorCode::InvalidParams as i64;
 const NOT_INITIALIZED: i64 = ErrorCode::InternalError as i64;
-
-/// What a set-up client is attached to.
-struct Attached {
-    store: Arc<dyn L3Store>,
-    embedded: Option<Arc<EmbeddedStore>>,
-    /// A server client (its shared-memory path backs a dummy client's pool).
-    remote: Option<Arc<RemoteStore>>,
-    tenant: Tenant,
-    /// Dropped (unmounted) on close, before the store handle.
-    segment: Option<Contribution>,
-}
 
 #[pyclass(frozen, module = "kvtier._native", name = "MooncakeCore")]
 pub struct MooncakeCore {
@@ -87,25 +73,15 @@ impl MooncakeCore {
         hostname: &str,
         lease_ttl_ms: u64,
     ) -> i64 {
-        let t = match Tenant::new(tenant) {
-            Ok(t) => t,
-            Err(e) => return l3code(&e),
-        };
-        let cfg = store_config(0, lease_ttl_ms, 1 << 30, 65_536, None, None);
-        let name = name.to_string();
-        let r = py.detach(move || -> L3Result<Attached> {
-            let s = shared_embedded(&name, cfg)?;
-            let store: Arc<dyn L3Store> = s.clone();
-            let seg = (segment_bytes > 0)
-                .then(|| Contribution::mount(store.clone(), segment_bytes, hostname))
-                .transpose()?;
-            Ok(Attached {
-                store,
-                embedded: Some(s),
-                remote: None,
-                tenant: t,
-                segment: seg,
-            })
+        let (name, hostname) = (name.to_string(), hostname.to_string());
+        let r = py.detach(move || {
+            Attached::embedded(
+                &name,
+                segment_bytes,
+                tenant_of(tenant)?,
+                &hostname,
+                lease_ttl_ms,
+            )
         });
         match r {
             Ok(a) => {
@@ -116,13 +92,8 @@ impl MooncakeCore {
         }
     }
 
-    /// Connects to a `kvtier-l3` server; 0 or a negative code. With `segment_bytes > 0` this
-    /// client contributes a segment of that many bytes named `hostname` to a `--role both`
-    /// server (Mooncake's model: a client's puts may land there, a put asking for several
-    /// replicas spreads them over distinct clients' segments, and the segment's objects go
-    /// when the client closes); the server holds its bytes, as it does for a dummy client.
-    /// A split deployment's master or an HA cluster gets no segment (its bytes would live in
-    /// no store node, or be lost with a leader).
+    /// Connects to a `kvtier-l3` server, mounting this client's segment of `segment_bytes`
+    /// there when it can (see `Attached::remote`); 0 or a negative code.
     #[pyo3(signature = (addr, tenant, token = None, segment_bytes = 0, hostname = ""))]
     fn setup_remote(
         &self,
@@ -133,33 +104,14 @@ impl MooncakeCore {
         segment_bytes: u64,
         hostname: &str,
     ) -> i64 {
-        let t = match Tenant::new(tenant) {
-            Ok(t) => t,
-            Err(e) => return l3code(&e),
-        };
         // "host:port", or "etcd://a;b;c[/CLUSTER]": the leader of an etcd HA cluster,
         // followed across failovers (as Mooncake's etcd master_server_address).
         let Ok(sa) = kvtier_l3::ha::Locator::parse(addr) else {
             return INVALID_PARAMS;
         };
-        let opts = ClientOptions {
-            token,
-            ..ClientOptions::default()
-        };
-        let r = py.detach(move || -> L3Result<Attached> {
-            let s = Arc::new(RemoteStore::connect_to(sa, opts)?);
-            let store: Arc<dyn L3Store> = s.clone();
-            let seg = (segment_bytes > 0 && !s.is_cluster() && !s.follows_leader())
-                .then(|| Contribution::mount(store.clone(), segment_bytes, hostname))
-                .transpose()?;
-            Ok(Attached {
-                store,
-                embedded: None,
-                remote: Some(s),
-                tenant: t,
-                segment: seg,
-            })
-        });
+        let hostname = hostname.to_string();
+        let t = tenant_of(tenant);
+        let r = py.detach(move || Attached::remote(sa, t?, token, segment_bytes, &hostname));
         match r {
             Ok(a) => {
                 self.attach(a);
@@ -600,25 +552,7 @@ impl MooncakeCore {
         let Some((s, t)) = self.handle() else {
             return NOT_INITIALIZED;
         };
-        let segs: Option<Vec<_>> = targets
-            .iter()
-            .map(|n| segment::segment_by_name(n))
-            .collect();
-        if targets.is_empty() {
-            // Refused before the key is looked up (Mooncake: -600 even for a missing key).
-            return ErrorCode::InvalidParams as i64;
-        }
-        py.detach(|| {
-            let Some(segs) = segs else {
-                return bad_segment_code(s.as_ref(), &t, &key);
-            };
-            for seg in segs {
-                if let Err(e) = s.copy_replica(&t, &key, seg) {
-                    return i64::from(e.code_i32());
-                }
-            }
-            0
-        })
+        py.detach(|| ranges::copy_replica(s.as_ref(), &t, &key, &targets))
     }
 
     /// Mooncake's `create_move_task(key, source, target)`, run to completion: 0 or a
@@ -627,15 +561,7 @@ impl MooncakeCore {
         let Some((s, t)) = self.handle() else {
             return NOT_INITIALIZED;
         };
-        py.detach(|| {
-            match (
-                segment::segment_by_name(source),
-                segment::segment_by_name(target),
-            ) {
-                (Some(src), Some(dst)) => code_of(&s.move_replica(&t, &key, src, dst)),
-                _ => bad_segment_code(s.as_ref(), &t, &key),
-            }
-        })
+        py.detach(|| ranges::move_replica(s.as_ref(), &t, &key, source, target))
     }
 
     /// 0 when the store answers, else a negative code.

@@ -6,9 +6,10 @@
 use kvtier_l3::{L3Error, L3Result, L3Store, ReplicaDescriptor, Tenant};
 
 use super::INVALID_PARAMS;
-use super::batch::mc_get_code;
+use super::batch::{bad_segment_code, mc_get_code};
 use super::registered::{Regions, RegisteredRange};
 use super::segment::{segment_by_name, segment_name};
+use crate::l3::code_of;
 
 /// Per key: its parts as registered ranges, or None if any part is not registered or the
 /// pointer and size lists differ in length (or are empty).
@@ -170,6 +171,38 @@ pub(crate) fn replica_clear(
             .map(|(k, _)| k)
             .collect(),
         Err(_) => Vec::new(),
+    }
+}
+
+/// Mooncake's `create_copy_task(key, targets)` (see `MooncakeCore::copy_replica`).
+pub(crate) fn copy_replica(s: &dyn L3Store, t: &Tenant, key: &str, targets: &[String]) -> i64 {
+    if targets.is_empty() {
+        // Refused before the key is looked up (Mooncake: -600 even for a missing key).
+        return INVALID_PARAMS;
+    }
+    let segs: Option<Vec<_>> = targets.iter().map(|n| segment_by_name(n)).collect();
+    let Some(segs) = segs else {
+        return bad_segment_code(s, t, key);
+    };
+    for seg in segs {
+        if let Err(e) = s.copy_replica(t, key, seg) {
+            return i64::from(e.code_i32());
+        }
+    }
+    0
+}
+
+/// Mooncake's `create_move_task(key, source, target)` (see `MooncakeCore::move_replica`).
+pub(crate) fn move_replica(
+    s: &dyn L3Store,
+    t: &Tenant,
+    key: &str,
+    source: &str,
+    target: &str,
+) -> i64 {
+    match (segment_by_name(source), segment_by_name(target)) {
+        (Some(src), Some(dst)) => code_of(&s.move_replica(t, key, src, dst)),
+        _ => bad_segment_code(s, t, key),
     }
 }
 
