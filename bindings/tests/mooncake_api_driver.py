@@ -161,6 +161,8 @@ def api_behaviours(s, setup_store, master, mod):
     out["batch_get_tp"] = [tensor_json(t) for t in s.batch_get_tensor_with_tp(["u-bt", "u-nope"], 1, 2)]
     out["get_tensor_into"] = tensor_json(s.get_tensor_into("u-t3", p + 32768, 1000))
     out["get_tensor_into_small"] = tensor_json(s.get_tensor_into("u-t3", p + 32768, 100))
+    # Mooncake's test_dummy_client: lists of different lengths are INVALID_PARAMS per key
+    out["batch_get_tensor_into_mismatch"] = s.batch_get_tensor_into(["u-t3", "u-t3x"], [p + 32768], [1000])
     out["put_tensor_from"] = s.put_tensor_from("u-tf", p + 32768, 306)
     out["get_tf"] = tensor_json(s.get_tensor("u-tf"))
     out["put_tensor_from_garbage"] = s.put_tensor_from("u-tg", p, 400)

@@ -103,7 +103,7 @@ def test_replica_num_takes_a_size_t_like_mooncakes_pybind_field():
         setattr(cfg, field, before)
     with pytest.raises(TypeError):
         cfg.replica_num = 2.0
-    cfg.replica_num = 2**64 - 1  # valid for Mooncake (best effort); kvtier keeps one replica
+    cfg.replica_num = 2**64 - 1  # valid for Mooncake (best effort: as many as there are segments)
     assert mc.put("huge-replica-num", b"v", cfg) == 0
     cfg.replica_num = 0
     assert mc.put("zero-replicas", b"v", cfg) == -600 and mc.is_exist("zero-replicas") == 0

@@ -36,11 +36,16 @@ def _ints(v: Any, name: str) -> List[int]:
     return [check_int(x, f"{name}[i]") for x in _check_list(v, name)]
 
 
+# Most replicas the store places (kvtier_l3::MAX_REPLICA_NUM); Mooncake takes any size_t as
+# "best effort", which is never more replicas than segments: a larger count asks for the same.
+MAX_REPLICAS = 64
+
+
 def _replicas(config: Any) -> Dict[str, int]:
     """The native write calls' ``replica_num`` keyword for a (validated) config: the store
-    places that many replicas on segments of distinct clients."""
+    places that many replicas on segments of distinct clients (best effort)."""
     n = getattr(config, "replica_num", 1) if config is not None else 1
-    return {"replica_num": n} if n != 1 else {}
+    return {"replica_num": min(n, MAX_REPLICAS)} if n != 1 else {}
 
 
 def _masked(call, keys: List[str], ptrs: list, sizes: list, **kw: int) -> List[int]:

@@ -144,8 +144,10 @@ class TensorCalls:
 
     def batch_get_tensor_into(self, keys: List[str], buffer_ptrs: List[int], sizes: List[int]) -> list:
         keys, ptrs, sizes = list(keys), list(buffer_ptrs), list(sizes)
-        if not len(keys) == len(ptrs) == len(sizes):
-            return [None] * len(keys)
+        if not len(keys) == len(ptrs) == len(sizes) or any(p == 0 for p in ptrs):
+            # Mooncake (store_py.cpp): INVALID_PARAMS for every key, not None (its
+            # test_dummy_client checks ``result < 0``)
+            return [INVALID] * len(keys)
         return [self.get_tensor_into(k, p, n) for k, p, n in zip(keys, ptrs, sizes)]
 
     def get_tensor_into_cuda(self, key: str, tensor: Any) -> int:
