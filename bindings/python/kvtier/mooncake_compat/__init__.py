@@ -19,7 +19,10 @@ Where the store lives is chosen by ``master_server_addr``:
   cluster; objects land in any contributing client's segment and those in a client's segment
   are gone when it closes. A client with ``global_segment_size=0`` alone cannot put (-200).
 - ``"HOST:PORT"`` or ``"kvtier://HOST:PORT"``: a ``kvtier-l3`` server, which holds the
-  memory (token from the dict key ``kvtier_token`` or ``KVTIER_L3_TOKEN``).
+  memory: its own segment, and each client's ``global_segment_size``, which the client mounts
+  there as above (a server started with ``--segment-bytes 0`` is then Mooncake's master:
+  the clients' segments are all the memory). Token from the dict key ``kvtier_token`` or
+  ``KVTIER_L3_TOKEN``.
 
 Deliberate differences are listed in docs/python.md (pointer calls accept registered memory
 only, numpy/DLPack tensors accepted, explicit parallelism requests and segment/task
