@@ -101,6 +101,10 @@ struct Args {
     /// What explains a read that found nothing where a version was acknowledged.
     #[arg(long, value_enum, default_value = "overflow")]
     journal: Journal,
+    /// How often the loss-journal reader reads (an engine reads it once per scheduling
+    /// step or less often: a failover must not make it miss what was recorded before).
+    #[arg(long, default_value_t = 20)]
+    loss_poll_ms: u64,
     /// The master's node liveness TTL in milliseconds.
     #[arg(long, default_value_t = 1_000)]
     ttl_ms: u64,
@@ -188,7 +192,8 @@ fn chaos(a: &Args, bin: &std::path::Path, dir: &std::path::Path) -> Result<u64, 
     let stop_reader = Arc::new(AtomicBool::new(false));
     let reader = {
         let (s, st, addr) = (shared.clone(), stop_reader.clone(), addr.clone());
-        std::thread::spawn(move || workload::read_losses(addr, st, s))
+        let poll = Duration::from_millis(a.loss_poll_ms);
+        std::thread::spawn(move || workload::read_losses(addr, poll, st, s))
     };
     // Let the nodes mount before the first put.
     std::thread::sleep(Duration::from_millis(500));

@@ -214,8 +214,8 @@ pub fn run(w: Worker, stop: Arc<AtomicBool>, shared: Arc<Shared>, counts: Arc<Co
     keys
 }
 
-/// Reads the loss journal every 20 ms until `stop`, noting when each report arrived.
-pub fn read_losses(addr: Locator, stop: Arc<AtomicBool>, shared: Arc<Shared>) {
+/// Reads the loss journal every `poll` until `stop`, noting when each report arrived.
+pub fn read_losses(addr: Locator, poll: Duration, stop: Arc<AtomicBool>, shared: Arc<Shared>) {
     let t = tenant();
     let mut conn = Conn::new(addr);
     let mut cursor: Option<LossCursor> = None;
@@ -241,7 +241,7 @@ pub fn read_losses(addr: Locator, stop: Arc<AtomicBool>, shared: Arc<Shared>) {
             Err(_) if done => return,
             Err(_) => {}
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(poll);
     }
 }
 
