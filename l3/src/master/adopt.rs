@@ -146,10 +146,22 @@ impl Master {
     }
 
     /// [`Master::adopt_retained`] for each object: the allocations, None where refused.
+    /// A replica refused for lack of room (or a segment) whose key is then unknown here
+    /// was a live version: it is named in the loss journal.
     pub fn adopt_all(&mut self, node: ClientId, objects: &[RetainedObject]) -> Vec<Option<u64>> {
+        self.member_retained(node);
         let v: Vec<Option<u64>> = objects
             .iter()
-            .map(|r| self.adopt_retained(node, r).ok())
+            .map(|r| match self.adopt_retained(node, r) {
+                Ok(a) => Some(a),
+                Err(Refusal::NoRoom | Refusal::NotMounted) => {
+                    if self.obj(&r.tenant, &r.key).is_none() {
+                        self.lose(&r.tenant, &r.key);
+                    }
+                    None
+                }
+                Err(Refusal::Settled | Refusal::Older) => None,
+            })
             .collect();
         let adopted = v.iter().filter(|a| a.is_some()).count();
         tracing::info!(

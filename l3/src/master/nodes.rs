@@ -116,7 +116,7 @@ impl Master {
         self.tenants.retain(|_, m| !m.is_empty());
         for (t, k, g) in gone {
             // Only evicted (complete) objects are staged.
-            self.losses.record(&t, &k);
+            self.lose(&t, &k);
             self.settle_gone(&t, &k, g);
         }
     }

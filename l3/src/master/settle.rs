@@ -76,6 +76,23 @@ pub enum SettleLogEntry {
         /// Node.
         node: ClientId,
     },
+    /// The loss journal's identity and the sequence number of the next entry replayed
+    /// (a snapshot's; the journal's entries follow).
+    LossJournal {
+        /// The journal's id (readers' cursors name it).
+        id: u64,
+        /// Sequence number of the entry after this one.
+        first_seq: u64,
+    },
+    /// A loss-journal entry: this key of this tenant stopped existing.
+    Lost {
+        /// Tenant.
+        tenant: Tenant,
+        /// Key.
+        key: String,
+    },
+    /// A loss-journal entry: some losses are not named (readers before it overflow).
+    LossesUnknown,
 }
 
 impl SettleLogEntry {
@@ -384,6 +401,9 @@ impl Master {
                 SettleLogEntry::Member { .. } | SettleLogEntry::Fenced { .. } => {
                     self.restore_member(&e)
                 }
+                SettleLogEntry::LossJournal { .. }
+                | SettleLogEntry::Lost { .. }
+                | SettleLogEntry::LossesUnknown => self.losses.restore(&e),
             }
         }
     }
@@ -399,6 +419,7 @@ impl Master {
             out.push(SettleLogEntry::TokensBelow { floor });
         }
         out.extend(self.members_snapshot());
+        out.extend(self.losses.snapshot());
         for node in ids {
             let st = &self.nodes[node].settle;
             if st.issued == 0 {
