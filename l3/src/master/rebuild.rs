@@ -32,7 +32,9 @@
 //! opens; a member that kept its memory and reported it loses nothing unnamed (what it does
 //! not get adopted for lack of room is named: `adopt`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+
+use super::adopt::RetainedObject;
 
 use super::*;
 
@@ -49,6 +51,30 @@ pub(super) struct Membership {
     retained: BTreeSet<ClientId>,
     /// This restart already logged that some losses are not named.
     unnamed: bool,
+    /// While rebuilding: the versions adopted from DRAM (token, size, CRC32C of the bytes),
+    /// which another node's rescanned SSD record with the same bytes is attached to
+    /// (`adopt`, rule 6).
+    adopted: HashMap<(Tenant, String), (u64, u64, u32)>,
+}
+
+impl Membership {
+    /// A DRAM replica was adopted (kept while rebuilding only).
+    pub(super) fn adopted(&mut self, r: &RetainedObject) {
+        if self.awaited.is_some() {
+            self.adopted
+                .insert((r.tenant.clone(), r.key.clone()), (r.token, r.size, r.crc));
+        }
+    }
+
+    /// Whether `loc` holds the very bytes of the version `token` adopted from DRAM.
+    pub(super) fn same_bytes(&self, t: &Tenant, key: &str, token: u64, loc: &DiskLoc) -> bool {
+        self.adopted.get(&(t.clone(), key.to_string())) == Some(&(token, loc.size, loc.crc))
+    }
+
+    fn rebuilt(&mut self) {
+        self.awaited = None;
+        self.adopted = HashMap::new();
+    }
 }
 
 impl Master {
@@ -107,7 +133,7 @@ impl Master {
         if let Some((awaited, _)) = &mut m.awaited {
             awaited.remove(&node);
             if awaited.is_empty() {
-                m.awaited = None;
+                m.rebuilt();
                 tracing::info!("every store node is back: serving");
             }
         }
@@ -154,7 +180,7 @@ impl Master {
             return 0;
         }
         let late: Vec<ClientId> = awaited.iter().copied().collect();
-        m.awaited = None;
+        m.rebuilt();
         if !late.is_empty() {
             self.restart_losses_unnamed();
         }
