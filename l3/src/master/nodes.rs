@@ -294,6 +294,7 @@ impl Master {
                 o.disk_node = node;
                 o.staged = None;
                 o.copy_queued = false;
+                self.note_written(node, t, key, token, loc);
                 true
             }
             _ => false,
