@@ -38,6 +38,7 @@ fn report(m: &mut Master, node: u64, key: &str, token: u64) -> Result<u64, Refus
         key: key.into(),
         token,
         size: SIZE,
+        crc: 0,
         disk: None,
     };
     m.adopt_retained(ClientId(node), &r)
@@ -94,6 +95,7 @@ fn a_node_this_master_dropped_has_nothing_adopted() {
         key: "e".into(),
         token: 9,
         size: 0,
+        crc: 0,
         disk: None,
     };
     assert!(m.adopt_retained(ClientId(1), &empty).is_err());

@@ -25,6 +25,15 @@
 //! 4. Only ended replicas are reported (the node frees puts it never ended).
 //! 5. An SSD record of the same node holding the very same bytes (the node compares size
 //!    and CRC32C) is attached as the adopted version's SSD copy; its rescan is then accepted.
+//! 6. An SSD record of *another* node, rescanned while the master rebuilds, is attached to
+//!    a version adopted from DRAM when that version has no SSD copy yet and the record has
+//!    the very same size and CRC32C as the adopted bytes (`register_rescanned`). Why: with
+//!    2 or 3 replicas only the first replica's node writes the SSD copy; if another node's
+//!    DRAM replica was adopted first, the record used to be refused (tombstoned) and a put
+//!    acknowledged as persisted was lost once that DRAM replica was evicted (l3-chaos with
+//!    etcd masters found it). Two different versions of one key with equal size and CRC32C
+//!    would be taken for one (a 2^-32 chance per such pair); every other record of the key
+//!    is still refused.
 
 use serde::{Deserialize, Serialize};
 
@@ -41,6 +50,9 @@ pub struct RetainedObject {
     pub token: u64,
     /// Size in bytes (the bytes the node holds).
     pub size: u64,
+    /// CRC32C of those bytes: another node's SSD record of the key with the same size and
+    /// CRC32C is taken as this version's SSD copy (rule 6).
+    pub crc: u32,
     /// The node's live SSD record of the key holding the very same bytes (same size and
     /// CRC32C as the DRAM copy), if any: attached as the adopted version's SSD copy (an SSD
     /// record alone carries no version, so it could not be attached otherwise).
@@ -82,6 +94,7 @@ impl Master {
             Some((_, false, _)) => return Err(Refusal::Older),
             Some((tok, true, true)) if tok == r.token => return Err(Refusal::NoRoom),
             Some((tok, true, false)) if tok == r.token => {
+                self.members.adopted(r);
                 if self
                     .obj(&r.tenant, &r.key)
                     .is_some_and(|o| o.size != r.size)
@@ -127,6 +140,7 @@ impl Master {
         let tick = self.touch();
         let mut o = Object::found(r.size, r.token, node, tick);
         o.disk = self.attachable(node, r);
+        self.members.adopted(r);
         o.mem.push(MemReplica {
             seg,
             alloc,
@@ -146,10 +160,22 @@ impl Master {
     }
 
     /// [`Master::adopt_retained`] for each object: the allocations, None where refused.
+    /// A replica refused for lack of room (or a segment) whose key is then unknown here
+    /// was a live version: it is named in the loss journal.
     pub fn adopt_all(&mut self, node: ClientId, objects: &[RetainedObject]) -> Vec<Option<u64>> {
+        self.member_retained(node);
         let v: Vec<Option<u64>> = objects
             .iter()
-            .map(|r| self.adopt_retained(node, r).ok())
+            .map(|r| match self.adopt_retained(node, r) {
+                Ok(a) => Some(a),
+                Err(Refusal::NoRoom | Refusal::NotMounted) => {
+                    if self.obj(&r.tenant, &r.key).is_none() {
+                        self.lose(&r.tenant, &r.key);
+                    }
+                    None
+                }
+                Err(Refusal::Settled | Refusal::Older) => None,
+            })
             .collect();
         let adopted = v.iter().filter(|a| a.is_some()).count();
         tracing::info!(

@@ -90,7 +90,7 @@ impl Master {
         }
         for (t, k, g, complete) in gone {
             if complete {
-                self.losses.record(&t, &k);
+                self.lose(&t, &k);
             }
             self.settle_gone(&t, &k, g);
         }

@@ -412,9 +412,27 @@ impl Master {
             self.tenants.remove(t);
         }
         if o.as_ref().is_some_and(|o| o.is_complete()) {
-            self.losses.record(t, key);
+            self.lose(t, key);
         }
         o
+    }
+
+    /// Records in the loss journal (and its durable log) that `key` of `t` is gone.
+    pub(super) fn lose(&mut self, t: &Tenant, key: &str) {
+        if let Some(e) = self.losses.record(t, key)
+            && let Some(log) = &mut self.settle_log
+        {
+            log.push(e);
+        }
+    }
+
+    /// Records in the loss journal (and its durable log) that some losses are not named.
+    pub(super) fn losses_unknown(&mut self) {
+        if let Some(e) = self.losses.unknown()
+            && let Some(log) = &mut self.settle_log
+        {
+            log.push(e);
+        }
     }
 
     /// Tenant `t`'s keys that stopped existing from `cursor` on (`None`: subscribe, see

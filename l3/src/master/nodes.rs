@@ -116,7 +116,7 @@ impl Master {
         self.tenants.retain(|_, m| !m.is_empty());
         for (t, k, g) in gone {
             // Only evicted (complete) objects are staged.
-            self.losses.record(&t, &k);
+            self.lose(&t, &k);
             self.settle_gone(&t, &k, g);
         }
     }
@@ -294,6 +294,7 @@ impl Master {
                 o.disk_node = node;
                 o.staged = None;
                 o.copy_queued = false;
+                self.note_written(node, t, key, token, loc);
                 true
             }
             _ => false,
@@ -343,11 +344,26 @@ impl Master {
         key: &str,
         loc: DiskLoc,
     ) -> bool {
-        if let Some(o) = self.obj(t, key) {
-            return o.disk == Some(loc) && o.disk_node == node;
-        }
         if self.member_fenced(node) || self.settle_refuses(node, t, key, &loc) {
-            return false;
+            return self
+                .obj(t, key)
+                .is_some_and(|o| o.disk == Some(loc) && o.disk_node == node);
+        }
+        if let Some(o) = self.obj(t, key) {
+            if o.disk == Some(loc) && o.disk_node == node {
+                return true;
+            }
+            // A version adopted from another node's DRAM, with these very bytes (`adopt`,
+            // rule 6): this record is its SSD copy.
+            let attach = o.disk.is_none()
+                && o.is_complete()
+                && o.size == loc.size
+                && self.members.same_bytes(t, key, o.token, &loc);
+            if attach && let Some(o) = self.obj_mut(t, key) {
+                o.disk = Some(loc);
+                o.disk_node = node;
+            }
+            return attach;
         }
         let tick = self.touch();
         let token = self.new_token();

@@ -18,10 +18,23 @@
 //! - A member still away when the rebuild timeout passes is *fenced* (durably): every record
 //!   its next mount rescans is refused, so the node tombstones them; only its first ping
 //!   after that mount makes it a member again. Its SSD copies are lost (the master cannot
-//!   know which keys changed meanwhile), which the restart's `overflowed` loss report covers.
+//!   know which keys changed meanwhile): some losses are not named, so the loss journal gets
+//!   an `Unknown` entry (readers before it are told `overflowed`).
 //! - Nodes' own requests are never gated (they are how the gate opens).
+//!
+//! Losses across the restart (the loss journal is replayed with the settles: `losses`): a
+//! key the previous master acknowledged and this one never hears of again is a loss nobody
+//! can name — there is no per-put log. It can only happen to a member that lost memory
+//! meanwhile: one that mounts without reporting retained DRAM replicas (a restarted node
+//! process, or one that holds none: taken as restarted), one that offloads on eviction (its
+//! bytes staged for an SSD write are dropped at the remount, unreported), or one fenced at
+//! the deadline. Any of these adds one `Unknown` entry to the journal, before the gate
+//! opens; a member that kept its memory and reported it loses nothing unnamed (what it does
+//! not get adopted for lack of room is named: `adopt`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+
+use super::adopt::RetainedObject;
 
 use super::*;
 
@@ -34,6 +47,34 @@ pub(super) struct Membership {
     awaited: Option<(BTreeSet<ClientId>, u64)>,
     /// Members that mounted since the restart (back once they ping).
     mounted: BTreeSet<ClientId>,
+    /// Awaited members that reported retained DRAM replicas since their mount.
+    retained: BTreeSet<ClientId>,
+    /// This restart already logged that some losses are not named.
+    unnamed: bool,
+    /// While rebuilding: the versions adopted from DRAM (token, size, CRC32C of the bytes),
+    /// which another node's rescanned SSD record with the same bytes is attached to
+    /// (`adopt`, rule 6).
+    adopted: HashMap<(Tenant, String), (u64, u64, u32)>,
+}
+
+impl Membership {
+    /// A DRAM replica was adopted (kept while rebuilding only).
+    pub(super) fn adopted(&mut self, r: &RetainedObject) {
+        if self.awaited.is_some() {
+            self.adopted
+                .insert((r.tenant.clone(), r.key.clone()), (r.token, r.size, r.crc));
+        }
+    }
+
+    /// Whether `loc` holds the very bytes of the version `token` adopted from DRAM.
+    pub(super) fn same_bytes(&self, t: &Tenant, key: &str, token: u64, loc: &DiskLoc) -> bool {
+        self.adopted.get(&(t.clone(), key.to_string())) == Some(&(token, loc.size, loc.crc))
+    }
+
+    fn rebuilt(&mut self) {
+        self.awaited = None;
+        self.adopted = HashMap::new();
+    }
 }
 
 impl Master {
@@ -50,12 +91,35 @@ impl Master {
         }
     }
 
+    /// An awaited member reported the DRAM replicas it kept (it did not restart).
+    pub(super) fn member_retained(&mut self, node: ClientId) {
+        let m = &mut self.members;
+        if m.mounted.contains(&node) {
+            m.retained.insert(node);
+        }
+    }
+
+    /// Some losses of this restart cannot be named: one `Unknown` journal entry.
+    fn restart_losses_unnamed(&mut self) {
+        if !self.members.unnamed {
+            self.members.unnamed = true;
+            self.losses_unknown();
+        }
+    }
+
     /// A node pinged (not asked to remount): its mount, rescan included, is complete.
     pub(super) fn member_pinged(&mut self, node: ClientId) {
-        let m = &mut self.members;
-        if !m.mounted.remove(&node) {
+        if !self.members.mounted.contains(&node) {
             return;
         }
+        let kept = self.members.retained.remove(&node);
+        let awaited = (self.members.awaited.as_ref()).is_some_and(|(a, _)| a.contains(&node));
+        let on_evict = self.nodes.get(&node).is_some_and(|n| n.offload_on_evict);
+        if awaited && (!kept || on_evict) {
+            self.restart_losses_unnamed();
+        }
+        let m = &mut self.members;
+        m.mounted.remove(&node);
         if m.fenced.remove(&node) {
             m.members.insert(node);
             if let Some(log) = &mut self.settle_log {
@@ -69,7 +133,7 @@ impl Master {
         if let Some((awaited, _)) = &mut m.awaited {
             awaited.remove(&node);
             if awaited.is_empty() {
-                m.awaited = None;
+                m.rebuilt();
                 tracing::info!("every store node is back: serving");
             }
         }
@@ -116,7 +180,11 @@ impl Master {
             return 0;
         }
         let late: Vec<ClientId> = awaited.iter().copied().collect();
-        m.awaited = None;
+        m.rebuilt();
+        if !late.is_empty() {
+            self.restart_losses_unnamed();
+        }
+        let m = &mut self.members;
         for node in &late {
             // One mounted but not pinged yet stays `mounted`: its ping un-fences it.
             m.members.remove(node);

@@ -76,6 +76,37 @@ pub enum SettleLogEntry {
         /// Node.
         node: ClientId,
     },
+    /// The loss journal's identity and the sequence number of the next entry replayed
+    /// (a snapshot's; the journal's entries follow).
+    LossJournal {
+        /// The journal's id (readers' cursors name it).
+        id: u64,
+        /// Sequence number of the entry after this one.
+        first_seq: u64,
+    },
+    /// A loss-journal entry: this key of this tenant stopped existing.
+    Lost {
+        /// Tenant.
+        tenant: Tenant,
+        /// Key.
+        key: String,
+    },
+    /// A loss-journal entry: some losses are not named (readers before it overflow).
+    LossesUnknown,
+    /// `node`'s SSD record `loc` was registered for version `token` of the key while a
+    /// cancel of an older version was unacknowledged (a rescan accepts it).
+    Written {
+        /// Node.
+        node: ClientId,
+        /// Tenant.
+        tenant: Tenant,
+        /// Key.
+        key: String,
+        /// The version's put token.
+        token: u64,
+        /// The record.
+        loc: DiskLoc,
+    },
 }
 
 impl SettleLogEntry {
@@ -114,6 +145,10 @@ pub(super) struct Settlement {
     /// rescan of many records checks each in O(1).
     locs: HashMap<DiskLoc, u32>,
     keys: HashMap<(Tenant, String), u32>,
+    /// SSD records this node wrote and the master registered for a version (its put
+    /// token) while a cancel of an older version of the key was unacknowledged: a rescan
+    /// accepts exactly these despite the key's cancel (see [`Settlement::refuses`]).
+    written: HashMap<DiskLoc, ((Tenant, String), u64)>,
 }
 
 fn bump<K: std::hash::Hash + Eq>(m: &mut HashMap<K, u32>, k: K, up: bool) {
@@ -156,6 +191,8 @@ impl Settlement {
         }
         self.acked = applied;
         self.sent = self.sent.max(applied);
+        let keys = &self.keys;
+        self.written.retain(|_, (k, _)| keys.contains_key(k));
     }
 
     fn take(&mut self, d: Deliver) -> Vec<(u64, Settle)> {
@@ -187,9 +224,30 @@ impl Settlement {
         self.ack(applied);
     }
 
+    /// A rescanned record is refused when it is tombstoned, or when its key has an
+    /// unacknowledged cancel — a record carries no version, so it may be the cancelled
+    /// one — unless the master registered this very record for a version newer than every
+    /// such cancel (`written`: a persisted newer version is not lost to an older one's
+    /// cancel across a failover; l3-chaos with etcd masters found it).
     fn refuses(&self, t: &Tenant, key: &str, loc: &DiskLoc) -> bool {
-        self.locs.contains_key(loc)
-            || (!self.keys.is_empty() && self.keys.contains_key(&(t.clone(), key.to_string())))
+        if self.locs.contains_key(loc) {
+            return true;
+        }
+        if self.keys.is_empty() {
+            return false;
+        }
+        let k = (t.clone(), key.to_string());
+        if !self.keys.contains_key(&k) {
+            return false;
+        }
+        let Some((wk, token)) = self.written.get(loc) else {
+            return true;
+        };
+        *wk != k
+            || self.pending.values().any(|s| {
+                matches!(s, Settle::Cancel { tenant, key: ck, token: c }
+                    if tenant == t && ck == key && c >= token)
+            })
     }
 }
 
@@ -384,6 +442,19 @@ impl Master {
                 SettleLogEntry::Member { .. } | SettleLogEntry::Fenced { .. } => {
                     self.restore_member(&e)
                 }
+                SettleLogEntry::LossJournal { .. }
+                | SettleLogEntry::Lost { .. }
+                | SettleLogEntry::LossesUnknown => self.losses.restore(&e),
+                SettleLogEntry::Written {
+                    node,
+                    tenant,
+                    key,
+                    token,
+                    loc,
+                } => {
+                    let st = &mut self.nodes.entry(node).or_default().settle;
+                    st.written.insert(loc, ((tenant, key), token));
+                }
             }
         }
     }
@@ -399,6 +470,7 @@ impl Master {
             out.push(SettleLogEntry::TokensBelow { floor });
         }
         out.extend(self.members_snapshot());
+        out.extend(self.losses.snapshot());
         for node in ids {
             let st = &self.nodes[node].settle;
             if st.issued == 0 {
@@ -413,6 +485,17 @@ impl Master {
                 seq: *seq,
                 settle: s.clone(),
             }));
+            out.extend(
+                (st.written.iter())
+                    .filter(|(_, (k, _))| st.keys.contains_key(k))
+                    .map(|(loc, ((t, k), token))| SettleLogEntry::Written {
+                        node: *node,
+                        tenant: t.clone(),
+                        key: k.clone(),
+                        token: *token,
+                        loc: *loc,
+                    }),
+            );
         }
         out
     }
@@ -421,6 +504,36 @@ impl Master {
     pub(super) fn redeliver_settles(&mut self, node: ClientId) {
         if let Some(st) = self.nodes.get_mut(&node) {
             st.settle.sent = st.settle.acked;
+        }
+    }
+
+    /// `node` wrote `loc` for version `token` of the key and it was registered: if a cancel
+    /// of the key is unacknowledged there, the record is exempt from it (durably), so a
+    /// rescan after a restart or failover keeps it (`Settlement::refuses`).
+    pub(super) fn note_written(
+        &mut self,
+        node: ClientId,
+        t: &Tenant,
+        key: &str,
+        token: u64,
+        loc: DiskLoc,
+    ) {
+        let Some(st) = self.nodes.get_mut(&node) else {
+            return;
+        };
+        let k = (t.clone(), key.to_string());
+        if !st.settle.keys.contains_key(&k) {
+            return;
+        }
+        st.settle.written.insert(loc, (k, token));
+        if let Some(log) = &mut self.settle_log {
+            log.push(SettleLogEntry::Written {
+                node,
+                tenant: t.clone(),
+                key: key.to_string(),
+                token,
+                loc,
+            });
         }
     }
 

@@ -1,40 +1,22 @@
-//! The split deployment under test: one `--role master` with a state dir and `n` store nodes
-//! with SSD dirs, real `kvtier-l3` processes on 127.0.0.1, each of which can be SIGKILLed and
-//! restarted with the same identity (the master on the same address and state dir; a node
-//! with the same `--node-id` and `--ssd-dir`).
+//! The split deployment under test: one `--role master` with a state dir (or several on
+//! etcd, [`crate::ha`]) and `n` store nodes with SSD dirs, real `kvtier-l3` processes on
+//! 127.0.0.1, each of which can be SIGKILLed and restarted with the same identity (the
+//! master on the same address and state dir; a node with the same `--node-id` and
+//! `--ssd-dir`).
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+
+use kvtier_l3::ha::Locator;
 
 use crate::Mode;
+use crate::ha::{HaMasters, Proc, Single, spawn};
 
-/// A running `kvtier-l3` process (SIGKILLed when dropped).
-struct Proc {
-    child: Child,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        // Already dead is fine: this is a kill, not a release of anything.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `bin args` and waits for its `LISTENING addr` line.
-fn start(bin: &Path, args: &[String]) -> Result<(Proc, SocketAddr), String> {
-    let mut child = Command::new(bin)
-        .args(args)
-        .env_remove("KVTIER_L3_TOKEN")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("spawn {}: {e}", bin.display()))?;
-    let out = child.stdout.take().ok_or("no stdout")?;
-    let p = Proc { child };
-    let addr = kvtier_l3::cli::read_listening(out).map_err(|e| format!("{e} from {args:?}"))?;
-    Ok((p, addr))
+/// Starts a node and waits for its `LISTENING addr` line.
+fn start(bin: &Path, args: &[String]) -> Result<Proc, String> {
+    let mut p = spawn(bin, args, true)?;
+    let out = p.child.stdout.take().ok_or("no stdout")?;
+    kvtier_l3::cli::read_listening(out).map_err(|e| format!("{e} from {args:?}"))?;
+    Ok(p)
 }
 
 /// How a node writes SSD copies.
@@ -47,20 +29,26 @@ fn node_offload(mode: Mode, i: usize) -> &'static str {
     }
 }
 
-/// The deployment: the master's address never changes across its restarts.
+/// The masters: one with a state dir, or several on etcd.
+pub enum Masters {
+    Single(Single),
+    Ha(HaMasters),
+}
+
+/// The deployment: the single master's address never changes across its restarts; with
+/// etcd, nodes and clients follow the leader.
 pub struct Cluster {
     bin: PathBuf,
     dir: PathBuf,
     mode: Mode,
     segment_bytes: u64,
-    ttl_ms: u64,
-    master: Option<Proc>,
-    pub master_addr: SocketAddr,
+    pub masters: Masters,
     nodes: Vec<Option<Proc>>,
 }
 
 impl Cluster {
-    /// Starts the master and `nodes` store nodes under `dir`.
+    /// Starts the master (`ha_masters` 0) or that many masters on etcd, and `nodes` store
+    /// nodes under `dir`.
     pub fn start(
         bin: &Path,
         dir: &Path,
@@ -68,45 +56,47 @@ impl Cluster {
         nodes: usize,
         segment_bytes: u64,
         ttl_ms: u64,
+        ha: Option<(usize, u64)>,
     ) -> Result<Self, String> {
         std::fs::create_dir_all(dir.join("master")).map_err(|e| e.to_string())?;
+        let masters = match ha {
+            Some((n, leader_ttl_s)) => Masters::Ha(HaMasters::start(bin, n, leader_ttl_s, ttl_ms)?),
+            None => {
+                let mut s = Single {
+                    proc: None,
+                    addr: "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?,
+                    state_dir: dir.join("master"),
+                    client_ttl_ms: ttl_ms,
+                };
+                s.start(bin)?;
+                Masters::Single(s)
+            }
+        };
         let mut c = Cluster {
             bin: bin.to_path_buf(),
             dir: dir.to_path_buf(),
             mode,
             segment_bytes,
-            ttl_ms,
-            master: None,
-            master_addr: "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?,
+            masters,
             nodes: (0..nodes).map(|_| None).collect(),
         };
-        c.start_master()?;
         for i in 0..nodes {
             c.start_node(i)?;
         }
         Ok(c)
     }
 
-    fn start_master(&mut self) -> Result<(), String> {
-        let args: Vec<String> = [
-            "--role",
-            "master",
-            "--listen",
-            &self.master_addr.to_string(),
-            "--state-dir",
-            &self.dir.join("master").display().to_string(),
-            "--client-ttl-ms",
-            &self.ttl_ms.to_string(),
-            "--lease-ms",
-            "500",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let (p, addr) = start(&self.bin, &args)?;
-        self.master = Some(p);
-        self.master_addr = addr;
-        Ok(())
+    /// What nodes are given as `--master`.
+    fn master_spec(&self) -> String {
+        match &self.masters {
+            Masters::Single(s) => s.addr.to_string(),
+            Masters::Ha(h) => h.locator(),
+        }
+    }
+
+    /// How clients find the master.
+    pub fn locator(&self) -> Result<Locator, String> {
+        Locator::parse(&self.master_spec()).map_err(|e| e.to_string())
     }
 
     fn start_node(&mut self, i: usize) -> Result<(), String> {
@@ -117,7 +107,7 @@ impl Cluster {
             "--listen",
             "127.0.0.1:0",
             "--master",
-            &self.master_addr.to_string(),
+            &self.master_spec(),
             "--node-id",
             &(i + 1).to_string(),
             "--ping-ms",
@@ -132,8 +122,12 @@ impl Cluster {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let (p, _) = start(&self.bin, &args)?;
-        self.nodes[i] = Some(p);
+        let mut args = args;
+        if let Masters::Ha(_) = self.masters {
+            // A paused leader costs a node this long before it looks for the next one.
+            args.extend(["--master-timeout-ms".to_string(), "1000".to_string()]);
+        }
+        self.nodes[i] = Some(start(&self.bin, &args)?);
         Ok(())
     }
 
@@ -145,17 +139,9 @@ impl Cluster {
         self.nodes[i].is_some()
     }
 
-    pub fn master_up(&self) -> bool {
-        self.master.is_some()
-    }
-
     /// SIGKILL (the drop of [`Proc`]).
     pub fn kill_node(&mut self, i: usize) {
         self.nodes[i] = None;
-    }
-
-    pub fn kill_master(&mut self) {
-        self.master = None;
     }
 
     /// Restarts node `i` if it is down (same id, same SSD dir).
@@ -166,15 +152,18 @@ impl Cluster {
         Ok(())
     }
 
-    /// Restarts the master if it is down (same address, same state dir). The address may
-    /// still be held for a moment after the kill: retried.
-    pub fn revive_master(&mut self) -> Result<(), String> {
+    /// Restarts the single master if it is down (same address, same state dir). The
+    /// address may still be held for a moment after the kill: retried.
+    pub fn revive_single(&mut self) -> Result<(), String> {
+        let Masters::Single(s) = &mut self.masters else {
+            return Ok(());
+        };
         let mut last = String::new();
         for _ in 0..50 {
-            if self.master.is_some() {
+            if s.proc.is_some() {
                 return Ok(());
             }
-            match self.start_master() {
+            match s.start(&self.bin) {
                 Ok(()) => return Ok(()),
                 Err(e) => last = e,
             }
@@ -183,9 +172,28 @@ impl Cluster {
         Err(format!("master did not restart: {last}"))
     }
 
+    /// Brings HA master `i` back (SIGCONT, or a new process on its address).
+    pub fn revive_ha(&mut self, i: usize) -> Result<(), String> {
+        match &mut self.masters {
+            Masters::Ha(h) => h.revive(&self.bin, i),
+            Masters::Single(_) => Ok(()),
+        }
+    }
+
+    /// Every master down (SIGKILL).
+    pub fn kill_masters(&mut self) {
+        match &mut self.masters {
+            Masters::Single(s) => s.proc = None,
+            Masters::Ha(h) => h.kill_all(),
+        }
+    }
+
     /// Everything up again.
     pub fn revive_all(&mut self) -> Result<(), String> {
-        self.revive_master()?;
+        match &mut self.masters {
+            Masters::Single(_) => self.revive_single()?,
+            Masters::Ha(h) => h.revive_all(&self.bin)?,
+        }
         for i in 0..self.nodes.len() {
             let mut tries = 0;
             while let Err(e) = self.revive_node(i) {

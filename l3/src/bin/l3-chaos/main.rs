@@ -15,6 +15,7 @@
 //! cluster must still be there.
 
 mod cluster;
+mod ha;
 mod oracle;
 mod workload;
 
@@ -25,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 
-use cluster::Cluster;
+use cluster::{Cluster, Masters};
 use oracle::{Rng, Shared, Violation};
 use workload::{Conn, Counts, Keys, Worker};
 
@@ -49,6 +50,16 @@ enum Faults {
     Master,
     /// Both, sometimes together.
     Both,
+}
+
+/// Whether an `overflowed` loss report explains a miss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Journal {
+    /// Yes: some losses are unknown to the store (a restart, a failover that lost a node).
+    Overflow,
+    /// No: every loss before the final restart must be named by key (with etcd masters
+    /// and no node faults, the loss journal is carried over every failover).
+    Named,
 }
 
 #[derive(Parser, Debug)]
@@ -79,6 +90,21 @@ struct Args {
     /// Mean time between faults in milliseconds.
     #[arg(long, default_value_t = 1_500)]
     fault_every_ms: u64,
+    /// Masters: 0 runs one `--state-dir` master; 2 or 3 run that many `--etcd` masters on
+    /// a 3-member etcd cluster started here (needs `etcd` on PATH), and master faults hit
+    /// the leader: SIGKILL, or SIGSTOP then SIGCONT.
+    #[arg(long, default_value_t = 0)]
+    masters: usize,
+    /// With --masters: the leader lease TTL in seconds.
+    #[arg(long, default_value_t = 1)]
+    leader_ttl_s: u64,
+    /// What explains a read that found nothing where a version was acknowledged.
+    #[arg(long, value_enum, default_value = "overflow")]
+    journal: Journal,
+    /// How often the loss-journal reader reads (an engine reads it once per scheduling
+    /// step or less often: a failover must not make it miss what was recorded before).
+    #[arg(long, default_value_t = 20)]
+    loss_poll_ms: u64,
     /// The master's node liveness TTL in milliseconds.
     #[arg(long, default_value_t = 1_000)]
     ttl_ms: u64,
@@ -116,12 +142,17 @@ fn main() {
 struct Kills {
     node: u64,
     master: u64,
+    /// Of the master faults, leaders SIGSTOPped (the rest SIGKILLed).
+    paused: u64,
 }
 
 /// A process to bring back at a given time.
 enum Revive {
     Node(usize),
+    /// The single master.
     Master,
+    /// An etcd master (SIGCONT or restart).
+    Ha(usize),
 }
 
 fn run(a: &Args) -> Result<u64, String> {
@@ -149,22 +180,27 @@ fn chaos(a: &Args, bin: &std::path::Path, dir: &std::path::Path) -> Result<u64, 
     if a.nodes < 2 || a.workers == 0 || a.keys == 0 {
         return Err("need at least 2 nodes, 1 worker and 1 key".into());
     }
-    let mut c = Cluster::start(bin, dir, a.mode, a.nodes, a.segment_bytes, a.ttl_ms)?;
-    let addr = c.master_addr;
+    if a.masters == 1 || a.masters > 5 || a.leader_ttl_s == 0 {
+        return Err("--masters is 0 (one state-dir master) or 2..=5; --leader-ttl-s > 0".into());
+    }
+    let ha = (a.masters > 0).then_some((a.masters, a.leader_ttl_s));
+    let mut c = Cluster::start(bin, dir, a.mode, a.nodes, a.segment_bytes, a.ttl_ms, ha)?;
+    let addr = c.locator()?;
     let shared = Arc::new(Shared::default());
     let counts = Arc::new(Counts::default());
     let stop = Arc::new(AtomicBool::new(false));
     let stop_reader = Arc::new(AtomicBool::new(false));
     let reader = {
-        let (s, st) = (shared.clone(), stop_reader.clone());
-        std::thread::spawn(move || workload::read_losses(addr, st, s))
+        let (s, st, addr) = (shared.clone(), stop_reader.clone(), addr.clone());
+        let poll = Duration::from_millis(a.loss_poll_ms);
+        std::thread::spawn(move || workload::read_losses(addr, poll, st, s))
     };
     // Let the nodes mount before the first put.
     std::thread::sleep(Duration::from_millis(500));
     let workers: Vec<_> = (0..a.workers)
         .map(|i| {
             let w = Worker {
-                addr,
+                addr: addr.clone(),
                 first_key: i * a.keys,
                 keys: a.keys,
                 max_bytes: a.max_bytes,
@@ -191,14 +227,14 @@ fn chaos(a: &Args, bin: &std::path::Path, dir: &std::path::Path) -> Result<u64, 
             // Its `overflowed` report covers every loss: losses seen before it must have
             // been reported before it.
             restarted_at = Some(Instant::now());
-            c.kill_master();
+            c.kill_masters();
             for i in 0..c.nodes() {
                 c.kill_node(i);
             }
         }
         c.revive_all()?;
         std::thread::sleep(Duration::from_millis(a.ttl_ms + 1_500));
-        final_reads(addr, &keys, &shared, &counts);
+        final_reads(&addr, &keys, &shared, &counts);
     }
     std::thread::sleep(Duration::from_millis(300));
     stop_reader.store(true, Ordering::Relaxed);
@@ -227,7 +263,8 @@ fn inject(a: &Args, c: &mut Cluster) -> Result<Kills, String> {
                         revive.push((now + Duration::from_millis(300), Revive::Node(i)));
                     }
                 }
-                Revive::Master => c.revive_master()?,
+                Revive::Master => c.revive_single()?,
+                Revive::Ha(i) => c.revive_ha(i)?,
             }
         }
         if now < next {
@@ -248,14 +285,48 @@ fn inject(a: &Args, c: &mut Cluster) -> Result<Kills, String> {
             let back = now + Duration::from_millis(200 + rng.below(1_500));
             revive.push((back, Revive::Node(i)));
         }
-        if !node_kill && c.master_up() {
-            c.kill_master();
-            kills.master += 1;
-            let back = now + Duration::from_millis(100 + rng.below(900));
-            revive.push((back, Revive::Master));
+        if !node_kill {
+            master_fault(c, &mut rng, &mut kills, &mut revive, now);
         }
     }
     Ok(kills)
+}
+
+/// Kills the single master, or kills or pauses the etcd leader (when one is serving).
+fn master_fault(
+    c: &mut Cluster,
+    rng: &mut Rng,
+    kills: &mut Kills,
+    revive: &mut Vec<(Instant, Revive)>,
+    now: Instant,
+) {
+    match &mut c.masters {
+        Masters::Single(s) => {
+            if s.proc.is_some() {
+                s.proc = None;
+                kills.master += 1;
+                let back = now + Duration::from_millis(100 + rng.below(900));
+                revive.push((back, Revive::Master));
+            }
+        }
+        Masters::Ha(h) => {
+            let Some(i) = h.live_leader() else {
+                return;
+            };
+            kills.master += 1;
+            if rng.below(3) == 0 {
+                // Long enough, often, for its lease to run out: it must step down.
+                h.pause(i);
+                kills.paused += 1;
+                let back = now + Duration::from_millis(300 + rng.below(2_500));
+                revive.push((back, Revive::Ha(i)));
+            } else {
+                h.kill(i);
+                let back = now + Duration::from_millis(100 + rng.below(900));
+                revive.push((back, Revive::Ha(i)));
+            }
+        }
+    }
 }
 
 /// A live node to kill, keeping at least one node up.
@@ -269,8 +340,8 @@ fn pick_live_node(c: &Cluster, rng: &mut Rng) -> Option<usize> {
 
 /// Reads every key once more, retrying transport errors for up to 30 s; a persisted put
 /// that is not found now (everything is up) is lost.
-fn final_reads(addr: std::net::SocketAddr, keys: &Keys, shared: &Shared, counts: &Counts) {
-    let mut conn = Conn::new(addr);
+fn final_reads(addr: &kvtier_l3::ha::Locator, keys: &Keys, shared: &Shared, counts: &Counts) {
+    let mut conn = Conn::new(addr.clone());
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut todo: Vec<&(u32, oracle::KeyState)> = keys.iter().collect();
     while !todo.is_empty() && Instant::now() < deadline {
@@ -325,7 +396,10 @@ fn report(
             Some(r) if m.seen_at < r => r,
             _ => far,
         };
-        if reports.explains(&k, m.acked_at, until) {
+        // Losses seen after the final restart of everything: its overflow covers them.
+        let overflow =
+            a.journal == Journal::Overflow || restarted_at.is_some_and(|r| m.seen_at >= r);
+        if reports.explains(&k, m.acked_at, until, overflow) {
             explained += 1;
         } else {
             f.record(
@@ -339,10 +413,14 @@ fn report(
     }
     let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
     println!(
-        "l3-chaos: mode {:?}, faults {:?}, {} s, seed {}, {} nodes, {} workers x {} keys",
-        a.mode, a.faults, a.seconds, a.seed, a.nodes, a.workers, a.keys
+        "l3-chaos: mode {:?}, faults {:?}, {} s, seed {}, {} nodes, {} workers x {} keys, \
+         masters {}, journal {:?}",
+        a.mode, a.faults, a.seconds, a.seed, a.nodes, a.workers, a.keys, a.masters, a.journal
     );
-    println!("kills: {} node, {} master", kills.node, kills.master);
+    println!(
+        "kills: {} node, {} master ({} of them SIGSTOP + SIGCONT)",
+        kills.node, kills.master, kills.paused
+    );
     println!(
         "puts acked {} (persisted {}), failed {}; removes acked {}; reads checked {} (failed {}); \
          misses {} (explained by the loss journal {}); loss reports {} keys, {} overflows",

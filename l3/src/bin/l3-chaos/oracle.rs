@@ -211,10 +211,11 @@ pub struct Reports {
 }
 
 impl Reports {
-    /// Whether a report (for `key`, or an overflow) arrived within `since..until`.
-    pub fn explains(&self, key: &str, since: Instant, until: Instant) -> bool {
+    /// Whether a report (for `key`, or an overflow when `overflow` counts) arrived within
+    /// `since..until`.
+    pub fn explains(&self, key: &str, since: Instant, until: Instant, overflow: bool) -> bool {
         let within = |t: &Instant| *t >= since && *t < until;
-        self.overflows.iter().any(within)
+        (overflow && self.overflows.iter().any(within))
             || self.keys.get(key).is_some_and(|v| v.iter().any(within))
     }
 }

@@ -5,11 +5,11 @@
 //! `RemoteStore` redials a restarted server by itself, as a production client's does, so the
 //! store keeps being exercised across every restart.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use kvtier_l3::ha::Locator;
 use kvtier_l3::{
     ClientOptions, L3Error, L3Store, LossCursor, PutOptions, RemoteStore, ReplicateConfig, Tenant,
 };
@@ -26,14 +26,14 @@ pub fn key_name(key_id: u32) -> String {
 
 /// A connection made on first use (the server may be down when a worker starts).
 pub struct Conn {
-    addr: SocketAddr,
+    addr: Locator,
     store: Option<RemoteStore>,
     /// The last call found the server down or rebuilding (-900 / -1010).
     down: bool,
 }
 
 impl Conn {
-    pub fn new(addr: SocketAddr) -> Self {
+    pub fn new(addr: Locator) -> Self {
         Conn {
             addr,
             store: None,
@@ -51,7 +51,7 @@ impl Conn {
                 rpc_timeout: Duration::from_secs(5),
                 ..Default::default()
             };
-            match RemoteStore::connect(self.addr, opts) {
+            match RemoteStore::connect_to(self.addr.clone(), opts) {
                 Ok(s) => self.store = Some(s),
                 Err(e) => {
                     self.down = true;
@@ -82,7 +82,7 @@ pub struct Counts {
 
 /// One worker's settings.
 pub struct Worker {
-    pub addr: SocketAddr,
+    pub addr: Locator,
     pub first_key: u32,
     pub keys: u32,
     pub max_bytes: usize,
@@ -214,8 +214,8 @@ pub fn run(w: Worker, stop: Arc<AtomicBool>, shared: Arc<Shared>, counts: Arc<Co
     keys
 }
 
-/// Reads the loss journal every 20 ms until `stop`, noting when each report arrived.
-pub fn read_losses(addr: SocketAddr, stop: Arc<AtomicBool>, shared: Arc<Shared>) {
+/// Reads the loss journal every `poll` until `stop`, noting when each report arrived.
+pub fn read_losses(addr: Locator, poll: Duration, stop: Arc<AtomicBool>, shared: Arc<Shared>) {
     let t = tenant();
     let mut conn = Conn::new(addr);
     let mut cursor: Option<LossCursor> = None;
@@ -241,7 +241,7 @@ pub fn read_losses(addr: SocketAddr, stop: Arc<AtomicBool>, shared: Arc<Shared>)
             Err(_) if done => return,
             Err(_) => {}
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(poll);
     }
 }
 

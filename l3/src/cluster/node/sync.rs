@@ -144,17 +144,19 @@ impl NodeInner {
             let chunk: Vec<Held> = rest.drain(..rest.len().min(RESCAN_CHUNK)).collect();
             let objects: Vec<RetainedObject> = chunk
                 .iter()
-                .map(|h| RetainedObject {
-                    tenant: h.tenant.clone(),
-                    key: h.key.clone(),
-                    token: h.token,
-                    size: h.data.len() as u64,
-                    disk: records
-                        .get(&(h.tenant.clone(), h.key.clone()))
-                        .filter(|d| {
-                            d.size == h.data.len() as u64 && d.crc == crc32c::crc32c(&h.data)
-                        })
-                        .copied(),
+                .map(|h| {
+                    let crc = crc32c::crc32c(&h.data);
+                    RetainedObject {
+                        tenant: h.tenant.clone(),
+                        key: h.key.clone(),
+                        token: h.token,
+                        size: h.data.len() as u64,
+                        crc,
+                        disk: records
+                            .get(&(h.tenant.clone(), h.key.clone()))
+                            .filter(|d| d.size == h.data.len() as u64 && d.crc == crc)
+                            .copied(),
+                    }
                 })
                 .collect();
             let reply = self.link.call(ClusterRequest::Retained {
