@@ -296,3 +296,21 @@ fn a_client_killed_mid_transfer_leaks_nothing() {
         assert_eq!(watcher.get(&tn, &k).unwrap(), b"again");
     }
 }
+
+#[test]
+fn off_switches_keep_clients_of_a_node_on_tcp() {
+    if std::env::var(CHILD_ENV).is_ok() {
+        return;
+    }
+    let m = master(&[], None);
+    let n = node(&m, 1, &["--no-shm"]);
+    let mut x = kvtier_l3::rpc::xfer::XferClient::connect(n.addr, None, 1 << 20).unwrap();
+    assert_eq!(x.shm_offer().unwrap(), None, "--no-shm: no offer");
+    let c = connect(m.addr, ShmMode::Auto, 1 << 20);
+    assert!(!c.uses_shm());
+    assert_eq!(paths(&c), [DataPath::Tcp]);
+    let tn = t("off");
+    c.put(&tn, "k", b"over tcp", PutOptions::default()).unwrap();
+    assert_eq!(c.get(&tn, "k").unwrap(), b"over tcp");
+    assert_eq!(mapped_memfds(n.child.id()), 0);
+}
