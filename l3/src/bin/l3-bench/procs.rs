@@ -216,7 +216,13 @@ pub fn shm(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
     let addr = srv.addr.to_string();
     let master: Server = start_proc(
         bin,
-        &["--role", "master", "--listen", "127.0.0.1:0", "--no-state-dir"],
+        &[
+            "--role",
+            "master",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-state-dir",
+        ],
     )?;
     let maddr = master.addr.to_string();
     let _node: Server = start_proc(
