@@ -8,7 +8,8 @@
 //! put ends), so the master never connects to nodes and a dead node costs it nothing but a
 //! TTL.
 //!
-//! Lifecycle: open the SSD tier (rescanning buckets) → bind the data channel → `MountNode`
+//! Lifecycle: open the SSD tier (rescanning buckets) → bind the data channel (and the
+//! shared-memory socket for clients on this host, unless turned off) → `MountNode`
 //! with the master (an empty segment, the offload mode) → `Rescanned` with every live SSD
 //! record (the master refuses records of objects removed meanwhile; those are tombstoned) →
 //! ping every `ping_interval`, acknowledging the settles applied (see `sync`). SIGTERM: stop serving, flush the SSD queue (each record is
