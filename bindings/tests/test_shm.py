@@ -23,13 +23,15 @@ BIN = pathlib.Path(os.environ.get("KVTIER_L3_BIN", ROOT / "target" / "release" /
 
 
 class Proc:
-    def __init__(self, *extra, env=None, segment_bytes=64 << 20):
+    def __init__(self, *extra, env=None, segment_bytes=64 << 20, base=None):
+        if base is None:
+            base = ("--listen", "127.0.0.1:0", "--segment-bytes", str(segment_bytes))
         if not BIN.exists():
             pytest.fail(f"{BIN} missing: build it with `cargo build --release -p kvtier-l3`")
         e = dict(os.environ)
         e.pop("KVTIER_L3_TOKEN", None)
         e.update(env or {})
-        self.p = subprocess.Popen([str(BIN), "--listen", "127.0.0.1:0", "--segment-bytes", str(segment_bytes), *extra],
+        self.p = subprocess.Popen([str(BIN), *base, *extra],
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=e)
         for line in self.p.stdout:
             if line.startswith("LISTENING"):
@@ -127,3 +129,33 @@ def test_dummy_client_pool_is_shared_with_the_server(proc):
     assert d.get_into("pf", got.ctypes.data, got.nbytes) < 0  # too small: Mooncake's code
     assert d.get_into("mine", got.ctypes.data, got.nbytes) == 4096 and np.array_equal(got, mine)
     assert d.close() == 0
+
+
+def test_l3store_reaches_a_clusters_nodes_through_shm():
+    """Against a split deployment's master, the bytes go to the store nodes: through each
+    node's shared memory when it is on this host, byte for byte what a TCP client gets."""
+    master = Proc(base=("--role", "master", "--listen", "127.0.0.1:0", "--no-state-dir"))
+    nodes = [Proc(base=("--role", "node", "--master", master.addr, "--node-id", str(i), "--listen", "127.0.0.1:0",
+                        "--segment-bytes", str(64 << 20))) for i in (1, 2)]
+    try:
+        fast = kvtier.L3Store.connect(master.addr)
+        slow = kvtier.L3Store.connect(master.addr, shm=False)
+        assert fast.uses_shm and not slow.uses_shm
+        rng = np.random.default_rng(2)
+        objs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 4096, 1 << 20, 3 << 20, 5000, 70000)]
+        keys = [f"c{i}" for i in range(len(objs))]
+        assert list(fast.batch_put_from(keys[:3], objs[:3])) == [0, 0, 0]
+        assert list(slow.batch_put_from(keys[3:], objs[3:])) == [0, 0, 0]
+        for reader in (fast, slow):
+            outs = [np.zeros(len(o) + 5, dtype=np.uint8) for o in objs]
+            assert list(reader.batch_get_into(keys, outs)) == [len(o) for o in objs]
+            for o, b in zip(objs, outs):
+                assert np.array_equal(b[:len(o)], o) and not b[len(o):].any()
+        small = np.zeros(10, dtype=np.uint8)
+        assert list(fast.batch_get_into(["c2", "absent"], [small, small])) == \
+            list(slow.batch_get_into(["c2", "absent"], [small, small]))
+        # Each node maps this client's staging segment (one per node), nothing of the TCP one's.
+        assert [len(n.memfd_maps("kvtier-shm-staging")) for n in nodes] == [1, 1]
+    finally:
+        for p in nodes + [master]:
+            p.close()

@@ -121,6 +121,10 @@ struct Args {
     /// Read lease in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     lease_ms: u64,
+    /// A put started but not ended within this many milliseconds is revoked (master,
+    /// both), and its bytes dropped (node): Mooncake's `put_start_discard_timeout`.
+    #[arg(long, default_value_t = 30_000)]
+    put_timeout_ms: u64,
     /// Client (node) liveness TTL in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     client_ttl_ms: u64,
@@ -285,6 +289,7 @@ fn run(args: Args) -> Result<(), String> {
     let cfg = StoreConfig {
         local_segment_bytes: args.segment_bytes,
         lease_ttl: Duration::from_millis(args.lease_ms),
+        put_timeout: Duration::from_millis(args.put_timeout_ms.max(1)),
         client_ttl: Duration::from_millis(args.client_ttl_ms),
         max_batch_keys: args.max_batch_keys,
         max_object_bytes: args.max_object_bytes,
@@ -373,6 +378,11 @@ fn run_node(
     opts.max_batch_keys = args.max_batch_keys;
     opts.max_object_bytes = args.max_object_bytes;
     opts.ping_interval = Duration::from_millis(args.ping_ms);
+    opts.put_timeout = Duration::from_millis(args.put_timeout_ms.max(1));
+    if args.no_shm {
+        opts.shm = ShmMode::Off;
+    }
+    opts.shm_dir = args.shm_dir.clone();
     let node = StoreNode::start(opts).map_err(|e| e.to_string())?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -37,7 +37,7 @@ pub use config::{OffloadMode, PromotionConfig, SsdConfig, StoreConfig};
 pub use error::{ErrorCode, L3Error, L3Result};
 pub use master::{LossCursor, Losses};
 pub use pattern::KeyPattern;
-pub use rpc::client::{ClientOptions, RemoteStore};
+pub use rpc::client::{ClientOptions, DataPath, RemoteStore};
 pub use rpc::server::{
     ClusterMasterHandle, ServerHandle, ServerOptions, spawn_cluster_master, spawn_server,
 };

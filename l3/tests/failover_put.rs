@@ -16,7 +16,7 @@ use common::ha::{HaMaster, ha_client, ha_cluster, leader, spawn_master};
 use common::{payload, t};
 use kvtier_l3::ha::local_etcd::LocalEtcd;
 use kvtier_l3::rpc::service::{ClusterReply, ClusterRequest};
-use kvtier_l3::{L3Error, L3Store, PutOptions, RemoteStore};
+use kvtier_l3::{DataPath, L3Error, L3Store, PutOptions, RemoteStore};
 
 /// Kills the leader master; returns once a leader of a higher epoch is published and every
 /// store node has mounted on it and it serves (so what the client sees next is the new leader's verdict,
@@ -64,10 +64,21 @@ fn a_put_straddling_a_failover_is_fenced_and_nothing_half_written_is_readable() 
         "the client did not follow the new leader"
     );
 
-    // 2. Start under the old leader, write and end under the new one.
+    // 2. Start under the old leader, write and end under the new one. The client is on the
+    // nodes' host: the write goes through the node's shared memory, which fences the stale
+    // epoch as its data channel does.
     let h2 = c.put_start(&tn, "unwritten", v.len() as u64).unwrap();
     fail_over(etcd, &mut masters, &c);
+    let paths = c.node_paths();
+    assert!(
+        paths.iter().all(|(_, p)| *p == DataPath::SharedMemory),
+        "{paths:?}"
+    );
     let wrote = c.put_write(&h2, &v);
+    assert!(
+        matches!(wrote, Err(L3Error::EpochFenced(_))),
+        "a stale epoch's write over shared memory: {wrote:?}"
+    );
     let ended = c.put_end(&h2, PutOptions::default());
     assert!(
         matches!(wrote, Err(L3Error::EpochFenced(_)))

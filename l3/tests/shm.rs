@@ -10,6 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::procs::{args, eventually, kill9, spawn};
+use common::shm::{mapped_memfds, status_kb};
 use common::{payload, t};
 use kvtier_l3::{ClientOptions, L3Error, L3Store, PutOptions, RemoteStore, ShmMode};
 
@@ -171,23 +172,6 @@ fn off_switches_keep_clients_on_tcp() {
     let c = connect(addr, ShmMode::Auto, 1 << 20);
     assert_eq!(c.shm_offer().unwrap(), None);
     kill9(&mut child);
-}
-
-fn mapped_memfds(pid: u32) -> usize {
-    std::fs::read_to_string(format!("/proc/{pid}/maps"))
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains("memfd:kvtier-shm"))
-        .count()
-}
-
-fn status_kb(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 /// The client process of [`killed_client_leaks_nothing`]: puts and reads 4 MiB objects

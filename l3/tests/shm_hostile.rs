@@ -11,16 +11,15 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
 use common::procs::{Proc, args, spawn};
+use common::shm::{Raw, SEG, all, filled, rng};
 use common::{client, payload, t};
-use kvtier_l3::rpc::shm::segment::{MAX_SEGMENT_BYTES, Mapping, send_fd};
+use kvtier_l3::rpc::shm::segment::{MAX_SEGMENT_BYTES, Mapping};
 use kvtier_l3::rpc::shm::{
     MAX_MAPPED_PER_CONN, ShmOffer, ShmRange, ShmReply, ShmRequest, check_range,
 };
 use kvtier_l3::rpc::xfer::{read_frame, write_frame};
 use kvtier_l3::{L3Error, L3Store, PutOptions, ReplicateConfig};
 use proptest::prelude::*;
-
-const SEG: usize = 1 << 16;
 
 fn server(token: Option<&str>) -> (Proc, ShmOffer) {
     let p = spawn(
@@ -39,31 +38,7 @@ fn server(token: Option<&str>) -> (Proc, ShmOffer) {
     (p, offer)
 }
 
-struct Raw(UnixStream);
-
 impl Raw {
-    fn open(offer: &ShmOffer, token: Option<&str>) -> Raw {
-        let mut r = Raw(UnixStream::connect(&offer.path).unwrap());
-        match r.call(&ShmRequest::Hello {
-            token: token.map(str::to_string),
-        }) {
-            ShmReply::Hello(Ok(n)) => assert_eq!(n, offer.nonce),
-            other => panic!("hello: {other:?}"),
-        }
-        r
-    }
-    fn call(&mut self, req: &ShmRequest) -> ShmReply {
-        write_frame(&mut self.0, req).unwrap();
-        read_frame(&mut self.0, 1 << 20).unwrap()
-    }
-    fn register(&mut self, len: u64, fd: &OwnedFd) -> Result<u32, L3Error> {
-        write_frame(&mut self.0, &ShmRequest::Register { len }).unwrap();
-        send_fd(&self.0, fd).unwrap();
-        match read_frame(&mut self.0, 1 << 20).unwrap() {
-            ShmReply::Registered(r) => r,
-            other => panic!("register: {other:?}"),
-        }
-    }
     fn put(&mut self, key: &str, r: ShmRange) -> Result<Vec<Result<(), L3Error>>, L3Error> {
         match self.call(&ShmRequest::Put {
             tenant: t("hostile"),
@@ -91,22 +66,6 @@ impl Raw {
             other => panic!("get: {other:?}"),
         }
     }
-}
-
-fn rng(seg: u32, off: u64, len: u64) -> ShmRange {
-    ShmRange { seg, off, len }
-}
-
-fn filled(byte: u8) -> Mapping {
-    let m = Mapping::create("kvtier-shm-test", SEG).unwrap();
-    // SAFETY: our own fresh mapping.
-    unsafe { m.bytes_mut(0, SEG) }.fill(byte);
-    m
-}
-
-fn all(m: &Mapping, byte: u8) -> bool {
-    // SAFETY: our own mapping, no other reference alive.
-    unsafe { m.bytes(0, SEG) }.iter().all(|&b| b == byte)
 }
 
 #[test]

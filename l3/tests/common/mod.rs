@@ -5,6 +5,7 @@
 pub mod ha;
 pub mod oracle;
 pub mod procs;
+pub mod shm;
 
 use std::net::SocketAddr;
 

@@ -5,7 +5,10 @@
 //!   (staged: one memcpy in the client, one in the server);
 //! - `shm-region`: the same with the buffers inside a shared region (a Mooncake dummy
 //!   client's `alloc_from_mem_pool` memory: no copy in the client);
-//! - `tcp`: the same server with the shared-memory path off (the transfer channel).
+//! - `tcp`: the same server with the shared-memory path off (the transfer channel);
+//! - `cluster-shm`: a split deployment (a `--role master`, one `--role node`), clients
+//!   moving bytes through the node's shared-memory path (plain caller buffers);
+//! - `cluster-tcp`: the same deployment over the node's TCP data channel.
 //!
 //! Why processes: the deployment is 8 engine processes per node sharing one L3, and
 //! what limits them (the server's copies, its threads, the kernel) only shows with real
@@ -26,7 +29,14 @@ use kvtier_l3::{
 use super::{R, Server, median, payload, row, serde_row, start_proc};
 
 const BATCH_BYTES: usize = 64 << 20;
-const MODES: [&str; 4] = ["embedded", "shm", "shm-region", "tcp"];
+const MODES: [&str; 6] = [
+    "embedded",
+    "shm",
+    "shm-region",
+    "tcp",
+    "cluster-shm",
+    "cluster-tcp",
+];
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -72,7 +82,7 @@ pub fn worker(spec: &str) -> R<()> {
     let c = RemoteStore::connect(
         addr.parse().map_err(err)?,
         ClientOptions {
-            shm: if mode == "tcp" {
+            shm: if mode.ends_with("tcp") {
                 ShmMode::Off
             } else {
                 ShmMode::Auto
@@ -81,7 +91,7 @@ pub fn worker(spec: &str) -> R<()> {
         },
     )
     .map_err(err)?;
-    if (mode != "tcp") != c.uses_shm() {
+    if mode.ends_with("tcp") == c.uses_shm() {
         return Err(format!("{mode}: shared memory in use = {}", c.uses_shm()));
     }
     let bufs = if mode == "shm-region" {
@@ -204,6 +214,32 @@ pub fn shm(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
     let seg = (8 * 2 * BATCH_BYTES + (64 << 20)).to_string();
     let srv: Server = start_proc(bin, &["--listen", "127.0.0.1:0", "--segment-bytes", &seg])?;
     let addr = srv.addr.to_string();
+    let master: Server = start_proc(
+        bin,
+        &[
+            "--role",
+            "master",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-state-dir",
+        ],
+    )?;
+    let maddr = master.addr.to_string();
+    let _node: Server = start_proc(
+        bin,
+        &[
+            "--role",
+            "node",
+            "--master",
+            &maddr,
+            "--node-id",
+            "1",
+            "--listen",
+            "127.0.0.1:0",
+            "--segment-bytes",
+            &seg,
+        ],
+    )?;
     for size in [1usize << 20, 8 << 20] {
         for procs in [1usize, 4, 8] {
             let mut got = Vec::new();
@@ -212,7 +248,12 @@ pub fn shm(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
                 let mut puts = Vec::new();
                 let mut gets = Vec::new();
                 for _ in 0..3 {
-                    let (p, g) = config(mode, &addr, procs, size, reps)?;
+                    let at = if mode.starts_with("cluster") {
+                        &maddr
+                    } else {
+                        &addr
+                    };
+                    let (p, g) = config(mode, at, procs, size, reps)?;
                     puts.push(p);
                     gets.push(g);
                 }

@@ -3,7 +3,9 @@
 //!
 //! Why: bytes never pass through the master; it hands out descriptors naming a node's
 //! allocation (or SSD record) and the client fetches them here, on the transfer-channel
-//! framing of [`crate::rpc::xfer`], token-checked.
+//! framing of [`crate::rpc::xfer`], token-checked. A client on the node's host sends the
+//! same requests through shared memory (`shm`), served by the same [`NodeInner::node_put`]
+//! and [`NodeInner::node_read`]: one set of checks (token, tenant and key, epoch) for both.
 //!
 //! Invariants:
 //! - A read returns bytes only for the tenant and key they were written for (memory: the
@@ -19,8 +21,6 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
-
-use serde_bytes::ByteBuf;
 
 use crate::config::{OffloadMode, check_batch_keys, check_object_bytes};
 use crate::error::{L3Error, L3Result};
@@ -64,7 +64,7 @@ impl NodeInner {
         Ok(())
     }
 
-    fn write_one(&self, h: &PutHandle, data: Vec<u8>) -> L3Result<()> {
+    fn write_one(&self, h: &PutHandle, data: &[u8]) -> L3Result<()> {
         validate_key(&h.key)?;
         self.same_epoch(h)?;
         let alloc = self.alloc_of(h)?;
@@ -233,10 +233,12 @@ impl NodeInner {
         }
     }
 
-    fn node_put(
+    /// Writes `data` (one per handle, or none: end only) and, with `end`, ends the puts:
+    /// the data channel's and the shared-memory path's `NodePut`.
+    pub(super) fn node_put(
         &self,
-        handles: Vec<PutHandle>,
-        data: Vec<ByteBuf>,
+        handles: &[PutHandle],
+        data: &[&[u8]],
         end: Option<PutOptions>,
     ) -> L3Result<Vec<L3Result<()>>> {
         check_batch_keys(handles.len(), self.opts.max_batch_keys)?;
@@ -247,10 +249,10 @@ impl NodeInner {
         }
         let mut out: Vec<L3Result<()>> = vec![Ok(()); handles.len()];
         for (i, (h, d)) in handles.iter().zip(data).enumerate() {
-            out[i] = self.write_one(h, d.into_vec());
+            out[i] = self.write_one(h, d);
         }
         if let Some(opts) = end {
-            self.end_many(&handles, &mut out, opts);
+            self.end_many(handles, &mut out, opts);
         }
         Ok(out)
     }
@@ -296,7 +298,9 @@ impl NodeInner {
         }
     }
 
-    fn node_read(
+    /// Reads replicas by descriptor, each only for the tenant and key it holds: the data
+    /// channel's and the shared-memory path's `NodeRead`.
+    pub(super) fn node_read(
         &self,
         tenant: &Tenant,
         keys: &[String],
@@ -321,7 +325,8 @@ impl XferHandler for NodeInner {
     fn handle(&self, sock: &mut TcpStream, req: XferRequest) -> bool {
         match req {
             XferRequest::NodePut { handles, data, end } => {
-                let r = self.node_put(handles, data, end);
+                let data: Vec<&[u8]> = data.iter().map(|d| d.as_ref()).collect();
+                let r = self.node_put(&handles, &data, end);
                 write_frame(sock, &XferReply::Batch(r)).is_ok()
             }
             XferRequest::NodeRead {
@@ -338,6 +343,9 @@ impl XferHandler for NodeInner {
                     s.flush();
                 }
                 write_frame(sock, &XferReply::Batch(Ok(Vec::new()))).is_ok()
+            }
+            XferRequest::ShmOffer => {
+                write_frame(sock, &XferReply::ShmOffer(self.shm_offer.get().cloned())).is_ok()
             }
             other => refuse(
                 sock,

@@ -44,6 +44,8 @@ impl MasterLink {
                             leader_call_timeout: self.timeout,
                             failover_timeout: self.timeout,
                             use_transfer_channel: false,
+                            // Metadata only: no data connections to the nodes.
+                            shm: crate::rpc::shm::ShmMode::Off,
                             ..Default::default()
                         },
                     )?);

@@ -8,7 +8,8 @@
 //! put ends), so the master never connects to nodes and a dead node costs it nothing but a
 //! TTL.
 //!
-//! Lifecycle: open the SSD tier (rescanning buckets) → bind the data channel → `MountNode`
+//! Lifecycle: open the SSD tier (rescanning buckets) → bind the data channel (and the
+//! shared-memory socket for clients on this host, unless turned off) → `MountNode`
 //! with the master (an empty segment, the offload mode) → `Rescanned` with every live SSD
 //! record (the master refuses records of objects removed meanwhile; those are tombstoned) →
 //! ping every `ping_interval`, acknowledging the settles applied (see `sync`). SIGTERM: stop serving, flush the SSD queue (each record is
@@ -19,11 +20,13 @@
 //! - `link`: the connection to the master,
 //! - `sync`: mounting, pinging and applying what the master said,
 //! - `tier`: the node's SSD tier (offload of evicted replicas, promotion, corrupt records),
-//! - `data`: the data channel (puts and reads of bytes).
+//! - `data`: the data channel (puts and reads of bytes),
+//! - `shm`: the same puts and reads through shared memory, for clients on the node's host.
 
 mod data;
 mod link;
 mod mem;
+mod shm;
 mod sync;
 mod tier;
 
@@ -44,6 +47,7 @@ use crate::master::DiskLoc;
 use crate::rpc::accept::TokenDigest;
 use crate::rpc::server::DEFAULT_MAX_FRAME;
 use crate::rpc::service::ClusterRequest;
+use crate::rpc::shm::{ShmMode, ShmOffer, ShmServer};
 use crate::rpc::xfer::XferServer;
 use crate::ssd::SsdTier;
 use crate::types::{ClientId, SegmentId, Tenant};
@@ -87,6 +91,11 @@ pub struct NodeOptions {
     pub locator: Option<Locator>,
     /// Deadline of one call on the master (a paused master costs this per try).
     pub master_timeout: Duration,
+    /// Serve the shared-memory path to clients on this host (see [`crate::rpc::shm`]);
+    /// defaults to `KVTIER_L3_SHM` (on unless it says `off`).
+    pub shm: ShmMode,
+    /// Directory of the shared-memory socket (None: the system's temporary directory).
+    pub shm_dir: Option<std::path::PathBuf>,
 }
 
 impl NodeOptions {
@@ -106,6 +115,8 @@ impl NodeOptions {
             put_timeout: Duration::from_secs(30),
             locator: None,
             master_timeout: Duration::from_secs(10),
+            shm: ShmMode::from_env(),
+            shm_dir: None,
         }
     }
 }
@@ -124,6 +135,8 @@ struct NodeInner {
     gate: Mutex<()>,
     ssd: Option<SsdTier>,
     data_addr: OnceLock<SocketAddr>,
+    /// What the data channel's `ShmOffer` answers (unset: no shared-memory path).
+    shm_offer: OnceLock<ShmOffer>,
     mounted: AtomicBool,
     /// Every settle (tombstone, write cancel) up to this sequence number is applied
     /// durably; sent on each ping so the master can forget them. Reset at each mount.
@@ -173,6 +186,7 @@ impl NodeInner {
 pub struct StoreNode {
     inner: Arc<NodeInner>,
     xfer: Mutex<Option<XferServer>>,
+    shm: Mutex<Option<ShmServer>>,
     pinger: Mutex<Option<Periodic>>,
     promoter: Mutex<Option<JoinHandle<()>>>,
 }
@@ -209,6 +223,7 @@ impl StoreNode {
             gate: Mutex::new(()),
             ssd,
             data_addr: OnceLock::new(),
+            shm_offer: OnceLock::new(),
             mounted: AtomicBool::new(false),
             applied: AtomicU64::new(0),
             promote_tx: Mutex::new(None),
@@ -241,6 +256,7 @@ impl StoreNode {
         let node = StoreNode {
             inner: inner.clone(),
             xfer: Mutex::new(Some(x)),
+            shm: Mutex::new(shm::start(&inner)),
             pinger: Mutex::new(None),
             promoter: Mutex::new(promoter),
         };
@@ -276,6 +292,10 @@ impl StoreNode {
         let xfer = self.xfer.lock().take();
         if let Some(mut x) = xfer {
             x.stop();
+        }
+        let shm = self.shm.lock().take();
+        if let Some(mut s) = shm {
+            s.stop();
         }
         // Closing the queue ends the promoter thread after its current batch.
         let tx = self.inner.promote_tx.lock().take();

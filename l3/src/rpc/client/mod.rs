@@ -16,11 +16,13 @@
 //! (`PutStart`), then writes and ends it on the node named by the handle's descriptor; a get
 //! asks the master for descriptors (`BatchQuery`, which takes the lease) and reads each key
 //! from the node its first live replica names. One transfer connection per node, opened on
-//! first use and reopened after a failure.
+//! first use and reopened after a failure, and a shared-memory connection to each node on
+//! this host (`nodes`).
 //!
 //! This file holds the connection (options, limits, chunking, the transfer channel's
-//! reconnect loop); `routing` the split deployment's node routing; `api` the
-//! [`L3Store`](crate::L3Store) calls themselves.
+//! reconnect loop); `routing` the split deployment's node routing; `nodes` the per-node
+//! data connections (shared memory or TCP); `api` the [`L3Store`](crate::L3Store) calls
+//! themselves.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -45,10 +47,11 @@ use crate::ha::{EpochFence, Locator};
 use crate::types::{QueryResult, Tenant};
 
 mod api;
+mod nodes;
 mod routing;
+pub use nodes::DataPath;
+use nodes::NodeConn;
 use routing::Retry;
-
-type NodeConn = Arc<parking_lot::Mutex<Option<XferClient>>>;
 
 /// Client settings.
 #[derive(Debug, Clone)]
@@ -239,7 +242,12 @@ impl RemoteStore {
     /// The shared-memory path, when enabled, offered (an older server offers none) and on
     /// this host; connected now so that a client reports at once which path it uses.
     fn open_shm(&self) -> Option<ShmClient> {
-        if self.opts.shm == ShmMode::Off || self.limits.cluster {
+        if self.opts.shm == ShmMode::Off {
+            return None;
+        }
+        if self.limits.cluster {
+            // Bytes go to the nodes: open a path to each now (shared memory where it can).
+            self.open_nodes();
             return None;
         }
         let offer = self.run(self.rpc().shm_offer(self.ctx())).ok()??;
@@ -262,8 +270,14 @@ impl RemoteStore {
     }
 
     /// Whether calls move bytes through shared memory (the server is on this host and its
-    /// socket answered).
+    /// socket answered; against a split deployment's master: with at least one store node).
     pub fn uses_shm(&self) -> bool {
+        if self.limits.cluster {
+            return self
+                .node_paths()
+                .iter()
+                .any(|(_, p)| *p == DataPath::SharedMemory);
+        }
         self.shm.as_ref().is_some_and(|s| s.lock().is_live())
     }
 
@@ -528,7 +542,7 @@ impl RemoteStore {
         }
         let mut s = slot.lock();
         let addr = s.addr;
-        let r = self.on_conn(addr, &mut s.conn, Retry::Once, f);
+        let r = self.on_conn(addr, &mut s.conn, Retry::Once, &mut |_| {}, f);
         if matches!(r, Err(L3Error::RpcFail(_))) {
             // Twice in a row: the server is gone or moved; the next call redials.
             self.broken.store(true, Ordering::Release);
@@ -539,12 +553,14 @@ impl RemoteStore {
     /// Runs `f` on the data connection in `conn` to `addr`, opening it first if needed. A
     /// transport failure drops the connection; with `Retry::Once` (idempotent calls only) `f`
     /// runs once more on a fresh one. The one reconnect loop of the transfer channel and of
-    /// the store nodes.
+    /// the store nodes; `opened` sees each fresh connection first (a node's is asked for its
+    /// shared-memory offer).
     fn on_conn<T>(
         &self,
         addr: SocketAddr,
         conn: &mut Option<XferClient>,
         retry: Retry,
+        opened: &mut dyn FnMut(&mut XferClient),
         mut f: impl FnMut(&mut XferClient) -> L3Result<T>,
     ) -> L3Result<T> {
         let attempts = match retry {
@@ -555,11 +571,15 @@ impl RemoteStore {
         for _ in 0..attempts {
             let c = match conn {
                 Some(c) => c,
-                None => conn.insert(XferClient::connect(
-                    addr,
-                    self.opts.token.clone(),
-                    self.frame_cap(),
-                )?),
+                None => {
+                    let c = conn.insert(XferClient::connect(
+                        addr,
+                        self.opts.token.clone(),
+                        self.frame_cap(),
+                    )?);
+                    opened(c);
+                    c
+                }
             };
             match f(c) {
                 Err(L3Error::RpcFail(m)) => {

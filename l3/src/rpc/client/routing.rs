@@ -11,7 +11,6 @@ use super::RemoteStore;
 use crate::api::{BatchResult, L3Store};
 use crate::error::{L3Error, L3Result};
 use crate::rpc::service::{ClusterReply, ClusterRequest};
-use crate::rpc::xfer::XferClient;
 use crate::types::{
     PutHandle, PutOptions, QueryResult, ReplicaDescriptor, ReplicateConfig, Tenant,
 };
@@ -27,19 +26,6 @@ pub(super) enum Retry {
 }
 
 impl RemoteStore {
-    /// Runs `f` on the data connection to the store node at `addr` (opened on first use).
-    /// A transport failure drops the connection; `retry` (idempotent calls only) then runs
-    /// `f` once more on a fresh one.
-    fn with_node<T>(
-        &self,
-        addr: SocketAddr,
-        retry: Retry,
-        f: impl FnMut(&mut XferClient) -> L3Result<T>,
-    ) -> L3Result<T> {
-        let slot = self.nodes.lock().entry(addr).or_default().clone();
-        self.on_conn(addr, &mut slot.lock(), retry, f)
-    }
-
     /// Split deployment: reads through the master's descriptors from the nodes.
     pub(super) fn cluster_get(
         &self,
@@ -140,9 +126,7 @@ impl RemoteStore {
                     .filter(|(i, _)| mask[*i])
                     .map(|(_, b)| &mut **b)
                     .collect();
-                let res = self.with_node(addr, Retry::Once, |x| {
-                    x.node_read(tenant, &ks, &reps, &mut sub)
-                });
+                let res = self.node_read_at(addr, tenant, &ks, &reps, &mut sub);
                 let per_key: Vec<L3Result<u64>> = match res {
                     Ok(v) if v.len() == items.len() => v,
                     Ok(_) => {
@@ -196,32 +180,22 @@ impl RemoteStore {
                 }
             }
         }
-        let one_node =
-            |addr: SocketAddr, items: Vec<(usize, PutHandle)>| {
-                let mut res: Vec<(usize, L3Result<()>)> = Vec::with_capacity(items.len());
-                let ranges = self.chunks(items.len(), |j| {
-                    data.get(items[j].0).map_or(0, |d| d.len()) + items[j].1.key.len()
-                });
-                for r in ranges {
-                    let part = &items[r];
-                    let hs: Vec<PutHandle> = part.iter().map(|(_, h)| h.clone()).collect();
-                    let ds: Vec<&[u8]> = if data.is_empty() {
-                        Vec::new()
-                    } else {
-                        part.iter().map(|(i, _)| data[*i]).collect()
-                    };
-                    match self.with_node(addr, Retry::Never, |x| x.node_put(&hs, &ds, end)) {
-                        Ok(v) if v.len() == part.len() => {
-                            res.extend(part.iter().map(|(i, _)| *i).zip(v));
-                        }
-                        Ok(_) => res.extend(part.iter().map(|(i, _)| {
-                            (*i, Err(L3Error::RpcFail("reply length mismatch".into())))
-                        })),
-                        Err(e) => res.extend(part.iter().map(|(i, _)| (*i, Err(e.clone())))),
-                    }
-                }
-                res
+        let one_node = |addr: SocketAddr, items: Vec<(usize, PutHandle)>| {
+            let hs: Vec<PutHandle> = items.iter().map(|(_, h)| h.clone()).collect();
+            let ds: Vec<&[u8]> = if data.is_empty() {
+                Vec::new()
+            } else {
+                items.iter().map(|(i, _)| data[*i]).collect()
             };
+            let at = items.iter().map(|(i, _)| *i);
+            match self.node_put_at(addr, &hs, &ds, end) {
+                Ok(v) if v.len() == items.len() => at.zip(v).collect(),
+                Ok(_) => at
+                    .map(|i| (i, Err(L3Error::RpcFail("reply length mismatch".into()))))
+                    .collect(),
+                Err(e) => at.map(|i| (i, Err(e.clone()))).collect(),
+            }
+        };
         let mut groups: Vec<(SocketAddr, Vec<(usize, PutHandle)>)> = groups.into_iter().collect();
         let results: Vec<Vec<(usize, L3Result<()>)>> = match groups.pop() {
             None => Vec::new(),

@@ -313,19 +313,20 @@ impl ShmClient {
     }
 
     /// Connects, drops dead regions and plans the batch; None: use TCP.
-    fn prepare(&mut self, bufs: &[(*const u8, usize)], keys: &[String]) -> Option<Plan> {
+    fn prepare(&mut self, bufs: &[(*const u8, usize)], meta: &[usize]) -> Option<Plan> {
         self.connect().and_then(|()| self.purge()).ok()?;
-        self.plan(bufs, keys)
+        self.plan(bufs, meta)
     }
 
     /// Places each buffer (in place or staged) and splits the batch into requests that fit
     /// half the staging segment, the server's key limit and the frame limit; requests
     /// alternate between the two halves, so the client copies one while the server works on
     /// the other. None when a staged buffer alone exceeds half the staging segment.
+    /// `meta[i]`: the request bytes item `i` takes besides its range (its key, handle…).
     fn plan(
         &self,
         bufs: &[(*const u8, usize)],
-        keys: &[String],
+        meta: &[usize],
     ) -> Option<Vec<Vec<(usize, Place)>>> {
         let cap = self.staging_bytes / 2 / ALIGN * ALIGN;
         let mut out = Vec::new();
@@ -337,7 +338,7 @@ impl ShmClient {
             if need > cap {
                 return None;
             }
-            let fk = keys.get(i).map_or(0, String::len) + 96;
+            let fk = meta.get(i).copied().unwrap_or(0) + 96;
             let at = used.div_ceil(ALIGN) * ALIGN;
             if !cur.is_empty()
                 && (at + need > cap
@@ -393,11 +394,30 @@ impl ShmClient {
         opts: PutOptions,
         cfg: ReplicateConfig,
     ) -> ShmOutcome<Vec<L3Result<()>>> {
+        let meta: Vec<usize> = keys.iter().map(String::len).collect();
+        self.put_by(bufs, &meta, |idx, ranges| ShmRequest::Put {
+            tenant: tenant.clone(),
+            keys: idx.iter().map(|&i| keys[i].clone()).collect(),
+            ranges,
+            opts,
+            cfg,
+        })
+    }
+
+    /// A batched write of `bufs` (staged or in place, pipelined), each request built by
+    /// `request(indices in the batch, their ranges)`: a `Put`, or a store node's `NodePut`.
+    /// `meta` as in [`Self::plan`].
+    pub(crate) fn put_by(
+        &mut self,
+        bufs: &[&[u8]],
+        meta: &[usize],
+        mut request: impl FnMut(&[usize], Vec<ShmRange>) -> ShmRequest,
+    ) -> ShmOutcome<Vec<L3Result<()>>> {
         let ptrs: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.as_ptr(), b.len())).collect();
-        let Some(plan) = self.prepare(&ptrs, keys) else {
+        let Some(plan) = self.prepare(&ptrs, meta) else {
             return ShmOutcome::UseTcp;
         };
-        let mut out = Vec::with_capacity(keys.len());
+        let mut out = Vec::with_capacity(bufs.len());
         // The reply to request k-1 is read after request k is sent: the client copies chunk
         // k into one half of the staging segment while the server reads chunk k-1 from the
         // other (chunk k+1 reuses chunk k-1's half only once that reply is in).
@@ -416,13 +436,8 @@ impl ShmClient {
                 }
                 ranges.push(self.range_of(p, bufs[i].len()));
             }
-            let req = ShmRequest::Put {
-                tenant: tenant.clone(),
-                keys: chunk.iter().map(|&(i, _)| keys[i].clone()).collect(),
-                ranges,
-                opts,
-                cfg,
-            };
+            let idx: Vec<usize> = chunk.iter().map(|&(i, _)| i).collect();
+            let req = request(&idx, ranges);
             if let Err(e) = self.send(&req) {
                 return ShmOutcome::Done(Err(e));
             }
@@ -450,23 +465,39 @@ impl ShmClient {
         queries: Option<&[QueryResult]>,
         bufs: &mut [&mut [u8]],
     ) -> ShmOutcome<Vec<L3Result<u64>>> {
-        let ptrs: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.as_ptr(), b.len())).collect();
-        let Some(plan) = self.prepare(&ptrs, keys) else {
-            return ShmOutcome::UseTcp;
-        };
-        let request = |me: &Self, chunk: &[(usize, Place)], bufs: &[&mut [u8]]| ShmRequest::Get {
+        let meta: Vec<usize> = keys.iter().map(String::len).collect();
+        self.get_by(bufs, &meta, |idx, ranges| ShmRequest::Get {
             tenant: tenant.clone(),
             keys: match queries {
                 Some(_) => Vec::new(),
-                None => chunk.iter().map(|&(i, _)| keys[i].clone()).collect(),
+                None => idx.iter().map(|&i| keys[i].clone()).collect(),
             },
-            queries: queries.map(|q| chunk.iter().map(|&(i, _)| q[i].clone()).collect()),
-            ranges: chunk
+            queries: queries.map(|q| idx.iter().map(|&i| q[i].clone()).collect()),
+            ranges,
+        })
+    }
+
+    /// A batched read into `bufs` (staged or in place, pipelined), each request built by
+    /// `build(indices in the batch, their ranges)`: a `Get`, or a store node's `NodeRead`.
+    pub(crate) fn get_by(
+        &mut self,
+        bufs: &mut [&mut [u8]],
+        meta: &[usize],
+        mut build: impl FnMut(&[usize], Vec<ShmRange>) -> ShmRequest,
+    ) -> ShmOutcome<Vec<L3Result<u64>>> {
+        let ptrs: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.as_ptr(), b.len())).collect();
+        let Some(plan) = self.prepare(&ptrs, meta) else {
+            return ShmOutcome::UseTcp;
+        };
+        let mut request = |me: &Self, chunk: &[(usize, Place)], bufs: &[&mut [u8]]| {
+            let idx: Vec<usize> = chunk.iter().map(|&(i, _)| i).collect();
+            let ranges = chunk
                 .iter()
                 .map(|&(i, p)| me.range_of(p, bufs[i].len()))
-                .collect(),
+                .collect();
+            build(&idx, ranges)
         };
-        let mut out = Vec::with_capacity(keys.len());
+        let mut out = Vec::with_capacity(bufs.len());
         // Request k+1 is sent before chunk k is copied out: the server fills one half of the
         // staging segment while the client empties the other.
         if let Some(first) = plan.first() {

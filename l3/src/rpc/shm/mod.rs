@@ -28,8 +28,15 @@
 //! - **Cleanup.** A connection's segments are unmapped and their descriptors closed when it
 //!   ends, however it ends (a SIGKILLed client's socket closes), so the kernel frees them.
 //!
+//! - **Store nodes.** A store node of a split deployment serves the same socket for its own
+//!   bytes (`NodePut` of puts the master placed on it, `NodeRead` by the master's
+//!   descriptors); what a connection serves beyond hello and registration is a
+//!   [`ShmHandler`] — the embedded store or the node (`cluster/node/shm.rs`), which runs the
+//!   very code of its TCP data channel. A node's offer is asked on its (authenticated) data
+//!   channel, so clients reach it whichever master leads.
+//!
 //! Files: `segment` (memfd, mapping, descriptor passing), `server` (listener, per-connection
-//! loop), `client` ([`ShmClient`]).
+//! loop, segment tables), `client` ([`ShmClient`]).
 
 mod client;
 pub mod segment;
@@ -40,10 +47,12 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{L3Error, L3Result};
-use crate::types::{PutOptions, QueryResult, ReplicateConfig, Tenant};
+use crate::types::{
+    PutHandle, PutOptions, QueryResult, ReplicaDescriptor, ReplicateConfig, Tenant,
+};
 
 pub use client::{SharedRegion, ShmClient, ShmOutcome};
-pub use server::{MAX_MAPPED_PER_CONN, MAX_SEGMENTS_PER_CONN, ShmServer};
+pub use server::{MAX_MAPPED_PER_CONN, MAX_SEGMENTS_PER_CONN, SegTable, ShmServer, copy_out};
 
 /// Environment variable that turns the shared-memory path off for clients and servers of
 /// this process (`off`, `0`, `false`, `no`).
@@ -134,6 +143,47 @@ pub enum ShmRequest {
         /// One destination per key; its length is the capacity.
         ranges: Vec<ShmRange>,
     },
+    /// Store node: write the bytes of puts the master placed on it (one range per handle)
+    /// and, with `end`, end them (as the data channel's `NodePut`).
+    NodePut {
+        /// Handles from the master's `PutStart`, one per replica on this node.
+        handles: Vec<PutHandle>,
+        /// One range per handle: the bytes.
+        ranges: Vec<ShmRange>,
+        /// End the puts with these options.
+        end: Option<PutOptions>,
+    },
+    /// Store node: read replicas named by the master's descriptors into the client's
+    /// segments (as the data channel's `NodeRead`).
+    NodeRead {
+        /// Tenant.
+        tenant: Tenant,
+        /// Keys.
+        keys: Vec<String>,
+        /// One descriptor per key.
+        replicas: Vec<ReplicaDescriptor>,
+        /// One destination per key; its length is the capacity.
+        ranges: Vec<ShmRange>,
+    },
+}
+
+/// What a shared-memory connection serves once authenticated, besides registration: the
+/// data requests (`Put`/`Get` for the embedded store, `NodePut`/`NodeRead` for a store
+/// node), their ranges resolved through the connection's own [`SegTable`].
+pub trait ShmHandler: Send + Sync + 'static {
+    /// Serves one data request.
+    fn handle(&self, req: ShmRequest, segs: &SegTable) -> ShmReply;
+}
+
+/// The typed refusal of a data request a handler does not serve (-1010), in the reply kind
+/// the request expects.
+pub fn refuse(req: &ShmRequest, why: &str) -> ShmReply {
+    let e = L3Error::Unavailable(why.to_string());
+    match req {
+        ShmRequest::Put { .. } | ShmRequest::NodePut { .. } => ShmReply::Put(Err(e)),
+        ShmRequest::Get { .. } | ShmRequest::NodeRead { .. } => ShmReply::Get(Err(e)),
+        _ => ShmReply::Done(Err(e)),
+    }
 }
 
 /// Replies.

@@ -5,8 +5,10 @@
 //! Why per connection: a segment id means something only on the connection that
 //! registered it, so no request can name another client's memory, and everything a client
 //! registered is unmapped when its connection ends (a killed client's socket closes).
-//! Every range of a request is checked against that table before the store is called; one
-//! bad range fails the whole call and nothing is read or written.
+//! Every range of a request is checked against that table ([`SegTable`]) before the store
+//! is called; one bad range fails the whole call and nothing is read or written. What the
+//! data requests do is the [`ShmHandler`]'s: the embedded store's is here, a store node's
+//! in `cluster/node/shm.rs`.
 
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
@@ -26,7 +28,7 @@ use crate::store::EmbeddedStore;
 use crate::types::Blob;
 
 use super::segment::{Mapping, Received, boot_id, random16, recv_fd};
-use super::{ShmOffer, ShmRange, ShmReply, ShmRequest, check_range};
+use super::{ShmHandler, ShmOffer, ShmRange, ShmReply, ShmRequest, check_range, refuse};
 
 /// Most segments one connection may register (a client needs its staging segment plus a
 /// few registered pools).
@@ -50,11 +52,11 @@ fn hex(b: &[u8]) -> String {
 }
 
 impl ShmServer {
-    /// Binds a socket with an unguessable name in `dir` and serves `store`. Unavailable
-    /// (-1010) where the host's boot id cannot be read (clients could not tell they share
-    /// the host).
+    /// Binds a socket with an unguessable name in `dir` and serves `store` (the embedded
+    /// store or a store node). Unavailable (-1010) where the host's boot id cannot be read
+    /// (clients could not tell they share the host).
     pub fn start(
-        store: Arc<EmbeddedStore>,
+        store: Arc<dyn ShmHandler>,
         dir: &Path,
         token: Option<TokenDigest>,
         max_frame: usize,
@@ -81,9 +83,8 @@ impl ShmServer {
         let st = stop.clone();
         let serve: ServeConn<UnixStream> = Arc::new(move |sock, hello| {
             let mut c = ShmConn {
-                store: &store,
-                segs: HashMap::new(),
-                next: 1,
+                store: &*store,
+                segs: SegTable::default(),
             };
             c.serve(sock, token.as_ref(), max_frame, nonce, &st, hello);
         });
@@ -149,9 +150,23 @@ impl Drop for ShmServer {
 
 /// One connection: its segments, dropped (unmapped) with it.
 struct ShmConn<'a> {
-    store: &'a EmbeddedStore,
+    store: &'a dyn ShmHandler,
+    segs: SegTable,
+}
+
+/// A connection's registered segments by id; ids mean nothing on another connection.
+pub struct SegTable {
     segs: HashMap<u32, Mapping>,
     next: u32,
+}
+
+impl Default for SegTable {
+    fn default() -> Self {
+        SegTable {
+            segs: HashMap::new(),
+            next: 1,
+        }
+    }
 }
 
 impl ShmConn<'_> {
@@ -205,7 +220,7 @@ impl ShmConn<'_> {
                     return;
                 }
                 ShmRequest::Register { len } => match recv_fd(&sock) {
-                    Ok(Received::One(fd)) => ShmReply::Registered(self.register(fd, len)),
+                    Ok(Received::One(fd)) => ShmReply::Registered(self.segs.register(fd, len)),
                     Ok(Received::Bad(why)) => {
                         ShmReply::Registered(Err(L3Error::InvalidParams(why)))
                     }
@@ -213,52 +228,61 @@ impl ShmConn<'_> {
                 },
                 ShmRequest::Unregister { seg } => ShmReply::Done(
                     self.segs
+                        .segs
                         .remove(&seg)
                         .map(drop)
                         .ok_or(L3Error::SegmentNotFound),
                 ),
-                ShmRequest::Put {
-                    tenant,
-                    keys,
-                    ranges,
-                    opts,
-                    cfg,
-                } => ShmReply::Put(self.resolve(&ranges, keys.len()).and_then(|rs| {
-                    // SAFETY: every range was checked inside its mapping; the store only
-                    // copies out of these slices.
-                    let bufs: Vec<&[u8]> = rs
-                        .iter()
-                        .map(|(m, r)| unsafe { m.bytes(r.start, r.len()) })
-                        .collect();
-                    self.store
-                        .batch_put_from_with(&tenant, &keys, &bufs, opts, cfg)
-                })),
-                ShmRequest::Get {
-                    tenant,
-                    keys,
-                    queries,
-                    ranges,
-                } => {
-                    let n = queries.as_ref().map_or(keys.len(), Vec::len);
-                    ShmReply::Get(self.resolve(&ranges, n).and_then(|rs| {
-                        let blobs = match &queries {
-                            Some(q) => self.store.batch_get_with_query_blobs(&tenant, q)?,
-                            None => self.store.batch_get_blobs(&tenant, &keys)?,
-                        };
-                        Ok(blobs
-                            .into_iter()
-                            .zip(rs)
-                            .map(|(b, (m, r))| b.and_then(|b| copy_out(&b, m, r)))
-                            .collect())
-                    }))
-                }
+                req => self.store.handle(req, &self.segs),
             };
             if write_frame(&mut sock, &reply).is_err() {
                 return;
             }
         }
     }
+}
 
+impl ShmHandler for EmbeddedStore {
+    fn handle(&self, req: ShmRequest, segs: &SegTable) -> ShmReply {
+        match req {
+            ShmRequest::Put {
+                tenant,
+                keys,
+                ranges,
+                opts,
+                cfg,
+            } => ShmReply::Put(
+                segs.sources(&ranges, keys.len())
+                    .and_then(|bufs| self.batch_put_from_with(&tenant, &keys, &bufs, opts, cfg)),
+            ),
+            ShmRequest::Get {
+                tenant,
+                keys,
+                queries,
+                ranges,
+            } => {
+                let n = queries.as_ref().map_or(keys.len(), Vec::len);
+                ShmReply::Get(segs.resolve(&ranges, n).and_then(|rs| {
+                    let blobs = match &queries {
+                        Some(q) => self.batch_get_with_query_blobs(&tenant, q)?,
+                        None => self.batch_get_blobs(&tenant, &keys)?,
+                    };
+                    Ok(blobs
+                        .into_iter()
+                        .zip(rs)
+                        .map(|(b, (m, r))| b.and_then(|b| copy_out(&b, m, r)))
+                        .collect())
+                }))
+            }
+            other => refuse(
+                &other,
+                "a store node's request: this server holds its own data",
+            ),
+        }
+    }
+}
+
+impl SegTable {
     fn register(&mut self, fd: std::os::fd::OwnedFd, len: u64) -> L3Result<u32> {
         if self.segs.len() >= MAX_SEGMENTS_PER_CONN {
             return Err(L3Error::InvalidParams(format!(
@@ -278,8 +302,19 @@ impl ShmConn<'_> {
         Ok(id)
     }
 
+    /// The bytes of `ranges` (one per key, `n` keys), each checked inside its segment.
+    pub fn sources(&self, ranges: &[ShmRange], n: usize) -> L3Result<Vec<&[u8]>> {
+        // SAFETY: every range was checked inside its mapping; callers only copy out of
+        // these slices.
+        Ok(self
+            .resolve(ranges, n)?
+            .iter()
+            .map(|(m, r)| unsafe { m.bytes(r.start, r.len()) })
+            .collect())
+    }
+
     /// Checks `ranges` (one per key, `n` keys) against this connection's segments.
-    fn resolve(
+    pub fn resolve(
         &self,
         ranges: &[ShmRange],
         n: usize,
@@ -305,7 +340,7 @@ impl ShmConn<'_> {
 }
 
 /// Copies an object into a checked range: its size, or -10 when the range is too small.
-fn copy_out(b: &Blob, m: &Mapping, r: std::ops::Range<usize>) -> L3Result<u64> {
+pub fn copy_out(b: &Blob, m: &Mapping, r: std::ops::Range<usize>) -> L3Result<u64> {
     let src = b.as_slice();
     if src.len() > r.len() {
         return Err(L3Error::BufferOverflow {

@@ -174,6 +174,17 @@ impl XferClient {
         }
     }
 
+    /// Store node: its shared-memory offer (None: none, or a node or server that does not
+    /// know the request).
+    pub fn shm_offer(&mut self) -> L3Result<Option<crate::rpc::shm::ShmOffer>> {
+        write_frame(&mut self.sock, &XferRequest::ShmOffer).map_err(io_err)?;
+        match read_frame(&mut self.sock, self.max_frame).map_err(frame_err)? {
+            XferReply::ShmOffer(o) => Ok(o),
+            XferReply::Get(Err(_)) => Ok(None),
+            _ => Err(L3Error::RpcFail("unexpected reply".into())),
+        }
+    }
+
     /// Store node: waits for its queued SSD writes.
     pub fn node_flush(&mut self) -> L3Result<()> {
         write_frame(&mut self.sock, &XferRequest::NodeFlush).map_err(io_err)?;

@@ -98,6 +98,9 @@ pub enum XferRequest {
     },
     /// Store node: wait until queued SSD writes are durable and registered.
     NodeFlush,
+    /// Store node: its shared-memory offer for clients on its host (see
+    /// [`crate::rpc::shm`]); asked on this authenticated channel, as a server's is on RPC.
+    ShmOffer,
 }
 
 /// Replies.
@@ -111,6 +114,8 @@ pub enum XferReply {
     Get(L3Result<Vec<L3Result<u64>>>),
     /// Per-item outcome (`NodePut`, `NodeFlush`).
     Batch(L3Result<Vec<L3Result<()>>>),
+    /// `ShmOffer`: the node's offer (None: it serves none, e.g. `--no-shm`).
+    ShmOffer(Option<crate::rpc::shm::ShmOffer>),
 }
 
 /// What a transfer connection serves once authenticated: one request, written reply.
