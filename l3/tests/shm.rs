@@ -4,12 +4,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::procs::{args, eventually, kill9, spawn};
+use common::procs::{args, eventually, kill9, spawn, test_child};
 use common::{payload, t};
 use kvtier_l3::{ClientOptions, L3Error, L3Store, PutOptions, RemoteStore, ShmMode};
 
@@ -41,7 +40,8 @@ fn same_host_client_uses_shm_and_agrees_with_tcp() {
     let srv = server(&[]);
     // A 1 MiB staging segment: the 4 MiB object below cannot be staged (goes over TCP) and
     // the batch of 12 × 200 KiB needs several requests.
-    let shm = connect(srv.addr, ShmMode::Auto, 1 << 20);
+    // Staging forced (in-place copies have their own tests, `shm_inplace.rs`).
+    let shm = connect(srv.addr, ShmMode::Staging, 1 << 20);
     let tcp = connect(srv.addr, ShmMode::Off, 1 << 20);
     assert!(shm.uses_shm(), "same host, shm on: the shared-memory path");
     assert!(!tcp.uses_shm());
@@ -238,25 +238,7 @@ fn killed_client_leaks_nothing() {
     let base_shmem = status_kb(pid, "RssShmem:");
     assert_eq!(mapped_memfds(pid), 0);
     for round in 0..3 {
-        let mut kid: Child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_shm_client",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
-            .env(CHILD_ENV, srv.addr.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let out = kid.stdout.take().unwrap();
-        let ready = BufReader::new(out)
-            .lines()
-            .map_while(Result::ok)
-            .any(|l| l.contains("KVTIER-CHILD READY"));
-        assert!(ready, "round {round}: the client did not start");
+        let mut kid = test_child("child_shm_client", CHILD_ENV, &srv.addr.to_string());
         // Mapped while it runs: staging and region (the check below can fail).
         assert_eq!(mapped_memfds(pid), 2, "round {round}: segments mapped");
         std::thread::sleep(Duration::from_millis(30 + 40 * round));
@@ -343,7 +325,7 @@ fn pipelined_chunks_agree_with_tcp() {
         return;
     }
     let srv = server(&[]);
-    let shm = connect(srv.addr, ShmMode::Auto, 256 << 10);
+    let shm = connect(srv.addr, ShmMode::Staging, 256 << 10);
     let tcp = connect(srv.addr, ShmMode::Off, 256 << 10);
     let region = shm.shared_region(1 << 20).unwrap();
     // SAFETY: the region is ours for its whole length while `region` lives.

@@ -1,8 +1,10 @@
 //! Scenario `shm`: 1, 4 and 8 client *processes* on this host doing batch put/get of 1 MiB
-//! and 8 MiB objects (64 MiB per process per batch), four ways in one run:
+//! and 8 MiB objects (64 MiB per process per batch), five ways in one run:
 //! - `embedded`: each process its own embedded store (the reference: no second process);
 //! - `shm`: one `kvtier-l3` server, clients on its shared-memory path, plain caller buffers
-//!   (staged: one memcpy in the client, one in the server);
+//!   copied in place by the server (`process_vm_readv`/`writev`: one copy);
+//! - `shm-staging`: the same, forced through the staging segment (`ShmMode::Staging`: one
+//!   memcpy in the client, one in the server);
 //! - `shm-region`: the same with the buffers inside a shared region (a Mooncake dummy
 //!   client's `alloc_from_mem_pool` memory: no copy in the client);
 //! - `tcp`: the same server with the shared-memory path off (the transfer channel).
@@ -26,7 +28,7 @@ use kvtier_l3::{
 use super::{R, Server, median, payload, row, serde_row, start_proc};
 
 const BATCH_BYTES: usize = 64 << 20;
-const MODES: [&str; 4] = ["embedded", "shm", "shm-region", "tcp"];
+const MODES: [&str; 5] = ["embedded", "shm", "shm-staging", "shm-region", "tcp"];
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -72,10 +74,10 @@ pub fn worker(spec: &str) -> R<()> {
     let c = RemoteStore::connect(
         addr.parse().map_err(err)?,
         ClientOptions {
-            shm: if mode == "tcp" {
-                ShmMode::Off
-            } else {
-                ShmMode::Auto
+            shm: match mode {
+                "tcp" => ShmMode::Off,
+                "shm-staging" => ShmMode::Staging,
+                _ => ShmMode::Auto,
             },
             ..Default::default()
         },
@@ -83,6 +85,9 @@ pub fn worker(spec: &str) -> R<()> {
     .map_err(err)?;
     if (mode != "tcp") != c.uses_shm() {
         return Err(format!("{mode}: shared memory in use = {}", c.uses_shm()));
+    }
+    if (mode == "shm") != c.shm_in_place() {
+        return Err(format!("{mode}: in-place copies = {}", c.shm_in_place()));
     }
     let bufs = if mode == "shm-region" {
         Bufs::Shared(c.shared_region(2 * BATCH_BYTES).map_err(err)?)

@@ -28,10 +28,18 @@
 //! - **Cleanup.** A connection's segments are unmapped and their descriptors closed when it
 //!   ends, however it ends (a SIGKILLed client's socket closes), so the kernel frees them.
 //!
+//! - **In place.** A buffer outside any segment (a Python `bytes`, a tensor) is copied by the
+//!   server itself, with `process_vm_readv` / `process_vm_writev`, straight between the
+//!   caller's memory and the store's replica (one copy instead of two through the staging
+//!   segment) when the probe at connect allowed it; see `inplace` for the checks.
+//!
 //! Files: `segment` (memfd, mapping, descriptor passing), `server` (listener, per-connection
-//! loop), `client` ([`ShmClient`]).
+//! loop), `client` ([`ShmClient`]), `inplace` (the in-place protocol), `peer` (the client
+//! process and the copies in its memory, with their safety rules).
 
 mod client;
+mod inplace;
+mod peer;
 pub mod segment;
 mod server;
 
@@ -46,24 +54,29 @@ pub use client::{SharedRegion, ShmClient, ShmOutcome};
 pub use server::{MAX_MAPPED_PER_CONN, MAX_SEGMENTS_PER_CONN, ShmServer};
 
 /// Environment variable that turns the shared-memory path off for clients and servers of
-/// this process (`off`, `0`, `false`, `no`).
+/// this process (`off`, `0`, `false`, `no`), or makes clients stage every buffer
+/// (`staging`: no in-place copies).
 pub const SHM_ENV: &str = "KVTIER_L3_SHM";
 
 /// Whether to use the shared-memory path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum ShmMode {
-    /// Use it when client and server share a host (the default).
+    /// Use it when client and server share a host (the default); plain buffers are copied
+    /// in place by the server where the probe at connect allows it, else staged.
     #[default]
     Auto,
+    /// Use it, but always through the staging segment (two copies for plain buffers).
+    Staging,
     /// Never (TCP only).
     Off,
 }
 
 impl ShmMode {
-    /// `Off` when [`SHM_ENV`] says so, else `Auto`.
+    /// `Off` or `Staging` when [`SHM_ENV`] says so, else `Auto`.
     pub fn from_env() -> Self {
         match std::env::var(SHM_ENV) {
             Ok(v) if matches!(v.trim(), "off" | "0" | "false" | "no") => ShmMode::Off,
+            Ok(v) if v.trim() == "staging" => ShmMode::Staging,
             _ => ShmMode::Auto,
         }
     }
@@ -88,6 +101,15 @@ pub struct ShmRange {
     /// Offset in the segment.
     pub off: u64,
     /// Length.
+    pub len: u64,
+}
+
+/// A buffer in the client's own address space, for in-place copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteBuf {
+    /// Its address in the client.
+    pub addr: u64,
+    /// Its length (a get's capacity).
     pub len: u64,
 }
 
@@ -133,6 +155,40 @@ pub enum ShmRequest {
         queries: Option<Vec<QueryResult>>,
         /// One destination per key; its length is the capacity.
         ranges: Vec<ShmRange>,
+    },
+    /// Asks for in-place copies: the server reads the 16 bytes at `addr` in the client,
+    /// expects `nonce` there and writes their complement at `back` (`Done`).
+    Probe {
+        /// Address of the nonce in the client.
+        addr: u64,
+        /// The nonce.
+        nonce: [u8; 16],
+        /// Where the server writes the complement.
+        back: u64,
+    },
+    /// `Put`, the server reading each key's bytes in place from the client (`Put` reply).
+    PutAt {
+        /// Tenant.
+        tenant: Tenant,
+        /// Keys.
+        keys: Vec<String>,
+        /// One source per key.
+        bufs: Vec<RemoteBuf>,
+        /// Put options.
+        opts: PutOptions,
+        /// Replication.
+        cfg: ReplicateConfig,
+    },
+    /// `Get`, the server writing each object in place into the client (`Get` reply).
+    GetAt {
+        /// Tenant.
+        tenant: Tenant,
+        /// Keys (ignored when `queries` is set).
+        keys: Vec<String>,
+        /// Query results to read by.
+        queries: Option<Vec<QueryResult>>,
+        /// One destination per key; its length is the capacity.
+        bufs: Vec<RemoteBuf>,
     },
 }
 

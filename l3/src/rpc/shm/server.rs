@@ -25,6 +25,8 @@ use crate::rpc::xfer::{FrameError, read_frame, write_frame};
 use crate::store::EmbeddedStore;
 use crate::types::Blob;
 
+use super::inplace::{serve_get, serve_probe, serve_put};
+use super::peer::Peer;
 use super::segment::{Mapping, Received, boot_id, random16, recv_fd};
 use super::{ShmOffer, ShmRange, ShmReply, ShmRequest, check_range};
 
@@ -84,6 +86,7 @@ impl ShmServer {
                 store: &store,
                 segs: HashMap::new(),
                 next: 1,
+                peer: None,
             };
             c.serve(sock, token.as_ref(), max_frame, nonce, &st, hello);
         });
@@ -152,6 +155,8 @@ struct ShmConn<'a> {
     store: &'a EmbeddedStore,
     segs: HashMap<u32, Mapping>,
     next: u32,
+    /// The client process, once the in-place probe passed (see `inplace`).
+    peer: Option<Peer>,
 }
 
 impl ShmConn<'_> {
@@ -252,6 +257,40 @@ impl ShmConn<'_> {
                             .collect())
                     }))
                 }
+                ShmRequest::Probe { addr, nonce, back } => {
+                    self.peer = None;
+                    ShmReply::Done(
+                        serve_probe(&sock, addr, nonce, back).map(|p| self.peer = Some(p)),
+                    )
+                }
+                ShmRequest::PutAt {
+                    tenant,
+                    keys,
+                    bufs,
+                    opts,
+                    cfg,
+                } => ShmReply::Put(serve_put(
+                    self.store,
+                    self.peer.as_ref(),
+                    &tenant,
+                    &keys,
+                    &bufs,
+                    opts,
+                    cfg,
+                )),
+                ShmRequest::GetAt {
+                    tenant,
+                    keys,
+                    queries,
+                    bufs,
+                } => ShmReply::Get(serve_get(
+                    self.store,
+                    self.peer.as_ref(),
+                    &tenant,
+                    &keys,
+                    queries.as_deref(),
+                    &bufs,
+                )),
             };
             if write_frame(&mut sock, &reply).is_err() {
                 return;
