@@ -75,6 +75,30 @@ def test_l3store_uses_shm_on_the_same_host_and_agrees_with_tcp(proc):
     assert len(proc.memfd_maps("kvtier-shm-staging")) == 1
 
 
+def test_plain_buffers_go_in_place_and_agree_with_forced_staging(proc):
+    """Plain Python buffers are copied by the server in place (one copy); a client forced
+    onto the staging segment (``KVTIER_L3_SHM=staging``) reads the same bytes."""
+    fast = kvtier.L3Store.connect(proc.addr)
+    assert fast.uses_shm and fast.uses_shm_in_place
+    rng = np.random.default_rng(2)
+    objs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 4099, 3 << 20)]
+    keys = [f"ip{i}" for i in range(len(objs))]
+    assert list(fast.batch_put_from(keys, objs)) == [0, 0, 0]
+    fast.put("bytes", b"plain bytes")
+    code = ("import kvtier, sys, hashlib; s = kvtier.L3Store.connect(sys.argv[1]); "
+            "print(s.uses_shm, s.uses_shm_in_place, s.get('bytes').decode(), "
+            "*[hashlib.sha256(s.get(k)).hexdigest() for k in sys.argv[2:]])")
+    env = dict(os.environ, KVTIER_L3_SHM="staging")
+    out = subprocess.run([sys.executable, "-c", code, proc.addr, *keys], env=env, capture_output=True,
+                         text=True, timeout=60)
+    import hashlib
+    want = ["True", "False", "plain", "bytes"] + [hashlib.sha256(o.tobytes()).hexdigest() for o in objs]
+    assert out.stdout.split() == want, out.stderr[-2000:]
+    outs = [np.zeros(len(o) + 1, dtype=np.uint8) for o in objs]
+    assert list(fast.batch_get_into(keys, outs)) == [len(o) for o in objs]
+    assert all(np.array_equal(b[:len(o)], o) and b[len(o)] == 0 for o, b in zip(objs, outs))
+
+
 def test_off_switches(proc):
     code = ("import kvtier, sys; s = kvtier.L3Store.connect(sys.argv[1]); "
             "s.put('e', b'x'); print(s.uses_shm, s.get('e'))")
@@ -117,7 +141,7 @@ def test_dummy_client_pool_is_shared_with_the_server(proc):
     assert np.array_equal(pool_b[:half], src[half:]) and np.array_equal(pool_b[half:], src[:half])
     assert d.batch_put_from_multi_buffers(["m"], [[a + 10, a + 100]], [[5, 7]]) == [0]
     assert tcp.get("m") == src[10:15].tobytes() + src[100:107].tobytes()
-    # Caller memory registered with register_buffer goes through the staging segment.
+    # Caller memory registered with register_buffer: copied in place by the server.
     mine = np.arange(4096, dtype=np.uint8)
     assert d.register_buffer(mine.ctypes.data, mine.nbytes) == 0
     assert d.put_from("mine", mine.ctypes.data, mine.nbytes) == 0

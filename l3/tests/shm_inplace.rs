@@ -86,17 +86,19 @@ proptest! {
     fn plain_buffers_agree_in_place_staging_and_tcp(
         sizes in proptest::collection::vec(
             prop_oneof![Just(0usize), 1usize..5000, (1usize << 20)..(3 << 20)], 1..10),
-        writer in 0usize..3,
+        writer in 0usize..4,
         seed in any::<u16>(),
     ) {
         if child() {
             return Ok(());
         }
         let srv = server();
-        let inplace = connect(srv.addr, ShmMode::Auto);
+        let inplace = connect(srv.addr, ShmMode::InPlace);
+        let auto = connect(srv.addr, ShmMode::Auto);
         let staging = connect(srv.addr, ShmMode::Staging);
         let tcp = connect(srv.addr, ShmMode::Off);
         prop_assert!(inplace.uses_shm() && inplace.shm_in_place());
+        prop_assert!(auto.shm_in_place(), "Auto may choose either copy");
         prop_assert!(staging.uses_shm() && !staging.shm_in_place());
         prop_assert!(!tcp.uses_shm());
         let tn = t("agree");
@@ -110,7 +112,7 @@ proptest! {
             v
         }).collect();
         let srcs: Vec<&[u8]> = padded.iter().map(|v| &v[1..]).collect();
-        let w = [&inplace, &staging, &tcp][writer];
+        let w = [&inplace, &staging, &tcp, &auto][writer];
         let put = w.batch_put_from(&tn, &keys, &srcs, PutOptions::default()).unwrap();
         for (r, d) in put.iter().zip(&data) {
             if d.is_empty() {
@@ -119,7 +121,7 @@ proptest! {
                 prop_assert!(r.is_ok(), "{r:?}");
             }
         }
-        read_back(&[&inplace, &staging, &tcp], &tn, &keys, &data);
+        read_back(&[&inplace, &staging, &tcp, &auto], &tn, &keys, &data);
         // A too-small buffer and a missing key: the same typed errors on every path.
         let ks = vec![keys[0].clone(), "absent".to_string()];
         let mut out = Vec::new();
@@ -366,7 +368,7 @@ fn child_inplace_client() {
     let Ok(addr) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let c = connect(addr.parse().unwrap(), ShmMode::Auto);
+    let c = connect(addr.parse().unwrap(), ShmMode::InPlace);
     assert!(c.shm_in_place());
     let tn = t("killed");
     let data: Vec<Vec<u8>> = (0..16).map(|i| payload(i, 1 << 20)).collect();

@@ -24,6 +24,7 @@ use crate::error::{L3Error, L3Result};
 use crate::rpc::xfer::{FrameError, read_frame, write_frame};
 use crate::types::{PutOptions, QueryResult, ReplicateConfig, Tenant};
 
+use super::choose::{Chooser, CopyPath, Way};
 use super::segment::{Mapping, boot_id, send_fd};
 use super::{ShmMode, ShmOffer, ShmRange, ShmReply, ShmRequest, inplace};
 
@@ -85,7 +86,9 @@ pub struct ShmClient {
     pub(super) max_frame: usize,
     pub(super) max_keys: usize,
     staging_bytes: usize,
-    mode: ShmMode,
+    pub(super) mode: ShmMode,
+    /// Auto mode: which copy plain buffers take (see `choose`).
+    pub(super) chooser: Chooser,
     live: Option<Live>,
     staging: Option<Mapping>,
     /// Regions handed out, and their segment id on the live socket.
@@ -131,6 +134,7 @@ impl ShmClient {
             max_keys: max_keys.max(1),
             staging_bytes: staging_bytes.max(ALIGN),
             mode: ShmMode::Auto,
+            chooser: Chooser::default(),
             live: None,
             staging: None,
             regions: Vec::new(),
@@ -138,7 +142,8 @@ impl ShmClient {
         })
     }
 
-    /// `Staging`: never ask for in-place copies (the other modes: ask).
+    /// `Staging`: never ask for in-place copies; `InPlace`: always use them where allowed;
+    /// `Auto`: the faster of the two, measured (see `choose`).
     pub fn with_mode(mut self, mode: ShmMode) -> Self {
         self.mode = mode;
         self
@@ -274,7 +279,7 @@ impl ShmClient {
         let seg = Self::register_on(&mut sock, &staging, self.max_frame);
         self.staging = Some(staging);
         let staging_seg = seg?;
-        let in_place = self.mode == ShmMode::Auto && inplace::probe(&mut sock, self.max_frame)?;
+        let in_place = self.mode != ShmMode::Staging && inplace::probe(&mut sock, self.max_frame)?;
         self.regions.retain(|(w, _)| w.strong_count() > 0);
         for (w, id) in &mut self.regions {
             *id = match w.upgrade() {
@@ -406,7 +411,7 @@ impl ShmClient {
         Ok(unsafe { s.bytes_mut(at, len) })
     }
 
-    /// Batched put from the caller's buffers.
+    /// Batched put from the caller's buffers: in place, staged, or named in a region.
     pub fn put(
         &mut self,
         tenant: &Tenant,
@@ -416,10 +421,29 @@ impl ShmClient {
         cfg: ReplicateConfig,
     ) -> ShmOutcome<Vec<L3Result<()>>> {
         let ptrs: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.as_ptr(), b.len())).collect();
-        if self.takes_in_place(&ptrs) {
-            return self.put_at(tenant, keys, bufs, opts, cfg);
+        let route = self.plain_route(&ptrs, Way::Put);
+        let t0 = Instant::now();
+        let r = match route {
+            Some(CopyPath::InPlace) => self.put_at(tenant, keys, bufs, opts, cfg),
+            _ => self.put_staged(tenant, keys, bufs, &ptrs, opts, cfg),
+        };
+        if let (Some(p), ShmOutcome::Done(Ok(_))) = (route, &r) {
+            let n = bufs.iter().map(|b| b.len()).sum();
+            self.chooser.record(Way::Put, p, n, t0.elapsed());
         }
-        let Some(plan) = self.prepare(&ptrs, keys) else {
+        r
+    }
+
+    fn put_staged(
+        &mut self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &[&[u8]],
+        ptrs: &[(*const u8, usize)],
+        opts: PutOptions,
+        cfg: ReplicateConfig,
+    ) -> ShmOutcome<Vec<L3Result<()>>> {
+        let Some(plan) = self.prepare(ptrs, keys) else {
             return ShmOutcome::UseTcp;
         };
         let mut out = Vec::with_capacity(keys.len());
@@ -476,10 +500,28 @@ impl ShmClient {
         bufs: &mut [&mut [u8]],
     ) -> ShmOutcome<Vec<L3Result<u64>>> {
         let ptrs: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.as_ptr(), b.len())).collect();
-        if self.takes_in_place(&ptrs) {
-            return self.get_at(tenant, keys, queries, bufs);
+        let route = self.plain_route(&ptrs, Way::Get);
+        let t0 = Instant::now();
+        let r = match route {
+            Some(CopyPath::InPlace) => self.get_at(tenant, keys, queries, bufs),
+            _ => self.get_staged(tenant, keys, queries, bufs, &ptrs),
+        };
+        if let (Some(p), ShmOutcome::Done(Ok(v))) = (route, &r) {
+            let n = v.iter().filter_map(|x| x.as_ref().ok()).sum::<u64>() as usize;
+            self.chooser.record(Way::Get, p, n, t0.elapsed());
         }
-        let Some(plan) = self.prepare(&ptrs, keys) else {
+        r
+    }
+
+    fn get_staged(
+        &mut self,
+        tenant: &Tenant,
+        keys: &[String],
+        queries: Option<&[QueryResult]>,
+        bufs: &mut [&mut [u8]],
+        ptrs: &[(*const u8, usize)],
+    ) -> ShmOutcome<Vec<L3Result<u64>>> {
+        let Some(plan) = self.prepare(ptrs, keys) else {
             return ShmOutcome::UseTcp;
         };
         let request = |me: &Self, chunk: &[(usize, Place)], bufs: &[&mut [u8]]| ShmRequest::Get {

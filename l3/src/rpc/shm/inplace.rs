@@ -40,6 +40,8 @@ use crate::rpc::xfer::{read_frame, write_frame};
 use crate::store::{EmbeddedStore, Filler};
 use crate::types::{PutOptions, QueryResult, ReplicateConfig, Tenant};
 
+use super::ShmMode;
+use super::choose::{CopyPath, Way};
 use super::client::{ShmClient, ShmOutcome};
 use super::peer::{Dir, Peer, peer_cred};
 use super::segment::random16;
@@ -239,13 +241,24 @@ fn remote(p: *const u8, len: usize) -> RemoteBuf {
 }
 
 impl ShmClient {
-    /// Whether a batch goes in place: the connection allows it and some buffer is outside
-    /// every shared region (a batch wholly inside regions is named by segment, no syscall).
-    pub(super) fn takes_in_place(&mut self, bufs: &[(*const u8, usize)]) -> bool {
+    /// How a batch of plain buffers goes, when it has a choice: None when the connection
+    /// has no in-place copies or every buffer is inside a shared region (named by segment,
+    /// no syscall); else in place (`ShmMode::InPlace`) or the faster path measured (`Auto`).
+    pub(super) fn plain_route(
+        &mut self,
+        bufs: &[(*const u8, usize)],
+        way: Way,
+    ) -> Option<CopyPath> {
         if self.connect().and_then(|()| self.purge()).is_err() || !self.in_place() {
-            return false;
+            return None;
         }
-        bufs.iter().any(|&(p, n)| self.locate(p, n).is_none())
+        if bufs.iter().all(|&(p, n)| self.locate(p, n).is_some()) {
+            return None;
+        }
+        Some(match self.mode {
+            ShmMode::InPlace => CopyPath::InPlace,
+            _ => self.chooser.pick(way),
+        })
     }
 
     /// Put, the server reading the caller's buffers in place. The caller's borrow of `bufs`

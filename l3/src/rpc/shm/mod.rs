@@ -37,6 +37,7 @@
 //! loop), `client` ([`ShmClient`]), `inplace` (the in-place protocol), `peer` (the client
 //! process and the copies in its memory, with their safety rules).
 
+mod choose;
 mod client;
 mod inplace;
 mod peer;
@@ -55,16 +56,19 @@ pub use server::{MAX_MAPPED_PER_CONN, MAX_SEGMENTS_PER_CONN, ShmServer};
 
 /// Environment variable that turns the shared-memory path off for clients and servers of
 /// this process (`off`, `0`, `false`, `no`), or makes clients stage every buffer
-/// (`staging`: no in-place copies).
+/// (`staging`: no in-place copies) or copy every plain buffer in place (`inplace`).
 pub const SHM_ENV: &str = "KVTIER_L3_SHM";
 
 /// Whether to use the shared-memory path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum ShmMode {
     /// Use it when client and server share a host (the default); plain buffers are copied
-    /// in place by the server where the probe at connect allows it, else staged.
+    /// in place by the server or staged, whichever this client measured faster (`choose`),
+    /// staged where the probe at connect refused in-place copies.
     #[default]
     Auto,
+    /// As `Auto`, but plain buffers always in place where the probe allowed it.
+    InPlace,
     /// Use it, but always through the staging segment (two copies for plain buffers).
     Staging,
     /// Never (TCP only).
@@ -77,6 +81,7 @@ impl ShmMode {
         match std::env::var(SHM_ENV) {
             Ok(v) if matches!(v.trim(), "off" | "0" | "false" | "no") => ShmMode::Off,
             Ok(v) if v.trim() == "staging" => ShmMode::Staging,
+            Ok(v) if v.trim() == "inplace" => ShmMode::InPlace,
             _ => ShmMode::Auto,
         }
     }
