@@ -40,8 +40,7 @@ fn same_host_client_uses_shm_and_agrees_with_tcp() {
     let srv = server(&[]);
     // A 1 MiB staging segment: the 4 MiB object below cannot be staged (goes over TCP) and
     // the batch of 12 × 200 KiB needs several requests.
-    // Staging forced (in-place copies have their own tests, `shm_inplace.rs`).
-    let shm = connect(srv.addr, ShmMode::Staging, 1 << 20);
+    let shm = connect(srv.addr, ShmMode::Auto, 1 << 20);
     let tcp = connect(srv.addr, ShmMode::Off, 1 << 20);
     assert!(shm.uses_shm(), "same host, shm on: the shared-memory path");
     assert!(!tcp.uses_shm());
@@ -325,7 +324,7 @@ fn pipelined_chunks_agree_with_tcp() {
         return;
     }
     let srv = server(&[]);
-    let shm = connect(srv.addr, ShmMode::Staging, 256 << 10);
+    let shm = connect(srv.addr, ShmMode::Auto, 256 << 10);
     let tcp = connect(srv.addr, ShmMode::Off, 256 << 10);
     let region = shm.shared_region(1 << 20).unwrap();
     // SAFETY: the region is ours for its whole length while `region` lives.

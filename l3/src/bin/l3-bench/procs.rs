@@ -1,15 +1,13 @@
 //! Scenario `shm`: 1, 4 and 8 client *processes* on this host doing batch put/get of 1 MiB
-//! and 8 MiB objects (64 MiB per process per batch), seven ways in one run:
+//! and 8 MiB objects (64 MiB per process per batch), six ways in one run:
 //! - `embedded`: each process its own embedded store (the reference: no second process);
 //! - `shm`: one `kvtier-l3` server, clients on its shared-memory path, plain caller buffers
-//!   (`ShmMode::Auto`: in place or staged, whichever the client measured faster);
-//! - `shm-inplace`: the same, always copied in place by the server
+//!   (the default, `ShmMode::Auto`: staged, one memcpy in the client, one in the server);
+//! - `shm-inplace`: the same with `ShmMode::InPlace`: copied in place by the server
 //!   (`process_vm_readv`/`writev`: one copy);
-//! - `shm-staging`: the same, forced through the staging segment (`ShmMode::Staging`: one
-//!   memcpy in the client, one in the server);
-//! - `shm-huge`: as `shm` (Auto), with the caller's buffers advised `MADV_HUGEPAGE` before
-//!   first touch (as a long-lived engine pool may be): the kernel pins a caller's pages for
-//!   each in-place copy, and huge pages make that cheap (see docs/l3-bench.md);
+//! - `shm-inplace-huge`: as `shm-inplace`, with the caller's buffers advised
+//!   `MADV_HUGEPAGE` before first touch (as a long-lived engine pool may be): the kernel pins
+//!   a caller's pages for each in-place copy, and huge pages make that cheap;
 //! - `shm-region`: the same with the buffers inside a shared region (a Mooncake dummy
 //!   client's `alloc_from_mem_pool` memory: no copy in the client);
 //! - `tcp`: the same server with the shared-memory path off (the transfer channel).
@@ -33,12 +31,11 @@ use kvtier_l3::{
 use super::{R, Server, median, payload, row, serde_row, start_proc};
 
 const BATCH_BYTES: usize = 64 << 20;
-const MODES: [&str; 7] = [
+const MODES: [&str; 6] = [
     "embedded",
     "shm",
     "shm-inplace",
-    "shm-huge",
-    "shm-staging",
+    "shm-inplace-huge",
     "shm-region",
     "tcp",
 ];
@@ -89,8 +86,7 @@ pub fn worker(spec: &str) -> R<()> {
         ClientOptions {
             shm: match mode {
                 "tcp" => ShmMode::Off,
-                "shm-staging" => ShmMode::Staging,
-                "shm-inplace" => ShmMode::InPlace,
+                "shm-inplace" | "shm-inplace-huge" => ShmMode::InPlace,
                 _ => ShmMode::Auto,
             },
             ..Default::default()
@@ -100,15 +96,12 @@ pub fn worker(spec: &str) -> R<()> {
     if (mode != "tcp") != c.uses_shm() {
         return Err(format!("{mode}: shared memory in use = {}", c.uses_shm()));
     }
-    if mode.starts_with("shm-")
-        && mode != "shm-region"
-        && (mode == "shm-staging") == c.shm_in_place()
-    {
+    if mode.starts_with("shm-inplace") != c.shm_in_place() {
         return Err(format!("{mode}: in-place copies = {}", c.shm_in_place()));
     }
     let bufs = if mode == "shm-region" {
         Bufs::Shared(c.shared_region(2 * BATCH_BYTES).map_err(err)?)
-    } else if mode == "shm-huge" {
+    } else if mode == "shm-inplace-huge" {
         Bufs::Heap(huge_vec(BATCH_BYTES), huge_vec(BATCH_BYTES))
     } else {
         Bufs::Heap(vec![0u8; BATCH_BYTES], vec![0u8; BATCH_BYTES])

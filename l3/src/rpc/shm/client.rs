@@ -6,8 +6,8 @@
 //! plus one in the server beats the socket's kernel copies. Buffers inside a
 //! [`SharedRegion`] this client handed out (a Mooncake dummy client's
 //! `alloc_from_mem_pool`) are named in place, with no copy in the client at all. Where the
-//! probe at connect allowed it (`inplace`), plain buffers skip the staging segment too: the
-//! server copies them itself, in place, and staging is only the fallback.
+//! client asked for it (`ShmMode::InPlace`) and the probe at connect allowed it (`inplace`),
+//! plain buffers skip the staging segment too: the server copies them itself, in place.
 //!
 //! Batches larger than half the staging segment go in several requests, alternating
 //! between its halves and pipelined (the client copies one chunk while the server works on
@@ -24,7 +24,6 @@ use crate::error::{L3Error, L3Result};
 use crate::rpc::xfer::{FrameError, read_frame, write_frame};
 use crate::types::{PutOptions, QueryResult, ReplicateConfig, Tenant};
 
-use super::choose::{Chooser, CopyPath, Way};
 use super::segment::{Mapping, boot_id, send_fd};
 use super::{ShmMode, ShmOffer, ShmRange, ShmReply, ShmRequest, inplace};
 
@@ -86,9 +85,7 @@ pub struct ShmClient {
     pub(super) max_frame: usize,
     pub(super) max_keys: usize,
     staging_bytes: usize,
-    pub(super) mode: ShmMode,
-    /// Auto mode: which copy plain buffers take (see `choose`).
-    pub(super) chooser: Chooser,
+    mode: ShmMode,
     live: Option<Live>,
     staging: Option<Mapping>,
     /// Regions handed out, and their segment id on the live socket.
@@ -134,7 +131,6 @@ impl ShmClient {
             max_keys: max_keys.max(1),
             staging_bytes: staging_bytes.max(ALIGN),
             mode: ShmMode::Auto,
-            chooser: Chooser::default(),
             live: None,
             staging: None,
             regions: Vec::new(),
@@ -142,8 +138,7 @@ impl ShmClient {
         })
     }
 
-    /// `Staging`: never ask for in-place copies; `InPlace`: always use them where allowed;
-    /// `Auto`: the faster of the two, measured (see `choose`).
+    /// `InPlace`: ask for in-place copies of plain buffers (the other modes: stage them).
     pub fn with_mode(mut self, mode: ShmMode) -> Self {
         self.mode = mode;
         self
@@ -279,7 +274,7 @@ impl ShmClient {
         let seg = Self::register_on(&mut sock, &staging, self.max_frame);
         self.staging = Some(staging);
         let staging_seg = seg?;
-        let in_place = self.mode != ShmMode::Staging && inplace::probe(&mut sock, self.max_frame)?;
+        let in_place = self.mode == ShmMode::InPlace && inplace::probe(&mut sock, self.max_frame)?;
         self.regions.retain(|(w, _)| w.strong_count() > 0);
         for (w, id) in &mut self.regions {
             *id = match w.upgrade() {
@@ -421,17 +416,10 @@ impl ShmClient {
         cfg: ReplicateConfig,
     ) -> ShmOutcome<Vec<L3Result<()>>> {
         let ptrs: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.as_ptr(), b.len())).collect();
-        let route = self.plain_route(&ptrs, Way::Put);
-        let t0 = Instant::now();
-        let r = match route {
-            Some(CopyPath::InPlace) => self.put_at(tenant, keys, bufs, opts, cfg),
-            _ => self.put_staged(tenant, keys, bufs, &ptrs, opts, cfg),
-        };
-        if let (Some(p), ShmOutcome::Done(Ok(_))) = (route, &r) {
-            let n = bufs.iter().map(|b| b.len()).sum();
-            self.chooser.record(Way::Put, p, n, t0.elapsed());
+        if self.takes_in_place(&ptrs) {
+            return self.put_at(tenant, keys, bufs, opts, cfg);
         }
-        r
+        self.put_staged(tenant, keys, bufs, &ptrs, opts, cfg)
     }
 
     fn put_staged(
@@ -500,17 +488,10 @@ impl ShmClient {
         bufs: &mut [&mut [u8]],
     ) -> ShmOutcome<Vec<L3Result<u64>>> {
         let ptrs: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.as_ptr(), b.len())).collect();
-        let route = self.plain_route(&ptrs, Way::Get);
-        let t0 = Instant::now();
-        let r = match route {
-            Some(CopyPath::InPlace) => self.get_at(tenant, keys, queries, bufs),
-            _ => self.get_staged(tenant, keys, queries, bufs, &ptrs),
-        };
-        if let (Some(p), ShmOutcome::Done(Ok(v))) = (route, &r) {
-            let n = v.iter().filter_map(|x| x.as_ref().ok()).sum::<u64>() as usize;
-            self.chooser.record(Way::Get, p, n, t0.elapsed());
+        if self.takes_in_place(&ptrs) {
+            return self.get_at(tenant, keys, queries, bufs);
         }
-        r
+        self.get_staged(tenant, keys, queries, bufs, &ptrs)
     }
 
     fn get_staged(

@@ -2,8 +2,15 @@
 //! memory outside a shared segment) with `process_vm_readv` / `process_vm_writev`, straight
 //! between the client's memory and the store's replica buffer. One copy per byte, where the
 //! staging segment costs two (caller → staging in the client, staging → store in the
-//! server): the difference between ~60 % and well above it of the embedded store's
-//! throughput with 8 client processes (docs/l3-bench.md).
+//! server).
+//!
+//! Why it is asked for (`ShmMode::InPlace`, `KVTIER_L3_SHM=inplace`) and not the default:
+//! the kernel pins each page of the caller's buffer for the copy, and that cost is per page.
+//! On caller memory backed by huge pages, in place measured about twice the staging path's
+//! throughput and 0.7–1.5× the embedded store's with 1–8 processes; on 4 KiB pages it
+//! measured slower than staging (a `process_vm_readv` of 4 KiB pages ran at ~0.4× a memcpy on
+//! the 2-vCPU VM of docs/l3-bench.md, against two memcpys that overlap across two
+//! processes). Which kind of memory a caller passes is the caller's to know.
 //!
 //! The client names each buffer by `(addr, len)` in its own address space and blocks until
 //! the reply, so its buffers stay valid for the whole transfer.
@@ -40,8 +47,6 @@ use crate::rpc::xfer::{read_frame, write_frame};
 use crate::store::{EmbeddedStore, Filler};
 use crate::types::{PutOptions, QueryResult, ReplicateConfig, Tenant};
 
-use super::ShmMode;
-use super::choose::{CopyPath, Way};
 use super::client::{ShmClient, ShmOutcome};
 use super::peer::{Dir, Peer, peer_cred};
 use super::segment::random16;
@@ -241,24 +246,14 @@ fn remote(p: *const u8, len: usize) -> RemoteBuf {
 }
 
 impl ShmClient {
-    /// How a batch of plain buffers goes, when it has a choice: None when the connection
-    /// has no in-place copies or every buffer is inside a shared region (named by segment,
-    /// no syscall); else in place (`ShmMode::InPlace`) or the faster path measured (`Auto`).
-    pub(super) fn plain_route(
-        &mut self,
-        bufs: &[(*const u8, usize)],
-        way: Way,
-    ) -> Option<CopyPath> {
+    /// Whether a batch goes in place: the connection has in-place copies (asked for and
+    /// probed) and some buffer is outside every shared region (a batch wholly inside
+    /// regions is named by segment, no syscall).
+    pub(super) fn takes_in_place(&mut self, bufs: &[(*const u8, usize)]) -> bool {
         if self.connect().and_then(|()| self.purge()).is_err() || !self.in_place() {
-            return None;
+            return false;
         }
-        if bufs.iter().all(|&(p, n)| self.locate(p, n).is_some()) {
-            return None;
-        }
-        Some(match self.mode {
-            ShmMode::InPlace => CopyPath::InPlace,
-            _ => self.chooser.pick(way),
-        })
+        bufs.iter().any(|&(p, n)| self.locate(p, n).is_none())
     }
 
     /// Put, the server reading the caller's buffers in place. The caller's borrow of `bufs`

@@ -28,16 +28,16 @@
 //! - **Cleanup.** A connection's segments are unmapped and their descriptors closed when it
 //!   ends, however it ends (a SIGKILLed client's socket closes), so the kernel frees them.
 //!
-//! - **In place.** A buffer outside any segment (a Python `bytes`, a tensor) is copied by the
-//!   server itself, with `process_vm_readv` / `process_vm_writev`, straight between the
-//!   caller's memory and the store's replica (one copy instead of two through the staging
-//!   segment) when the probe at connect allowed it; see `inplace` for the checks.
+//! - **In place** (`ShmMode::InPlace`). A buffer outside any segment (a Python `bytes`, a
+//!   tensor) is copied by the server itself, with `process_vm_readv` / `process_vm_writev`,
+//!   straight between the caller's memory and the store's replica (one copy instead of two
+//!   through the staging segment) when the probe at connect allowed it; see `inplace` and
+//!   `peer` for the checks, and `inplace` for why it is not the default.
 //!
 //! Files: `segment` (memfd, mapping, descriptor passing), `server` (listener, per-connection
 //! loop), `client` ([`ShmClient`]), `inplace` (the in-place protocol), `peer` (the client
 //! process and the copies in its memory, with their safety rules).
 
-mod choose;
 mod client;
 mod inplace;
 mod peer;
@@ -55,32 +55,31 @@ pub use client::{SharedRegion, ShmClient, ShmOutcome};
 pub use server::{MAX_MAPPED_PER_CONN, MAX_SEGMENTS_PER_CONN, ShmServer};
 
 /// Environment variable that turns the shared-memory path off for clients and servers of
-/// this process (`off`, `0`, `false`, `no`), or makes clients stage every buffer
-/// (`staging`: no in-place copies) or copy every plain buffer in place (`inplace`).
+/// this process (`off`, `0`, `false`, `no`), or makes clients ask for in-place copies of
+/// plain buffers (`inplace`).
 pub const SHM_ENV: &str = "KVTIER_L3_SHM";
 
 /// Whether to use the shared-memory path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum ShmMode {
-    /// Use it when client and server share a host (the default); plain buffers are copied
-    /// in place by the server or staged, whichever this client measured faster (`choose`),
-    /// staged where the probe at connect refused in-place copies.
+    /// Use it when client and server share a host (the default); plain caller buffers go
+    /// through the staging segment (two memcpys, pipelined).
     #[default]
     Auto,
-    /// As `Auto`, but plain buffers always in place where the probe allowed it.
+    /// As `Auto`, but plain caller buffers are copied in place by the server (one copy,
+    /// `process_vm_readv`/`writev`) where the probe at connect allows it, else staged. Pays
+    /// on caller memory backed by huge pages; on 4 KiB pages it measured slower than staging
+    /// (docs/l3-bench.md, *In-place copies*).
     InPlace,
-    /// Use it, but always through the staging segment (two copies for plain buffers).
-    Staging,
     /// Never (TCP only).
     Off,
 }
 
 impl ShmMode {
-    /// `Off` or `Staging` when [`SHM_ENV`] says so, else `Auto`.
+    /// `Off` or `InPlace` when [`SHM_ENV`] says so, else `Auto`.
     pub fn from_env() -> Self {
         match std::env::var(SHM_ENV) {
             Ok(v) if matches!(v.trim(), "off" | "0" | "false" | "no") => ShmMode::Off,
-            Ok(v) if v.trim() == "staging" => ShmMode::Staging,
             Ok(v) if v.trim() == "inplace" => ShmMode::InPlace,
             _ => ShmMode::Auto,
         }
