@@ -6,11 +6,11 @@
 //!
 //! Why it is asked for (`ShmMode::InPlace`, `KVTIER_L3_SHM=inplace`) and not the default:
 //! the kernel pins each page of the caller's buffer for the copy, and that cost is per page.
-//! On caller memory backed by huge pages, in place measured about twice the staging path's
-//! throughput and 0.7–1.5× the embedded store's with 1–8 processes; on 4 KiB pages it
-//! measured slower than staging (a `process_vm_readv` of 4 KiB pages ran at ~0.4× a memcpy on
-//! the 2-vCPU VM of docs/l3-bench.md, against two memcpys that overlap across two
-//! processes). Which kind of memory a caller passes is the caller's to know.
+//! On caller memory backed by huge pages, in place measured faster than staging (puts
+//! 1.2–2.6×, gets 0.9–2.0× over two runs) and 0.7–1.5× the embedded store's throughput with
+//! 1–8 processes; on 4 KiB pages it measured slower than staging, whose two memcpys overlap
+//! across two processes (docs/l3-bench.md, *In-place copies*). Which kind of memory a caller
+//! passes is the caller's to know.
 //!
 //! The client names each buffer by `(addr, len)` in its own address space and blocks until
 //! the reply, so its buffers stay valid for the whole transfer.
