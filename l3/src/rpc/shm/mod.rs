@@ -66,13 +66,13 @@ pub enum ShmMode {
     /// through the staging segment (two memcpys, pipelined).
     #[default]
     Auto,
+    /// Never (TCP only).
+    Off,
     /// As `Auto`, but plain caller buffers are copied in place by the server (one copy,
     /// `process_vm_readv`/`writev`) where the probe at connect allows it, else staged. Pays
     /// on caller memory backed by huge pages; on 4 KiB pages it measured slower than staging
     /// (docs/l3-bench.md, *In-place copies*).
     InPlace,
-    /// Never (TCP only).
-    Off,
 }
 
 impl ShmMode {
