@@ -77,6 +77,34 @@ def test_l3store_uses_shm_on_the_same_host_and_agrees_with_tcp(proc):
     assert len(proc.memfd_maps("kvtier-shm-staging")) == 1
 
 
+def test_in_place_copies_when_asked_agree_with_staging(proc):
+    """Plain Python buffers are staged by default; with ``KVTIER_L3_SHM=inplace`` the server
+    copies them in place (one copy), with the same bytes either way."""
+    staged = kvtier.L3Store.connect(proc.addr)
+    assert staged.uses_shm and not staged.uses_shm_in_place
+    rng = np.random.default_rng(2)
+    objs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 4099, 3 << 20)]
+    keys = [f"ip{i}" for i in range(len(objs))]
+    code = ("import kvtier, sys, numpy as np; s = kvtier.L3Store.connect(sys.argv[1]); "
+            "rng = np.random.default_rng(2); "
+            "objs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 4099, 3 << 20)]; "
+            "print(s.uses_shm, s.uses_shm_in_place, *s.batch_put_from(sys.argv[2:], objs)); "
+            "s.put('bytes', b'plain-bytes'); "
+            "outs = [np.zeros(len(o) + 1, dtype=np.uint8) for o in objs]; "
+            "print(*s.batch_get_into(sys.argv[2:], outs), "
+            "all(np.array_equal(b[:len(o)], o) and b[-1] == 0 for o, b in zip(objs, outs)))")
+    env = dict(os.environ, KVTIER_L3_SHM="inplace")
+    out = subprocess.run([sys.executable, "-c", code, proc.addr, *keys], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.split() == ["True", "True", "0", "0", "0", "1", "4099", str(3 << 20), "True"], \
+        out.stderr[-2000:]
+    # Written in place by the other process, read back staged here.
+    outs = [np.zeros(len(o), dtype=np.uint8) for o in objs]
+    assert list(staged.batch_get_into(keys, outs)) == [len(o) for o in objs]
+    assert all(np.array_equal(b, o) for o, b in zip(objs, outs))
+    assert staged.get("bytes") == b"plain-bytes"
+
+
 def test_off_switches(proc):
     code = ("import kvtier, sys; s = kvtier.L3Store.connect(sys.argv[1]); "
             "s.put('e', b'x'); print(s.uses_shm, s.get('e'))")

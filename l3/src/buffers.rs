@@ -153,6 +153,44 @@ pub fn fill(recycled: Option<Arc<[u8]>>, src: &[u8]) -> Arc<[u8]> {
     fresh(src)
 }
 
+/// A buffer of `len` bytes for a memory replica, written by `write` in place (no
+/// intermediate copy): `recycled` when it has that size and is not shared, else a fresh one
+/// (huge-page backed when large). A `write` that fails drops the buffer.
+///
+/// Why: the shared-memory path's in-place mode copies a client's bytes with one
+/// `process_vm_readv` straight into the buffer that becomes the replica (see
+/// `rpc::shm::inplace`); [`fill`] would need them in this process first.
+///
+/// # Safety
+/// `write` must initialise every byte of the slice it is given when it returns `Ok` (the
+/// buffer is then read as `[u8]`).
+pub unsafe fn fill_with<E>(
+    recycled: Option<Arc<[u8]>>,
+    len: usize,
+    write: impl FnOnce(&mut [MaybeUninit<u8>]) -> Result<(), E>,
+) -> Result<Arc<[u8]>, E> {
+    if let Some(mut b) = recycled
+        && b.len() == len
+        && let Some(dst) = Arc::get_mut(&mut b)
+    {
+        // SAFETY: `[u8]` and `[MaybeUninit<u8>]` have the same layout; the caller's `write`
+        // leaves every byte initialised when it succeeds, and a failed buffer is dropped.
+        let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
+        write(dst)?;
+        return Ok(b);
+    }
+    let mut a: Arc<[MaybeUninit<u8>]> = Arc::new_uninit_slice(len);
+    let Some(dst) = Arc::get_mut(&mut a) else {
+        unreachable!("a fresh Arc is unique");
+    };
+    if len >= HUGE_MIN {
+        advise_huge(dst);
+    }
+    write(dst)?;
+    // SAFETY: `write` succeeded, so (by this function's contract) every byte is initialised.
+    Ok(unsafe { a.assume_init() })
+}
+
 /// A fresh buffer holding a copy of `src`.
 pub fn fresh(src: &[u8]) -> Arc<[u8]> {
     if src.len() < HUGE_MIN {

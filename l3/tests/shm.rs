@@ -4,12 +4,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::procs::{args, eventually, kill9, spawn};
+use common::procs::{args, eventually, kill9, spawn, test_child};
 use common::shm::{mapped_memfds, status_kb};
 use common::{payload, t};
 use kvtier_l3::{ClientOptions, L3Error, L3Store, PutOptions, RemoteStore, ShmMode};
@@ -222,25 +221,7 @@ fn killed_client_leaks_nothing() {
     let base_shmem = status_kb(pid, "RssShmem:");
     assert_eq!(mapped_memfds(pid), 0);
     for round in 0..3 {
-        let mut kid: Child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_shm_client",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
-            .env(CHILD_ENV, srv.addr.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let out = kid.stdout.take().unwrap();
-        let ready = BufReader::new(out)
-            .lines()
-            .map_while(Result::ok)
-            .any(|l| l.contains("KVTIER-CHILD READY"));
-        assert!(ready, "round {round}: the client did not start");
+        let mut kid = test_child("child_shm_client", CHILD_ENV, &srv.addr.to_string());
         // Mapped while it runs: staging and region (the check below can fail).
         assert_eq!(mapped_memfds(pid), 2, "round {round}: segments mapped");
         std::thread::sleep(Duration::from_millis(30 + 40 * round));

@@ -193,7 +193,8 @@ impl PyL3Store {
     /// A client of a `kvtier-l3` server at `addr` ("host:port"), or of the leader of an etcd
     /// HA cluster (`"etcd://h:p;h:p[/CLUSTER]"`), followed across failovers.
     /// With `shm` (the default) a server on this host is reached through shared memory
-    /// (see docs/l3-bench.md); `shm=False` or `KVTIER_L3_SHM=off` keeps it on TCP.
+    /// (see docs/l3-bench.md); `shm=False` or `KVTIER_L3_SHM=off` keeps it on TCP, and
+    /// `KVTIER_L3_SHM=inplace` asks the server to copy plain buffers in place.
     #[staticmethod]
     #[pyo3(signature = (addr, *, token = None, tenant = "default", rpc_timeout_ms = 120_000, shm = true))]
     fn connect(
@@ -240,6 +241,13 @@ impl PyL3Store {
     #[getter]
     fn uses_shm(&self) -> bool {
         self.remote.as_ref().is_some_and(|(_, r)| r.uses_shm())
+    }
+
+    /// Whether the server copies this handle's plain buffers (`bytes`, arrays, tensors) in
+    /// place, one copy: asked for with `KVTIER_L3_SHM=inplace` (by default they are staged).
+    #[getter]
+    fn uses_shm_in_place(&self) -> bool {
+        self.remote.as_ref().is_some_and(|(_, r)| r.shm_in_place())
     }
 
     /// The tenant of this handle.

@@ -17,6 +17,7 @@
 //! I/O and no memcpy happen under it.
 
 mod api;
+mod fill;
 mod read;
 mod tier;
 mod write;
@@ -39,6 +40,7 @@ use crate::promotion::Promoter;
 use crate::ssd::{SsdTier, TierStats};
 use crate::types::{Blob, ClientId, ExistOptions, QueryResult, SegmentId, Tenant};
 
+pub use fill::Filler;
 use tier::Hooks;
 
 /// The client id the embedded store uses for its own segment (never declared dead).

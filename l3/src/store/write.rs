@@ -56,7 +56,24 @@ impl Inner {
 
     /// Writes and ends a started put; a failed write revokes it.
     pub(super) fn put_finish(&self, h: &PutHandle, data: &[u8], opts: PutOptions) -> L3Result<()> {
-        let bytes = self.object_bytes(data);
+        self.put_finish_bytes(h, Ok(self.object_bytes(data)), opts)
+    }
+
+    /// Ends a started put with its bytes already in a buffer of their own; `Err` (the bytes
+    /// could not be had) revokes it, so nothing of the object becomes visible.
+    pub(super) fn put_finish_bytes(
+        &self,
+        h: &PutHandle,
+        bytes: L3Result<Arc<[u8]>>,
+        opts: PutOptions,
+    ) -> L3Result<()> {
+        let bytes = match bytes {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = self.master.lock().put_revoke(h);
+                return Err(e);
+            }
+        };
         // Bind the result first: the guard of the first lock must be gone before the revoke
         // locks again (parking_lot's mutex is not reentrant; holding it here deadlocked the
         // store when a forced remove raced this put).

@@ -129,6 +129,26 @@ pub fn spawn_unready(args: &[String]) -> Child {
         .unwrap()
 }
 
+/// Re-runs this test binary as a child running only `test`, with `env` set to `val`, and
+/// waits until it prints `KVTIER-CHILD READY` (panics if it ends first).
+pub fn test_child(test: &str, env: &str, val: &str) -> Child {
+    use std::io::{BufRead, BufReader};
+    let mut kid = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads", "1"])
+        .env(env, val)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = kid.stdout.take().unwrap();
+    let ready = BufReader::new(out)
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l.contains("KVTIER-CHILD READY"));
+    assert!(ready, "the child {test} did not start");
+    kid
+}
+
 /// SIGKILLs a process and reaps it.
 pub fn kill9(p: &mut Child) {
     let ok = Command::new("kill")

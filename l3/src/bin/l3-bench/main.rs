@@ -22,8 +22,8 @@
 //!    master set is SIGKILLed `--kills` times; time to a new leader and to every client's
 //!    first success, losses, throughput after / before (`failover.rs`).
 //! 7. `shm`: 1, 4 and 8 client processes doing batch put/get of 1 MiB and 8 MiB objects
-//!    through a server over shared memory and over TCP, against embedded stores, in one run
-//!    (`procs.rs`).
+//!    through a server over shared memory (in place, staged, shared regions) and over TCP,
+//!    against embedded stores, in one run (`procs.rs`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -1,8 +1,13 @@
 //! Scenario `shm`: 1, 4 and 8 client *processes* on this host doing batch put/get of 1 MiB
-//! and 8 MiB objects (64 MiB per process per batch), four ways in one run:
+//! and 8 MiB objects (64 MiB per process per batch), six ways in one run:
 //! - `embedded`: each process its own embedded store (the reference: no second process);
 //! - `shm`: one `kvtier-l3` server, clients on its shared-memory path, plain caller buffers
-//!   (staged: one memcpy in the client, one in the server);
+//!   (the default, `ShmMode::Auto`: staged, one memcpy in the client, one in the server);
+//! - `shm-inplace`: the same with `ShmMode::InPlace`: copied in place by the server
+//!   (`process_vm_readv`/`writev`: one copy);
+//! - `shm-inplace-huge`: as `shm-inplace`, with the caller's buffers advised
+//!   `MADV_HUGEPAGE` before first touch (as a long-lived engine pool may be): the kernel pins
+//!   a caller's pages for each in-place copy, and huge pages make that cheap;
 //! - `shm-region`: the same with the buffers inside a shared region (a Mooncake dummy
 //!   client's `alloc_from_mem_pool` memory: no copy in the client);
 //! - `tcp`: the same server with the shared-memory path off (the transfer channel);
@@ -29,9 +34,11 @@ use kvtier_l3::{
 use super::{R, Server, median, payload, row, serde_row, start_proc};
 
 const BATCH_BYTES: usize = 64 << 20;
-const MODES: [&str; 6] = [
+const MODES: [&str; 8] = [
     "embedded",
     "shm",
+    "shm-inplace",
+    "shm-inplace-huge",
     "shm-region",
     "tcp",
     "cluster-shm",
@@ -82,10 +89,10 @@ pub fn worker(spec: &str) -> R<()> {
     let c = RemoteStore::connect(
         addr.parse().map_err(err)?,
         ClientOptions {
-            shm: if mode.ends_with("tcp") {
-                ShmMode::Off
-            } else {
-                ShmMode::Auto
+            shm: match mode {
+                "tcp" | "cluster-tcp" => ShmMode::Off,
+                "shm-inplace" | "shm-inplace-huge" => ShmMode::InPlace,
+                _ => ShmMode::Auto,
             },
             ..Default::default()
         },
@@ -94,12 +101,30 @@ pub fn worker(spec: &str) -> R<()> {
     if mode.ends_with("tcp") == c.uses_shm() {
         return Err(format!("{mode}: shared memory in use = {}", c.uses_shm()));
     }
+    if mode.starts_with("shm-inplace") != c.shm_in_place() {
+        return Err(format!("{mode}: in-place copies = {}", c.shm_in_place()));
+    }
     let bufs = if mode == "shm-region" {
         Bufs::Shared(c.shared_region(2 * BATCH_BYTES).map_err(err)?)
+    } else if mode == "shm-inplace-huge" {
+        Bufs::Heap(huge_vec(BATCH_BYTES), huge_vec(BATCH_BYTES))
     } else {
         Bufs::Heap(vec![0u8; BATCH_BYTES], vec![0u8; BATCH_BYTES])
     };
     run(&c, bufs, n, size, id)
+}
+
+/// `n` zero bytes whose 2 MiB-aligned interior is advised `MADV_HUGEPAGE` before anything
+/// touches it (a fresh `calloc` of this size is an untouched mapping).
+fn huge_vec(n: usize) -> Vec<u8> {
+    let v = vec![0u8; n];
+    let start = (v.as_ptr() as usize).next_multiple_of(2 << 20);
+    let end = (v.as_ptr() as usize + n) / (2 << 20) * (2 << 20);
+    if end > start {
+        // SAFETY: advice on whole pages inside `v`'s allocation; contents are unchanged.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+    v
 }
 
 /// The worker's loop: one command per line from the parent (`put`, `get`, `rm`, `quit`),

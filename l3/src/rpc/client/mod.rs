@@ -257,11 +257,18 @@ impl RemoteStore {
             self.frame_cap(),
             self.limits.max_batch_keys as usize,
             self.opts.shm_staging_bytes,
-        )?;
+        )?
+        .with_mode(self.opts.shm);
         if let Err(e) = c.connect() {
             tracing::info!(error = %e, "shared-memory path unavailable; using TCP");
         }
         Some(c)
+    }
+
+    /// Whether the server copies plain caller buffers in place (one copy; see
+    /// `rpc::shm::inplace`) rather than through the staging segment.
+    pub fn shm_in_place(&self) -> bool {
+        self.shm.as_ref().is_some_and(|s| s.lock().in_place())
     }
 
     /// What the server offers for the shared-memory path (None: nothing, e.g. `--no-shm`).

@@ -5,7 +5,9 @@
 //! Python `bytes`, a tensor) must be copied once into memory it did map; one memcpy there
 //! plus one in the server beats the socket's kernel copies. Buffers inside a
 //! [`SharedRegion`] this client handed out (a Mooncake dummy client's
-//! `alloc_from_mem_pool`) are named in place, with no copy in the client at all.
+//! `alloc_from_mem_pool`) are named in place, with no copy in the client at all. Where the
+//! client asked for it (`ShmMode::InPlace`) and the probe at connect allowed it (`inplace`),
+//! plain buffers skip the staging segment too: the server copies them itself, in place.
 //!
 //! Batches larger than half the staging segment go in several requests, alternating
 //! between its halves and pipelined (the client copies one chunk while the server works on
@@ -23,7 +25,7 @@ use crate::rpc::xfer::{FrameError, read_frame, write_frame};
 use crate::types::{PutOptions, QueryResult, ReplicateConfig, Tenant};
 
 use super::segment::{Mapping, boot_id, send_fd};
-use super::{ShmOffer, ShmRange, ShmReply, ShmRequest};
+use super::{ShmMode, ShmOffer, ShmRange, ShmReply, ShmRequest, inplace};
 
 /// Memory this client shares with its server: a sealed memfd mapped by both.
 #[derive(Debug)]
@@ -62,6 +64,8 @@ pub enum ShmOutcome<T> {
 struct Live {
     sock: UnixStream,
     staging_seg: u32,
+    /// The server copies plain buffers in place (the probe passed; see `inplace`).
+    in_place: bool,
 }
 
 /// Where one key's bytes are: in place in a region, or at an offset of the staging segment.
@@ -78,9 +82,10 @@ type Plan = Vec<Vec<(usize, Place)>>;
 pub struct ShmClient {
     offer: ShmOffer,
     token: Option<String>,
-    max_frame: usize,
-    max_keys: usize,
+    pub(super) max_frame: usize,
+    pub(super) max_keys: usize,
     staging_bytes: usize,
+    mode: ShmMode,
     live: Option<Live>,
     staging: Option<Mapping>,
     /// Regions handed out, and their segment id on the live socket.
@@ -125,11 +130,23 @@ impl ShmClient {
             max_frame,
             max_keys: max_keys.max(1),
             staging_bytes: staging_bytes.max(ALIGN),
+            mode: ShmMode::Auto,
             live: None,
             staging: None,
             regions: Vec::new(),
             down_until: None,
         })
+    }
+
+    /// `InPlace`: ask for in-place copies of plain buffers (the other modes: stage them).
+    pub fn with_mode(mut self, mode: ShmMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Whether plain buffers are copied in place by the server on the live connection.
+    pub fn in_place(&self) -> bool {
+        self.live.as_ref().is_some_and(|l| l.in_place)
     }
 
     /// The server restarted: a new offer (the old socket and its segments are gone).
@@ -152,7 +169,7 @@ impl ShmClient {
     }
 
     /// Writes a request; a failure drops the connection (the stream is out of step).
-    fn send(&mut self, req: &ShmRequest) -> L3Result<()> {
+    pub(super) fn send(&mut self, req: &ShmRequest) -> L3Result<()> {
         let live = self.live.as_mut().ok_or_else(|| io_fail("not connected"))?;
         let r = write_frame(&mut live.sock, req).map_err(io_fail);
         if r.is_err() {
@@ -173,7 +190,7 @@ impl ShmClient {
 
     /// Reads the reply to a `Put` of `n` keys. Any failure drops the connection: with
     /// requests pipelined, a reply may still be on its way.
-    fn recv_put(&mut self, n: usize) -> L3Result<Vec<L3Result<()>>> {
+    pub(super) fn recv_put(&mut self, n: usize) -> L3Result<Vec<L3Result<()>>> {
         let r = match self.recv()? {
             ShmReply::Put(Ok(v)) if v.len() == n => Ok(v),
             ShmReply::Put(Err(e)) | ShmReply::Done(Err(e)) => Err(e),
@@ -186,7 +203,7 @@ impl ShmClient {
     }
 
     /// Reads the reply to a `Get` of `n` keys (as [`Self::recv_put`]).
-    fn recv_get(&mut self, n: usize) -> L3Result<Vec<L3Result<u64>>> {
+    pub(super) fn recv_get(&mut self, n: usize) -> L3Result<Vec<L3Result<u64>>> {
         let r = match self.recv()? {
             ShmReply::Get(Ok(v)) if v.len() == n => Ok(v),
             ShmReply::Get(Err(e)) | ShmReply::Done(Err(e)) => Err(e),
@@ -257,6 +274,7 @@ impl ShmClient {
         let seg = Self::register_on(&mut sock, &staging, self.max_frame);
         self.staging = Some(staging);
         let staging_seg = seg?;
+        let in_place = self.mode == ShmMode::InPlace && inplace::probe(&mut sock, self.max_frame)?;
         self.regions.retain(|(w, _)| w.strong_count() > 0);
         for (w, id) in &mut self.regions {
             *id = match w.upgrade() {
@@ -264,12 +282,16 @@ impl ShmClient {
                 None => None,
             };
         }
-        self.live = Some(Live { sock, staging_seg });
+        self.live = Some(Live {
+            sock,
+            staging_seg,
+            in_place,
+        });
         Ok(())
     }
 
     /// Unregisters regions whose owners dropped them.
-    fn purge(&mut self) -> L3Result<()> {
+    pub(super) fn purge(&mut self) -> L3Result<()> {
         let dead: Vec<u32> = self
             .regions
             .iter()
@@ -300,7 +322,7 @@ impl ShmClient {
     }
 
     /// The in-place range of `[ptr, ptr + len)`, when it lies inside a live region.
-    fn locate(&self, ptr: *const u8, len: usize) -> Option<ShmRange> {
+    pub(super) fn locate(&self, ptr: *const u8, len: usize) -> Option<ShmRange> {
         self.regions.iter().find_map(|(w, id)| {
             let r = w.upgrade()?;
             let off = r.map.offset_of(ptr, len)?;
@@ -385,7 +407,7 @@ impl ShmClient {
         Ok(unsafe { s.bytes_mut(at, len) })
     }
 
-    /// Batched put from the caller's buffers.
+    /// Batched put from the caller's buffers: in place, staged, or named in a region.
     pub fn put(
         &mut self,
         tenant: &Tenant,
@@ -394,6 +416,10 @@ impl ShmClient {
         opts: PutOptions,
         cfg: ReplicateConfig,
     ) -> ShmOutcome<Vec<L3Result<()>>> {
+        let ptrs: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.as_ptr(), b.len())).collect();
+        if self.takes_in_place(&ptrs) {
+            return self.put_at(tenant, keys, bufs, opts, cfg);
+        }
         let meta: Vec<usize> = keys.iter().map(String::len).collect();
         self.put_by(bufs, &meta, |idx, ranges| ShmRequest::Put {
             tenant: tenant.clone(),
@@ -465,6 +491,10 @@ impl ShmClient {
         queries: Option<&[QueryResult]>,
         bufs: &mut [&mut [u8]],
     ) -> ShmOutcome<Vec<L3Result<u64>>> {
+        let ptrs: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.as_ptr(), b.len())).collect();
+        if self.takes_in_place(&ptrs) {
+            return self.get_at(tenant, keys, queries, bufs);
+        }
         let meta: Vec<usize> = keys.iter().map(String::len).collect();
         self.get_by(bufs, &meta, |idx, ranges| ShmRequest::Get {
             tenant: tenant.clone(),

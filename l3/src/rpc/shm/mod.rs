@@ -27,18 +27,25 @@
 //!   the whole call fails with nothing read or written.
 //! - **Cleanup.** A connection's segments are unmapped and their descriptors closed when it
 //!   ends, however it ends (a SIGKILLed client's socket closes), so the kernel frees them.
-//!
 //! - **Store nodes.** A store node of a split deployment serves the same socket for its own
 //!   bytes (`NodePut` of puts the master placed on it, `NodeRead` by the master's
 //!   descriptors); what a connection serves beyond hello and registration is a
 //!   [`ShmHandler`] — the embedded store or the node (`cluster/node/shm.rs`), which runs the
 //!   very code of its TCP data channel. A node's offer is asked on its (authenticated) data
 //!   channel, so clients reach it whichever master leads.
+//! - **In place** (`ShmMode::InPlace`). A buffer outside any segment (a Python `bytes`, a
+//!   tensor) is copied by the server itself, with `process_vm_readv` / `process_vm_writev`,
+//!   straight between the caller's memory and the store's replica (one copy instead of two
+//!   through the staging segment) when the probe at connect allowed it; see `inplace` and
+//!   `peer` for the checks, and `inplace` for why it is not the default.
 //!
 //! Files: `segment` (memfd, mapping, descriptor passing), `server` (listener, per-connection
-//! loop, segment tables), `client` ([`ShmClient`]).
+//! loop, segment tables), `client` ([`ShmClient`]), `inplace` (the in-place protocol), `peer`
+//! (the client process and the copies in its memory, with their safety rules).
 
 mod client;
+mod inplace;
+mod peer;
 pub mod segment;
 mod server;
 
@@ -55,24 +62,32 @@ pub use client::{SharedRegion, ShmClient, ShmOutcome};
 pub use server::{MAX_MAPPED_PER_CONN, MAX_SEGMENTS_PER_CONN, SegTable, ShmServer, copy_out};
 
 /// Environment variable that turns the shared-memory path off for clients and servers of
-/// this process (`off`, `0`, `false`, `no`).
+/// this process (`off`, `0`, `false`, `no`), or makes clients ask for in-place copies of
+/// plain buffers (`inplace`).
 pub const SHM_ENV: &str = "KVTIER_L3_SHM";
 
 /// Whether to use the shared-memory path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum ShmMode {
-    /// Use it when client and server share a host (the default).
+    /// Use it when client and server share a host (the default); plain caller buffers go
+    /// through the staging segment (two memcpys, pipelined).
     #[default]
     Auto,
     /// Never (TCP only).
     Off,
+    /// As `Auto`, but plain caller buffers are copied in place by the server (one copy,
+    /// `process_vm_readv`/`writev`) where the probe at connect allows it, else staged. Pays
+    /// on caller memory backed by huge pages; on 4 KiB pages it measured slower than staging
+    /// (docs/l3-bench.md, *In-place copies*).
+    InPlace,
 }
 
 impl ShmMode {
-    /// `Off` when [`SHM_ENV`] says so, else `Auto`.
+    /// `Off` or `InPlace` when [`SHM_ENV`] says so, else `Auto`.
     pub fn from_env() -> Self {
         match std::env::var(SHM_ENV) {
             Ok(v) if matches!(v.trim(), "off" | "0" | "false" | "no") => ShmMode::Off,
+            Ok(v) if v.trim() == "inplace" => ShmMode::InPlace,
             _ => ShmMode::Auto,
         }
     }
@@ -97,6 +112,15 @@ pub struct ShmRange {
     /// Offset in the segment.
     pub off: u64,
     /// Length.
+    pub len: u64,
+}
+
+/// A buffer in the client's own address space, for in-place copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteBuf {
+    /// Its address in the client.
+    pub addr: u64,
+    /// Its length (a get's capacity).
     pub len: u64,
 }
 
@@ -165,6 +189,40 @@ pub enum ShmRequest {
         /// One destination per key; its length is the capacity.
         ranges: Vec<ShmRange>,
     },
+    /// Asks for in-place copies: the server reads the 16 bytes at `addr` in the client,
+    /// expects `nonce` there and writes their complement at `back` (`Done`).
+    Probe {
+        /// Address of the nonce in the client.
+        addr: u64,
+        /// The nonce.
+        nonce: [u8; 16],
+        /// Where the server writes the complement.
+        back: u64,
+    },
+    /// `Put`, the server reading each key's bytes in place from the client (`Put` reply).
+    PutAt {
+        /// Tenant.
+        tenant: Tenant,
+        /// Keys.
+        keys: Vec<String>,
+        /// One source per key.
+        bufs: Vec<RemoteBuf>,
+        /// Put options.
+        opts: PutOptions,
+        /// Replication.
+        cfg: ReplicateConfig,
+    },
+    /// `Get`, the server writing each object in place into the client (`Get` reply).
+    GetAt {
+        /// Tenant.
+        tenant: Tenant,
+        /// Keys (ignored when `queries` is set).
+        keys: Vec<String>,
+        /// Query results to read by.
+        queries: Option<Vec<QueryResult>>,
+        /// One destination per key; its length is the capacity.
+        bufs: Vec<RemoteBuf>,
+    },
 }
 
 /// What a shared-memory connection serves once authenticated, besides registration: the
@@ -180,8 +238,12 @@ pub trait ShmHandler: Send + Sync + 'static {
 pub fn refuse(req: &ShmRequest, why: &str) -> ShmReply {
     let e = L3Error::Unavailable(why.to_string());
     match req {
-        ShmRequest::Put { .. } | ShmRequest::NodePut { .. } => ShmReply::Put(Err(e)),
-        ShmRequest::Get { .. } | ShmRequest::NodeRead { .. } => ShmReply::Get(Err(e)),
+        ShmRequest::Put { .. } | ShmRequest::PutAt { .. } | ShmRequest::NodePut { .. } => {
+            ShmReply::Put(Err(e))
+        }
+        ShmRequest::Get { .. } | ShmRequest::GetAt { .. } | ShmRequest::NodeRead { .. } => {
+            ShmReply::Get(Err(e))
+        }
         _ => ShmReply::Done(Err(e)),
     }
 }

@@ -27,6 +27,8 @@ use crate::rpc::xfer::{FrameError, read_frame, write_frame};
 use crate::store::EmbeddedStore;
 use crate::types::Blob;
 
+use super::inplace::{serve_get, serve_probe, serve_put};
+use super::peer::Peer;
 use super::segment::{Mapping, Received, boot_id, random16, recv_fd};
 use super::{ShmHandler, ShmOffer, ShmRange, ShmReply, ShmRequest, check_range, refuse};
 
@@ -158,6 +160,8 @@ struct ShmConn<'a> {
 pub struct SegTable {
     segs: HashMap<u32, Mapping>,
     next: u32,
+    /// The client process, once the in-place probe passed (see `inplace`).
+    peer: Option<Peer>,
 }
 
 impl Default for SegTable {
@@ -165,6 +169,7 @@ impl Default for SegTable {
         SegTable {
             segs: HashMap::new(),
             next: 1,
+            peer: None,
         }
     }
 }
@@ -233,6 +238,12 @@ impl ShmConn<'_> {
                         .map(drop)
                         .ok_or(L3Error::SegmentNotFound),
                 ),
+                ShmRequest::Probe { addr, nonce, back } => {
+                    self.segs.peer = None;
+                    ShmReply::Done(
+                        serve_probe(&sock, addr, nonce, back).map(|p| self.segs.peer = Some(p)),
+                    )
+                }
                 req => self.store.handle(req, &self.segs),
             };
             if write_frame(&mut sock, &reply).is_err() {
@@ -245,6 +256,34 @@ impl ShmConn<'_> {
 impl ShmHandler for EmbeddedStore {
     fn handle(&self, req: ShmRequest, segs: &SegTable) -> ShmReply {
         match req {
+            ShmRequest::PutAt {
+                tenant,
+                keys,
+                bufs,
+                opts,
+                cfg,
+            } => ShmReply::Put(serve_put(
+                self,
+                segs.peer.as_ref(),
+                &tenant,
+                &keys,
+                &bufs,
+                opts,
+                cfg,
+            )),
+            ShmRequest::GetAt {
+                tenant,
+                keys,
+                queries,
+                bufs,
+            } => ShmReply::Get(serve_get(
+                self,
+                segs.peer.as_ref(),
+                &tenant,
+                &keys,
+                queries.as_deref(),
+                &bufs,
+            )),
             ShmRequest::Put {
                 tenant,
                 keys,
