@@ -447,18 +447,24 @@ fn staging_by_default_and_a_server_of_another_uid_falls_back_to_staging() {
         std::os::unix::fs::PermissionsExt::from_mode(0o777),
     )
     .unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"));
-    cmd.args([
-        "--listen",
-        "127.0.0.1:0",
-        "--segment-bytes",
-        "67108864",
-        "--shm-dir",
-    ])
-    .arg(dir.path())
-    .env_remove("KVTIER_L3_TOKEN")
-    .stdout(Stdio::piped())
-    .stderr(Stdio::null());
+    // A copy of the binary in that directory: `nobody` may not traverse the checkout's path
+    // (a fresh clone under a 0700 `mktemp -d`).
+    let bin = dir.path().join("kvtier-l3");
+    std::fs::copy(env!("CARGO_BIN_EXE_kvtier-l3"), &bin).unwrap();
+    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mut cmd = Command::new(&bin);
+    cmd.current_dir(dir.path())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--segment-bytes",
+            "67108864",
+            "--shm-dir",
+        ])
+        .arg(dir.path())
+        .env_remove("KVTIER_L3_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
     std::os::unix::process::CommandExt::uid(&mut cmd, 65534);
     std::os::unix::process::CommandExt::gid(&mut cmd, 65534);
     let mut nobody = cmd.spawn().unwrap();
