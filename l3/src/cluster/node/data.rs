@@ -15,7 +15,8 @@
 //!   write-through SSD copy is announced before the end is sent (so a cancel of the version
 //!   always finds it) and queued after the master accepted the end.
 //! - Memory held never exceeds twice the segment (-200 beyond), which bounds the lag between
-//!   a free and its notice (see `sync`).
+//!   a free and its notice (see `sync`). Recycled buffers count in that bound: they are kept
+//!   only while live plus recycled bytes fit in the segment (`recycle`).
 
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
