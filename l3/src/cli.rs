@@ -383,6 +383,8 @@ fn run_node(
         opts.shm = ShmMode::Off;
     }
     opts.shm_dir = args.shm_dir.clone();
+    opts.recycle_idle_bytes = args.recycle_idle_bytes;
+    opts.idle_trim_after = Duration::from_millis(args.idle_trim_ms);
     let node = StoreNode::start(opts).map_err(|e| e.to_string())?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

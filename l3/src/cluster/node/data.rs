@@ -15,10 +15,10 @@
 //!   write-through SSD copy is announced before the end is sent (so a cancel of the version
 //!   always finds it) and queued after the master accepted the end.
 //! - Memory held never exceeds twice the segment (-200 beyond), which bounds the lag between
-//!   a free and its notice (see `sync`).
+//!   a free and its notice (see `sync`). Recycled buffers count in that bound: they are kept
+//!   only while live plus recycled bytes fit in the segment (`recycle`).
 
 use std::net::TcpStream;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -32,6 +32,7 @@ use crate::types::{Blob, PutHandle, PutOptions, ReplicaDescriptor, Tenant, valid
 
 use super::NodeInner;
 use super::mem::{Held, Staging};
+use super::recycle;
 
 impl NodeInner {
     fn alloc_of(&self, h: &PutHandle) -> L3Result<u64> {
@@ -74,30 +75,18 @@ impl NodeInner {
             ));
         }
         check_object_bytes(h.size, self.opts.max_object_bytes)?;
-        let bytes: Arc<[u8]> = Arc::from(data);
-        let mut m = self.mem.lock();
-        let prev = match m.allocs.get(&alloc) {
-            Some(e) if e.ended => return Err(L3Error::ObjectAlreadyExists),
-            Some(e) => e.data.len() as u64,
-            None => 0,
+        let held = Held {
+            tenant: h.tenant.clone(),
+            key: h.key.clone(),
+            token: h.token,
+            data: recycle::filled(&self.mem, data),
+            ended: false,
+            staged: Staging::No,
+            since: Instant::now(),
         };
-        let used = m.used.saturating_sub(prev);
-        if used + h.size > self.opts.segment_bytes.saturating_mul(2) {
-            return Err(L3Error::NoAvailableHandle { needed: h.size });
-        }
-        m.used = used + h.size;
-        m.allocs.insert(
-            alloc,
-            Held {
-                tenant: h.tenant.clone(),
-                key: h.key.clone(),
-                token: h.token,
-                data: bytes,
-                ended: false,
-                staged: Staging::No,
-                since: Instant::now(),
-            },
-        );
+        let cap = self.opts.segment_bytes.saturating_mul(2);
+        let released = self.mem.lock().write(alloc, held, cap)?;
+        drop(released); // outside the lock
         Ok(())
     }
 

@@ -4,13 +4,17 @@
 //! the tenant, key and token they were written for, so reads can check ownership and frees
 //! can be applied by id. An evicted replica in offload-on-evict mode stays here, *staged*,
 //! until its SSD copy is registered (then *retired* for one grace period, so a reader holding
-//! its descriptor a moment longer still finds it).
+//! its descriptor a moment longer still finds it). Freed buffers go to the node's
+//! [`NodeRecycler`] for its next puts of the same size.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::error::{L3Error, L3Result};
 use crate::types::Tenant;
+
+use super::recycle::NodeRecycler;
 
 pub(super) struct Held {
     pub(super) tenant: Tenant,
@@ -35,7 +39,6 @@ pub(super) enum Staging {
     Retired,
 }
 
-#[derive(Default)]
 pub(super) struct Mem {
     pub(super) allocs: HashMap<u64, Held>,
     /// Bytes of live replicas (staged bytes are bounded by the SSD queue and the grace
@@ -43,9 +46,21 @@ pub(super) struct Mem {
     pub(super) used: u64,
     /// (tenant, key, token) → allocation of staged bytes.
     pub(super) staged: HashMap<(Tenant, String, u64), u64>,
+    /// Freed buffers kept for later puts.
+    pub(super) recycled: NodeRecycler,
 }
 
 impl Mem {
+    /// An empty memory whose freed buffers go to `recycled`.
+    pub(super) fn new(recycled: NodeRecycler) -> Self {
+        Mem {
+            allocs: HashMap::new(),
+            used: 0,
+            staged: HashMap::new(),
+            recycled,
+        }
+    }
+
     pub(super) fn drop_alloc(&mut self, alloc: u64) {
         if let Some(h) = self.allocs.remove(&alloc) {
             if h.staged == Staging::No {
@@ -53,7 +68,39 @@ impl Mem {
             } else {
                 self.staged.remove(&(h.tenant, h.key, h.token));
             }
+            self.recycled.keep(h.data, self.used);
         }
+    }
+
+    /// Holds the bytes of an unended put under `alloc` (replacing an unended earlier write
+    /// of it), with `cap` the most live bytes a node holds. Returns the buffers released
+    /// (beyond the recycler's bound) for the caller to drop outside its lock. Refused: the
+    /// allocation is ended already, or `cap` would be passed; the bytes are then recycled.
+    pub(super) fn write(&mut self, alloc: u64, h: Held, cap: u64) -> L3Result<Vec<Arc<[u8]>>> {
+        let size = h.data.len() as u64;
+        let prev = match self.allocs.get(&alloc) {
+            Some(e) if e.ended => Err(L3Error::ObjectAlreadyExists),
+            Some(e) => Ok(e.data.len() as u64),
+            None => Ok(0),
+        };
+        let used = prev.map(|p| self.used.saturating_sub(p));
+        let used = used.and_then(|u| match u + size > cap {
+            true => Err(L3Error::NoAvailableHandle { needed: size }),
+            false => Ok(u),
+        });
+        let used = match used {
+            Ok(u) => u,
+            Err(e) => {
+                self.recycled.keep(h.data, self.used);
+                return Err(e);
+            }
+        };
+        self.used = used + size;
+        let mut out = self.recycled.fit(self.used);
+        if let Some(old) = self.allocs.insert(alloc, h) {
+            out.extend(self.recycled.keep(old.data, self.used));
+        }
+        Ok(out)
     }
 
     /// The staged bytes of this object version are done with (written or failed).
@@ -70,7 +117,11 @@ impl Mem {
     /// (`Retained`): the ended, live ones. Puts never ended and staged bytes are dropped
     /// (the mount cancels staged writes; an unended put is no version anybody saw).
     pub(super) fn take_retained(&mut self) -> Vec<Held> {
-        let all = std::mem::take(self);
+        let recycled = std::mem::replace(
+            &mut self.recycled,
+            NodeRecycler::new(0, 0, std::time::Duration::ZERO),
+        );
+        let all = std::mem::replace(self, Mem::new(recycled));
         all.allocs
             .into_values()
             .filter(|h| h.ended && h.staged == Staging::No)
@@ -82,6 +133,7 @@ impl Mem {
         self.used += h.data.len() as u64;
         if let Some(old) = self.allocs.insert(alloc, h) {
             self.used = self.used.saturating_sub(old.data.len() as u64);
+            self.recycled.keep(old.data, self.used);
         }
     }
 }
@@ -106,7 +158,7 @@ mod tests {
     /// freed, not offered for adoption; the memory is empty until the master answers.
     #[test]
     fn a_remount_reports_only_ended_live_replicas() {
-        let mut m = Mem::default();
+        let mut m = Mem::new(NodeRecycler::new(100, 0, std::time::Duration::ZERO));
         for (a, h) in [
             (1, held("done", true, Staging::No)),
             (2, held("unended", false, Staging::No)),

@@ -17,6 +17,7 @@
 //!
 //! This file holds the options, the node's state and its start / shutdown; the rest:
 //! - `mem`: the bytes held by allocation id (live, staged for the SSD, retired),
+//! - `recycle`: freed buffers kept for the next puts of the same size (bounded),
 //! - `link`: the connection to the master,
 //! - `sync`: mounting, pinging and applying what the master said,
 //! - `tier`: the node's SSD tier (offload of evicted replicas, promotion, corrupt records),
@@ -26,6 +27,7 @@
 mod data;
 mod link;
 mod mem;
+mod recycle;
 mod shm;
 mod sync;
 mod tier;
@@ -41,7 +43,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::clock::Periodic;
-use crate::config::{OffloadMode, SsdConfig};
+use crate::config::{OffloadMode, SsdConfig, StoreConfig};
 use crate::error::{L3Error, L3Result};
 use crate::master::DiskLoc;
 use crate::rpc::accept::TokenDigest;
@@ -54,6 +56,7 @@ use crate::types::{ClientId, SegmentId, Tenant};
 
 use link::MasterLink;
 use mem::Mem;
+use recycle::NodeRecycler;
 use tier::NodeHooks;
 
 /// Promotion batches waiting for the promoter thread (more are skipped).
@@ -96,6 +99,11 @@ pub struct NodeOptions {
     pub shm: ShmMode,
     /// Directory of the shared-memory socket (None: the system's temporary directory).
     pub shm_dir: Option<std::path::PathBuf>,
+    /// Freed object buffers kept once the node is idle (the rest are released and free
+    /// heap pages returned to the system); while busy, at most half the segment is kept.
+    pub recycle_idle_bytes: u64,
+    /// The node is idle after this long without a put or a free (checked every ping).
+    pub idle_trim_after: Duration,
 }
 
 impl NodeOptions {
@@ -117,6 +125,8 @@ impl NodeOptions {
             master_timeout: Duration::from_secs(10),
             shm: ShmMode::from_env(),
             shm_dir: None,
+            recycle_idle_bytes: StoreConfig::default().recycle_idle_bytes,
+            idle_trim_after: StoreConfig::default().idle_trim_after,
         }
     }
 }
@@ -219,7 +229,11 @@ impl StoreNode {
                 fence: EpochFence::default(),
                 conn: Mutex::new(None),
             },
-            mem: Mutex::new(Mem::default()),
+            mem: Mutex::new(Mem::new(NodeRecycler::new(
+                opts.segment_bytes,
+                opts.recycle_idle_bytes,
+                opts.idle_trim_after,
+            ))),
             gate: Mutex::new(()),
             ssd,
             data_addr: OnceLock::new(),

@@ -298,6 +298,12 @@ impl NodeInner {
             for a in old {
                 m.drop_alloc(a);
             }
+            let idle = m.recycled.idle_trim(std::time::Instant::now());
+            drop(m);
+            if let Some(freed) = idle {
+                drop(freed); // outside the lock
+                crate::buffers::release_free_memory();
+            }
         }
         if !self.mounted.load(Ordering::Acquire) {
             if let Err(e) = self.mount() {
