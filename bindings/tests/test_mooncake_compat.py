@@ -159,6 +159,26 @@ def test_remote_master_through_kvtier_server():
     assert bad.setup("h", "m", 0, 0, "tcp", "", "no-port") == -600
 
 
+def test_clients_segments_on_a_server_are_capped():
+    """A Mooncake client's global segment mounted into a kvtier server is memory the *server*
+    holds: past ``client_segments_max_bytes`` (default: the host's memory) setup answers
+    -200 and mounts nothing, and a closed client's segment gives its room back."""
+    mib = 1 << 20
+    with kvtier.L3Server(0, client_segments_max_bytes=8 * mib) as srv:
+        a, b = MooncakeDistributedStore(), MooncakeDistributedStore()
+        assert a.setup("127.0.0.1", "P2PHANDSHAKE", 6 * mib, 1 << 20, "tcp", "", srv.addr) == 0
+        assert b.setup("127.0.0.1", "P2PHANDSHAKE", 6 * mib, 1 << 20, "tcp", "", srv.addr) == -200
+        assert a.put("k", b"x" * mib) == 0 and a.get("k") == b"x" * mib
+        assert a.close() == 0
+        assert b.setup("127.0.0.1", "P2PHANDSHAKE", 8 * mib, 1 << 20, "tcp", "", srv.addr) == 0
+        assert b.put("k2", b"y" * 4 * mib) == 0 and b.get("k2") == b"y" * 4 * mib
+        b.close()
+    with kvtier.L3Server(0) as srv:
+        c = MooncakeDistributedStore()
+        too_big = 1 << 50  # 1 PiB: past any host's memory
+        assert c.setup("127.0.0.1", "P2PHANDSHAKE", too_big, 1 << 20, "tcp", "", srv.addr) == -200
+
+
 def test_setup_with_existing_l3store():
     st = kvtier.L3Store.embedded(1 << 20, tenant="eng")
     st.put("shared", b"yes")

@@ -177,6 +177,11 @@ struct Args {
     /// tenant's own objects first, and fails with -200 when it cannot make room.
     #[arg(long = "tenant-quota", value_parser = parse_quota)]
     tenant_quota: Vec<(String, u64)>,
+    /// Most capacity, in all, that clients may mount as segments this server holds the bytes
+    /// of (a Mooncake client's `global_segment_size`); a mount past it answers -200.
+    /// Default: the host's physical memory (`MemTotal`).
+    #[arg(long)]
+    client_segments_max_bytes: Option<u64>,
 }
 
 fn parse_quota(s: &str) -> Result<(String, u64), String> {
@@ -298,6 +303,9 @@ fn run(args: Args) -> Result<(), String> {
         idle_trim_after: Duration::from_millis(args.idle_trim_ms),
         rebuild_timeout: Duration::from_millis(args.rebuild_timeout_ms),
         tenant_quota_bytes: args.tenant_quota.iter().cloned().collect(),
+        client_segments_max_bytes: args
+            .client_segments_max_bytes
+            .or_else(crate::config::host_memory_bytes),
         promotion: PromotionConfig {
             on_hit: args.promotion_on_hit,
             admission_threshold: args.promotion_admission_threshold,

@@ -147,6 +147,29 @@ pub struct StoreConfig {
     /// they cannot make room: one tenant cannot take another's cache.
     #[serde(default)]
     pub tenant_quota_bytes: std::collections::BTreeMap<String, u64>,
+    /// Most capacity, in all, that clients may mount as segments whose bytes this store
+    /// holds (a Mooncake client's `global_segment_size` on a `kvtier-l3` server: the server,
+    /// not the client, holds the bytes put there). A mount past it is refused with -200,
+    /// so clients cannot grow the server's memory without bound. `None`: no cap (the
+    /// library default; the `kvtier-l3` server caps it at the host's memory).
+    #[serde(default)]
+    pub client_segments_max_bytes: Option<u64>,
+}
+
+/// The host's physical memory (`MemTotal` of `/proc/meminfo`), the default cap on what
+/// clients may mount into a server (`StoreConfig::client_segments_max_bytes`); `None` where
+/// it cannot be read.
+pub fn host_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb = info
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    kb.checked_mul(1024)
 }
 
 fn default_rebuild_timeout() -> Duration {
@@ -180,6 +203,7 @@ impl Default for StoreConfig {
             rebuild_timeout: default_rebuild_timeout(),
             tenant_quota_bytes: Default::default(),
             idle_trim_after: default_idle_trim_after(),
+            client_segments_max_bytes: None,
         }
     }
 }

@@ -124,6 +124,16 @@ impl Segments {
             .collect()
     }
 
+    /// Capacity of the segments whose bytes this process holds (not a store node's) and
+    /// whose owner `counts`.
+    pub fn held_capacity(&self, counts: impl Fn(ClientId) -> bool) -> u64 {
+        self.segs
+            .values()
+            .filter(|s| s.freed.is_none() && counts(s.owner))
+            .map(|s| s.capacity)
+            .fold(0, u64::saturating_add)
+    }
+
     /// Total capacity of all segments.
     pub fn capacity(&self) -> u64 {
         self.segs.values().map(|s| s.capacity).sum()

@@ -350,6 +350,7 @@ class L3Server:
         ssd_dir: Optional[str] = None,
         loss_journal_keys: int = 65_536,
         tenant_quota_bytes: Optional[Dict[str, int]] = None,
+        client_segments_max_bytes: Optional[int] = None,
     ) -> None: ...
     @property
     def addr(self) -> str: ...

@@ -25,7 +25,8 @@ impl PyL3Server {
     #[new]
     #[pyo3(signature = (segment_bytes = 1 << 30, *, addr = "127.0.0.1:0", token = None,
                         lease_ttl_ms = 10_000, max_object_bytes = 1 << 30, max_batch_keys = 65_536,
-                        ssd_dir = None, loss_journal_keys = 65_536, tenant_quota_bytes = None))]
+                        ssd_dir = None, loss_journal_keys = 65_536, tenant_quota_bytes = None,
+                        client_segments_max_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -38,6 +39,7 @@ impl PyL3Server {
         ssd_dir: Option<String>,
         loss_journal_keys: usize,
         tenant_quota_bytes: Option<std::collections::HashMap<String, u64>>,
+        client_segments_max_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let sa: SocketAddr = addr
             .parse()
@@ -52,6 +54,9 @@ impl PyL3Server {
         );
         cfg.loss_journal_keys = loss_journal_keys;
         cfg.tenant_quota_bytes = tenant_quota_bytes.unwrap_or_default().into_iter().collect();
+        // As `kvtier-l3`: clients' mounts are capped at the host's memory unless told.
+        cfg.client_segments_max_bytes =
+            client_segments_max_bytes.or_else(kvtier_l3::config::host_memory_bytes);
         let h = py
             .detach(move || -> L3Result<ServerHandle> {
                 let store = Arc::new(EmbeddedStore::new(cfg)?);

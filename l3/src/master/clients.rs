@@ -29,6 +29,15 @@ impl Master {
         capacity: u64,
         now: u64,
     ) -> L3Result<()> {
+        let immortal = |c: ClientId| self.clients.get(&c).is_some_and(|i| i.immortal);
+        if let Some(cap) = self.policy.client_segments_max_bytes
+            && !immortal(client)
+        {
+            let held = self.segments.held_capacity(|owner| !immortal(owner));
+            if held.saturating_add(capacity) > cap {
+                return Err(L3Error::NoAvailableHandle { needed: capacity });
+            }
+        }
         self.segments.mount(seg, client, capacity)?;
         self.clients
             .entry(client)
@@ -148,5 +157,101 @@ impl Master {
             self.drop_node_memory_state(*c);
         }
         (revoked, dead.len() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StoreConfig;
+    use crate::master::MasterPolicy;
+    use proptest::prelude::*;
+
+    const CAP: u64 = 100;
+    const TTL: u64 = 1_000;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Mount {
+            client: u64,
+            seg: u64,
+            bytes: u64,
+        },
+        Unmount {
+            client: u64,
+            seg: u64,
+        },
+        /// Time passes by this many ms; clients 1 and 2 ping first, the others do not.
+        Tick(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u64..5, 1u64..12, 0u64..70).prop_map(|(client, seg, bytes)| Op::Mount { client, seg, bytes }),
+            2 => (0u64..5, 1u64..12).prop_map(|(client, seg)| Op::Unmount { client, seg }),
+            1 => (0u64..1_500).prop_map(Op::Tick),
+        ]
+    }
+
+    fn mortal_bytes(m: &Master) -> u64 {
+        m.segments.held_capacity(|o| o != ClientId(0))
+    }
+
+    proptest! {
+        /// What mortal clients mount never passes `client_segments_max_bytes`; a refused
+        /// mount is -200 and changes nothing; a mount that fits (and whose id is free) is
+        /// accepted; the store's own (immortal) segment is never counted nor refused; a dead
+        /// client's segments give their room back.
+        #[test]
+        fn client_mounts_stay_under_the_cap(ops in proptest::collection::vec(op(), 1..60)) {
+            let cfg = StoreConfig { client_segments_max_bytes: Some(CAP), client_ttl: std::time::Duration::from_millis(TTL), ..StoreConfig::default() };
+            let mut m = Master::new(MasterPolicy::from_config(&cfg));
+            let mut now = 0u64;
+            m.register_immortal_client(ClientId(0), now);
+            for o in ops {
+                match o {
+                    Op::Mount { client, seg, bytes } => {
+                        let before = (mortal_bytes(&m), m.segments.capacity());
+                        let taken = m.segments.get(SegmentId(seg)).is_some();
+                        let fits = client == 0 || before.0 + bytes <= CAP;
+                        let r = m.mount_segment(ClientId(client), SegmentId(seg), bytes, now);
+                        match &r {
+                            Ok(()) => prop_assert!(fits && !taken && bytes > 0),
+                            Err(L3Error::NoAvailableHandle { needed }) => {
+                                prop_assert!(!fits && client != 0);
+                                prop_assert_eq!(*needed, bytes);
+                            }
+                            Err(_) => prop_assert!(taken || bytes == 0, "{:?}", r),
+                        }
+                        if fits && !taken && bytes > 0 {
+                            prop_assert!(r.is_ok(), "a mount that fits was refused: {:?}", r);
+                        }
+                        if r.is_err() {
+                            prop_assert_eq!((mortal_bytes(&m), m.segments.capacity()), before);
+                        }
+                    }
+                    Op::Unmount { client, seg } => {
+                        let owned = m.segments.get(SegmentId(seg)).is_some_and(|s| s.owner == ClientId(client));
+                        prop_assert_eq!(m.unmount_segment(ClientId(client), SegmentId(seg)).is_ok(), owned);
+                    }
+                    Op::Tick(ms) => {
+                        now += ms;
+                        for c in [0, 1, 2] {
+                            if m.clients.contains_key(&ClientId(c)) {
+                                m.ping(ClientId(c), now);
+                            }
+                        }
+                        m.sweep(now);
+                        // Clients 3 and 4 never ping: once dead, they own nothing.
+                        for c in [3, 4] {
+                            if !m.clients.contains_key(&ClientId(c)) {
+                                prop_assert!(m.segments.owned_by(ClientId(c)).is_empty());
+                            }
+                        }
+                    }
+                }
+                prop_assert!(mortal_bytes(&m) <= CAP, "{} > {}", mortal_bytes(&m), CAP);
+            }
+        }
     }
 }

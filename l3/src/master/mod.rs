@@ -259,6 +259,8 @@ pub struct MasterPolicy {
     pub loss_journal_keys: usize,
     /// DRAM cap per tenant name (`StoreConfig::tenant_quota_bytes`).
     pub tenant_quota_bytes: std::collections::BTreeMap<String, u64>,
+    /// Cap on the capacity mortal clients mount (`StoreConfig::client_segments_max_bytes`).
+    pub client_segments_max_bytes: Option<u64>,
 }
 
 impl MasterPolicy {
@@ -278,6 +280,7 @@ impl MasterPolicy {
                 .is_some_and(|s| s.mode == crate::config::OffloadMode::OnEvict),
             loss_journal_keys: cfg.loss_journal_keys,
             tenant_quota_bytes: cfg.tenant_quota_bytes.clone(),
+            client_segments_max_bytes: cfg.client_segments_max_bytes,
         }
     }
 }
