@@ -187,3 +187,38 @@ def test_l3store_reaches_a_clusters_nodes_through_shm():
     finally:
         for p in nodes + [master]:
             p.close()
+
+
+def test_dummy_client_pool_is_shared_with_a_clusters_nodes():
+    """A Mooncake dummy client in front of a split deployment's master: its pool is a region
+    every store node on this host maps, so puts from and gets into pool memory cost no copy
+    in the client (before, the pool was heap memory and every byte was staged)."""
+    master = Proc(base=("--role", "master", "--listen", "127.0.0.1:0", "--no-state-dir"))
+    nodes = [Proc(base=("--role", "node", "--master", master.addr, "--node-id", str(i), "--listen", "127.0.0.1:0",
+                        "--segment-bytes", str(64 << 20))) for i in (1, 2)]
+    try:
+        d = MooncakeDistributedStore()
+        assert d.setup_dummy(16 << 20, 1 << 20, master.addr) == 0
+        assert d._core.pool_is_shared()
+        assert [len(n.memfd_maps("kvtier-shm-region")) for n in nodes] == [1, 1]
+        tcp = kvtier.L3Store.connect(master.addr, shm=False)
+        n = 3 << 20
+        a, b = d.alloc_from_mem_pool(n), d.alloc_from_mem_pool(n)
+        assert a and b
+        src = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+        pool_a = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(a))
+        pool_b = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(b))
+        pool_a[:] = src
+        keys = [f"pool{i}" for i in range(6)]
+        part = n // 6
+        assert d.batch_put_from(keys, [a + i * part for i in range(6)], [part] * 6) == [0] * 6
+        for i, k in enumerate(keys):
+            assert tcp.get(k) == src[i * part:(i + 1) * part].tobytes(), k
+        assert d.batch_get_into(keys[::-1], [b + i * part for i in range(6)], [part] * 6) == [part] * 6
+        for i in range(6):
+            assert np.array_equal(pool_b[i * part:(i + 1) * part], src[(5 - i) * part:(6 - i) * part])
+        assert d.get_into("absent", b, part) < 0
+        assert d.close() == 0
+    finally:
+        for p in nodes + [master]:
+            p.close()

@@ -5,8 +5,9 @@
 //! shared memory, so puts from and gets into it cost no copy in the dummy process. Here, on a
 //! `kvtier-l3` server of the same host, the pool is a region of the client's shared-memory
 //! path (a memfd the server maps too): the server reads and writes pool memory in place.
-//! Elsewhere (an embedded store, a server on another host, `KVTIER_L3_SHM=off`) it is this
-//! process's heap, with the same results through the ordinary paths.
+//! Against a split deployment's master, the region is mapped by every store node of this
+//! host. Elsewhere (an embedded store, a server on another host, `KVTIER_L3_SHM=off`) it is
+//! this process's heap, with the same results through the ordinary paths.
 
 use std::sync::Arc;
 

@@ -68,6 +68,9 @@ struct Args {
     /// `failover`: the masters' leader lease TTL in seconds.
     #[arg(long, default_value_t = 1)]
     leader_ttl_s: u64,
+    /// `shm`: only these modes (see `procs::MODES`; `embedded`, the reference, always runs).
+    #[arg(long, value_delimiter = ',')]
+    shm_modes: Vec<String>,
     /// Internal: run as a worker process of the `shm` scenario.
     #[arg(long, hide = true)]
     worker: Option<String>,
@@ -391,7 +394,10 @@ fn main() {
         );
     }
     if want("shm") {
-        report(procs::shm(&bin, args.reps, &mut rows), "shm");
+        report(
+            procs::shm(&bin, args.reps, &args.shm_modes, &mut rows),
+            "shm",
+        );
     }
     if let Some(p) = &args.json {
         let text = format!(

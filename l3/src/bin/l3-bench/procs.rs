@@ -13,6 +13,8 @@
 //! - `tcp`: the same server with the shared-memory path off (the transfer channel);
 //! - `cluster-shm`: a split deployment (a `--role master`, one `--role node`), clients
 //!   moving bytes through the node's shared-memory path (plain caller buffers);
+//! - `cluster-shm-region`: as `cluster-shm`, with the buffers inside a shared region (the
+//!   region is registered with the node: no copy in the client);
 //! - `cluster-tcp`: the same deployment over the node's TCP data channel.
 //!
 //! Why processes: the deployment is 8 engine processes per node sharing one L3, and
@@ -34,7 +36,7 @@ use kvtier_l3::{
 use super::{R, Server, median, payload, row, serde_row, start_proc};
 
 const BATCH_BYTES: usize = 64 << 20;
-const MODES: [&str; 8] = [
+pub const MODES: [&str; 9] = [
     "embedded",
     "shm",
     "shm-inplace",
@@ -42,6 +44,7 @@ const MODES: [&str; 8] = [
     "shm-region",
     "tcp",
     "cluster-shm",
+    "cluster-shm-region",
     "cluster-tcp",
 ];
 
@@ -104,7 +107,7 @@ pub fn worker(spec: &str) -> R<()> {
     if mode.starts_with("shm-inplace") != c.shm_in_place() {
         return Err(format!("{mode}: in-place copies = {}", c.shm_in_place()));
     }
-    let bufs = if mode == "shm-region" {
+    let bufs = if mode.ends_with("shm-region") {
         Bufs::Shared(c.shared_region(2 * BATCH_BYTES).map_err(err)?)
     } else if mode == "shm-inplace-huge" {
         Bufs::Heap(huge_vec(BATCH_BYTES), huge_vec(BATCH_BYTES))
@@ -234,7 +237,15 @@ fn config(mode: &str, addr: &str, procs: usize, size: usize, reps: usize) -> R<(
     Ok((bytes / put_s / 1e9, bytes / get_s / 1e9))
 }
 
-pub fn shm(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
+/// `only`: the modes to run (empty: all); `embedded`, the reference, always runs.
+pub fn shm(bin: &Path, reps: usize, only: &[String], rows: &mut Vec<serde_row::Row>) -> R<()> {
+    if let Some(m) = only.iter().find(|m| !MODES.contains(&m.as_str())) {
+        return Err(format!("--shm-modes: unknown mode {m:?} (known: {MODES:?})"));
+    }
+    let modes: Vec<&str> = MODES
+        .into_iter()
+        .filter(|m| *m == "embedded" || only.is_empty() || only.iter().any(|o| o == m))
+        .collect();
     let reps = reps.clamp(1, 5);
     let seg = (8 * 2 * BATCH_BYTES + (64 << 20)).to_string();
     let srv: Server = start_proc(bin, &["--listen", "127.0.0.1:0", "--segment-bytes", &seg])?;
@@ -268,7 +279,7 @@ pub fn shm(bin: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
     for size in [1usize << 20, 8 << 20] {
         for procs in [1usize, 4, 8] {
             let mut got = Vec::new();
-            for mode in MODES {
+            for &mode in &modes {
                 // Interleaved three times; the median of each mode.
                 let mut puts = Vec::new();
                 let mut gets = Vec::new();

@@ -143,6 +143,9 @@ pub struct RemoteStore {
     shm: Option<parking_lot::Mutex<ShmClient>>,
     /// Split deployment: data connections to store nodes, by data address.
     nodes: parking_lot::Mutex<HashMap<SocketAddr, NodeConn>>,
+    /// Split deployment: regions handed out by [`RemoteStore::shared_region`], shared with
+    /// every store node reached through shared memory (also ones connected later).
+    node_regions: parking_lot::Mutex<Vec<std::sync::Weak<SharedRegion>>>,
     rt: tokio::runtime::Runtime,
     client: parking_lot::Mutex<L3RpcClient>,
     /// The RPC connection failed in transport: dial again before the next call.
@@ -196,6 +199,7 @@ impl RemoteStore {
             xfer: None,
             shm: None,
             nodes: parking_lot::Mutex::new(HashMap::new()),
+            node_regions: parking_lot::Mutex::new(Vec::new()),
             client: parking_lot::Mutex::new(dial(&rt, addr, max_frame)?),
             broken: AtomicBool::new(false),
             redirected: AtomicBool::new(false),
@@ -289,9 +293,13 @@ impl RemoteStore {
     }
 
     /// `len` bytes of memory shared with the server: puts from and gets into buffers inside
-    /// it move with no copy in this client (Mooncake's dummy-client pool). -1010 when this
-    /// client has no shared-memory path.
+    /// it move with no copy in this client (Mooncake's dummy-client pool). Against a split
+    /// deployment, shared with every store node on this host (nodes elsewhere get its bytes
+    /// over TCP, as any buffer's). -1010 when this client has no shared-memory path.
     pub fn shared_region(&self, len: usize) -> L3Result<Arc<SharedRegion>> {
+        if self.limits.cluster && self.opts.shm != ShmMode::Off {
+            return self.node_region(len);
+        }
         match &self.shm {
             Some(s) => s.lock().alloc(len),
             None => Err(L3Error::Unavailable(

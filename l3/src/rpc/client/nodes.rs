@@ -25,7 +25,7 @@ use super::RemoteStore;
 use super::routing::Retry;
 use crate::error::{L3Error, L3Result};
 use crate::rpc::service::{ClusterReply, ClusterRequest};
-use crate::rpc::shm::{ShmClient, ShmMode, ShmOutcome, ShmRequest};
+use crate::rpc::shm::{SharedRegion, ShmClient, ShmMode, ShmOutcome, ShmRequest};
 use crate::rpc::xfer::XferClient;
 use crate::types::{PutHandle, PutOptions, ReplicaDescriptor, Tenant};
 
@@ -95,6 +95,13 @@ impl RemoteStore {
                         self.opts.shm_staging_bytes,
                     ) {
                         Some(mut c) => {
+                            // Regions handed out before this node was reached: registered
+                            // by the connect below.
+                            for r in self.live_node_regions() {
+                                if let Err(e) = c.adopt(&r) {
+                                    tracing::debug!(error = %e, "store node: region");
+                                }
+                            }
                             if let Err(e) = c.connect() {
                                 tracing::info!(error = %e, "store node: shared memory unavailable; TCP");
                             }
@@ -108,6 +115,33 @@ impl RemoteStore {
             // The connection failed: the call made on it next says so.
             Err(_) => {}
         }
+    }
+
+    /// The regions handed out to this split-deployment client that are still alive.
+    fn live_node_regions(&self) -> Vec<Arc<SharedRegion>> {
+        let mut v = self.node_regions.lock();
+        v.retain(|w| w.strong_count() > 0);
+        v.iter().filter_map(|w| w.upgrade()).collect()
+    }
+
+    /// A region shared with every store node this client reaches through shared memory,
+    /// now and later (see [`RemoteStore::shared_region`]).
+    pub(super) fn node_region(&self, len: usize) -> L3Result<Arc<SharedRegion>> {
+        if self.nodes.lock().is_empty() {
+            self.open_nodes();
+        }
+        let r = SharedRegion::create(len)?;
+        self.node_regions.lock().push(Arc::downgrade(&r));
+        let slots: Vec<NodeConn> = self.nodes.lock().values().cloned().collect();
+        for slot in slots {
+            if let NodeShm::Ready(c) = &mut slot.lock().shm
+                && let Err(e) = c.adopt(&r)
+            {
+                // The connection dropped; the next call reconnects and registers it.
+                tracing::debug!(error = %e, "store node: region");
+            }
+        }
+        Ok(r)
     }
 
     /// Runs a data call on the node at `addr` through shared memory when it can

@@ -34,6 +34,14 @@ pub struct SharedRegion {
 }
 
 impl SharedRegion {
+    /// A new region of `len` bytes, not yet registered with any server (see
+    /// [`ShmClient::adopt`]).
+    pub(crate) fn create(len: usize) -> L3Result<Arc<Self>> {
+        Ok(Arc::new(SharedRegion {
+            map: Mapping::create("kvtier-shm-region", len)?,
+        }))
+    }
+
     /// Start of the region (valid for [`Self::len`] bytes while the region lives).
     pub fn as_ptr(&self) -> *mut u8 {
         self.map.as_ptr()
@@ -310,15 +318,34 @@ impl ShmClient {
     /// `len` bytes of memory shared with the server: buffers inside it move with no copy.
     pub fn alloc(&mut self, len: usize) -> L3Result<Arc<SharedRegion>> {
         self.connect()?;
-        let map = Mapping::create("kvtier-shm-region", len)?;
-        let live = self.live.as_mut().ok_or_else(|| io_fail("not connected"))?;
-        let seg = Self::register_on(&mut live.sock, &map, self.max_frame);
-        if seg.is_err() {
-            self.live = None;
-        }
-        let r = Arc::new(SharedRegion { map });
-        self.regions.push((Arc::downgrade(&r), Some(seg?)));
+        let r = SharedRegion::create(len)?;
+        self.adopt(&r)?;
         Ok(r)
+    }
+
+    /// Shares `region` (made for another connection too: a split deployment's region is
+    /// registered with every node on this host) with this server: registered now when the
+    /// socket is live, else at the next connect. Until it is registered, buffers in it are
+    /// staged like any other. An error drops the connection (it is out of step); the region
+    /// is kept and registered again on reconnect.
+    pub(crate) fn adopt(&mut self, region: &Arc<SharedRegion>) -> L3Result<()> {
+        let mine = Arc::downgrade(region);
+        if self.regions.iter().any(|(w, _)| w.ptr_eq(&mine)) {
+            return Ok(()); // already shared here (or registered again at the next connect)
+        }
+        let seg = match self.live.as_mut() {
+            Some(live) => {
+                let seg = Self::register_on(&mut live.sock, &region.map, self.max_frame);
+                if seg.is_err() {
+                    self.live = None;
+                }
+                Some(seg)
+            }
+            None => None,
+        };
+        let id = seg.as_ref().and_then(|s| s.as_ref().ok().copied());
+        self.regions.push((mine, id));
+        seg.transpose().map(|_| ())
     }
 
     /// The in-place range of `[ptr, ptr + len)`, when it lies inside a live region.
