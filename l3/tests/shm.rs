@@ -4,28 +4,17 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::procs::{args, eventually, kill9, spawn, test_child};
 use common::shm::{mapped_memfds, status_kb};
 use common::{payload, t};
-use kvtier_l3::{ClientOptions, L3Error, L3Store, PutOptions, RemoteStore, ShmMode};
+use kvtier_l3::{L3Error, L3Store, PutOptions, ShmMode};
 
 const CHILD_ENV: &str = "KVTIER_SHM_TEST_CHILD";
 
-fn connect(addr: SocketAddr, shm: ShmMode, staging: usize) -> RemoteStore {
-    RemoteStore::connect(
-        addr,
-        ClientOptions {
-            shm,
-            shm_staging_bytes: staging,
-            ..Default::default()
-        },
-    )
-    .unwrap()
-}
+use common::shm::shm_client as connect;
 
 fn server(extra: &[&str]) -> common::procs::Proc {
     let mut a = args(&["--listen", "127.0.0.1:0", "--segment-bytes", "268435456"]);

@@ -40,31 +40,25 @@ fn server(token: Option<&str>) -> (Proc, ShmOffer) {
 
 impl Raw {
     fn put(&mut self, key: &str, r: ShmRange) -> Result<Vec<Result<(), L3Error>>, L3Error> {
-        match self.call(&ShmRequest::Put {
+        self.put_reply(&ShmRequest::Put {
             tenant: t("hostile"),
             keys: vec![key.to_string()],
             ranges: vec![r],
             opts: PutOptions::default(),
             cfg: ReplicateConfig::default(),
-        }) {
-            ShmReply::Put(r) => r,
-            other => panic!("put: {other:?}"),
-        }
+        })
     }
     fn get(
         &mut self,
         keys: &[&str],
         rs: Vec<ShmRange>,
     ) -> Result<Vec<Result<u64, L3Error>>, L3Error> {
-        match self.call(&ShmRequest::Get {
+        self.get_reply(&ShmRequest::Get {
             tenant: t("hostile"),
             keys: keys.iter().map(|k| k.to_string()).collect(),
             queries: None,
             ranges: rs,
-        }) {
-            ShmReply::Get(r) => r,
-            other => panic!("get: {other:?}"),
-        }
+        })
     }
 }
 

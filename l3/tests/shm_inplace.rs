@@ -8,31 +8,20 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::procs::{Proc, args, kill9, spawn, test_child};
+use common::shm::Raw;
 use common::{payload, t};
-use kvtier_l3::rpc::shm::{RemoteBuf, ShmOffer, ShmReply, ShmRequest};
-use kvtier_l3::rpc::xfer::{read_frame, write_frame};
-use kvtier_l3::{
-    ClientOptions, L3Error, L3Store, PutOptions, RemoteStore, ReplicateConfig, ShmMode,
-};
+use kvtier_l3::rpc::shm::{RemoteBuf, ShmReply, ShmRequest};
+use kvtier_l3::{L3Error, L3Store, PutOptions, RemoteStore, ReplicateConfig, ShmMode};
 use proptest::prelude::*;
 
 const CHILD_ENV: &str = "KVTIER_INPLACE_TEST_CHILD";
 
 fn connect(addr: SocketAddr, shm: ShmMode) -> RemoteStore {
-    RemoteStore::connect(
-        addr,
-        ClientOptions {
-            shm,
-            shm_staging_bytes: 1 << 20,
-            ..Default::default()
-        },
-    )
-    .unwrap()
+    common::shm::shm_client(addr, shm, 1 << 20)
 }
 
 fn server() -> Proc {
@@ -132,22 +121,8 @@ proptest! {
     }
 }
 
-/// A raw connection to the server's socket, probed for in-place copies.
-struct Raw(UnixStream);
-
+/// The in-place requests on a raw connection to the server's socket.
 impl Raw {
-    fn open(offer: &ShmOffer) -> Raw {
-        let mut r = Raw(UnixStream::connect(&offer.path).unwrap());
-        assert!(matches!(
-            r.call(&ShmRequest::Hello { token: None }),
-            ShmReply::Hello(Ok(_))
-        ));
-        r
-    }
-    fn call(&mut self, req: &ShmRequest) -> ShmReply {
-        write_frame(&mut self.0, req).unwrap();
-        read_frame(&mut self.0, 1 << 20).unwrap()
-    }
     fn probe(&mut self, lie: bool) -> Result<(), L3Error> {
         let mut buf = [7u8; 32];
         let base = buf.as_mut_ptr() as u64;
@@ -169,36 +144,30 @@ impl Raw {
         );
         r
     }
-    fn put(
+    fn put_at(
         &mut self,
         keys: &[&str],
         bufs: Vec<RemoteBuf>,
     ) -> Result<Vec<Result<(), L3Error>>, L3Error> {
-        match self.call(&ShmRequest::PutAt {
+        self.put_reply(&ShmRequest::PutAt {
             tenant: t("hostile"),
             keys: keys.iter().map(|k| k.to_string()).collect(),
             bufs,
             opts: PutOptions::default(),
             cfg: ReplicateConfig::default(),
-        }) {
-            ShmReply::Put(r) => r,
-            other => panic!("put: {other:?}"),
-        }
+        })
     }
-    fn get(
+    fn get_at(
         &mut self,
         keys: &[&str],
         bufs: Vec<RemoteBuf>,
     ) -> Result<Vec<Result<u64, L3Error>>, L3Error> {
-        match self.call(&ShmRequest::GetAt {
+        self.get_reply(&ShmRequest::GetAt {
             tenant: t("hostile"),
             keys: keys.iter().map(|k| k.to_string()).collect(),
             queries: None,
             bufs,
-        }) {
-            ShmReply::Get(r) => r,
-            other => panic!("get: {other:?}"),
-        }
+        })
     }
 }
 
@@ -240,9 +209,9 @@ fn hostile_addresses_get_typed_errors_and_change_nothing() {
     let good = payload(1, 4096);
 
     // Without a probe, or after a failed one, in-place requests are refused.
-    let mut r = Raw::open(&offer);
+    let mut r = Raw::open(&offer, None);
     assert!(matches!(
-        r.put(&["x"], vec![rb(good.as_ptr(), good.len())]),
+        r.put_at(&["x"], vec![rb(good.as_ptr(), good.len())]),
         Err(L3Error::IllegalClient(_))
     ));
     assert!(
@@ -250,7 +219,7 @@ fn hostile_addresses_get_typed_errors_and_change_nothing() {
         "a wrong nonce"
     );
     assert!(matches!(
-        r.put(&["x"], vec![rb(good.as_ptr(), good.len())]),
+        r.put_at(&["x"], vec![rb(good.as_ptr(), good.len())]),
         Err(L3Error::IllegalClient(_))
     ));
     r.probe(false).unwrap();
@@ -267,16 +236,16 @@ fn hostile_addresses_get_typed_errors_and_change_nothing() {
         },
     ] {
         assert!(matches!(
-            r.put(&["x"], vec![b]),
+            r.put_at(&["x"], vec![b]),
             Err(L3Error::InvalidParams(_))
         ));
         assert!(matches!(
-            r.get(&["kept"], vec![b]),
+            r.get_at(&["kept"], vec![b]),
             Err(L3Error::InvalidParams(_))
         ));
     }
     assert!(matches!(
-        r.put(&["x", "y"], vec![rb(good.as_ptr(), 1)]),
+        r.put_at(&["x", "y"], vec![rb(good.as_ptr(), 1)]),
         Err(L3Error::InvalidParams(_))
     ));
 
@@ -290,7 +259,7 @@ fn hostile_addresses_get_typed_errors_and_change_nothing() {
         0
     );
     let v = r
-        .put(
+        .put_at(
             &["unmapped", "halfmapped", "fine"],
             vec![
                 rb(16 as *const u8, 100),
@@ -312,7 +281,7 @@ fn hostile_addresses_get_typed_errors_and_change_nothing() {
     let ro = map(page, libc::PROT_READ);
     let mut ok = vec![0u8; 8];
     let v = r
-        .get(
+        .get_at(
             &["kept", "kept", "kept"],
             vec![rb(ro, 8), rb(24 as *const u8, 8), rb(ok.as_mut_ptr(), 8)],
         )
@@ -337,7 +306,7 @@ fn hostile_addresses_get_typed_errors_and_change_nothing() {
             // process reads it after; the server's copy gets EFAULT or is already done).
             unsafe { libc::munmap((addr + big / 2) as *mut libc::c_void, big / 2) };
         });
-        let v = r.put(&[key.as_str()], vec![rb(m, big)]).unwrap();
+        let v = r.put_at(&[key.as_str()], vec![rb(m, big)]).unwrap();
         unmapper.join().unwrap();
         match &v[0] {
             Ok(()) => assert_eq!(c.get(&tn, &key).unwrap(), src, "round {round}"),

@@ -12,43 +12,26 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::procs::{Proc, eventually, kill9, master, node_with};
+use common::procs::{eventually, kill9, master};
 use common::shm::status_kb;
 use common::{payload, t};
 use kvtier_l3::{
-    ClientOptions, DataPath, L3Error, L3Store, PutOptions, RemoteStore, ReplicateConfig,
-    SharedRegion, ShmMode,
+    DataPath, L3Error, L3Store, PutOptions, RemoteStore, ReplicateConfig, SharedRegion, ShmMode,
 };
 
 const MIB: usize = 1 << 20;
 
-fn connect(addr: SocketAddr, shm: ShmMode) -> RemoteStore {
-    RemoteStore::connect(
-        addr,
-        ClientOptions {
-            shm,
-            // 1 MiB staging: a 4 MiB plain buffer cannot be staged (it goes over TCP), one
-            // in a region goes through shared memory.
-            shm_staging_bytes: MIB,
-            ..Default::default()
-        },
-    )
-    .unwrap()
-}
+use common::shm::shm_node as node;
 
-fn node(m: &Proc, id: u64, extra: &[&str]) -> Proc {
-    let mut a = vec!["--segment-bytes", "67108864"];
-    a.extend(extra);
-    node_with(m.addr, id, None, None, &a)
+/// A client with a 1 MiB staging segment: a 4 MiB plain buffer cannot be staged (it goes
+/// over TCP), one in a region goes through shared memory.
+fn connect(addr: SocketAddr, shm: ShmMode) -> RemoteStore {
+    common::shm::shm_client(addr, shm, MIB)
 }
 
 /// Lines of the process's maps naming a client region.
 fn mapped_regions(pid: u32) -> usize {
-    std::fs::read_to_string(format!("/proc/{pid}/maps"))
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains("memfd:kvtier-shm-region"))
-        .count()
+    common::shm::mapped(pid, "kvtier-shm-region")
 }
 
 /// The region's bytes `[at, at + len)`.

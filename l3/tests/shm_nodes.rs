@@ -8,37 +8,19 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::procs::{Proc, eventually, kill9, master, node_with};
+use common::procs::{eventually, kill9, master};
 use common::shm::{mapped_memfds, status_kb};
 use common::{payload, t};
 use kvtier_l3::{
-    ClientOptions, DataPath, L3Error, L3Store, PutOptions, RemoteStore, ReplicateConfig, ShmMode,
-    Tenant,
+    DataPath, L3Error, L3Store, PutOptions, RemoteStore, ReplicateConfig, ShmMode, Tenant,
 };
 
 const CHILD_ENV: &str = "KVTIER_SHM_NODES_CHILD";
 
-fn connect(addr: SocketAddr, shm: ShmMode, staging: usize) -> RemoteStore {
-    RemoteStore::connect(
-        addr,
-        ClientOptions {
-            shm,
-            shm_staging_bytes: staging,
-            ..Default::default()
-        },
-    )
-    .unwrap()
-}
-
-fn node(m: &Proc, id: u64, extra: &[&str]) -> Proc {
-    let mut a = vec!["--segment-bytes", "67108864"];
-    a.extend(extra);
-    node_with(m.addr, id, None, None, &a)
-}
+use common::shm::{shm_client as connect, shm_node as node};
 
 fn paths(c: &RemoteStore) -> Vec<DataPath> {
     c.node_paths().into_iter().map(|(_, p)| p).collect()

@@ -1,13 +1,37 @@
-//! A raw client of a shared-memory socket (a server's or a store node's) for the hostile
-//! tests: hello, requests, registration of memfd segments the test fills and inspects.
+//! The shared-memory tests' fixtures: clients with a chosen mode and staging size, store
+//! nodes, a raw client of a shared-memory socket (a server's or a store node's) for the
+//! hostile tests (hello, requests, registration of memfd segments the test fills and
+//! inspects), and what `/proc` says of a process's shared memory.
 
+use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 
-use kvtier_l3::L3Error;
+use super::procs::{Proc, node_with};
 use kvtier_l3::rpc::shm::segment::{Mapping, send_fd};
 use kvtier_l3::rpc::shm::{ShmOffer, ShmRange, ShmReply, ShmRequest};
 use kvtier_l3::rpc::xfer::{read_frame, write_frame};
+use kvtier_l3::{ClientOptions, L3Error, RemoteStore, ShmMode};
+
+/// A client of `addr` with shared memory `shm` and a staging segment of `staging` bytes.
+pub fn shm_client(addr: SocketAddr, shm: ShmMode, staging: usize) -> RemoteStore {
+    RemoteStore::connect(
+        addr,
+        ClientOptions {
+            shm,
+            shm_staging_bytes: staging,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+/// A `--role node` of master `m` with a 64 MiB segment (and `extra` flags).
+pub fn shm_node(m: &Proc, id: u64, extra: &[&str]) -> Proc {
+    let mut a = vec!["--segment-bytes", "67108864"];
+    a.extend(extra);
+    node_with(m.addr, id, None, None, &a)
+}
 
 /// Size of the test segments.
 pub const SEG: usize = 1 << 16;
@@ -30,6 +54,22 @@ impl Raw {
     pub fn call(&mut self, req: &ShmRequest) -> ShmReply {
         write_frame(&mut self.0, req).unwrap();
         read_frame(&mut self.0, 1 << 20).unwrap()
+    }
+
+    /// The per-key results of a put-shaped request (`Put`, `PutAt`, `NodePut`).
+    pub fn put_reply(&mut self, req: &ShmRequest) -> Result<Vec<Result<(), L3Error>>, L3Error> {
+        match self.call(req) {
+            ShmReply::Put(r) => r,
+            other => panic!("put: {other:?}"),
+        }
+    }
+
+    /// The per-key results of a get-shaped request (`Get`, `GetAt`, `NodeRead`).
+    pub fn get_reply(&mut self, req: &ShmRequest) -> Result<Vec<Result<u64, L3Error>>, L3Error> {
+        match self.call(req) {
+            ShmReply::Get(r) => r,
+            other => panic!("get: {other:?}"),
+        }
     }
 
     pub fn register(&mut self, len: u64, fd: &OwnedFd) -> Result<u32, L3Error> {
@@ -62,10 +102,16 @@ pub fn all(m: &Mapping, byte: u8) -> bool {
 
 /// Lines of `/proc/<pid>/maps` naming one of the client memfds (`kvtier-shm-*`).
 pub fn mapped_memfds(pid: u32) -> usize {
+    mapped(pid, "kvtier-shm")
+}
+
+/// Lines of `/proc/<pid>/maps` naming a memfd whose name starts with `name`.
+pub fn mapped(pid: u32, name: &str) -> usize {
+    let pat = format!("memfd:{name}");
     std::fs::read_to_string(format!("/proc/{pid}/maps"))
         .unwrap_or_default()
         .lines()
-        .filter(|l| l.contains("memfd:kvtier-shm"))
+        .filter(|l| l.contains(&pat))
         .count()
 }
 

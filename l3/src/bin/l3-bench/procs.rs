@@ -240,7 +240,9 @@ fn config(mode: &str, addr: &str, procs: usize, size: usize, reps: usize) -> R<(
 /// `only`: the modes to run (empty: all); `embedded`, the reference, always runs.
 pub fn shm(bin: &Path, reps: usize, only: &[String], rows: &mut Vec<serde_row::Row>) -> R<()> {
     if let Some(m) = only.iter().find(|m| !MODES.contains(&m.as_str())) {
-        return Err(format!("--shm-modes: unknown mode {m:?} (known: {MODES:?})"));
+        return Err(format!(
+            "--shm-modes: unknown mode {m:?} (known: {MODES:?})"
+        ));
     }
     let modes: Vec<&str> = MODES
         .into_iter()
