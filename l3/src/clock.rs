@@ -91,7 +91,7 @@ impl Periodic {
         if let Some(h) = self.handle.take()
             && h.thread().id() != std::thread::current().id()
         {
-            let _ = h.join();
+            crate::error::join_logged("clock ticker", h);
         }
     }
 }

@@ -309,6 +309,25 @@ pub enum L3Error {
     EpochFenced(String),
 }
 
+/// Settles the result of a best-effort release (a revoke, an unmount, an etcd lease given
+/// back, a stale socket file removed) whose failure the caller can do nothing about: the
+/// resource is already gone (a forced remove took the pending put, the client was declared
+/// dead) or something else frees it (the put timeout, the lease TTL). The failure is logged,
+/// never dropped unseen.
+pub fn best_effort<T, E: std::fmt::Display>(what: &str, r: Result<T, E>) {
+    if let Err(e) = r {
+        tracing::debug!(error = %e, "{what}: not released here (already gone, or freed later)");
+    }
+}
+
+/// Joins a thread this value owned; a thread that panicked is logged (its panic already
+/// printed), never ignored unseen.
+pub fn join_logged<T>(what: &str, h: std::thread::JoinHandle<T>) {
+    if h.join().is_err() {
+        tracing::error!("{what}: the thread panicked");
+    }
+}
+
 impl L3Error {
     /// Mooncake's error code for this error.
     pub fn code(&self) -> ErrorCode {

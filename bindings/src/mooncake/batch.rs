@@ -108,7 +108,10 @@ fn write_many(
     if w.mode == WriteMode::Upsert {
         for k in keys {
             // A failed remove shows up as the put's own error (-705 for a leased object).
-            let _ = removed_or_missing(s.remove(t, k, true));
+            kvtier_l3::error::best_effort(
+                "upsert: remove the old object",
+                removed_or_missing(s.remove(t, k, true)),
+            );
         }
     }
     s.batch_put_from_with(t, keys, views, PutOptions::default(), w.cfg)

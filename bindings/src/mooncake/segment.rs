@@ -116,10 +116,13 @@ impl Drop for Contribution {
     fn drop(&mut self) {
         drop(self.stop.take());
         if let Some(h) = self.pinger.take() {
-            let _ = h.join();
+            kvtier_l3::error::join_logged("segment pinger", h);
         }
         // Already gone if the store declared this client dead: nothing left to unmount.
-        let _ = self.store.unmount_segment(self.client, self.segment);
+        kvtier_l3::error::best_effort(
+            "unmount a compat client's segment",
+            self.store.unmount_segment(self.client, self.segment),
+        );
         names().lock().remove(&self.segment.0);
     }
 }

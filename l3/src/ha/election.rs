@@ -207,7 +207,8 @@ impl LeaderLease {
     /// the TTL.
     pub fn resign(&self) {
         self.lose();
-        let _ = self.etcd.revoke(self.lease);
+        // Unrevoked, the lease (and the leader key) expires after its TTL.
+        crate::error::best_effort("revoke the leader lease", self.etcd.revoke(self.lease));
     }
 }
 
@@ -265,7 +266,7 @@ pub fn campaign(
             Ok((false, ..)) => {}
             Err(e) => tracing::warn!(error = %e, "campaign txn failed"),
         }
-        let _ = etcd.revoke(lease);
+        crate::error::best_effort("revoke the campaign lease", etcd.revoke(lease));
         std::thread::sleep(poll);
     }
     Ok(None)

@@ -178,8 +178,8 @@ impl LocalEtcd {
     /// SIGKILLs member `i`.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut c) = self.members[i].child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            crate::error::best_effort("kill an etcd member", c.kill());
+            crate::error::best_effort("reap an etcd member", c.wait());
         }
     }
 
@@ -210,6 +210,9 @@ impl Drop for LocalEtcd {
             self.resume(i);
             self.kill(i);
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        crate::error::best_effort(
+            "remove the etcd data dir",
+            std::fs::remove_dir_all(&self.dir),
+        );
     }
 }

@@ -144,7 +144,7 @@ impl StandbyServer {
         self.done.store(true, Ordering::Release);
         let _ = self.stop.send(true);
         for t in self.threads {
-            let _ = t.join();
+            crate::error::join_logged("standby master", t);
         }
     }
 }

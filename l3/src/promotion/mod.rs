@@ -311,7 +311,7 @@ impl Promoter {
         drop(self.tx.lock().take());
         let ws: Vec<JoinHandle<()>> = std::mem::take(&mut *self.workers.lock());
         for w in ws {
-            let _ = w.join();
+            crate::error::join_logged("promotion worker", w);
         }
     }
 }

@@ -377,7 +377,7 @@ impl SsdTier {
         drop(tx);
         let h = self.worker.lock().take();
         if let Some(h) = h {
-            let _ = h.join();
+            crate::error::join_logged("SSD writer", h);
         }
     }
 

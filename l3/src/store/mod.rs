@@ -314,7 +314,7 @@ impl Inner {
         if let Some((tx, h)) = sweeper {
             drop(tx);
             if h.thread().id() != std::thread::current().id() {
-                let _ = h.join();
+                crate::error::join_logged("store sweeper", h);
             }
         }
         if let Some(p) = &self.promoter {

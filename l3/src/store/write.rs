@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use crate::config::OffloadMode;
-use crate::error::{L3Error, L3Result};
+use crate::error::{L3Error, L3Result, best_effort};
 use crate::master::EvictionOutcome;
 use crate::metrics::Metrics;
 use crate::ssd::OffloadJob;
@@ -70,7 +70,7 @@ impl Inner {
         let bytes = match bytes {
             Ok(b) => b,
             Err(e) => {
-                let _ = self.master.lock().put_revoke(h);
+                best_effort("revoke an unfilled put", self.master.lock().put_revoke(h));
                 return Err(e);
             }
         };
@@ -81,7 +81,8 @@ impl Inner {
         if let Err(e) = written {
             // The revoke fails only if the pending object is already gone (a forced remove
             // took it): nothing is left to release then.
-            let _ = self.master.lock().put_revoke(h);
+            let revoked = self.master.lock().put_revoke(h);
+            best_effort("revoke a put whose write failed", revoked);
             return Err(e);
         }
         self.put_end(h, opts)

@@ -316,15 +316,17 @@ impl StoreNode {
         drop(tx);
         let promoter = self.promoter.lock().take();
         if let Some(h) = promoter {
-            let _ = h.join();
+            crate::error::join_logged("node promoter", h);
         }
         if let Some(s) = &self.inner.ssd {
             s.flush();
         }
         if self.inner.mounted.swap(false, Ordering::AcqRel) {
-            let _ = self.inner.link.call(ClusterRequest::Leave {
+            // Unheard, the master declares this node dead after its client TTL instead.
+            let left = self.inner.link.call(ClusterRequest::Leave {
                 node: self.inner.opts.id,
             });
+            crate::error::best_effort("leave the master", left);
         }
         if let Some(s) = &self.inner.ssd {
             s.shutdown();

@@ -197,12 +197,15 @@ impl NodeInner {
     }
 
     pub(super) fn on_corrupt(&self, t: &Tenant, key: &str, loc: DiskLoc) {
-        let _ = self.link.call(ClusterRequest::DropDisk {
+        // Best effort: a master that does not hear of it finds the record corrupt itself
+        // when a read of it fails again.
+        let told = self.link.call(ClusterRequest::DropDisk {
             node: self.opts.id,
             tenant: t.clone(),
             key: key.to_string(),
             loc,
         });
+        crate::error::best_effort("tell the master of a corrupt record", told);
         if let Some(ssd) = &self.ssd
             && let Err(e) = ssd.tombstone(&loc)
         {

@@ -10,7 +10,7 @@ use futures::future::join_all;
 
 use super::{PER_KEY_OVERHEAD, RemoteStore, empty_reply};
 use crate::api::{BatchResult, L3Store, single};
-use crate::error::{L3Error, L3Result};
+use crate::error::{L3Error, L3Result, best_effort};
 use crate::master::{LossCursor, Losses};
 use crate::pattern::KeyPattern;
 use crate::rpc::shm::ShmOutcome;
@@ -361,8 +361,7 @@ impl L3Store for RemoteStore {
 
 impl RemoteStore {
     /// Puts with `replica_num > 1` over TCP to a `--role both` server: start (the server
-    /// places the replicas, one per segment owner), write (every replica), end. A key whose
-    /// write fails is revoked.
+    /// places the replicas, one per segment owner), write (every replica), end.
     fn put_replicated(
         &self,
         tenant: &Tenant,
@@ -371,27 +370,80 @@ impl RemoteStore {
         opts: PutOptions,
         cfg: ReplicateConfig,
     ) -> BatchResult<()> {
+        self.put_placed(tenant, keys, bufs, cfg, |hs, ds| {
+            let mut res: Vec<L3Result<()>> = hs
+                .iter()
+                .zip(ds)
+                .map(|(h, d)| self.put_write(h, d))
+                .collect();
+            let written: Vec<PutHandle> = hs
+                .iter()
+                .zip(&res)
+                .filter(|(_, r)| r.is_ok())
+                .map(|(h, _)| h.clone())
+                .collect();
+            let mut ends = self.batch_put_end(&written, opts)?.into_iter();
+            if ends.len() != written.len() {
+                return Err(L3Error::RpcFail("reply length mismatch".into()));
+            }
+            for r in res.iter_mut().filter(|r| r.is_ok()) {
+                *r = ends.next().unwrap_or(Ok(()));
+            }
+            Ok(res)
+        })
+    }
+
+    /// A whole put in two phases: a placement for every key (`batch_put_start_with`), then
+    /// `finish` writes and ends the placed ones (one result per handle, in order). A
+    /// placement whose finish failed is revoked at once (best effort) rather than at the put
+    /// timeout; a finish that failed as a whole (transport) revokes them all and is the
+    /// batch's error. Per-key results, in the batch's order.
+    pub(super) fn put_placed(
+        &self,
+        tenant: &Tenant,
+        keys: &[String],
+        bufs: &[&[u8]],
+        cfg: ReplicateConfig,
+        finish: impl FnOnce(&[PutHandle], &[&[u8]]) -> L3Result<Vec<L3Result<()>>>,
+    ) -> BatchResult<()> {
         let sizes: Vec<u64> = bufs.iter().map(|b| b.len() as u64).collect();
-        let starts = self.batch_put_start_with(tenant, keys, &sizes, cfg)?;
-        let mut out: Vec<L3Result<()>> = Vec::with_capacity(keys.len());
-        let mut written: Vec<(usize, PutHandle)> = Vec::new();
-        for (i, (h, b)) in starts.into_iter().zip(bufs).enumerate() {
-            out.push(h.and_then(|h| match self.put_write(&h, b) {
-                Ok(()) => {
-                    written.push((i, h));
-                    Ok(())
-                }
-                Err(e) => {
-                    // Already gone if the server revoked it: nothing left to release.
-                    let _ = self.put_revoke(&h);
-                    Err(e)
-                }
-            }));
+        let started = self.batch_put_start_with(tenant, keys, &sizes, cfg)?;
+        if started.len() != keys.len() {
+            return Err(L3Error::RpcFail("reply length mismatch".into()));
         }
-        let handles: Vec<PutHandle> = written.iter().map(|(_, h)| h.clone()).collect();
-        let ends = self.batch_put_end(&handles, opts)?;
-        for ((i, _), r) in written.iter().zip(ends) {
-            out[*i] = r;
+        let mut out: Vec<L3Result<()>> = Vec::with_capacity(keys.len());
+        let (mut handles, mut data, mut at) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, r) in started.into_iter().enumerate() {
+            match r {
+                Ok(h) => {
+                    out.push(Ok(()));
+                    handles.push(h);
+                    data.push(bufs[i]);
+                    at.push(i);
+                }
+                Err(e) => out.push(Err(e)),
+            }
+        }
+        let res = match finish(&handles, &data) {
+            Ok(v) if v.len() == handles.len() => v,
+            Ok(_) => vec![Err(L3Error::RpcFail("reply length mismatch".into())); handles.len()],
+            Err(e) => {
+                best_effort("revoke unfinished puts", self.batch_put_revoke(&handles));
+                return Err(e);
+            }
+        };
+        let mut failed = Vec::new();
+        for ((i, h), r) in at.into_iter().zip(handles).zip(res) {
+            if let Err(e) = r {
+                // -705: another writer's object, not this put's placement.
+                if !matches!(e, L3Error::ObjectAlreadyExists) {
+                    failed.push(h);
+                }
+                out[i] = Err(e);
+            }
+        }
+        if !failed.is_empty() {
+            best_effort("revoke failed puts", self.batch_put_revoke(&failed));
         }
         Ok(out)
     }

@@ -241,41 +241,9 @@ impl RemoteStore {
         opts: PutOptions,
         cfg: ReplicateConfig,
     ) -> BatchResult<()> {
-        let sizes: Vec<u64> = bufs.iter().map(|b| b.len() as u64).collect();
-        let started = self.batch_put_start_with(tenant, keys, &sizes, cfg)?;
-        if started.len() != keys.len() {
-            return Err(L3Error::RpcFail("reply length mismatch".into()));
-        }
-        let mut out: Vec<L3Result<()>> = Vec::with_capacity(keys.len());
-        let mut handles = Vec::new();
-        let mut data = Vec::new();
-        let mut at = Vec::new();
-        for (i, r) in started.into_iter().enumerate() {
-            match r {
-                Ok(h) => {
-                    out.push(Ok(()));
-                    handles.push(h);
-                    data.push(bufs[i]);
-                    at.push(i);
-                }
-                Err(e) => out.push(Err(e)),
-            }
-        }
-        let res = self.cluster_put_on_nodes(&handles, &data, Some(opts));
-        let mut failed = Vec::new();
-        for ((i, h), r) in at.into_iter().zip(handles).zip(res) {
-            if let Err(e) = r {
-                if !matches!(e, L3Error::ObjectAlreadyExists) {
-                    failed.push(h);
-                }
-                out[i] = Err(e);
-            }
-        }
-        if !failed.is_empty() {
-            // Best effort: free the placements at once instead of at the put timeout.
-            let _ = self.batch_put_revoke(&failed);
-        }
-        Ok(out)
+        self.put_placed(tenant, keys, bufs, cfg, |hs, ds| {
+            Ok(self.cluster_put_on_nodes(hs, ds, Some(opts)))
+        })
     }
 
     pub(super) fn cluster_flush(&self) -> L3Result<()> {

@@ -167,7 +167,9 @@ impl ServerHandle {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_timeout(std::time::Duration::from_secs(2));
         }
-        let _ = self.store.flush();
+        if let Err(e) = self.store.flush() {
+            tracing::warn!(error = %e, "flush at shutdown: queued SSD writes may be lost");
+        }
     }
 
     /// The served store.

@@ -110,9 +110,10 @@ impl ShmServer {
         self.stop.store(true, Ordering::Release);
         let _ = UnixStream::connect(&self.path);
         if let Some(h) = self.accept.take() {
-            let _ = h.join();
+            crate::error::join_logged("shared-memory accept loop", h);
         }
-        let _ = std::fs::remove_file(&self.path);
+        // Left behind, the next server's start removes it (no process answers there).
+        crate::error::best_effort("remove the socket file", std::fs::remove_file(&self.path));
     }
 }
 
@@ -139,7 +140,10 @@ fn remove_stale(dir: &Path) {
             && let Err(err) = UnixStream::connect(e.path())
             && err.kind() == std::io::ErrorKind::ConnectionRefused
         {
-            let _ = std::fs::remove_file(e.path());
+            crate::error::best_effort(
+                "remove a dead server's socket",
+                std::fs::remove_file(e.path()),
+            );
         }
     }
 }

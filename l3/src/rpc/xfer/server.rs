@@ -70,7 +70,7 @@ impl XferServer {
         self.stop.store(true, Ordering::Release);
         let _ = TcpStream::connect(self.addr);
         if let Some(h) = self.accept.take() {
-            let _ = h.join();
+            crate::error::join_logged("transfer channel accept loop", h);
         }
     }
 }
