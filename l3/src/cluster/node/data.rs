@@ -32,7 +32,6 @@ use crate::types::{Blob, PutHandle, PutOptions, ReplicaDescriptor, Tenant, valid
 
 use super::NodeInner;
 use super::mem::{Held, Staging};
-use super::recycle;
 
 impl NodeInner {
     fn alloc_of(&self, h: &PutHandle) -> L3Result<u64> {
@@ -79,7 +78,7 @@ impl NodeInner {
             tenant: h.tenant.clone(),
             key: h.key.clone(),
             token: h.token,
-            data: recycle::filled(&self.mem, data),
+            data: self.own_copy(data),
             ended: false,
             staged: Staging::No,
             since: Instant::now(),
