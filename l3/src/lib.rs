@@ -32,7 +32,7 @@ pub mod types;
 
 pub use api::{BatchResult, L3Store};
 pub use clock::Clock;
-pub use cluster::{ClusterMaster, NodeOptions, NodeRecycleStats, StoreNode};
+pub use cluster::{ClusterMaster, NodeOptions, StoreNode};
 pub use config::{OffloadMode, PromotionConfig, SsdConfig, StoreConfig};
 pub use error::{ErrorCode, L3Error, L3Result};
 pub use master::{LossCursor, Losses};

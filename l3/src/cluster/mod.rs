@@ -19,4 +19,4 @@ pub mod state;
 pub use durable::SettleBackend;
 
 pub use meta::ClusterMaster;
-pub use node::{NodeOptions, NodeRecycleStats, StoreNode};
+pub use node::{NodeOptions, StoreNode};

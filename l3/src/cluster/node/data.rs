@@ -32,6 +32,7 @@ use crate::types::{Blob, PutHandle, PutOptions, ReplicaDescriptor, Tenant, valid
 
 use super::NodeInner;
 use super::mem::{Held, Staging};
+use super::recycle;
 
 impl NodeInner {
     fn alloc_of(&self, h: &PutHandle) -> L3Result<u64> {
@@ -78,7 +79,7 @@ impl NodeInner {
             tenant: h.tenant.clone(),
             key: h.key.clone(),
             token: h.token,
-            data: self.own_copy(data),
+            data: recycle::filled(&self.mem, data),
             ended: false,
             staged: Staging::No,
             since: Instant::now(),

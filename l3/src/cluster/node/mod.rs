@@ -56,7 +56,6 @@ use crate::types::{ClientId, SegmentId, Tenant};
 
 use link::MasterLink;
 use mem::Mem;
-pub use recycle::NodeRecycleStats;
 use recycle::NodeRecycler;
 use tier::NodeHooks;
 
@@ -153,10 +152,6 @@ struct NodeInner {
     /// durably; sent on each ping so the master can forget them. Reset at each mount.
     applied: AtomicU64,
     promote_tx: Mutex<Option<SyncSender<PromoteBatch>>>,
-    /// When the last ping started (periodic or early, see `sync::sync_early`).
-    last_sync: Mutex<std::time::Instant>,
-    /// Held while a ping and its reply are applied: one at a time.
-    pinging: Mutex<()>,
 }
 
 /// How long a node following an etcd leader waits at start for one to be elected.
@@ -246,8 +241,6 @@ impl StoreNode {
             mounted: AtomicBool::new(false),
             applied: AtomicU64::new(0),
             promote_tx: Mutex::new(None),
-            last_sync: Mutex::new(std::time::Instant::now()),
-            pinging: Mutex::new(()),
             opts,
         });
         let mut promoter = None;
@@ -292,15 +285,6 @@ impl StoreNode {
         })?;
         *node.pinger.lock() = Some(p);
         Ok(node)
-    }
-
-    /// How this node's puts found their buffers (reused freed ones, or fresh).
-    pub fn recycle_stats(&self) -> NodeRecycleStats {
-        let m = self.inner.mem.lock();
-        NodeRecycleStats {
-            kept_bytes: m.recycled.bytes(),
-            ..m.recycled.stats
-        }
     }
 
     /// The data-channel address clients are sent to.

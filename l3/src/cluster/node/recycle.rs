@@ -21,9 +21,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
+
 use crate::buffers::{self, IdleTrim, Recycler};
 
-use super::NodeInner;
+use super::mem::Mem;
 
 /// Kept buffers never exceed the segment divided by this.
 pub(super) const SHARE_DIV: u64 = 2;
@@ -37,8 +39,6 @@ pub(super) struct NodeRecycler {
     idle: IdleTrim,
     /// Moves with every put and free (the idle test).
     activity: u64,
-    /// Reused and fresh buffers handed to puts (`kept_bytes` filled in when read).
-    pub(super) stats: NodeRecycleStats,
 }
 
 impl NodeRecycler {
@@ -51,11 +51,11 @@ impl NodeRecycler {
             keep_idle,
             idle: IdleTrim::new(idle_after),
             activity: 0,
-            stats: NodeRecycleStats::default(),
         }
     }
 
     /// Bytes kept.
+    #[cfg(test)]
     pub(super) fn bytes(&self) -> u64 {
         self.kept.bytes()
     }
@@ -96,46 +96,11 @@ impl NodeRecycler {
     }
 }
 
-/// Puts at least this large sync with the master early when no freed buffer of their size
-/// is kept ([`NodeInner::sync_early`]): below it, a fresh buffer costs less than the round
-/// trip.
-pub(super) const EARLY_SYNC_MIN: usize = 1 << 20;
-
-/// How a node's puts found their buffers ([`super::StoreNode::recycle_stats`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct NodeRecycleStats {
-    /// Puts that reused a freed buffer of their size.
-    pub reused: u64,
-    /// Puts that copied into a fresh buffer.
-    pub fresh: u64,
-    /// Bytes of freed buffers kept now.
-    pub kept_bytes: u64,
-    /// Early syncs with the master such puts made (at most one per 10 ms).
-    pub early_syncs: u64,
-}
-
-impl NodeInner {
-    /// `src` in a buffer of the node's own: a kept one of its size when there is one (taken
-    /// under the lock, filled after it), else a fresh one. A large put that finds none first
-    /// asks the master what it freed since the last ping (see [`NodeInner::sync_early`]):
-    /// a client that removes objects and puts new ones at once would otherwise never find
-    /// the removed ones' buffers, which the node hears of only at its next ping.
-    pub(super) fn own_copy(&self, src: &[u8]) -> Arc<[u8]> {
-        let mut kept = self.mem.lock().recycled.take(src.len());
-        if kept.is_none() && src.len() >= EARLY_SYNC_MIN && self.sync_early() {
-            let mut m = self.mem.lock();
-            m.recycled.stats.early_syncs += 1;
-            kept = m.recycled.take(src.len());
-        }
-        {
-            let mut m = self.mem.lock();
-            match kept {
-                Some(_) => m.recycled.stats.reused += 1,
-                None => m.recycled.stats.fresh += 1,
-            }
-        }
-        buffers::fill(kept, src)
-    }
+/// `src` in a buffer of the node's own: a kept one of its size when there is one (taken
+/// under the lock, filled after it), else a fresh one.
+pub(super) fn filled(mem: &Mutex<Mem>, src: &[u8]) -> Arc<[u8]> {
+    let recycled = mem.lock().recycled.take(src.len());
+    buffers::fill(recycled, src)
 }
 
 #[cfg(test)]
@@ -148,8 +113,7 @@ mod tests {
     use crate::error::L3Error;
     use crate::types::Tenant;
 
-    use super::super::mem::{Held, Mem, Staging};
-    use parking_lot::Mutex;
+    use super::super::mem::{Held, Staging};
 
     const SEG: u64 = 8192;
 
@@ -173,11 +137,9 @@ mod tests {
         }
     }
 
-    /// The write path of `NodeInner::write_one` below the checks of the handle (and
-    /// without the early sync of `NodeInner::own_copy`, which needs a master).
+    /// The write path of `NodeInner::write_one` below the checks of the handle.
     fn put(m: &Mutex<Mem>, alloc: u64, src: &[u8]) -> Result<(), L3Error> {
-        let kept = m.lock().recycled.take(src.len());
-        let data = buffers::fill(kept, src);
+        let data = filled(m, src);
         let released = m.lock().write(alloc, held(data), 2 * SEG)?;
         drop(released);
         Ok(())

@@ -42,9 +42,6 @@ use crate::ssd::OffloadJob;
 use super::NodeInner;
 use super::mem::{Held, Staging};
 
-/// At most one early sync ([`NodeInner::sync_early`]) per this period.
-pub(super) const EARLY_SYNC_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
-
 /// SSD records registered per `Rescanned` call.
 const RESCAN_CHUNK: usize = 4096;
 
@@ -282,23 +279,6 @@ impl NodeInner {
         self.applied.fetch_max(a, Ordering::AcqRel);
     }
 
-    /// A put found no freed buffer of its size to reuse: the master may have freed some of
-    /// this node's allocations since it last heard (a client removed objects and puts new
-    /// ones at once, before the next ping). Syncs now, on the caller's thread, unless a
-    /// sync ran within [`EARLY_SYNC_EVERY`] (so a node filling up, with nothing freed, pays
-    /// at most one master round trip per that period). Returns whether it synced.
-    pub(super) fn sync_early(&self) -> bool {
-        {
-            let mut last = self.last_sync.lock();
-            if last.elapsed() < EARLY_SYNC_EVERY || !self.mounted.load(Ordering::Acquire) {
-                return false;
-            }
-            *last = std::time::Instant::now();
-        }
-        self.ping();
-        true
-    }
-
     /// One ping period: drop stale unended writes, ping (or mount), apply the reply, register
     /// again what was not confirmed.
     pub(super) fn tick(&self) {
@@ -331,14 +311,6 @@ impl NodeInner {
             }
             return;
         }
-        *self.last_sync.lock() = std::time::Instant::now();
-        self.ping();
-    }
-
-    /// Pings the master and applies its reply (a remount when it asks for one), one ping at
-    /// a time (the periodic one and [`Self::sync_early`] are serialised).
-    fn ping(&self) {
-        let _one = self.pinging.lock();
         let applied = self.applied.load(Ordering::Acquire);
         match self.link.call(ClusterRequest::Ping {
             node: self.opts.id,
