@@ -121,20 +121,26 @@ def test_off_switches(proc):
         off.close()
 
 
-def test_dummy_client_pool_is_shared_with_the_server(proc):
+def dummy_with_pool(addr, pool_bytes, n, seed):
+    """A dummy client of ``addr`` whose pool is shared memory, two ``n``-byte pool buffers
+    ``a`` (filled with random bytes ``src``, written through a view of the pool) and ``b``
+    (and a view of ``b``)."""
     d = MooncakeDistributedStore()
-    assert d.setup_dummy(8 << 20, 1 << 20, proc.addr) == 0
+    assert d.setup_dummy(pool_bytes, 1 << 20, addr) == 0
     assert d._core.pool_is_shared()
+    a, b = d.alloc_from_mem_pool(n), d.alloc_from_mem_pool(n)
+    assert a and b
+    src = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(a))[:] = src
+    pool_b = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(b))
+    return d, a, b, pool_b, src
+
+
+def test_dummy_client_pool_is_shared_with_the_server(proc):
+    d, a, b, pool_b, src = dummy_with_pool(proc.addr, 8 << 20, 1 << 20, seed=1)
     assert len(proc.memfd_maps("kvtier-shm-region")) == 1, "the server maps the dummy client's pool"
     tcp = kvtier.L3Store.connect(proc.addr, shm=False)  # tenant "default", as the compat class
     n = 1 << 20
-    a, b = d.alloc_from_mem_pool(n), d.alloc_from_mem_pool(n)
-    assert a and b
-    src = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
-    # Write the pool through a view of it, put from it in place, read it back elsewhere.
-    pool_a = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(a))
-    pool_b = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(b))
-    pool_a[:] = src
     assert d.register_buffer(a, n) == 0  # Mooncake: 0 on pool memory in dummy mode
     assert d.put_from("pf", a, n) == 0
     assert tcp.get("pf") == src.tobytes()
@@ -197,18 +203,10 @@ def test_dummy_client_pool_is_shared_with_a_clusters_nodes():
     nodes = [Proc(base=("--role", "node", "--master", master.addr, "--node-id", str(i), "--listen", "127.0.0.1:0",
                         "--segment-bytes", str(64 << 20))) for i in (1, 2)]
     try:
-        d = MooncakeDistributedStore()
-        assert d.setup_dummy(16 << 20, 1 << 20, master.addr) == 0
-        assert d._core.pool_is_shared()
+        n = 3 << 20
+        d, a, b, pool_b, src = dummy_with_pool(master.addr, 16 << 20, n, seed=3)
         assert [len(n.memfd_maps("kvtier-shm-region")) for n in nodes] == [1, 1]
         tcp = kvtier.L3Store.connect(master.addr, shm=False)
-        n = 3 << 20
-        a, b = d.alloc_from_mem_pool(n), d.alloc_from_mem_pool(n)
-        assert a and b
-        src = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
-        pool_a = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(a))
-        pool_b = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(b))
-        pool_a[:] = src
         keys = [f"pool{i}" for i in range(6)]
         part = n // 6
         assert d.batch_put_from(keys, [a + i * part for i in range(6)], [part] * 6) == [0] * 6
