@@ -29,13 +29,34 @@ pub struct LocalEtcd {
     initial: String,
 }
 
+/// Where member ports are picked: below the kernel's default ephemeral range (32768 and up).
+/// A port `bind(0)` hands out is free only until the listener is closed; before the member
+/// binds it, an outgoing connection (etcd members dial each other; other tests run beside)
+/// may take it, and the member then fails to start. Ports here are not handed out for
+/// outgoing connections by default; a clash left (another test picked the same one) is
+/// caught by [`LocalEtcd::start`], which starts the cluster again.
+const PORTS: std::ops::Range<u32> = 20_000..32_000;
+
 fn free_port() -> L3Result<u16> {
+    use std::hash::{BuildHasher, Hasher};
+    for _ in 0..256 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        let p = PORTS.start + (h.finish() % u64::from(PORTS.end - PORTS.start)) as u32;
+        let p = u16::try_from(p).map_err(|e| L3Error::Internal(e.to_string()))?;
+        if TcpListener::bind(("127.0.0.1", p)).is_ok() {
+            return Ok(p);
+        }
+    }
     let l = TcpListener::bind("127.0.0.1:0")
         .map_err(|e| L3Error::Internal(format!("bind a free port: {e}")))?;
     l.local_addr()
         .map(|a| a.port())
         .map_err(|e| L3Error::Internal(e.to_string()))
 }
+
+/// Attempts of [`LocalEtcd::start`], each with a fresh data dir and fresh ports.
+const START_ATTEMPTS: usize = 3;
 
 fn signal(child: &Child, sig: libc::c_int) {
     // SAFETY: kill(2) on the PID of a child this struct owns and has not reaped.
@@ -47,17 +68,40 @@ fn signal(child: &Child, sig: libc::c_int) {
 impl LocalEtcd {
     /// Starts `n` members (the `etcd` binary on PATH, or `$KVTIER_ETCD_BIN`) and waits for
     /// a quorum with a leader.
+    /// A cluster that fails to elect a leader (a member could not bind its port, or exited)
+    /// is stopped and started again on new ports, up to [`START_ATTEMPTS`] times.
     pub fn start(n: usize) -> L3Result<Self> {
         if n == 0 {
             return Err(L3Error::InvalidParams(
                 "an etcd cluster needs a member".into(),
             ));
         }
+        let mut last = L3Error::Unavailable("etcd not started".into());
+        for attempt in 1..=START_ATTEMPTS {
+            match Self::start_once(n) {
+                Ok(me) => return Ok(me),
+                Err(e @ L3Error::Unavailable(_)) if attempt < START_ATTEMPTS => {
+                    tracing::warn!(error = %e, attempt, "local etcd did not come up; again");
+                    last = e;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    fn start_once(n: usize) -> L3Result<Self> {
+        static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let dir = std::env::temp_dir().join(format!(
             "kvtier-etcd-{}-{}",
             std::process::id(),
-            free_port()?
+            STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
+        // A dir of the same name is a leftover of an earlier process with this pid (killed
+        // before its drop): its members' data would belong to another cluster.
+        if dir.exists() {
+            crate::error::best_effort("remove a stale etcd dir", std::fs::remove_dir_all(&dir));
+        }
         std::fs::create_dir_all(&dir)
             .map_err(|e| L3Error::Internal(format!("{}: {e}", dir.display())))?;
         let mut members = Vec::new();
@@ -82,8 +126,26 @@ impl LocalEtcd {
         for i in 0..n {
             me.spawn(i)?;
         }
-        me.wait_leader(Duration::from_secs(20))?;
-        Ok(me)
+        // As `wait_leader`, but a member that exited (its port was taken) fails at once.
+        let end = Instant::now() + Duration::from_secs(20);
+        loop {
+            if me.leader().is_some() {
+                return Ok(me);
+            }
+            if me.members.iter_mut().any(|m| {
+                m.child
+                    .as_mut()
+                    .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))))
+            }) {
+                return Err(L3Error::Unavailable(
+                    "an etcd member exited at start".into(),
+                ));
+            }
+            if Instant::now() >= end {
+                return Err(L3Error::Unavailable("etcd elected no leader".into()));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     fn spawn(&mut self, i: usize) -> L3Result<()> {
