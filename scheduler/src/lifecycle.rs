@@ -372,7 +372,8 @@ impl Scheduler {
                 return;
             };
             if self.cache.in_l3(node) == Ok(true) {
-                let _ = self.cache.evict_node::<Host>(node);
+                let evicted = self.cache.evict_node::<Host>(node);
+                crate::release::checked(&mut self.stats.internal_errors, "evict host", evicted);
                 continue;
             }
             let len = self.cache.node_hashes(node).map(|h| h.len()).unwrap_or(0);
@@ -384,7 +385,8 @@ impl Scheduler {
             ) {
                 pending += len;
             } else {
-                let _ = self.cache.evict_node::<Host>(node);
+                let evicted = self.cache.evict_node::<Host>(node);
+                crate::release::checked(&mut self.stats.internal_errors, "evict host", evicted);
             }
         }
     }

@@ -144,6 +144,9 @@ pub struct OffloadManager {
     pub(crate) next_job: u64,
     /// Tree events drained early (to see a tenant allocation's evictions), not yet taken.
     pub(crate) events: Vec<KvEvent>,
+    /// Frees and unlocks of slots and locks this manager held that the tree refused (a bug
+    /// in these books, see `crate::release`); [`OffloadManager::check`] requires 0.
+    internal_errors: u64,
 }
 
 impl std::fmt::Debug for OffloadManager {
@@ -184,6 +187,7 @@ impl OffloadManager {
             l3: Default::default(),
             next_job: 1,
             events: Vec::new(),
+            internal_errors: 0,
         })
     }
 
@@ -324,7 +328,7 @@ impl OffloadManager {
             }
             self.dropped.extend(gone);
             // Held by this store since prepare_store: freeing them cannot fail.
-            let _ = self.cache.free::<Host>(&freed);
+            self.free_held(&freed);
         }
         self.complete_store(job, JobOutcome::Done)
     }
@@ -407,7 +411,7 @@ impl OffloadManager {
                 .collect();
         }
         // The slots are ours (held since prepare_store): freeing them cannot fail.
-        let _ = self.cache.free::<Host>(&unused);
+        self.free_held(&unused);
         self.release(p.lock);
         self.l3.on_inserted(&p.chain, p.from);
     }
@@ -434,7 +438,7 @@ impl OffloadManager {
             }
             self.dropped.extend_from_slice(&p.chain[p.from..]);
         }
-        let _ = self.cache.free::<Host>(&p.slots);
+        self.free_held(&p.slots);
         self.release(p.lock);
     }
 
@@ -535,6 +539,12 @@ impl OffloadManager {
     /// The full consistency check: the tree's own invariants, one lock per in-flight job,
     /// the held slots exactly those of in-flight stores, `storing` exactly their pages.
     pub fn check(&self) -> Result<(), String> {
+        if self.internal_errors != 0 {
+            return Err(format!(
+                "{} releases refused by the tree (internal errors)",
+                self.internal_errors
+            ));
+        }
         self.cache.check_invariants()?;
         let (_, host_locks) = self.cache.outstanding_locks();
         let jobs = self.stores.len() + self.loads.len() + self.l3.backups();
@@ -577,6 +587,35 @@ impl OffloadManager {
     /// Gives a lock back. Our handles are of this cache and tier and given back once, so the
     /// tree cannot refuse; a refusal would leave the handle held, which `check` reports.
     pub(crate) fn release(&mut self, lock: LockHandle<Host>) {
-        let _ = self.cache.unlock(lock);
+        let r = self.cache.unlock(lock).map_err(|refused| refused.error);
+        crate::release::checked(&mut self.internal_errors, "unlock", r);
+    }
+
+    /// Frees host slots this manager holds (see [`Self::release`]).
+    fn free_held(&mut self, slots: &[HostPageId]) {
+        if !slots.is_empty() {
+            let r = self.cache.free::<Host>(slots);
+            crate::release::checked(&mut self.internal_errors, "free", r);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A release the tree refuses (a slot this manager does not hold) is a bug in its books:
+    /// counted, and `check` fails, release builds included (debug builds assert at once).
+    #[test]
+    #[cfg_attr(
+        debug_assertions,
+        should_panic(expected = "internal: free failed")
+    )]
+    fn a_refused_release_is_counted_and_fails_the_check() {
+        let mut m = OffloadManager::new(4, EvictionPolicy::default()).unwrap();
+        assert_eq!(m.check(), Ok(()));
+        m.free_held(&[HostPageId::new(2)]);
+        assert_eq!(m.internal_errors, 1);
+        assert!(m.check().unwrap_err().contains("internal errors"));
     }
 }

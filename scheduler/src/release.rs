@@ -12,9 +12,26 @@ use kvtier_radix::{LockHandle, PageId, RadixCache, RadixError, Tier};
 use crate::stats::Stats;
 
 fn failed(stats: &mut Stats, what: &'static str, e: RadixError) {
-    tracing::error!(what, error = %e, "internal: release failed");
-    stats.internal_errors += 1;
-    debug_assert!(false, "internal: {what} failed: {e}");
+    checked::<()>(&mut stats.internal_errors, what, Err(e));
+}
+
+/// The result of a release (a free, an unlock, an eviction) that cannot fail unless the
+/// caller's books are wrong: a failure is logged, added to `internal_errors` (a counter its
+/// owner's `check` requires to be 0) and asserted in debug builds; the value, if any.
+pub(crate) fn checked<T>(
+    internal_errors: &mut u64,
+    what: &'static str,
+    r: Result<T, RadixError>,
+) -> Option<T> {
+    match r {
+        Ok(v) => Some(v),
+        Err(e) => {
+            tracing::error!(what, error = %e, "internal: release failed");
+            *internal_errors += 1;
+            debug_assert!(false, "internal: {what} failed: {e}");
+            None
+        }
+    }
 }
 
 /// Gives a lock back. A refused handle (another cache's, or a stale one) cannot be given back
