@@ -607,10 +607,7 @@ mod tests {
     /// A release the tree refuses (a slot this manager does not hold) is a bug in its books:
     /// counted, and `check` fails, release builds included (debug builds assert at once).
     #[test]
-    #[cfg_attr(
-        debug_assertions,
-        should_panic(expected = "internal: free failed")
-    )]
+    #[cfg_attr(debug_assertions, should_panic(expected = "internal: free failed"))]
     fn a_refused_release_is_counted_and_fails_the_check() {
         let mut m = OffloadManager::new(4, EvictionPolicy::default()).unwrap();
         assert_eq!(m.check(), Ok(()));
