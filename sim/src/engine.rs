@@ -147,7 +147,7 @@ impl Drop for Simulation {
             s.shutdown();
         }
         if let Some(d) = &self.temp_dir {
-            let _ = std::fs::remove_dir_all(d);
+            kvtier_l3::error::best_effort("remove the temp dir", std::fs::remove_dir_all(d));
         }
     }
 }

@@ -35,8 +35,8 @@ struct Master {
 
 impl Drop for Master {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        kvtier_l3::error::best_effort("kill a process", self.child.kill());
+        kvtier_l3::error::best_effort("reap a process", self.child.wait());
     }
 }
 
@@ -208,8 +208,8 @@ pub fn failover(bin: &Path, kills: usize, ttl_s: u64, rows: &mut Vec<serde_row::
             .position(|m| m.addr == laddr)
             .ok_or("the leader is no master of ours")?;
         let t0 = Instant::now();
-        let _ = masters[v].child.kill();
-        let _ = masters[v].child.wait();
+        kvtier_l3::error::best_effort("kill the leader", masters[v].child.kill());
+        kvtier_l3::error::best_effort("reap the leader", masters[v].child.wait());
         let probes: Vec<_> = clients
             .iter()
             .map(|c| {

@@ -152,8 +152,8 @@ struct Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        kvtier_l3::error::best_effort("kill the server", self.child.kill());
+        kvtier_l3::error::best_effort("reap the server", self.child.wait());
     }
 }
 

@@ -231,7 +231,7 @@ fn config(mode: &str, addr: &str, procs: usize, size: usize, reps: usize) -> R<(
     }
     for w in &mut ws {
         w.send("quit")?;
-        let _ = w.child.wait();
+        kvtier_l3::error::best_effort("reap a worker", w.child.wait());
     }
     let bytes = (procs * reps * BATCH_BYTES) as f64;
     Ok((bytes / put_s / 1e9, bytes / get_s / 1e9))

@@ -61,7 +61,7 @@ fn dd_direct(file: &Path) -> R<f64> {
 }
 
 pub fn ssd(dir: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
-    let _ = std::fs::remove_dir_all(dir);
+    kvtier_l3::error::best_effort("remove the bench dir", std::fs::remove_dir_all(dir));
     let mk = |seg: u64| {
         let mut ssd = SsdConfig::new(dir);
         ssd.bucket_bytes_limit = 64 << 20;
@@ -130,6 +130,6 @@ pub fn ssd(dir: &Path, reps: usize, rows: &mut Vec<serde_row::Row>) -> R<()> {
         true,
     ));
     drop(s);
-    let _ = std::fs::remove_dir_all(dir);
+    kvtier_l3::error::best_effort("remove the bench dir", std::fs::remove_dir_all(dir));
     Ok(())
 }

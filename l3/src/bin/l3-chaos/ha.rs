@@ -38,8 +38,8 @@ impl Drop for Proc {
     fn drop(&mut self) {
         // Already dead is fine: this is a kill, not a release of anything.
         self.signal(libc::SIGCONT);
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        kvtier_l3::error::best_effort("kill a process", self.child.kill());
+        kvtier_l3::error::best_effort("reap a process", self.child.wait());
     }
 }
 
