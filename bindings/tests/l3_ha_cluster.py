@@ -5,6 +5,7 @@ nodes with SSD tiers of target/release, all stopped by PID; and the leader, read
 
 import base64
 import json
+import random
 import shutil
 import signal
 import socket
@@ -21,6 +22,17 @@ MISSING = None if ETCD is not None and L3_BIN.exists() else (
 
 
 def free_port():
+    """A free port below the kernel's default ephemeral range (32768 and up), as the Rust
+    tests' LocalEtcd picks: a port bind(0) hands out can be taken by an outgoing connection
+    (etcd members dial each other) before the process that was given it binds it."""
+    for _ in range(256):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -56,3 +56,32 @@ def test_mooncake_compat_takes_an_etcd_master_address(ha):
     assert m.put("mk2", b"again") == 0
     assert m.get("mk2") == b"again"
     assert m.is_exist("mk") == 1
+
+
+def test_dummy_client_pool_on_etcd_stays_shared_with_the_nodes_across_a_leader_kill(ha):
+    """A Mooncake dummy client of an etcd HA cluster: its pool is a region the store nodes map
+    (they are on this host), and puts from / gets into the pool go on after the leader master
+    is SIGKILLed: the nodes, which hold the bytes and the region, are not restarted."""
+    import numpy as np
+
+    locator, masters = ha
+    d = MooncakeDistributedStore()
+    assert d.setup_dummy(8 << 20, 1 << 20, locator) == 0
+    assert d._core.pool_is_shared(), "the pool is memory the nodes map"
+    n = 1 << 20
+    a, b = d.alloc_from_mem_pool(n), d.alloc_from_mem_pool(n)
+    view = lambda addr: np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(addr))  # noqa: E731
+    src = np.frombuffer(os.urandom(n), dtype=np.uint8)
+    view(a)[:] = src
+    assert d.put_from("before", a, n) == 0
+    kvtier.L3Store.connect(locator).flush()  # its SSD copy registered: it survives the failover
+    killed = kill_leader(locator, masters)
+    view(a)[:] = src[::-1]
+    end = killed + 10.0
+    while d.put_from("after", a, n) != 0:
+        assert time.monotonic() < end, "no put from the pool within 10 s of the kill"
+        time.sleep(0.1)
+    assert d._core.pool_is_shared()
+    assert d.get_into("before", b, n) == n and np.array_equal(view(b), src)
+    assert d.get_into("after", b, n) == n and np.array_equal(view(b), src[::-1])
+    assert d.close() == 0
