@@ -16,7 +16,7 @@ use common::t;
 use kvtier_l3::rpc::server::ServerOptions;
 use kvtier_l3::{
     ClientId, ClientOptions, EmbeddedStore, L3Error, L3Store, PutOptions, RemoteStore,
-    ReplicaDescriptor, ReplicateConfig, SegmentId, ShmMode, StoreConfig, spawn_server,
+    ReplicateConfig, SegmentId, ShmMode, StoreConfig, spawn_server,
 };
 
 const A: SegmentId = SegmentId(7);
@@ -36,18 +36,7 @@ fn bare() -> EmbeddedStore {
 }
 
 fn segs(s: &dyn L3Store, key: &str) -> Vec<SegmentId> {
-    let mut v: Vec<SegmentId> = s
-        .get_replica_list(&t("t"), key)
-        .unwrap()
-        .replicas
-        .iter()
-        .filter_map(|r| match r {
-            ReplicaDescriptor::Memory { segment, .. } => Some(*segment),
-            _ => None,
-        })
-        .collect();
-    v.sort();
-    v
+    common::memory_segments(s, &t("t"), key)
 }
 
 fn cleared(s: &dyn L3Store, keys: &[&str], seg: SegmentId) -> Vec<bool> {

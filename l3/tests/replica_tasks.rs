@@ -17,7 +17,7 @@ use kvtier_l3::rpc::server::ServerOptions;
 use kvtier_l3::store::LOCAL_SEGMENT;
 use kvtier_l3::{
     ClientId, EmbeddedStore, L3Store, PutOptions, ReplicaDescriptor, SegmentId, StoreConfig,
-    Tenant, spawn_server,
+    spawn_server,
 };
 use proptest::prelude::*;
 
@@ -25,21 +25,7 @@ const B: SegmentId = SegmentId(7);
 const C: SegmentId = SegmentId(8);
 const NOWHERE: SegmentId = SegmentId(99);
 
-/// The segments holding memory replicas of the key, sorted.
-fn segs(s: &dyn L3Store, tn: &Tenant, key: &str) -> Vec<SegmentId> {
-    let mut v: Vec<SegmentId> = s
-        .get_replica_list(tn, key)
-        .unwrap()
-        .replicas
-        .iter()
-        .filter_map(|r| match r {
-            ReplicaDescriptor::Memory { segment, .. } => Some(*segment),
-            _ => None,
-        })
-        .collect();
-    v.sort();
-    v
-}
+use common::memory_segments as segs;
 
 fn code<T: std::fmt::Debug>(r: kvtier_l3::L3Result<T>) -> i32 {
     r.unwrap_err().code_i32()

@@ -39,6 +39,22 @@ pub fn client(addr: SocketAddr, token: Option<&str>) -> RemoteStore {
     .unwrap()
 }
 
+/// The segments holding memory replicas of the key, sorted.
+pub fn memory_segments(s: &dyn L3Store, tn: &Tenant, key: &str) -> Vec<kvtier_l3::SegmentId> {
+    let mut v: Vec<kvtier_l3::SegmentId> = s
+        .get_replica_list(tn, key)
+        .unwrap()
+        .replicas
+        .iter()
+        .filter_map(|r| match r {
+            kvtier_l3::ReplicaDescriptor::Memory { segment, .. } => Some(*segment),
+            _ => None,
+        })
+        .collect();
+    v.sort();
+    v
+}
+
 /// The SSD copy the master lists for a key, if any.
 pub fn disk_of(c: &RemoteStore, tn: &Tenant, key: &str) -> Option<DiskLoc> {
     c.get_replica_list(tn, key)
