@@ -259,6 +259,14 @@ impl Segments {
             .unwrap_or_default()
     }
 
+    /// Whether `alloc` was freed in remote segment `id` since the last [`Segments::take_freed`].
+    pub fn freed_not_taken(&self, id: SegmentId, alloc: u64) -> bool {
+        self.segs
+            .get(&id)
+            .and_then(|s| s.freed.as_ref())
+            .is_some_and(|f| f.contains(&alloc))
+    }
+
     /// Stores the bytes of an allocation. The length must equal the allocation's size.
     pub fn write(&mut self, alloc: u64, data: Arc<[u8]>) -> L3Result<()> {
         let a = self.allocs.get_mut(&alloc).ok_or(L3Error::ObjectNotFound)?;

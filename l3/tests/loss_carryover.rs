@@ -91,7 +91,7 @@ fn members_that_kept_their_memory_lose_nothing_unnamed_and_the_journal_goes_on()
     for n in [1, 2] {
         mount(&mut m, n);
         m.adopt_all(ClientId(n), &[retained("kept", 5, 1)]);
-        m.node_ping(ClientId(n), 0, 1);
+        m.node_ping(ClientId(n), 0, 0, 1);
     }
     m.serving().unwrap();
     let l = m.losses_since(&tn(), Some(cursor)).unwrap();
@@ -105,11 +105,11 @@ fn a_member_back_without_its_memory_makes_the_restart_overflow_once() {
     let (mut m, mut log2) = reopened(&log, 1_000);
     mount(&mut m, 1);
     m.adopt_all(ClientId(1), &[retained("kept", 5, 1)]);
-    m.node_ping(ClientId(1), 0, 1);
+    m.node_ping(ClientId(1), 0, 0, 1);
     let mid = m.losses_since(&tn(), Some(cursor)).unwrap();
     assert!(!mid.overflowed && mid.keys == vec!["gone".to_string()]);
     mount(&mut m, 2); // restarted: no DRAM replica reported
-    m.node_ping(ClientId(2), 0, 1);
+    m.node_ping(ClientId(2), 0, 0, 1);
     m.serving().unwrap();
     let l = m.losses_since(&tn(), Some(mid.next)).unwrap();
     assert!(l.overflowed, "node 2's lost memory cannot be named");
@@ -129,7 +129,7 @@ fn a_fenced_member_or_one_offloading_on_eviction_overflows_too() {
     let mut m = restarted(&log, 1_000);
     mount(&mut m, 1);
     m.adopt_all(ClientId(1), &[retained("kept", 5, 1)]);
-    m.node_ping(ClientId(1), 0, 1);
+    m.node_ping(ClientId(1), 0, 0, 1);
     assert_eq!(m.rebuild_deadline(1_000), 1, "node 2 fenced");
     assert!(m.losses_since(&tn(), Some(cursor)).unwrap().overflowed);
 
@@ -138,7 +138,7 @@ fn a_fenced_member_or_one_offloading_on_eviction_overflows_too() {
         mount(&mut m, n);
         m.set_node_offload(ClientId(n), n == 2);
         m.adopt_all(ClientId(n), &[retained("kept", 5, 1)]);
-        m.node_ping(ClientId(n), 0, 1);
+        m.node_ping(ClientId(n), 0, 0, 1);
     }
     assert!(
         m.losses_since(&tn(), Some(cursor)).unwrap().overflowed,

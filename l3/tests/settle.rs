@@ -108,9 +108,17 @@ fn rescanned(cm: &ClusterMaster, node: ClientId, tn: &Tenant, key: &str, loc: Di
     v[0]
 }
 
-/// A ping acknowledging every settle up to `applied`.
+/// A ping acknowledging every settle up to `applied` (and no free: these nodes hold no
+/// bytes).
 fn ping(cm: &ClusterMaster, node: ClientId, applied: u64) -> NodeSync {
-    match cm.handle(ClusterRequest::Ping { node, applied }).unwrap() {
+    match cm
+        .handle(ClusterRequest::Ping {
+            node,
+            applied,
+            freed: 0,
+        })
+        .unwrap()
+    {
         ClusterReply::Sync(s) => s,
         other => panic!("{other:?}"),
     }

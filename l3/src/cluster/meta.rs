@@ -197,8 +197,12 @@ impl ClusterMaster {
                         .collect(),
                 ))
             }
-            ClusterRequest::Ping { node, applied } => Ok(ClusterReply::Sync(
-                self.master.lock().node_ping(node, applied, now),
+            ClusterRequest::Ping {
+                node,
+                applied,
+                freed,
+            } => Ok(ClusterReply::Sync(
+                self.master.lock().node_ping(node, applied, freed, now),
             )),
             ClusterRequest::PutEnd {
                 node,

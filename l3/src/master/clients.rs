@@ -61,7 +61,8 @@ impl Master {
             Some(_) => {}
         }
         let gone = self.segments.unmount(seg)?;
-        Ok(self.drop_allocs(&gone))
+        let holder = self.nodes.contains_key(&client).then_some(client);
+        Ok(self.drop_allocs(&gone, holder))
     }
 
     /// Drops every replica living in the given allocations (already gone from their
@@ -69,7 +70,11 @@ impl Master {
     /// replicas; a pending put that lost one can never end and is dropped with the rest of
     /// its replicas (and its SSD copy, if its first replica's node already registered one;
     /// a copy still being written is cancelled).
-    pub(super) fn drop_allocs(&mut self, allocs: &[u64]) -> u64 {
+    ///
+    /// `holder`: the store node whose memory held them, if it may still hold the bytes
+    /// (its death was declared here, not seen): each object remembers it (`frees`), so
+    /// the version's death reaches it.
+    pub(super) fn drop_allocs(&mut self, allocs: &[u64], holder: Option<ClientId>) -> u64 {
         if allocs.is_empty() {
             return 0;
         }
@@ -80,7 +85,13 @@ impl Master {
         for (t, m) in self.tenants.iter_mut() {
             m.retain(|k, o| {
                 let before = o.mem.len();
-                o.mem.retain(|r| !set.contains(&r.alloc));
+                o.mem.retain(|r| {
+                    let drop = set.contains(&r.alloc);
+                    if drop && let Some(h) = holder {
+                        o.freed_on.push((h, r.alloc));
+                    }
+                    !drop
+                });
                 if o.mem.len() == before {
                     return true;
                 }
@@ -144,6 +155,7 @@ impl Master {
             .collect();
         for c in &dead {
             self.clients.remove(c);
+            self.orphan_node_memory(*c);
             if let Some(n) = self.nodes.get_mut(c) {
                 // Its SSD replicas stay registered (readable again when it comes back).
                 n.addr = None;
@@ -151,7 +163,7 @@ impl Master {
             }
             for seg in self.segments.owned_by(*c) {
                 if let Ok(gone) = self.segments.unmount(seg) {
-                    self.drop_allocs(&gone);
+                    self.drop_allocs(&gone, Some(*c));
                 }
             }
             self.drop_node_memory_state(*c);

@@ -18,7 +18,8 @@
 //! - The memory replicas of one object live in segments of distinct owners (nodes).
 //! - Split deployment (`--role master`): segments and SSD buckets live on store nodes. The
 //!   master then holds no bytes: it records which node holds each replica, queues the frees
-//!   a node must apply ([`NodeSync`], delivered on its pings and put ends), keeps the
+//!   a node must apply ([`NodeSync`], delivered on its pings and put ends, repeated until
+//!   acknowledged: `frees`), keeps the
 //!   tombstones and write cancels of dropped versions until the node acknowledges them
 //!   (`settle`), and never hands out a replica whose node is down.
 
@@ -99,8 +100,13 @@ pub struct NodeSync {
     /// `Ok`, or `NeedRemount` when the master does not know the node (declared dead, or the
     /// master restarted): the node drops its memory bytes and mounts again.
     pub need_remount: bool,
-    /// Allocations of its segment the master freed (evicted, removed, revoked): drop the bytes.
-    pub freed: Vec<u64>,
+    /// Allocations of its segment the master freed (evicted, removed, revoked), with their
+    /// sequence numbers: drop the bytes, then acknowledge (`Ping::freed`). Ping replies
+    /// repeat every unacknowledged one (`frees`).
+    pub freed: Vec<(u64, u64)>,
+    /// Every free up to this sequence number is acknowledged already (a node that mounted
+    /// again counts on from here).
+    pub frees_acked: u64,
     /// Orders about dropped object versions (tombstone a record, cancel a write), with
     /// their sequence numbers: applied durably, then acknowledged by the next `Ping`.
     /// Repeated until acknowledged ([`settle`](self::Settle)).
@@ -132,6 +138,8 @@ struct NodeState {
     addr: Option<SocketAddr>,
     /// Its segment.
     segment: Option<SegmentId>,
+    /// Frees it has not acknowledged yet (`frees`).
+    frees: frees::FreeLog,
     /// Tombstones and cancels it has not acknowledged yet (kept across its death, so a
     /// restart rescan does not bring dropped versions back).
     settle: settle::Settlement,
@@ -187,6 +195,11 @@ struct Object {
     lease_until_ms: u64,
     pin_until_ms: u64,
     last_access: u64,
+    /// Memory replicas of this version dropped while it lived on (evicted to its SSD copy,
+    /// or on a node declared dead), by node and allocation: while the node has not
+    /// acknowledged their free it may still hold the bytes, so the version's cancel goes
+    /// to it too (`frees`). Pruned when the object is touched by such a drop again.
+    freed_on: Vec<(ClientId, u64)>,
 }
 
 impl Object {
@@ -206,6 +219,7 @@ impl Object {
             lease_until_ms: 0,
             pin_until_ms: 0,
             last_access: tick,
+            freed_on: Vec::new(),
         }
     }
 
@@ -453,6 +467,7 @@ impl Master {
 
 mod adopt;
 mod clients;
+mod frees;
 mod losses;
 mod nodes;
 mod objects;

@@ -27,9 +27,13 @@ impl Master {
         {
             return Err(L3Error::SegmentAlreadyExists);
         }
+        // It reports what it kept now and drops whatever this master does not adopt.
+        if let Some(st) = self.nodes.get_mut(&node) {
+            st.frees.mounted();
+        }
         for old in self.segments.owned_by(node) {
             if let Ok(gone) = self.segments.unmount(old) {
-                self.drop_allocs(&gone);
+                self.drop_allocs(&gone, Some(node));
             }
         }
         self.drop_node_memory_state(node);
@@ -53,15 +57,17 @@ impl Master {
         Ok(())
     }
 
-    /// A node's ping: renews its liveness, takes its acknowledgement (`applied`: every
-    /// settle up to it is durable there) and hands it what it must apply, with every
-    /// settle it has not acknowledged. The acknowledgement of a node that must remount is
-    /// ignored (it may count from before a master restart).
-    pub fn node_ping(&mut self, node: ClientId, applied: u64, now: u64) -> NodeSync {
+    /// A node's ping: renews its liveness, takes its acknowledgements (`applied`: every
+    /// settle up to it is durable there; `freed`: it dropped the bytes of every free up to
+    /// it) and hands it what it must apply, with every settle and every free it has not
+    /// acknowledged. The acknowledgements of a node that must remount are ignored (they
+    /// may count from before a master restart).
+    pub fn node_ping(&mut self, node: ClientId, applied: u64, freed: u64, now: u64) -> NodeSync {
         let need_remount = self.ping(node, now) == ClientStatus::NeedRemount
             || self.nodes.get(&node).is_none_or(|n| n.addr.is_none());
         if !need_remount {
             self.node_ack(node, applied);
+            self.frees_acked(node, freed);
             self.member_pinged(node);
         }
         let mut sync = self.node_sync_with(node, settle::Deliver::Unacked);
@@ -72,9 +78,10 @@ impl Master {
     /// A node leaves gracefully: like a death, without waiting for the TTL.
     pub fn leave_node(&mut self, node: ClientId) {
         self.clients.remove(&node);
+        self.orphan_node_memory(node);
         for seg in self.segments.owned_by(node) {
             if let Ok(gone) = self.segments.unmount(seg) {
-                self.drop_allocs(&gone);
+                self.drop_allocs(&gone, Some(node));
             }
         }
         if let Some(n) = self.nodes.get_mut(&node) {
@@ -231,6 +238,7 @@ impl Master {
 
     fn node_sync_with(&mut self, node: ClientId, d: settle::Deliver) -> NodeSync {
         let (settles, settled) = self.take_settles(node, d);
+        let (freed, frees_acked) = self.take_frees(node, d);
         let Some(st) = self.nodes.get_mut(&node) else {
             return NodeSync {
                 need_remount: true,
@@ -242,13 +250,10 @@ impl Master {
             .into_iter()
             .map(|((t, k), loc)| (t, k, loc))
             .collect();
-        let freed = match st.segment {
-            Some(seg) => self.segments.take_freed(seg),
-            None => Vec::new(),
-        };
         NodeSync {
             need_remount: false,
             freed,
+            frees_acked,
             settles,
             settled,
             offload,

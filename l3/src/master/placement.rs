@@ -95,6 +95,7 @@ impl Master {
                 lease_until_ms: 0,
                 pin_until_ms: 0,
                 last_access,
+                freed_on: Vec::new(),
             },
         );
         let mut descs = descs.into_iter();
@@ -270,9 +271,13 @@ impl Master {
             out.freed += size.saturating_mul(gone.len() as u64);
             self.evictions_total += 1;
             if keep_disk {
+                // The version lives on in its SSD copy: the nodes that held these replicas
+                // hear of its death too while their frees are unacknowledged (`frees`).
+                self.note_freed(t, k, &gone);
                 continue;
             }
             if let Some((node, seg, alloc)) = on_node {
+                self.note_freed(t, k, &gone);
                 if let Some(st) = self.nodes.get_mut(&node) {
                     st.offload.push(alloc);
                 }
@@ -286,6 +291,7 @@ impl Master {
             // as this version's write-through copy (the queued write holds these bytes).
             match (on_evict || copy_queued, data) {
                 (true, Some(d)) => {
+                    self.note_freed(t, k, &gone);
                     if let Some(o) = self.obj_mut(t, k) {
                         o.staged = Some(Staged::Bytes(d.clone()));
                     }
@@ -299,9 +305,13 @@ impl Master {
                     }
                 }
                 _ => {
-                    // Gone: an SSD copy its node may still be writing is cancelled.
+                    // Gone: an SSD copy its node may still be writing is cancelled, and every
+                    // node that held one of the replicas just taken is told the version is
+                    // gone (it keeps its memory across a remount: `adopt`).
                     if let Some(o) = self.take_obj(t, k) {
-                        self.settle_gone(t, k, o.gone());
+                        let mut g = o.gone();
+                        g.add_mem_segs(gone.iter().map(|r| r.seg));
+                        self.settle_gone(t, k, g);
                     }
                 }
             }

@@ -258,9 +258,19 @@ pub(super) struct Gone {
     /// Segments holding its memory replicas (their nodes may keep the bytes across a
     /// remount: they are told the version is gone, see `adopt`).
     mem_segs: Vec<SegmentId>,
+    /// Replicas dropped earlier while the version lived on, whose nodes may still hold the
+    /// bytes (`Object::freed_on`).
+    freed_on: Vec<(ClientId, u64)>,
     writer: ClientId,
     staged_on: Option<ClientId>,
     disk: Option<(ClientId, DiskLoc)>,
+}
+
+impl Gone {
+    /// Segments that held replicas taken from the object before it was dropped.
+    pub(super) fn add_mem_segs(&mut self, segs: impl IntoIterator<Item = SegmentId>) {
+        self.mem_segs.extend(segs);
+    }
 }
 
 impl Object {
@@ -268,6 +278,7 @@ impl Object {
         Gone {
             token: self.token,
             mem_segs: self.mem.iter().map(|r| r.seg).collect(),
+            freed_on: self.freed_on.clone(),
             writer: self.writer,
             staged_on: match self.staged {
                 Some(Staged::OnNode { node, .. }) => Some(node),
@@ -323,6 +334,14 @@ impl Master {
             g.mem_segs
                 .iter()
                 .filter_map(|s| self.segments.get(*s).map(|i| i.owner)),
+        );
+        // So do nodes whose replica of it was dropped earlier, until they acknowledge that
+        // free (`frees`): a lost reply must not leave adoptable bytes of a dead version.
+        to.extend(
+            g.freed_on
+                .iter()
+                .filter(|(n, a)| self.may_hold_freed(*n, *a))
+                .map(|(n, _)| *n),
         );
         to.sort_unstable();
         to.dedup();

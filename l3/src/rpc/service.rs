@@ -73,6 +73,9 @@ pub enum ClusterRequest {
         /// Every settle ([`NodeSync::settles`]) up to this sequence number is applied
         /// durably: the master drops them.
         applied: u64,
+        /// The bytes of every free ([`NodeSync::freed`]) up to this sequence number are
+        /// dropped: the master stops repeating them.
+        freed: u64,
     },
     /// `PutEnd` of puts whose bytes the node holds.
     PutEnd {

@@ -151,6 +151,9 @@ struct NodeInner {
     /// Every settle (tombstone, write cancel) up to this sequence number is applied
     /// durably; sent on each ping so the master can forget them. Reset at each mount.
     applied: AtomicU64,
+    /// The bytes of every free up to this sequence number are dropped; sent on each ping so
+    /// the master stops repeating them. Reset at each mount.
+    freed: AtomicU64,
     promote_tx: Mutex<Option<SyncSender<PromoteBatch>>>,
 }
 
@@ -240,6 +243,7 @@ impl StoreNode {
             shm_offer: OnceLock::new(),
             mounted: AtomicBool::new(false),
             applied: AtomicU64::new(0),
+            freed: AtomicU64::new(0),
             promote_tx: Mutex::new(None),
             opts,
         });

@@ -8,9 +8,15 @@
 //! master) mounts again, reporting what the node holds.
 //!
 //! Invariants:
-//! - Bytes of an allocation the master freed are dropped when the node hears of it; bytes
-//!   written but never ended are dropped after `put_timeout` (the data channel bounds the
-//!   memory held meanwhile, see `data`).
+//! - Bytes of an allocation the master freed are dropped when the node hears of it, and
+//!   only then acknowledged (`freed`, sent on the next ping, over consecutive sequence
+//!   numbers): the master repeats a free until then, so a lost reply never leaves the bytes
+//!   of a removed key to be adopted by the next master (`master::frees`). Bytes written but
+//!   never ended are dropped after `put_timeout` (the data channel bounds the memory held
+//!   meanwhile, see `data`).
+//! - A cancel (version `token` of a key is gone) drops the node's ended DRAM copies of that
+//!   key at that version or older before it is acknowledged: once the master forgets the
+//!   cancel, nothing adoptable of the version is left here.
 //! - A settle (tombstone a record, cancel a version's write) is acknowledged — `applied`,
 //!   sent on the next ping — only after it is durable: cancels drop queued writes (the
 //!   writer tombstones their records before they become visible) and return the records
@@ -76,8 +82,9 @@ impl NodeInner {
     fn join(&self) -> L3Result<()> {
         self.mounted.store(false, Ordering::Release);
         // The master hands out every unacknowledged settle again after a mount, with the
-        // number it has seen acknowledged: count from there.
+        // number it has seen acknowledged: count from there (frees too).
         self.applied.store(0, Ordering::Release);
+        self.freed.store(0, Ordering::Release);
         let kept = self.mem.lock().take_retained();
         self.link.call(ClusterRequest::MountNode {
             node: self.opts.id,
@@ -210,12 +217,14 @@ impl NodeInner {
                     done: None,
                 });
             }
-            for a in &s.freed {
+            // A staged allocation's free is applied by its SSD write (it retires then).
+            for (_, a) in &s.freed {
                 if m.allocs.get(a).is_some_and(|h| h.staged == Staging::No) {
                     m.drop_alloc(*a);
                 }
             }
         }
+        self.ack_frees(&s.freed, s.frees_acked);
         if let Some(ssd) = &self.ssd {
             for j in jobs {
                 ssd.announce(&j.tenant, &j.key, j.token);
@@ -244,8 +253,52 @@ impl NodeInner {
         }
     }
 
+    /// The frees `freed` are applied: moves `freed` over the consecutive ones.
+    fn ack_frees(&self, freed: &[(u64, u64)], acked: u64) {
+        let mut a = self.freed.load(Ordering::Acquire).max(acked);
+        for (n, _) in freed {
+            if *n == a + 1 {
+                a = *n;
+            }
+        }
+        self.freed.fetch_max(a, Ordering::AcqRel);
+    }
+
+    /// Drops the ended DRAM copies of every version a cancel says is gone (`Held::token` at
+    /// or below the cancelled one), before the cancel is acknowledged.
+    fn drop_cancelled(&self, settles: &[(u64, Settle)]) {
+        let mut gone: std::collections::HashMap<(&crate::types::Tenant, &str), u64> =
+            std::collections::HashMap::new();
+        for (_, s) in settles {
+            if let Settle::Cancel { tenant, key, token } = s {
+                let e = gone.entry((tenant, key.as_str())).or_default();
+                *e = (*e).max(*token);
+            }
+        }
+        if gone.is_empty() {
+            return;
+        }
+        let mut m = self.mem.lock();
+        let doomed: Vec<u64> = m
+            .allocs
+            .iter()
+            .filter(|(_, h)| {
+                h.ended
+                    && h.staged == Staging::No
+                    && gone
+                        .get(&(&h.tenant, h.key.as_str()))
+                        .is_some_and(|t| h.token <= *t)
+            })
+            .map(|(a, _)| *a)
+            .collect();
+        for a in doomed {
+            m.drop_alloc(a);
+        }
+    }
+
     /// Applies settles durably, then moves `applied` over the consecutive ones.
     fn settle(&self, settles: &[(u64, Settle)], settled: u64) {
+        self.drop_cancelled(settles);
         let mut locs = Vec::new();
         for (_, s) in settles {
             match s {
@@ -312,9 +365,11 @@ impl NodeInner {
             return;
         }
         let applied = self.applied.load(Ordering::Acquire);
+        let freed = self.freed.load(Ordering::Acquire);
         match self.link.call(ClusterRequest::Ping {
             node: self.opts.id,
             applied,
+            freed,
         }) {
             Ok(ClusterReply::Sync(s)) if s.need_remount => {
                 tracing::warn!(
