@@ -214,3 +214,28 @@ def test_ops_done_checks_every_completion_before_applying_any():
     assert s.ops_done(qs, ["L3Query", "L3Query"], [0, 0]) == 2
     assert s.ops_in_flight() == 0
     s.check()
+
+
+BAD_TENANTS = ["", "a/b", "a b", "nul\0", "line\nbreak=1", "caf\u00e9", "x" * 257, "x" * 70_000]
+
+
+def test_bad_tenant_names_are_refused_with_a_typed_error():
+    """Issue 33: tenant names are 1..=256 bytes of ASCII letters, digits and -_.:@+ on every
+    path (-600); keys are 1..=4096 bytes without NUL (-400). Nothing is stored under either."""
+    from kvtier.mooncake_compat import ErrorCode, MooncakeDistributedStore
+
+    a = kvtier.L3Store.embedded(1 << 20, tenant="ok-tenant_1.x:y@z+w", name="bad-tenants")
+    for bad in BAD_TENANTS:
+        with pytest.raises(kvtier.InvalidParamsError):
+            a.with_tenant(bad)
+        with pytest.raises(kvtier.InvalidParamsError):
+            kvtier.L3Store.embedded(1 << 20, tenant=bad, name="bad-tenants")
+        m = MooncakeDistributedStore()
+        rc = m.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 20, 1 << 20, "tcp", "",
+                     "embedded://bad-tenants-compat", tenant_id=bad or "a/b")
+        assert rc == ErrorCode.INVALID_PARAMS, (bad[:16], rc)
+    for bad_key in ["", "k\0", "k" * 4097]:
+        with pytest.raises(kvtier.InvalidKeyError):
+            a.put(bad_key, b"x")
+    a.put("k" * 4096, b"x")
+    assert a.get("k" * 4096) == b"x"

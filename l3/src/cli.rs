@@ -69,17 +69,27 @@ struct Args {
     /// leader of an etcd HA cluster.
     #[arg(long)]
     master: Option<String>,
-    /// Master role: etcd endpoints (`h:p,h:p`, `http://h:p` or `etcd://h:p;h:p`). Several
-    /// masters campaign; the leader serves, the others wait to take over (see docs/l3.md,
-    /// "High availability"). Replaces --state-dir: the settle state lives in etcd.
+    /// Master role: etcd endpoints (`h:p,h:p`, `http://h:p` or `etcd://h:p;h:p`; a host is
+    /// an IPv4 address, `[IPv6]` or a DNS name, a port 1 to 65535: anything else is refused
+    /// at startup, naming it). Several masters campaign; the leader serves, the others wait
+    /// to take over (see docs/l3.md, "High availability"). Replaces --state-dir: the settle
+    /// state lives in etcd.
     #[arg(long, conflicts_with_all = ["state_dir", "no_state_dir"])]
     etcd: Option<String>,
     /// Master role with --etcd: the cluster name (its keys are under /kvtier/NAME/).
     #[arg(long, default_value = "default")]
     cluster: String,
-    /// Master role with --etcd: the leader lease TTL in seconds. A dead leader is replaced
-    /// after about this long.
-    #[arg(long, default_value_t = 5)]
+    /// Master role with --etcd: the leader lease TTL in seconds, 1 to 3600. A dead leader
+    /// is replaced after about this long (one that resigns on SIGTERM, at once). How soon an
+    /// elected master serves does not depend on it: candidates and standbys look at the
+    /// leader key every TTL/10, at most every 0.5 s.
+    #[arg(
+        long,
+        default_value_t = 5,
+        value_parser = clap::value_parser!(u64).range(
+            *crate::ha::election::LEADER_TTL_S.start()..=*crate::ha::election::LEADER_TTL_S.end()
+        )
+    )]
     leader_ttl_s: u64,
     /// Node role: deadline of one call on the master, in milliseconds (with an etcd
     /// locator, a paused leader costs this before the node looks for the next one).
@@ -334,7 +344,7 @@ fn run(args: Args) -> Result<(), String> {
         return crate::ha::serve::run_master(
             spec,
             &args.cluster,
-            Duration::from_secs(args.leader_ttl_s),
+            crate::ha::election::leader_ttl(args.leader_ttl_s).map_err(|e| e.to_string())?,
             cfg,
             opts,
         );

@@ -44,8 +44,8 @@ pub use rpc::server::{
 pub use rpc::shm::{SHM_ENV, SharedRegion, ShmMode};
 pub use store::EmbeddedStore;
 pub use types::{
-    Blob, ClientId, ClientStatus, ExistOptions, NodeRef, PutHandle, PutOptions, QueryResult,
-    ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant,
+    Blob, ClientId, ClientStatus, ExistOptions, NameError, NameKind, NodeRef, PutHandle,
+    PutOptions, QueryResult, ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant,
 };
 
 /// The code in docs/l3.md, compiled and run as a doctest (`cargo test -p kvtier-l3 --doc`,

@@ -4,33 +4,140 @@
 //! (replica descriptors, query results with lease deadlines, exist options), so they live
 //! here once, serde-serialisable, with validation of everything a caller can send.
 //!
-//! Invariant kept here: a [`Tenant`] and an object key are validated once at the boundary
-//! ([`Tenant::new`], [`validate_key`]); the rest of the crate may assume they are well formed.
+//! Invariant kept here: a [`Tenant`] is valid by construction ([`Tenant::parse`] is its only
+//! constructor, serde included), and an object key is checked at every entry point by
+//! [`check_key`]; the rest of the crate may assume both are well formed. Both limits fit
+//! the SSD record header (`ssd::bucket`), which refuses anything longer on its own.
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{L3Error, L3Result};
 
-/// Longest key accepted (bytes).
+/// Longest key accepted (bytes). It fits the 16-bit key length of an SSD record header.
 pub const MAX_KEY_LEN: usize = 4096;
-/// Longest tenant name accepted (bytes).
+/// Longest tenant name accepted (bytes). It fits the 16-bit tenant length of an SSD record
+/// header.
 pub const MAX_TENANT_LEN: usize = 256;
+/// The bytes a tenant name may hold besides ASCII letters and digits.
+pub const TENANT_PUNCTUATION: &str = "-_.:@+";
+
+/// Which kind of name a [`NameError`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NameKind {
+    /// A tenant name ([`Tenant`]).
+    Tenant,
+    /// An object key ([`validate_key`]).
+    Key,
+}
+
+impl std::fmt::Display for NameKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NameKind::Tenant => "tenant name",
+            NameKind::Key => "key",
+        })
+    }
+}
+
+/// Why a tenant name or a key was refused: the one typed error of name validation, on every
+/// path (library, TCP, shared memory, node links, Python, Mooncake compat). As an
+/// [`L3Error`] it is -600 (`InvalidParams`) for a tenant and -400 (`InvalidKey`) for a key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    /// Empty.
+    #[error("{kind} is empty")]
+    Empty {
+        /// Tenant or key.
+        kind: NameKind,
+    },
+    /// Longer than its limit ([`MAX_TENANT_LEN`], [`MAX_KEY_LEN`]).
+    #[error("{kind} of {len} bytes is longer than the {max}-byte limit")]
+    TooLong {
+        /// Tenant or key.
+        kind: NameKind,
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// Holds a character it may not (tenant: anything but ASCII letters, digits and
+    /// [`TENANT_PUNCTUATION`]; key: NUL).
+    #[error("{kind} has {ch:?} at byte {at} ({allowed})")]
+    BadChar {
+        /// Tenant or key.
+        kind: NameKind,
+        /// The first character refused.
+        ch: char,
+        /// Its byte offset.
+        at: usize,
+        /// What is allowed.
+        allowed: &'static str,
+    },
+}
+
+impl From<NameError> for L3Error {
+    fn from(e: NameError) -> Self {
+        let kind = match &e {
+            NameError::Empty { kind }
+            | NameError::TooLong { kind, .. }
+            | NameError::BadChar { kind, .. } => *kind,
+        };
+        match kind {
+            NameKind::Tenant => L3Error::InvalidParams(e.to_string()),
+            NameKind::Key => L3Error::InvalidKey(e.to_string()),
+        }
+    }
+}
+
+/// Checks that a name is 1..=`max` bytes.
+fn check_len(kind: NameKind, name: &str, max: usize) -> Result<(), NameError> {
+    if name.is_empty() {
+        return Err(NameError::Empty { kind });
+    }
+    if name.len() > max {
+        return Err(NameError::TooLong {
+            kind,
+            len: name.len(),
+            max,
+        });
+    }
+    Ok(())
+}
 
 /// A tenant namespace. Keys of different tenants never meet: every map in the master is
 /// indexed by tenant first, so no operation can name another tenant's key.
+///
+/// [`Tenant::parse`] is the only way to make one, deserialisation included (serde goes
+/// through it: a frame naming a bad tenant is malformed on every wire), so every `Tenant`
+/// is 1..=[`MAX_TENANT_LEN`] bytes of ASCII letters, digits and [`TENANT_PUNCTUATION`]:
+/// it fits an SSD record header, a path component, an etcd `NAME=BYTES` line and a log line.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String")]
 pub struct Tenant(String);
 
 impl Tenant {
-    /// Validates and wraps a tenant name (non-empty, ≤ 256 bytes, no NUL / '/').
-    pub fn new(name: impl Into<String>) -> L3Result<Self> {
+    /// Validates and wraps a tenant name (the typed [`NameError`] says why not).
+    pub fn parse(name: impl Into<String>) -> Result<Self, NameError> {
         let name = name.into();
-        if name.is_empty() || name.len() > MAX_TENANT_LEN || name.contains(['\0', '/']) {
-            return Err(L3Error::InvalidParams(format!(
-                "tenant must be 1..={MAX_TENANT_LEN} bytes without NUL or '/'"
-            )));
+        let kind = NameKind::Tenant;
+        check_len(kind, &name, MAX_TENANT_LEN)?;
+        if let Some((at, ch)) = name
+            .char_indices()
+            .find(|(_, c)| !(c.is_ascii_alphanumeric() || TENANT_PUNCTUATION.contains(*c)))
+        {
+            return Err(NameError::BadChar {
+                kind,
+                ch,
+                at,
+                allowed: "ASCII letters, digits and -_.:@+",
+            });
         }
         Ok(Tenant(name))
+    }
+
+    /// [`Tenant::parse`] with its error as an [`L3Error`] (-600).
+    pub fn new(name: impl Into<String>) -> L3Result<Self> {
+        Ok(Self::parse(name)?)
     }
 
     /// The tenant's name.
@@ -39,14 +146,33 @@ impl Tenant {
     }
 }
 
-/// Checks an object key: non-empty, ≤ [`MAX_KEY_LEN`] bytes, no NUL.
-pub fn validate_key(key: &str) -> L3Result<()> {
-    if key.is_empty() || key.len() > MAX_KEY_LEN || key.contains('\0') {
-        return Err(L3Error::InvalidKey(format!(
-            "key must be 1..={MAX_KEY_LEN} bytes without NUL"
-        )));
+impl TryFrom<String> for Tenant {
+    type Error = NameError;
+
+    fn try_from(name: String) -> Result<Self, NameError> {
+        Tenant::parse(name)
+    }
+}
+
+/// Checks an object key: non-empty, ≤ [`MAX_KEY_LEN`] bytes, no NUL (the typed
+/// [`NameError`] says why not).
+pub fn check_key(key: &str) -> Result<(), NameError> {
+    let kind = NameKind::Key;
+    check_len(kind, key, MAX_KEY_LEN)?;
+    if let Some(at) = key.find('\0') {
+        return Err(NameError::BadChar {
+            kind,
+            ch: '\0',
+            at,
+            allowed: "anything but NUL",
+        });
     }
     Ok(())
+}
+
+/// [`check_key`] with its error as an [`L3Error`] (-400).
+pub fn validate_key(key: &str) -> L3Result<()> {
+    Ok(check_key(key)?)
 }
 
 /// Identifier of a client (a process that mounts segments and pings the master).
@@ -308,5 +434,94 @@ impl<'de> Deserialize<'de> for Blob {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let b = serde_bytes::ByteBuf::deserialize(d)?;
         Ok(Blob::Owned(b.into_vec()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tenant_names_follow_the_rules_and_say_why_not() {
+        for ok in [
+            "a",
+            "model-x_tenant.7",
+            "base.salt-0f",
+            "u@host:1+2",
+            &"t".repeat(256),
+        ] {
+            assert_eq!(Tenant::parse(ok).unwrap().as_str(), ok);
+        }
+        let kind = NameKind::Tenant;
+        assert_eq!(Tenant::parse(""), Err(NameError::Empty { kind }));
+        assert_eq!(
+            Tenant::parse("x".repeat(70_000)),
+            Err(NameError::TooLong {
+                kind,
+                len: 70_000,
+                max: MAX_TENANT_LEN
+            })
+        );
+        for (bad, ch, at) in [
+            ("a/b", '/', 1),
+            ("nul\0", '\0', 3),
+            ("line\nq=1", '\n', 4),
+            ("a b", ' ', 1),
+            ("a=b", '=', 1),
+            ("..\\x", '\\', 2),
+            ("caf\u{e9}", '\u{e9}', 3),
+        ] {
+            match Tenant::parse(bad) {
+                Err(NameError::BadChar {
+                    kind: NameKind::Tenant,
+                    ch: c,
+                    at: a,
+                    ..
+                }) => assert_eq!((c, a), (ch, at), "{bad:?}"),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        // As an L3Error: -600, naming the rule.
+        let e = Tenant::new("a/b").unwrap_err();
+        assert_eq!(e.code(), crate::error::ErrorCode::InvalidParams);
+        assert!(e.to_string().contains("tenant name"), "{e}");
+    }
+
+    #[test]
+    fn keys_follow_the_rules_and_say_why_not() {
+        assert!(check_key("any key/with \u{e9} and = signs").is_ok());
+        assert!(check_key(&"k".repeat(MAX_KEY_LEN)).is_ok());
+        let kind = NameKind::Key;
+        assert_eq!(check_key(""), Err(NameError::Empty { kind }));
+        assert!(matches!(
+            check_key(&"k".repeat(MAX_KEY_LEN + 1)),
+            Err(NameError::TooLong { .. })
+        ));
+        assert!(matches!(
+            check_key("a\0"),
+            Err(NameError::BadChar {
+                ch: '\0',
+                at: 1,
+                ..
+            })
+        ));
+        let e = validate_key("").unwrap_err();
+        assert_eq!(e.code(), crate::error::ErrorCode::InvalidKey);
+    }
+
+    /// Deserialising goes through [`Tenant::parse`]: no wire can carry a bad tenant in.
+    #[test]
+    fn a_bad_tenant_does_not_deserialize() {
+        for bad in ["", "a/b", "a\nb"] {
+            let wire = bincode::serialize(bad).unwrap();
+            let e = bincode::deserialize::<Tenant>(&wire).unwrap_err();
+            assert!(e.to_string().contains("tenant name"), "{bad:?}: {e}");
+        }
+        let wire = bincode::serialize(&Tenant::parse("ok").unwrap()).unwrap();
+        assert_eq!(wire, bincode::serialize("ok").unwrap());
+        assert_eq!(
+            bincode::deserialize::<Tenant>(&wire).unwrap().as_str(),
+            "ok"
+        );
     }
 }

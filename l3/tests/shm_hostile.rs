@@ -260,3 +260,117 @@ thread_local! {
         (std::sync::Arc::new(p), o)
     };
 }
+
+/// `ShmRequest`'s first variants as a hostile client can frame them: the same encoding,
+/// with the tenant any string.
+#[derive(serde::Serialize)]
+#[allow(dead_code)]
+enum Forged {
+    Hello {
+        token: Option<String>,
+    },
+    Register {
+        len: u64,
+    },
+    Unregister {
+        seg: u32,
+    },
+    Put {
+        tenant: String,
+        keys: Vec<String>,
+        ranges: Vec<ShmRange>,
+        opts: PutOptions,
+        cfg: ReplicateConfig,
+    },
+}
+
+fn ssd_server(dir: &std::path::Path) -> (Proc, ShmOffer) {
+    let p = spawn(
+        &args(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--segment-bytes",
+            "67108864",
+            "--ssd-dir",
+            &dir.display().to_string(),
+        ]),
+        None,
+    );
+    let offer = client(p.addr, None)
+        .shm_offer()
+        .unwrap()
+        .expect("server offers shm");
+    (p, offer)
+}
+
+/// Issue 33: a raw `Put` on the shared-memory socket named any tenant — empty, with '/',
+/// or 70,000 bytes, which the SSD record header cut to 16 bits: the bucket it landed in
+/// was corrupt, and at the next restart another tenant's SSD copies dropped from 120 to
+/// 16. Each is refused with a typed -600 now, nothing is stored, and every copy of the
+/// other tenant comes back after a restart.
+#[test]
+fn a_bad_tenant_name_is_refused_and_no_other_tenant_loses_ssd_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut srv, offer) = ssd_server(dir.path());
+    let victim = t("victim");
+    let store = client(srv.addr, None);
+    let put_batch = |from: usize| {
+        let keys: Vec<String> = (from..from + 60).map(|i| format!("k{i}")).collect();
+        let data: Vec<Vec<u8>> = (from..from + 60).map(|i| payload(i, 3000)).collect();
+        let bufs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        for r in store
+            .batch_put_from(&victim, &keys, &bufs, PutOptions::default())
+            .unwrap()
+        {
+            r.unwrap();
+        }
+    };
+    put_batch(0);
+    let seg = filled(0x33);
+    let mut replies = Vec::new();
+    for bad in [
+        String::new(),
+        "a/b".to_string(),
+        "nul\0".to_string(),
+        "line\nbreak=1".to_string(),
+        "x".repeat(70_000),
+    ] {
+        let mut raw = Raw::open(&offer, None);
+        let id = raw.register(SEG as u64, seg.fd()).unwrap();
+        write_frame(
+            &mut raw.0,
+            &Forged::Put {
+                tenant: bad.clone(),
+                keys: vec!["evil".into()],
+                ranges: vec![rng(id, 0, 4096)],
+                opts: PutOptions::default(),
+                cfg: ReplicateConfig::default(),
+            },
+        )
+        .unwrap();
+        let r: ShmReply = read_frame(&mut raw.0, 1 << 20).unwrap();
+        replies.push((bad.chars().take(16).collect::<String>(), r));
+    }
+    put_batch(60);
+    // SIGTERM flushes every queued SSD write; the restart rescans the buckets.
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(srv.child.id() as libc::pid_t, libc::SIGTERM) };
+    assert!(srv.child.wait().unwrap().success());
+    drop(srv);
+    let (srv, _) = ssd_server(dir.path());
+    let store = client(srv.addr, None);
+    let back = (0..120)
+        .filter(|&i| store.get(&victim, &format!("k{i}")).ok() == Some(payload(i, 3000)))
+        .count();
+    assert_eq!(back, 120, "the victim's SSD copies after a restart");
+    for (bad, r) in replies {
+        let e = match r {
+            ShmReply::Done(Err(e)) | ShmReply::Put(Err(e)) => e,
+            other => panic!("tenant {bad:?}: accepted: {other:?}"),
+        };
+        assert!(
+            matches!(&e, L3Error::InvalidParams(m) if m.contains("tenant name")),
+            "tenant {bad:?}: {e}"
+        );
+    }
+}

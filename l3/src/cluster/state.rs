@@ -63,6 +63,10 @@ pub(crate) fn encode(entries: &[SettleLogEntry], out: &mut Vec<u8>) -> L3Result<
 }
 
 /// The entries of a log's bytes up to the first torn or corrupt frame, and where it ends.
+/// A whole frame (its CRC checks) whose entry does not deserialise — it names a tenant an
+/// earlier build allowed and `Tenant::parse` refuses (issue 33) — is skipped alone: nobody
+/// can name that tenant any more, and the entries after it must not be lost (a lost settle
+/// could bring a removed key back).
 pub(crate) fn decode(bytes: &[u8]) -> (Vec<SettleLogEntry>, usize) {
     let mut out = Vec::new();
     let mut at = 0usize;
@@ -78,7 +82,9 @@ pub(crate) fn decode(bytes: &[u8]) -> (Vec<SettleLogEntry>, usize) {
         }
         match bincode::deserialize::<SettleLogEntry>(body) {
             Ok(e) => out.push(e),
-            Err(_) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "skipped a settle log entry that no longer parses")
+            }
         }
         at += 8 + len as usize;
     }
@@ -228,6 +234,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Issue 33: an entry naming a tenant that `Tenant::parse` now refuses (written when
+    /// such names got in) is skipped alone; the entries after it still replay.
+    #[test]
+    fn an_entry_naming_a_refused_tenant_is_skipped_alone() {
+        let cancel = |t: &str| SettleLogEntry::Issued {
+            node: ClientId(1),
+            seq: 1,
+            settle: Settle::Cancel {
+                tenant: Tenant::new(t).unwrap(),
+                key: "k".into(),
+                token: 9,
+            },
+        };
+        let acked = SettleLogEntry::Acked {
+            node: ClientId(2),
+            applied: 7,
+        };
+        let mut bytes = Vec::new();
+        encode(&[cancel("ok"), cancel("zq"), acked.clone()], &mut bytes).unwrap();
+        // Make the second entry's tenant "z/", its frame's CRC still right.
+        let at = bytes.windows(2).position(|w| w == b"zq").unwrap();
+        bytes[at + 1] = b'/';
+        let mut frames = Vec::new();
+        let mut i = 0;
+        while i < bytes.len() {
+            let len = u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+            frames.push((i, len as usize));
+            i += 8 + len as usize;
+        }
+        let (f, len) = frames[1];
+        let crc = crc32c::crc32c(&bytes[f + 8..f + 8 + len]);
+        bytes[f + 4..f + 8].copy_from_slice(&crc.to_le_bytes());
+        let (read, end) = decode(&bytes);
+        assert_eq!(read, vec![cancel("ok"), acked]);
+        assert_eq!(end, bytes.len());
     }
 
     #[test]

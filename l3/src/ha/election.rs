@@ -77,6 +77,38 @@ pub fn read_leader(etcd: &Etcd, keys: &ClusterKeys) -> L3Result<Option<LeaderVie
     }))
 }
 
+/// The leader lease TTLs a master accepts, in seconds (`--leader-ttl-s`).
+///
+/// Why 3,600 at most: the TTL is how long a dead (SIGKILLed, partitioned) leader keeps the
+/// cluster without a master, so an hour is already far past any useful value; etcd itself
+/// would grant up to 9,000,000,000 s and refuse more, which left a master campaigning
+/// forever. Why 1 at least: etcd leases are whole seconds (etcd raises a TTL below its own
+/// minimum, which only makes this leader's view of its lease more cautious).
+pub const LEADER_TTL_S: std::ops::RangeInclusive<u64> = 1..=3600;
+
+/// The leader lease TTL for `secs` (a typed -600 outside [`LEADER_TTL_S`]).
+pub fn leader_ttl(secs: u64) -> L3Result<Duration> {
+    if !LEADER_TTL_S.contains(&secs) {
+        return Err(L3Error::InvalidParams(format!(
+            "the leader lease TTL must be {} to {} seconds, got {secs}",
+            LEADER_TTL_S.start(),
+            LEADER_TTL_S.end()
+        )));
+    }
+    Ok(Duration::from_secs(secs))
+}
+
+/// Longest a standby waits between two looks at the leader key, whatever the TTL: how soon a
+/// resigned leader is replaced, and how soon an elected master serves, never grow with the
+/// TTL (at TTL/10 they took 30 s at TTL 300, 6 minutes at TTL 3,600).
+pub const MAX_POLL: Duration = Duration::from_millis(500);
+
+/// How often candidates and standbys look at the leader key: TTL/10, between 50 ms and
+/// [`MAX_POLL`].
+pub fn poll_interval(ttl: Duration) -> Duration {
+    (ttl / 10).clamp(Duration::from_millis(50), MAX_POLL)
+}
+
 /// The safety margin kept between this process's view of its lease and etcd's: a leader
 /// acts until `keep-alive sent + TTL - margin` (public for the fencing model test).
 pub fn margin(ttl: Duration) -> Duration {
@@ -212,20 +244,22 @@ impl LeaderLease {
     }
 }
 
-/// Campaigns until this process holds the leader key (polling every `ttl / 10` while
-/// another master holds it, or `stop` turns true: then `Ok(None)`).
+/// Campaigns until this process holds the leader key (polling every [`poll_interval`] while
+/// another master holds it, or `stop` turns true: then `Ok(None)`). The TTL must be whole
+/// seconds within [`LEADER_TTL_S`] (a typed -600 otherwise).
 pub fn campaign(
     etcd: Arc<Etcd>,
     keys: ClusterKeys,
     ttl: Duration,
     stop: &AtomicBool,
 ) -> L3Result<Option<Arc<LeaderLease>>> {
-    if ttl < Duration::from_secs(1) || ttl.subsec_nanos() != 0 {
+    if ttl.subsec_nanos() != 0 {
         return Err(L3Error::InvalidParams(format!(
-            "the leader lease TTL must be a whole number of seconds >= 1, got {ttl:?}"
+            "the leader lease TTL must be a whole number of seconds, got {ttl:?}"
         )));
     }
-    let poll = (ttl / 10).max(Duration::from_millis(50));
+    leader_ttl(ttl.as_secs())?;
+    let poll = poll_interval(ttl);
     let mut last_err = None;
     while !stop.load(Ordering::Acquire) {
         let sent = Instant::now();

@@ -147,9 +147,96 @@ fn lease_not_found(e: &ec::Error) -> bool {
     matches!(e, ec::Error::LeaseKeepAliveError(m) if m == "lease not found")
 }
 
+/// Why an etcd endpoint was refused: it names the endpoint as given (issue 33: before,
+/// `host:notaport`, `127.0.0.1:99999` or `[::1` were taken, and a master campaigned on them
+/// silently forever).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("etcd endpoint {endpoint:?}: {why}")]
+pub struct EndpointError {
+    /// The endpoint as given.
+    pub endpoint: String,
+    /// What is wrong with it.
+    pub why: String,
+}
+
+impl From<EndpointError> for L3Error {
+    fn from(e: EndpointError) -> Self {
+        L3Error::InvalidParams(e.to_string())
+    }
+}
+
+/// Whether `h` is a DNS host name: dot-separated labels of 1..=63 ASCII letters, digits and
+/// '-' (not at either end), 253 bytes at most.
+fn dns_name(h: &str) -> bool {
+    h.len() <= 253
+        && h.split('.').all(|l| {
+            (1..=63).contains(&l.len())
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+}
+
+/// One endpoint, `host:port` or `http://host:port[/]`, as the client dials it (`host:port`):
+/// the host an IPv4 address, a bracketed IPv6 address or a DNS name, the port 1..=65535.
+pub fn parse_endpoint(p: &str) -> Result<String, EndpointError> {
+    let bad = |why: String| EndpointError {
+        endpoint: p.to_string(),
+        why,
+    };
+    let hp = p.strip_prefix("http://").unwrap_or(p);
+    let hp = hp.strip_suffix('/').unwrap_or(hp);
+    if let Some((scheme, _)) = hp.split_once("://") {
+        return Err(bad(format!(
+            "scheme {scheme:?}: only http:// (plain, no TLS) is spoken"
+        )));
+    }
+    if hp.contains('/') {
+        return Err(bad(
+            "expected host:port or http://host:port, without a path".into(),
+        ));
+    }
+    let (host, port) = if let Some(rest) = hp.strip_prefix('[') {
+        let (h, after) = rest
+            .split_once(']')
+            .ok_or_else(|| bad("'[' of an IPv6 address is not closed".into()))?;
+        if h.parse::<std::net::Ipv6Addr>().is_err() {
+            return Err(bad(format!("{h:?} is not an IPv6 address")));
+        }
+        let port = after
+            .strip_prefix(':')
+            .ok_or_else(|| bad("expected [IPv6]:port".into()))?;
+        (h, port)
+    } else {
+        let (h, port) = hp
+            .rsplit_once(':')
+            .ok_or_else(|| bad("expected host:port (no port)".into()))?;
+        if h.contains(':') {
+            return Err(bad("an IPv6 address goes in brackets: [addr]:port".into()));
+        }
+        if h.parse::<std::net::Ipv4Addr>().is_err() && !dns_name(h) {
+            return Err(bad(format!(
+                "host {h:?} is neither an IP address nor a DNS name"
+            )));
+        }
+        (h, port)
+    };
+    match port.parse::<u16>() {
+        Ok(n) if n > 0 => {}
+        _ => {
+            return Err(bad(format!(
+                "port {port:?} is not a number from 1 to 65535"
+            )));
+        }
+    }
+    debug_assert!(!host.is_empty());
+    Ok(hp.to_string())
+}
+
 impl Etcd {
     /// Parses endpoints: `etcd://h:p;h:p` (Mooncake's locator), or `h:p,h:p` / `http://h:p`
-    /// lists (etcd's own `--endpoints` form). `timeout` bounds each request on one member.
+    /// lists (etcd's own `--endpoints` form). Each is checked by [`parse_endpoint`] (a
+    /// typed -600 naming the first bad one). `timeout` bounds each request on one member.
     pub fn parse(spec: &str, timeout: Duration) -> L3Result<Self> {
         let body = spec.strip_prefix("etcd://").unwrap_or(spec);
         let mut endpoints = Vec::new();
@@ -158,17 +245,7 @@ impl Etcd {
             if p.is_empty() {
                 continue;
             }
-            let hp = p
-                .strip_prefix("http://")
-                .unwrap_or(p)
-                .trim_end_matches('/')
-                .to_string();
-            if hp.starts_with("https://") || hp.contains('/') || !hp.contains(':') {
-                return Err(L3Error::InvalidParams(format!(
-                    "etcd endpoint {p:?}: expected host:port or http://host:port"
-                )));
-            }
-            endpoints.push(hp);
+            endpoints.push(parse_endpoint(p)?);
         }
         if endpoints.is_empty() {
             return Err(L3Error::InvalidParams(format!(
@@ -415,6 +492,42 @@ mod tests {
             );
         }
         assert!(Etcd::parse("a:1", Duration::ZERO).is_err());
+        let e = Etcd::parse("[::1]:2379;http://etcd-0.example.com:2379/;10.0.0.1:1", t).unwrap();
+        assert_eq!(
+            e.endpoints(),
+            ["[::1]:2379", "etcd-0.example.com:2379", "10.0.0.1:1"]
+        );
+    }
+
+    /// Issue 33: each of these was accepted, and a master campaigned on it forever.
+    #[test]
+    fn an_endpoint_that_cannot_work_is_a_typed_error_naming_it() {
+        for bad in [
+            "host:notaport",
+            "127.0.0.1:99999",
+            "127.0.0.1:0",
+            "127.0.0.1:",
+            ":2379",
+            "[::1",
+            "[::1]",
+            "[::1]:",
+            "[nope]:1",
+            "::1:2379",
+            "bad_host!:1",
+            "-a:1",
+            "a..b:1",
+            "ftp://a:1",
+            "http://",
+        ] {
+            let e = parse_endpoint(bad).unwrap_err();
+            assert_eq!(e.endpoint, bad);
+            let l3: L3Error =
+                Etcd::parse(&format!("127.0.0.1:1,{bad}"), Duration::from_secs(1)).unwrap_err();
+            assert!(
+                matches!(&l3, L3Error::InvalidParams(m) if m.contains(&format!("etcd endpoint {bad:?}"))),
+                "{bad}: {l3}"
+            );
+        }
     }
 
     #[test]

@@ -50,7 +50,8 @@ pub(crate) fn run_master(
     super::on_step_down(restart_self);
     eprintln!("kvtier-l3 master: standby in cluster {cluster:?}, campaigning on etcd");
     // Meanwhile, clients given this address are told where the leader is.
-    let standby = StandbyServer::start(etcd.clone(), keys.clone(), ttl / 10, &opts)?;
+    let poll = super::election::poll_interval(ttl);
+    let standby = StandbyServer::start(etcd.clone(), keys.clone(), poll, &opts)?;
     let never = AtomicBool::new(false);
     let lease = campaign(etcd, keys, ttl, &never)
         .map_err(|e| e.to_string())?
@@ -86,9 +87,8 @@ pub(crate) fn run_master(
         Ok(()) => Ok(()),
         Err(e) => super::step_down(&e),
     };
-    if let Some(s) = standby {
-        s.stop();
-    }
+    // Frees the port at once (the poller is joined when `_poller` drops, after serving).
+    let _poller = standby.map(StandbyServer::stop);
     crate::cli::serve_then(master.clone(), opts, publish)?;
     lease.resign();
     master.shutdown();

@@ -8,12 +8,17 @@
 //! [`Backend::gate`] before every call (and in `hello`), so a standby is the plain server
 //! with a gate that is never open; nothing a standby could answer can be stale.
 //!
-//! The leader's address is polled from etcd on a thread of its own (every `ttl / 10`), not
-//! read in the call, so a standby's answers never wait on etcd.
+//! The leader's address is polled from etcd on a thread of its own (every
+//! [`poll_interval`](super::election::poll_interval), at most 0.5 s whatever the TTL), not
+//! read in the call, so a standby's answers never wait on etcd. When this master wins,
+//! [`StandbyServer::stop`] frees the port at once: it wakes the poller rather than waiting
+//! out its sleep, and does not wait for an etcd read in flight either (the poller is joined
+//! later, when the `Poller` it returns drops), so how soon an elected master serves depends
+//! neither on the TTL (it took TTL/10: 30 s at TTL 300) nor on etcd.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{RecvTimeoutError, Sender};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -64,8 +69,22 @@ impl Standby {
 /// server, when this process wins).
 pub(crate) struct StandbyServer {
     stop: tokio::sync::watch::Sender<bool>,
-    done: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
+    /// Dropped to wake the poller and end it.
+    wake: Sender<()>,
+    poller: std::thread::JoinHandle<()>,
+    server: std::thread::JoinHandle<()>,
+}
+
+/// The poll thread of a stopped standby, joined when this is dropped (by then it has long
+/// ended: it was woken by [`StandbyServer::stop`]; only an etcd read in flight delays it).
+pub(crate) struct Poller(Option<std::thread::JoinHandle<()>>);
+
+impl Drop for Poller {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
+            crate::error::join_logged("standby master's leader poll", t);
+        }
+    }
 }
 
 impl StandbyServer {
@@ -84,22 +103,26 @@ impl StandbyServer {
         let me = Arc::new(Standby {
             leader: Mutex::new(None),
         });
-        let done = Arc::new(AtomicBool::new(false));
+        let (wake, woken) = std::sync::mpsc::channel::<()>();
         let (stop, stop_rx) = tokio::sync::watch::channel(false);
         let sopts = ServerOptions {
             metrics_addr: None,
             transfer_channel: false,
             ..opts.clone()
         };
-        let (m, d) = (me.clone(), done.clone());
+        let m = me.clone();
         let poller = std::thread::Builder::new()
             .name("kvtier-l3-standby-poll".into())
             .spawn(move || {
-                while !d.load(Ordering::Acquire) {
+                loop {
                     if let Ok(v) = read_leader(&etcd, &keys) {
                         *m.leader.lock() = v;
                     }
-                    std::thread::sleep(poll);
+                    // Sleeps `poll`, or less: `stop` drops the sender.
+                    match woken.recv_timeout(poll) {
+                        Err(RecvTimeoutError::Timeout) => {}
+                        Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+                    }
                 }
             })
             .map_err(|e| e.to_string())?;
@@ -129,8 +152,9 @@ impl StandbyServer {
             .map_err(|e| e.to_string())?;
         let me = StandbyServer {
             stop,
-            done,
-            threads: vec![poller, server],
+            wake,
+            poller,
+            server,
         };
         match ready_rx.recv() {
             Ok(Ok(())) => Ok(Some(me)),
@@ -139,13 +163,20 @@ impl StandbyServer {
         }
     }
 
-    /// Stops listening and polling; returns once the port is free.
-    pub(crate) fn stop(self) {
-        self.done.store(true, Ordering::Release);
-        let _ = self.stop.send(true);
-        for t in self.threads {
-            crate::error::join_logged("standby master", t);
-        }
+    /// Stops listening and polling; returns once the port is free, without waiting for the
+    /// poller (join it by dropping the [`Poller`], once serving).
+    pub(crate) fn stop(self) -> Poller {
+        let StandbyServer {
+            stop,
+            wake,
+            poller,
+            server,
+        } = self;
+        drop(wake);
+        // The server thread may have ended already (its runtime failed): nothing to stop.
+        crate::error::best_effort("stop the standby listener", stop.send(true));
+        crate::error::join_logged("standby master", server);
+        Poller(Some(poller))
     }
 }
 

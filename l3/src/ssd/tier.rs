@@ -43,7 +43,7 @@ use super::writer;
 use crate::config::SsdConfig;
 use crate::error::{L3Error, L3Result};
 use crate::master::DiskLoc;
-use crate::types::{PutHandle, Tenant};
+use crate::types::{PutHandle, Tenant, check_key};
 
 /// An object queued for SSD.
 pub struct OffloadJob {
@@ -221,7 +221,9 @@ impl SsdTier {
             let mut metas = Vec::with_capacity(recs.len());
             let mut live = 0;
             for r in recs {
-                let Ok(tenant) = Tenant::new(r.tenant) else {
+                // Names no call could have made (written by an earlier build with looser
+                // rules) are skipped alone: nobody can address them.
+                let (Ok(tenant), Ok(())) = (Tenant::parse(r.tenant), check_key(&r.key)) else {
                     continue;
                 };
                 let alive = !untrusted && !dead.contains(&r.index);

@@ -128,6 +128,18 @@ fn fail_batch(
 
 fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
     let cfg = &shared.cfg;
+    // A record the format cannot hold fails alone (typed), never the rest of its batch.
+    let (batch, unfit): (Vec<OffloadJob>, Vec<OffloadJob>) = batch
+        .into_iter()
+        .partition(|j| bucket::check_record(j.tenant.as_str(), &j.key).is_ok());
+    if let Some(j) = unfit.first()
+        && let Err(e) = bucket::check_record(j.tenant.as_str(), &j.key)
+    {
+        fail_batch(shared, None, &unfit, &e.into(), hooks);
+    }
+    if batch.is_empty() {
+        return;
+    }
     let bytes: u64 = batch.iter().map(|j| j.data.len() as u64).sum();
     evict_for(shared, bytes, hooks);
     let id = match next_bucket_id(shared) {
