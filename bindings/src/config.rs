@@ -16,7 +16,8 @@
 //! "freq-depth:CREDIT:MAX_USES:DEBIT"}; `host_admission` ∈ {"on-finish",
 //! "on-device-eviction:AHEAD_PAGES", "adaptive:AHEAD_PAGES" (with eviction "adaptive")};
 //! `namespace` is a dict
-//! with keys model, dtype, layout, tenant, adapter.
+//! with keys model, dtype, layout, tenant, adapter; `tp_ranks` is the tensor-parallel group's
+//! size (above 1, direct loss reports are refused: see `kvtier_scheduler::SchedulerConfig`).
 
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -57,6 +58,7 @@ pub const FIELDS: &[&str] = &[
     "tenant_quota_host_pages",
     "eviction",
     "host_admission",
+    "tp_ranks",
 ];
 
 /// Reads one field from a dict (by key) or any object (by attribute); `None` when absent.
@@ -235,6 +237,7 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         max_context_tokens: get(obj, "max_context_tokens", d.max_context_tokens)?,
         namespace,
         rank: get(obj, "rank", d.rank)?,
+        tp_ranks: get(obj, "tp_ranks", d.tp_ranks)?,
         l3_sharing,
         tenant_quota: kvtier_scheduler::TenantQuota {
             device_pages: get(obj, "tenant_quota_device_pages", None)?,
@@ -321,6 +324,7 @@ pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bou
     d.set_item("tenant_quota_host_pages", c.tenant_quota.host_pages)?;
     d.set_item("eviction", c.eviction.to_string())?;
     d.set_item("host_admission", c.host_admission.to_string())?;
+    d.set_item("tp_ranks", c.tp_ranks)?;
     Ok(d)
 }
 

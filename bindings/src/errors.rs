@@ -12,7 +12,7 @@
 //! │                     UnknownOpError, DuplicateCompletionError, WrongCompletionKindError,
 //! │                     BadCompletionError, UnknownStepError, NotInStepError,
 //! │                     RowCountMismatchError, CompletionOutOfOrderError, IllegalEventError,
-//! │                     CacheError, OffloadManagerError
+//! │                     CacheError, OffloadManagerError, LossNeedsAgreementError
 //! └── L3Error ── ObjectNotFoundError, ObjectAlreadyExistsError, ... (each with a class
 //!                attribute `code`: Mooncake's integer error code, e.g. -704)
 //! ```
@@ -93,6 +93,7 @@ sched_errors! {
     IllegalEventError: "The event is illegal in the request's current state.",
     CacheError: "The prefix cache rejected the operation.",
     OffloadManagerError: "OffloadManager refused a call (unknown job, a range off the chain, pages not on host) or failed its consistency check; nothing changed.",
+    LossNeedsAgreementError: "A direct L3 loss report (Scheduler.l3_lost / l3_lost_all, OffloadManager.l3_lost / l3_lost_all) on one rank of several (tp_ranks > 1): record it with RankAgreement.lost / lost_pages / lost_all and apply it with RankAgreement.agree_losses; nothing changed.",
 }
 
 macro_rules! l3_errors {
@@ -208,6 +209,7 @@ pub fn sched_err(e: SchedulerError) -> PyErr {
         SchedulerError::CompletionOutOfOrder { .. } => CompletionOutOfOrderError::new_err(msg),
         SchedulerError::IllegalEvent { .. } => IllegalEventError::new_err(msg),
         SchedulerError::Cache(_) => CacheError::new_err(msg),
+        SchedulerError::LossNeedsAgreement { .. } => LossNeedsAgreementError::new_err(msg),
     }
 }
 

@@ -13,7 +13,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use kvtier_radix::{EvictionPolicy, KvEvent, PageHash, TenantId, TierKind};
 use kvtier_scheduler::{JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager, StorePlan};
 
-use crate::errors::{OffloadManagerError, config_msg};
+use crate::errors::{LossNeedsAgreementError, OffloadManagerError, config_msg};
 
 fn chain_of(chain: &Bound<'_, PyAny>) -> PyResult<Vec<PageHash>> {
     let mut out = Vec::new();
@@ -63,7 +63,10 @@ fn outcome_of(outcome: &str) -> PyResult<JobOutcome> {
 }
 
 fn err(e: OffloadError) -> PyErr {
-    OffloadManagerError::new_err(e.to_string())
+    match e {
+        OffloadError::LossNeedsAgreement { .. } => LossNeedsAgreementError::new_err(e.to_string()),
+        _ => OffloadManagerError::new_err(e.to_string()),
+    }
 }
 
 fn hashes<'py>(py: Python<'py>, hs: &[PageHash]) -> PyResult<Bound<'py, PyList>> {
@@ -71,7 +74,9 @@ fn hashes<'py>(py: Python<'py>, hs: &[PageHash]) -> PyResult<Bound<'py, PyList>>
 }
 
 /// kvtier's host tier for an engine that keeps its own device tier: `host_slots` slots
-/// (ids `0..host_slots`), evicting by `policy` ("lru", "freq-depth", "adaptive").
+/// (ids `0..host_slots`), evicting by `policy` ("lru", "freq-depth", "adaptive"), planning
+/// for `tp_ranks` tensor-parallel ranks (above 1: losses and L3 completions are agreed with
+/// one `RankAgreement` per rank, and the direct `l3_lost` / `l3_lost_all` are refused).
 #[pyclass(module = "kvtier", name = "OffloadManager")]
 pub struct PyOffloadManager {
     pub(crate) inner: OffloadManager,
@@ -80,8 +85,8 @@ pub struct PyOffloadManager {
 #[pymethods]
 impl PyOffloadManager {
     #[new]
-    #[pyo3(signature = (host_slots, policy = "lru", l3_backups = "off"))]
-    fn new(host_slots: u32, policy: &str, l3_backups: &str) -> PyResult<Self> {
+    #[pyo3(signature = (host_slots, policy = "lru", l3_backups = "off", *, tp_ranks = 1))]
+    fn new(host_slots: u32, policy: &str, l3_backups: &str, tp_ranks: u32) -> PyResult<Self> {
         let p: EvictionPolicy = policy.parse().map_err(config_msg)?;
         let b = match l3_backups {
             "off" => L3Backups::Off,
@@ -94,7 +99,16 @@ impl PyOffloadManager {
         };
         let mut inner = OffloadManager::new(host_slots, p).map_err(err)?;
         inner.set_l3_backups(b);
+        inner
+            .set_tp_ranks(tp_ranks)
+            .map_err(|e| config_msg(format!("OffloadManager tp_ranks: {e}")))?;
         Ok(Self { inner })
+    }
+
+    /// The tensor-parallel ranks this manager plans for.
+    #[getter]
+    fn tp_ranks(&self) -> u32 {
+        self.inner.tp_ranks()
     }
 
     /// BackUp jobs for stored host pages L3 lacks: `[(job, [page hash], [slot])]`; each
@@ -124,15 +138,16 @@ impl PyOffloadManager {
         Ok(())
     }
 
-    /// L3 lost these pages.
+    /// L3 lost these pages. Raises ``LossNeedsAgreementError`` (nothing changed) when the
+    /// manager plans for several ranks: ``RankAgreement.lost_pages`` and ``agree_losses``.
     fn l3_lost(&mut self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.l3_lost(&chain_of(pages)?);
-        Ok(())
+        self.inner.l3_lost(&chain_of(pages)?).map_err(err)
     }
 
-    /// L3 may have lost anything (a loss report overflowed).
-    fn l3_lost_all(&mut self) {
-        self.inner.l3_lost_all();
+    /// L3 may have lost anything (a loss report overflowed). Raises
+    /// ``LossNeedsAgreementError`` when the manager plans for several ranks (``lost_all``).
+    fn l3_lost_all(&mut self) -> PyResult<()> {
+        self.inner.l3_lost_all().map_err(err)
     }
 
     /// A Prefetch: slots as `prepare_store` hands them out, for bytes read from L3; `None`
@@ -175,7 +190,8 @@ impl PyOffloadManager {
     /// Agrees the prefetches and backups in flight across tensor-parallel ranks whose
     /// `RankAgreement`s are in this process (one per rank, each holding that rank's
     /// `PrefetchDone` / `BackUpDone` events): applies the element-wise minimum. Returns the
-    /// number of ops completed.
+    /// number of ops completed. ``AgreementError`` (nothing changed) unless there is one
+    /// agreement per rank the manager plans for (``tp_ranks``).
     fn agree(
         &mut self,
         mut ranks: Vec<PyRefMut<'_, crate::tp::PyRankAgreement>>,

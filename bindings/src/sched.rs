@@ -366,14 +366,18 @@ impl PyScheduler {
     /// L3 lost these objects (the store reported them evicted or removed): their pages are no
     /// longer taken to be in L3, so they are backed up again before host drops them. Keys of
     /// other namespaces or ranks are ignored. Returns the number of tree nodes cleared.
-    fn l3_lost(&mut self, keys: Vec<String>) -> usize {
-        self.inner.l3_lost(&keys)
+    /// Raises ``LossNeedsAgreementError`` (nothing changed) on one rank of several
+    /// (``tp_ranks`` > 1): record the keys with ``RankAgreement.lost`` and agree them with
+    /// ``RankAgreement.agree_losses``.
+    fn l3_lost(&mut self, keys: Vec<String>) -> PyResult<usize> {
+        self.inner.l3_lost(&keys).map_err(sched_err)
     }
 
     /// The store's loss report was incomplete (``L3Store.drain_losses`` said it overflowed):
-    /// every L3 mark is cleared. Returns the number of tree nodes cleared.
-    fn l3_lost_all(&mut self) -> usize {
-        self.inner.l3_lost_all()
+    /// every L3 mark is cleared. Returns the number of tree nodes cleared. Raises
+    /// ``LossNeedsAgreementError`` on one rank of several (``RankAgreement.lost_all``).
+    fn l3_lost_all(&mut self) -> PyResult<usize> {
+        self.inner.l3_lost_all().map_err(sched_err)
     }
 
     /// Number of live requests.

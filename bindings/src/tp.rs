@@ -12,6 +12,9 @@
 //! rank, so that no rank backs up or refetches a page the others still take to be in L3. The
 //! engine's `all_gather` gets this rank's int64 words and returns every rank's (e.g.
 //! `torch.distributed.all_gather_object`, or `all_gather` of arrays zero-padded to the longest).
+//! A scheduler (or offloading manager) that is one rank of several (`tp_ranks` > 1) refuses
+//! the direct `l3_lost` / `l3_lost_all` (`LossNeedsAgreementError`), and the agreement refuses
+//! words gathered from another number of ranks than its `tp_ranks` (`AgreementError`).
 
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -118,8 +121,8 @@ impl PyRankAgreement {
 
     /// Records keys this rank's store reported lost (``L3Store.drain_losses``), to be agreed
     /// with the other ranks by ``agree_losses``; keys of other namespaces or ranks are
-    /// ignored. Returns the number recorded. Do not call ``Scheduler.l3_lost`` on one rank of
-    /// a tensor-parallel group: the ranks would diverge.
+    /// ignored. Returns the number recorded. (``Scheduler.l3_lost`` on one rank of a
+    /// tensor-parallel group raises ``LossNeedsAgreementError``: the ranks would diverge.)
     fn lost(&mut self, scheduler: &PyScheduler, keys: Vec<String>) -> usize {
         self.inner.lost(&scheduler.inner, &keys)
     }
@@ -162,8 +165,9 @@ impl PyRankAgreement {
     /// words, which must return every rank's words (this rank's included; a list of int64
     /// arrays, zero padding allowed), and applies their union to ``scheduler`` (every L3 mark
     /// if some rank overflowed). Collective: every rank calls it once per step, at the same
-    /// point. Raises ``AgreementError`` (nothing changed) on malformed words or when this
-    /// rank's own are missing. Returns the number of tree nodes whose L3 mark was cleared.
+    /// point. Raises ``AgreementError`` (nothing changed) on malformed words, when this
+    /// rank's own are missing, or when they are not ``tp_ranks`` ranks' words. Returns the
+    /// number of tree nodes whose L3 mark was cleared.
     fn agree_losses(
         &mut self,
         py: Python<'_>,

@@ -98,13 +98,14 @@ def test_drain_losses_over_the_wire_and_without_a_journal():
 
 
 def test_parse_l3_key():
-    s = kvtier.Scheduler(small_config(rank=3, namespace={"model": "m", "dtype": "", "layout": "", "tenant": "", "adapter": ""}))
+    s = kvtier.Scheduler(small_config(rank=3, tp_ranks=4,
+                                      namespace={"model": "m", "dtype": "", "layout": "", "tenant": "", "adapter": ""}))
     p = prompt(1, 8)
     k = s.l3_keys(p)[1]
     ns, h, rank = kvtier.parse_l3_key(k)
     assert h == bytes(kvtier.page_hashes(p, 4)[1]) and rank == 3 and k.startswith(ns + ":")
     for bad in ["", "a:b:c", k + ":1", k[:-2], k.replace(":3", ":x")]:
         assert kvtier.parse_l3_key(bad) is None
-    assert s.l3_lost(["garbage", k.replace(":3", ":4")]) == 0
+    assert kvtier.RankAgreement().lost(s, ["garbage", k.replace(":3", ":4")]) == 0  # rank 3 of 4: agreed
     with pytest.raises(TypeError):
         s.l3_lost("not a list of keys")

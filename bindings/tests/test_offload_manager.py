@@ -90,7 +90,7 @@ def test_hits_are_exactly_what_landed_and_still_fits(ops, slots):
 def test_tensor_parallel_ranks_agree_prefetches_and_losses():
     """Two ranks' agreements over one manager: a prefetch lands with the pages both read;
     a loss one rank reports is forgotten for both (scheduler/tests/offload_agreement.rs)."""
-    m = kvtier.OffloadManager(8, "lru", "write-through")
+    m = kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2)
     a = chain("tp", 3)
     m.l3_found(a)
     job, first, slots, _ = m.prepare_prefetch(a, 1)  # the whole run known in L3
@@ -110,6 +110,36 @@ def test_tensor_parallel_ranks_agree_prefetches_and_losses():
         r.agree_losses(m, lambda _w: gathered)
     assert [m.lookup(b, i) for i in range(2)] == ["in-l3", "miss"]
     m.check()
+
+
+def test_a_manager_of_several_ranks_refuses_direct_losses():
+    """Issue 33 (5a): a manager planning for several ranks refuses ``l3_lost`` / ``l3_lost_all``
+    (``LossNeedsAgreementError``, naming the agreement) and an agreement of another number of
+    ranks (``AgreementError``); nothing changes. One rank keeps the direct calls."""
+    m = kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2)
+    a = chain("tp-lost", 2)
+    m.l3_found(a)
+    with pytest.raises(kvtier.LossNeedsAgreementError, match="lost_pages.*agree_losses"):
+        m.l3_lost(a[1:])
+    with pytest.raises(kvtier.LossNeedsAgreementError):
+        m.l3_lost_all()
+    assert [m.lookup(a, i) for i in range(2)] == ["in-l3", "in-l3"]
+    r = kvtier.RankAgreement()
+    r.lost_pages(a[1:])
+    with pytest.raises(kvtier.AgreementError, match="tp_ranks"):
+        r.agree_losses(m, lambda w: [w])
+    with pytest.raises(kvtier.AgreementError, match="tp_ranks"):
+        m.agree([r])
+    assert m.lookup(a, 1) == "in-l3" and r.pending_losses() == (1, False)
+    r.agree_losses(m, lambda w: [w, kvtier.RankAgreement().loss_words()])
+    assert m.lookup(a, 1) == "miss"
+    m.check()
+    with pytest.raises(kvtier.ConfigError, match="tp_ranks"):
+        kvtier.OffloadManager(8, tp_ranks=0)
+    one = kvtier.OffloadManager(8)
+    one.l3_found(a)
+    one.l3_lost(a[1:])
+    assert one.lookup(a, 1) == "miss"
 
 
 def test_agreement_bad_input_is_a_typed_error_that_changes_nothing():

@@ -166,3 +166,27 @@ def test_demotion_with_l3_on_gpu(mover):
     from test_torch_engine_l3 import demotion_with_l3
 
     demotion_with_l3("cuda", mover)
+
+
+def test_weights_fingerprint_does_not_depend_on_the_device():
+    """The L3 namespace's weights fingerprint (docs/torch.md) is the same for one set of weights
+    on CPU, on the GPU, and split between them (gathered per device, hashed in parameter
+    order); it costs milliseconds on the GPU too."""
+    import time
+
+    from kvtier.torch import weights_fingerprint
+
+    cpu = tiny_llama(seed=3)
+    gpu = tiny_llama(seed=3, device="cuda")
+    assert weights_fingerprint(gpu) == weights_fingerprint(cpu)
+    gpu.model.embed_tokens.to("cpu")  # a model split over host and device
+    assert weights_fingerprint(gpu) == weights_fingerprint(cpu)
+    assert weights_fingerprint(tiny_llama(seed=4, device="cuda")) != weights_fingerprint(cpu)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    big = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                                       num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4)).cuda()
+    weights_fingerprint(big)
+    t0 = time.perf_counter()
+    weights_fingerprint(big)
+    print(f"weights_fingerprint on {torch.cuda.get_device_name()}: {(time.perf_counter() - t0) * 1e3:.2f} ms")

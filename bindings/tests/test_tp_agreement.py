@@ -11,7 +11,8 @@ from conftest import prompt, small_config
 
 
 def _ranks(**over):
-    return [kvtier.Scheduler(small_config(l3_enabled=True, prefetch_threshold=1, rank=r, **over)) for r in (0, 1)]
+    return [kvtier.Scheduler(small_config(l3_enabled=True, prefetch_threshold=1, rank=r, tp_ranks=2, **over))
+            for r in (0, 1)]
 
 
 def _all_reduce_min(arrays):
@@ -160,7 +161,12 @@ _EVENTS = {
 }
 
 
-def _losses_run(agreed, overflow):
+def _losses_run(mode, overflow):
+    """Two ranks serve a prompt, rank 0's store loses 3 keys of its shard (or its journal
+    overflows) and only rank 0 hears; then both serve a longer prompt. ``mode``: "agreed"
+    (recorded on rank 0's agreement, agreed by both), "one-sided" (rank 0 applies it alone,
+    the other rank skips the collective), "direct" (rank 0 calls ``Scheduler.l3_lost`` as a
+    single-rank engine does: refused), "silent" (never reported). Returns the digests."""
     ranks = _ranks()
     agrees = [kvtier.RankAgreement() for _ in ranks]
     digests = []
@@ -168,39 +174,88 @@ def _losses_run(agreed, overflow):
     for s in ranks:
         s.submit(1, p, 2)
     for t in range(40):
-        digests.append(_step_both(ranks, agrees, t, agreed))
+        digests.append(_step_both(ranks, agrees, t, mode != "one-sided"))
     assert all(s.is_idle() for s in ranks)
-    # Rank 0's store lost 3 keys of its shard (or its journal overflowed); only rank 0 hears.
     keys = ranks[0].l3_keys(p)[:3]
-    if agreed:
+    if mode == "agreed":
         agrees[0].lost_all() if overflow else agrees[0].lost(ranks[0], keys)
         assert agrees[0].pending_losses() == ((0, True) if overflow else (3, False))
-    else:
-        ranks[0].l3_lost_all() if overflow else ranks[0].l3_lost(keys)
+    elif mode == "one-sided":
+        alone = kvtier.RankAgreement()
+        alone.lost_all() if overflow else alone.lost(ranks[0], keys)
+        alone.agree_losses(ranks[0], lambda w: [w, kvtier.RankAgreement().loss_words()])
+    elif mode == "direct":
+        with pytest.raises(kvtier.LossNeedsAgreementError, match=r"RankAgreement\W+lost.*agree_losses"):
+            ranks[0].l3_lost_all() if overflow else ranks[0].l3_lost(keys)
     for s in ranks:
         s.submit(2, prompt(1, 45), 2)
     for t in range(40, 80):
-        digests.append(_step_both(ranks, agrees, t, agreed))
+        digests.append(_step_both(ranks, agrees, t, mode != "one-sided"))
     return digests
 
 
 @pytest.mark.parametrize("overflow", [False, True])
 def test_one_sided_losses_are_agreed(overflow):
-    assert any(d0 != d1 for d0, d1 in _losses_run(False, overflow)), "unagreed ranks diverge"
-    assert all(d0 == d1 for d0, d1 in _losses_run(True, overflow))
+    assert any(d0 != d1 for d0, d1 in _losses_run("one-sided", overflow)), "unagreed ranks diverge"
+    assert all(d0 == d1 for d0, d1 in _losses_run("agreed", overflow))
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_tp_ranks_direct_loss_report_is_refused_and_changes_nothing(overflow):
+    """Issue 33 (5a): a scheduler that is one rank of several refuses ``l3_lost`` /
+    ``l3_lost_all`` with ``LossNeedsAgreementError`` (a ``SchedulerError``) naming the
+    agreement; nothing changes, so the run is step for step the one in which the loss was never
+    reported, and the ranks do not diverge."""
+    direct = _losses_run("direct", overflow)
+    assert direct == _losses_run("silent", overflow)
+    assert all(d0 == d1 for d0, d1 in direct)
+    assert issubclass(kvtier.LossNeedsAgreementError, kvtier.SchedulerError)
+    single = kvtier.Scheduler(small_config(l3_enabled=True))  # one rank: the direct path stays
+    assert single.l3_lost(single.l3_keys(prompt(1, 8))) == 0 and single.l3_lost_all() >= 0
+
+
+def test_an_agreement_over_another_number_of_ranks_is_refused():
+    """The agreement checks that the scheduler knows its group (``tp_ranks``): a rank 0 left at
+    the default ``tp_ranks=1`` is caught at its first agreement; a rank >= tp_ranks at
+    construction. Nothing changes."""
+    s = kvtier.Scheduler(small_config(l3_enabled=True))
+    a = kvtier.RankAgreement()
+    assert a.lost(s, s.l3_keys(prompt(1, 8))) == 2
+    with pytest.raises(kvtier.AgreementError, match="tp_ranks"):
+        a.agree_losses(s, lambda w: [w, kvtier.RankAgreement().loss_words()])
+    assert a.pending_losses() == (2, False)
+    with pytest.raises(kvtier.ConfigError, match="tp_ranks"):
+        kvtier.Scheduler(small_config(rank=1))
+    with pytest.raises(kvtier.ConfigError, match="tp_ranks"):
+        kvtier.Scheduler(small_config(tp_ranks=0))
+    with pytest.raises(kvtier.ConfigError, match="leader"):
+        kvtier.Scheduler(small_config(tp_ranks=2, l3_sharing="replicated", l3_leader_rank=2))
+
+
+def test_single_rank_engines_refuse_a_tp_ranks_scheduler():
+    """kvtier.engine.Engine answers ops and losses on one rank: a scheduler of a TP group is
+    refused at construction (``ConfigError`` naming ``tp_ranks``), not at its first loss."""
+    from kvtier.engine import Engine
+
+    with pytest.raises(kvtier.ConfigError, match="tp_ranks"):
+        Engine(kvtier.Scheduler(small_config(rank=1, tp_ranks=2)))
+    Engine(kvtier.Scheduler(small_config())).s.is_idle()
 
 
 def test_bad_loss_words_raise_and_change_nothing():
     (s, _) = _ranks()
     a = kvtier.RankAgreement()
+    none = kvtier.RankAgreement().loss_words()
     assert a.lost(s, s.l3_keys(prompt(1, 8)) + ["junk"]) == 2
     with pytest.raises(kvtier.AgreementError, match="tag"):
-        a.agree_losses(s, lambda w: [np.array([1, 2, 3], dtype=np.int64)])
+        a.agree_losses(s, lambda w: [w, np.array([1, 2, 3], dtype=np.int64)])
     with pytest.raises(kvtier.AgreementError, match="own"):
-        a.agree_losses(s, lambda w: [np.array(w[:3]) * 0 + [w[0], 0, 0]])
+        a.agree_losses(s, lambda w: [none, none])
+    with pytest.raises(kvtier.AgreementError, match="tp_ranks"):
+        a.agree_losses(s, lambda w: [w])
     with pytest.raises(TypeError):
         a.agree_losses(s, lambda w: 5)
     assert a.pending_losses() == (2, False)
-    padded = lambda w: [np.concatenate([w, np.zeros(4, dtype=np.int64)])]  # noqa: E731
+    padded = lambda w: [np.concatenate([w, np.zeros(4, dtype=np.int64)]), none]  # noqa: E731
     assert a.agree_losses(s, padded) == 0  # nothing of it was marked in L3
     assert a.pending_losses() == (0, False)

@@ -32,7 +32,7 @@ def test_config_defaults_are_the_rust_defaults():
         dict(write_policy="write_back", l3_enabled=True),
         dict(retraction="fewest_generated"),
         dict(retraction="most_pages"),
-        dict(namespace=dict(model="m", dtype="bf16", layout="tp8", tenant="t", adapter="a"), rank=3),
+        dict(namespace=dict(model="m", dtype="bf16", layout="tp8", tenant="t", adapter="a"), rank=3, tp_ranks=8),
         dict(host_enabled=False, host_pages=0),
         dict(mixed_prefill_decode=False, keep_device_after_write_back=False, record_kv_events=True),
         dict(eviction="freq-depth:100:3:7"),
@@ -58,7 +58,7 @@ def test_config_roundtrip(over):
 
 
 def test_config_from_dict_and_pickle():
-    c = small_config(rank=2)
+    c = small_config(rank=2, tp_ranks=3)
     assert kvtier.Scheduler(c.to_dict()).config()["rank"] == 2
     assert pickle.loads(pickle.dumps(c)) == c
     assert c.replace(rank=5).rank == 5

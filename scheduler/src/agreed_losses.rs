@@ -19,12 +19,20 @@
 //! four words per lost page, three words when nothing was lost — and applies the union. The
 //! call is collective: every rank makes it every step, at the same point (e.g. right after
 //! [`RankAgreement::reduce`]), whether or not it has anything to report.
+//!
+//! By construction, not by protocol: a scheduler that is one rank of several
+//! (`SchedulerConfig::tp_ranks` > 1) refuses the direct calls (`Scheduler::l3_lost`,
+//! `l3_lost_all`, `l3_lost_pages`: `SchedulerError::LossNeedsAgreement`), the agreement is
+//! the only other way to clear a mark ([`crate::AgreedLosses`]), and it refuses words
+//! gathered from another number of ranks than the scheduler's `tp_ranks`
+//! ([`AgreementError::RankCount`]) — so a rank 0 whose engine left `tp_ranks` at 1 is caught
+//! at its first agreement, and a rank above 0 cannot be configured without it.
 
 use std::collections::BTreeSet;
 
 use kvtier_radix::PageHash;
 
-use crate::agreement::{AgreedOps, AgreementError, RankAgreement};
+use crate::agreement::{AgreedLosses, AgreedOps, AgreementError, RankAgreement};
 use crate::scheduler::Scheduler;
 
 /// First word of every rank's loss words ("kvtierL1"): a vector that does not start with it
@@ -133,8 +141,9 @@ impl RankAgreement {
 
     /// Applies the union of every rank's losses to `sched`. `gathered` holds every rank's
     /// [`Self::loss_words`] (this rank's included, any order, each possibly zero-padded).
-    /// Checked whole before anything changes: each entry must decode
-    /// ([`AgreementError::BadLossWords`]) and the union must cover what this rank recorded
+    /// Checked whole before anything changes: it must hold `sched`'s `tp_ranks` entries
+    /// ([`AgreementError::RankCount`]), each must decode ([`AgreementError::BadLossWords`])
+    /// and the union must cover what this rank recorded
     /// ([`AgreementError::OwnLossesMissing`]: its own words were left out). Then every rank
     /// clears the same marks: all of them if some rank overflowed, else those of the union's
     /// pages; this rank's recorded losses are consumed. Returns the tree nodes cleared.
@@ -143,6 +152,13 @@ impl RankAgreement {
         sched: &mut S,
         gathered: &[W],
     ) -> Result<usize, AgreementError> {
+        let tp_ranks = sched.tp_ranks();
+        if gathered.len() != tp_ranks as usize {
+            return Err(AgreementError::RankCount {
+                got: gathered.len(),
+                tp_ranks,
+            });
+        }
         let mut union = Losses::default();
         for (rank, w) in gathered.iter().enumerate() {
             let l = decode(rank, w.as_ref())?;
@@ -155,10 +171,10 @@ impl RankAgreement {
         self.lost.clear();
         self.lost_all = false;
         Ok(if union.all {
-            sched.forget_l3_all()
+            sched.forget_l3_all(AgreedLosses::new())
         } else {
             let pages: Vec<PageHash> = union.pages.into_iter().collect();
-            sched.forget_l3_pages(&pages)
+            sched.forget_l3_pages(&pages, AgreedLosses::new())
         })
     }
 

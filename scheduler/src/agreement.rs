@@ -62,6 +62,26 @@ pub enum AgreementError {
     BadLossWords { rank: usize, why: &'static str },
     #[error("the gathered losses leave out losses this rank recorded (its own words are missing)")]
     OwnLossesMissing,
+    /// The all-gather returned another number of ranks' words than the scheduler's group
+    /// holds: the engine's all-gather is not over the whole group, or the scheduler was not
+    /// told it is one rank of several (`SchedulerConfig::tp_ranks`, the offloading manager's
+    /// `set_tp_ranks`), and would accept direct loss reports that diverge the ranks.
+    #[error(
+        "gathered the words of {got} ranks, but the scheduler plans for {tp_ranks} (tp_ranks): all-gather over the whole tensor-parallel group and set tp_ranks to its size"
+    )]
+    RankCount { got: usize, tp_ranks: u32 },
+}
+
+/// Proof that L3 losses are being applied by the agreement: only this crate makes one, so
+/// [`AgreedOps::forget_l3_pages`] and [`AgreedOps::forget_l3_all`] cannot be called around
+/// [`RankAgreement::agree_losses`] (a loss applied on one rank alone diverges the ranks).
+#[derive(Debug)]
+pub struct AgreedLosses(());
+
+impl AgreedLosses {
+    pub(crate) fn new() -> AgreedLosses {
+        AgreedLosses(())
+    }
 }
 
 /// What ranks agree on: a planner whose ops in flight are the same on every rank (because its
@@ -69,21 +89,28 @@ pub enum AgreementError {
 pub trait AgreedOps {
     /// The ops in flight whose completions ranks reduce, in op-id order.
     fn agreed_ops(&self) -> Vec<(OpId, OpKind)>;
-    /// Clears the "in L3" marks of `pages`; the number of marks cleared.
-    fn forget_l3_pages(&mut self, pages: &[kvtier_radix::PageHash]) -> usize;
+    /// The number of ranks that plan together (1: a single rank): how many ranks' loss words
+    /// an agreement must gather.
+    fn tp_ranks(&self) -> u32;
+    /// Clears the "in L3" marks of `pages` (the union every rank agreed); the number of marks
+    /// cleared.
+    fn forget_l3_pages(&mut self, pages: &[kvtier_radix::PageHash], _: AgreedLosses) -> usize;
     /// Clears every "in L3" mark (a rank's loss report overflowed); the number cleared.
-    fn forget_l3_all(&mut self) -> usize;
+    fn forget_l3_all(&mut self, _: AgreedLosses) -> usize;
 }
 
 impl AgreedOps for Scheduler {
     fn agreed_ops(&self) -> Vec<(OpId, OpKind)> {
         self.in_flight_ops()
     }
-    fn forget_l3_pages(&mut self, pages: &[kvtier_radix::PageHash]) -> usize {
-        self.l3_lost_pages(pages)
+    fn tp_ranks(&self) -> u32 {
+        self.config().tp_ranks
     }
-    fn forget_l3_all(&mut self) -> usize {
-        self.l3_lost_all()
+    fn forget_l3_pages(&mut self, pages: &[kvtier_radix::PageHash], _: AgreedLosses) -> usize {
+        self.forget_l3_agreed(pages)
+    }
+    fn forget_l3_all(&mut self, _: AgreedLosses) -> usize {
+        self.forget_l3_all_marks()
     }
 }
 

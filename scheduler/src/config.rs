@@ -160,6 +160,14 @@ pub struct SchedulerConfig {
     /// L3 key namespace and this scheduler's tensor-parallel rank.
     pub namespace: KeyNamespace,
     pub rank: u32,
+    /// The number of tensor-parallel ranks whose schedulers plan together, this one included
+    /// (1: a single-rank engine). Above 1 the scheduler is one rank of several: L3 losses
+    /// must be agreed (`RankAgreement::lost` + `agree_losses`), and a direct
+    /// `Scheduler::l3_lost` / `l3_lost_all` / `l3_lost_pages` is refused
+    /// (`SchedulerError::LossNeedsAgreement`); the agreement refuses loss words gathered from
+    /// another number of ranks. `rank` must be below it.
+    #[serde(default = "one_rank")]
+    pub tp_ranks: u32,
     /// Per-rank keys (default) or one replicated copy written by a leader rank (MLA).
     #[serde(default)]
     pub l3_sharing: L3Sharing,
@@ -189,6 +197,10 @@ pub struct TenantQuota {
     pub host_pages: Option<u32>,
 }
 
+fn one_rank() -> u32 {
+    1
+}
+
 impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
@@ -212,6 +224,7 @@ impl Default for SchedulerConfig {
             max_context_tokens: 128 * 1024,
             namespace: KeyNamespace::default(),
             rank: 0,
+            tp_ranks: 1,
             l3_sharing: L3Sharing::PerRank,
             record_kv_events: false,
             eviction: EvictionPolicy::Lru,
@@ -253,6 +266,14 @@ pub enum ConfigError {
     AdaptiveAdmissionWithoutAdaptiveEviction,
     #[error("page_size {0} too large (max 65536)")]
     PageTooLarge(usize),
+    /// A rank outside its group: a scheduler of rank 1 or above is one rank of several, and
+    /// must know how many (`tp_ranks`), so that it refuses unagreed loss reports.
+    #[error(
+        "rank {rank} is not below tp_ranks {tp_ranks} (set tp_ranks to the tensor-parallel group's size)"
+    )]
+    RankOutOfRange { rank: u32, tp_ranks: u32 },
+    #[error("l3_sharing Replicated leader {leader} is not below tp_ranks {tp_ranks}")]
+    LeaderOutOfRange { leader: u32, tp_ranks: u32 },
 }
 
 impl SchedulerConfig {
@@ -264,10 +285,25 @@ impl SchedulerConfig {
             ("token_budget", self.token_budget),
             ("chunked_prefill_size", self.chunked_prefill_size),
             ("max_context_tokens", self.max_context_tokens),
+            ("tp_ranks", self.tp_ranks as usize),
         ] {
             if v == 0 {
                 return Err(ConfigError::Zero { field });
             }
+        }
+        if self.rank >= self.tp_ranks {
+            return Err(ConfigError::RankOutOfRange {
+                rank: self.rank,
+                tp_ranks: self.tp_ranks,
+            });
+        }
+        if let L3Sharing::Replicated { leader } = self.l3_sharing
+            && leader >= self.tp_ranks
+        {
+            return Err(ConfigError::LeaderOutOfRange {
+                leader,
+                tp_ranks: self.tp_ranks,
+            });
         }
         if self.page_size > 65536 {
             return Err(ConfigError::PageTooLarge(self.page_size));

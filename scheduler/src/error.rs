@@ -75,4 +75,11 @@ pub enum SchedulerError {
     NotAnOpCompletion(StepId),
     #[error("cache: {0}")]
     Cache(#[from] RadixError),
+    /// A direct loss report (`l3_lost`, `l3_lost_all`, `l3_lost_pages`) on a scheduler that
+    /// is one rank of several (`SchedulerConfig::tp_ranks` > 1): applied on this rank alone
+    /// it would make the ranks' plans diverge. Nothing changed.
+    #[error(
+        "this scheduler is rank {rank} of {tp_ranks} tensor-parallel ranks: a loss applied on one rank alone makes the ranks' plans diverge; record it with RankAgreement::lost (lost_all, lost_pages) and apply it on every rank with RankAgreement::agree_losses"
+    )]
+    LossNeedsAgreement { rank: u32, tp_ranks: u32 },
 }

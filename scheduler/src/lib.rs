@@ -49,7 +49,7 @@ mod submit;
 mod types;
 
 pub use agreed_losses::LOSS_WORDS_TAG;
-pub use agreement::{AgreedOps, AgreementError, RankAgreement, SKIPPED};
+pub use agreement::{AgreedLosses, AgreedOps, AgreementError, RankAgreement, SKIPPED};
 pub use config::{
     ConfigError, HostAdmission, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig,
     TenantQuota, WritePolicy,

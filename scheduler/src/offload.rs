@@ -52,6 +52,15 @@ pub enum OffloadError {
     Cache(#[from] RadixError),
     #[error("{0} is not a completion of the manager's L3 ops (PrefetchDone or BackUpDone)")]
     NotAnL3Completion(&'static str),
+    /// A direct loss report (`l3_lost`, `l3_lost_all`) on a manager that plans for several
+    /// tensor-parallel ranks ([`OffloadManager::set_tp_ranks`]): one rank's store heard of
+    /// it, and the ranks must agree it. Nothing changed.
+    #[error(
+        "this manager plans for {tp_ranks} tensor-parallel ranks: record a rank's L3 losses with RankAgreement::lost_pages (lost_all) and apply them with RankAgreement::agree_losses"
+    )]
+    LossNeedsAgreement { tp_ranks: u32 },
+    #[error("a manager plans for at least one rank (tp_ranks 0)")]
+    ZeroRanks,
 }
 
 /// The two kinds of copy job the engine runs for the manager.
@@ -147,6 +156,8 @@ pub struct OffloadManager {
     /// Frees and unlocks of slots and locks this manager held that the tree refused (a bug
     /// in these books, see `crate::release`); [`OffloadManager::check`] requires 0.
     internal_errors: u64,
+    /// Tensor-parallel ranks whose shards this plan covers ([`OffloadManager::set_tp_ranks`]).
+    pub(crate) tp_ranks: u32,
 }
 
 impl std::fmt::Debug for OffloadManager {
@@ -188,7 +199,26 @@ impl OffloadManager {
             next_job: 1,
             events: Vec::new(),
             internal_errors: 0,
+            tp_ranks: 1,
         })
+    }
+
+    /// The number of tensor-parallel ranks whose shards this manager's plan covers (1, the
+    /// default: a single rank). Above 1 the ranks' L3 outcomes must be agreed: the direct
+    /// loss reports ([`Self::l3_lost`], [`Self::l3_lost_all`]) are refused
+    /// ([`OffloadError::LossNeedsAgreement`]), and an agreement over another number of ranks
+    /// ([`Self::agree_in_process`], `RankAgreement::agree_losses`) too.
+    pub fn set_tp_ranks(&mut self, tp_ranks: u32) -> Result<(), OffloadError> {
+        if tp_ranks == 0 {
+            return Err(OffloadError::ZeroRanks);
+        }
+        self.tp_ranks = tp_ranks;
+        Ok(())
+    }
+
+    /// See [`Self::set_tp_ranks`].
+    pub fn tp_ranks(&self) -> u32 {
+        self.tp_ranks
     }
 
     /// How many leading pages of `chain` are on host (read-only: no recency change).

@@ -21,7 +21,7 @@
 use kvtier_fsm::OpKind;
 use kvtier_radix::PageHash;
 
-use crate::agreement::{AgreedOps, RankAgreement};
+use crate::agreement::{AgreedLosses, AgreedOps, RankAgreement};
 use crate::offload::{JobOutcome, OffloadError, OffloadManager};
 use crate::types::{Event, OpId};
 
@@ -37,15 +37,19 @@ impl AgreedOps for OffloadManager {
         v
     }
 
-    fn forget_l3_pages(&mut self, pages: &[PageHash]) -> usize {
+    fn tp_ranks(&self) -> u32 {
+        self.tp_ranks
+    }
+
+    fn forget_l3_pages(&mut self, pages: &[PageHash], _: AgreedLosses) -> usize {
         let before = self.l3_known();
-        self.l3_lost(pages);
+        self.forget_l3(pages);
         before - self.l3_known()
     }
 
-    fn forget_l3_all(&mut self) -> usize {
+    fn forget_l3_all(&mut self, _: AgreedLosses) -> usize {
         let before = self.l3_known();
-        self.l3_lost_all();
+        self.forget_l3_all_marks();
         before
     }
 }
@@ -76,12 +80,20 @@ impl OffloadManager {
 
     /// Reduces every rank's completions (in-process ranks: the element-wise minimum of their
     /// [`RankAgreement::values`]) and applies the agreed events; their number. Every rank's
-    /// agreement consumes the same ops. For ranks in other processes, reduce with the
-    /// process group instead and [`Self::apply_agreed`] what `RankAgreement::reduce` returns.
+    /// agreement consumes the same ops; there must be one per rank the manager plans for
+    /// ([`Self::set_tp_ranks`], else `AgreementError::RankCount` and nothing changes). For
+    /// ranks in other processes, reduce with the process group instead and
+    /// [`Self::apply_agreed`] what `RankAgreement::reduce` returns.
     pub fn agree_in_process(
         &mut self,
         ranks: &mut [RankAgreement],
     ) -> Result<usize, crate::AgreementError> {
+        if ranks.len() != self.tp_ranks as usize {
+            return Err(crate::AgreementError::RankCount {
+                got: ranks.len(),
+                tp_ranks: self.tp_ranks,
+            });
+        }
         let mut min: Option<Vec<u64>> = None;
         for a in ranks.iter() {
             let v = a.values(self);

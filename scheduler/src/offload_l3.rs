@@ -167,7 +167,23 @@ impl OffloadManager {
     }
 
     /// L3 lost these pages (evicted, removed, a failed read): no longer answered `InL3`.
-    pub fn l3_lost(&mut self, pages: &[PageHash]) {
+    /// Refused on a manager of several ranks ([`OffloadError::LossNeedsAgreement`]: one
+    /// rank's store heard of it; `RankAgreement::lost_pages` and `agree_losses` apply it).
+    pub fn l3_lost(&mut self, pages: &[PageHash]) -> Result<(), OffloadError> {
+        self.single_rank_loss()?;
+        self.forget_l3(pages);
+        Ok(())
+    }
+
+    fn single_rank_loss(&self) -> Result<(), OffloadError> {
+        match self.tp_ranks {
+            1 => Ok(()),
+            tp_ranks => Err(OffloadError::LossNeedsAgreement { tp_ranks }),
+        }
+    }
+
+    /// Forgets `pages` in L3 (an agreed loss, or a prefetch every rank agreed fell short).
+    pub(crate) fn forget_l3(&mut self, pages: &[PageHash]) {
         for p in pages {
             self.l3.in_l3.remove(p);
             // A loss can overtake the completion of the backup writing the page.
@@ -178,8 +194,15 @@ impl OffloadManager {
     }
 
     /// L3 may have lost anything (a loss report overflowed): nothing is answered `InL3`
-    /// until backed up or found again.
-    pub fn l3_lost_all(&mut self) {
+    /// until backed up or found again. Refused on a manager of several ranks, as
+    /// [`Self::l3_lost`].
+    pub fn l3_lost_all(&mut self) -> Result<(), OffloadError> {
+        self.single_rank_loss()?;
+        self.forget_l3_all_marks();
+        Ok(())
+    }
+
+    pub(crate) fn forget_l3_all_marks(&mut self) {
         self.l3.in_l3.clear();
         let l3 = &mut self.l3;
         l3.lost_in_backup.extend(l3.backing_up.iter().copied());
@@ -239,7 +262,7 @@ impl OffloadManager {
         };
         let lost = pages[completed.min(pages.len())..].to_vec();
         self.complete_store_prefix(job, completed)?;
-        self.l3_lost(&lost);
+        self.forget_l3(&lost);
         Ok(())
     }
 

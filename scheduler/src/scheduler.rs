@@ -172,24 +172,44 @@ impl Scheduler {
     /// report, a page dropped from host under write-back on the strength of a stale flag is
     /// gone from every tier.
     ///
-    /// Under tensor parallelism, do not call it on the rank that heard of the loss alone: the
-    /// ranks would diverge. Record the keys with `RankAgreement::lost` instead, which applies
-    /// the union of every rank's losses on every rank.
-    pub fn l3_lost<K: AsRef<str>>(&mut self, keys: &[K]) -> usize {
+    /// A scheduler that is one rank of several (`SchedulerConfig::tp_ranks` > 1) refuses it
+    /// with [`SchedulerError::LossNeedsAgreement`] and changes nothing: applied on the rank
+    /// that heard of the loss alone it would make the ranks diverge. Such a rank records the
+    /// keys with `RankAgreement::lost`, and `RankAgreement::agree_losses` applies the union
+    /// of every rank's losses on every rank.
+    pub fn l3_lost<K: AsRef<str>>(&mut self, keys: &[K]) -> Result<usize, SchedulerError> {
+        self.single_rank_loss()?;
         let lost: std::collections::HashSet<PageHash> = keys
             .iter()
             .filter_map(|k| self.keys.page_of(k.as_ref()))
             .collect();
-        self.forget_l3_pages(lost)
+        Ok(self.forget_l3_set(lost))
     }
 
-    /// [`Self::l3_lost`] by page hash (the same on every rank and namespace-free: what
-    /// `RankAgreement` applies). Returns the number of tree nodes whose L3 flag was cleared.
-    pub fn l3_lost_pages(&mut self, pages: &[PageHash]) -> usize {
-        self.forget_l3_pages(pages.iter().copied().collect())
+    /// [`Self::l3_lost`] by page hash (namespace-free). Returns the number of tree nodes whose
+    /// L3 flag was cleared; refused on one rank of several, as [`Self::l3_lost`].
+    pub fn l3_lost_pages(&mut self, pages: &[PageHash]) -> Result<usize, SchedulerError> {
+        self.single_rank_loss()?;
+        Ok(self.forget_l3_set(pages.iter().copied().collect()))
     }
 
-    fn forget_l3_pages(&mut self, lost: std::collections::HashSet<PageHash>) -> usize {
+    /// Direct loss reports are for a scheduler that is the only rank.
+    fn single_rank_loss(&self) -> Result<(), SchedulerError> {
+        match self.cfg.tp_ranks {
+            1 => Ok(()),
+            tp_ranks => Err(SchedulerError::LossNeedsAgreement {
+                rank: self.cfg.rank,
+                tp_ranks,
+            }),
+        }
+    }
+
+    /// Clears the L3 marks of `pages` (what the agreement applies: every rank's union).
+    pub(crate) fn forget_l3_agreed(&mut self, pages: &[PageHash]) -> usize {
+        self.forget_l3_set(pages.iter().copied().collect())
+    }
+
+    fn forget_l3_set(&mut self, lost: std::collections::HashSet<PageHash>) -> usize {
         // A loss can overtake the completion of the backup that stored the page: remember it,
         // so that the `BackUpDone` does not mark the page as in L3 again.
         self.lost_in_backup.extend(
@@ -204,9 +224,15 @@ impl Scheduler {
 
     /// The store's loss report was incomplete (its journal overflowed): no L3 mark can be
     /// trusted, so every one is cleared, as by [`Self::l3_lost`] for every page. Returns the
-    /// number of tree nodes whose L3 flag was cleared. Under tensor parallelism, use
-    /// `RankAgreement::lost_all` (see [`Self::l3_lost`]).
-    pub fn l3_lost_all(&mut self) -> usize {
+    /// number of tree nodes whose L3 flag was cleared. Refused on one rank of several, as
+    /// [`Self::l3_lost`]: such a rank calls `RankAgreement::lost_all`.
+    pub fn l3_lost_all(&mut self) -> Result<usize, SchedulerError> {
+        self.single_rank_loss()?;
+        Ok(self.forget_l3_all_marks())
+    }
+
+    /// Clears every L3 mark (what the agreement applies when some rank overflowed).
+    pub(crate) fn forget_l3_all_marks(&mut self) -> usize {
         self.lost_in_backup.extend(self.backing_up.iter().copied());
         let n = self.cache.forget_l3_all();
         self.stats.l3_lost_nodes += n as u64;

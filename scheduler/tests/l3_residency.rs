@@ -46,7 +46,7 @@ fn lost_page_is_backed_up_again(report: Report) -> bool {
     e.l3.remove(&ks[3]);
     if report == Report::Reported {
         assert!(
-            s.l3_lost(&[ks[3].clone()]) >= 1,
+            s.l3_lost(&[ks[3].clone()]).unwrap() >= 1,
             "the node holding page 3 was flagged"
         );
     }
@@ -80,12 +80,12 @@ fn losses_of_other_namespaces_ranks_and_garbage_are_ignored() {
     let mut bad = keys(&other_rank, &p);
     bad.extend(keys(&other_ns, &p));
     bad.extend(["", "garbage", "a:b:c"].map(String::from));
-    assert_eq!(s.l3_lost(&bad), 0);
+    assert_eq!(s.l3_lost(&bad), Ok(0));
     assert!(
-        s.l3_lost(&keys(&c, &p)[..1]) >= 1,
+        s.l3_lost(&keys(&c, &p)[..1]).unwrap() >= 1,
         "the node and its descendants"
     );
-    assert_eq!(s.l3_lost(&keys(&c, &p)[..1]), 0, "already cleared");
+    assert_eq!(s.l3_lost(&keys(&c, &p)[..1]), Ok(0), "already cleared");
 }
 
 /// Runs a random workload under write-back with a small host tier; every `lose_every`-th step
@@ -127,7 +127,7 @@ fn run_losing_l3(seeds: &[u32], lose_every: usize, report: Report) -> Option<Str
             {
                 e.l3.remove(&k);
                 if report == Report::Reported {
-                    s.l3_lost(&[k]);
+                    s.l3_lost(&[k]).unwrap();
                 }
             }
         }
@@ -179,7 +179,7 @@ fn a_loss_reported_before_its_backup_completes_is_not_undone() {
             e.complete_op(&mut s, i);
         }
         if let Some(i) = e.held.iter().position(|o| o.kind == OpKind::BackUp) {
-            s.l3_lost(&[ks[0].clone()]); // the report overtakes the completion
+            s.l3_lost(&[ks[0].clone()]).unwrap(); // the report overtakes the completion
             e.complete_op(&mut s, i); // stores the pages, reports BackUpDone
             e.l3.remove(&ks[0]); // ... and the store had evicted page 0
             done = true;

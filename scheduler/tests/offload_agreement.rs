@@ -6,8 +6,8 @@
 
 use kvtier_radix::{EvictionPolicy, PageHash};
 use kvtier_scheduler::{
-    AgreedOps, Event, JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager, OpId, OpKind,
-    RankAgreement,
+    AgreedOps, AgreementError, Event, JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager,
+    OpId, OpKind, RankAgreement,
 };
 use proptest::prelude::*;
 
@@ -28,6 +28,7 @@ fn chain(p: u8, n: usize) -> Vec<PageHash> {
 fn in_l3_only(ranks: &mut [RankAgreement], a: &[PageHash]) -> OffloadManager {
     let mut m = OffloadManager::new(a.len() as u32, EvictionPolicy::Lru).unwrap();
     m.set_l3_backups(L3Backups::WriteThrough);
+    m.set_tp_ranks(ranks.len() as u32).unwrap();
     let s = m.prepare_store(a, a.len()).unwrap().unwrap();
     m.complete_store(s.job, JobOutcome::Done).unwrap();
     for b in m.plan_backups() {
@@ -141,6 +142,7 @@ fn a_backup_one_rank_failed_does_not_count_as_in_l3() {
     let a = chain(3, 2);
     let mut m = OffloadManager::new(2, EvictionPolicy::Lru).unwrap();
     m.set_l3_backups(L3Backups::WriteThrough);
+    m.set_tp_ranks(2).unwrap();
     let mut ranks = vec![RankAgreement::new(), RankAgreement::new()];
     let s = m.prepare_store(&a, 2).unwrap().unwrap();
     m.complete_store(s.job, JobOutcome::Done).unwrap();
@@ -253,6 +255,7 @@ proptest! {
         let mut ranks: Vec<RankAgreement> = (0..n_ranks).map(|_| RankAgreement::new()).collect();
         let mut m = OffloadManager::new(32, EvictionPolicy::Lru).unwrap();
         m.set_l3_backups(L3Backups::WriteThrough);
+        m.set_tp_ranks(n_ranks as u32).unwrap();
         let mut jobs = Vec::new();
         for c in &chains {
             m.l3_found(c);
@@ -281,4 +284,58 @@ proptest! {
             }
         }
     }
+}
+
+/// Issue 33 (5a): a manager planning for several ranks refuses a direct loss report (one
+/// rank's store heard of it) with a typed error naming the agreement, and nothing changes;
+/// an agreement of another number of ranks than it plans for is refused too. A single-rank
+/// manager keeps the direct calls.
+#[test]
+fn a_manager_of_several_ranks_refuses_direct_losses_and_gathers_of_another_size() {
+    let a = chain(9, 2);
+    let mut ranks = vec![RankAgreement::new(), RankAgreement::new()];
+    let mut m = in_l3_only(&mut ranks, &a);
+    let known = m.l3_known();
+    let refusal = Err(OffloadError::LossNeedsAgreement { tp_ranks: 2 });
+    assert_eq!(m.l3_lost(&a[1..]), refusal);
+    assert_eq!(m.l3_lost_all(), refusal);
+    let msg = OffloadError::LossNeedsAgreement { tp_ranks: 2 }.to_string();
+    assert!(
+        msg.contains("lost_pages") && msg.contains("agree_losses"),
+        "{msg}"
+    );
+    assert_eq!((m.l3_known(), m.lookup(&a, 1)), (known, Lookup::InL3));
+    m.check().unwrap();
+    assert_eq!(
+        m.agree_in_process(&mut ranks[..1]),
+        Err(AgreementError::RankCount {
+            got: 1,
+            tp_ranks: 2
+        })
+    );
+    assert_eq!(ranks[1].lost_pages(&a[1..]), 1);
+    let one = vec![ranks[1].loss_words()];
+    assert_eq!(
+        ranks[1].agree_losses(&mut m, |_| one.clone()),
+        Err(AgreementError::RankCount {
+            got: 1,
+            tp_ranks: 2
+        })
+    );
+    assert_eq!(m.lookup(&a, 1), Lookup::InL3, "nothing applied");
+    let words: Vec<Vec<u64>> = ranks.iter().map(|r| r.loss_words()).collect();
+    for r in ranks.iter_mut() {
+        r.agree_losses(&mut m, |_| words.clone()).unwrap();
+    }
+    assert_eq!(m.lookup(&a, 1), Lookup::Miss, "agreed: forgotten");
+    m.check().unwrap();
+
+    let mut single = vec![RankAgreement::new()];
+    let mut m = in_l3_only(&mut single, &a);
+    assert_eq!(m.l3_lost(&a[1..]), Ok(()));
+    assert_eq!(m.lookup(&a, 1), Lookup::Miss);
+    assert_eq!(m.l3_lost_all(), Ok(()));
+    assert_eq!(m.lookup(&a, 0), Lookup::Miss);
+    assert_eq!(m.set_tp_ranks(0), Err(OffloadError::ZeroRanks));
+    m.check().unwrap();
 }

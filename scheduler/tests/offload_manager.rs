@@ -201,7 +201,7 @@ fn write_through_backs_up_stored_pages_and_evicted_ones_are_prefetched_from_l3()
         m.plan_backups().is_empty(),
         "b left host before its backup was planned, a is in L3 already"
     );
-    m.l3_lost(&a[1..]);
+    m.l3_lost(&a[1..]).unwrap();
     let c = chain(3, 3, 0);
     let sc = m.prepare_store(&c, 3).unwrap().unwrap();
     assert_eq!(sc.evicted, a);

@@ -17,6 +17,7 @@ fn cfg_for(rank: u32) -> SchedulerConfig {
         host_pages: 48,
         max_context_tokens: 96,
         rank,
+        tp_ranks: 2,
         ..cfg()
     }
 }
@@ -73,7 +74,14 @@ impl Rank {
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Mode {
     Agreed,
+    /// Completions fed unreduced; a loss applied on the rank that heard of it alone (the
+    /// collective skipped by the other rank).
     Unreduced,
+    /// Completions agreed; the rank that heard of a loss calls `Scheduler::l3_lost` /
+    /// `l3_lost_all` directly, as a single-rank engine does: refused, nothing changes.
+    Direct,
+    /// Completions agreed; losses never reported (what `Direct` must be equal to).
+    Silent,
 }
 
 /// What one rank's store lost at a step, while the other rank's store kept everything.
@@ -123,6 +131,51 @@ fn lose(r: &mut Rank, loss: &Loss) -> Option<Vec<String>> {
         r.e.l3.remove(k);
     }
     (!overflowed).then_some(gone)
+}
+
+/// The rank that heard of a loss applies it alone: its own words and an empty report for the
+/// other rank, while the other rank skips the collective (what a direct `l3_lost` did before
+/// a tensor-parallel rank refused it).
+fn one_sided(r: &mut Rank, reported: Option<&[String]>) {
+    let mut a = RankAgreement::new();
+    match reported {
+        Some(keys) => {
+            a.lost(&r.s, keys);
+        }
+        None => a.lost_all(),
+    }
+    let words = [a.loss_words(), RankAgreement::new().loss_words()];
+    a.apply_losses(&mut r.s, &words).unwrap();
+}
+
+/// A single-rank engine's loss report on a tensor-parallel rank (`keys`, or an overflow when
+/// `None`): every direct call (`l3_lost` or `l3_lost_all`, and `l3_lost_pages`) is refused
+/// with the typed error naming the agreement, and changes nothing (not even the statistics).
+fn assert_direct_losses_refused(s: &mut Scheduler, keys: Option<&[String]>) {
+    let before = s.stats();
+    let refusal = Err(SchedulerError::LossNeedsAgreement {
+        rank: s.config().rank,
+        tp_ranks: s.config().tp_ranks,
+    });
+    let kb = s.config().namespace.keys_for_rank(s.config().rank);
+    let pages: Vec<kvtier_radix::PageHash> = keys
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|k| kb.page_of(k))
+        .collect();
+    match keys {
+        Some(keys) => assert_eq!(s.l3_lost(keys), refusal),
+        None => assert_eq!(s.l3_lost_all(), refusal),
+    }
+    assert_eq!(s.l3_lost_pages(&pages), refusal);
+    if let Err(e) = refusal {
+        let msg = e.to_string();
+        assert!(
+            msg.contains("RankAgreement::lost") && msg.contains("agree_losses"),
+            "{msg}"
+        );
+    }
+    assert_eq!(s.stats(), before, "a refused call changed something");
 }
 
 /// Runs the workload on two ranks; returns, per step, the two plans' digests and whether the
@@ -182,12 +235,11 @@ fn run(w: &Workload, mode: Mode) -> Vec<(u64, u64, bool)> {
                     r.agree.lost(&r.s, &keys);
                 }
                 (Mode::Agreed, None) => r.agree.lost_all(),
-                (Mode::Unreduced, Some(keys)) => {
-                    r.s.l3_lost(&keys);
+                (Mode::Unreduced, reported) => one_sided(r, reported.as_deref()),
+                (Mode::Direct, reported) => {
+                    assert_direct_losses_refused(&mut r.s, reported.as_deref())
                 }
-                (Mode::Unreduced, None) => {
-                    r.s.l3_lost_all();
-                }
+                (Mode::Silent, _) => {}
             }
         }
         let plans: Vec<ExecutionPlan> = ranks
@@ -213,15 +265,15 @@ fn run(w: &Workload, mode: Mode) -> Vec<(u64, u64, bool)> {
                     let op = r.e.held.remove(i);
                     let ev = r.e.execute_op(&op);
                     match mode {
-                        Mode::Agreed => r.agree.push(ev).unwrap(),
                         Mode::Unreduced => r.s.on_event(ev).unwrap(),
+                        _ => r.agree.push(ev).unwrap(),
                     }
                 } else {
                     i += 1;
                 }
             }
         }
-        if mode == Mode::Agreed {
+        if mode != Mode::Unreduced {
             let v0 = ranks[0].agree.values(&ranks[0].s);
             let v1 = ranks[1].agree.values(&ranks[1].s);
             assert_eq!(v0.len(), v1.len(), "ops in flight differ between ranks");
@@ -250,7 +302,7 @@ fn run(w: &Workload, mode: Mode) -> Vec<(u64, u64, bool)> {
             }
         }
     }
-    if mode == Mode::Agreed {
+    if mode != Mode::Unreduced {
         for r in &ranks {
             assert!(r.s.is_idle(), "rank not idle: {:?}", r.s.stats());
             assert_quiescent(&r.s);
@@ -293,6 +345,18 @@ proptest! {
         for (i, (d0, d1, same)) in steps.into_iter().enumerate() {
             prop_assert!(same, "step {}: plans differ", i);
             prop_assert_eq!(d0, d1, "step {}: digests differ on equal plans", i);
+        }
+    }
+
+    /// A tensor-parallel rank's direct loss report (`l3_lost`, `l3_lost_all`, `l3_lost_pages`)
+    /// is refused with `LossNeedsAgreement` and changes nothing: step for step, the run is the
+    /// one in which the losses were never reported, and the ranks still plan identically.
+    #[test]
+    fn a_tp_ranks_direct_loss_report_is_refused_and_changes_nothing(w in workload()) {
+        let direct = run(&w, Mode::Direct);
+        prop_assert_eq!(&direct, &run(&w, Mode::Silent));
+        for (i, (d0, d1, same)) in direct.into_iter().enumerate() {
+            prop_assert!(same && d0 == d1, "step {}: plans differ", i);
         }
     }
 
@@ -478,11 +542,14 @@ fn bad_loss_words_are_refused_and_change_nothing() {
     let mine = a.loss_words();
     let mut padded = mine.clone();
     padded.extend([0, 0]);
+    let none = vec![LOSS_WORDS_TAG, 0, 0];
     let bad: Vec<(Vec<Vec<u64>>, &str)> = vec![
-        (vec![vec![1, 2, 3]], "not loss words"),
+        (vec![mine.clone(), vec![1, 2, 3]], "not loss words"),
         (vec![mine.clone(), vec![LOSS_WORDS_TAG, 0, 2]], "short"),
         (vec![mine.clone(), vec![LOSS_WORDS_TAG, 3, 0]], "flag"),
-        (vec![vec![LOSS_WORDS_TAG, 0, 0]], "own losses left out"),
+        (vec![none.clone(), none.clone()], "own losses left out"),
+        (vec![mine.clone()], "one rank's words of two"),
+        (vec![mine.clone(), none.clone(), none], "three ranks' words"),
     ];
     for (g, why) in bad {
         assert!(a.apply_losses(&mut s, &g).is_err(), "{why}");
@@ -496,4 +563,122 @@ fn bad_loss_words_are_refused_and_change_nothing() {
     assert_eq!(b.lost(&s1, &[k1]), 1);
     assert!(a.apply_losses(&mut s, &[b.loss_words(), padded]).unwrap() >= 1);
     assert_eq!(a.pending_losses(), (0, false));
+}
+
+/// A scheduler that ran `prompt(1, 41)` to idle: its pages are marked in L3.
+fn served(c: &SchedulerConfig) -> Scheduler {
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let mut e = Engine::new(c);
+    e.submit(&mut s, 1, prompt(1, 41), 2);
+    e.run_to_idle(&mut s, 400);
+    s
+}
+
+/// Issue 33 (5a): a scheduler that is one rank of several refuses a direct loss report with
+/// a typed error naming the agreement, and nothing changes; the same loss through the
+/// agreement is applied. A single-rank scheduler keeps the direct calls.
+#[test]
+fn a_tp_rank_refuses_direct_losses_and_a_single_rank_keeps_them() {
+    let hashes = kvtier_radix::page_hashes(&prompt(1, 41), 4, None);
+    for rank in [0, 1] {
+        let c = cfg_for(rank);
+        let mut s = served(&c);
+        let keys = s.l3_keys(&hashes[..3]);
+        let before = s.stats();
+        assert_direct_losses_refused(&mut s, Some(&keys));
+        assert_direct_losses_refused(&mut s, None);
+        s.check().unwrap();
+        // Through the agreement (the other rank reported nothing): applied.
+        let mut a = RankAgreement::new();
+        assert_eq!(a.lost(&s, &keys), 3);
+        let words = [a.loss_words(), RankAgreement::new().loss_words()];
+        assert!(a.apply_losses(&mut s, &words).unwrap() >= 1);
+        assert!(s.stats().l3_lost_nodes > before.l3_lost_nodes);
+    }
+    let single = SchedulerConfig {
+        tp_ranks: 1,
+        ..cfg_for(0)
+    };
+    let mut s = served(&single);
+    let keys = s.l3_keys(&hashes[..3]);
+    assert!(s.l3_lost(&keys).unwrap() >= 1);
+    assert_eq!(s.l3_lost_pages(&hashes[..3]), Ok(0), "already cleared");
+    assert!(s.l3_lost_all().is_ok());
+}
+
+/// The agreement checks that the scheduler knows its group: gathered words of another number
+/// of ranks than `tp_ranks` are refused (a rank-0 engine that left `tp_ranks` at 1 is caught at
+/// its first agreement), and nothing changes.
+#[test]
+fn losses_gathered_from_another_number_of_ranks_than_tp_ranks_are_refused() {
+    let hashes = kvtier_radix::page_hashes(&prompt(1, 41), 4, None);
+    for (tp_ranks, gathered) in [(1u32, 2usize), (2, 1), (2, 3)] {
+        let c = SchedulerConfig {
+            tp_ranks,
+            ..cfg_for(0)
+        };
+        let mut s = served(&c);
+        let mut a = RankAgreement::new();
+        assert_eq!(a.lost(&s, &s.l3_keys(&hashes[..2])), 2);
+        let mut words = vec![RankAgreement::new().loss_words(); gathered];
+        words[0] = a.loss_words();
+        let err = a.agree_losses(&mut s, |_| words.clone()).unwrap_err();
+        assert_eq!(
+            err,
+            AgreementError::RankCount {
+                got: gathered,
+                tp_ranks
+            }
+        );
+        assert!(err.to_string().contains("tp_ranks"), "{err}");
+        assert_eq!(a.pending_losses(), (2, false));
+        assert_eq!(s.stats().l3_lost_nodes, 0, "nothing applied");
+    }
+}
+
+#[test]
+fn a_rank_outside_its_group_is_a_config_error() {
+    let bad = [
+        (
+            SchedulerConfig {
+                tp_ranks: 0,
+                ..cfg_for(0)
+            },
+            ConfigError::Zero { field: "tp_ranks" },
+        ),
+        (
+            SchedulerConfig {
+                rank: 2,
+                ..cfg_for(0)
+            },
+            ConfigError::RankOutOfRange {
+                rank: 2,
+                tp_ranks: 2,
+            },
+        ),
+        (
+            SchedulerConfig {
+                rank: 1,
+                tp_ranks: 1,
+                ..cfg_for(0)
+            },
+            ConfigError::RankOutOfRange {
+                rank: 1,
+                tp_ranks: 1,
+            },
+        ),
+        (
+            SchedulerConfig {
+                l3_sharing: L3Sharing::Replicated { leader: 2 },
+                ..cfg_for(0)
+            },
+            ConfigError::LeaderOutOfRange {
+                leader: 2,
+                tp_ranks: 2,
+            },
+        ),
+    ];
+    for (c, want) in bad {
+        assert_eq!(Scheduler::new(c).err(), Some(want));
+    }
 }

@@ -24,6 +24,14 @@ fn cfg(rank: u32) -> SchedulerConfig {
     }
 }
 
+/// Rank `rank` of a tensor-parallel pair.
+fn tp_cfg(rank: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        tp_ranks: 2,
+        ..cfg(rank)
+    }
+}
+
 fn store() -> Arc<dyn L3Store> {
     Arc::new(
         EmbeddedStore::new(StoreConfig {
@@ -88,7 +96,7 @@ fn a_removal_the_store_reports_is_backed_up_again() {
     let keys = a.s.l3_keys(&kvtier_radix::page_hashes(&p, 4, None));
     l3.remove(&a.tenant, &keys[2], true).unwrap();
     assert!(!l3.is_exist(&a.tenant, &keys[2]).unwrap());
-    assert!(a.s.l3_lost(&keys[2..3]) >= 1);
+    assert!(a.s.l3_lost(&keys[2..3]).unwrap() >= 1);
     a.submit(req(2, p)).unwrap();
     a.run_to_idle().unwrap();
     assert!(l3.is_exist(&a.tenant, &keys[2]).unwrap(), "backed up again");
@@ -100,7 +108,7 @@ fn two_ranks_agree_over_a_store_that_lost_one_ranks_shards() {
     let l3 = store();
     let p = prompt(3, 41);
     let mut seed: Vec<StoreEngine> = (0..2)
-        .map(|r| StoreEngine::new(cfg(r), l3.clone(), "e2e"))
+        .map(|r| StoreEngine::new(tp_cfg(r), l3.clone(), "e2e"))
         .collect();
     for e in &mut seed {
         e.submit(req(1, p.clone())).unwrap();
@@ -110,7 +118,7 @@ fn two_ranks_agree_over_a_store_that_lost_one_ranks_shards() {
     l3.remove(&seed[1].tenant, &k1[4], true).unwrap();
 
     let mut ranks: Vec<StoreEngine> = (0..2)
-        .map(|r| StoreEngine::new(cfg(r), l3.clone(), "e2e"))
+        .map(|r| StoreEngine::new(tp_cfg(r), l3.clone(), "e2e"))
         .collect();
     let mut agree = [RankAgreement::new(), RankAgreement::new()];
     for e in &mut ranks {

@@ -53,6 +53,7 @@ from ._native import (  # noqa: F401  (re-exports)
     L3Store,
     LeaseExpiredError,
     LoadBackDone,
+    LossNeedsAgreementError,
     NoAvailableHandleError,
     NotInStepError,
     ObjectAlreadyExistsError,
@@ -115,7 +116,11 @@ class SchedulerConfig:
     see docs/scheduler.md). ``eviction`` is ``"lru"`` (default), ``"freq-depth"`` or
     ``"freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE"`` (see docs/sim.md). ``host_admission`` is ``"on-finish"`` (default: pages computed on
     device get a host copy when their request finishes) or ``"on-device-eviction:AHEAD_PAGES"``
-    (demotion: device pages are written to host just before device evicts them). ``validate()`` raises ``ConfigError`` naming the field.
+    (demotion: device pages are written to host just before device evicts them). ``tp_ranks``
+    is the tensor-parallel group's size (1: a single rank; ``rank`` must be below it): above 1
+    the scheduler is one rank of several and refuses the direct ``l3_lost`` / ``l3_lost_all``
+    (``LossNeedsAgreementError``): losses go through ``RankAgreement.lost`` and
+    ``agree_losses``. ``validate()`` raises ``ConfigError`` naming the field.
     """
 
     page_size: int = _default("page_size")
@@ -145,6 +150,7 @@ class SchedulerConfig:
     tenant_quota_host_pages: Optional[int] = _default("tenant_quota_host_pages")
     eviction: str = _default("eviction")
     host_admission: str = _default("host_admission")
+    tp_ranks: int = _default("tp_ranks")
 
     def validate(self) -> None:
         """Raises ``ConfigError`` (or ``TypeError``) if the configuration is invalid."""

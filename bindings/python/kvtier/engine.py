@@ -40,6 +40,7 @@ import numpy as np
 
 from . import (
     BackUpDone,
+    ConfigError,
     ExecutionPlan,
     L3QueryDone,
     L3Store,
@@ -64,6 +65,7 @@ __all__ = [
     "MooncakeL3Backend",
     "key_hash",
     "page_content",
+    "refuse_tensor_parallel",
 ]
 
 OBJECT_ALREADY_EXISTS = ERROR_CODES["OBJECT_ALREADY_EXISTS"]  # -705, from l3's one table
@@ -232,6 +234,17 @@ class MooncakeL3Backend(L3Backend):
 # ---- the executor -------------------------------------------------------------------------
 
 
+def refuse_tensor_parallel(cfg: Dict[str, Any], engine: str) -> None:
+    """A single-rank engine (it feeds completions and the store's losses straight to its
+    scheduler) refuses a scheduler that is one rank of several: its first loss report would
+    be refused (``LossNeedsAgreementError``), and its unreduced completions would diverge the
+    ranks' plans anyway. Raises ``ConfigError`` naming ``tp_ranks``."""
+    if cfg.get("tp_ranks", 1) != 1:
+        raise ConfigError(f"{engine} runs a single rank and reports L3 losses directly; this scheduler is rank"
+                          f" {cfg['rank']} of tp_ranks={cfg['tp_ranks']}: an engine of a tensor-parallel group agrees"
+                          " completions and losses across ranks (kvtier.RankAgreement: reduce, lost, agree_losses)")
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -279,6 +292,7 @@ class Engine:
         if page_bytes < 32:
             raise ValueError("page_bytes must be at least 32 (a page hash)")
         cfg = scheduler.config()
+        refuse_tensor_parallel(cfg, "kvtier.engine.Engine")
         self.s = scheduler
         self.page_size: int = cfg["page_size"]
         self.page_bytes = page_bytes

@@ -142,11 +142,19 @@ impl Simulation {
         };
         self.loss_cursor = Some(lost.next);
         let keys: Vec<&str> = lost.keys.iter().map(String::as_str).collect();
-        for i in &mut self.insts {
-            if lost.overflowed {
-                i.sched.l3_lost_all();
+        for (n, i) in self.insts.iter_mut().enumerate() {
+            // Each simulated instance is a single-rank engine (`tp_ranks` 1): its scheduler
+            // takes the report directly; a refusal is a misconfigured run, counted as such.
+            let reported = if lost.overflowed {
+                i.sched.l3_lost_all()
             } else if !keys.is_empty() {
-                i.sched.l3_lost(&keys);
+                i.sched.l3_lost(&keys)
+            } else {
+                Ok(0)
+            };
+            if let Err(e) = reported {
+                self.col
+                    .oracle_failure(format!("instance {n}: loss report refused: {e}"));
             }
         }
     }

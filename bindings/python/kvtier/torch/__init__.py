@@ -30,7 +30,7 @@ from .errors import (
 from .executor import Executor, ExecutorStats, LoadWait, Ordering
 from .lanes import Lane, Signal
 from .movers import MOVERS, Direction, Mover, TorchMover, make_mover
-from .namespace import torch_namespace
+from .namespace import torch_namespace, weights_fingerprint
 from .pools import Attention, DevicePool, HostOrder, HostPool, KVLayout, Pinning
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "UnsupportedModelError",
     "make_mover",
     "torch_namespace",
+    "weights_fingerprint",
 ]
 
 

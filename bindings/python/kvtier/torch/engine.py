@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .. import ExecutionPlan, Scheduler, SchedulerConfig
-from ..engine import L3Backend
+from ..engine import L3Backend, refuse_tensor_parallel
 from .errors import NamespaceError, PoolLayoutError
 from .executor import Executor, LoadWait, Ordering
 from .movers import Mover
@@ -70,6 +70,7 @@ class TorchEngine:
         if isinstance(scheduler, SchedulerConfig):
             scheduler = Scheduler(self._complete(scheduler, model, dtype, model_id))
         cfg = scheduler.config()
+        refuse_tensor_parallel(cfg, "kvtier.torch.TorchEngine")
         if not cfg["host_enabled"]:
             raise PoolLayoutError("kvtier.torch needs the host tier (host_enabled=True): L3 I/O runs from host pages")
         if backend is not None and cfg["l3_enabled"] and not cfg["namespace"].get("model"):

@@ -67,6 +67,9 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
                  tenant_quotas: Optional[Dict[str, int]] = None):
         self.policy = policy
         self._backups = "off" if not l3 else "write-through"
+        # One agreement per rank's tier (manager_l3.py): the manager plans for that many ranks,
+        # so a direct loss report is refused and every agreement must count them all.
+        self._tp_ranks = len(l3) if l3 else 1
         self.tenant_quotas = dict(tenant_quotas or {})
         self.native = self._new_native(num_chunks)
         self.counters = ManagerCounters()  # vLLM's stats hooks (manager_metrics.py)
@@ -81,7 +84,7 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         self._loads: Dict[frozenset, List[List[int]]] = {}
 
     def _new_native(self, num_chunks: int) -> OffloadManager:
-        native = OffloadManager(num_chunks, self.policy, self._backups)
+        native = OffloadManager(num_chunks, self.policy, self._backups, tp_ranks=self._tp_ranks)
         for name, cap in self.tenant_quotas.items():
             native.set_tenant_cap(name, cap)
         return native
