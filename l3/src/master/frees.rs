@@ -25,24 +25,18 @@
 //!   until its next mount (which reports its memory to this master, which refuses it all).
 //!   This closes the gap of a node declared dead while only partitioned.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 
-use super::settle::Deliver;
+use super::sequenced::{Deliver, Sequenced};
 use super::*;
 
 /// One node's unacknowledged frees.
 #[derive(Debug, Default)]
 pub(super) struct FreeLog {
-    /// Sequence number → allocation.
-    pending: BTreeMap<u64, u64>,
-    /// The allocations in `pending`.
+    /// The allocations freed, by sequence number.
+    log: Sequenced<u64>,
+    /// The allocations in `log`.
     allocs: HashSet<u64>,
-    /// Last sequence number issued.
-    issued: u64,
-    /// Every free up to this one is acknowledged.
-    acked: u64,
-    /// Handed out up to this one.
-    sent: u64,
     /// This master dropped the node's memory without telling it (declared dead, left): it
     /// may hold any of its old allocations until it mounts again.
     orphaned: bool,
@@ -53,8 +47,7 @@ impl FreeLog {
     pub(super) fn push(&mut self, allocs: impl IntoIterator<Item = u64>) {
         for a in allocs {
             if self.allocs.insert(a) {
-                self.issued += 1;
-                self.pending.insert(self.issued, a);
+                self.log.push(a);
             }
         }
     }
@@ -62,36 +55,20 @@ impl FreeLog {
     /// The node dropped the bytes of every free up to `applied`. A number past what was
     /// issued (a node counting from another master) is ignored.
     pub(super) fn ack(&mut self, applied: u64) {
-        if applied > self.issued || applied <= self.acked {
-            return;
-        }
-        let rest = self.pending.split_off(&(applied + 1));
-        for a in std::mem::replace(&mut self.pending, rest).into_values() {
+        for a in self.log.ack(applied).unwrap_or_default() {
             self.allocs.remove(&a);
         }
-        self.acked = applied;
-        self.sent = self.sent.max(applied);
     }
 
     /// Frees to hand out: those not handed out yet (put-end replies) or every
     /// unacknowledged one (pings: covers replies lost on the way).
     pub(super) fn take(&mut self, d: Deliver) -> Vec<(u64, u64)> {
-        let from = match d {
-            Deliver::New => self.sent,
-            Deliver::Unacked => self.acked,
-        };
-        let v = self
-            .pending
-            .range(from + 1..)
-            .map(|(n, a)| (*n, *a))
-            .collect();
-        self.sent = self.issued;
-        v
+        self.log.take(d)
     }
 
     /// Every free up to this one is acknowledged (the node counts on from here).
     pub(super) fn acked(&self) -> u64 {
-        self.acked
+        self.log.acked()
     }
 
     /// Whether the node may still hold the bytes of `alloc`, freed here.
@@ -101,7 +78,7 @@ impl FreeLog {
 
     /// Unacknowledged frees.
     pub(super) fn len(&self) -> usize {
-        self.pending.len()
+        self.log.len()
     }
 
     /// The node's memory was dropped here without telling it (declared dead, left).
@@ -118,10 +95,8 @@ impl FreeLog {
     }
 
     fn clear(&mut self) {
-        self.pending.clear();
+        self.log.acknowledge_all();
         self.allocs.clear();
-        self.acked = self.issued;
-        self.sent = self.issued;
     }
 }
 

@@ -474,6 +474,7 @@ mod objects;
 mod placement;
 mod rebuild;
 mod replicas;
+mod sequenced;
 mod settle;
 
 pub use adopt::{Refusal, RetainedObject};

@@ -20,8 +20,10 @@
 //! The embedded store (and `--role both`) tombstones and cancels under its own lock
 //! ([`LOCAL_NODE`]); nothing is queued for it, nor for clients that are not store nodes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
+pub(super) use super::sequenced::Deliver;
+use super::sequenced::Sequenced;
 use super::*;
 
 /// An order a store node applies durably and then acknowledges (by sequence number).
@@ -122,25 +124,10 @@ impl SettleLogEntry {
 /// Put tokens reserved per durable `TokensBelow` entry.
 const TOKEN_BLOCK: u64 = 1 << 20;
 
-/// Which unacknowledged settles a reply carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Deliver {
-    /// Those not handed out yet (put-end replies).
-    New,
-    /// Every unacknowledged one (ping replies: covers replies lost on the way).
-    Unacked,
-}
-
 /// One node's settles, by sequence number (1, 2, …; never reused for the node).
 #[derive(Debug, Default)]
 pub(super) struct Settlement {
-    pending: BTreeMap<u64, Settle>,
-    /// Last sequence number issued.
-    issued: u64,
-    /// Every settle up to this one is acknowledged.
-    acked: u64,
-    /// Handed out up to this one (since the node's last mount).
-    sent: u64,
+    log: Sequenced<Settle>,
     /// Unacknowledged tombstones and cancels, counted per location and per key, so a
     /// rescan of many records checks each in O(1).
     locs: HashMap<DiskLoc, u32>,
@@ -173,55 +160,39 @@ impl Settlement {
     }
 
     fn push(&mut self, s: Settle) {
-        self.issued += 1;
         self.index(&s, true);
-        self.pending.insert(self.issued, s);
+        self.log.push(s);
     }
 
     /// The node applied every settle up to `applied`. A number past what was issued (a
     /// node still counting from before a master restart) is ignored.
     fn ack(&mut self, applied: u64) {
-        if applied > self.issued || applied <= self.acked {
+        let done = self.log.ack(applied);
+        self.acked_done(done);
+    }
+
+    fn acked_done(&mut self, done: Option<Vec<Settle>>) {
+        let Some(done) = done else {
             return;
-        }
-        let rest = self.pending.split_off(&(applied + 1));
-        let done = std::mem::replace(&mut self.pending, rest);
-        for s in done.values() {
+        };
+        for s in &done {
             self.index(s, false);
         }
-        self.acked = applied;
-        self.sent = self.sent.max(applied);
         let keys = &self.keys;
         self.written.retain(|_, (k, _)| keys.contains_key(k));
     }
 
-    fn take(&mut self, d: Deliver) -> Vec<(u64, Settle)> {
-        let from = match d {
-            Deliver::New => self.sent,
-            Deliver::Unacked => self.acked,
-        };
-        let v = self
-            .pending
-            .range(from + 1..)
-            .map(|(n, s)| (*n, s.clone()))
-            .collect();
-        self.sent = self.issued;
-        v
-    }
-
     /// Replays a logged issue (one already acknowledged is skipped).
     fn restore_issued(&mut self, seq: u64, s: Settle) {
-        self.issued = self.issued.max(seq);
-        if seq > self.acked && !self.pending.contains_key(&seq) {
+        if self.log.restore(seq, s.clone()) {
             self.index(&s, true);
-            self.pending.insert(seq, s);
         }
     }
 
     /// Replays a logged acknowledgement.
     fn restore_acked(&mut self, applied: u64) {
-        self.issued = self.issued.max(applied);
-        self.ack(applied);
+        let done = self.log.restore_acked(applied);
+        self.acked_done(done);
     }
 
     /// A rescanned record is refused when it is tombstoned, or when its key has an
@@ -244,7 +215,7 @@ impl Settlement {
             return true;
         };
         *wk != k
-            || self.pending.values().any(|s| {
+            || self.log.values().any(|s| {
                 matches!(s, Settle::Cancel { tenant, key: ck, token: c }
                     if tenant == t && ck == key && c >= token)
             })
@@ -300,7 +271,7 @@ impl Master {
             if let Some(log) = &mut self.settle_log {
                 log.push(SettleLogEntry::Issued {
                     node,
-                    seq: st.settle.issued + 1,
+                    seq: st.settle.log.next_seq(),
                     settle: s.clone(),
                 });
             }
@@ -363,7 +334,7 @@ impl Master {
         let k = (t.clone(), key.to_string());
         self.nodes.values().any(|n| {
             n.settle.keys.contains_key(&k)
-                && n.settle.pending.values().any(|s| {
+                && n.settle.log.values().any(|s| {
                     matches!(s, Settle::Cancel { tenant, key: kk, token: c }
                         if tenant == t && kk == key && *c >= token)
                 })
@@ -374,7 +345,7 @@ impl Master {
     /// on from there).
     pub(super) fn take_settles(&mut self, node: ClientId, d: Deliver) -> (Vec<(u64, Settle)>, u64) {
         match self.nodes.get_mut(&node) {
-            Some(st) => (st.settle.take(d), st.settle.acked),
+            Some(st) => (st.settle.log.take(d), st.settle.log.acked()),
             None => (Vec::new(), 0),
         }
     }
@@ -382,14 +353,14 @@ impl Master {
     /// The node applied (durably) every settle up to `applied`: they are dropped.
     pub fn node_ack(&mut self, node: ClientId, applied: u64) {
         if let Some(st) = self.nodes.get_mut(&node) {
-            let before = st.settle.acked;
+            let before = st.settle.log.acked();
             st.settle.ack(applied);
-            if st.settle.acked != before
+            if st.settle.log.acked() != before
                 && let Some(log) = &mut self.settle_log
             {
                 log.push(SettleLogEntry::Acked {
                     node,
-                    applied: st.settle.acked,
+                    applied: st.settle.log.acked(),
                 });
             }
         }
@@ -492,14 +463,14 @@ impl Master {
         out.extend(self.losses.snapshot());
         for node in ids {
             let st = &self.nodes[node].settle;
-            if st.issued == 0 {
+            if st.log.issued() == 0 {
                 continue;
             }
             out.push(SettleLogEntry::Acked {
                 node: *node,
-                applied: st.acked,
+                applied: st.log.acked(),
             });
-            out.extend(st.pending.iter().map(|(seq, s)| SettleLogEntry::Issued {
+            out.extend(st.log.iter().map(|(seq, s)| SettleLogEntry::Issued {
                 node: *node,
                 seq: *seq,
                 settle: s.clone(),
@@ -522,7 +493,7 @@ impl Master {
     /// After a (re)mount every unacknowledged settle is handed out again.
     pub(super) fn redeliver_settles(&mut self, node: ClientId) {
         if let Some(st) = self.nodes.get_mut(&node) {
-            st.settle.sent = st.settle.acked;
+            st.settle.log.redeliver();
         }
     }
 
@@ -572,13 +543,11 @@ impl Master {
 
     /// Unacknowledged settles of a node (tests, metrics).
     pub fn unsettled(&self, node: ClientId) -> usize {
-        self.nodes
-            .get(&node)
-            .map_or(0, |st| st.settle.pending.len())
+        self.nodes.get(&node).map_or(0, |st| st.settle.log.len())
     }
 
     /// Unacknowledged settles of all nodes (metrics).
     pub fn unsettled_total(&self) -> usize {
-        self.nodes.values().map(|st| st.settle.pending.len()).sum()
+        self.nodes.values().map(|st| st.settle.log.len()).sum()
     }
 }
