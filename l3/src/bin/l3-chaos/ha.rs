@@ -7,6 +7,8 @@
 //! and steps down) while clients, nodes and the loss-journal reader follow it through
 //! `etcd://`. The leader is whichever master's address the etcd leader key holds; every
 //! master listens on its own fixed port (chosen here), so that address names its process.
+//! One etcd member at a time may also be SIGKILLed and restarted on its ports and data dir
+//! (two of three keep the quorum).
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -18,6 +20,9 @@ use kvtier_l3::ha::{ClusterKeys, Etcd, read_leader};
 
 /// The etcd cluster name of the chaos deployment.
 const CLUSTER: &str = "chaos";
+
+/// Members of the local etcd cluster.
+pub const ETCD_MEMBERS: usize = 3;
 
 /// A running `kvtier-l3` process (resumed if paused, then SIGKILLed, when dropped).
 pub struct Proc {
@@ -74,12 +79,14 @@ pub struct HaMasters {
     masters: Vec<HaMaster>,
     ttl_s: u64,
     client_ttl_ms: u64,
+    /// The etcd member SIGKILLed and not restarted yet (never more than one).
+    etcd_down: Option<usize>,
 }
 
 impl HaMasters {
     /// Starts 3 etcd members and `n` masters; returns once a leader is published.
     pub fn start(bin: &Path, n: usize, ttl_s: u64, client_ttl_ms: u64) -> Result<Self, String> {
-        let etcd = LocalEtcd::start(3).map_err(|e| format!("etcd: {e}"))?;
+        let etcd = LocalEtcd::start(ETCD_MEMBERS).map_err(|e| format!("etcd: {e}"))?;
         let client = etcd.client().map_err(|e| format!("etcd client: {e}"))?;
         let keys = ClusterKeys::new(CLUSTER).map_err(|e| e.to_string())?;
         let mut masters = Vec::with_capacity(n);
@@ -100,6 +107,7 @@ impl HaMasters {
             masters,
             ttl_s,
             client_ttl_ms,
+            etcd_down: None,
         };
         for i in 0..n {
             m.start_one(bin, i)?;
@@ -161,6 +169,11 @@ impl HaMasters {
             .filter(|&i| self.masters[i].proc.is_some() && !self.masters[i].paused)
     }
 
+    /// Whether master `i` is the published leader now, running and not paused.
+    pub fn is_live_leader(&self, i: usize) -> bool {
+        self.live_leader() == Some(i)
+    }
+
     /// SIGKILLs master `i`.
     pub fn kill(&mut self, i: usize) {
         self.masters[i].proc = None;
@@ -172,6 +185,24 @@ impl HaMasters {
         if let Some(p) = &self.masters[i].proc {
             p.signal(libc::SIGSTOP);
             self.masters[i].paused = true;
+        }
+    }
+
+    /// SIGCONTs master `i` if it is paused (a dead one stays dead).
+    pub fn resume(&mut self, i: usize) {
+        let m = &mut self.masters[i];
+        if let Some(p) = &m.proc
+            && m.paused
+        {
+            p.signal(libc::SIGCONT);
+            m.paused = false;
+        }
+    }
+
+    /// Every paused master resumed.
+    pub fn resume_all(&mut self) {
+        for i in 0..self.masters.len() {
+            self.resume(i);
         }
     }
 
@@ -189,6 +220,32 @@ impl HaMasters {
         }
     }
 
+    /// The etcd member that is raft leader now, if one answers.
+    pub fn etcd_leader(&self) -> Option<usize> {
+        self.etcd.leader()
+    }
+
+    /// SIGKILLs etcd member `i` unless one is down already; whether it did.
+    pub fn kill_etcd(&mut self, i: usize) -> bool {
+        if self.etcd_down.is_some() || i >= ETCD_MEMBERS {
+            return false;
+        }
+        self.etcd.kill(i);
+        self.etcd_down = Some(i);
+        true
+    }
+
+    /// Restarts the etcd member that is down (same ports and data dir), if any.
+    pub fn restart_etcd(&mut self) -> Result<(), String> {
+        if let Some(i) = self.etcd_down {
+            self.etcd
+                .restart(i)
+                .map_err(|e| format!("etcd member {i}: {e}"))?;
+            self.etcd_down = None;
+        }
+        Ok(())
+    }
+
     /// Every master down (SIGKILL).
     pub fn kill_all(&mut self) {
         for i in 0..self.masters.len() {
@@ -196,8 +253,9 @@ impl HaMasters {
         }
     }
 
-    /// Every master up (and resumed).
+    /// Every etcd member and master up (and resumed).
     pub fn revive_all(&mut self, bin: &Path) -> Result<(), String> {
+        self.restart_etcd()?;
         for i in 0..self.masters.len() {
             self.revive(bin, i)?;
         }
