@@ -12,8 +12,8 @@ use crate::Mode;
 use crate::ha::{HaMasters, Proc, Single, spawn};
 
 /// Starts a node and waits for its `LISTENING addr` line.
-fn start(bin: &Path, args: &[String]) -> Result<Proc, String> {
-    let mut p = spawn(bin, args, true)?;
+fn start(bin: &Path, args: &[String], name: &str) -> Result<Proc, String> {
+    let mut p = spawn(bin, args, true, name)?;
     let out = p.child.stdout.take().ok_or("no stdout")?;
     kvtier_l3::cli::read_listening(out).map_err(|e| format!("{e} from {args:?}"))?;
     Ok(p)
@@ -138,7 +138,7 @@ impl Cluster {
             // A paused leader costs a node this long before it looks for the next one.
             args.extend(["--master-timeout-ms".to_string(), "1000".to_string()]);
         }
-        let proc = start(&self.bin, &args)?;
+        let proc = start(&self.bin, &args, &format!("node-{}", i + 1))?;
         self.nodes[i] = Some(Node {
             proc,
             paused: false,

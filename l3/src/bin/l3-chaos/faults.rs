@@ -15,6 +15,7 @@ use clap::ValueEnum;
 use crate::cluster::{Cluster, Masters};
 use crate::ha::ETCD_MEMBERS;
 use crate::oracle::Rng;
+use crate::workload::Counts;
 
 /// A kind of fault (`--faults` takes several, comma-separated).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -30,7 +31,7 @@ pub enum Faults {
     NodePause,
     /// Issue 33's sequence (etcd masters): a node SIGSTOPped while the workers only remove,
     /// the leader SIGSTOPped, the node resumed (its ping queues at the paused leader and
-    /// times out), the leader resumed 1.6 s later, then SIGKILLed a few pings later.
+    /// times out), the leader resumed 1.6 s later, then SIGKILLed 0.5–1.5 s later.
     PausedFree,
     /// One etcd member of three SIGKILLed (never two at once), restarted after 0.5–3 s on
     /// its ports and data dir (etcd masters).
@@ -63,6 +64,8 @@ pub struct Plan {
     pub seed: u64,
     /// Tells the workers to only remove (the paused-free sequence's remove burst).
     pub burst: Arc<AtomicBool>,
+    /// What the workers got answered (a leader that answers is serving, not rebuilding).
+    pub counts: Arc<Counts>,
 }
 
 /// Faults injected, by kind.
@@ -150,6 +153,11 @@ struct Injector<'a> {
     events: Vec<(Instant, Event)>,
     /// A paused-free sequence is under way: no other fault starts.
     in_sequence: bool,
+    /// A paused-free sequence was picked and starts as soon as a leader serves (after a
+    /// failover); no master fault meanwhile.
+    sequence_due: bool,
+    /// The workers' answers so far, and when they last grew.
+    answered: (u64, Instant),
 }
 
 /// Injects faults until `plan.seconds` have passed; what is still down or paused then is
@@ -162,6 +170,8 @@ pub fn inject(c: &mut Cluster, plan: &Plan) -> Result<Tally, String> {
         tally: Tally::default(),
         events: Vec::new(),
         in_sequence: false,
+        sequence_due: false,
+        answered: (0, Instant::now()),
     };
     let r = inj.run();
     plan.burst.store(false, Ordering::Relaxed);
@@ -191,6 +201,17 @@ impl Injector<'_> {
             self.events = later;
             for (_, e) in due {
                 self.handle(e, now)?;
+            }
+            let c = &self.plan.counts;
+            let answered = [&c.puts_acked, &c.removes_acked, &c.reads_checked]
+                .iter()
+                .map(|a| a.load(Ordering::Relaxed))
+                .sum();
+            if answered > self.answered.0 {
+                self.answered = (answered, now);
+            }
+            if self.sequence_due && !self.in_sequence && self.start_sequence(now) {
+                self.sequence_due = false;
             }
             if now < next {
                 continue;
@@ -238,7 +259,7 @@ impl Injector<'_> {
                 }
             }
             Faults::NodePause => self.pause_node(now),
-            Faults::PausedFree => self.start_sequence(now),
+            Faults::PausedFree => self.sequence_due = true,
             Faults::Etcd => self.kill_etcd(now),
         }
     }
@@ -279,6 +300,7 @@ impl Injector<'_> {
 
     fn kill_node(&mut self, now: Instant) {
         if let Some(i) = self.pick_live_node() {
+            tracing::info!(node = i, "SIGKILL node");
             self.c.kill_node(i);
             self.tally.node_kills += 1;
             let back = now + self.ms(200, 1_500);
@@ -292,6 +314,7 @@ impl Injector<'_> {
             self.tally.node_pauses += 1;
             let ttl = self.plan.ttl_ms;
             let d = self.ms(ttl / 4, ttl * 7 / 4);
+            tracing::info!(node = i, ms = d.as_millis(), "SIGSTOP node");
             if d > Duration::from_millis(ttl) {
                 self.tally.node_pauses_past_ttl += 1;
             }
@@ -299,8 +322,12 @@ impl Injector<'_> {
         }
     }
 
-    /// Kills the single master, or kills or pauses the etcd leader (when one is serving).
+    /// Kills the single master, or kills or pauses the etcd leader (when one is serving and
+    /// no paused-free sequence waits for it).
     fn master_fault(&mut self, now: Instant) {
+        if self.sequence_due {
+            return;
+        }
         let rng = &mut self.rng;
         match &mut self.c.masters {
             Masters::Single(s) => {
@@ -316,7 +343,9 @@ impl Injector<'_> {
                     return;
                 };
                 self.tally.master += 1;
-                let back = if rng.below(3) == 0 {
+                let pause = rng.below(3) == 0;
+                tracing::info!(master = i, pause, "leader fault");
+                let back = if pause {
                     // Long enough, often, for its lease to run out: it must step down.
                     h.pause(i);
                     self.tally.master_paused += 1;
@@ -343,6 +372,7 @@ impl Injector<'_> {
             any
         };
         if h.kill_etcd(i) {
+            tracing::info!(member = i, "SIGKILL etcd member");
             self.tally.etcd_kills += 1;
             let back = now + Duration::from_millis(500 + rng.below(2_500));
             self.events.push((back, Event::RestartEtcd));
@@ -351,22 +381,26 @@ impl Injector<'_> {
 
     /// Issue 33's sequence, first step: the workers switch to removes only (a remove goes
     /// to the master alone: none of them will be waiting on the node when it is paused, so
-    /// removes go on while it is), and the node is paused 100 ms later.
-    fn start_sequence(&mut self, now: Instant) {
+    /// removes go on while it is), and the node is paused 100 ms later. Whether it started:
+    /// not while only one node runs, or no leader serves (a new one rebuilds until every
+    /// node is back; removes it refuses meanwhile would leave the model unsure what exists).
+    fn start_sequence(&mut self, now: Instant) -> bool {
         let Masters::Ha(h) = &self.c.masters else {
-            return;
+            return true;
         };
-        if h.live_leader().is_none() {
-            return;
+        let serving = now.duration_since(self.answered.1) < Duration::from_millis(100);
+        if !serving || h.live_leader().is_none() {
+            return false;
         }
         let Some(node) = self.pick_live_node() else {
-            return;
+            return false;
         };
         self.plan.burst.store(true, Ordering::Relaxed);
         self.tally.paused_free += 1;
         self.in_sequence = true;
         let t = now + Duration::from_millis(100);
         self.at(t, Event::Seq(Step::PauseNode { node }));
+        true
     }
 
     /// The end of a sequence (done or given up).
@@ -376,6 +410,7 @@ impl Injector<'_> {
     }
 
     fn step(&mut self, s: Step, now: Instant) {
+        tracing::info!(step = ?s, "paused-free");
         if let Step::PauseNode { node } = s {
             if !self.c.node_up(node) {
                 self.end_sequence();
@@ -404,6 +439,7 @@ impl Injector<'_> {
                         .push((t, Event::Seq(Step::ResumeNode { node, leader })));
                 }
                 None => {
+                    tracing::info!("paused-free: no live leader, given up");
                     // A failover under way (a leader's lease ran out): give up.
                     self.c.resume_node(node);
                     self.end_sequence();
@@ -417,8 +453,9 @@ impl Injector<'_> {
             }
             Step::ResumeLeader { leader } => {
                 h.resume(leader);
-                // A few of the node's 100 ms pings.
-                let t = now + Duration::from_millis(300 + rng.below(400));
+                // A few of the node's 100 ms pings (after its timed-out one, it may wait
+                // for another timeout before it pings the resumed leader).
+                let t = now + Duration::from_millis(500 + rng.below(1_000));
                 self.events
                     .push((t, Event::Seq(Step::KillLeader { leader })));
             }
@@ -432,6 +469,7 @@ impl Injector<'_> {
                 } else {
                     h.live_leader()
                 };
+                tracing::info!(leader, ?victim, "paused-free: SIGKILL");
                 if let Some(i) = victim {
                     h.kill(i);
                     let t = now + Duration::from_millis(100 + rng.below(900));

@@ -48,13 +48,37 @@ impl Drop for Proc {
     }
 }
 
-/// Spawns `bin args` with its stdout piped (for `LISTENING`) or discarded.
-pub fn spawn(bin: &Path, args: &[String], piped: bool) -> Result<Proc, String> {
+/// Where server processes' stderr goes (`--logs`); discarded when unset.
+static LOGS: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Sends every server process's stderr to `dir/NAME.log` from now on (appended across
+/// restarts, so a fault's effects can be read next to the faults' own log lines).
+pub fn log_to(dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    LOGS.set(dir.to_path_buf())
+        .map_err(|_| "the log dir is set once".to_string())
+}
+
+/// Spawns `bin args` with its stdout piped (for `LISTENING`) or discarded; `name` names its
+/// log file.
+pub fn spawn(bin: &Path, args: &[String], piped: bool, name: &str) -> Result<Proc, String> {
+    let stderr = match LOGS.get() {
+        Some(d) => {
+            let path = d.join(format!("{name}.log"));
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            Stdio::from(f)
+        }
+        None => Stdio::null(),
+    };
     let child = Command::new(bin)
         .args(args)
         .env_remove("KVTIER_L3_TOKEN")
         .stdout(if piped { Stdio::piped() } else { Stdio::null() })
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .map_err(|e| format!("spawn {}: {e}", bin.display()))?;
     Ok(Proc { child })
@@ -69,6 +93,10 @@ struct HaMaster {
     addr: SocketAddr,
     proc: Option<Proc>,
     paused: bool,
+    /// The epoch of a predecessor on this address that was leader when this process
+    /// started: until its lease runs out the leader key names this address, but this
+    /// process is not the leader.
+    not_epoch: Option<u64>,
 }
 
 /// N masters campaigning on etcd.
@@ -98,6 +126,7 @@ impl HaMasters {
                 addr,
                 proc: None,
                 paused: false,
+                not_epoch: None,
             });
         }
         let mut m = HaMasters {
@@ -140,18 +169,26 @@ impl HaMasters {
             "--lease-ms",
             "500",
         ]);
-        m.proc = Some(spawn(bin, &args, false)?);
+        // Read before the spawn: an epoch this process wins is created after it.
+        m.not_epoch = match read_leader(&self.client, &self.keys) {
+            Ok(Some(v)) if v.addr == Some(m.addr) => Some(v.epoch),
+            _ => None,
+        };
+        let name = format!("master-{}", m.addr.port());
+        m.proc = Some(spawn(bin, &args, false, &name)?);
         m.paused = false;
         Ok(())
     }
 
-    /// The index of the published leader, waiting up to `limit`.
+    /// The index of the published leader, waiting up to `limit` (a restarted master whose
+    /// dead predecessor's epoch is still published is not the leader).
     pub fn leader(&self, limit: Duration) -> Option<usize> {
         let end = Instant::now() + limit;
         loop {
             if let Ok(Some(v)) = read_leader(&self.client, &self.keys)
                 && let Some(a) = v.addr
                 && let Some(i) = self.masters.iter().position(|m| m.addr == a)
+                && self.masters[i].not_epoch != Some(v.epoch)
             {
                 return Some(i);
             }
@@ -287,7 +324,7 @@ impl Single {
             "--lease-ms",
             "500",
         ]);
-        let mut p = spawn(bin, &args, true)?;
+        let mut p = spawn(bin, &args, true, "master")?;
         let out = p.child.stdout.take().ok_or("no stdout")?;
         let addr = kvtier_l3::cli::read_listening(out).map_err(|e| format!("{e} from {args:?}"))?;
         self.proc = Some(p);

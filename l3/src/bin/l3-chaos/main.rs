@@ -114,6 +114,10 @@ struct Args {
     /// Working directory (state and SSD dirs); a fresh temporary one by default.
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Keep each server process's stderr in DIR/NAME.log (`RUST_LOG` applies to them too;
+    /// `RUST_LOG=l3_chaos=info` logs each fault and violation here with its time).
+    #[arg(long)]
+    logs: Option<PathBuf>,
 }
 
 fn main() {
@@ -125,6 +129,12 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if let Some(d) = &args.logs
+        && let Err(e) = ha::log_to(d)
+    {
+        eprintln!("l3-chaos: --logs: {e}");
+        std::process::exit(2);
+    }
     match run(&args) {
         Ok(0) => {}
         Ok(_) => std::process::exit(1),
@@ -218,6 +228,7 @@ fn chaos(a: &Args, bin: &std::path::Path, dir: &std::path::Path) -> Result<u64, 
         ttl_ms: a.ttl_ms,
         seed: a.seed,
         burst,
+        counts: counts.clone(),
     };
     let kills = faults::inject(&mut c, &plan)?;
     // A worker may wait on a paused node for as long as it is paused: resume everything

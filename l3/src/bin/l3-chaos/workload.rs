@@ -152,6 +152,7 @@ pub fn read_and_check(
                 ),
                 Err(e) => e.to_string(),
             };
+            tracing::warn!(key = %k, violation = ?v, read = %got, "violation");
             f.record(v, key_id, format!("{k}: read {got}, model {st:?}"));
         }
     }
