@@ -1,5 +1,5 @@
 //! The fault schedule: every 0.5–1.5 × `--fault-every-ms` one of the `--faults` kinds is
-//! injected, and what it stopped is brought back later (a queue of timed events), until
+//! injected (dealt from a shuffled deck), and what it stopped is brought back later (a queue of timed events), until
 //! `--seconds` have passed.
 //!
 //! Why a queue and not sleeps: faults overlap (a node is down while the leader is paused),
@@ -158,6 +158,8 @@ struct Injector<'a> {
     sequence_due: bool,
     /// The workers' answers so far, and when they last grew.
     answered: (u64, Instant),
+    /// Kinds still to deal ([`Injector::pick`]).
+    deck: Vec<Faults>,
 }
 
 /// Injects faults until `plan.seconds` have passed; what is still down or paused then is
@@ -172,6 +174,7 @@ pub fn inject(c: &mut Cluster, plan: &Plan) -> Result<Tally, String> {
         in_sequence: false,
         sequence_due: false,
         answered: (0, Instant::now()),
+        deck: Vec::new(),
     };
     let r = inj.run();
     plan.burst.store(false, Ordering::Relaxed);
@@ -226,22 +229,26 @@ impl Injector<'_> {
         Ok(())
     }
 
-    /// A kind by weight (no draw when there is one, so a one-kind schedule is the same for
-    /// a seed as before there were several).
+    /// The next kind: drawn from a shuffled deck holding each kind `weight` times, dealt
+    /// out before it is shuffled again, so every kind comes up regularly even in a short
+    /// run. No draw when there is one kind (a one-kind schedule is the same for a seed as
+    /// before there were several).
     fn pick(&mut self) -> Faults {
         let f = &self.plan.faults;
         if f.len() == 1 {
             return f[0];
         }
-        let total: u64 = f.iter().map(|k| k.weight()).sum();
-        let mut x = self.rng.below(total);
-        for k in f {
-            if x < k.weight() {
-                return *k;
+        if self.deck.is_empty() {
+            self.deck = f
+                .iter()
+                .flat_map(|k| std::iter::repeat_n(*k, k.weight() as usize))
+                .collect();
+            for i in (1..self.deck.len()).rev() {
+                let j = self.rng.below(i as u64 + 1) as usize;
+                self.deck.swap(i, j);
             }
-            x -= k.weight();
         }
-        f[0]
+        self.deck.pop().unwrap_or(f[0])
     }
 
     fn fault(&mut self, kind: Faults, now: Instant) {

@@ -66,8 +66,8 @@ struct Args {
     seconds: u64,
     #[arg(long, value_enum, default_value = "write-through")]
     mode: Mode,
-    /// Which faults, comma-separated (e.g. `both,node-pause,paused-free,etcd`); each one
-    /// is picked in turn at random (`paused-free` twice as often).
+    /// Which faults, comma-separated (e.g. `both,node-pause,paused-free,etcd`), dealt
+    /// from a shuffled deck (`paused-free` twice as often as the others).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "both")]
     faults: Vec<Faults>,
     /// Store nodes.
