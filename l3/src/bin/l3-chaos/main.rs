@@ -302,6 +302,22 @@ fn final_reads(addr: &kvtier_l3::ha::Locator, keys: &Keys, shared: &Shared, coun
     }
 }
 
+/// `label: wrong bytes N, stale versions N, …`, each kind's figure from `of`.
+fn by_kind(label: &str, of: impl Fn(Violation) -> u64) -> String {
+    const KINDS: [(Violation, &str); 5] = [
+        (Violation::WrongBytes, "wrong bytes"),
+        (Violation::StaleVersion, "stale versions"),
+        (Violation::ResurrectedRemove, "resurrected removes"),
+        (Violation::UnreportedLoss, "unreported losses"),
+        (Violation::LostPersisted, "lost persisted puts"),
+    ];
+    let figures: Vec<String> = KINDS
+        .iter()
+        .map(|(v, name)| format!("{name} {}", of(*v)))
+        .collect();
+    format!("{label}: {}", figures.join(", "))
+}
+
 /// Prints the figures and returns the number of violations (0 for a clean, useful run).
 fn report(
     a: &Args,
@@ -360,27 +376,13 @@ fn report(
         reports.overflows.len(),
     );
     println!("longest call: {} ms", n(&counts.longest_call_ms));
-    let c = |v: Violation| f.counts.get(&v).copied().unwrap_or(0);
     println!(
-        "violations: wrong bytes {}, stale versions {}, resurrected removes {}, \
-         unreported losses {}, lost persisted puts {}",
-        c(Violation::WrongBytes),
-        c(Violation::StaleVersion),
-        c(Violation::ResurrectedRemove),
-        c(Violation::UnreportedLoss),
-        c(Violation::LostPersisted),
+        "{}",
+        by_kind("violations", |v| f.counts.get(&v).copied().unwrap_or(0))
     );
     if f.total() > 0 {
-        let k = |v: Violation| f.keys.get(&v).map_or(0, |s| s.len());
-        println!(
-            "keys with violations: wrong bytes {}, stale versions {}, resurrected removes {}, \
-             unreported losses {}, lost persisted puts {}",
-            k(Violation::WrongBytes),
-            k(Violation::StaleVersion),
-            k(Violation::ResurrectedRemove),
-            k(Violation::UnreportedLoss),
-            k(Violation::LostPersisted),
-        );
+        let keys_of = |v| f.keys.get(&v).map_or(0, |s| s.len() as u64);
+        println!("{}", by_kind("keys with violations", keys_of));
     }
     for e in &f.examples {
         println!("  {e}");
