@@ -1,8 +1,8 @@
 //! The split deployment under test: one `--role master` with a state dir (or several on
-//! etcd, [`crate::ha`]) and `n` store nodes with SSD dirs, real `kvtier-l3` processes on
-//! 127.0.0.1, each of which can be SIGKILLed and restarted with the same identity (the
-//! master on the same address and state dir; a node with the same `--node-id` and
-//! `--ssd-dir`).
+//! etcd, [`crate::ha`]) and `n` store nodes with SSD dirs (or DRAM only), real `kvtier-l3`
+//! processes on 127.0.0.1, each of which can be SIGKILLed and restarted with the same
+//! identity (the master on the same address and state dir; a node with the same
+//! `--node-id` and `--ssd-dir`), and a node also SIGSTOPped and SIGCONTed.
 
 use std::path::{Path, PathBuf};
 
@@ -12,21 +12,29 @@ use crate::Mode;
 use crate::ha::{HaMasters, Proc, Single, spawn};
 
 /// Starts a node and waits for its `LISTENING addr` line.
-fn start(bin: &Path, args: &[String]) -> Result<Proc, String> {
-    let mut p = spawn(bin, args, true)?;
+fn start(bin: &Path, args: &[String], name: &str) -> Result<Proc, String> {
+    let mut p = spawn(bin, args, true, name)?;
     let out = p.child.stdout.take().ok_or("no stdout")?;
     kvtier_l3::cli::read_listening(out).map_err(|e| format!("{e} from {args:?}"))?;
     Ok(p)
 }
 
-/// How a node writes SSD copies.
-fn node_offload(mode: Mode, i: usize) -> &'static str {
+/// How a node writes SSD copies (`None`: it has no SSD tier).
+fn node_offload(mode: Mode, i: usize) -> Option<&'static str> {
     match mode {
-        Mode::WriteThrough => "write-through",
-        Mode::OnEvict => "on-evict",
-        Mode::Mixed if i.is_multiple_of(2) => "write-through",
-        Mode::Mixed => "on-evict",
+        Mode::WriteThrough => Some("write-through"),
+        Mode::OnEvict => Some("on-evict"),
+        Mode::Mixed if i.is_multiple_of(2) => Some("write-through"),
+        Mode::Mixed => Some("on-evict"),
+        Mode::DramOnly => None,
     }
+}
+
+/// A running store node.
+struct Node {
+    proc: Proc,
+    /// SIGSTOPped (and not yet SIGCONTed).
+    paused: bool,
 }
 
 /// The masters: one with a state dir, or several on etcd.
@@ -43,7 +51,7 @@ pub struct Cluster {
     mode: Mode,
     segment_bytes: u64,
     pub masters: Masters,
-    nodes: Vec<Option<Proc>>,
+    nodes: Vec<Option<Node>>,
 }
 
 impl Cluster {
@@ -100,8 +108,7 @@ impl Cluster {
     }
 
     fn start_node(&mut self, i: usize) -> Result<(), String> {
-        let ssd = self.dir.join(format!("node{}", i + 1));
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             "--role",
             "node",
             "--listen",
@@ -114,20 +121,28 @@ impl Cluster {
             "100",
             "--segment-bytes",
             &self.segment_bytes.to_string(),
-            "--ssd-dir",
-            &ssd.display().to_string(),
-            "--offload",
-            node_offload(self.mode, i),
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let mut args = args;
+        if let Some(offload) = node_offload(self.mode, i) {
+            let ssd = self.dir.join(format!("node{}", i + 1));
+            args.extend([
+                "--ssd-dir".to_string(),
+                ssd.display().to_string(),
+                "--offload".to_string(),
+                offload.to_string(),
+            ]);
+        }
         if let Masters::Ha(_) = self.masters {
             // A paused leader costs a node this long before it looks for the next one.
             args.extend(["--master-timeout-ms".to_string(), "1000".to_string()]);
         }
-        self.nodes[i] = Some(start(&self.bin, &args)?);
+        let proc = start(&self.bin, &args, &format!("node-{}", i + 1))?;
+        self.nodes[i] = Some(Node {
+            proc,
+            paused: false,
+        });
         Ok(())
     }
 
@@ -135,13 +150,32 @@ impl Cluster {
         self.nodes.len()
     }
 
+    /// Running and not paused.
     pub fn node_up(&self, i: usize) -> bool {
-        self.nodes[i].is_some()
+        self.nodes[i].as_ref().is_some_and(|n| !n.paused)
     }
 
-    /// SIGKILL (the drop of [`Proc`]).
+    /// SIGKILL (the drop of [`Proc`]; a paused node is resumed first).
     pub fn kill_node(&mut self, i: usize) {
         self.nodes[i] = None;
+    }
+
+    /// SIGSTOPs node `i` if it is running.
+    pub fn pause_node(&mut self, i: usize) {
+        if let Some(n) = &mut self.nodes[i] {
+            n.proc.signal(libc::SIGSTOP);
+            n.paused = true;
+        }
+    }
+
+    /// SIGCONTs node `i` if it is paused.
+    pub fn resume_node(&mut self, i: usize) {
+        if let Some(n) = &mut self.nodes[i]
+            && n.paused
+        {
+            n.proc.signal(libc::SIGCONT);
+            n.paused = false;
+        }
     }
 
     /// Restarts node `i` if it is down (same id, same SSD dir).
@@ -188,13 +222,24 @@ impl Cluster {
         }
     }
 
-    /// Everything up again.
+    /// Every paused node and master resumed (what is dead stays dead).
+    pub fn resume_all(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.resume_node(i);
+        }
+        if let Masters::Ha(h) = &mut self.masters {
+            h.resume_all();
+        }
+    }
+
+    /// Everything up again (and resumed).
     pub fn revive_all(&mut self) -> Result<(), String> {
         match &mut self.masters {
             Masters::Single(_) => self.revive_single()?,
             Masters::Ha(h) => h.revive_all(&self.bin)?,
         }
         for i in 0..self.nodes.len() {
+            self.resume_node(i);
             let mut tries = 0;
             while let Err(e) = self.revive_node(i) {
                 tries += 1;

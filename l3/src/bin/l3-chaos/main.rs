@@ -1,20 +1,23 @@
-//! `l3-chaos`: a split deployment (one master, store nodes with SSD tiers) driven by client
-//! threads while its processes are SIGKILLed and restarted, checked against a model of what
-//! the store acknowledged. Exits 1 if any wrong bytes, stale version, resurrected remove,
+//! `l3-chaos`: a split deployment (one master, or several on etcd; store nodes with SSD
+//! tiers or DRAM only) driven by client threads while its processes are SIGKILLed,
+//! SIGSTOPped and restarted (and etcd members killed), checked against a model of what the
+//! store acknowledged. Exits 1 if any wrong bytes, stale version, resurrected remove,
 //! unreported loss or lost persisted put was seen (or if the run did no work).
 //!
-//! Why a binary: the faults are real process deaths (the master's settle log and the
-//! nodes' SSD records on real files are what is under test), and the run is meant to last
-//! minutes (`--seconds`); `tests/chaos.rs` runs it briefly in CI, docs/l3.md gives the
-//! long command.
+//! Why a binary: the faults are real process deaths and pauses (the master's settle log,
+//! etcd, and the nodes' SSD records on real files are what is under test), and the run is
+//! meant to last minutes (`--seconds`); `tests/chaos.rs` runs it briefly in CI, docs/l3.md
+//! gives the long commands. The faults are in `faults`.
 //!
 //! Checks (see `oracle`): every read is compared with the key's model; "not found" where a
 //! version was acknowledged must be named by the loss journal (or an `overflowed` report)
 //! after the acknowledgement; at the end every process is restarted twice over and every
 //! key read again, and a put acknowledged with `wait_persisted` on an all-write-through
-//! cluster must still be there.
+//! cluster must still be there (with DRAM-only nodes the restart loses everything: each
+//! miss must then be reported, and a removed or replaced version must still never be read).
 
 mod cluster;
+mod faults;
 mod ha;
 mod oracle;
 mod workload;
@@ -26,8 +29,9 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 
-use cluster::{Cluster, Masters};
-use oracle::{Rng, Shared, Violation};
+use cluster::Cluster;
+use faults::{Faults, Plan, Tally};
+use oracle::{Shared, Violation};
 use workload::{Conn, Counts, Keys, Worker};
 
 /// How store nodes write SSD copies.
@@ -39,17 +43,9 @@ pub enum Mode {
     OnEvict,
     /// Half the nodes each way.
     Mixed,
-}
-
-/// Which processes the chaos kills.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Faults {
-    /// Store nodes only (every loss must be named by the loss journal).
-    Nodes,
-    /// The master only.
-    Master,
-    /// Both, sometimes together.
-    Both,
+    /// No node has an SSD tier (no `--ssd-dir`): a node's death or restart loses its
+    /// replicas, and no put is durable, `wait_persisted` or not.
+    DramOnly,
 }
 
 /// Whether an `overflowed` loss report explains a miss.
@@ -70,8 +66,10 @@ struct Args {
     seconds: u64,
     #[arg(long, value_enum, default_value = "write-through")]
     mode: Mode,
-    #[arg(long, value_enum, default_value = "both")]
-    faults: Faults,
+    /// Which faults, comma-separated (e.g. `both,node-pause,paused-free,etcd`), dealt
+    /// from a shuffled deck (`paused-free` twice as often as the others).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "both")]
+    faults: Vec<Faults>,
     /// Store nodes.
     #[arg(long, default_value_t = 3)]
     nodes: usize,
@@ -116,6 +114,10 @@ struct Args {
     /// Working directory (state and SSD dirs); a fresh temporary one by default.
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Keep each server process's stderr in DIR/NAME.log (`RUST_LOG` applies to them too;
+    /// `RUST_LOG=l3_chaos=info` logs each fault and violation here with its time).
+    #[arg(long)]
+    logs: Option<PathBuf>,
 }
 
 fn main() {
@@ -127,6 +129,12 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if let Some(d) = &args.logs
+        && let Err(e) = ha::log_to(d)
+    {
+        eprintln!("l3-chaos: --logs: {e}");
+        std::process::exit(2);
+    }
     match run(&args) {
         Ok(0) => {}
         Ok(_) => std::process::exit(1),
@@ -135,24 +143,6 @@ fn main() {
             std::process::exit(2);
         }
     }
-}
-
-/// Which faults were injected.
-#[derive(Default)]
-struct Kills {
-    node: u64,
-    master: u64,
-    /// Of the master faults, leaders SIGSTOPped (the rest SIGKILLed).
-    paused: u64,
-}
-
-/// A process to bring back at a given time.
-enum Revive {
-    Node(usize),
-    /// The single master.
-    Master,
-    /// An etcd master (SIGCONT or restart).
-    Ha(usize),
 }
 
 fn run(a: &Args) -> Result<u64, String> {
@@ -183,6 +173,16 @@ fn chaos(a: &Args, bin: &std::path::Path, dir: &std::path::Path) -> Result<u64, 
     if a.masters == 1 || a.masters > 5 || a.leader_ttl_s == 0 {
         return Err("--masters is 0 (one state-dir master) or 2..=5; --leader-ttl-s > 0".into());
     }
+    if a.faults.is_empty() {
+        return Err("--faults needs at least one kind".into());
+    }
+    if a.masters == 0
+        && let Some(f) = a.faults.iter().find(|f| f.needs_etcd())
+    {
+        return Err(format!(
+            "--faults {f:?} needs etcd masters (--masters 2 or 3)"
+        ));
+    }
     let ha = (a.masters > 0).then_some((a.masters, a.leader_ttl_s));
     let mut c = Cluster::start(bin, dir, a.mode, a.nodes, a.segment_bytes, a.ttl_ms, ha)?;
     let addr = c.locator()?;
@@ -190,10 +190,12 @@ fn chaos(a: &Args, bin: &std::path::Path, dir: &std::path::Path) -> Result<u64, 
     let counts = Arc::new(Counts::default());
     let stop = Arc::new(AtomicBool::new(false));
     let stop_reader = Arc::new(AtomicBool::new(false));
+    let burst = Arc::new(AtomicBool::new(false));
     let reader = {
         let (s, st, addr) = (shared.clone(), stop_reader.clone(), addr.clone());
+        let co = counts.clone();
         let poll = Duration::from_millis(a.loss_poll_ms);
-        std::thread::spawn(move || workload::read_losses(addr, poll, st, s))
+        std::thread::spawn(move || workload::read_losses(addr, poll, st, s, co))
     };
     // Let the nodes mount before the first put.
     std::thread::sleep(Duration::from_millis(500));
@@ -206,13 +208,32 @@ fn chaos(a: &Args, bin: &std::path::Path, dir: &std::path::Path) -> Result<u64, 
                 max_bytes: a.max_bytes,
                 persisted_is_durable: a.mode == Mode::WriteThrough,
                 seed: a.seed.wrapping_mul(1_000_003).wrapping_add(i as u64),
+                burst: burst.clone(),
             };
             let (st, sh, co) = (stop.clone(), shared.clone(), counts.clone());
             std::thread::spawn(move || workload::run(w, st, sh, co))
         })
         .collect();
 
-    let kills = inject(a, &mut c)?;
+    let mut kinds: Vec<Faults> = Vec::new();
+    for f in &a.faults {
+        if !kinds.contains(f) {
+            kinds.push(*f);
+        }
+    }
+    let plan = Plan {
+        faults: kinds,
+        seconds: a.seconds,
+        fault_every_ms: a.fault_every_ms,
+        ttl_ms: a.ttl_ms,
+        seed: a.seed,
+        burst,
+        counts: counts.clone(),
+    };
+    let kills = faults::inject(&mut c, &plan)?;
+    // A worker may wait on a paused node for as long as it is paused: resume everything
+    // before waiting for them.
+    c.resume_all();
     stop.store(true, Ordering::Relaxed);
     let mut keys: Keys = Vec::new();
     for w in workers {
@@ -242,106 +263,10 @@ fn chaos(a: &Args, bin: &std::path::Path, dir: &std::path::Path) -> Result<u64, 
     Ok(report(a, &kills, &keys, &shared, &counts, restarted_at))
 }
 
-/// Kills and restarts processes at random until `--seconds` have passed.
-fn inject(a: &Args, c: &mut Cluster) -> Result<Kills, String> {
-    let mut rng = Rng::new(a.seed ^ 0x5eed);
-    let mut kills = Kills::default();
-    let mut revive: Vec<(Instant, Revive)> = Vec::new();
-    let end = Instant::now() + Duration::from_secs(a.seconds);
-    let mut next = Instant::now() + Duration::from_millis(a.fault_every_ms);
-    while Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(20));
-        let now = Instant::now();
-        let (due, later): (Vec<_>, Vec<_>) = revive.into_iter().partition(|(t, _)| *t <= now);
-        revive = later;
-        for (_, r) in due {
-            match r {
-                // A node exits when it cannot mount (its master is down): try again soon,
-                // as a supervisor would.
-                Revive::Node(i) => {
-                    if c.revive_node(i).is_err() {
-                        revive.push((now + Duration::from_millis(300), Revive::Node(i)));
-                    }
-                }
-                Revive::Master => c.revive_single()?,
-                Revive::Ha(i) => c.revive_ha(i)?,
-            }
-        }
-        if now < next {
-            continue;
-        }
-        next = now + Duration::from_millis(a.fault_every_ms / 2 + rng.below(a.fault_every_ms));
-        let node_kill = match a.faults {
-            Faults::Nodes => true,
-            Faults::Master => false,
-            Faults::Both => rng.below(10) < 6,
-        };
-        let also_node = a.faults == Faults::Both && rng.below(5) == 0;
-        if (node_kill || also_node)
-            && let Some(i) = pick_live_node(c, &mut rng)
-        {
-            c.kill_node(i);
-            kills.node += 1;
-            let back = now + Duration::from_millis(200 + rng.below(1_500));
-            revive.push((back, Revive::Node(i)));
-        }
-        if !node_kill {
-            master_fault(c, &mut rng, &mut kills, &mut revive, now);
-        }
-    }
-    Ok(kills)
-}
-
-/// Kills the single master, or kills or pauses the etcd leader (when one is serving).
-fn master_fault(
-    c: &mut Cluster,
-    rng: &mut Rng,
-    kills: &mut Kills,
-    revive: &mut Vec<(Instant, Revive)>,
-    now: Instant,
-) {
-    match &mut c.masters {
-        Masters::Single(s) => {
-            if s.proc.is_some() {
-                s.proc = None;
-                kills.master += 1;
-                let back = now + Duration::from_millis(100 + rng.below(900));
-                revive.push((back, Revive::Master));
-            }
-        }
-        Masters::Ha(h) => {
-            let Some(i) = h.live_leader() else {
-                return;
-            };
-            kills.master += 1;
-            if rng.below(3) == 0 {
-                // Long enough, often, for its lease to run out: it must step down.
-                h.pause(i);
-                kills.paused += 1;
-                let back = now + Duration::from_millis(300 + rng.below(2_500));
-                revive.push((back, Revive::Ha(i)));
-            } else {
-                h.kill(i);
-                let back = now + Duration::from_millis(100 + rng.below(900));
-                revive.push((back, Revive::Ha(i)));
-            }
-        }
-    }
-}
-
-/// A live node to kill, keeping at least one node up.
-fn pick_live_node(c: &Cluster, rng: &mut Rng) -> Option<usize> {
-    let live: Vec<usize> = (0..c.nodes()).filter(|i| c.node_up(*i)).collect();
-    if live.len() < 2 {
-        return None;
-    }
-    Some(live[rng.below(live.len() as u64) as usize])
-}
-
 /// Reads every key once more, retrying transport errors for up to 30 s; a persisted put
 /// that is not found now (everything is up) is lost.
-fn final_reads(addr: &kvtier_l3::ha::Locator, keys: &Keys, shared: &Shared, counts: &Counts) {
-    let mut conn = Conn::new(addr.clone());
+fn final_reads(addr: &kvtier_l3::ha::Locator, keys: &Keys, shared: &Shared, counts: &Arc<Counts>) {
+    let mut conn = Conn::new(addr.clone(), counts.clone());
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut todo: Vec<&(u32, oracle::KeyState)> = keys.iter().collect();
     while !todo.is_empty() && Instant::now() < deadline {
@@ -355,6 +280,7 @@ fn final_reads(addr: &kvtier_l3::ha::Locator, keys: &Keys, shared: &Shared, coun
                 workload::record(
                     shared,
                     Violation::LostPersisted,
+                    *id,
                     format!(
                         "{}: version {:?} acknowledged as persisted",
                         workload::key_name(*id),
@@ -376,10 +302,26 @@ fn final_reads(addr: &kvtier_l3::ha::Locator, keys: &Keys, shared: &Shared, coun
     }
 }
 
+/// `label: wrong bytes N, stale versions N, …`, each kind's figure from `of`.
+fn by_kind(label: &str, of: impl Fn(Violation) -> u64) -> String {
+    const KINDS: [(Violation, &str); 5] = [
+        (Violation::WrongBytes, "wrong bytes"),
+        (Violation::StaleVersion, "stale versions"),
+        (Violation::ResurrectedRemove, "resurrected removes"),
+        (Violation::UnreportedLoss, "unreported losses"),
+        (Violation::LostPersisted, "lost persisted puts"),
+    ];
+    let figures: Vec<String> = KINDS
+        .iter()
+        .map(|(v, name)| format!("{name} {}", of(*v)))
+        .collect();
+    format!("{label}: {}", figures.join(", "))
+}
+
 /// Prints the figures and returns the number of violations (0 for a clean, useful run).
 fn report(
     a: &Args,
-    kills: &Kills,
+    kills: &Tally,
     keys: &Keys,
     shared: &Shared,
     counts: &Counts,
@@ -404,6 +346,7 @@ fn report(
         } else {
             f.record(
                 Violation::UnreportedLoss,
+                m.key_id,
                 format!(
                     "{k}: version {} not found and never reported lost",
                     m.version
@@ -417,10 +360,7 @@ fn report(
          masters {}, journal {:?}",
         a.mode, a.faults, a.seconds, a.seed, a.nodes, a.workers, a.keys, a.masters, a.journal
     );
-    println!(
-        "kills: {} node, {} master ({} of them SIGSTOP + SIGCONT)",
-        kills.node, kills.master, kills.paused
-    );
+    println!("{}", kills.line());
     println!(
         "puts acked {} (persisted {}), failed {}; removes acked {}; reads checked {} (failed {}); \
          misses {} (explained by the loss journal {}); loss reports {} keys, {} overflows",
@@ -435,16 +375,15 @@ fn report(
         reports.keys.values().map(Vec::len).sum::<usize>(),
         reports.overflows.len(),
     );
-    let c = |v: Violation| f.counts.get(&v).copied().unwrap_or(0);
+    println!("longest call: {} ms", n(&counts.longest_call_ms));
     println!(
-        "violations: wrong bytes {}, stale versions {}, resurrected removes {}, \
-         unreported losses {}, lost persisted puts {}",
-        c(Violation::WrongBytes),
-        c(Violation::StaleVersion),
-        c(Violation::ResurrectedRemove),
-        c(Violation::UnreportedLoss),
-        c(Violation::LostPersisted),
+        "{}",
+        by_kind("violations", |v| f.counts.get(&v).copied().unwrap_or(0))
     );
+    if f.total() > 0 {
+        let keys_of = |v| f.keys.get(&v).map_or(0, |s| s.len() as u64);
+        println!("{}", by_kind("keys with violations", keys_of));
+    }
     for e in &f.examples {
         println!("  {e}");
     }
@@ -456,7 +395,7 @@ fn report(
     );
     let idle = n(&counts.puts_acked) == 0
         || n(&counts.reads_checked) == 0
-        || (a.seconds > 0 && kills.node + kills.master == 0);
+        || (a.seconds > 0 && kills.total() == 0);
     if idle {
         println!("the run did no useful work (no acknowledged put, checked read or fault)");
         return f.total().max(1);

@@ -14,7 +14,7 @@
 //! "not found" while `present` is set is a loss that the loss journal must name (checked at
 //! the end, when every report has arrived).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -223,14 +223,19 @@ impl Reports {
 /// Violations found, with a few examples each.
 #[derive(Debug, Default)]
 pub struct Findings {
+    /// Per kind, every time it was seen (a key read back after its remove is counted at
+    /// each read).
     pub counts: HashMap<Violation, u64>,
+    /// Per kind, the keys it was seen on.
+    pub keys: HashMap<Violation, HashSet<u32>>,
     pub examples: Vec<String>,
     pub misses: Vec<Miss>,
 }
 
 impl Findings {
-    pub fn record(&mut self, v: Violation, what: String) {
+    pub fn record(&mut self, v: Violation, key_id: u32, what: String) {
         *self.counts.entry(v).or_default() += 1;
+        self.keys.entry(v).or_default().insert(key_id);
         if self.examples.len() < 20 {
             self.examples.push(format!("{v:?}: {what}"));
         }

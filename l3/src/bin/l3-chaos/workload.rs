@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvtier_l3::ha::Locator;
 use kvtier_l3::{
@@ -30,14 +30,16 @@ pub struct Conn {
     store: Option<RemoteStore>,
     /// The last call found the server down or rebuilding (-900 / -1010).
     down: bool,
+    counts: Arc<Counts>,
 }
 
 impl Conn {
-    pub fn new(addr: Locator) -> Self {
+    pub fn new(addr: Locator, counts: Arc<Counts>) -> Self {
         Conn {
             addr,
             store: None,
             down: false,
+            counts,
         }
     }
 
@@ -59,10 +61,12 @@ impl Conn {
                 }
             }
         }
+        let started = Instant::now();
         let r = match &self.store {
             Some(s) => f(s),
             None => Err(L3Error::RpcFail("not connected".into())),
         };
+        self.counts.timed(started.elapsed());
         self.down = matches!(r, Err(L3Error::RpcFail(_) | L3Error::Unavailable(_)));
         r
     }
@@ -78,6 +82,17 @@ pub struct Counts {
     pub reads_checked: AtomicU64,
     pub reads_failed: AtomicU64,
     pub misses: AtomicU64,
+    /// The longest call (not judged: a call waits up to the client's failover timeout,
+    /// 30 s, for a new leader to serve, and a read from a paused node's shared memory
+    /// waits for the node).
+    pub longest_call_ms: AtomicU64,
+}
+
+impl Counts {
+    fn timed(&self, took: Duration) {
+        let ms = u64::try_from(took.as_millis()).unwrap_or(u64::MAX);
+        self.longest_call_ms.fetch_max(ms, Ordering::Relaxed);
+    }
 }
 
 /// One worker's settings.
@@ -88,6 +103,9 @@ pub struct Worker {
     pub max_bytes: usize,
     pub persisted_is_durable: bool,
     pub seed: u64,
+    /// Set by the fault thread for a remove burst: only removes (they go to the master
+    /// alone, so no worker waits on a node that is about to be paused).
+    pub burst: Arc<AtomicBool>,
 }
 
 /// The keys a worker owns, with their models (read back by the final checks).
@@ -128,7 +146,8 @@ pub fn read_and_check(
                 ),
                 Err(e) => e.to_string(),
             };
-            f.record(v, format!("{k}: read {got}, model {st:?}"));
+            tracing::warn!(key = %k, violation = ?v, read = %got, "violation");
+            f.record(v, key_id, format!("{k}: read {got}, model {st:?}"));
         }
     }
     Ok(())
@@ -140,35 +159,37 @@ pub fn run(w: Worker, stop: Arc<AtomicBool>, shared: Arc<Shared>, counts: Arc<Co
     let mut keys: Keys = (w.first_key..w.first_key + w.keys)
         .map(|k| (k, KeyState::default()))
         .collect();
-    let mut conn = Conn::new(w.addr);
+    let mut conn = Conn::new(w.addr, counts.clone());
     let t = tenant();
     while !stop.load(Ordering::Relaxed) {
+        if w.burst.load(Ordering::Relaxed) {
+            let from = rng.below(keys.len() as u64) as usize;
+            let n = keys.len();
+            match (0..n)
+                .map(|j| (from + j) % n)
+                .find(|&j| keys[j].1.present.is_some() || !keys[j].1.maybe.is_empty())
+            {
+                Some(j) => {
+                    let (key_id, st) = &mut keys[j];
+                    remove(&mut conn, *key_id, st, &shared, &counts);
+                }
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
+            continue;
+        }
         let i = rng.below(keys.len() as u64) as usize;
         let (key_id, st) = &mut keys[i];
         let key_id = *key_id;
         let k = key_name(key_id);
         let dice = rng.below(100);
-        let remove = match st.present {
+        let remove_it = match st.present {
             Some(_) => dice < 15,
             // Versions that may exist (unknown outcomes): remove them now and then, so the
             // key gets back to a known state.
             None => !st.maybe.is_empty() && dice < 20,
         };
-        if remove {
-            // Forced: a read lease must not block it.
-            match conn.call(|s| s.remove(&t, &k, true)) {
-                Ok(()) => {
-                    st.removed();
-                    counts.removes_acked.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(L3Error::ObjectNotFound) => {
-                    if let Some(m) = st.remove_not_found(key_id) {
-                        counts.misses.fetch_add(1, Ordering::Relaxed);
-                        lock(&shared.findings).misses.push(m);
-                    }
-                }
-                Err(_) => st.remove_unknown(),
-            }
+        if remove_it {
+            remove(&mut conn, key_id, st, &shared, &counts);
         } else if st.present.is_none() && dice < 60 {
             let v = st.new_version();
             let len = 64 + rng.below(w.max_bytes as u64) as usize;
@@ -214,16 +235,41 @@ pub fn run(w: Worker, stop: Arc<AtomicBool>, shared: Arc<Shared>, counts: Arc<Co
     keys
 }
 
-/// Reads the loss journal every `poll` until `stop`, noting when each report arrived.
-pub fn read_losses(addr: Locator, poll: Duration, stop: Arc<AtomicBool>, shared: Arc<Shared>) {
+/// Removes a key (forced: a read lease must not block it) and updates its model.
+fn remove(conn: &mut Conn, key_id: u32, st: &mut KeyState, shared: &Shared, counts: &Counts) {
     let t = tenant();
-    let mut conn = Conn::new(addr);
+    let k = key_name(key_id);
+    match conn.call(|s| s.remove(&t, &k, true)) {
+        Ok(()) => {
+            st.removed();
+            counts.removes_acked.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(L3Error::ObjectNotFound) => {
+            if let Some(m) = st.remove_not_found(key_id) {
+                counts.misses.fetch_add(1, Ordering::Relaxed);
+                lock(&shared.findings).misses.push(m);
+            }
+        }
+        Err(_) => st.remove_unknown(),
+    }
+}
+
+/// Reads the loss journal every `poll` until `stop`, noting when each report arrived.
+pub fn read_losses(
+    addr: Locator,
+    poll: Duration,
+    stop: Arc<AtomicBool>,
+    shared: Arc<Shared>,
+    counts: Arc<Counts>,
+) {
+    let t = tenant();
+    let mut conn = Conn::new(addr, counts);
     let mut cursor: Option<LossCursor> = None;
     loop {
         let done = stop.load(Ordering::Relaxed);
         match conn.call(|s| s.losses_since(&t, cursor)) {
             Ok(l) => {
-                let now = std::time::Instant::now();
+                let now = Instant::now();
                 let mut r = lock(&shared.reports);
                 if l.overflowed {
                     r.overflows.push(now);
@@ -246,8 +292,8 @@ pub fn read_losses(addr: Locator, poll: Duration, stop: Arc<AtomicBool>, shared:
 }
 
 /// Counts a violation (for the final checks).
-pub fn record(shared: &Shared, v: Violation, what: String) {
-    lock(&shared.findings).record(v, what);
+pub fn record(shared: &Shared, v: Violation, key_id: u32, what: String) {
+    lock(&shared.findings).record(v, key_id, what);
 }
 
 /// Locks, whether or not a thread panicked while holding it (the counts stay usable).
