@@ -175,7 +175,7 @@ fn split_two_phase_put_leases_and_typed_errors() {
     .unwrap();
     assert_eq!(e.code_i32(), -601);
     assert_eq!(
-        XferClient::connect(n.addr, None, 1 << 20)
+        XferClient::connect(n.addr, None, 1 << 20, std::time::Duration::from_secs(30))
             .err()
             .unwrap()
             .code_i32(),
@@ -272,7 +272,13 @@ fn split_two_phase_put_leases_and_typed_errors() {
         reply,
         XferReply::Get(Err(L3Error::IllegalClient(_)))
     ));
-    let mut x = XferClient::connect(n.addr, tok.map(str::to_string), 1 << 20).unwrap();
+    let mut x = XferClient::connect(
+        n.addr,
+        tok.map(str::to_string),
+        1 << 20,
+        std::time::Duration::from_secs(30),
+    )
+    .unwrap();
     assert_eq!(
         x.exist(&a, &["gone".to_string()], ExistOptions::default())
             .unwrap_err()

@@ -73,11 +73,16 @@ fn hostile_requests_to_a_nodes_socket_get_typed_errors_and_touch_nothing() {
         .unwrap();
     let desc = |tn: &Tenant, k: &str| store.get_replica_list(tn, k).unwrap().replicas[0].clone();
     let (obj, secret) = (desc(&ta, "obj"), desc(&tb, "secret"));
-    let offer: ShmOffer = XferClient::connect(n.addr, Some(TOKEN.into()), 1 << 20)
-        .unwrap()
-        .shm_offer()
-        .unwrap()
-        .expect("the node offers shared memory");
+    let offer: ShmOffer = XferClient::connect(
+        n.addr,
+        Some(TOKEN.into()),
+        1 << 20,
+        std::time::Duration::from_secs(30),
+    )
+    .unwrap()
+    .shm_offer()
+    .unwrap()
+    .expect("the node offers shared memory");
 
     // No hello, or a wrong token: refused, connection closed.
     let mut s = UnixStream::connect(&offer.path).unwrap();

@@ -292,7 +292,13 @@ fn off_switches_keep_clients_of_a_node_on_tcp() {
     }
     let m = master(&[], None);
     let n = node(&m, 1, &["--no-shm"]);
-    let mut x = kvtier_l3::rpc::xfer::XferClient::connect(n.addr, None, 1 << 20).unwrap();
+    let mut x = kvtier_l3::rpc::xfer::XferClient::connect(
+        n.addr,
+        None,
+        1 << 20,
+        std::time::Duration::from_secs(30),
+    )
+    .unwrap();
     assert_eq!(x.shm_offer().unwrap(), None, "--no-shm: no offer");
     let c = connect(m.addr, ShmMode::Auto, 1 << 20);
     assert!(!c.uses_shm());

@@ -430,14 +430,19 @@ fn transfer_channel_rejects_bad_token_malformed_and_oversized_frames() {
     c.put(&a, "k", b"v", PutOptions::default()).unwrap();
     let xa = SocketAddr::new(h.addr.ip(), c.limits().xfer_port);
     assert_eq!(
-        XferClient::connect(xa, Some("bad".into()), 1 << 20)
-            .err()
-            .unwrap()
-            .code_i32(),
+        XferClient::connect(
+            xa,
+            Some("bad".into()),
+            1 << 20,
+            std::time::Duration::from_secs(30)
+        )
+        .err()
+        .unwrap()
+        .code_i32(),
         -601
     );
     assert_eq!(
-        XferClient::connect(xa, None, 1 << 20)
+        XferClient::connect(xa, None, 1 << 20, std::time::Duration::from_secs(30))
             .err()
             .unwrap()
             .code_i32(),

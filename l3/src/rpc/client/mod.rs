@@ -223,7 +223,7 @@ impl RemoteStore {
         if me.opts.use_transfer_channel && limits.xfer_port != 0 {
             let xa = SocketAddr::new(addr.ip(), limits.xfer_port);
             let frame = me.frame_cap();
-            match XferClient::connect(xa, me.opts.token.clone(), frame) {
+            match XferClient::connect(xa, me.opts.token.clone(), frame, me.opts.rpc_timeout) {
                 Ok(conn) => {
                     me.xfer = Some(parking_lot::Mutex::new(XferSlot {
                         addr: xa,
@@ -261,6 +261,7 @@ impl RemoteStore {
             self.frame_cap(),
             self.limits.max_batch_keys as usize,
             self.opts.shm_staging_bytes,
+            self.opts.rpc_timeout,
         )?
         .with_mode(self.opts.shm);
         if let Err(e) = c.connect() {
@@ -591,6 +592,7 @@ impl RemoteStore {
                         addr,
                         self.opts.token.clone(),
                         self.frame_cap(),
+                        self.opts.rpc_timeout,
                     )?);
                     opened(c);
                     c

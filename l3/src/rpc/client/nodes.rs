@@ -93,6 +93,7 @@ impl RemoteStore {
                         self.frame_cap(),
                         self.limits.max_batch_keys as usize,
                         self.opts.shm_staging_bytes,
+                        self.opts.rpc_timeout,
                     ) {
                         Some(mut c) => {
                             // Regions handed out before this node was reached: registered
@@ -160,7 +161,12 @@ impl RemoteStore {
         let NodeSlot { xfer, shm } = &mut *s;
         if xfer.is_none() && matches!(shm, NodeShm::Unasked) {
             // The data channel first: it carries the offer.
-            let mut c = XferClient::connect(addr, self.opts.token.clone(), self.frame_cap())?;
+            let mut c = XferClient::connect(
+                addr,
+                self.opts.token.clone(),
+                self.frame_cap(),
+                self.opts.rpc_timeout,
+            )?;
             self.refresh_offer(&mut c, shm);
             *xfer = Some(c);
         }
@@ -301,8 +307,12 @@ impl RemoteStore {
             let mut s = slot.lock();
             let NodeSlot { xfer, shm } = &mut *s;
             if xfer.is_none()
-                && let Ok(mut c) =
-                    XferClient::connect(n.addr, self.opts.token.clone(), self.frame_cap())
+                && let Ok(mut c) = XferClient::connect(
+                    n.addr,
+                    self.opts.token.clone(),
+                    self.frame_cap(),
+                    self.opts.rpc_timeout,
+                )
             {
                 self.refresh_offer(&mut c, shm);
                 *xfer = Some(c);

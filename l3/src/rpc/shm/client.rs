@@ -100,6 +100,9 @@ pub struct ShmClient {
     regions: Vec<(Weak<SharedRegion>, Option<u32>)>,
     /// After a failed connect, calls use TCP without trying again until then.
     down_until: Option<Instant>,
+    /// Bounds every read and write on the socket (the client's `rpc_timeout`): a paused
+    /// server fails the call instead of blocking it.
+    timeout: Duration,
 }
 
 /// How long calls stay on TCP after the socket could not be reached.
@@ -128,6 +131,7 @@ impl ShmClient {
         max_frame: usize,
         max_keys: usize,
         staging_bytes: usize,
+        timeout: Duration,
     ) -> Option<Self> {
         if boot_id().as_deref() != Some(offer.boot_id.as_str()) {
             return None;
@@ -143,6 +147,7 @@ impl ShmClient {
             staging: None,
             regions: Vec::new(),
             down_until: None,
+            timeout,
         })
     }
 
@@ -258,6 +263,9 @@ impl ShmClient {
     fn dial(&mut self) -> L3Result<()> {
         let mut sock = UnixStream::connect(&self.offer.path)
             .map_err(|e| L3Error::Unavailable(format!("{}: {e}", self.offer.path)))?;
+        sock.set_read_timeout(Some(self.timeout)).map_err(io_fail)?;
+        sock.set_write_timeout(Some(self.timeout))
+            .map_err(io_fail)?;
         write_frame(
             &mut sock,
             &ShmRequest::Hello {

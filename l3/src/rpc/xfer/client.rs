@@ -39,8 +39,19 @@ fn frame_err(e: FrameError) -> L3Error {
 
 impl XferClient {
     /// Connects and says hello.
-    pub fn connect(addr: SocketAddr, token: Option<String>, max_frame: usize) -> L3Result<Self> {
-        let sock = TcpStream::connect(addr).map_err(io_err)?;
+    ///
+    /// `timeout` bounds the connect and every read and write on the socket (the client's
+    /// `rpc_timeout`): a store node that is paused or partitioned fails the call with
+    /// -900 instead of blocking its caller until it comes back.
+    pub fn connect(
+        addr: SocketAddr,
+        token: Option<String>,
+        max_frame: usize,
+        timeout: std::time::Duration,
+    ) -> L3Result<Self> {
+        let sock = TcpStream::connect_timeout(&addr, timeout).map_err(io_err)?;
+        sock.set_read_timeout(Some(timeout)).map_err(io_err)?;
+        sock.set_write_timeout(Some(timeout)).map_err(io_err)?;
         let _ = sock.set_nodelay(true);
         let mut c = XferClient { sock, max_frame };
         write_frame(&mut c.sock, &XferRequest::Hello { token }).map_err(io_err)?;
