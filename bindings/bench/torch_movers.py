@@ -2,7 +2,8 @@
 """kvtier.torch page movers, as ratios to a contiguous copy of the same bytes in the same run.
 
 KV shaped like Llama-3-8B (32 layers, 8 KV heads, head dim 128, bf16), pages of 16 and 64
-tokens, 256 pages scattered over the pools. For each mover (torch, dma, kernel):
+tokens, ``--pages`` pages (256 by default; the GPU check runs 1,024) scattered over pools twice
+that size. For each mover (torch, dma, kernel):
 
 - load (host to device) and store (device to host): GB/s and the ratio to one contiguous
   pinned ``copy_`` of the same bytes, median of ``--iters``; the bytes are checked after
@@ -219,6 +220,28 @@ def _fill(dev: DevicePool, host: HostPool, dp: np.ndarray, hp: np.ndarray) -> No
             dev.chunks(l, c).index_copy_(0, d_idx, r[:, l, c])
 
 
+def mover_from_spec(spec: str) -> Any:
+    """A mover from ``--movers`` names: ``torch``, ``dma``, ``kernel``, or a variant to compare in
+    the same run: ``dma:bindings`` (cuda-python's wrapper instead of the raw driver call),
+    ``kernel:WARPSxWORDS`` or ``kernel:WARPSxWORDSxBLOCKS`` (e.g. ``kernel:4x512``, the first
+    H100 run's shape)."""
+    name, _, opt = spec.partition(":")
+    if not opt:
+        return make_mover(name)
+    if name == "dma" and opt in ("raw", "bindings"):
+        from kvtier.torch.movers.dma import Issue
+
+        return make_mover("dma", issue=Issue(opt))
+    if name == "kernel":
+        parts = opt.split("x")
+        if len(parts) in (2, 3) and all(p.isdigit() for p in parts):
+            kw = {"num_warps": int(parts[0]), "block_words": int(parts[1])}
+            if len(parts) == 3:
+                kw["max_blocks"] = int(parts[2])
+            return make_mover("kernel", **kw)
+    raise MoverUnavailableError(f"unknown mover variant {spec!r}")
+
+
 class _Op(SimpleNamespace):
     """A LoadBack op as the executor reads it."""
 
@@ -229,7 +252,7 @@ class _Op(SimpleNamespace):
 
 def movers_bench(clock: Clock, shape: Shape, page_size: int, n_pages: int, movers: List[str], iters: int) -> Dict:
     layout = KVLayout.mha(shape.layers, shape.kv_heads, shape.head_dim, page_size, shape.dtype)
-    pool_pages = 4 * n_pages
+    pool_pages = max(2 * n_pages, 1024)  # scattered over a pool twice the size (or 1,024 pages)
     dev = DevicePool.allocate(layout, pool_pages, clock.device)
     host = HostPool.allocate(layout, pool_pages, Pinning.PINNED if clock.cuda else Pinning.PAGEABLE)
     rng = np.random.default_rng(0)
@@ -256,7 +279,7 @@ def movers_bench(clock: Clock, shape: Shape, page_size: int, n_pages: int, mover
     gemm_alone = clock.time(gemms, iters, gemm_stream)
     for name in movers:
         try:
-            m = make_mover(name)
+            m = mover_from_spec(name)
             m.check_pools(dev, host)
         except (MoverUnavailableError, PoolLayoutError) as e:
             out["movers"][name] = {"unavailable": str(e)}
@@ -334,7 +357,7 @@ def ttft_bench(clock: Clock, shape: Shape, movers: List[str], page_size: int = 1
     out: List[Dict] = []
     for name in movers:
         try:
-            m = make_mover(name)
+            m = mover_from_spec(name)
             m.check_pools(dev, host)
         except (MoverUnavailableError, PoolLayoutError) as e:
             out.append({"mover": name, "unavailable": str(e)})

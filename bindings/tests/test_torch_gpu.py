@@ -8,6 +8,7 @@ GPU session runs it (docs/torch.md, "On a GPU machine"). Nothing else makes it s
 that cannot run on a CUDA machine fails here, it does not skip."""
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -55,11 +56,38 @@ def slow_stream(direction):
     return lambda d, layers: torch.cuda._sleep(SLOW) if d == direction else None
 
 
-@pytest.mark.parametrize("mover", MOVERS)
+# every mover, and the variants the benchmark compares: dma through the raw driver call and
+# through cuda-python's wrapper, the kernel at the first H100 run's 4 warps x 512 words
+VARIANTS = {
+    "torch": ("torch", {}),
+    "dma-raw": ("dma", {"issue": "raw"}),
+    "dma-bindings": ("dma", {"issue": "bindings"}),
+    "kernel": ("kernel", {}),
+    "kernel-4x512": ("kernel", {"num_warps": 4, "block_words": 512}),
+}
+
+
+def variant(name):
+    from kvtier.torch.movers.dma import Issue
+
+    mover, kw = VARIANTS[name]
+    return make_mover(mover, **{k: (Issue(v) if k == "issue" else v) for k, v in kw.items()})
+
+
+def test_dma_mover_uses_the_raw_driver_call_on_this_gpu():
+    m = make_mover("dma")
+    assert m.issue.value == "raw", m.raw_unavailable
+
+
+@pytest.mark.parametrize("stream", ["side", "legacy-default"])
+@pytest.mark.parametrize("mover", list(VARIANTS))
 @pytest.mark.parametrize("direction", list(Direction))
-def test_mover_moves_scattered_pages(mover, direction):
+def test_mover_moves_scattered_pages(mover, direction, stream):
+    """On a side stream, and on the legacy default stream (where a BackUp of device pages
+    runs: an L3 lane thread sets no stream), which cuMemcpyBatchAsync refuses: the dma mover
+    failed every such BackUp with cudaErrorInvalidValue on the first H100 run."""
     dev, host = gpu_pools()
-    m = make_mover(mover)
+    m = variant(mover)
     m.check_pools(dev, host)
     dp, hp = np.array([9, 0, 3, 15, 4, 5]), np.array([2, 11, 5, 6, 7, 8])
     want_dev = [[t.clone() for t in c] for c in dev.tensors]
@@ -71,10 +99,26 @@ def test_mover_moves_scattered_pages(mover, direction):
                     want_dev[l][c][a] = host.data[b, l, c].cuda()
                 else:
                     want_host[b, l, c] = dev.tensors[l][c][a].cpu()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        m.copy(direction, dev, host, dp, hp, range(LAYOUT.num_layers))
-    s.synchronize()
+    if stream == "side":
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            m.copy(direction, dev, host, dp, hp, range(LAYOUT.num_layers))
+        s.synchronize()
+    else:
+        assert torch.cuda.current_stream().cuda_stream == 0
+        errors = []
+
+        def run():  # a fresh thread, as the executor's lanes are
+            try:
+                m.copy(direction, dev, host, dp, hp, range(LAYOUT.num_layers))
+                torch.cuda.current_stream().synchronize()
+            except Exception as e:  # reported below: pytest sees no thread's exception
+                errors.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        assert not errors, errors
     for l in range(LAYOUT.num_layers):
         for c in range(2):
             assert torch.equal(dev.tensors[l][c], want_dev[l][c])
