@@ -41,7 +41,7 @@ from ..errors import CopyError, MoverUnavailableError, PoolLayoutError
 from . import DelayHook, Direction, Mover, build
 from .descriptors import Descriptors
 
-__all__ = ["DmaMover", "Issue", "RawBatch", "batch_attributes", "issue_batch", "load_runtime", "runtime_module"]
+__all__ = ["DmaMover", "Issue", "RawBatch", "batch_prototype", "batch_attributes", "issue_batch", "load_runtime", "runtime_module"]
 
 MIN_CUDA = 12080
 
@@ -108,6 +108,35 @@ class Issue(enum.Enum):
     BINDINGS = "bindings"
 
 
+class _PrimaryContext:
+    """The driver API needs a current context in the calling thread (the runtime API makes one
+    lazily; a lane thread may not have made a runtime call yet): the device's primary context,
+    made current once per thread."""
+
+    def __init__(self, drv: Any, device_index: int) -> None:
+        self._drv, self._device_index = drv, device_index
+        self._thread = threading.local()
+
+    def __call__(self) -> None:
+        if getattr(self._thread, "ready", False):
+            return
+        drv = self._drv
+        err, ctx = drv.cuCtxGetCurrent()
+        if int(err) != 0 or not int(ctx):
+            err, pctx = drv.cuDevicePrimaryCtxRetain(self._device_index)
+            if int(err) != 0 or int(drv.cuCtxSetCurrent(pctx)[0]) != 0:
+                raise CopyError(f"dma mover: no CUDA context for device {self._device_index} in this thread")
+        self._thread.ready = True
+
+
+def batch_prototype(with_fail_idx: bool) -> Any:
+    """The ctypes type of ``cuMemcpyBatchAsync``: ``(dsts, srcs, sizes, count, attrs,
+    attrsIdxs, numAttrs, [failIdx,] stream) -> CUresult`` (``failIdx`` before CUDA 13.0)."""
+    p = ctypes.c_void_p
+    args = [p, p, p, ctypes.c_size_t, p, p, ctypes.c_size_t] + ([p] if with_fail_idx else []) + [p]
+    return ctypes.CFUNCTYPE(ctypes.c_int, *args)
+
+
 class RawBatch:
     """``cuMemcpyBatchAsync`` through ctypes: no per-descriptor Python work.
 
@@ -118,7 +147,19 @@ class RawBatch:
     their bindings' own pointers, so their layout is the bindings' (13.x added a field to the
     memory location)."""
 
-    def __init__(self, device_index: int, attrs: Dict[Direction, Any]) -> None:
+    def __init__(self, fn_addr: int, with_fail_idx: bool, attrs: Dict[Direction, Any],
+                 ensure_context: Optional[Callable[[], None]] = None) -> None:
+        """``fn_addr``: the address of a function with :func:`batch_prototype`'s signature
+        (the driver's, from :meth:`from_driver`; a test's ctypes callback on CPU)."""
+        self.with_fail_idx = with_fail_idx
+        self._fn: Callable[..., int] = batch_prototype(with_fail_idx)(fn_addr)
+        self._attrs = attrs
+        self._idx = np.zeros(1, dtype=np.uint64)
+        self._fail = np.zeros(1, dtype=np.uint64)
+        self._ensure_context = ensure_context or (lambda: None)
+
+    @classmethod
+    def from_driver(cls, device_index: int, attrs: Dict[Direction, Any]) -> "RawBatch":
         try:
             from cuda.bindings import driver as drv
         except ImportError as e:
@@ -131,29 +172,7 @@ class RawBatch:
                                    drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
         if int(res[0]) != 0 or not int(res[1]):
             raise MoverUnavailableError(f"dma mover: cuGetProcAddress(cuMemcpyBatchAsync, {want}): {res!r}")
-        p = ctypes.c_void_p
-        self.with_fail_idx = want < 13000
-        args = [p, p, p, ctypes.c_size_t, p, p, ctypes.c_size_t] + ([p] if self.with_fail_idx else []) + [p]
-        self._fn: Callable[..., int] = ctypes.CFUNCTYPE(ctypes.c_int, *args)(int(res[1]))
-        self._attrs = attrs
-        self._idx = np.zeros(1, dtype=np.uint64)
-        self._fail = np.zeros(1, dtype=np.uint64)
-        self._drv, self._device_index = drv, device_index
-        self._thread = threading.local()
-
-    def _ensure_context(self) -> None:
-        """The driver API needs a current context in the calling thread (the runtime API makes
-        one lazily; a lane thread may not have made a runtime call yet): the device's primary
-        context, once per thread."""
-        if getattr(self._thread, "ready", False):
-            return
-        drv = self._drv
-        err, ctx = drv.cuCtxGetCurrent()
-        if int(err) != 0 or not int(ctx):
-            err, pctx = drv.cuDevicePrimaryCtxRetain(self._device_index)
-            if int(err) != 0 or int(drv.cuCtxSetCurrent(pctx)[0]) != 0:
-                raise CopyError(f"dma mover: no CUDA context for device {self._device_index} in this thread")
-        self._thread.ready = True
+        return cls(int(res[1]), want < 13000, attrs, _PrimaryContext(drv, device_index))
 
     def __call__(self, desc: Descriptors, direction: Direction, stream_handle: int) -> None:
         n = len(desc)
@@ -191,7 +210,7 @@ class DmaMover(Mover):
         self.raw_unavailable: Optional[str] = None
         if issue in (None, Issue.RAW):
             try:
-                raw = RawBatch(dev, self._attrs)
+                raw = RawBatch.from_driver(dev, self._attrs)
                 _self_check(raw, dev)
                 self._raw, self.issue = raw, Issue.RAW
             except (MoverUnavailableError, CopyError) as e:
