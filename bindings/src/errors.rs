@@ -13,6 +13,7 @@
 //! │                     BadCompletionError, UnknownStepError, NotInStepError,
 //! │                     RowCountMismatchError, CompletionOutOfOrderError, IllegalEventError,
 //! │                     CacheError, OffloadManagerError, LossNeedsAgreementError
+//! ├── EventsError: the KV event publisher could not bind, encode or send
 //! └── L3Error ── ObjectNotFoundError, ObjectAlreadyExistsError, ... (each with a class
 //!                attribute `code`: Mooncake's integer error code, e.g. -704)
 //! ```
@@ -53,6 +54,12 @@ pub mod base {
         SchedulerError,
         KvtierError,
         "The scheduler rejected a call; nothing changed."
+    );
+    pyo3::create_exception!(
+        kvtier,
+        EventsError,
+        KvtierError,
+        "The KV event publisher could not bind its sockets, encode or hand over a batch."
     );
     pyo3::create_exception!(
         kvtier,
@@ -162,6 +169,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", py.get_type::<PyConfigError>())?;
     m.add("AgreementError", py.get_type::<base::AgreementError>())?;
     m.add("SchedulerError", py.get_type::<PySchedulerError>())?;
+    m.add("EventsError", py.get_type::<base::EventsError>())?;
     let l3: Bound<'_, PyType> = py.get_type::<PyL3Error>();
     l3.setattr("code", ErrorCode::InternalError.as_i32())?;
     m.add("L3Error", l3)?;

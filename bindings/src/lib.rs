@@ -28,6 +28,7 @@ mod bench;
 mod config;
 mod convert;
 mod errors;
+mod events;
 mod l3;
 mod mooncake;
 mod offload;
@@ -40,6 +41,7 @@ mod tp;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<sched::PyScheduler>()?;
+    m.add_class::<events::PyKvEventPublisher>()?;
     m.add_class::<tp::PyRankAgreement>()?;
     m.add_class::<offload::PyOffloadManager>()?;
     m.add_class::<plan::PyPlan>()?;

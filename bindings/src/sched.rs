@@ -124,6 +124,46 @@ fn hashes_array<'py>(
     Ok(PyArray1::from_vec(py, flat).reshape([n, 32])?.into_any())
 }
 
+/// KV events as the Python dicts of `Scheduler.drain_kv_events`.
+fn kv_events_list<'py>(py: Python<'py>, evs: Vec<KvEvent>) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    for e in evs {
+        let d = PyDict::new(py);
+        match e {
+            KvEvent::Stored {
+                tier,
+                parent,
+                hashes,
+                tokens,
+                label,
+            } => {
+                set_label(&d, label.as_deref())?;
+                d.set_item("type", "stored")?;
+                d.set_item("tier", tier_name(tier))?;
+                match parent {
+                    Some(p) => d.set_item("parent", PyBytes::new(py, &p.0))?,
+                    None => d.set_item("parent", py.None())?,
+                }
+                d.set_item("hashes", hashes_array(py, &hashes)?)?;
+                d.set_item("tokens", PyArray1::from_vec(py, tokens))?;
+            }
+            KvEvent::Removed {
+                tier,
+                hashes,
+                label,
+            } => {
+                set_label(&d, label.as_deref())?;
+                d.set_item("type", "removed")?;
+                d.set_item("tier", tier_name(tier))?;
+                d.set_item("parent", py.None())?;
+                d.set_item("hashes", hashes_array(py, &hashes)?)?;
+            }
+        }
+        out.append(d)?;
+    }
+    Ok(out)
+}
+
 #[pymethods]
 impl PyScheduler {
     /// Builds a scheduler from a `SchedulerConfig` (or a dict with its fields).
@@ -302,43 +342,17 @@ impl PyScheduler {
     /// Store/remove events of cached pages since the last call (needs
     /// `record_kv_events=True`): list of dicts `{"type": "stored" | "removed", "tier":
     /// "device" | "host", "parent": bytes | None, "hashes": (n, 32) uint8 array,
-    /// "cache_salt": str | None, "adapter": str | None}` (the scope the pages belong to).
+    /// "cache_salt": str | None, "adapter": str | None}` (the scope the pages belong to); a
+    /// stored event also has "tokens": the pages' token ids, a uint32 array. To publish them to
+    /// a router instead, see `KvEventPublisher.publish_from`.
     fn drain_kv_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let evs = self.inner.drain_kv_events();
-        let out = PyList::empty(py);
-        for e in evs {
-            let d = PyDict::new(py);
-            match e {
-                KvEvent::Stored {
-                    tier,
-                    parent,
-                    hashes,
-                    label,
-                } => {
-                    set_label(&d, label.as_deref())?;
-                    d.set_item("type", "stored")?;
-                    d.set_item("tier", tier_name(tier))?;
-                    match parent {
-                        Some(p) => d.set_item("parent", PyBytes::new(py, &p.0))?,
-                        None => d.set_item("parent", py.None())?,
-                    }
-                    d.set_item("hashes", hashes_array(py, &hashes)?)?;
-                }
-                KvEvent::Removed {
-                    tier,
-                    hashes,
-                    label,
-                } => {
-                    set_label(&d, label.as_deref())?;
-                    d.set_item("type", "removed")?;
-                    d.set_item("tier", tier_name(tier))?;
-                    d.set_item("parent", py.None())?;
-                    d.set_item("hashes", hashes_array(py, &hashes)?)?;
-                }
-            }
-            out.append(d)?;
-        }
-        Ok(out)
+        kv_events_list(py, self.inner.drain_kv_events())
+    }
+
+    /// Every copy the cache holds now, as "stored" events in `drain_kv_events`' format,
+    /// parents before children (what a subscriber that missed the history rebuilds from).
+    fn resident_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        kv_events_list(py, self.inner.resident_kv_events())
     }
 
     /// L3 keys of a prompt's full pages under this scheduler's namespace and rank, for a

@@ -29,6 +29,9 @@ pub enum KvEvent {
         tier: TierKind,
         parent: Option<PageHash>,
         hashes: Vec<PageHash>,
+        /// The pages' token ids, `hashes.len() * page_size` of them (vLLM's `BlockStored`
+        /// carries them: routers that hash tokens themselves, like Dynamo's, index by them).
+        tokens: Vec<u32>,
         /// The scope the pages belong to (`None`: unscoped).
         label: Option<Arc<ScopeLabel>>,
     },
@@ -38,4 +41,33 @@ pub enum KvEvent {
         hashes: Vec<PageHash>,
         label: Option<Arc<ScopeLabel>>,
     },
+}
+
+impl crate::RadixCache {
+    /// Every copy the cache holds now, as `Stored` events a subscriber can replay from an empty
+    /// index: per tier, parents before children (by depth, then creation), one event per node.
+    /// What a router that starts late (or restarts) asks for instead of the history it missed.
+    pub fn resident_events(&self) -> Vec<KvEvent> {
+        let mut out = Vec::new();
+        for tier in [TierKind::Device, TierKind::Host] {
+            let mut ids: Vec<_> = self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.parent.is_some() && n.slot(tier).pages.is_some())
+                .map(|(id, n)| (n.start, n.seq, id))
+                .collect();
+            ids.sort_unstable();
+            for (_, _, id) in ids {
+                let n = &self.nodes[id];
+                out.push(KvEvent::Stored {
+                    tier,
+                    parent: n.parent.and_then(|p| self.nodes[p].hashes.last().copied()),
+                    hashes: n.hashes.to_vec(),
+                    tokens: n.tokens.clone(),
+                    label: n.label.clone(),
+                });
+            }
+        }
+        out
+    }
 }

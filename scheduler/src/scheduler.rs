@@ -244,6 +244,12 @@ impl Scheduler {
         self.cache.drain_events()
     }
 
+    /// Every copy the cache holds now, as `Stored` events (parents first): the state a
+    /// subscriber that missed the history rebuilds from (see `kvtier-events`).
+    pub fn resident_kv_events(&self) -> Vec<KvEvent> {
+        self.cache.resident_events()
+    }
+
     pub fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
         s.waiting = self.waiting.len();

@@ -39,10 +39,12 @@ impl RadixCache {
         if self.record_events {
             let parent_hash = parent.and_then(|p| self.nodes[p].hashes.last().copied());
             let hashes = self.nodes[id].hashes.to_vec();
+            let tokens = self.nodes[id].tokens.clone();
             self.events.push(KvEvent::Stored {
                 tier: t,
                 parent: parent_hash,
                 hashes,
+                tokens,
                 label: self.nodes[id].label.clone(),
             });
         }

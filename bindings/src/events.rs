@@ -1,0 +1,130 @@
+//! `kvtier.KvEventPublisher`: kvtier's KV cache events on a ZMQ socket in vLLM's wire format.
+//!
+//! Why a class of its own rather than a scheduler method: the publisher owns sockets and a
+//! thread, lives as long as the engine, and may publish for several schedulers (one per data
+//! parallel rank has its own publisher, as in vLLM). `publish_from(scheduler)` drains the
+//! scheduler's events and publishes them in one call, so no event crosses into Python.
+
+use pyo3::prelude::*;
+
+use kvtier_events::{PublishError, Publisher, PublisherConfig};
+
+use crate::errors::base::EventsError;
+use crate::sched::PyScheduler;
+
+fn events_err(e: PublishError) -> PyErr {
+    EventsError::new_err(e.to_string())
+}
+
+/// Publishes KV events: a PUB socket (topic, 8-byte big-endian sequence number, msgpack
+/// `KVEventBatch`) and a ROUTER replay socket, as vLLM's `ZmqEventPublisher`; a replay request
+/// of -2 returns a snapshot of every resident block. The device tier is published as medium
+/// `GPU`, the host tier as `CPU`. Binds loopback ephemeral ports by default (`endpoint`
+/// and `replay_endpoint` say which); `replay_endpoint=None` disables replay and snapshots.
+#[pyclass(module = "kvtier", name = "KvEventPublisher")]
+pub struct PyKvEventPublisher {
+    inner: Option<Publisher>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+}
+
+impl PyKvEventPublisher {
+    fn live(&self) -> PyResult<&Publisher> {
+        self.inner
+            .as_ref()
+            .ok_or_else(|| EventsError::new_err("the publisher is closed"))
+    }
+}
+
+#[pymethods]
+impl PyKvEventPublisher {
+    // one keyword argument per PublisherConfig field, as vLLM's KVEventsConfig has them
+    #[allow(clippy::too_many_arguments)]
+    #[new]
+    #[pyo3(signature = (endpoint="tcp://127.0.0.1:*".to_string(), replay_endpoint=Some("tcp://127.0.0.1:*".to_string()),
+                        topic=String::new(), block_size=16, data_parallel_rank=0, buffer_steps=10_000, hwm=100_000))]
+    fn new(
+        py: Python<'_>,
+        endpoint: String,
+        replay_endpoint: Option<String>,
+        topic: String,
+        block_size: u32,
+        data_parallel_rank: i64,
+        buffer_steps: usize,
+        hwm: i32,
+    ) -> PyResult<Self> {
+        let cfg = PublisherConfig {
+            endpoint,
+            replay_endpoint,
+            topic,
+            buffer_steps,
+            hwm,
+            data_parallel_rank,
+            block_size,
+        };
+        let p = py.detach(|| Publisher::bind(cfg)).map_err(events_err)?;
+        Ok(Self {
+            endpoint: p.endpoint().to_string(),
+            replay_endpoint: p.replay_endpoint().map(str::to_string),
+            inner: Some(p),
+        })
+    }
+
+    /// The PUB socket's bound address (e.g. `tcp://127.0.0.1:43117`).
+    #[getter]
+    fn endpoint(&self) -> String {
+        self.endpoint.clone()
+    }
+
+    #[getter]
+    fn replay_endpoint(&self) -> Option<String> {
+        self.replay_endpoint.clone()
+    }
+
+    /// Drains `scheduler`'s KV events (it needs `record_kv_events=True`) and publishes them as
+    /// one batch stamped `ts` (seconds); returns the batch's sequence number, or None when
+    /// there was nothing to publish.
+    fn publish_from(
+        &self,
+        py: Python<'_>,
+        scheduler: &mut PyScheduler,
+        ts: f64,
+    ) -> PyResult<Option<u64>> {
+        let p = self.live()?;
+        let events = scheduler.inner.drain_kv_events();
+        if events.is_empty() {
+            return Ok(None);
+        }
+        py.detach(|| p.publish_kv(ts, &events))
+            .map(Some)
+            .map_err(events_err)
+    }
+
+    /// Blocks the publisher's mirror holds: what a snapshot would list.
+    #[getter]
+    fn resident_blocks(&self) -> PyResult<usize> {
+        Ok(self.live()?.resident_blocks())
+    }
+
+    /// Stops the publisher thread and closes the sockets (idempotent).
+    fn close(&mut self, py: Python<'_>) {
+        if let Some(mut p) = self.inner.take() {
+            py.detach(|| p.shutdown());
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &mut self,
+        py: Python<'_>,
+        _t: Option<Bound<'_, PyAny>>,
+        _v: Option<Bound<'_, PyAny>>,
+        _tb: Option<Bound<'_, PyAny>>,
+    ) -> bool {
+        self.close(py);
+        false
+    }
+}

@@ -1,0 +1,367 @@
+//! A ZMQ publisher speaking vLLM's KV event protocol, plus snapshots.
+//!
+//! What a vLLM subscriber expects (`ZmqEventPublisher` in `vllm/distributed/kv_events.py`):
+//! - a PUB socket sending three frames per batch: topic, the batch's sequence number (8 bytes,
+//!   big-endian, from 0) and the msgpack `KVEventBatch` ([`crate::wire`]);
+//! - optionally a ROUTER replay socket: a request `[identity, "", start_seq]` is answered with
+//!   `[identity, "", seq, payload]` for every kept batch from `start_seq` on, then
+//!   `[identity, "", -1, ""]`.
+//!
+//! kvtier adds one request to the replay socket: `start_seq = -2` ([`SNAPSHOT_REQUEST`]) asks
+//! for the whole resident state instead of history, answered as one batch (`AllBlocksCleared`
+//! then every resident block, [`crate::Mirror::snapshot`]) whose sequence number is the last
+//! batch it includes (no batch before the end marker: nothing published yet); the subscriber
+//! drops live batches up to that number. A router that
+//! starts late, restarts, or finds that the history it missed is gone (the first replayed
+//! number is past what it asked for) recovers with one request and no engine involved.
+//!
+//! Threads: `publish` encodes the batch, assigns its number and folds it into the mirror under
+//! one lock (so numbers, mirror and snapshots agree), then hands the bytes over an inproc
+//! socket to the publisher thread, which owns the PUB and ROUTER sockets (ZMQ sockets are not
+//! shared between threads) and keeps the replay buffer.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use kvtier_radix::KvEvent;
+
+use crate::mirror::Mirror;
+use crate::wire::{EncodeError, WireEvent, encode_batch};
+
+/// The replay request that asks for a snapshot (kvtier's extension): -2 as 8 big-endian bytes.
+pub const SNAPSHOT_REQUEST: [u8; 8] = (-2i64).to_be_bytes();
+/// vLLM's end-of-replay sequence number: -1 as 8 big-endian bytes.
+pub const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
+
+/// Where and how to publish.
+#[derive(Clone, Debug)]
+pub struct PublisherConfig {
+    /// The PUB socket's address; `tcp://127.0.0.1:*` binds a free port ([`Publisher::endpoint`]
+    /// says which).
+    pub endpoint: String,
+    /// The ROUTER replay socket's address (`None`: no replay, no snapshots).
+    pub replay_endpoint: Option<String>,
+    pub topic: String,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// The PUB socket's send high-water mark (messages queued per slow subscriber).
+    pub hwm: i32,
+    pub data_parallel_rank: i64,
+    /// The cache's page size in tokens (vLLM's `block_size`).
+    pub block_size: u32,
+}
+
+impl Default for PublisherConfig {
+    fn default() -> Self {
+        Self {
+            endpoint: "tcp://127.0.0.1:*".into(),
+            replay_endpoint: Some("tcp://127.0.0.1:*".into()),
+            topic: String::new(),
+            buffer_steps: 10_000,
+            hwm: 100_000,
+            data_parallel_rank: 0,
+            block_size: 16,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("{what}: {source}")]
+    Zmq {
+        what: String,
+        #[source]
+        source: zmq::Error,
+    },
+    #[error(transparent)]
+    Encode(#[from] EncodeError),
+    #[error("invalid publisher config: {0}")]
+    Config(String),
+    #[error("the publisher is shut down")]
+    Closed,
+}
+
+fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> PublishError {
+    let what = what.into();
+    move |source| PublishError::Zmq { what, source }
+}
+
+struct State {
+    next_seq: u64,
+    mirror: Mirror,
+    push: zmq::Socket,
+    closed: bool,
+}
+
+/// Publishes batches of KV events; dropping it stops its thread and closes its sockets.
+pub struct Publisher {
+    state: Arc<Mutex<State>>,
+    thread: Option<JoinHandle<()>>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    data_parallel_rank: i64,
+    block_size: u32,
+}
+
+impl Publisher {
+    /// Binds the sockets and starts the publisher thread.
+    pub fn bind(cfg: PublisherConfig) -> Result<Self, PublishError> {
+        if cfg.buffer_steps == 0 || cfg.hwm < 0 || cfg.block_size == 0 {
+            return Err(PublishError::Config(format!(
+                "buffer_steps {} and block_size {} must be positive, hwm {} not negative",
+                cfg.buffer_steps, cfg.block_size, cfg.hwm
+            )));
+        }
+        let ctx = zmq::Context::new();
+        let pub_sock = ctx.socket(zmq::PUB).map_err(zerr("PUB socket"))?;
+        pub_sock
+            .set_sndhwm(cfg.hwm)
+            .map_err(zerr("PUB high-water mark"))?;
+        pub_sock.set_linger(0).map_err(zerr("PUB linger"))?;
+        pub_sock
+            .bind(&cfg.endpoint)
+            .map_err(zerr(format!("bind PUB {}", cfg.endpoint)))?;
+        let endpoint = last_endpoint(&pub_sock)?;
+        let replay = match &cfg.replay_endpoint {
+            Some(ep) => {
+                let r = ctx.socket(zmq::ROUTER).map_err(zerr("ROUTER socket"))?;
+                r.set_linger(0).map_err(zerr("ROUTER linger"))?;
+                r.bind(ep)
+                    .map_err(zerr(format!("bind replay ROUTER {ep}")))?;
+                Some(r)
+            }
+            None => None,
+        };
+        let replay_endpoint = replay.as_ref().map(last_endpoint).transpose()?;
+        // one inproc pair per publisher: the address is unique in this context
+        let inproc = "inproc://kvtier-events";
+        let pull = ctx.socket(zmq::PULL).map_err(zerr("inproc PULL"))?;
+        pull.bind(inproc).map_err(zerr("bind inproc PULL"))?;
+        let push = ctx.socket(zmq::PUSH).map_err(zerr("inproc PUSH"))?;
+        push.connect(inproc).map_err(zerr("connect inproc PUSH"))?;
+        let state = Arc::new(Mutex::new(State {
+            next_seq: 0,
+            mirror: Mirror::new(),
+            push,
+            closed: false,
+        }));
+        let worker = Worker {
+            pub_sock,
+            replay,
+            pull,
+            topic: cfg.topic.into_bytes(),
+            buffer: VecDeque::with_capacity(cfg.buffer_steps.min(1 << 16)),
+            buffer_steps: cfg.buffer_steps,
+            state: Arc::clone(&state),
+            dp: cfg.data_parallel_rank,
+            _ctx: ctx,
+        };
+        let thread = std::thread::Builder::new()
+            .name("kvtier-events".into())
+            .spawn(move || worker.run())
+            .map_err(|e| PublishError::Config(format!("cannot start the publisher thread: {e}")))?;
+        Ok(Self {
+            state,
+            thread: Some(thread),
+            endpoint,
+            replay_endpoint,
+            data_parallel_rank: cfg.data_parallel_rank,
+            block_size: cfg.block_size,
+        })
+    }
+
+    /// The PUB socket's bound address (the port filled in).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    pub fn replay_endpoint(&self) -> Option<&str> {
+        self.replay_endpoint.as_deref()
+    }
+
+    /// Publishes one batch; returns its sequence number.
+    pub fn publish(&self, ts: f64, events: &[WireEvent]) -> Result<u64, PublishError> {
+        let payload = encode_batch(ts, events, self.data_parallel_rank)?;
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if st.closed {
+            return Err(PublishError::Closed);
+        }
+        let seq = st.next_seq;
+        st.push
+            .send_multipart([&b"B"[..], &seq.to_be_bytes(), &payload], 0)
+            .map_err(zerr("hand the batch to the publisher thread"))?;
+        st.next_seq += 1;
+        for e in events {
+            st.mirror.apply(e);
+        }
+        Ok(seq)
+    }
+
+    /// Publishes kvtier cache events (as drained from the scheduler or cache).
+    pub fn publish_kv(&self, ts: f64, events: &[KvEvent]) -> Result<u64, PublishError> {
+        let wire: Vec<WireEvent> = events
+            .iter()
+            .map(|e| WireEvent::from_kv(e, self.block_size))
+            .collect();
+        self.publish(ts, &wire)
+    }
+
+    /// Resident blocks the publisher's mirror holds (what a snapshot would list).
+    pub fn resident_blocks(&self) -> usize {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .mirror
+            .blocks()
+    }
+
+    /// Stops the thread and closes the sockets (also done on drop).
+    pub fn shutdown(&mut self) {
+        {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if !st.closed {
+                st.closed = true;
+                // if the stop cannot be queued the thread is gone already (its socket closed)
+                if st.push.send(&b"S"[..], 0).is_err() {
+                    self.thread.take();
+                }
+            }
+        }
+        if let Some(t) = self.thread.take() {
+            // a panic in the thread has nothing left to release: its sockets drop with it
+            if t.join().is_err() {
+                eprintln!("kvtier-events: the publisher thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn last_endpoint(s: &zmq::Socket) -> Result<String, PublishError> {
+    match s
+        .get_last_endpoint()
+        .map_err(zerr("read the bound address"))?
+    {
+        Ok(ep) => Ok(ep),
+        Err(raw) => Err(PublishError::Config(format!(
+            "bound address is not UTF-8: {raw:?}"
+        ))),
+    }
+}
+
+struct Worker {
+    pub_sock: zmq::Socket,
+    replay: Option<zmq::Socket>,
+    pull: zmq::Socket,
+    topic: Vec<u8>,
+    buffer: VecDeque<(u64, Vec<u8>)>,
+    buffer_steps: usize,
+    state: Arc<Mutex<State>>,
+    dp: i64,
+    // the context outlives the sockets: fields drop in order, the context last
+    _ctx: zmq::Context,
+}
+
+impl Worker {
+    fn run(mut self) {
+        loop {
+            let (batch, request) = {
+                let mut items = vec![self.pull.as_poll_item(zmq::POLLIN)];
+                if let Some(r) = &self.replay {
+                    items.push(r.as_poll_item(zmq::POLLIN));
+                }
+                if zmq::poll(&mut items, -1).is_err() {
+                    return;
+                }
+                (
+                    items[0].is_readable(),
+                    items.get(1).is_some_and(|i| i.is_readable()),
+                )
+            };
+            if batch {
+                match self.pull.recv_multipart(0) {
+                    Ok(frames) if frames.first().map(Vec::as_slice) == Some(b"S") => return,
+                    Ok(mut frames) if frames.len() == 3 => {
+                        let payload = frames.pop().unwrap_or_default();
+                        let seq = frames.pop().unwrap_or_default();
+                        self.send_batch(&seq, payload);
+                    }
+                    Ok(_) => {}
+                    Err(_) => return,
+                }
+            }
+            if request {
+                self.serve_replay();
+            }
+        }
+    }
+
+    fn send_batch(&mut self, seq: &[u8], payload: Vec<u8>) {
+        // a PUB send never blocks: past the high-water mark ZMQ drops the message for that
+        // subscriber, which finds the gap from the sequence numbers and replays
+        if let Err(e) = self
+            .pub_sock
+            .send_multipart([&self.topic[..], seq, &payload], zmq::DONTWAIT)
+        {
+            eprintln!("kvtier-events: PUB send failed: {e}");
+        }
+        let n = seq.try_into().map(u64::from_be_bytes).unwrap_or(0);
+        if self.buffer.len() == self.buffer_steps {
+            self.buffer.pop_front();
+        }
+        self.buffer.push_back((n, payload));
+    }
+
+    fn serve_replay(&mut self) {
+        let Some(r) = &self.replay else { return };
+        let Ok(frames) = r.recv_multipart(zmq::DONTWAIT) else {
+            return;
+        };
+        let [id, _, start] = frames.as_slice() else {
+            return;
+        };
+        let Ok(start) = <[u8; 8]>::try_from(start.as_slice()) else {
+            return;
+        };
+        let mut replies: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        if start == SNAPSHOT_REQUEST {
+            let (seq, events) = {
+                let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                (st.next_seq.checked_sub(1), st.mirror.snapshot())
+            };
+            // before the first batch there is nothing to snapshot: the end marker alone says
+            // "empty, start from sequence number 0"
+            if let Some(seq) = seq {
+                match encode_batch(0.0, &events, self.dp) {
+                    Ok(p) => replies.push((seq.to_be_bytes().to_vec(), p)),
+                    Err(e) => eprintln!("kvtier-events: snapshot not encoded: {e}"),
+                }
+            }
+        } else {
+            let from = u64::from_be_bytes(start);
+            replies.extend(
+                self.buffer
+                    .iter()
+                    .filter(|(s, _)| *s >= from)
+                    .map(|(s, p)| (s.to_be_bytes().to_vec(), p.clone())),
+            );
+        }
+        for (seq, p) in replies {
+            if r.send_multipart([&id[..], b"", &seq, &p], zmq::DONTWAIT)
+                .is_err()
+            {
+                return;
+            }
+        }
+        // a failed end marker: the requester times out and asks again
+        if let Err(e) = r.send_multipart([&id[..], b"", &END_SEQ[..], b""], zmq::DONTWAIT) {
+            eprintln!("kvtier-events: replay end not sent: {e}");
+        }
+    }
+}

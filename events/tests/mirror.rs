@@ -1,0 +1,223 @@
+//! The publisher's mirror against the real radix cache: folding the cache's events gives
+//! exactly the blocks the cache holds, tier by tier, and a snapshot replayed into an empty
+//! mirror gives the same index (what a late subscriber rebuilds).
+
+use std::collections::BTreeSet;
+
+use kvtier_events::{Medium, Mirror, WireEvent};
+use kvtier_radix::*;
+use proptest::prelude::*;
+
+const PS: usize = 4;
+
+/// Prompts sharing their first `shared` pages (tokens of seed 0), then their own.
+fn prompt(seed: u32, shared: usize, pages: usize) -> (Vec<u32>, Vec<PageHash>) {
+    let toks: Vec<u32> = (0..pages * PS)
+        .map(|i| {
+            if i < shared * PS {
+                i as u32
+            } else {
+                seed * 1000 + i as u32
+            }
+        })
+        .collect();
+    let hs = page_hashes(&toks, PS, None);
+    (toks, hs)
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Put {
+        seed: u32,
+        shared: usize,
+        pages: usize,
+    },
+    BackUp {
+        seed: u32,
+        shared: usize,
+        pages: usize,
+        upto: usize,
+    },
+    EvictDevice(usize),
+    EvictHost(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (1u32..6, 0usize..3, 1usize..6).prop_map(|(seed, shared, pages)| Op::Put {
+            seed,
+            shared,
+            pages
+        }),
+        (1u32..6, 0usize..3, 1usize..6, 1usize..6).prop_map(|(seed, shared, pages, upto)| {
+            Op::BackUp {
+                seed,
+                shared,
+                pages,
+                upto,
+            }
+        }),
+        (1usize..8).prop_map(Op::EvictDevice),
+        (1usize..8).prop_map(Op::EvictHost),
+    ]
+}
+
+/// Inserts the held pages when they still fit the match, else gives them back; duplicates
+/// the tree already had are given back too.
+fn insert_or_free<T: Tier>(
+    c: &mut RadixCache,
+    fits: bool,
+    start: NodeId,
+    from: usize,
+    hs: &[PageHash],
+    toks: &[u32],
+    pages: Vec<PageId<T>>,
+) {
+    if !fits {
+        c.free(&pages).expect("free");
+        return;
+    }
+    let out = c
+        .insert::<T>(start, from, hs, toks, &pages)
+        .expect("insert");
+    let dup: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
+    c.free(&dup).expect("free duplicates");
+}
+
+fn apply(c: &mut RadixCache, op: &Op) {
+    match *op {
+        Op::Put {
+            seed,
+            shared,
+            pages,
+        } => {
+            let (toks, hs) = prompt(seed, shared.min(pages), pages);
+            let m = c.match_prefix(&hs);
+            if let Ok(p) = c.alloc_evicting::<Device>(hs.len() - m.device_pages) {
+                let m = c.match_prefix(&hs); // eviction may have changed the match
+                let fits = p.len() == hs.len() - m.device_pages;
+                insert_or_free(c, fits, m.device_node, m.device_pages, &hs, &toks, p);
+            }
+        }
+        Op::BackUp {
+            seed,
+            shared,
+            pages,
+            upto,
+        } => {
+            // back up to host the pages of a cached prompt (as a write-back does)
+            let (toks, hs) = prompt(seed, shared.min(pages), pages);
+            let m = c.match_prefix(&hs);
+            let n = m.device_pages.min(upto);
+            if n > m.host_pages
+                && let Ok(p) = c.alloc_evicting::<Host>(n - m.host_pages)
+            {
+                let m = c.match_prefix(&hs);
+                let fits = m.device_pages >= n && p.len() == n - m.host_pages;
+                insert_or_free(
+                    c,
+                    fits,
+                    m.host_node,
+                    m.host_pages,
+                    &hs[..n],
+                    &toks[..n * PS],
+                    p,
+                );
+            }
+        }
+        Op::EvictDevice(n) => {
+            c.evict::<Device>(n);
+        }
+        Op::EvictHost(n) => {
+            c.evict::<Host>(n);
+        }
+    }
+}
+
+fn resident(c: &RadixCache, tier: TierKind) -> BTreeSet<PageHash> {
+    c.resident_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::Stored {
+                tier: t, hashes, ..
+            } if t == tier => Some(hashes),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(192))]
+    #[test]
+    fn mirror_of_the_events_is_the_cache_and_its_snapshot_rebuilds_it(ops in prop::collection::vec(op(), 1..40)) {
+        let mut c = RadixCache::new(RadixConfig { page_size: PS, device_pages: 12, host_pages: 16, record_events: true })
+            .expect("config");
+        let mut mirror = Mirror::new();
+        for o in &ops {
+            apply(&mut c, o);
+            for e in c.drain_events() {
+                mirror.apply(&WireEvent::from_kv(&e, PS as u32));
+            }
+            for (tier, medium) in [(TierKind::Device, Medium::Gpu), (TierKind::Host, Medium::Cpu)] {
+                let got: BTreeSet<_> = mirror.hashes(medium).into_iter().collect();
+                prop_assert_eq!(&got, &resident(&c, tier), "{:?} after {:?}", tier, o);
+            }
+        }
+        let mut late = Mirror::new();
+        late.apply(&WireEvent::BlockStored {
+            block_hashes: vec![PageHash([9; 32])], parent_block_hash: None, token_ids: vec![0; PS],
+            block_size: PS as u32, medium: Medium::Gpu, lora_name: None, locality: None,
+        }); // stale state the snapshot's AllBlocksCleared must drop
+        for e in mirror.snapshot() {
+            late.apply(&e);
+        }
+        for m in [Medium::Gpu, Medium::Cpu] {
+            prop_assert_eq!(late.hashes(m), mirror.hashes(m));
+        }
+        // every stored block's tokens came along: a snapshot event carries block_size tokens a block
+        for e in mirror.snapshot() {
+            if let WireEvent::BlockStored { block_hashes, token_ids, .. } = e {
+                prop_assert_eq!(token_ids.len(), block_hashes.len() * PS);
+            }
+        }
+    }
+}
+
+#[test]
+fn resident_events_list_parents_before_children() {
+    let mut c = RadixCache::new(RadixConfig {
+        page_size: PS,
+        device_pages: 32,
+        host_pages: 0,
+        record_events: false,
+    })
+    .expect("config");
+    for (seed, shared, pages) in [(1, 0, 3), (2, 2, 5), (3, 1, 4), (4, 4, 6)] {
+        apply(
+            &mut c,
+            &Op::Put {
+                seed,
+                shared,
+                pages,
+            },
+        );
+    }
+    let mut seen: BTreeSet<PageHash> = BTreeSet::new();
+    for e in c.resident_events() {
+        if let KvEvent::Stored {
+            parent,
+            hashes,
+            tokens,
+            ..
+        } = e
+        {
+            if let Some(p) = parent {
+                assert!(seen.contains(&p), "a child listed before its parent");
+            }
+            assert_eq!(tokens.len(), hashes.len() * PS);
+            seen.extend(hashes);
+        }
+    }
+    assert!(seen.len() >= 6);
+}
