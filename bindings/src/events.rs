@@ -7,7 +7,9 @@
 
 use pyo3::prelude::*;
 
-use kvtier_events::{PublishError, Publisher, PublisherConfig};
+use pyo3::exceptions::PyValueError;
+
+use kvtier_events::{HashFormat, PublishError, Publisher, PublisherConfig};
 
 use crate::errors::base::EventsError;
 use crate::sched::PyScheduler;
@@ -19,7 +21,9 @@ fn events_err(e: PublishError) -> PyErr {
 /// Publishes KV events: a PUB socket (topic, 8-byte big-endian sequence number, msgpack
 /// `KVEventBatch`) and a ROUTER replay socket, as vLLM's `ZmqEventPublisher`; a replay request
 /// of -2 returns a snapshot of every resident block. The device tier is published as medium
-/// `GPU`, the host tier as `CPU`. Binds loopback ephemeral ports by default (`endpoint`
+/// `GPU`, the host tier as `CPU`. Block hashes go as vLLM sends them by default, the low 64
+/// bits of the hash as an integer (`block_hashes="int"`), or as the whole 32 bytes
+/// (`block_hashes="bytes"`). Binds loopback ephemeral ports by default (`endpoint`
 /// and `replay_endpoint` say which); `replay_endpoint=None` disables replay and snapshots.
 #[pyclass(module = "kvtier", name = "KvEventPublisher")]
 pub struct PyKvEventPublisher {
@@ -42,7 +46,8 @@ impl PyKvEventPublisher {
     #[allow(clippy::too_many_arguments)]
     #[new]
     #[pyo3(signature = (endpoint="tcp://127.0.0.1:*".to_string(), replay_endpoint=Some("tcp://127.0.0.1:*".to_string()),
-                        topic=String::new(), block_size=16, data_parallel_rank=0, buffer_steps=10_000, hwm=100_000))]
+                        topic=String::new(), block_size=16, data_parallel_rank=0, buffer_steps=10_000, hwm=100_000,
+                        block_hashes="int"))]
     fn new(
         py: Python<'_>,
         endpoint: String,
@@ -52,7 +57,17 @@ impl PyKvEventPublisher {
         data_parallel_rank: i64,
         buffer_steps: usize,
         hwm: i32,
+        block_hashes: &str,
     ) -> PyResult<Self> {
+        let hash_format = match block_hashes {
+            "int" => HashFormat::Int64,
+            "bytes" => HashFormat::Bytes,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "block_hashes must be \"int\" (vLLM's default) or \"bytes\", not {other:?}"
+                )));
+            }
+        };
         let cfg = PublisherConfig {
             endpoint,
             replay_endpoint,
@@ -61,6 +76,7 @@ impl PyKvEventPublisher {
             hwm,
             data_parallel_rank,
             block_size,
+            hash_format,
         };
         let p = py.detach(|| Publisher::bind(cfg)).map_err(events_err)?;
         Ok(Self {

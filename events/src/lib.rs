@@ -18,4 +18,4 @@ pub mod wire;
 
 pub use mirror::Mirror;
 pub use publisher::{END_SEQ, PublishError, Publisher, PublisherConfig, SNAPSHOT_REQUEST};
-pub use wire::{EncodeError, Locality, Medium, WireEvent, encode_batch};
+pub use wire::{EncodeError, HashFormat, Locality, Medium, WireEvent, encode_batch};

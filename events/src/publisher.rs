@@ -27,7 +27,7 @@ use std::thread::JoinHandle;
 use kvtier_radix::KvEvent;
 
 use crate::mirror::Mirror;
-use crate::wire::{EncodeError, WireEvent, encode_batch};
+use crate::wire::{EncodeError, HashFormat, WireEvent, encode_batch};
 
 /// The replay request that asks for a snapshot (kvtier's extension): -2 as 8 big-endian bytes.
 pub const SNAPSHOT_REQUEST: [u8; 8] = (-2i64).to_be_bytes();
@@ -50,6 +50,8 @@ pub struct PublisherConfig {
     pub data_parallel_rank: i64,
     /// The cache's page size in tokens (vLLM's `block_size`).
     pub block_size: u32,
+    /// Block hashes as vLLM's default 64-bit integers, or the whole 32 bytes.
+    pub hash_format: HashFormat,
 }
 
 impl Default for PublisherConfig {
@@ -62,6 +64,7 @@ impl Default for PublisherConfig {
             hwm: 100_000,
             data_parallel_rank: 0,
             block_size: 16,
+            hash_format: HashFormat::Int64,
         }
     }
 }
@@ -102,6 +105,7 @@ pub struct Publisher {
     replay_endpoint: Option<String>,
     data_parallel_rank: i64,
     block_size: u32,
+    hash_format: HashFormat,
 }
 
 impl Publisher {
@@ -155,6 +159,7 @@ impl Publisher {
             buffer_steps: cfg.buffer_steps,
             state: Arc::clone(&state),
             dp: cfg.data_parallel_rank,
+            hash_format: cfg.hash_format,
             _ctx: ctx,
         };
         let thread = std::thread::Builder::new()
@@ -168,6 +173,7 @@ impl Publisher {
             replay_endpoint,
             data_parallel_rank: cfg.data_parallel_rank,
             block_size: cfg.block_size,
+            hash_format: cfg.hash_format,
         })
     }
 
@@ -182,7 +188,7 @@ impl Publisher {
 
     /// Publishes one batch; returns its sequence number.
     pub fn publish(&self, ts: f64, events: &[WireEvent]) -> Result<u64, PublishError> {
-        let payload = encode_batch(ts, events, self.data_parallel_rank)?;
+        let payload = encode_batch(ts, events, self.data_parallel_rank, self.hash_format)?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         if st.closed {
             return Err(PublishError::Closed);
@@ -264,6 +270,7 @@ struct Worker {
     buffer_steps: usize,
     state: Arc<Mutex<State>>,
     dp: i64,
+    hash_format: HashFormat,
     // the context outlives the sockets: fields drop in order, the context last
     _ctx: zmq::Context,
 }
@@ -338,7 +345,7 @@ impl Worker {
             // before the first batch there is nothing to snapshot: the end marker alone says
             // "empty, start from sequence number 0"
             if let Some(seq) = seq {
-                match encode_batch(0.0, &events, self.dp) {
+                match encode_batch(0.0, &events, self.dp, self.hash_format) {
                     Ok(p) => replies.push((seq.to_be_bytes().to_vec(), p)),
                     Err(e) => eprintln!("kvtier-events: snapshot not encoded: {e}"),
                 }

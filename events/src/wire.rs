@@ -11,8 +11,11 @@
 //!   that are set: `BlockStored {block_hashes, parent_block_hash, token_ids, block_size,
 //!   lora_id, medium, lora_name[, locality]}`, `BlockRemoved {block_hashes, medium[,
 //!   locality]}`, `AllBlocksCleared {}`;
-//! - a block hash (`ExternalBlockHash = bytes | int`) is kvtier's 32-byte page hash as bytes;
-//!   `medium` is `"GPU"`, `"CPU"` or `"STORAGE"`.
+//! - a block hash (`ExternalBlockHash = bytes | int`) is, as vLLM sends it by default
+//!   (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`), the hash's last 8 bytes as a big-endian
+//!   unsigned integer ([`HashFormat::Int64`]; Dynamo's decoder accepts nothing else), or the
+//!   whole 32-byte page hash as bytes ([`HashFormat::Bytes`]);
+//! - `medium` is `"GPU"`, `"CPU"` or `"STORAGE"`.
 //!
 //! The tests decode these bytes with vLLM's own msgspec classes
 //! (`bindings/tests/vllm_suite/test_vllm_kv_events.py`).
@@ -43,6 +46,25 @@ impl Medium {
             TierKind::Device => Medium::Gpu,
             TierKind::Host => Medium::Cpu,
         }
+    }
+}
+
+/// How block hashes go on the wire.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HashFormat {
+    /// vLLM's default: the low 64 bits of the hash read big-endian (its last 8 bytes).
+    #[default]
+    Int64,
+    /// The whole 32-byte hash as msgpack bytes.
+    Bytes,
+}
+
+impl HashFormat {
+    /// The integer vLLM publishes for a hash under [`HashFormat::Int64`].
+    pub fn int64(h: &PageHash) -> u64 {
+        let mut low = [0u8; 8];
+        low.copy_from_slice(&h.0[24..]);
+        u64::from_be_bytes(low)
     }
 }
 
@@ -131,24 +153,31 @@ pub fn encode_batch(
     ts: f64,
     events: &[WireEvent],
     data_parallel_rank: i64,
+    hashes: HashFormat,
 ) -> Result<Vec<u8>, EncodeError> {
     let mut buf = Vec::with_capacity(64 + events.len() * 96);
-    write_batch(&mut buf, ts, events, data_parallel_rank)?;
+    write_batch(&mut buf, ts, events, data_parallel_rank, hashes)?;
     Ok(buf)
 }
 
-fn write_batch(w: &mut Vec<u8>, ts: f64, events: &[WireEvent], dp: i64) -> Result<(), EncodeError> {
+fn write_batch(
+    w: &mut Vec<u8>,
+    ts: f64,
+    events: &[WireEvent],
+    dp: i64,
+    f: HashFormat,
+) -> Result<(), EncodeError> {
     encode::write_array_len(w, 3)?;
     encode::write_f64(w, ts)?;
     encode::write_array_len(w, len32("events", events.len())?)?;
     for e in events {
-        write_event(w, e)?;
+        write_event(w, e, f)?;
     }
     encode::write_sint(w, dp)?;
     Ok(())
 }
 
-fn write_event(w: &mut Vec<u8>, e: &WireEvent) -> Result<(), EncodeError> {
+fn write_event(w: &mut Vec<u8>, e: &WireEvent, f: HashFormat) -> Result<(), EncodeError> {
     match e {
         WireEvent::BlockStored {
             block_hashes,
@@ -162,10 +191,10 @@ fn write_event(w: &mut Vec<u8>, e: &WireEvent) -> Result<(), EncodeError> {
             encode::write_map_len(w, 8 + u32::from(locality.is_some()))?;
             kv_str(w, "type", "BlockStored")?;
             encode::write_str(w, "block_hashes")?;
-            write_hashes(w, block_hashes)?;
+            write_hashes(w, block_hashes, f)?;
             encode::write_str(w, "parent_block_hash")?;
             match parent_block_hash {
-                Some(h) => encode::write_bin(w, &h.0)?,
+                Some(h) => write_hash(w, h, f)?,
                 None => nil(w)?,
             }
             encode::write_str(w, "token_ids")?;
@@ -195,7 +224,7 @@ fn write_event(w: &mut Vec<u8>, e: &WireEvent) -> Result<(), EncodeError> {
             encode::write_map_len(w, 3 + u32::from(locality.is_some()))?;
             kv_str(w, "type", "BlockRemoved")?;
             encode::write_str(w, "block_hashes")?;
-            write_hashes(w, block_hashes)?;
+            write_hashes(w, block_hashes, f)?;
             kv_str(w, "medium", medium.as_str())?;
             if let Some(l) = locality {
                 kv_str(w, "locality", l.as_str())?;
@@ -218,10 +247,18 @@ fn nil(w: &mut Vec<u8>) -> Result<(), EncodeError> {
     encode::write_nil(w).map_err(|e| EncodeError::Write(e.to_string()))
 }
 
-fn write_hashes(w: &mut Vec<u8>, hs: &[PageHash]) -> Result<(), EncodeError> {
+fn write_hashes(w: &mut Vec<u8>, hs: &[PageHash], f: HashFormat) -> Result<(), EncodeError> {
     encode::write_array_len(w, len32("block_hashes", hs.len())?)?;
     for h in hs {
-        encode::write_bin(w, &h.0)?;
+        write_hash(w, h, f)?;
+    }
+    Ok(())
+}
+
+fn write_hash(w: &mut Vec<u8>, h: &PageHash, f: HashFormat) -> Result<(), EncodeError> {
+    match f {
+        HashFormat::Int64 => encode::write_uint(w, HashFormat::int64(h)).map(|_| ())?,
+        HashFormat::Bytes => encode::write_bin(w, &h.0)?,
     }
     Ok(())
 }

@@ -114,7 +114,12 @@ fn live_stream_and_replay_carry_every_batch_in_order() {
     let want: Vec<(i64, Vec<u8>)> = all
         .iter()
         .enumerate()
-        .map(|(i, b)| (i as i64, encode_batch(ts(i), b, 0).unwrap()))
+        .map(|(i, b)| {
+            (
+                i as i64,
+                encode_batch(ts(i), b, 0, HashFormat::Int64).unwrap(),
+            )
+        })
         .collect();
     let live = c.live();
     assert_eq!(
@@ -137,9 +142,11 @@ fn live_stream_and_replay_carry_every_batch_in_order() {
 
 #[test]
 fn a_subscriber_whose_history_is_gone_recovers_from_a_snapshot() {
+    // whole hashes on the wire, so the decoded snapshot can be compared hash for hash
     let p = Publisher::bind(PublisherConfig {
         block_size: 4,
         buffer_steps: 3,
+        hash_format: HashFormat::Bytes,
         ..Default::default()
     })
     .unwrap();
@@ -155,6 +162,8 @@ fn a_subscriber_whose_history_is_gone_recovers_from_a_snapshot() {
         p.publish(ts(i), b).unwrap();
         b.iter().for_each(|e| truth.apply(e));
     }
+    // the batches reach the publisher thread asynchronously: wait until the last one is out
+    assert_eq!(c.live().last().map(|l| l.0), Some(9));
     let replayed = c.request(0u64.to_be_bytes());
     assert_eq!(
         replayed.first().map(|r| r.0),

@@ -214,6 +214,7 @@ class KvEventPublisher:
         data_parallel_rank: int = 0,
         buffer_steps: int = 10000,
         hwm: int = 100000,
+        block_hashes: str = "int",
     ) -> None: ...
     @property
     def endpoint(self) -> str: ...

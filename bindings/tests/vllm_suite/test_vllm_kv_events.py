@@ -76,7 +76,13 @@ class Subscriber:
         self.ctx.destroy(linger=0)
 
 
-def fold(index, batch: KVEventBatch):
+def wire_hash(h: bytes, fmt: str):
+    """A kvtier page hash as the publisher sends it: vLLM's default integer (the low 64 bits,
+    big-endian) or the whole 32 bytes."""
+    return int.from_bytes(h[24:], "big") if fmt == "int" else bytes(h)
+
+
+def fold(index, batch: KVEventBatch, fmt="int"):
     """What a router's index does with one batch: {medium: {hash: tokens}}."""
     for e in batch.events:
         if isinstance(e, AllBlocksCleared):
@@ -85,7 +91,10 @@ def fold(index, batch: KVEventBatch):
             assert len(e.token_ids) == len(e.block_hashes) * e.block_size
             assert e.medium in ("GPU", "CPU")
             for i, h in enumerate(e.block_hashes):
-                assert isinstance(h, bytes) and len(h) == 32
+                if fmt == "int":
+                    assert isinstance(h, int) and 0 <= h < 1 << 64
+                else:
+                    assert isinstance(h, bytes) and len(h) == 32
                 index.setdefault(e.medium, {})[h] = list(e.token_ids[i * e.block_size:(i + 1) * e.block_size])
         elif isinstance(e, BlockRemoved):
             for h in e.block_hashes:
@@ -95,14 +104,14 @@ def fold(index, batch: KVEventBatch):
     return index
 
 
-def truth(s):
+def truth(s, fmt="int"):
     """The scheduler's own resident state in the same shape."""
     out = {}
     for ev in s.resident_kv_events():
         medium = {"device": "GPU", "host": "CPU"}[ev["tier"]]
         toks = ev["tokens"].tolist()
         for i, h in enumerate(ev["hashes"]):
-            out.setdefault(medium, {})[bytes(h)] = toks[i * PS:(i + 1) * PS]
+            out.setdefault(medium, {})[wire_hash(bytes(h), fmt)] = toks[i * PS:(i + 1) * PS]
     return out
 
 
@@ -122,10 +131,11 @@ def workload(e, pub, s, rounds=6):
     return seqs
 
 
-def test_vllm_decodes_every_batch_and_a_router_index_matches_the_cache():
+@pytest.mark.parametrize("fmt", ["int", "bytes"])
+def test_vllm_decodes_every_batch_and_a_router_index_matches_the_cache(fmt):
     s = kvtier.Scheduler(config())
     e = Engine(s)
-    with kvtier.KvEventPublisher(block_size=PS, topic="kvtier") as pub:
+    with kvtier.KvEventPublisher(block_size=PS, topic="kvtier", block_hashes=fmt) as pub:
         sub = Subscriber(pub)
         try:
             seqs = workload(e, pub, s)
@@ -135,8 +145,8 @@ def test_vllm_decodes_every_batch_and_a_router_index_matches_the_cache():
             index = {}
             for _, b in live:
                 assert isinstance(b, KVEventBatch) and b.data_parallel_rank == 0
-                fold(index, b)
-            want = truth(s)
+                fold(index, b, fmt)
+            want = truth(s, fmt)
             assert index == want
             assert set(want) == {"GPU", "CPU"}, "the workload should have left pages on both tiers"
             assert pub.resident_blocks == sum(len(v) for v in want.values())
@@ -160,7 +170,7 @@ def test_a_late_subscriber_rebuilds_the_index_from_one_snapshot():
             (seq, snap), = sub.request(SNAPSHOT)
             assert seq == history[-1][0], "the snapshot is as of the last batch"
             assert isinstance(snap.events[0], AllBlocksCleared)
-            assert fold({"GPU": {b"stale" * 6 + b"xx": [0] * PS}}, snap) == truth(s)
+            assert fold({"GPU": {12345: [0] * PS}}, snap) == truth(s)
         finally:
             sub.close()
 
@@ -189,6 +199,8 @@ def test_bad_endpoints_and_closed_publishers_are_typed_errors():
         kvtier.KvEventPublisher(replay_endpoint="no-such-transport://x")
     with pytest.raises(kvtier.EventsError):
         kvtier.KvEventPublisher(buffer_steps=0)
+    with pytest.raises(ValueError, match="block_hashes"):
+        kvtier.KvEventPublisher(block_hashes="hex")
     pub = kvtier.KvEventPublisher(replay_endpoint=None)
     assert pub.replay_endpoint is None
     taken = pub.endpoint
