@@ -1,0 +1,686 @@
+"""kvtier decides SGLang's cache: a radix-cache backend (``--radix-cache-backend kvtier``).
+
+Why: with the storage backend (``storage.py``) SGLang's HiCache decides what the host tier
+and L3 keep, evict, load and prefetch, and kvtier only stores bytes. Here kvtier decides:
+SGLang keeps its device tree (``RadixCache``: device matching, locks, device eviction), and
+kvtier's ``OffloadManager`` owns the tiers below it: which pages go to host and which host
+pages are evicted for them (kvtier's eviction policies and tenant caps), which host pages
+are backed up to L3 (write-through) and which L3 pages are prefetched to host, under
+kvtier's namespaces (model, dtype, page size, parallel shape, tenant; the page hashes are
+salted by the request's ``cache_salt`` and LoRA ``extra_key``, so two models or salts never
+share bytes).
+
+How (the two-phase pattern of SGLang's ``FlexKVRadixCache``):
+
+- ``match_prefix`` matches the device tree, then asks kvtier how many following pages are
+  on host (``host_hit_length``); pages L3 holds beyond the host prefix (known from kvtier's
+  backups or from a probe of the store) start a prefetch into host slots and are *not*
+  reported: admission never waits for L3, the request's next match sees them on host.
+- ``init_load_back`` (called by SGLang's ``PrefillAdder``) allocates device slots, copies
+  the host pages in and inserts them into the device tree; all promised pages or none (a
+  page evicted from host meanwhile: ``(0, node)``, the request recomputes).
+- ``checkpoint`` (SGLang's insert) stores the request's new device pages to host slots
+  kvtier hands out (write-through to host).
+- ``flush_pending_backups`` (SGLang calls it after every batch) is the per-step hook: it
+  finishes L3 reads and writes and starts the backups kvtier plans.
+
+Bytes: a host page is the page's rows of every device KV buffer (K and V of each layer; the
+latent buffer for MLA), as bytes, in a host pool this class owns (pinned where the device
+is a GPU, plain on CPU); copies are plain torch index copies. An L3 object is one host page
+under ``{namespace}:{page hash}:{tp rank}``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+import kvtier
+
+from ..mooncake_compat._setup import parse_size
+from ..namespace import l3_namespace
+from .storage import ENV_ADDR, ENV_TOKEN, SGLangBackendError
+
+logger = logging.getLogger(__name__)
+
+ENV_CONFIG = "KVTIER_SGLANG_CONFIG"
+BACKEND_NAME = "kvtier"
+_U32 = 1 << 32
+
+
+class RadixConfigError(SGLangBackendError):
+    """A bad kvtier radix-backend config (raised at startup, before anything is built)."""
+
+
+class UnsupportedModelError(RadixConfigError):
+    """A model or mode this backend does not serve (SWA, Mamba, DSA, speculative bigram keys)."""
+
+
+class UnsupportedPageSizeError(RadixConfigError):
+    """A page size SGLang allows but kvtier cannot serve: one page's bytes over the L3
+    store's largest object (kvtier stores a page as one object), or no host page fits."""
+
+
+@dataclass(frozen=True)
+class RadixBackendConfig:
+    """The backend's options (JSON in ``$KVTIER_SGLANG_CONFIG``; docs/sglang.md).
+
+    - ``host_bytes`` (text sizes as Mooncake's, default "4GB") or ``host_pages``: the host pool;
+    - ``policy``: kvtier's host eviction policy ("lru", "freq-depth", "adaptive");
+    - ``l3``: "off", "embedded" or "server" (default: "server" when ``server`` or
+      ``$KVTIER_L3_ADDR`` is set, else "off"); ``server``, ``token``, ``rpc_timeout_ms``;
+      ``segment_bytes`` and ``name`` for an embedded store;
+    - ``tenant`` (default "default"), ``tenant_caps`` (``{tenant: host pages}``);
+    - ``io_threads``: 1 (default) runs L3 I/O on a worker thread, 0 at the per-step hook;
+    - ``probe_l3``: probe the store for pages other engines stored (default on);
+    - ``prefetch_wait_ms``: how long, in all, one request's matches may wait for its own
+      prefetch (default 20; 0: never, its prefetched pages serve later requests); other
+      requests are never held by it.
+    """
+
+    host_bytes: Optional[str] = None
+    host_pages: Optional[int] = None
+    policy: str = "lru"
+    l3: Optional[str] = None
+    server: Optional[str] = None
+    token: Optional[str] = None
+    rpc_timeout_ms: int = 120_000
+    segment_bytes: str = "1GB"
+    name: str = ""
+    tenant: str = "default"
+    tenant_caps: Dict[str, int] = field(default_factory=dict)
+    io_threads: int = 1
+    probe_l3: bool = True
+    prefetch_wait_ms: int = 20
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "RadixBackendConfig":
+        if not isinstance(d, dict):
+            raise RadixConfigError(f"the kvtier config is a JSON object, not {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise RadixConfigError(f"unknown kvtier config keys {unknown} (known: {sorted(known)})")
+        try:
+            cfg = cls(**d)
+        except TypeError as e:
+            raise RadixConfigError(str(e)) from None
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_env(cls) -> "RadixBackendConfig":
+        raw = os.environ.get(ENV_CONFIG, "")
+        if not raw.strip():
+            return cls.from_dict({})
+        try:
+            return cls.from_dict(json.loads(raw))
+        except json.JSONDecodeError as e:
+            raise RadixConfigError(f"${ENV_CONFIG} is not JSON: {e}") from None
+
+    def validate(self) -> None:
+        if self.host_pages is not None and (not isinstance(self.host_pages, int) or self.host_pages <= 0):
+            raise RadixConfigError(f"host_pages must be a positive int, got {self.host_pages!r}")
+        if self.host_bytes is not None and not parse_size(self.host_bytes):
+            raise RadixConfigError(f"bad host_bytes {self.host_bytes!r}")
+        if self.l3 not in (None, "off", "embedded", "server"):
+            raise RadixConfigError(f"l3 is 'off', 'embedded' or 'server', got {self.l3!r}")
+        if not isinstance(self.prefetch_wait_ms, int) or self.prefetch_wait_ms < 0:
+            raise RadixConfigError(f"prefetch_wait_ms must be a non-negative int, got {self.prefetch_wait_ms!r}")
+        if self.io_threads not in (0, 1):
+            raise RadixConfigError(f"io_threads is 0 or 1, got {self.io_threads!r}")
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise RadixConfigError("tenant must be a non-empty str")
+        if not isinstance(self.tenant_caps, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in self.tenant_caps.items()
+        ):
+            raise RadixConfigError("tenant_caps maps tenant names to positive page counts")
+        if self.policy not in ("lru", "freq-depth", "adaptive"):
+            raise RadixConfigError(f"policy is 'lru', 'freq-depth' or 'adaptive', got {self.policy!r}")
+        if self.l3 == "server" and not (self.server or os.environ.get(ENV_ADDR)):
+            raise RadixConfigError(f"l3 'server' needs server or ${ENV_ADDR}")
+
+    def l3_mode(self) -> str:
+        if self.l3 is not None:
+            return self.l3
+        return "server" if (self.server or os.environ.get(ENV_ADDR)) else "off"
+
+
+def device_buffers(kvcache: Any) -> List[torch.Tensor]:
+    """The device KV pool's per-layer buffers as ``[token slots, row bytes]`` uint8 views:
+    K then V of each layer (MHA), or the latent buffer of each layer (MLA)."""
+    if hasattr(kvcache, "k_buffer") and hasattr(kvcache, "v_buffer"):
+        bufs = list(kvcache.k_buffer) + list(kvcache.v_buffer)
+    elif hasattr(kvcache, "kv_buffer") and isinstance(kvcache.kv_buffer, (list, tuple)):
+        bufs = list(kvcache.kv_buffer)
+    else:
+        raise UnsupportedModelError(f"device KV pool {type(kvcache).__name__} (MHA and MLA pools only)")
+    out = []
+    for b in bufs:
+        if not isinstance(b, torch.Tensor) or not b.is_contiguous():
+            raise UnsupportedModelError(f"device KV pool {type(kvcache).__name__}: a buffer is not a contiguous tensor")
+        out.append(b.view(b.shape[0], -1).view(torch.uint8))
+    return out
+
+
+@dataclass
+class _Marker:
+    """From a host-hit ``match_prefix`` to its ``init_load_back``: the host-resident chain and a
+    detached key of it (the live key aliases ``req.fill_ids``)."""
+
+    chain: List[bytes]
+    key: RadixKey
+    device_len: int
+
+
+@dataclass
+class _Job:
+    kind: str  # "prefetch" | "backup"
+    job: int
+    pages: int
+    run: Callable[[], Any]
+    future: Optional[Future] = None
+    handle: Any = None
+    page_hashes: Optional[List[bytes]] = None
+
+
+@dataclass
+class HitRecord:
+    """Where one request's cached prefix came from, in tokens."""
+
+    rid: str
+    device: int = 0
+    host: int = 0
+    l3: int = 0
+
+
+@dataclass
+class Counters:
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    l3_hit_tokens: int = 0
+    load_backs: int = 0
+    load_back_fallbacks: int = 0
+    stored_pages: int = 0
+    prefetches: int = 0
+    prefetched_pages: int = 0
+    prefetch_lost_pages: int = 0
+    backups: int = 0
+    backed_up_pages: int = 0
+    backup_failures: int = 0
+    probes: int = 0
+    store_errors: int = 0
+
+
+class KvtierRadixCache(RadixCache):
+    """SGLang's ``RadixCache`` (the device tree) with kvtier deciding host and L3 (module doc)."""
+
+    def __init__(
+        self,
+        params: Any,
+        config: Optional[RadixBackendConfig] = None,
+        *,
+        model: str = "",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        store: Optional[kvtier.L3Store] = None,
+    ) -> None:
+        cfg = config if config is not None else RadixBackendConfig.from_env()
+        if params.page_size <= 0:
+            raise UnsupportedPageSizeError(f"page_size {params.page_size}")
+        if getattr(params, "is_eagle", False):
+            raise UnsupportedModelError("EAGLE's bigram keys are not served (kvtier pages hash plain tokens)")
+        if getattr(params, "sliding_window_size", None):
+            raise UnsupportedModelError("sliding-window (SWA) models are not served: full-attention models only")
+        if tp_size != 1:
+            raise RadixConfigError(f"tensor parallelism (tp_size {tp_size}) is not served yet: tp_size 1 only")
+        kv = params.token_to_kv_pool_allocator.get_kvcache()
+        bufs = device_buffers(kv)
+        ps = int(params.page_size)
+        self._offsets = np.cumsum([0] + [b.shape[1] * ps for b in bufs]).tolist()
+        page_bytes = int(self._offsets[-1])
+        if cfg.host_pages is not None:
+            slots = cfg.host_pages
+        else:
+            slots = parse_size(cfg.host_bytes or "4GB") // page_bytes
+        if slots <= 0:
+            raise UnsupportedPageSizeError(
+                f"a page is {page_bytes} bytes ({ps} tokens): no host page fits in host_bytes {cfg.host_bytes!r}"
+            )
+        mode = cfg.l3_mode()
+        if store is None and mode == "embedded":
+            seg = parse_size(cfg.segment_bytes)
+            if not seg:
+                raise RadixConfigError(f"bad segment_bytes {cfg.segment_bytes!r}")
+            store = kvtier.L3Store.embedded(seg, tenant=cfg.tenant, name=cfg.name)
+        elif store is None and mode == "server":
+            addr = cfg.server or os.environ[ENV_ADDR]
+            store = kvtier.L3Store.connect(
+                str(addr), token=cfg.token or os.environ.get(ENV_TOKEN), tenant=cfg.tenant,
+                rpc_timeout_ms=int(cfg.rpc_timeout_ms),
+            )
+        dtype = str(getattr(kv, "dtype", "")).replace("torch.", "")
+        kind = "mha" if hasattr(kv, "k_buffer") else "mla"
+        layout = f"sglang-radix.{kind}.ps{ps}.rows{'-'.join(str(b.shape[1]) for b in bufs)}.tp{tp_size}"
+        self.namespace = l3_namespace(model, dtype, layout, cfg.tenant)
+        if store is not None:
+            self._check_page_fits(store, page_bytes, ps)
+        super().__init__(params)
+        self.config = cfg
+        self.model = model
+        self.tp_rank = tp_rank
+        self.store = store
+        self.page_bytes = page_bytes
+        self.host_slots = slots
+        self._bufs = bufs
+        pin = any(b.device.type == "cuda" for b in bufs) and torch.cuda.is_available()
+        self.host = torch.zeros((slots, page_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._host_flat = self.host.numpy().reshape(-1)
+        self.counters = Counters()
+        self.hit_log: Deque[HitRecord] = collections.deque(maxlen=4096)
+        self._hits: Dict[str, HitRecord] = {}
+        self._markers: Dict[Any, _Marker] = {}
+        self._probed: Dict[Any, int] = {}
+        self._waited: Dict[Any, float] = {}
+        self._jobs: List[_Job] = []
+        self._from_l3: set = set()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-l3") if cfg.io_threads and store else None
+        self._new_manager()
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def _new_manager(self) -> None:
+        self.manager = kvtier.OffloadManager(
+            self.host_slots, self.config.policy, "write-through" if self.store is not None else "off"
+        )
+        for tenant, cap in self.config.tenant_caps.items():
+            self.manager.set_tenant_cap(tenant, cap)
+
+    def _check_page_fits(self, store: kvtier.L3Store, page_bytes: int, ps: int) -> None:
+        """One page is one L3 object: a store that refuses an object of a page's size cannot
+        serve this page size (``UnsupportedPageSizeError`` at startup, not at the first backup)."""
+        key = f"{self.namespace}:kvtier-page-size-check"
+        try:
+            store.put(key, np.zeros(page_bytes, np.uint8))
+        except kvtier.ObjectAlreadyExistsError:
+            pass
+        except kvtier.L3Error as e:
+            raise UnsupportedPageSizeError(
+                f"page_size {ps}: a page is {page_bytes} bytes, which the L3 store refuses to hold ({e})"
+            ) from None
+        try:
+            store.remove(key, True)
+        except kvtier.L3Error:
+            pass
+
+    def reset(self) -> None:
+        super().reset()
+        if hasattr(self, "manager"):  # RadixCache.__init__ resets before our fields exist
+            self._drain_io()
+            self._markers.clear()
+            self._probed.clear()
+            self._waited.clear()
+            self._from_l3.clear()
+            self._new_manager()
+
+    def shutdown(self) -> None:
+        self._drain_io()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # ---- keys --------------------------------------------------------------------------
+
+    def _tenant(self, salt: Optional[str]) -> Optional[str]:
+        return None if not salt else f"salt-{salt}"
+
+    def _chain(self, tokens: Any, extra_key: Optional[str], salt: Optional[str]) -> Optional[List[bytes]]:
+        toks = np.asarray(tokens, dtype=np.int64)
+        n = (len(toks) // self.page_size) * self.page_size
+        if n == 0 or toks.min(initial=0) < 0 or toks.max(initial=0) >= _U32:
+            return None  # kvtier pages hash u32 tokens: anything else stays device-only
+        h = kvtier.page_hashes(toks[:n].astype(np.uint32), self.page_size, cache_salt=salt or None,
+                               adapter=extra_key or None)
+        return [bytes(r) for r in h]
+
+    def l3_keys(self, chain: List[bytes]) -> List[str]:
+        return [f"{self.namespace}:{h.hex()}:{self.tp_rank}" for h in chain]
+
+    # ---- bytes -------------------------------------------------------------------------
+
+    def _copy_to_host(self, dev_idx: torch.Tensor, slots: List[int]) -> None:
+        n, ps = len(slots), self.page_size
+        idx = dev_idx.to(torch.int64)
+        dst = torch.as_tensor(slots, dtype=torch.int64)
+        for b, lo, hi in zip(self._bufs, self._offsets, self._offsets[1:]):
+            rows = b.index_select(0, idx.to(b.device)).reshape(n, ps * b.shape[1])
+            self.host[dst, lo:hi] = rows.to("cpu")
+
+    def _copy_to_device(self, slots: List[int], dev_idx: torch.Tensor) -> None:
+        n, ps = len(slots), self.page_size
+        src = torch.as_tensor(slots, dtype=torch.int64)
+        for b, lo, hi in zip(self._bufs, self._offsets, self._offsets[1:]):
+            rows = self.host[src, lo:hi].reshape(n * ps, b.shape[1])
+            b.index_copy_(0, dev_idx.to(device=b.device, dtype=torch.int64), rows.to(b.device))
+
+    # ---- match and load ----------------------------------------------------------------
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        base = super().match_prefix(params)
+        req = params.req
+        if self.disable or req is None or len(params.key) == 0:
+            return base
+        key = params.key.page_aligned(self.page_size)
+        tokens = key.raw_token_ids()[: len(key)]
+        handle = req.cache_request_handle
+        rec = self._hits[req.rid] = HitRecord(req.rid, device=base.device_prefix_len)
+        self._markers.pop(handle, None)
+        chain = self._chain(tokens, key.extra_key, key.cache_salt)
+        if chain is None:
+            return base
+        d = base.device_prefix_len // self.page_size
+        h = self.manager.host_prefix(chain)
+        if self.store is not None and h < len(chain):
+            self._maybe_prefetch(handle, chain, h, d, self._tenant(key.cache_salt))
+            if self._await_prefetch(handle):
+                h = self.manager.host_prefix(chain)
+        if h <= d:
+            return base
+        rec.host = (h - d) * self.page_size
+        snap = RadixKey(tokens[: h * self.page_size], key.extra_key, cache_salt=key.cache_salt)
+        self._markers[handle] = _Marker(chain[:h], snap, base.device_prefix_len)
+        return base._replace(host_hit_length=(h - d) * self.page_size)
+
+    def _maybe_prefetch(self, handle: Any, chain: List[bytes], h: int, d: int, tenant: Optional[str]) -> None:
+        state = self.manager.lookup(chain, h)
+        if state == "miss" and self.config.probe_l3 and self._probed.get(handle) != h:
+            self._probed[handle] = h
+            self.counters.probes += 1
+            try:
+                found = np.asarray(self.store.batch_is_exist(self.l3_keys(chain[h:])))
+            except kvtier.L3Error as e:
+                self.counters.store_errors += 1
+                logger.warning("kvtier: L3 probe failed: %r", e)
+                return
+            run = int(np.argmin(found == 1)) if not (found == 1).all() else len(found)
+            if run:
+                self.manager.l3_found(chain[h:h + run])
+                state = "in-l3"
+        if state != "in-l3":
+            return
+        plan = self.manager.prepare_prefetch(chain, h, tenant)
+        if plan is None:
+            return
+        job, first, slots, _evicted = plan
+        pages = chain[first:first + len(slots)]
+        keys = self.l3_keys(pages)
+        store, flat, pb = self.store, self._host_flat, self.page_bytes
+        ids = np.asarray(slots, dtype=np.int64)
+
+        def read() -> int:
+            codes = np.asarray(store.batch_get_pages(keys, flat, ids, pb))
+            ok = codes == pb
+            return int(np.argmin(ok)) if not ok.all() else len(ok)
+
+        self.counters.prefetches += 1
+        self._start(_Job("prefetch", job, len(slots), read, handle=handle, page_hashes=pages))
+
+    def _await_prefetch(self, handle: Any) -> bool:
+        """Waits for this request's prefetch within its budget (``prefetch_wait_ms`` over all
+        its matches); True when it finished."""
+        budget = self.config.prefetch_wait_ms / 1000 - self._waited.get(handle, 0.0)
+        jobs = [j for j in self._jobs if j.handle == handle]
+        if budget <= 0 or not jobs:
+            return False
+        t0 = time.perf_counter()
+        done = True
+        for j in jobs:
+            if j.future is None:
+                try:
+                    r, e = j.run(), None
+                except Exception as ex:  # noqa: BLE001 (typed in _finish)
+                    r, e = None, ex
+            else:
+                try:
+                    r = j.future.result(timeout=max(budget - (time.perf_counter() - t0), 0))
+                    e = None
+                except FutureTimeout:
+                    done = False
+                    continue
+                except Exception as ex:  # noqa: BLE001
+                    r, e = None, ex
+            self._jobs.remove(j)
+            self._finish(j, r, e)
+        self._waited[handle] = self._waited.get(handle, 0.0) + time.perf_counter() - t0
+        return done
+
+    def init_load_back(self, params: InitLoadBackParams) -> Tuple[int, Any]:
+        req = params.req
+        last = params.best_match_node
+        marker = self._markers.pop(req.cache_request_handle, None) if req is not None else None
+        want = int(params.host_hit_length)
+        if marker is None or want <= 0:
+            return 0, last
+        ps = self.page_size
+        to = (marker.device_len + want) // ps
+        if to > len(marker.chain):
+            return self._fallback(req, last)
+        # The device tree may have grown since the match (another request of this step
+        # loaded the same pages): load only what it still lacks, under the deepest node.
+        cur = super().match_prefix(MatchPrefixParams(key=marker.key[: to * ps]))
+        start, node = cur.device_prefix_len // ps, cur.last_device_node
+        if start >= to:
+            self._account_load(req, marker.chain, want, 0, to)
+            return want, node
+        try:
+            job, slots = self.manager.prepare_load(marker.chain, start, to)
+        except kvtier.OffloadManagerError:
+            return self._fallback(req, last)  # evicted from host since the match
+        need = (to - start) * ps
+        self.inc_lock_ref(node)
+        try:
+            if self.token_to_kv_pool_allocator.available_size() < need:
+                self.evict(EvictParams(num_tokens=need))
+            dev = self.token_to_kv_pool_allocator.alloc(need)
+        finally:
+            self.dec_lock_ref(node)
+        if dev is None:
+            self.manager.complete_load(job)
+            return self._fallback(req, last)
+        try:
+            self._copy_to_device(slots, dev)
+        finally:
+            self.manager.complete_load(job)
+        self.manager.touch(marker.chain[:to])
+        new = TreeNode(priority=node.priority)
+        new.key = marker.key[start * ps:to * ps]
+        new.value = dev.to(torch.int64)
+        new.parent = node
+        node.children[new.key.child_key(ps)] = new
+        self.evictable_size_ += need
+        self._update_leaf_status(node)
+        self._update_leaf_status(new)
+        self.kv_events.record_store(new)
+        self._account_load(req, marker.chain, want, start, to)
+        return want, new
+
+    def _fallback(self, req: Any, last: Any) -> Tuple[int, Any]:
+        self.counters.load_back_fallbacks += 1
+        rec = self._hits.get(req.rid) if req is not None else None
+        if rec is not None:
+            rec.host = rec.l3 = 0
+        return 0, last
+
+    def _account_load(self, req: Any, chain: List[bytes], want: int, start: int, to: int) -> None:
+        self.counters.load_backs += 1
+        from_l3 = 0
+        for h in chain[start:to]:
+            if h in self._from_l3:
+                self._from_l3.discard(h)
+                from_l3 += self.page_size
+        rec = self._hits.setdefault(req.rid, HitRecord(req.rid))
+        rec.l3, rec.host = from_l3, want - from_l3
+        # SGLang's own per-tier hit metrics (PrefillAdder's log_*_hit_tokens) read these.
+        req.storage_hit_length = from_l3
+        req.storage_hit_start = None
+        req.host_hit_is_storage = False
+
+    # ---- store -------------------------------------------------------------------------
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        super().checkpoint(req, up_to=up_to)
+        if self.disable:
+            return
+        n = req.kv.cache_protected_len
+        tokens = req.full_untruncated_fill_ids[:n]
+        chain = self._chain(tokens, req.extra_key, req.cache_salt)
+        if chain is None:
+            return
+        plan = self.manager.prepare_store(chain, len(chain), self._tenant(req.cache_salt))
+        if plan is None:
+            return
+        job, first, slots, _evicted = plan
+        ps = self.page_size
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        try:
+            self._copy_to_host(row[first * ps:(first + len(slots)) * ps], slots)
+        except Exception:
+            self.manager.complete_store(job, "failed")
+            raise
+        self.manager.complete_store(job, "done")
+        self.counters.stored_pages += len(slots)
+
+    # ---- the per-step hook: L3 I/O ------------------------------------------------------
+
+    def _start(self, job: _Job) -> None:
+        if self._pool is not None:
+            job.future = self._pool.submit(job.run)
+        self._jobs.append(job)
+
+    def _finish(self, job: _Job, result: Any, err: Optional[BaseException]) -> None:
+        if isinstance(err, kvtier.L3Error):
+            self.counters.store_errors += 1
+            logger.warning("kvtier: L3 %s failed: %r", job.kind, err)
+        elif err is not None:
+            raise err
+        if job.kind == "prefetch":
+            done = 0 if err is not None else int(result)
+            self.manager.complete_prefetch(job.job, done)
+            self._from_l3.update((job.page_hashes or [])[:done])
+            self.counters.prefetched_pages += done
+            self.counters.prefetch_lost_pages += job.pages - done
+        else:
+            ok = err is None and bool(result)
+            self.manager.complete_backup(job.job, "done" if ok else "failed")
+            if ok:
+                self.counters.backed_up_pages += job.pages
+            else:
+                self.counters.backup_failures += 1
+
+    def _poll_io(self, block: bool) -> None:
+        keep = []
+        for job in self._jobs:
+            if job.future is None:
+                try:
+                    r, e = job.run(), None
+                except Exception as ex:  # noqa: BLE001 (typed below)
+                    r, e = None, ex
+            elif block or job.future.done():
+                e = job.future.exception()
+                r = None if e is not None else job.future.result()
+            else:
+                keep.append(job)
+                continue
+            self._finish(job, r, e)
+        self._jobs = keep
+
+    def _drain_io(self) -> None:
+        while self._jobs:
+            self._poll_io(block=True)
+
+    def flush_pending_backups(self) -> None:
+        """SGLang's per-step hook: finishes the L3 reads and writes that are done, then starts
+        the backups kvtier plans (host pages L3 lacks)."""
+        if self.store is None:
+            return
+        self._poll_io(block=False)
+        for job, pages, slots in self.manager.plan_backups():
+            keys = self.l3_keys(list(pages))
+            store, flat, pb = self.store, self._host_flat, self.page_bytes
+            ids = np.asarray(slots, dtype=np.int64)
+
+            def write(keys=keys, ids=ids) -> bool:
+                codes = np.asarray(store.batch_put_pages(keys, flat, ids, pb))
+                return bool(((codes == 0) | (codes == _EXISTS)).all())
+
+            self.counters.backups += 1
+            self._start(_Job("backup", job, len(pages), write))
+
+    def wait_io(self) -> None:
+        """Finishes every L3 read and write in flight (tests, shutdown)."""
+        self._drain_io()
+
+    # ---- metrics -----------------------------------------------------------------------
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        self._markers.pop(req.cache_request_handle, None)
+        self._probed.pop(req.cache_request_handle, None)
+        self._waited.pop(req.cache_request_handle, None)
+        rec = self._hits.pop(req.rid, None)
+        if rec is None:
+            return
+        self.hit_log.append(rec)
+        self.counters.device_hit_tokens += rec.device
+        self.counters.host_hit_tokens += rec.host
+        self.counters.l3_hit_tokens += rec.l3
+
+    def release_aborted_request(self, handle: Any) -> None:
+        self._markers.pop(handle, None)
+        self._probed.pop(handle, None)
+        self._waited.pop(handle, None)
+
+    def stats(self) -> Dict[str, Any]:
+        """Cumulative counters, the host pool's use (kvtier's ``usage``)."""
+        out: Dict[str, Any] = dict(vars(self.counters))
+        out.update({f"host_{k}": v for k, v in self.manager.usage().items()})
+        return out
+
+
+_EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
+
+
+def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
+    """SGLang's ``TreeCacheBuildContext`` → the backend; refuses what it cannot serve with a
+    typed error at startup (hybrid SWA, Mamba, DSA models; HiCache on top)."""
+    if ctx.is_hybrid_swa:
+        raise UnsupportedModelError("hybrid sliding-window (SWA) models are not served: full-attention models only")
+    if ctx.is_hybrid_ssm:
+        raise UnsupportedModelError("Mamba (hybrid SSM) models are not served: full-attention models only")
+    if getattr(ctx, "is_dsa", False):
+        raise UnsupportedModelError("DSA (sparse attention) models are not served")
+    if ctx.enable_hierarchical_cache:
+        raise RadixConfigError(
+            "--enable-hierarchical-cache puts SGLang's HiCache over the host tier kvtier decides: drop it "
+            "(or use kvtier as HiCache's storage backend instead)"
+        )
+    model = getattr(ctx.model_config, "model_path", None) or getattr(ctx.server_args, "model_path", "") or ""
+    return KvtierRadixCache(ctx.params, RadixBackendConfig.from_env(), model=str(model),
+                            tp_rank=int(ctx.tp_rank), tp_size=int(ctx.tp_size))

@@ -1,0 +1,239 @@
+"""kvtier as SGLang's radix-cache backend (``--radix-cache-backend kvtier``) against the real
+sglang 0.5.23 on CPU: SGLang's own admission (``PrefillAdder``), allocator, KV and
+request-to-token pools, ``prepare_for_extend`` and ``release_kv_cache`` drive it
+(``sglang_engine.Engine``), and every reused prefix row is checked against the KV its tokens
+were computed with, so a page loaded from the wrong slot or another model's bytes fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvtier
+from sglang_engine import Engine, Mismatch, oracle, publish_server_args, sglang_radix
+
+from kvtier.sglang import radix as kr
+
+PS = 4
+
+
+def kvtier_cache(**cfg):
+    store = cfg.pop("store", None)
+    model = cfg.pop("model", "model-a")
+    cfg.setdefault("io_threads", 0)
+    conf = kr.RadixBackendConfig.from_dict(cfg)
+    return lambda params: kr.KvtierRadixCache(params, conf, model=model, store=store)
+
+
+def prompts(seed, n, length, vocab=50_000):
+    g = np.random.default_rng(seed)
+    return [g.integers(1, vocab, length).tolist() for _ in range(n)]
+
+
+def test_prefixes_come_back_from_host_when_the_device_pool_is_too_small():
+    """Four 24-token prompts through a 40-token device pool, twice: SGLang's RadixCache has
+    evicted the first round by the second (no hits); with kvtier the second round's prefixes
+    come back from host, and each loaded row holds the KV it was computed with."""
+    ps = prompts(1, 4, 24)
+    runs = {}
+    for name, cache in (("sglang", sglang_radix), ("kvtier", kvtier_cache(host_pages=64))):
+        e = Engine(cache, device_tokens=40)
+        e.run([e.request(p) for p in ps])
+        first = list(e.prefix_hits)
+        e.run([e.request(p) for p in ps])
+        e.check_pools()
+        runs[name] = (first, e.prefix_hits[len(first):], e)
+    assert runs["sglang"][0] == [0] * 4 and runs["kvtier"][0] == [0] * 4
+    assert sum(runs["sglang"][1]) < 24 * 4 / 2, "SGLang alone lost most of round one"
+    # SGLang computes a prompt's last token: 20 of 24 tokens (whole pages) is the most a hit gives.
+    assert runs["kvtier"][1] == [20] * 4, "every prompt's pages came back (device or host)"
+    e = runs["kvtier"][2]
+    st_ = e.cache.stats()
+    assert st_["host_hit_tokens"] == 80 and st_["load_backs"] == 4 and e.checked_rows == 80
+    # SGLang's own per-tier admission metrics see the host hits kvtier reported.
+    assert e.adder_hits["host"] == st_["host_hit_tokens"]
+    e.cache.manager.check()
+
+
+def test_a_corrupted_host_page_is_caught_by_the_oracle():
+    """The check can fail: flip one host byte and the reload is a Mismatch."""
+    p = prompts(2, 1, 16)[0]
+    e = Engine(kvtier_cache(host_pages=16), device_tokens=32)
+    e.run([e.request(p)])
+    e.run([e.request(q) for q in prompts(3, 1, 20)])  # pushes p off the device
+    e.cache.host.view(-1)[3] ^= 0x40
+    with pytest.raises(Mismatch):
+        e.run([e.request(p)])
+
+
+def test_two_requests_of_one_step_sharing_a_host_prefix():
+    """Both match the same host pages in one step; the first load inserts them, the second
+    must use those device pages, not insert a second copy under the same node."""
+    base = prompts(4, 1, 16)[0]
+    e = Engine(kvtier_cache(host_pages=32), device_tokens=48)
+    e.run([e.request(base)])
+    e.run([e.request(q) for q in prompts(5, 2, 20)])  # base off the device
+    a, b = e.request(base + [1, 2, 3, 4]), e.request(base + [5, 6, 7, 8])
+    admitted = e.step([a, b])
+    assert len(admitted) == 2 and [a.prefix_len, b.prefix_len] == [16, 16]
+    e.check_pools()
+    e.cache.manager.check()
+
+
+def test_eviction_under_pressure_never_evicts_a_locked_page():
+    """A request keeps its prefix locked while SGLang admits others that need the space: the
+    locked pages stay on device (same slots, same bytes) whatever is evicted for them."""
+    e = Engine(kvtier_cache(host_pages=64), device_tokens=48)
+    p = prompts(6, 1, 16)[0]
+    e.run([e.request(p)])
+    holder = e.request(p + [9, 9, 9, 9])
+    holder.init_next_round_input(e.cache)
+    lock = e.cache.lock(holder.last_node)
+    slots = e.cache.path_device_indices(holder.last_node).clone()
+    e.run([e.request(q) for q in prompts(7, 6, 24)])
+    assert torch.equal(e.cache.path_device_indices(holder.last_node), slots)
+    row = slots.to(torch.int64)
+    got = e.kv.k_buffer[0][row].reshape(len(row), 8)[:, 0]
+    assert torch.equal(got, oracle("model-a", None, p))
+    e.cache.unlock(lock)
+    e.check_pools()
+
+
+@pytest.fixture
+def l3server():
+    s = kvtier.L3Server(1 << 24)
+    yield s
+    s.shutdown()
+
+
+def test_a_second_engine_on_the_same_server_hits_the_firsts_prefixes(l3server):
+    """Engine one backs its host pages up to a kvtier-l3 server; engine two (its own device
+    and host tiers, empty) finds them in L3, prefetches and loads them: bytes as stored."""
+    ps = prompts(8, 3, 24)
+    one = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    one.run([one.request(p) for p in ps])
+    one.cache.wait_io()
+    one.cache.flush_pending_backups()
+    one.cache.wait_io()
+    assert one.cache.stats()["backed_up_pages"] == 18
+    two = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    two.run([two.request(p) for p in ps])
+    assert two.prefix_hits == [20] * 3
+    s = two.cache.stats()
+    assert s["l3_hit_tokens"] == 60 and s["prefetched_pages"] == 15 and s["probes"] == 3
+    assert two.adder_hits["storage"] == 60
+    two.check_pools()
+    # Another model (or salt) on the same server: no page is shared.
+    other = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr, model="model-b"),
+                   model="model-b")
+    other.run([other.request(p) for p in ps])
+    salted = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    salted.run([salted.request(p, salt="alice") for p in ps])
+    assert other.prefix_hits == [0] * 3 and salted.prefix_hits == [0] * 3
+    assert other.cache.stats()["prefetched_pages"] == 0 and salted.cache.stats()["prefetched_pages"] == 0
+
+
+def test_an_l3_loss_mid_prefetch_falls_back_to_recompute(l3server):
+    """Pages L3 loses between the prefetch's start and its read are reported lost and
+    recomputed; the request is served from the pages that were read, nothing garbled (a
+    24-token prompt matches 5 pages: the last token is always computed)."""
+    p = prompts(9, 1, 24)[0]
+    one = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    one.run([one.request(p)])
+    one.cache.flush_pending_backups()
+    one.cache.wait_io()
+    two = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr, prefetch_wait_ms=0))
+    req = two.request(p)
+    req.init_next_round_input(two.cache)  # SGLang's match: starts the prefetch, reports no hit
+    assert req.host_hit_length == 0
+    keys = two.cache.l3_keys(two.cache._chain(p, None, None))
+    two.cache.store.remove(keys[3], True)  # L3 loses page 3 before the read
+    two.cache.flush_pending_backups()  # the per-step hook reads: pages 0-2 land, 3-5 are lost
+    s = two.cache.stats()
+    assert s["prefetched_pages"] == 3 and s["prefetch_lost_pages"] == 2
+    two.run([req])
+    assert two.prefix_hits == [12]
+    two.check_pools()
+    two.cache.manager.check()
+
+
+def test_two_salts_never_share_on_host():
+    p = prompts(10, 1, 16)[0]
+    e = Engine(kvtier_cache(host_pages=64), device_tokens=32)
+    e.run([e.request(p, salt="alice")])
+    e.run([e.request(q) for q in prompts(11, 1, 20)])
+    e.run([e.request(p, salt="bob"), e.request(p)])
+    assert e.prefix_hits[-2:] == [0, 0]
+    e.run([e.request(p, salt="alice")])
+    assert e.prefix_hits[-1] == 12
+
+
+def test_config_errors_are_typed_at_startup(l3server):
+    with pytest.raises(kr.RadixConfigError, match="unknown"):
+        kr.RadixBackendConfig.from_dict({"host_page": 3})
+    for bad in ({"policy": "mru"}, {"io_threads": 4}, {"host_pages": 0}, {"l3": "tape"},
+                {"prefetch_wait_ms": -1}, {"host_bytes": "lots"}):
+        with pytest.raises(kr.RadixConfigError):
+            kr.RadixBackendConfig.from_dict(bad)
+    with pytest.raises(kr.UnsupportedPageSizeError):  # no page fits the host pool
+        Engine(kvtier_cache(host_bytes="256"))  # a page is 512 bytes
+    small = kvtier.L3Server(1 << 24, max_object_bytes=1024)
+    try:
+        Engine(kvtier_cache(host_pages=4, l3="server", server=small.addr), page_size=1)  # 64-byte pages fit
+        with pytest.raises(kr.UnsupportedPageSizeError, match="page_size 64"):
+            Engine(kvtier_cache(host_pages=4, l3="server", server=small.addr), page_size=64)
+    finally:
+        small.shutdown()
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.booleans()), min_size=1, max_size=14),
+       st.integers(3, 12))
+def test_property_any_workload_reads_only_what_was_computed(ops, host_pages):
+    """Random prompts built from shared stems, random host sizes, a small device pool: every
+    reused row equals the oracle, no slot leaks, kvtier's tree stays consistent."""
+    stems = prompts(12, 6, 12)
+    e = Engine(kvtier_cache(host_pages=host_pages, policy="freq-depth"), device_tokens=40)
+    for stem, tail, salted in ops:
+        e.run([e.request(stems[stem] + list(range(100, 100 + tail)), salt="s" if salted else None)])
+        e.check_pools()
+        e.cache.manager.check()
+        assert e.cache.manager.usage()["cached"] <= host_pages
+
+
+def test_plugin_entry_point_registers_the_backend_and_sglang_builds_it():
+    """kvtier's ``sglang.srt.plugins`` entry point, loaded as SGLang loads plugins, registers
+    ``kvtier``; SGLang's own ``create_tree_cache`` builds it for ``--radix-cache-backend
+    kvtier`` and refuses SWA and Mamba models with typed errors."""
+    import types
+
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+    assert "kvtier" in plugins
+    plugins["kvtier"][0]()
+    plugins["kvtier"][0]()  # idempotent (the launcher and each scheduler call it)
+    assert "kvtier" in registry.registered_radix_cache_backends()
+    e = Engine(sglang_radix)
+    publish_server_args(["--model-path", "dummy", "--device", "cpu", "--radix-cache-backend", "kvtier"])
+
+    def ctx(**over):
+        kw = dict(server_args=None, params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
+                  enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+                  model_config=types.SimpleNamespace(model_path="m"), tp_size=1, tp_rank=0, tp_group=None)
+        kw.update(over)
+        return registry.TreeCacheBuildContext(**kw)
+
+    cache = registry.create_tree_cache(ctx())
+    assert isinstance(cache, kr.KvtierRadixCache)
+    with pytest.raises(kr.UnsupportedModelError, match="SWA"):
+        registry.create_tree_cache(ctx(is_hybrid_swa=True))
+    with pytest.raises(kr.UnsupportedModelError, match="Mamba"):
+        registry.create_tree_cache(ctx(is_hybrid_ssm=True))
+    with pytest.raises(kr.RadixConfigError, match="hierarchical"):
+        registry.create_tree_cache(ctx(enable_hierarchical_cache=True))
+    publish_server_args()
