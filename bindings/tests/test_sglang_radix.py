@@ -70,8 +70,12 @@ def test_a_corrupted_host_page_is_caught_by_the_oracle():
 
 
 def test_two_requests_of_one_step_sharing_a_host_prefix():
-    """Both match the same host pages in one step; the first load inserts them, the second
-    must use those device pages, not insert a second copy under the same node."""
+    """SGLang re-matches each request right before admitting it, so of two requests sharing
+    host pages the second sees the first's load as a device hit. A match older than the
+    other's load (both matched, then both admitted) must not insert a second copy of the
+    pages under the same node: the load uses the pages already on device."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
     base = prompts(4, 1, 16)[0]
     e = Engine(kvtier_cache(host_pages=32), device_tokens=48)
     e.run([e.request(base)])
@@ -79,7 +83,22 @@ def test_two_requests_of_one_step_sharing_a_host_prefix():
     a, b = e.request(base + [1, 2, 3, 4]), e.request(base + [5, 6, 7, 8])
     admitted = e.step([a, b])
     assert len(admitted) == 2 and [a.prefix_len, b.prefix_len] == [16, 16]
-    e.check_pools()
+    assert e.cache.hit_log[-1].device == 16 and e.cache.hit_log[-2].host == 16
+    e = Engine(kvtier_cache(host_pages=32), device_tokens=80)
+    e.run([e.request(base)])
+    e.run([e.request(q) for q in prompts(13, 4, 20)])  # base off the device
+    c, d = e.request(base + [1, 1, 1, 1]), e.request(base + [2, 2, 2, 2])
+    c.init_next_round_input(e.cache)
+    d.init_next_round_input(e.cache)
+    assert c.host_hit_length == d.host_hit_length == 16
+    adder = PrefillAdder(PS, e.cache, e.alloc, None, 1.0, 1 << 20, None)
+    for r in (c, d):
+        assert adder.add_one_req(r, has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE
+    assert c.last_node is d.last_node, "one copy of the shared pages"
+    assert e.cache.total_size() == e.alloc.size - e.alloc.available_size()
+    for r in (c, d):
+        r.output_ids.append(7)
+        r.kv.kv_committed_len = 0
     e.cache.manager.check()
 
 
