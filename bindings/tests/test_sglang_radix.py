@@ -256,3 +256,52 @@ def test_plugin_entry_point_registers_the_backend_and_sglang_builds_it():
     with pytest.raises(kr.RadixConfigError, match="hierarchical"):
         registry.create_tree_cache(ctx(enable_hierarchical_cache=True))
     publish_server_args()
+
+
+def test_the_documented_launch_command_parses_and_builds_the_backend(monkeypatch):
+    """docs/sglang.md's radix-backend command as a user pastes it: SGLang's own argument parser
+    takes it, the config in it is valid, and SGLang's create_tree_cache builds kvtier's backend
+    from the parsed ServerArgs (the L3 server swapped for a local one, the host pool shrunk)."""
+    import argparse
+    import json
+    import pathlib
+    import re
+    import shlex
+    import types
+
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.server_args import ServerArgs
+
+    from kvtier.sglang import plugin
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    blocks = [b for b in re.findall(r"^```sh\n(.*?)^```", doc, re.S | re.M) if "--radix-cache-backend" in b]
+    assert len(blocks) == 1
+    words = shlex.split(blocks[0].replace("\\\n", " "), comments=True)
+    env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+    cfg = kr.RadixBackendConfig.from_dict(json.loads(env[kr.ENV_CONFIG]))
+    assert cfg.l3_mode() == "server" and cfg.policy == "freq-depth"
+    args = words[words.index("sglang.launch_server") + 1:]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(args)
+    assert ns.radix_cache_backend == "kvtier" and ns.page_size == 64 and not ns.enable_hierarchical_cache
+    plugin.register()
+    e = Engine(sglang_radix, page_size=64, device_tokens=256)
+    get_context().set_server_args(ServerArgs.from_cli_args(ns))
+    srv = kvtier.L3Server(1 << 24)
+    try:
+        local = dict(json.loads(env[kr.ENV_CONFIG]), server=srv.addr, host_bytes="4MB")
+        monkeypatch.setenv(kr.ENV_CONFIG, json.dumps(local))
+        ctx = registry.TreeCacheBuildContext(
+            server_args=ServerArgs.from_cli_args(ns), params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+            model_config=types.SimpleNamespace(model_path=ns.model_path), tp_size=1, tp_rank=0, tp_group=None)
+        cache = registry.create_tree_cache(ctx)
+        assert isinstance(cache, kr.KvtierRadixCache) and cache.store is not None
+        assert cache.config.policy == "freq-depth" and cache.host_slots == (4 << 20) // cache.page_bytes
+        cache.shutdown()
+    finally:
+        srv.shutdown()
+        publish_server_args()
