@@ -290,10 +290,16 @@ class KvtierRadixCache(RadixCache):
         self.store = store
         self.page_bytes = page_bytes
         self.host_slots = slots
-        self._bufs = bufs
         pin = any(b.device.type == "cuda" for b in bufs) and torch.cuda.is_available()
         self.host = torch.zeros((slots, page_bytes), dtype=torch.uint8, pin_memory=pin)
         self._host_flat = self.host.numpy().reshape(-1)
+        # Copies move the widest word every row and offset is a multiple of (8x fewer elements
+        # than bytes for the usual fp16/bf16/fp32 rows): index copies are per element.
+        word = next(w for w in (8, 4, 2, 1) if all(b.shape[1] % w == 0 for b in bufs))
+        wdt = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+        self._bufs = [b.view(wdt) for b in bufs]
+        self._host_w = self.host.view(wdt)
+        self._woffsets = [o // word for o in self._offsets]
         self.counters = Counters()
         self.hit_log: Deque[HitRecord] = collections.deque(maxlen=4096)
         self._hits: Dict[str, HitRecord] = {}
@@ -369,16 +375,14 @@ class KvtierRadixCache(RadixCache):
     def _copy_to_host(self, dev_idx: torch.Tensor, slots: List[int]) -> None:
         n, ps = len(slots), self.page_size
         idx = dev_idx.to(torch.int64)
-        dst = torch.as_tensor(slots, dtype=torch.int64)
-        for b, lo, hi in zip(self._bufs, self._offsets, self._offsets[1:]):
-            rows = b.index_select(0, idx.to(b.device)).reshape(n, ps * b.shape[1])
-            self.host[dst, lo:hi] = rows.to("cpu")
+        pages = torch.cat([b.index_select(0, idx.to(b.device)).reshape(n, ps * b.shape[1]) for b in self._bufs], 1)
+        self._host_w.index_copy_(0, torch.as_tensor(slots, dtype=torch.int64), pages.to("cpu"))
 
     def _copy_to_device(self, slots: List[int], dev_idx: torch.Tensor) -> None:
         n, ps = len(slots), self.page_size
-        src = torch.as_tensor(slots, dtype=torch.int64)
-        for b, lo, hi in zip(self._bufs, self._offsets, self._offsets[1:]):
-            rows = self.host[src, lo:hi].reshape(n * ps, b.shape[1])
+        pages = self._host_w.index_select(0, torch.as_tensor(slots, dtype=torch.int64))
+        for b, lo, hi in zip(self._bufs, self._woffsets, self._woffsets[1:]):
+            rows = pages[:, lo:hi].reshape(n * ps, b.shape[1])
             b.index_copy_(0, dev_idx.to(device=b.device, dtype=torch.int64), rows.to(b.device))
 
     # ---- match and load ----------------------------------------------------------------
