@@ -241,6 +241,7 @@ class KvtierRadixCache(RadixCache):
         model: str = "",
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp_group: Any = None,
         store: Optional[kvtier.L3Store] = None,
     ) -> None:
         cfg = config if config is not None else RadixBackendConfig.from_env()
@@ -250,8 +251,12 @@ class KvtierRadixCache(RadixCache):
             raise UnsupportedModelError("EAGLE's bigram keys are not served (kvtier pages hash plain tokens)")
         if getattr(params, "sliding_window_size", None):
             raise UnsupportedModelError("sliding-window (SWA) models are not served: full-attention models only")
-        if tp_size != 1:
-            raise RadixConfigError(f"tensor parallelism (tp_size {tp_size}) is not served yet: tp_size 1 only")
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise RadixConfigError(f"tp_rank {tp_rank} of tp_size {tp_size}")
+        # The ranks agree over SGLang's CPU group (a GroupCoordinator's cpu_group, or a gloo group).
+        group = getattr(tp_group, "cpu_group", tp_group)
+        if tp_size > 1 and group is None:
+            raise RadixConfigError(f"tp_size {tp_size} needs the tensor-parallel CPU process group")
         kv = params.token_to_kv_pool_allocator.get_kvcache()
         bufs = device_buffers(kv)
         ps = int(params.page_size)
@@ -287,6 +292,10 @@ class KvtierRadixCache(RadixCache):
         self.config = cfg
         self.model = model
         self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self._group = group
+        self._agreement = kvtier.RankAgreement()
+        self._agreeing: Dict[int, _Job] = {}
         self.store = store
         self.page_bytes = page_bytes
         self.host_slots = slots
@@ -310,13 +319,15 @@ class KvtierRadixCache(RadixCache):
         self._from_l3: set = set()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-l3") if cfg.io_threads and store else None
+        self.agreements = 0
         self._new_manager()
 
     # ---- setup -------------------------------------------------------------------------
 
     def _new_manager(self) -> None:
         self.manager = kvtier.OffloadManager(
-            self.host_slots, self.config.policy, "write-through" if self.store is not None else "off"
+            self.host_slots, self.config.policy, "write-through" if self.store is not None else "off",
+            tp_ranks=self.tp_size,
         )
         for tenant, cap in self.config.tenant_caps.items():
             self.manager.set_tenant_cap(tenant, cap)
@@ -423,8 +434,12 @@ class KvtierRadixCache(RadixCache):
             except kvtier.L3Error as e:
                 self.counters.store_errors += 1
                 logger.warning("kvtier: L3 probe failed: %r", e)
-                return
+                found = np.zeros(0, dtype=np.int64)  # a miss (every rank still joins the agreement)
             run = int(np.argmin(found == 1)) if not (found == 1).all() else len(found)
+            if self.tp_size > 1:  # every rank probes its own shard: the ranks take the shortest run
+                v = np.array([run], dtype=np.int64)
+                self._all_min(v)
+                run = int(v[0])
             if run:
                 self.manager.l3_found(chain[h:h + run])
                 state = "in-l3"
@@ -452,7 +467,14 @@ class KvtierRadixCache(RadixCache):
         its matches); True when it finished."""
         budget = self.config.prefetch_wait_ms / 1000 - self._waited.get(handle, 0.0)
         jobs = [j for j in self._jobs if j.handle == handle]
-        if budget <= 0 or not jobs:
+        if self.config.prefetch_wait_ms <= 0 or not jobs:
+            return False
+        if self.tp_size > 1:
+            # A deadline would let ranks see different outcomes: under TP a request waits for its
+            # own prefetch to end (reads are bounded by the store's rpc timeout), then the ranks agree.
+            self._poll_io(block=True)
+            return True
+        if budget <= 0:
             return False
         t0 = time.perf_counter()
         done = True
@@ -473,6 +495,7 @@ class KvtierRadixCache(RadixCache):
                     r, e = None, ex
             self._jobs.remove(j)
             self._finish(j, r, e)
+        self._agree()
         self._waited[handle] = self._waited.get(handle, 0.0) + time.perf_counter() - t0
         return done
 
@@ -579,27 +602,60 @@ class KvtierRadixCache(RadixCache):
             job.future = self._pool.submit(job.run)
         self._jobs.append(job)
 
+    def _all_min(self, v: np.ndarray) -> None:
+        """In-place element-wise minimum over the tensor-parallel ranks (SGLang's CPU group)."""
+        import torch.distributed as dist
+
+        t = torch.from_numpy(v)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+
     def _finish(self, job: _Job, result: Any, err: Optional[BaseException]) -> None:
         if isinstance(err, kvtier.L3Error):
             self.counters.store_errors += 1
             logger.warning("kvtier: L3 %s failed: %r", job.kind, err)
         elif err is not None:
             raise err
+        if self.tp_size > 1:
+            # This rank's outcome; the ranks' minimum is applied by _agree.
+            if job.kind == "prefetch":
+                self._agreement.push(kvtier.PrefetchDone(job.job, 0 if err is not None else int(result)))
+            else:
+                self._agreement.push(kvtier.BackUpDone(job.job, err is None and bool(result)))
+            self._agreeing[job.job] = job
+            return
+        self._apply(job, 0 if err is not None else int(result) if job.kind == "prefetch" else bool(result))
+
+    def _agree(self) -> None:
+        """The ranks' outcomes of the jobs each finished, reduced to their minimum (a page read
+        by one rank only is lost for all), applied to every rank's manager alike."""
+        if self.tp_size == 1:
+            return
+        events = self._agreement.reduce(self.manager, lambda v: self._all_min(v))
+        self.agreements += 1
+        for ev in events:
+            self.manager.apply_agreed(ev)
+            job = self._agreeing.pop(ev.op)
+            self._apply(job, int(ev.completed) if job.kind == "prefetch" else bool(ev.success), applied=True)
+
+    def _apply(self, job: _Job, outcome: Any, applied: bool = False) -> None:
         if job.kind == "prefetch":
-            done = 0 if err is not None else int(result)
-            self.manager.complete_prefetch(job.job, done)
+            done = int(outcome)
+            if not applied:
+                self.manager.complete_prefetch(job.job, done)
             self._from_l3.update((job.page_hashes or [])[:done])
             self.counters.prefetched_pages += done
             self.counters.prefetch_lost_pages += job.pages - done
         else:
-            ok = err is None and bool(result)
-            self.manager.complete_backup(job.job, "done" if ok else "failed")
+            ok = bool(outcome)
+            if not applied:
+                self.manager.complete_backup(job.job, "done" if ok else "failed")
             if ok:
                 self.counters.backed_up_pages += job.pages
             else:
                 self.counters.backup_failures += 1
 
     def _poll_io(self, block: bool) -> None:
+        block = block or self.tp_size > 1  # ranks finish the same jobs at the same point
         keep = []
         for job in self._jobs:
             if job.future is None:
@@ -615,6 +671,7 @@ class KvtierRadixCache(RadixCache):
                 continue
             self._finish(job, r, e)
         self._jobs = keep
+        self._agree()
 
     def _drain_io(self) -> None:
         while self._jobs:
@@ -687,4 +744,4 @@ def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
         )
     model = getattr(ctx.model_config, "model_path", None) or getattr(ctx.server_args, "model_path", "") or ""
     return KvtierRadixCache(ctx.params, RadixBackendConfig.from_env(), model=str(model),
-                            tp_rank=int(ctx.tp_rank), tp_size=int(ctx.tp_size))
+                            tp_rank=int(ctx.tp_rank), tp_size=int(ctx.tp_size), tp_group=ctx.tp_group)
