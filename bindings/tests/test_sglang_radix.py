@@ -144,6 +144,8 @@ def test_a_second_engine_on_the_same_server_hits_the_firsts_prefixes(l3server):
     s = two.cache.stats()
     assert s["l3_hit_tokens"] == 60 and s["prefetched_pages"] == 15 and s["probes"] == 3
     assert two.adder_hits["storage"] == 60
+    # Per request: where its cached prefix came from.
+    assert [(h.device, h.host, h.l3) for h in two.cache.hit_log] == [(0, 0, 20)] * 3
     two.check_pools()
     # Another model (or salt) on the same server: no page is shared.
     other = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr, model="model-b"),
@@ -305,3 +307,28 @@ def test_the_documented_launch_command_parses_and_builds_the_backend(monkeypatch
     finally:
         srv.shutdown()
         publish_server_args()
+
+
+def test_tokens_kvtier_cannot_key_stay_device_only_and_nothing_changes():
+    """Token ids outside u32 (kvtier hashes u32 pages) are served by SGLang's device tree alone:
+    no host page, no error, the host tier untouched."""
+    e = Engine(kvtier_cache(host_pages=16), device_tokens=48)
+    big = [(1 << 33) + i for i in range(16)]
+    e.run([e.request(big)])
+    before = e.cache.manager.usage()
+    e.run([e.request(big)])
+    assert e.prefix_hits == [0, 12] and e.cache.manager.usage() == before and before["cached"] == 0
+    e.check_pools()
+
+
+def test_a_capped_tenant_evicts_its_own_pages_first():
+    """kvtier's tenant caps on the host tier: a salted tenant capped at 4 pages keeps at most 4,
+    and evicting for it never drops the shared tenant's pages."""
+    e = Engine(kvtier_cache(host_pages=12, tenant_caps={"salt-alice": 4}), device_tokens=40)
+    shared = prompts(14, 1, 16)[0]
+    e.run([e.request(shared)])
+    e.run([e.request(p, salt="alice") for p in prompts(15, 3, 16)])
+    assert e.cache.manager.tenant_charge("salt-alice") <= 4
+    chain = e.cache._chain(shared, None, None)
+    assert e.cache.manager.host_prefix(chain) == 4, "the shared prompt's pages stayed on host"
+    e.cache.manager.check()
