@@ -332,3 +332,30 @@ def test_a_capped_tenant_evicts_its_own_pages_first():
     chain = e.cache._chain(shared, None, None)
     assert e.cache.manager.host_prefix(chain) == 4, "the shared prompt's pages stayed on host"
     e.cache.manager.check()
+
+
+@pytest.mark.parametrize("journal", [True, False], ids=["loss-journal", "no-journal"])
+def test_l3_losses_the_store_reports_are_not_prefetched(journal):
+    """A page L3 evicts or loses after its backup: with the store's loss journal, the per-step
+    hook tells kvtier, which then prefetches only the pages before it (nothing lost at read
+    time); without a journal the read finds it gone and recomputes. Same hits either way."""
+    store = kvtier.L3Store.embedded(1 << 24, loss_journal_keys=1024 if journal else 0)
+    e = Engine(kvtier_cache(host_pages=8, store=store), device_tokens=40)
+    p = prompts(16, 1, 16)[0]
+    e.run([e.request(p)])
+    e.run([e.request(q) for q in prompts(17, 3, 20)])  # p leaves device and host (in L3)
+    e.cache.wait_io()
+    e.cache.flush_pending_backups()
+    e.cache.wait_io()
+    chain = e.cache._chain(p, None, None)
+    assert [e.cache.manager.lookup(chain, i) for i in range(3)] == ["in-l3"] * 3
+    store.remove(e.cache.l3_keys(chain)[1], True)
+    e.cache.flush_pending_backups()
+    s = e.cache.stats()
+    assert e.cache.manager.lookup(chain, 1) == ("miss" if journal else "in-l3")
+    assert s["l3_lost_pages"] == (1 if journal else 0)
+    e.run([e.request(p)])
+    assert e.prefix_hits[-1] == 4
+    assert e.cache.stats()["prefetch_lost_pages"] == (0 if journal else 2)
+    e.check_pools()
+    e.cache.manager.check()

@@ -134,6 +134,7 @@ class Counters:
     backed_up_pages: int = 0
     backup_failures: int = 0
     probes: int = 0
+    l3_lost_pages: int = 0
     store_errors: int = 0
 
 
@@ -227,6 +228,7 @@ class KvtierRadixCache(RadixCache):
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-l3") if cfg.io_threads and store else None
         self.agreements = 0
+        self._journal = store is not None  # off once the store says it keeps no loss journal
         self._new_manager()
 
     # ---- setup -------------------------------------------------------------------------
@@ -590,6 +592,7 @@ class KvtierRadixCache(RadixCache):
         if self.store is None:
             return
         self._poll_io(block=False)
+        self._take_losses()
         for job, pages, slots in self.manager.plan_backups():
             keys = self.l3_keys(list(pages))
             store, flat, pb = self.store, self._host_flat, self.page_bytes
@@ -601,6 +604,60 @@ class KvtierRadixCache(RadixCache):
 
             self.counters.backups += 1
             self._start(_Job("backup", job, len(pages), write))
+
+    def _take_losses(self) -> None:
+        """Pages the store reports lost (its loss journal: evicted, removed, a node gone) stop
+        counting as L3-resident, so kvtier neither prefetches them nor skips their backup;
+        under TP the ranks' losses are united (``RankAgreement.agree_losses``, every step)."""
+        pages: List[bytes] = []
+        over = False
+        if self._journal:
+            try:
+                keys, over = self.store.drain_losses()
+            except kvtier.UnavailableError:
+                self._journal = False  # a store without a journal: losses show at read time
+                keys = []
+            except kvtier.L3Error as e:
+                self.counters.store_errors += 1
+                logger.warning("kvtier: reading L3 losses failed: %r", e)
+                keys = []
+            prefix, suffix = f"{self.namespace}:", f":{self.tp_rank}"
+            for k in keys:
+                if k.startswith(prefix) and k.endswith(suffix):
+                    try:
+                        h = bytes.fromhex(k[len(prefix):-len(suffix)])
+                    except ValueError:
+                        continue
+                    if len(h) == 32:
+                        pages.append(h)
+            self.counters.l3_lost_pages += len(pages)
+        if self.tp_size == 1:
+            if over:
+                self.manager.l3_lost_all()
+            elif pages:
+                self.manager.l3_lost(pages)
+            return
+        if pages:
+            self._agreement.lost_pages(pages)
+        if over:
+            self._agreement.lost_all()
+        self._agreement.agree_losses(self.manager, self._all_gather)
+
+    def _all_gather(self, words: np.ndarray) -> List[np.ndarray]:
+        import torch.distributed as dist
+
+        n = np.array([len(words)], dtype=np.int64)
+        self._all_max(n)
+        mine = torch.zeros(int(n[0]), dtype=torch.int64)
+        mine[: len(words)] = torch.from_numpy(np.asarray(words, dtype=np.int64))
+        out = [torch.zeros_like(mine) for _ in range(self.tp_size)]
+        dist.all_gather(out, mine, group=self._group)
+        return [t.numpy() for t in out]
+
+    def _all_max(self, v: np.ndarray) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.from_numpy(v), op=dist.ReduceOp.MAX, group=self._group)
 
     def wait_io(self) -> None:
         """Finishes every L3 read and write in flight (tests, shutdown)."""
