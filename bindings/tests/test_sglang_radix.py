@@ -303,7 +303,10 @@ def test_the_documented_launch_command_parses_and_builds_the_backend(monkeypatch
         cache = registry.create_tree_cache(ctx)
         assert isinstance(cache, kr.KvtierRadixCache) and cache.store is not None
         assert cache.config.policy == "freq-depth" and cache.host_slots == (4 << 20) // cache.page_bytes
-        cache.shutdown()
+        assert cache._pool is not None
+        cache.release_host_resources()  # SGLang's teardown hook; twice is fine
+        cache.release_host_resources()
+        assert cache._pool is None and cache.host.numel() == 0
     finally:
         srv.shutdown()
         publish_server_args()

@@ -269,9 +269,21 @@ class KvtierRadixCache(RadixCache):
             self._new_manager()
 
     def shutdown(self) -> None:
+        """Finishes the L3 I/O in flight (applied, agreed under TP), then stops the I/O thread."""
         self._drain_io()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+    def release_host_resources(self) -> None:
+        """SGLang's teardown hook (the scheduler process's ``finally``): stops the I/O thread
+        without waiting on other ranks (no collective: a rank may be gone) and drops the host
+        pool (pinned on a GPU machine). Idempotent; the cache serves nothing afterwards."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._jobs.clear()
+        self.host = self._host_w = torch.zeros((0, 0), dtype=torch.uint8)
+        self._host_flat = np.zeros(0, dtype=np.uint8)
 
     # ---- keys --------------------------------------------------------------------------
 
