@@ -362,3 +362,13 @@ def test_l3_losses_the_store_reports_are_not_prefetched(journal):
     assert e.cache.stats()["prefetch_lost_pages"] == (0 if journal else 2)
     e.check_pools()
     e.cache.manager.check()
+
+
+@pytest.mark.parametrize("l3", [False, True], ids=["host-only", "with-l3"])
+def test_kvtiers_host_events_do_not_pile_up(l3):
+    """kvtier keeps host events until they are read; the per-step hook reads them every step,
+    so a long-running engine does not grow them (nor the pages it remembers came from L3)."""
+    extra = dict(l3="embedded", segment_bytes="16MB") if l3 else {}
+    e = Engine(kvtier_cache(host_pages=6, **extra), device_tokens=40)
+    e.run([e.request(p) for p in prompts(18, 6, 20)])
+    assert e.cache.manager.drain_events() == [] and e.cache.manager.take_dropped() == []

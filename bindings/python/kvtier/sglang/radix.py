@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -225,7 +224,6 @@ class KvtierRadixCache(RadixCache):
         self._waited: Dict[Any, float] = {}
         self._jobs: List[_Job] = []
         self._from_l3: set = set()
-        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-l3") if cfg.io_threads and store else None
         self.agreements = 0
         self._journal = store is not None  # off once the store says it keeps no loss journal
@@ -601,6 +599,7 @@ class KvtierRadixCache(RadixCache):
     def flush_pending_backups(self) -> None:
         """SGLang's per-step hook: finishes the L3 reads and writes that are done, then starts
         the backups kvtier plans (host pages L3 lacks)."""
+        self._take_host_events()
         if self.store is None:
             return
         self._poll_io(block=False)
@@ -616,6 +615,14 @@ class KvtierRadixCache(RadixCache):
 
             self.counters.backups += 1
             self._start(_Job("backup", job, len(pages), write))
+
+    def _take_host_events(self) -> None:
+        """kvtier's host events since the last step (it keeps them until read): pages that left
+        host no longer count as prefetched-from-L3 for the hit metrics."""
+        for removed, pages in self.manager.drain_events():
+            if removed:
+                self._from_l3.difference_update(pages)
+        self.manager.take_dropped()
 
     def _take_losses(self) -> None:
         """Pages the store reports lost (its loss journal: evicted, removed, a node gone) stop
@@ -690,6 +697,7 @@ class KvtierRadixCache(RadixCache):
         self.counters.l3_hit_tokens += rec.l3
 
     def release_aborted_request(self, handle: Any) -> None:
+        self._hits.pop(handle.rid, None)
         self._markers.pop(handle, None)
         self._probed.pop(handle, None)
         self._waited.pop(handle, None)
