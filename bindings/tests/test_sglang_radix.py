@@ -372,3 +372,21 @@ def test_kvtiers_host_events_do_not_pile_up(l3):
     e = Engine(kvtier_cache(host_pages=6, **extra), device_tokens=40)
     e.run([e.request(p) for p in prompts(18, 6, 20)])
     assert e.cache.manager.drain_events() == [] and e.cache.manager.take_dropped() == []
+
+
+def test_no_prefetch_of_pages_the_device_already_holds():
+    """A prompt still on device but evicted from host: L3 holds its pages, and reading them
+    back to host would be wasted I/O (the device serves the hit; a checkpoint rewrites host)."""
+    e = Engine(kvtier_cache(host_pages=4, l3="embedded", segment_bytes="16MB"), device_tokens=200)
+    p = prompts(19, 1, 16)[0]
+    e.run([e.request(p)])
+    e.run([e.request(q) for q in prompts(20, 2, 16)])  # p leaves host (4 pages), stays on device
+    e.cache.wait_io()
+    e.cache.flush_pending_backups()
+    e.cache.wait_io()
+    chain = e.cache._chain(p, None, None)
+    assert e.cache.manager.lookup(chain, 0) == "in-l3"
+    before = e.cache.stats()["prefetches"]
+    e.run([e.request(p)])
+    assert e.prefix_hits[-1] == 12 and e.cache.hit_log[-1].device == 12
+    assert e.cache.stats()["prefetches"] == before

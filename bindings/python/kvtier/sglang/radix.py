@@ -344,6 +344,10 @@ class KvtierRadixCache(RadixCache):
         return base._replace(host_hit_length=(h - d) * self.page_size)
 
     def _maybe_prefetch(self, handle: Any, chain: List[bytes], h: int, d: int, tenant: Optional[str]) -> None:
+        """Starts a prefetch of the L3 run after the host prefix ``h`` when it can reach past the
+        device match ``d`` (pages the device holds are written to host by the next checkpoint)."""
+        if d >= len(chain) or (d > h and self.manager.lookup(chain, d) not in ("in-l3", "miss")):
+            return
         state = self.manager.lookup(chain, h)
         if state == "miss" and self.config.probe_l3 and self._probed.get(handle) != h:
             self._probed[handle] = h
@@ -362,7 +366,7 @@ class KvtierRadixCache(RadixCache):
             if run:
                 self.manager.l3_found(chain[h:h + run])
                 state = "in-l3"
-        if state != "in-l3":
+        if state != "in-l3" or (d > h and self.manager.lookup(chain, d) != "in-l3"):
             return
         plan = self.manager.prepare_prefetch(chain, h, tenant)
         if plan is None:
@@ -615,6 +619,10 @@ class KvtierRadixCache(RadixCache):
 
             self.counters.backups += 1
             self._start(_Job("backup", job, len(pages), write))
+        if self._pool is None and self._jobs:
+            # I/O in the hook itself: the backups just planned end here, so the host pages they
+            # pin are free for the next step's stores.
+            self._poll_io(block=True)
 
     def _take_host_events(self) -> None:
         """kvtier's host events since the last step (it keeps them until read): pages that left
