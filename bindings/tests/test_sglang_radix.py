@@ -390,3 +390,13 @@ def test_no_prefetch_of_pages_the_device_already_holds():
     e.run([e.request(p)])
     assert e.prefix_hits[-1] == 12 and e.cache.hit_log[-1].device == 12
     assert e.cache.stats()["prefetches"] == before
+
+
+def test_a_host_pool_full_of_backed_up_pages_takes_the_next_requests_pages():
+    """Backups pin their host pages until they end; ended in the per-step hook, the next
+    step's request finds them evictable (it stored nothing before: every slot was pinned)."""
+    e = Engine(kvtier_cache(host_pages=4, l3="embedded", segment_bytes="16MB"), device_tokens=200)
+    for p in prompts(21, 3, 16):
+        e.run([e.request(p)])
+        assert e.cache.manager.usage()["locked"] == 0
+    assert e.cache.stats()["stored_pages"] == 12 and e.cache.stats()["backed_up_pages"] == 12
