@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--host-docs", type=int, default=8)
+    ap.add_argument("--io-threads", type=int, default=1, help="kvtier's io_threads (0: L3 I/O inline)")
+    ap.add_argument("--prefetch-wait-ms", type=int, default=20, help="kvtier's prefetch_wait_ms")
     args = ap.parse_args()
     args.device_tokens = 2 * args.doc + args.batch * (args.doc + args.q + 2 * args.page_size)
     prompts = workload(args.docs, args.doc, args.reqs, args.q)
@@ -84,7 +86,9 @@ def main():
     host_pages = args.host_docs * args.doc // args.page_size
     srv = kvtier.L3Server(1 << 30)
     try:
-        conf = kr.RadixBackendConfig.from_dict(dict(host_pages=host_pages, l3="server", server=srv.addr))
+        conf = kr.RadixBackendConfig.from_dict(dict(host_pages=host_pages, l3="server", server=srv.addr,
+                                                    io_threads=args.io_threads,
+                                                    prefetch_wait_ms=args.prefetch_wait_ms))
         rows = [run("SGLang RadixCache (device)", sglang_radix, prompts, args)]
         rows.append(run("SGLang + kvtier (device+host+L3)",
                         lambda p: kr.KvtierRadixCache(p, conf, model="bench-model"), prompts, args))
@@ -102,7 +106,8 @@ def main():
           f"load {os.getloadavg()[0]:.1f}")
     print(f"workload: {args.reqs} requests, {args.docs} docs x {args.doc} tokens + {args.q}-token questions "
           f"({total} prompt tokens), page {args.page_size} tokens = {page_bytes >> 10} KiB, device pool "
-          f"{args.device_tokens} tokens, kvtier host {host_pages} pages, batch {args.batch}")
+          f"{args.device_tokens} tokens, kvtier host {host_pages} pages, batch {args.batch}, "
+          f"io_threads {args.io_threads}, prefetch_wait_ms {args.prefetch_wait_ms}")
     base = rows[0]
     print("| engine | device hit | host hit | L3 hit | computed | computed / SGLang | steps | ms/step (mean, p50) | ms/step / SGLang |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
