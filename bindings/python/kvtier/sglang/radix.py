@@ -22,7 +22,13 @@ How (the two-phase pattern of SGLang's ``FlexKVRadixCache``):
 - ``checkpoint`` (SGLang's insert) stores the request's new device pages to host slots
   kvtier hands out (write-through to host).
 - ``flush_pending_backups`` (SGLang calls it after every batch) is the per-step hook: it
-  finishes L3 reads and writes and starts the backups kvtier plans.
+  finishes L3 reads and writes, reads kvtier's host events and the store's loss journal, and
+  starts the backups kvtier plans.
+- Tensor parallelism: every rank runs this over its KV shard and SGLang makes the same calls
+  on every rank; what one rank's store answers and another's may not (a probe's run, a
+  prefetch's or backup's outcome, a loss) is agreed over SGLang's TP CPU group (an
+  all-reduce MIN; kvtier's ``RankAgreement``), so every rank's ``OffloadManager`` takes the
+  same decisions.
 
 Bytes: a host page is the page's rows of every device KV buffer (K and V of each layer; the
 latent buffer for MLA), as bytes, in a host pool this class owns (pinned where the device
