@@ -26,7 +26,11 @@ from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # no
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+)
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
 from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
@@ -69,12 +73,18 @@ class Engine:
 
     def __init__(self, cache: Callable[[CacheInitParams], Any], *, page_size: int = 4, device_tokens: int = 64,
                  model: str = "model-a", max_reqs: int = 8, max_context: int = 512,
-                 shape: tuple = (LAYERS, HEADS, DIM)):
+                 shape: tuple = (LAYERS, HEADS, DIM), mla: bool = False):
         publish_server_args(page_size=page_size)
         self.ps, self.model = page_size, model
         self.layers, self.heads, self.dim = shape
-        self.kv = MHATokenToKVPool(device_tokens, page_size, torch.float32, self.heads, self.dim, self.layers,
-                                   "cpu", False)
+        if mla:  # DeepSeek-style latent KV: one buffer per layer (kv_lora_rank + rope dims)
+            self.kv = MLATokenToKVPool(device_tokens, page_size, torch.float32, self.heads * self.dim - 4, 4,
+                                       self.layers, "cpu", False)
+            self.bufs = list(self.kv.kv_buffer)
+        else:
+            self.kv = MHATokenToKVPool(device_tokens, page_size, torch.float32, self.heads, self.dim,
+                                       self.layers, "cpu", False)
+            self.bufs = list(self.kv.k_buffer) + list(self.kv.v_buffer)
         self.alloc = PagedTokenToKVPoolAllocator(device_tokens, page_size, torch.float32, "cpu", self.kv, False)
         self.r2t = ReqToTokenPool(max_reqs, max_context, "cpu", False)
         self.params = CacheInitParams(disable=False, req_to_token_pool=self.r2t,
@@ -103,8 +113,8 @@ class Engine:
             toks = r.full_untruncated_fill_ids
             want = oracle(self.model, r.cache_salt, toks[: r.extend_end])
             row = self.r2t.req_to_token[r.kv.req_pool_idx, : r.prefix_len].to(torch.int64)
-            for i, b in enumerate(list(self.kv.k_buffer) + list(self.kv.v_buffer)):
-                got = b[row].reshape(len(row), self.heads * self.dim)
+            for i, b in enumerate(self.bufs):
+                got = b[row].reshape(len(row), b[0].numel())
                 exp = (want[: r.prefix_len] + i * 0.25)[:, None].expand_as(got)
                 if not torch.equal(got, exp):
                     bad = (got != exp).any(dim=1).nonzero().flatten().tolist()
@@ -112,8 +122,8 @@ class Engine:
             self.checked_rows += len(row)
             n = r.extend_end - r.prefix_len
             dst = loc[off: off + n].to(torch.int64)
-            for i, b in enumerate(list(self.kv.k_buffer) + list(self.kv.v_buffer)):
-                b[dst] = (want[r.prefix_len:] + i * 0.25)[:, None, None].expand(n, self.heads, self.dim)
+            for i, b in enumerate(self.bufs):
+                b[dst] = (want[r.prefix_len:] + i * 0.25).reshape(n, *([1] * (b.dim() - 1))).expand(n, *b.shape[1:])
             off += n
 
     def step(self, waiting: List[Req]) -> List[Req]:

@@ -58,6 +58,24 @@ def test_prefixes_come_back_from_host_when_the_device_pool_is_too_small():
     e.cache.manager.check()
 
 
+def test_an_mla_model_comes_back_from_host_and_l3():
+    """SGLang's MLA pool (one latent buffer per layer): pages come back from host, and a second
+    engine reads them from L3, bytes as stored."""
+    ps = prompts(22, 3, 24)
+    store = kvtier.L3Store.embedded(1 << 24)
+    e = Engine(kvtier_cache(host_pages=64, store=store), device_tokens=40, mla=True)
+    e.run([e.request(p) for p in ps])
+    e.run([e.request(p) for p in ps])
+    assert e.prefix_hits[3:] == [20] * 3 and e.cache.stats()["host_hit_tokens"] > 0
+    e.cache.flush_pending_backups()
+    e.cache.wait_io()
+    two = Engine(kvtier_cache(host_pages=64, store=store), mla=True)
+    two.run([two.request(p) for p in ps])
+    assert two.prefix_hits == [20] * 3 and two.cache.stats()["l3_hit_tokens"] == 60
+    e.check_pools()
+    two.check_pools()
+
+
 def test_a_corrupted_host_page_is_caught_by_the_oracle():
     """The check can fail: flip one host byte and the reload is a Mismatch."""
     p = prompts(2, 1, 16)[0]
