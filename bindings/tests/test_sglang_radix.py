@@ -418,3 +418,21 @@ def test_a_host_pool_full_of_backed_up_pages_takes_the_next_requests_pages():
         e.run([e.request(p)])
         assert e.cache.manager.usage()["locked"] == 0
     assert e.cache.stats()["stored_pages"] == 12 and e.cache.stats()["backed_up_pages"] == 12
+
+
+def test_the_benchmark_runs_and_kvtier_computes_less(monkeypatch, capsys):
+    """bench/sglang_radix.py on a small workload (so the documented command does not rot): the
+    three engines' table, kvtier computing fewer prefill tokens than SGLang's RadixCache."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import sglang_radix as bench
+
+    monkeypatch.setattr(sys, "argv", ["sglang_radix.py", "--docs", "16", "--doc", "64", "--reqs", "48",
+                                      "--layers", "2", "--dim", "16", "--host-docs", "2", "--io-threads", "0"])
+    bench.main()
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| SGLang")]
+    assert len(rows) == 3
+    ratio = [float(r[6]) for r in rows]
+    assert ratio[0] == 1.0 and ratio[1] < 1.0 and ratio[2] < ratio[1]
