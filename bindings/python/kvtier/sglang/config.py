@@ -41,8 +41,8 @@ class RadixBackendConfig:
     - ``io_threads``: 1 (default) runs L3 I/O on a worker thread, 0 at the per-step hook;
     - ``probe_l3``: probe the store for pages other engines stored (default on);
     - ``prefetch_wait_ms``: how long, in all, one request's matches may wait for its own
-      prefetch (default 20; 0: never, its prefetched pages serve later requests); other
-      requests are never held by it.
+      prefetch (default 20; 0: never, its prefetched pages serve later requests); SGLang
+      matches a step's requests in turn, so a step may wait this long per such request.
     """
 
     host_bytes: Optional[str] = None
