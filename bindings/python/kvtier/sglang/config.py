@@ -38,7 +38,9 @@ class RadixBackendConfig:
       ``$KVTIER_L3_ADDR`` is set, else "off"); ``server``, ``token``, ``rpc_timeout_ms``;
       ``segment_bytes`` and ``name`` for an embedded store;
     - ``tenant`` (default "default"), ``tenant_caps`` (``{tenant: host pages}``);
-    - ``io_threads``: 1 (default) runs L3 I/O on a worker thread, 0 at the per-step hook;
+    - ``io_threads``: 1 (default) runs L3 I/O on a worker thread; 0 in the scheduler thread
+      (backups in the per-step hook; a prefetch inside its request's match when
+      ``prefetch_wait_ms`` > 0, read whole, else in the hook);
     - ``probe_l3``: probe the store for pages other engines stored (default on);
     - ``prefetch_wait_ms``: how long, in all, one request's matches may wait for its own
       prefetch (default 20; 0: never, its prefetched pages serve later requests); SGLang
