@@ -214,7 +214,7 @@ def test_config_errors_are_typed_at_startup(l3server):
     with pytest.raises(kr.RadixConfigError, match="unknown"):
         kr.RadixBackendConfig.from_dict({"host_page": 3})
     for bad in ({"policy": "mru"}, {"io_threads": 4}, {"host_pages": 0}, {"l3": "tape"},
-                {"prefetch_wait_ms": -1}, {"host_bytes": "lots"}):
+                {"prefetch_wait_ms": -1}, {"host_bytes": "lots"}, {"write_policy": "write_around"}):
         with pytest.raises(kr.RadixConfigError):
             kr.RadixBackendConfig.from_dict(bad)
     with pytest.raises(kr.UnsupportedPageSizeError):  # no page fits the host pool
@@ -228,14 +228,16 @@ def test_config_errors_are_typed_at_startup(l3server):
         small.shutdown()
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.booleans()), min_size=1, max_size=14),
-       st.integers(3, 12))
-def test_property_any_workload_reads_only_what_was_computed(ops, host_pages):
-    """Random prompts built from shared stems, random host sizes, a small device pool: every
-    reused row equals the oracle, no slot leaks, kvtier's tree stays consistent."""
+       st.integers(3, 12), st.sampled_from(["write_through", "write_back"]))
+def test_property_any_workload_reads_only_what_was_computed(ops, host_pages, write_policy):
+    """Random prompts built from shared stems, random host sizes, either write policy, a small
+    device pool: every reused row equals the oracle, no slot leaks, kvtier's tree stays
+    consistent."""
     stems = prompts(12, 6, 12)
-    e = Engine(kvtier_cache(host_pages=host_pages, policy="freq-depth"), device_tokens=40)
+    e = Engine(kvtier_cache(host_pages=host_pages, policy="freq-depth", write_policy=write_policy),
+               device_tokens=40)
     for stem, tail, salted in ops:
         e.run([e.request(stems[stem] + list(range(100, 100 + tail)), salt="s" if salted else None)])
         e.check_pools()
@@ -459,3 +461,23 @@ def test_property_l3_losses_never_load_garbage(ops, host_pages, journal):
                 pass  # never backed up (or already gone)
         e.check_pools()
         e.cache.manager.check()
+
+
+def test_write_back_makes_a_host_pool_near_the_devices_size_useful():
+    """Three 24-token prompts in turn, a device pool of 10 pages and a host pool of 14: with
+    write-through the host holds copies of what the device holds too and the prompt asked next
+    is gone from both (no hit, ever); with write-back the host holds only what the device
+    evicted, and prompts come back from it, bytes as computed."""
+    ps = prompts(30, 3, 24)
+    out = {}
+    for policy in ("write_through", "write_back"):
+        e = Engine(kvtier_cache(host_pages=14, write_policy=policy), device_tokens=40)
+        for _ in range(3):
+            e.run([e.request(p) for p in ps])
+        e.check_pools()
+        e.cache.manager.check()
+        out[policy] = (sum(e.prefix_hits), e.cache.stats())
+    assert out["write_through"][0] == 0
+    assert out["write_back"][0] >= 60 and out["write_back"][1]["host_hit_tokens"] >= 60
+    assert out["write_back"][1]["written_back_pages"] == out["write_back"][1]["stored_pages"]
+    assert out["write_back"][1]["stored_pages"] < out["write_through"][1]["stored_pages"]

@@ -41,6 +41,8 @@ class RadixBackendConfig:
     - ``io_threads``: 1 (default) runs L3 I/O on a worker thread; 0 in the scheduler thread
       (backups in the per-step hook; a prefetch inside its request's match when
       ``prefetch_wait_ms`` > 0, read whole, else in the hook);
+    - ``write_policy``: "write_through" (default: a request's pages go to host when SGLang
+      inserts them) or "write_back" (only when SGLang evicts them from the device);
     - ``probe_l3``: probe the store for pages other engines stored (default on);
     - ``prefetch_wait_ms``: how long, in all, one request's matches may wait for its own
       prefetch (default 20; 0: never, its prefetched pages serve later requests); SGLang
@@ -61,6 +63,7 @@ class RadixBackendConfig:
     io_threads: int = 1
     probe_l3: bool = True
     prefetch_wait_ms: int = 20
+    write_policy: str = "write_through"
 
     @classmethod
     def from_dict(cls, d: Any) -> "RadixBackendConfig":
@@ -96,6 +99,8 @@ class RadixBackendConfig:
             raise RadixConfigError(f"l3 is 'off', 'embedded' or 'server', got {self.l3!r}")
         if not isinstance(self.prefetch_wait_ms, int) or self.prefetch_wait_ms < 0:
             raise RadixConfigError(f"prefetch_wait_ms must be a non-negative int, got {self.prefetch_wait_ms!r}")
+        if self.write_policy not in ("write_through", "write_back"):
+            raise RadixConfigError(f"write_policy is 'write_through' or 'write_back', got {self.write_policy!r}")
         if self.io_threads not in (0, 1):
             raise RadixConfigError(f"io_threads is 0 or 1, got {self.io_threads!r}")
         if not isinstance(self.tenant, str) or not self.tenant:

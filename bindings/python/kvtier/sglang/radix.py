@@ -139,6 +139,7 @@ class Counters:
     backed_up_pages: int = 0
     backup_failures: int = 0
     probes: int = 0
+    written_back_pages: int = 0
     l3_lost_pages: int = 0
     store_errors: int = 0
 
@@ -503,26 +504,45 @@ class KvtierRadixCache(RadixCache):
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         super().checkpoint(req, up_to=up_to)
-        if self.disable:
+        if self.disable or self.config.write_policy != "write_through":
             return
         n = req.kv.cache_protected_len
-        tokens = req.full_untruncated_fill_ids[:n]
-        chain = self._chain(tokens, req.extra_key, req.cache_salt)
-        if chain is None:
-            return
-        plan = self.manager.prepare_store(chain, len(chain), self._tenant(req.cache_salt))
+        chain = self._chain(req.full_untruncated_fill_ids[:n], req.extra_key, req.cache_salt)
+        if chain is not None:
+            self._store(chain, self.req_to_token_pool.req_to_token[req.kv.req_pool_idx], req.cache_salt)
+
+    def _store(self, chain: List[bytes], dev_idx: torch.Tensor, salt: Optional[str]) -> int:
+        """Device pages of ``chain`` (its tokens at device slots ``dev_idx``) not on host yet
+        go to the host slots kvtier hands out (evicting by its policy); returns how many."""
+        plan = self.manager.prepare_store(chain, len(chain), self._tenant(salt))
         if plan is None:
-            return
+            return 0
         job, first, slots, _evicted = plan
         ps = self.page_size
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         try:
-            self._copy_to_host(row[first * ps:(first + len(slots)) * ps], slots)
+            self._copy_to_host(dev_idx[first * ps:(first + len(slots)) * ps], slots)
         except Exception:
             self.manager.complete_store(job, "failed")
             raise
         self.manager.complete_store(job, "done")
         self.counters.stored_pages += len(slots)
+        return len(slots)
+
+    def _delete_leaf(self, node: Any) -> None:
+        """SGLang's device eviction drops ``node``: with ``write_back`` its path goes to host
+        first. ``RadixCache.evict`` calls this right after giving the node's slots back to the
+        allocator and before anything can allocate them again, so they still hold its KV."""
+        if self.config.write_policy == "write_back" and node.value is not None and len(node.value):
+            keys, n = [], node
+            while n is not self.root_node:
+                keys.append(n.key.raw_token_ids()[: len(n.key)])
+                n = n.parent
+            tokens = [t for k in reversed(keys) for t in k]
+            chain = self._chain(tokens, node.key.extra_key, node.key.cache_salt)
+            if chain is not None:
+                stored = self._store(chain, self.path_device_indices(node), node.key.cache_salt)
+                self.counters.written_back_pages += stored
+        super()._delete_leaf(node)
 
     # ---- the per-step hook: L3 I/O ------------------------------------------------------
 
