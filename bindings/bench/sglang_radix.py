@@ -79,6 +79,7 @@ def main():
     ap.add_argument("--host-docs", type=int, default=8)
     ap.add_argument("--io-threads", type=int, default=1, help="kvtier's io_threads (0: L3 I/O inline)")
     ap.add_argument("--prefetch-wait-ms", type=int, default=20, help="kvtier's prefetch_wait_ms")
+    ap.add_argument("--write-policy", default="write_through", help="kvtier's write_policy")
     args = ap.parse_args()
     args.device_tokens = 2 * args.doc + args.batch * (args.doc + args.q + 2 * args.page_size)
     prompts = workload(args.docs, args.doc, args.reqs, args.q)
@@ -88,7 +89,8 @@ def main():
     try:
         conf = kr.RadixBackendConfig.from_dict(dict(host_pages=host_pages, l3="server", server=srv.addr,
                                                     io_threads=args.io_threads,
-                                                    prefetch_wait_ms=args.prefetch_wait_ms))
+                                                    prefetch_wait_ms=args.prefetch_wait_ms,
+                                                    write_policy=args.write_policy))
         rows = [run("SGLang RadixCache (device)", sglang_radix, prompts, args)]
         rows.append(run("SGLang + kvtier (device+host+L3)",
                         lambda p: kr.KvtierRadixCache(p, conf, model="bench-model"), prompts, args))
@@ -107,7 +109,7 @@ def main():
     print(f"workload: {args.reqs} requests, {args.docs} docs x {args.doc} tokens + {args.q}-token questions "
           f"({total} prompt tokens), page {args.page_size} tokens = {page_bytes >> 10} KiB, device pool "
           f"{args.device_tokens} tokens, kvtier host {host_pages} pages, batch {args.batch}, "
-          f"io_threads {args.io_threads}, prefetch_wait_ms {args.prefetch_wait_ms}")
+          f"io_threads {args.io_threads}, prefetch_wait_ms {args.prefetch_wait_ms}, {args.write_policy}")
     base = rows[0]
     print("| engine | device hit | host hit | L3 hit | computed | computed / SGLang | steps | ms/step (mean, p50) | ms/step / SGLang |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
