@@ -419,7 +419,8 @@ def test_the_documented_launch_flags_parse_and_build_the_backend():
     from sglang.srt.server_args import ServerArgs
 
     doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
-    blocks = [b for b in re.findall(r"^```sh\n(.*?)^```", doc, re.S | re.M) if "sglang.launch_server" in b]
+    blocks = [b for b in re.findall(r"^```sh\n(.*?)^```", doc, re.S | re.M)
+              if "sglang.launch_server" in b and "--hicache-storage-backend" in b]
     assert len(blocks) == 1
     words = shlex.split(blocks[0].replace("\\\n", " "), comments=True)
     args = words[words.index("sglang.launch_server") + 1 :]

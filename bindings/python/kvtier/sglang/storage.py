@@ -56,8 +56,8 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 import kvtier
 
-from .mooncake_compat._setup import parse_size
-from .namespace import l3_namespace
+from ..mooncake_compat._setup import parse_size
+from ..namespace import l3_namespace
 
 logger = logging.getLogger(__name__)
 

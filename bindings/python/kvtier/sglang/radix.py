@@ -1,0 +1,765 @@
+"""kvtier decides SGLang's cache: a radix-cache backend (``--radix-cache-backend kvtier``).
+
+Why: with the storage backend (``storage.py``) SGLang's HiCache decides what the host tier
+and L3 keep, evict, load and prefetch, and kvtier only stores bytes. Here kvtier decides:
+SGLang keeps its device tree (``RadixCache``: device matching, locks, device eviction), and
+kvtier's ``OffloadManager`` owns the tiers below it: which pages go to host and which host
+pages are evicted for them (kvtier's eviction policies and tenant caps), which host pages
+are backed up to L3 (write-through) and which L3 pages are prefetched to host, under
+kvtier's namespaces (model, dtype, page size, parallel shape, tenant; the page hashes are
+salted by the request's ``cache_salt`` and LoRA ``extra_key``, so two models or salts never
+share bytes).
+
+How (the two-phase pattern of SGLang's ``FlexKVRadixCache``):
+
+- ``match_prefix`` matches the device tree, then asks kvtier how many following pages are
+  on host (``host_hit_length``); pages L3 holds beyond the host prefix (known from kvtier's
+  backups or from a probe of the store) start a prefetch into host slots and are *not*
+  reported: admission never waits for L3, the request's next match sees them on host.
+- ``init_load_back`` (called by SGLang's ``PrefillAdder``) allocates device slots, copies
+  the host pages in and inserts them into the device tree; all promised pages or none (a
+  page evicted from host meanwhile: ``(0, node)``, the request recomputes).
+- ``checkpoint`` (SGLang's insert) stores the request's new device pages to host slots
+  kvtier hands out (write-through to host).
+- ``flush_pending_backups`` (SGLang calls it after every batch) is the per-step hook: it
+  finishes L3 reads and writes, reads kvtier's host events and the store's loss journal, and
+  starts the backups kvtier plans.
+- Tensor parallelism: every rank runs this over its KV shard and SGLang makes the same calls
+  on every rank; what one rank's store answers and another's may not (a probe's run, a
+  prefetch's or backup's outcome, a loss) is agreed over SGLang's TP CPU group (an
+  all-reduce MIN; kvtier's ``RankAgreement``), so every rank's ``OffloadManager`` takes the
+  same decisions.
+
+Bytes: a host page is the page's rows of every device KV buffer (K and V of each layer; the
+latent buffer for MLA), as bytes, in a host pool this class owns (pinned where the device
+is a GPU, plain on CPU); copies are plain torch index copies. An L3 object is one host page
+under ``{namespace}:{page hash}:{tp rank}``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+import kvtier
+
+from ..mooncake_compat._setup import parse_size
+from ..namespace import l3_namespace
+from .config import (  # noqa: F401  (re-exported: kvtier.sglang.radix is where users look)
+    BACKEND_NAME,
+    ENV_CONFIG,
+    RadixBackendConfig,
+    RadixConfigError,
+    UnsupportedModelError,
+    UnsupportedPageSizeError,
+)
+from .storage import ENV_ADDR, ENV_TOKEN
+
+logger = logging.getLogger(__name__)
+
+_U32 = 1 << 32
+
+
+def device_buffers(kvcache: Any) -> List[torch.Tensor]:
+    """The device KV pool's per-layer buffers as ``[token slots, row bytes]`` uint8 views:
+    K then V of each layer (MHA), or the latent buffer of each layer (MLA)."""
+    if hasattr(kvcache, "k_buffer") and hasattr(kvcache, "v_buffer"):
+        bufs = list(kvcache.k_buffer) + list(kvcache.v_buffer)
+    elif hasattr(kvcache, "kv_buffer") and isinstance(kvcache.kv_buffer, (list, tuple)):
+        bufs = list(kvcache.kv_buffer)
+    else:
+        raise UnsupportedModelError(f"device KV pool {type(kvcache).__name__} (MHA and MLA pools only)")
+    out = []
+    for b in bufs:
+        if not isinstance(b, torch.Tensor) or not b.is_contiguous():
+            raise UnsupportedModelError(f"device KV pool {type(kvcache).__name__}: a buffer is not a contiguous tensor")
+        out.append(b.view(b.shape[0], -1).view(torch.uint8))
+    return out
+
+
+@dataclass
+class _Marker:
+    """From a host-hit ``match_prefix`` to its ``init_load_back``: the host-resident chain and a
+    detached key of it (the live key aliases ``req.fill_ids``)."""
+
+    chain: List[bytes]
+    key: RadixKey
+    device_len: int
+
+
+@dataclass
+class _Job:
+    kind: str  # "prefetch" | "backup"
+    job: int
+    pages: int
+    run: Callable[[], Any]
+    future: Optional[Future] = None
+    handle: Any = None
+    page_hashes: Optional[List[bytes]] = None
+
+
+@dataclass
+class HitRecord:
+    """Where one request's cached prefix came from, in tokens."""
+
+    rid: str
+    device: int = 0
+    host: int = 0
+    l3: int = 0
+
+
+@dataclass
+class Counters:
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    l3_hit_tokens: int = 0
+    load_backs: int = 0
+    load_back_fallbacks: int = 0
+    stored_pages: int = 0
+    prefetches: int = 0
+    prefetched_pages: int = 0
+    prefetch_lost_pages: int = 0
+    backups: int = 0
+    backed_up_pages: int = 0
+    backup_failures: int = 0
+    probes: int = 0
+    written_back_pages: int = 0
+    l3_lost_pages: int = 0
+    store_errors: int = 0
+
+
+class KvtierRadixCache(RadixCache):
+    """SGLang's ``RadixCache`` (the device tree) with kvtier deciding host and L3 (module doc)."""
+
+    def __init__(
+        self,
+        params: Any,
+        config: Optional[RadixBackendConfig] = None,
+        *,
+        model: str = "",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Any = None,
+        store: Optional[kvtier.L3Store] = None,
+    ) -> None:
+        cfg = config if config is not None else RadixBackendConfig.from_env()
+        if params.page_size <= 0:
+            raise UnsupportedPageSizeError(f"page_size {params.page_size}")
+        if getattr(params, "is_eagle", False):
+            raise UnsupportedModelError("EAGLE's bigram keys are not served (kvtier pages hash plain tokens)")
+        if getattr(params, "sliding_window_size", None):
+            raise UnsupportedModelError("sliding-window (SWA) models are not served: full-attention models only")
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise RadixConfigError(f"tp_rank {tp_rank} of tp_size {tp_size}")
+        # The ranks agree over SGLang's CPU group (a GroupCoordinator's cpu_group, or a gloo group).
+        group = getattr(tp_group, "cpu_group", tp_group)
+        if tp_size > 1 and group is None:
+            raise RadixConfigError(f"tp_size {tp_size} needs the tensor-parallel CPU process group")
+        kv = params.token_to_kv_pool_allocator.get_kvcache()
+        bufs = device_buffers(kv)
+        ps = int(params.page_size)
+        self._offsets = np.cumsum([0] + [b.shape[1] * ps for b in bufs]).tolist()
+        page_bytes = int(self._offsets[-1])
+        if cfg.host_pages is not None:
+            slots = cfg.host_pages
+        else:
+            slots = parse_size(cfg.host_bytes or "4GB") // page_bytes
+        if slots <= 0:
+            raise UnsupportedPageSizeError(
+                f"a page is {page_bytes} bytes ({ps} tokens): no host page fits in host_bytes {cfg.host_bytes!r}"
+            )
+        mode = cfg.l3_mode()
+        if store is None and mode == "embedded":
+            seg = parse_size(cfg.segment_bytes)
+            if not seg:
+                raise RadixConfigError(f"bad segment_bytes {cfg.segment_bytes!r}")
+            store = kvtier.L3Store.embedded(seg, tenant=cfg.tenant, name=cfg.name)
+        elif store is None and mode == "server":
+            addr = cfg.server or os.environ[ENV_ADDR]
+            store = kvtier.L3Store.connect(
+                str(addr), token=cfg.token or os.environ.get(ENV_TOKEN), tenant=cfg.tenant,
+                rpc_timeout_ms=int(cfg.rpc_timeout_ms),
+            )
+        dtype = str(getattr(kv, "dtype", "")).replace("torch.", "")
+        kind = "mha" if hasattr(kv, "k_buffer") else "mla"
+        layout = f"sglang-radix.{kind}.ps{ps}.rows{'-'.join(str(b.shape[1]) for b in bufs)}.tp{tp_size}"
+        self.namespace = l3_namespace(model, dtype, layout, cfg.tenant)
+        if store is not None:
+            self._check_page_fits(store, page_bytes, ps)
+        super().__init__(params)
+        self.config = cfg
+        self.model = model
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self._group = group
+        self._agreement = kvtier.RankAgreement()
+        self._agreeing: Dict[int, _Job] = {}
+        self.store = store
+        self.page_bytes = page_bytes
+        self.host_slots = slots
+        pin = any(b.device.type == "cuda" for b in bufs) and torch.cuda.is_available()
+        self.host = torch.zeros((slots, page_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._host_flat = self.host.numpy().reshape(-1)
+        # Copies move the widest word every row and offset is a multiple of (8x fewer elements
+        # than bytes for the usual fp16/bf16/fp32 rows): index copies are per element.
+        word = next(w for w in (8, 4, 2, 1) if all(b.shape[1] % w == 0 for b in bufs))
+        wdt = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+        self._bufs = [b.view(wdt) for b in bufs]
+        self._host_w = self.host.view(wdt)
+        self._woffsets = [o // word for o in self._offsets]
+        self.counters = Counters()
+        self.hit_log: Deque[HitRecord] = collections.deque(maxlen=4096)
+        self._hits: Dict[str, HitRecord] = {}
+        self._markers: Dict[Any, _Marker] = {}
+        self._probed: Dict[Any, int] = {}
+        self._waited: Dict[Any, float] = {}
+        self._jobs: List[_Job] = []
+        self._from_l3: set = set()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-l3") if cfg.io_threads and store else None
+        self.agreements = 0
+        self._journal = store is not None  # off once the store says it keeps no loss journal
+        self._new_manager()
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def _new_manager(self) -> None:
+        self.manager = kvtier.OffloadManager(
+            self.host_slots, self.config.policy, "write-through" if self.store is not None else "off",
+            tp_ranks=self.tp_size,
+        )
+        for tenant, cap in self.config.tenant_caps.items():
+            self.manager.set_tenant_cap(tenant, cap)
+
+    def _check_page_fits(self, store: kvtier.L3Store, page_bytes: int, ps: int) -> None:
+        """One page is one L3 object: a store that refuses an object of a page's size cannot
+        serve this page size (``UnsupportedPageSizeError`` at startup, not at the first backup)."""
+        key = f"{self.namespace}:kvtier-page-size-check"
+        try:
+            store.put(key, np.zeros(page_bytes, np.uint8))
+        except kvtier.ObjectAlreadyExistsError:
+            pass
+        except kvtier.L3Error as e:
+            raise UnsupportedPageSizeError(
+                f"page_size {ps}: a page is {page_bytes} bytes, which the L3 store refuses to hold ({e})"
+            ) from None
+        try:
+            store.remove(key, True)
+        except kvtier.L3Error:
+            pass
+
+    def reset(self) -> None:
+        super().reset()
+        if hasattr(self, "manager"):  # RadixCache.__init__ resets before our fields exist
+            self._drain_io()
+            self._markers.clear()
+            self._probed.clear()
+            self._waited.clear()
+            self._from_l3.clear()
+            self._new_manager()
+
+    def shutdown(self) -> None:
+        """Finishes the L3 I/O in flight (applied, agreed under TP), then stops the I/O thread."""
+        self._drain_io()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def release_host_resources(self) -> None:
+        """SGLang's teardown hook (the scheduler process's ``finally``): stops the I/O thread
+        without waiting on other ranks (no collective: a rank may be gone) and drops the host
+        pool (pinned on a GPU machine). Idempotent; the cache serves nothing afterwards."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._jobs.clear()
+        self.host = self._host_w = torch.zeros((0, 0), dtype=torch.uint8)
+        self._host_flat = np.zeros(0, dtype=np.uint8)
+
+    # ---- keys --------------------------------------------------------------------------
+
+    def _tenant(self, salt: Optional[str]) -> Optional[str]:
+        return None if not salt else f"salt-{salt}"
+
+    def _chain(self, tokens: Any, extra_key: Optional[str], salt: Optional[str]) -> Optional[List[bytes]]:
+        toks = np.asarray(tokens, dtype=np.int64)
+        n = (len(toks) // self.page_size) * self.page_size
+        if n == 0 or toks.min(initial=0) < 0 or toks.max(initial=0) >= _U32:
+            return None  # kvtier pages hash u32 tokens: anything else stays device-only
+        h = kvtier.page_hashes(toks[:n].astype(np.uint32), self.page_size, cache_salt=salt or None,
+                               adapter=extra_key or None)
+        return [bytes(r) for r in h]
+
+    def l3_keys(self, chain: List[bytes]) -> List[str]:
+        return [f"{self.namespace}:{h.hex()}:{self.tp_rank}" for h in chain]
+
+    # ---- bytes -------------------------------------------------------------------------
+
+    def _copy_to_host(self, dev_idx: torch.Tensor, slots: List[int]) -> None:
+        n, ps = len(slots), self.page_size
+        idx = dev_idx.to(torch.int64)
+        pages = torch.cat([b.index_select(0, idx.to(b.device)).reshape(n, ps * b.shape[1]) for b in self._bufs], 1)
+        self._host_w.index_copy_(0, torch.as_tensor(slots, dtype=torch.int64), pages.to("cpu"))
+
+    def _copy_to_device(self, slots: List[int], dev_idx: torch.Tensor) -> None:
+        n, ps = len(slots), self.page_size
+        pages = self._host_w.index_select(0, torch.as_tensor(slots, dtype=torch.int64))
+        for b, lo, hi in zip(self._bufs, self._woffsets, self._woffsets[1:]):
+            rows = pages[:, lo:hi].reshape(n * ps, b.shape[1])
+            b.index_copy_(0, dev_idx.to(device=b.device, dtype=torch.int64), rows.to(b.device))
+
+    # ---- match and load ----------------------------------------------------------------
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        base = super().match_prefix(params)
+        req = params.req
+        if self.disable or req is None or len(params.key) == 0:
+            return base
+        key = params.key.page_aligned(self.page_size)
+        tokens = key.raw_token_ids()[: len(key)]
+        handle = req.cache_request_handle
+        rec = self._hits[req.rid] = HitRecord(req.rid, device=base.device_prefix_len)
+        self._markers.pop(handle, None)
+        chain = self._chain(tokens, key.extra_key, key.cache_salt)
+        if chain is None:
+            return base
+        d = base.device_prefix_len // self.page_size
+        h = self.manager.host_prefix(chain)
+        if self.store is not None and h < len(chain):
+            self._maybe_prefetch(handle, chain, h, d, self._tenant(key.cache_salt))
+            if self._await_prefetch(handle):
+                h = self.manager.host_prefix(chain)
+        if h <= d:
+            return base
+        rec.host = (h - d) * self.page_size
+        snap = RadixKey(tokens[: h * self.page_size], key.extra_key, cache_salt=key.cache_salt)
+        self._markers[handle] = _Marker(chain[:h], snap, base.device_prefix_len)
+        return base._replace(host_hit_length=(h - d) * self.page_size)
+
+    def _maybe_prefetch(self, handle: Any, chain: List[bytes], h: int, d: int, tenant: Optional[str]) -> None:
+        """Starts a prefetch of the L3 run after the host prefix ``h`` when it can reach past the
+        device match ``d`` (pages the device holds are written to host by the next checkpoint)."""
+        if d >= len(chain) or (d > h and self.manager.lookup(chain, d) not in ("in-l3", "miss")):
+            return
+        state = self.manager.lookup(chain, h)
+        if state == "miss" and self.config.probe_l3 and self._probed.get(handle) != h:
+            self._probed[handle] = h
+            self.counters.probes += 1
+            try:
+                found = np.asarray(self.store.batch_is_exist(self.l3_keys(chain[h:])))
+            except kvtier.L3Error as e:
+                self.counters.store_errors += 1
+                logger.warning("kvtier: L3 probe failed: %r", e)
+                found = np.zeros(0, dtype=np.int64)  # a miss (every rank still joins the agreement)
+            run = int(np.argmin(found == 1)) if not (found == 1).all() else len(found)
+            if self.tp_size > 1:  # every rank probes its own shard: the ranks take the shortest run
+                v = np.array([run], dtype=np.int64)
+                self._all_min(v)
+                run = int(v[0])
+            if run:
+                self.manager.l3_found(chain[h:h + run])
+                state = "in-l3"
+        if state != "in-l3" or (d > h and self.manager.lookup(chain, d) != "in-l3"):
+            return
+        plan = self.manager.prepare_prefetch(chain, h, tenant)
+        if plan is None:
+            return
+        job, first, slots, _evicted = plan
+        pages = chain[first:first + len(slots)]
+        keys = self.l3_keys(pages)
+        store, flat, pb = self.store, self._host_flat, self.page_bytes
+        ids = np.asarray(slots, dtype=np.int64)
+
+        def read() -> int:
+            codes = np.asarray(store.batch_get_pages(keys, flat, ids, pb))
+            ok = codes == pb
+            return int(np.argmin(ok)) if not ok.all() else len(ok)
+
+        self.counters.prefetches += 1
+        self._start(_Job("prefetch", job, len(slots), read, handle=handle, page_hashes=pages))
+
+    def _await_prefetch(self, handle: Any) -> bool:
+        """Waits for this request's prefetch within its budget (``prefetch_wait_ms`` over all
+        its matches); True when it finished."""
+        budget = self.config.prefetch_wait_ms / 1000 - self._waited.get(handle, 0.0)
+        jobs = [j for j in self._jobs if j.handle == handle]
+        if self.config.prefetch_wait_ms <= 0 or not jobs:
+            return False
+        if self.tp_size > 1:
+            # A deadline would let ranks see different outcomes: under TP a request waits for its
+            # own prefetch to end (reads are bounded by the store's rpc timeout), then the ranks agree.
+            self._poll_io(block=True)
+            return True
+        if budget <= 0:
+            return False
+        t0 = time.perf_counter()
+        done = True
+        for j in jobs:
+            if j.future is None:
+                try:
+                    r, e = j.run(), None
+                except Exception as ex:  # noqa: BLE001 (typed in _finish)
+                    r, e = None, ex
+            else:
+                try:
+                    r = j.future.result(timeout=max(budget - (time.perf_counter() - t0), 0))
+                    e = None
+                except FutureTimeout:
+                    done = False
+                    continue
+                except Exception as ex:  # noqa: BLE001
+                    r, e = None, ex
+            self._jobs.remove(j)
+            self._finish(j, r, e)
+        self._agree()
+        self._waited[handle] = self._waited.get(handle, 0.0) + time.perf_counter() - t0
+        return done
+
+    def init_load_back(self, params: InitLoadBackParams) -> Tuple[int, Any]:
+        req = params.req
+        last = params.best_match_node
+        marker = self._markers.pop(req.cache_request_handle, None) if req is not None else None
+        want = int(params.host_hit_length)
+        if marker is None or want <= 0:
+            return 0, last
+        ps = self.page_size
+        to = (marker.device_len + want) // ps
+        if to > len(marker.chain):
+            return self._fallback(req, last)
+        # The device tree may have grown since the match (another request of this step
+        # loaded the same pages): load only what it still lacks, under the deepest node.
+        cur = super().match_prefix(MatchPrefixParams(key=marker.key[: to * ps]))
+        start, node = cur.device_prefix_len // ps, cur.last_device_node
+        if start >= to:
+            self._account_load(req, marker.chain, want, 0, to)
+            return want, node
+        try:
+            job, slots = self.manager.prepare_load(marker.chain, start, to)
+        except kvtier.OffloadManagerError:
+            return self._fallback(req, last)  # evicted from host since the match
+        need = (to - start) * ps
+        self.inc_lock_ref(node)
+        try:
+            if self.token_to_kv_pool_allocator.available_size() < need:
+                self.evict(EvictParams(num_tokens=need))
+            dev = self.token_to_kv_pool_allocator.alloc(need)
+        finally:
+            self.dec_lock_ref(node)
+        if dev is None:
+            self.manager.complete_load(job)
+            return self._fallback(req, last)
+        try:
+            self._copy_to_device(slots, dev)
+        finally:
+            self.manager.complete_load(job)
+        self.manager.touch(marker.chain[:to])
+        new = TreeNode(priority=node.priority)
+        new.key = marker.key[start * ps:to * ps]
+        new.value = dev.to(torch.int64)
+        new.parent = node
+        node.children[new.key.child_key(ps)] = new
+        self.evictable_size_ += need
+        self._update_leaf_status(node)
+        self._update_leaf_status(new)
+        self.kv_events.record_store(new)
+        self._account_load(req, marker.chain, want, start, to)
+        return want, new
+
+    def _fallback(self, req: Any, last: Any) -> Tuple[int, Any]:
+        self.counters.load_back_fallbacks += 1
+        rec = self._hits.get(req.rid) if req is not None else None
+        if rec is not None:
+            rec.host = rec.l3 = 0
+        return 0, last
+
+    def _account_load(self, req: Any, chain: List[bytes], want: int, start: int, to: int) -> None:
+        self.counters.load_backs += 1
+        from_l3 = 0
+        for h in chain[start:to]:
+            if h in self._from_l3:
+                self._from_l3.discard(h)
+                from_l3 += self.page_size
+        rec = self._hits.setdefault(req.rid, HitRecord(req.rid))
+        rec.l3, rec.host = from_l3, want - from_l3
+        # SGLang's own per-tier hit metrics (PrefillAdder's log_*_hit_tokens) read these.
+        req.storage_hit_length = from_l3
+        req.storage_hit_start = None
+        req.host_hit_is_storage = False
+
+    # ---- store -------------------------------------------------------------------------
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        super().checkpoint(req, up_to=up_to)
+        if self.disable or self.config.write_policy != "write_through":
+            return
+        n = req.kv.cache_protected_len
+        chain = self._chain(req.full_untruncated_fill_ids[:n], req.extra_key, req.cache_salt)
+        if chain is not None:
+            self._store(chain, self.req_to_token_pool.req_to_token[req.kv.req_pool_idx], req.cache_salt)
+
+    def _store(self, chain: List[bytes], dev_idx: torch.Tensor, salt: Optional[str]) -> int:
+        """Device pages of ``chain`` (its tokens at device slots ``dev_idx``) not on host yet
+        go to the host slots kvtier hands out (evicting by its policy); returns how many."""
+        plan = self.manager.prepare_store(chain, len(chain), self._tenant(salt))
+        if plan is None:
+            return 0
+        job, first, slots, _evicted = plan
+        ps = self.page_size
+        try:
+            self._copy_to_host(dev_idx[first * ps:(first + len(slots)) * ps], slots)
+        except Exception:
+            self.manager.complete_store(job, "failed")
+            raise
+        self.manager.complete_store(job, "done")
+        self.counters.stored_pages += len(slots)
+        return len(slots)
+
+    def _delete_leaf(self, node: Any) -> None:
+        """SGLang's device eviction drops ``node``: with ``write_back`` its path goes to host
+        first. ``RadixCache.evict`` calls this right after giving the node's slots back to the
+        allocator and before anything can allocate them again, so they still hold its KV."""
+        if self.config.write_policy == "write_back" and node.value is not None and len(node.value):
+            keys, n = [], node
+            while n is not self.root_node:
+                keys.append(n.key.raw_token_ids()[: len(n.key)])
+                n = n.parent
+            tokens = [t for k in reversed(keys) for t in k]
+            chain = self._chain(tokens, node.key.extra_key, node.key.cache_salt)
+            if chain is not None:
+                stored = self._store(chain, self.path_device_indices(node), node.key.cache_salt)
+                self.counters.written_back_pages += stored
+        super()._delete_leaf(node)
+
+    # ---- the per-step hook: L3 I/O ------------------------------------------------------
+
+    def _start(self, job: _Job) -> None:
+        if self._pool is not None:
+            job.future = self._pool.submit(job.run)
+        self._jobs.append(job)
+
+    def _all_min(self, v: np.ndarray) -> None:
+        """In-place element-wise minimum over the tensor-parallel ranks (SGLang's CPU group)."""
+        import torch.distributed as dist
+
+        t = torch.from_numpy(v)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+
+    def _finish(self, job: _Job, result: Any, err: Optional[BaseException]) -> None:
+        if isinstance(err, kvtier.L3Error):
+            self.counters.store_errors += 1
+            logger.warning("kvtier: L3 %s failed: %r", job.kind, err)
+        elif err is not None:
+            raise err
+        if self.tp_size > 1:
+            # This rank's outcome; the ranks' minimum is applied by _agree.
+            if job.kind == "prefetch":
+                self._agreement.push(kvtier.PrefetchDone(job.job, 0 if err is not None else int(result)))
+            else:
+                self._agreement.push(kvtier.BackUpDone(job.job, err is None and bool(result)))
+            self._agreeing[job.job] = job
+            return
+        self._apply(job, 0 if err is not None else int(result) if job.kind == "prefetch" else bool(result))
+
+    def _agree(self) -> None:
+        """The ranks' outcomes of the jobs each finished, reduced to their minimum (a page read
+        by one rank only is lost for all), applied to every rank's manager alike."""
+        if self.tp_size == 1:
+            return
+        events = self._agreement.reduce(self.manager, lambda v: self._all_min(v))
+        self.agreements += 1
+        for ev in events:
+            self.manager.apply_agreed(ev)
+            job = self._agreeing.pop(ev.op)
+            self._apply(job, int(ev.completed) if job.kind == "prefetch" else bool(ev.success), applied=True)
+
+    def _apply(self, job: _Job, outcome: Any, applied: bool = False) -> None:
+        if job.kind == "prefetch":
+            done = int(outcome)
+            if not applied:
+                self.manager.complete_prefetch(job.job, done)
+            self._from_l3.update((job.page_hashes or [])[:done])
+            self.counters.prefetched_pages += done
+            self.counters.prefetch_lost_pages += job.pages - done
+        else:
+            ok = bool(outcome)
+            if not applied:
+                self.manager.complete_backup(job.job, "done" if ok else "failed")
+            if ok:
+                self.counters.backed_up_pages += job.pages
+            else:
+                self.counters.backup_failures += 1
+
+    def _poll_io(self, block: bool) -> None:
+        block = block or self.tp_size > 1  # ranks finish the same jobs at the same point
+        keep = []
+        for job in self._jobs:
+            if job.future is None:
+                try:
+                    r, e = job.run(), None
+                except Exception as ex:  # noqa: BLE001 (typed below)
+                    r, e = None, ex
+            elif block or job.future.done():
+                e = job.future.exception()
+                r = None if e is not None else job.future.result()
+            else:
+                keep.append(job)
+                continue
+            self._finish(job, r, e)
+        self._jobs = keep
+        self._agree()
+
+    def _drain_io(self) -> None:
+        while self._jobs:
+            self._poll_io(block=True)
+
+    def flush_pending_backups(self) -> None:
+        """SGLang's per-step hook: finishes the L3 reads and writes that are done, then starts
+        the backups kvtier plans (host pages L3 lacks)."""
+        self._take_host_events()
+        if self.store is None:
+            return
+        self._poll_io(block=False)
+        self._take_losses()
+        for job, pages, slots in self.manager.plan_backups():
+            keys = self.l3_keys(list(pages))
+            store, flat, pb = self.store, self._host_flat, self.page_bytes
+            ids = np.asarray(slots, dtype=np.int64)
+
+            def write(keys=keys, ids=ids) -> bool:
+                codes = np.asarray(store.batch_put_pages(keys, flat, ids, pb))
+                return bool(((codes == 0) | (codes == _EXISTS)).all())
+
+            self.counters.backups += 1
+            self._start(_Job("backup", job, len(pages), write))
+        if self._pool is None and self._jobs:
+            # I/O in the hook itself: the backups just planned end here, so the host pages they
+            # pin are free for the next step's stores.
+            self._poll_io(block=True)
+
+    def _take_host_events(self) -> None:
+        """kvtier's host events since the last step (it keeps them until read): pages that left
+        host no longer count as prefetched-from-L3 for the hit metrics."""
+        for removed, pages in self.manager.drain_events():
+            if removed:
+                self._from_l3.difference_update(pages)
+        self.manager.take_dropped()
+
+    def _take_losses(self) -> None:
+        """Pages the store reports lost (its loss journal: evicted, removed, a node gone) stop
+        counting as L3-resident, so kvtier neither prefetches them nor skips their backup;
+        under TP the ranks' losses are united (``RankAgreement.agree_losses``, every step)."""
+        pages: List[bytes] = []
+        over = False
+        if self._journal:
+            try:
+                keys, over = self.store.drain_losses()
+            except kvtier.UnavailableError:
+                self._journal = False  # a store without a journal: losses show at read time
+                keys = []
+            except kvtier.L3Error as e:
+                self.counters.store_errors += 1
+                logger.warning("kvtier: reading L3 losses failed: %r", e)
+                keys = []
+            prefix, suffix = f"{self.namespace}:", f":{self.tp_rank}"
+            for k in keys:
+                if k.startswith(prefix) and k.endswith(suffix):
+                    try:
+                        h = bytes.fromhex(k[len(prefix):-len(suffix)])
+                    except ValueError:
+                        continue
+                    if len(h) == 32:
+                        pages.append(h)
+            self.counters.l3_lost_pages += len(pages)
+        if self.tp_size == 1:
+            if over:
+                self.manager.l3_lost_all()
+            elif pages:
+                self.manager.l3_lost(pages)
+            return
+        if pages:
+            self._agreement.lost_pages(pages)
+        if over:
+            self._agreement.lost_all()
+        self._agreement.agree_losses(self.manager, self._all_gather)
+
+    def _all_gather(self, words: np.ndarray) -> List[np.ndarray]:
+        import torch.distributed as dist
+
+        n = np.array([len(words)], dtype=np.int64)
+        self._all_max(n)
+        mine = torch.zeros(int(n[0]), dtype=torch.int64)
+        mine[: len(words)] = torch.from_numpy(np.asarray(words, dtype=np.int64))
+        out = [torch.zeros_like(mine) for _ in range(self.tp_size)]
+        dist.all_gather(out, mine, group=self._group)
+        return [t.numpy() for t in out]
+
+    def _all_max(self, v: np.ndarray) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.from_numpy(v), op=dist.ReduceOp.MAX, group=self._group)
+
+    def wait_io(self) -> None:
+        """Finishes every L3 read and write in flight (tests, shutdown)."""
+        self._drain_io()
+
+    # ---- metrics -----------------------------------------------------------------------
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        self._markers.pop(req.cache_request_handle, None)
+        self._probed.pop(req.cache_request_handle, None)
+        self._waited.pop(req.cache_request_handle, None)
+        rec = self._hits.pop(req.rid, None)
+        if rec is None:
+            return
+        self.hit_log.append(rec)
+        self.counters.device_hit_tokens += rec.device
+        self.counters.host_hit_tokens += rec.host
+        self.counters.l3_hit_tokens += rec.l3
+
+    def release_aborted_request(self, handle: Any) -> None:
+        self._hits.pop(handle.rid, None)
+        self._markers.pop(handle, None)
+        self._probed.pop(handle, None)
+        self._waited.pop(handle, None)
+
+    def stats(self) -> Dict[str, Any]:
+        """Cumulative counters, the host pool's use (kvtier's ``usage``)."""
+        out: Dict[str, Any] = dict(vars(self.counters))
+        out.update({f"host_{k}": v for k, v in self.manager.usage().items()})
+        return out
+
+
+_EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
+
+
+def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
+    """SGLang's ``TreeCacheBuildContext`` → the backend; refuses what it cannot serve with a
+    typed error at startup (hybrid SWA, Mamba, DSA models; HiCache on top)."""
+    if ctx.is_hybrid_swa:
+        raise UnsupportedModelError("hybrid sliding-window (SWA) models are not served: full-attention models only")
+    if ctx.is_hybrid_ssm:
+        raise UnsupportedModelError("Mamba (hybrid SSM) models are not served: full-attention models only")
+    if getattr(ctx, "is_dsa", False):
+        raise UnsupportedModelError("DSA (sparse attention) models are not served")
+    if ctx.enable_hierarchical_cache:
+        raise RadixConfigError(
+            "--enable-hierarchical-cache puts SGLang's HiCache over the host tier kvtier decides: drop it "
+            "(or use kvtier as HiCache's storage backend instead)"
+        )
+    model = getattr(ctx.model_config, "model_path", None) or getattr(ctx.server_args, "model_path", "") or ""
+    return KvtierRadixCache(ctx.params, RadixBackendConfig.from_env(), model=str(model),
+                            tp_rank=int(ctx.tp_rank), tp_size=int(ctx.tp_size), tp_group=ctx.tp_group)

@@ -1,0 +1,483 @@
+"""kvtier as SGLang's radix-cache backend (``--radix-cache-backend kvtier``) against the real
+sglang 0.5.23 on CPU: SGLang's own admission (``PrefillAdder``), allocator, KV and
+request-to-token pools, ``prepare_for_extend`` and ``release_kv_cache`` drive it
+(``sglang_engine.Engine``), and every reused prefix row is checked against the KV its tokens
+were computed with, so a page loaded from the wrong slot or another model's bytes fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvtier
+from sglang_engine import Engine, Mismatch, oracle, publish_server_args, sglang_radix
+
+from kvtier.sglang import radix as kr
+
+PS = 4
+
+
+def kvtier_cache(**cfg):
+    store = cfg.pop("store", None)
+    model = cfg.pop("model", "model-a")
+    cfg.setdefault("io_threads", 0)
+    conf = kr.RadixBackendConfig.from_dict(cfg)
+    return lambda params: kr.KvtierRadixCache(params, conf, model=model, store=store)
+
+
+def prompts(seed, n, length, vocab=50_000):
+    g = np.random.default_rng(seed)
+    return [g.integers(1, vocab, length).tolist() for _ in range(n)]
+
+
+def test_prefixes_come_back_from_host_when_the_device_pool_is_too_small():
+    """Four 24-token prompts through a 40-token device pool, twice: SGLang's RadixCache has
+    evicted the first round by the second (no hits); with kvtier the second round's prefixes
+    come back from host, and each loaded row holds the KV it was computed with."""
+    ps = prompts(1, 4, 24)
+    runs = {}
+    for name, cache in (("sglang", sglang_radix), ("kvtier", kvtier_cache(host_pages=64))):
+        e = Engine(cache, device_tokens=40)
+        e.run([e.request(p) for p in ps])
+        first = list(e.prefix_hits)
+        e.run([e.request(p) for p in ps])
+        e.check_pools()
+        runs[name] = (first, e.prefix_hits[len(first):], e)
+    assert runs["sglang"][0] == [0] * 4 and runs["kvtier"][0] == [0] * 4
+    assert sum(runs["sglang"][1]) < 24 * 4 / 2, "SGLang alone lost most of round one"
+    # SGLang computes a prompt's last token: 20 of 24 tokens (whole pages) is the most a hit gives.
+    assert runs["kvtier"][1] == [20] * 4, "every prompt's pages came back (device or host)"
+    e = runs["kvtier"][2]
+    st_ = e.cache.stats()
+    assert st_["host_hit_tokens"] == 80 and st_["load_backs"] == 4 and e.checked_rows == 80
+    # SGLang's own per-tier admission metrics see the host hits kvtier reported.
+    assert e.adder_hits["host"] == st_["host_hit_tokens"]
+    e.cache.manager.check()
+
+
+def test_an_mla_model_comes_back_from_host_and_l3():
+    """SGLang's MLA pool (one latent buffer per layer): pages come back from host, and a second
+    engine reads them from L3, bytes as stored."""
+    ps = prompts(22, 3, 24)
+    store = kvtier.L3Store.embedded(1 << 24)
+    e = Engine(kvtier_cache(host_pages=64, store=store), device_tokens=40, mla=True)
+    e.run([e.request(p) for p in ps])
+    e.run([e.request(p) for p in ps])
+    assert e.prefix_hits[3:] == [20] * 3 and e.cache.stats()["host_hit_tokens"] > 0
+    e.cache.flush_pending_backups()
+    e.cache.wait_io()
+    two = Engine(kvtier_cache(host_pages=64, store=store), mla=True)
+    two.run([two.request(p) for p in ps])
+    assert two.prefix_hits == [20] * 3 and two.cache.stats()["l3_hit_tokens"] == 60
+    e.check_pools()
+    two.check_pools()
+
+
+def test_a_corrupted_host_page_is_caught_by_the_oracle():
+    """The check can fail: flip one host byte and the reload is a Mismatch."""
+    p = prompts(2, 1, 16)[0]
+    e = Engine(kvtier_cache(host_pages=16), device_tokens=32)
+    e.run([e.request(p)])
+    e.run([e.request(q) for q in prompts(3, 1, 20)])  # pushes p off the device
+    e.cache.host.view(-1)[3] ^= 0x40
+    with pytest.raises(Mismatch):
+        e.run([e.request(p)])
+
+
+def test_two_requests_of_one_step_sharing_a_host_prefix():
+    """SGLang re-matches each request right before admitting it, so of two requests sharing
+    host pages the second sees the first's load as a device hit. A match older than the
+    other's load (both matched, then both admitted) must not insert a second copy of the
+    pages under the same node: the load uses the pages already on device."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    base = prompts(4, 1, 16)[0]
+    e = Engine(kvtier_cache(host_pages=32), device_tokens=48)
+    e.run([e.request(base)])
+    e.run([e.request(q) for q in prompts(5, 2, 20)])  # base off the device
+    a, b = e.request(base + [1, 2, 3, 4]), e.request(base + [5, 6, 7, 8])
+    admitted = e.step([a, b])
+    assert len(admitted) == 2 and [a.prefix_len, b.prefix_len] == [16, 16]
+    assert e.cache.hit_log[-1].device == 16 and e.cache.hit_log[-2].host == 16
+    e = Engine(kvtier_cache(host_pages=32), device_tokens=80)
+    e.run([e.request(base)])
+    e.run([e.request(q) for q in prompts(13, 4, 20)])  # base off the device
+    c, d = e.request(base + [1, 1, 1, 1]), e.request(base + [2, 2, 2, 2])
+    c.init_next_round_input(e.cache)
+    d.init_next_round_input(e.cache)
+    assert c.host_hit_length == d.host_hit_length == 16
+    adder = PrefillAdder(PS, e.cache, e.alloc, None, 1.0, 1 << 20, None)
+    for r in (c, d):
+        assert adder.add_one_req(r, has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE
+    assert c.last_node is d.last_node, "one copy of the shared pages"
+    assert e.cache.total_size() == e.alloc.size - e.alloc.available_size()
+    for r in (c, d):
+        r.output_ids.append(7)
+        r.kv.kv_committed_len = 0
+    e.cache.manager.check()
+
+
+def test_eviction_under_pressure_never_evicts_a_locked_page():
+    """A request keeps its prefix locked while SGLang admits others that need the space: the
+    locked pages stay on device (same slots, same bytes) whatever is evicted for them."""
+    e = Engine(kvtier_cache(host_pages=64), device_tokens=48)
+    p = prompts(6, 1, 16)[0]
+    e.run([e.request(p)])
+    holder = e.request(p + [9, 9, 9, 9])
+    holder.init_next_round_input(e.cache)
+    lock = e.cache.lock(holder.last_node)
+    slots = e.cache.path_device_indices(holder.last_node).clone()
+    e.run([e.request(q) for q in prompts(7, 6, 24)])
+    assert torch.equal(e.cache.path_device_indices(holder.last_node), slots)
+    row = slots.to(torch.int64)
+    got = e.kv.k_buffer[0][row].reshape(len(row), 8)[:, 0]
+    assert torch.equal(got, oracle("model-a", None, p))
+    e.cache.unlock(lock)
+    e.check_pools()
+
+
+@pytest.fixture
+def l3server():
+    s = kvtier.L3Server(1 << 24)
+    yield s
+    s.shutdown()
+
+
+def test_a_second_engine_on_the_same_server_hits_the_firsts_prefixes(l3server):
+    """Engine one backs its host pages up to a kvtier-l3 server; engine two (its own device
+    and host tiers, empty) finds them in L3, prefetches and loads them: bytes as stored."""
+    ps = prompts(8, 3, 24)
+    one = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    one.run([one.request(p) for p in ps])
+    one.cache.wait_io()
+    one.cache.flush_pending_backups()
+    one.cache.wait_io()
+    assert one.cache.stats()["backed_up_pages"] == 18
+    two = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    two.run([two.request(p) for p in ps])
+    assert two.prefix_hits == [20] * 3
+    s = two.cache.stats()
+    assert s["l3_hit_tokens"] == 60 and s["prefetched_pages"] == 15 and s["probes"] == 3
+    assert two.adder_hits["storage"] == 60
+    # Per request: where its cached prefix came from.
+    assert [(h.device, h.host, h.l3) for h in two.cache.hit_log] == [(0, 0, 20)] * 3
+    two.check_pools()
+    # Another model (or salt) on the same server: no page is shared.
+    other = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr, model="model-b"),
+                   model="model-b")
+    other.run([other.request(p) for p in ps])
+    salted = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    salted.run([salted.request(p, salt="alice") for p in ps])
+    assert other.prefix_hits == [0] * 3 and salted.prefix_hits == [0] * 3
+    assert other.cache.stats()["prefetched_pages"] == 0 and salted.cache.stats()["prefetched_pages"] == 0
+
+
+def test_an_l3_loss_mid_prefetch_falls_back_to_recompute(l3server):
+    """Pages L3 loses between the prefetch's start and its read are reported lost and
+    recomputed; the request is served from the pages that were read, nothing garbled (a
+    24-token prompt matches 5 pages: the last token is always computed)."""
+    p = prompts(9, 1, 24)[0]
+    one = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    one.run([one.request(p)])
+    one.cache.flush_pending_backups()
+    one.cache.wait_io()
+    two = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr, prefetch_wait_ms=0))
+    req = two.request(p)
+    req.init_next_round_input(two.cache)  # SGLang's match: starts the prefetch, reports no hit
+    assert req.host_hit_length == 0
+    keys = two.cache.l3_keys(two.cache._chain(p, None, None))
+    two.cache.store.remove(keys[3], True)  # L3 loses page 3 before the read
+    two.cache.flush_pending_backups()  # the per-step hook reads: pages 0-2 land, 3-5 are lost
+    s = two.cache.stats()
+    assert s["prefetched_pages"] == 3 and s["prefetch_lost_pages"] == 2
+    two.run([req])
+    assert two.prefix_hits == [12]
+    two.check_pools()
+    two.cache.manager.check()
+
+
+def test_two_salts_never_share_on_host():
+    p = prompts(10, 1, 16)[0]
+    e = Engine(kvtier_cache(host_pages=64), device_tokens=32)
+    e.run([e.request(p, salt="alice")])
+    e.run([e.request(q) for q in prompts(11, 1, 20)])
+    e.run([e.request(p, salt="bob"), e.request(p)])
+    assert e.prefix_hits[-2:] == [0, 0]
+    e.run([e.request(p, salt="alice")])
+    assert e.prefix_hits[-1] == 12
+
+
+def test_config_errors_are_typed_at_startup(l3server):
+    with pytest.raises(kr.RadixConfigError, match="unknown"):
+        kr.RadixBackendConfig.from_dict({"host_page": 3})
+    for bad in ({"policy": "mru"}, {"io_threads": 4}, {"host_pages": 0}, {"l3": "tape"},
+                {"prefetch_wait_ms": -1}, {"host_bytes": "lots"}, {"write_policy": "write_around"}):
+        with pytest.raises(kr.RadixConfigError):
+            kr.RadixBackendConfig.from_dict(bad)
+    with pytest.raises(kr.UnsupportedPageSizeError):  # no page fits the host pool
+        Engine(kvtier_cache(host_bytes="256"))  # a page is 512 bytes
+    small = kvtier.L3Server(1 << 24, max_object_bytes=1024)
+    try:
+        Engine(kvtier_cache(host_pages=4, l3="server", server=small.addr), page_size=1)  # 64-byte pages fit
+        with pytest.raises(kr.UnsupportedPageSizeError, match="page_size 64"):
+            Engine(kvtier_cache(host_pages=4, l3="server", server=small.addr), page_size=64)
+    finally:
+        small.shutdown()
+
+
+@settings(max_examples=16, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.booleans()), min_size=1, max_size=14),
+       st.integers(3, 12), st.sampled_from(["write_through", "write_back"]))
+def test_property_any_workload_reads_only_what_was_computed(ops, host_pages, write_policy):
+    """Random prompts built from shared stems, random host sizes, either write policy, a small
+    device pool: every reused row equals the oracle, no slot leaks, kvtier's tree stays
+    consistent."""
+    stems = prompts(12, 6, 12)
+    e = Engine(kvtier_cache(host_pages=host_pages, policy="freq-depth", write_policy=write_policy),
+               device_tokens=40)
+    for stem, tail, salted in ops:
+        e.run([e.request(stems[stem] + list(range(100, 100 + tail)), salt="s" if salted else None)])
+        e.check_pools()
+        e.cache.manager.check()
+        assert e.cache.manager.usage()["cached"] <= host_pages
+
+
+def test_plugin_entry_point_registers_the_backend_and_sglang_builds_it():
+    """kvtier's ``sglang.srt.plugins`` entry point, loaded as SGLang loads plugins, registers
+    ``kvtier``; SGLang's own ``create_tree_cache`` builds it for ``--radix-cache-backend
+    kvtier`` and refuses SWA and Mamba models with typed errors."""
+    import types
+
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+    assert "kvtier" in plugins
+    plugins["kvtier"][0]()
+    plugins["kvtier"][0]()  # idempotent (the launcher and each scheduler call it)
+    assert "kvtier" in registry.registered_radix_cache_backends()
+    e = Engine(sglang_radix)
+    publish_server_args(["--model-path", "dummy", "--device", "cpu", "--radix-cache-backend", "kvtier"])
+
+    def ctx(**over):
+        kw = dict(server_args=None, params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
+                  enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+                  model_config=types.SimpleNamespace(model_path="m"), tp_size=1, tp_rank=0, tp_group=None)
+        kw.update(over)
+        return registry.TreeCacheBuildContext(**kw)
+
+    cache = registry.create_tree_cache(ctx())
+    assert isinstance(cache, kr.KvtierRadixCache)
+    with pytest.raises(kr.UnsupportedModelError, match="SWA"):
+        registry.create_tree_cache(ctx(is_hybrid_swa=True))
+    with pytest.raises(kr.UnsupportedModelError, match="Mamba"):
+        registry.create_tree_cache(ctx(is_hybrid_ssm=True))
+    with pytest.raises(kr.RadixConfigError, match="hierarchical"):
+        registry.create_tree_cache(ctx(enable_hierarchical_cache=True))
+    publish_server_args()
+
+
+def test_the_documented_launch_command_parses_and_builds_the_backend(monkeypatch):
+    """docs/sglang.md's radix-backend command as a user pastes it: SGLang's own argument parser
+    takes it, the config in it is valid, and SGLang's create_tree_cache builds kvtier's backend
+    from the parsed ServerArgs (the L3 server swapped for a local one, the host pool shrunk)."""
+    import argparse
+    import json
+    import pathlib
+    import re
+    import shlex
+    import types
+
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.server_args import ServerArgs
+
+    from kvtier.sglang import plugin
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    blocks = [b for b in re.findall(r"^```sh\n(.*?)^```", doc, re.S | re.M) if "--radix-cache-backend" in b]
+    assert len(blocks) == 1
+    words = shlex.split(blocks[0].replace("\\\n", " "), comments=True)
+    env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+    cfg = kr.RadixBackendConfig.from_dict(json.loads(env[kr.ENV_CONFIG]))
+    assert cfg.l3_mode() == "server" and cfg.policy == "freq-depth"
+    args = words[words.index("sglang.launch_server") + 1:]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(args)
+    assert ns.radix_cache_backend == "kvtier" and ns.page_size == 64 and not ns.enable_hierarchical_cache
+    plugin.register()
+    e = Engine(sglang_radix, page_size=64, device_tokens=256)
+    get_context().set_server_args(ServerArgs.from_cli_args(ns))
+    srv = kvtier.L3Server(1 << 24)
+    try:
+        local = dict(json.loads(env[kr.ENV_CONFIG]), server=srv.addr, host_bytes="4MB")
+        monkeypatch.setenv(kr.ENV_CONFIG, json.dumps(local))
+        ctx = registry.TreeCacheBuildContext(
+            server_args=ServerArgs.from_cli_args(ns), params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+            model_config=types.SimpleNamespace(model_path=ns.model_path), tp_size=1, tp_rank=0, tp_group=None)
+        cache = registry.create_tree_cache(ctx)
+        assert isinstance(cache, kr.KvtierRadixCache) and cache.store is not None
+        assert cache.config.policy == "freq-depth" and cache.host_slots == (4 << 20) // cache.page_bytes
+        assert cache._pool is not None
+        cache.release_host_resources()  # SGLang's teardown hook; twice is fine
+        cache.release_host_resources()
+        assert cache._pool is None and cache.host.numel() == 0
+    finally:
+        srv.shutdown()
+        publish_server_args()
+
+
+def test_tokens_kvtier_cannot_key_stay_device_only_and_nothing_changes():
+    """Token ids outside u32 (kvtier hashes u32 pages) are served by SGLang's device tree alone:
+    no host page, no error, the host tier untouched."""
+    e = Engine(kvtier_cache(host_pages=16), device_tokens=48)
+    big = [(1 << 33) + i for i in range(16)]
+    e.run([e.request(big)])
+    before = e.cache.manager.usage()
+    e.run([e.request(big)])
+    assert e.prefix_hits == [0, 12] and e.cache.manager.usage() == before and before["cached"] == 0
+    e.check_pools()
+
+
+def test_a_capped_tenant_evicts_its_own_pages_first():
+    """kvtier's tenant caps on the host tier: a salted tenant capped at 4 pages keeps at most 4,
+    and evicting for it never drops the shared tenant's pages."""
+    e = Engine(kvtier_cache(host_pages=12, tenant_caps={"salt-alice": 4}), device_tokens=40)
+    shared = prompts(14, 1, 16)[0]
+    e.run([e.request(shared)])
+    e.run([e.request(p, salt="alice") for p in prompts(15, 3, 16)])
+    assert e.cache.manager.tenant_charge("salt-alice") <= 4
+    chain = e.cache._chain(shared, None, None)
+    assert e.cache.manager.host_prefix(chain) == 4, "the shared prompt's pages stayed on host"
+    e.cache.manager.check()
+
+
+@pytest.mark.parametrize("journal", [True, False], ids=["loss-journal", "no-journal"])
+def test_l3_losses_the_store_reports_are_not_prefetched(journal):
+    """A page L3 evicts or loses after its backup: with the store's loss journal, the per-step
+    hook tells kvtier, which then prefetches only the pages before it (nothing lost at read
+    time); without a journal the read finds it gone and recomputes. Same hits either way."""
+    store = kvtier.L3Store.embedded(1 << 24, loss_journal_keys=1024 if journal else 0)
+    e = Engine(kvtier_cache(host_pages=8, store=store), device_tokens=40)
+    p = prompts(16, 1, 16)[0]
+    e.run([e.request(p)])
+    e.run([e.request(q) for q in prompts(17, 3, 20)])  # p leaves device and host (in L3)
+    e.cache.wait_io()
+    e.cache.flush_pending_backups()
+    e.cache.wait_io()
+    chain = e.cache._chain(p, None, None)
+    assert [e.cache.manager.lookup(chain, i) for i in range(3)] == ["in-l3"] * 3
+    store.remove(e.cache.l3_keys(chain)[1], True)
+    e.cache.flush_pending_backups()
+    s = e.cache.stats()
+    assert e.cache.manager.lookup(chain, 1) == ("miss" if journal else "in-l3")
+    assert s["l3_lost_pages"] == (1 if journal else 0)
+    e.run([e.request(p)])
+    assert e.prefix_hits[-1] == 4
+    assert e.cache.stats()["prefetch_lost_pages"] == (0 if journal else 2)
+    e.check_pools()
+    e.cache.manager.check()
+
+
+@pytest.mark.parametrize("l3", [False, True], ids=["host-only", "with-l3"])
+def test_kvtiers_host_events_do_not_pile_up(l3):
+    """kvtier keeps host events until they are read; the per-step hook reads them every step,
+    so a long-running engine does not grow them (nor the pages it remembers came from L3)."""
+    extra = dict(l3="embedded", segment_bytes="16MB") if l3 else {}
+    e = Engine(kvtier_cache(host_pages=6, **extra), device_tokens=40)
+    e.run([e.request(p) for p in prompts(18, 6, 20)])
+    assert e.cache.manager.drain_events() == [] and e.cache.manager.take_dropped() == []
+
+
+def test_no_prefetch_of_pages_the_device_already_holds():
+    """A prompt still on device but evicted from host: L3 holds its pages, and reading them
+    back to host would be wasted I/O (the device serves the hit; a checkpoint rewrites host)."""
+    e = Engine(kvtier_cache(host_pages=4, l3="embedded", segment_bytes="16MB"), device_tokens=200)
+    p = prompts(19, 1, 16)[0]
+    e.run([e.request(p)])
+    e.run([e.request(q) for q in prompts(20, 2, 16)])  # p leaves host (4 pages), stays on device
+    e.cache.wait_io()
+    e.cache.flush_pending_backups()
+    e.cache.wait_io()
+    chain = e.cache._chain(p, None, None)
+    assert e.cache.manager.lookup(chain, 0) == "in-l3"
+    before = e.cache.stats()["prefetches"]
+    e.run([e.request(p)])
+    assert e.prefix_hits[-1] == 12 and e.cache.hit_log[-1].device == 12
+    assert e.cache.stats()["prefetches"] == before
+
+
+def test_a_host_pool_full_of_backed_up_pages_takes_the_next_requests_pages():
+    """Backups pin their host pages until they end; ended in the per-step hook, the next
+    step's request finds them evictable (it stored nothing before: every slot was pinned)."""
+    e = Engine(kvtier_cache(host_pages=4, l3="embedded", segment_bytes="16MB"), device_tokens=200)
+    for p in prompts(21, 3, 16):
+        e.run([e.request(p)])
+        assert e.cache.manager.usage()["locked"] == 0
+    assert e.cache.stats()["stored_pages"] == 12 and e.cache.stats()["backed_up_pages"] == 12
+
+
+def test_the_benchmark_runs_and_kvtier_computes_less(monkeypatch, capsys):
+    """bench/sglang_radix.py on a small workload (so the documented command does not rot): the
+    three engines' table, kvtier computing fewer prefill tokens than SGLang's RadixCache."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import sglang_radix as bench
+
+    monkeypatch.setattr(sys, "argv", ["sglang_radix.py", "--docs", "16", "--doc", "64", "--reqs", "48",
+                                      "--layers", "2", "--dim", "16", "--host-docs", "2", "--io-threads", "0"])
+    bench.main()
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| SGLang")]
+    assert len(rows) == 3
+    ratio = [float(r[6]) for r in rows]
+    assert ratio[0] == 1.0 and ratio[1] < 1.0 and ratio[2] < ratio[1]
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=12),
+       st.integers(4, 10), st.booleans())
+def test_property_l3_losses_never_load_garbage(ops, host_pages, journal):
+    """Random prompts over shared stems through device, a small host and L3, with random L3
+    objects removed between steps (with and without a loss journal): every reused row equals
+    the oracle, no slot or lock leaks, kvtier's tree stays consistent."""
+    stems = prompts(23, 5, 12)
+    store = kvtier.L3Store.embedded(1 << 24, loss_journal_keys=1024 if journal else 0)
+    e = Engine(kvtier_cache(host_pages=host_pages, store=store), device_tokens=40)
+    for stem, tail, drop in ops:
+        e.run([e.request(stems[stem] + list(range(200, 200 + tail)))])
+        e.cache.wait_io()
+        chain = e.cache._chain(stems[(stem + drop) % 5], None, None)
+        if drop % 2:
+            try:
+                store.remove(e.cache.l3_keys(chain)[drop % len(chain)], True)
+            except kvtier.ObjectNotFoundError:
+                pass  # never backed up (or already gone)
+        e.check_pools()
+        e.cache.manager.check()
+
+
+def test_write_back_makes_a_host_pool_near_the_devices_size_useful():
+    """Three 24-token prompts in turn, a device pool of 10 pages and a host pool of 14: with
+    write-through the host holds copies of what the device holds too and the prompt asked next
+    is gone from both (no hit, ever); with write-back the host holds only what the device
+    evicted, and prompts come back from it, bytes as computed."""
+    ps = prompts(30, 3, 24)
+    out = {}
+    for policy in ("write_through", "write_back"):
+        e = Engine(kvtier_cache(host_pages=14, write_policy=policy), device_tokens=40)
+        for _ in range(3):
+            e.run([e.request(p) for p in ps])
+        e.check_pools()
+        e.cache.manager.check()
+        out[policy] = (sum(e.prefix_hits), e.cache.stats())
+    assert out["write_through"][0] == 0
+    assert out["write_back"][0] >= 60 and out["write_back"][1]["host_hit_tokens"] >= 60
+    assert out["write_back"][1]["written_back_pages"] == out["write_back"][1]["stored_pages"]
+    assert out["write_back"][1]["stored_pages"] < out["write_through"][1]["stored_pages"]
