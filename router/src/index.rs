@@ -1,0 +1,258 @@
+//! Where each page is: per instance its GPU and CPU pages, and the shared store's pages.
+//!
+//! Keys are vLLM's 64-bit block hashes (the low 64 bits of kvtier's page hash, what
+//! `kvtier-events` sends by default; a 32-byte hash on the wire is reduced the same way), so
+//! the index reads any vLLM-format stream. `STORAGE` pages from any instance go to the one
+//! shared set: the L3 is shared, so a page one instance backed up is loadable by all.
+//!
+//! Bounded: past `max_pages` entries a store is not indexed (counted in
+//! [`ClusterIndex::dropped`]). A missing entry only makes the router price a page as
+//! computed, a worse choice at worst; stale or unknown removals are ignored. Nothing an event
+//! stream holds can make routing fail.
+
+use std::collections::HashSet;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use kvtier_events::Medium;
+use rmpv::Value;
+
+/// One decoded event, as the index needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IndexEvent {
+    Stored { medium: Medium, hashes: Vec<u64> },
+    Removed { medium: Medium, hashes: Vec<u64> },
+    Cleared,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("not msgpack: {0}")]
+    Msgpack(String),
+    #[error("not a KVEventBatch: {0}")]
+    Shape(&'static str),
+}
+
+/// Decodes a vLLM `KVEventBatch` payload. Events of unknown type or medium are skipped
+/// (newer publishers may send more); a malformed batch is an error and changes nothing.
+pub fn decode_batch(payload: &[u8]) -> Result<Vec<IndexEvent>, DecodeError> {
+    let v = rmpv::decode::read_value(&mut &payload[..])
+        .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    let Value::Array(top) = v else {
+        return Err(DecodeError::Shape("the batch is not an array"));
+    };
+    let Some(Value::Array(events)) = top.get(1) else {
+        return Err(DecodeError::Shape("no events array"));
+    };
+    let mut out = Vec::with_capacity(events.len());
+    for e in events {
+        let Value::Map(m) = e else {
+            return Err(DecodeError::Shape("an event is not a map"));
+        };
+        let field = |k: &str| {
+            m.iter()
+                .find(|(x, _)| x.as_str() == Some(k))
+                .map(|(_, v)| v)
+        };
+        let medium = match field("medium").and_then(Value::as_str) {
+            Some("GPU") | None => Some(Medium::Gpu),
+            Some("CPU") => Some(Medium::Cpu),
+            Some("STORAGE") => Some(Medium::Storage),
+            Some(_) => None,
+        };
+        let hashes = || -> Result<Vec<u64>, DecodeError> {
+            let Some(Value::Array(hs)) = field("block_hashes") else {
+                return Err(DecodeError::Shape("block_hashes is not an array"));
+            };
+            hs.iter().map(hash64).collect()
+        };
+        match (field("type").and_then(Value::as_str), medium) {
+            (Some("AllBlocksCleared"), _) => out.push(IndexEvent::Cleared),
+            (Some("BlockStored"), Some(medium)) => out.push(IndexEvent::Stored {
+                medium,
+                hashes: hashes()?,
+            }),
+            (Some("BlockRemoved"), Some(medium)) => out.push(IndexEvent::Removed {
+                medium,
+                hashes: hashes()?,
+            }),
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+fn hash64(v: &Value) -> Result<u64, DecodeError> {
+    if let Some(n) = v.as_u64() {
+        return Ok(n);
+    }
+    if let Some(n) = v.as_i64() {
+        return Ok(n.cast_unsigned());
+    }
+    match v {
+        Value::Binary(b) if b.len() >= 8 => {
+            let mut low = [0u8; 8];
+            low.copy_from_slice(&b[b.len() - 8..]);
+            Ok(u64::from_be_bytes(low))
+        }
+        _ => Err(DecodeError::Shape(
+            "a block hash is neither an integer nor 8+ bytes",
+        )),
+    }
+}
+
+/// The keys are block hashes already: one multiply spreads them over the table (SipHash,
+/// the default, was half the time of a routing decision).
+#[derive(Default, Clone, Copy)]
+pub struct PageKeyHasher(u64);
+
+impl Hasher for PageKeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type PageSet = HashSet<u64, BuildHasherDefault<PageKeyHasher>>;
+
+#[derive(Default, Debug)]
+struct Local {
+    gpu: PageSet,
+    cpu: PageSet,
+}
+
+/// The cluster's page locations.
+#[derive(Debug)]
+pub struct ClusterIndex {
+    locals: Vec<Local>,
+    storage: PageSet,
+    max_pages: usize,
+    dropped: u64,
+}
+
+impl ClusterIndex {
+    pub fn new(instances: usize, max_pages: usize) -> Self {
+        Self {
+            locals: (0..instances).map(|_| Local::default()).collect(),
+            storage: PageSet::default(),
+            max_pages,
+            dropped: 0,
+        }
+    }
+
+    pub fn instances(&self) -> usize {
+        self.locals.len()
+    }
+
+    /// Entries held, all tiers and instances.
+    pub fn pages(&self) -> usize {
+        self.storage.len()
+            + self
+                .locals
+                .iter()
+                .map(|l| l.gpu.len() + l.cpu.len())
+                .sum::<usize>()
+    }
+
+    /// Stores not indexed because the index was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Memory the entries take, in bytes (capacity of the hash tables: 8-byte keys plus one
+    /// control byte each).
+    pub fn memory_bytes(&self) -> usize {
+        let cap = |s: &PageSet| s.capacity() * 9;
+        cap(&self.storage)
+            + self
+                .locals
+                .iter()
+                .map(|l| cap(&l.gpu) + cap(&l.cpu))
+                .sum::<usize>()
+    }
+
+    /// Folds one event of `instance` in; `false` if there is no such instance (ignored).
+    pub fn apply(&mut self, instance: usize, e: &IndexEvent) -> bool {
+        if instance >= self.locals.len() {
+            return false;
+        }
+        match e {
+            IndexEvent::Cleared => {
+                let l = &mut self.locals[instance];
+                l.gpu.clear();
+                l.cpu.clear();
+            }
+            IndexEvent::Stored { medium, hashes } => {
+                for &h in hashes {
+                    let full = self.pages() >= self.max_pages;
+                    let set = self.set(instance, *medium);
+                    if set.contains(&h) {
+                        continue;
+                    }
+                    if full {
+                        self.dropped += 1;
+                        continue;
+                    }
+                    set.insert(h);
+                }
+            }
+            IndexEvent::Removed { medium, hashes } => {
+                let set = self.set(instance, *medium);
+                for h in hashes {
+                    set.remove(h);
+                }
+            }
+        }
+        true
+    }
+
+    fn set(&mut self, instance: usize, m: Medium) -> &mut PageSet {
+        match m {
+            Medium::Gpu => &mut self.locals[instance].gpu,
+            Medium::Cpu => &mut self.locals[instance].cpu,
+            Medium::Storage => &mut self.storage,
+        }
+    }
+
+    /// For each page of the prompt, whether the shared store holds it (computed once per
+    /// decision, used for every instance by [`Self::prefix_with`]).
+    pub fn in_storage(&self, hashes: &[u64]) -> Vec<bool> {
+        hashes.iter().map(|h| self.storage.contains(h)).collect()
+    }
+
+    /// The prompt's pages `instance` would serve from each tier, in prefix order: its GPU run,
+    /// then pages in its host memory, then pages in the shared store.
+    pub fn prefix(&self, instance: usize, hashes: &[u64]) -> (usize, usize, usize) {
+        self.prefix_with(instance, hashes, &self.in_storage(hashes))
+    }
+
+    /// [`Self::prefix`] with the store's answer given (`in_storage`, as long as `hashes`).
+    pub fn prefix_with(
+        &self,
+        instance: usize,
+        hashes: &[u64],
+        in_storage: &[bool],
+    ) -> (usize, usize, usize) {
+        let Some(l) = self.locals.get(instance) else {
+            return (0, 0, 0);
+        };
+        let gpu = hashes.iter().take_while(|h| l.gpu.contains(h)).count();
+        let host = hashes[gpu..]
+            .iter()
+            .take_while(|h| l.cpu.contains(h))
+            .count();
+        let l3 = in_storage
+            .get(gpu + host..)
+            .unwrap_or_default()
+            .iter()
+            .take_while(|&&s| s)
+            .count();
+        (gpu, host, l3)
+    }
+}

@@ -1,0 +1,23 @@
+//! Routes each request to the engine instance where its time to first token is least.
+//!
+//! Why not overlap counts: a router that scores instances by how many of a prompt's blocks
+//! they cache (Dynamo, llm-d) treats a block in host memory or a shared store as a fixed
+//! fraction of a GPU hit, and does not see the shared store at all (Dynamo drops REMOTE
+//! events). With kvtier every instance publishes where each page is (GPU, CPU) and the shared
+//! L3 holds pages any instance can load, so the router can price each instance in seconds:
+//! the work queued there, the tokens it must compute, and the pages it must load from host
+//! and from L3 at each tier's bandwidth ([`cost::CostModel`]), and take the least.
+//!
+//! - [`index`]: which pages each instance holds on which tier, and the shared store's pages,
+//!   folded from vLLM-format events (`kvtier-events`' wire, or any vLLM publisher's);
+//! - [`cost`]: the TTFT model;
+//! - [`route`]: the decision, with each instance's queue kept by the router itself so one
+//!   hot prefix spreads once its instance is busier than recomputing elsewhere.
+
+pub mod cost;
+pub mod index;
+pub mod route;
+
+pub use cost::{CostModel, Estimate};
+pub use index::{ClusterIndex, DecodeError, IndexEvent, decode_batch};
+pub use route::{RouteError, Router};

@@ -1,0 +1,148 @@
+//! The decision: the instance with the least expected TTFT, each instance's queue included.
+//!
+//! The router keeps each instance's queue itself, in seconds of work: a routed request adds
+//! its estimated work (compute plus loads) to its instance, and every instance drains one
+//! second of work per second of the caller's clock. So a hot prefix goes to the instance
+//! holding it until that instance's queue outweighs what the prefix saves, then spreads. Ties
+//! go to the shorter queue, then the lower index, so equal inputs give equal choices.
+
+use kvtier_events::HashFormat;
+use kvtier_radix::HashScope;
+
+use crate::cost::{CostModel, Estimate};
+use crate::index::{ClusterIndex, DecodeError, IndexEvent, decode_batch};
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RouteError {
+    #[error("the router has no instances")]
+    NoInstances,
+    #[error("instance {0} does not exist ({1} instances)")]
+    UnknownInstance(usize, usize),
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+}
+
+pub struct Router {
+    index: ClusterIndex,
+    model: CostModel,
+    queues: Vec<f64>,
+    now_s: f64,
+}
+
+impl Router {
+    /// `instances` instances of one class; the index holds at most `max_pages` entries.
+    pub fn new(instances: usize, model: CostModel, max_pages: usize) -> Self {
+        Self {
+            index: ClusterIndex::new(instances, max_pages),
+            model,
+            queues: vec![0.0; instances],
+            now_s: 0.0,
+        }
+    }
+
+    pub fn index(&self) -> &ClusterIndex {
+        &self.index
+    }
+
+    pub fn queues(&self) -> &[f64] {
+        &self.queues
+    }
+
+    /// Folds one vLLM-format event batch from `instance` in. A batch that does not decode is
+    /// an error and changes nothing.
+    pub fn apply_payload(&mut self, instance: usize, payload: &[u8]) -> Result<(), RouteError> {
+        let n = self.index.instances();
+        if instance >= n {
+            return Err(RouteError::UnknownInstance(instance, n));
+        }
+        for e in decode_batch(payload)? {
+            self.index.apply(instance, &e);
+        }
+        Ok(())
+    }
+
+    /// Folds one decoded event of `instance` in.
+    pub fn apply(&mut self, instance: usize, e: &IndexEvent) -> Result<(), RouteError> {
+        let n = self.index.instances();
+        if self.index.apply(instance, e) {
+            Ok(())
+        } else {
+            Err(RouteError::UnknownInstance(instance, n))
+        }
+    }
+
+    /// Every instance's estimate for the prompt, without routing it.
+    pub fn estimates(&self, tokens: &[u32], scope: &HashScope) -> Vec<Estimate> {
+        self.estimates_of(&self.hashes(tokens, scope), tokens.len())
+    }
+
+    /// [`Self::estimates`] from the prompt's block hashes (vLLM's 64-bit form) and length.
+    pub fn estimates_of(&self, hashes: &[u64], tokens: usize) -> Vec<Estimate> {
+        let in_storage = self.index.in_storage(hashes);
+        (0..self.index.instances())
+            .map(|i| {
+                let (g, h, l) = self.index.prefix_with(i, hashes, &in_storage);
+                self.model.estimate(tokens, g, h, l, self.queues[i])
+            })
+            .collect()
+    }
+
+    /// Routes a prompt at time `now_s` (seconds, the caller's clock; a time before the last
+    /// one counts as no time passing): the chosen instance and its estimate, whose work is
+    /// added to that instance's queue.
+    pub fn route(
+        &mut self,
+        tokens: &[u32],
+        scope: &HashScope,
+        now_s: f64,
+    ) -> Result<(usize, Estimate), RouteError> {
+        let hashes = self.hashes(tokens, scope);
+        self.route_hashes(&hashes, tokens.len(), now_s)
+    }
+
+    /// [`Self::route`] from the prompt's block hashes (vLLM's 64-bit form: an engine front end
+    /// that hashed the prompt already) and its length in tokens.
+    pub fn route_hashes(
+        &mut self,
+        hashes: &[u64],
+        tokens: usize,
+        now_s: f64,
+    ) -> Result<(usize, Estimate), RouteError> {
+        if self.queues.is_empty() {
+            return Err(RouteError::NoInstances);
+        }
+        self.advance(now_s);
+        let ests = self.estimates_of(hashes, tokens);
+        let (best, est) = ests
+            .iter()
+            .enumerate()
+            .min_by(|(i, a), (j, b)| {
+                a.ttft_s()
+                    .total_cmp(&b.ttft_s())
+                    .then(a.queue_s.total_cmp(&b.queue_s))
+                    .then(i.cmp(j))
+            })
+            .map(|(i, e)| (i, *e))
+            .ok_or(RouteError::NoInstances)?;
+        self.queues[best] += est.work_s();
+        Ok((best, est))
+    }
+
+    fn advance(&mut self, now_s: f64) {
+        let dt = now_s - self.now_s;
+        if dt > 0.0 {
+            for q in &mut self.queues {
+                *q = (*q - dt).max(0.0);
+            }
+            self.now_s = now_s;
+        }
+    }
+
+    fn hashes(&self, tokens: &[u32], scope: &HashScope) -> Vec<u64> {
+        scope
+            .page_hashes(tokens, self.model.page_size)
+            .iter()
+            .map(HashFormat::int64)
+            .collect()
+    }
+}

@@ -1,0 +1,239 @@
+//! The router against real kvtier caches: each instance's events go through kvtier-events'
+//! wire encoding into the router, and its per-instance prices must be what each cache's own
+//! prefix match implies.
+
+use kvtier_events::{HashFormat, Medium, WireEvent, encode_batch};
+use kvtier_radix::*;
+use kvtier_router::*;
+use proptest::prelude::*;
+
+const PS: usize = 4;
+
+fn model() -> CostModel {
+    CostModel {
+        page_size: PS,
+        page_bytes: 1 << 20,
+        prefill_tokens_per_s: 1000.0,
+        host_bytes_per_s: 1e9,
+        l3_bytes_per_s: 2.5e8,
+    }
+}
+
+fn tokens(seed: u32, shared: usize, pages: usize) -> Vec<u32> {
+    (0..pages * PS)
+        .map(|i| {
+            if i < shared * PS {
+                i as u32
+            } else {
+                seed * 1000 + i as u32
+            }
+        })
+        .collect()
+}
+
+fn cache() -> RadixCache {
+    RadixCache::new(RadixConfig {
+        page_size: PS,
+        device_pages: 16,
+        host_pages: 32,
+        record_events: true,
+    })
+    .expect("config")
+}
+
+/// Serves a prompt on device and, with `backup`, copies its first pages to host.
+fn serve(c: &mut RadixCache, toks: &[u32], backup: usize) {
+    let hs = page_hashes(toks, PS, None);
+    let m = c.match_prefix(&hs);
+    if let Ok(p) = c.alloc_evicting::<Device>(hs.len() - m.device_pages) {
+        let m = c.match_prefix(&hs);
+        if p.len() == hs.len() - m.device_pages {
+            let out = c
+                .insert::<Device>(m.device_node, m.device_pages, &hs, toks, &p)
+                .expect("insert");
+            let dup: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
+            c.free(&dup).expect("free");
+        } else {
+            c.free(&p).expect("free");
+        }
+    }
+    let n = backup.min(hs.len());
+    let m = c.match_prefix(&hs);
+    if n > m.host_pages
+        && m.device_pages >= n
+        && let Ok(p) = c.alloc_evicting::<Host>(n - m.host_pages)
+    {
+        let m = c.match_prefix(&hs);
+        if m.device_pages >= n && p.len() == n - m.host_pages {
+            let out = c
+                .insert::<Host>(m.host_node, m.host_pages, &hs[..n], &toks[..n * PS], &p)
+                .expect("backup");
+            let dup: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
+            c.free(&dup).expect("free");
+        } else {
+            c.free(&p).expect("free");
+        }
+    }
+}
+
+fn publish(r: &mut Router, inst: usize, c: &mut RadixCache) {
+    let evs: Vec<WireEvent> = c
+        .drain_events()
+        .iter()
+        .map(|e| WireEvent::from_kv(e, PS as u32))
+        .collect();
+    r.apply_payload(
+        inst,
+        &encode_batch(0.0, &evs, 0, HashFormat::Int64).unwrap(),
+    )
+    .unwrap();
+}
+
+fn plain() -> HashScope {
+    HashScope::new(None, None, Vec::new())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+    #[test]
+    fn prices_follow_each_caches_own_match_and_the_choice_is_the_cheapest(
+        served in prop::collection::vec((0usize..4, 1u32..6, 0usize..4, 1usize..7, 0usize..7), 1..24),
+        queries in prop::collection::vec((1u32..6, 0usize..4, 1usize..7), 1..12),
+    ) {
+        let mut caches: Vec<RadixCache> = (0..4).map(|_| cache()).collect();
+        let mut r = Router::new(4, model(), 1 << 20);
+        for &(i, seed, shared, pages, backup) in &served {
+            serve(&mut caches[i], &tokens(seed, shared.min(pages), pages), backup);
+            publish(&mut r, i, &mut caches[i]);
+        }
+        for (t, &(seed, shared, pages)) in queries.iter().enumerate() {
+            let toks = tokens(seed, shared.min(pages), pages);
+            let hs = page_hashes(&toks, PS, None);
+            let ests = r.estimates(&toks, &plain());
+            for (i, c) in caches.iter_mut().enumerate() {
+                let m = c.match_prefix(&hs);
+                let want = model().estimate(toks.len(), m.device_pages, m.host_pages.saturating_sub(m.device_pages), 0, r.queues()[i]);
+                prop_assert_eq!(ests[i], want, "instance {}", i);
+            }
+            let best = ests.iter().map(Estimate::ttft_s).fold(f64::INFINITY, f64::min);
+            let (chosen, est) = r.route(&toks, &plain(), t as f64 * 0.01).unwrap();
+            // routing advanced the clock first: compare against the prices at that time
+            prop_assert!(est.ttft_s() <= best + 1e-12, "chose {} at {} over {}", chosen, est.ttft_s(), best);
+        }
+    }
+}
+
+#[test]
+fn a_gpu_hit_wins_then_a_hot_prefix_spreads_once_its_queue_outweighs_it() {
+    let mut caches: Vec<RadixCache> = (0..3).map(|_| cache()).collect();
+    let mut r = Router::new(3, model(), 1 << 20);
+    let hot = tokens(1, 0, 6);
+    serve(&mut caches[2], &hot, 0);
+    publish(&mut r, 2, &mut caches[2]);
+    let (i, e) = r.route(&hot, &plain(), 0.0).unwrap();
+    assert_eq!((i, e.gpu_pages), (2, 6));
+    // all at once: instance 2's queue grows by nothing (a full hit costs no work), so a longer
+    // prompt sharing the prefix adds work there until recomputing elsewhere is cheaper
+    let long = [hot.clone(), tokens(7, 0, 6)].concat();
+    let chosen: Vec<usize> = (0..12)
+        .map(|_| r.route(&long, &plain(), 0.0).unwrap().0)
+        .collect();
+    assert_eq!(chosen[0], 2);
+    assert!(chosen.iter().any(|&c| c != 2), "never spread: {chosen:?}");
+    let q = r.queues();
+    let (max, min) = q
+        .iter()
+        .fold((0.0f64, f64::INFINITY), |(a, b), &x| (a.max(x), b.min(x)));
+    assert!(
+        max - min <= 0.05,
+        "queues stay within one request's work: {q:?}"
+    );
+    // time drains the queues
+    r.route(&hot, &plain(), 100.0).unwrap();
+    assert!(r.queues().iter().all(|&x| x == 0.0));
+}
+
+#[test]
+fn host_pages_and_the_shared_store_are_priced_at_their_bandwidths() {
+    let mut r = Router::new(2, model(), 1 << 20);
+    let toks = tokens(3, 0, 8);
+    let hs: Vec<u64> = page_hashes(&toks, PS, None)
+        .iter()
+        .map(HashFormat::int64)
+        .collect();
+    let stored = |m: Medium, hs: &[u64]| IndexEvent::Stored {
+        medium: m,
+        hashes: hs.to_vec(),
+    };
+    // instance 0 has 4 pages on host; the store has all 8 (from instance 1's backups)
+    r.apply(0, &stored(Medium::Cpu, &hs[..4])).unwrap();
+    r.apply(1, &stored(Medium::Storage, &hs)).unwrap();
+    assert_eq!(
+        r.apply(2, &IndexEvent::Cleared).unwrap_err(),
+        RouteError::UnknownInstance(2, 2)
+    );
+    let e = r.estimates(&toks, &plain());
+    assert_eq!((e[0].host_pages, e[0].l3_pages), (4, 4));
+    assert_eq!((e[1].host_pages, e[1].l3_pages), (0, 8));
+    // 4 host pages at 1 GB/s beat 4 more L3 pages at 0.25 GB/s
+    assert!(e[0].ttft_s() < e[1].ttft_s());
+    assert_eq!(r.route(&toks, &plain(), 0.0).unwrap().0, 0);
+    // a salted request shares no hash with the unsalted pages
+    let salted = HashScope::new(Some("tenant-b"), None, Vec::new());
+    assert!(
+        r.estimates(&toks, &salted)
+            .iter()
+            .all(|e| e.gpu_pages + e.host_pages + e.l3_pages == 0)
+    );
+}
+
+#[test]
+fn bad_input_is_a_typed_error_and_changes_nothing() {
+    let mut r = Router::new(2, model(), 4);
+    assert_eq!(
+        Router::new(0, model(), 4)
+            .route(&[1, 2, 3, 4], &plain(), 0.0)
+            .unwrap_err(),
+        RouteError::NoInstances
+    );
+    assert!(matches!(
+        r.apply_payload(0, b"\xc1garbage"),
+        Err(RouteError::Decode(_))
+    ));
+    assert!(matches!(
+        r.apply_payload(
+            0,
+            &encode_batch(0.0, &[], 0, HashFormat::Int64).unwrap()[..2]
+        ),
+        Err(RouteError::Decode(_))
+    ));
+    assert_eq!(
+        r.apply_payload(5, &[]).unwrap_err(),
+        RouteError::UnknownInstance(5, 2)
+    );
+    assert_eq!(r.index().pages(), 0);
+    // removals of pages never stored, a clear of an empty instance: ignored
+    let rm = WireEvent::BlockRemoved {
+        block_hashes: vec![PageHash([1; 32])],
+        medium: Medium::Gpu,
+        locality: None,
+    };
+    r.apply_payload(
+        1,
+        &encode_batch(
+            0.0,
+            &[rm, WireEvent::AllBlocksCleared],
+            0,
+            HashFormat::Int64,
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    // the cap: 4 entries, the rest dropped and counted; routing still works
+    let mut c = cache();
+    serve(&mut c, &tokens(1, 0, 6), 0);
+    publish(&mut r, 0, &mut c);
+    assert_eq!((r.index().pages(), r.index().dropped()), (4, 2));
+    let (_, e) = r.route(&tokens(1, 0, 6), &plain(), 0.0).unwrap();
+    assert_eq!(e.gpu_pages, 4);
+}
