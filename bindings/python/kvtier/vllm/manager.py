@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from .. import OffloadManager
 from .chunks import Chain, ChunkChains, group_of
+from .cpu_copy import CpuCopyMixin
 from .manager_l3 import L3Plan
 from .manager_metrics import ManagerCounters, ManagerMetrics, definitions
 from .spec_config import KvtierSpecConfigError, quotas_of, refuse_non_prefix_groups, tenant_of
@@ -278,8 +279,9 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
                 self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
 
 
-class KvtierOffloadingSpec(CPUOffloadingSpec):
-    """vLLM's CPU offloading (its host slots and GPU↔host worker) with kvtier's manager.
+class KvtierOffloadingSpec(CpuCopyMixin, CPUOffloadingSpec):
+    """vLLM's CPU offloading (its host slots and GPU↔host worker) with kvtier's manager. When
+    vLLM runs on CPU the worker is kvtier's CPU copy path (cpu_copy.py).
 
     ``--kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
     "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec", "spec_module_path":
@@ -310,6 +312,17 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
                 tenant_quotas=self.tenant_quotas)
             self._manager.host_view = getattr(self, "kv_view", None)
         return self._manager
+
+    def _cpu_region(self):
+        """On CPU: the host slots the worker writes; shared with the scheduler for kvtier's L3."""
+        if self.kvtier_l3 is None or self.num_chunks == 0:
+            return None
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+        from vllm.v1.kv_offload.cpu.spec import _all_workers_barrier
+
+        return SharedOffloadRegion(engine_id=self.config.engine_id, num_chunks=self.num_chunks,
+                                   rank=int(self.config.parallel.rank), kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                                   cpu_page_size=self.cpu_page_size_per_worker, barrier=_all_workers_barrier)
 
     def _l3_tier(self):
         """kvtier's L3 tiers over the host slots, mapped in this (the scheduler's) process as
