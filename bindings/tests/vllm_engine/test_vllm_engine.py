@@ -42,6 +42,7 @@ from l3proc import L3Process  # noqa: E402
 from workload import (  # noqa: E402
     CHUNK_TOKENS,
     MAX_TOKENS,
+    MODEL,
     PREFIX_TOKENS,
     PREFIXES,
     SUFFIX_TOKENS,
@@ -227,3 +228,44 @@ def test_no_dev_shm_file_is_left_after_shutdown_or_sigkill(runs):
 
 def test_chunk_geometry():
     assert PREFIX_TOKENS % CHUNK_TOKENS == 0 and SUFFIX_TOKENS < CHUNK_TOKENS
+
+
+def test_the_docs_cpu_command_lines_are_accepted():
+    """docs/vllm.md's quick start runs bench_vllm_cpu.py: its flags are the script's (the
+    engines it starts are the ones above)."""
+    import shlex
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    lines = [ln for ln in (root / "docs" / "vllm.md").read_text().splitlines()
+             if ln.startswith(".venv-vllm-cpu/bin/python bindings/tests/vllm_engine/")]
+    assert lines
+    for ln in lines:
+        argv = shlex.split(ln)
+        r = subprocess.run([sys.executable, *argv[1:], "--help"], cwd=root, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, (ln, r.stderr)
+
+
+def test_the_docs_cpu_serve_line_parses_into_kvtiers_spec(tmp_path):
+    """docs/vllm.md's ``vllm serve`` line for CPU, through vLLM 0.32's own argument parser:
+    its ``--kv-transfer-config`` names kvtier's spec (the engines above run it)."""
+    import shlex
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from kvtier.vllm import KvtierOffloadingSpec
+
+    root = Path(__file__).resolve().parents[3]
+    (line,) = [ln for ln in (root / "docs" / "vllm.md").read_text().splitlines()
+               if ln.startswith("VLLM_CPU_KVCACHE_SPACE=") and " vllm serve " in ln]
+    argv = shlex.split(line)[1:]
+    assert argv[:2] == ["vllm", "serve"]
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))  # the model swapped for a local config (no hub)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--model", str(tmp_path), *argv[3:]]))
+    kv = args.kv_transfer_config
+    assert args.block_size % 32 == 0 and kv.kv_connector == "OffloadingConnector"
+    assert OffloadingSpecFactory.get_spec_cls(kv.kv_connector_extra_config) is KvtierOffloadingSpec
