@@ -144,6 +144,8 @@ class CpuCopyWorker(OffloadingWorker):
         self.region = region
         kv, host = [], []
         for t in kv_caches.tensors:
+            if not isinstance(t.tensor, torch.Tensor):
+                raise CpuOffloadError(f"kvtier CPU copy: KV tensors are torch tensors, got {type(t.tensor).__name__}")
             page = int(t.page_size_bytes)
             kv.append(t.tensor.view(torch.int8).view((-1, page)))
             if region is not None:
