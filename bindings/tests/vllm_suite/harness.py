@@ -238,6 +238,16 @@ class Engine:
         layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
         self.kv_cache_config = KVCacheConfig(num_blocks=self.num_gpu_blocks, kv_cache_tensors=[],
                                              kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
+        # vLLM's engine builds its workers before its scheduler: a spec whose scheduler side
+        # maps the workers' /dev/shm region (kvtier's with kvtier_l3) finds it made, as there.
+        self._worker_region = None
+        ex = self.vllm_config.kv_transfer_config.kv_connector_extra_config
+        if ex.get("spec_name") == "KvtierOffloadingSpec" and ex.get("kvtier_l3") is not None:
+            from kvtier.vllm.shm import worker_region
+
+            first = OffloadingSpecFactory.create_spec(build_offloading_config(self.vllm_config, self.kv_cache_config))
+            if first.num_chunks:
+                self._worker_region = worker_region(first)
         self.sched = Scheduler(self.vllm_config, self.kv_cache_config, StructuredOutputManager(self.vllm_config),
                                block_size=BLOCK, log_stats=True)
         self.connector = self.sched.connector
@@ -397,3 +407,5 @@ class Engine:
         for rk in self.ranks:
             rk.dma.host = np.zeros((0, 0), dtype=np.uint8)  # our views of /dev/shm, so vLLM can unmap it
         self.sched.shutdown()
+        if self._worker_region is not None:
+            self._worker_region.cleanup()

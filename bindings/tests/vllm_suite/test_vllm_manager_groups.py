@@ -2,7 +2,9 @@
 whole prefix, so a model with a sliding-window (or chunked-local, or Mamba) group is refused
 with a typed error when vLLM builds the spec; groups of full attention are served, each its
 own chain. Built from real vLLM KV-cache configs of two groups through vLLM's own
-``build_offloading_config`` and ``OffloadingSpecFactory``."""
+``OffloadingConnector`` (which builds the offloading config and the spec). vLLM 0.32's
+offloading config does not carry the window: kvtier finds it itself (compat.py), so the
+refusal is the same on 0.32 and 0.33."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ import pytest
 import torch
 from harness import BLOCK, Engine
 from test_vllm_manager import kvtier_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from kvtier.vllm import KvtierOffloadingSpec, KvtierSpecConfigError
+from kvtier.vllm import KvtierOffloadingManager, KvtierSpecConfigError
+from kvtier.vllm.compat import group_windows
 
 
 def _two_groups(engine: Engine, second) -> KVCacheConfig:
@@ -31,11 +35,17 @@ def test_a_sliding_window_group_is_refused_when_vllm_builds_the_spec(tmp_path):
         swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16,
                                 sliding_window=4 * BLOCK)
         cfg = build_offloading_config(e.vllm_config, _two_groups(e, swa))
-        assert [g.sliding_window_size_in_chunks for g in cfg.groups] == [None, 2]
+        if hasattr(cfg.groups[0], "sliding_window_size_in_chunks"):  # vLLM 0.33
+            assert [g.sliding_window_size_in_chunks for g in cfg.groups] == [None, 2]
         with pytest.raises(KvtierSpecConfigError, match="group 1 keeps a window of 2 chunk"):
-            OffloadingSpecFactory.create_spec(cfg)
+            OffloadingConnector(e.vllm_config, KVConnectorRole.SCHEDULER, _two_groups(e, swa))
         full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
-        spec = OffloadingSpecFactory.create_spec(build_offloading_config(e.vllm_config, _two_groups(e, full)))
-        assert isinstance(spec, KvtierOffloadingSpec) and spec.tokens_per_chunk == {0: 2 * BLOCK, 1: 2 * BLOCK}
+        conn = OffloadingConnector(e.vllm_config, KVConnectorRole.SCHEDULER, _two_groups(e, full))
+        manager = conn.connector_scheduler.manager
+        assert isinstance(manager, KvtierOffloadingManager)
+        assert manager.tokens_per_chunk == {0: 2 * BLOCK, 1: 2 * BLOCK}
+        conn.shutdown()
+        kv_cache_config = _two_groups(e, swa)  # what vLLM 0.32's connector holds when it builds the spec
+        assert group_windows(build_offloading_config(e.vllm_config, kv_cache_config)) == {0: None, 1: 2}
     finally:
         e.close()

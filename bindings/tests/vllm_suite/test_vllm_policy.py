@@ -49,6 +49,21 @@ def test_built_by_vllms_factory(name):
     assert p.get(key(1)).chunk_id == 0 and p.evict(1, set())[0][0] == key(1)
 
 
+@pytest.mark.parametrize("cls", [KvtierFreqDepthPolicy, KvtierLruPolicy])
+def test_vllm_032_insert_without_a_context_learns_depth_when_the_request_finishes(cls):
+    """vLLM 0.32 calls ``insert(key, chunk)``, 0.33 ``insert(key, chunk, req_context)``: the
+    same chunks end with the same ranks either way once their request finished."""
+    keys = [key(i) for i in range(4)]
+    old, new = cls(8), cls(8)
+    for i, k in enumerate(keys):
+        old.insert(k, ready(i))
+        new.insert(k, ready(i), ctx("r", keys))
+    for p in (old, new):
+        p.on_request_finished([keys], set(), set(), ctx("r", keys))
+    assert list(old._end[:4]) == list(new._end[:4]) == [1, 2, 3, 4]
+    assert [k for k, _ in old.evict(4, set())] == [k for k, _ in new.evict(4, set())]
+
+
 def test_bad_policy_and_columns_are_typed_errors():
     with pytest.raises(kvtier.ConfigError):
         kvtier.eviction_ranks("mru", [0], [0], [0], [0])

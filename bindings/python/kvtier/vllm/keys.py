@@ -44,7 +44,9 @@ def layout_of(cfg: Any, chunk_bytes: int) -> str:
     groups = []
     for g in cfg.groups:
         names = hashlib.sha256("\0".join(g.layer_names).encode()).hexdigest()[:16]
-        groups.append(f"g{g.group_id}.t{g.tokens_per_block}.w{g.sliding_window_size_in_chunks}.{names}")
+        # vLLM 0.32 has no window field: its groups read as full attention (None), as 0.33's do.
+        window = getattr(g, "sliding_window_size_in_chunks", None)
+        groups.append(f"g{g.group_id}.t{g.tokens_per_block}.w{window}.{names}")
     return ".".join([
         "vllm",
         f"tph{cfg.cache.tokens_per_hash}",

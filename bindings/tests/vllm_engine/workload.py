@@ -1,0 +1,104 @@
+"""The engine workload of kvtier's vLLM end-to-end tests and benchmark: long shared prefixes
+that do not fit the engine's KV, then rounds that reuse them with new suffixes.
+
+Why: a prefix the engine's own KV still holds is served by vLLM's prefix cache, and nothing
+of kvtier's is exercised; with ``PREFIXES`` prefixes of ``PREFIX_TOKENS`` each and a KV budget
+of ``KV_BLOCKS`` blocks (less than two prefixes), round 2 finds its prefix only where an
+offloading tier kept it. Greedy decoding of a model with fixed random weights: the same KV
+gives the same tokens, so every mode's outputs must equal the reference's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+BLOCK = 32
+KV_BLOCKS = 24  # 768 tokens: one prefix and its suffix, not two
+PREFIX_TOKENS = 512
+SUFFIX_TOKENS = 32
+PREFIXES = 6
+MAX_TOKENS = 8
+CHUNK_TOKENS = 64  # offloading chunk (vLLM's ``block_size`` in kv_connector_extra_config)
+
+# A small Llama with random weights (no download); vLLM's CPU attention needs head_dim 64/128.
+# ``initializer_range`` 0.2: with vLLM's dummy weights (±1e-3) or the usual 0.02 the residual
+# stream is the current token's embedding and the prefix barely matters, so wrong KV would
+# still give the right tokens; at 0.2 the next token depends on the prefix (checked by the
+# tests: one suffix after different prefixes gives different outputs).
+MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+         "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 4,
+         "vocab_size": 8192, "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
+         "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2, "tie_word_embeddings": False}
+
+
+def model_dir(root: str, **over: Any) -> str:
+    """A directory with the model (config.json and random weights, seed 0, from
+    transformers' own Llama initialisation)."""
+    cfg = {**MODEL, **over}
+    path = Path(root) / ("llama-" + "-".join(f"{k}{v}" for k, v in sorted(over.items())) if over else "llama")
+    if not (path / "model.safetensors").exists():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        path.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+        model.to(torch.bfloat16).save_pretrained(str(path), safe_serialization=True)
+        (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def prompts(seed: int, n: int = PREFIXES, prefix: int = PREFIX_TOKENS, suffix: int = SUFFIX_TOKENS,
+            round_: int = 1) -> List[List[int]]:
+    """``n`` prompts: prefix ``i`` (fixed by ``seed``) plus a suffix new to each round."""
+    out = []
+    for i in range(n):
+        pre = random.Random(seed * 1000 + i).choices(range(100, 8000), k=prefix)
+        suf = random.Random(seed * 1000 + i + 10_000 * round_).choices(range(100, 8000), k=suffix)
+        out.append(pre + suf)
+    return out
+
+
+def offloading(spec: str, cpu_bytes: int = 64 << 20, **extra: Any) -> Dict[str, Any]:
+    """An ``OffloadingConnector`` config with one of kvtier's specs (``spec_module_path``
+    kvtier.vllm) or vLLM's own (``CPUOffloadingSpec``, ``TieringOffloadingSpec``)."""
+    ex = {"spec_name": spec, "cpu_bytes_to_use": cpu_bytes, "block_size": CHUNK_TOKENS, **extra}
+    if spec.startswith("Kvtier"):
+        ex["spec_module_path"] = "kvtier.vllm"
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": ex}
+
+
+def run_engine(job: Dict[str, Any], python: Optional[str] = None, timeout: float = 900,
+               wait: bool = True) -> Any:
+    """Runs engine_driver.py on ``job`` in its own process; its JSON result (or, with
+    ``wait=False``, ``(process, out_path)``)."""
+    job = {"kv_blocks": KV_BLOCKS, "max_model_len": KV_BLOCKS * BLOCK - BLOCK, **job}
+    d = tempfile.mkdtemp(prefix="kvtier-engine-")
+    jp, op = os.path.join(d, "job.json"), os.path.join(d, "out.json")
+    with open(jp, "w") as f:
+        json.dump(job, f)
+    log = open(os.path.join(d, "log"), "w")
+    p = subprocess.Popen([python or sys.executable, str(HERE / "engine_driver.py"), jp, op], stdout=log,
+                         stderr=subprocess.STDOUT)
+    if not wait:
+        return p, op
+    return finish(p, op, timeout)
+
+
+def finish(p: subprocess.Popen, out_path: str, timeout: float = 900) -> Dict[str, Any]:
+    rc = p.wait(timeout=timeout)
+    log = Path(out_path).with_name("log").read_text()
+    if rc != 0 or not os.path.exists(out_path):
+        raise RuntimeError(f"engine failed (rc {rc}):\n{log[-6000:]}")
+    with open(out_path) as f:
+        res = json.load(f)
+    res["log"] = log
+    return res
