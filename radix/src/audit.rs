@@ -142,7 +142,19 @@ impl RadixCache {
 
     /// The adaptive policy's state: ranking matches its level, ghosts within their bound.
     fn check_adaptive(&self) -> Result<(), String> {
+        if let Some(s) = &self.shadow {
+            if self.policy != crate::EvictionPolicy::Shadow || self.adaptive.is_some() {
+                return Err("shadow selector under another policy".into());
+            }
+            if self.ranking != s.choice().eviction {
+                return Err("ranking is not the shadow selector's choice".into());
+            }
+            return s.check();
+        }
         match &self.adaptive {
+            None if self.policy == crate::EvictionPolicy::Shadow => {
+                Err("shadow policy without its selector".into())
+            }
             None if self.ranking != self.policy => Err("fixed policy but ranking differs".into()),
             None => Ok(()),
             Some(a) => {

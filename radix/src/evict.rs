@@ -15,6 +15,7 @@ use crate::events::KvEvent;
 use crate::hash::PageHash;
 use crate::node::NodeId;
 use crate::policy::EvictionPolicy;
+use crate::shadow::{ShadowConfig, ShadowConfigError, ShadowSelector, ShadowSnapshot};
 use crate::tier::{Tier, TierKind};
 
 /// What one eviction did.
@@ -74,7 +75,48 @@ impl RadixCache {
         self.policy = policy;
         self.adaptive = (policy == EvictionPolicy::Adaptive)
             .then(|| AdaptiveState::new(self.device_pool.capacity(), self.host_pool.capacity()));
+        self.shadow = None;
+        if policy == EvictionPolicy::Shadow {
+            // The default constants are valid and the sizes are the cache's own, so this only
+            // fails for a config given with `set_shadow_config`, which checked it already.
+            self.shadow = ShadowSelector::new(
+                self.shadow_config.clone(),
+                self.device_pool.capacity() as u32,
+                self.host_pool.capacity() as u32,
+            )
+            .ok()
+            .map(Box::new);
+        }
         self.rerank();
+    }
+
+    /// The constants of the shadow selector ([`EvictionPolicy::Shadow`]); under that policy
+    /// the selector starts afresh with them. Errors (nothing changed): a config the selector
+    /// refuses.
+    pub fn set_shadow_config(&mut self, cfg: ShadowConfig) -> Result<(), ShadowConfigError> {
+        ShadowSelector::new(cfg.clone(), 1, 1)?;
+        self.shadow_config = cfg;
+        if self.policy == EvictionPolicy::Shadow {
+            self.set_eviction_policy(EvictionPolicy::Shadow);
+        }
+        Ok(())
+    }
+
+    /// Feeds a submitted request's prompt to the shadow selector (nothing under other
+    /// policies); at the selector's decision points the ranking may change (every evictable
+    /// leaf is ranked again). Call it once per request, in submission order, on every
+    /// tensor-parallel rank.
+    pub fn observe_request(&mut self, hashes: &[PageHash]) {
+        if let Some(s) = self.shadow.as_mut()
+            && s.observe(hashes)
+        {
+            self.rerank();
+        }
+    }
+
+    /// What the shadow selector chose and measured (`None` under other policies).
+    pub fn shadow_snapshot(&self) -> Option<ShadowSnapshot> {
+        self.shadow.as_ref().map(|s| s.snapshot())
     }
 
     /// What the adaptive policy has learnt (`None` under a fixed policy).
@@ -85,15 +127,19 @@ impl RadixCache {
     /// Where the adaptive policy would give finished requests' pages their host copy
     /// (`None` under a fixed policy).
     pub fn learnt_admission(&self) -> Option<LearntAdmission> {
-        self.adaptive.as_ref().map(AdaptiveState::admission)
+        match &self.shadow {
+            Some(s) => Some(s.choice().admission),
+            None => self.adaptive.as_ref().map(AdaptiveState::admission),
+        }
     }
 
     /// Ranks every evictable leaf again by the current ranking (the configured policy, or the
     /// adaptive policy's level).
     pub(crate) fn rerank(&mut self) {
-        self.ranking = match &self.adaptive {
-            Some(a) => a.ranking(),
-            None => self.policy,
+        self.ranking = match (&self.adaptive, &self.shadow) {
+            (Some(a), _) => a.ranking(),
+            (None, Some(s)) => s.choice().eviction,
+            (None, None) => self.policy,
         };
         let ids: Vec<NodeId> = self.nodes.keys().collect();
         for t in [TierKind::Device, TierKind::Host] {

@@ -28,6 +28,7 @@ mod node;
 mod policy;
 mod pool;
 mod query;
+pub mod shadow;
 pub mod tenant;
 mod tier;
 
@@ -44,5 +45,6 @@ pub use lock::{LockHandle, LockId};
 pub use node::NodeId;
 pub use policy::EvictionPolicy;
 pub use pool::PageState;
+pub use shadow::{Candidate, ShadowConfig, ShadowConfigError, ShadowSnapshot};
 pub use tenant::TenantId;
 pub use tier::{Device, DevicePageId, Host, HostPageId, PageId, Tier, TierKind};

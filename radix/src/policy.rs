@@ -37,9 +37,13 @@ pub enum EvictionPolicy {
     /// from LRU (none) to all of it, by which kind of evicted leaf later misses hit (ghost
     /// lists, see `adaptive.rs`).
     Adaptive,
+    /// Follows whichever fixed option (LRU or the conversation setting of freq-depth, each
+    /// with copies at finish or demotion) hits most in metadata-only shadow caches fed the
+    /// same requests, switching on a significant lead at fixed request counts (`shadow/`).
+    Shadow,
 }
 
-/// `"lru"`, `"adaptive"`, `"freq-depth"` (the conversation setting) or
+/// `"lru"`, `"adaptive"`, `"shadow"`, `"freq-depth"` (the conversation setting) or
 /// `"freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE"` — the spelling of the CLI, TOML-free
 /// configs and Python.
 impl std::str::FromStr for EvictionPolicy {
@@ -54,6 +58,7 @@ impl std::str::FromStr for EvictionPolicy {
         Ok(match parts.as_slice() {
             ["lru"] => EvictionPolicy::Lru,
             ["adaptive"] => EvictionPolicy::Adaptive,
+            ["shadow"] => EvictionPolicy::Shadow,
             ["freq-depth"] => EvictionPolicy::CONVERSATION,
             ["freq-depth", c, m, d] => EvictionPolicy::FrequencyDepth {
                 use_credit_pages: num(c)?,
@@ -71,6 +76,7 @@ impl std::fmt::Display for EvictionPolicy {
         match self {
             EvictionPolicy::Lru => f.write_str("lru"),
             EvictionPolicy::Adaptive => f.write_str("adaptive"),
+            EvictionPolicy::Shadow => f.write_str("shadow"),
             EvictionPolicy::FrequencyDepth {
                 use_credit_pages,
                 max_credited_uses,
@@ -111,9 +117,9 @@ impl EvictionPolicy {
     /// entry's end depth in pages. Lowest is evicted first.
     pub fn rank_of(&self, last_access: u64, last_use: u64, uses: u32, end_pages: u64) -> u64 {
         match *self {
-            // The adaptive policy ranks by its current level's policy (`RadixCache::ranking`);
-            // this arm is that of level 0.
-            EvictionPolicy::Lru | EvictionPolicy::Adaptive => last_access,
+            // The learnt policies rank by their current choice (`RadixCache::ranking`); this
+            // arm is that of their start (LRU).
+            EvictionPolicy::Lru | EvictionPolicy::Adaptive | EvictionPolicy::Shadow => last_access,
             EvictionPolicy::FrequencyDepth {
                 use_credit_pages,
                 max_credited_uses,

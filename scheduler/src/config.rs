@@ -57,9 +57,10 @@ pub enum HostAdmission {
     /// and host then hold mostly different pages (a page loaded back keeps its host copy);
     /// under pressure faster than the write-backs, device drops uncopied leaves as before.
     OnDeviceEviction { ahead_pages: u32 },
-    /// Learnt by the adaptive eviction policy (`EvictionPolicy::Adaptive` only): copies at
+    /// Learnt by the adaptive eviction policy (`EvictionPolicy::Adaptive`): copies at
     /// finish until its ghost hits say demotion would have kept more, then demotes with
-    /// `ahead_pages`, and back (`kvtier_radix::LearntAdmission`).
+    /// `ahead_pages`, and back (`kvtier_radix::LearntAdmission`); or chosen by the shadow
+    /// selector (`EvictionPolicy::Shadow`): the admission of the option it follows.
     Adaptive { ahead_pages: u32 },
 }
 
@@ -261,8 +262,9 @@ pub enum ConfigError {
     /// demote in time, which would then never reach L3.
     #[error("host_admission OnDeviceEviction cannot be combined with write_policy WriteBack")]
     DemotionWithWriteBack,
-    /// The learnt admission follows the adaptive eviction policy's level.
-    #[error("host_admission Adaptive needs eviction Adaptive")]
+    /// The learnt admission follows the adaptive eviction policy's level or the shadow
+    /// selector's choice.
+    #[error("host_admission Adaptive needs eviction Adaptive or Shadow")]
     AdaptiveAdmissionWithoutAdaptiveEviction,
     #[error("page_size {0} too large (max 65536)")]
     PageTooLarge(usize),
@@ -316,7 +318,10 @@ impl SchedulerConfig {
         }
         if let Some(ahead_pages) = self.host_admission.ahead_pages() {
             if matches!(self.host_admission, HostAdmission::Adaptive { .. })
-                && self.eviction != EvictionPolicy::Adaptive
+                && !matches!(
+                    self.eviction,
+                    EvictionPolicy::Adaptive | EvictionPolicy::Shadow
+                )
             {
                 return Err(ConfigError::AdaptiveAdmissionWithoutAdaptiveEviction);
             }

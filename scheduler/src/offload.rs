@@ -40,6 +40,12 @@ use thiserror::Error;
 pub enum OffloadError {
     #[error("the host tier needs at least one slot")]
     NoHostSlots,
+    /// The shadow selector learns from the requests a scheduler submits; a manager sees only
+    /// the engine's page chains, so it would never leave its first choice.
+    #[error(
+        "eviction \"shadow\" needs a scheduler (it learns from submitted requests); use a fixed policy"
+    )]
+    ShadowNeedsRequests,
     #[error("no {kind} job has id {job}")]
     UnknownJob { kind: JobKind, job: u64 },
     #[error("store job {job} was already reported")]
@@ -181,6 +187,9 @@ impl OffloadManager {
     pub fn new(host_slots: u32, policy: EvictionPolicy) -> Result<Self, OffloadError> {
         if host_slots == 0 {
             return Err(OffloadError::NoHostSlots);
+        }
+        if policy == EvictionPolicy::Shadow {
+            return Err(OffloadError::ShadowNeedsRequests);
         }
         let mut cache = RadixCache::new(RadixConfig {
             page_size: 1,

@@ -93,6 +93,25 @@ impl Scheduler {
         })
         .map_err(|_| ConfigError::Zero { field: "page_size" })?;
         cache.set_eviction_policy(cfg.eviction);
+        if cfg.eviction == kvtier_radix::EvictionPolicy::Shadow {
+            // A fixed host admission: the selector compares eviction orders under it only.
+            let fixed = match cfg.host_admission {
+                crate::config::HostAdmission::Adaptive { .. } => None,
+                crate::config::HostAdmission::OnFinish => {
+                    Some(kvtier_radix::LearntAdmission::CopyAtFinish)
+                }
+                crate::config::HostAdmission::OnDeviceEviction { .. } => {
+                    Some(kvtier_radix::LearntAdmission::Demote)
+                }
+            };
+            if let Some(a) = fixed {
+                cache
+                    .set_shadow_config(kvtier_radix::ShadowConfig::default().with_admission(a))
+                    .map_err(|_| ConfigError::Zero {
+                        field: "shadow candidates",
+                    })?;
+            }
+        }
         let key_rank = match cfg.l3_sharing {
             crate::config::L3Sharing::PerRank => cfg.rank,
             crate::config::L3Sharing::Replicated { leader } => leader,

@@ -84,6 +84,8 @@ impl Scheduler {
             None => page_hashes(&spec.prompt, self.cfg.page_size, None),
             Some(s) => s.0.page_hashes(&spec.prompt, self.cfg.page_size),
         };
+        // The shadow selector sees every submission, in order, on every rank.
+        self.cache.observe_request(&hashes);
         let seq = self.next_seq;
         self.next_seq += 1;
         let prompt_len = spec.prompt.len();

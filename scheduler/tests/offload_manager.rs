@@ -430,3 +430,13 @@ fn a_tenant_past_its_cap_stores_only_what_fits() {
     m.complete_store(s.job, JobOutcome::Done).unwrap();
     m.check().unwrap();
 }
+
+/// The shadow selector learns from submitted requests, which a manager never sees: refused
+/// with a typed error instead of silently staying at its first choice.
+#[test]
+fn a_manager_refuses_the_shadow_policy() {
+    assert!(matches!(
+        OffloadManager::new(8, EvictionPolicy::Shadow),
+        Err(OffloadError::ShadowNeedsRequests)
+    ));
+}

@@ -32,7 +32,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             0u8..3,
             any::<bool>(),
         ),
-        (0u8..3, prop::option::of(1u32..12)),
+        (0u8..4, prop::option::of(1u32..12)),
     )
         .prop_map(
             |(
@@ -83,14 +83,15 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                         1 => "freq-depth"
                             .parse()
                             .expect("the conversation setting parses"),
-                        _ => "adaptive".parse().expect("adaptive parses"),
+                        2 => "adaptive".parse().expect("adaptive parses"),
+                        _ => "shadow".parse().expect("shadow parses"),
                     },
                     host_admission: match demote {
                         // The learnt admission with the adaptive policy, on odd read-aheads.
                         Some(ahead_pages)
                             if host_enabled
                                 && !write_back
-                                && evict == 2
+                                && evict >= 2
                                 && ahead_pages % 2 == 1 =>
                         {
                             HostAdmission::Adaptive {

@@ -342,6 +342,11 @@ impl Simulation {
             .iter()
             .filter_map(|i| i.sched.cache().adaptive_snapshot())
             .collect();
+        report.shadow = self
+            .insts
+            .iter()
+            .filter_map(|i| i.sched.cache().shadow_snapshot())
+            .collect();
         if let Some(s) = &self.store {
             report.l3_objects = s.stats().map(|x| x.objects).unwrap_or(0);
         }

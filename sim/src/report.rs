@@ -217,6 +217,7 @@ impl Collector {
             compared: Vec::new(),
             accesses: AccessLog::default(),
             adaptive: Vec::new(),
+            shadow: Vec::new(),
         }
     }
 }
@@ -328,6 +329,10 @@ pub struct Report {
     /// What the adaptive eviction policy learnt, per instance (empty under a fixed policy).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub adaptive: Vec<kvtier_radix::AdaptiveSnapshot>,
+    /// What the shadow selector chose and its shadows' hit rates, per instance (empty under
+    /// other policies).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shadow: Vec<kvtier_radix::ShadowSnapshot>,
     /// The access sequence the Belady ceiling is computed over (not serialized).
     #[serde(skip)]
     pub accesses: AccessLog,
@@ -404,6 +409,23 @@ impl Report {
             "total hit rate",
             format!("{:>6.2} %{policy}", h.total * 100.0),
         );
+        for (i, sh) in self.shadow.iter().enumerate() {
+            let rates: Vec<String> = sh
+                .shadows
+                .iter()
+                .map(|x| format!("{} {:.2} %", x.candidate, x.hit_rate * 100.0))
+                .collect();
+            line(
+                &format!("shadow selector {i}"),
+                format!(
+                    "{} ({} switches, sample 1/{}); shadows: {}",
+                    sh.choice,
+                    sh.switches,
+                    sh.sample,
+                    rates.join(", ")
+                ),
+            );
+        }
         for l in &self.compared {
             line(
                 &format!("{}, same capacity", l.policy),

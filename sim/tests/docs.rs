@@ -1,4 +1,5 @@
-//! Every `kvtier` command in docs/sim.md's shell blocks runs (with `--dry-run`: flags, config
+//! Every `kvtier` command in the shell blocks of docs/sim.md, docs/sim/policies.md and
+//! docs/sim/shadow.md runs (with `--dry-run`: flags, config
 //! files and workloads are checked, nothing is simulated), so the documentation cannot drift
 //! from the command line. Measured figures in the document name their commands the same way.
 
@@ -36,7 +37,10 @@ fn documented_commands(md: &str) -> Vec<Vec<String>> {
 #[test]
 fn every_documented_command_runs() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let md = std::fs::read_to_string(root.join("docs/sim.md")).unwrap();
+    let md: String = ["docs/sim.md", "docs/sim/policies.md", "docs/sim/shadow.md"]
+        .iter()
+        .map(|p| std::fs::read_to_string(root.join(p)).unwrap())
+        .collect();
     let cmds = documented_commands(&md);
     assert!(cmds.len() >= 8, "found {} commands", cmds.len());
     for args in cmds {
@@ -53,5 +57,57 @@ fn every_documented_command_runs() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(String::from_utf8_lossy(&out.stdout).starts_with("dry run:"));
+    }
+}
+
+/// Runs `python3 ARGS` in the repository; its stdout (the test fails if it fails).
+fn python(root: &Path, args: &[&str]) -> String {
+    let out = Command::new("python3")
+        .current_dir(root)
+        .args(args)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The two traces issue 36 added to the policy matrix are what their documented generator
+/// (`python3 scripts/gen_policy_traces.py DIR`, docs/sim/shadow.md) writes, byte for byte.
+#[test]
+fn the_policy_traces_are_what_their_generator_writes() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = std::env::temp_dir().join(format!("kvtier-traces-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    python(
+        &root,
+        &["scripts/gen_policy_traces.py", dir.to_str().unwrap()],
+    );
+    for t in ["agent_trace.jsonl", "shift_trace.jsonl"] {
+        let made = std::fs::read(dir.join(t)).unwrap();
+        let kept = std::fs::read(root.join("traces").join(t)).unwrap();
+        assert!(
+            made == kept,
+            "traces/{t} differs from the generator's output"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The matrix tables of docs/sim/shadow.md are what `scripts/matrix_tables.py` prints from
+/// the committed sweeps, both rounds (each table's rows appear in the page as printed).
+#[test]
+fn the_matrix_tables_are_the_scripts_output() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let page = std::fs::read_to_string(root.join("docs/sim/shadow.md")).unwrap();
+    let printed = python(&root, &["scripts/matrix_tables.py"])
+        + &python(&root, &["scripts/matrix_tables.py", "--round1"]);
+    let rows: Vec<&str> = printed.lines().filter(|l| l.starts_with("| ")).collect();
+    assert!(rows.len() > 40, "{} rows", rows.len());
+    for row in rows {
+        assert!(page.contains(row), "not in docs/sim/shadow.md: {row}");
     }
 }

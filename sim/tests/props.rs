@@ -15,7 +15,7 @@ fn sim_config() -> impl Strategy<Value = SimConfig> {
         prop_oneof![Just(16usize), Just(32)],
         (24u32..200, 0u32..400, 0u64..3000),
         1usize..4,
-        (0u8..3, 0u8..3, 0u8..3, any::<bool>(), any::<bool>(), 0u8..4),
+        (0u8..3, 0u8..3, 0u8..3, any::<bool>(), any::<bool>(), 0u8..5),
         (0u64..4, 0u64..4, 0u64..6),
         prop::option::of(1u32..48),
     )
@@ -51,8 +51,17 @@ fn sim_config() -> impl Strategy<Value = SimConfig> {
                         depth_debit_per_page: 2,
                     },
                     EvictionPolicy::Adaptive,
+                    EvictionPolicy::Shadow,
                 ][evict as usize];
                 s.host_admission = match demote {
+                    // The shadow selector chooses the admission too, on odd read-aheads.
+                    Some(ahead_pages)
+                        if host_enabled && !write_back && evict == 4 && ahead_pages % 2 == 1 =>
+                    {
+                        HostAdmission::Adaptive {
+                            ahead_pages: ahead_pages.min(dev),
+                        }
+                    }
                     Some(ahead_pages) if host_enabled && !write_back => {
                         HostAdmission::OnDeviceEviction {
                             ahead_pages: ahead_pages.min(dev),

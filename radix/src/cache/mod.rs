@@ -175,6 +175,10 @@ pub struct RadixCache {
     pub(crate) ranking: EvictionPolicy,
     /// The adaptive policy's learnt state (`Some` iff `policy` is `Adaptive`).
     pub(crate) adaptive: Option<crate::adaptive::AdaptiveState>,
+    /// The shadow selector (`Some` iff `policy` is `Shadow`).
+    pub(crate) shadow: Option<Box<crate::shadow::ShadowSelector>>,
+    /// The constants a `Shadow` policy starts with.
+    pub(crate) shadow_config: crate::shadow::ShadowConfig,
     /// Pages given to the device tier so far (the policies' clock).
     pub(crate) traffic: u64,
     /// The previous match's query (length, last hash), to count repeated queries once.
@@ -246,6 +250,8 @@ impl RadixCache {
             policy: EvictionPolicy::Lru,
             ranking: EvictionPolicy::Lru,
             adaptive: None,
+            shadow: None,
+            shadow_config: crate::shadow::ShadowConfig::default(),
             traffic: 0,
             last_query: None,
             tenants: TenantBooks::new(),

@@ -336,7 +336,10 @@ fn compare(a: &SimArgs, cfg: &SimConfig, w: &Workload) -> Result<Vec<Summary>, S
         }
         settings.push((p, cfg.scheduler.host_admission));
     }
-    if cfg.scheduler.eviction == EvictionPolicy::Adaptive {
+    if matches!(
+        cfg.scheduler.eviction,
+        EvictionPolicy::Adaptive | EvictionPolicy::Shadow
+    ) {
         let demote = HostAdmission::OnDeviceEviction { ahead_pages: 256 };
         for p in [EvictionPolicy::Lru, EvictionPolicy::CONVERSATION] {
             for h in [HostAdmission::OnFinish, demote] {

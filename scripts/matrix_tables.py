@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Issue 36's matrix tables (docs/sim/shadow.md) from the sweeps' sweep.json files.
+
+For each workload: the shadow selector's sweep (docs/sim/sweep-shadow-NAME; with --round1,
+the first round's docs/sim/sweep-shadow1-NAME) and, where that sweep ran with --no-compare,
+the fixed options of the same points from the sweep that ran them (docs/sim/sweep-matrix-NAME
+of issue 25, or the first round's full sweeps of the new workloads: the fixed options' code
+is the same). Prints one
+markdown table per workload: every fixed option and the selector with TTFT p50 / p99, the
+selector against the best fixed option (bold when more than 0.5 point below), Belady, and
+the selector's share of Belady; then the worst point per workload.
+
+Usage: python3 scripts/matrix_tables.py [--round1] [DOCS_SIM_DIR]
+"""
+import json
+import os
+import sys
+
+FIXED = ["lru", "lru + on-device-eviction:256", "freq-depth:56000:4:60",
+         "freq-depth:56000:4:60 + on-device-eviction:256"]
+SHORT = {FIXED[0]: "LRU (default)", FIXED[1]: "LRU + demote", FIXED[2]: "freq-depth",
+         FIXED[3]: "freq-depth + demote"}
+WORKLOADS = [
+    ("trace", "Conversation trace, device:host 1:4, no L3", "matrix-trace"),
+    ("trace-dense", "Conversation trace, denser small capacities (device 1,280 ... 40,960), no L3", "shadow1-trace-dense"),
+    ("synthetic", "FAST'25 synthetic trace, no L3", "matrix-synthetic"),
+    ("chat", "Built-in chat (400 clients x 8 rounds), no L3", "matrix-chat"),
+    ("chat-long", "Long chats (100 x 32), no L3", "matrix-chat-long"),
+    ("chat-short", "Short chats (1,600 x 2), no L3", "matrix-chat-short"),
+    ("chat-2inst", "Two instances sharing one L3 (chat)", "matrix-chat-2inst"),
+    ("agent", "Agent sessions (new: traces/agent_trace.jsonl), no L3", "shadow1-agent"),
+    ("shift", "Popular prefixes change half-way (new: traces/shift_trace.jsonl), no L3", "shadow1-shift"),
+]
+
+
+def ms(v):
+    return f"{v:.0f} ms" if v < 1000 else f"{v / 1000:.2f} s"
+
+
+def cell(rate, t):
+    return f"{rate * 100:.2f} % ({ms(t['p50'])} / {ms(t['p99'])})"
+
+
+def main(d, prefix):
+    worst_all = []
+    for name, title, fixed_dir in WORKLOADS:
+        p = os.path.join(d, f"sweep-{prefix}-{name}", "sweep.json")
+        if not os.path.exists(p):
+            print(f"**{title}**: not run\n")
+            continue
+        pts = json.load(open(p))
+        fixed = {}
+        if fixed_dir:
+            for q in json.load(open(os.path.join(d, f"sweep-{fixed_dir}", "sweep.json"))):
+                fixed[q["capacity_pages"]] = q["compared"]
+        print(f"**{title}** (hit rate, TTFT p50 / p99):\n")
+        cols = [SHORT[f] for f in FIXED]
+        print("| device + host pages | " + " | ".join(cols) +
+              " | **shadow** | vs best fixed | Belady | shadow / Belady |")
+        print("| --- " * (len(cols) + 5) + "|")
+        worst, below, n = None, 0, 0
+        for q in pts:
+            comp = {c["policy"]: c for c in (q["compared"] or fixed.get(q["capacity_pages"], []))}
+            row = [f"{q['capacity_pages']:,}"]
+            best = max((comp[f]["hit_rate"] for f in FIXED if f in comp), default=None)
+            for f in FIXED:
+                row.append(cell(comp[f]["hit_rate"], comp[f]["ttft_ms"]) if f in comp else "-")
+            row.append(cell(q["hit_rate"], q["ttft_ms"]))
+            if best is None:
+                row.append("-")
+            else:
+                delta = (q["hit_rate"] - best) * 100
+                worst = delta if worst is None else min(worst, delta)
+                n += 1
+                below += delta < -0.5
+                row.append(f"**{delta:+.2f}**" if delta < -0.5 else f"{delta:+.2f}")
+            row.append(f"{q['belady'] * 100:.2f} %")
+            row.append(f"{q['hit_rate'] / q['belady']:.2f}" if q["belady"] > 0 else "-")
+            print("| " + " | ".join(row) + " |")
+        print()
+        worst_all.append((title, worst, below, n))
+    print("| workload | worst point: shadow vs best fixed | points more than 0.5 below |")
+    print("| --- | --- | --- |")
+    for t, w, b, n in worst_all:
+        print(f"| {t} | {'-' if w is None else f'{w:+.2f}'} | {b} of {n} |")
+    tb, tn = sum(x[2] for x in worst_all), sum(x[3] for x in worst_all)
+    print(f"| all | {min(x[1] for x in worst_all if x[1] is not None):+.2f} | {tb} of {tn} |")
+
+
+if __name__ == "__main__":
+    rnd = "--round1" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--round1"]
+    main(args[0] if args else "docs/sim", "shadow1" if rnd else "shadow")
