@@ -17,19 +17,8 @@ use kvtier_events::{HashFormat, WireEvent, encode_batch};
 use kvtier_radix::*;
 use proptest::prelude::*;
 
-const PS: usize = 4;
-
-fn tokens(seed: u32, shared: usize, pages: usize) -> Vec<u32> {
-    (0..pages * PS)
-        .map(|i| {
-            if i < shared * PS {
-                i as u32
-            } else {
-                seed * 1000 + i as u32
-            }
-        })
-        .collect()
-}
+mod common;
+use common::*;
 
 /// One instance: a kvtier cache and what Dynamo was told about it.
 struct Instance {
@@ -56,27 +45,9 @@ impl Instance {
         }
     }
 
-    /// Serves a prompt: matches, allocates (evicting), inserts; pages stay cached.
+    /// Serves a prompt on device; its pages stay cached.
     fn serve(&mut self, toks: &[u32]) {
-        let hs = page_hashes(toks, PS, None);
-        let m = self.cache.match_prefix(&hs);
-        let Ok(p) = self
-            .cache
-            .alloc_evicting::<Device>(hs.len() - m.device_pages)
-        else {
-            return;
-        };
-        let m = self.cache.match_prefix(&hs);
-        if p.len() != hs.len() - m.device_pages {
-            self.cache.free(&p).expect("free");
-            return;
-        }
-        let out = self
-            .cache
-            .insert::<Device>(m.device_node, m.device_pages, &hs, toks, &p)
-            .expect("insert");
-        let dup: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
-        self.cache.free(&dup).expect("free duplicates");
+        put_device(&mut self.cache, toks);
     }
 
     /// Publishes what happened since the last call to `tree`, through the wire bytes.

@@ -8,22 +8,8 @@ use kvtier_events::{Medium, Mirror, WireEvent};
 use kvtier_radix::*;
 use proptest::prelude::*;
 
-const PS: usize = 4;
-
-/// Prompts sharing their first `shared` pages (tokens of seed 0), then their own.
-fn prompt(seed: u32, shared: usize, pages: usize) -> (Vec<u32>, Vec<PageHash>) {
-    let toks: Vec<u32> = (0..pages * PS)
-        .map(|i| {
-            if i < shared * PS {
-                i as u32
-            } else {
-                seed * 1000 + i as u32
-            }
-        })
-        .collect();
-    let hs = page_hashes(&toks, PS, None);
-    (toks, hs)
-}
+mod common;
+use common::*;
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -62,69 +48,19 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Inserts the held pages when they still fit the match, else gives them back; duplicates
-/// the tree already had are given back too.
-fn insert_or_free<T: Tier>(
-    c: &mut RadixCache,
-    fits: bool,
-    start: NodeId,
-    from: usize,
-    hs: &[PageHash],
-    toks: &[u32],
-    pages: Vec<PageId<T>>,
-) {
-    if !fits {
-        c.free(&pages).expect("free");
-        return;
-    }
-    let out = c
-        .insert::<T>(start, from, hs, toks, &pages)
-        .expect("insert");
-    let dup: Vec<_> = out.duplicates.iter().map(|d| d.1).collect();
-    c.free(&dup).expect("free duplicates");
-}
-
 fn apply(c: &mut RadixCache, op: &Op) {
     match *op {
         Op::Put {
             seed,
             shared,
             pages,
-        } => {
-            let (toks, hs) = prompt(seed, shared.min(pages), pages);
-            let m = c.match_prefix(&hs);
-            if let Ok(p) = c.alloc_evicting::<Device>(hs.len() - m.device_pages) {
-                let m = c.match_prefix(&hs); // eviction may have changed the match
-                let fits = p.len() == hs.len() - m.device_pages;
-                insert_or_free(c, fits, m.device_node, m.device_pages, &hs, &toks, p);
-            }
-        }
+        } => put_device(c, &tokens(seed, shared.min(pages), pages)),
         Op::BackUp {
             seed,
             shared,
             pages,
             upto,
-        } => {
-            // back up to host the pages of a cached prompt (as a write-back does)
-            let (toks, hs) = prompt(seed, shared.min(pages), pages);
-            let m = c.match_prefix(&hs);
-            let n = m.device_pages.min(upto);
-            if n > m.host_pages
-                && let Ok(p) = c.alloc_evicting::<Host>(n - m.host_pages)
-            {
-                let m = c.match_prefix(&hs);
-                let fits = m.device_pages >= n && p.len() == n - m.host_pages;
-                insert_or_free(
-                    c,
-                    fits,
-                    m.host_node,
-                    m.host_pages,
-                    &hs[..n],
-                    &toks[..n * PS],
-                    p,
-                );
-            }
-        }
+        } => back_up(c, &tokens(seed, shared.min(pages), pages), upto),
         Op::EvictDevice(n) => {
             c.evict::<Device>(n);
         }
