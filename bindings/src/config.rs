@@ -15,6 +15,7 @@
 //! {"per_rank", "replicated"} with `l3_leader_rank`; `eviction` ∈ {"lru", "adaptive", "freq-depth",
 //! "freq-depth:CREDIT:MAX_USES:DEBIT"}; `host_admission` ∈ {"on-finish",
 //! "on-device-eviction:AHEAD_PAGES", "adaptive:AHEAD_PAGES" (with eviction "adaptive")};
+//! `queue_protection` ∈ {"off", "waiting"};
 //! `namespace` is a dict
 //! with keys model, dtype, layout, tenant, adapter; `tp_ranks` is the tensor-parallel group's
 //! size (above 1, direct loss reports are refused: see `kvtier_scheduler::SchedulerConfig`).
@@ -58,6 +59,7 @@ pub const FIELDS: &[&str] = &[
     "tenant_quota_host_pages",
     "eviction",
     "host_admission",
+    "queue_protection",
     "tp_ranks",
 ];
 
@@ -256,6 +258,12 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
                 PyValueError::new_err(format!("SchedulerConfig.host_admission: {m}"))
             })?
         },
+        queue_protection: {
+            let q: String = get(obj, "queue_protection", d.queue_protection.to_string())?;
+            q.parse().map_err(|m: String| {
+                PyValueError::new_err(format!("SchedulerConfig.queue_protection: {m}"))
+            })?
+        },
     })
 }
 
@@ -324,6 +332,7 @@ pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bou
     d.set_item("tenant_quota_host_pages", c.tenant_quota.host_pages)?;
     d.set_item("eviction", c.eviction.to_string())?;
     d.set_item("host_admission", c.host_admission.to_string())?;
+    d.set_item("queue_protection", c.queue_protection.to_string())?;
     d.set_item("tp_ranks", c.tp_ranks)?;
     Ok(d)
 }

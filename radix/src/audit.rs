@@ -116,7 +116,12 @@ impl RadixCache {
                 let should =
                     id != self.root && s.pages.is_some() && s.lock == 0 && s.resident_children == 0;
                 if should {
-                    let key = (self.ranking.rank(n, t), n.seq, id);
+                    let key = (
+                        self.protection_of(n.hashes.first()),
+                        self.ranking.rank(n, t),
+                        n.seq,
+                        id,
+                    );
                     if s.evict_key != Some(key) {
                         return Err(format!("{t} evictable key of {id:?} stale or missing"));
                     }

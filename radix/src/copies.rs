@@ -88,13 +88,19 @@ impl RadixCache {
         from: TierKind,
         n: usize,
     ) -> Result<Vec<PageId<T>>, RadixError> {
-        let rank = self.ranking.rank(self.node(node)?, from);
-        let owner = self.node(node)?.tenant;
+        let n_ref = self.node(node)?;
+        // The copy takes room only from leaves ranked below the copied node (protection
+        // first, then the policy's rank).
+        let rank = (
+            self.protection_of(n_ref.hashes.first()),
+            self.ranking.rank(n_ref, from),
+        );
+        let owner = n_ref.tenant;
         let free = self.usage(T::KIND).free;
         let mut victims = Vec::new();
         let mut room = free;
-        for &(r, _, id) in &self.books[T::KIND as usize].evictable {
-            if room >= n || r >= rank {
+        for &(p, r, _, id) in &self.books[T::KIND as usize].evictable {
+            if room >= n || (p, r) >= rank {
                 break;
             }
             if self.tenant_protected(self.nodes[id].tenant, owner, T::KIND) {

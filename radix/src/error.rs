@@ -6,6 +6,7 @@
 
 use thiserror::Error;
 
+use crate::hash::PageHash;
 use crate::pool::PageState;
 use crate::tier::TierKind;
 
@@ -61,6 +62,8 @@ pub enum RadixError {
     },
     #[error("node is not an unlocked leaf on {tier}")]
     NotEvictable { tier: TierKind },
+    #[error("page {hash:?} is not protected (unprotect without a matching protect)")]
+    NotProtected { hash: PageHash },
     #[error("page_size must be positive")]
     ZeroPageSize,
     #[error("page {page} of the inserted run does not continue the path (hash mismatch)")]

@@ -43,7 +43,7 @@ impl RadixCache {
     pub fn evict<T: Tier>(&mut self, n_pages: usize) -> EvictOutcome {
         let mut out = EvictOutcome::default();
         while out.freed_pages < n_pages {
-            let Some(&(_, _, id)) = self.books[T::KIND as usize].evictable.first() else {
+            let Some(&(_, _, _, id)) = self.books[T::KIND as usize].evictable.first() else {
                 break;
             };
             let ev = self.evict_leaf(id, T::KIND);
@@ -61,7 +61,7 @@ impl RadixCache {
         self.books[T::KIND as usize]
             .evictable
             .iter()
-            .map(|&(_, _, id)| id)
+            .map(|&(_, _, _, id)| id)
     }
 
     /// The policy that ranks evictable leaves.

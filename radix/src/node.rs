@@ -21,10 +21,10 @@ new_key_type! {
     pub struct NodeId;
 }
 
-/// Key of a node in a tier's evictable set: lowest policy rank first (for LRU the last access),
-/// ties broken by the node's creation sequence number, which is the same on every
-/// tensor-parallel rank.
-pub(crate) type EvictKey = (u64, u64, NodeId);
+/// Key of a node in a tier's evictable set: unprotected before protected (`protect.rs`), then
+/// lowest policy rank first (for LRU the last access), ties broken by the node's creation
+/// sequence number, which is the same on every tensor-parallel rank.
+pub(crate) type EvictKey = (crate::protect::Protection, u64, u64, NodeId);
 
 /// Residency and lock state of one node on one tier.
 #[derive(Debug, Clone, Default)]

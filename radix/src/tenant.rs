@@ -149,7 +149,7 @@ impl RadixCache {
             let victim = self.books[t as usize]
                 .evictable
                 .iter()
-                .map(|&(_, _, id)| id)
+                .map(|&(_, _, _, id)| id)
                 .find(|&id| !self.tenant_protected(self.nodes[id].tenant, tenant, t));
             match victim {
                 Some(id) if self.evict_owned(id, t) => {}
@@ -257,7 +257,7 @@ impl RadixCache {
         if book.cached + book.held + n <= cap {
             return None;
         }
-        book.evictable.first().map(|&(_, _, id)| id)
+        book.evictable.first().map(|&(_, _, _, id)| id)
     }
 
     /// Evicts an evictable leaf of tier `t` (taken from a tenant's set); false if it was not.

@@ -295,7 +295,7 @@ impl Scheduler {
                     let end = (start + hit).min(usable);
                     if from >= start && end >= local + threshold && self.start_prefetch(id, &m, end)
                     {
-                        self.waiting.remove(&seq);
+                        self.dequeue(seq);
                         return Admit::Deferred;
                     }
                     None
@@ -320,7 +320,7 @@ impl Scheduler {
                         n: usable - local,
                     },
                 );
-                self.waiting.remove(&seq);
+                self.dequeue(seq);
                 return Admit::Deferred;
             }
         }
@@ -508,7 +508,7 @@ impl Scheduler {
                 waits_for: waits_for.first().copied(),
             },
         ));
-        self.waiting.remove(&seq);
+        self.dequeue(seq);
         self.running.insert(seq, id);
         self.reserved_pages += whole_prompt - new_pages;
         budget.rows -= 1;

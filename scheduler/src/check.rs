@@ -9,7 +9,9 @@
 //!   tree along that path; no tree pages without a lock;
 //! - the request's own pages past the tree are `Held`;
 //! - the cache's outstanding locks are exactly those requests (lock, prefetch pin) and ops
-//!   (per op kind) account for.
+//!   (per op kind) account for;
+//! - queue protection (`waiting.rs`) is held for exactly the waiting requests when it is on,
+//!   and the cache protects exactly their prompts' distinct pages.
 
 use kvtier_radix::Device;
 
@@ -22,6 +24,7 @@ impl Scheduler {
     /// hold.
     pub fn check(&self) -> Result<(), String> {
         self.cache.check_invariants()?;
+        self.check_queue_protection()?;
         if self.stats.internal_errors > 0 {
             return Err(format!(
                 "{} locks or pages could not be given back",
@@ -83,6 +86,27 @@ impl Scheduler {
         if (d, h) != (dev_locks, host_locks) {
             return Err(format!(
                 "cache has ({d}, {h}) locks, requests and ops account for ({dev_locks}, {host_locks})"
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_queue_protection(&self) -> Result<(), String> {
+        let on = self.cfg.queue_protection == crate::config::QueueProtection::Waiting;
+        let waiting: std::collections::HashSet<_> = self.waiting.values().copied().collect();
+        let protected: std::collections::HashSet<_> = self.protected_for.keys().copied().collect();
+        if (on && waiting != protected) || (!on && !protected.is_empty()) {
+            return Err(format!(
+                "queue protection held for {protected:?}, waiting {waiting:?} (on: {on})"
+            ));
+        }
+        let distinct: std::collections::HashSet<_> =
+            self.protected_for.values().flatten().copied().collect();
+        if distinct.len() != self.cache.protected_hashes() {
+            return Err(format!(
+                "the cache protects {} pages, the waiting prompts have {}",
+                self.cache.protected_hashes(),
+                distinct.len()
             ));
         }
         Ok(())

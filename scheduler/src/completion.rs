@@ -359,7 +359,7 @@ impl Scheduler {
             self.release(id);
         } else {
             let seq = r.seq;
-            self.waiting.insert(seq, id);
+            self.enqueue(seq, id);
         }
     }
 

@@ -116,6 +116,38 @@ impl std::fmt::Display for HostAdmission {
     }
 }
 
+/// Whether the prefixes waiting requests will match are evicted last (`kvtier_radix`'s
+/// `protect.rs`): soft protection from submission to admission, so that under overload the
+/// policy does not evict a queued request's prefix for the running requests' new pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QueueProtection {
+    /// The policy alone ranks every leaf.
+    #[default]
+    Off,
+    /// Leaves holding pages of a waiting request's prompt go after every other leaf.
+    Waiting,
+}
+
+impl std::str::FromStr for QueueProtection {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(QueueProtection::Off),
+            "waiting" => Ok(QueueProtection::Waiting),
+            _ => Err(format!("unknown queue protection `{s}` (off | waiting)")),
+        }
+    }
+}
+
+impl std::fmt::Display for QueueProtection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            QueueProtection::Off => "off",
+            QueueProtection::Waiting => "waiting",
+        })
+    }
+}
+
 /// How tensor-parallel ranks share L3.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum L3Sharing {
@@ -184,6 +216,9 @@ pub struct SchedulerConfig {
     /// When device pages get a host copy: at finish (inclusive tiers) or on demotion.
     #[serde(default)]
     pub host_admission: HostAdmission,
+    /// Whether waiting requests' prefixes are evicted last.
+    #[serde(default)]
+    pub queue_protection: QueueProtection,
 }
 
 /// Per-tenant caps on pages per tier (a tenant is a request's `cache_salt`; unsalted requests
@@ -231,6 +266,7 @@ impl Default for SchedulerConfig {
             eviction: EvictionPolicy::Lru,
             tenant_quota: TenantQuota::default(),
             host_admission: HostAdmission::OnFinish,
+            queue_protection: QueueProtection::Off,
         }
     }
 }

@@ -47,12 +47,13 @@ mod scheduler;
 mod stats;
 mod submit;
 mod types;
+mod waiting;
 
 pub use agreed_losses::LOSS_WORDS_TAG;
 pub use agreement::{AgreedLosses, AgreedOps, AgreementError, RankAgreement, SKIPPED};
 pub use config::{
-    ConfigError, HostAdmission, L3Sharing, PrefetchStopPolicy, RetractionPolicy, SchedulerConfig,
-    TenantQuota, WritePolicy,
+    ConfigError, HostAdmission, L3Sharing, PrefetchStopPolicy, QueueProtection, RetractionPolicy,
+    SchedulerConfig, TenantQuota, WritePolicy,
 };
 pub use error::SchedulerError;
 pub use kvtier_fsm::{OpKind, RequestState};

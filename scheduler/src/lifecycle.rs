@@ -483,7 +483,7 @@ impl Scheduler {
         }
         if n == 0 {
             self.take_dev_lock(id);
-            self.waiting.insert(seq, id);
+            self.enqueue(seq, id);
             return true;
         }
         false
@@ -493,10 +493,13 @@ impl Scheduler {
     pub(crate) fn release(&mut self, id: RequestId) {
         self.unpin_prefetch(id);
         self.take_dev_lock(id);
+        let Some(seq) = self.reqs.get(&id).map(|r| r.seq) else {
+            return;
+        };
+        self.dequeue(seq);
         let Some(r) = self.reqs.remove(&id) else {
             return;
         };
-        self.waiting.remove(&r.seq);
         self.running.remove(&r.seq);
         let outcome = match r.state {
             RequestState::Finished => {

@@ -51,6 +51,8 @@ pub struct Scheduler {
     pub(crate) reqs: IdMap<RequestId, Request>,
     /// Requests waiting for admission (Submitted, PrefetchDone, Retracted), by arrival seq.
     pub(crate) waiting: BTreeMap<u64, RequestId>,
+    /// The page hashes protected for each waiting request (`waiting.rs`).
+    pub(crate) protected_for: IdMap<RequestId, Vec<kvtier_radix::PageHash>>,
     /// Requests prefilling or decoding, by arrival seq.
     pub(crate) running: BTreeMap<u64, RequestId>,
     pub(crate) ops: IdMap<OpId, OpRecord>,
@@ -123,6 +125,7 @@ impl Scheduler {
             keys,
             reqs: IdMap::default(),
             waiting: BTreeMap::new(),
+            protected_for: IdMap::default(),
             running: BTreeMap::new(),
             ops: IdMap::default(),
             next_op: 1,

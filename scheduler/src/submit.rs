@@ -116,7 +116,7 @@ impl Scheduler {
                 first_token_ms: None,
             },
         );
-        self.waiting.insert(seq, spec.id);
+        self.enqueue(seq, spec.id);
         self.stats.submitted += 1;
         metrics::counter!("kvtier_requests_submitted_total").increment(1);
         Ok(())

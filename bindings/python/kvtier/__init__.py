@@ -118,7 +118,9 @@ class SchedulerConfig:
     see docs/scheduler.md). ``eviction`` is ``"lru"`` (default), ``"freq-depth"`` or
     ``"freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE"`` (see docs/sim.md). ``host_admission`` is ``"on-finish"`` (default: pages computed on
     device get a host copy when their request finishes) or ``"on-device-eviction:AHEAD_PAGES"``
-    (demotion: device pages are written to host just before device evicts them). ``tp_ranks``
+    (demotion: device pages are written to host just before device evicts them).
+    ``queue_protection`` is ``"off"`` (default) or ``"waiting"`` (the pages of waiting requests'
+    prompts are evicted after every other cached page, until they are admitted). ``tp_ranks``
     is the tensor-parallel group's size (1: a single rank; ``rank`` must be below it): above 1
     the scheduler is one rank of several and refuses the direct ``l3_lost`` / ``l3_lost_all``
     (``LossNeedsAgreementError``): losses go through ``RankAgreement.lost`` and
@@ -152,6 +154,7 @@ class SchedulerConfig:
     tenant_quota_host_pages: Optional[int] = _default("tenant_quota_host_pages")
     eviction: str = _default("eviction")
     host_admission: str = _default("host_admission")
+    queue_protection: str = _default("queue_protection")
     tp_ranks: int = _default("tp_ranks")
 
     def validate(self) -> None:

@@ -162,6 +162,8 @@ pub struct RadixCache {
     pub(crate) root: NodeId,
     /// First page hash of every non-root node → the node.
     pub(crate) index: HashMap<PageHash, NodeId, BuildHasherDefault<PrefixHasher>>,
+    /// Page hash → waiting prompts containing it (`protect.rs`).
+    pub(crate) protected: HashMap<PageHash, u32, BuildHasherDefault<PrefixHasher>>,
     pub(crate) device_pool: PagePool,
     pub(crate) host_pool: PagePool,
     pub(crate) books: [TierBook; 2],
@@ -241,6 +243,7 @@ impl RadixCache {
             nodes,
             root,
             index: HashMap::default(),
+            protected: HashMap::default(),
             device_pool: PagePool::new(TierKind::Device, cfg.device_pages),
             host_pool: PagePool::new(TierKind::Host, cfg.host_pages),
             books: [TierBook::default(), TierBook::default()],

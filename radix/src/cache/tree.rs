@@ -111,6 +111,9 @@ impl RadixCache {
         self.nodes[id].parent = Some(fid);
         self.index.insert(front_first, fid);
         self.index.insert(back_first, id);
+        // The back part's first page changed, and with it its protection (`protect.rs`).
+        self.refresh_evictable(id, TierKind::Device);
+        self.refresh_evictable(id, TierKind::Host);
         fid
     }
 
@@ -127,10 +130,18 @@ impl RadixCache {
     /// Puts `id` into, or takes it out of, tier `t`'s evictable set as its state requires.
     pub(crate) fn refresh_evictable(&mut self, id: NodeId, t: TierKind) {
         let root = self.root;
+        let Some(node) = self.nodes.get(id) else {
+            return;
+        };
+        let key = (
+            self.protection_of(node.hashes.first()),
+            self.ranking.rank(node, t),
+            node.seq,
+            id,
+        );
         let Some(node) = self.nodes.get_mut(id) else {
             return;
         };
-        let key = (self.ranking.rank(node, t), node.seq, id);
         let slot = node.slot_mut(t);
         let should =
             id != root && slot.pages.is_some() && slot.lock == 0 && slot.resident_children == 0;

@@ -14,7 +14,9 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use kvtier_radix::EvictionPolicy;
-use kvtier_scheduler::{HostAdmission, PrefetchStopPolicy, SchedulerConfig, WritePolicy};
+use kvtier_scheduler::{
+    HostAdmission, PrefetchStopPolicy, QueueProtection, SchedulerConfig, WritePolicy,
+};
 use kvtier_sim::matching_capacity::match_lru;
 use kvtier_sim::plot::{ComparedRate, SweepPoint, SweepTitle, write_sweep_plot};
 use kvtier_sim::profile::{BUILTIN_PROFILES, builtin};
@@ -114,6 +116,9 @@ struct SimArgs {
     /// on-device-eviction:AHEAD_PAGES (demotion: mostly exclusive tiers)
     #[arg(long)]
     host_admission: Option<String>,
+    /// Whether waiting requests' prefixes are evicted last: off (default) | waiting.
+    #[arg(long)]
+    queue_protection: Option<String>,
     /// Do not also run the other online policies (LRU, freq-depth) at the same capacity.
     #[arg(long)]
     no_compare: bool,
@@ -240,6 +245,9 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
     if let Some(h) = &a.host_admission {
         s.host_admission = h.parse()?;
     }
+    if let Some(q) = &a.queue_protection {
+        s.queue_protection = q.parse()?;
+    }
     if let Some(p) = &a.prefetch_stop {
         let parts: Vec<&str> = p.split(':').collect();
         s.prefetch_stop = match parts.as_slice() {
@@ -313,12 +321,17 @@ fn parse_eviction(e: &str) -> Result<EvictionPolicy, String> {
     e.parse()
 }
 
-/// The policies that ran: eviction, and host admission where it is not the default.
+/// The policies that ran: eviction, and host admission and queue protection where they are
+/// not the default.
 fn policy_name(s: &SchedulerConfig) -> String {
-    match s.host_admission {
+    let mut name = match s.host_admission {
         HostAdmission::OnFinish => s.eviction.to_string(),
         h => format!("{} + {h}", s.eviction),
+    };
+    if s.queue_protection != QueueProtection::Off {
+        name.push_str(&format!(" + protect:{}", s.queue_protection));
     }
+    name
 }
 
 /// The same run under the simulator's other online policies (LRU and the conversation
