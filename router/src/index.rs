@@ -81,7 +81,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<Vec<IndexEvent>, DecodeError> {
     Ok(out)
 }
 
-fn hash64(v: &Value) -> Result<u64, DecodeError> {
+pub(crate) fn hash64(v: &Value) -> Result<u64, DecodeError> {
     if let Some(n) = v.as_u64() {
         return Ok(n);
     }
@@ -210,6 +210,34 @@ impl ClusterIndex {
             }
         }
         true
+    }
+
+    /// Forgets the shared store's pages (its stream restarted or sent a snapshot).
+    pub fn clear_storage(&mut self) {
+        self.storage.clear();
+    }
+
+    /// The shared store's page hashes.
+    pub fn storage_hashes(&self) -> Vec<u64> {
+        self.storage.iter().copied().collect()
+    }
+
+    /// Entries per tier: `(gpu, cpu)` of each instance, and the store's.
+    pub fn tier_pages(&self) -> (Vec<(usize, usize)>, usize) {
+        let locals = self.locals.iter().map(|l| (l.gpu.len(), l.cpu.len()));
+        (locals.collect(), self.storage.len())
+    }
+
+    /// Every entry, sorted: `(instance, medium, hash)`, the store's under instance
+    /// `usize::MAX` (for comparing two indexes).
+    pub fn entries(&self) -> Vec<(usize, &'static str, u64)> {
+        let mut out: Vec<_> = self.storage.iter().map(|&h| (usize::MAX, "STORAGE", h)).collect();
+        for (i, l) in self.locals.iter().enumerate() {
+            out.extend(l.gpu.iter().map(|&h| (i, "GPU", h)));
+            out.extend(l.cpu.iter().map(|&h| (i, "CPU", h)));
+        }
+        out.sort_unstable();
+        out
     }
 
     fn set(&mut self, instance: usize, m: Medium) -> &mut PageSet {
