@@ -82,6 +82,7 @@ pub struct Cluster {
     max_pages: usize,
     pub streams: Vec<StreamState>,
     routed: Vec<u64>,
+    refused: Vec<u64>,
     in_flight: Vec<u64>,
     load_only: u64,
     started: Instant,
@@ -96,6 +97,7 @@ impl Cluster {
             max_pages,
             streams: Vec::new(),
             routed: vec![0; instances],
+            refused: vec![0; instances],
             in_flight: vec![0; instances],
             load_only: 0,
             started: Instant::now(),
@@ -212,8 +214,9 @@ impl Cluster {
         let hashes = self.prompt_hashes(tokens, salt, lora);
         let now = self.now_s();
         if exclude.is_empty() {
-            let (i, est) = self.router.route_hashes(&hashes, tokens.len(), now).ok()?;
+            // every instance's estimate as the decision saw it (before its work is queued)
             let all = self.router.estimates_of(&hashes, tokens.len());
+            let (i, est) = self.router.route_hashes(&hashes, tokens.len(), now).ok()?;
             return Some(self.decided(i, est, Basis::Cache, &all));
         }
         let all = self.router.estimates_of(&hashes, tokens.len());
@@ -237,7 +240,9 @@ impl Cluster {
                     .then(self.in_flight[a].cmp(&self.in_flight[b]))
                     .then(a.cmp(&b))
             })?;
-        self.load_only += 1;
+        if exclude.is_empty() {
+            self.load_only += 1;
+        }
         let est = Estimate {
             gpu_pages: 0,
             host_pages: 0,
@@ -262,6 +267,14 @@ impl Cluster {
             host_pages: est.host_pages,
             l3_pages: est.l3_pages,
             ttft_by_instance: all.iter().map(Estimate::ttft_s).collect(),
+        }
+    }
+
+    /// The instance chosen refused the connection: not counted as routed there.
+    pub fn refused(&mut self, i: usize) {
+        if let (Some(r), Some(f)) = (self.routed.get_mut(i), self.refused.get_mut(i)) {
+            *r = r.saturating_sub(1);
+            *f += 1;
         }
     }
 
@@ -317,7 +330,7 @@ impl Cluster {
                 serde_json::json!({
                     "gpu_pages": g, "cpu_pages": c,
                     "queue_s": self.router.queues()[i],
-                    "routed": self.routed[i], "in_flight": self.in_flight[i],
+                    "routed": self.routed[i], "refused": self.refused[i], "in_flight": self.in_flight[i],
                 })
             })
             .collect();

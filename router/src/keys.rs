@@ -173,9 +173,10 @@ impl Translator {
                             break;
                         };
                         let k = page_key(p, page);
+                        let full = self.keys.len() >= self.max_entries;
                         match self.keys.get_mut(h) {
                             Some(e) => *e = (k, e.1 | bit(medium)),
-                            None if self.keys.len() < self.max_entries => {
+                            None if !full => {
                                 self.keys.insert(*h, (k, bit(medium)));
                             }
                             None => self.unkeyed += 1,

@@ -155,6 +155,7 @@ async fn forward(st: AppState, path: &str, kind: Kind, headers: HeaderMap, body:
             Ok(resp) => return pass_through(resp, Some((guard, d.instance))),
             Err(e) if e.is_connect() => {
                 drop(guard);
+                st.lock().refused(d.instance);
                 refused.push(d.instance);
             }
             Err(e) => {

@@ -69,7 +69,7 @@ impl History for ZmqHistory {
         let s = self.ctx.socket(zmq::DEALER).ok()?;
         s.set_linger(0).ok()?;
         s.connect(ep).ok()?;
-        s.send_multipart([&b""[..], &from.to_be_bytes()], zmq::DONTWAIT)
+        s.send_multipart([&b""[..], &from.to_be_bytes()[..]], zmq::DONTWAIT)
             .ok()?;
         let ms = i64::try_from(self.timeout.as_millis()).unwrap_or(i64::MAX);
         let mut out = Vec::new();

