@@ -187,7 +187,12 @@ impl Cluster {
     }
 
     /// The prompt's page keys as this router's index keys them.
-    pub fn prompt_hashes(&self, tokens: &[u32], salt: Option<&str>, lora: Option<&str>) -> Vec<u64> {
+    pub fn prompt_hashes(
+        &self,
+        tokens: &[u32],
+        salt: Option<&str>,
+        lora: Option<&str>,
+    ) -> Vec<u64> {
         match self.keys {
             Keys::Engine => HashScope::new(salt, lora, Vec::new())
                 .page_hashes(tokens, self.page_size)

@@ -231,7 +231,11 @@ impl ClusterIndex {
     /// Every entry, sorted: `(instance, medium, hash)`, the store's under instance
     /// `usize::MAX` (for comparing two indexes).
     pub fn entries(&self) -> Vec<(usize, &'static str, u64)> {
-        let mut out: Vec<_> = self.storage.iter().map(|&h| (usize::MAX, "STORAGE", h)).collect();
+        let mut out: Vec<_> = self
+            .storage
+            .iter()
+            .map(|&h| (usize::MAX, "STORAGE", h))
+            .collect();
         for (i, l) in self.locals.iter().enumerate() {
             out.extend(l.gpu.iter().map(|&h| (i, "GPU", h)));
             out.extend(l.cpu.iter().map(|&h| (i, "CPU", h)));

@@ -136,7 +136,13 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     let mut threads = Vec::new();
     for (n, endpoint, replay) in subs {
         let spec = StreamSpec { endpoint, replay };
-        match subscriber::spawn(spec, n, Arc::clone(&cluster), Arc::clone(&stop), cfg.subscribe) {
+        match subscriber::spawn(
+            spec,
+            n,
+            Arc::clone(&cluster),
+            Arc::clone(&stop),
+            cfg.subscribe,
+        ) {
             Ok(t) => threads.push(t),
             Err(e) => {
                 stop.store(true, Ordering::Relaxed);

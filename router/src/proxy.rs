@@ -113,7 +113,13 @@ pub async fn models(State(st): State<AppState>, headers: HeaderMap) -> Response 
     )
 }
 
-async fn forward(st: AppState, path: &str, kind: Kind, headers: HeaderMap, body: Bytes) -> Response {
+async fn forward(
+    st: AppState,
+    path: &str,
+    kind: Kind,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let json: Option<Value> = serde_json::from_slice(&body).ok();
     let tokens = match &json {
         Some(v) => tokens_of(&st, kind, v, &headers).await,

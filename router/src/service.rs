@@ -59,9 +59,12 @@ async fn route(State(st): State<AppState>, body: axum::body::Bytes) -> Response 
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
     };
-    let d = st
-        .lock()
-        .route(&req.token_ids, req.salt.as_deref(), req.lora_name.as_deref(), &[]);
+    let d = st.lock().route(
+        &req.token_ids,
+        req.salt.as_deref(),
+        req.lora_name.as_deref(),
+        &[],
+    );
     match d {
         Some(d) => {
             let mut v = serde_json::json!(d);

@@ -196,11 +196,7 @@ impl Tracker {
 
     /// Resyncs after a quiet period: asks for anything after the last applied batch (what a
     /// subscriber does when it suspects it missed the tail of a stream).
-    pub fn catch_up(
-        &mut self,
-        history: &mut dyn History,
-        sink: &mut dyn FnMut(Apply<'_>) -> bool,
-    ) {
+    pub fn catch_up(&mut self, history: &mut dyn History, sink: &mut dyn FnMut(Apply<'_>) -> bool) {
         match self.next {
             None => {
                 self.sync(history, sink);

@@ -104,7 +104,8 @@ pub fn spawn(
     let sub = ctx.socket(zmq::SUB).map_err(zerr("SUB socket"))?;
     sub.set_subscribe(b"").map_err(zerr("subscribe"))?;
     sub.set_linger(0).map_err(zerr("SUB linger"))?;
-    sub.set_rcvhwm(100_000).map_err(zerr("SUB high-water mark"))?;
+    sub.set_rcvhwm(100_000)
+        .map_err(zerr("SUB high-water mark"))?;
     sub.connect(&spec.endpoint)
         .map_err(zerr(format!("connect SUB {}", spec.endpoint)))?;
     let history = ZmqHistory {

@@ -40,11 +40,18 @@ async fn the_documented_router_line_and_requests_run() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let md = std::fs::read_to_string(root.join("docs/router.md")).expect("docs/router.md");
     let lines = sh_lines(&md);
-    let routers: Vec<&String> = lines.iter().filter(|l| l.starts_with("kvtier-router ")).collect();
+    let routers: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.starts_with("kvtier-router "))
+        .collect();
     let curls: Vec<&String> = lines.iter().filter(|l| l.starts_with("curl ")).collect();
     assert_eq!(routers.len(), 1);
     assert!(curls.len() >= 3);
-    let mut args: Vec<String> = routers[0].split_whitespace().skip(1).map(String::from).collect();
+    let mut args: Vec<String> = routers[0]
+        .split_whitespace()
+        .skip(1)
+        .map(String::from)
+        .collect();
     let at = args.iter().position(|a| a == "--listen").expect("--listen");
     args[at + 1] = "127.0.0.1:0".into();
     args.extend(["--exit-after-s".into(), "20".into()]);
@@ -72,7 +79,12 @@ async fn the_documented_router_line_and_requests_run() {
         let (path, body) = curl(line);
         let method = if body.is_some() { "POST" } else { "GET" };
         let got = common::http(addr, method, &path, body.as_deref().map(str::as_bytes)).await;
-        assert_eq!(got.status, 200, "{line}: {:?}", String::from_utf8_lossy(&got.body()));
+        assert_eq!(
+            got.status,
+            200,
+            "{line}: {:?}",
+            String::from_utf8_lossy(&got.body())
+        );
         let _: serde_json::Value = got.json();
     }
     // no engine publishes: every request above was routed anyway (by load-free estimates)
@@ -89,7 +101,12 @@ fn bad_flags_are_errors_not_panics() {
         vec!["--instance", "nokey"],
         vec!["--instance", "url=http://127.0.0.1:1", "--page-size", "0"],
         vec!["--instance", "url=http://127.0.0.1:1", "--resync-s", "inf"],
-        vec!["--instance", "url=http://127.0.0.1:1", "--instance", "events=tcp://127.0.0.1:1"],
+        vec![
+            "--instance",
+            "url=http://127.0.0.1:1",
+            "--instance",
+            "events=tcp://127.0.0.1:1",
+        ],
         vec![],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvtier-router"))

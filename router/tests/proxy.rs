@@ -29,7 +29,9 @@ fn find<'a>(ex: &'a [Exchange], path: &str, stream: bool, token_prompt: bool) ->
             let r = e.request.as_ref();
             e.path == path
                 && r.and_then(|r| r.get("stream")).is_some() == stream
-                && r.and_then(|r| r.get("prompt")).is_some_and(|p| p.is_array()) == token_prompt
+                && r.and_then(|r| r.get("prompt"))
+                    .is_some_and(|p| p.is_array())
+                    == token_prompt
         })
         .expect("recorded exchange")
 }
@@ -37,12 +39,27 @@ fn find<'a>(ex: &'a [Exchange], path: &str, stream: bool, token_prompt: bool) ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recorded_vllm_responses_pass_through_byte_exact_and_chunk_by_chunk() {
     let ex = recorded();
-    let (u0, u1) = (Upstream::start(ex.clone()).await, Upstream::start(ex.clone()).await);
-    let r = router(vec![url_spec(u0.url()), url_spec(u1.url())], None, 1 << 20, Keys::Tokens).await;
+    let (u0, u1) = (
+        Upstream::start(ex.clone()).await,
+        Upstream::start(ex.clone()).await,
+    );
+    let r = router(
+        vec![url_spec(u0.url()), url_spec(u1.url())],
+        None,
+        1 << 20,
+        Keys::Tokens,
+    )
+    .await;
     let mut streamed = 0;
     for e in ex.iter().filter(|e| e.path.starts_with("/v1/")) {
         let body = e.request.as_ref().map(|b| b.to_string());
-        let got = http(r.addr, &e.method, &e.path, body.as_deref().map(str::as_bytes)).await;
+        let got = http(
+            r.addr,
+            &e.method,
+            &e.path,
+            body.as_deref().map(str::as_bytes),
+        )
+        .await;
         assert_eq!(got.status, e.status, "{} {}", e.method, e.path);
         assert_eq!(got.header("content-type"), Some(e.content_type.as_str()));
         let want: Vec<Vec<u8>> = e.chunks.iter().map(|c| c.as_bytes().to_vec()).collect();
@@ -54,7 +71,10 @@ async fn recorded_vllm_responses_pass_through_byte_exact_and_chunk_by_chunk() {
             assert_eq!(got.body(), want.concat(), "{}", e.path);
         }
     }
-    assert!(streamed >= 2, "the recordings hold streamed completions and chats");
+    assert!(
+        streamed >= 2,
+        "the recordings hold streamed completions and chats"
+    );
     let c = r.cluster.lock().expect("lock");
     assert!(c.in_flight().iter().all(|&n| n == 0), "{:?}", c.in_flight());
     drop(c);
@@ -64,7 +84,10 @@ async fn recorded_vllm_responses_pass_through_byte_exact_and_chunk_by_chunk() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_sends_each_prompt_to_the_instance_holding_it() {
     let ex = recorded();
-    let (u0, u1) = (Upstream::start(ex.clone()).await, Upstream::start(ex.clone()).await);
+    let (u0, u1) = (
+        Upstream::start(ex.clone()).await,
+        Upstream::start(ex.clone()).await,
+    );
     let (p0, p1) = (publisher(), publisher());
     let mut s0 = spec(&p0);
     s0.url = Some(u0.url());
@@ -76,20 +99,33 @@ async fn the_proxy_sends_each_prompt_to_the_instance_holding_it() {
     // instance 1 holds the token prompt; instance 0 the text prompt's tokens (as vLLM's
     // /tokenize gives them)
     let by_ids = find(&ex, "/v1/completions", false, true);
-    let ids: Vec<u32> = serde_json::from_value(by_ids.request.as_ref().expect("req")["prompt"].clone())
-        .expect("ids");
+    let ids: Vec<u32> =
+        serde_json::from_value(by_ids.request.as_ref().expect("req")["prompt"].clone())
+            .expect("ids");
     let tok = ex
         .iter()
-        .find(|e| e.path == "/tokenize" && e.request.as_ref().is_some_and(|r| r.get("prompt").is_some()))
+        .find(|e| {
+            e.path == "/tokenize"
+                && e.request
+                    .as_ref()
+                    .is_some_and(|r| r.get("prompt").is_some())
+        })
         .expect("tokenize");
-    let text_ids: Vec<u32> =
-        serde_json::from_value(serde_json::from_str::<serde_json::Value>(&tok.chunks.concat()).expect("json")["tokens"].clone())
-            .expect("tokens");
-    p1.publish(0.0, &[stored(&ids, Medium::Gpu)]).expect("publish");
-    p0.publish(0.0, &[stored(&text_ids, Medium::Gpu)]).expect("publish");
+    let text_ids: Vec<u32> = serde_json::from_value(
+        serde_json::from_str::<serde_json::Value>(&tok.chunks.concat()).expect("json")["tokens"]
+            .clone(),
+    )
+    .expect("tokens");
+    p1.publish(0.0, &[stored(&ids, Medium::Gpu)])
+        .expect("publish");
+    p0.publish(0.0, &[stored(&text_ids, Medium::Gpu)])
+        .expect("publish");
     let c = Arc::clone(&r.cluster);
     let want = ids.len() / PS + text_ids.len() / PS;
-    until("indexed", || c.lock().expect("lock").router().index().pages() == want).await;
+    until("indexed", || {
+        c.lock().expect("lock").router().index().pages() == want
+    })
+    .await;
 
     let body = by_ids.request.as_ref().expect("req").to_string();
     let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
@@ -101,8 +137,19 @@ async fn the_proxy_sends_each_prompt_to_the_instance_holding_it() {
     let body = by_text.request.as_ref().expect("req").to_string();
     let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
     assert_eq!(got.status, 200);
-    assert_eq!(got.header("x-kvtier-instance"), Some("0"), "{:?}", u0.requests);
-    assert!(u0.requests.lock().expect("lock").iter().any(|p| p == "/tokenize"));
+    assert_eq!(
+        got.header("x-kvtier-instance"),
+        Some("0"),
+        "{:?}",
+        u0.requests
+    );
+    assert!(
+        u0.requests
+            .lock()
+            .expect("lock")
+            .iter()
+            .any(|p| p == "/tokenize")
+    );
     let stats = http(r.addr, "GET", "/stats", None).await.json();
     assert_eq!(stats["routed_load_only"], 0, "{stats}");
     r.stop().await;
@@ -111,7 +158,10 @@ async fn the_proxy_sends_each_prompt_to_the_instance_holding_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connection_goes_to_the_next_best_and_no_tokenizer_means_load_only() {
     // no /tokenize recorded: text prompts are routed by load alone
-    let ex: Vec<Exchange> = recorded().into_iter().filter(|e| e.path != "/tokenize").collect();
+    let ex: Vec<Exchange> = recorded()
+        .into_iter()
+        .filter(|e| e.path != "/tokenize")
+        .collect();
     let u1 = Upstream::start(ex.clone()).await;
     let p0 = publisher();
     let mut s0 = spec(&p0);
@@ -120,22 +170,37 @@ async fn a_refused_connection_goes_to_the_next_best_and_no_tokenizer_means_load_
     synced(&r).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let by_ids = find(&ex, "/v1/completions", true, true);
-    let ids: Vec<u32> = serde_json::from_value(by_ids.request.as_ref().expect("req")["prompt"].clone())
-        .expect("ids");
-    p0.publish(0.0, &[stored(&ids, Medium::Gpu)]).expect("publish");
+    let ids: Vec<u32> =
+        serde_json::from_value(by_ids.request.as_ref().expect("req")["prompt"].clone())
+            .expect("ids");
+    p0.publish(0.0, &[stored(&ids, Medium::Gpu)])
+        .expect("publish");
     let c = Arc::clone(&r.cluster);
-    until("indexed", || c.lock().expect("lock").router().index().pages() > 0).await;
+    until("indexed", || {
+        c.lock().expect("lock").router().index().pages() > 0
+    })
+    .await;
     // instance 0 is the best by far, but refuses: instance 1 answers, the stream intact
     let body = by_ids.request.as_ref().expect("req").to_string();
     let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
     assert_eq!(got.status, 200);
     assert_eq!(got.header("x-kvtier-instance"), Some("1"));
-    let want: Vec<Vec<u8>> = by_ids.chunks.iter().map(|c| c.as_bytes().to_vec()).collect();
+    let want: Vec<Vec<u8>> = by_ids
+        .chunks
+        .iter()
+        .map(|c| c.as_bytes().to_vec())
+        .collect();
     assert_eq!(got.chunks, want);
     // a chat whose tokenization fails still goes through, routed by load
     let chat = find(&ex, "/v1/chat/completions", false, false);
     let body = chat.request.as_ref().expect("req").to_string();
-    let got = http(r.addr, "POST", "/v1/chat/completions", Some(body.as_bytes())).await;
+    let got = http(
+        r.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(body.as_bytes()),
+    )
+    .await;
     assert_eq!(got.status, 200);
     let stats = http(r.addr, "GET", "/stats", None).await.json();
     assert_eq!(stats["routed_load_only"], 1, "{stats}");
@@ -167,7 +232,11 @@ fn token_keys_read_vllms_own_recorded_events() {
     }
     let hashes = c.prompt_hashes(&prompt, None, None);
     let (g, _, _) = c.router().index().prefix(1, &hashes);
-    assert_eq!(g, prompt.len() / PS, "every full block of the recorded prompt");
+    assert_eq!(
+        g,
+        prompt.len() / PS,
+        "every full block of the recorded prompt"
+    );
     assert_eq!(c.router().index().prefix(0, &hashes), (0, 0, 0));
     let d = c.route(&prompt, None, None, &[]).expect("routed");
     assert_eq!(d.instance, 1);

@@ -139,9 +139,11 @@ async fn dead_and_garbage_publishers_never_fail_a_request() {
     let r = router(vec![dead, bad, spec(&good)], None, 1 << 20, Keys::Engine).await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     let hot = tokens(7, 8);
-    good.publish(0.0, &[stored(&hot, Medium::Gpu)]).expect("publish");
+    good.publish(0.0, &[stored(&hot, Medium::Gpu)])
+        .expect("publish");
     for i in 0u64..20 {
-        let _ = garbage.send_multipart([&b""[..], &i.to_be_bytes()[..], &b"\xc1not msgpack"[..]], 0);
+        let _ =
+            garbage.send_multipart([&b""[..], &i.to_be_bytes()[..], &b"\xc1not msgpack"[..]], 0);
         let _ = garbage.send_multipart([&b"x"[..]], 0); // one frame: not a batch
         let _ = garbage.send_multipart([&b""[..], &b"short"[..], &b"\x90"[..]], 0);
     }
@@ -155,11 +157,22 @@ async fn dead_and_garbage_publishers_never_fail_a_request() {
     assert_eq!(got.status, 200);
     assert_eq!(got.json()["instance"], 2);
     let other = serde_json::json!({"token_ids": tokens(99, 3)}).to_string();
-    assert_eq!(http(r.addr, "POST", "/route", Some(other.as_bytes())).await.status, 200);
+    assert_eq!(
+        http(r.addr, "POST", "/route", Some(other.as_bytes()))
+            .await
+            .status,
+        200
+    );
     let stats = http(r.addr, "GET", "/stats", None).await.json();
     let s = &stats["streams"];
-    assert!(s[0]["counters"]["unanswered"].as_u64().unwrap_or(0) >= 1, "{s}");
-    assert!(s[1]["counters"]["garbage"].as_u64().unwrap_or(0) >= 20, "{s}");
+    assert!(
+        s[0]["counters"]["unanswered"].as_u64().unwrap_or(0) >= 1,
+        "{s}"
+    );
+    assert!(
+        s[1]["counters"]["garbage"].as_u64().unwrap_or(0) >= 20,
+        "{s}"
+    );
     assert_eq!(stats["instances"][1]["gpu_pages"], 0);
     let health = http(r.addr, "GET", "/health", None).await.json();
     assert_eq!(health["status"], "ok");
@@ -185,38 +198,64 @@ async fn the_index_never_exceeds_its_page_cap_and_reports_memory() {
     assert_eq!(stats["index_pages"], 50, "{stats}");
     assert_eq!(stats["dropped_stores"], 150, "{stats}");
     assert!(stats["memory_bytes"].as_u64().unwrap_or(0) > 0);
-    assert!(stats["memory_bytes"].as_u64().unwrap_or(u64::MAX) < 4096, "{stats}");
+    assert!(
+        stats["memory_bytes"].as_u64().unwrap_or(u64::MAX) < 4096,
+        "{stats}"
+    );
     r.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_route_picks_the_instance_holding_the_prefix_and_prices_the_store() {
     let (p0, p1, l3) = (publisher(), publisher(), publisher());
-    let r = router(vec![spec(&p0), spec(&p1)], Some(spec(&l3)), 1 << 20, Keys::Engine).await;
+    let r = router(
+        vec![spec(&p0), spec(&p1)],
+        Some(spec(&l3)),
+        1 << 20,
+        Keys::Engine,
+    )
+    .await;
     synced(&r).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let a = tokens(1, 16);
     let b = tokens(2, 16);
-    p0.publish(0.0, &[stored(&a, Medium::Gpu)]).expect("publish");
-    p1.publish(0.0, &[stored(&b[..8 * PS], Medium::Cpu)]).expect("publish");
-    l3.publish(0.0, &[stored(&b, Medium::Storage)]).expect("publish");
+    p0.publish(0.0, &[stored(&a, Medium::Gpu)])
+        .expect("publish");
+    p1.publish(0.0, &[stored(&b[..8 * PS], Medium::Cpu)])
+        .expect("publish");
+    l3.publish(0.0, &[stored(&b, Medium::Storage)])
+        .expect("publish");
     let c = Arc::clone(&r.cluster);
-    until("indexed", || c.lock().expect("lock").router().index().pages() == 40).await;
+    until("indexed", || {
+        c.lock().expect("lock").router().index().pages() == 40
+    })
+    .await;
     let route = |t: &[u32]| serde_json::json!({"token_ids": t}).to_string();
     let got = http(r.addr, "POST", "/route", Some(route(&a).as_bytes())).await;
     assert_eq!(got.status, 200);
     let j = got.json();
-    assert_eq!((j["instance"].as_u64(), j["gpu_pages"].as_u64()), (Some(0), Some(16)), "{j}");
+    assert_eq!(
+        (j["instance"].as_u64(), j["gpu_pages"].as_u64()),
+        (Some(0), Some(16)),
+        "{j}"
+    );
     assert_eq!(j["basis"], "cache");
     // b: instance 1 has half in host memory, the store all of it; instance 0 only the store
-    let j = http(r.addr, "POST", "/route", Some(route(&b).as_bytes())).await.json();
+    let j = http(r.addr, "POST", "/route", Some(route(&b).as_bytes()))
+        .await
+        .json();
     assert_eq!(j["instance"], 1, "{j}");
-    assert_eq!((j["host_pages"].as_u64(), j["l3_pages"].as_u64()), (Some(8), Some(8)));
+    assert_eq!(
+        (j["host_pages"].as_u64(), j["l3_pages"].as_u64()),
+        (Some(8), Some(8))
+    );
     let ttft = j["ttft_by_instance"].as_array().expect("array").clone();
     assert!(ttft[1].as_f64() < ttft[0].as_f64(), "{j}");
     // a salted prompt shares no page (kvtier's hashes cover the salt)
     let salted = serde_json::json!({"token_ids": a, "salt": "tenant-b"}).to_string();
-    let j = http(r.addr, "POST", "/route", Some(salted.as_bytes())).await.json();
+    let j = http(r.addr, "POST", "/route", Some(salted.as_bytes()))
+        .await
+        .json();
     assert_eq!(j["gpu_pages"], 0, "{j}");
     // bad input: typed 400s
     for bad in [&b"{"[..], br#"{"token_ids": [-1]}"#, br#"{"tokens": [1]}"#] {

@@ -74,7 +74,12 @@ fn fates(n: usize) -> impl Strategy<Value = (Vec<u8>, Vec<(usize, usize)>)> {
     )
 }
 
-fn run(batches: &[Vec<WireEvent>], keep: usize, fate: &[u8], swaps: &[(usize, usize)]) -> Vec<(usize, &'static str, u64)> {
+fn run(
+    batches: &[Vec<WireEvent>],
+    keep: usize,
+    fate: &[u8],
+    swaps: &[(usize, usize)],
+) -> Vec<(usize, &'static str, u64)> {
     let mut mem = Memory::new(batches, keep);
     let mut deliveries: Vec<usize> = Vec::new();
     for (s, f) in fate.iter().enumerate().take(batches.len()) {
@@ -137,7 +142,10 @@ proptest! {
 
 #[test]
 fn a_publisher_that_restarts_from_zero_replaces_its_pages() {
-    let old = vec![vec![stored(&tokens(1, 4), Medium::Gpu)], vec![stored(&tokens(2, 4), Medium::Gpu)]];
+    let old = vec![
+        vec![stored(&tokens(1, 4), Medium::Gpu)],
+        vec![stored(&tokens(2, 4), Medium::Gpu)],
+    ];
     let new = vec![vec![stored(&tokens(3, 2), Medium::Gpu)]];
     let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine);
     let st = c.add_stream("s", "mem", Target::Instance(0));

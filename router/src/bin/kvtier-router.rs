@@ -98,7 +98,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let exit_after = match args.exit_after_s.map(|s| positive("exit-after-s", s)).transpose() {
+    let exit_after = match args
+        .exit_after_s
+        .map(|s| positive("exit-after-s", s))
+        .transpose()
+    {
         Ok(s) => s.and_then(|s| Duration::try_from_secs_f64(s).ok()),
         Err(e) => {
             eprintln!("kvtier-router: {e}");

@@ -31,7 +31,9 @@ pub fn model() -> CostModel {
 
 /// `pages` pages of tokens, distinct per seed.
 pub fn tokens(seed: u32, pages: usize) -> Vec<u32> {
-    (0..(pages * PS) as u32).map(|i| seed * 100_000 + i).collect()
+    (0..(pages * PS) as u32)
+        .map(|i| seed * 100_000 + i)
+        .collect()
 }
 
 /// kvtier's page hashes of a prompt (no salt, no adapter).
@@ -148,10 +150,7 @@ impl Relay {
         let pub_ = ctx.socket(zmq::PUB).expect("pub");
         pub_.set_linger(0).expect("linger");
         pub_.bind("tcp://127.0.0.1:*").expect("bind");
-        let endpoint = pub_
-            .get_last_endpoint()
-            .expect("endpoint")
-            .expect("utf-8");
+        let endpoint = pub_.get_last_endpoint().expect("endpoint").expect("utf-8");
         let stop = Arc::new(AtomicBool::new(false));
         let s = Arc::clone(&stop);
         let thread = std::thread::spawn(move || {
@@ -256,7 +255,10 @@ pub fn parse_response(raw: &[u8]) -> Got {
     let mut chunks = Vec::new();
     if chunked {
         loop {
-            let nl = rest.windows(2).position(|w| w == b"\r\n").expect("size line");
+            let nl = rest
+                .windows(2)
+                .position(|w| w == b"\r\n")
+                .expect("size line");
             let size = std::str::from_utf8(&rest[..nl]).expect("size");
             let n = usize::from_str_radix(size.trim(), 16).expect("hex size");
             rest = &rest[nl + 2..];
