@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use kvtier_events::Medium;
 use rmpv::Value;
 
-use crate::index::{DecodeError, IndexEvent};
+use crate::index::{DecodeError, IndexEvent, WireMap, batch_events};
 
 const MUL: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -104,37 +104,14 @@ impl Translator {
 
     /// Decodes a `KVEventBatch` and translates its events to keys.
     pub fn translate(&mut self, payload: &[u8]) -> Result<Vec<IndexEvent>, DecodeError> {
-        let v = rmpv::decode::read_value(&mut &payload[..])
-            .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-        let Value::Array(top) = v else {
-            return Err(DecodeError::Shape("the batch is not an array"));
-        };
-        let Some(Value::Array(events)) = top.get(1) else {
-            return Err(DecodeError::Shape("no events array"));
-        };
+        let events = batch_events(payload)?;
         let mut out = Vec::with_capacity(events.len());
-        for e in events {
-            let Value::Map(m) = e else {
-                return Err(DecodeError::Shape("an event is not a map"));
+        for e in &events {
+            let e = WireMap::of(e)?;
+            let Some(medium) = e.medium() else {
+                continue;
             };
-            let field = |k: &str| {
-                m.iter()
-                    .find(|(x, _)| x.as_str() == Some(k))
-                    .map(|(_, v)| v)
-            };
-            let medium = match field("medium").and_then(Value::as_str) {
-                Some("GPU") | None => Medium::Gpu,
-                Some("CPU") => Medium::Cpu,
-                Some("STORAGE") => Medium::Storage,
-                Some(_) => continue,
-            };
-            let hashes = || -> Result<Vec<u64>, DecodeError> {
-                let Some(Value::Array(hs)) = field("block_hashes") else {
-                    return Err(DecodeError::Shape("block_hashes is not an array"));
-                };
-                hs.iter().map(crate::index::hash64).collect()
-            };
-            match field("type").and_then(Value::as_str) {
+            match e.kind() {
                 Some("AllBlocksCleared") => {
                     self.keys.retain(|_, (_, m)| {
                         *m &= bit(Medium::Storage);
@@ -143,13 +120,14 @@ impl Translator {
                     out.push(IndexEvent::Cleared);
                 }
                 Some("BlockStored") => {
-                    let hs = hashes()?;
-                    let bs = field("block_size")
+                    let hs = e.hashes()?;
+                    let bs = e
+                        .field("block_size")
                         .and_then(Value::as_u64)
                         .and_then(|b| usize::try_from(b).ok())
                         .filter(|&b| b > 0)
                         .ok_or(DecodeError::Shape("block_size is not a positive integer"))?;
-                    let Some(Value::Array(toks)) = field("token_ids") else {
+                    let Some(Value::Array(toks)) = e.field("token_ids") else {
                         return Err(DecodeError::Shape("token_ids is not an array"));
                     };
                     let toks: Vec<u32> = toks
@@ -157,8 +135,8 @@ impl Translator {
                         .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
                         .collect::<Option<_>>()
                         .ok_or(DecodeError::Shape("a token id is not a u32"))?;
-                    let lora = field("lora_name").and_then(Value::as_str);
-                    let mut parent = match field("parent_block_hash") {
+                    let lora = e.field("lora_name").and_then(Value::as_str);
+                    let mut parent = match e.field("parent_block_hash") {
                         None | Some(Value::Nil) => Some(root(lora)),
                         Some(p) => {
                             let p = crate::index::hash64(p)?;
@@ -167,7 +145,9 @@ impl Translator {
                     };
                     let mut keys = Vec::with_capacity(hs.len());
                     for (i, h) in hs.iter().enumerate() {
-                        let page = toks.get(i * bs..(i + 1) * bs);
+                        let page = i
+                            .checked_mul(bs)
+                            .and_then(|a| toks.get(a..a.checked_add(bs)?));
                         let (Some(p), Some(page)) = (parent, page) else {
                             self.unkeyed += (hs.len() - i) as u64;
                             break;
@@ -191,7 +171,7 @@ impl Translator {
                 }
                 Some("BlockRemoved") => {
                     let mut keys = Vec::new();
-                    for h in hashes()? {
+                    for h in e.hashes()? {
                         if let Some(e) = self.keys.get_mut(&h) {
                             keys.push(e.0);
                             e.1 &= !bit(medium);

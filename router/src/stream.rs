@@ -156,7 +156,11 @@ impl Tracker {
             return;
         }
         self.counters.gaps += 1;
-        self.recover(next, history, sink);
+        self.replay_from(next, history, sink);
+        if self.next.is_some_and(|n| seq > n) {
+            // the replay did not reach this batch: its history is gone
+            self.sync(history, sink);
+        }
         match self.next {
             Some(n) if seq == n => self.fold(seq, payload, sink),
             Some(n) if seq < n => self.counters.duplicates += 1,
@@ -168,8 +172,20 @@ impl Tracker {
         }
     }
 
-    /// Asks for everything from `from` on; if that history is gone, for a snapshot.
-    fn recover(
+    /// Resyncs after a quiet period: asks for anything after the last applied batch (what a
+    /// subscriber does when it suspects it missed the tail of a stream).
+    pub fn catch_up(&mut self, history: &mut dyn History, sink: &mut dyn FnMut(Apply<'_>) -> bool) {
+        match self.next {
+            None => {
+                self.sync(history, sink);
+            }
+            Some(n) => self.replay_from(n, history, sink),
+        }
+    }
+
+    /// Asks for every batch from `from` on and applies them in order; if that history is gone
+    /// (the answer starts later), asks for a snapshot.
+    fn replay_from(
         &mut self,
         from: u64,
         history: &mut dyn History,
@@ -181,8 +197,7 @@ impl Tracker {
             return;
         };
         self.counters.replays += 1;
-        let complete = batches.first().is_some_and(|b| b.0 == start);
-        if !complete {
+        if batches.first().is_some_and(|b| b.0 > start) {
             self.sync(history, sink);
             return;
         }
@@ -190,34 +205,6 @@ impl Tracker {
             match (u64::try_from(seq), self.next) {
                 (Ok(s), Some(n)) if s == n => self.fold(s, &payload, sink),
                 _ => {}
-            }
-        }
-    }
-
-    /// Resyncs after a quiet period: asks for anything after the last applied batch (what a
-    /// subscriber does when it suspects it missed the tail of a stream).
-    pub fn catch_up(&mut self, history: &mut dyn History, sink: &mut dyn FnMut(Apply<'_>) -> bool) {
-        match self.next {
-            None => {
-                self.sync(history, sink);
-            }
-            Some(n) => {
-                let start = i64::try_from(n).unwrap_or(i64::MAX);
-                let Some(batches) = history.replay(start) else {
-                    self.counters.unanswered += 1;
-                    return;
-                };
-                self.counters.replays += 1;
-                if batches.first().is_some_and(|b| b.0 > start) {
-                    self.sync(history, sink);
-                    return;
-                }
-                for (seq, payload) in batches {
-                    match (u64::try_from(seq), self.next) {
-                        (Ok(s), Some(n)) if s == n => self.fold(s, &payload, sink),
-                        _ => {}
-                    }
-                }
             }
         }
     }

@@ -75,9 +75,8 @@ async fn recorded_vllm_responses_pass_through_byte_exact_and_chunk_by_chunk() {
         streamed >= 2,
         "the recordings hold streamed completions and chats"
     );
-    let c = r.cluster.lock().expect("lock");
-    assert!(c.in_flight().iter().all(|&n| n == 0), "{:?}", c.in_flight());
-    drop(c);
+    let in_flight = r.cluster.lock().expect("lock").in_flight().to_vec();
+    assert!(in_flight.iter().all(|&n| n == 0), "{in_flight:?}");
     r.stop().await;
 }
 
@@ -94,14 +93,11 @@ async fn the_proxy_sends_each_prompt_to_the_instance_holding_it() {
     let mut s1 = spec(&p1);
     s1.url = Some(u1.url());
     let r = router(vec![s0, s1], None, 1 << 20, Keys::Tokens).await;
-    synced(&r).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    joined(&r).await;
     // instance 1 holds the token prompt; instance 0 the text prompt's tokens (as vLLM's
     // /tokenize gives them)
     let by_ids = find(&ex, "/v1/completions", false, true);
-    let ids: Vec<u32> =
-        serde_json::from_value(by_ids.request.as_ref().expect("req")["prompt"].clone())
-            .expect("ids");
+    let ids = by_ids.prompt_ids();
     let tok = ex
         .iter()
         .find(|e| {
@@ -167,12 +163,9 @@ async fn a_refused_connection_goes_to_the_next_best_and_no_tokenizer_means_load_
     let mut s0 = spec(&p0);
     s0.url = Some(format!("http://127.0.0.1:{}", closed_port()));
     let r = router(vec![s0, url_spec(u1.url())], None, 1 << 20, Keys::Tokens).await;
-    synced(&r).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    joined(&r).await;
     let by_ids = find(&ex, "/v1/completions", true, true);
-    let ids: Vec<u32> =
-        serde_json::from_value(by_ids.request.as_ref().expect("req")["prompt"].clone())
-            .expect("ids");
+    let ids = by_ids.prompt_ids();
     p0.publish(0.0, &[stored(&ids, Medium::Gpu)])
         .expect("publish");
     let c = Arc::clone(&r.cluster);
@@ -210,9 +203,8 @@ async fn a_refused_connection_goes_to_the_next_best_and_no_tokenizer_means_load_
     let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
     assert_eq!(got.status, 502);
     assert_eq!(got.json()["error"]["type"], "upstream_unavailable");
-    let c = r.cluster.lock().expect("lock");
-    assert!(c.in_flight().iter().all(|&n| n == 0), "{:?}", c.in_flight());
-    drop(c);
+    let in_flight = r.cluster.lock().expect("lock").in_flight().to_vec();
+    assert!(in_flight.iter().all(|&n| n == 0), "{in_flight:?}");
     r.stop().await;
 }
 

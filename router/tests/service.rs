@@ -48,13 +48,12 @@ async fn a_real_gap_is_recovered_by_replay_to_the_exact_index() {
         url: None,
     };
     let r = router(vec![spec], None, 1 << 20, Keys::Engine).await;
-    synced(&r).await;
-    tokio::time::sleep(Duration::from_millis(300)).await; // relay and router have joined
+    joined(&r).await;
     for b in &batches {
         p.publish(0.0, b).expect("publish");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let want = reference(&[batches.clone()], 1 << 20).entries();
+    let want = reference(std::slice::from_ref(&batches), 1 << 20).entries();
     let c = Arc::clone(&r.cluster);
     until("index equals the clean stream's", || {
         c.lock().expect("lock").router().index().entries() == want
@@ -76,8 +75,7 @@ async fn a_restarted_router_rebuilds_the_same_index_from_snapshots() {
     let (p0, p1, l3) = (publisher(), publisher(), publisher());
     let specs = vec![spec(&p0), spec(&p1)];
     let first = router(specs.clone(), Some(spec(&l3)), 1 << 20, Keys::Engine).await;
-    synced(&first).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    joined(&first).await;
     let (w0, w1) = (workload(10), workload(20));
     let store: Vec<Vec<WireEvent>> = vec![
         vec![stored(&tokens(10, 6), Medium::Storage)],
@@ -110,11 +108,12 @@ async fn a_restarted_router_rebuilds_the_same_index_from_snapshots() {
     let second = router(specs, Some(spec(&l3)), 1 << 20, Keys::Engine).await;
     synced(&second).await;
     assert_eq!(entries(&second), want);
-    let c = second.cluster.lock().expect("lock");
-    assert!(c.streams.iter().all(|s| s.counters.snapshots == 1));
-    assert_eq!(c.streams[0].next_seq, Some(w0.len() as u64));
-    assert_eq!(c.streams[2].next_seq, Some(store.len() as u64));
-    drop(c);
+    {
+        let c = second.cluster.lock().expect("lock");
+        assert!(c.streams.iter().all(|s| s.counters.snapshots == 1));
+        assert_eq!(c.streams[0].next_seq, Some(w0.len() as u64));
+        assert_eq!(c.streams[2].next_seq, Some(store.len() as u64));
+    }
     second.stop().await;
 }
 
@@ -183,8 +182,7 @@ async fn dead_and_garbage_publishers_never_fail_a_request() {
 async fn the_index_never_exceeds_its_page_cap_and_reports_memory() {
     let p = publisher();
     let r = router(vec![spec(&p)], None, 50, Keys::Engine).await;
-    synced(&r).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    joined(&r).await;
     for s in 0..20 {
         p.publish(0.0, &[stored(&tokens(s, 10), Medium::Gpu)])
             .expect("publish");
@@ -215,8 +213,7 @@ async fn http_route_picks_the_instance_holding_the_prefix_and_prices_the_store()
         Keys::Engine,
     )
     .await;
-    synced(&r).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    joined(&r).await;
     let a = tokens(1, 16);
     let b = tokens(2, 16);
     p0.publish(0.0, &[stored(&a, Medium::Gpu)])
@@ -276,7 +273,8 @@ async fn http_route_picks_the_instance_holding_the_prefix_and_prices_the_store()
         assert_eq!(got.status, 200);
     }
     eprintln!(
-        "POST /route, 256-token prompt, 2 instances: {:.0} us per request (new connection each)",
+        "POST /route, {}-token prompt, 2 instances: {:.0} us per request (new connection each)",
+        a.len(),
         t.elapsed().as_secs_f64() / f64::from(n) * 1e6
     );
     r.stop().await;

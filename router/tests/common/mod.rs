@@ -17,7 +17,7 @@ use kvtier_router::launch::{self, Config, EndpointSpec, Running};
 use kvtier_router::{ClusterIndex, CostModel, decode_batch};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-pub const PS: usize = 16;
+pub const PS: usize = 32;
 
 pub fn model() -> CostModel {
     CostModel {
@@ -131,6 +131,13 @@ pub async fn synced(r: &Running) {
         c.streams.iter().all(|s| s.next_seq.is_some())
     })
     .await;
+}
+
+/// [`synced`], then a pause for the SUB sockets to join (ZMQ's slow joiner: a batch sent
+/// before would be a gap, recovered, but the tests want the plain path too).
+pub async fn joined(r: &Running) {
+    synced(r).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
 }
 
 /// Relays a publisher's PUB stream to a new PUB socket, dropping the batches numbered in
@@ -287,6 +294,14 @@ pub struct Exchange {
     pub status: u16,
     pub content_type: String,
     pub chunks: Vec<String>,
+}
+
+impl Exchange {
+    /// The request's token-id prompt.
+    pub fn prompt_ids(&self) -> Vec<u32> {
+        let p = self.request.as_ref().map(|r| r["prompt"].clone());
+        serde_json::from_value(p.unwrap_or_default()).expect("a token-id prompt")
+    }
 }
 
 pub fn fixtures() -> PathBuf {
