@@ -88,11 +88,12 @@ impl Tracker {
         };
         self.counters.snapshots += 1;
         if batches.is_empty() {
-            // nothing published yet: start from 0 (a restart's older pages are gone)
-            if self.next.is_some() {
-                sink(Apply::Reset);
+            // nothing published yet (or a publisher without snapshots, as vLLM's): start from
+            // 0, so the first gap or resync replays the whole history; a synced stream keeps
+            // what it has (a restarted publisher shows itself by numbering from 0 again)
+            if self.next.is_none() {
+                self.next = Some(0);
             }
-            self.next = Some(0);
             return true;
         }
         // vLLM's publisher answers -2 with its whole buffer: complete if it starts at 0

@@ -56,7 +56,10 @@ fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> SubscribeError {
 }
 
 /// The replay socket of one publisher, asked through a fresh DEALER per request (so an answer
-/// that arrives after a timeout never mixes into the next request's).
+/// that arrives after a timeout never mixes into the next request's). vLLM 0.32 reads the
+/// start number unsigned, so it answers a snapshot request (-2) with the end marker alone;
+/// the tracker then replays from 0 on the first gap or resync, which is vLLM's full history
+/// while its buffer still starts at 0.
 struct ZmqHistory {
     ctx: zmq::Context,
     endpoint: Option<String>,
@@ -86,8 +89,11 @@ impl History for ZmqHistory {
                 _ => return None,
             }
             let frames = s.recv_multipart(0).ok()?;
-            let [_, seq, payload] = frames.as_slice() else {
-                return None;
+            // ["", seq, payload] (kvtier, vLLM before 0.32) or ["", topic, seq, payload]
+            // (vLLM 0.32 adds the topic, as on the PUB socket)
+            let (seq, payload) = match frames.as_slice() {
+                [_, seq, payload] | [_, _, seq, payload] => (seq, payload),
+                _ => return None,
             };
             let seq = i64::from_be_bytes(<[u8; 8]>::try_from(seq.as_slice()).ok()?);
             if seq == -1 {

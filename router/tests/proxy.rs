@@ -210,17 +210,13 @@ async fn a_refused_connection_goes_to_the_next_best_and_no_tokenizer_means_load_
 
 #[test]
 fn token_keys_read_vllms_own_recorded_events() {
-    let text = std::fs::read_to_string(fixtures().join("events.json")).expect("events");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
-    assert_eq!(v["block_size"], PS);
-    let prompt: Vec<u32> = serde_json::from_value(v["prompt"].clone()).expect("prompt");
+    let (bs, prompt, batches) = recorded_events();
+    assert_eq!(bs, PS);
+    assert!(!batches.is_empty());
     let mut c = Cluster::new(2, model(), 1 << 20, Keys::Tokens);
     let st = c.add_stream("vllm", "recorded", Target::Instance(1));
-    let batches = v["batches"].as_array().expect("batches");
-    assert!(!batches.is_empty());
-    for b in batches {
-        let p = hex_decode(b["payload"].as_str().expect("hex"));
-        assert!(c.apply(st, Apply::Batch(&p)), "vLLM's batch decodes");
+    for (_, p) in &batches {
+        assert!(c.apply(st, Apply::Batch(p)), "vLLM's batch decodes");
     }
     let hashes = c.prompt_hashes(&prompt, None, None);
     let (g, _, _) = c.router().index().prefix(1, &hashes);
@@ -234,8 +230,32 @@ fn token_keys_read_vllms_own_recorded_events() {
     assert_eq!(d.instance, 1);
 }
 
-fn hex_decode(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
-        .collect()
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_publisher_gap_and_a_late_router_recover_through_vllms_replay_framing() {
+    let (_, prompt, batches) = recorded_events();
+    let n = batches.len() as u64;
+    assert!(n >= 2);
+    let want_pages = prompt.len() / PS;
+    // vLLM's batch 0 is lost on the way: the router sees batch 1 first, a gap
+    let vllm = VllmLike::start(batches, |seq| seq != 0);
+    let r = router(vec![vllm.spec()], None, 1 << 20, Keys::Tokens).await;
+    let held = |r: &kvtier_router::launch::Running| {
+        let c = r.cluster.lock().expect("lock");
+        let h = c.prompt_hashes(&prompt, None, None);
+        c.router().index().prefix(0, &h).0
+    };
+    until("recovered", || held(&r) == want_pages).await;
+    let counters = r.cluster.lock().expect("lock").streams[0].counters.clone();
+    assert!(counters.gaps >= 1 && counters.replays >= 1, "{counters:?}");
+    assert_eq!(counters.lost, 0, "{counters:?}");
+    // a router started after everything was published: -2 gets the end marker alone from
+    // vLLM, and the resync replays from 0
+    let late = router(vec![vllm.spec()], None, 1 << 20, Keys::Tokens).await;
+    until("rebuilt", || held(&late) == want_pages).await;
+    assert_eq!(
+        late.cluster.lock().expect("lock").streams[0].next_seq,
+        Some(n)
+    );
+    r.stop().await;
+    late.stop().await;
 }

@@ -30,11 +30,14 @@ def test_the_docs_vllm_serve_lines_publish_where_the_router_subscribes(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(MODEL))  # the model swapped for a local config
     for line, sub in zip(serves, subs):
         argv = shlex.split(line)
+        at = argv.index("--port")
+        port_arg = argv[at + 1]
+        engine_argv = argv[3:at] + argv[at + 2:]  # --port is the HTTP server's, not the engine's
         parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-        args = EngineArgs.from_cli_args(parser.parse_args(["--model", str(tmp_path), *argv[3:]]))
+        args = EngineArgs.from_cli_args(parser.parse_args(["--model", str(tmp_path), *engine_argv]))
         ev = args.kv_events_config
         assert ev.enable_kv_cache_events and ev.publisher == "zmq"
         port = lambda ep: ep.rsplit(":", 1)[1]  # noqa: E731
         assert port(ev.endpoint) == port(sub["events"]) and port(ev.replay_endpoint) == port(sub["replay"])
         assert args.block_size == page
-        assert sub["url"].endswith(":" + argv[argv.index("--port") + 1])
+        assert sub["url"].endswith(":" + port_arg)

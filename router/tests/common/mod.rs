@@ -457,3 +457,111 @@ pub fn closed_port() -> u16 {
 pub fn medium_str(m: Medium) -> &'static str {
     m.as_str()
 }
+
+/// KV event batches recorded from `vllm serve` (router/tests/fixtures/vllm/events.json): the
+/// block size, the prompt the completions used, and `(seq, payload)` in order.
+pub fn recorded_events() -> (usize, Vec<u32>, Vec<(u64, Vec<u8>)>) {
+    let text = std::fs::read_to_string(fixtures().join("events.json")).expect("events");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let bs = v["block_size"].as_u64().expect("block_size") as usize;
+    let prompt = serde_json::from_value(v["prompt"].clone()).expect("prompt");
+    let batches = v["batches"]
+        .as_array()
+        .expect("batches")
+        .iter()
+        .map(|b| {
+            let hex = b["payload"].as_str().expect("hex");
+            let p = (0..hex.len() / 2)
+                .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex"))
+                .collect();
+            (b["seq"].as_u64().expect("seq"), p)
+        })
+        .collect();
+    (bs, prompt, batches)
+}
+
+/// A publisher that speaks as vLLM 0.32's `ZmqEventPublisher` does: PUB frames
+/// `[topic, seq, payload]`; the replay ROUTER reads the start number unsigned (so -2 asks for
+/// nothing) and answers `[id, "", topic, seq, payload]` per kept batch, then
+/// `[id, "", "", -1, ""]`. It serves the batches given, sending live only those `send_live`
+/// allows.
+pub struct VllmLike {
+    pub events: String,
+    pub replay: String,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl VllmLike {
+    pub fn start(
+        batches: Vec<(u64, Vec<u8>)>,
+        send_live: impl Fn(u64) -> bool + Send + 'static,
+    ) -> Self {
+        let ctx = zmq::Context::new();
+        let pub_ = ctx.socket(zmq::PUB).expect("pub");
+        pub_.bind("tcp://127.0.0.1:*").expect("bind");
+        let router = ctx.socket(zmq::ROUTER).expect("router");
+        router.bind("tcp://127.0.0.1:*").expect("bind");
+        let ep = |s: &zmq::Socket| s.get_last_endpoint().expect("ep").expect("utf-8");
+        let (events, replay) = (ep(&pub_), ep(&router));
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let _ctx = ctx;
+            let started = Instant::now();
+            let mut sent = false;
+            while !s.load(Ordering::Relaxed) {
+                // live batches once subscribers had time to join
+                if !sent && started.elapsed() > Duration::from_millis(800) {
+                    for (seq, p) in batches.iter().filter(|b| send_live(b.0)) {
+                        let _ = pub_.send_multipart([&b""[..], &seq.to_be_bytes()[..], &p[..]], 0);
+                    }
+                    sent = true;
+                }
+                if router.poll(zmq::POLLIN, 20).unwrap_or(0) == 0 {
+                    continue;
+                }
+                let Ok(f) = router.recv_multipart(0) else {
+                    continue;
+                };
+                let [id, _, start] = f.as_slice() else {
+                    continue;
+                };
+                let mut b = [0u8; 8];
+                b.copy_from_slice(&start[..8.min(start.len())]);
+                let start = u64::from_be_bytes(b);
+                if sent {
+                    for (seq, p) in batches.iter().filter(|b| b.0 >= start) {
+                        let _ = router
+                            .send_multipart([&id[..], b"", b"", &seq.to_be_bytes()[..], &p[..]], 0);
+                    }
+                }
+                let _ =
+                    router.send_multipart([&id[..], b"", b"", &(-1i64).to_be_bytes()[..], b""], 0);
+            }
+        });
+        VllmLike {
+            events,
+            replay,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn spec(&self) -> EndpointSpec {
+        EndpointSpec {
+            events: Some(self.events.clone()),
+            replay: Some(self.replay.clone()),
+            url: None,
+        }
+    }
+}
+
+impl Drop for VllmLike {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
