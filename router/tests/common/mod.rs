@@ -458,9 +458,12 @@ pub fn medium_str(m: Medium) -> &'static str {
     m.as_str()
 }
 
+/// `(seq, payload)` of one published batch.
+pub type Batch = (u64, Vec<u8>);
+
 /// KV event batches recorded from `vllm serve` (router/tests/fixtures/vllm/events.json): the
-/// block size, the prompt the completions used, and `(seq, payload)` in order.
-pub fn recorded_events() -> (usize, Vec<u32>, Vec<(u64, Vec<u8>)>) {
+/// block size, the prompt the completions used, and the batches in order.
+pub fn recorded_events() -> (usize, Vec<u32>, Vec<Batch>) {
     let text = std::fs::read_to_string(fixtures().join("events.json")).expect("events");
     let v: serde_json::Value = serde_json::from_str(&text).expect("json");
     let bs = v["block_size"].as_u64().expect("block_size") as usize;
