@@ -107,8 +107,13 @@ pub fn app(st: AppState) -> axum::Router {
             .route("/v1/chat/completions", post(proxy::chat))
             .route("/v1/models", get(proxy::models));
     }
-    r.with_state(st)
+    // chat requests with images or long prompts pass axum's 2 MB default
+    r.layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .with_state(st)
 }
+
+/// The largest request body accepted (a 413 beyond).
+pub const MAX_BODY: usize = 64 << 20;
 
 /// Serves `app` on a bound listener until `shutdown` resolves.
 pub async fn serve(

@@ -239,6 +239,8 @@ async fn a_vllm_publisher_gap_and_a_late_router_recover_through_vllms_replay_fra
     // vLLM's batch 0 is lost on the way: the router sees batch 1 first, a gap
     let vllm = VllmLike::start(batches, |seq| seq != 0);
     let r = router(vec![vllm.spec()], None, 1 << 20, Keys::Tokens).await;
+    joined(&r).await;
+    vllm.publish();
     let held = |r: &kvtier_router::launch::Running| {
         let c = r.cluster.lock().expect("lock");
         let h = c.prompt_hashes(&prompt, None, None);

@@ -486,11 +486,12 @@ pub fn recorded_events() -> (usize, Vec<u32>, Vec<Batch>) {
 /// A publisher that speaks as vLLM 0.32's `ZmqEventPublisher` does: PUB frames
 /// `[topic, seq, payload]`; the replay ROUTER reads the start number unsigned (so -2 asks for
 /// nothing) and answers `[id, "", topic, seq, payload]` per kept batch, then
-/// `[id, "", "", -1, ""]`. It serves the batches given, sending live only those `send_live`
-/// allows.
+/// `[id, "", "", -1, ""]`. It serves the batches given once [`VllmLike::publish`] is called,
+/// sending live only those `send_live` allows.
 pub struct VllmLike {
     pub events: String,
     pub replay: String,
+    go: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -508,14 +509,13 @@ impl VllmLike {
         let ep = |s: &zmq::Socket| s.get_last_endpoint().expect("ep").expect("utf-8");
         let (events, replay) = (ep(&pub_), ep(&router));
         let stop = Arc::new(AtomicBool::new(false));
-        let s = Arc::clone(&stop);
+        let go = Arc::new(AtomicBool::new(false));
+        let (s, g) = (Arc::clone(&stop), Arc::clone(&go));
         let thread = std::thread::spawn(move || {
             let _ctx = ctx;
-            let started = Instant::now();
             let mut sent = false;
             while !s.load(Ordering::Relaxed) {
-                // live batches once subscribers had time to join
-                if !sent && started.elapsed() > Duration::from_millis(800) {
+                if !sent && g.load(Ordering::Relaxed) {
                     for (seq, p) in batches.iter().filter(|b| send_live(b.0)) {
                         let _ = pub_.send_multipart([&b""[..], &seq.to_be_bytes()[..], &p[..]], 0);
                     }
@@ -546,9 +546,15 @@ impl VllmLike {
         VllmLike {
             events,
             replay,
+            go,
             stop,
             thread: Some(thread),
         }
+    }
+
+    /// Publishes the batches (live and in the replay buffer).
+    pub fn publish(&self) {
+        self.go.store(true, Ordering::Relaxed);
     }
 
     pub fn spec(&self) -> EndpointSpec {
