@@ -261,3 +261,27 @@ async fn a_vllm_publisher_gap_and_a_late_router_recover_through_vllms_replay_fra
     r.stop().await;
     late.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streaming_request_is_in_flight_until_its_last_chunk() {
+    let ex = recorded();
+    let up = Upstream::start(ex.clone()).await;
+    let r = router(vec![url_spec(up.url())], None, 1 << 20, Keys::Tokens).await;
+    let streamed = find(&ex, "/v1/chat/completions", true, false);
+    let body = streamed.request.as_ref().expect("req").to_string();
+    let addr = r.addr;
+    // the upstream paces its chunks 20 ms apart: the request is open for 100+ ms
+    let call = tokio::spawn(async move {
+        http(addr, "POST", "/v1/chat/completions", Some(body.as_bytes())).await
+    });
+    let c = Arc::clone(&r.cluster);
+    until("in flight", || c.lock().expect("lock").in_flight() == [1]).await;
+    let got = call.await.expect("request");
+    assert_eq!(got.status, 200);
+    assert_eq!(got.chunks.len(), streamed.chunks.len());
+    let c = Arc::clone(&r.cluster);
+    until("finished", || c.lock().expect("lock").in_flight() == [0]).await;
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["instances"][0]["routed"], 1, "{stats}");
+    r.stop().await;
+}
