@@ -1,7 +1,7 @@
 """docs/router.md's ``vllm serve`` lines, through vLLM 0.32's own argument parser: each
 publishes vLLM's KV events (ZMQ, with a replay socket) on the endpoints the documented
 ``kvtier-router`` line subscribes to, with the block size the router is given. (The router
-line itself and the ``curl`` lines run in router/tests/docs.rs.)"""
+line itself and the ``curl`` lines run in router/tests/service/docs.rs.)"""
 
 from __future__ import annotations
 

@@ -2,13 +2,11 @@
 //! recovered through the publisher's replay socket, a restarted router rebuilt from
 //! snapshots, dead and garbage publishers, the memory cap, and `POST /route` over HTTP.
 
-mod common;
-
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use kvtier_events::{Medium, WireEvent};
 use kvtier_router::cluster::Keys;
 use kvtier_router::launch::EndpointSpec;

@@ -2,8 +2,6 @@
 //! the documented one, exiting by itself), and each documented `curl` line is sent to it.
 //! The `vllm serve` lines are checked by bindings/tests/vllm_engine/test_router_docs.py.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
@@ -78,7 +76,8 @@ async fn the_documented_router_line_and_requests_run() {
     for line in curls {
         let (path, body) = curl(line);
         let method = if body.is_some() { "POST" } else { "GET" };
-        let got = common::http(addr, method, &path, body.as_deref().map(str::as_bytes)).await;
+        let got =
+            crate::common::http(addr, method, &path, body.as_deref().map(str::as_bytes)).await;
         assert_eq!(
             got.status,
             200,
@@ -88,7 +87,9 @@ async fn the_documented_router_line_and_requests_run() {
         let _: serde_json::Value = got.json();
     }
     // no engine publishes: every request above was routed anyway (by load-free estimates)
-    let stats = common::http(addr, "GET", "/stats", None).await.json();
+    let stats = crate::common::http(addr, "GET", "/stats", None)
+        .await
+        .json();
     assert_eq!(stats["streams"].as_array().map(Vec::len), Some(2));
     let _ = child.kill();
     let _ = child.wait();

@@ -3,13 +3,11 @@
 //! says how), and the router's token keys against the KV event batches that same server
 //! published.
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use kvtier_events::Medium;
 use kvtier_router::cluster::{Cluster, Keys, Target};
 use kvtier_router::launch::EndpointSpec;

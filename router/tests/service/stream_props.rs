@@ -4,9 +4,7 @@
 //! the tracker followed by one catch-up gives exactly the clean stream's index; the index
 //! never holds more than its cap.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kvtier_events::{HashFormat, Medium, Mirror, WireEvent, encode_batch};
 use kvtier_router::cluster::{Cluster, Keys, Target};
 use kvtier_router::stream::{Apply, History, Replayed, SNAPSHOT, Tracker};
