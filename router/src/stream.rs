@@ -55,6 +55,8 @@ pub struct StreamCounters {
 pub struct Tracker {
     /// The next number to apply; `None` until synced (nothing applied yet).
     next: Option<u64>,
+    /// The last live number received.
+    last_live: Option<u64>,
     pub counters: StreamCounters,
 }
 
@@ -126,11 +128,26 @@ impl Tracker {
         history: &mut dyn History,
         sink: &mut dyn FnMut(Apply<'_>) -> bool,
     ) {
+        // a PUB socket delivers in order: a number not past the last live one means the
+        // publisher numbers from 0 again (it restarted; its cache is new)
+        let restarted = self.last_live.is_some_and(|l| seq <= l);
+        self.last_live = Some(seq);
+        self.live(seq, payload, restarted, history, sink);
+    }
+
+    fn live(
+        &mut self,
+        seq: u64,
+        payload: &[u8],
+        restarted: bool,
+        history: &mut dyn History,
+        sink: &mut dyn FnMut(Apply<'_>) -> bool,
+    ) {
         let Some(next) = self.next else {
             // not synced: try a snapshot now; if none comes, start from this batch
             if self.sync(history, sink) {
                 if self.next.is_some_and(|n| seq >= n) {
-                    self.on_live(seq, payload, history, sink);
+                    self.live(seq, payload, false, history, sink);
                 }
             } else {
                 if seq > 0 {
@@ -145,13 +162,14 @@ impl Tracker {
             return;
         }
         if seq < next {
-            if seq == 0 {
-                // numbering started again: the publisher restarted and its cache is new
+            if restarted {
+                // forget the old incarnation and sync with the new one from scratch
                 self.counters.restarts += 1;
                 sink(Apply::Reset);
-                self.next = Some(0);
-                self.fold(seq, payload, sink);
+                self.next = None;
+                self.live(seq, payload, false, history, sink);
             } else {
+                // replayed already (the replay overtook the batches queued behind a gap)
                 self.counters.duplicates += 1;
             }
             return;

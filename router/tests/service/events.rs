@@ -277,3 +277,46 @@ async fn http_route_picks_the_instance_holding_the_prefix_and_prices_the_store()
     );
     r.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_publisher_replaces_its_instances_pages() {
+    let old = publisher();
+    let (ep, rep) = (
+        old.endpoint().to_string(),
+        old.replay_endpoint().expect("replay").to_string(),
+    );
+    let r = router(vec![spec(&old)], None, 1 << 20, Keys::Engine).await;
+    joined(&r).await;
+    for s in 0..3 {
+        old.publish(0.0, &[stored(&tokens(s, 4), Medium::Gpu)])
+            .expect("publish");
+    }
+    let c = Arc::clone(&r.cluster);
+    until("old pages", || {
+        c.lock().expect("lock").router().index().pages() == 12
+    })
+    .await;
+    drop(old);
+    // the engine comes back on the same ports with a new cache, numbering from 0 again
+    let new = kvtier_events::Publisher::bind(kvtier_events::PublisherConfig {
+        endpoint: ep,
+        replay_endpoint: Some(rep),
+        block_size: PS as u32,
+        ..kvtier_events::PublisherConfig::default()
+    })
+    .expect("rebind");
+    tokio::time::sleep(Duration::from_millis(500)).await; // the SUB reconnects
+    let fresh = tokens(9, 2);
+    new.publish(0.0, &[stored(&fresh, Medium::Gpu)])
+        .expect("publish");
+    let want = reference(&[vec![vec![stored(&fresh, Medium::Gpu)]]], 1 << 20).entries();
+    until("only the new pages", || {
+        c.lock().expect("lock").router().index().entries() == want
+    })
+    .await;
+    assert_eq!(
+        r.cluster.lock().expect("lock").streams[0].counters.restarts,
+        1
+    );
+    r.stop().await;
+}
