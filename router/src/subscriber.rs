@@ -157,7 +157,14 @@ fn follow(
     let mut last = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let mut items = [sub.as_poll_item(zmq::POLLIN)];
-        let ready = matches!(zmq::poll(&mut items, 100), Ok(n) if n > 0);
+        let ready = match zmq::poll(&mut items, 100) {
+            Ok(n) => n > 0,
+            Err(_) => {
+                // an interrupted poll: no busy loop
+                std::thread::sleep(Duration::from_millis(50));
+                false
+            }
+        };
         if !ready {
             if last.elapsed() >= opts.resync {
                 tracker.catch_up(&mut history, &mut sink);

@@ -137,7 +137,13 @@ fn main() -> ExitCode {
                 }
             }
         }
-        running.stop().await;
+        // open streams get 10 s to finish
+        if tokio::time::timeout(Duration::from_secs(10), running.stop())
+            .await
+            .is_err()
+        {
+            eprintln!("kvtier-router: connections still open after 10 s; exiting");
+        }
         ExitCode::SUCCESS
     })
 }
