@@ -35,45 +35,19 @@ pub enum DecodeError {
 /// Decodes a vLLM `KVEventBatch` payload. Events of unknown type or medium are skipped
 /// (newer publishers may send more); a malformed batch is an error and changes nothing.
 pub fn decode_batch(payload: &[u8]) -> Result<Vec<IndexEvent>, DecodeError> {
-    let v = rmpv::decode::read_value(&mut &payload[..])
-        .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    let Value::Array(top) = v else {
-        return Err(DecodeError::Shape("the batch is not an array"));
-    };
-    let Some(Value::Array(events)) = top.get(1) else {
-        return Err(DecodeError::Shape("no events array"));
-    };
+    let events = batch_events(payload)?;
     let mut out = Vec::with_capacity(events.len());
-    for e in events {
-        let Value::Map(m) = e else {
-            return Err(DecodeError::Shape("an event is not a map"));
-        };
-        let field = |k: &str| {
-            m.iter()
-                .find(|(x, _)| x.as_str() == Some(k))
-                .map(|(_, v)| v)
-        };
-        let medium = match field("medium").and_then(Value::as_str) {
-            Some("GPU") | None => Some(Medium::Gpu),
-            Some("CPU") => Some(Medium::Cpu),
-            Some("STORAGE") => Some(Medium::Storage),
-            Some(_) => None,
-        };
-        let hashes = || -> Result<Vec<u64>, DecodeError> {
-            let Some(Value::Array(hs)) = field("block_hashes") else {
-                return Err(DecodeError::Shape("block_hashes is not an array"));
-            };
-            hs.iter().map(hash64).collect()
-        };
-        match (field("type").and_then(Value::as_str), medium) {
+    for e in &events {
+        let e = WireMap::of(e)?;
+        match (e.kind(), e.medium()) {
             (Some("AllBlocksCleared"), _) => out.push(IndexEvent::Cleared),
             (Some("BlockStored"), Some(medium)) => out.push(IndexEvent::Stored {
                 medium,
-                hashes: hashes()?,
+                hashes: e.hashes()?,
             }),
             (Some("BlockRemoved"), Some(medium)) => out.push(IndexEvent::Removed {
                 medium,
-                hashes: hashes()?,
+                hashes: e.hashes()?,
             }),
             _ => {}
         }
@@ -81,7 +55,64 @@ pub fn decode_batch(payload: &[u8]) -> Result<Vec<IndexEvent>, DecodeError> {
     Ok(out)
 }
 
-fn hash64(v: &Value) -> Result<u64, DecodeError> {
+/// The events of a `KVEventBatch` payload, undecoded.
+pub(crate) fn batch_events(payload: &[u8]) -> Result<Vec<Value>, DecodeError> {
+    let v = rmpv::decode::read_value(&mut &payload[..])
+        .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    let Value::Array(mut top) = v else {
+        return Err(DecodeError::Shape("the batch is not an array"));
+    };
+    if top.len() < 2 {
+        return Err(DecodeError::Shape("no events array"));
+    }
+    match top.swap_remove(1) {
+        Value::Array(events) => Ok(events),
+        _ => Err(DecodeError::Shape("no events array")),
+    }
+}
+
+/// One event's map (vLLM's tagged msgspec struct).
+pub(crate) struct WireMap<'a>(&'a [(Value, Value)]);
+
+impl<'a> WireMap<'a> {
+    pub(crate) fn of(e: &'a Value) -> Result<Self, DecodeError> {
+        match e {
+            Value::Map(m) => Ok(Self(m)),
+            _ => Err(DecodeError::Shape("an event is not a map")),
+        }
+    }
+
+    pub(crate) fn field(&self, k: &str) -> Option<&'a Value> {
+        self.0
+            .iter()
+            .find(|(x, _)| x.as_str() == Some(k))
+            .map(|(_, v)| v)
+    }
+
+    /// The event's class name (`"type"`).
+    pub(crate) fn kind(&self) -> Option<&'a str> {
+        self.field("type").and_then(Value::as_str)
+    }
+
+    /// `GPU` when absent (older vLLM), `None` for a medium this index does not know.
+    pub(crate) fn medium(&self) -> Option<Medium> {
+        match self.field("medium").and_then(Value::as_str) {
+            Some("GPU") | None => Some(Medium::Gpu),
+            Some("CPU") => Some(Medium::Cpu),
+            Some("STORAGE") => Some(Medium::Storage),
+            Some(_) => None,
+        }
+    }
+
+    pub(crate) fn hashes(&self) -> Result<Vec<u64>, DecodeError> {
+        let Some(Value::Array(hs)) = self.field("block_hashes") else {
+            return Err(DecodeError::Shape("block_hashes is not an array"));
+        };
+        hs.iter().map(hash64).collect()
+    }
+}
+
+pub(crate) fn hash64(v: &Value) -> Result<u64, DecodeError> {
     if let Some(n) = v.as_u64() {
         return Ok(n);
     }
@@ -210,6 +241,38 @@ impl ClusterIndex {
             }
         }
         true
+    }
+
+    /// Forgets the shared store's pages (its stream restarted or sent a snapshot).
+    pub fn clear_storage(&mut self) {
+        self.storage.clear();
+    }
+
+    /// The shared store's page hashes.
+    pub fn storage_hashes(&self) -> Vec<u64> {
+        self.storage.iter().copied().collect()
+    }
+
+    /// Entries per tier: `(gpu, cpu)` of each instance, and the store's.
+    pub fn tier_pages(&self) -> (Vec<(usize, usize)>, usize) {
+        let locals = self.locals.iter().map(|l| (l.gpu.len(), l.cpu.len()));
+        (locals.collect(), self.storage.len())
+    }
+
+    /// Every entry, sorted: `(instance, medium, hash)`, the store's under instance
+    /// `usize::MAX` (for comparing two indexes).
+    pub fn entries(&self) -> Vec<(usize, &'static str, u64)> {
+        let mut out: Vec<_> = self
+            .storage
+            .iter()
+            .map(|&h| (usize::MAX, "STORAGE", h))
+            .collect();
+        for (i, l) in self.locals.iter().enumerate() {
+            out.extend(l.gpu.iter().map(|&h| (i, "GPU", h)));
+            out.extend(l.cpu.iter().map(|&h| (i, "CPU", h)));
+        }
+        out.sort_unstable();
+        out
     }
 
     fn set(&mut self, instance: usize, m: Medium) -> &mut PageSet {

@@ -13,10 +13,28 @@
 //! - [`cost`]: the TTFT model;
 //! - [`route`]: the decision, with each instance's queue kept by the router itself so one
 //!   hot prefix spreads once its instance is busier than recomputing elsewhere.
+//!
+//! The `kvtier-router` service on top (docs/router.md, "Running the router"):
+//!
+//! - [`stream`]: one event stream's sequence numbers, gaps, replays and snapshots (sans I/O);
+//! - [`subscriber`]: the ZMQ SUB and replay sockets, one thread per stream;
+//! - [`keys`]: page keys from the events' tokens, for engines whose hashes the router cannot
+//!   compute (vLLM, SGLang);
+//! - [`cluster`]: the shared state: index, queues, streams, requests sent;
+//! - [`service`]: `POST /route`, `GET /stats`, `GET /health`;
+//! - [`proxy`]: the OpenAI-compatible proxy;
+//! - [`launch`]: the CLI's configuration and start-up, used by the binary and the tests.
 
+pub mod cluster;
 pub mod cost;
 pub mod index;
+pub mod keys;
+pub mod launch;
+pub mod proxy;
 pub mod route;
+pub mod service;
+pub mod stream;
+pub mod subscriber;
 
 pub use cost::{CostModel, Estimate};
 pub use index::{ClusterIndex, DecodeError, IndexEvent, decode_batch};

@@ -1,0 +1,149 @@
+//! `kvtier-router`: subscribes to engine instances' KV events (and the shared store's) and
+//! routes requests to the instance with the least expected time to first token, over HTTP
+//! (`POST /route`) or as an OpenAI-compatible proxy. docs/router.md, "Running the router".
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use kvtier_router::CostModel;
+use kvtier_router::cluster::Keys;
+use kvtier_router::launch::{self, Config, EndpointSpec};
+
+#[derive(Parser, Debug)]
+#[command(name = "kvtier-router", version, about)]
+struct Args {
+    /// HTTP address to serve on.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    listen: SocketAddr,
+    /// One engine instance: `events=tcp://H:P,replay=tcp://H:P,url=http://H:P` (each key
+    /// optional; url= on every instance turns the OpenAI proxy on). Repeat per instance.
+    #[arg(long = "instance", required = true)]
+    instances: Vec<EndpointSpec>,
+    /// The shared store's event stream: `events=tcp://H:P,replay=tcp://H:P`.
+    #[arg(long)]
+    storage: Option<EndpointSpec>,
+    /// How pages are keyed: `engine` (kvtier's hashes as published) or `tokens` (the router's
+    /// hash of each event's tokens: vLLM, SGLang).
+    #[arg(long, value_enum, default_value = "engine")]
+    keys: Keys,
+    /// Index bound, in page entries (all tiers and instances).
+    #[arg(long, default_value_t = 4_000_000)]
+    max_pages: usize,
+    /// Tokens per page (the engines' block size).
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
+    /// Bytes of one page's KV, all layers.
+    #[arg(long, default_value_t = 2 << 20)]
+    page_bytes: u64,
+    /// Prefill throughput of one instance, tokens per second.
+    #[arg(long, default_value_t = 20_000.0)]
+    prefill_tokens_per_s: f64,
+    /// Host-to-device bandwidth, GB/s.
+    #[arg(long, default_value_t = 50.0)]
+    host_gbps: f64,
+    /// Shared-store-to-device bandwidth, GB/s.
+    #[arg(long, default_value_t = 10.0)]
+    l3_gbps: f64,
+    /// Wait for each message of a replay or snapshot answer, milliseconds.
+    #[arg(long, default_value_t = 500)]
+    replay_timeout_ms: u64,
+    /// Quiet seconds after which a stream asks for a tail it may have missed.
+    #[arg(long, default_value_t = 5.0)]
+    resync_s: f64,
+    /// Exit after this many seconds (scripts and tests); default: run until Ctrl-C.
+    #[arg(long)]
+    exit_after_s: Option<f64>,
+}
+
+fn positive(name: &str, v: f64) -> Result<f64, String> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("--{name} must be a positive number, not {v}"))
+    }
+}
+
+fn config(a: &Args) -> Result<Config, String> {
+    if a.page_size == 0 || a.page_bytes == 0 || a.max_pages == 0 {
+        return Err("--page-size, --page-bytes and --max-pages must be positive".into());
+    }
+    Ok(Config {
+        listen: a.listen,
+        instances: a.instances.clone(),
+        storage: a.storage.clone(),
+        model: CostModel {
+            page_size: a.page_size,
+            page_bytes: a.page_bytes,
+            prefill_tokens_per_s: positive("prefill-tokens-per-s", a.prefill_tokens_per_s)?,
+            host_bytes_per_s: positive("host-gbps", a.host_gbps)? * 1e9,
+            l3_bytes_per_s: positive("l3-gbps", a.l3_gbps)? * 1e9,
+        },
+        max_pages: a.max_pages,
+        keys: a.keys,
+        subscribe: launch::subscribe_options(
+            a.replay_timeout_ms,
+            positive("resync-s", a.resync_s)?,
+        ),
+    })
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let cfg = match config(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvtier-router: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let exit_after = match args
+        .exit_after_s
+        .map(|s| positive("exit-after-s", s))
+        .transpose()
+    {
+        Ok(s) => s.and_then(|s| Duration::try_from_secs_f64(s).ok()),
+        Err(e) => {
+            eprintln!("kvtier-router: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvtier-router: tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async move {
+        let running = match launch::start(cfg).await {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("kvtier-router: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        println!("kvtier-router listening on http://{}", running.addr);
+        match exit_after {
+            Some(d) => tokio::time::sleep(d).await,
+            None => {
+                if let Err(e) = tokio::signal::ctrl_c().await {
+                    eprintln!("kvtier-router: waiting for Ctrl-C: {e}");
+                }
+            }
+        }
+        // open streams get 10 s to finish
+        if tokio::time::timeout(Duration::from_secs(10), running.stop())
+            .await
+            .is_err()
+        {
+            eprintln!("kvtier-router: connections still open after 10 s; exiting");
+        }
+        ExitCode::SUCCESS
+    })
+}

@@ -1,0 +1,354 @@
+//! The router's shared state: the index and queues ([`Router`]), each event stream's state,
+//! and what the router sent where. Subscriber threads fold batches in, HTTP handlers route;
+//! both hold the lock only for one fold or one decision.
+
+use std::time::Instant;
+
+use kvtier_events::Medium;
+use kvtier_radix::HashScope;
+use serde::Serialize;
+
+use crate::cost::{CostModel, Estimate};
+use crate::index::{IndexEvent, decode_batch};
+use crate::keys::{Translator, prompt_keys};
+use crate::route::Router;
+use crate::stream::{Apply, StreamCounters};
+
+/// How pages are keyed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Keys {
+    /// The block hashes as published: kvtier's page hashes (the router computes them from a
+    /// prompt's tokens, salt and adapter).
+    Engine,
+    /// The router's own hash of each event's tokens (vLLM, SGLang: engine hashes the router
+    /// cannot compute).
+    Tokens,
+}
+
+/// Whose pages a stream carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    /// One engine instance's (GPU, CPU; its STORAGE events go to the shared set).
+    Instance(usize),
+    /// The shared store's: every page it holds, as `STORAGE`.
+    Storage,
+}
+
+/// One stream's state (`/stats` shows it).
+#[derive(Debug)]
+pub struct StreamState {
+    pub name: String,
+    pub endpoint: String,
+    pub target: Target,
+    /// The next sequence number expected (`null`: not synced).
+    pub next_seq: Option<u64>,
+    pub counters: StreamCounters,
+    pub last_batch: Option<Instant>,
+    pub translator: Option<Translator>,
+}
+
+/// Why a request was routed where it was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Basis {
+    /// From the index and the queues.
+    Cache,
+    /// The prompt's tokens were unknown: the least loaded instance.
+    LoadOnly,
+}
+
+/// One decision.
+#[derive(Clone, Debug, Serialize)]
+pub struct Decision {
+    pub instance: usize,
+    pub basis: Basis,
+    pub ttft_s: f64,
+    pub queue_s: f64,
+    pub compute_s: f64,
+    pub load_s: f64,
+    pub gpu_pages: usize,
+    pub host_pages: usize,
+    pub l3_pages: usize,
+    /// Every instance's estimated TTFT, best first order not implied (by index).
+    pub ttft_by_instance: Vec<f64>,
+}
+
+pub struct Cluster {
+    router: Router,
+    page_size: usize,
+    keys: Keys,
+    max_pages: usize,
+    pub streams: Vec<StreamState>,
+    routed: Vec<u64>,
+    refused: Vec<u64>,
+    in_flight: Vec<u64>,
+    load_only: u64,
+    started: Instant,
+}
+
+impl Cluster {
+    pub fn new(instances: usize, model: CostModel, max_pages: usize, keys: Keys) -> Self {
+        Self {
+            router: Router::new(instances, model, max_pages),
+            page_size: model.page_size,
+            keys,
+            max_pages,
+            streams: Vec::new(),
+            routed: vec![0; instances],
+            refused: vec![0; instances],
+            in_flight: vec![0; instances],
+            load_only: 0,
+            started: Instant::now(),
+        }
+    }
+
+    pub fn instances(&self) -> usize {
+        self.routed.len()
+    }
+
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// Registers a stream; returns its number.
+    pub fn add_stream(&mut self, name: &str, endpoint: &str, target: Target) -> usize {
+        self.streams.push(StreamState {
+            name: name.into(),
+            endpoint: endpoint.into(),
+            target,
+            next_seq: None,
+            counters: StreamCounters::default(),
+            last_batch: None,
+            translator: (self.keys == Keys::Tokens).then(|| Translator::new(self.max_pages)),
+        });
+        self.streams.len() - 1
+    }
+
+    /// Folds one of a stream's batches in (or resets its pages); `false` if it did not decode.
+    pub fn apply(&mut self, stream: usize, a: Apply<'_>) -> bool {
+        let Some(st) = self.streams.get_mut(stream) else {
+            return false;
+        };
+        let target = st.target;
+        let events = match a {
+            Apply::Reset => {
+                if let Some(t) = st.translator.as_mut() {
+                    t.clear();
+                }
+                vec![IndexEvent::Cleared]
+            }
+            Apply::Batch(p) => {
+                st.last_batch = Some(Instant::now());
+                let decoded = match st.translator.as_mut() {
+                    Some(t) => t.translate(p),
+                    None => decode_batch(p),
+                };
+                match decoded {
+                    Ok(e) => e,
+                    Err(_) => return false,
+                }
+            }
+        };
+        for e in events {
+            match (target, e) {
+                (Target::Instance(i), e) => {
+                    // an unknown instance is ignored: configuration, not input
+                    let _ = self.router.apply(i, &e);
+                }
+                (Target::Storage, IndexEvent::Cleared) => self.clear_storage(),
+                (Target::Storage, IndexEvent::Stored { hashes, .. }) => {
+                    let e = IndexEvent::Stored {
+                        medium: Medium::Storage,
+                        hashes,
+                    };
+                    let _ = self.router.apply(0, &e);
+                }
+                (Target::Storage, IndexEvent::Removed { hashes, .. }) => {
+                    let e = IndexEvent::Removed {
+                        medium: Medium::Storage,
+                        hashes,
+                    };
+                    let _ = self.router.apply(0, &e);
+                }
+            }
+        }
+        true
+    }
+
+    fn clear_storage(&mut self) {
+        let hashes = self.router.index().storage_hashes();
+        let e = IndexEvent::Removed {
+            medium: Medium::Storage,
+            hashes,
+        };
+        let _ = self.router.apply(0, &e);
+    }
+
+    /// The prompt's page keys as this router's index keys them.
+    pub fn prompt_hashes(
+        &self,
+        tokens: &[u32],
+        salt: Option<&str>,
+        lora: Option<&str>,
+    ) -> Vec<u64> {
+        match self.keys {
+            Keys::Engine => HashScope::new(salt, lora, Vec::new())
+                .page_hashes(tokens, self.page_size)
+                .iter()
+                .map(kvtier_events::HashFormat::int64)
+                .collect(),
+            Keys::Tokens => prompt_keys(tokens, self.page_size, lora),
+        }
+    }
+
+    fn now_s(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// Routes a prompt by its tokens; counts it as sent to the instance chosen. `exclude`:
+    /// instances not to choose (they refused a connection); `None` if none is left.
+    pub fn route(
+        &mut self,
+        tokens: &[u32],
+        salt: Option<&str>,
+        lora: Option<&str>,
+        exclude: &[usize],
+    ) -> Option<Decision> {
+        let hashes = self.prompt_hashes(tokens, salt, lora);
+        let now = self.now_s();
+        if exclude.is_empty() {
+            // every instance's estimate as the decision saw it (before its work is queued)
+            let all = self.router.estimates_of(&hashes, tokens.len());
+            let (i, est) = self.router.route_hashes(&hashes, tokens.len(), now).ok()?;
+            return Some(self.decided(i, est, Basis::Cache, &all));
+        }
+        let all = self.router.estimates_of(&hashes, tokens.len());
+        let (i, est) = all
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !exclude.contains(i))
+            .min_by(|(i, a), (j, b)| a.ttft_s().total_cmp(&b.ttft_s()).then(i.cmp(j)))
+            .map(|(i, e)| (i, *e))?;
+        Some(self.decided(i, est, Basis::Cache, &all))
+    }
+
+    /// Routes without tokens: the instance with the shortest queue, then the fewest requests
+    /// in flight, then the lowest number.
+    pub fn route_load_only(&mut self, exclude: &[usize]) -> Option<Decision> {
+        let q = self.router.queues();
+        let i = (0..self.instances())
+            .filter(|i| !exclude.contains(i))
+            .min_by(|&a, &b| {
+                q[a].total_cmp(&q[b])
+                    .then(self.in_flight[a].cmp(&self.in_flight[b]))
+                    .then(a.cmp(&b))
+            })?;
+        if exclude.is_empty() {
+            self.load_only += 1;
+        }
+        let est = Estimate {
+            gpu_pages: 0,
+            host_pages: 0,
+            l3_pages: 0,
+            queue_s: q[i],
+            compute_s: 0.0,
+            load_s: 0.0,
+        };
+        Some(self.decided(i, est, Basis::LoadOnly, &[]))
+    }
+
+    fn decided(&mut self, i: usize, est: Estimate, basis: Basis, all: &[Estimate]) -> Decision {
+        self.routed[i] += 1;
+        Decision {
+            instance: i,
+            basis,
+            ttft_s: est.ttft_s(),
+            queue_s: est.queue_s,
+            compute_s: est.compute_s,
+            load_s: est.load_s,
+            gpu_pages: est.gpu_pages,
+            host_pages: est.host_pages,
+            l3_pages: est.l3_pages,
+            ttft_by_instance: all.iter().map(Estimate::ttft_s).collect(),
+        }
+    }
+
+    /// The instance chosen refused the connection: not counted as routed there.
+    pub fn refused(&mut self, i: usize) {
+        if let (Some(r), Some(f)) = (self.routed.get_mut(i), self.refused.get_mut(i)) {
+            *r = r.saturating_sub(1);
+            *f += 1;
+        }
+    }
+
+    /// A proxied request started on `i`.
+    pub fn started(&mut self, i: usize) {
+        if let Some(n) = self.in_flight.get_mut(i) {
+            *n += 1;
+        }
+    }
+
+    /// A proxied request on `i` finished (its response ended or the client went away).
+    pub fn finished(&mut self, i: usize) {
+        if let Some(n) = self.in_flight.get_mut(i) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    pub fn in_flight(&self) -> &[u64] {
+        &self.in_flight
+    }
+
+    /// Index memory: the index's tables plus the streams' key tables.
+    pub fn memory_bytes(&self) -> usize {
+        self.router.index().memory_bytes()
+            + self
+                .streams
+                .iter()
+                .filter_map(|s| s.translator.as_ref())
+                .map(Translator::memory_bytes)
+                .sum::<usize>()
+    }
+
+    /// What `/stats` returns.
+    pub fn stats(&self) -> serde_json::Value {
+        let idx = self.router.index();
+        let (locals, storage) = idx.tier_pages();
+        let streams: Vec<serde_json::Value> = self
+            .streams
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "name": s.name, "endpoint": s.endpoint, "target": s.target,
+                    "next_seq": s.next_seq, "counters": s.counters,
+                    "idle_s": s.last_batch.map(|t| t.elapsed().as_secs_f64()),
+                    "unkeyed": s.translator.as_ref().map(|t| t.unkeyed),
+                })
+            })
+            .collect();
+        let instances: Vec<serde_json::Value> = locals
+            .iter()
+            .enumerate()
+            .map(|(i, (g, c))| {
+                serde_json::json!({
+                    "gpu_pages": g, "cpu_pages": c,
+                    "queue_s": self.router.queues()[i],
+                    "routed": self.routed[i], "refused": self.refused[i], "in_flight": self.in_flight[i],
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "keys": self.keys,
+            "instances": instances,
+            "storage_pages": storage,
+            "index_pages": idx.pages(),
+            "max_pages": self.max_pages,
+            "dropped_stores": idx.dropped(),
+            "memory_bytes": self.memory_bytes(),
+            "routed_load_only": self.load_only,
+            "streams": streams,
+        })
+    }
+}

@@ -1,0 +1,215 @@
+//! The router's configuration (the CLI's flags) and start-up: subscribers, then the HTTP
+//! server. The binary and the tests start the router the same way ([`start`]).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::cluster::{Cluster, Keys, Target};
+use crate::cost::CostModel;
+use crate::service::{self, AppState};
+use crate::subscriber::{self, StreamSpec, SubscribeOptions};
+
+/// One `--instance` or `--storage` value: `key=value` pairs separated by commas, keys
+/// `events` (the PUB endpoint), `replay` (the replay endpoint) and, for instances, `url` (the
+/// HTTP server the proxy sends to). Every key is optional (an instance without events is
+/// routed by load; one without a URL is routed to by `/route` only).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EndpointSpec {
+    pub events: Option<String>,
+    pub replay: Option<String>,
+    pub url: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SpecError {
+    #[error("{0:?}: expected key=value (keys: events, replay, url)")]
+    NotKeyValue(String),
+    #[error("{0:?}: unknown key (keys: events, replay, url)")]
+    UnknownKey(String),
+    #[error("{0:?}: given twice")]
+    Repeated(String),
+    #[error("{0:?}: a ZMQ endpoint is tcp://host:port or ipc://path")]
+    BadEndpoint(String),
+    #[error("{0:?}: a URL is http://host:port")]
+    BadUrl(String),
+}
+
+impl std::str::FromStr for EndpointSpec {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        let mut out = EndpointSpec::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| SpecError::NotKeyValue(part.into()))?;
+            let slot = match k {
+                "events" => &mut out.events,
+                "replay" => &mut out.replay,
+                "url" => &mut out.url,
+                _ => return Err(SpecError::UnknownKey(k.into())),
+            };
+            if slot.is_some() {
+                return Err(SpecError::Repeated(k.into()));
+            }
+            let ok = if k == "url" {
+                v.starts_with("http://") && v.len() > 7
+            } else {
+                (v.starts_with("tcp://") || v.starts_with("ipc://")) && v.len() > 6
+            };
+            if !ok {
+                return Err(if k == "url" {
+                    SpecError::BadUrl(v.into())
+                } else {
+                    SpecError::BadEndpoint(v.into())
+                });
+            }
+            *slot = Some(v.into());
+        }
+        Ok(out)
+    }
+}
+
+/// Everything the router needs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub instances: Vec<EndpointSpec>,
+    /// The shared store's stream.
+    pub storage: Option<EndpointSpec>,
+    pub model: CostModel,
+    pub max_pages: usize,
+    pub keys: Keys,
+    pub subscribe: SubscribeOptions,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("no instances: give --instance once per engine")]
+    NoInstances,
+    #[error("either every instance has a url= (proxy) or none does")]
+    MixedUrls,
+    #[error("bind {0}: {1}")]
+    Bind(SocketAddr, std::io::Error),
+    #[error(transparent)]
+    Subscribe(#[from] subscriber::SubscribeError),
+    #[error("the tokio runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// A started router.
+pub struct Running {
+    /// The HTTP address (the port filled in).
+    pub addr: SocketAddr,
+    pub cluster: Arc<Mutex<Cluster>>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+}
+
+/// Starts the subscribers and the HTTP server (on the current tokio runtime).
+pub async fn start(cfg: Config) -> Result<Running, StartError> {
+    if cfg.instances.is_empty() {
+        return Err(StartError::NoInstances);
+    }
+    let urls: Vec<String> = cfg.instances.iter().filter_map(|i| i.url.clone()).collect();
+    if !urls.is_empty() && urls.len() != cfg.instances.len() {
+        return Err(StartError::MixedUrls);
+    }
+    let mut cluster = Cluster::new(cfg.instances.len(), cfg.model, cfg.max_pages, cfg.keys);
+    let mut subs = Vec::new();
+    for (i, spec) in cfg.instances.iter().enumerate() {
+        if let Some(ev) = &spec.events {
+            let n = cluster.add_stream(&format!("instance {i}"), ev, Target::Instance(i));
+            subs.push((n, ev.clone(), spec.replay.clone()));
+        }
+    }
+    if let Some(ev) = cfg.storage.as_ref().and_then(|s| s.events.clone()) {
+        let n = cluster.add_stream("storage", &ev, Target::Storage);
+        subs.push((n, ev, cfg.storage.as_ref().and_then(|s| s.replay.clone())));
+    }
+    let cluster = Arc::new(Mutex::new(cluster));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    for (n, endpoint, replay) in subs {
+        let spec = StreamSpec { endpoint, replay };
+        match subscriber::spawn(
+            spec,
+            n,
+            Arc::clone(&cluster),
+            Arc::clone(&stop),
+            cfg.subscribe,
+        ) {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                stop.store(true, Ordering::Relaxed);
+                for t in threads {
+                    let _ = t.join();
+                }
+                return Err(e.into());
+            }
+        }
+    }
+    let (listener, addr) = match service::bind(cfg.listen).await {
+        Ok(x) => x,
+        Err(e) => {
+            stop.store(true, Ordering::Relaxed);
+            return Err(StartError::Bind(cfg.listen, e));
+        }
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let st = AppState::new(Arc::clone(&cluster), urls);
+    let server = tokio::spawn(service::serve(listener, st, async {
+        let _ = rx.await;
+    }));
+    Ok(Running {
+        addr,
+        cluster,
+        stop,
+        threads,
+        shutdown: Some(tx),
+        server: Some(server),
+    })
+}
+
+impl Running {
+    /// Stops the HTTP server and the subscribers and waits for them.
+    pub async fn stop(mut self) {
+        self.halt();
+        if let Some(s) = self.server.take() {
+            let _ = s.await;
+        }
+        let threads = std::mem::take(&mut self.threads);
+        let _ = tokio::task::spawn_blocking(move || {
+            for t in threads {
+                let _ = t.join();
+            }
+        })
+        .await;
+    }
+
+    fn halt(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // threads see the flag within their poll interval and exit on their own
+        self.halt();
+    }
+}
+
+/// The default replay wait and resync period, as flags give them.
+pub fn subscribe_options(replay_timeout_ms: u64, resync_s: f64) -> SubscribeOptions {
+    SubscribeOptions {
+        replay_timeout: Duration::from_millis(replay_timeout_ms.max(1)),
+        resync: Duration::try_from_secs_f64(resync_s.max(0.01)).unwrap_or(Duration::from_secs(5)),
+    }
+}

@@ -1,0 +1,280 @@
+//! OpenAI-compatible proxy in front of vLLM or SGLang servers: `/v1/completions`,
+//! `/v1/chat/completions`, `/v1/models`.
+//!
+//! Each request is routed by its prompt's tokens: token-id prompts are used as they are; a
+//! text prompt or chat messages are tokenized by a backend's `/tokenize` (vLLM's, which takes
+//! either), and if that fails the request is routed by load alone. The request goes to the
+//! chosen instance unchanged; the response (status, headers, body) comes back as it arrives,
+//! chunk by chunk, so a streaming answer's SSE events reach the client when the engine sends
+//! them. If the chosen instance refuses the connection, the next best is tried; once a byte
+//! of the answer is sent it is the client's. Each instance's requests in flight are counted
+//! from the send until the answer's body ends or the client goes away.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
+use axum::response::Response;
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+use crate::cluster::Cluster;
+use crate::service::{AppState, error};
+
+/// How long a `/tokenize` call may take before the request is routed by load.
+const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The HTTP client to the instances.
+#[derive(Clone)]
+pub struct Upstream {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Upstream {
+    pub fn new() -> Self {
+        let mut c = HttpConnector::new();
+        c.set_connect_timeout(Some(Duration::from_secs(2)));
+        c.set_nodelay(true);
+        Self {
+            client: Client::builder(TokioExecutor::new()).build(c),
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// Counts a request in flight on an instance until dropped.
+struct InFlight {
+    cluster: Arc<Mutex<Cluster>>,
+    instance: usize,
+}
+
+impl InFlight {
+    fn new(cluster: &Arc<Mutex<Cluster>>, instance: usize) -> Self {
+        cluster
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .started(instance);
+        Self {
+            cluster: Arc::clone(cluster),
+            instance,
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.cluster
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .finished(self.instance);
+    }
+}
+
+pub async fn completions(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    forward(st, "/v1/completions", Kind::Completion, headers, body).await
+}
+
+pub async fn chat(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    forward(st, "/v1/chat/completions", Kind::Chat, headers, body).await
+}
+
+/// `/v1/models` from the first instance that answers.
+pub async fn models(State(st): State<AppState>, headers: HeaderMap) -> Response {
+    for base in st.backends.iter() {
+        let Ok(req) = request(Method::GET, base, "/v1/models", &headers, Bytes::new()) else {
+            continue;
+        };
+        if let Ok(resp) = st.upstream.client.request(req).await {
+            return pass_through(resp, None);
+        }
+    }
+    error(
+        StatusCode::BAD_GATEWAY,
+        "upstream_unavailable",
+        "no instance answered",
+    )
+}
+
+async fn forward(
+    st: AppState,
+    path: &str,
+    kind: Kind,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let json: Option<Value> = serde_json::from_slice(&body).ok();
+    let tokens = match &json {
+        Some(v) => tokens_of(&st, kind, v, &headers).await,
+        None => None,
+    };
+    let salt = json
+        .as_ref()
+        .and_then(|v| v.get("cache_salt"))
+        .and_then(Value::as_str);
+    let mut refused = Vec::new();
+    loop {
+        let decision = {
+            let mut c = st.lock();
+            match &tokens {
+                Some(t) => c.route(t, salt, None, &refused),
+                None => c.route_load_only(&refused),
+            }
+        };
+        let Some(d) = decision else {
+            return error(
+                StatusCode::BAD_GATEWAY,
+                "upstream_unavailable",
+                format!("every instance refused the connection ({refused:?})"),
+            );
+        };
+        let Some(base) = st.backends.get(d.instance) else {
+            return error(
+                StatusCode::BAD_GATEWAY,
+                "upstream_unavailable",
+                format!("instance {} has no URL", d.instance),
+            );
+        };
+        let req = match request(Method::POST, base, path, &headers, body.clone()) {
+            Ok(r) => r,
+            Err(e) => return error(StatusCode::BAD_GATEWAY, "bad_backend_url", e),
+        };
+        let guard = InFlight::new(&st.cluster, d.instance);
+        match st.upstream.client.request(req).await {
+            Ok(resp) => return pass_through(resp, Some((guard, d.instance))),
+            Err(e) if e.is_connect() => {
+                drop(guard);
+                st.lock().refused(d.instance);
+                refused.push(d.instance);
+            }
+            Err(e) => {
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    format!("instance {}: {e}", d.instance),
+                );
+            }
+        }
+    }
+}
+
+fn request(
+    method: Method,
+    base: &str,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Request<Full<Bytes>>, String> {
+    let uri: hyper::Uri = format!("{}{path}", base.trim_end_matches('/'))
+        .parse()
+        .map_err(|e| format!("backend URL {base:?}: {e}"))?;
+    let mut b = Request::builder().method(method).uri(uri);
+    for name in [header::CONTENT_TYPE, header::AUTHORIZATION, header::ACCEPT] {
+        if let Some(v) = headers.get(&name) {
+            b = b.header(name, v);
+        }
+    }
+    b.body(Full::new(body)).map_err(|e| e.to_string())
+}
+
+/// The instance's answer as it comes: status, headers (less hop-by-hop ones), and the body
+/// chunk by chunk; the in-flight count ends with the body.
+fn pass_through(
+    resp: hyper::Response<hyper::body::Incoming>,
+    guard: Option<(InFlight, usize)>,
+) -> Response {
+    let (parts, incoming) = resp.into_parts();
+    let instance = guard.as_ref().map(|g| g.1);
+    let stream = incoming.into_data_stream().map(move |chunk| {
+        let _held = &guard;
+        chunk
+    });
+    let mut out = Response::new(Body::from_stream(stream));
+    *out.status_mut() = parts.status;
+    for (k, v) in &parts.headers {
+        if k == header::CONNECTION || k == header::TRANSFER_ENCODING || k.as_str() == "keep-alive" {
+            continue;
+        }
+        out.headers_mut().append(k, v.clone());
+    }
+    if let Some(i) = instance {
+        out.headers_mut()
+            .insert("x-kvtier-instance", HeaderValue::from(i));
+    }
+    out
+}
+
+/// The prompt's token ids, from the request or a backend's `/tokenize`; `None` if neither.
+async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) -> Option<Vec<u32>> {
+    let ids = |a: &Value| -> Option<Vec<u32>> {
+        a.as_array()?
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect()
+    };
+    let model = v.get("model").cloned().unwrap_or(Value::Null);
+    let ask = match kind {
+        Kind::Completion => {
+            let p = v.get("prompt")?;
+            if let Some(t) = ids(p).filter(|t| !t.is_empty()) {
+                return Some(t);
+            }
+            // a batch of prompts: the first one routes the request
+            let first = p.as_array().and_then(|a| a.first());
+            if let Some(t) = first.and_then(ids) {
+                return Some(t);
+            }
+            let text = p.as_str().or_else(|| first.and_then(Value::as_str))?;
+            serde_json::json!({"model": model, "prompt": text})
+        }
+        Kind::Chat => {
+            let mut ask = serde_json::json!({
+                "model": model,
+                "messages": v.get("messages")?.clone(),
+                "add_generation_prompt": v.get("add_generation_prompt").cloned().unwrap_or(Value::Bool(true)),
+            });
+            for k in ["continue_final_message", "chat_template_kwargs", "tools"] {
+                if let (Some(x), Some(m)) = (v.get(k), ask.as_object_mut()) {
+                    m.insert(k.into(), x.clone());
+                }
+            }
+            ask
+        }
+    };
+    let body = Bytes::from(serde_json::to_vec(&ask).ok()?);
+    for base in st.backends.iter().take(2) {
+        let Ok(req) = request(Method::POST, base, "/tokenize", headers, body.clone()) else {
+            continue;
+        };
+        let call = async {
+            let resp = st.upstream.client.request(req).await.ok()?;
+            if !resp.status().is_success() {
+                return None;
+            }
+            let bytes = resp.into_body().collect().await.ok()?.to_bytes();
+            let v: Value = serde_json::from_slice(&bytes).ok()?;
+            ids(v.get("tokens")?)
+        };
+        if let Ok(Some(t)) = tokio::time::timeout(TOKENIZE_TIMEOUT, call).await {
+            return Some(t);
+        }
+    }
+    None
+}

@@ -1,0 +1,134 @@
+//! The router's HTTP API: `POST /route`, `GET /stats`, `GET /health`, and, with backends
+//! configured, the OpenAI-compatible proxy ([`crate::proxy`]).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+
+use crate::cluster::Cluster;
+use crate::proxy::{self, Upstream};
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct AppState {
+    pub cluster: Arc<Mutex<Cluster>>,
+    /// The instances' base URLs (`http://host:port`, instance `i` is `backends[i]`); empty: no
+    /// proxy, `/route` only.
+    pub backends: Arc<Vec<String>>,
+    pub upstream: Upstream,
+}
+
+impl AppState {
+    pub fn new(cluster: Arc<Mutex<Cluster>>, backends: Vec<String>) -> Self {
+        Self {
+            cluster,
+            backends: Arc::new(backends),
+            upstream: Upstream::new(),
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Cluster> {
+        self.cluster.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// `POST /route`'s body.
+#[derive(Debug, Deserialize)]
+pub struct RouteRequest {
+    pub token_ids: Vec<u32>,
+    #[serde(default)]
+    pub salt: Option<String>,
+    #[serde(default)]
+    pub lora_name: Option<String>,
+}
+
+/// An error answer: `{"error": {"message", "type"}}`, OpenAI's shape.
+pub fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body = serde_json::json!({"error": {"message": message.into(), "type": kind}});
+    (status, Json(body)).into_response()
+}
+
+async fn route(State(st): State<AppState>, body: axum::body::Bytes) -> Response {
+    let req: RouteRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
+    };
+    let d = st.lock().route(
+        &req.token_ids,
+        req.salt.as_deref(),
+        req.lora_name.as_deref(),
+        &[],
+    );
+    match d {
+        Some(d) => {
+            let mut v = serde_json::json!(d);
+            if let (Some(url), Some(m)) = (st.backends.get(d.instance), v.as_object_mut()) {
+                m.insert("url".into(), url.clone().into());
+            }
+            Json(v).into_response()
+        }
+        None => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no_instances",
+            "the router has no instances",
+        ),
+    }
+}
+
+async fn stats(State(st): State<AppState>) -> Response {
+    Json(st.lock().stats()).into_response()
+}
+
+async fn health(State(st): State<AppState>) -> Response {
+    let c = st.lock();
+    let synced = c.streams.iter().filter(|s| s.next_seq.is_some()).count();
+    Json(serde_json::json!({
+        "status": "ok", "instances": c.instances(),
+        "streams": c.streams.len(), "streams_synced": synced,
+    }))
+    .into_response()
+}
+
+/// The HTTP routes (the proxy's only when there are backends).
+pub fn app(st: AppState) -> axum::Router {
+    let mut r = axum::Router::new()
+        .route("/route", post(route))
+        .route("/stats", get(stats))
+        .route("/health", get(health));
+    if !st.backends.is_empty() {
+        r = r
+            .route("/v1/completions", post(proxy::completions))
+            .route("/v1/chat/completions", post(proxy::chat))
+            .route("/v1/models", get(proxy::models));
+    }
+    // chat requests with images or long prompts pass axum's 2 MB default
+    r.layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .with_state(st)
+}
+
+/// The largest request body accepted (a 413 beyond).
+pub const MAX_BODY: usize = 64 << 20;
+
+/// Serves `app` on a bound listener until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    st: AppState,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app(st))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Binds `addr` (port 0: a free one) and returns the listener and its address.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<(tokio::net::TcpListener, SocketAddr)> {
+    let l = tokio::net::TcpListener::bind(addr).await?;
+    let a = l.local_addr()?;
+    Ok((l, a))
+}

@@ -1,0 +1,248 @@
+//! One event stream's sequence numbers: which batches to apply, and how to recover a gap.
+//!
+//! Sans I/O: the tracker decides, a [`History`] (the publisher's replay socket in
+//! [`crate::subscriber`], a list in the tests) answers replay and snapshot requests, and a sink
+//! folds the batches it is handed into the index. vLLM's protocol numbers batches from 0; a
+//! subscriber that sees a number past the one it expects asks the replay socket for every
+//! batch from the expected one on. kvtier's publishers also answer `start = -2` with a snapshot
+//! (`AllBlocksCleared`, then every resident block, numbered as the last batch it includes);
+//! vLLM's own publisher answers -2 with its whole replay buffer, which is the full history as
+//! long as the buffer still starts at 0. Either way the tracker applies what comes back in
+//! order and continues after the last number.
+//!
+//! What never happens: a stream that does not answer, answers garbage, restarts or repeats
+//! itself never blocks or fails anything. The tracker counts it and goes on with what it has
+//! (the index is then incomplete or stale, so routing is worse, never wrong in kind).
+
+/// A replay request's answer: `(seq, payload)` batches in the order received, without the end
+/// marker. `None`: no answer (no replay socket, timeout, publisher down).
+pub type Replayed = Option<Vec<(i64, Vec<u8>)>>;
+
+/// Where missed batches come from.
+pub trait History {
+    /// Every kept batch numbered `from` or later (`from = -2`: a snapshot).
+    fn replay(&mut self, from: i64) -> Replayed;
+}
+
+/// The start value that asks for a snapshot.
+pub const SNAPSHOT: i64 = -2;
+
+/// Counters of one stream, as `/stats` reports them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StreamCounters {
+    /// Batches folded into the index (live and replayed).
+    pub applied: u64,
+    /// Live batches numbered before the next expected one (already applied), dropped.
+    pub duplicates: u64,
+    /// Times a live batch was numbered past the next expected one.
+    pub gaps: u64,
+    /// Replay requests answered.
+    pub replays: u64,
+    /// Snapshot requests answered.
+    pub snapshots: u64,
+    /// Replay or snapshot requests not answered.
+    pub unanswered: u64,
+    /// Batches that could not be recovered (accepted a later number without them).
+    pub lost: u64,
+    /// Batches whose payload did not decode (skipped).
+    pub garbage: u64,
+    /// Times the publisher started again from 0.
+    pub restarts: u64,
+}
+
+/// Sequence-number state of one stream.
+#[derive(Clone, Debug, Default)]
+pub struct Tracker {
+    /// The next number to apply; `None` until synced (nothing applied yet).
+    next: Option<u64>,
+    /// The last live number received.
+    last_live: Option<u64>,
+    pub counters: StreamCounters,
+}
+
+/// What the sink is asked to do.
+pub enum Apply<'a> {
+    /// Fold a batch in; the sink returns `false` if it did not decode (counted as garbage).
+    Batch(&'a [u8]),
+    /// Forget what this stream told before (its publisher restarted): clear its pages.
+    Reset,
+}
+
+impl Tracker {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The next sequence number expected (`None`: not synced yet).
+    pub fn next(&self) -> Option<u64> {
+        self.next
+    }
+
+    /// Syncs with a snapshot request (at start, or after history was lost). `true` if answered.
+    pub fn sync(
+        &mut self,
+        history: &mut dyn History,
+        sink: &mut dyn FnMut(Apply<'_>) -> bool,
+    ) -> bool {
+        let Some(batches) = history.replay(SNAPSHOT) else {
+            self.counters.unanswered += 1;
+            return false;
+        };
+        self.counters.snapshots += 1;
+        if batches.is_empty() {
+            // nothing published yet (or a publisher without snapshots, as vLLM's): start from
+            // 0, so the first gap or resync replays the whole history; a synced stream keeps
+            // what it has (a restarted publisher shows itself by numbering from 0 again)
+            if self.next.is_none() {
+                self.next = Some(0);
+            }
+            return true;
+        }
+        // vLLM's publisher answers -2 with its whole buffer: complete if it starts at 0
+        let first = batches.first().map_or(0, |b| b.0);
+        if first > 0 && !starts_with_clear(&batches[0].1) {
+            self.counters.lost += 1;
+        }
+        let mut first_batch = true;
+        for (seq, payload) in batches {
+            let Ok(seq) = u64::try_from(seq) else {
+                continue;
+            };
+            if first_batch {
+                // a snapshot (or a replay from the buffer's start) replaces what we had
+                sink(Apply::Reset);
+                first_batch = false;
+            } else if self.next.is_some_and(|n| seq < n) {
+                continue;
+            }
+            self.fold(seq, &payload, sink);
+        }
+        true
+    }
+
+    /// A live batch arrived.
+    pub fn on_live(
+        &mut self,
+        seq: u64,
+        payload: &[u8],
+        history: &mut dyn History,
+        sink: &mut dyn FnMut(Apply<'_>) -> bool,
+    ) {
+        // a PUB socket delivers in order: a number not past the last live one means the
+        // publisher numbers from 0 again (it restarted; its cache is new)
+        let restarted = self.last_live.is_some_and(|l| seq <= l);
+        self.last_live = Some(seq);
+        self.live(seq, payload, restarted, history, sink);
+    }
+
+    fn live(
+        &mut self,
+        seq: u64,
+        payload: &[u8],
+        restarted: bool,
+        history: &mut dyn History,
+        sink: &mut dyn FnMut(Apply<'_>) -> bool,
+    ) {
+        let Some(next) = self.next else {
+            // not synced: try a snapshot now; if none comes, start from this batch
+            if self.sync(history, sink) {
+                if self.next.is_some_and(|n| seq >= n) {
+                    self.live(seq, payload, false, history, sink);
+                }
+            } else {
+                if seq > 0 {
+                    self.counters.lost += 1;
+                }
+                self.fold(seq, payload, sink);
+            }
+            return;
+        };
+        if seq == next {
+            self.fold(seq, payload, sink);
+            return;
+        }
+        if seq < next {
+            if restarted {
+                // forget the old incarnation and sync with the new one from scratch
+                self.counters.restarts += 1;
+                sink(Apply::Reset);
+                self.next = None;
+                self.live(seq, payload, false, history, sink);
+            } else {
+                // replayed already (the replay overtook the batches queued behind a gap)
+                self.counters.duplicates += 1;
+            }
+            return;
+        }
+        self.counters.gaps += 1;
+        self.replay_from(next, history, sink);
+        if self.next.is_some_and(|n| seq > n) {
+            // the replay did not reach this batch: its history is gone
+            self.sync(history, sink);
+        }
+        match self.next {
+            Some(n) if seq == n => self.fold(seq, payload, sink),
+            Some(n) if seq < n => self.counters.duplicates += 1,
+            _ => {
+                // still missing: take the live batch and go on without what is lost
+                self.counters.lost += 1;
+                self.fold(seq, payload, sink);
+            }
+        }
+    }
+
+    /// Resyncs after a quiet period: asks for anything after the last applied batch (what a
+    /// subscriber does when it suspects it missed the tail of a stream).
+    pub fn catch_up(&mut self, history: &mut dyn History, sink: &mut dyn FnMut(Apply<'_>) -> bool) {
+        match self.next {
+            None => {
+                self.sync(history, sink);
+            }
+            Some(n) => self.replay_from(n, history, sink),
+        }
+    }
+
+    /// Asks for every batch from `from` on and applies them in order; if that history is gone
+    /// (the answer starts later), asks for a snapshot.
+    fn replay_from(
+        &mut self,
+        from: u64,
+        history: &mut dyn History,
+        sink: &mut dyn FnMut(Apply<'_>) -> bool,
+    ) {
+        let start = i64::try_from(from).unwrap_or(i64::MAX);
+        let Some(batches) = history.replay(start) else {
+            self.counters.unanswered += 1;
+            return;
+        };
+        self.counters.replays += 1;
+        if batches.first().is_some_and(|b| b.0 > start) {
+            self.sync(history, sink);
+            return;
+        }
+        for (seq, payload) in batches {
+            match (u64::try_from(seq), self.next) {
+                (Ok(s), Some(n)) if s == n => self.fold(s, &payload, sink),
+                _ => {}
+            }
+        }
+    }
+
+    fn fold(&mut self, seq: u64, payload: &[u8], sink: &mut dyn FnMut(Apply<'_>) -> bool) {
+        if sink(Apply::Batch(payload)) {
+            self.counters.applied += 1;
+        } else {
+            self.counters.garbage += 1;
+        }
+        self.next = Some(seq.saturating_add(1));
+    }
+}
+
+/// Whether a batch's first event is `AllBlocksCleared` (a snapshot), read without decoding
+/// the rest.
+fn starts_with_clear(payload: &[u8]) -> bool {
+    matches!(
+        crate::index::decode_batch(payload).as_deref(),
+        Ok([crate::index::IndexEvent::Cleared, ..])
+    )
+}

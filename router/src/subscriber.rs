@@ -1,0 +1,190 @@
+//! One thread per event stream: a ZMQ SUB socket on the publisher's endpoint and, for
+//! recovery, requests to its replay socket (vLLM's protocol; a snapshot is `start = -2`).
+//!
+//! At start the thread asks for a snapshot so the index is complete however late the router
+//! starts; then it folds live batches in order ([`crate::stream::Tracker`]), replays a gap, and
+//! every `resync` of quiet asks for anything after its last batch (a lost tail is otherwise
+//! invisible until the next batch). A publisher that is down or does not answer only leaves
+//! its pages missing or stale: nothing here waits longer than the replay timeout, and routing
+//! never waits on a stream.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::cluster::Cluster;
+use crate::stream::{Apply, History, Replayed, Tracker};
+
+/// One stream to follow.
+#[derive(Clone, Debug)]
+pub struct StreamSpec {
+    /// The publisher's PUB endpoint (`tcp://host:port`).
+    pub endpoint: String,
+    /// Its replay ROUTER endpoint (`None`: no gap recovery, no snapshot).
+    pub replay: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct SubscribeOptions {
+    /// How long to wait for each message of a replay answer.
+    pub replay_timeout: Duration,
+    /// Quiet time after which the stream asks whether it missed the tail.
+    pub resync: Duration,
+}
+
+impl Default for SubscribeOptions {
+    fn default() -> Self {
+        Self {
+            replay_timeout: Duration::from_millis(500),
+            resync: Duration::from_secs(5),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+pub struct SubscribeError {
+    what: String,
+    #[source]
+    source: zmq::Error,
+}
+
+fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> SubscribeError {
+    let what = what.into();
+    move |source| SubscribeError { what, source }
+}
+
+/// The replay socket of one publisher, asked through a fresh DEALER per request (so an answer
+/// that arrives after a timeout never mixes into the next request's). vLLM 0.32 reads the
+/// start number unsigned, so it answers a snapshot request (-2) with the end marker alone;
+/// the tracker then replays from 0 on the first gap or resync, which is vLLM's full history
+/// while its buffer still starts at 0.
+struct ZmqHistory {
+    ctx: zmq::Context,
+    endpoint: Option<String>,
+    timeout: Duration,
+}
+
+impl History for ZmqHistory {
+    fn replay(&mut self, from: i64) -> Replayed {
+        let ep = self.endpoint.as_ref()?;
+        let s = self.ctx.socket(zmq::DEALER).ok()?;
+        s.set_linger(0).ok()?;
+        s.connect(ep).ok()?;
+        s.send_multipart([&b""[..], &from.to_be_bytes()[..]], zmq::DONTWAIT)
+            .ok()?;
+        let ms = i64::try_from(self.timeout.as_millis()).unwrap_or(i64::MAX);
+        // a publisher that answers forever is cut off (the answer is then no answer)
+        let deadline = Instant::now()
+            .checked_add(self.timeout.saturating_mul(20).max(Duration::from_secs(10)));
+        let mut out = Vec::new();
+        loop {
+            if deadline.is_some_and(|d| Instant::now() > d) {
+                return None;
+            }
+            let mut items = [s.as_poll_item(zmq::POLLIN)];
+            match zmq::poll(&mut items, ms) {
+                Ok(n) if n > 0 => {}
+                _ => return None,
+            }
+            let frames = s.recv_multipart(0).ok()?;
+            // ["", seq, payload] (kvtier, vLLM before 0.32) or ["", topic, seq, payload]
+            // (vLLM 0.32 adds the topic, as on the PUB socket)
+            let (seq, payload) = match frames.as_slice() {
+                [_, seq, payload] | [_, _, seq, payload] => (seq, payload),
+                _ => return None,
+            };
+            let seq = i64::from_be_bytes(<[u8; 8]>::try_from(seq.as_slice()).ok()?);
+            if seq == -1 {
+                return Some(out);
+            }
+            out.push((seq, payload.clone()));
+        }
+    }
+}
+
+/// Follows one stream until `stop` is set; the stream's state is `cluster.streams[stream]`.
+pub fn spawn(
+    spec: StreamSpec,
+    stream: usize,
+    cluster: Arc<Mutex<Cluster>>,
+    stop: Arc<AtomicBool>,
+    opts: SubscribeOptions,
+) -> Result<JoinHandle<()>, SubscribeError> {
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).map_err(zerr("SUB socket"))?;
+    sub.set_subscribe(b"").map_err(zerr("subscribe"))?;
+    sub.set_linger(0).map_err(zerr("SUB linger"))?;
+    sub.set_rcvhwm(100_000)
+        .map_err(zerr("SUB high-water mark"))?;
+    sub.connect(&spec.endpoint)
+        .map_err(zerr(format!("connect SUB {}", spec.endpoint)))?;
+    let history = ZmqHistory {
+        ctx,
+        endpoint: spec.replay,
+        timeout: opts.replay_timeout,
+    };
+    std::thread::Builder::new()
+        .name(format!("kvtier-router-sub-{stream}"))
+        .spawn(move || follow(sub, history, stream, &cluster, &stop, opts))
+        .map_err(|e| SubscribeError {
+            what: format!("start the subscriber thread: {e}"),
+            source: zmq::Error::EFAULT,
+        })
+}
+
+fn follow(
+    sub: zmq::Socket,
+    mut history: ZmqHistory,
+    stream: usize,
+    cluster: &Mutex<Cluster>,
+    stop: &AtomicBool,
+    opts: SubscribeOptions,
+) {
+    let mut tracker = Tracker::new();
+    let lock = || cluster.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut sink = |a: Apply<'_>| lock().apply(stream, a);
+    let publish = |t: &Tracker| {
+        let mut c = lock();
+        if let Some(s) = c.streams.get_mut(stream) {
+            s.next_seq = t.next();
+            s.counters = t.counters.clone();
+        }
+    };
+    tracker.sync(&mut history, &mut sink);
+    publish(&tracker);
+    let mut last = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        let mut items = [sub.as_poll_item(zmq::POLLIN)];
+        let ready = match zmq::poll(&mut items, 100) {
+            Ok(n) => n > 0,
+            Err(_) => {
+                // an interrupted poll: no busy loop
+                std::thread::sleep(Duration::from_millis(50));
+                false
+            }
+        };
+        if !ready {
+            if last.elapsed() >= opts.resync {
+                tracker.catch_up(&mut history, &mut sink);
+                publish(&tracker);
+                last = Instant::now();
+            }
+            continue;
+        }
+        let Ok(frames) = sub.recv_multipart(0) else {
+            continue;
+        };
+        last = Instant::now();
+        match frames.as_slice() {
+            [_, seq, payload] if seq.len() == 8 => {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(seq);
+                tracker.on_live(u64::from_be_bytes(b), payload, &mut history, &mut sink);
+            }
+            _ => tracker.counters.garbage += 1,
+        }
+        publish(&tracker);
+    }
+}

@@ -1,0 +1,322 @@
+//! The router service against real kvtier publishers on loopback: live events, a real gap
+//! recovered through the publisher's replay socket, a restarted router rebuilt from
+//! snapshots, dead and garbage publishers, the memory cap, and `POST /route` over HTTP.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+use kvtier_events::{Medium, WireEvent};
+use kvtier_router::cluster::Keys;
+use kvtier_router::launch::EndpointSpec;
+
+/// Batches touching GPU and CPU: stores, a backup, removals, a re-store.
+fn workload(seed: u32) -> Vec<Vec<WireEvent>> {
+    let a = tokens(seed, 6);
+    let b = tokens(seed + 1, 4);
+    let c = tokens(seed + 2, 3);
+    vec![
+        vec![stored(&a, Medium::Gpu)],
+        vec![stored(&b, Medium::Gpu)],
+        vec![stored(&a[..4 * PS], Medium::Cpu)],
+        vec![removed(&b, Medium::Gpu)],
+        vec![stored(&c, Medium::Gpu), stored(&b[..2 * PS], Medium::Cpu)],
+        vec![removed(&a[..2 * PS], Medium::Cpu)],
+        vec![stored(&b, Medium::Gpu)],
+        vec![removed(&c[2 * PS..], Medium::Gpu)],
+        vec![stored(&tokens(seed + 3, 5), Medium::Gpu)],
+        vec![stored(&tokens(seed + 4, 2), Medium::Cpu)],
+    ]
+}
+
+fn entries(r: &kvtier_router::launch::Running) -> Vec<(usize, &'static str, u64)> {
+    r.cluster.lock().expect("lock").router().index().entries()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_gap_is_recovered_by_replay_to_the_exact_index() {
+    let p = publisher();
+    let batches = workload(1);
+    // the router hears the publisher through a relay that loses batches 3 and 6
+    let relay = Relay::start(p.endpoint(), HashSet::from([3, 6]));
+    let spec = EndpointSpec {
+        events: Some(relay.endpoint.clone()),
+        replay: p.replay_endpoint().map(str::to_string),
+        url: None,
+    };
+    let r = router(vec![spec], None, 1 << 20, Keys::Engine).await;
+    joined(&r).await;
+    for b in &batches {
+        p.publish(0.0, b).expect("publish");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let want = reference(std::slice::from_ref(&batches), 1 << 20).entries();
+    let c = Arc::clone(&r.cluster);
+    until("index equals the clean stream's", || {
+        c.lock().expect("lock").router().index().entries() == want
+    })
+    .await;
+    let st = r.cluster.lock().expect("lock").streams[0].counters.clone();
+    assert!(st.gaps >= 2, "{st:?}");
+    assert!(st.replays >= 2, "{st:?}");
+    assert_eq!(st.lost, 0, "{st:?}");
+    assert_eq!(
+        r.cluster.lock().expect("lock").streams[0].next_seq,
+        Some(batches.len() as u64)
+    );
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_router_rebuilds_the_same_index_from_snapshots() {
+    let (p0, p1, l3) = (publisher(), publisher(), publisher());
+    let specs = vec![spec(&p0), spec(&p1)];
+    let first = router(specs.clone(), Some(spec(&l3)), 1 << 20, Keys::Engine).await;
+    joined(&first).await;
+    let (w0, w1) = (workload(10), workload(20));
+    let store: Vec<Vec<WireEvent>> = vec![
+        vec![stored(&tokens(10, 6), Medium::Storage)],
+        vec![removed(&tokens(10, 6)[..3 * PS], Medium::Storage)],
+        vec![stored(&tokens(30, 3), Medium::Storage)],
+    ];
+    for i in 0..w0.len() {
+        p0.publish(0.0, &w0[i]).expect("publish");
+        p1.publish(0.0, &w1[i]).expect("publish");
+        if let Some(s) = store.get(i) {
+            l3.publish(0.0, s).expect("publish");
+        }
+    }
+    let mut want = reference(&[w0.clone(), w1.clone()], 1 << 20);
+    for b in &store {
+        let p = kvtier_events::encode_batch(0.0, b, 0, kvtier_events::HashFormat::Int64)
+            .expect("encode");
+        for e in kvtier_router::decode_batch(&p).expect("decode") {
+            want.apply(0, &e);
+        }
+    }
+    let want = want.entries();
+    let c = Arc::clone(&first.cluster);
+    until("live index complete", || {
+        c.lock().expect("lock").router().index().entries() == want
+    })
+    .await;
+    first.stop().await;
+    // a new router: nothing is published any more, so only snapshots can fill it
+    let second = router(specs, Some(spec(&l3)), 1 << 20, Keys::Engine).await;
+    synced(&second).await;
+    assert_eq!(entries(&second), want);
+    {
+        let c = second.cluster.lock().expect("lock");
+        assert!(c.streams.iter().all(|s| s.counters.snapshots == 1));
+        assert_eq!(c.streams[0].next_seq, Some(w0.len() as u64));
+        assert_eq!(c.streams[2].next_seq, Some(store.len() as u64));
+    }
+    second.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_and_garbage_publishers_never_fail_a_request() {
+    // instance 0: nothing listens; instance 1: a PUB that sends garbage; instance 2: healthy
+    let dead = EndpointSpec {
+        events: Some(format!("tcp://127.0.0.1:{}", closed_port())),
+        replay: Some(format!("tcp://127.0.0.1:{}", closed_port())),
+        url: None,
+    };
+    let ctx = zmq::Context::new();
+    let garbage = ctx.socket(zmq::PUB).expect("pub");
+    garbage.bind("tcp://127.0.0.1:*").expect("bind");
+    let gep = garbage.get_last_endpoint().expect("ep").expect("utf-8");
+    let bad = EndpointSpec {
+        events: Some(gep),
+        replay: None,
+        url: None,
+    };
+    let good = publisher();
+    let r = router(vec![dead, bad, spec(&good)], None, 1 << 20, Keys::Engine).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let hot = tokens(7, 8);
+    good.publish(0.0, &[stored(&hot, Medium::Gpu)])
+        .expect("publish");
+    for i in 0u64..20 {
+        let _ =
+            garbage.send_multipart([&b""[..], &i.to_be_bytes()[..], &b"\xc1not msgpack"[..]], 0);
+        let _ = garbage.send_multipart([&b"x"[..]], 0); // one frame: not a batch
+        let _ = garbage.send_multipart([&b""[..], &b"short"[..], &b"\x90"[..]], 0);
+    }
+    let c = Arc::clone(&r.cluster);
+    until("the hot prefix is indexed", || {
+        c.lock().expect("lock").router().index().tier_pages().0[2].0 == 8
+    })
+    .await;
+    let body = serde_json::json!({"token_ids": hot}).to_string();
+    let got = http(r.addr, "POST", "/route", Some(body.as_bytes())).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.json()["instance"], 2);
+    let other = serde_json::json!({"token_ids": tokens(99, 3)}).to_string();
+    assert_eq!(
+        http(r.addr, "POST", "/route", Some(other.as_bytes()))
+            .await
+            .status,
+        200
+    );
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    let s = &stats["streams"];
+    assert!(
+        s[0]["counters"]["unanswered"].as_u64().unwrap_or(0) >= 1,
+        "{s}"
+    );
+    assert!(
+        s[1]["counters"]["garbage"].as_u64().unwrap_or(0) >= 20,
+        "{s}"
+    );
+    assert_eq!(stats["instances"][1]["gpu_pages"], 0);
+    let health = http(r.addr, "GET", "/health", None).await.json();
+    assert_eq!(health["status"], "ok");
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_index_never_exceeds_its_page_cap_and_reports_memory() {
+    let p = publisher();
+    let r = router(vec![spec(&p)], None, 50, Keys::Engine).await;
+    joined(&r).await;
+    for s in 0..20 {
+        p.publish(0.0, &[stored(&tokens(s, 10), Medium::Gpu)])
+            .expect("publish");
+    }
+    let c = Arc::clone(&r.cluster);
+    until("every batch applied", || {
+        c.lock().expect("lock").streams[0].next_seq == Some(20)
+    })
+    .await;
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["index_pages"], 50, "{stats}");
+    assert_eq!(stats["dropped_stores"], 150, "{stats}");
+    assert!(stats["memory_bytes"].as_u64().unwrap_or(0) > 0);
+    assert!(
+        stats["memory_bytes"].as_u64().unwrap_or(u64::MAX) < 4096,
+        "{stats}"
+    );
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_route_picks_the_instance_holding_the_prefix_and_prices_the_store() {
+    let (p0, p1, l3) = (publisher(), publisher(), publisher());
+    let r = router(
+        vec![spec(&p0), spec(&p1)],
+        Some(spec(&l3)),
+        1 << 20,
+        Keys::Engine,
+    )
+    .await;
+    joined(&r).await;
+    let a = tokens(1, 16);
+    let b = tokens(2, 16);
+    p0.publish(0.0, &[stored(&a, Medium::Gpu)])
+        .expect("publish");
+    p1.publish(0.0, &[stored(&b[..8 * PS], Medium::Cpu)])
+        .expect("publish");
+    l3.publish(0.0, &[stored(&b, Medium::Storage)])
+        .expect("publish");
+    let c = Arc::clone(&r.cluster);
+    until("indexed", || {
+        c.lock().expect("lock").router().index().pages() == 40
+    })
+    .await;
+    let route = |t: &[u32]| serde_json::json!({"token_ids": t}).to_string();
+    let got = http(r.addr, "POST", "/route", Some(route(&a).as_bytes())).await;
+    assert_eq!(got.status, 200);
+    let j = got.json();
+    assert_eq!(
+        (j["instance"].as_u64(), j["gpu_pages"].as_u64()),
+        (Some(0), Some(16)),
+        "{j}"
+    );
+    assert_eq!(j["basis"], "cache");
+    // b: instance 1 has half in host memory, the store all of it; instance 0 only the store
+    let j = http(r.addr, "POST", "/route", Some(route(&b).as_bytes()))
+        .await
+        .json();
+    assert_eq!(j["instance"], 1, "{j}");
+    assert_eq!(
+        (j["host_pages"].as_u64(), j["l3_pages"].as_u64()),
+        (Some(8), Some(8))
+    );
+    let ttft = j["ttft_by_instance"].as_array().expect("array").clone();
+    assert!(ttft[1].as_f64() < ttft[0].as_f64(), "{j}");
+    // a salted prompt shares no page (kvtier's hashes cover the salt)
+    let salted = serde_json::json!({"token_ids": a, "salt": "tenant-b"}).to_string();
+    let j = http(r.addr, "POST", "/route", Some(salted.as_bytes()))
+        .await
+        .json();
+    assert_eq!(j["gpu_pages"], 0, "{j}");
+    // bad input: typed 400s
+    for bad in [&b"{"[..], br#"{"token_ids": [-1]}"#, br#"{"tokens": [1]}"#] {
+        let got = http(r.addr, "POST", "/route", Some(bad)).await;
+        assert_eq!(got.status, 400);
+        assert_eq!(got.json()["error"]["type"], "invalid_request");
+    }
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    // a, then the salted prompt (no hit anywhere: the shorter queue), to 0; b to 1
+    assert_eq!(stats["instances"][0]["routed"], 2, "{stats}");
+    assert_eq!(stats["instances"][1]["routed"], 1, "{stats}");
+    assert_eq!(stats["storage_pages"], 16);
+    // latency of one decision over HTTP (loopback, a new connection each)
+    let t = Instant::now();
+    let n = 200;
+    for _ in 0..n {
+        let got = http(r.addr, "POST", "/route", Some(route(&a).as_bytes())).await;
+        assert_eq!(got.status, 200);
+    }
+    eprintln!(
+        "POST /route, {}-token prompt, 2 instances: {:.0} us per request (new connection each)",
+        a.len(),
+        t.elapsed().as_secs_f64() / f64::from(n) * 1e6
+    );
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_publisher_replaces_its_instances_pages() {
+    let old = publisher();
+    let (ep, rep) = (
+        old.endpoint().to_string(),
+        old.replay_endpoint().expect("replay").to_string(),
+    );
+    let r = router(vec![spec(&old)], None, 1 << 20, Keys::Engine).await;
+    joined(&r).await;
+    for s in 0..3 {
+        old.publish(0.0, &[stored(&tokens(s, 4), Medium::Gpu)])
+            .expect("publish");
+    }
+    let c = Arc::clone(&r.cluster);
+    until("old pages", || {
+        c.lock().expect("lock").router().index().pages() == 12
+    })
+    .await;
+    drop(old);
+    // the engine comes back on the same ports with a new cache, numbering from 0 again
+    let new = kvtier_events::Publisher::bind(kvtier_events::PublisherConfig {
+        endpoint: ep,
+        replay_endpoint: Some(rep),
+        block_size: PS as u32,
+        ..kvtier_events::PublisherConfig::default()
+    })
+    .expect("rebind");
+    tokio::time::sleep(Duration::from_millis(500)).await; // the SUB reconnects
+    let fresh = tokens(9, 2);
+    new.publish(0.0, &[stored(&fresh, Medium::Gpu)])
+        .expect("publish");
+    let want = reference(&[vec![vec![stored(&fresh, Medium::Gpu)]]], 1 << 20).entries();
+    until("only the new pages", || {
+        c.lock().expect("lock").router().index().entries() == want
+    })
+    .await;
+    assert_eq!(
+        r.cluster.lock().expect("lock").streams[0].counters.restarts,
+        1
+    );
+    r.stop().await;
+}

@@ -1,0 +1,14 @@
+//! The kvtier-router service's tests, one test binary (each binary links tokio, axum, hyper
+//! and ZMQ, and CI builds them in release):
+//!
+//! - [`events`]: real kvtier publishers on loopback: gaps, snapshots, dead and garbage
+//!   publishers, the page cap, `POST /route`;
+//! - [`proxy`]: the OpenAI proxy against recorded vLLM responses, and vLLM's recorded events;
+//! - [`stream_props`]: proptest invariants of a stream's recovery and of the cap;
+//! - [`docs`]: docs/router.md's command line and requests.
+
+mod common;
+mod docs;
+mod events;
+mod proxy;
+mod stream_props;

@@ -1,0 +1,162 @@
+//! Invariants of one stream's recovery (sans I/O, against an in-memory publisher that keeps
+//! a bounded replay buffer and answers snapshots from kvtier-events' `Mirror`, as the real
+//! one does): whatever the network does to the live batches (drops, duplicates, reordering),
+//! the tracker followed by one catch-up gives exactly the clean stream's index; the index
+//! never holds more than its cap.
+
+use crate::common::*;
+use kvtier_events::{HashFormat, Medium, Mirror, WireEvent, encode_batch};
+use kvtier_router::cluster::{Cluster, Keys, Target};
+use kvtier_router::stream::{Apply, History, Replayed, SNAPSHOT, Tracker};
+use kvtier_router::{ClusterIndex, decode_batch};
+use proptest::prelude::*;
+
+/// The publisher's side, after it published every batch.
+struct Memory {
+    payloads: Vec<Vec<u8>>,
+    keep: usize,
+    snapshot: Vec<u8>,
+}
+
+impl Memory {
+    fn new(batches: &[Vec<WireEvent>], keep: usize) -> Memory {
+        let mut m = Mirror::new();
+        let payloads = batches
+            .iter()
+            .map(|b| {
+                b.iter().for_each(|e| m.apply(e));
+                encode_batch(0.0, b, 0, HashFormat::Int64).expect("encode")
+            })
+            .collect();
+        let snapshot = encode_batch(0.0, &m.snapshot(), 0, HashFormat::Int64).expect("encode");
+        Memory {
+            payloads,
+            keep,
+            snapshot,
+        }
+    }
+}
+
+impl History for Memory {
+    fn replay(&mut self, from: i64) -> Replayed {
+        let n = self.payloads.len();
+        if from == SNAPSHOT {
+            return Some(match n {
+                0 => Vec::new(),
+                _ => vec![((n - 1) as i64, self.snapshot.clone())],
+            });
+        }
+        let first = n.saturating_sub(self.keep);
+        Some(
+            (first..n)
+                .filter(|&s| s as i64 >= from)
+                .map(|s| (s as i64, self.payloads[s].clone()))
+                .collect(),
+        )
+    }
+}
+
+fn event() -> impl Strategy<Value = WireEvent> {
+    let medium = prop_oneof![Just(Medium::Gpu), Just(Medium::Cpu)];
+    (0u32..6, 1usize..5, medium, any::<bool>()).prop_map(|(seed, pages, m, store)| {
+        let t = tokens(seed, pages);
+        if store { stored(&t, m) } else { removed(&t, m) }
+    })
+}
+
+/// What happens to each live batch: 0 delivered, 1 dropped, 2 delivered twice.
+fn fates(n: usize) -> impl Strategy<Value = (Vec<u8>, Vec<(usize, usize)>)> {
+    (
+        proptest::collection::vec(0u8..3, n),
+        proptest::collection::vec((0..n.max(1), 0..n.max(1)), 0..4),
+    )
+}
+
+fn run(
+    batches: &[Vec<WireEvent>],
+    keep: usize,
+    fate: &[u8],
+    swaps: &[(usize, usize)],
+) -> Vec<(usize, &'static str, u64)> {
+    let mut mem = Memory::new(batches, keep);
+    let mut deliveries: Vec<usize> = Vec::new();
+    for (s, f) in fate.iter().enumerate().take(batches.len()) {
+        match f {
+            0 => deliveries.push(s),
+            2 => deliveries.extend([s, s]),
+            _ => {}
+        }
+    }
+    for &(a, b) in swaps {
+        if a < deliveries.len() && b < deliveries.len() {
+            deliveries.swap(a, b);
+        }
+    }
+    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine);
+    let st = c.add_stream("s", "mem", Target::Instance(0));
+    let mut t = Tracker::new();
+    let mut sink = |a: Apply<'_>| c.apply(st, a);
+    // the router started before the first batch: its snapshot is the empty answer
+    let mut empty = Memory::new(&[], keep);
+    t.sync(&mut empty, &mut sink);
+    for s in deliveries {
+        let p = mem.payloads[s].clone();
+        t.on_live(s as u64, &p, &mut mem, &mut sink);
+    }
+    t.catch_up(&mut mem, &mut sink);
+    c.router().index().entries()
+}
+
+fn clean(batches: &[Vec<WireEvent>]) -> Vec<(usize, &'static str, u64)> {
+    reference(&[batches.to_vec()], 1 << 20).entries()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn drops_duplicates_and_reordering_then_catch_up_give_the_clean_index(
+        (batches, keep, (fate, swaps)) in proptest::collection::vec(proptest::collection::vec(event(), 1..4), 1..12)
+            .prop_flat_map(|b| { let n = b.len(); (Just(b), 1..=n, fates(n)) })
+    ) {
+        prop_assert_eq!(run(&batches, keep, &fate, &swaps), clean(&batches));
+    }
+
+    #[test]
+    fn the_index_never_exceeds_its_cap(
+        batches in proptest::collection::vec(proptest::collection::vec(event(), 1..4), 1..20),
+        cap in 1usize..40,
+    ) {
+        let mut idx = ClusterIndex::new(2, cap);
+        for (i, b) in batches.iter().enumerate() {
+            let p = encode_batch(0.0, b, 0, HashFormat::Int64).expect("encode");
+            for e in decode_batch(&p).expect("decode") {
+                idx.apply(i % 2, &e);
+                prop_assert!(idx.pages() <= cap);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_publisher_that_restarts_from_zero_replaces_its_pages() {
+    let old = vec![
+        vec![stored(&tokens(1, 4), Medium::Gpu)],
+        vec![stored(&tokens(2, 4), Medium::Gpu)],
+    ];
+    let new = vec![vec![stored(&tokens(3, 2), Medium::Gpu)]];
+    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine);
+    let st = c.add_stream("s", "mem", Target::Instance(0));
+    let mut t = Tracker::new();
+    let mut sink = |a: Apply<'_>| c.apply(st, a);
+    let mut h = Memory::new(&old, 10);
+    t.sync(&mut Memory::new(&[], 10), &mut sink);
+    for (s, p) in h.payloads.clone().iter().enumerate() {
+        t.on_live(s as u64, p, &mut h, &mut sink);
+    }
+    let mut h2 = Memory::new(&new, 10);
+    let p = h2.payloads[0].clone();
+    t.on_live(0, &p, &mut h2, &mut sink);
+    assert_eq!(t.counters.restarts, 1);
+    assert_eq!(c.router().index().entries(), clean(&new));
+}
