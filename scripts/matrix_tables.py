@@ -10,7 +10,10 @@ markdown table per workload: every fixed option and the selector with TTFT p50 /
 selector against the best fixed option (bold when more than 0.5 point below), Belady, and
 the selector's share of Belady; then the worst point per workload.
 
-Usage: python3 scripts/matrix_tables.py [--round1] [DOCS_SIM_DIR]
+With --protect: queue-aware protection (LRU with --queue-protection waiting, the sweeps
+docs/sim/sweep-protect-NAME) against LRU at the same points.
+
+Usage: python3 scripts/matrix_tables.py [--round1 | --protect] [DOCS_SIM_DIR]
 """
 import json
 import os
@@ -87,7 +90,41 @@ def main(d, prefix):
     print(f"| all | {min(x[1] for x in worst_all if x[1] is not None):+.2f} | {tb} of {tn} |")
 
 
+def protect(d):
+    """Queue-aware protection beside the default: docs/sim/sweep-protect-NAME (LRU with
+    --queue-protection waiting) against the LRU runs of the same points."""
+    worst_all = []
+    for name, title, fixed_dir in WORKLOADS:
+        p = os.path.join(d, f"sweep-protect-{name}", "sweep.json")
+        if not os.path.exists(p):
+            print(f"**{title}**: not run\n")
+            continue
+        lru = {q["capacity_pages"]: next(c for c in q["compared"] if c["policy"] == FIXED[0])
+               for q in json.load(open(os.path.join(d, f"sweep-{fixed_dir}", "sweep.json")))}
+        print(f"**{title}** (hit rate, TTFT p50 / p99):\n")
+        print("| device + host pages | LRU (default) | LRU + queue protection | difference | Belady |")
+        print("| --- | --- | --- | --- | --- |")
+        worst, below, n = None, 0, 0
+        for q in json.load(open(p)):
+            base = lru[q["capacity_pages"]]
+            delta = (q["hit_rate"] - base["hit_rate"]) * 100
+            worst = delta if worst is None else min(worst, delta)
+            n += 1
+            below += delta < -0.05
+            print(f"| {q['capacity_pages']:,} | {cell(base['hit_rate'], base['ttft_ms'])} | "
+                  f"{cell(q['hit_rate'], q['ttft_ms'])} | {delta:+.2f} | {q['belady'] * 100:.2f} % |")
+        print()
+        worst_all.append((title, worst, below, n))
+    print("| workload | worst point: protection vs LRU | points below LRU |")
+    print("| --- | --- | --- |")
+    for t, w, b, n in worst_all:
+        print(f"| {t} | {'-' if w is None else f'{w:+.2f}'} | {b} of {n} |")
+
+
 if __name__ == "__main__":
     rnd = "--round1" in sys.argv
-    args = [a for a in sys.argv[1:] if a != "--round1"]
-    main(args[0] if args else "docs/sim", "shadow1" if rnd else "shadow")
+    args = [a for a in sys.argv[1:] if a not in ("--round1", "--protect")]
+    if "--protect" in sys.argv:
+        protect(args[0] if args else "docs/sim")
+    else:
+        main(args[0] if args else "docs/sim", "shadow1" if rnd else "shadow")
