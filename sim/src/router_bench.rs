@@ -3,11 +3,16 @@
 //!
 //! Why scale time and not the request count: a trace's sharing (which prompts repeat, in
 //! which order) is what routers are judged on, so the requests stay the same and only their
-//! arrival times are stretched or compressed. The load is the *offered* prefill load: the
-//! workload's prompt tokens per second over the cluster's prefill capacity
-//! (`instances × prefill_tokens_per_s` of the model profile), counting every prompt token
-//! as computed. Cache hits make the real compute smaller, so a load of 0.85 is 85 % of what
-//! the instances could prefill with no cache at all.
+//! arrival times are stretched or compressed.
+//!
+//! Why a measured capacity: the profile's prefill rate alone overstates what an instance
+//! sustains, because decode steps share its forward passes and its device memory bounds the
+//! batch (at "85 % of the prefill rate" the first 2,000 conversation requests queued for a
+//! minute). So the capacity is measured: the workload runs once per instance count with
+//! every request arriving at time 0 under round-robin (no cache awareness), and the prompt
+//! tokens per simulated second it completes are the cluster's capacity. A load of 0.85 then
+//! scales arrival times so that the workload offers 85 % of that (prompt tokens over the
+//! arrival span).
 
 use std::fs::File;
 use std::io::BufReader;
@@ -79,16 +84,29 @@ pub struct WorkloadSize {
     pub span_ms: u64,
 }
 
-/// The factor arrival times are multiplied by so that `size`'s offered prefill load is `load`
-/// of `instances × prefill_tokens_per_s`.
-pub fn time_scale(
-    size: &WorkloadSize,
-    instances: usize,
-    prefill_tokens_per_s: f64,
-    load: f64,
-) -> f64 {
+/// The factor arrival times are multiplied by so that `size` offers `load` of a cluster
+/// capacity of `capacity_tokens_per_s` prompt tokens per second.
+pub fn time_scale(size: &WorkloadSize, capacity_tokens_per_s: f64, load: f64) -> f64 {
     let offered = size.prompt_tokens as f64 / (size.span_ms as f64 / 1e3);
-    offered / (load * instances.max(1) as f64 * prefill_tokens_per_s)
+    offered / (load * capacity_tokens_per_s)
+}
+
+/// Prompt tokens per simulated second `instances` complete when every request of `w` arrives
+/// at once under round-robin: the cluster's capacity for this workload.
+pub fn capacity(w: &BenchWorkload, base: &SimConfig, instances: usize) -> Result<f64, String> {
+    let cfg = run_config(base, instances, Routing::RoundRobin);
+    let reqs = w.stream()?.map(|r| {
+        r.map(|mut r| {
+            r.arrival_ms = 0;
+            r
+        })
+    });
+    let r = crate::simulate_stream(&cfg, reqs, |_| {})?;
+    if r.simulated_seconds > 0.0 && r.prompt_tokens > 0 {
+        Ok(r.prompt_tokens as f64 / r.simulated_seconds)
+    } else {
+        Err(format!("{}: no prompt tokens completed", w.name()))
+    }
 }
 
 /// What one invocation runs.
@@ -108,6 +126,8 @@ pub struct BenchRow {
     pub workload: String,
     pub instances: usize,
     pub load: f64,
+    /// The measured capacity the load is a fraction of (prompt tokens per second).
+    pub capacity_tokens_per_s: f64,
     /// Arrival times were multiplied by this.
     pub time_scale: f64,
     pub router: String,
@@ -132,7 +152,7 @@ impl BenchRow {
         w: &BenchWorkload,
         cfg: &SimConfig,
         load: f64,
-        scale: f64,
+        (capacity, scale): (f64, f64),
         size: &WorkloadSize,
         r: &Report,
     ) -> Self {
@@ -142,6 +162,7 @@ impl BenchRow {
             workload: w.name(),
             instances: cfg.instances,
             load,
+            capacity_tokens_per_s: capacity,
             time_scale: scale,
             router: cfg.routing.name().into(),
             requests: size.requests,
@@ -177,8 +198,9 @@ pub fn run(spec: &BenchSpec, mut progress: impl FnMut(&BenchRow)) -> Result<Vec<
     for w in &spec.workloads {
         let size = w.measure()?;
         for &n in &spec.instances {
+            let cap = capacity(w, &spec.base, n)?;
             for &load in &spec.loads {
-                let scale = time_scale(&size, n, spec.base.profile.prefill_tokens_per_s, load);
+                let scale = time_scale(&size, cap, load);
                 for &router in &spec.routers {
                     let cfg = run_config(&spec.base, n, router);
                     let reqs = w.stream()?.map(move |r| {
@@ -188,7 +210,7 @@ pub fn run(spec: &BenchSpec, mut progress: impl FnMut(&BenchRow)) -> Result<Vec<
                         })
                     });
                     let report = crate::simulate_stream(&cfg, reqs, |_| {})?;
-                    let row = BenchRow::new(w, &cfg, load, scale, &size, &report);
+                    let row = BenchRow::new(w, &cfg, load, (cap, scale), &size, &report);
                     progress(&row);
                     rows.push(row);
                 }

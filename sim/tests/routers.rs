@@ -97,10 +97,10 @@ proptest! {
         load in 0.05f64..2.0,
     ) {
         let size = WorkloadSize { requests: 1, prompt_tokens: tokens, span_ms };
-        let rate = 60_000.0;
-        let f = time_scale(&size, instances, rate, load);
+        let capacity = 60_000.0 * instances as f64;
+        let f = time_scale(&size, capacity, load);
         let offered = tokens as f64 / (span_ms as f64 * f / 1e3);
-        prop_assert!((offered / (instances as f64 * rate) - load).abs() < 1e-9 * load.max(1.0));
+        prop_assert!((offered / capacity - load).abs() < 1e-9 * load.max(1.0));
     }
 }
 

@@ -10,7 +10,7 @@
 
 use kvtier_events::{HashFormat, Medium, WireEvent, encode_batch};
 use kvtier_radix::{KvEvent, PageHash, page_hashes};
-use kvtier_router::{CostModel, IndexEvent, Router};
+use kvtier_router::{CostModel, IndexEvent, Occupancy, Router};
 
 use crate::config::SimConfig;
 use crate::workload::SimRequest;
@@ -38,10 +38,20 @@ pub fn cost_model(cfg: &SimConfig) -> CostModel {
     }
 }
 
+/// The device memory and decode step of the simulated instances, for the router's queues.
+pub fn occupancy(cfg: &SimConfig) -> Occupancy {
+    Occupancy {
+        device_tokens: cfg.scheduler.device_pages as f64 * cfg.scheduler.page_size as f64,
+        decode_step_s: cfg.profile.forward_us(0, 1, 0) as f64 / 1e6,
+    }
+}
+
 impl KvtierRouter {
     pub fn new(cfg: &SimConfig) -> Self {
+        let mut router = Router::new(cfg.instances.max(1), cost_model(cfg), MAX_INDEX_PAGES);
+        router.set_occupancy(Some(occupancy(cfg)));
         Self {
-            router: Router::new(cfg.instances.max(1), cost_model(cfg), MAX_INDEX_PAGES),
+            router,
             page_size: cfg.scheduler.page_size,
             rejected: 0,
         }
@@ -92,9 +102,23 @@ impl KvtierRouter {
             .map(HashFormat::int64)
             .collect();
         self.router
-            .route_hashes(&hashes, r.prompt.len(), now_us as f64 / 1e6)
+            .route_tracked(
+                r.id,
+                &hashes,
+                r.prompt.len(),
+                r.output_len as usize,
+                now_us as f64 / 1e6,
+            )
             .ok()
             .map(|(i, _)| i)
+    }
+
+    pub fn first_token(&mut self, id: u64, now_us: u64) {
+        self.router.first_token(id, now_us as f64 / 1e6);
+    }
+
+    pub fn ended(&mut self, id: u64, now_us: u64) {
+        self.router.finished(id, now_us as f64 / 1e6);
     }
 
     pub fn router(&self) -> &Router {

@@ -143,16 +143,20 @@ impl ClusterRouter {
     /// Request `id` produced its first token.
     pub fn first_token(&mut self, id: u64, now_us: u64) {
         self.done_waiting(id);
-        if let State::Dynamo(d) = &mut self.state {
-            d.first_token(id, now_us);
+        match &mut self.state {
+            State::Dynamo(d) => d.first_token(id, now_us),
+            State::Kvtier(k) => k.first_token(id, now_us),
+            State::Stateless | State::LeastLoaded => {}
         }
     }
 
     /// Request `id` ended (finished, aborted or rejected).
     pub fn ended(&mut self, id: u64, now_us: u64) {
         self.done_waiting(id);
-        if let State::Dynamo(d) = &mut self.state {
-            d.ended(id, now_us);
+        match &mut self.state {
+            State::Dynamo(d) => d.ended(id, now_us),
+            State::Kvtier(k) => k.ended(id, now_us),
+            State::Stateless | State::LeastLoaded => {}
         }
     }
 
