@@ -123,3 +123,56 @@ impl Feedback {
         self.booked.len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn pending_prefill_leaves_at_the_first_token_and_memory_at_the_end() {
+        let mut f = Feedback::new(2, 1000.0);
+        f.book(1, 0, 0.5, 600.0);
+        assert_eq!(f.queue_s(0, 100.0), 0.5);
+        assert!(f.first_token(1, 1.0));
+        assert_eq!(f.queue_s(0, 100.0), 0.0);
+        // 600 held + 600 new is 200 over 1000: a fifth of the decode time, once learnt.
+        assert!(f.finished(1, Some(3.0)));
+        assert!((f.decode_s[0] - DECODE_EWMA * 2.0).abs() < 1e-12);
+        f.book(2, 0, 0.0, 600.0);
+        let d = f.decode_s[0];
+        assert!((f.queue_s(0, 600.0) - 0.2 * d).abs() < 1e-12);
+        assert!(!f.first_token(9, 0.0) && !f.finished(9, None));
+        assert_eq!(f.queue_s(7, 1.0), 0.0, "an unknown instance has no queue");
+    }
+
+    proptest! {
+        /// Whatever the order of bookings, first tokens and ends, queues are never negative
+        /// and return to zero once every request ended.
+        #[test]
+        fn queues_stay_non_negative_and_drain(
+            ops in prop::collection::vec((0u64..12, 0usize..3, 0u8..3, 0.0f64..2.0), 1..80),
+        ) {
+            let mut f = Feedback::new(3, 500.0);
+            let mut t = 0.0;
+            for (id, inst, op, x) in ops {
+                t += x;
+                match op {
+                    0 => f.book(id, inst, x, x * 400.0),
+                    1 => { f.first_token(id, t); }
+                    _ => { f.finished(id, Some(t)); }
+                }
+                for i in 0..3 {
+                    prop_assert!(f.queue_s(i, 100.0) >= 0.0);
+                }
+            }
+            for id in 0..12 {
+                f.finished(id, Some(t));
+            }
+            prop_assert_eq!(f.booked(), 0);
+            for i in 0..3 {
+                prop_assert!(f.pending_s[i].abs() < 1e-9 && f.held[i].abs() < 1e-9);
+            }
+        }
+    }
+}
