@@ -9,9 +9,11 @@ use proptest::prelude::*;
 
 /// Small tiers so that pages move: host copies, evictions, L3 backups and prefetches.
 fn small(instances: usize, router: Routing) -> SimConfig {
-    let mut c = SimConfig::default();
-    c.instances = instances;
-    c.routing = router;
+    let mut c = SimConfig {
+        instances,
+        routing: router,
+        ..SimConfig::default()
+    };
     c.scheduler.device_pages = 96;
     c.scheduler.host_pages = 192;
     c.l3_pages = 4096;

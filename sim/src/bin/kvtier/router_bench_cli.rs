@@ -64,7 +64,7 @@ fn spec(a: &RouterBenchArgs) -> Result<BenchSpec, String> {
     base.effective_scheduler()
         .validate()
         .map_err(|e| format!("configuration: {e}"))?;
-    if a.instances.iter().any(|&n| n == 0) {
+    if a.instances.contains(&0) {
         return Err("--instances: counts must be positive".into());
     }
     if a.loads.iter().any(|&l| !(l > 0.0 && l.is_finite())) {
@@ -78,10 +78,12 @@ fn spec(a: &RouterBenchArgs) -> Result<BenchSpec, String> {
         .iter()
         .map(|w| {
             if w == "chat" {
-                let mut spec = ChatSpec::default();
-                spec.clients = a.clients.unwrap_or(spec.clients);
-                spec.rounds = a.rounds.unwrap_or(spec.rounds);
-                BenchWorkload::Chat(spec)
+                let d = ChatSpec::default();
+                BenchWorkload::Chat(ChatSpec {
+                    clients: a.clients.unwrap_or(d.clients),
+                    rounds: a.rounds.unwrap_or(d.rounds),
+                    ..d
+                })
             } else {
                 BenchWorkload::Trace {
                     path: PathBuf::from(w),
