@@ -1,36 +1,36 @@
 //! `kvtier sim --router` and `kvtier router-bench`: a tiny benchmark runs end to end and writes
 //! its table, JSON and plot; `--routing` still works; bad input is a clear error.
 
-use std::process::Command;
+use std::process::{Command, Output};
 
 fn kvtier() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvtier"))
 }
 
+/// Runs `cmd`; it must succeed (its stderr is the failure message).
+fn succeeds(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    out
+}
+
 #[test]
 fn router_and_its_alias_routing_both_run() {
     for flag in ["--router", "--routing"] {
-        let out = kvtier()
-            .args([
-                "sim",
-                "--quiet",
-                "--no-compare",
-                "--clients",
-                "6",
-                "--rounds",
-                "2",
-                "--instances",
-                "2",
-                flag,
-                "kvtier",
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out = succeeds(kvtier().args([
+            "sim",
+            "--quiet",
+            "--no-compare",
+            "--clients",
+            "6",
+            "--rounds",
+            "2",
+            "--instances",
+            "2",
+            flag,
+            "kvtier",
+        ]));
         let s = String::from_utf8_lossy(&out.stdout);
         assert!(
             s.contains("router") && s.contains("kvtier: requests per instance"),
@@ -43,32 +43,27 @@ fn router_and_its_alias_routing_both_run() {
 fn a_tiny_router_bench_writes_table_json_and_plot() {
     let dir = std::env::temp_dir().join(format!("kvtier-router-bench-{}", std::process::id()));
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-    let out = kvtier()
-        .current_dir(root)
-        .args([
-            "router-bench",
-            "--quiet",
-            "--workloads",
-            "traces/synthetic_trace.jsonl,chat",
-            "--limit",
-            "12",
-            "--clients",
-            "4",
-            "--rounds",
-            "2",
-            "--instances",
-            "2",
-            "--loads",
-            "0.5",
-        ])
-        .arg("--out")
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    succeeds(
+        kvtier()
+            .current_dir(root)
+            .args([
+                "router-bench",
+                "--quiet",
+                "--workloads",
+                "traces/synthetic_trace.jsonl,chat",
+                "--limit",
+                "12",
+                "--clients",
+                "4",
+                "--rounds",
+                "2",
+                "--instances",
+                "2",
+                "--loads",
+                "0.5",
+            ])
+            .arg("--out")
+            .arg(&dir),
     );
     for f in [
         "router-bench.json",
