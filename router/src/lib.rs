@@ -11,6 +11,9 @@
 //! - [`index`]: which pages each instance holds on which tier, and the shared store's pages,
 //!   folded from vLLM-format events (`kvtier-events`' wire, or any vLLM publisher's);
 //! - [`cost`]: the TTFT model;
+//! - [`feedback`]: closed-loop queues from each request's first token and end;
+//! - [`occupancy`]: the device memory a request holds while it decodes, which its queue
+//!   also counts;
 //! - [`route`]: the decision, with each instance's queue kept by the router itself so one
 //!   hot prefix spreads once its instance is busier than recomputing elsewhere.
 //!
@@ -27,9 +30,11 @@
 
 pub mod cluster;
 pub mod cost;
+pub mod feedback;
 pub mod index;
 pub mod keys;
 pub mod launch;
+pub mod occupancy;
 pub mod proxy;
 pub mod route;
 pub mod service;
@@ -38,4 +43,5 @@ pub mod subscriber;
 
 pub use cost::{CostModel, Estimate};
 pub use index::{ClusterIndex, DecodeError, IndexEvent, decode_batch};
+pub use occupancy::Occupancy;
 pub use route::{RouteError, Router};

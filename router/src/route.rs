@@ -1,7 +1,8 @@
 //! The decision: the instance with the least expected TTFT, each instance's queue included.
 //!
 //! The router keeps each instance's queue itself, in seconds of work: a routed request adds
-//! its estimated work (compute plus loads) to its instance, and every instance drains one
+//! its estimated work (compute plus loads, or, with an [`Occupancy`] set, the device
+//! memory-time it will hold while decoding if that is larger) to its instance, and every instance drains one
 //! second of work per second of the caller's clock. So a hot prefix goes to the instance
 //! holding it until that instance's queue outweighs what the prefix saves, then spreads. Ties
 //! go to the shorter queue, then the lower index, so equal inputs give equal choices.
@@ -10,7 +11,9 @@ use kvtier_events::HashFormat;
 use kvtier_radix::HashScope;
 
 use crate::cost::{CostModel, Estimate};
+use crate::feedback::Feedback;
 use crate::index::{ClusterIndex, DecodeError, IndexEvent, decode_batch};
+use crate::occupancy::Occupancy;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RouteError {
@@ -27,6 +30,8 @@ pub struct Router {
     model: CostModel,
     queues: Vec<f64>,
     now_s: f64,
+    occupancy: Option<Occupancy>,
+    feedback: Option<Feedback>,
 }
 
 impl Router {
@@ -37,7 +42,57 @@ impl Router {
             model,
             queues: vec![0.0; instances],
             now_s: 0.0,
+            occupancy: None,
+            feedback: None,
         }
+    }
+
+    /// Counts the device memory each request holds while it decodes in its instance's queue
+    /// (`None`: prefill work only, the default).
+    pub fn set_occupancy(&mut self, occupancy: Option<Occupancy>) {
+        self.occupancy = occupancy;
+    }
+
+    /// Routes `id` as [`Self::route_request`] does, and books it: from the first booking on,
+    /// the queues are closed-loop ([`Feedback`]), kept from [`Self::first_token`] and
+    /// [`Self::finished`], which the caller must report for every booked request. Needs an
+    /// [`Occupancy`] for the device's capacity (without one, memory is not counted).
+    pub fn route_tracked(
+        &mut self,
+        id: u64,
+        hashes: &[u64],
+        tokens: usize,
+        output: usize,
+        now_s: f64,
+    ) -> Result<(usize, Estimate), RouteError> {
+        let n = self.queues.len();
+        let device_tokens = self.occupancy.map_or(0.0, |o| o.device_tokens);
+        let fb = self
+            .feedback
+            .get_or_insert_with(|| Feedback::new(n, device_tokens));
+        let held = (tokens + output) as f64;
+        for (i, q) in self.queues.iter_mut().enumerate() {
+            *q = fb.queue_s(i, held);
+        }
+        let (best, est) = self.route_request(hashes, tokens, output, now_s)?;
+        if let Some(fb) = &mut self.feedback {
+            fb.book(id, best, est.work_s(), held);
+        }
+        Ok((best, est))
+    }
+
+    /// Booked request `id` produced its first token (`false`: not booked).
+    pub fn first_token(&mut self, id: u64, now_s: f64) -> bool {
+        self.feedback
+            .as_mut()
+            .is_some_and(|f| f.first_token(id, now_s))
+    }
+
+    /// Booked request `id` ended (finished, aborted, failed; `false`: not booked).
+    pub fn finished(&mut self, id: u64, now_s: f64) -> bool {
+        self.feedback
+            .as_mut()
+            .is_some_and(|f| f.finished(id, Some(now_s)))
     }
 
     pub fn index(&self) -> &ClusterIndex {
@@ -108,6 +163,19 @@ impl Router {
         tokens: usize,
         now_s: f64,
     ) -> Result<(usize, Estimate), RouteError> {
+        self.route_request(hashes, tokens, 0, now_s)
+    }
+
+    /// [`Self::route_hashes`] for a request expected to generate `output` tokens (its
+    /// `max_tokens`, or an estimate): with an [`Occupancy`] set, its queue share counts the
+    /// device memory it will hold while decoding.
+    pub fn route_request(
+        &mut self,
+        hashes: &[u64],
+        tokens: usize,
+        output: usize,
+        now_s: f64,
+    ) -> Result<(usize, Estimate), RouteError> {
         if self.queues.is_empty() {
             return Err(RouteError::NoInstances);
         }
@@ -124,7 +192,8 @@ impl Router {
             })
             .map(|(i, e)| (i, *e))
             .ok_or(RouteError::NoInstances)?;
-        self.queues[best] += est.work_s();
+        let memory_s = self.occupancy.map_or(0.0, |o| o.memory_s(tokens, output));
+        self.queues[best] += est.work_s().max(memory_s);
         Ok((best, est))
     }
 

@@ -237,3 +237,36 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
     let (_, e) = r.route(&tokens(1, 0, 6), &plain(), 0.0).unwrap();
     assert_eq!(e.gpu_pages, 4);
 }
+
+/// With each request's first token and end reported, a hot prefix stays where its pages are
+/// while that device has room, and goes elsewhere once what it would hold overflows the
+/// device for longer than computing it there takes.
+#[test]
+fn tracked_requests_spread_once_the_devices_memory_is_full() {
+    let mut r = Router::new(2, model(), 1 << 20);
+    r.set_occupancy(Some(Occupancy {
+        device_tokens: 100.0,
+        decode_step_s: 0.01,
+    }));
+    let hashes: Vec<u64> = (1..=10).collect(); // 40 tokens, all on instance 0's GPU
+    r.apply(
+        0,
+        &IndexEvent::Stored {
+            medium: Medium::Gpu,
+            hashes: hashes.clone(),
+        },
+    )
+    .unwrap();
+    // The first request teaches instance 0 its decode time (10 s, averaged from 0).
+    assert_eq!(r.route_tracked(1, &hashes, 40, 20, 0.0).unwrap().0, 0);
+    assert!(r.first_token(1, 0.0) && r.finished(1, 10.0));
+    // The next one is held there (60 of 100 tokens) ...
+    assert_eq!(r.route_tracked(2, &hashes, 40, 20, 10.0).unwrap().0, 0);
+    assert!(r.first_token(2, 10.0));
+    // ... so the third would overflow instance 0 by 20 %: 0.2 s of its 1 s mean decode,
+    // against 0.04 s to compute its 40 tokens on instance 1.
+    let (inst, est) = r.route_tracked(3, &hashes, 40, 20, 10.0).unwrap();
+    assert_eq!(inst, 1);
+    assert!((est.compute_s - 0.04).abs() < 1e-9, "{est:?}");
+    assert!(!r.finished(99, 11.0), "an unknown request is not booked");
+}

@@ -28,7 +28,8 @@ use kvtier_scheduler::*;
 use crate::belady::AccessLog;
 use crate::config::SimConfig;
 use crate::report::{Collector, Report};
-use crate::workload::{SimRequest, WorkloadError, route};
+use crate::routing::ClusterRouter;
+use crate::workload::{SimRequest, WorkloadError};
 
 mod complete;
 mod oracle;
@@ -93,6 +94,8 @@ struct Instance {
     d2h_free: u64,
     net_free: u64,
     prefetches: HashMap<OpId, LivePrefetch>,
+    /// Time the instance spent in forward passes (µs).
+    busy_us: u64,
 }
 
 /// How many requests are pulled from the workload ahead of the clock.
@@ -139,6 +142,8 @@ pub struct Simulation {
     pub accesses: AccessLog,
     /// The SSD tier's temporary directory, removed when the simulation ends.
     temp_dir: Option<std::path::PathBuf>,
+    /// Which instance serves each request (`--router`), fed the instances' events.
+    router: ClusterRouter,
 }
 
 impl Drop for Simulation {
@@ -156,9 +161,11 @@ impl Simulation {
     pub fn new(cfg: SimConfig) -> Result<Simulation, String> {
         let mut insts = Vec::new();
         let mut sched_cfg = cfg.effective_scheduler();
-        // Write-back makes L3 the only copy of pages host drops: watch every drop.
-        sched_cfg.record_kv_events |=
-            sched_cfg.l3_enabled && sched_cfg.write_policy == WritePolicy::WriteBack;
+        let router = ClusterRouter::new(&cfg);
+        // Write-back makes L3 the only copy of pages host drops: watch every drop. KV-aware
+        // routers read the same events.
+        sched_cfg.record_kv_events |= router.wants_events()
+            || (sched_cfg.l3_enabled && sched_cfg.write_policy == WritePolicy::WriteBack);
         for _ in 0..cfg.instances.max(1) {
             let sched = Scheduler::new(sched_cfg.clone()).map_err(|e| e.to_string())?;
             insts.push(Instance {
@@ -173,6 +180,7 @@ impl Simulation {
                 d2h_free: 0,
                 net_free: 0,
                 prefetches: HashMap::new(),
+                busy_us: 0,
             });
         }
         let mut temp_dir = None;
@@ -240,6 +248,7 @@ impl Simulation {
             loss_cursor,
             accesses: AccessLog::default(),
             temp_dir,
+            router,
         })
     }
 
@@ -350,6 +359,12 @@ impl Simulation {
         if let Some(s) = &self.store {
             report.l3_objects = s.stats().map(|x| x.objects).unwrap_or(0);
         }
+        report.routing = crate::report::RoutingReport {
+            router: self.cfg.routing.name().to_string(),
+            routed: self.router.routed.clone(),
+            busy_s: self.insts.iter().map(|i| i.busy_us as f64 / 1e6).collect(),
+            index: self.router.index_stats(),
+        };
         Ok(report)
     }
 
@@ -383,7 +398,7 @@ impl Simulation {
     }
 
     fn arrive(&mut self, r: SimRequest) -> Result<usize, String> {
-        let inst = route(&r, self.insts.len(), self.cfg.routing);
+        let inst = self.router.route(&r, self.now_us);
         let id = RequestId(r.id);
         let i = &mut self.insts[inst];
         let prompt_len = r.prompt.len();
@@ -407,7 +422,10 @@ impl Simulation {
                 );
                 self.col.submitted(prompt_len as u64);
             }
-            Err(e) => self.col.rejected(&e),
+            Err(e) => {
+                self.col.rejected(&e);
+                self.router.ended(id.0, self.now_us);
+            }
         }
         Ok(inst)
     }

@@ -11,6 +11,8 @@
 //! - [`engine`]: the discrete-event loop and the oracle;
 //! - [`belady`]: the offline-optimal (MIN) ceiling;
 //! - [`report`]: hit rates per tier, TTFT percentiles, traffic, ops;
+//! - [`routing`]: which instance serves each request (round-robin … Dynamo's and kvtier's
+//!   KV-aware routers); [`router_bench`]: the routers compared over traces and loads;
 //! - [`plot`]: hit rate against capacity (SVG and PNG).
 
 pub mod belady;
@@ -20,6 +22,9 @@ pub mod matching_capacity;
 pub mod plot;
 pub mod profile;
 pub mod report;
+pub mod router_bench;
+pub mod router_plot;
+pub mod routing;
 pub mod sweep_table;
 pub mod workload;
 

@@ -218,6 +218,7 @@ impl Collector {
             accesses: AccessLog::default(),
             adaptive: Vec::new(),
             shadow: Vec::new(),
+            routing: RoutingReport::default(),
         }
     }
 }
@@ -333,9 +334,31 @@ pub struct Report {
     /// other policies).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub shadow: Vec<kvtier_radix::ShadowSnapshot>,
+    /// Where the router sent requests, how busy each instance was, its index.
+    pub routing: RoutingReport,
     /// The access sequence the Belady ceiling is computed over (not serialized).
     #[serde(skip)]
     pub accesses: AccessLog,
+}
+
+/// The router's part of a run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RoutingReport {
+    pub router: String,
+    /// Requests routed to each instance.
+    pub routed: Vec<u64>,
+    /// Seconds each instance spent in forward passes.
+    pub busy_s: Vec<f64>,
+    pub index: crate::routing::IndexStats,
+}
+
+impl RoutingReport {
+    /// The most and the least busy instance's forward time (seconds).
+    pub fn busy_max_min(&self) -> (f64, f64) {
+        let max = self.busy_s.iter().copied().fold(0.0, f64::max);
+        let min = self.busy_s.iter().copied().fold(f64::INFINITY, f64::min);
+        (max, if min.is_finite() { min } else { 0.0 })
+    }
 }
 
 fn gib(b: u64) -> String {
@@ -511,6 +534,29 @@ impl Report {
                 self.oracle.pages_checked, self.oracle.failures
             ),
         );
+        let rt = &self.routing;
+        if rt.routed.len() > 1 {
+            let (max, min) = rt.busy_max_min();
+            line(
+                "router",
+                format!(
+                    "{}: requests per instance {:?}, busy {:.1} s max / {:.1} s min",
+                    rt.router, rt.routed, max, min
+                ),
+            );
+            if rt.index.pages > 0 {
+                line(
+                    "router index",
+                    format!(
+                        "{} entries, {}",
+                        rt.index.pages,
+                        rt.index
+                            .bytes
+                            .map_or_else(|| "size not reported".into(), |b| format!("{b} bytes"))
+                    ),
+                );
+            }
+        }
         line("wall time", format!("{:.2} s", self.wall_seconds));
         s
     }

@@ -331,23 +331,54 @@ pub fn synthetic_chat(spec: &ChatSpec) -> Vec<SimRequest> {
     out
 }
 
-/// How requests are spread over engine instances.
+/// How requests are spread over engine instances (`--router`; `--routing` is its alias).
 #[derive(
     Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
 )]
 pub enum Routing {
     /// Request i goes to instance i mod N.
     RoundRobin,
+    /// The instance with the fewest prompt tokens waiting for their first token.
+    LeastLoaded,
     /// A session always goes to the same instance.
     Session,
+    /// NVIDIA Dynamo's KV router (crate `dynamo-kv-router`, default configuration).
+    Dynamo,
+    /// kvtier's router (crate `kvtier-router`): least expected TTFT over the tiers.
+    Kvtier,
 }
 
-pub fn route(r: &SimRequest, instances: usize, routing: Routing) -> usize {
+impl Routing {
+    /// Every router, in the order reports list them.
+    pub const ALL: [Routing; 5] = [
+        Routing::RoundRobin,
+        Routing::LeastLoaded,
+        Routing::Session,
+        Routing::Dynamo,
+        Routing::Kvtier,
+    ];
+
+    /// The name the command line takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Routing::RoundRobin => "round-robin",
+            Routing::LeastLoaded => "least-loaded",
+            Routing::Session => "session",
+            Routing::Dynamo => "dynamo",
+            Routing::Kvtier => "kvtier",
+        }
+    }
+}
+
+/// The instance of a router that needs no state: round-robin by request id, session by a hash
+/// of the session id; `None` for the routers that keep state (`crate::routing`).
+pub fn route(r: &SimRequest, instances: usize, routing: Routing) -> Option<usize> {
     let n = instances.max(1) as u64;
-    (match routing {
-        Routing::RoundRobin => r.id % n,
-        Routing::Session => mix(r.session) % n,
-    }) as usize
+    match routing {
+        Routing::RoundRobin => Some((r.id % n) as usize),
+        Routing::Session => Some((mix(r.session) % n) as usize),
+        Routing::LeastLoaded | Routing::Dynamo | Routing::Kvtier => None,
+    }
 }
 
 #[cfg(test)]

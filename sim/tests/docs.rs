@@ -1,5 +1,5 @@
-//! Every `kvtier` command in the shell blocks of docs/sim.md, docs/sim/policies.md and
-//! docs/sim/shadow.md runs (with `--dry-run`: flags, config
+//! Every `kvtier` command in the shell blocks of docs/sim.md, docs/sim/policies.md,
+//! docs/sim/shadow.md and docs/router.md runs (with `--dry-run`: flags, config
 //! files and workloads are checked, nothing is simulated), so the documentation cannot drift
 //! from the command line. Measured figures in the document name their commands the same way.
 
@@ -37,10 +37,15 @@ fn documented_commands(md: &str) -> Vec<Vec<String>> {
 #[test]
 fn every_documented_command_runs() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let md: String = ["docs/sim.md", "docs/sim/policies.md", "docs/sim/shadow.md"]
-        .iter()
-        .map(|p| std::fs::read_to_string(root.join(p)).unwrap())
-        .collect();
+    let md: String = [
+        "docs/sim.md",
+        "docs/sim/policies.md",
+        "docs/sim/shadow.md",
+        "docs/router.md",
+    ]
+    .iter()
+    .map(|p| std::fs::read_to_string(root.join(p)).unwrap())
+    .collect();
     let cmds = documented_commands(&md);
     assert!(cmds.len() >= 8, "found {} commands", cmds.len());
     for args in cmds {

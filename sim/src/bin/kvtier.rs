@@ -28,6 +28,9 @@ use kvtier_sim::workload::{
 };
 use kvtier_sim::{Report, SimConfig, simulate_stream};
 
+#[path = "kvtier/router_bench_cli.rs"]
+mod router_bench_cli;
+
 #[derive(Parser)]
 #[command(
     name = "kvtier",
@@ -43,6 +46,8 @@ struct Cli {
 enum Cmd {
     /// Replay a workload through the real scheduler and L3 store.
     Sim(Box<SimArgs>),
+    /// Every router over the traces, instance counts and loads (docs/router.md).
+    RouterBench(Box<router_bench_cli::RouterBenchArgs>),
     /// Run the L3 store server: roles both | master | node (try `kvtier l3 --help`).
     #[command(disable_help_flag = true)]
     L3 {
@@ -98,8 +103,9 @@ struct SimArgs {
     /// Engine instances sharing one L3.
     #[arg(long)]
     instances: Option<usize>,
-    #[arg(long, value_enum)]
-    routing: Option<Routing>,
+    /// Which instance serves each request (`--routing` is an alias).
+    #[arg(long, value_enum, alias = "routing")]
+    router: Option<Routing>,
     /// write-through | selective:HITS | write-back
     #[arg(long)]
     write_policy: Option<String>,
@@ -154,6 +160,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Sim(a) => match run_sim(*a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(e),
+        },
+        Cmd::RouterBench(a) => match router_bench_cli::run(*a) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => fail(e),
         },
@@ -266,7 +276,7 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
     if let Some(v) = a.instances {
         c.instances = v.max(1);
     }
-    if let Some(r) = a.routing {
+    if let Some(r) = a.router {
         c.routing = r;
     }
     c.effective_scheduler()

@@ -95,6 +95,11 @@ impl Simulation {
         };
         if ok {
             self.col.l3_written(keys.len() as u64);
+            let pages: Vec<_> = keys
+                .iter()
+                .filter_map(|k| kvtier_radix::parse_l3_key(k).map(|k| k.page))
+                .collect();
+            self.router.l3_stored(inst, &pages);
         }
         self.backups_done += 1;
         let lose = self.cfg.faults.lose_l3_every;
@@ -142,6 +147,13 @@ impl Simulation {
         };
         self.loss_cursor = Some(lost.next);
         let keys: Vec<&str> = lost.keys.iter().map(String::as_str).collect();
+        if !keys.is_empty() {
+            let pages: Vec<_> = keys
+                .iter()
+                .filter_map(|k| kvtier_radix::parse_l3_key(k).map(|k| k.page))
+                .collect();
+            self.router.l3_lost(&pages);
+        }
         for (n, i) in self.insts.iter_mut().enumerate() {
             // Each simulated instance is a single-rank engine (`tp_ranks` 1): its scheduler
             // takes the report directly; a refusal is a misconfigured run, counted as such.
@@ -231,6 +243,7 @@ impl Simulation {
                     && tr.first_token_us.is_none()
                 {
                     tr.first_token_us = Some(now);
+                    self.router.first_token(c.req.0, now);
                 }
             }
             outputs.push(TokenOutput {

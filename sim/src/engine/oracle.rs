@@ -8,7 +8,7 @@
 
 use kvtier_l3::L3Store;
 use kvtier_radix::{TierKind, extend_hashes};
-use kvtier_scheduler::{KvEvent, RequestId};
+use kvtier_scheduler::{KvEvent, RequestId, WritePolicy};
 
 use super::{Simulation, fingerprint};
 
@@ -90,16 +90,25 @@ impl Simulation {
     /// Under write-back, host is the last local tier a page leaves: every page the scheduler
     /// dropped from host must still be in L3 or on this instance's device, or it is lost from
     /// every tier (an oracle failure). Runs only where KV events are recorded (write-back
-    /// with L3: `Simulation::new` turns them on).
+    /// with L3, or a KV-aware router: `Simulation::new` turns them on); the events drained
+    /// here are also what the router reads.
     pub(super) fn check_host_drops(&mut self, inst: usize) {
         if !self.insts[inst].sched.config().record_kv_events {
+            return;
+        }
+        let events = self.insts[inst].sched.drain_kv_events();
+        // A KV-aware router reads every event the instance published.
+        self.router.kv_events(inst, &events);
+        // Only write-back makes L3 the only copy of what host drops.
+        let cfg = self.insts[inst].sched.config();
+        if !(cfg.l3_enabled && cfg.write_policy == WritePolicy::WriteBack) {
             return;
         }
         let Some(store) = self.store.clone() else {
             return;
         };
         let mut dropped = Vec::new();
-        for ev in self.insts[inst].sched.drain_kv_events() {
+        for ev in events {
             if let KvEvent::Removed {
                 tier: TierKind::Host,
                 hashes,

@@ -30,6 +30,7 @@ impl Simulation {
                     self.col
                         .ended(*outcome, tr.first_token_us.map(|f| f - tr.arrival_us));
                 }
+                self.router.ended(id.0, now);
             }
             for id in &plan.retracted {
                 i.model.forget(*id);
@@ -167,6 +168,7 @@ impl Simulation {
                 .forward_us(prefill, f.decode.len() as u64, ctx);
             let end = before_forward_end + dur;
             self.insts[inst].forward_busy = true;
+            self.insts[inst].busy_us += dur;
             self.col.forward(prefill, f.decode.len() as u64, dur);
             self.push(
                 end,
