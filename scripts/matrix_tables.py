@@ -11,7 +11,7 @@ selector against the best fixed option (bold when more than 0.5 point below), Be
 the selector's share of Belady; then the worst point per workload.
 
 With --protect: queue-aware protection (LRU with --queue-protection waiting, the sweeps
-docs/sim/sweep-protect-NAME) against LRU at the same points.
+docs/sim/sweep-protect-NAME) against LRU at the same points (docs/sim/sweep-protect-off-NAME).
 
 Usage: python3 scripts/matrix_tables.py [--round1 | --protect] [DOCS_SIM_DIR]
 """
@@ -92,15 +92,16 @@ def main(d, prefix):
 
 def protect(d):
     """Queue-aware protection beside the default: docs/sim/sweep-protect-NAME (LRU with
-    --queue-protection waiting) against the LRU runs of the same points."""
+    --queue-protection waiting) against docs/sim/sweep-protect-off-NAME (LRU, the same
+    points, the same binary)."""
     worst_all = []
     for name, title, fixed_dir in WORKLOADS:
         p = os.path.join(d, f"sweep-protect-{name}", "sweep.json")
         if not os.path.exists(p):
             print(f"**{title}**: not run\n")
             continue
-        lru = {q["capacity_pages"]: next(c for c in q["compared"] if c["policy"] == FIXED[0])
-               for q in json.load(open(os.path.join(d, f"sweep-{fixed_dir}", "sweep.json")))}
+        lru = {q["capacity_pages"]: q
+               for q in json.load(open(os.path.join(d, f"sweep-protect-off-{name}", "sweep.json")))}
         print(f"**{title}** (hit rate, TTFT p50 / p99):\n")
         print("| device + host pages | LRU (default) | LRU + queue protection | difference | Belady |")
         print("| --- | --- | --- | --- | --- |")

@@ -109,7 +109,8 @@ fn the_matrix_tables_are_the_scripts_output() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let page = std::fs::read_to_string(root.join("docs/sim/shadow.md")).unwrap();
     let printed = python(&root, &["scripts/matrix_tables.py"])
-        + &python(&root, &["scripts/matrix_tables.py", "--round1"]);
+        + &python(&root, &["scripts/matrix_tables.py", "--round1"])
+        + &python(&root, &["scripts/matrix_tables.py", "--protect"]);
     let rows: Vec<&str> = printed.lines().filter(|l| l.starts_with("| ")).collect();
     assert!(rows.len() > 40, "{} rows", rows.len());
     for row in rows {

@@ -119,8 +119,8 @@ class SchedulerConfig:
     ``"freq-depth:CREDIT_PAGES:MAX_USES:DEBIT_PER_PAGE"`` (see docs/sim.md). ``host_admission`` is ``"on-finish"`` (default: pages computed on
     device get a host copy when their request finishes) or ``"on-device-eviction:AHEAD_PAGES"``
     (demotion: device pages are written to host just before device evicts them).
-    ``queue_protection`` is ``"off"`` (default) or ``"waiting"`` (the pages of waiting requests'
-    prompts are evicted after every other cached page, until they are admitted). ``tp_ranks``
+    ``queue_protection`` is ``"waiting"`` (default: the pages of waiting requests' prompts are
+    evicted after every other cached page, until they are admitted) or ``"off"``. ``tp_ranks``
     is the tensor-parallel group's size (1: a single rank; ``rank`` must be below it): above 1
     the scheduler is one rank of several and refuses the direct ``l3_lost`` / ``l3_lost_all``
     (``LossNeedsAgreementError``): losses go through ``RankAgreement.lost`` and

@@ -46,11 +46,17 @@ class Subscriber:
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.RCVTIMEO, 300)
+        # A SUB joins asynchronously (ZMQ's slow joiner): wait for its handshake (at most 5 s
+        # on a loaded machine), then for the PUB to take the subscription.
+        joined = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        joined.setsockopt(zmq.RCVTIMEO, 5000)
         self.sub.connect(pub.endpoint)
+        joined.recv_multipart()
+        self.sub.disable_monitor()
         self.replay = self.ctx.socket(zmq.DEALER)
         self.replay.setsockopt(zmq.RCVTIMEO, 3000)
         self.replay.connect(pub.replay_endpoint)
-        time.sleep(0.2)  # the SUB joins before anything is published
+        time.sleep(0.2)
 
     def live(self):
         out = []

@@ -122,7 +122,7 @@ struct SimArgs {
     /// on-device-eviction:AHEAD_PAGES (demotion: mostly exclusive tiers)
     #[arg(long)]
     host_admission: Option<String>,
-    /// Whether waiting requests' prefixes are evicted last: off (default) | waiting.
+    /// Whether waiting requests' prefixes are evicted last: waiting (default) | off.
     #[arg(long)]
     queue_protection: Option<String>,
     /// Do not also run the other online policies (LRU, freq-depth) at the same capacity.
@@ -332,13 +332,13 @@ fn parse_eviction(e: &str) -> Result<EvictionPolicy, String> {
 }
 
 /// The policies that ran: eviction, and host admission and queue protection where they are
-/// not the default.
+/// not the defaults.
 fn policy_name(s: &SchedulerConfig) -> String {
     let mut name = match s.host_admission {
         HostAdmission::OnFinish => s.eviction.to_string(),
         h => format!("{} + {h}", s.eviction),
     };
-    if s.queue_protection != QueueProtection::Off {
+    if s.queue_protection != QueueProtection::default() {
         name.push_str(&format!(" + protect:{}", s.queue_protection));
     }
     name
