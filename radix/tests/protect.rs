@@ -10,6 +10,15 @@ use proptest::prelude::*;
 
 const PS: usize = 4;
 
+/// Evicts at least `n` device pages; the first page of each node evicted, in order.
+fn first_pages_evicted(c: &mut RadixCache, n: usize) -> Vec<PageHash> {
+    c.evict::<Device>(n)
+        .evicted
+        .iter()
+        .map(|e| e.hashes[0])
+        .collect()
+}
+
 #[test]
 fn a_waiting_prompts_prefix_is_evicted_after_every_other_leaf() {
     let mut c = cache_with(PS, 64, 8, false);
@@ -25,12 +34,7 @@ fn a_waiting_prompts_prefix_is_evicted_after_every_other_leaf() {
     let waiting = [ha[0], ha[1], other[2], other[3]];
     c.protect(&waiting);
     c.check_invariants().unwrap();
-    let order: Vec<PageHash> = c
-        .evict::<Device>(9)
-        .evicted
-        .iter()
-        .map(|e| e.hashes[0])
-        .collect();
+    let order = first_pages_evicted(&mut c, 9);
     // `b` and `c` go first (LRU among the unprotected), then `a`, protected but soft.
     assert_eq!(order, vec![hb[0], hc[0], ha[0]]);
     c.check_invariants().unwrap();
@@ -52,12 +56,7 @@ fn unprotected_nodes_below_a_protected_one_go_first_and_the_split_keeps_ranks() 
     put_device(&mut c, &fork, &hf);
     c.check_invariants().unwrap();
     // 3 + 2 + 2 pages: every unprotected leaf.
-    let first: Vec<PageHash> = c
-        .evict::<Device>(7)
-        .evicted
-        .iter()
-        .map(|e| e.hashes[0])
-        .collect();
+    let first = first_pages_evicted(&mut c, 7);
     // Unprotected leaves first: `a`'s tail (from page 3), `b`, the fork's tail (LRU order).
     assert_eq!(first, vec![ha[3], hb[0], hf[3]]);
     // What is left is the protected front of `a`.
