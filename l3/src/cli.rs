@@ -192,6 +192,28 @@ struct Args {
     /// Default: the host's physical memory (`MemTotal`).
     #[arg(long)]
     client_segments_max_bytes: Option<u64>,
+    /// Publish the store's residency as KV cache events for KV-aware routers (vLLM's wire
+    /// format, medium STORAGE): the ZMQ PUB endpoint to bind, `tcp://HOST:PORT` or
+    /// `ipc://PATH` (see docs/l3.md, "KV events for routers"). Roles both and master; with
+    /// --etcd only the leader binds it.
+    #[arg(long, value_parser = parse_endpoint)]
+    kv_events: Option<String>,
+    /// With --kv-events: the replay endpoint (gap recovery and snapshots for subscribers).
+    #[arg(long, value_parser = parse_endpoint, requires = "kv_events")]
+    kv_events_replay: Option<String>,
+    /// With --kv-events: publish only keys of this namespace (repeatable; default: every
+    /// namespace). Keys are `{namespace}:{page hash hex}:{rank}`.
+    #[arg(long, requires = "kv_events")]
+    kv_events_namespace: Vec<String>,
+    /// With --kv-events: the `block_size` (tokens per page) stated in `BlockStored`.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    kv_events_block_size: u32,
+}
+
+fn parse_endpoint(s: &str) -> Result<String, String> {
+    crate::kv_events::check_endpoint(s)
+        .map(|()| s.to_string())
+        .map_err(|e| e.to_string())
 }
 
 fn parse_quota(s: &str) -> Result<(String, u64), String> {
@@ -278,7 +300,20 @@ fn run(args: Args) -> Result<(), String> {
         _ => SocketAddr::from(([127, 0, 0, 1], 50051)),
     });
     if args.role == Role::Node {
+        if args.kv_events.is_some() {
+            return Err("--kv-events is published by the master (--role master or both)".into());
+        }
         return run_node(&args, listen, token, ssd);
+    }
+    let kv_events = args.kv_events.as_ref().map(|ep| {
+        let mut c = crate::kv_events::KvEventsConfig::new(ep.clone());
+        c.replay_endpoint = args.kv_events_replay.clone();
+        c.namespaces = args.kv_events_namespace.clone();
+        c.block_size = args.kv_events_block_size;
+        c
+    });
+    if let Some(c) = &kv_events {
+        c.validate().map_err(|e| e.to_string())?;
     }
     if args.role == Role::Master && ssd.is_some() {
         return Err("a master holds no SSD tier: give --ssd-dir to the nodes".into());
@@ -322,6 +357,7 @@ fn run(args: Args) -> Result<(), String> {
             ..PromotionConfig::default()
         },
         ssd,
+        kv_events,
         ..Default::default()
     };
     let opts = ServerOptions {
@@ -352,18 +388,36 @@ fn run(args: Args) -> Result<(), String> {
     if args.role == Role::Master {
         let master =
             ClusterMaster::open(cfg, args.state_dir.as_deref()).map_err(|e| e.to_string())?;
+        announce_kv_events(master.kv_events());
         serve(master.clone(), opts)?;
         master.shutdown();
         eprintln!("kvtier-l3: master shut down cleanly");
         return Ok(());
     }
     let store = Arc::new(EmbeddedStore::new(cfg).map_err(|e| e.to_string())?);
+    announce_kv_events(store.kv_events());
     serve(store.clone(), opts)?;
     // Every queued write-through lands on disk before exit.
     store.flush().map_err(|e| e.to_string())?;
     store.shutdown();
     eprintln!("kvtier-l3: shut down cleanly");
     Ok(())
+}
+
+/// Says on stderr where KV events are published (a `*` port filled in).
+pub(crate) fn announce_kv_events(ev: Option<crate::kv_events::KvEventsHandle>) {
+    if let Some(ev) = ev {
+        let state = if ev.bound() {
+            "publishing"
+        } else {
+            "will publish (address busy)"
+        };
+        eprintln!(
+            "kvtier-l3: {state} KV events on {} (replay {})",
+            ev.endpoint(),
+            ev.replay_endpoint().as_deref().unwrap_or("none")
+        );
+    }
 }
 
 /// A store node: mount with the master, serve until SIGTERM/SIGINT, flush, leave.

@@ -154,6 +154,12 @@ pub struct StoreConfig {
     /// library default; the `kvtier-l3` server caps it at the host's memory).
     #[serde(default)]
     pub client_segments_max_bytes: Option<u64>,
+    /// Publish the store's residency as KV cache events (medium `STORAGE`, vLLM's wire
+    /// format) for KV-aware routers ([`crate::kv_events`]); `None`: no events. Only a
+    /// process that holds the master publishes (embedded, `--role both`, `--role master`;
+    /// with etcd HA the leader).
+    #[serde(default)]
+    pub kv_events: Option<crate::kv_events::KvEventsConfig>,
 }
 
 /// The host's physical memory (`MemTotal` of `/proc/meminfo`), the default cap on what
@@ -204,6 +210,7 @@ impl Default for StoreConfig {
             tenant_quota_bytes: Default::default(),
             idle_trim_after: default_idle_trim_after(),
             client_segments_max_bytes: None,
+            kv_events: None,
         }
     }
 }
@@ -237,6 +244,9 @@ impl StoreConfig {
         }
         for name in self.tenant_quota_bytes.keys() {
             crate::types::Tenant::new(name.as_str())?;
+        }
+        if let Some(ev) = &self.kv_events {
+            ev.validate()?;
         }
         Ok(())
     }

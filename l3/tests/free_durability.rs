@@ -14,7 +14,7 @@
 //! and the next master adopted the removed key (the deterministic test below, and the
 //! proptest within a few cases).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 
 use kvtier_l3::master::{
@@ -466,5 +466,116 @@ proptest! {
         }
         s.failover();
         prop_assert!(s.check().is_ok(), "after the last failover: {:?}", s.check());
+    }
+}
+
+// ---- offload-on-evict: orders that ride with their frees ---------------------------------------
+
+/// A node applies ping replies and put-end replies on different threads, in either order.
+/// Every reply that frees an allocation staged on the node for its SSD write must therefore
+/// also carry the order to stage it (`offload`): a node that applies a bare free first drops
+/// bytes the master goes on serving from it. Checked over every reply handed out.
+fn offloads_ride_with_their_frees(replies: &[NodeSync]) -> Result<(), String> {
+    let staged: HashSet<u64> = replies
+        .iter()
+        .flat_map(|r| r.offload.iter().copied())
+        .collect();
+    for (i, r) in replies.iter().enumerate() {
+        for (_, a) in &r.freed {
+            if staged.contains(a) && !r.offload.contains(a) {
+                return Err(format!(
+                    "reply {i} frees allocation {a}, staged for offload, without staging it: {r:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The CI failure of `node_tiers`' on-evict test (an object read back as ObjectNotFound right
+/// after it was evicted): the put-end reply carried the free and the offload of an evicted
+/// replica, the next ping reply the free alone; the node applied the ping reply first and
+/// dropped the bytes. Failed before: the offload order went out once.
+#[test]
+fn a_ping_reply_freeing_a_staged_replica_also_stages_it() {
+    let mut s = Sim::new(1, 4);
+    s.m.set_node_offload(ClientId(1), true);
+    for i in 0..6 {
+        s.put(&format!("k{i}"), 1);
+    }
+    let put_end = s.m.node_sync(ClientId(1));
+    assert!(
+        !put_end.offload.is_empty(),
+        "nothing was evicted: {put_end:?}"
+    );
+    s.now += 1;
+    let (applied, freed) = (s.nodes[0].settled, s.nodes[0].freed);
+    let ping = s.m.node_ping(ClientId(1), applied, freed, s.now);
+    assert!(
+        put_end
+            .offload
+            .iter()
+            .all(|a| ping.freed.iter().any(|(_, f)| f == a)),
+        "the ping reply repeats the unacknowledged frees: {ping:?}"
+    );
+    offloads_ride_with_their_frees(&[put_end, ping]).unwrap();
+}
+
+#[derive(Debug, Clone)]
+enum OffloadOp {
+    Put {
+        key: u8,
+    },
+    Remove {
+        key: u8,
+    },
+    /// A ping whose reply is applied (acknowledging what it freed) or lost.
+    Ping {
+        applied: bool,
+    },
+    PutEndSync,
+}
+
+fn offload_op() -> impl Strategy<Value = OffloadOp> {
+    prop_oneof![
+        6 => (0u8..12).prop_map(|key| OffloadOp::Put { key }),
+        2 => (0u8..12).prop_map(|key| OffloadOp::Remove { key }),
+        3 => any::<bool>().prop_map(|applied| OffloadOp::Ping { applied }),
+        3 => Just(OffloadOp::PutEndSync),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Random puts past capacity (evictions staged on an offload-on-evict node), removes,
+    /// pings (applied or lost) and put-end replies: every reply that frees a staged
+    /// allocation also orders it staged, so the order the node applies them in cannot
+    /// lose the bytes.
+    #[test]
+    fn every_reply_freeing_a_staged_replica_stages_it(
+        ops in proptest::collection::vec(offload_op(), 1..80),
+    ) {
+        let mut s = Sim::new(1, 4);
+        s.m.set_node_offload(ClientId(1), true);
+        let mut replies = Vec::new();
+        for o in ops {
+            match o {
+                OffloadOp::Put { key } => s.put(&format!("k{key}"), 1),
+                OffloadOp::Remove { key } => s.remove(&format!("k{key}")),
+                OffloadOp::Ping { applied } => {
+                    s.now += 1;
+                    let n = &s.nodes[0];
+                    let r = s.m.node_ping(ClientId(1), n.settled, n.freed, s.now);
+                    if applied {
+                        s.nodes[0].apply(&r);
+                    }
+                    replies.push(r);
+                }
+                OffloadOp::PutEndSync => replies.push(s.m.node_sync(ClientId(1))),
+            }
+        }
+        prop_assert!(offloads_ride_with_their_frees(&replies).is_ok(), "{:?}",
+            offloads_ride_with_their_frees(&replies));
     }
 }

@@ -97,6 +97,16 @@ impl ClusterMaster {
             .clamp(Duration::from_millis(10), Duration::from_secs(1));
         let clock = Arc::new(Clock::new());
         let mut master = Master::new(MasterPolicy::from_config(&cfg));
+        // Bound here, once this process serves the master. With etcd HA, once elected, and
+        // retried while a deposed leader (paused, not yet restarted) still holds the
+        // address: the events must never keep a leader from serving.
+        if let Some(ev) = &cfg.kv_events {
+            let binding = match durability {
+                Durability::Etcd(_) => crate::kv_events::Binding::Retry,
+                _ => crate::kv_events::Binding::AtStart,
+            };
+            master.attach_events(crate::kv_events::StorageEvents::start(ev, binding)?);
+        }
         let rebuild_deadline = clock
             .now_ms()
             .saturating_add(crate::clock::ms(cfg.rebuild_timeout));
@@ -137,6 +147,11 @@ impl ClusterMaster {
     /// The master's clock (lease deadlines in query results are on it).
     pub fn clock(&self) -> &Arc<Clock> {
         &self.clock
+    }
+
+    /// The residency event stream (None unless `StoreConfig::kv_events`).
+    pub fn kv_events(&self) -> Option<crate::kv_events::KvEventsHandle> {
+        self.master.lock().events().map(|e| e.handle())
     }
 
     /// Stops the sweeper.
@@ -586,7 +601,11 @@ impl Backend for ClusterMaster {
             .store(evictions, std::sync::atomic::Ordering::Relaxed);
         let nodes = self.master.lock().live_nodes().len();
         let unsettled = self.master.lock().unsettled_total();
+        let events = self.master.lock().events().map(|e| e.handle());
         let mut text = self.metrics.render(&stats, &[]);
+        if let Some(ev) = events {
+            text.push_str(&ev.render_metrics());
+        }
         text.push_str(&format!(
             "# HELP kvtier_l3_live_nodes Live store nodes\n# TYPE kvtier_l3_live_nodes gauge\nkvtier_l3_live_nodes {nodes}\n"
         ));

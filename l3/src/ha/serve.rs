@@ -82,6 +82,7 @@ pub(crate) fn run_master(
         // etcd failed us while replaying: try again from the start.
         Err(e) => super::step_down(&e),
     };
+    crate::cli::announce_kv_events(master.kv_events());
     let l2 = lease.clone();
     let publish = move |addr: SocketAddr| match l2.publish(addr) {
         Ok(()) => Ok(()),

@@ -150,6 +150,7 @@ impl Master {
             .entry(r.tenant.clone())
             .or_default()
             .insert(r.key.clone(), o);
+        self.readable(&r.tenant, &r.key);
         Ok(alloc)
     }
 

@@ -115,7 +115,8 @@ pub struct NodeSync {
     /// counts on from here).
     pub settled: u64,
     /// Allocations (also in `freed`) evicted from DRAM whose bytes the node writes to its
-    /// SSD before dropping them (offload-on-evict nodes); applied before `freed`.
+    /// SSD before dropping them (offload-on-evict nodes); applied before `freed`, and
+    /// repeated in every reply until those frees are acknowledged (staging twice is a no-op).
     pub offload: Vec<u64>,
     /// SSD-only objects a prefetching probe asked to bring back into the node's DRAM.
     pub promote: Vec<(Tenant, String, DiskLoc)>,
@@ -145,7 +146,8 @@ struct NodeState {
     settle: settle::Settlement,
     /// The node writes its DRAM evictions to its SSD (`--offload on-evict`).
     offload_on_evict: bool,
-    /// Evicted allocations to write to its SSD, not yet told.
+    /// Evicted allocations to write to its SSD, told with every reply until their frees
+    /// are acknowledged (a reply carrying the free must carry the offload too).
     offload: Vec<u64>,
     /// Promotions asked for, not yet told (one per key).
     promote: HashMap<(Tenant, String), DiskLoc>,
@@ -374,6 +376,9 @@ pub struct Master {
     members: rebuild::Membership,
     /// Leader epoch (etcd HA; 0 otherwise): stamped on put handles.
     epoch: u64,
+    /// The residency event stream (`StoreConfig::kv_events`): told of every object that
+    /// becomes readable and of every one that stops existing (what the loss journal names).
+    events: Option<crate::kv_events::StorageEvents>,
 }
 
 impl Master {
@@ -389,10 +394,29 @@ impl Master {
             settle_log: None,
             members: rebuild::Membership::default(),
             epoch: 0,
+            events: None,
             tick: 0,
             evictions_total: 0,
             losses: losses::LossJournal::new(policy.loss_journal_keys),
             policy,
+        }
+    }
+
+    /// Publishes this master's residency from now on (objects already here are not
+    /// announced: attach before any object is registered).
+    pub fn attach_events(&mut self, events: crate::kv_events::StorageEvents) {
+        self.events = Some(events);
+    }
+
+    /// The residency event stream, if one is attached.
+    pub fn events(&self) -> Option<&crate::kv_events::StorageEvents> {
+        self.events.as_ref()
+    }
+
+    /// An object of `t` became readable (put ended, or found again by a rescan or remount).
+    pub(super) fn readable(&self, t: &Tenant, key: &str) {
+        if let Some(ev) = &self.events {
+            ev.note(crate::kv_events::Residency::Readable, t, key);
         }
     }
 
@@ -436,6 +460,9 @@ impl Master {
 
     /// Records in the loss journal (and its durable log) that `key` of `t` is gone.
     pub(super) fn lose(&mut self, t: &Tenant, key: &str) {
+        if let Some(ev) = &self.events {
+            ev.note(crate::kv_events::Residency::Gone, t, key);
+        }
         if let Some(e) = self.losses.record(t, key)
             && let Some(log) = &mut self.settle_log
         {

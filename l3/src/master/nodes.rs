@@ -230,8 +230,9 @@ impl Master {
         Ok((alloc, token))
     }
 
-    /// Frees, offloads and promotions queued for a node (drained) and the settles not
-    /// handed out yet (a put-end reply; pings carry every unacknowledged one).
+    /// Frees and promotions queued for a node (drained), the offloads whose frees it has not
+    /// acknowledged, and the settles not handed out yet (a put-end reply; pings carry every
+    /// unacknowledged one).
     pub fn node_sync(&mut self, node: ClientId) -> NodeSync {
         self.node_sync_with(node, settle::Deliver::New)
     }
@@ -245,7 +246,11 @@ impl Master {
                 ..Default::default()
             };
         };
-        let offload = std::mem::take(&mut st.offload);
+        // Repeated with every reply while its free is unacknowledged: the node applies ping
+        // and put-end replies on different threads, in either order, and one that applied
+        // a bare free first would drop bytes this master still serves from it.
+        st.offload.retain(|a| st.frees.may_hold(*a));
+        let offload = st.offload.clone();
         let promote = std::mem::take(&mut st.promote)
             .into_iter()
             .map(|((t, k), loc)| (t, k, loc))
@@ -378,6 +383,7 @@ impl Master {
             .entry(t.clone())
             .or_default()
             .insert(key.to_string(), o);
+        self.readable(t, key);
         true
     }
 

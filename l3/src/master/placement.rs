@@ -432,6 +432,7 @@ impl Master {
         if soft_pin {
             o.pin_until_ms = now.saturating_add(pin_ttl);
         }
+        self.readable(&h.tenant, &h.key);
         Ok(())
     }
 

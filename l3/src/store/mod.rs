@@ -75,6 +75,12 @@ impl EmbeddedStore {
         cfg.validate()?;
         let policy = MasterPolicy::from_config(&cfg);
         let mut master = Master::new(policy);
+        if let Some(ev) = &cfg.kv_events {
+            master.attach_events(crate::kv_events::StorageEvents::start(
+                ev,
+                crate::kv_events::Binding::AtStart,
+            )?);
+        }
         let now = clock.now_ms();
         master.register_immortal_client(LOCAL_CLIENT, now);
         if cfg.local_segment_bytes > 0 {
@@ -155,6 +161,11 @@ impl EmbeddedStore {
     /// Prometheus text of all metrics.
     pub fn render_metrics(&self) -> String {
         self.inner.render_metrics()
+    }
+
+    /// The residency event stream (None unless `StoreConfig::kv_events`).
+    pub fn kv_events(&self) -> Option<crate::kv_events::KvEventsHandle> {
+        self.inner.master.lock().events().map(|e| e.handle())
     }
 
     /// SSD tier numbers (None without an SSD tier).
@@ -376,6 +387,11 @@ impl Inner {
                 c.skipped.load(Relaxed),
             ));
         }
-        self.metrics.render(&stats, &extra)
+        let mut text = self.metrics.render(&stats, &extra);
+        let events = self.master.lock().events().map(|e| e.handle());
+        if let Some(ev) = events {
+            text.push_str(&ev.render_metrics());
+        }
+        text
     }
 }

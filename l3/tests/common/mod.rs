@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod ha;
+pub mod kv_events;
 pub mod oracle;
 pub mod procs;
 pub mod shm;

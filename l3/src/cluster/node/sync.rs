@@ -14,6 +14,10 @@
 //!   of a removed key to be adopted by the next master (`master::frees`). Bytes written but
 //!   never ended are dropped after `put_timeout` (the data channel bounds the memory held
 //!   meanwhile, see `data`).
+//! - An evicted replica the master stages for its SSD write (`offload`) is never dropped
+//!   by its free: ping replies and put-end replies are applied on different threads, in
+//!   either order, so the master repeats the offload with every reply that carries the
+//!   free, and each reply stages before it frees (staging twice is a no-op).
 //! - A cancel (version `token` of a key is gone) drops the node's ended DRAM copies of that
 //!   key at that version or older before it is acknowledged: once the master forgets the
 //!   cancel, nothing adoptable of the version is left here.

@@ -1,0 +1,362 @@
+//! The store's KV events with real processes: a `kvtier-l3` server (`--role both`, and a
+//! split master with a store node) publishing on loopback, a real ZMQ SUB decoding every
+//! frame, and a `kvtier-router` subscribed with `--storage` to the stream. Puts, removes,
+//! evictions and a node's death must come out as the right `STORAGE` events; tensor-parallel
+//! ranks of a page are one block; keys outside kvtier's grammar are never published; the
+//! router, started after the puts (so from a snapshot), credits a prefix held only in the
+//! store as L3 pages and drops it when the store does.
+
+use std::collections::BTreeSet;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::common::kv_events::{
+    PS, Sub, free_endpoint, key, l3_pages_become, pages, prompt, router, wire,
+};
+use crate::common::procs::{Proc, args, master, node, spawn};
+use crate::common::{client, t};
+use kvtier_l3::{ExistOptions, L3Store, PutOptions, RemoteStore};
+use kvtier_router::launch::EndpointSpec;
+
+fn store(extra: &[&str]) -> (Proc, String, String) {
+    let (ev, rep) = (free_endpoint(), free_endpoint());
+    let mut a = args(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-events",
+        &ev,
+        "--kv-events-replay",
+        &rep,
+    ]);
+    a.extend(args(extra));
+    (spawn(&a, None), ev, rep)
+}
+
+fn put(c: &RemoteStore, tn: &str, k: &str, len: usize) {
+    c.put(&t(tn), k, &vec![7u8; len], PutOptions::default())
+        .unwrap_or_else(|e| panic!("put {k}: {e}"));
+}
+
+fn exists(c: &RemoteStore, tn: &str, keys: &[String]) -> Vec<bool> {
+    c.batch_exist_key(&t(tn), keys, ExistOptions::default())
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect()
+}
+
+#[test]
+fn puts_removes_and_evictions_come_out_as_storage_events_ranks_as_one_block() {
+    // 1 MiB of DRAM, no SSD: an evicted object is gone
+    let (p, ev, _) = store(&["--segment-bytes", "1048576"]);
+    let mut sub = Sub::connect(&ev);
+    let c = client(p.addr, None);
+    let hs = pages(&prompt(1, 4));
+    for h in &hs {
+        for rank in 0..2 {
+            put(&c, "a", &key("m1", h, rank), 100);
+        }
+    }
+    let want: BTreeSet<u64> = hs.iter().map(wire).collect();
+    sub.until("four stored pages", |s| s.resident() == want);
+    for h in &hs {
+        assert_eq!(sub.stored_count(wire(h)), 1, "two ranks, one block");
+    }
+    // keys outside the grammar are stored, and never published
+    put(&c, "a", "plain-key", 100);
+    put(&c, "a", &format!("m1:{}:0", "ab".repeat(36)), 100); // vLLM's 36-byte OffloadKey
+    let before = sub.events.len();
+    sub.drain(Duration::from_millis(300));
+    assert_eq!(sub.events.len(), before, "{:?}", &sub.events[before..]);
+
+    // a page stays until its last rank goes
+    c.remove(&t("a"), &key("m1", &hs[0], 0), false).unwrap();
+    sub.drain(Duration::from_millis(300));
+    assert_eq!(sub.resident(), want, "rank 1 still holds page 0");
+    c.remove(&t("a"), &key("m1", &hs[0], 1), false).unwrap();
+    let h0 = wire(&hs[0]);
+    sub.until("page 0 removed", |s| !s.resident().contains(&h0));
+
+    // eviction: 40 objects of 64 KiB into 1 MiB; the published set is exactly what exists
+    let ev_pages = pages(&prompt(2, 40));
+    let ev_keys: Vec<String> = ev_pages.iter().map(|h| key("m1", h, 0)).collect();
+    for k in &ev_keys {
+        put(&c, "a", k, 64 << 10);
+    }
+    sub.drain(Duration::from_millis(500));
+    let alive = exists(&c, "a", &ev_keys);
+    assert!(alive.iter().any(|a| !a), "nothing was evicted");
+    let mut expect: BTreeSet<u64> = hs[1..].iter().map(wire).collect();
+    let older = exists(
+        &c,
+        "a",
+        &hs[1..].iter().map(|h| key("m1", h, 1)).collect::<Vec<_>>(),
+    );
+    for (h, a) in hs[1..].iter().zip(older) {
+        if !a {
+            expect.remove(&wire(h));
+        }
+    }
+    expect.extend(
+        ev_pages
+            .iter()
+            .zip(&alive)
+            .filter(|x| *x.1)
+            .map(|x| wire(x.0)),
+    );
+    assert_eq!(sub.resident(), expect);
+    assert!(
+        sub.events
+            .iter()
+            .any(|e| matches!(e, crate::common::kv_events::Ev::Removed(v) if v.len() > 1))
+            || alive.iter().filter(|a| !**a).count() == 1,
+        "an eviction pass's removals go out as one BlockRemoved"
+    );
+    let seqs = sub.seqs.clone();
+    assert!(
+        seqs.windows(2).all(|w| w[1] == w[0] + 1),
+        "gapless numbers {seqs:?}"
+    );
+}
+
+#[test]
+fn a_dead_nodes_pages_are_removed_and_a_node_role_refuses_the_flag() {
+    let (ev, rep) = (free_endpoint(), free_endpoint());
+    let m = master(
+        &[
+            "--client-ttl-ms",
+            "1000",
+            "--kv-events",
+            &ev,
+            "--kv-events-replay",
+            &rep,
+        ],
+        None,
+    );
+    let n = node(m.addr, 1, None, None);
+    let mut sub = Sub::connect(&ev);
+    let c = client(m.addr, None);
+    let hs = pages(&prompt(3, 3));
+    for h in &hs {
+        put(&c, "a", &key("m1", h, 0), 1000);
+    }
+    let want: BTreeSet<u64> = hs.iter().map(wire).collect();
+    sub.until("three stored pages", |s| s.resident() == want);
+    drop(n); // SIGKILL: its DRAM replicas are lost once the master declares it dead
+    sub.until("the dead node's pages removed", |s| s.resident().is_empty());
+
+    // --kv-events on a store node is a startup error (the master publishes), not a panic
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
+        .args([
+            "--role",
+            "node",
+            "--master",
+            &m.addr.to_string(),
+            "--kv-events",
+            &ev,
+        ])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--kv-events is published by the master")
+    );
+}
+
+#[test]
+fn bad_endpoints_are_refused_at_startup_naming_them() {
+    for bad in [
+        "127.0.0.1:5557",
+        "tcp://127.0.0.1",
+        "tcp://127.0.0.1:0",
+        "http://x:1",
+        "ipc://",
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
+            .args(["--listen", "127.0.0.1:0", "--kv-events", bad])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("a ZMQ endpoint is tcp://HOST:PORT"),
+            "{bad}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // a namespace holding the key separator
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-events",
+            "tcp://127.0.0.1:*",
+        ])
+        .args(["--kv-events-namespace", "a:b"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a key namespace"));
+    // a port already taken: a typed startup error
+    let (p, ev, _) = store(&[]);
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
+        .args(["--listen", "127.0.0.1:0", "--kv-events", &ev])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot publish"), "{err}");
+    drop(p);
+}
+
+#[test]
+fn a_router_on_the_stores_stream_credits_a_prefix_held_only_in_l3() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (p, ev, rep) = store(&[]);
+    let c = client(p.addr, None);
+    let toks = prompt(5, 6);
+    let hs = pages(&toks);
+    // the first four pages of the prompt, both ranks, before the router starts
+    for h in &hs[..4] {
+        for rank in 0..2 {
+            put(&c, "a", &key("m1", h, rank), 100);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let r = router(&rt, &ev, &rep, PS);
+    let t0 = Instant::now();
+    assert_eq!(l3_pages_become(&r, &toks, 4), 4);
+    {
+        let c = r.cluster.lock().unwrap();
+        let d = c.router().index();
+        assert_eq!(
+            d.tier_pages().1,
+            4,
+            "one STORAGE entry per page, ranks merged"
+        );
+        assert!(
+            c.streams[0].counters.snapshots >= 1,
+            "synced from a snapshot"
+        );
+    }
+    // a prompt the store does not hold gets no credit
+    assert_eq!(
+        r.cluster
+            .lock()
+            .unwrap()
+            .route(&prompt(6, 6), None, None, &[])
+            .unwrap()
+            .l3_pages,
+        0
+    );
+    // live: the fifth page arrives, then the second goes (both ranks)
+    put(&c, "a", &key("m1", &hs[4], 0), 100);
+    l3_pages_become(&r, &toks, 5);
+    for rank in 0..2 {
+        c.remove(&t("a"), &key("m1", &hs[1], rank), false).unwrap();
+    }
+    // the prefix now stops after page 0
+    l3_pages_become(&r, &toks, 1);
+    eprintln!("router synced and followed in {:?}", t0.elapsed());
+    rt.block_on(r.stop());
+}
+
+/// The ```sh lines of docs/l3.md's "KV events for routers" section.
+fn documented_lines() -> Vec<String> {
+    let md =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/l3.md")).unwrap();
+    let start = md.find("## KV events for routers").expect("the section");
+    let sec = &md[start..];
+    let sec = &sec[..sec[3..].find("\n## ").map_or(sec.len(), |i| i + 3)];
+    let mut out = Vec::new();
+    let mut in_sh = false;
+    for line in sec.lines() {
+        let l = line.trim();
+        if l.starts_with("```") {
+            in_sh = !in_sh && l == "```sh";
+            continue;
+        }
+        if in_sh {
+            out.push(l.to_string());
+        }
+    }
+    out
+}
+
+fn flag<'a>(words: &'a [&str], name: &str) -> &'a str {
+    let i = words
+        .iter()
+        .position(|w| *w == name)
+        .unwrap_or_else(|| panic!("{name}"));
+    words[i + 1]
+}
+
+#[test]
+fn the_documented_store_and_router_lines_run_and_agree() {
+    let lines = documented_lines();
+    let l3 = lines
+        .iter()
+        .find(|l| l.starts_with("kvtier-l3 "))
+        .expect("a kvtier-l3 line");
+    let rl = lines
+        .iter()
+        .find(|l| l.starts_with("kvtier-router "))
+        .expect("a router line");
+    let words: Vec<&str> = l3.split_whitespace().skip(1).collect();
+    let (ev, rep) = (
+        flag(&words, "--kv-events"),
+        flag(&words, "--kv-events-replay"),
+    );
+    let ns = flag(&words, "--kv-events-namespace");
+    // the documented ports may be taken here: the same flags on free ones
+    let (ev2, rep2) = (free_endpoint(), free_endpoint());
+    let a: Vec<String> = words
+        .iter()
+        .map(|w| match *w {
+            w if w == ev => ev2.clone(),
+            w if w == rep => rep2.clone(),
+            w if w.starts_with("127.0.0.1:") => "127.0.0.1:0".into(),
+            w => w.to_string(),
+        })
+        .collect();
+    let p = spawn(&a, None);
+    let mut sub = Sub::connect(&ev2);
+    let c = client(p.addr, None);
+    let rw: Vec<&str> = rl.split_whitespace().collect();
+    assert_eq!(
+        flag(&rw, "--keys"),
+        "engine",
+        "the store's hashes are kvtier's page hashes"
+    );
+    let ps: usize = flag(&rw, "--page-size").parse().unwrap();
+    let toks: Vec<u32> = (0..(ps * 2) as u32).collect();
+    let hs = kvtier_radix::HashScope::new(None, None, Vec::new()).page_hashes(&toks, ps);
+    for h in &hs {
+        put(&c, "a", &key(ns, h, 0), 100);
+    }
+    put(&c, "a", &key("some-other-model", &hs[0], 0), 100);
+    let want: BTreeSet<u64> = hs.iter().map(wire).collect();
+    sub.until("the documented namespace's pages", |s| s.resident() == want);
+    assert_eq!(
+        sub.stored_count(wire(&hs[0])),
+        1,
+        "the other namespace is not published"
+    );
+    // the router's --storage names the store's endpoints
+    let storage: EndpointSpec = flag(&rw, "--storage").parse().unwrap();
+    assert_eq!(storage.events.as_deref(), Some(ev));
+    assert_eq!(storage.replay.as_deref(), Some(rep));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let r = router(&rt, &ev2, &rep2, ps);
+    l3_pages_become(&r, &toks, 2);
+    rt.block_on(r.stop());
+}

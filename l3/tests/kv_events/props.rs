@@ -1,0 +1,191 @@
+//! The embedded store's KV events against its own listing (proptest): after any sequence of
+//! puts (pages of two namespaces and two ranks, keys outside the grammar, objects large
+//! enough that DRAM eviction drops others), removes and remove-alls, the snapshot the
+//! store's replay socket answers (a real ZMQ DEALER, decoded) names exactly the pages some
+//! key of which exists, once each; keys outside the grammar and namespaces the stream does
+//! not carry are counted, never published.
+
+use std::collections::BTreeSet;
+
+use crate::common::kv_events::{Ev, decode, key, wire};
+use crate::common::t;
+use kvtier_l3::kv_events::KvEventsConfig;
+use kvtier_l3::{EmbeddedStore, ExistOptions, L3Store, PutOptions, StoreConfig};
+use kvtier_radix::PageHash;
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Put {
+        page: u8,
+        rank: u8,
+        ns: u8,
+        big: bool,
+    },
+    Plain {
+        i: u8,
+    },
+    Remove {
+        page: u8,
+        rank: u8,
+        ns: u8,
+    },
+    RemoveAll,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0u8..10, 0u8..2, 0u8..3, any::<bool>())
+            .prop_map(|(page, rank, ns, big)| Op::Put { page, rank, ns, big }),
+        1 => (0u8..4).prop_map(|i| Op::Plain { i }),
+        3 => (0u8..10, 0u8..2, 0u8..3).prop_map(|(page, rank, ns)| Op::Remove { page, rank, ns }),
+        1 => Just(Op::RemoveAll),
+    ]
+}
+
+fn page(i: u8) -> PageHash {
+    let mut h = [0u8; 32];
+    h[0] = 0xa5;
+    h[31] = i;
+    PageHash(h)
+}
+
+/// Namespaces 0 and 1 are carried, 2 is not.
+const NS: [&str; 3] = ["m1", "m2", "other"];
+
+/// The published set, from a snapshot request on the replay socket.
+fn snapshot(replay: &str) -> Vec<Ev> {
+    let ctx = zmq::Context::new();
+    let d = ctx.socket(zmq::DEALER).unwrap();
+    d.set_rcvtimeo(5000).unwrap();
+    d.set_linger(0).unwrap();
+    d.connect(replay).unwrap();
+    d.send_multipart([&b""[..], &(-2i64).to_be_bytes()], 0)
+        .unwrap();
+    let mut out = Vec::new();
+    loop {
+        let f = d.recv_multipart(0).expect("a snapshot answer");
+        if f[1] == (-1i64).to_be_bytes() {
+            return out;
+        }
+        out.extend(decode(&f[2]));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_published_set_is_the_stores_listing(ops in proptest::collection::vec(op(), 1..60)) {
+        let mut ev = KvEventsConfig::new("tcp://127.0.0.1:*");
+        ev.replay_endpoint = Some("tcp://127.0.0.1:*".into());
+        ev.namespaces = vec![NS[0].into(), NS[1].into()];
+        let s = EmbeddedStore::new(StoreConfig {
+            local_segment_bytes: 256 << 10,
+            kv_events: Some(ev),
+            ..StoreConfig::default()
+        })
+        .unwrap();
+        let h = s.kv_events().unwrap();
+        let tn = t("a");
+        let (mut plain, mut other) = (0u64, 0u64);
+        for o in &ops {
+            match *o {
+                Op::Put { page: p, rank, ns, big } => {
+                    let len = if big { 60 << 10 } else { 1000 };
+                    let r = s.put(&tn, &key(NS[ns as usize], &page(p), rank.into()), &vec![1; len], PutOptions::default());
+                    if r.is_ok() && ns == 2 {
+                        other += 1;
+                    }
+                }
+                Op::Plain { i } => {
+                    if s.put(&tn, &format!("plain-{i}"), &[1; 100], PutOptions::default()).is_ok() {
+                        plain += 1;
+                    }
+                }
+                Op::Remove { page: p, rank, ns } => {
+                    let _ = s.remove(&tn, &key(NS[ns as usize], &page(p), rank.into()), false);
+                }
+                Op::RemoveAll => {
+                    let _ = s.remove_all(&tn, false);
+                }
+            }
+        }
+        h.flush();
+        let mut keys = Vec::new();
+        let mut of = Vec::new();
+        for p in 0..10u8 {
+            for ns in &NS[..2] {
+                for rank in 0..2u32 {
+                    keys.push(key(ns, &page(p), rank));
+                    of.push(wire(&page(p)));
+                }
+            }
+        }
+        let exist = s.batch_exist_key(&tn, &keys, ExistOptions::default()).unwrap();
+        let want: BTreeSet<u64> = of.iter().zip(&exist).filter(|x| *x.1 == Ok(true)).map(|x| *x.0).collect();
+        let snap = snapshot(&h.replay_endpoint().unwrap());
+        prop_assert_eq!(snap.first(), Some(&Ev::Cleared));
+        let got: Vec<u64> = snap.iter().filter_map(|e| match e { Ev::Stored(h) => Some(*h), _ => None }).collect();
+        prop_assert_eq!(got.len(), snap.len() - 1, "a snapshot is Cleared then stores");
+        prop_assert_eq!(got.iter().copied().collect::<BTreeSet<u64>>(), want.clone());
+        prop_assert_eq!(got.len(), want.len(), "each page once");
+        let st = h.stats();
+        prop_assert_eq!(st.resident_pages, want.len() as u64);
+        prop_assert_eq!(st.unparsed_keys, plain);
+        prop_assert_eq!(st.other_namespace_keys, other);
+        let line = format!("kvtier_l3_kv_events_resident_pages {}", want.len());
+        prop_assert!(s.render_metrics().contains(&line), "metrics lack {}", line);
+    }
+}
+
+#[test]
+fn a_bad_endpoint_in_the_config_is_a_typed_error() {
+    for bad in ["tcp://127.0.0.1", "udp://x:1"] {
+        let r = EmbeddedStore::new(StoreConfig {
+            kv_events: Some(KvEventsConfig::new(bad)),
+            ..StoreConfig::default()
+        });
+        match r {
+            Err(kvtier_l3::L3Error::InvalidParams(m)) => assert!(m.contains("ZMQ endpoint"), "{m}"),
+            other => panic!("{bad}: {:?}", other.err()),
+        }
+    }
+}
+
+/// An HA leader's stream binds once the address is free (a deposed leader, paused, may hold
+/// it): meanwhile the master serves and its changes are kept; the first batch once bound
+/// holds them all. A single master's busy address is a typed error instead.
+#[test]
+fn a_busy_address_is_retried_under_ha_and_an_error_otherwise() {
+    use kvtier_l3::kv_events::{Binding, Residency, StorageEvents};
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ep = format!("tcp://{}", busy.local_addr().unwrap());
+    let mut cfg = KvEventsConfig::new(ep.clone());
+    cfg.replay_endpoint = Some(crate::common::kv_events::free_endpoint());
+    match StorageEvents::start(&cfg, Binding::AtStart) {
+        Err(kvtier_l3::KvEventsError::Bind(m)) => assert!(m.contains(&ep), "{m}"),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    let ev = StorageEvents::start(&cfg, Binding::Retry).expect("a leader serves meanwhile");
+    let h = ev.handle();
+    assert!(!h.bound());
+    let (p0, p1) = (page(1), page(2));
+    ev.note(Residency::Readable, &t("a"), &key("m1", &p0, 0));
+    ev.note(Residency::Readable, &t("a"), &key("m1", &p1, 0));
+    ev.note(Residency::Gone, &t("a"), &key("m1", &p1, 0));
+    h.flush();
+    assert_eq!(h.stats().batches, 0, "nothing goes out unbound");
+    drop(busy);
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !h.bound() {
+        assert!(std::time::Instant::now() < end, "never bound");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    h.flush();
+    assert_eq!(h.endpoint(), ep);
+    let snap = snapshot(&h.replay_endpoint().unwrap());
+    assert_eq!(snap, vec![Ev::Cleared, Ev::Stored(wire(&p0))]);
+    let s = h.stats();
+    assert_eq!((s.batches, s.stored, s.removed), (1, 1, 0));
+}
