@@ -9,7 +9,7 @@ use kvtier_radix::HashScope;
 use serde::Serialize;
 
 use crate::cost::{CostModel, Estimate};
-use crate::index::{IndexEvent, decode_batch};
+use crate::index::{Budget, IndexEvent, decode_batch};
 use crate::keys::{Translator, prompt_keys};
 use crate::route::Router;
 use crate::stream::{Apply, StreamCounters};
@@ -79,7 +79,7 @@ pub struct Cluster {
     router: Router,
     page_size: usize,
     keys: Keys,
-    max_pages: usize,
+    budget: Budget,
     pub streams: Vec<StreamState>,
     routed: Vec<u64>,
     refused: Vec<u64>,
@@ -89,12 +89,19 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// An index of at most `max_pages` entries, any number of bytes.
     pub fn new(instances: usize, model: CostModel, max_pages: usize, keys: Keys) -> Self {
+        Self::with_budget(instances, model, Budget::pages(max_pages), keys)
+    }
+
+    /// The index and the streams' key tables (`keys` = [`Keys::Tokens`]) within one `budget`:
+    /// its bytes bound their sum, its entries each table.
+    pub fn with_budget(instances: usize, model: CostModel, budget: Budget, keys: Keys) -> Self {
         Self {
-            router: Router::new(instances, model, max_pages),
+            router: Router::with_budget(instances, model, budget),
             page_size: model.page_size,
             keys,
-            max_pages,
+            budget,
             streams: Vec::new(),
             routed: vec![0; instances],
             refused: vec![0; instances],
@@ -121,16 +128,37 @@ impl Cluster {
             next_seq: None,
             counters: StreamCounters::default(),
             last_batch: None,
-            translator: (self.keys == Keys::Tokens).then(|| Translator::new(self.max_pages)),
+            translator: (self.keys == Keys::Tokens).then(|| Translator::new(self.budget.max_pages)),
         });
         self.streams.len() - 1
     }
 
+    /// Bytes of the streams' key tables, but `except`'s.
+    fn key_table_bytes(&self, except: Option<usize>) -> usize {
+        self.streams
+            .iter()
+            .enumerate()
+            .filter(|&(n, _)| Some(n) != except)
+            .filter_map(|(_, s)| s.translator.as_ref())
+            .map(Translator::memory_bytes)
+            .sum()
+    }
+
     /// Folds one of a stream's batches in (or resets its pages); `false` if it did not decode.
+    /// The stream's key table may take what the budget leaves; then the index may take what
+    /// the key tables leave.
     pub fn apply(&mut self, stream: usize, a: Apply<'_>) -> bool {
+        let others = self.key_table_bytes(Some(stream));
+        let room = self
+            .budget
+            .max_bytes
+            .saturating_sub(self.router.index().memory_bytes().saturating_add(others));
         let Some(st) = self.streams.get_mut(stream) else {
             return false;
         };
+        if let Some(t) = st.translator.as_mut() {
+            t.set_max_bytes(room);
+        }
         let target = st.target;
         let events = match a {
             Apply::Reset => {
@@ -151,6 +179,8 @@ impl Cluster {
                 }
             }
         };
+        let keys = self.key_table_bytes(None);
+        self.router.index_mut().set_shared_bytes(keys);
         for e in events {
             match (target, e) {
                 (Target::Instance(i), e) => {
@@ -301,15 +331,10 @@ impl Cluster {
         &self.in_flight
     }
 
-    /// Index memory: the index's tables plus the streams' key tables.
+    /// Index memory: the index's tables plus the streams' key tables, in bytes as the
+    /// allocator counts them; at most the budget's bytes.
     pub fn memory_bytes(&self) -> usize {
-        self.router.index().memory_bytes()
-            + self
-                .streams
-                .iter()
-                .filter_map(|s| s.translator.as_ref())
-                .map(Translator::memory_bytes)
-                .sum::<usize>()
+        self.router.index().memory_bytes() + self.key_table_bytes(None)
     }
 
     /// What `/stats` returns.
@@ -344,11 +369,17 @@ impl Cluster {
             "instances": instances,
             "storage_pages": storage,
             "index_pages": idx.pages(),
-            "max_pages": self.max_pages,
+            "max_pages": bound(self.budget.max_pages),
+            "max_index_bytes": bound(self.budget.max_bytes),
             "dropped_stores": idx.dropped(),
             "memory_bytes": self.memory_bytes(),
             "routed_load_only": self.load_only,
             "streams": streams,
         })
     }
+}
+
+/// A bound as `/stats` shows it: `null` for none.
+fn bound(n: usize) -> Option<usize> {
+    (n != usize::MAX).then_some(n)
 }

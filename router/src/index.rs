@@ -5,16 +5,22 @@
 //! the index reads any vLLM-format stream. `STORAGE` pages from any instance go to the one
 //! shared set: the L3 is shared, so a page one instance backed up is loadable by all.
 //!
-//! Bounded: past `max_pages` entries a store is not indexed (counted in
-//! [`ClusterIndex::dropped`]). A missing entry only makes the router price a page as
+//! Bounded by a [`Budget`]: bytes (what the index's allocations hold, [`ClusterIndex::memory_bytes`],
+//! counted as the allocator counts them, see `table.rs`) and, optionally, entries. A
+//! store that would pass either is not indexed and is counted in [`ClusterIndex::dropped`]:
+//! a table that has no free slot grows by doubling, so an insert is refused when that
+//! doubling would pass the budget. A missing entry only makes the router price a page as
 //! computed, a worse choice at worst; stale or unknown removals are ignored. Nothing an event
-//! stream holds can make routing fail.
+//! stream holds can make routing fail, and nothing it holds can make the index outgrow its
+//! budget.
 
 use std::collections::HashSet;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use kvtier_events::Medium;
 use rmpv::Value;
+
+use crate::table::Table;
 
 /// One decoded event, as the index needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,29 +158,105 @@ impl Hasher for PageKeyHasher {
 
 type PageSet = HashSet<u64, BuildHasherDefault<PageKeyHasher>>;
 
+/// One tier's pages and its table's allocation.
+#[derive(Default, Debug)]
+struct Pages {
+    set: PageSet,
+    table: Table,
+}
+
+impl Pages {
+    fn bytes(&self) -> usize {
+        self.table.bytes::<u64>()
+    }
+}
+
 #[derive(Default, Debug)]
 struct Local {
-    gpu: PageSet,
-    cpu: PageSet,
+    gpu: Pages,
+    cpu: Pages,
+}
+
+/// What the index may hold: bytes (its allocations, plus any [`ClusterIndex::set_shared_bytes`]
+/// held by tables sharing the budget) and entries (all tiers and instances).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budget {
+    pub max_bytes: usize,
+    pub max_pages: usize,
+}
+
+impl Budget {
+    /// No bound.
+    pub const UNBOUNDED: Budget = Budget {
+        max_bytes: usize::MAX,
+        max_pages: usize::MAX,
+    };
+
+    /// At most `max_bytes` bytes, any number of entries.
+    pub fn bytes(max_bytes: usize) -> Self {
+        Budget {
+            max_bytes,
+            ..Self::UNBOUNDED
+        }
+    }
+
+    /// At most `max_pages` entries, any number of bytes.
+    pub fn pages(max_pages: usize) -> Self {
+        Budget {
+            max_pages,
+            ..Self::UNBOUNDED
+        }
+    }
 }
 
 /// The cluster's page locations.
 #[derive(Debug)]
 pub struct ClusterIndex {
     locals: Vec<Local>,
-    storage: PageSet,
-    max_pages: usize,
+    storage: Pages,
+    budget: Budget,
+    /// Bytes of other tables within the same budget.
+    shared: usize,
+    /// Bytes of every table (the index's, not `shared`).
+    tables: usize,
+    /// Entries held.
+    len: usize,
     dropped: u64,
 }
 
 impl ClusterIndex {
+    /// An index of at most `max_pages` entries, any number of bytes.
     pub fn new(instances: usize, max_pages: usize) -> Self {
+        Self::with_budget(instances, Budget::pages(max_pages))
+    }
+
+    /// An index within `budget`. Its fixed part ([`Self::min_bytes`]) counts against the
+    /// bytes: a budget below it holds no entry.
+    pub fn with_budget(instances: usize, budget: Budget) -> Self {
         Self {
             locals: (0..instances).map(|_| Local::default()).collect(),
-            storage: PageSet::default(),
-            max_pages,
+            storage: Pages::default(),
+            budget,
+            shared: 0,
+            tables: 0,
+            len: 0,
             dropped: 0,
         }
+    }
+
+    /// The bytes an empty index of `instances` instances holds: the smallest useful budget.
+    pub fn min_bytes(instances: usize) -> usize {
+        instances.saturating_mul(std::mem::size_of::<Local>())
+    }
+
+    pub fn budget(&self) -> Budget {
+        self.budget
+    }
+
+    /// Bytes other tables hold within this index's budget (a router's key tables): counted
+    /// before any table of the index grows. Set it before applying events.
+    pub fn set_shared_bytes(&mut self, bytes: usize) {
+        self.shared = bytes;
     }
 
     pub fn instances(&self) -> usize {
@@ -183,29 +265,24 @@ impl ClusterIndex {
 
     /// Entries held, all tiers and instances.
     pub fn pages(&self) -> usize {
-        self.storage.len()
-            + self
-                .locals
-                .iter()
-                .map(|l| l.gpu.len() + l.cpu.len())
-                .sum::<usize>()
+        self.len
     }
 
-    /// Stores not indexed because the index was full.
+    /// Stores not indexed because the index was full (its bytes or its entries).
     pub fn dropped(&self) -> u64 {
         self.dropped
     }
 
-    /// Memory the entries take, in bytes (capacity of the hash tables: 8-byte keys plus one
-    /// control byte each).
+    /// Bytes the index holds on the heap, as the allocator counts them: its hash tables
+    /// (slots of 8-byte keys, one control byte per slot, see `table.rs`) and its
+    /// per-instance part. At most the budget's bytes less the shared bytes, once at least
+    /// [`Self::min_bytes`].
     pub fn memory_bytes(&self) -> usize {
-        let cap = |s: &PageSet| s.capacity() * 9;
-        cap(&self.storage)
-            + self
-                .locals
-                .iter()
-                .map(|l| cap(&l.gpu) + cap(&l.cpu))
-                .sum::<usize>()
+        self.fixed_bytes() + self.tables
+    }
+
+    fn fixed_bytes(&self) -> usize {
+        self.locals.capacity() * std::mem::size_of::<Local>()
     }
 
     /// Folds one event of `instance` in; `false` if there is no such instance (ignored).
@@ -216,28 +293,44 @@ impl ClusterIndex {
         match e {
             IndexEvent::Cleared => {
                 let l = &mut self.locals[instance];
-                l.gpu.clear();
-                l.cpu.clear();
+                self.len -= l.gpu.set.len() + l.cpu.set.len();
+                l.gpu.set.clear();
+                l.cpu.set.clear();
             }
             IndexEvent::Stored { medium, hashes } => {
+                let Budget {
+                    max_bytes,
+                    max_pages,
+                } = self.budget;
+                let held = self.fixed_bytes().saturating_add(self.shared);
+                let (mut len, mut tables, mut dropped) = (self.len, self.tables, self.dropped);
+                let p = self.pages_mut(instance, *medium);
                 for &h in hashes {
-                    let full = self.pages() >= self.max_pages;
-                    let set = self.set(instance, *medium);
-                    if set.contains(&h) {
+                    if p.set.contains(&h) {
                         continue;
                     }
-                    if full {
-                        self.dropped += 1;
+                    let grow = p.table.growth::<u64>(p.set.len(), p.set.capacity());
+                    if len >= max_pages
+                        || held.saturating_add(tables).saturating_add(grow) > max_bytes
+                    {
+                        dropped += 1;
                         continue;
                     }
-                    set.insert(h);
+                    let before = p.bytes();
+                    p.set.insert(h);
+                    p.table.inserted(p.set.capacity());
+                    tables = tables - before + p.bytes();
+                    len += 1;
                 }
+                (self.len, self.tables, self.dropped) = (len, tables, dropped);
             }
             IndexEvent::Removed { medium, hashes } => {
-                let set = self.set(instance, *medium);
+                let p = self.pages_mut(instance, *medium);
+                let had = p.set.len();
                 for h in hashes {
-                    set.remove(h);
+                    p.set.remove(h);
                 }
+                self.len -= had - p.set.len();
             }
         }
         true
@@ -245,18 +338,22 @@ impl ClusterIndex {
 
     /// Forgets the shared store's pages (its stream restarted or sent a snapshot).
     pub fn clear_storage(&mut self) {
-        self.storage.clear();
+        self.len -= self.storage.set.len();
+        self.storage.set.clear();
     }
 
     /// The shared store's page hashes.
     pub fn storage_hashes(&self) -> Vec<u64> {
-        self.storage.iter().copied().collect()
+        self.storage.set.iter().copied().collect()
     }
 
     /// Entries per tier: `(gpu, cpu)` of each instance, and the store's.
     pub fn tier_pages(&self) -> (Vec<(usize, usize)>, usize) {
-        let locals = self.locals.iter().map(|l| (l.gpu.len(), l.cpu.len()));
-        (locals.collect(), self.storage.len())
+        let locals = self
+            .locals
+            .iter()
+            .map(|l| (l.gpu.set.len(), l.cpu.set.len()));
+        (locals.collect(), self.storage.set.len())
     }
 
     /// Every entry, sorted: `(instance, medium, hash)`, the store's under instance
@@ -264,18 +361,19 @@ impl ClusterIndex {
     pub fn entries(&self) -> Vec<(usize, &'static str, u64)> {
         let mut out: Vec<_> = self
             .storage
+            .set
             .iter()
             .map(|&h| (usize::MAX, "STORAGE", h))
             .collect();
         for (i, l) in self.locals.iter().enumerate() {
-            out.extend(l.gpu.iter().map(|&h| (i, "GPU", h)));
-            out.extend(l.cpu.iter().map(|&h| (i, "CPU", h)));
+            out.extend(l.gpu.set.iter().map(|&h| (i, "GPU", h)));
+            out.extend(l.cpu.set.iter().map(|&h| (i, "CPU", h)));
         }
         out.sort_unstable();
         out
     }
 
-    fn set(&mut self, instance: usize, m: Medium) -> &mut PageSet {
+    fn pages_mut(&mut self, instance: usize, m: Medium) -> &mut Pages {
         match m {
             Medium::Gpu => &mut self.locals[instance].gpu,
             Medium::Cpu => &mut self.locals[instance].cpu,
@@ -286,7 +384,10 @@ impl ClusterIndex {
     /// For each page of the prompt, whether the shared store holds it (computed once per
     /// decision, used for every instance by [`Self::prefix_with`]).
     pub fn in_storage(&self, hashes: &[u64]) -> Vec<bool> {
-        hashes.iter().map(|h| self.storage.contains(h)).collect()
+        hashes
+            .iter()
+            .map(|h| self.storage.set.contains(h))
+            .collect()
     }
 
     /// The prompt's pages `instance` would serve from each tier, in prefix order: its GPU run,
@@ -305,10 +406,10 @@ impl ClusterIndex {
         let Some(l) = self.locals.get(instance) else {
             return (0, 0, 0);
         };
-        let gpu = hashes.iter().take_while(|h| l.gpu.contains(h)).count();
+        let gpu = hashes.iter().take_while(|h| l.gpu.set.contains(h)).count();
         let host = hashes[gpu..]
             .iter()
-            .take_while(|h| l.cpu.contains(h))
+            .take_while(|h| l.cpu.set.contains(h))
             .count();
         let l3 = in_storage
             .get(gpu + host..)

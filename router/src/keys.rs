@@ -17,6 +17,10 @@ use kvtier_events::Medium;
 use rmpv::Value;
 
 use crate::index::{DecodeError, IndexEvent, WireMap, batch_events};
+use crate::table::Table;
+
+/// One entry of the table: engine hash, then key and the media holding it.
+type Entry = (u64, (u64, u8));
 
 const MUL: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -70,12 +74,16 @@ fn bit(m: Medium) -> u8 {
     }
 }
 
-/// One stream's engine-hash → key table.
+/// One stream's engine-hash → key table, bounded in entries and in bytes (a router sets the
+/// bytes to what its budget leaves, [`Self::set_max_bytes`]).
 #[derive(Debug)]
 pub struct Translator {
     keys: HashMap<u64, (u64, u8)>,
+    table: Table,
     max_entries: usize,
-    /// Blocks not keyed: an unknown parent, too few tokens, or the table full.
+    max_bytes: usize,
+    /// Blocks not keyed (an unknown parent, too few tokens) or not remembered (the table
+    /// full: the block is keyed for the index, but its removal and children cannot be).
     pub unkeyed: u64,
 }
 
@@ -83,7 +91,9 @@ impl Translator {
     pub fn new(max_entries: usize) -> Self {
         Self {
             keys: HashMap::new(),
+            table: Table::default(),
             max_entries,
+            max_bytes: usize::MAX,
             unkeyed: 0,
         }
     }
@@ -92,14 +102,30 @@ impl Translator {
         self.keys.len()
     }
 
-    /// Bytes the table takes (capacity × (two 8-byte words, a tag byte, a control byte)).
+    /// Bytes the table holds on the heap, as the allocator counts them (24-byte entries and a
+    /// control byte per slot, see `table.rs`).
     pub fn memory_bytes(&self) -> usize {
-        self.keys.capacity() * 18
+        self.table.bytes::<Entry>()
+    }
+
+    /// The most bytes the table may hold: an entry that would grow it past them is not
+    /// remembered. It never shrinks, so a bound below [`Self::memory_bytes`] only stops growth.
+    pub fn set_max_bytes(&mut self, max_bytes: usize) {
+        self.max_bytes = max_bytes;
     }
 
     /// Forgets everything (the stream's publisher restarted or sent a snapshot).
     pub fn clear(&mut self) {
         self.keys.clear();
+    }
+
+    /// Whether one more entry fits, in entries and in bytes.
+    fn has_room(&self) -> bool {
+        let grow = self
+            .table
+            .growth::<Entry>(self.keys.len(), self.keys.capacity());
+        self.keys.len() < self.max_entries
+            && self.memory_bytes().saturating_add(grow) <= self.max_bytes
     }
 
     /// Decodes a `KVEventBatch` and translates its events to keys.
@@ -153,13 +179,13 @@ impl Translator {
                             break;
                         };
                         let k = page_key(p, page);
-                        let full = self.keys.len() >= self.max_entries;
-                        match self.keys.get_mut(h) {
-                            Some(e) => *e = (k, e.1 | bit(medium)),
-                            None if !full => {
-                                self.keys.insert(*h, (k, bit(medium)));
-                            }
-                            None => self.unkeyed += 1,
+                        if let Some(e) = self.keys.get_mut(h) {
+                            *e = (k, e.1 | bit(medium));
+                        } else if self.has_room() {
+                            self.keys.insert(*h, (k, bit(medium)));
+                            self.table.inserted(self.keys.capacity());
+                        } else {
+                            self.unkeyed += 1;
                         }
                         keys.push(k);
                         parent = Some(k);

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use crate::cluster::{Cluster, Keys, Target};
 use crate::cost::CostModel;
+use crate::index::{Budget, ClusterIndex};
 use crate::service::{self, AppState};
 use crate::subscriber::{self, StreamSpec, SubscribeOptions};
 
@@ -72,6 +73,53 @@ impl std::str::FromStr for EndpointSpec {
     }
 }
 
+/// A byte count as a flag gives it: `268435456`, `256MiB`, `1GB` (suffixes `B`, `k`/`KB`,
+/// `M`/`MB`, `G`/`GB`, `T`/`TB` in powers of 1000, `KiB`, `MiB`, `GiB`, `TiB` in powers of
+/// 1024, any case, a space allowed before them); never 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ByteSize(pub usize);
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ByteSizeError {
+    #[error(
+        "{0:?}: expected a whole number of bytes with an optional unit (4096, 64KiB, 256MiB, 1GB)"
+    )]
+    Invalid(String),
+    #[error("a byte budget must be positive")]
+    Zero,
+    #[error("more bytes than this machine can address")]
+    TooLarge,
+}
+
+impl std::str::FromStr for ByteSize {
+    type Err = ByteSizeError;
+    fn from_str(s: &str) -> Result<Self, ByteSizeError> {
+        let t = s.trim();
+        let digits = t.bytes().take_while(u8::is_ascii_digit).count();
+        let invalid = || ByteSizeError::Invalid(s.into());
+        let n: u64 = t[..digits].parse().map_err(|_| invalid())?;
+        let unit: u64 = match t[digits..].trim_start().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kb" => 1_000,
+            "m" | "mb" => 1_000_000,
+            "g" | "gb" => 1_000_000_000,
+            "t" | "tb" => 1_000_000_000_000,
+            "kib" => 1 << 10,
+            "mib" => 1 << 20,
+            "gib" => 1 << 30,
+            "tib" => 1 << 40,
+            _ => return Err(invalid()),
+        };
+        let bytes = n.checked_mul(unit).ok_or(ByteSizeError::TooLarge)?;
+        if bytes == 0 {
+            return Err(ByteSizeError::Zero);
+        }
+        usize::try_from(bytes)
+            .map(ByteSize)
+            .map_err(|_| ByteSizeError::TooLarge)
+    }
+}
+
 /// Everything the router needs.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -80,7 +128,11 @@ pub struct Config {
     /// The shared store's stream.
     pub storage: Option<EndpointSpec>,
     pub model: CostModel,
+    /// The index's bound in entries, all tiers and instances (`usize::MAX`: none).
     pub max_pages: usize,
+    /// The index's bound in bytes, the streams' key tables included (`usize::MAX`: none); at
+    /// least [`ClusterIndex::min_bytes`] of the instances.
+    pub max_index_bytes: usize,
     pub keys: Keys,
     pub subscribe: SubscribeOptions,
 }
@@ -91,6 +143,8 @@ pub enum StartError {
     NoInstances,
     #[error("either every instance has a url= (proxy) or none does")]
     MixedUrls,
+    #[error("an index budget of {0} bytes is below the {1} bytes of an empty index")]
+    BudgetTooSmall(usize, usize),
     #[error("bind {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
     #[error(transparent)]
@@ -119,7 +173,15 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     if !urls.is_empty() && urls.len() != cfg.instances.len() {
         return Err(StartError::MixedUrls);
     }
-    let mut cluster = Cluster::new(cfg.instances.len(), cfg.model, cfg.max_pages, cfg.keys);
+    let min = ClusterIndex::min_bytes(cfg.instances.len());
+    if cfg.max_index_bytes < min {
+        return Err(StartError::BudgetTooSmall(cfg.max_index_bytes, min));
+    }
+    let budget = Budget {
+        max_bytes: cfg.max_index_bytes,
+        max_pages: cfg.max_pages,
+    };
+    let mut cluster = Cluster::with_budget(cfg.instances.len(), cfg.model, budget, cfg.keys);
     let mut subs = Vec::new();
     for (i, spec) in cfg.instances.iter().enumerate() {
         if let Some(ev) = &spec.events {

@@ -9,7 +9,8 @@
 //! and from L3 at each tier's bandwidth ([`cost::CostModel`]), and take the least.
 //!
 //! - [`index`]: which pages each instance holds on which tier, and the shared store's pages,
-//!   folded from vLLM-format events (`kvtier-events`' wire, or any vLLM publisher's);
+//!   folded from vLLM-format events (`kvtier-events`' wire, or any vLLM publisher's), within
+//!   a byte budget (`table.rs`: the bytes a hash table holds, as the allocator counts them);
 //! - [`cost`]: the TTFT model;
 //! - [`feedback`]: closed-loop queues from each request's first token and end;
 //! - [`occupancy`]: the device memory a request holds while it decodes, which its queue
@@ -34,14 +35,16 @@ pub mod feedback;
 pub mod index;
 pub mod keys;
 pub mod launch;
+pub mod lora;
 pub mod occupancy;
 pub mod proxy;
 pub mod route;
 pub mod service;
 pub mod stream;
 pub mod subscriber;
+mod table;
 
 pub use cost::{CostModel, Estimate};
-pub use index::{ClusterIndex, DecodeError, IndexEvent, decode_batch};
+pub use index::{Budget, ClusterIndex, DecodeError, IndexEvent, decode_batch};
 pub use occupancy::Occupancy;
 pub use route::{RouteError, Router};

@@ -8,10 +8,12 @@
 //! chunk by chunk, so a streaming answer's SSE events reach the client when the engine sends
 //! them. If the chosen instance refuses the connection, the next best is tried; once a byte
 //! of the answer is sent it is the client's. Each instance's requests in flight are counted
-//! from the send until the answer's body ends or the client goes away.
+//! from the send until the answer's body ends or the client goes away. A request naming a
+//! LoRA adapter (vLLM's `model`, SGLang's `lora_path`) is routed by the adapter's keys
+//! (`lora.rs`), and its `cache_salt` by the salt's.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::State;
@@ -26,9 +28,11 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
 use crate::cluster::Cluster;
+use crate::lora::{self, ModelKind};
 use crate::service::{AppState, error};
 
-/// How long a `/tokenize` call may take before the request is routed by load.
+/// How long a `/tokenize` (or `/v1/models`) call may take before the request is routed
+/// without its answer.
 const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The HTTP client to the instances.
@@ -129,12 +133,16 @@ async fn forward(
         .as_ref()
         .and_then(|v| v.get("cache_salt"))
         .and_then(Value::as_str);
+    let lora = match &json {
+        Some(v) => adapter_of(&st, v, &headers).await,
+        None => None,
+    };
     let mut refused = Vec::new();
     loop {
         let decision = {
             let mut c = st.lock();
             match &tokens {
-                Some(t) => c.route(t, salt, None, &refused),
+                Some(t) => c.route(t, salt, lora.as_deref(), &refused),
                 None => c.route_load_only(&refused),
             }
         };
@@ -221,6 +229,38 @@ fn pass_through(
     out
 }
 
+/// The LoRA adapter the request names (`lora.rs`): SGLang's `lora_path`, or a vLLM `model`
+/// that the instances' `/v1/models` lists as an adapter (read when the name is new to the
+/// router, at most every `lora::REFRESH`).
+async fn adapter_of(st: &AppState, v: &Value, headers: &HeaderMap) -> Option<String> {
+    if let Some(a) = lora::named_adapter(v) {
+        return Some(a.to_owned());
+    }
+    let model = v.get("model").and_then(Value::as_str)?;
+    let now = Instant::now();
+    {
+        let mut m = st.models.lock().unwrap_or_else(PoisonError::into_inner);
+        match m.kind(model) {
+            Some(ModelKind::Adapter) => return Some(model.to_owned()),
+            Some(ModelKind::Base) => return None,
+            None if !m.may_read(now) => return None,
+            None => m.read_at(now),
+        }
+    }
+    for base in st.backends.iter().take(2) {
+        let Some(listing) =
+            ask_json(st, Method::GET, base, "/v1/models", headers, Bytes::new()).await
+        else {
+            continue;
+        };
+        let mut m = st.models.lock().unwrap_or_else(PoisonError::into_inner);
+        if m.learn(&listing) > 0 {
+            return (m.kind(model) == Some(ModelKind::Adapter)).then(|| model.to_owned());
+        }
+    }
+    None
+}
+
 /// The prompt's token ids, from the request or a backend's `/tokenize`; `None` if neither.
 async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) -> Option<Vec<u32>> {
     let ids = |a: &Value| -> Option<Vec<u32>> {
@@ -260,21 +300,34 @@ async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) ->
     };
     let body = Bytes::from(serde_json::to_vec(&ask).ok()?);
     for base in st.backends.iter().take(2) {
-        let Ok(req) = request(Method::POST, base, "/tokenize", headers, body.clone()) else {
-            continue;
-        };
-        let call = async {
-            let resp = st.upstream.client.request(req).await.ok()?;
-            if !resp.status().is_success() {
-                return None;
-            }
-            let bytes = resp.into_body().collect().await.ok()?.to_bytes();
-            let v: Value = serde_json::from_slice(&bytes).ok()?;
-            ids(v.get("tokens")?)
-        };
-        if let Ok(Some(t)) = tokio::time::timeout(TOKENIZE_TIMEOUT, call).await {
+        let answer = ask_json(st, Method::POST, base, "/tokenize", headers, body.clone()).await;
+        if let Some(t) = answer.as_ref().and_then(|v| ids(v.get("tokens")?)) {
             return Some(t);
         }
     }
     None
+}
+
+/// A backend's JSON answer to one call, within `TOKENIZE_TIMEOUT`; `None` for any failure.
+async fn ask_json(
+    st: &AppState,
+    method: Method,
+    base: &str,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Option<Value> {
+    let req = request(method, base, path, headers, body).ok()?;
+    let call = async {
+        let resp = st.upstream.client.request(req).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        let bytes = resp.into_body().collect().await.ok()?.to_bytes();
+        serde_json::from_slice::<Value>(&bytes).ok()
+    };
+    tokio::time::timeout(TOKENIZE_TIMEOUT, call)
+        .await
+        .ok()
+        .flatten()
 }

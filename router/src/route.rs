@@ -12,7 +12,7 @@ use kvtier_radix::HashScope;
 
 use crate::cost::{CostModel, Estimate};
 use crate::feedback::Feedback;
-use crate::index::{ClusterIndex, DecodeError, IndexEvent, decode_batch};
+use crate::index::{Budget, ClusterIndex, DecodeError, IndexEvent, decode_batch};
 use crate::occupancy::Occupancy;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -37,8 +37,13 @@ pub struct Router {
 impl Router {
     /// `instances` instances of one class; the index holds at most `max_pages` entries.
     pub fn new(instances: usize, model: CostModel, max_pages: usize) -> Self {
+        Self::with_budget(instances, model, Budget::pages(max_pages))
+    }
+
+    /// `instances` instances of one class; the index holds what `budget` allows.
+    pub fn with_budget(instances: usize, model: CostModel, budget: Budget) -> Self {
         Self {
-            index: ClusterIndex::new(instances, max_pages),
+            index: ClusterIndex::with_budget(instances, budget),
             model,
             queues: vec![0.0; instances],
             now_s: 0.0,
@@ -97,6 +102,12 @@ impl Router {
 
     pub fn index(&self) -> &ClusterIndex {
         &self.index
+    }
+
+    /// The index, to bound it ([`ClusterIndex::set_shared_bytes`]); events go through
+    /// [`Self::apply`].
+    pub fn index_mut(&mut self) -> &mut ClusterIndex {
+        &mut self.index
     }
 
     pub fn queues(&self) -> &[f64] {

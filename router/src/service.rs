@@ -12,6 +12,7 @@ use axum::routing::{get, post};
 use serde::Deserialize;
 
 use crate::cluster::Cluster;
+use crate::lora::ModelNames;
 use crate::proxy::{self, Upstream};
 
 /// What the handlers share.
@@ -22,6 +23,8 @@ pub struct AppState {
     /// proxy, `/route` only.
     pub backends: Arc<Vec<String>>,
     pub upstream: Upstream,
+    /// Which `model` names are LoRA adapters (the proxy reads the instances' `/v1/models`).
+    pub models: Arc<Mutex<ModelNames>>,
 }
 
 impl AppState {
@@ -30,6 +33,7 @@ impl AppState {
             cluster,
             backends: Arc::new(backends),
             upstream: Upstream::new(),
+            models: Arc::new(Mutex::new(ModelNames::default())),
         }
     }
 

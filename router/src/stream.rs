@@ -48,6 +48,8 @@ pub struct StreamCounters {
     pub garbage: u64,
     /// Times the publisher started again from 0.
     pub restarts: u64,
+    /// Times the SUB socket connected again after losing its publisher (then resynced).
+    pub reconnects: u64,
 }
 
 /// Sequence-number state of one stream.
@@ -58,6 +60,16 @@ pub struct Tracker {
     /// The last live number received.
     last_live: Option<u64>,
     pub counters: StreamCounters,
+}
+
+/// What a snapshot request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Synced {
+    Unanswered,
+    /// Answered with nothing (nothing published, or no snapshots).
+    Empty,
+    /// Answered with batches, applied.
+    Applied,
 }
 
 /// What the sink is asked to do.
@@ -84,9 +96,35 @@ impl Tracker {
         history: &mut dyn History,
         sink: &mut dyn FnMut(Apply<'_>) -> bool,
     ) -> bool {
+        self.synced(history, sink) != Synced::Unanswered
+    }
+
+    /// The SUB socket connected again after it lost its publisher. The publisher may be a
+    /// new incarnation (an engine restarted on the same port, a new L3 leader binding the
+    /// store's endpoint) whose first batches went out before this subscriber joined: its
+    /// numbers may then run past ours and look like a gap, not a restart. A snapshot settles
+    /// it either way; after one, the last live number is forgotten (the snapshot's number
+    /// is the reference). A publisher that answers no snapshot (vLLM's) keeps the
+    /// restart detection by numbers.
+    pub fn reconnected(
+        &mut self,
+        history: &mut dyn History,
+        sink: &mut dyn FnMut(Apply<'_>) -> bool,
+    ) {
+        self.counters.reconnects += 1;
+        if self.synced(history, sink) == Synced::Applied {
+            self.last_live = None;
+        }
+    }
+
+    fn synced(
+        &mut self,
+        history: &mut dyn History,
+        sink: &mut dyn FnMut(Apply<'_>) -> bool,
+    ) -> Synced {
         let Some(batches) = history.replay(SNAPSHOT) else {
             self.counters.unanswered += 1;
-            return false;
+            return Synced::Unanswered;
         };
         self.counters.snapshots += 1;
         if batches.is_empty() {
@@ -96,7 +134,7 @@ impl Tracker {
             if self.next.is_none() {
                 self.next = Some(0);
             }
-            return true;
+            return Synced::Empty;
         }
         // vLLM's publisher answers -2 with its whole buffer: complete if it starts at 0
         let first = batches.first().map_or(0, |b| b.0);
@@ -117,7 +155,7 @@ impl Tracker {
             }
             self.fold(seq, &payload, sink);
         }
-        true
+        Synced::Applied
     }
 
     /// A live batch arrived.

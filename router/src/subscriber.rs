@@ -4,7 +4,10 @@
 //! At start the thread asks for a snapshot so the index is complete however late the router
 //! starts; then it folds live batches in order ([`crate::stream::Tracker`]), replays a gap, and
 //! every `resync` of quiet asks for anything after its last batch (a lost tail is otherwise
-//! invisible until the next batch). A publisher that is down or does not answer only leaves
+//! invisible until the next batch). A monitor on the SUB socket reports a reconnect after a
+//! disconnect, and the stream then syncs with a snapshot at once: the publisher on the other
+//! end may be a new incarnation (a restarted engine, a new L3 leader) whose numbers say
+//! nothing about ours ([`Tracker::reconnected`]). A publisher that is down or does not answer only leaves
 //! its pages missing or stale: nothing here waits longer than the replay timeout, and routing
 //! never waits on a stream.
 
@@ -118,6 +121,18 @@ pub fn spawn(
     sub.set_linger(0).map_err(zerr("SUB linger"))?;
     sub.set_rcvhwm(100_000)
         .map_err(zerr("SUB high-water mark"))?;
+    // The SUB's connection events: a reconnect after a disconnect may be a new publisher
+    // incarnation on the same address ([`Tracker::reconnected`]).
+    let mon_ep = "inproc://kvtier-router-sub-monitor";
+    sub.monitor(
+        mon_ep,
+        (zmq::SocketEvent::DISCONNECTED as i32) | (zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32),
+    )
+    .map_err(zerr("monitor the SUB"))?;
+    let mon = ctx.socket(zmq::PAIR).map_err(zerr("SUB monitor socket"))?;
+    mon.set_linger(0).map_err(zerr("SUB monitor linger"))?;
+    mon.connect(mon_ep)
+        .map_err(zerr("connect the SUB monitor"))?;
     sub.connect(&spec.endpoint)
         .map_err(zerr(format!("connect SUB {}", spec.endpoint)))?;
     let history = ZmqHistory {
@@ -127,15 +142,31 @@ pub fn spawn(
     };
     std::thread::Builder::new()
         .name(format!("kvtier-router-sub-{stream}"))
-        .spawn(move || follow(sub, history, stream, &cluster, &stop, opts))
+        .spawn(move || follow(sub, mon, history, stream, &cluster, &stop, opts))
         .map_err(|e| SubscribeError {
             what: format!("start the subscriber thread: {e}"),
             source: zmq::Error::EFAULT,
         })
 }
 
+/// What a SUB monitor message says: `Some(true)` disconnected, `Some(false)` connected
+/// (handshake done), `None` anything else. The first frame is the event (u16, native
+/// endianness) and its value (u32).
+fn connection_event(frames: &[Vec<u8>]) -> Option<bool> {
+    let f = frames.first()?;
+    let ev = u16::from_ne_bytes([*f.first()?, *f.get(1)?]);
+    if ev == zmq::SocketEvent::DISCONNECTED.to_raw() {
+        Some(true)
+    } else if ev == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+        Some(false)
+    } else {
+        None
+    }
+}
+
 fn follow(
     sub: zmq::Socket,
+    mon: zmq::Socket,
     mut history: ZmqHistory,
     stream: usize,
     cluster: &Mutex<Cluster>,
@@ -155,17 +186,33 @@ fn follow(
     tracker.sync(&mut history, &mut sink);
     publish(&tracker);
     let mut last = Instant::now();
+    let mut lost_publisher = false;
     while !stop.load(Ordering::Relaxed) {
-        let mut items = [sub.as_poll_item(zmq::POLLIN)];
-        let ready = match zmq::poll(&mut items, 100) {
-            Ok(n) => n > 0,
+        let mut items = [sub.as_poll_item(zmq::POLLIN), mon.as_poll_item(zmq::POLLIN)];
+        let (ready, watched) = match zmq::poll(&mut items, 100) {
+            Ok(n) => (n > 0 && items[0].is_readable(), items[1].is_readable()),
             Err(_) => {
                 // an interrupted poll: no busy loop
                 std::thread::sleep(Duration::from_millis(50));
-                false
+                (false, false)
             }
         };
+        if watched && let Ok(frames) = mon.recv_multipart(0) {
+            match connection_event(&frames) {
+                Some(true) => lost_publisher = true,
+                Some(false) if lost_publisher => {
+                    lost_publisher = false;
+                    tracker.reconnected(&mut history, &mut sink);
+                    publish(&tracker);
+                    last = Instant::now();
+                }
+                _ => {}
+            }
+        }
         if !ready {
+            if watched {
+                continue;
+            }
             if last.elapsed() >= opts.resync {
                 tracker.catch_up(&mut history, &mut sink);
                 publish(&tracker);

@@ -6,20 +6,26 @@
 use std::path::Path;
 use std::process::Command;
 
-/// The `kvtier ...` commands of the ```sh blocks: the `cargo run ... --` prefix, pipes and
-/// trailing comments removed.
-fn documented_commands(md: &str) -> Vec<Vec<String>> {
+/// The trimmed lines inside the ```sh blocks of `md`.
+fn sh_lines(md: &str) -> Vec<&str> {
     let mut out = Vec::new();
     let mut in_sh = false;
     for line in md.lines() {
         let t = line.trim();
         if t.starts_with("```") {
             in_sh = !in_sh && t == "```sh";
-            continue;
+        } else if in_sh {
+            out.push(t);
         }
-        if !in_sh {
-            continue;
-        }
+    }
+    out
+}
+
+/// The `kvtier ...` commands of the ```sh blocks: the `cargo run ... --` prefix, pipes and
+/// trailing comments removed.
+fn documented_commands(md: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    for t in sh_lines(md) {
         let t = t.split(" # ").next().unwrap_or("").trim();
         let t = t.split(" | ").next().unwrap_or("").trim();
         let t = match t.split_once("--bin kvtier -- ") {
@@ -62,6 +68,61 @@ fn every_documented_command_runs() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(String::from_utf8_lossy(&out.stdout).starts_with("dry run:"));
+    }
+}
+
+/// The `--example NAME` of each `cargo run -p kvtier-sim --example NAME` line of the ```sh
+/// blocks.
+fn documented_examples(md: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for t in sh_lines(md) {
+        if t.starts_with("cargo run ") && t.contains("-p kvtier-sim") {
+            let words: Vec<&str> = t.split_whitespace().collect();
+            if let Some(i) = words.iter().position(|w| *w == "--example") {
+                out.push(words.get(i + 1).expect("an example name").to_string());
+            }
+        }
+    }
+    out
+}
+
+/// docs/router.md's `--example` commands name examples of this package, and each runs (at a
+/// small scale) where `cargo test` built it beside this test (it builds every example unless
+/// a single target is asked for).
+#[test]
+fn every_documented_example_exists_and_runs() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let md = std::fs::read_to_string(root.join("docs/router.md")).unwrap();
+    let names = documented_examples(&md);
+    assert!(names.iter().any(|n| n == "index_memory"), "{names:?}");
+    let exe = std::env::current_exe().unwrap();
+    let examples = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples");
+    for name in names {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("examples/{name}.rs"));
+        assert!(src.is_file(), "{} is not there", src.display());
+        let bin = examples.join(&name);
+        if !bin.is_file() {
+            eprintln!("{name}: not built beside this test; its source is there");
+            continue;
+        }
+        let out = Command::new(&bin)
+            .args(["--chains-scale", "0.02"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rows = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("| ") && !l.starts_with("| workload"))
+            .count();
+        assert_eq!(rows, 3, "{}", String::from_utf8_lossy(&out.stdout));
     }
 }
 

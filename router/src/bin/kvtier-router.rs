@@ -7,9 +7,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use kvtier_router::CostModel;
 use kvtier_router::cluster::Keys;
-use kvtier_router::launch::{self, Config, EndpointSpec};
+use kvtier_router::launch::{self, ByteSize, Config, EndpointSpec};
+use kvtier_router::{ClusterIndex, CostModel};
 
 #[derive(Parser, Debug)]
 #[command(name = "kvtier-router", version, about)]
@@ -28,9 +28,13 @@ struct Args {
     /// hash of each event's tokens: vLLM, SGLang).
     #[arg(long, value_enum, default_value = "engine")]
     keys: Keys,
-    /// Index bound, in page entries (all tiers and instances).
-    #[arg(long, default_value_t = 4_000_000)]
-    max_pages: usize,
+    /// The index's memory, in bytes: its tables and, with `--keys tokens`, every stream's
+    /// engine-hash table (`268435456`, `256MiB`, `1GB`). Stores past it are dropped (counted).
+    #[arg(long, default_value = "256MiB")]
+    max_index_bytes: ByteSize,
+    /// The index's entries, all tiers and instances, if they should be bounded too.
+    #[arg(long)]
+    max_pages: Option<usize>,
     /// Tokens per page (the engines' block size).
     #[arg(long, default_value_t = 16)]
     page_size: usize,
@@ -66,8 +70,16 @@ fn positive(name: &str, v: f64) -> Result<f64, String> {
 }
 
 fn config(a: &Args) -> Result<Config, String> {
-    if a.page_size == 0 || a.page_bytes == 0 || a.max_pages == 0 {
+    if a.page_size == 0 || a.page_bytes == 0 || a.max_pages == Some(0) {
         return Err("--page-size, --page-bytes and --max-pages must be positive".into());
+    }
+    let min = ClusterIndex::min_bytes(a.instances.len());
+    if a.max_index_bytes.0 < min {
+        return Err(format!(
+            "--max-index-bytes {} is below the {min} bytes an empty index of {} instances holds",
+            a.max_index_bytes.0,
+            a.instances.len()
+        ));
     }
     Ok(Config {
         listen: a.listen,
@@ -80,7 +92,8 @@ fn config(a: &Args) -> Result<Config, String> {
             host_bytes_per_s: positive("host-gbps", a.host_gbps)? * 1e9,
             l3_bytes_per_s: positive("l3-gbps", a.l3_gbps)? * 1e9,
         },
-        max_pages: a.max_pages,
+        max_pages: a.max_pages.unwrap_or(usize::MAX),
+        max_index_bytes: a.max_index_bytes.0,
         keys: a.keys,
         subscribe: launch::subscribe_options(
             a.replay_timeout_ms,

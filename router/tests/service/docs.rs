@@ -91,31 +91,48 @@ async fn the_documented_router_line_and_requests_run() {
         .await
         .json();
     assert_eq!(stats["streams"].as_array().map(Vec::len), Some(2));
+    // the documented budget is the one in force
+    let at = args
+        .iter()
+        .position(|a| a == "--max-index-bytes")
+        .expect("--max-index-bytes");
+    let budget: kvtier_router::launch::ByteSize = args[at + 1].parse().expect("a byte size");
+    assert_eq!(stats["max_index_bytes"], budget.0, "{stats}");
+    assert!(
+        stats["memory_bytes"].as_u64() <= Some(budget.0 as u64),
+        "{stats}"
+    );
     let _ = child.kill();
     let _ = child.wait();
 }
 
+/// Bad flags exit with 2 (a usage error) before anything starts, never with a panic;
+/// instances that disagree on proxying are found at start (1).
 #[test]
 fn bad_flags_are_errors_not_panics() {
-    for args in [
-        vec!["--instance", "events=udp://x"],
-        vec!["--instance", "nokey"],
-        vec!["--instance", "url=http://127.0.0.1:1", "--page-size", "0"],
-        vec!["--instance", "url=http://127.0.0.1:1", "--resync-s", "inf"],
-        vec![
-            "--instance",
-            "url=http://127.0.0.1:1",
-            "--instance",
-            "events=tcp://127.0.0.1:1",
-        ],
-        vec![],
+    let ev = "events=tcp://127.0.0.1:1";
+    let url = "url=http://127.0.0.1:1";
+    for (args, code) in [
+        (vec!["--instance", "events=udp://x"], 2),
+        (vec!["--instance", "nokey"], 2),
+        (vec!["--instance", url, "--page-size", "0"], 2),
+        (vec!["--instance", url, "--resync-s", "inf"], 2),
+        (vec!["--instance", url, "--instance", ev], 1),
+        (vec![], 2),
+        (vec!["--instance", ev, "--max-index-bytes", "0"], 2),
+        (vec!["--instance", ev, "--max-index-bytes", "lots"], 2),
+        (vec!["--instance", ev, "--max-index-bytes", "1.5GiB"], 2),
+        (vec!["--instance", ev, "--max-index-bytes", "-1"], 2),
+        // below an empty index's bytes
+        (vec!["--instance", ev, "--max-index-bytes", "8"], 2),
+        (vec!["--instance", ev, "--max-pages", "0"], 2),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvtier-router"))
             .args(&args)
             .args(["--listen", "127.0.0.1:0", "--exit-after-s", "0.1"])
             .output()
             .expect("run");
-        assert!(!out.status.success(), "{args:?}");
+        assert_eq!(out.status.code(), Some(code), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }

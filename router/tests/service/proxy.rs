@@ -8,9 +8,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::common::*;
-use kvtier_events::Medium;
+use kvtier_events::{Medium, Publisher};
 use kvtier_router::cluster::{Cluster, Keys, Target};
-use kvtier_router::launch::EndpointSpec;
+use kvtier_router::launch::{EndpointSpec, Running};
 use kvtier_router::stream::Apply;
 
 fn url_spec(url: String) -> EndpointSpec {
@@ -78,20 +78,35 @@ async fn recorded_vllm_responses_pass_through_byte_exact_and_chunk_by_chunk() {
     r.stop().await;
 }
 
+/// Two instances, each an upstream replaying `ex` and a kvtier publisher, behind a router
+/// with token keys, joined.
+async fn two_proxied_instances(
+    ex: &[Exchange],
+) -> ((Upstream, Publisher), (Upstream, Publisher), Running) {
+    let mut parts = Vec::new();
+    for _ in 0..2 {
+        let (u, p) = (Upstream::start(ex.to_vec()).await, publisher());
+        let mut s = spec(&p);
+        s.url = Some(u.url());
+        parts.push((u, p, s));
+    }
+    let r = router(
+        parts.iter().map(|x| x.2.clone()).collect(),
+        None,
+        1 << 20,
+        Keys::Tokens,
+    )
+    .await;
+    joined(&r).await;
+    let mut it = parts.into_iter().map(|(u, p, _)| (u, p));
+    let (a, b) = (it.next().expect("0"), it.next().expect("1"));
+    (a, b, r)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_sends_each_prompt_to_the_instance_holding_it() {
     let ex = recorded();
-    let (u0, u1) = (
-        Upstream::start(ex.clone()).await,
-        Upstream::start(ex.clone()).await,
-    );
-    let (p0, p1) = (publisher(), publisher());
-    let mut s0 = spec(&p0);
-    s0.url = Some(u0.url());
-    let mut s1 = spec(&p1);
-    s1.url = Some(u1.url());
-    let r = router(vec![s0, s1], None, 1 << 20, Keys::Tokens).await;
-    joined(&r).await;
+    let ((u0, p0), (u1, p1), r) = two_proxied_instances(&ex).await;
     // instance 1 holds the token prompt; instance 0 the text prompt's tokens (as vLLM's
     // /tokenize gives them)
     let by_ids = find(&ex, "/v1/completions", false, true);
@@ -281,5 +296,75 @@ async fn a_streaming_request_is_in_flight_until_its_last_chunk() {
     until("finished", || c.lock().expect("lock").in_flight() == [0]).await;
     let stats = http(r.addr, "GET", "/stats", None).await.json();
     assert_eq!(stats["instances"][0]["routed"], 1, "{stats}");
+    r.stop().await;
+}
+
+/// A LoRA request (vLLM: its `model` names an adapter that `/v1/models` lists with a `parent`)
+/// is routed by the adapter's keys: the instance holding the prompt under that adapter gets
+/// it, the instance holding it for the base model gets the base model's request, and a name
+/// the listing does not know routes as the base model without reading the listing again
+/// within `lora::REFRESH`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_request_goes_to_the_instance_holding_the_prompt_under_its_adapter() {
+    let mut ex = recorded();
+    // The recorded server's listing (vllm serve tiny), with an adapter card as vLLM lists one
+    // loaded by --lora-modules sql-lora=PATH.
+    let models = ex
+        .iter_mut()
+        .find(|e| e.path == "/v1/models")
+        .expect("recorded /v1/models");
+    let mut listing: serde_json::Value =
+        serde_json::from_str(&models.chunks.concat()).expect("json");
+    let mut card = listing["data"][0].clone();
+    card["id"] = "sql-lora".into();
+    card["root"] = "/loras/sql".into();
+    card["parent"] = listing["data"][0]["id"].clone();
+    listing["data"].as_array_mut().expect("cards").push(card);
+    models.chunks = vec![listing.to_string()];
+    let by_ids = find(&ex, "/v1/completions", false, true).clone();
+    let ids = by_ids.prompt_ids();
+    let ((u0, p0), (u1, p1), r) = two_proxied_instances(&ex).await;
+    let mut under_lora = stored(&ids, Medium::Gpu);
+    if let kvtier_events::WireEvent::BlockStored { lora_name, .. } = &mut under_lora {
+        *lora_name = Some("sql-lora".into());
+    }
+    p0.publish(0.0, &[under_lora]).expect("publish");
+    p1.publish(0.0, &[stored(&ids, Medium::Gpu)])
+        .expect("publish");
+    let c = Arc::clone(&r.cluster);
+    until("indexed", || {
+        c.lock().expect("lock").router().index().pages() == 2 * (ids.len() / PS)
+    })
+    .await;
+    let ask = |model: &str| {
+        let mut b = by_ids.request.clone().expect("req");
+        b["model"] = model.into();
+        b.to_string()
+    };
+    let listings = |u: &Upstream| {
+        u.requests
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter(|p| *p == "/v1/models")
+            .count()
+    };
+    let base = listing["data"][0]["id"].as_str().expect("id").to_owned();
+    for (model, want) in [
+        ("sql-lora", "0"),
+        (base.as_str(), "1"),
+        ("sql-lora", "0"),
+        ("unknown", "1"),
+    ] {
+        let got = http(
+            r.addr,
+            "POST",
+            "/v1/completions",
+            Some(ask(model).as_bytes()),
+        )
+        .await;
+        assert_eq!(got.header("x-kvtier-instance"), Some(want), "model {model}");
+    }
+    assert_eq!(listings(&u0) + listings(&u1), 1, "the listing is read once");
     r.stop().await;
 }

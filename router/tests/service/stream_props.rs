@@ -138,6 +138,37 @@ proptest! {
     }
 }
 
+/// A stream that followed `old` to its end, then sees its publisher's next incarnation
+/// `new`, whose batches before `seen` went out before the subscriber joined again (told
+/// of the reconnect if `reconnect`), and receives batch `seen` live: the index's entries
+/// and the stream's counters.
+fn incarnations(
+    old: &[Vec<WireEvent>],
+    new: &[Vec<WireEvent>],
+    seen: usize,
+    reconnect: bool,
+) -> (
+    Vec<(usize, &'static str, u64)>,
+    kvtier_router::stream::StreamCounters,
+) {
+    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine);
+    let st = c.add_stream("s", "mem", Target::Instance(0));
+    let mut t = Tracker::new();
+    let mut sink = |a: Apply<'_>| c.apply(st, a);
+    let mut h = Memory::new(old, 10);
+    t.sync(&mut Memory::new(&[], 10), &mut sink);
+    for (s, p) in h.payloads.clone().iter().enumerate() {
+        t.on_live(s as u64, p, &mut h, &mut sink);
+    }
+    if reconnect {
+        t.reconnected(&mut Memory::new(&new[..seen], 10), &mut sink);
+    }
+    let mut h2 = Memory::new(new, 10);
+    let p = h2.payloads[seen].clone();
+    t.on_live(seen as u64, &p, &mut h2, &mut sink);
+    (c.router().index().entries(), t.counters)
+}
+
 #[test]
 fn a_publisher_that_restarts_from_zero_replaces_its_pages() {
     let old = vec![
@@ -145,18 +176,33 @@ fn a_publisher_that_restarts_from_zero_replaces_its_pages() {
         vec![stored(&tokens(2, 4), Medium::Gpu)],
     ];
     let new = vec![vec![stored(&tokens(3, 2), Medium::Gpu)]];
-    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine);
-    let st = c.add_stream("s", "mem", Target::Instance(0));
-    let mut t = Tracker::new();
-    let mut sink = |a: Apply<'_>| c.apply(st, a);
-    let mut h = Memory::new(&old, 10);
-    t.sync(&mut Memory::new(&[], 10), &mut sink);
-    for (s, p) in h.payloads.clone().iter().enumerate() {
-        t.on_live(s as u64, p, &mut h, &mut sink);
-    }
-    let mut h2 = Memory::new(&new, 10);
-    let p = h2.payloads[0].clone();
-    t.on_live(0, &p, &mut h2, &mut sink);
-    assert_eq!(t.counters.restarts, 1);
-    assert_eq!(c.router().index().entries(), clean(&new));
+    let (entries, counters) = incarnations(&old, &new, 0, false);
+    assert_eq!(counters.restarts, 1);
+    assert_eq!(entries, clean(&new));
+}
+
+/// A new publisher incarnation on the same address (a new L3 leader, an engine restarted
+/// on its port) that published more batches than the old one before this subscriber
+/// joined: its first batch seen is numbered past the old stream's last, so the numbers
+/// alone read it as a gap. The reconnect (the SUB's monitor) resyncs from its snapshot.
+#[test]
+fn a_reconnect_to_a_new_incarnation_resyncs_even_when_its_numbers_run_past_ours() {
+    let old = vec![
+        vec![stored(&tokens(1, 4), Medium::Gpu)],
+        vec![stored(&tokens(2, 4), Medium::Gpu)],
+    ];
+    let new = vec![
+        vec![WireEvent::AllBlocksCleared],
+        vec![stored(&tokens(3, 2), Medium::Gpu)],
+        vec![stored(&tokens(4, 2), Medium::Gpu)],
+        vec![stored(&tokens(5, 2), Medium::Gpu)],
+    ];
+    let follow = |reconnect: bool| {
+        let (entries, counters) = incarnations(&old, &new, 3, reconnect);
+        (entries, counters.reconnects)
+    };
+    assert_eq!(follow(true), (clean(&new), 1));
+    // without the reconnect the numbers read a gap, and the old pages stay (the hole the
+    // monitor closes)
+    assert_ne!(follow(false).0, clean(&new));
 }

@@ -107,6 +107,7 @@ pub async fn router(
         storage,
         model: model(),
         max_pages,
+        max_index_bytes: usize::MAX,
         keys,
         subscribe: launch::subscribe_options(300, 0.3),
     })
