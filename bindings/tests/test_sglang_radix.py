@@ -357,13 +357,16 @@ def test_a_capped_tenant_evicts_its_own_pages_first():
     e.cache.manager.check()
 
 
+@pytest.mark.parametrize("io_threads", [0, 1], ids=["io-inline", "io-thread"])
 @pytest.mark.parametrize("journal", [True, False], ids=["loss-journal", "no-journal"])
-def test_l3_losses_the_store_reports_are_not_prefetched(journal):
+def test_l3_losses_the_store_reports_are_not_prefetched(journal, io_threads):
     """A page L3 evicts or loses after its backup: with the store's loss journal, the per-step
-    hook tells kvtier, which then prefetches only the pages before it (nothing lost at read
-    time); without a journal the read finds it gone and recomputes. Same hits either way."""
+    hook tells kvtier (reading the journal inline, or on the I/O thread), which then prefetches
+    only the pages before it (nothing lost at read time); without a journal the read finds it
+    gone and recomputes. Same hits either way."""
     store = kvtier.L3Store.embedded(1 << 24, loss_journal_keys=1024 if journal else 0)
-    e = Engine(kvtier_cache(host_pages=8, store=store), device_tokens=40)
+    e = Engine(kvtier_cache(host_pages=8, store=store, io_threads=io_threads, prefetch_wait_ms=10_000),
+               device_tokens=40)
     p = prompts(16, 1, 16)[0]
     e.run([e.request(p)])
     e.run([e.request(q) for q in prompts(17, 3, 20)])  # p leaves device and host (in L3)
@@ -374,6 +377,7 @@ def test_l3_losses_the_store_reports_are_not_prefetched(journal):
     assert [e.cache.manager.lookup(chain, i) for i in range(3)] == ["in-l3"] * 3
     store.remove(e.cache.l3_keys(chain)[1], True)
     e.cache.flush_pending_backups()
+    e.cache.wait_io()
     s = e.cache.stats()
     assert e.cache.manager.lookup(chain, 1) == ("miss" if journal else "in-l3")
     assert s["l3_lost_pages"] == (1 if journal else 0)
@@ -442,14 +446,14 @@ def test_the_benchmark_runs_and_kvtier_computes_less(monkeypatch, capsys):
 
 @settings(max_examples=10, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=12),
-       st.integers(4, 10), st.booleans())
-def test_property_l3_losses_never_load_garbage(ops, host_pages, journal):
+       st.integers(4, 10), st.booleans(), st.sampled_from([0, 1]))
+def test_property_l3_losses_never_load_garbage(ops, host_pages, journal, io_threads):
     """Random prompts over shared stems through device, a small host and L3, with random L3
     objects removed between steps (with and without a loss journal): every reused row equals
     the oracle, no slot or lock leaks, kvtier's tree stays consistent."""
     stems = prompts(23, 5, 12)
     store = kvtier.L3Store.embedded(1 << 24, loss_journal_keys=1024 if journal else 0)
-    e = Engine(kvtier_cache(host_pages=host_pages, store=store), device_tokens=40)
+    e = Engine(kvtier_cache(host_pages=host_pages, store=store, io_threads=io_threads), device_tokens=40)
     for stem, tail, drop in ops:
         e.run([e.request(stems[stem] + list(range(200, 200 + tail)))])
         e.cache.wait_io()
@@ -481,3 +485,51 @@ def test_write_back_makes_a_host_pool_near_the_devices_size_useful():
     assert out["write_back"][0] >= 60 and out["write_back"][1]["host_hit_tokens"] >= 60
     assert out["write_back"][1]["written_back_pages"] == out["write_back"][1]["stored_pages"]
     assert out["write_back"][1]["stored_pages"] < out["write_through"][1]["stored_pages"]
+
+
+def test_a_stalled_l3_never_holds_back_admission():
+    """The L3 server stops answering (a real kvtier-l3 process, SIGSTOPped) while a fresh
+    engine serves prompts whose pages it holds. With kvtier's I/O thread (the default) nothing
+    in SGLang's scheduler thread waits for the store past a request's ``prefetch_wait_ms``:
+    the probe for other engines' pages and the loss journal's read run on the I/O thread like
+    reads and writes, so every request is admitted and computed at once (before: each match's
+    probe and each step's journal read blocked for the store's whole RPC timeout). Once the
+    server answers again the late answers are applied and the cache is consistent."""
+    import os
+    import signal
+    import time
+
+    from test_shm import Proc
+
+    srv = Proc()
+    try:
+        ps = prompts(51, 3, 24)
+        one = Engine(kvtier_cache(host_pages=64, l3="server", server=srv.addr))
+        one.run([one.request(p) for p in ps])
+        one.cache.flush_pending_backups()
+        one.cache.wait_io()
+        two = Engine(kvtier_cache(host_pages=64, l3="server", server=srv.addr, io_threads=1,
+                                  rpc_timeout_ms=30_000))
+        os.kill(srv.p.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            two.run([two.request(p) for p in ps])
+            stalled = time.monotonic() - t0
+        finally:
+            os.kill(srv.p.pid, signal.SIGCONT)
+        assert stalled < 10, f"admission waited {stalled:.1f} s for a store that does not answer"
+        assert two.prefix_hits == [0] * 3, "the store never answered: everything was computed"
+        two.check_pools()
+        two.cache.wait_io()  # the answers come now
+        s = two.cache.stats()
+        assert s["probes"] >= 1 and s["store_errors"] == 0
+        two.cache.manager.check()
+        # A store that answers: on the I/O thread, a match's probe and then the prefetch of what
+        # it found end within the request's budget (ample here), so the pages serve this match.
+        again = Engine(kvtier_cache(host_pages=64, l3="server", server=srv.addr, io_threads=1,
+                                    prefetch_wait_ms=10_000))
+        again.run([again.request(p) for p in ps])
+        assert again.prefix_hits == [20] * 3 and again.cache.stats()["l3_hit_tokens"] == 60
+        again.check_pools()
+    finally:
+        srv.close()

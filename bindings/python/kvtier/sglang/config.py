@@ -44,6 +44,9 @@ class RadixBackendConfig:
     - ``write_policy``: "write_through" (default: a request's pages go to host when SGLang
       inserts them) or "write_back" (only when SGLang evicts them from the device);
     - ``probe_l3``: probe the store for pages other engines stored (default on);
+    - ``mover``: how pages move between device and host: "auto" (default: index copies on
+      CPU, kvtier.torch's ``kernel`` mover on a CUDA device where it runs), "torch", "dma",
+      "kernel" (``copies.py``; a mover named that cannot run here is refused at startup);
     - ``prefetch_wait_ms``: how long, in all, one request's matches may wait for its own
       prefetch (default 20; 0: never, its prefetched pages serve later requests); SGLang
       matches a step's requests in turn, so a step may wait this long per such request.
@@ -64,6 +67,7 @@ class RadixBackendConfig:
     probe_l3: bool = True
     prefetch_wait_ms: int = 20
     write_policy: str = "write_through"
+    mover: str = "auto"
 
     @classmethod
     def from_dict(cls, d: Any) -> "RadixBackendConfig":
@@ -101,6 +105,8 @@ class RadixBackendConfig:
             raise RadixConfigError(f"prefetch_wait_ms must be a non-negative int, got {self.prefetch_wait_ms!r}")
         if self.write_policy not in ("write_through", "write_back"):
             raise RadixConfigError(f"write_policy is 'write_through' or 'write_back', got {self.write_policy!r}")
+        if self.mover not in ("auto", "torch", "dma", "kernel"):
+            raise RadixConfigError(f"mover is 'auto', 'torch', 'dma' or 'kernel', got {self.mover!r}")
         if self.io_threads not in (0, 1):
             raise RadixConfigError(f"io_threads is 0 or 1, got {self.io_threads!r}")
         if not isinstance(self.tenant, str) or not self.tenant:

@@ -32,7 +32,8 @@ How (the two-phase pattern of SGLang's ``FlexKVRadixCache``):
 
 Bytes: a host page is the page's rows of every device KV buffer (K and V of each layer; the
 latent buffer for MLA), as bytes, in a host pool this class owns (pinned where the device
-is a GPU, plain on CPU); copies are plain torch index copies. An L3 object is one host page
+is a GPU, plain on CPU); copies are index copies on CPU and kvtier.torch's movers on a GPU
+(``copies.py``). An L3 object is one host page
 under ``{namespace}:{page hash}:{tp rank}``.
 """
 
@@ -69,6 +70,7 @@ from .config import (  # noqa: F401  (re-exported: kvtier.sglang.radix is where 
     UnsupportedModelError,
     UnsupportedPageSizeError,
 )
+from .copies import make_copier
 from .storage import ENV_ADDR, ENV_TOKEN
 
 logger = logging.getLogger(__name__)
@@ -105,7 +107,7 @@ class _Marker:
 
 @dataclass
 class _Job:
-    kind: str  # "prefetch" | "backup"
+    kind: str  # "prefetch" | "backup" | "probe" (of the pages after a host prefix) | "losses" (the journal)
     job: int
     pages: int
     run: Callable[[], Any]
@@ -174,8 +176,7 @@ class KvtierRadixCache(RadixCache):
         kv = params.token_to_kv_pool_allocator.get_kvcache()
         bufs = device_buffers(kv)
         ps = int(params.page_size)
-        self._offsets = np.cumsum([0] + [b.shape[1] * ps for b in bufs]).tolist()
-        page_bytes = int(self._offsets[-1])
+        page_bytes = sum(int(b.shape[1]) * ps for b in bufs)
         if cfg.host_pages is not None:
             slots = cfg.host_pages
         else:
@@ -216,13 +217,7 @@ class KvtierRadixCache(RadixCache):
         pin = any(b.device.type == "cuda" for b in bufs) and torch.cuda.is_available()
         self.host = torch.zeros((slots, page_bytes), dtype=torch.uint8, pin_memory=pin)
         self._host_flat = self.host.numpy().reshape(-1)
-        # Copies move the widest word every row and offset is a multiple of (8x fewer elements
-        # than bytes for the usual fp16/bf16/fp32 rows): index copies are per element.
-        word = next(w for w in (8, 4, 2, 1) if all(b.shape[1] % w == 0 for b in bufs))
-        wdt = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
-        self._bufs = [b.view(wdt) for b in bufs]
-        self._host_w = self.host.view(wdt)
-        self._woffsets = [o // word for o in self._offsets]
+        self.copier = make_copier(cfg.mover, bufs, self.host, ps)
         self.counters = Counters()
         self.hit_log: Deque[HitRecord] = collections.deque(maxlen=4096)
         self._hits: Dict[str, HitRecord] = {}
@@ -287,7 +282,8 @@ class KvtierRadixCache(RadixCache):
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._jobs.clear()
-        self.host = self._host_w = torch.zeros((0, 0), dtype=torch.uint8)
+        self.host = torch.zeros((0, 0), dtype=torch.uint8)
+        self.copier = None
         self._host_flat = np.zeros(0, dtype=np.uint8)
 
     # ---- keys --------------------------------------------------------------------------
@@ -310,17 +306,10 @@ class KvtierRadixCache(RadixCache):
     # ---- bytes -------------------------------------------------------------------------
 
     def _copy_to_host(self, dev_idx: torch.Tensor, slots: List[int]) -> None:
-        n, ps = len(slots), self.page_size
-        idx = dev_idx.to(torch.int64)
-        pages = torch.cat([b.index_select(0, idx.to(b.device)).reshape(n, ps * b.shape[1]) for b in self._bufs], 1)
-        self._host_w.index_copy_(0, torch.as_tensor(slots, dtype=torch.int64), pages.to("cpu"))
+        self.copier.to_host(dev_idx, slots)
 
     def _copy_to_device(self, slots: List[int], dev_idx: torch.Tensor) -> None:
-        n, ps = len(slots), self.page_size
-        pages = self._host_w.index_select(0, torch.as_tensor(slots, dtype=torch.int64))
-        for b, lo, hi in zip(self._bufs, self._woffsets, self._woffsets[1:]):
-            rows = pages[:, lo:hi].reshape(n * ps, b.shape[1])
-            b.index_copy_(0, dev_idx.to(device=b.device, dtype=torch.int64), rows.to(b.device))
+        self.copier.to_device(slots, dev_idx)
 
     # ---- match and load ----------------------------------------------------------------
 
@@ -340,8 +329,13 @@ class KvtierRadixCache(RadixCache):
         d = base.device_prefix_len // self.page_size
         h = self.manager.host_prefix(chain)
         if self.store is not None and h < len(chain):
-            self._maybe_prefetch(handle, chain, h, d, self._tenant(key.cache_salt))
+            tenant = self._tenant(key.cache_salt)
+            self._maybe_prefetch(handle, chain, h, d, tenant)
+            probing = any(j.kind == "probe" and j.handle == handle for j in self._jobs)
             if self._await_prefetch(handle):
+                if probing:  # the probe ended within the budget: the prefetch of what it found
+                    self._maybe_prefetch(handle, chain, h, d, tenant)
+                    self._await_prefetch(handle)
                 h = self.manager.host_prefix(chain)
         if h <= d:
             return base
@@ -359,13 +353,20 @@ class KvtierRadixCache(RadixCache):
         if state == "miss" and self.config.probe_l3 and self._probed.get(handle) != h:
             self._probed[handle] = h
             self.counters.probes += 1
+            keys, store = self.l3_keys(chain[h:]), self.store
+            if self._io_off_thread():
+                # On the I/O thread: a store that answers late delays only this request's use
+                # of its pages (up to its budget), never the scheduler thread.
+                self._start(_Job("probe", 0, len(keys), lambda: store.batch_is_exist(keys), handle=handle,
+                                 page_hashes=chain[h:]))
+                return
             try:
-                found = np.asarray(self.store.batch_is_exist(self.l3_keys(chain[h:])))
+                found = np.asarray(store.batch_is_exist(keys))
             except kvtier.L3Error as e:
                 self.counters.store_errors += 1
                 logger.warning("kvtier: L3 probe failed: %r", e)
                 found = np.zeros(0, dtype=np.int64)  # a miss (every rank still joins the agreement)
-            run = int(np.argmin(found == 1)) if not (found == 1).all() else len(found)
+            run = _leading_hits(found)
             if self.tp_size > 1:  # every rank probes its own shard: the ranks take the shortest run
                 v = np.array([run], dtype=np.int64)
                 self._all_min(v)
@@ -551,6 +552,11 @@ class KvtierRadixCache(RadixCache):
             job.future = self._pool.submit(job.run)
         self._jobs.append(job)
 
+    def _io_off_thread(self) -> bool:
+        """Probes and journal reads go to the I/O thread too: with one, and on one rank (under TP
+        their answers are agreed by collectives that every rank reaches in the same call)."""
+        return self._pool is not None and self.tp_size == 1
+
     def _all_min(self, v: np.ndarray) -> None:
         """In-place element-wise minimum over the tensor-parallel ranks (SGLang's CPU group)."""
         import torch.distributed as dist
@@ -559,11 +565,19 @@ class KvtierRadixCache(RadixCache):
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
 
     def _finish(self, job: _Job, result: Any, err: Optional[BaseException]) -> None:
+        if job.kind == "losses":
+            self._apply_losses(*self._losses_read(lambda: (result, err)))
+            return
         if isinstance(err, kvtier.L3Error):
             self.counters.store_errors += 1
             logger.warning("kvtier: L3 %s failed: %r", job.kind, err)
         elif err is not None:
             raise err
+        if job.kind == "probe":  # one rank (_io_off_thread): what it found is L3's
+            run = 0 if err is not None else _leading_hits(np.asarray(result))
+            if run:
+                self.manager.l3_found((job.page_hashes or [])[:run])
+            return
         if self.tp_size > 1:
             # This rank's outcome; the ranks' minimum is applied by _agree.
             if job.kind == "prefetch":
@@ -661,29 +675,49 @@ class KvtierRadixCache(RadixCache):
     def _take_losses(self) -> None:
         """Pages the store reports lost (its loss journal: evicted, removed, a node gone) stop
         counting as L3-resident, so kvtier neither prefetches them nor skips their backup;
-        under TP the ranks' losses are united (``RankAgreement.agree_losses``, every step)."""
-        pages: List[bytes] = []
-        over = False
-        if self._journal:
+        under TP the ranks' losses are united (``RankAgreement.agree_losses``, every step).
+        With the I/O thread on one rank the journal is read there, one read in flight."""
+        if self._journal and self._io_off_thread():
+            if not any(j.kind == "losses" for j in self._jobs):
+                self._start(_Job("losses", 0, 0, self.store.drain_losses))
+            return
+
+        def read():
             try:
-                keys, over = self.store.drain_losses()
-            except kvtier.UnavailableError:
-                self._journal = False  # a store without a journal: losses show at read time
-                keys = []
+                return self.store.drain_losses(), None
             except kvtier.L3Error as e:
-                self.counters.store_errors += 1
-                logger.warning("kvtier: reading L3 losses failed: %r", e)
-                keys = []
-            prefix, suffix = f"{self.namespace}:", f":{self.tp_rank}"
-            for k in keys:
-                if k.startswith(prefix) and k.endswith(suffix):
-                    try:
-                        h = bytes.fromhex(k[len(prefix):-len(suffix)])
-                    except ValueError:
-                        continue
-                    if len(h) == 32:
-                        pages.append(h)
-            self.counters.l3_lost_pages += len(pages)
+                return None, e
+
+        self._apply_losses(*self._losses_read(read) if self._journal else ([], False))
+
+    def _losses_read(self, read: Callable[[], Tuple[Any, Optional[BaseException]]]) -> Tuple[List[bytes], bool]:
+        """This rank's lost pages and overflow flag from one journal read (``read`` returns the
+        store's answer or its error)."""
+        answer, err = read()
+        if isinstance(err, kvtier.UnavailableError):
+            self._journal = False  # a store without a journal: losses show at read time
+            return [], False
+        if isinstance(err, kvtier.L3Error):
+            self.counters.store_errors += 1
+            logger.warning("kvtier: reading L3 losses failed: %r", err)
+            return [], False
+        if err is not None:
+            raise err
+        keys, over = answer
+        pages: List[bytes] = []
+        prefix, suffix = f"{self.namespace}:", f":{self.tp_rank}"
+        for k in keys:
+            if k.startswith(prefix) and k.endswith(suffix):
+                try:
+                    h = bytes.fromhex(k[len(prefix):-len(suffix)])
+                except ValueError:
+                    continue
+                if len(h) == 32:
+                    pages.append(h)
+        self.counters.l3_lost_pages += len(pages)
+        return pages, bool(over)
+
+    def _apply_losses(self, pages: List[bytes], over: bool) -> None:
         if self.tp_size == 1:
             if over:
                 self.manager.l3_lost_all()
@@ -740,10 +774,18 @@ class KvtierRadixCache(RadixCache):
         """Cumulative counters, the host pool's use (kvtier's ``usage``)."""
         out: Dict[str, Any] = dict(vars(self.counters))
         out.update({f"host_{k}": v for k, v in self.manager.usage().items()})
+        out["mover"] = getattr(self.copier, "name", None)
+        out["mover_fallbacks"] = getattr(self.copier, "fallbacks", 0)
         return out
 
 
 _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
+
+
+def _leading_hits(found: np.ndarray) -> int:
+    """How many of ``batch_is_exist``'s answers lead with 1 (the run of pages the store holds)."""
+    hit = np.asarray(found) == 1
+    return int(np.argmin(hit)) if not hit.all() else len(hit)
 
 
 def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
