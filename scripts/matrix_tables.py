@@ -13,7 +13,10 @@ the selector's share of Belady; then the worst point per workload.
 With --protect: queue-aware protection (LRU with --queue-protection waiting, the sweeps
 docs/sim/sweep-protect-NAME) against LRU at the same points (docs/sim/sweep-protect-off-NAME).
 
-Usage: python3 scripts/matrix_tables.py [--round1 | --protect] [DOCS_SIM_DIR]
+With --round3: the third round (measured corrections), docs/sim/sweep-shadow3-NAME
+(scripts/shadow_sweeps).
+
+Usage: python3 scripts/matrix_tables.py [--round1 | --round3 | --protect] [DOCS_SIM_DIR]
 """
 import json
 import os
@@ -123,9 +126,9 @@ def protect(d):
 
 
 if __name__ == "__main__":
-    rnd = "--round1" in sys.argv
-    args = [a for a in sys.argv[1:] if a not in ("--round1", "--protect")]
+    rnd = "shadow1" if "--round1" in sys.argv else "shadow3" if "--round3" in sys.argv else "shadow"
+    args = [a for a in sys.argv[1:] if a not in ("--round1", "--round3", "--protect")]
     if "--protect" in sys.argv:
         protect(args[0] if args else "docs/sim")
     else:
-        main(args[0] if args else "docs/sim", "shadow1" if rnd else "shadow")
+        main(args[0] if args else "docs/sim", rnd)
