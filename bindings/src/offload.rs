@@ -52,6 +52,33 @@ fn store_tuple(py: Python<'_>, plan: Option<StorePlan>) -> PyResult<Option<Store
     }
 }
 
+/// Whether a prefetch's pages stay locked once landed (`prepare_prefetch_held`).
+#[derive(Clone, Copy)]
+enum Hold {
+    None,
+    UntilReleased,
+}
+
+impl PyOffloadManager {
+    fn prefetch<'py>(
+        &mut self,
+        py: Python<'py>,
+        chain: &Bound<'py, PyAny>,
+        to: usize,
+        tenant: Option<&str>,
+        hold: Hold,
+    ) -> PyResult<Option<StoreTuple<'py>>> {
+        let c = chain_of(chain)?;
+        let t = tenant_id(tenant);
+        let plan = match hold {
+            Hold::None => self.inner.prepare_prefetch_for(t, &c, to),
+            Hold::UntilReleased => self.inner.prepare_prefetch_held(t, &c, to),
+        }
+        .map_err(err)?;
+        store_tuple(py, plan)
+    }
+}
+
 fn outcome_of(outcome: &str) -> PyResult<JobOutcome> {
     match outcome {
         "done" => Ok(JobOutcome::Done),
@@ -161,12 +188,31 @@ impl PyOffloadManager {
         to: usize,
         tenant: Option<&str>,
     ) -> PyResult<Option<StoreTuple<'py>>> {
-        let c = chain_of(chain)?;
-        let plan = self
-            .inner
-            .prepare_prefetch_for(tenant_id(tenant), &c, to)
-            .map_err(err)?;
-        store_tuple(py, plan)
+        self.prefetch(py, chain, to, tenant, Hold::None)
+    }
+
+    /// `prepare_prefetch` whose pages, once landed, stay locked on host until
+    /// `release_hold(job)`: no store evicts them before the requester loads them.
+    #[pyo3(signature = (chain, to, tenant = None))]
+    fn prepare_prefetch_held<'py>(
+        &mut self,
+        py: Python<'py>,
+        chain: &Bound<'py, PyAny>,
+        to: usize,
+        tenant: Option<&str>,
+    ) -> PyResult<Option<StoreTuple<'py>>> {
+        self.prefetch(py, chain, to, tenant, Hold::UntilReleased)
+    }
+
+    /// Gives back a held prefetch's pages (landed or not, read or not). ``OffloadManagerError``
+    /// (nothing changed) for a job that is no held prefetch or was released already.
+    fn release_hold(&mut self, job: u64) -> PyResult<()> {
+        self.inner.release_hold(job).map_err(err)
+    }
+
+    /// Held prefetches not released yet: ``(landing, holding pages, ended with nothing)``.
+    fn holds(&self) -> (usize, usize, usize) {
+        self.inner.holds()
     }
 
     /// Caps the host chunks tenant `tenant` (a name) may hold (`None`: uncapped): past it, its

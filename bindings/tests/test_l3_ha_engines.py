@@ -1,6 +1,7 @@
 """The engines' L3 backends configured with an ``etcd://`` address keep serving across a SIGKILL
 of the leader master: SGLang's HiCache backend (``KvtierHiCacheStorage``, ``"server":
-"etcd://..."``) and the Mooncake compat class (``master_server_address="etcd://..."``).
+"etcd://..."``), SGLang's radix-cache backend (``KvtierRadixCache``, same key) and the
+Mooncake compat class (``master_server_address="etcd://..."``).
 
 Real processes (l3_ha_cluster.py): 3 etcd members, 2 ``kvtier-l3 --role
 master --etcd`` (1 s leader lease), 2 store nodes with SSD tiers. A writer thread stores pages
@@ -124,3 +125,36 @@ def test_mooncake_compat_on_etcd_reports_a_put_straddling_the_failover(ha):
         else:
             assert got in (b"", value(i)), f"a failed put of mk{i} left wrong bytes"
     assert m.get("after") == b"again"
+
+
+def test_sglang_radix_backend_on_etcd_serves_l3_prefixes_across_a_leader_kill(ha):
+    """Engine one (SGLang's scheduler pieces, kvtier's radix backend, ``"server": "etcd://..."``)
+    backs its prefixes up; the leader is SIGKILLed; engine one keeps serving and backing up new
+    prefixes through the new leader, and a fresh engine two gets both sets from L3, every
+    reused row checked by the KV oracle."""
+    from sglang_engine import Engine
+    from test_sglang_radix import kvtier_cache, prompts
+
+    locator, masters = ha
+    old, new = prompts(41, 3, 24), prompts(42, 3, 24)
+    one = Engine(kvtier_cache(host_pages=64, server=locator, rpc_timeout_ms=5000))
+    assert not one.cache.store.is_embedded
+    one.run([one.request(p) for p in old])
+    one.cache.flush_pending_backups()
+    one.cache.wait_io()
+    killed = kill_leader(locator, masters)
+    end = killed + 15.0
+    while True:  # engine one's next backups go to the new leader once it serves
+        one.run([one.request(p) for p in new])
+        one.cache.flush_pending_backups()
+        one.cache.wait_io()
+        two = Engine(kvtier_cache(host_pages=64, server=locator, rpc_timeout_ms=5000))
+        two.run([two.request(p) for p in old + new])
+        if two.prefix_hits[3:] == [20] * 3:
+            break
+        assert time.monotonic() < end, f"no L3 hit for the new prefixes 15 s after the kill: {two.prefix_hits}"
+        time.sleep(0.5)
+    assert two.prefix_hits[:3] == [20] * 3, "the prefixes backed up before the kill are gone"
+    assert two.cache.stats()["l3_hit_tokens"] == 120
+    one.check_pools()
+    two.check_pools()

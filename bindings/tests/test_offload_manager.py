@@ -112,6 +112,35 @@ def test_tensor_parallel_ranks_agree_prefetches_and_losses():
     m.check()
 
 
+def test_a_held_prefetch_survives_a_store_until_released_and_bad_releases_are_typed():
+    """``prepare_prefetch_held``: the landed pages stay on host through a store that would
+    evict them, until ``release_hold``; releasing twice, or a job that is no held prefetch,
+    is an ``OffloadManagerError`` that changes nothing (scheduler/tests/prefetch_hold.rs)."""
+    m = kvtier.OffloadManager(3, "lru", "write-through")
+    a = chain("held", 3)
+    m.l3_found(a)
+    job, first, slots, _ = m.prepare_prefetch_held(a, 1)
+    assert (first, len(slots), m.holds()) == (0, 3, (1, 0, 0))
+    m.complete_prefetch(job, 3)
+    assert m.holds() == (0, 1, 0) and m.usage()["locked"] == 3
+    b = chain("other", 3)
+    assert m.prepare_store(b, 3) is None, "every slot is held"
+    assert m.host_prefix(a) == 3
+    m.check()
+    before = m.usage()
+    for bad in (job + 1, 10_000):
+        with pytest.raises(kvtier.OffloadManagerError):
+            m.release_hold(bad)
+    assert m.usage() == before and m.holds() == (0, 1, 0)
+    m.release_hold(job)
+    with pytest.raises(kvtier.OffloadManagerError):
+        m.release_hold(job)
+    sjob, _, _, evicted = m.prepare_store(b, 3)
+    assert evicted == a
+    m.complete_store(sjob, "done")
+    m.check()
+
+
 def test_a_manager_of_several_ranks_refuses_direct_losses():
     """Issue 33 (5a): a manager planning for several ranks refuses ``l3_lost`` / ``l3_lost_all``
     (``LossNeedsAgreementError``, naming the agreement) and an agreement of another number of

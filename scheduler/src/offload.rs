@@ -21,7 +21,8 @@
 //! (two requests with a common prefix computed in one step): its pages are inserted once
 //! that parent store landed (its lock moves down onto the parent's pages as soon as they are
 //! in the tree), and dropped if the parent failed. A load locks the path it reads until
-//! [`OffloadManager::complete_load`].
+//! [`OffloadManager::complete_load`]; a held prefetch locks what it landed until the engine
+//! releases it (`offload_hold.rs`).
 //! Pages being stored are not answered as hits ([`Lookup::Pending`]) until their bytes landed.
 //! Every method validates before it changes anything: on `Err`, nothing changed.
 //!
@@ -164,6 +165,8 @@ pub struct OffloadManager {
     internal_errors: u64,
     /// Tensor-parallel ranks whose shards this plan covers ([`OffloadManager::set_tp_ranks`]).
     pub(crate) tp_ranks: u32,
+    /// Held prefetches by job (`offload_hold.rs`).
+    pub(crate) holds: HashMap<u64, crate::offload_hold::Hold>,
 }
 
 impl std::fmt::Debug for OffloadManager {
@@ -209,6 +212,7 @@ impl OffloadManager {
             events: Vec::new(),
             internal_errors: 0,
             tp_ranks: 1,
+            holds: HashMap::new(),
         })
     }
 
@@ -433,6 +437,7 @@ impl OffloadManager {
         }
         let tokens: Vec<u32> = p.chain.iter().map(token_of).collect();
         let mut unused = p.slots.clone();
+        let mut end_node = None;
         // Cannot fail: the locked start ends at `from` with a host copy, the chain continues
         // it and the slots are held (checked again by the tree all the same).
         if let Ok(out) = self.cache.insert_for::<Host>(
@@ -443,6 +448,7 @@ impl OffloadManager {
             &tokens,
             &p.slots,
         ) {
+            end_node = Some(out.end_node);
             unused = out
                 .duplicates
                 .into_iter()
@@ -451,6 +457,10 @@ impl OffloadManager {
         }
         // The slots are ours (held since prepare_store): freeing them cannot fail.
         self.free_held(&unused);
+        match end_node {
+            Some(node) => self.take_hold(job, node),
+            None => self.end_hold(job),
+        }
         self.release(p.lock);
         self.l3.on_inserted(&p.chain, p.from);
     }
@@ -479,6 +489,7 @@ impl OffloadManager {
         }
         self.free_held(&p.slots);
         self.release(p.lock);
+        self.end_hold(job);
     }
 
     /// Slots of pages `from..to` of `chain` for a load; they stay pinned until
@@ -586,9 +597,12 @@ impl OffloadManager {
         }
         self.cache.check_invariants()?;
         let (_, host_locks) = self.cache.outstanding_locks();
+        let holds = self.check_holds(|job| self.stores.contains_key(&job))?;
         let jobs = self.stores.len() + self.loads.len() + self.l3.backups();
-        if host_locks != jobs {
-            return Err(format!("{host_locks} host locks for {jobs} in-flight jobs"));
+        if host_locks != jobs + holds {
+            return Err(format!(
+                "{host_locks} host locks for {jobs} in-flight jobs and {holds} held prefetches"
+            ));
         }
         let held: usize = self.stores.values().map(|p| p.slots.len()).sum();
         let u = self.cache.usage(TierKind::Host);

@@ -11,17 +11,8 @@ use kvtier_scheduler::{
 };
 use proptest::prelude::*;
 
-fn chain(p: u8, n: usize) -> Vec<PageHash> {
-    (0..n)
-        .map(|i| {
-            let mut h = [0u8; 32];
-            h[0] = i as u8;
-            h[1] = p;
-            h[2] = 0xa5;
-            PageHash(h)
-        })
-        .collect()
-}
+mod chains;
+use chains::chain;
 
 /// A write-through manager whose host tier held `chain`, backed up (agreed by `ranks`) and
 /// then evicted by another chain: `chain` is only in L3.

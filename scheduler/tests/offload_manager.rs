@@ -9,18 +9,8 @@ use kvtier_radix::{EvictionPolicy, KvEvent, PageHash, TierKind};
 use kvtier_scheduler::{JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager};
 use proptest::prelude::*;
 
-/// A chain of `n` pages: prompt `p`'s pages share their first `shared` with every prompt.
-fn chain(p: u8, n: usize, shared: usize) -> Vec<PageHash> {
-    (0..n)
-        .map(|i| {
-            let mut h = [0u8; 32];
-            h[0] = i as u8;
-            h[1] = if i < shared { 0xff } else { p };
-            h[2] = 0x5a;
-            PageHash(h)
-        })
-        .collect()
-}
+mod chains;
+use chains::shared_chain as chain;
 
 #[test]
 fn stores_then_hits_then_evicts_the_coldest_for_new_pages() {

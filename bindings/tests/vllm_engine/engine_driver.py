@@ -5,20 +5,23 @@ Why a process per engine: a vLLM engine owns process-wide state (its distributed
 /dev/shm region, its worker threads); a process is what an operator runs, and what the
 tests kill, count files of, or run two of against one ``kvtier-l3`` server.
 
-How: ``python engine_driver.py JOB OUT``. JOB (JSON): ``model`` (a directory with a random-weight model:
-workload.py; no tokenizer, token-id prompts), ``kv_blocks`` (the engine's KV budget in blocks; the model: workload.py), ``kv_transfer_config`` (or null),
-``env`` (set before vLLM is imported) and ``phases``: each a list of ``prompts`` (token ids),
-optional per-prompt ``salts`` / ``tenants`` (``cache_salt``; ``kvtier_tenant`` in the
-request's ``kv_transfer_params``), ``max_tokens``, ``serial`` (one request at a time: TTFT
-per request), ``kill`` (``{"pid": P, "after_s": S}``: SIGKILL to P S seconds into the
-phase), ``wait_file`` (block until the file exists: a step between two engines), ``done_file``
-(created when the phase ends). One request at a time in float32 by default
-(``max_num_seqs``, ``dtype``): greedy tokens then depend only on the KV a request reads, not
-on what it was batched with. OUT (JSON):
-per phase the generated token ids, ``num_cached_tokens`` per request (prefix tokens the
-engine did not compute: its own prefix cache plus the connector's), TTFT per request
-(from arrival: one request at a time with ``serial``), wall time; the engine's startup time; the /dev/shm files that existed
-while the engine ran.
+How: ``python engine_driver.py JOB OUT``. JOB (JSON): ``model`` (a directory with a
+random-weight model: workload.py; no tokenizer, token-id prompts), ``kv_blocks`` (the
+engine's KV budget in blocks), ``kv_transfer_config`` (or null), ``tp`` (tensor-parallel
+ranks, one worker process each; default 1, in this process), ``env`` (set before vLLM is
+imported) and ``phases``: each a list of ``prompts`` (token ids), optional per-prompt
+``salts`` / ``tenants`` (``cache_salt``; ``kvtier_tenant`` in the request's
+``kv_transfer_params``), ``max_tokens``, ``serial`` (one request at a time: TTFT per
+request), ``kill`` (``{"pid": P, "after_s": S}``: SIGKILL to P S seconds into the phase),
+``wait_file`` (block until the file exists: a step between two engines), ``done_file``
+(created when the phase ends); ``profile`` (a path prefix: each phase runs under cProfile,
+its stats dumped to ``PREFIX.NAME``: the benchmark's attribution of time to kvtier and vLLM).
+One request at a time in float32 by default (``max_num_seqs``, ``dtype``): greedy tokens
+then depend only on the KV a request reads, not on what it was batched with. OUT (JSON): per
+phase the generated token ids, ``num_cached_tokens`` per request (prefix tokens the engine
+did not compute: its own prefix cache plus the connector's), TTFT per request (from arrival:
+one request at a time with ``serial``), wall time; the engine's startup time; the /dev/shm
+files that existed while the engine ran.
 """
 
 from __future__ import annotations
@@ -57,7 +60,12 @@ def main(job_path: str, out_path: str) -> None:
               dtype=job.get("dtype", "float32"), block_size=BLOCK, max_model_len=job.get("max_model_len", 4096),
               num_gpu_blocks_override=job["kv_blocks"], enable_prefix_caching=True, seed=0,
               max_num_seqs=job.get("max_num_seqs", 1), disable_log_stats=False)
-    if job.get("uniproc", True):
+    tp = int(job.get("tp", 1))
+    if tp > 1:
+        # One worker process per tensor-parallel rank (vLLM's multiprocessing executor).
+        kw["tensor_parallel_size"] = tp
+        kw["distributed_executor_backend"] = "mp"
+    elif job.get("uniproc", True):
         # The engine core and its one worker in this process (no engine-core or worker
         # process): a third of the start-up on a small CPU box; the engine is the same.
         kw["distributed_executor_backend"] = "uni"
@@ -89,12 +97,21 @@ def main(job_path: str, out_path: str) -> None:
             k = ph["kill"]
             killer = threading.Timer(float(k["after_s"]), os.kill, (int(k["pid"]), signal.SIGKILL))
             killer.start()
+        prof = None
+        if job.get("profile"):
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t = time.perf_counter()
         if ph.get("serial"):
             res = [r for p, sp in zip(prompts, params) for r in llm.generate([p], [sp], use_tqdm=False)]
         else:
             res = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(f"{job['profile']}.{ph.get('name', len(out['phases']))}")
         if killer is not None:
             killer.join()
         shm |= {n for n in os.listdir("/dev/shm") if "vllm_offload" in n or "kvtier" in n}

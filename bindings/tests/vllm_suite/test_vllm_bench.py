@@ -15,3 +15,26 @@ def test_the_benchmark_runs_and_reports_every_path():
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
     assert [ln.split(" | ")[0][2:] for ln in rows] == [
         "memcpy (np.copyto)", "kvtier embedded", "kvtier, kvtier-l3 server on loopback", "vLLM fs tier (page cache)"]
+
+
+COST = BENCH.parent / "vllm_manager_cost.py"
+
+
+def test_the_manager_cost_benchmark_times_every_manager_through_vllms_connector():
+    r = subprocess.run([sys.executable, str(COST), "--requests", "24", "--repeats", "1", "--chunks", "64"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    assert [row[0] for row in rows] == [
+        "vLLM CPUOffloadingSpec (lru)", "kvtier KvtierOffloadingSpec (lru)",
+        "kvtier KvtierOffloadingSpec (freq-depth)", "kvtier KvtierOffloadingSpec (lru) + kvtier_l3",
+        "vLLM TieringOffloadingSpec (lru) + KvtierSecondaryTier"]
+    assert head[:4] == ["manager", "us / request", "/ vLLM's", "host hit rate"]
+    # Every manager was called (lookups and stores at least) and vLLM's is the reference.
+    for row in rows:
+        cells = dict(zip(head, row))
+        assert float(cells["us / request"]) > 0
+        assert float(cells["lookup"]) > 0 and float(cells["prepare_store"]) > 0, cells
+    assert rows[0][2] == "1.00"

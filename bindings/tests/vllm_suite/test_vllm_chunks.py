@@ -79,3 +79,37 @@ def test_chains_follow_new_keys_and_unknown_keys_are_not_pages():
     assert tracker.locate(positions, _key(9, 0, 0)) is None
     positions[_key(4, 2, 0, partial=True)] = 40
     assert tracker.locate(positions, _key(4, 2, 0, partial=True)) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(groups=groups_st, order=st.randoms(use_true_random=False), partial=st.booleans(),
+       cuts=st.lists(st.integers(0, 40), max_size=6), dup=st.integers(-1, 12), stranger=st.booleans())
+def test_chains_grown_key_by_key_equal_chains_rebuilt_from_scratch(groups, order, partial, cuts, dup, stranger):
+    """ChunkChains extends its chains with the keys recorded since its last call; whatever
+    the order vLLM records them in (holes filled later, partial tails, a second key for a
+    chunk, a group kvtier does not offload), each update equals ``chains_of`` of all the
+    positions so far, and every key of a chain is located at its index."""
+    tpcs = {g: tpc for g, (_, tpc) in groups.items()}
+    items = []
+    for g, (n, tpc) in groups.items():
+        items += [(_key(5, i, g), (i + 1) * tpc) for i in range(n)]
+        if partial:
+            items.append((_key(5, n, g, partial=True), n * tpc + tpc // 2))
+        if 0 <= dup < n:
+            items.append((_key(6, dup, g), (dup + 1) * tpc))  # a second key for one chunk
+    if stranger:
+        items.append((_key(7, 0, 9), 16))  # group 9 is not offloaded
+    order.shuffle(items)
+    tracker = ChunkChains(tpcs)
+    positions = {}
+    bounds = sorted({min(c, len(items)) for c in cuts} | {len(items)})
+    done = 0
+    for b in bounds:
+        for k, pos in items[done:b]:
+            positions[k] = pos
+        done = b
+        got = tracker.update(positions)
+        assert got == chains_of(positions, tpcs)
+        for c in got.values():
+            for i, k in enumerate(c.keys):
+                assert tracker.locate(positions, k) == (c, i)

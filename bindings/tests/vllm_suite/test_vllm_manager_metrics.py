@@ -47,3 +47,26 @@ def test_the_managers_metrics_reach_vllms_stats(tmp_path):
         assert last[MANAGER_PREFIX + "host_cached_chunks"] == e.manager.native.usage()["cached"]
     finally:
         e.close()
+
+
+def test_the_managers_gauges_are_reported_when_they_change():
+    """vLLM asks for stats every engine step; a Prometheus gauge keeps its last value. So an
+    idle manager reports nothing (before: its six gauges every step, set again in vLLM's
+    logger: the manager's one per-step cost above vLLM's own CPU manager's), and a change of
+    the host tree's occupancy is reported at the next step."""
+    from kvtier.vllm.manager import KvtierOffloadingManager
+
+    m = KvtierOffloadingManager(8, {0: 64})
+    first = m.get_stats()
+    assert first is not None and first.reduce()[MANAGER_PREFIX + "host_free_chunks"] == 8
+    assert m.get_stats() is None  # nothing changed since
+    m.counters.lookups += 2
+    assert m.get_stats().reduce() == {MANAGER_PREFIX + "lookups": 2}  # a counter alone
+    pages = [bytes([i]) * 32 for i in range(3)]
+    job, _, slots, _ = m.native.prepare_store(pages, 3)
+    assert len(slots) == 3
+    m.native.complete_store(job, "done")
+    got = m.get_stats().reduce()
+    assert (got[MANAGER_PREFIX + "host_cached_chunks"], got[MANAGER_PREFIX + "host_free_chunks"]) == (3, 5)
+    assert got[CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC] == 0
+    assert m.get_stats() is None

@@ -46,3 +46,9 @@ def test_bad_quotas_stop_the_engine_at_startup(tmp_path):
     for bad in ({"a": -1}, {"a": "lots"}, [8]):
         with pytest.raises(KvtierSpecConfigError):
             Engine(str(tmp_path), [], kv_config=kvtier_config(16, kvtier_tenant_quotas=bad))
+
+
+def test_a_bad_room_wait_stops_the_engine_at_startup(tmp_path):
+    for bad in (-1, "soon", True, float("nan")):
+        with pytest.raises(KvtierSpecConfigError, match="kvtier_room_wait_ms"):
+            Engine(str(tmp_path), [], kv_config=kvtier_config(16, kvtier_room_wait_ms=bad))

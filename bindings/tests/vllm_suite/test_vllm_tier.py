@@ -246,6 +246,10 @@ def test_metrics_through_vllms_hooks(engines):
     flats = [OffloadingConnectorStats(data=p).reduce() for p in e.stats_payloads]
     assert sum(f.get(METRIC_PREFIX + "chunks_stored", 0) for f in flats) == 4, "increases, summed: the total"
     assert [f[METRIC_PREFIX + "store_objects"] for f in flats if METRIC_PREFIX + "store_objects" in f][-1] == 4
+    # vLLM asks every step: an idle tier reports nothing (a gauge keeps its last value; before,
+    # the store's gauges were set on every step's payload).
+    e.tier.get_stats()
+    assert e.tier.get_stats() is None
 
 
 def test_kv_events_name_the_chunks_the_tier_stored(engines):
@@ -312,3 +316,54 @@ def test_a_tenant_quota_is_for_embedded_stores_only(engines):
         engines([tier(server="127.0.0.1:1", tenant_quota_bytes="1GB")])
     with pytest.raises(VllmTierConfigError, match="tenant_quota_bytes"):
         engines([embedded(tenant_quota_bytes="lots")])
+
+
+def test_a_failed_load_does_not_resolve_a_probe_in_flight():
+    """Against a server, a failed load marks its keys missing in vLLM's lookup cache. If a
+    newer probe of one of them is in flight (another request asked after the load began,
+    then the server died), vLLM 0.32's ``mark_miss`` forced it to RESOLVED and the probe's
+    result then tripped ``drain_results``' assert: the engine died (the real-engine test
+    that SIGKILLs the server saw it under load). Now the probe's own result lands."""
+    import threading
+
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.async_lookup import LookupPhase
+
+    from kvtier.vllm.tier import _ServerLookups
+
+    gate = threading.Event()
+    asked = threading.Event()
+
+    class Store:
+        def batch_is_exist(self, keys):
+            return [1] * len(keys)
+
+    class Tier:
+        tier_type = "kvtier"
+
+        def key(self, k):
+            return bytes(k).hex()
+
+        def _io(self, call):
+            asked.set()
+            gate.wait(30)
+            return call(Store())
+
+    lookups = _ServerLookups(Tier())
+    try:
+        key = b"\x01" * 36
+        assert lookups.lookup(key, ReqContext(req_id="b")) is None  # a probe, queued
+        lookups.flush()  # in flight: the worker is inside batch_lookup
+        assert asked.wait(30) and lookups._lookup_state[key].phase is LookupPhase.IN_FLIGHT
+        lookups.mark_miss([key])  # request a's load of the key failed meanwhile
+        gate.set()
+        for _ in range(3000):
+            if not lookups._pending_results.empty():
+                break
+            threading.Event().wait(0.01)
+        assert lookups.lookup(key, ReqContext(req_id="b")) is True  # drained: the probe's verdict
+        lookups.mark_miss([key])  # a resolved verdict is overridden by a failed load
+        assert lookups.lookup(key, ReqContext(req_id="b")) is False
+    finally:
+        gate.set()
+        lookups.shutdown()

@@ -22,6 +22,8 @@ position. This module is the one place that turns those keys into chains and bac
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -30,8 +32,10 @@ __all__ = ["Chain", "ChunkChains", "chains_of", "group_of", "page_of"]
 _TAG = b"kvtier.vllm.chunk\0"
 
 
+@lru_cache(maxsize=1 << 16)
 def page_of(key: bytes) -> bytes:
-    """The kvtier page hash (32 bytes) of one vLLM offload key."""
+    """The kvtier page hash (32 bytes) of one vLLM offload key (cached: a shared prefix's
+    keys recur in every request that reuses it)."""
     return hashlib.sha256(_TAG + bytes(key)).digest()
 
 
@@ -77,25 +81,77 @@ def chains_of(positions: Mapping[bytes, int], tokens_per_chunk: Mapping[int, int
 
 
 class ChunkChains:
-    """A request's chains, rebuilt only when vLLM recorded new keys (kept in the request's
-    ``ReqContext`` with ``set_state``)."""
+    """A request's chains, kept in its ``ReqContext`` (``set_state``) and extended as vLLM
+    records new keys: only the keys recorded since the last call are read (vLLM's positions
+    only grow, in insertion order), so a request's chains cost O(its keys) over its life, not
+    per manager call. Anything that is not a plain extension (a key at an index the chain
+    holds another key for, fewer positions than seen) rebuilds with ``chains_of``, which
+    stays the definition: ``update`` returns exactly ``chains_of(positions, ...)``."""
 
     def __init__(self, tokens_per_chunk: Mapping[int, int]):
         self.tokens_per_chunk = dict(tokens_per_chunk)
-        self._seen = -1
+        # The 4 group bytes every key ends with -> (group, tokens per chunk).
+        self._groups = {g.to_bytes(4, "big"): (g, t) for g, t in self.tokens_per_chunk.items()}
+        self._seen = 0
         self._chains: Dict[int, Chain] = {}
+        self._ahead: Dict[int, Dict[int, bytes]] = {}  # full chunks past a group's hole, by index
+        self._exact = True  # False after an anomaly: every change rebuilds with chains_of
 
     def update(self, positions: Mapping[bytes, int]) -> Dict[int, Chain]:
-        if len(positions) != self._seen:
-            self._chains = chains_of(positions, self.tokens_per_chunk)
-            self._seen = len(positions)
+        n = len(positions)
+        if n == self._seen:
+            return self._chains
+        if n > self._seen and self._exact and self._extend(islice(positions.items(), self._seen, None)):
+            self._seen = n
+            return self._chains
+        self._exact = False
+        self._chains = chains_of(positions, self.tokens_per_chunk)
+        self._seen = n
         return self._chains
+
+    def _extend(self, items) -> bool:
+        """Adds newly recorded keys; False on anything chains_of must decide."""
+        for key, pos in items:
+            if len(key) < 5:
+                return False  # not an offload key: chains_of says so
+            gt = self._groups.get(key[-4:])
+            if gt is None:
+                continue  # a group kvtier does not offload
+            g, tpc = gt
+            if pos <= 0 or pos % tpc:
+                continue  # a partial chunk
+            i = pos // tpc - 1
+            c = self._chains.get(g)
+            if c is None:
+                c = self._chains[g] = Chain()
+            key = bytes(key)
+            if i < len(c.keys):
+                return False  # a second key for a chunk the chain holds
+            ahead = self._ahead.setdefault(g, {})
+            if i in ahead:
+                return False
+            ahead[i] = key
+            while len(c.keys) in ahead:
+                k = ahead.pop(len(c.keys))
+                c.index[k] = len(c.keys)
+                c.keys.append(k)
+                c.pages.append(page_of(k))
+        return True
+
+    def group(self, key: bytes) -> Optional[int]:
+        """The group of a key whose group kvtier offloads, else None."""
+        gt = self._groups.get(bytes(key)[-4:])
+        return None if gt is None else gt[0]
 
     def locate(self, positions: Mapping[bytes, int], key: bytes) -> Optional[Tuple[Chain, int]]:
         """The chain a key is a page of and its index, or None (partial chunk, past a hole,
         unknown key)."""
-        c = self.update(positions).get(group_of(key))
+        key = bytes(key)
+        gt = self._groups.get(key[-4:])
+        if gt is None:
+            return None
+        c = self.update(positions).get(gt[0])
         if c is None:
             return None
-        i = c.index.get(bytes(key))
+        i = c.index.get(key)
         return None if i is None else (c, i)

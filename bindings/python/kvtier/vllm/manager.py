@@ -40,12 +40,13 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from .. import OffloadManager
-from .chunks import Chain, ChunkChains, group_of
+from .chunks import Chain, ChunkChains
 from .cpu_copy import CpuCopyMixin
 from .manager_l3 import L3Plan
 from .manager_metrics import ManagerCounters, ManagerMetrics, definitions
 from .shm import scheduler_region, worker_region
-from .spec_config import KvtierSpecConfigError, quotas_of, refuse_non_prefix_groups, tenant_of
+from .spec_config import (ROOM_WAIT_MS, KvtierSpecConfigError, quotas_of, refuse_non_prefix_groups, room_wait_of,
+                          tenant_of)
 
 __all__ = ["KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierSpecConfigError"]
 
@@ -66,7 +67,7 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
 
     def __init__(self, num_chunks: int, tokens_per_chunk: Dict[int, int], policy: str = "lru",
                  enable_events: bool = False, l3: Optional[List[Any]] = None,
-                 tenant_quotas: Optional[Dict[str, int]] = None):
+                 tenant_quotas: Optional[Dict[str, int]] = None, room_wait_s: float = ROOM_WAIT_MS / 1e3):
         self.policy = policy
         self._backups = "off" if not l3 else "write-through"
         # One agreement per rank's tier (manager_l3.py): the manager plans for that many ranks,
@@ -75,7 +76,7 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         self.tenant_quotas = dict(tenant_quotas or {})
         self.native = self._new_native(num_chunks)
         self.counters = ManagerCounters()  # vLLM's stats hooks (manager_metrics.py)
-        self._l3_init(l3)
+        self._l3_init(l3, room_wait_s)
         self.host_view: Optional[memoryview] = None  # the host slots, when mapped here (L3)
         self.tokens_per_chunk = dict(tokens_per_chunk)
         self.events: Optional[List[OffloadingEvent]] = [] if enable_events else None
@@ -102,10 +103,11 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
 
     def _by_chain(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> List[Tuple[Chain, List[int]]]:
         """The keys that are pages, grouped by chain (group order), as sorted indices."""
-        chains = self._chains(ctx).update(_positions(ctx))
+        cc = self._chains(ctx)
+        chains = cc.update(_positions(ctx))
         out: Dict[int, List[int]] = {}
         for k in keys:
-            g = group_of(k)
+            g = cc.group(k)
             c = chains.get(g)
             i = None if c is None else c.index.get(bytes(k))
             if i is not None:
@@ -147,6 +149,7 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
                 self.native.complete_load(j)
             raise
         self._loads.setdefault(frozenset(bytes(k) for k in keys), []).append(jobs)
+        self._release_holds(req_context)  # the load's own locks pin what they held
         self.counters.load_jobs += 1
         self.counters.chunks_loaded += len(keys)
         return spec
@@ -212,6 +215,7 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         return self._l3_busy()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._release_holds(req_context)
         for t in self.l3_ranks:
             t.on_request_finished(req_context)
 
@@ -250,6 +254,9 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         loads = sum(len(j) for js in self._loads.values() for j in js)
         if (stores, loads) != (u["stores"], u["loads"]):
             raise AssertionError(f"jobs: vLLM {stores} stores / {loads} loads, kvtier {u['stores']} / {u['loads']}")
+        holds = sum(len(j) for j in self._holds.values())
+        if holds != sum(self.native.holds()):
+            raise AssertionError(f"held prefetches: {holds} of requests, kvtier has {self.native.holds()}")
 
     def _pop(self, table: Dict[frozenset, List[Any]], keys: Collection[OffloadKey]) -> Any:
         k = frozenset(bytes(x) for x in keys)
@@ -295,6 +302,7 @@ class KvtierOffloadingSpec(CpuCopyMixin, CPUOffloadingSpec):
         self.kvtier_eviction = str(self.extra_config.get("kvtier_eviction", "lru"))
         self.kvtier_l3 = self.extra_config.get("kvtier_l3")  # KvtierSecondaryTier's keys, or None
         self.tenant_quotas = quotas_of(self.extra_config.get("kvtier_tenant_quotas"), self.num_chunks)
+        self.room_wait_s = room_wait_of(self.extra_config.get("kvtier_room_wait_ms"))
         self._scheduler_mmap = None
         self.tokens_per_chunk = {int(g.group_id): int(g.tokens_per_block) * int(self.blocks_per_chunk)
                                  for g in config.groups}
@@ -310,7 +318,7 @@ class KvtierOffloadingSpec(CpuCopyMixin, CPUOffloadingSpec):
             self._manager = KvtierOffloadingManager(
                 self.num_chunks, self.tokens_per_chunk, self.kvtier_eviction,
                 enable_events=self.kv_events_config.enable_kv_cache_events, l3=self._l3_tier(),
-                tenant_quotas=self.tenant_quotas)
+                tenant_quotas=self.tenant_quotas, room_wait_s=self.room_wait_s)
             self._manager.host_view = getattr(self, "kv_view", None)
         return self._manager
 

@@ -8,9 +8,10 @@ answered ``"in-l3"``); this module only turns those decisions into jobs of
 docs/vllm.md, over the host slots vLLM's workers write — and reports the jobs back.
 
 How: a lookup that kvtier answers ``"in-l3"``, or that its tier's probe finds in L3, starts
-a **Prefetch** (``prepare_prefetch``: slots after the host-resident prefix as for a store,
+a **Prefetch** (``prepare_prefetch_held``: slots after the host-resident prefix as for a store,
 evictions reported as events) whose bytes come from L3, answered HIT_PENDING until it
-lands. Prefetches are submitted in a batch at ``on_schedule_end``, with the step's
+lands, and then held on host for that request until its load locks the pages or it ends
+(a store in between would otherwise evict them as the coldest leaves: read for nothing). Prefetches are submitted in a batch at ``on_schedule_end``, with the step's
 **BackUps** (``plan_backups``: stored host pages L3 lacks, their slots pinned until the copy
 ends; also right when stores complete, before the next step's stores could evict them
 unbacked). Finished jobs are polled at ``on_schedule_end``.
@@ -34,6 +35,8 @@ sharded) there is one tier over whole rows, with the tier's own keys.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -50,6 +53,13 @@ __all__ = ["L3Plan"]
 _BACKUP_CTX = ReqContext(req_id="kvtier-backup")
 
 
+@dataclass
+class _RoomWait:
+    """When a request's prefetch first found no free host slot (None: not waiting)."""
+
+    since: Optional[float]
+
+
 class L3Plan:
     """The L3 half of ``KvtierOffloadingManager`` (a mixin: uses its ``native``, ``_pending``
     and ``_key_of``)."""
@@ -57,13 +67,17 @@ class L3Plan:
     l3 = None  # rank 0's KvtierSecondaryTier, or None: no L3
     l3_ranks: List = []
 
-    def _l3_init(self, tiers) -> None:
+    def _l3_init(self, tiers, room_wait_s: float) -> None:
+        self.room_wait_s = room_wait_s
         self.l3_ranks = list(tiers or [])
         self.l3 = self.l3_ranks[0] if self.l3_ranks else None
         self.agreements = [kvtier.RankAgreement() for _ in self.l3_ranks]
         self._queued: List[Tuple[int, List[bytes], List[bytes], List[int], ReqContext]] = []
         self._l3_jobs: Dict[int, Tuple[str, int]] = {}  # kvtier job -> (kind, pages)
         self._reports: Dict[int, int] = {}  # kvtier job -> ranks that reported it
+        # Held prefetches by request id: kept on host for that request until its load locked
+        # them or it ended (kvtier's ``prepare_prefetch_held``).
+        self._holds: Dict[str, List[int]] = {}
 
     def _l3_lookup(self, chain: Chain, i: int, key: bytes, ctx: ReqContext) -> Optional[LookupResult]:
         """A host miss: L3 may have it (every rank's shard). None: a plain miss."""
@@ -82,10 +96,17 @@ class L3Plan:
         return self._prefetch(chain, i, ctx)
 
     def _prefetch(self, chain: Chain, i: int, ctx: ReqContext) -> LookupResult:
-        plan = self.native.prepare_prefetch(chain.pages, i + 1, tenant_of(ctx))  # and the L3 run after i
+        # Pages i.. and the L3 run after them, held for this request once they land: a store
+        # of another request (vLLM prepares a step's stores after its lookups) must not evict
+        # them before this request's next lookup loads them.
+        plan = self.native.prepare_prefetch_held(chain.pages, i + 1, tenant_of(ctx))
         if plan is None:
-            return LookupResult.MISS  # no room (everything pinned): vLLM computes it
+            return self._no_room(ctx)
+        w = ctx.get_state(_RoomWait)
+        if w is not None:
+            w.since = None  # a later wait of this request starts its own budget
         job, frm, slots, _evicted = plan  # evictions reach vLLM as events
+        self._holds.setdefault(ctx.req_id, []).append(job)
         pages = chain.pages[frm:frm + len(slots)]
         keys = chain.keys[frm:frm + len(slots)]
         for p, k in zip(pages, keys):
@@ -94,6 +115,33 @@ class L3Plan:
         self.counters.prefetch_jobs += 1
         self.counters.chunks_prefetched += len(slots)
         return LookupResult.HIT_PENDING
+
+    def _release_holds(self, ctx: ReqContext) -> None:
+        """The request's prefetched pages are locked by its load, or it ended: its holds go."""
+        for job in self._holds.pop(ctx.req_id, ()):
+            self.native.release_hold(job)
+
+    def _no_room(self, ctx: ReqContext) -> LookupResult:
+        """No host slot can take the prefetch: each is held by a copy in flight (the
+        prefetches of the requests vLLM looked up just before this one in the same pass,
+        loads to the GPU, stores, backups) or by the tenant's cap. While copies are in flight
+        the request waits (RETRY: vLLM looks it up again next step instead of computing what
+        L3 holds), for at most ``room_wait_s`` from its first wait; then MISS, and vLLM
+        computes it."""
+        u = self.native.usage()
+        if u["stores"] + u["loads"] + u["backups"] == 0 and u["locked"] == 0:
+            return LookupResult.MISS  # nothing will free a slot (a tenant's cap)
+        now = time.monotonic()
+        w = ctx.get_state(_RoomWait)
+        if w is None:
+            w = _RoomWait(None)
+            ctx.set_state(w)
+        if w.since is None:
+            w.since = now
+        if now - w.since >= self.room_wait_s:
+            return LookupResult.MISS
+        self.counters.room_waits += 1
+        return LookupResult.RETRY
 
     def _l3_step(self) -> None:
         """The step's prefetches and backups to kvtier's I/O threads; finished jobs back."""
@@ -165,5 +213,5 @@ class L3Plan:
         for t in self.l3_ranks:
             t.drain_jobs()
             list(t.get_finished_jobs())  # results of the old tree's jobs: dropped with it
-        self._queued, self._l3_jobs, self._reports = [], {}, {}
+        self._queued, self._l3_jobs, self._reports, self._holds = [], {}, {}, {}
         self.agreements = [kvtier.RankAgreement() for _ in self.l3_ranks]

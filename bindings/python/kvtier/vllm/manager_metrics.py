@@ -10,7 +10,8 @@ gauges the spec fills too) and kvtier's tier's (``vllm:kv_offload_kvtier_*``, on
 over the tensor-parallel ranks' tiers).
 
 How: the manager counts in a ``ManagerCounters``; ``get_stats`` reports the increases since
-its last call, the host tree's occupancy as gauges, and merges each rank's tier stats.
+its last call, the host tree's occupancy as gauges when it changed (a gauge keeps its last
+value; vLLM asks every engine step), and merges each rank's tier stats; nothing new is None.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _COUNTER_DOCS = {
     "prefetch_jobs": "Prefetches from kvtier's L3 (one job read by every tensor-parallel rank).",
     "chunks_prefetched": "Chunks in those prefetches.",
     "backup_jobs": "Backups of host chunks to kvtier's L3.",
+    "room_waits": "Lookups answered RETRY: an L3 prefetch waiting for a host slot held by a copy in flight.",
 }
 _GAUGE_DOCS = {
     "host_cached_chunks": "Chunks in kvtier's host tree.",
@@ -53,6 +55,7 @@ class ManagerCounters:
     prefetch_jobs: int = 0
     chunks_prefetched: int = 0
     backup_jobs: int = 0
+    room_waits: int = 0
 
 
 def definitions(extra_config: Dict[str, Any]) -> Dict[str, Any]:
@@ -85,13 +88,18 @@ class ManagerMetrics:
                 stats.increase_counter(MANAGER_PREFIX + k, now[k] - last.get(k, 0))
         u = self.native.usage()
         cap = max(int(u["capacity"]), 1)
-        stats.set_gauge(MANAGER_PREFIX + "host_cached_chunks", u["cached"])
-        stats.set_gauge(MANAGER_PREFIX + "host_free_chunks", u["free"])
-        stats.set_gauge(MANAGER_PREFIX + "host_locked_chunks", u["locked"])
-        # vLLM's CPU manager's gauges (declared by CPUOffloadingSpec): pinned by transfers.
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, u["held"] / cap)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, u["locked"] / cap)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (u["held"] + u["locked"]) / cap)
+        gauges = (u["cached"], u["free"], u["locked"], u["held"], cap)
+        if gauges != getattr(self, "_gauges", None):
+            # Only when they changed: a Prometheus gauge keeps its last value, and vLLM asks
+            # every engine step (six gauges set here and again in vLLM's logger, per step).
+            self._gauges = gauges
+            stats.set_gauge(MANAGER_PREFIX + "host_cached_chunks", u["cached"])
+            stats.set_gauge(MANAGER_PREFIX + "host_free_chunks", u["free"])
+            stats.set_gauge(MANAGER_PREFIX + "host_locked_chunks", u["locked"])
+            # vLLM's CPU manager's gauges (declared by CPUOffloadingSpec): pinned by transfers.
+            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, u["held"] / cap)
+            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, u["locked"] / cap)
+            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (u["held"] + u["locked"]) / cap)
         merged = None  # the ranks' tiers: counters summed, the shared store's gauges once
         for t in self.l3_ranks:
             s = t.get_stats()
@@ -99,4 +107,4 @@ class ManagerMetrics:
                 merged = s if merged is None else merged.aggregate(s)
         if merged is not None:
             stats.aggregate(merged)
-        return stats
+        return None if stats.is_empty() else stats

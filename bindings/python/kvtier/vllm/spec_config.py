@@ -21,7 +21,9 @@ from vllm.v1.kv_offload.base import ReqContext
 from .. import KvtierError
 from .compat import group_windows
 
-__all__ = ["KvtierSpecConfigError", "quotas_of", "refuse_non_prefix_groups", "tenant_of"]
+__all__ = ["KvtierSpecConfigError", "quotas_of", "refuse_non_prefix_groups", "room_wait_of", "tenant_of"]
+
+ROOM_WAIT_MS = 1000  # how long a request whose L3 prefetch finds no free host slot waits
 
 
 class KvtierSpecConfigError(KvtierError, ValueError):
@@ -63,6 +65,17 @@ def quotas_of(raw: Any, num_chunks: int) -> Dict[str, int]:
                 f"kvtier_tenant_quotas[{name!r}] must be a number of host chunks >= 0 or a share in (0, 1], got {v!r}")
         out[str(name)] = v
     return out
+
+
+def room_wait_of(raw: Any) -> float:
+    """``kvtier_room_wait_ms``: how long (ms, >= 0) a request whose L3 prefetch finds every
+    host slot held by copies in flight waits for one (RETRY) before vLLM computes it; in
+    seconds."""
+    if raw is None:
+        return ROOM_WAIT_MS / 1e3
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not raw >= 0:
+        raise KvtierSpecConfigError(f"kvtier_room_wait_ms must be a number of milliseconds >= 0, got {raw!r}")
+    return float(raw) / 1e3
 
 
 def tenant_of(ctx: ReqContext) -> Optional[str]:

