@@ -81,6 +81,24 @@ pub struct KvEventsConfig {
     pub flush_interval: Duration,
     #[serde(default)]
     pub block_hashes: BlockHashes,
+    /// How batches leave the store: sockets (the default) or taken by its owner.
+    #[serde(default)]
+    pub delivery: Delivery,
+}
+
+/// How the store's batches reach a router.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Delivery {
+    /// A ZMQ PUB socket (and the replay socket, if configured), flushed by a thread every
+    /// `flush_interval`: what a deployment's routers subscribe to.
+    #[default]
+    Sockets,
+    /// No sockets and no thread: the store's owner takes each batch, in order, with
+    /// [`KvEventsHandle::take_batch`] and hands it to a router in the same process. For an
+    /// embedding on its own clock (the simulator), where a flushing thread would make the
+    /// router's view depend on wall time.
+    Pull,
 }
 
 fn default_block_size() -> u32 {
@@ -104,14 +122,35 @@ impl KvEventsConfig {
             buffer_steps: default_buffer_steps(),
             flush_interval: default_flush_interval(),
             block_hashes: BlockHashes::default(),
+            delivery: Delivery::Sockets,
+        }
+    }
+
+    /// No sockets: the owner takes the batches ([`Delivery::Pull`]).
+    pub fn pull() -> Self {
+        Self {
+            delivery: Delivery::Pull,
+            ..Self::new(String::new())
         }
     }
 
     /// Checks every field (what [`crate::StoreConfig::validate`] runs).
     pub fn validate(&self) -> Result<(), KvEventsError> {
-        check_endpoint(&self.endpoint)?;
-        if let Some(r) = &self.replay_endpoint {
-            check_endpoint(r)?;
+        match self.delivery {
+            Delivery::Sockets => {
+                check_endpoint(&self.endpoint)?;
+                if let Some(r) = &self.replay_endpoint {
+                    check_endpoint(r)?;
+                }
+            }
+            Delivery::Pull => {
+                if !self.endpoint.is_empty() || self.replay_endpoint.is_some() {
+                    return Err(KvEventsError::Config(
+                        "delivery \"pull\" binds no socket: leave endpoint and replay_endpoint empty"
+                            .into(),
+                    ));
+                }
+            }
         }
         for n in &self.namespaces {
             if n.is_empty() || n.contains(':') {
@@ -141,6 +180,12 @@ pub enum KvEventsError {
     /// The sockets could not be bound (address in use, not local, ...).
     #[error("kv events: cannot publish: {0}")]
     Bind(String),
+    /// [`KvEventsHandle::take_batch`] on a stream published on sockets: its batches belong
+    /// to the subscribers.
+    #[error(
+        "kv events: the stream is published on sockets; only delivery \"pull\" hands batches to its owner"
+    )]
+    NotPull,
 }
 
 impl From<KvEventsError> for crate::L3Error {
@@ -203,6 +248,19 @@ struct State {
     bound: bool,
     stats: KvEventsStats,
     stop: bool,
+}
+
+impl State {
+    fn count_published(&mut self, changes: &[Change]) {
+        self.stats.batches += 1;
+        for c in changes {
+            match c {
+                Change::Stored(_) => self.stats.stored += 1,
+                Change::Removed(_) => self.stats.removed += 1,
+                Change::Cleared => {}
+            }
+        }
+    }
 }
 
 /// The sockets' addresses: configured until bound, then as bound (a `*` port filled in).
@@ -270,6 +328,16 @@ impl StorageEvents {
             }),
             cfg: cfg.clone(),
         });
+        if cfg.delivery == Delivery::Pull {
+            let mut st = shared.lock();
+            st.bound = true;
+            st.out.push(Change::Cleared);
+            drop(st);
+            return Ok(Self {
+                shared,
+                thread: None,
+            });
+        }
         match shared.try_bind() {
             Ok(()) => {}
             Err(e) if binding == Binding::AtStart => return Err(e),
@@ -393,6 +461,22 @@ impl KvEventsHandle {
     /// Publishes what is pending now (the thread does it every `flush_interval`).
     pub fn flush(&self) {
         self.shared.flush();
+    }
+
+    /// [`Delivery::Pull`]: the changes since the last call, as one batch's events (empty
+    /// when nothing changed; the first batch starts with `AllBlocksCleared`). Counted in
+    /// [`KvEventsHandle::stats`] as a published batch.
+    pub fn take_batch(&self) -> Result<Vec<WireEvent>, KvEventsError> {
+        if self.shared.cfg.delivery != Delivery::Pull {
+            return Err(KvEventsError::NotPull);
+        }
+        let mut st = self.shared.lock();
+        let changes = std::mem::take(&mut st.out);
+        if !changes.is_empty() {
+            st.count_published(&changes);
+        }
+        drop(st);
+        Ok(self.shared.wire(&changes))
     }
 
     pub fn stats(&self) -> KvEventsStats {
@@ -539,16 +623,7 @@ impl Shared {
         let published = p.publish(ts, &events);
         let mut st = self.lock();
         match published {
-            Ok(_) => {
-                st.stats.batches += 1;
-                for c in &changes {
-                    match c {
-                        Change::Stored(_) => st.stats.stored += 1,
-                        Change::Removed(_) => st.stats.removed += 1,
-                        Change::Cleared => {}
-                    }
-                }
-            }
+            Ok(_) => st.count_published(&changes),
             Err(e) => {
                 st.stats.failed_batches += 1;
                 tracing::warn!(error = %e, "kv events: a batch was not published");

@@ -4,7 +4,6 @@
 
 use std::time::Instant;
 
-use kvtier_events::Medium;
 use kvtier_radix::HashScope;
 use serde::Serialize;
 
@@ -187,33 +186,10 @@ impl Cluster {
                     // an unknown instance is ignored: configuration, not input
                     let _ = self.router.apply(i, &e);
                 }
-                (Target::Storage, IndexEvent::Cleared) => self.clear_storage(),
-                (Target::Storage, IndexEvent::Stored { hashes, .. }) => {
-                    let e = IndexEvent::Stored {
-                        medium: Medium::Storage,
-                        hashes,
-                    };
-                    let _ = self.router.apply(0, &e);
-                }
-                (Target::Storage, IndexEvent::Removed { hashes, .. }) => {
-                    let e = IndexEvent::Removed {
-                        medium: Medium::Storage,
-                        hashes,
-                    };
-                    let _ = self.router.apply(0, &e);
-                }
+                (Target::Storage, e) => self.router.apply_storage(&e),
             }
         }
         true
-    }
-
-    fn clear_storage(&mut self) {
-        let hashes = self.router.index().storage_hashes();
-        let e = IndexEvent::Removed {
-            medium: Medium::Storage,
-            hashes,
-        };
-        let _ = self.router.apply(0, &e);
     }
 
     /// The prompt's page keys as this router's index keys them.

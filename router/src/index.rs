@@ -290,6 +290,13 @@ impl ClusterIndex {
         if instance >= self.locals.len() {
             return false;
         }
+        self.fold(instance, e);
+        true
+    }
+
+    /// [`Self::apply`] for a known instance (or any, for a `STORAGE` store or removal:
+    /// those touch the shared set only).
+    fn fold(&mut self, instance: usize, e: &IndexEvent) {
         match e {
             IndexEvent::Cleared => {
                 let l = &mut self.locals[instance];
@@ -333,7 +340,25 @@ impl ClusterIndex {
                 self.len -= had - p.set.len();
             }
         }
-        true
+    }
+
+    /// Folds one event of the shared store's own stream in: whatever medium it names, its
+    /// blocks are the store's (`STORAGE`); `AllBlocksCleared` forgets the store's pages and
+    /// no instance's.
+    pub fn apply_storage(&mut self, e: &IndexEvent) {
+        let e = match e {
+            IndexEvent::Cleared => return self.clear_storage(),
+            IndexEvent::Stored { hashes, .. } => IndexEvent::Stored {
+                medium: Medium::Storage,
+                hashes: hashes.clone(),
+            },
+            IndexEvent::Removed { hashes, .. } => IndexEvent::Removed {
+                medium: Medium::Storage,
+                hashes: hashes.clone(),
+            },
+        };
+        // a `STORAGE` event touches the shared set only: no instance is read
+        self.fold(0, &e);
     }
 
     /// Forgets the shared store's pages (its stream restarted or sent a snapshot).

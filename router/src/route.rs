@@ -127,6 +127,20 @@ impl Router {
         Ok(())
     }
 
+    /// Folds one batch of the shared store's stream in ([`ClusterIndex::apply_storage`]).
+    /// A batch that does not decode is an error and changes nothing.
+    pub fn apply_storage_payload(&mut self, payload: &[u8]) -> Result<(), RouteError> {
+        for e in decode_batch(payload)? {
+            self.index.apply_storage(&e);
+        }
+        Ok(())
+    }
+
+    /// Folds one decoded event of the shared store's stream in.
+    pub fn apply_storage(&mut self, e: &IndexEvent) {
+        self.index.apply_storage(e);
+    }
+
     /// Folds one decoded event of `instance` in.
     pub fn apply(&mut self, instance: usize, e: &IndexEvent) -> Result<(), RouteError> {
         let n = self.index.instances();

@@ -17,7 +17,7 @@
 //! - `oracle`: the integrity oracle's checks.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -128,6 +128,9 @@ pub struct Simulation {
     promoting: HashMap<String, u64>,
     /// Where the simulator reads the store's loss journal from next.
     loss_cursor: Option<kvtier_l3::LossCursor>,
+    /// Keys backed up, kept when the router reads the store's stream: the end-of-run check
+    /// of its view ([`Simulation::check_storage_view`]).
+    l3_written: HashSet<String>,
     tenant: Tenant,
     heap: BinaryHeap<Reverse<(u64, u64, usize)>>,
     pending: Vec<Option<Pending>>,
@@ -214,6 +217,11 @@ impl Simulation {
                 max_batch_keys: 1 << 20,
                 loss_journal_keys: 1 << 20,
                 ssd,
+                // kvtier's router learns the store's residency from the store's own stream,
+                // as a deployment's router does (taken each plan: the simulated clock).
+                kv_events: router
+                    .wants_store_events()
+                    .then(kvtier_l3::KvEventsConfig::pull),
                 ..StoreConfig::default()
             })
             .map_err(|e| e.to_string())?;
@@ -246,6 +254,7 @@ impl Simulation {
             store_now_ms: 0,
             backups_done: 0,
             loss_cursor,
+            l3_written: HashSet::new(),
             accesses: AccessLog::default(),
             temp_dir,
             router,
@@ -341,6 +350,7 @@ impl Simulation {
                 return Err(format!("instance {i} not quiescent at the end: {st:?}"));
             }
         }
+        self.check_storage_view();
         let stats: Vec<Stats> = self.insts.iter().map(|i| i.sched.stats()).collect();
         let accesses = std::mem::take(&mut self.accesses);
         let col = std::mem::take(&mut self.col);
@@ -366,6 +376,37 @@ impl Simulation {
             index: self.router.index_stats(),
         };
         Ok(report)
+    }
+
+    /// At the end of a run: the pages the router believes the shared store holds (learnt
+    /// from the store's stream) are exactly the pages the store holds of those written.
+    fn check_storage_view(&mut self) {
+        let (Some(store), Some(view)) = (&self.store, self.router.storage_view()) else {
+            return;
+        };
+        let mut held = HashSet::new();
+        for k in &self.l3_written {
+            let Some(page) = kvtier_radix::parse_l3_key(k).map(|p| p.page) else {
+                continue;
+            };
+            match store.is_exist(&self.tenant, k) {
+                Ok(true) => {
+                    held.insert(kvtier_events::HashFormat::int64(&page));
+                }
+                Ok(false) => {}
+                Err(e) => self.col.oracle_failure(format!("store: {k}: {e}")),
+            }
+        }
+        let view: HashSet<u64> = view.into_iter().collect();
+        let (phantom, missed) = (
+            view.difference(&held).count(),
+            held.difference(&view).count(),
+        );
+        if phantom + missed > 0 {
+            self.col.oracle_failure(format!(
+                "router's view of the store: {phantom} pages it does not hold, {missed} it holds missing"
+            ));
+        }
     }
 
     /// Schedules the next request of the workload; false when it is exhausted.

@@ -65,6 +65,27 @@ fn the_kv_aware_routers_get_every_tiers_events() {
     assert!(idx.pages > 0 && idx.bytes.is_some_and(|b| b > 0), "{idx:?}");
 }
 
+/// kvtier's router learns the shared store from the store's own stream: with a store small
+/// enough to evict and objects lost on purpose, its view at the end is still exactly what
+/// the store holds (the run's end-of-run check; an oracle failure otherwise).
+#[test]
+fn kvtiers_store_view_follows_evictions_and_losses() {
+    let reqs = chat(12, 4, 3);
+    for (l3_pages, lose_every) in [(96, 0), (160, 7), (4096, 3)] {
+        let mut c = small(3, Routing::Kvtier);
+        c.l3_pages = l3_pages;
+        c.faults.lose_l3_every = lose_every;
+        let r = simulate(&c, &reqs, |_| {}).unwrap();
+        assert_eq!(
+            r.oracle.failures, 0,
+            "{l3_pages} {lose_every}: {:?}",
+            r.oracle
+        );
+        assert_eq!(r.routing.index.rejected, 0);
+        assert!(r.l3_objects > 0, "the store holds pages");
+    }
+}
+
 #[test]
 fn least_loaded_spreads_a_burst_evenly() {
     // 12 equal requests at once: each goes to the instance with the fewest waiting tokens.

@@ -9,7 +9,8 @@ use std::collections::BTreeSet;
 
 use crate::common::kv_events::{Ev, decode, key, wire};
 use crate::common::t;
-use kvtier_l3::kv_events::KvEventsConfig;
+use kvtier_events::{Medium, WireEvent};
+use kvtier_l3::kv_events::{KvEventsConfig, KvEventsError, KvEventsHandle};
 use kvtier_l3::{EmbeddedStore, ExistOptions, L3Store, PutOptions, StoreConfig};
 use kvtier_radix::PageHash;
 use proptest::prelude::*;
@@ -53,6 +54,64 @@ fn page(i: u8) -> PageHash {
 /// Namespaces 0 and 1 are carried, 2 is not.
 const NS: [&str; 3] = ["m1", "m2", "other"];
 
+/// A small store (puts evict) whose stream carries namespaces 0 and 1.
+fn store(mut ev: KvEventsConfig) -> (EmbeddedStore, KvEventsHandle) {
+    ev.namespaces = vec![NS[0].into(), NS[1].into()];
+    let s = EmbeddedStore::new(StoreConfig {
+        local_segment_bytes: 256 << 10,
+        kv_events: Some(ev),
+        ..StoreConfig::default()
+    })
+    .unwrap();
+    let h = s.kv_events().unwrap();
+    (s, h)
+}
+
+/// What an operation did, for the stream's skip counters.
+enum Applied {
+    /// A put of a key outside kvtier's grammar succeeded.
+    Plain,
+    /// A put of the namespace the stream does not carry succeeded.
+    OtherNamespace,
+    /// Anything else that succeeded.
+    Carried,
+    /// Refused (no room, no such key): the store is unchanged.
+    Failed,
+}
+
+fn apply(s: &EmbeddedStore, tn: &kvtier_l3::Tenant, o: &Op) -> Applied {
+    let done = |ok: bool, then: Applied| if ok { then } else { Applied::Failed };
+    match *o {
+        Op::Put {
+            page: p,
+            rank,
+            ns,
+            big,
+        } => {
+            let len = if big { 60 << 10 } else { 1000 };
+            let k = key(NS[ns as usize], &page(p), rank.into());
+            let ok = s.put(tn, &k, &vec![1; len], PutOptions::default()).is_ok();
+            done(
+                ok,
+                if ns == 2 {
+                    Applied::OtherNamespace
+                } else {
+                    Applied::Carried
+                },
+            )
+        }
+        Op::Plain { i } => {
+            let ok = s.put(tn, &format!("plain-{i}"), &[1; 100], PutOptions::default());
+            done(ok.is_ok(), Applied::Plain)
+        }
+        Op::Remove { page: p, rank, ns } => {
+            let k = key(NS[ns as usize], &page(p), rank.into());
+            done(s.remove(tn, &k, false).is_ok(), Applied::Carried)
+        }
+        Op::RemoveAll => done(s.remove_all(tn, false).is_ok(), Applied::Carried),
+    }
+}
+
 /// The published set, from a snapshot request on the replay socket.
 fn snapshot(replay: &str) -> Vec<Ev> {
     let ctx = zmq::Context::new();
@@ -79,36 +138,14 @@ proptest! {
     fn the_published_set_is_the_stores_listing(ops in proptest::collection::vec(op(), 1..60)) {
         let mut ev = KvEventsConfig::new("tcp://127.0.0.1:*");
         ev.replay_endpoint = Some("tcp://127.0.0.1:*".into());
-        ev.namespaces = vec![NS[0].into(), NS[1].into()];
-        let s = EmbeddedStore::new(StoreConfig {
-            local_segment_bytes: 256 << 10,
-            kv_events: Some(ev),
-            ..StoreConfig::default()
-        })
-        .unwrap();
-        let h = s.kv_events().unwrap();
+        let (s, h) = store(ev);
         let tn = t("a");
         let (mut plain, mut other) = (0u64, 0u64);
         for o in &ops {
-            match *o {
-                Op::Put { page: p, rank, ns, big } => {
-                    let len = if big { 60 << 10 } else { 1000 };
-                    let r = s.put(&tn, &key(NS[ns as usize], &page(p), rank.into()), &vec![1; len], PutOptions::default());
-                    if r.is_ok() && ns == 2 {
-                        other += 1;
-                    }
-                }
-                Op::Plain { i } => {
-                    if s.put(&tn, &format!("plain-{i}"), &[1; 100], PutOptions::default()).is_ok() {
-                        plain += 1;
-                    }
-                }
-                Op::Remove { page: p, rank, ns } => {
-                    let _ = s.remove(&tn, &key(NS[ns as usize], &page(p), rank.into()), false);
-                }
-                Op::RemoveAll => {
-                    let _ = s.remove_all(&tn, false);
-                }
+            match apply(&s, &tn, o) {
+                Applied::Plain => plain += 1,
+                Applied::OtherNamespace => other += 1,
+                Applied::Carried | Applied::Failed => {}
             }
         }
         h.flush();
@@ -137,6 +174,101 @@ proptest! {
         let line = format!("kvtier_l3_kv_events_resident_pages {}", want.len());
         prop_assert!(s.render_metrics().contains(&line), "metrics lack {}", line);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// `Delivery::Pull` (the simulator's): the batches its owner takes, at random points,
+    /// fold to the store's listing, stored once per page, as a subscriber's would.
+    #[test]
+    fn pulled_batches_fold_to_the_stores_listing(
+        ops in proptest::collection::vec((op(), any::<bool>()), 1..60),
+    ) {
+        let (s, h) = store(KvEventsConfig::pull());
+        let tn = t("a");
+        let mut folded: BTreeSet<[u8; 32]> = BTreeSet::new();
+        let mut batches = 0u64;
+        let mut take = |folded: &mut BTreeSet<[u8; 32]>| -> Result<(), TestCaseError> {
+            let b = h.take_batch().unwrap();
+            if !b.is_empty() {
+                batches += 1;
+            }
+            for e in b {
+                match e {
+                    WireEvent::AllBlocksCleared => folded.clear(),
+                    WireEvent::BlockStored { block_hashes, medium, .. } => {
+                        prop_assert_eq!(medium, Medium::Storage);
+                        for p in block_hashes {
+                            prop_assert!(folded.insert(p.0), "stored twice");
+                        }
+                    }
+                    WireEvent::BlockRemoved { block_hashes, medium, .. } => {
+                        prop_assert_eq!(medium, Medium::Storage);
+                        for p in block_hashes {
+                            prop_assert!(folded.remove(&p.0), "removed without a store");
+                        }
+                    }
+                }
+            }
+            Ok(())
+        };
+        for (o, take_now) in &ops {
+            apply(&s, &tn, o);
+            if *take_now {
+                take(&mut folded)?;
+            }
+        }
+        take(&mut folded)?;
+        let mut want = BTreeSet::new();
+        for p in 0..10u8 {
+            for ns in &NS[..2] {
+                for rank in 0..2u32 {
+                    if s.exist_key(&tn, &key(ns, &page(p), rank), ExistOptions::default()).unwrap() {
+                        want.insert(page(p).0);
+                    }
+                }
+            }
+        }
+        prop_assert_eq!(&folded, &want);
+        let st = h.stats();
+        prop_assert_eq!(st.resident_pages, want.len() as u64);
+        prop_assert_eq!(st.batches, batches);
+        // nothing is pending: a second take is empty
+        prop_assert!(h.take_batch().unwrap().is_empty());
+    }
+}
+
+/// Pull delivery has no sockets: a pull config naming one is refused, and a socket stream's
+/// batches are not handed to the store's owner.
+#[test]
+fn pull_and_sockets_do_not_mix() {
+    let mut c = KvEventsConfig::pull();
+    c.replay_endpoint = Some("tcp://127.0.0.1:*".into());
+    let r = EmbeddedStore::new(StoreConfig {
+        kv_events: Some(c),
+        ..StoreConfig::default()
+    });
+    assert!(
+        matches!(r, Err(kvtier_l3::L3Error::InvalidParams(_))),
+        "{:?}",
+        r.err()
+    );
+    let s = EmbeddedStore::new(StoreConfig {
+        kv_events: Some(KvEventsConfig::new("tcp://127.0.0.1:*")),
+        ..StoreConfig::default()
+    })
+    .unwrap();
+    let h = s.kv_events().unwrap();
+    assert_eq!(h.take_batch(), Err(KvEventsError::NotPull));
+    // the first pulled batch of a pull stream opens with AllBlocksCleared
+    let p = EmbeddedStore::new(StoreConfig {
+        kv_events: Some(KvEventsConfig::pull()),
+        ..StoreConfig::default()
+    })
+    .unwrap();
+    let first = p.kv_events().unwrap().take_batch().unwrap();
+    assert_eq!(first, vec![WireEvent::AllBlocksCleared]);
 }
 
 #[test]

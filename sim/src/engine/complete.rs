@@ -99,7 +99,10 @@ impl Simulation {
                 .iter()
                 .filter_map(|k| kvtier_radix::parse_l3_key(k).map(|k| k.page))
                 .collect();
-            self.router.l3_stored(inst, &pages);
+            self.router.l3_written(inst, &pages);
+            if self.router.wants_store_events() {
+                self.l3_written.extend(keys.iter().cloned());
+            }
         }
         self.backups_done += 1;
         let lose = self.cfg.faults.lose_l3_every;
@@ -153,6 +156,12 @@ impl Simulation {
                 .filter_map(|k| kvtier_radix::parse_l3_key(k).map(|k| k.page))
                 .collect();
             self.router.l3_lost(&pages);
+        }
+        if let Some(ev) = store.kv_events() {
+            match ev.take_batch() {
+                Ok(batch) => self.router.store_events(&batch),
+                Err(e) => self.col.oracle_failure(format!("store events: {e}")),
+            }
         }
         for (n, i) in self.insts.iter_mut().enumerate() {
             // Each simulated instance is a single-rank engine (`tp_ranks` 1): its scheduler

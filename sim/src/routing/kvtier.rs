@@ -3,14 +3,15 @@
 //! Why through the wire: the router a deployment runs reads vLLM-format event batches, so the
 //! simulator feeds it the same bytes (`kvtier-events`' encoder, the router's decoder) from each
 //! instance's scheduler: GPU and CPU pages per instance. The shared L3's residency goes in once
-//! for the whole cluster (`STORAGE`): a page any instance backed up is loadable by all, and
-//! pages the store lost leave it. The router keeps its own queue per instance (seconds of
+//! for the whole cluster (`STORAGE`), from the store's own stream (`kvtier_l3::kv_events`,
+//! taken each plan): a page any instance backed up is loadable by all, and pages the store
+//! lost, evicted or replaced leave it. The router keeps its own queue per instance (seconds of
 //! estimated work, drained by the simulated clock), its cost model built from the simulated
 //! model and links: what the deployment would measure.
 
-use kvtier_events::{HashFormat, Medium, WireEvent, encode_batch};
-use kvtier_radix::{KvEvent, PageHash, page_hashes};
-use kvtier_router::{CostModel, IndexEvent, Occupancy, Router};
+use kvtier_events::{HashFormat, WireEvent, encode_batch};
+use kvtier_radix::{KvEvent, page_hashes};
+use kvtier_router::{CostModel, Occupancy, Router};
 
 use crate::config::SimConfig;
 use crate::workload::SimRequest;
@@ -24,6 +25,8 @@ pub struct KvtierRouter {
     page_size: usize,
     /// Event batches that did not decode (none expected).
     pub rejected: u64,
+    /// Batches of the shared store's stream applied.
+    pub store_batches: u64,
 }
 
 /// The router's cost model for the simulated deployment.
@@ -54,6 +57,7 @@ impl KvtierRouter {
             router,
             page_size: cfg.scheduler.page_size,
             rejected: 0,
+            store_batches: 0,
         }
     }
 
@@ -73,27 +77,19 @@ impl KvtierRouter {
         }
     }
 
-    fn storage(&mut self, e: IndexEvent) {
-        // Instance 0 exists (at least one instance); `STORAGE` goes to the shared set.
-        if self.router.apply(0, &e).is_err() {
+    /// A batch of the shared store's stream: decoded as any subscriber decodes it, its
+    /// `STORAGE` blocks go to the router's one shared set.
+    pub fn store_batch(&mut self, batch: &[WireEvent]) {
+        if batch.is_empty() {
+            return;
+        }
+        self.store_batches += 1;
+        let ok = encode_batch(0.0, batch, 0, HashFormat::Int64)
+            .ok()
+            .is_some_and(|p| self.router.apply_storage_payload(&p).is_ok());
+        if !ok {
             self.rejected += 1;
         }
-    }
-
-    pub fn stored(&mut self, pages: &[PageHash]) {
-        let hashes = pages.iter().map(HashFormat::int64).collect();
-        self.storage(IndexEvent::Stored {
-            medium: Medium::Storage,
-            hashes,
-        });
-    }
-
-    pub fn lost(&mut self, pages: &[PageHash]) {
-        let hashes = pages.iter().map(HashFormat::int64).collect();
-        self.storage(IndexEvent::Removed {
-            medium: Medium::Storage,
-            hashes,
-        });
     }
 
     pub fn route(&mut self, r: &SimRequest, now_us: u64) -> Option<usize> {

@@ -17,6 +17,7 @@ pub mod kvtier;
 
 use std::collections::HashMap;
 
+use kvtier_events::WireEvent;
 use kvtier_radix::{KvEvent, PageHash};
 use serde::Serialize;
 
@@ -115,22 +116,33 @@ impl ClusterRouter {
         }
     }
 
-    /// `inst` backed `pages` up to the shared store.
-    pub fn l3_stored(&mut self, inst: usize, pages: &[PageHash]) {
-        match &mut self.state {
-            State::Dynamo(d) => d.stored(inst, pages),
-            State::Kvtier(k) => k.stored(pages),
-            State::Stateless | State::LeastLoaded => {}
+    /// Whether the router reads the shared store's own event stream (`STORAGE`), which
+    /// the store then keeps ([`kvtier_l3::kv_events::Delivery::Pull`]).
+    pub fn wants_store_events(&self) -> bool {
+        matches!(self.state, State::Kvtier(_))
+    }
+
+    /// `inst` backed `pages` up to the shared store: what an engine publishes of its own
+    /// writes (Dynamo's worker-local `STORAGE`).
+    pub fn l3_written(&mut self, inst: usize, pages: &[PageHash]) {
+        if let State::Dynamo(d) = &mut self.state {
+            d.stored(inst, pages);
         }
     }
 
-    /// The shared store lost `pages` (evicted, removed).
+    /// The shared store lost `pages` (evicted, removed), from its loss journal: what each
+    /// engine learns and publishes of its own writes.
     pub fn l3_lost(&mut self, pages: &[PageHash]) {
         let n = self.instances;
-        match &mut self.state {
-            State::Dynamo(d) => d.lost(n, pages),
-            State::Kvtier(k) => k.lost(pages),
-            State::Stateless | State::LeastLoaded => {}
+        if let State::Dynamo(d) = &mut self.state {
+            d.lost(n, pages);
+        }
+    }
+
+    /// A batch of the shared store's own stream (`STORAGE` residency, one for the cluster).
+    pub fn store_events(&mut self, batch: &[WireEvent]) {
+        if let State::Kvtier(k) = &mut self.state {
+            k.store_batch(batch);
         }
     }
 
@@ -157,6 +169,15 @@ impl ClusterRouter {
             State::Dynamo(d) => d.ended(id, now_us),
             State::Kvtier(k) => k.ended(id, now_us),
             State::Stateless | State::LeastLoaded => {}
+        }
+    }
+
+    /// The pages the router believes the shared store holds (`None`: it does not read the
+    /// store's stream).
+    pub fn storage_view(&self) -> Option<Vec<u64>> {
+        match &self.state {
+            State::Kvtier(k) => Some(k.router().index().storage_hashes()),
+            _ => None,
         }
     }
 
