@@ -225,7 +225,8 @@ def main() -> None:
                          "ttft_p50": statistics.median(ttft), "ttft_p99": pct(ttft, 0.99),
                          "tok_s": n * (plen + SUFFIX_TOKENS) / r2["wall_s"], "reused": sum(r2["cached"]),
                          "of": n * plen, "cached": r2["cached"], "run_s": time.time() - t,
-                         "load_before": load0, "load_after": os.getloadavg()[0]})
+                         "load_before": load0, "load_after": os.getloadavg()[0],
+                         "threads_cpu_s": r2.get("threads_cpu_s", {})})
             if args.profile:
                 runs[-1]["profile_r2_s"] = attribute(job["profile"] + ".r2")
                 runs[-1]["profile_r2_s"]["round"] = r2["wall_s"]

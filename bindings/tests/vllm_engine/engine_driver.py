@@ -20,7 +20,8 @@ One request at a time in float32 by default (``max_num_seqs``, ``dtype``): greed
 then depend only on the KV a request reads, not on what it was batched with. OUT (JSON): per
 phase the generated token ids, ``num_cached_tokens`` per request (prefix tokens the engine
 did not compute: its own prefix cache plus the connector's), TTFT per request (from arrival:
-one request at a time with ``serial``), wall time; the engine's startup time; the /dev/shm
+one request at a time with ``serial``), wall time, CPU seconds of each thread that ran in the
+phase (``threads_cpu_s``: what ran beside the engine); the engine's startup time; the /dev/shm
 files that existed while the engine ran.
 """
 
@@ -40,6 +41,23 @@ def _write(out: dict, path: str) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(out, f)
     os.replace(path + ".tmp", path)
+
+
+def _thread_cpu() -> dict:
+    """CPU seconds of each thread of this process so far, by tid: what else ran beside the
+    engine's own threads during a phase (``threads_cpu_s`` in OUT)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
 
 
 def main(job_path: str, out_path: str) -> None:
@@ -103,12 +121,19 @@ def main(job_path: str, out_path: str) -> None:
 
             prof = cProfile.Profile()
             prof.enable()
+        cpu0 = _thread_cpu()
         t = time.perf_counter()
         if ph.get("serial"):
             res = [r for p, sp in zip(prompts, params) for r in llm.generate([p], [sp], use_tqdm=False)]
         else:
             res = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t
+        busy: dict = {}  # "NAME TID" -> CPU seconds in the phase, the busiest first
+        for tid, (name, cpu) in _thread_cpu().items():
+            d = cpu - cpu0.get(tid, (name, 0.0))[1]
+            if d > 0:
+                busy[f"{name} {tid}"] = round(d, 3)
+        busy = dict(sorted(busy.items(), key=lambda kv: -kv[1]))
         if prof is not None:
             prof.disable()
             prof.dump_stats(f"{job['profile']}.{ph.get('name', len(out['phases']))}")
@@ -121,6 +146,7 @@ def main(job_path: str, out_path: str) -> None:
             "cached": [int(r.num_cached_tokens or 0) for r in res],
             "ttft": [float(getattr(r.metrics, "first_token_latency", 0.0) or 0.0) for r in res],
             "wall_s": wall,
+            "threads_cpu_s": busy,
         })
         out["shm_files"] = sorted(shm)
         _write(out, out_path)  # after every phase: a test may kill the engine in the next
