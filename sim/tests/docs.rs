@@ -178,3 +178,20 @@ fn the_matrix_tables_are_the_scripts_output() {
         assert!(page.contains(row), "not in docs/sim/shadow.md: {row}");
     }
 }
+
+/// The reuse tables of docs/sim/shadow.md ("Why recency cannot reach them") are what
+/// `scripts/reuse_distance.py` prints from the conversation trace.
+#[test]
+fn the_reuse_tables_are_the_scripts_output() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let page = std::fs::read_to_string(root.join("docs/sim/shadow.md")).unwrap();
+    let printed = python(&root, &["scripts/reuse_distance.py"]);
+    let rows: Vec<&str> = printed
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| ---"))
+        .collect();
+    assert!(rows.len() >= 12, "{} rows", rows.len());
+    for row in rows {
+        assert!(page.contains(row), "not in docs/sim/shadow.md: {row}");
+    }
+}
