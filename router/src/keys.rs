@@ -1,9 +1,9 @@
 //! Token-derived page keys, for engines whose block hashes the router cannot compute.
 //!
 //! kvtier's engines publish kvtier's page hashes, which the router computes from a prompt's
-//! tokens, salt and adapter ([`crate::Router::route`]). vLLM's hashes are seeded per process
-//! (`NONE_HASH` is random unless `PYTHONHASHSEED` is set) and SGLang's differ again, so for
-//! those the router keys each page by its own chained hash of the tokens in the event
+//! tokens, salt and adapter ([`crate::Router::route`]). vLLM's hashes are its own (SHA-256
+//! over its CBOR encoding of parent hash, tokens and extra keys; seeded at random per process
+//! under its non-cryptographic hashes) and SGLang's differ again, so for those the router keys each page by its own chained hash of the tokens in the event
 //! (`BlockStored` carries `token_ids`, `block_size`, `parent_block_hash`, `lora_name`), as
 //! NVIDIA Dynamo's indexer does, and remembers each engine hash's key so that `BlockRemoved`
 //! (hashes only) and children (a parent hash) can be translated. A prompt is keyed the same

@@ -7,7 +7,7 @@ import os
 import pathlib
 import signal
 import subprocess
-from typing import Optional
+from typing import Optional, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -26,16 +26,17 @@ def l3_binary() -> str:
 
 class L3Process:
     """``kvtier-l3 --listen ADDR`` with a token (from ``KVTIER_L3_TOKEN``, as an operator
-    would pass it), DRAM only."""
+    would pass it), DRAM only; ``extra``: more flags (``--kv-events …``)."""
 
-    def __init__(self, token: Optional[str], segment_bytes: int = 64 << 20, addr: str = "127.0.0.1:0"):
-        self.token, self.segment_bytes = token, segment_bytes
+    def __init__(self, token: Optional[str], segment_bytes: int = 64 << 20, addr: str = "127.0.0.1:0",
+                 extra: Sequence[str] = ()):
+        self.token, self.segment_bytes, self.extra = token, segment_bytes, list(extra)
         env = dict(os.environ)
         env.pop("KVTIER_L3_TOKEN", None)
         if token:
             env["KVTIER_L3_TOKEN"] = token
         self.proc = subprocess.Popen(
-            [l3_binary(), "--listen", addr, "--segment-bytes", str(segment_bytes)],
+            [l3_binary(), "--listen", addr, "--segment-bytes", str(segment_bytes), *self.extra],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
         line = self.proc.stdout.readline().strip() if self.proc.stdout else ""
         if not line.startswith("LISTENING "):
@@ -52,4 +53,4 @@ class L3Process:
     def restart(self) -> "L3Process":
         """A new, empty server on the same address."""
         self.kill()
-        return L3Process(self.token, self.segment_bytes, self.addr)
+        return L3Process(self.token, self.segment_bytes, self.addr, self.extra)

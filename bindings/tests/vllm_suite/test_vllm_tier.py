@@ -6,6 +6,7 @@ failed jobs while every request finishes with the right bytes; config errors sto
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -268,6 +269,80 @@ def test_kv_events_name_the_chunks_the_tier_stored(engines):
     off = engines([embedded()])
     serve(off, [PROMPT])
     assert not off.tier.take_events(), "no events unless vLLM's KV events are on"
+
+
+def _store_snapshot(replay: str) -> set:
+    """The STORAGE hashes a ``kvtier-l3 --kv-events`` stream holds now: its replay socket's
+    snapshot (kvtier's request -2), each batch decoded with vLLM's own msgspec classes."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ctx = zmq.Context()
+    try:
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.RCVTIMEO, 5000)
+        d.connect(replay)
+        d.send_multipart([b"", (-2).to_bytes(8, "big", signed=True)])
+        out: set = set()
+        while True:
+            empty, seq, payload = d.recv_multipart()
+            assert empty == b""
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return out
+            for ev in decoder.decode(payload).events:
+                if isinstance(ev, AllBlocksCleared):
+                    out.clear()
+                else:
+                    assert isinstance(ev, BlockStored) and ev.medium == "STORAGE", ev
+                    out.update(ev.block_hashes)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_stores_stream_names_every_engines_chunks_as_vllm_does(engines, tmp_path):
+    """The shared store's own stream (``kvtier-l3 --kv-events``) publishes each chunk kvtier's
+    tier wrote under the hash vLLM's scheduler publishes for that chunk — the one a router
+    indexing vLLM's events already holds — for every engine that shares the store, where each
+    engine's stream names only its own stores; a chunk the store dropped leaves the stream."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import get_offload_block_hash
+
+    replay = f"ipc://{tmp_path}/store-replay"
+    srv = L3Process(token="k", extra=["--kv-events", f"ipc://{tmp_path}/store-events",
+                                      "--kv-events-replay", replay])
+    try:
+        a = engines([tier(server=srv.addr, token="k")], kv_events=True)
+        b = engines([tier(server=srv.addr, token="k")], kv_events=True)
+        other = list(range(5000, 5000 + BLOCK * 6 + 3))  # 3 chunks of its own
+        serve(a, [PROMPT])
+        serve(b, [other])
+
+        def storage(e):
+            return {h for batch in e.published for ev in batch.events
+                    if type(ev).__name__ == "BlockStored" and ev.medium == "STORAGE" for h in ev.block_hashes}
+
+        def vllm_hashes(e, tokens):
+            return {maybe_convert_block_hash(get_offload_block_hash(k)) for k in e.tier_keys_of(tokens)}
+
+        want_a, want_b = vllm_hashes(a, PROMPT), vllm_hashes(b, other)
+        assert len(want_a) == 4 and len(want_b) == 3 and not want_a & want_b
+        assert storage(a) == want_a and storage(b) == want_b, "each engine names its own stores"
+        deadline = time.monotonic() + 10
+        while _store_snapshot(replay) != want_a | want_b and time.monotonic() < deadline:
+            time.sleep(0.05)  # the store publishes every 10 ms
+        assert _store_snapshot(replay) == want_a | want_b
+        # A chunk the store no longer holds leaves its stream (the engines cannot know).
+        gone = a.tier.key(a.tier_keys_of(PROMPT)[-1])
+        a.tier.store.remove(gone, False)
+        last = maybe_convert_block_hash(get_offload_block_hash(a.tier_keys_of(PROMPT)[-1]))
+        deadline = time.monotonic() + 10
+        while last in _store_snapshot(replay) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _store_snapshot(replay) == (want_a - {last}) | want_b
+    finally:
+        srv.kill()
 
 
 def test_a_server_tier_answers_its_own_chunks_without_a_probe_and_forgets_lost_ones(engines):

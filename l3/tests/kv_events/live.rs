@@ -16,6 +16,7 @@ use crate::common::kv_events::{
 use crate::common::procs::{Proc, args, master, node, spawn};
 use crate::common::{client, t};
 use kvtier_l3::{ExistOptions, L3Store, PutOptions, RemoteStore};
+use kvtier_radix::PageHash;
 use kvtier_router::launch::EndpointSpec;
 
 fn store(extra: &[&str]) -> (Proc, String, String) {
@@ -62,12 +63,19 @@ fn puts_removes_and_evictions_come_out_as_storage_events_ranks_as_one_block() {
     for h in &hs {
         assert_eq!(sub.stored_count(wire(h)), 1, "two ranks, one block");
     }
-    // keys outside the grammar are stored, and never published
+    // keys outside the grammars are stored, and never published
     put(&c, "a", "plain-key", 100);
-    put(&c, "a", &format!("m1:{}:0", "ab".repeat(36)), 100); // vLLM's 36-byte OffloadKey
     let before = sub.events.len();
     sub.drain(Duration::from_millis(300));
     assert_eq!(sub.events.len(), before, "{:?}", &sub.events[before..]);
+    // kvtier.vllm's key (vLLM's 36-byte OffloadKey, shard 0) is its chunk's block hash
+    put(&c, "a", &format!("m1:{}00000000:0", "ab".repeat(32)), 100);
+    let chunk = wire(&PageHash([0xab; 32]));
+    sub.until("the chunk's block hash", |s| s.resident().contains(&chunk));
+    assert_eq!(sub.stored_count(chunk), 1);
+    c.remove(&t("a"), &format!("m1:{}00000000:0", "ab".repeat(32)), false)
+        .unwrap();
+    sub.until("the chunk removed", |s| !s.resident().contains(&chunk));
 
     // a page stays until its last rank goes
     c.remove(&t("a"), &key("m1", &hs[0], 0), false).unwrap();

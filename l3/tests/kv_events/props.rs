@@ -1,5 +1,6 @@
 //! The embedded store's KV events against its own listing (proptest): after any sequence of
-//! puts (pages of two namespaces and two ranks, keys outside the grammar, objects large
+//! puts (pages of two namespaces, each page under kvtier's keys of two ranks and kvtier.vllm's
+//! keys of two KV groups and a shard, keys outside the grammars, objects large
 //! enough that DRAM eviction drops others), removes and remove-alls, the snapshot the
 //! store's replay socket answers (a real ZMQ DEALER, decoded) names exactly the pages some
 //! key of which exists, once each; keys outside the grammar and namespaces the stream does
@@ -36,12 +37,25 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u8..10, 0u8..2, 0u8..3, any::<bool>())
+        6 => (0u8..10, 0u8..PARTS, 0u8..3, any::<bool>())
             .prop_map(|(page, rank, ns, big)| Op::Put { page, rank, ns, big }),
         1 => (0u8..4).prop_map(|i| Op::Plain { i }),
-        3 => (0u8..10, 0u8..2, 0u8..3).prop_map(|(page, rank, ns)| Op::Remove { page, rank, ns }),
+        3 => (0u8..10, 0u8..PARTS, 0u8..3).prop_map(|(page, rank, ns)| Op::Remove { page, rank, ns }),
         1 => Just(Op::RemoveAll),
     ]
+}
+
+/// The keys a page has: `rank` 0 and 1 are kvtier's grammar (two tensor-parallel ranks), 2
+/// to 4 kvtier.vllm's (vLLM's `OffloadKey` of the page's block hash: KV groups 0 and 1, and
+/// group 0's shard 1) — every one of them the same block on the wire.
+const PARTS: u8 = 5;
+
+fn part_key(ns: &str, p: &PageHash, part: u8) -> String {
+    match part {
+        0 | 1 => key(ns, p, part.into()),
+        2 | 3 => format!("{ns}:{}{:08x}", p.to_hex(), part - 2),
+        _ => format!("{ns}:{}00000000:1", p.to_hex()),
+    }
 }
 
 fn page(i: u8) -> PageHash {
@@ -89,7 +103,7 @@ fn apply(s: &EmbeddedStore, tn: &kvtier_l3::Tenant, o: &Op) -> Applied {
             big,
         } => {
             let len = if big { 60 << 10 } else { 1000 };
-            let k = key(NS[ns as usize], &page(p), rank.into());
+            let k = part_key(NS[ns as usize], &page(p), rank);
             let ok = s.put(tn, &k, &vec![1; len], PutOptions::default()).is_ok();
             done(
                 ok,
@@ -105,7 +119,7 @@ fn apply(s: &EmbeddedStore, tn: &kvtier_l3::Tenant, o: &Op) -> Applied {
             done(ok.is_ok(), Applied::Plain)
         }
         Op::Remove { page: p, rank, ns } => {
-            let k = key(NS[ns as usize], &page(p), rank.into());
+            let k = part_key(NS[ns as usize], &page(p), rank);
             done(s.remove(tn, &k, false).is_ok(), Applied::Carried)
         }
         Op::RemoveAll => done(s.remove_all(tn, false).is_ok(), Applied::Carried),
@@ -153,8 +167,8 @@ proptest! {
         let mut of = Vec::new();
         for p in 0..10u8 {
             for ns in &NS[..2] {
-                for rank in 0..2u32 {
-                    keys.push(key(ns, &page(p), rank));
+                for rank in 0..PARTS {
+                    keys.push(part_key(ns, &page(p), rank));
                     of.push(wire(&page(p)));
                 }
             }
@@ -223,8 +237,8 @@ proptest! {
         let mut want = BTreeSet::new();
         for p in 0..10u8 {
             for ns in &NS[..2] {
-                for rank in 0..2u32 {
-                    if s.exist_key(&tn, &key(ns, &page(p), rank), ExistOptions::default()).unwrap() {
+                for rank in 0..PARTS {
+                    if s.exist_key(&tn, &part_key(ns, &page(p), rank), ExistOptions::default()).unwrap() {
                         want.insert(page(p).0);
                     }
                 }

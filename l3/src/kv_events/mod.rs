@@ -19,14 +19,14 @@
 //! - `AllBlocksCleared` as the first event of a stream (a new store or leader: whatever a
 //!   subscriber held from an earlier incarnation is gone).
 //!
-//! Keys → block hashes: an event carries a page hash, the store holds string keys. A key of
-//! kvtier's grammar `{namespace}:{64 hex digits}:{rank}` (what the scheduler and the SGLang
-//! integration write; [`kvtier_radix::parse_l3_key`]) is published as its page hash; any other
-//! key (vLLM's connector writes `{namespace}:{72 hex digits}[:{shard}]`, vLLM's own hashes
-//! that a router cannot compute from tokens) is skipped and counted, never an error for the
-//! put. The tensor-parallel ranks of one page are one block: stored when the first rank's
-//! object becomes readable, removed when the last one goes (a per-page count of holders,
-//! `(tenant, namespace, rank)`). A router indexes `STORAGE` pages in one shared set, so
+//! Keys → block hashes (`keys.rs`): an event carries a page hash, the store holds string
+//! keys. A key of kvtier's grammar `{namespace}:{64 hex digits}:{rank}` (what the scheduler
+//! and the SGLang integration write) is published as its page hash, and a key of kvtier's
+//! vLLM integration, `{namespace}:{72 hex digits}[:{shard}]` (vLLM's `OffloadKey`), as the
+//! block hash vLLM publishes for that chunk; any other key is skipped and counted, never an
+//! error for the put. The tensor-parallel ranks (and vLLM's KV groups) of one page are one
+//! block: stored when the first object becomes readable, removed when the last one goes (a
+//! per-page count of holders, `(tenant, namespace, part)`). A router indexes `STORAGE` pages in one shared set, so
 //! [`KvEventsConfig::namespaces`] restricts a stream to the namespaces (models and layouts)
 //! of the engines behind that router; without it, every namespace's pages are one set.
 //!
@@ -42,10 +42,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvtier_events::{HashFormat, Locality, Medium, Publisher, PublisherConfig, WireEvent};
-use kvtier_radix::{PageHash, parse_l3_key};
+use kvtier_radix::PageHash;
 use serde::{Deserialize, Serialize};
 
 use crate::types::Tenant;
+
+mod keys;
 
 /// How block hashes go on the wire.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -369,7 +371,7 @@ impl StorageEvents {
 
     /// `key` of `t` became readable, or stopped existing.
     pub fn note(&self, r: Residency, t: &Tenant, key: &str) {
-        let Some(k) = parse_l3_key(key) else {
+        let Some(k) = keys::stream_key(key) else {
             if r == Residency::Readable {
                 self.shared.lock().stats.unparsed_keys += 1;
             }
@@ -383,7 +385,7 @@ impl StorageEvents {
             return;
         }
         let mut h = std::hash::DefaultHasher::new();
-        (t.as_str(), k.namespace, k.rank).hash(&mut h);
+        (t.as_str(), k.namespace, k.part).hash(&mut h);
         let holder = h.finish();
         let mut st = self.shared.lock();
         let State {
