@@ -16,18 +16,24 @@ use kvtier_scheduler::{JobOutcome, L3Backups, Lookup, OffloadError, OffloadManag
 use crate::errors::{LossNeedsAgreementError, OffloadManagerError, config_msg};
 
 fn chain_of(chain: &Bound<'_, PyAny>) -> PyResult<Vec<PageHash>> {
-    let mut out = Vec::new();
+    let mut out = Vec::with_capacity(chain.len().unwrap_or(0));
     for item in chain.try_iter()? {
-        let b: Vec<u8> = item?.extract()?;
-        let h: [u8; 32] = b.as_slice().try_into().map_err(|_| {
-            pyo3::exceptions::PyValueError::new_err(format!(
-                "a page hash is 32 bytes, got {}",
-                b.len()
-            ))
-        })?;
-        out.push(PageHash(h));
+        let item = item?;
+        // `bytes` (what kvtier.vllm passes) is read in place; anything else is converted.
+        let h = match item.cast::<PyBytes>() {
+            Ok(b) => page_hash(b.as_bytes())?,
+            Err(_) => page_hash(&item.extract::<Vec<u8>>()?)?,
+        };
+        out.push(h);
     }
     Ok(out)
+}
+
+fn page_hash(b: &[u8]) -> PyResult<PageHash> {
+    let h: [u8; 32] = b.try_into().map_err(|_| {
+        pyo3::exceptions::PyValueError::new_err(format!("a page hash is 32 bytes, got {}", b.len()))
+    })?;
+    Ok(PageHash(h))
 }
 
 /// `(job, from, slots, evicted page hashes)` of a store.
@@ -71,8 +77,8 @@ impl PyOffloadManager {
         let c = chain_of(chain)?;
         let t = tenant_id(tenant);
         let plan = match hold {
-            Hold::None => self.inner.prepare_prefetch_for(t, &c, to),
-            Hold::UntilReleased => self.inner.prepare_prefetch_held(t, &c, to),
+            Hold::None => self.inner_mut().prepare_prefetch_for(t, &c, to),
+            Hold::UntilReleased => self.inner_mut().prepare_prefetch_held(t, &c, to),
         }
         .map_err(err)?;
         store_tuple(py, plan)
@@ -100,13 +106,66 @@ fn hashes<'py>(py: Python<'py>, hs: &[PageHash]) -> PyResult<Bound<'py, PyList>>
     PyList::new(py, hs.iter().map(|h| PyBytes::new(py, &h.0)))
 }
 
-/// kvtier's host tier for an engine that keeps its own device tier: `host_slots` slots
-/// (ids `0..host_slots`), evicting by `policy` ("lru", "freq-depth", "adaptive"), planning
-/// for `tp_ranks` tensor-parallel ranks (above 1: losses and L3 completions are agreed with
-/// one `RankAgreement` per rank, and the direct `l3_lost` / `l3_lost_all` are refused).
-#[pyclass(module = "kvtier", name = "OffloadManager")]
-pub struct PyOffloadManager {
-    pub(crate) inner: OffloadManager,
+pub use cell::PyOffloadManager;
+
+/// The class's fields, private to this module so that every change goes through
+/// `inner_mut` and counts a generation (the compiler keeps it so).
+mod cell {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::OffloadManager;
+    use pyo3::prelude::*;
+
+    /// Generations are stamps from one process-wide counter: no two managers (a manager and
+    /// its replacement after a reset, say) ever show the same one, so an answer kept from one
+    /// can never pass for the other's.
+    static STAMPS: AtomicU64 = AtomicU64::new(1);
+
+    fn stamp() -> u64 {
+        STAMPS.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// kvtier's host tier for an engine that keeps its own device tier: `host_slots` slots
+    /// (ids `0..host_slots`), evicting by `policy` ("lru", "freq-depth", "adaptive"), planning
+    /// for `tp_ranks` tensor-parallel ranks (above 1: losses and L3 completions are agreed with
+    /// one `RankAgreement` per rank, and the direct `l3_lost` / `l3_lost_all` are refused).
+    ///
+    /// `generation` is renewed by every call that may change the manager (every method that
+    /// takes it mutably: the field is reachable only through [`PyOffloadManager::inner_mut`],
+    /// which renews it), so a caller may keep an answer (a chain's host prefix) while it is
+    /// unchanged.
+    #[pyclass(module = "kvtier", name = "OffloadManager")]
+    pub struct PyOffloadManager {
+        inner: OffloadManager,
+        generation: u64,
+    }
+
+    impl PyOffloadManager {
+        /// The manager, read-only.
+        pub(crate) fn inner(&self) -> &OffloadManager {
+            &self.inner
+        }
+
+        /// The manager, to change: a new generation (a kept answer is stale).
+        pub(crate) fn inner_mut(&mut self) -> &mut OffloadManager {
+            self.generation = stamp();
+            &mut self.inner
+        }
+    }
+
+    impl PyOffloadManager {
+        pub(crate) fn from_inner(inner: OffloadManager) -> Self {
+            Self {
+                inner,
+                generation: stamp(),
+            }
+        }
+
+        /// The stamp of the manager's last change (or of its creation).
+        pub(crate) fn changes(&self) -> u64 {
+            self.generation
+        }
+    }
 }
 
 #[pymethods]
@@ -129,19 +188,19 @@ impl PyOffloadManager {
         inner
             .set_tp_ranks(tp_ranks)
             .map_err(|e| config_msg(format!("OffloadManager tp_ranks: {e}")))?;
-        Ok(Self { inner })
+        Ok(Self::from_inner(inner))
     }
 
     /// The tensor-parallel ranks this manager plans for.
     #[getter]
     fn tp_ranks(&self) -> u32 {
-        self.inner.tp_ranks()
+        self.inner().tp_ranks()
     }
 
     /// BackUp jobs for stored host pages L3 lacks: `[(job, [page hash], [slot])]`; each
     /// pins its host slots until `complete_backup(job, outcome)`.
     fn plan_backups<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<BackupTuple<'py>>> {
-        self.inner
+        self.inner_mut()
             .plan_backups()
             .into_iter()
             .map(|b| {
@@ -156,25 +215,25 @@ impl PyOffloadManager {
 
     fn complete_backup(&mut self, job: u64, outcome: &str) -> PyResult<()> {
         let o = outcome_of(outcome)?;
-        self.inner.complete_backup(job, o).map_err(err)
+        self.inner_mut().complete_backup(job, o).map_err(err)
     }
 
     /// The engine's L3 probe found these pages.
     fn l3_found(&mut self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.l3_found(&chain_of(pages)?);
+        self.inner_mut().l3_found(&chain_of(pages)?);
         Ok(())
     }
 
     /// L3 lost these pages. Raises ``LossNeedsAgreementError`` (nothing changed) when the
     /// manager plans for several ranks: ``RankAgreement.lost_pages`` and ``agree_losses``.
     fn l3_lost(&mut self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.l3_lost(&chain_of(pages)?).map_err(err)
+        self.inner_mut().l3_lost(&chain_of(pages)?).map_err(err)
     }
 
     /// L3 may have lost anything (a loss report overflowed). Raises
     /// ``LossNeedsAgreementError`` when the manager plans for several ranks (``lost_all``).
     fn l3_lost_all(&mut self) -> PyResult<()> {
-        self.inner.l3_lost_all().map_err(err)
+        self.inner_mut().l3_lost_all().map_err(err)
     }
 
     /// A Prefetch: slots as `prepare_store` hands them out, for bytes read from L3; `None`
@@ -207,30 +266,33 @@ impl PyOffloadManager {
     /// Gives back a held prefetch's pages (landed or not, read or not). ``OffloadManagerError``
     /// (nothing changed) for a job that is no held prefetch or was released already.
     fn release_hold(&mut self, job: u64) -> PyResult<()> {
-        self.inner.release_hold(job).map_err(err)
+        self.inner_mut().release_hold(job).map_err(err)
     }
 
     /// Held prefetches not released yet: ``(landing, holding pages, ended with nothing)``.
     fn holds(&self) -> (usize, usize, usize) {
-        self.inner.holds()
+        self.inner().holds()
     }
 
     /// Caps the host chunks tenant `tenant` (a name) may hold (`None`: uncapped): past it, its
     /// stores evict its own chunks first and store fewer; within it, no other tenant's store
     /// evicts its chunks.
     fn set_tenant_cap(&mut self, tenant: &str, cap: Option<usize>) {
-        self.inner
+        self.inner_mut()
             .set_tenant_cap(OffloadManager::tenant_of(tenant), cap);
     }
 
     /// Host chunks charged to a capped tenant (`None`: no cap).
     fn tenant_charge(&self, tenant: &str) -> Option<usize> {
-        self.inner.tenant_charge(OffloadManager::tenant_of(tenant))
+        self.inner()
+            .tenant_charge(OffloadManager::tenant_of(tenant))
     }
 
     /// A Prefetch ended with its first `completed` pages read: the rest are lost in L3.
     fn complete_prefetch(&mut self, job: u64, completed: usize) -> PyResult<()> {
-        self.inner.complete_prefetch(job, completed).map_err(err)
+        self.inner_mut()
+            .complete_prefetch(job, completed)
+            .map_err(err)
     }
 
     /// Agrees the prefetches and backups in flight across tensor-parallel ranks whose
@@ -246,7 +308,7 @@ impl PyOffloadManager {
             .iter_mut()
             .map(|r| std::mem::take(&mut r.inner))
             .collect();
-        let out = self.inner.agree_in_process(&mut taken);
+        let out = self.inner_mut().agree_in_process(&mut taken);
         for (r, a) in ranks.iter_mut().zip(taken) {
             r.inner = a;
         }
@@ -256,18 +318,18 @@ impl PyOffloadManager {
     /// Applies one agreed event (`PrefetchDone` or `BackUpDone`) of `RankAgreement.reduce`.
     fn apply_agreed(&mut self, event: &Bound<'_, PyAny>) -> PyResult<()> {
         let ev = crate::plan::event_from_py(event)?;
-        self.inner.apply_agreed(&ev).map_err(err)
+        self.inner_mut().apply_agreed(&ev).map_err(err)
     }
 
     /// How many leading pages of `chain` are on host.
     fn host_prefix(&self, chain: &Bound<'_, PyAny>) -> PyResult<usize> {
-        Ok(self.inner.host_prefix(&chain_of(chain)?))
+        Ok(self.inner().host_prefix(&chain_of(chain)?))
     }
 
     /// "hit", "pending" (being stored), "in-l3" (off host, known in L3) or "miss" for page
     /// `index` of `chain`.
     fn lookup(&self, chain: &Bound<'_, PyAny>, index: usize) -> PyResult<&'static str> {
-        Ok(match self.inner.lookup(&chain_of(chain)?, index) {
+        Ok(match self.inner().lookup(&chain_of(chain)?, index) {
             Lookup::Hit => "hit",
             Lookup::Pending => "pending",
             Lookup::InL3 => "in-l3",
@@ -289,7 +351,7 @@ impl PyOffloadManager {
     ) -> PyResult<Option<StoreTuple<'py>>> {
         let c = chain_of(chain)?;
         let plan = self
-            .inner
+            .inner_mut()
             .prepare_store_for(tenant_id(tenant), &c, to)
             .map_err(err)?;
         store_tuple(py, plan)
@@ -298,7 +360,7 @@ impl PyOffloadManager {
     /// A store's bytes landed (`outcome="done"`) or not (`"failed"`).
     fn complete_store(&mut self, job: u64, outcome: &str) -> PyResult<()> {
         let o = outcome_of(outcome)?;
-        self.inner.complete_store(job, o).map_err(err)
+        self.inner_mut().complete_store(job, o).map_err(err)
     }
 
     /// `(job, slots)` of pages `from_..to` of `chain`, pinned until `complete_load(job)`.
@@ -309,26 +371,26 @@ impl PyOffloadManager {
         to: usize,
     ) -> PyResult<(u64, Vec<u32>)> {
         let p = self
-            .inner
+            .inner_mut()
             .prepare_load(&chain_of(chain)?, from_, to)
             .map_err(err)?;
         Ok((p.job, p.slots.iter().map(|s| s.index()).collect()))
     }
 
     fn complete_load(&mut self, job: u64) -> PyResult<()> {
-        self.inner.complete_load(job).map_err(err)
+        self.inner_mut().complete_load(job).map_err(err)
     }
 
     /// The engine used the host-resident prefix of `chain`.
     fn touch(&mut self, chain: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.touch(&chain_of(chain)?);
+        self.inner_mut().touch(&chain_of(chain)?);
         Ok(())
     }
 
     /// Host events since the last call: `(removed, [page hash, ...])` pairs in order.
     fn drain_events<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<(bool, Bound<'py, PyList>)>> {
         let mut out = Vec::new();
-        for e in self.inner.drain_events() {
+        for e in self.inner_mut().drain_events() {
             match e {
                 KvEvent::Stored {
                     tier: TierKind::Host,
@@ -349,26 +411,41 @@ impl PyOffloadManager {
     /// Page hashes of stores that ended without reaching the tree (failed, or their parent
     /// store failed) since the last call.
     fn take_dropped<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        hashes(py, &self.inner.take_dropped())
+        hashes(py, &self.inner_mut().take_dropped())
     }
 
     /// Host slots: capacity, free, held (in-flight stores), cached, locked; and in-flight
     /// store and load jobs, pages being stored.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (stores, loads) = self.inner.in_flight();
-        let d = crate::sched::usage_dict(py, &self.inner.usage())?;
+        let (stores, loads) = self.inner().in_flight();
+        let d = crate::sched::usage_dict(py, &self.inner().usage())?;
         d.set_item("stores", stores)?;
         d.set_item("loads", loads)?;
-        d.set_item("storing", self.inner.storing())?;
-        let (queued, backups) = self.inner.backups_pending();
+        d.set_item("storing", self.inner().storing())?;
+        let (queued, backups) = self.inner().backups_pending();
         d.set_item("backups_queued", queued)?;
         d.set_item("backups", backups)?;
         Ok(d)
     }
 
+    /// The host slots as `(cached, free, locked, held, capacity)`: `usage()`'s occupancy
+    /// without its dict, for an engine that asks every step (vLLM's stats).
+    fn occupancy(&self) -> (usize, usize, usize, usize, usize) {
+        let u = self.inner().usage();
+        (u.cached, u.free, u.locked, u.held, u.capacity)
+    }
+
+    /// A stamp renewed by every call that may change the manager, unique in the process:
+    /// while it is unchanged, so is every answer this manager gave (e.g. `host_prefix` of a
+    /// chain), and a caller may keep it; no other manager ever shows the same stamp.
+    #[getter]
+    fn generation(&self) -> u64 {
+        self.changes()
+    }
+
     /// kvtier's full consistency check; raises `OffloadManagerError` naming what is wrong.
     fn check(&self) -> PyResult<()> {
-        self.inner
+        self.inner()
             .check()
             .map_err(|m| OffloadManagerError::new_err(format!("inconsistent: {m}")))
     }

@@ -45,7 +45,7 @@ fn with_agreed<R>(
         return Ok(f(&mut s.try_borrow_mut()?.inner));
     }
     if let Ok(m) = target.cast::<PyOffloadManager>() {
-        return Ok(f(&mut m.try_borrow_mut()?.inner));
+        return Ok(f(m.try_borrow_mut()?.inner_mut()));
     }
     Err(pyo3::exceptions::PyTypeError::new_err(
         "an agreement reduces over a kvtier Scheduler or OffloadManager",

@@ -188,3 +188,83 @@ def test_agreement_bad_input_is_a_typed_error_that_changes_nothing():
     m.apply_agreed(kvtier.PrefetchDone(job, 2))
     assert m.lookup(a, 1) == "hit"
     m.check()
+
+
+# Every call of OffloadManager's API with arguments drawn from small pools: (name, changes
+# the manager?). A call that raises is fine (typed error, nothing changed).
+def _calls(m, chains, jobs, slot):
+    c = chains[slot % len(chains)]
+    j = jobs[slot % len(jobs)] if jobs else 0
+    return [
+        ("prepare_store", True, lambda: m.prepare_store(c, len(c))),
+        ("prepare_store_part", True, lambda: m.prepare_store(c, 1 + slot % len(c))),
+        ("complete_store", True, lambda: m.complete_store(j, "done" if slot % 3 else "failed")),
+        ("prepare_load", True, lambda: m.prepare_load(c, 0, 1 + slot % len(c))),
+        ("complete_load", True, lambda: m.complete_load(j)),
+        ("touch", True, lambda: m.touch(c)),
+        ("drain_events", True, lambda: m.drain_events()),
+        ("take_dropped", True, lambda: m.take_dropped()),
+        ("l3_found", True, lambda: m.l3_found(c)),
+        ("l3_lost", True, lambda: m.l3_lost(c[:1])),
+        ("prepare_prefetch", True, lambda: m.prepare_prefetch(c, len(c))),
+        ("prepare_prefetch_held", True, lambda: m.prepare_prefetch_held(c, len(c))),
+        ("complete_prefetch", True, lambda: m.complete_prefetch(j, slot % 3)),
+        ("release_hold", True, lambda: m.release_hold(j)),
+        ("plan_backups", True, lambda: m.plan_backups()),
+        ("lookup", False, lambda: m.lookup(c, slot % len(c))),
+        ("host_prefix", False, lambda: m.host_prefix(c)),
+        ("usage", False, lambda: m.usage()),
+        ("occupancy", False, lambda: m.occupancy()),
+        ("holds", False, lambda: m.holds()),
+        ("check", False, lambda: m.check()),
+    ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 50)), max_size=60), st.integers(2, 6))
+def test_an_unchanged_generation_means_every_answer_is_unchanged(ops, slots):
+    """``generation`` (what kvtier.vllm keeps a chain's host prefix by) is renewed by every
+    call that may change the manager and by no read; while it is unchanged, every chain's
+    ``host_prefix`` and ``lookup`` answers and the occupancy are too; ``occupancy()`` is
+    ``usage()``'s figures."""
+    m = kvtier.OffloadManager(slots, "lru", "write-through")
+    chains = [chain("a", 3), chain("a", 3)[:2] + chain("x", 1), chain("b", 4), chain("c", 1)]
+    jobs: list = []
+
+    def answers():
+        return ([m.host_prefix(c) for c in chains], [[m.lookup(c, i) for i in range(len(c))] for c in chains],
+                m.occupancy())
+
+    for which, slot in ops:
+        name, changes, call = _calls(m, chains, jobs, slot)[which]
+        gen, before = m.generation, answers()
+        try:
+            out = call()
+        except (kvtier.OffloadManagerError, ValueError):
+            out = None
+        if isinstance(out, tuple) and out and isinstance(out[0], int):
+            jobs.append(out[0])
+        elif isinstance(out, list) and out and isinstance(out[0], tuple) and isinstance(out[0][0], int):
+            jobs.extend(b[0] for b in out)  # plan_backups
+        if changes:
+            assert m.generation != gen, f"{name} left the generation as it was"
+        else:
+            assert m.generation == gen, f"{name} (a read) renewed the generation"
+        if m.generation == gen:
+            assert answers() == before, f"{name} changed an answer without a new generation"
+        u = m.usage()
+        assert m.occupancy() == (u["cached"], u["free"], u["locked"], u["held"], u["capacity"])
+    m.check()
+
+
+def test_no_two_managers_show_one_generation():
+    """A manager replaced by a new one (vLLM's reset_cache) never shows a generation the old
+    one showed, so an answer kept from the old one is never taken for the new one's."""
+    seen = set()
+    for _ in range(5):
+        m = kvtier.OffloadManager(4)
+        assert m.generation not in seen
+        seen.add(m.generation)
+        m.prepare_store(chain("a", 2), 2)
+        assert m.generation not in seen
+        seen.add(m.generation)

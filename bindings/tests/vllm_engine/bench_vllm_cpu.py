@@ -23,6 +23,11 @@ vLLM's own CPU manager, vLLM's offloading connector (scheduler and worker sides,
 either manager) and the copy path (cpu_copy.py, both modes' worker), vLLM's model runner (the
 forward passes), the whole engine step, and the number of engine steps.
 
+``--time-manager`` times every call vLLM's connector makes into the mode's offloading manager
+(``perf_counter`` around each call, no profiler: engine_driver.py) and prints round 2's
+manager time per request and its largest calls: the scheduler-side cost each manager adds
+to TTFT, measured in the same run as the TTFTs.
+
 ``--prefixes``, ``--prefix-tokens`` and ``--kv-blocks`` (the engine's KV budget in blocks of
 32 tokens; by default one prompt fits and two do not) set the workload's shape, e.g. issue
 32's: ``--prefixes 8 --prefix-tokens 1024``; ``--model KEY=VALUE...`` changes the random-weight
@@ -163,6 +168,17 @@ def table(res: dict) -> None:
         print(f"{r['host_mib']:>8} {r['mode']:>8} {r['ttft_p50']:>9.3f} {r['ttft_p50_min']:>6.3f} {r['ttft_p99']:>7.3f} {r['tok_s']:>7.0f} "
               f"{reused:>5}/{r['of']:<6} {vs_none:>10} {paired(r):>10} {reuse_v:>12} "
               f"{r['load'][0]:>4.1f}-{r['load'][1]:<4.1f}")
+    if any("manager_us" in r for r in runs):
+        print("\nround 2: offloading manager time per request, µs (median over repeats; perf_counter "
+              "around each call)")
+        for key in order:
+            got = [r["manager_us"] for r in runs if (r["host_mib"], r["mode"]) == key and "manager_us" in r]
+            if not got:
+                continue
+            names = sorted({k for g in got for k in g}, key=lambda k: -statistics.median(g.get(k, 0) for g in got))
+            total = statistics.median(sum(g.values()) for g in got)
+            parts = ", ".join(f"{k} {statistics.median(g.get(k, 0) for g in got):.1f}" for k in names[:6])
+            print(f"{key[0]:>8} {key[1]:>8} {total:>8.1f}  ({parts})")
     if any("profile_r2_s" in r for r in runs):
         print("\nround 2 under cProfile, seconds in each part (median over repeats):")
         names = [name for name, _ in PARTS] + ["round", "steps"]
@@ -188,6 +204,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs of each (host size, mode), interleaved")
     ap.add_argument("--json", help="write every run and the medians here")
     ap.add_argument("--profile", help="a directory: each run's rounds under cProfile, round 2's time attributed")
+    ap.add_argument("--time-manager", action="store_true",
+                    help="time each call into the offloading manager (round 2: µs per request)")
     ap.add_argument("--table", metavar="JSON", help="print the table of a --json file (runs nothing)")
     args = ap.parse_args()
     if args.table:
@@ -218,6 +236,8 @@ def main() -> None:
             if args.profile:
                 os.makedirs(args.profile, exist_ok=True)
                 job["profile"] = os.path.join(os.path.abspath(args.profile), f"{name}-{mib}-{rep}")
+            if args.time_manager:
+                job["time_manager"] = True
             out = run_engine(job)
             r2 = out["phases"][1]
             ttft = r2["ttft"]
@@ -227,6 +247,9 @@ def main() -> None:
                          "of": n * plen, "cached": r2["cached"], "run_s": time.time() - t,
                          "load_before": load0, "load_after": os.getloadavg()[0],
                          "threads_cpu_s": r2.get("threads_cpu_s", {})})
+            if "manager_s" in r2:
+                runs[-1]["manager_us"] = {k: 1e6 * s / n for k, (_, s) in r2["manager_s"].items()}
+                runs[-1]["manager_calls"] = {k: c / n for k, (c, _) in r2["manager_s"].items()}
             if args.profile:
                 runs[-1]["profile_r2_s"] = attribute(job["profile"] + ".r2")
                 runs[-1]["profile_r2_s"]["round"] = r2["wall_s"]

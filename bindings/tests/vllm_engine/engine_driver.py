@@ -15,7 +15,10 @@ imported) and ``phases``: each a list of ``prompts`` (token ids), optional per-p
 request), ``kill`` (``{"pid": P, "after_s": S}``: SIGKILL to P S seconds into the phase),
 ``wait_file`` (block until the file exists: a step between two engines), ``done_file``
 (created when the phase ends); ``profile`` (a path prefix: each phase runs under cProfile,
-its stats dumped to ``PREFIX.NAME``: the benchmark's attribution of time to kvtier and vLLM).
+its stats dumped to ``PREFIX.NAME``: the benchmark's attribution of time to kvtier and vLLM);
+``time_manager`` (true: every call vLLM's connector makes into its offloading manager is
+timed with ``perf_counter``, no profiler, and each phase reports ``manager_s``: per method,
+calls and seconds — the scheduler-side cost of the manager under test, kvtier's or vLLM's).
 One request at a time in float32 by default (``max_num_seqs``, ``dtype``): greedy tokens
 then depend only on the KV a request reads, not on what it was batched with. OUT (JSON): per
 phase the generated token ids, ``num_cached_tokens`` per request (prefix tokens the engine
@@ -60,6 +63,42 @@ def _thread_cpu() -> dict:
     return out
 
 
+# The calls vLLM's offloading connector makes into its manager (``OffloadingManager``'s API).
+MANAGER_CALLS = ("lookup", "get_load_source", "prepare_load", "complete_load", "touch", "prepare_store",
+                 "complete_store", "on_new_request", "on_schedule_end", "has_pending_work",
+                 "on_request_finished", "take_events", "get_stats", "reset_cache")
+
+
+def _time_manager(llm) -> dict:
+    """Wraps the engine's offloading manager's methods (in this process: uniproc) with
+    perf_counter accumulators; returns ``{method: [calls, seconds]}``, updated live."""
+    import functools
+
+    core = llm.llm_engine.engine_core.engine_core
+    manager = core.scheduler.connector.connector_scheduler.manager
+    acc: dict = {}
+
+    def wrap(name, fn):
+        slot = acc.setdefault(name, [0, 0.0])
+
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                slot[0] += 1
+                slot[1] += time.perf_counter() - t
+
+        return timed
+
+    for name in MANAGER_CALLS:
+        fn = getattr(manager, name, None)
+        if fn is not None:
+            setattr(manager, name, wrap(name, fn))
+    return acc
+
+
 def main(job_path: str, out_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
@@ -91,6 +130,7 @@ def main(job_path: str, out_path: str) -> None:
         kw["kv_transfer_config"] = job["kv_transfer_config"]
     llm = LLM(**kw)
     out = {"startup_s": time.perf_counter() - t0, "phases": [], "pid": os.getpid()}
+    timing = _time_manager(llm) if job.get("time_manager") else None
     shm = set()
     for ph in job["phases"]:
         if ph.get("wait_file"):
@@ -121,6 +161,9 @@ def main(job_path: str, out_path: str) -> None:
 
             prof = cProfile.Profile()
             prof.enable()
+        if timing is not None:
+            for v in timing.values():
+                v[0], v[1] = 0, 0.0
         cpu0 = _thread_cpu()
         t = time.perf_counter()
         if ph.get("serial"):
@@ -147,6 +190,7 @@ def main(job_path: str, out_path: str) -> None:
             "ttft": [float(getattr(r.metrics, "first_token_latency", 0.0) or 0.0) for r in res],
             "wall_s": wall,
             "threads_cpu_s": busy,
+            **({"manager_s": {k: list(v) for k, v in timing.items() if v[0]}} if timing is not None else {}),
         })
         out["shm_files"] = sorted(shm)
         _write(out, out_path)  # after every phase: a test may kill the engine in the next

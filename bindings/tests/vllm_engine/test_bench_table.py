@@ -86,3 +86,19 @@ def test_the_profile_counts_nested_calls_of_a_part_once(tmp_path):
     assert got["engine step"] == step[3] > got["kvtier manager"]
     assert got["vLLM manager"] == got["copy"] == 0
     assert got["steps"] == 1
+
+
+def test_the_manager_times_are_per_request_medians_over_repeats(capsys):
+    # Three repeats of one mode: per-run totals 30, 12 and 21 µs; the median total is 21,
+    # and each call's figure is its own median (lookup 9, prepare_load 10), the largest first.
+    runs = []
+    for rep, us in enumerate(({"lookup": 20.0, "prepare_load": 10.0}, {"lookup": 4.0, "prepare_load": 8.0},
+                              {"lookup": 9.0, "prepare_load": 12.0})):
+        r = run("spec", 64, rep, 0.01, 3072)
+        r["manager_us"] = us
+        runs.append(r)
+    bench.table({"runs": runs, "kv_blocks": 24, "prefixes": 6, "prefix_tokens": 512, "repeats": 3})
+    out = capsys.readouterr().out
+    section = out.split("offloading manager time per request")[1].splitlines()[1]
+    assert section.split()[:3] == ["64", "spec", "21.0"], section
+    assert section.split("(")[1] == "prepare_load 10.0, lookup 9.0)", section

@@ -7,6 +7,7 @@ and every request's forward checks the bytes its loaded blocks hold."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import pathlib
@@ -148,6 +149,82 @@ def test_a_small_host_cache_evicts_by_kvtiers_choice_and_reports_the_keys(tmp_pa
         assert hits[0] == 0, hits  # the oldest was evicted (LRU)
     finally:
         e.close()
+
+
+def test_a_kept_host_prefix_is_always_the_trees_answer(tmp_path, monkeypatch):
+    """kvtier's lookups keep a chain's host prefix while the manager's generation is unchanged
+    (one walk of the tree per request, not one per chunk). Every answer they use, kept or
+    walked, equals a fresh walk of the tree, through vLLM's scheduler with shared prefixes,
+    concurrent requests, evictions from a small host cache, GPU cache resets and a connector
+    reset (a new native manager); and the kept answer is used, or this would test nothing."""
+    walk = KvtierOffloadingManager._host_prefix
+    used = {"kept": 0, "walked": 0}  # answers used: kept, or a walk of the tree
+
+    def checked(self, chain):
+        before = chain.host
+        n = walk(self, chain)
+        assert n == self.native.host_prefix(chain.pages), "a kept host prefix went stale"
+        used["kept" if chain.host is before else "walked"] += 1
+        return n
+
+    monkeypatch.setattr(KvtierOffloadingManager, "_host_prefix", checked)
+    e = engine(tmp_path, chunks=10, max_num_seqs=3)
+    try:
+        for rnd in range(3):
+            for i in range(5):
+                # some decode past several chunks: their stores land while they run
+                e.add(f"r{rnd}-{i}", prompt(i % 3, 4 + i % 2, shared=2), max_tokens=8 if i % 2 else 100)
+            run_checked(e)
+            e.reset_gpu_cache()  # the next round's hits come from kvtier's host tier
+            if rnd == 1:
+                assert e.sched.reset_prefix_cache(reset_connector=True)
+                run_checked(e)
+        assert all(f.gpu_ok for f in e.finished.values())
+        assert sum(f.external_tokens for f in e.finished.values()) > 0, "some hits from host"
+        assert used["kept"] > 0 and used["walked"] > 0, used
+    finally:
+        e.close()
+
+
+def test_a_request_looked_up_again_sees_every_change_since():
+    """vLLM looks a waiting request up again at later steps. A request whose chunks were all
+    on host (its chain's host prefix kept as 4) and looked up again after another request's
+    store evicted them, or after a connector reset (a new native manager), is answered from
+    the tree as it is now, never from the kept answer; and a miss looked up again after
+    another request stored the prompt is a hit."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    def keys_of(tag, n):
+        return [hashlib.sha256(b"%s%d" % (tag, i)).digest() + (0).to_bytes(4, "big") for i in range(n)]
+
+    def ctx(name, keys):
+        c = ReqContext(req_id=name)
+        for i, k in enumerate(keys):
+            c.set_offload_key_position(k, 64 * (i + 1))
+        return c
+
+    def store(m, keys, name):
+        c = ctx(name, keys)
+        out = m.prepare_store(keys, c)
+        m.complete_store(list(out.keys_to_store), c)
+        return out
+
+    HIT, MISS = LookupResult.HIT, LookupResult.MISS
+    m = KvtierOffloadingManager(8, {0: 64})
+    p = keys_of(b"p", 4)
+    a, w = ctx("a", p), ctx("w", p)
+    assert m.lookup(p[0], w) == MISS
+    assert list(store(m, p, "b").keys_to_store) == p
+    assert [m.lookup(k, a) for k in p] == [HIT] * 4
+    assert [m.lookup(k, w) for k in p] == [HIT] * 4, "a miss, then stored by another: a hit"
+    out = store(m, keys_of(b"q", 8), "c")  # 8 new chunks in 8 slots: p is evicted
+    assert set(out.evicted_keys) == set(p)
+    assert [m.lookup(k, a) for k in p] == [MISS] * 4, "evicted since the last lookup"
+    store(m, p, "d")
+    assert [m.lookup(k, a) for k in p] == [HIT] * 4
+    m.reset_cache()
+    assert [m.lookup(k, a) for k in p] == [MISS] * 4, "a reset since the last lookup"
+    m.check()
 
 
 def test_an_abort_mid_load_unpins_and_the_chunks_are_loaded_again(tmp_path):

@@ -49,11 +49,14 @@ def group_of(key: bytes) -> int:
 
 @dataclass
 class Chain:
-    """One group's full chunks of a request in prefix order: ``keys[i]`` is page ``i``."""
+    """One group's full chunks of a request in prefix order: ``keys[i]`` is page ``i``.
+    ``host`` is the manager's kept answer for it (manager.py, ``_host_prefix``): ``(the
+    manager's generation, host prefix, pages asked about)``; not part of the chain's value."""
 
     keys: List[bytes] = field(default_factory=list)
     pages: List[bytes] = field(default_factory=list)
     index: Dict[bytes, int] = field(default_factory=dict)
+    host: Optional[Tuple[int, int, int]] = field(default=None, compare=False, repr=False)
 
 
 def chains_of(positions: Mapping[bytes, int], tokens_per_chunk: Mapping[int, int]) -> Dict[int, Chain]:

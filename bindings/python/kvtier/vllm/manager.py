@@ -116,12 +116,30 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
 
     # ----- vLLM's manager API -----------------------------------------------------------
 
+    def _host_prefix(self, chain: Chain) -> int:
+        """How many leading pages of ``chain`` are on host, kept in the chain while the
+        manager is unchanged (its ``generation``): vLLM looks a request's chunks up one at a
+        time from the first, and a page is a hit exactly when it lies in that prefix, so a
+        request costs one walk of the tree, not one per chunk (O(chunks²) pages)."""
+        gen = self.native.generation
+        kept = chain.host
+        # The kept prefix holds while the manager is unchanged, unless the chain grew past a
+        # prefix that covered all of it (a page past a missing one is not on host either).
+        if kept is not None and kept[0] == gen and (kept[1] < kept[2] or kept[2] == len(chain.pages)):
+            return kept[1]
+        n = self.native.host_prefix(chain.pages)
+        chain.host = (gen, n, len(chain.pages))
+        return n
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters.lookups += 1
         loc = self._chains(req_context).locate(_positions(req_context), bytes(key))
         if loc is None:
             return LookupResult.MISS
         chain, i = loc
+        if i < self._host_prefix(chain):
+            self.counters.lookup_hits += 1
+            return LookupResult.HIT
         r = self.native.lookup(chain.pages[: i + 1], i)
         if r == "in-l3":
             return self._prefetch(chain, i, req_context)
@@ -170,7 +188,7 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         refused = False
         for chain, ix in self._by_chain(keys, req_context):
             offered = set(ix)
-            start = self.native.host_prefix(chain.pages)
+            start = self._host_prefix(chain)
             end = start
             while end in offered:
                 end += 1

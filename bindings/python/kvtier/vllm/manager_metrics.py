@@ -11,13 +11,14 @@ over the tensor-parallel ranks' tiers).
 
 How: the manager counts in a ``ManagerCounters``; ``get_stats`` reports the increases since
 its last call, the host tree's occupancy as gauges when it changed (a gauge keeps its last
-value; vLLM asks every engine step), and merges each rank's tier stats; nothing new is None.
+value; vLLM asks every engine step), and merges each rank's tier stats; nothing new is None,
+answered before any stats object is built (the common step: nothing offloaded).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
@@ -69,37 +70,54 @@ def definitions(extra_config: Dict[str, Any]) -> Dict[str, Any]:
     return defs
 
 
+_COUNTERS = tuple(_COUNTER_DOCS)
+_connector_stats = None  # vLLM's OffloadingConnectorStats, imported on first use
+
+
+def _new_stats() -> Any:
+    global _connector_stats
+    if _connector_stats is None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        _connector_stats = OffloadingConnectorStats
+    return _connector_stats()
+
+
 class ManagerMetrics:
     """``get_stats`` of ``KvtierOffloadingManager`` (a mixin: uses its ``native`` and
     ``l3_ranks``, and ``counters``, which the manager increments)."""
 
     counters: ManagerCounters
-    _reported: Dict[str, int]
+    _reported: Tuple[int, ...] = ()
+    _gauges: Optional[Tuple[int, ...]] = None
 
     def get_stats(self) -> Optional[Any]:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-
-        stats = OffloadingConnectorStats()
-        now = dict(vars(self.counters))
-        last = getattr(self, "_reported", {})
+        # vLLM asks every engine step: when nothing changed (no counter moved, the host
+        # tree's occupancy is what was reported, no L3 tier) the answer is None at once.
+        c = vars(self.counters)
+        now = tuple(c[k] for k in _COUNTERS)
+        last = self._reported or (0,) * len(now)
+        occ = self.native.occupancy()  # (cached, free, locked, held, capacity)
+        if now == last and occ == self._gauges and not self.l3_ranks:
+            return None
+        stats = _new_stats()
         self._reported = now
-        for k in _COUNTER_DOCS:
-            if now[k] - last.get(k, 0):
-                stats.increase_counter(MANAGER_PREFIX + k, now[k] - last.get(k, 0))
-        u = self.native.usage()
-        cap = max(int(u["capacity"]), 1)
-        gauges = (u["cached"], u["free"], u["locked"], u["held"], cap)
-        if gauges != getattr(self, "_gauges", None):
+        for k, n, was in zip(_COUNTERS, now, last):
+            if n != was:
+                stats.increase_counter(MANAGER_PREFIX + k, n - was)
+        if occ != self._gauges:
             # Only when they changed: a Prometheus gauge keeps its last value, and vLLM asks
             # every engine step (six gauges set here and again in vLLM's logger, per step).
-            self._gauges = gauges
-            stats.set_gauge(MANAGER_PREFIX + "host_cached_chunks", u["cached"])
-            stats.set_gauge(MANAGER_PREFIX + "host_free_chunks", u["free"])
-            stats.set_gauge(MANAGER_PREFIX + "host_locked_chunks", u["locked"])
+            self._gauges = occ
+            cached, free, locked, held, capacity = occ
+            cap = max(capacity, 1)
+            stats.set_gauge(MANAGER_PREFIX + "host_cached_chunks", cached)
+            stats.set_gauge(MANAGER_PREFIX + "host_free_chunks", free)
+            stats.set_gauge(MANAGER_PREFIX + "host_locked_chunks", locked)
             # vLLM's CPU manager's gauges (declared by CPUOffloadingSpec): pinned by transfers.
-            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, u["held"] / cap)
-            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, u["locked"] / cap)
-            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (u["held"] + u["locked"]) / cap)
+            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, held / cap)
+            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, locked / cap)
+            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (held + locked) / cap)
         merged = None  # the ranks' tiers: counters summed, the shared store's gauges once
         for t in self.l3_ranks:
             s = t.get_stats()
