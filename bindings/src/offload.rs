@@ -200,6 +200,9 @@ impl PyOffloadManager {
     /// BackUp jobs for stored host pages L3 lacks: `[(job, [page hash], [slot])]`; each
     /// pins its host slots until `complete_backup(job, outcome)`.
     fn plan_backups<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<BackupTuple<'py>>> {
+        if self.inner().backups_pending().0 == 0 {
+            return Ok(Vec::new()); // nothing queued: nothing to plan, the manager unchanged
+        }
         self.inner_mut()
             .plan_backups()
             .into_iter()

@@ -413,6 +413,51 @@ def l3_engine(root, l3_name: str, chunks: int = 8) -> Engine:
     return e
 
 
+def test_an_idle_step_with_l3_agrees_nothing_and_reports_nothing(tmp_path, monkeypatch):
+    """vLLM ends every engine step with ``on_schedule_end`` and asks for stats. With kvtier's
+    L3 below the host tier and no L3 job finishing, a step neither agrees anything across
+    ranks nor plans backups in the native manager, and reports nothing; a backup finishing
+    is still applied and reported."""
+    e = l3_engine(tmp_path, uuid.uuid4().hex)
+    try:
+        e.add("a", prompt(1, 4))
+        run_checked(e)
+        e.manager.get_stats()
+        calls = []
+
+        class Counted:  # the native manager, recording which calls change it
+            def __init__(self, native):
+                self._native = native
+
+            def __getattr__(self, name):
+                if name in ("agree", "plan_backups", "apply_agreed"):
+                    gen = self._native.generation
+                    fn = getattr(self._native, name)
+
+                    def call(*a, **kw):
+                        out = fn(*a, **kw)
+                        if self._native.generation != gen:
+                            calls.append(name)
+                        return out
+
+                    return call
+                return getattr(self._native, name)
+
+        monkeypatch.setattr(e.manager, "native", Counted(e.manager.native))
+        for _ in range(5):
+            e.manager.on_schedule_end(None)
+            assert e.manager.get_stats() is None
+        assert calls == [], calls
+        e.add("b", prompt(2, 4))  # its chunks are backed up to L3 as they land on host
+        run_checked(e)
+        assert "agree" in calls and "plan_backups" in calls
+        assert e.manager.l3.counters.chunks_stored == 8
+        assert e.manager.native.usage()["backups"] == 0, "every backup was applied"
+        e.manager.check()
+    finally:
+        e.close()
+
+
 def test_engines_sharing_kvtiers_l3_prefetch_what_the_other_backed_up(tmp_path):
     name = uuid.uuid4().hex
     p = prompt(1, 4)

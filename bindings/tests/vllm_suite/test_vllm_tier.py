@@ -253,6 +253,45 @@ def test_metrics_through_vllms_hooks(engines):
     assert e.tier.get_stats() is None
 
 
+def test_an_idle_tier_does_not_ask_its_store_and_a_later_ask_sees_other_writers(engines, monkeypatch):
+    """vLLM asks for stats every engine step. An idle tier answers None without calling its
+    embedded store; its own stores make it ask at the next step; what another user of the
+    store changed (another rank's tier: here a remove from outside the tier) is reported
+    once ``GAUGE_REFRESH_S`` has passed since the tier last asked."""
+    from kvtier.vllm import tier as tier_mod
+    from kvtier.vllm.tier import METRIC_PREFIX
+
+    e = engines([embedded()])
+    asked = []
+
+    class Counted:  # the tier's store, counting calls of stats()
+        def __init__(self, store):
+            self._store = store
+
+        def stats(self):
+            asked.append(1)
+            return self._store.stats()
+
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+
+    monkeypatch.setattr(e.tier, "store", Counted(e.tier.store))
+    e.tier.get_stats()
+    asked.clear()
+    for _ in range(5):
+        assert e.tier.get_stats() is None
+    assert not asked, "an idle step called into the store"
+    serve(e, [PROMPT])  # the tier stores 4 chunks: its counters move
+    got = e.tier.get_stats()  # (vLLM's own steps asked too: whatever is left is reported)
+    assert asked and e.tier._gauges[0] == 4, e.tier._gauges
+    asked.clear()
+    e.tier.store.remove(e.tier.key(e.tier_keys_of(PROMPT)[0]), False)
+    assert e.tier.get_stats() is None and not asked, "within the refresh interval: not asked"
+    monkeypatch.setattr(tier_mod, "GAUGE_REFRESH_S", 0.0)
+    got = e.tier.get_stats()
+    assert asked and got is not None and got.reduce()[METRIC_PREFIX + "store_objects"] == 3
+
+
 def test_kv_events_name_the_chunks_the_tier_stored(engines):
     """With vLLM's KV events on, the tier's stores reach vLLM's published event batches as
     BlockStored on the STORAGE medium, for exactly the chunks the host cache stored (what a

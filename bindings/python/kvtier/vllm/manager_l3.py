@@ -173,9 +173,12 @@ class L3Plan:
 
     def _l3_poll(self) -> None:
         """Every rank's finished jobs and store losses into its agreement, then the agreed
-        outcomes and the union of the losses applied once."""
+        outcomes and the union of the losses applied once. A step with nothing finished and
+        nothing lost (most steps) changes nothing: the manager is not called."""
+        news = False
         for t, agreement in zip(self.l3_ranks, self.agreements):
             for r in list(t.get_finished_jobs()):
+                news = True
                 kind, n = self._l3_jobs[r.job_id]
                 if kind == "backup":
                     agreement.push(kvtier.BackUpDone(r.job_id, bool(r.success)))
@@ -188,9 +191,13 @@ class L3Plan:
                     del self._l3_jobs[r.job_id]
             lost, overflowed = t.lost_keys()
             if overflowed:
+                news = True
                 agreement.lost_all()
             if lost:
+                news = True
                 agreement.lost_pages([page_of(k) for k in lost])
+        if not news:
+            return  # what the agreements hold from earlier steps waits for the other ranks
         self.native.agree(self.agreements)
         if any(a.pending_losses() != (0, False) for a in self.agreements):
             # In-process ranks: the all-gather is every rank's words.

@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
-__all__ = ["MANAGER_PREFIX", "ManagerCounters", "ManagerMetrics", "definitions"]
+__all__ = ["MANAGER_PREFIX", "ManagerCounters", "ManagerMetrics", "definitions", "new_connector_stats"]
 
 MANAGER_PREFIX = "vllm:kv_offload_kvtier_manager_"
 _COUNTER_DOCS = {
@@ -74,7 +74,8 @@ _COUNTERS = tuple(_COUNTER_DOCS)
 _connector_stats = None  # vLLM's OffloadingConnectorStats, imported on first use
 
 
-def _new_stats() -> Any:
+def new_connector_stats() -> Any:
+    """A new ``OffloadingConnectorStats`` (vLLM's stats payload), its class imported once."""
     global _connector_stats
     if _connector_stats is None:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -93,14 +94,20 @@ class ManagerMetrics:
 
     def get_stats(self) -> Optional[Any]:
         # vLLM asks every engine step: when nothing changed (no counter moved, the host
-        # tree's occupancy is what was reported, no L3 tier) the answer is None at once.
+        # tree's occupancy is what was reported, no L3 tier has news) the answer is None
+        # before any stats object is built.
         c = vars(self.counters)
         now = tuple(c[k] for k in _COUNTERS)
         last = self._reported or (0,) * len(now)
         occ = self.native.occupancy()  # (cached, free, locked, held, capacity)
-        if now == last and occ == self._gauges and not self.l3_ranks:
+        merged = None  # the ranks' tiers: counters summed, the shared store's gauges once
+        for t in self.l3_ranks:
+            s = t.get_stats()
+            if s is not None:
+                merged = s if merged is None else merged.aggregate(s)
+        if now == last and occ == self._gauges and merged is None:
             return None
-        stats = _new_stats()
+        stats = new_connector_stats()
         self._reported = now
         for k, n, was in zip(_COUNTERS, now, last):
             if n != was:
@@ -118,11 +125,6 @@ class ManagerMetrics:
             stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, held / cap)
             stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, locked / cap)
             stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (held + locked) / cap)
-        merged = None  # the ranks' tiers: counters summed, the shared store's gauges once
-        for t in self.l3_ranks:
-            s = t.get_stats()
-            if s is not None:
-                merged = s if merged is None else merged.aggregate(s)
         if merged is not None:
             stats.aggregate(merged)
         return None if stats.is_empty() else stats

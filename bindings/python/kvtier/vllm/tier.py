@@ -55,6 +55,7 @@ import kvtier
 
 from ..mooncake_compat._setup import parse_size
 from .keys import l3_key, namespace_of
+from .manager_metrics import new_connector_stats
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ _GAUGE_DOCS = {
     "store_objects": "Objects in the embedded kvtier L3 store.",
     "store_mem_used_bytes": "DRAM bytes used by the embedded kvtier L3 store.",
 }
+_TIER_COUNTERS = tuple(_COUNTER_DOCS)
+# Seconds after which an idle tier asks its embedded store for its gauges again (get_stats).
+GAUGE_REFRESH_S = 1.0
 ENV_ADDR = "KVTIER_L3_ADDR"
 ENV_TOKEN = "KVTIER_L3_TOKEN"
 _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
@@ -198,6 +202,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._lock = threading.Lock()
         self._reconnect_lock = threading.Lock()
         self.counters = TierCounters()
+        # get_stats: the counters last reported, the store's gauges and when they were read
+        self._reported: Tuple[int, ...] = ()
+        self._gauges: Optional[Tuple[int, ...]] = None
+        self._gauges_at = float("-inf")
 
     # ---- setup --------------------------------------------------------------------------
 
@@ -468,21 +476,30 @@ class KvtierSecondaryTier(SecondaryTierManager):
         """vLLM's stats payload: counter increases since the last call; for an embedded
         store also its object count and DRAM use when they changed (vLLM asks every engine
         step; a server's are on its own --metrics, and asking it here would be a round trip
-        in the scheduler loop). Nothing new: None."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+        in the scheduler loop). Nothing new: None.
 
+        The store is asked for its gauges only when this tier's counters moved (its own
+        stores and loads) or ``GAUGE_REFRESH_S`` after it was last asked (what another user
+        of an embedded store, another rank's tier, changed): an idle step costs no call into
+        the store."""
         with self._lock:
-            now = dict(vars(self.counters))
-        last = getattr(self, "_reported", {})
+            c = vars(self.counters)
+            now = tuple(c[k] for k in _TIER_COUNTERS)
+        last = self._reported or (0,) * len(now)
+        t = time.monotonic()
+        ask_store = self.is_embedded and (now != last or t - self._gauges_at >= GAUGE_REFRESH_S)
+        if now == last and not ask_store:
+            return None
         self._reported = now
-        stats = OffloadingConnectorStats()
-        for k in _COUNTER_DOCS:
-            if now[k] - last.get(k, 0):
-                stats.increase_counter(METRIC_PREFIX + k, now[k] - last.get(k, 0))
-        if self.is_embedded:
+        stats = new_connector_stats()
+        for k, n, was in zip(_TIER_COUNTERS, now, last):
+            if n != was:
+                stats.increase_counter(METRIC_PREFIX + k, n - was)
+        if ask_store:
+            self._gauges_at = t
             st = self.store.stats()
             gauges = tuple(st.get(k[len("store_"):], 0) for k in _GAUGE_DOCS)
-            if gauges != getattr(self, "_gauges", None):  # a gauge keeps its last value
+            if gauges != self._gauges:  # a gauge keeps its last value
                 self._gauges = gauges
                 for k, v in zip(_GAUGE_DOCS, gauges):
                     stats.set_gauge(METRIC_PREFIX + k, v)
