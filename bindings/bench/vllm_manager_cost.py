@@ -21,6 +21,14 @@ and per method, as the median over ``--repeats`` interleaved rounds (round 1 of 
 manager, then round 2...), and the ratio to vLLM's manager in the same round.
 
     .venv-vllm/bin/python bindings/bench/vllm_manager_cost.py [--requests 1000] [--repeats 3]
+
+``--workload reuse`` times the other end instead: ``--requests`` distinct prompts of
+``--prompt-chunks`` chunks, served once, the GPU prefix cache reset, then served again and
+timed, every chunk a host hit (vLLM looks a request's chunks up one at a time from the
+first). It adds kvtier's manager as it was before it kept a chain's host prefix (a walk of
+the chain per lookup: O(chunks²) pages a request) as a reference row:
+
+    .venv-vllm/bin/python bindings/bench/vllm_manager_cost.py --workload reuse --requests 40 --prompt-chunks 48 --chunks 2000
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "vllm_suite"))
@@ -107,15 +115,33 @@ def timed(manager) -> Dict[str, List[int]]:
     return spent
 
 
-def replay(root: str, kv_config: KVTransferConfig, prompts) -> dict:
+def walk_per_lookup(manager) -> None:
+    """kvtier's manager as it was before it kept a chain's host prefix: every lookup walks
+    the chain in the tree (the reference row of ``--workload reuse``)."""
+    manager._host_prefix = lambda chain: manager.native.host_prefix(chain.pages)
+
+
+def serve(e: Engine, prompts, tag: str) -> None:
+    for i in range(0, len(prompts), 4):
+        for j, p in enumerate(prompts[i:i + 4]):
+            e.add(f"{tag}{i + j}", p, max_tokens=1)
+        e.run()
+
+
+def replay(root: str, kv_config: KVTransferConfig, prompts, warm: bool = False,
+           patch: Optional[Callable] = None) -> dict:
+    """The manager's time serving ``prompts``; with ``warm`` they are served once first
+    (not timed) and the GPU prefix cache reset, so the timed round's hits come from host."""
     e = Engine(root, [], kv_config=kv_config, content=False, num_gpu_blocks=512, max_num_seqs=4)
     try:
+        if patch is not None:
+            patch(e.manager)
+        if warm:
+            serve(e, prompts, "w")
+            e.reset_gpu_cache()
         spent = timed(e.manager)
         t0 = time.perf_counter()
-        for i in range(0, len(prompts), 4):
-            for j, p in enumerate(prompts[i:i + 4]):
-                e.add(f"r{i + j}", p, max_tokens=1)
-            e.run()
+        serve(e, prompts, "r")
         wall = time.perf_counter() - t0
         total = sum(len(p) // BLOCK * BLOCK for p in prompts)
         host = e.dma.loaded_blocks * BLOCK
@@ -132,13 +158,26 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--chunks", type=int, default=1500, help="host chunks (2 blocks of 16 tokens each)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workload", choices=("trace", "reuse"), default="trace")
+    ap.add_argument("--prompt-chunks", type=int, default=48, help="chunks per prompt (--workload reuse)")
     args = ap.parse_args()
-    prompts = trace_prompts(args.requests, 2 * BLOCK)
+    managers = dict(MANAGERS)
+    patches: Dict[str, Callable] = {}
+    if args.workload == "reuse":
+        # distinct prompts of whole chunks (2 blocks each) and a partial tail
+        prompts = [[(i * 100_003 + t) % 50_000 + 10 for t in range(args.prompt_chunks * 2 * BLOCK + 5)]
+                   for i in range(args.requests)]
+        ref_row = "kvtier KvtierOffloadingSpec (lru), a walk per lookup (before)"
+        managers[ref_row] = MANAGERS["kvtier KvtierOffloadingSpec (lru)"]
+        patches[ref_row] = walk_per_lookup
+    else:
+        prompts = trace_prompts(args.requests, 2 * BLOCK)
     runs: Dict[str, List[dict]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as root:
         for r in range(args.repeats):
-            for name, make in MANAGERS.items():
-                runs[name].append(replay(root, make(args.chunks), prompts))
+            for name, make in managers.items():
+                runs[name].append(replay(root, make(args.chunks), prompts, warm=args.workload == "reuse",
+                                         patch=patches.get(name)))
                 print(f"round {r + 1}: {name}: {runs[name][-1]['manager_us']:.1f} us/request", file=sys.stderr,
                       flush=True)
     ref = "vLLM CPUOffloadingSpec (lru)"
@@ -146,8 +185,9 @@ def main() -> None:
                      key=lambda m: METHODS.index(m))
     shown = [m for m in methods
              if max(statistics.median(x["per_method_us"].get(m, 0.0) for x in rs) for rs in runs.values()) >= 0.5]
-    print(f"\n{args.requests} requests of the conversation trace, {args.chunks} host chunks, "
-          f"{args.repeats} interleaved rounds (medians)\n")
+    what = (f"{args.requests} prompts of {args.prompt_chunks} chunks served again from host"
+            if args.workload == "reuse" else f"{args.requests} requests of the conversation trace")
+    print(f"\n{what}, {args.chunks} host chunks, {args.repeats} interleaved rounds (medians)\n")
     print("| manager | us / request | / vLLM's | host hit rate | " + " | ".join(shown) + " |")
     print("| --- | --- | --- | --- | " + " | ".join("---" for _ in shown) + " |")
     for name, rs in runs.items():

@@ -11,9 +11,12 @@ hold, round 1 computes them, round 2 reuses them with new suffixes), one request
 embedded), ``spec`` (``KvtierOffloadingSpec``), ``spec_l3`` (with an embedded ``kvtier_l3``).
 With ``--repeats N`` every (host size, mode) runs N times, interleaved (repeat 1 of every
 mode, then repeat 2...), so that a change of the machine's load over the run falls on every
-mode alike; the table gives the median over the repeats of each figure. Printed: round-2
-TTFT p50/p99, throughput (prompt tokens / s of round 2) and tokens reused, with ratios
-against ``none`` and ``vllm``, and the machine's 1-minute load average around each run.
+mode alike; the table gives the median over the repeats of each figure. ``--rounds N`` (default
+2) runs N rounds in each engine: round 1 computes the prefixes, rounds 2..N reuse them with new
+suffixes (N - 1 times as many TTFT samples per engine start, which is most of a run's time).
+Printed: TTFT p50/p99 over the reuse rounds, throughput (prompt tokens / s of those rounds)
+and tokens reused per round, with ratios against ``none`` and ``vllm``, and the machine's
+1-minute load average around each run.
 
 ``--profile DIR`` runs each engine's rounds under cProfile (engine_driver.py; every figure
 then includes cProfile's own overhead, so use it to attribute time, not for the table) and
@@ -24,8 +27,8 @@ either manager) and the copy path (cpu_copy.py, both modes' worker), vLLM's mode
 forward passes), the whole engine step, and the number of engine steps.
 
 ``--time-manager`` times every call vLLM's connector makes into the mode's offloading manager
-(``perf_counter`` around each call, no profiler: engine_driver.py) and prints round 2's
-manager time per request and its largest calls: the scheduler-side cost each manager adds
+(``perf_counter`` around each call, no profiler: engine_driver.py) and prints the reuse
+rounds' manager time per request and its largest calls: the scheduler-side cost each manager adds
 to TTFT, measured in the same run as the TTFTs.
 
 ``--prefixes``, ``--prefix-tokens`` and ``--kv-blocks`` (the engine's KV budget in blocks of
@@ -155,6 +158,7 @@ def table(res: dict) -> None:
 
     print(f"\n{res['prefixes']} prefixes of {res['prefix_tokens']} tokens, KV {res['kv_blocks']} blocks of {BLOCK}, "
           f"model {res.get('model') or 'workload.MODEL'} {res.get('dtype', 'float32')}; "
+          f"{res.get('rounds', 2) - 1} reuse round(s) per engine; "
           f"medians of {res.get('repeats') or 1 + max(r['repeat'] for r in runs)} run(s)")
     print(f"{'host MiB':>8} {'mode':>8} {'TTFT p50':>9} {'min':>6} {'p99':>7} {'tok/s':>7} {'reused':>12} "
           f"{'p50 / none':>10} {'p50 / vllm':>10} {'reuse / vllm':>12} {'load':>9}")
@@ -164,12 +168,12 @@ def table(res: dict) -> None:
         reuse_v = "-" if not v else f"{r['reused'] / v['reused']:.2f}" if v["reused"] else \
             "1.00" if not r["reused"] else "inf"
         reused = f"{r['reused']:.0f}" if r["reused_min"] == r["reused_max"] else \
-            f"{r['reused_min']}-{r['reused_max']}"
+            f"{r['reused_min']:.0f}-{r['reused_max']:.0f}"
         print(f"{r['host_mib']:>8} {r['mode']:>8} {r['ttft_p50']:>9.3f} {r['ttft_p50_min']:>6.3f} {r['ttft_p99']:>7.3f} {r['tok_s']:>7.0f} "
               f"{reused:>5}/{r['of']:<6} {vs_none:>10} {paired(r):>10} {reuse_v:>12} "
               f"{r['load'][0]:>4.1f}-{r['load'][1]:<4.1f}")
     if any("manager_us" in r for r in runs):
-        print("\nround 2: offloading manager time per request, µs (median over repeats; perf_counter "
+        print("\nreuse rounds: offloading manager time per request, µs (median over repeats; perf_counter "
               "around each call)")
         for key in order:
             got = [r["manager_us"] for r in runs if (r["host_mib"], r["mode"]) == key and "manager_us" in r]
@@ -202,12 +206,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="the engine's dtype")
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     ap.add_argument("--repeats", type=int, default=1, help="runs of each (host size, mode), interleaved")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds per engine: the first computes the prefixes, every later one reuses them "
+                         "(TTFT, throughput and reuse over all of those)")
     ap.add_argument("--json", help="write every run and the medians here")
     ap.add_argument("--profile", help="a directory: each run's rounds under cProfile, round 2's time attributed")
     ap.add_argument("--time-manager", action="store_true",
                     help="time each call into the offloading manager (round 2: µs per request)")
     ap.add_argument("--table", metavar="JSON", help="print the table of a --json file (runs nothing)")
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds is at least 2: one computes the prefixes, the others reuse them")
     if args.table:
         with open(args.table) as f:
             table(json.load(f))
@@ -222,7 +231,7 @@ def main() -> None:
     n, plen = args.prefixes, args.prefix_tokens
     kv = args.kv_blocks or kv_blocks_for(plen)
     phases = [{"name": f"r{r}", "prompts": prompts(7, n=n, prefix=plen, round_=r), "max_tokens": 8, "serial": True}
-              for r in (1, 2)]
+              for r in range(1, args.rounds + 1)]
     order = [(mib, name) for mib in args.host_mib for name in MODES
              if name in args.modes and not (name == "none" and mib != args.host_mib[0])]
     runs = []
@@ -239,23 +248,33 @@ def main() -> None:
             if args.time_manager:
                 job["time_manager"] = True
             out = run_engine(job)
-            r2 = out["phases"][1]
-            ttft = r2["ttft"]
+            reuse = out["phases"][1:]  # every round after the first reuses the prefixes
+            r2 = reuse[0]
+            ttft = [t for ph in reuse for t in ph["ttft"]]
+            wall = sum(ph["wall_s"] for ph in reuse)
             runs.append({"host_mib": mib if cfg else 0, "mode": name, "repeat": rep,
                          "ttft_p50": statistics.median(ttft), "ttft_p99": pct(ttft, 0.99),
-                         "tok_s": n * (plen + SUFFIX_TOKENS) / r2["wall_s"], "reused": sum(r2["cached"]),
+                         "tok_s": len(reuse) * n * (plen + SUFFIX_TOKENS) / wall,
+                         "reused": sum(sum(ph["cached"]) for ph in reuse) / len(reuse),
                          "of": n * plen, "cached": r2["cached"], "run_s": time.time() - t,
                          "load_before": load0, "load_after": os.getloadavg()[0],
                          "threads_cpu_s": r2.get("threads_cpu_s", {})})
             if "manager_s" in r2:
-                runs[-1]["manager_us"] = {k: 1e6 * s / n for k, (_, s) in r2["manager_s"].items()}
-                runs[-1]["manager_calls"] = {k: c / n for k, (c, _) in r2["manager_s"].items()}
+                calls: dict = {}
+                for ph in reuse:
+                    for k, (c, sec) in ph["manager_s"].items():
+                        calls.setdefault(k, [0, 0.0])
+                        calls[k][0] += c
+                        calls[k][1] += sec
+                served = n * len(reuse)
+                runs[-1]["manager_us"] = {k: 1e6 * sec / served for k, (_, sec) in calls.items()}
+                runs[-1]["manager_calls"] = {k: c / served for k, (c, _) in calls.items()}
             if args.profile:
                 runs[-1]["profile_r2_s"] = attribute(job["profile"] + ".r2")
                 runs[-1]["profile_r2_s"]["round"] = r2["wall_s"]
             print(json.dumps(runs[-1]), flush=True)
     res = {"runs": runs, "kv_blocks": kv, "prefixes": n, "prefix_tokens": plen, "model": over,
-           "dtype": args.dtype, "repeats": args.repeats}
+           "dtype": args.dtype, "repeats": args.repeats, "rounds": args.rounds}
     table(res)
     if args.json:
         with open(args.json, "w") as f:

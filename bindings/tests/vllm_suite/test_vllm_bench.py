@@ -38,3 +38,40 @@ def test_the_manager_cost_benchmark_times_every_manager_through_vllms_connector(
         assert float(cells["us / request"]) > 0
         assert float(cells["lookup"]) > 0 and float(cells["prepare_store"]) > 0, cells
     assert rows[0][2] == "1.00"
+
+
+def test_the_reuse_workload_serves_every_chunk_from_host_with_the_reference_row():
+    """``--workload reuse``: the timed round is all host hits (vLLM's and kvtier's managers
+    alike), and the reference row (kvtier walking the chain per lookup) is there."""
+    r = subprocess.run([sys.executable, str(COST), "--workload", "reuse", "--requests", "4", "--prompt-chunks", "6",
+                        "--repeats", "1", "--chunks", "64"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {row[0]: dict(zip(head, row)) for row in
+            ([c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:])}
+    assert "kvtier KvtierOffloadingSpec (lru), a walk per lookup (before)" in rows
+    for name in ("vLLM CPUOffloadingSpec (lru)", "kvtier KvtierOffloadingSpec (lru)",
+                 "kvtier KvtierOffloadingSpec (lru), a walk per lookup (before)"):
+        # 6 whole chunks of 6 * 32 + 5 tokens: every whole block loaded from host
+        assert float(rows[name]["host hit rate"]) == 1.0, rows[name]
+
+
+def test_the_docs_bench_command_lines_are_the_scripts_flags():
+    """Every ``.venv-vllm/bin/python bindings/bench/...`` line of docs/vllm.md and docs/vllm/
+    names a script and flags that script accepts (cli_flags.py: parsed, not run)."""
+    import shlex
+
+    root = BENCH.parents[2]
+    pages = [root / "docs" / "vllm.md", *sorted((root / "docs" / "vllm").glob("*.md"))]
+    lines = [ln for page in pages for ln in page.read_text().splitlines()
+             if ln.startswith(".venv-vllm/bin/python bindings/bench/")]
+    assert len(lines) >= 3
+    sys.path.insert(0, str(root / "bindings" / "tests"))
+    from cli_flags import check
+
+    for ln in lines:
+        r = check(shlex.split(ln)[1:], root)
+        assert r.returncode == 0, (ln, r.stderr[-2000:])
+    bad = check(["bindings/bench/vllm_manager_cost.py", "--no-such-flag"], root)
+    assert bad.returncode != 0 and "unrecognized" in bad.stderr, "the check refuses an unknown flag"
