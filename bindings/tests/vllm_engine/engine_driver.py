@@ -71,12 +71,15 @@ MANAGER_CALLS = ("lookup", "get_load_source", "prepare_load", "complete_load", "
 
 def _time_manager(llm) -> dict:
     """Wraps the engine's offloading manager's methods (in this process: uniproc) with
-    perf_counter accumulators; returns ``{method: [calls, seconds]}``, updated live."""
+    perf_counter accumulators; returns ``{method: [calls, seconds]}``, updated live (empty
+    for an engine without offloading)."""
     import functools
 
     core = llm.llm_engine.engine_core.engine_core
-    manager = core.scheduler.connector.connector_scheduler.manager
     acc: dict = {}
+    if core.scheduler.connector is None:
+        return acc  # no offloading: no manager to time
+    manager = core.scheduler.connector.connector_scheduler.manager
 
     def wrap(name, fn):
         slot = acc.setdefault(name, [0, 0.0])
