@@ -151,9 +151,7 @@ mod cell {
             self.generation = stamp();
             &mut self.inner
         }
-    }
 
-    impl PyOffloadManager {
         pub(crate) fn from_inner(inner: OffloadManager) -> Self {
             Self {
                 inner,

@@ -23,7 +23,8 @@ from typing import Any, Dict, Optional, Tuple
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
-__all__ = ["MANAGER_PREFIX", "ManagerCounters", "ManagerMetrics", "definitions", "new_connector_stats"]
+__all__ = ["MANAGER_PREFIX", "ManagerCounters", "ManagerMetrics", "add_increases", "definitions",
+           "new_connector_stats"]
 
 MANAGER_PREFIX = "vllm:kv_offload_kvtier_manager_"
 _COUNTER_DOCS = {
@@ -84,6 +85,14 @@ def new_connector_stats() -> Any:
     return _connector_stats()
 
 
+def add_increases(stats: Any, prefix: str, names: Tuple[str, ...], now: Tuple[int, ...],
+                  last: Tuple[int, ...]) -> None:
+    """Each counter that moved since ``last``, as an increase in ``stats``."""
+    for k, n, was in zip(names, now, last):
+        if n != was:
+            stats.increase_counter(prefix + k, n - was)
+
+
 class ManagerMetrics:
     """``get_stats`` of ``KvtierOffloadingManager`` (a mixin: uses its ``native`` and
     ``l3_ranks``, and ``counters``, which the manager increments)."""
@@ -109,9 +118,7 @@ class ManagerMetrics:
             return None
         stats = new_connector_stats()
         self._reported = now
-        for k, n, was in zip(_COUNTERS, now, last):
-            if n != was:
-                stats.increase_counter(MANAGER_PREFIX + k, n - was)
+        add_increases(stats, MANAGER_PREFIX, _COUNTERS, now, last)
         if occ != self._gauges:
             # Only when they changed: a Prometheus gauge keeps its last value, and vLLM asks
             # every engine step (six gauges set here and again in vLLM's logger, per step).

@@ -55,7 +55,7 @@ import kvtier
 
 from ..mooncake_compat._setup import parse_size
 from .keys import l3_key, namespace_of
-from .manager_metrics import new_connector_stats
+from .manager_metrics import add_increases, new_connector_stats
 
 logger = logging.getLogger(__name__)
 
@@ -492,9 +492,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
             return None
         self._reported = now
         stats = new_connector_stats()
-        for k, n, was in zip(_TIER_COUNTERS, now, last):
-            if n != was:
-                stats.increase_counter(METRIC_PREFIX + k, n - was)
+        add_increases(stats, METRIC_PREFIX, _TIER_COUNTERS, now, last)
         if ask_store:
             self._gauges_at = t
             st = self.store.stats()
