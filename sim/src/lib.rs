@@ -12,7 +12,8 @@
 //! - [`belady`]: the offline-optimal (MIN) ceiling;
 //! - [`report`]: hit rates per tier, TTFT percentiles, traffic, ops;
 //! - [`routing`]: which instance serves each request (round-robin … Dynamo's and kvtier's
-//!   KV-aware routers); [`router_bench`]: the routers compared over traces and loads;
+//!   KV-aware routers); [`router_bench`]: the routers compared over traces and loads, against
+//!   [`ttft_floor`], the TTFT no router can beat;
 //! - [`plot`]: hit rate against capacity (SVG and PNG).
 
 pub mod belady;
@@ -26,6 +27,7 @@ pub mod router_bench;
 pub mod router_plot;
 pub mod routing;
 pub mod sweep_table;
+pub mod ttft_floor;
 pub mod workload;
 
 pub use config::{Faults, SimConfig};

@@ -126,13 +126,6 @@ impl Collector {
         let miss = prompt.saturating_sub(device + host + l3);
         let recomputed = computed.saturating_sub(miss);
         self.ttft_us.sort_unstable();
-        let pct = |p: f64| -> f64 {
-            if self.ttft_us.is_empty() {
-                return 0.0;
-            }
-            let i = ((self.ttft_us.len() as f64 - 1.0) * p).round() as usize;
-            self.ttft_us[i] as f64 / 1000.0
-        };
         let secs = end_us as f64 / 1e6;
         let ops = [
             OpKind::L3Query,
@@ -182,11 +175,7 @@ impl Collector {
                 total: rate(device + host + l3),
             },
             prefill_tokens_saved: device + host + l3,
-            ttft_ms: Percentiles {
-                p50: pct(0.5),
-                p90: pct(0.9),
-                p99: pct(0.99),
-            },
+            ttft_ms: Percentiles::of_sorted_us(&self.ttft_us),
             simulated_seconds: secs,
             throughput_requests_per_s: if secs > 0.0 {
                 self.ended as f64 / secs
@@ -247,6 +236,24 @@ pub struct Percentiles {
     pub p50: f64,
     pub p90: f64,
     pub p99: f64,
+}
+
+impl Percentiles {
+    /// Percentiles (ms) of sorted durations in µs: the nearest rank, all zero when empty.
+    pub fn of_sorted_us(us: &[u64]) -> Self {
+        let pct = |p: f64| -> f64 {
+            if us.is_empty() {
+                return 0.0;
+            }
+            let i = ((us.len() as f64 - 1.0) * p).round() as usize;
+            us[i] as f64 / 1000.0
+        };
+        Percentiles {
+            p50: pct(0.5),
+            p90: pct(0.9),
+            p99: pct(0.99),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]

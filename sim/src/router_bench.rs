@@ -22,6 +22,7 @@ use serde::Serialize;
 
 use crate::config::SimConfig;
 use crate::report::{Percentiles, Report};
+use crate::ttft_floor::floor_percentiles;
 use crate::workload::{ChatSpec, Routing, SimRequest, TraceReader, WorkloadError, synthetic_chat};
 
 /// A workload of the benchmark.
@@ -55,6 +56,25 @@ impl BenchWorkload {
             }
             BenchWorkload::Chat(spec) => Ok(Box::new(synthetic_chat(spec).into_iter().map(Ok))),
         }
+    }
+
+    /// The requests with their arrival times multiplied by `scale`.
+    fn scaled(
+        &self,
+        scale: f64,
+    ) -> Result<impl Iterator<Item = Result<SimRequest, WorkloadError>> + use<>, String> {
+        Ok(self.stream()?.map(move |r| {
+            r.map(|mut r| {
+                r.arrival_ms = (r.arrival_ms as f64 * scale).round() as u64;
+                r
+            })
+        }))
+    }
+
+    /// The TTFT no router can beat ([`crate::ttft_floor`]) when arrival times are multiplied
+    /// by `scale`, under `base`'s model and chunking.
+    pub fn floor(&self, base: &SimConfig, scale: f64) -> Result<Percentiles, String> {
+        floor_percentiles(base, self.scaled(scale)?).map_err(|e| format!("{}: {e}", self.name()))
     }
 
     /// Requests, prompt tokens and arrival span (ms) of the workload; a bad trace line is an
@@ -135,6 +155,9 @@ pub struct BenchRow {
     /// Requests routed (all instances): equals `requests`.
     pub routed: u64,
     pub ttft_ms: Percentiles,
+    /// TTFT no router can beat at this point ([`crate::ttft_floor`]): the same for every
+    /// router.
+    pub floor_ms: Percentiles,
     pub hit_device: f64,
     pub hit_host: f64,
     pub hit_l3: f64,
@@ -154,6 +177,7 @@ impl BenchRow {
         load: f64,
         (capacity, scale): (f64, f64),
         size: &WorkloadSize,
+        floor_ms: &Percentiles,
         r: &Report,
     ) -> Self {
         let (busy_max_s, busy_min_s) = r.routing.busy_max_min();
@@ -168,6 +192,7 @@ impl BenchRow {
             requests: size.requests,
             routed: r.routing.routed.iter().sum(),
             ttft_ms: r.ttft_ms.clone(),
+            floor_ms: floor_ms.clone(),
             hit_device: r.hits.device,
             hit_host: r.hits.host,
             hit_l3: r.hits.l3,
@@ -201,16 +226,11 @@ pub fn run(spec: &BenchSpec, mut progress: impl FnMut(&BenchRow)) -> Result<Vec<
             let cap = capacity(w, &spec.base, n)?;
             for &load in &spec.loads {
                 let scale = time_scale(&size, cap, load);
+                let floor = w.floor(&spec.base, scale)?;
                 for &router in &spec.routers {
                     let cfg = run_config(&spec.base, n, router);
-                    let reqs = w.stream()?.map(move |r| {
-                        r.map(|mut r| {
-                            r.arrival_ms = (r.arrival_ms as f64 * scale).round() as u64;
-                            r
-                        })
-                    });
-                    let report = crate::simulate_stream(&cfg, reqs, |_| {})?;
-                    let row = BenchRow::new(w, &cfg, load, (cap, scale), &size, &report);
+                    let report = crate::simulate_stream(&cfg, w.scaled(scale)?, |_| {})?;
+                    let row = BenchRow::new(w, &cfg, load, (cap, scale), &size, &floor, &report);
                     progress(&row);
                     rows.push(row);
                 }
@@ -255,7 +275,8 @@ pub fn table(rows: &[BenchRow]) -> String {
 }
 
 /// How kvtier's router compares with another at each (workload, instances, load): p99 and
-/// p50 ratios (other / kvtier; above 1 means kvtier's is lower).
+/// p50 ratios (other / kvtier; above 1 means kvtier's is lower), and the other's p99 over the
+/// floor's: the most any router could lower it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Comparison {
     pub workload: String,
@@ -264,6 +285,10 @@ pub struct Comparison {
     pub against: String,
     pub p99_ratio: f64,
     pub p50_ratio: f64,
+    /// The other router's p99 over the floor's p99: no router's p99 ratio can exceed it.
+    pub p99_over_floor: f64,
+    /// The floor's p99 (ms).
+    pub floor_p99_ms: f64,
 }
 
 pub fn compare(rows: &[BenchRow], against: Routing) -> Vec<Comparison> {
@@ -284,6 +309,8 @@ pub fn compare(rows: &[BenchRow], against: Routing) -> Vec<Comparison> {
                 against: against.name().into(),
                 p99_ratio: ratio(o.ttft_ms.p99, k.ttft_ms.p99),
                 p50_ratio: ratio(o.ttft_ms.p50, k.ttft_ms.p50),
+                p99_over_floor: ratio(o.ttft_ms.p99, k.floor_ms.p99),
+                floor_p99_ms: k.floor_ms.p99,
             })
         })
         .collect()
@@ -301,13 +328,19 @@ pub fn write_outputs(dir: &Path, rows: &[BenchRow]) -> Result<(), String> {
     let mut md = table(rows);
     for against in [Routing::Dynamo, Routing::RoundRobin] {
         md += &format!(
-            "\n| workload | inst | load | {0} p99 / kvtier p99 | {0} p50 / kvtier p50 |\n|---|---|---|---|---|\n",
+            "\n| workload | inst | load | {0} p99 / kvtier p99 | {0} p50 / kvtier p50 | floor p99 ms | {0} p99 / floor p99 (the most any router can gain) |\n|---|---|---|---|---|---|---|\n",
             against.name()
         );
         for c in compare(rows, against) {
             md += &format!(
-                "| {} | {} | {:.2} | {:.2} | {:.2} |\n",
-                c.workload, c.instances, c.load, c.p99_ratio, c.p50_ratio
+                "| {} | {} | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} |\n",
+                c.workload,
+                c.instances,
+                c.load,
+                c.p99_ratio,
+                c.p50_ratio,
+                c.floor_p99_ms,
+                c.p99_over_floor
             );
         }
     }

@@ -71,58 +71,97 @@ fn every_documented_command_runs() {
     }
 }
 
-/// The `--example NAME` of each `cargo run -p kvtier-sim --example NAME` line of the ```sh
-/// blocks.
-fn documented_examples(md: &str) -> Vec<String> {
+/// The `--example NAME` of each `cargo run -p kvtier-sim --example NAME [-- ARGS]` line of
+/// the ```sh blocks, with its ARGS.
+fn documented_examples(md: &str) -> Vec<(String, Vec<String>)> {
     let mut out = Vec::new();
     for t in sh_lines(md) {
         if t.starts_with("cargo run ") && t.contains("-p kvtier-sim") {
             let words: Vec<&str> = t.split_whitespace().collect();
             if let Some(i) = words.iter().position(|w| *w == "--example") {
-                out.push(words.get(i + 1).expect("an example name").to_string());
+                let name = words.get(i + 1).expect("an example name").to_string();
+                let args = match words.iter().position(|w| *w == "--") {
+                    Some(d) => words[d + 1..].iter().map(|w| w.to_string()).collect(),
+                    None => Vec::new(),
+                };
+                out.push((name, args));
             }
         }
     }
     out
 }
 
-/// docs/router.md's `--example` commands name examples of this package, and each runs (at a
-/// small scale) where `cargo test` built it beside this test (it builds every example unless
-/// a single target is asked for).
+/// How the examples test runs each documented example: its arguments (a small scale where the
+/// documented run takes minutes) and the number of Markdown table rows it must print.
+fn small_run(root: &Path, name: &str, documented: &[String]) -> (Vec<String>, usize) {
+    match name {
+        "index_memory" => (vec!["--chains-scale".into(), "0.02".into()], 3),
+        // The documented run (a second): one row per (workload, instances, load) point of the
+        // committed result it annotates.
+        "ttft_floor" => {
+            let json = root.join(documented.first().expect("ttft_floor names its JSON"));
+            let rows: Vec<serde_json::Value> =
+                serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+            let points: std::collections::BTreeSet<String> = rows
+                .iter()
+                .map(|r| format!("{} {} {}", r["workload"], r["instances"], r["load"]))
+                .collect();
+            (documented.to_vec(), points.len())
+        }
+        other => panic!("the docs name example {other}: give it a small run here"),
+    }
+}
+
+/// The `--example` commands of docs/router.md and docs/router/whole-traces.md name examples of
+/// this package, and each runs (from the repository root) where `cargo test` built it beside
+/// this test (it builds every example unless a single target is asked for).
 #[test]
 fn every_documented_example_exists_and_runs() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let md = std::fs::read_to_string(root.join("docs/router.md")).unwrap();
-    let names = documented_examples(&md);
-    assert!(names.iter().any(|n| n == "index_memory"), "{names:?}");
+    let mut runs = Vec::new();
+    for page in ["docs/router.md", "docs/router/whole-traces.md"] {
+        let md = std::fs::read_to_string(root.join(page)).unwrap();
+        runs.extend(documented_examples(&md));
+    }
+    for expected in ["index_memory", "ttft_floor"] {
+        assert!(runs.iter().any(|(n, _)| n == expected), "{runs:?}");
+    }
     let exe = std::env::current_exe().unwrap();
     let examples = exe
         .parent()
         .and_then(Path::parent)
         .unwrap()
         .join("examples");
-    for name in names {
+    for (name, documented) in runs {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("examples/{name}.rs"));
         assert!(src.is_file(), "{} is not there", src.display());
+        let (args, expected_rows) = small_run(&root, &name, &documented);
+        assert!(expected_rows > 0, "{name}: nothing to check");
         let bin = examples.join(&name);
         if !bin.is_file() {
             eprintln!("{name}: not built beside this test; its source is there");
             continue;
         }
         let out = Command::new(&bin)
-            .args(["--chains-scale", "0.02"])
+            .args(&args)
+            .current_dir(&root)
             .output()
             .unwrap();
         assert!(
             out.status.success(),
-            "{}",
+            "{name} {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
         let rows = String::from_utf8_lossy(&out.stdout)
             .lines()
             .filter(|l| l.starts_with("| ") && !l.starts_with("| workload"))
             .count();
-        assert_eq!(rows, 3, "{}", String::from_utf8_lossy(&out.stdout));
+        assert_eq!(
+            rows,
+            expected_rows,
+            "{name} {args:?}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
     }
 }
 

@@ -2,8 +2,10 @@
 //! KV-aware routers receive every tier's events, least-loaded balances, and the benchmark's
 //! load scaling hits its target.
 
+use kvtier_sim::report::Report;
 use kvtier_sim::router_bench::{BenchWorkload, WorkloadSize, time_scale};
-use kvtier_sim::workload::{ChatSpec, Routing, synthetic_chat};
+use kvtier_sim::ttft_floor::floor_percentiles;
+use kvtier_sim::workload::{ChatSpec, Routing, SimRequest, TraceReader, synthetic_chat};
 use kvtier_sim::{SimConfig, simulate};
 use proptest::prelude::*;
 
@@ -147,4 +149,91 @@ fn a_workload_is_measured_and_a_bad_one_is_an_error() {
             .unwrap_err()
             .contains("no/such/trace.jsonl")
     );
+}
+
+/// The floor holds `r`'s TTFTs from below: with every request finished, each one at or above
+/// its own floor puts every percentile at or above the floor's.
+fn assert_above_floor(cfg: &SimConfig, reqs: &[SimRequest], r: &Report, what: &str) {
+    assert_eq!(
+        r.finished,
+        reqs.len() as u64,
+        "{what}: every request finishes"
+    );
+    let f = floor_percentiles(cfg, reqs.iter().cloned().map(Ok)).unwrap();
+    assert!(f.p50 > 0.0, "{what}: a prefill takes time");
+    for (m, fl, p) in [
+        (r.ttft_ms.p50, f.p50, "p50"),
+        (r.ttft_ms.p90, f.p90, "p90"),
+        (r.ttft_ms.p99, f.p99, "p99"),
+    ] {
+        assert!(
+            m >= fl,
+            "{what}: measured {p} {m} ms under the floor's {fl} ms"
+        );
+    }
+}
+
+fn trace_head(n: usize) -> Vec<SimRequest> {
+    let f = std::fs::File::open(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../traces/conversation_trace.jsonl"
+    ))
+    .unwrap();
+    TraceReader::new(std::io::BufReader::new(f), Some(n))
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+/// No router beats the floor, on the chat (whose next turns re-read the answers) and on the
+/// conversation trace, at the benchmark's sizes and at small tiers where pages move.
+#[test]
+fn no_router_beats_the_ttft_floor() {
+    let chat_reqs = chat(12, 4, 5);
+    let mut burst = trace_head(120);
+    for r in &mut burst {
+        r.arrival_ms /= 50; // a burst: queues form
+    }
+    for router in Routing::ALL {
+        let mut bench = SimConfig {
+            instances: 2,
+            routing: router,
+            ..SimConfig::default()
+        };
+        bench.l3_pages = 16_384;
+        for (cfg, reqs, what) in [
+            (small(3, router), &chat_reqs, "chat, small tiers"),
+            (bench, &burst, "trace burst"),
+        ] {
+            let r = simulate(&cfg, reqs, |_| {}).unwrap();
+            assert_above_floor(&cfg, reqs, &r, &format!("{what}, {router:?}"));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(6))]
+    /// The floor is a lower bound whatever the workload's pace and shape.
+    #[test]
+    fn the_floor_is_a_lower_bound(
+        seed in 0u64..1000,
+        clients in 2u32..10,
+        rounds in 1u32..4,
+        think_ms in 1u64..400,
+        kvtier in any::<bool>(),
+    ) {
+        let router = if kvtier { Routing::Kvtier } else { Routing::RoundRobin };
+        let reqs = synthetic_chat(&ChatSpec {
+            clients,
+            rounds,
+            system_prompt_tokens: 256,
+            turn_tokens: 192,
+            answer_tokens: 16,
+            think_ms,
+            client_interarrival_ms: 5,
+            seed,
+        });
+        let cfg = small(2, router);
+        let r = simulate(&cfg, &reqs, |_| {}).unwrap();
+        assert_above_floor(&cfg, &reqs, &r, "chat");
+    }
 }

@@ -122,8 +122,15 @@ pub fn run(a: RouterBenchArgs) -> Result<(), String> {
     let rows = router_bench::run(&spec, |r| {
         if !a.quiet {
             eprintln!(
-                "{} {}x load {:.2} {}: TTFT p50/p99 {:.0}/{:.0} ms",
-                r.workload, r.instances, r.load, r.router, r.ttft_ms.p50, r.ttft_ms.p99
+                "{} {}x load {:.2} {}: TTFT p50/p99 {:.0}/{:.0} ms (floor {:.0}/{:.0})",
+                r.workload,
+                r.instances,
+                r.load,
+                r.router,
+                r.ttft_ms.p50,
+                r.ttft_ms.p99,
+                r.floor_ms.p50,
+                r.floor_ms.p99
             );
         }
     })?;
