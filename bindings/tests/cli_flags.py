@@ -17,6 +17,7 @@ import io
 import os
 import runpy
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence
@@ -24,11 +25,35 @@ from unittest import mock
 
 
 @dataclass
-class Parsed:
-    """How one line parsed: argparse's exit status (0: accepted) and what it wrote to stderr."""
+class Ran:
+    """How a script ran: its exit status (an uncaught exception is 1), stdout and stderr."""
 
     returncode: int
+    stdout: str
     stderr: str
+
+
+def run_script(script, *args: str) -> Ran:
+    """Runs ``python SCRIPT ARGS`` in this interpreter (runpy, ``__main__``), its output
+    captured: the scripts import vLLM and torch first, which a test process has done already.
+    ``sys.argv`` is restored after."""
+    out, err = io.StringIO(), io.StringIO()
+    argv, code = sys.argv, 0
+    sys.argv = [str(script), *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if isinstance(e.code, str):
+                    err.write(e.code)
+            except Exception:
+                err.write(traceback.format_exc())
+                code = 1
+    finally:
+        sys.argv = argv
+    return Ran(code, out.getvalue(), err.getvalue())
 
 
 def _parse_then_exit(self, args=None, namespace=None):
@@ -38,35 +63,19 @@ def _parse_then_exit(self, args=None, namespace=None):
     sys.exit(0)
 
 
-def check_all(argvs: Sequence[Sequence[str]], cwd: Path) -> List[Parsed]:
+def check_all(argvs: Sequence[Sequence[str]], cwd: Path) -> List[Ran]:
     """Parses each ``argv`` (script path first, relative to ``cwd``, then its flags) as its
     script would; one result per argv, in order. A script that raises before it parses
     reports 1 with the exception."""
-    out = []
-    argv0, here = sys.argv, os.getcwd()
+    here = os.getcwd()
     try:
         os.chdir(cwd)
         with mock.patch.object(argparse.ArgumentParser, "parse_args", _parse_then_exit):
-            for argv in argvs:
-                sys.argv = list(argv)
-                err, code = io.StringIO(), 0
-                with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                    try:
-                        runpy.run_path(argv[0], run_name="__main__")
-                    except SystemExit as e:
-                        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                        if isinstance(e.code, str):
-                            err.write(e.code)
-                    except Exception as e:
-                        code = 1
-                        err.write(f"{type(e).__name__}: {e}")
-                out.append(Parsed(code, err.getvalue()))
+            return [run_script(argv[0], *argv[1:]) for argv in argvs]
     finally:
-        sys.argv = argv0
         os.chdir(here)
-    return out
 
 
-def check(argv: List[str], cwd: Path) -> Parsed:
+def check(argv: List[str], cwd: Path) -> Ran:
     """Parses ``argv`` (script path first, then its flags) as the script would."""
     return check_all([argv], cwd)[0]

@@ -1,44 +1,14 @@
 """bindings/bench/vllm_tier.py runs (small sizes) and prints one row per path, bytes checked
 inside (a failed job or different bytes raise)."""
 
-import contextlib
-import io
 import pathlib
-import runpy
 import sys
-from dataclasses import dataclass
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "vllm_tier.py"
-
-
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def run_script(script: pathlib.Path, *args: str) -> Ran:
-    """Runs a bench script as ``python SCRIPT ARGS`` would, in this interpreter: the scripts
-    import vLLM and torch first (~30 s in a fresh interpreter on a loaded 2-core machine),
-    which this process has done already. An exception or a non-zero exit is a non-zero
-    ``returncode`` with the traceback in ``stderr``."""
-    out, err = io.StringIO(), io.StringIO()
-    argv, code = sys.argv, 0
-    sys.argv = [str(script), *args]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except Exception:
-        import traceback
-
-        err.write(traceback.format_exc())
-        code = 1
-    finally:
-        sys.argv = argv
-    return Ran(code, out.getvalue(), err.getvalue())
+# The bench scripts run in this interpreter (cli_flags.run_script): each fresh one re-imported
+# vLLM and torch (~30 s on a loaded 2-core machine).
+sys.path.insert(0, str(BENCH.parents[1] / "tests"))
+from cli_flags import check_all, run_script  # noqa: E402
 
 
 def test_the_benchmark_runs_and_reports_every_path():
@@ -98,9 +68,6 @@ def test_the_docs_bench_command_lines_are_the_scripts_flags():
     lines = [ln for page in pages for ln in page.read_text().splitlines()
              if ln.startswith(".venv-vllm/bin/python bindings/bench/")]
     assert len(lines) >= 3
-    sys.path.insert(0, str(root / "bindings" / "tests"))
-    from cli_flags import check_all
-
     bad_line = ["bindings/bench/vllm_manager_cost.py", "--no-such-flag"]
     *results, bad = check_all([shlex.split(ln)[1:] for ln in lines] + [bad_line], root)
     for ln, r in zip(lines, results):
