@@ -132,12 +132,15 @@ fn live_stream_and_replay_carry_every_batch_in_order() {
             )
         })
         .collect();
-    // Live: every batch from the one the subscriber joined at (5, unless the PUB took the
-    // subscription late on a loaded machine), in order; replay has all of them.
+    // Live: every batch from the one the subscriber joined at, in order; replay has all of
+    // them. Where it joined is a race, not a constant: `publish` only queues the batch for the
+    // publisher thread, so on a loaded machine batches 0..5 may reach the PUB after the
+    // subscription (joined < 5), and the PUB may take the subscription late (joined > 5).
+    // What cannot happen is a gap, a reordering, or missing the last batch.
     let live = c.live();
     let joined = want.len().saturating_sub(live.len());
     assert!(
-        (5..want.len()).contains(&joined),
+        joined < want.len(),
         "the subscriber heard {} of {} batches",
         live.len(),
         want.len()
