@@ -16,7 +16,9 @@ docs/sim/sweep-protect-NAME) against LRU at the same points (docs/sim/sweep-prot
 With --round3: the third round (measured corrections), docs/sim/sweep-shadow3-NAME
 (scripts/shadow_sweeps).
 
-Usage: python3 scripts/matrix_tables.py [--round1 | --round3 | --protect] [DOCS_SIM_DIR]
+With --round PREFIX: the sweeps docs/sim/sweep-PREFIX-NAME (scripts/shadow_sweeps PREFIX).
+
+Usage: python3 scripts/matrix_tables.py [--round1 | --round3 | --round PREFIX | --protect] [DOCS_SIM_DIR]
 """
 import json
 import os
@@ -128,6 +130,10 @@ def protect(d):
 if __name__ == "__main__":
     rnd = "shadow1" if "--round1" in sys.argv else "shadow3" if "--round3" in sys.argv else "shadow"
     args = [a for a in sys.argv[1:] if a not in ("--round1", "--round3", "--protect")]
+    if "--round" in args:  # --round PREFIX: the sweeps docs/sim/sweep-PREFIX-NAME
+        i = args.index("--round")
+        rnd = args[i + 1]
+        del args[i:i + 2]
     if "--protect" in sys.argv:
         protect(args[0] if args else "docs/sim")
     else:
