@@ -9,7 +9,7 @@
 //! pages: 1 prompt prefix in 5 on a fifth of the capacity).
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use kvtier_radix::shadow::{Running, ShadowCache, ShadowSelector};
+use kvtier_radix::shadow::{ShadowCache, ShadowSelector};
 use kvtier_radix::*;
 
 const PS: usize = 64;
@@ -69,7 +69,7 @@ fn benches(c: &mut Criterion) {
         let mut one = ShadowCache::new(cand, 2048, 8192).unwrap();
         let reqs = warm(
             &mut |h| {
-                let _ = one.replay(h, Running::default());
+                let _ = one.replay(h);
             },
             &mut s,
         );
@@ -78,7 +78,7 @@ fn benches(c: &mut Criterion) {
         g.bench_function("one option's shadow, 10,240 pages", |b| {
             b.iter(|| {
                 i = (i + 1) % reqs.len();
-                one.replay(&reqs[i], Running::default())
+                one.replay(&reqs[i])
             })
         });
     }
@@ -91,7 +91,7 @@ fn benches(c: &mut Criterion) {
         let mut sel = ShadowSelector::new(ShadowConfig::default(), dev, host).unwrap();
         let reqs = warm(
             &mut |h| {
-                let _ = sel.observe(h, Running::default());
+                let _ = sel.observe(h);
             },
             &mut s,
         );
@@ -105,7 +105,7 @@ fn benches(c: &mut Criterion) {
         g.bench_function(name, |b| {
             b.iter(|| {
                 i = (i + 1) % reqs.len();
-                sel.observe(&reqs[i], Running::default())
+                sel.observe(&reqs[i])
             })
         });
     }

@@ -15,7 +15,7 @@ use crate::events::KvEvent;
 use crate::hash::PageHash;
 use crate::node::NodeId;
 use crate::policy::EvictionPolicy;
-use crate::shadow::{Running, ShadowConfig, ShadowConfigError, ShadowSelector, ShadowSnapshot};
+use crate::shadow::{ShadowConfig, ShadowConfigError, ShadowSelector, ShadowSnapshot};
 use crate::tier::{Tier, TierKind};
 
 /// What one eviction did.
@@ -107,13 +107,8 @@ impl RadixCache {
     /// leaf is ranked again). Call it once per request, in submission order, on every
     /// tensor-parallel rank.
     pub fn observe_request(&mut self, hashes: &[PageHash]) {
-        let u = self.usage(TierKind::Device);
-        let running = Running {
-            held: u.held,
-            locked: u.locked,
-        };
         if let Some(s) = self.shadow.as_mut()
-            && s.observe(hashes, running)
+            && s.observe(hashes)
         {
             self.rerank();
         }

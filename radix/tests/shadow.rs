@@ -1,14 +1,11 @@
 //! The shadow selector (`EvictionPolicy::Shadow`): a full-size shadow of a fixed option
 //! reports exactly the hits a real cache run under that option reports on the same stream
-//! (a cache of another page size, with real tokens, driven by this file's own replay, beside
-//! running requests that hold a varying number of device pages); a
+//! (a cache of another page size, with real tokens, driven by this file's own replay); a
 //! sampled shadow stays near it; switching keeps every invariant of the real cache; two
 //! caches fed the same stream (tensor-parallel ranks) switch at the same submission and
 //! evict the same leaves.
 
-use std::collections::VecDeque;
-
-use kvtier_radix::shadow::{Candidate, Running, ShadowCache, ShadowSelector};
+use kvtier_radix::shadow::{Candidate, ShadowCache, ShadowSelector};
 use kvtier_radix::*;
 use proptest::prelude::*;
 
@@ -31,81 +28,12 @@ fn stream() -> impl Strategy<Value = Vec<Req>> {
     proptest::collection::vec((0u32..3, 0u32..24, 0u32..6), 1..160)
 }
 
-/// What running requests hold and lock on device at each submission.
-fn running() -> impl Strategy<Value = Vec<Running>> {
-    proptest::collection::vec(
-        (0usize..28, 0usize..28).prop_map(|(held, locked)| Running { held, locked }),
-        160,
-    )
-}
-
-/// Device pages the running requests hold outside the tree: as many as `n` (at most what an
-/// allocation can obtain), taken as an allocation takes them, given back newest first.
-fn hold(c: &mut RadixCache, held: &mut Vec<DevicePageId>, n: usize) {
-    if n > held.len() {
-        let u = c.usage(TierKind::Device);
-        let more = (n - held.len()).min(u.free + u.cached - u.locked);
-        held.extend(c.alloc_evicting::<Device>(more).unwrap());
-    } else {
-        let back = held.split_off(n);
-        c.free(&back).unwrap();
-    }
-}
-
-/// A real run of one option beside running requests: the latest prompts run, each locking
-/// the deepest device node of its prompt until requests end oldest first, and they hold
-/// pages outside the tree.
-struct RealRun {
-    c: RadixCache,
-    adm: LearntAdmission,
-    held: Vec<DevicePageId>,
-    running: VecDeque<LockHandle<Device>>,
-}
-
-impl RealRun {
-    fn new(c: RadixCache, adm: LearntAdmission) -> Self {
-        Self {
-            c,
-            adm,
-            held: Vec::new(),
-            running: VecDeque::new(),
-        }
-    }
-
-    /// Requests end, oldest first, until no more than `r.locked` device pages are locked;
-    /// the running ones hold `r.held` pages outside the tree.
-    fn set_running(&mut self, r: Running) {
-        while self.c.usage(TierKind::Device).locked > r.locked {
-            let l = self.running.pop_front().unwrap();
-            self.c.unlock(l).unwrap();
-        }
-        hold(&mut self.c, &mut self.held, r.held);
-    }
-
-    /// The request is served and runs: returns the pages hit.
-    fn submit(&mut self, toks: &[u32], hs: &[PageHash]) -> usize {
-        let hit = real_replay(&mut self.c, self.adm, toks, hs, self.held.len());
-        let end = self.c.deepest_device_node(hs);
-        if end != self.c.root() {
-            self.running.push_back(self.c.lock::<Device>(end).unwrap());
-        }
-        hit
-    }
-}
-
 /// A real run of one option: the cache at page size `PS` with the prompt's tokens, driven
 /// as an engine drives it (match; load or compute onto device, demoting first under
-/// `Demote`; copy to host at finish under `CopyAtFinish`), with `held` device pages held by
-/// running requests. Returns the pages hit.
-fn real_replay(
-    c: &mut RadixCache,
-    adm: LearntAdmission,
-    toks: &[u32],
-    hs: &[PageHash],
-    held: usize,
-) -> usize {
+/// `Demote`; copy to host at finish under `CopyAtFinish`). Returns the pages hit.
+fn real_replay(c: &mut RadixCache, adm: LearntAdmission, toks: &[u32], hs: &[PageHash]) -> usize {
     let m = c.match_prefix(hs);
-    let dev = c.usage(TierKind::Device).capacity - held;
+    let dev = c.usage(TierKind::Device).capacity;
     let n = hs.len().min(dev);
     if n > m.device_pages {
         real_fill::<Device>(
@@ -194,52 +122,46 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
     /// Each full-size shadow inside a selector (which switches meanwhile) reports, request by
-    /// request, the hits of a real run of its option at page size 4 with real tokens, beside
-    /// running requests that lock and hold a varying number of device pages (up to all).
+    /// request, the hits of a real run of its option at page size 4 with real tokens.
     #[test]
-    fn full_size_shadow_reports_a_real_runs_hits(reqs in stream(), running in running(), dev in 4u32..24, host in 0u32..48, sys_pages in 1usize..4) {
+    fn full_size_shadow_reports_a_real_runs_hits(reqs in stream(), dev in 4u32..24, host in 0u32..48, sys_pages in 1usize..4) {
         let mut sel = ShadowSelector::new(quick(4), dev, host).unwrap();
         let cands: Vec<Candidate> = ShadowConfig::matrix_candidates();
-        let mut real: Vec<RealRun> = cands.iter().map(|c| {
+        let mut real: Vec<RadixCache> = cands.iter().map(|c| {
             let mut r = RadixCache::new(RadixConfig { page_size: PS, device_pages: dev, host_pages: host, record_events: false }).unwrap();
             r.set_eviction_policy(c.eviction);
-            RealRun::new(r, c.admission)
+            r
         }).collect();
         let mut real_hits = vec![0u64; cands.len()];
-        for (&q, &run) in reqs.iter().zip(&running) {
+        for &q in &reqs {
             let toks = tokens(q, sys_pages);
             let hs = page_hashes(&toks, PS, None);
-            sel.observe(&hs, run);
+            sel.observe(&hs);
             for (i, c) in cands.iter().enumerate() {
-                real[i].set_running(run);
-                real_hits[i] += real[i].submit(&toks, &hs) as u64;
-                let u = real[i].c.usage(TierKind::Device);
-                prop_assert_eq!(sel.shadows()[i].running(), Running { held: u.held, locked: u.locked });
+                real_hits[i] += real_replay(&mut real[i], c.admission, &toks, &hs) as u64;
                 prop_assert_eq!(sel.shadows()[i].hits().0, real_hits[i], "{} after {:?}", c, q);
-                real[i].c.check_invariants().map_err(TestCaseError::fail)?;
+                real[i].check_invariants().map_err(TestCaseError::fail)?;
             }
             sel.check().map_err(TestCaseError::fail)?;
         }
     }
 
     /// A cache under the shadow policy keeps every invariant while the selector switches
-    /// (checked after every request, the selector's own bounds included), beside running
-    /// requests that lock and hold its pages; its ranking is always its choice's.
+    /// (checked after every request, the selector's own bounds included); its ranking is
+    /// always its choice's.
     #[test]
-    fn switching_keeps_the_caches_invariants(reqs in stream(), running in running(), dev in 4u32..24, host in 0u32..48) {
+    fn switching_keeps_the_caches_invariants(reqs in stream(), dev in 4u32..24, host in 0u32..48) {
         let mut c = RadixCache::new(RadixConfig { page_size: PS, device_pages: dev, host_pages: host, record_events: false }).unwrap();
         c.set_shadow_config(quick(2)).unwrap();
         c.set_eviction_policy(EvictionPolicy::Shadow);
-        let mut run = RealRun::new(c, LearntAdmission::CopyAtFinish);
-        for (&q, &r) in reqs.iter().zip(&running) {
+        for &q in &reqs {
             let toks = tokens(q, 2);
             let hs = page_hashes(&toks, PS, None);
-            run.set_running(r);
-            run.c.observe_request(&hs);
-            run.adm = run.c.learnt_admission().unwrap();
-            run.submit(&toks, &hs);
-            run.c.check_invariants().map_err(TestCaseError::fail)?;
-            prop_assert_eq!(run.c.outstanding_locks(), (run.running.len(), 0));
+            c.observe_request(&hs);
+            let adm = c.learnt_admission().unwrap();
+            real_replay(&mut c, adm, &toks, &hs);
+            c.check_invariants().map_err(TestCaseError::fail)?;
+            prop_assert_eq!(c.outstanding_locks(), (0, 0));
         }
     }
 
@@ -259,7 +181,7 @@ proptest! {
             for c in [&mut a, &mut b] {
                 c.observe_request(&hs);
                 let adm = c.learnt_admission().unwrap();
-                real_replay(c, adm, &toks, &hs, 0);
+                real_replay(c, adm, &toks, &hs);
             }
             let (sa, sb) = (a.shadow_snapshot().unwrap(), b.shadow_snapshot().unwrap());
             prop_assert_eq!(&sa.switch_log, &sb.switch_log);
@@ -292,12 +214,12 @@ fn the_selector_follows_the_better_option() {
     for round in 0..200u32 {
         for hot in 0..3 {
             let hs = page_hashes(&tokens((hot, hot, 2), 1), PS, None);
-            sel.observe(&hs, Running::default());
+            sel.observe(&hs);
         }
         for _ in 0..(2 + round % 3) {
             one_off += 1;
             let hs = page_hashes(&tokens((9, one_off, 5), 1), PS, None);
-            sel.observe(&hs, Running::default());
+            sel.observe(&hs);
         }
     }
     let snap = sel.snapshot();
@@ -337,8 +259,8 @@ fn a_sampled_shadow_stays_near_the_full_size_one() {
         let conv = (x >> 33) as u32 % 2000;
         let q = (conv % 2, conv, (i / 4000 + conv % 3) % 6);
         let hs = page_hashes(&tokens(q, 2), PS, None);
-        full.observe(&hs, Running::default());
-        sampled.observe(&hs, Running::default());
+        full.observe(&hs);
+        sampled.observe(&hs);
     }
     let (f, s) = (full.snapshot(), sampled.snapshot());
     assert!(s.replayed > 1500 && s.replayed < 3500, "{}", s.replayed);

@@ -99,31 +99,6 @@ impl RadixCache {
         (dev, host)
     }
 
-    /// Read-only: the deepest node on device that the prompt covers entirely (the root if
-    /// none), without touching LRU or splitting: what a request whose prompt is on device
-    /// locks while it runs.
-    pub fn deepest_device_node(&self, hashes: &[PageHash]) -> NodeId {
-        let mut node = self.root;
-        let mut found = self.root;
-        let mut depth = 0usize;
-        while depth < hashes.len() {
-            let Some(child) = self.child_at(node, depth, &hashes[depth]) else {
-                break;
-            };
-            let c = &self.nodes[child];
-            let n = common_prefix(&c.hashes, &hashes[depth..]);
-            if n < c.len() {
-                break;
-            }
-            depth += n;
-            if c.has(TierKind::Device) {
-                found = child;
-            }
-            node = child;
-        }
-        found
-    }
-
     /// The child of `parent` starting at `depth` with first page hash `h`, if any. A map hit
     /// whose node sits elsewhere (only possible with hashes that are not a chain) is no child.
     pub(super) fn child_at(&self, parent: NodeId, depth: usize, h: &PageHash) -> Option<NodeId> {

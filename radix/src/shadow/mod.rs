@@ -12,8 +12,7 @@
 //!
 //! How:
 //! - one [`ShadowCache`] per candidate, a real [`crate::RadixCache`] holding page ids and
-//!   hashes only, fed each request's prompt at submission (`replay.rs`), beside stand-ins for
-//!   the device pages the real cache's running requests hold and lock at that moment;
+//!   hashes only, fed each request's prompt at submission (`replay.rs`);
 //! - full-size up to [`ShadowConfig::full_size_pages`] of device + host; above, spatially
 //!   sampled (SHARDS, Waldspurger et al., FAST'15): a request is replayed only if the hash of
 //!   its page at depth [`ShadowConfig::key_page`] (or its last page) falls in a 1-in-R
@@ -32,7 +31,7 @@
 mod replay;
 mod sign_test;
 
-pub use replay::{Candidate, Running, ShadowCache};
+pub use replay::{Candidate, ShadowCache};
 pub use sign_test::{Duel, MIN_DISAGREEMENTS, Z2_HUNDREDTHS};
 
 use crate::adaptive::LearntAdmission;
@@ -107,10 +106,6 @@ pub struct ShadowStat {
     pub candidate: String,
     pub hit_rate: f64,
     pub nodes: usize,
-    /// Device pages it held outside its tree and locked in it after the last replay (the
-    /// running requests' stand-ins).
-    pub held: usize,
-    pub locked: usize,
 }
 
 /// What the selector chose and saw, for reports and tests.
@@ -218,17 +213,14 @@ impl ShadowSelector {
         (k >> 32) % self.sample == 0
     }
 
-    /// Feeds one submitted request's prompt to every shadow (if sampled), beside stand-ins
-    /// for what the real cache's `running` requests hold on device (scaled by the sample); at
-    /// a decision point switches to a significantly better challenger. Returns true when the
-    /// choice changed.
-    pub fn observe(&mut self, hashes: &[PageHash], running: Running) -> bool {
+    /// Feeds one submitted request's prompt to every shadow (if sampled); at a decision point
+    /// switches to a significantly better challenger. Returns true when the choice changed.
+    pub fn observe(&mut self, hashes: &[PageHash]) -> bool {
         self.observed += 1;
         if !hashes.is_empty() && self.sampled(hashes) {
             self.replayed += 1;
-            let running = running.scaled(self.sample);
             for (h, s) in self.hits.iter_mut().zip(self.shadows.iter_mut()) {
-                *h = s.replay(hashes, running);
+                *h = s.replay(hashes);
             }
             let cur = self.hits[self.current];
             for (d, &h) in self.duels.iter_mut().zip(&self.hits) {
@@ -287,8 +279,6 @@ impl ShadowSelector {
                     candidate: s.candidate.to_string(),
                     hit_rate: s.hit_rate(),
                     nodes: s.node_count(),
-                    held: s.running().held,
-                    locked: s.running().locked,
                 })
                 .collect(),
         }

@@ -8,34 +8,21 @@
 //! shadow keeps one dummy token per page (page size 1), so its memory is the tree's metadata.
 //!
 //! How, per request (the replay used by the selector and by the property tests):
-//! 0. stand in for the real cache's running requests ([`Running`]): an engine's cache
-//!    competes with them for device, and a shadow with the whole device to itself over-rates
-//!    whatever keeps more on device (demotion's exclusive tiers most: on the built-in chat at
-//!    5,120 pages, running requests lock 716 of the 1,024 device pages at a mean submission).
-//!    The shadow keeps its most recent prompts locked on device, releasing the oldest first
-//!    (requests run in about submission order) until it locks no more pages than the real
-//!    cache does, and holds as many device pages outside the tree as the real cache's
-//!    running requests hold (their pages not yet published);
 //! 1. match the prompt: the hit is every page found on device or host;
 //! 2. bring the prompt (at most device's capacity of it) onto device: the host-only part is
 //!    loaded, the rest computed — before allocating, demotion (`Demote`) writes the coldest
 //!    device-only leaves back to host until the pages needed are free or backed;
 //! 3. copies at finish (`CopyAtFinish`): the prompt's pages get their host copy.
 //!
-//! 4. lock the prompt's deepest device node, as the request holds it while it runs.
-//!
 //! Every step holds a lock on the prefix it builds on, so no allocation evicts it.
-
-use std::collections::VecDeque;
 
 use crate::adaptive::LearntAdmission;
 use crate::cache::{RadixCache, RadixConfig};
 use crate::error::RadixError;
 use crate::hash::PageHash;
-use crate::lock::LockHandle;
 use crate::node::NodeId;
 use crate::policy::EvictionPolicy;
-use crate::tier::{Device, DevicePageId, Host, Tier, TierKind};
+use crate::tier::{Device, Host, Tier, TierKind};
 
 /// A fixed option the selector compares: an eviction order and a host admission.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -58,35 +45,10 @@ impl std::fmt::Display for Candidate {
     }
 }
 
-/// What the real cache's running requests hold on device when a request is submitted: the
-/// shadows stand in for them (see the module docs).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Running {
-    /// Device pages allocated to requests and not in the tree (`TierUsage::held`).
-    pub held: usize,
-    /// Cached device pages under a lock (`TierUsage::locked`).
-    pub locked: usize,
-}
-
-impl Running {
-    /// The figures scaled down to a shadow of 1/`sample` of the capacity.
-    pub fn scaled(self, sample: u64) -> Running {
-        let s = usize::try_from(sample.max(1)).unwrap_or(usize::MAX);
-        Running {
-            held: self.held / s,
-            locked: self.locked / s,
-        }
-    }
-}
-
 /// A candidate's shadow cache and the hits it has reported.
 pub struct ShadowCache {
     pub(crate) candidate: Candidate,
     cache: RadixCache,
-    /// Device pages held outside the tree, standing for the running requests' own pages.
-    held: Vec<DevicePageId>,
-    /// Locks on the latest prompts (oldest first), standing for the running requests' locks.
-    running: VecDeque<LockHandle<Device>>,
     /// Requests replayed and pages looked up / hit (on either tier).
     pub(crate) requests: u64,
     pub(crate) looked_up: u64,
@@ -110,50 +72,19 @@ impl ShadowCache {
         Ok(ShadowCache {
             candidate,
             cache,
-            held: Vec::new(),
-            running: VecDeque::new(),
             requests: 0,
             looked_up: 0,
             hits: 0,
         })
     }
 
-    /// Replays one request's prompt (its page hashes) beside the stand-ins of the real
-    /// cache's `running` requests; returns the pages it hit.
-    pub fn replay(&mut self, hashes: &[PageHash], running: Running) -> usize {
-        self.release_running(running.locked);
-        self.hold(running.held);
-        let hit = self.replay_prompt(hashes);
-        let end = self.cache.deepest_device_node(hashes);
-        if end != self.cache.root()
-            && let Ok(lock) = self.cache.lock::<Device>(end)
-        {
-            self.running.push_back(lock);
-        }
-        hit
-    }
-
-    /// Releases the oldest running locks until no more than `locked` device pages are locked.
-    fn release_running(&mut self, locked: usize) {
-        while self.cache.usage(TierKind::Device).locked > locked {
-            let Some(lock) = self.running.pop_front() else {
-                return;
-            };
-            // The handle is this shadow's own and its node is pinned: unlocking cannot fail;
-            // if it did, the handle is kept and no more are released this time.
-            if let Err(r) = self.cache.unlock(lock) {
-                self.running.push_front(r.handle);
-                return;
-            }
-        }
-    }
-
-    fn replay_prompt(&mut self, hashes: &[PageHash]) -> usize {
+    /// Replays one request's prompt (its page hashes); returns the pages it hit.
+    pub fn replay(&mut self, hashes: &[PageHash]) -> usize {
         let m = self.cache.match_prefix(hashes);
         self.requests += 1;
         self.looked_up += hashes.len() as u64;
         self.hits += m.matched_pages as u64;
-        let device = self.cache.usage(TierKind::Device).capacity - self.held.len();
+        let device = self.cache.usage(TierKind::Device).capacity;
         let n = hashes.len().min(device);
         if n > m.device_pages {
             // A failure (everything else locked) leaves the request uncached, as an engine
@@ -168,26 +99,6 @@ impl ShadowCache {
             }
         }
         m.matched_pages
-    }
-
-    /// Holds `n` device pages outside the tree (at most the device): more are taken as an
-    /// allocation takes them (free first, then evicting the coldest leaves), fewer given back
-    /// newest first.
-    fn hold(&mut self, n: usize) {
-        if n > self.held.len() {
-            // At most what an allocation can obtain: free pages and unlocked cached ones.
-            let u = self.cache.usage(TierKind::Device);
-            let more = (n - self.held.len()).min(u.free + u.cached - u.locked);
-            if let Ok(pages) = self.cache.alloc_evicting::<Device>(more) {
-                self.held.extend(pages);
-            }
-        } else if n < self.held.len() {
-            let back = self.held.split_off(n);
-            // The pages are this shadow's own, allocated above: freeing them cannot fail.
-            if self.cache.free(&back).is_err() {
-                self.held.extend(back);
-            }
-        }
     }
 
     /// Pages `from..` of `hashes` onto tier `T` below `start` (on `T`, ending at `from`),
@@ -293,32 +204,8 @@ impl ShadowCache {
         self.cache.node_count()
     }
 
-    /// Device pages held outside the tree and locked in it (the running requests' stand-ins).
-    pub fn running(&self) -> Running {
-        Running {
-            held: self.held.len(),
-            locked: self.cache.usage(TierKind::Device).locked,
-        }
-    }
-
-    /// The tree's own audit (for property tests), and that the held pages are all held.
+    /// The tree's own audit (for property tests).
     pub fn check_invariants(&self) -> Result<(), String> {
-        self.cache.check_invariants()?;
-        let u = self.cache.usage(TierKind::Device);
-        if u.held != self.held.len() {
-            return Err(format!(
-                "the shadow holds {} device pages, the cache counts {} held",
-                self.held.len(),
-                u.held
-            ));
-        }
-        if self.cache.outstanding_locks() != (self.running.len(), 0) {
-            return Err(format!(
-                "the shadow's locks {:?} are not its {} running stand-ins",
-                self.cache.outstanding_locks(),
-                self.running.len()
-            ));
-        }
-        Ok(())
+        self.cache.check_invariants()
     }
 }
