@@ -118,6 +118,11 @@ impl Cluster {
         &self.router
     }
 
+    /// [`Router::set_delay_weight`]: a bad weight is refused and nothing changes.
+    pub fn set_delay_weight(&mut self, weight: f64) -> Result<(), crate::RouteError> {
+        self.router.set_delay_weight(weight)
+    }
+
     /// Registers a stream; returns its number.
     pub fn add_stream(&mut self, name: &str, endpoint: &str, target: Target) -> usize {
         self.streams.push(StreamState {

@@ -82,4 +82,10 @@ impl Estimate {
     pub fn work_s(&self) -> f64 {
         self.compute_s + self.load_s
     }
+
+    /// What routing the request here costs: its TTFT plus `delay_weight` × its work, the delay
+    /// it imposes on the requests behind it (`crate::route`'s module docs).
+    pub fn cost_s(&self, delay_weight: f64) -> f64 {
+        self.ttft_s() + delay_weight * self.work_s()
+    }
 }

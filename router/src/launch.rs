@@ -128,6 +128,8 @@ pub struct Config {
     /// The shared store's stream.
     pub storage: Option<EndpointSpec>,
     pub model: CostModel,
+    /// The weight of a request's work in its routing cost ([`crate::DELAY_WEIGHT`]).
+    pub delay_weight: f64,
     /// The index's bound in entries, all tiers and instances (`usize::MAX`: none).
     pub max_pages: usize,
     /// The index's bound in bytes, the streams' key tables included (`usize::MAX`: none); at
@@ -145,6 +147,8 @@ pub enum StartError {
     MixedUrls,
     #[error("an index budget of {0} bytes is below the {1} bytes of an empty index")]
     BudgetTooSmall(usize, usize),
+    #[error("--delay-weight: {0}")]
+    DelayWeight(crate::RouteError),
     #[error("bind {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
     #[error(transparent)]
@@ -182,6 +186,9 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         max_pages: cfg.max_pages,
     };
     let mut cluster = Cluster::with_budget(cfg.instances.len(), cfg.model, budget, cfg.keys);
+    cluster
+        .set_delay_weight(cfg.delay_weight)
+        .map_err(StartError::DelayWeight)?;
     let mut subs = Vec::new();
     for (i, spec) in cfg.instances.iter().enumerate() {
         if let Some(ev) = &spec.events {

@@ -47,4 +47,4 @@ mod table;
 pub use cost::{CostModel, Estimate};
 pub use index::{Budget, ClusterIndex, DecodeError, IndexEvent, decode_batch};
 pub use occupancy::Occupancy;
-pub use route::{RouteError, Router};
+pub use route::{DELAY_WEIGHT, RouteError, Router};

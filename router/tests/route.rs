@@ -99,9 +99,15 @@ proptest! {
     fn prices_follow_each_caches_own_match_and_the_choice_is_the_cheapest(
         served in prop::collection::vec((0usize..4, 1u32..6, 0usize..4, 1usize..7, 0usize..7), 1..24),
         queries in prop::collection::vec((1u32..6, 0usize..4, 1usize..7), 1..12),
+        weight in prop::sample::select(vec![None, Some(0.0), Some(0.5), Some(2.0)]),
     ) {
         let mut caches: Vec<RadixCache> = (0..4).map(|_| cache()).collect();
         let mut r = Router::new(4, model(), 1 << 20);
+        prop_assert_eq!(r.delay_weight(), DELAY_WEIGHT);
+        if let Some(w) = weight {
+            r.set_delay_weight(w).unwrap();
+        }
+        let w = r.delay_weight();
         for &(i, seed, shared, pages, backup) in &served {
             serve(&mut caches[i], &tokens(seed, shared.min(pages), pages), backup);
             publish(&mut r, i, &mut caches[i]);
@@ -115,10 +121,13 @@ proptest! {
                 let want = model().estimate(toks.len(), m.device_pages, m.host_pages.saturating_sub(m.device_pages), 0, r.queues()[i]);
                 prop_assert_eq!(ests[i], want, "instance {}", i);
             }
-            let best = ests.iter().map(Estimate::ttft_s).fold(f64::INFINITY, f64::min);
+            // the cost: the request's TTFT plus w x its work, the delay it imposes on the
+            // requests behind it
+            let best = ests.iter().map(|e| e.ttft_s() + w * e.work_s()).fold(f64::INFINITY, f64::min);
             let (chosen, est) = r.route(&toks, &plain(), t as f64 * 0.01).unwrap();
             // routing advanced the clock first: compare against the prices at that time
-            prop_assert!(est.ttft_s() <= best + 1e-12, "chose {} at {} over {}", chosen, est.ttft_s(), best);
+            let cost = est.ttft_s() + w * est.work_s();
+            prop_assert!(cost <= best + 1e-12, "chose {} at {} over {}", chosen, cost, best);
         }
     }
 }
@@ -144,9 +153,11 @@ fn a_gpu_hit_wins_then_a_hot_prefix_spreads_once_its_queue_outweighs_it() {
     let (max, min) = q
         .iter()
         .fold((0.0f64, f64::INFINITY), |(a, b), &x| (a.max(x), b.min(x)));
+    // a request costs its TTFT plus DELAY_WEIGHT x its work: queues stay within
+    // (1 + DELAY_WEIGHT) x one request's work (48 ms computed away from instance 2)
     assert!(
-        max - min <= 0.05,
-        "queues stay within one request's work: {q:?}"
+        max - min <= (1.0 + DELAY_WEIGHT) * 0.048 + 1e-9,
+        "queues stay within (1 + weight) x one request's work: {q:?}"
     );
     // time drains the queues
     r.route(&hot, &plain(), 100.0).unwrap();
@@ -269,4 +280,62 @@ fn tracked_requests_spread_once_the_devices_memory_is_full() {
     assert_eq!(inst, 1);
     assert!((est.compute_s - 0.04).abs() < 1e-9, "{est:?}");
     assert!(!r.finished(99, 11.0), "an unknown request is not booked");
+}
+
+/// A weight that is negative or not finite is a typed error and leaves the weight as it was.
+#[test]
+fn a_bad_delay_weight_is_refused() {
+    let mut r = Router::new(2, model(), 16);
+    r.set_delay_weight(0.5).unwrap();
+    for w in [-0.1, f64::NAN, f64::INFINITY] {
+        assert!(matches!(
+            r.set_delay_weight(w),
+            Err(RouteError::BadDelayWeight(_))
+        ));
+        assert_eq!(r.delay_weight(), 0.5);
+    }
+}
+
+/// A conversation's next turn stays on the instance holding its history until that instance's
+/// queue outweighs (1 + delay weight) x the work moving would add: the recompute elsewhere is
+/// work that the requests behind it wait for. The greedy rule (weight 0) moved it as soon as
+/// the queue passed the extra work.
+#[test]
+fn a_turn_stays_with_its_history_until_its_queue_outweighs_the_work_moving_adds() {
+    // 6 pages of history on instance 0's GPU; the turn adds 2 pages: 8 ms of work there,
+    // 32 ms on instance 1, which has nothing cached.
+    let history = tokens(5, 0, 6);
+    let turn = [history.clone(), tokens(6, 0, 2)].concat();
+    let extra_s = (32.0 - 8.0) / 1000.0;
+    // None: the default router, which must keep the turn home until twice the extra work
+    for set in [None, Some(0.0), Some(0.5), Some(1.0), Some(2.0)] {
+        let w = set.unwrap_or(1.0);
+        let mut c = cache();
+        serve(&mut c, &history, 0);
+        let mut r = Router::new(2, model(), 1 << 20);
+        if let Some(w) = set {
+            r.set_delay_weight(w).unwrap();
+        }
+        publish(&mut r, 0, &mut c);
+        // every turn at the same instant: each one kept home adds its 8 ms to instance 0
+        let mut home = 0;
+        let queue_at_move = loop {
+            let q0 = r.queues()[0];
+            let (i, e) = r.route(&turn, &plain(), 0.0).unwrap();
+            if i != 0 {
+                assert_eq!(e.compute_s, 0.032, "weight {w}");
+                break q0;
+            }
+            assert_eq!(e.gpu_pages, 6);
+            home += 1;
+            assert!(home < 100, "weight {w}: never moved");
+        };
+        // It moves at the first queue where staying costs at least as much (ties go to the
+        // shorter queue): within one turn's work (8 ms) above (1 + w) x the extra work.
+        let threshold = (1.0 + w) * extra_s;
+        assert!(
+            queue_at_move >= threshold - 1e-9 && queue_at_move < threshold + 0.008,
+            "weight {w}: moved at a queue of {queue_at_move} s after {home} turns, threshold {threshold} s"
+        );
+    }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::Parser;
 use kvtier_router::cluster::Keys;
 use kvtier_router::launch::{self, ByteSize, Config, EndpointSpec};
-use kvtier_router::{ClusterIndex, CostModel};
+use kvtier_router::{ClusterIndex, CostModel, DELAY_WEIGHT};
 
 #[derive(Parser, Debug)]
 #[command(name = "kvtier-router", version, about)]
@@ -50,6 +50,10 @@ struct Args {
     /// Shared-store-to-device bandwidth, GB/s.
     #[arg(long, default_value_t = 10.0)]
     l3_gbps: f64,
+    /// Weight of a request's work in its routing cost (its TTFT + weight x its work: the delay
+    /// it imposes on the requests behind it); 0 routes by the request's own TTFT alone.
+    #[arg(long, default_value_t = DELAY_WEIGHT)]
+    delay_weight: f64,
     /// Wait for each message of a replay or snapshot answer, milliseconds.
     #[arg(long, default_value_t = 500)]
     replay_timeout_ms: u64,
@@ -91,6 +95,14 @@ fn config(a: &Args) -> Result<Config, String> {
             prefill_tokens_per_s: positive("prefill-tokens-per-s", a.prefill_tokens_per_s)?,
             host_bytes_per_s: positive("host-gbps", a.host_gbps)? * 1e9,
             l3_bytes_per_s: positive("l3-gbps", a.l3_gbps)? * 1e9,
+        },
+        delay_weight: if a.delay_weight.is_finite() && a.delay_weight >= 0.0 {
+            a.delay_weight
+        } else {
+            return Err(format!(
+                "--delay-weight must be a number at least 0, not {}",
+                a.delay_weight
+            ));
         },
         max_pages: a.max_pages.unwrap_or(usize::MAX),
         max_index_bytes: a.max_index_bytes.0,

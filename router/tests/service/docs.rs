@@ -126,6 +126,8 @@ fn bad_flags_are_errors_not_panics() {
         // below an empty index's bytes
         (vec!["--instance", ev, "--max-index-bytes", "8"], 2),
         (vec!["--instance", ev, "--max-pages", "0"], 2),
+        (vec!["--instance", ev, "--delay-weight", "-1"], 2),
+        (vec!["--instance", ev, "--delay-weight", "NaN"], 2),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvtier-router"))
             .args(&args)

@@ -106,6 +106,7 @@ pub async fn router(
         instances,
         storage,
         model: model(),
+        delay_weight: kvtier_router::DELAY_WEIGHT,
         max_pages,
         max_index_bytes: usize::MAX,
         keys,
