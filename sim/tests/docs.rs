@@ -1,5 +1,5 @@
 //! Every `kvtier` command in the shell blocks of docs/sim.md, docs/sim/policies.md,
-//! docs/sim/shadow.md and docs/router.md runs (with `--dry-run`: flags, config
+//! docs/sim/shadow.md, docs/router.md and docs/router/whole-traces.md runs (with `--dry-run`: flags, config
 //! files and workloads are checked, nothing is simulated), so the documentation cannot drift
 //! from the command line. Measured figures in the document name their commands the same way.
 
@@ -48,6 +48,7 @@ fn every_documented_command_runs() {
         "docs/sim/policies.md",
         "docs/sim/shadow.md",
         "docs/router.md",
+        "docs/router/whole-traces.md",
     ]
     .iter()
     .map(|p| std::fs::read_to_string(root.join(p)).unwrap())
