@@ -236,12 +236,8 @@ impl Cluster {
             return Some(self.decided(i, est, Basis::Cache, &all));
         }
         let all = self.router.estimates_of(&hashes, tokens.len());
-        let (i, est) = all
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !exclude.contains(i))
-            .min_by(|(i, a), (j, b)| a.ttft_s().total_cmp(&b.ttft_s()).then(i.cmp(j)))
-            .map(|(i, e)| (i, *e))?;
+        // the same rule as a first choice, among the instances left
+        let (i, est) = self.router.cheapest(&all, |i| !exclude.contains(&i))?;
         Some(self.decided(i, est, Basis::Cache, &all))
     }
 

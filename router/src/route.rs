@@ -241,10 +241,26 @@ impl Router {
         }
         self.advance(now_s);
         let ests = self.estimates_of(hashes, tokens);
+        let (best, est) = self
+            .cheapest(&ests, |_| true)
+            .ok_or(RouteError::NoInstances)?;
+        let memory_s = self.occupancy.map_or(0.0, |o| o.memory_s(tokens, output));
+        self.queues[best] += est.work_s().max(memory_s);
+        Ok((best, est))
+    }
+
+    /// The instance where a request with these estimates (one per instance) costs least, among
+    /// those `allowed` admits: the decision rule of the module docs, ties to the shorter queue,
+    /// then the lower index. `None` when none is allowed.
+    pub fn cheapest(
+        &self,
+        ests: &[Estimate],
+        allowed: impl Fn(usize) -> bool,
+    ) -> Option<(usize, Estimate)> {
         let w = self.delay_weight;
-        let (best, est) = ests
-            .iter()
+        ests.iter()
             .enumerate()
+            .filter(|(i, _)| allowed(*i))
             .min_by(|(i, a), (j, b)| {
                 a.cost_s(w)
                     .total_cmp(&b.cost_s(w))
@@ -252,10 +268,6 @@ impl Router {
                     .then(i.cmp(j))
             })
             .map(|(i, e)| (i, *e))
-            .ok_or(RouteError::NoInstances)?;
-        let memory_s = self.occupancy.map_or(0.0, |o| o.memory_s(tokens, output));
-        self.queues[best] += est.work_s().max(memory_s);
-        Ok((best, est))
     }
 
     fn advance(&mut self, now_s: f64) {

@@ -128,6 +128,13 @@ proptest! {
             // routing advanced the clock first: compare against the prices at that time
             let cost = est.ttft_s() + w * est.work_s();
             prop_assert!(cost <= best + 1e-12, "chose {} at {} over {}", chosen, cost, best);
+            // a failover's choice (the chosen instance excluded) follows the same rule
+            if let Some((other, e)) = r.cheapest(&ests, |i| i != chosen) {
+                let second = ests.iter().enumerate().filter(|(i, _)| *i != chosen)
+                    .map(|(_, e)| e.ttft_s() + w * e.work_s()).fold(f64::INFINITY, f64::min);
+                prop_assert!(other != chosen && e == ests[other]);
+                prop_assert!(e.ttft_s() + w * e.work_s() <= second + 1e-12);
+            }
         }
     }
 }
