@@ -94,14 +94,19 @@ impl Client {
         }
     }
 
-    fn live(&self) -> Vec<(i64, Vec<u8>)> {
-        let mut out = Vec::new();
-        while let Ok(f) = self.sub.recv_multipart(0) {
-            assert_eq!(f.len(), 3, "[topic, seq, payload]");
-            out.push((
-                i64::from_be_bytes(f[1].as_slice().try_into().unwrap()),
-                f[2].clone(),
-            ));
+    /// The live batches, up to the one numbered `last`: received until it arrives (or 20 s
+    /// pass, however late the publisher thread runs), not until a quiet spell.
+    fn live(&self, last: i64) -> Vec<(i64, Vec<u8>)> {
+        let mut out: Vec<(i64, Vec<u8>)> = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while out.last().map(|l| l.0) != Some(last) && std::time::Instant::now() < deadline {
+            if let Ok(f) = self.sub.recv_multipart(0) {
+                assert_eq!(f.len(), 3, "[topic, seq, payload]");
+                out.push((
+                    i64::from_be_bytes(f[1].as_slice().try_into().unwrap()),
+                    f[2].clone(),
+                ));
+            }
         }
         out
     }
@@ -137,7 +142,7 @@ fn live_stream_and_replay_carry_every_batch_in_order() {
     // publisher thread, so on a loaded machine batches 0..5 may reach the PUB after the
     // subscription (joined < 5), and the PUB may take the subscription late (joined > 5).
     // What cannot happen is a gap, a reordering, or missing the last batch.
-    let live = c.live();
+    let live = c.live(9);
     let joined = want.len().saturating_sub(live.len());
     assert!(
         joined < want.len(),
@@ -186,7 +191,7 @@ fn a_subscriber_whose_history_is_gone_recovers_from_a_snapshot() {
         b.iter().for_each(|e| truth.apply(e));
     }
     // the batches reach the publisher thread asynchronously: wait until the last one is out
-    assert_eq!(c.live().last().map(|l| l.0), Some(9));
+    assert_eq!(c.live(9).last().map(|l| l.0), Some(9));
     let replayed = c.request(0u64.to_be_bytes());
     assert_eq!(
         replayed.first().map(|r| r.0),
