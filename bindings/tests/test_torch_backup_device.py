@@ -11,7 +11,7 @@ import kvtier
 from kvtier.engine import KvtierL3Backend
 from kvtier.torch import Direction, Executor, ExecutorError, Ordering, TorchMover
 from conftest import HandOp
-from test_torch_executor import KEYS, dev_page_as_host, get_l3, pools, slow
+from test_torch_executor import KEYS, dev_page_as_host, get_l3, held, pools
 
 
 def test_backup_of_device_pages_stores_their_bytes_chunk_by_chunk():
@@ -42,7 +42,8 @@ def test_device_backup_waits_for_the_load_back_filling_its_page(ordering):
     dev, host = pools()
     host.data[2] = -5.0
     store = kvtier.L3Store.embedded(1 << 22)
-    mover = TorchMover(delay=slow({Direction.LOAD: 0.1}))
+    # the load-back waits until the backup stored its key (UNCHECKED), or HOLD_S
+    mover = TorchMover(delay=held(Direction.LOAD, lambda: store.is_exist(KEYS[0])))
     with Executor(dev, host, KvtierL3Backend(store), mover=mover, ordering=ordering) as ex:
         ex.submit([HandOp(1, "LoadBack", "host", "device", [2], [3])])
         ex.submit([HandOp(2, "BackUp", "device", None, [3], (), KEYS[:1])])
@@ -60,7 +61,8 @@ def test_a_device_page_is_not_overwritten_while_a_backup_still_reads_it(ordering
     before = dev_page_as_host(dev, 4)
     host.data[6] = -9.0
     store = kvtier.L3Store.embedded(1 << 22)
-    mover = TorchMover(delay=slow({Direction.STORE: 0.3}))
+    # the backup's staging copy waits until the load-back overwrote its page (UNCHECKED)
+    mover = TorchMover(delay=held(Direction.STORE, lambda: bool((dev.k(0)[4] == -9).all())))
     with Executor(dev, host, KvtierL3Backend(store), mover=mover, ordering=ordering) as ex:
         ex.submit([HandOp(1, "BackUp", "device", None, [4], (), KEYS[:1])])
         ex.submit([HandOp(2, "LoadBack", "host", "device", [6], [4])])  # the page, released and reused

@@ -3,6 +3,7 @@ ordering rules, each proven with copies delayed on purpose. Every rule's test al
 ``Ordering.UNCHECKED`` and must then see the corruption the rule prevents (so the test can
 fail)."""
 
+import threading
 import time
 
 import numpy as np
@@ -51,21 +52,50 @@ def slow(direction_delays):
     return lambda d, layers: time.sleep(direction_delays.get(d, 0.0))
 
 
+# What an ordering rule holds back must stay held however slow the machine is, and what
+# ``Ordering.UNCHECKED`` lets through must be seen however slow: a copy is held until the
+# racing operation's effect is visible, or for HOLD_S when the rule keeps it from happening.
+HOLD_S = 1.5
+
+
+def until(cond, timeout=HOLD_S):
+    """Waits until ``cond()`` holds or ``timeout`` seconds pass; returns whether it held."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def held(direction, cond):
+    """A delay hook: copies in ``direction`` wait until ``cond()`` holds (at most HOLD_S)."""
+    return lambda d, layers: until(cond) if d == direction else None
+
+
 class SlowBackend(KvtierL3Backend):
     """kvtier's embedded store, with puts and reads that take ``delay`` seconds (the bytes land
     at the end of the call, as a DMA would)."""
 
-    def __init__(self, store, delay=0.0):
+    def __init__(self, store, delay=0.0, put_when=None, read_gate=None):
         super().__init__(store)
         self.delay = delay
+        self.put_when = put_when  # a put waits for it (at most HOLD_S), if given
+        self.read_gate = read_gate  # a read waits for it to be set (at most 10 s), if given
+        self.reading = threading.Event()  # set when a read starts
         self.landed = []
 
     def put(self, keys, pool, page_ids):
         time.sleep(self.delay)
+        if self.put_when is not None:
+            until(self.put_when)
         return super().put(keys, pool, page_ids)
 
     def get_with_query(self, q, offset, pool, page_ids):
+        self.reading.set()
         time.sleep(self.delay)
+        if self.read_gate is not None:
+            self.read_gate.wait(10)
         r = super().get_with_query(q, offset, pool, page_ids)
         self.landed.append(time.monotonic())
         return r
@@ -105,16 +135,18 @@ def test_poll_reports_a_copy_once_and_only_after_it_landed():
 def test_per_layer_waits_let_layer_0_start_while_later_layers_load():
     dev, host = pools()
     host.data.fill_(-1.0)
-    layer_delay = lambda d, layers: time.sleep(0.4 if layers[0] > 0 else 0.0)
+    # layers past 0 are held until the test lets them go (10 s at most: a wait for layer 0
+    # that waited for them too would then see the last layer landed, and fail)
+    later_layers = threading.Event()
+    layer_delay = lambda d, layers: later_layers.wait(10) if layers[0] > 0 else None
     with Executor(dev, host, mover=TorchMover(delay=layer_delay)) as ex:
         op = HandOp(1, "LoadBack", "host", "device", [3], [5], before_forward=True)
         ex.submit([op])
-        t0 = time.monotonic()
         ex.wait_before_forward(Plan([op]), LoadWait.PER_LAYER)
         ex.wait_for_layer(0)
-        assert time.monotonic() - t0 < 0.3
         assert (dev.k(0)[5] == -1).all()  # layer 0 landed
         assert not (dev.k(LAYERS - 1)[5] == -1).any()  # the last layer has not
+        later_layers.set()
         for l in range(LAYERS):
             ex.wait_for_layer(l)
         assert (dev.k(LAYERS - 1)[5] == -1).all() and (dev.v(LAYERS - 1)[5] == -1).all()
@@ -157,7 +189,8 @@ def test_bad_ops_raise_executor_error_and_start_nothing():
 def test_backup_never_reads_a_host_page_before_the_write_back_filling_it(ordering):
     dev, host = pools()
     store = kvtier.L3Store.embedded(1 << 22)
-    mover = TorchMover(delay=slow({Direction.STORE: 0.3}))
+    # the write-back waits until the backup stored its key (UNCHECKED), or HOLD_S
+    mover = TorchMover(delay=held(Direction.STORE, lambda: store.is_exist(KEYS[0])))
     with Executor(dev, host, KvtierL3Backend(store), mover=mover, ordering=ordering) as ex:
         ex.submit([HandOp(1, "WriteBack", "device", "host", [2], [5])])
         ex.submit([HandOp(2, "BackUp", "host", None, [5], (), KEYS[:1])])
@@ -175,7 +208,8 @@ def test_a_device_page_is_not_overwritten_while_a_write_back_still_reads_it(orde
     dev, host = pools()
     host.data[6] = -7.0
     before = dev_page_as_host(dev, 3)
-    mover = TorchMover(delay=slow({Direction.STORE: 0.3}))
+    # the write-back waits until the load-back overwrote its page (UNCHECKED), or HOLD_S
+    mover = TorchMover(delay=held(Direction.STORE, lambda: bool((dev.k(0)[3] == -7).all())))
     with Executor(dev, host, mover=mover, ordering=ordering) as ex:
         # the scheduler released device page 3 (the write-back is its last reader) and reuses it
         ex.submit([HandOp(1, "WriteBack", "device", "host", [3], [1])])
@@ -193,7 +227,9 @@ def test_a_host_page_is_not_overwritten_while_a_backup_still_reads_it(ordering):
     dev, host = pools()
     host.data[4] = 42.0
     store = kvtier.L3Store.embedded(1 << 22)
-    with Executor(dev, host, SlowBackend(store, delay=0.3), ordering=ordering) as ex:
+    # the backup's put waits until the write-back overwrote its page (UNCHECKED), or HOLD_S
+    backend = SlowBackend(store, put_when=lambda: not bool((host.page(4) == 42).all()))
+    with Executor(dev, host, backend, ordering=ordering) as ex:
         ex.submit([HandOp(1, "BackUp", "host", None, [4], (), KEYS[1:2])])
         ex.submit([HandOp(2, "WriteBack", "device", "host", [0], [4])])
         ex.drain()
@@ -210,19 +246,25 @@ def test_a_terminated_prefetch_is_reported_after_its_in_flight_reads_landed(orde
     store = kvtier.L3Store.embedded(1 << 22)
     src = np.arange(8 * LAYOUT.page_bytes // 4, dtype=np.float32).view(np.uint8).reshape(8, -1)
     assert (store.batch_put_from(KEYS[:8], [src[i] for i in range(8)]) == 0).all()
-    backend = SlowBackend(store, delay=0.25)
+    reads = threading.Event()  # the reads are held until the test lets them go
+    backend = SlowBackend(store, read_gate=reads)
     with Executor(dev, host, backend, ordering=ordering, prefetch_chunk_pages=2) as ex:
         ex.submit([HandOp(1, "Prefetch", None, "host", (), list(range(8)), KEYS[:8])])
-        time.sleep(0.1)  # the first read (pages 0-1) is in flight
+        assert backend.reading.wait(10)  # the first read (pages 0-1) is in flight
         ex.terminate([1])
+        # UNCHECKED reports at once; ENFORCED must not while the read is held (HOLD_S)
         evs = []
+        until(lambda: bool(evs.extend(ex.poll()) or evs))
+        reported = time.monotonic() if evs else None
+        reads.set()
         while not evs:
             evs = ex.poll()
             time.sleep(0.001)
-        reported = time.monotonic()
+        reported = reported or time.monotonic()
         assert len(evs) == 1 and isinstance(evs[0], PrefetchDone)
         completed = evs[0].completed
-        time.sleep(0.4)  # anything still in flight lands now
+        ex.drain()
+        assert until(lambda: len(backend.landed) > 0, timeout=10)  # the held read landed
         landed = list(backend.landed)
     if ordering == Ordering.ENFORCED:
         assert landed and max(landed) <= reported  # nothing was written after the report
@@ -238,12 +280,14 @@ def test_probe_runs_on_its_own_lane_next_to_a_slow_prefetch():
     dev, host = pools()
     store = kvtier.L3Store.embedded(1 << 22)
     store.put(KEYS[0], np.zeros(LAYOUT.page_bytes, dtype=np.uint8))
-    with Executor(dev, host, SlowBackend(store, delay=0.5), l3_workers=1) as ex:
+    reads = threading.Event()  # the prefetch's read is held until the probe answered
+    backend = SlowBackend(store, read_gate=reads)
+    with Executor(dev, host, backend, l3_workers=1) as ex:
         ex.submit([HandOp(1, "Prefetch", None, "host", (), [0], KEYS[:1])])
         ex.submit([HandOp(2, "L3Query", keys=KEYS[:2])])
-        t0 = time.monotonic()
         evs = ex.poll(require=[2])
-        assert time.monotonic() - t0 < 0.4
+        assert backend.landed == [], "the probe waited for the prefetch's read"
+        reads.set()
         probe = [e for e in evs if type(e).__name__ == "L3QueryDone"]
         assert probe and probe[0].hit_pages == 1
         assert ex.stats.l3_probes == 1

@@ -58,14 +58,20 @@ class Subscriber:
         self.replay.connect(pub.replay_endpoint)
         time.sleep(0.2)
 
-    def live(self):
+    def live(self, last: int):
+        """The live stream up to batch `last`: read until it arrives (20 s at most), not until
+        a quiet spell (a publisher thread late by that much would truncate the stream)."""
         out = []
-        while True:
+        deadline = time.monotonic() + 20
+        while not out or out[-1][0] < last:
             try:
                 topic, seq, payload = self.sub.recv_multipart()
             except zmq.Again:
-                return out
+                if time.monotonic() > deadline:
+                    return out
+                continue
             out.append((int.from_bytes(seq, "big", signed=True), DECODER.decode(payload)))
+        return out
 
     def request(self, start: bytes):
         self.replay.send_multipart([b"", start])
@@ -146,7 +152,7 @@ def test_vllm_decodes_every_batch_and_a_router_index_matches_the_cache(fmt):
         try:
             seqs = workload(e, pub, s)
             assert seqs == list(range(len(seqs))) and len(seqs) >= 3
-            live = sub.live()
+            live = sub.live(seqs[-1])
             assert [q for q, _ in live] == seqs, "every batch, in order, on the live stream"
             index = {}
             for _, b in live:
@@ -190,8 +196,8 @@ def test_adapters_travel_as_lora_name():
             e.submit(1, prompt(1, 16), 2, adapter="sql-lora")
             e.submit(2, prompt(2, 16), 2)
             e.run_to_idle()
-            pub.publish_from(s, ts=1.0)
-            (_, b), = sub.live()
+            seq = pub.publish_from(s, ts=1.0)
+            (_, b), = sub.live(seq)
             names = {ev.lora_name for ev in b.events if isinstance(ev, BlockStored)}
             assert names == {"sql-lora", None}
         finally:

@@ -47,12 +47,20 @@ async fn a_real_gap_is_recovered_by_replay_to_the_exact_index() {
     };
     let r = router(vec![spec], None, 1 << 20, Keys::Engine).await;
     joined(&r).await;
-    for b in &batches {
+    // two separate gaps: the replay of the first could reach past batch 6 (and cover the
+    // second) if 6 went out before it ran, so batch 6 waits until the first is recovered
+    let c = Arc::clone(&r.cluster);
+    for (i, b) in batches.iter().enumerate() {
+        if i == 6 {
+            until("the first gap recovered", || {
+                c.lock().expect("lock").streams[0].next_seq == Some(6)
+            })
+            .await;
+        }
         p.publish(0.0, b).expect("publish");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let want = reference(std::slice::from_ref(&batches), 1 << 20).entries();
-    let c = Arc::clone(&r.cluster);
     until("index equals the clean stream's", || {
         c.lock().expect("lock").router().index().entries() == want
     })
@@ -134,17 +142,31 @@ async fn dead_and_garbage_publishers_never_fail_a_request() {
     };
     let good = publisher();
     let r = router(vec![dead, bad, spec(&good)], None, 1 << 20, Keys::Engine).await;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let c = Arc::clone(&r.cluster);
+    // the healthy stream syncs (the others never can), then its SUB socket joins
+    until("the healthy stream synced", || {
+        c.lock().expect("lock").streams[2].next_seq.is_some()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let hot = tokens(7, 8);
     good.publish(0.0, &[stored(&hot, Medium::Gpu)])
         .expect("publish");
-    for i in 0u64..20 {
-        let _ =
-            garbage.send_multipart([&b""[..], &i.to_be_bytes()[..], &b"\xc1not msgpack"[..]], 0);
-        let _ = garbage.send_multipart([&b"x"[..]], 0); // one frame: not a batch
-        let _ = garbage.send_multipart([&b""[..], &b"short"[..], &b"\x90"[..]], 0);
-    }
-    let c = Arc::clone(&r.cluster);
+    // garbage goes out in bursts until the router has heard 20 of it: a burst sent before
+    // its SUB socket joined is dropped by ZMQ, not seen
+    let mut i = 0u64;
+    until("20 garbage batches heard", || {
+        for _ in 0..20 {
+            let bad_payload = garbage
+                .send_multipart([&b""[..], &i.to_be_bytes()[..], &b"\xc1not msgpack"[..]], 0);
+            let one_frame = garbage.send_multipart([&b"x"[..]], 0); // not a batch
+            let short_seq = garbage.send_multipart([&b""[..], &b"short"[..], &b"\x90"[..]], 0);
+            assert!(bad_payload.and(one_frame).and(short_seq).is_ok(), "send");
+            i += 1;
+        }
+        c.lock().expect("lock").streams[1].counters.garbage >= 20
+    })
+    .await;
     until("the hot prefix is indexed", || {
         c.lock().expect("lock").router().index().tier_pages().0[2].0 == 8
     })
@@ -305,7 +327,12 @@ async fn a_restarted_publisher_replaces_its_instances_pages() {
         ..kvtier_events::PublisherConfig::default()
     })
     .expect("rebind");
-    tokio::time::sleep(Duration::from_millis(500)).await; // the SUB reconnects
+    // the SUB reconnects (and resyncs) before the new incarnation publishes: a batch sent
+    // before would be in the resync's snapshot, not seen as a restart
+    until("the SUB reconnected", || {
+        c.lock().expect("lock").streams[0].counters.reconnects >= 1
+    })
+    .await;
     let fresh = tokens(9, 2);
     new.publish(0.0, &[stored(&fresh, Medium::Gpu)])
         .expect("publish");

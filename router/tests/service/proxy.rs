@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use crate::common::*;
 use kvtier_events::{Medium, Publisher};
@@ -211,8 +210,13 @@ async fn a_refused_connection_goes_to_the_next_best_and_no_tokenizer_means_load_
     let stats = http(r.addr, "GET", "/stats", None).await.json();
     assert_eq!(stats["routed_load_only"], 1, "{stats}");
     // every instance refusing is a 502 with a typed error, not a hang or a panic
+    let gone = u1.addr;
     drop(u1);
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // its listener closes when the runtime cancels the task: wait for that, not a fixed time
+    until("the upstream's port refuses", || {
+        std::net::TcpStream::connect(gone).is_err()
+    })
+    .await;
     let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
     assert_eq!(got.status, 502);
     assert_eq!(got.json()["error"]["type"], "upstream_unavailable");
