@@ -5,7 +5,7 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvtier_events::{HashFormat, Medium};
 use kvtier_radix::{HashScope, page_hashes};
-use kvtier_router::{CostModel, IndexEvent, Router};
+use kvtier_router::{CostModel, IndexEvent, Occupancy, Router};
 
 fn bench(c: &mut Criterion) {
     let model = CostModel::h100_llama8b();
@@ -53,6 +53,33 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             t += 1.0;
             r.route_hashes(&hs, prompt.len(), t).map(|x| x.0)
+        })
+    });
+    // Closed-loop routing as the simulator does it: 8 running requests of 4K tokens booked
+    // on each instance (sharing their first 1K tokens), then per iteration one request
+    // routed, its first token and its end reported (the running set stays the same).
+    r.set_occupancy(Some(Occupancy {
+        device_tokens: 131_072.0,
+        decode_step_s: 0.01,
+    }));
+    let mut id = 0u64;
+    for k in 0..64u64 {
+        let mut other: Vec<u64> = hs[..64].to_vec();
+        other.extend((64..256u64).map(|p| ((k + 1000) << 40) | p));
+        r.route_tracked(k, &other, prompt.len(), 128, 0.0)
+            .expect("route");
+        r.first_token(k, 0.01);
+        id = k + 1;
+    }
+    c.bench_function("route_tracked_4k_tokens_8_instances", |b| {
+        let mut t = 1.0;
+        b.iter(|| {
+            t += 0.001;
+            id += 1;
+            let x = r.route_tracked(id, &hs, prompt.len(), 128, t).map(|x| x.0);
+            r.first_token(id, t + 0.02);
+            r.finished(id, t + 0.5);
+            x
         })
     });
     c.bench_function("hash_4k_tokens", |b| {

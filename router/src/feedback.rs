@@ -8,56 +8,123 @@
 //! end anyway, so with them the queue is closed-loop:
 //! - pending prefill: the estimated work of the instance's requests that have no first token
 //!   yet, removed at the first token;
-//! - memory: the prompt + output tokens of its requests that have not ended; what a new
-//!   request would add beyond the device's capacity waits for running requests to end, that
-//!   share of the instance's mean decode time (first token to end, learnt from the ends seen,
-//!   an exponential average).
+//! - memory: the KV of its requests that have not ended, each prompt page counted once however
+//!   many of them share it (a system prompt shared by every running request is on the device
+//!   once), plus their outputs; what a new request would add beyond the device's capacity
+//!   (its pages not already held there, and its output) waits for running requests to end,
+//!   that share of the instance's mean decode time (first token to end, learnt from the ends
+//!   seen, an exponential average).
+//!
+//! - lateness: how much later than predicted the instance's first tokens have come (an
+//!   exponential average of observed − predicted TTFT, learnt at each first token).
+//!
+//! Why each page once: counted per request, a chat's 1,024-token system prompt was counted
+//! once per running request, and the memory term then said 56 ms on average where the
+//! requests waited no longer than those without one (docs/router.md, "Learning the queue").
+//!
+//! Why lateness: what the model leaves out is not zero and not the same on every instance.
+//! On the chat at 4 instances and 85 % load, a request routed to an instance with no pending
+//! prefill still waited 21 ms for its first token (the forward passes it joins carry every
+//! running request's decode row); one whose instance had 40 ms pending waited 50. The
+//! instance whose requests come late is the busy one, so learning it per instance is what
+//! steers the next request away, and an estimate that over-states (a memory term where
+//! memory frees faster than the average decode says) is corrected the same way. The queue
+//! never goes below 0.
 //!
 //! A booking the caller never closes stays counted: a front end must report every end
 //! (finished, aborted or failed), as it must to free the request anyway.
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+
+use crate::index::PageKeyHasher;
+
+/// Page hash → how many running requests hold it (the keys are hashes already).
+type HeldPages = HashMap<u64, u32, BuildHasherDefault<PageKeyHasher>>;
 
 /// Weight of the latest decode time in the instance's average.
 pub const DECODE_EWMA: f64 = 0.1;
 
+/// Weight of the latest first token's lateness (observed TTFT − predicted) in the instance's
+/// average. The figures hardly move between 0.02 and 0.5 (docs/router.md, "Learning the
+/// queue").
+pub const LATE_EWMA: f64 = 0.1;
+
 struct Booking {
     instance: usize,
     work_s: f64,
-    held_tokens: f64,
+    /// The prompt's whole pages (their hashes), held while the request runs.
+    pages: Vec<u64>,
+    /// Tokens held outside those pages: the prompt's partial last page and the output.
+    extra_tokens: f64,
     prefilled_at: Option<f64>,
+    /// When it was routed, and the TTFT predicted then: its first token says how late it was.
+    routed_at: f64,
+    predicted_s: f64,
+}
+
+/// What a request holds on its instance's device while it runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Held<'a> {
+    /// Its prompt's whole pages, by hash.
+    pub pages: &'a [u64],
+    /// Its other tokens: the prompt's partial last page and the output.
+    pub extra_tokens: f64,
 }
 
 pub struct Feedback {
     device_tokens: f64,
+    page_tokens: f64,
     booked: HashMap<u64, Booking>,
     pending_s: Vec<f64>,
-    held: Vec<f64>,
+    /// Per instance: the prompt pages its running requests hold, each with how many hold it.
+    /// Invariant: the count is the number of booked requests on that instance listing the
+    /// page, and a page with none is not in the map.
+    held_pages: Vec<HeldPages>,
+    /// Per instance: the booked requests' `extra_tokens`, summed.
+    held_extra: Vec<f64>,
     decode_s: Vec<f64>,
+    /// Per instance: how much later than predicted its first tokens come, an exponential
+    /// average; added to its queue (the model's bias there, learnt).
+    late_s: Vec<f64>,
 }
 
 impl Feedback {
-    /// `instances` instances whose devices hold `device_tokens` tokens of KV each.
-    pub fn new(instances: usize, device_tokens: f64) -> Self {
+    /// `instances` instances whose devices hold `device_tokens` tokens of KV each, in pages of
+    /// `page_tokens` tokens.
+    pub fn new(instances: usize, device_tokens: f64, page_tokens: usize) -> Self {
         Self {
             device_tokens,
+            page_tokens: page_tokens as f64,
             booked: HashMap::new(),
             pending_s: vec![0.0; instances],
-            held: vec![0.0; instances],
+            held_pages: vec![HeldPages::default(); instances],
+            held_extra: vec![0.0; instances],
             decode_s: vec![0.0; instances],
+            late_s: vec![0.0; instances],
         }
     }
 
-    /// Seconds a new request holding `tokens` tokens would wait on `instance`.
-    pub fn queue_s(&self, instance: usize, tokens: f64) -> f64 {
-        let (Some(p), Some(h), Some(d)) = (
+    /// Tokens of KV the running requests of `instance` hold.
+    pub fn held_tokens(&self, instance: usize) -> f64 {
+        match (self.held_pages.get(instance), self.held_extra.get(instance)) {
+            (Some(p), Some(e)) => p.len() as f64 * self.page_tokens + e,
+            _ => 0.0,
+        }
+    }
+
+    /// Seconds a new request holding `held` would wait on `instance`.
+    pub fn queue_s(&self, instance: usize, held: Held<'_>) -> f64 {
+        let (Some(p), Some(pages), Some(d)) = (
             self.pending_s.get(instance),
-            self.held.get(instance),
+            self.held_pages.get(instance),
             self.decode_s.get(instance),
         ) else {
             return 0.0;
         };
-        let over = (h + tokens - self.device_tokens).max(0.0);
+        let new_pages = held.pages.iter().filter(|h| !pages.contains_key(h)).count();
+        let adds = new_pages as f64 * self.page_tokens + held.extra_tokens;
+        let over = (self.held_tokens(instance) + adds - self.device_tokens).max(0.0);
         let memory = if self.device_tokens > 0.0 {
             (over / self.device_tokens).min(1.0) * d
         } else {
@@ -66,21 +133,42 @@ impl Feedback {
         p + memory
     }
 
-    /// Request `id` was routed to `instance`: `work_s` of prefill, `held_tokens` of KV.
-    pub fn book(&mut self, id: u64, instance: usize, work_s: f64, held_tokens: f64) {
+    /// How much later than predicted `instance`'s first tokens come (negative: earlier).
+    pub fn late_s(&self, instance: usize) -> f64 {
+        self.late_s.get(instance).copied().unwrap_or(0.0)
+    }
+
+    /// Request `id` was routed to `instance` at `now_s`: `work_s` of prefill, a TTFT of
+    /// `predicted_s` as modelled (without the instance's lateness), holding `held` of KV while
+    /// it runs.
+    pub fn book(
+        &mut self,
+        id: u64,
+        instance: usize,
+        work_s: f64,
+        predicted_s: f64,
+        now_s: f64,
+        held: Held<'_>,
+    ) {
         if instance >= self.pending_s.len() {
             return;
         }
         self.finished(id, None);
         self.pending_s[instance] += work_s;
-        self.held[instance] += held_tokens;
+        for &h in held.pages {
+            *self.held_pages[instance].entry(h).or_insert(0) += 1;
+        }
+        self.held_extra[instance] += held.extra_tokens;
         self.booked.insert(
             id,
             Booking {
                 instance,
                 work_s,
-                held_tokens,
+                pages: held.pages.to_vec(),
+                extra_tokens: held.extra_tokens,
                 prefilled_at: None,
+                routed_at: now_s,
+                predicted_s,
             },
         );
     }
@@ -92,6 +180,9 @@ impl Feedback {
         };
         if b.prefilled_at.is_none() {
             b.prefilled_at = Some(now_s);
+            let late = (now_s - b.routed_at) - b.predicted_s;
+            let l = &mut self.late_s[b.instance];
+            *l += LATE_EWMA * (late - *l);
             let p = &mut self.pending_s[b.instance];
             *p = (*p - b.work_s).max(0.0);
         }
@@ -114,7 +205,16 @@ impl Feedback {
                 }
             }
         }
-        self.held[i] = (self.held[i] - b.held_tokens).max(0.0);
+        let pages = &mut self.held_pages[i];
+        for h in &b.pages {
+            if let Some(n) = pages.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    pages.remove(h);
+                }
+            }
+        }
+        self.held_extra[i] = (self.held_extra[i] - b.extra_tokens).max(0.0);
         true
     }
 
@@ -129,41 +229,119 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn held(pages: &[u64], extra: f64) -> Held<'_> {
+        Held {
+            pages,
+            extra_tokens: extra,
+        }
+    }
+
     #[test]
     fn pending_prefill_leaves_at_the_first_token_and_memory_at_the_end() {
-        let mut f = Feedback::new(2, 1000.0);
-        f.book(1, 0, 0.5, 600.0);
-        assert_eq!(f.queue_s(0, 100.0), 0.5);
+        let mut f = Feedback::new(2, 1000.0, 100);
+        let six: Vec<u64> = (0..6).collect();
+        // routed at 0.5 with 0.5 s of work: its first token at 1.0 is on time
+        f.book(1, 0, 0.5, 0.5, 0.5, held(&six, 0.0));
+        assert_eq!(f.queue_s(0, held(&[], 100.0)), 0.5);
         assert!(f.first_token(1, 1.0));
-        assert_eq!(f.queue_s(0, 100.0), 0.0);
+        assert_eq!(f.queue_s(0, held(&[], 100.0)), 0.0);
         // 600 held + 600 new is 200 over 1000: a fifth of the decode time, once learnt.
         assert!(f.finished(1, Some(3.0)));
         assert!((f.decode_s[0] - DECODE_EWMA * 2.0).abs() < 1e-12);
-        f.book(2, 0, 0.0, 600.0);
+        f.book(2, 0, 0.0, 0.0, 0.0, held(&six, 0.0));
         let d = f.decode_s[0];
-        assert!((f.queue_s(0, 600.0) - 0.2 * d).abs() < 1e-12);
+        let other: Vec<u64> = (10..16).collect();
+        assert!((f.queue_s(0, held(&other, 0.0)) - 0.2 * d).abs() < 1e-12);
         assert!(!f.first_token(9, 0.0) && !f.finished(9, None));
-        assert_eq!(f.queue_s(7, 1.0), 0.0, "an unknown instance has no queue");
+        assert_eq!(
+            f.queue_s(7, held(&[], 1.0)),
+            0.0,
+            "an unknown instance has no queue"
+        );
+    }
+
+    #[test]
+    fn a_page_shared_by_running_requests_is_held_once() {
+        let mut f = Feedback::new(1, 1000.0, 100);
+        f.decode_s[0] = 1.0;
+        let system: Vec<u64> = (0..5).collect();
+        let (mut a, mut b) = (system.clone(), system.clone());
+        a.extend([100, 101]);
+        b.extend([200, 201]);
+        f.book(1, 0, 0.0, 0.0, 0.0, held(&a, 30.0));
+        f.book(2, 0, 0.0, 0.0, 0.0, held(&b, 30.0));
+        // 5 shared + 2 + 2 own pages and 60 extra tokens: 960, not 1,460
+        assert!((f.held_tokens(0) - 960.0).abs() < 1e-9);
+        // a third sharing the system prompt adds its own 2 pages only: 160 over
+        let mut c = system.clone();
+        c.extend([300, 301]);
+        assert!((f.queue_s(0, held(&c, 0.0)) - 0.16).abs() < 1e-9);
+        // the shared pages stay held until their last holder ends
+        f.finished(1, None);
+        assert!((f.held_tokens(0) - 730.0).abs() < 1e-9);
+        f.finished(2, None);
+        assert_eq!(f.held_tokens(0), 0.0);
+        assert!(f.held_pages[0].is_empty());
+    }
+
+    #[test]
+    fn an_instance_whose_first_tokens_come_late_is_learnt_and_early_ones_too() {
+        let mut f = Feedback::new(2, 1e6, 16);
+        for k in 0..200u64 {
+            let t = k as f64;
+            // instance 0: every first token 20 ms after its predicted 10 ms
+            f.book(2 * k, 0, 0.01, 0.01, t, held(&[], 1.0));
+            assert!(f.first_token(2 * k, t + 0.03));
+            // instance 1: every first token 50 ms before its predicted 100 ms
+            f.book(2 * k + 1, 1, 0.1, 0.1, t, held(&[], 1.0));
+            assert!(f.first_token(2 * k + 1, t + 0.05));
+        }
+        assert!((f.late_s(0) - 0.02).abs() < 1e-6, "{}", f.late_s(0));
+        assert!((f.late_s(1) + 0.05).abs() < 1e-6, "{}", f.late_s(1));
+        assert_eq!(f.late_s(7), 0.0, "an unknown instance is never late");
+        // a first token reported twice is learnt once
+        let before = f.late_s(0);
+        assert!(f.first_token(398, 500.0));
+        assert_eq!(f.late_s(0), before);
     }
 
     proptest! {
-        /// Whatever the order of bookings, first tokens and ends, queues are never negative
-        /// and return to zero once every request ended.
+        /// Whatever the order of bookings, first tokens and ends, queues are never negative,
+        /// the held pages are exactly the union of the running requests' pages, and everything
+        /// returns to zero once every request ended.
         #[test]
         fn queues_stay_non_negative_and_drain(
-            ops in prop::collection::vec((0u64..12, 0usize..3, 0u8..3, 0.0f64..2.0), 1..80),
+            ops in prop::collection::vec(
+                (0u64..12, 0usize..3, 0u8..3, 0.0f64..2.0, prop::collection::vec(0u64..20, 0..6)),
+                1..80,
+            ),
         ) {
-            let mut f = Feedback::new(3, 500.0);
+            let mut f = Feedback::new(3, 500.0, 16);
             let mut t = 0.0;
-            for (id, inst, op, x) in ops {
+            let mut running: HashMap<u64, (usize, Vec<u64>)> = HashMap::new();
+            for (id, inst, op, x, pages) in ops {
                 t += x;
                 match op {
-                    0 => f.book(id, inst, x, x * 400.0),
+                    0 => {
+                        f.book(id, inst, x, x, 0.0, held(&pages, x * 40.0));
+                        running.insert(id, (inst, pages));
+                    }
                     1 => { f.first_token(id, t); }
-                    _ => { f.finished(id, Some(t)); }
+                    _ => {
+                        f.finished(id, Some(t));
+                        running.remove(&id);
+                    }
                 }
                 for i in 0..3 {
-                    prop_assert!(f.queue_s(i, 100.0) >= 0.0);
+                    prop_assert!(f.queue_s(i, held(&[1, 2], 100.0)) >= 0.0);
+                    let union: std::collections::HashSet<u64> = running
+                        .values()
+                        .filter(|(j, _)| *j == i)
+                        .flat_map(|(_, p)| p.iter().copied())
+                        .collect();
+                    let mine: std::collections::HashSet<u64> =
+                        f.held_pages[i].keys().copied().collect();
+                    prop_assert_eq!(mine, union);
                 }
             }
             for id in 0..12 {
@@ -171,7 +349,7 @@ mod tests {
             }
             prop_assert_eq!(f.booked(), 0);
             for i in 0..3 {
-                prop_assert!(f.pending_s[i].abs() < 1e-9 && f.held[i].abs() < 1e-9);
+                prop_assert!(f.pending_s[i].abs() < 1e-9 && f.held_tokens(i).abs() < 1e-9);
             }
         }
     }

@@ -23,7 +23,7 @@ use kvtier_events::HashFormat;
 use kvtier_radix::HashScope;
 
 use crate::cost::{CostModel, Estimate};
-use crate::feedback::Feedback;
+use crate::feedback::{Feedback, Held};
 use crate::index::{Budget, ClusterIndex, DecodeError, IndexEvent, decode_batch};
 use crate::occupancy::Occupancy;
 
@@ -95,8 +95,10 @@ impl Router {
 
     /// Routes `id` as [`Self::route_request`] does, and books it: from the first booking on,
     /// the queues are closed-loop ([`Feedback`]), kept from [`Self::first_token`] and
-    /// [`Self::finished`], which the caller must report for every booked request. Needs an
-    /// [`Occupancy`] for the device's capacity (without one, memory is not counted).
+    /// [`Self::finished`], which the caller must report for every booked request: pending
+    /// prefill, the memory running requests hold (each shared page once), and how late each
+    /// instance's first tokens have come against this model. Needs an [`Occupancy`] for the
+    /// device's capacity (without one, memory is not counted).
     pub fn route_tracked(
         &mut self,
         id: u64,
@@ -107,16 +109,34 @@ impl Router {
     ) -> Result<(usize, Estimate), RouteError> {
         let n = self.queues.len();
         let device_tokens = self.occupancy.map_or(0.0, |o| o.device_tokens);
+        let page_size = self.model.page_size;
         let fb = self
             .feedback
-            .get_or_insert_with(|| Feedback::new(n, device_tokens));
-        let held = (tokens + output) as f64;
+            .get_or_insert_with(|| Feedback::new(n, device_tokens, page_size));
+        let held = Held {
+            pages: hashes,
+            extra_tokens: (tokens.saturating_sub(hashes.len() * page_size) + output) as f64,
+        };
+        // The closed-loop queue plus the instance's learnt lateness, never below 0. It is not
+        // drained by the clock as the open-loop one is: the engines' first tokens and ends
+        // drain it (draining both under-stated every queue by the time since the last
+        // routing, docs/router.md, "Learning the queue").
+        let modelled: Vec<f64> = (0..n).map(|i| fb.queue_s(i, held)).collect();
         for (i, q) in self.queues.iter_mut().enumerate() {
-            *q = fb.queue_s(i, held);
+            *q = (modelled[i] + fb.late_s(i)).max(0.0);
         }
+        self.now_s = self.now_s.max(now_s);
         let (best, est) = self.route_request(hashes, tokens, output, now_s)?;
         if let Some(fb) = &mut self.feedback {
-            fb.book(id, best, est.work_s(), held);
+            // lateness is learnt against the model's own prediction, without lateness
+            fb.book(
+                id,
+                best,
+                est.work_s(),
+                modelled[best] + est.work_s(),
+                now_s,
+                held,
+            );
         }
         Ok((best, est))
     }

@@ -266,27 +266,98 @@ fn tracked_requests_spread_once_the_devices_memory_is_full() {
         device_tokens: 100.0,
         decode_step_s: 0.01,
     }));
-    let hashes: Vec<u64> = (1..=10).collect(); // 40 tokens, all on instance 0's GPU
+    // Three prompts of 40 tokens (10 pages each, none shared), all on instance 0's GPU.
+    let prompt = |k: u64| -> Vec<u64> { (10 * k + 1..=10 * k + 10).collect() };
+    for k in 1..=3 {
+        r.apply(
+            0,
+            &IndexEvent::Stored {
+                medium: Medium::Gpu,
+                hashes: prompt(k),
+            },
+        )
+        .unwrap();
+    }
+    // The first request teaches instance 0 its decode time (10 s, averaged from 0). Its first
+    // token comes when predicted (no queue, no compute): nothing late to learn.
+    assert_eq!(r.route_tracked(1, &prompt(1), 40, 20, 0.0).unwrap().0, 0);
+    assert!(r.first_token(1, 0.0) && r.finished(1, 10.0));
+    // The next one is held there (60 of 100 tokens) ...
+    assert_eq!(r.route_tracked(2, &prompt(2), 40, 20, 10.0).unwrap().0, 0);
+    assert!(r.first_token(2, 10.0));
+    // ... so the third would overflow instance 0 by 20 %: 0.2 s of its 1 s mean decode,
+    // against 0.04 s to compute its 40 tokens on instance 1.
+    let (inst, est) = r.route_tracked(3, &prompt(3), 40, 20, 10.0).unwrap();
+    assert_eq!(inst, 1);
+    assert!((est.compute_s - 0.04).abs() < 1e-9, "{est:?}");
+    assert!(!r.finished(99, 11.0), "an unknown request is not booked");
+}
+
+/// Requests sharing their prompt hold its pages once: a hot prefix that fills half the device
+/// stays where its pages are while the requests' own parts fit, though each request alone is
+/// that half.
+#[test]
+fn running_requests_sharing_a_prefix_hold_it_once() {
+    let mut r = Router::new(2, model(), 1 << 20);
+    r.set_occupancy(Some(Occupancy {
+        device_tokens: 100.0,
+        decode_step_s: 0.01,
+    }));
+    let shared: Vec<u64> = (1..=12).collect(); // 48 tokens
     r.apply(
         0,
         &IndexEvent::Stored {
             medium: Medium::Gpu,
-            hashes: hashes.clone(),
+            hashes: shared.clone(),
         },
     )
     .unwrap();
-    // The first request teaches instance 0 its decode time (10 s, averaged from 0).
-    assert_eq!(r.route_tracked(1, &hashes, 40, 20, 0.0).unwrap().0, 0);
-    assert!(r.first_token(1, 0.0) && r.finished(1, 10.0));
-    // The next one is held there (60 of 100 tokens) ...
-    assert_eq!(r.route_tracked(2, &hashes, 40, 20, 10.0).unwrap().0, 0);
-    assert!(r.first_token(2, 10.0));
-    // ... so the third would overflow instance 0 by 20 %: 0.2 s of its 1 s mean decode,
-    // against 0.04 s to compute its 40 tokens on instance 1.
-    let (inst, est) = r.route_tracked(3, &hashes, 40, 20, 10.0).unwrap();
-    assert_eq!(inst, 1);
-    assert!((est.compute_s - 0.04).abs() < 1e-9, "{est:?}");
-    assert!(!r.finished(99, 11.0), "an unknown request is not booked");
+    assert_eq!(r.route_tracked(1, &shared, 48, 2, 0.0).unwrap().0, 0);
+    assert!(r.first_token(1, 0.0) && r.finished(1, 10.0)); // a decode time of 10 s, learnt
+    // Four running requests of 50 tokens each: 48 shared + 4 × 2 own = 56 of 100 held.
+    for id in 2..=5 {
+        assert_eq!(r.route_tracked(id, &shared, 48, 2, 10.0).unwrap().0, 0);
+        assert!(r.first_token(id, 10.0));
+    }
+    let (inst, est) = r.route_tracked(6, &shared, 48, 2, 10.0).unwrap();
+    assert_eq!((inst, est.queue_s), (0, 0.0), "{est:?}");
+}
+
+/// Two instances with the same prefix on their GPUs tie, and ties go to instance 0; once
+/// instance 0's first tokens come later than predicted, the router learns it and sends the
+/// next requests to instance 1. With instance 0's first tokens early, all stay there.
+#[test]
+fn an_instance_whose_first_tokens_come_late_is_avoided() {
+    let hashes: Vec<u64> = (1..=10).collect();
+    let run = |late_s: f64| -> Vec<usize> {
+        let mut r = Router::new(2, model(), 1 << 20);
+        r.set_occupancy(Some(Occupancy {
+            device_tokens: 1e6,
+            decode_step_s: 0.01,
+        }));
+        for i in 0..2 {
+            r.apply(
+                i,
+                &IndexEvent::Stored {
+                    medium: Medium::Gpu,
+                    hashes: hashes.clone(),
+                },
+            )
+            .unwrap();
+        }
+        (0..30u64)
+            .map(|id| {
+                let t = id as f64;
+                let (inst, est) = r.route_tracked(id, &hashes, 44, 4, t).unwrap();
+                let first = t + est.ttft_s() + if inst == 0 { late_s } else { 0.0 };
+                assert!(r.first_token(id, first) && r.finished(id, first + 0.1));
+                inst
+            })
+            .collect()
+    };
+    assert!(run(-0.002).iter().all(|&i| i == 0), "early: stays");
+    let late = run(0.05);
+    assert!(late[20..].iter().all(|&i| i == 1), "{late:?}");
 }
 
 /// A weight that is negative or not finite is a typed error and leaves the weight as it was.
