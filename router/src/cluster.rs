@@ -8,9 +8,10 @@ use kvtier_radix::HashScope;
 use serde::Serialize;
 
 use crate::cost::{CostModel, Estimate};
+use crate::feedback::FirstToken;
 use crate::index::{Budget, IndexEvent, decode_batch};
 use crate::keys::{Translator, prompt_keys};
-use crate::route::Router;
+use crate::route::{Router, Tracked};
 use crate::stream::{Apply, StreamCounters};
 
 /// How pages are keyed.
@@ -72,6 +73,10 @@ pub struct Decision {
     pub l3_pages: usize,
     /// Every instance's estimated TTFT, best first order not implied (by index).
     pub ttft_by_instance: Vec<f64>,
+    /// The booking of a request routed with [`Cluster::route_tracked`], to report its first
+    /// token and end by; `None` for one routed without.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub booking: Option<u64>,
 }
 
 pub struct Cluster {
@@ -85,6 +90,7 @@ pub struct Cluster {
     in_flight: Vec<u64>,
     load_only: u64,
     started: Instant,
+    next_booking: u64,
 }
 
 impl Cluster {
@@ -107,6 +113,7 @@ impl Cluster {
             in_flight: vec![0; instances],
             load_only: 0,
             started: Instant::now(),
+            next_booking: 0,
         }
     }
 
@@ -241,6 +248,62 @@ impl Cluster {
         Some(self.decided(i, est, Basis::Cache, &all))
     }
 
+    /// [`Self::route`] for a request whose first token and end the caller will report
+    /// ([`Self::first_token`], [`Self::ended`]; [`Self::cancel`] if the instance refuses it):
+    /// the queues are then closed-loop and each instance's lateness is learnt (the router's
+    /// `route_tracked`). `scope`: its salt and LoRA adapter, as [`Self::route`] takes them;
+    /// `output`: tokens it may generate (`max_tokens`; 0 if unknown);
+    /// `first`: whether its first token will be seen (a streamed answer) or not.
+    pub fn route_tracked(
+        &mut self,
+        tokens: &[u32],
+        scope: (Option<&str>, Option<&str>),
+        exclude: &[usize],
+        output: usize,
+        first: FirstToken,
+    ) -> Option<Decision> {
+        let (salt, lora) = scope;
+        let hashes = self.prompt_hashes(tokens, salt, lora);
+        let now = self.now_s();
+        let id = self.next_booking;
+        self.next_booking += 1;
+        let request = Tracked {
+            id,
+            tokens: tokens.len(),
+            output,
+            first,
+        };
+        let (i, est) = self
+            .router
+            .route_tracked_among(request, &hashes, now, exclude)
+            .ok()?;
+        // every instance's estimate as the decision saw it (its work not yet queued)
+        let mut all = self.router.estimates_of(&hashes, tokens.len());
+        if let Some(e) = all.get_mut(i) {
+            *e = est;
+        }
+        let mut d = self.decided(i, est, Basis::Cache, &all);
+        d.booking = Some(id);
+        Some(d)
+    }
+
+    /// A tracked request's first token arrived.
+    pub fn first_token(&mut self, booking: u64) {
+        let now = self.now_s();
+        self.router.first_token(booking, now);
+    }
+
+    /// A tracked request ended (its answer's end, or the client went away).
+    pub fn ended(&mut self, booking: u64) {
+        let now = self.now_s();
+        self.router.finished(booking, now);
+    }
+
+    /// A tracked request's instance refused it: its booking goes, nothing learnt.
+    pub fn cancel(&mut self, booking: u64) {
+        self.router.cancel(booking);
+    }
+
     /// Routes without tokens: the instance with the shortest queue, then the fewest requests
     /// in flight, then the lowest number.
     pub fn route_load_only(&mut self, exclude: &[usize]) -> Option<Decision> {
@@ -279,6 +342,7 @@ impl Cluster {
             host_pages: est.host_pages,
             l3_pages: est.l3_pages,
             ttft_by_instance: all.iter().map(Estimate::ttft_s).collect(),
+            booking: None,
         }
     }
 
@@ -336,7 +400,7 @@ impl Cluster {
             .map(|(i, (g, c))| {
                 serde_json::json!({
                     "gpu_pages": g, "cpu_pages": c,
-                    "queue_s": self.router.queues()[i],
+                    "queue_s": self.router.queues()[i], "late_s": self.router.late_s(i),
                     "routed": self.routed[i], "refused": self.refused[i], "in_flight": self.in_flight[i],
                 })
             })
@@ -351,6 +415,7 @@ impl Cluster {
             "dropped_stores": idx.dropped(),
             "memory_bytes": self.memory_bytes(),
             "routed_load_only": self.load_only,
+            "booked": self.router.booked(),
             "streams": streams,
         })
     }

@@ -34,7 +34,8 @@
 //! A booking the caller never closes stays counted: a front end must report every end
 //! (finished, aborted or failed), as it must to free the request anyway.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::hash::BuildHasherDefault;
 
 use crate::index::PageKeyHasher;
@@ -50,6 +51,16 @@ pub const DECODE_EWMA: f64 = 0.1;
 /// queue").
 pub const LATE_EWMA: f64 = 0.1;
 
+/// How a booked request's first token becomes known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FirstToken {
+    /// The caller reports it ([`Feedback::first_token`]): a streamed answer's first chunk.
+    Reported,
+    /// Nobody sees it (an answer sent whole at its end): its prefill is taken as done when
+    /// the model predicted, and nothing is learnt from it but its end.
+    AtEstimate,
+}
+
 struct Booking {
     instance: usize,
     work_s: f64,
@@ -61,6 +72,19 @@ struct Booking {
     /// When it was routed, and the TTFT predicted then: its first token says how late it was.
     routed_at: f64,
     predicted_s: f64,
+    first: FirstToken,
+}
+
+/// A routing decision as the queue books it.
+#[derive(Clone, Copy, Debug)]
+pub struct Routed {
+    /// Its prefill work (compute and loads).
+    pub work_s: f64,
+    /// Its TTFT as the model predicted it, without the instance's lateness.
+    pub predicted_s: f64,
+    /// When it was routed.
+    pub at_s: f64,
+    pub first: FirstToken,
 }
 
 /// What a request holds on its instance's device while it runs.
@@ -87,6 +111,8 @@ pub struct Feedback {
     /// Per instance: how much later than predicted its first tokens come, an exponential
     /// average; added to its queue (the model's bias there, learnt).
     late_s: Vec<f64>,
+    /// [`FirstToken::AtEstimate`] bookings by when their first token is taken to come (ns).
+    unseen: BinaryHeap<Reverse<(u64, u64)>>,
 }
 
 impl Feedback {
@@ -102,6 +128,7 @@ impl Feedback {
             held_extra: vec![0.0; instances],
             decode_s: vec![0.0; instances],
             late_s: vec![0.0; instances],
+            unseen: BinaryHeap::new(),
         }
     }
 
@@ -138,20 +165,20 @@ impl Feedback {
         self.late_s.get(instance).copied().unwrap_or(0.0)
     }
 
-    /// Request `id` was routed to `instance` at `now_s`: `work_s` of prefill, a TTFT of
-    /// `predicted_s` as modelled (without the instance's lateness), holding `held` of KV while
-    /// it runs.
-    pub fn book(
-        &mut self,
-        id: u64,
-        instance: usize,
-        work_s: f64,
-        predicted_s: f64,
-        now_s: f64,
-        held: Held<'_>,
-    ) {
+    /// Request `id` was routed to `instance` as `routed` says, holding `held` of KV while it
+    /// runs.
+    pub fn book(&mut self, id: u64, instance: usize, routed: Routed, held: Held<'_>) {
         if instance >= self.pending_s.len() {
             return;
+        }
+        let Routed {
+            work_s,
+            predicted_s,
+            at_s: now_s,
+            first,
+        } = routed;
+        if first == FirstToken::AtEstimate {
+            self.unseen.push(Reverse((due(now_s, predicted_s), id)));
         }
         self.finished(id, None);
         self.pending_s[instance] += work_s;
@@ -169,20 +196,47 @@ impl Feedback {
                 prefilled_at: None,
                 routed_at: now_s,
                 predicted_s,
+                first,
             },
         );
     }
 
     /// Request `id` produced its first token at `now_s`; `false` if it is not booked.
     pub fn first_token(&mut self, id: u64, now_s: f64) -> bool {
+        self.prefilled(id, now_s, Learn::Lateness)
+    }
+
+    /// The bookings whose first token nobody sees ([`FirstToken::AtEstimate`]) and whose
+    /// predicted first token is due by `now_s` leave the pending prefill, learning nothing.
+    pub fn settle(&mut self, now_s: f64) {
+        let now = due(now_s, 0.0);
+        while let Some(&Reverse((due, id))) = self.unseen.peek() {
+            if due > now {
+                break;
+            }
+            self.unseen.pop();
+            // the entry of this booking, not of an earlier one under the same id
+            let mine = self
+                .booked
+                .get(&id)
+                .is_some_and(|b| b.first == FirstToken::AtEstimate && due_of(b) == due);
+            if mine {
+                self.prefilled(id, due as f64 / 1e9, Learn::Nothing);
+            }
+        }
+    }
+
+    fn prefilled(&mut self, id: u64, at_s: f64, learn: Learn) -> bool {
         let Some(b) = self.booked.get_mut(&id) else {
             return false;
         };
         if b.prefilled_at.is_none() {
-            b.prefilled_at = Some(now_s);
-            let late = (now_s - b.routed_at) - b.predicted_s;
-            let l = &mut self.late_s[b.instance];
-            *l += LATE_EWMA * (late - *l);
+            b.prefilled_at = Some(at_s);
+            if learn == Learn::Lateness {
+                let late = (at_s - b.routed_at) - b.predicted_s;
+                let l = &mut self.late_s[b.instance];
+                *l += LATE_EWMA * (late - *l);
+            }
             let p = &mut self.pending_s[b.instance];
             *p = (*p - b.work_s).max(0.0);
         }
@@ -218,16 +272,47 @@ impl Feedback {
         true
     }
 
+    /// Request `id` will not run (its instance refused it): dropped, nothing learnt. `false`
+    /// if it is not booked.
+    pub fn cancel(&mut self, id: u64) -> bool {
+        self.finished(id, None)
+    }
+
     /// Requests booked and not yet ended.
     pub fn booked(&self) -> usize {
         self.booked.len()
     }
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Learn {
+    Lateness,
+    Nothing,
+}
+
+/// When a booking's first token is taken to come, in whole nanoseconds (for ordering; times
+/// before 0 count as 0).
+fn due(at_s: f64, predicted_s: f64) -> u64 {
+    ((at_s + predicted_s).max(0.0) * 1e9) as u64
+}
+
+fn due_of(b: &Booking) -> u64 {
+    due(b.routed_at, b.predicted_s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn routed(work_s: f64, predicted_s: f64, at_s: f64) -> Routed {
+        Routed {
+            work_s,
+            predicted_s,
+            at_s,
+            first: FirstToken::Reported,
+        }
+    }
 
     fn held(pages: &[u64], extra: f64) -> Held<'_> {
         Held {
@@ -241,14 +326,14 @@ mod tests {
         let mut f = Feedback::new(2, 1000.0, 100);
         let six: Vec<u64> = (0..6).collect();
         // routed at 0.5 with 0.5 s of work: its first token at 1.0 is on time
-        f.book(1, 0, 0.5, 0.5, 0.5, held(&six, 0.0));
+        f.book(1, 0, routed(0.5, 0.5, 0.5), held(&six, 0.0));
         assert_eq!(f.queue_s(0, held(&[], 100.0)), 0.5);
         assert!(f.first_token(1, 1.0));
         assert_eq!(f.queue_s(0, held(&[], 100.0)), 0.0);
         // 600 held + 600 new is 200 over 1000: a fifth of the decode time, once learnt.
         assert!(f.finished(1, Some(3.0)));
         assert!((f.decode_s[0] - DECODE_EWMA * 2.0).abs() < 1e-12);
-        f.book(2, 0, 0.0, 0.0, 0.0, held(&six, 0.0));
+        f.book(2, 0, routed(0.0, 0.0, 0.0), held(&six, 0.0));
         let d = f.decode_s[0];
         let other: Vec<u64> = (10..16).collect();
         assert!((f.queue_s(0, held(&other, 0.0)) - 0.2 * d).abs() < 1e-12);
@@ -268,8 +353,8 @@ mod tests {
         let (mut a, mut b) = (system.clone(), system.clone());
         a.extend([100, 101]);
         b.extend([200, 201]);
-        f.book(1, 0, 0.0, 0.0, 0.0, held(&a, 30.0));
-        f.book(2, 0, 0.0, 0.0, 0.0, held(&b, 30.0));
+        f.book(1, 0, routed(0.0, 0.0, 0.0), held(&a, 30.0));
+        f.book(2, 0, routed(0.0, 0.0, 0.0), held(&b, 30.0));
         // 5 shared + 2 + 2 own pages and 60 extra tokens: 960, not 1,460
         assert!((f.held_tokens(0) - 960.0).abs() < 1e-9);
         // a third sharing the system prompt adds its own 2 pages only: 160 over
@@ -290,10 +375,10 @@ mod tests {
         for k in 0..200u64 {
             let t = k as f64;
             // instance 0: every first token 20 ms after its predicted 10 ms
-            f.book(2 * k, 0, 0.01, 0.01, t, held(&[], 1.0));
+            f.book(2 * k, 0, routed(0.01, 0.01, t), held(&[], 1.0));
             assert!(f.first_token(2 * k, t + 0.03));
             // instance 1: every first token 50 ms before its predicted 100 ms
-            f.book(2 * k + 1, 1, 0.1, 0.1, t, held(&[], 1.0));
+            f.book(2 * k + 1, 1, routed(0.1, 0.1, t), held(&[], 1.0));
             assert!(f.first_token(2 * k + 1, t + 0.05));
         }
         assert!((f.late_s(0) - 0.02).abs() < 1e-6, "{}", f.late_s(0));
@@ -305,6 +390,36 @@ mod tests {
         assert_eq!(f.late_s(0), before);
     }
 
+    #[test]
+    fn an_unseen_first_token_leaves_the_queue_when_predicted_and_teaches_nothing() {
+        let mut f = Feedback::new(1, 1e6, 16);
+        let unseen = Routed {
+            first: FirstToken::AtEstimate,
+            ..routed(0.3, 0.5, 1.0)
+        };
+        f.book(1, 0, unseen, held(&[], 1.0));
+        f.settle(1.4);
+        assert!(
+            (f.queue_s(0, held(&[], 1.0)) - 0.3).abs() < 1e-9,
+            "due at 1.5"
+        );
+        f.settle(1.5);
+        assert_eq!(f.queue_s(0, held(&[], 1.0)), 0.0);
+        assert_eq!(f.late_s(0), 0.0);
+        // a cancelled booking's entry is skipped; a new booking under its id is its own
+        f.book(2, 0, unseen, held(&[], 1.0));
+        assert!(f.cancel(2) && !f.cancel(2));
+        f.book(2, 0, routed(0.3, 0.5, 1.2), held(&[], 1.0));
+        f.settle(2.0);
+        assert!(
+            (f.queue_s(0, held(&[], 1.0)) - 0.3).abs() < 1e-9,
+            "reported: waits"
+        );
+        assert!(f.first_token(2, 2.1) && f.finished(2, Some(3.0)));
+        assert_eq!(f.booked(), 1, "request 1 runs until its end");
+        assert!(f.finished(1, Some(3.0)));
+    }
+
     proptest! {
         /// Whatever the order of bookings, first tokens and ends, queues are never negative,
         /// the held pages are exactly the union of the running requests' pages, and everything
@@ -312,7 +427,7 @@ mod tests {
         #[test]
         fn queues_stay_non_negative_and_drain(
             ops in prop::collection::vec(
-                (0u64..12, 0usize..3, 0u8..3, 0.0f64..2.0, prop::collection::vec(0u64..20, 0..6)),
+                (0u64..12, 0usize..3, 0u8..4, 0.0f64..2.0, prop::collection::vec(0u64..20, 0..6)),
                 1..80,
             ),
         ) {
@@ -323,10 +438,15 @@ mod tests {
                 t += x;
                 match op {
                     0 => {
-                        f.book(id, inst, x, x, 0.0, held(&pages, x * 40.0));
+                        let mut r = routed(x, x, t);
+                        if id % 2 == 1 {
+                            r.first = FirstToken::AtEstimate;
+                        }
+                        f.book(id, inst, r, held(&pages, x * 40.0));
                         running.insert(id, (inst, pages));
                     }
                     1 => { f.first_token(id, t); }
+                    2 => f.settle(t),
                     _ => {
                         f.finished(id, Some(t));
                         running.remove(&id);

@@ -45,6 +45,7 @@ pub mod subscriber;
 mod table;
 
 pub use cost::{CostModel, Estimate};
+pub use feedback::FirstToken;
 pub use index::{Budget, ClusterIndex, DecodeError, IndexEvent, decode_batch};
 pub use occupancy::Occupancy;
-pub use route::{DELAY_WEIGHT, RouteError, Router};
+pub use route::{DELAY_WEIGHT, RouteError, Router, Tracked};

@@ -31,6 +31,7 @@ impl Occupancy {
         if self.device_tokens <= 0.0 {
             return 0.0;
         }
-        (tokens + output) as f64 * output as f64 * self.decode_step_s / self.device_tokens
+        tokens.saturating_add(output) as f64 * output as f64 * self.decode_step_s
+            / self.device_tokens
     }
 }

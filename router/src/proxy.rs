@@ -8,7 +8,11 @@
 //! chunk by chunk, so a streaming answer's SSE events reach the client when the engine sends
 //! them. If the chosen instance refuses the connection, the next best is tried; once a byte
 //! of the answer is sent it is the client's. Each instance's requests in flight are counted
-//! from the send until the answer's body ends or the client goes away. A request naming a
+//! from the send until the answer's body ends or the client goes away, and each routed
+//! request is booked in the router's closed-loop queue (`Router::route_tracked`): its first
+//! token is its streamed answer's first chunk (an answer sent whole shows none: its prefill
+//! is taken as done when predicted, and nothing is learnt from it), its end the body's end,
+//! and an instance that refuses it drops the booking. A request naming a
 //! LoRA adapter (vLLM's `model`, SGLang's `lora_path`) is routed by the adapter's keys
 //! (`lora.rs`), and its `cache_salt` by the salt's.
 
@@ -27,7 +31,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, Decision};
+use crate::feedback::FirstToken;
 use crate::lora::{self, ModelKind};
 use crate::service::{AppState, error};
 
@@ -64,31 +69,59 @@ enum Kind {
     Chat,
 }
 
-/// Counts a request in flight on an instance until dropped.
+/// Counts a request in flight on an instance until dropped, and reports a tracked request's
+/// first token (its answer's first chunk, when streamed) and end (the drop) to the router.
 struct InFlight {
     cluster: Arc<Mutex<Cluster>>,
     instance: usize,
+    booking: Option<u64>,
+    /// Whether the first chunk is the first token (a streamed answer) and not seen yet.
+    awaiting_first: bool,
 }
 
 impl InFlight {
-    fn new(cluster: &Arc<Mutex<Cluster>>, instance: usize) -> Self {
+    fn new(cluster: &Arc<Mutex<Cluster>>, d: &Decision, first: FirstToken) -> Self {
         cluster
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .started(instance);
+            .started(d.instance);
         Self {
             cluster: Arc::clone(cluster),
-            instance,
+            instance: d.instance,
+            booking: d.booking,
+            awaiting_first: d.booking.is_some() && first == FirstToken::Reported,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Cluster> {
+        self.cluster.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A chunk of the answer arrived.
+    fn chunk(&mut self) {
+        if std::mem::take(&mut self.awaiting_first)
+            && let Some(b) = self.booking
+        {
+            self.lock().first_token(b);
+        }
+    }
+
+    /// The instance refused the connection: the request never ran there.
+    fn refused(mut self) {
+        if let Some(b) = self.booking.take() {
+            self.lock().cancel(b);
         }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.cluster
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .finished(self.instance);
+        let booking = self.booking;
+        let mut c = self.lock();
+        c.finished(self.instance);
+        if let Some(b) = booking {
+            c.ended(b);
+        }
     }
 }
 
@@ -137,12 +170,23 @@ async fn forward(
         Some(v) => adapter_of(&st, v, &headers).await,
         None => None,
     };
+    // a streamed answer's first chunk is its first token; one sent whole shows none
+    let streamed = json
+        .as_ref()
+        .and_then(|v| v.get("stream"))
+        .and_then(Value::as_bool);
+    let first = if streamed == Some(true) {
+        FirstToken::Reported
+    } else {
+        FirstToken::AtEstimate
+    };
+    let output = json.as_ref().map_or(0, max_tokens);
     let mut refused = Vec::new();
     loop {
         let decision = {
             let mut c = st.lock();
             match &tokens {
-                Some(t) => c.route(t, salt, lora.as_deref(), &refused),
+                Some(t) => c.route_tracked(t, (salt, lora.as_deref()), &refused, output, first),
                 None => c.route_load_only(&refused),
             }
         };
@@ -164,11 +208,11 @@ async fn forward(
             Ok(r) => r,
             Err(e) => return error(StatusCode::BAD_GATEWAY, "bad_backend_url", e),
         };
-        let guard = InFlight::new(&st.cluster, d.instance);
+        let guard = InFlight::new(&st.cluster, &d, first);
         match st.upstream.client.request(req).await {
-            Ok(resp) => return pass_through(resp, Some((guard, d.instance))),
+            Ok(resp) => return pass_through(resp, Some(guard)),
             Err(e) if e.is_connect() => {
-                drop(guard);
+                guard.refused();
                 st.lock().refused(d.instance);
                 refused.push(d.instance);
             }
@@ -206,12 +250,14 @@ fn request(
 /// chunk by chunk; the in-flight count ends with the body.
 fn pass_through(
     resp: hyper::Response<hyper::body::Incoming>,
-    guard: Option<(InFlight, usize)>,
+    mut guard: Option<InFlight>,
 ) -> Response {
     let (parts, incoming) = resp.into_parts();
-    let instance = guard.as_ref().map(|g| g.1);
+    let instance = guard.as_ref().map(|g| g.instance);
     let stream = incoming.into_data_stream().map(move |chunk| {
-        let _held = &guard;
+        if let Some(g) = guard.as_mut() {
+            g.chunk();
+        }
         chunk
     });
     let mut out = Response::new(Body::from_stream(stream));
@@ -227,6 +273,15 @@ fn pass_through(
             .insert("x-kvtier-instance", HeaderValue::from(i));
     }
     out
+}
+
+/// The tokens a request may generate: its `max_completion_tokens` or `max_tokens` (0 when it
+/// names neither: unknown).
+fn max_tokens(v: &Value) -> usize {
+    ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| v.get(*k).and_then(Value::as_u64))
+        .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX))
 }
 
 /// The LoRA adapter the request names (`lora.rs`): SGLang's `lora_path`, or a vLLM `model`

@@ -23,7 +23,7 @@ use kvtier_events::HashFormat;
 use kvtier_radix::HashScope;
 
 use crate::cost::{CostModel, Estimate};
-use crate::feedback::{Feedback, Held};
+use crate::feedback::{Feedback, FirstToken, Held, Routed};
 use crate::index::{Budget, ClusterIndex, DecodeError, IndexEvent, decode_batch};
 use crate::occupancy::Occupancy;
 
@@ -51,6 +51,18 @@ pub struct Router {
     occupancy: Option<Occupancy>,
     feedback: Option<Feedback>,
     delay_weight: f64,
+}
+
+/// A request to route and book ([`Router::route_tracked_among`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Tracked {
+    /// The caller's id for it, to report its first token and end by.
+    pub id: u64,
+    /// Its prompt's length in tokens.
+    pub tokens: usize,
+    /// Tokens it is expected to generate (its `max_tokens`, or an estimate; 0 if unknown).
+    pub output: usize,
+    pub first: FirstToken,
 }
 
 impl Router {
@@ -107,15 +119,43 @@ impl Router {
         output: usize,
         now_s: f64,
     ) -> Result<(usize, Estimate), RouteError> {
+        let request = Tracked {
+            id,
+            tokens,
+            output,
+            first: FirstToken::Reported,
+        };
+        self.route_tracked_among(request, hashes, now_s, &[])
+    }
+
+    /// [`Self::route_tracked`] for a request whose first token is seen as `request.first`
+    /// says, among the instances not in `exclude` (those that refused it). `NoInstances` when
+    /// none is left.
+    pub fn route_tracked_among(
+        &mut self,
+        request: Tracked,
+        hashes: &[u64],
+        now_s: f64,
+        exclude: &[usize],
+    ) -> Result<(usize, Estimate), RouteError> {
+        let Tracked {
+            id,
+            tokens,
+            output,
+            first,
+        } = request;
         let n = self.queues.len();
         let device_tokens = self.occupancy.map_or(0.0, |o| o.device_tokens);
         let page_size = self.model.page_size;
         let fb = self
             .feedback
             .get_or_insert_with(|| Feedback::new(n, device_tokens, page_size));
+        fb.settle(now_s);
         let held = Held {
             pages: hashes,
-            extra_tokens: (tokens.saturating_sub(hashes.len() * page_size) + output) as f64,
+            extra_tokens: tokens
+                .saturating_sub(hashes.len() * page_size)
+                .saturating_add(output) as f64,
         };
         // The closed-loop queue plus the instance's learnt lateness, never below 0. It is not
         // drained by the clock as the open-loop one is: the engines' first tokens and ends
@@ -126,17 +166,17 @@ impl Router {
             *q = (modelled[i] + fb.late_s(i)).max(0.0);
         }
         self.now_s = self.now_s.max(now_s);
-        let (best, est) = self.route_request(hashes, tokens, output, now_s)?;
+        let (best, est) =
+            self.route_among(hashes, tokens, output, now_s, |i| !exclude.contains(&i))?;
         if let Some(fb) = &mut self.feedback {
             // lateness is learnt against the model's own prediction, without lateness
-            fb.book(
-                id,
-                best,
-                est.work_s(),
-                modelled[best] + est.work_s(),
-                now_s,
-                held,
-            );
+            let routed = Routed {
+                work_s: est.work_s(),
+                predicted_s: modelled[best] + est.work_s(),
+                at_s: now_s,
+                first,
+            };
+            fb.book(id, best, routed, held);
         }
         Ok((best, est))
     }
@@ -146,6 +186,22 @@ impl Router {
         self.feedback
             .as_mut()
             .is_some_and(|f| f.first_token(id, now_s))
+    }
+
+    /// Booked request `id` will not run (its instance refused it): dropped without learning
+    /// anything (`false`: not booked).
+    pub fn cancel(&mut self, id: u64) -> bool {
+        self.feedback.as_mut().is_some_and(|f| f.cancel(id))
+    }
+
+    /// How much later than predicted `instance`'s first tokens have come (0 before any).
+    pub fn late_s(&self, instance: usize) -> f64 {
+        self.feedback.as_ref().map_or(0.0, |f| f.late_s(instance))
+    }
+
+    /// Requests booked ([`Self::route_tracked`]) and not yet ended or cancelled.
+    pub fn booked(&self) -> usize {
+        self.feedback.as_ref().map_or(0, Feedback::booked)
     }
 
     /// Booked request `id` ended (finished, aborted, failed; `false`: not booked).
@@ -256,13 +312,24 @@ impl Router {
         output: usize,
         now_s: f64,
     ) -> Result<(usize, Estimate), RouteError> {
+        self.route_among(hashes, tokens, output, now_s, |_| true)
+    }
+
+    fn route_among(
+        &mut self,
+        hashes: &[u64],
+        tokens: usize,
+        output: usize,
+        now_s: f64,
+        allowed: impl Fn(usize) -> bool,
+    ) -> Result<(usize, Estimate), RouteError> {
         if self.queues.is_empty() {
             return Err(RouteError::NoInstances);
         }
         self.advance(now_s);
         let ests = self.estimates_of(hashes, tokens);
         let (best, est) = self
-            .cheapest(&ests, |_| true)
+            .cheapest(&ests, allowed)
             .ok_or(RouteError::NoInstances)?;
         let memory_s = self.occupancy.map_or(0.0, |o| o.memory_s(tokens, output));
         self.queues[best] += est.work_s().max(memory_s);

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use crate::common::*;
 use kvtier_events::{Medium, Publisher};
@@ -370,5 +371,85 @@ async fn a_lora_request_goes_to_the_instance_holding_the_prompt_under_its_adapte
         assert_eq!(got.header("x-kvtier-instance"), Some(want), "model {model}");
     }
     assert_eq!(listings(&u0) + listings(&u1), 1, "the listing is read once");
+    r.stop().await;
+}
+
+/// Two instances holding nothing price a request alike, and ties go to instance 0. When
+/// instance 0's streamed answers start 150 ms late, the router learns it from their first
+/// chunks and sends the next requests to instance 1; every booking ends with its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_first_chunks_come_late_is_learnt_and_avoided() {
+    let ex = recorded();
+    let slow = Upstream::start_slow(ex.clone(), Duration::from_millis(150)).await;
+    let fast = Upstream::start(ex.clone()).await;
+    let r = router(
+        vec![url_spec(slow.url()), url_spec(fast.url())],
+        None,
+        1 << 20,
+        Keys::Tokens,
+    )
+    .await;
+    let streamed = find(&ex, "/v1/completions", true, true);
+    let body = streamed.request.as_ref().expect("req").to_string();
+    let mut went = Vec::new();
+    for _ in 0..8 {
+        let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+        assert_eq!(got.status, 200);
+        assert_eq!(got.chunks.len(), streamed.chunks.len());
+        let i: usize = got
+            .headers
+            .iter()
+            .find(|(k, _)| k == "x-kvtier-instance")
+            .and_then(|(_, v)| v.parse().ok())
+            .expect("instance header");
+        went.push(i);
+        let c = Arc::clone(&r.cluster);
+        until("the answer's booking ended", || {
+            c.lock().expect("lock").router().booked() == 0
+        })
+        .await;
+    }
+    assert_eq!(went[0], 0, "a tie goes to instance 0: {went:?}");
+    assert!(went[1..].iter().all(|&i| i == 1), "{went:?}");
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    let late = stats["instances"][0]["late_s"].as_f64().expect("late_s");
+    assert!(late > 0.01, "{stats}");
+    assert_eq!(stats["booked"], 0, "{stats}");
+    r.stop().await;
+}
+
+/// An answer sent whole shows no first token: its booking learns nothing (no lateness,
+/// however late the answer) and still ends with it. A refused connection drops its booking.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_answers_and_refusals_learn_nothing_and_leave_no_booking() {
+    let ex = recorded();
+    let slow = Upstream::start_slow(ex.clone(), Duration::from_millis(150)).await;
+    let dead = format!("http://127.0.0.1:{}", closed_port());
+    let r = router(
+        vec![url_spec(dead), url_spec(slow.url())],
+        None,
+        1 << 20,
+        Keys::Tokens,
+    )
+    .await;
+    let whole = find(&ex, "/v1/completions", false, true);
+    let body = whole.request.as_ref().expect("req").to_string();
+    for _ in 0..3 {
+        let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+        assert_eq!(got.status, 200);
+    }
+    let c = Arc::clone(&r.cluster);
+    until("every booking ended", || {
+        c.lock().expect("lock").router().booked() == 0
+    })
+    .await;
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["instances"][1]["late_s"], 0.0, "{stats}");
+    assert_eq!(stats["instances"][0]["late_s"], 0.0, "{stats}");
+    assert!(
+        stats["instances"][0]["refused"].as_u64() >= Some(1),
+        "{stats}"
+    );
+    assert_eq!(stats["instances"][0]["in_flight"], 0, "{stats}");
     r.stop().await;
 }

@@ -327,6 +327,12 @@ pub struct Upstream {
 
 impl Upstream {
     pub async fn start(exchanges: Vec<Exchange>) -> Upstream {
+        Self::start_slow(exchanges, Duration::ZERO).await
+    }
+
+    /// [`Self::start`], with every answer's first chunk `first_chunk` late (an engine whose
+    /// first tokens come late: its headers go out at once, as a streaming server's do).
+    pub async fn start_slow(exchanges: Vec<Exchange>, first_chunk: Duration) -> Upstream {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -338,7 +344,7 @@ impl Upstream {
         let task = tokio::spawn(async move {
             while let Ok((s, _)) = l.accept().await {
                 let (ex, sv, rq) = (Arc::clone(&ex), Arc::clone(&sv), Arc::clone(&rq));
-                tokio::spawn(async move { serve_one(s, &ex, &sv, &rq).await });
+                tokio::spawn(async move { serve_one(s, &ex, &sv, &rq, first_chunk).await });
             }
         });
         Upstream {
@@ -365,6 +371,7 @@ async fn serve_one(
     ex: &[Exchange],
     served: &AtomicUsize,
     requests: &Mutex<Vec<String>>,
+    first_chunk: Duration,
 ) {
     // one request per connection is enough for the router's client: it reconnects
     let mut buf = Vec::new();
@@ -428,6 +435,8 @@ async fn serve_one(
         if s.write_all(r.as_bytes()).await.is_err() {
             return;
         }
+        let _ = s.flush().await;
+        tokio::time::sleep(first_chunk).await;
         for c in &e.chunks {
             let frame = format!("{:x}\r\n{c}\r\n", c.len());
             if s.write_all(frame.as_bytes()).await.is_err() {
@@ -438,6 +447,7 @@ async fn serve_one(
         }
         let _ = s.write_all(b"0\r\n\r\n").await;
     } else {
+        tokio::time::sleep(first_chunk).await;
         let b = e.chunks.concat();
         let r = format!(
             "HTTP/1.1 {} {reason}\r\ncontent-type: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{b}",
