@@ -330,7 +330,10 @@ def _ssd_run(tmp_path, prefetch):
     st0 = b.store.stats()
     assert st0["disk_objects"] >= 8 and st0["mem_objects"] == 0, st0
     assert b.batch_exists(keys) == 4  # SSD-only pages exist
-    for _ in range(50):
+    # the promotion is asynchronous: wait for it (10 s at most on a loaded machine); the
+    # control, which must stay at 0, is watched for 2.5 s
+    deadline = time.monotonic() + (10.0 if prefetch else 2.5)
+    while time.monotonic() < deadline:
         if b.store.stats()["mem_objects"] >= 8:
             break
         time.sleep(0.05)

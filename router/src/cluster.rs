@@ -307,7 +307,9 @@ impl Cluster {
     /// Routes without tokens: the instance with the shortest queue, then the fewest requests
     /// in flight, then the lowest number.
     pub fn route_load_only(&mut self, exclude: &[usize]) -> Option<Decision> {
-        let q = self.router.queues();
+        let q: Vec<f64> = (0..self.instances())
+            .map(|i| self.router.queue_s(i))
+            .collect();
         let i = (0..self.instances())
             .filter(|i| !exclude.contains(i))
             .min_by(|&a, &b| {
@@ -400,7 +402,7 @@ impl Cluster {
             .map(|(i, (g, c))| {
                 serde_json::json!({
                     "gpu_pages": g, "cpu_pages": c,
-                    "queue_s": self.router.queues()[i], "late_s": self.router.late_s(i),
+                    "queue_s": self.router.queue_s(i), "late_s": self.router.late_s(i),
                     "routed": self.routed[i], "refused": self.refused[i], "in_flight": self.in_flight[i],
                 })
             })

@@ -46,11 +46,24 @@ pub const DELAY_WEIGHT: f64 = 1.0;
 pub struct Router {
     index: ClusterIndex,
     model: CostModel,
+    /// Per instance: the work of requests routed without a lifecycle to report
+    /// ([`Self::route_request`] and the calls built on it), drained by the clock. The work of
+    /// booked requests is the [`Feedback`]'s; an instance's queue is the sum of both, so a
+    /// front end routing by `/route` and the proxy's booked requests see each other's load.
     queues: Vec<f64>,
     now_s: f64,
     occupancy: Option<Occupancy>,
     feedback: Option<Feedback>,
     delay_weight: f64,
+}
+
+/// One instance's closed-loop queue for a request.
+#[derive(Clone, Copy, Debug, Default)]
+struct Closed {
+    /// As the model has it (pending prefill and memory).
+    modelled_s: f64,
+    /// With the instance's learnt lateness, never below 0: what the request is priced with.
+    learnt_s: f64,
 }
 
 /// A request to route and book ([`Router::route_tracked_among`]).
@@ -147,38 +160,16 @@ impl Router {
         let n = self.queues.len();
         let device_tokens = self.occupancy.map_or(0.0, |o| o.device_tokens);
         let page_size = self.model.page_size;
-        let fb = self
-            .feedback
+        self.feedback
             .get_or_insert_with(|| Feedback::new(n, device_tokens, page_size));
-        fb.settle(now_s);
-        let held = Held {
-            pages: hashes,
-            extra_tokens: tokens
-                .saturating_sub(hashes.len() * page_size)
-                .saturating_add(output) as f64,
-        };
-        // The closed-loop queue plus the instance's learnt lateness, never below 0. It is not
-        // drained by the clock as the open-loop one is: the engines' first tokens and ends
-        // drain it (draining both under-stated every queue by the time since the last
-        // routing, docs/router.md, "Learning the queue").
-        let modelled: Vec<f64> = (0..n).map(|i| fb.queue_s(i, held)).collect();
-        for (i, q) in self.queues.iter_mut().enumerate() {
-            *q = (modelled[i] + fb.late_s(i)).max(0.0);
-        }
-        self.now_s = self.now_s.max(now_s);
-        let (best, est) =
-            self.route_among(hashes, tokens, output, now_s, |i| !exclude.contains(&i))?;
-        if let Some(fb) = &mut self.feedback {
-            // lateness is learnt against the model's own prediction, without lateness
-            let routed = Routed {
-                work_s: est.work_s(),
-                predicted_s: modelled[best] + est.work_s(),
-                at_s: now_s,
-                first,
-            };
-            fb.book(id, best, routed, held);
-        }
-        Ok((best, est))
+        self.route_among(
+            hashes,
+            tokens,
+            output,
+            now_s,
+            |i| !exclude.contains(&i),
+            Some((id, first)),
+        )
     }
 
     /// Booked request `id` produced its first token (`false`: not booked).
@@ -221,6 +212,8 @@ impl Router {
         &mut self.index
     }
 
+    /// The open-loop queues (work routed without a lifecycle, drained by the clock); an
+    /// instance's whole queue is [`Self::queue_s`].
     pub fn queues(&self) -> &[f64] {
         &self.queues
     }
@@ -269,13 +262,57 @@ impl Router {
 
     /// [`Self::estimates`] from the prompt's block hashes (vLLM's 64-bit form) and length.
     pub fn estimates_of(&self, hashes: &[u64], tokens: usize) -> Vec<Estimate> {
+        let closed = self.closed(self.held(hashes, tokens, 0));
+        self.estimates_with(hashes, tokens, &closed)
+    }
+
+    fn estimates_with(&self, hashes: &[u64], tokens: usize, closed: &[Closed]) -> Vec<Estimate> {
         let in_storage = self.index.in_storage(hashes);
         (0..self.index.instances())
             .map(|i| {
                 let (g, h, l) = self.index.prefix_with(i, hashes, &in_storage);
-                self.model.estimate(tokens, g, h, l, self.queues[i])
+                let queue = self.queues[i] + closed.get(i).map_or(0.0, |c| c.learnt_s);
+                self.model.estimate(tokens, g, h, l, queue)
             })
             .collect()
+    }
+
+    /// What a request of these pages, `tokens` prompt and `output` output tokens holds.
+    fn held<'a>(&self, hashes: &'a [u64], tokens: usize, output: usize) -> Held<'a> {
+        Held {
+            pages: hashes,
+            extra_tokens: tokens
+                .saturating_sub(hashes.len() * self.model.page_size)
+                .saturating_add(output) as f64,
+        }
+    }
+
+    /// Each instance's closed-loop queue for a request holding `held` (zeros before the
+    /// first booking): the queue plus the instance's learnt lateness, never below 0. It is
+    /// not drained by the clock as the open-loop one is: the engines' first tokens and ends
+    /// drain it (draining it by the clock too under-stated every queue by the time since the
+    /// last routing, docs/router.md, "Learning the queue").
+    fn closed(&self, held: Held<'_>) -> Vec<Closed> {
+        (0..self.queues.len())
+            .map(|i| match &self.feedback {
+                Some(fb) => {
+                    let modelled_s = fb.queue_s(i, held);
+                    Closed {
+                        modelled_s,
+                        learnt_s: (modelled_s + fb.late_s(i)).max(0.0),
+                    }
+                }
+                None => Closed::default(),
+            })
+            .collect()
+    }
+
+    /// Seconds a request holding nothing would wait on `instance` now, as a route would price
+    /// it (open-loop and closed-loop parts); 0 for an unknown instance.
+    pub fn queue_s(&self, instance: usize) -> f64 {
+        let open = self.queues.get(instance).copied().unwrap_or(0.0);
+        let closed = self.closed(self.held(&[], 0, 0));
+        open + closed.get(instance).map_or(0.0, |c| c.learnt_s)
     }
 
     /// Routes a prompt at time `now_s` (seconds, the caller's clock; a time before the last
@@ -312,9 +349,12 @@ impl Router {
         output: usize,
         now_s: f64,
     ) -> Result<(usize, Estimate), RouteError> {
-        self.route_among(hashes, tokens, output, now_s, |_| true)
+        self.route_among(hashes, tokens, output, now_s, |_| true, None)
     }
 
+    /// The decision of every route: the cheapest allowed instance, its work then booked (with
+    /// `booking`: the request's id and how its first token will be seen) or added to the
+    /// open-loop queue (without).
     fn route_among(
         &mut self,
         hashes: &[u64],
@@ -322,17 +362,38 @@ impl Router {
         output: usize,
         now_s: f64,
         allowed: impl Fn(usize) -> bool,
+        booking: Option<(u64, FirstToken)>,
     ) -> Result<(usize, Estimate), RouteError> {
         if self.queues.is_empty() {
             return Err(RouteError::NoInstances);
         }
         self.advance(now_s);
-        let ests = self.estimates_of(hashes, tokens);
+        if let Some(fb) = &mut self.feedback {
+            fb.settle(now_s);
+        }
+        let held = self.held(hashes, tokens, output);
+        let closed = self.closed(held);
+        let ests = self.estimates_with(hashes, tokens, &closed);
         let (best, est) = self
             .cheapest(&ests, allowed)
             .ok_or(RouteError::NoInstances)?;
-        let memory_s = self.occupancy.map_or(0.0, |o| o.memory_s(tokens, output));
-        self.queues[best] += est.work_s().max(memory_s);
+        // lateness is learnt against the model's own prediction, without lateness
+        let predicted_s = self.queues[best] + closed[best].modelled_s + est.work_s();
+        match (booking, &mut self.feedback) {
+            (Some((id, first)), Some(fb)) => {
+                let routed = Routed {
+                    work_s: est.work_s(),
+                    predicted_s,
+                    at_s: now_s,
+                    first,
+                };
+                fb.book(id, best, routed, held);
+            }
+            _ => {
+                let memory_s = self.occupancy.map_or(0.0, |o| o.memory_s(tokens, output));
+                self.queues[best] += est.work_s().max(memory_s);
+            }
+        }
         Ok((best, est))
     }
 

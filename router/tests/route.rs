@@ -360,6 +360,31 @@ fn an_instance_whose_first_tokens_come_late_is_avoided() {
     assert!(late[20..].iter().all(|&i| i == 1), "{late:?}");
 }
 
+/// Work routed without a lifecycle (`route_hashes`, the service's `/route`) and booked work
+/// (`route_tracked`, the proxy's) are one queue: each kind of request sees the other's.
+#[test]
+fn open_loop_and_booked_work_are_one_queue() {
+    let mut r = Router::new(2, model(), 1 << 20);
+    let pages = |k: u64, n: u64| -> Vec<u64> { (1000 * k..1000 * k + n).collect() };
+    // an untracked request queues its 0.4 s (400 tokens) on instance 0 (ties go there) ...
+    assert_eq!(r.route_hashes(&pages(1, 100), 400, 0.0).unwrap().0, 0);
+    // ... which a booked one of 0.8 s sees: it goes to instance 1 (0.8 + 0.8 there against
+    // 0.4 + 0.8 + 0.8 on instance 0) and books its 0.8 s there
+    assert_eq!(
+        r.route_tracked(1, &pages(2, 200), 800, 0, 0.0).unwrap().0,
+        1
+    );
+    assert!((r.queue_s(0) - 0.4).abs() < 1e-9, "{}", r.queue_s(0));
+    assert!((r.queue_s(1) - 0.8).abs() < 1e-9, "{}", r.queue_s(1));
+    // the next untracked request sees the booked work: instance 0's queue is the shorter
+    assert_eq!(r.route_hashes(&[9], 4, 0.0).unwrap().0, 0);
+    // the open-loop part drains by the clock, the booked part at the first token
+    assert!(r.first_token(1, 0.8));
+    assert!(r.queue_s(1).abs() < 1e-9, "{}", r.queue_s(1));
+    assert_eq!(r.route_hashes(&[11], 4, 0.1).unwrap().0, 1);
+    assert_eq!(r.booked(), 1);
+}
+
 /// A weight that is negative or not finite is a typed error and leaves the weight as it was.
 #[test]
 fn a_bad_delay_weight_is_refused() {
