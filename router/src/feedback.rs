@@ -107,6 +107,8 @@ pub struct Feedback {
     held_pages: Vec<HeldPages>,
     /// Per instance: the booked requests' `extra_tokens`, summed.
     held_extra: Vec<f64>,
+    /// Per instance: requests booked and not yet ended.
+    running: Vec<usize>,
     decode_s: Vec<f64>,
     /// Per instance: how much later than predicted its first tokens come, an exponential
     /// average; added to its queue (the model's bias there, learnt).
@@ -126,6 +128,7 @@ impl Feedback {
             pending_s: vec![0.0; instances],
             held_pages: vec![HeldPages::default(); instances],
             held_extra: vec![0.0; instances],
+            running: vec![0; instances],
             decode_s: vec![0.0; instances],
             late_s: vec![0.0; instances],
             unseen: BinaryHeap::new(),
@@ -186,6 +189,7 @@ impl Feedback {
             *self.held_pages[instance].entry(h).or_insert(0) += 1;
         }
         self.held_extra[instance] += held.extra_tokens;
+        self.running[instance] += 1;
         self.booked.insert(
             id,
             Booking {
@@ -269,6 +273,7 @@ impl Feedback {
             }
         }
         self.held_extra[i] = (self.held_extra[i] - b.extra_tokens).max(0.0);
+        self.running[i] = self.running[i].saturating_sub(1);
         true
     }
 
@@ -276,6 +281,11 @@ impl Feedback {
     /// if it is not booked.
     pub fn cancel(&mut self, id: u64) -> bool {
         self.finished(id, None)
+    }
+
+    /// Requests booked on `instance` and not yet ended (0 for an unknown instance).
+    pub fn running(&self, instance: usize) -> usize {
+        self.running.get(instance).copied().unwrap_or(0)
     }
 
     /// Requests booked and not yet ended.
@@ -462,6 +472,10 @@ mod tests {
                     let mine: std::collections::HashSet<u64> =
                         f.held_pages[i].keys().copied().collect();
                     prop_assert_eq!(mine, union);
+                    prop_assert_eq!(
+                        f.running(i),
+                        running.values().filter(|(j, _)| *j == i).count()
+                    );
                 }
             }
             for id in 0..12 {

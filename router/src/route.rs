@@ -12,6 +12,12 @@
 //! a turn home until its queue outweighs twice the work saved (docs/router.md has the figures
 //! for weights 0, 0.5, 1 and 2).
 //!
+//! Except on an idle instance (nothing queued, nothing running): no request waits behind work
+//! there, so its cost is the request's TTFT alone. Without this exception the chat's
+//! conversations never went to an instance that had not yet computed their 1,024-token
+//! system prompt (twice that prompt's work, 34 ms, outweighed the busy instances' queues), and
+//! at 8 instances one stayed idle through the whole run (docs/router.md, "Idle instances").
+//!
 //! The router keeps each instance's queue itself, in seconds of work: a routed request adds
 //! its estimated work (compute plus loads, or, with an [`Occupancy`] set, the device
 //! memory-time it will hold while decoding if that is larger) to its instance, and every instance drains one
@@ -405,17 +411,29 @@ impl Router {
         ests: &[Estimate],
         allowed: impl Fn(usize) -> bool,
     ) -> Option<(usize, Estimate)> {
-        let w = self.delay_weight;
+        // nobody waits behind work on an idle instance (nothing queued, nothing running)
+        let w = |i: usize| {
+            if self.idle(i) { 0.0 } else { self.delay_weight }
+        };
         ests.iter()
             .enumerate()
             .filter(|(i, _)| allowed(*i))
             .min_by(|(i, a), (j, b)| {
-                a.cost_s(w)
-                    .total_cmp(&b.cost_s(w))
+                a.cost_s(w(*i))
+                    .total_cmp(&b.cost_s(w(*j)))
                     .then(a.queue_s.total_cmp(&b.queue_s))
                     .then(i.cmp(j))
             })
             .map(|(i, e)| (i, *e))
+    }
+
+    /// Nothing is queued on `instance` (open-loop or booked) and nothing runs there.
+    fn idle(&self, instance: usize) -> bool {
+        self.queues.get(instance).is_none_or(|&q| q <= 0.0)
+            && self
+                .feedback
+                .as_ref()
+                .is_none_or(|f| f.running(instance) == 0)
     }
 
     fn advance(&mut self, now_s: f64) {

@@ -112,28 +112,40 @@ proptest! {
             serve(&mut caches[i], &tokens(seed, shared.min(pages), pages), backup);
             publish(&mut r, i, &mut caches[i]);
         }
+        let mut last_t = 0.0;
         for (t, &(seed, shared, pages)) in queries.iter().enumerate() {
             let toks = tokens(seed, shared.min(pages), pages);
             let hs = page_hashes(&toks, PS, None);
             let ests = r.estimates(&toks, &plain());
+            // the prices at routing time: every queue drained by the time since the last route
+            let now = t as f64 * 0.01;
+            let mut at_route = Vec::new();
             for (i, c) in caches.iter_mut().enumerate() {
                 let m = c.match_prefix(&hs);
-                let want = model().estimate(toks.len(), m.device_pages, m.host_pages.saturating_sub(m.device_pages), 0, r.queues()[i]);
+                let (g, h) = (m.device_pages, m.host_pages.saturating_sub(m.device_pages));
+                let want = model().estimate(toks.len(), g, h, 0, r.queues()[i]);
                 prop_assert_eq!(ests[i], want, "instance {}", i);
+                let q = (r.queues()[i] - (now - last_t)).max(0.0);
+                at_route.push(model().estimate(toks.len(), g, h, 0, q));
             }
+            last_t = now;
             // the cost: the request's TTFT plus w x its work, the delay it imposes on the
-            // requests behind it
-            let best = ests.iter().map(|e| e.ttft_s() + w * e.work_s()).fold(f64::INFINITY, f64::min);
-            let (chosen, est) = r.route(&toks, &plain(), t as f64 * 0.01).unwrap();
-            // routing advanced the clock first: compare against the prices at that time
-            let cost = est.ttft_s() + w * est.work_s();
-            prop_assert!(cost <= best + 1e-12, "chose {} at {} over {}", chosen, cost, best);
-            // a failover's choice (the chosen instance excluded) follows the same rule
-            if let Some((other, e)) = r.cheapest(&ests, |i| i != chosen) {
-                let second = ests.iter().enumerate().filter(|(i, _)| *i != chosen)
-                    .map(|(_, e)| e.ttft_s() + w * e.work_s()).fold(f64::INFINITY, f64::min);
-                prop_assert!(other != chosen && e == ests[other]);
-                prop_assert!(e.ttft_s() + w * e.work_s() <= second + 1e-12);
+            // requests behind it; on an idle instance (empty queue) nobody is behind it
+            let cost = |e: &Estimate| e.ttft_s() + if e.queue_s > 0.0 { w * e.work_s() } else { 0.0 };
+            let best = at_route.iter().map(cost).fold(f64::INFINITY, f64::min);
+            let (chosen, est) = r.route(&toks, &plain(), now).unwrap();
+            prop_assert_eq!(est, at_route[chosen]);
+            prop_assert!(cost(&est) <= best + 1e-12, "chose {} at {} over {}", chosen, cost(&est), best);
+            // a failover's choice (the chosen instance excluded) follows the same rule, on the
+            // queues as they are now
+            let now_ests: Vec<Estimate> = at_route.iter().enumerate()
+                .map(|(i, e)| model().estimate(toks.len(), e.gpu_pages, e.host_pages, 0, r.queues()[i]))
+                .collect();
+            if let Some((other, e)) = r.cheapest(&now_ests, |i| i != chosen) {
+                let second = now_ests.iter().enumerate().filter(|(i, _)| *i != chosen)
+                    .map(|(_, e)| cost(e)).fold(f64::INFINITY, f64::min);
+                prop_assert!(other != chosen && e == now_ests[other]);
+                prop_assert!(cost(&e) <= second + 1e-12);
             }
         }
     }
@@ -420,22 +432,73 @@ fn a_turn_stays_with_its_history_until_its_queue_outweighs_the_work_moving_adds(
             r.set_delay_weight(w).unwrap();
         }
         publish(&mut r, 0, &mut c);
+        // instance 1 is serving a request (its first token came: it decodes), so work routed
+        // there delays the requests behind it
+        busy(&mut r, 1);
         // every turn at the same instant: each one kept home adds its 8 ms to instance 0
-        let mut home = 0;
-        let queue_at_move = loop {
-            let q0 = r.queues()[0];
-            let (i, e) = r.route(&turn, &plain(), 0.0).unwrap();
-            if i != 0 {
-                assert_eq!(e.compute_s, 0.032, "weight {w}");
-                break q0;
-            }
-            assert_eq!(e.gpu_pages, 6);
-            home += 1;
-            assert!(home < 100, "weight {w}: never moved");
-        };
+        let (queue_at_move, home) = route_until_it_moves(&mut r, &turn, w);
         // It moves at the first queue where staying costs at least as much (ties go to the
         // shorter queue): within one turn's work (8 ms) above (1 + w) x the extra work.
         let threshold = (1.0 + w) * extra_s;
+        assert!(
+            queue_at_move >= threshold - 1e-9 && queue_at_move < threshold + 0.008,
+            "weight {w}: moved at a queue of {queue_at_move} s after {home} turns, threshold {threshold} s"
+        );
+    }
+}
+
+/// Routes `turn` (6 pages of history on instance 0's GPU, 2 new) again and again at one
+/// instant until it leaves instance 0: instance 0's queue then, and the turns kept home.
+fn route_until_it_moves(r: &mut Router, turn: &[u32], w: f64) -> (f64, usize) {
+    let mut home = 0;
+    loop {
+        let q0 = r.queues()[0];
+        let (i, e) = r.route(turn, &plain(), 0.0).unwrap();
+        if i != 0 {
+            assert_eq!(e.compute_s, 0.032, "weight {w}");
+            return (q0, home);
+        }
+        assert_eq!(e.gpu_pages, 6);
+        home += 1;
+        assert!(home < 100, "weight {w}: never moved");
+    }
+}
+
+/// A request running on `instance` (booked, its first token reported): the instance is busy
+/// with no queue.
+fn busy(r: &mut Router, instance: usize) {
+    let own: Vec<u64> = (9000..9004).collect();
+    r.apply(
+        instance,
+        &IndexEvent::Stored {
+            medium: Medium::Gpu,
+            hashes: own.clone(),
+        },
+    )
+    .unwrap();
+    let (i, _) = r.route_tracked(9999, &own, 4 * PS, 8, 0.0).unwrap();
+    assert_eq!(i, instance);
+    assert!(r.first_token(9999, 0.0));
+    assert_eq!(r.queue_s(instance), 0.0);
+}
+
+/// On an idle instance (nothing queued, nothing running) no request waits behind the work a
+/// move adds: the turn moves there as soon as its queue at home outweighs the extra work
+/// less the delay its own work home would impose (w x 8 ms), not (1 + w) x the extra work.
+#[test]
+fn a_turn_moves_to_an_idle_instance_once_its_queue_outweighs_the_extra_work() {
+    let history = tokens(5, 0, 6);
+    let turn = [history.clone(), tokens(6, 0, 2)].concat();
+    for w in [0.0, 0.5, 1.0, 2.0] {
+        let mut c = cache();
+        serve(&mut c, &history, 0);
+        let mut r = Router::new(2, model(), 1 << 20);
+        r.set_delay_weight(w).unwrap();
+        publish(&mut r, 0, &mut c);
+        // the first turn goes home: instance 0 is idle too, and 8 ms < 32 ms
+        let (queue_at_move, home) = route_until_it_moves(&mut r, &turn, w);
+        // staying: q0 + 8 ms + w x 8 ms; moving: 32 ms (an idle instance: no weight)
+        let threshold = (0.024 - w * 0.008_f64).max(0.0);
         assert!(
             queue_at_move >= threshold - 1e-9 && queue_at_move < threshold + 0.008,
             "weight {w}: moved at a queue of {queue_at_move} s after {home} turns, threshold {threshold} s"
