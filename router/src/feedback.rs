@@ -47,8 +47,8 @@ type HeldPages = HashMap<u64, u32, BuildHasherDefault<PageKeyHasher>>;
 pub const DECODE_EWMA: f64 = 0.1;
 
 /// Weight of the latest first token's lateness (observed TTFT − predicted) in the instance's
-/// average. The figures hardly move between 0.02 and 0.5 (docs/router.md, "Learning the
-/// queue").
+/// average. In an earlier variant the chat's figures hardly moved between 0.02 and 0.5
+/// (docs/router.md, "Learning the queue").
 pub const LATE_EWMA: f64 = 0.1;
 
 /// How a booked request's first token becomes known.
