@@ -192,7 +192,17 @@ def test_promotion_on_hit_as_mooncake(tmp_path):
         rng = np.random.default_rng(11)
         ref = {f"poh-{i}": rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes() for i in range(24)}
         assert [s.put(k, v) for k, v in ref.items()] == [0] * 24
-        time.sleep(1.0)  # the SSD writer registers the evicted objects' copies
+        # the SSD writer registers the evicted objects' copies: wait until every object has
+        # one (the server's stats, read by a kvtier client: no key is read, nothing counts
+        # toward admission), 10 s at most
+        watcher = kvtier.L3Store.connect(p.addr, shm=False)
+        deadline = time.monotonic() + 10
+        while True:
+            st = watcher.stats()
+            if st["mem_objects"] + st["disk_objects"] >= st["objects"] >= 24:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.02)
         descs = s.batch_get_replica_desc(list(ref))  # the first read of each
         cold = [k for k, rs in descs.items() if rs and all(r.is_local_disk_replica() for r in rs)]
         out = {"cold_keys": len(cold) >= 2}
