@@ -130,6 +130,11 @@ impl Cluster {
         self.router.set_delay_weight(weight)
     }
 
+    /// The instances' device memory and decode step ([`Router::set_occupancy`]).
+    pub fn set_occupancy(&mut self, occupancy: Option<crate::Occupancy>) {
+        self.router.set_occupancy(occupancy);
+    }
+
     /// Registers a stream; returns its number.
     pub fn add_stream(&mut self, name: &str, endpoint: &str, target: Target) -> usize {
         self.streams.push(StreamState {
@@ -418,6 +423,7 @@ impl Cluster {
             "memory_bytes": self.memory_bytes(),
             "routed_load_only": self.load_only,
             "booked": self.router.booked(),
+            "device_tokens": self.router.occupancy().map(|o| o.device_tokens),
             "streams": streams,
         })
     }

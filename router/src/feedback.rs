@@ -113,6 +113,8 @@ pub struct Feedback {
     /// Per instance: how much later than predicted its first tokens come, an exponential
     /// average; added to its queue (the model's bias there, learnt).
     late_s: Vec<f64>,
+    /// Per instance: whether any of its first tokens was seen (its `late_s` is learnt).
+    late_seen: Vec<bool>,
     /// [`FirstToken::AtEstimate`] bookings by when their first token is taken to come (ns).
     unseen: BinaryHeap<Reverse<(u64, u64)>>,
 }
@@ -131,6 +133,7 @@ impl Feedback {
             running: vec![0; instances],
             decode_s: vec![0.0; instances],
             late_s: vec![0.0; instances],
+            late_seen: vec![false; instances],
             unseen: BinaryHeap::new(),
         }
     }
@@ -163,9 +166,23 @@ impl Feedback {
         p + memory
     }
 
-    /// How much later than predicted `instance`'s first tokens come (negative: earlier).
+    /// How much later than predicted `instance`'s first tokens come (negative: earlier). An
+    /// instance none of whose first tokens was seen yet is taken to be as late as the average
+    /// of those seen: part of the lateness is the model's error on every instance (a prefill
+    /// rate set too high), and an instance unseen is not faster for being unseen.
     pub fn late_s(&self, instance: usize) -> f64 {
-        self.late_s.get(instance).copied().unwrap_or(0.0)
+        match self.late_seen.get(instance) {
+            None => return 0.0,
+            Some(true) => return self.late_s[instance],
+            Some(false) => {}
+        }
+        let (sum, n) = self
+            .late_s
+            .iter()
+            .zip(&self.late_seen)
+            .filter(|(_, seen)| **seen)
+            .fold((0.0, 0usize), |(s, n), (l, _)| (s + l, n + 1));
+        if n == 0 { 0.0 } else { sum / n as f64 }
     }
 
     /// Request `id` was routed to `instance` as `routed` says, holding `held` of KV while it
@@ -240,6 +257,7 @@ impl Feedback {
                 let late = (at_s - b.routed_at) - b.predicted_s;
                 let l = &mut self.late_s[b.instance];
                 *l += LATE_EWMA * (late - *l);
+                self.late_seen[b.instance] = true;
             }
             let p = &mut self.pending_s[b.instance];
             *p = (*p - b.work_s).max(0.0);
@@ -394,6 +412,15 @@ mod tests {
         assert!((f.late_s(0) - 0.02).abs() < 1e-6, "{}", f.late_s(0));
         assert!((f.late_s(1) + 0.05).abs() < 1e-6, "{}", f.late_s(1));
         assert_eq!(f.late_s(7), 0.0, "an unknown instance is never late");
+        // an instance none of whose first tokens was seen: the average of those seen
+        let mut g = Feedback::new(3, 1e6, 16);
+        assert_eq!(g.late_s(2), 0.0, "nothing seen anywhere");
+        for (id, inst, first) in [(1, 0, 0.21), (2, 1, 0.41)] {
+            g.book(id, inst, routed(0.01, 0.01, 0.0), held(&[], 1.0));
+            assert!(g.first_token(id, first));
+        }
+        assert!((g.late_s(0) - 0.02).abs() < 1e-9 && (g.late_s(1) - 0.04).abs() < 1e-9);
+        assert!((g.late_s(2) - 0.03).abs() < 1e-9, "{}", g.late_s(2));
         // a first token reported twice is learnt once
         let before = f.late_s(0);
         assert!(f.first_token(398, 500.0));

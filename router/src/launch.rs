@@ -130,6 +130,9 @@ pub struct Config {
     pub model: CostModel,
     /// The weight of a request's work in its routing cost ([`crate::DELAY_WEIGHT`]).
     pub delay_weight: f64,
+    /// The instances' device memory and decode step, for the memory term of the proxy's
+    /// closed-loop queue (`None`: not counted).
+    pub occupancy: Option<crate::Occupancy>,
     /// The index's bound in entries, all tiers and instances (`usize::MAX`: none).
     pub max_pages: usize,
     /// The index's bound in bytes, the streams' key tables included (`usize::MAX`: none); at
@@ -189,6 +192,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     cluster
         .set_delay_weight(cfg.delay_weight)
         .map_err(StartError::DelayWeight)?;
+    cluster.set_occupancy(cfg.occupancy);
     let mut subs = Vec::new();
     for (i, spec) in cfg.instances.iter().enumerate() {
         if let Some(ev) = &spec.events {

@@ -124,6 +124,10 @@ impl Router {
         self.occupancy = occupancy;
     }
 
+    pub fn occupancy(&self) -> Option<Occupancy> {
+        self.occupancy
+    }
+
     /// Routes `id` as [`Self::route_request`] does, and books it: from the first booking on,
     /// the queues are closed-loop ([`Feedback`]), kept from [`Self::first_token`] and
     /// [`Self::finished`], which the caller must report for every booked request: pending

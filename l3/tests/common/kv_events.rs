@@ -210,6 +210,7 @@ pub fn router(
             ..kvtier_router::CostModel::h100_llama8b()
         },
         delay_weight: kvtier_router::DELAY_WEIGHT,
+        occupancy: None,
         max_pages: 1 << 20,
         max_index_bytes: usize::MAX,
         keys: kvtier_router::cluster::Keys::Engine,

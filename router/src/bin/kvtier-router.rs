@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::Parser;
 use kvtier_router::cluster::Keys;
 use kvtier_router::launch::{self, ByteSize, Config, EndpointSpec};
-use kvtier_router::{ClusterIndex, CostModel, DELAY_WEIGHT};
+use kvtier_router::{ClusterIndex, CostModel, DELAY_WEIGHT, Occupancy};
 
 #[derive(Parser, Debug)]
 #[command(name = "kvtier-router", version, about)]
@@ -54,6 +54,13 @@ struct Args {
     /// it imposes on the requests behind it); 0 routes by the request's own TTFT alone.
     #[arg(long, default_value_t = DELAY_WEIGHT)]
     delay_weight: f64,
+    /// Tokens of KV one instance's device holds for running requests (its KV blocks × block
+    /// size): with --decode-step-ms, the proxy's queue counts what running requests hold.
+    #[arg(long)]
+    device_tokens: Option<f64>,
+    /// Milliseconds of one decode step of an instance (with --device-tokens).
+    #[arg(long)]
+    decode_step_ms: Option<f64>,
     /// Wait for each message of a replay or snapshot answer, milliseconds.
     #[arg(long, default_value_t = 500)]
     replay_timeout_ms: u64,
@@ -103,6 +110,14 @@ fn config(a: &Args) -> Result<Config, String> {
                 "--delay-weight must be a number at least 0, not {}",
                 a.delay_weight
             ));
+        },
+        occupancy: match (a.device_tokens, a.decode_step_ms) {
+            (None, None) => None,
+            (Some(t), Some(ms)) => Some(Occupancy {
+                device_tokens: positive("device-tokens", t)?,
+                decode_step_s: positive("decode-step-ms", ms)? / 1e3,
+            }),
+            _ => return Err("--device-tokens and --decode-step-ms go together".into()),
         },
         max_pages: a.max_pages.unwrap_or(usize::MAX),
         max_index_bytes: a.max_index_bytes.0,

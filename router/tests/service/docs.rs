@@ -91,6 +91,13 @@ async fn the_documented_router_line_and_requests_run() {
         .await
         .json();
     assert_eq!(stats["streams"].as_array().map(Vec::len), Some(2));
+    // the documented device size is the one in force
+    let at = args
+        .iter()
+        .position(|a| a == "--device-tokens")
+        .expect("--device-tokens");
+    let device: f64 = args[at + 1].parse().expect("a number");
+    assert_eq!(stats["device_tokens"].as_f64(), Some(device), "{stats}");
     // the documented budget is the one in force
     let at = args
         .iter()
@@ -128,6 +135,30 @@ fn bad_flags_are_errors_not_panics() {
         (vec!["--instance", ev, "--max-pages", "0"], 2),
         (vec!["--instance", ev, "--delay-weight", "-1"], 2),
         (vec!["--instance", ev, "--delay-weight", "NaN"], 2),
+        (vec!["--instance", ev, "--device-tokens", "131072"], 2),
+        (vec!["--instance", ev, "--decode-step-ms", "6"], 2),
+        (
+            vec![
+                "--instance",
+                ev,
+                "--device-tokens",
+                "0",
+                "--decode-step-ms",
+                "6",
+            ],
+            2,
+        ),
+        (
+            vec![
+                "--instance",
+                ev,
+                "--device-tokens",
+                "131072",
+                "--decode-step-ms",
+                "inf",
+            ],
+            2,
+        ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvtier-router"))
             .args(&args)

@@ -374,9 +374,10 @@ async fn a_lora_request_goes_to_the_instance_holding_the_prompt_under_its_adapte
     r.stop().await;
 }
 
-/// Two instances holding nothing price a request alike, and ties go to instance 0. When
-/// instance 0's streamed answers start 150 ms late, the router learns it from their first
-/// chunks and sends the next requests to instance 1; every booking ends with its answer.
+/// Two instances holding nothing price a request alike, and ties go to instance 0. Two
+/// requests at once go one to each (instance 0 has the first's prefill pending). Instance 0's
+/// streamed answers start 150 ms late: the router learns it from their first chunks and sends
+/// every later request to instance 1; every booking ends with its answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_whose_first_chunks_come_late_is_learnt_and_avoided() {
     let ex = recorded();
@@ -391,26 +392,38 @@ async fn an_instance_whose_first_chunks_come_late_is_learnt_and_avoided() {
     .await;
     let streamed = find(&ex, "/v1/completions", true, true);
     let body = streamed.request.as_ref().expect("req").to_string();
-    let mut went = Vec::new();
-    for _ in 0..8 {
-        let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+    let instance = |got: &Got| -> usize {
         assert_eq!(got.status, 200);
         assert_eq!(got.chunks.len(), streamed.chunks.len());
-        let i: usize = got
-            .headers
+        got.headers
             .iter()
             .find(|(k, _)| k == "x-kvtier-instance")
             .and_then(|(_, v)| v.parse().ok())
-            .expect("instance header");
-        went.push(i);
+            .expect("instance header")
+    };
+    let (a, b) = tokio::join!(
+        http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())),
+        http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())),
+    );
+    let mut pair = [instance(&a), instance(&b)];
+    pair.sort_unstable();
+    assert_eq!(pair, [0, 1], "two at once: one on each");
+    let c = Arc::clone(&r.cluster);
+    until("both bookings ended", || {
+        c.lock().expect("lock").router().booked() == 0
+    })
+    .await;
+    let mut went = Vec::new();
+    for _ in 0..6 {
+        let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+        went.push(instance(&got));
         let c = Arc::clone(&r.cluster);
         until("the answer's booking ended", || {
             c.lock().expect("lock").router().booked() == 0
         })
         .await;
     }
-    assert_eq!(went[0], 0, "a tie goes to instance 0: {went:?}");
-    assert!(went[1..].iter().all(|&i| i == 1), "{went:?}");
+    assert!(went.iter().all(|&i| i == 1), "{went:?}");
     let stats = http(r.addr, "GET", "/stats", None).await.json();
     let late = stats["instances"][0]["late_s"].as_f64().expect("late_s");
     assert!(late > 0.01, "{stats}");

@@ -107,6 +107,7 @@ pub async fn router(
         storage,
         model: model(),
         delay_weight: kvtier_router::DELAY_WEIGHT,
+        occupancy: None,
         max_pages,
         max_index_bytes: usize::MAX,
         keys,
