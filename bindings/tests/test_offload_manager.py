@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvtier
@@ -222,6 +222,9 @@ def _calls(m, chains, jobs, slot):
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 50)), max_size=60), st.integers(2, 6))
+# found by hypothesis in CI-like runs: backups queued, every one skipped (its pages left the
+# host), so plan_backups returns [] having taken the queue: a change, the generation renewed
+@example([(0, 2), (2, 1), (0, 0), (14, 0)], 2)
 def test_an_unchanged_generation_means_every_answer_is_unchanged(ops, slots):
     """``generation`` (what kvtier.vllm keeps a chain's host prefix by) is renewed by every
     call that may change the manager (``plan_backups`` only when backups were queued) and by
@@ -239,6 +242,7 @@ def test_an_unchanged_generation_means_every_answer_is_unchanged(ops, slots):
     for which, slot in ops:
         name, changes, call = _calls(m, chains, jobs, slot)[which]
         gen, before = m.generation, answers()
+        queued = m.usage()["backups_queued"]
         try:
             out = call()
         except (kvtier.OffloadManagerError, ValueError):
@@ -247,7 +251,7 @@ def test_an_unchanged_generation_means_every_answer_is_unchanged(ops, slots):
             jobs.append(out[0])
         elif isinstance(out, list) and out and isinstance(out[0], tuple) and isinstance(out[0][0], int):
             jobs.extend(b[0] for b in out)  # plan_backups
-        if changes and not (name == "plan_backups" and out == []):  # nothing queued: unchanged
+        if changes and not (name == "plan_backups" and queued == 0):  # nothing queued: unchanged
             assert m.generation != gen, f"{name} left the generation as it was"
         else:
             assert m.generation == gen, f"{name} (a read) renewed the generation"

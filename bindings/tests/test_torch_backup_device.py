@@ -11,7 +11,7 @@ import kvtier
 from kvtier.engine import KvtierL3Backend
 from kvtier.torch import Direction, Executor, ExecutorError, Ordering, TorchMover
 from conftest import HandOp
-from test_torch_executor import KEYS, dev_page_as_host, get_l3, held, pools
+from test_torch_executor import KEYS, dev_page_as_host, dev_page_is, get_l3, held, pools
 
 
 def test_backup_of_device_pages_stores_their_bytes_chunk_by_chunk():
@@ -62,7 +62,7 @@ def test_a_device_page_is_not_overwritten_while_a_backup_still_reads_it(ordering
     host.data[6] = -9.0
     store = kvtier.L3Store.embedded(1 << 22)
     # the backup's staging copy waits until the load-back overwrote its page (UNCHECKED)
-    mover = TorchMover(delay=held(Direction.STORE, lambda: bool((dev.k(0)[4] == -9).all())))
+    mover = TorchMover(delay=held(Direction.STORE, lambda: dev_page_is(dev, 4, -9.0)))
     with Executor(dev, host, KvtierL3Backend(store), mover=mover, ordering=ordering) as ex:
         ex.submit([HandOp(1, "BackUp", "device", None, [4], (), KEYS[:1])])
         ex.submit([HandOp(2, "LoadBack", "host", "device", [6], [4])])  # the page, released and reused

@@ -47,6 +47,12 @@ def dev_page_as_host(dev, p):
     return torch.stack([torch.stack([dev.k(l)[p], dev.v(l)[p]]) for l in range(LAYERS)])
 
 
+def dev_page_is(dev, p, value):
+    """Every layer's K and V of device page ``p`` hold ``value`` (a copy landed whole)."""
+    return all(bool((dev.k(l)[p] == value).all() and (dev.v(l)[p] == value).all())
+               for l in range(LAYERS))
+
+
 def slow(direction_delays):
     """A delay hook: sleeps ``direction_delays[direction]`` seconds before each copy."""
     return lambda d, layers: time.sleep(direction_delays.get(d, 0.0))
@@ -209,7 +215,7 @@ def test_a_device_page_is_not_overwritten_while_a_write_back_still_reads_it(orde
     host.data[6] = -7.0
     before = dev_page_as_host(dev, 3)
     # the write-back waits until the load-back overwrote its page (UNCHECKED), or HOLD_S
-    mover = TorchMover(delay=held(Direction.STORE, lambda: bool((dev.k(0)[3] == -7).all())))
+    mover = TorchMover(delay=held(Direction.STORE, lambda: dev_page_is(dev, 3, -7.0)))
     with Executor(dev, host, mover=mover, ordering=ordering) as ex:
         # the scheduler released device page 3 (the write-back is its last reader) and reuses it
         ex.submit([HandOp(1, "WriteBack", "device", "host", [3], [1])])
@@ -227,8 +233,9 @@ def test_a_host_page_is_not_overwritten_while_a_backup_still_reads_it(ordering):
     dev, host = pools()
     host.data[4] = 42.0
     store = kvtier.L3Store.embedded(1 << 22)
-    # the backup's put waits until the write-back overwrote its page (UNCHECKED), or HOLD_S
-    backend = SlowBackend(store, put_when=lambda: not bool((host.page(4) == 42).all()))
+    # the backup's put waits until the write-back overwrote the whole page (UNCHECKED; it
+    # copies layer by layer, and a put in between reads a torn page), or HOLD_S
+    backend = SlowBackend(store, put_when=lambda: torch.equal(host.page(4), dev_page_as_host(dev, 0)))
     with Executor(dev, host, backend, ordering=ordering) as ex:
         ex.submit([HandOp(1, "BackUp", "host", None, [4], (), KEYS[1:2])])
         ex.submit([HandOp(2, "WriteBack", "device", "host", [0], [4])])
