@@ -304,25 +304,31 @@ impl Router {
     /// last routing, docs/router.md, "Learning the queue").
     fn closed(&self, held: Held<'_>) -> Vec<Closed> {
         (0..self.queues.len())
-            .map(|i| match &self.feedback {
-                Some(fb) => {
-                    let modelled_s = fb.queue_s(i, held);
-                    Closed {
-                        modelled_s,
-                        learnt_s: (modelled_s + fb.late_s(i)).max(0.0),
-                    }
-                }
-                None => Closed::default(),
-            })
+            .map(|i| self.closed_of(i, held))
             .collect()
+    }
+
+    /// [`Self::closed`] for one instance.
+    fn closed_of(&self, instance: usize, held: Held<'_>) -> Closed {
+        match &self.feedback {
+            Some(fb) => {
+                let modelled_s = fb.queue_s(instance, held);
+                Closed {
+                    modelled_s,
+                    learnt_s: (modelled_s + fb.late_s(instance)).max(0.0),
+                }
+            }
+            None => Closed::default(),
+        }
     }
 
     /// Seconds a request holding nothing would wait on `instance` now, as a route would price
     /// it (open-loop and closed-loop parts); 0 for an unknown instance.
     pub fn queue_s(&self, instance: usize) -> f64 {
-        let open = self.queues.get(instance).copied().unwrap_or(0.0);
-        let closed = self.closed(self.held(&[], 0, 0));
-        open + closed.get(instance).map_or(0.0, |c| c.learnt_s)
+        let Some(open) = self.queues.get(instance) else {
+            return 0.0;
+        };
+        open + self.closed_of(instance, self.held(&[], 0, 0)).learnt_s
     }
 
     /// Routes a prompt at time `now_s` (seconds, the caller's clock; a time before the last
