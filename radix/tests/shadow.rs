@@ -20,7 +20,14 @@ fn tokens(r: Req, sys_pages: usize) -> Vec<u32> {
     let mut t: Vec<u32> = (0..(sys_pages * PS) as u32)
         .map(|i| 1_000_000 * (sys + 1) + i)
         .collect();
-    t.extend((0..((turn as usize + 1) * PS) as u32).map(|i| 10_000_000 * (conv + 1) + i));
+    // Conversation tokens have the top bit set (system prompts' never do), the conversation
+    // in bits 8..31 and the position below (in u32 for any conversation id the tests use).
+    let n = (turn as usize + 1) * PS;
+    assert!(
+        n <= 256 && conv < 1 << 23,
+        "{n} tokens, conversation {conv}"
+    );
+    t.extend((0..n as u32).map(|i| (1 << 31) | (conv << 8) | i));
     t
 }
 

@@ -211,6 +211,7 @@ fn the_matrix_tables_are_the_scripts_output() {
     let page = std::fs::read_to_string(root.join("docs/sim/shadow.md")).unwrap();
     let printed = python(&root, &["scripts/matrix_tables.py"])
         + &python(&root, &["scripts/matrix_tables.py", "--round1"])
+        + &python(&root, &["scripts/matrix_tables.py", "--round", "shadow6"])
         + &python(&root, &["scripts/matrix_tables.py", "--protect"]);
     let rows: Vec<&str> = printed.lines().filter(|l| l.starts_with("| ")).collect();
     assert!(rows.len() > 40, "{} rows", rows.len());

@@ -15,8 +15,27 @@
 
 /// z² of the test in hundredths: 6.63 is z = 2.576 (two-sided p < 0.01).
 pub const Z2_HUNDREDTHS: u64 = 663;
-/// Disagreements needed before any test (the normal approximation holds from here).
+/// Disagreements from which the normal approximations are used; below, the exact binomial
+/// sign test alone (the paired statistic needs the normal approximation).
 pub const MIN_DISAGREEMENTS: u64 = 30;
+/// The exact test's level in hundredths: p < 0.01, the level of [`Z2_HUNDREDTHS`].
+const P_HUNDREDTHS: u64 = 1;
+
+/// The exact two-sided sign test below [`MIN_DISAGREEMENTS`]: 2 × P(X ≥ wins) < p for X
+/// binomial(n, ½), i.e. 100 × 2 × Σ_{k ≥ wins} C(n, k) < p_hundredths × 2ⁿ, in integers
+/// (C(29, 14) < 2^28, so every term fits a u64).
+fn exact_sign_test(wins: u64, n: u64) -> bool {
+    debug_assert!(n < MIN_DISAGREEMENTS && wins <= n);
+    let mut c: u64 = 1; // C(n, 0)
+    let mut tail: u64 = 0;
+    for k in 0..=n {
+        if k >= wins {
+            tail += c;
+        }
+        c = c * (n - k) / (k + 1);
+    }
+    200 * u128::from(tail) < u128::from(P_HUNDREDTHS) << n
+}
 
 /// Wins and losses of a challenger against the current choice, in requests and in pages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -53,11 +72,15 @@ impl Duel {
 
     /// The challenger is significantly better: more pages won than lost, and either more
     /// wins than chance allows (the sign test) or a net page gain beyond chance (the paired
-    /// test); each at z² = [`Z2_HUNDREDTHS`] / 100, after [`MIN_DISAGREEMENTS`].
+    /// test); each at z² = [`Z2_HUNDREDTHS`] / 100 from [`MIN_DISAGREEMENTS`] on, and
+    /// below that the exact sign test at the same level (p < 0.01).
     pub fn significant(&self) -> bool {
         let n = self.wins + self.losses;
-        if n < MIN_DISAGREEMENTS || self.pages_won <= self.pages_lost {
+        if self.pages_won <= self.pages_lost {
             return false;
+        }
+        if n < MIN_DISAGREEMENTS {
+            return self.wins > self.losses && exact_sign_test(self.wins, n);
         }
         let z2 = u128::from(Z2_HUNDREDTHS);
         let sign = self.wins > self.losses && {
@@ -135,6 +158,67 @@ mod tests {
             }
         }
         assert!(!against.significant(), "{against:?}");
+    }
+
+    /// Measured on the conversation trace at 327,680 pages (sampled 1 in 5; docs/sim/shadow.md,
+    /// round 6): LRU + demotion won 21 of 21 disagreements against LRU, by 3,250 pages, and the
+    /// selector never switched, because no test ran below 30 disagreements. 21 wins of 21 has
+    /// a two-sided p of 2^-20: below 30 the sign test is the exact binomial one.
+    #[test]
+    fn a_unanimous_lead_is_significant_before_thirty_disagreements() {
+        let mut d = Duel::default();
+        for _ in 0..21 {
+            d.record(150, 0);
+        }
+        assert!(d.significant(), "{d:?}");
+    }
+
+    /// The exact test's boundary: all of n disagreements won is p = 2 × 2^-n, below 0.01
+    /// from n = 8 (0.0078) and not at n = 7 (0.0156); 9 of 10 is p = 0.021, 10 of 11 is
+    /// 0.0117, 11 of 12 is 0.0063.
+    #[test]
+    fn the_exact_sign_test_has_the_binomial_boundary() {
+        let duel = |wins: usize, losses: usize| {
+            let mut d = Duel::default();
+            (0..wins).for_each(|_| d.record(3, 1));
+            (0..losses).for_each(|_| d.record(1, 2));
+            d
+        };
+        for (w, l, sig) in [
+            (7, 0, false),
+            (8, 0, true),
+            (9, 1, false),
+            (10, 1, false),
+            (11, 1, true),
+            (20, 9, false),
+            (22, 7, true),
+        ] {
+            assert_eq!(duel(w, l).significant(), sig, "{w} wins, {l} losses");
+        }
+    }
+
+    proptest! {
+        /// Below 30 disagreements the sign test is exact and the only test: significant
+        /// exactly when the two-sided binomial p (computed here in floating point) is below
+        /// 0.01.
+        #[test]
+        fn small_samples_follow_the_binomial_p(wins in 0usize..30, losses in 0usize..30) {
+            prop_assume!(wins + losses < 30 && wins > losses);
+            let mut d = Duel::default();
+            (0..wins).for_each(|_| d.record(2, 0));
+            (0..losses).for_each(|_| d.record(0, 1));
+            let n = wins + losses;
+            let mut tail = 0.0f64;
+            for k in wins..=n {
+                let mut c = 1.0f64;
+                for j in 0..k {
+                    c = c * (n - j) as f64 / (j + 1) as f64;
+                }
+                tail += c;
+            }
+            let p = 2.0 * tail / 2f64.powi(n as i32);
+            prop_assert_eq!(d.significant(), p < 0.01, "p = {}", p);
+        }
     }
 
     #[test]
