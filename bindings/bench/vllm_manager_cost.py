@@ -79,6 +79,11 @@ MANAGERS: Dict[str, Callable[[int], KVTransferConfig]] = {
         "TieringOffloadingSpec", n, eviction_policy="lru", tier_poll_interval_s=0,
         secondary_tiers=[{"type": "KvtierSecondaryTier", "module_path": "kvtier.vllm", "name": uuid.uuid4().hex,
                           "segment_bytes": "2GB"}]),
+    # vLLM's tiering over vLLM's own example tier (a dict of keys: no bytes, every job done at
+    # once): what vLLM's tiering manager costs by itself, the floor of the row above.
+    "vLLM TieringOffloadingSpec (lru) + vLLM's example tier (no bytes)": lambda n: config(
+        "TieringOffloadingSpec", n, eviction_policy="lru", tier_poll_interval_s=0,
+        secondary_tiers=[{"type": "example"}]),
 }
 
 

@@ -31,7 +31,8 @@ def test_the_manager_cost_benchmark_times_every_manager_through_vllms_connector(
     assert [row[0] for row in rows] == [
         "vLLM CPUOffloadingSpec (lru)", "kvtier KvtierOffloadingSpec (lru)",
         "kvtier KvtierOffloadingSpec (freq-depth)", "kvtier KvtierOffloadingSpec (lru) + kvtier_l3",
-        "vLLM TieringOffloadingSpec (lru) + KvtierSecondaryTier"]
+        "vLLM TieringOffloadingSpec (lru) + KvtierSecondaryTier",
+        "vLLM TieringOffloadingSpec (lru) + vLLM's example tier (no bytes)"]
     assert head[:4] == ["manager", "us / request", "/ vLLM's", "host hit rate"]
     # Every manager was called (lookups and stores at least) and vLLM's is the reference.
     for row in rows:

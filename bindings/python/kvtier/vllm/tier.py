@@ -206,6 +206,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._reported: Tuple[int, ...] = ()
         self._gauges: Optional[Tuple[int, ...]] = None
         self._gauges_at = float("-inf")
+        self._clock = time.monotonic  # (tests replace it)
 
     # ---- setup --------------------------------------------------------------------------
 
@@ -478,16 +479,16 @@ class KvtierSecondaryTier(SecondaryTierManager):
         step; a server's are on its own --metrics, and asking it here would be a round trip
         in the scheduler loop). Nothing new: None.
 
-        The store is asked for its gauges only when this tier's counters moved (its own
-        stores and loads) or ``GAUGE_REFRESH_S`` after it was last asked (what another user
-        of an embedded store, another rank's tier, changed): an idle step costs no call into
-        the store."""
+        The store is asked for its gauges at most once per ``GAUGE_REFRESH_S`` (its own
+        stores, and what another user of an embedded store, another rank's tier, changed):
+        the store's ``stats()`` walks its objects under its lock, and vLLM's scheduler loop
+        waits for the answer. The counters cost no call into the store."""
         with self._lock:
             c = vars(self.counters)
             now = tuple(c[k] for k in _TIER_COUNTERS)
         last = self._reported or (0,) * len(now)
-        t = time.monotonic()
-        ask_store = self.is_embedded and (now != last or t - self._gauges_at >= GAUGE_REFRESH_S)
+        t = self._clock()
+        ask_store = self.is_embedded and t - self._gauges_at >= GAUGE_REFRESH_S
         if now == last and not ask_store:
             return None
         self._reported = now
