@@ -51,6 +51,15 @@ pub const DECODE_EWMA: f64 = 0.1;
 /// (docs/router.md, "Learning the queue").
 pub const LATE_EWMA: f64 = 0.1;
 
+/// Half-life, in seconds of the router's clock, of what an instance's lateness says beyond
+/// the other instances' once its first tokens stop coming. Lateness is learnt only from
+/// first tokens, so an instance that was late for a while (a transient) and is priced out
+/// shows none and would keep that lateness for ever; decaying toward the others', it is
+/// tried again and relearnt. Long against a request's life (seconds: a busy instance's
+/// lateness is always fresh), short against an operator's patience (an instance starved for
+/// a transient is back within minutes).
+pub const LATE_HALF_LIFE_S: f64 = 60.0;
+
 /// How a booked request's first token becomes known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FirstToken {
@@ -113,8 +122,9 @@ pub struct Feedback {
     /// Per instance: how much later than predicted its first tokens come, an exponential
     /// average; added to its queue (the model's bias there, learnt).
     late_s: Vec<f64>,
-    /// Per instance: whether any of its first tokens was seen (its `late_s` is learnt).
-    late_seen: Vec<bool>,
+    /// Per instance: when its latest first token was learnt from (`None`: never; its
+    /// `late_s` is then not learnt).
+    late_seen_at: Vec<Option<f64>>,
     /// [`FirstToken::AtEstimate`] bookings by when their first token is taken to come (ns).
     unseen: BinaryHeap<Reverse<(u64, u64)>>,
 }
@@ -133,7 +143,7 @@ impl Feedback {
             running: vec![0; instances],
             decode_s: vec![0.0; instances],
             late_s: vec![0.0; instances],
-            late_seen: vec![false; instances],
+            late_seen_at: vec![None; instances],
             unseen: BinaryHeap::new(),
         }
     }
@@ -166,23 +176,38 @@ impl Feedback {
         p + memory
     }
 
-    /// How much later than predicted `instance`'s first tokens come (negative: earlier). An
-    /// instance none of whose first tokens was seen yet is taken to be as late as the average
-    /// of those seen: part of the lateness is the model's error on every instance (a prefill
-    /// rate set too high), and an instance unseen is not faster for being unseen.
-    pub fn late_s(&self, instance: usize) -> f64 {
-        match self.late_seen.get(instance) {
-            None => return 0.0,
-            Some(true) => return self.late_s[instance],
-            Some(false) => {}
-        }
+    /// How much later than predicted `instance`'s first tokens come (negative: earlier), as
+    /// of `now_s`. An instance none of whose first tokens was seen yet is taken to be as late
+    /// as the average of the others seen: part of the lateness is the model's error on every
+    /// instance (a prefill rate set too high), and an instance unseen is not faster for being
+    /// unseen. What an instance's own lateness says beyond that average decays with the time
+    /// since its latest first token ([`LATE_HALF_LIFE_S`]).
+    pub fn late_s(&self, instance: usize, now_s: f64) -> f64 {
+        let Some(seen_at) = self.late_seen_at.get(instance) else {
+            return 0.0;
+        };
         let (sum, n) = self
             .late_s
             .iter()
-            .zip(&self.late_seen)
-            .filter(|(_, seen)| **seen)
-            .fold((0.0, 0usize), |(s, n), (l, _)| (s + l, n + 1));
-        if n == 0 { 0.0 } else { sum / n as f64 }
+            .zip(&self.late_seen_at)
+            .enumerate()
+            .filter(|(j, (_, at))| *j != instance && at.is_some())
+            .fold((0.0, 0usize), |(s, n), (_, (l, _))| (s + l, n + 1));
+        let others = if n == 0 { 0.0 } else { sum / n as f64 };
+        match seen_at {
+            None => others,
+            Some(_) => others + (self.late_s[instance] - others) * self.freshness(instance, now_s),
+        }
+    }
+
+    /// How much of `instance`'s own lateness estimate still holds at `now_s`: 1 when its
+    /// latest first token is now (or it has none: its estimate starts at 0, on time), halved
+    /// every [`LATE_HALF_LIFE_S`] after.
+    fn freshness(&self, instance: usize, now_s: f64) -> f64 {
+        match self.late_seen_at.get(instance) {
+            Some(Some(at)) => (-(now_s - at).max(0.0) / LATE_HALF_LIFE_S).exp2(),
+            _ => 1.0,
+        }
     }
 
     /// Request `id` was routed to `instance` as `routed` says, holding `held` of KV while it
@@ -251,17 +276,24 @@ impl Feedback {
         let Some(b) = self.booked.get_mut(&id) else {
             return false;
         };
-        if b.prefilled_at.is_none() {
-            b.prefilled_at = Some(at_s);
-            if learn == Learn::Lateness {
-                let late = (at_s - b.routed_at) - b.predicted_s;
-                let l = &mut self.late_s[b.instance];
-                *l += LATE_EWMA * (late - *l);
-                self.late_seen[b.instance] = true;
-            }
-            let p = &mut self.pending_s[b.instance];
-            *p = (*p - b.work_s).max(0.0);
+        if b.prefilled_at.is_some() {
+            return true;
         }
+        b.prefilled_at = Some(at_s);
+        let (i, work_s, late) = (b.instance, b.work_s, (at_s - b.routed_at) - b.predicted_s);
+        if learn == Learn::Lateness {
+            // The older the instance's estimate, the more the new first token weighs: LATE_EWMA
+            // when it is fresh, all of it when the estimate has faded, so an instance tried
+            // again after a transient relearns at its first on-time token. (Its own average,
+            // not pulled toward the others': an instance seen once a second keeps its
+            // lateness.)
+            let w = self.freshness(i, at_s);
+            let weight = 1.0 - (1.0 - LATE_EWMA) * w;
+            self.late_s[i] += weight * (late - self.late_s[i]);
+            self.late_seen_at[i] = Some(at_s);
+        }
+        let p = &mut self.pending_s[i];
+        *p = (*p - work_s).max(0.0);
         true
     }
 
@@ -409,22 +441,49 @@ mod tests {
             f.book(2 * k + 1, 1, routed(0.1, 0.1, t), held(&[], 1.0));
             assert!(f.first_token(2 * k + 1, t + 0.05));
         }
-        assert!((f.late_s(0) - 0.02).abs() < 1e-6, "{}", f.late_s(0));
-        assert!((f.late_s(1) + 0.05).abs() < 1e-6, "{}", f.late_s(1));
-        assert_eq!(f.late_s(7), 0.0, "an unknown instance is never late");
+        // (as of instance 0's last first token: instance 1's came 20 ms later)
+        let now = 199.03;
+        assert!(
+            (f.late_s(0, now) - 0.02).abs() < 1e-6,
+            "{}",
+            f.late_s(0, now)
+        );
+        assert!(
+            (f.late_s(1, now) + 0.05).abs() < 1e-6,
+            "{}",
+            f.late_s(1, now)
+        );
+        assert_eq!(f.late_s(7, now), 0.0, "an unknown instance is never late");
         // an instance none of whose first tokens was seen: the average of those seen
         let mut g = Feedback::new(3, 1e6, 16);
-        assert_eq!(g.late_s(2), 0.0, "nothing seen anywhere");
+        assert_eq!(g.late_s(2, 0.0), 0.0, "nothing seen anywhere");
         for (id, inst, first) in [(1, 0, 0.21), (2, 1, 0.41)] {
             g.book(id, inst, routed(0.01, 0.01, 0.0), held(&[], 1.0));
             assert!(g.first_token(id, first));
         }
-        assert!((g.late_s(0) - 0.02).abs() < 1e-9 && (g.late_s(1) - 0.04).abs() < 1e-9);
-        assert!((g.late_s(2) - 0.03).abs() < 1e-9, "{}", g.late_s(2));
+        assert!((g.late_s(0, 0.21) - 0.02).abs() < 1e-9 && (g.late_s(1, 0.41) - 0.04).abs() < 1e-9);
+        assert!(
+            (g.late_s(2, 0.41) - 0.03).abs() < 1e-9,
+            "{}",
+            g.late_s(2, 0.41)
+        );
+        // an instance not seen for a while: what its lateness says beyond the others' halves
+        // every LATE_HALF_LIFE_S (instance 0: 0.04 + (0.02 - 0.04) / 2 one half-life on)
+        let later = 0.21 + LATE_HALF_LIFE_S;
+        assert!(
+            (g.late_s(0, later) - 0.03).abs() < 1e-9,
+            "{}",
+            g.late_s(0, later)
+        );
+        assert!((g.late_s(0, 0.21 + 20.0 * LATE_HALF_LIFE_S) - 0.04).abs() < 1e-6);
+        assert!(
+            (g.late_s(0, 0.0) - 0.02).abs() < 1e-9,
+            "a time before it was seen: as seen"
+        );
         // a first token reported twice is learnt once
-        let before = f.late_s(0);
+        let before = f.late_s(0, now);
         assert!(f.first_token(398, 500.0));
-        assert_eq!(f.late_s(0), before);
+        assert_eq!(f.late_s(0, now), before);
     }
 
     #[test]
@@ -442,7 +501,7 @@ mod tests {
         );
         f.settle(1.5);
         assert_eq!(f.queue_s(0, held(&[], 1.0)), 0.0);
-        assert_eq!(f.late_s(0), 0.0);
+        assert_eq!(f.late_s(0, 2.0), 0.0);
         // a cancelled booking's entry is skipped; a new booking under its id is its own
         f.book(2, 0, unseen, held(&[], 1.0));
         assert!(f.cancel(2) && !f.cancel(2));
@@ -458,6 +517,32 @@ mod tests {
     }
 
     proptest! {
+        /// However far apart an instance's first tokens come (a second or ten minutes), a
+        /// constant lateness is learnt exactly (the decay never pulls the estimate toward
+        /// the other instances'), and the price between first tokens always lies between
+        /// the instance's own estimate and the others' average.
+        #[test]
+        fn lateness_is_learnt_at_any_spacing_and_priced_between_own_and_others(
+            gaps in prop::collection::vec(0.0f64..600.0, 100..140),
+            late in -0.5f64..2.0,
+            other in -0.5f64..2.0,
+        ) {
+            let mut f = Feedback::new(2, 1e6, 16);
+            f.book(1_000_000, 1, routed(0.01, 0.01, 0.0), held(&[], 1.0));
+            prop_assert!(f.first_token(1_000_000, 0.01 + other / LATE_EWMA));
+            let mut t = 0.0;
+            for (k, gap) in gaps.iter().enumerate() {
+                t += gap;
+                let (own, others) = (f.late_s[0], f.late_s[1]);
+                let priced = f.late_s(0, t);
+                prop_assert!(priced >= own.min(others) - 1e-9 && priced <= own.max(others) + 1e-9);
+                f.book(k as u64, 0, routed(0.01, 0.01, t), held(&[], 1.0));
+                prop_assert!(f.first_token(k as u64, t + 0.01 + late));
+                prop_assert!(f.finished(k as u64, Some(t + 0.1)));
+            }
+            prop_assert!((f.late_s(0, t + 0.01 + late) - late).abs() < 1e-3, "{} vs {late}", f.late_s(0, t));
+        }
+
         /// Whatever the order of bookings, first tokens and ends, queues are never negative,
         /// the held pages are exactly the union of the running requests' pages, and everything
         /// returns to zero once every request ended.

@@ -197,7 +197,9 @@ impl Router {
 
     /// How much later than predicted `instance`'s first tokens have come (0 before any).
     pub fn late_s(&self, instance: usize) -> f64 {
-        self.feedback.as_ref().map_or(0.0, |f| f.late_s(instance))
+        self.feedback
+            .as_ref()
+            .map_or(0.0, |f| f.late_s(instance, self.now_s))
     }
 
     /// Requests booked ([`Self::route_tracked`]) and not yet ended or cancelled.
@@ -315,7 +317,7 @@ impl Router {
                 let modelled_s = fb.queue_s(instance, held);
                 Closed {
                     modelled_s,
-                    learnt_s: (modelled_s + fb.late_s(instance)).max(0.0),
+                    learnt_s: (modelled_s + fb.late_s(instance, self.now_s)).max(0.0),
                 }
             }
             None => Closed::default(),

@@ -439,6 +439,61 @@ fn an_instance_not_yet_seen_is_as_late_as_the_others() {
     assert!((r.late_s(1) - r.late_s(0)).abs() < 1e-12 && r.late_s(0) > 0.04);
 }
 
+/// An instance whose first tokens came late for a while (a transient: a long prefill, a
+/// pause) is not shut out for good once it is on time again: its lateness is learnt only
+/// from first tokens, and an instance no request goes to shows none. The learnt lateness
+/// of an instance not seen for a while decays toward the other instances' (half-life
+/// `LATE_HALF_LIFE_S`), so it is tried again and relearnt. Before, it kept its last value
+/// for ever and got no request in ten minutes of steady traffic.
+#[test]
+fn an_instance_late_once_is_tried_again_and_relearnt() {
+    let hashes: Vec<u64> = (1..=10).collect();
+    let mut r = Router::new(2, model(), 1 << 20);
+    for i in 0..2 {
+        r.apply(
+            i,
+            &IndexEvent::Stored {
+                medium: Medium::Gpu,
+                hashes: hashes.clone(),
+            },
+        )
+        .unwrap();
+    }
+    // Two requests at once, one per instance; instance 0's first token comes 2 s late.
+    let (a, ea) = r.route_tracked(0, &hashes, 44, 4, 0.0).unwrap();
+    let (b, eb) = r.route_tracked(1, &hashes, 44, 4, 0.0).unwrap();
+    assert_eq!((a, b), (0, 1));
+    assert!(r.first_token(0, ea.ttft_s() + 2.0) && r.finished(0, ea.ttft_s() + 2.1));
+    assert!(r.first_token(1, eb.ttft_s()) && r.finished(1, eb.ttft_s() + 0.1));
+    let learnt = r.late_s(0);
+    assert!(learnt > 0.1, "{learnt}");
+    // Ten minutes of pairs of requests, one pair a second; every first token now on time.
+    let mut back = None;
+    for k in 1..600u64 {
+        let t = k as f64 + 3.0;
+        let pair: Vec<_> = (0..2)
+            .map(|j| {
+                let id = 10 * k + j;
+                (id, r.route_tracked(id, &hashes, 44, 4, t).unwrap())
+            })
+            .collect();
+        for (id, (inst, est)) in pair {
+            if inst == 0 && back.is_none() {
+                back = Some(t);
+            }
+            let at = t + est.ttft_s();
+            assert!(r.first_token(id, at) && r.finished(id, at + 0.1));
+        }
+    }
+    let back = back.expect("instance 0 got no request in ten minutes");
+    assert!(back < 600.0, "{back}");
+    assert!(
+        r.late_s(0) < learnt / 2.0,
+        "relearnt: {} (was {learnt})",
+        r.late_s(0)
+    );
+}
+
 /// A weight that is negative or not finite is a typed error and leaves the weight as it was.
 #[test]
 fn a_bad_delay_weight_is_refused() {
