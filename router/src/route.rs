@@ -43,6 +43,8 @@ pub enum RouteError {
     Decode(#[from] DecodeError),
     #[error("the delay weight must be finite and at least 0, got {0}")]
     BadDelayWeight(String),
+    #[error("a time must be finite, got {0}")]
+    BadTime(String),
 }
 
 /// The weight of a request's work in its routing cost, for the requests that will wait behind
@@ -167,6 +169,7 @@ impl Router {
             output,
             first,
         } = request;
+        check_time(now_s)?;
         let n = self.queues.len();
         let device_tokens = self.occupancy.map_or(0.0, |o| o.device_tokens);
         let page_size = self.model.page_size;
@@ -182,11 +185,14 @@ impl Router {
         )
     }
 
-    /// Booked request `id` produced its first token (`false`: not booked).
+    /// Booked request `id` produced its first token (`false`: not booked, or `now_s` is not
+    /// finite, which changes nothing).
     pub fn first_token(&mut self, id: u64, now_s: f64) -> bool {
-        self.feedback
-            .as_mut()
-            .is_some_and(|f| f.first_token(id, now_s))
+        now_s.is_finite()
+            && self
+                .feedback
+                .as_mut()
+                .is_some_and(|f| f.first_token(id, now_s))
     }
 
     /// Booked request `id` will not run (its instance refused it): dropped without learning
@@ -207,11 +213,14 @@ impl Router {
         self.feedback.as_ref().map_or(0, Feedback::booked)
     }
 
-    /// Booked request `id` ended (finished, aborted, failed; `false`: not booked).
+    /// Booked request `id` ended (finished, aborted, failed; `false`: not booked, or `now_s`
+    /// is not finite, which changes nothing).
     pub fn finished(&mut self, id: u64, now_s: f64) -> bool {
-        self.feedback
-            .as_mut()
-            .is_some_and(|f| f.finished(id, Some(now_s)))
+        now_s.is_finite()
+            && self
+                .feedback
+                .as_mut()
+                .is_some_and(|f| f.finished(id, Some(now_s)))
     }
 
     pub fn index(&self) -> &ClusterIndex {
@@ -385,6 +394,7 @@ impl Router {
         if self.queues.is_empty() {
             return Err(RouteError::NoInstances);
         }
+        check_time(now_s)?;
         self.advance(now_s);
         if let Some(fb) = &mut self.feedback {
             fb.settle(now_s);
@@ -464,5 +474,15 @@ impl Router {
             .iter()
             .map(HashFormat::int64)
             .collect()
+    }
+}
+
+/// A caller's time must be finite: a NaN or infinite one would make every later price of an
+/// instance NaN or infinite (its lateness is learnt from the times given).
+fn check_time(now_s: f64) -> Result<(), RouteError> {
+    if now_s.is_finite() {
+        Ok(())
+    } else {
+        Err(RouteError::BadTime(now_s.to_string()))
     }
 }

@@ -494,6 +494,32 @@ fn an_instance_late_once_is_tried_again_and_relearnt() {
     );
 }
 
+/// A time that is not finite (NaN, infinite) is refused and changes nothing: before, a NaN
+/// routing time or first-token time made the instance's lateness NaN, and every later price
+/// of that instance NaN (it was never chosen again, and `/stats` showed `null`).
+#[test]
+fn a_time_that_is_not_finite_is_refused_and_changes_nothing() {
+    let hashes: Vec<u64> = (1..=10).collect();
+    let mut r = Router::new(2, model(), 1 << 20);
+    let (inst, _) = r.route_tracked(1, &hashes, 44, 4, 1.0).unwrap();
+    let (queue, late, booked) = (r.queue_s(inst), r.late_s(inst), r.booked());
+    for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        assert!(matches!(
+            r.route_tracked(2, &hashes, 44, 4, bad),
+            Err(RouteError::BadTime(_))
+        ));
+        assert!(matches!(
+            r.route_hashes(&hashes, 44, bad),
+            Err(RouteError::BadTime(_))
+        ));
+        assert!(!r.first_token(1, bad) && !r.finished(1, bad));
+        assert_eq!((r.queue_s(inst), r.booked()), (queue, booked));
+        assert_eq!(r.late_s(inst).to_bits(), late.to_bits());
+    }
+    assert!(r.first_token(1, 1.5) && r.finished(1, 2.0));
+    assert!(r.late_s(inst).is_finite());
+}
+
 /// A weight that is negative or not finite is a typed error and leaves the weight as it was.
 #[test]
 fn a_bad_delay_weight_is_refused() {
