@@ -61,7 +61,8 @@ fn bench(c: &mut Criterion) {
     r.set_occupancy(Some(Occupancy {
         device_tokens: 131_072.0,
         decode_step_s: 0.01,
-    }));
+    }))
+    .expect("a finite occupancy");
     let mut id = 0u64;
     for k in 0..64u64 {
         let mut other: Vec<u64> = hs[..64].to_vec();

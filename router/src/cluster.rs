@@ -130,9 +130,13 @@ impl Cluster {
         self.router.set_delay_weight(weight)
     }
 
-    /// The instances' device memory and decode step ([`Router::set_occupancy`]).
-    pub fn set_occupancy(&mut self, occupancy: Option<crate::Occupancy>) {
-        self.router.set_occupancy(occupancy);
+    /// The instances' device memory and decode step ([`Router::set_occupancy`]): a bad one is
+    /// refused and nothing changes.
+    pub fn set_occupancy(
+        &mut self,
+        occupancy: Option<crate::Occupancy>,
+    ) -> Result<(), crate::RouteError> {
+        self.router.set_occupancy(occupancy)
     }
 
     /// Registers a stream; returns its number.

@@ -152,6 +152,8 @@ pub enum StartError {
     BudgetTooSmall(usize, usize),
     #[error("--delay-weight: {0}")]
     DelayWeight(crate::RouteError),
+    #[error("--device-tokens / --decode-step-ms: {0}")]
+    Occupancy(crate::RouteError),
     #[error("bind {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
     #[error(transparent)]
@@ -192,7 +194,9 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     cluster
         .set_delay_weight(cfg.delay_weight)
         .map_err(StartError::DelayWeight)?;
-    cluster.set_occupancy(cfg.occupancy);
+    cluster
+        .set_occupancy(cfg.occupancy)
+        .map_err(StartError::Occupancy)?;
     let mut subs = Vec::new();
     for (i, spec) in cfg.instances.iter().enumerate() {
         if let Some(ev) = &spec.events {

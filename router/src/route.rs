@@ -45,6 +45,8 @@ pub enum RouteError {
     BadDelayWeight(String),
     #[error("a time must be finite, got {0}")]
     BadTime(String),
+    #[error("device tokens and decode step must be finite and at least 0, got {0}")]
+    BadOccupancy(String),
 }
 
 /// The weight of a request's work in its routing cost, for the requests that will wait behind
@@ -122,8 +124,17 @@ impl Router {
 
     /// Counts the device memory each request holds while it decodes in its instance's queue
     /// (`None`: prefill work only, the default).
-    pub fn set_occupancy(&mut self, occupancy: Option<Occupancy>) {
+    /// Sets the instances' device memory and decode step (`None`: memory is not counted). An
+    /// occupancy whose sizes are negative or not finite is refused and nothing changes.
+    pub fn set_occupancy(&mut self, occupancy: Option<Occupancy>) -> Result<(), RouteError> {
+        if let Some(o) = occupancy {
+            let ok = |v: f64| v.is_finite() && v >= 0.0;
+            if !ok(o.device_tokens) || !ok(o.decode_step_s) {
+                return Err(RouteError::BadOccupancy(format!("{o:?}")));
+            }
+        }
         self.occupancy = occupancy;
+        Ok(())
     }
 
     pub fn occupancy(&self) -> Option<Occupancy> {

@@ -277,7 +277,8 @@ fn tracked_requests_spread_once_the_devices_memory_is_full() {
     r.set_occupancy(Some(Occupancy {
         device_tokens: 100.0,
         decode_step_s: 0.01,
-    }));
+    }))
+    .unwrap();
     // Three prompts of 40 tokens (10 pages each, none shared), all on instance 0's GPU.
     let prompt = |k: u64| -> Vec<u64> { (10 * k + 1..=10 * k + 10).collect() };
     for k in 1..=3 {
@@ -314,7 +315,8 @@ fn running_requests_sharing_a_prefix_hold_it_once() {
     r.set_occupancy(Some(Occupancy {
         device_tokens: 100.0,
         decode_step_s: 0.01,
-    }));
+    }))
+    .unwrap();
     let shared: Vec<u64> = (1..=12).collect(); // 48 tokens
     r.apply(
         0,
@@ -348,7 +350,8 @@ fn an_instance_whose_first_tokens_come_late_is_avoided() {
         r.set_occupancy(Some(Occupancy {
             device_tokens: 1e6,
             decode_step_s: 0.01,
-        }));
+        }))
+        .unwrap();
         for i in 0..2 {
             r.apply(
                 i,
@@ -532,6 +535,38 @@ fn a_bad_delay_weight_is_refused() {
         ));
         assert_eq!(r.delay_weight(), 0.5);
     }
+}
+
+/// An occupancy whose device size or decode step is negative or not finite is a typed error
+/// and leaves the occupancy as it was (a NaN there made every closed-loop queue NaN).
+#[test]
+fn a_bad_occupancy_is_refused() {
+    let mut r = Router::new(2, model(), 16);
+    let good = Occupancy {
+        device_tokens: 1e6,
+        decode_step_s: 0.01,
+    };
+    r.set_occupancy(Some(good)).unwrap();
+    for (device_tokens, decode_step_s) in [
+        (f64::NAN, 0.01),
+        (-1.0, 0.01),
+        (f64::INFINITY, 0.01),
+        (1e6, f64::NAN),
+        (1e6, -0.01),
+        (1e6, f64::INFINITY),
+    ] {
+        let bad = Occupancy {
+            device_tokens,
+            decode_step_s,
+        };
+        assert!(matches!(
+            r.set_occupancy(Some(bad)),
+            Err(RouteError::BadOccupancy(_))
+        ));
+        assert_eq!(r.occupancy(), Some(good));
+    }
+    r.set_occupancy(None).unwrap();
+    assert_eq!(r.occupancy(), None);
 }
 
 /// A conversation's next turn stays on the instance holding its history until that instance's

@@ -52,7 +52,9 @@ pub fn occupancy(cfg: &SimConfig) -> Occupancy {
 impl KvtierRouter {
     pub fn new(cfg: &SimConfig) -> Self {
         let mut router = Router::new(cfg.instances.max(1), cost_model(cfg), MAX_INDEX_PAGES);
-        router.set_occupancy(Some(occupancy(cfg)));
+        router.set_occupancy(Some(occupancy(cfg))).expect(
+            "an occupancy from page counts and a profile's microseconds is finite and >= 0",
+        );
         Self {
             router,
             page_size: cfg.scheduler.page_size,
