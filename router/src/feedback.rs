@@ -16,7 +16,9 @@
 //!   seen, an exponential average).
 //!
 //! - lateness: how much later than predicted the instance's first tokens have come (an
-//!   exponential average of observed − predicted TTFT, learnt at each first token).
+//!   exponential average of observed − predicted TTFT, learnt at each first token); what it
+//!   says beyond the other instances' fades once the instance's first tokens stop coming
+//!   ([`LATE_HALF_LIFE_S`]), so an instance priced out by a transient is tried again.
 //!
 //! Why each page once: counted per request, a chat's 1,024-token system prompt was counted
 //! once per running request, and the memory term then said 56 ms on average where the
