@@ -123,9 +123,8 @@ impl Router {
     }
 
     /// Counts the device memory each request holds while it decodes in its instance's queue
-    /// (`None`: prefill work only, the default).
-    /// Sets the instances' device memory and decode step (`None`: memory is not counted). An
-    /// occupancy whose sizes are negative or not finite is refused and nothing changes.
+    /// (`None`: prefill work only, the default). An occupancy whose sizes are negative or not
+    /// finite is refused and nothing changes.
     pub fn set_occupancy(&mut self, occupancy: Option<Occupancy>) -> Result<(), RouteError> {
         if let Some(o) = occupancy {
             let ok = |v: f64| v.is_finite() && v >= 0.0;

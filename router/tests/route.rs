@@ -89,6 +89,18 @@ fn publish(r: &mut Router, inst: usize, c: &mut RadixCache) {
     .unwrap();
 }
 
+/// Instance `instance` holds `hashes` on its GPU (a `BlockStored` event).
+fn on_gpu(r: &mut Router, instance: usize, hashes: &[u64]) {
+    r.apply(
+        instance,
+        &IndexEvent::Stored {
+            medium: Medium::Gpu,
+            hashes: hashes.to_vec(),
+        },
+    )
+    .unwrap();
+}
+
 fn plain() -> HashScope {
     HashScope::new(None, None, Vec::new())
 }
@@ -282,14 +294,7 @@ fn tracked_requests_spread_once_the_devices_memory_is_full() {
     // Three prompts of 40 tokens (10 pages each, none shared), all on instance 0's GPU.
     let prompt = |k: u64| -> Vec<u64> { (10 * k + 1..=10 * k + 10).collect() };
     for k in 1..=3 {
-        r.apply(
-            0,
-            &IndexEvent::Stored {
-                medium: Medium::Gpu,
-                hashes: prompt(k),
-            },
-        )
-        .unwrap();
+        on_gpu(&mut r, 0, &prompt(k));
     }
     // The first request teaches instance 0 its decode time (10 s, averaged from 0). Its first
     // token comes when predicted (no queue, no compute): nothing late to learn.
@@ -318,14 +323,7 @@ fn running_requests_sharing_a_prefix_hold_it_once() {
     }))
     .unwrap();
     let shared: Vec<u64> = (1..=12).collect(); // 48 tokens
-    r.apply(
-        0,
-        &IndexEvent::Stored {
-            medium: Medium::Gpu,
-            hashes: shared.clone(),
-        },
-    )
-    .unwrap();
+    on_gpu(&mut r, 0, &shared);
     assert_eq!(r.route_tracked(1, &shared, 48, 2, 0.0).unwrap().0, 0);
     assert!(r.first_token(1, 0.0) && r.finished(1, 10.0)); // a decode time of 10 s, learnt
     // Four running requests of 50 tokens each: 48 shared + 4 × 2 own = 56 of 100 held.
@@ -353,14 +351,7 @@ fn an_instance_whose_first_tokens_come_late_is_avoided() {
         }))
         .unwrap();
         for i in 0..2 {
-            r.apply(
-                i,
-                &IndexEvent::Stored {
-                    medium: Medium::Gpu,
-                    hashes: hashes.clone(),
-                },
-            )
-            .unwrap();
+            on_gpu(&mut r, i, &hashes);
         }
         let first = |inst: usize, t: f64, est: &Estimate| {
             t + est.ttft_s() + if inst == 0 { late_s } else { 0.0 }
@@ -423,14 +414,7 @@ fn open_loop_and_booked_work_are_one_queue() {
 fn an_instance_not_yet_seen_is_as_late_as_the_others() {
     let hashes: Vec<u64> = (1..=10).collect();
     let mut r = Router::new(2, model(), 1 << 20);
-    r.apply(
-        0,
-        &IndexEvent::Stored {
-            medium: Medium::Gpu,
-            hashes: hashes.clone(),
-        },
-    )
-    .unwrap();
+    on_gpu(&mut r, 0, &hashes);
     // every first token on instance 0 comes 50 ms late; instance 1 holds nothing
     for id in 0..30u64 {
         let t = id as f64;
@@ -453,14 +437,7 @@ fn an_instance_late_once_is_tried_again_and_relearnt() {
     let hashes: Vec<u64> = (1..=10).collect();
     let mut r = Router::new(2, model(), 1 << 20);
     for i in 0..2 {
-        r.apply(
-            i,
-            &IndexEvent::Stored {
-                medium: Medium::Gpu,
-                hashes: hashes.clone(),
-            },
-        )
-        .unwrap();
+        on_gpu(&mut r, i, &hashes);
     }
     // Two requests at once, one per instance; instance 0's first token comes 2 s late.
     let (a, ea) = r.route_tracked(0, &hashes, 44, 4, 0.0).unwrap();
@@ -626,14 +603,7 @@ fn route_until_it_moves(r: &mut Router, turn: &[u32], w: f64) -> (f64, usize) {
 /// with no queue.
 fn busy(r: &mut Router, instance: usize) {
     let own: Vec<u64> = (9000..9004).collect();
-    r.apply(
-        instance,
-        &IndexEvent::Stored {
-            medium: Medium::Gpu,
-            hashes: own.clone(),
-        },
-    )
-    .unwrap();
+    on_gpu(r, instance, &own);
     let (i, _) = r.route_tracked(9999, &own, 4 * PS, 8, 0.0).unwrap();
     assert_eq!(i, instance);
     assert!(r.first_token(9999, 0.0));
