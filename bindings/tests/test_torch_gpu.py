@@ -79,13 +79,16 @@ def test_dma_mover_uses_the_raw_driver_call_on_this_gpu():
     assert m.issue.value == "raw", m.raw_unavailable
 
 
+@pytest.mark.parametrize("call", ["copy", "copy_layers"])
 @pytest.mark.parametrize("stream", ["side", "legacy-default"])
 @pytest.mark.parametrize("mover", list(VARIANTS))
 @pytest.mark.parametrize("direction", list(Direction))
-def test_mover_moves_scattered_pages(mover, direction, stream):
+def test_mover_moves_scattered_pages(mover, direction, stream, call):
     """On a side stream, and on the legacy default stream (where a BackUp of device pages
     runs: an L3 lane thread sets no stream), which cuMemcpyBatchAsync refuses: the dma mover
-    failed every such BackUp with cudaErrorInvalidValue on the first H100 run."""
+    failed every such BackUp with cudaErrorInvalidValue on the first H100 run. Through
+    ``copy`` and through ``copy_layers`` (a load's layer-by-layer path: every layer issued
+    once, in order)."""
     dev, host = gpu_pools()
     m = variant(mover)
     m.check_pools(dev, host)
@@ -99,10 +102,18 @@ def test_mover_moves_scattered_pages(mover, direction, stream):
                     want_dev[l][c][a] = host.data[b, l, c].cuda()
                 else:
                     want_host[b, l, c] = dev.tensors[l][c][a].cpu()
+    issued = []
+
+    def move():
+        if call == "copy":
+            m.copy(direction, dev, host, dp, hp, range(LAYOUT.num_layers))
+        else:
+            m.copy_layers(direction, dev, host, dp, hp, range(LAYOUT.num_layers), issued.append)
+
     if stream == "side":
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
-            m.copy(direction, dev, host, dp, hp, range(LAYOUT.num_layers))
+            move()
         s.synchronize()
     else:
         assert torch.cuda.current_stream().cuda_stream == 0
@@ -110,7 +121,7 @@ def test_mover_moves_scattered_pages(mover, direction, stream):
 
         def run():  # a fresh thread, as the executor's lanes are
             try:
-                m.copy(direction, dev, host, dp, hp, range(LAYOUT.num_layers))
+                move()
                 torch.cuda.current_stream().synchronize()
             except Exception as e:  # reported below: pytest sees no thread's exception
                 errors.append(e)
@@ -123,6 +134,7 @@ def test_mover_moves_scattered_pages(mover, direction, stream):
         for c in range(2):
             assert torch.equal(dev.tensors[l][c], want_dev[l][c])
     assert torch.equal(host.data, want_host)
+    assert issued == ([] if call == "copy" else list(range(LAYOUT.num_layers)))
 
 
 @pytest.mark.parametrize("mover", MOVERS)

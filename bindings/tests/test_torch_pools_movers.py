@@ -26,7 +26,7 @@ from kvtier.torch import (
     TorchMover,
     make_mover,
 )
-from kvtier.torch.movers import build, coalesce, memmove_all
+from kvtier.torch.movers import build, build_by_layer, coalesce, memmove_all
 
 import kvtier
 from kvtier.engine import KvtierL3Backend
@@ -49,6 +49,21 @@ def filled_pools(layout, dev_pages, host_pages, order=HostOrder.PAGE_FIRST, seed
     shape = (host_pages, *lc, *layout.chunk_shape) if order == HostOrder.PAGE_FIRST else (*lc, host_pages, *layout.chunk_shape)
     host = HostPool.wrap(layout, torch.randn(shape, generator=g).to(layout.dtype), order)
     return dev, host
+
+
+def one_buffer_device_pool(layout, pages, seed=0):
+    """A device pool whose layers are views of one ``[layers, components, pages, ...]`` buffer
+    (as engines that allocate one KV tensor have): the last chunk of one layer and the first
+    of the next touch, so a copy could span two layers."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn((layout.num_layers, layout.components, pages, *layout.chunk_shape), generator=g).to(layout.dtype)
+    return DevicePool(layout, [[buf[l][c] for c in range(layout.components)] for l in range(layout.num_layers)])
+
+
+def layer_state(dev, host, l):
+    """Everything of layer ``l``: its device chunks and its host chunks, copied."""
+    comps = range(dev.layout.components)
+    return [dev.tensors[l][c].clone() for c in comps] + [host.chunks(l, c).clone() for c in comps]
 
 
 def expected_after(direction, dev, host, dp, hp):
@@ -158,6 +173,58 @@ def test_descriptors_move_exactly_the_listed_pages(which, order, direction, data
     assert_pools(dev, host, d, h)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.integers(0, 1),
+    order=st.sampled_from(list(HostOrder)),
+    direction=st.sampled_from(list(Direction)),
+    one_buffer=st.booleans(),
+    data=st.data(),
+)
+def test_layer_runs_move_each_layer_alone(which, order, direction, one_buffer, data):
+    """``build_by_layer``: executing layer i's copies moves exactly layer i's chunks of the
+    listed pages, leaving later layers untouched (a load marks layer i done after its
+    copies), also where a single copy could have spanned two layers."""
+    lay = layouts()[which]
+    n_pages = data.draw(st.integers(1, 6))
+    n = data.draw(st.integers(0, n_pages))
+    dp = np.asarray(data.draw(st.permutations(range(n_pages)))[:n], dtype=np.int64)
+    hp = np.asarray(data.draw(st.permutations(range(n_pages)))[:n], dtype=np.int64)
+    if data.draw(st.booleans()):  # every page in order: layers touch on both sides
+        dp = hp = np.arange(n_pages, dtype=np.int64)
+    dev, host = filled_pools(lay, n_pages, n_pages, order, seed=n)
+    if one_buffer:
+        dev = one_buffer_device_pool(lay, n_pages, seed=n + 1)
+    before = [layer_state(dev, host, l) for l in range(lay.num_layers)]
+    d, h = expected_after(direction, dev, host, dp, hp)
+    want = [layer_state(DevicePool(lay, d), HostPool.wrap(lay, h, host.order), l) for l in range(lay.num_layers)]
+    layers = data.draw(st.permutations(range(lay.num_layers)))
+    runs = build_by_layer(direction, dev, host, dp, hp, layers)
+    assert runs.layers == list(layers) and len(runs.starts) == lay.num_layers + 1
+    assert runs.desc.total_bytes == build(direction, dev, host, dp, hp, range(lay.num_layers)).total_bytes
+    done = set()
+    for i, l in enumerate(layers):
+        memmove_all(runs.of(i))
+        done.add(l)
+        for k in range(lay.num_layers):
+            got = layer_state(dev, host, k)
+            ref = want[k] if k in done else before[k]
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), (l, k)
+
+
+def test_layer_runs_split_a_copy_that_would_span_layers():
+    """Every page in order, a layer-first host and a one-buffer device pool: ``build`` makes
+    one copy of everything; ``build_by_layer`` one per layer."""
+    lay = layouts()[0]
+    _, host = filled_pools(lay, 4, 4, HostOrder.LAYER_FIRST)
+    dev = one_buffer_device_pool(lay, 4)
+    pages = np.arange(4)
+    assert len(build(Direction.LOAD, dev, host, pages, pages, range(lay.num_layers))) == 1
+    runs = build_by_layer(Direction.LOAD, dev, host, pages, pages, range(lay.num_layers))
+    assert [len(runs.of(i)) for i in range(lay.num_layers)] == [1] * lay.num_layers
+    assert set(runs.desc.sizes.tolist()) == {lay.components * 4 * lay.chunk_bytes}
+
+
 def test_layer_first_host_with_consecutive_pages_coalesces_to_one_copy_per_chunk_column():
     lay = layouts()[0]
     dev, host = filled_pools(lay, 16, 16, HostOrder.LAYER_FIRST)
@@ -182,6 +249,35 @@ def test_torch_mover_moves_scattered_pages(which, direction):
     d, h = expected_after(direction, dev, host, dp, hp)
     TorchMover().copy(direction, dev, host, dp, hp, range(lay.num_layers))
     assert_pools(dev, host, d, h)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("direction", list(Direction))
+def test_copy_layers_reports_each_layer_once_its_bytes_moved(which, direction):
+    """``Mover.copy_layers`` (the executor's load path): ``issued(l)`` comes once per layer, in
+    order, after the delay hook of that layer and after its bytes landed (on CPU the copy is
+    done when issued), before any later layer moved."""
+    lay = layouts()[which]
+    dev, host = filled_pools(lay, 10, 12, seed=4)
+    dp, hp = np.array([7, 0, 3, 9]), np.array([2, 11, 5, 6])
+    before = [layer_state(dev, host, l) for l in range(lay.num_layers)]
+    d, h = expected_after(direction, dev, host, dp, hp)
+    want = [layer_state(DevicePool(lay, d), HostPool.wrap(lay, h), l) for l in range(lay.num_layers)]
+    events = []
+
+    def issued(l):
+        events.append(("issued", l))
+        for k in range(lay.num_layers):
+            ref = want[k] if k <= l else before[k]
+            assert all(torch.equal(a, b) for a, b in zip(layer_state(dev, host, k), ref)), (l, k)
+
+    m = TorchMover(delay=lambda direction, layers: events.append(("delay", *layers)))
+    m.copy_layers(direction, dev, host, dp, hp, range(lay.num_layers), issued)
+    assert events == [e for l in range(lay.num_layers) for e in (("delay", l), ("issued", l))]
+    events.clear()
+    m.copy_layers(direction, dev, host, np.array([], np.int64), np.array([], np.int64), range(lay.num_layers),
+                  lambda l: events.append(("issued", l)))
+    assert events == [("issued", l) for l in range(lay.num_layers)]  # no pages: no copy, every layer marked
 
 
 def test_gpu_movers_raise_a_typed_error_where_they_cannot_run(monkeypatch):
@@ -260,6 +356,34 @@ KERNEL_SCRIPT = textwrap.dedent(
     [t.join() for t in threads]
     assert not errors, errors
     assert_pools(dev, host, d, h)
+    # copy_layers: one upload, one launch per layer; after issued(l) layer l has landed (the
+    # interpreter runs a launch to completion) and no later layer has, also where one copy
+    # could have spanned layers (a one-buffer device pool, every page in order)
+    from test_torch_pools_movers import one_buffer_device_pool, layer_state
+    from kvtier.torch import HostOrder
+    for which in (0, 1):
+        lay = layouts()[which]
+        for direction in Direction:
+            _, host = filled_pools(lay, 4, 4, HostOrder.LAYER_FIRST, seed=7)
+            dev = one_buffer_device_pool(lay, 4, seed=8)
+            pages = np.arange(4)
+            before = [layer_state(dev, host, l) for l in range(lay.num_layers)]
+            d, h = expected_after(direction, dev, host, pages, pages)
+            want = [layer_state(DevicePool(lay, d), HostPool.wrap(lay, h, HostOrder.LAYER_FIRST), l)
+                    for l in range(lay.num_layers)]
+            seen = []
+            def issued(l):
+                seen.append(l)
+                for k in range(lay.num_layers):
+                    ref = want[k] if k <= l else before[k]
+                    assert all(torch.equal(a, b) for a, b in zip(layer_state(dev, host, k), ref)), (l, k)
+            km = make_mover("kernel", max_blocks=2, block_words=4)
+            uploads = []
+            real_upload = km._upload
+            km._upload = lambda desc, device: uploads.append(len(desc)) or real_upload(desc, device)
+            km.copy_layers(direction, dev, host, pages, pages, range(lay.num_layers), issued)
+            assert seen == list(range(lay.num_layers))
+            assert uploads == [lay.num_layers], uploads  # every layer's descriptors uploaded once, up front
     from kvtier.torch import KVLayout, PoolLayoutError
     odd = KVLayout.mla(num_layers=1, latent_dim=3, page_size=3, dtype=torch.bfloat16)  # 18-byte chunks
     dev, host = filled_pools(odd, 2, 2)

@@ -287,10 +287,9 @@ class Executor:
         mover, device, host = self.mover, self.device, self.host
 
         def task(ctx: LaneContext) -> None:
-            if direction == Direction.LOAD:
-                for l in range(nl):  # layer by layer, so attention of layer l can start early
-                    mover.copy(direction, device, host, dev_p, host_p, [l])
-                    ctx.mark(rec.layers[l])
+            if direction == Direction.LOAD:  # layer by layer, so attention of layer l can start early
+                mover.copy_layers(direction, device, host, dev_p, host_p, range(nl),
+                                  lambda l: ctx.mark(rec.layers[l]))
             else:
                 mover.copy(direction, device, host, dev_p, host_p, range(nl))
                 ctx.mark(rec.done)

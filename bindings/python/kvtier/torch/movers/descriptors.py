@@ -17,13 +17,13 @@ from __future__ import annotations
 import ctypes
 import enum
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, List
 
 import numpy as np
 
 from ..pools import DevicePool, HostPool
 
-__all__ = ["Direction", "Descriptors", "build", "coalesce", "memmove_all"]
+__all__ = ["Direction", "Descriptors", "LayerRuns", "build", "build_by_layer", "coalesce", "memmove_all"]
 
 
 class Direction(enum.Enum):
@@ -47,6 +47,24 @@ class Descriptors:
     @property
     def total_bytes(self) -> int:
         return int(self.sizes.sum())
+
+    def slice(self, start: int, stop: int) -> "Descriptors":
+        """Copies ``start`` to ``stop`` (views, no copy of the arrays)."""
+        return Descriptors(self.dsts[start:stop], self.srcs[start:stop], self.sizes[start:stop])
+
+
+@dataclass
+class LayerRuns:
+    """The descriptors of several layers in one set of arrays, layer ``layers[i]``'s copies at
+    ``starts[i]:starts[i + 1]``; no copy spans two layers."""
+
+    desc: Descriptors
+    layers: List[int]
+    starts: np.ndarray
+
+    def of(self, i: int) -> Descriptors:
+        """The copies of ``layers[i]``."""
+        return self.desc.slice(int(self.starts[i]), int(self.starts[i + 1]))
 
 
 def coalesce(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> Descriptors:
@@ -90,6 +108,29 @@ def build(
     sizes = np.full(d.size, cb, dtype=np.int64)
     dsts, srcs = (d, h) if direction == Direction.LOAD else (h, d)
     return coalesce(dsts, srcs, sizes) if merge else Descriptors(dsts, srcs, sizes)
+
+
+def build_by_layer(
+    direction: Direction,
+    device: DevicePool,
+    host: HostPool,
+    dev_pages: np.ndarray,
+    host_pages: np.ndarray,
+    layers: Iterable[int],
+    merge: bool = True,
+) -> LayerRuns:
+    """:func:`build` for each of ``layers`` (coalesced within a layer only), in one set of
+    arrays: a mover prepares every layer of a load at once and then issues layer after layer
+    with no Python work between them beyond the issue itself."""
+    layers = list(layers)
+    parts = [build(direction, device, host, dev_pages, host_pages, [l], merge) for l in layers]
+    starts = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in parts], out=starts[1:])
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return LayerRuns(Descriptors(empty, empty.copy(), empty.copy()), layers, starts)
+    desc = Descriptors(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("dsts", "srcs", "sizes")))
+    return LayerRuns(desc, layers, starts)
 
 
 def memmove_all(desc: Descriptors) -> None:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import CopyError, MoverUnavailableError, PoolLayoutError
-from . import DelayHook, Direction, Mover, build
+from . import DelayHook, Direction, Mover, build, build_by_layer
 from .descriptors import Descriptors
 
 __all__ = ["DmaMover", "Issue", "RawBatch", "batch_prototype", "batch_attributes", "issue_batch", "load_runtime", "runtime_module"]
@@ -224,6 +224,18 @@ class DmaMover(Mover):
 
     def _copy(self, direction, device, host, dev_pages, host_pages, layers) -> None:
         desc = build(direction, device, host, dev_pages, host_pages, layers, merge=self.merge)
+        self._issue_on_current(desc, direction, device)
+
+    def _copy_layers(self, direction, device, host, dev_pages, host_pages, layers, issued) -> None:
+        # every layer's descriptors built at once; then one batch per layer
+        runs = build_by_layer(direction, device, host, dev_pages, host_pages, layers, merge=self.merge)
+        for i, l in enumerate(runs.layers):
+            if self.delay is not None:
+                self.delay(direction, [l])
+            self._issue_on_current(runs.of(i), direction, device)
+            issued(l)
+
+    def _issue_on_current(self, desc: Descriptors, direction: Direction, device) -> None:
         stream = torch.cuda.current_stream(device.device)
         if stream.cuda_stream != 0:
             self._issue(desc, direction, stream.cuda_stream)

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from ..errors import MoverUnavailableError, PoolLayoutError
-from . import DelayHook, Mover, build
+from . import DelayHook, Mover, build, build_by_layer
+from .descriptors import Descriptors
 
 __all__ = ["KernelMover", "interpreted"]
 
@@ -107,12 +108,30 @@ class KernelMover(Mover):
 
     def _copy(self, direction, device, host, dev_pages, host_pages, layers) -> None:
         desc = build(direction, device, host, dev_pages, host_pages, layers, merge=self.merge)
-        n = len(desc)
-        if n == 0:
-            return
+        if len(desc):
+            self._launch(self._upload(desc, device), len(desc))
+
+    def _copy_layers(self, direction, device, host, dev_pages, host_pages, layers, issued) -> None:
+        # every layer's descriptors built and uploaded at once; then one launch per layer
+        runs = build_by_layer(direction, device, host, dev_pages, host_pages, layers, merge=self.merge)
+        arr = self._upload(runs.desc, device) if len(runs.desc) else None
+        for i, l in enumerate(runs.layers):
+            if self.delay is not None:
+                self.delay(direction, [l])
+            a, b = int(runs.starts[i]), int(runs.starts[i + 1])
+            if b > a:
+                self._launch(arr[a:b], b - a)
+            issued(l)
+
+    @staticmethod
+    def _upload(desc: Descriptors, device) -> torch.Tensor:
+        """The ``[n, 3]`` descriptor table where the kernel reads it (the device, on a GPU)."""
         arr = torch.from_numpy(np.stack([desc.dsts, desc.srcs, desc.sizes], axis=1).copy())
         if device.device.type == "cuda":
             arr = arr.pin_memory().to(device.device, non_blocking=True)
+        return arr
+
+    def _launch(self, arr: torch.Tensor, n: int) -> None:
         grid = (min(n, self.max_blocks),)
         with _INTERPRETER_LOCK if interpreted() else contextlib.nullcontext():
             self.kernel[grid](arr, n, BLOCK=self.block_words, num_warps=self.num_warps)
