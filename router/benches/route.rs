@@ -9,7 +9,7 @@ use kvtier_router::{CostModel, IndexEvent, Occupancy, Router};
 
 fn bench(c: &mut Criterion) {
     let model = CostModel::h100_llama8b();
-    let mut r = Router::new(8, model, 10_000_000);
+    let mut r = Router::new(8, model, 10_000_000).expect("the H100 model is valid");
     let prompt: Vec<u32> = (0..4096).collect();
     let hs: Vec<u64> = page_hashes(&prompt, model.page_size, None)
         .iter()

@@ -95,15 +95,26 @@ pub struct Cluster {
 
 impl Cluster {
     /// An index of at most `max_pages` entries, any number of bytes.
-    pub fn new(instances: usize, model: CostModel, max_pages: usize, keys: Keys) -> Self {
+    pub fn new(
+        instances: usize,
+        model: CostModel,
+        max_pages: usize,
+        keys: Keys,
+    ) -> Result<Self, crate::RouteError> {
         Self::with_budget(instances, model, Budget::pages(max_pages), keys)
     }
 
     /// The index and the streams' key tables (`keys` = [`Keys::Tokens`]) within one `budget`:
     /// its bytes bound their sum, its entries each table.
-    pub fn with_budget(instances: usize, model: CostModel, budget: Budget, keys: Keys) -> Self {
-        Self {
-            router: Router::with_budget(instances, model, budget),
+    /// A cost model that [`CostModel::check`] refuses is refused.
+    pub fn with_budget(
+        instances: usize,
+        model: CostModel,
+        budget: Budget,
+        keys: Keys,
+    ) -> Result<Self, crate::RouteError> {
+        Ok(Self {
+            router: Router::with_budget(instances, model, budget)?,
             page_size: model.page_size,
             keys,
             budget,
@@ -114,7 +125,7 @@ impl Cluster {
             load_only: 0,
             started: Instant::now(),
             next_booking: 0,
-        }
+        })
     }
 
     pub fn instances(&self) -> usize {

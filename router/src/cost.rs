@@ -25,6 +25,30 @@ pub struct CostModel {
 }
 
 impl CostModel {
+    /// Refuses a model whose estimates would be meaningless: a page of no tokens (the router
+    /// would see no cached page), or a rate that is not a finite number above 0 (an infinite
+    /// or NaN compute time makes every instance equal, and a NaN queue sends every later
+    /// request to instance 0).
+    pub fn check(&self) -> Result<(), crate::RouteError> {
+        let bad = |what: &str, v: String| Err(crate::RouteError::BadModel(format!("{what} {v}")));
+        if self.page_size == 0 {
+            return bad("page size", "0".into());
+        }
+        if self.page_bytes == 0 {
+            return bad("page bytes", "0".into());
+        }
+        for (what, v) in [
+            ("prefill tokens per second", self.prefill_tokens_per_s),
+            ("host bytes per second", self.host_bytes_per_s),
+            ("L3 bytes per second", self.l3_bytes_per_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return bad(what, v.to_string());
+            }
+        }
+        Ok(())
+    }
+
     /// Llama-3-8B-like pages (16 tokens, 2 MiB) on an H100: 20K prefill tokens/s, host loads
     /// at 50 GB/s, L3 at 10 GB/s.
     pub fn h100_llama8b() -> Self {

@@ -154,6 +154,8 @@ pub enum StartError {
     DelayWeight(crate::RouteError),
     #[error("--device-tokens / --decode-step-ms: {0}")]
     Occupancy(crate::RouteError),
+    #[error("{0}")]
+    Model(crate::RouteError),
     #[error("bind {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
     #[error(transparent)]
@@ -190,7 +192,8 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         max_bytes: cfg.max_index_bytes,
         max_pages: cfg.max_pages,
     };
-    let mut cluster = Cluster::with_budget(cfg.instances.len(), cfg.model, budget, cfg.keys);
+    let mut cluster = Cluster::with_budget(cfg.instances.len(), cfg.model, budget, cfg.keys)
+        .map_err(StartError::Model)?;
     cluster
         .set_delay_weight(cfg.delay_weight)
         .map_err(StartError::DelayWeight)?;

@@ -47,6 +47,8 @@ pub enum RouteError {
     BadTime(String),
     #[error("device tokens and decode step must be finite and at least 0, got {0}")]
     BadOccupancy(String),
+    #[error("cost model: {0}")]
+    BadModel(String),
 }
 
 /// The weight of a request's work in its routing cost, for the requests that will wait behind
@@ -89,14 +91,20 @@ pub struct Tracked {
 }
 
 impl Router {
-    /// `instances` instances of one class; the index holds at most `max_pages` entries.
-    pub fn new(instances: usize, model: CostModel, max_pages: usize) -> Self {
+    /// `instances` instances of one class; the index holds at most `max_pages` entries. A
+    /// cost model that [`CostModel::check`] refuses is refused ([`RouteError::BadModel`]).
+    pub fn new(instances: usize, model: CostModel, max_pages: usize) -> Result<Self, RouteError> {
         Self::with_budget(instances, model, Budget::pages(max_pages))
     }
 
     /// `instances` instances of one class; the index holds what `budget` allows.
-    pub fn with_budget(instances: usize, model: CostModel, budget: Budget) -> Self {
-        Self {
+    pub fn with_budget(
+        instances: usize,
+        model: CostModel,
+        budget: Budget,
+    ) -> Result<Self, RouteError> {
+        model.check()?;
+        Ok(Self {
             index: ClusterIndex::with_budget(instances, budget),
             model,
             queues: vec![0.0; instances],
@@ -104,7 +112,7 @@ impl Router {
             occupancy: None,
             feedback: None,
             delay_weight: DELAY_WEIGHT,
-        }
+        })
     }
 
     /// The weight of a request's work in its routing cost ([`DELAY_WEIGHT`] by default; 0:

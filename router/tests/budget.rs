@@ -355,7 +355,7 @@ fn model() -> CostModel {
 #[test]
 fn a_full_index_still_routes_and_prices_missing_pages_as_computed() {
     let budget = Budget::bytes(ClusterIndex::min_bytes(2) + 200);
-    let mut r = Router::with_budget(2, model(), budget);
+    let mut r = Router::with_budget(2, model(), budget).expect("model");
     let hashes: Vec<u64> = (0..1_000).collect();
     let e = IndexEvent::Stored {
         medium: Medium::Gpu,
@@ -383,7 +383,7 @@ fn the_budget_covers_the_key_tables_too() {
     let batches = payloads(1_500, 3);
     for extra in [0usize, 3_000, 40_000, 400_000] {
         let budget = Budget::bytes(ClusterIndex::min_bytes(2) + extra);
-        let mut c = Cluster::with_budget(2, model(), budget, Keys::Tokens);
+        let mut c = Cluster::with_budget(2, model(), budget, Keys::Tokens).expect("model");
         let a = c.add_stream("a", "mem", Target::Instance(0));
         let b = c.add_stream("b", "mem", Target::Instance(1));
         for (n, p) in batches.iter().enumerate() {

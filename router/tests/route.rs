@@ -114,7 +114,7 @@ proptest! {
         weight in prop::sample::select(vec![None, Some(0.0), Some(0.5), Some(2.0)]),
     ) {
         let mut caches: Vec<RadixCache> = (0..4).map(|_| cache()).collect();
-        let mut r = Router::new(4, model(), 1 << 20);
+        let mut r = Router::new(4, model(), 1 << 20).expect("model");
         prop_assert_eq!(r.delay_weight(), DELAY_WEIGHT);
         if let Some(w) = weight {
             r.set_delay_weight(w).unwrap();
@@ -166,7 +166,7 @@ proptest! {
 #[test]
 fn a_gpu_hit_wins_then_a_hot_prefix_spreads_once_its_queue_outweighs_it() {
     let mut caches: Vec<RadixCache> = (0..3).map(|_| cache()).collect();
-    let mut r = Router::new(3, model(), 1 << 20);
+    let mut r = Router::new(3, model(), 1 << 20).expect("model");
     let hot = tokens(1, 0, 6);
     serve(&mut caches[2], &hot, 0);
     publish(&mut r, 2, &mut caches[2]);
@@ -197,7 +197,7 @@ fn a_gpu_hit_wins_then_a_hot_prefix_spreads_once_its_queue_outweighs_it() {
 
 #[test]
 fn host_pages_and_the_shared_store_are_priced_at_their_bandwidths() {
-    let mut r = Router::new(2, model(), 1 << 20);
+    let mut r = Router::new(2, model(), 1 << 20).expect("model");
     let toks = tokens(3, 0, 8);
     let hs: Vec<u64> = page_hashes(&toks, PS, None)
         .iter()
@@ -231,9 +231,10 @@ fn host_pages_and_the_shared_store_are_priced_at_their_bandwidths() {
 
 #[test]
 fn bad_input_is_a_typed_error_and_changes_nothing() {
-    let mut r = Router::new(2, model(), 4);
+    let mut r = Router::new(2, model(), 4).expect("model");
     assert_eq!(
         Router::new(0, model(), 4)
+            .expect("model")
             .route(&[1, 2, 3, 4], &plain(), 0.0)
             .unwrap_err(),
         RouteError::NoInstances
@@ -285,7 +286,7 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
 /// device for longer than computing it there takes.
 #[test]
 fn tracked_requests_spread_once_the_devices_memory_is_full() {
-    let mut r = Router::new(2, model(), 1 << 20);
+    let mut r = Router::new(2, model(), 1 << 20).expect("model");
     r.set_occupancy(Some(Occupancy {
         device_tokens: 100.0,
         decode_step_s: 0.01,
@@ -316,7 +317,7 @@ fn tracked_requests_spread_once_the_devices_memory_is_full() {
 /// that half.
 #[test]
 fn running_requests_sharing_a_prefix_hold_it_once() {
-    let mut r = Router::new(2, model(), 1 << 20);
+    let mut r = Router::new(2, model(), 1 << 20).expect("model");
     r.set_occupancy(Some(Occupancy {
         device_tokens: 100.0,
         decode_step_s: 0.01,
@@ -344,7 +345,7 @@ fn running_requests_sharing_a_prefix_hold_it_once() {
 fn an_instance_whose_first_tokens_come_late_is_avoided() {
     let hashes: Vec<u64> = (1..=10).collect();
     let run = |late_s: f64| -> Vec<usize> {
-        let mut r = Router::new(2, model(), 1 << 20);
+        let mut r = Router::new(2, model(), 1 << 20).expect("model");
         r.set_occupancy(Some(Occupancy {
             device_tokens: 1e6,
             decode_step_s: 0.01,
@@ -386,7 +387,7 @@ fn an_instance_whose_first_tokens_come_late_is_avoided() {
 /// (`route_tracked`, the proxy's) are one queue: each kind of request sees the other's.
 #[test]
 fn open_loop_and_booked_work_are_one_queue() {
-    let mut r = Router::new(2, model(), 1 << 20);
+    let mut r = Router::new(2, model(), 1 << 20).expect("model");
     let pages = |k: u64, n: u64| -> Vec<u64> { (1000 * k..1000 * k + n).collect() };
     // an untracked request queues its 0.4 s (400 tokens) on instance 0 (ties go there) ...
     assert_eq!(r.route_hashes(&pages(1, 100), 400, 0.0).unwrap().0, 0);
@@ -413,7 +414,7 @@ fn open_loop_and_booked_work_are_one_queue() {
 #[test]
 fn an_instance_not_yet_seen_is_as_late_as_the_others() {
     let hashes: Vec<u64> = (1..=10).collect();
-    let mut r = Router::new(2, model(), 1 << 20);
+    let mut r = Router::new(2, model(), 1 << 20).expect("model");
     on_gpu(&mut r, 0, &hashes);
     // every first token on instance 0 comes 50 ms late; instance 1 holds nothing
     for id in 0..30u64 {
@@ -435,7 +436,7 @@ fn an_instance_not_yet_seen_is_as_late_as_the_others() {
 #[test]
 fn an_instance_late_once_is_tried_again_and_relearnt() {
     let hashes: Vec<u64> = (1..=10).collect();
-    let mut r = Router::new(2, model(), 1 << 20);
+    let mut r = Router::new(2, model(), 1 << 20).expect("model");
     for i in 0..2 {
         on_gpu(&mut r, i, &hashes);
     }
@@ -480,7 +481,7 @@ fn an_instance_late_once_is_tried_again_and_relearnt() {
 #[test]
 fn a_time_that_is_not_finite_is_refused_and_changes_nothing() {
     let hashes: Vec<u64> = (1..=10).collect();
-    let mut r = Router::new(2, model(), 1 << 20);
+    let mut r = Router::new(2, model(), 1 << 20).expect("model");
     let (inst, _) = r.route_tracked(1, &hashes, 44, 4, 1.0).unwrap();
     let (queue, late, booked) = (r.queue_s(inst), r.late_s(inst), r.booked());
     for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
@@ -503,7 +504,7 @@ fn a_time_that_is_not_finite_is_refused_and_changes_nothing() {
 /// A weight that is negative or not finite is a typed error and leaves the weight as it was.
 #[test]
 fn a_bad_delay_weight_is_refused() {
-    let mut r = Router::new(2, model(), 16);
+    let mut r = Router::new(2, model(), 16).expect("model");
     r.set_delay_weight(0.5).unwrap();
     for w in [-0.1, f64::NAN, f64::INFINITY] {
         assert!(matches!(
@@ -518,7 +519,7 @@ fn a_bad_delay_weight_is_refused() {
 /// and leaves the occupancy as it was (a NaN there made every closed-loop queue NaN).
 #[test]
 fn a_bad_occupancy_is_refused() {
-    let mut r = Router::new(2, model(), 16);
+    let mut r = Router::new(2, model(), 16).expect("model");
     let good = Occupancy {
         device_tokens: 1e6,
         decode_step_s: 0.01,
@@ -562,7 +563,7 @@ fn a_turn_stays_with_its_history_until_its_queue_outweighs_the_work_moving_adds(
         let w = set.unwrap_or(1.0);
         let mut c = cache();
         serve(&mut c, &history, 0);
-        let mut r = Router::new(2, model(), 1 << 20);
+        let mut r = Router::new(2, model(), 1 << 20).expect("model");
         if let Some(w) = set {
             r.set_delay_weight(w).unwrap();
         }
@@ -620,7 +621,7 @@ fn a_turn_moves_to_an_idle_instance_once_its_queue_outweighs_the_extra_work() {
     for w in [0.0, 0.5, 1.0, 2.0] {
         let mut c = cache();
         serve(&mut c, &history, 0);
-        let mut r = Router::new(2, model(), 1 << 20);
+        let mut r = Router::new(2, model(), 1 << 20).expect("model");
         r.set_delay_weight(w).unwrap();
         publish(&mut r, 0, &mut c);
         // the first turn goes home: instance 0 is idle too, and 8 ms < 32 ms
@@ -631,5 +632,84 @@ fn a_turn_moves_to_an_idle_instance_once_its_queue_outweighs_the_extra_work() {
             queue_at_move >= threshold - 1e-9 && queue_at_move < threshold + 0.008,
             "weight {w}: moved at a queue of {queue_at_move} s after {home} turns, threshold {threshold} s"
         );
+    }
+}
+
+/// A cost model the estimates cannot use is refused when the router is built (before this, a
+/// NaN prefill rate made every queue NaN and sent every request to instance 0, and a page of
+/// 0 tokens hid every cached page): by [`Router::new`], [`Cluster::new`] and
+/// [`CostModel::check`], each with the same typed error.
+#[test]
+fn a_cost_model_with_a_rate_that_is_not_a_positive_number_is_refused() {
+    let bad_rates = [0.0, -1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY];
+    let mut bad = vec![
+        CostModel {
+            page_size: 0,
+            ..model()
+        },
+        CostModel {
+            page_bytes: 0,
+            ..model()
+        },
+    ];
+    for v in bad_rates {
+        bad.push(CostModel {
+            prefill_tokens_per_s: v,
+            ..model()
+        });
+        bad.push(CostModel {
+            host_bytes_per_s: v,
+            ..model()
+        });
+        bad.push(CostModel {
+            l3_bytes_per_s: v,
+            ..model()
+        });
+    }
+    for m in bad {
+        assert!(
+            matches!(m.check(), Err(RouteError::BadModel(_))),
+            "{m:?} accepted"
+        );
+        assert!(matches!(
+            Router::new(2, m, 1 << 20),
+            Err(RouteError::BadModel(_))
+        ));
+        assert!(matches!(
+            kvtier_router::cluster::Cluster::new(
+                2,
+                m,
+                1 << 20,
+                kvtier_router::cluster::Keys::Tokens
+            ),
+            Err(RouteError::BadModel(_))
+        ));
+    }
+    model().check().expect("the tests' model");
+    CostModel::h100_llama8b().check().expect("the H100 model");
+}
+
+proptest! {
+    /// Any model with a positive page, positive bytes and finite positive rates is accepted,
+    /// and its estimates are finite.
+    #[test]
+    fn every_model_with_finite_positive_rates_is_accepted(
+        page_size in 1usize..1024,
+        page_bytes in 1u64..(1 << 32),
+        rates in proptest::array::uniform3(1e-6f64..1e15),
+        tokens in 0usize..100_000,
+        pages in proptest::array::uniform3(0usize..1000),
+    ) {
+        let m = CostModel {
+            page_size,
+            page_bytes,
+            prefill_tokens_per_s: rates[0],
+            host_bytes_per_s: rates[1],
+            l3_bytes_per_s: rates[2],
+        };
+        prop_assert!(m.check().is_ok());
+        let e = m.estimate(tokens, pages[0], pages[1], pages[2], 0.0);
+        prop_assert!(e.ttft_s().is_finite() && e.ttft_s() >= 0.0);
+        prop_assert!(Router::new(3, m, 16).is_ok());
     }
 }

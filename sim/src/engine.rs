@@ -164,7 +164,7 @@ impl Simulation {
     pub fn new(cfg: SimConfig) -> Result<Simulation, String> {
         let mut insts = Vec::new();
         let mut sched_cfg = cfg.effective_scheduler();
-        let router = ClusterRouter::new(&cfg);
+        let router = ClusterRouter::new(&cfg)?;
         // Write-back makes L3 the only copy of pages host drops: watch every drop. KV-aware
         // routers read the same events.
         sched_cfg.record_kv_events |= router.wants_events()

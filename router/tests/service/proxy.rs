@@ -231,7 +231,7 @@ fn token_keys_read_vllms_own_recorded_events() {
     let (bs, prompt, batches) = recorded_events();
     assert_eq!(bs, PS);
     assert!(!batches.is_empty());
-    let mut c = Cluster::new(2, model(), 1 << 20, Keys::Tokens);
+    let mut c = Cluster::new(2, model(), 1 << 20, Keys::Tokens).expect("model");
     let st = c.add_stream("vllm", "recorded", Target::Instance(1));
     for (_, p) in &batches {
         assert!(c.apply(st, Apply::Batch(p)), "vLLM's batch decodes");

@@ -92,7 +92,7 @@ fn run(
             deliveries.swap(a, b);
         }
     }
-    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine);
+    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine).expect("model");
     let st = c.add_stream("s", "mem", Target::Instance(0));
     let mut t = Tracker::new();
     let mut sink = |a: Apply<'_>| c.apply(st, a);
@@ -151,7 +151,7 @@ fn incarnations(
     Vec<(usize, &'static str, u64)>,
     kvtier_router::stream::StreamCounters,
 ) {
-    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine);
+    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine).expect("model");
     let st = c.add_stream("s", "mem", Target::Instance(0));
     let mut t = Tracker::new();
     let mut sink = |a: Apply<'_>| c.apply(st, a);

@@ -50,17 +50,19 @@ pub fn occupancy(cfg: &SimConfig) -> Occupancy {
 }
 
 impl KvtierRouter {
-    pub fn new(cfg: &SimConfig) -> Self {
-        let mut router = Router::new(cfg.instances.max(1), cost_model(cfg), MAX_INDEX_PAGES);
+    /// Refuses a profile or links whose rates make no cost model ([`CostModel::check`]).
+    pub fn new(cfg: &SimConfig) -> Result<Self, String> {
+        let mut router = Router::new(cfg.instances.max(1), cost_model(cfg), MAX_INDEX_PAGES)
+            .map_err(|e| format!("--router kvtier: {e}"))?;
         router.set_occupancy(Some(occupancy(cfg))).expect(
             "an occupancy from page counts and a profile's microseconds is finite and >= 0",
         );
-        Self {
+        Ok(Self {
             router,
             page_size: cfg.scheduler.page_size,
             rejected: 0,
             store_batches: 0,
-        }
+        })
     }
 
     pub fn kv_events(&mut self, inst: usize, events: &[KvEvent]) {

@@ -59,7 +59,7 @@ pub struct ClusterRouter {
 }
 
 impl ClusterRouter {
-    pub fn new(cfg: &SimConfig) -> Self {
+    pub fn new(cfg: &SimConfig) -> Result<Self, String> {
         let n = cfg.instances.max(1);
         let state = match cfg.routing {
             Routing::RoundRobin | Routing::Session => State::Stateless,
@@ -69,16 +69,16 @@ impl ClusterRouter {
                 cfg.scheduler.page_size as u32,
                 DYNAMO_SEED,
             ))),
-            Routing::Kvtier => State::Kvtier(Box::new(kvtier::KvtierRouter::new(cfg))),
+            Routing::Kvtier => State::Kvtier(Box::new(kvtier::KvtierRouter::new(cfg)?)),
         };
-        Self {
+        Ok(Self {
             kind: cfg.routing,
             instances: n,
             state,
             waiting: HashMap::new(),
             queued_tokens: vec![0; n],
             routed: vec![0; n],
-        }
+        })
     }
 
     /// Whether the router reads the instances' KV events (the schedulers must record them).
