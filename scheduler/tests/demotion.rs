@@ -142,3 +142,40 @@ fn demotion_config_errors() {
         }
     }
 }
+
+/// A request's pages become evictable when it finishes, and they are the coldest device
+/// leaves (their last use was its admission). The next plan's admission used to evict them
+/// before that plan's demotions ran, so they were dropped without a host copy (on the
+/// built-in chat at 5,120 pages, 21,853 of 92,355 device evictions; here 4 of A's 60 pages);
+/// demotion now runs before the plan admits or allocates, so they are written back first and
+/// come back as host hits.
+#[test]
+fn pages_freed_by_a_finished_request_are_demoted_before_the_next_admission_evicts_them() {
+    let c = demoting(48);
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let mut e = Engine::new(&c);
+    // A takes 60 of device's 64 pages and finishes; B, submitted after, needs more than 4
+    // for its first chunk, so the plan that admits it must evict A's pages.
+    e.submit(&mut s, 1, prompt(1, 240), 2);
+    e.run_to_idle(&mut s, 300);
+    assert_eq!(s.stats().host.cached, 0, "no copy at finish");
+    e.submit(&mut s, 2, prompt(2, 160), 2);
+    e.run_to_idle(&mut s, 300);
+    let mid = s.stats();
+    assert!(
+        mid.demotions > 0 && mid.host.cached >= 59,
+        "A's pages were dropped, not demoted: {mid:?}"
+    );
+    e.submit(&mut s, 3, prompt(1, 240), 2);
+    e.run_to_idle(&mut s, 300);
+    let after = s.stats();
+    let back = (after.device_hit_pages + after.host_hit_pages)
+        - (mid.device_hit_pages + mid.host_hit_pages);
+    assert!(
+        back >= 59,
+        "A's prefix did not come back: {back} pages, {after:?}"
+    );
+    assert!(after.host_hit_pages > mid.host_hit_pages);
+    assert!(e.pages_checked > 0);
+    assert_quiescent(&s);
+}
