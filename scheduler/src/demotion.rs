@@ -8,12 +8,7 @@
 //!
 //! How, as an operating system's page reclaim does: every plan looks at device's evictable
 //! leaves in eviction order and writes the coldest device-only ones back to host until at
-//! least `ahead_pages` of the free and evictable pages are free or have a host copy. It looks
-//! before the plan's batch takes pages and again after: a request that finished since the
-//! last plan leaves the coldest leaves on device (last used at its admission), which the
-//! batch's admissions would otherwise evict uncopied (the built-in chat at 5,120 pages lost
-//! 24 % of its device evictions that way, 71.7 % total hit rate against 74.6 % with the
-//! early look). A
+//! least `ahead_pages` of the free and evictable pages are free or have a host copy. A
 //! demotion is a `WriteBack` op without a request; it pins its source on device and the host
 //! node it hangs below until `WriteBackDone`, then the pages join the host tree and the device
 //! leaf becomes an ordinary evictable leaf with a host copy (evicting it drops a copy, not the

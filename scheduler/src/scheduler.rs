@@ -355,11 +355,6 @@ impl Scheduler {
             self.terminate.push(op);
         }
 
-        // Demotions first: the leaves a request left when it finished since the last plan are
-        // the coldest on device (last used at its admission), and this plan's admissions would
-        // otherwise evict them before they have a host copy. Again after the batch, for what
-        // the batch's allocations used up.
-        self.plan_demotions();
         if self.step.is_none() {
             let mut budget = Budget {
                 rows: self.cfg.max_batch_size,
