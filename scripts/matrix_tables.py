@@ -58,8 +58,9 @@ def main(d, prefix):
             continue
         pts = json.load(open(p))
         fixed = {}
-        if fixed_dir:
-            for q in json.load(open(os.path.join(d, f"sweep-{fixed_dir}", "sweep.json"))):
+        fixed_path = os.path.join(d, f"sweep-{fixed_dir}", "sweep.json")
+        if fixed_dir and not all(q["compared"] for q in pts):
+            for q in json.load(open(fixed_path)):
                 fixed[q["capacity_pages"]] = q["compared"]
         print(f"**{title}** (hit rate, TTFT p50 / p99):\n")
         cols = [SHORT[f] for f in FIXED]
@@ -68,7 +69,10 @@ def main(d, prefix):
         print("| --- " * (len(cols) + 5) + "|")
         worst, below, n = None, 0, 0
         for q in pts:
-            comp = {c["policy"]: c for c in (q["compared"] or fixed.get(q["capacity_pages"], []))}
+            # a sweep run with FULL=1 has the fixed options itself (named with their
+            # "+ protect:off", like the selector's runs)
+            comp = {c["policy"].replace(" + protect:off", ""): c
+                    for c in (q["compared"] or fixed.get(q["capacity_pages"], []))}
             row = [f"{q['capacity_pages']:,}"]
             best = max((comp[f]["hit_rate"] for f in FIXED if f in comp), default=None)
             for f in FIXED:
