@@ -127,6 +127,10 @@ pub struct Feedback {
     /// Per instance: when its latest first token was learnt from (`None`: never; its
     /// `late_s` is then not learnt).
     late_seen_at: Vec<Option<f64>>,
+    /// The sum of `late_s` over the instances that have learnt one, and their number, kept
+    /// at each first token learnt from, so a route prices every instance's lateness against
+    /// the others' mean in O(instances), not O(instances²).
+    late_sum: (f64, usize),
     /// [`FirstToken::AtEstimate`] bookings by when their first token is taken to come (ns).
     unseen: BinaryHeap<Reverse<(u64, u64)>>,
 }
@@ -146,6 +150,7 @@ impl Feedback {
             decode_s: vec![0.0; instances],
             late_s: vec![0.0; instances],
             late_seen_at: vec![None; instances],
+            late_sum: (0.0, 0),
             unseen: BinaryHeap::new(),
         }
     }
@@ -188,13 +193,12 @@ impl Feedback {
         let Some(seen_at) = self.late_seen_at.get(instance) else {
             return 0.0;
         };
-        let (sum, n) = self
-            .late_s
-            .iter()
-            .zip(&self.late_seen_at)
-            .enumerate()
-            .filter(|(j, (_, at))| *j != instance && at.is_some())
-            .fold((0.0, 0usize), |(s, n), (_, (l, _))| (s + l, n + 1));
+        // the others' mean: the kept sum without this instance's own term
+        let (mut sum, mut n) = self.late_sum;
+        if seen_at.is_some() {
+            sum -= self.late_s[instance];
+            n -= 1;
+        }
         let others = if n == 0 { 0.0 } else { sum / n as f64 };
         match seen_at {
             None => others,
@@ -293,6 +297,13 @@ impl Feedback {
             let weight = 1.0 - (1.0 - LATE_EWMA) * w;
             self.late_s[i] += weight * (late - self.late_s[i]);
             self.late_seen_at[i] = Some(at_s);
+            // recomputed, not adjusted, so no rounding accumulates over a long run
+            self.late_sum = self
+                .late_s
+                .iter()
+                .zip(&self.late_seen_at)
+                .filter(|(_, at)| at.is_some())
+                .fold((0.0, 0), |(s, n), (l, _)| (s + l, n + 1));
         }
         let p = &mut self.pending_s[i];
         *p = (*p - work_s).max(0.0);
@@ -518,7 +529,47 @@ mod tests {
         assert!(f.finished(1, Some(3.0)));
     }
 
+    /// `late_s` as defined, the others' mean computed from scratch: what the kept sum must
+    /// give.
+    fn late_s_by_definition(f: &Feedback, instance: usize, now_s: f64) -> f64 {
+        let Some(seen_at) = f.late_seen_at.get(instance) else {
+            return 0.0;
+        };
+        let others: Vec<f64> = (0..f.late_s.len())
+            .filter(|&j| j != instance && f.late_seen_at[j].is_some())
+            .map(|j| f.late_s[j])
+            .collect();
+        let mean = if others.is_empty() {
+            0.0
+        } else {
+            others.iter().sum::<f64>() / others.len() as f64
+        };
+        match seen_at {
+            None => mean,
+            Some(_) => mean + (f.late_s[instance] - mean) * f.freshness(instance, now_s),
+        }
+    }
+
     proptest! {
+        /// The others' mean from the sum kept at each first token equals the mean computed
+        /// from scratch, for every instance, at any mix of learnt and unlearnt instances.
+        #[test]
+        fn the_kept_lateness_sum_prices_like_the_definition(
+            tokens in proptest::collection::vec((0usize..6, 0.0f64..0.5, 0.0f64..2.0), 0..60),
+        ) {
+            let mut f = Feedback::new(6, 1e6, 16);
+            let mut now = 0.0;
+            for (id, &(inst, predicted, late)) in tokens.iter().enumerate() {
+                now += 1.0;
+                f.book(id as u64, inst, routed(0.01, predicted, now), held(&[], 1.0));
+                prop_assert!(f.first_token(id as u64, now + predicted + late));
+                for i in 0..7 {
+                    let (got, want) = (f.late_s(i, now + 5.0), late_s_by_definition(&f, i, now + 5.0));
+                    prop_assert!((got - want).abs() < 1e-9, "instance {i}: {got} vs {want}");
+                }
+            }
+        }
+
         /// However far apart an instance's first tokens come (a second or ten minutes), a
         /// constant lateness is learnt exactly (the decay never pulls the estimate toward
         /// the other instances'), and the price between first tokens always lies between
