@@ -309,6 +309,7 @@ impl Sim {
 
     /// Every replica the master lists holds the model's version; a removed key is absent.
     fn check(&self) -> Result<(), String> {
+        self.m.check_census()?;
         for (key, want) in &self.model {
             let Ok((allocs, disk)) = self.m.current_replicas(&tn(), key) else {
                 continue;

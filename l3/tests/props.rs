@@ -62,6 +62,10 @@ proptest! {
                     model[t].clear();
                 }
             }
+            // stats() reads the master's census, kept at every change: it counts the model
+            let st = s.stats().unwrap();
+            let n = model.iter().map(|m| m.len() as u64).sum::<u64>();
+            prop_assert_eq!((st.objects, st.mem_objects, st.disk_objects), (n, n, 0));
             for (t, m) in model.iter().enumerate() {
                 let keys: Vec<String> = (0..6).map(|k| format!("k{k}")).collect();
                 let ex = s.batch_is_exist(&tenants[t], &keys).unwrap();

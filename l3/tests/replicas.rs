@@ -272,6 +272,8 @@ proptest! {
                     prop_assert_eq!(on.len(), m.mem_replicas(&ten, &key));
                 }
             }
+            // the census stats() reads equals one counted from every object
+            prop_assert!(m.check_census().is_ok(), "{:?}", m.check_census());
         }
     }
 }

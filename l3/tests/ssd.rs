@@ -31,6 +31,31 @@ fn payload(i: usize, len: usize) -> Vec<u8> {
     (0..len).map(|j| (i * 31 + j * 7) as u8).collect()
 }
 
+/// `stats()` (read from the master's census, no longer a walk of every object) against
+/// each key's own residency: objects that exist, those with a memory replica, those with an
+/// SSD one — after evictions to SSD, staging, promotions and corrupt drops.
+fn assert_stats_match_residency(s: &EmbeddedStore, keys: &[String]) {
+    let (mut objects, mut mem, mut disk) = (0, 0, 0);
+    for k in keys {
+        if s.is_exist(&t(), k).unwrap() {
+            objects += 1;
+            let (m, d) = s.residency(&t(), k);
+            mem += u64::from(m);
+            disk += u64::from(d);
+        }
+    }
+    let st = s.stats().unwrap();
+    assert_eq!(
+        (st.objects, st.mem_objects, st.disk_objects),
+        (objects, mem, disk),
+        "{st:?}"
+    );
+}
+
+fn keys(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}{i}")).collect()
+}
+
 #[test]
 fn write_through_then_restart_keeps_everything_acknowledged() {
     let d = tempfile::tempdir().unwrap();
@@ -86,6 +111,8 @@ fn corrupted_bucket_is_a_miss_and_stays_a_miss() {
         s.render_metrics()
             .contains("kvtier_l3_corrupt_reads_total 1")
     );
+    assert_stats_match_residency(&s, &["a".into(), "b".into()]);
+    assert_eq!(s.stats().unwrap().objects, 1, "the corrupt object is gone");
 }
 
 proptest! {
@@ -125,6 +152,7 @@ fn dram_eviction_keeps_ssd_copy_readable() {
     }
     let (mem, disk) = s.residency(&t(), "k0");
     assert!(!mem && disk, "k0 evicted from DRAM but kept on SSD");
+    assert_stats_match_residency(&s, &keys("k", 40));
     assert_eq!(s.get(&t(), "k0").unwrap(), payload(0, 4096));
     assert!(
         s.metrics()
@@ -156,7 +184,9 @@ fn offload_on_evict_mode() {
         (true, false),
         "no write-through in this mode"
     );
+    assert_stats_match_residency(&s, &keys("k", 40));
     s.flush().unwrap();
+    assert_stats_match_residency(&s, &keys("k", 40));
     let (mem, disk) = s.residency(&t(), "k0");
     assert!(!mem && disk);
     for i in 0..40 {
@@ -186,6 +216,7 @@ fn ssd_watermarks_evict_oldest_buckets() {
     assert!(st.evicted_buckets > 0);
     assert!(!s.residency(&t(), "k0").1, "oldest SSD copy evicted");
     assert!(s.residency(&t(), "k29").1);
+    assert_stats_match_residency(&s, &keys("k", 30));
     // DRAM copies are unaffected by SSD eviction.
     assert_eq!(s.get(&t(), "k0").unwrap(), payload(0, 8 * 1024));
 }
@@ -284,6 +315,7 @@ fn exist_with_prefetch_promotes_ssd_only_keys() {
     s.batch_is_exist(&t(), &ks).unwrap();
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(s.residency(&t(), "k0"), (false, true));
+    assert_stats_match_residency(&s, &ks);
     let opts = ExistOptions {
         prefetch_to_memory: true,
     };
@@ -306,6 +338,8 @@ fn exist_with_prefetch_promotes_ssd_only_keys() {
     for (i, k) in ks.iter().enumerate() {
         assert_eq!(s.get(&t(), k).unwrap(), payload(i, 8192));
     }
+    assert_stats_match_residency(&s, &ks);
+    assert_eq!(s.stats().unwrap().mem_objects, 8, "all promoted");
 }
 
 #[test]

@@ -106,7 +106,7 @@ impl Master {
                     .allocate_on(seg, r.size)
                     .ok_or(Refusal::NoRoom)?;
                 let disk = self.attachable(node, r);
-                if let Some(o) = self.obj_mut(&r.tenant, &r.key) {
+                if let Some(mut o) = self.obj_mut(&r.tenant, &r.key) {
                     o.mem.push(MemReplica {
                         seg,
                         alloc,
@@ -146,10 +146,7 @@ impl Master {
             alloc,
             ended: true,
         });
-        self.tenants
-            .entry(r.tenant.clone())
-            .or_default()
-            .insert(r.key.clone(), o);
+        self.objects.insert(&r.tenant, r.key.clone(), o);
         self.readable(&r.tenant, &r.key);
         Ok(alloc)
     }

@@ -82,29 +82,26 @@ impl Master {
         let mut n = 0;
         let mut orphans: Vec<u64> = Vec::new();
         let mut gone: Vec<(Tenant, String, settle::Gone, bool)> = Vec::new();
-        for (t, m) in self.tenants.iter_mut() {
-            m.retain(|k, o| {
-                let before = o.mem.len();
-                o.mem.retain(|r| {
-                    let drop = set.contains(&r.alloc);
-                    if drop && let Some(h) = holder {
-                        o.freed_on.push((h, r.alloc));
-                    }
-                    !drop
-                });
-                if o.mem.len() == before {
-                    return true;
+        self.objects.retain(|t, k, o| {
+            let before = o.mem.len();
+            o.mem.retain(|r| {
+                let drop = set.contains(&r.alloc);
+                if drop && let Some(h) = holder {
+                    o.freed_on.push((h, r.alloc));
                 }
-                n += 1;
-                if o.is_complete() && o.has_data() {
-                    return true;
-                }
-                orphans.extend(o.allocs());
-                gone.push((t.clone(), k.clone(), o.gone(), o.is_complete()));
-                false
+                !drop
             });
-        }
-        self.tenants.retain(|_, m| !m.is_empty());
+            if o.mem.len() == before {
+                return true;
+            }
+            n += 1;
+            if o.is_complete() && o.has_data() {
+                return true;
+            }
+            orphans.extend(o.allocs());
+            gone.push((t.clone(), k.to_string(), o.gone(), o.is_complete()));
+            false
+        });
         for a in orphans {
             self.segments.free(a);
         }
@@ -133,7 +130,7 @@ impl Master {
     pub fn sweep(&mut self, now: u64) -> (u64, u64) {
         let timeout = self.policy.put_timeout_ms;
         let mut stale = Vec::new();
-        for (t, m) in &self.tenants {
+        for (t, m) in self.objects.iter() {
             for (k, o) in m {
                 if let ObjState::Pending { since_ms } = o.state
                     && now.saturating_sub(since_ms) >= timeout

@@ -155,7 +155,7 @@ impl Master {
             .filter(|(n, a)| self.may_hold_freed(*n, *a))
             .collect();
         keep.append(&mut add);
-        if let Some(o) = self.obj_mut(t, key) {
+        if let Some(mut o) = self.obj_mut(t, key) {
             o.freed_on = keep;
         }
     }

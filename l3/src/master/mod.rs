@@ -5,7 +5,7 @@
 //! ([`crate::EmbeddedStore`]) and bytes are copied after the lock is dropped.
 //!
 //! Invariants kept in this file:
-//! - Tenant isolation: objects are stored in `tenants[tenant][key]`; every entry point takes
+//! - Tenant isolation: objects are stored in `objects[tenant][key]`; every entry point takes
 //!   a tenant and only looks inside that tenant's map.
 //! - First writer wins: `put_start` on a key that is complete or has a live pending put
 //!   fails with -705; a pending put older than `put_timeout` is revoked first.
@@ -355,7 +355,8 @@ struct ClientInfo {
 #[derive(Debug)]
 pub struct Master {
     policy: MasterPolicy,
-    tenants: HashMap<Tenant, HashMap<String, Object>>,
+    /// `tenant → key → object`, with the census `stats()` reads (`table.rs`).
+    objects: table::ObjectTable,
     segments: Segments,
     clients: HashMap<ClientId, ClientInfo>,
     nodes: HashMap<ClientId, NodeState>,
@@ -385,7 +386,7 @@ impl Master {
     /// An empty master.
     pub fn new(policy: MasterPolicy) -> Self {
         Master {
-            tenants: HashMap::new(),
+            objects: table::ObjectTable::default(),
             segments: Segments::default(),
             clients: HashMap::new(),
             nodes: HashMap::new(),
@@ -436,22 +437,18 @@ impl Master {
     }
 
     fn obj(&self, t: &Tenant, key: &str) -> Option<&Object> {
-        self.tenants.get(t).and_then(|m| m.get(key))
+        self.objects.get(t, key)
     }
 
-    fn obj_mut(&mut self, t: &Tenant, key: &str) -> Option<&mut Object> {
-        self.tenants.get_mut(t).and_then(|m| m.get_mut(key))
+    fn obj_mut(&mut self, t: &Tenant, key: &str) -> Option<table::ObjMut<'_>> {
+        self.objects.get_mut(t, key)
     }
 
     /// Takes an object out of the store: the one place an object stops existing, apart from
     /// the bulk drops of dead replicas (`drop_allocs`, `drop_node_memory_state`), which
     /// record their losses themselves. A complete object's key goes to the loss journal.
     fn take_obj(&mut self, t: &Tenant, key: &str) -> Option<Object> {
-        let m = self.tenants.get_mut(t)?;
-        let o = m.remove(key);
-        if m.is_empty() {
-            self.tenants.remove(t);
-        }
+        let o = self.objects.remove(t, key);
         if o.as_ref().is_some_and(|o| o.is_complete()) {
             self.lose(t, key);
         }
@@ -503,6 +500,7 @@ mod rebuild;
 mod replicas;
 mod sequenced;
 mod settle;
+mod table;
 
 pub use adopt::{Refusal, RetainedObject};
 pub use losses::{LossCursor, Losses};

@@ -107,20 +107,17 @@ impl Master {
             n.promote.clear();
         }
         let mut gone = Vec::new();
-        for (t, m) in self.tenants.iter_mut() {
-            m.retain(|k, o| {
-                if matches!(o.staged, Some(Staged::OnNode { node: s, .. }) if s == node) {
-                    let g = o.gone();
-                    o.staged = None;
-                    if !o.has_data() {
-                        gone.push((t.clone(), k.clone(), g));
-                        return false;
-                    }
+        self.objects.retain(|t, k, o| {
+            if matches!(o.staged, Some(Staged::OnNode { node: s, .. }) if s == node) {
+                let g = o.gone();
+                o.staged = None;
+                if !o.has_data() {
+                    gone.push((t.clone(), k.to_string(), g));
+                    return false;
                 }
-                true
-            });
-        }
-        self.tenants.retain(|_, m| !m.is_empty());
+            }
+            true
+        });
         for (t, k, g) in gone {
             // Only evicted (complete) objects are staged.
             self.lose(&t, &k);
@@ -134,7 +131,7 @@ impl Master {
     /// high watermark, and once per key while queued. Returns how many were queued.
     pub fn queue_promotions<K: AsRef<str>>(&mut self, t: &Tenant, keys: &[K]) -> usize {
         const MAX_QUEUED: usize = 65_536;
-        let Some(m) = self.tenants.get(t) else {
+        let Some(m) = self.objects.tenant(t) else {
             return 0;
         };
         let mut todo: Vec<(ClientId, String, DiskLoc)> = Vec::new();
@@ -217,7 +214,7 @@ impl Master {
             .ok_or(L3Error::NoAvailableHandle { needed: loc.size })?;
         let lease = now.saturating_add(self.policy.lease_ttl_ms);
         let tick = self.touch();
-        if let Some(o) = self.obj_mut(t, key) {
+        if let Some(mut o) = self.obj_mut(t, key) {
             o.mem.push(MemReplica {
                 seg,
                 alloc,
@@ -296,26 +293,29 @@ impl Master {
         token: u64,
         loc: DiskLoc,
     ) -> bool {
-        match self.obj_mut(t, key) {
-            // A pending replicated put too: its first replica's node writes the SSD copy
-            // as soon as that replica ended (a revoke tombstones it).
-            Some(o) if o.token == token && o.disk.is_none() => {
+        // A pending replicated put too: its first replica's node writes the SSD copy as
+        // soon as that replica ended (a revoke tombstones it).
+        let written = match self.obj_mut(t, key) {
+            Some(mut o) if o.token == token && o.disk.is_none() => {
                 o.disk = Some(loc);
                 o.disk_node = node;
                 o.staged = None;
                 o.copy_queued = false;
-                self.note_written(node, t, key, token, loc);
                 true
             }
             _ => false,
+        };
+        if written {
+            self.note_written(node, t, key, token, loc);
         }
+        written
     }
 
     /// An SSD write of this version failed or was skipped (offload-on-evict, or a queued
     /// write-through copy): drop the staged copy (and the object if nothing else holds it).
     pub fn unstage(&mut self, t: &Tenant, key: &str, token: u64) {
         let drop_it = match self.obj_mut(t, key) {
-            Some(o) if o.token == token => {
+            Some(mut o) if o.token == token => {
                 o.staged = None;
                 o.copy_queued = false;
                 !o.has_data()
@@ -331,7 +331,7 @@ impl Master {
     /// critical section that ends the put, before the write is enqueued; [`Master::unstage`]
     /// withdraws it if the enqueue or the write fails).
     pub fn mark_copy_queued(&mut self, t: &Tenant, key: &str, token: u64) {
-        if let Some(o) = self.obj_mut(t, key)
+        if let Some(mut o) = self.obj_mut(t, key)
             && o.token == token
         {
             o.copy_queued = true;
@@ -369,7 +369,7 @@ impl Master {
                 && o.is_complete()
                 && o.size == loc.size
                 && self.members.same_bytes(t, key, o.token, &loc);
-            if attach && let Some(o) = self.obj_mut(t, key) {
+            if attach && let Some(mut o) = self.obj_mut(t, key) {
                 o.disk = Some(loc);
                 o.disk_node = node;
             }
@@ -379,10 +379,7 @@ impl Master {
         let token = self.new_token();
         let mut o = Object::found(loc.size, token, node, tick);
         o.disk = Some(loc);
-        self.tenants
-            .entry(t.clone())
-            .or_default()
-            .insert(key.to_string(), o);
+        self.objects.insert(t, key.to_string(), o);
         self.readable(t, key);
         true
     }
@@ -390,7 +387,7 @@ impl Master {
     /// Drops an SSD copy (corrupt read, bucket evicted). The object goes if nothing is left.
     pub fn drop_disk(&mut self, node: ClientId, t: &Tenant, key: &str, loc: &DiskLoc) {
         let drop_it = match self.obj_mut(t, key) {
-            Some(o) if o.disk.as_ref() == Some(loc) && o.disk_node == node => {
+            Some(mut o) if o.disk.as_ref() == Some(loc) && o.disk_node == node => {
                 o.disk = None;
                 !o.has_data()
             }

@@ -16,7 +16,7 @@ impl Master {
     pub fn query(&mut self, t: &Tenant, key: &str, now: u64) -> L3Result<QueryResult> {
         let lease = now.saturating_add(self.policy.lease_ttl_ms);
         let tick = self.touch();
-        let o = self.obj_mut(t, key).ok_or(L3Error::ObjectNotFound)?;
+        let mut o = self.obj_mut(t, key).ok_or(L3Error::ObjectNotFound)?;
         if !o.is_complete() {
             return Err(L3Error::ReplicaIsNotReady);
         }
@@ -32,6 +32,7 @@ impl Master {
             // is registered): read from there.
             mem.push((seg, alloc));
         }
+        drop(o); // counted again (table.rs) before the master is read
         let mut replicas = Vec::with_capacity(mem.len() + 1);
         for (seg, alloc) in mem {
             let node = self.segments.get(seg).and_then(|s| self.node_ref(s.owner));
@@ -68,7 +69,7 @@ impl Master {
     pub fn read_source(&mut self, t: &Tenant, key: &str, now: u64) -> L3Result<(u64, ReadSource)> {
         let lease = now.saturating_add(self.policy.lease_ttl_ms);
         let tick = self.touch();
-        let o = self.obj_mut(t, key).ok_or(L3Error::ObjectNotFound)?;
+        let mut o = self.obj_mut(t, key).ok_or(L3Error::ObjectNotFound)?;
         if !o.is_complete() {
             return Err(L3Error::ReplicaIsNotReady);
         }
@@ -78,6 +79,7 @@ impl Master {
         let first = o.mem.first().map(|r| r.alloc);
         let staged = o.staged.clone();
         let disk = o.disk;
+        drop(o);
         if let Some(a) = first
             && let Some(d) = self.segments.data(a)
         {
@@ -164,7 +166,7 @@ impl Master {
         keys: &[K],
         mut ssd_only: Option<&mut Vec<String>>,
     ) -> Vec<L3Result<bool>> {
-        let m = self.tenants.get(t);
+        let m = self.objects.tenant(t);
         keys.iter()
             .map(|k| {
                 let k = k.as_ref();
@@ -278,7 +280,7 @@ impl Master {
         force: bool,
         now: u64,
     ) -> Vec<Removed> {
-        let Some(m) = self.tenants.get(t) else {
+        let Some(m) = self.objects.tenant(t) else {
             return Vec::new();
         };
         let keys: Vec<String> = m
@@ -346,7 +348,7 @@ impl Master {
             return Err(e);
         }
         let tick = self.touch();
-        if let Some(o) = self.obj_mut(t, key) {
+        if let Some(mut o) = self.obj_mut(t, key) {
             o.mem.push(MemReplica {
                 seg,
                 alloc,
@@ -364,26 +366,27 @@ impl Master {
 
     /// Current numbers.
     pub fn stats(&self) -> StoreStats {
-        let mut s = StoreStats {
+        // O(1): the census kept at every change (table.rs), not a walk under the lock
+        let c = self.objects.census();
+        StoreStats {
+            objects: c.objects,
+            mem_objects: c.mem_objects,
+            disk_objects: c.disk_objects,
             mem_used_bytes: self.segments.used(),
             mem_capacity_bytes: self.segments.capacity(),
             ..Default::default()
-        };
-        for m in self.tenants.values() {
-            for o in m.values() {
-                if !o.is_complete() {
-                    continue;
-                }
-                s.objects += 1;
-                if !o.mem.is_empty() {
-                    s.mem_objects += 1;
-                }
-                if o.disk.is_some() {
-                    s.disk_objects += 1;
-                }
-            }
         }
-        s
+    }
+
+    /// Whether the census `stats()` reads equals one counted from every object (the
+    /// invariant the tests check after their operations); the two counts otherwise.
+    pub fn check_census(&self) -> Result<(), String> {
+        let (kept, scanned) = (self.objects.census(), self.objects.census_by_scan());
+        if kept == scanned {
+            Ok(())
+        } else {
+            Err(format!("census kept {kept:?}, counted {scanned:?}"))
+        }
     }
 
     /// Whether the lease of a complete object is still held (tests).

@@ -73,7 +73,8 @@ impl Master {
             .first()
             .and_then(|(seg, _)| self.segments.get(*seg))
             .map_or(LOCAL_NODE, |s| s.owner);
-        self.tenants.entry(t.clone()).or_default().insert(
+        self.objects.insert(
+            t,
             key.to_string(),
             Object {
                 size,
@@ -157,7 +158,7 @@ impl Master {
 
     /// DRAM bytes tenant `t` holds (memory replicas, pending puts included).
     pub fn tenant_dram_bytes(&self, t: &Tenant) -> u64 {
-        self.tenants.get(t).map_or(0, |m| {
+        self.objects.tenant(t).map_or(0, |m| {
             m.values()
                 .map(|o| o.size.saturating_mul(o.mem.len() as u64))
                 .sum()
@@ -215,7 +216,7 @@ impl Master {
     ) {
         let mut refs: Vec<(Tenant, String)> = Vec::new();
         let mut cands: Vec<Candidate> = Vec::new();
-        for (t, m) in &self.tenants {
+        for (t, m) in self.objects.iter() {
             if only.is_some_and(|o| o != t) {
                 continue;
             }
@@ -241,7 +242,7 @@ impl Master {
         let on_evict = self.policy.offload_on_evict;
         for i in victims {
             let (t, k) = &refs[i];
-            let Some(o) = self.obj_mut(t, k) else {
+            let Some(mut o) = self.obj_mut(t, k) else {
                 continue;
             };
             let gone = std::mem::take(&mut o.mem);
@@ -252,6 +253,7 @@ impl Master {
             let token = o.token;
             let keep_disk = o.disk.is_some();
             let copy_queued = o.copy_queued;
+            drop(o); // counted again (table.rs) before the master is used
             let data = gone.iter().find_map(|r| self.segments.data(r.alloc));
             // A store node that offloads its evictions keeps the bytes of this replica
             // until they are on its SSD (the first such replica; the others just go).
@@ -281,7 +283,7 @@ impl Master {
                 if let Some(st) = self.nodes.get_mut(&node) {
                     st.offload.push(alloc);
                 }
-                if let Some(o) = self.obj_mut(t, k) {
+                if let Some(mut o) = self.obj_mut(t, k) {
                     o.staged = Some(Staged::OnNode { node, seg, alloc });
                 }
                 continue;
@@ -292,7 +294,7 @@ impl Master {
             match (on_evict || copy_queued, data) {
                 (true, Some(d)) => {
                     self.note_freed(t, k, &gone);
-                    if let Some(o) = self.obj_mut(t, k) {
+                    if let Some(mut o) = self.obj_mut(t, k) {
                         o.staged = Some(Staged::Bytes(d.clone()));
                     }
                     if !copy_queued {
@@ -407,11 +409,12 @@ impl Master {
                 "the replica lives on another node".into(),
             ));
         }
-        let o = self
+        let mut o = self
             .obj_mut(&h.tenant, &h.key)
             .ok_or(L3Error::ObjectNotFound)?;
         o.mem[i].ended = true;
         let complete = o.mem.iter().all(|r| r.ended);
+        drop(o);
         if complete {
             self.complete(h, soft_pin, now)?;
         }
@@ -424,7 +427,7 @@ impl Master {
     fn complete(&mut self, h: &PutHandle, soft_pin: bool, now: u64) -> L3Result<()> {
         let pin_ttl = self.policy.soft_pin_ttl_ms;
         let tick = self.touch();
-        let o = self
+        let mut o = self
             .obj_mut(&h.tenant, &h.key)
             .ok_or(L3Error::ObjectNotFound)?;
         o.state = ObjState::Complete;
@@ -432,6 +435,7 @@ impl Master {
         if soft_pin {
             o.pin_until_ms = now.saturating_add(pin_ttl);
         }
+        drop(o);
         self.readable(&h.tenant, &h.key);
         Ok(())
     }

@@ -58,7 +58,7 @@ impl Master {
             return Err(e);
         }
         let tick = self.touch();
-        if let Some(o) = self.obj_mut(t, key) {
+        if let Some(mut o) = self.obj_mut(t, key) {
             o.mem.push(MemReplica {
                 seg: target,
                 alloc,
@@ -109,7 +109,7 @@ impl Master {
                 self.segments.free(alloc);
                 return Err(e);
             }
-            if let Some(o) = self.obj_mut(t, key) {
+            if let Some(mut o) = self.obj_mut(t, key) {
                 o.mem.push(MemReplica {
                     seg: target,
                     alloc,
@@ -118,7 +118,7 @@ impl Master {
             }
         }
         let tick = self.touch();
-        if let Some(o) = self.obj_mut(t, key) {
+        if let Some(mut o) = self.obj_mut(t, key) {
             o.mem.retain(|r| r.alloc != src_alloc);
             o.last_access = tick;
         }
@@ -153,7 +153,7 @@ impl Master {
         if last {
             return self.remove(t, key, true, now).map(Cleared::Object);
         }
-        if let Some(o) = self.obj_mut(t, key) {
+        if let Some(mut o) = self.obj_mut(t, key) {
             o.mem.retain(|r| r.alloc != alloc);
         }
         self.segments.free(alloc);
