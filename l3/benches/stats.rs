@@ -1,7 +1,8 @@
-//! `Master::stats()` on a master of 100,000 complete objects, against the walk of every
-//! object it did before (`check_census` counts from scratch and compares: that walk, plus a
-//! comparison), measured in the same run. `stats()` runs under the master lock, so the walk
-//! stalled every put and get while `/metrics` or a tier's gauges were read.
+//! `Master::stats()` and `Master::tenant_dram_bytes()` on a master of 100,000 complete objects
+//! of one tenant, against the walks of every object they did before (`check_census` counts
+//! from scratch and compares: both walks), measured in the same run. Both run under the
+//! master lock, so a walk stalled every put and get while `/metrics` or a tier's gauges were
+//! read, and a quota'd tenant's put walked its objects twice.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvtier_l3::master::{EvictionOutcome, Master, MasterPolicy};
@@ -33,8 +34,12 @@ fn master() -> Master {
 
 fn bench(c: &mut Criterion) {
     let m = master();
+    let t = Tenant::new("bench").expect("tenant");
     c.bench_function("stats_100k_objects", |b| b.iter(|| m.stats()));
-    c.bench_function("walk_100k_objects (what stats did)", |b| {
+    c.bench_function("tenant_dram_bytes_100k_objects", |b| {
+        b.iter(|| m.tenant_dram_bytes(&t))
+    });
+    c.bench_function("check_census_100k_objects (both walks)", |b| {
         b.iter(|| m.check_census().expect("census"))
     });
 }

@@ -137,14 +137,25 @@ proptest! {
         let cap = 4 * OBJ as u64;
         let s = store(cap);
         let mut b_keys = Vec::new();
+        let mut sizes: Vec<(&str, String, u64)> = Vec::new();
         for (i, (is_a, len)) in puts.into_iter().enumerate() {
             let (tn, key) = if is_a { ("a", format!("a{i}")) } else { ("b", format!("b{i}")) };
             let r = s.put(&t(tn), &key, &payload(i, len), Default::default());
             prop_assert!(r.is_ok(), "{key}: {r:?}");
+            sizes.push((tn, key.clone(), len as u64));
             if !is_a {
                 b_keys.push(key);
             }
             prop_assert!(s.tenant_dram_bytes(&t("a")) <= cap);
+            // the bytes a quota reads are kept at every change (the master's table.rs): they
+            // equal the sizes of the tenant's keys still in memory (one replica each here)
+            for tn in ["a", "b"] {
+                let want: u64 = sizes.iter()
+                    .filter(|(n, k, _)| *n == tn && s.residency(&t(tn), k).0)
+                    .map(|(_, _, len)| *len)
+                    .sum();
+                prop_assert_eq!(s.tenant_dram_bytes(&t(tn)), want, "tenant {}", tn);
+            }
         }
         for k in b_keys {
             prop_assert!(exists(&s, "b", &k), "{k} evicted");

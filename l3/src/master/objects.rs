@@ -378,14 +378,20 @@ impl Master {
         }
     }
 
-    /// Whether the census `stats()` reads equals one counted from every object (the
-    /// invariant the tests check after their operations); the two counts otherwise.
+    /// Whether the census `stats()` reads, and every tenant's DRAM bytes (what quotas
+    /// read), equal what is counted from every object (the invariant the tests check after
+    /// their operations); what differs otherwise.
     pub fn check_census(&self) -> Result<(), String> {
         let (kept, scanned) = (self.objects.census(), self.objects.census_by_scan());
-        if kept == scanned {
-            Ok(())
-        } else {
-            Err(format!("census kept {kept:?}, counted {scanned:?}"))
+        if kept != scanned {
+            return Err(format!("census kept {kept:?}, counted {scanned:?}"));
+        }
+        match self.objects.dram_mismatch() {
+            Some((t, kept, sum)) => Err(format!(
+                "tenant {}: DRAM bytes kept {kept}, summed {sum}",
+                t.as_str()
+            )),
+            None => Ok(()),
         }
     }
 

@@ -156,13 +156,10 @@ impl Master {
         Ok(placed)
     }
 
-    /// DRAM bytes tenant `t` holds (memory replicas, pending puts included).
+    /// DRAM bytes tenant `t` holds (memory replicas, pending puts included): kept at every
+    /// change (`table.rs`), O(1).
     pub fn tenant_dram_bytes(&self, t: &Tenant) -> u64 {
-        self.objects.tenant(t).map_or(0, |m| {
-            m.values()
-                .map(|o| o.size.saturating_mul(o.mem.len() as u64))
-                .sum()
-        })
+        self.objects.dram_bytes(t)
     }
 
     /// Makes room for `bytes` more of tenant `t` under its quota, evicting its own objects

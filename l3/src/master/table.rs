@@ -1,10 +1,12 @@
 //! The master's objects by tenant and key, with their census: how many are complete, how
-//! many of those have a memory replica, how many an SSD one.
+//! many of those have a memory replica, how many an SSD one; and per tenant the DRAM bytes
+//! its memory replicas hold (what a tenant quota caps).
 //!
 //! Why a census kept at every change: `stats()` (the store's gauges, `/metrics`, the vLLM
 //! tier's gauges) used to walk every object under the master lock — 118 µs at a few
 //! thousand objects, so tens of milliseconds at a million, with every put and get of every
-//! client waiting meanwhile. Now it reads three counters.
+//! client waiting meanwhile. Now it reads three counters. Likewise a put of a tenant with a
+//! quota summed the tenant's objects twice, under the same lock.
 //!
 //! How it stays right: the map is private to this module, so every change goes through it:
 //! [`ObjectTable::get_mut`] hands out a guard that takes the object's class out of the
@@ -53,23 +55,38 @@ impl Census {
     }
 }
 
+/// DRAM bytes an object's memory replicas hold (pending puts' included).
+fn dram_bytes(o: &Object) -> u64 {
+    o.size.saturating_mul(o.mem.len() as u64)
+}
+
+/// One tenant's objects and the DRAM bytes they hold.
+#[derive(Debug, Default)]
+struct TenantObjects {
+    objects: HashMap<String, Object>,
+    dram_bytes: u64,
+}
+
 /// `tenant → key → object`, and the census of what it holds.
 #[derive(Debug, Default)]
 pub(super) struct ObjectTable {
-    map: HashMap<Tenant, HashMap<String, Object>>,
+    map: HashMap<Tenant, TenantObjects>,
     census: Census,
 }
 
-/// A mutable object; its census class is updated when the guard is dropped.
+/// A mutable object; its census class and its tenant's DRAM bytes are updated when the
+/// guard is dropped.
 pub(super) struct ObjMut<'a> {
     obj: &'a mut Object,
     census: &'a mut Census,
+    dram: &'a mut u64,
 }
 
 impl<'a> ObjMut<'a> {
-    fn new(obj: &'a mut Object, census: &'a mut Census) -> Self {
+    fn new(obj: &'a mut Object, census: &'a mut Census, dram: &'a mut u64) -> Self {
         census.sub(Census::of(obj));
-        ObjMut { obj, census }
+        *dram = dram.saturating_sub(dram_bytes(obj));
+        ObjMut { obj, census, dram }
     }
 }
 
@@ -89,35 +106,45 @@ impl DerefMut for ObjMut<'_> {
 impl Drop for ObjMut<'_> {
     fn drop(&mut self) {
         self.census.add(Census::of(self.obj));
+        *self.dram += dram_bytes(self.obj);
     }
 }
 
 impl ObjectTable {
     pub fn get(&self, t: &Tenant, key: &str) -> Option<&Object> {
-        self.map.get(t).and_then(|m| m.get(key))
+        self.map.get(t).and_then(|m| m.objects.get(key))
     }
 
     pub fn get_mut(&mut self, t: &Tenant, key: &str) -> Option<ObjMut<'_>> {
-        let obj = self.map.get_mut(t).and_then(|m| m.get_mut(key))?;
-        Some(ObjMut::new(obj, &mut self.census))
+        let m = self.map.get_mut(t)?;
+        let obj = m.objects.get_mut(key)?;
+        Some(ObjMut::new(obj, &mut self.census, &mut m.dram_bytes))
     }
 
     /// One tenant's objects (read only).
     pub fn tenant(&self, t: &Tenant) -> Option<&HashMap<String, Object>> {
-        self.map.get(t)
+        self.map.get(t).map(|m| &m.objects)
     }
 
     /// Every tenant's objects (read only).
     pub fn iter(&self) -> impl Iterator<Item = (&Tenant, &HashMap<String, Object>)> {
-        self.map.iter()
+        self.map.iter().map(|(t, m)| (t, &m.objects))
+    }
+
+    /// DRAM bytes tenant `t`'s memory replicas hold, pending puts' included (O(1)).
+    pub fn dram_bytes(&self, t: &Tenant) -> u64 {
+        self.map.get(t).map_or(0, |m| m.dram_bytes)
     }
 
     /// Puts `obj` under `key`, returning the object it replaced.
     pub fn insert(&mut self, t: &Tenant, key: String, obj: Object) -> Option<Object> {
         self.census.add(Census::of(&obj));
-        let old = self.map.entry(t.clone()).or_default().insert(key, obj);
+        let m = self.map.entry(t.clone()).or_default();
+        m.dram_bytes += dram_bytes(&obj);
+        let old = m.objects.insert(key, obj);
         if let Some(o) = &old {
             self.census.sub(Census::of(o));
+            m.dram_bytes = m.dram_bytes.saturating_sub(dram_bytes(o));
         }
         old
     }
@@ -125,12 +152,13 @@ impl ObjectTable {
     /// Takes an object out (a tenant left with none goes too).
     pub fn remove(&mut self, t: &Tenant, key: &str) -> Option<Object> {
         let m = self.map.get_mut(t)?;
-        let o = m.remove(key);
-        if m.is_empty() {
-            self.map.remove(t);
-        }
+        let o = m.objects.remove(key);
         if let Some(o) = &o {
             self.census.sub(Census::of(o));
+            m.dram_bytes = m.dram_bytes.saturating_sub(dram_bytes(o));
+        }
+        if m.objects.is_empty() {
+            self.map.remove(t);
         }
         o
     }
@@ -140,16 +168,19 @@ impl ObjectTable {
     pub fn retain(&mut self, mut keep: impl FnMut(&Tenant, &str, &mut Object) -> bool) {
         let census = &mut self.census;
         for (t, m) in self.map.iter_mut() {
-            m.retain(|k, o| {
+            let dram = &mut m.dram_bytes;
+            m.objects.retain(|k, o| {
                 census.sub(Census::of(o));
+                *dram = dram.saturating_sub(dram_bytes(o));
                 let kept = keep(t, k, o);
                 if kept {
                     census.add(Census::of(o));
+                    *dram += dram_bytes(o);
                 }
                 kept
             });
         }
-        self.map.retain(|_, m| !m.is_empty());
+        self.map.retain(|_, m| !m.objects.is_empty());
     }
 
     /// The census kept at every change.
@@ -160,9 +191,18 @@ impl ObjectTable {
     /// The census counted from scratch (O(objects): the invariant check's reference).
     pub fn census_by_scan(&self) -> Census {
         let mut c = Census::default();
-        for o in self.map.values().flat_map(|m| m.values()) {
+        for o in self.map.values().flat_map(|m| m.objects.values()) {
             c.add(Census::of(o));
         }
         c
+    }
+
+    /// The first tenant whose kept DRAM bytes differ from its objects' sum: (tenant, kept,
+    /// summed); `None` when every tenant's agree.
+    pub fn dram_mismatch(&self) -> Option<(Tenant, u64, u64)> {
+        self.map.iter().find_map(|(t, m)| {
+            let sum: u64 = m.objects.values().map(dram_bytes).sum();
+            (sum != m.dram_bytes).then(|| (t.clone(), m.dram_bytes, sum))
+        })
     }
 }
