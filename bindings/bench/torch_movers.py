@@ -317,9 +317,48 @@ def movers_bench(clock: Clock, shape: Shape, page_size: int, n_pages: int, mover
     return out
 
 
-def ttft_bench(clock: Clock, shape: Shape, movers: List[str], page_size: int = 16) -> List[Dict]:
+def _host_s(clock: Clock, fn: Callable[[], Any], iters: int = 3) -> float:
+    """Median seconds the calling thread spends issuing ``fn`` (no sync at the end): beside
+    the GPU time of :meth:`Clock.time`, it says whether a phase is bound by the host."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        clock.sync()
+    return statistics.median(times)
+
+
+def _profile(clock: Clock, fn: Callable[[], Any], path: str) -> Dict[str, float]:
+    """Runs ``fn`` once under torch.profiler; writes the op tables (by device and by host
+    time) to ``path`` and returns the totals: device kernel time, host op time, wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.cuda else [])
+    clock.sync()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        clock.sync()
+    wall = time.perf_counter() - t0
+    avg = prof.key_averages()
+    dev_us = sum(e.self_device_time_total for e in avg)
+    cpu_us = sum(e.self_cpu_time_total for e in avg)
+    with open(path, "w") as f:
+        f.write(f"wall {wall * 1e3:.2f} ms, device kernels {dev_us / 1e3:.2f} ms, host ops {cpu_us / 1e3:.2f} ms\n\n")
+        if clock.cuda:
+            f.write(avg.table(sort_by="self_device_time_total", row_limit=25))
+            f.write("\n")
+        f.write(avg.table(sort_by="self_cpu_time_total", row_limit=25))
+    return {"wall_s": wall, "device_kernels_s": dev_us / 1e6, "host_ops_s": cpu_us / 1e6}
+
+
+def ttft_bench(clock: Clock, shape: Shape, movers: List[str], page_size: int = 16,
+               profile_dir: Optional[str] = None) -> List[Dict]:
     """Per mover, the TTFT of a turn whose ``shape.prefix`` tokens are on host against
-    recomputing them (random weights in ``shape.dtype``); one model and one prefix for all."""
+    recomputing them (random weights in ``shape.dtype``); one model and one prefix for all.
+    With ``profile_dir``, the compute alone and the overlapped turn also run once under
+    torch.profiler (tables in that folder, totals in the results)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvtier.torch.model import PagedRow, layout_of, run_row, use_paged_attention
@@ -387,8 +426,15 @@ def ttft_bench(clock: Clock, shape: Shape, movers: List[str], page_size: int = 1
 
             res["load_s"] = clock.time(load_only, 3)
             res["compute_s"] = clock.time(compute_only, 3)
+            res["compute_host_s"] = _host_s(clock, compute_only)
             wipe()  # the timed overlapped turns must load the prefix themselves
             res["ttft_s"] = clock.time(overlapped, 3, warmup=False)
+            if profile_dir is not None:
+                tag = name.replace(":", "_")
+                res["profile_compute"] = _profile(clock, compute_only, f"{profile_dir}/ttft-{page_size}-{tag}-compute.txt")
+                wipe()
+                res["profile_overlapped"] = _profile(clock, overlapped,
+                                                     f"{profile_dir}/ttft-{page_size}-{tag}-overlapped.txt")
         got = logits[0]
         res["first_token_logits_max_abs_diff"] = float((got - want).abs().max())
         res["first_token_argmax_equal"] = bool(int(got.argmax()) == int(want.argmax()))
@@ -406,6 +452,8 @@ def main() -> None:
     ap.add_argument("--page-sizes", default="16,64")
     ap.add_argument("--pages", type=int, default=256)
     ap.add_argument("--ttft", action="store_true", help="also the 8K-prefix TTFT (needs ~20 GB of GPU memory)")
+    ap.add_argument("--ttft-page-size", type=int, default=16, help="the TTFT run's page size in tokens")
+    ap.add_argument("--profile", metavar="DIR", help="with --ttft: op tables of the compute and the overlapped turn")
     ap.add_argument("--json", action="store_true", help="print the results as JSON at the end")
     ap.add_argument("--json-out", metavar="PATH", help="write the results as JSON to PATH")
     args = ap.parse_args()
@@ -417,7 +465,7 @@ def main() -> None:
     movers = args.movers.split(",")
     name = torch.cuda.get_device_name(device) if clock.cuda else "cpu"
     results: Dict[str, Any] = {"device": name, "torch": torch.__version__, "smoke": args.smoke, "runs": []}
-    for ps in (int(x) for x in args.page_sizes.split(",")):
+    for ps in (int(x) for x in args.page_sizes.split(",") if x):
         r = movers_bench(clock, shape, ps, args.pages, movers, args.iters)
         results["runs"].append(r)
         c = r["contiguous_GBps"]
@@ -432,14 +480,14 @@ def main() -> None:
                   f"executor LoadBack {m['executor_load']['GBps']:.1f} GB/s, duplex {m['duplex_GBps']:.1f} GB/s, "
                   f"GEMM slowdown {m['gemm_slowdown']:.2f}x")
     if args.ttft:
-        results["ttft"] = ttft_bench(clock, shape, movers)
+        results["ttft"] = ttft_bench(clock, shape, movers, args.ttft_page_size, args.profile)
         for t in results["ttft"]:
             mname = t["mover"]
             if "unavailable" in t:
                 print(f"  TTFT {mname}: unavailable ({t['unavailable']})")
                 continue
             print(f"TTFT {t['prefix']}-token prefix on host, {mname}: load {t['load_s'] * 1e3:.1f} ms, compute "
-                  f"{t['compute_s'] * 1e3:.1f} ms, overlapped {t['ttft_s'] * 1e3:.1f} ms; recompute "
+                  f"{t['compute_s'] * 1e3:.1f} ms (host issue {t['compute_host_s'] * 1e3:.1f} ms), overlapped {t['ttft_s'] * 1e3:.1f} ms; recompute "
                   f"{t['recompute_s'] * 1e3:.1f} ms ({t['speedup_vs_recompute']:.2f}x); first-token logits "
                   f"max diff {t['first_token_logits_max_abs_diff']:.2e}")
     if args.json:

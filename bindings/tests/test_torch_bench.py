@@ -27,7 +27,7 @@ def test_bench_runs_every_cpu_mover_and_checks_its_bytes(tmp_path):
     out = tmp_path / "r.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, os.path.join(BENCH_DIR, "torch_movers.py"), "--device", "cpu", "--smoke",
-           "--pages", "8", "--iters", "2", "--ttft", "--json-out", str(out)]
+           "--pages", "8", "--iters", "2", "--ttft", "--profile", str(tmp_path), "--json-out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Exception in thread" not in p.stderr, p.stderr[-3000:]
@@ -47,7 +47,12 @@ def test_bench_runs_every_cpu_mover_and_checks_its_bytes(tmp_path):
     for t in ttft.values():
         # the turn that loaded its prefix from host pages computes what a full recompute does
         assert t["first_token_logits_max_abs_diff"] < 1e-4 and t["first_token_argmax_equal"], t
-        assert min(t["load_s"], t["compute_s"], t["ttft_s"], t["recompute_s"]) > 0
+        assert min(t["load_s"], t["compute_s"], t["ttft_s"], t["recompute_s"], t["compute_host_s"]) > 0
+        for phase in ("compute", "overlapped"):
+            prof = t[f"profile_{phase}"]
+            assert prof["wall_s"] > 0 and prof["host_ops_s"] > 0, prof
+            table = (tmp_path / f"ttft-16-{t['mover']}-{phase}.txt").read_text()
+            assert table.startswith("wall ") and "aten::" in table, table[:500]
 
 
 class DropsLastPage(TorchMover):

@@ -31,7 +31,7 @@ as :func:`paged_attention` does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,9 @@ class PagedRow:
     wait_for_layer: Optional[Callable[[int], None]] = None
     latent_layers: Set[int] = field(default_factory=set)
     """MLA: the layers whose latents went through :class:`LatentCache` in this call."""
+    slots: Dict[Tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    """The pool slots of positions ``lo..hi``, computed by the first layer that needs them and
+    reused by the others (every layer reads the same positions); cleared by :func:`run_row`."""
 
 
 def layout_of(config: Any, page_size: int, dtype: Optional[torch.dtype] = None) -> KVLayout:
@@ -84,11 +87,16 @@ def layout_of(config: Any, page_size: int, dtype: Optional[torch.dtype] = None) 
 
 
 def _slots(row: PagedRow, lo: int, hi: int) -> torch.Tensor:
+    got = row.slots.get((lo, hi))
+    if got is not None:
+        return got
     ps = row.pool.layout.page_size
     if hi > row.pages.numel() * ps:
         raise PoolLayoutError(f"positions up to {hi} need {-(-hi // ps)} pages, the row's table has {row.pages.numel()}")
     pos = torch.arange(lo, hi, device=row.pages.device)
-    return row.pages[pos // ps] * ps + pos % ps
+    out = row.pages[pos // ps] * ps + pos % ps
+    row.slots[(lo, hi)] = out
+    return out
 
 
 def _expect(t: torch.Tensor, shape: Tuple[int, ...], what: str, layout: KVLayout) -> None:
@@ -265,6 +273,7 @@ def run_row(model: Any, row: PagedRow, tokens: Sequence[int]) -> torch.Tensor:
     ids = torch.as_tensor(list(tokens), dtype=torch.long, device=dev)[None]
     pos = torch.arange(row.start, row.start + ids.shape[1], device=dev)[None]
     row.latent_layers.clear()
+    row.slots.clear()
     cache = LatentCache(row) if row.pool.layout.attention == Attention.MLA else None
     out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=False, logits_to_keep=1,
                 kvtier_row=row)
