@@ -30,7 +30,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{L3Error, L3Result};
-use crate::eviction::{Candidate, select_victims};
+use crate::eviction::{Candidate, take_in_order};
 use crate::segment::Segments;
 pub use settle::SettleLogEntry;
 
@@ -440,7 +440,7 @@ impl Master {
         self.objects.get(t, key)
     }
 
-    fn obj_mut(&mut self, t: &Tenant, key: &str) -> Option<table::ObjMut<'_>> {
+    fn obj_mut<'a>(&'a mut self, t: &Tenant, key: &'a str) -> Option<table::ObjMut<'a>> {
         self.objects.get_mut(t, key)
     }
 

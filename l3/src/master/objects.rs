@@ -378,19 +378,22 @@ impl Master {
         }
     }
 
-    /// Whether the census `stats()` reads, and every tenant's DRAM bytes (what quotas
-    /// read), equal what is counted from every object (the invariant the tests check after
-    /// their operations); what differs otherwise.
+    /// Whether the census `stats()` reads, every tenant's DRAM bytes (what quotas read) and
+    /// every tenant's eviction order (what evictions walk) equal what is counted from every
+    /// object (the invariant the tests check after their operations); what differs otherwise.
     pub fn check_census(&self) -> Result<(), String> {
         let (kept, scanned) = (self.objects.census(), self.objects.census_by_scan());
         if kept != scanned {
             return Err(format!("census kept {kept:?}, counted {scanned:?}"));
         }
-        match self.objects.dram_mismatch() {
-            Some((t, kept, sum)) => Err(format!(
+        if let Some((t, kept, sum)) = self.objects.dram_mismatch() {
+            return Err(format!(
                 "tenant {}: DRAM bytes kept {kept}, summed {sum}",
                 t.as_str()
-            )),
+            ));
+        }
+        match self.objects.order_mismatch() {
+            Some((t, what)) => Err(format!("tenant {}: eviction order {what}", t.as_str())),
             None => Ok(()),
         }
     }

@@ -211,34 +211,34 @@ impl Master {
         only: Option<&Tenant>,
         victims: Victims,
     ) {
-        let mut refs: Vec<(Tenant, String)> = Vec::new();
-        let mut cands: Vec<Candidate> = Vec::new();
-        for (t, m) in self.objects.iter() {
-            if only.is_some_and(|o| o != t) {
-                continue;
-            }
-            for (k, o) in m {
-                if o.mem.is_empty() || !o.is_complete() {
-                    continue;
-                }
-                if victims == Victims::Lossless && o.disk.is_none() && !self.policy.offload_on_evict
-                {
-                    continue;
-                }
-                refs.push((t.clone(), k.clone()));
-                cands.push(Candidate {
-                    size: o.size.saturating_mul(o.mem.len() as u64),
-                    leased: o.leased(now),
-                    pinned: o.pin_until_ms > now,
-                    unsaved: o.disk.is_none(),
-                    last_access: o.last_access,
-                });
-            }
-        }
-        let victims = select_victims(&cands, need);
+        // Walks the kept eviction order from its front (table.rs): the cost is the victims,
+        // not every object. Lossless: only objects with an SSD copy (all ranked before those
+        // without) or, in offload-on-evict mode, any (staged for the SSD writer).
+        let saved_only = victims == Victims::Lossless && !self.policy.offload_on_evict;
+        let objects = &self.objects;
+        let chosen: Vec<(Tenant, String)> = take_in_order(
+            || {
+                objects
+                    .eviction_order(only)
+                    .take_while(move |(_, _, o)| !saved_only || o.disk.is_some())
+                    .map(|(t, k, o)| {
+                        let c = Candidate {
+                            size: o.size.saturating_mul(o.mem.len() as u64),
+                            leased: o.leased(now),
+                            pinned: o.pin_until_ms > now,
+                            unsaved: o.disk.is_none(),
+                            last_access: o.last_access,
+                        };
+                        ((t, k), c)
+                    })
+            },
+            need,
+        )
+        .into_iter()
+        .map(|(t, k)| (t.clone(), k.to_string()))
+        .collect();
         let on_evict = self.policy.offload_on_evict;
-        for i in victims {
-            let (t, k) = &refs[i];
+        for (t, k) in &chosen {
             let Some(mut o) = self.obj_mut(t, k) else {
                 continue;
             };
