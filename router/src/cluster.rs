@@ -2,6 +2,7 @@
 //! and what the router sent where. Subscriber threads fold batches in, HTTP handlers route;
 //! both hold the lock only for one fold or one decision.
 
+use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use kvtier_radix::HashScope;
@@ -91,7 +92,31 @@ pub struct Cluster {
     load_only: u64,
     started: Instant,
     next_booking: u64,
+    /// Bookings made for `POST /route` clients ([`Cluster::route_booked`]), which report
+    /// by booking over HTTP, and whether their first token is still to be reported; each
+    /// expires `booking_ttl_s` after it was made.
+    http_bookings: HashMap<u64, bool>,
+    /// Their deadlines in the order made (one time to live: also in deadline order).
+    http_deadlines: VecDeque<(f64, u64)>,
+    booking_ttl_s: f64,
+    bookings_expired: u64,
 }
+
+/// What a `POST /route` client reports of a booked request ([`Cluster::report`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Report {
+    /// Its first token arrived.
+    FirstToken,
+    /// It ended (finished, aborted or failed after it ran).
+    End,
+    /// The instance refused it: it never ran there.
+    Cancel,
+}
+
+/// How long a booking made over `POST /route` lasts without its end reported: a client
+/// that dies (or forgets) keeps its request counted in an instance's queue no longer. Ten
+/// minutes: longer than a request runs on an engine; what outlives it just stops counting.
+pub const BOOKING_TTL_S: f64 = 600.0;
 
 impl Cluster {
     /// An index of at most `max_pages` entries, any number of bytes.
@@ -125,6 +150,10 @@ impl Cluster {
             load_only: 0,
             started: Instant::now(),
             next_booking: 0,
+            http_bookings: HashMap::new(),
+            http_deadlines: VecDeque::new(),
+            booking_ttl_s: BOOKING_TTL_S,
+            bookings_expired: 0,
         })
     }
 
@@ -254,6 +283,7 @@ impl Cluster {
         lora: Option<&str>,
         exclude: &[usize],
     ) -> Option<Decision> {
+        self.expire_bookings(); // every decision sees no booking past its time to live
         let hashes = self.prompt_hashes(tokens, salt, lora);
         let now = self.now_s();
         if exclude.is_empty() {
@@ -282,6 +312,7 @@ impl Cluster {
         output: usize,
         first: FirstToken,
     ) -> Option<Decision> {
+        self.expire_bookings();
         let (salt, lora) = scope;
         let hashes = self.prompt_hashes(tokens, salt, lora);
         let now = self.now_s();
@@ -324,9 +355,86 @@ impl Cluster {
         self.router.cancel(booking);
     }
 
+    /// How long a `POST /route` booking lasts without its end ([`BOOKING_TTL_S`] by
+    /// default); a time that is not a positive number of seconds is refused.
+    pub fn set_booking_ttl_s(&mut self, ttl_s: f64) -> Result<(), crate::RouteError> {
+        if !(ttl_s.is_finite() && ttl_s > 0.0) {
+            return Err(crate::RouteError::BadBookingTtl(ttl_s.to_string()));
+        }
+        self.booking_ttl_s = ttl_s;
+        Ok(())
+    }
+
+    /// [`Self::route_tracked`] for a client that reports over HTTP ([`Self::report`]): the
+    /// booking expires [`Self::set_booking_ttl_s`] after it is made unless it ended before.
+    pub fn route_booked(
+        &mut self,
+        tokens: &[u32],
+        scope: (Option<&str>, Option<&str>),
+        output: usize,
+        first: FirstToken,
+    ) -> Option<Decision> {
+        let d = self.route_tracked(tokens, scope, &[], output, first)?;
+        if let Some(id) = d.booking {
+            self.http_bookings.insert(id, first == FirstToken::Reported);
+            let due = self.now_s() + self.booking_ttl_s;
+            self.http_deadlines.push_back((due, id));
+        }
+        Some(d)
+    }
+
+    /// A `POST /route` client's report on its booking; `false` (nothing changes) for a
+    /// booking that is not one of theirs, has ended, or expired — or a first token already
+    /// reported, or of a booking made with its first token unseen ([`FirstToken::AtEstimate`]). Only bookings made by [`Self::route_booked`] are reported on this way: the
+    /// proxy's own bookings cannot be ended by a client guessing numbers.
+    pub fn report(&mut self, booking: u64, what: Report) -> bool {
+        self.expire_bookings();
+        let now = self.now_s();
+        let Some(awaiting_first) = self.http_bookings.get_mut(&booking) else {
+            return false;
+        };
+        match what {
+            Report::FirstToken => {
+                if !std::mem::take(awaiting_first) {
+                    return false;
+                }
+                self.router.first_token(booking, now)
+            }
+            Report::End | Report::Cancel => {
+                self.http_bookings.remove(&booking);
+                if what == Report::End {
+                    self.router.finished(booking, now)
+                } else {
+                    self.router.cancel(booking)
+                }
+            }
+        }
+    }
+
+    /// Drops the `POST /route` bookings past their time to live, learning nothing from
+    /// them (when they really ended is unknown); how many.
+    pub fn expire_bookings(&mut self) -> usize {
+        let now = self.now_s();
+        let mut n = 0;
+        while let Some(&(due, id)) = self.http_deadlines.front() {
+            let open = self.http_bookings.contains_key(&id);
+            if open && due > now {
+                break;
+            }
+            self.http_deadlines.pop_front(); // ended already, or due
+            if self.http_bookings.remove(&id).is_some() {
+                self.router.cancel(id);
+                n += 1;
+            }
+        }
+        self.bookings_expired += n as u64;
+        n
+    }
+
     /// Routes without tokens: the instance with the shortest queue, then the fewest requests
     /// in flight, then the lowest number.
     pub fn route_load_only(&mut self, exclude: &[usize]) -> Option<Decision> {
+        self.expire_bookings();
         let q: Vec<f64> = (0..self.instances())
             .map(|i| self.router.queue_s(i))
             .collect();
@@ -430,6 +538,8 @@ impl Cluster {
         serde_json::json!({
             "keys": self.keys,
             "instances": instances,
+            "bookings": {"open": self.router.booked(), "http_open": self.http_bookings.len(),
+                         "http_expired": self.bookings_expired},
             "storage_pages": storage,
             "index_pages": idx.pages(),
             "max_pages": bound(self.budget.max_pages),

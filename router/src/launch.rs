@@ -140,6 +140,9 @@ pub struct Config {
     pub max_index_bytes: usize,
     pub keys: Keys,
     pub subscribe: SubscribeOptions,
+    /// How long a `POST /route` booking lasts without its end reported
+    /// ([`crate::cluster::BOOKING_TTL_S`] by default).
+    pub booking_ttl_s: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -156,6 +159,8 @@ pub enum StartError {
     Occupancy(crate::RouteError),
     #[error("{0}")]
     Model(crate::RouteError),
+    #[error("--booking-ttl-s: {0}")]
+    BookingTtl(crate::RouteError),
     #[error("bind {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
     #[error(transparent)]
@@ -200,6 +205,9 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     cluster
         .set_occupancy(cfg.occupancy)
         .map_err(StartError::Occupancy)?;
+    cluster
+        .set_booking_ttl_s(cfg.booking_ttl_s)
+        .map_err(StartError::BookingTtl)?;
     let mut subs = Vec::new();
     for (i, spec) in cfg.instances.iter().enumerate() {
         if let Some(ev) = &spec.events {

@@ -49,6 +49,8 @@ pub enum RouteError {
     BadOccupancy(String),
     #[error("cost model: {0}")]
     BadModel(String),
+    #[error("a booking's time to live must be a positive number of seconds, got {0}")]
+    BadBookingTtl(String),
 }
 
 /// The weight of a request's work in its routing cost, for the requests that will wait behind

@@ -1,17 +1,24 @@
 //! The router's HTTP API: `POST /route`, `GET /stats`, `GET /health`, and, with backends
 //! configured, the OpenAI-compatible proxy ([`crate::proxy`]).
+//!
+//! A `POST /route` client that sends the request itself can close the router's loop as the
+//! proxy does: with `"track": true` the answer carries a `booking`, and the client reports
+//! `POST /bookings/{booking}/first_token`, then `/end` (or `/cancel` if the instance refused
+//! it). A booking whose end never comes expires after `--booking-ttl-s`, so a client that
+//! dies costs at worst a few worse choices, never a queue counted forever.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, Report};
+use crate::feedback::FirstToken;
 use crate::lora::ModelNames;
 use crate::proxy::{self, Upstream};
 
@@ -50,6 +57,20 @@ pub struct RouteRequest {
     pub salt: Option<String>,
     #[serde(default)]
     pub lora_name: Option<String>,
+    /// Book the request: its first token and end will be reported by its booking.
+    #[serde(default)]
+    pub track: bool,
+    /// With `track`: the tokens it may generate (0 if unknown).
+    #[serde(default)]
+    pub max_tokens: usize,
+    /// With `track`: whether its first token will be reported (a streamed answer); when
+    /// not, its prefill is taken as done when predicted.
+    #[serde(default = "yes")]
+    pub report_first_token: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// An error answer: `{"error": {"message", "type"}}`, OpenAI's shape.
@@ -63,12 +84,18 @@ async fn route(State(st): State<AppState>, body: axum::body::Bytes) -> Response 
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
     };
-    let d = st.lock().route(
-        &req.token_ids,
-        req.salt.as_deref(),
-        req.lora_name.as_deref(),
-        &[],
-    );
+    let scope = (req.salt.as_deref(), req.lora_name.as_deref());
+    let d = if req.track {
+        let first = if req.report_first_token {
+            FirstToken::Reported
+        } else {
+            FirstToken::AtEstimate
+        };
+        st.lock()
+            .route_booked(&req.token_ids, scope, req.max_tokens, first)
+    } else {
+        st.lock().route(&req.token_ids, scope.0, scope.1, &[])
+    };
     match d {
         Some(d) => {
             let mut v = serde_json::json!(d);
@@ -82,6 +109,37 @@ async fn route(State(st): State<AppState>, body: axum::body::Bytes) -> Response 
             "no_instances",
             "the router has no instances",
         ),
+    }
+}
+
+/// `POST /bookings/{booking}/{first_token|end|cancel}`: 204, or 404 for a booking that is
+/// not open (never made over `/route`, ended, expired; a second first token).
+async fn report(
+    State(st): State<AppState>,
+    Path((booking, what)): Path<(u64, String)>,
+) -> Response {
+    let what = match what.as_str() {
+        "first_token" => Report::FirstToken,
+        "end" => Report::End,
+        "cancel" => Report::Cancel,
+        other => {
+            return error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("no report {other:?}: first_token, end or cancel"),
+            );
+        }
+    };
+    if st.lock().report(booking, what) {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        error(
+            StatusCode::NOT_FOUND,
+            "unknown_booking",
+            format!(
+                "booking {booking} is not open (ended, expired, never made, or its first token already reported)"
+            ),
+        )
     }
 }
 
@@ -103,6 +161,7 @@ async fn health(State(st): State<AppState>) -> Response {
 pub fn app(st: AppState) -> axum::Router {
     let mut r = axum::Router::new()
         .route("/route", post(route))
+        .route("/bookings/{booking}/{what}", post(report))
         .route("/stats", get(stats))
         .route("/health", get(health));
     if !st.backends.is_empty() {

@@ -67,6 +67,10 @@ struct Args {
     /// Quiet seconds after which a stream asks for a tail it may have missed.
     #[arg(long, default_value_t = 5.0)]
     resync_s: f64,
+    /// Seconds a `POST /route` booking (`"track": true`) lasts without its end reported:
+    /// a client that dies keeps no request counted past it.
+    #[arg(long, default_value_t = kvtier_router::cluster::BOOKING_TTL_S)]
+    booking_ttl_s: f64,
     /// Exit after this many seconds (scripts and tests); default: run until Ctrl-C.
     #[arg(long)]
     exit_after_s: Option<f64>,
@@ -122,6 +126,7 @@ fn config(a: &Args) -> Result<Config, String> {
         max_pages: a.max_pages.unwrap_or(usize::MAX),
         max_index_bytes: a.max_index_bytes.0,
         keys: a.keys,
+        booking_ttl_s: positive("booking-ttl-s", a.booking_ttl_s)?,
         subscribe: launch::subscribe_options(
             a.replay_timeout_ms,
             positive("resync-s", a.resync_s)?,

@@ -367,6 +367,7 @@ async fn a_router_with_a_cost_model_it_cannot_use_does_not_start() {
         max_index_bytes: usize::MAX,
         keys: Keys::Tokens,
         subscribe: launch::subscribe_options(300, 0.3),
+        booking_ttl_s: kvtier_router::cluster::BOOKING_TTL_S,
     })
     .await
     .err()

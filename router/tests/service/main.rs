@@ -5,8 +5,10 @@
 //!   publishers, the page cap, `POST /route`;
 //! - [`proxy`]: the OpenAI proxy against recorded vLLM responses, and vLLM's recorded events;
 //! - [`stream_props`]: proptest invariants of a stream's recovery and of the cap;
+//! - [`bookings`]: `POST /route` clients reporting their requests' first token and end;
 //! - [`docs`]: docs/router.md's command line and requests.
 
+mod bookings;
 mod common;
 mod docs;
 mod events;

@@ -112,6 +112,7 @@ pub async fn router(
         max_index_bytes: usize::MAX,
         keys,
         subscribe: launch::subscribe_options(300, 0.3),
+        booking_ttl_s: kvtier_router::cluster::BOOKING_TTL_S,
     })
     .await
     .expect("start router")

@@ -1,0 +1,227 @@
+//! `POST /route` clients closing the router's loop themselves: a tracked route returns a
+//! booking, the client reports its first token and end over HTTP, a booking never ended
+//! expires, and nobody can end a booking that is not theirs.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::common::*;
+use kvtier_router::cluster::{BOOKING_TTL_S, Cluster, Keys, Report};
+use kvtier_router::launch::{self, Config, EndpointSpec, StartError};
+use kvtier_router::{FirstToken, RouteError};
+use proptest::prelude::*;
+
+fn post(body: serde_json::Value) -> Vec<u8> {
+    body.to_string().into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_client_books_reports_and_its_forgotten_bookings_expire() {
+    let (p0, p1) = (publisher(), publisher());
+    let r = router(vec![spec(&p0), spec(&p1)], None, 1 << 20, Keys::Engine).await;
+    let a = tokens(7, 8);
+    let tracked = post(serde_json::json!({"token_ids": a, "track": true, "max_tokens": 64}));
+    let got = http(r.addr, "POST", "/route", Some(&tracked)).await;
+    assert_eq!(got.status, 200);
+    let j = got.json();
+    let id = j["booking"]
+        .as_u64()
+        .expect("a tracked route has a booking");
+    let inst = j["instance"].as_u64().expect("instance") as usize;
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["bookings"]["open"], 1, "{stats}");
+    assert_eq!(stats["bookings"]["http_open"], 1, "{stats}");
+    assert!(
+        stats["instances"][inst]["queue_s"].as_f64() > Some(0.0),
+        "{stats}"
+    );
+    // an untracked route has none
+    let plain = post(serde_json::json!({"token_ids": a}));
+    let j = http(r.addr, "POST", "/route", Some(&plain)).await.json();
+    assert!(j.get("booking").is_none(), "{j}");
+    let report = |id: u64, what: &str| format!("/bookings/{id}/{what}");
+    // first token once, then the end once
+    assert_eq!(
+        http(r.addr, "POST", &report(id, "first_token"), None)
+            .await
+            .status,
+        204
+    );
+    let again = http(r.addr, "POST", &report(id, "first_token"), None).await;
+    assert_eq!(again.status, 404);
+    assert_eq!(again.json()["error"]["type"], "unknown_booking");
+    assert_eq!(
+        http(r.addr, "POST", &report(id, "end"), None).await.status,
+        204
+    );
+    assert_eq!(
+        http(r.addr, "POST", &report(id, "end"), None).await.status,
+        404
+    );
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["bookings"]["open"], 0, "{stats}");
+    // bad reports: typed errors, nothing changes
+    assert_eq!(
+        http(r.addr, "POST", &report(999, "end"), None).await.status,
+        404
+    );
+    assert_eq!(
+        http(r.addr, "POST", &report(id, "finish"), None)
+            .await
+            .status,
+        404
+    );
+    assert_eq!(
+        http(r.addr, "POST", "/bookings/x/end", None).await.status,
+        400
+    );
+    let bad = post(serde_json::json!({"token_ids": a, "track": true, "max_tokens": -1}));
+    assert_eq!(http(r.addr, "POST", "/route", Some(&bad)).await.status, 400);
+    // a booking the proxy made (not over /route) cannot be ended by a client guessing it
+    let theirs = r
+        .cluster
+        .lock()
+        .expect("lock")
+        .route_tracked(&a, (None, None), &[], 16, FirstToken::Reported)
+        .and_then(|d| d.booking)
+        .expect("booked");
+    assert_eq!(
+        http(r.addr, "POST", &report(theirs, "end"), None)
+            .await
+            .status,
+        404
+    );
+    assert_eq!(r.cluster.lock().expect("lock").router().booked(), 1);
+    // a client that never reports: its booking expires, the queue no longer counts it
+    r.cluster
+        .lock()
+        .expect("lock")
+        .set_booking_ttl_s(0.3)
+        .expect("ttl");
+    let j = http(r.addr, "POST", "/route", Some(&tracked)).await.json();
+    let lost = j["booking"].as_u64().expect("booking");
+    assert_eq!(r.cluster.lock().expect("lock").router().booked(), 2);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(
+        stats["bookings"]["http_open"], 1,
+        "not expired before anyone asks: {stats}"
+    );
+    http(r.addr, "POST", "/route", Some(&plain)).await; // any route expires what is due
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["bookings"]["http_open"], 0, "{stats}");
+    assert_eq!(stats["bookings"]["http_expired"], 1, "{stats}");
+    assert_eq!(
+        stats["bookings"]["open"], 1,
+        "only the proxy's is left: {stats}"
+    );
+    assert_eq!(
+        http(r.addr, "POST", &report(lost, "end"), None)
+            .await
+            .status,
+        404
+    );
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_booking_time_to_live_that_is_not_a_positive_time_is_refused() {
+    let mut c = Cluster::new(2, model(), 1 << 10, Keys::Tokens).expect("cluster");
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert!(matches!(
+            c.set_booking_ttl_s(bad),
+            Err(RouteError::BadBookingTtl(_))
+        ));
+    }
+    c.set_booking_ttl_s(BOOKING_TTL_S)
+        .expect("the default is fine");
+    let err = launch::start(Config {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        instances: vec![EndpointSpec::default()],
+        storage: None,
+        model: model(),
+        delay_weight: kvtier_router::DELAY_WEIGHT,
+        occupancy: None,
+        max_pages: 1 << 10,
+        max_index_bytes: usize::MAX,
+        keys: Keys::Tokens,
+        subscribe: launch::subscribe_options(300, 0.3),
+        booking_ttl_s: f64::NAN,
+    })
+    .await
+    .err()
+    .expect("a NaN time to live started a router");
+    assert!(matches!(err, StartError::BookingTtl(_)), "{err}");
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Book(bool),
+    Report(usize, Report),
+    Unknown(u64, Report),
+    Proxy,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let report = prop_oneof![
+        Just(Report::FirstToken),
+        Just(Report::End),
+        Just(Report::Cancel)
+    ];
+    prop_oneof![
+        3 => any::<bool>().prop_map(Op::Book),
+        4 => (0usize..16, report.clone()).prop_map(|(i, r)| Op::Report(i, r)),
+        1 => (1_000u64..2_000, report).prop_map(|(i, r)| Op::Unknown(i, r)),
+        1 => Just(Op::Proxy),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A report succeeds exactly when the booking is a `/route` client's and open (a first
+    /// token: not reported yet); the router's open bookings are the model's plus the proxy's.
+    #[test]
+    fn reports_change_exactly_the_open_bookings_they_name(ops in proptest::collection::vec(op(), 1..80)) {
+        let mut c = Cluster::new(3, model(), 1 << 12, Keys::Tokens).expect("cluster");
+        // the model: each booking made over /route -> (open, first token reported)
+        let mut made: Vec<u64> = Vec::new();
+        let mut open: BTreeMap<u64, bool> = BTreeMap::new();
+        let mut proxy = 0usize;
+        let prompt = tokens(3, 4);
+        for op in ops {
+            match op {
+                Op::Book(stream) => {
+                    let first = if stream { FirstToken::Reported } else { FirstToken::AtEstimate };
+                    let d = c.route_booked(&prompt, (None, None), 32, first).expect("routed");
+                    let id = d.booking.expect("booked");
+                    // an answer sent whole has no first token to report
+                    open.insert(id, !stream);
+                    made.push(id);
+                }
+                Op::Report(i, what) => {
+                    let Some(&id) = made.get(i) else { continue };
+                    let want = match (open.get(&id), what) {
+                        (None, _) => false,
+                        (Some(&seen), Report::FirstToken) => !seen,
+                        (Some(_), _) => true,
+                    };
+                    prop_assert_eq!(c.report(id, what), want, "{:?} of {}", what, id);
+                    if want {
+                        if what == Report::FirstToken {
+                            open.insert(id, true);
+                        } else {
+                            open.remove(&id);
+                        }
+                    }
+                }
+                Op::Unknown(id, what) => prop_assert!(!c.report(id, what)),
+                Op::Proxy => {
+                    c.route_tracked(&prompt, (None, None), &[], 8, FirstToken::Reported).expect("routed");
+                    proxy += 1;
+                }
+            }
+            prop_assert_eq!(c.router().booked(), open.len() + proxy);
+        }
+    }
+}
