@@ -136,17 +136,8 @@ async fn a_booking_time_to_live_that_is_not_a_positive_time_is_refused() {
     c.set_booking_ttl_s(BOOKING_TTL_S)
         .expect("the default is fine");
     let err = launch::start(Config {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        instances: vec![EndpointSpec::default()],
-        storage: None,
-        model: model(),
-        delay_weight: kvtier_router::DELAY_WEIGHT,
-        occupancy: None,
-        max_pages: 1 << 10,
-        max_index_bytes: usize::MAX,
-        keys: Keys::Tokens,
-        subscribe: launch::subscribe_options(300, 0.3),
         booking_ttl_s: f64::NAN,
+        ..config(vec![EndpointSpec::default()], 1 << 10, Keys::Tokens)
     })
     .await
     .err()

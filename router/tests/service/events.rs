@@ -354,20 +354,11 @@ async fn a_restarted_publisher_replaces_its_instances_pages() {
 async fn a_router_with_a_cost_model_it_cannot_use_does_not_start() {
     use kvtier_router::launch::{self, Config, StartError};
     let err = launch::start(Config {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        instances: vec![EndpointSpec::default()],
-        storage: None,
         model: kvtier_router::CostModel {
             prefill_tokens_per_s: f64::NAN,
             ..model()
         },
-        delay_weight: kvtier_router::DELAY_WEIGHT,
-        occupancy: None,
-        max_pages: 1 << 10,
-        max_index_bytes: usize::MAX,
-        keys: Keys::Tokens,
-        subscribe: launch::subscribe_options(300, 0.3),
-        booking_ttl_s: kvtier_router::cluster::BOOKING_TTL_S,
+        ..config(vec![EndpointSpec::default()], 1 << 10, Keys::Tokens)
     })
     .await
     .err()

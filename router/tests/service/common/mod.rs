@@ -94,17 +94,13 @@ pub fn reference(instance_batches: &[Vec<Vec<WireEvent>>], max_pages: usize) -> 
     idx
 }
 
-/// A router on 127.0.0.1 with quick replay timeouts and resyncs.
-pub async fn router(
-    instances: Vec<EndpointSpec>,
-    storage: Option<EndpointSpec>,
-    max_pages: usize,
-    keys: Keys,
-) -> Running {
-    launch::start(Config {
+/// The tests' router configuration: 127.0.0.1 on a free port, quick replay timeouts and
+/// resyncs, the defaults otherwise.
+pub fn config(instances: Vec<EndpointSpec>, max_pages: usize, keys: Keys) -> Config {
+    Config {
         listen: "127.0.0.1:0".parse().expect("addr"),
         instances,
-        storage,
+        storage: None,
         model: model(),
         delay_weight: kvtier_router::DELAY_WEIGHT,
         occupancy: None,
@@ -113,6 +109,19 @@ pub async fn router(
         keys,
         subscribe: launch::subscribe_options(300, 0.3),
         booking_ttl_s: kvtier_router::cluster::BOOKING_TTL_S,
+    }
+}
+
+/// A router started with [`config`].
+pub async fn router(
+    instances: Vec<EndpointSpec>,
+    storage: Option<EndpointSpec>,
+    max_pages: usize,
+    keys: Keys,
+) -> Running {
+    launch::start(Config {
+        storage,
+        ..config(instances, max_pages, keys)
     })
     .await
     .expect("start router")
