@@ -215,6 +215,7 @@ pub fn router(
         max_index_bytes: usize::MAX,
         keys: kvtier_router::cluster::Keys::Engine,
         subscribe: launch::subscribe_options(500, 1.0),
+        booking_ttl_s: kvtier_router::cluster::BOOKING_TTL_S,
     };
     rt.block_on(launch::start(cfg)).expect("router")
 }
