@@ -51,31 +51,32 @@ pub fn select_victims(cands: &[Candidate], need: u64) -> Vec<usize> {
 }
 
 /// [`select_victims`]'s choice when the candidates come already ordered by (unsaved, last
-/// access), as the master keeps them: `order()` is walked from its front, once for the
-/// unpinned candidates and, only if they free less than `need`, again for the pinned ones;
-/// each walk stops as soon as `need` bytes are chosen, so the cost is the victims (and the
-/// leased or pinned candidates before them), not every candidate. The victims' handles, in
-/// the order [`select_victims`] gives them.
-pub fn take_in_order<H, I>(mut order: impl FnMut() -> I, need: u64) -> Vec<H>
-where
-    I: Iterator<Item = (H, Candidate)>,
-{
+/// access), as the master keeps them: `walk(visit)` hands `visit` the candidates in that
+/// order until `visit` returns `false`; it is walked once for the unpinned candidates and,
+/// only if they free less than `need`, again for the pinned ones; each walk stops as soon as
+/// `need` bytes are chosen, so the cost is the victims (and the leased or pinned candidates
+/// before them), not every candidate. The victims' handles, in the order [`select_victims`]
+/// gives them.
+pub fn take_in_order<H>(
+    mut walk: impl FnMut(&mut dyn FnMut(H, Candidate) -> bool),
+    need: u64,
+) -> Vec<H> {
     let mut freed = 0u64;
     let mut out = Vec::new();
     for pinned in [false, true] {
         if freed >= need {
             break;
         }
-        for (h, c) in order() {
+        walk(&mut |h, c| {
             if freed >= need {
-                break;
+                return false;
             }
-            if c.leased || c.pinned != pinned {
-                continue;
+            if !c.leased && c.pinned == pinned {
+                freed = freed.saturating_add(c.size);
+                out.push(h);
             }
-            freed = freed.saturating_add(c.size);
-            out.push(h);
-        }
+            freed < need
+        });
     }
     out
 }
@@ -148,7 +149,16 @@ mod tests {
                 .collect();
             let mut ordered: Vec<usize> = (0..cands.len()).collect();
             ordered.sort_by_key(|&i| (cands[i].unsaved, cands[i].last_access));
-            let walked = take_in_order(|| ordered.iter().map(|&i| (i, cands[i])), need);
+            let walked = take_in_order(
+                |visit| {
+                    for &i in &ordered {
+                        if !visit(i, cands[i]) {
+                            break;
+                        }
+                    }
+                },
+                need,
+            );
             prop_assert_eq!(walked, select_victims(&cands, need));
         }
     }

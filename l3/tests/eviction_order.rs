@@ -1,15 +1,17 @@
-//! The master's eviction walks an order it keeps at every change (`master/table.rs`) instead of
-//! sorting every object each time. What that must keep, on any sequence of puts, reads and
-//! removes over several tenants, one with a DRAM quota:
+//! The master's eviction walks an order it keeps at every change (`master/order.rs`) instead
+//! of sorting every object each time, and lets reads leave stale entries behind (a walk fixes
+//! them). What that must keep, on any sequence of puts, reads, SSD copies and removes over
+//! several tenants, one with a DRAM quota:
 //!
-//! - the kept order equals the one counted from every object (`check_census`);
-//! - a put that evicts takes the least recently used objects: every object it evicted was
-//!   used before every candidate it left (across tenants for the store's capacity, within
-//!   the tenant for a quota), and a quota's eviction never takes another tenant's object.
+//! - the kept order satisfies its invariant (`check_census`);
+//! - a put that evicts takes memory replicas in rank order: objects with an SSD copy before
+//!   those without, least recently used first within each — every object it evicted ranks
+//!   before every candidate it left (across tenants for the store's capacity, within the
+//!   tenant for a quota), and a quota's eviction never takes another tenant's object.
 
 use std::collections::{BTreeMap, HashMap};
 
-use kvtier_l3::master::{EvictionOutcome, Master, MasterPolicy};
+use kvtier_l3::master::{DiskLoc, EvictionOutcome, Master, MasterPolicy};
 use kvtier_l3::{ClientId, SegmentId, StoreConfig, Tenant};
 use proptest::prelude::*;
 
@@ -23,14 +25,17 @@ const QUOTA: u64 = 6 * SIZE;
 enum Op {
     Put(usize, u8),
     Read(usize, u8),
+    Persist(usize, u8),
     Remove(usize, u8),
 }
 
 fn op() -> impl Strategy<Value = Op> {
+    let tk = || (0..TENANTS.len(), 0u8..24);
     prop_oneof![
-        4 => (0..TENANTS.len(), 0u8..24).prop_map(|(t, k)| Op::Put(t, k)),
-        3 => (0..TENANTS.len(), 0u8..24).prop_map(|(t, k)| Op::Read(t, k)),
-        1 => (0..TENANTS.len(), 0u8..24).prop_map(|(t, k)| Op::Remove(t, k)),
+        4 => tk().prop_map(|(t, k)| Op::Put(t, k)),
+        3 => tk().prop_map(|(t, k)| Op::Read(t, k)),
+        2 => tk().prop_map(|(t, k)| Op::Persist(t, k)),
+        1 => tk().prop_map(|(t, k)| Op::Remove(t, k)),
     ]
 }
 
@@ -48,17 +53,26 @@ fn master() -> (Master, u64) {
     (m, lease)
 }
 
+/// Where an object in memory ranks for eviction: (no SSD copy, last used).
+type Rank = (bool, usize);
+
+fn in_memory(m: &Master, t: &Tenant, k: &str) -> bool {
+    m.current_replicas(t, k)
+        .is_ok_and(|(allocs, _)| !allocs.is_empty())
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(128))]
+    #![proptest_config(ProptestConfig::with_cases(160))]
 
     #[test]
-    fn evictions_take_the_least_recently_used_and_the_order_stays_exact(
+    fn evictions_take_memory_in_rank_order_and_the_order_stays_exact(
         ops in proptest::collection::vec(op(), 1..160),
     ) {
         let (mut m, lease) = master();
         let tenants: Vec<Tenant> = TENANTS.iter().map(|n| Tenant::new(*n).expect("tenant")).collect();
-        // The model: every resident object and when it was last used (op index).
-        let mut used: HashMap<(usize, String), usize> = HashMap::new();
+        // The model: every object with a memory replica, its rank; every object's version.
+        let mut mem: HashMap<(usize, String), Rank> = HashMap::new();
+        let mut token: HashMap<(usize, String), u64> = HashMap::new();
         for (step, op) in ops.iter().enumerate() {
             // Each op later than every lease an earlier read took: leases never block here.
             let now = (step as u64 + 1) * (lease + 1);
@@ -66,24 +80,25 @@ proptest! {
                 Op::Put(ti, k) => {
                     let key = format!("k{k}");
                     let mut out = EvictionOutcome::default();
-                    let before = used.clone();
+                    let before = mem.clone();
                     let Ok(h) = m.put_start(&tenants[*ti], &key, SIZE, 1, now, &mut out) else {
                         continue;
                     };
                     for r in h.replicas() {
                         m.end_replica(NODE, &h.for_replica(r), false, now).expect("end_replica");
                     }
-                    used.retain(|(t, k), _| m.exists(&tenants[*t], k));
-                    used.insert((*ti, key.clone()), step);
+                    token.insert((*ti, key.clone()), h.token);
+                    mem.retain(|(t, k), _| in_memory(&m, &tenants[*t], k));
+                    mem.insert((*ti, key.clone()), (true, step));
                     let evicted: Vec<_> = before
                         .iter()
-                        .filter(|(id, _)| !used.contains_key(*id) && **id != (*ti, key.clone()))
+                        .filter(|(id, _)| !mem.contains_key(*id) && **id != (*ti, key.clone()))
                         .collect();
                     prop_assert_eq!(evicted.len() as u64, out.evicted, "{:?}", evicted);
                     let quota_only = evicted.iter().all(|((t, _), _)| TENANTS[*t] == "q")
                         && TENANTS[*ti] == "q";
                     for ((t, k), at) in &evicted {
-                        for ((t2, k2), at2) in &used {
+                        for ((t2, k2), at2) in &mem {
                             if (*t2, k2) == (*ti, &key) {
                                 continue; // the put itself
                             }
@@ -93,7 +108,7 @@ proptest! {
                             }
                             prop_assert!(
                                 at < &at2,
-                                "evicted {}/{} (used at {}) but kept {}/{} (used at {})",
+                                "evicted {}/{} (rank {:?}) but kept {}/{} (rank {:?})",
                                 TENANTS[*t], k, at, TENANTS[*t2], k2, at2
                             );
                         }
@@ -102,20 +117,34 @@ proptest! {
                 }
                 Op::Read(ti, k) => {
                     let key = format!("k{k}");
-                    if m.query(&tenants[*ti], &key, now).is_ok() {
-                        used.insert((*ti, key), step);
+                    if m.query(&tenants[*ti], &key, now).is_ok()
+                        && let Some(r) = mem.get_mut(&(*ti, key))
+                    {
+                        r.1 = step;
+                    }
+                }
+                Op::Persist(ti, k) => {
+                    let key = format!("k{k}");
+                    let Some(&tok) = token.get(&(*ti, key.clone())) else { continue };
+                    let loc = DiskLoc { bucket: step as u64, offset: 0, size: SIZE, crc: 0 };
+                    if m.register_disk(NODE, &tenants[*ti], &key, tok, loc)
+                        && let Some(r) = mem.get_mut(&(*ti, key))
+                    {
+                        r.0 = false; // saved: it goes before every unsaved one
                     }
                 }
                 Op::Remove(ti, k) => {
                     let key = format!("k{k}");
                     if m.remove(&tenants[*ti], &key, true, now).is_ok() {
-                        used.remove(&(*ti, key));
+                        mem.remove(&(*ti, key.clone()));
+                        token.remove(&(*ti, key));
                     }
                 }
             }
             prop_assert!(m.check_census().is_ok(), "{:?}", m.check_census());
-            let resident: usize = used.len();
-            prop_assert_eq!(m.stats().objects as usize, resident);
+            for (t, k) in mem.keys() {
+                prop_assert!(in_memory(&m, &tenants[*t], k), "{}/{} left memory", TENANTS[*t], k);
+            }
         }
     }
 }

@@ -197,6 +197,9 @@ struct Object {
     lease_until_ms: u64,
     pin_until_ms: u64,
     last_access: u64,
+    /// Where this object's entry is in its tenant's eviction order (`order.rs`; `None`:
+    /// none), kept by the object table.
+    ordered_as: Option<order::EvictRank>,
     /// Memory replicas of this version dropped while it lived on (evicted to its SSD copy,
     /// or on a node declared dead), by node and allocation: while the node has not
     /// acknowledged their free it may still hold the bytes, so the version's cancel goes
@@ -221,6 +224,7 @@ impl Object {
             lease_until_ms: 0,
             pin_until_ms: 0,
             last_access: tick,
+            ordered_as: None,
             freed_on: Vec::new(),
         }
     }
@@ -495,6 +499,7 @@ mod frees;
 mod losses;
 mod nodes;
 mod objects;
+mod order;
 mod placement;
 mod rebuild;
 mod replicas;

@@ -96,6 +96,7 @@ impl Master {
                 lease_until_ms: 0,
                 pin_until_ms: 0,
                 last_access,
+                ordered_as: None,
                 freed_on: Vec::new(),
             },
         );
@@ -215,28 +216,26 @@ impl Master {
         // not every object. Lossless: only objects with an SSD copy (all ranked before those
         // without) or, in offload-on-evict mode, any (staged for the SSD writer).
         let saved_only = victims == Victims::Lossless && !self.policy.offload_on_evict;
-        let objects = &self.objects;
+        let objects = &mut self.objects;
         let chosen: Vec<(Tenant, String)> = take_in_order(
-            || {
-                objects
-                    .eviction_order(only)
-                    .take_while(move |(_, _, o)| !saved_only || o.disk.is_some())
-                    .map(|(t, k, o)| {
-                        let c = Candidate {
-                            size: o.size.saturating_mul(o.mem.len() as u64),
-                            leased: o.leased(now),
-                            pinned: o.pin_until_ms > now,
-                            unsaved: o.disk.is_none(),
-                            last_access: o.last_access,
-                        };
-                        ((t, k), c)
-                    })
+            |visit| {
+                objects.walk(
+                    only,
+                    |o| Candidate {
+                        size: o.size.saturating_mul(o.mem.len() as u64),
+                        leased: o.leased(now),
+                        pinned: o.pin_until_ms > now,
+                        unsaved: o.disk.is_none(),
+                        last_access: o.last_access,
+                    },
+                    &mut |(t, k), c| {
+                        // lossless: the unsaved rank after every saved one, none qualifies
+                        !(saved_only && c.unsaved) && visit((t.clone(), k.to_string()), c)
+                    },
+                )
             },
             need,
-        )
-        .into_iter()
-        .map(|(t, k)| (t.clone(), k.to_string()))
-        .collect();
+        );
         let on_evict = self.policy.offload_on_evict;
         for (t, k) in &chosen {
             let Some(mut o) = self.obj_mut(t, k) else {

@@ -15,18 +15,15 @@
 //! around what they change. [`ObjectTable::census_by_scan`] counts from scratch, for the
 //! invariant check the tests call.
 //!
-//! The same guard keeps each tenant's **eviction order**: its eviction candidates (complete
-//! objects with a memory replica) ordered by (no SSD copy, last access), the order
-//! [`crate::eviction`] ranks them in apart from pins and leases, which change with the clock
-//! and are checked when the order is walked. An eviction used to collect and sort every
-//! object of the store (or of a tenant at its quota) under the master lock: 29 ms a put for
-//! a tenant of 100,000 objects at its quota (`benches/evict.rs`); it now walks the order
-//! from its front and stops when enough bytes are chosen.
+//! The same guard places each object in its tenant's **eviction order** (`order.rs`), which
+//! an eviction walks from the front ([`ObjectTable::walk`]) instead of sorting every object.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 
 use super::Object;
+use super::order::{Entry, Order};
+use crate::eviction::Candidate;
 use crate::types::Tenant;
 
 /// Counts of complete objects (what `StoreStats` reports).
@@ -68,48 +65,6 @@ fn dram_bytes(o: &Object) -> u64 {
     o.size.saturating_mul(o.mem.len() as u64)
 }
 
-/// Where an eviction candidate stands in its tenant's eviction order: those with an SSD
-/// copy first (evicting them loses nothing), then least recently used first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(super) struct EvictRank {
-    pub unsaved: bool,
-    pub last_access: u64,
-}
-
-impl EvictRank {
-    /// `None` for an object no eviction may take: incomplete, or no memory replica.
-    fn of(o: &Object) -> Option<EvictRank> {
-        (!o.mem.is_empty() && o.is_complete()).then_some(EvictRank {
-            unsaved: o.disk.is_none(),
-            last_access: o.last_access,
-        })
-    }
-}
-
-/// One entry of a tenant's eviction order: a candidate's rank and key, ordered by rank,
-/// then key (a total order).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct Entry(EvictRank, String);
-
-/// A tenant's eviction candidates in eviction order.
-type Order = BTreeSet<Entry>;
-
-/// Moves `key` in `order` from the rank it had to the rank it has (either may be none).
-/// Every read moves its object: one key allocated for the lookup (a borrowed-key lookup
-/// through `dyn` comparisons measured slower), the stored one reused.
-fn reorder(order: &mut Order, key: &str, was: Option<EvictRank>, now: Option<EvictRank>) {
-    if was == now {
-        return;
-    }
-    let mut owned = None;
-    if let Some(r) = was {
-        owned = order.take(&Entry(r, key.to_string())).map(|e| e.1);
-    }
-    if let Some(r) = now {
-        order.insert(Entry(r, owned.unwrap_or_else(|| key.to_string())));
-    }
-}
-
 /// One tenant's objects, the DRAM bytes they hold and their eviction order.
 #[derive(Debug, Default)]
 struct TenantObjects {
@@ -130,7 +85,6 @@ pub(super) struct ObjectTable {
 pub(super) struct ObjMut<'a> {
     obj: &'a mut Object,
     key: &'a str,
-    rank: Option<EvictRank>,
     census: &'a mut Census,
     dram: &'a mut u64,
     order: &'a mut Order,
@@ -146,11 +100,9 @@ impl<'a> ObjMut<'a> {
     ) -> Self {
         census.sub(Census::of(obj));
         *dram = dram.saturating_sub(dram_bytes(obj));
-        let rank = EvictRank::of(obj);
         ObjMut {
             obj,
             key,
-            rank,
             census,
             dram,
             order,
@@ -175,7 +127,7 @@ impl Drop for ObjMut<'_> {
     fn drop(&mut self) {
         self.census.add(Census::of(self.obj));
         *self.dram += dram_bytes(self.obj);
-        reorder(self.order, self.key, self.rank, EvictRank::of(self.obj));
+        self.order.place(self.key, self.obj);
     }
 }
 
@@ -216,18 +168,16 @@ impl ObjectTable {
         self.census.add(Census::of(&obj));
         let m = self.map.entry(t.clone()).or_default();
         m.dram_bytes += dram_bytes(&obj);
-        let rank = EvictRank::of(&obj);
-        let old = m.objects.insert(key.clone(), obj);
+        let old = m.objects.remove(&key);
         if let Some(o) = &old {
             self.census.sub(Census::of(o));
             m.dram_bytes = m.dram_bytes.saturating_sub(dram_bytes(o));
+            m.order.unplace(&key, o);
         }
-        reorder(
-            &mut m.order,
-            &key,
-            old.as_ref().and_then(EvictRank::of),
-            rank,
-        );
+        let mut obj = obj;
+        obj.ordered_as = None; // placed afresh: what it says of another table means nothing
+        m.order.place(&key, &mut obj);
+        m.objects.insert(key, obj);
         old
     }
 
@@ -238,7 +188,7 @@ impl ObjectTable {
         if let Some(o) = &o {
             self.census.sub(Census::of(o));
             m.dram_bytes = m.dram_bytes.saturating_sub(dram_bytes(o));
-            reorder(&mut m.order, key, EvictRank::of(o), None);
+            m.order.unplace(key, o);
         }
         if m.objects.is_empty() {
             self.map.remove(t);
@@ -256,13 +206,14 @@ impl ObjectTable {
             m.objects.retain(|k, o| {
                 census.sub(Census::of(o));
                 *dram = dram.saturating_sub(dram_bytes(o));
-                let was = EvictRank::of(o);
                 let kept = keep(t, k, o);
                 if kept {
                     census.add(Census::of(o));
                     *dram += dram_bytes(o);
+                    order.place(k, o);
+                } else {
+                    order.unplace(k, o);
                 }
-                reorder(order, k, was, if kept { EvictRank::of(o) } else { None });
                 kept
             });
         }
@@ -283,55 +234,60 @@ impl ObjectTable {
         c
     }
 
-    /// Tenant `only`'s (or every tenant's) eviction candidates in eviction order: by rank,
-    /// tenants merged (ties between tenants in tenant order), each with its key and object.
-    pub fn eviction_order<'s>(
-        &'s self,
+    /// Walks tenant `only`'s (or every tenant's) eviction candidates in eviction order,
+    /// tenants merged by rank (ties in tenant order), handing `visit` each one's tenant, key
+    /// and `candidate(object)` until it returns `false`. Stale entries passed on the way are
+    /// moved to where their objects stand (order.rs), so the walk needs `&mut`.
+    pub fn walk(
+        &mut self,
         only: Option<&Tenant>,
-    ) -> impl Iterator<Item = (&'s Tenant, &'s str, &'s Object)> + 's {
-        let mut heads: Vec<_> = self
+        candidate: impl Fn(&Object) -> Candidate,
+        visit: &mut dyn FnMut((&Tenant, &str), Candidate) -> bool,
+    ) {
+        let mut tenants: Vec<Tenant> = self
             .map
-            .iter()
-            .filter(|(t, _)| only.is_none_or(|o| o == *t))
-            .map(|(t, m)| (t, m, m.order.iter().peekable()))
+            .keys()
+            .filter(|t| only.is_none_or(|o| o == *t))
+            .cloned()
             .collect();
-        heads.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
-        std::iter::from_fn(move || {
-            loop {
-                // The tenant whose next candidate ranks first (few tenants: a scan of heads).
-                let (i, _) = heads
-                    .iter_mut()
-                    .enumerate()
-                    .filter_map(|(i, h)| h.2.peek().map(|e| (i, e.0)))
-                    .min_by_key(|&(i, r)| (r, i))?;
-                let (t, m, it) = &mut heads[i];
-                let Entry(_, key) = it.next()?;
-                // Every entry names an object (the invariant check's `order_mismatch`).
-                if let Some(o) = m.objects.get(key) {
-                    return Some((*t, key.as_str(), o));
+        tenants.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        // per tenant: the entry last visited, and its next fresh entry (None: not looked up)
+        let mut cursor: Vec<Option<Entry>> = vec![None; tenants.len()];
+        let mut next: Vec<Option<Option<Entry>>> = vec![None; tenants.len()];
+        loop {
+            for (i, t) in tenants.iter().enumerate() {
+                if next[i].is_none()
+                    && let Some(m) = self.map.get_mut(t)
+                {
+                    next[i] = Some(m.order.next_fresh(cursor[i].as_ref(), &mut m.objects));
                 }
             }
-        })
+            let Some(i) = (0..tenants.len())
+                .filter_map(|i| next[i].as_ref()?.as_ref().map(|e| (e.0, i)))
+                .min()
+                .map(|(_, i)| i)
+            else {
+                return;
+            };
+            let Some(e) = next[i].take().flatten() else {
+                return;
+            };
+            let Some(o) = self.map.get(&tenants[i]).and_then(|m| m.objects.get(&e.1)) else {
+                return;
+            };
+            if !visit((&tenants[i], &e.1), candidate(o)) {
+                return;
+            }
+            cursor[i] = Some(e);
+        }
     }
 
-    /// The first tenant whose kept eviction order differs from the one its objects give:
-    /// (tenant, what differs); `None` when every tenant's agree.
+    /// The first tenant whose eviction order breaks its invariant (order.rs): (tenant, what);
+    /// `None` when every tenant's holds.
     pub fn order_mismatch(&self) -> Option<(Tenant, String)> {
-        self.map.iter().find_map(|(t, m)| {
-            let scanned: Order = m
-                .objects
-                .iter()
-                .filter_map(|(k, o)| EvictRank::of(o).map(|r| Entry(r, k.clone())))
-                .collect();
-            (scanned != m.order).then(|| {
-                let extra = m.order.difference(&scanned).next().cloned();
-                let missing = scanned.difference(&m.order).next().cloned();
-                (
-                    t.clone(),
-                    format!("kept but not found {extra:?}, found but not kept {missing:?}"),
-                )
-            })
-        })
+        self.map
+            .iter()
+            .find_map(|(t, m)| m.order.mismatch(&m.objects).map(|w| (t.clone(), w)))
     }
 
     /// The first tenant whose kept DRAM bytes differ from its objects' sum: (tenant, kept,
