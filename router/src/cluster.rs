@@ -385,8 +385,10 @@ impl Cluster {
 
     /// A `POST /route` client's report on its booking; `false` (nothing changes) for a
     /// booking that is not one of theirs, has ended, or expired — or a first token already
-    /// reported, or of a booking made with its first token unseen ([`FirstToken::AtEstimate`]). Only bookings made by [`Self::route_booked`] are reported on this way: the
-    /// proxy's own bookings cannot be ended by a client guessing numbers.
+    /// reported, or of a booking made with its first token unseen
+    /// ([`FirstToken::AtEstimate`]). Only bookings made by [`Self::route_booked`] are
+    /// reported on this way: the proxy's own bookings cannot be ended by a client guessing
+    /// numbers.
     pub fn report(&mut self, booking: u64, what: Report) -> bool {
         self.expire_bookings();
         let now = self.now_s();
@@ -400,13 +402,13 @@ impl Cluster {
                 }
                 self.router.first_token(booking, now)
             }
-            Report::End | Report::Cancel => {
+            Report::End => {
                 self.http_bookings.remove(&booking);
-                if what == Report::End {
-                    self.router.finished(booking, now)
-                } else {
-                    self.router.cancel(booking)
-                }
+                self.router.finished(booking, now)
+            }
+            Report::Cancel => {
+                self.http_bookings.remove(&booking);
+                self.router.cancel(booking)
             }
         }
     }
