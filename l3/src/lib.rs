@@ -12,6 +12,7 @@
 #![deny(clippy::significant_drop_in_scrutinee)]
 
 pub mod api;
+mod batch_order;
 pub mod buffers;
 pub mod cli;
 pub mod clock;

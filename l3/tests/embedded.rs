@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use proptest::prelude::*;
+
 use kvtier_l3::{
     ClientId, ClientStatus, EmbeddedStore, ExistOptions, L3Error, L3Store, PutOptions, SegmentId,
     StoreConfig, Tenant,
@@ -393,4 +395,141 @@ fn batch_get_into_large_parallel_copy() {
         s.render_metrics()
             .contains("kvtier_l3_hits_total{tier=\"memory\"} 256")
     );
+}
+
+/// Chains of `len` keys `c{j}/{i}`, head (`i = 0`) first, as engines list a prefix's pages.
+fn chain(j: usize, len: usize) -> Vec<String> {
+    (0..len).map(|i| format!("c{j}/{i}")).collect()
+}
+
+/// Which keys of chain `j` are still in the store.
+fn survivors(s: &EmbeddedStore, a: &Tenant, j: usize, len: usize) -> Vec<usize> {
+    (0..len)
+        .filter(|&i| s.is_exist(a, &format!("c{j}/{i}")).unwrap())
+        .collect()
+}
+
+/// A batch ranks its first key as the most recent, its last as the least: engines (vLLM,
+/// SGLang, kvtier's own) list a prefix's pages head first, and a page is reusable only with
+/// every page before it, so LRU must take a prefix's tail before its head. Before, a batch
+/// ranked its keys in list order and an eviction took the heads of the oldest prefixes,
+/// leaving tails no lookup can reach (vLLM suite: an evicting store under concurrent
+/// stores kept no prefix at all).
+#[test]
+fn a_batch_ranks_its_first_key_most_recent() {
+    // 100 objects of 1 KiB; past 90 % an eviction frees 5 % (5 objects).
+    let s = store(100 * 1024);
+    let a = t("a");
+    let obj = vec![7u8; 1024];
+    for j in 0..9 {
+        let ks = chain(j, 10);
+        let bufs: Vec<&[u8]> = ks.iter().map(|_| obj.as_slice()).collect();
+        let put = s
+            .batch_put_from(&a, &ks, &bufs, PutOptions::default())
+            .unwrap();
+        assert!(put.iter().all(|r| r.is_ok()), "{put:?}");
+    }
+    s.put(&a, "x0", &obj, PutOptions::default()).unwrap();
+    assert_eq!(
+        survivors(&s, &a, 0, 10),
+        vec![0, 1, 2, 3, 4],
+        "the oldest chain's tail goes first"
+    );
+    for j in 1..9 {
+        assert_eq!(survivors(&s, &a, j, 10).len(), 10);
+    }
+
+    // Reads: chain 1 is read whole (batch_get_into), then chain 2 (batch_query); both are
+    // then older than everything put after them, and lose their tails first.
+    for j in [1, 2] {
+        let ks = chain(j, 10);
+        if j == 1 {
+            let mut bufs = vec![vec![0u8; 1024]; 10];
+            let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+            let got = s.batch_get_into(&a, &ks, &mut views).unwrap();
+            assert!(got.iter().all(|r| r.is_ok()), "{got:?}");
+        } else {
+            let q = s.batch_query(&a, &ks).unwrap();
+            assert!(q.iter().all(|r| r.is_ok()), "{q:?}");
+        }
+    }
+    s.clock().advance(Duration::from_secs(11)); // the reads' leases expire
+    // Remove everything but chains 1 and 2: the next eviction takes chain 1's tail (read
+    // first) before anything of chain 2.
+    for j in 3..9 {
+        for i in 0..10 {
+            s.remove(&a, &format!("c{j}/{i}"), true).unwrap();
+        }
+    }
+    for i in 0..5 {
+        s.remove(&a, &format!("c0/{i}"), true).unwrap();
+    }
+    s.remove(&a, "x0", true).unwrap();
+    // 20 objects now; fill to just past 90 with fresh singles, which evicts 5.
+    for i in 1..72 {
+        s.put(&a, &format!("x{i}"), &obj, PutOptions::default())
+            .unwrap();
+    }
+    assert_eq!(
+        survivors(&s, &a, 1, 10),
+        vec![0, 1, 2, 3, 4],
+        "the read chain's tail goes first"
+    );
+    assert_eq!(survivors(&s, &a, 2, 10).len(), 10);
+}
+
+#[derive(Debug, Clone)]
+enum ChainOp {
+    /// Puts a new chain of this many keys in one batch.
+    Put(usize),
+    /// Reads what is left of an earlier chain (index modulo the chains so far) in one batch.
+    Read(usize),
+    /// Lets this many seconds pass (leases expire after 10).
+    Wait(u64),
+}
+
+proptest! {
+    /// Whatever mix of whole-prefix batch puts and reads, and however much eviction, what is
+    /// left of every chain is a prefix of it: a batch's tail always goes before its head.
+    #[test]
+    fn what_eviction_leaves_of_a_chain_is_a_prefix(ops in proptest::collection::vec(
+        prop_oneof![
+            3 => (1usize..8).prop_map(ChainOp::Put),
+            2 => (0usize..64).prop_map(ChainOp::Read),
+            1 => (1u64..15).prop_map(ChainOp::Wait),
+        ],
+        1..60,
+    )) {
+        let s = store(24 * 1024);
+        let a = t("a");
+        let obj = vec![3u8; 1024];
+        // Six chains of five keys first: 30 objects in room for 24, so every case evicts.
+        let mut chains: Vec<usize> = Vec::new();
+        let start = std::iter::repeat_n(ChainOp::Put(5), 6);
+        for op in start.chain(ops) {
+            match op {
+                ChainOp::Put(len) => {
+                    let ks = chain(chains.len(), len);
+                    let bufs: Vec<&[u8]> = ks.iter().map(|_| obj.as_slice()).collect();
+                    s.batch_put_from(&a, &ks, &bufs, PutOptions::default()).unwrap();
+                    chains.push(len);
+                }
+                ChainOp::Read(j) if !chains.is_empty() => {
+                    let j = j % chains.len();
+                    let left = survivors(&s, &a, j, chains[j]);
+                    let ks: Vec<String> = left.iter().map(|i| format!("c{j}/{i}")).collect();
+                    let mut bufs = vec![vec![0u8; 1024]; ks.len()];
+                    let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+                    let got = s.batch_get_into(&a, &ks, &mut views).unwrap();
+                    prop_assert!(got.iter().all(|r| r.is_ok()), "{got:?}");
+                }
+                ChainOp::Read(_) => {}
+                ChainOp::Wait(secs) => s.clock().advance(Duration::from_secs(secs)),
+            }
+            for (j, &len) in chains.iter().enumerate() {
+                let left = survivors(&s, &a, j, len);
+                prop_assert_eq!(&left, &(0..left.len()).collect::<Vec<_>>(), "chain {} of {}", j, len);
+            }
+        }
+    }
 }

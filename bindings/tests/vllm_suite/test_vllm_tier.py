@@ -11,9 +11,13 @@ import uuid
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from harness import BLOCK, Engine
 from kvtier.vllm import VllmTierConfigError
+from kvtier.vllm.tier import prefix_order
 from l3proc import L3Process
 
 PROMPT = list(range(100, 100 + BLOCK * 8 + 5))  # 8 full blocks = 4 chunks of 2 blocks
@@ -132,6 +136,12 @@ def test_an_evicting_store_gives_misses_never_wrong_bytes(engines):
     serve(e1, prompts)
     held = e1.tier.stats()["store_objects"]
     assert 0 < held < 12 * 4, "the store evicted"
+    # What eviction left of each prompt is a prefix of it (the L3 ranks a batch's first key
+    # most recent): a surviving chunk whose head was evicted is one no lookup can reach.
+    # Before, the heads went first, and under concurrent store jobs no prompt kept a prefix.
+    for p in prompts:
+        left = [e1.tier.store.is_exist(e1.tier.key(k)) for k in e1.tier_keys_of(p)]
+        assert left == sorted(left, reverse=True), f"a tail outlived its head: {left}"
     e2 = engines([t])
     done = serve(e2, prompts[::-1])  # newest first: what survived is hit before e2's stores evict it
     assert all(f.gpu_ok for f in done)
@@ -491,3 +501,25 @@ def test_a_failed_load_does_not_resolve_a_probe_in_flight():
     finally:
         gate.set()
         lookups.shutdown()
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 12), known=st.lists(st.booleans(), min_size=12, max_size=12), perm=st.randoms())
+def test_a_job_reaches_the_store_head_first(n, known, perm):
+    # vLLM hands a job's keys in no order (a set of finished chunks); the tier puts them in
+    # the order of their end-token positions, chunk ids alongside; keys vLLM gave no position
+    # keep their order after the rest.
+    keys = [make_offload_key(i.to_bytes(4, "big"), 0) for i in range(n)]
+    ctx = ReqContext(req_id="r")
+    for i, k in enumerate(keys):
+        if known[i]:
+            ctx.set_offload_key_position(k, (i + 1) * 32)
+    shuffled = list(range(n))
+    perm.shuffle(shuffled)
+    job = TransferJob(job_id=1, keys=[keys[i] for i in shuffled], chunk_ids=np.array([100 + i for i in shuffled]),
+                      is_promotion=False, req_context=ctx)
+    out, ids = prefix_order(job)
+    placed = [i for i in range(n) if known[i]]
+    unplaced = [i for i in shuffled if not known[i]]
+    assert out == [keys[i] for i in placed + unplaced]
+    assert ids.tolist() == [100 + i for i in placed + unplaced]

@@ -187,19 +187,18 @@ impl Master {
             .collect()
     }
 
-    /// One `query` per key of a `BatchQuery`; a bad key fails alone.
+    /// One `query` per key of a `BatchQuery`; a bad key fails alone. Touched last to first:
+    /// the first key ranks most recent (`batch_order`).
     pub fn query_many(
         &mut self,
         t: &Tenant,
         keys: &[String],
         now: u64,
     ) -> Vec<L3Result<QueryResult>> {
-        keys.iter()
-            .map(|k| {
-                crate::types::validate_key(k)?;
-                self.query(t, k, now)
-            })
-            .collect()
+        crate::batch_order::last_to_first(keys.len(), |i| {
+            crate::types::validate_key(&keys[i])?;
+            self.query(t, &keys[i], now)
+        })
     }
 
     /// Whether the object is on SSD only (candidate for promotion); returns its disk location.

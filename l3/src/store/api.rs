@@ -7,6 +7,7 @@
 use std::time::Instant;
 
 use crate::api::{BatchResult, L3Store};
+use crate::batch_order::last_to_first;
 use crate::error::{L3Error, L3Result};
 use crate::master::{Cleared, LossCursor, Losses};
 use crate::metrics::Op;
@@ -68,10 +69,10 @@ impl L3Store for EmbeddedStore {
 
     fn batch_put_end(&self, handles: &[PutHandle], opts: PutOptions) -> BatchResult<()> {
         self.inner.cfg.check_batch(handles.len())?;
-        Ok(handles
-            .iter()
-            .map(|h| self.inner.put_end(h, opts))
-            .collect())
+        // Last to first: the batch's first key ranks most recent (`batch_order`).
+        Ok(last_to_first(handles.len(), |i| {
+            self.inner.put_end(&handles[i], opts)
+        }))
     }
 
     fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()> {
@@ -268,11 +269,12 @@ impl L3Store for EmbeddedStore {
                     .put_start(tenant, k, b.len() as u64, cfg.replica_num)
             })
             .collect();
-        let out = handles
-            .into_iter()
-            .zip(bufs)
-            .map(|(h, b)| self.inner.put_finish(&h?, b, opts))
-            .collect();
+        // Allocated first to last (a batch that does not fit keeps its head), ended last to
+        // first (its first key ranks most recent: `batch_order`).
+        let out = last_to_first(handles.len(), |i| {
+            let h = handles[i].as_ref().map_err(Clone::clone)?;
+            self.inner.put_finish(h, bufs[i], opts)
+        });
         self.inner.metrics.observe(Op::Put, t0.elapsed());
         Ok(out)
     }

@@ -56,21 +56,18 @@ impl EmbeddedStore {
             .zip(sizes)
             .map(|(k, &s)| self.inner.put_start(tenant, k, s, cfg.replica_num))
             .collect();
-        let out = handles
-            .into_iter()
-            .enumerate()
-            .map(|(i, h)| {
-                let h = h?;
-                let bytes = usize::try_from(h.size)
-                    .map_err(|_| L3Error::InvalidParams("object too big".into()))
-                    .and_then(|len| {
-                        let recycled = self.inner.master.lock().take_buffer(h.size);
-                        // SAFETY: `Filler`'s contract: an Ok fill initialised every byte.
-                        unsafe { buffers::fill_with(recycled, len, |dst| filler.fill(i, dst)) }
-                    });
-                self.inner.put_finish_bytes(&h, bytes, opts)
-            })
-            .collect();
+        // Allocated first to last, ended last to first, as `batch_put_from_with`.
+        let out = crate::batch_order::last_to_first(handles.len(), |i| {
+            let h = handles[i].as_ref().map_err(Clone::clone)?;
+            let bytes = usize::try_from(h.size)
+                .map_err(|_| L3Error::InvalidParams("object too big".into()))
+                .and_then(|len| {
+                    let recycled = self.inner.master.lock().take_buffer(h.size);
+                    // SAFETY: `Filler`'s contract: an Ok fill initialised every byte.
+                    unsafe { buffers::fill_with(recycled, len, |dst| filler.fill(i, dst)) }
+                });
+            self.inner.put_finish_bytes(h, bytes, opts)
+        });
         self.inner.metrics.observe(Op::Put, t0.elapsed());
         Ok(out)
     }

@@ -146,12 +146,11 @@ impl Inner {
         let now = self.clock.now_ms();
         let mut res: Vec<L3Result<(u64, ReadSource)>> = {
             let mut m = self.master.lock();
-            keys.iter()
-                .map(|k| {
-                    validate_key(k.as_ref())?;
-                    m.read_source(t, k.as_ref(), now)
-                })
-                .collect()
+            // Last to first: the batch's first key ranks most recent (`batch_order`).
+            crate::batch_order::last_to_first(keys.len(), |i| {
+                validate_key(keys[i].as_ref())?;
+                m.read_source(t, keys[i].as_ref(), now)
+            })
         };
         if let Some(p) = &self.promoter {
             // One deadline for the whole batch (not `ssd_get_wait` per key).
@@ -160,10 +159,11 @@ impl Inner {
                 .enumerate()
                 .filter(|(_, r)| matches!(r, Ok((_, ReadSource::Disk(_)))))
                 .map(|(i, _)| (i, keys[i].as_ref()));
-            let promoted = p.wait_many(t, on_disk);
+            let mut promoted = p.wait_many(t, on_disk);
             if !promoted.is_empty() {
                 let now = self.clock.now_ms();
                 let mut m = self.master.lock();
+                promoted.sort_unstable_by(|a, b| b.cmp(a)); // last to first, as above
                 for i in promoted {
                     res[i] = m.read_source(t, keys[i].as_ref(), now);
                 }

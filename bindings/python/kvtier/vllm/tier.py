@@ -143,6 +143,27 @@ class _ServerLookups(AsyncLookupManager):
                 state.result = False
 
 
+def prefix_order(job: TransferJob) -> Tuple[List[OffloadKey], np.ndarray]:
+    """A job's keys and chunk ids, head of the prompt first.
+
+    Why: vLLM hands a job's keys in no particular order (a store job's keys come from the
+    set of chunks that finished storing), and kvtier's L3 ranks a batch's first key as its
+    most recent, so that an eviction takes a prompt's tail before its head (a chunk is
+    reusable only with every chunk before it; l3/src/batch_order.rs). vLLM's scheduler records
+    each key's end-token position in the request's context (``get_offload_key_position``, in
+    0.32 and 0.33; vLLM's own CPU manager sorts by it too); keys without one keep their
+    place after those with one.
+    """
+    keys = list(job.keys)
+    ids = np.asarray(job.chunk_ids, dtype=np.int64)
+    position = getattr(getattr(job, "req_context", None), "get_offload_key_position", None)
+    if position is None or len(keys) < 2:
+        return keys, ids
+    at = [position(k) for k in keys]
+    order = sorted(range(len(keys)), key=lambda i: (at[i] is None, at[i] or 0))
+    return [keys[i] for i in order], ids[order]
+
+
 class KvtierSecondaryTier(SecondaryTierManager):
     """vLLM ``SecondaryTierManager`` over a kvtier L3 store (see the module doc; config keys
     in docs/vllm.md)."""
@@ -335,8 +356,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
     # ---- jobs ---------------------------------------------------------------------------
 
     def _submit(self, job: TransferJob, fn) -> None:
-        keys = list(job.keys)
-        ids = np.asarray(job.chunk_ids, dtype=np.int64)
+        keys, ids = prefix_order(job)
         self._futures[job.job_id] = self._pool.submit(fn, job.job_id, keys, ids)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
