@@ -266,7 +266,11 @@ async fn a_vllm_publisher_gap_and_a_late_router_recover_through_vllms_replay_fra
     };
     until("recovered", || held(&r) == want_pages).await;
     let counters = r.cluster.lock().expect("lock").streams[0].counters.clone();
-    assert!(counters.gaps >= 1 && counters.replays >= 1, "{counters:?}");
+    // Batch 0 exists only in vLLM's replay buffer, so holding the prompt means it came through
+    // the replay framing. Usually batch 1 arrives live first and is counted a gap; on a loaded
+    // machine the SUB socket may join after the live batches went (ZMQ's slow joiner) and the
+    // router's resync replays all of them instead: either way no gap is left unrecovered.
+    assert!(counters.replays >= 1, "{counters:?}");
     assert_eq!(counters.lost, 0, "{counters:?}");
     // a router started after everything was published: -2 gets the end marker alone from
     // vLLM, and the resync replays from 0
