@@ -55,6 +55,21 @@ def test_bench_runs_every_cpu_mover_and_checks_its_bytes(tmp_path):
             assert table.startswith("wall ") and "aten::" in table, table[:500]
 
 
+def test_ttft_graph_says_why_it_is_unavailable_on_cpu(tmp_path):
+    # --ttft-graph captures the compute as a CUDA graph on a GPU; on CPU each mover's TTFT says
+    # why there is none and keeps its other figures (the GPU session's command must not fail
+    # on a machine without one).
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, os.path.join(BENCH_DIR, "torch_movers.py"), "--device", "cpu", "--smoke",
+           "--page-sizes", "", "--iters", "1", "--movers", "torch", "--ttft", "--ttft-graph", "--json-out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (t,) = json.loads(out.read_text())["ttft"]
+    assert "CUDA" in t["graph_unavailable"] and "graph_compute_s" not in t, t
+    assert t["ttft_s"] > 0 and t["first_token_argmax_equal"], t
+    assert "as a CUDA graph: unavailable" in p.stdout, p.stdout
+
+
 class DropsLastPage(TorchMover):
     """A mover that is fast because it is wrong: it skips the last page of every copy."""
 
