@@ -145,6 +145,39 @@ pub struct Config {
     pub booking_ttl_s: f64,
 }
 
+impl Config {
+    /// A router on `listen` for `instances` with the `kvtier-router` binary's defaults: no
+    /// shared store, [`CostModel::h100_llama8b`], [`crate::DELAY_WEIGHT`], no occupancy term,
+    /// kvtier's own page hashes ([`Keys::Engine`]), a 256 MiB index, replay answers awaited
+    /// 500 ms, a resync after 5 quiet seconds, bookings kept
+    /// [`crate::cluster::BOOKING_TTL_S`]. Change fields with struct update syntax, so a field
+    /// added later does not break the caller:
+    ///
+    /// ```
+    /// use kvtier_router::launch::{Config, EndpointSpec};
+    /// let cfg = Config {
+    ///     max_pages: 1 << 20,
+    ///     ..Config::new("127.0.0.1:0".parse().unwrap(), vec![EndpointSpec::default()])
+    /// };
+    /// assert_eq!(cfg.instances.len(), 1);
+    /// ```
+    pub fn new(listen: SocketAddr, instances: Vec<EndpointSpec>) -> Config {
+        Config {
+            listen,
+            instances,
+            storage: None,
+            model: CostModel::h100_llama8b(),
+            delay_weight: crate::DELAY_WEIGHT,
+            occupancy: None,
+            max_pages: usize::MAX,
+            max_index_bytes: 256 << 20,
+            keys: Keys::Engine,
+            subscribe: subscribe_options(500, 5.0),
+            booking_ttl_s: crate::cluster::BOOKING_TTL_S,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("no instances: give --instance once per engine")]

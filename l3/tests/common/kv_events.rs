@@ -198,8 +198,6 @@ pub fn router(
 ) -> kvtier_router::launch::Running {
     use kvtier_router::launch::{self, Config, EndpointSpec};
     let cfg = Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        instances: vec![EndpointSpec::default()],
         storage: Some(EndpointSpec {
             events: Some(ev.into()),
             replay: Some(rep.into()),
@@ -209,13 +207,13 @@ pub fn router(
             page_size,
             ..kvtier_router::CostModel::h100_llama8b()
         },
-        delay_weight: kvtier_router::DELAY_WEIGHT,
-        occupancy: None,
         max_pages: 1 << 20,
         max_index_bytes: usize::MAX,
-        keys: kvtier_router::cluster::Keys::Engine,
         subscribe: launch::subscribe_options(500, 1.0),
-        booking_ttl_s: kvtier_router::cluster::BOOKING_TTL_S,
+        ..Config::new(
+            "127.0.0.1:0".parse().unwrap(),
+            vec![EndpointSpec::default()],
+        )
     };
     rt.block_on(launch::start(cfg)).expect("router")
 }

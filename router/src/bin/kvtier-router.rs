@@ -192,3 +192,19 @@ fn main() -> ExitCode {
         ExitCode::SUCCESS
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Config::new` is what the binary runs with no flags but the required ones: a library
+    /// user starting from it gets the router the docs describe.
+    #[test]
+    fn the_binarys_defaults_are_config_new() {
+        let a = Args::try_parse_from(["kvtier-router", "--instance", "events=tcp://127.0.0.1:1"])
+            .expect("parse");
+        let from_flags = config(&a).expect("config");
+        let new = Config::new(a.listen, a.instances.clone());
+        assert_eq!(format!("{from_flags:?}"), format!("{new:?}"));
+    }
+}

@@ -98,17 +98,12 @@ pub fn reference(instance_batches: &[Vec<Vec<WireEvent>>], max_pages: usize) -> 
 /// resyncs, the defaults otherwise.
 pub fn config(instances: Vec<EndpointSpec>, max_pages: usize, keys: Keys) -> Config {
     Config {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        instances,
-        storage: None,
         model: model(),
-        delay_weight: kvtier_router::DELAY_WEIGHT,
-        occupancy: None,
         max_pages,
         max_index_bytes: usize::MAX,
         keys,
         subscribe: launch::subscribe_options(300, 0.3),
-        booking_ttl_s: kvtier_router::cluster::BOOKING_TTL_S,
+        ..Config::new("127.0.0.1:0".parse().expect("addr"), instances)
     }
 }
 
