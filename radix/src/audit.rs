@@ -16,6 +16,11 @@ impl RadixCache {
     /// Recomputes every derived structure and returns the first discrepancy found.
     pub fn check_invariants(&self) -> Result<(), String> {
         let tiers = [TierKind::Device, TierKind::Host];
+        if let Some(m) = &self.memory
+            && m.usage().0 > m.usage().1
+        {
+            return Err(format!("use memory holds {:?} (pages, most)", m.usage()));
+        }
         // Children counts and resident-children counts.
         let mut children: HashMap<NodeId, u32> = HashMap::new();
         let mut res_children: HashMap<(NodeId, TierKind), u32> = HashMap::new();
@@ -118,7 +123,7 @@ impl RadixCache {
                 if should {
                     let key = (
                         self.protection_of(n.hashes.first()),
-                        self.ranking.rank(n, t),
+                        self.tier_rank(n, t),
                         n.seq,
                         id,
                     );

@@ -13,6 +13,7 @@ use crate::cache::RadixCache;
 use crate::error::RadixError;
 use crate::events::KvEvent;
 use crate::hash::PageHash;
+use crate::memory::{USE_MEMORY_CAPACITIES, UseMemory};
 use crate::node::NodeId;
 use crate::policy::EvictionPolicy;
 use crate::shadow::{ShadowConfig, ShadowConfigError, ShadowSelector, ShadowSnapshot};
@@ -70,9 +71,14 @@ impl RadixCache {
     }
 
     /// Switches the eviction policy; every evictable leaf is ranked again at once. Switching to
-    /// [`EvictionPolicy::Adaptive`] starts it afresh (at LRU, no ghosts).
+    /// [`EvictionPolicy::Adaptive`] starts it afresh (at LRU, no ghosts). A policy that ranks
+    /// by uses starts an empty use memory (`memory.rs`); LRU keeps none.
     pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) {
         self.policy = policy;
+        let capacity = self.device_pool.capacity() + self.host_pool.capacity();
+        self.memory = policy
+            .reads_uses()
+            .then(|| UseMemory::new(USE_MEMORY_CAPACITIES * capacity));
         self.adaptive = (policy == EvictionPolicy::Adaptive)
             .then(|| AdaptiveState::new(self.device_pool.capacity(), self.host_pool.capacity()));
         self.shadow = None;
@@ -196,6 +202,9 @@ impl RadixCache {
             };
             a.remember(first, ev.hashes.len(), kind, t, self.traffic);
         }
+        if removed && let Some(m) = self.memory.as_mut() {
+            m.remember(&ev.hashes, self.nodes[id].uses);
+        }
         if removed {
             // No copy on either tier: by prefix closure no child has one either, and nodes
             // without copies do not exist, so this node is a leaf of the tree.
@@ -203,6 +212,10 @@ impl RadixCache {
                 self.index.remove(first);
             }
             self.nodes.remove(id);
+        }
+        if !removed && t == TierKind::Host {
+            // The device copy is no longer backed: it ranks as a sole copy now.
+            self.refresh_evictable(id, TierKind::Device);
         }
         if let Some(p) = parent {
             let pn = &mut self.nodes[p];

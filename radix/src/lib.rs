@@ -24,6 +24,7 @@ mod events;
 mod evict;
 pub mod hash;
 mod lock;
+mod memory;
 mod node;
 mod policy;
 mod pool;

@@ -99,6 +99,13 @@ impl EvictionPolicy {
         depth_debit_per_page: 60,
     };
 
+    /// Whether ranks under this policy (or, for the learnt ones, under some option they may
+    /// choose) count uses, so that the cache remembers the uses of evicted pages
+    /// (`memory.rs`).
+    pub fn reads_uses(&self) -> bool {
+        !matches!(self, EvictionPolicy::Lru)
+    }
+
     /// The node's rank on tier `t` under this policy (a copy made for `t` after the node's
     /// last use counts as a use on `t` only: see `TierSlot::copied_at`).
     pub(crate) fn rank(&self, n: &Node, t: TierKind) -> u64 {

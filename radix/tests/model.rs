@@ -252,10 +252,15 @@ proptest! {
                         AnyLock::Host(_, hs) if host => Some(hs.clone()),
                         _ => None,
                     }).flatten().collect();
-                    // Oldest last-use among the model's unlocked leaf pages on this tier.
+                    // Oldest last-use among the model's unlocked leaf pages on this tier; on
+                    // device, among those host also holds if there are any (backed copies go
+                    // before sole ones).
                     let candidates: Vec<PageHash> = m.resident[t].iter()
                         .filter(|h| !locked.contains(*h) && m.is_leaf(t, h)).copied().collect();
-                    let oldest = candidates.iter().map(|h| m.access[h]).min();
+                    let backed: Vec<PageHash> = candidates.iter()
+                        .filter(|h| t == 0 && m.resident[1].contains(*h)).copied().collect();
+                    let first_class = if backed.is_empty() { &candidates } else { &backed };
+                    let oldest = first_class.iter().map(|h| m.access[h]).min();
                     let lru = cache.eviction_policy() == EvictionPolicy::Lru;
                     prop_assert!(out.evicted.len() <= 1);
                     match (out.evicted.first(), oldest) {
@@ -264,6 +269,7 @@ proptest! {
                             // The node's last page is an unlocked leaf page of the model.
                             let last = ev.hashes.last().unwrap();
                             prop_assert!(candidates.contains(last), "evicted a locked page or a non-leaf");
+                            prop_assert!(first_class.contains(last), "a sole device copy went before a backed one");
                             for h in &ev.hashes {
                                 prop_assert!(!locked.contains(h), "locked page evicted");
                                 prop_assert!(m.resident[t].remove(h));

@@ -145,3 +145,69 @@ mod spelling {
         assert!("freq-depth:1:2".parse::<EvictionPolicy>().is_err());
     }
 }
+
+fn put_host(c: &mut RadixCache, toks: &[u32], hs: &[PageHash]) {
+    let m = c.match_prefix(hs);
+    let pages = c.alloc::<Host>(hs.len() - m.host_pages).unwrap();
+    c.insert::<Host>(m.host_node, m.host_pages, hs, toks, &pages)
+        .unwrap();
+}
+
+/// A prefix read three times, evicted (no copy left), computed again; then a one-off prompt of
+/// the same length, newer: which goes first?
+fn victim_after_a_reread(policy: EvictionPolicy) -> (PageHash, PageHash) {
+    let mut c = cache(policy);
+    let (ta, ha) = prompt(1, 4);
+    put_device(&mut c, &ta, &ha);
+    for i in 0..3 {
+        let (_, other) = prompt(100 + i, 5);
+        c.match_prefix(&[ha[0], ha[1], ha[2], ha[3], other[4]]);
+    }
+    let gone = c.evict::<Device>(64);
+    assert!(
+        gone.evicted.iter().all(|e| e.removed),
+        "no copy left of the prefix"
+    );
+    put_device(&mut c, &ta, &ha);
+    let (tb, hb) = prompt(2, 4);
+    put_device(&mut c, &tb, &hb);
+    c.check_invariants().unwrap();
+    (c.evict::<Device>(1).evicted[0].hashes[0], ha[0])
+}
+
+#[test]
+fn a_page_read_again_after_its_eviction_keeps_its_uses() {
+    // Credit only: the prefix's three reads and the read that brought it back outweigh four
+    // pages of newer traffic; without the use memory it came back with none and went first.
+    let p = EvictionPolicy::FrequencyDepth {
+        use_credit_pages: 8,
+        max_credited_uses: 4,
+        depth_debit_per_page: 0,
+    };
+    let (victim, reread) = victim_after_a_reread(p);
+    assert_ne!(victim, reread, "the re-read prefix was ranked as new");
+    // LRU keeps no memory: the older prefix goes first.
+    let (victim, reread) = victim_after_a_reread(EvictionPolicy::Lru);
+    assert_eq!(victim, reread);
+}
+
+#[test]
+fn device_drops_a_copy_host_also_holds_before_a_sole_copy() {
+    for policy in [EvictionPolicy::Lru, EvictionPolicy::CONVERSATION] {
+        let mut c = cache(policy);
+        let (ty, hy) = prompt(1, 2);
+        put_device(&mut c, &ty, &hy);
+        let (tx, hx) = prompt(2, 2);
+        put_device(&mut c, &tx, &hx);
+        put_host(&mut c, &tx, &hx);
+        // Y is older and device-only; X is newer but host holds it too.
+        let first = c.evictable_lru::<Device>().next().unwrap();
+        assert_eq!(c.node_hashes(first).unwrap()[0], hx[0], "{policy}");
+        // Once host drops X, its device copy is a sole copy again: the policy decides.
+        let out = c.evict::<Host>(1);
+        assert_eq!(out.evicted[0].hashes[0], hx[0]);
+        let first = c.evictable_lru::<Device>().next().unwrap();
+        assert_eq!(c.node_hashes(first).unwrap()[0], hy[0], "{policy}");
+        c.check_invariants().unwrap();
+    }
+}

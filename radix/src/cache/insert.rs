@@ -131,16 +131,25 @@ impl RadixCache {
         let mut depth = from_page;
         while depth < end {
             let Some(child) = self.child_at(node, depth, &hashes[depth]) else {
-                let leaf = self.new_leaf(
-                    node,
-                    depth,
-                    &hashes[depth..end],
-                    &tokens[depth * self.page_size..end * self.page_size],
-                    label,
-                );
-                self.give_pages(leaf, t, &raw[depth - from_page..], Recency::Touch);
+                // New pages past the path: one leaf, or a chain of leaves cut where the
+                // remembered uses of the pages change (`memory.rs`).
+                let mut at = depth;
+                for (len, uses) in self.recalled_runs(&hashes[depth..end]) {
+                    let ps = self.page_size;
+                    let leaf = self.new_leaf(
+                        node,
+                        at,
+                        &hashes[at..at + len],
+                        &tokens[at * ps..(at + len) * ps],
+                        label,
+                    );
+                    self.nodes[leaf].uses = uses;
+                    let from = at - from_page;
+                    self.give_pages(leaf, t, &raw[from..from + len], Recency::Touch);
+                    node = leaf;
+                    at += len;
+                }
                 out.inserted += end - depth;
-                node = leaf;
                 break;
             };
             let n = common_prefix(&self.nodes[child].hashes, &hashes[depth..end]);
@@ -198,6 +207,26 @@ impl RadixCache {
             return Err(RadixError::NotAContinuation { page: depth });
         }
         Ok(())
+    }
+
+    /// The runs of `hashes` (lengths, in order) that become one leaf each, with the uses each
+    /// starts with: the whole run with none, unless the use memory recalls some of its pages
+    /// (each recalled page is forgotten: it is in the tree again).
+    fn recalled_runs(&mut self, hashes: &[PageHash]) -> Vec<(usize, u32)> {
+        let Some(m) = self.memory.as_mut() else {
+            return vec![(hashes.len(), 0)];
+        };
+        let mut runs: Vec<(usize, Option<u32>)> = Vec::new();
+        for h in hashes {
+            let u = m.recall(h);
+            match runs.last_mut() {
+                Some((n, v)) if *v == u => *n += 1,
+                _ => runs.push((1, u)),
+            }
+        }
+        runs.into_iter()
+            .map(|(n, u)| (n, u.map_or(0, |u| u.saturating_add(1))))
+            .collect()
     }
 
     /// Creates a leaf under `parent` (without pages: the caller gives them).

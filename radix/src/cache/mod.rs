@@ -194,6 +194,8 @@ pub struct RadixCache {
     pub(crate) insert_owner: TenantId,
     pub(crate) record_events: bool,
     pub(crate) events: Vec<KvEvent>,
+    /// Uses of pages that left the cache (`memory.rs`); `None` when off.
+    pub(crate) memory: Option<crate::memory::UseMemory>,
 }
 
 impl std::fmt::Debug for RadixCache {
@@ -258,6 +260,7 @@ impl RadixCache {
             traffic: 0,
             last_query: None,
             tenants: TenantBooks::new(),
+            memory: None,
             held_for: Default::default(),
             insert_owner: TenantId::SHARED,
             record_events: cfg.record_events,

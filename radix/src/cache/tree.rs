@@ -19,6 +19,10 @@ use crate::tier::TierKind;
 
 use super::{RadixCache, Recency};
 
+/// Added to the rank of a device copy host lacks: every such copy ranks above (is evicted
+/// after) every device copy host also holds. Policy ranks are clamped below it.
+pub(crate) const SOLE_DEVICE_COPY: u64 = 1 << 62;
+
 impl RadixCache {
     /// Gives a node that lacks a copy on `t` the caller's (held, validated) pages.
     pub(crate) fn give_pages(&mut self, id: NodeId, t: TierKind, pages: &[u32], recency: Recency) {
@@ -128,17 +132,24 @@ impl RadixCache {
     }
 
     /// Puts `id` into, or takes it out of, tier `t`'s evictable set as its state requires.
+    /// A node's rank in tier `t`'s evictable set: the policy's rank, and on device a copy
+    /// that host also holds (a *backed* copy) before every sole copy (`evict.rs`).
+    pub(crate) fn tier_rank(&self, node: &crate::node::Node, t: TierKind) -> u64 {
+        let r = self.ranking.rank(node, t).min(SOLE_DEVICE_COPY - 1);
+        if t == TierKind::Device && !node.has(TierKind::Host) {
+            r + SOLE_DEVICE_COPY
+        } else {
+            r
+        }
+    }
+
     pub(crate) fn refresh_evictable(&mut self, id: NodeId, t: TierKind) {
         let root = self.root;
         let Some(node) = self.nodes.get(id) else {
             return;
         };
-        let key = (
-            self.protection_of(node.hashes.first()),
-            self.ranking.rank(node, t),
-            node.seq,
-            id,
-        );
+        let rank = self.tier_rank(node, t);
+        let key = (self.protection_of(node.hashes.first()), rank, node.seq, id);
         let Some(node) = self.nodes.get_mut(id) else {
             return;
         };
