@@ -4,7 +4,10 @@
 //! Why leaf-first: residency is prefix-closed, so only a node with no child on the tier can
 //! lose its copy without leaving a hole in the middle of a cached prefix. Each tier keeps a
 //! `BTreeSet` of such unlocked leaves ordered by `(policy rank, creation seq)`: the victim is
-//! its first element, O(log n), and every tensor-parallel rank picks the same one. Evicting a
+//! its first element, O(log n), and every tensor-parallel rank picks the same one. On device a
+//! *backed* copy (host holds the same pages) ranks before every sole copy: dropping it costs a
+//! load, not a recompute (`RadixCache::tier_rank`; under freq-depth it was a fifth of the
+//! capacity held twice, docs/sim/shadow.md "Round 8"). Evicting a
 //! device copy keeps the host copy; a node left with no copy is removed from the tree, which
 //! may make its parent the next leaf.
 

@@ -22,7 +22,8 @@ new_key_type! {
 }
 
 /// Key of a node in a tier's evictable set: unprotected before protected (`protect.rs`), then
-/// lowest policy rank first (for LRU the last access), ties broken by the node's creation
+/// lowest rank first (`RadixCache::tier_rank`: on device backed copies before sole ones, then
+/// the policy's rank, for LRU the last access), ties broken by the node's creation
 /// sequence number, which is the same on every tensor-parallel rank.
 pub(crate) type EvictKey = (crate::protect::Protection, u64, u64, NodeId);
 

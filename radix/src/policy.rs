@@ -27,7 +27,8 @@ pub enum EvictionPolicy {
     Lru,
     /// Recency on the traffic clock, plus `use_credit_pages` for each distinct match through
     /// the node (at most `max_credited_uses`), minus `depth_debit_per_page` for each page of
-    /// the node's end depth.
+    /// the node's end depth. Uses outlive eviction: a page computed again starts with the uses
+    /// it had when it left the cache, plus one (`memory.rs`).
     FrequencyDepth {
         use_credit_pages: u64,
         max_credited_uses: u32,
