@@ -90,6 +90,55 @@ def test_freq_depth_keeps_a_reused_prefix_over_one_off_tails():
         assert (not evicted & set(shared)) == survivor, cls.__name__
 
 
+def _reread_after_eviction(cls):
+    """A prefix read three times, evicted, stored again by the request that missed it; then a
+    newer one-off prompt of the same length: which is evicted first?"""
+    shared = [key(i) for i in range(4)]
+    p = cls(64)
+    for i, k in enumerate(shared):
+        p.insert(k, ready(i), ctx("r0", shared))
+    p.on_request_finished([shared], set(shared), set(), ctx("r0", shared))
+    for r in range(1, 4):
+        p.on_request_finished([shared], set(), set(shared), ctx(f"r{r}", shared))
+    assert {k for k, _ in p.evict(4, set())} == set(shared)
+    for i, k in enumerate(shared):
+        p.insert(k, ready(i), ctx("r4", shared))
+    p.on_request_finished([shared], set(shared), set(), ctx("r4", shared))
+    own = [key(100 + i) for i in range(4)]
+    for i, k in enumerate(own):
+        p.insert(k, ready(100 + i), ctx("r5", own))
+    p.on_request_finished([own], set(own), set(), ctx("r5", own))
+    return {k for k, _ in p.evict(4, set())}, set(shared)
+
+
+def test_freq_depth_remembers_the_reads_of_an_evicted_prefix():
+    """As kvtier's radix tree (radix/src/memory.rs): a chunk stored again after its eviction
+    starts with the reads it had, plus the one that brought it back, so it outlives a newer
+    one-off; LRU keeps no memory and evicts the older prefix."""
+    evicted, shared = _reread_after_eviction(KvtierFreqDepthPolicy)
+    assert not evicted & shared
+    evicted, shared = _reread_after_eviction(KvtierLruPolicy)
+    assert evicted == shared
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "finish", "evict"]), st.integers(0, 40)), max_size=120))
+def test_the_use_memory_is_bounded(ops):
+    """However chunks come and go, the memory holds at most its capacity, and only keys not
+    in the cache."""
+    p = KvtierFreqDepthPolicy(4)
+    for op, i in ops:
+        k = key(i)
+        if op == "insert" and p.get(k) is None:
+            p.insert(k, ready(i), ctx("x", [k]))
+        elif op == "finish":
+            p.on_request_finished([[k]], set(), {k}, ctx("f", [k]))
+        elif op == "evict":
+            p.evict(1, set())
+        assert len(p._memory) <= p._memory_capacity
+        assert not any(p.get(m) is not None for m in p._memory)
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["insert", "pin", "unpin", "touch", "finish", "evict", "remove"]),
                          st.integers(0, 15), st.integers(0, 4)), max_size=60)
 

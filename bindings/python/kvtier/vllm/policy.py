@@ -15,11 +15,17 @@ recent than its tail, so tails go first), the traffic clock and depth in 64-toke
 distinct reads. ``evict`` ranks every evictable chunk in one vectorized call and takes the
 lowest (ties: the older chunk), or returns None and changes nothing when it cannot evict
 ``n``. vLLM names a policy by class: ``KvtierLruPolicy``, ``KvtierFreqDepthPolicy``.
+
+As kvtier's radix tree (``radix/src/memory.rs``), a policy that ranks by reads remembers the
+reads of the chunks it evicted (``USE_MEMORY_CAPACITIES`` times the cache's chunks, oldest
+forgotten first): a chunk stored again starts with them plus one (the read that missed it),
+so a prefix read again after its eviction is not ranked like a one-off tail.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from collections import deque
+from typing import ClassVar, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
@@ -28,6 +34,7 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order
 import kvtier
 
 PAGE_TOKENS = 64  # the unit of kvtier's policy settings (docs/sim.md)
+USE_MEMORY_CAPACITIES = 5  # the radix tree's (radix/src/memory.rs)
 
 __all__ = ["KvtierCachePolicy", "KvtierLruPolicy", "KvtierFreqDepthPolicy", "PAGE_TOKENS"]
 
@@ -47,6 +54,12 @@ class KvtierCachePolicy(CachePolicy):
         self._grow(max(16, cache_capacity))
         self._tick = 0  # access clock
         self._traffic_tokens = 0  # traffic clock, in tokens (ranked in pages)
+        # Reads of evicted chunks: key -> (reads, stamp), and (stamp, key) oldest first (an
+        # entry whose stamp differs from the map's is stale). LRU ranks no reads: no memory.
+        self._memory_capacity = 0 if self.POLICY == "lru" else USE_MEMORY_CAPACITIES * max(1, cache_capacity)
+        self._memory: Dict[OffloadKey, Tuple[int, int]] = {}
+        self._memory_order: Deque[Tuple[int, OffloadKey]] = deque()
+        self._stamp = 0
 
     def _grow(self, n: int) -> None:
         old = len(self._keys)
@@ -84,7 +97,8 @@ class KvtierCachePolicy(CachePolicy):
         pos = None if req_context is None else req_context.get_offload_key_position(key)
         self._access[s], self._seq[s] = self._tick, self._tick
         self._use[s] = self._traffic_tokens // PAGE_TOKENS
-        self._uses[s] = 0
+        recalled = self._memory.pop(key, None)
+        self._uses[s] = 0 if recalled is None else min(recalled[0] + 1, np.iinfo(np.uint32).max)
         self._end[s] = 0 if pos is None else pos // PAGE_TOKENS
         self._evictable[s] = chunk.ref_cnt == 0
         # Not used yet by a finished request (stored for a running one, or promoted for one
@@ -155,9 +169,21 @@ class KvtierCachePolicy(CachePolicy):
         if len(chosen) < n:
             return None
         out = [(self._keys[s], self._chunks[s]) for s in chosen]
-        for key, _ in out:
+        for s, (key, _) in zip(chosen, out):
+            self._remember(key, int(self._uses[s]))
             self.remove(key)
         return out
+
+    def _remember(self, key: OffloadKey, reads: int) -> None:
+        if self._memory_capacity == 0:
+            return
+        self._stamp += 1
+        self._memory[key] = (reads, self._stamp)
+        self._memory_order.append((self._stamp, key))
+        while len(self._memory_order) > self._memory_capacity:
+            stamp, old = self._memory_order.popleft()
+            if self._memory.get(old, (0, -1))[1] == stamp:
+                del self._memory[old]
 
     def clear(self) -> None:
         cap = self.cache_capacity
