@@ -85,11 +85,40 @@ fn benches(c: &mut Criterion) {
         .collect();
     let mut i = 0;
     g.throughput(Throughput::Elements(PAGES as u64));
-    g.bench_function("insert_then_evict_512_pages", |b| {
+    churn(
+        &mut g,
+        &mut cache,
+        &fresh,
+        &mut i,
+        "insert_then_evict_512_pages",
+    );
+    // The same churn under freq-depth, whose use memory remembers every evicted page and
+    // recalls it when the prompt comes back (each of the 64 prompts does): its cost beside
+    // LRU's above, in the same run.
+    cache.set_eviction_policy(EvictionPolicy::CONVERSATION);
+    churn(
+        &mut g,
+        &mut cache,
+        &fresh,
+        &mut i,
+        "insert_then_evict_512_pages_freq_depth",
+    );
+    g.finish();
+}
+
+/// Inserts a fresh 512-page prompt, then evicts 512 pages: steady-state churn.
+fn churn(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    cache: &mut RadixCache,
+    fresh: &[Prompt],
+    i: &mut usize,
+    name: &str,
+) {
+    g.bench_function(name, |b| {
         b.iter_batched(
             || {
-                i = (i + 1) % fresh.len();
-                i
+                *i = (*i + 1) % fresh.len();
+                *i
             },
             |i| {
                 let (t, h) = &fresh[i];
@@ -105,7 +134,6 @@ fn benches(c: &mut Criterion) {
             BatchSize::SmallInput,
         )
     });
-    g.finish();
 }
 
 criterion_group! {
