@@ -205,10 +205,10 @@ impl RadixCache {
             };
             a.remember(first, ev.hashes.len(), kind, t, self.traffic);
         }
-        if removed && let Some(m) = self.memory.as_mut() {
-            m.remember(&ev.hashes, self.nodes[id].uses);
-        }
         if removed {
+            if let Some(m) = self.memory.as_mut() {
+                m.remember(&ev.hashes, self.nodes[id].uses);
+            }
             // No copy on either tier: by prefix closure no child has one either, and nodes
             // without copies do not exist, so this node is a leaf of the tree.
             if let Some(first) = ev.hashes.first() {

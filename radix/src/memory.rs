@@ -26,7 +26,7 @@ use crate::cache::PrefixHasher;
 use crate::hash::PageHash;
 
 /// Pages remembered, in capacities of the cache (device + host pages). Measured on the
-/// conversation trace (docs/sim/shadow.md, "Use memory"): 1 capacity keeps most re-reads
+/// conversation trace (docs/sim/shadow.md, "Round 8"): 1 capacity keeps most re-reads
 /// from looking new only at large caches, 5 gains 0.3–1.7 points more at small ones, 10 no
 /// more than 5.
 pub const USE_MEMORY_CAPACITIES: usize = 5;

@@ -9,6 +9,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use crate::error::RadixError;
 use crate::events::ScopeLabel;
 use crate::hash::PageHash;
@@ -212,11 +214,11 @@ impl RadixCache {
     /// The runs of `hashes` (lengths, in order) that become one leaf each, with the uses each
     /// starts with: the whole run with none, unless the use memory recalls some of its pages
     /// (each recalled page is forgotten: it is in the tree again).
-    fn recalled_runs(&mut self, hashes: &[PageHash]) -> Vec<(usize, u32)> {
+    fn recalled_runs(&mut self, hashes: &[PageHash]) -> SmallVec<[(usize, u32); 2]> {
         let Some(m) = self.memory.as_mut() else {
-            return vec![(hashes.len(), 0)];
+            return smallvec::smallvec![(hashes.len(), 0)];
         };
-        let mut runs: Vec<(usize, Option<u32>)> = Vec::new();
+        let mut runs: SmallVec<[(usize, Option<u32>); 2]> = SmallVec::new();
         for h in hashes {
             let u = m.recall(h);
             match runs.last_mut() {

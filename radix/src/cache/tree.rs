@@ -131,7 +131,6 @@ impl RadixCache {
         self.refresh_evictable(id, TierKind::Host);
     }
 
-    /// Puts `id` into, or takes it out of, tier `t`'s evictable set as its state requires.
     /// A node's rank in tier `t`'s evictable set: the policy's rank, and on device a copy
     /// that host also holds (a *backed* copy) before every sole copy (`evict.rs`).
     pub(crate) fn tier_rank(&self, node: &crate::node::Node, t: TierKind) -> u64 {
@@ -143,6 +142,7 @@ impl RadixCache {
         }
     }
 
+    /// Puts `id` into, or takes it out of, tier `t`'s evictable set as its state requires.
     pub(crate) fn refresh_evictable(&mut self, id: NodeId, t: TierKind) {
         let root = self.root;
         let Some(node) = self.nodes.get(id) else {
