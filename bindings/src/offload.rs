@@ -132,7 +132,8 @@ mod cell {
     ///
     /// `generation` is renewed by every call that may change the manager (every method that
     /// takes it mutably: the field is reachable only through [`PyOffloadManager::inner_mut`],
-    /// which renews it), so a caller may keep an answer (a chain's host prefix) while it is
+    /// which renews it, or through the two takers of recorded events and dropped pages, which
+    /// change no answer), so a caller may keep an answer (a chain's host prefix) while it is
     /// unchanged.
     #[pyclass(module = "kvtier", name = "OffloadManager")]
     pub struct PyOffloadManager {
@@ -162,6 +163,20 @@ mod cell {
         /// The stamp of the manager's last change (or of its creation).
         pub(crate) fn changes(&self) -> u64 {
             self.generation
+        }
+
+        /// The host events recorded since the last call, taken out. Not a change: no answer
+        /// of the manager depends on its queue of recorded events, so the generation stays
+        /// (an engine takes them every step; a kept host prefix survives that).
+        pub(crate) fn take_events(&mut self) -> Vec<super::KvEvent> {
+            self.inner.drain_events()
+        }
+
+        /// The pages of stores that ended without reaching the tree, taken out; not a
+        /// change either (they were dropped by the call that ended the store, which renewed
+        /// the generation then).
+        pub(crate) fn take_dropped_pages(&mut self) -> Vec<super::PageHash> {
+            self.inner.take_dropped()
         }
     }
 }
@@ -388,10 +403,11 @@ impl PyOffloadManager {
         Ok(())
     }
 
-    /// Host events since the last call: `(removed, [page hash, ...])` pairs in order.
+    /// Host events since the last call: `(removed, [page hash, ...])` pairs in order. Taking
+    /// them leaves `generation` as it was (no answer depends on them).
     fn drain_events<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<(bool, Bound<'py, PyList>)>> {
         let mut out = Vec::new();
-        for e in self.inner_mut().drain_events() {
+        for e in self.take_events() {
             match e {
                 KvEvent::Stored {
                     tier: TierKind::Host,
@@ -412,7 +428,7 @@ impl PyOffloadManager {
     /// Page hashes of stores that ended without reaching the tree (failed, or their parent
     /// store failed) since the last call.
     fn take_dropped<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        hashes(py, &self.inner_mut().take_dropped())
+        hashes(py, &self.take_dropped_pages())
     }
 
     /// Host slots: capacity, free, held (in-flight stores), cached, locked; and in-flight

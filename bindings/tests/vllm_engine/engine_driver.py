@@ -74,6 +74,7 @@ def _time_manager(llm) -> dict:
     perf_counter accumulators; returns ``{method: [calls, seconds]}``, updated live (empty
     for an engine without offloading)."""
     import functools
+    import inspect
 
     core = llm.llm_engine.engine_core.engine_core
     acc: dict = {}
@@ -88,7 +89,10 @@ def _time_manager(llm) -> dict:
         def timed(*a, **kw):
             t = time.perf_counter()
             try:
-                return fn(*a, **kw)
+                r = fn(*a, **kw)
+                # A generator (vLLM's take_events) does its work when iterated, which vLLM
+                # does at once: time that too, or a generator's cost would go uncounted.
+                return list(r) if inspect.isgenerator(r) else r
             finally:
                 slot[0] += 1
                 slot[1] += time.perf_counter() - t

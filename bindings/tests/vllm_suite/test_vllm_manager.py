@@ -14,7 +14,7 @@ import pathlib
 import shlex
 import time
 import uuid
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 from harness import BLOCK, Engine, model_dir
@@ -151,6 +151,24 @@ def test_a_small_host_cache_evicts_by_kvtiers_choice_and_reports_the_keys(tmp_pa
         e.close()
 
 
+def rounds_from_host(e: Engine, reset_connector_after: Optional[int] = None) -> None:
+    """Three rounds of 5 requests over 3 conversations sharing 2 chunks, 3 at a time on a
+    small host tier, the GPU prefix cache reset after each (the next round's hits come from
+    kvtier's host tier) and, after round ``reset_connector_after``, the connector too (a new
+    native manager); every request's bytes are right and some came from host."""
+    for rnd in range(3):
+        for i in range(5):
+            # some decode past several chunks: their stores land while they run
+            e.add(f"r{rnd}-{i}", prompt(i % 3, 4 + i % 2, shared=2), max_tokens=8 if i % 2 else 100)
+        run_checked(e)
+        e.reset_gpu_cache()
+        if rnd == reset_connector_after:
+            assert e.sched.reset_prefix_cache(reset_connector=True)
+            run_checked(e)
+    assert all(f.gpu_ok for f in e.finished.values())
+    assert sum(f.external_tokens for f in e.finished.values()) > 0, "some hits from host"
+
+
 def test_a_kept_host_prefix_is_always_the_trees_answer(tmp_path, monkeypatch):
     """kvtier's lookups keep a chain's host prefix while the manager's generation is unchanged
     (one walk of the tree per request, not one per chunk). Every answer they use, kept or
@@ -170,18 +188,50 @@ def test_a_kept_host_prefix_is_always_the_trees_answer(tmp_path, monkeypatch):
     monkeypatch.setattr(KvtierOffloadingManager, "_host_prefix", checked)
     e = engine(tmp_path, chunks=10, max_num_seqs=3)
     try:
-        for rnd in range(3):
-            for i in range(5):
-                # some decode past several chunks: their stores land while they run
-                e.add(f"r{rnd}-{i}", prompt(i % 3, 4 + i % 2, shared=2), max_tokens=8 if i % 2 else 100)
-            run_checked(e)
-            e.reset_gpu_cache()  # the next round's hits come from kvtier's host tier
-            if rnd == 1:
-                assert e.sched.reset_prefix_cache(reset_connector=True)
-                run_checked(e)
-        assert all(f.gpu_ok for f in e.finished.values())
-        assert sum(f.external_tokens for f in e.finished.values()) > 0, "some hits from host"
+        rounds_from_host(e, reset_connector_after=1)
         assert used["kept"] > 0 and used["walked"] > 0, used
+    finally:
+        e.close()
+
+
+def test_kept_lookup_hits_and_stores_of_host_chunks_are_always_the_trees_answer(tmp_path, monkeypatch):
+    """Two shortcuts of kvtier's manager, each checked at every use against the tree through
+    vLLM's scheduler (shared prefixes, concurrent requests, evictions from a small host cache,
+    GPU cache resets that send the next round to host): a lookup answered from the keys kept
+    in a request's host prefix is a hit in a fresh walk of the tree, and a store vLLM offers
+    (``REQUEST_LEVEL``: loaded chunks again) answered "nothing to store" without grouping its
+    keys offers no page past its chain's host prefix; both are used, or this tests nothing."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from kvtier.vllm.chunks import ChunkChains
+
+    lookup, all_on_host = KvtierOffloadingManager.lookup, KvtierOffloadingManager._all_on_host
+    used = {"kept hit": 0, "nothing to store": 0}
+
+    def checked_lookup(self, key, ctx):
+        cc = ctx.get_state(ChunkChains)
+        kept = cc is not None and cc.on_host is not None and key in cc.on_host[2]
+        r = lookup(self, key, ctx)
+        if r == LookupResult.HIT:
+            chain, i = ctx.get_state(ChunkChains).locate(ctx._offload_key_positions, key)  # noqa: SLF001
+            assert self.native.lookup(chain.pages[: i + 1], i) == "hit", "a kept hit is not on host"
+            used["kept hit"] += kept
+        return r
+
+    def checked_all_on_host(self, keys, ctx):
+        r = all_on_host(self, keys, ctx)
+        if r:
+            for chain, ix in self._by_chain(keys, ctx):
+                assert ix[-1] < self.native.host_prefix(chain.pages), "nothing to store, but a page is not on host"
+            used["nothing to store"] += 1
+        return r
+
+    monkeypatch.setattr(KvtierOffloadingManager, "lookup", checked_lookup)
+    monkeypatch.setattr(KvtierOffloadingManager, "_all_on_host", checked_all_on_host)
+    e = engine(tmp_path, chunks=10, max_num_seqs=3)
+    try:
+        rounds_from_host(e)
+        assert used["kept hit"] > 0 and used["nothing to store"] > 0, used
     finally:
         e.close()
 

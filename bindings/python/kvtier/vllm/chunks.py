@@ -25,7 +25,7 @@ import hashlib
 from functools import lru_cache
 from itertools import islice
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 __all__ = ["Chain", "ChunkChains", "chains_of", "group_of", "page_of"]
 
@@ -99,6 +99,9 @@ class ChunkChains:
         self._chains: Dict[int, Chain] = {}
         self._ahead: Dict[int, Dict[int, bytes]] = {}  # full chunks past a group's hole, by index
         self._exact = True  # False after an anomaly: every change rebuilds with chains_of
+        # The manager's kept answer (manager.py, ``lookup``): ``(its generation, positions
+        # seen, the keys found in their chain's host prefix)``; not part of the chains' value.
+        self.on_host: Optional[Tuple[int, int, FrozenSet[bytes]]] = None
 
     def update(self, positions: Mapping[bytes, int]) -> Dict[int, Chain]:
         n = len(positions)
@@ -114,23 +117,33 @@ class ChunkChains:
 
     def _extend(self, items) -> bool:
         """Adds newly recorded keys; False on anything chains_of must decide."""
+        groups, chains, aheads = self._groups, self._chains, self._ahead
         for key, pos in items:
             if len(key) < 5:
                 return False  # not an offload key: chains_of says so
-            gt = self._groups.get(key[-4:])
+            gt = groups.get(key[-4:])
             if gt is None:
                 continue  # a group kvtier does not offload
             g, tpc = gt
             if pos <= 0 or pos % tpc:
                 continue  # a partial chunk
             i = pos // tpc - 1
-            c = self._chains.get(g)
+            c = chains.get(g)
             if c is None:
-                c = self._chains[g] = Chain()
-            key = bytes(key)
-            if i < len(c.keys):
+                c = chains[g] = Chain()
+            if type(key) is not bytes:
+                key = bytes(key)
+            n = len(c.keys)
+            if i < n:
                 return False  # a second key for a chunk the chain holds
-            ahead = self._ahead.setdefault(g, {})
+            ahead = aheads.get(g)
+            if i == n and not ahead:  # the next chunk, nothing waiting: vLLM's usual order
+                c.index[key] = n
+                c.keys.append(key)
+                c.pages.append(page_of(key))
+                continue
+            if ahead is None:
+                ahead = aheads[g] = {}
             if i in ahead:
                 return False
             ahead[i] = key
@@ -149,7 +162,8 @@ class ChunkChains:
     def locate(self, positions: Mapping[bytes, int], key: bytes) -> Optional[Tuple[Chain, int]]:
         """The chain a key is a page of and its index, or None (partial chunk, past a hole,
         unknown key)."""
-        key = bytes(key)
+        if type(key) is not bytes:
+            key = bytes(key)
         gt = self._groups.get(key[-4:])
         if gt is None:
             return None

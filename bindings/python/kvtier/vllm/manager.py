@@ -85,6 +85,7 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         self._pending: Dict[bytes, bytes] = {}  # the same, for pages being stored
         self._stores: Dict[frozenset, List[List[int]]] = {}  # vLLM key set -> kvtier jobs
         self._loads: Dict[frozenset, List[List[int]]] = {}
+        self._drained: Optional[int] = None  # the native generation last drained (_drain)
 
     def _new_native(self, num_chunks: int) -> OffloadManager:
         native = OffloadManager(num_chunks, self.policy, self._backups, tp_ranks=self._tp_ranks)
@@ -133,11 +134,27 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters.lookups += 1
-        loc = self._chains(req_context).locate(_positions(req_context), bytes(key))
+        cc = self._chains(req_context)
+        positions = _positions(req_context)
+        kept = cc.on_host
+        # A key found in its chain's host prefix stays a hit while the manager and the
+        # request's keys are unchanged: vLLM asks about a request's chunks one at a time, and
+        # after the first answer each of the others is a set membership.
+        if (kept is not None and type(key) is bytes and key in kept[2] and kept[0] == self.native.generation
+                and kept[1] == len(positions)):
+            self.counters.lookup_hits += 1
+            return LookupResult.HIT
+        loc = cc.locate(positions, key)
         if loc is None:
             return LookupResult.MISS
         chain, i = loc
-        if i < self._host_prefix(chain):
+        host = self._host_prefix(chain)
+        if i < host:
+            gen, seen = self.native.generation, len(positions)
+            keys = frozenset(chain.keys[:host])
+            if kept is not None and kept[0] == gen and kept[1] == seen:
+                keys |= kept[2]  # another group's chain, kept in the same state
+            cc.on_host = (gen, seen, keys)
             self.counters.lookup_hits += 1
             return LookupResult.HIT
         r = self.native.lookup(chain.pages[: i + 1], i)
@@ -180,7 +197,31 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         for chain, ix in self._by_chain(keys, req_context):
             self.native.touch(chain.pages[: ix[-1] + 1])
 
+    def _all_on_host(self, keys: Collection[OffloadKey], ctx: ReqContext) -> bool:
+        """Whether no offered key is a page past its chain's host prefix, answered from the
+        kept host prefix without grouping the keys (one group; else False: the full path
+        decides). Under ``REQUEST_LEVEL`` vLLM offers a request's loaded chunks again, all
+        on host already, so most stores are this: nothing to store, nothing evicted."""
+        cc = ctx.get_state(ChunkChains)
+        if cc is None:
+            return False
+        chains = cc.update(_positions(ctx))
+        if len(chains) != 1:
+            return False
+        (chain,) = chains.values()
+        host = self._host_prefix(chain)
+        index = chain.index
+        for k in keys:
+            if type(k) is not bytes:
+                return False  # the full path converts it
+            i = index.get(k)  # None: not a page of the chain (partial, past a hole, another
+            if i is not None and i >= host:  # group): the full path skips it too
+                return False
+        return True
+
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
+        if self._all_on_host(keys, req_context):
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
         to_store: List[bytes] = []
         slots: List[int] = []
         evicted: List[bytes] = []
@@ -244,10 +285,13 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
             self.host_view.release()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        # Drained at the call (a list, not a generator: vLLM calls it every step, and a
+        # generator would cost more than an empty answer and drain only when iterated).
         self._drain()
-        if self.events:
-            out, self.events = self.events, []
-            yield from out
+        if not self.events:
+            return ()
+        out, self.events = self.events, []
+        return out
 
     def reset_cache(self) -> None:
         # vLLM's contract (as its CPU manager's): everything goes, pinned or not; jobs issued
@@ -286,6 +330,12 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         return jobs
 
     def _drain(self) -> None:
+        # Events and dropped pages come only from calls that change the manager, each of
+        # which renews its generation (taking them out does not): none since the last drain.
+        gen = self.native.generation
+        if gen == self._drained:
+            return
+        self._drained = gen
         for p in self.native.take_dropped():
             self._pending.pop(p, None)
         for removed, pages in self.native.drain_events():
