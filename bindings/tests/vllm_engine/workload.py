@@ -39,18 +39,32 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2, "tie_word_embeddings": False}
 
 
-def model_dir(root: str, **over: Any) -> str:
+# A second architecture for the tests past the first model: Qwen2 (biases on q/k/v, tied
+# embeddings, 2 KV heads for 8 query heads, 3 layers), served in bfloat16.
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 512,
+         "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 3,
+         "vocab_size": 8192, "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
+         "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2, "tie_word_embeddings": True,
+         "use_sliding_window": False, "rope_theta": 10000.0}
+
+
+def model_dir(root: str, base: Optional[Dict[str, Any]] = None, **over: Any) -> str:
     """A directory with the model (config.json and random weights, seed 0, from
-    transformers' own Llama initialisation)."""
-    cfg = {**MODEL, **over}
-    path = Path(root) / ("llama-" + "-".join(f"{k}{v}" for k, v in sorted(over.items())) if over else "llama")
+    transformers' own initialisation of ``base``'s architecture: ``MODEL``, the Llama, by
+    default)."""
+    base = MODEL if base is None else base
+    cfg = {**base, **over}
+    name = "llama" if base is MODEL else base["model_type"]
+    path = Path(root) / (name + "-" + "-".join(f"{k}{v}" for k, v in sorted(over.items())) if over else name)
     if not (path / "model.safetensors").exists():
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         path.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+        conf = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
+                                                          if k not in ("architectures", "model_type")})
+        model = AutoModelForCausalLM.from_config(conf)
         model.to(torch.bfloat16).save_pretrained(str(path), safe_serialization=True)
         (path / "config.json").write_text(json.dumps(cfg))
     return str(path)
