@@ -287,7 +287,8 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         # Drained at the call (a list, not a generator: vLLM calls it every step, and a
         # generator would cost more than an empty answer and drain only when iterated).
-        self._drain()
+        if self.native.generation != self._drained:  # _drain's own test, without its call
+            self._drain()
         if not self.events:
             return ()
         out, self.events = self.events, []

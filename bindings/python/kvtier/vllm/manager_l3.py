@@ -77,6 +77,9 @@ class L3Plan:
         self.l3 = self.l3_ranks[0] if self.l3_ranks else None
         self.agreements = [kvtier.RankAgreement() for _ in self.l3_ranks]
         self._queued: List[Tuple[int, List[bytes], List[bytes], List[int], ReqContext]] = []
+        # The native generation right after the last ``plan_backups``: that call takes the
+        # manager's whole backup queue, and only a change (a new generation) refills it.
+        self._planned_at: Optional[int] = None
         self._l3_jobs: Dict[int, Tuple[str, int]] = {}  # kvtier job -> (kind, pages)
         self._reports: Dict[int, int] = {}  # kvtier job -> ranks that reported it
         # Held prefetches by request id: kept on host for that request until its load locked
@@ -151,12 +154,14 @@ class L3Plan:
         """The step's prefetches and backups to kvtier's I/O threads; finished jobs back."""
         if self.l3 is None:
             return
-        for job, pages, keys, slots, ctx in self._queued:
-            self._submit("prefetch", job, keys, slots, ctx)
-        self._queued = []
-        self._l3_backups()
+        if self._queued:
+            for job, pages, keys, slots, ctx in self._queued:
+                self._submit("prefetch", job, keys, slots, ctx)
+            self._queued = []
+        if self.native.generation != self._planned_at:
+            self._l3_backups()
         self._l3_poll()
-        if any(kind == "prefetch" for kind, _ in self._l3_jobs.values()):
+        if self._l3_jobs and any(kind == "prefetch" for kind, _ in self._l3_jobs.values()):
             # A request waits for these bytes, which move on the tier's I/O threads; vLLM's
             # loop steps again at once (a waiting request is looked up every step), holding
             # the GIL those threads need between their native calls, so they would run only
@@ -173,6 +178,7 @@ class L3Plan:
             keys = [self._key_of[p] for p in pages]
             self._submit("backup", job, keys, slots, _BACKUP_CTX)
             self.counters.backup_jobs += 1
+        self._planned_at = self.native.generation
 
     def _submit(self, kind: str, job: int, keys, slots, ctx) -> None:
         self._l3_jobs[job] = (kind, len(keys))
@@ -188,7 +194,7 @@ class L3Plan:
         nothing lost (most steps) changes nothing: the manager is not called."""
         news = False
         for t, agreement in zip(self.l3_ranks, self.agreements):
-            for r in list(t.get_finished_jobs()):
+            for r in t.get_finished_jobs():  # a list (or an empty tuple), taken out
                 news = True
                 kind, n = self._l3_jobs[r.job_id]
                 if kind == "backup":
@@ -218,8 +224,14 @@ class L3Plan:
         self._drain()
 
     def _l3_busy(self) -> bool:
-        return self.l3 is not None and bool(
-            self._queued or self._l3_jobs or any(t.has_pending_work() for t in self.l3_ranks))
+        if self.l3 is None:
+            return False
+        if self._queued or self._l3_jobs:
+            return True
+        for t in self.l3_ranks:  # (vLLM asks every step: no generator)
+            if t.has_pending_work():
+                return True
+        return False
 
     def _l3_unreported(self) -> int:
         """kvtier store jobs the L3 half has not reported (prefetches queued or running)."""
@@ -232,4 +244,5 @@ class L3Plan:
             t.drain_jobs()
             list(t.get_finished_jobs())  # results of the old tree's jobs: dropped with it
         self._queued, self._l3_jobs, self._reports, self._holds = [], {}, {}, {}
+        self._planned_at = None
         self.agreements = [kvtier.RankAgreement() for _ in self.l3_ranks]

@@ -18,6 +18,7 @@ answered before any stats object is built (the common step: nothing offloaded).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Dict, Optional, Tuple
 
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
@@ -72,6 +73,7 @@ def definitions(extra_config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 _COUNTERS = tuple(_COUNTER_DOCS)
+_counter_values = attrgetter(*_COUNTERS)  # the counters as a tuple, in one C call
 _connector_stats = None  # vLLM's OffloadingConnectorStats, imported on first use
 
 
@@ -100,21 +102,26 @@ class ManagerMetrics:
     counters: ManagerCounters
     _reported: Tuple[int, ...] = ()
     _gauges: Optional[Tuple[int, ...]] = None
+    _gauges_gen: Optional[int] = None  # the native generation ``_gauges`` were read at
 
     def get_stats(self) -> Optional[Any]:
         # vLLM asks every engine step: when nothing changed (no counter moved, the host
         # tree's occupancy is what was reported, no L3 tier has news) the answer is None
-        # before any stats object is built.
-        c = vars(self.counters)
-        now = tuple(c[k] for k in _COUNTERS)
+        # before any stats object is built. The occupancy is a function of the host tree,
+        # so it is read again only when the tree changed (its generation: process-wide
+        # stamps, so a new tree after a reset never passes for the old one).
+        now = _counter_values(self.counters)
         last = self._reported or (0,) * len(now)
-        occ = self.native.occupancy()  # (cached, free, locked, held, capacity)
+        gen = self.native.generation
+        # (cached, free, locked, held, capacity)
+        occ = self._gauges if gen == self._gauges_gen else self.native.occupancy()
         merged = None  # the ranks' tiers: counters summed, the shared store's gauges once
         for t in self.l3_ranks:
             s = t.get_stats()
             if s is not None:
                 merged = s if merged is None else merged.aggregate(s)
         if now == last and occ == self._gauges and merged is None:
+            self._gauges_gen = gen
             return None
         stats = new_connector_stats()
         self._reported = now
@@ -132,6 +139,7 @@ class ManagerMetrics:
             stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, held / cap)
             stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, locked / cap)
             stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (held + locked) / cap)
+        self._gauges_gen = gen
         if merged is not None:
             stats.aggregate(merged)
         return None if stats.is_empty() else stats

@@ -33,6 +33,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Collection, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -76,6 +77,7 @@ _GAUGE_DOCS = {
     "store_mem_used_bytes": "DRAM bytes used by the embedded kvtier L3 store.",
 }
 _TIER_COUNTERS = tuple(_COUNTER_DOCS)
+_tier_counter_values = attrgetter(*_TIER_COUNTERS)  # the counters as a tuple, in one C call
 # Seconds after which an idle tier asks its embedded store for its gauges again (get_stats).
 GAUGE_REFRESH_S = 1.0
 ENV_ADDR = "KVTIER_L3_ADDR"
@@ -409,6 +411,11 @@ class KvtierSecondaryTier(SecondaryTierManager):
                                  transfer_time=time.perf_counter() - t0, transfer_bytes=run * self.chunk_bytes))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        if not self._futures:
+            # No job in flight: nothing finished. (A job's result, its stored keys and its
+            # missed keys are all put before its future can be taken out here, so none is
+            # left behind once every future is.) vLLM's loop asks every step.
+            return ()
         out: List[JobResult] = []
         while not self._done.empty():
             r = self._done.get_nowait()
@@ -468,6 +475,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
             return [], False
         except kvtier.L3Error:
             return [], False  # the server is gone: its failed reads tell the same
+        if not keys:
+            return [], bool(over)  # most steps: nothing lost
         prefix, suffix = self.namespace + ":", self._suffix
         out: List[OffloadKey] = []
         for k in keys:
@@ -503,9 +512,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         stores, and what another user of an embedded store, another rank's tier, changed):
         the store's ``stats()`` walks its objects under its lock, and vLLM's scheduler loop
         waits for the answer. The counters cost no call into the store."""
-        with self._lock:
-            c = vars(self.counters)
-            now = tuple(c[k] for k in _TIER_COUNTERS)
+        # Read without the lock the I/O threads update them under: a job's counters read
+        # half-updated are reported in two steps, each increase once (``_reported``).
+        now = _tier_counter_values(self.counters)
         last = self._reported or (0,) * len(now)
         t = self._clock()
         ask_store = self.is_embedded and t - self._gauges_at >= GAUGE_REFRESH_S
