@@ -70,6 +70,11 @@ pub enum AgreementError {
         "gathered the words of {got} ranks, but the scheduler plans for {tp_ranks} (tp_ranks): all-gather over the whole tensor-parallel group and set tp_ranks to its size"
     )]
     RankCount { got: usize, tp_ranks: u32 },
+    /// The offloading manager refused an agreed completion (its job was no longer in flight
+    /// there). The other agreed completions were applied and every rank's agreement consumed
+    /// this one: it is reported, not dropped, because its job's pins stay until it ends.
+    #[error("the offloading manager refused an agreed completion: {0}")]
+    Refused(crate::offload::OffloadError),
 }
 
 /// Proof that L3 losses are being applied by the agreement: only this crate makes one, so

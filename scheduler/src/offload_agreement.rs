@@ -81,8 +81,9 @@ impl OffloadManager {
     /// Reduces every rank's completions (in-process ranks: the element-wise minimum of their
     /// [`RankAgreement::values`]) and applies the agreed events; their number. Every rank's
     /// agreement consumes the same ops; there must be one per rank the manager plans for
-    /// ([`Self::set_tp_ranks`], else `AgreementError::RankCount` and nothing changes). For
-    /// ranks in other processes, reduce with the process group instead and
+    /// ([`Self::set_tp_ranks`], else `AgreementError::RankCount` and nothing changes). An
+    /// agreed event the manager refuses is `AgreementError::Refused`, after every other
+    /// agreed event was applied. For ranks in other processes, reduce with the process group instead and
     /// [`Self::apply_agreed`] what `RankAgreement::reduce` returns.
     pub fn agree_in_process(
         &mut self,
@@ -110,11 +111,18 @@ impl OffloadManager {
                 events = evs;
             }
         }
+        // Every agreed event is of an op in flight here (the values listed it), so none should
+        // be refused; if one is, the rest are still applied (each releases its job's pins) and
+        // the first refusal is the answer.
+        let mut refused = None;
         for ev in &events {
-            // Every agreed event is of an op in flight here (the values listed it): applying
-            // it cannot be refused.
-            let _ = self.apply_agreed(ev);
+            if let Err(e) = self.apply_agreed(ev) {
+                refused.get_or_insert(e);
+            }
         }
-        Ok(events.len())
+        match refused {
+            Some(e) => Err(crate::AgreementError::Refused(e)),
+            None => Ok(events.len()),
+        }
     }
 }
