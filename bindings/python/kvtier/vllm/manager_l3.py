@@ -158,9 +158,12 @@ class L3Plan:
             for job, pages, keys, slots, ctx in self._queued:
                 self._submit("prefetch", job, keys, slots, ctx)
             self._queued = []
+        self._l3_poll()
+        # After the poll: a prefetch that landed there may have let a store waiting on it
+        # into the tree, and its pages are backed up in this step, not whenever the engine
+        # steps again (an idle engine may not).
         if self.native.generation != self._planned_at:
             self._l3_backups()
-        self._l3_poll()
         if self._l3_jobs and any(kind == "prefetch" for kind, _ in self._l3_jobs.values()):
             # A request waits for these bytes, which move on the tier's I/O threads; vLLM's
             # loop steps again at once (a waiting request is looked up every step), holding
