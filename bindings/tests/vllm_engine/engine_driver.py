@@ -20,7 +20,10 @@ its stats dumped to ``PREFIX.NAME``: the benchmark's attribution of time to kvti
 timed with ``perf_counter``, no profiler, and each phase reports ``manager_s``: per method,
 calls and seconds — the scheduler-side cost of the manager under test, kvtier's or vLLM's).
 One request at a time in float32 by default (``max_num_seqs``, ``dtype``): greedy tokens
-then depend only on the KV a request reads, not on what it was batched with. OUT (JSON): per
+then depend only on the KV a request reads, not on what it was batched with. Each phase
+reports ``preemptions``: how many times vLLM's scheduler preempted a running request (its
+blocks freed, the request sent back to wait) — with ``max_num_seqs`` above 1 and a small KV
+budget, requests are batched and preempted while the connector moves their chunks. OUT (JSON): per
 phase the generated token ids, ``num_cached_tokens`` per request (prefix tokens the engine
 did not compute: its own prefix cache plus the connector's), TTFT per request (from arrival:
 one request at a time with ``serial``), wall time, CPU seconds of each thread that ran in the
@@ -106,6 +109,21 @@ def _time_manager(llm) -> dict:
     return acc
 
 
+def _count_preemptions(llm) -> list:
+    """Counts vLLM's preemptions (``Scheduler._preempt_request`` calls, in this process:
+    uniproc); a one-element list, updated live."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    count = [0]
+    inner = sched._preempt_request
+
+    def counted(*a, **kw):
+        count[0] += 1
+        return inner(*a, **kw)
+
+    sched._preempt_request = counted
+    return count
+
+
 def main(job_path: str, out_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
@@ -138,6 +156,7 @@ def main(job_path: str, out_path: str) -> None:
     llm = LLM(**kw)
     out = {"startup_s": time.perf_counter() - t0, "phases": [], "pid": os.getpid()}
     timing = _time_manager(llm) if job.get("time_manager") else None
+    preempted = _count_preemptions(llm)
     shm = set()
     for ph in job["phases"]:
         if ph.get("wait_file"):
@@ -172,6 +191,7 @@ def main(job_path: str, out_path: str) -> None:
             for v in timing.values():
                 v[0], v[1] = 0, 0.0
         cpu0 = _thread_cpu()
+        preempted[0] = 0
         t = time.perf_counter()
         if ph.get("serial"):
             res = [r for p, sp in zip(prompts, params) for r in llm.generate([p], [sp], use_tqdm=False)]
@@ -196,6 +216,7 @@ def main(job_path: str, out_path: str) -> None:
             "cached": [int(r.num_cached_tokens or 0) for r in res],
             "ttft": [float(getattr(r.metrics, "first_token_latency", 0.0) or 0.0) for r in res],
             "wall_s": wall,
+            "preemptions": preempted[0],
             "threads_cpu_s": busy,
             **({"manager_s": {k: list(v) for k, v in timing.items() if v[0]}} if timing is not None else {}),
         })

@@ -21,6 +21,11 @@ Engines (started once per session, up to three at a time; each is one process):
   (``KVTIER_L3_SHM=off``; ``KvtierOffloadingSpec`` + ``kvtier_l3``): B's first round reuses
   A's prefixes; then the server is SIGKILLed in the middle of B's next round, whose
   outputs stay exact (recomputed) and which does not hang;
+- ``batch_l3``: ``KvtierOffloadingSpec`` with an embedded ``kvtier_l3`` serving the six
+  prompts of a round together (``max_num_seqs`` 6) with a KV budget of two prompts
+  (``BATCH_KV_BLOCKS``): two are admitted, both need a new block at their first decoded
+  token, and vLLM preempts one, frees its blocks and serves it again later, while the
+  connector stores, loads and prefetches the round's chunks;
 - ``tp2_spec_l3`` and ``tp2_ref``: tensor parallel 2 (two worker processes) with
   ``KvtierOffloadingSpec`` + an embedded ``kvtier_l3`` (one tier per rank), against a TP 2
   reference.
@@ -62,6 +67,9 @@ from workload import (  # noqa: E402
 ROOM_WAIT = {"kvtier_room_wait_ms": 120_000}
 SMALL_HOST = 8 << 20  # 16 chunks of 64 tokens (512 KiB each in float32): two of the six prefixes
 BIG_HOST = 64 << 20  # every prefix
+# Two prompts of 17 blocks (prefix and suffix) fit, not their 18th blocks: the first decoded
+# token of each needs one, and vLLM preempts one of the two every time a pair runs.
+BATCH_KV_BLOCKS = 2 * (PREFIX_TOKENS + SUFFIX_TOKENS) // 32 + 1
 
 
 def phase(name: str, rnd: int, salt=None, **kw):
@@ -89,7 +97,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     md = model_dir(str(root))
     ids = {k: f"kvtier-e2e-{k}-{uuid.uuid4().hex[:8]}"
-           for k in ("spec", "spec_l3", "tier", "share_a", "share_b", "tp2_spec_l3")}
+           for k in ("spec", "spec_l3", "tier", "share_a", "share_b", "tp2_spec_l3", "batch_l3")}
 
     def cfg(name, spec, **extra):
         c = offloading(spec, **extra)
@@ -106,6 +114,9 @@ def runs(tmp_path_factory):
         "spec_l3": {"model": md, "phases": [R1, R2, R3_SALT],
                     "kv_transfer_config": cfg("spec_l3", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
                                               kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
+        "batch_l3": {"model": md, "max_num_seqs": PREFIXES, "kv_blocks": BATCH_KV_BLOCKS, "phases": [R1, R2, R3_SALT],
+                     "kv_transfer_config": cfg("batch_l3", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
+                                               kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
         "tier": {"model": md, "phases": [R1, R2, R3_SALT, {"name": "hang", "prompts": [], "wait_file": never}],
                  "kv_transfer_config": cfg("tier", "KvtierTieringOffloadingSpec", cpu_bytes=SMALL_HOST,
                                            eviction_policy="KvtierLruPolicy", cache_policy_module_path="kvtier.vllm",
@@ -131,7 +142,7 @@ def runs(tmp_path_factory):
     try:
         started = {}
         # A and B overlap by design; the TP 2 engines (two worker processes each) last.
-        order = ["share_a", "share_b", "ref", "spec_l3", "tier", "spec", "tp2_ref", "tp2_spec_l3"]
+        order = ["share_a", "share_b", "ref", "spec_l3", "tier", "spec", "batch_l3", "tp2_ref", "tp2_spec_l3"]
         with cf.ThreadPoolExecutor(3) as pool:
             def one(name):
                 p, op = run_engine(jobs[name], wait=False)
@@ -224,6 +235,21 @@ def test_kvtier_spec_with_embedded_l3_is_exact_and_reuses_from_l3(runs):
     # whose prefetch found the host slots held by the first ones' wait (RETRY) instead of
     # being computed (before: prompts 2 and 3 reused nothing).
     assert outputs(runs["spec_l3"], "r2")["cached"] == [PREFIX_TOKENS] * PREFIXES
+
+
+def test_batched_requests_preempted_while_chunks_move_stay_exact(runs):
+    """Past one request at a time: the round's six prompts served together with a KV budget
+    of two, so vLLM preempts a running request in every round (its blocks freed while the
+    connector's jobs of the round are in flight, the request served again after), and round
+    2 loads from host and prefetches from L3 for requests that run side by side. Outputs
+    equal the reference's (one request at a time, a KV that holds everything: batching does
+    not change a request's tokens here, float32 on CPU), and every prefix is reused."""
+    run = runs["batch_l3"]
+    assert [ph["preemptions"] > 0 for ph in run["phases"]] == [True] * 3, [ph["preemptions"] for ph in run["phases"]]
+    assert_exact(runs, "batch_l3", ["r1", "r2", "r3"])
+    assert outputs(run, "r1")["cached"] == [0] * PREFIXES
+    assert outputs(run, "r2")["cached"] == [PREFIX_TOKENS] * PREFIXES
+    assert outputs(run, "r3")["cached"] == [0] * PREFIXES  # another salt: nothing shared
 
 
 def test_vllm_tiering_with_kvtier_tier_and_policy_is_exact(runs):
