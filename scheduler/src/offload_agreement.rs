@@ -83,8 +83,8 @@ impl OffloadManager {
     /// agreement consumes the same ops; there must be one per rank the manager plans for
     /// ([`Self::set_tp_ranks`], else `AgreementError::RankCount` and nothing changes). An
     /// agreed event the manager refuses is `AgreementError::Refused`, after every other
-    /// agreed event was applied. For ranks in other processes, reduce with the process group instead and
-    /// [`Self::apply_agreed`] what `RankAgreement::reduce` returns.
+    /// agreed event was applied. For ranks in other processes, reduce with the process group
+    /// instead and [`Self::apply_agreed`] what `RankAgreement::reduce` returns.
     pub fn agree_in_process(
         &mut self,
         ranks: &mut [RankAgreement],
