@@ -11,7 +11,8 @@ use serde::Serialize;
 use crate::cost::{CostModel, Estimate};
 use crate::feedback::FirstToken;
 use crate::index::{Budget, IndexEvent, decode_batch};
-use crate::keys::{Translator, prompt_keys};
+use crate::keys::{Translated, Translator, prompt_keys};
+use crate::resolve::resolve;
 use crate::route::{Router, Tracked};
 use crate::stream::{Apply, StreamCounters};
 
@@ -48,6 +49,23 @@ pub struct StreamState {
     pub counters: StreamCounters,
     pub last_batch: Option<Instant>,
     pub translator: Option<Translator>,
+}
+
+/// Bytes of the streams' key tables, but `except`'s.
+fn tables_bytes(streams: &[StreamState], except: Option<usize>) -> usize {
+    streams
+        .iter()
+        .enumerate()
+        .filter(|&(n, _)| Some(n) != except)
+        .filter_map(|(_, s)| s.translator.as_ref())
+        .map(Translator::memory_bytes)
+        .sum()
+}
+
+/// Bytes stream `stream`'s key table may hold: `budget`, less the index's `index` bytes and
+/// the other streams' tables.
+fn room_in(streams: &[StreamState], budget: usize, index: usize, stream: usize) -> usize {
+    budget.saturating_sub(index.saturating_add(tables_bytes(streams, Some(stream))))
 }
 
 /// Why a request was routed where it was.
@@ -195,24 +213,25 @@ impl Cluster {
 
     /// Bytes of the streams' key tables, but `except`'s.
     fn key_table_bytes(&self, except: Option<usize>) -> usize {
-        self.streams
-            .iter()
-            .enumerate()
-            .filter(|&(n, _)| Some(n) != except)
-            .filter_map(|(_, s)| s.translator.as_ref())
-            .map(Translator::memory_bytes)
-            .sum()
+        tables_bytes(&self.streams, except)
+    }
+
+    /// Bytes stream `stream`'s key table may hold now: the budget, less the index and the
+    /// other streams' tables.
+    fn table_room(&self, stream: usize) -> usize {
+        room_in(
+            &self.streams,
+            self.budget.max_bytes,
+            self.router.index().memory_bytes(),
+            stream,
+        )
     }
 
     /// Folds one of a stream's batches in (or resets its pages); `false` if it did not decode.
     /// The stream's key table may take what the budget leaves; then the index may take what
     /// the key tables leave.
     pub fn apply(&mut self, stream: usize, a: Apply<'_>) -> bool {
-        let others = self.key_table_bytes(Some(stream));
-        let room = self
-            .budget
-            .max_bytes
-            .saturating_sub(self.router.index().memory_bytes().saturating_add(others));
+        let room = self.table_room(stream);
         let Some(st) = self.streams.get_mut(stream) else {
             return false;
         };
@@ -220,23 +239,28 @@ impl Cluster {
             t.set_max_bytes(room);
         }
         let target = st.target;
-        let events = match a {
+        let (events, storage) = match a {
             Apply::Reset => {
                 if let Some(t) = st.translator.as_mut() {
                     t.clear();
                 }
-                vec![IndexEvent::Cleared]
+                (vec![IndexEvent::Cleared], Vec::new())
             }
             Apply::Batch(p) => {
                 st.last_batch = Some(Instant::now());
                 let decoded = match st.translator.as_mut() {
                     Some(t) => t.translate(p),
-                    None => decode_batch(p),
+                    None => decode_batch(p).map(|events| Translated {
+                        events,
+                        ..Translated::default()
+                    }),
                 };
-                match decoded {
-                    Ok(e) => e,
-                    Err(_) => return false,
-                }
+                let Ok(batch) = decoded else {
+                    return false;
+                };
+                let (budget, index) = (self.budget.max_bytes, self.router.index().memory_bytes());
+                let room = move |s: &[StreamState], n: usize| room_in(s, budget, index, n);
+                resolve(&mut self.streams, stream, batch, self.page_size, &room)
             }
         };
         let keys = self.key_table_bytes(None);
@@ -249,6 +273,9 @@ impl Cluster {
                 }
                 (Target::Storage, e) => self.router.apply_storage(&e),
             }
+        }
+        for e in storage {
+            self.router.apply_storage(&e);
         }
         true
     }

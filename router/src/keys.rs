@@ -19,9 +19,6 @@ use rmpv::Value;
 use crate::index::{DecodeError, IndexEvent, WireMap, batch_events};
 use crate::table::Table;
 
-/// One entry of the table: engine hash, then key and the media holding it.
-type Entry = (u64, (u64, u8));
-
 const MUL: u64 = 0x9E37_79B9_7F4A_7C15;
 
 fn mix(mut h: u64, x: u64) -> u64 {
@@ -74,16 +71,75 @@ fn bit(m: Medium) -> u8 {
     }
 }
 
+/// What the table remembers of one engine hash.
+#[derive(Clone, Copy, Debug)]
+struct Known {
+    /// The router's key of the block.
+    key: u64,
+    /// The engine hash of the block before it in its chain (when `flags & HAS_PARENT`).
+    parent: u64,
+    /// The media holding it ([`bit`]).
+    media: u8,
+    /// [`HAS_PARENT`], and the media whose store named this block alone for a run of
+    /// `run` blocks ending here (`bit(m) << 4`: a token-less store, see [`Tokenless`]).
+    flags: u8,
+    /// Blocks of that run (this one and `run - 1` parents).
+    run: u16,
+}
+
+const HAS_PARENT: u8 = 1;
+
+impl Known {
+    fn parent(&self) -> Option<u64> {
+        (self.flags & HAS_PARENT != 0).then_some(self.parent)
+    }
+}
+
+/// One entry of the table: engine hash, then what is known of it.
+type Entry = (u64, Known);
+/// One entry of the hashes named before any instance keyed them: hash, blocks.
+type PendingEntry = (u64, u16);
+
+/// A `BlockStored` that names blocks by hash alone — a shared store's page (it knows no
+/// tokens), or vLLM's offloading placeholder (`token_ids` empty, `block_size` 0, when its
+/// self-describing events are off) — for the router to key through a table that saw the
+/// block's tokens ([`Translator::resolve`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tokenless {
+    pub medium: Medium,
+    /// The last block's engine hash (a chunk's: vLLM names an offloaded chunk by its last
+    /// block's hash).
+    pub hash: u64,
+    /// The event's `block_size` (tokens of the named run; 0: unknown, one block).
+    pub block_size: usize,
+}
+
+/// A decoded batch, keyed.
+#[derive(Debug, Default)]
+pub struct Translated {
+    /// The events, in the router's keys.
+    pub events: Vec<IndexEvent>,
+    /// Stores of blocks named by hash alone, to resolve ([`Translator::resolve`]).
+    pub tokenless: Vec<Tokenless>,
+    /// Engine hashes this batch keyed for the first time (a pending store may name one).
+    pub fresh: Vec<u64>,
+}
+
 /// One stream's engine-hash → key table, bounded in entries and in bytes (a router sets the
 /// bytes to what its budget leaves, [`Self::set_max_bytes`]).
 #[derive(Debug)]
 pub struct Translator {
-    keys: HashMap<u64, (u64, u8)>,
+    keys: HashMap<u64, Known>,
     table: Table,
+    /// Token-less stores whose hash no table has keyed yet (a shared store's stream, heard
+    /// before the instance that computed the block): hash → blocks.
+    pending: HashMap<u64, u16>,
+    pending_table: Table,
     max_entries: usize,
     max_bytes: usize,
-    /// Blocks not keyed (an unknown parent, too few tokens) or not remembered (the table
-    /// full: the block is keyed for the index, but its removal and children cannot be).
+    /// Blocks not keyed (an unknown parent, too few tokens, a token-less store no table could
+    /// key nor wait for) or not remembered (the table full: the block is keyed for the index,
+    /// but its removal and children cannot be).
     pub unkeyed: u64,
 }
 
@@ -92,6 +148,8 @@ impl Translator {
         Self {
             keys: HashMap::new(),
             table: Table::default(),
+            pending: HashMap::new(),
+            pending_table: Table::default(),
             max_entries,
             max_bytes: usize::MAX,
             unkeyed: 0,
@@ -102,10 +160,15 @@ impl Translator {
         self.keys.len()
     }
 
-    /// Bytes the table holds on the heap, as the allocator counts them (24-byte entries and a
-    /// control byte per slot, see `table.rs`).
+    /// Token-less stores waiting for a table to key their hash.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Bytes the table holds on the heap, as the allocator counts them (32-byte entries and
+    /// a control byte per slot, and the pending stores' 16-byte ones, see `table.rs`).
     pub fn memory_bytes(&self) -> usize {
-        self.table.bytes::<Entry>()
+        self.table.bytes::<Entry>() + self.pending_table.bytes::<PendingEntry>()
     }
 
     /// The most bytes the table may hold: an entry that would grow it past them is not
@@ -117,6 +180,7 @@ impl Translator {
     /// Forgets everything (the stream's publisher restarted or sent a snapshot).
     pub fn clear(&mut self) {
         self.keys.clear();
+        self.pending.clear();
     }
 
     /// Whether one more entry fits, in entries and in bytes.
@@ -128,10 +192,146 @@ impl Translator {
             && self.memory_bytes().saturating_add(grow) <= self.max_bytes
     }
 
+    /// Whether one more pending store fits.
+    fn has_pending_room(&self) -> bool {
+        let grow = self
+            .pending_table
+            .growth::<PendingEntry>(self.pending.len(), self.pending.capacity());
+        self.pending.len() < self.max_entries
+            && self.memory_bytes().saturating_add(grow) <= self.max_bytes
+    }
+
+    /// Remembers `h` (new) as `known`; `false` if the table is full.
+    fn remember(&mut self, h: u64, known: Known) -> bool {
+        if !self.has_room() {
+            return false;
+        }
+        self.keys.insert(h, known);
+        self.table.inserted(self.keys.capacity());
+        true
+    }
+
+    /// The run of at most `blocks` blocks ending at engine hash `h`, first block first: each
+    /// one's engine hash, key and parent. Shorter where a parent is not in the table; empty
+    /// if `h` is not.
+    pub(crate) fn run_ending_at(&self, h: u64, blocks: usize) -> Vec<(u64, u64, Option<u64>)> {
+        let mut run = Vec::new();
+        let mut at = Some(h);
+        while let Some(x) = at {
+            if run.len() >= blocks {
+                break;
+            }
+            let Some(k) = self.keys.get(&x) else {
+                break;
+            };
+            run.push((x, k.key, k.parent()));
+            at = k.parent();
+        }
+        run.reverse();
+        run
+    }
+
+    /// Whether the table keys engine hash `h`.
+    pub(crate) fn knows(&self, h: u64) -> bool {
+        self.keys.contains_key(&h)
+    }
+
+    /// Records a token-less store of `run` (from [`Self::run_ending_at`] on the table that
+    /// keyed it: this one, or an instance's for a shared store's stream) in `medium`; the
+    /// keys now held there, first block first. A removal of the run's last hash removes the
+    /// whole run.
+    pub(crate) fn store_run(
+        &mut self,
+        medium: Medium,
+        run: &[(u64, u64, Option<u64>)],
+    ) -> Vec<u64> {
+        let m = bit(medium);
+        let last = run.len().saturating_sub(1);
+        let mut keys = Vec::with_capacity(run.len());
+        for (i, &(h, key, parent)) in run.iter().enumerate() {
+            let chunk = if i == last { m << 4 } else { 0 };
+            // the run's length, capped as it is stored: a removal walks no further
+            let len = u16::try_from(run.len()).unwrap_or(u16::MAX);
+            if let Some(k) = self.keys.get_mut(&h) {
+                k.media |= m;
+                if i == last {
+                    k.flags |= chunk;
+                    k.run = len;
+                }
+            } else {
+                let known = Known {
+                    key,
+                    parent: parent.unwrap_or(0),
+                    media: m,
+                    flags: if parent.is_some() { HAS_PARENT } else { 0 } | chunk,
+                    run: if i == last { len } else { 0 },
+                };
+                if !self.remember(h, known) {
+                    self.unkeyed += 1;
+                }
+            }
+            keys.push(key);
+        }
+        keys
+    }
+
+    /// Waits for a table to key `h` (a token-less store of `blocks` blocks heard first);
+    /// counted unkeyed if there is no room.
+    pub(crate) fn wait_for(&mut self, h: u64, blocks: usize) {
+        let blocks = u16::try_from(blocks).unwrap_or(u16::MAX);
+        if let Some(b) = self.pending.get_mut(&h) {
+            *b = blocks;
+        } else if self.has_pending_room() {
+            self.pending.insert(h, blocks);
+            self.pending_table.inserted(self.pending.capacity());
+        } else {
+            self.unkeyed += 1;
+        }
+    }
+
+    /// The pending store of `h`, taken: its blocks.
+    pub(crate) fn take_pending(&mut self, h: u64) -> Option<usize> {
+        self.pending.remove(&h).map(usize::from)
+    }
+
+    /// Removes `medium` from engine hash `h` (and from the run a token-less store ended
+    /// there); the keys it leaves.
+    fn remove(&mut self, medium: Medium, h: u64, keys: &mut Vec<u64>) {
+        let m = bit(medium);
+        let Some(k) = self.keys.get_mut(&h) else {
+            return;
+        };
+        let mut rest = if k.flags & (m << 4) != 0 {
+            k.flags &= !(m << 4);
+            usize::from(k.run).saturating_sub(1)
+        } else {
+            0
+        };
+        let mut at = Some(h);
+        while let Some(x) = at {
+            let Some(k) = self.keys.get_mut(&x) else {
+                break;
+            };
+            keys.push(k.key);
+            k.media &= !m;
+            at = k.parent();
+            if k.media == 0 {
+                self.keys.remove(&x);
+            }
+            if rest == 0 {
+                break;
+            }
+            rest -= 1;
+        }
+    }
+
     /// Decodes a `KVEventBatch` and translates its events to keys.
-    pub fn translate(&mut self, payload: &[u8]) -> Result<Vec<IndexEvent>, DecodeError> {
+    pub fn translate(&mut self, payload: &[u8]) -> Result<Translated, DecodeError> {
         let events = batch_events(payload)?;
-        let mut out = Vec::with_capacity(events.len());
+        let mut out = Translated {
+            events: Vec::with_capacity(events.len()),
+            ..Translated::default()
+        };
         for e in &events {
             let e = WireMap::of(e)?;
             let Some(medium) = e.medium() else {
@@ -139,34 +339,47 @@ impl Translator {
             };
             match e.kind() {
                 Some("AllBlocksCleared") => {
-                    self.keys.retain(|_, (_, m)| {
-                        *m &= bit(Medium::Storage);
-                        *m != 0
+                    self.keys.retain(|_, k| {
+                        k.media &= bit(Medium::Storage);
+                        k.flags &= !(bit(Medium::Gpu) << 4 | bit(Medium::Cpu) << 4);
+                        k.media != 0
                     });
-                    out.push(IndexEvent::Cleared);
+                    out.events.push(IndexEvent::Cleared);
                 }
                 Some("BlockStored") => {
                     let hs = e.hashes()?;
+                    let Some(Value::Array(toks)) = e.field("token_ids") else {
+                        return Err(DecodeError::Shape("token_ids is not an array"));
+                    };
                     let bs = e
                         .field("block_size")
                         .and_then(Value::as_u64)
                         .and_then(|b| usize::try_from(b).ok())
-                        .filter(|&b| b > 0)
-                        .ok_or(DecodeError::Shape("block_size is not a positive integer"))?;
-                    let Some(Value::Array(toks)) = e.field("token_ids") else {
-                        return Err(DecodeError::Shape("token_ids is not an array"));
-                    };
+                        .ok_or(DecodeError::Shape("block_size is not an integer"))?;
+                    if toks.is_empty() {
+                        // named by hash alone: the caller keys it through a table that saw
+                        // its tokens
+                        out.tokenless.extend(hs.iter().map(|&hash| Tokenless {
+                            medium,
+                            hash,
+                            block_size: bs,
+                        }));
+                        continue;
+                    }
+                    if bs == 0 {
+                        return Err(DecodeError::Shape("block_size is 0 with tokens"));
+                    }
                     let toks: Vec<u32> = toks
                         .iter()
                         .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
                         .collect::<Option<_>>()
                         .ok_or(DecodeError::Shape("a token id is not a u32"))?;
                     let lora = e.field("lora_name").and_then(Value::as_str);
-                    let mut parent = match e.field("parent_block_hash") {
-                        None | Some(Value::Nil) => Some(root(lora)),
+                    let (mut parent, mut parent_hash) = match e.field("parent_block_hash") {
+                        None | Some(Value::Nil) => (Some(root(lora)), None),
                         Some(p) => {
                             let p = crate::index::hash64(p)?;
-                            self.keys.get(&p).map(|k| k.0)
+                            (self.keys.get(&p).map(|k| k.key), Some(p))
                         }
                     };
                     let mut keys = Vec::with_capacity(hs.len());
@@ -180,17 +393,31 @@ impl Translator {
                         };
                         let k = page_key(p, page);
                         if let Some(e) = self.keys.get_mut(h) {
-                            *e = (k, e.1 | bit(medium));
-                        } else if self.has_room() {
-                            self.keys.insert(*h, (k, bit(medium)));
-                            self.table.inserted(self.keys.capacity());
+                            e.key = k;
+                            e.media |= bit(medium);
+                            if let Some(ph) = parent_hash {
+                                e.parent = ph;
+                                e.flags |= HAS_PARENT;
+                            }
                         } else {
-                            self.unkeyed += 1;
+                            let known = Known {
+                                key: k,
+                                parent: parent_hash.unwrap_or(0),
+                                media: bit(medium),
+                                flags: if parent_hash.is_some() { HAS_PARENT } else { 0 },
+                                run: 0,
+                            };
+                            if self.remember(*h, known) {
+                                out.fresh.push(*h);
+                            } else {
+                                self.unkeyed += 1;
+                            }
                         }
                         keys.push(k);
                         parent = Some(k);
+                        parent_hash = Some(*h);
                     }
-                    out.push(IndexEvent::Stored {
+                    out.events.push(IndexEvent::Stored {
                         medium,
                         hashes: keys,
                     });
@@ -198,15 +425,11 @@ impl Translator {
                 Some("BlockRemoved") => {
                     let mut keys = Vec::new();
                     for h in e.hashes()? {
-                        if let Some(e) = self.keys.get_mut(&h) {
-                            keys.push(e.0);
-                            e.1 &= !bit(medium);
-                            if e.1 == 0 {
-                                self.keys.remove(&h);
-                            }
+                        if self.pending.remove(&h).is_none() {
+                            self.remove(medium, h, &mut keys);
                         }
                     }
-                    out.push(IndexEvent::Removed {
+                    out.events.push(IndexEvent::Removed {
                         medium,
                         hashes: keys,
                     });

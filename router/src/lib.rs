@@ -24,6 +24,8 @@
 //! - [`subscriber`]: the ZMQ SUB and replay sockets, one thread per stream;
 //! - [`keys`]: page keys from the events' tokens, for engines whose hashes the router cannot
 //!   compute (vLLM, SGLang);
+//! - [`resolve`]: keys for blocks named by hash alone (a shared store's pages, vLLM's
+//!   offloading placeholders) through the instances' tables;
 //! - [`cluster`]: the shared state: index, queues, streams, requests sent;
 //! - [`service`]: `POST /route`, `GET /stats`, `GET /health`;
 //! - [`proxy`]: the OpenAI-compatible proxy;
@@ -38,6 +40,7 @@ pub mod launch;
 pub mod lora;
 pub mod occupancy;
 pub mod proxy;
+pub mod resolve;
 pub mod route;
 pub mod service;
 pub mod stream;

@@ -196,6 +196,25 @@ pub fn router(
     rep: &str,
     page_size: usize,
 ) -> kvtier_router::launch::Running {
+    use kvtier_router::launch::EndpointSpec;
+    router_with(
+        rt,
+        vec![EndpointSpec::default()],
+        (ev, rep),
+        page_size,
+        kvtier_router::cluster::Keys::Engine,
+    )
+}
+
+/// A router with `instances` and the store's stream `(events, replay)` as `--storage`,
+/// keying pages by `keys`, started on `rt`.
+pub fn router_with(
+    rt: &tokio::runtime::Runtime,
+    instances: Vec<kvtier_router::launch::EndpointSpec>,
+    (ev, rep): (&str, &str),
+    page_size: usize,
+    keys: kvtier_router::cluster::Keys,
+) -> kvtier_router::launch::Running {
     use kvtier_router::launch::{self, Config, EndpointSpec};
     let cfg = Config {
         storage: Some(EndpointSpec {
@@ -210,10 +229,8 @@ pub fn router(
         max_pages: 1 << 20,
         max_index_bytes: usize::MAX,
         subscribe: launch::subscribe_options(500, 1.0),
-        ..Config::new(
-            "127.0.0.1:0".parse().unwrap(),
-            vec![EndpointSpec::default()],
-        )
+        keys,
+        ..Config::new("127.0.0.1:0".parse().unwrap(), instances)
     };
     rt.block_on(launch::start(cfg)).expect("router")
 }

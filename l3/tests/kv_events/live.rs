@@ -276,6 +276,114 @@ fn a_router_on_the_stores_stream_credits_a_prefix_held_only_in_l3() {
     rt.block_on(r.stop());
 }
 
+/// kvtier's vLLM integration's L3 key of a chunk: `{namespace}:{OffloadKey hex}:{shard}`,
+/// the OffloadKey being the chunk's last block hash and the KV group (0).
+fn vllm_key(ns: &str, last: &PageHash, shard: u32) -> String {
+    format!("{ns}:{}{:08x}:{shard}", last.to_hex(), 0)
+}
+
+/// The router in `--keys tokens` mode (in front of vLLM, whose block hashes it cannot
+/// compute): the store's objects carry no tokens, and are keyed through the instance whose
+/// stream named the same block hashes with their tokens. A real `kvtier-l3` publishing
+/// chunks of two pages (`--kv-events-block-size`), an instance publishing vLLM-format GPU
+/// events on a real ZMQ publisher, and the router subscribed to both, started after part of
+/// each was published (so synced from both snapshots, in either order).
+#[test]
+fn a_tokens_router_keys_the_stores_chunks_through_the_instance_that_computed_them() {
+    use kvtier_events::{HashFormat, Publisher, PublisherConfig, WireEvent};
+    use kvtier_router::cluster::Keys;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let chunk_tokens = (2 * PS).to_string();
+    let (p, ev, rep) = store(&["--kv-events-block-size", &chunk_tokens]);
+    let c = client(p.addr, None);
+    let engine = Publisher::bind(PublisherConfig {
+        block_size: PS as u32,
+        hash_format: HashFormat::Int64,
+        ..PublisherConfig::default()
+    })
+    .expect("publisher");
+    // engine hashes the router cannot compute: any 32 bytes per block
+    let hashes = |seed: u8, n: usize| -> Vec<PageHash> {
+        (0..n)
+            .map(|i| PageHash([seed.wrapping_mul(31).wrapping_add(i as u8 + 1); 32]))
+            .collect()
+    };
+    let gpu = |toks: &[u32], hs: &[PageHash]| WireEvent::BlockStored {
+        block_hashes: hs.to_vec(),
+        parent_block_hash: None,
+        token_ids: toks.to_vec(),
+        block_size: PS as u32,
+        medium: kvtier_events::Medium::Gpu,
+        lora_name: None,
+        locality: None,
+    };
+    let gone = |hs: &[PageHash]| WireEvent::BlockRemoved {
+        block_hashes: hs.to_vec(),
+        medium: kvtier_events::Medium::Gpu,
+        locality: None,
+    };
+    // before the router: prompt A computed and its two chunks stored (two shards each)
+    let (a, ha) = (prompt(7, 4), hashes(7, 4));
+    engine.publish(0.0, &[gpu(&a, &ha)]).unwrap();
+    for last in [&ha[1], &ha[3]] {
+        for shard in 0..2 {
+            put(&c, "a", &vllm_key("m1", last, shard), 100);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let instance = EndpointSpec {
+        events: Some(engine.endpoint().into()),
+        replay: engine.replay_endpoint().map(str::to_owned),
+        url: None,
+    };
+    let r =
+        crate::common::kv_events::router_with(&rt, vec![instance], (&ev, &rep), PS, Keys::Tokens);
+    // A's blocks are on the GPU: every page is a GPU hit, and the store holds all four
+    let gpu_pages_become = |toks: &[u32], want: usize| {
+        let ok = crate::common::procs::eventually(Duration::from_secs(20), || {
+            let c = r.cluster.lock().unwrap();
+            let e = c
+                .router()
+                .estimates_of(&c.prompt_hashes(toks, None, None), toks.len());
+            e[0].gpu_pages == want
+        });
+        assert!(ok, "GPU pages never became {want}");
+    };
+    gpu_pages_become(&a, 4);
+    let ok = crate::common::procs::eventually(Duration::from_secs(20), || {
+        r.cluster.lock().unwrap().router().index().tier_pages().1 == 4
+    });
+    assert!(ok, "the store's two chunks were not keyed as four pages");
+    // the engine drops A from its GPU: the prefix is now priced as L3 pages
+    engine.publish(0.0, &[gone(&ha)]).unwrap();
+    l3_pages_become(&r, &a, 4);
+    // live, in the other order: prompt B's chunk reaches the store before the engine's
+    // event names its blocks, and is keyed once it does
+    let (b, hb) = (prompt(8, 2), hashes(8, 2));
+    put(&c, "a", &vllm_key("m1", &hb[1], 0), 100);
+    std::thread::sleep(Duration::from_millis(300));
+    engine.publish(0.0, &[gpu(&b, &hb)]).unwrap();
+    gpu_pages_become(&b, 2);
+    engine.publish(0.0, &[gone(&hb)]).unwrap();
+    l3_pages_become(&r, &b, 2);
+    // A's second chunk leaves the store (both shards): A's L3 prefix is its first chunk
+    for shard in 0..2 {
+        c.remove(&t("a"), &vllm_key("m1", &ha[3], shard), false)
+            .unwrap();
+    }
+    l3_pages_become(&r, &a, 2);
+    let unkeyed = r.cluster.lock().unwrap().streams[1]
+        .translator
+        .as_ref()
+        .map(|t| t.unkeyed);
+    assert_eq!(unkeyed, Some(0), "every object was keyed");
+    rt.block_on(r.stop());
+}
+
 /// The ```sh lines of docs/l3.md's "KV events for routers" section.
 fn documented_lines() -> Vec<String> {
     let md =

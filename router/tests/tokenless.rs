@@ -1,0 +1,315 @@
+//! Blocks named by hash alone under `--keys tokens` (`kvtier_router::resolve`): vLLM's
+//! offloading placeholders on an instance's stream, and a shared store's pages (which carry no
+//! tokens) on the store's stream, keyed through the tables of the instances that computed
+//! them. Events are encoded as vLLM encodes them (maps tagged by `type`, 64-bit hashes).
+
+use kvtier_router::CostModel;
+use kvtier_router::cluster::{Cluster, Keys, Target};
+use kvtier_router::stream::Apply;
+use proptest::prelude::*;
+use rmpv::Value;
+
+const PS: usize = 4;
+
+fn model() -> CostModel {
+    CostModel {
+        page_size: PS,
+        page_bytes: 1 << 20,
+        prefill_tokens_per_s: 1000.0,
+        host_bytes_per_s: 1e9,
+        l3_bytes_per_s: 2.5e8,
+    }
+}
+
+fn s(x: &str) -> Value {
+    Value::from(x)
+}
+
+fn hashes(hs: &[u64]) -> Value {
+    Value::Array(hs.iter().map(|&h| Value::from(h)).collect())
+}
+
+/// vLLM's `BlockStored` with tokens: `hs` after `parent`, `PS` tokens each.
+fn stored(medium: &str, hs: &[u64], parent: Option<u64>, tokens: &[u32]) -> Value {
+    Value::Map(vec![
+        (s("type"), s("BlockStored")),
+        (s("block_hashes"), hashes(hs)),
+        (
+            s("parent_block_hash"),
+            parent.map_or(Value::Nil, Value::from),
+        ),
+        (
+            s("token_ids"),
+            Value::Array(tokens.iter().map(|&t| Value::from(t)).collect()),
+        ),
+        (s("block_size"), Value::from(PS as u64)),
+        (s("lora_id"), Value::Nil),
+        (s("medium"), s(medium)),
+        (s("lora_name"), Value::Nil),
+    ])
+}
+
+/// A `BlockStored` naming one block by hash alone: vLLM's offloading placeholder
+/// (`block_size` 0) or a store's page (`block_size`: the tokens its object holds).
+fn tokenless(medium: &str, h: u64, block_size: u64) -> Value {
+    Value::Map(vec![
+        (s("type"), s("BlockStored")),
+        (s("block_hashes"), hashes(&[h])),
+        (s("parent_block_hash"), Value::Nil),
+        (s("token_ids"), Value::Array(Vec::new())),
+        (s("block_size"), Value::from(block_size)),
+        (s("lora_id"), Value::Nil),
+        (s("medium"), s(medium)),
+        (s("lora_name"), Value::Nil),
+    ])
+}
+
+fn removed(medium: &str, hs: &[u64]) -> Value {
+    Value::Map(vec![
+        (s("type"), s("BlockRemoved")),
+        (s("block_hashes"), hashes(hs)),
+        (s("medium"), s(medium)),
+    ])
+}
+
+fn batch(events: Vec<Value>) -> Vec<u8> {
+    let v = Value::Array(vec![Value::from(0.0), Value::Array(events), Value::from(0)]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &v).expect("encode");
+    out
+}
+
+/// A prompt of `pages` pages for `seed`, and its engine hashes (any numbers: the router
+/// never computes an engine's hashes in this mode).
+fn prompt(seed: u32, pages: usize) -> (Vec<u32>, Vec<u64>) {
+    let toks = (0..(pages * PS) as u32).map(|i| seed * 1000 + i).collect();
+    let hs = (0..pages as u64)
+        .map(|i| u64::from(seed) << 32 | (i + 1))
+        .collect();
+    (toks, hs)
+}
+
+/// The whole prompt stored on `medium` in one event, as vLLM's block pool publishes it.
+fn chain(medium: &str, toks: &[u32], hs: &[u64]) -> Value {
+    stored(medium, hs, None, toks)
+}
+
+/// A cluster in `--keys tokens` mode: `instances` instance streams (0..), then the store's.
+fn cluster(instances: usize) -> (Cluster, usize) {
+    let mut c = Cluster::new(instances, model(), 1 << 20, Keys::Tokens).expect("cluster");
+    for i in 0..instances {
+        c.add_stream(&format!("i{i}"), "", Target::Instance(i));
+    }
+    let store = c.add_stream("store", "", Target::Storage);
+    (c, store)
+}
+
+/// Instance `i`'s (GPU, host, L3) pages for the prompt.
+fn pages(c: &Cluster, i: usize, toks: &[u32]) -> (usize, usize, usize) {
+    let e = c
+        .router()
+        .estimates_of(&c.prompt_hashes(toks, None, None), toks.len());
+    (e[i].gpu_pages, e[i].host_pages, e[i].l3_pages)
+}
+
+fn apply(c: &mut Cluster, stream: usize, events: Vec<Value>) {
+    assert!(
+        c.apply(stream, Apply::Batch(&batch(events))),
+        "the batch decodes"
+    );
+}
+
+fn unkeyed(c: &Cluster, stream: usize) -> u64 {
+    c.streams[stream]
+        .translator
+        .as_ref()
+        .expect("tokens")
+        .unkeyed
+}
+
+/// The bug: vLLM's offloading connector (self-describing events off, its default) publishes
+/// each offloaded chunk as a placeholder — one hash, no tokens, `block_size` 0 — in the same
+/// batch as the step's GPU events; the router refused the whole batch, GPU events too.
+#[test]
+fn a_placeholder_store_keeps_its_batch_and_keys_its_block() {
+    let (mut c, _) = cluster(1);
+    let (toks, hs) = prompt(1, 3);
+    let mut events = vec![chain("GPU", &toks, &hs)];
+    events.extend(hs.iter().map(|&h| tokenless("CPU", h, 0)));
+    apply(&mut c, 0, events);
+    assert_eq!(pages(&c, 0, &toks), (3, 0, 0));
+    // the GPU copies go; the host copies, named by hash alone, stay keyed
+    apply(&mut c, 0, vec![removed("GPU", &hs)]);
+    assert_eq!(pages(&c, 0, &toks), (0, 3, 0));
+    apply(&mut c, 0, vec![removed("CPU", &hs[2..])]);
+    assert_eq!(pages(&c, 0, &toks), (0, 2, 0));
+    // a placeholder of a block the stream never keyed is counted, and nothing else changes
+    apply(&mut c, 0, vec![tokenless("CPU", 999, 0)]);
+    assert_eq!(unkeyed(&c, 0), 1);
+    assert_eq!(pages(&c, 0, &toks), (0, 2, 0));
+}
+
+/// A shared store publishes one object per chunk (here 2 blocks) as the chunk's last
+/// block hash: the router keys the chunk's blocks through the instance that computed them,
+/// and keeps them after that instance dropped every copy.
+#[test]
+fn a_stores_chunks_are_keyed_through_the_instance_that_computed_them() {
+    let (mut c, store) = cluster(2);
+    let (toks, hs) = prompt(2, 4);
+    apply(&mut c, 1, vec![chain("GPU", &toks, &hs)]);
+    let chunk = (2 * PS) as u64;
+    apply(
+        &mut c,
+        store,
+        vec![
+            tokenless("STORAGE", hs[1], chunk),
+            tokenless("STORAGE", hs[3], chunk),
+        ],
+    );
+    assert_eq!(pages(&c, 1, &toks), (4, 0, 0));
+    assert_eq!(
+        pages(&c, 0, &toks),
+        (0, 0, 4),
+        "the store is every instance's"
+    );
+    apply(&mut c, 1, vec![removed("GPU", &hs)]);
+    assert_eq!(pages(&c, 1, &toks), (0, 0, 4));
+    // the second chunk goes: both its blocks
+    apply(&mut c, store, vec![removed("STORAGE", &hs[3..])]);
+    assert_eq!(pages(&c, 0, &toks), (0, 0, 2));
+    // the first goes: nothing is left
+    apply(&mut c, store, vec![removed("STORAGE", &hs[1..2])]);
+    assert_eq!(pages(&c, 0, &toks), (0, 0, 0));
+    assert_eq!(unkeyed(&c, store), 0);
+}
+
+/// A store heard before any instance names the hash (a router that starts after the
+/// store's snapshot, an instance stream still replaying) waits, and is keyed when an instance
+/// first keys the hash; a removal before that cancels the wait; a reset forgets it.
+#[test]
+fn a_store_heard_before_its_instance_waits_for_it() {
+    let (mut c, store) = cluster(2);
+    let (toks, hs) = prompt(3, 2);
+    let (other, ohs) = prompt(4, 2);
+    let (third, ths) = prompt(5, 2);
+    apply(
+        &mut c,
+        store,
+        vec![
+            tokenless("STORAGE", hs[1], (2 * PS) as u64),
+            tokenless("STORAGE", ohs[0], PS as u64),
+            tokenless("STORAGE", ths[1], PS as u64),
+        ],
+    );
+    assert_eq!(pages(&c, 0, &toks), (0, 0, 0));
+    apply(&mut c, store, vec![removed("STORAGE", &ohs[..1])]);
+    assert!(c.apply(store, Apply::Batch(&batch(vec![]))));
+    apply(&mut c, 0, vec![chain("GPU", &toks, &hs)]);
+    apply(&mut c, 1, vec![chain("GPU", &other, &ohs)]);
+    assert_eq!(
+        pages(&c, 1, &toks),
+        (0, 0, 2),
+        "keyed once instance 0 named it"
+    );
+    assert_eq!(pages(&c, 0, &other), (0, 0, 0), "removed while it waited");
+    // a reset of the store's stream forgets what waits
+    assert!(c.apply(store, Apply::Reset));
+    apply(&mut c, 0, vec![chain("GPU", &third, &ths)]);
+    assert_eq!(pages(&c, 1, &third), (0, 0, 0));
+    assert_eq!(
+        pages(&c, 1, &toks),
+        (0, 0, 0),
+        "the reset cleared the store's pages"
+    );
+}
+
+/// One step of a random history: an instance stores a whole prompt on GPU or drops it, or
+/// the store gains or loses one of a prompt's chunks.
+#[derive(Clone, Debug)]
+enum Op {
+    Compute { instance: usize, prompt: usize },
+    Evict { instance: usize, prompt: usize },
+    Put { prompt: usize, chunk: usize },
+    Drop { prompt: usize, chunk: usize },
+}
+
+const PROMPTS: usize = 4;
+const CHUNKS: usize = 3;
+const CHUNK_PAGES: usize = 2;
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0..2usize, 0..PROMPTS).prop_map(|(instance, prompt)| Op::Compute { instance, prompt }),
+        (0..2usize, 0..PROMPTS).prop_map(|(instance, prompt)| Op::Evict { instance, prompt }),
+        (0..PROMPTS, 0..CHUNKS).prop_map(|(prompt, chunk)| Op::Put { prompt, chunk }),
+        (0..PROMPTS, 0..CHUNKS).prop_map(|(prompt, chunk)| Op::Drop { prompt, chunk }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Whatever the order of the instances' and the store's events, the router credits L3
+    /// for exactly the pages of the chunks the store holds that an instance keyed: one
+    /// holding the prompt when the chunk was stored, or computing it while the chunk waited.
+    /// Never a page the store does not hold.
+    #[test]
+    fn the_store_set_is_exactly_the_chunks_held_and_once_known(
+        ops in proptest::collection::vec(op(), 1..60),
+    ) {
+        let (mut c, store) = cluster(2);
+        let prompts: Vec<_> = (0..PROMPTS)
+            .map(|p| prompt(10 + p as u32, CHUNKS * CHUNK_PAGES))
+            .collect();
+        let mut held = [[false; CHUNKS]; PROMPTS];
+        let mut known = [[false; CHUNKS]; PROMPTS];
+        let mut on_gpu = [[false; PROMPTS]; 2];
+        for op in &ops {
+            match *op {
+                Op::Compute { instance, prompt } => {
+                    if !on_gpu[instance][prompt] {
+                        let (toks, hs) = &prompts[prompt];
+                        apply(&mut c, instance, vec![chain("GPU", toks, hs)]);
+                        on_gpu[instance][prompt] = true;
+                        for ch in 0..CHUNKS {
+                            known[prompt][ch] |= held[prompt][ch];
+                        }
+                    }
+                }
+                Op::Evict { instance, prompt } => {
+                    if on_gpu[instance][prompt] {
+                        apply(&mut c, instance, vec![removed("GPU", &prompts[prompt].1)]);
+                        on_gpu[instance][prompt] = false;
+                    }
+                }
+                Op::Put { prompt, chunk } => {
+                    if !held[prompt][chunk] {
+                        let last = prompts[prompt].1[(chunk + 1) * CHUNK_PAGES - 1];
+                        let bs = (CHUNK_PAGES * PS) as u64;
+                        apply(&mut c, store, vec![tokenless("STORAGE", last, bs)]);
+                        held[prompt][chunk] = true;
+                        known[prompt][chunk] = on_gpu.iter().any(|g| g[prompt]);
+                    }
+                }
+                Op::Drop { prompt, chunk } => {
+                    if held[prompt][chunk] {
+                        let last = prompts[prompt].1[(chunk + 1) * CHUNK_PAGES - 1];
+                        apply(&mut c, store, vec![removed("STORAGE", &[last])]);
+                        held[prompt][chunk] = false;
+                        known[prompt][chunk] = false;
+                    }
+                }
+            }
+            for (p, (toks, _)) in prompts.iter().enumerate() {
+                let keys = c.prompt_hashes(toks, None, None);
+                let in_store = c.router().index().in_storage(&keys);
+                for (page, &credited) in in_store.iter().enumerate() {
+                    let ch = page / CHUNK_PAGES;
+                    prop_assert!(!credited || held[p][ch], "prompt {p} page {page} credited, not held");
+                    prop_assert_eq!(credited, held[p][ch] && known[p][ch], "prompt {} page {}", p, page);
+                }
+            }
+        }
+        prop_assert_eq!(unkeyed(&c, store), 0);
+    }
+}
