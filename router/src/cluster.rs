@@ -206,7 +206,10 @@ impl Cluster {
             next_seq: None,
             counters: StreamCounters::default(),
             last_batch: None,
-            translator: (self.keys == Keys::Tokens).then(|| Translator::new(self.budget.max_pages)),
+            translator: (self.keys == Keys::Tokens).then(|| match target {
+                Target::Instance(_) => Translator::new(self.budget.max_pages),
+                Target::Storage => Translator::for_store(self.budget.max_pages),
+            }),
         });
         self.streams.len() - 1
     }

@@ -125,6 +125,15 @@ pub struct Translated {
     pub fresh: Vec<u64>,
 }
 
+/// Whose stream a [`Translator`] keys: what its `AllBlocksCleared` clears.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TableOf {
+    /// An engine instance's: its GPU and CPU pages (the `STORAGE` pages it published stay).
+    Instance,
+    /// The shared store's: everything, and every wait.
+    Store,
+}
+
 /// One stream's engine-hash → key table, bounded in entries and in bytes (a router sets the
 /// bytes to what its budget leaves, [`Self::set_max_bytes`]).
 #[derive(Debug)]
@@ -135,6 +144,8 @@ pub struct Translator {
     /// before the instance that computed the block): hash → blocks.
     pending: HashMap<u64, u16>,
     pending_table: Table,
+    /// Whose table: an instance's, or the shared store's ([`Self::for_store`]).
+    of: TableOf,
     max_entries: usize,
     max_bytes: usize,
     /// Blocks not keyed (an unknown parent, too few tokens, a token-less store no table could
@@ -144,12 +155,24 @@ pub struct Translator {
 }
 
 impl Translator {
+    /// An instance stream's table.
     pub fn new(max_entries: usize) -> Self {
+        Self::of(TableOf::Instance, max_entries)
+    }
+
+    /// The shared store's stream's table: its `AllBlocksCleared` (a new leader, a snapshot's
+    /// first event) forgets every page and every wait.
+    pub fn for_store(max_entries: usize) -> Self {
+        Self::of(TableOf::Store, max_entries)
+    }
+
+    fn of(of: TableOf, max_entries: usize) -> Self {
         Self {
             keys: HashMap::new(),
             table: Table::default(),
             pending: HashMap::new(),
             pending_table: Table::default(),
+            of,
             max_entries,
             max_bytes: usize::MAX,
             unkeyed: 0,
@@ -338,6 +361,10 @@ impl Translator {
                 continue;
             };
             match e.kind() {
+                Some("AllBlocksCleared") if self.of == TableOf::Store => {
+                    self.clear();
+                    out.events.push(IndexEvent::Cleared);
+                }
                 Some("AllBlocksCleared") => {
                     self.keys.retain(|_, k| {
                         k.media &= bit(Medium::Storage);

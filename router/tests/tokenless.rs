@@ -313,3 +313,50 @@ proptest! {
         prop_assert_eq!(unkeyed(&c, store), 0);
     }
 }
+
+/// The store's `AllBlocksCleared` (a new leader's stream, a snapshot's first event) means
+/// it holds nothing: the store stream's table forgets every page and every wait, and a
+/// snapshot after it keys its pages again.
+#[test]
+fn the_stores_clear_forgets_its_table_and_waits() {
+    let (mut c, store) = cluster(1);
+    let (toks, hs) = prompt(6, 2);
+    let (late, lhs) = prompt(7, 1);
+    apply(&mut c, 0, vec![chain("GPU", &toks, &hs)]);
+    let cleared = Value::Map(vec![(s("type"), s("AllBlocksCleared"))]);
+    apply(
+        &mut c,
+        store,
+        vec![
+            tokenless("STORAGE", hs[1], (2 * PS) as u64),
+            tokenless("STORAGE", lhs[0], PS as u64),
+        ],
+    );
+    let table = |c: &Cluster| {
+        let t = c.streams[store].translator.as_ref().expect("tokens");
+        (t.entries(), t.pending())
+    };
+    assert_eq!(table(&c), (2, 1));
+    apply(&mut c, store, vec![cleared.clone()]);
+    assert_eq!(table(&c), (0, 0));
+    apply(
+        &mut c,
+        0,
+        vec![removed("GPU", &hs), chain("GPU", &late, &lhs)],
+    );
+    assert_eq!(
+        pages(&c, 0, &late),
+        (1, 0, 0),
+        "no wait left to key it in L3"
+    );
+    // a snapshot: the clear, then every page held
+    apply(&mut c, 0, vec![chain("GPU", &toks, &hs)]);
+    apply(
+        &mut c,
+        store,
+        vec![cleared, tokenless("STORAGE", hs[1], (2 * PS) as u64)],
+    );
+    apply(&mut c, 0, vec![removed("GPU", &hs)]);
+    assert_eq!(pages(&c, 0, &toks), (0, 0, 2));
+    assert_eq!(table(&c), (2, 0));
+}
