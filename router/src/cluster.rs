@@ -553,6 +553,7 @@ impl Cluster {
                     "next_seq": s.next_seq, "counters": s.counters,
                     "idle_s": s.last_batch.map(|t| t.elapsed().as_secs_f64()),
                     "unkeyed": s.translator.as_ref().map(|t| t.unkeyed),
+                    "waiting": s.translator.as_ref().map(|t| t.pending()),
                 })
             })
             .collect();

@@ -202,6 +202,11 @@ fn a_store_heard_before_its_instance_waits_for_it() {
         ],
     );
     assert_eq!(pages(&c, 0, &toks), (0, 0, 0));
+    assert_eq!(
+        c.stats()["streams"][store]["waiting"],
+        3,
+        "/stats shows the waits"
+    );
     apply(&mut c, store, vec![removed("STORAGE", &ohs[..1])]);
     assert!(c.apply(store, Apply::Batch(&batch(vec![]))));
     apply(&mut c, 0, vec![chain("GPU", &toks, &hs)]);
