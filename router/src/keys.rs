@@ -103,7 +103,7 @@ type PendingEntry = (u64, u16);
 /// A `BlockStored` that names blocks by hash alone — a shared store's page (it knows no
 /// tokens), or vLLM's offloading placeholder (`token_ids` empty, `block_size` 0, when its
 /// self-describing events are off) — for the router to key through a table that saw the
-/// block's tokens ([`Translator::resolve`]).
+/// block's tokens ([`crate::resolve`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tokenless {
     pub medium: Medium,
@@ -119,7 +119,7 @@ pub struct Tokenless {
 pub struct Translated {
     /// The events, in the router's keys.
     pub events: Vec<IndexEvent>,
-    /// Stores of blocks named by hash alone, to resolve ([`Translator::resolve`]).
+    /// Stores of blocks named by hash alone, to resolve ([`crate::resolve`]).
     pub tokenless: Vec<Tokenless>,
     /// Engine hashes this batch keyed for the first time (a pending store may name one).
     pub fresh: Vec<u64>,
@@ -206,22 +206,22 @@ impl Translator {
         self.pending.clear();
     }
 
-    /// Whether one more entry fits, in entries and in bytes.
+    /// Whether one more item fits a table holding `len` items that grows by `grow` bytes to
+    /// take it, in entries and in bytes.
+    fn fits(&self, len: usize, grow: usize) -> bool {
+        len < self.max_entries && self.memory_bytes().saturating_add(grow) <= self.max_bytes
+    }
+
+    /// Whether one more entry fits.
     fn has_room(&self) -> bool {
-        let grow = self
-            .table
-            .growth::<Entry>(self.keys.len(), self.keys.capacity());
-        self.keys.len() < self.max_entries
-            && self.memory_bytes().saturating_add(grow) <= self.max_bytes
+        let (len, cap) = (self.keys.len(), self.keys.capacity());
+        self.fits(len, self.table.growth::<Entry>(len, cap))
     }
 
     /// Whether one more pending store fits.
     fn has_pending_room(&self) -> bool {
-        let grow = self
-            .pending_table
-            .growth::<PendingEntry>(self.pending.len(), self.pending.capacity());
-        self.pending.len() < self.max_entries
-            && self.memory_bytes().saturating_add(grow) <= self.max_bytes
+        let (len, cap) = (self.pending.len(), self.pending.capacity());
+        self.fits(len, self.pending_table.growth::<PendingEntry>(len, cap))
     }
 
     /// Remembers `h` (new) as `known`; `false` if the table is full.
@@ -270,16 +270,17 @@ impl Translator {
     ) -> Vec<u64> {
         let m = bit(medium);
         let last = run.len().saturating_sub(1);
+        // the run's length, capped as it is stored: a removal walks no further
+        let len = u16::try_from(run.len()).unwrap_or(u16::MAX);
         let mut keys = Vec::with_capacity(run.len());
         for (i, &(h, key, parent)) in run.iter().enumerate() {
-            let chunk = if i == last { m << 4 } else { 0 };
-            // the run's length, capped as it is stored: a removal walks no further
-            let len = u16::try_from(run.len()).unwrap_or(u16::MAX);
+            // the run's last block carries it: its chunk flag and length
+            let (chunk, run_len) = if i == last { (m << 4, len) } else { (0, 0) };
             if let Some(k) = self.keys.get_mut(&h) {
                 k.media |= m;
                 if i == last {
                     k.flags |= chunk;
-                    k.run = len;
+                    k.run = run_len;
                 }
             } else {
                 let known = Known {
@@ -287,7 +288,7 @@ impl Translator {
                     parent: parent.unwrap_or(0),
                     media: m,
                     flags: if parent.is_some() { HAS_PARENT } else { 0 } | chunk,
-                    run: if i == last { len } else { 0 },
+                    run: run_len,
                 };
                 if !self.remember(h, known) {
                     self.unkeyed += 1;

@@ -11,7 +11,7 @@
 //! the GPU events of that engine step with it.
 //!
 //! How: an engine computed every block before any tier held a copy of it, so an instance's
-//! stream named it with its tokens first, and that stream's table ([`Translator`]) keys it.
+//! stream named it with its tokens first, and that stream's table ([`crate::keys::Translator`]) keys it.
 //! A token-less store of hash `h` covering `block_size` tokens is the run of
 //! `block_size / page_size` blocks (at least one) ending at `h`, walked back through the
 //! parents the table remembers:
