@@ -34,9 +34,14 @@ use crate::index::IndexEvent;
 use crate::keys::{Tokenless, Translated};
 
 /// The blocks of `page_size` tokens a token-less store of `block_size` tokens names (at
-/// least one: a placeholder's `block_size` is 0).
+/// least one: a placeholder's `block_size` is 0), at most the longest run a table records
+/// (`u16::MAX`): the walk through parents stops there, whatever the event claims or a
+/// publisher's parents loop through.
 pub fn blocks_of(block_size: usize, page_size: usize) -> usize {
-    block_size.checked_div(page_size).unwrap_or(0).max(1)
+    block_size
+        .checked_div(page_size)
+        .unwrap_or(0)
+        .clamp(1, usize::from(u16::MAX))
 }
 
 /// Keys `batch` (of stream `stream`) further: its token-less stores, and the pending stores of

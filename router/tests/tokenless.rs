@@ -365,3 +365,24 @@ fn the_stores_clear_forgets_its_table_and_waits() {
     assert_eq!(pages(&c, 0, &toks), (0, 0, 2));
     assert_eq!(table(&c), (2, 0));
 }
+
+/// A publisher's garbage must not hang the router: blocks whose parents form a cycle, then a
+/// token-less store claiming a run of 2^62 tokens. The walk is bounded by the longest run
+/// a table records (65,535 blocks), so the store keys the cycle's blocks and returns.
+#[test]
+fn a_parent_cycle_and_a_huge_run_end_promptly() {
+    let (mut c, store) = cluster(1);
+    let toks: Vec<u32> = (0..PS as u32).collect();
+    apply(
+        &mut c,
+        0,
+        vec![
+            stored("GPU", &[1], None, &toks),
+            stored("GPU", &[2], Some(1), &toks),
+            stored("GPU", &[1], Some(2), &toks),
+        ],
+    );
+    apply(&mut c, store, vec![tokenless("STORAGE", 1, 1 << 62)]);
+    apply(&mut c, store, vec![removed("STORAGE", &[1])]);
+    assert_eq!(c.router().index().tier_pages().1, 0);
+}
