@@ -15,7 +15,7 @@
 //! {"per_rank", "replicated"} with `l3_leader_rank`; `eviction` ∈ {"lru", "adaptive", "freq-depth",
 //! "freq-depth:CREDIT:MAX_USES:DEBIT"}; `host_admission` ∈ {"on-finish",
 //! "on-device-eviction:AHEAD_PAGES", "adaptive:AHEAD_PAGES" (with eviction "adaptive")};
-//! `queue_protection` ∈ {"off", "waiting"};
+//! `queue_protection` ∈ {"off", "waiting"}; `shadow_sample_salt` an integer (eviction "shadow");
 //! `namespace` is a dict
 //! with keys model, dtype, layout, tenant, adapter; `tp_ranks` is the tensor-parallel group's
 //! size (above 1, direct loss reports are refused: see `kvtier_scheduler::SchedulerConfig`).
@@ -61,6 +61,7 @@ pub const FIELDS: &[&str] = &[
     "host_admission",
     "queue_protection",
     "tp_ranks",
+    "shadow_sample_salt",
 ];
 
 /// Reads one field from a dict (by key) or any object (by attribute); `None` when absent.
@@ -240,6 +241,7 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         namespace,
         rank: get(obj, "rank", d.rank)?,
         tp_ranks: get(obj, "tp_ranks", d.tp_ranks)?,
+        shadow_sample_salt: get(obj, "shadow_sample_salt", d.shadow_sample_salt)?,
         l3_sharing,
         tenant_quota: kvtier_scheduler::TenantQuota {
             device_pages: get(obj, "tenant_quota_device_pages", None)?,
@@ -334,6 +336,7 @@ pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bou
     d.set_item("host_admission", c.host_admission.to_string())?;
     d.set_item("queue_protection", c.queue_protection.to_string())?;
     d.set_item("tp_ranks", c.tp_ranks)?;
+    d.set_item("shadow_sample_salt", c.shadow_sample_salt)?;
     Ok(d)
 }
 

@@ -41,6 +41,7 @@ def test_config_defaults_are_the_rust_defaults():
         dict(host_admission="on-device-eviction:16"),
         dict(host_admission="on-finish"),
         dict(eviction="adaptive", host_admission="adaptive:16"),
+        dict(eviction="shadow", host_admission="adaptive:16", shadow_sample_salt=2**64 - 1),
     ],
 )
 def test_config_roundtrip(over):

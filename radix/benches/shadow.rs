@@ -98,8 +98,8 @@ fn benches(c: &mut Criterion) {
         let snap = sel.snapshot();
         let nodes: usize = snap.shadows.iter().map(|x| x.nodes).sum();
         eprintln!(
-            "{name}: sample 1/{}, {} of {} requests replayed, {nodes} nodes in the shadows",
-            snap.sample, snap.replayed, snap.observed
+            "{name}: sample 1/{}, {} of {} requests replayed, {nodes} nodes in the shadows, {} pages in the hot-prefix table",
+            snap.sample, snap.replayed, snap.observed, snap.trunk_pages
         );
         let mut i = 0;
         g.bench_function(name, |b| {

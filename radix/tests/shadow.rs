@@ -172,12 +172,19 @@ proptest! {
         }
     }
 
-    /// Two ranks fed the same stream switch at the same submissions and evict the same leaves.
+    /// Two ranks fed the same stream switch at the same submissions and evict the same leaves,
+    /// with full-size or sampled shadows (keyed past the stream's hot prefixes, which each
+    /// rank learns from the stream alone).
     #[test]
-    fn ranks_switch_in_the_same_step(reqs in stream(), dev in 4u32..24, host in 0u32..48) {
+    fn ranks_switch_in_the_same_step(reqs in stream(), dev in 4u32..24, host in 0u32..48, sampled in any::<bool>()) {
+        let cfg = if sampled {
+            ShadowConfig { full_size_pages: u64::from((dev + host) / 2), hot_fanout: 2, ..quick(2) }
+        } else {
+            quick(2)
+        };
         let mk = || {
             let mut c = RadixCache::new(RadixConfig { page_size: PS, device_pages: dev, host_pages: host, record_events: false }).unwrap();
-            c.set_shadow_config(quick(2)).unwrap();
+            c.set_shadow_config(cfg.clone()).unwrap();
             c.set_eviction_policy(EvictionPolicy::Shadow);
             c
         };
@@ -192,6 +199,8 @@ proptest! {
             }
             let (sa, sb) = (a.shadow_snapshot().unwrap(), b.shadow_snapshot().unwrap());
             prop_assert_eq!(&sa.switch_log, &sb.switch_log);
+            prop_assert_eq!(sa.replayed, sb.replayed);
+            prop_assert_eq!(sa.sample > 1, sampled);
             let order = |c: &RadixCache| -> Vec<Vec<PageHash>> {
                 c.evictable_lru::<Device>().map(|n| c.node_hashes(n).unwrap().to_vec()).collect()
             };
@@ -241,7 +250,7 @@ fn the_selector_follows_the_better_option() {
 }
 
 /// Under a capacity above `full_size_pages`, shadows are sampled: 1 request prefix in R is
-/// replayed on 1/R of the capacity. Keyed past the shared system prompts (page 3), on many
+/// replayed on 1/R of the capacity. Keyed past the shared system prompts, on many
 /// independent conversations the sampled shadows'
 /// hit rates stay within 2 points of the full-size ones (measured: under 1) (the stated error of this test's
 /// stream), and their trees are at most 1/R of the pages.
@@ -251,7 +260,6 @@ fn a_sampled_shadow_stays_near_the_full_size_one() {
     let full = ShadowSelector::new(quick(64), dev, host).unwrap();
     let sampled_cfg = ShadowConfig {
         full_size_pages: 160,
-        key_page: 3,
         ..quick(64)
     };
     let mut sampled = ShadowSelector::new(sampled_cfg, dev, host).unwrap();
@@ -290,6 +298,59 @@ fn a_sampled_shadow_stays_near_the_full_size_one() {
     }
 }
 
+/// Sampled shadows key a request past its hot shared prefix: under system prompts longer than
+/// any fixed key depth (24 pages here), the sample is 1 conversation in R with every turn of
+/// a conversation in or out together — not 1 system prompt in R, which puts all or none of
+/// the conversations under it in the sample (before: 0, 1/3 or 2/3 of the requests here,
+/// and the cost bound of 1/R of the requests did not hold).
+#[test]
+fn sampling_keys_each_conversation_past_its_shared_system_prompt() {
+    let (dev, host) = (256u32, 1024u32);
+    let cfg = ShadowConfig {
+        full_size_pages: 256,
+        ..quick(64)
+    };
+    let mut sel = ShadowSelector::new(cfg, dev, host).unwrap();
+    assert_eq!(sel.snapshot().sample, 5);
+    let sys_pages = 24;
+    let mut x: u64 = 11;
+    let mut turns = vec![0u32; 3000];
+    // conversation -> replayed or not, for every turn after the system prompts are known hot
+    let mut member: Vec<Option<bool>> = vec![None; 3000];
+    let (mut counted, mut replayed) = (0u32, 0u32);
+    for i in 0..20_000u32 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let conv = (x >> 33) as usize % 3000;
+        let turn = turns[conv] % 6;
+        turns[conv] += 1;
+        let hs = page_hashes(
+            &tokens((conv as u32 % 3, conv as u32, turn), sys_pages),
+            PS,
+            None,
+        );
+        let before = sel.snapshot().replayed;
+        sel.observe(&hs);
+        let was = sel.snapshot().replayed > before;
+        if i < 500 {
+            continue; // the first conversations under each system prompt make it hot
+        }
+        counted += 1;
+        replayed += u32::from(was);
+        match member[conv] {
+            None => member[conv] = Some(was),
+            Some(m) => assert_eq!(m, was, "conversation {conv}: turns sampled apart"),
+        }
+    }
+    let share = f64::from(replayed) / f64::from(counted);
+    eprintln!("{replayed} of {counted} requests replayed ({share:.3})");
+    assert!(
+        (0.12..0.28).contains(&share),
+        "{replayed} of {counted} requests replayed ({share:.3}), expected about 1 in 5"
+    );
+}
+
 /// Bad constants are refused with a typed error, nothing changed.
 #[test]
 fn bad_configs_are_refused() {
@@ -315,6 +376,14 @@ fn bad_configs_are_refused() {
     assert_eq!(
         c.set_shadow_config(zero),
         Err(ShadowConfigError::Zero("decide_every"))
+    );
+    let cold = ShadowConfig {
+        hot_fanout: 0,
+        ..ShadowConfig::default()
+    };
+    assert_eq!(
+        c.set_shadow_config(cold),
+        Err(ShadowConfigError::Zero("hot_fanout"))
     );
     let learnt = ShadowConfig {
         candidates: vec![Candidate {

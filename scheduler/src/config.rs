@@ -221,6 +221,10 @@ pub struct SchedulerConfig {
     /// Whether waiting requests' prefixes are evicted last.
     #[serde(default)]
     pub queue_protection: QueueProtection,
+    /// Under the `shadow` policy, which 1-in-R sample its shadows replay when sampled
+    /// (`ShadowConfig::sample_salt`; 0 by default).
+    #[serde(default)]
+    pub shadow_sample_salt: u64,
 }
 
 /// Per-tenant caps on pages per tier (a tenant is a request's `cache_salt`; unsalted requests
@@ -269,6 +273,7 @@ impl Default for SchedulerConfig {
             tenant_quota: TenantQuota::default(),
             host_admission: HostAdmission::OnFinish,
             queue_protection: QueueProtection::Waiting,
+            shadow_sample_salt: 0,
         }
     }
 }

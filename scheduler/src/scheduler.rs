@@ -106,13 +106,19 @@ impl Scheduler {
                     Some(kvtier_radix::LearntAdmission::Demote)
                 }
             };
-            if let Some(a) = fixed {
-                cache
-                    .set_shadow_config(kvtier_radix::ShadowConfig::default().with_admission(a))
-                    .map_err(|_| ConfigError::Zero {
-                        field: "shadow candidates",
-                    })?;
-            }
+            let shadow = kvtier_radix::ShadowConfig {
+                sample_salt: cfg.shadow_sample_salt,
+                ..kvtier_radix::ShadowConfig::default()
+            };
+            let shadow = match fixed {
+                Some(a) => shadow.with_admission(a),
+                None => shadow,
+            };
+            cache
+                .set_shadow_config(shadow)
+                .map_err(|_| ConfigError::Zero {
+                    field: "shadow candidates",
+                })?;
         }
         let key_rank = match cfg.l3_sharing {
             crate::config::L3Sharing::PerRank => cfg.rank,

@@ -124,7 +124,9 @@ class SchedulerConfig:
     is the tensor-parallel group's size (1: a single rank; ``rank`` must be below it): above 1
     the scheduler is one rank of several and refuses the direct ``l3_lost`` / ``l3_lost_all``
     (``LossNeedsAgreementError``): losses go through ``RankAgreement.lost`` and
-    ``agree_losses``. ``validate()`` raises ``ConfigError`` naming the field.
+    ``agree_losses``. ``shadow_sample_salt`` picks which 1-in-R sample the ``"shadow"`` eviction
+    policy's shadows replay at capacities where they are sampled (docs/sim/shadow.md).
+    ``validate()`` raises ``ConfigError`` naming the field.
     """
 
     page_size: int = _default("page_size")
@@ -156,6 +158,7 @@ class SchedulerConfig:
     host_admission: str = _default("host_admission")
     queue_protection: str = _default("queue_protection")
     tp_ranks: int = _default("tp_ranks")
+    shadow_sample_salt: int = _default("shadow_sample_salt")
 
     def validate(self) -> None:
         """Raises ``ConfigError`` (or ``TypeError``) if the configuration is invalid."""

@@ -15,21 +15,24 @@
 //!   hashes only, fed each request's prompt at submission (`replay.rs`);
 //! - full-size up to [`ShadowConfig::full_size_pages`] of device + host; above, spatially
 //!   sampled (SHARDS, Waldspurger et al., FAST'15): a request is replayed only if the hash of
-//!   its page at depth [`ShadowConfig::key_page`] (or its last page) falls in a 1-in-R
-//!   sample, and the shadows have 1/R of the capacity. Sampling is by prompt prefix, not by
-//!   page, because a page hit needs its ancestors, and every turn of a conversation (same
-//!   first `key_page` pages) is in or out together;
+//!   its key page falls in a 1-in-R sample, and the shadows have 1/R of the capacity. The key
+//!   is the page [`ShadowConfig::key_page`] deep past the prompt's hot shared prefix (its
+//!   trunk: `trunk.rs`; or its last page), so sampling is by conversation, not by page —
+//!   a page hit needs its ancestors, and every turn of a conversation has that page — and not
+//!   by system prompt, however long the shared prefixes are;
 //! - a sign test on the requests where a challenger and the current choice disagree
 //!   (`sign_test.rs`) decides a switch, only at fixed request counts
 //!   ([`ShadowConfig::decide_every`] submissions), so tensor-parallel ranks, which see the
 //!   same submissions, switch in the same step without exchanging a word.
 //!
-//! Bounded: the shadows hold at most `candidates × full_size_pages` pages of metadata; a
+//! Bounded: the shadows hold at most `candidates × full_size_pages` pages of metadata (and,
+//! sampled, the hot-prefix table at most `2 × full_size_pages` page keys); a
 //! request costs one match and at most two inserts per candidate (measured in
 //! `benches/shadow.rs`).
 
 mod replay;
 mod sign_test;
+mod trunk;
 
 pub use replay::{Candidate, ShadowCache};
 pub use sign_test::{Duel, MIN_DISAGREEMENTS, Z2_HUNDREDTHS};
@@ -38,6 +41,7 @@ use crate::adaptive::LearntAdmission;
 use crate::error::RadixError;
 use crate::hash::PageHash;
 use crate::policy::EvictionPolicy;
+use trunk::Trunks;
 
 /// The selector's constants (frozen before the matrix run of issue 36: see docs/sim/shadow.md).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,12 +51,21 @@ pub struct ShadowConfig {
     /// Device + host pages up to which shadows are full-size; above, sampled 1 in
     /// `ceil(capacity / full_size_pages)`.
     pub full_size_pages: u64,
-    /// The depth (pages) of the page whose hash decides whether a request is sampled.
+    /// The depth (pages) past the prompt's hot shared prefix of the page whose hash decides
+    /// whether a request is sampled (1: the first page past it).
     pub key_page: usize,
+    /// A page is part of hot shared prefixes once this many distinct pages followed it.
+    pub hot_fanout: u32,
+    /// Pages of each prompt searched for hot shared prefixes (sampled shadows only; the
+    /// table keeps at most `2 × full_size_pages` pages).
+    pub trunk_depth: usize,
     /// Submissions between two decisions.
     pub decide_every: u64,
     /// Decisions between two halvings of the evidence.
     pub halve_every: u64,
+    /// Which 1-in-R sample sampled shadows replay (mixed into the key's hash): the
+    /// selector's figures at sampled capacities move with it (docs/sim/shadow.md, round 9).
+    pub sample_salt: u64,
 }
 
 impl ShadowConfig {
@@ -82,9 +95,12 @@ impl Default for ShadowConfig {
         ShadowConfig {
             candidates: ShadowConfig::matrix_candidates(),
             full_size_pages: 1 << 16,
-            key_page: 16,
+            key_page: 1,
+            hot_fanout: 8,
+            trunk_depth: 128,
             decide_every: 64,
             halve_every: 16,
+            sample_salt: 0,
         }
     }
 }
@@ -122,6 +138,8 @@ pub struct ShadowSnapshot {
     /// (submission count, candidate index) of every switch, oldest first (at most 64 kept).
     pub switch_log: Vec<(u64, usize)>,
     pub shadows: Vec<ShadowStat>,
+    /// Page keys in the hot-prefix table (sampled shadows; 0 at full size).
+    pub trunk_pages: usize,
 }
 
 /// The selector: shadows, evidence and the current choice (see the module docs).
@@ -131,6 +149,8 @@ pub struct ShadowSelector {
     duels: Vec<Duel>,
     current: usize,
     sample: u64,
+    /// The stream's hot shared prefixes, when sampled.
+    trunks: Option<Trunks>,
     observed: u64,
     replayed: u64,
     decisions: u64,
@@ -155,6 +175,8 @@ impl ShadowSelector {
         for (v, name) in [
             (cfg.full_size_pages, "full_size_pages"),
             (cfg.key_page as u64, "key_page"),
+            (u64::from(cfg.hot_fanout), "hot_fanout"),
+            (cfg.trunk_depth as u64, "trunk_depth"),
             (cfg.decide_every, "decide_every"),
             (cfg.halve_every, "halve_every"),
         ] {
@@ -180,12 +202,17 @@ impl ShadowSelector {
             .collect::<Result<Vec<_>, RadixError>>()
             .map_err(|_| ShadowConfigError::Zero("page size"))?;
         let n = shadows.len();
+        let trunks = (sample > 1).then(|| {
+            let cap = usize::try_from(cfg.full_size_pages).unwrap_or(usize::MAX);
+            Trunks::new(cfg.trunk_depth, cfg.hot_fanout, cap)
+        });
         Ok(ShadowSelector {
             cfg,
             shadows,
             duels: vec![Duel::default(); n],
             current: 0,
             sample,
+            trunks,
             observed: 0,
             replayed: 0,
             decisions: 0,
@@ -200,17 +227,20 @@ impl ShadowSelector {
         self.shadows[self.current].candidate
     }
 
-    /// Whether a request with these page hashes is in the sample.
-    pub fn sampled(&self, hashes: &[PageHash]) -> bool {
-        if self.sample <= 1 {
+    /// Records a request in the stream's hot shared prefixes and says whether it is in the
+    /// sample: the hash of its page `key_page` deep past its trunk (or its last page).
+    fn sampled(&mut self, hashes: &[PageHash]) -> bool {
+        let Some(trunks) = self.trunks.as_mut() else {
             return true;
-        }
-        let Some(key) = hashes.get(self.cfg.key_page.min(hashes.len()).saturating_sub(1)) else {
+        };
+        let trunk = trunks.observe(hashes);
+        let depth = trunk.saturating_add(self.cfg.key_page).min(hashes.len());
+        let Some(key) = hashes.get(depth.saturating_sub(1)) else {
             return false;
         };
         // Mix the key (the low bits of a page hash also index the trees' maps).
-        let k = key.prefix_u64().wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        (k >> 32) % self.sample == 0
+        let k = (key.prefix_u64() ^ self.cfg.sample_salt).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        (k >> 32).is_multiple_of(self.sample)
     }
 
     /// Feeds one submitted request's prompt to every shadow (if sampled); at a decision point
@@ -281,6 +311,7 @@ impl ShadowSelector {
                     nodes: s.node_count(),
                 })
                 .collect(),
+            trunk_pages: self.trunks.as_ref().map_or(0, Trunks::len),
         }
     }
 

@@ -125,6 +125,10 @@ struct SimArgs {
     /// Whether waiting requests' prefixes are evicted last: waiting (default) | off.
     #[arg(long)]
     queue_protection: Option<String>,
+    /// Under --eviction shadow at capacities where its shadows are sampled: which 1-in-R
+    /// sample (0 by default; the selector's figures there move with it).
+    #[arg(long)]
+    shadow_sample_salt: Option<u64>,
     /// Do not also run the other online policies (LRU, freq-depth) at the same capacity.
     #[arg(long)]
     no_compare: bool,
@@ -257,6 +261,9 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
     }
     if let Some(q) = &a.queue_protection {
         s.queue_protection = q.parse()?;
+    }
+    if let Some(salt) = a.shadow_sample_salt {
+        s.shadow_sample_salt = salt;
     }
     if let Some(p) = &a.prefetch_stop {
         let parts: Vec<&str> = p.split(':').collect();

@@ -1,0 +1,42 @@
+//! The shadow selector under a scheduler: `SchedulerConfig::shadow_sample_salt` reaches the
+//! selector's sampled shadows (which 1-in-R sample they replay). The selector itself is tested
+//! in `radix/tests/shadow.rs`; the simulator's property tests run the scheduler under it.
+
+mod common;
+use common::*;
+use kvtier_radix::EvictionPolicy;
+use kvtier_scheduler::*;
+
+/// The same 400 conversations (under one shared 4-page system prompt), submitted to
+/// schedulers whose shadows are sampled 1 in 2: each salt replays about half of them, and two
+/// salts replay different halves.
+#[test]
+fn the_sample_salt_picks_which_requests_the_shadows_replay() {
+    let replayed = |salt: u64| {
+        let c = SchedulerConfig {
+            device_pages: 16_384,
+            host_pages: 65_536,
+            eviction: EvictionPolicy::Shadow,
+            shadow_sample_salt: salt,
+            ..cfg()
+        };
+        let mut s = Scheduler::new(c.clone()).unwrap();
+        let mut e = Engine::new(&c);
+        let mut members = Vec::new();
+        for id in 0..400u32 {
+            let mut p = prompt(0, 16);
+            p.extend(prompt(id + 1, 12));
+            let before = s.cache().shadow_snapshot().unwrap().replayed;
+            e.submit(&mut s, u64::from(id), p, 1);
+            members.push(s.cache().shadow_snapshot().unwrap().replayed > before);
+        }
+        assert_eq!(s.cache().shadow_snapshot().unwrap().sample, 2);
+        members
+    };
+    let (a, b) = (replayed(0), replayed(1));
+    for m in [&a, &b] {
+        let n = m.iter().filter(|&&x| x).count();
+        assert!((140..260).contains(&n), "{n} of 400 replayed at 1 in 2");
+    }
+    assert_ne!(a, b, "two salts, one sample");
+}
