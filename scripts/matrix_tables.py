@@ -17,8 +17,10 @@ With --round3: the third round (measured corrections), docs/sim/sweep-shadow3-NA
 (scripts/shadow_sweeps).
 
 With --round PREFIX: the sweeps docs/sim/sweep-PREFIX-NAME (scripts/shadow_sweeps PREFIX).
+With --fixed-from PREFIX as well: a selector-only round (run with --no-compare) beside the fixed
+options of the round PREFIX that ran them (FULL=1), for a change to the selector alone.
 
-Usage: python3 scripts/matrix_tables.py [--round1 | --round3 | --round PREFIX | --protect] [DOCS_SIM_DIR]
+Usage: python3 scripts/matrix_tables.py [--round1 | --round3 | --round PREFIX [--fixed-from PREFIX] | --protect] [DOCS_SIM_DIR]
 """
 import json
 import os
@@ -49,9 +51,11 @@ def cell(rate, t):
     return f"{rate * 100:.2f} % ({ms(t['p50'])} / {ms(t['p99'])})"
 
 
-def main(d, prefix):
+def main(d, prefix, fixed_from=None):
     worst_all = []
     for name, title, fixed_dir in WORKLOADS:
+        if fixed_from:
+            fixed_dir = f"{fixed_from}-{name}"
         p = os.path.join(d, f"sweep-{prefix}-{name}", "sweep.json")
         if not os.path.exists(p):
             print(f"**{title}**: not run\n")
@@ -138,7 +142,12 @@ if __name__ == "__main__":
         i = args.index("--round")
         rnd = args[i + 1]
         del args[i:i + 2]
+    fixed_from = None
+    if "--fixed-from" in args:  # the fixed options from docs/sim/sweep-PREFIX-NAME
+        i = args.index("--fixed-from")
+        fixed_from = args[i + 1]
+        del args[i:i + 2]
     if "--protect" in sys.argv:
         protect(args[0] if args else "docs/sim")
     else:
-        main(args[0] if args else "docs/sim", rnd)
+        main(args[0] if args else "docs/sim", rnd, fixed_from)

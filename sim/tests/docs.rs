@@ -213,6 +213,16 @@ fn the_matrix_tables_are_the_scripts_output() {
         + &python(&root, &["scripts/matrix_tables.py", "--round1"])
         + &python(&root, &["scripts/matrix_tables.py", "--round", "shadow6"])
         + &python(&root, &["scripts/matrix_tables.py", "--round", "shadow8"])
+        + &python(
+            &root,
+            &[
+                "scripts/matrix_tables.py",
+                "--round",
+                "shadow9",
+                "--fixed-from",
+                "shadow8",
+            ],
+        )
         + &python(&root, &["scripts/matrix_tables.py", "--protect"]);
     let rows: Vec<&str> = printed.lines().filter(|l| l.starts_with("| ")).collect();
     assert!(rows.len() > 40, "{} rows", rows.len());
