@@ -208,6 +208,11 @@ struct Args {
     /// With --kv-events: the `block_size` (tokens per page) stated in `BlockStored`.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     kv_events_block_size: u32,
+    /// With --kv-events: publish a page once this many of its parts (the engines'
+    /// tensor-parallel ranks × KV groups) are readable under one tenant and namespace, and
+    /// remove it when none keeps that many (default 1: while any part is readable).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    kv_events_parts_per_page: u32,
 }
 
 fn parse_endpoint(s: &str) -> Result<String, String> {
@@ -310,6 +315,7 @@ fn run(args: Args) -> Result<(), String> {
         c.replay_endpoint = args.kv_events_replay.clone();
         c.namespaces = args.kv_events_namespace.clone();
         c.block_size = args.kv_events_block_size;
+        c.parts_per_page = args.kv_events_parts_per_page;
         c
     });
     if let Some(c) = &kv_events {

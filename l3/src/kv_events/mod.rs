@@ -26,7 +26,11 @@
 //! block hash vLLM publishes for that chunk; any other key is skipped and counted, never an
 //! error for the put. The tensor-parallel ranks (and vLLM's KV groups) of one page are one
 //! block: stored when the first object becomes readable, removed when the last one goes (a
-//! per-page count of holders, `(tenant, namespace, part)`). A router indexes `STORAGE` pages in one shared set, so
+//! per-page list of holders, `(tenant, namespace, part)`) — or, with
+//! [`KvEventsConfig::parts_per_page`] N (the engines' ranks × KV groups), stored once N parts
+//! are readable under one tenant and namespace and removed when none keeps N: an engine
+//! loads a page only with every rank's part, so a page the store holds partly (one rank's
+//! object evicted) is not credited to it. A router indexes `STORAGE` pages in one shared set, so
 //! [`KvEventsConfig::namespaces`] restricts a stream to the namespaces (models and layouts)
 //! of the engines behind that router; without it, every namespace's pages are one set.
 //!
@@ -75,6 +79,11 @@ pub struct KvEventsConfig {
     /// it; routers that key by block hash (kvtier's `--keys engine`) ignore it.
     #[serde(default = "default_block_size")]
     pub block_size: u32,
+    /// Parts a page needs under one tenant and namespace to be published as stored: 1 (the
+    /// default) publishes a page while any of its objects is readable; the engines'
+    /// tensor-parallel ranks × KV groups publishes only pages an engine can load whole.
+    #[serde(default = "default_parts_per_page")]
+    pub parts_per_page: u32,
     /// Batches the replay socket keeps.
     #[serde(default = "default_buffer_steps")]
     pub buffer_steps: usize,
@@ -106,6 +115,9 @@ pub enum Delivery {
 fn default_block_size() -> u32 {
     16
 }
+fn default_parts_per_page() -> u32 {
+    1
+}
 fn default_buffer_steps() -> usize {
     10_000
 }
@@ -121,6 +133,7 @@ impl KvEventsConfig {
             replay_endpoint: None,
             namespaces: Vec::new(),
             block_size: default_block_size(),
+            parts_per_page: default_parts_per_page(),
             buffer_steps: default_buffer_steps(),
             flush_interval: default_flush_interval(),
             block_hashes: BlockHashes::default(),
@@ -159,9 +172,14 @@ impl KvEventsConfig {
                 return Err(KvEventsError::BadNamespace(n.clone()));
             }
         }
-        if self.block_size == 0 || self.buffer_steps == 0 || self.flush_interval.is_zero() {
+        if self.block_size == 0
+            || self.parts_per_page == 0
+            || self.buffer_steps == 0
+            || self.flush_interval.is_zero()
+        {
             return Err(KvEventsError::Config(
-                "block_size, buffer_steps and flush_interval must be positive".into(),
+                "block_size, parts_per_page, buffer_steps and flush_interval must be positive"
+                    .into(),
             ));
         }
         Ok(())
@@ -240,10 +258,31 @@ enum Change {
     Cleared,
 }
 
+/// One object of a page: which (tenant, namespace) holds it, and which part (hashes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Holder {
+    scope: u64,
+    part: u64,
+}
+
+/// Whether some (tenant, namespace) holds at least `n` parts of a page (its holders are
+/// distinct; a page has a few: ranks × KV groups × tenants).
+fn complete(holders: &[Holder], n: u32) -> bool {
+    let n = n as usize;
+    if n <= 1 {
+        return !holders.is_empty();
+    }
+    holders
+        .iter()
+        .any(|h| holders.iter().filter(|o| o.scope == h.scope).count() >= n)
+}
+
 #[derive(Debug, Default)]
 struct State {
-    /// Per resident page, who holds it: a hash of (tenant, namespace, rank) per object.
-    holders: HashMap<PageHash, Vec<u64>>,
+    /// Per page with a readable object, who holds it.
+    holders: HashMap<PageHash, Vec<Holder>>,
+    /// Pages resident as published: complete ([`complete`]).
+    resident: u64,
     /// Changes not yet published; only kept once the sockets are bound (before, the first
     /// batch is made from `holders`).
     out: Vec<Change>,
@@ -385,11 +424,16 @@ impl StorageEvents {
             return;
         }
         let mut h = std::hash::DefaultHasher::new();
-        (t.as_str(), k.namespace, k.part).hash(&mut h);
-        let holder = h.finish();
+        (t.as_str(), k.namespace).hash(&mut h);
+        let holder = Holder {
+            scope: h.finish(),
+            part: k.part,
+        };
+        let n = self.shared.cfg.parts_per_page;
         let mut st = self.shared.lock();
         let State {
             holders,
+            resident,
             out,
             bound,
             ..
@@ -398,9 +442,13 @@ impl StorageEvents {
             Residency::Readable => {
                 let hs = holders.entry(k.page).or_default();
                 if !hs.contains(&holder) {
+                    let was = complete(hs, n);
                     hs.push(holder);
-                    if hs.len() == 1 && *bound {
-                        out.push(Change::Stored(k.page));
+                    if !was && complete(hs, n) {
+                        *resident += 1;
+                        if *bound {
+                            out.push(Change::Stored(k.page));
+                        }
                     }
                 }
             }
@@ -408,12 +456,16 @@ impl StorageEvents {
                 if let Some(hs) = holders.get_mut(&k.page)
                     && let Some(i) = hs.iter().position(|x| *x == holder)
                 {
+                    let was = complete(hs, n);
                     hs.swap_remove(i);
-                    if hs.is_empty() {
-                        holders.remove(&k.page);
+                    if was && !complete(hs, n) {
+                        *resident -= 1;
                         if *bound {
                             out.push(Change::Removed(k.page));
                         }
+                    }
+                    if hs.is_empty() {
+                        holders.remove(&k.page);
                     }
                 }
             }
@@ -484,7 +536,7 @@ impl KvEventsHandle {
     pub fn stats(&self) -> KvEventsStats {
         let st = self.shared.lock();
         KvEventsStats {
-            resident_pages: st.holders.len() as u64,
+            resident_pages: st.resident,
             ..st.stats
         }
     }
@@ -587,8 +639,13 @@ impl Shared {
         *slot = Some(p);
         let mut st = self.lock();
         st.bound = true;
-        let first =
-            std::iter::once(Change::Cleared).chain(st.holders.keys().map(|h| Change::Stored(*h)));
+        let n = cfg.parts_per_page;
+        let first = std::iter::once(Change::Cleared).chain(
+            st.holders
+                .iter()
+                .filter(|(_, hs)| complete(hs, n))
+                .map(|(p, _)| Change::Stored(*p)),
+        );
         st.out = first.collect();
         Ok(())
     }

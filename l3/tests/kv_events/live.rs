@@ -129,6 +129,36 @@ fn puts_removes_and_evictions_come_out_as_storage_events_ranks_as_one_block() {
     );
 }
 
+/// `--kv-events-parts-per-page 2` (two tensor-parallel ranks): a page is published once both
+/// ranks' objects are readable under one tenant, and removed as soon as either goes (an
+/// engine loads a page only with every rank's part); two tenants' single ranks make no page.
+#[test]
+fn with_parts_per_page_a_page_is_stored_only_while_every_rank_holds_it() {
+    let (p, ev, _) = store(&["--kv-events-parts-per-page", "2"]);
+    let mut sub = Sub::connect(&ev);
+    let c = client(p.addr, None);
+    let hs = pages(&prompt(3, 2));
+    let (h0, h1) = (wire(&hs[0]), wire(&hs[1]));
+    put(&c, "a", &key("m1", &hs[0], 0), 100);
+    put(&c, "a", &key("m1", &hs[1], 0), 100);
+    put(&c, "b", &key("m1", &hs[1], 1), 100);
+    sub.drain(Duration::from_millis(300));
+    assert!(sub.resident().is_empty(), "one rank each: {:?}", sub.events);
+    put(&c, "a", &key("m1", &hs[0], 1), 100);
+    sub.until("page 0 with both ranks", |s| s.resident().contains(&h0));
+    assert!(
+        !sub.resident().contains(&h1),
+        "page 1's ranks are two tenants'"
+    );
+    c.remove(&t("a"), &key("m1", &hs[0], 0), false).unwrap();
+    sub.until("page 0 removed with its rank 0", |s| {
+        !s.resident().contains(&h0)
+    });
+    put(&c, "a", &key("m1", &hs[0], 0), 100);
+    sub.until("page 0 back", |s| s.resident().contains(&h0));
+    assert_eq!(sub.stored_count(h0), 2, "stored, removed, stored");
+}
+
 #[test]
 fn a_dead_nodes_pages_are_removed_and_a_node_role_refuses_the_flag() {
     let (ev, rep) = (free_endpoint(), free_endpoint());
