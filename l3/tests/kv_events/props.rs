@@ -287,7 +287,7 @@ fn pull_and_sockets_do_not_mix() {
 }
 
 #[test]
-fn a_bad_endpoint_in_the_config_is_a_typed_error() {
+fn a_bad_endpoint_or_part_count_in_the_config_is_a_typed_error() {
     for bad in ["tcp://127.0.0.1", "udp://x:1"] {
         let r = EmbeddedStore::new(StoreConfig {
             kv_events: Some(KvEventsConfig::new(bad)),
@@ -297,6 +297,18 @@ fn a_bad_endpoint_in_the_config_is_a_typed_error() {
             Err(kvtier_l3::L3Error::InvalidParams(m)) => assert!(m.contains("ZMQ endpoint"), "{m}"),
             other => panic!("{bad}: {:?}", other.err()),
         }
+    }
+    // a page needs at least one part
+    let r = EmbeddedStore::new(StoreConfig {
+        kv_events: Some(KvEventsConfig {
+            parts_per_page: 0,
+            ..KvEventsConfig::pull()
+        }),
+        ..StoreConfig::default()
+    });
+    match r {
+        Err(kvtier_l3::L3Error::InvalidParams(m)) => assert!(m.contains("parts_per_page"), "{m}"),
+        other => panic!("parts_per_page 0: {:?}", other.err()),
     }
 }
 
