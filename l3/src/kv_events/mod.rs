@@ -269,9 +269,6 @@ struct Holder {
 /// distinct; a page has a few: ranks × KV groups × tenants).
 fn complete(holders: &[Holder], n: u32) -> bool {
     let n = n as usize;
-    if n <= 1 {
-        return !holders.is_empty();
-    }
     holders
         .iter()
         .any(|h| holders.iter().filter(|o| o.scope == h.scope).count() >= n)
