@@ -136,6 +136,32 @@ def test_remove_all_and_server_lifecycle():
         kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=2000).put("a", b"1")
 
 
+@pytest.mark.parametrize("where", ["embedded", "remote"])
+@pytest.mark.parametrize("most", [1, 4096, 1 << 20])
+def test_object_limits_are_read_without_a_put(where, most):
+    """``max_object_bytes`` (the server's, for a client) and ``object_refusal``: a page size is
+    checked against the store's limits, nothing written; the limit given is the one enforced."""
+    from kvtier.l3_limits import object_refusal
+
+    seg = 1 << 16
+    srv = kvtier.L3Server(seg, max_object_bytes=most) if where == "remote" else None
+    try:
+        s = kvtier.L3Store.connect(srv.addr) if srv else kvtier.L3Store.embedded(seg, max_object_bytes=most)
+        assert s.max_object_bytes == most
+        for n in sorted({1, most, most + 1, seg, seg + 1}):
+            why = object_refusal(s, n)
+            assert (why is None) == (n <= min(most, seg)), (n, why)
+            if n <= most:  # what a put does with an object of n bytes agrees
+                try:
+                    s.put(f"k{n}", bytes(n))
+                    assert why is None
+                except kvtier.L3Error:
+                    assert why is not None
+    finally:
+        if srv:
+            srv.shutdown()
+
+
 def test_remote_token():
     srv = kvtier.L3Server(1 << 20, token="s3cret")
     try:

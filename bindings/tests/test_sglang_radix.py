@@ -6,6 +6,8 @@ were computed with, so a page loaded from the wrong slot or another model's byte
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -226,6 +228,30 @@ def test_config_errors_are_typed_at_startup(l3server):
             Engine(kvtier_cache(host_pages=4, l3="server", server=small.addr), page_size=64)
     finally:
         small.shutdown()
+
+
+@pytest.mark.parametrize("where", ["embedded", "server"])
+def test_starting_a_backend_on_a_full_store_evicts_nothing(where):
+    """The page-size check at startup writes nothing: the probe put it made before evicted
+    real pages from a full store for every backend started."""
+    page = PS * 64  # this file's engine shape: 64 bytes per token
+    seg = 1 << 20
+    srv = kvtier.L3Server(seg) if where == "server" else None
+    name = f"full-{where}-{os.getpid()}"
+    try:
+        store = kvtier.L3Store.connect(srv.addr) if srv else kvtier.L3Store.embedded(seg, name=name)
+        # Filled to one page below the high watermark (0.9): one more page's put evicts.
+        keys = [f"other:{i}" for i in range(int(seg * 0.9) // page)]
+        for k in keys:
+            store.put(k, bytes(page))
+        assert store.stats()["mem_used_bytes"] + page > 0.9 * store.stats()["mem_capacity_bytes"]
+        cfg = dict(l3="server", server=srv.addr) if srv else dict(l3="embedded", segment_bytes=str(seg), name=name)
+        for _ in range(3):
+            Engine(kvtier_cache(host_pages=8, **cfg))
+        assert all(c == 1 for c in store.batch_is_exist(keys)), "a backend's startup evicted pages"
+    finally:
+        if srv:
+            srv.shutdown()
 
 
 @settings(max_examples=16, deadline=None)

@@ -235,4 +235,9 @@ pub trait L3Store: Send + Sync {
     /// the journal's end. Each reader keeps its own cursor, so readers never take entries
     /// from each other. -1011 when the store keeps no journal. See [`Losses`].
     fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses>;
+    /// The largest object a put accepts (`StoreConfig::max_object_bytes`; a server's as its
+    /// `hello` said; 0 where nothing is accepted, a standby). What a client checks its page
+    /// size against at startup: a probe put would tell too, but on a full store it evicts a
+    /// real object for every client started.
+    fn max_object_bytes(&self) -> u64;
 }

@@ -256,6 +256,14 @@ impl PyL3Store {
         self.tenant.as_str().to_string()
     }
 
+    /// The largest object a put accepts (the server's, for a remote store). Checking a page
+    /// size against it (and `stats()["mem_capacity_bytes"]`) writes nothing, where a probe put
+    /// on a full store evicts a real object.
+    #[getter]
+    fn max_object_bytes(&self) -> u64 {
+        self.store.max_object_bytes()
+    }
+
     /// Whether the store runs in this process.
     #[getter]
     fn is_embedded(&self) -> bool {

@@ -128,6 +128,29 @@ def test_tenants_are_separate_maps(engines):
     assert c.external_tokens == FULL
 
 
+@pytest.mark.parametrize("where", ["embedded", "server"])
+def test_starting_an_engine_on_a_full_store_evicts_nothing(engines, where):
+    """An engine checks at startup that one chunk fits the store, without writing one: the
+    probe put it made before evicted real chunks from a full store for every engine started
+    (and made the evicting-store test below flaky)."""
+    seg = 6 * 8192 + 4096
+    srv = L3Process(token=None, segment_bytes=seg) if where == "server" else None
+    try:
+        t = tier(server=srv.addr) if srv else tier(segment_bytes=seg, name=f"t-{uuid.uuid4().hex[:8]}")
+        prompts = [list(range(1000 * i, 1000 * i + FULL + 3)) for i in range(3)]
+        e1 = engines([t])
+        serve(e1, prompts)
+        held = [e1.tier.key(k) for p in prompts for k in e1.tier_keys_of(p)
+                if e1.tier.store.is_exist(e1.tier.key(k))]
+        assert len(held) >= 4, "the store is full of chunks"
+        for _ in range(3):
+            engines([t])
+        assert [k for k in held if e1.tier.store.is_exist(k)] == held
+    finally:
+        if srv:
+            srv.kill()
+
+
 def test_an_evicting_store_gives_misses_never_wrong_bytes(engines):
     # Room for ~6 chunks of 8 KiB: 12 prompts of 4 chunks each evict most of each other.
     t = tier(segment_bytes=6 * 8192 + 4096, name=f"t-{uuid.uuid4().hex[:8]}")

@@ -564,14 +564,15 @@ impl L3Store for ClusterMaster {
     fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses> {
         self.master.lock().losses_since(tenant, cursor)
     }
+
+    fn max_object_bytes(&self) -> u64 {
+        self.cfg.max_object_bytes
+    }
 }
 
 impl Backend for ClusterMaster {
     fn max_batch_keys(&self) -> usize {
         self.cfg.max_batch_keys
-    }
-    fn max_object_bytes(&self) -> u64 {
-        self.cfg.max_object_bytes
     }
     fn epoch(&self) -> u64 {
         self.lease.as_ref().map_or(0, |l| l.epoch())

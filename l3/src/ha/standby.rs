@@ -217,13 +217,14 @@ impl L3Store for Standby {
         stats() -> L3Result<StoreStats>;
         losses_since(&Tenant, Option<LossCursor>) -> L3Result<Losses>;
     }
+
+    fn max_object_bytes(&self) -> u64 {
+        0
+    }
 }
 
 impl Backend for Standby {
     fn max_batch_keys(&self) -> usize {
-        0
-    }
-    fn max_object_bytes(&self) -> u64 {
         0
     }
     fn get_blobs(&self, _: &Tenant, _: &[String]) -> BatchResult<Blob> {

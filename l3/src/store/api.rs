@@ -314,6 +314,10 @@ impl L3Store for EmbeddedStore {
         self.inner.master.lock().losses_since(tenant, cursor)
     }
 
+    fn max_object_bytes(&self) -> u64 {
+        self.config().max_object_bytes
+    }
+
     fn stats(&self) -> L3Result<StoreStats> {
         let mut s = self.inner.master.lock().stats();
         if let Some(t) = &self.inner.ssd {

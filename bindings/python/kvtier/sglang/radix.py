@@ -60,6 +60,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 import kvtier
 
+from ..l3_limits import object_refusal
 from ..mooncake_compat._setup import parse_size
 from ..namespace import l3_namespace
 from .config import (  # noqa: F401  (re-exported: kvtier.sglang.radix is where users look)
@@ -243,20 +244,15 @@ class KvtierRadixCache(RadixCache):
 
     def _check_page_fits(self, store: kvtier.L3Store, page_bytes: int, ps: int) -> None:
         """One page is one L3 object: a store that refuses an object of a page's size cannot
-        serve this page size (``UnsupportedPageSizeError`` at startup, not at the first backup)."""
-        key = f"{self.namespace}:kvtier-page-size-check"
+        serve this page size (``UnsupportedPageSizeError`` at startup, not at the first backup).
+        Asked of the store's limits, writing nothing (l3_limits.py)."""
         try:
-            store.put(key, np.zeros(page_bytes, np.uint8))
-        except kvtier.ObjectAlreadyExistsError:
-            pass
+            why = object_refusal(store, page_bytes)
         except kvtier.L3Error as e:
+            why = repr(e)
+        if why is not None:
             raise UnsupportedPageSizeError(
-                f"page_size {ps}: a page is {page_bytes} bytes, which the L3 store refuses to hold ({e})"
-            ) from None
-        try:
-            store.remove(key, True)
-        except kvtier.L3Error:
-            pass
+                f"page_size {ps}: a page is {page_bytes} bytes, which the L3 store refuses to hold ({why})")
 
     def reset(self) -> None:
         super().reset()

@@ -30,7 +30,6 @@ import os
 import queue
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from operator import attrgetter
@@ -54,6 +53,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 import kvtier
 
+from ..l3_limits import object_refusal
 from ..mooncake_compat._setup import parse_size
 from .keys import l3_key, namespace_of
 from .manager_metrics import add_increases, new_connector_stats
@@ -295,16 +295,16 @@ class KvtierSecondaryTier(SecondaryTierManager):
             raise
 
     def _check_chunk_fits(self) -> None:
-        """One chunk-sized put and remove: a store that cannot hold vLLM's chunk (object or
-        segment limit) is a startup error, not a failed job per chunk forever after."""
-        probe = f"{self.namespace}:kvtier-probe-{uuid.uuid4().hex}"
+        """A store that cannot hold vLLM's chunk (object or segment limit) is a startup error,
+        not a failed job per chunk forever after; asked of the store's limits, writing
+        nothing (l3_limits.py)."""
         try:
-            self.store.put(probe, bytes(self.chunk_bytes))
-            self.store.remove(probe, True)
+            why = object_refusal(self.store, self.chunk_bytes)
         except kvtier.L3Error as e:
+            why = repr(e)
+        if why is not None:
             raise VllmTierConfigError(
-                f"kvtier tier: the L3 store cannot hold one vLLM chunk of {self.chunk_bytes} bytes: {e!r}"
-            ) from e
+                f"kvtier tier: the L3 store cannot hold one vLLM chunk of {self.chunk_bytes} bytes: {why}")
 
     def key(self, offload_key: OffloadKey) -> str:
         return l3_key(self.namespace, offload_key) + self._suffix

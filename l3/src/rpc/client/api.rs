@@ -357,6 +357,10 @@ impl L3Store for RemoteStore {
     fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses> {
         self.run(self.rpc().losses_since(self.ctx(), tenant.clone(), cursor))
     }
+
+    fn max_object_bytes(&self) -> u64 {
+        self.limits.max_object_bytes
+    }
 }
 
 impl RemoteStore {

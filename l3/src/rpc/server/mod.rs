@@ -85,8 +85,6 @@ impl Default for ServerOptions {
 pub trait Backend: L3Store + 'static {
     /// Most keys per batch.
     fn max_batch_keys(&self) -> usize;
-    /// Largest object.
-    fn max_object_bytes(&self) -> u64;
     /// Whether this is the master of a split deployment (bytes live on store nodes).
     fn is_cluster_master(&self) -> bool {
         false
@@ -123,9 +121,6 @@ pub trait Backend: L3Store + 'static {
 impl Backend for EmbeddedStore {
     fn max_batch_keys(&self) -> usize {
         self.config().max_batch_keys
-    }
-    fn max_object_bytes(&self) -> u64 {
-        self.config().max_object_bytes
     }
     fn get_blobs(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<Blob> {
         self.batch_get_blobs(tenant, keys)
