@@ -4,8 +4,10 @@
 //! - a PUB socket sending three frames per batch: topic, the batch's sequence number (8 bytes,
 //!   big-endian, from 0) and the msgpack `KVEventBatch` ([`crate::wire`]);
 //! - optionally a ROUTER replay socket: a request `[identity, "", start_seq]` is answered with
-//!   `[identity, "", seq, payload]` for every kept batch from `start_seq` on, then
-//!   `[identity, "", -1, ""]`.
+//!   `[identity, "", topic, seq, payload]` for every kept batch from `start_seq` on, then
+//!   `[identity, "", "", -1, ""]` (vLLM 0.32 on; before, the replies had no topic frame). The
+//!   topic on every frame lets a subscriber check that a replayed batch is of the stream it
+//!   expects (a store's stream of one namespace: the topic is the namespace).
 //!
 //! kvtier adds one request to the replay socket: `start_seq = -2` ([`SNAPSHOT_REQUEST`]) asks
 //! for the whole resident state instead of history, answered as one batch (`AllBlocksCleared`
@@ -360,14 +362,14 @@ impl Worker {
             );
         }
         for (seq, p) in replies {
-            if r.send_multipart([&id[..], b"", &seq, &p], zmq::DONTWAIT)
+            if r.send_multipart([&id[..], b"", &self.topic[..], &seq, &p], zmq::DONTWAIT)
                 .is_err()
             {
                 return;
             }
         }
         // a failed end marker: the requester times out and asks again
-        if let Err(e) = r.send_multipart([&id[..], b"", &END_SEQ[..], b""], zmq::DONTWAIT) {
+        if let Err(e) = r.send_multipart([&id[..], b"", b"", &END_SEQ[..], b""], zmq::DONTWAIT) {
             eprintln!("kvtier-events: replay end not sent: {e}");
         }
     }

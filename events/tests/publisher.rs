@@ -44,12 +44,14 @@ fn ts(i: usize) -> f64 {
 
 struct Client {
     _ctx: zmq::Context,
+    /// The publisher's topic, checked on every live and replayed batch.
+    topic: Vec<u8>,
     sub: zmq::Socket,
     replay: zmq::Socket,
 }
 
 impl Client {
-    fn connect(p: &Publisher) -> Self {
+    fn connect(p: &Publisher, topic: &str) -> Self {
         let ctx = zmq::Context::new();
         let sub = ctx.socket(zmq::SUB).unwrap();
         sub.set_subscribe(b"").unwrap();
@@ -72,6 +74,7 @@ impl Client {
         std::thread::sleep(Duration::from_millis(200));
         Self {
             _ctx: ctx,
+            topic: topic.as_bytes().to_vec(),
             sub,
             replay,
         }
@@ -82,15 +85,17 @@ impl Client {
         self.replay.send_multipart([&b""[..], &start], 0).unwrap();
         let mut out = Vec::new();
         loop {
+            // vLLM 0.32's replies: [empty, topic, seq, payload], the end [empty, empty, -1, empty]
             let f = self.replay.recv_multipart(0).expect("a replay reply");
-            assert_eq!(f.len(), 3, "[empty, seq, payload]");
+            assert_eq!(f.len(), 4, "[empty, topic, seq, payload]");
             assert!(f[0].is_empty());
-            let seq = i64::from_be_bytes(f[1].as_slice().try_into().unwrap());
+            let seq = i64::from_be_bytes(f[2].as_slice().try_into().unwrap());
             if seq == -1 {
-                assert!(f[2].is_empty());
+                assert!(f[1].is_empty() && f[3].is_empty(), "the end marker");
                 return out;
             }
-            out.push((seq, f[2].clone()));
+            assert_eq!(f[1], self.topic, "a replayed batch names its topic");
+            out.push((seq, f[3].clone()));
         }
     }
 
@@ -102,6 +107,7 @@ impl Client {
         while out.last().map(|l| l.0) != Some(last) && std::time::Instant::now() < deadline {
             if let Ok(f) = self.sub.recv_multipart(0) {
                 assert_eq!(f.len(), 3, "[topic, seq, payload]");
+                assert_eq!(f[0], self.topic, "a live batch names its topic");
                 out.push((
                     i64::from_be_bytes(f[1].as_slice().try_into().unwrap()),
                     f[2].clone(),
@@ -116,6 +122,7 @@ impl Client {
 fn live_stream_and_replay_carry_every_batch_in_order() {
     let p = Publisher::bind(PublisherConfig {
         block_size: 4,
+        topic: "model-a".into(),
         ..Default::default()
     })
     .unwrap();
@@ -123,7 +130,7 @@ fn live_stream_and_replay_carry_every_batch_in_order() {
     for (i, b) in all[..5].iter().enumerate() {
         assert_eq!(p.publish(ts(i), b).unwrap(), i as u64);
     }
-    let c = Client::connect(&p); // joined late: batches 0..5 only by replay
+    let c = Client::connect(&p, "model-a"); // joined late: batches 0..5 only by replay
     for (i, b) in all.iter().enumerate().skip(5) {
         assert_eq!(p.publish(ts(i), b).unwrap(), i as u64);
     }
@@ -178,7 +185,7 @@ fn a_subscriber_whose_history_is_gone_recovers_from_a_snapshot() {
         ..Default::default()
     })
     .unwrap();
-    let c = Client::connect(&p);
+    let c = Client::connect(&p, "");
     assert_eq!(
         c.request(SNAPSHOT_REQUEST),
         vec![],

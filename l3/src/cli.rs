@@ -205,12 +205,21 @@ struct Args {
     /// namespace). Keys are `{namespace}:{page hash hex}:{rank}`.
     #[arg(long, requires = "kv_events")]
     kv_events_namespace: Vec<String>,
-    /// With --kv-events: the `block_size` (tokens per page) stated in `BlockStored`.
+    /// One more event stream, of one namespace's pages: `NAMESPACE=PUB[,REPLAY][,parts=N]`
+    /// (ZMQ endpoints as for --kv-events; `parts=N` overrides --kv-events-parts-per-page for
+    /// this stream; repeatable). Each stream has its own sequence numbers, replay socket and
+    /// topic (the namespace), so the routers of several models sharing this store each
+    /// follow their own (`kvtier-router --storage …,topic=NAMESPACE`).
+    #[arg(long = "kv-events-stream", value_parser = parse_stream)]
+    kv_events_stream: Vec<StreamArg>,
+    /// With --kv-events or --kv-events-stream: the `block_size` (tokens per page) stated in
+    /// `BlockStored`.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     kv_events_block_size: u32,
-    /// With --kv-events: publish a page once this many of its parts (the engines'
-    /// tensor-parallel ranks × KV groups) are readable under one tenant and namespace, and
-    /// remove it when none keeps that many (default 1: while any part is readable).
+    /// With --kv-events or --kv-events-stream: publish a page once this many of its parts
+    /// (the engines' tensor-parallel ranks × KV groups) are readable under one tenant and
+    /// namespace, and remove it when none keeps that many (default 1: while any part is
+    /// readable).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     kv_events_parts_per_page: u32,
 }
@@ -219,6 +228,38 @@ fn parse_endpoint(s: &str) -> Result<String, String> {
     crate::kv_events::check_endpoint(s)
         .map(|()| s.to_string())
         .map_err(|e| e.to_string())
+}
+
+/// A `--kv-events-stream` value: the stream, and its own part count if it names one.
+#[derive(Clone, Debug)]
+struct StreamArg {
+    cfg: crate::kv_events::KvEventsConfig,
+    parts: Option<u32>,
+}
+
+fn parse_stream(s: &str) -> Result<StreamArg, String> {
+    let usage = || format!("expected NAMESPACE=PUB[,REPLAY][,parts=N], got {s:?}");
+    let (ns, rest) = s.split_once('=').ok_or_else(usage)?;
+    let mut items = rest.split(',');
+    let events = parse_endpoint(items.next().unwrap_or_default())?;
+    let mut cfg = crate::kv_events::KvEventsConfig::for_namespace(ns, events);
+    let mut parts = None;
+    for item in items {
+        if let Some(n) = item.strip_prefix("parts=") {
+            let n = n
+                .parse::<u32>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("parts={n:?} in {s:?}: a positive integer"))?;
+            parts = parts.map_or(Ok(Some(n)), |_| Err(usage()))?;
+        } else if cfg.replay_endpoint.is_none() {
+            cfg.replay_endpoint = Some(parse_endpoint(item)?);
+        } else {
+            return Err(usage());
+        }
+    }
+    cfg.validate().map_err(|e| e.to_string())?;
+    Ok(StreamArg { cfg, parts })
 }
 
 fn parse_quota(s: &str) -> Result<(String, u64), String> {
@@ -305,22 +346,37 @@ fn run(args: Args) -> Result<(), String> {
         _ => SocketAddr::from(([127, 0, 0, 1], 50051)),
     });
     if args.role == Role::Node {
-        if args.kv_events.is_some() {
-            return Err("--kv-events is published by the master (--role master or both)".into());
+        for (given, flag) in [
+            (args.kv_events.is_some(), "--kv-events"),
+            (!args.kv_events_stream.is_empty(), "--kv-events-stream"),
+        ] {
+            if given {
+                return Err(format!(
+                    "{flag} is published by the master (--role master or both)"
+                ));
+            }
         }
         return run_node(&args, listen, token, ssd);
     }
-    let kv_events = args.kv_events.as_ref().map(|ep| {
+    let mut kv_events: Vec<crate::kv_events::KvEventsConfig> = Vec::new();
+    if let Some(ep) = &args.kv_events {
         let mut c = crate::kv_events::KvEventsConfig::new(ep.clone());
         c.replay_endpoint = args.kv_events_replay.clone();
         c.namespaces = args.kv_events_namespace.clone();
+        kv_events.push(c);
+    }
+    for c in &mut kv_events {
         c.block_size = args.kv_events_block_size;
         c.parts_per_page = args.kv_events_parts_per_page;
-        c
-    });
-    if let Some(c) = &kv_events {
-        c.validate().map_err(|e| e.to_string())?;
     }
+    for s in &args.kv_events_stream {
+        kv_events.push(crate::kv_events::KvEventsConfig {
+            block_size: args.kv_events_block_size,
+            parts_per_page: s.parts.unwrap_or(args.kv_events_parts_per_page),
+            ..s.cfg.clone()
+        });
+    }
+    crate::kv_events::validate_streams(&kv_events).map_err(|e| e.to_string())?;
     if args.role == Role::Master && ssd.is_some() {
         return Err("a master holds no SSD tier: give --ssd-dir to the nodes".into());
     }
@@ -410,16 +466,22 @@ fn run(args: Args) -> Result<(), String> {
     Ok(())
 }
 
-/// Says on stderr where KV events are published (a `*` port filled in).
-pub(crate) fn announce_kv_events(ev: Option<crate::kv_events::KvEventsHandle>) {
-    if let Some(ev) = ev {
+/// Says on stderr where KV events are published (a `*` port filled in), a line per stream.
+pub(crate) fn announce_kv_events(streams: Vec<crate::kv_events::KvEventsHandle>) {
+    for ev in streams {
         let state = if ev.bound() {
             "publishing"
         } else {
             "will publish (address busy)"
         };
+        let topic = ev.topic();
+        let topic = if topic.is_empty() {
+            String::new()
+        } else {
+            format!(", topic {topic:?}")
+        };
         eprintln!(
-            "kvtier-l3: {state} KV events on {} (replay {})",
+            "kvtier-l3: {state} KV events on {} (replay {}{topic})",
             ev.endpoint(),
             ev.replay_endpoint().as_deref().unwrap_or("none")
         );

@@ -155,11 +155,13 @@ pub struct StoreConfig {
     #[serde(default)]
     pub client_segments_max_bytes: Option<u64>,
     /// Publish the store's residency as KV cache events (medium `STORAGE`, vLLM's wire
-    /// format) for KV-aware routers ([`crate::kv_events`]); `None`: no events. Only a
-    /// process that holds the master publishes (embedded, `--role both`, `--role master`;
-    /// with etcd HA the leader).
+    /// format) for KV-aware routers ([`crate::kv_events`]), one stream per entry (a store
+    /// shared by several models: a stream per model's namespace,
+    /// [`crate::KvEventsConfig::for_namespace`], each with its own sequence numbers,
+    /// replay socket and topic); empty: no events. Only a process that holds the master
+    /// publishes (embedded, `--role both`, `--role master`; with etcd HA the leader).
     #[serde(default)]
-    pub kv_events: Option<crate::kv_events::KvEventsConfig>,
+    pub kv_events: Vec<crate::kv_events::KvEventsConfig>,
 }
 
 /// The host's physical memory (`MemTotal` of `/proc/meminfo`), the default cap on what
@@ -210,7 +212,7 @@ impl Default for StoreConfig {
             tenant_quota_bytes: Default::default(),
             idle_trim_after: default_idle_trim_after(),
             client_segments_max_bytes: None,
-            kv_events: None,
+            kv_events: Vec::new(),
         }
     }
 }
@@ -245,9 +247,7 @@ impl StoreConfig {
         for name in self.tenant_quota_bytes.keys() {
             crate::types::Tenant::new(name.as_str())?;
         }
-        if let Some(ev) = &self.kv_events {
-            ev.validate()?;
-        }
+        crate::kv_events::validate_streams(&self.kv_events)?;
         Ok(())
     }
 

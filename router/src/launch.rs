@@ -22,13 +22,17 @@ pub struct EndpointSpec {
     pub events: Option<String>,
     pub replay: Option<String>,
     pub url: Option<String>,
+    /// The topic the stream's batches must name (`topic=`): batches of another are refused
+    /// (`foreign_topic` in `/stats`), so a store's stream of another model's namespace is
+    /// never folded in. `None`: any topic.
+    pub topic: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SpecError {
-    #[error("{0:?}: expected key=value (keys: events, replay, url)")]
+    #[error("{0:?}: expected key=value (keys: events, replay, url, topic)")]
     NotKeyValue(String),
-    #[error("{0:?}: unknown key (keys: events, replay, url)")]
+    #[error("{0:?}: unknown key (keys: events, replay, url, topic)")]
     UnknownKey(String),
     #[error("{0:?}: given twice")]
     Repeated(String),
@@ -50,6 +54,7 @@ impl std::str::FromStr for EndpointSpec {
                 "events" => &mut out.events,
                 "replay" => &mut out.replay,
                 "url" => &mut out.url,
+                "topic" => &mut out.topic,
                 _ => return Err(SpecError::UnknownKey(k.into())),
             };
             if slot.is_some() {
@@ -57,6 +62,8 @@ impl std::str::FromStr for EndpointSpec {
             }
             let ok = if k == "url" {
                 v.starts_with("http://") && v.len() > 7
+            } else if k == "topic" {
+                true // any bytes, the empty topic too (`topic=`: vLLM's default)
             } else {
                 (v.starts_with("tcp://") || v.starts_with("ipc://")) && v.len() > 6
             };
@@ -245,18 +252,24 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     for (i, spec) in cfg.instances.iter().enumerate() {
         if let Some(ev) = &spec.events {
             let n = cluster.add_stream(&format!("instance {i}"), ev, Target::Instance(i));
-            subs.push((n, ev.clone(), spec.replay.clone()));
+            subs.push((n, ev.clone(), spec.replay.clone(), spec.topic.clone()));
         }
     }
-    if let Some(ev) = cfg.storage.as_ref().and_then(|s| s.events.clone()) {
-        let n = cluster.add_stream("storage", &ev, Target::Storage);
-        subs.push((n, ev, cfg.storage.as_ref().and_then(|s| s.replay.clone())));
+    if let Some(st) = &cfg.storage
+        && let Some(ev) = &st.events
+    {
+        let n = cluster.add_stream("storage", ev, Target::Storage);
+        subs.push((n, ev.clone(), st.replay.clone(), st.topic.clone()));
     }
     let cluster = Arc::new(Mutex::new(cluster));
     let stop = Arc::new(AtomicBool::new(false));
     let mut threads = Vec::new();
-    for (n, endpoint, replay) in subs {
-        let spec = StreamSpec { endpoint, replay };
+    for (n, endpoint, replay, topic) in subs {
+        let spec = StreamSpec {
+            endpoint,
+            replay,
+            topic,
+        };
         match subscriber::spawn(
             spec,
             n,

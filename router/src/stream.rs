@@ -50,6 +50,8 @@ pub struct StreamCounters {
     pub restarts: u64,
     /// Times the SUB socket connected again after losing its publisher (then resynced).
     pub reconnects: u64,
+    /// Live batches of a topic other than the stream's (`topic=`), dropped unread.
+    pub foreign_topic: u64,
 }
 
 /// Sequence-number state of one stream.

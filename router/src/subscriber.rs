@@ -26,6 +26,12 @@ pub struct StreamSpec {
     pub endpoint: String,
     /// Its replay ROUTER endpoint (`None`: no gap recovery, no snapshot).
     pub replay: Option<String>,
+    /// The topic every batch must name, live and replayed (`None`: any). A live batch of
+    /// another topic is dropped before its number is looked at (`foreign_topic`); a replay
+    /// answer holding one, or without topics (a publisher before vLLM 0.32's framing), is
+    /// no answer. So a stream of another model's pages is never folded in, whatever the
+    /// endpoint says.
+    pub topic: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -67,6 +73,7 @@ struct ZmqHistory {
     ctx: zmq::Context,
     endpoint: Option<String>,
     timeout: Duration,
+    topic: Option<Vec<u8>>,
 }
 
 impl History for ZmqHistory {
@@ -92,15 +99,21 @@ impl History for ZmqHistory {
                 _ => return None,
             }
             let frames = s.recv_multipart(0).ok()?;
-            // ["", seq, payload] (kvtier, vLLM before 0.32) or ["", topic, seq, payload]
-            // (vLLM 0.32 adds the topic, as on the PUB socket)
-            let (seq, payload) = match frames.as_slice() {
-                [_, seq, payload] | [_, _, seq, payload] => (seq, payload),
+            // ["", seq, payload] (vLLM before 0.32, kvtier before 2026-12-05) or
+            // ["", topic, seq, payload] (vLLM 0.32 adds the topic, as on the PUB socket)
+            let (topic, seq, payload) = match frames.as_slice() {
+                [_, seq, payload] => (None, seq, payload),
+                [_, topic, seq, payload] => (Some(topic), seq, payload),
                 _ => return None,
             };
             let seq = i64::from_be_bytes(<[u8; 8]>::try_from(seq.as_slice()).ok()?);
             if seq == -1 {
                 return Some(out);
+            }
+            if let Some(want) = &self.topic
+                && topic != Some(want)
+            {
+                return None; // another stream's history (or one that cannot say): none
             }
             out.push((seq, payload.clone()));
         }
@@ -139,6 +152,7 @@ pub fn spawn(
         ctx,
         endpoint: spec.replay,
         timeout: opts.replay_timeout,
+        topic: spec.topic.map(String::into_bytes),
     };
     std::thread::Builder::new()
         .name(format!("kvtier-router-sub-{stream}"))
@@ -174,6 +188,7 @@ fn follow(
     opts: SubscribeOptions,
 ) {
     let mut tracker = Tracker::new();
+    let topic = history.topic.clone();
     let lock = || cluster.lock().unwrap_or_else(PoisonError::into_inner);
     let mut sink = |a: Apply<'_>| lock().apply(stream, a);
     let publish = |t: &Tracker| {
@@ -225,6 +240,9 @@ fn follow(
         };
         last = Instant::now();
         match frames.as_slice() {
+            [t, _, _] if topic.as_ref().is_some_and(|want| want != t) => {
+                tracker.counters.foreign_topic += 1;
+            }
             [_, seq, payload] if seq.len() == 8 => {
                 let mut b = [0u8; 8];
                 b.copy_from_slice(seq);

@@ -221,7 +221,9 @@ impl Simulation {
                 // as a deployment's router does (taken each plan: the simulated clock).
                 kv_events: router
                     .wants_store_events()
-                    .then(kvtier_l3::KvEventsConfig::pull),
+                    .then(kvtier_l3::KvEventsConfig::pull)
+                    .into_iter()
+                    .collect(),
                 ..StoreConfig::default()
             })
             .map_err(|e| e.to_string())?;

@@ -77,10 +77,11 @@ class Subscriber:
         self.replay.send_multipart([b"", start])
         out = []
         while True:
-            empty, seq, payload = self.replay.recv_multipart()
+            # vLLM 0.32's replies, as its ZmqEventPublisher sends them: [empty, topic, seq, payload]
+            empty, topic, seq, payload = self.replay.recv_multipart()
             assert empty == b""
             if seq == END:
-                assert payload == b""
+                assert topic == b"" and payload == b""
                 return out
             out.append((int.from_bytes(seq, "big", signed=True), DECODER.decode(payload)))
 

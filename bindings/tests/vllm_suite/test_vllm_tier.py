@@ -379,7 +379,7 @@ def _store_snapshot(replay: str) -> set:
         d.send_multipart([b"", (-2).to_bytes(8, "big", signed=True)])
         out: set = set()
         while True:
-            empty, seq, payload = d.recv_multipart()
+            empty, _topic, seq, payload = d.recv_multipart()  # vLLM 0.32's replies
             assert empty == b""
             if seq == (-1).to_bytes(8, "big", signed=True):
                 return out

@@ -100,11 +100,11 @@ impl ClusterMaster {
         // Bound here, once this process serves the master. With etcd HA, once elected, and
         // retried while a deposed leader (paused, not yet restarted) still holds the
         // address: the events must never keep a leader from serving.
-        if let Some(ev) = &cfg.kv_events {
-            let binding = match durability {
-                Durability::Etcd(_) => crate::kv_events::Binding::Retry,
-                _ => crate::kv_events::Binding::AtStart,
-            };
+        let binding = match durability {
+            Durability::Etcd(_) => crate::kv_events::Binding::Retry,
+            _ => crate::kv_events::Binding::AtStart,
+        };
+        for ev in &cfg.kv_events {
             master.attach_events(crate::kv_events::StorageEvents::start(ev, binding)?);
         }
         let rebuild_deadline = clock
@@ -149,9 +149,9 @@ impl ClusterMaster {
         &self.clock
     }
 
-    /// The residency event stream (None unless `StoreConfig::kv_events`).
-    pub fn kv_events(&self) -> Option<crate::kv_events::KvEventsHandle> {
-        self.master.lock().events().map(|e| e.handle())
+    /// The residency event streams, in `StoreConfig::kv_events`' order (empty: none).
+    pub fn kv_events(&self) -> Vec<crate::kv_events::KvEventsHandle> {
+        self.master.lock().event_handles()
     }
 
     /// Stops the sweeper.
@@ -602,11 +602,9 @@ impl Backend for ClusterMaster {
             .store(evictions, std::sync::atomic::Ordering::Relaxed);
         let nodes = self.master.lock().live_nodes().len();
         let unsettled = self.master.lock().unsettled_total();
-        let events = self.master.lock().events().map(|e| e.handle());
+        let events = self.master.lock().event_handles();
         let mut text = self.metrics.render(&stats, &[]);
-        if let Some(ev) = events {
-            text.push_str(&ev.render_metrics());
-        }
+        text.push_str(&crate::kv_events::render_metrics(&events));
         text.push_str(&format!(
             "# HELP kvtier_l3_live_nodes Live store nodes\n# TYPE kvtier_l3_live_nodes gauge\nkvtier_l3_live_nodes {nodes}\n"
         ));

@@ -75,6 +75,12 @@ pub struct KvEventsConfig {
     /// Publish only keys of these namespaces (empty: every namespace).
     #[serde(default)]
     pub namespaces: Vec<String>,
+    /// The topic frame of every batch, live and replayed. `None` (the default): the namespace
+    /// when the stream carries exactly one, else empty. A router told the topic it expects
+    /// (`kvtier-router --storage …,topic=NS`) refuses batches of another, so one model's
+    /// stream is never folded in as another's ([`KvEventsConfig::wire_topic`]).
+    #[serde(default)]
+    pub topic: Option<String>,
     /// The `block_size` field of `BlockStored` (tokens per page). The store does not know
     /// it; routers that key by block hash (kvtier's `--keys engine`) ignore it.
     #[serde(default = "default_block_size")]
@@ -132,6 +138,7 @@ impl KvEventsConfig {
             endpoint: endpoint.into(),
             replay_endpoint: None,
             namespaces: Vec::new(),
+            topic: None,
             block_size: default_block_size(),
             parts_per_page: default_parts_per_page(),
             buffer_steps: default_buffer_steps(),
@@ -146,6 +153,25 @@ impl KvEventsConfig {
         Self {
             delivery: Delivery::Pull,
             ..Self::new(String::new())
+        }
+    }
+
+    /// A stream of one namespace's pages, on `endpoint`, its topic the namespace (one of
+    /// several streams of a store shared by several models: `kvtier-l3 --kv-events-stream`).
+    pub fn for_namespace(namespace: impl Into<String>, endpoint: impl Into<String>) -> Self {
+        Self {
+            namespaces: vec![namespace.into()],
+            ..Self::new(endpoint)
+        }
+    }
+
+    /// The topic frame published: [`KvEventsConfig::topic`], or the stream's namespace when
+    /// it carries exactly one, or empty.
+    pub fn wire_topic(&self) -> String {
+        match (&self.topic, self.namespaces.as_slice()) {
+            (Some(t), _) => t.clone(),
+            (None, [only]) => only.clone(),
+            (None, _) => String::new(),
         }
     }
 
@@ -184,6 +210,24 @@ impl KvEventsConfig {
         }
         Ok(())
     }
+}
+
+/// Checks a store's streams: each one's fields, and no two binding the same address.
+pub fn validate_streams(streams: &[KvEventsConfig]) -> Result<(), KvEventsError> {
+    let mut seen: Vec<&str> = Vec::new();
+    for s in streams {
+        s.validate()?;
+        let eps = std::iter::once(s.endpoint.as_str()).chain(s.replay_endpoint.as_deref());
+        for ep in eps.filter(|e| !e.is_empty() && !e.ends_with(":*")) {
+            if seen.contains(&ep) {
+                return Err(KvEventsError::Config(format!(
+                    "{ep:?} is given to two streams: each stream binds its own sockets"
+                )));
+            }
+            seen.push(ep);
+        }
+    }
+    Ok(())
 }
 
 /// Why the event stream cannot start.
@@ -538,60 +582,84 @@ impl KvEventsHandle {
         }
     }
 
-    /// Prometheus lines of the counters.
-    pub fn render_metrics(&self) -> String {
-        let s = self.stats();
-        let mut o = String::new();
-        for (name, help, kind, v) in [
-            (
-                "batches_total",
-                "Event batches published",
-                "counter",
-                s.batches,
-            ),
-            (
-                "stored_total",
-                "Pages published as stored (STORAGE)",
-                "counter",
-                s.stored,
-            ),
-            (
-                "removed_total",
-                "Pages published as removed (STORAGE)",
-                "counter",
-                s.removed,
-            ),
-            (
-                "unparsed_keys_total",
-                "Readable keys not published: not {namespace}:{64 hex}:{rank}",
-                "counter",
-                s.unparsed_keys,
-            ),
-            (
-                "other_namespace_keys_total",
-                "Readable keys not published: namespace not carried",
-                "counter",
-                s.other_namespace_keys,
-            ),
-            (
-                "failed_batches_total",
-                "Batches the publisher refused",
-                "counter",
-                s.failed_batches,
-            ),
-            (
-                "resident_pages",
-                "Pages published as resident now",
-                "gauge",
-                s.resident_pages,
-            ),
-        ] {
-            o.push_str(&format!(
-                "# HELP kvtier_l3_kv_events_{name} {help}\n# TYPE kvtier_l3_kv_events_{name} {kind}\nkvtier_l3_kv_events_{name} {v}\n"
-            ));
-        }
-        o
+    /// The topic frame this stream publishes ([`KvEventsConfig::wire_topic`]).
+    pub fn topic(&self) -> String {
+        self.shared.cfg.wire_topic()
     }
+}
+
+/// Prometheus lines of the streams' counters (`kvtier_l3_kv_events_*`): unlabelled for a
+/// single stream, labelled `stream` (its position) and `topic` when there are several.
+pub fn render_metrics(streams: &[KvEventsHandle]) -> String {
+    type Read = fn(&KvEventsStats) -> u64;
+    const SERIES: [(&str, &str, &str, Read); 7] = [
+        ("batches_total", "Event batches published", "counter", |s| {
+            s.batches
+        }),
+        (
+            "stored_total",
+            "Pages published as stored (STORAGE)",
+            "counter",
+            |s| s.stored,
+        ),
+        (
+            "removed_total",
+            "Pages published as removed (STORAGE)",
+            "counter",
+            |s| s.removed,
+        ),
+        (
+            "unparsed_keys_total",
+            "Readable keys not published: not {namespace}:{64 hex}:{rank}",
+            "counter",
+            |s| s.unparsed_keys,
+        ),
+        (
+            "other_namespace_keys_total",
+            "Readable keys not published: namespace not carried",
+            "counter",
+            |s| s.other_namespace_keys,
+        ),
+        (
+            "failed_batches_total",
+            "Batches the publisher refused",
+            "counter",
+            |s| s.failed_batches,
+        ),
+        (
+            "resident_pages",
+            "Pages published as resident now",
+            "gauge",
+            |s| s.resident_pages,
+        ),
+    ];
+    let stats: Vec<(String, KvEventsStats)> = streams
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let label = if streams.len() > 1 {
+                let topic = h.topic().replace('\\', "\\\\").replace('"', "\\\"");
+                format!("{{stream=\"{i}\",topic=\"{topic}\"}}")
+            } else {
+                String::new()
+            };
+            (label, h.stats())
+        })
+        .collect();
+    let mut o = String::new();
+    if stats.is_empty() {
+        return o;
+    }
+    for (name, help, kind, read) in SERIES {
+        o.push_str(&format!(
+            "# HELP kvtier_l3_kv_events_{name} {help}\n# TYPE kvtier_l3_kv_events_{name} {kind}\n"
+        ));
+        for (label, s) in &stats {
+            let v = read(s);
+            o.push_str(&format!("kvtier_l3_kv_events_{name}{label} {v}\n"));
+        }
+    }
+    o
 }
 
 impl Shared {
@@ -619,7 +687,7 @@ impl Shared {
         let p = Publisher::bind(PublisherConfig {
             endpoint: cfg.endpoint.clone(),
             replay_endpoint: cfg.replay_endpoint.clone(),
-            topic: String::new(),
+            topic: cfg.wire_topic(),
             buffer_steps: cfg.buffer_steps,
             block_size: cfg.block_size,
             hash_format: match cfg.block_hashes {

@@ -381,9 +381,10 @@ pub struct Master {
     members: rebuild::Membership,
     /// Leader epoch (etcd HA; 0 otherwise): stamped on put handles.
     epoch: u64,
-    /// The residency event stream (`StoreConfig::kv_events`): told of every object that
-    /// becomes readable and of every one that stops existing (what the loss journal names).
-    events: Option<crate::kv_events::StorageEvents>,
+    /// The residency event streams (`StoreConfig::kv_events`): each told of every object
+    /// that becomes readable and of every one that stops existing (what the loss journal
+    /// names), and each keeps the namespaces it carries.
+    events: Vec<crate::kv_events::StorageEvents>,
 }
 
 impl Master {
@@ -399,7 +400,7 @@ impl Master {
             settle_log: None,
             members: rebuild::Membership::default(),
             epoch: 0,
-            events: None,
+            events: Vec::new(),
             tick: 0,
             evictions_total: 0,
             losses: losses::LossJournal::new(policy.loss_journal_keys),
@@ -410,17 +411,22 @@ impl Master {
     /// Publishes this master's residency from now on (objects already here are not
     /// announced: attach before any object is registered).
     pub fn attach_events(&mut self, events: crate::kv_events::StorageEvents) {
-        self.events = Some(events);
+        self.events.push(events);
     }
 
-    /// The residency event stream, if one is attached.
-    pub fn events(&self) -> Option<&crate::kv_events::StorageEvents> {
-        self.events.as_ref()
+    /// The residency event streams attached, in order.
+    pub fn events(&self) -> &[crate::kv_events::StorageEvents] {
+        &self.events
+    }
+
+    /// A handle on each stream, in order (for use without the master's lock).
+    pub fn event_handles(&self) -> Vec<crate::kv_events::KvEventsHandle> {
+        self.events.iter().map(|e| e.handle()).collect()
     }
 
     /// An object of `t` became readable (put ended, or found again by a rescan or remount).
     pub(super) fn readable(&self, t: &Tenant, key: &str) {
-        if let Some(ev) = &self.events {
+        for ev in &self.events {
             ev.note(crate::kv_events::Residency::Readable, t, key);
         }
     }
@@ -461,7 +467,7 @@ impl Master {
 
     /// Records in the loss journal (and its durable log) that `key` of `t` is gone.
     pub(super) fn lose(&mut self, t: &Tenant, key: &str) {
-        if let Some(ev) = &self.events {
+        for ev in &self.events {
             ev.note(crate::kv_events::Residency::Gone, t, key);
         }
         if let Some(e) = self.losses.record(t, key)

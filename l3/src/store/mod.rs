@@ -75,7 +75,7 @@ impl EmbeddedStore {
         cfg.validate()?;
         let policy = MasterPolicy::from_config(&cfg);
         let mut master = Master::new(policy);
-        if let Some(ev) = &cfg.kv_events {
+        for ev in &cfg.kv_events {
             master.attach_events(crate::kv_events::StorageEvents::start(
                 ev,
                 crate::kv_events::Binding::AtStart,
@@ -163,9 +163,9 @@ impl EmbeddedStore {
         self.inner.render_metrics()
     }
 
-    /// The residency event stream (None unless `StoreConfig::kv_events`).
-    pub fn kv_events(&self) -> Option<crate::kv_events::KvEventsHandle> {
-        self.inner.master.lock().events().map(|e| e.handle())
+    /// The residency event streams, in `StoreConfig::kv_events`' order (empty: none).
+    pub fn kv_events(&self) -> Vec<crate::kv_events::KvEventsHandle> {
+        self.inner.master.lock().event_handles()
     }
 
     /// SSD tier numbers (None without an SSD tier).
@@ -388,10 +388,8 @@ impl Inner {
             ));
         }
         let mut text = self.metrics.render(&stats, &extra);
-        let events = self.master.lock().events().map(|e| e.handle());
-        if let Some(ev) = events {
-            text.push_str(&ev.render_metrics());
-        }
+        let events = self.master.lock().event_handles();
+        text.push_str(&crate::kv_events::render_metrics(&events));
         text
     }
 }

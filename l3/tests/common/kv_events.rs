@@ -103,6 +103,8 @@ pub struct Sub {
     pub events: Vec<Ev>,
     /// Sequence numbers received.
     pub seqs: Vec<u64>,
+    /// The topic frame of each batch received.
+    pub topics: Vec<Vec<u8>>,
 }
 
 impl Sub {
@@ -129,6 +131,7 @@ impl Sub {
             sub,
             events: Vec::new(),
             seqs: Vec::new(),
+            topics: Vec::new(),
         }
     }
 
@@ -138,6 +141,7 @@ impl Sub {
         while Instant::now() < end {
             if let Ok(f) = self.sub.recv_multipart(0) {
                 assert_eq!(f.len(), 3, "[topic, seq, payload]");
+                self.topics.push(f[0].clone());
                 self.seqs
                     .push(u64::from_be_bytes(f[1].as_slice().try_into().unwrap()));
                 self.events.extend(decode(&f[2]));
@@ -179,6 +183,17 @@ impl Sub {
     }
 }
 
+/// `n` distinct free loopback ZMQ endpoints (bound together, then released: one port
+/// bound and released may come back at once).
+pub fn free_endpoints(n: usize) -> Vec<String> {
+    let held: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    held.iter()
+        .map(|l| format!("tcp://{}", l.local_addr().unwrap()))
+        .collect()
+}
+
 /// A free loopback ZMQ endpoint (a port bound and released).
 pub fn free_endpoint() -> String {
     let a = std::net::TcpListener::bind("127.0.0.1:0")
@@ -215,13 +230,27 @@ pub fn router_with(
     page_size: usize,
     keys: kvtier_router::cluster::Keys,
 ) -> kvtier_router::launch::Running {
-    use kvtier_router::launch::{self, Config, EndpointSpec};
+    use kvtier_router::launch::EndpointSpec;
+    let storage = EndpointSpec {
+        events: Some(ev.into()),
+        replay: Some(rep.into()),
+        url: None,
+        topic: None,
+    };
+    router_on(rt, instances, storage, page_size, keys)
+}
+
+/// A router with `instances` and `storage` as `--storage`, keying pages by `keys`.
+pub fn router_on(
+    rt: &tokio::runtime::Runtime,
+    instances: Vec<kvtier_router::launch::EndpointSpec>,
+    storage: kvtier_router::launch::EndpointSpec,
+    page_size: usize,
+    keys: kvtier_router::cluster::Keys,
+) -> kvtier_router::launch::Running {
+    use kvtier_router::launch::{self, Config};
     let cfg = Config {
-        storage: Some(EndpointSpec {
-            events: Some(ev.into()),
-            replay: Some(rep.into()),
-            url: None,
-        }),
+        storage: Some(storage),
         model: kvtier_router::CostModel {
             page_size,
             ..kvtier_router::CostModel::h100_llama8b()

@@ -11,7 +11,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::kv_events::{
-    PS, Sub, free_endpoint, key, l3_pages_become, pages, prompt, router, wire,
+    PS, Sub, free_endpoint, free_endpoints, key, l3_pages_become, pages, prompt, router, router_on,
+    wire,
 };
 use crate::common::procs::{Proc, args, master, node, spawn};
 use crate::common::{client, t};
@@ -159,6 +160,109 @@ fn with_parts_per_page_a_page_is_stored_only_while_every_rank_holds_it() {
     assert_eq!(sub.stored_count(h0), 2, "stored, removed, stored");
 }
 
+/// Two models share one store: `--kv-events-stream` gives each namespace its own stream
+/// (own numbers, own topic, own part count); each stream carries its namespace's pages
+/// only, and a router told a stream's topic follows it while one pointed at the other
+/// model's stream by mistake refuses every batch (live and replayed) and credits nothing.
+#[test]
+fn two_models_sharing_a_store_each_get_a_stream_of_their_own() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let [ev1, rep1, ev2, rep2]: [String; 4] = free_endpoints(4).try_into().unwrap();
+    let p = spawn(
+        &args(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-events-stream",
+            &format!("m1={ev1},{rep1}"),
+            "--kv-events-stream",
+            &format!("m2={ev2},{rep2},parts=2"),
+        ]),
+        None,
+    );
+    let (mut s1, mut s2) = (Sub::connect(&ev1), Sub::connect(&ev2));
+    let c = client(p.addr, None);
+    let toks = prompt(11, 3);
+    let hs = pages(&toks);
+    // the same prompt under both models: m1 holds pages 0..3 (one rank, its part count is
+    // 1), m2 holds page 0 with both ranks and page 1 with one
+    for h in &hs {
+        put(&c, "a", &key("m1", h, 0), 100);
+    }
+    put(&c, "a", &key("m2", &hs[0], 0), 100);
+    put(&c, "a", &key("m2", &hs[0], 1), 100);
+    put(&c, "a", &key("m2", &hs[1], 0), 100);
+    let all: BTreeSet<u64> = hs.iter().map(wire).collect();
+    s1.until("m1's three pages", |s| s.resident() == all);
+    s2.until("m2's one complete page", |s| !s.resident().is_empty());
+    assert_eq!(s2.resident(), BTreeSet::from([wire(&hs[0])]));
+    assert!(s1.topics.iter().all(|t| t == b"m1"), "{:?}", s1.topics);
+    assert!(s2.topics.iter().all(|t| t == b"m2"), "{:?}", s2.topics);
+    // each stream numbers its own batches: no gaps where the other stream published
+    for s in [&s1, &s2] {
+        assert!(s.seqs.windows(2).all(|w| w[1] == w[0] + 1), "{:?}", s.seqs);
+    }
+
+    let spec = |ev: &str, rep: &str, topic: &str| EndpointSpec {
+        events: Some(ev.into()),
+        replay: Some(rep.into()),
+        url: None,
+        topic: Some(topic.into()),
+    };
+    let keys = kvtier_router::cluster::Keys::Engine;
+    let good = router_on(
+        &rt,
+        vec![EndpointSpec::default()],
+        spec(&ev1, &rep1, "m1"),
+        PS,
+        keys,
+    );
+    assert_eq!(
+        l3_pages_become(&good, &toks, 3),
+        3,
+        "m1's router, from m1's snapshot"
+    );
+    // m1's router given m2's endpoints: the snapshot (topic m2) is no answer, live batches
+    // are dropped unread; it credits nothing although m2's stream holds page 0
+    let wrong = router_on(
+        &rt,
+        vec![EndpointSpec::default()],
+        spec(&ev2, &rep2, "m1"),
+        PS,
+        keys,
+    );
+    put(&c, "a", &key("m2", &hs[1], 1), 100); // a live m2 batch: page 1 complete
+    s2.until("m2's page 1", |s| s.resident().len() == 2);
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        let cl = wrong.cluster.lock().unwrap();
+        let n = &cl.streams[0].counters;
+        if n.foreign_topic >= 1 {
+            assert_eq!(n.applied, 0, "{n:?}");
+            assert!(n.unanswered >= 1, "the m2 snapshot was refused: {n:?}");
+            break;
+        }
+        drop(cl);
+        assert!(Instant::now() < end, "no foreign batch counted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let credited = |r: &kvtier_router::launch::Running| {
+        r.cluster
+            .lock()
+            .unwrap()
+            .route(&toks, None, None, &[])
+            .unwrap()
+            .l3_pages
+    };
+    assert_eq!(credited(&wrong), 0);
+    assert_eq!(credited(&good), 3);
+    rt.block_on(good.stop());
+    rt.block_on(wrong.stop());
+}
+
 #[test]
 fn a_dead_nodes_pages_are_removed_and_a_node_role_refuses_the_flag() {
     let (ev, rep) = (free_endpoint(), free_endpoint());
@@ -238,6 +342,33 @@ fn bad_endpoints_are_refused_at_startup_naming_them() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("a key namespace"));
+    // --kv-events-stream: a part count of 0, two streams on one address
+    for (bad, code, says) in [
+        ("m1=tcp://127.0.0.1:*,parts=0", 2, "a positive integer"),
+        ("m1", 2, "NAMESPACE=PUB"),
+        (
+            "m1=tcp://127.0.0.1:*,tcp://127.0.0.1:*,tcp://127.0.0.1:*",
+            2,
+            "NAMESPACE=PUB",
+        ),
+        ("a:b=tcp://127.0.0.1:*", 2, "a key namespace"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
+            .args(["--listen", "127.0.0.1:0", "--kv-events-stream", bad])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(code), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{bad}: {err}");
+    }
+    let ep = free_endpoint();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
+        .args(["--listen", "127.0.0.1:0", "--kv-events", &ep])
+        .args(["--kv-events-stream", &format!("m2={ep}")])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("given to two streams"));
     // a port already taken: a typed startup error
     let (p, ev, _) = store(&[]);
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
@@ -369,6 +500,7 @@ fn a_tokens_router_keys_the_stores_chunks_through_the_instance_that_computed_the
         events: Some(engine.endpoint().into()),
         replay: engine.replay_endpoint().map(str::to_owned),
         url: None,
+        topic: None,
     };
     let r =
         crate::common::kv_events::router_with(&rt, vec![instance], (&ev, &rep), PS, Keys::Tokens);
@@ -506,5 +638,104 @@ fn the_documented_store_and_router_lines_run_and_agree() {
         .unwrap();
     let r = router(&rt, &ev2, &rep2, ps);
     l3_pages_become(&r, &toks, 2);
+    rt.block_on(r.stop());
+}
+
+/// docs/l3.md's lines for several models on one store: the `kvtier-l3` line with two
+/// `--kv-events-stream`s runs (on free ports), each stream carries its namespace's pages
+/// under its namespace as topic, and the router line's `--storage` names the first stream's
+/// endpoints and topic, which a router then follows.
+#[test]
+fn the_documented_lines_for_two_models_run_and_agree() {
+    let lines = documented_lines();
+    let l3 = lines
+        .iter()
+        .find(|l| l.starts_with("kvtier-l3 ") && l.contains("--kv-events-stream"))
+        .expect("a kvtier-l3 line with streams");
+    let rl = lines
+        .iter()
+        .find(|l| l.starts_with("kvtier-router ") && l.contains("topic="))
+        .expect("a router line with a topic");
+    let words: Vec<&str> = l3.split_whitespace().skip(1).collect();
+    // every documented endpoint moved to a free one, the rest as documented
+    let mut moved: Vec<(String, String)> = Vec::new();
+    let mut free = |ep: &str| {
+        if let Some((_, f)) = moved.iter().find(|(d, _)| d == ep) {
+            return f.clone();
+        }
+        // a port bound and released may come back at once: never give one twice
+        let f = std::iter::repeat_with(free_endpoint)
+            .find(|f| moved.iter().all(|(_, g)| g != f))
+            .expect("a free port");
+        moved.push((ep.to_string(), f.clone()));
+        f
+    };
+    let mut streams: Vec<(String, Vec<String>)> = Vec::new();
+    let mut a: Vec<String> = Vec::new();
+    for (i, w) in words.iter().enumerate() {
+        if i > 0 && words[i - 1] == "--kv-events-stream" {
+            let (ns, rest) = w.split_once('=').expect("NAMESPACE=…");
+            let items: Vec<String> = rest
+                .split(',')
+                .map(|x| {
+                    if x.starts_with("tcp://") {
+                        free(x)
+                    } else {
+                        x.into()
+                    }
+                })
+                .collect();
+            a.push(format!("{ns}={}", items.join(",")));
+            streams.push((ns.into(), items));
+        } else if w.starts_with("127.0.0.1:") {
+            a.push("127.0.0.1:0".into());
+        } else {
+            a.push(w.to_string());
+        }
+    }
+    assert_eq!(streams.len(), 2, "two models");
+    let p = spawn(&a, None);
+    let mut subs: Vec<Sub> = streams.iter().map(|(_, it)| Sub::connect(&it[0])).collect();
+    let c = client(p.addr, None);
+    let rw: Vec<&str> = rl.split_whitespace().collect();
+    let ps: usize = flag(&rw, "--page-size").parse().unwrap();
+    let toks: Vec<u32> = (0..(ps * 2) as u32).collect();
+    let hs = kvtier_radix::HashScope::new(None, None, Vec::new()).page_hashes(&toks, ps);
+    for (ns, items) in &streams {
+        let parts: u32 = items
+            .iter()
+            .find_map(|x| x.strip_prefix("parts="))
+            .map_or(1, |n| n.parse().unwrap());
+        for h in &hs {
+            for rank in 0..parts {
+                put(&c, "a", &key(ns, h, rank), 100);
+            }
+        }
+    }
+    let want: BTreeSet<u64> = hs.iter().map(wire).collect();
+    for ((ns, _), sub) in streams.iter().zip(&mut subs) {
+        sub.until("the stream's namespace's pages", |s| s.resident() == want);
+        assert!(sub.topics.iter().all(|t| t == ns.as_bytes()), "{ns}");
+    }
+    // the router's --storage is the first stream, by its documented endpoints and topic
+    let storage: EndpointSpec = flag(&rw, "--storage").parse().unwrap();
+    let documented = |ep: &str| moved.iter().find(|(_, f)| f == ep).map(|(d, _)| d.clone());
+    let (ns0, it0) = &streams[0];
+    assert_eq!(storage.events, documented(&it0[0]));
+    assert_eq!(storage.replay, documented(&it0[1]));
+    assert_eq!(storage.topic.as_deref(), Some(ns0.as_str()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let on_free = EndpointSpec {
+        events: Some(it0[0].clone()),
+        replay: Some(it0[1].clone()),
+        ..storage
+    };
+    let keys = kvtier_router::cluster::Keys::Engine;
+    let r = router_on(&rt, vec![EndpointSpec::default()], on_free, ps, keys);
+    assert_eq!(l3_pages_become(&r, &toks, 2), 2);
     rt.block_on(r.stop());
 }

@@ -74,11 +74,11 @@ fn store(mut ev: KvEventsConfig) -> (EmbeddedStore, KvEventsHandle) {
     ev.namespaces = vec![NS[0].into(), NS[1].into()];
     let s = EmbeddedStore::new(StoreConfig {
         local_segment_bytes: 256 << 10,
-        kv_events: Some(ev),
+        kv_events: vec![ev],
         ..StoreConfig::default()
     })
     .unwrap();
-    let h = s.kv_events().unwrap();
+    let h = s.kv_events().into_iter().next().unwrap();
     (s, h)
 }
 
@@ -138,11 +138,13 @@ fn snapshot(replay: &str) -> Vec<Ev> {
         .unwrap();
     let mut out = Vec::new();
     loop {
+        // vLLM 0.32's replies: [empty, topic, seq, payload]
         let f = d.recv_multipart(0).expect("a snapshot answer");
-        if f[1] == (-1i64).to_be_bytes() {
+        assert_eq!(f.len(), 4, "[empty, topic, seq, payload]");
+        if f[2] == (-1i64).to_be_bytes() {
             return out;
         }
-        out.extend(decode(&f[2]));
+        out.extend(decode(&f[3]));
     }
 }
 
@@ -261,7 +263,7 @@ fn pull_and_sockets_do_not_mix() {
     let mut c = KvEventsConfig::pull();
     c.replay_endpoint = Some("tcp://127.0.0.1:*".into());
     let r = EmbeddedStore::new(StoreConfig {
-        kv_events: Some(c),
+        kv_events: vec![c],
         ..StoreConfig::default()
     });
     assert!(
@@ -270,19 +272,25 @@ fn pull_and_sockets_do_not_mix() {
         r.err()
     );
     let s = EmbeddedStore::new(StoreConfig {
-        kv_events: Some(KvEventsConfig::new("tcp://127.0.0.1:*")),
+        kv_events: vec![KvEventsConfig::new("tcp://127.0.0.1:*")],
         ..StoreConfig::default()
     })
     .unwrap();
-    let h = s.kv_events().unwrap();
+    let h = s.kv_events().into_iter().next().unwrap();
     assert_eq!(h.take_batch(), Err(KvEventsError::NotPull));
     // the first pulled batch of a pull stream opens with AllBlocksCleared
     let p = EmbeddedStore::new(StoreConfig {
-        kv_events: Some(KvEventsConfig::pull()),
+        kv_events: vec![KvEventsConfig::pull()],
         ..StoreConfig::default()
     })
     .unwrap();
-    let first = p.kv_events().unwrap().take_batch().unwrap();
+    let first = p
+        .kv_events()
+        .into_iter()
+        .next()
+        .unwrap()
+        .take_batch()
+        .unwrap();
     assert_eq!(first, vec![WireEvent::AllBlocksCleared]);
 }
 
@@ -290,7 +298,7 @@ fn pull_and_sockets_do_not_mix() {
 fn a_bad_endpoint_or_part_count_in_the_config_is_a_typed_error() {
     for bad in ["tcp://127.0.0.1", "udp://x:1"] {
         let r = EmbeddedStore::new(StoreConfig {
-            kv_events: Some(KvEventsConfig::new(bad)),
+            kv_events: vec![KvEventsConfig::new(bad)],
             ..StoreConfig::default()
         });
         match r {
@@ -300,10 +308,10 @@ fn a_bad_endpoint_or_part_count_in_the_config_is_a_typed_error() {
     }
     // a page needs at least one part
     let r = EmbeddedStore::new(StoreConfig {
-        kv_events: Some(KvEventsConfig {
+        kv_events: vec![KvEventsConfig {
             parts_per_page: 0,
             ..KvEventsConfig::pull()
-        }),
+        }],
         ..StoreConfig::default()
     });
     match r {
@@ -347,4 +355,78 @@ fn a_busy_address_is_retried_under_ha_and_an_error_otherwise() {
     assert_eq!(snap, vec![Ev::Cleared, Ev::Stored(wire(&p0))]);
     let s = h.stats();
     assert_eq!((s.batches, s.stored, s.removed), (1, 1, 0));
+}
+
+/// Several streams on one store: each takes only its namespace's pages, by its own count,
+/// and the metrics name each stream (a single stream's stay unlabelled).
+#[test]
+fn each_stream_of_a_store_carries_its_own_namespace_and_metrics() {
+    let per_ns = |ns: &str, parts: u32| KvEventsConfig {
+        namespaces: vec![ns.into()],
+        parts_per_page: parts,
+        ..KvEventsConfig::pull()
+    };
+    let s = EmbeddedStore::new(StoreConfig {
+        local_segment_bytes: 256 << 10,
+        kv_events: vec![per_ns("m1", 1), per_ns("m2", 2)],
+        ..StoreConfig::default()
+    })
+    .unwrap();
+    let tn = t("a");
+    for (ns, parts) in [("m1", 1u8), ("m2", 1), ("other", 2)] {
+        for part in 0..parts {
+            s.put(
+                &tn,
+                &part_key(ns, &page(0), part),
+                &[1; 64],
+                PutOptions::default(),
+            )
+            .unwrap();
+        }
+    }
+    s.put(
+        &tn,
+        &part_key("m2", &page(1), 0),
+        &[1; 64],
+        PutOptions::default(),
+    )
+    .unwrap();
+    s.put(
+        &tn,
+        &part_key("m2", &page(1), 1),
+        &[1; 64],
+        PutOptions::default(),
+    )
+    .unwrap();
+    let hs = s.kv_events();
+    assert_eq!(
+        hs.iter().map(KvEventsHandle::topic).collect::<Vec<_>>(),
+        ["m1", "m2"]
+    );
+    let stored = |h: &KvEventsHandle| -> Vec<u64> {
+        let mut out = Vec::new();
+        for e in h.take_batch().unwrap() {
+            if let WireEvent::BlockStored { block_hashes, .. } = e {
+                out.extend(block_hashes.iter().map(wire));
+            }
+        }
+        out
+    };
+    // m1: page 0 (its one part); m2: page 1 only (page 0 has one of its two parts)
+    assert_eq!(stored(&hs[0]), vec![wire(&page(0))]);
+    assert_eq!(stored(&hs[1]), vec![wire(&page(1))]);
+    let m = s.render_metrics();
+    assert!(
+        m.contains("kvtier_l3_kv_events_resident_pages{stream=\"0\",topic=\"m1\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains("kvtier_l3_kv_events_resident_pages{stream=\"1\",topic=\"m2\"} 1"),
+        "{m}"
+    );
+    assert_eq!(
+        m.matches("# TYPE kvtier_l3_kv_events_resident_pages")
+            .count(),
+        1
+    );
 }

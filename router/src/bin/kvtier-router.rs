@@ -21,7 +21,8 @@ struct Args {
     /// optional; url= on every instance turns the OpenAI proxy on). Repeat per instance.
     #[arg(long = "instance", required = true)]
     instances: Vec<EndpointSpec>,
-    /// The shared store's event stream: `events=tcp://H:P,replay=tcp://H:P`.
+    /// The shared store's event stream: `events=tcp://H:P,replay=tcp://H:P[,topic=NS]` (with
+    /// `topic=`, batches naming another topic are refused: `kvtier-l3 --kv-events-stream`).
     #[arg(long)]
     storage: Option<EndpointSpec>,
     /// How pages are keyed: `engine` (kvtier's hashes as published) or `tokens` (the router's

@@ -44,6 +44,7 @@ async fn a_real_gap_is_recovered_by_replay_to_the_exact_index() {
         events: Some(relay.endpoint.clone()),
         replay: p.replay_endpoint().map(str::to_string),
         url: None,
+        topic: None,
     };
     let r = router(vec![spec], None, 1 << 20, Keys::Engine).await;
     joined(&r).await;
@@ -130,6 +131,7 @@ async fn dead_and_garbage_publishers_never_fail_a_request() {
         events: Some(format!("tcp://127.0.0.1:{}", closed_port())),
         replay: Some(format!("tcp://127.0.0.1:{}", closed_port())),
         url: None,
+        topic: None,
     };
     let ctx = zmq::Context::new();
     let garbage = ctx.socket(zmq::PUB).expect("pub");
@@ -139,6 +141,7 @@ async fn dead_and_garbage_publishers_never_fail_a_request() {
         events: Some(gep),
         replay: None,
         url: None,
+        topic: None,
     };
     let good = publisher();
     let r = router(vec![dead, bad, spec(&good)], None, 1 << 20, Keys::Engine).await;
@@ -370,4 +373,59 @@ async fn a_router_with_a_cost_model_it_cannot_use_does_not_start() {
         ),
         "{err}"
     );
+}
+
+/// `topic=`: a stream whose publisher names another topic is refused batch by batch, live
+/// and replayed: nothing of it reaches the index and `foreign_topic` counts the live
+/// batches; the same publisher under its own topic is followed to the exact index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_another_topic_is_refused_live_and_replayed() {
+    let p = kvtier_events::Publisher::bind(kvtier_events::PublisherConfig {
+        block_size: PS as u32,
+        topic: "model-b".into(),
+        ..Default::default()
+    })
+    .expect("bind publisher");
+    let batches = workload(3);
+    // the first batch before the router starts: it comes by snapshot, or not at all
+    p.publish(0.0, &batches[0]).expect("publish");
+    let with = |topic: &str| EndpointSpec {
+        topic: Some(topic.into()),
+        ..spec(&p)
+    };
+    let r = router(
+        vec![with("model-a"), with("model-b")],
+        None,
+        1 << 20,
+        Keys::Engine,
+    )
+    .await;
+    let c = Arc::clone(&r.cluster);
+    until("the right topic's stream synced", move || {
+        c.lock().expect("lock").streams[1].next_seq.is_some()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await; // the SUBs join
+    for b in &batches[1..] {
+        p.publish(0.0, b).expect("publish");
+    }
+    let want = reference(&[Vec::new(), batches.clone()], 1 << 20).entries();
+    let c = Arc::clone(&r.cluster);
+    until("the right topic's stream applied every batch", move || {
+        c.lock().expect("lock").router().index().entries() == want
+    })
+    .await;
+    let c = Arc::clone(&r.cluster);
+    until("the other topic's live batches counted", move || {
+        c.lock().expect("lock").streams[0].counters.foreign_topic as usize == batches.len() - 1
+    })
+    .await;
+    assert!(
+        entries(&r).iter().all(|(i, _, _)| *i == 1),
+        "nothing of the other topic indexed"
+    );
+    let wrong = r.cluster.lock().expect("lock").streams[0].counters.clone();
+    assert_eq!(wrong.applied, 0, "{wrong:?}");
+    assert!(wrong.unanswered >= 1, "its snapshot was refused: {wrong:?}");
+    r.stop().await;
 }

@@ -18,6 +18,7 @@ fn url_spec(url: String) -> EndpointSpec {
         events: None,
         replay: None,
         url: Some(url),
+        topic: None,
     }
 }
 

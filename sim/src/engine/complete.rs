@@ -157,7 +157,7 @@ impl Simulation {
                 .collect();
             self.router.l3_lost(&pages);
         }
-        if let Some(ev) = store.kv_events() {
+        for ev in store.kv_events() {
             match ev.take_batch() {
                 Ok(batch) => self.router.store_events(&batch),
                 Err(e) => self.col.oracle_failure(format!("store events: {e}")),

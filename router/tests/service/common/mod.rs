@@ -77,6 +77,7 @@ pub fn spec(p: &Publisher) -> EndpointSpec {
         events: Some(p.endpoint().to_string()),
         replay: p.replay_endpoint().map(str::to_string),
         url: None,
+        topic: None,
     }
 }
 
@@ -580,6 +581,7 @@ impl VllmLike {
             events: Some(self.events.clone()),
             replay: Some(self.replay.clone()),
             url: None,
+            topic: None,
         }
     }
 }
