@@ -430,3 +430,77 @@ fn each_stream_of_a_store_carries_its_own_namespace_and_metrics() {
         1
     );
 }
+
+/// The pages the store lists with at least `parts` of their keys in namespace `ns`.
+fn listed_in(s: &EmbeddedStore, tn: &kvtier_l3::Tenant, ns: &str, parts: u32) -> BTreeSet<u64> {
+    (0..10u8)
+        .filter(|&p| {
+            let keys: Vec<String> = (0..PARTS).map(|r| part_key(ns, &page(p), r)).collect();
+            let exist = s
+                .batch_exist_key(tn, &keys, ExistOptions::default())
+                .unwrap();
+            exist.iter().filter(|e| **e == Ok(true)).count() >= parts as usize
+        })
+        .map(|p| wire(&page(p)))
+        .collect()
+}
+
+/// Folds pulled batches into the resident set a subscriber holds.
+fn fold(into: &mut BTreeSet<u64>, batch: &[WireEvent]) {
+    for e in batch {
+        match e {
+            WireEvent::AllBlocksCleared => into.clear(),
+            WireEvent::BlockStored { block_hashes, .. } => {
+                into.extend(block_hashes.iter().map(wire))
+            }
+            WireEvent::BlockRemoved { block_hashes, .. } => {
+                for h in block_hashes {
+                    into.remove(&wire(h));
+                }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// A stream per namespace, each with its own part count, taken at random points: each
+    /// folds to the store's listing of its own namespace, whatever the others carry.
+    #[test]
+    fn each_namespaces_stream_folds_to_its_own_listing(
+        ops in proptest::collection::vec((op(), any::<bool>()), 1..60),
+        parts in proptest::collection::vec(1u32..4, 2),
+    ) {
+        let streams: Vec<KvEventsConfig> = (0..2)
+            .map(|i| KvEventsConfig {
+                namespaces: vec![NS[i].into()],
+                parts_per_page: parts[i],
+                ..KvEventsConfig::pull()
+            })
+            .collect();
+        let s = EmbeddedStore::new(StoreConfig {
+            local_segment_bytes: 256 << 10,
+            kv_events: streams,
+            ..StoreConfig::default()
+        })
+        .unwrap();
+        let hs = s.kv_events();
+        let tn = t("a");
+        let mut seen = vec![BTreeSet::new(); 2];
+        for (o, take) in &ops {
+            apply(&s, &tn, o);
+            if *take {
+                for (h, into) in hs.iter().zip(&mut seen) {
+                    fold(into, &h.take_batch().unwrap());
+                }
+            }
+        }
+        for (i, (h, into)) in hs.iter().zip(&mut seen).enumerate() {
+            fold(into, &h.take_batch().unwrap());
+            prop_assert_eq!(&*into, &listed_in(&s, &tn, NS[i], parts[i]), "stream {}", NS[i]);
+            prop_assert_eq!(h.stats().resident_pages, into.len() as u64);
+            prop_assert_eq!(h.topic(), NS[i]);
+        }
+    }
+}
