@@ -230,6 +230,24 @@ def test_config_errors_are_typed_at_startup(l3server):
         small.shutdown()
 
 
+def test_the_backend_logs_its_namespace_as_the_stores_stream_value(caplog):
+    """An operator cannot guess the namespace (a hash of model, dtype, layout and tenant): the
+    backend logs it at startup as the ``kvtier-l3 --kv-events-stream`` value of its model; two
+    layouts, two namespaces."""
+    import logging
+    import re
+
+    seen = []
+    for ps in (4, 8):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvtier.sglang.radix"):
+            e = Engine(kvtier_cache(host_pages=8, l3="embedded", segment_bytes="16MB"), page_size=ps)
+        m = re.search(r"--kv-events-stream (\S+)=PUB", caplog.text)
+        assert m and m.group(1) == e.cache.namespace, caplog.text
+        seen.append(m.group(1))
+    assert seen[0] != seen[1]
+
+
 @pytest.mark.parametrize("where", ["embedded", "server"])
 def test_starting_a_backend_on_a_full_store_evicts_nothing(where):
     """The page-size check at startup writes nothing: the probe put it made before evicted

@@ -6,6 +6,7 @@ failed jobs while every request finishes with the right bytes; config errors sto
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -363,9 +364,10 @@ def test_kv_events_name_the_chunks_the_tier_stored(engines):
     assert not off.tier.take_events(), "no events unless vLLM's KV events are on"
 
 
-def _store_snapshot(replay: str) -> set:
+def _store_snapshot(replay: str, topic: bytes = b"") -> set:
     """The STORAGE hashes a ``kvtier-l3 --kv-events`` stream holds now: its replay socket's
-    snapshot (kvtier's request -2), each batch decoded with vLLM's own msgspec classes."""
+    snapshot (kvtier's request -2), each batch decoded with vLLM's own msgspec classes; every
+    batch must name ``topic``."""
     import msgspec
     import zmq
     from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
@@ -379,10 +381,11 @@ def _store_snapshot(replay: str) -> set:
         d.send_multipart([b"", (-2).to_bytes(8, "big", signed=True)])
         out: set = set()
         while True:
-            empty, _topic, seq, payload = d.recv_multipart()  # vLLM 0.32's replies
+            empty, got, seq, payload = d.recv_multipart()  # vLLM 0.32's replies
             assert empty == b""
             if seq == (-1).to_bytes(8, "big", signed=True):
                 return out
+            assert got == topic, (got, topic)
             for ev in decoder.decode(payload).events:
                 if isinstance(ev, AllBlocksCleared):
                     out.clear()
@@ -433,6 +436,54 @@ def test_the_stores_stream_names_every_engines_chunks_as_vllm_does(engines, tmp_
         while last in _store_snapshot(replay) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _store_snapshot(replay) == (want_a - {last}) | want_b
+    finally:
+        srv.kill()
+
+
+def test_two_models_on_one_server_each_get_the_stream_their_tier_logs(engines, tmp_path, caplog):
+    """The namespace is a hash an operator cannot guess: each tier logs it at startup as the
+    ``--kv-events-stream`` value for its model. Given those, one ``kvtier-l3`` publishes a
+    stream per model (its topic the namespace): the same prompt served by a float32 and a
+    bfloat16 engine (equal vLLM block hashes) reaches each model's stream only when that
+    model stored it."""
+    import re
+
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import get_offload_block_hash
+
+    def logged(**kw):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvtier.vllm.tier"):
+            e = engines([embedded()], **kw)
+        m = re.search(r"--kv-events-stream (\S+)=PUB", caplog.text)
+        assert m and m.group(1) == e.tier.namespace, caplog.text
+        return m.group(1)
+
+    ns_a, ns_b = logged(), logged(dtype="bfloat16")
+    assert ns_a != ns_b
+    rep = {ns: f"ipc://{tmp_path}/{i}-replay" for i, ns in enumerate((ns_a, ns_b))}
+    extra = []
+    for i, ns in enumerate((ns_a, ns_b)):
+        extra += ["--kv-events-stream", f"{ns}=ipc://{tmp_path}/{i}-events,{rep[ns]}"]
+    srv = L3Process(token=None, extra=extra)
+    try:
+        a = engines([tier(server=srv.addr)])
+        b = engines([tier(server=srv.addr)], dtype="bfloat16")
+        assert (a.tier.namespace, b.tier.namespace) == (ns_a, ns_b)
+        want = {maybe_convert_block_hash(get_offload_block_hash(k)) for k in a.tier_keys_of(PROMPT)}
+        assert want == {maybe_convert_block_hash(get_offload_block_hash(k)) for k in b.tier_keys_of(PROMPT)}
+
+        def snapshot_becomes(ns, expect):
+            deadline = time.monotonic() + 10
+            while _store_snapshot(rep[ns], ns.encode()) != expect and time.monotonic() < deadline:
+                time.sleep(0.05)  # the store publishes every 10 ms
+            return _store_snapshot(rep[ns], ns.encode())
+
+        serve(a, [PROMPT])
+        assert snapshot_becomes(ns_a, want) == want
+        assert snapshot_becomes(ns_b, set()) == set(), "the bfloat16 model stored nothing"
+        serve(b, [PROMPT])
+        assert snapshot_becomes(ns_b, want) == want
     finally:
         srv.kill()
 

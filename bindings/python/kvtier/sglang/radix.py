@@ -204,6 +204,9 @@ class KvtierRadixCache(RadixCache):
         self.namespace = l3_namespace(model, dtype, layout, cfg.tenant)
         if store is not None:
             self._check_page_fits(store, page_bytes, ps)
+            # the namespace is a hash: what the store's event stream of this model needs
+            logger.info("kvtier: L3 namespace %s (tenant %s): a kvtier-l3 event stream of this model's "
+                        "pages is --kv-events-stream %s=PUB[,REPLAY]", self.namespace, cfg.tenant, self.namespace)
         super().__init__(params)
         self.config = cfg
         self.model = model
