@@ -358,24 +358,24 @@ fn run(args: Args) -> Result<(), String> {
         }
         return run_node(&args, listen, token, ssd);
     }
-    let mut kv_events: Vec<crate::kv_events::KvEventsConfig> = Vec::new();
-    if let Some(ep) = &args.kv_events {
-        let mut c = crate::kv_events::KvEventsConfig::new(ep.clone());
-        c.replay_endpoint = args.kv_events_replay.clone();
-        c.namespaces = args.kv_events_namespace.clone();
-        kv_events.push(c);
-    }
-    for c in &mut kv_events {
-        c.block_size = args.kv_events_block_size;
-        c.parts_per_page = args.kv_events_parts_per_page;
-    }
-    for s in &args.kv_events_stream {
-        kv_events.push(crate::kv_events::KvEventsConfig {
+    // --kv-events (if given) first, then each --kv-events-stream; the shared flags on all
+    let main = args.kv_events.as_ref().map(|ep| StreamArg {
+        cfg: crate::kv_events::KvEventsConfig {
+            replay_endpoint: args.kv_events_replay.clone(),
+            namespaces: args.kv_events_namespace.clone(),
+            ..crate::kv_events::KvEventsConfig::new(ep.clone())
+        },
+        parts: None,
+    });
+    let kv_events: Vec<crate::kv_events::KvEventsConfig> = main
+        .iter()
+        .chain(&args.kv_events_stream)
+        .map(|s| crate::kv_events::KvEventsConfig {
             block_size: args.kv_events_block_size,
             parts_per_page: s.parts.unwrap_or(args.kv_events_parts_per_page),
             ..s.cfg.clone()
-        });
-    }
+        })
+        .collect();
     crate::kv_events::validate_streams(&kv_events).map_err(|e| e.to_string())?;
     if args.role == Role::Master && ssd.is_some() {
         return Err("a master holds no SSD tier: give --ssd-dir to the nodes".into());

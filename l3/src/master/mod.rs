@@ -414,11 +414,6 @@ impl Master {
         self.events.push(events);
     }
 
-    /// The residency event streams attached, in order.
-    pub fn events(&self) -> &[crate::kv_events::StorageEvents] {
-        &self.events
-    }
-
     /// A handle on each stream, in order (for use without the master's lock).
     pub fn event_handles(&self) -> Vec<crate::kv_events::KvEventsHandle> {
         self.events.iter().map(|e| e.handle()).collect()
