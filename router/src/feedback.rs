@@ -10,15 +10,29 @@
 //!   yet, removed at the first token;
 //! - memory: the KV of its requests that have not ended, each prompt page counted once however
 //!   many of them share it (a system prompt shared by every running request is on the device
-//!   once), plus their outputs; what a new request would add beyond the device's capacity
-//!   (its pages not already held there, and its output) waits for running requests to end,
-//!   that share of the instance's mean decode time (first token to end, learnt from the ends
-//!   seen, an exponential average).
+//!   once), plus their outputs. An engine admits its waiting requests in order, each once
+//!   the device has room for its prompt (its output grows into the room later), so a new
+//!   request starts its prefill when the requests ahead of it are prefilled *and* enough
+//!   running requests have ended to make room for it and for those ahead: the queue
+//!   replays that on the instance's timeline ([`Feedback::queue_s`]), each request ending
+//!   its output's decode steps after its first token at the instance's time per step
+//!   (learnt from the ends seen, from the [`crate::Occupancy`]'s decode step until then).
+//!   A request is taken to hold what it can have generated in that time: declared outputs
+//!   (`max_tokens`) that overstate what requests generate do not fill the device.
 //!
 //! - lateness: how much later than predicted the instance's first tokens have come (an
 //!   exponential average of observed − predicted TTFT, learnt at each first token); what it
 //!   says beyond the other instances' fades once the instance's first tokens stop coming
 //!   ([`LATE_HALF_LIFE_S`]), so an instance priced out by a transient is tried again.
+//!
+//! Why a timeline, not a share of the mean decode time: the queue used to add, for what a
+//! new request would hold beyond the device's capacity, that share of the instance's mean
+//! decode time. On the conversation trace (4 instances, 85 % load) prompts reach 120K of the
+//! device's 131K tokens: a request routed behind such a prompt waits until the prompt has
+//! been prefilled *and* has decoded its whole answer, seconds, where the share said under
+//! a second (and nothing before an end was seen); 11 of the 25 slowest first tokens of the
+//! first 2,000 requests were requests waiting behind a prompt of 60K tokens or more
+//! (docs/router.md, "Memory on the timeline").
 //!
 //! Why each page once: counted per request, a chat's 1,024-token system prompt was counted
 //! once per running request, and the memory term then said 56 ms on average where the
@@ -37,15 +51,19 @@
 //! (finished, aborted or failed), as it must to free the request anyway.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::hash::BuildHasherDefault;
 
 use crate::index::PageKeyHasher;
 
+mod timeline;
+use timeline::Timeline;
+
 /// Page hash → how many running requests hold it (the keys are hashes already).
 type HeldPages = HashMap<u64, u32, BuildHasherDefault<PageKeyHasher>>;
 
-/// Weight of the latest decode time in the instance's average.
+/// Weight of the latest end's decode time, and of its decode steps, in the instance's
+/// averages (their ratio is its time per decode step).
 pub const DECODE_EWMA: f64 = 0.1;
 
 /// Weight of the latest first token's lateness (observed TTFT − predicted) in the instance's
@@ -74,7 +92,14 @@ pub enum FirstToken {
 
 struct Booking {
     instance: usize,
+    /// Its place in its instance's arrival order (the engine admits in that order).
+    seq: u64,
     work_s: f64,
+    /// Tokens of device memory it takes when admitted: its pages no earlier booking on the
+    /// instance held when it was booked, and its extra tokens.
+    own_tokens: f64,
+    /// Output tokens it is expected to generate (its decode time is learnt per token).
+    output: f64,
     /// The prompt's whole pages (their hashes), held while the request runs.
     pages: Vec<u64>,
     /// Tokens held outside those pages: the prompt's partial last page and the output.
@@ -105,12 +130,17 @@ pub struct Held<'a> {
     pub pages: &'a [u64],
     /// Its other tokens: the prompt's partial last page and the output.
     pub extra_tokens: f64,
+    /// Output tokens it is expected to generate (0 if unknown).
+    pub output: usize,
 }
 
 pub struct Feedback {
     device_tokens: f64,
     page_tokens: f64,
     booked: HashMap<u64, Booking>,
+    /// Per instance: its bookings in arrival order (sequence number → id).
+    order: Vec<BTreeMap<u64, u64>>,
+    next_seq: u64,
     pending_s: Vec<f64>,
     /// Per instance: the prompt pages its running requests hold, each with how many hold it.
     /// Invariant: the count is the number of booked requests on that instance listing the
@@ -120,7 +150,15 @@ pub struct Feedback {
     held_extra: Vec<f64>,
     /// Per instance: requests booked and not yet ended.
     running: Vec<usize>,
-    decode_s: Vec<f64>,
+    /// Per instance: exponential averages of the ends seen, seconds from first token to end
+    /// and decode steps in that time (from one step at the decode step given at
+    /// construction); their ratio is the instance's time per decode step. A ratio of
+    /// averages, not an average of ratios: a request of 2 tokens whose one step rode in a
+    /// long prefill's forward says little about how long a 500-token answer takes.
+    decode: Vec<(f64, f64)>,
+    /// Seconds of one decode step (a forward with decode rows only): no request generates
+    /// faster.
+    decode_step_s: f64,
     /// Per instance: how much later than predicted its first tokens come, an exponential
     /// average; added to its queue (the model's bias there, learnt).
     late_s: Vec<f64>,
@@ -137,17 +175,26 @@ pub struct Feedback {
 
 impl Feedback {
     /// `instances` instances whose devices hold `device_tokens` tokens of KV each, in pages of
-    /// `page_tokens` tokens.
-    pub fn new(instances: usize, device_tokens: f64, page_tokens: usize) -> Self {
+    /// `page_tokens` tokens, decoding a token every `decode_step_s` until their ends teach
+    /// better (0: requests are taken to end at their first token until then).
+    pub fn new(
+        instances: usize,
+        device_tokens: f64,
+        page_tokens: usize,
+        decode_step_s: f64,
+    ) -> Self {
         Self {
             device_tokens,
             page_tokens: page_tokens as f64,
             booked: HashMap::new(),
+            order: vec![BTreeMap::new(); instances],
+            next_seq: 0,
             pending_s: vec![0.0; instances],
             held_pages: vec![HeldPages::default(); instances],
             held_extra: vec![0.0; instances],
             running: vec![0; instances],
-            decode_s: vec![0.0; instances],
+            decode: vec![(decode_step_s.max(0.0), 1.0); instances],
+            decode_step_s: decode_step_s.max(0.0),
             late_s: vec![0.0; instances],
             late_seen_at: vec![None; instances],
             late_sum: (0.0, 0),
@@ -163,24 +210,62 @@ impl Feedback {
         }
     }
 
-    /// Seconds a new request holding `held` would wait on `instance`.
-    pub fn queue_s(&self, instance: usize, held: Held<'_>) -> f64 {
-        let (Some(p), Some(pages), Some(d)) = (
+    /// Seconds a new request holding `held` would wait on `instance` from `now_s` before its
+    /// prefill starts: the instance's timeline replayed. Its running requests hold their
+    /// memory until their expected ends (first token + output × the instance's decode time
+    /// per token; one overdue ends now); its waiting requests are admitted in arrival order,
+    /// each once the prefills ahead of it are done and the device has room for it (ends free
+    /// room in time order), and hold their memory from then until their own ends; the new
+    /// request is admitted after them the same way. Without a device size (0), memory is not
+    /// counted and the queue is the waiting requests' prefill work.
+    pub fn queue_s(&self, instance: usize, held: Held<'_>, now_s: f64) -> f64 {
+        let (Some(&pending), Some(order), Some(pages)) = (
             self.pending_s.get(instance),
+            self.order.get(instance),
             self.held_pages.get(instance),
-            self.decode_s.get(instance),
         ) else {
             return 0.0;
         };
-        let new_pages = held.pages.iter().filter(|h| !pages.contains_key(h)).count();
-        let adds = new_pages as f64 * self.page_tokens + held.extra_tokens;
-        let over = (self.held_tokens(instance) + adds - self.device_tokens).max(0.0);
-        let memory = if self.device_tokens > 0.0 {
-            (over / self.device_tokens).min(1.0) * d
+        if self.device_tokens <= 0.0 {
+            return pending;
+        }
+        let per_token = self.per_token_s(instance);
+        // A request generates at most its decode time over the decode step: when the
+        // declared outputs (`max_tokens`) overstate what requests generate, they end sooner
+        // than their declared output at the decode step would say, and hold that much less.
+        let generated = if self.decode_step_s > 0.0 {
+            (per_token / self.decode_step_s).min(1.0)
         } else {
-            0.0
+            1.0
         };
-        p + memory
+        let holds = |b: &Booking| (b.own_tokens - b.output * (1.0 - generated)).max(0.0);
+        let mut line = Timeline::new(self.device_tokens, now_s);
+        let mut waiting = Vec::new();
+        for id in order.values() {
+            let Some(b) = self.booked.get(id) else {
+                continue;
+            };
+            match b.prefilled_at {
+                Some(t) => line.running(t + decode_steps(b.output) * per_token, holds(b)),
+                None => waiting.push(b),
+            }
+        }
+        for b in waiting {
+            line.admit(
+                (b.own_tokens - b.output).max(0.0),
+                holds(b),
+                b.work_s,
+                decode_steps(b.output) * per_token,
+            );
+        }
+        let new_pages = held.pages.iter().filter(|h| !pages.contains_key(h)).count();
+        let need = new_pages as f64 * self.page_tokens + held.extra_tokens - held.output as f64;
+        line.admit(need.max(0.0), 0.0, 0.0, 0.0) - now_s
+    }
+
+    /// Seconds per decode step on `instance`, as learnt from its ends.
+    fn per_token_s(&self, instance: usize) -> f64 {
+        self.decode.get(instance).map_or(0.0, |&(d, n)| d / n)
     }
 
     /// How much later than predicted `instance`'s first tokens come (negative: earlier), as
@@ -233,16 +318,27 @@ impl Feedback {
         }
         self.finished(id, None);
         self.pending_s[instance] += work_s;
+        let mut new_pages = 0usize;
         for &h in held.pages {
-            *self.held_pages[instance].entry(h).or_insert(0) += 1;
+            let n = self.held_pages[instance].entry(h).or_insert(0);
+            if *n == 0 {
+                new_pages += 1;
+            }
+            *n += 1;
         }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.order[instance].insert(seq, id);
         self.held_extra[instance] += held.extra_tokens;
         self.running[instance] += 1;
         self.booked.insert(
             id,
             Booking {
                 instance,
+                seq,
                 work_s,
+                own_tokens: new_pages as f64 * self.page_tokens + held.extra_tokens,
+                output: held.output as f64,
                 pages: held.pages.to_vec(),
                 extra_tokens: held.extra_tokens,
                 prefilled_at: None,
@@ -321,11 +417,16 @@ impl Feedback {
             None => self.pending_s[i] = (self.pending_s[i] - b.work_s).max(0.0),
             Some(t) => {
                 if let Some(now) = now_s {
-                    let d = (now - t).max(0.0);
-                    self.decode_s[i] += DECODE_EWMA * (d - self.decode_s[i]);
+                    let steps = decode_steps(b.output);
+                    if steps > 0.0 {
+                        let (d, n) = &mut self.decode[i];
+                        *d += DECODE_EWMA * ((now - t).max(0.0) - *d);
+                        *n += DECODE_EWMA * (steps - *n);
+                    }
                 }
             }
         }
+        self.order[i].remove(&b.seq);
         let pages = &mut self.held_pages[i];
         for h in &b.pages {
             if let Some(n) = pages.get_mut(h) {
@@ -363,6 +464,17 @@ enum Learn {
     Nothing,
 }
 
+/// Decode steps after the first token of a request generating `output` tokens (the first
+/// comes from its prefill). An unknown output (0) counts as one step: the instance then
+/// learns, and predicts, the whole decode time of such requests per request.
+fn decode_steps(output: f64) -> f64 {
+    if output <= 0.0 {
+        1.0
+    } else {
+        (output - 1.0).max(0.0)
+    }
+}
+
 /// When a booking's first token is taken to come, in whole nanoseconds (for ordering; times
 /// before 0 count as 0).
 fn due(at_s: f64, predicted_s: f64) -> u64 {
@@ -374,282 +486,4 @@ fn due_of(b: &Booking) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn routed(work_s: f64, predicted_s: f64, at_s: f64) -> Routed {
-        Routed {
-            work_s,
-            predicted_s,
-            at_s,
-            first: FirstToken::Reported,
-        }
-    }
-
-    fn held(pages: &[u64], extra: f64) -> Held<'_> {
-        Held {
-            pages,
-            extra_tokens: extra,
-        }
-    }
-
-    #[test]
-    fn pending_prefill_leaves_at_the_first_token_and_memory_at_the_end() {
-        let mut f = Feedback::new(2, 1000.0, 100);
-        let six: Vec<u64> = (0..6).collect();
-        // routed at 0.5 with 0.5 s of work: its first token at 1.0 is on time
-        f.book(1, 0, routed(0.5, 0.5, 0.5), held(&six, 0.0));
-        assert_eq!(f.queue_s(0, held(&[], 100.0)), 0.5);
-        assert!(f.first_token(1, 1.0));
-        assert_eq!(f.queue_s(0, held(&[], 100.0)), 0.0);
-        // 600 held + 600 new is 200 over 1000: a fifth of the decode time, once learnt.
-        assert!(f.finished(1, Some(3.0)));
-        assert!((f.decode_s[0] - DECODE_EWMA * 2.0).abs() < 1e-12);
-        f.book(2, 0, routed(0.0, 0.0, 0.0), held(&six, 0.0));
-        let d = f.decode_s[0];
-        let other: Vec<u64> = (10..16).collect();
-        assert!((f.queue_s(0, held(&other, 0.0)) - 0.2 * d).abs() < 1e-12);
-        assert!(!f.first_token(9, 0.0) && !f.finished(9, None));
-        assert_eq!(
-            f.queue_s(7, held(&[], 1.0)),
-            0.0,
-            "an unknown instance has no queue"
-        );
-    }
-
-    #[test]
-    fn a_page_shared_by_running_requests_is_held_once() {
-        let mut f = Feedback::new(1, 1000.0, 100);
-        f.decode_s[0] = 1.0;
-        let system: Vec<u64> = (0..5).collect();
-        let (mut a, mut b) = (system.clone(), system.clone());
-        a.extend([100, 101]);
-        b.extend([200, 201]);
-        f.book(1, 0, routed(0.0, 0.0, 0.0), held(&a, 30.0));
-        f.book(2, 0, routed(0.0, 0.0, 0.0), held(&b, 30.0));
-        // 5 shared + 2 + 2 own pages and 60 extra tokens: 960, not 1,460
-        assert!((f.held_tokens(0) - 960.0).abs() < 1e-9);
-        // a third sharing the system prompt adds its own 2 pages only: 160 over
-        let mut c = system.clone();
-        c.extend([300, 301]);
-        assert!((f.queue_s(0, held(&c, 0.0)) - 0.16).abs() < 1e-9);
-        // the shared pages stay held until their last holder ends
-        f.finished(1, None);
-        assert!((f.held_tokens(0) - 730.0).abs() < 1e-9);
-        f.finished(2, None);
-        assert_eq!(f.held_tokens(0), 0.0);
-        assert!(f.held_pages[0].is_empty());
-    }
-
-    #[test]
-    fn an_instance_whose_first_tokens_come_late_is_learnt_and_early_ones_too() {
-        let mut f = Feedback::new(2, 1e6, 16);
-        for k in 0..200u64 {
-            let t = k as f64;
-            // instance 0: every first token 20 ms after its predicted 10 ms
-            f.book(2 * k, 0, routed(0.01, 0.01, t), held(&[], 1.0));
-            assert!(f.first_token(2 * k, t + 0.03));
-            // instance 1: every first token 50 ms before its predicted 100 ms
-            f.book(2 * k + 1, 1, routed(0.1, 0.1, t), held(&[], 1.0));
-            assert!(f.first_token(2 * k + 1, t + 0.05));
-        }
-        // (as of instance 0's last first token: instance 1's came 20 ms later)
-        let now = 199.03;
-        assert!(
-            (f.late_s(0, now) - 0.02).abs() < 1e-6,
-            "{}",
-            f.late_s(0, now)
-        );
-        assert!(
-            (f.late_s(1, now) + 0.05).abs() < 1e-6,
-            "{}",
-            f.late_s(1, now)
-        );
-        assert_eq!(f.late_s(7, now), 0.0, "an unknown instance is never late");
-        // an instance none of whose first tokens was seen: the average of those seen
-        let mut g = Feedback::new(3, 1e6, 16);
-        assert_eq!(g.late_s(2, 0.0), 0.0, "nothing seen anywhere");
-        for (id, inst, first) in [(1, 0, 0.21), (2, 1, 0.41)] {
-            g.book(id, inst, routed(0.01, 0.01, 0.0), held(&[], 1.0));
-            assert!(g.first_token(id, first));
-        }
-        assert!((g.late_s(0, 0.21) - 0.02).abs() < 1e-9 && (g.late_s(1, 0.41) - 0.04).abs() < 1e-9);
-        assert!(
-            (g.late_s(2, 0.41) - 0.03).abs() < 1e-9,
-            "{}",
-            g.late_s(2, 0.41)
-        );
-        // an instance not seen for a while: what its lateness says beyond the others' halves
-        // every LATE_HALF_LIFE_S (instance 0: 0.04 + (0.02 - 0.04) / 2 one half-life on)
-        let later = 0.21 + LATE_HALF_LIFE_S;
-        assert!(
-            (g.late_s(0, later) - 0.03).abs() < 1e-9,
-            "{}",
-            g.late_s(0, later)
-        );
-        assert!((g.late_s(0, 0.21 + 20.0 * LATE_HALF_LIFE_S) - 0.04).abs() < 1e-6);
-        assert!(
-            (g.late_s(0, 0.0) - 0.02).abs() < 1e-9,
-            "a time before it was seen: as seen"
-        );
-        // a first token reported twice is learnt once
-        let before = f.late_s(0, now);
-        assert!(f.first_token(398, 500.0));
-        assert_eq!(f.late_s(0, now), before);
-    }
-
-    #[test]
-    fn an_unseen_first_token_leaves_the_queue_when_predicted_and_teaches_nothing() {
-        let mut f = Feedback::new(1, 1e6, 16);
-        let unseen = Routed {
-            first: FirstToken::AtEstimate,
-            ..routed(0.3, 0.5, 1.0)
-        };
-        f.book(1, 0, unseen, held(&[], 1.0));
-        f.settle(1.4);
-        assert!(
-            (f.queue_s(0, held(&[], 1.0)) - 0.3).abs() < 1e-9,
-            "due at 1.5"
-        );
-        f.settle(1.5);
-        assert_eq!(f.queue_s(0, held(&[], 1.0)), 0.0);
-        assert_eq!(f.late_s(0, 2.0), 0.0);
-        // a cancelled booking's entry is skipped; a new booking under its id is its own
-        f.book(2, 0, unseen, held(&[], 1.0));
-        assert!(f.cancel(2) && !f.cancel(2));
-        f.book(2, 0, routed(0.3, 0.5, 1.2), held(&[], 1.0));
-        f.settle(2.0);
-        assert!(
-            (f.queue_s(0, held(&[], 1.0)) - 0.3).abs() < 1e-9,
-            "reported: waits"
-        );
-        assert!(f.first_token(2, 2.1) && f.finished(2, Some(3.0)));
-        assert_eq!(f.booked(), 1, "request 1 runs until its end");
-        assert!(f.finished(1, Some(3.0)));
-    }
-
-    /// `late_s` as defined, the others' mean computed from scratch: what the kept sum must
-    /// give.
-    fn late_s_by_definition(f: &Feedback, instance: usize, now_s: f64) -> f64 {
-        let Some(seen_at) = f.late_seen_at.get(instance) else {
-            return 0.0;
-        };
-        let others: Vec<f64> = (0..f.late_s.len())
-            .filter(|&j| j != instance && f.late_seen_at[j].is_some())
-            .map(|j| f.late_s[j])
-            .collect();
-        let mean = if others.is_empty() {
-            0.0
-        } else {
-            others.iter().sum::<f64>() / others.len() as f64
-        };
-        match seen_at {
-            None => mean,
-            Some(_) => mean + (f.late_s[instance] - mean) * f.freshness(instance, now_s),
-        }
-    }
-
-    proptest! {
-        /// The others' mean from the sum kept at each first token equals the mean computed
-        /// from scratch, for every instance, at any mix of learnt and unlearnt instances.
-        #[test]
-        fn the_kept_lateness_sum_prices_like_the_definition(
-            tokens in proptest::collection::vec((0usize..6, 0.0f64..0.5, 0.0f64..2.0), 0..60),
-        ) {
-            let mut f = Feedback::new(6, 1e6, 16);
-            let mut now = 0.0;
-            for (id, &(inst, predicted, late)) in tokens.iter().enumerate() {
-                now += 1.0;
-                f.book(id as u64, inst, routed(0.01, predicted, now), held(&[], 1.0));
-                prop_assert!(f.first_token(id as u64, now + predicted + late));
-                for i in 0..7 {
-                    let (got, want) = (f.late_s(i, now + 5.0), late_s_by_definition(&f, i, now + 5.0));
-                    prop_assert!((got - want).abs() < 1e-9, "instance {i}: {got} vs {want}");
-                }
-            }
-        }
-
-        /// However far apart an instance's first tokens come (a second or ten minutes), a
-        /// constant lateness is learnt exactly (the decay never pulls the estimate toward
-        /// the other instances'), and the price between first tokens always lies between
-        /// the instance's own estimate and the others' average.
-        #[test]
-        fn lateness_is_learnt_at_any_spacing_and_priced_between_own_and_others(
-            gaps in prop::collection::vec(0.0f64..600.0, 100..140),
-            late in -0.5f64..2.0,
-            other in -0.5f64..2.0,
-        ) {
-            let mut f = Feedback::new(2, 1e6, 16);
-            f.book(1_000_000, 1, routed(0.01, 0.01, 0.0), held(&[], 1.0));
-            prop_assert!(f.first_token(1_000_000, 0.01 + other / LATE_EWMA));
-            let mut t = 0.0;
-            for (k, gap) in gaps.iter().enumerate() {
-                t += gap;
-                let (own, others) = (f.late_s[0], f.late_s[1]);
-                let priced = f.late_s(0, t);
-                prop_assert!(priced >= own.min(others) - 1e-9 && priced <= own.max(others) + 1e-9);
-                f.book(k as u64, 0, routed(0.01, 0.01, t), held(&[], 1.0));
-                prop_assert!(f.first_token(k as u64, t + 0.01 + late));
-                prop_assert!(f.finished(k as u64, Some(t + 0.1)));
-            }
-            prop_assert!((f.late_s(0, t + 0.01 + late) - late).abs() < 1e-3, "{} vs {late}", f.late_s(0, t));
-        }
-
-        /// Whatever the order of bookings, first tokens and ends, queues are never negative,
-        /// the held pages are exactly the union of the running requests' pages, and everything
-        /// returns to zero once every request ended.
-        #[test]
-        fn queues_stay_non_negative_and_drain(
-            ops in prop::collection::vec(
-                (0u64..12, 0usize..3, 0u8..4, 0.0f64..2.0, prop::collection::vec(0u64..20, 0..6)),
-                1..80,
-            ),
-        ) {
-            let mut f = Feedback::new(3, 500.0, 16);
-            let mut t = 0.0;
-            let mut running: HashMap<u64, (usize, Vec<u64>)> = HashMap::new();
-            for (id, inst, op, x, pages) in ops {
-                t += x;
-                match op {
-                    0 => {
-                        let mut r = routed(x, x, t);
-                        if id % 2 == 1 {
-                            r.first = FirstToken::AtEstimate;
-                        }
-                        f.book(id, inst, r, held(&pages, x * 40.0));
-                        running.insert(id, (inst, pages));
-                    }
-                    1 => { f.first_token(id, t); }
-                    2 => f.settle(t),
-                    _ => {
-                        f.finished(id, Some(t));
-                        running.remove(&id);
-                    }
-                }
-                for i in 0..3 {
-                    prop_assert!(f.queue_s(i, held(&[1, 2], 100.0)) >= 0.0);
-                    let union: std::collections::HashSet<u64> = running
-                        .values()
-                        .filter(|(j, _)| *j == i)
-                        .flat_map(|(_, p)| p.iter().copied())
-                        .collect();
-                    let mine: std::collections::HashSet<u64> =
-                        f.held_pages[i].keys().copied().collect();
-                    prop_assert_eq!(mine, union);
-                    prop_assert_eq!(
-                        f.running(i),
-                        running.values().filter(|(j, _)| *j == i).count()
-                    );
-                }
-            }
-            for id in 0..12 {
-                f.finished(id, Some(t));
-            }
-            prop_assert_eq!(f.booked(), 0);
-            for i in 0..3 {
-                prop_assert!(f.pending_s[i].abs() < 1e-9 && f.held_tokens(i).abs() < 1e-9);
-            }
-        }
-    }
-}
+mod tests;

@@ -191,10 +191,12 @@ impl Router {
         } = request;
         check_time(now_s)?;
         let n = self.queues.len();
-        let device_tokens = self.occupancy.map_or(0.0, |o| o.device_tokens);
+        let (device_tokens, decode_step_s) = self
+            .occupancy
+            .map_or((0.0, 0.0), |o| (o.device_tokens, o.decode_step_s));
         let page_size = self.model.page_size;
         self.feedback
-            .get_or_insert_with(|| Feedback::new(n, device_tokens, page_size));
+            .get_or_insert_with(|| Feedback::new(n, device_tokens, page_size, decode_step_s));
         self.route_among(
             hashes,
             tokens,
@@ -325,6 +327,7 @@ impl Router {
             extra_tokens: tokens
                 .saturating_sub(hashes.len() * self.model.page_size)
                 .saturating_add(output) as f64,
+            output,
         }
     }
 
@@ -343,7 +346,7 @@ impl Router {
     fn closed_of(&self, instance: usize, held: Held<'_>) -> Closed {
         match &self.feedback {
             Some(fb) => {
-                let modelled_s = fb.queue_s(instance, held);
+                let modelled_s = fb.queue_s(instance, held, self.now_s);
                 Closed {
                     modelled_s,
                     learnt_s: (modelled_s + fb.late_s(instance, self.now_s)).max(0.0),

@@ -282,8 +282,8 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
 }
 
 /// With each request's first token and end reported, a hot prefix stays where its pages are
-/// while that device has room, and goes elsewhere once what it would hold overflows the
-/// device for longer than computing it there takes.
+/// while that device has room, and goes elsewhere once the device has no room for its prompt
+/// until a running request ends, later than computing it there takes.
 #[test]
 fn tracked_requests_spread_once_the_devices_memory_is_full() {
     let mut r = Router::new(2, model(), 1 << 20).expect("model");
@@ -297,19 +297,56 @@ fn tracked_requests_spread_once_the_devices_memory_is_full() {
     for k in 1..=3 {
         on_gpu(&mut r, 0, &prompt(k));
     }
-    // The first request teaches instance 0 its decode time (10 s, averaged from 0). Its first
-    // token comes when predicted (no queue, no compute): nothing late to learn.
-    assert_eq!(r.route_tracked(1, &prompt(1), 40, 20, 0.0).unwrap().0, 0);
+    // The first request teaches instance 0 its decode time: 10 s for 39 steps after its first
+    // token, a tenth of each learnt ((0.01 + 0.1 × 9.99) / (1 + 0.1 × 38) = 0.21 s a step).
+    // Its first token comes when predicted (no queue, no compute): nothing late to learn.
+    assert_eq!(r.route_tracked(1, &prompt(1), 40, 40, 0.0).unwrap().0, 0);
     assert!(r.first_token(1, 0.0) && r.finished(1, 10.0));
-    // The next one is held there (60 of 100 tokens) ...
-    assert_eq!(r.route_tracked(2, &prompt(2), 40, 20, 10.0).unwrap().0, 0);
+    // The next one is held there (80 of 100 tokens, until 10 + 39 × 0.21 = 18.2 s) ...
+    assert_eq!(r.route_tracked(2, &prompt(2), 40, 40, 10.0).unwrap().0, 0);
     assert!(r.first_token(2, 10.0));
-    // ... so the third would overflow instance 0 by 20 %: 0.2 s of its 1 s mean decode,
-    // against 0.04 s to compute its 40 tokens on instance 1.
-    let (inst, est) = r.route_tracked(3, &prompt(3), 40, 20, 10.0).unwrap();
+    // ... so the third's 40-token prompt has no room there for 8.2 s, against 0.04 s to
+    // compute its 40 tokens on instance 1.
+    let (inst, est) = r.route_tracked(3, &prompt(3), 40, 40, 10.0).unwrap();
     assert_eq!(inst, 1);
     assert!((est.compute_s - 0.04).abs() < 1e-9, "{est:?}");
     assert!(!r.finished(99, 11.0), "an unknown request is not booked");
+    // A prompt that fits beside the running one stays with its pages: 20 tokens free.
+    let small: Vec<u64> = (200..205).collect();
+    on_gpu(&mut r, 0, &small);
+    let (inst, est) = r.route_tracked(4, &small, 20, 40, 10.0).unwrap();
+    assert_eq!((inst, est.queue_s), (0, 0.0), "{est:?}");
+}
+
+/// A request that arrives behind a waiting prompt filling most of the device waits there
+/// for that prompt's prefill *and* its whole answer: the engine admits in order, and the
+/// request's own prompt has no room until the big one ends. Before the queue replayed the
+/// instance's timeline it priced that wait as a share of a mean decode time (nothing before
+/// an end was seen) and sent the request behind the big prompt, to its pages.
+#[test]
+fn a_request_is_not_routed_behind_a_prompt_that_fills_the_device_until_it_ends() {
+    let mut r = Router::new(2, model(), 1 << 20).expect("model");
+    r.set_occupancy(Some(Occupancy {
+        device_tokens: 1000.0,
+        decode_step_s: 0.01,
+    }))
+    .unwrap();
+    let turn: Vec<u64> = (1..=25).collect(); // 100 tokens, on instance 0's GPU
+    on_gpu(&mut r, 0, &turn);
+    let big: Vec<u64> = (1000..1225).collect(); // 900 tokens, on instance 0's GPU too
+    on_gpu(&mut r, 0, &big);
+    // The big prompt goes to its pages; it will decode 500 tokens (5 s at 0.01 s a token).
+    assert_eq!(r.route_tracked(1, &big, 900, 500, 0.0).unwrap().0, 0);
+    // The turn's pages are there too, but its 100 tokens have no room beside the big
+    // prompt's 900 until that ends: more than 5 s, against 0.1 s to compute it on instance 1.
+    let (inst, est) = r.route_tracked(2, &turn, 100, 10, 0.0).unwrap();
+    assert_eq!(inst, 1, "{est:?}");
+    // Once the big prompt ended, the turn's next request goes back to its pages.
+    assert!(r.first_token(1, 0.1) && r.finished(1, 5.1));
+    assert!(r.first_token(2, 0.1) && r.finished(2, 0.2));
+    let (inst, est) = r.route_tracked(3, &turn, 100, 10, 5.2).unwrap();
+    assert_eq!(inst, 0, "{est:?}");
+    assert!(est.queue_s < 0.05, "only the lateness learnt: {est:?}");
 }
 
 /// Requests sharing their prompt hold its pages once: a hot prefix that fills half the device
