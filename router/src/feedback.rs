@@ -212,8 +212,8 @@ impl Feedback {
 
     /// Seconds a new request holding `held` would wait on `instance` from `now_s` before its
     /// prefill starts: the instance's timeline replayed. Its running requests hold their
-    /// memory until their expected ends (first token + output × the instance's decode time
-    /// per token; one overdue ends now); its waiting requests are admitted in arrival order,
+    /// memory until their expected ends (first token + their decode steps × the instance's
+    /// time per step; one overdue ends now); its waiting requests are admitted in arrival order,
     /// each once the prefills ahead of it are done and the device has room for it (ends free
     /// room in time order), and hold their memory from then until their own ends; the new
     /// request is admitted after them the same way. Without a device size (0), memory is not

@@ -21,6 +21,7 @@ pub(super) struct Timeline {
     prefilled_s: f64,
     /// The latest end the admissions so far waited for: ends free room in time order.
     freed_s: f64,
+    now_s: f64,
 }
 
 /// A request's expected end and the tokens it then frees, ordered by time.
@@ -48,14 +49,14 @@ impl Timeline {
             ends: BinaryHeap::new(),
             prefilled_s: now_s,
             freed_s: now_s,
+            now_s,
         }
     }
 
     /// A running request holding `tokens` until `end_s` (an overdue one ends now).
     pub(super) fn running(&mut self, end_s: f64, tokens: f64) {
         self.free -= tokens;
-        self.ends
-            .push(Reverse(End(end_s.max(self.prefilled_s), tokens)));
+        self.ends.push(Reverse(End(end_s.max(self.now_s), tokens)));
     }
 
     /// Admits the next request in arrival order: it needs `need` tokens of room to start
