@@ -180,7 +180,7 @@ async fn forward(
     } else {
         FirstToken::AtEstimate
     };
-    let output = json.as_ref().map_or(0, max_tokens);
+    let output = json.as_ref().map_or(0, |v| max_tokens(v, kind));
     let mut refused = Vec::new();
     loop {
         let decision = {
@@ -275,13 +275,24 @@ fn pass_through(
     out
 }
 
-/// The tokens a request may generate: its `max_completion_tokens` or `max_tokens` (0 when it
-/// names neither: unknown).
-fn max_tokens(v: &Value) -> usize {
-    ["max_completion_tokens", "max_tokens"]
+/// What a completion that names no `max_tokens` generates at most: the OpenAI API's default,
+/// which vLLM's and SGLang's `/v1/completions` follow (a chat's default is the context left,
+/// which the router does not know).
+pub const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
+
+/// The tokens a request may generate: its `max_completion_tokens` or `max_tokens`; when it
+/// names neither, a completion's default ([`COMPLETION_DEFAULT_MAX_TOKENS`]) and for a chat 0
+/// (unknown). The router's memory timeline ends each request by it (docs/router.md, "What the
+/// router is told of each answer").
+fn max_tokens(v: &Value, kind: Kind) -> usize {
+    let named = ["max_completion_tokens", "max_tokens"]
         .iter()
-        .find_map(|k| v.get(*k).and_then(Value::as_u64))
-        .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX))
+        .find_map(|k| v.get(*k).and_then(Value::as_u64));
+    match (named, kind) {
+        (Some(n), _) => usize::try_from(n).unwrap_or(usize::MAX),
+        (None, Kind::Completion) => COMPLETION_DEFAULT_MAX_TOKENS,
+        (None, Kind::Chat) => 0,
+    }
 }
 
 /// The LoRA adapter the request names (`lora.rs`): SGLang's `lora_path`, or a vLLM `model`
@@ -385,4 +396,35 @@ async fn ask_json(
         .await
         .ok()
         .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_request_without_max_tokens_is_booked_with_the_engines_default() {
+        let c = Kind::Completion;
+        assert_eq!(max_tokens(&json!({"prompt": "x"}), c), 16);
+        assert_eq!(
+            max_tokens(&json!({"prompt": "x", "max_tokens": 300}), c),
+            300
+        );
+        assert_eq!(
+            max_tokens(&json!({"max_completion_tokens": 7, "max_tokens": 300}), c),
+            7
+        );
+        assert_eq!(
+            max_tokens(&json!({"max_tokens": "many"}), c),
+            16,
+            "not a count: the default"
+        );
+        assert_eq!(
+            max_tokens(&json!({"messages": []}), Kind::Chat),
+            0,
+            "a chat's: unknown"
+        );
+        assert_eq!(max_tokens(&json!({"max_tokens": 9}), Kind::Chat), 9);
+    }
 }
