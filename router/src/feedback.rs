@@ -98,7 +98,7 @@ struct Booking {
     /// Tokens of device memory it takes when admitted: its pages no earlier booking on the
     /// instance held when it was booked, and its extra tokens.
     own_tokens: f64,
-    /// Output tokens it is expected to generate (its decode time is learnt per token).
+    /// Output tokens it is expected to generate (its decode time is learnt per decode step).
     output: f64,
     /// The prompt's whole pages (their hashes), held while the request runs.
     pages: Vec<u64>,
@@ -175,7 +175,7 @@ pub struct Feedback {
 
 impl Feedback {
     /// `instances` instances whose devices hold `device_tokens` tokens of KV each, in pages of
-    /// `page_tokens` tokens, decoding a token every `decode_step_s` until their ends teach
+    /// `page_tokens` tokens, taking `decode_step_s` a decode step until their ends teach
     /// better (0: requests are taken to end at their first token until then).
     pub fn new(
         instances: usize,
@@ -229,12 +229,12 @@ impl Feedback {
         if self.device_tokens <= 0.0 {
             return pending;
         }
-        let per_token = self.per_token_s(instance);
+        let step_s = self.step_s(instance);
         // A request generates at most its decode time over the decode step: when the
         // declared outputs (`max_tokens`) overstate what requests generate, they end sooner
         // than their declared output at the decode step would say, and hold that much less.
         let generated = if self.decode_step_s > 0.0 {
-            (per_token / self.decode_step_s).min(1.0)
+            (step_s / self.decode_step_s).min(1.0)
         } else {
             1.0
         };
@@ -246,7 +246,7 @@ impl Feedback {
                 continue;
             };
             match b.prefilled_at {
-                Some(t) => line.running(t + decode_steps(b.output) * per_token, holds(b)),
+                Some(t) => line.running(t + decode_steps(b.output) * step_s, holds(b)),
                 None => waiting.push(b),
             }
         }
@@ -255,7 +255,7 @@ impl Feedback {
                 (b.own_tokens - b.output).max(0.0),
                 holds(b),
                 b.work_s,
-                decode_steps(b.output) * per_token,
+                decode_steps(b.output) * step_s,
             );
         }
         let new_pages = held.pages.iter().filter(|h| !pages.contains_key(h)).count();
@@ -264,7 +264,7 @@ impl Feedback {
     }
 
     /// Seconds per decode step on `instance`, as learnt from its ends.
-    fn per_token_s(&self, instance: usize) -> f64 {
+    fn step_s(&self, instance: usize) -> f64 {
         self.decode.get(instance).map_or(0.0, |&(d, n)| d / n)
     }
 

@@ -41,19 +41,19 @@ fn pending_prefill_leaves_at_the_first_token_and_memory_at_the_end() {
     // 2 s for 19 decode steps after the first token, a tenth of each learnt
     assert!(f.finished(1, Some(3.0)));
     let learnt = (DECODE_EWMA * 2.0) / (1.0 + DECODE_EWMA * 18.0);
-    assert!((f.per_token_s(0) - learnt).abs() < 1e-12);
-    let per_token = f.per_token_s(0);
+    assert!((f.step_s(0) - learnt).abs() < 1e-12);
+    let step_s = f.step_s(0);
     f.book(2, 0, routed(0.0, 0.0, 0.0), held_out(&six, 20.0, 20));
     assert!(f.first_token(2, 10.0));
     // 620 held until 10 + 19 steps: 620 + 600 new is over 1000, so the new request
     // waits for that end
     let other: Vec<u64> = (10..16).collect();
     let q = f.queue_s(0, held(&other, 0.0), 10.0);
-    assert!((q - 19.0 * per_token).abs() < 1e-12, "{q}");
+    assert!((q - 19.0 * step_s).abs() < 1e-12, "{q}");
     // one that fits beside it does not wait
     assert_eq!(f.queue_s(0, held(&other[..3], 0.0), 10.0), 0.0);
     // an overdue request ends now
-    assert!(10.0 + 19.0 * per_token < 12.0);
+    assert!(10.0 + 19.0 * step_s < 12.0);
     assert_eq!(f.queue_s(0, held(&other, 0.0), 12.0), 0.0);
     assert!(!f.first_token(9, 0.0) && !f.finished(9, None));
     assert_eq!(
@@ -97,12 +97,12 @@ fn an_unknown_output_ends_a_request_after_the_mean_decode_time() {
         assert!(f.finished(k, Some(t + 3.0)));
     }
     // learnt: 3 s from first token to end, for a request of unknown output
-    assert!((f.per_token_s(0) - 3.0).abs() < 0.1, "{}", f.per_token_s(0));
+    assert!((f.step_s(0) - 3.0).abs() < 0.1, "{}", f.step_s(0));
     f.book(99, 0, routed(0.0, 0.0, 500.0), held(&six, 0.0));
     assert!(f.first_token(99, 500.0));
     let other: Vec<u64> = (10..16).collect();
     let q = f.queue_s(0, held(&other, 0.0), 501.0);
-    assert!((q - (f.per_token_s(0) - 1.0)).abs() < 1e-9, "{q}");
+    assert!((q - (f.step_s(0) - 1.0)).abs() < 1e-9, "{q}");
 }
 
 #[test]
@@ -117,11 +117,7 @@ fn declared_outputs_that_overstate_what_requests_generate_hold_what_they_generat
         f.book(k, 0, routed(0.0, 0.0, t), held_out(&five, 1000.0, 1000));
         assert!(f.first_token(k, t) && f.finished(k, Some(t + 1.0)));
     }
-    assert!(
-        (f.per_token_s(0) - 0.001).abs() < 1e-4,
-        "{}",
-        f.per_token_s(0)
-    );
+    assert!((f.step_s(0) - 0.001).abs() < 1e-4, "{}", f.step_s(0));
     f.book(
         99,
         0,
@@ -135,7 +131,7 @@ fn declared_outputs_that_overstate_what_requests_generate_hold_what_they_generat
     // 500 do not: they wait for its end, about 1 s after its first token
     let more: Vec<u64> = (10..15).collect();
     let q = f.queue_s(0, held(&more, 0.0), 600.0);
-    assert!((q - 999.0 * f.per_token_s(0)).abs() < 1e-9, "{q}");
+    assert!((q - 999.0 * f.step_s(0)).abs() < 1e-9, "{q}");
 }
 
 #[test]
