@@ -14,7 +14,12 @@ imported) and ``phases``: each a list of ``prompts`` (token ids), optional per-p
 ``kv_transfer_params``), ``max_tokens``, ``serial`` (one request at a time: TTFT per
 request), ``kill`` (``{"pid": P, "after_s": S}``: SIGKILL to P S seconds into the phase),
 ``wait_file`` (block until the file exists: a step between two engines), ``done_file``
-(created when the phase ends); ``profile`` (a path prefix: each phase runs under cProfile,
+(created when the phase ends), ``aborts`` (``[[INDEX, STEP], ...]``: the phase's requests are
+added at once and the engine stepped by hand, request INDEX aborted, as a client that goes
+away, once STEP engine steps have run; an aborted request's output is ``null``) and
+``check_manager`` (true: after the phase, kvtier's offloading manager checks its books against
+vLLM's — ``check()`` — and the phase reports its ``usage()``: jobs in flight, held, locked
+and cached host chunks); ``profile`` (a path prefix: each phase runs under cProfile,
 its stats dumped to ``PREFIX.NAME``: the benchmark's attribution of time to kvtier and vLLM);
 ``time_manager`` (true: every call vLLM's connector makes into its offloading manager is
 timed with ``perf_counter``, no profiler, and each phase reports ``manager_s``: per method,
@@ -124,6 +129,42 @@ def _count_preemptions(llm) -> list:
     return count
 
 
+def _manager(llm):
+    """The engine's offloading manager (in this process: uniproc), or None."""
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return None if connector is None else connector.connector_scheduler.manager
+
+
+def _generate_with_aborts(llm, name, prompts, params, aborts):
+    """The phase's requests added at once and the engine stepped by hand: request ``i`` of
+    ``aborts`` (``[[i, step], ...]``) is aborted once ``step`` steps have run, as vLLM's
+    front end aborts a request whose client went away. Returns ``(output, cached)`` per
+    request, ``None`` for an aborted one."""
+    engine = llm.llm_engine
+    ids = [f"{name}-{i}" for i in range(len(prompts))]
+    for rid, p, sp in zip(ids, prompts, params):
+        engine.add_request(rid, p, sp)
+    due = sorted((int(step), int(i)) for i, step in aborts)
+    done: dict = {}
+    aborted = set()
+    steps = 0
+    while engine.has_unfinished_requests() or due:
+        while due and due[0][0] <= steps:
+            i = due.pop(0)[1]
+            if ids[i] not in done:
+                engine.abort_request([ids[i]])
+                aborted.add(ids[i])
+        if not engine.has_unfinished_requests():
+            continue
+        for r in engine.step():
+            # the external id, whatever suffix the engine gave its internal one
+            rid = next((x for x in ids if r.request_id == x or r.request_id.startswith(x + "-")), r.request_id)
+            if r.finished and rid not in aborted:
+                done[rid] = r
+        steps += 1
+    return [done.get(rid) for rid in ids], sorted(aborted)
+
+
 def main(job_path: str, out_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
@@ -193,7 +234,10 @@ def main(job_path: str, out_path: str) -> None:
         cpu0 = _thread_cpu()
         preempted[0] = 0
         t = time.perf_counter()
-        if ph.get("serial"):
+        aborted = None
+        if ph.get("aborts"):
+            res, aborted = _generate_with_aborts(llm, ph.get("name", "phase"), prompts, params, ph["aborts"])
+        elif ph.get("serial"):
             res = [r for p, sp in zip(prompts, params) for r in llm.generate([p], [sp], use_tqdm=False)]
         else:
             res = llm.generate(prompts, params, use_tqdm=False)
@@ -210,11 +254,20 @@ def main(job_path: str, out_path: str) -> None:
         if killer is not None:
             killer.join()
         shm |= {n for n in os.listdir("/dev/shm") if "vllm_offload" in n or "kvtier" in n}
+        manager = {}
+        if ph.get("check_manager"):
+            m = _manager(llm)
+            m.check()  # raises (the engine fails) if kvtier's books and vLLM's disagree
+            manager = {"manager_usage": {k: int(v) for k, v in m.native.usage().items()},
+                       "manager_holds": int(sum(m.native.holds()))}
         out["phases"].append({
             "name": ph.get("name", ""),
-            "outputs": [list(r.outputs[0].token_ids) for r in res],
-            "cached": [int(r.num_cached_tokens or 0) for r in res],
-            "ttft": [float(getattr(r.metrics, "first_token_latency", 0.0) or 0.0) for r in res],
+            "outputs": [list(r.outputs[0].token_ids) if r is not None else None for r in res],
+            "cached": [int(r.num_cached_tokens or 0) if r is not None else None for r in res],
+            "ttft": [float(getattr(r.metrics, "first_token_latency", 0.0) or 0.0) if r is not None else None
+                     for r in res],
+            **({"aborted": aborted} if aborted is not None else {}),
+            **manager,
             "wall_s": wall,
             "preemptions": preempted[0],
             "threads_cpu_s": busy,
