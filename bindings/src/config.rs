@@ -15,7 +15,8 @@
 //! {"per_rank", "replicated"} with `l3_leader_rank`; `eviction` ∈ {"lru", "adaptive", "freq-depth",
 //! "freq-depth:CREDIT:MAX_USES:DEBIT"}; `host_admission` ∈ {"on-finish",
 //! "on-device-eviction:AHEAD_PAGES", "adaptive:AHEAD_PAGES" (with eviction "adaptive")};
-//! `queue_protection` ∈ {"off", "waiting"}; `shadow_sample_salt` an integer (eviction "shadow");
+//! `queue_protection` ∈ {"off", "waiting"}; `shadow_sample_salt` and `shadow_full_size_pages`
+//! integers (eviction "shadow");
 //! `namespace` is a dict
 //! with keys model, dtype, layout, tenant, adapter; `tp_ranks` is the tensor-parallel group's
 //! size (above 1, direct loss reports are refused: see `kvtier_scheduler::SchedulerConfig`).
@@ -62,6 +63,7 @@ pub const FIELDS: &[&str] = &[
     "queue_protection",
     "tp_ranks",
     "shadow_sample_salt",
+    "shadow_full_size_pages",
 ];
 
 /// Reads one field from a dict (by key) or any object (by attribute); `None` when absent.
@@ -242,6 +244,7 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         rank: get(obj, "rank", d.rank)?,
         tp_ranks: get(obj, "tp_ranks", d.tp_ranks)?,
         shadow_sample_salt: get(obj, "shadow_sample_salt", d.shadow_sample_salt)?,
+        shadow_full_size_pages: get(obj, "shadow_full_size_pages", d.shadow_full_size_pages)?,
         l3_sharing,
         tenant_quota: kvtier_scheduler::TenantQuota {
             device_pages: get(obj, "tenant_quota_device_pages", None)?,
@@ -337,6 +340,7 @@ pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bou
     d.set_item("queue_protection", c.queue_protection.to_string())?;
     d.set_item("tp_ranks", c.tp_ranks)?;
     d.set_item("shadow_sample_salt", c.shadow_sample_salt)?;
+    d.set_item("shadow_full_size_pages", c.shadow_full_size_pages)?;
     Ok(d)
 }
 

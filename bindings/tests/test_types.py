@@ -42,6 +42,7 @@ def test_config_defaults_are_the_rust_defaults():
         dict(host_admission="on-finish"),
         dict(eviction="adaptive", host_admission="adaptive:16"),
         dict(eviction="shadow", host_admission="adaptive:16", shadow_sample_salt=2**64 - 1),
+        dict(eviction="shadow", shadow_full_size_pages=2**64 - 1),
     ],
 )
 def test_config_roundtrip(over):
@@ -68,6 +69,10 @@ def test_config_from_dict_and_pickle():
 def test_config_errors_name_the_field():
     with pytest.raises(kvtier.ConfigError, match="page_size"):
         kvtier.Scheduler(small_config(page_size=0))
+    with pytest.raises(kvtier.ConfigError, match="shadow_full_size_pages"):
+        kvtier.Scheduler(small_config(eviction="shadow", shadow_full_size_pages=0))
+    with pytest.raises((OverflowError, TypeError)):
+        kvtier.Scheduler(small_config(eviction="shadow", shadow_full_size_pages=-1))
     with pytest.raises(kvtier.ConfigError):
         small_config(token_budget=2).validate()
     with pytest.raises(ValueError, match="prefetch_stop"):

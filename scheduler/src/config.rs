@@ -225,6 +225,16 @@ pub struct SchedulerConfig {
     /// (`ShadowConfig::sample_salt`; 0 by default).
     #[serde(default)]
     pub shadow_sample_salt: u64,
+    /// Under the `shadow` policy, device + host pages up to which its shadows are full-size
+    /// (exact); above, each is sampled 1 request prefix in ⌈capacity / this⌉ on shadows of
+    /// that fraction of the capacity (`ShadowConfig::full_size_pages`; 65,536 by default).
+    /// The shadows' memory is at most 4 × this many pages of tree metadata.
+    #[serde(default = "default_shadow_full_size_pages")]
+    pub shadow_full_size_pages: u64,
+}
+
+fn default_shadow_full_size_pages() -> u64 {
+    kvtier_radix::ShadowConfig::default().full_size_pages
 }
 
 /// Per-tenant caps on pages per tier (a tenant is a request's `cache_salt`; unsalted requests
@@ -274,6 +284,7 @@ impl Default for SchedulerConfig {
             host_admission: HostAdmission::OnFinish,
             queue_protection: QueueProtection::Waiting,
             shadow_sample_salt: 0,
+            shadow_full_size_pages: default_shadow_full_size_pages(),
         }
     }
 }
@@ -319,6 +330,9 @@ pub enum ConfigError {
     RankOutOfRange { rank: u32, tp_ranks: u32 },
     #[error("l3_sharing Replicated leader {leader} is not below tp_ranks {tp_ranks}")]
     LeaderOutOfRange { leader: u32, tp_ranks: u32 },
+    /// The shadow selector refused its configuration (`eviction` Shadow).
+    #[error("shadow selector: {0}")]
+    Shadow(#[from] kvtier_radix::ShadowConfigError),
 }
 
 impl SchedulerConfig {
@@ -331,6 +345,10 @@ impl SchedulerConfig {
             ("chunked_prefill_size", self.chunked_prefill_size),
             ("max_context_tokens", self.max_context_tokens),
             ("tp_ranks", self.tp_ranks as usize),
+            (
+                "shadow_full_size_pages",
+                usize::try_from(self.shadow_full_size_pages).unwrap_or(usize::MAX),
+            ),
         ] {
             if v == 0 {
                 return Err(ConfigError::Zero { field });

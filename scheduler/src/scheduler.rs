@@ -108,17 +108,14 @@ impl Scheduler {
             };
             let shadow = kvtier_radix::ShadowConfig {
                 sample_salt: cfg.shadow_sample_salt,
+                full_size_pages: cfg.shadow_full_size_pages,
                 ..kvtier_radix::ShadowConfig::default()
             };
             let shadow = match fixed {
                 Some(a) => shadow.with_admission(a),
                 None => shadow,
             };
-            cache
-                .set_shadow_config(shadow)
-                .map_err(|_| ConfigError::Zero {
-                    field: "shadow candidates",
-                })?;
+            cache.set_shadow_config(shadow)?;
         }
         let key_rank = match cfg.l3_sharing {
             crate::config::L3Sharing::PerRank => cfg.rank,

@@ -1,5 +1,6 @@
-//! The shadow selector under a scheduler: `SchedulerConfig::shadow_sample_salt` reaches the
-//! selector's sampled shadows (which 1-in-R sample they replay). The selector itself is tested
+//! The shadow selector under a scheduler: `SchedulerConfig::shadow_sample_salt` and
+//! `shadow_full_size_pages` reach the selector: the salt picks which 1-in-R sample the
+//! sampled shadows replay, the bound when they are sampled. The selector itself is tested
 //! in `radix/tests/shadow.rs`; the simulator's property tests run the scheduler under it.
 
 mod common;
@@ -39,4 +40,43 @@ fn the_sample_salt_picks_which_requests_the_shadows_replay() {
         assert!((140..260).contains(&n), "{n} of 400 replayed at 1 in 2");
     }
     assert_ne!(a, b, "two salts, one sample");
+}
+
+/// `SchedulerConfig::shadow_full_size_pages` bounds the shadows: up to that many device +
+/// host pages they are exact (1 in 1), above it sampled 1 prefix in ⌈capacity / it⌉; 0 is a
+/// typed error naming the field, not a selector that divides by zero.
+#[test]
+fn the_full_size_bound_decides_when_the_shadows_are_sampled() {
+    let sample = |full: u64| {
+        let c = SchedulerConfig {
+            device_pages: 16_384,
+            host_pages: 65_536,
+            eviction: EvictionPolicy::Shadow,
+            shadow_full_size_pages: full,
+            ..cfg()
+        };
+        let mut s = Scheduler::new(c.clone()).unwrap();
+        let mut e = Engine::new(&c);
+        e.submit(&mut s, 1, prompt(0, 16), 1);
+        s.cache().shadow_snapshot().unwrap().sample
+    };
+    assert_eq!(SchedulerConfig::default().shadow_full_size_pages, 65_536);
+    assert_eq!(sample(65_536), 2, "81,920 pages over a bound of 65,536");
+    assert_eq!(
+        sample(81_920),
+        1,
+        "the whole capacity within the bound: exact"
+    );
+    assert_eq!(sample(10_000), 9);
+    let zero = SchedulerConfig {
+        eviction: EvictionPolicy::Shadow,
+        shadow_full_size_pages: 0,
+        ..cfg()
+    };
+    assert_eq!(
+        Scheduler::new(zero).err(),
+        Some(ConfigError::Zero {
+            field: "shadow_full_size_pages"
+        })
+    );
 }

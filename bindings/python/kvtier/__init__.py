@@ -125,7 +125,10 @@ class SchedulerConfig:
     the scheduler is one rank of several and refuses the direct ``l3_lost`` / ``l3_lost_all``
     (``LossNeedsAgreementError``): losses go through ``RankAgreement.lost`` and
     ``agree_losses``. ``shadow_sample_salt`` picks which 1-in-R sample the ``"shadow"`` eviction
-    policy's shadows replay at capacities where they are sampled (docs/sim/shadow.md).
+    policy's shadows replay at capacities where they are sampled, and ``shadow_full_size_pages``
+    up to which device + host capacity they are exact (default 65,536; above, 1 prefix in
+    ⌈capacity / it⌉ is replayed, and the shadows' memory stays within 4 × it pages of
+    metadata: docs/sim/shadow.md).
     ``validate()`` raises ``ConfigError`` naming the field.
     """
 
@@ -159,6 +162,7 @@ class SchedulerConfig:
     queue_protection: str = _default("queue_protection")
     tp_ranks: int = _default("tp_ranks")
     shadow_sample_salt: int = _default("shadow_sample_salt")
+    shadow_full_size_pages: int = _default("shadow_full_size_pages")
 
     def validate(self) -> None:
         """Raises ``ConfigError`` (or ``TypeError``) if the configuration is invalid."""

@@ -129,6 +129,10 @@ struct SimArgs {
     /// sample (0 by default; the selector's figures there move with it).
     #[arg(long)]
     shadow_sample_salt: Option<u64>,
+    /// Under --eviction shadow: device + host pages up to which its shadows are exact; above,
+    /// sampled 1 prefix in ceil(capacity / N) (default 65536; memory stays within 4 × N pages).
+    #[arg(long)]
+    shadow_full_size_pages: Option<u64>,
     /// Do not also run the other online policies (LRU, freq-depth) at the same capacity.
     #[arg(long)]
     no_compare: bool,
@@ -264,6 +268,9 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
     }
     if let Some(salt) = a.shadow_sample_salt {
         s.shadow_sample_salt = salt;
+    }
+    if let Some(n) = a.shadow_full_size_pages {
+        s.shadow_full_size_pages = n;
     }
     if let Some(p) = &a.prefetch_stop {
         let parts: Vec<&str> = p.split(':').collect();
