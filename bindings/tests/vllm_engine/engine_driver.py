@@ -148,14 +148,16 @@ def _generate_with_aborts(llm, name, prompts, params, aborts):
     done: dict = {}
     aborted = set()
     steps = 0
-    while engine.has_unfinished_requests() or due:
+    # An abort due after every request ended has nothing left to abort: the loop ends with
+    # the requests, not with the schedule.
+    while engine.has_unfinished_requests():
         while due and due[0][0] <= steps:
             i = due.pop(0)[1]
             if ids[i] not in done:
                 engine.abort_request([ids[i]])
                 aborted.add(ids[i])
         if not engine.has_unfinished_requests():
-            continue
+            break
         for r in engine.step():
             # the external id, whatever suffix the engine gave its internal one
             rid = next((x for x in ids if r.request_id == x or r.request_id.startswith(x + "-")), r.request_id)
