@@ -101,6 +101,18 @@ fn on_gpu(r: &mut Router, instance: usize, hashes: &[u64]) {
     .unwrap();
 }
 
+/// Two instances whose devices hold `device_tokens` tokens each, a decode step of 10 ms: the
+/// router of the tests that book requests and report their first tokens and ends.
+fn tracking(device_tokens: f64) -> Router {
+    let mut r = Router::new(2, model(), 1 << 20).expect("model");
+    r.set_occupancy(Some(Occupancy {
+        device_tokens,
+        decode_step_s: 0.01,
+    }))
+    .expect("a valid occupancy");
+    r
+}
+
 fn plain() -> HashScope {
     HashScope::new(None, None, Vec::new())
 }
@@ -286,12 +298,7 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
 /// until a running request ends, later than computing it there takes.
 #[test]
 fn tracked_requests_spread_once_the_devices_memory_is_full() {
-    let mut r = Router::new(2, model(), 1 << 20).expect("model");
-    r.set_occupancy(Some(Occupancy {
-        device_tokens: 100.0,
-        decode_step_s: 0.01,
-    }))
-    .unwrap();
+    let mut r = tracking(100.0);
     // Three prompts of 40 tokens (10 pages each, none shared), all on instance 0's GPU.
     let prompt = |k: u64| -> Vec<u64> { (10 * k + 1..=10 * k + 10).collect() };
     for k in 1..=3 {
@@ -325,12 +332,7 @@ fn tracked_requests_spread_once_the_devices_memory_is_full() {
 /// an end was seen) and sent the request behind the big prompt, to its pages.
 #[test]
 fn a_request_is_not_routed_behind_a_prompt_that_fills_the_device_until_it_ends() {
-    let mut r = Router::new(2, model(), 1 << 20).expect("model");
-    r.set_occupancy(Some(Occupancy {
-        device_tokens: 1000.0,
-        decode_step_s: 0.01,
-    }))
-    .unwrap();
+    let mut r = tracking(1000.0);
     let turn: Vec<u64> = (1..=25).collect(); // 100 tokens, on instance 0's GPU
     on_gpu(&mut r, 0, &turn);
     let big: Vec<u64> = (1000..1225).collect(); // 900 tokens, on instance 0's GPU too
@@ -354,12 +356,7 @@ fn a_request_is_not_routed_behind_a_prompt_that_fills_the_device_until_it_ends()
 /// that half.
 #[test]
 fn running_requests_sharing_a_prefix_hold_it_once() {
-    let mut r = Router::new(2, model(), 1 << 20).expect("model");
-    r.set_occupancy(Some(Occupancy {
-        device_tokens: 100.0,
-        decode_step_s: 0.01,
-    }))
-    .unwrap();
+    let mut r = tracking(100.0);
     let shared: Vec<u64> = (1..=12).collect(); // 48 tokens
     on_gpu(&mut r, 0, &shared);
     assert_eq!(r.route_tracked(1, &shared, 48, 2, 0.0).unwrap().0, 0);
@@ -382,12 +379,7 @@ fn running_requests_sharing_a_prefix_hold_it_once() {
 fn an_instance_whose_first_tokens_come_late_is_avoided() {
     let hashes: Vec<u64> = (1..=10).collect();
     let run = |late_s: f64| -> Vec<usize> {
-        let mut r = Router::new(2, model(), 1 << 20).expect("model");
-        r.set_occupancy(Some(Occupancy {
-            device_tokens: 1e6,
-            decode_step_s: 0.01,
-        }))
-        .unwrap();
+        let mut r = tracking(1e6);
         for i in 0..2 {
             on_gpu(&mut r, i, &hashes);
         }

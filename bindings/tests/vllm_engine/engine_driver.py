@@ -77,6 +77,12 @@ MANAGER_CALLS = ("lookup", "get_load_source", "prepare_load", "complete_load", "
                  "on_request_finished", "take_events", "get_stats", "reset_cache")
 
 
+def _manager(llm):
+    """The engine's offloading manager (in this process: uniproc), or None."""
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return None if connector is None else connector.connector_scheduler.manager
+
+
 def _time_manager(llm) -> dict:
     """Wraps the engine's offloading manager's methods (in this process: uniproc) with
     perf_counter accumulators; returns ``{method: [calls, seconds]}``, updated live (empty
@@ -84,11 +90,10 @@ def _time_manager(llm) -> dict:
     import functools
     import inspect
 
-    core = llm.llm_engine.engine_core.engine_core
     acc: dict = {}
-    if core.scheduler.connector is None:
+    manager = _manager(llm)
+    if manager is None:
         return acc  # no offloading: no manager to time
-    manager = core.scheduler.connector.connector_scheduler.manager
 
     def wrap(name, fn):
         slot = acc.setdefault(name, [0, 0.0])
@@ -129,17 +134,11 @@ def _count_preemptions(llm) -> list:
     return count
 
 
-def _manager(llm):
-    """The engine's offloading manager (in this process: uniproc), or None."""
-    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    return None if connector is None else connector.connector_scheduler.manager
-
-
 def _generate_with_aborts(llm, name, prompts, params, aborts):
     """The phase's requests added at once and the engine stepped by hand: request ``i`` of
     ``aborts`` (``[[i, step], ...]``) is aborted once ``step`` steps have run, as vLLM's
-    front end aborts a request whose client went away. Returns ``(output, cached)`` per
-    request, ``None`` for an aborted one."""
+    front end aborts a request whose client went away. Returns the finished ``RequestOutput``
+    of each request in order (``None`` for an aborted one) and the aborted requests' ids."""
     engine = llm.llm_engine
     ids = [f"{name}-{i}" for i in range(len(prompts))]
     for rid, p, sp in zip(ids, prompts, params):
