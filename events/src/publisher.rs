@@ -119,6 +119,15 @@ impl Publisher {
                 cfg.buffer_steps, cfg.block_size, cfg.hwm
             )));
         }
+        // zmq's bind panics on a NUL byte (`CString::new(..).unwrap()`): refuse it first
+        if let Some(ep) = std::iter::once(&cfg.endpoint)
+            .chain(cfg.replay_endpoint.as_ref())
+            .find(|ep| ep.contains('\0'))
+        {
+            return Err(PublishError::Config(format!(
+                "endpoint {ep:?} contains a NUL byte"
+            )));
+        }
         let ctx = zmq::Context::new();
         let pub_sock = ctx.socket(zmq::PUB).map_err(zerr("PUB socket"))?;
         pub_sock

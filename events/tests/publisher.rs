@@ -251,6 +251,22 @@ fn bad_configs_are_typed_errors() {
         }),
         PublishError::Zmq { .. }
     ));
+    // a NUL byte in an address (from Python, a config file): a typed error, not the zmq
+    // crate's panic in `CString::new`
+    assert!(matches!(
+        bad(PublisherConfig {
+            endpoint: "tcp://127.0.0.1:*\0x".into(),
+            ..Default::default()
+        }),
+        PublishError::Config(_)
+    ));
+    assert!(matches!(
+        bad(PublisherConfig {
+            replay_endpoint: Some("tcp://127.0.0.1:*\0".into()),
+            ..Default::default()
+        }),
+        PublishError::Config(_)
+    ));
     // two publishers on one address: the second is refused, the first keeps working
     let a = Publisher::bind(PublisherConfig::default()).unwrap();
     let taken = PublisherConfig {

@@ -40,7 +40,13 @@ impl Clock {
     /// Moves the clock forward (tests, simulation). Time never goes back.
     pub fn advance(&self, d: Duration) {
         let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-        self.skew_ms.fetch_add(ms, Ordering::Relaxed);
+        // saturating: a wrapped skew would move the clock back (leases alive again); the
+        // closure never refuses, so the update always happens
+        self.skew_ms
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_add(ms))
+            })
+            .ok();
     }
 }
 
@@ -99,5 +105,26 @@ impl Periodic {
 impl Drop for Periodic {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Advancing saturates: a clock pushed to its top stays there instead of wrapping to
+    /// 0 (which made expired leases live again and fresh ones never expire).
+    #[test]
+    fn advancing_past_the_top_saturates_and_never_goes_back() {
+        let c = Clock::new();
+        c.advance(Duration::from_millis(1 << 63));
+        let before = c.now_ms();
+        c.advance(Duration::from_millis(1 << 63));
+        assert!(c.now_ms() >= before, "time went back");
+        assert_eq!(c.now_ms(), u64::MAX);
+        c.advance(Duration::from_millis(2));
+        assert_eq!(c.now_ms(), u64::MAX);
+        c.advance(Duration::MAX);
+        assert_eq!(c.now_ms(), u64::MAX);
     }
 }

@@ -128,6 +128,17 @@ pub fn spawn(
     stop: Arc<AtomicBool>,
     opts: SubscribeOptions,
 ) -> Result<JoinHandle<()>, SubscribeError> {
+    // zmq's connect panics on a NUL byte (`CString::new(..).unwrap()`); the replay socket is
+    // connected later, in the subscriber thread: refuse both here
+    if let Some(ep) = std::iter::once(&spec.endpoint)
+        .chain(spec.replay.as_ref())
+        .find(|ep| ep.contains('\0'))
+    {
+        return Err(SubscribeError {
+            what: format!("endpoint {ep:?} contains a NUL byte"),
+            source: zmq::Error::EINVAL,
+        });
+    }
     let ctx = zmq::Context::new();
     let sub = ctx.socket(zmq::SUB).map_err(zerr("SUB socket"))?;
     sub.set_subscribe(b"").map_err(zerr("subscribe"))?;

@@ -212,6 +212,11 @@ def test_bad_endpoints_and_closed_publishers_are_typed_errors():
         kvtier.KvEventPublisher(replay_endpoint="no-such-transport://x")
     with pytest.raises(kvtier.EventsError):
         kvtier.KvEventPublisher(buffer_steps=0)
+    # a NUL byte in an address: a typed error (it was the zmq crate's panic)
+    with pytest.raises(kvtier.EventsError, match="NUL"):
+        kvtier.KvEventPublisher(endpoint="tcp://127.0.0.1:*\0x")
+    with pytest.raises(kvtier.EventsError, match="NUL"):
+        kvtier.KvEventPublisher(replay_endpoint="tcp://127.0.0.1:*\0")
     with pytest.raises(ValueError, match="block_hashes"):
         kvtier.KvEventPublisher(block_hashes="hex")
     pub = kvtier.KvEventPublisher(replay_endpoint=None)

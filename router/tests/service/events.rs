@@ -375,6 +375,31 @@ async fn a_router_with_a_cost_model_it_cannot_use_does_not_start() {
     );
 }
 
+/// An endpoint with a NUL byte (a library caller's string; argv cannot hold one) is a typed
+/// error before anything listens, for the stream and for its replay socket: the zmq crate
+/// panics on it (`CString::new(..).unwrap()`), in `start` or later in the subscriber thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_with_a_nul_byte_is_refused_at_start() {
+    use kvtier_router::launch::{self, Config, StartError};
+    for spec in [
+        EndpointSpec {
+            events: Some("tcp://127.0.0.1:5557\0".into()),
+            ..EndpointSpec::default()
+        },
+        EndpointSpec {
+            events: Some("tcp://127.0.0.1:5557".into()),
+            replay: Some("tcp://127.0.0.1:5558\0".into()),
+            ..EndpointSpec::default()
+        },
+    ] {
+        let err = launch::start(config(vec![spec], 1 << 10, Keys::Tokens))
+            .await
+            .err()
+            .expect("a NUL endpoint started a router");
+        assert!(matches!(err, StartError::Subscribe(_)), "{err}");
+    }
+}
+
 /// `topic=`: a stream whose publisher names another topic is refused batch by batch, live
 /// and replayed: nothing of it reaches the index and `foreign_topic` counts the live
 /// batches; the same publisher under its own topic is followed to the exact index.
