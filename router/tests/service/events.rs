@@ -380,7 +380,7 @@ async fn a_router_with_a_cost_model_it_cannot_use_does_not_start() {
 /// panics on it (`CString::new(..).unwrap()`), in `start` or later in the subscriber thread.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endpoint_with_a_nul_byte_is_refused_at_start() {
-    use kvtier_router::launch::{self, Config, StartError};
+    use kvtier_router::launch::{self, StartError};
     for spec in [
         EndpointSpec {
             events: Some("tcp://127.0.0.1:5557\0".into()),
