@@ -32,6 +32,7 @@ mod events;
 mod l3;
 mod mooncake;
 mod offload;
+mod overlap;
 mod plan;
 mod policy;
 mod sched;

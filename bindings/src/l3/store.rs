@@ -19,6 +19,7 @@ use super::{
 };
 use crate::convert::{ByteBuf, str_list, u32_vec};
 use crate::errors::l3_err;
+use crate::overlap::overlapping;
 
 /// A page call's keys and page ids, one page per key.
 fn keyed_pages(
@@ -409,6 +410,15 @@ impl PyL3Store {
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let keys = str_list(keys, "keys")?;
         let mut bufs = buf_list(bufs, true)?;
+        let spans: Vec<(usize, usize)> = bufs
+            .iter()
+            .map(|b| (b.as_slice().as_ptr() as usize, b.len()))
+            .collect();
+        if let Some(i) = overlapping(&spans).iter().position(|&o| o) {
+            return Err(PyValueError::new_err(format!(
+                "bufs[{i}] overlaps another buffer: one read cannot write two keys' bytes in one place"
+            )));
+        }
         let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
         self.get_views(py, &keys, &mut views)
     }

@@ -35,7 +35,7 @@ use attach::{Attached, tenant_of};
 use batch::{Write, WriteMode, mc_get_code};
 pub use batch::{error_codes, join_parts};
 use pool::Pool;
-use ranges::{ReplicaRow, multi_parts, scatter};
+use ranges::{ReplicaRow, drop_overlapping_keys, multi_parts, scatter};
 use registered::{Regions, RegisteredRange, drop_overlapping};
 
 pub(crate) const INVALID_PARAMS: i64 = ErrorCode::InvalidParams as i64;
@@ -401,7 +401,8 @@ impl MooncakeCore {
         if keys.len() != all_ptrs.len() || keys.len() != all_sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }
-        let parts = multi_parts(&self.regions, &all_ptrs, &all_sizes);
+        let mut parts = multi_parts(&self.regions, &all_ptrs, &all_sizes);
+        drop_overlapping_keys(&mut parts);
         self.mc_batch(
             py,
             &keys,
@@ -453,6 +454,7 @@ impl MooncakeCore {
         let Some((s, t)) = self.handle() else {
             return (0..n).map(|i| per_key(NOT_INITIALIZED, i)).collect();
         };
+        let refused = ranges::overlapping_ranges(&buffer_ptrs, &all_dst_offsets, &all_sizes);
         py.detach(|| {
             (0..n)
                 .map(|i| {
@@ -465,6 +467,7 @@ impl MooncakeCore {
                         &all_dst_offsets[i],
                         &all_src_offsets[i],
                         &all_sizes[i],
+                        &refused[i],
                     )
                 })
                 .collect()

@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 
 use super::INVALID_PARAMS;
 use super::mapped::is_mapped_rw;
+use crate::overlap::overlapping;
 
 /// A byte range inside one registered region. `Send`: it is an address, not a borrow, so the
 /// store call that uses it can run with the GIL released.
@@ -27,6 +28,11 @@ pub(crate) struct RegisteredRange {
 impl RegisteredRange {
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// `(start address, length)`, for [`crate::overlap::overlapping`].
+    pub(crate) fn span(&self) -> (usize, usize) {
+        (self.start, self.len)
     }
 
     /// The bytes of the range.
@@ -126,20 +132,13 @@ impl Regions {
 /// Marks as unusable (None) every range that overlaps another one: destinations written in
 /// one call must not alias.
 pub(crate) fn drop_overlapping(ranges: &mut [Option<RegisteredRange>]) {
-    let mut spans: Vec<(usize, usize, usize)> = ranges
+    let spans: Vec<(usize, usize)> = ranges
         .iter()
-        .enumerate()
-        .filter_map(|(i, r)| r.map(|r| (r.start, r.len, i)))
+        .map(|r| r.map_or((0, 0), |r| r.span()))
         .collect();
-    spans.sort_unstable();
-    let mut bad = Vec::new();
-    for w in spans.windows(2) {
-        if w[0].0 + w[0].1 > w[1].0 && w[0].1 > 0 && w[1].1 > 0 {
-            bad.push(w[0].2);
-            bad.push(w[1].2);
+    for (r, bad) in ranges.iter_mut().zip(overlapping(&spans)) {
+        if bad {
+            *r = None;
         }
-    }
-    for i in bad {
-        ranges[i] = None;
     }
 }
