@@ -151,3 +151,19 @@ def test_abort_and_retraction_paths_stay_consistent():
     assert ended[2] == "aborted" and sum(1 for o in ended.values() if o == "finished") == 5
     assert e.s.stats()["retracted"] >= 0
     e.s.check()
+
+
+def test_the_engine_refuses_the_prompts_the_scheduler_refuses_and_keeps_the_others():
+    """``Engine.submit`` takes a prompt as ``Scheduler.submit`` does: a str or non-integer
+    tokens are a TypeError (it converted each element with ``int()``: "1234" became tokens
+    1, 2, 3, 4 and 1.9 became 1), nothing is submitted, and a numpy prompt keeps its tokens."""
+    e = Engine(kvtier.Scheduler(small_config()))
+    for bad in ("1234", [1.9, 2.5, 3.0], [1, "2"], [[1, 2]]):
+        with pytest.raises(TypeError):
+            e.submit(1, bad, 1)
+        assert e.s.live_requests() == 0 and 1 not in e.tokens
+    e.submit(1, np.arange(5, 45, dtype=np.int64), 2)
+    e.submit(2, range(100, 140), 2)
+    e.run_to_idle()
+    assert e.tokens[1][:40] == list(range(5, 45)) and e.tokens[2][:40] == list(range(100, 140))
+    assert len(e.generated(1)) == len(e.generated(2)) == 2

@@ -165,6 +165,13 @@ def test_per_layer_waits_let_layer_0_start_while_later_layers_load():
         ex.poll(require=[2])
 
 
+def raw(op, **pages):
+    """``op`` with page ids exactly as given (``HandOp`` converts them to uint32)."""
+    for k, v in pages.items():
+        setattr(op, k, v)
+    return op
+
+
 def test_bad_ops_raise_executor_error_and_start_nothing():
     dev, host = pools()
     with Executor(dev, host) as ex:
@@ -177,6 +184,15 @@ def test_bad_ops_raise_executor_error_and_start_nothing():
             HandOp(2, "BackUp", "host", None, [0, 1], (), KEYS[:1]),  # keys vs pages
             HandOp(2, "Teleport"),
             HandOp(1, "L3Query"),  # duplicate id within the batch
+            # page ids that are not a flat list of integers (they failed in the start phase,
+            # a bare TypeError after `good` was started; floats were truncated)
+            raw(HandOp(2, "LoadBack", "host", "device"), src=np.array([[1]]), dst=np.array([[1]])),
+            raw(HandOp(2, "LoadBack", "host", "device"), src=[1.7], dst=[1]),
+            raw(HandOp(2, "WriteBack", "device", "host"), src=[1], dst=["1"]),
+            raw(HandOp(2, "BackUp", "host", None, keys=KEYS[:1]), src=[[0]]),
+            # two pages copied onto one page: which one lands is undefined
+            HandOp(2, "LoadBack", "host", "device", [1, 2], [3, 3]),
+            HandOp(2, "Prefetch", None, "host", (), [4, 4], KEYS[:2]),
         ]
         for b in bad:
             with pytest.raises(ExecutorError):

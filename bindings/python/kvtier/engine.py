@@ -323,9 +323,10 @@ class Engine:
     ) -> None:
         """Submits a request; ``scope``: ``cache_salt``, ``adapter``, ``extra_keys`` as
         ``Scheduler.submit`` takes them (the oracle hashes the request's pages in its scope)."""
-        toks = [int(t) for t in prompt]
-        self.s.submit(req, np.asarray(toks, dtype=np.uint32), max_new_tokens, now_ms, **scope)
-        self.tokens[req] = toks
+        # the scheduler converts and checks the prompt (a str or non-integer tokens are a
+        # TypeError); the engine keeps the tokens it accepted
+        self.s.submit(req, prompt, max_new_tokens, now_ms, **scope)
+        self.tokens[req] = self.s.request_tokens(req).tolist()
         self._scopes[req] = scope
         self.outputs[req] = []
 

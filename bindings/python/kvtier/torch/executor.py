@@ -101,6 +101,12 @@ def _leading_ok(codes: np.ndarray) -> int:
     return int(bad[0]) if bad.size else int(np.asarray(codes).size)
 
 
+def _written_once(dst: np.ndarray, what: str) -> None:
+    """Refuses a copy that writes one page twice (which source lands would be undefined)."""
+    if np.unique(dst).size != dst.size:
+        raise ExecutorError(f"{what}: a destination page appears twice")
+
+
 class _Pages:
     """Last writer and readers in flight of each page of one tier."""
 
@@ -226,6 +232,7 @@ class Executor:
             want = ("host", "device") if kind == "LoadBack" else ("device", "host")
             if (op.src_tier, op.dst_tier) != want:
                 raise ExecutorError(f"{kind} {op.id}: {op.src_tier} -> {op.dst_tier}")
+            _written_once(dst, f"{kind} {op.id}")
         elif kind in ("Prefetch", "BackUp"):
             tier, pages = (op.dst_tier, op.dst) if kind == "Prefetch" else (op.src_tier, op.src)
             # A BackUp may read device pages (demotion with L3): staged through host pages.
@@ -234,6 +241,8 @@ class Executor:
             arr = self._pages_of(tier, pages, kind)
             if len(op.keys) != arr.size:
                 raise ExecutorError(f"{kind} {op.id}: {len(op.keys)} keys for {arr.size} pages")
+            if kind == "Prefetch":
+                _written_once(arr, f"{kind} {op.id}")
         elif kind != "L3Query":
             raise ExecutorError(f"unknown op kind {kind!r}")
 
@@ -247,7 +256,11 @@ class Executor:
     def _pages_of(self, tier: Optional[str], pages: Any, what: str) -> np.ndarray:
         if tier not in ("device", "host"):
             raise ExecutorError(f"{what}: no pool for tier {tier!r}")
-        arr = np.asarray(pages, dtype=np.int64)
+        given = np.asarray(pages)
+        if given.ndim != 1 or (given.size and given.dtype.kind not in "iu"):
+            raise ExecutorError(f"{what}: page ids must be a flat sequence of integers, "
+                                f"not shape {given.shape} of {given.dtype}")
+        arr = given.astype(np.int64)
         n = self.device.num_pages if tier == "device" else self.host.num_pages
         if arr.size and (arr.min() < 0 or arr.max() >= n):
             raise ExecutorError(f"{what}: page outside the {tier} pool of {n} pages")
