@@ -304,3 +304,30 @@ def test_no_two_managers_show_one_generation():
         m.prepare_store(chain("a", 2), 2)
         assert m.generation not in seen
         seen.add(m.generation)
+
+
+def test_a_list_that_is_not_a_chain_is_refused_and_never_loads_other_pages():
+    """A page hash names one prefix (scheduler/src/offload_chain.rs): a repeated hash, or one
+    that followed another page before, is an OffloadManagerError and changes nothing. Before,
+    the store was accepted, ``check()`` failed right after, and a load of ``c, c, b, c``
+    over a stored ``c, c, a, c`` handed out the slot of ``a`` for ``b``."""
+    a, b, c = chain("x", 3)
+    m = kvtier.OffloadManager(8)
+    before = m.usage()
+    with pytest.raises(kvtier.OffloadManagerError, match="not a chain"):
+        m.prepare_store([a, b, a], 3)
+    with pytest.raises(kvtier.OffloadManagerError, match="not a chain"):
+        m.prepare_store([c, c, a, c], 4)
+    assert m.usage() == before
+    m.check()
+    # stored as a chain, a list agreeing with it at its ends only is no hit past the agreement
+    d, e = chain("y", 2)
+    job, _, slots, _ = m.prepare_store([c, d, a, e], 4)
+    m.complete_store(job, "done")
+    assert m.host_prefix([c, d, b, e]) == 2
+    with pytest.raises(kvtier.OffloadManagerError, match="not a chain"):
+        m.prepare_load([c, d, b, e], 0, 4)
+    load, read = m.prepare_load([c, d, b, e], 0, 2)
+    assert read == slots[:2]
+    m.complete_load(load)
+    m.check()

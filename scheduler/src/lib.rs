@@ -37,6 +37,7 @@ mod lifecycle;
 pub mod model;
 mod offload;
 mod offload_agreement;
+mod offload_chain;
 mod offload_hold;
 mod offload_l3;
 mod offload_tenant;

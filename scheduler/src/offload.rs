@@ -36,6 +36,8 @@ use kvtier_radix::{
 };
 use thiserror::Error;
 
+use crate::offload_chain::{ChainBooks, Scope};
+
 /// What the manager refused; nothing changed.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum OffloadError {
@@ -68,6 +70,13 @@ pub enum OffloadError {
     LossNeedsAgreement { tp_ranks: u32 },
     #[error("a manager plans for at least one rank (tp_ranks 0)")]
     ZeroRanks,
+    /// The list is not a chain: its page `index` follows another page here than it does
+    /// earlier in the list or in a chain stored before (`offload_chain.rs`). A page hash
+    /// names one prefix; the engine's chunk hashes must be chained over their prefixes.
+    #[error(
+        "page {index} of the list follows another page than it does elsewhere: not a chain of page hashes (each hash names one prefix)"
+    )]
+    NotAChain { index: usize },
 }
 
 /// The two kinds of copy job the engine runs for the manager.
@@ -167,6 +176,8 @@ pub struct OffloadManager {
     pub(crate) tp_ranks: u32,
     /// Held prefetches by job (`offload_hold.rs`).
     pub(crate) holds: HashMap<u64, crate::offload_hold::Hold>,
+    /// Each known page's parent: the lists accepted are chains (`offload_chain.rs`).
+    chains: ChainBooks,
 }
 
 impl std::fmt::Debug for OffloadManager {
@@ -213,6 +224,7 @@ impl OffloadManager {
             internal_errors: 0,
             tp_ranks: 1,
             holds: HashMap::new(),
+            chains: ChainBooks::new(host_slots),
         })
     }
 
@@ -234,9 +246,21 @@ impl OffloadManager {
         self.tp_ranks
     }
 
-    /// How many leading pages of `chain` are on host (read-only: no recency change).
+    /// How many leading pages of `chain` are on host (read-only: no recency change). Of a
+    /// list that is not a chain, only the part before its first conflict is matched.
     pub fn host_prefix(&self, chain: &[PageHash]) -> usize {
-        self.cache.peek_prefix(chain).1
+        self.cache.peek_prefix(self.consistent(chain)).1
+    }
+
+    /// `chain` up to its first page the chain books contradict.
+    fn consistent<'c>(&self, chain: &'c [PageHash]) -> &'c [PageHash] {
+        let end = self.chains.first_conflict(chain, Scope::Known);
+        &chain[..end.unwrap_or(chain.len())]
+    }
+
+    /// Entries of the chain books (`offload_chain.rs`): at most twice the host slots + 64.
+    pub fn chain_book_entries(&self) -> usize {
+        self.chains.len()
     }
 
     /// Whether page `index` of `chain` can be loaded now.
@@ -283,6 +307,9 @@ impl OffloadManager {
                 len: chain.len(),
             });
         }
+        if let Some(index) = self.chains.first_conflict(&chain[..to], Scope::Whole) {
+            return Err(OffloadError::NotAChain { index });
+        }
         let (_, host) = self.cache.peek_prefix(&chain[..to]);
         let from = host
             + chain[host..to]
@@ -305,6 +332,7 @@ impl OffloadManager {
         let n = slots.len();
         let job = self.next_job;
         self.next_job += 1;
+        self.chains.record(&chain[..from + n], from);
         self.storing.extend(chain[from..from + n].iter().copied());
         self.stores.insert(
             job,
@@ -317,6 +345,9 @@ impl OffloadManager {
                 tenant,
             },
         );
+        let in_flight = self.stores.values().map(|p| (p.chain.as_slice(), p.from));
+        self.chains
+            .prune(|| self.cache.resident_events(), in_flight);
         Ok(Some(StorePlan {
             job,
             from,
@@ -507,6 +538,9 @@ impl OffloadManager {
                 len: chain.len(),
             });
         }
+        if let Some(index) = self.chains.first_conflict(&chain[..to], Scope::Known) {
+            return Err(OffloadError::NotAChain { index });
+        }
         let resident = self.host_prefix(&chain[..to]);
         if resident < to {
             return Err(OffloadError::NotOnHost {
@@ -543,6 +577,7 @@ impl OffloadManager {
 
     /// The engine used the host-resident prefix of `chain`: refreshes its rank.
     pub fn touch(&mut self, chain: &[PageHash]) {
+        let chain = self.consistent(chain);
         let (_, host) = self.cache.peek_prefix(chain);
         if host > 0 {
             self.cache.match_prefix(&chain[..host]);
@@ -634,7 +669,7 @@ impl OffloadManager {
         if u.free + u.held + u.cached != u.capacity {
             return Err(format!("host slots do not add up: {u:?}"));
         }
-        Ok(())
+        self.chains.check(self.cache.resident_events())
     }
 
     /// Gives a lock back. Our handles are of this cache and tier and given back once, so the
