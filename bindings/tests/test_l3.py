@@ -214,3 +214,20 @@ def test_epoch_fenced_has_its_own_class_still_caught_as_unavailable():
     assert caught.value.code == -1010
     stub = (Path(__file__).resolve().parents[1] / "python" / "kvtier" / "_native.pyi").read_text()
     assert "class EpochFencedError(UnavailableError)" in stub
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_shut_down_server_serves_no_more_requests_on_open_channels(shm):
+    """After ``L3Server.shutdown()`` returns, every call of a connected client fails, also on
+    the transfer or shared-memory channel it opened before: the serving thread woke on the
+    next request and served it (``is_exist`` answered, a put over shared memory reported
+    success for an object nobody could read), checking the stop flag only before reading."""
+    srv = kvtier.L3Server(1 << 24)
+    c = kvtier.L3Store.connect(srv.addr, shm=shm)
+    c.put("a", b"A" * 8)
+    assert c.is_exist("a")  # the channel is open
+    srv.shutdown()
+    assert not srv.running
+    for call in (lambda: c.is_exist("a"), lambda: c.put("z", b"Z" * 8), lambda: c.get("a")):
+        with pytest.raises(kvtier.L3Error):
+            call()

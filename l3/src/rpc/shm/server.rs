@@ -209,6 +209,10 @@ impl ShmConn<'_> {
                 }
                 Err(_) => return,
             };
+            // Stopped while this thread waited for the request: not served.
+            if stop.load(Ordering::Acquire) {
+                return;
+            }
             let reply = match req {
                 ShmRequest::Hello { token: got } => {
                     authed = token_ok(token, got.as_deref());

@@ -65,7 +65,7 @@ impl XferServer {
         })
     }
 
-    /// Stops accepting (open connections end with their next request).
+    /// Stops accepting; an open connection is closed at its next request, unserved.
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Release);
         let _ = TcpStream::connect(self.addr);
@@ -120,6 +120,11 @@ fn serve_conn(
             }
             Err(_) => return,
         };
+        // Stopped while this thread waited for the request: not served (the client sees
+        // the connection close, an error, never an answer from a stopped server).
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
         let ok = match req {
             XferRequest::Hello { token: got } => {
                 authed = token_ok(token, got.as_deref());
