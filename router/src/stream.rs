@@ -27,6 +27,12 @@ pub trait History {
 /// The start value that asks for a snapshot.
 pub const SNAPSHOT: i64 = -2;
 
+/// The most live batches the subscriber queues (its SUB socket's high-water mark): a live
+/// batch can be behind the next expected number by at most this many and still be one that
+/// queued while a replay ran (a duplicate). Further behind, the replay's numbers are not
+/// the live stream's.
+pub const LIVE_QUEUE: u64 = 100_000;
+
 /// Counters of one stream, as `/stats` reports them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StreamCounters {
@@ -52,6 +58,10 @@ pub struct StreamCounters {
     pub reconnects: u64,
     /// Live batches of a topic other than the stream's (`topic=`), dropped unread.
     pub foreign_topic: u64,
+    /// Live batches numbered further behind the replayed ones than any queue holds: the
+    /// replay socket numbers another stream (misconfigured, or another incarnation). The
+    /// stream is taken from the live batch on.
+    pub renumbered: u64,
 }
 
 /// Sequence-number state of one stream.
@@ -209,8 +219,7 @@ impl Tracker {
                 self.next = None;
                 self.live(seq, payload, false, history, sink);
             } else {
-                // replayed already (the replay overtook the batches queued behind a gap)
-                self.counters.duplicates += 1;
+                self.behind(seq, next, payload, sink);
             }
             return;
         }
@@ -222,13 +231,34 @@ impl Tracker {
         }
         match self.next {
             Some(n) if seq == n => self.fold(seq, payload, sink),
-            Some(n) if seq < n => self.counters.duplicates += 1,
+            Some(n) if seq < n => self.behind(seq, n, payload, sink),
             _ => {
                 // still missing: take the live batch and go on without what is lost
                 self.counters.lost += 1;
                 self.fold(seq, payload, sink);
             }
         }
+    }
+
+    /// A live batch numbered before `next`, not from a restarted publisher: replayed already
+    /// (the replay overtook the batches queued behind a gap) if it is within what can have
+    /// queued; further behind, the replay's numbers are not this stream's, and the stream is
+    /// taken from this batch on (what the replay gave is dropped: it may be another's).
+    fn behind(
+        &mut self,
+        seq: u64,
+        next: u64,
+        payload: &[u8],
+        sink: &mut dyn FnMut(Apply<'_>) -> bool,
+    ) {
+        if next - seq <= LIVE_QUEUE {
+            self.counters.duplicates += 1;
+            return;
+        }
+        self.counters.renumbered += 1;
+        self.counters.lost += 1;
+        sink(Apply::Reset);
+        self.fold(seq, payload, sink);
     }
 
     /// Resyncs after a quiet period: asks for anything after the last applied batch (what a

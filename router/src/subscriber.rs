@@ -143,7 +143,7 @@ pub fn spawn(
     let sub = ctx.socket(zmq::SUB).map_err(zerr("SUB socket"))?;
     sub.set_subscribe(b"").map_err(zerr("subscribe"))?;
     sub.set_linger(0).map_err(zerr("SUB linger"))?;
-    sub.set_rcvhwm(100_000)
+    sub.set_rcvhwm(i32::try_from(crate::stream::LIVE_QUEUE).unwrap_or(i32::MAX))
         .map_err(zerr("SUB high-water mark"))?;
     // The SUB's connection events: a reconnect after a disconnect may be a new publisher
     // incarnation on the same address ([`Tracker::reconnected`]).

@@ -206,3 +206,39 @@ fn a_reconnect_to_a_new_incarnation_resyncs_even_when_its_numbers_run_past_ours(
     // monitor closes)
     assert_ne!(follow(false).0, clean(&new));
 }
+
+/// A replay socket whose numbers are not the live stream's (a hostile or misconfigured one:
+/// another publisher's, or one that renumbered): it answers every request with one batch
+/// numbered far past anything live.
+struct Renumbered(Vec<u8>);
+
+impl History for Renumbered {
+    fn replay(&mut self, _from: i64) -> Replayed {
+        Some(vec![(1 << 62, self.0.clone())])
+    }
+}
+
+/// The snapshot said 2^62; the live stream numbers from 0. Every live batch was then a
+/// "duplicate" and dropped: the stream's index froze for good. A live number behind the
+/// expected one by more than the subscriber can have queued is not a duplicate: the stream
+/// is taken from the live batch on (the index ends as the live stream's).
+#[test]
+fn a_replay_numbered_far_past_the_live_stream_does_not_freeze_it() {
+    let live: Vec<Vec<WireEvent>> = (0..20)
+        .map(|i| vec![stored(&tokens(10 + i, 2), Medium::Gpu)])
+        .collect();
+    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine).expect("model");
+    let st = c.add_stream("s", "mem", Target::Instance(0));
+    let mut t = Tracker::new();
+    let mut sink = |a: Apply<'_>| c.apply(st, a);
+    let snap = vec![stored(&tokens(1, 2), Medium::Gpu)];
+    let mut h = Renumbered(encode_batch(0.0, &snap, 0, HashFormat::Int64).expect("encode"));
+    t.sync(&mut h, &mut sink);
+    let m = Memory::new(&live, 20);
+    for (s, p) in m.payloads.iter().enumerate() {
+        t.on_live(s as u64, p, &mut h, &mut sink);
+    }
+    assert_eq!(t.next(), Some(20));
+    assert!(t.counters.duplicates == 0, "{:?}", t.counters);
+    assert_eq!(c.router().index().entries(), clean(&live));
+}
