@@ -349,24 +349,25 @@ impl Translator {
         }
     }
 
-    /// Decodes a `KVEventBatch` and translates its events to keys.
+    /// Decodes a `KVEventBatch` and translates its events to keys. A batch with an event
+    /// that does not decode is refused whole, before the table changes (checked first, then
+    /// applied): a refused batch that had forgotten a block's key would have left the
+    /// block's page in the index for good, its later removal untranslatable.
     pub fn translate(&mut self, payload: &[u8]) -> Result<Translated, DecodeError> {
         let events = batch_events(payload)?;
+        let checked = events.iter().map(check).collect::<Result<Vec<_>, _>>()?;
         let mut out = Translated {
-            events: Vec::with_capacity(events.len()),
+            events: Vec::with_capacity(checked.len()),
             ..Translated::default()
         };
-        for e in &events {
-            let e = WireMap::of(e)?;
-            let Some(medium) = e.medium() else {
-                continue;
-            };
-            match e.kind() {
-                Some("AllBlocksCleared") if self.of == TableOf::Store => {
+        for e in checked {
+            match e {
+                Checked::Skip => {}
+                Checked::Cleared if self.of == TableOf::Store => {
                     self.clear();
                     out.events.push(IndexEvent::Cleared);
                 }
-                Some("AllBlocksCleared") => {
+                Checked::Cleared => {
                     self.keys.retain(|_, k| {
                         k.media &= bit(Medium::Storage);
                         k.flags &= !(bit(Medium::Gpu) << 4 | bit(Medium::Cpu) << 4);
@@ -374,85 +375,24 @@ impl Translator {
                     });
                     out.events.push(IndexEvent::Cleared);
                 }
-                Some("BlockStored") => {
-                    let hs = e.hashes()?;
-                    let Some(Value::Array(toks)) = e.field("token_ids") else {
-                        return Err(DecodeError::Shape("token_ids is not an array"));
-                    };
-                    let bs = e
-                        .field("block_size")
-                        .and_then(Value::as_u64)
-                        .and_then(|b| usize::try_from(b).ok())
-                        .ok_or(DecodeError::Shape("block_size is not an integer"))?;
-                    if toks.is_empty() {
-                        // named by hash alone: the caller keys it through a table that saw
-                        // its tokens
-                        out.tokenless.extend(hs.iter().map(|&hash| Tokenless {
+                Checked::Tokenless {
+                    medium,
+                    hashes,
+                    block_size,
+                } => {
+                    // named by hash alone: the caller keys it through a table that saw its
+                    // tokens
+                    out.tokenless
+                        .extend(hashes.into_iter().map(|hash| Tokenless {
                             medium,
                             hash,
-                            block_size: bs,
+                            block_size,
                         }));
-                        continue;
-                    }
-                    if bs == 0 {
-                        return Err(DecodeError::Shape("block_size is 0 with tokens"));
-                    }
-                    let toks: Vec<u32> = toks
-                        .iter()
-                        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                        .collect::<Option<_>>()
-                        .ok_or(DecodeError::Shape("a token id is not a u32"))?;
-                    let lora = e.field("lora_name").and_then(Value::as_str);
-                    let (mut parent, mut parent_hash) = match e.field("parent_block_hash") {
-                        None | Some(Value::Nil) => (Some(root(lora)), None),
-                        Some(p) => {
-                            let p = crate::index::hash64(p)?;
-                            (self.keys.get(&p).map(|k| k.key), Some(p))
-                        }
-                    };
-                    let mut keys = Vec::with_capacity(hs.len());
-                    for (i, h) in hs.iter().enumerate() {
-                        let page = i
-                            .checked_mul(bs)
-                            .and_then(|a| toks.get(a..a.checked_add(bs)?));
-                        let (Some(p), Some(page)) = (parent, page) else {
-                            self.unkeyed += (hs.len() - i) as u64;
-                            break;
-                        };
-                        let k = page_key(p, page);
-                        if let Some(e) = self.keys.get_mut(h) {
-                            e.key = k;
-                            e.media |= bit(medium);
-                            if let Some(ph) = parent_hash {
-                                e.parent = ph;
-                                e.flags |= HAS_PARENT;
-                            }
-                        } else {
-                            let known = Known {
-                                key: k,
-                                parent: parent_hash.unwrap_or(0),
-                                media: bit(medium),
-                                flags: if parent_hash.is_some() { HAS_PARENT } else { 0 },
-                                run: 0,
-                            };
-                            if self.remember(*h, known) {
-                                out.fresh.push(*h);
-                            } else {
-                                self.unkeyed += 1;
-                            }
-                        }
-                        keys.push(k);
-                        parent = Some(k);
-                        parent_hash = Some(*h);
-                    }
-                    out.events.push(IndexEvent::Stored {
-                        medium,
-                        hashes: keys,
-                    });
                 }
-                Some("BlockRemoved") => {
+                Checked::Stored(st) => self.stored(st, &mut out),
+                Checked::Removed { medium, hashes } => {
                     let mut keys = Vec::new();
-                    for h in e.hashes()? {
+                    for h in hashes {
                         if self.pending.remove(&h).is_none() {
                             self.remove(medium, h, &mut keys);
                         }
@@ -462,9 +402,145 @@ impl Translator {
                         hashes: keys,
                     });
                 }
-                _ => {}
             }
         }
         Ok(out)
     }
+
+    /// A checked `BlockStored` with tokens: its blocks keyed after their parent's key.
+    fn stored(&mut self, st: StoredBlocks<'_>, out: &mut Translated) {
+        let StoredBlocks {
+            medium,
+            hashes: hs,
+            tokens: toks,
+            block_size: bs,
+            lora,
+            parent,
+        } = st;
+        let (mut parent, mut parent_hash) = match parent {
+            None => (Some(root(lora)), None),
+            Some(p) => (self.keys.get(&p).map(|k| k.key), Some(p)),
+        };
+        let mut keys = Vec::with_capacity(hs.len());
+        for (i, h) in hs.iter().enumerate() {
+            let page = i
+                .checked_mul(bs)
+                .and_then(|a| toks.get(a..a.checked_add(bs)?));
+            let (Some(p), Some(page)) = (parent, page) else {
+                self.unkeyed += (hs.len() - i) as u64;
+                break;
+            };
+            let k = page_key(p, page);
+            if let Some(e) = self.keys.get_mut(h) {
+                e.key = k;
+                e.media |= bit(medium);
+                if let Some(ph) = parent_hash {
+                    e.parent = ph;
+                    e.flags |= HAS_PARENT;
+                }
+            } else {
+                let known = Known {
+                    key: k,
+                    parent: parent_hash.unwrap_or(0),
+                    media: bit(medium),
+                    flags: if parent_hash.is_some() { HAS_PARENT } else { 0 },
+                    run: 0,
+                };
+                if self.remember(*h, known) {
+                    out.fresh.push(*h);
+                } else {
+                    self.unkeyed += 1;
+                }
+            }
+            keys.push(k);
+            parent = Some(k);
+            parent_hash = Some(*h);
+        }
+        out.events.push(IndexEvent::Stored {
+            medium,
+            hashes: keys,
+        });
+    }
+}
+
+/// A `BlockStored` with tokens, checked.
+struct StoredBlocks<'a> {
+    medium: Medium,
+    hashes: Vec<u64>,
+    tokens: Vec<u32>,
+    block_size: usize,
+    lora: Option<&'a str>,
+    /// The parent block's hash (`None`: the first block of a prompt).
+    parent: Option<u64>,
+}
+
+/// One event of a batch, decoded and checked; nothing of a table touched yet.
+enum Checked<'a> {
+    /// An event type or medium the router does not index.
+    Skip,
+    Cleared,
+    Stored(StoredBlocks<'a>),
+    /// Blocks stored without tokens (vLLM's offloading placeholders).
+    Tokenless {
+        medium: Medium,
+        hashes: Vec<u64>,
+        block_size: usize,
+    },
+    Removed {
+        medium: Medium,
+        hashes: Vec<u64>,
+    },
+}
+
+fn check(e: &Value) -> Result<Checked<'_>, DecodeError> {
+    let e = WireMap::of(e)?;
+    let Some(medium) = e.medium() else {
+        return Ok(Checked::Skip);
+    };
+    Ok(match e.kind() {
+        Some("AllBlocksCleared") => Checked::Cleared,
+        Some("BlockStored") => {
+            let hashes = e.hashes()?;
+            let Some(Value::Array(toks)) = e.field("token_ids") else {
+                return Err(DecodeError::Shape("token_ids is not an array"));
+            };
+            let block_size = e
+                .field("block_size")
+                .and_then(Value::as_u64)
+                .and_then(|b| usize::try_from(b).ok())
+                .ok_or(DecodeError::Shape("block_size is not an integer"))?;
+            if toks.is_empty() {
+                return Ok(Checked::Tokenless {
+                    medium,
+                    hashes,
+                    block_size,
+                });
+            }
+            if block_size == 0 {
+                return Err(DecodeError::Shape("block_size is 0 with tokens"));
+            }
+            let tokens: Vec<u32> = toks
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<_>>()
+                .ok_or(DecodeError::Shape("a token id is not a u32"))?;
+            let parent = match e.field("parent_block_hash") {
+                None | Some(Value::Nil) => None,
+                Some(p) => Some(crate::index::hash64(p)?),
+            };
+            Checked::Stored(StoredBlocks {
+                medium,
+                hashes,
+                tokens,
+                block_size,
+                lora: e.field("lora_name").and_then(Value::as_str),
+                parent,
+            })
+        }
+        Some("BlockRemoved") => Checked::Removed {
+            medium,
+            hashes: e.hashes()?,
+        },
+        _ => Checked::Skip,
+    })
 }

@@ -127,6 +127,49 @@ fn unkeyed(c: &Cluster, stream: usize) -> u64 {
         .unkeyed
 }
 
+/// A batch refused as garbage changes nothing: here a removal of the prompt's blocks
+/// followed by a store whose tokens do not decode. The table used to apply the removal
+/// before the bad event refused the batch: the index kept the pages (the batch was not
+/// folded), the removal sent again no longer translated, and the pages stayed for good.
+/// Likewise a clear followed by a bad event.
+#[test]
+fn a_batch_refused_as_garbage_leaves_the_key_table_as_it_was() {
+    let bad_store = Value::Map(vec![
+        (s("type"), s("BlockStored")),
+        (s("block_hashes"), hashes(&[99])),
+        (s("parent_block_hash"), Value::Nil),
+        (s("token_ids"), s("not an array")),
+        (s("block_size"), Value::from(PS as u64)),
+        (s("medium"), s("GPU")),
+    ]);
+    for first in ["removal", "clear"] {
+        let (mut c, _) = cluster(1);
+        let (toks, hs) = prompt(1, 3);
+        apply(&mut c, 0, vec![chain("GPU", &toks, &hs)]);
+        let undo = match first {
+            "removal" => removed("GPU", &hs),
+            _ => Value::Map(vec![
+                (s("type"), s("AllBlocksCleared")),
+                (s("medium"), s("GPU")),
+            ]),
+        };
+        assert!(
+            !c.apply(
+                0,
+                Apply::Batch(&batch(vec![undo.clone(), bad_store.clone()]))
+            ),
+            "refused"
+        );
+        assert_eq!(pages(&c, 0, &toks), (3, 0, 0), "{first}: nothing applied");
+        apply(&mut c, 0, vec![undo]);
+        assert_eq!(
+            pages(&c, 0, &toks),
+            (0, 0, 0),
+            "{first}: the undo, sent again, applies"
+        );
+    }
+}
+
 /// The bug: vLLM's offloading connector (self-describing events off, its default) publishes
 /// each offloaded chunk as a placeholder — one hash, no tokens, `block_size` 0 — in the same
 /// batch as the step's GPU events; the router refused the whole batch, GPU events too.
