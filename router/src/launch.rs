@@ -345,5 +345,6 @@ pub fn subscribe_options(replay_timeout_ms: u64, resync_s: f64) -> SubscribeOpti
     SubscribeOptions {
         replay_timeout: Duration::from_millis(replay_timeout_ms.max(1)),
         resync: Duration::try_from_secs_f64(resync_s.max(0.01)).unwrap_or(Duration::from_secs(5)),
+        ..SubscribeOptions::default()
     }
 }

@@ -62,6 +62,9 @@ pub struct StreamCounters {
     /// replay socket numbers another stream (misconfigured, or another incarnation). The
     /// stream is taken from the live batch on.
     pub renumbered: u64,
+    /// Batches larger than the stream's `max_batch_bytes`, skipped undecoded (decoding
+    /// takes many times a payload's size).
+    pub oversized: u64,
 }
 
 /// Sequence-number state of one stream.
@@ -71,6 +74,8 @@ pub struct Tracker {
     next: Option<u64>,
     /// The last live number received.
     last_live: Option<u64>,
+    /// Batches longer than this are skipped undecoded (`None`: no limit).
+    max_batch_bytes: Option<usize>,
     pub counters: StreamCounters,
 }
 
@@ -95,6 +100,16 @@ pub enum Apply<'a> {
 impl Tracker {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A tracker that skips batches longer than `max_batch_bytes` (counted `oversized`, as
+    /// lost): a decoded batch takes up to ~50 times its payload (a one-byte hash becomes a
+    /// decoded value), so the limit bounds the memory one hostile batch can take.
+    pub fn with_max_batch_bytes(max_batch_bytes: usize) -> Self {
+        Tracker {
+            max_batch_bytes: Some(max_batch_bytes),
+            ..Self::default()
+        }
     }
 
     /// The next sequence number expected (`None`: not synced yet).
@@ -299,7 +314,10 @@ impl Tracker {
     }
 
     fn fold(&mut self, seq: u64, payload: &[u8], sink: &mut dyn FnMut(Apply<'_>) -> bool) {
-        if sink(Apply::Batch(payload)) {
+        if self.max_batch_bytes.is_some_and(|m| payload.len() > m) {
+            self.counters.oversized += 1;
+            self.counters.lost += 1;
+        } else if sink(Apply::Batch(payload)) {
             self.counters.applied += 1;
         } else {
             self.counters.garbage += 1;

@@ -40,14 +40,46 @@ pub struct SubscribeOptions {
     pub replay_timeout: Duration,
     /// Quiet time after which the stream asks whether it missed the tail.
     pub resync: Duration,
+    /// A batch longer than this is skipped undecoded (counted `oversized`), and a replay
+    /// answer holding more than four times this is no answer (`unanswered`): what one
+    /// publisher can make the router hold. A decoded batch takes up to ~50 times its bytes.
+    pub max_batch_bytes: usize,
 }
+
+/// [`SubscribeOptions::max_batch_bytes`]'s default: 64 MiB, past kvtier's snapshot of a
+/// 500K-block host tier (~25 MB) and far past an engine step's batch (well under 1 MiB).
+pub const MAX_BATCH_BYTES: usize = 64 << 20;
 
 impl Default for SubscribeOptions {
     fn default() -> Self {
         Self {
             replay_timeout: Duration::from_millis(500),
             resync: Duration::from_secs(5),
+            max_batch_bytes: MAX_BATCH_BYTES,
         }
+    }
+}
+
+/// A replay answer being received, bounded: past `cap` bytes it is no answer.
+struct Answer {
+    batches: Vec<(i64, Vec<u8>)>,
+    bytes: usize,
+    cap: usize,
+}
+
+impl Answer {
+    fn new(cap: usize) -> Self {
+        Answer {
+            batches: Vec::new(),
+            bytes: 0,
+            cap,
+        }
+    }
+
+    /// Adds a batch; `None` once the answer holds more than its cap.
+    fn push(&mut self, seq: i64, payload: &[u8]) -> Option<()> {
+        self.bytes = self.bytes.saturating_add(payload.len());
+        (self.bytes <= self.cap).then(|| self.batches.push((seq, payload.to_vec())))
     }
 }
 
@@ -74,6 +106,8 @@ struct ZmqHistory {
     endpoint: Option<String>,
     timeout: Duration,
     topic: Option<Vec<u8>>,
+    /// The most bytes one answer may hold.
+    max_answer_bytes: usize,
 }
 
 impl History for ZmqHistory {
@@ -88,7 +122,7 @@ impl History for ZmqHistory {
         // a publisher that answers forever is cut off (the answer is then no answer)
         let deadline = Instant::now()
             .checked_add(self.timeout.saturating_mul(20).max(Duration::from_secs(10)));
-        let mut out = Vec::new();
+        let mut out = Answer::new(self.max_answer_bytes);
         loop {
             if deadline.is_some_and(|d| Instant::now() > d) {
                 return None;
@@ -108,14 +142,14 @@ impl History for ZmqHistory {
             };
             let seq = i64::from_be_bytes(<[u8; 8]>::try_from(seq.as_slice()).ok()?);
             if seq == -1 {
-                return Some(out);
+                return Some(out.batches);
             }
             if let Some(want) = &self.topic
                 && topic != Some(want)
             {
                 return None; // another stream's history (or one that cannot say): none
             }
-            out.push((seq, payload.clone()));
+            out.push(seq, payload)?; // a flood is no answer
         }
     }
 }
@@ -164,6 +198,7 @@ pub fn spawn(
         endpoint: spec.replay,
         timeout: opts.replay_timeout,
         topic: spec.topic.map(String::into_bytes),
+        max_answer_bytes: opts.max_batch_bytes.saturating_mul(4),
     };
     std::thread::Builder::new()
         .name(format!("kvtier-router-sub-{stream}"))
@@ -198,7 +233,7 @@ fn follow(
     stop: &AtomicBool,
     opts: SubscribeOptions,
 ) {
-    let mut tracker = Tracker::new();
+    let mut tracker = Tracker::with_max_batch_bytes(opts.max_batch_bytes);
     let topic = history.topic.clone();
     let lock = || cluster.lock().unwrap_or_else(PoisonError::into_inner);
     let mut sink = |a: Apply<'_>| lock().apply(stream, a);
@@ -262,5 +297,21 @@ fn follow(
             _ => tracker.counters.garbage += 1,
         }
         publish(&tracker);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A replay answer is kept up to its cap; one byte past it, it is no answer.
+    #[test]
+    fn a_replay_answer_past_its_cap_is_no_answer() {
+        let mut a = Answer::new(10);
+        assert_eq!(a.push(0, &[0; 4]), Some(()));
+        assert_eq!(a.push(1, &[0; 6]), Some(()));
+        assert_eq!(a.batches.len(), 2);
+        assert_eq!(a.push(2, &[0; 1]), None);
+        assert_eq!(a.batches.len(), 2, "nothing past the cap is kept");
     }
 }

@@ -242,3 +242,33 @@ fn a_replay_numbered_far_past_the_live_stream_does_not_freeze_it() {
     assert!(t.counters.duplicates == 0, "{:?}", t.counters);
     assert_eq!(c.router().index().entries(), clean(&live));
 }
+
+/// A batch longer than the stream's `max_batch_bytes` is skipped undecoded (decoding takes
+/// up to ~50 times a payload: a 30 MB batch of one-byte hashes took 1.4 GB), counted
+/// `oversized` and lost; the batches after it apply.
+#[test]
+fn a_batch_past_the_size_limit_is_skipped_undecoded_and_the_stream_goes_on() {
+    let live: Vec<Vec<WireEvent>> = vec![
+        vec![stored(&tokens(1, 2), Medium::Gpu)],
+        vec![stored(&tokens(2, 64), Medium::Gpu)],
+        vec![stored(&tokens(3, 2), Medium::Gpu)],
+    ];
+    let m = Memory::new(&live, 10);
+    let limit = m.payloads[0].len().max(m.payloads[2].len());
+    assert!(m.payloads[1].len() > limit);
+    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine).expect("model");
+    let st = c.add_stream("s", "mem", Target::Instance(0));
+    let mut t = Tracker::with_max_batch_bytes(limit);
+    let mut sink = |a: Apply<'_>| c.apply(st, a);
+    t.sync(&mut Memory::new(&[], 10), &mut sink);
+    let mut h = Memory::new(&live, 10);
+    for (s, p) in m.payloads.iter().enumerate() {
+        t.on_live(s as u64, p, &mut h, &mut sink);
+    }
+    assert_eq!(
+        (t.counters.oversized, t.counters.applied, t.next()),
+        (1, 2, Some(3))
+    );
+    let kept = vec![live[0].clone(), live[2].clone()];
+    assert_eq!(c.router().index().entries(), clean(&kept));
+}
