@@ -2,7 +2,6 @@
 //! and what the router sent where. Subscriber threads fold batches in, HTTP handlers route;
 //! both hold the lock only for one fold or one decision.
 
-use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use kvtier_radix::HashScope;
@@ -10,6 +9,7 @@ use serde::Serialize;
 
 use crate::cost::{CostModel, Estimate};
 use crate::feedback::FirstToken;
+use crate::http_bookings::HttpBookings;
 use crate::index::{Budget, IndexEvent, decode_batch};
 use crate::keys::{Translated, Translator, prompt_keys};
 use crate::resolve::resolve;
@@ -111,13 +111,9 @@ pub struct Cluster {
     started: Instant,
     next_booking: u64,
     /// Bookings made for `POST /route` clients ([`Cluster::route_booked`]), which report
-    /// by booking over HTTP, and whether their first token is still to be reported; each
-    /// expires `booking_ttl_s` after it was made.
-    http_bookings: HashMap<u64, bool>,
-    /// Their deadlines in the order made (one time to live: also in deadline order).
-    http_deadlines: VecDeque<(f64, u64)>,
-    booking_ttl_s: f64,
-    bookings_expired: u64,
+    /// by booking over HTTP; each expires after its time to live, and together they hold
+    /// at most a cap of pages (`http_bookings.rs`).
+    http: HttpBookings,
 }
 
 /// What a `POST /route` client reports of a booked request ([`Cluster::report`]).
@@ -168,10 +164,7 @@ impl Cluster {
             load_only: 0,
             started: Instant::now(),
             next_booking: 0,
-            http_bookings: HashMap::new(),
-            http_deadlines: VecDeque::new(),
-            booking_ttl_s: BOOKING_TTL_S,
-            bookings_expired: 0,
+            http: HttpBookings::new(BOOKING_TTL_S),
         })
     }
 
@@ -391,8 +384,15 @@ impl Cluster {
         if !(ttl_s.is_finite() && ttl_s > 0.0) {
             return Err(crate::RouteError::BadBookingTtl(ttl_s.to_string()));
         }
-        self.booking_ttl_s = ttl_s;
+        self.http.ttl_s = ttl_s;
         Ok(())
+    }
+
+    /// The most prompt pages open `POST /route` bookings hold together
+    /// ([`crate::http_bookings::MAX_BOOKED_PAGES`] by default); past it the oldest are
+    /// dropped, as if expired (counted `http_evicted` in `/stats`).
+    pub fn set_max_booked_pages(&mut self, pages: usize) {
+        self.http.max_pages = pages;
     }
 
     /// [`Self::route_tracked`] for a client that reports over HTTP ([`Self::report`]): the
@@ -404,11 +404,25 @@ impl Cluster {
         output: usize,
         first: FirstToken,
     ) -> Option<Decision> {
-        let d = self.route_tracked(tokens, scope, &[], output, first)?;
+        let mut d = self.route_tracked(tokens, scope, &[], output, first)?;
         if let Some(id) = d.booking {
-            self.http_bookings.insert(id, first == FirstToken::Reported);
-            let due = self.now_s() + self.booking_ttl_s;
-            self.http_deadlines.push_back((due, id));
+            let pages = tokens.len() / self.page_size.max(1);
+            let now = self.now_s();
+            match self
+                .http
+                .book(id, first == FirstToken::Reported, pages, now)
+            {
+                Some(dropped) => {
+                    for old in dropped {
+                        self.router.cancel(old);
+                    }
+                }
+                None => {
+                    // alone past the cap: routed, not booked
+                    self.router.cancel(id);
+                    d.booking = None;
+                }
+            }
         }
         Some(d)
     }
@@ -422,24 +436,13 @@ impl Cluster {
     pub fn report(&mut self, booking: u64, what: Report) -> bool {
         self.expire_bookings();
         let now = self.now_s();
-        let Some(awaiting_first) = self.http_bookings.get_mut(&booking) else {
-            return false;
-        };
         match what {
             Report::FirstToken => {
-                if !std::mem::take(awaiting_first) {
-                    return false;
-                }
-                self.router.first_token(booking, now)
+                self.http.first_token(booking) == Some(true)
+                    && self.router.first_token(booking, now)
             }
-            Report::End => {
-                self.http_bookings.remove(&booking);
-                self.router.finished(booking, now)
-            }
-            Report::Cancel => {
-                self.http_bookings.remove(&booking);
-                self.router.cancel(booking)
-            }
+            Report::End => self.http.end(booking) && self.router.finished(booking, now),
+            Report::Cancel => self.http.end(booking) && self.router.cancel(booking),
         }
     }
 
@@ -447,20 +450,11 @@ impl Cluster {
     /// them (when they really ended is unknown); how many.
     pub fn expire_bookings(&mut self) -> usize {
         let now = self.now_s();
-        let mut n = 0;
-        while let Some(&(due, id)) = self.http_deadlines.front() {
-            let open = self.http_bookings.contains_key(&id);
-            if open && due > now {
-                break;
-            }
-            self.http_deadlines.pop_front(); // ended already, or due
-            if self.http_bookings.remove(&id).is_some() {
-                self.router.cancel(id);
-                n += 1;
-            }
+        let due = self.http.expire(now);
+        for &id in &due {
+            self.router.cancel(id);
         }
-        self.bookings_expired += n as u64;
-        n
+        due.len()
     }
 
     /// Routes without tokens: the instance with the shortest queue, then the fewest requests
@@ -571,8 +565,9 @@ impl Cluster {
         serde_json::json!({
             "keys": self.keys,
             "instances": instances,
-            "bookings": {"open": self.router.booked(), "http_open": self.http_bookings.len(),
-                         "http_expired": self.bookings_expired},
+            "bookings": {"open": self.router.booked(), "http_open": self.http.len(),
+                         "http_pages": self.http.pages(), "http_expired": self.http.expired,
+                         "http_evicted": self.http.evicted},
             "storage_pages": storage,
             "index_pages": idx.pages(),
             "max_pages": bound(self.budget.max_pages),

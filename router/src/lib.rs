@@ -34,6 +34,7 @@
 pub mod cluster;
 pub mod cost;
 pub mod feedback;
+pub mod http_bookings;
 pub mod index;
 pub mod keys;
 pub mod launch;

@@ -216,3 +216,36 @@ proptest! {
         }
     }
 }
+
+/// `POST /route` clients that book huge prompts and never report held the router's memory
+/// without bound until their bookings expired (400 bookings of 1M-token prompts: 250 MB).
+/// Open bookings hold at most a cap of prompt pages together: past it the oldest are dropped
+/// as if expired (their reports find nothing), and a prompt alone past it is routed unbooked.
+#[test]
+fn open_bookings_hold_at_most_their_page_cap_and_drop_the_oldest() {
+    let mut c = Cluster::new(2, model(), 1 << 20, Keys::Tokens).expect("cluster");
+    c.set_max_booked_pages(25);
+    let prompt = |seed| tokens(seed, 10); // 10 pages each
+    let book = |c: &mut Cluster, seed| {
+        c.route_booked(&prompt(seed), (None, None), 8, FirstToken::Reported)
+            .expect("routed")
+            .booking
+    };
+    let a = book(&mut c, 1).expect("booked");
+    let b = book(&mut c, 2).expect("booked");
+    let d = book(&mut c, 3).expect("booked"); // 30 pages > 25: a is dropped
+    let stats = c.stats();
+    assert_eq!(stats["bookings"]["http_pages"], 20);
+    assert_eq!(stats["bookings"]["http_evicted"], 1);
+    assert_eq!(c.router().booked(), 2, "the router's queues forgot a too");
+    assert!(!c.report(a, Report::End), "a was dropped");
+    assert!(c.report(b, Report::FirstToken) && c.report(d, Report::End));
+    // a prompt past the cap alone: routed, not booked, nothing else dropped
+    let big = c
+        .route_booked(&tokens(4, 40), (None, None), 8, FirstToken::Reported)
+        .expect("routed");
+    assert_eq!(big.booking, None);
+    assert_eq!(c.stats()["bookings"]["http_open"], 1);
+    assert!(c.report(b, Report::End));
+    assert_eq!(c.stats()["bookings"]["http_pages"], 0);
+}

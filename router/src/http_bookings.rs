@@ -1,0 +1,128 @@
+//! The bookings `POST /route` clients hold ([`crate::cluster::Cluster::route_booked`]).
+//!
+//! Why apart from the router's own books: these are made and ended by clients over HTTP, so
+//! what they may hold is bounded here. A client that books and never reports holds its
+//! prompt's pages in the router's queue model until the booking expires (its time to live);
+//! a client that books huge prompts quickly held memory without limit (1M-token prompts:
+//! 250 MB for 400 bookings). So the pages all open bookings hold are capped
+//! ([`MAX_BOOKED_PAGES`] by default): past the cap the oldest bookings are dropped, as if
+//! expired (their clients' later reports find nothing).
+
+use std::collections::{HashMap, VecDeque};
+
+/// Default cap on the prompt pages open `POST /route` bookings hold together: 2^21 pages
+/// (32M tokens at 16-token pages), some 80 MB of the router's queue books.
+pub const MAX_BOOKED_PAGES: usize = 1 << 21;
+
+#[derive(Debug, Clone, Copy)]
+struct Open {
+    /// Its first token is still to be reported.
+    awaiting_first: bool,
+    pages: usize,
+}
+
+/// Open `POST /route` bookings, their deadlines and the pages they hold.
+#[derive(Debug)]
+pub(crate) struct HttpBookings {
+    open: HashMap<u64, Open>,
+    /// Deadlines in the order made (one time to live: also in deadline order).
+    deadlines: VecDeque<(f64, u64)>,
+    pub(crate) ttl_s: f64,
+    pages: usize,
+    pub(crate) max_pages: usize,
+    pub(crate) expired: u64,
+    pub(crate) evicted: u64,
+}
+
+impl HttpBookings {
+    pub(crate) fn new(ttl_s: f64) -> Self {
+        HttpBookings {
+            open: HashMap::new(),
+            deadlines: VecDeque::new(),
+            ttl_s,
+            pages: 0,
+            max_pages: MAX_BOOKED_PAGES,
+            expired: 0,
+            evicted: 0,
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.open.len()
+    }
+
+    /// Prompt pages the open bookings hold.
+    pub(crate) fn pages(&self) -> usize {
+        self.pages
+    }
+
+    /// Books `id`, holding `pages`: the bookings dropped to stay within the cap, oldest
+    /// first; `None` (nothing booked, nothing dropped) when it alone is past the cap.
+    pub(crate) fn book(
+        &mut self,
+        id: u64,
+        awaiting_first: bool,
+        pages: usize,
+        now_s: f64,
+    ) -> Option<Vec<u64>> {
+        if pages > self.max_pages {
+            return None;
+        }
+        self.open.insert(
+            id,
+            Open {
+                awaiting_first,
+                pages,
+            },
+        );
+        self.pages += pages;
+        self.deadlines.push_back((now_s + self.ttl_s, id));
+        let mut dropped = Vec::new();
+        while self.pages > self.max_pages {
+            let Some((_, old)) = self.deadlines.pop_front() else {
+                break;
+            };
+            if self.end(old) {
+                self.evicted += 1;
+                dropped.push(old);
+            }
+        }
+        Some(dropped)
+    }
+
+    /// Takes the booking's first token: `Some(true)` the first time, `Some(false)` after
+    /// (or when it was booked with its first token unseen), `None` if it is not open.
+    pub(crate) fn first_token(&mut self, id: u64) -> Option<bool> {
+        self.open
+            .get_mut(&id)
+            .map(|o| std::mem::take(&mut o.awaiting_first))
+    }
+
+    /// Ends the booking; `false` if it was not open.
+    pub(crate) fn end(&mut self, id: u64) -> bool {
+        match self.open.remove(&id) {
+            Some(o) => {
+                self.pages -= o.pages;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The bookings due at `now_s`, ended (counted `expired`).
+    pub(crate) fn expire(&mut self, now_s: f64) -> Vec<u64> {
+        let mut out = Vec::new();
+        while let Some(&(due, id)) = self.deadlines.front() {
+            let open = self.open.contains_key(&id);
+            if open && due > now_s {
+                break;
+            }
+            self.deadlines.pop_front(); // ended already, or due
+            if self.end(id) {
+                out.push(id);
+            }
+        }
+        self.expired += out.len() as u64;
+        out
+    }
+}
