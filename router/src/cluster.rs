@@ -8,6 +8,7 @@ use kvtier_radix::HashScope;
 use serde::Serialize;
 
 use crate::cost::{CostModel, Estimate};
+use crate::errors::UpstreamErrors;
 use crate::feedback::FirstToken;
 use crate::http_bookings::HttpBookings;
 use crate::index::{Budget, IndexEvent, decode_batch};
@@ -107,6 +108,8 @@ pub struct Cluster {
     routed: Vec<u64>,
     refused: Vec<u64>,
     in_flight: Vec<u64>,
+    /// The instances' error answers (proxy): counted, and a streak of them avoided.
+    upstream: UpstreamErrors,
     load_only: u64,
     started: Instant,
     next_booking: u64,
@@ -161,6 +164,7 @@ impl Cluster {
             routed: vec![0; instances],
             refused: vec![0; instances],
             in_flight: vec![0; instances],
+            upstream: UpstreamErrors::new(instances),
             load_only: 0,
             started: Instant::now(),
             next_booking: 0,
@@ -339,6 +343,7 @@ impl Cluster {
         let (salt, lora) = scope;
         let hashes = self.prompt_hashes(tokens, salt, lora);
         let now = self.now_s();
+        let exclude = &self.upstream.avoid(exclude, now);
         let id = self.next_booking;
         self.next_booking += 1;
         let request = Tracked {
@@ -461,6 +466,8 @@ impl Cluster {
     /// in flight, then the lowest number.
     pub fn route_load_only(&mut self, exclude: &[usize]) -> Option<Decision> {
         self.expire_bookings();
+        let first_try = exclude.is_empty();
+        let exclude = &self.upstream.avoid(exclude, self.now_s());
         let q: Vec<f64> = (0..self.instances())
             .map(|i| self.router.queue_s(i))
             .collect();
@@ -471,9 +478,7 @@ impl Cluster {
                     .then(self.in_flight[a].cmp(&self.in_flight[b]))
                     .then(a.cmp(&b))
             })?;
-        if exclude.is_empty() {
-            self.load_only += 1;
-        }
+        self.load_only += u64::from(first_try);
         let est = Estimate {
             gpu_pages: 0,
             host_pages: 0,
@@ -508,6 +513,13 @@ impl Cluster {
             *r = r.saturating_sub(1);
             *f += 1;
         }
+    }
+
+    /// Instance `i` answered a proxied request: a success, or a server error
+    /// ([`crate::errors`]: a streak of them is avoided by tracked and load-only routes).
+    pub fn answered(&mut self, i: usize, ok: bool) {
+        let now = self.now_s();
+        self.upstream.answered(i, ok, now);
     }
 
     /// A proxied request started on `i`.
@@ -559,6 +571,7 @@ impl Cluster {
                     "gpu_pages": g, "cpu_pages": c,
                     "queue_s": self.router.queue_s(i), "late_s": self.router.late_s(i),
                     "routed": self.routed[i], "refused": self.refused[i], "in_flight": self.in_flight[i],
+                    "upstream_errors": self.upstream.errors(i),
                 })
             })
             .collect();

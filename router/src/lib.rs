@@ -29,10 +29,12 @@
 //! - [`cluster`]: the shared state: index, queues, streams, requests sent;
 //! - [`service`]: `POST /route`, `GET /stats`, `GET /health`;
 //! - [`proxy`]: the OpenAI-compatible proxy;
+//! - [`errors`]: instances that answer errors, counted and passed over for a while;
 //! - [`launch`]: the CLI's configuration and start-up, used by the binary and the tests.
 
 pub mod cluster;
 pub mod cost;
+pub mod errors;
 pub mod feedback;
 pub mod http_bookings;
 pub mod index;

@@ -12,7 +12,10 @@
 //! request is booked in the router's closed-loop queue (`Router::route_tracked`): its first
 //! token is its streamed answer's first chunk (an answer sent whole shows none: its prefill
 //! is taken as done when predicted, and nothing is learnt from it), its end the body's end,
-//! and an instance that refuses it drops the booking. A request naming a
+//! and an instance that refuses it, answers an error status (not 2xx) or fails after the
+//! connection drops the booking: an error is no first token and no decode, and an instance
+//! failing fast must not look fast. Server errors are counted per instance, and a streak of
+//! them has the instance passed over for a while (`errors.rs`). A request naming a
 //! LoRA adapter (vLLM's `model`, SGLang's `lora_path`) is routed by the adapter's keys
 //! (`lora.rs`), and its `cache_salt` by the salt's.
 
@@ -106,8 +109,10 @@ impl InFlight {
         }
     }
 
-    /// The instance refused the connection: the request never ran there.
-    fn refused(mut self) {
+    /// The request did not run on the instance as booked (it refused the connection, answered
+    /// an error status, or failed): its booking goes, nothing learnt from it.
+    fn cancel(&mut self) {
+        self.awaiting_first = false;
         if let Some(b) = self.booking.take() {
             self.lock().cancel(b);
         }
@@ -208,15 +213,27 @@ async fn forward(
             Ok(r) => r,
             Err(e) => return error(StatusCode::BAD_GATEWAY, "bad_backend_url", e),
         };
-        let guard = InFlight::new(&st.cluster, &d, first);
+        let mut guard = InFlight::new(&st.cluster, &d, first);
         match st.upstream.client.request(req).await {
-            Ok(resp) => return pass_through(resp, Some(guard)),
+            Ok(resp) => {
+                let status = resp.status();
+                if !status.is_success() {
+                    guard.cancel();
+                }
+                if status.is_success() || status.is_server_error() {
+                    st.lock().answered(d.instance, status.is_success());
+                }
+                return pass_through(resp, Some(guard));
+            }
             Err(e) if e.is_connect() => {
-                guard.refused();
+                guard.cancel();
+                drop(guard);
                 st.lock().refused(d.instance);
                 refused.push(d.instance);
             }
             Err(e) => {
+                guard.cancel();
+                st.lock().answered(d.instance, false);
                 return error(
                     StatusCode::BAD_GATEWAY,
                     "upstream_error",

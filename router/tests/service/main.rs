@@ -6,7 +6,8 @@
 //! - [`proxy`]: the OpenAI proxy against recorded vLLM responses, and vLLM's recorded events;
 //! - [`stream_props`]: proptest invariants of a stream's recovery and of the cap;
 //! - [`bookings`]: `POST /route` clients reporting their requests' first token and end;
-//! - [`docs`]: docs/router.md's command line and requests.
+//! - [`docs`]: docs/router.md's command line and requests;
+//! - [`upstream_errors`]: instances that answer errors, or cannot be sent to.
 
 mod bookings;
 mod common;
@@ -14,3 +15,4 @@ mod docs;
 mod events;
 mod proxy;
 mod stream_props;
+mod upstream_errors;

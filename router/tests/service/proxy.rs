@@ -13,7 +13,7 @@ use kvtier_router::cluster::{Cluster, Keys, Target};
 use kvtier_router::launch::{EndpointSpec, Running};
 use kvtier_router::stream::Apply;
 
-fn url_spec(url: String) -> EndpointSpec {
+pub(crate) fn url_spec(url: String) -> EndpointSpec {
     EndpointSpec {
         events: None,
         replay: None,
@@ -22,7 +22,12 @@ fn url_spec(url: String) -> EndpointSpec {
     }
 }
 
-fn find<'a>(ex: &'a [Exchange], path: &str, stream: bool, token_prompt: bool) -> &'a Exchange {
+pub(crate) fn find<'a>(
+    ex: &'a [Exchange],
+    path: &str,
+    stream: bool,
+    token_prompt: bool,
+) -> &'a Exchange {
     ex.iter()
         .find(|e| {
             let r = e.request.as_ref();
