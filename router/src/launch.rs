@@ -38,8 +38,38 @@ pub enum SpecError {
     Repeated(String),
     #[error("{0:?}: a ZMQ endpoint is tcp://host:port or ipc://path")]
     BadEndpoint(String),
-    #[error("{0:?}: a URL is http://host:port")]
+    #[error("{0:?}: a URL is http://host[:port][/path] (a valid URI, no user or query)")]
     BadUrl(String),
+}
+
+/// Whether `url` is what an instance's `url=` must be: an `http://` URI with a host and
+/// optionally a numeric port and a path (the proxy appends `/v1/...` to it), no user or
+/// query, that stays a URI with the proxy's paths appended; [`SpecError::BadUrl`] if not.
+pub fn check_url(url: &str) -> Result<(), SpecError> {
+    use axum::http::Uri;
+    let bad = || SpecError::BadUrl(url.into());
+    let uri: Uri = url.parse().map_err(|_| bad())?;
+    let (Some(auth), Some(host)) = (uri.authority(), uri.host()) else {
+        return Err(bad());
+    };
+    // what follows the host: nothing or a port (the URI parser takes any port text)
+    let port_ok = match auth.as_str().strip_prefix(host) {
+        Some("") => true,
+        Some(p) => p
+            .strip_prefix(':')
+            .is_some_and(|p| p.parse::<u16>().is_ok()),
+        None => false, // a user before the host
+    };
+    let with_path = format!("{}/v1/chat/completions", url.trim_end_matches('/'));
+    let ok = uri.scheme_str() == Some("http")
+        && url
+            .get(..7)
+            .is_some_and(|p| p.eq_ignore_ascii_case("http://"))
+        && !host.is_empty()
+        && port_ok
+        && uri.query().is_none()
+        && with_path.parse::<Uri>().is_ok();
+    if ok { Ok(()) } else { Err(bad()) }
 }
 
 impl std::str::FromStr for EndpointSpec {
@@ -61,7 +91,7 @@ impl std::str::FromStr for EndpointSpec {
                 return Err(SpecError::Repeated(k.into()));
             }
             let ok = if k == "url" {
-                v.starts_with("http://") && v.len() > 7
+                check_url(v).is_ok()
             } else if k == "topic" {
                 true // any bytes, the empty topic too (`topic=`: vLLM's default)
             } else {
@@ -191,6 +221,8 @@ pub enum StartError {
     NoInstances,
     #[error("either every instance has a url= (proxy) or none does")]
     MixedUrls,
+    #[error("--instance: {0}")]
+    Spec(#[from] SpecError),
     #[error("an index budget of {0} bytes is below the {1} bytes of an empty index")]
     BudgetTooSmall(usize, usize),
     #[error("--delay-weight: {0}")]
@@ -228,6 +260,9 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     let urls: Vec<String> = cfg.instances.iter().filter_map(|i| i.url.clone()).collect();
     if !urls.is_empty() && urls.len() != cfg.instances.len() {
         return Err(StartError::MixedUrls);
+    }
+    for u in &urls {
+        check_url(u)?; // a spec built without parsing it
     }
     let min = ClusterIndex::min_bytes(cfg.instances.len());
     if cfg.max_index_bytes < min {

@@ -202,18 +202,20 @@ async fn forward(
                 format!("every instance refused the connection ({refused:?})"),
             );
         };
-        let Some(base) = st.backends.get(d.instance) else {
-            return error(
-                StatusCode::BAD_GATEWAY,
-                "upstream_unavailable",
-                format!("instance {} has no URL", d.instance),
-            );
-        };
-        let req = match request(Method::POST, base, path, &headers, body.clone()) {
-            Ok(r) => r,
-            Err(e) => return error(StatusCode::BAD_GATEWAY, "bad_backend_url", e),
-        };
+        // from here every return ends or cancels the booking (the guard's drop ends it)
         let mut guard = InFlight::new(&st.cluster, &d, first);
+        let built = match st.backends.get(d.instance) {
+            Some(base) => request(Method::POST, base, path, &headers, body.clone()),
+            None => Err(format!("instance {} has no URL", d.instance)),
+        };
+        let req = match built {
+            Ok(r) => r,
+            Err(e) => {
+                guard.cancel();
+                st.lock().answered(d.instance, false);
+                return error(StatusCode::BAD_GATEWAY, "bad_backend_url", e);
+            }
+        };
         match st.upstream.client.request(req).await {
             Ok(resp) => {
                 let status = resp.status();

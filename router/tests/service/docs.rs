@@ -144,6 +144,8 @@ fn bad_flags_are_errors_not_panics() {
     for (args, code) in [
         (vec!["--instance", "events=udp://x"], 2),
         (vec!["--instance", "nokey"], 2),
+        (vec!["--instance", "url=http://127.0.0.1:1/a b"], 2),
+        (vec!["--instance", "url=http://127.0.0.1:port"], 2),
         (vec!["--instance", url, "--page-size", "0"], 2),
         (vec!["--instance", url, "--resync-s", "inf"], 2),
         (vec!["--instance", url, "--instance", ev], 1),
