@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use axum::Json;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -113,11 +114,24 @@ async fn route(State(st): State<AppState>, body: axum::body::Bytes) -> Response 
 }
 
 /// `POST /bookings/{booking}/{first_token|end|cancel}`: 204, or 404 for a booking that is
-/// not open (never made over `/route`, ended, expired; a second first token).
+/// not open (never made over `/route`, ended, expired; a second first token); 400 for a
+/// booking that is not a number (0 to 2^64 - 1), 404 for another report. Every error in the
+/// API's JSON shape ([`error`]), nothing changed.
 async fn report(
     State(st): State<AppState>,
-    Path((booking, what)): Path<(u64, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
+    let (booking, what) = match path {
+        Ok(Path(p)) => p,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),
+    };
+    let Ok(booking) = booking.parse::<u64>() else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            format!("booking {booking:?} is not a booking number (0 to 2^64 - 1)"),
+        );
+    };
     let what = match what.as_str() {
         "first_token" => Report::FirstToken,
         "end" => Report::End,

@@ -124,6 +124,46 @@ async fn a_route_client_books_reports_and_its_forgotten_bookings_expire() {
     r.stop().await;
 }
 
+/// A report naming no booking id (not a number, negative, past u64, not UTF-8) or no report
+/// is answered with the API's JSON error shape, not axum's plain-text rejection, and
+/// changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_report_is_a_json_error_and_changes_nothing() {
+    let r = router(vec![EndpointSpec::default()], None, 1 << 20, Keys::Engine).await;
+    let tracked = post(serde_json::json!({"token_ids": tokens(7, 2), "track": true}));
+    let j = http(r.addr, "POST", "/route", Some(&tracked)).await.json();
+    let id = j["booking"].as_u64().expect("booking");
+    for (path, status, kind) in [
+        ("/bookings/abc/end".to_string(), 400, "invalid_request"),
+        ("/bookings/-1/end".into(), 400, "invalid_request"),
+        (
+            "/bookings/18446744073709551616/end".into(),
+            400,
+            "invalid_request",
+        ),
+        ("/bookings/%FF/end".into(), 400, "invalid_request"),
+        (format!("/bookings/{id}x/end"), 400, "invalid_request"),
+        (format!("/bookings/{id}/nope"), 404, "not_found"),
+    ] {
+        let got = http(r.addr, "POST", &path, None).await;
+        assert_eq!(got.status, status, "{path}");
+        assert_eq!(
+            got.header("content-type"),
+            Some("application/json"),
+            "{path}"
+        );
+        let j: serde_json::Value = serde_json::from_slice(&got.body())
+            .unwrap_or_else(|e| panic!("{path}: {e}: {:?}", String::from_utf8_lossy(&got.body())));
+        assert_eq!(j["error"]["type"], kind, "{path}: {j}");
+        assert!(j["error"]["message"].is_string(), "{path}: {j}");
+    }
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["bookings"]["http_open"], 1, "{stats}");
+    let end = format!("/bookings/{id}/end");
+    assert_eq!(http(r.addr, "POST", &end, None).await.status, 204);
+    r.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_booking_time_to_live_that_is_not_a_positive_time_is_refused() {
     let mut c = Cluster::new(2, model(), 1 << 10, Keys::Tokens).expect("cluster");
