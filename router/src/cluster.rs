@@ -329,7 +329,8 @@ impl Cluster {
     /// ([`Self::first_token`], [`Self::ended`]; [`Self::cancel`] if the instance refuses it):
     /// the queues are then closed-loop and each instance's lateness is learnt (the router's
     /// `route_tracked`). `scope`: its salt and LoRA adapter, as [`Self::route`] takes them;
-    /// `output`: tokens it may generate (`max_tokens`; 0 if unknown);
+    /// `output`: tokens it may generate (`max_tokens`; 0 if unknown; counted as at most
+    /// [`Router::max_output_tokens`]);
     /// `first`: whether its first token will be seen (a streamed answer) or not.
     pub fn route_tracked(
         &mut self,
@@ -349,7 +350,7 @@ impl Cluster {
         let request = Tracked {
             id,
             tokens: tokens.len(),
-            output,
+            output: output.min(self.router.max_output_tokens()), // 2^64 - 1 kept a queue ~9e16 s
             first,
         };
         let (i, est) = self

@@ -54,4 +54,4 @@ pub use cost::{CostModel, Estimate};
 pub use feedback::FirstToken;
 pub use index::{Budget, ClusterIndex, DecodeError, IndexEvent, decode_batch};
 pub use occupancy::Occupancy;
-pub use route::{DELAY_WEIGHT, RouteError, Router, Tracked};
+pub use route::{DELAY_WEIGHT, MAX_OUTPUT_TOKENS, RouteError, Router, Tracked};

@@ -57,6 +57,10 @@ pub enum RouteError {
 /// it (see the module docs; 0 routes by the request's own TTFT alone).
 pub const DELAY_WEIGHT: f64 = 1.0;
 
+/// The most output tokens a request is counted with without an [`Occupancy`] (more than any
+/// model's context); with one, at most the device's tokens ([`Router::max_output_tokens`]).
+pub const MAX_OUTPUT_TOKENS: usize = 1 << 24;
+
 pub struct Router {
     index: ClusterIndex,
     model: CostModel,
@@ -148,6 +152,15 @@ impl Router {
 
     pub fn occupancy(&self) -> Option<Occupancy> {
         self.occupancy
+    }
+
+    /// The most output tokens a request can generate on an instance: the device's tokens (its
+    /// KV, output included, must fit there), and at most [`MAX_OUTPUT_TOKENS`]. The service
+    /// ([`crate::cluster::Cluster::route_tracked`]) counts a larger output as this much.
+    pub fn max_output_tokens(&self) -> usize {
+        self.occupancy.map_or(MAX_OUTPUT_TOKENS, |o| {
+            (o.device_tokens as usize).min(MAX_OUTPUT_TOKENS)
+        })
     }
 
     /// Routes `id` as [`Self::route_request`] does, and books it: from the first booking on,

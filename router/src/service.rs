@@ -61,7 +61,8 @@ pub struct RouteRequest {
     /// Book the request: its first token and end will be reported by its booking.
     #[serde(default)]
     pub track: bool,
-    /// With `track`: the tokens it may generate (0 if unknown).
+    /// With `track`: the tokens it may generate (0 if unknown), at most
+    /// [`crate::Router::max_output_tokens`] (the device's tokens): more is a 400.
     #[serde(default)]
     pub max_tokens: usize,
     /// With `track`: whether its first token will be reported (a streamed answer); when
@@ -86,6 +87,14 @@ async fn route(State(st): State<AppState>, body: axum::body::Bytes) -> Response 
         Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
     };
     let scope = (req.salt.as_deref(), req.lora_name.as_deref());
+    let most = st.lock().router().max_output_tokens();
+    if req.max_tokens > most {
+        let m = format!(
+            "max_tokens {} is more than an instance's device holds ({most} tokens)",
+            req.max_tokens
+        );
+        return error(StatusCode::BAD_REQUEST, "invalid_request", m);
+    }
     let d = if req.track {
         let first = if req.report_first_token {
             FirstToken::Reported

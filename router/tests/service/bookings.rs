@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::common::*;
 use kvtier_router::cluster::{BOOKING_TTL_S, Cluster, Keys, Report};
 use kvtier_router::launch::{self, Config, EndpointSpec, StartError};
-use kvtier_router::{FirstToken, RouteError};
+use kvtier_router::{FirstToken, Occupancy, RouteError};
 use proptest::prelude::*;
 
 fn post(body: serde_json::Value) -> Vec<u8> {
@@ -162,6 +162,54 @@ async fn a_malformed_report_is_a_json_error_and_changes_nothing() {
     let end = format!("/bookings/{id}/end");
     assert_eq!(http(r.addr, "POST", &end, None).await.status, 204);
     r.stop().await;
+}
+
+/// A tracked route's `max_tokens` above the instances' device tokens (a request whose KV
+/// cannot fit) is a 400 and books nothing: 2^64 - 1 made its instance's queue ~9e16 s for
+/// every later decision until the booking expired. Up to the device's tokens is booked; a
+/// proxied request (whose `max_tokens` the engine judges) is booked with at most that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_max_tokens_past_the_device_is_refused_and_books_nothing() {
+    let device = 100_000usize;
+    let occupancy = Some(Occupancy {
+        device_tokens: device as f64,
+        decode_step_s: 0.005,
+    });
+    let instances = vec![EndpointSpec::default(), EndpointSpec::default()];
+    let r = launch::start(Config {
+        occupancy,
+        ..config(instances, 1 << 20, Keys::Engine)
+    })
+    .await
+    .expect("start");
+    let a = tokens(7, 2);
+    for bad in [serde_json::json!(u64::MAX), serde_json::json!(device + 1)] {
+        let body = post(serde_json::json!({"token_ids": a, "track": true, "max_tokens": bad}));
+        let got = http(r.addr, "POST", "/route", Some(&body)).await;
+        assert_eq!(got.status, 400, "{bad}");
+        assert_eq!(got.json()["error"]["type"], "invalid_request", "{bad}");
+    }
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["bookings"]["open"], 0, "{stats}");
+    for i in 0..2 {
+        assert_eq!(stats["instances"][i]["queue_s"], 0.0, "{stats}");
+    }
+    let body = post(serde_json::json!({"token_ids": a, "track": true, "max_tokens": device}));
+    let got = http(r.addr, "POST", "/route", Some(&body)).await;
+    assert_eq!(got.status, 200, "the device's tokens are allowed");
+    r.stop().await;
+    // the library books any output at most as the device's tokens
+    let queue_with = |output: usize| {
+        let mut c = Cluster::new(1, model(), 1 << 10, Keys::Tokens).expect("cluster");
+        c.set_occupancy(occupancy).expect("occupancy");
+        let d = c.route_tracked(&a, (None, None), &[], output, FirstToken::Reported);
+        c.first_token(d.and_then(|d| d.booking).expect("booked"));
+        c.router().queue_s(0)
+    };
+    // (each on its own clock: equal but for the microseconds between them)
+    let (most, device_full) = (queue_with(usize::MAX), queue_with(device));
+    assert!((most - device_full).abs() < 0.1, "{most} {device_full}");
+    assert!(device_full < 1e3, "{device_full}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
