@@ -90,22 +90,7 @@ impl ChainBooks {
         if self.parents.len() <= self.bound {
             return;
         }
-        self.parents.clear();
-        for ev in resident() {
-            if let KvEvent::Stored {
-                tier: TierKind::Host,
-                parent,
-                hashes,
-                ..
-            } = ev
-            {
-                let mut p = parent;
-                for h in hashes {
-                    self.parents.insert(h, p);
-                    p = Some(h);
-                }
-            }
-        }
+        self.parents = host_pages(resident()).collect();
         for (chain, from) in in_flight {
             self.record(chain, from);
         }
@@ -113,26 +98,32 @@ impl ChainBooks {
 
     /// Every page the tree holds on host is in the books with its parent.
     pub(crate) fn check(&self, resident: Vec<KvEvent>) -> Result<(), String> {
-        for ev in resident {
-            if let KvEvent::Stored {
-                tier: TierKind::Host,
-                parent,
-                hashes,
-                ..
-            } = ev
-            {
-                let mut p = parent;
-                for h in hashes {
-                    if self.parents.get(&h) != Some(&p) {
-                        return Err(format!(
-                            "chain books: host page {h:?} follows {p:?}, the books say {:?}",
-                            self.parents.get(&h)
-                        ));
-                    }
-                    p = Some(h);
-                }
+        for (h, p) in host_pages(resident) {
+            if self.parents.get(&h) != Some(&p) {
+                return Err(format!(
+                    "chain books: host page {h:?} follows {p:?}, the books say {:?}",
+                    self.parents.get(&h)
+                ));
             }
         }
         Ok(())
     }
+}
+
+/// Every host page of the tree's listing (`RadixCache::resident_events`) with its parent.
+fn host_pages(resident: Vec<KvEvent>) -> impl Iterator<Item = (PageHash, Option<PageHash>)> {
+    resident.into_iter().flat_map(|ev| match ev {
+        KvEvent::Stored {
+            tier: TierKind::Host,
+            parent,
+            hashes,
+            ..
+        } => {
+            let parents: Vec<_> = std::iter::once(parent)
+                .chain(hashes.iter().map(|&h| Some(h)))
+                .collect();
+            hashes.into_iter().zip(parents).collect()
+        }
+        _ => Vec::new(),
+    })
 }
