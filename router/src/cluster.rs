@@ -11,7 +11,7 @@ use crate::cost::{CostModel, Estimate};
 use crate::errors::UpstreamErrors;
 use crate::feedback::FirstToken;
 use crate::http_bookings::HttpBookings;
-use crate::index::{Budget, IndexEvent, decode_batch};
+use crate::index::{Budget, DecodedBatch, IndexEvent, index_events};
 use crate::keys::{Translated, Translator, prompt_keys};
 use crate::resolve::resolve;
 use crate::route::{Router, Tracked};
@@ -239,18 +239,24 @@ impl Cluster {
             t.set_max_bytes(room);
         }
         let target = st.target;
-        let (events, storage) = match a {
-            Apply::Reset => {
+        let batch = match a {
+            Apply::Reset => None,
+            Apply::Batch(p) => Some(DecodedBatch::of(p).0),
+            Apply::Decoded(d) => Some(d.0),
+        };
+        let (events, storage) = match batch {
+            None => {
                 if let Some(t) = st.translator.as_mut() {
                     t.clear();
                 }
                 (vec![IndexEvent::Cleared], Vec::new())
             }
-            Apply::Batch(p) => {
+            Some(values) => {
                 st.last_batch = Some(Instant::now());
-                let decoded = match st.translator.as_mut() {
-                    Some(t) => t.translate(p),
-                    None => decode_batch(p).map(|events| Translated {
+                let decoded = match (values, st.translator.as_mut()) {
+                    (Err(e), _) => Err(e),
+                    (Ok(v), Some(t)) => t.translate_events(&v),
+                    (Ok(v), None) => index_events(&v).map(|events| Translated {
                         events,
                         ..Translated::default()
                     }),

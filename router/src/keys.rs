@@ -354,7 +354,11 @@ impl Translator {
     /// applied): a refused batch that had forgotten a block's key would have left the
     /// block's page in the index for good, its later removal untranslatable.
     pub fn translate(&mut self, payload: &[u8]) -> Result<Translated, DecodeError> {
-        let events = batch_events(payload)?;
+        self.translate_events(&batch_events(payload)?)
+    }
+
+    /// [`Self::translate`] of events decoded already ([`crate::index::DecodedBatch`]).
+    pub(crate) fn translate_events(&mut self, events: &[Value]) -> Result<Translated, DecodeError> {
         let checked = events.iter().map(check).collect::<Result<Vec<_>, _>>()?;
         let mut out = Translated {
             events: Vec::with_capacity(checked.len()),

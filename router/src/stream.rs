@@ -93,6 +93,8 @@ enum Synced {
 pub enum Apply<'a> {
     /// Fold a batch in; the sink returns `false` if it did not decode (counted as garbage).
     Batch(&'a [u8]),
+    /// [`Apply::Batch`] decoded already, outside the cluster's lock (the subscriber's sink).
+    Decoded(crate::index::DecodedBatch),
     /// Forget what this stream told before (its publisher restarted): clear its pages.
     Reset,
 }

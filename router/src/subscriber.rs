@@ -236,7 +236,14 @@ fn follow(
     let mut tracker = Tracker::with_max_batch_bytes(opts.max_batch_bytes);
     let topic = history.topic.clone();
     let lock = || cluster.lock().unwrap_or_else(PoisonError::into_inner);
-    let mut sink = |a: Apply<'_>| lock().apply(stream, a);
+    // a batch is decoded before the lock is taken: decoding is most of its cost
+    let mut sink = |a: Apply<'_>| {
+        let a = match a {
+            Apply::Batch(p) => Apply::Decoded(crate::index::DecodedBatch::of(p)),
+            a => a,
+        };
+        lock().apply(stream, a)
+    };
     let publish = |t: &Tracker| {
         let mut c = lock();
         if let Some(s) = c.streams.get_mut(stream) {
