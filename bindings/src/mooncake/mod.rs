@@ -454,7 +454,6 @@ impl MooncakeCore {
         let Some((s, t)) = self.handle() else {
             return (0..n).map(|i| per_key(NOT_INITIALIZED, i)).collect();
         };
-        let refused = ranges::overlapping_ranges(&buffer_ptrs, &all_dst_offsets, &all_sizes);
         py.detach(|| {
             (0..n)
                 .map(|i| {
@@ -467,7 +466,6 @@ impl MooncakeCore {
                         &all_dst_offsets[i],
                         &all_src_offsets[i],
                         &all_sizes[i],
-                        &refused[i],
                     )
                 })
                 .collect()
