@@ -100,8 +100,8 @@ pub struct Decision {
 }
 
 pub struct Cluster {
-    router: Router,
-    page_size: usize,
+    pub(crate) router: Router,
+    pub(crate) page_size: usize,
     keys: Keys,
     budget: Budget,
     pub streams: Vec<StreamState>,
@@ -116,7 +116,7 @@ pub struct Cluster {
     /// Bookings made for `POST /route` clients ([`Cluster::route_booked`]), which report
     /// by booking over HTTP; each expires after its time to live, and together they hold
     /// at most a cap of pages (`http_bookings.rs`).
-    http: HttpBookings,
+    pub(crate) http: HttpBookings,
 }
 
 /// What a `POST /route` client reports of a booked request ([`Cluster::report`]).
@@ -303,7 +303,7 @@ impl Cluster {
         }
     }
 
-    fn now_s(&self) -> f64 {
+    pub(crate) fn now_s(&self) -> f64 {
         self.started.elapsed().as_secs_f64()
     }
 
@@ -388,85 +388,6 @@ impl Cluster {
     /// A tracked request's instance refused it: its booking goes, nothing learnt.
     pub fn cancel(&mut self, booking: u64) {
         self.router.cancel(booking);
-    }
-
-    /// How long a `POST /route` booking lasts without its end ([`BOOKING_TTL_S`] by
-    /// default); a time that is not a positive number of seconds is refused.
-    pub fn set_booking_ttl_s(&mut self, ttl_s: f64) -> Result<(), crate::RouteError> {
-        if !(ttl_s.is_finite() && ttl_s > 0.0) {
-            return Err(crate::RouteError::BadBookingTtl(ttl_s.to_string()));
-        }
-        self.http.ttl_s = ttl_s;
-        Ok(())
-    }
-
-    /// The most prompt pages open `POST /route` bookings hold together
-    /// ([`crate::http_bookings::MAX_BOOKED_PAGES`] by default); past it the oldest are
-    /// dropped, as if expired (counted `http_evicted` in `/stats`).
-    pub fn set_max_booked_pages(&mut self, pages: usize) {
-        self.http.max_pages = pages;
-    }
-
-    /// [`Self::route_tracked`] for a client that reports over HTTP ([`Self::report`]): the
-    /// booking expires [`Self::set_booking_ttl_s`] after it is made unless it ended before.
-    pub fn route_booked(
-        &mut self,
-        tokens: &[u32],
-        scope: (Option<&str>, Option<&str>),
-        output: usize,
-        first: FirstToken,
-    ) -> Option<Decision> {
-        let mut d = self.route_tracked(tokens, scope, &[], output, first)?;
-        if let Some(id) = d.booking {
-            let pages = tokens.len() / self.page_size.max(1);
-            let now = self.now_s();
-            match self
-                .http
-                .book(id, first == FirstToken::Reported, pages, now)
-            {
-                Some(dropped) => {
-                    for old in dropped {
-                        self.router.cancel(old);
-                    }
-                }
-                None => {
-                    // alone past the cap: routed, not booked
-                    self.router.cancel(id);
-                    d.booking = None;
-                }
-            }
-        }
-        Some(d)
-    }
-
-    /// A `POST /route` client's report on its booking; `false` (nothing changes) for a
-    /// booking that is not one of theirs, has ended, or expired — or a first token already
-    /// reported, or of a booking made with its first token unseen
-    /// ([`FirstToken::AtEstimate`]). Only bookings made by [`Self::route_booked`] are
-    /// reported on this way: the proxy's own bookings cannot be ended by a client guessing
-    /// numbers.
-    pub fn report(&mut self, booking: u64, what: Report) -> bool {
-        self.expire_bookings();
-        let now = self.now_s();
-        match what {
-            Report::FirstToken => {
-                self.http.first_token(booking) == Some(true)
-                    && self.router.first_token(booking, now)
-            }
-            Report::End => self.http.end(booking) && self.router.finished(booking, now),
-            Report::Cancel => self.http.end(booking) && self.router.cancel(booking),
-        }
-    }
-
-    /// Drops the `POST /route` bookings past their time to live, learning nothing from
-    /// them (when they really ended is unknown); how many.
-    pub fn expire_bookings(&mut self) -> usize {
-        let now = self.now_s();
-        let due = self.http.expire(now);
-        for &id in &due {
-            self.router.cancel(id);
-        }
-        due.len()
     }
 
     /// Routes without tokens: the instance with the shortest queue, then the fewest requests
