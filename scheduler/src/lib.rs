@@ -40,6 +40,7 @@ mod offload_agreement;
 mod offload_chain;
 mod offload_hold;
 mod offload_l3;
+mod offload_landing;
 mod offload_tenant;
 mod ops;
 mod prefetch;

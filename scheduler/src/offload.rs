@@ -131,20 +131,20 @@ pub struct LoadPlan {
     pub slots: Vec<HostPageId>,
 }
 
-struct PendingStore {
-    chain: Vec<PageHash>,
-    from: usize,
-    slots: Vec<HostPageId>,
+pub(crate) struct PendingStore {
+    pub(crate) chain: Vec<PageHash>,
+    pub(crate) from: usize,
+    pub(crate) slots: Vec<HostPageId>,
     /// On the deepest host-resident node of `chain[..from]` (moved down as it grows).
-    lock: LockHandle<Host>,
-    state: StoreState,
+    pub(crate) lock: LockHandle<Host>,
+    pub(crate) state: StoreState,
     /// Owns the nodes the store inserts (`TenantId::SHARED`: no tenant).
-    tenant: TenantId,
+    pub(crate) tenant: TenantId,
 }
 
 /// Where a store stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum StoreState {
+pub(crate) enum StoreState {
     /// The engine is writing the slots.
     Writing,
     /// The engine reported the bytes landed; the pages wait for their parent store.
@@ -158,14 +158,14 @@ enum StoreState {
 /// kvtier's host tier for an engine that owns its device tier. See the module docs.
 pub struct OffloadManager {
     pub(crate) cache: RadixCache,
-    stores: HashMap<u64, PendingStore>,
+    pub(crate) stores: HashMap<u64, PendingStore>,
     loads: HashMap<u64, LockHandle<Host>>,
     /// L3 below the host tier (`offload_l3.rs`).
     pub(crate) l3: crate::offload_l3::L3Books,
     /// Pages of in-flight stores (not hits until stored; not stored twice).
-    storing: HashSet<PageHash>,
+    pub(crate) storing: HashSet<PageHash>,
     /// Pages of stores that ended without reaching the tree, since the last `take_dropped`.
-    dropped: Vec<PageHash>,
+    pub(crate) dropped: Vec<PageHash>,
     pub(crate) next_job: u64,
     /// Tree events drained early (to see a tenant allocation's evictions), not yet taken.
     pub(crate) events: Vec<KvEvent>,
@@ -192,7 +192,7 @@ impl std::fmt::Debug for OffloadManager {
 
 /// The token run the tree keeps for a page (`page_size` 1): a function of the page's hash,
 /// so the tree's runs stay consistent with its hashes.
-fn token_of(h: &PageHash) -> u32 {
+pub(crate) fn token_of(h: &PageHash) -> u32 {
     u32::from_le_bytes([h.0[0], h.0[1], h.0[2], h.0[3]])
 }
 
@@ -356,173 +356,6 @@ impl OffloadManager {
         }))
     }
 
-    /// A store's bytes landed (`Done`: its pages become host hits) or not (`Failed`: its
-    /// slots are freed).
-    pub fn complete_store(&mut self, job: u64, outcome: JobOutcome) -> Result<(), OffloadError> {
-        let Some(p) = self.stores.get_mut(&job) else {
-            return Err(OffloadError::UnknownJob {
-                kind: JobKind::Store,
-                job,
-            });
-        };
-        match (p.state, outcome) {
-            (StoreState::Landed, _) => return Err(OffloadError::AlreadyCompleted { job }),
-            (StoreState::Orphaned, _) | (StoreState::Writing, JobOutcome::Failed) => {
-                self.drop_store(job)
-            }
-            (StoreState::Writing, JobOutcome::Done) => p.state = StoreState::Landed,
-        }
-        self.l3.prefetch_ended(job);
-        self.settle();
-        Ok(())
-    }
-
-    /// Only the first `landed` pages of a store's run landed (a prefetch whose read failed
-    /// part way): the rest are given up (slots freed, reported by [`Self::take_dropped`]) and
-    /// the landed ones complete as `Done`; none landed is `Failed`.
-    pub(crate) fn complete_store_prefix(
-        &mut self,
-        job: u64,
-        landed: usize,
-    ) -> Result<(), OffloadError> {
-        let Some(p) = self.stores.get_mut(&job) else {
-            return Err(OffloadError::UnknownJob {
-                kind: JobKind::Store,
-                job,
-            });
-        };
-        if landed == 0 {
-            return self.complete_store(job, JobOutcome::Failed);
-        }
-        if landed < p.slots.len() && p.state == StoreState::Writing {
-            let gone: Vec<PageHash> = p.chain.drain(p.from + landed..).collect();
-            let freed: Vec<HostPageId> = p.slots.drain(landed..).collect();
-            for h in &gone {
-                self.storing.remove(h);
-            }
-            self.dropped.extend(gone);
-            // Held by this store since prepare_store: freeing them cannot fail.
-            self.free_held(&freed);
-        }
-        self.complete_store(job, JobOutcome::Done)
-    }
-
-    /// Inserts every landed store whose parent pages are on host, moves the locks of stores
-    /// whose parents just arrived onto them, and drops stores whose parent will never come
-    /// (failed, or evicted before they landed); until nothing changes.
-    fn settle(&mut self) {
-        loop {
-            let mut jobs: Vec<u64> = self.stores.keys().copied().collect();
-            jobs.sort_unstable();
-            let mut changed = false;
-            for job in jobs {
-                let Some(p) = self.stores.get(&job) else {
-                    continue;
-                };
-                let (from, state) = (p.from, p.state);
-                if state == StoreState::Orphaned {
-                    continue;
-                }
-                let (_, resident) = self.cache.peek_prefix(&p.chain[..from]);
-                if resident < from {
-                    if !self.storing.contains(&p.chain[resident]) {
-                        if state == StoreState::Landed {
-                            self.drop_store(job);
-                        } else {
-                            self.orphan_store(job);
-                        }
-                        changed = true;
-                    }
-                    continue;
-                }
-                let locked_at = self.cache.node_end(p.lock.node()).unwrap_or(0);
-                if locked_at < from {
-                    let chain = p.chain[..from].to_vec();
-                    let node = self.cache.match_prefix(&chain).host_node;
-                    if let Some(p) = self.stores.remove(&job) {
-                        let lock = match self.cache.relock(p.lock, node) {
-                            Ok(l) => l,
-                            Err(r) => r.handle,
-                        };
-                        self.stores.insert(job, PendingStore { lock, ..p });
-                    }
-                }
-                if state == StoreState::Landed {
-                    self.insert_store(job);
-                    changed = true;
-                }
-            }
-            if !changed {
-                return;
-            }
-        }
-    }
-
-    /// Gives a landed store's pages to the tree (its parent is on host, under its lock).
-    fn insert_store(&mut self, job: u64) {
-        let Some(p) = self.stores.remove(&job) else {
-            return;
-        };
-        for h in &p.chain[p.from..] {
-            self.storing.remove(h);
-        }
-        let tokens: Vec<u32> = p.chain.iter().map(token_of).collect();
-        let mut unused = p.slots.clone();
-        let mut end_node = None;
-        // Cannot fail: the locked start ends at `from` with a host copy, the chain continues
-        // it and the slots are held (checked again by the tree all the same).
-        if let Ok(out) = self.cache.insert_for::<Host>(
-            p.tenant,
-            p.lock.node(),
-            p.from,
-            &p.chain,
-            &tokens,
-            &p.slots,
-        ) {
-            end_node = Some(out.end_node);
-            unused = out
-                .duplicates
-                .into_iter()
-                .map(|(_, mine, _)| mine)
-                .collect();
-        }
-        // The slots are ours (held since prepare_store): freeing them cannot fail.
-        self.free_held(&unused);
-        match end_node {
-            Some(node) => self.take_hold(job, node),
-            None => self.end_hold(job),
-        }
-        self.release(p.lock);
-        self.l3.on_inserted(&p.chain, p.from);
-    }
-
-    /// A store whose pages can no longer be inserted, while the engine still writes them.
-    fn orphan_store(&mut self, job: u64) {
-        if let Some(p) = self.stores.get_mut(&job) {
-            p.state = StoreState::Orphaned;
-            for h in &p.chain[p.from..] {
-                self.storing.remove(h);
-            }
-            self.dropped.extend_from_slice(&p.chain[p.from..]);
-        }
-    }
-
-    /// Forgets a store: its slots freed, its pages no longer being stored.
-    fn drop_store(&mut self, job: u64) {
-        let Some(p) = self.stores.remove(&job) else {
-            return;
-        };
-        if p.state != StoreState::Orphaned {
-            for h in &p.chain[p.from..] {
-                self.storing.remove(h);
-            }
-            self.dropped.extend_from_slice(&p.chain[p.from..]);
-        }
-        self.free_held(&p.slots);
-        self.release(p.lock);
-        self.end_hold(job);
-    }
-
     /// Slots of pages `from..to` of `chain` for a load; they stay pinned until
     /// [`Self::complete_load`].
     pub fn prepare_load(
@@ -680,7 +513,7 @@ impl OffloadManager {
     }
 
     /// Frees host slots this manager holds (see [`Self::release`]).
-    fn free_held(&mut self, slots: &[HostPageId]) {
+    pub(crate) fn free_held(&mut self, slots: &[HostPageId]) {
         if !slots.is_empty() {
             let r = self.cache.free::<Host>(slots);
             crate::release::checked(&mut self.internal_errors, "free", r);
