@@ -233,16 +233,27 @@ impl Publisher {
             .blocks()
     }
 
-    /// Stops the thread and closes the sockets (also done on drop).
+    /// Stops the thread and closes the sockets (also done on drop). Never blocks on a thread
+    /// that is gone: the stop message is offered without waiting, again while the thread
+    /// still runs (its queue full), and not at all once it ended.
     pub fn shutdown(&mut self) {
-        {
+        let first = {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            if !st.closed {
-                st.closed = true;
-                // if the stop cannot be queued the thread is gone already (its socket closed)
-                if st.push.send(&b"S"[..], 0).is_err() {
-                    self.thread.take();
+            !std::mem::replace(&mut st.closed, true)
+        };
+        while first {
+            let sent = {
+                let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                st.push.send(&b"S"[..], zmq::DONTWAIT)
+            };
+            let running = self.thread.as_ref().is_some_and(|t| !t.is_finished());
+            match sent {
+                Ok(()) => break,
+                Err(zmq::Error::EAGAIN | zmq::Error::EINTR) if running => {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
                 }
+                // the thread is gone (its socket closed): nothing to stop
+                Err(_) => break,
             }
         }
         if let Some(t) = self.thread.take() {
@@ -294,8 +305,12 @@ impl Worker {
                 if let Some(r) = &self.replay {
                     items.push(r.as_poll_item(zmq::POLLIN));
                 }
-                if zmq::poll(&mut items, -1).is_err() {
-                    return;
+                match zmq::poll(&mut items, -1) {
+                    Ok(_) => {}
+                    // a signal delivered to this thread (a process's SIGTERM lands on any
+                    // thread): not an error, poll again
+                    Err(zmq::Error::EINTR) => continue,
+                    Err(_) => return,
                 }
                 (
                     items[0].is_readable(),
@@ -311,6 +326,7 @@ impl Worker {
                         self.send_batch(&seq, payload);
                     }
                     Ok(_) => {}
+                    Err(zmq::Error::EINTR) => {}
                     Err(_) => return,
                 }
             }
