@@ -241,19 +241,28 @@ impl Publisher {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             !std::mem::replace(&mut st.closed, true)
         };
-        while first {
-            let sent = {
-                let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-                st.push.send(&b"S"[..], zmq::DONTWAIT)
-            };
-            let running = self.thread.as_ref().is_some_and(|t| !t.is_finished());
-            match sent {
-                Ok(()) => break,
-                Err(zmq::Error::EAGAIN | zmq::Error::EINTR) if running => {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
+        if first {
+            loop {
+                let sent = {
+                    let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                    st.push.send(&b"S"[..], zmq::DONTWAIT)
+                };
+                let running = self.thread.as_ref().is_some_and(|t| !t.is_finished());
+                match sent {
+                    Ok(()) => break,
+                    Err(zmq::Error::EAGAIN | zmq::Error::EINTR) if running => {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    // the thread is gone (its socket closed): nothing to stop; a send
+                    // failing otherwise leaves a running thread no stop will reach, which
+                    // is not joined (never block)
+                    Err(_) => {
+                        if running {
+                            self.thread.take();
+                        }
+                        break;
+                    }
                 }
-                // the thread is gone (its socket closed): nothing to stop
-                Err(_) => break,
             }
         }
         if let Some(t) = self.thread.take() {
