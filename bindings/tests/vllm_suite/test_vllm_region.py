@@ -57,3 +57,32 @@ def test_a_scheduler_without_its_workers_region_refuses_to_start(tmp_path):
             region.cleanup()
     finally:
         e.close()
+
+
+def mapped_regions(engine_id: str):
+    """The lines of /proc/self/maps of this engine's vLLM region (deleted names included)."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f.read().splitlines() if f"vllm_offload_{engine_id}" in line]
+
+
+def test_a_secondary_tier_lets_vllm_unmap_its_region_at_shutdown(tmp_path):
+    """vLLM's tiering unmaps its /dev/shm host region at shutdown unless buffers are still
+    exported: ``KvtierSecondaryTier`` kept a second numpy view of it (``_rows``) after
+    ``shutdown()``, so the region (``cpu_bytes_to_use`` of shared memory) stayed mapped for as
+    long as the tier object lived ("Keeping ... mapped: buffers are still exported")."""
+    import gc
+    import uuid
+
+    e = Engine(str(tmp_path), [{"type": "KvtierSecondaryTier", "module_path": "kvtier.vllm",
+                                "segment_bytes": "64MB", "name": uuid.uuid4().hex}], cpu_bytes=64 << 20)
+    engine_id = e.vllm_config.kv_transfer_config.engine_id
+    tier = e.tier
+    try:
+        e.add("r0", prompt(1, 8))
+        e.run()
+        assert mapped_regions(engine_id)  # mapped while it serves
+    finally:
+        e.close()
+    gc.collect()
+    assert tier is not None  # the tier object lives on; its views of the region must not
+    assert mapped_regions(engine_id) == []

@@ -496,7 +496,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
         if self._lookups is not None:
             self._lookups.shutdown()
         self._pool.shutdown(wait=True)
-        self._flat = np.zeros(0, dtype=np.uint8)  # lets vLLM unmap its /dev/shm region
+        # our views of vLLM's /dev/shm region, dropped so that vLLM can unmap it (an exported
+        # buffer keeps the whole region mapped)
+        self._flat = np.zeros(0, dtype=np.uint8)
+        self._rows = np.zeros((0, 0), dtype=np.uint8)
 
     # ---- metrics (vLLM's hooks) ----------------------------------------------------------
 
