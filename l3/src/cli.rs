@@ -113,8 +113,8 @@ struct Args {
     /// SSD tier directory (omit for DRAM only).
     #[arg(long)]
     ssd_dir: Option<PathBuf>,
-    /// SSD capacity in bytes.
-    #[arg(long, default_value_t = 64 << 30)]
+    /// SSD capacity in bytes (positive).
+    #[arg(long, default_value_t = 64 << 30, value_parser = clap::value_parser!(u64).range(1..))]
     ssd_capacity: u64,
     /// SSD offload mode.
     #[arg(long, value_enum, default_value = "write-through")]
@@ -138,8 +138,8 @@ struct Args {
     /// Client (node) liveness TTL in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     client_ttl_ms: u64,
-    /// Largest frame in bytes.
-    #[arg(long, default_value_t = DEFAULT_MAX_FRAME)]
+    /// Largest frame in bytes (at least 64 KiB: a smaller one refuses every request).
+    #[arg(long, default_value_t = DEFAULT_MAX_FRAME, value_parser = frame_bytes)]
     max_frame: usize,
     /// Most keys per batch.
     #[arg(long, default_value_t = 65_536)]
@@ -310,7 +310,14 @@ where
             };
         }
     };
-    match run(args) {
+    let token = match read_token(&args) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvtier-l3: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(args, token) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvtier-l3: {e}");
@@ -319,7 +326,22 @@ where
     }
 }
 
-fn run(args: Args) -> Result<(), String> {
+/// The smallest `--max-frame`: a frame must hold a request's keys and its answer's header.
+const MIN_MAX_FRAME: usize = 64 << 10;
+
+fn frame_bytes(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if n < MIN_MAX_FRAME {
+        return Err(format!(
+            "{n} bytes: a frame under {MIN_MAX_FRAME} refuses every request"
+        ));
+    }
+    Ok(n)
+}
+
+/// The shared secret, from `--token-file` or `$KVTIER_L3_TOKEN`; an empty one is refused
+/// (a client sending the empty token would be admitted).
+fn read_token(args: &Args) -> Result<Option<String>, String> {
     let token = match &args.token_file {
         Some(p) => Some(
             std::fs::read_to_string(p)
@@ -329,6 +351,13 @@ fn run(args: Args) -> Result<(), String> {
         ),
         None => std::env::var("KVTIER_L3_TOKEN").ok(),
     };
+    if token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+        return Err("the token (--token-file or KVTIER_L3_TOKEN) is empty".into());
+    }
+    Ok(token)
+}
+
+fn run(args: Args, token: Option<String>) -> Result<(), String> {
     let ssd = args.ssd_dir.as_ref().map(|d| {
         let mut s = SsdConfig::new(d);
         s.capacity_bytes = args.ssd_capacity;
