@@ -99,9 +99,87 @@ impl SimConfig {
                 }
             }
         }
-        toml::Value::Table(merged)
+        let user =
+            toml::Value::Table(toml::from_str::<toml::Table>(text).map_err(|e| e.to_string())?);
+        let c: SimConfig = toml::Value::Table(merged)
             .try_into()
-            .map_err(|e: toml::de::Error| e.to_string())
+            .map_err(|e: toml::de::Error| e.to_string())?;
+        // a key the configuration does not have would be ignored: refuse it (an optional
+        // field the user sets is in the configuration read back)
+        let known = toml::Value::try_from(&c).map_err(|e| e.to_string())?;
+        match unknown_key(&user, &known, "") {
+            Some(k) => Err(format!("unknown key {k:?} (docs/sim.md lists the keys)")),
+            None => Ok(c),
+        }
+    }
+
+    /// Refuses what a run cannot use, before it starts: a payload too short for the integrity
+    /// oracle's page stamp (8 bytes) or past 1 MiB, capacities whose bytes or sums overflow,
+    /// timings and rates that are not finite and positive (or past an hour), no instances or
+    /// more than 4,096 of them.
+    pub fn check(&self) -> Result<(), String> {
+        if !(8..=1 << 20).contains(&self.payload_bytes) {
+            return Err(format!(
+                "payload_bytes {} must be 8 to 1048576",
+                self.payload_bytes
+            ));
+        }
+        let pb = self.payload_bytes as u64;
+        for (name, pages) in [
+            ("l3_pages", self.l3_pages),
+            ("l3_ssd_pages", self.l3_ssd_pages),
+        ] {
+            if pages.checked_mul(pb).is_none_or(|b| b > 1 << 50) {
+                return Err(format!("{name} {pages} × payload_bytes {pb} is past 1 PiB"));
+            }
+        }
+        let local = u64::from(self.scheduler.device_pages) + u64::from(self.scheduler.host_pages);
+        if local
+            .checked_add(self.l3_pages)
+            .and_then(|n| n.checked_add(self.l3_ssd_pages))
+            .is_none()
+        {
+            return Err("device + host + l3_pages + l3_ssd_pages overflows".into());
+        }
+        if self.instances == 0 || self.instances > 4096 {
+            return Err(format!("instances {} must be 1 to 4096", self.instances));
+        }
+        let p = &self.profile;
+        let page = p
+            .kv_bytes_per_token
+            .checked_mul(self.scheduler.page_size as u64);
+        if p.kv_bytes_per_token == 0 || page.is_none_or(|b| b > 1 << 40) {
+            return Err(format!(
+                "kv_bytes_per_token {} must be positive, a page ({} tokens) at most 1 TiB",
+                p.kv_bytes_per_token, self.scheduler.page_size
+            ));
+        }
+        const HOUR_US: f64 = 3.6e9;
+        let l = &self.links;
+        for (name, v, most) in [
+            ("prefill_tokens_per_s", p.prefill_tokens_per_s, f64::MAX),
+            ("pcie_gb_per_s", l.pcie_gb_per_s, f64::MAX),
+            ("l3_gb_per_s", l.l3_gb_per_s, f64::MAX),
+            ("ssd_gb_per_s", l.ssd_gb_per_s, f64::MAX),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v <= most) {
+                return Err(format!("{name} {v} must be finite and positive"));
+            }
+        }
+        for (name, us) in [
+            ("forward_base_ms", p.forward_base_ms * 1000.0),
+            ("decode_row_us", p.decode_row_us),
+            ("decode_ctx_us_per_ktok", p.decode_ctx_us_per_ktok),
+            ("pcie_latency_us", l.pcie_latency_us),
+            ("l3_latency_us", l.l3_latency_us),
+            ("l3_query_us", l.l3_query_us),
+            ("ssd_latency_us", l.ssd_latency_us),
+        ] {
+            if !(us.is_finite() && (0.0..=HOUR_US).contains(&us)) {
+                return Err(format!("{name} must be finite, 0 to an hour"));
+            }
+        }
+        Ok(())
     }
 
     /// The scheduler configuration a simulation runs with: the longest request accepted is
@@ -118,9 +196,57 @@ impl SimConfig {
     }
 }
 
+/// The first key of `user` (dotted path) that `known` lacks, tables compared key by key.
+fn unknown_key(user: &toml::Value, known: &toml::Value, path: &str) -> Option<String> {
+    let (toml::Value::Table(u), toml::Value::Table(k)) = (user, known) else {
+        return None;
+    };
+    u.iter().find_map(|(key, v)| match k.get(key) {
+        None => Some(format!("{path}{key}")),
+        Some(kv) => unknown_key(v, kv, &format!("{path}{key}.")),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Values a run cannot use are refused before it starts: a payload too short for the
+    /// oracle's page stamp (it panicked), capacities whose bytes overflow (the L3 silently
+    /// held nothing, the Belady capacity wrapped to 63 pages), timings that are not finite
+    /// and positive (a NaN or huge forward time made TTFTs *faster*: the clock wrapped), and
+    /// keys that do not exist (a misspelt key was ignored).
+    #[test]
+    fn values_a_run_cannot_use_are_refused() {
+        let bad = |toml: &str, what: &str| {
+            let e = SimConfig::from_toml(toml)
+                .and_then(|c| c.check().map(|_| c))
+                .err()
+                .unwrap_or_else(|| panic!("{toml:?} accepted"));
+            assert!(e.contains(what), "{toml:?}: {e}");
+        };
+        bad("payload_bytes = 7\n", "payload_bytes");
+        bad("payload_bytes = 1099511627776\n", "payload_bytes");
+        bad("l3_pages = 1152921504606846976\n", "l3_pages");
+        bad("l3_ssd_pages = 1152921504606846976\n", "l3_ssd_pages");
+        bad("[profile]\nforward_base_ms = 1e300\n", "forward_base_ms");
+        bad("[profile]\nforward_base_ms = -6.0\n", "forward_base_ms");
+        bad("[profile]\ndecode_row_us = nan\n", "decode_row_us");
+        bad(
+            "[profile]\nkv_bytes_per_token = 288230376151711744\n",
+            "kv_bytes_per_token",
+        );
+        bad("[links]\nl3_gb_per_s = -10.0\n", "l3_gb_per_s");
+        bad("[links]\npcie_gb_per_s = nan\n", "pcie_gb_per_s");
+        bad("instances = 0\n", "instances");
+        bad("l3_page = 5\n", "l3_page");
+        bad("[scheduler]\ndevice_page = 5\n", "device_page");
+        bad("[schedular]\ndevice_pages = 5\n", "schedular");
+        bad("[links]\nl3_gbps = 5.0\n", "l3_gbps");
+        let ok = SimConfig::from_toml("payload_bytes = 8\n[links]\nl3_gb_per_s = 12.5\n").unwrap();
+        ok.check().unwrap();
+        SimConfig::default().check().unwrap();
+    }
 
     #[test]
     fn tables_merge_over_the_defaults() {

@@ -296,6 +296,7 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
     c.effective_scheduler()
         .validate()
         .map_err(|e| format!("configuration: {e}"))?;
+    c.check().map_err(|e| format!("configuration: {e}"))?;
     Ok(c)
 }
 
