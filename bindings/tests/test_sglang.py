@@ -252,6 +252,14 @@ def test_other_bad_input_is_refused():
     assert issubclass(ks.HostIndicesError, kvtier.KvtierError) and issubclass(ks.HostIndicesError, ValueError)
 
 
+def test_an_unreadable_ssd_cap_is_refused_not_unlimited(tmp_path):
+    """``ssd_capacity_bytes`` that does not parse ("2mib", "-2MB") meant no cap at all."""
+    for bad in ("2mib", "-2MB", "2 GiB", "lots"):
+        with pytest.raises(ks.SGLangBackendError, match="ssd_capacity_bytes"):
+            backend(ssd_dir=str(tmp_path / bad.replace(" ", "_")), ssd_capacity_bytes=bad)
+    backend(ssd_dir=str(tmp_path / "ok"), ssd_capacity_bytes="2MB")
+
+
 def test_value_calls_store_the_objects_v1_reads():
     src, dst = mha_pool("layer_first"), mha_pool("layer_first")
     fill(src, 9)

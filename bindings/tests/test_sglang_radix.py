@@ -215,8 +215,13 @@ def test_two_salts_never_share_on_host():
 def test_config_errors_are_typed_at_startup(l3server):
     with pytest.raises(kr.RadixConfigError, match="unknown"):
         kr.RadixBackendConfig.from_dict({"host_page": 3})
+    # a string or number where a bool or an int is due was taken by truthiness ("false"
+    # probed L3) or failed later untyped (rpc_timeout_ms -1: OverflowError)
     for bad in ({"policy": "mru"}, {"io_threads": 4}, {"host_pages": 0}, {"l3": "tape"},
-                {"prefetch_wait_ms": -1}, {"host_bytes": "lots"}, {"write_policy": "write_around"}):
+                {"prefetch_wait_ms": -1}, {"host_bytes": "lots"}, {"write_policy": "write_around"},
+                {"probe_l3": "false"}, {"probe_l3": 0}, {"host_pages": True}, {"io_threads": 1.0},
+                {"io_threads": True}, {"prefetch_wait_ms": True}, {"rpc_timeout_ms": -1},
+                {"rpc_timeout_ms": "abc"}, {"token": 123}, {"name": 5}, {"segment_bytes": "lots"}):
         with pytest.raises(kr.RadixConfigError):
             kr.RadixBackendConfig.from_dict(bad)
     with pytest.raises(kr.UnsupportedPageSizeError):  # no page fits the host pool

@@ -95,19 +95,33 @@ class RadixBackendConfig:
             raise RadixConfigError(f"${ENV_CONFIG} is not JSON: {e}") from None
 
     def validate(self) -> None:
-        if self.host_pages is not None and (not isinstance(self.host_pages, int) or self.host_pages <= 0):
+        def is_int(v: object) -> bool:  # bool is an int subclass: True is no page count
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if self.host_pages is not None and (not is_int(self.host_pages) or self.host_pages <= 0):
             raise RadixConfigError(f"host_pages must be a positive int, got {self.host_pages!r}")
+        if not isinstance(self.probe_l3, bool):
+            raise RadixConfigError(f"probe_l3 is true or false, got {self.probe_l3!r}")
+        if not is_int(self.rpc_timeout_ms) or not 0 < self.rpc_timeout_ms < 1 << 32:
+            raise RadixConfigError(f"rpc_timeout_ms must be a positive int (ms), got {self.rpc_timeout_ms!r}")
+        for key in ("server", "token"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
+                raise RadixConfigError(f"{key} must be a str, got {getattr(self, key)!r}")
+        if not isinstance(self.name, str):
+            raise RadixConfigError(f"name must be a str, got {self.name!r}")
+        if not parse_size(self.segment_bytes):
+            raise RadixConfigError(f"bad segment_bytes {self.segment_bytes!r}")
         if self.host_bytes is not None and not parse_size(self.host_bytes):
             raise RadixConfigError(f"bad host_bytes {self.host_bytes!r}")
         if self.l3 not in (None, "off", "embedded", "server"):
             raise RadixConfigError(f"l3 is 'off', 'embedded' or 'server', got {self.l3!r}")
-        if not isinstance(self.prefetch_wait_ms, int) or self.prefetch_wait_ms < 0:
+        if not is_int(self.prefetch_wait_ms) or self.prefetch_wait_ms < 0:
             raise RadixConfigError(f"prefetch_wait_ms must be a non-negative int, got {self.prefetch_wait_ms!r}")
         if self.write_policy not in ("write_through", "write_back"):
             raise RadixConfigError(f"write_policy is 'write_through' or 'write_back', got {self.write_policy!r}")
         if self.mover not in ("auto", "torch", "dma", "kernel"):
             raise RadixConfigError(f"mover is 'auto', 'torch', 'dma' or 'kernel', got {self.mover!r}")
-        if self.io_threads not in (0, 1):
+        if not is_int(self.io_threads) or self.io_threads not in (0, 1):
             raise RadixConfigError(f"io_threads is 0 or 1, got {self.io_threads!r}")
         if not isinstance(self.tenant, str) or not self.tenant:
             raise RadixConfigError("tenant must be a non-empty str")

@@ -228,6 +228,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             if not seg:
                 raise SGLangBackendError(f"bad segment_bytes {extra.get('segment_bytes')!r}")
             cap = extra.get("ssd_capacity_bytes")
+            if cap is not None and not parse_size(cap):  # unreadable is no cap at all: refuse
+                raise SGLangBackendError(f"bad ssd_capacity_bytes {cap!r}")
             self.store = kvtier.L3Store.embedded(
                 seg, ssd_dir=None if ssd_dir is None else str(ssd_dir),
                 ssd_capacity_bytes=None if cap is None else parse_size(cap),
