@@ -255,6 +255,20 @@ impl LocalEtcd {
     pub fn pause(&self, i: usize) {
         if let Some(c) = &self.members[i].child {
             signal(c, libc::SIGSTOP);
+            // SIGSTOP takes effect when the member is next scheduled: on a loaded machine it
+            // may still answer a request sent right after kill(2) returns. Wait (at most a
+            // second) until the kernel shows it stopped.
+            let stat = format!("/proc/{}/stat", c.id());
+            for _ in 0..200 {
+                let stopped = std::fs::read_to_string(&stat).is_ok_and(|s| {
+                    s.rsplit_once(')')
+                        .is_some_and(|(_, rest)| rest.trim_start().starts_with(['T', 't']))
+                });
+                if stopped {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
         }
     }
 
