@@ -87,7 +87,7 @@ impl SimConfig {
     pub fn from_toml(text: &str) -> Result<SimConfig, String> {
         let user: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
         let mut merged = toml::Table::try_from(SimConfig::default()).map_err(|e| e.to_string())?;
-        for (k, v) in user {
+        for (k, v) in user.clone() {
             match (merged.get_mut(&k), v) {
                 (Some(toml::Value::Table(base)), toml::Value::Table(over)) => {
                     for (field, value) in over {
@@ -99,8 +99,7 @@ impl SimConfig {
                 }
             }
         }
-        let user =
-            toml::Value::Table(toml::from_str::<toml::Table>(text).map_err(|e| e.to_string())?);
+        let user = toml::Value::Table(user);
         let c: SimConfig = toml::Value::Table(merged)
             .try_into()
             .map_err(|e: toml::de::Error| e.to_string())?;
