@@ -498,6 +498,7 @@ impl Cluster {
                 serde_json::json!({
                     "gpu_pages": g, "cpu_pages": c,
                     "queue_s": self.router.queue_s(i), "late_s": self.router.late_s(i),
+                    "decode_step_s": self.router.decode_step_s(i),
                     "routed": self.routed[i], "refused": self.refused[i], "in_flight": self.in_flight[i],
                     "upstream_errors": self.upstream.errors(i),
                 })

@@ -264,7 +264,7 @@ impl Feedback {
     }
 
     /// Seconds per decode step on `instance`, as learnt from its ends.
-    fn step_s(&self, instance: usize) -> f64 {
+    pub fn step_s(&self, instance: usize) -> f64 {
         self.decode.get(instance).map_or(0.0, |&(d, n)| d / n)
     }
 

@@ -6,8 +6,11 @@
 //! either), and if that fails the request is routed by load alone. The request goes to the
 //! chosen instance unchanged; the response (status, headers, body) comes back as it arrives,
 //! chunk by chunk, so a streaming answer's SSE events reach the client when the engine sends
-//! them. If the chosen instance refuses the connection, the next best is tried; once a byte
-//! of the answer is sent it is the client's. Each instance's requests in flight are counted
+//! them. If the chosen instance refuses the connection or answers 502, 503 or 504 (it did
+//! not run the request), the next best is tried, each instance once; if none is left, the
+//! latest such answer is the client's. Once a byte of an answer is sent it is the client's;
+//! a body that fails midway is cut off there (the client sees a failure, not an end) and
+//! counted as the instance's error. Each instance's requests in flight are counted
 //! from the send until the answer's body ends or the client goes away, and each routed
 //! request is booked in the router's closed-loop queue (`Router::route_tracked`): its first
 //! token is its streamed answer's first chunk (an answer sent whole shows none: its prefill
@@ -24,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
 use axum::response::Response;
 use bytes::Bytes;
@@ -37,7 +41,7 @@ use serde_json::Value;
 use crate::cluster::{Cluster, Decision};
 use crate::feedback::FirstToken;
 use crate::lora::{self, ModelKind};
-use crate::service::{AppState, error};
+use crate::service::{AppState, body_rejected, error};
 
 /// How long a `/tokenize` (or `/v1/models`) call may take before the request is routed
 /// without its answer.
@@ -119,6 +123,17 @@ impl InFlight {
     }
 }
 
+impl InFlight {
+    /// The answer's body failed midway: the booking goes, and an answer whose status said
+    /// success is counted as the instance's error after all (an error status was already).
+    fn failed(&mut self, answered_ok: bool) {
+        self.cancel();
+        if answered_ok {
+            self.lock().answered(self.instance, false);
+        }
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         let booking = self.booking;
@@ -130,22 +145,36 @@ impl Drop for InFlight {
     }
 }
 
-pub async fn completions(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    forward(st, "/v1/completions", Kind::Completion, headers, body).await
+pub async fn completions(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match body {
+        Ok(b) => forward(st, "/v1/completions", Kind::Completion, headers, b).await,
+        Err(e) => body_rejected(&e),
+    }
 }
 
-pub async fn chat(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    forward(st, "/v1/chat/completions", Kind::Chat, headers, body).await
+pub async fn chat(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match body {
+        Ok(b) => forward(st, "/v1/chat/completions", Kind::Chat, headers, b).await,
+        Err(e) => body_rejected(&e),
+    }
 }
 
 /// `/v1/models` from the first instance that answers.
 pub async fn models(State(st): State<AppState>, headers: HeaderMap) -> Response {
-    for base in st.backends.iter() {
+    for (i, base) in st.backends.iter().enumerate() {
         let Ok(req) = request(Method::GET, base, "/v1/models", &headers, Bytes::new()) else {
             continue;
         };
         if let Ok(resp) = st.upstream.client.request(req).await {
-            return pass_through(resp, None);
+            return pass_through(resp, i, None);
         }
     }
     error(
@@ -186,20 +215,26 @@ async fn forward(
         FirstToken::AtEstimate
     };
     let output = json.as_ref().map_or(0, |v| max_tokens(v, kind));
-    let mut refused = Vec::new();
+    // instances tried: refused the connection, or answered "unavailable"
+    let mut tried = Vec::new();
+    // the latest "unavailable" answer, passed through if no instance is left
+    let mut unavailable: Option<(usize, hyper::Response<hyper::body::Incoming>)> = None;
     loop {
         let decision = {
             let mut c = st.lock();
             match &tokens {
-                Some(t) => c.route_tracked(t, (salt, lora.as_deref()), &refused, output, first),
-                None => c.route_load_only(&refused),
+                Some(t) => c.route_tracked(t, (salt, lora.as_deref()), &tried, output, first),
+                None => c.route_load_only(&tried),
             }
         };
         let Some(d) = decision else {
+            if let Some((i, resp)) = unavailable {
+                return pass_through(resp, i, None);
+            }
             return error(
                 StatusCode::BAD_GATEWAY,
                 "upstream_unavailable",
-                format!("every instance refused the connection ({refused:?})"),
+                format!("every instance refused the connection ({tried:?})"),
             );
         };
         // from here every return ends or cancels the booking (the guard's drop ends it)
@@ -225,13 +260,20 @@ async fn forward(
                 if status.is_success() || status.is_server_error() {
                     st.lock().answered(d.instance, status.is_success());
                 }
-                return pass_through(resp, Some(guard));
+                if unavailable_status(status) {
+                    // not run there, and nothing sent yet: the next best instance may
+                    drop(guard);
+                    tried.push(d.instance);
+                    unavailable = Some((d.instance, resp));
+                    continue;
+                }
+                return pass_through(resp, d.instance, Some(guard));
             }
             Err(e) if e.is_connect() => {
                 guard.cancel();
                 drop(guard);
                 st.lock().refused(d.instance);
-                refused.push(d.instance);
+                tried.push(d.instance);
             }
             Err(e) => {
                 guard.cancel();
@@ -244,6 +286,17 @@ async fn forward(
             }
         }
     }
+}
+
+/// Whether an answer says the instance did not run the request and another may: 502 and
+/// 504 (a gateway in front of the engine found it down, or gave up waiting), 503 (the engine
+/// is overloaded, starting or shutting down). A 500 or any 4xx is the request's own answer
+/// (it may fail the same way anywhere) and is passed through.
+fn unavailable_status(s: StatusCode) -> bool {
+    matches!(
+        s,
+        StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT
+    )
 }
 
 fn request(
@@ -266,16 +319,24 @@ fn request(
 }
 
 /// The instance's answer as it comes: status, headers (less hop-by-hop ones), and the body
-/// chunk by chunk; the in-flight count ends with the body.
+/// chunk by chunk; the in-flight count ends with the body. A body that fails midway (the
+/// instance died or dropped the connection) is the instance's error and cancels the booking:
+/// the time to the failure is no decode time; the client's answer is cut off there, so it
+/// sees a failure, not an end.
 fn pass_through(
     resp: hyper::Response<hyper::body::Incoming>,
+    instance: usize,
     mut guard: Option<InFlight>,
 ) -> Response {
     let (parts, incoming) = resp.into_parts();
-    let instance = guard.as_ref().map(|g| g.instance);
+    // counted as a success until the body fails (once)
+    let mut answered_ok = parts.status.is_success();
     let stream = incoming.into_data_stream().map(move |chunk| {
         if let Some(g) = guard.as_mut() {
-            g.chunk();
+            match &chunk {
+                Ok(_) => g.chunk(),
+                Err(_) => g.failed(std::mem::take(&mut answered_ok)),
+            }
         }
         chunk
     });
@@ -287,10 +348,8 @@ fn pass_through(
         }
         out.headers_mut().append(k, v.clone());
     }
-    if let Some(i) = instance {
-        out.headers_mut()
-            .insert("x-kvtier-instance", HeaderValue::from(i));
-    }
+    out.headers_mut()
+        .insert("x-kvtier-instance", HeaderValue::from(instance));
     out
 }
 

@@ -243,6 +243,12 @@ impl Router {
             .map_or(0.0, |f| f.late_s(instance, self.now_s))
     }
 
+    /// Seconds per decode step on `instance` as the closed loop has learnt it from its
+    /// requests' ends (the configured step until then; 0 without feedback).
+    pub fn decode_step_s(&self, instance: usize) -> f64 {
+        self.feedback.as_ref().map_or(0.0, |f| f.step_s(instance))
+    }
+
     /// Requests booked ([`Self::route_tracked`]) and not yet ended or cancelled.
     pub fn booked(&self) -> usize {
         self.feedback.as_ref().map_or(0, Feedback::booked)

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use axum::Json;
-use axum::extract::rejection::PathRejection;
+use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -81,7 +81,26 @@ pub fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Resp
     (status, Json(body)).into_response()
 }
 
-async fn route(State(st): State<AppState>, body: axum::body::Bytes) -> Response {
+/// The API's JSON error for a request body that could not be read: 413 past [`MAX_BODY`],
+/// 400 for a body that broke off.
+pub fn body_rejected(e: &BytesRejection) -> Response {
+    let status = e.status();
+    let kind = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        "request_too_large"
+    } else {
+        "invalid_request"
+    };
+    error(status, kind, e.body_text())
+}
+
+async fn route(
+    State(st): State<AppState>,
+    body: Result<axum::body::Bytes, BytesRejection>,
+) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return body_rejected(&e),
+    };
     let req: RouteRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
@@ -194,8 +213,28 @@ pub fn app(st: AppState) -> axum::Router {
             .route("/v1/models", get(proxy::models));
     }
     // chat requests with images or long prompts pass axum's 2 MB default
-    r.layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+    r.fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(st)
+}
+
+/// A path the router does not serve: the API's JSON 404 (axum's own is an empty body).
+async fn not_found(uri: axum::http::Uri) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!("no route {}", uri.path()),
+    )
+}
+
+/// A method a path does not take: the API's JSON 405.
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{method} is not served on {}", uri.path()),
+    )
 }
 
 /// The largest request body accepted (a 413 beyond).

@@ -30,8 +30,9 @@ fn instance_of(got: &Got) -> usize {
         .expect("instance header")
 }
 
-/// Instance 1 answers every request with a 503 at once; instance 0 streams its answers, its
-/// first chunk 100 ms late. The 503s are passed through, but they are no first tokens: the
+/// Instance 1 answers every request with a 500 at once (an error of the request's own, not
+/// retried elsewhere); instance 0 streams its answers, its first chunk 100 ms late. The 500s
+/// are passed through, but they are no first tokens: the
 /// broken instance is not learnt as early (which made it draw nearly every request while the
 /// healthy one had any prefill pending), nothing is learnt from it, its errors are counted,
 /// and after a few in a row it is passed over for a while. The healthy instance serves most
@@ -40,7 +41,7 @@ fn instance_of(got: &Got) -> usize {
 async fn an_instance_answering_errors_at_once_does_not_draw_the_traffic() {
     let ex = recorded();
     let healthy = Upstream::start_slow(ex.clone(), Duration::from_millis(100)).await;
-    let broken = Upstream::start(failing(&ex, 503)).await;
+    let broken = Upstream::start(failing(&ex, 500)).await;
     let r = router(
         vec![url_spec(healthy.url()), url_spec(broken.url())],
         None,
@@ -66,7 +67,7 @@ async fn an_instance_answering_errors_at_once_does_not_draw_the_traffic() {
     while let Some(got) = tasks.join_next().await {
         for g in got.expect("client") {
             let i = instance_of(&g);
-            assert_eq!(g.status, if i == 0 { 200 } else { 503 }, "{g:?}");
+            assert_eq!(g.status, if i == 0 { 200 } else { 500 }, "{g:?}");
             by_instance[i] += 1;
         }
     }
@@ -157,4 +158,227 @@ async fn a_request_that_cannot_be_sent_leaves_no_booking() {
     }
     let _ = stop.send(());
     server.await.expect("server").expect("serve");
+}
+
+/// An instance answering 502, 503 or 504 has not run the request (it is overloaded, down
+/// behind its gateway, or timed out before it): before a byte of that answer reaches the
+/// client, the proxy sends the request to the next best instance, and the client sees the
+/// healthy instance's answer. Each attempt is counted as that instance's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unavailable_answer_is_retried_on_another_instance() {
+    let ex = recorded();
+    for status in [502u16, 503, 504] {
+        let healthy = Upstream::start(ex.clone()).await;
+        let broken = Upstream::start(failing(&ex, status)).await;
+        let r = router(
+            vec![url_spec(broken.url()), url_spec(healthy.url())],
+            None,
+            1 << 20,
+            Keys::Tokens,
+        )
+        .await;
+        for stream in [true, false] {
+            let req = find(&ex, "/v1/completions", stream, true);
+            let body = req.request.as_ref().expect("req").to_string();
+            for _ in 0..4 {
+                let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+                assert_eq!(got.status, 200, "{status}: {got:?}");
+                assert_eq!(instance_of(&got), 1, "{status}: {got:?}");
+            }
+        }
+        let stats = http(r.addr, "GET", "/stats", None).await.json();
+        let tried = completions(&broken);
+        assert!(tried >= 1, "{status}: the broken instance was never tried");
+        assert_eq!(stats["instances"][0]["upstream_errors"], tried, "{stats}");
+        assert_eq!(stats["instances"][1]["upstream_errors"], 0, "{stats}");
+        assert_eq!(stats["booked"], 0, "{stats}");
+        r.stop().await;
+    }
+}
+
+/// When every instance answers 503, each is tried once and the client gets the last answer
+/// as it came (its status, body and instance), not a made-up one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_instance_unavailable_passes_the_last_answer_through() {
+    let ex = recorded();
+    let a = Upstream::start(failing(&ex, 503)).await;
+    let b = Upstream::start(failing(&ex, 503)).await;
+    let r = router(
+        vec![url_spec(a.url()), url_spec(b.url())],
+        None,
+        1 << 20,
+        Keys::Tokens,
+    )
+    .await;
+    let req = find(&ex, "/v1/completions", true, true);
+    let body = req.request.as_ref().expect("req").to_string();
+    let n = 5;
+    for _ in 0..n {
+        let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+        assert_eq!(got.status, 503, "{got:?}");
+        assert_eq!(got.json()["error"]["message"], "unavailable", "{got:?}");
+        assert!(got.header("x-kvtier-instance").is_some(), "{got:?}");
+    }
+    assert_eq!(
+        completions(&a) + completions(&b),
+        2 * n,
+        "each instance tried once per request"
+    );
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["booked"], 0, "{stats}");
+    r.stop().await;
+}
+
+/// A 500 is the instance's answer to this request (it may fail the same way anywhere), so it
+/// is passed through, not retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_internal_error_is_not_retried() {
+    let ex = recorded();
+    let healthy = Upstream::start(ex.clone()).await;
+    let broken = Upstream::start(failing(&ex, 500)).await;
+    let r = router(
+        vec![url_spec(broken.url()), url_spec(healthy.url())],
+        None,
+        1 << 20,
+        Keys::Tokens,
+    )
+    .await;
+    let req = find(&ex, "/v1/completions", true, true);
+    let body = req.request.as_ref().expect("req").to_string();
+    let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
+    assert_eq!((got.status, instance_of(&got)), (500, 0), "{got:?}");
+    assert_eq!(completions(&healthy), 0);
+    r.stop().await;
+}
+
+/// An upstream that answers every request with a streamed 200 whose first chunk comes at
+/// once and whose connection then drops after `hold` without ending the body: an engine
+/// that died mid-answer.
+async fn dying_upstream(hold: Duration) -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", l.local_addr().expect("addr"));
+    let task = tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 65536];
+                // the whole request (small) before answering
+                let _ = tokio::time::timeout(Duration::from_millis(200), s.read(&mut buf)).await;
+                let chunk = "data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                     transfer-encoding: chunked\r\n\r\n{:x}\r\n{chunk}\r\n",
+                    chunk.len()
+                );
+                let _ = s.write_all(head.as_bytes()).await;
+                let _ = s.flush().await;
+                tokio::time::sleep(hold).await;
+                // dropped: no terminating chunk
+            });
+        }
+    });
+    (url, task)
+}
+
+/// A streamed 200 whose upstream dies midway is a failed request, not a finished one: its
+/// booking is cancelled (nothing learnt: the time to the failure is not a decode time), the
+/// instance's error is counted, and the client's answer is cut off (no terminating chunk),
+/// so it can tell a failure from an end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_fails_midway_is_an_error_not_an_end() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (url, task) = dying_upstream(Duration::from_millis(300)).await;
+    let r = router(vec![url_spec(url)], None, 1 << 20, Keys::Tokens).await;
+    let before = http(r.addr, "GET", "/stats", None).await.json();
+    let step0 = before["instances"][0]["decode_step_s"]
+        .as_f64()
+        .expect("decode_step_s");
+    let body = serde_json::json!({"model": "m", "prompt": tokens(3, 2), "stream": true,
+                                  "max_tokens": 8});
+    let body = body.to_string();
+    let mut s = tokio::net::TcpStream::connect(r.addr)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut raw)).await;
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(
+        text.contains("\"text\":\"a\""),
+        "the first chunk reached the client: {text}"
+    );
+    assert!(
+        !text.ends_with("0\r\n\r\n"),
+        "the body must not look complete: {text:?}"
+    );
+    let c = Arc::clone(&r.cluster);
+    until("the booking closed", || {
+        c.lock().expect("lock").router().booked() == 0
+    })
+    .await;
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["instances"][0]["upstream_errors"], 1, "{stats}");
+    assert_eq!(
+        stats["instances"][0]["decode_step_s"].as_f64(),
+        Some(step0),
+        "a failure learnt as a decode: {stats}"
+    );
+    task.abort();
+    r.stop().await;
+}
+
+/// Every answer of the router's own is the API's JSON error, also for a path it does not
+/// serve (404), a method a path does not take (405) and a body over the limit (413).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_own_errors_are_json() {
+    let ex = recorded();
+    let up = Upstream::start(ex.clone()).await;
+    let r = router(vec![url_spec(up.url())], None, 1 << 20, Keys::Tokens).await;
+    for (method, path, status) in [
+        ("GET", "/nope", 404),
+        ("POST", "/v1/nope", 404),
+        ("GET", "/route", 405),
+        ("DELETE", "/stats", 405),
+        ("GET", "/v1/completions", 405),
+    ] {
+        let got = http(r.addr, method, path, None).await;
+        assert_eq!(got.status, status, "{method} {path}: {got:?}");
+        assert!(
+            got.header("content-type")
+                .is_some_and(|c| c.starts_with("application/json")),
+            "{method} {path}: {got:?}"
+        );
+        assert!(got.json()["error"]["message"].is_string(), "{got:?}");
+    }
+    for path in ["/route", "/v1/completions", "/v1/chat/completions"] {
+        let got = claims_too_much(r.addr, path).await;
+        assert_eq!(got.status, 413, "{path}: {got:?}");
+        assert_eq!(
+            got.json()["error"]["type"],
+            "request_too_large",
+            "{path}: {got:?}"
+        );
+    }
+    assert_eq!(completions(&up), 0);
+    r.stop().await;
+}
+
+/// A POST of one byte over the router's body limit.
+async fn claims_too_much(addr: std::net::SocketAddr, path: &str) -> Got {
+    let body = vec![b' '; kvtier_router::service::MAX_BODY + 1];
+    http(addr, "POST", path, Some(&body)).await
+}
+
+/// The completions an upstream was sent (the proxy also reads `/v1/models`).
+fn completions(u: &Upstream) -> usize {
+    let r = u.requests.lock().expect("lock");
+    r.iter().filter(|p| p.as_str() == "/v1/completions").count()
 }
