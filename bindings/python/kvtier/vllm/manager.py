@@ -45,8 +45,8 @@ from .cpu_copy import CpuCopyMixin
 from .manager_l3 import L3Plan
 from .manager_metrics import ManagerCounters, ManagerMetrics, definitions
 from .shm import scheduler_region, worker_region
-from .spec_config import (ROOM_WAIT_MS, KvtierSpecConfigError, quotas_of, refuse_non_prefix_groups, room_wait_of,
-                          tenant_of)
+from .spec_config import (ROOM_WAIT_MS, KvtierSpecConfigError, check_spec_keys, eviction_of, host_chunks_of, l3_of,
+                          quotas_of, refuse_non_prefix_groups, room_wait_of, tenant_of)
 
 __all__ = ["KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierSpecConfigError"]
 
@@ -366,10 +366,12 @@ class KvtierOffloadingSpec(CpuCopyMixin, CPUOffloadingSpec):
     """
 
     def __init__(self, config: Any):
+        check_spec_keys(config.extra_config)  # a misspelt kvtier_ key is refused, never ignored
         refuse_non_prefix_groups(config)
         super().__init__(config)
-        self.kvtier_eviction = str(self.extra_config.get("kvtier_eviction", "lru"))
-        self.kvtier_l3 = self.extra_config.get("kvtier_l3")  # KvtierSecondaryTier's keys, or None
+        host_chunks_of(self.num_chunks, self.extra_config.get("cpu_bytes_to_use"))
+        self.kvtier_eviction = eviction_of(self.extra_config.get("kvtier_eviction"))
+        self.kvtier_l3 = l3_of(self.extra_config.get("kvtier_l3"))  # KvtierSecondaryTier's keys, or None
         self.tenant_quotas = quotas_of(self.extra_config.get("kvtier_tenant_quotas"), self.num_chunks)
         self.room_wait_s = room_wait_of(self.extra_config.get("kvtier_room_wait_ms"))
         self._scheduler_mmap = None

@@ -18,18 +18,64 @@ from typing import Any, Dict, Optional
 
 from vllm.v1.kv_offload.base import ReqContext
 
-from .. import KvtierError
+from .. import KvtierError, OffloadManager
 from .compat import group_windows
+from .tier import TIER_KEYS
 
-__all__ = ["KvtierSpecConfigError", "quotas_of", "refuse_non_prefix_groups", "room_wait_of", "tenant_of"]
+__all__ = ["KvtierSpecConfigError", "SPEC_KEYS", "check_spec_keys", "eviction_of", "host_chunks_of", "l3_of",
+           "quotas_of",
+           "refuse_non_prefix_groups", "room_wait_of", "tenant_of"]
 
 ROOM_WAIT_MS = 1000  # how long a request whose L3 prefetch finds no free host slot waits
+# The spec's keys in vLLM's kv_connector_extra_config (docs/vllm.md).
+SPEC_KEYS = ("kvtier_eviction", "kvtier_l3", "kvtier_tenant_quotas", "kvtier_room_wait_ms")
+MAX_HOST_CHUNKS = 2 ** 32 - 1  # kvtier's OffloadManager numbers its host slots with u32
 
 
 class KvtierSpecConfigError(KvtierError, ValueError):
     """A ``KvtierOffloadingSpec`` kvtier cannot run with (raised when vLLM builds the spec, so
-    the engine does not start): a KV cache group whose chunks do not form prefixes, or a
-    malformed ``kvtier_tenant_quotas``."""
+    the engine does not start): a KV cache group whose chunks do not form prefixes, a
+    ``kvtier_`` key the spec does not have, a malformed ``kvtier_l3``, ``kvtier_tenant_quotas``
+    or ``kvtier_room_wait_ms``, more host chunks than kvtier's host tier numbers."""
+
+
+def check_spec_keys(extra: Any) -> None:
+    """Every ``kvtier_``-prefixed key (in any case) of vLLM's extra config is one of
+    ``SPEC_KEYS``: a misspelt one (``kvtier_l3_adress``) was ignored, and the engine ran
+    without what it asked for. Keys without the prefix are vLLM's, not checked here."""
+    unknown = sorted(str(k) for k in (extra or {}) if str(k).lower().startswith("kvtier_") and k not in SPEC_KEYS)
+    if unknown:
+        raise KvtierSpecConfigError(
+            f"KvtierOffloadingSpec: unknown kvtier key(s) {unknown} in kv_connector_extra_config; "
+            f"the spec's keys are {list(SPEC_KEYS)} (a request's tenant is kvtier_tenant in its "
+            "kv_transfer_params, not here)")
+
+
+def l3_of(raw: Any) -> Optional[Dict[str, Any]]:
+    """``kvtier_l3``: an object of ``KvtierSecondaryTier``'s keys (``{}``: an embedded store of
+    the default size), or None (null, absent): no L3. Anything else is refused: ``""`` gave
+    a 4 GB embedded store, ``false`` a bare TypeError; the keys are checked here, not when
+    vLLM first asks for the manager."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise KvtierSpecConfigError(
+            'kvtier_l3 is an object of kvtier tier keys ({"server": "HOST:PORT"}; {"segment_bytes": "16GB"} '
+            f"for an embedded store, {{}} for one of the default size) or null for no L3, got {raw!r}")
+    unknown = sorted((k for k in raw if k not in TIER_KEYS), key=repr)
+    if unknown:
+        raise KvtierSpecConfigError(f"kvtier_l3: unknown tier key(s) {unknown}; known: {list(TIER_KEYS)}")
+    return dict(raw)
+
+
+def host_chunks_of(num_chunks: int, cpu_bytes: Any) -> int:
+    """vLLM's host chunk count, within what kvtier's host tier numbers (u32 slot ids):
+    ``cpu_bytes_to_use`` 2**70 was an OverflowError when vLLM asked for the manager."""
+    if not 0 <= num_chunks <= MAX_HOST_CHUNKS:
+        raise KvtierSpecConfigError(
+            f"cpu_bytes_to_use {cpu_bytes!r} gives {num_chunks} host chunks; kvtier's host tier holds at "
+            f"most {MAX_HOST_CHUNKS}")
+    return num_chunks
 
 
 def refuse_non_prefix_groups(config: Any) -> None:
@@ -50,8 +96,9 @@ def refuse_non_prefix_groups(config: Any) -> None:
 
 
 def quotas_of(raw: Any, num_chunks: int) -> Dict[str, int]:
-    """``kvtier_tenant_quotas``: ``{tenant: host chunks}`` (a fraction in (0, 1] is a share of
-    the host slots)."""
+    """``kvtier_tenant_quotas``: ``{tenant: host chunks}``, at least 1 (a tenant capped at 0
+    can never store anything) and within kvtier's host slot numbers; a fraction in (0, 1] is
+    a share of the host slots (at least one)."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -60,11 +107,27 @@ def quotas_of(raw: Any, num_chunks: int) -> Dict[str, int]:
     for name, v in raw.items():
         if isinstance(v, float) and 0 < v <= 1:
             v = max(1, int(v * num_chunks))
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_HOST_CHUNKS:
             raise KvtierSpecConfigError(
-                f"kvtier_tenant_quotas[{name!r}] must be a number of host chunks >= 0 or a share in (0, 1], got {v!r}")
+                f"kvtier_tenant_quotas[{name!r}] must be a number of host chunks in [1, {MAX_HOST_CHUNKS}] "
+                f"(0: the tenant could never store) or a share in (0, 1], got {v!r}")
         out[str(name)] = v
     return out
+
+
+def eviction_of(raw: Any) -> str:
+    """``kvtier_eviction``: a kvtier eviction policy (``lru`` by default, ``freq-depth``,
+    ``adaptive``, ``freq-depth:C:M:D``), parsed here rather than when vLLM asks for the
+    manager."""
+    if raw is None:
+        return "lru"
+    if not isinstance(raw, str):
+        raise KvtierSpecConfigError(f"kvtier_eviction is a policy name (str), got {raw!r}")
+    try:
+        OffloadManager(1, raw)
+    except KvtierError as e:
+        raise KvtierSpecConfigError(f"kvtier_eviction: {e}") from None
+    return raw
 
 
 def room_wait_of(raw: Any) -> float:
