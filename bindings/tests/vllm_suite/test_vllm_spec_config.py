@@ -91,6 +91,13 @@ def test_kvtier_l3_null_is_no_l3_and_an_object_is_checked_at_once(engine):
             spec(engine, kvtier_l3=bad)
 
 
+@pytest.mark.parametrize("bad", ["mru", 5, "", "freq-depth:x"])
+def test_a_bad_eviction_policy_is_refused_at_the_spec(engine, bad):
+    # before: str(5) == "5", refused by OffloadManager only when vLLM asked for the manager
+    with pytest.raises(KvtierSpecConfigError, match="kvtier_eviction"):
+        spec(engine, kvtier_eviction=bad)
+
+
 @pytest.mark.parametrize("bad", [{"a": 0}, {"a": 2 ** 70}, {"a": 2 ** 32}, {"a": 0.0}])
 def test_a_quota_no_chunk_fits_or_past_any_host_tier_is_refused(engine, bad):
     # 0 chunks: the tenant can never store anything; 2**70: an OverflowError from the

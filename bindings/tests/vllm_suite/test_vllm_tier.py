@@ -236,10 +236,29 @@ def test_a_killed_server_fails_jobs_and_a_restart_resumes(engines):
     (dict(server="127.0.0.1:1", rpc_timeout_ms=-5), "rpc_timeout_ms"),
     (dict(segment_bytes="64MB", shard=[0, 0, 10 ** 9]), "shard is"),
     (dict(segment_bytes="64MB", shard="rank 1"), "shard is"),
+    # sizes past u64 were an OverflowError from the extension (tier.py's _open)
+    (dict(segment_bytes=2 ** 70), "segment_bytes"),
+    (dict(segment_bytes="1000000000000TB"), "segment_bytes"),
+    (dict(segment_bytes="64MB", ssd_capacity_bytes=2 ** 70), "ssd_capacity_bytes"),
+    (dict(segment_bytes="64MB", tenant_quota_bytes=2 ** 70), "tenant_quota_bytes"),
+    (dict(server="127.0.0.1:1", rpc_timeout_ms=2 ** 70), "rpc_timeout_ms"),
+    # a quota under one chunk (8 KiB here): the tenant could never store a chunk
+    (dict(segment_bytes="64MB", tenant_quota_bytes=8191), "tenant_quota_bytes"),
+    (dict(segment_bytes="64MB", tenant_quota_bytes=0), "tenant_quota_bytes"),
 ])
 def test_config_errors_stop_startup(engines, bad, match):
     with pytest.raises(VllmTierConfigError, match=match):
         engines([tier(**bad)])
+
+
+def test_a_refused_tier_leaves_no_store_behind(engines):
+    """A tier refused for its quota opened nothing: a later tier of the same store name gets a
+    store of its own segment only (a named embedded store adds every opener's segment)."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(VllmTierConfigError, match="tenant_quota_bytes"):
+        engines([embedded(name=name, tenant_quota_bytes=4096)])
+    e = engines([embedded(name=name, tenant_quota_bytes=8192)])
+    assert e.tier.store.stats()["mem_capacity_bytes"] == 64 << 20
 
 
 def test_l3_objects_are_exactly_vllms_chunk_slots(engines):

@@ -125,7 +125,7 @@ def eviction_of(raw: Any) -> str:
         raise KvtierSpecConfigError(f"kvtier_eviction is a policy name (str), got {raw!r}")
     try:
         OffloadManager(1, raw)
-    except KvtierError as e:
+    except ValueError as e:  # kvtier.ConfigError
         raise KvtierSpecConfigError(f"kvtier_eviction: {e}") from None
     return raw
 

@@ -114,11 +114,29 @@ class TierCounters:
     bytes_read: int = 0
 
 
-def _int(config: Dict[str, Any], key: str, default: int, minimum: int) -> int:
+def _int(config: Dict[str, Any], key: str, default: int, minimum: int, maximum: Optional[int] = None) -> int:
     v = config.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise VllmTierConfigError(f"kvtier tier: {key} must be an integer >= {minimum}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
+        within = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise VllmTierConfigError(f"kvtier tier: {key} must be an integer {within}, got {v!r}")
     return v
+
+
+_MAX_BYTES = 2 ** 64 - 1  # the store's sizes are u64
+
+
+def _size(config: Dict[str, Any], key: str) -> Optional[int]:
+    """``config[key]`` in bytes (an int or a text size as Mooncake's), None when absent;
+    unreadable, negative or past u64 (an OverflowError from the extension before) is refused
+    naming the key."""
+    v = config.get(key)
+    if v is None:
+        return None
+    n = parse_size(v)
+    if n is None or n > _MAX_BYTES:
+        raise VllmTierConfigError(f"kvtier tier: bad {key} {v!r} (a size in bytes up to 2**64 - 1, or text "
+                                  "as \"64MB\")")
+    return n
 
 
 class _ServerLookups(AsyncLookupManager):
@@ -180,7 +198,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
             raise VllmTierConfigError(f"kvtier tier: unknown config keys {unknown}; known: {list(TIER_KEYS)}")
         threads = _int(config, "io_threads", 4, 1)
         self._known_cap = _int(config, "known_keys", 65_536, 0)
-        self._rpc_timeout_ms = _int(config, "rpc_timeout_ms", 10_000, 1)
+        self._rpc_timeout_ms = _int(config, "rpc_timeout_ms", 10_000, 1, 2 ** 32 - 1)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.tenant = str(config.get("tenant", "default"))
         try:
@@ -254,16 +272,16 @@ class KvtierSecondaryTier(SecondaryTierManager):
             except kvtier.L3Error as e:
                 raise VllmTierConfigError(f"kvtier tier: L3 server {addr} did not accept us: {e!r}") from e
             return store
-        seg = parse_size(config.get("segment_bytes", "4GB"))
+        seg = _size({"segment_bytes": "4GB", **config}, "segment_bytes")
         if not seg:
             raise VllmTierConfigError(f"kvtier tier: bad segment_bytes {config.get('segment_bytes')!r}")
-        cap = config.get("ssd_capacity_bytes")
-        cap_b = None if cap is None else parse_size(cap)
-        if cap is not None and cap_b is None:
-            raise VllmTierConfigError(f"kvtier tier: bad ssd_capacity_bytes {cap!r}")
-        quota_b = None if quota is None else parse_size(quota)
-        if quota is not None and quota_b is None:
-            raise VllmTierConfigError(f"kvtier tier: bad tenant_quota_bytes {quota!r}")
+        cap_b = _size(config, "ssd_capacity_bytes")
+        quota_b = _size(config, "tenant_quota_bytes")
+        if quota_b is not None and quota_b < self.chunk_bytes:
+            # checked before the store opens (a named store adds every opener's segment)
+            raise VllmTierConfigError(
+                f"kvtier tier: tenant_quota_bytes {quota!r} is less than one vLLM chunk ({self.chunk_bytes} bytes): "
+                f"tenant {self.tenant!r} could never store a chunk")
         ssd = config.get("ssd_dir")
         try:
             return kvtier.L3Store.embedded(seg, ssd_dir=None if ssd is None else str(ssd), ssd_capacity_bytes=cap_b,
