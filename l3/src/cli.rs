@@ -317,6 +317,10 @@ where
             return ExitCode::from(2);
         }
     };
+    if let Err(e) = ShmMode::try_from_env() {
+        eprintln!("kvtier-l3: {e}");
+        return ExitCode::from(2);
+    }
     match run(args, token) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -1,18 +1,27 @@
 //! Flags that would start a server no client can use are refused at start (exit 2, before
 //! `LISTENING`): a frame too small for any request, an SSD tier of no bytes, an empty shared
-//! secret (a client sending the empty token was admitted).
+//! secret (a client sending the empty token was admitted), a shared-memory switch
+//! (`KVTIER_L3_SHM`) set to a value it does not know.
 
 use std::process::{Command, Stdio};
 
 fn exit_code(args: &[&str], env_token: Option<&str>) -> Option<i32> {
+    exit_code_env(args, env_token, None)
+}
+
+fn exit_code_env(args: &[&str], env_token: Option<&str>, shm_env: Option<&str>) -> Option<i32> {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"));
     cmd.args(["--listen", "127.0.0.1:0", "--segment-bytes", "1048576"])
         .args(args)
         .env_remove("KVTIER_L3_TOKEN")
+        .env_remove("KVTIER_L3_SHM")
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
     if let Some(t) = env_token {
         cmd.env("KVTIER_L3_TOKEN", t);
+    }
+    if let Some(v) = shm_env {
+        cmd.env("KVTIER_L3_SHM", v);
     }
     let mut child = cmd.spawn().unwrap();
     // a server that started is a failure of this test: give it a moment, then stop it
@@ -45,5 +54,21 @@ fn flags_that_leave_a_useless_server_are_refused_at_start() {
         (vec![], Some("  ")),
     ] {
         assert_eq!(exit_code(&args, env), Some(2), "{args:?} token {env:?}");
+    }
+}
+
+/// `KVTIER_L3_SHM` is the operator's off switch: a value it does not know (a typo of `off`)
+/// was taken as "on". The server refuses to start with one; the values it knows start it.
+#[test]
+fn an_unknown_shm_switch_is_refused_at_start() {
+    for bad in ["of", "offf", "disable", "inplce", "2"] {
+        assert_eq!(exit_code_env(&[], None, Some(bad)), Some(2), "{bad:?}");
+    }
+    for good in ["off", "OFF", " no ", "inplace", "on", "auto", "1"] {
+        assert_eq!(
+            exit_code_env(&[], None, Some(good)),
+            None,
+            "{good:?} was refused"
+        );
     }
 }

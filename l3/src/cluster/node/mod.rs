@@ -208,6 +208,7 @@ impl StoreNode {
     /// Opens the SSD tier, binds the data channel, mounts with the master (registering the
     /// SSD records found) and starts pinging. Fails if the master cannot be reached.
     pub fn start(opts: NodeOptions) -> L3Result<Self> {
+        ShmMode::try_from_env()?;
         if opts.id.0 == 0 {
             return Err(L3Error::InvalidParams("node id 0 is reserved".into()));
         }

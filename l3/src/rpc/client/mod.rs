@@ -73,7 +73,8 @@ pub struct ClientOptions {
     /// bytes go to the nodes), so a paused leader costs this, not `rpc_timeout`.
     pub leader_call_timeout: Duration,
     /// Use the server's shared-memory path when it runs on this host (see
-    /// [`crate::rpc::shm`]); defaults to `KVTIER_L3_SHM` (on unless it says `off`).
+    /// [`crate::rpc::shm`]); defaults to `KVTIER_L3_SHM` (on unless it says `off`; a value
+    /// it does not know fails the connect).
     pub shm: ShmMode,
     /// Size of the shared-memory staging segment: the most bytes of caller buffers (outside
     /// shared regions) one shared-memory request carries.
@@ -177,6 +178,7 @@ impl RemoteStore {
     /// across failovers: idempotent calls retry for `failover_timeout`, a put whose two
     /// phases straddle a failover fails with `EpochFenced`).
     pub fn connect_to(locator: Locator, opts: ClientOptions) -> L3Result<Self> {
+        ShmMode::try_from_env()?;
         let (addr, epoch) = locator.resolve(opts.failover_timeout)?;
         // Current-thread runtime: the caller's thread drives the connection while it waits,
         // so a call costs no cross-thread wake-ups (this halves small-call latency).

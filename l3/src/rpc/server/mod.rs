@@ -255,6 +255,7 @@ pub async fn start<B: Backend>(
     opts: ServerOptions,
     stop: watch::Receiver<bool>,
 ) -> L3Result<(SocketAddr, Option<SocketAddr>)> {
+    ShmMode::try_from_env()?;
     let mut listener = tarpc::serde_transport::tcp::listen(opts.addr, ClampedBincode::default)
         .await
         .map_err(|e| L3Error::Unavailable(format!("bind {}: {e}", opts.addr)))?;

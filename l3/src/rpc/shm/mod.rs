@@ -82,14 +82,70 @@ pub enum ShmMode {
     InPlace,
 }
 
-impl ShmMode {
-    /// `Off` or `InPlace` when [`SHM_ENV`] says so, else `Auto`.
-    pub fn from_env() -> Self {
-        match std::env::var(SHM_ENV) {
-            Ok(v) if matches!(v.trim(), "off" | "0" | "false" | "no") => ShmMode::Off,
-            Ok(v) if v.trim() == "inplace" => ShmMode::InPlace,
-            _ => ShmMode::Auto,
+#[cfg(test)]
+mod env_tests {
+    use super::*;
+
+    #[test]
+    fn the_switch_knows_its_values_and_refuses_others() {
+        for (v, m) in [
+            ("off", ShmMode::Off),
+            ("OFF", ShmMode::Off),
+            (" no\n", ShmMode::Off),
+            ("0", ShmMode::Off),
+            ("False", ShmMode::Off),
+            ("inplace", ShmMode::InPlace),
+            ("", ShmMode::Auto),
+            ("on", ShmMode::Auto),
+            ("auto", ShmMode::Auto),
+            ("1", ShmMode::Auto),
+            ("yes", ShmMode::Auto),
+        ] {
+            assert_eq!(ShmMode::parse_env(v).ok(), Some(m), "{v:?}");
         }
+        for v in ["of", "offf", "disable", "inplce", "2", "o ff"] {
+            assert!(
+                matches!(ShmMode::parse_env(v), Err(L3Error::InvalidParams(_))),
+                "{v:?}"
+            );
+        }
+    }
+}
+
+impl ShmMode {
+    /// What [`SHM_ENV`] set to `v` asks for (any case, spaces around ignored): `off`, `0`,
+    /// `false`, `no` turn it off; `inplace` asks for in-place copies; empty, `on`, `auto`,
+    /// `1`, `true`, `yes` are the default. Anything else is refused: it is the operator's off
+    /// switch, and a typo of `off` taken as "on" is the opposite of what was asked.
+    pub fn parse_env(v: &str) -> L3Result<Self> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "off" | "0" | "false" | "no" => Ok(ShmMode::Off),
+            "inplace" => Ok(ShmMode::InPlace),
+            "" | "on" | "auto" | "1" | "true" | "yes" => Ok(ShmMode::Auto),
+            _ => Err(L3Error::InvalidParams(format!(
+                "{SHM_ENV}={v:?}: expected off (or 0, false, no), on (or auto, 1, true, yes, \
+                 empty) or inplace"
+            ))),
+        }
+    }
+
+    /// What [`SHM_ENV`] asks for (`Auto` when unset); an error for a value
+    /// [`Self::parse_env`] refuses. Clients and servers check it when they start, so a
+    /// mistyped switch fails there instead of being ignored.
+    pub fn try_from_env() -> L3Result<Self> {
+        match std::env::var(SHM_ENV) {
+            Ok(v) => Self::parse_env(&v),
+            Err(std::env::VarError::NotPresent) => Ok(ShmMode::Auto),
+            Err(std::env::VarError::NotUnicode(v)) => Err(L3Error::InvalidParams(format!(
+                "{SHM_ENV}={v:?} is not UTF-8"
+            ))),
+        }
+    }
+
+    /// [`Self::try_from_env`] for the options' defaults, `Auto` for a value it refuses (the
+    /// client or server built with them refuses to start: [`Self::try_from_env`]).
+    pub fn from_env() -> Self {
+        Self::try_from_env().unwrap_or(ShmMode::Auto)
     }
 }
 
