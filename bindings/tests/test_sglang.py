@@ -260,6 +260,118 @@ def test_an_unreadable_ssd_cap_is_refused_not_unlimited(tmp_path):
     backend(ssd_dir=str(tmp_path / "ok"), ssd_capacity_bytes="2MB")
 
 
+def test_a_store_that_cannot_hold_one_page_is_refused_at_registration():
+    """A page (here two 256-byte chunks) the store cannot hold: every backup failed, for
+    ever, and the backend served nothing. SGLang registers the host pool right after it
+    builds the backend, before serving; the refusal leaves the backend without a pool."""
+    small = kvtier.L3Server(1 << 24, max_object_bytes=128)
+    try:
+        for extra in ({"segment_bytes": 64}, {"segment_bytes": 300}, {"server": small.addr}):
+            pool = mha_pool("page_first")
+            b = backend(**extra)
+            with pytest.raises(ks.SGLangBackendError, match="one page"):
+                b.register_mem_pool_host(pool)
+            assert b.mem_pool_host is None and b.registered_pools == {}
+            with pytest.raises(ks.PoolNotRegisteredError):
+                b.page_ids(["a"], page_indices([0], PS))
+            with pytest.raises(ks.SGLangBackendError, match="one page"):
+                b.register_mem_host_pool_v2(pool, PoolName.KV)
+        b = backend(mha_pool("page_first"), segment_bytes=512)  # exactly one page fits
+        assert b.batch_set_v1(["p"], page_indices([0], PS)) == [True]
+    finally:
+        small.shutdown()
+
+
+# The extra config's keys that are SGLang's (0.5.23: its dynamic factory, its controller's
+# interface switch, its host allocator, the file backend's path it adds; and those its
+# parser pops before a backend sees them, in case a path does not).
+SGLANG_KEYS = {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierHiCacheStorage",
+               "interface_v1": 1, "allocator": "default", "file_storage_path": "/tmp/x", "tp_lcm_size": 2,
+               "prefetch_threshold": 256, "prefetch_timeout_base": 1, "prefetch_timeout_per_ki_token": 0.25,
+               "hicache_storage_pass_prefix_keys": False}
+BACKEND_KEYS = ("server", "token", "rpc_timeout_ms", "segment_bytes", "ssd_dir", "ssd_capacity_bytes", "name",
+                "tenant", "max_batch_pages", "prefetch_ssd")
+
+
+@pytest.mark.parametrize("key", ["segmnt_bytes", "prefetch_sdd", "max_batch_page", "Server", "ssd_capacity"])
+def test_a_misspelt_key_is_refused_naming_the_known_ones(key):
+    with pytest.raises(ks.SGLangBackendError, match=f"unknown extra config key.*{key}") as e:
+        backend(**{key: "1MB"})
+    for k in BACKEND_KEYS:
+        assert k in str(e.value)
+
+
+def test_sglangs_own_keys_are_left_alone():
+    b = backend(**SGLANG_KEYS, segment_bytes="1MB")
+    assert b.interface is ks.Interface.ZERO_COPY
+
+
+@pytest.mark.parametrize("bad", ["false", "true", 0, 1, "no", None, [True]])
+def test_prefetch_ssd_is_true_or_false(tmp_path, bad):
+    # "false" was truthy: SSD promotion on for every batch_exists
+    with pytest.raises(ks.SGLangBackendError, match="prefetch_ssd"):
+        backend(ssd_dir=str(tmp_path), prefetch_ssd=bad)
+
+
+def test_prefetch_ssd_defaults_to_on_with_an_ssd_tier(tmp_path):
+    assert backend(ssd_dir=str(tmp_path / "a")).prefetch_ssd is True
+    assert backend(ssd_dir=str(tmp_path / "b"), prefetch_ssd=False).prefetch_ssd is False
+    assert backend().prefetch_ssd is False and backend(prefetch_ssd=True).prefetch_ssd is True
+
+
+@pytest.mark.parametrize("bad,key", [
+    ({"segment_bytes": 2 ** 70}, "segment_bytes"),  # OverflowError from L3Store.embedded
+    ({"segment_bytes": "1000000000000TB"}, "segment_bytes"),
+    ({"ssd_capacity_bytes": 2 ** 70}, "ssd_capacity_bytes"),
+    ({"server": "127.0.0.1:1", "rpc_timeout_ms": 2 ** 70}, "rpc_timeout_ms"),  # OverflowError
+    ({"server": "127.0.0.1:1", "rpc_timeout_ms": -1}, "rpc_timeout_ms"),  # OverflowError
+    ({"server": "127.0.0.1:1", "rpc_timeout_ms": "soon"}, "rpc_timeout_ms"),  # ValueError from int()
+    ({"max_batch_pages": "abc"}, "max_batch_pages"),  # ValueError from int()
+    ({"max_batch_pages": True}, "max_batch_pages"),  # taken as 1
+    ({"max_batch_pages": 2.5}, "max_batch_pages"),  # taken as 2
+    ({"tenant": 5}, "tenant"),  # taken as "5"
+    ({"tenant": ""}, "tenant"),  # taken as "default"
+    ({"server": "127.0.0.1:1", "token": 5}, "token"),  # TypeError from the extension
+    ({"server": 5}, "server"),
+    ({"name": 5}, "name"),
+    ({"ssd_dir": 5}, "ssd_dir"),
+])
+def test_bad_values_are_typed_errors_naming_the_key(tmp_path, bad, key):
+    if "ssd_capacity_bytes" in bad:
+        bad = dict(bad, ssd_dir=str(tmp_path))
+    with pytest.raises(ks.SGLangBackendError, match=key):
+        backend(**bad)
+
+
+_NAME = "abcXYZ019-_.:@+"  # kvtier's tenant names' characters
+_valid_extra = st.fixed_dictionaries({}, optional={
+    "segment_bytes": st.sampled_from(["1MB", 1 << 20, "2m", "1.5MB"]),
+    "name": st.text(_NAME, max_size=8),
+    "tenant": st.text(_NAME, min_size=1, max_size=8),
+    "max_batch_pages": st.integers(1, 1 << 40),
+    "prefetch_ssd": st.booleans(),
+    "interface_v1": st.sampled_from([0, 1, True, False]),
+})
+
+
+@settings(max_examples=40, deadline=None)
+@given(valid=_valid_extra, sglang=st.sets(st.sampled_from(sorted(SGLANG_KEYS))))
+def test_property_any_valid_extra_config_is_accepted(valid, sglang):
+    extra = {**{k: SGLANG_KEYS[k] for k in sglang}, **valid}
+    b = KvtierHiCacheStorage(storage_config(extra), {})
+    assert b.prefetch_ssd is valid.get("prefetch_ssd", False)
+    assert b.max_batch_pages == valid.get("max_batch_pages", 1024)
+
+
+@settings(max_examples=60, deadline=None)
+@given(valid=_valid_extra, key=st.text(min_size=1, max_size=16))
+def test_property_any_other_key_is_refused(valid, key):
+    if key in BACKEND_KEYS or key in SGLANG_KEYS:
+        return
+    with pytest.raises(ks.SGLangBackendError, match="unknown extra config key"):
+        KvtierHiCacheStorage(storage_config({**valid, key: 1}), {})
+
+
 def test_value_calls_store_the_objects_v1_reads():
     src, dst = mha_pool("layer_first"), mha_pool("layer_first")
     fill(src, 9)

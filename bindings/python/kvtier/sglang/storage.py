@@ -56,6 +56,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 import kvtier
 
+from ..l3_limits import object_refusal
 from ..mooncake_compat._setup import parse_size
 from ..namespace import l3_namespace
 
@@ -73,6 +74,16 @@ __all__ = [
 
 ENV_ADDR = "KVTIER_L3_ADDR"
 ENV_TOKEN = "KVTIER_L3_TOKEN"
+# The extra config's keys: this backend's, and SGLang's own (0.5.23: its dynamic factory's
+# three, its controller's interface switch, its host allocator, the file backend's path it
+# adds, and those its parser pops before a backend sees them, in case a path does not).
+# Any other key is refused: a misspelt one was ignored.
+BACKEND_KEYS = ("server", "token", "rpc_timeout_ms", "segment_bytes", "ssd_dir", "ssd_capacity_bytes", "name",
+                "tenant", "max_batch_pages", "prefetch_ssd")
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator", "file_storage_path",
+               "tp_lcm_size", "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+               "hicache_storage_pass_prefix_keys")
+_MAX_BYTES = 2 ** 64 - 1  # the store's sizes are u64
 _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
 # Layouts whose page is a fixed set of chunks of the one kv_buffer (see the module doc).
 _PAGE_MAJOR = ("page_first", "page_first_direct", "page_head")
@@ -117,6 +128,54 @@ def salt_tenant(base: str, cache_salt: Optional[str]) -> str:
     if not isinstance(cache_salt, str):
         raise SGLangBackendError(f"cache_salt must be a str, not {type(cache_salt).__name__}")
     return f"{base}.salt-{hashlib.sha256(cache_salt.encode('utf-8')).hexdigest()[:32]}"
+
+
+def _options(extra: Dict[str, Any]) -> Dict[str, Any]:
+    """The backend's options from SGLang's extra config, every one checked before anything is
+    built (``SGLangBackendError`` naming the key): an unknown key, a string for a bool
+    (``prefetch_ssd: "false"`` was truthy), a size or timeout past what the store takes
+    (an OverflowError from the extension), a value that was coerced (``tenant: 5``)."""
+    unknown = sorted((str(k) for k in extra if k not in BACKEND_KEYS and k not in SGLANG_KEYS))
+    if unknown:
+        raise SGLangBackendError(f"kvtier: unknown extra config key(s) {unknown}; this backend's keys are "
+                                 f"{list(BACKEND_KEYS)} (and SGLang's own: {list(SGLANG_KEYS)})")
+
+    def text(key: str, default: Optional[str], empty: bool = True) -> Optional[str]:
+        v = extra.get(key, default)
+        if v is not None and (not isinstance(v, str) or (not empty and not v)):
+            raise SGLangBackendError(f"kvtier: {key} must be a {'' if empty else 'non-empty '}str, got {v!r}")
+        return v
+
+    def count(key: str, default: int, most: int) -> int:
+        v = extra.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+            raise SGLangBackendError(f"kvtier: {key} must be an int in [1, {most}], got {v!r}")
+        return v
+
+    def size(key: str, default: Any) -> Optional[int]:
+        v = extra.get(key, default)
+        if v is None:
+            return None
+        n = parse_size(v)
+        if n is None or n > _MAX_BYTES:
+            # unreadable was no cap at all (ssd_capacity_bytes), past u64 an OverflowError
+            raise SGLangBackendError(f"kvtier: bad {key} {v!r} (a size in bytes up to 2**64 - 1, or text as \"64MB\")")
+        return n
+
+    opts = dict(
+        server=text("server", None, empty=False), token=text("token", None),
+        rpc_timeout_ms=count("rpc_timeout_ms", 120_000, 2 ** 32 - 1),
+        segment_bytes=size("segment_bytes", "4GB"), ssd_dir=text("ssd_dir", None, empty=False),
+        ssd_capacity_bytes=size("ssd_capacity_bytes", None), name=text("name", ""),
+        tenant=text("tenant", "default", empty=False), max_batch_pages=count("max_batch_pages", 1024, 2 ** 63 - 1),
+    )
+    if not opts["segment_bytes"]:
+        raise SGLangBackendError(f"kvtier: bad segment_bytes {extra.get('segment_bytes')!r}")
+    prefetch = extra.get("prefetch_ssd", opts["ssd_dir"] is not None)
+    if not isinstance(prefetch, bool):
+        raise SGLangBackendError(f"kvtier: prefetch_ssd is true or false, got {prefetch!r}")
+    opts["prefetch_ssd"] = prefetch
+    return opts
 
 
 @dataclass(frozen=True)
@@ -199,12 +258,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         extra = dict(storage_config.extra_config or {})
+        opts = _options(extra)  # every key checked before anything is built
         self.storage_config = storage_config
+        # SGLang's switch, read as SGLang's controller reads it
         self.interface = Interface.ZERO_COPY if extra.get("interface_v1") else Interface.VALUES
-        self.tenant = str(extra.get("tenant") or "default")
-        self.max_batch_pages = int(extra.get("max_batch_pages", 1024))
-        if self.max_batch_pages <= 0:
-            raise SGLangBackendError("max_batch_pages must be positive")
+        self.tenant = opts["tenant"]
+        self.max_batch_pages = opts["max_batch_pages"]
         self.is_mla = bool(storage_config.is_mla_model)
         self.is_writer = bool(storage_config.is_storage_writer)
         # MLA: every rank reads the writer's objects (rank == dcp_rank there, 0 without DCP).
@@ -213,30 +272,20 @@ class KvtierHiCacheStorage(HiCacheStorage):
         shape = f"pp{sc.pp_rank}of{sc.pp_size}.cp{sc.attn_cp_rank}of{sc.attn_cp_size}"
         self._shape = shape if self.is_mla else f"tp{sc.tp_size}.{shape}"
         self.model = str(sc.model_name or "")
-        addr = extra.get("server") or os.environ.get(ENV_ADDR)
-        ssd_dir = extra.get("ssd_dir")
+        addr = opts["server"] or os.environ.get(ENV_ADDR)
         if addr:
-            token = extra.get("token") or os.environ.get(ENV_TOKEN)
-            self.store = kvtier.L3Store.connect(
-                str(addr), token=token, tenant=self.tenant,
-                rpc_timeout_ms=int(extra.get("rpc_timeout_ms", 120_000)),
-            )
+            token = opts["token"] or os.environ.get(ENV_TOKEN)
+            self.store = kvtier.L3Store.connect(addr, token=token, tenant=self.tenant,
+                                                rpc_timeout_ms=opts["rpc_timeout_ms"])
             self.store_name = str(addr)
             self.store.is_exist("kvtier-sglang-hello")  # a bad address or token fails at launch
         else:
-            seg = parse_size(extra.get("segment_bytes", "4GB"))
-            if not seg:
-                raise SGLangBackendError(f"bad segment_bytes {extra.get('segment_bytes')!r}")
-            cap = extra.get("ssd_capacity_bytes")
-            if cap is not None and not parse_size(cap):  # unreadable is no cap at all: refuse
-                raise SGLangBackendError(f"bad ssd_capacity_bytes {cap!r}")
             self.store = kvtier.L3Store.embedded(
-                seg, ssd_dir=None if ssd_dir is None else str(ssd_dir),
-                ssd_capacity_bytes=None if cap is None else parse_size(cap),
-                tenant=self.tenant, name=str(extra.get("name", "")),
+                opts["segment_bytes"], ssd_dir=opts["ssd_dir"], ssd_capacity_bytes=opts["ssd_capacity_bytes"],
+                tenant=self.tenant, name=opts["name"],
             )
-            self.store_name = str(extra.get("name", ""))
-        self.prefetch_ssd = bool(extra.get("prefetch_ssd", ssd_dir is not None))
+            self.store_name = opts["name"]
+        self.prefetch_ssd = opts["prefetch_ssd"]
         self.registered_pools: Dict[Any, Any] = {}
         self._grids: Dict[str, _Grid] = {}
         self._tenants: Dict[str, kvtier.L3Store] = {self.tenant: self.store}
@@ -248,19 +297,44 @@ class KvtierHiCacheStorage(HiCacheStorage):
     # ---- registration ------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Takes the anchor host pool (SGLang calls this once, before any page call)."""
+        """Takes the anchor host pool (SGLang calls this once, right after it builds the
+        backend and before any page call). A page the store cannot hold is refused here
+        (``SGLangBackendError``, nothing registered), not a failed backup per page for ever."""
         grid = _grid(mem_pool_host, self.is_mla)
+        self._check_page_fits(grid)
         super().register_mem_pool_host(mem_pool_host)
         self._grids[str(PoolName.KV)] = grid
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Side pools of hybrid models (v2 calls): any pool with a ``kv_buffer`` in a known
-        layout; others are kept and answered with failures by the v2 calls."""
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        layout (one whose page the store cannot hold is refused, as the anchor pool's);
+        others are kept and answered with failures by the v2 calls."""
         try:
-            self._grids[str(host_pool_name)] = _grid(host_pool, self.is_mla)
+            grid: Optional[_Grid] = _grid(host_pool, self.is_mla)
         except UnsupportedPoolError as e:
             logger.warning("kvtier: pool %s not served: %s", host_pool_name, e)
+            grid = None
+        if grid is not None:
+            self._check_page_fits(grid)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if grid is not None:
+            self._grids[str(host_pool_name)] = grid
+
+    def _check_page_fits(self, grid: _Grid) -> None:
+        """A page is ``len(parts)`` objects of ``chunk_bytes``, all in DRAM for the page to be
+        read: the store must take an object of a chunk's size and hold a whole page. Asked of
+        the store's limits, writing nothing (l3_limits.py)."""
+        try:
+            why = object_refusal(self.store, grid.chunk_bytes)
+            cap = int(self.store.stats()["mem_capacity_bytes"])
+        except kvtier.L3Error as e:
+            why, cap = repr(e), 0
+        if why is None and grid.page_bytes > cap:
+            why = f"a page of {grid.page_bytes} bytes is larger than the store's DRAM capacity {cap}"
+        if why is not None:
+            raise SGLangBackendError(
+                f"kvtier: the L3 store cannot hold one page of this host pool ({len(grid.parts)} chunk(s) of "
+                f"{grid.chunk_bytes} bytes): {why}")
 
     # ---- keys and input checks ---------------------------------------------------------
 
