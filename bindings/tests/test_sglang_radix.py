@@ -235,6 +235,45 @@ def test_config_errors_are_typed_at_startup(l3server):
         small.shutdown()
 
 
+def test_sizes_no_host_can_have_are_refused_at_config():
+    # host_bytes 2**70: a torch error deep in the cache's constructor ("Storage size
+    # calculation overflowed"); segment_bytes and tenant caps past u64 an OverflowError
+    for bad, key in (({"host_bytes": 2 ** 70}, "host_bytes"), ({"host_bytes": "100000000000TB"}, "host_bytes"),
+                     ({"host_pages": 2 ** 32}, "host_pages"), ({"segment_bytes": 2 ** 70}, "segment_bytes"),
+                     ({"tenant_caps": {"a": 2 ** 70}}, "tenant_caps"), ({"tenant_caps": {"a": True}}, "tenant_caps"),
+                     ({"tenant_caps": {"a": 2 ** 32}}, "tenant_caps")):
+        with pytest.raises(kr.RadixConfigError, match=key):
+            kr.RadixBackendConfig.from_dict(bad)
+    kr.RadixBackendConfig.from_dict({"host_bytes": "64GB", "host_pages": 2 ** 32 - 1, "tenant_caps": {"a": 2 ** 32 - 1}})
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.one_of(st.integers(-(2 ** 70), 2 ** 70), st.sampled_from([0, 1, 2 ** 32 - 1, 2 ** 32, 2 ** 64 - 1, 2 ** 64])),
+       key=st.sampled_from(["host_bytes", "segment_bytes", "host_pages", "tenant_caps"]))
+def test_property_a_count_or_size_is_accepted_exactly_within_its_range(n, key):
+    most = 2 ** 32 - 1 if key in ("host_pages", "tenant_caps") else 2 ** 64 - 1
+    cfg = {key: {"a": n} if key == "tenant_caps" else n}
+    if 0 < n <= most:
+        kr.RadixBackendConfig.from_dict(cfg)
+    else:
+        with pytest.raises(kr.RadixConfigError, match=key):
+            kr.RadixBackendConfig.from_dict(cfg)
+
+
+def test_a_host_pool_larger_than_this_machine_is_refused_before_it_is_allocated():
+    """host_bytes or host_pages past this machine's memory: torch's allocator failed in the
+    constructor (an untyped RuntimeError). Refused before the store opens or SGLang's tree
+    is built; a named embedded store gets no segment from the refused backend."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    name = f"big-{os.getpid()}"
+    for cfg, key in (({"host_bytes": mem + (1 << 30)}, "host_bytes"), ({"host_bytes": "100TB"}, "host_bytes"),
+                     ({"host_pages": 2 ** 31}, "host_pages")):  # 2**31 pages of 512 bytes: 1 TiB
+        with pytest.raises(kr.RadixConfigError, match=key):
+            Engine(kvtier_cache(**cfg, l3="embedded", segment_bytes="1MB", name=name))
+    e = Engine(kvtier_cache(host_pages=4, l3="embedded", segment_bytes="1MB", name=name))
+    assert e.cache.store.stats()["mem_capacity_bytes"] == 1 << 20
+
+
 def test_the_backend_logs_its_namespace_as_the_stores_stream_value(caplog):
     """An operator cannot guess the namespace (a hash of model, dtype, layout and tenant): the
     backend logs it at startup as the ``kvtier-l3 --kv-events-stream`` value of its model; two

@@ -13,6 +13,8 @@ from .storage import ENV_ADDR, SGLangBackendError
 
 ENV_CONFIG = "KVTIER_SGLANG_CONFIG"
 BACKEND_NAME = "kvtier"
+MAX_PAGES = 2 ** 32 - 1  # kvtier's OffloadManager numbers host pages with u32
+MAX_BYTES = 2 ** 64 - 1
 
 
 class RadixConfigError(SGLangBackendError):
@@ -98,8 +100,9 @@ class RadixBackendConfig:
         def is_int(v: object) -> bool:  # bool is an int subclass: True is no page count
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if self.host_pages is not None and (not is_int(self.host_pages) or self.host_pages <= 0):
-            raise RadixConfigError(f"host_pages must be a positive int, got {self.host_pages!r}")
+        if self.host_pages is not None and (not is_int(self.host_pages) or not 0 < self.host_pages <= MAX_PAGES):
+            raise RadixConfigError(f"host_pages must be an int in [1, {MAX_PAGES}] (kvtier numbers host pages "
+                                   f"with u32), got {self.host_pages!r}")
         if not isinstance(self.probe_l3, bool):
             raise RadixConfigError(f"probe_l3 is true or false, got {self.probe_l3!r}")
         if not is_int(self.rpc_timeout_ms) or not 0 < self.rpc_timeout_ms < 1 << 32:
@@ -109,10 +112,13 @@ class RadixBackendConfig:
                 raise RadixConfigError(f"{key} must be a str, got {getattr(self, key)!r}")
         if not isinstance(self.name, str):
             raise RadixConfigError(f"name must be a str, got {self.name!r}")
-        if not parse_size(self.segment_bytes):
-            raise RadixConfigError(f"bad segment_bytes {self.segment_bytes!r}")
-        if self.host_bytes is not None and not parse_size(self.host_bytes):
-            raise RadixConfigError(f"bad host_bytes {self.host_bytes!r}")
+        # sizes past u64: an OverflowError from the store, a torch error deep in the cache's
+        # constructor for host_bytes (this machine's memory is checked there, before anything
+        # is allocated: a config is also read where it does not run)
+        for key in ("segment_bytes", "host_bytes"):
+            v = getattr(self, key)
+            if v is not None and not 0 < (parse_size(v) or 0) <= MAX_BYTES:
+                raise RadixConfigError(f"bad {key} {v!r} (a size in bytes up to 2**64 - 1, or text as \"64GB\")")
         if self.l3 not in (None, "off", "embedded", "server"):
             raise RadixConfigError(f"l3 is 'off', 'embedded' or 'server', got {self.l3!r}")
         if not is_int(self.prefetch_wait_ms) or self.prefetch_wait_ms < 0:
@@ -126,9 +132,10 @@ class RadixBackendConfig:
         if not isinstance(self.tenant, str) or not self.tenant:
             raise RadixConfigError("tenant must be a non-empty str")
         if not isinstance(self.tenant_caps, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in self.tenant_caps.items()
+            isinstance(k, str) and is_int(v) and 0 < v <= MAX_PAGES for k, v in self.tenant_caps.items()
         ):
-            raise RadixConfigError("tenant_caps maps tenant names to positive page counts")
+            raise RadixConfigError(f"tenant_caps maps tenant names to page counts in [1, {MAX_PAGES}], "
+                                   f"got {self.tenant_caps!r}")
         if self.policy not in ("lru", "freq-depth", "adaptive"):
             raise RadixConfigError(f"policy is 'lru', 'freq-depth' or 'adaptive', got {self.policy!r}")
         if self.l3 == "server" and not (self.server or os.environ.get(ENV_ADDR)):

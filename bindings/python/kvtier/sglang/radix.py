@@ -66,6 +66,7 @@ from ..namespace import l3_namespace
 from .config import (  # noqa: F401  (re-exported: kvtier.sglang.radix is where users look)
     BACKEND_NAME,
     ENV_CONFIG,
+    MAX_PAGES,
     RadixBackendConfig,
     RadixConfigError,
     UnsupportedModelError,
@@ -137,6 +138,24 @@ class Counters:
     store_errors: int = 0
 
 
+def _check_host_pool(cfg: RadixBackendConfig, slots: int, page_bytes: int) -> None:
+    """The host pool within kvtier's page numbers and this machine's memory, checked before
+    the store opens and anything is allocated: torch's allocator failed deep in the
+    constructor (an untyped RuntimeError), and a pinned pool past the memory cannot be had."""
+    key = "host_pages" if cfg.host_pages is not None else "host_bytes"
+    given = cfg.host_pages if cfg.host_pages is not None else cfg.host_bytes or "4GB"
+    if slots > MAX_PAGES:
+        raise RadixConfigError(f"{key} {given!r}: {slots} host pages of {page_bytes} bytes; kvtier's host tier "
+                               f"holds at most {MAX_PAGES}")
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # not known here
+        return
+    if slots * page_bytes > mem:
+        raise RadixConfigError(f"{key} {given!r}: a host pool of {slots} pages of {page_bytes} bytes "
+                               f"({slots * page_bytes} bytes) is larger than this machine's memory ({mem} bytes)")
+
+
 class KvtierRadixCache(L3Io, RadixCache):
     """SGLang's ``RadixCache`` (the device tree) with kvtier deciding host and L3 (module doc)."""
 
@@ -176,6 +195,7 @@ class KvtierRadixCache(L3Io, RadixCache):
             raise UnsupportedPageSizeError(
                 f"a page is {page_bytes} bytes ({ps} tokens): no host page fits in host_bytes {cfg.host_bytes!r}"
             )
+        _check_host_pool(cfg, slots, page_bytes)
         mode = cfg.l3_mode()
         if store is None and mode == "embedded":
             seg = parse_size(cfg.segment_bytes)
@@ -209,7 +229,11 @@ class KvtierRadixCache(L3Io, RadixCache):
         self.page_bytes = page_bytes
         self.host_slots = slots
         pin = any(b.device.type == "cuda" for b in bufs) and torch.cuda.is_available()
-        self.host = torch.zeros((slots, page_bytes), dtype=torch.uint8, pin_memory=pin)
+        try:
+            self.host = torch.zeros((slots, page_bytes), dtype=torch.uint8, pin_memory=pin)
+        except RuntimeError as e:  # within the machine's memory, and still not to be had
+            raise RadixConfigError(f"the host pool ({slots} pages of {page_bytes} bytes) could not be "
+                                   f"allocated: {e}") from None
         self._host_flat = self.host.numpy().reshape(-1)
         self.copier = make_copier(cfg.mover, bufs, self.host, ps)
         self.counters = Counters()
