@@ -138,6 +138,8 @@ pub struct Simulation {
     seq: u64,
     now_us: u64,
     store_now_ms: u64,
+    /// The last request pulled: its id and arrival (ms). Requests must come in arrival order.
+    last_arrival: Option<(u64, u64)>,
     pub col: Collector,
     backups_done: u64,
     /// Page accesses in the order the engine saw them, for the Belady ceiling: prompt pages
@@ -254,6 +256,7 @@ impl Simulation {
             seq: 0,
             now_us: 0,
             store_now_ms: 0,
+            last_arrival: None,
             backups_done: 0,
             loss_cursor,
             l3_written: HashSet::new(),
@@ -278,7 +281,8 @@ impl Simulation {
         self.heap.push(Reverse((at_us, self.seq, slot)));
     }
 
-    /// Replays `reqs` (sorted by arrival) to the end. `progress` is called after each request
+    /// Replays `reqs` (sorted by arrival: a request arriving before the one before it is an
+    /// error) to the end. `progress` is called after each request
     /// ends with the number ended so far.
     ///
     /// Requests are pulled from `reqs` a window of [`ARRIVAL_WINDOW`] ahead of the clock and
@@ -420,6 +424,17 @@ impl Simulation {
             None => Ok(false),
             Some(Err(e)) => Err(e.to_string()),
             Some(Ok(r)) => {
+                // An arrival earlier than the clock would be clamped to it: the workload
+                // replayed would not be the one given.
+                if let Some((id, at)) = self.last_arrival
+                    && r.arrival_ms < at
+                {
+                    return Err(format!(
+                        "request {} arrives at {} ms, before request {id} at {at} ms: requests must be sorted by arrival",
+                        r.id, r.arrival_ms
+                    ));
+                }
+                self.last_arrival = Some((r.id, r.arrival_ms));
                 self.push(
                     r.arrival_ms.saturating_mul(1000),
                     Pending::Arrival(Box::new(r)),

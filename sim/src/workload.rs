@@ -154,18 +154,22 @@ fn parse_line(line: &str, n: usize) -> Result<TraceEntry, WorkloadError> {
 }
 
 /// Reads a Mooncake trace (JSON lines `{timestamp (ms), input_length, output_length,
-/// hash_ids}`) one request at a time.
+/// hash_ids}`, sorted by timestamp) one request at a time.
 ///
 /// Why an iterator: a request's token ids are 4 bytes per prompt token, so a whole public
 /// trace held at once costs gigabytes; the simulator pulls requests as their arrival comes
 /// and drops them when they end, so memory does not grow with the trace's length. Every
 /// error names the line and the field; [`scan_trace`] checks a whole file first without
-/// building token ids.
+/// building token ids. A timestamp before the previous line's is refused (the simulator
+/// replays requests in arrival order: an unsorted trace would be replayed as another
+/// workload).
 pub struct TraceReader<R> {
     lines: std::io::Lines<R>,
     line: usize,
     limit: Option<usize>,
     yielded: usize,
+    /// The last request's timestamp and line.
+    last: Option<(u64, usize)>,
 }
 
 impl<R: BufRead> TraceReader<R> {
@@ -176,6 +180,7 @@ impl<R: BufRead> TraceReader<R> {
             line: 0,
             limit,
             yielded: 0,
+            last: None,
         }
     }
 
@@ -195,7 +200,25 @@ impl<R: BufRead> TraceReader<R> {
                 continue;
             }
             self.yielded += 1;
-            return Some(parse_line(&line, self.line));
+            let n = self.line;
+            let e = match parse_line(&line, n) {
+                Ok(e) => e,
+                Err(e) => return Some(Err(e)),
+            };
+            if let Some((t, at)) = self.last
+                && e.timestamp < t
+            {
+                return Some(Err(WorkloadError::Field {
+                    line: n,
+                    field: "timestamp",
+                    msg: format!(
+                        "{} is before line {at}'s {t}: a trace must be sorted by timestamp",
+                        e.timestamp
+                    ),
+                }));
+            }
+            self.last = Some((e.timestamp, n));
+            return Some(Ok(e));
         }
     }
 }
@@ -452,6 +475,76 @@ mod tests {
             }
         );
         assert_eq!(scan_trace("\n".as_bytes(), None), Err(WorkloadError::Empty));
+    }
+
+    /// A line of 600 tokens (block ids `ts` and 1) at `ts`.
+    fn trace_line(ts: u64) -> String {
+        format!(
+            "{{\"timestamp\": {ts}, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [{ts}, 1]}}\n"
+        )
+    }
+
+    /// The engine clamps an arrival earlier than its clock, so an unsorted trace was replayed
+    /// as another workload: the reader refuses the first line that goes back in time, naming it
+    /// and the line it goes back from (blank lines counted); equal timestamps are in order.
+    #[test]
+    fn a_timestamp_going_back_is_refused_naming_both_lines() {
+        let t = [trace_line(7), trace_line(7), "\n".into(), trace_line(3)].concat();
+        let e = parse_trace(t.as_bytes(), None).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                WorkloadError::Field {
+                    line: 4,
+                    field: "timestamp",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let msg = e.to_string();
+        assert!(msg.contains("line 2") && msg.contains("sorted"), "{msg}");
+        assert_eq!(scan_trace(t.as_bytes(), None).unwrap_err(), e);
+        // the first requests before it are in order
+        assert_eq!(scan_trace(t.as_bytes(), Some(2)).unwrap().requests, 2);
+    }
+
+    proptest::proptest! {
+        /// Any trace whose timestamps never decrease is accepted with its arrival times, in
+        /// file order; any with a decrease is refused at the first one, naming its line.
+        #[test]
+        fn traces_are_accepted_exactly_when_sorted(
+            steps in proptest::collection::vec((-3i64..4, proptest::bool::ANY), 1..40),
+        ) {
+            let mut ts = 1_000i64;
+            let (mut text, mut line, mut first_back, mut arrivals) =
+                (String::new(), 0usize, None, Vec::new());
+            for (i, (d, blank)) in steps.into_iter().enumerate() {
+                if blank {
+                    text.push('\n');
+                    line += 1;
+                }
+                line += 1;
+                if i > 0 {
+                    if d < 0 && first_back.is_none() {
+                        first_back = Some(line);
+                    }
+                    ts += d;
+                }
+                arrivals.push(ts as u64);
+                text.push_str(&trace_line(ts as u64));
+            }
+            match (first_back, parse_trace(text.as_bytes(), None)) {
+                (None, Ok(reqs)) => {
+                    let got: Vec<u64> = reqs.iter().map(|r| r.arrival_ms).collect();
+                    proptest::prop_assert_eq!(got, arrivals);
+                }
+                (Some(l), Err(WorkloadError::Field { line, field: "timestamp", .. })) => {
+                    proptest::prop_assert_eq!(line, l);
+                }
+                (want, got) => proptest::prop_assert!(false, "{:?}: {:?}", want, got.map(|r| r.len())),
+            }
+        }
     }
 
     #[test]

@@ -60,3 +60,29 @@ fn a_bad_request_in_the_stream_ends_the_run_with_its_error() {
     let e = simulate_stream(&SimConfig::default(), stream, |_| {}).unwrap_err();
     assert!(e.contains("disk gone"), "{e}");
 }
+
+/// The engine replays requests in arrival order: one arriving before the request pulled
+/// before it was clamped to the clock (another workload than the one given). It is an error
+/// naming both arrivals; equal arrivals are in order.
+#[test]
+fn a_request_arriving_before_the_one_before_it_is_an_error() {
+    let mut reqs = synthetic_chat(&ChatSpec {
+        clients: 6,
+        rounds: 2,
+        ..ChatSpec::default()
+    });
+    let mut cfg = SimConfig::default();
+    cfg.scheduler.l3_enabled = false;
+    let (a, b) = (reqs[2].arrival_ms, reqs[3].arrival_ms);
+    assert!(a < b);
+    reqs.swap(2, 3);
+    let e = simulate(&cfg, &reqs, |_| {}).unwrap_err();
+    assert!(
+        e.contains("sorted") && e.contains(&a.to_string()) && e.contains(&b.to_string()),
+        "{e}"
+    );
+    for r in &mut reqs {
+        r.arrival_ms = 5;
+    }
+    simulate(&cfg, &reqs, |_| {}).unwrap();
+}

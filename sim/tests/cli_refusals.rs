@@ -1,0 +1,106 @@
+//! Bad input an adversarial tester found `kvtier sim` accepting: each is refused with exit 2
+//! and a message naming the line or the flag, never a panic, an out-of-memory abort or a
+//! report of a different workload than the one asked for.
+
+use std::process::{Command, Output};
+
+fn kvtier() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+}
+
+fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("kvtier-refusals-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Exit 2, no panic, and stderr naming every one of `want`.
+fn assert_refused(out: &Output, want: &[&str], what: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{what}: {err}");
+    assert!(!err.contains("panicked"), "{what}: {err}");
+    for w in want {
+        assert!(err.contains(w), "{what}: stderr lacks {w:?}: {err}");
+    }
+}
+
+fn line(ts: u64, ids: &[u64]) -> String {
+    let ids: Vec<String> = ids.iter().map(u64::to_string).collect();
+    format!(
+        "{{\"timestamp\": {ts}, \"input_length\": {}, \"output_length\": 3, \"hash_ids\": [{}]}}\n",
+        ids.len() * 512,
+        ids.join(", ")
+    )
+}
+
+/// The engine replays requests in arrival order and clamped an earlier arrival to its clock,
+/// so a trace whose timestamps go backwards was replayed as a different workload (exit 0).
+#[test]
+fn a_trace_whose_timestamps_go_backwards_is_refused_naming_the_line() {
+    let dir = temp_dir("unsorted");
+    let trace = dir.join("unsorted.jsonl");
+    // Equal timestamps are in order; line 4 (after a blank line) goes back from 100 to 5.
+    let text = [
+        line(0, &[1]),
+        line(100, &[1, 2]),
+        "\n".into(),
+        line(5, &[1, 3]),
+    ]
+    .concat();
+    std::fs::write(&trace, text).unwrap();
+    let sweep_out = dir.join("sweep");
+    let sweep_out = sweep_out.to_str().unwrap();
+    for extra in [
+        &[][..],
+        &["--sweep", "--sweep-out", sweep_out],
+        &["--dry-run"],
+    ] {
+        let mut args = vec!["sim", "--quiet", "--no-compare", "--trace"];
+        args.push(trace.to_str().unwrap());
+        args.extend_from_slice(extra);
+        let out = kvtier().args(&args).output().unwrap();
+        assert_refused(
+            &out,
+            &["unsorted.jsonl", "line 4", "timestamp", "line 2"],
+            &format!("{args:?}"),
+        );
+        assert!(!dir.join("sweep").exists(), "nothing half-written");
+    }
+    // The same lines in order run.
+    let sorted = [line(0, &[1]), line(5, &[1, 3]), line(100, &[1, 2])].concat();
+    std::fs::write(&trace, sorted).unwrap();
+    let out = kvtier()
+        .args(["sim", "--quiet", "--no-compare", "--trace"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The traces the repository ships (and the public trace beside the checkout, where there is
+/// one) are sorted, text, and within the line cap: the new refusals accept every one.
+#[test]
+fn every_shipped_trace_is_accepted() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut traces: Vec<_> = std::fs::read_dir(root.join("traces"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+        .collect();
+    assert!(traces.len() >= 4, "{traces:?}");
+    let public = root.join("../shared/traces/conversation_trace.jsonl");
+    if public.exists() {
+        traces.push(public);
+    }
+    for t in traces {
+        let f = std::io::BufReader::new(std::fs::File::open(&t).unwrap());
+        let s = kvtier_sim::workload::scan_trace(f, None)
+            .unwrap_or_else(|e| panic!("{}: {e}", t.display()));
+        assert!(s.requests > 1000, "{}", t.display());
+    }
+}
