@@ -245,6 +245,10 @@ def test_a_killed_server_fails_jobs_and_a_restart_resumes(engines):
     # a quota under one chunk (8 KiB here): the tenant could never store a chunk
     (dict(segment_bytes="64MB", tenant_quota_bytes=8191), "tenant_quota_bytes"),
     (dict(segment_bytes="64MB", tenant_quota_bytes=0), "tenant_quota_bytes"),
+    # an empty server gave an embedded 4 GB store (as kvtier_l3 "" did); not str: str(5)
+    (dict(server=""), "server"),
+    (dict(server=5), "server"),
+    (dict(server="127.0.0.1:1", token=5), "token"),
 ])
 def test_config_errors_stop_startup(engines, bad, match):
     with pytest.raises(VllmTierConfigError, match=match):

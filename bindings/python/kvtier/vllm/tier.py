@@ -196,6 +196,13 @@ class KvtierSecondaryTier(SecondaryTierManager):
         unknown = sorted(set(config) - set(TIER_KEYS))
         if unknown:
             raise VllmTierConfigError(f"kvtier tier: unknown config keys {unknown}; known: {list(TIER_KEYS)}")
+        for key in ("server", "token", "name", "ssd_dir", "tenant"):
+            v = config.get(key)
+            may_be_empty = key in ("token", "name")
+            # "" for a server gave an embedded 4 GB store; a number was taken as its str
+            if v is not None and (not isinstance(v, str) or not (v or may_be_empty)):
+                kind = "str" if may_be_empty else "non-empty str"
+                raise VllmTierConfigError(f"kvtier tier: {key} must be a {kind}, got {v!r}")
         threads = _int(config, "io_threads", 4, 1)
         self._known_cap = _int(config, "known_keys", 65_536, 0)
         self._rpc_timeout_ms = _int(config, "rpc_timeout_ms", 10_000, 1, 2 ** 32 - 1)
