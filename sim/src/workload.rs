@@ -6,13 +6,18 @@
 //! deterministic token ids, so equal ids give equal tokens, equal tokens give equal page
 //! hashes, and the real radix cache sees exactly the sharing the trace describes.
 
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 
 use serde::Deserialize;
 use thiserror::Error;
 
 /// Tokens per block in Mooncake's trace format.
 pub const TRACE_BLOCK: usize = 512;
+
+/// The longest trace line read (bytes, newline excluded): a line runs to at most 8,192 block
+/// ids (the longest `input_length` accepted), about 180 KB; past the cap a line is refused
+/// rather than read into memory without bound (`--trace /dev/zero`).
+pub const MAX_LINE_BYTES: usize = 4 << 20;
 
 /// One request of a workload.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -153,73 +158,122 @@ fn parse_line(line: &str, n: usize) -> Result<TraceEntry, WorkloadError> {
     })
 }
 
+/// Line `n` of `r` into `buf` (without its `\n` or `\r\n`), `None` at the end: read up to
+/// [`MAX_LINE_BYTES`], so an endless line costs no more than the cap, and refused unless it
+/// is UTF-8 text without NUL bytes.
+fn read_line<'b>(
+    r: &mut impl BufRead,
+    buf: &'b mut Vec<u8>,
+    n: usize,
+) -> Option<Result<&'b str, WorkloadError>> {
+    buf.clear();
+    // the cap, its `\r\n`, and no more
+    match r.take(MAX_LINE_BYTES as u64 + 2).read_until(b'\n', buf) {
+        Ok(0) => return None,
+        Ok(_) => {}
+        Err(e) => return Some(Err(WorkloadError::Io(format!("line {n}: {e}")))),
+    }
+    let bad = |msg: String| Some(Err(WorkloadError::Line { line: n, msg }));
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+        if buf.last() == Some(&b'\r') {
+            buf.pop();
+        }
+    }
+    if buf.len() > MAX_LINE_BYTES {
+        return bad(format!(
+            "longer than {} MiB (the longest trace line read)",
+            MAX_LINE_BYTES >> 20
+        ));
+    }
+    if let Some(at) = buf.iter().position(|&b| b == 0) {
+        return bad(format!("a NUL byte at column {}: not a text line", at + 1));
+    }
+    match std::str::from_utf8(buf) {
+        Ok(l) => Some(Ok(l)),
+        Err(e) => bad(format!(
+            "not UTF-8 (invalid byte at column {})",
+            e.valid_up_to() + 1
+        )),
+    }
+}
+
 /// Reads a Mooncake trace (JSON lines `{timestamp (ms), input_length, output_length,
 /// hash_ids}`, sorted by timestamp) one request at a time.
 ///
 /// Why an iterator: a request's token ids are 4 bytes per prompt token, so a whole public
 /// trace held at once costs gigabytes; the simulator pulls requests as their arrival comes
 /// and drops them when they end, so memory does not grow with the trace's length. Every
-/// error names the line and the field; [`scan_trace`] checks a whole file first without
-/// building token ids. A timestamp before the previous line's is refused (the simulator
+/// error names the line (and the field); [`scan_trace`] checks a whole file first without
+/// building token ids. A line is read up to [`MAX_LINE_BYTES`] and must be UTF-8 text
+/// without NUL bytes; a timestamp before the previous line's is refused (the simulator
 /// replays requests in arrival order: an unsorted trace would be replayed as another
-/// workload).
+/// workload). After an error the reader yields nothing more.
 pub struct TraceReader<R> {
-    lines: std::io::Lines<R>,
+    r: R,
+    buf: Vec<u8>,
     line: usize,
     limit: Option<usize>,
     yielded: usize,
     /// The last request's timestamp and line.
     last: Option<(u64, usize)>,
+    failed: bool,
 }
 
 impl<R: BufRead> TraceReader<R> {
     /// `limit` keeps only the first `limit` requests.
     pub fn new(r: R, limit: Option<usize>) -> Self {
         TraceReader {
-            lines: r.lines(),
+            r,
+            buf: Vec::new(),
             line: 0,
             limit,
             yielded: 0,
             last: None,
+            failed: false,
         }
     }
 
     /// The next validated entry, skipping blank lines.
     fn next_entry(&mut self) -> Option<Result<TraceEntry, WorkloadError>> {
-        if self.limit.is_some_and(|l| self.yielded >= l) {
+        if self.failed || self.limit.is_some_and(|l| self.yielded >= l) {
             return None;
         }
-        loop {
-            let line = self.lines.next()?;
+        let e = self.read_entry()?;
+        self.failed = e.is_err();
+        Some(e)
+    }
+
+    fn read_entry(&mut self) -> Option<Result<TraceEntry, WorkloadError>> {
+        let (line, n) = loop {
             self.line += 1;
-            let line = match line {
+            let line = match read_line(&mut self.r, &mut self.buf, self.line)? {
                 Ok(l) => l,
-                Err(e) => return Some(Err(WorkloadError::Io(e.to_string()))),
-            };
-            if line.trim().is_empty() {
-                continue;
-            }
-            self.yielded += 1;
-            let n = self.line;
-            let e = match parse_line(&line, n) {
-                Ok(e) => e,
                 Err(e) => return Some(Err(e)),
             };
-            if let Some((t, at)) = self.last
-                && e.timestamp < t
-            {
-                return Some(Err(WorkloadError::Field {
-                    line: n,
-                    field: "timestamp",
-                    msg: format!(
-                        "{} is before line {at}'s {t}: a trace must be sorted by timestamp",
-                        e.timestamp
-                    ),
-                }));
+            if !line.trim().is_empty() {
+                break (line, self.line);
             }
-            self.last = Some((e.timestamp, n));
-            return Some(Ok(e));
+        };
+        self.yielded += 1;
+        let e = match parse_line(line, n) {
+            Ok(e) => e,
+            Err(e) => return Some(Err(e)),
+        };
+        if let Some((t, at)) = self.last
+            && e.timestamp < t
+        {
+            return Some(Err(WorkloadError::Field {
+                line: n,
+                field: "timestamp",
+                msg: format!(
+                    "{} is before line {at}'s {t}: a trace must be sorted by timestamp",
+                    e.timestamp
+                ),
+            }));
         }
+        self.last = Some((e.timestamp, n));
+        Some(Ok(e))
     }
 }
 
@@ -507,6 +561,42 @@ mod tests {
         assert_eq!(scan_trace(t.as_bytes(), None).unwrap_err(), e);
         // the first requests before it are in order
         assert_eq!(scan_trace(t.as_bytes(), Some(2)).unwrap().requests, 2);
+    }
+
+    /// A line is read up to [`MAX_LINE_BYTES`]: an endless line (`/dev/zero`) is refused at
+    /// the cap instead of being read into memory for ever; exactly the cap is accepted.
+    #[test]
+    fn a_line_is_read_up_to_the_cap() {
+        use std::io::Read;
+        let endless = std::io::BufReader::new(std::io::repeat(b' ').take(64 << 20));
+        let e = scan_trace(endless, None).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, WorkloadError::Line { line: 1, .. }), "{msg}");
+        assert!(msg.contains("4 MiB"), "{msg}");
+
+        let mut at_cap = trace_line(0).trim_end().to_string();
+        at_cap.extend(std::iter::repeat_n(' ', MAX_LINE_BYTES - at_cap.len()));
+        assert_eq!(at_cap.len(), MAX_LINE_BYTES);
+        let ok = [trace_line(0), format!("{at_cap}\r\n"), trace_line(1)].concat();
+        assert_eq!(scan_trace(ok.as_bytes(), None).unwrap().requests, 3);
+        let over = [trace_line(0), format!("{at_cap} \n"), trace_line(1)].concat();
+        let e = scan_trace(over.as_bytes(), None).unwrap_err();
+        assert!(matches!(e, WorkloadError::Line { line: 2, .. }), "{e}");
+    }
+
+    /// A NUL byte or bytes that are not UTF-8 make a line that is not text: refused naming it.
+    #[test]
+    fn a_line_that_is_not_text_is_refused_naming_it() {
+        for (bad, want) in [
+            (&b"\0\0\n"[..], "NUL"),
+            (&b"{\"timestamp\": \xff}\n"[..], "UTF-8"),
+        ] {
+            let mut t = trace_line(0).into_bytes();
+            t.extend_from_slice(bad);
+            let e = scan_trace(t.as_slice(), None).unwrap_err();
+            assert!(matches!(e, WorkloadError::Line { line: 2, .. }), "{e}");
+            assert!(e.to_string().contains(want), "{e}");
+        }
     }
 
     proptest::proptest! {

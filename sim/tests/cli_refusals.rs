@@ -14,6 +14,18 @@ fn temp_dir(tag: &str) -> std::path::PathBuf {
     d
 }
 
+/// `kvtier ARGS` with its address space capped at 2 GiB, so a command that would read or
+/// build without bound aborts quickly instead of exhausting the machine.
+fn kvtier_capped(args: &[&str]) -> Output {
+    Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 2097152; exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 /// Exit 2, no panic, and stderr naming every one of `want`.
 fn assert_refused(out: &Output, want: &[&str], what: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
@@ -79,6 +91,33 @@ fn a_trace_whose_timestamps_go_backwards_is_refused_naming_the_line() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `--trace /dev/zero` read one line of NULs for ever (out of memory): a line is read up to
+/// a cap, and a line of NULs or of bytes that are not UTF-8 is refused naming it.
+#[cfg(unix)]
+#[test]
+fn a_line_past_the_cap_or_not_text_is_refused() {
+    let out = kvtier_capped(&["sim", "--quiet", "--trace", "/dev/zero"]);
+    assert_refused(&out, &["/dev/zero", "line 1", "4 MiB"], "/dev/zero");
+
+    let dir = temp_dir("not-text");
+    for (name, bad, want) in [
+        ("nul.jsonl", &b"\0\0\0\n"[..], "NUL"),
+        ("latin1.jsonl", &b"{\"timestamp\": 1, \xff}\n"[..], "UTF-8"),
+    ] {
+        let trace = dir.join(name);
+        let mut text = line(0, &[1]).into_bytes();
+        text.extend_from_slice(bad);
+        std::fs::write(&trace, text).unwrap();
+        let out = kvtier()
+            .args(["sim", "--quiet", "--trace"])
+            .arg(&trace)
+            .output()
+            .unwrap();
+        assert_refused(&out, &[name, "line 2", want], name);
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 
