@@ -14,7 +14,8 @@
 //! - [`routing`]: which instance serves each request (round-robin … Dynamo's and kvtier's
 //!   KV-aware routers); [`router_bench`]: the routers compared over traces and loads, against
 //!   [`ttft_floor`], the TTFT no router can beat;
-//! - [`plot`]: hit rate against capacity (SVG and PNG).
+//! - [`sweep`]: the capacity sweep's points; [`plot`]: hit rate against capacity (SVG and
+//!   PNG).
 
 pub mod belady;
 pub mod config;
@@ -26,6 +27,7 @@ pub mod report;
 pub mod router_bench;
 pub mod router_plot;
 pub mod routing;
+pub mod sweep;
 pub mod sweep_table;
 pub mod ttft_floor;
 pub mod workload;

@@ -21,12 +21,12 @@ use kvtier_sim::matching_capacity::match_lru;
 use kvtier_sim::plot::{ComparedRate, SweepPoint, SweepTitle, write_sweep_plot};
 use kvtier_sim::profile::{BUILTIN_PROFILES, builtin};
 use kvtier_sim::report::Summary;
-use kvtier_sim::sweep_table;
 use kvtier_sim::workload::{
     ChatSpec, Routing, SimRequest, TraceReader, TraceSummary, WorkloadError, scan_trace,
     synthetic_chat,
 };
 use kvtier_sim::{Report, SimConfig, simulate_stream};
+use kvtier_sim::{sweep, sweep_table};
 
 #[path = "kvtier/router_bench_cli.rs"]
 mod router_bench_cli;
@@ -434,14 +434,26 @@ fn run_one(cfg: &SimConfig, w: &Workload, progress: impl FnMut(u64)) -> Result<R
 fn run_sim(a: SimArgs) -> Result<(), String> {
     let cfg = config(&a)?;
     let reqs = workload(&a)?;
+    // every point checked before anything runs (or a dry run says it would)
+    let plan = if a.sweep {
+        Some(sweep::plan(&cfg).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
     if a.dry_run {
         println!(
             "dry run: {} ({} requests), eviction {}, {}",
             reqs.name(),
             reqs.len(),
             policy_name(&cfg.scheduler),
-            if a.sweep { "capacity sweep" } else { "one run" }
+            match &plan {
+                Some(p) => format!("capacity sweep of {} points", p.points.len()),
+                None => "one run".into(),
+            }
         );
+        for l in plan.iter().flat_map(|p| &p.left_out) {
+            println!("left out: {l}");
+        }
         return Ok(());
     }
     let bar = |n: u64| {
@@ -458,7 +470,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             b
         }
     };
-    if !a.sweep {
+    let Some(plan) = plan else {
         let pb = bar(reqs.len() as u64);
         let mut report = run_one(&cfg, &reqs, |n| pb.set_position(n))?;
         pb.finish_and_clear();
@@ -502,21 +514,11 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             ));
         }
         return Ok(());
-    }
+    };
     let mut pts = Vec::new();
-    let factors = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0];
-    let pb = bar(factors.len() as u64);
+    let pb = bar(plan.points.len() as u64);
     let page_gb = (cfg.profile.kv_bytes_per_token * cfg.scheduler.page_size as u64) as f64 / 1e9;
-    for f in factors {
-        let mut c = cfg.clone();
-        let s = &mut c.scheduler;
-        s.device_pages = ((s.device_pages as f64 * f) as u32).max(8);
-        if s.host_enabled {
-            s.host_pages = ((s.host_pages as f64 * f) as u32).max(8);
-        }
-        if c.effective_scheduler().validate().is_err() {
-            continue;
-        }
+    for (_, c) in plan.points {
         let r = run_one(&c, &reqs, |_| {})?;
         let compared = compare(&a, &c, &reqs)?;
         let cap = (c.scheduler.device_pages as u64
@@ -578,8 +580,14 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             "{}",
             serde_json::to_string_pretty(&pts).map_err(|e| e.to_string())?
         );
+        for l in &plan.left_out {
+            eprintln!("note: --sweep left out {l}");
+        }
     } else {
         print!("{}", sweep_table::table(&title.policy, &pts));
+        for l in &plan.left_out {
+            println!("left out: {l}");
+        }
         print!(
             "{}",
             sweep_table::match_lines(&title.policy, &pts, matched.as_ref())
