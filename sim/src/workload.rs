@@ -44,6 +44,8 @@ pub enum WorkloadError {
     Io(String),
     #[error("empty workload")]
     Empty,
+    #[error("chat workload: {0}")]
+    Chat(String),
 }
 
 /// splitmix64: a tiny, fast, well-mixed PRNG step (deterministic across platforms).
@@ -367,6 +369,46 @@ impl Default for ChatSpec {
     }
 }
 
+/// The most prompt tokens a chat workload may hold (1 GiB of token ids): it is built in
+/// memory, every turn's prompt the whole conversation so far.
+pub const MAX_CHAT_TOKENS: u64 = 1 << 28;
+
+impl ChatSpec {
+    /// Prompt tokens the workload holds: every client's turn `k` (from 0) repeats the system
+    /// prompt, `k + 1` user turns and `k` answers.
+    pub fn prompt_tokens(&self) -> u128 {
+        let r = u128::from(self.rounds);
+        let per_client = r * u128::from(self.system_prompt_tokens)
+            + u128::from(self.turn_tokens) * r * (r + 1) / 2
+            + u128::from(self.answer_tokens) * r * r.saturating_sub(1) / 2;
+        u128::from(self.clients) * per_client
+    }
+
+    /// Refuses a workload with no requests (no clients or no rounds), empty prompts, or more
+    /// than [`MAX_CHAT_TOKENS`] prompt tokens (it would not fit in memory).
+    pub fn check(&self) -> Result<(), WorkloadError> {
+        let bad = |msg: String| Err(WorkloadError::Chat(msg));
+        if self.clients == 0 {
+            return bad("clients 0: no requests (at least 1 client)".into());
+        }
+        if self.rounds == 0 {
+            return bad("rounds 0: no requests (at least 1 round)".into());
+        }
+        if self.system_prompt_tokens == 0 && self.turn_tokens == 0 {
+            return bad("system_prompt_tokens and turn_tokens 0: empty prompts".into());
+        }
+        let tokens = self.prompt_tokens();
+        if tokens > u128::from(MAX_CHAT_TOKENS) {
+            return bad(format!(
+                "{} clients × {} rounds hold {tokens} prompt tokens, past the cap of \
+                 {MAX_CHAT_TOKENS} (1 GiB of token ids)",
+                self.clients, self.rounds
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn exp_sample(state: &mut u64, mean_ms: u64) -> u64 {
     *state = mix(*state);
     let u = ((*state >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
@@ -645,6 +687,69 @@ mod tests {
         assert_eq!(r[0].prompt[..512], r[1].prompt[..512]);
         assert_ne!(r[0].prompt[512..700], r[1].prompt[512..700]);
         assert_eq!(r[1].prompt.len(), 700);
+    }
+
+    /// The count the memory cap uses is the generator's; no clients, no rounds or empty
+    /// prompts are refused.
+    #[test]
+    fn the_chat_check_counts_what_the_generator_holds() {
+        for (clients, rounds, sys, turn, answer) in
+            [(3, 4, 100, 30, 7), (1, 1, 0, 5, 0), (2, 5, 0, 1, 9)]
+        {
+            let spec = ChatSpec {
+                clients,
+                rounds,
+                system_prompt_tokens: sys,
+                turn_tokens: turn,
+                answer_tokens: answer,
+                ..ChatSpec::default()
+            };
+            let held: usize = synthetic_chat(&spec).iter().map(|r| r.prompt.len()).sum();
+            assert_eq!(spec.prompt_tokens(), held as u128);
+            spec.check().unwrap();
+        }
+        for (spec, want) in [
+            (
+                ChatSpec {
+                    clients: 0,
+                    ..ChatSpec::default()
+                },
+                "clients 0",
+            ),
+            (
+                ChatSpec {
+                    rounds: 0,
+                    ..ChatSpec::default()
+                },
+                "rounds 0",
+            ),
+            (
+                ChatSpec {
+                    system_prompt_tokens: 0,
+                    turn_tokens: 0,
+                    ..ChatSpec::default()
+                },
+                "empty prompts",
+            ),
+            (
+                ChatSpec {
+                    clients: u32::MAX,
+                    ..ChatSpec::default()
+                },
+                "cap",
+            ),
+            (
+                ChatSpec {
+                    rounds: u32::MAX,
+                    ..ChatSpec::default()
+                },
+                "cap",
+            ),
+        ] {
+            let e = spec.check().unwrap_err();
+            assert!(e.to_string().contains(want), "{e}");
+        }
+        ChatSpec::default().check().unwrap();
     }
 
     #[test]

@@ -213,6 +213,60 @@ fn sweep_points_of_the_same_capacity_are_refused() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `--clients 0` or `--rounds 0` made an empty chat workload and a report of zeros (exit 0);
+/// `--instances 0` silently ran one instance; `--limit 0` said only "empty workload".
+#[test]
+fn flags_that_leave_nothing_to_run_are_refused_naming_the_flag() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../traces/synthetic_trace.jsonl"
+    );
+    for (args, want) in [
+        (vec!["sim", "--clients", "0"], "--clients"),
+        (vec!["sim", "--rounds", "0"], "--rounds"),
+        (vec!["sim", "--clients", "0", "--dry-run"], "--clients"),
+        (vec!["sim", "--instances", "0"], "--instances"),
+        (vec!["sim", "--trace", trace, "--limit", "0"], "--limit"),
+    ] {
+        let out = kvtier().args(&args).output().unwrap();
+        assert_refused(&out, &[want], &format!("{args:?}"));
+        assert!(out.stdout.is_empty(), "{args:?}: no report");
+    }
+}
+
+/// A chat workload is built in memory (every turn's prompt is the conversation so far), so
+/// `--rounds 100000` allocated without bound (out of memory): it is refused at a cap.
+#[cfg(unix)]
+#[test]
+fn a_chat_workload_past_the_memory_cap_is_refused() {
+    for args in [
+        ["sim", "--clients", "1", "--rounds", "100000", "--dry-run"],
+        [
+            "sim",
+            "--clients",
+            "4000000000",
+            "--rounds",
+            "8",
+            "--dry-run",
+        ],
+    ] {
+        let out = kvtier_capped(&args);
+        assert_refused(
+            &out,
+            &["--clients", "--rounds", "tokens"],
+            &format!("{args:?}"),
+        );
+    }
+    // The documentation's largest chat workloads are under the cap.
+    for args in [
+        ["sim", "--clients", "100", "--rounds", "32", "--dry-run"],
+        ["sim", "--clients", "1600", "--rounds", "2", "--dry-run"],
+    ] {
+        let out = kvtier().args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}");
+    }
+}
+
 /// The traces the repository ships (and the public trace beside the checkout, where there is
 /// one) are sorted, text, and within the line cap: the new refusals accept every one.
 #[test]

@@ -95,6 +95,10 @@ fn bad_router_bench_input_is_a_clear_error() {
         (vec!["--loads", "0"], "--loads"),
         (vec!["--instances", "0"], "--instances"),
         (vec!["--limit", "0"], "--limit"),
+        // said only "chat: empty workload"; a huge one was built in memory (out of memory)
+        (vec!["--workloads", "chat", "--clients", "0"], "--clients"),
+        (vec!["--workloads", "chat", "--rounds", "0"], "--rounds"),
+        (vec!["--workloads", "chat", "--rounds", "100000"], "cap"),
         (
             vec!["--workloads", "/nonexistent/t.jsonl"],
             "/nonexistent/t.jsonl",

@@ -288,7 +288,10 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
         c.l3_pages = v;
     }
     if let Some(v) = a.instances {
-        c.instances = v.max(1);
+        if v == 0 {
+            return Err("--instances 0: at least 1 engine instance".into());
+        }
+        c.instances = v;
     }
     if let Some(r) = a.router {
         c.routing = r;
@@ -403,6 +406,9 @@ fn compare(a: &SimArgs, cfg: &SimConfig, w: &Workload) -> Result<Vec<Summary>, S
 }
 
 fn workload(a: &SimArgs) -> Result<Workload, String> {
+    if a.limit == Some(0) {
+        return Err("--limit 0: no requests (at least 1)".into());
+    }
     match &a.trace {
         Some(p) => {
             let f = File::open(p).map_err(|e| format!("{}: {e}", p.display()))?;
@@ -422,6 +428,8 @@ fn workload(a: &SimArgs) -> Result<Workload, String> {
             if let Some(r) = a.rounds {
                 spec.rounds = r;
             }
+            spec.check()
+                .map_err(|e| format!("--clients {} --rounds {}: {e}", spec.clients, spec.rounds))?;
             Ok(Workload::Chat(synthetic_chat(&spec)))
         }
     }

@@ -79,19 +79,23 @@ fn spec(a: &RouterBenchArgs) -> Result<BenchSpec, String> {
         .map(|w| {
             if w == "chat" {
                 let d = ChatSpec::default();
-                BenchWorkload::Chat(ChatSpec {
+                let spec = ChatSpec {
                     clients: a.clients.unwrap_or(d.clients),
                     rounds: a.rounds.unwrap_or(d.rounds),
                     ..d
-                })
+                };
+                spec.check().map_err(|e| {
+                    format!("--clients {} --rounds {}: {e}", spec.clients, spec.rounds)
+                })?;
+                Ok(BenchWorkload::Chat(spec))
             } else {
-                BenchWorkload::Trace {
+                Ok(BenchWorkload::Trace {
                     path: PathBuf::from(w),
                     limit: Some(a.limit),
-                }
+                })
             }
         })
-        .collect();
+        .collect::<Result<_, String>>()?;
     Ok(BenchSpec {
         workloads,
         instances: a.instances.clone(),
