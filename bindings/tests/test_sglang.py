@@ -5,6 +5,8 @@ base class, its dynamic backend factory, its real host pools (``MHATokenToKVPool
 ``get_data_page``, so a page read into the wrong slot, a torn layer or a write outside the
 named pages fails."""
 
+import difflib
+import logging
 import sys
 import time
 import types
@@ -13,7 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvtier
@@ -363,13 +365,34 @@ def test_property_any_valid_extra_config_is_accepted(valid, sglang):
     assert b.max_batch_pages == valid.get("max_batch_pages", 1024)
 
 
-@settings(max_examples=60, deadline=None)
-@given(valid=_valid_extra, key=st.text(min_size=1, max_size=16))
-def test_property_any_other_key_is_refused(valid, key):
+def test_a_key_unlike_any_of_ours_is_ignored_with_a_warning(caplog):
+    # the extra config is SGLang's too: a later SGLang's own key must not stop the engine
+    with caplog.at_level(logging.WARNING, logger="kvtier.sglang.storage"):
+        b = backend(hicache_new_knob=3, segment_bytes="1MB")
+    assert b.max_batch_pages == 1024
+    assert "hicache_new_knob" in caplog.text
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(valid=_valid_extra, key=st.one_of(
+    st.text(min_size=1, max_size=16),
+    # misspellings: a backend key with one character dropped, doubled or swapped for another
+    st.tuples(st.sampled_from(BACKEND_KEYS), st.integers(0, 30), st.sampled_from(["drop", "double", "x"])).map(
+        lambda t: (lambda k, i, op: k[:i % len(k)] + {"drop": "", "double": k[i % len(k)] * 2, "x": "x"}[op]
+                   + k[i % len(k) + 1:])(*t))))
+def test_property_an_unknown_key_is_refused_exactly_when_it_misspells_one_of_ours(valid, key, caplog):
     if key in BACKEND_KEYS or key in SGLANG_KEYS:
         return
-    with pytest.raises(ks.SGLangBackendError, match="unknown extra config key"):
-        KvtierHiCacheStorage(storage_config({**valid, key: 1}), {})
+    close = any(difflib.SequenceMatcher(None, k, key.lower()).ratio() >= 0.75 for k in BACKEND_KEYS)
+    caplog.clear()
+    if close:
+        with pytest.raises(ks.SGLangBackendError, match="unknown extra config key"):
+            KvtierHiCacheStorage(storage_config({**valid, key: 1}), {})
+    else:
+        with caplog.at_level(logging.WARNING, logger="kvtier.sglang.storage"):
+            KvtierHiCacheStorage(storage_config({**valid, key: 1}), {})
+        assert repr(key) in caplog.text
 
 
 def test_value_calls_store_the_objects_v1_reads():

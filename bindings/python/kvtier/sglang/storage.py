@@ -32,6 +32,7 @@ request can neither read nor probe another salt's pages.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import hashlib
 import logging
@@ -77,7 +78,9 @@ ENV_TOKEN = "KVTIER_L3_TOKEN"
 # The extra config's keys: this backend's, and SGLang's own (0.5.23: its dynamic factory's
 # three, its controller's interface switch, its host allocator, the file backend's path it
 # adds, and those its parser pops before a backend sees them, in case a path does not).
-# Any other key is refused: a misspelt one was ignored.
+# A key like one of the backend's (a misspelling) is refused: it was ignored, and the engine
+# ran without what it asked for; a key unlike any is logged and ignored (the extra config is
+# shared with SGLang, and a later SGLang's own key must not stop the engine).
 BACKEND_KEYS = ("server", "token", "rpc_timeout_ms", "segment_bytes", "ssd_dir", "ssd_capacity_bytes", "name",
                 "tenant", "max_batch_pages", "prefetch_ssd")
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator", "file_storage_path",
@@ -130,15 +133,29 @@ def salt_tenant(base: str, cache_salt: Optional[str]) -> str:
     return f"{base}.salt-{hashlib.sha256(cache_salt.encode('utf-8')).hexdigest()[:32]}"
 
 
+def misspelling_of(key: str) -> List[str]:
+    """The backend key ``key`` misspells, if any (case aside, at least 75 % alike by
+    ``difflib``'s ratio): ``segmnt_bytes``, ``Server``, ``ssd_capacity``, ``tenant_id``."""
+    return difflib.get_close_matches(key.lower(), BACKEND_KEYS, n=1, cutoff=0.75)
+
+
 def _options(extra: Dict[str, Any]) -> Dict[str, Any]:
     """The backend's options from SGLang's extra config, every one checked before anything is
-    built (``SGLangBackendError`` naming the key): an unknown key, a string for a bool
+    built (``SGLangBackendError`` naming the key): a misspelt key, a string for a bool
     (``prefetch_ssd: "false"`` was truthy), a size or timeout past what the store takes
     (an OverflowError from the extension), a value that was coerced (``tenant: 5``)."""
     unknown = sorted((str(k) for k in extra if k not in BACKEND_KEYS and k not in SGLANG_KEYS))
-    if unknown:
-        raise SGLangBackendError(f"kvtier: unknown extra config key(s) {unknown}; this backend's keys are "
-                                 f"{list(BACKEND_KEYS)} (and SGLang's own: {list(SGLANG_KEYS)})")
+    misspelt = {k: m[0] for k in unknown for m in [misspelling_of(k)] if m}
+    if misspelt:
+        raise SGLangBackendError(f"kvtier: unknown extra config key(s) {sorted(misspelt)} (did you mean "
+                                 f"{misspelt}?); this backend's keys are {list(BACKEND_KEYS)} (and SGLang's "
+                                 f"own: {list(SGLANG_KEYS)})")
+    others = [k for k in unknown if k not in misspelt]
+    if others:
+        # the extra config is shared with SGLang: a later version's own key must not stop the
+        # engine, so a key unlike any of ours is said, not refused
+        logger.warning("kvtier: extra config key(s) %s are neither this backend's %s nor SGLang 0.5.23's; "
+                       "ignored", others, list(BACKEND_KEYS))
 
     def text(key: str, default: Optional[str], empty: bool = True) -> Optional[str]:
         v = extra.get(key, default)
