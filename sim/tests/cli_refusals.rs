@@ -227,6 +227,10 @@ fn flags_that_leave_nothing_to_run_are_refused_naming_the_flag() {
         (vec!["sim", "--clients", "0", "--dry-run"], "--clients"),
         (vec!["sim", "--instances", "0"], "--instances"),
         (vec!["sim", "--trace", trace, "--limit", "0"], "--limit"),
+        // a flag of the other workload was ignored: the run was not the one asked for
+        (vec!["sim", "--limit", "10"], "--limit"),
+        (vec!["sim", "--trace", trace, "--clients", "4"], "--clients"),
+        (vec!["sim", "--trace", trace, "--rounds", "2"], "--rounds"),
     ] {
         let out = kvtier().args(&args).output().unwrap();
         assert_refused(&out, &[want], &format!("{args:?}"));

@@ -62,7 +62,7 @@ struct SimArgs {
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Use only the first N requests of the trace.
-    #[arg(long)]
+    #[arg(long, requires = "trace")]
     limit: Option<usize>,
     /// TOML file with a SimConfig (flags override it).
     #[arg(long)]
@@ -136,10 +136,10 @@ struct SimArgs {
     /// Do not also run the other online policies (LRU, freq-depth) at the same capacity.
     #[arg(long)]
     no_compare: bool,
-    /// Chat workload: clients and rounds.
-    #[arg(long)]
+    /// Chat workload (without --trace): clients and rounds.
+    #[arg(long, conflicts_with = "trace")]
     clients: Option<u32>,
-    #[arg(long)]
+    #[arg(long, conflicts_with = "trace")]
     rounds: Option<u32>,
     /// Sweep the local cache capacity (×1/8 … ×4) and plot hit rate against Belady's ceiling.
     #[arg(long)]
