@@ -42,13 +42,7 @@ async fn an_instance_answering_errors_at_once_does_not_draw_the_traffic() {
     let ex = recorded();
     let healthy = Upstream::start_slow(ex.clone(), Duration::from_millis(100)).await;
     let broken = Upstream::start(failing(&ex, 500)).await;
-    let r = router(
-        vec![url_spec(healthy.url()), url_spec(broken.url())],
-        None,
-        1 << 20,
-        Keys::Tokens,
-    )
-    .await;
+    let r = proxy_of(&[&healthy, &broken]).await;
     let streamed = find(&ex, "/v1/completions", true, true);
     let body = Arc::new(streamed.request.as_ref().expect("req").to_string());
     let (clients, each) = (8, 6);
@@ -170,13 +164,7 @@ async fn an_unavailable_answer_is_retried_on_another_instance() {
     for status in [502u16, 503, 504] {
         let healthy = Upstream::start(ex.clone()).await;
         let broken = Upstream::start(failing(&ex, status)).await;
-        let r = router(
-            vec![url_spec(broken.url()), url_spec(healthy.url())],
-            None,
-            1 << 20,
-            Keys::Tokens,
-        )
-        .await;
+        let r = proxy_of(&[&broken, &healthy]).await;
         for stream in [true, false] {
             let req = find(&ex, "/v1/completions", stream, true);
             let body = req.request.as_ref().expect("req").to_string();
@@ -203,13 +191,7 @@ async fn every_instance_unavailable_passes_the_last_answer_through() {
     let ex = recorded();
     let a = Upstream::start(failing(&ex, 503)).await;
     let b = Upstream::start(failing(&ex, 503)).await;
-    let r = router(
-        vec![url_spec(a.url()), url_spec(b.url())],
-        None,
-        1 << 20,
-        Keys::Tokens,
-    )
-    .await;
+    let r = proxy_of(&[&a, &b]).await;
     let req = find(&ex, "/v1/completions", true, true);
     let body = req.request.as_ref().expect("req").to_string();
     let n = 5;
@@ -236,13 +218,7 @@ async fn an_internal_error_is_not_retried() {
     let ex = recorded();
     let healthy = Upstream::start(ex.clone()).await;
     let broken = Upstream::start(failing(&ex, 500)).await;
-    let r = router(
-        vec![url_spec(broken.url()), url_spec(healthy.url())],
-        None,
-        1 << 20,
-        Keys::Tokens,
-    )
-    .await;
+    let r = proxy_of(&[&broken, &healthy]).await;
     let req = find(&ex, "/v1/completions", true, true);
     let body = req.request.as_ref().expect("req").to_string();
     let got = http(r.addr, "POST", "/v1/completions", Some(body.as_bytes())).await;
@@ -341,7 +317,7 @@ async fn a_stream_that_fails_midway_is_an_error_not_an_end() {
 async fn the_routers_own_errors_are_json() {
     let ex = recorded();
     let up = Upstream::start(ex.clone()).await;
-    let r = router(vec![url_spec(up.url())], None, 1 << 20, Keys::Tokens).await;
+    let r = proxy_of(&[&up]).await;
     for (method, path, status) in [
         ("GET", "/nope", 404),
         ("POST", "/v1/nope", 404),
@@ -381,4 +357,10 @@ async fn claims_too_much(addr: std::net::SocketAddr, path: &str) -> Got {
 fn completions(u: &Upstream) -> usize {
     let r = u.requests.lock().expect("lock");
     r.iter().filter(|p| p.as_str() == "/v1/completions").count()
+}
+
+/// A router proxying to `upstreams` (instance `i` is `upstreams[i]`), keyed by tokens.
+async fn proxy_of(upstreams: &[&Upstream]) -> launch::Running {
+    let urls = upstreams.iter().map(|u| url_spec(u.url())).collect();
+    router(urls, None, 1 << 20, Keys::Tokens).await
 }
