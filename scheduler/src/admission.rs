@@ -7,7 +7,7 @@
 //! the first request that does not fit, so a long prompt is not starved by short ones behind it.
 
 use kvtier_fsm::{OpKind, RequestEvent, RequestState};
-use kvtier_radix::{Device, Host, PrefixMatch};
+use kvtier_radix::{Device, Host, PageId, PrefixMatch, TenantId};
 
 use crate::ops::OpCtx;
 use crate::release;
@@ -33,6 +33,32 @@ fn own_quota(e: &kvtier_radix::RadixError) -> bool {
 }
 
 impl Scheduler {
+    /// `n` more device pages for running request `id` of `tenant` (its next decode token or
+    /// prefill chunk), or `None` (it waits, or was retracted to make room).
+    ///
+    /// Other tenants' leaves within their quotas are spared while other work runs (their
+    /// pages come back when it ends). When `id` runs alone with nothing in flight, nothing
+    /// will give pages back: sparing them then would retract `id` itself, whose next
+    /// admission (the idle last resort) takes the same first chunk and meets the same wall
+    /// at the next, for ever. So alone it allocates as that admission does, as a last resort
+    /// (its own quota still holds).
+    fn grow(&mut self, id: RequestId, tenant: TenantId, n: usize) -> Option<Vec<PageId<Device>>> {
+        let alone = self.running.len() == 1 && self.ops.is_empty();
+        let first = if alone {
+            self.cache
+                .alloc_evicting_for_last_resort::<Device>(tenant, n)
+        } else {
+            self.cache.alloc_evicting_for::<Device>(tenant, n)
+        };
+        match first {
+            Ok(p) => Some(p),
+            Err(e) if self.retract_for(id, own_quota(&e)) => {
+                self.cache.alloc_evicting_for::<Device>(tenant, n).ok()
+            }
+            Err(_) => None,
+        }
+    }
+
     pub(crate) fn schedule_decode(
         &mut self,
         budget: &mut Budget,
@@ -62,18 +88,8 @@ impl Scheduler {
                 continue;
             }
             if r.kv_len() + 1 > r.table.pages.len() * ps {
-                let tenant = r.tenant;
-                let page = match self.cache.alloc_evicting_for::<Device>(tenant, 1) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        if !self.retract_for(id, own_quota(&e)) {
-                            continue;
-                        }
-                        match self.cache.alloc_evicting_for::<Device>(tenant, 1) {
-                            Ok(p) => p,
-                            Err(_) => continue,
-                        }
-                    }
+                let Some(page) = self.grow(id, r.tenant, 1) else {
+                    continue;
                 };
                 let Some(r) = self.reqs.get_mut(&id) else {
                     release::free(&mut self.cache, &mut self.stats, &page);
@@ -143,17 +159,11 @@ impl Scheduler {
                 .div_ceil(ps)
                 .saturating_sub(r.table.pages.len());
             if need > 0 {
-                let tenant = r.tenant;
-                let got = match self.cache.alloc_evicting_for::<Device>(tenant, need) {
-                    Ok(p) => Some(p),
-                    // Decode growth ate the pages this prefill was admitted with: preempt
-                    // someone (possibly this request) rather than wait forever.
-                    Err(e) if self.retract_for(id, own_quota(&e)) => {
-                        self.cache.alloc_evicting_for::<Device>(tenant, need).ok()
-                    }
-                    Err(_) => None,
+                // Decode growth ate the pages this prefill was admitted with: preempt someone
+                // (possibly this request) rather than wait forever.
+                let Some(p) = self.grow(id, r.tenant, need) else {
+                    continue;
                 };
-                let Some(p) = got else { continue };
                 match self.reqs.get_mut(&id) {
                     Some(r) if matches!(r.state, RequestState::Prefilling { .. }) => {
                         r.table.pages.extend(p)

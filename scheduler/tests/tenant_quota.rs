@@ -294,3 +294,91 @@ fn a_request_larger_than_its_tenants_device_quota_is_refused() {
     s.submit(RequestSpec::new(RequestId(2), prompt(1, 61), 8))
         .unwrap();
 }
+
+/// Quotas that add up to more than the device (oversubscribed: caps, not reservations).
+fn oversubscribed(device_pages: u32, quota: u32, chunk: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        page_size: 1,
+        device_pages,
+        host_pages: 0,
+        host_enabled: false,
+        l3_enabled: false,
+        max_context_tokens: device_pages as usize,
+        token_budget: device_pages as usize,
+        chunked_prefill_size: chunk,
+        max_batch_size: 4,
+        tenant_quota: TenantQuota {
+            device_pages: Some(quota),
+            host_pages: None,
+        },
+        ..SchedulerConfig::default()
+    }
+}
+
+/// The adversarial tester's case: tenant A's finished request keeps 5 of 8 device pages
+/// (within its quota of 6); tenant B's 5-token prompt, prefilled 2 tokens a chunk, was
+/// admitted while nothing ran (the last resort may take A's pages), then its second chunk
+/// was refused A's pages (something runs: B itself), B retracted itself, was admitted
+/// again, and so on for ever (computed tokens growing, no error).
+#[test]
+fn a_request_running_alone_is_not_retracted_for_ever_by_other_tenants_pages() {
+    let c = oversubscribed(8, 6, 2);
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let mut e = Engine::new(&c);
+    e.submit_spec(
+        &mut s,
+        RequestSpec::new(RequestId(1), prompt(1, 5), 1).with_salt("A"),
+    );
+    e.run_to_idle(&mut s, 100);
+    e.submit_spec(
+        &mut s,
+        RequestSpec::new(RequestId(2), prompt(2, 5), 1).with_salt("B"),
+    );
+    e.run_to_idle(&mut s, 200);
+    assert_quiescent(&s);
+    assert!(
+        s.stats().retracted < 5,
+        "retracted {} times",
+        s.stats().retracted
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// With quotas that oversubscribe the device and chunked prefill, every request of every
+    /// tenant finishes (none is retracted and re-admitted for ever), and each tenant stays
+    /// within its quota after every plan.
+    #[test]
+    fn oversubscribed_quotas_never_livelock(
+        device_pages in 6..24u32,
+        share in 60..100u32,
+        chunk in 1..6usize,
+        reqs in prop::collection::vec((0..3usize, 0..40u32, 1..24usize, 0..20u64), 1..10),
+    ) {
+        let quota = (device_pages * share / 100).max(2);
+        let c = oversubscribed(device_pages, quota, chunk);
+        let mut s = Scheduler::new(c.clone()).unwrap();
+        let mut e = Engine::new(&c);
+        let last = reqs.iter().map(|r| r.3).max().unwrap_or(0);
+        for step in 0..2000u64 {
+            for (i, &(who, seed, len, at)) in reqs.iter().enumerate() {
+                if at != step {
+                    continue;
+                }
+                let len = len.min(quota as usize - 1).max(1);
+                let spec = RequestSpec::new(RequestId(i as u64), prompt(seed, len), 1)
+                    .with_salt(SALTS[who]);
+                e.submit_spec(&mut s, spec);
+            }
+            if step > last && s.is_idle() {
+                break;
+            }
+            e.step(&mut s, step);
+            within_quota(&s, (quota, u32::MAX), "after a plan")?;
+        }
+        prop_assert!(s.is_idle(), "livelock: {:?}", s.stats());
+        e.run_to_idle(&mut s, 10);
+        assert_quiescent(&s);
+    }
+}
