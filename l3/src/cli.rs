@@ -19,7 +19,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::rpc::server::{Backend, DEFAULT_MAX_FRAME, ServerOptions, start};
+use crate::rpc::server::{
+    Backend, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, ServerOptions, start,
+};
 use crate::rpc::shm::ShmMode;
 use crate::{
     ClientId, ClusterMaster, EmbeddedStore, L3Store, NodeOptions, OffloadMode, PromotionConfig,
@@ -141,6 +143,11 @@ struct Args {
     /// Largest frame in bytes (at least 64 KiB: a smaller one refuses every request).
     #[arg(long, default_value_t = DEFAULT_MAX_FRAME, value_parser = frame_bytes)]
     max_frame: usize,
+    /// Most RPC connections at once (positive; at most half the open-file limit, which
+    /// the server raises to its hard limit). Past it, a new connection closes the oldest
+    /// one that has not authenticated (at most 256 of those), or is closed at once.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = positive)]
+    max_connections: usize,
     /// Most keys per batch.
     #[arg(long, default_value_t = 65_536)]
     max_batch_keys: usize,
@@ -321,12 +328,39 @@ where
         eprintln!("kvtier-l3: {e}");
         return ExitCode::from(2);
     }
+    raise_descriptor_limit();
     match run(args, token) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvtier-l3: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Raises the soft open-file limit to the hard one (best effort), as the connection caps
+/// assume: RPC connections may take half of it (`ServerOptions::max_connections`).
+fn raise_descriptor_limit() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write only the struct given.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
+                tracing::debug!("could not raise the open-file limit");
+            }
+        }
+    }
+}
+
+fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?}: {e}")),
     }
 }
 
@@ -468,6 +502,8 @@ fn run(args: Args, token: Option<String>) -> Result<(), String> {
             ShmMode::from_env()
         },
         shm_dir: args.shm_dir.clone(),
+        max_connections: args.max_connections,
+        ..ServerOptions::default()
     };
     if args.role == Role::Master
         && let Some(spec) = &args.etcd

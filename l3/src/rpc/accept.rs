@@ -1,15 +1,22 @@
 //! The blocking accept loop shared by the transfer channel (TCP) and the shared-memory
-//! path (Unix socket), and the token check of every `Hello`.
+//! path (Unix socket), what every listener does when `accept` fails, the limits of a
+//! connection that has not said hello yet, and the token check of every `Hello`.
 //!
 //! Why one loop: both serve one blocking thread per connection behind the same limits —
 //! at most [`MAX_CONNECTIONS`] live, at most [`MAX_PENDING_HELLOS`] that have not
-//! authenticated yet (each dropped after [`HELLO_TIMEOUT`]) — so unauthenticated peers hold
-//! a bounded number of threads whichever socket they reach.
+//! authenticated yet (each dropped [`HELLO_TIMEOUT`] after it connected, however it sends,
+//! and its frame capped at [`PRE_AUTH_MAX_FRAME`]) — so unauthenticated peers hold a bounded
+//! number of threads and bytes whichever socket they reach.
+//!
+//! Why a pause after a failed `accept`: the failures that persist (out of descriptors,
+//! EMFILE/ENFILE, or memory) fail again at once, and a loop retrying at once spins a core
+//! until they pass; [`ACCEPT_BACKOFF`] later they may have.
 
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crate::error::{L3Error, L3Result};
 
@@ -19,8 +26,42 @@ pub const MAX_CONNECTIONS: usize = 64;
 /// closed at once, so unauthenticated peers can hold at most this many threads, each for
 /// at most [`HELLO_TIMEOUT`]; a client refused here uses the RPC path instead.
 pub const MAX_PENDING_HELLOS: usize = 8;
-/// How long a new connection may take to send its hello.
-pub const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long a new connection may take to send its hello, from the moment it is accepted.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+/// Largest frame a connection may send before its hello succeeded (a hello is a token and a
+/// few bytes); the configured frame limit applies after.
+pub const PRE_AUTH_MAX_FRAME: usize = 64 << 10;
+/// Pause of an accept loop after `accept` failed.
+pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// What an accept loop does when `accept` fails: pause [`ACCEPT_BACKOFF`] (the returned
+/// duration), and say so in the log at most once a minute.
+#[derive(Default)]
+pub struct AcceptErrors {
+    warned: Option<Instant>,
+    unreported: u64,
+}
+
+impl AcceptErrors {
+    /// `listener` failed to accept with `e`: how long to pause.
+    pub fn failed(&mut self, listener: &str, e: &io::Error) -> Duration {
+        self.unreported += 1;
+        if self
+            .warned
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(60))
+        {
+            tracing::warn!(
+                listener,
+                error = %e,
+                failures = self.unreported,
+                "accept failed; pausing before the next try"
+            );
+            self.warned = Some(Instant::now());
+            self.unreported = 0;
+        }
+        ACCEPT_BACKOFF
+    }
+}
 
 /// What a server checks a `Hello`'s token against: the SHA-256 of the shared secret, domain
 /// separated. A server given the token hashes it once; an HA leader started without it
@@ -127,12 +168,19 @@ pub fn spawn_acceptor<S: Send + 'static>(
     std::thread::Builder::new()
         .name(format!("{name}-accept"))
         .spawn(move || {
+            let mut errors = AcceptErrors::default();
             loop {
                 let conn = accept();
                 if stop.load(Ordering::Acquire) {
                     return;
                 }
-                let Ok(sock) = conn else { continue };
+                let sock = match conn {
+                    Ok(s) => s,
+                    Err(e) => {
+                        std::thread::sleep(errors.failed(&conn_name, &e));
+                        continue;
+                    }
+                };
                 if live.load(Ordering::Acquire) >= MAX_CONNECTIONS
                     || pending.load(Ordering::Acquire) >= MAX_PENDING_HELLOS
                 {

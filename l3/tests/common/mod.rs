@@ -6,6 +6,7 @@ pub mod ha;
 pub mod kv_events;
 pub mod oracle;
 pub mod procs;
+pub mod raw;
 pub mod shm;
 
 use std::net::SocketAddr;

@@ -5,10 +5,10 @@
 //! - Data-moving calls run on the blocking pool so a large memcpy or SSD read never stalls
 //!   the reactor; metadata-only calls (exist, query, ping) run inline for latency.
 //! - Every call but `hello` is refused until `hello` presented the token (compared in
-//!   constant time); the flag is per connection.
+//!   constant time); the flag is per connection, and with it go the connection's frame
+//!   limit and its place among the unauthenticated connections (`limits`).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use tarpc::context::Context;
 
@@ -23,11 +23,12 @@ use crate::types::{
 };
 
 use super::Backend;
+use super::limits::ConnState;
 
 pub(super) struct Conn<B> {
     pub(super) store: Arc<B>,
     pub(super) token: Option<TokenDigest>,
-    pub(super) authed: Arc<AtomicBool>,
+    pub(super) state: Arc<ConnState>,
     pub(super) limits: ServerLimits,
     pub(super) shm: Arc<Option<ShmOffer>>,
 }
@@ -37,7 +38,7 @@ impl<B> Clone for Conn<B> {
         Conn {
             store: self.store.clone(),
             token: self.token,
-            authed: self.authed.clone(),
+            state: self.state.clone(),
             limits: self.limits,
             shm: self.shm.clone(),
         }
@@ -46,7 +47,7 @@ impl<B> Clone for Conn<B> {
 
 impl<B: Backend> Conn<B> {
     fn auth(&self) -> L3Result<()> {
-        if self.authed.load(Ordering::Acquire) {
+        if self.state.is_authed() {
             self.store.gate()
         } else {
             Err(L3Error::IllegalClient(
@@ -77,7 +78,11 @@ impl<B: Backend> L3Rpc for Conn<B> {
             return Err(L3Error::IllegalClient("bad token".into()));
         }
         self.store.gate()?;
-        self.authed.store(true, Ordering::Release);
+        if !self.state.authenticate() {
+            return Err(L3Error::IllegalClient(
+                "connection closed: too many connections waiting for their hello".into(),
+            ));
+        }
         Ok(self.limits)
     }
 

@@ -10,19 +10,25 @@
 //!   batch of 1 MiB objects); clients split batches below it and learn it from `hello`.
 //! - A malformed or oversized frame only closes *that* connection (tarpc/tokio-util reject
 //!   it); the listener and other connections keep serving.
+//! - Peers without the token hold little (`limits`): a connection must authenticate within
+//!   [`ServerOptions::hello_timeout`] and sends frames of at most 64 KiB until it has; the
+//!   connections are capped, unauthenticated ones more tightly, the oldest of those making
+//!   room for a new one; a failed accept (out of descriptors) pauses the accept loop.
 //! - Shutdown stops accepting, then flushes the SSD queue, so every put acknowledged as
 //!   persisted (and every queued write-through) is on disk before the process exits.
 //!
 //! The per-connection service (authentication, blocking pool vs inline) is in `conn`.
 
 mod conn;
+pub mod limits;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 use futures::prelude::*;
 use tarpc::server::{self, Channel};
+use tarpc::tokio_util::codec::LengthDelimitedCodec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
@@ -38,9 +44,16 @@ use crate::store::EmbeddedStore;
 use crate::types::{Blob, QueryResult, Tenant};
 
 use conn::Conn;
+use limits::{ConnGuard, FrameGuard, Registry, accept_loop};
 
 /// Default frame limit (above tarpc's 8 MiB default).
 pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
+/// Default of [`ServerOptions::hello_timeout`].
+pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default of [`ServerOptions::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Default of [`ServerOptions::max_unauthenticated`].
+pub const DEFAULT_MAX_UNAUTHENTICATED: usize = 256;
 
 /// How to serve.
 #[derive(Debug, Clone)]
@@ -64,6 +77,16 @@ pub struct ServerOptions {
     pub shm: ShmMode,
     /// Directory of the shared-memory socket (None: the system's temporary directory).
     pub shm_dir: Option<std::path::PathBuf>,
+    /// An RPC connection that has not said a valid hello this long after it was accepted
+    /// is closed.
+    pub hello_timeout: Duration,
+    /// Most RPC connections at once; never more than half the process's descriptor limit
+    /// (`RLIMIT_NOFILE`). Past it, a new connection closes the oldest unauthenticated one,
+    /// or is closed at once when all are authenticated.
+    pub max_connections: usize,
+    /// Most RPC connections that have not authenticated yet (within `max_connections`);
+    /// past it, a new connection closes the oldest of them.
+    pub max_unauthenticated: usize,
 }
 
 impl Default for ServerOptions {
@@ -77,6 +100,9 @@ impl Default for ServerOptions {
             transfer_channel: true,
             shm: ShmMode::from_env(),
             shm_dir: None,
+            hello_timeout: DEFAULT_HELLO_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_unauthenticated: DEFAULT_MAX_UNAUTHENTICATED,
         }
     }
 }
@@ -256,11 +282,12 @@ pub async fn start<B: Backend>(
     stop: watch::Receiver<bool>,
 ) -> L3Result<(SocketAddr, Option<SocketAddr>)> {
     ShmMode::try_from_env()?;
-    let mut listener = tarpc::serde_transport::tcp::listen(opts.addr, ClampedBincode::default)
+    let listener = tokio::net::TcpListener::bind(opts.addr)
         .await
         .map_err(|e| L3Error::Unavailable(format!("bind {}: {e}", opts.addr)))?;
-    listener.config_mut().max_frame_length(opts.max_frame_bytes);
-    let addr = listener.local_addr();
+    let addr = listener
+        .local_addr()
+        .map_err(|e| L3Error::Internal(e.to_string()))?;
     let token: Option<TokenDigest> = opts
         .token
         .as_deref()
@@ -297,36 +324,90 @@ pub async fn start<B: Backend>(
             let _ = tokio::task::spawn_blocking(move || drop((xfer, shm))).await;
         });
     }
+    let max_live = opts.max_connections.min(descriptor_share());
+    if max_live < opts.max_connections {
+        tracing::info!(
+            max_connections = max_live,
+            asked = opts.max_connections,
+            "RPC connections capped at half the descriptor limit (RLIMIT_NOFILE)"
+        );
+    }
+    let registry = Registry::new(max_live, opts.max_unauthenticated);
+    let (max_frame, hello_timeout) = (opts.max_frame_bytes, opts.hello_timeout);
     let st = store.clone();
-    let mut stop_rpc = stop.clone();
-    tokio::spawn(async move {
-        let serve = listener
-            .filter_map(|r| future::ready(r.ok()))
-            .for_each(move |transport| {
-                let _ = transport.get_ref().set_nodelay(true);
-                let conn = Conn {
-                    store: st.clone(),
-                    token,
-                    authed: Arc::new(AtomicBool::new(false)),
-                    limits,
-                    shm: offer.clone(),
-                };
-                let channel = server::BaseChannel::with_defaults(transport);
-                tokio::spawn(channel.execute(conn.serve()).for_each(|fut| async move {
-                    tokio::spawn(fut);
-                }));
-                future::ready(())
-            });
-        tokio::select! {
-            _ = serve => {}
-            _ = stop_rpc.wait_for(|s| *s) => {}
-        }
-    });
+    tokio::spawn(accept_loop(
+        "RPC",
+        listener,
+        stop.clone(),
+        move |sock: tokio::net::TcpStream| {
+            // Refused (every connection authenticated, at the cap): closed here.
+            let Some(guard) = registry.admit(max_frame) else {
+                return;
+            };
+            let conn = Conn {
+                store: st.clone(),
+                token,
+                state: guard.state().clone(),
+                limits,
+                shm: offer.clone(),
+            };
+            serve_rpc(sock, guard, conn, max_frame, hello_timeout);
+        },
+    ));
     let metrics_addr = match opts.metrics_addr {
         None => None,
         Some(m) => Some(start_metrics(store, m, stop).await?),
     };
     Ok((addr, metrics_addr))
+}
+
+/// Half the process's descriptor limit: the most RPC connections it may hold (the other
+/// half for the SSD tier, the other listeners, etcd).
+fn descriptor_share() -> usize {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return usize::MAX;
+    }
+    usize::try_from(r.rlim_cur / 2).unwrap_or(usize::MAX)
+}
+
+/// Serves one RPC connection on its own task: closed when it has not authenticated within
+/// `hello_timeout`, or earlier to make room for a newer one while it has not.
+fn serve_rpc<B: Backend>(
+    sock: tokio::net::TcpStream,
+    guard: ConnGuard,
+    conn: Conn<B>,
+    max_frame: usize,
+    hello_timeout: Duration,
+) {
+    let _ = sock.set_nodelay(true);
+    let state = guard.state().clone();
+    let framed = LengthDelimitedCodec::builder()
+        .max_frame_length(max_frame)
+        .new_framed(FrameGuard::new(sock, state.clone()));
+    let transport = tarpc::serde_transport::new(framed, ClampedBincode::default());
+    let channel = server::BaseChannel::with_defaults(transport);
+    tokio::spawn(async move {
+        // Gives the connection's place back when the connection ends, however it ends.
+        let _guard = guard;
+        let serve = channel.execute(conn.serve()).for_each(|fut| async move {
+            tokio::spawn(fut);
+        });
+        tokio::pin!(serve);
+        tokio::select! {
+            _ = &mut serve => return,
+            _ = state.evicted() => return,
+            _ = tokio::time::sleep(hello_timeout) => {}
+        }
+        // Dropping `serve` closes the connection.
+        if state.is_authed() {
+            serve.await;
+        }
+    });
 }
 
 /// The shared-memory listener, when enabled and the backend has one; a failure to start it
