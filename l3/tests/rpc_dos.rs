@@ -1,4 +1,5 @@
-//! Denial of service on the RPC port, from peers that hold no token: idle sockets, frames that never end, frames that decode into far more memory than
+//! Denial of service on the RPC port and the metrics endpoint, from peers that hold no
+//! token: idle sockets, frames that never end, frames that decode into far more memory than
 //! they take on the wire. Real sockets on 127.0.0.1 (ephemeral ports), the real server
 //! (in this process, or the `kvtier-l3` binary where its memory or file descriptors are
 //! measured).
@@ -7,9 +8,10 @@
 //! nothing capped the connections, so idle sockets exhausted the server's descriptors (a
 //! real client's hello then timed out) while the accept loop spun on EMFILE; every
 //! unauthenticated connection could buffer a 64 MiB frame, and a 60 MiB `batch_query` of
-//! empty keys was decoded (1.5 GiB) before the call found it had no hello.
+//! empty keys was decoded (1.5 GiB) before the call found it had no hello; the metrics
+//! endpoint waited for a request for ever, on any number of connections.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
@@ -161,6 +163,44 @@ fn a_large_frame_before_hello_is_refused_at_its_header() {
         .batch_put_from(&a, &keys, &refs, PutOptions::default())
         .unwrap();
     assert!(r.iter().all(Result::is_ok), "{r:?}");
+}
+
+/// `GET /metrics` on a fresh connection: the status line.
+fn scrape(addr: SocketAddr) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out.lines().next().unwrap_or_default().to_string()
+}
+
+#[test]
+fn an_idle_metrics_connection_is_closed() {
+    let h = server(true);
+    let m = h.metrics_addr.unwrap();
+    let mut idle = connect(m);
+    assert_closed(&mut idle, "an idle metrics connection");
+    assert_eq!(scrape(m), "HTTP/1.1 200 OK");
+}
+
+#[test]
+fn idle_metrics_connections_are_capped() {
+    let s = Server::spawn(&[], true, None);
+    let m = s.metrics.unwrap();
+    let base = s.fds();
+    let idle: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(m).unwrap()).collect();
+    // A scraper is served while they are open...
+    assert_eq!(scrape(m), "HTTP/1.1 200 OK");
+    // ...and the server keeps few of them (the scrape was accepted after all of them).
+    let held = common::procs::eventually(Duration::from_secs(5), || s.fds() < base + 100);
+    assert!(
+        held,
+        "{} descriptors open with 300 idle metrics connections",
+        s.fds()
+    );
+    drop(idle);
 }
 
 /// The accept loop of the transfer channel and the shared-memory socket (the RPC port's:

@@ -431,10 +431,15 @@ fn start_shm<B: Backend>(
     }
 }
 
+/// Most connections the metrics endpoint holds; past it, a new one closes the oldest.
+pub const METRICS_MAX_CONNECTIONS: usize = 64;
+/// How long a metrics connection may take, from accept to the last byte of the answer.
+pub const METRICS_DEADLINE: Duration = Duration::from_secs(10);
+
 async fn start_metrics<B: Backend>(
     store: Arc<B>,
     addr: SocketAddr,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) -> L3Result<SocketAddr> {
     if !addr.ip().is_loopback() {
         return Err(L3Error::InvalidParams(
@@ -447,28 +452,37 @@ async fn start_metrics<B: Backend>(
     let bound = l
         .local_addr()
         .map_err(|e| L3Error::Internal(e.to_string()))?;
-    tokio::spawn(async move {
-        loop {
-            let accepted = tokio::select! {
-                a = l.accept() => a,
-                _ = stop.wait_for(|s| *s) => return,
-            };
-            let Ok((mut sock, _)) = accepted else {
-                continue;
+    // Scrapers never authenticate: every connection counts as pending, the oldest closed
+    // to make room for a new one.
+    let registry = Registry::new(METRICS_MAX_CONNECTIONS, METRICS_MAX_CONNECTIONS);
+    tokio::spawn(accept_loop(
+        "metrics",
+        l,
+        stop,
+        move |mut sock: tokio::net::TcpStream| {
+            let Some(guard) = registry.admit(0) else {
+                return;
             };
             let store = store.clone();
             tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                let _ = sock.read(&mut buf).await;
-                let body = store.render_metrics();
-                let resp = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = sock.write_all(resp.as_bytes()).await;
-                let _ = sock.shutdown().await;
+                let answer = async {
+                    let mut buf = [0u8; 4096];
+                    let _ = sock.read(&mut buf).await;
+                    let body = store.render_metrics();
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = sock.write_all(resp.as_bytes()).await;
+                    let _ = sock.shutdown().await;
+                };
+                tokio::select! {
+                    _ = answer => {}
+                    _ = tokio::time::sleep(METRICS_DEADLINE) => {}
+                    _ = guard.state().evicted() => {}
+                }
             });
-        }
-    });
+        },
+    ));
     Ok(bound)
 }
