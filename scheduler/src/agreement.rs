@@ -17,6 +17,15 @@
 //! tensor), decoded back into events. Ops in flight are identical on every rank because the
 //! plans are, so the vectors line up.
 //!
+//! An agreed event is exactly one every rank reported (or skipped), of the op's kind: `push`
+//! does not know the op, so a reduction checks this rank's records against the ops in flight
+//! first. A completion of another kind than its op's, or a count above the op's, is "not done"
+//! in [`RankAgreement::values`] (no rank agrees the op through it) and a typed error before
+//! the collective ([`AgreementError::WrongKind`], [`AgreementError::TooMany`]) that changes
+//! nothing; a record of an op not in flight is dropped ([`RankAgreement::dropped`]), so it
+//! cannot answer a later op of that id. [`RankAgreement::push_checked`] refuses all of them
+//! at the push.
+//!
 //! L3 *losses* need the same agreement (one rank's store lost a page, the others' did not):
 //! see `agreed_losses.rs` ([`RankAgreement::lost`], [`RankAgreement::agree_losses`]).
 //!
@@ -40,6 +49,7 @@ use std::hash::Hasher;
 use kvtier_fsm::OpKind;
 use thiserror::Error;
 
+use crate::ops::{OpCtx, PrefetchDst};
 use crate::scheduler::Scheduler;
 use crate::types::*;
 
@@ -50,6 +60,34 @@ pub enum AgreementError {
     Forward,
     #[error("op {0:?} was already recorded this round")]
     Duplicate(OpId),
+    /// This rank recorded a completion of another kind than its op's (the engine answered the
+    /// op with the wrong event). Its value is "not done" on every rank, so no rank agrees the
+    /// op; [`RankAgreement::reduce`] refuses before entering the collective.
+    #[error(
+        "op {op:?} is of kind {kind:?}, but this rank recorded a completion of kind {claimed:?} for it: refused, nothing agreed or consumed (answer each op with its own kind's completion)"
+    )]
+    WrongKind {
+        op: OpId,
+        kind: OpKind,
+        claimed: OpKind,
+    },
+    /// This rank recorded a count above what its op asked for (more hit pages than the L3
+    /// query probed, more pages than the prefetch reads): refused like [`Self::WrongKind`].
+    #[error(
+        "this rank recorded {got} for {kind:?} op {op:?}, which asked for at most {most}: refused, nothing agreed or consumed"
+    )]
+    TooMany {
+        op: OpId,
+        kind: OpKind,
+        got: u32,
+        most: u32,
+    },
+    /// A checked push ([`RankAgreement::push_checked`], [`RankAgreement::skip_checked`]) for
+    /// an op that is not in flight: agreed already, or not issued yet.
+    #[error(
+        "op {0:?} is not in flight (agreed already, or not issued yet): its completion is refused"
+    )]
+    NotInFlight(OpId),
     #[error("reduced vector has {got} values, {expected} ops are in flight")]
     Length { expected: usize, got: usize },
     /// The reduction is not a minimum (a SUM or MAX all-reduce configured by mistake): a
@@ -102,6 +140,13 @@ pub trait AgreedOps {
     fn forget_l3_pages(&mut self, pages: &[kvtier_radix::PageHash], _: AgreedLosses) -> usize;
     /// Clears every "in L3" mark (a rank's loss report overflowed); the number cleared.
     fn forget_l3_all(&mut self, _: AgreedLosses) -> usize;
+    /// The most a completion of `op` (in flight) may count: the keys an L3 query probed, the
+    /// pages a prefetch reads. `None`: no bound (a success flag, or a planner that takes any
+    /// count). A rank's record above it is refused before the collective
+    /// ([`AgreementError::TooMany`]), not after its record was consumed.
+    fn max_count(&self, _op: OpId) -> Option<u32> {
+        None
+    }
 }
 
 impl AgreedOps for Scheduler {
@@ -117,6 +162,17 @@ impl AgreedOps for Scheduler {
     fn forget_l3_all(&mut self, _: AgreedLosses) -> usize {
         self.forget_l3_all_marks()
     }
+    fn max_count(&self, op: OpId) -> Option<u32> {
+        let n = match &self.ops.get(&op)?.ctx {
+            OpCtx::Query { n, .. } => *n,
+            OpCtx::Prefetch { dst, .. } => match dst {
+                PrefetchDst::Host(p, _) => p.len(),
+                PrefetchDst::Device(p, _) => p.len(),
+            },
+            _ => return None,
+        };
+        Some(u32::try_from(n).unwrap_or(u32::MAX))
+    }
 }
 
 /// One rank's completions of a step, waiting to be reduced with the other ranks'.
@@ -127,6 +183,8 @@ pub struct RankAgreement {
     pub(crate) lost: std::collections::BTreeSet<kvtier_radix::PageHash>,
     /// This rank's loss report overflowed, not yet agreed.
     pub(crate) lost_all: bool,
+    /// Records dropped by a reduction because their op was not in flight.
+    dropped: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -162,16 +220,70 @@ fn decode(op: OpId, kind: OpKind, v: u64) -> Event {
     }
 }
 
+/// Why this rank's completion `ev` cannot complete `op` (of `kind`, in flight in `sched`): a
+/// completion of another kind, or a count above the op's.
+fn refusal<S: AgreedOps + ?Sized>(
+    sched: &S,
+    op: OpId,
+    kind: OpKind,
+    ev: &Event,
+) -> Option<AgreementError> {
+    let (_, claimed) = ev.op_kind()?;
+    if claimed != kind {
+        return Some(AgreementError::WrongKind { op, kind, claimed });
+    }
+    let got = match *ev {
+        Event::L3QueryDone { hit_pages, .. } => hit_pages,
+        Event::PrefetchDone { completed, .. } => completed,
+        _ => return None,
+    };
+    match sched.max_count(op) {
+        Some(most) if got > most => Some(AgreementError::TooMany {
+            op,
+            kind,
+            got,
+            most,
+        }),
+        _ => None,
+    }
+}
+
 impl RankAgreement {
     pub fn new() -> RankAgreement {
         RankAgreement::default()
     }
 
-    /// Records this rank's completion of an op (held until every rank completed it).
+    /// Records this rank's completion of an op (held until every rank completed it). The op's
+    /// kind and whether it is in flight are not known here: a completion of another kind or
+    /// above the op's count is refused by the reduction ([`AgreementError::WrongKind`],
+    /// [`AgreementError::TooMany`]), and a completion of an op that is not in flight then is
+    /// dropped ([`Self::dropped`]). [`Self::push_checked`] refuses both at once.
     pub fn push(&mut self, ev: Event) -> Result<(), AgreementError> {
         let (op, _) = ev.op_kind().ok_or(AgreementError::Forward)?;
         if self.done.contains_key(&op) {
             return Err(AgreementError::Duplicate(op));
+        }
+        self.done.insert(op, Slot::Done(ev));
+        Ok(())
+    }
+
+    /// [`Self::push`], checked against `sched` first: refused, and nothing recorded, unless
+    /// `ev` completes an op in flight there ([`AgreementError::NotInFlight`]: agreed already,
+    /// or not issued yet), of its kind and within its count. Only this closes the gap that a
+    /// completion pushed for an op id before that op is issued (ids are sequential) would,
+    /// unchecked, answer the op once issued, if no reduction came in between to drop it.
+    pub fn push_checked<S: AgreedOps + ?Sized>(
+        &mut self,
+        sched: &S,
+        ev: Event,
+    ) -> Result<(), AgreementError> {
+        let (op, _) = ev.op_kind().ok_or(AgreementError::Forward)?;
+        if self.done.contains_key(&op) {
+            return Err(AgreementError::Duplicate(op));
+        }
+        let kind = in_flight(sched, op)?;
+        if let Some(e) = refusal(sched, op, kind, &ev) {
+            return Err(e);
         }
         self.done.insert(op, Slot::Done(ev));
         Ok(())
@@ -186,19 +298,71 @@ impl RankAgreement {
         Ok(())
     }
 
+    /// [`Self::skip`], refused ([`AgreementError::NotInFlight`]) unless `op` is in flight in
+    /// `sched`.
+    pub fn skip_checked<S: AgreedOps + ?Sized>(
+        &mut self,
+        sched: &S,
+        op: OpId,
+    ) -> Result<(), AgreementError> {
+        if self.done.contains_key(&op) {
+            return Err(AgreementError::Duplicate(op));
+        }
+        in_flight(sched, op)?;
+        self.done.insert(op, Slot::Skipped);
+        Ok(())
+    }
+
     /// Completions recorded and not yet agreed.
     pub fn pending(&self) -> usize {
         self.done.len()
     }
 
-    /// This rank's contribution: one value per op in flight in `sched`, in op-id order.
+    /// Records a reduction dropped because their op was not in flight in the scheduler it
+    /// reduced over (a completion pushed twice, after its op was agreed, or for an op id not
+    /// issued): none of them ever completes an op. Cumulative.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Checks this rank's records of the ops in flight in `sched`, changing nothing: each
+    /// completion is of its op's kind and within its count ([`AgreementError::WrongKind`],
+    /// [`AgreementError::TooMany`]). [`Self::reduce`] does this before entering the
+    /// collective; a caller that reduces [`Self::values`] itself should too (a refused rank's
+    /// values never complete the op, on any rank, but [`Self::apply_reduced`] refuses it only
+    /// after the collective).
+    pub fn check<S: AgreedOps + ?Sized>(&self, sched: &S) -> Result<(), AgreementError> {
+        self.check_ops(sched, &sched.agreed_ops())
+    }
+
+    fn check_ops<S: AgreedOps + ?Sized>(
+        &self,
+        sched: &S,
+        ops: &[(OpId, OpKind)],
+    ) -> Result<(), AgreementError> {
+        for (op, kind) in ops {
+            if let Some(Slot::Done(ev)) = self.done.get(op)
+                && let Some(e) = refusal(sched, *op, *kind, ev)
+            {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// This rank's contribution: one value per op in flight in `sched`, in op-id order. A
+    /// record [`Self::check`] refuses counts as "not done" (0), so that no rank can agree its
+    /// op through it.
     pub fn values<S: AgreedOps + ?Sized>(&self, sched: &S) -> Vec<u64> {
-        sched
-            .agreed_ops()
-            .iter()
-            .map(|(op, _)| match self.done.get(op) {
+        self.values_of(sched, &sched.agreed_ops())
+    }
+
+    fn values_of<S: AgreedOps + ?Sized>(&self, sched: &S, ops: &[(OpId, OpKind)]) -> Vec<u64> {
+        ops.iter()
+            .map(|(op, kind)| match self.done.get(op) {
                 None => 0,
                 Some(Slot::Skipped) => SKIPPED,
+                Some(Slot::Done(ev)) if refusal(sched, *op, *kind, ev).is_some() => 0,
                 Some(Slot::Done(ev)) => encode(ev),
             })
             .collect()
@@ -207,14 +371,21 @@ impl RankAgreement {
     /// Reduces this step's completions across ranks and returns the agreed events, to be fed to
     /// `sched` in order. `all_reduce_min` must replace each element with its minimum over all
     /// ranks (every rank calls `reduce` once per step, with the same ops in flight). Ops not
-    /// yet done on some rank stay recorded for a later step. A reduced vector that cannot be
-    /// the minimum (see [`Self::apply_reduced`]) is refused and nothing changes.
+    /// yet done on some rank stay recorded for a later step; records of ops not in flight are
+    /// dropped ([`Self::dropped`]).
+    ///
+    /// Nothing changes on an error. A record [`Self::check`] refuses is refused before
+    /// `all_reduce_min` is called (this rank does not enter the collective: an engine that
+    /// answered an op with the wrong completion stops its group rather than agree on it); a
+    /// reduced vector that cannot be the minimum (see [`Self::apply_reduced`]) after it.
     pub fn reduce<S: AgreedOps + ?Sized>(
         &mut self,
         sched: &S,
         all_reduce_min: impl FnOnce(&mut [u64]),
     ) -> Result<Vec<Event>, AgreementError> {
-        let mut v = self.values(sched);
+        let ops = sched.agreed_ops();
+        self.check_ops(sched, &ops)?;
+        let mut v = self.values_of(sched, &ops);
         all_reduce_min(&mut v);
         self.apply_reduced(sched, &v)
     }
@@ -223,9 +394,11 @@ impl RankAgreement {
     /// themselves: the agreed events for the element-wise minimum `reduced`.
     ///
     /// Checked whole before anything is consumed: the length must match the ops in flight,
-    /// and no value may exceed this rank's own ([`AgreementError::NotMinimum`]): a minimum
-    /// over ranks never does, while a SUM or MAX reduction would complete ops this rank never
-    /// finished, or with more pages than it holds.
+    /// this rank's records must pass [`Self::check`], and no value may exceed this rank's own
+    /// ([`AgreementError::NotMinimum`]): a minimum over ranks never does, while a SUM or MAX
+    /// reduction would complete ops this rank never finished, or with more pages than it
+    /// holds. On success the agreed ops' records are consumed and records of ops not in
+    /// flight dropped.
     pub fn apply_reduced<S: AgreedOps + ?Sized>(
         &mut self,
         sched: &S,
@@ -238,7 +411,8 @@ impl RankAgreement {
                 got: reduced.len(),
             });
         }
-        let own = self.values(sched);
+        self.check_ops(sched, &ops)?;
+        let own = self.values_of(sched, &ops);
         for (((op, _), &x), &mine) in ops.iter().zip(reduced).zip(&own) {
             if x > mine {
                 return Err(AgreementError::NotMinimum {
@@ -257,7 +431,59 @@ impl RankAgreement {
             self.done.remove(op);
             out.push(decode(*op, *kind, x));
         }
+        let before = self.done.len();
+        self.done
+            .retain(|op, _| ops.binary_search_by_key(op, |(o, _)| *o).is_ok());
+        self.dropped += (before - self.done.len()) as u64;
         Ok(out)
+    }
+
+    /// Reduces the agreements of ranks in one process (one per rank of `sched`'s group:
+    /// [`AgreementError::RankCount`] otherwise) with the element-wise minimum of their values;
+    /// the agreed events, the same for every rank, to be applied once. Checked whole first:
+    /// if any rank's records are refused ([`Self::check`]) no rank's agreement changes.
+    pub fn reduce_in_process<S: AgreedOps + ?Sized>(
+        ranks: &mut [RankAgreement],
+        sched: &S,
+    ) -> Result<Vec<Event>, AgreementError> {
+        if ranks.len() != sched.tp_ranks() as usize {
+            return Err(AgreementError::RankCount {
+                got: ranks.len(),
+                tp_ranks: sched.tp_ranks(),
+            });
+        }
+        let ops = sched.agreed_ops();
+        let mut min: Option<Vec<u64>> = None;
+        for a in ranks.iter() {
+            a.check_ops(sched, &ops)?;
+            let v = a.values_of(sched, &ops);
+            min = Some(match min {
+                None => v,
+                Some(m) => m.iter().zip(&v).map(|(a, b)| (*a).min(*b)).collect(),
+            });
+        }
+        let Some(min) = min else {
+            return Ok(Vec::new());
+        };
+        // Every rank passed its checks and `min` is at most each rank's own values, so no
+        // `apply_reduced` below can refuse: the ranks consume the same ops.
+        let mut events = Vec::new();
+        for (i, a) in ranks.iter_mut().enumerate() {
+            let evs = a.apply_reduced(sched, &min)?;
+            if i == 0 {
+                events = evs;
+            }
+        }
+        Ok(events)
+    }
+}
+
+/// The kind of `op` if it is in flight in `sched`.
+fn in_flight<S: AgreedOps + ?Sized>(sched: &S, op: OpId) -> Result<OpKind, AgreementError> {
+    let ops = sched.agreed_ops();
+    match ops.binary_search_by_key(&op, |(o, _)| *o) {
+        Ok(i) => Ok(ops[i].1),
+        Err(_) => Err(AgreementError::NotInFlight(op)),
     }
 }
 

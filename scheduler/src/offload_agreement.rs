@@ -79,9 +79,11 @@ impl OffloadManager {
     }
 
     /// Reduces every rank's completions (in-process ranks: the element-wise minimum of their
-    /// [`RankAgreement::values`]) and applies the agreed events; their number. Every rank's
-    /// agreement consumes the same ops; there must be one per rank the manager plans for
-    /// ([`Self::set_tp_ranks`], else `AgreementError::RankCount` and nothing changes). An
+    /// [`RankAgreement::values`], [`RankAgreement::reduce_in_process`]) and applies the agreed
+    /// events; their number. Every rank's agreement consumes the same ops; there must be one
+    /// per rank the manager plans for ([`Self::set_tp_ranks`], else
+    /// `AgreementError::RankCount`), and a rank's completion of another kind than its job's
+    /// (`AgreementError::WrongKind`) is refused; on these errors nothing changes. An
     /// agreed event the manager refuses is `AgreementError::Refused`, after every other
     /// agreed event was applied. For ranks in other processes, reduce with the process group
     /// instead and [`Self::apply_agreed`] what `RankAgreement::reduce` returns.
@@ -89,28 +91,8 @@ impl OffloadManager {
         &mut self,
         ranks: &mut [RankAgreement],
     ) -> Result<usize, crate::AgreementError> {
-        if ranks.len() != self.tp_ranks as usize {
-            return Err(crate::AgreementError::RankCount {
-                got: ranks.len(),
-                tp_ranks: self.tp_ranks,
-            });
-        }
-        let mut min: Option<Vec<u64>> = None;
-        for a in ranks.iter() {
-            let v = a.values(self);
-            min = Some(match min {
-                None => v,
-                Some(m) => m.iter().zip(&v).map(|(a, b)| (*a).min(*b)).collect(),
-            });
-        }
-        let Some(min) = min else { return Ok(0) };
-        let mut events = Vec::new();
-        for (i, a) in ranks.iter_mut().enumerate() {
-            let evs = a.apply_reduced(self, &min)?;
-            if i == 0 {
-                events = evs;
-            }
-        }
+        // Checked whole (every rank's records, the number of ranks) before any is consumed.
+        let events = RankAgreement::reduce_in_process(ranks, self)?;
         // Every agreed event is of an op in flight here (the values listed it), so none should
         // be refused; if one is, the rest are still applied (each releases its job's pins) and
         // the first refusal is the answer.
