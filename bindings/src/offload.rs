@@ -315,17 +315,26 @@ impl PyOffloadManager {
     /// `RankAgreement`s are in this process (one per rank, each holding that rank's
     /// `PrefetchDone` / `BackUpDone` events): applies the element-wise minimum. Returns the
     /// number of ops completed. ``AgreementError`` (nothing changed) unless there is one
-    /// agreement per rank the manager plans for (``tp_ranks``).
-    fn agree(
-        &mut self,
-        mut ranks: Vec<PyRefMut<'_, crate::tp::PyRankAgreement>>,
-    ) -> PyResult<usize> {
-        let mut taken: Vec<_> = ranks
+    /// agreement per rank the manager plans for (``tp_ranks``), each a different object, or
+    /// when a rank recorded a completion of another kind than its job's.
+    fn agree(&mut self, ranks: Vec<Bound<'_, crate::tp::PyRankAgreement>>) -> PyResult<usize> {
+        for (j, r) in ranks.iter().enumerate() {
+            if let Some(i) = ranks[..j].iter().position(|q| q.is(r)) {
+                return Err(crate::errors::base::AgreementError::new_err(format!(
+                    "ranks {i} and {j} passed the same RankAgreement: a rank's agreement was passed twice (one agreement per rank); nothing changed"
+                )));
+            }
+        }
+        let mut held = Vec::with_capacity(ranks.len());
+        for r in &ranks {
+            held.push(r.try_borrow_mut()?);
+        }
+        let mut taken: Vec<_> = held
             .iter_mut()
             .map(|r| std::mem::take(&mut r.inner))
             .collect();
         let out = self.inner_mut().agree_in_process(&mut taken);
-        for (r, a) in ranks.iter_mut().zip(taken) {
+        for (r, a) in held.iter_mut().zip(taken) {
             r.inner = a;
         }
         out.map_err(crate::tp::agree_err)

@@ -36,7 +36,24 @@ pub struct PyRankAgreement {
     pub(crate) inner: RankAgreement,
 }
 
-/// What an agreement reduces over: a `Scheduler` or an `OffloadManager`.
+/// What an agreement reads: a `Scheduler` or an `OffloadManager`, borrowed shared (an
+/// `OffloadManager` keeps its generation: reading its ops in flight changes nothing).
+fn with_agreed_ref<R>(
+    target: &Bound<'_, PyAny>,
+    f: impl FnOnce(&dyn AgreedOps) -> R,
+) -> PyResult<R> {
+    if let Ok(s) = target.cast::<PyScheduler>() {
+        return Ok(f(&s.try_borrow()?.inner));
+    }
+    if let Ok(m) = target.cast::<PyOffloadManager>() {
+        return Ok(f(m.try_borrow()?.inner()));
+    }
+    Err(pyo3::exceptions::PyTypeError::new_err(
+        "an agreement reduces over a kvtier Scheduler or OffloadManager",
+    ))
+}
+
+/// What an agreement changes (L3 losses): a `Scheduler` or an `OffloadManager`.
 fn with_agreed<R>(
     target: &Bound<'_, PyAny>,
     f: impl FnOnce(&mut dyn AgreedOps) -> R,
@@ -59,14 +76,34 @@ impl PyRankAgreement {
         Self::default()
     }
 
-    /// Records this rank's completion event of an op (not `ForwardDone`).
-    fn push(&mut self, event: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.push(event_from_py(event)?).map_err(agree_err)
+    /// Records this rank's completion event of an op (not `ForwardDone`). With `scheduler`
+    /// (the `Scheduler` or `OffloadManager` it is reduced over) it is checked at once: refused
+    /// (``AgreementError``, nothing recorded) unless it completes an op in flight there, of
+    /// that op's kind, within its count. Without it, `reduce` refuses a completion of another
+    /// kind or above the op's count, and drops one of an op not in flight (``dropped()``).
+    #[pyo3(signature = (event, scheduler = None))]
+    fn push(
+        &mut self,
+        event: &Bound<'_, PyAny>,
+        scheduler: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let ev = event_from_py(event)?;
+        match scheduler {
+            None => self.inner.push(ev),
+            Some(s) => with_agreed_ref(s, |s| self.inner.push_checked(s, ev))?,
+        }
+        .map_err(agree_err)
     }
 
-    /// This rank does not run op `op` (`Scheduler.runs_here(op)` is False).
-    fn skip(&mut self, op: u64) -> PyResult<()> {
-        self.inner.skip(OpId(op)).map_err(agree_err)
+    /// This rank does not run op `op` (`Scheduler.runs_here(op)` is False). With `scheduler`,
+    /// refused unless `op` is in flight there.
+    #[pyo3(signature = (op, scheduler = None))]
+    fn skip(&mut self, op: u64, scheduler: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        match scheduler {
+            None => self.inner.skip(OpId(op)),
+            Some(s) => with_agreed_ref(s, |s| self.inner.skip_checked(s, OpId(op)))?,
+        }
+        .map_err(agree_err)
     }
 
     /// Completions recorded and not yet agreed.
@@ -74,27 +111,45 @@ impl PyRankAgreement {
         self.inner.pending()
     }
 
+    /// Records reductions dropped because their op was not in flight (pushed twice, after
+    /// the op was agreed, or for an op not issued): none completes an op. Cumulative.
+    fn dropped(&self) -> u64 {
+        self.inner.dropped()
+    }
+
     /// This rank's contribution (int64, one value per op in flight in `scheduler`, a
-    /// `Scheduler` or an `OffloadManager`).
+    /// `Scheduler` or an `OffloadManager`). A record `reduce` would refuse counts as 0 (not
+    /// done), so no rank agrees its op.
     fn values<'py>(
         &self,
         py: Python<'py>,
         scheduler: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let v = with_agreed(scheduler, |s| self.inner.values(s))?;
+        let v = with_agreed_ref(scheduler, |s| self.inner.values(s))?;
         Ok(words_to_py(py, v))
     }
 
     /// Reduces: calls `all_reduce_min(values)` with this rank's int64 array, which must
     /// leave (in place, or return) the element-wise minimum over all ranks; returns the agreed
-    /// events to feed to `scheduler` (`on_event` each, in order).
+    /// events to feed to `scheduler` (`on_event` each, in order). Raises ``AgreementError``
+    /// (nothing changed) before calling `all_reduce_min` when this rank recorded a completion
+    /// of another kind than its op's, or above its count; after it, when the reduced values
+    /// are not a minimum. `all_reduce_min` may read this agreement (an in-process stand-in
+    /// computing every rank's values): it is not held while the collective runs.
     fn reduce(
-        &mut self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         scheduler: &Bound<'_, PyAny>,
         all_reduce_min: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Py<PyAny>>> {
-        let arr = self.values(py, scheduler)?;
+        let v = {
+            let me = slf.try_borrow()?;
+            with_agreed_ref(scheduler, |s| {
+                me.inner.check(s).map(|()| me.inner.values(s))
+            })?
+            .map_err(agree_err)?
+        };
+        let arr = words_to_py(py, v);
         let ret = all_reduce_min.call1((arr.clone(),))?;
         let reduced: PyReadonlyArray1<'_, i64> = if ret.is_none() {
             arr.readonly()
@@ -114,8 +169,9 @@ impl PyRankAgreement {
             }
             v.push(x as u64);
         }
+        let mut me = slf.try_borrow_mut()?;
         let evs =
-            with_agreed(scheduler, |s| self.inner.apply_reduced(s, &v))?.map_err(agree_err)?;
+            with_agreed_ref(scheduler, |s| me.inner.apply_reduced(s, &v))?.map_err(agree_err)?;
         evs.into_iter().map(|e| event_to_py(py, e)).collect()
     }
 
@@ -169,12 +225,13 @@ impl PyRankAgreement {
     /// rank's own are missing, or when they are not ``tp_ranks`` ranks' words. Returns the
     /// number of tree nodes whose L3 mark was cleared.
     fn agree_losses(
-        &mut self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         scheduler: &Bound<'_, PyAny>,
         all_gather: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        let words = self.loss_words(py);
+        // Not held while `all_gather` runs: an in-process stand-in may read every rank's words.
+        let words = slf.try_borrow()?.loss_words(py);
         let ret = all_gather.call1((words,))?;
         let type_err = || {
             pyo3::exceptions::PyTypeError::new_err(
@@ -186,7 +243,8 @@ impl PyRankAgreement {
             let a: PyReadonlyArray1<'_, i64> = item?.extract().map_err(|_| type_err())?;
             gathered.push(a.as_slice()?.iter().map(|&x| x as u64).collect());
         }
-        with_agreed(scheduler, |s| self.inner.apply_losses(s, &gathered))?.map_err(agree_err)
+        let mut me = slf.try_borrow_mut()?;
+        with_agreed(scheduler, |s| me.inner.apply_losses(s, &gathered))?.map_err(agree_err)
     }
 }
 

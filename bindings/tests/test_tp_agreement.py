@@ -2,8 +2,12 @@
 through ``kvtier.RankAgreement`` (an in-process stand-in for ``torch.distributed.all_reduce``
 with MIN), and ``plan.digest`` shows when they do not."""
 
+import hashlib
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvtier
 
@@ -259,3 +263,277 @@ def test_bad_loss_words_raise_and_change_nothing():
     padded = lambda w: [np.concatenate([w, np.zeros(4, dtype=np.int64)]), none]  # noqa: E731
     assert a.agree_losses(s, padded) == 0  # nothing of it was marked in L3
     assert a.pending_losses() == (0, False)
+
+
+# ---- what an agreement accepts from its rank ----------------------------------------------------
+#
+# An agreed event is exactly one every rank reported (or skipped), of the op's kind, within the
+# op's bounds, for an op in flight; anything else never becomes an event: a completion of another
+# kind or a count above the op's is a typed error before the collective that changes nothing, a
+# record of an op not in flight is dropped at the next reduction (``dropped()``).
+
+
+class _Wait(Exception):
+    """Raised by a collective that has not heard from every rank yet."""
+
+
+def _collective(ranks, agrees):
+    """Every rank's ``reduce`` through a blocking MIN all-reduce, simulated in one process: in a
+    first round each rank enters the collective (its values recorded; it then waits, raising
+    ``_Wait``, which leaves it unchanged) or refuses before entering; only if every rank
+    entered does a second round hand each the minimum. Returns ``(events per rank, refusals)``;
+    events are ``None`` for every rank when some rank refused (the others would still wait)."""
+    entered, refusals = [], []
+    for s, a in zip(ranks, agrees):
+
+        def enter(v):
+            entered.append(np.array(v))
+            raise _Wait
+
+        try:
+            a.reduce(s, enter)
+        except _Wait:
+            continue
+        except kvtier.AgreementError as e:
+            refusals.append(e)
+    if refusals:
+        return None, refusals
+    m = np.minimum.reduce(entered)
+    return [a.reduce(s, lambda v: m) for s, a in zip(ranks, agrees)], []
+
+
+def _probing(n=1):
+    ranks = _ranks()
+    for s in ranks:
+        for i in range(n):
+            s.submit(i + 1, prompt(i + 1, 41), 2)  # 10 keys probed each
+    ops = [[o.id for o in s.next_execution_plan(0).ops] for s in ranks]
+    assert ops[0] == ops[1] and len(ops[0]) == n
+    return ranks, ops[0]
+
+
+def test_a_completion_of_another_kind_is_refused_and_never_agreed():
+    """The tester's case: ``on_event(LoadBackDone(op))`` for an L3 probe raises
+    ``WrongCompletionKindError``; pushed through the agreement (LoadBackDone on rank 0,
+    BackUpDone on rank 1) it came out as ``L3QueryDone(op, hit_pages=1)``."""
+    ranks, (q,) = _probing()
+    agrees = [kvtier.RankAgreement(), kvtier.RankAgreement()]
+    agrees[0].push(kvtier.LoadBackDone(q, True))
+    agrees[1].push(kvtier.BackUpDone(q, True))
+    events, refusals = _collective(ranks, agrees)
+    assert events is None and len(refusals) == 2
+    assert "L3Query" in str(refusals[0]) and "LoadBack" in str(refusals[0])
+    assert [a.pending() for a in agrees] == [1, 1]
+    assert [s.ops_in_flight() for s in ranks] == [1, 1]
+    # The values never complete the op, so a rank that answered right gets nothing either.
+    assert [a.values(s).tolist() for s, a in zip(ranks, agrees)] == [[0], [0]]
+    ranks, (q,) = _probing()
+    agrees = [kvtier.RankAgreement(), kvtier.RankAgreement()]
+    agrees[0].push(kvtier.WriteBackDone(q, True))
+    agrees[1].push(kvtier.L3QueryDone(q, 4))
+    m = np.minimum(agrees[0].values(ranks[0]), agrees[1].values(ranks[1]))
+    assert agrees[1].reduce(ranks[1], lambda v: m) == []
+    with pytest.raises(kvtier.AgreementError, match="WriteBack"):
+        agrees[0].reduce(ranks[0], lambda v: m)
+    assert [a.pending() for a in agrees] == [1, 1]
+
+
+def test_a_count_above_the_ops_is_refused_before_anything_is_consumed():
+    """``hit_pages=999`` on every rank (10 keys probed) passed the reduction and was refused by
+    ``on_event`` after the record was consumed; now refused first, the record kept."""
+    ranks, (q,) = _probing()
+    agrees = [kvtier.RankAgreement(), kvtier.RankAgreement()]
+    for a in agrees:
+        a.push(kvtier.L3QueryDone(q, 999))
+    events, refusals = _collective(ranks, agrees)
+    assert events is None and len(refusals) == 2 and "999" in str(refusals[0])
+    assert [a.pending() for a in agrees] == [1, 1] and ranks[0].ops_in_flight() == 1
+
+
+def test_records_of_ops_not_in_flight_never_complete_a_later_op():
+    """A push for an op id not issued yet was kept, and completed that op (ids are sequential)
+    once it was issued, with the value this rank never produced; a duplicate of an agreed op
+    was kept for ever. Both are dropped at the next reduction and counted."""
+    ranks, (q,) = _probing()
+    agrees = [kvtier.RankAgreement(), kvtier.RankAgreement()]
+    agrees[0].push(kvtier.L3QueryDone(q + 1, 5))  # the next op's id
+    events, _ = _collective(ranks, agrees)
+    assert events == [[], []] and agrees[0].pending() == 0
+    for s in ranks:
+        s.submit(9, prompt(9, 41), 2)
+    assert [[o.id for o in s.next_execution_plan(1).ops] for s in ranks] == [[q + 1], [q + 1]]
+    agrees[1].push(kvtier.L3QueryDone(q + 1, 5))
+    events, _ = _collective(ranks, agrees)
+    assert events == [[], []], "rank 0 never ran it"
+    for a in agrees:
+        a.push(kvtier.L3QueryDone(q, 2))
+    agrees[0].push(kvtier.L3QueryDone(q + 1, 3))
+    events, _ = _collective(ranks, agrees)
+    assert events == [[kvtier.L3QueryDone(q, 2), kvtier.L3QueryDone(q + 1, 3)]] * 2
+    for s, evs in zip(ranks, events):
+        for ev in evs:
+            s.on_event(ev)
+    agrees[0].push(kvtier.L3QueryDone(q, 2))  # again, after it was agreed
+    assert _collective(ranks, agrees)[0] == [[], []] and agrees[0].pending() == 0
+    assert [a.dropped() for a in agrees] == [2, 0]
+
+
+def test_a_push_checked_against_the_scheduler_is_refused_at_once():
+    """``push(event, scheduler)`` / ``skip(op, scheduler)``: refused (``AgreementError``,
+    nothing recorded) unless the op is in flight there and the completion of its kind, within
+    its count; this also closes the window between a push and the op's issue."""
+    ranks, (q,) = _probing()
+    s = ranks[0]
+    a = kvtier.RankAgreement()
+    for ev, why in (
+        (kvtier.L3QueryDone(q + 1, 1), "not in flight"),
+        (kvtier.LoadBackDone(q, True), "LoadBack"),
+        (kvtier.L3QueryDone(q, 11), "11"),
+    ):
+        with pytest.raises(kvtier.AgreementError, match=why):
+            a.push(ev, s)
+    with pytest.raises(kvtier.AgreementError, match="not in flight"):
+        a.skip(q + 1, s)
+    with pytest.raises(kvtier.AgreementError):
+        a.push(kvtier.ForwardDone(1, [1], [2]), s)
+    assert a.pending() == 0
+    a.push(kvtier.L3QueryDone(q, 10), s)
+    with pytest.raises(kvtier.AgreementError, match="already recorded"):
+        a.push(kvtier.L3QueryDone(q, 10), s)
+    m, _, job = _backing_up()
+    with pytest.raises(kvtier.AgreementError, match="BackUp"):
+        a.push(kvtier.PrefetchDone(job, 1), m)
+    a.push(kvtier.BackUpDone(job, True), m)
+    assert a.pending() == 2
+
+
+def _backing_up():
+    """A write-through manager of two ranks with one backup job in flight (pages ``c``)."""
+    m = kvtier.OffloadManager(4, "lru", "write-through", tp_ranks=2)
+    c = [hashlib.sha256(b"%d" % i).digest() for i in range(2)]
+    j, *_ = m.prepare_store(c, 2)
+    m.complete_store(j, "done")
+    [(job, _, _)] = m.plan_backups()
+    return m, c, job
+
+
+def test_an_offload_managers_backup_is_not_completed_by_another_kind():
+    """PrefetchDone / L3QueryDone pushed for a backup job became ``BackUpDone(success=True)``:
+    the pages were marked in L3 though no backup ran. Refused as a whole (also when one rank
+    answered right), nothing consumed on any rank."""
+    for right in (False, True):
+        m, c, job = _backing_up()
+        r0, r1 = kvtier.RankAgreement(), kvtier.RankAgreement()
+        r0.push(kvtier.BackUpDone(job, True) if right else kvtier.PrefetchDone(job, 1))
+        r1.push(kvtier.L3QueryDone(job, 7))
+        with pytest.raises(kvtier.AgreementError, match="BackUp"):
+            m.agree([r0, r1])
+        assert (r0.pending(), r1.pending()) == (1, 1)
+        assert [m.lookup(c, i) for i in range(2)] == ["hit", "hit"] and m.usage()["backups"] == 1
+        m.check()
+
+
+def test_the_same_ranks_agreement_twice_is_refused():
+    """``agree([r, r])`` raised PyO3's bare ``RuntimeError("Already borrowed")``; now the
+    module's ``AgreementError`` saying so, and nothing changes."""
+    m = kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2)
+    a = [hashlib.sha256(b"x%d" % i).digest() for i in range(3)]
+    m.l3_found(a)
+    job, _, _, _ = m.prepare_prefetch(a, 1)
+    r, other = kvtier.RankAgreement(), kvtier.RankAgreement()
+    r.push(kvtier.PrefetchDone(job, 3))
+    for ranks in ([r, r], [other, other]):
+        with pytest.raises(kvtier.AgreementError, match="twice"):
+            m.agree(ranks)
+    assert r.pending() == 1 and [m.lookup(a, i) for i in range(3)] == ["pending"] * 3
+    other.push(kvtier.PrefetchDone(job, 2))
+    assert m.agree([r, other]) == 1
+    assert [m.lookup(a, i) for i in range(3)] == ["hit", "hit", "miss"]
+    m.check()
+
+
+def test_a_collective_may_read_the_agreements_it_reduces():
+    """The Scheduler's side of the same problem: ``reduce`` and ``agree_losses`` held their
+    agreement borrowed while calling the engine's collective, so an in-process collective that
+    reads it (``values``, ``loss_words``) raised ``RuntimeError("Already mutably borrowed")``.
+    Reducing over a manager does not change it (its generation stays)."""
+    ranks, (q,) = _probing()
+    agrees = [kvtier.RankAgreement(), kvtier.RankAgreement()]
+    for a in agrees:
+        a.push(kvtier.L3QueryDone(q, 3))
+    seen = []
+
+    def both(v):  # the first rank to get here reads every rank's values: the minimum for all
+        seen.append(np.minimum(agrees[0].values(ranks[0]), agrees[1].values(ranks[1])))
+        return seen[0]
+
+    assert [a.reduce(s, both) for s, a in zip(ranks, agrees)] == [[kvtier.L3QueryDone(q, 3)]] * 2
+    agrees[0].lost(ranks[0], ranks[0].l3_keys(prompt(1, 8)))
+    gathered = lambda w: [a.loss_words() for a in agrees]  # noqa: E731
+    for s, a in zip(ranks, agrees):
+        a.agree_losses(s, gathered)
+    assert [a.pending_losses() for a in agrees] == [(0, False), (0, False)]
+    m, _, _ = _backing_up()
+    g = m.generation
+    r = kvtier.RankAgreement()
+    r.values(m)
+    assert r.reduce(m, lambda v: v) == [] and m.generation == g
+
+
+_KINDS = ("L3Query", "Prefetch", "LoadBack", "WriteBack", "BackUp")
+
+
+def _event(kind, op, n):
+    return _EVENTS[kind](op, n) if kind in ("L3Query", "Prefetch") else _EVENTS[kind](op, n % 2 == 0)
+
+
+# Per op and rank: nothing, a skip, or a completion (its kind, its count; 10 keys are probed).
+_record = st.one_of(
+    st.none(), st.just("skip"), st.tuples(st.sampled_from(_KINDS), st.integers(0, 12))
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 3),
+    records=st.lists(st.tuples(_record, _record), min_size=5, max_size=5),
+)
+def test_an_agreed_event_is_exactly_one_every_rank_reported(n, records):
+    """Property: over ops in flight and ops not (``records[n:]``: ids after them), whatever
+    each rank recorded, either some rank refuses before the collective (it recorded a
+    completion of another kind than an op in flight, or above its 10 keys) and nothing changes
+    on any rank, or every rank gets the same events: one per op in flight that every rank
+    answered (or skipped, not all), of its kind, with the minimum count; the scheduler takes
+    them all, and nothing about ops not in flight is kept."""
+    ranks, ops = _probing(n)
+    ids = ops + [ops[-1] + k for k in range(1, 6 - n)]
+    agrees = [kvtier.RankAgreement(), kvtier.RankAgreement()]
+    for op, pair in zip(ids, records):
+        for a, rec in zip(agrees, pair):
+            if rec == "skip":
+                a.skip(op)
+            elif rec is not None:
+                a.push(_event(rec[0], op, rec[1]))
+    live = dict(zip(ops, records))
+    bad = [any(isinstance(p[r], tuple) and (p[r][0] != "L3Query" or p[r][1] > 10) for p in live.values())
+           for r in (0, 1)]
+    before = [(a.pending(), a.values(s).tolist(), s.ops_in_flight()) for s, a in zip(ranks, agrees)]
+    events, refusals = _collective(ranks, agrees)
+    if any(bad):
+        assert events is None and len(refusals) == sum(bad)
+        assert [(a.pending(), a.values(s).tolist(), s.ops_in_flight()) for s, a in zip(ranks, agrees)] == before
+        return
+    assert refusals == [] and events[0] == events[1]
+    want = []
+    for op, pair in live.items():
+        if all(p is not None for p in pair) and pair != ("skip", "skip"):
+            want.append(kvtier.L3QueryDone(op, min(p[1] for p in pair if p != "skip")))
+    assert events[0] == want
+    for s, evs in zip(ranks, events):
+        for ev in evs:
+            s.on_event(ev)
+        s.check()
+    agreed = {e.op for e in want}
+    for r, a in enumerate(agrees):
+        assert a.pending() == sum(1 for op, p in live.items() if p[r] is not None and op not in agreed)
+        assert a.dropped() == sum(1 for p in records[n:] if p[r] is not None)
