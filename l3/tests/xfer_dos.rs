@@ -2,16 +2,28 @@
 //! never say hello must not lock out real clients, even on a token-protected server.
 //!
 //! Why: each transfer connection got a blocking thread with no read timeout, up to 64; 64
-//! idle sockets (no hello, no token needed) made every new client fail with -900.
+//! idle sockets (no hello, no token needed) made every new client fail with -900. Then
+//! (an adversarial tester): the hello timeout was a per-read timeout, so a peer dribbling a
+//! byte a second held a hello slot for ever and eight of them locked every client out of
+//! the transfer channel and the shared-memory socket; a frame before hello could announce
+//! (and be given) 64 MiB.
 
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 mod common;
 
+use common::procs::eventually;
+use common::raw::{PATIENCE, TOKEN};
 use common::{client, payload, t};
 use kvtier_l3::rpc::server::ServerOptions;
-use kvtier_l3::{EmbeddedStore, L3Store, PutOptions, StoreConfig, spawn_server};
+use kvtier_l3::rpc::shm::{ShmReply, ShmRequest};
+use kvtier_l3::rpc::xfer::{MAX_PENDING_HELLOS, XferReply, XferRequest, read_frame, write_frame};
+use kvtier_l3::{EmbeddedStore, L3Error, L3Store, PutOptions, ShmMode, StoreConfig, spawn_server};
 
 #[test]
 fn idle_unauthenticated_connections_do_not_lock_out_clients() {
@@ -57,4 +69,138 @@ fn idle_unauthenticated_connections_do_not_lock_out_clients() {
         assert_eq!(c.batch_is_exist(&a, &[k]).unwrap(), vec![Ok(true)]);
     }
     drop(idle);
+}
+
+/// A server with the token and a shared-memory socket in `dir`: its RPC address, transfer
+/// channel address and shared-memory socket path.
+fn guarded_server(dir: &std::path::Path) -> (kvtier_l3::ServerHandle, SocketAddr, PathBuf) {
+    let store = Arc::new(
+        EmbeddedStore::new(StoreConfig {
+            local_segment_bytes: 16 << 20,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    let h = spawn_server(
+        store,
+        ServerOptions {
+            token: Some(TOKEN.into()),
+            shm: ShmMode::Auto,
+            shm_dir: Some(dir.to_path_buf()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let port = client(h.addr, Some(TOKEN)).limits().xfer_port;
+    assert_ne!(port, 0, "server has a transfer channel");
+    let sock = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "sock"))
+        .expect("the shared-memory socket");
+    let xa = SocketAddr::new(h.addr.ip(), port);
+    (h, xa, sock)
+}
+
+/// A peer that announces a 1,000-byte frame and then sends one byte every 500 ms (under the
+/// per-read timeout), until the server closes the socket or [`PATIENCE`] passes. Returns
+/// whether the server closed it.
+fn dribble<S: Write + Send + 'static>(mut s: S) -> std::thread::JoinHandle<bool> {
+    std::thread::spawn(move || {
+        let until = Instant::now() + PATIENCE;
+        if s.write_all(&1000u32.to_le_bytes()).is_err() {
+            return true;
+        }
+        while Instant::now() < until {
+            if s.write_all(&[0]).is_err() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        false
+    })
+}
+
+/// A hello with the token on the transfer channel: accepted?
+fn xfer_hello(xa: SocketAddr) -> bool {
+    let Ok(mut s) = TcpStream::connect(xa) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    write_frame(
+        &mut s,
+        &XferRequest::Hello {
+            token: Some(TOKEN.into()),
+        },
+    )
+    .is_ok()
+        && matches!(
+            read_frame::<XferReply>(&mut s, 1 << 20),
+            Ok(XferReply::Hello(Ok(())))
+        )
+}
+
+/// A hello with the token on the shared-memory socket: accepted?
+fn shm_hello(path: &std::path::Path) -> bool {
+    let Ok(mut s) = UnixStream::connect(path) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    write_frame(
+        &mut s,
+        &ShmRequest::Hello {
+            token: Some(TOKEN.into()),
+        },
+    )
+    .is_ok()
+        && matches!(
+            read_frame::<ShmReply>(&mut s, 1 << 20),
+            Ok(ShmReply::Hello(Ok(_)))
+        )
+}
+
+#[test]
+fn dribbled_hellos_are_dropped_within_the_hello_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_h, xa, path) = guarded_server(dir.path());
+    // As many dribbling peers as may wait for their hello, on each socket.
+    let mut peers = Vec::new();
+    for _ in 0..MAX_PENDING_HELLOS {
+        peers.push(dribble(TcpStream::connect(xa).unwrap()));
+        peers.push(dribble(UnixStream::connect(&path).unwrap()));
+    }
+    // Real clients get through while the peers still dribble (at the latest once the
+    // server dropped them, HELLO_TIMEOUT after they connected).
+    assert!(
+        eventually(PATIENCE, || xfer_hello(xa)),
+        "transfer channel locked out"
+    );
+    assert!(
+        eventually(PATIENCE, || shm_hello(&path)),
+        "shared-memory socket locked out"
+    );
+    for p in peers {
+        assert!(p.join().unwrap(), "a dribbling peer was never dropped");
+    }
+}
+
+#[test]
+fn a_large_frame_before_hello_is_refused_at_its_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_h, xa, path) = guarded_server(dir.path());
+    // A frame of 1 MiB announced, its body never sent: refused with a typed error at once.
+    let mut s = TcpStream::connect(xa).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    s.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+    match read_frame::<XferReply>(&mut s, 1 << 20) {
+        Ok(XferReply::Get(Err(L3Error::InvalidParams(m)))) => assert!(m.contains("hello"), "{m}"),
+        other => panic!("transfer channel: {other:?}"),
+    }
+    let mut u = UnixStream::connect(&path).unwrap();
+    u.set_read_timeout(Some(PATIENCE)).unwrap();
+    u.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+    match read_frame::<ShmReply>(&mut u, 1 << 20) {
+        Ok(ShmReply::Done(Err(L3Error::InvalidParams(m)))) => assert!(m.contains("hello"), "{m}"),
+        other => panic!("shared-memory socket: {other:?}"),
+    }
 }

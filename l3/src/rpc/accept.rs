@@ -12,7 +12,7 @@
 //! EMFILE/ENFILE, or memory) fail again at once, and a loop retrying at once spins a core
 //! until they pass; [`ACCEPT_BACKOFF`] later they may have.
 
-use std::io;
+use std::io::{self, Read};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -60,6 +60,50 @@ impl AcceptErrors {
             self.unreported = 0;
         }
         ACCEPT_BACKOFF
+    }
+}
+
+/// A blocking socket whose read timeout can be set (TCP or Unix).
+pub trait TimedRead: Read {
+    /// `set_read_timeout` of the socket.
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()>;
+}
+
+impl TimedRead for std::net::TcpStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        std::net::TcpStream::set_read_timeout(self, t)
+    }
+}
+
+impl TimedRead for std::os::unix::net::UnixStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        std::os::unix::net::UnixStream::set_read_timeout(self, t)
+    }
+}
+
+/// Reads from a socket until a deadline, however the bytes come: each read waits at most
+/// what is left (a per-read timeout alone lets a peer sending a byte at a time hold the
+/// reader for ever); past the deadline, reads fail with `TimedOut`.
+pub struct ByDeadline<'a, S> {
+    sock: &'a mut S,
+    until: Instant,
+}
+
+impl<'a, S: TimedRead> ByDeadline<'a, S> {
+    /// Reads of `sock` until `until`.
+    pub fn new(sock: &'a mut S, until: Instant) -> Self {
+        ByDeadline { sock, until }
+    }
+}
+
+impl<S: TimedRead> Read for ByDeadline<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        self.sock.set_read_timeout(Some(left))?;
+        self.sock.read(buf)
     }
 }
 

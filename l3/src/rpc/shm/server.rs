@@ -17,11 +17,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crate::api::L3Store;
 use crate::error::{L3Error, L3Result};
 use crate::rpc::accept::{
-    HELLO_TIMEOUT, Pending, ServeConn, TokenDigest, spawn_acceptor, token_ok,
+    ByDeadline, HELLO_TIMEOUT, PRE_AUTH_MAX_FRAME, Pending, ServeConn, TokenDigest, spawn_acceptor,
+    token_ok,
 };
 use crate::rpc::xfer::{FrameError, read_frame, write_frame};
 use crate::store::EmbeddedStore;
@@ -188,16 +190,29 @@ impl ShmConn<'_> {
         stop: &AtomicBool,
         hello: &mut Pending<'_>,
     ) {
-        if sock.set_read_timeout(Some(HELLO_TIMEOUT)).is_err() {
+        // Until it authenticates, the peer has HELLO_TIMEOUT from now however it sends, and
+        // frames of PRE_AUTH_MAX_FRAME (as on the transfer channel).
+        let hello_by = Instant::now() + HELLO_TIMEOUT;
+        if sock.set_write_timeout(Some(HELLO_TIMEOUT)).is_err() {
             return;
         }
         let mut authed = false;
         while !stop.load(Ordering::Acquire) {
-            let req: ShmRequest = match read_frame(&mut sock, max_frame) {
+            let (limit, read) = if authed {
+                (max_frame, read_frame(&mut sock, max_frame))
+            } else {
+                let limit = PRE_AUTH_MAX_FRAME.min(max_frame);
+                (
+                    limit,
+                    read_frame(&mut ByDeadline::new(&mut sock, hello_by), limit),
+                )
+            };
+            let req: ShmRequest = match read {
                 Ok(r) => r,
                 Err(FrameError::TooLarge(n)) => {
+                    let before = if authed { "" } else { " before hello" };
                     let e = L3Error::InvalidParams(format!(
-                        "frame of {n} bytes exceeds the {max_frame}-byte limit"
+                        "frame of {n} bytes exceeds the {limit}-byte limit{before}"
                     ));
                     let _ = write_frame(&mut sock, &ShmReply::Done(Err(e)));
                     return;
@@ -222,7 +237,8 @@ impl ShmConn<'_> {
                         return;
                     }
                     hello.release();
-                    if sock.set_read_timeout(None).is_err() {
+                    if sock.set_read_timeout(None).is_err() || sock.set_write_timeout(None).is_err()
+                    {
                         return;
                     }
                     ShmReply::Hello(Ok(nonce))

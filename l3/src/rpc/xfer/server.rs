@@ -13,6 +13,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use serde_bytes::ByteBuf;
 
@@ -20,7 +21,8 @@ use crate::error::{L3Error, L3Result};
 use crate::store::EmbeddedStore;
 
 use crate::rpc::accept::{
-    HELLO_TIMEOUT, Pending, ServeConn, TokenDigest, spawn_acceptor, token_ok,
+    ByDeadline, HELLO_TIMEOUT, PRE_AUTH_MAX_FRAME, Pending, ServeConn, TokenDigest, spawn_acceptor,
+    token_ok,
 };
 
 use super::frame::{FrameError, read_frame, send_blobs, unpack_keys, write_frame};
@@ -90,9 +92,11 @@ fn serve_conn(
     hello: &mut Pending<'_>,
 ) {
     let _ = sock.set_nodelay(true);
-    // A silent peer is dropped after HELLO_TIMEOUT; without a timeout set, it would hold
-    // this thread forever.
-    if sock.set_read_timeout(Some(HELLO_TIMEOUT)).is_err() {
+    // Until it authenticates, the peer has HELLO_TIMEOUT from now, however it sends (a
+    // per-read timeout alone would let it dribble a byte at a time for ever), and frames of
+    // PRE_AUTH_MAX_FRAME: nothing larger is allocated for a peer without the token.
+    let hello_by = Instant::now() + HELLO_TIMEOUT;
+    if sock.set_write_timeout(Some(HELLO_TIMEOUT)).is_err() {
         return;
     }
     let mut authed = false;
@@ -100,11 +104,21 @@ fn serve_conn(
         if stop.load(Ordering::Acquire) {
             return;
         }
-        let req: XferRequest = match read_frame(&mut sock, max_frame) {
+        let (limit, read) = if authed {
+            (max_frame, read_frame(&mut sock, max_frame))
+        } else {
+            let limit = PRE_AUTH_MAX_FRAME.min(max_frame);
+            (
+                limit,
+                read_frame(&mut ByDeadline::new(&mut sock, hello_by), limit),
+            )
+        };
+        let req: XferRequest = match read {
             Ok(r) => r,
             Err(FrameError::TooLarge(n)) => {
+                let before = if authed { "" } else { " before hello" };
                 let e = L3Error::InvalidParams(format!(
-                    "frame of {n} bytes exceeds the {max_frame}-byte limit"
+                    "frame of {n} bytes exceeds the {limit}-byte limit{before}"
                 ));
                 let _ = write_frame(&mut sock, &XferReply::Get(Err(e)));
                 return;
@@ -137,7 +151,8 @@ fn serve_conn(
                     // Authenticated: no longer pending, and reads may block (an
                     // authenticated client between calls is idle by design).
                     hello.release();
-                    if sock.set_read_timeout(None).is_err() {
+                    if sock.set_read_timeout(None).is_err() || sock.set_write_timeout(None).is_err()
+                    {
                         return;
                     }
                 }
