@@ -6,7 +6,8 @@
 //! (an adversarial tester): the hello timeout was a per-read timeout, so a peer dribbling a
 //! byte a second held a hello slot for ever and eight of them locked every client out of
 //! the transfer channel and the shared-memory socket; a frame before hello could announce
-//! (and be given) 64 MiB.
+//! (and be given) 64 MiB; an `Exist` of 60 MiB of empty keys was unpacked whole (a 16-byte
+//! `&str` per 2-byte key, 0.5 GiB) before its batch size was checked.
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
@@ -18,12 +19,16 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::procs::eventually;
-use common::raw::{PATIENCE, TOKEN};
+use common::raw::{PATIENCE, Server, TOKEN};
 use common::{client, payload, t};
 use kvtier_l3::rpc::server::ServerOptions;
 use kvtier_l3::rpc::shm::{ShmReply, ShmRequest};
 use kvtier_l3::rpc::xfer::{MAX_PENDING_HELLOS, XferReply, XferRequest, read_frame, write_frame};
-use kvtier_l3::{EmbeddedStore, L3Error, L3Store, PutOptions, ShmMode, StoreConfig, spawn_server};
+use kvtier_l3::{
+    EmbeddedStore, ExistOptions, L3Error, L3Store, PutOptions, RemoteStore, ShmMode, StoreConfig,
+    spawn_server,
+};
+use serde_bytes::ByteBuf;
 
 #[test]
 fn idle_unauthenticated_connections_do_not_lock_out_clients() {
@@ -202,5 +207,62 @@ fn a_large_frame_before_hello_is_refused_at_its_header() {
     match read_frame::<ShmReply>(&mut u, 1 << 20) {
         Ok(ShmReply::Done(Err(L3Error::InvalidParams(m)))) => assert!(m.contains("hello"), "{m}"),
         other => panic!("shared-memory socket: {other:?}"),
+    }
+}
+
+#[test]
+fn keys_past_the_batch_limit_are_refused_before_they_are_unpacked() {
+    let s = Server::spawn(&[], false, None);
+    let xa = {
+        let c = RemoteStore::connect(
+            s.addr,
+            kvtier_l3::ClientOptions {
+                token: Some(TOKEN.into()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        SocketAddr::new(s.addr.ip(), c.limits().xfer_port)
+    };
+    // 60 MiB of empty keys (2 bytes each packed, a 16-byte &str each unpacked).
+    let packed = vec![0u8; 60 << 20];
+    let n = packed.len() / 2;
+    let tenant = t("a");
+    for req in [
+        XferRequest::Exist {
+            tenant: tenant.clone(),
+            opts: ExistOptions::default(),
+            keys: ByteBuf::from(packed.clone()),
+        },
+        XferRequest::Get {
+            tenant: tenant.clone(),
+            keys: ByteBuf::from(packed.clone()),
+            caps: Vec::new(),
+        },
+    ] {
+        let mut c = TcpStream::connect(xa).unwrap();
+        c.set_read_timeout(Some(PATIENCE)).unwrap();
+        write_frame(
+            &mut c,
+            &XferRequest::Hello {
+                token: Some(TOKEN.into()),
+            },
+        )
+        .unwrap();
+        assert!(matches!(
+            read_frame::<XferReply>(&mut c, 1 << 20),
+            Ok(XferReply::Hello(Ok(())))
+        ));
+        write_frame(&mut c, &req).unwrap();
+        let want = format!("{n} keys in one batch; limit is 65536");
+        match read_frame::<XferReply>(&mut c, 1 << 20) {
+            Ok(XferReply::Exist(Err(L3Error::InvalidParams(m))))
+            | Ok(XferReply::Get(Err(L3Error::InvalidParams(m)))) => assert_eq!(m, want),
+            other => panic!("{other:?}"),
+        }
+        // The frame itself (read, then decoded) is what the server held, not a vector of
+        // its keys.
+        let peak_mib = s.status_kib("VmHWM") >> 10;
+        assert!(peak_mib < 320, "server peaked at {peak_mib} MiB");
     }
 }

@@ -14,6 +14,7 @@ use std::net::TcpStream;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::check_batch_keys;
 use crate::error::{L3Error, L3Result};
 use crate::types::Blob;
 
@@ -33,26 +34,42 @@ pub fn pack_keys<K: AsRef<str>>(keys: &[K]) -> L3Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Unpacks keys without copying them.
-pub fn unpack_keys(buf: &[u8]) -> L3Result<Vec<&str>> {
-    let mut out = Vec::new();
+/// Unpacks keys without copying them: InvalidParams past `max_keys` keys (the batch limit,
+/// as the store says it), found before any is unpacked, so a frame of many tiny keys costs
+/// no more than the frame.
+pub fn unpack_keys(buf: &[u8], max_keys: usize) -> L3Result<Vec<&str>> {
+    let mut n = 0usize;
+    for_each_key(buf, |_| {
+        n += 1;
+        Ok(())
+    })?;
+    check_batch_keys(n, max_keys)?;
+    let mut out = Vec::with_capacity(n);
+    for_each_key(buf, |k| {
+        out.push(
+            std::str::from_utf8(k).map_err(|_| L3Error::InvalidKey("key is not UTF-8".into()))?,
+        );
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Calls `f` with the bytes of each packed key.
+fn for_each_key<'a>(buf: &'a [u8], mut f: impl FnMut(&'a [u8]) -> L3Result<()>) -> L3Result<()> {
     let mut i = 0;
     while i < buf.len() {
-        if i + 2 > buf.len() {
+        let (Some(&lo), Some(&hi)) = (buf.get(i), buf.get(i + 1)) else {
             return Err(L3Error::InvalidParams("truncated key list".into()));
-        }
-        let len = u16::from_le_bytes([buf[i], buf[i + 1]]) as usize;
-        i += 2;
-        let end = i + len;
-        if end > buf.len() {
-            return Err(L3Error::InvalidParams("truncated key list".into()));
-        }
-        let k = std::str::from_utf8(&buf[i..end])
-            .map_err(|_| L3Error::InvalidKey("key is not UTF-8".into()))?;
-        out.push(k);
+        };
+        let start = i + 2;
+        let end = start + u16::from_le_bytes([lo, hi]) as usize;
+        let k = buf
+            .get(start..end)
+            .ok_or_else(|| L3Error::InvalidParams("truncated key list".into()))?;
+        f(k)?;
         i = end;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Writes one frame.
@@ -175,9 +192,28 @@ mod tests {
     fn keys_roundtrip_and_reject_truncation() {
         let ks = vec!["a".to_string(), String::new(), "ñ-key".to_string()];
         let p = pack_keys(&ks).unwrap();
-        assert_eq!(unpack_keys(&p).unwrap(), vec!["a", "", "ñ-key"]);
-        assert!(unpack_keys(&p[..p.len() - 1]).is_err());
-        assert!(unpack_keys(&[5, 0, b'a']).is_err());
-        assert!(unpack_keys(&[2, 0, 0xFF, 0xFE]).is_err());
+        assert_eq!(unpack_keys(&p, 3).unwrap(), vec!["a", "", "ñ-key"]);
+        assert!(unpack_keys(&p[..p.len() - 1], 3).is_err());
+        assert!(unpack_keys(&[5, 0, b'a'], 3).is_err());
+        assert!(unpack_keys(&[2, 0, 0xFF, 0xFE], 3).is_err());
+        assert!(unpack_keys(&[0], 3).is_err());
+        assert_eq!(unpack_keys(&[], 0).unwrap(), Vec::<&str>::new());
+    }
+
+    #[test]
+    fn keys_past_the_limit_are_refused_as_the_store_refuses_them() {
+        let p = pack_keys(&["a", "b", "c"]).unwrap();
+        match unpack_keys(&p, 2) {
+            Err(L3Error::InvalidParams(m)) => assert_eq!(m, "3 keys in one batch; limit is 2"),
+            other => panic!("{other:?}"),
+        }
+        // Counted before anything is unpacked: a bad key past the limit is not looked at.
+        let mut bad = p.clone();
+        bad.extend_from_slice(&[1, 0, 0xFF]);
+        assert!(matches!(
+            unpack_keys(&bad, 3),
+            Err(L3Error::InvalidParams(_))
+        ));
+        assert!(matches!(unpack_keys(&bad, 4), Err(L3Error::InvalidKey(_))));
     }
 }

@@ -178,7 +178,7 @@ impl XferHandler for EmbeddedStore {
         let store = self;
         match req {
             XferRequest::Exist { tenant, opts, keys } => {
-                let r = unpack_keys(&keys)
+                let r = unpack_keys(&keys, store.config().max_batch_keys)
                     .and_then(|ks| store.exist_many(&tenant, &ks, opts))
                     .map(|v| {
                         ByteBuf::from(
@@ -194,7 +194,7 @@ impl XferHandler for EmbeddedStore {
                 write_frame(sock, &XferReply::Exist(r)).is_ok()
             }
             XferRequest::Get { tenant, keys, caps } => {
-                let blobs = unpack_keys(&keys).and_then(|ks| {
+                let blobs = unpack_keys(&keys, store.config().max_batch_keys).and_then(|ks| {
                     if ks.len() != caps.len() {
                         return Err(L3Error::InvalidParams(
                             "keys and capacities differ in length".into(),
