@@ -92,16 +92,20 @@ fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> PublishError {
     move |source| PublishError::Zmq { what, source }
 }
 
+/// What the publisher thread reads to answer a snapshot request. Never held while waiting
+/// for that thread (it would wait for this lock: a hang under snapshot requests).
 struct State {
     next_seq: u64,
     mirror: Mirror,
-    push: zmq::Socket,
     closed: bool,
 }
 
 /// Publishes batches of KV events; dropping it stops its thread and closes its sockets.
 pub struct Publisher {
     state: Arc<Mutex<State>>,
+    /// The hand-over to the publisher thread; its lock orders the batches (one publisher at
+    /// a time, in number order). A hand-over may wait for the thread, which never takes it.
+    push: Mutex<zmq::Socket>,
     thread: Option<JoinHandle<()>>,
     endpoint: String,
     replay_endpoint: Option<String>,
@@ -142,6 +146,14 @@ impl Publisher {
             Some(ep) => {
                 let r = ctx.socket(zmq::ROUTER).map_err(zerr("ROUTER socket"))?;
                 r.set_linger(0).map_err(zerr("ROUTER linger"))?;
+                // a whole replay (every kept batch and the end marker) fits a requester's
+                // queue; past it a send is refused (mandatory), never silently dropped: a
+                // ROUTER drops what exceeds its high-water mark (1,000 by default), and a
+                // replay with a hole in it and an end marker looks complete
+                let hwm = i32::try_from(cfg.buffer_steps.saturating_add(2)).unwrap_or(i32::MAX);
+                r.set_sndhwm(hwm).map_err(zerr("ROUTER high-water mark"))?;
+                r.set_router_mandatory(true)
+                    .map_err(zerr("ROUTER mandatory"))?;
                 r.bind(ep)
                     .map_err(zerr(format!("bind replay ROUTER {ep}")))?;
                 Some(r)
@@ -158,7 +170,6 @@ impl Publisher {
         let state = Arc::new(Mutex::new(State {
             next_seq: 0,
             mirror: Mirror::new(),
-            push,
             closed: false,
         }));
         let worker = Worker {
@@ -179,6 +190,7 @@ impl Publisher {
             .map_err(|e| PublishError::Config(format!("cannot start the publisher thread: {e}")))?;
         Ok(Self {
             state,
+            push: Mutex::new(push),
             thread: Some(thread),
             endpoint,
             replay_endpoint,
@@ -200,14 +212,21 @@ impl Publisher {
     /// Publishes one batch; returns its sequence number.
     pub fn publish(&self, ts: f64, events: &[WireEvent]) -> Result<u64, PublishError> {
         let payload = encode_batch(ts, events, self.data_parallel_rank, self.hash_format)?;
-        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if st.closed {
-            return Err(PublishError::Closed);
-        }
-        let seq = st.next_seq;
-        st.push
-            .send_multipart([&b"B"[..], &seq.to_be_bytes(), &payload], 0)
+        let push = self.push.lock().unwrap_or_else(PoisonError::into_inner);
+        // the number is ours while `push` is held (only a hand-over advances it)
+        let seq = {
+            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if st.closed {
+                return Err(PublishError::Closed);
+            }
+            st.next_seq
+        };
+        // may wait while the thread is behind (its queue full): without the state lock, which
+        // the thread takes to build a snapshot. A snapshot taken meanwhile is numbered before
+        // this batch and does not hold it: consistent.
+        push.send_multipart([&b"B"[..], &seq.to_be_bytes(), &payload], 0)
             .map_err(zerr("hand the batch to the publisher thread"))?;
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         st.next_seq += 1;
         for e in events {
             st.mirror.apply(e);
@@ -243,10 +262,11 @@ impl Publisher {
         };
         if first {
             loop {
-                let sent = {
-                    let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-                    st.push.send(&b"S"[..], zmq::DONTWAIT)
-                };
+                let sent = self
+                    .push
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .send(&b"S"[..], zmq::DONTWAIT);
                 let running = self.thread.as_ref().is_some_and(|t| !t.is_finished());
                 match sent {
                     Ok(()) => break,
@@ -395,6 +415,9 @@ impl Worker {
                     .map(|(s, p)| (s.to_be_bytes().to_vec(), p.clone())),
             );
         }
+        // a send refused (the requester's queue full, or it is gone) ends the answer without
+        // its end marker: the requester times out and asks again, never takes a replay with
+        // a hole for a whole one
         for (seq, p) in replies {
             if r.send_multipart([&id[..], b"", &self.topic[..], &seq, &p], zmq::DONTWAIT)
                 .is_err()

@@ -344,3 +344,94 @@ fn decode_batch(b: &[u8]) -> Vec<WireEvent> {
         })
         .collect()
 }
+
+/// `n` distinct stored blocks, a chain (a resident set a snapshot has to list).
+fn chain(n: usize) -> Vec<WireEvent> {
+    (0..n)
+        .map(|i| {
+            let h = |i: usize| {
+                let mut b = [0u8; 32];
+                b[..8].copy_from_slice(&(i as u64 + 1).to_le_bytes());
+                PageHash(b)
+            };
+            WireEvent::BlockStored {
+                block_hashes: vec![h(i)],
+                parent_block_hash: i.checked_sub(1).map(h),
+                token_ids: vec![i as u32; 4],
+                block_size: 4,
+                medium: Medium::Gpu,
+                lora_name: None,
+                locality: Some(Locality::Local),
+            }
+        })
+        .collect()
+}
+
+/// An adversarial tester's hang: a client asking for snapshots in a loop slows the publisher
+/// thread; once the batches queued to it filled its inbound queue, `publish` blocked handing
+/// it the next one while holding the state lock, which the thread needed to build the next
+/// snapshot: both waited for ever (the engine's step stuck in `publish_from`). Publishing
+/// must finish whatever the replay socket is asked.
+#[test]
+fn snapshot_requests_never_block_publishing() {
+    let p = std::sync::Arc::new(
+        Publisher::bind(PublisherConfig {
+            block_size: 4,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    p.publish(0.0, &chain(10_000)).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let asker = {
+        let (ep, stop) = (p.replay_endpoint().unwrap().to_owned(), stop.clone());
+        std::thread::spawn(move || {
+            let ctx = zmq::Context::new();
+            let s = ctx.socket(zmq::DEALER).unwrap();
+            s.set_linger(0).unwrap();
+            s.connect(&ep).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // never read the answers: the publisher thread keeps building snapshots
+                if s.send_multipart([&b""[..], &SNAPSHOT_REQUEST], zmq::DONTWAIT)
+                    .is_err()
+                {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        })
+    };
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let publisher = std::sync::Arc::clone(&p);
+    std::thread::spawn(move || {
+        for i in 0..6_000 {
+            publisher.publish(ts(i), &[removed(7)]).unwrap();
+        }
+        let _ = done_tx.send(());
+    });
+    let finished = done_rx.recv_timeout(Duration::from_secs(120)).is_ok();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(finished, "publish blocked behind the snapshots");
+    asker.join().unwrap();
+}
+
+/// An adversarial tester's hole: a replay sent more batches than the ROUTER socket queues
+/// (its default send high-water mark, 1,000), and ZMQ dropped the rest and the end marker
+/// without an error: the requester saw batches 0..999 and nothing more. Every kept batch and
+/// the end marker arrive, or (a requester that does not read) none after the first refused.
+#[test]
+fn a_replay_longer_than_a_socket_queue_arrives_whole() {
+    let p = Publisher::bind(PublisherConfig {
+        block_size: 4,
+        ..Default::default()
+    })
+    .unwrap();
+    let c = Client::connect(&p, "");
+    let n = 3_000;
+    for i in 0..n {
+        p.publish(ts(i), &[removed(7)]).unwrap();
+    }
+    assert_eq!(c.live(n as i64 - 1).last().map(|l| l.0), Some(n as i64 - 1));
+    let got = c.request(0u64.to_be_bytes());
+    let seqs: Vec<i64> = got.iter().map(|g| g.0).collect();
+    assert_eq!(seqs, (0..n as i64).collect::<Vec<_>>());
+}
