@@ -116,18 +116,21 @@ impl TierUsage {
     }
 }
 
-/// Identity hasher: the key is already a uniformly distributed SHA-256 prefix.
+/// The cache's maps' hasher: a `u64` key as it is (already uniform), a [`PageHash`] its four
+/// words folded.
 #[derive(Default)]
 pub(crate) struct PrefixHasher(u64);
 impl Hasher for PrefixHasher {
     fn finish(&self) -> u64 {
         self.0
     }
+    /// A `u64` key as it is; a [`PageHash`]'s four words folded (each word rotated in), so
+    /// hashes differing anywhere hash apart.
     fn write_u64(&mut self, v: u64) {
-        self.0 = v;
+        self.0 = self.0.rotate_left(23) ^ v;
     }
     fn write(&mut self, bytes: &[u8]) {
-        // Not used by PageHash (which writes one u64); fold anything else FNV-style.
+        // Not used by PageHash (which writes u64 words); fold anything else FNV-style.
         for b in bytes {
             self.0 = (self.0 ^ *b as u64).wrapping_mul(0x100_0000_01b3);
         }
