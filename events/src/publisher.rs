@@ -386,10 +386,19 @@ impl Worker {
         let Ok(frames) = r.recv_multipart(zmq::DONTWAIT) else {
             return;
         };
-        let [id, _, start] = frames.as_slice() else {
-            return;
+        // the ROUTER puts the requester's identity first: anything else it sent that is not
+        // `["", start]` with an 8-byte start gets the end marker alone (it waited out its
+        // timeout before)
+        let Some(id) = frames.first() else { return };
+        let start = match frames.as_slice() {
+            [_, empty, start] if empty.is_empty() => <[u8; 8]>::try_from(start.as_slice()).ok(),
+            _ => None,
         };
-        let Ok(start) = <[u8; 8]>::try_from(start.as_slice()) else {
+        let Some(start) = start else {
+            if let Err(e) = r.send_multipart([&id[..], b"", b"", &END_SEQ[..], b""], zmq::DONTWAIT)
+            {
+                eprintln!("kvtier-events: replay end not sent: {e}");
+            }
             return;
         };
         let mut replies: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();

@@ -435,3 +435,32 @@ fn a_replay_longer_than_a_socket_queue_arrives_whole() {
     let seqs: Vec<i64> = got.iter().map(|g| g.0).collect();
     assert_eq!(seqs, (0..n as i64).collect::<Vec<_>>());
 }
+
+/// A malformed replay request (a start that is not 8 bytes, a missing or extra frame) was
+/// not answered at all: the requester waited out its timeout. It gets the end marker alone,
+/// and the publisher goes on answering.
+#[test]
+fn a_malformed_replay_request_gets_the_end_marker() {
+    let p = Publisher::bind(PublisherConfig {
+        block_size: 4,
+        ..Default::default()
+    })
+    .unwrap();
+    p.publish(ts(0), &[removed(7)]).unwrap();
+    let c = Client::connect(&p, "");
+    for bad in [
+        vec![&b""[..], &b"abc"[..]],
+        vec![&b""[..]],
+        vec![&b""[..], &[0u8; 8][..], &b"x"[..]],
+        vec![&b"x"[..], &[0u8; 8][..]],
+    ] {
+        c.replay.send_multipart(bad.clone(), 0).unwrap();
+        let f = c
+            .replay
+            .recv_multipart(0)
+            .unwrap_or_else(|e| panic!("{bad:?}: {e}"));
+        assert_eq!(f.len(), 4, "{bad:?}");
+        assert_eq!(i64::from_be_bytes(f[2].as_slice().try_into().unwrap()), -1);
+    }
+    assert_eq!(c.request(0u64.to_be_bytes()).len(), 1, "still answering");
+}
