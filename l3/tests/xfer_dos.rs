@@ -9,7 +9,7 @@
 //! (and be given) 64 MiB; an `Exist` of 60 MiB of empty keys was unpacked whole (a 16-byte
 //! `&str` per 2-byte key, 0.5 GiB) before its batch size was checked.
 
-use std::io::Write;
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -265,4 +265,75 @@ fn keys_past_the_batch_limit_are_refused_before_they_are_unpacked() {
         let peak_mib = s.status_kib("VmHWM") >> 10;
         assert!(peak_mib < 320, "server peaked at {peak_mib} MiB");
     }
+}
+
+#[test]
+fn a_peer_that_does_not_read_its_reply_is_dropped() {
+    let store = Arc::new(
+        EmbeddedStore::new(StoreConfig {
+            local_segment_bytes: 128 << 20,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    let h = spawn_server(
+        store,
+        ServerOptions {
+            xfer_write_timeout: Duration::from_secs(1),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let c = client(h.addr, None);
+    let xa = SocketAddr::new(h.addr.ip(), c.limits().xfer_port);
+    let a = t("a");
+    let (n, size) = (16usize, 4usize << 20);
+    let keys: Vec<String> = (0..n).map(|i| format!("pin{i}")).collect();
+    let objs: Vec<Vec<u8>> = (0..n).map(|i| payload(i, size)).collect();
+    let refs: Vec<&[u8]> = objs.iter().map(Vec::as_slice).collect();
+    let r = c
+        .batch_put_from(&a, &keys, &refs, PutOptions::default())
+        .unwrap();
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    // A 64 MiB reply asked for, and not read.
+    let mut s = TcpStream::connect(xa).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    write_frame(&mut s, &XferRequest::Hello { token: None }).unwrap();
+    assert!(matches!(
+        read_frame::<XferReply>(&mut s, 1 << 20),
+        Ok(XferReply::Hello(Ok(())))
+    ));
+    let req = XferRequest::Get {
+        tenant: a.clone(),
+        keys: ByteBuf::from(kvtier_l3::rpc::xfer::pack_keys(&keys).unwrap()),
+        caps: vec![size as u64; n],
+    };
+    write_frame(&mut s, &req).unwrap();
+    // The server is writing (the first bytes are here); ten times its write timeout later
+    // it has given up on this peer.
+    let mut first = [0u8; 1];
+    assert_eq!(s.peek(&mut first).unwrap(), 1);
+    std::thread::sleep(Duration::from_secs(10));
+    // So the reply ends short: what the socket buffers held, then the close.
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                panic!("still open after {got} bytes")
+            }
+            Err(_) => break,
+        }
+    }
+    assert!(got < n * size, "{got} bytes: the whole reply was sent");
+    // Everyone else is still served.
+    let mut out = vec![0u8; size];
+    let mut bufs = [&mut out[..]];
+    let r = c
+        .batch_get_into(&a, std::slice::from_ref(&keys[0]), &mut bufs)
+        .unwrap();
+    assert_eq!(r, vec![Ok(size as u64)]);
+    assert_eq!(out, objs[0]);
 }

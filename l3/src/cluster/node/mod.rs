@@ -47,7 +47,7 @@ use crate::config::{OffloadMode, SsdConfig, StoreConfig};
 use crate::error::{L3Error, L3Result};
 use crate::master::DiskLoc;
 use crate::rpc::accept::TokenDigest;
-use crate::rpc::server::DEFAULT_MAX_FRAME;
+use crate::rpc::server::{DEFAULT_MAX_FRAME, DEFAULT_XFER_WRITE_TIMEOUT};
 use crate::rpc::service::ClusterRequest;
 use crate::rpc::shm::{ShmMode, ShmOffer, ShmServer};
 use crate::rpc::xfer::XferServer;
@@ -80,6 +80,10 @@ pub struct NodeOptions {
     pub ssd: Option<SsdConfig>,
     /// Largest frame on the data channel.
     pub max_frame_bytes: usize,
+    /// A write on an authenticated data-channel connection that makes no progress for this
+    /// long (the peer does not read) drops the connection (as
+    /// `ServerOptions::xfer_write_timeout`).
+    pub xfer_write_timeout: std::time::Duration,
     /// Most keys per request.
     pub max_batch_keys: usize,
     /// Largest object.
@@ -117,6 +121,7 @@ impl NodeOptions {
             segment_bytes: 1 << 30,
             ssd: None,
             max_frame_bytes: DEFAULT_MAX_FRAME,
+            xfer_write_timeout: DEFAULT_XFER_WRITE_TIMEOUT,
             max_batch_keys: 65_536,
             max_object_bytes: 1 << 30,
             ping_interval: Duration::from_secs(1),
@@ -270,6 +275,7 @@ impl StoreNode {
             inner.opts.listen,
             inner.opts.token.as_deref().map(TokenDigest::of),
             inner.opts.max_frame_bytes,
+            inner.opts.xfer_write_timeout,
         )?;
         let _ = inner.data_addr.set(x.addr);
         let node = StoreNode {

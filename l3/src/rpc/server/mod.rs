@@ -54,6 +54,8 @@ pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// Default of [`ServerOptions::max_unauthenticated`].
 pub const DEFAULT_MAX_UNAUTHENTICATED: usize = 256;
+/// Default of [`ServerOptions::xfer_write_timeout`].
+pub const DEFAULT_XFER_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How to serve.
 #[derive(Debug, Clone)]
@@ -87,6 +89,10 @@ pub struct ServerOptions {
     /// Most RPC connections that have not authenticated yet (within `max_connections`);
     /// past it, a new connection closes the oldest of them.
     pub max_unauthenticated: usize,
+    /// A write on an authenticated transfer-channel connection that makes no progress for
+    /// this long (the peer does not read its reply) drops the connection, and with it the
+    /// reply's hold on the objects it was sending.
+    pub xfer_write_timeout: Duration,
 }
 
 impl Default for ServerOptions {
@@ -103,6 +109,7 @@ impl Default for ServerOptions {
             hello_timeout: DEFAULT_HELLO_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_unauthenticated: DEFAULT_MAX_UNAUTHENTICATED,
+            xfer_write_timeout: DEFAULT_XFER_WRITE_TIMEOUT,
         }
     }
 }
@@ -282,6 +289,11 @@ pub async fn start<B: Backend>(
     stop: watch::Receiver<bool>,
 ) -> L3Result<(SocketAddr, Option<SocketAddr>)> {
     ShmMode::try_from_env()?;
+    if opts.hello_timeout.is_zero() || opts.xfer_write_timeout.is_zero() {
+        return Err(L3Error::InvalidParams(
+            "hello_timeout and xfer_write_timeout must be positive".into(),
+        ));
+    }
     let listener = tokio::net::TcpListener::bind(opts.addr)
         .await
         .map_err(|e| L3Error::Unavailable(format!("bind {}: {e}", opts.addr)))?;
@@ -304,6 +316,7 @@ pub async fn start<B: Backend>(
             SocketAddr::new(addr.ip(), 0),
             token,
             opts.max_frame_bytes,
+            opts.xfer_write_timeout,
         )?),
         None => None,
     };

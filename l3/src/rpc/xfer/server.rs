@@ -5,15 +5,18 @@
 //! hops; the connection limits below bound the threads.
 //!
 //! The first request of a connection must be `Hello` (with the shared-secret token when the
-//! server has one). Limits (frame size, keys per batch, the caller's buffer sizes) give typed
-//! errors; a frame over the limit or one that does not decode gets an error reply and the
-//! connection is closed, while the listener keeps serving.
+//! server has one), within `HELLO_TIMEOUT` of the accept and in a frame of at most
+//! `PRE_AUTH_MAX_FRAME`. After it, a write that makes no progress for the write timeout
+//! (`ServerOptions::xfer_write_timeout`, 60 s) drops the connection. Limits (frame size,
+//! keys per batch, the caller's buffer sizes) give typed errors; a frame over the limit or
+//! one that does not decode gets an error reply and the connection is closed, while the
+//! listener keeps serving.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_bytes::ByteBuf;
 
@@ -43,7 +46,13 @@ impl XferServer {
         addr: SocketAddr,
         token: Option<TokenDigest>,
         max_frame: usize,
+        write_timeout: Duration,
     ) -> L3Result<Self> {
+        if write_timeout.is_zero() {
+            return Err(L3Error::InvalidParams(
+                "the transfer channel's write timeout must be positive".into(),
+            ));
+        }
         let l = TcpListener::bind(addr)
             .map_err(|e| L3Error::Unavailable(format!("bind {addr}: {e}")))?;
         let bound = l
@@ -52,7 +61,11 @@ impl XferServer {
         let stop = Arc::new(AtomicBool::new(false));
         let st = stop.clone();
         let serve: ServeConn<TcpStream> = Arc::new(move |sock, hello| {
-            serve_conn(sock, &*store, token.as_ref(), max_frame, &st, hello)
+            let limits = ConnLimits {
+                max_frame,
+                write_timeout,
+            };
+            serve_conn(sock, &*store, token.as_ref(), limits, &st, hello)
         });
         let accept = spawn_acceptor(
             "kvtier-l3-xfer",
@@ -83,14 +96,22 @@ impl Drop for XferServer {
     }
 }
 
+/// What one connection may send and how long its writes may stall.
+#[derive(Clone, Copy)]
+struct ConnLimits {
+    max_frame: usize,
+    write_timeout: Duration,
+}
+
 fn serve_conn(
     mut sock: TcpStream,
     store: &dyn XferHandler,
     token: Option<&TokenDigest>,
-    max_frame: usize,
+    limits: ConnLimits,
     stop: &AtomicBool,
     hello: &mut Pending<'_>,
 ) {
+    let max_frame = limits.max_frame;
     let _ = sock.set_nodelay(true);
     // Until it authenticates, the peer has HELLO_TIMEOUT from now, however it sends (a
     // per-read timeout alone would let it dribble a byte at a time for ever), and frames of
@@ -149,9 +170,12 @@ fn serve_conn(
                 };
                 if authed {
                     // Authenticated: no longer pending, and reads may block (an
-                    // authenticated client between calls is idle by design).
+                    // authenticated client between calls is idle by design); a write
+                    // that stalls for the write timeout (a peer that does not read its
+                    // reply) fails, and the connection goes with the reply's objects.
                     hello.release();
-                    if sock.set_read_timeout(None).is_err() || sock.set_write_timeout(None).is_err()
+                    if sock.set_read_timeout(None).is_err()
+                        || sock.set_write_timeout(Some(limits.write_timeout)).is_err()
                     {
                         return;
                     }
