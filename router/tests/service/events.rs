@@ -430,8 +430,22 @@ async fn a_stream_of_another_topic_is_refused_live_and_replayed() {
         c.lock().expect("lock").streams[1].next_seq.is_some()
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await; // the SUBs join
-    for b in &batches[1..] {
+    // The other topic's stream cannot recover a batch its SUB missed (its replays are
+    // refused), so the second batch goes out until that SUB has heard it (ZMQ's slow joiner:
+    // a fixed pause was not enough on a loaded machine); the right topic's stream takes
+    // the repeats as the same stores again.
+    let foreign = |c: &Arc<std::sync::Mutex<kvtier_router::cluster::Cluster>>| {
+        c.lock().expect("lock").streams[0].counters.foreign_topic as usize
+    };
+    let c = Arc::clone(&r.cluster);
+    until("the other topic's SUB joined", || {
+        p.publish(0.0, &batches[1]).expect("publish");
+        std::thread::sleep(Duration::from_millis(50));
+        foreign(&c) >= 1
+    })
+    .await;
+    let joined_at = foreign(&c);
+    for b in &batches[2..] {
         p.publish(0.0, b).expect("publish");
     }
     let want = reference(&[Vec::new(), batches.clone()], 1 << 20).entries();
@@ -442,7 +456,7 @@ async fn a_stream_of_another_topic_is_refused_live_and_replayed() {
     .await;
     let c = Arc::clone(&r.cluster);
     until("the other topic's live batches counted", move || {
-        c.lock().expect("lock").streams[0].counters.foreign_topic as usize == batches.len() - 1
+        foreign(&c) == joined_at + batches.len() - 2
     })
     .await;
     assert!(
