@@ -47,7 +47,7 @@ pub mod base {
         kvtier,
         AgreementError,
         PyValueError,
-        "RankAgreement refused a call (a forward result, an op recorded twice, a reduced vector of the wrong length or that is not the minimum over ranks); nothing changed."
+        "RankAgreement refused a call; nothing changed: a forward result, an op recorded twice, a completion of another kind than its op's or a count above what the op asked for, a checked push for an op not in flight, a reduced vector of the wrong length or that is not the minimum over ranks, loss words that are malformed, leave out this rank's own or come from another number of ranks than tp_ranks."
     );
     pyo3::create_exception!(
         kvtier,

@@ -307,15 +307,15 @@ pub enum ConfigError {
     ZeroHitThreshold,
     #[error("max_context_tokens ({0}) exceeds the device capacity in tokens")]
     ContextExceedsDevice(usize),
-    #[error("host_admission OnDeviceEviction writes device pages to host and needs the host tier")]
-    DemotionWithoutHost,
-    #[error("host_admission OnDeviceEviction needs 1 ≤ ahead_pages ≤ device_pages, got {0}")]
-    DemotionAhead(u32),
+    #[error("host_admission {0} writes device pages to host and needs the host tier")]
+    DemotionWithoutHost(HostAdmission),
+    #[error("host_admission {0}: ahead_pages must be 1 ..= device_pages ({1})")]
+    DemotionAhead(HostAdmission, u32),
     /// Write-back promises that every page leaves the instance through host (and host backs
     /// it up to L3 before dropping it); with demotion, device drops the leaves it could not
     /// demote in time, which would then never reach L3.
-    #[error("host_admission OnDeviceEviction cannot be combined with write_policy WriteBack")]
-    DemotionWithWriteBack,
+    #[error("host_admission {0} demotes and cannot be combined with write_policy WriteBack")]
+    DemotionWithWriteBack(HostAdmission),
     /// The learnt admission follows the adaptive eviction policy's level or the shadow
     /// selector's choice.
     #[error("host_admission Adaptive needs eviction Adaptive or Shadow")]
@@ -387,13 +387,16 @@ impl SchedulerConfig {
                 return Err(ConfigError::AdaptiveAdmissionWithoutAdaptiveEviction);
             }
             if !self.host_enabled {
-                return Err(ConfigError::DemotionWithoutHost);
+                return Err(ConfigError::DemotionWithoutHost(self.host_admission));
             }
             if ahead_pages == 0 || ahead_pages > self.device_pages {
-                return Err(ConfigError::DemotionAhead(ahead_pages));
+                return Err(ConfigError::DemotionAhead(
+                    self.host_admission,
+                    self.device_pages,
+                ));
             }
             if self.write_policy == WritePolicy::WriteBack {
-                return Err(ConfigError::DemotionWithWriteBack);
+                return Err(ConfigError::DemotionWithWriteBack(self.host_admission));
             }
         }
         if !self.host_enabled {

@@ -108,7 +108,7 @@ fn demotion_config_errors() {
         };
         assert!(matches!(
             Scheduler::new(no_host),
-            Err(ConfigError::DemotionWithoutHost)
+            Err(ConfigError::DemotionWithoutHost(_))
         ));
         let write_back = SchedulerConfig {
             write_policy: WritePolicy::WriteBack,
@@ -117,13 +117,34 @@ fn demotion_config_errors() {
         };
         assert!(matches!(
             Scheduler::new(write_back),
-            Err(ConfigError::DemotionWithWriteBack)
+            Err(ConfigError::DemotionWithWriteBack(_))
         ));
         for bad in [0, 65] {
             assert!(matches!(
                 Scheduler::new(make(bad)),
-                Err(ConfigError::DemotionAhead(n)) if n == bad
+                Err(ConfigError::DemotionAhead(a, 64)) if a.ahead_pages() == Some(bad)
             ));
+        }
+        // Each message names the admission the user chose (`adaptive:4` named
+        // OnDeviceEviction before), so that the value to change can be found.
+        let chosen = make(4).host_admission;
+        let kind = chosen.to_string();
+        let kind = kind.split(':').next().expect("a name");
+        for bad in [
+            SchedulerConfig {
+                host_enabled: false,
+                host_pages: 0,
+                ..make(4)
+            },
+            SchedulerConfig {
+                write_policy: WritePolicy::WriteBack,
+                l3_enabled: true,
+                ..make(4)
+            },
+            make(0),
+        ] {
+            let msg = Scheduler::new(bad).err().expect("refused").to_string();
+            assert!(msg.contains(kind), "{msg:?} does not name {kind}");
         }
     }
     for (text, want) in [

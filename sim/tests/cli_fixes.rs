@@ -181,3 +181,29 @@ fn the_sweep_belady_line_is_for_the_capacity_on_its_x_axis() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A dry run names the workload and its request count once: the chat's name carried its
+/// count and the line added it again ("synthetic chat (3200 requests) (3200 requests)").
+#[test]
+fn a_dry_run_says_the_request_count_once() {
+    let dir = temp_dir("dry-run-count");
+    let trace = dir.join("two.jsonl");
+    std::fs::write(&trace, [line(0, 512, 1), line(5, 1024, 1)].concat()).unwrap();
+    for (args, count) in [
+        (
+            vec!["sim", "--dry-run", "--clients", "3", "--rounds", "2"],
+            6,
+        ),
+        (
+            vec!["sim", "--dry-run", "--trace", trace.to_str().unwrap()],
+            2,
+        ),
+    ] {
+        let out = kvtier().args(&args).output().unwrap();
+        assert!(out.status.success(), "{args:?}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let said = format!("({count} requests)");
+        assert_eq!(text.matches(&said).count(), 1, "{args:?}: {text}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

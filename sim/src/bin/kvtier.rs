@@ -334,6 +334,14 @@ impl Workload {
         }
     }
 
+    /// The name and the number of requests, once (the chat's name already has it).
+    fn name_with_count(&self) -> String {
+        match self {
+            Workload::Trace { .. } => format!("{} ({} requests)", self.name(), self.len()),
+            Workload::Chat(_) => self.name(),
+        }
+    }
+
     fn stream(&self) -> Result<RequestStream, String> {
         match self {
             Workload::Trace { path, limit, .. } => {
@@ -450,9 +458,8 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
     };
     if a.dry_run {
         println!(
-            "dry run: {} ({} requests), eviction {}, {}",
-            reqs.name(),
-            reqs.len(),
+            "dry run: {}, eviction {}, {}",
+            reqs.name_with_count(),
             policy_name(&cfg.scheduler),
             match &plan {
                 Some(p) => format!("capacity sweep of {} points", p.points.len()),
