@@ -167,3 +167,27 @@ def test_the_engine_refuses_the_prompts_the_scheduler_refuses_and_keeps_the_othe
     e.run_to_idle()
     assert e.tokens[1][:40] == list(range(5, 45)) and e.tokens[2][:40] == list(range(100, 140))
     assert len(e.generated(1)) == len(e.generated(2)) == 2
+
+
+@pytest.mark.parametrize("short", [40, 16])
+def test_a_short_l3_object_is_a_miss_not_a_page(short):
+    """An L3 object shorter than a page (another writer's, a truncated one) was counted as a
+    page read: the store answers each key with the bytes it read, and every code >= 0 was
+    taken as a good read, so the rest of the page stayed what the pool held before. With
+    its first 32 bytes right (the oracle's stamp) the stale tail was served silently. Only a
+    read of exactly ``page_bytes`` counts; the request computes the rest."""
+    st = kvtier.L3Store.embedded(1 << 24)
+    a = Engine(kvtier.Scheduler(l3_config()), KvtierL3Backend(st))
+    serve(a, prompts(1))
+    keys = a.s.l3_keys(prompts(1)[0])
+    assert len(keys) == 10
+    for k in keys:
+        whole = st.get(k)
+        assert len(whole) == a.page_bytes
+        st.remove(k, force=True)
+        st.put(k, whole[:short])
+    b = Engine(kvtier.Scheduler(l3_config()), KvtierL3Backend(st))
+    sb = serve(b, prompts(1), first_id=100)
+    assert b.stats.l3_pages_read == 0
+    assert sb["l3_hit_tokens"] == 0 and sb["computed_tokens"] == 40
+    assert b.stats.pages_checked > 0  # the oracle read every page the forwards used

@@ -315,3 +315,23 @@ def test_probe_runs_on_its_own_lane_next_to_a_slow_prefetch():
         assert probe and probe[0].hit_pages == 1
         assert ex.stats.l3_probes == 1
         ex.drain()
+
+
+@pytest.mark.parametrize("short", [LAYOUT.page_bytes // 2, 16])
+def test_a_prefetch_counts_only_whole_pages_read(short):
+    """A key whose object is shorter than a page was reported read: the store answers the
+    bytes it read (a size, >= 0) and any code >= 0 counted, so the host page kept stale bytes
+    past the object's end and the scheduler mapped it as loaded. Only ``page_bytes`` counts:
+    the prefetch stops at the short key (here the second of three)."""
+    dev, host = pools()
+    store = kvtier.L3Store.embedded(1 << 22)
+    page = np.arange(LAYOUT.page_bytes, dtype=np.uint8)
+    store.put(KEYS[0], page)
+    store.put(KEYS[1], page[:short])
+    store.put(KEYS[2], page)
+    with Executor(dev, host, KvtierL3Backend(store)) as ex:
+        ex.submit([HandOp(1, "Prefetch", None, "host", (), [0, 1, 2], KEYS[:3])])
+        evs = ex.drain()
+        assert [(type(e).__name__, e.completed) for e in evs] == [("PrefetchDone", 1)]
+        assert ex.stats.l3_pages_read == 1
+    assert torch.equal(host.data[0].view(-1).view(torch.uint8), torch.from_numpy(page))

@@ -271,9 +271,12 @@ def _leading_found(codes: Sequence[int]) -> int:
     return n
 
 
-def _leading_ok(codes: np.ndarray) -> int:
-    bad = np.flatnonzero(codes < 0)
-    return int(bad[0]) if bad.size else int(codes.size)
+def leading_pages_read(codes: np.ndarray, page_bytes: int) -> int:
+    """Length of the leading run of keys read whole: the store answers each key with the
+    bytes it read or a negative code, and an object shorter than a page (another writer's,
+    a truncated one) leaves the rest of the page as it was: a miss, not a page."""
+    bad = np.flatnonzero(np.asarray(codes) != page_bytes)
+    return int(bad[0]) if bad.size else int(np.asarray(codes).size)
 
 
 class Engine:
@@ -415,7 +418,7 @@ class Engine:
             if n_try <= 0:
                 break
             codes = self.backend.get_with_query(q, 0, pool, ids[done : done + n_try])
-            ok = _leading_ok(codes)
+            ok = leading_pages_read(codes, self.page_bytes)
             done += ok
             if ok == n_try or int(codes[ok]) != LEASE_EXPIRED or attempt == 1:
                 break

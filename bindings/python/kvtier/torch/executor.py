@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .. import BackUpDone, L3QueryDone, LoadBackDone, PrefetchDone, WriteBackDone
-from ..engine import L3Backend
+from ..engine import L3Backend, leading_pages_read
 from .errors import ExecutorError, PoolLayoutError
 from .lanes import Lane, LaneContext, Signal
 from .movers import Direction, Mover, make_mover
@@ -94,11 +94,6 @@ class _Op:
     value: int = 0
     """PrefetchDone.completed, L3QueryDone.hit_pages, or 1/0 success of a BackUp."""
     forced: bool = False
-
-
-def _leading_ok(codes: np.ndarray) -> int:
-    bad = np.flatnonzero(np.asarray(codes) < 0)
-    return int(bad[0]) if bad.size else int(np.asarray(codes).size)
 
 
 def _written_once(dst: np.ndarray, what: str) -> None:
@@ -396,6 +391,7 @@ class Executor:
         def run(rec: _Op) -> None:
             if backend is None or not keys:
                 return
+            page_bytes = pool.shape[1] * pool.itemsize
             done, requeried = 0, False
             q, q_base = backend.query(keys), 0
             queries = 1
@@ -404,7 +400,7 @@ class Executor:
                 while done < min(len(keys), q_base + hit) and not rec.cancel.is_set():
                     n = min(chunk, q_base + hit - done)
                     codes = np.asarray(backend.get_with_query(q, done - q_base, pool, dst[done : done + n]))
-                    ok = _leading_ok(codes)
+                    ok = leading_pages_read(codes, page_bytes)
                     done += ok
                     rec.value = done
                     if ok == n:
