@@ -193,11 +193,16 @@ def test_bad_ops_raise_executor_error_and_start_nothing():
             # two pages copied onto one page: which one lands is undefined
             HandOp(2, "LoadBack", "host", "device", [1, 2], [3, 3]),
             HandOp(2, "Prefetch", None, "host", (), [4, 4], KEYS[:2]),
+            # op ids that are not the scheduler's (unsigned 64-bit integers): accepted, they
+            # made every later poll raise, and 2**64 lost the good op's completion for good
+            *(HandOp(i, "WriteBack", "device", "host", [1], [1]) for i in ("a", -5, 2**64, 1.5, None, True)),
         ]
         for b in bad:
             with pytest.raises(ExecutorError):
                 ex.submit([good, b])
             assert ex.in_flight() == 0 and torch.count_nonzero(host.data) == 0
+        ex.submit([good, HandOp(np.uint64(2**64 - 1), "L3Query")])
+        assert sorted(e.op for e in ex.drain()) == [1, 2**64 - 1]
         ex.submit([good])
         with pytest.raises(ExecutorError, match="in flight"):
             ex.submit([HandOp(1, "L3Query")])

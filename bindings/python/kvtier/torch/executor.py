@@ -96,6 +96,17 @@ class _Op:
     forced: bool = False
 
 
+def _op_id(op: Any) -> int:
+    """The op's id, which must be the scheduler's: an unsigned 64-bit integer (an id of
+    another type was accepted and made every later poll raise, losing completions)."""
+    i = op.id
+    if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+        raise ExecutorError(f"op id {i!r}: not an integer")
+    if not 0 <= int(i) < 1 << 64:
+        raise ExecutorError(f"op id {i}: not an unsigned 64-bit integer")
+    return int(i)
+
+
 def _written_once(dst: np.ndarray, what: str) -> None:
     """Refuses a copy that writes one page twice (which source lands would be undefined)."""
     if np.unique(dst).size != dst.size:
@@ -194,9 +205,10 @@ class Executor:
         ops = list(ops)
         seen: Set[int] = set()
         for op in ops:
-            if op.id in self._ops or op.id in seen:
-                raise ExecutorError(f"op {op.id} is already in flight")
-            seen.add(op.id)
+            op_id = _op_id(op)
+            if op_id in self._ops or op_id in seen:
+                raise ExecutorError(f"op {op_id} is already in flight")
+            seen.add(op_id)
             self._check(op)
         compute: Optional[Signal] = None
         for op in ops:
@@ -285,7 +297,7 @@ class Executor:
         src = self._pages_of(op.src_tier, op.src, op.kind)
         dst = self._pages_of(op.dst_tier, op.dst, op.kind)
         nl = self.device.layout.num_layers
-        rec = _Op(op.id, op.kind, Signal())
+        rec = _Op(_op_id(op), op.kind, Signal())
         if direction == Direction.LOAD:
             rec.layers = [Signal() for _ in range(nl - 1)] + [rec.done]
             host_p, dev_p = src, dst
@@ -302,7 +314,7 @@ class Executor:
                 mover.copy(direction, device, host, dev_p, host_p, range(nl))
                 ctx.mark(rec.done)
 
-        self._ops[op.id] = rec
+        self._ops[rec.id] = rec
         lane = self.load_lane if direction == Direction.LOAD else self.store_lane
         lane.submit(deps, task, rec.layers if direction == Direction.LOAD else [rec.done])
         if direction == Direction.LOAD:
@@ -311,9 +323,9 @@ class Executor:
             self.stats.pages_stored += int(src.size)
 
     def _l3_op(self, op: Any, reads: Tuple[str, np.ndarray], writes: Tuple[str, np.ndarray], fn, lane: Lane) -> None:
-        rec = _Op(op.id, op.kind, Signal())
+        rec = _Op(_op_id(op), op.kind, Signal())
         deps = self._deps_and_record(reads, writes, rec.done)
-        self._ops[op.id] = rec
+        self._ops[rec.id] = rec
 
         def task(ctx: LaneContext) -> None:
             fn(rec)
@@ -356,9 +368,9 @@ class Executor:
         src = self._pages_of(op.src_tier, op.src, "BackUp")
         backend, lane = self.backend, self.l3_lanes[next(self._l3_rr)]
         mover, device, nl = self.mover, self.device, self.device.layout.num_layers
-        rec = _Op(op.id, op.kind, Signal())
+        rec = _Op(_op_id(op), op.kind, Signal())
         deps = self._deps_and_record(("device", src), ("", np.zeros(0, dtype=np.int64)), rec.done, compute)
-        self._ops[op.id] = rec
+        self._ops[rec.id] = rec
         self.stats.device_backups += 1
 
         def task(ctx: LaneContext) -> None:
