@@ -80,3 +80,30 @@ def test_the_model_is_given_back_after_the_engine():
         with pytest.raises(ValueError):  # paged attention needs a page table
             model(ids)
     assert model(ids).logits.shape[1] == len(PROMPT)
+
+
+@pytest.mark.parametrize(
+    "prompt, stops, error",
+    [
+        ([1.9, 2.7, 3.2, 4.5], None, TypeError),  # were truncated to 1, 2, 3, 4 and run
+        (["10", "11", "12"], None, TypeError),  # were parsed as 10, 11, 12 and run
+        ([True, False, True], None, TypeError),
+        (np.array([1.5, 2.5]), None, TypeError),
+        (torch.tensor([1.0, 2.0]), None, TypeError),
+        ([1, 2, 500, 4], None, ValueError),  # past the vocabulary: IndexError mid-forward, a step stuck
+        ([1, -2, 3], None, ValueError),
+        (PROMPT, 5, TypeError),  # stop ids not a list: raised after the request was queued
+        (PROMPT, [1.5], TypeError),
+        (PROMPT, [128], ValueError),
+    ],
+)
+def test_submit_refuses_bad_tokens_and_changes_nothing(prompt, stops, error):
+    """Tokens that are not integers in the model's vocabulary, and stop ids likewise, are
+    refused before the request is queued: the same id can then be submitted correctly."""
+    with TorchEngine(config(l3_enabled=False), tiny_llama(seed=1)) as eng:
+        with pytest.raises(error):
+            eng.submit(1, prompt, 3, stop_token_ids=stops)
+        assert eng.s.live_requests() == 0 and 1 not in eng.outputs
+        eng.submit(1, torch.tensor(PROMPT), 3)  # an integer tensor is a prompt
+        eng.run_to_idle()
+        assert eng.generated(1) == greedy_reference(tiny_llama(seed=1), PROMPT, 3)

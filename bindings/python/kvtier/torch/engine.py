@@ -37,6 +37,32 @@ def _eos_of(model: Any) -> Set[int]:
     return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
 
 
+def token_ids(values: Any, what: str, vocab: Optional[int]) -> List[int]:
+    """``values`` as a list of token ids: integers (a list, or an integer numpy array or
+    tensor), each in ``0 .. vocab`` when the model says its vocabulary. Floats, strings and
+    bools are a ``TypeError`` (they were truncated or parsed), ids outside the vocabulary a
+    ``ValueError`` (they failed inside a forward, with a step in flight)."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise TypeError(f"{what}: a tensor of {values.dtype}, not of integers")
+        values = values.reshape(-1).tolist()
+    elif isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iu":
+            raise TypeError(f"{what}: an array of {values.dtype}, not of integers")
+        values = values.reshape(-1).tolist()
+    elif isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{what}: a sequence of token ids, not {type(values).__name__}")
+    out = []
+    for t in values:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"{what}: token ids must be integers, got {t!r}")
+        t = int(t)
+        if t < 0 or (vocab is not None and t >= vocab):
+            raise ValueError(f"{what}: token id {t} is outside the vocabulary (0 .. {vocab})")
+        out.append(t)
+    return out
+
+
 class TorchEngine:
     """Serves requests with ``model`` (a transformers causal LM), KV in pools sized from the
     scheduler's config, L3 through ``backend``.
@@ -80,7 +106,8 @@ class TorchEngine:
         self.s = scheduler
         self.model = model
         self.page_size = cfg["page_size"]
-        self.stop_token_ids = _eos_of(model) if stop_token_ids is None else {int(t) for t in stop_token_ids}
+        vocab = getattr(model.config, "vocab_size", None)
+        self.stop_token_ids = _eos_of(model) if stop_token_ids is None else set(token_ids(stop_token_ids, "stop_token_ids", vocab))
         self.device_pool = DevicePool.allocate(layout, cfg["device_pages"], dev)
         self.host_pool = HostPool.allocate(layout, cfg["host_pages"], Pinning.AUTO)
         self.executor = Executor(self.device_pool, self.host_pool, backend, mover=mover, ordering=ordering,
@@ -132,11 +159,15 @@ class TorchEngine:
                stop_token_ids: Optional[Sequence[int]] = None) -> None:
         """Queues a request; it ends after ``max_new_tokens`` or at a stop token (the
         engine's unless ``stop_token_ids`` is given), which is kept in its output."""
-        toks = [int(t) for t in prompt]
+        # Everything is checked before the scheduler queues the request: a refused call
+        # changes nothing, and the same id can be submitted again.
+        vocab = getattr(self.model.config, "vocab_size", None)
+        toks = token_ids(prompt, "prompt", vocab)
+        stops = self.stop_token_ids if stop_token_ids is None else set(token_ids(stop_token_ids, "stop_token_ids", vocab))
         self.s.submit(req, np.asarray(toks, dtype=np.uint32), max_new_tokens, now_ms)
         self.tokens[req] = toks
         self.outputs[req] = []
-        self.stops[req] = self.stop_token_ids if stop_token_ids is None else {int(t) for t in stop_token_ids}
+        self.stops[req] = stops
 
     def abort(self, req: int) -> None:
         """Cancels a request (queued, running or retracted); its pages are released by the
