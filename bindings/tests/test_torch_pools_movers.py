@@ -124,6 +124,40 @@ def test_wrap_uses_the_engines_tensors_and_checks_them():
         HostPool.wrap(lay, np.zeros(3))
 
 
+def test_pools_refuse_aliased_tensors_orders_and_sizes_they_cannot_use():
+    """Found by an adversarial tester: one tensor as K and V (or two layers, or overlapping
+    slices of one buffer) was wrapped and a LoadBack then wrote V over K; a string as the host
+    order was taken as layer-first (``== HostOrder.PAGE_FIRST`` failed) and read the pool in
+    the wrong layout; meta tensors were accepted; a negative page count raised a bare
+    RuntimeError. Each is a PoolLayoutError now."""
+    lay = layouts()[0]
+    k = [torch.zeros(4, *lay.chunk_shape) for _ in range(3)]
+    v = [torch.zeros(4, *lay.chunk_shape) for _ in range(3)]
+    with pytest.raises(PoolLayoutError, match="overlap"):
+        DevicePool.wrap(lay, k, k)
+    with pytest.raises(PoolLayoutError, match="overlap"):
+        DevicePool.wrap(lay, [k[0], k[0], k[2]], v)
+    buf = torch.zeros(7, *lay.chunk_shape)
+    with pytest.raises(PoolLayoutError, match="overlap"):
+        DevicePool.wrap(lay, [buf[0:4], k[1], k[2]], [buf[3:7], v[1], v[2]])
+    # disjoint slices of one buffer are a pool (one allocation for K and V)
+    buf8 = torch.zeros(8, *lay.chunk_shape)
+    DevicePool.wrap(lay, [buf8[0:4], k[1], k[2]], [buf8[4:8], v[1], v[2]])
+    with pytest.raises(PoolLayoutError, match="meta"):
+        DevicePool.wrap(lay, [t.to("meta") for t in k], [t.to("meta") for t in v])
+    data = torch.zeros(2, lay.num_layers, lay.components, *lay.chunk_shape)
+    for bad in ["page_first", "layer_first", 0, None]:
+        with pytest.raises(PoolLayoutError, match="HostOrder"):
+            HostPool.wrap(lay, data, bad)
+    with pytest.raises(PoolLayoutError, match="CPU memory"):
+        HostPool.wrap(lay, data.to("meta"))
+    for n in [-1, 1.5, "4", True]:
+        with pytest.raises(PoolLayoutError, match="num_pages"):
+            DevicePool.allocate(lay, n)
+        with pytest.raises(PoolLayoutError, match="num_pages"):
+            HostPool.allocate(lay, n)
+
+
 def test_layer_first_host_pool_cannot_back_l3():
     lay = layouts()[0]
     dev, host = filled_pools(lay, 4, 4, HostOrder.LAYER_FIRST)

@@ -119,6 +119,22 @@ def _check(t: torch.Tensor, shape: Tuple[int, ...], layout: KVLayout, what: str)
         raise PoolLayoutError(f"{what}: must be contiguous")
 
 
+def _num_pages(n: Any) -> int:
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or int(n) < 0:
+        raise PoolLayoutError(f"num_pages must be a non-negative integer, got {n!r}")
+    return int(n)
+
+
+def _refuse_overlaps(tensors: Sequence[Tuple[str, torch.Tensor]]) -> None:
+    """Refuses tensors whose memory overlaps (one tensor as K and V, or as two layers, or
+    overlapping slices of one buffer): a copy into one would overwrite the other. Every pool
+    tensor is contiguous, so its bytes are one range and the test is exact."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), what) for what, t in tensors)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise PoolLayoutError(f"{a} and {b} overlap in memory: each needs its own pages")
+
+
 class DevicePool:
     """Per layer, ``components`` tensors of ``[pages, *chunk_shape]`` on one device."""
 
@@ -136,6 +152,10 @@ class DevicePool:
                 _check(t, shape, layout, f"device layer {l} component {c}")
                 if t.device != self.device:
                     raise PoolLayoutError(f"device layer {l} component {c} is on {t.device}, not {self.device}")
+        if self.device.type == "meta":
+            raise PoolLayoutError("device pool: meta tensors hold no memory")
+        _refuse_overlaps([(f"device layer {l} component {c}", t) for l, comps in enumerate(tensors)
+                          for c, t in enumerate(comps)])
         self.layout = layout
         self.tensors: List[Tuple[torch.Tensor, ...]] = [tuple(c) for c in tensors]
         self._base = np.array([[t.data_ptr() for t in comps] for comps in self.tensors], dtype=np.int64)
@@ -143,7 +163,7 @@ class DevicePool:
     @staticmethod
     def allocate(layout: KVLayout, num_pages: int, device: "torch.device | str" = "cpu") -> "DevicePool":
         """Zero-filled pools of ``num_pages`` pages per layer and component."""
-        shape = (num_pages, *layout.chunk_shape)
+        shape = (_num_pages(num_pages), *layout.chunk_shape)
         return DevicePool(
             layout,
             [[torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.components)]
@@ -184,6 +204,9 @@ class HostPool:
             raise PoolLayoutError(f"host pool: expected a torch.Tensor, got {type(data).__name__}")
         if data.device.type != "cpu":
             raise PoolLayoutError(f"host pool must live in CPU memory, not on {data.device}")
+        if not isinstance(order, HostOrder):
+            # a string compared unequal to HostOrder.PAGE_FIRST and was taken as layer-first
+            raise PoolLayoutError(f"host pool order must be a HostOrder, got {order!r}")
         lc = (layout.num_layers, layout.components)
         pages = int(data.shape[0] if order == HostOrder.PAGE_FIRST else data.shape[2]) if data.dim() >= 3 else 0
         shape = (pages, *lc, *layout.chunk_shape) if order == HostOrder.PAGE_FIRST else (*lc, pages, *layout.chunk_shape)
@@ -203,7 +226,7 @@ class HostPool:
     @staticmethod
     def allocate(layout: KVLayout, num_pages: int, pinning: Pinning = Pinning.AUTO) -> "HostPool":
         """Zero-filled, page-first; pinned per ``pinning``."""
-        shape = (num_pages, layout.num_layers, layout.components, *layout.chunk_shape)
+        shape = (_num_pages(num_pages), layout.num_layers, layout.components, *layout.chunk_shape)
         pin = pinning == Pinning.PINNED or (pinning == Pinning.AUTO and torch.cuda.is_available())
         return HostPool(layout, torch.zeros(shape, dtype=layout.dtype, pin_memory=pin))
 
