@@ -18,10 +18,11 @@
 //!    leaves, uncapped (shared) leaves and those of tenants over their cap.
 //!
 //! How: every node has an owner, the tenant whose insert created it ([`TenantId::SHARED`] for
-//! plain [`RadixCache::insert`]); a node split keeps its owner. For a tenant with a cap, each
-//! tier keeps the count of its cached pages, of its held pages (each held page tagged with its
-//! tenant until it is freed or given to the tree) and the set of its evictable leaves (the same
-//! keys as the tier's set). Without capped tenants every allocation takes the plain path.
+//! plain [`RadixCache::insert`]); a node split keeps its owner. Every page held on a tenant's
+//! behalf is tagged with it until it is freed or given to the tree (whether or not the tenant
+//! has a cap, so that a cap set while pages are in flight counts them). For a tenant with a
+//! cap, each tier keeps the count of its cached pages, of its held pages and the set of its
+//! evictable leaves (the same keys as the tier's set). Without capped tenants every allocation takes the plain path.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -73,6 +74,14 @@ impl RadixCache {
                         b.evictable.insert(k);
                     }
                 }
+            }
+            // And the pages held on its behalf (stores, prefetches, running requests' pages
+            // in flight): tagged whether or not it had a cap.
+            for tier in [TierKind::Device, TierKind::Host] {
+                books[tier as usize].held = self.held_for[tier as usize]
+                    .values()
+                    .filter(|&&o| o == tenant)
+                    .count();
             }
             self.tenants.insert(tenant, books);
         }
@@ -128,7 +137,9 @@ impl RadixCache {
         n: usize,
     ) -> Result<Vec<PageId<T>>, RadixError> {
         if self.tenants.is_empty() {
-            return self.alloc_evicting::<T>(n);
+            let pages = self.alloc_evicting::<T>(n)?;
+            self.tag_held(tenant, T::KIND, pages.iter().map(|p| p.index()));
+            return Ok(pages);
         }
         let t = T::KIND;
         let u = self.usage(t);
@@ -217,18 +228,24 @@ impl RadixCache {
         }
     }
 
-    /// Counts held pages against a capped `tenant` until they are freed or given to the tree.
+    /// Tags held pages with `tenant` until they are freed or given to the tree, and counts
+    /// them against its cap if it has one. Every tenant's pages are tagged (not only a capped
+    /// tenant's): a cap set while they are held must count them ([`Self::set_tenant_cap`]).
+    /// [`TenantId::SHARED`] has no cap and is not tagged.
     pub(crate) fn tag_held(
         &mut self,
         tenant: TenantId,
         t: TierKind,
         pages: impl Iterator<Item = u32>,
     ) {
-        let Some(b) = self.tenants.get_mut(&tenant) else {
+        if tenant == TenantId::SHARED {
             return;
-        };
+        }
+        let mut book = self.tenants.get_mut(&tenant);
         for p in pages {
-            if self.held_for[t as usize].insert(p, tenant).is_none() {
+            if self.held_for[t as usize].insert(p, tenant).is_none()
+                && let Some(b) = book.as_mut()
+            {
                 b[t as usize].held += 1;
             }
         }

@@ -90,6 +90,43 @@ fn caps_count_what_a_tenant_already_holds_and_can_be_lifted() {
     c.check_invariants().unwrap();
 }
 
+/// Found by an adversarial tester (through `OffloadManager.set_tenant_cap`): pages held on a
+/// tenant's behalf (a store or prefetch in flight) were counted only while the tenant had a
+/// cap. A cap set while they were held (first time, or again after being lifted) started the
+/// books at its cached pages alone: the audit failed ("held count drifted") and the tenant
+/// was granted its cap again on top of the pages it held.
+#[test]
+fn a_cap_set_while_pages_are_held_counts_them() {
+    let t = TenantId(9);
+    for capped_before in [false, true] {
+        let mut c = cache(64);
+        if capped_before {
+            c.set_tenant_cap(t, TierKind::Device, Some(4));
+        }
+        let held = c.alloc_evicting_for::<Device>(t, 3).unwrap();
+        if capped_before {
+            c.set_tenant_cap(t, TierKind::Device, None); // lifted while held
+        }
+        c.set_tenant_cap(t, TierKind::Device, Some(4));
+        assert_eq!(
+            c.tenant_charge(t, TierKind::Device),
+            Some(3),
+            "capped_before {capped_before}"
+        );
+        c.check_invariants().unwrap();
+        assert!(
+            matches!(
+                c.alloc_evicting_for::<Device>(t, 2),
+                Err(RadixError::TenantQuota { charged: 3, .. })
+            ),
+            "3 held + 2 > 4"
+        );
+        c.free(&held).unwrap();
+        assert_eq!(c.tenant_charge(t, TierKind::Device), Some(0));
+        c.check_invariants().unwrap();
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
 
