@@ -71,6 +71,8 @@ fn tmp_path(dir: &Path, id: u64) -> PathBuf {
 /// Name of the bucket id reservation file.
 pub const NEXT_ID_FILE: &str = "next-bucket-id";
 const NEXT_ID_MAGIC: &[u8; 8] = b"KVL3NID1";
+/// The lock file a tier holds (`flock`, exclusive) for as long as it has the directory open.
+pub const LOCK_FILE: &str = "kvtier-l3.lock";
 /// Bytes per tombstone record.
 pub const TOMB_REC: usize = 8;
 
@@ -436,6 +438,41 @@ pub struct Tombstones {
     /// A complete record failed its checksum: which record it removed is unknown, so no
     /// record of the bucket can be trusted to be alive.
     pub corrupt: bool,
+}
+
+/// Takes the directory's lock (an exclusive `flock` on [`LOCK_FILE`], created if missing,
+/// never through a symlink) without waiting. `Ok(None)`: another open file holds it (another
+/// process, or another tier of this one). The lock lasts as long as the returned file and
+/// goes with the process (a SIGKILL releases it).
+pub fn lock_dir(dir: &Path) -> io::Result<Option<File>> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(dir.join(LOCK_FILE))?;
+    if !f.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{LOCK_FILE} is not a regular file"),
+        ));
+    }
+    loop {
+        // SAFETY: flock on a descriptor this function owns.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(Some(f));
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EWOULDBLOCK) => return Ok(None),
+            _ => return Err(e),
+        }
+    }
 }
 
 /// Reads a bucket's tombstones (missing file = none). A torn last record (a crash inside

@@ -165,6 +165,9 @@ pub(super) struct Shared {
     pub(super) tomb_io: Mutex<()>,
     /// Published records whose registration was not confirmed (their announcements stay).
     pub(super) unconfirmed: Mutex<Vec<Unconfirmed>>,
+    /// The directory's lock ([`bucket::lock_dir`]), held as long as anything (the tier, its
+    /// writer thread) can still touch the directory.
+    _lock: File,
 }
 
 /// The SSD tier.
@@ -184,6 +187,27 @@ impl SsdTier {
         let open_err =
             |e: std::io::Error| L3Error::FileOpenFail(format!("{}: {e}", cfg.dir.display()));
         std::fs::create_dir_all(&cfg.dir).map_err(open_err)?;
+        // Before anything in the directory is read or changed: a second process on it would
+        // delete the first one's in-flight `.bkt.tmp` files at its rescan, and two writers
+        // would hand out the same bucket ids and rename buckets over each other's.
+        let lock = match bucket::lock_dir(&cfg.dir) {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                return Err(L3Error::FileOpenFail(format!(
+                    "{}: in use by another kvtier-l3 (its lock {} is held); \
+                     one SSD directory serves one store",
+                    cfg.dir.display(),
+                    bucket::LOCK_FILE
+                )));
+            }
+            Err(e) => {
+                return Err(L3Error::FileOpenFail(format!(
+                    "{}: cannot lock {}: {e}",
+                    cfg.dir.display(),
+                    bucket::LOCK_FILE
+                )));
+            }
+        };
         let scan = bucket::scan_dir(&cfg.dir).map_err(open_err)?;
         for id in &scan.orphan_tombs {
             // A crash between the unlinks of a deleted bucket: its sidecar must not outlive it.
@@ -272,6 +296,7 @@ impl SsdTier {
                 inflight: Mutex::new(Inflight::new()),
                 tomb_io: Mutex::new(()),
                 unconfirmed: Mutex::new(Vec::new()),
+                _lock: lock,
             }),
             tx: Mutex::new(None),
             worker: Mutex::new(None),
