@@ -279,16 +279,29 @@ impl Master {
         force: bool,
         now: u64,
     ) -> Vec<Removed> {
+        let keys = self.removable(t, select, force, now);
+        keys.iter()
+            .filter_map(|(k, _)| self.remove(t, k, true, now).ok())
+            .collect()
+    }
+
+    /// The tenant's keys selected by `select` that a remove would take: complete and
+    /// unleased ones (every selected one with `force`), and each one's SSD copy. The
+    /// embedded store tombstones those copies before it removes the keys, so a copy whose
+    /// tombstone fails keeps its key (`store/tier.rs`).
+    pub fn removable(
+        &self,
+        t: &Tenant,
+        select: impl Fn(&str) -> bool,
+        force: bool,
+        now: u64,
+    ) -> Vec<(String, Option<DiskLoc>)> {
         let Some(m) = self.objects.tenant(t) else {
             return Vec::new();
         };
-        let keys: Vec<String> = m
-            .iter()
+        m.iter()
             .filter(|(k, o)| select(k) && (force || (o.is_complete() && !o.leased(now))))
-            .map(|(k, _)| k.clone())
-            .collect();
-        keys.iter()
-            .filter_map(|k| self.remove(t, k, true, now).ok())
+            .map(|(k, o)| (k.clone(), o.disk))
             .collect()
     }
 

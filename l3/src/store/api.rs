@@ -128,32 +128,32 @@ impl L3Store for EmbeddedStore {
         Ok(out)
     }
 
+    /// Refused (nothing changed, the key readable) when the key's SSD tombstone cannot be
+    /// written: the tombstone is durable before the key leaves memory (`Inner::remove_durably`).
     fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()> {
         validate_key(key)?;
         let t0 = Instant::now();
         let now = self.inner.clock.now_ms();
-        let removed = self.inner.master.lock().remove(tenant, key, force, now)?;
-        self.inner
-            .forget_on_disk(tenant, std::slice::from_ref(&removed))?;
+        self.inner.remove_durably(tenant, key, force, now)?;
         self.inner.metrics.observe(Op::Remove, t0.elapsed());
         Ok(())
     }
 
+    /// Keys whose SSD tombstone cannot be written stay; the others are removed and the
+    /// error names the kept ones and the count (`Inner::remove_many_durably`).
     fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
         let now = self.inner.clock.now_ms();
-        let removed = self.inner.master.lock().remove_all(tenant, force, now);
-        self.inner.forget_on_disk(tenant, &removed)?;
-        Ok(removed.len() as u64)
+        self.inner.remove_many_durably(tenant, |_| true, force, now)
     }
 
+    /// As `remove_all`, for the keys `pattern` is found in.
     fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64> {
         let pattern = KeyPattern::new(pattern)?;
         let t0 = Instant::now();
         let now = self.inner.clock.now_ms();
-        let removed = (self.inner.master.lock()).remove_matching(tenant, &pattern, force, now);
-        self.inner.forget_on_disk(tenant, &removed)?;
+        let n = (self.inner).remove_many_durably(tenant, |k| pattern.is_found_in(k), force, now)?;
         self.inner.metrics.observe(Op::Remove, t0.elapsed());
-        Ok(removed.len() as u64)
+        Ok(n)
     }
 
     fn copy_replica(&self, tenant: &Tenant, key: &str, target: SegmentId) -> L3Result<bool> {

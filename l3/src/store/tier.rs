@@ -109,6 +109,104 @@ impl Inner {
         r
     }
 
+    /// `Remove` of one key, durably: under the master's lock, the refusals the master would
+    /// answer are checked first (nothing changes), then the key's registered SSD copy is
+    /// tombstoned (synced), and only then is the key removed. A tombstone that fails
+    /// refuses the remove with the key in place and readable; before, the key was dropped
+    /// from memory first and its record stayed live, so a restart brought it back (after a
+    /// newer version was put and removed, the older one). Lock order: master → the tier's
+    /// locks, as for `announce`; the tier never calls back into the master under its locks.
+    pub(super) fn remove_durably(
+        &self,
+        t: &Tenant,
+        key: &str,
+        force: bool,
+        now: u64,
+    ) -> L3Result<()> {
+        let mut m = self.master.lock();
+        let disk = match m.current_replicas(t, key) {
+            Ok((_, d)) => d,
+            // A put not ended yet has no SSD copy of its own; `force` removes it.
+            Err(L3Error::ReplicaIsNotReady) if force => None,
+            Err(e) => return Err(e),
+        };
+        if !force && m.is_leased(t, key, now) {
+            return Err(L3Error::ObjectHasLease);
+        }
+        if let (Some(ssd), Some(loc)) = (&self.ssd, disk) {
+            ssd.tombstone(&loc)?;
+        }
+        let removed = match m.remove(t, key, force, now) {
+            Ok(r) => r,
+            Err(e) => {
+                // Not reached (same checks, same lock); should the master's rules change,
+                // it must not point at the record just tombstoned.
+                if let Some(loc) = disk {
+                    m.drop_disk(LOCAL_NODE, t, key, &loc);
+                }
+                return Err(e);
+            }
+        };
+        // Queued writes of the version are cancelled; a record published but not yet
+        // registered (its writer is waiting for this lock) is tombstoned now. If that fails
+        // the key is already gone: the error is answered (see docs/l3.md, "remove").
+        self.forget_on_disk(t, std::slice::from_ref(&removed))
+    }
+
+    /// `RemoveAll` / `RemoveByRegex`, durably, with the same order as
+    /// [`Inner::remove_durably`]: the SSD copies of the keys selected are tombstoned one by
+    /// one under the master's lock, then every selected key is removed except those whose
+    /// tombstone failed, which stay (readable). Returns how many were removed; when a
+    /// tombstone failed, an error naming the kept keys and that count (the others are
+    /// removed all the same).
+    pub(super) fn remove_many_durably(
+        &self,
+        t: &Tenant,
+        select: impl Fn(&str) -> bool,
+        force: bool,
+        now: u64,
+    ) -> L3Result<u64> {
+        let mut m = self.master.lock();
+        let selected = m.removable(t, select, force, now);
+        let mut kept: Vec<(String, L3Error)> = Vec::new();
+        if let Some(ssd) = &self.ssd {
+            for (k, loc) in &selected {
+                if let Some(loc) = loc
+                    && let Err(e) = ssd.tombstone(loc)
+                {
+                    kept.push((k.clone(), e));
+                }
+            }
+        }
+        let mut removed = Vec::with_capacity(selected.len());
+        for (k, _) in &selected {
+            if kept.iter().any(|(x, _)| x == k) {
+                continue;
+            }
+            // Selected under this lock: the checks already passed.
+            if let Ok(r) = m.remove(t, k, true, now) {
+                removed.push(r);
+            }
+        }
+        let n = removed.len() as u64;
+        let after = self.forget_on_disk(t, &removed);
+        drop(m);
+        if let Some((k, e)) = kept.first() {
+            let names: Vec<&str> = kept.iter().take(8).map(|(k, _)| k.as_str()).collect();
+            return Err(L3Error::FileWriteFail(format!(
+                "{n} keys removed; {} kept, their SSD tombstone could not be written                  (e.g. {k}: {e}); kept: {}{}",
+                kept.len(),
+                names.join(", "),
+                if kept.len() > names.len() {
+                    ", ..."
+                } else {
+                    ""
+                },
+            )));
+        }
+        after.map(|()| n)
+    }
+
     /// After the master removed objects: cancels their queued SSD writes and tombstones
     /// their SSD copies (published or registered), durably, so an acknowledged remove
     /// survives a crash at any point of the write.
