@@ -16,6 +16,7 @@ mod common;
 
 use common::procs::{args, kill9, spawn};
 use common::{client, payload, persisted, t};
+use kvtier_l3::ssd::bucket;
 use kvtier_l3::{EmbeddedStore, L3Error, L3Store, SsdConfig, StoreConfig};
 
 fn cfg(dir: &Path) -> StoreConfig {
@@ -24,6 +25,17 @@ fn cfg(dir: &Path) -> StoreConfig {
         ssd: Some(SsdConfig::new(dir)),
         ..Default::default()
     }
+}
+
+/// Bucket `id` holding `key` (tenant "a", payload `i`), written the way the writer does.
+fn craft(dir: &Path, id: u64, key: &str, i: usize) {
+    let data = payload(i, 100);
+    let rec = bucket::NewRecord {
+        tenant: "a",
+        key,
+        data: &data,
+    };
+    bucket::write_bucket(dir, id, &[rec]).unwrap();
 }
 
 /// Every entry of `dir` (not following links) with its type and, for regular files, bytes.
@@ -161,4 +173,75 @@ fn a_second_store_in_process_is_refused_until_the_first_is_dropped() {
     drop(s);
     let s = EmbeddedStore::new(cfg(d.path())).unwrap();
     assert_eq!(s.get(&a, "k").unwrap(), payload(1, 100));
+}
+
+/// t4: a stray bucket named with the highest u64 made the next id u64::MAX, and the one after
+/// it wrapped to 0: the new bucket was renamed over bucket 0 and its acknowledged key lost.
+#[test]
+fn a_stray_bucket_with_the_highest_id_never_makes_ids_wrap() {
+    let d = tempfile::tempdir().unwrap();
+    let a = t("a");
+    craft(d.path(), 0, "keep", 0);
+    craft(d.path(), 5, "stray", 5);
+    let stray = d.path().join(format!("{}.bkt", u64::MAX));
+    fs::rename(bucket::bucket_path(d.path(), 5), &stray).unwrap();
+    let stray_bytes = fs::read(&stray).unwrap();
+    let mut acked = Vec::new();
+    {
+        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        assert_eq!(s.get(&a, "stray"), Err(L3Error::ObjectNotFound));
+        for i in 1..5 {
+            let k = format!("n{i}");
+            if s.put(&a, &k, &payload(i, 100), persisted()).is_ok() {
+                acked.push((k, i));
+            }
+        }
+        assert_eq!(acked.len(), 4, "the stray file stopped every write");
+    }
+    let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+    assert_eq!(s.get(&a, "keep").unwrap(), payload(0, 100), "keep lost");
+    for (k, i) in &acked {
+        assert_eq!(
+            s.get(&a, k).unwrap(),
+            payload(*i, 100),
+            "acknowledged {k} lost"
+        );
+    }
+    assert_eq!(
+        fs::read(&stray).unwrap(),
+        stray_bytes,
+        "the stray file changed"
+    );
+}
+
+/// A `next-bucket-id` near u64::MAX (kvtier never writes one): ids never wrap onto existing
+/// buckets; writes fail typed (ids exhausted) and nothing acknowledged is lost.
+#[test]
+fn a_next_bucket_id_near_the_top_never_makes_ids_wrap() {
+    let d = tempfile::tempdir().unwrap();
+    let a = t("a");
+    craft(d.path(), 0, "keep", 0);
+    bucket::write_next_id(d.path(), u64::MAX - 1).unwrap();
+    let mut acked = Vec::new();
+    {
+        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        for i in 1..5 {
+            let k = format!("n{i}");
+            match s.put(&a, &k, &payload(i, 100), persisted()) {
+                Ok(()) => acked.push((k, i)),
+                Err(L3Error::FileWriteFail(m)) => assert!(m.contains("exhausted"), "{m}"),
+                Err(e) => panic!("untyped failure {e}"),
+            }
+        }
+        assert_eq!(s.get(&a, "keep").unwrap(), payload(0, 100), "keep lost");
+    }
+    let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+    assert_eq!(s.get(&a, "keep").unwrap(), payload(0, 100), "keep lost");
+    for (k, i) in &acked {
+        assert_eq!(
+            s.get(&a, k).unwrap(),
+            payload(*i, 100),
+            "acknowledged {k} lost"
+        );
+    }
 }

@@ -71,6 +71,13 @@ fn tmp_path(dir: &Path, id: u64) -> PathBuf {
 /// Name of the bucket id reservation file.
 pub const NEXT_ID_FILE: &str = "next-bucket-id";
 const NEXT_ID_MAGIC: &[u8; 8] = b"KVL3NID1";
+/// Bucket ids are below this bound. The writer counts up from 0 and never reserves past it,
+/// so a file naming a larger id (or a `next-bucket-id` above it) is none of kvtier's: it is
+/// skipped, left alone and never used to pick the next id. 2^62 ids are never used up (a
+/// million buckets a second for 146,000 years), and the margin up to `u64::MAX` means no
+/// `+ 1` or `+ ID_BLOCK` on an id can overflow.
+pub const MAX_BUCKET_ID: u64 = 1 << 62;
+
 /// The lock file a tier holds (`flock`, exclusive) for as long as it has the directory open.
 pub const LOCK_FILE: &str = "kvtier-l3.lock";
 /// Bytes per tombstone record.
@@ -549,6 +556,13 @@ pub fn scan_dir(dir: &Path) -> io::Result<DirScan> {
         let Ok(id) = stem.parse::<u64>() else {
             continue;
         };
+        if id >= MAX_BUCKET_ID {
+            tracing::warn!(
+                file = name,
+                "bucket id out of range (not kvtier's): skipped, left alone"
+            );
+            continue;
+        }
         out.max_id = Some(out.max_id.map_or(id, |m| m.max(id)));
         match kind {
             0 => {

@@ -213,11 +213,24 @@ impl SsdTier {
             // A crash between the unlinks of a deleted bucket: its sidecar must not outlive it.
             std::fs::remove_file(bucket::tomb_path(&cfg.dir, *id)).map_err(open_err)?;
         }
-        let mut st = TierState::default();
-        st.next_id = scan
+        let mut next_id = scan
             .max_id
-            .map_or(0, |m| m.saturating_add(1))
+            .map_or(0, |m| m + 1)
             .max(bucket::read_next_id(&cfg.dir).unwrap_or(0));
+        if next_id > bucket::MAX_BUCKET_ID {
+            // Not a bound kvtier wrote (it never reserves past MAX_BUCKET_ID). Ids below it
+            // may be in use, so none is handed out: every write fails, typed, never wraps.
+            tracing::warn!(
+                next_id,
+                "{} is out of range: bucket ids exhausted, SSD writes will fail",
+                bucket::NEXT_ID_FILE
+            );
+            next_id = bucket::MAX_BUCKET_ID;
+        }
+        let mut st = TierState {
+            next_id,
+            ..Default::default()
+        };
         // Nothing reserved yet in this run: the first bucket reserves a block.
         st.reserved = st.next_id;
         let mut found = Vec::new();

@@ -95,8 +95,16 @@ fn answer_waiter(j: &OffloadJob, result: L3Result<()>) {
 /// The next bucket id, reserving a new block durably when the reserved one is used up.
 fn next_bucket_id(shared: &Shared) -> std::io::Result<u64> {
     let mut st = shared.state.lock();
+    if st.next_id >= bucket::MAX_BUCKET_ID {
+        // Never wraps: an id handed out again would rename a bucket over a live one.
+        return Err(std::io::Error::other(format!(
+            "bucket ids exhausted in {} (next id {})",
+            shared.cfg.dir.display(),
+            st.next_id
+        )));
+    }
     if st.next_id >= st.reserved {
-        let bound = st.next_id.saturating_add(ID_BLOCK);
+        let bound = (st.next_id + ID_BLOCK).min(bucket::MAX_BUCKET_ID);
         bucket::write_next_id(&shared.cfg.dir, bound)?;
         st.reserved = bound;
     }
