@@ -18,6 +18,7 @@ pub mod cli;
 pub mod clock;
 pub mod cluster;
 pub mod config;
+pub mod dirlock;
 pub mod error;
 pub mod eviction;
 pub mod ha;

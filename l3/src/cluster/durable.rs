@@ -60,6 +60,17 @@ impl DurableMaster {
         }
     }
 
+    /// Closes a file settle log (the master is shut down): its state dir's lock is released
+    /// so the dir can be opened again (a restart in the same process), and settles made
+    /// after this are not written (logged as errors): the dir may have a new owner.
+    pub(super) fn close_log(&self) {
+        if let Some(l) = &self.log
+            && let SettleBackend::File(f) = &mut *l.lock()
+        {
+            f.close();
+        }
+    }
+
     pub(super) fn lock(&self) -> MasterGuard<'_> {
         MasterGuard {
             g: Some(self.master.lock()),
@@ -168,6 +179,15 @@ impl Drop for MasterGuard<'_> {
             }
             SettleBackend::File(f) => f,
         };
+        if file.is_closed() {
+            // A master already shut down (its server stopped): the state dir may belong to
+            // a new master by now, so nothing more is written to it.
+            tracing::error!(
+                entries = entries.len(),
+                "settle log closed (master shut down): settles not written"
+            );
+            return;
+        }
         let must_sync = entries.iter().any(|e| e.needs_sync());
         let synced = match file.append(&entries) {
             Ok(f) => f,

@@ -154,12 +154,14 @@ impl ClusterMaster {
         self.master.lock().event_handles()
     }
 
-    /// Stops the sweeper.
+    /// Stops the sweeper and gives the state dir up (its lock released, nothing more
+    /// written to its settle log), so a restart can open it.
     pub fn shutdown(&self) {
         let sweeper = self.sweeper.lock().take();
         if let Some(mut p) = sweeper {
             p.stop();
         }
+        self.master.close_log();
     }
 
     fn put_start_one(

@@ -22,11 +22,14 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
+use crate::dirlock::DirLock;
 use crate::error::{L3Error, L3Result};
 use crate::master::SettleLogEntry;
 
 const LOG: &str = "settles.log";
 const TMP: &str = "settles.log.tmp";
+/// The state dir's lock file (`crate::dirlock`).
+const LOCK: &str = "state.lock";
 /// Frames larger than this are corrupt (a settle is a few hundred bytes at most).
 const MAX_FRAME: u32 = 1 << 20;
 /// Below this many appended entries the log is never compacted.
@@ -37,6 +40,12 @@ const COMPACT_FLOOR: u64 = 4096;
 pub struct SettleLog {
     dir: PathBuf,
     file: File,
+    /// The state dir's lock, held for the log's life: a second master on the same dir is
+    /// refused at start before it reads or changes anything (before, its startup
+    /// compaction renamed a new log over the running master's, whose later settles then
+    /// went to an unlinked file and were lost).
+    /// None once [`SettleLog::close`]d.
+    lock: Option<DirLock>,
     /// Entries appended since the last compaction.
     appended: u64,
 }
@@ -96,6 +105,7 @@ impl SettleLog {
     /// caller replays them, then [`SettleLog::compact`]s with the rebuilt state.
     pub fn open(dir: &Path) -> L3Result<(Self, Vec<SettleLogEntry>)> {
         std::fs::create_dir_all(dir).map_err(|e| io("create", dir, e))?;
+        let lock = DirLock::acquire(dir, LOCK, "--state-dir")?;
         let path = dir.join(LOG);
         let mut bytes = Vec::new();
         match File::open(&path) {
@@ -116,6 +126,7 @@ impl SettleLog {
             SettleLog {
                 dir: dir.to_path_buf(),
                 file,
+                lock: Some(lock),
                 appended: 0,
             },
             entries,
@@ -133,6 +144,17 @@ impl SettleLog {
             .map_err(|e| io("append to", &path, e))?;
         self.appended += entries.len() as u64;
         self.file.try_clone().map_err(|e| io("clone", &path, e))
+    }
+
+    /// Gives the state dir up (its master is shut down): the lock is released, so another
+    /// master may open the dir, and this log takes no more entries ([`Self::is_closed`]).
+    pub fn close(&mut self) {
+        self.lock = None;
+    }
+
+    /// Whether [`Self::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.lock.is_none()
     }
 
     /// Whether the log holds far more than the `live` entries of the current state.
@@ -271,6 +293,29 @@ mod tests {
         let (read, end) = decode(&bytes);
         assert_eq!(read, vec![cancel("ok"), acked]);
         assert_eq!(end, bytes.len());
+    }
+
+    /// A second open of a state dir in use is refused, naming the dir, and leaves the log
+    /// as it was; once the first is closed the dir opens again.
+    #[test]
+    fn a_state_dir_in_use_is_refused_and_left_alone() {
+        let d = tempfile::tempdir().unwrap();
+        let e = SettleLogEntry::Acked {
+            node: ClientId(1),
+            applied: 1,
+        };
+        let (mut log, _) = SettleLog::open(d.path()).unwrap();
+        log.append(std::slice::from_ref(&e))
+            .unwrap()
+            .sync_data()
+            .unwrap();
+        let before = std::fs::read(d.path().join(LOG)).unwrap();
+        let err = SettleLog::open(d.path()).unwrap_err().to_string();
+        assert!(err.contains(&d.path().display().to_string()), "{err}");
+        assert_eq!(std::fs::read(d.path().join(LOG)).unwrap(), before);
+        drop(log);
+        let (_, back) = SettleLog::open(d.path()).unwrap();
+        assert_eq!(back, vec![e]);
     }
 
     #[test]
