@@ -10,6 +10,7 @@
 use std::fs;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 mod common;
@@ -244,4 +245,120 @@ fn a_next_bucket_id_near_the_top_never_makes_ids_wrap() {
             "acknowledged {k} lost"
         );
     }
+}
+
+/// t3: directories named like buckets, tombstones and temporary files made startup fail
+/// (-1101 "Is a directory"); they are skipped and left alone, and never collide with a new id.
+#[test]
+fn directories_named_like_buckets_are_skipped_and_left_alone() {
+    let d = tempfile::tempdir().unwrap();
+    let a = t("a");
+    craft(d.path(), 0, "keep", 0);
+    for name in ["3.bkt", "4.tomb", "0.tomb.x", "7.bkt.tmp"] {
+        fs::create_dir(d.path().join(name)).unwrap();
+        fs::write(d.path().join(name).join("inner"), b"x").unwrap();
+    }
+    // A directory as the tombstone of a bucket (bucket 1): its tombstones cannot be read.
+    craft(d.path(), 1, "other", 1);
+    fs::create_dir(d.path().join("1.tomb")).unwrap();
+    {
+        let s = EmbeddedStore::new(cfg(d.path())).expect("startup failed");
+        assert_eq!(s.get(&a, "keep").unwrap(), payload(0, 100));
+        s.put(&a, "new", &payload(9, 100), persisted()).unwrap();
+    }
+    let s = EmbeddedStore::new(cfg(d.path())).expect("restart failed");
+    assert_eq!(s.get(&a, "keep").unwrap(), payload(0, 100));
+    assert_eq!(s.get(&a, "new").unwrap(), payload(9, 100));
+    for name in ["3.bkt", "4.tomb", "7.bkt.tmp"] {
+        assert!(
+            d.path().join(name).join("inner").is_file(),
+            "{name} touched"
+        );
+    }
+    assert!(d.path().join("1.tomb").is_dir(), "1.tomb touched");
+}
+
+fn mkfifo(p: &Path) {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0, "mkfifo");
+}
+
+/// t5: a FIFO named like a bucket hung startup forever (opened with no file-type check).
+#[test]
+fn fifos_named_like_buckets_never_hang_startup() {
+    let d = tempfile::tempdir().unwrap();
+    let a = t("a");
+    craft(d.path(), 0, "keep", 0);
+    craft(d.path(), 1, "other", 1);
+    for name in ["5.bkt", "1.tomb", "next-bucket-id"] {
+        mkfifo(&d.path().join(name));
+    }
+    let dir = d.path().to_path_buf();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let r = EmbeddedStore::new(cfg(&dir)).map(|s| {
+            let ok = s.get(&t("a"), "keep");
+            let put = s.put(&t("a"), "new", &payload(9, 100), persisted());
+            (ok, put)
+        });
+        let _ = tx.send(r.map_err(|e| e.to_string()));
+    });
+    let (got, put) = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("startup hangs on a FIFO")
+        .expect("startup failed");
+    assert_eq!(got.unwrap(), payload(0, 100));
+    put.unwrap();
+    let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+    assert_eq!(s.get(&a, "new").unwrap(), payload(9, 100));
+    for name in ["5.bkt", "1.tomb"] {
+        let ty = fs::symlink_metadata(d.path().join(name))
+            .unwrap()
+            .file_type();
+        assert!(!ty.is_file() && !ty.is_dir(), "{name} replaced");
+    }
+}
+
+/// t3: a symlinked tombstone made the server truncate a file outside the directory; a
+/// symlinked bucket or temporary file must not be read, served or followed either.
+#[test]
+fn symlinks_in_the_dir_are_never_followed() {
+    let d = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let a = t("a");
+    craft(d.path(), 0, "keep", 0);
+    // Outside files: 11 bytes (a torn tombstone length), and a valid foreign bucket.
+    let victim = out.path().join("victim.txt");
+    fs::write(&victim, b"hello world").unwrap();
+    craft(out.path(), 2, "foreign", 2);
+    let foreign = bucket::bucket_path(out.path(), 2);
+    let foreign_bytes = fs::read(&foreign).unwrap();
+    std::os::unix::fs::symlink(&victim, d.path().join("0.tomb")).unwrap();
+    std::os::unix::fs::symlink(&foreign, d.path().join("2.bkt")).unwrap();
+    std::os::unix::fs::symlink(&victim, d.path().join("8.bkt.tmp")).unwrap();
+    std::os::unix::fs::symlink(&victim, d.path().join("next-bucket-id.tmp")).unwrap();
+    {
+        let s = EmbeddedStore::new(cfg(d.path())).expect("startup failed");
+        assert_eq!(s.get(&a, "foreign"), Err(L3Error::ObjectNotFound));
+        s.put(&a, "new", &payload(9, 100), persisted()).unwrap();
+    }
+    assert_eq!(
+        fs::read(&victim).unwrap(),
+        b"hello world",
+        "a file outside the directory was changed"
+    );
+    assert_eq!(fs::read(&foreign).unwrap(), foreign_bytes);
+    for name in ["0.tomb", "2.bkt", "8.bkt.tmp"] {
+        assert!(
+            fs::symlink_metadata(d.path().join(name))
+                .unwrap()
+                .file_type()
+                .is_symlink(),
+            "{name} removed"
+        );
+    }
+    let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+    assert_eq!(s.get(&a, "new").unwrap(), payload(9, 100));
+    assert_eq!(s.get(&a, "foreign"), Err(L3Error::ObjectNotFound));
 }

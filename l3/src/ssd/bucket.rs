@@ -294,7 +294,7 @@ const MAX_LEGACY_WRAPS: u64 = 1024;
 /// or corrupt header ends the scan: records before it stay usable. Returns (records, file
 /// size); each record's `index` is its position in the bucket, skipped records counted.
 pub fn scan_bucket(path: &Path) -> io::Result<(Vec<ScannedRecord>, u64)> {
-    let mut f = File::open(path)?;
+    let mut f = open_regular(path, false)?;
     let len = f.metadata()?.len();
     let mut hdr = [0u8; 16];
     if len < FILE_HDR || f.read_exact(&mut hdr).is_err() || &hdr[..8] != FILE_MAGIC {
@@ -420,7 +420,19 @@ pub fn append_tombstones(dir: &Path, id: u64, indices: &[u32]) -> io::Result<()>
     let (mut f, created) = match OpenOptions::new().append(true).create_new(true).open(&path) {
         Ok(f) => (f, true),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-            (OpenOptions::new().append(true).open(&path)?, false)
+            use std::os::unix::fs::OpenOptionsExt;
+            // Never through a symlink, never into anything but a regular file.
+            let f = OpenOptions::new()
+                .append(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+                .open(&path)?;
+            if !f.metadata()?.is_file() {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "tombstone file is not a regular file",
+                ));
+            }
+            (f, false)
         }
         Err(e) => return Err(e),
     };
@@ -445,6 +457,32 @@ pub struct Tombstones {
     /// A complete record failed its checksum: which record it removed is unknown, so no
     /// record of the bucket can be trusted to be alive.
     pub corrupt: bool,
+}
+
+/// Opens a file of the directory only if it is a regular file, never through a symlink
+/// (`O_NOFOLLOW`) and never blocking on a FIFO (`O_NONBLOCK`, no effect on regular files): a
+/// directory, FIFO, socket, device or symlink under a bucket's name is `InvalidInput`.
+pub fn open_regular(path: &Path, write: bool) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = OpenOptions::new()
+        .read(!write)
+        .write(write)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                io::Error::new(io::ErrorKind::InvalidInput, "a symlink, not followed")
+            } else {
+                e
+            }
+        })?;
+    if !f.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    Ok(f)
 }
 
 /// Takes the directory's lock (an exclusive `flock` on [`LOCK_FILE`], created if missing,
@@ -486,14 +524,17 @@ pub fn lock_dir(dir: &Path) -> io::Result<Option<File>> {
 /// the append, never acknowledged) is ignored and cut off, so later appends stay aligned.
 pub fn read_tombstones(dir: &Path, id: u64) -> io::Result<Tombstones> {
     let path = tomb_path(dir, id);
-    let b = match fs::read(&path) {
-        Ok(b) => b,
+    // Not a regular file (a symlink, a directory, a FIFO): an error, so the bucket is dropped
+    // and nothing outside the directory is read or cut.
+    let mut b = Vec::new();
+    match open_regular(&path, false) {
+        Ok(mut f) => f.read_to_end(&mut b)?,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Tombstones::default()),
         Err(e) => return Err(e),
     };
     let whole = b.len() - b.len() % TOMB_REC;
     if whole != b.len() {
-        let f = OpenOptions::new().write(true).open(&path)?;
+        let f = open_regular(&path, true)?;
         f.set_len(whole as u64)?;
         f.sync_data()?;
     }
@@ -518,7 +559,20 @@ pub fn delete_bucket(dir: &Path, id: u64) -> io::Result<()> {
         Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
         _ => {}
     }
-    match fs::remove_file(tomb_path(dir, id)) {
+    let tomb = tomb_path(dir, id);
+    match fs::symlink_metadata(&tomb) {
+        Ok(m) if !m.is_file() => {
+            // Not one kvtier wrote (a symlink, a directory, a FIFO): left alone.
+            tracing::warn!(
+                bucket = id,
+                "tombstone path is not a regular file: left alone"
+            );
+            return Ok(());
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        _ => {}
+    }
+    match fs::remove_file(&tomb) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
     }
@@ -563,7 +617,14 @@ pub fn scan_dir(dir: &Path) -> io::Result<DirScan> {
             );
             continue;
         }
+        // Counted even when skipped below, so a new bucket never collides with its name.
         out.max_id = Some(out.max_id.map_or(id, |m| m.max(id)));
+        // Only regular files are buckets, tombstones or temporary files (`file_type` does
+        // not follow symlinks): a directory, FIFO or symlink is skipped and left alone.
+        if !e.file_type()?.is_file() {
+            tracing::warn!(file = name, "not a regular file: skipped, left alone");
+            continue;
+        }
         match kind {
             0 => {
                 if let Err(e) = fs::remove_file(e.path()) {
@@ -590,7 +651,11 @@ pub fn list_buckets(dir: &Path) -> io::Result<Vec<u64>> {
 
 /// The reserved id bound stored in the directory (None: missing or unreadable).
 pub fn read_next_id(dir: &Path) -> Option<u64> {
-    let b = fs::read(dir.join(NEXT_ID_FILE)).ok()?;
+    let mut b = Vec::new();
+    open_regular(&dir.join(NEXT_ID_FILE), false)
+        .ok()?
+        .read_to_end(&mut b)
+        .ok()?;
     if b.len() != 20 || &b[..8] != NEXT_ID_MAGIC {
         return None;
     }
@@ -612,7 +677,12 @@ pub fn write_next_id(dir: &Path, bound: u64) -> io::Result<()> {
     b.extend_from_slice(&crc32c::crc32c(&b).to_le_bytes());
     let tmp = dir.join(format!("{NEXT_ID_FILE}.tmp"));
     let res = (|| {
-        let mut f = File::create(&tmp)?;
+        // A leftover (or planted) temporary name is unlinked, never written through.
+        match fs::remove_file(&tmp) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         f.write_all(&b)?;
         f.sync_data()?;
         fs::rename(&tmp, dir.join(NEXT_ID_FILE))?;

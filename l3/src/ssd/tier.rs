@@ -190,7 +190,18 @@ impl SsdTier {
         // Before anything in the directory is read or changed: a second process on it would
         // delete the first one's in-flight `.bkt.tmp` files at its rescan, and two writers
         // would hand out the same bucket ids and rename buckets over each other's.
-        let lock = match bucket::lock_dir(&cfg.dir) {
+        // A holder that is going away (a store just dropped whose background threads are
+        // still ending, a process just killed) lets go within moments: wait up to 2 s.
+        let lock_until = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        let locked = loop {
+            match bucket::lock_dir(&cfg.dir) {
+                Ok(None) if std::time::Instant::now() < lock_until => {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                r => break r,
+            }
+        };
+        let lock = match locked {
             Ok(Some(f)) => f,
             Ok(None) => {
                 return Err(L3Error::FileOpenFail(format!(
@@ -211,7 +222,10 @@ impl SsdTier {
         let scan = bucket::scan_dir(&cfg.dir).map_err(open_err)?;
         for id in &scan.orphan_tombs {
             // A crash between the unlinks of a deleted bucket: its sidecar must not outlive it.
-            std::fs::remove_file(bucket::tomb_path(&cfg.dir, *id)).map_err(open_err)?;
+            // Not fatal: the id is never handed out again (ids start above every file's).
+            if let Err(e) = std::fs::remove_file(bucket::tomb_path(&cfg.dir, *id)) {
+                tracing::warn!(bucket = id, error = %e, "could not remove an orphan tombstone");
+            }
         }
         let mut next_id = scan
             .max_id
@@ -283,7 +297,10 @@ impl SsdTier {
                 });
             }
             if live == 0 {
-                bucket::delete_bucket(&cfg.dir, id).map_err(open_err)?;
+                // Not fatal: the bucket is not indexed, and its id is never handed out again.
+                if let Err(e) = bucket::delete_bucket(&cfg.dir, id) {
+                    tracing::warn!(bucket = id, error = %e, "could not remove a dead bucket");
+                }
                 continue;
             }
             st.used += size;
@@ -429,7 +446,7 @@ impl SsdTier {
         if let Some(f) = st.files.get(&id) {
             return Ok(Some(f.clone()));
         }
-        let f = match File::open(bucket::bucket_path(&self.shared.cfg.dir, id)) {
+        let f = match bucket::open_regular(&bucket::bucket_path(&self.shared.cfg.dir, id), false) {
             Ok(f) => Arc::new(f),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(L3Error::FileReadFail(e.to_string())),
