@@ -100,6 +100,21 @@ pub(crate) fn decode(bytes: &[u8]) -> (Vec<SettleLogEntry>, usize) {
     (out, at)
 }
 
+/// Whether the bytes from `at` on (where [`decode`] stopped) are a torn tail: a crash in the
+/// middle of an append leaves a prefix of the batch's frames, the last cut, so nothing whole
+/// follows the first bad frame. A whole, checked, parsing frame at any later offset means a
+/// frame in the middle went bad and the settles after it would be dropped.
+fn tail_is_torn(bytes: &[u8], at: usize) -> bool {
+    !(at + 1..bytes.len().saturating_sub(8)).any(|o| {
+        let len = u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
+        let crc = u32::from_le_bytes([bytes[o + 4], bytes[o + 5], bytes[o + 6], bytes[o + 7]]);
+        len <= MAX_FRAME
+            && bytes.len() - o - 8 >= len as usize
+            && crc32c::crc32c(&bytes[o + 8..o + 8 + len as usize]) == crc
+            && bincode::deserialize::<SettleLogEntry>(&bytes[o + 8..o + 8 + len as usize]).is_ok()
+    })
+}
+
 impl SettleLog {
     /// Opens (creating) the log in `dir` and returns the entries it holds, in order. The
     /// caller replays them, then [`SettleLog::compact`]s with the rebuilt state.
@@ -116,7 +131,17 @@ impl SettleLog {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(L3Error::FileOpenFail(format!("{}: {e}", path.display()))),
         }
-        let (entries, _) = decode(&bytes);
+        let (entries, end) = decode(&bytes);
+        if end < bytes.len() && !tail_is_torn(&bytes, end) {
+            // Going on would drop every settle after the bad frame (and the compaction that
+            // follows would make it permanent): removed keys could come back.
+            return Err(L3Error::FileReadFail(format!(
+                "{}: corrupt frame at byte {end} with whole settles after it; refusing to \
+                 start (the settles after it would be lost and removed keys could come \
+                 back): restore the file, or move it aside to accept that",
+                path.display()
+            )));
+        }
         let file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -254,6 +279,16 @@ mod tests {
                 for (a, b) in read.iter().zip(&entries) {
                     prop_assert_eq!(a, b);
                 }
+                // Opened, a flipped byte loses at most the last settle (a bad last frame
+                // is a torn write); anywhere else the log is refused and left as it was.
+                std::fs::write(&path, &bad).unwrap();
+                match SettleLog::open(d.path()) {
+                    Ok((_, read)) => {
+                        prop_assert!(read.len() + 1 >= entries.len(), "{} of {}", read.len(), entries.len());
+                        prop_assert_eq!(&read[..], &entries[..read.len()]);
+                    }
+                    Err(_) => prop_assert_eq!(std::fs::read(&path).unwrap(), bad),
+                }
             }
         }
     }
@@ -293,6 +328,57 @@ mod tests {
         let (read, end) = decode(&bytes);
         assert_eq!(read, vec![cancel("ok"), acked]);
         assert_eq!(end, bytes.len());
+    }
+
+    /// Found by an adversarial tester: one flipped byte in a frame with whole frames after
+    /// it dropped every later settle silently (decode stops at the first bad frame, and the
+    /// startup compaction made it permanent): removed keys came back. A bad frame with a
+    /// good one after it is corruption, and the master refuses to start, naming the file and
+    /// the offset, with the log left as it was; a bad tail with nothing whole after it is a
+    /// torn write (a crash mid-append) and is cut as before.
+    #[test]
+    fn a_corrupt_frame_with_settles_after_it_refuses_the_log() {
+        let e = |applied| SettleLogEntry::Acked {
+            node: ClientId(1),
+            applied,
+        };
+        let entries: Vec<_> = (1..=5).map(e).collect();
+        let mut bytes = Vec::new();
+        encode(&entries, &mut bytes).unwrap();
+        let frame = bytes.len() / 5;
+        for (what, at, refused) in [
+            ("second frame's body", frame + 9, true),
+            ("second frame's length", frame, true),
+            ("second frame's crc", frame + 5, true),
+            ("last frame's body", 4 * frame + 9, false),
+        ] {
+            let d = tempfile::tempdir().unwrap();
+            let mut bad = bytes.clone();
+            bad[at] ^= 0x5A;
+            std::fs::write(d.path().join(LOG), &bad).unwrap();
+            match SettleLog::open(d.path()) {
+                Err(err) => {
+                    assert!(refused, "{what}: {err}");
+                    let msg = err.to_string();
+                    assert!(
+                        msg.contains(LOG) && msg.contains("corrupt"),
+                        "{what}: {msg}"
+                    );
+                    assert_eq!(std::fs::read(d.path().join(LOG)).unwrap(), bad, "{what}");
+                }
+                Ok((_, read)) => {
+                    assert!(!refused, "{what}: opened with {} entries", read.len());
+                    assert_eq!(read, entries[..4], "{what}");
+                }
+            }
+        }
+        // a torn tail (any cut inside the last frame) still opens
+        for cut in 4 * frame + 1..bytes.len() {
+            let d = tempfile::tempdir().unwrap();
+            std::fs::write(d.path().join(LOG), &bytes[..cut]).unwrap();
+            let (_, read) = SettleLog::open(d.path()).unwrap();
+            assert_eq!(read, entries[..4]);
+        }
     }
 
     /// A second open of a state dir in use is refused, naming the dir, and leaves the log
