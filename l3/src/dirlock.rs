@@ -1,5 +1,5 @@
-//! An exclusive lock on a directory a process owns (`--state-dir`), held for as long as the
-//! process uses it.
+//! An exclusive lock on a directory a process owns (`--state-dir`, `--ssd-dir`), held for as
+//! long as the process uses it.
 //!
 //! Why: two masters started on one `--state-dir` both replayed and rewrote its settle log.
 //! A second start that then failed (its address taken) had already compacted the log,
@@ -17,7 +17,9 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::error::L3Error;
 
@@ -50,36 +52,63 @@ pub struct DirLock {
 }
 
 impl DirLock {
-    /// Takes the lock `dir/name` (creating the file), or fails at once with [`DirInUse`] if
-    /// another holder has it. `what` names the directory in the error (`--state-dir`).
+    /// Takes the lock `dir/name` (creating the file, never through a symlink), or fails with
+    /// [`DirInUse`] if another holder has it. `what` names the directory in the error
+    /// (`--state-dir`, `--ssd-dir`).
     pub fn acquire(dir: &Path, name: &str, what: &'static str) -> Result<DirLock, L3Error> {
+        DirLock::acquire_within(dir, name, what, Duration::ZERO)
+    }
+
+    /// [`Self::acquire`], waiting up to `wait` for a holder that is going away (a store just
+    /// dropped whose background threads are still ending).
+    pub fn acquire_within(
+        dir: &Path,
+        name: &str,
+        what: &'static str,
+        wait: Duration,
+    ) -> Result<DirLock, L3Error> {
         let path = dir.join(name);
+        let fail =
+            |e: std::io::Error| L3Error::FileOpenFail(format!("lock {}: {e}", path.display()));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&path)
-            .map_err(|e| L3Error::FileOpenFail(format!("{}: {e}", path.display())))?;
-        // `File::try_lock` is newer than the crate's MSRV (1.88).
-        // SAFETY: `file` owns the descriptor for the whole call.
-        let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if r == 0 {
-            return Ok(DirLock { _file: file, path });
+            .map_err(fail)?;
+        if !file.metadata().map_err(fail)?.is_file() {
+            return Err(fail(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file",
+            )));
         }
-        let e = std::io::Error::last_os_error();
-        if e.kind() == std::io::ErrorKind::WouldBlock {
-            return Err(DirInUse {
-                what,
-                dir: dir.to_path_buf(),
-                lock: path,
+        let until = Instant::now() + wait;
+        loop {
+            // `File::try_lock` is newer than the crate's MSRV (1.88).
+            // SAFETY: `file` owns the descriptor for the whole call.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                return Ok(DirLock { _file: file, path });
             }
-            .into());
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => {}
+                Some(libc::EWOULDBLOCK) if Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Some(libc::EWOULDBLOCK) => {
+                    return Err(DirInUse {
+                        what,
+                        dir: dir.to_path_buf(),
+                        lock: path,
+                    }
+                    .into());
+                }
+                _ => return Err(fail(e)),
+            }
         }
-        Err(L3Error::FileOpenFail(format!(
-            "lock {}: {e}",
-            path.display()
-        )))
     }
 
     /// The lock file.

@@ -485,41 +485,6 @@ pub fn open_regular(path: &Path, write: bool) -> io::Result<File> {
     Ok(f)
 }
 
-/// Takes the directory's lock (an exclusive `flock` on [`LOCK_FILE`], created if missing,
-/// never through a symlink) without waiting. `Ok(None)`: another open file holds it (another
-/// process, or another tier of this one). The lock lasts as long as the returned file and
-/// goes with the process (a SIGKILL releases it).
-pub fn lock_dir(dir: &Path) -> io::Result<Option<File>> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o644)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(dir.join(LOCK_FILE))?;
-    if !f.metadata()?.is_file() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("{LOCK_FILE} is not a regular file"),
-        ));
-    }
-    loop {
-        // SAFETY: flock on a descriptor this function owns.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            return Ok(Some(f));
-        }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EINTR) => continue,
-            Some(libc::EWOULDBLOCK) => return Ok(None),
-            _ => return Err(e),
-        }
-    }
-}
-
 /// Reads a bucket's tombstones (missing file = none). A torn last record (a crash inside
 /// the append, never acknowledged) is ignored and cut off, so later appends stay aligned.
 pub fn read_tombstones(dir: &Path, id: u64) -> io::Result<Tombstones> {

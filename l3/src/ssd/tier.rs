@@ -41,6 +41,7 @@ use super::bucket;
 use super::unconfirmed::{Registration, Unconfirmed};
 use super::writer;
 use crate::config::SsdConfig;
+use crate::dirlock::DirLock;
 use crate::error::{L3Error, L3Result};
 use crate::master::DiskLoc;
 use crate::types::{PutHandle, Tenant, check_key};
@@ -165,9 +166,9 @@ pub(super) struct Shared {
     pub(super) tomb_io: Mutex<()>,
     /// Published records whose registration was not confirmed (their announcements stay).
     pub(super) unconfirmed: Mutex<Vec<Unconfirmed>>,
-    /// The directory's lock ([`bucket::lock_dir`]), held as long as anything (the tier, its
-    /// writer thread) can still touch the directory.
-    _lock: File,
+    /// The directory's lock ([`DirLock`]), held as long as anything (the tier, its writer
+    /// thread) can still touch the directory.
+    _lock: DirLock,
 }
 
 /// The SSD tier.
@@ -192,33 +193,12 @@ impl SsdTier {
         // would hand out the same bucket ids and rename buckets over each other's.
         // A holder that is going away (a store just dropped whose background threads are
         // still ending, a process just killed) lets go within moments: wait up to 2 s.
-        let lock_until = std::time::Instant::now() + std::time::Duration::from_secs(2);
-        let locked = loop {
-            match bucket::lock_dir(&cfg.dir) {
-                Ok(None) if std::time::Instant::now() < lock_until => {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
-                r => break r,
-            }
-        };
-        let lock = match locked {
-            Ok(Some(f)) => f,
-            Ok(None) => {
-                return Err(L3Error::FileOpenFail(format!(
-                    "{}: in use by another kvtier-l3 (its lock {} is held); \
-                     one SSD directory serves one store",
-                    cfg.dir.display(),
-                    bucket::LOCK_FILE
-                )));
-            }
-            Err(e) => {
-                return Err(L3Error::FileOpenFail(format!(
-                    "{}: cannot lock {}: {e}",
-                    cfg.dir.display(),
-                    bucket::LOCK_FILE
-                )));
-            }
-        };
+        let lock = DirLock::acquire_within(
+            &cfg.dir,
+            bucket::LOCK_FILE,
+            "--ssd-dir",
+            std::time::Duration::from_secs(2),
+        )?;
         let scan = bucket::scan_dir(&cfg.dir).map_err(open_err)?;
         for id in &scan.orphan_tombs {
             // A crash between the unlinks of a deleted bucket: its sidecar must not outlive it.
