@@ -177,6 +177,36 @@ def test_a_second_engine_on_the_same_server_hits_the_firsts_prefixes(l3server):
     assert other.cache.stats()["prefetched_pages"] == 0 and salted.cache.stats()["prefetched_pages"] == 0
 
 
+def test_pipeline_stages_on_one_server_never_share_pages(l3server):
+    """Found by an adversarial tester: two pipeline-parallel stages of one model (same path,
+    TP rank and size, row sizes and page size, but other layers, so other KV) on one kvtier-l3
+    server had the same namespace, and stage 1 loaded stage 0's pages (a Mismatch: wrong KV).
+    The stage (SGLang's ``pp_rank`` of ``pp_size``, and the KV pool's first layer) is part of
+    the namespace; the same stage of a second engine still hits."""
+
+    def stage(pp_rank, oracle_model):
+        make = kvtier_cache(host_pages=64, l3="server", server=l3server.addr, model="meta-llama/X")
+
+        def build(params):
+            params.pp_rank, params.pp_size = pp_rank, 2
+            return make(params)
+
+        return Engine(build, model=oracle_model)
+
+    ps = prompts(21, 2, 24)
+    s0 = stage(0, "pp0")
+    s0.run([s0.request(p) for p in ps])
+    s0.cache.flush_pending_backups()
+    s0.cache.wait_io()
+    s1 = stage(1, "pp1")
+    assert s1.cache.namespace != s0.cache.namespace
+    s1.run([s1.request(p) for p in ps])  # a Mismatch before: stage 0's KV served
+    assert s1.prefix_hits == [0, 0]
+    again = stage(0, "pp0")
+    again.run([again.request(p) for p in ps])
+    assert again.prefix_hits == [20, 20]
+
+
 def test_an_l3_loss_mid_prefetch_falls_back_to_recompute(l3server):
     """Pages L3 loses between the prefetch's start and its read are reported lost and
     recomputed; the request is served from the pages that were read, nothing garbled (a

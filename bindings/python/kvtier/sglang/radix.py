@@ -211,6 +211,14 @@ class KvtierRadixCache(L3Io, RadixCache):
         dtype = str(getattr(kv, "dtype", "")).replace("torch.", "")
         kind = "mha" if hasattr(kv, "k_buffer") else "mla"
         layout = f"sglang-radix.{kind}.ps{ps}.rows{'-'.join(str(b.shape[1]) for b in bufs)}.tp{tp_size}"
+        # A pipeline stage holds other layers' KV under the same tokens: its own namespace
+        # (two stages on one server shared keys, and one loaded the other's pages).
+        pp_rank, pp_size = int(getattr(params, "pp_rank", 0) or 0), int(getattr(params, "pp_size", 1) or 1)
+        start_layer = int(getattr(kv, "start_layer", 0) or 0)
+        if not 0 <= pp_rank < pp_size:
+            raise RadixConfigError(f"pp_rank {pp_rank} of pp_size {pp_size}")
+        if pp_size > 1 or start_layer:
+            layout += f".pp{pp_rank}of{pp_size}.layer{start_layer}"
         self.namespace = l3_namespace(model, dtype, layout, cfg.tenant)
         if store is not None:
             self._check_page_fits(store, page_bytes, ps)
