@@ -168,7 +168,8 @@ pub struct ExtraKey {
 /// requests everywhere at once, and nothing downstream can forget to compare it. The rule:
 ///
 /// ```text
-/// seed   = SHA-256("kvtier-scope-v1" ‖ field(salt) ‖ field(adapter))   (only if either is set)
+/// seed   = SHA-256("kvtier-scope-v2" ‖ field(salt) ‖ field(adapter) ‖ pad)   (only if either is set)
+/// pad    = 1 to 4 zero bytes, making the seed's input 1 mod 4 bytes long (no page's input is)
 /// h_0    = SHA-256(seed? ‖ tok_0 … ‖ extra(0)?)
 /// h_i    = SHA-256(h_{i-1} ‖ tok_i … ‖ extra(i)?)
 /// extra(i) = "kvtier-extra-v1" ‖ (start u32 ‖ end u32 ‖ len u64 ‖ digest) for each extra key
@@ -187,13 +188,21 @@ pub struct HashScope {
     extra: Vec<ExtraKey>,
 }
 
-fn scope_field(h: &mut Sha256, v: Option<&str>) {
+/// The seed's domain tag; v2 pads the seed's input (see [`HashScope::new`]).
+const SCOPE_TAG: &[u8] = b"kvtier-scope-v2";
+
+/// Hashes one optional field; returns the bytes it added.
+fn scope_field(h: &mut Sha256, v: Option<&str>) -> usize {
     match v {
-        None => h.update([0u8]),
+        None => {
+            h.update([0u8]);
+            1
+        }
         Some(s) => {
             h.update([1u8]);
             h.update((s.len() as u64).to_le_bytes());
             h.update(s.as_bytes());
+            9 + s.len()
         }
     }
 }
@@ -204,9 +213,15 @@ impl HashScope {
     pub fn new(salt: Option<&str>, adapter: Option<&str>, mut extra: Vec<ExtraKey>) -> HashScope {
         let seed = (salt.is_some() || adapter.is_some()).then(|| {
             let mut h = Sha256::new();
-            h.update(b"kvtier-scope-v1");
-            scope_field(&mut h, salt);
-            scope_field(&mut h, adapter);
+            h.update(SCOPE_TAG);
+            let mut len = SCOPE_TAG.len();
+            len += scope_field(&mut h, salt);
+            len += scope_field(&mut h, adapter);
+            // Padded to 1 mod 4 bytes: a plain page's input (a 32-byte parent hash, then
+            // tokens of 4 bytes) is 0 mod 4, so no plain page hashes to the seed (with v1, a
+            // 7-byte salt made a 32-byte input that one page of 8 crafted tokens equalled:
+            // that unsalted prompt then walked the salted chain one page behind).
+            h.update(&[0u8; 4][..4 - (len + 3) % 4]);
             PageHash(h.finalize().into())
         });
         extra.sort();

@@ -99,3 +99,46 @@ fn salt_and_adapter_are_not_interchangeable() {
     assert_ne!(salt, plain);
     assert_ne!(adapter, plain);
 }
+
+/// Found by an adversarial tester: the seed's input for a salt of 7 bytes is 32 bytes
+/// ("kvtier-scope-v1" ‖ 0x01 ‖ LE64(7) ‖ salt ‖ 0x00), one page of 8 tokens; an unsalted
+/// prompt whose first page is those bytes had `h_0 == seed`, so its page `i + 1` hashed as
+/// the salted prompt's page `i` (another tenant's KV, and the offload manager's chain check
+/// raised inside SGLang's scheduler). For every salt and adapter length, and any page size,
+/// no plain prompt made of the seed's own input bytes shares a page with the scoped one.
+#[test]
+fn no_plain_prompt_reaches_a_scoped_chain_through_the_seed_input() {
+    for ps in [1usize, 2, 4, 8, 16] {
+        for n in 0..24 {
+            for (salt, adapter) in [
+                (Some("a".repeat(n)), None),
+                (None, Some("b".repeat(n))),
+                (Some("c".repeat(n)), Some("d".repeat(n % 5))),
+            ] {
+                // the bytes the first version hashed into the seed, as tokens when they fit
+                let field = |v: &Option<String>| match v {
+                    None => vec![0u8],
+                    Some(s) => [&[1u8][..], &(s.len() as u64).to_le_bytes(), s.as_bytes()].concat(),
+                };
+                let bytes = [b"kvtier-scope-v1".to_vec(), field(&salt), field(&adapter)].concat();
+                if bytes.len() % 4 != 0 || (bytes.len() / 4) % ps != 0 {
+                    continue;
+                }
+                let first: Vec<u32> = bytes
+                    .chunks(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                let rest: Vec<u32> = (0..3 * ps as u32).collect();
+                let scoped = HashScope::new(salt.as_deref(), adapter.as_deref(), Vec::new())
+                    .page_hashes(&rest, ps);
+                let plain = page_hashes(&[first.clone(), rest.clone()].concat(), ps, None);
+                for h in &scoped {
+                    assert!(
+                        !plain.contains(h),
+                        "page size {ps}, salt {salt:?}, adapter {adapter:?}: a plain page equals a scoped one"
+                    );
+                }
+            }
+        }
+    }
+}
