@@ -242,6 +242,32 @@ def test_two_salts_never_share_on_host():
     assert e.prefix_hits[-1] == 12
 
 
+def test_an_empty_extra_key_is_not_no_extra_key():
+    """SGLang's radix tree keeps extra_key "" and None apart (no hit between them on device);
+    kvtier's host and L3 tiers merged them (``adapter=extra_key or None``), so a request
+    with one hit pages cached under the other (adversarial tester)."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    class WithExtraKey(Engine):
+        def request(self, tokens, *, extra=None, max_new=1):
+            self.n += 1
+            return Req(f"{self.model}-r{self.n}", "", array("q", tokens), SamplingParams(max_new_tokens=max_new),
+                       extra_key=extra)
+
+    p = prompts(12, 1, 16)[0]
+    e = WithExtraKey(kvtier_cache(host_pages=64), device_tokens=32)
+    e.run([e.request(p, extra="")])
+    e.run([e.request(q) for q in prompts(13, 1, 20)])  # off the device, kept on host
+    e.run([e.request(p)])
+    assert e.prefix_hits[-1] == 0
+    e.run([e.request(p, extra="")])
+    assert e.prefix_hits[-1] == 12
+    e.check_pools()
+
+
 def test_config_errors_are_typed_at_startup(l3server):
     with pytest.raises(kr.RadixConfigError, match="unknown"):
         kr.RadixBackendConfig.from_dict({"host_page": 3})

@@ -317,8 +317,9 @@ class KvtierRadixCache(L3Io, RadixCache):
         n = (len(toks) // self.page_size) * self.page_size
         if n == 0 or toks.min(initial=0) < 0 or toks.max(initial=0) >= _U32:
             return None  # kvtier pages hash u32 tokens: anything else stays device-only
+        # extra_key "" is not None: SGLang's own tree keeps them apart, so the tiers below do too
         h = kvtier.page_hashes(toks[:n].astype(np.uint32), self.page_size, cache_salt=salt or None,
-                               adapter=extra_key or None)
+                               adapter=extra_key)
         return [bytes(r) for r in h]
 
     def l3_keys(self, chain: List[bytes]) -> List[str]:
