@@ -236,7 +236,11 @@ fn two_models_sharing_a_store_each_get_a_stream_of_their_own() {
     );
     put(&c, "a", &key("m2", &hs[1], 1), 100); // a live m2 batch: page 1 complete
     s2.until("m2's page 1", |s| s.resident().len() == 2);
+    // Live m2 batches (fresh pages completed under m2) go out until the wrong router's SUB
+    // has heard one: a batch sent before that SUB joined is not seen (ZMQ's slow joiner; one
+    // batch was not enough on a loaded CI machine), and nothing replays another topic.
     let end = Instant::now() + Duration::from_secs(20);
+    let mut fresh = 100u32;
     loop {
         let cl = wrong.cluster.lock().unwrap();
         let n = &cl.streams[0].counters;
@@ -247,6 +251,10 @@ fn two_models_sharing_a_store_each_get_a_stream_of_their_own() {
         }
         drop(cl);
         assert!(Instant::now() < end, "no foreign batch counted");
+        let h = pages(&prompt(fresh, 1))[0];
+        fresh += 1;
+        put(&c, "a", &key("m2", &h, 0), 100);
+        put(&c, "a", &key("m2", &h, 1), 100);
         std::thread::sleep(Duration::from_millis(50));
     }
     let credited = |r: &kvtier_router::launch::Running| {
