@@ -12,32 +12,9 @@ use std::path::Path;
 
 mod common;
 
-use common::{payload, persisted, t};
+use common::{craft_bucket, payload, persisted, ssd_store_config, t};
 use kvtier_l3::ssd::bucket;
-use kvtier_l3::{EmbeddedStore, L3Error, L3Store, SsdConfig, StoreConfig};
-
-fn cfg(dir: &Path) -> StoreConfig {
-    StoreConfig {
-        local_segment_bytes: 16 << 20,
-        ssd: Some(SsdConfig::new(dir)),
-        ..Default::default()
-    }
-}
-
-/// Bucket `id` holding `keys` of tenant "a" (payload i for key i), as the writer writes it.
-fn craft(dir: &Path, id: u64, keys: &[(&str, usize)]) {
-    let data: Vec<Vec<u8>> = keys.iter().map(|(_, i)| payload(*i, 100)).collect();
-    let recs: Vec<bucket::NewRecord<'_>> = keys
-        .iter()
-        .zip(&data)
-        .map(|((k, _), d)| bucket::NewRecord {
-            tenant: "a",
-            key: k,
-            data: d,
-        })
-        .collect();
-    bucket::write_bucket(dir, id, &recs).unwrap();
-}
+use kvtier_l3::{EmbeddedStore, L3Error, L3Store};
 
 fn block_tombstones(dir: &Path, id: u64) {
     fs::create_dir(bucket::tomb_path(dir, id)).unwrap();
@@ -56,9 +33,9 @@ fn a_remove_whose_tombstone_fails_keeps_the_key_and_a_restart_never_serves_it() 
     let d = tempfile::tempdir().unwrap();
     let a = t("a");
     // Two records in one bucket, so removing one appends a tombstone (not a delete).
-    craft(d.path(), 0, &[("k", 1), ("other", 2)]);
+    craft_bucket(d.path(), 0, &[("k", 1), ("other", 2)]);
     {
-        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
         assert_eq!(s.get(&a, "k").unwrap(), payload(1, 100));
         block_tombstones(d.path(), 0);
         let r = s.remove(&a, "k", true);
@@ -84,7 +61,7 @@ fn a_remove_whose_tombstone_fails_keeps_the_key_and_a_restart_never_serves_it() 
         s.remove(&a, "k", true).unwrap();
         assert!(missing(&s, "k"));
     }
-    let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+    let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
     let got = s.get(&a, "k");
     assert!(
         matches!(got, Err(L3Error::ObjectNotFound)),
@@ -99,15 +76,15 @@ fn a_remove_whose_tombstone_fails_keeps_the_key_and_a_restart_never_serves_it() 
 fn a_refused_remove_survives_a_restart_as_not_removed() {
     let d = tempfile::tempdir().unwrap();
     let a = t("a");
-    craft(d.path(), 0, &[("k", 1), ("other", 2)]);
+    craft_bucket(d.path(), 0, &[("k", 1), ("other", 2)]);
     {
-        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
         block_tombstones(d.path(), 0);
         assert!(s.remove(&a, "k", true).is_err());
         unblock_tombstones(d.path(), 0);
         assert_eq!(s.get(&a, "k").unwrap(), payload(1, 100));
     }
-    let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+    let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
     assert_eq!(s.get(&a, "k").unwrap(), payload(1, 100));
 }
 
@@ -119,10 +96,10 @@ fn batch_removes_keep_exactly_the_keys_whose_tombstone_failed() {
     for all in [false, true] {
         let d = tempfile::tempdir().unwrap();
         let a = t("a");
-        craft(d.path(), 0, &[("x1", 1), ("keep0", 2)]);
-        craft(d.path(), 1, &[("x2", 3), ("keep1", 4)]);
+        craft_bucket(d.path(), 0, &[("x1", 1), ("keep0", 2)]);
+        craft_bucket(d.path(), 1, &[("x2", 3), ("keep1", 4)]);
         {
-            let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+            let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
             s.put(&a, "xmem", &payload(5, 100), Default::default())
                 .unwrap();
             block_tombstones(d.path(), 0);
@@ -147,7 +124,7 @@ fn batch_removes_keep_exactly_the_keys_whose_tombstone_failed() {
             }
             unblock_tombstones(d.path(), 0);
         }
-        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
         assert_eq!(s.get(&a, "x1").unwrap(), payload(1, 100), "all={all}");
         assert!(
             missing(&s, "x2"),

@@ -10,33 +10,9 @@ use std::path::Path;
 
 mod common;
 
-use common::{payload, persisted, t};
+use common::{craft_bucket, payload, persisted, ssd_store_config, t};
 use kvtier_l3::ssd::bucket;
-use kvtier_l3::{EmbeddedStore, L3Error, L3Store, PutOptions, SsdConfig, StoreConfig};
-
-fn cfg(dir: &Path) -> StoreConfig {
-    StoreConfig {
-        local_segment_bytes: 16 << 20,
-        ssd: Some(SsdConfig::new(dir)),
-        ..Default::default()
-    }
-}
-
-/// Writes bucket `id` holding `keys` (tenant "a", payload i for the i-th key) the way the
-/// writer does, so a test controls which records share a bucket.
-fn craft(dir: &Path, id: u64, keys: &[(&str, usize)]) {
-    let data: Vec<Vec<u8>> = keys.iter().map(|(_, i)| payload(*i, 100)).collect();
-    let recs: Vec<bucket::NewRecord<'_>> = keys
-        .iter()
-        .zip(&data)
-        .map(|((k, _), d)| bucket::NewRecord {
-            tenant: "a",
-            key: k,
-            data: d,
-        })
-        .collect();
-    bucket::write_bucket(dir, id, &recs).unwrap();
-}
+use kvtier_l3::{EmbeddedStore, L3Error, L3Store, PutOptions};
 
 fn files(dir: &Path, suffix: &str) -> Vec<u64> {
     let mut v: Vec<u64> = fs::read_dir(dir)
@@ -55,7 +31,7 @@ fn bucket_ids_are_never_reused_across_restarts() {
     let d = tempfile::tempdir().unwrap();
     let a = t("a");
     {
-        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
         s.put(&a, "keep", &payload(1, 100), persisted()).unwrap();
         s.put(&a, "gone", &payload(2, 100), persisted()).unwrap();
         assert_eq!(files(d.path(), ".bkt"), vec![0, 1]);
@@ -63,7 +39,7 @@ fn bucket_ids_are_never_reused_across_restarts() {
         s.remove(&a, "gone", true).unwrap();
         assert_eq!(files(d.path(), ".bkt"), vec![0]);
     }
-    let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+    let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
     s.put(&a, "new", &payload(3, 100), persisted()).unwrap();
     let ids = files(d.path(), ".bkt");
     assert_eq!(ids.len(), 2);
@@ -77,10 +53,10 @@ fn orphan_tombstones_never_kill_a_new_object() {
     let d = tempfile::tempdir().unwrap();
     let a = t("a");
     let orphan;
-    craft(d.path(), 0, &[("base", 0)]);
-    craft(d.path(), 1, &[("x", 1), ("y", 2)]);
+    craft_bucket(d.path(), 0, &[("base", 0)]);
+    craft_bucket(d.path(), 1, &[("x", 1), ("y", 2)]);
     {
-        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
         let id = 1;
         s.remove(&a, "x", true).unwrap();
         let tomb = bucket::tomb_path(d.path(), id);
@@ -91,11 +67,11 @@ fn orphan_tombstones_never_kill_a_new_object() {
     // The crash left the sidecar behind.
     fs::write(&orphan.0, &orphan.1).unwrap();
     {
-        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
         assert!(!orphan.0.exists(), "orphan sidecar removed at startup");
         s.put(&a, "z", &payload(3, 100), persisted()).unwrap();
     }
-    let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+    let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
     assert_eq!(s.get(&a, "z").unwrap(), payload(3, 100), "persisted z lost");
     assert_eq!(s.get(&a, "base").unwrap(), payload(0, 100));
     assert_eq!(s.get(&a, "x"), Err(L3Error::ObjectNotFound));
@@ -110,16 +86,16 @@ fn corrupt_tombstone_never_resurrects_a_removed_key() {
         let d = tempfile::tempdir().unwrap();
         let a = t("a");
         let id = 0;
-        craft(d.path(), id, &[("p", 0), ("q", 1), ("r", 2)]);
+        craft_bucket(d.path(), id, &[("p", 0), ("q", 1), ("r", 2)]);
         {
-            let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+            let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
             s.remove(&a, "q", true).unwrap();
         }
         let tomb = bucket::tomb_path(d.path(), id);
         let mut b = fs::read(&tomb).unwrap();
         b[flip] ^= 0x01;
         fs::write(&tomb, &b).unwrap();
-        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
         assert_eq!(
             s.get(&a, "q"),
             Err(L3Error::ObjectNotFound),
@@ -141,9 +117,9 @@ fn torn_tombstone_tail_is_cut_and_later_tombstones_hold() {
     let d = tempfile::tempdir().unwrap();
     let a = t("a");
     let id = 0;
-    craft(d.path(), id, &[("p", 0), ("q", 1), ("r", 2), ("s", 3)]);
+    craft_bucket(d.path(), id, &[("p", 0), ("q", 1), ("r", 2), ("s", 3)]);
     {
-        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
         s.remove(&a, "q", true).unwrap();
     }
     let tomb = bucket::tomb_path(d.path(), id);
@@ -151,12 +127,12 @@ fn torn_tombstone_tail_is_cut_and_later_tombstones_hold() {
     b.extend_from_slice(&[0xAB, 0xCD, 0xEF]);
     fs::write(&tomb, &b).unwrap();
     {
-        let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+        let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
         assert_eq!(s.get(&a, "q"), Err(L3Error::ObjectNotFound));
         assert_eq!(s.get(&a, "p").unwrap(), payload(0, 100));
         s.remove(&a, "r", true).unwrap();
     }
-    let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+    let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
     assert_eq!(s.get(&a, "q"), Err(L3Error::ObjectNotFound));
     assert_eq!(s.get(&a, "r"), Err(L3Error::ObjectNotFound));
     assert_eq!(s.get(&a, "p").unwrap(), payload(0, 100));
@@ -169,7 +145,7 @@ fn torn_tombstone_tail_is_cut_and_later_tombstones_hold() {
 fn remove_of_a_queued_write_is_dead_on_disk_before_publication() {
     let d = tempfile::tempdir().unwrap();
     let a = t("a");
-    let s = EmbeddedStore::new(cfg(d.path())).unwrap();
+    let s = EmbeddedStore::new(ssd_store_config(d.path())).unwrap();
     for round in 0..50 {
         let k = format!("k{round}");
         s.put(&a, &k, &payload(round, 4096), PutOptions::default())

@@ -22,6 +22,31 @@ pub fn payload(i: usize, len: usize) -> Vec<u8> {
     (0..len).map(|j| (i * 131 + j * 7) as u8).collect()
 }
 
+/// An embedded store of 16 MiB DRAM over an SSD tier in `dir`.
+pub fn ssd_store_config(dir: &std::path::Path) -> kvtier_l3::StoreConfig {
+    kvtier_l3::StoreConfig {
+        local_segment_bytes: 16 << 20,
+        ssd: Some(kvtier_l3::SsdConfig::new(dir)),
+        ..Default::default()
+    }
+}
+
+/// Writes bucket `id` holding `keys` (tenant "a", payload i for the i-th key) the way the
+/// writer does, so a test controls which records share a bucket.
+pub fn craft_bucket(dir: &std::path::Path, id: u64, keys: &[(&str, usize)]) {
+    let data: Vec<Vec<u8>> = keys.iter().map(|(_, i)| payload(*i, 100)).collect();
+    let recs: Vec<kvtier_l3::ssd::bucket::NewRecord<'_>> = keys
+        .iter()
+        .zip(&data)
+        .map(|((k, _), d)| kvtier_l3::ssd::bucket::NewRecord {
+            tenant: "a",
+            key: k,
+            data: d,
+        })
+        .collect();
+    kvtier_l3::ssd::bucket::write_bucket(dir, id, &recs).unwrap();
+}
+
 /// A put that waits for the SSD copy.
 pub fn persisted() -> PutOptions {
     PutOptions {
