@@ -39,11 +39,12 @@ LAYOUTS = ["page_first", "layer_first", "page_first_direct"]
 PS = 4
 
 
-def backend(pool=None, *, mla=False, tp_rank=0, tp_size=1, **extra):
+def backend(pool=None, *, mla=False, tp_rank=0, tp_size=1, model="meta-llama/Llama-3-8B", **extra):
     extra.setdefault("interface_v1", 1)
     extra.setdefault("segment_bytes", "64MB")
     layout = pool.layout if pool is not None else "page_first"
-    b = KvtierHiCacheStorage(storage_config(extra, mla=mla, tp_rank=tp_rank, tp_size=tp_size, layout=layout), {})
+    sc = storage_config(extra, mla=mla, tp_rank=tp_rank, tp_size=tp_size, layout=layout, model=model)
+    b = KvtierHiCacheStorage(sc, {})
     if pool is not None:
         b.register_mem_pool_host(pool)
     return b
@@ -582,3 +583,55 @@ def test_the_documented_launch_flags_parse_and_build_the_backend():
     assert isinstance(b, KvtierHiCacheStorage)
     b.register_mem_pool_host(pool)
     assert b.interface is ks.Interface.ZERO_COPY
+
+
+def test_namespaces_tell_apart_what_the_host_pool_cannot():
+    """Found by an adversarial tester: SGLang keeps every fp8 KV cache as uint8, so an
+    fp8_e4m3 and an fp8_e5m2 deployment of one model had one namespace and each read the
+    other's bytes as its own (e4m3 448.0 came back as e5m2 nan); two pools of one model
+    with other head counts (other bytes per page) shared one too. The logical KV dtype
+    (SGLang's --kv-cache-dtype) and the bytes of a page's part are in the namespace now."""
+    from sglang_engine import publish_server_args
+
+    keys = ["same-prompt-page-hash"]
+    try:
+        publish_server_args(["--model-path", "dummy", "--device", "cpu", "--kv-cache-dtype", "fp8_e4m3"])
+        a = backend(mha_pool("page_first", dtype=torch.uint8), name="fp8")
+        publish_server_args(["--model-path", "dummy", "--device", "cpu", "--kv-cache-dtype", "fp8_e5m2"])
+        b = backend(mha_pool("page_first", dtype=torch.uint8), name="fp8")
+        assert a.namespace() != b.namespace()
+        assert a.batch_set_v1(keys, page_indices([0], PS)) == [True]
+        assert b.batch_exists(keys) == 0 and b.batch_get_v1(keys, page_indices([0], PS)) == [False]
+    finally:
+        publish_server_args()
+    two, four = mha_pool("page_first", heads=2), mha_pool("page_first", heads=4)
+    c, d = backend(two, name="heads"), backend(four, name="heads")
+    assert c.namespace() != d.namespace()
+    assert c.batch_set_v1(keys, page_indices([0], PS)) == [True]
+    assert d.batch_exists(keys) == 0
+
+
+def test_clear_removes_this_backends_pages_only():
+    """``clear()`` (SGLang's /clear_hicache_storage_backend) removed every object of the
+    tenant on a shared server: another model's pages too (adversarial tester)."""
+    srv = kvtier.L3Server(1 << 24)
+    try:
+        a = backend(mha_pool("page_first"), server=srv.addr, model="model-a")
+        b = backend(mha_pool("page_first"), server=srv.addr, model="model-b")
+        keys = [f"k{i}" for i in range(2)]
+        assert a.batch_set_v1(keys, page_indices([0, 1], PS)) == [True] * 2
+        assert b.batch_set_v1(keys, page_indices([0, 1], PS)) == [True] * 2
+        a.clear()
+        assert a.batch_exists(keys) == 0
+        assert b.batch_exists(keys) == 2
+    finally:
+        srv.shutdown()
+
+
+def test_an_error_code_is_not_a_present_page():
+    """``batch_is_exist`` answers -400 for a key it refuses; ``.all()`` took it as present
+    (batch_exists 2, exists True) while set and get refused the same keys."""
+    b = backend(mha_pool("page_first"))
+    bad = ["nul\0key", "x" * 5000]
+    assert b.batch_exists(bad) == 0
+    assert not b.exists(bad[0])

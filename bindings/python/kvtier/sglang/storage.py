@@ -37,6 +37,7 @@ import enum
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -242,7 +243,21 @@ def _grid(pool: Any, mla: bool) -> _Grid:
     if size % ps or chunk == 0 or chunk * len(parts) * pages != nbytes:
         raise UnsupportedPoolError(f"kv_buffer {tuple(buf.shape)} is not {len(parts)} parts x {pages} pages")
     flat = buf.view(-1).view(torch.uint8).numpy()
-    return _Grid(pool, flat, ps, pages, parts, chunk, layout, str(buf.dtype).replace("torch.", ""))
+    return _Grid(pool, flat, ps, pages, parts, chunk, layout, _kv_dtype(buf.dtype))
+
+
+def _kv_dtype(stored: torch.dtype) -> str:
+    """The KV dtype for the namespace: the host pool's, and SGLang's ``--kv-cache-dtype``
+    when it is not ``auto`` (every fp8 variant is stored as uint8: an fp8_e4m3 and an
+    fp8_e5m2 deployment must not read each other's bytes)."""
+    name = str(stored).replace("torch.", "")
+    try:
+        from sglang.srt.runtime_context import get_context
+
+        logical = str(getattr(get_context().server_args, "kv_cache_dtype", "auto") or "auto")
+    except (ImportError, AttributeError, RuntimeError, ValueError):
+        return name  # no server args published (a backend built outside an engine)
+    return name if logical == "auto" else f"{name}.{logical}"
 
 
 @dataclass
@@ -370,7 +385,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def namespace(self, tenant: Optional[str] = None, pool: str = "kv") -> str:
         """The L3 key namespace of ``tenant``'s pages of the registered pool ``pool``."""
         g = self._grid_of(pool)
-        layout = f"sglang.{g.layout}.{'mla' if self.is_mla else 'mha'}.{self._shape}.{pool}"
+        # The bytes of a page's part: two pools of one model with other head counts (or
+        # another layer split) hold other bytes under the same page hash.
+        start = int(getattr(g.pool, "start_layer", 0) or 0)
+        layout = (f"sglang.{g.layout}.{'mla' if self.is_mla else 'mha'}.{self._shape}.{pool}"
+                  f".c{g.chunk_bytes}" + (f".l{start}" if start else ""))
         return l3_namespace(self.model, g.dtype, layout, tenant or self.tenant)
 
     def object_keys(self, keys: Sequence[str], tenant: Optional[str] = None, pool: str = "kv") -> List[str]:
@@ -483,7 +502,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         okeys = self.object_keys(keys, tenant, pool)
         store = self._view(tenant)
         self.counters.probes += 1
-        present = np.asarray(store.batch_is_exist(okeys)).reshape(len(keys), len(g.parts)).all(axis=1)
+        # 1 is present; 0 missing and a negative code (a key the store refuses) are not
+        present = (np.asarray(store.batch_is_exist(okeys)) == 1).reshape(len(keys), len(g.parts)).all(axis=1)
         n = int(np.argmin(present)) if not present.all() else len(keys)
         if self.prefetch_ssd and n:
             # Promote SSD-only pages of the run SGLang will read next (not those past a gap).
@@ -587,7 +607,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 g = self._grid_of(name)
                 okeys = self.object_keys(self._pool_keys(name, keys[:kv]), tenant, name)
                 codes = np.asarray(self._view(tenant).batch_is_exist(okeys)) if okeys else np.zeros(0)
-                have = codes.reshape(kv, len(g.parts)).all(axis=1) if kv else np.zeros(0, bool)
+                have = (codes == 1).reshape(kv, len(g.parts)).all(axis=1) if kv else np.zeros(0, bool)
             except (SGLangBackendError, kvtier.L3Error):
                 have = np.zeros(kv, bool)
             if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
@@ -621,11 +641,16 @@ class KvtierHiCacheStorage(HiCacheStorage):
     # ---- housekeeping ------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Removes this backend's tenants' objects (leased ones too)."""
+        """Removes this backend's objects (leased ones too): every registered pool's
+        namespace under each of its tenants, not the tenant's whole store (before, another
+        model's pages on a shared server went too)."""
         with self._lock:
-            views = list(self._tenants.values())
-        for v in views:
-            v.remove_all(True)
+            tenants = list(self._tenants)
+            pools = list(self._grids)
+        for t in tenants:
+            for pool in pools:
+                ns = self.namespace(t, pool)
+                self._view(t).remove_by_regex(f"^{re.escape(ns)}:", True)
 
     def get_stats(self) -> StorageMetrics:
         """SGLang's ``StorageMetrics`` since the last call (pages and GB/s per batch), with
