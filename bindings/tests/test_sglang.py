@@ -635,3 +635,19 @@ def test_an_error_code_is_not_a_present_page():
     bad = ["nul\0key", "x" * 5000]
     assert b.batch_exists(bad) == 0
     assert not b.exists(bad[0])
+
+
+def test_value_reads_into_overlapping_tensors_are_refused_not_raised():
+    """The value path's ``batch_get`` into one tensor twice (or overlapping views) let the
+    extension's bare ValueError escape into SGLang's controller; it is a refused batch (every
+    page None) like the zero-copy path's, and the tensor is left as it was."""
+    src = mha_pool("page_first")
+    fill(src, 1)
+    b = backend(src, interface_v1=0)
+    assert b.batch_set_v1(["a", "b"], page_indices([0, 1], PS)) == [True, True]
+    t = src.get_dummy_flat_data_page()
+    before = t.clone()
+    for targets in ([t, t], [t, t.view(-1)[:]]):
+        assert b.batch_get(["a", "b"], targets) == [None, None]
+        assert torch.equal(t, before)
+    assert b.counters.rejected_batches == 2

@@ -541,6 +541,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 raise SGLangBackendError(f"a flat page is {g.page_bytes} bytes, got {v.numel() * v.element_size()}")
             b = v.view(-1).view(torch.uint8).numpy()
             bufs.extend(b[i * g.chunk_bytes:(i + 1) * g.chunk_bytes] for i in range(len(g.parts)))
+        if op == "get":
+            spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in values)
+            if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
+                raise SGLangBackendError("two value tensors overlap: one read cannot land two pages in one place")
         if op == "set" and not self.is_writer:
             return [True] * len(keys)
         store = self._view(self.tenant)
