@@ -19,6 +19,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{L3Error, L3Result};
+use crate::rpc::xfer::{FrameError, read_frame};
 
 /// Most concurrent connections a listener accepts.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -104,6 +105,42 @@ impl<S: TimedRead> Read for ByDeadline<'_, S> {
         }
         self.sock.set_read_timeout(Some(left))?;
         self.sock.read(buf)
+    }
+}
+
+/// The next request of a connection on the transfer channel or the shared-memory socket.
+/// Until the peer's hello succeeded (`authed` false) its reads must finish by `hello_by`
+/// and its frame may be at most [`PRE_AUTH_MAX_FRAME`] (nothing larger is allocated for a
+/// peer without the token); then at most `max_frame`. `Err(Some(e))`: a frame the peer is
+/// told about (too large, malformed) before the connection closes; `Err(None)`: the
+/// connection is gone or its time ran out.
+pub fn read_request<T: for<'de> serde::Deserialize<'de>, S: TimedRead>(
+    sock: &mut S,
+    authed: bool,
+    hello_by: Instant,
+    max_frame: usize,
+) -> Result<T, Option<L3Error>> {
+    let (limit, read) = if authed {
+        (max_frame, read_frame(sock, max_frame))
+    } else {
+        let limit = PRE_AUTH_MAX_FRAME.min(max_frame);
+        (
+            limit,
+            read_frame(&mut ByDeadline::new(sock, hello_by), limit),
+        )
+    };
+    match read {
+        Ok(r) => Ok(r),
+        Err(FrameError::TooLarge(n)) => {
+            let before = if authed { "" } else { " before hello" };
+            Err(Some(L3Error::InvalidParams(format!(
+                "frame of {n} bytes exceeds the {limit}-byte limit{before}"
+            ))))
+        }
+        Err(FrameError::Malformed(m)) => Err(Some(L3Error::InvalidParams(format!(
+            "malformed request: {m}"
+        )))),
+        Err(_) => Err(None),
     }
 }
 

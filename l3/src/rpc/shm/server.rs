@@ -22,10 +22,9 @@ use std::time::Instant;
 use crate::api::L3Store;
 use crate::error::{L3Error, L3Result};
 use crate::rpc::accept::{
-    ByDeadline, HELLO_TIMEOUT, PRE_AUTH_MAX_FRAME, Pending, ServeConn, TokenDigest, spawn_acceptor,
-    token_ok,
+    HELLO_TIMEOUT, Pending, ServeConn, TokenDigest, read_request, spawn_acceptor, token_ok,
 };
-use crate::rpc::xfer::{FrameError, read_frame, write_frame};
+use crate::rpc::xfer::write_frame;
 use crate::store::EmbeddedStore;
 use crate::types::Blob;
 
@@ -198,31 +197,13 @@ impl ShmConn<'_> {
         }
         let mut authed = false;
         while !stop.load(Ordering::Acquire) {
-            let (limit, read) = if authed {
-                (max_frame, read_frame(&mut sock, max_frame))
-            } else {
-                let limit = PRE_AUTH_MAX_FRAME.min(max_frame);
-                (
-                    limit,
-                    read_frame(&mut ByDeadline::new(&mut sock, hello_by), limit),
-                )
-            };
-            let req: ShmRequest = match read {
+            let req: ShmRequest = match read_request(&mut sock, authed, hello_by, max_frame) {
                 Ok(r) => r,
-                Err(FrameError::TooLarge(n)) => {
-                    let before = if authed { "" } else { " before hello" };
-                    let e = L3Error::InvalidParams(format!(
-                        "frame of {n} bytes exceeds the {limit}-byte limit{before}"
-                    ));
+                Err(Some(e)) => {
                     let _ = write_frame(&mut sock, &ShmReply::Done(Err(e)));
                     return;
                 }
-                Err(FrameError::Malformed(m)) => {
-                    let e = L3Error::InvalidParams(format!("malformed request: {m}"));
-                    let _ = write_frame(&mut sock, &ShmReply::Done(Err(e)));
-                    return;
-                }
-                Err(_) => return,
+                Err(None) => return,
             };
             // Stopped while this thread waited for the request: not served.
             if stop.load(Ordering::Acquire) {

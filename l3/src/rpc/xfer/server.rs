@@ -24,11 +24,10 @@ use crate::error::{L3Error, L3Result};
 use crate::store::EmbeddedStore;
 
 use crate::rpc::accept::{
-    ByDeadline, HELLO_TIMEOUT, PRE_AUTH_MAX_FRAME, Pending, ServeConn, TokenDigest, spawn_acceptor,
-    token_ok,
+    HELLO_TIMEOUT, Pending, ServeConn, TokenDigest, read_request, spawn_acceptor, token_ok,
 };
 
-use super::frame::{FrameError, read_frame, send_blobs, unpack_keys, write_frame};
+use super::frame::{send_blobs, unpack_keys, write_frame};
 use super::{XferHandler, XferReply, XferRequest, refuse};
 
 /// A running transfer listener.
@@ -125,35 +124,13 @@ fn serve_conn(
         if stop.load(Ordering::Acquire) {
             return;
         }
-        let (limit, read) = if authed {
-            (max_frame, read_frame(&mut sock, max_frame))
-        } else {
-            let limit = PRE_AUTH_MAX_FRAME.min(max_frame);
-            (
-                limit,
-                read_frame(&mut ByDeadline::new(&mut sock, hello_by), limit),
-            )
-        };
-        let req: XferRequest = match read {
+        let req: XferRequest = match read_request(&mut sock, authed, hello_by, max_frame) {
             Ok(r) => r,
-            Err(FrameError::TooLarge(n)) => {
-                let before = if authed { "" } else { " before hello" };
-                let e = L3Error::InvalidParams(format!(
-                    "frame of {n} bytes exceeds the {limit}-byte limit{before}"
-                ));
+            Err(Some(e)) => {
                 let _ = write_frame(&mut sock, &XferReply::Get(Err(e)));
                 return;
             }
-            Err(FrameError::Malformed(m)) => {
-                let _ = write_frame(
-                    &mut sock,
-                    &XferReply::Get(Err(L3Error::InvalidParams(format!(
-                        "malformed request: {m}"
-                    )))),
-                );
-                return;
-            }
-            Err(_) => return,
+            Err(None) => return,
         };
         // Stopped while this thread waited for the request: not served (the client sees
         // the connection close, an error, never an answer from a stopped server).
