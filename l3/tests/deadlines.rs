@@ -13,7 +13,6 @@ use std::time::Duration;
 
 mod common;
 
-use bincode::Options;
 use kvtier_l3::rpc::server::ServerOptions;
 use kvtier_l3::rpc::service::L3RpcRequest;
 use kvtier_l3::{
@@ -68,35 +67,11 @@ fn client_timeouts_out_of_range_are_typed_errors() {
 /// One `stats` request frame (length-delimited bincode, as tarpc sends it) with the given
 /// relative deadline.
 fn stats_frame(id: u64, deadline_secs: u64) -> Vec<u8> {
-    // ClientMessage::Request(Request { context: { deadline: Duration, trace_context }, id,
-    // message }), field by field as tarpc's serde derive writes it (bincode varint options).
-    #[derive(serde::Serialize)]
-    struct Context {
-        deadline: Duration,
-        trace_context: tarpc::trace::Context,
-    }
-    #[derive(serde::Serialize)]
-    struct Request {
-        context: Context,
-        id: u64,
-        message: L3RpcRequest,
-    }
-    #[derive(serde::Serialize)]
-    enum ClientMessage {
-        Request(Request),
-    }
-    let msg = ClientMessage::Request(Request {
-        context: Context {
-            deadline: Duration::from_secs(deadline_secs),
-            trace_context: tarpc::context::current().trace_context,
-        },
+    common::raw::rpc_frame_with_deadline(
         id,
-        message: L3RpcRequest::Stats {},
-    });
-    let body = bincode::DefaultOptions::new().serialize(&msg).unwrap();
-    let mut frame = (body.len() as u32).to_be_bytes().to_vec();
-    frame.extend_from_slice(&body);
-    frame
+        L3RpcRequest::Stats {},
+        Duration::from_secs(deadline_secs),
+    )
 }
 
 #[test]

@@ -104,6 +104,13 @@ impl Server {
 
 /// One request frame as tarpc's client sends it (bincode varint, big-endian u32 length).
 pub fn rpc_frame(id: u64, message: L3RpcRequest) -> Vec<u8> {
+    rpc_frame_with_deadline(id, message, Duration::from_secs(30))
+}
+
+/// [`rpc_frame`] with the given relative deadline: `ClientMessage::Request(Request {
+/// context: { deadline, trace_context }, id, message })`, field by field as tarpc's serde
+/// derive writes it.
+pub fn rpc_frame_with_deadline(id: u64, message: L3RpcRequest, deadline: Duration) -> Vec<u8> {
     #[derive(serde::Serialize)]
     struct Context {
         deadline: Duration,
@@ -121,7 +128,7 @@ pub fn rpc_frame(id: u64, message: L3RpcRequest) -> Vec<u8> {
     }
     let msg = ClientMessage::Request(Request {
         context: Context {
-            deadline: Duration::from_secs(30),
+            deadline,
             trace_context: tarpc::context::current().trace_context,
         },
         id,
