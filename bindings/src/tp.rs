@@ -118,8 +118,9 @@ impl PyRankAgreement {
     }
 
     /// This rank's contribution (int64, one value per op in flight in `scheduler`, a
-    /// `Scheduler` or an `OffloadManager`). A record `reduce` would refuse counts as 0 (not
-    /// done), so no rank agrees its op.
+    /// `Scheduler` or an `OffloadManager`). When `reduce` would refuse a record, every
+    /// value is 0 (not done): no rank agrees anything this step (this rank applies nothing,
+    /// and ranks that applied different events would plan differently).
     fn values<'py>(
         &self,
         py: Python<'py>,
@@ -132,10 +133,13 @@ impl PyRankAgreement {
     /// Reduces: calls `all_reduce_min(values)` with this rank's int64 array, which must
     /// leave (in place, or return) the element-wise minimum over all ranks; returns the agreed
     /// events to feed to `scheduler` (`on_event` each, in order). Raises ``AgreementError``
-    /// (nothing changed) before calling `all_reduce_min` when this rank recorded a completion
-    /// of another kind than its op's, or above its count; after it, when the reduced values
-    /// are not a minimum. `all_reduce_min` may read this agreement (an in-process stand-in
-    /// computing every rank's values): it is not held while the collective runs.
+    /// (nothing changed) when this rank recorded a completion of another kind than its op's,
+    /// or above its count, or when the reduced values are not a minimum: always *after*
+    /// calling `all_reduce_min` once, so the other ranks are never left waiting in the
+    /// collective (this rank then enters it with every op "not done": no rank agrees
+    /// anything this step).
+    /// `all_reduce_min` may read this agreement (an in-process stand-in computing every
+    /// rank's values): it is not held while the collective runs.
     fn reduce(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
@@ -144,10 +148,7 @@ impl PyRankAgreement {
     ) -> PyResult<Vec<Py<PyAny>>> {
         let v = {
             let me = slf.try_borrow()?;
-            with_agreed_ref(scheduler, |s| {
-                me.inner.check(s).map(|()| me.inner.values(s))
-            })?
-            .map_err(agree_err)?
+            with_agreed_ref(scheduler, |s| me.inner.values(s))?
         };
         let arr = words_to_py(py, v);
         let ret = all_reduce_min.call1((arr.clone(),))?;

@@ -280,26 +280,28 @@ class _Wait(Exception):
 def _collective(ranks, agrees):
     """Every rank's ``reduce`` through a blocking MIN all-reduce, simulated in one process: in a
     first round each rank enters the collective (its values recorded; it then waits, raising
-    ``_Wait``, which leaves it unchanged) or refuses before entering; only if every rank
-    entered does a second round hand each the minimum. Returns ``(events per rank, refusals)``;
-    events are ``None`` for every rank when some rank refused (the others would still wait)."""
-    entered, refusals = [], []
+    ``_Wait``, which leaves it unchanged), and every rank must enter (one that refused before
+    it would leave the others waiting for ever); a second round hands each the minimum.
+    Returns ``(events per rank, refusals)``; a refused rank's events are ``None``."""
+    entered = []
     for s, a in zip(ranks, agrees):
 
         def enter(v):
             entered.append(np.array(v))
             raise _Wait
 
-        try:
+        with pytest.raises(_Wait):
             a.reduce(s, enter)
-        except _Wait:
-            continue
-        except kvtier.AgreementError as e:
-            refusals.append(e)
-    if refusals:
-        return None, refusals
+    assert len(entered) == len(ranks), "every rank enters the collective"
     m = np.minimum.reduce(entered)
-    return [a.reduce(s, lambda v: m) for s, a in zip(ranks, agrees)], []
+    events, refusals = [], []
+    for s, a in zip(ranks, agrees):
+        try:
+            events.append(a.reduce(s, lambda v: m))
+        except kvtier.AgreementError as e:
+            events.append(None)
+            refusals.append(e)
+    return events, refusals
 
 
 def _probing(n=1):
@@ -321,7 +323,7 @@ def test_a_completion_of_another_kind_is_refused_and_never_agreed():
     agrees[0].push(kvtier.LoadBackDone(q, True))
     agrees[1].push(kvtier.BackUpDone(q, True))
     events, refusals = _collective(ranks, agrees)
-    assert events is None and len(refusals) == 2
+    assert events == [None, None] and len(refusals) == 2
     assert "L3Query" in str(refusals[0]) and "LoadBack" in str(refusals[0])
     assert [a.pending() for a in agrees] == [1, 1]
     assert [s.ops_in_flight() for s in ranks] == [1, 1]
@@ -346,7 +348,7 @@ def test_a_count_above_the_ops_is_refused_before_anything_is_consumed():
     for a in agrees:
         a.push(kvtier.L3QueryDone(q, 999))
     events, refusals = _collective(ranks, agrees)
-    assert events is None and len(refusals) == 2 and "999" in str(refusals[0])
+    assert events == [None, None] and len(refusals) == 2 and "999" in str(refusals[0])
     assert [a.pending() for a in agrees] == [1, 1] and ranks[0].ops_in_flight() == 1
 
 
@@ -520,8 +522,16 @@ def test_an_agreed_event_is_exactly_one_every_rank_reported(n, records):
     before = [(a.pending(), a.values(s).tolist(), s.ops_in_flight()) for s, a in zip(ranks, agrees)]
     events, refusals = _collective(ranks, agrees)
     if any(bad):
-        assert events is None and len(refusals) == sum(bad)
-        assert [(a.pending(), a.values(s).tolist(), s.ops_in_flight()) for s, a in zip(ranks, agrees)] == before
+        # The refused ranks raise; the others agree nothing (a refused rank enters with every
+        # op "not done"), so the ranks do not part ways.
+        assert len(refusals) == sum(bad)
+        assert [e is None for e in events] == bad and all(e == [] for e in events if e is not None)
+        after = [(a.pending(), a.values(s).tolist(), s.ops_in_flight()) for s, a in zip(ranks, agrees)]
+        for r in (0, 1):
+            if bad[r]:
+                assert after[r] == before[r]  # nothing of a refused rank changes
+            else:  # nothing agreed: its ops' records kept (records of ops not in flight dropped)
+                assert after[r][1:] == before[r][1:]
         return
     assert refusals == [] and events[0] == events[1]
     want = []
@@ -537,3 +547,72 @@ def test_an_agreed_event_is_exactly_one_every_rank_reported(n, records):
     for r, a in enumerate(agrees):
         assert a.pending() == sum(1 for op, p in live.items() if p[r] is not None and op not in agreed)
         assert a.dropped() == sum(1 for p in records[n:] if p[r] is not None)
+
+
+def _gloo_rank(rank, port, out):
+    """One rank of a real gloo group: rank 0 answers the probe with a completion of another
+    kind (refused), rank 1 with the right one; both reduce through ``dist.all_reduce`` (MIN),
+    then meet in one more collective, as the next engine step would."""
+    import datetime
+    import traceback
+
+    try:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=15))
+        s = kvtier.Scheduler(small_config(l3_enabled=True, prefetch_threshold=1, rank=rank, tp_ranks=2))
+        s.submit(1, prompt(1, 41), 2)
+        (q,) = [o.id for o in s.next_execution_plan(0).ops]
+        a = kvtier.RankAgreement()
+        a.push(kvtier.LoadBackDone(q, True) if rank == 0 else kvtier.L3QueryDone(q, 4))
+
+        def all_min(v):
+            t = torch.from_numpy(v)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+
+        try:
+            got = ("events", len(a.reduce(s, all_min)))
+        except kvtier.AgreementError as e:
+            got = ("refused", str(e))
+        except RuntimeError as e:  # the collective itself failed (a peer never entered it)
+            got = ("collective failed", str(e)[:200])
+        nxt = torch.tensor([rank + 1])
+        dist.all_reduce(nxt)  # the next step's collective: the group is still in step
+        out.put((rank, got, int(nxt), a.pending(), s.ops_in_flight()))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 (reported to the test)
+        out.put((rank, traceback.format_exc(), None, None, None))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_rank_that_refuses_its_record_still_enters_the_collective():
+    """A rank whose record is refused raised before the all-reduce, and the other ranks waited
+    in it for ever (here: until gloo's 15 s timeout). The refusing rank now enters with its
+    refused records as "not done" (the others agree nothing for that op) and raises after it;
+    the group stays in step."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, out)) for r in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        res = {r[0]: r[1:] for r in (out.get(timeout=120) for _ in procs)}
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    (got0, n0, pend0, fl0), (got1, n1, pend1, fl1) = res[0], res[1]
+    assert got0[0] == "refused" and "LoadBack" in got0[1], got0
+    assert got1 == ("events", 0), got1  # rank 1 waited for ever before: "collective failed"
+    assert n0 == n1 == 3  # both met in the next collective
+    assert (pend0, fl0) == (pend1, fl1) == (1, 1)  # nothing agreed, nothing consumed

@@ -19,10 +19,12 @@
 //!
 //! An agreed event is exactly one every rank reported (or skipped), of the op's kind: `push`
 //! does not know the op, so a reduction checks this rank's records against the ops in flight
-//! first. A completion of another kind than its op's, or a count above the op's, is "not done"
-//! in [`RankAgreement::values`] (no rank agrees the op through it) and a typed error before
-//! the collective ([`AgreementError::WrongKind`], [`AgreementError::TooMany`]) that changes
-//! nothing; a record of an op not in flight is dropped ([`RankAgreement::dropped`]), so it
+//! first. A completion of another kind than its op's, or a count above the op's, makes every
+//! value "not done" in [`RankAgreement::values`] (no rank agrees anything that step: the
+//! refusing rank applies nothing, and the ranks must not part ways) and is a typed error
+//! ([`AgreementError::WrongKind`], [`AgreementError::TooMany`]) that changes nothing, raised
+//! after the collective (a rank that left it would leave the others waiting in it, or pair
+//! their all-reduce with its next one); a record of an op not in flight is dropped ([`RankAgreement::dropped`]), so it
 //! cannot answer a later op of that id. [`RankAgreement::push_checked`] refuses all of them
 //! at the push.
 //!
@@ -61,8 +63,9 @@ pub enum AgreementError {
     #[error("op {0:?} was already recorded this round")]
     Duplicate(OpId),
     /// This rank recorded a completion of another kind than its op's (the engine answered the
-    /// op with the wrong event). Its value is "not done" on every rank, so no rank agrees the
-    /// op; [`RankAgreement::reduce`] refuses before entering the collective.
+    /// op with the wrong event). This rank's values are all "not done", so no rank agrees
+    /// anything that step; [`RankAgreement::reduce`] refuses after the collective (entered,
+    /// so that no rank waits in it).
     #[error(
         "op {op:?} is of kind {kind:?}, but this rank recorded a completion of kind {claimed:?} for it: refused, nothing agreed or consumed (answer each op with its own kind's completion)"
     )]
@@ -142,8 +145,8 @@ pub trait AgreedOps {
     fn forget_l3_all(&mut self, _: AgreedLosses) -> usize;
     /// The most a completion of `op` (in flight) may count: the keys an L3 query probed, the
     /// pages a prefetch reads. `None`: no bound (a success flag, or a planner that takes any
-    /// count). A rank's record above it is refused before the collective
-    /// ([`AgreementError::TooMany`]), not after its record was consumed.
+    /// count). A rank's record above it is refused ([`AgreementError::TooMany`]) before it is
+    /// consumed, and enters the collective as "not done".
     fn max_count(&self, _op: OpId) -> Option<u32> {
         None
     }
@@ -350,19 +353,22 @@ impl RankAgreement {
         Ok(())
     }
 
-    /// This rank's contribution: one value per op in flight in `sched`, in op-id order. A
-    /// record [`Self::check`] refuses counts as "not done" (0), so that no rank can agree its
-    /// op through it.
+    /// This rank's contribution: one value per op in flight in `sched`, in op-id order. When
+    /// [`Self::check`] refuses a record, every value is "not done" (0): no rank agrees any op
+    /// this step, since this rank, which raises, applies none, and a rank that applied events
+    /// another did not would plan differently from then on.
     pub fn values<S: AgreedOps + ?Sized>(&self, sched: &S) -> Vec<u64> {
         self.values_of(sched, &sched.agreed_ops())
     }
 
     fn values_of<S: AgreedOps + ?Sized>(&self, sched: &S, ops: &[(OpId, OpKind)]) -> Vec<u64> {
+        if self.check_ops(sched, ops).is_err() {
+            return vec![0; ops.len()];
+        }
         ops.iter()
-            .map(|(op, kind)| match self.done.get(op) {
+            .map(|(op, _)| match self.done.get(op) {
                 None => 0,
                 Some(Slot::Skipped) => SKIPPED,
-                Some(Slot::Done(ev)) if refusal(sched, *op, *kind, ev).is_some() => 0,
                 Some(Slot::Done(ev)) => encode(ev),
             })
             .collect()
@@ -374,19 +380,21 @@ impl RankAgreement {
     /// yet done on some rank stay recorded for a later step; records of ops not in flight are
     /// dropped ([`Self::dropped`]).
     ///
-    /// Nothing changes on an error. A record [`Self::check`] refuses is refused before
-    /// `all_reduce_min` is called (this rank does not enter the collective: an engine that
-    /// answered an op with the wrong completion stops its group rather than agree on it); a
-    /// reduced vector that cannot be the minimum (see [`Self::apply_reduced`]) after it.
+    /// Nothing changes on an error. A record [`Self::check`] refuses is refused *after*
+    /// `all_reduce_min`: this rank enters the collective with every op "not done" (0, as
+    /// [`Self::values`] gives them), so no rank agrees anything, and then returns the refusal. A rank
+    /// that refused before the collective left the others waiting in it, or paired their
+    /// all-reduce with its next one (another vector read as this one). A reduced vector that
+    /// cannot be the minimum (see [`Self::apply_reduced`]) is refused after it too.
     pub fn reduce<S: AgreedOps + ?Sized>(
         &mut self,
         sched: &S,
         all_reduce_min: impl FnOnce(&mut [u64]),
     ) -> Result<Vec<Event>, AgreementError> {
         let ops = sched.agreed_ops();
-        self.check_ops(sched, &ops)?;
         let mut v = self.values_of(sched, &ops);
         all_reduce_min(&mut v);
+        self.check_ops(sched, &ops)?;
         self.apply_reduced(sched, &v)
     }
 
