@@ -96,6 +96,8 @@ fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> PublishError {
 /// for that thread (it would wait for this lock: a hang under snapshot requests).
 struct State {
     next_seq: u64,
+    /// The latest batch's timestamp: a snapshot's (it holds every batch up to that one).
+    last_ts: f64,
     mirror: Mirror,
     closed: bool,
 }
@@ -169,6 +171,7 @@ impl Publisher {
         push.connect(inproc).map_err(zerr("connect inproc PUSH"))?;
         let state = Arc::new(Mutex::new(State {
             next_seq: 0,
+            last_ts: 0.0,
             mirror: Mirror::new(),
             closed: false,
         }));
@@ -228,6 +231,7 @@ impl Publisher {
             .map_err(zerr("hand the batch to the publisher thread"))?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         st.next_seq += 1;
+        st.last_ts = ts;
         for e in events {
             st.mirror.apply(e);
         }
@@ -403,14 +407,14 @@ impl Worker {
         };
         let mut replies: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
         if start == SNAPSHOT_REQUEST {
-            let (seq, events) = {
+            let (seq, ts, events) = {
                 let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-                (st.next_seq.checked_sub(1), st.mirror.snapshot())
+                (st.next_seq.checked_sub(1), st.last_ts, st.mirror.snapshot())
             };
             // before the first batch there is nothing to snapshot: the end marker alone says
             // "empty, start from sequence number 0"
             if let Some(seq) = seq {
-                match encode_batch(0.0, &events, self.dp, self.hash_format) {
+                match encode_batch(ts, &events, self.dp, self.hash_format) {
                     Ok(p) => replies.push((seq.to_be_bytes().to_vec(), p)),
                     Err(e) => eprintln!("kvtier-events: snapshot not encoded: {e}"),
                 }

@@ -211,6 +211,9 @@ fn a_subscriber_whose_history_is_gone_recovers_from_a_snapshot() {
         snap[0].0, 9,
         "the snapshot includes every batch up to the last"
     );
+    // stamped with the last batch's time (it was 0.0: a router ageing entries by the batch
+    // time took a fresh snapshot for one from 1970)
+    assert_eq!(batch_ts(&snap[0].1), ts(all.len() - 1));
     // decode the snapshot the way a subscriber does and rebuild the index from it
     let mut rebuilt = Mirror::new();
     for e in decode_batch(&snap[0].1) {
@@ -287,6 +290,14 @@ fn a_closed_publisher_refuses_batches() {
 
 /// A minimal msgpack reading of the batch (the full check against vLLM's own classes is
 /// bindings/tests/vllm_suite/test_vllm_kv_events.py).
+/// A batch's timestamp (its first field).
+fn batch_ts(b: &[u8]) -> f64 {
+    let v = rmpv::decode::read_value(&mut &b[..]).unwrap();
+    v.as_array()
+        .and_then(|top| top[0].as_f64())
+        .expect("a float timestamp first")
+}
+
 fn decode_batch(b: &[u8]) -> Vec<WireEvent> {
     use rmpv::Value;
     let v = rmpv::decode::read_value(&mut &b[..]).unwrap();
