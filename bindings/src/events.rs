@@ -47,7 +47,7 @@ impl PyKvEventPublisher {
     #[new]
     #[pyo3(signature = (endpoint="tcp://127.0.0.1:*".to_string(), replay_endpoint=Some("tcp://127.0.0.1:*".to_string()),
                         topic=String::new(), block_size=16, data_parallel_rank=0, buffer_steps=10_000, hwm=100_000,
-                        block_hashes="int"))]
+                        block_hashes="int", buffer_bytes=kvtier_events::DEFAULT_BUFFER_BYTES))]
     fn new(
         py: Python<'_>,
         endpoint: String,
@@ -58,6 +58,7 @@ impl PyKvEventPublisher {
         buffer_steps: usize,
         hwm: i32,
         block_hashes: &str,
+        buffer_bytes: usize,
     ) -> PyResult<Self> {
         let hash_format = match block_hashes {
             "int" => HashFormat::Int64,
@@ -73,6 +74,7 @@ impl PyKvEventPublisher {
             replay_endpoint,
             topic,
             buffer_steps,
+            buffer_bytes,
             hwm,
             data_parallel_rank,
             block_size,

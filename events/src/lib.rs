@@ -17,5 +17,7 @@ pub mod publisher;
 pub mod wire;
 
 pub use mirror::Mirror;
-pub use publisher::{END_SEQ, PublishError, Publisher, PublisherConfig, SNAPSHOT_REQUEST};
+pub use publisher::{
+    DEFAULT_BUFFER_BYTES, END_SEQ, PublishError, Publisher, PublisherConfig, SNAPSHOT_REQUEST,
+};
 pub use wire::{EncodeError, HashFormat, Locality, Medium, WireEvent, encode_batch};

@@ -36,6 +36,10 @@ pub const SNAPSHOT_REQUEST: [u8; 8] = (-2i64).to_be_bytes();
 /// vLLM's end-of-replay sequence number: -1 as 8 big-endian bytes.
 pub const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
 
+/// The replay buffer's default byte bound: 10,000 batches (vLLM's `buffer_steps`) of a
+/// long prompt's blocks each would be gigabytes.
+pub const DEFAULT_BUFFER_BYTES: usize = 64 << 20;
+
 /// Where and how to publish.
 #[derive(Clone, Debug)]
 pub struct PublisherConfig {
@@ -47,6 +51,9 @@ pub struct PublisherConfig {
     pub topic: String,
     /// Batches kept for replay.
     pub buffer_steps: usize,
+    /// Bytes of batches kept for replay, at most (the latest batch is always kept): the
+    /// oldest go first. A subscriber further behind recovers from a snapshot.
+    pub buffer_bytes: usize,
     /// The PUB socket's send high-water mark (messages queued per slow subscriber).
     pub hwm: i32,
     pub data_parallel_rank: i64,
@@ -63,6 +70,7 @@ impl Default for PublisherConfig {
             replay_endpoint: Some("tcp://127.0.0.1:*".into()),
             topic: String::new(),
             buffer_steps: 10_000,
+            buffer_bytes: DEFAULT_BUFFER_BYTES,
             hwm: 100_000,
             data_parallel_rank: 0,
             block_size: 16,
@@ -119,10 +127,10 @@ pub struct Publisher {
 impl Publisher {
     /// Binds the sockets and starts the publisher thread.
     pub fn bind(cfg: PublisherConfig) -> Result<Self, PublishError> {
-        if cfg.buffer_steps == 0 || cfg.hwm < 0 || cfg.block_size == 0 {
+        if cfg.buffer_steps == 0 || cfg.buffer_bytes == 0 || cfg.hwm < 0 || cfg.block_size == 0 {
             return Err(PublishError::Config(format!(
-                "buffer_steps {} and block_size {} must be positive, hwm {} not negative",
-                cfg.buffer_steps, cfg.block_size, cfg.hwm
+                "buffer_steps {}, buffer_bytes {} and block_size {} must be positive, hwm {} not negative",
+                cfg.buffer_steps, cfg.buffer_bytes, cfg.block_size, cfg.hwm
             )));
         }
         // zmq's bind panics on a NUL byte (`CString::new(..).unwrap()`): refuse it first
@@ -182,6 +190,8 @@ impl Publisher {
             topic: cfg.topic.into_bytes(),
             buffer: VecDeque::with_capacity(cfg.buffer_steps.min(1 << 16)),
             buffer_steps: cfg.buffer_steps,
+            buffer_bytes: cfg.buffer_bytes,
+            buffered_bytes: 0,
             state: Arc::clone(&state),
             dp: cfg.data_parallel_rank,
             hash_format: cfg.hash_format,
@@ -323,6 +333,9 @@ struct Worker {
     topic: Vec<u8>,
     buffer: VecDeque<(u64, Vec<u8>)>,
     buffer_steps: usize,
+    buffer_bytes: usize,
+    /// The payload bytes `buffer` holds.
+    buffered_bytes: usize,
     state: Arc<Mutex<State>>,
     dp: i64,
     hash_format: HashFormat,
@@ -379,10 +392,15 @@ impl Worker {
             eprintln!("kvtier-events: PUB send failed: {e}");
         }
         let n = seq.try_into().map(u64::from_be_bytes).unwrap_or(0);
-        if self.buffer.len() == self.buffer_steps {
-            self.buffer.pop_front();
-        }
+        self.buffered_bytes += payload.len();
         self.buffer.push_back((n, payload));
+        while self.buffer.len() > 1
+            && (self.buffer.len() > self.buffer_steps || self.buffered_bytes > self.buffer_bytes)
+        {
+            if let Some((_, old)) = self.buffer.pop_front() {
+                self.buffered_bytes -= old.len();
+            }
+        }
     }
 
     fn serve_replay(&mut self) {

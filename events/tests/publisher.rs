@@ -224,11 +224,70 @@ fn a_subscriber_whose_history_is_gone_recovers_from_a_snapshot() {
 }
 
 #[test]
+fn the_replay_buffer_is_bounded_in_bytes_too() {
+    // 10,000 batches (vLLM's default) of a long prompt's blocks each are gigabytes: the
+    // buffer also keeps at most `buffer_bytes`, oldest dropped first (a subscriber further
+    // behind recovers from a snapshot), and always the latest batch.
+    let big = |i: u8| -> Vec<WireEvent> {
+        (0..64)
+            .map(|k| stored(i.wrapping_mul(64).wrapping_add(k), None))
+            .collect()
+    };
+    let p = Publisher::bind(PublisherConfig {
+        block_size: 4,
+        buffer_steps: 1_000,
+        buffer_bytes: 1,
+        ..Default::default()
+    })
+    .unwrap();
+    let c = Client::connect(&p, "");
+    for i in 0..3u8 {
+        p.publish(ts(i as usize), &big(i)).unwrap();
+    }
+    assert_eq!(c.live(2).last().map(|l| l.0), Some(2));
+    let replayed = c.request(0u64.to_be_bytes());
+    assert_eq!(
+        replayed.iter().map(|r| r.0).collect::<Vec<_>>(),
+        vec![2],
+        "only the latest"
+    );
+    // room for two batches of that size: the last two
+    let one = replayed[0].1.len();
+    let p = Publisher::bind(PublisherConfig {
+        block_size: 4,
+        buffer_steps: 1_000,
+        buffer_bytes: 2 * one + one / 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let c = Client::connect(&p, "");
+    for i in 0..5u8 {
+        p.publish(ts(i as usize), &big(i)).unwrap();
+    }
+    assert_eq!(c.live(4).last().map(|l| l.0), Some(4));
+    let seqs: Vec<i64> = c.request(0u64.to_be_bytes()).iter().map(|r| r.0).collect();
+    assert_eq!(seqs, vec![3, 4]);
+    let snap = c.request(SNAPSHOT_REQUEST);
+    assert_eq!(
+        snap.len(),
+        1,
+        "a snapshot still answers for what the buffer dropped"
+    );
+}
+
+#[test]
 fn bad_configs_are_typed_errors() {
     let bad = |cfg: PublisherConfig| Publisher::bind(cfg).err().expect("refused");
     assert!(matches!(
         bad(PublisherConfig {
             buffer_steps: 0,
+            ..Default::default()
+        }),
+        PublishError::Config(_)
+    ));
+    assert!(matches!(
+        bad(PublisherConfig {
+            buffer_bytes: 0,
             ..Default::default()
         }),
         PublishError::Config(_)

@@ -221,6 +221,7 @@ class KvEventPublisher:
         buffer_steps: int = 10000,
         hwm: int = 100000,
         block_hashes: str = "int",
+        buffer_bytes: int = 64 << 20,
     ) -> None: ...
     @property
     def endpoint(self) -> str: ...

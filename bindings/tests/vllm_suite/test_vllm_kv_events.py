@@ -188,6 +188,21 @@ def test_a_late_subscriber_rebuilds_the_index_from_one_snapshot():
             sub.close()
 
 
+def test_the_replay_buffer_keeps_at_most_buffer_bytes():
+    s = kvtier.Scheduler(config())
+    e = Engine(s)
+    with kvtier.KvEventPublisher(block_size=PS, buffer_bytes=1) as pub:
+        workload(e, pub, s)
+        sub = Subscriber(pub)
+        try:
+            history = sub.request((0).to_bytes(8, "big"))
+            assert len(history) == 1, "only the latest batch fits: it is always kept"
+            (seq, _), = sub.request(SNAPSHOT)
+            assert seq == history[0][0]
+        finally:
+            sub.close()
+
+
 def test_adapters_travel_as_lora_name():
     s = kvtier.Scheduler(config())
     e = Engine(s)
@@ -212,6 +227,8 @@ def test_bad_endpoints_and_closed_publishers_are_typed_errors():
         kvtier.KvEventPublisher(replay_endpoint="no-such-transport://x")
     with pytest.raises(kvtier.EventsError):
         kvtier.KvEventPublisher(buffer_steps=0)
+    with pytest.raises(kvtier.EventsError):
+        kvtier.KvEventPublisher(buffer_bytes=0)
     # a NUL byte in an address: a typed error (it was the zmq crate's panic)
     with pytest.raises(kvtier.EventsError, match="NUL"):
         kvtier.KvEventPublisher(endpoint="tcp://127.0.0.1:*\0x")
