@@ -331,3 +331,35 @@ def test_a_list_that_is_not_a_chain_is_refused_and_never_loads_other_pages():
     assert read == slots[:2]
     m.complete_load(load)
     m.check()
+
+
+def test_a_prefetch_is_completed_with_at_most_its_pages_and_only_as_a_prefetch():
+    """The tester's cases: ``complete_prefetch(job, pages + 5)`` was taken as "every page landed"
+    (clamped), ``complete_store`` on a prefetch job was accepted ("failed" left its pages
+    marked in L3), and a TP agreement took ``PrefetchDone(job, 1000)`` for a 3-page prefetch.
+    Each is an error now, and nothing changes."""
+    a = chain("p", 3)
+    m = kvtier.OffloadManager(8, "lru", "write-through")
+    m.l3_found(a)
+    job, _, slots, _ = m.prepare_prefetch(a, 3)
+    before = m.usage()
+    with pytest.raises(kvtier.OffloadManagerError, match="reads 3 pages, 8 reported"):
+        m.complete_prefetch(job, len(slots) + 5)
+    for outcome in ("done", "failed"):
+        with pytest.raises(kvtier.OffloadManagerError, match="is a Prefetch job"):
+            m.complete_store(job, outcome)
+    assert m.usage() == before
+    m.check()
+    m.complete_prefetch(job, 3)
+    assert m.host_prefix(a) == 3
+    m2 = kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2)
+    m2.l3_found(a)
+    j2, *_ = m2.prepare_prefetch(a, 3)
+    with pytest.raises(kvtier.AgreementError, match="at most 3"):
+        kvtier.RankAgreement().push(kvtier.PrefetchDone(j2, 1000), m2)
+    ranks = [kvtier.RankAgreement(), kvtier.RankAgreement()]
+    for r in ranks:
+        r.push(kvtier.PrefetchDone(j2, 1000))
+    with pytest.raises(kvtier.AgreementError, match="at most 3"):
+        m2.agree(ranks)
+    m2.check()

@@ -51,6 +51,21 @@ pub enum OffloadError {
     ShadowNeedsRequests,
     #[error("no {kind} job has id {job}")]
     UnknownJob { kind: JobKind, job: u64 },
+    /// A completion of another kind of job than `job` is (`complete_store` on a prefetch:
+    /// a prefetch completes with the pages it read, [`OffloadManager::complete_prefetch`]).
+    #[error("job {job} is a {kind} job, not a {called} job: complete it as what it is")]
+    WrongJobKind {
+        job: u64,
+        kind: JobKind,
+        called: JobKind,
+    },
+    /// A prefetch completed with more pages than it reads.
+    #[error("prefetch job {job} reads {pages} pages, {completed} reported")]
+    TooManyPages {
+        job: u64,
+        completed: usize,
+        pages: usize,
+    },
     #[error("store job {job} was already reported")]
     AlreadyCompleted { job: u64 },
     #[error("pages {from}..{to} are not a range of the {len}-page chain")]

@@ -41,6 +41,13 @@ impl AgreedOps for OffloadManager {
         self.tp_ranks
     }
 
+    /// A prefetch reads its pages, at most.
+    fn max_count(&self, op: OpId) -> Option<u32> {
+        self.l3
+            .prefetch_pages(op.0)
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
     fn forget_l3_pages(&mut self, pages: &[PageHash], _: AgreedLosses) -> usize {
         let before = self.l3_known();
         self.forget_l3(pages);

@@ -82,6 +82,15 @@ impl L3Books {
         self.prefetches.keys().copied()
     }
 
+    pub(crate) fn is_prefetch(&self, job: u64) -> bool {
+        self.prefetches.contains_key(&job)
+    }
+
+    /// The pages prefetch `job` reads (`None`: no such prefetch in flight).
+    pub(crate) fn prefetch_pages(&self, job: u64) -> Option<usize> {
+        self.prefetches.get(&job).map(Vec::len)
+    }
+
     pub(crate) fn backup_jobs(&self) -> impl Iterator<Item = u64> + '_ {
         self.jobs.keys().copied()
     }
@@ -252,7 +261,8 @@ impl OffloadManager {
 
     /// A Prefetch ended with its first `completed` pages read from L3: those become host
     /// pages (once their parent is), the rest lose their slots and are no longer taken to be
-    /// in L3 (the read found them gone), so the engine computes them.
+    /// in L3 (the read found them gone), so the engine computes them. More pages than the
+    /// prefetch reads is [`OffloadError::TooManyPages`], nothing changed.
     pub fn complete_prefetch(&mut self, job: u64, completed: usize) -> Result<(), OffloadError> {
         let Some(pages) = self.l3.prefetches.get(&job) else {
             return Err(OffloadError::UnknownJob {
@@ -260,7 +270,14 @@ impl OffloadManager {
                 job,
             });
         };
-        let lost = pages[completed.min(pages.len())..].to_vec();
+        if completed > pages.len() {
+            return Err(OffloadError::TooManyPages {
+                job,
+                completed,
+                pages: pages.len(),
+            });
+        }
+        let lost = pages[completed..].to_vec();
         self.complete_store_prefix(job, completed)?;
         self.forget_l3(&lost);
         Ok(())

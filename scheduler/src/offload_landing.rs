@@ -18,8 +18,21 @@ use crate::offload::{
 
 impl OffloadManager {
     /// A store's bytes landed (`Done`: its pages become host hits) or not (`Failed`: its
-    /// slots are freed).
+    /// slots are freed). A prefetch job is refused ([`OffloadError::WrongJobKind`]: it
+    /// completes with the pages it read, [`Self::complete_prefetch`]).
     pub fn complete_store(&mut self, job: u64, outcome: JobOutcome) -> Result<(), OffloadError> {
+        if self.l3.is_prefetch(job) {
+            return Err(OffloadError::WrongJobKind {
+                job,
+                kind: JobKind::Prefetch,
+                called: JobKind::Store,
+            });
+        }
+        self.land_store(job, outcome)
+    }
+
+    /// [`Self::complete_store`] for any store job, a prefetch's included.
+    fn land_store(&mut self, job: u64, outcome: JobOutcome) -> Result<(), OffloadError> {
         let Some(p) = self.stores.get_mut(&job) else {
             return Err(OffloadError::UnknownJob {
                 kind: JobKind::Store,
@@ -53,7 +66,7 @@ impl OffloadManager {
             });
         };
         if landed == 0 {
-            return self.complete_store(job, JobOutcome::Failed);
+            return self.land_store(job, JobOutcome::Failed);
         }
         if landed < p.slots.len() && p.state == StoreState::Writing {
             let gone: Vec<PageHash> = p.chain.drain(p.from + landed..).collect();
@@ -65,7 +78,7 @@ impl OffloadManager {
             // Held by this store since prepare_store: freeing them cannot fail.
             self.free_held(&freed);
         }
-        self.complete_store(job, JobOutcome::Done)
+        self.land_store(job, JobOutcome::Done)
     }
 
     /// Inserts every landed store whose parent pages are on host, moves the locks of stores

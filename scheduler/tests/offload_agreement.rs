@@ -6,8 +6,8 @@
 
 use kvtier_radix::{EvictionPolicy, PageHash};
 use kvtier_scheduler::{
-    AgreedOps, AgreementError, Event, JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager,
-    OpId, OpKind, RankAgreement,
+    AgreedOps, AgreementError, Event, JobKind, JobOutcome, L3Backups, Lookup, OffloadError,
+    OffloadManager, OpId, OpKind, RankAgreement,
 };
 use proptest::prelude::*;
 
@@ -328,5 +328,79 @@ fn a_manager_of_several_ranks_refuses_direct_losses_and_gathers_of_another_size(
     assert_eq!(m.l3_lost_all(), Ok(()));
     assert_eq!(m.lookup(&a, 0), Lookup::Miss);
     assert_eq!(m.set_tp_ranks(0), Err(OffloadError::ZeroRanks));
+    m.check().unwrap();
+}
+
+#[test]
+fn a_prefetch_count_above_its_pages_is_refused_by_every_path() {
+    // The tester's case: a 3-page prefetch completed with 1,000 pages (bytes for pages,
+    // another job's count) was accepted by the checked push, agreed in process and by
+    // `reduce`, and marked every page landed; the scheduler's probes refused the same.
+    let a = chain(3, 3);
+    let mut ranks = vec![RankAgreement::new(), RankAgreement::new()];
+    let mut m = in_l3_only(&mut ranks, &a);
+    let p = m.prepare_prefetch(&a, 3).unwrap().unwrap();
+    let op = OpId(p.job);
+    let over = Event::PrefetchDone {
+        op,
+        completed: 1000,
+    };
+    let want = AgreementError::TooMany {
+        op,
+        kind: OpKind::Prefetch,
+        got: 1000,
+        most: 3,
+    };
+    assert_eq!(
+        RankAgreement::new().push_checked(&m, over.clone()),
+        Err(want.clone())
+    );
+    for r in ranks.iter_mut() {
+        r.push(over.clone()).unwrap();
+    }
+    assert_eq!(m.agree_in_process(&mut ranks), Err(want.clone()));
+    let mut entered = false;
+    assert_eq!(
+        ranks[0].reduce(&m, |v| {
+            entered = true;
+            assert_eq!(v, [0], "refused: not done");
+        }),
+        Err(want)
+    );
+    assert!(entered);
+    assert_eq!(m.lookup(&a, 2), Lookup::Pending, "nothing landed");
+    m.check().unwrap();
+    // the manager's own completion refuses it too, and the job is still there
+    assert!(matches!(
+        m.complete_prefetch(p.job, 4),
+        Err(OffloadError::TooManyPages { job, completed: 4, pages: 3 }) if job == p.job
+    ));
+    m.complete_prefetch(p.job, 3).unwrap();
+    assert_eq!(m.lookup(&a, 0), Lookup::Hit);
+    m.check().unwrap();
+}
+
+#[test]
+fn a_prefetch_is_not_completed_as_a_store() {
+    // `complete_store` on a prefetch job was accepted: "done" completed the prefetch,
+    // "failed" left its pages marked in L3 (a failed prefetch forgets them as lost).
+    let a = chain(4, 2);
+    let mut ranks = vec![RankAgreement::new()];
+    let mut m = in_l3_only(&mut ranks, &a);
+    let p = m.prepare_prefetch(&a, 2).unwrap().unwrap();
+    for outcome in [JobOutcome::Done, JobOutcome::Failed] {
+        assert!(matches!(
+            m.complete_store(p.job, outcome),
+            Err(OffloadError::WrongJobKind { job, kind: JobKind::Prefetch, called: JobKind::Store }) if job == p.job
+        ));
+    }
+    assert_eq!(m.lookup(&a, 1), Lookup::Pending, "nothing changed");
+    m.check().unwrap();
+    m.complete_prefetch(p.job, 0).unwrap();
+    assert_eq!(
+        m.lookup(&a, 0),
+        Lookup::Miss,
+        "a failed prefetch forgets the pages"
+    );
     m.check().unwrap();
 }

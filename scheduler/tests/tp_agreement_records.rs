@@ -473,8 +473,8 @@ proptest! {
     }
 
     /// The offloading manager's prefetch and backup jobs, agreed in process over 1 to 3 ranks:
-    /// if any rank recorded a completion of another kind than a job's, the agreement is refused
-    /// with `WrongKind` and nothing changes on any rank or in the manager; otherwise exactly
+    /// if any rank recorded a completion of another kind than a job's, or a prefetch's count
+    /// above its 3 pages, the agreement is refused with `WrongKind` (`TooMany`) and nothing changes on any rank or in the manager; otherwise exactly
     /// the jobs every rank answered (or skipped, not all) are completed.
     #[test]
     fn an_offload_managers_agreement_is_refused_whole_or_exact(
@@ -507,14 +507,14 @@ proptest! {
         let wrong = jobs.iter().zip(&recs).any(|((_, kind), per_rank)| {
             per_rank[..n_ranks]
                 .iter()
-                .any(|r| matches!(r, Rec::Done(k, _) if KINDS[*k] != *kind))
+                .any(|r| matches!(r, Rec::Done(k, n) if KINDS[*k] != *kind || (*kind == OpKind::Prefetch && *n > 3)))
         });
         let before: Vec<usize> = ranks.iter().map(|a| a.pending()).collect();
         let known = m.l3_known();
         let got = m.agree_in_process(&mut ranks);
         m.check().unwrap();
         if wrong {
-            prop_assert!(matches!(got, Err(AgreementError::WrongKind { .. })), "{:?}", got);
+            prop_assert!(matches!(got, Err(AgreementError::WrongKind { .. } | AgreementError::TooMany { .. })), "{:?}", got);
             prop_assert_eq!(ranks.iter().map(|a| a.pending()).collect::<Vec<_>>(), before);
             prop_assert_eq!(m.agreed_ops(), jobs);
             prop_assert_eq!(m.l3_known(), known);
