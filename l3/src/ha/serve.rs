@@ -8,8 +8,9 @@
 //! on the nodes. The process id stays the same, so a supervisor (or a test) keeps its handle.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::election::{ClusterKeys, campaign};
@@ -19,19 +20,46 @@ use crate::cluster::ClusterMaster;
 use crate::config::StoreConfig;
 use crate::rpc::server::ServerOptions;
 
-/// Replaces this process by a fresh run of itself with the same arguments.
+/// This process's executable, opened at start: a step-down re-executes *this* file. Its
+/// path (`/proc/self/exe`) no longer resolves once the binary on disk was replaced (an
+/// upgrade, `cp` + `mv`, a rebuild give a new inode), and the re-exec failed with ENOENT
+/// and the master aborted, leaving the cluster for good.
+static SELF_EXE: OnceLock<Option<std::fs::File>> = OnceLock::new();
+
+fn open_self_exe() {
+    SELF_EXE.get_or_init(|| match std::fs::File::open("/proc/self/exe") {
+        Ok(f) => Some(f),
+        Err(e) => {
+            eprintln!("kvtier-l3 master: cannot open my executable ({e}): a step-down re-executes its path");
+            None
+        }
+    });
+}
+
+/// Replaces this process by a fresh run of itself (the executable it started from, see
+/// [`SELF_EXE`]) with the same arguments.
 fn restart_self(why: &str) {
+    use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
     eprintln!("kvtier-l3 master: restarting as a candidate ({why})");
-    match std::env::current_exe() {
-        Ok(exe) => {
-            let e = std::process::Command::new(exe)
-                .args(std::env::args_os().skip(1))
-                .exec();
-            eprintln!("kvtier-l3 master: re-exec failed: {e}");
-        }
-        Err(e) => eprintln!("kvtier-l3 master: cannot find my executable: {e}"),
+    let exe = match SELF_EXE.get() {
+        // exec through the descriptor (what fexecve does): the file this process runs
+        Some(Some(f)) => PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd())),
+        _ => match std::env::current_exe() {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("kvtier-l3 master: cannot find my executable: {e}");
+                return;
+            }
+        },
+    };
+    let mut args = std::env::args_os();
+    let mut cmd = std::process::Command::new(exe);
+    if let Some(arg0) = args.next() {
+        cmd.arg0(arg0);
     }
+    let e = cmd.args(args).exec();
+    eprintln!("kvtier-l3 master: re-exec failed: {e}");
 }
 
 /// Campaigns on `etcd_spec` for cluster `cluster`, then serves as its leader.
@@ -47,6 +75,7 @@ pub(crate) fn run_master(
     let per_member = (ttl / 5).max(Duration::from_millis(150));
     let etcd = Arc::new(Etcd::parse(etcd_spec, per_member).map_err(|e| e.to_string())?);
     let keys = ClusterKeys::new(cluster).map_err(|e| e.to_string())?;
+    open_self_exe();
     super::on_step_down(restart_self);
     eprintln!("kvtier-l3 master: standby in cluster {cluster:?}, campaigning on etcd");
     // Meanwhile, clients given this address are told where the leader is.

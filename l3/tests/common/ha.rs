@@ -86,7 +86,26 @@ pub fn spawn_master_token(
     extra: &[&str],
     token: Option<&str>,
 ) -> HaMaster {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"));
+    spawn_master_exe(
+        std::path::Path::new(env!("CARGO_BIN_EXE_kvtier-l3")),
+        etcd,
+        listen,
+        ttl_s,
+        extra,
+        token,
+    )
+}
+
+/// A master run from the executable `exe` (a copy of the binary the test may replace).
+pub fn spawn_master_exe(
+    exe: &std::path::Path,
+    etcd: &LocalEtcd,
+    listen: SocketAddr,
+    ttl_s: u64,
+    extra: &[&str],
+    token: Option<&str>,
+) -> HaMaster {
+    let mut cmd = Command::new(exe);
     cmd.args(master_flags(etcd, listen, ttl_s))
         .args(extra)
         .env_remove("KVTIER_L3_TOKEN")
