@@ -30,6 +30,20 @@ use crate::master::SettleLogEntry;
 /// Below this many appended batches the log is never compacted.
 const COMPACT_FLOOR: u64 = 4096;
 
+/// Batch sequence numbers stay below this: far beyond any real log (one batch per settle
+/// write), and far from `u64::MAX`, so the next number never wraps onto `settles/0…0`.
+pub const MAX_SETTLE_SEQ: u64 = 1 << 62;
+
+/// The sequence number a batch key names: exactly 16 lowercase hex digits (as
+/// [`EtcdSettleLog`] writes them) below [`MAX_SETTLE_SEQ`]; anything else is not kvtier's.
+fn batch_seq(tail: &[u8]) -> Option<u64> {
+    if tail.len() != 16 || !tail.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
+        return None;
+    }
+    let seq = u64::from_str_radix(std::str::from_utf8(tail).ok()?, 16).ok()?;
+    (seq < MAX_SETTLE_SEQ).then_some(seq)
+}
+
 /// The settle log of one leader's epoch.
 #[derive(Debug)]
 pub struct EtcdSettleLog {
@@ -41,12 +55,25 @@ pub struct EtcdSettleLog {
 }
 
 impl EtcdSettleLog {
-    /// Reads every entry the previous leaders left, in order.
+    /// Reads every entry the previous leaders left, in order. A key under the log's prefix
+    /// that is not a batch key kvtier writes (16 lowercase hex digits below
+    /// [`MAX_SETTLE_SEQ`]) is refused like a corrupt batch: garbage there made the next
+    /// sequence number wrap and the log's first batches be overwritten.
     pub fn open(lease: Arc<LeaderLease>) -> L3Result<(Self, Vec<SettleLogEntry>)> {
         let (kvs, _) = lease.etcd().get_prefix(&lease.keys().settles)?;
         let mut entries = Vec::new();
         let mut next = 0;
         for kv in &kvs {
+            let seq = kv
+                .key
+                .strip_prefix(lease.keys().settles.as_slice())
+                .and_then(batch_seq)
+                .ok_or_else(|| {
+                    L3Error::Internal(format!(
+                        "etcd settle key {} is not one kvtier writes (16 lowercase hex digits below 2^62)",
+                        String::from_utf8_lossy(&kv.key)
+                    ))
+                })?;
             let (mut e, used) = decode(&kv.value);
             if used != kv.value.len() {
                 return Err(L3Error::Internal(format!(
@@ -55,12 +82,7 @@ impl EtcdSettleLog {
                 )));
             }
             entries.append(&mut e);
-            let seq = kv
-                .key
-                .strip_prefix(lease.keys().settles.as_slice())
-                .and_then(|s| std::str::from_utf8(s).ok())
-                .and_then(|s| u64::from_str_radix(s, 16).ok());
-            next = next.max(seq.map_or(0, |s| s + 1));
+            next = next.max(seq + 1);
         }
         Ok((
             EtcdSettleLog {
@@ -90,6 +112,12 @@ impl EtcdSettleLog {
         entries: &[SettleLogEntry],
         snapshot: Option<&[SettleLogEntry]>,
     ) -> L3Result<()> {
+        if self.next >= MAX_SETTLE_SEQ {
+            return Err(L3Error::Internal(format!(
+                "the etcd settle log's sequence numbers are exhausted ({})",
+                self.next
+            )));
+        }
         let mut value = Vec::new();
         encode(snapshot.unwrap_or(entries), &mut value)?;
         let mut ops = Vec::with_capacity(2);
