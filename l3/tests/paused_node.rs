@@ -7,7 +7,7 @@
 mod common;
 
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::ha::signal;
 use common::procs::{eventually, master, node_with};
@@ -37,9 +37,10 @@ fn paused_node_fails_calls_within_the_timeout(shm: ShmMode) {
     signal(&n.child, libc::SIGSTOP);
     let (tx, rx) = mpsc::channel();
     let reader = std::thread::spawn(move || {
+        let t0 = Instant::now();
         let r = c.get(&tn, "k");
         // The caller hears back (an error) while the node is still paused.
-        let _ = tx.send(r.map(|b| b.len()));
+        let _ = tx.send((r.map(|b| b.len()), t0.elapsed()));
         c
     });
     let got = rx.recv_timeout(Duration::from_secs(20));
@@ -47,8 +48,17 @@ fn paused_node_fails_calls_within_the_timeout(shm: ShmMode) {
     let c = reader.join().unwrap();
     match got {
         Err(_) => panic!("{shm:?}: a get from a paused node still blocks after 20 s"),
-        Ok(Ok(len)) => panic!("{shm:?}: a paused node answered a get ({len} bytes)"),
-        Ok(Err(e)) => eprintln!("{shm:?}: get from a paused node: {e}"),
+        Ok((Ok(len), _)) => panic!("{shm:?}: a paused node answered a get ({len} bytes)"),
+        Ok((Err(e), took)) => {
+            eprintln!("{shm:?}: get from a paused node: {e} after {took:?}");
+            // One rpc_timeout, not one per try: a timed-out try was retried (and shared
+            // memory then fell back to TCP), 2-3 × the timeout, 4-6 minutes with the
+            // Python client's default of 120 s.
+            assert!(
+                took < Duration::from_millis(3500),
+                "{shm:?}: a get from a paused node took {took:?} with rpc_timeout 2 s"
+            );
+        }
     }
     // Once the node is back, the next calls are served again.
     assert!(

@@ -587,6 +587,7 @@ impl RemoteStore {
         };
         let mut last = L3Error::RpcFail("data connection unavailable".into());
         for _ in 0..attempts {
+            let tried = Instant::now();
             let c = match conn {
                 Some(c) => c,
                 None => {
@@ -603,12 +604,24 @@ impl RemoteStore {
             match f(c) {
                 Err(L3Error::RpcFail(m)) => {
                     *conn = None;
+                    if !self.may_retry(tried) {
+                        return Err(L3Error::RpcFail(m));
+                    }
                     last = L3Error::RpcFail(m);
                 }
                 other => return other,
             }
         }
         Err(last)
+    }
+
+    /// Whether a try that failed may be made again: a retry is for a connection found
+    /// stale (a restarted peer), which fails at once. A try that took half the
+    /// `rpc_timeout` or more met a peer that does not answer (paused, partitioned), and
+    /// another would wait as long again: a get from a paused node took 2-3 × the timeout,
+    /// 4-6 minutes with the Python client's default of 120 s.
+    pub(super) fn may_retry(&self, tried: Instant) -> bool {
+        tried.elapsed() < self.opts.rpc_timeout / 2
     }
 
     fn get_chunks(

@@ -20,6 +20,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::RemoteStore;
 use super::routing::Retry;
@@ -177,6 +178,7 @@ impl RemoteStore {
             };
             for k in 0..tries {
                 let was_live = c.is_live();
+                let tried = Instant::now();
                 let r = via_shm(c, ctx);
                 if was_live && !c.is_live() {
                     // Broken under us: the node may have restarted, so its data channel is
@@ -184,7 +186,9 @@ impl RemoteStore {
                     *xfer = None;
                 }
                 match r {
-                    ShmOutcome::Done(Err(L3Error::RpcFail(_))) if k + 1 < tries => {}
+                    // not tried again, nor over TCP, when the node did not answer in time
+                    ShmOutcome::Done(Err(L3Error::RpcFail(_)))
+                        if k + 1 < tries && self.may_retry(tried) => {}
                     ShmOutcome::Done(r) => return r,
                     ShmOutcome::UseTcp => break,
                 }
