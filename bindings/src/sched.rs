@@ -404,7 +404,9 @@ impl PyScheduler {
         self.inner.is_idle()
     }
 
-    /// Ops issued and not yet completed.
+    /// Ops not yet completed: those issued (``in_flight_ops``) and those created since the
+    /// last plan (a finished request's write-back), which the next plan issues; an engine
+    /// plans again while this is non-zero rather than wait for it to drop.
     fn ops_in_flight(&self) -> usize {
         self.inner.ops_in_flight()
     }

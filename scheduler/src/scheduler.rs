@@ -309,7 +309,9 @@ impl Scheduler {
         self.reqs.is_empty() && self.ops.is_empty() && self.step.is_none()
     }
 
-    /// Ops issued and not yet completed.
+    /// Ops not yet completed: those issued ([`Self::in_flight_ops`]) and those created
+    /// since the last plan (a finished request's write-back), which the next plan issues.
+    /// So an engine plans again while this is non-zero; it does not wait for it to drop.
     pub fn ops_in_flight(&self) -> usize {
         self.ops.len()
     }
