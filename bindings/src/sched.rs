@@ -53,6 +53,9 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("l3_hit_tokens", s.l3_hit_tokens)?;
     d.set_item("l3_hit_pages", s.l3_hit_pages)?;
     d.set_item("computed_tokens", s.computed_tokens)?;
+    d.set_item("l3_lost_nodes", s.l3_lost_nodes)?;
+    d.set_item("demotions", s.demotions)?;
+    d.set_item("internal_errors", s.internal_errors)?;
     d.set_item("ttft_ms_sum", s.ttft_ms_sum)?;
     d.set_item("ttft_count", s.ttft_count)?;
     let ops = PyDict::new(py);

@@ -229,6 +229,8 @@ def test_stats_and_kv_events(cfg):
     s.next_execution_plan(0)
     st = s.stats()
     assert st["submitted"] == 1 and st["finished"] == 1 and st["computed_tokens"] == 9
+    # every counter of the Rust Stats (these three were missing)
+    assert st["l3_lost_nodes"] == st["demotions"] == st["internal_errors"] == 0
     assert set(st["ops"]) == set(kvtier.OP_KINDS)
     assert set(st["device"]) == {"capacity", "free", "held", "cached", "locked"}
     evs = s.drain_kv_events()

@@ -428,12 +428,15 @@ impl Scheduler {
     }
 
     /// Applies an event the flow has established is legal. An illegal one here is a scheduler
-    /// bug: it is logged and the request is failed rather than the process brought down.
+    /// bug: it is logged and counted (`internal_errors`, which [`Self::check`] reports)
+    /// rather than the process brought down; the request keeps its state.
     pub(crate) fn apply(&mut self, id: RequestId, event: RequestEvent) {
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
         };
         if let Err(e) = r.state.apply_mut(event) {
+            // counted, so that `check()` fails in a release build too
+            self.stats.internal_errors += 1;
             tracing::error!(req = ?id, error = %e, "internal: illegal transition");
             debug_assert!(false, "internal: illegal transition {e}");
         }
