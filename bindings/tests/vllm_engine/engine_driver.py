@@ -195,6 +195,7 @@ def main(job_path: str, out_path: str) -> None:
         kw["distributed_executor_backend"] = "uni"
     if job.get("kv_transfer_config"):
         kw["kv_transfer_config"] = job["kv_transfer_config"]
+    kw.update(job.get("llm_kw", {}))  # e.g. hf_overrides
     llm = LLM(**kw)
     out = {"startup_s": time.perf_counter() - t0, "phases": [], "pid": os.getpid()}
     timing = _time_manager(llm) if job.get("time_manager") else None

@@ -11,7 +11,7 @@ in ``--kv-transfer-config``), so every class it names must be importable from he
 
 from .chunks import Chain, ChunkChains, chains_of, group_of, page_of
 from .cpu_copy import CpuOffloadError
-from .keys import l3_key, layout_of, namespace_of
+from .keys import l3_key, layout_of, model_identity, namespace_of
 from .manager import KvtierOffloadingManager, KvtierOffloadingSpec
 from .spec_config import KvtierSpecConfigError
 from .policy import KvtierCachePolicy, KvtierFreqDepthPolicy, KvtierLruPolicy
@@ -22,4 +22,4 @@ __all__ = ["Chain", "ChunkChains", "CpuOffloadError", "KvtierCachePolicy", "Kvti
            "KvtierTieringOffloadingSpec", "KvtierFreqDepthPolicy", "KvtierLruPolicy",
            "KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierSecondaryTier", "KvtierSpecConfigError",
            "TierCounters",
-           "VllmTierConfigError", "chains_of", "group_of", "l3_key", "layout_of", "namespace_of", "page_of"]
+           "VllmTierConfigError", "chains_of", "group_of", "l3_key", "layout_of", "model_identity", "namespace_of", "page_of"]

@@ -9,22 +9,79 @@ that would read each other's bytes wrongly never share a key, and engines servin
 model with the same layout share everything.
 
 How: the namespace is kvtier's (docs/page-keys.md, ``kvtier.sglang.l3_namespace``) over the
-model name, the KV dtype, a layout string and the tenant. The layout string carries the
+model (its name and :func:`model_identity`: what its checkpoint is, see below), the KV dtype,
+a layout string and the tenant. The layout string carries the
 tokens per hash and per block, the blocks per chunk, the chunk's byte size, vLLM's KV cache
 layout, the parallel shape — ``agnostic`` when vLLM says the bytes are the same under any
 topology (``is_parallelism_agnostic``), ``canonical`` for its canonical host layout,
 ``replicated`` for a replicated (MLA) layout, else TP/PP/PCP/DCP and world size — and each
 offloaded group's id, block size and layer names. The key is ``{namespace}:{OffloadKey hex}``.
+
+Why the model's identity and not its name: a new fine-tune at the same path or hub id, or a
+``--hf-overrides`` that changes RoPE, keeps the name and changes every page; an engine on a
+shared store then served another checkpoint's KV (wrong tokens, an adversarial tester's
+case). :func:`model_identity` adds the checkpoint's content fingerprint
+(``kvtier.model_identity``), the engine's ``hf_overrides``, quantization and revision (from
+the ``VllmConfig`` the connector is built with), and an operator's ``model_version``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+import inspect
+import logging
+from typing import Any, Optional
 
+from ..model_identity import checkpoint_fingerprint, overrides_digest
 from ..namespace import l3_namespace
 
-__all__ = ["layout_of", "namespace_of", "l3_key"]
+__all__ = ["layout_of", "model_identity", "namespace_of", "l3_key"]
+
+logger = logging.getLogger(__name__)
+
+
+def _engine_model_config() -> Optional[Any]:
+    """The ``ModelConfig`` of the ``VllmConfig`` the connector is being built with: vLLM
+    hands an offloading spec only its normalized ``OffloadingConfig`` (the name, not the
+    overrides), so the caller frames' ``vllm_config`` is read (``OffloadingConnector.__init__``
+    holds it). None outside an engine (a spec built by hand)."""
+    f = inspect.currentframe()
+    try:
+        depth = 0
+        while f is not None and depth < 64:
+            v = f.f_locals.get("vllm_config")
+            mc = getattr(v, "model_config", None)
+            if mc is not None and type(v).__name__ == "VllmConfig":
+                return mc
+            f, depth = f.f_back, depth + 1
+        return None
+    finally:
+        del f
+
+
+def _overrides(mc: Any) -> str:
+    o = getattr(mc, "hf_overrides", None)
+    if callable(o):  # a function: named by where it lives (its repr holds an address)
+        return overrides_digest(f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', repr(type(o)))}")
+    return overrides_digest(o)
+
+
+def model_identity(cfg: Any, version: str = "", model_config: Any = None) -> str:
+    """What the model's pages depend on beyond its name (module doc): the checkpoint's
+    content fingerprint, the engine's ``hf_overrides``, quantization and revision
+    (``model_config``, else the ``VllmConfig`` being built, when there is one), and the
+    operator's ``version``. ``""`` when none of these is known."""
+    mc = model_config if model_config is not None else _engine_model_config()
+    revision = getattr(mc, "revision", None) if mc is not None else None
+    name = str(cfg.model.name)
+    fp = checkpoint_fingerprint(name, revision)
+    if not fp and not version:
+        logger.warning("kvtier: no checkpoint directory found for model %r: its L3 namespace is its name; "
+                       "set the tier's model_version when the weights under that name change", name)
+    parts = [fp, version]
+    if mc is not None:
+        parts += [_overrides(mc), str(getattr(mc, "quantization", None) or ""), str(revision or "")]
+    return "" if not any(parts) else ".".join(parts)
 
 
 def _parallel(cfg: Any) -> str:
@@ -59,9 +116,11 @@ def layout_of(cfg: Any, chunk_bytes: int) -> str:
     ])
 
 
-def namespace_of(cfg: Any, chunk_bytes: int, tenant: str) -> str:
-    """The L3 key namespace of an engine's chunks (16 hex digits)."""
-    return l3_namespace(str(cfg.model.name), str(cfg.model.dtype), layout_of(cfg, chunk_bytes), tenant)
+def namespace_of(cfg: Any, chunk_bytes: int, tenant: str, identity: str = "") -> str:
+    """The L3 key namespace of an engine's chunks (16 hex digits); ``identity`` is
+    :func:`model_identity` (``""``: the name alone)."""
+    model = str(cfg.model.name) + (f"#{identity}" if identity else "")
+    return l3_namespace(model, str(cfg.model.dtype), layout_of(cfg, chunk_bytes), tenant)
 
 
 def l3_key(namespace: str, offload_key: bytes) -> str:

@@ -55,7 +55,7 @@ import kvtier
 
 from ..l3_limits import object_refusal
 from ..mooncake_compat._setup import parse_size
-from .keys import l3_key, namespace_of
+from .keys import l3_key, model_identity, namespace_of
 from .manager_metrics import add_increases, new_connector_stats
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ _JOURNAL_KEYS = 65_536  # an embedded store's loss journal, when kvtier's manage
 # The tier's own keys in the secondary_tiers entry (vLLM passes every other key through).
 TIER_KEYS = (
     "server", "token", "segment_bytes", "ssd_dir", "ssd_capacity_bytes", "name", "tenant",
-    "rpc_timeout_ms", "io_threads", "locality", "known_keys", "tenant_quota_bytes",
+    "rpc_timeout_ms", "io_threads", "locality", "known_keys", "tenant_quota_bytes", "model_version",
 )
 
 
@@ -196,9 +196,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         unknown = sorted(set(config) - set(TIER_KEYS))
         if unknown:
             raise VllmTierConfigError(f"kvtier tier: unknown config keys {unknown}; known: {list(TIER_KEYS)}")
-        for key in ("server", "token", "name", "ssd_dir", "tenant"):
+        for key in ("server", "token", "name", "ssd_dir", "tenant", "model_version"):
             v = config.get(key)
-            may_be_empty = key in ("token", "name")
+            may_be_empty = key in ("token", "name", "model_version")
             # "" for a server gave an embedded 4 GB store; a number was taken as its str
             if v is not None and (not isinstance(v, str) or not (v or may_be_empty)):
                 kind = "str" if may_be_empty else "non-empty str"
@@ -227,7 +227,11 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self.shard = shard
         self.chunk_bytes = self.block_size_bytes if shard is None else int(shard[2])
         self._suffix = "" if shard is None else f":{int(shard[0])}"
-        self.namespace = namespace_of(offloading_spec.config, self.block_size_bytes, self.tenant)
+        # the checkpoint's content, not only its name (keys.py): another fine-tune at one path
+        # served this one's KV
+        self.model_identity = model_identity(offloading_spec.config, str(config.get("model_version") or ""))
+        self.namespace = namespace_of(offloading_spec.config, self.block_size_bytes, self.tenant,
+                                      self.model_identity)
         # kvtier's manager reads the store's loss journal (lost_keys); vLLM's tiering does not.
         self._journal = bool(loss_journal)
         self._loss_read: Optional[cf.Future] = None
