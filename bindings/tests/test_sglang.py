@@ -651,3 +651,31 @@ def test_value_reads_into_overlapping_tensors_are_refused_not_raised():
         assert b.batch_get(["a", "b"], targets) == [None, None]
         assert torch.equal(t, before)
     assert b.counters.rejected_batches == 2
+
+
+def test_the_storage_namespace_follows_the_checkpoint_not_only_the_name(tmp_path):
+    """HiCache's storage backend named its namespace by ``model_name`` alone: a new fine-tune
+    at the same ``--model-path``, or ``--json-model-override-args``, read the old pages.
+    The checkpoint at the published ``--model-path`` is fingerprinted, the overrides and the
+    operator's ``model_version`` go in too."""
+    from sglang_engine import publish_server_args
+    from test_model_identity import _ckpt, _weights
+
+    src = mha_pool("page_first")
+    live = _ckpt(tmp_path / "live", _weights(1))
+
+    def ns(*args, **extra):
+        publish_server_args(["--model-path", live, "--device", "cpu", *args])
+        try:
+            return backend(src, model="served-name", **extra).namespace()
+        finally:
+            publish_server_args()
+
+    before = ns()
+    assert ns() == before
+    assert ns("--json-model-override-args", '{"rope_theta": 1000000.0}') != before
+    assert ns(model_version="v2") != before
+    _ckpt(tmp_path / "live", _weights(2))
+    assert ns() != before
+    with pytest.raises(ks.SGLangBackendError, match="model_version"):
+        backend(src, model_version=3)

@@ -6,6 +6,7 @@ were computed with, so a page loaded from the wrong slot or another model's byte
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -677,3 +678,49 @@ def test_a_stalled_l3_never_holds_back_admission():
         again.check_pools()
     finally:
         srv.close()
+
+
+def test_the_namespace_follows_the_checkpoint_and_its_overrides_not_only_the_path(tmp_path, monkeypatch):
+    """One path, other weights (a new fine-tune there), or ``--json-model-override-args``
+    changing RoPE, changes every page's KV: the factory's namespace changed with neither (the
+    model path alone), so a shared L3 served the old pages (the vLLM tester's case, the same
+    code here). Same checkpoint, same namespace: copies share."""
+    import types
+
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.server_args import ServerArgs
+
+    from test_model_identity import _ckpt, _weights
+
+    e = Engine(sglang_radix)
+    monkeypatch.setenv(kr.ENV_CONFIG, json.dumps({"host_pages": 16}))
+
+    def namespace(path, *extra):
+        sa = ServerArgs.from_cli_args(_parse(["--model-path", path, "--device", "cpu", *extra]))
+        ctx = registry.TreeCacheBuildContext(
+            server_args=sa, params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+            model_config=types.SimpleNamespace(model_path=path), tp_size=1, tp_rank=0, tp_group=None)
+        return kr.kvtier_radix_cache_factory(ctx).namespace
+
+    live = _ckpt(tmp_path / "live", _weights(1))
+    before = namespace(live)
+    assert namespace(_ckpt(tmp_path / "copy", _weights(1))) != before  # another path: another name
+    assert namespace(live) == before
+    rope = namespace(live, "--json-model-override-args", '{"rope_theta": 1000000.0}')
+    assert rope != before
+    _ckpt(tmp_path / "live", _weights(2))  # the new fine-tune over the old files
+    assert namespace(live) not in (before, rope)
+    now = namespace(live)
+    monkeypatch.setenv(kr.ENV_CONFIG, json.dumps({"host_pages": 16, "model_version": "v2"}))
+    assert namespace(live) != now, "an operator's model_version is part of it"
+
+
+def _parse(args):
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser.parse_args(args)

@@ -26,11 +26,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 from typing import Any, Optional
 
 __all__ = ["SAMPLES_PER_FILE", "SAMPLE_BYTES", "WEIGHT_SUFFIXES", "checkpoint_dir", "checkpoint_fingerprint",
-           "overrides_digest"]
+           "engine_identity", "namespace_model", "overrides_digest"]
+
+logger = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
 """Files of a checkpoint directory that hold weights."""
@@ -122,3 +125,26 @@ def overrides_digest(overrides: Any) -> str:
             return ""
     text = json.dumps(overrides, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def engine_identity(model: str, *, engine_config: bool, revision: Optional[str] = None, overrides: Any = None,
+                    quantization: Any = None, version: str = "") -> str:
+    """What an engine's pages depend on beyond the model's name: the checkpoint's
+    :func:`checkpoint_fingerprint`, the operator's ``version`` and, when the engine's own
+    config was read (``engine_config``), its config ``overrides``, ``quantization`` and
+    ``revision``. ``""`` when none is known (then the namespace is the name alone, as before,
+    and a warning says so)."""
+    fp = checkpoint_fingerprint(model, revision)
+    if not fp and not version:
+        logger.warning("kvtier: no checkpoint directory found for model %r: its L3 namespace is its name; "
+                       "set model_version when the weights under that name change", model)
+    parts = [fp, version]
+    if engine_config:
+        parts += [overrides_digest(overrides), str(quantization or ""), str(revision or "")]
+    return "" if not any(parts) else ".".join(parts)
+
+
+def namespace_model(model: str, identity: str) -> str:
+    """The namespace's model field (docs/page-keys.md): the name, then ``#`` and the identity
+    when there is one."""
+    return f"{model}#{identity}" if identity else model

@@ -49,6 +49,8 @@ class RadixBackendConfig:
     - ``mover``: how pages move between device and host: "auto" (default: index copies on
       CPU, kvtier.torch's ``kernel`` mover on a CUDA device where it runs), "torch", "dma",
       "kernel" (``copies.py``; a mover named that cannot run here is refused at startup);
+    - ``model_version``: a name for the weights, added to the L3 namespace (for a checkpoint
+      kvtier cannot read at ``--model-path``, when its weights change under that path);
     - ``prefetch_wait_ms``: how long, in all, one request's matches may wait for its own
       prefetch (default 20; 0: never, its prefetched pages serve later requests); SGLang
       matches a step's requests in turn, so a step may wait this long per such request.
@@ -70,6 +72,7 @@ class RadixBackendConfig:
     prefetch_wait_ms: int = 20
     write_policy: str = "write_through"
     mover: str = "auto"
+    model_version: str = ""
 
     @classmethod
     def from_dict(cls, d: Any) -> "RadixBackendConfig":
@@ -110,8 +113,9 @@ class RadixBackendConfig:
         for key in ("server", "token"):
             if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
                 raise RadixConfigError(f"{key} must be a str, got {getattr(self, key)!r}")
-        if not isinstance(self.name, str):
-            raise RadixConfigError(f"name must be a str, got {self.name!r}")
+        for key in ("name", "model_version"):
+            if not isinstance(getattr(self, key), str):
+                raise RadixConfigError(f"{key} must be a str, got {getattr(self, key)!r}")
         # sizes past u64: an OverflowError from the store, a torch error deep in the cache's
         # constructor for host_bytes (this machine's memory is checked there, before anything
         # is allocated: a config is also read where it does not run)

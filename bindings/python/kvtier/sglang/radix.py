@@ -74,7 +74,7 @@ from .config import (  # noqa: F401  (re-exported: kvtier.sglang.radix is where 
 )
 from .copies import make_copier
 from .l3_io import L3Io, _Job, _leading_hits
-from .storage import ENV_ADDR, ENV_TOKEN
+from .storage import ENV_ADDR, ENV_TOKEN, sglang_model
 
 logger = logging.getLogger(__name__)
 
@@ -613,5 +613,7 @@ def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
             "(or use kvtier as HiCache's storage backend instead)"
         )
     model = getattr(ctx.model_config, "model_path", None) or getattr(ctx.server_args, "model_path", "") or ""
-    return KvtierRadixCache(ctx.params, RadixBackendConfig.from_env(), model=str(model),
+    cfg = RadixBackendConfig.from_env()
+    # the model's identity, not only its path: another fine-tune there read these pages
+    return KvtierRadixCache(ctx.params, cfg, model=sglang_model(str(model), ctx.server_args, cfg.model_version),
                             tp_rank=int(ctx.tp_rank), tp_size=int(ctx.tp_size), tp_group=ctx.tp_group)

@@ -60,6 +60,7 @@ import kvtier
 
 from ..l3_limits import object_refusal
 from ..mooncake_compat._setup import parse_size
+from ..model_identity import engine_identity, namespace_model
 from ..namespace import l3_namespace
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ ENV_TOKEN = "KVTIER_L3_TOKEN"
 # ran without what it asked for; a key unlike any is logged and ignored (the extra config is
 # shared with SGLang, and a later SGLang's own key must not stop the engine).
 BACKEND_KEYS = ("server", "token", "rpc_timeout_ms", "segment_bytes", "ssd_dir", "ssd_capacity_bytes", "name",
-                "tenant", "max_batch_pages", "prefetch_ssd")
+                "tenant", "max_batch_pages", "prefetch_ssd", "model_version")
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator", "file_storage_path",
                "tp_lcm_size", "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                "hicache_storage_pass_prefix_keys")
@@ -186,6 +187,7 @@ def _options(extra: Dict[str, Any]) -> Dict[str, Any]:
         segment_bytes=size("segment_bytes", "4GB"), ssd_dir=text("ssd_dir", None, empty=False),
         ssd_capacity_bytes=size("ssd_capacity_bytes", None), name=text("name", ""),
         tenant=text("tenant", "default", empty=False), max_batch_pages=count("max_batch_pages", 1024, 2 ** 63 - 1),
+        model_version=text("model_version", ""),
     )
     if not opts["segment_bytes"]:
         raise SGLangBackendError(f"kvtier: bad segment_bytes {extra.get('segment_bytes')!r}")
@@ -246,6 +248,31 @@ def _grid(pool: Any, mla: bool) -> _Grid:
     return _Grid(pool, flat, ps, pages, parts, chunk, layout, _kv_dtype(buf.dtype))
 
 
+def _server_args() -> Any:
+    """SGLang's published ``ServerArgs`` (None outside an engine)."""
+    try:
+        from sglang.srt.runtime_context import get_context
+
+        return get_context().server_args
+    except (ImportError, AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def sglang_model(name: str, server_args: Any = None, version: str = "") -> str:
+    """The namespace's model field of an SGLang deployment (docs/page-keys.md): ``name`` and
+    what its pages depend on beyond it (``kvtier.model_identity``): the checkpoint at
+    ``--model-path`` (its content fingerprint), ``--json-model-override-args``,
+    ``--quantization``, ``--revision`` and the operator's ``model_version``. A name alone let
+    a new fine-tune at the same path read the old one's pages (wrong KV). ``server_args``:
+    SGLang's (None: the published ones, if any)."""
+    sa = server_args if server_args is not None else _server_args()
+    path = str(getattr(sa, "model_path", None) or name)
+    ident = engine_identity(path, engine_config=sa is not None, revision=getattr(sa, "revision", None),
+                            overrides=getattr(sa, "json_model_override_args", None),
+                            quantization=getattr(sa, "quantization", None), version=version)
+    return namespace_model(name, ident)
+
+
 def _kv_dtype(stored: torch.dtype) -> str:
     """The KV dtype for the namespace: the host pool's, and SGLang's ``--kv-cache-dtype``
     when it is not ``auto`` (every fp8 variant is stored as uint8: an fp8_e4m3 and an
@@ -303,7 +330,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         sc = storage_config
         shape = f"pp{sc.pp_rank}of{sc.pp_size}.cp{sc.attn_cp_rank}of{sc.attn_cp_size}"
         self._shape = shape if self.is_mla else f"tp{sc.tp_size}.{shape}"
-        self.model = str(sc.model_name or "")
+        self.model = sglang_model(str(sc.model_name or ""), version=opts["model_version"])
         addr = opts["server"] or os.environ.get(ENV_ADDR)
         if addr:
             token = opts["token"] or os.environ.get(ENV_TOKEN)

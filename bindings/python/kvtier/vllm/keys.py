@@ -29,15 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import logging
 from typing import Any, Optional
 
-from ..model_identity import checkpoint_fingerprint, overrides_digest
+from ..model_identity import engine_identity, namespace_model
 from ..namespace import l3_namespace
 
 __all__ = ["layout_of", "model_identity", "namespace_of", "l3_key"]
-
-logger = logging.getLogger(__name__)
 
 
 def _engine_model_config() -> Optional[Any]:
@@ -59,11 +56,11 @@ def _engine_model_config() -> Optional[Any]:
         del f
 
 
-def _overrides(mc: Any) -> str:
+def _overrides(mc: Any) -> Any:
     o = getattr(mc, "hf_overrides", None)
     if callable(o):  # a function: named by where it lives (its repr holds an address)
-        return overrides_digest(f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', repr(type(o)))}")
-    return overrides_digest(o)
+        return f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', repr(type(o)))}"
+    return o
 
 
 def model_identity(cfg: Any, version: str = "", model_config: Any = None) -> str:
@@ -72,16 +69,11 @@ def model_identity(cfg: Any, version: str = "", model_config: Any = None) -> str
     (``model_config``, else the ``VllmConfig`` being built, when there is one), and the
     operator's ``version``. ``""`` when none of these is known."""
     mc = model_config if model_config is not None else _engine_model_config()
-    revision = getattr(mc, "revision", None) if mc is not None else None
-    name = str(cfg.model.name)
-    fp = checkpoint_fingerprint(name, revision)
-    if not fp and not version:
-        logger.warning("kvtier: no checkpoint directory found for model %r: its L3 namespace is its name; "
-                       "set the tier's model_version when the weights under that name change", name)
-    parts = [fp, version]
-    if mc is not None:
-        parts += [_overrides(mc), str(getattr(mc, "quantization", None) or ""), str(revision or "")]
-    return "" if not any(parts) else ".".join(parts)
+    if mc is None:
+        return engine_identity(str(cfg.model.name), engine_config=False, version=version)
+    return engine_identity(str(cfg.model.name), engine_config=True, revision=getattr(mc, "revision", None),
+                           overrides=_overrides(mc), quantization=getattr(mc, "quantization", None),
+                           version=version)
 
 
 def _parallel(cfg: Any) -> str:
@@ -119,8 +111,7 @@ def layout_of(cfg: Any, chunk_bytes: int) -> str:
 def namespace_of(cfg: Any, chunk_bytes: int, tenant: str, identity: str = "") -> str:
     """The L3 key namespace of an engine's chunks (16 hex digits); ``identity`` is
     :func:`model_identity` (``""``: the name alone)."""
-    model = str(cfg.model.name) + (f"#{identity}" if identity else "")
-    return l3_namespace(model, str(cfg.model.dtype), layout_of(cfg, chunk_bytes), tenant)
+    return l3_namespace(namespace_model(str(cfg.model.name), identity), str(cfg.model.dtype), layout_of(cfg, chunk_bytes), tenant)
 
 
 def l3_key(namespace: str, offload_key: bytes) -> str:
