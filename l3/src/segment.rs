@@ -152,6 +152,20 @@ impl Segments {
     /// Allocates `size` bytes in each of up to `n` segments with distinct owners, none of
     /// them in `skip`, the segments with the most free space first (ties: lowest id).
     /// Returns what it placed: fewer than `n` (maybe none) when fewer owners have room.
+    /// Distinct owners with a segment that could hold an object of `size` (the most replicas
+    /// [`Self::allocate_spread`] can place).
+    pub fn owners_fitting(&self, size: u64) -> usize {
+        let mut owners: Vec<ClientId> = self
+            .segs
+            .values()
+            .filter(|s| s.capacity >= size)
+            .map(|s| s.owner)
+            .collect();
+        owners.sort_unstable();
+        owners.dedup();
+        owners.len()
+    }
+
     pub fn allocate_spread(
         &mut self,
         size: u64,

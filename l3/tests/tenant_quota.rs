@@ -162,3 +162,123 @@ proptest! {
         }
     }
 }
+
+/// A put refused by the cap (-200) "changes nothing": it evicted the tenant's objects it
+/// could before finding it could not free enough (6 of 8 leased, a put needing 4 freed 2:
+/// two objects gone, in the loss journal, for a put that never happened).
+#[test]
+fn a_put_the_cap_refuses_evicts_nothing() {
+    let s = store(8 * OBJ as u64);
+    for i in 0..8 {
+        s.put(
+            &t("a"),
+            &format!("a{i}"),
+            &payload(i, OBJ),
+            Default::default(),
+        )
+        .unwrap();
+    }
+    for i in 0..6 {
+        s.get_replica_list(&t("a"), &format!("a{i}")).unwrap(); // leased
+    }
+    let cursor = s.losses_since(&t("a"), None).unwrap().next;
+    let r = s.put(&t("a"), "big", &payload(9, 4 * OBJ), Default::default());
+    assert!(matches!(r, Err(L3Error::NoAvailableHandle { .. })), "{r:?}");
+    for i in 0..8 {
+        assert!(
+            exists(&s, "a", &format!("a{i}")),
+            "a{i} evicted by a refused put"
+        );
+    }
+    assert!(
+        s.losses_since(&t("a"), Some(cursor))
+            .unwrap()
+            .keys
+            .is_empty()
+    );
+    assert_eq!(s.tenant_dram_bytes(&t("a")), 8 * OBJ as u64);
+}
+
+/// A put is charged for the replicas it can get, not for `replica_num`: on a store with one
+/// segment owner a put of 3 replicas gets one, and was refused under a cap of 2 objects.
+#[test]
+fn a_put_is_charged_for_the_replicas_it_gets() {
+    let s = store(2 * OBJ as u64);
+    let cfg = kvtier_l3::ReplicateConfig { replica_num: 3 };
+    let r = s.batch_put_from_with(
+        &t("a"),
+        &["k".to_string()],
+        &[&payload(1, OBJ)[..]],
+        Default::default(),
+        cfg,
+    );
+    assert!(matches!(r.as_deref(), Ok([Ok(())])), "{r:?}");
+    assert_eq!(s.tenant_dram_bytes(&t("a")), OBJ as u64);
+}
+
+/// A copy of a replica to another segment counts against the cap like a put: it took a
+/// tenant at its cap to twice it.
+#[test]
+fn a_replica_copy_past_the_cap_is_refused() {
+    use kvtier_l3::{ClientId, SegmentId};
+    let s = store(2 * OBJ as u64);
+    s.mount_segment(ClientId(7), SegmentId(1007), 16 << 20)
+        .unwrap();
+    for i in 0..2 {
+        s.put(
+            &t("a"),
+            &format!("a{i}"),
+            &payload(i, OBJ),
+            Default::default(),
+        )
+        .unwrap();
+    }
+    let r = s.copy_replica(&t("a"), "a0", SegmentId(1007));
+    let r2 = if r.as_ref().is_ok_and(|c| !c) {
+        s.copy_replica(&t("a"), "a0", kvtier_l3::store::LOCAL_SEGMENT)
+    } else {
+        r
+    };
+    assert!(
+        matches!(r2, Err(L3Error::NoAvailableHandle { .. })),
+        "{r2:?}"
+    );
+    assert_eq!(s.tenant_dram_bytes(&t("a")), 2 * OBJ as u64);
+}
+
+/// A promotion from SSD counts against the cap: one `exist(prefetch_to_memory)` over the
+/// tenant's SSD-only objects took it to 4× its cap (and their leases then refused its puts).
+#[test]
+fn a_promotion_past_the_cap_is_skipped_and_the_object_still_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = EmbeddedStore::new(StoreConfig {
+        local_segment_bytes: 64 << 20,
+        tenant_quota_bytes: BTreeMap::from([("a".to_string(), 4 * OBJ as u64)]),
+        ssd: Some(kvtier_l3::SsdConfig::new(dir.path())),
+        ..StoreConfig::default()
+    })
+    .unwrap();
+    let keys: Vec<String> = (0..16).map(|i| format!("a{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        s.put(&t("a"), k, &payload(i, OBJ), Default::default())
+            .unwrap();
+    }
+    s.flush().unwrap();
+    assert!(s.tenant_dram_bytes(&t("a")) <= 4 * OBJ as u64);
+    let opts = kvtier_l3::ExistOptions {
+        prefetch_to_memory: true,
+    };
+    let found = s.exist_many(&t("a"), &keys, opts).unwrap();
+    assert!(found.iter().all(|r| matches!(r, Ok(true))));
+    s.flush().unwrap();
+    std::thread::sleep(Duration::from_millis(300)); // promotions run on their workers
+    assert!(
+        s.tenant_dram_bytes(&t("a")) <= 4 * OBJ as u64,
+        "{} bytes in DRAM under a cap of {}",
+        s.tenant_dram_bytes(&t("a")),
+        4 * OBJ
+    );
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(s.get(&t("a"), k).unwrap(), payload(i, OBJ), "{k}");
+    }
+}

@@ -200,6 +200,9 @@ impl Master {
             .get(&node)
             .and_then(|n| n.segment)
             .ok_or(L3Error::ObjectNotFound)?;
+        if !self.within_quota(t, loc.size) {
+            return Err(L3Error::NoAvailableHandle { needed: loc.size });
+        }
         let high = self.policy.high_watermark;
         let fits = self
             .segments

@@ -339,6 +339,11 @@ impl Master {
             }
             _ => return Err(L3Error::ObjectNotFound),
         }
+        // an optional copy: never past the tenant's cap (it took a tenant to 4× its cap, and
+        // the promotions' leases then refused its puts)
+        if !self.within_quota(t, size) {
+            return Err(L3Error::NoAvailableHandle { needed: size });
+        }
         if room == Room::EvictSaved && self.under_pressure(size) {
             let cap = self.segments.capacity();
             let high = (cap as f64 * self.policy.high_watermark) as u64;

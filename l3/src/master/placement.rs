@@ -53,7 +53,11 @@ impl Master {
                 }
             }
         }
-        self.tenant_room(t, size.saturating_mul(replicas.max(1) as u64), now, out)?;
+        // charged for the replicas it can get (one per segment owner), not `replica_num`
+        let copies = replicas
+            .max(1)
+            .min(self.segments.owners_fitting(size).max(1));
+        self.tenant_room(t, size.saturating_mul(copies as u64), now, out)?;
         let placed = self.allocate(size, replicas.max(1), now, out)?;
         let descs: Vec<ReplicaDescriptor> = placed
             .iter()
@@ -163,6 +167,16 @@ impl Master {
         self.objects.dram_bytes(t)
     }
 
+    /// Whether tenant `t` may hold `bytes` more DRAM without evicting anything (always, without
+    /// a quota): what a promotion or a replica copy, which must not evict the tenant's objects
+    /// for an optional copy, needs.
+    pub(super) fn within_quota(&self, t: &Tenant, bytes: u64) -> bool {
+        self.policy
+            .tenant_quota_bytes
+            .get(t.as_str())
+            .is_none_or(|&cap| self.tenant_dram_bytes(t).saturating_add(bytes) <= cap)
+    }
+
     /// Makes room for `bytes` more of tenant `t` under its quota, evicting its own objects
     /// (the others' are never touched); -200 when it cannot (leased, or larger than the cap).
     fn tenant_room(
@@ -178,7 +192,12 @@ impl Master {
         let over = |used: u64| used.saturating_add(bytes).saturating_sub(cap);
         let need = over(self.tenant_dram_bytes(t));
         if need > 0 && bytes <= cap {
-            self.evict_in(need, now, out, Some(t));
+            // Only if the victims free enough: a put refused by the cap changes nothing (it
+            // evicted what it could and then answered -200: objects lost for no put).
+            let chosen = self.victims(need, now, Some(t), Victims::Any);
+            if chosen.iter().map(|(_, _, size)| *size).sum::<u64>() >= need {
+                self.evict_chosen(&chosen, out);
+            }
         }
         if over(self.tenant_dram_bytes(t)) > 0 {
             return Err(L3Error::NoAvailableHandle { needed: bytes });
@@ -212,12 +231,25 @@ impl Master {
         only: Option<&Tenant>,
         victims: Victims,
     ) {
+        let chosen = self.victims(need, now, only, victims);
+        self.evict_chosen(&chosen, out);
+    }
+
+    /// The objects [`Self::evict_where`] would evict to free `need` bytes, with the bytes
+    /// each frees (all its memory replicas); nothing changes.
+    fn victims(
+        &mut self,
+        need: u64,
+        now: u64,
+        only: Option<&Tenant>,
+        victims: Victims,
+    ) -> Vec<(Tenant, String, u64)> {
         // Walks the kept eviction order from its front (table.rs): the cost is the victims,
         // not every object. Lossless: only objects with an SSD copy (all ranked before those
         // without) or, in offload-on-evict mode, any (staged for the SSD writer).
         let saved_only = victims == Victims::Lossless && !self.policy.offload_on_evict;
         let objects = &mut self.objects;
-        let chosen: Vec<(Tenant, String)> = take_in_order(
+        take_in_order(
             |visit| {
                 objects.walk(
                     only,
@@ -230,14 +262,18 @@ impl Master {
                     },
                     &mut |(t, k), c| {
                         // lossless: the unsaved rank after every saved one, none qualifies
-                        !(saved_only && c.unsaved) && visit((t.clone(), k.to_string()), c)
+                        !(saved_only && c.unsaved) && visit((t.clone(), k.to_string(), c.size), c)
                     },
                 )
             },
             need,
-        );
+        )
+    }
+
+    /// Evicts `chosen` (from [`Self::victims`]).
+    fn evict_chosen(&mut self, chosen: &[(Tenant, String, u64)], out: &mut EvictionOutcome) {
         let on_evict = self.policy.offload_on_evict;
-        for (t, k) in &chosen {
+        for (t, k, _) in chosen {
             let Some(mut o) = self.obj_mut(t, k) else {
                 continue;
             };

@@ -49,6 +49,10 @@ impl Master {
         if owner_has {
             return Ok(false);
         }
+        // a copy counts against the tenant's cap like a put (-200 past it)
+        if !self.within_quota(t, size) {
+            return Err(L3Error::NoAvailableHandle { needed: size });
+        }
         let alloc = self
             .segments
             .allocate_on(target, size)
