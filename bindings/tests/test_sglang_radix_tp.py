@@ -9,15 +9,14 @@ then compute different batches."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
 import traceback
 
 import numpy as np
 import pytest
 
 import kvtier
+from conftest import run_ranks
 from sglang_engine import Engine
 
 from kvtier.sglang import radix as kr
@@ -70,28 +69,11 @@ def _rank(rank, port, addr, agree, out):
         out.put((rank, traceback.format_exc()))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(agree):
     srv = kvtier.L3Server(1 << 24)
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, srv.addr, agree, out)) for r in (0, 1)]
     try:
-        for p in procs:
-            p.start()
-        res = dict(out.get(timeout=240) for _ in procs)
-        for p in procs:
-            p.join(30)
+        res = run_ranks(_rank, (srv.addr, agree), timeout=240)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
         srv.shutdown()
     for r, v in res.items():
         assert isinstance(v, dict), f"rank {r} failed:\n{v}"

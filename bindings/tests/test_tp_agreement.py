@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import kvtier
 
-from conftest import prompt, small_config
+from conftest import prompt, run_ranks, small_config
 
 
 def _ranks(**over):
@@ -580,10 +580,10 @@ def _gloo_rank(rank, port, out):
             got = ("collective failed", str(e)[:200])
         nxt = torch.tensor([rank + 1])
         dist.all_reduce(nxt)  # the next step's collective: the group is still in step
-        out.put((rank, got, int(nxt), a.pending(), s.ops_in_flight()))
+        out.put((rank, (got, int(nxt), a.pending(), s.ops_in_flight())))
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 (reported to the test)
-        out.put((rank, traceback.format_exc(), None, None, None))
+        out.put((rank, (traceback.format_exc(), None, None, None)))
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
@@ -592,25 +592,7 @@ def test_a_rank_that_refuses_its_record_still_enters_the_collective():
     in it for ever (here: until gloo's 15 s timeout). The refusing rank now enters with its
     refused records as "not done" (the others agree nothing for that op) and raises after it;
     the group stays in step."""
-    import multiprocessing as mp
-    import socket
-
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, port, out)) for r in (0, 1)]
-    try:
-        for p in procs:
-            p.start()
-        res = {r[0]: r[1:] for r in (out.get(timeout=120) for _ in procs)}
-        for p in procs:
-            p.join(30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    res = run_ranks(_gloo_rank, ())
     (got0, n0, pend0, fl0), (got1, n1, pend1, fl1) = res[0], res[1]
     assert got0[0] == "refused" and "LoadBack" in got0[1], got0
     assert got1 == ("events", 0), got1  # rank 1 waited for ever before: "collective failed"
