@@ -95,3 +95,24 @@ def test_overrides_digest():
     a = overrides_digest({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
     assert a == overrides_digest('{"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}')
     assert a != overrides_digest({"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})
+
+
+def test_only_the_directorys_own_files_count_and_unreadable_ones_do_not_fail(tmp_path):
+    """Engines load the directory's own weight files: a training run's ``checkpoint-*/``
+    subdirectories are other weights and must not change the namespace (nor be walked: a
+    large tree would cost the engine's start). A weight file that cannot be read gives no
+    fingerprint (the name alone, with a warning), never an error at engine start."""
+    a = _ckpt(tmp_path / "m", _weights(1))
+    before = checkpoint_fingerprint(a)
+    _ckpt(tmp_path / "m" / "checkpoint-1000", _weights(2))
+    assert checkpoint_fingerprint(a) == before
+    os.makedirs(os.path.join(a, "dir.safetensors"))  # a directory named like a weight file
+    assert checkpoint_fingerprint(a) == before
+    w = os.path.join(a, "model-00000.safetensors")
+    os.chmod(w, 0)
+    try:
+        if os.access(w, os.R_OK):  # root reads anything: nothing to check here
+            return
+        assert checkpoint_fingerprint(a) == ""
+    finally:
+        os.chmod(w, 0o644)

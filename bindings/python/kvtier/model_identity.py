@@ -86,22 +86,26 @@ def _fingerprint_of_dir(root: str, files: tuple) -> str:
 
 def checkpoint_fingerprint(model: str, revision: Optional[str] = None) -> str:
     """16 hex digits naming the content of ``model``'s checkpoint (module doc): its
-    ``config.json`` and every weight file's name, size and sampled bytes, in name order
-    (subdirectories included). ``""`` when no checkpoint directory is found or it holds
-    neither."""
+    ``config.json`` and every weight file's name, size and sampled bytes, in name order.
+    Only the directory's own files, as the engines' loaders read them (a training run's
+    ``checkpoint-*/`` subdirectories are other weights; a walk of a large tree would cost the
+    engine's start). ``""`` when no checkpoint directory is found or it holds neither."""
     root = checkpoint_dir(model, revision)
     if root is None:
         return ""
     files = []
-    for d, _, names in os.walk(root):
-        for n in names:
-            if n == "config.json" or n.endswith(WEIGHT_SUFFIXES):
-                p = os.path.join(d, n)
-                try:
-                    st = os.stat(p)  # follows the hub cache's symlinks to its blobs
-                except OSError:
-                    continue
-                files.append((os.path.relpath(p, root), st.st_size, st.st_mtime_ns, st.st_ino))
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return ""
+    for n in names:
+        if n == "config.json" or n.endswith(WEIGHT_SUFFIXES):
+            try:
+                st = os.stat(os.path.join(root, n))  # follows the hub cache's symlinks to its blobs
+            except OSError:
+                continue
+            if os.path.isfile(os.path.join(root, n)):
+                files.append((n, st.st_size, st.st_mtime_ns, st.st_ino))
     if not files:
         return ""
     files.sort()
