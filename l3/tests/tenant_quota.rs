@@ -30,28 +30,25 @@ fn exists(s: &dyn L3Store, tenant: &str, key: &str) -> bool {
     s.is_exist(&t(tenant), key).unwrap()
 }
 
+/// Puts `n` objects of `OBJ` bytes, `{tenant}0` .. `{tenant}{n-1}`, into `tenant`.
+fn put_objects(s: &dyn L3Store, tenant: &str, n: usize) {
+    for i in 0..n {
+        s.put(
+            &t(tenant),
+            &format!("{tenant}{i}"),
+            &payload(i, OBJ),
+            Default::default(),
+        )
+        .unwrap();
+    }
+}
+
 /// What the cap must mean on any store (embedded, or a master of nodes): `a` keeps its four
 /// newest objects, `b` (no cap, all older) keeps everything, a put larger than the cap and a
 /// put that could only fit by evicting leased objects are -200 and change nothing.
 fn check_caps(s: &dyn L3Store) {
-    for i in 0..8 {
-        s.put(
-            &t("b"),
-            &format!("b{i}"),
-            &payload(i, OBJ),
-            Default::default(),
-        )
-        .unwrap();
-    }
-    for i in 0..8 {
-        s.put(
-            &t("a"),
-            &format!("a{i}"),
-            &payload(i, OBJ),
-            Default::default(),
-        )
-        .unwrap();
-    }
+    put_objects(s, "b", 8);
+    put_objects(s, "a", 8);
     for i in 0..8 {
         assert!(
             exists(s, "b", &format!("b{i}")),
@@ -169,15 +166,7 @@ proptest! {
 #[test]
 fn a_put_the_cap_refuses_evicts_nothing() {
     let s = store(8 * OBJ as u64);
-    for i in 0..8 {
-        s.put(
-            &t("a"),
-            &format!("a{i}"),
-            &payload(i, OBJ),
-            Default::default(),
-        )
-        .unwrap();
-    }
+    put_objects(&s, "a", 8);
     for i in 0..6 {
         s.get_replica_list(&t("a"), &format!("a{i}")).unwrap(); // leased
     }
@@ -224,15 +213,7 @@ fn a_replica_copy_past_the_cap_is_refused() {
     let s = store(2 * OBJ as u64);
     s.mount_segment(ClientId(7), SegmentId(1007), 16 << 20)
         .unwrap();
-    for i in 0..2 {
-        s.put(
-            &t("a"),
-            &format!("a{i}"),
-            &payload(i, OBJ),
-            Default::default(),
-        )
-        .unwrap();
-    }
+    put_objects(&s, "a", 2);
     let r = s.copy_replica(&t("a"), "a0", SegmentId(1007));
     let r2 = if r.as_ref().is_ok_and(|c| !c) {
         s.copy_replica(&t("a"), "a0", kvtier_l3::store::LOCAL_SEGMENT)

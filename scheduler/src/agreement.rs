@@ -358,20 +358,29 @@ impl RankAgreement {
     /// this step, since this rank, which raises, applies none, and a rank that applied events
     /// another did not would plan differently from then on.
     pub fn values<S: AgreedOps + ?Sized>(&self, sched: &S) -> Vec<u64> {
-        self.values_of(sched, &sched.agreed_ops())
+        self.contribution(sched, &sched.agreed_ops()).0
     }
 
-    fn values_of<S: AgreedOps + ?Sized>(&self, sched: &S, ops: &[(OpId, OpKind)]) -> Vec<u64> {
-        if self.check_ops(sched, ops).is_err() {
-            return vec![0; ops.len()];
+    /// [`Self::values`] over `ops`, checked once: the values, and the refusal that made them
+    /// all "not done" (if any).
+    fn contribution<S: AgreedOps + ?Sized>(
+        &self,
+        sched: &S,
+        ops: &[(OpId, OpKind)],
+    ) -> (Vec<u64>, Result<(), AgreementError>) {
+        let checked = self.check_ops(sched, ops);
+        if checked.is_err() {
+            return (vec![0; ops.len()], checked);
         }
-        ops.iter()
+        let v = ops
+            .iter()
             .map(|(op, _)| match self.done.get(op) {
                 None => 0,
                 Some(Slot::Skipped) => SKIPPED,
                 Some(Slot::Done(ev)) => encode(ev),
             })
-            .collect()
+            .collect();
+        (v, checked)
     }
 
     /// Reduces this step's completions across ranks and returns the agreed events, to be fed to
@@ -392,9 +401,9 @@ impl RankAgreement {
         all_reduce_min: impl FnOnce(&mut [u64]),
     ) -> Result<Vec<Event>, AgreementError> {
         let ops = sched.agreed_ops();
-        let mut v = self.values_of(sched, &ops);
+        let (mut v, checked) = self.contribution(sched, &ops);
         all_reduce_min(&mut v);
-        self.check_ops(sched, &ops)?;
+        checked?;
         self.apply_reduced(sched, &v)
     }
 
@@ -419,8 +428,8 @@ impl RankAgreement {
                 got: reduced.len(),
             });
         }
-        self.check_ops(sched, &ops)?;
-        let own = self.values_of(sched, &ops);
+        let (own, checked) = self.contribution(sched, &ops);
+        checked?;
         for (((op, _), &x), &mine) in ops.iter().zip(reduced).zip(&own) {
             if x > mine {
                 return Err(AgreementError::NotMinimum {
@@ -463,8 +472,8 @@ impl RankAgreement {
         let ops = sched.agreed_ops();
         let mut min: Option<Vec<u64>> = None;
         for a in ranks.iter() {
-            a.check_ops(sched, &ops)?;
-            let v = a.values_of(sched, &ops);
+            let (v, checked) = a.contribution(sched, &ops);
+            checked?;
             min = Some(match min {
                 None => v,
                 Some(m) => m.iter().zip(&v).map(|(a, b)| (*a).min(*b)).collect(),

@@ -53,11 +53,7 @@ impl Master {
                 }
             }
         }
-        // charged for the replicas it can get (one per segment owner), not `replica_num`
-        let copies = replicas
-            .max(1)
-            .min(self.segments.owners_fitting(size).max(1));
-        self.tenant_room(t, size.saturating_mul(copies as u64), now, out)?;
+        self.tenant_room(t, size, replicas, now, out)?;
         let placed = self.allocate(size, replicas.max(1), now, out)?;
         let descs: Vec<ReplicaDescriptor> = placed
             .iter()
@@ -177,18 +173,25 @@ impl Master {
             .is_none_or(|&cap| self.tenant_dram_bytes(t).saturating_add(bytes) <= cap)
     }
 
-    /// Makes room for `bytes` more of tenant `t` under its quota, evicting its own objects
-    /// (the others' are never touched); -200 when it cannot (leased, or larger than the cap).
+    /// Makes room under tenant `t`'s quota for a put of `size` bytes × the replicas it can
+    /// get (`replicas` asked for, at most one per segment owner: counted only for a capped
+    /// tenant, not on every put), evicting its own objects (the others' are never touched);
+    /// -200 when it cannot (leased, or larger than the cap).
     fn tenant_room(
         &mut self,
         t: &Tenant,
-        bytes: u64,
+        size: u64,
+        replicas: usize,
         now: u64,
         out: &mut EvictionOutcome,
     ) -> L3Result<()> {
         let Some(&cap) = self.policy.tenant_quota_bytes.get(t.as_str()) else {
             return Ok(());
         };
+        let copies = replicas
+            .max(1)
+            .min(self.segments.owners_fitting(size).max(1));
+        let bytes = size.saturating_mul(copies as u64);
         let over = |used: u64| used.saturating_add(bytes).saturating_sub(cap);
         let need = over(self.tenant_dram_bytes(t));
         if need > 0 && bytes <= cap {

@@ -278,12 +278,8 @@ def _kv_dtype(stored: torch.dtype) -> str:
     when it is not ``auto`` (every fp8 variant is stored as uint8: an fp8_e4m3 and an
     fp8_e5m2 deployment must not read each other's bytes)."""
     name = str(stored).replace("torch.", "")
-    try:
-        from sglang.srt.runtime_context import get_context
-
-        logical = str(getattr(get_context().server_args, "kv_cache_dtype", "auto") or "auto")
-    except (ImportError, AttributeError, RuntimeError, ValueError):
-        return name  # no server args published (a backend built outside an engine)
+    # no server args published (a backend built outside an engine): the pool's dtype alone
+    logical = str(getattr(_server_args(), "kv_cache_dtype", "auto") or "auto")
     return name if logical == "auto" else f"{name}.{logical}"
 
 
