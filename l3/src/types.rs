@@ -384,7 +384,9 @@ pub struct StoreStats {
     pub mem_capacity_bytes: u64,
     /// Objects with a disk replica.
     pub disk_objects: u64,
-    /// Bytes in live SSD bucket files.
+    /// Bytes in live SSD bucket files where this process holds the SSD tier (embedded, a
+    /// standalone server); a split deployment's master, whose nodes hold it, reports the bytes
+    /// of the objects on their SSDs.
     pub disk_used_bytes: u64,
 }
 

@@ -150,6 +150,8 @@ fn write_through_node_reads_evicted_objects_from_ssd_and_promotes_them() {
     assert_eq!(s.objects, OBJECTS as u64);
     assert!(s.mem_objects < OBJECTS as u64, "nothing was evicted: {s:?}");
     assert_eq!(s.disk_objects, OBJECTS as u64, "{s:?}");
+    // The master counts the bytes its nodes hold on SSD (it reported 0 with 40 objects there).
+    assert_eq!(s.disk_used_bytes, (OBJECTS * MIB) as u64, "{s:?}");
     assert!(bucket_files(dir.path()) > 0);
     all_read_back(&c, &a, &objs);
     promote_one(&c, &a, &objs);
@@ -192,6 +194,7 @@ fn on_evict_node_writes_evicted_objects_to_ssd_and_promotes_them() {
         "{s:?}"
     );
     assert_eq!(s.disk_objects + s.mem_objects, OBJECTS as u64, "{s:?}");
+    assert_eq!(s.disk_used_bytes, s.disk_objects * MIB as u64, "{s:?}");
     assert!(bucket_files(dir.path()) > 0);
     all_read_back(&c, &a, &objs);
     promote_one(&c, &a, &objs);

@@ -389,9 +389,11 @@ impl Master {
             objects: c.objects,
             mem_objects: c.mem_objects,
             disk_objects: c.disk_objects,
+            // the object bytes; a process holding the SSD tier itself reports its bucket
+            // files' bytes instead (store/api.rs)
+            disk_used_bytes: c.disk_bytes,
             mem_used_bytes: self.segments.used(),
             mem_capacity_bytes: self.segments.capacity(),
-            ..Default::default()
         }
     }
 

@@ -32,6 +32,9 @@ pub(super) struct Census {
     pub objects: u64,
     pub mem_objects: u64,
     pub disk_objects: u64,
+    /// Bytes of the complete objects with a disk replica (a split master's nodes hold its
+    /// SSD tier, so this is all it knows of the tier's use).
+    pub disk_bytes: u64,
 }
 
 impl Census {
@@ -42,6 +45,11 @@ impl Census {
             objects: u64::from(complete),
             mem_objects: u64::from(complete && !o.mem.is_empty()),
             disk_objects: u64::from(complete && o.disk.is_some()),
+            disk_bytes: if complete && o.disk.is_some() {
+                o.size
+            } else {
+                0
+            },
         }
     }
 
@@ -49,6 +57,7 @@ impl Census {
         self.objects += c.objects;
         self.mem_objects += c.mem_objects;
         self.disk_objects += c.disk_objects;
+        self.disk_bytes += c.disk_bytes;
     }
 
     /// Takes out what [`Census::of`] added for the same object (never below 0: a count
@@ -57,6 +66,7 @@ impl Census {
         self.objects = self.objects.saturating_sub(c.objects);
         self.mem_objects = self.mem_objects.saturating_sub(c.mem_objects);
         self.disk_objects = self.disk_objects.saturating_sub(c.disk_objects);
+        self.disk_bytes = self.disk_bytes.saturating_sub(c.disk_bytes);
     }
 }
 

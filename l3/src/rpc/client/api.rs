@@ -150,7 +150,9 @@ impl L3Store for RemoteStore {
     ) -> BatchResult<u64> {
         let keys: Vec<String> = queries.iter().map(|q| q.key.clone()).collect();
         if self.limits.cluster {
-            return self.cluster_get(tenant, &keys, bufs, Some(queries));
+            // A read, tried again across a failover as a plain get is: the descriptors'
+            // check goes to the master (its first call after a failover failed whole, -900).
+            return self.idempotent(|| self.cluster_get(tenant, &keys, bufs, Some(queries)));
         }
         self.get_chunks(tenant, &keys, bufs, Some(queries))
     }
