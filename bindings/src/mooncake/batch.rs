@@ -216,13 +216,14 @@ impl MooncakeCore {
         if keys.len() != ptrs.len() || keys.len() != sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }
-        let ranges = self.regions.check_all(&ptrs, &sizes);
+        let calls = self.regions.enter();
+        let ranges = calls.check_all(&ptrs, &sizes);
         self.mc_batch(
             py,
             &keys,
             |i| ranges[i].is_some(),
             |s, t, idx, sel| {
-                // SAFETY: every range came from `Regions::check`.
+                // SAFETY: every range came from `RegionUse::check`, used while it lasts.
                 let views: Vec<&[u8]> = idx
                     .iter()
                     .filter_map(|&i| ranges[i].map(|r| unsafe { r.bytes() }))
@@ -244,7 +245,8 @@ impl MooncakeCore {
         if keys.len() != all_ptrs.len() || keys.len() != all_sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }
-        let parts = multi_parts(&self.regions, &all_ptrs, &all_sizes);
+        let calls = self.regions.enter();
+        let parts = multi_parts(&calls, &all_ptrs, &all_sizes);
         self.mc_batch(
             py,
             &keys,

@@ -47,6 +47,9 @@ pub struct MooncakeCore {
     regions: Regions,
     /// Memory of `setup_dummy`'s pool (`alloc_from_mem_pool`), registered while set up.
     pool: Mutex<Option<Pool>>,
+    /// Pools a later `setup_pool` replaced, kept for this object's life: addresses handed
+    /// out of them must never dangle.
+    retired_pools: Mutex<Vec<Pool>>,
 }
 
 #[pymethods]
@@ -57,6 +60,7 @@ impl MooncakeCore {
             state: RwLock::new(None),
             regions: Regions::default(),
             pool: Mutex::new(None),
+            retired_pools: Mutex::new(Vec::new()),
         }
     }
 
@@ -145,7 +149,10 @@ impl MooncakeCore {
             return 0;
         }
         let remote = self.state.read().as_ref().and_then(|a| a.remote.clone());
-        *self.pool.lock() = Some(Pool::new(remote.as_deref(), n));
+        let old = self.pool.lock().replace(Pool::new(remote.as_deref(), n));
+        // Its allocations stay registered (until close or unregister_buffer): its memory
+        // lives as long as this object (it was freed here, under pointers still handed in).
+        self.retired_pools.lock().extend(old);
         0
     }
 
@@ -186,7 +193,8 @@ impl MooncakeCore {
     fn close(&self, py: Python<'_>) -> i64 {
         let a = self.state.write().take();
         py.detach(move || drop(a));
-        self.regions.clear();
+        // returns once no call still copies into registered memory (registered.rs)
+        py.detach(|| self.regions.clear());
         0
     }
 
@@ -194,8 +202,10 @@ impl MooncakeCore {
         self.regions.register(ptr, size)
     }
 
-    fn unregister_buffer(&self, ptr: u64) -> i64 {
-        self.regions.unregister(ptr)
+    /// 0 once no pointer call can touch the buffer any more (calls that began before it
+    /// have ended), or -600 for a pointer that is not registered.
+    fn unregister_buffer(&self, py: Python<'_>, ptr: u64) -> i64 {
+        py.detach(|| self.regions.unregister(ptr))
     }
 
     /// A copy of `[ptr, ptr + size)` if it lies inside registered memory (the tensor calls
@@ -206,8 +216,9 @@ impl MooncakeCore {
         ptr: u64,
         size: i64,
     ) -> Option<Bound<'py, PyBytes>> {
-        let r = self.regions.check(ptr, size)?;
-        // SAFETY: a checked range.
+        let calls = self.regions.enter();
+        let r = calls.check(ptr, size)?;
+        // SAFETY: a checked range, read while its use lasts.
         Some(PyBytes::new(py, unsafe { r.bytes() }))
     }
 
@@ -344,7 +355,8 @@ impl MooncakeCore {
         if keys.len() != ptrs.len() || keys.len() != sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }
-        let mut ranges: Vec<Option<RegisteredRange>> = self.regions.check_all(&ptrs, &sizes);
+        let calls = self.regions.enter();
+        let mut ranges: Vec<Option<RegisteredRange>> = calls.check_all(&ptrs, &sizes);
         drop_overlapping(&mut ranges);
         self.mc_batch(
             py,
@@ -401,7 +413,8 @@ impl MooncakeCore {
         if keys.len() != all_ptrs.len() || keys.len() != all_sizes.len() {
             return vec![INVALID_PARAMS; keys.len()];
         }
-        let mut parts = multi_parts(&self.regions, &all_ptrs, &all_sizes);
+        let calls = self.regions.enter();
+        let mut parts = multi_parts(&calls, &all_ptrs, &all_sizes);
         drop_overlapping_keys(&mut parts);
         self.mc_batch(
             py,
@@ -454,13 +467,14 @@ impl MooncakeCore {
         let Some((s, t)) = self.handle() else {
             return (0..n).map(|i| per_key(NOT_INITIALIZED, i)).collect();
         };
+        let calls = self.regions.enter();
         py.detach(|| {
             (0..n)
                 .map(|i| {
                     ranges::get_ranges_into(
                         s.as_ref(),
                         &t,
-                        &self.regions,
+                        &calls,
                         buffer_ptrs[i],
                         &all_keys[i],
                         &all_dst_offsets[i],
@@ -486,11 +500,12 @@ impl MooncakeCore {
 
     /// The keys whose replicas were cleared (see `ranges::replica_clear`).
     fn batch_replica_clear(&self, py: Python<'_>, keys: Vec<String>, segment: &str) -> Vec<String> {
-        let g = self.state.read();
-        let Some(a) = g.as_ref() else {
+        // Not under the state lock: close() takes it holding the GIL, which this call
+        // needs back at its end (the two threads waited on each other for ever).
+        let Some((s, t)) = self.handle() else {
             return Vec::new();
         };
-        py.detach(|| ranges::replica_clear(a.store.as_ref(), &a.tenant, &keys, segment))
+        py.detach(|| ranges::replica_clear(s.as_ref(), &t, &keys, segment))
     }
 
     fn is_exist(&self, py: Python<'_>, key: String) -> i64 {

@@ -7,18 +7,18 @@ use kvtier_l3::{L3Error, L3Result, L3Store, ReplicaDescriptor, Tenant};
 
 use super::INVALID_PARAMS;
 use super::batch::{bad_segment_code, mc_get_code};
-use super::registered::{Regions, RegisteredRange};
+use super::registered::{RegionUse, RegisteredRange};
 use super::segment::{segment_by_name, segment_name};
 use crate::l3::code_of;
 use crate::overlap::overlapping;
 
 /// Per key: its parts as registered ranges, or None if any part is not registered or the
 /// pointer and size lists differ in length (or are empty).
-pub(crate) fn multi_parts(
-    regions: &Regions,
+pub(crate) fn multi_parts<'u>(
+    calls: &'u RegionUse<'_>,
     all_ptrs: &[Vec<u64>],
     all_sizes: &[Vec<i64>],
-) -> Vec<Option<Vec<RegisteredRange>>> {
+) -> Vec<Option<Vec<RegisteredRange<'u>>>> {
     all_ptrs
         .iter()
         .zip(all_sizes)
@@ -28,7 +28,7 @@ pub(crate) fn multi_parts(
             }
             ps.iter()
                 .zip(ns)
-                .map(|(p, n)| regions.check(*p, *n))
+                .map(|(p, n)| calls.check(*p, *n))
                 .collect()
         })
         .collect()
@@ -54,7 +54,7 @@ pub(crate) fn drop_overlapping_keys(parts: &mut [Option<Vec<RegisteredRange>>]) 
 pub(crate) fn gather(parts: &[RegisteredRange]) -> Vec<u8> {
     let mut out = Vec::with_capacity(parts.iter().map(|r| r.len()).sum());
     for r in parts {
-        // SAFETY: every part came from `Regions::check`.
+        // SAFETY: every part came from `RegionUse::check`.
         out.extend_from_slice(unsafe { r.bytes() });
     }
     out
@@ -81,7 +81,7 @@ pub(crate) fn scatter(mut src: &[u8], parts: &[RegisteredRange]) {
 pub(crate) fn get_ranges_into(
     s: &dyn L3Store,
     t: &Tenant,
-    regions: &Regions,
+    calls: &RegionUse<'_>,
     buffer: u64,
     keys: &[String],
     dst: &[Vec<i64>],
@@ -104,7 +104,7 @@ pub(crate) fn get_ranges_into(
                 Err(e) => return fill(mc_get_code(Err(e))),
             };
             (0..d.len())
-                .map(|j| copy_range(regions, buffer, &obj, d[j], sr[j], n[j]))
+                .map(|j| copy_range(calls, buffer, &obj, d[j], sr[j], n[j]))
                 .collect()
         })
         .collect()
@@ -112,7 +112,7 @@ pub(crate) fn get_ranges_into(
 
 /// Copies `obj[src .. src + n]` to `buffer + dst`; n, or INVALID_PARAMS for a range outside
 /// the object or outside registered memory.
-fn copy_range(regions: &Regions, buffer: u64, obj: &[u8], dst: i64, src: i64, n: i64) -> i64 {
+fn copy_range(calls: &RegionUse<'_>, buffer: u64, obj: &[u8], dst: i64, src: i64, n: i64) -> i64 {
     let (Ok(d), Ok(sr), Ok(len)) = (u64::try_from(dst), usize::try_from(src), usize::try_from(n))
     else {
         return INVALID_PARAMS;
@@ -120,7 +120,7 @@ fn copy_range(regions: &Regions, buffer: u64, obj: &[u8], dst: i64, src: i64, n:
     let Some(from) = sr.checked_add(len).and_then(|end| obj.get(sr..end)) else {
         return INVALID_PARAMS;
     };
-    let Some(to) = buffer.checked_add(d).and_then(|p| regions.check(p, n)) else {
+    let Some(to) = buffer.checked_add(d).and_then(|p| calls.check(p, n)) else {
         return INVALID_PARAMS;
     };
     // SAFETY: a checked range; one live slice at a time.

@@ -21,6 +21,7 @@ use crate::types::{
 
 impl L3Store for RemoteStore {
     fn put_start(&self, tenant: &Tenant, key: &str, size: u64) -> L3Result<PutHandle> {
+        self.same_process()?;
         self.run(
             self.rpc()
                 .put_start(self.ctx(), tenant.clone(), key.to_string(), size),
@@ -28,6 +29,7 @@ impl L3Store for RemoteStore {
     }
 
     fn put_write(&self, handle: &PutHandle, data: &[u8]) -> L3Result<()> {
+        self.same_process()?;
         if data.len() as u64 > self.limits.max_object_bytes {
             return Err(L3Error::InvalidParams(
                 "object exceeds the server's object limit".into(),
@@ -45,6 +47,7 @@ impl L3Store for RemoteStore {
     }
 
     fn put_end(&self, handle: &PutHandle, opts: PutOptions) -> L3Result<()> {
+        self.same_process()?;
         if self.limits.cluster {
             let v = self.cluster_put_on_nodes(std::slice::from_ref(handle), &[], Some(opts));
             return single(v, empty_reply);
@@ -53,6 +56,7 @@ impl L3Store for RemoteStore {
     }
 
     fn put_revoke(&self, handle: &PutHandle) -> L3Result<()> {
+        self.same_process()?;
         self.run(self.rpc().put_revoke(self.ctx(), handle.clone()))
     }
 
@@ -63,6 +67,7 @@ impl L3Store for RemoteStore {
         sizes: &[u64],
         cfg: ReplicateConfig,
     ) -> BatchResult<PutHandle> {
+        self.same_process()?;
         cfg.validate()?;
         self.check_keys(keys.len())?;
         if cfg.replica_num == 1 {
@@ -92,6 +97,7 @@ impl L3Store for RemoteStore {
     }
 
     fn batch_put_end(&self, handles: &[PutHandle], opts: PutOptions) -> BatchResult<()> {
+        self.same_process()?;
         self.check_keys(handles.len())?;
         if self.limits.cluster {
             return Ok(self.cluster_put_on_nodes(handles, &[], Some(opts)));
@@ -100,16 +106,19 @@ impl L3Store for RemoteStore {
     }
 
     fn batch_put_revoke(&self, handles: &[PutHandle]) -> BatchResult<()> {
+        self.same_process()?;
         self.check_keys(handles.len())?;
         self.run(self.rpc().batch_put_revoke(self.ctx(), handles.to_vec()))
     }
 
     fn get_replica_list(&self, tenant: &Tenant, key: &str) -> L3Result<QueryResult> {
+        self.same_process()?;
         let v = self.batch_query(tenant, &[key.to_string()])?;
         single(v, empty_reply)
     }
 
     fn exist_key(&self, tenant: &Tenant, key: &str, opts: ExistOptions) -> L3Result<bool> {
+        self.same_process()?;
         let v = self.batch_exist_key(tenant, &[key.to_string()], opts)?;
         single(v, empty_reply)
     }
@@ -120,6 +129,7 @@ impl L3Store for RemoteStore {
         keys: &[String],
         opts: ExistOptions,
     ) -> BatchResult<bool> {
+        self.same_process()?;
         self.check_keys(keys.len())?;
         self.idempotent(|| {
             if self.xfer.is_some() {
@@ -133,6 +143,7 @@ impl L3Store for RemoteStore {
     }
 
     fn batch_query(&self, tenant: &Tenant, keys: &[String]) -> BatchResult<QueryResult> {
+        self.same_process()?;
         self.check_keys(keys.len())?;
         self.idempotent(|| {
             self.run(
@@ -148,6 +159,7 @@ impl L3Store for RemoteStore {
         queries: &[QueryResult],
         bufs: &mut [&mut [u8]],
     ) -> BatchResult<u64> {
+        self.same_process()?;
         let keys: Vec<String> = queries.iter().map(|q| q.key.clone()).collect();
         if self.limits.cluster {
             // A read, tried again across a failover as a plain get is: the descriptors'
@@ -159,6 +171,7 @@ impl L3Store for RemoteStore {
 
     /// Retried across a failover: a retry of a remove that was applied answers -704.
     fn remove(&self, tenant: &Tenant, key: &str, force: bool) -> L3Result<()> {
+        self.same_process()?;
         self.idempotent(|| {
             self.run(
                 self.rpc()
@@ -168,10 +181,12 @@ impl L3Store for RemoteStore {
     }
 
     fn remove_all(&self, tenant: &Tenant, force: bool) -> L3Result<u64> {
+        self.same_process()?;
         self.run(self.rpc().remove_all(self.ctx(), tenant.clone(), force))
     }
 
     fn remove_by_regex(&self, tenant: &Tenant, pattern: &str, force: bool) -> L3Result<u64> {
+        self.same_process()?;
         // Checked here too: a bad pattern costs no round trip (the server checks again).
         KeyPattern::new(pattern)?;
         self.run(
@@ -186,6 +201,7 @@ impl L3Store for RemoteStore {
         keys: &[String],
         segment: SegmentId,
     ) -> BatchResult<bool> {
+        self.same_process()?;
         self.check_keys(keys.len())?;
         for k in keys {
             crate::types::validate_key(k)?;
@@ -197,6 +213,7 @@ impl L3Store for RemoteStore {
     }
 
     fn copy_replica(&self, tenant: &Tenant, key: &str, target: SegmentId) -> L3Result<bool> {
+        self.same_process()?;
         crate::types::validate_key(key)?;
         self.run(
             self.rpc()
@@ -211,6 +228,7 @@ impl L3Store for RemoteStore {
         source: SegmentId,
         target: SegmentId,
     ) -> L3Result<()> {
+        self.same_process()?;
         crate::types::validate_key(key)?;
         self.run(self.rpc().move_replica(
             self.ctx(),
@@ -222,6 +240,7 @@ impl L3Store for RemoteStore {
     }
 
     fn mount_segment(&self, client: ClientId, segment: SegmentId, capacity: u64) -> L3Result<()> {
+        self.same_process()?;
         self.run(
             self.rpc()
                 .mount_segment(self.ctx(), client, segment, capacity),
@@ -229,19 +248,23 @@ impl L3Store for RemoteStore {
     }
 
     fn unmount_segment(&self, client: ClientId, segment: SegmentId) -> L3Result<()> {
+        self.same_process()?;
         self.run(self.rpc().unmount_segment(self.ctx(), client, segment))
     }
 
     fn ping(&self, client: ClientId) -> L3Result<ClientStatus> {
+        self.same_process()?;
         self.run(self.rpc().ping(self.ctx(), client))
     }
 
     fn put(&self, tenant: &Tenant, key: &str, data: &[u8], opts: PutOptions) -> L3Result<()> {
+        self.same_process()?;
         let v = self.batch_put_from(tenant, &[key.to_string()], &[data], opts)?;
         single(v, empty_reply)
     }
 
     fn get(&self, tenant: &Tenant, key: &str) -> L3Result<Vec<u8>> {
+        self.same_process()?;
         if self.limits.cluster {
             return self.idempotent(|| {
                 let q = self.get_replica_list(tenant, key)?;
@@ -265,6 +288,7 @@ impl L3Store for RemoteStore {
     }
 
     fn get_into(&self, tenant: &Tenant, key: &str, buf: &mut [u8]) -> L3Result<u64> {
+        self.same_process()?;
         let v = self.batch_get_into(tenant, &[key.to_string()], &mut [buf])?;
         single(v, empty_reply)
     }
@@ -277,6 +301,7 @@ impl L3Store for RemoteStore {
         opts: PutOptions,
         cfg: ReplicateConfig,
     ) -> BatchResult<()> {
+        self.same_process()?;
         cfg.validate()?;
         self.check_bufs(keys.len(), bufs.len())?;
         for (k, b) in keys.iter().zip(bufs) {
@@ -330,6 +355,7 @@ impl L3Store for RemoteStore {
         keys: &[String],
         bufs: &mut [&mut [u8]],
     ) -> BatchResult<u64> {
+        self.same_process()?;
         if self.limits.cluster {
             return self.idempotent(|| self.cluster_get(tenant, keys, bufs, None));
         }
@@ -337,6 +363,7 @@ impl L3Store for RemoteStore {
     }
 
     fn get_size(&self, tenant: &Tenant, key: &str) -> L3Result<u64> {
+        self.same_process()?;
         self.idempotent(|| {
             self.run(
                 self.rpc()
@@ -346,6 +373,7 @@ impl L3Store for RemoteStore {
     }
 
     fn flush(&self) -> L3Result<()> {
+        self.same_process()?;
         if self.limits.cluster {
             return self.cluster_flush();
         }
@@ -353,10 +381,12 @@ impl L3Store for RemoteStore {
     }
 
     fn stats(&self) -> L3Result<StoreStats> {
+        self.same_process()?;
         self.idempotent(|| self.run(self.rpc().stats(self.ctx())))
     }
 
     fn losses_since(&self, tenant: &Tenant, cursor: Option<LossCursor>) -> L3Result<Losses> {
+        self.same_process()?;
         self.run(self.rpc().losses_since(self.ctx(), tenant.clone(), cursor))
     }
 
@@ -376,6 +406,7 @@ impl RemoteStore {
         opts: PutOptions,
         cfg: ReplicateConfig,
     ) -> BatchResult<()> {
+        self.same_process()?;
         self.put_placed(tenant, keys, bufs, cfg, |hs, ds| {
             let mut res: Vec<L3Result<()>> = hs
                 .iter()

@@ -157,6 +157,11 @@ pub struct RemoteStore {
     redirected: AtomicBool,
     limits: ServerLimits,
     opts: ClientOptions,
+    /// The process that connected: a child forked after that shares this client's sockets
+    /// and shared-memory rings with its parent, and each would read the other's replies
+    /// (another key's bytes, answered as its own). Every call from another process is
+    /// refused ([`RemoteStore::same_process`]); the child connects its own client.
+    pid: u32,
 }
 
 /// The error for a one-key call whose reply holds no result.
@@ -205,6 +210,7 @@ impl RemoteStore {
             client: parking_lot::Mutex::new(dial(&rt, addr, max_frame)?),
             broken: AtomicBool::new(false),
             redirected: AtomicBool::new(false),
+            pid: std::process::id(),
             rt,
             limits: ServerLimits {
                 max_frame_bytes: max_frame as u64,
@@ -359,6 +365,19 @@ impl RemoteStore {
         }
     }
 
+    /// Ok in the process that connected; -1011 in a child forked after (see `pid`).
+    pub(crate) fn same_process(&self) -> L3Result<()> {
+        let me = std::process::id();
+        if me == self.pid {
+            return Ok(());
+        }
+        Err(L3Error::UnavailableInMode(format!(
+            "this client was connected by process {} and this is process {me} (forked \
+             after): its connections are the parent's; connect a client in this process",
+            self.pid
+        )))
+    }
+
     /// Whether the server is the master of a split deployment (bytes live on store nodes).
     pub fn is_cluster(&self) -> bool {
         self.limits.cluster
@@ -367,6 +386,7 @@ impl RemoteStore {
     /// The `cluster` call (store node ↔ master, cluster queries); -1010 unless the server
     /// is a master.
     pub fn cluster(&self, req: ClusterRequest) -> L3Result<ClusterReply> {
+        self.same_process()?;
         self.run(self.rpc().cluster(self.ctx(), req))
     }
 
