@@ -162,6 +162,22 @@ def test_object_limits_are_read_without_a_put(where, most):
             srv.shutdown()
 
 
+def test_a_clients_object_limit_is_what_one_frame_carries():
+    """A server's default limits (1 GiB objects, 64 MiB frames): a client reported 1 GiB, so
+    an engine's startup check passed a 64 MiB chunk whose every put then failed with -600."""
+    from kvtier.l3_limits import object_refusal
+
+    srv = kvtier.L3Server(1 << 20)
+    try:
+        s = kvtier.L3Store.connect(srv.addr)
+        assert 63 << 20 < s.max_object_bytes < 64 << 20
+        assert object_refusal(s, 64 << 20) is not None
+        with pytest.raises(kvtier.InvalidParamsError):
+            s.put("big", bytes(s.max_object_bytes + 1))
+    finally:
+        srv.shutdown()
+
+
 def test_remote_token():
     srv = kvtier.L3Server(1 << 20, token="s3cret")
     try:

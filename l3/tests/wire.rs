@@ -485,3 +485,32 @@ fn transfer_channel_rejects_bad_token_malformed_and_oversized_frames() {
     assert!(c.is_exist(&a, "k").unwrap());
     assert_eq!(c.get(&a, "k").unwrap(), b"v");
 }
+
+/// A client's object limit is what one frame carries, not only the server's setting: with
+/// the defaults (1 GiB objects, 64 MiB frames) a client reported 1 GiB, the engines checked
+/// their page or chunk against that at startup (`kvtier.l3_limits.object_refusal`), and
+/// then every put of a 64 MiB chunk failed with -600. An object of the reported size puts
+/// and reads back under the longest key; one byte more is refused before it is sent.
+#[test]
+fn a_clients_object_limit_is_what_one_frame_carries() {
+    let h = server(dram(160 << 20), None);
+    let c = client(h.addr, None);
+    let most = c.max_object_bytes();
+    assert!(most < 64 << 20 && most > 63 << 20, "{most}");
+    let tn = t("a");
+    let key = "k".repeat(kvtier_l3::types::MAX_KEY_LEN);
+    let obj = payload(1, most as usize);
+    c.put(&tn, &key, &obj, PutOptions::default()).unwrap();
+    assert_eq!(c.get(&tn, &key).unwrap(), obj);
+    let mut back = vec![0u8; most as usize];
+    assert_eq!(c.get_into(&tn, &key, &mut back).unwrap(), most);
+    assert!(back == obj);
+    let over = payload(2, most as usize + 1);
+    assert!(
+        matches!(
+            c.put(&tn, "over", &over, PutOptions::default()),
+            Err(L3Error::InvalidParams(_))
+        ),
+        "an object past the limit"
+    );
+}

@@ -30,10 +30,11 @@ impl L3Store for RemoteStore {
 
     fn put_write(&self, handle: &PutHandle, data: &[u8]) -> L3Result<()> {
         self.same_process()?;
-        if data.len() as u64 > self.limits.max_object_bytes {
-            return Err(L3Error::InvalidParams(
-                "object exceeds the server's object limit".into(),
-            ));
+        if data.len() as u64 > self.max_object_bytes() {
+            return Err(L3Error::InvalidParams(format!(
+                "object exceeds this client's {}-byte object limit",
+                self.max_object_bytes()
+            )));
         }
         self.check_request(data.len() + PER_KEY_OVERHEAD + handle.key.len())?;
         if self.limits.cluster {
@@ -305,11 +306,12 @@ impl L3Store for RemoteStore {
         cfg.validate()?;
         self.check_bufs(keys.len(), bufs.len())?;
         for (k, b) in keys.iter().zip(bufs) {
-            if b.len() as u64 > self.limits.max_object_bytes {
+            if b.len() as u64 > self.max_object_bytes() {
                 return Err(L3Error::InvalidParams(format!(
-                    "object of {} bytes exceeds the server's {}-byte limit",
+                    "object of {} bytes exceeds this client's {}-byte object limit (the \
+                     server's limit and what one frame carries)",
                     b.len(),
-                    self.limits.max_object_bytes
+                    self.max_object_bytes()
                 )));
             }
             self.check_request(b.len() + k.len() + PER_KEY_OVERHEAD)?;
@@ -390,8 +392,10 @@ impl L3Store for RemoteStore {
         self.run(self.rpc().losses_since(self.ctx(), tenant.clone(), cursor))
     }
 
+    /// The server's limit, or less: what one frame carries under the longest key and
+    /// tenant (a put's request and a get's reply hold the object's bytes in one frame).
     fn max_object_bytes(&self) -> u64 {
-        self.limits.max_object_bytes
+        self.limits.max_object_bytes.min(self.frame_object_bytes())
     }
 }
 

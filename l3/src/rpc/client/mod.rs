@@ -528,6 +528,12 @@ impl RemoteStore {
         self.check_keys(keys)
     }
 
+    /// The largest object one frame carries with the longest key and tenant.
+    pub(super) fn frame_object_bytes(&self) -> u64 {
+        let headroom = crate::types::MAX_KEY_LEN + crate::types::MAX_TENANT_LEN + PER_KEY_OVERHEAD;
+        self.frame_cap().saturating_sub(headroom) as u64
+    }
+
     fn check_request(&self, bytes: usize) -> L3Result<()> {
         if bytes > self.frame_cap() {
             return Err(L3Error::InvalidParams(format!(
