@@ -101,7 +101,19 @@ struct Instance {
 /// How many requests are pulled from the workload ahead of the clock.
 pub const ARRIVAL_WINDOW: usize = 64;
 
-/// Waits until the SSD writer has written every queued offload (see the prefetch cost).
+/// The store's clock advances this many of its milliseconds per simulated millisecond.
+///
+/// Why: the store's clock is wall time since it started plus what the simulator advances it
+/// by, and a read lease (`lease_ttl`, 10 simulated seconds) expires on it: on a clock
+/// advanced 1:1, the run's wall time moved lease expiries by as much as the run took (a lease
+/// still held at simulated time t on one run had expired on another, and eviction chose
+/// other victims). Scaled, wall time moves a deadline by less than one simulated millisecond
+/// while a run's wall time between a lease and its check stays under 2^32 ms (49 days);
+/// simulated time is then counted to 2^32 ms (49 days).
+const STORE_MS_PER_SIM_MS: u64 = 1 << 32;
+
+/// Waits until the SSD writer has written every queued offload and evicted what that
+/// overflowed ([`Simulation::settle_store`]).
 /// (The embedded store's flush cannot fail: it only waits for its writer.)
 fn flush_offloads(s: &EmbeddedStore) {
     s.flush().ok();
@@ -197,8 +209,16 @@ impl Simulation {
                         static N: std::sync::atomic::AtomicU64 =
                             std::sync::atomic::AtomicU64::new(0);
                         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let d = std::env::temp_dir()
-                            .join(format!("kvtier-sim-ssd-{}-{n}", std::process::id()));
+                        // Memory-backed where there is one: every simulated object is its own
+                        // bucket file (below), each written with an fsync that a disk makes
+                        // 15x slower.
+                        let shm = std::path::Path::new("/dev/shm");
+                        let base = if shm.is_dir() {
+                            shm.to_path_buf()
+                        } else {
+                            std::env::temp_dir()
+                        };
+                        let d = base.join(format!("kvtier-sim-ssd-{}-{n}", std::process::id()));
                         temp_dir = Some(d.clone());
                         d
                     }
@@ -207,7 +227,10 @@ impl Simulation {
                 s.mode = OffloadMode::OnEvict;
                 s.capacity_bytes = cfg.l3_ssd_pages * cfg.payload_bytes as u64;
                 s.bucket_bytes_limit = 1 << 20;
-                s.bucket_keys_limit = 4096;
+                // One object per bucket: the writer takes whatever the queue holds when it
+                // wakes, so with larger buckets where a backup's evictions were cut into
+                // buckets (what an SSD eviction drops together) depended on thread timing.
+                s.bucket_keys_limit = 1;
                 s.queue_len = 1 << 16;
                 Some(s)
             } else {
@@ -215,7 +238,7 @@ impl Simulation {
             };
             let s = EmbeddedStore::new(StoreConfig {
                 local_segment_bytes: cfg.l3_pages.max(1) * cfg.payload_bytes as u64,
-                lease_ttl: Duration::from_secs(10),
+                lease_ttl: Duration::from_millis(10_000 * STORE_MS_PER_SIM_MS),
                 max_batch_keys: 1 << 20,
                 loss_journal_keys: 1 << 20,
                 ssd,
@@ -449,8 +472,9 @@ impl Simulation {
         if let Some(s) = &self.store
             && ms > self.store_now_ms
         {
-            s.clock()
-                .advance(Duration::from_millis(ms - self.store_now_ms));
+            s.clock().advance(Duration::from_millis(
+                (ms - self.store_now_ms).saturating_mul(STORE_MS_PER_SIM_MS),
+            ));
             self.store_now_ms = ms;
         }
     }

@@ -5,8 +5,7 @@
 use kvtier_sim::workload::{ChatSpec, synthetic_chat};
 use kvtier_sim::{SimConfig, simulate};
 
-/// 160 chat clients over two instances: enough prefetches that the network link queues (the
-/// SSD runs with the store's background writes on wall time, so small runs vary by a few %).
+/// 160 chat clients over two instances: enough prefetches that the network link queues.
 fn run(promote: bool, seed: u64) -> kvtier_sim::Report {
     run_with(promote, seed, 160, 2.0)
 }

@@ -119,16 +119,20 @@ impl Simulation {
         ok
     }
 
-    /// Under write-back with an SSD tier: lets the store's SSD writer finish what the puts
-    /// queued (its bucket evictions drop objects), so that the loss journal is complete before
-    /// a scheduler trusts an "in L3" mark to drop a host copy, and the oracle checks that drop
-    /// against the store as it was. (Other policies only lose a prefetch to a stale mark; a
-    /// flush per plan would cost them 2.6x the wall time.)
+    /// With an SSD tier: lets the store's SSD writer finish what the last backup queued (the
+    /// objects its puts evicted from DRAM) and evict the SSD buckets that overflowed.
+    ///
+    /// Why after every backup: a backup is the only thing the simulator does that gives the
+    /// writer work, so every later read of the store — a probe's existence check, a
+    /// prefetch's residency and read, the loss journal — sees the store as the simulated
+    /// time left it, not as far as the writer thread got on the wall clock (which made runs
+    /// with an SSD tier differ from run to run). The loss journal is then complete before a
+    /// scheduler trusts an "in L3" mark to drop a host copy (write-back), and the oracle
+    /// checks that drop against the store as it was.
     pub(super) fn settle_store(&self) {
         // From the configuration (the store has an SSD tier exactly when `l3_ssd_pages > 0`),
-        // not `ssd_stats()`, which locks the tier and runs on every plan.
-        if self.cfg.scheduler.write_policy == WritePolicy::WriteBack
-            && self.cfg.l3_ssd_pages > 0
+        // not `ssd_stats()`, which locks the tier.
+        if self.cfg.l3_ssd_pages > 0
             && let Some(s) = &self.store
         {
             flush_offloads(s);

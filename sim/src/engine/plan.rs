@@ -8,7 +8,7 @@
 
 use kvtier_scheduler::*;
 
-use super::{LivePrefetch, Pending, Simulation, flush_offloads};
+use super::{LivePrefetch, Pending, Simulation};
 
 impl Simulation {
     pub(super) fn plan(&mut self, inst: usize) -> Result<(), String> {
@@ -16,7 +16,6 @@ impl Simulation {
             return Ok(());
         }
         let now = self.now_us;
-        self.settle_store();
         self.report_l3_losses();
         let plan = self.insts[inst].sched.next_execution_plan(now / 1000);
         self.check_host_drops(inst);
@@ -58,9 +57,7 @@ impl Simulation {
                     // left of that promotion is waited for).
                     let (ssd_only, promo_ready) = match (&self.store, &op.spec) {
                         (Some(s), OpSpec::Prefetch { keys, .. }) if self.cfg.l3_ssd_pages > 0 => {
-                            // Offloads run on the store's writer thread (wall time): let them
-                            // land so residency, and the run, do not depend on thread timing.
-                            flush_offloads(s);
+                            // Residency as the last backup left it: `settle_store`.
                             let mut n = 0u64;
                             let mut ready = 0u64;
                             for k in keys {
@@ -92,7 +89,6 @@ impl Simulation {
                         && self.cfg.l3_ssd_pages > 0
                         && self.cfg.l3_promote_on_probe
                     {
-                        flush_offloads(s);
                         let mut t = now + links.l3_query_us as u64;
                         for k in keys {
                             match s.residency(&self.tenant, k) {
