@@ -27,10 +27,10 @@ pub trait History {
 /// The start value that asks for a snapshot.
 pub const SNAPSHOT: i64 = -2;
 
-/// The most live batches the subscriber queues (its SUB socket's high-water mark): a live
-/// batch can be behind the next expected number by at most this many and still be one that
-/// queued while a replay ran (a duplicate). Further behind, the replay's numbers are not
-/// the live stream's.
+/// The most live batches that can queue between a publisher and the subscriber (the
+/// publisher's send queue: vLLM's high-water mark is 100,000): a live batch can be behind
+/// the next expected number by at most this many and still be one that queued while a replay
+/// ran (a duplicate). Further behind, the replay's numbers are not the live stream's.
 pub const LIVE_QUEUE: u64 = 100_000;
 
 /// Counters of one stream, as `/stats` reports them.

@@ -42,8 +42,30 @@ pub struct SubscribeOptions {
     pub resync: Duration,
     /// A batch longer than this is skipped undecoded (counted `oversized`), and a replay
     /// answer holding more than four times this is no answer (`unanswered`): what one
-    /// publisher can make the router hold. A decoded batch takes up to ~50 times its bytes.
+    /// publisher can make the router hold. It is also every socket's largest frame
+    /// (`ZMQ_MAXMSGSIZE`): a publisher sending a longer one, live or in a replay answer, is
+    /// disconnected before the frame is read (live: the SUB reconnects and resyncs, counted
+    /// `reconnects`; a replay: no answer). A decoded batch takes up to ~50 times its bytes.
     pub max_batch_bytes: usize,
+}
+
+/// Live batches the SUB socket queues ahead of the stream's thread (its receive high-water
+/// mark). Small, because each may be a frame of up to `max_batch_bytes`: the SUB holds at
+/// most this many batches, one more being received (ZMQ reads it whole) and the one the
+/// thread has taken. Batches the publisher sends while the queue is full wait in its own send
+/// queue (or are dropped there: a gap, recovered by replay).
+pub const LIVE_HWM: i32 = 2;
+
+/// Replay answer batches a replay DEALER socket reads ahead of [`Answer`] (its receive
+/// high-water mark): a flood of large batches is refused at the answer's cap, not read ahead.
+pub const REPLAY_HWM: i32 = 2;
+
+/// Bounds what a socket receives: no frame larger than `max_frame` (a publisher that sends
+/// one is disconnected before the frame is read: ZMQ's `ZMQ_MAXMSGSIZE`) and at most `hwm`
+/// messages queued.
+fn bound_receive(s: &zmq::Socket, max_frame: usize, hwm: i32) -> Result<(), zmq::Error> {
+    s.set_maxmsgsize(i64::try_from(max_frame).unwrap_or(i64::MAX))?;
+    s.set_rcvhwm(hwm)
 }
 
 /// [`SubscribeOptions::max_batch_bytes`]'s default: 64 MiB, past kvtier's snapshot of a
@@ -108,6 +130,8 @@ struct ZmqHistory {
     topic: Option<Vec<u8>>,
     /// The most bytes one answer may hold.
     max_answer_bytes: usize,
+    /// The longest frame its socket receives.
+    max_frame_bytes: usize,
 }
 
 impl History for ZmqHistory {
@@ -115,6 +139,7 @@ impl History for ZmqHistory {
         let ep = self.endpoint.as_ref()?;
         let s = self.ctx.socket(zmq::DEALER).ok()?;
         s.set_linger(0).ok()?;
+        bound_receive(&s, self.max_frame_bytes, REPLAY_HWM).ok()?;
         s.connect(ep).ok()?;
         s.send_multipart([&b""[..], &from.to_be_bytes()[..]], zmq::DONTWAIT)
             .ok()?;
@@ -177,8 +202,7 @@ pub fn spawn(
     let sub = ctx.socket(zmq::SUB).map_err(zerr("SUB socket"))?;
     sub.set_subscribe(b"").map_err(zerr("subscribe"))?;
     sub.set_linger(0).map_err(zerr("SUB linger"))?;
-    sub.set_rcvhwm(i32::try_from(crate::stream::LIVE_QUEUE).unwrap_or(i32::MAX))
-        .map_err(zerr("SUB high-water mark"))?;
+    bound_receive(&sub, opts.max_batch_bytes, LIVE_HWM).map_err(zerr("SUB receive bounds"))?;
     // The SUB's connection events: a reconnect after a disconnect may be a new publisher
     // incarnation on the same address ([`Tracker::reconnected`]).
     let mon_ep = "inproc://kvtier-router-sub-monitor";
@@ -199,10 +223,18 @@ pub fn spawn(
         timeout: opts.replay_timeout,
         topic: spec.topic.map(String::into_bytes),
         max_answer_bytes: opts.max_batch_bytes.saturating_mul(4),
+        max_frame_bytes: opts.max_batch_bytes,
     };
     std::thread::Builder::new()
         .name(format!("kvtier-router-sub-{stream}"))
-        .spawn(move || follow(sub, mon, history, stream, &cluster, &stop, opts))
+        .spawn(move || {
+            let live = Live {
+                sub,
+                mon,
+                endpoint: spec.endpoint,
+            };
+            follow(live, history, stream, &cluster, &stop, opts)
+        })
         .map_err(|e| SubscribeError {
             what: format!("start the subscriber thread: {e}"),
             source: zmq::Error::EFAULT,
@@ -224,15 +256,22 @@ fn connection_event(frames: &[Vec<u8>]) -> Option<bool> {
     }
 }
 
-fn follow(
+/// The live side of a stream: its SUB socket, the SUB's monitor, the publisher's endpoint.
+struct Live {
     sub: zmq::Socket,
     mon: zmq::Socket,
+    endpoint: String,
+}
+
+fn follow(
+    live: Live,
     mut history: ZmqHistory,
     stream: usize,
     cluster: &Mutex<Cluster>,
     stop: &AtomicBool,
     opts: SubscribeOptions,
 ) {
+    let Live { sub, mon, endpoint } = live;
     let mut tracker = Tracker::with_max_batch_bytes(opts.max_batch_bytes);
     let topic = history.topic.clone();
     let lock = || cluster.lock().unwrap_or_else(PoisonError::into_inner);
@@ -267,7 +306,14 @@ fn follow(
         };
         if watched && let Ok(frames) = mon.recv_multipart(0) {
             match connection_event(&frames) {
-                Some(true) => lost_publisher = true,
+                Some(true) => {
+                    lost_publisher = true;
+                    // ZMQ reconnects after a lost connection, but not after a protocol
+                    // error (a frame past `ZMQ_MAXMSGSIZE` ends the session for good): a new
+                    // connection either way
+                    let _ = sub.disconnect(&endpoint);
+                    let _ = sub.connect(&endpoint);
+                }
                 Some(false) if lost_publisher => {
                     lost_publisher = false;
                     tracker.reconnected(&mut history, &mut sink);
@@ -310,6 +356,19 @@ fn follow(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Both sockets refuse a frame past the batch cap and queue only a few batches (they
+    /// set no bound before: a 3 GiB frame was read whole, and 100,000 frames could queue).
+    #[test]
+    fn receiving_sockets_are_bounded_by_the_batch_cap() {
+        let ctx = zmq::Context::new();
+        for kind in [zmq::SUB, zmq::DEALER] {
+            let s = ctx.socket(kind).expect("socket");
+            bound_receive(&s, 1 << 20, LIVE_HWM).expect("bounds");
+            assert_eq!(s.get_maxmsgsize().expect("maxmsgsize"), 1 << 20);
+            assert_eq!(s.get_rcvhwm().expect("rcvhwm"), LIVE_HWM);
+        }
+    }
 
     /// A replay answer is kept up to its cap; one byte past it, it is no answer.
     #[test]
