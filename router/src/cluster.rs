@@ -168,7 +168,7 @@ impl Cluster {
             load_only: 0,
             started: Instant::now(),
             next_booking: 0,
-            http: HttpBookings::new(BOOKING_TTL_S),
+            http: HttpBookings::new(BOOKING_TTL_S, instances),
         })
     }
 
@@ -509,7 +509,7 @@ impl Cluster {
             "instances": instances,
             "bookings": {"open": self.router.booked(), "http_open": self.http.len(),
                          "http_pages": self.http.pages(), "http_expired": self.http.expired,
-                         "http_evicted": self.http.evicted},
+                         "http_evicted": self.http.evicted, "http_max_open": self.http.max_open},
             "storage_pages": storage,
             "index_pages": idx.pages(),
             "max_pages": bound(self.budget.max_pages),

@@ -7,6 +7,14 @@
 //! 250 MB for 400 bookings). So the pages all open bookings hold are capped
 //! ([`MAX_BOOKED_PAGES`] by default): past the cap the oldest bookings are dropped, as if
 //! expired (their clients' later reports find nothing).
+//!
+//! And their number is capped ([`MAX_OPEN_BOOKINGS_PER_INSTANCE`] per instance, all
+//! instances' together): every routing decision replays each instance's open bookings on its
+//! timeline ([`crate::feedback::Feedback::queue_s`]), so a decision costs time in proportion
+//! to them. Bookings of prompts shorter than a page hold no pages, and the page cap never
+//! dropped them: 50,000 left open by one client made every `/route` take 8.4 ms, and making
+//! them took time quadratic in their number. Past the cap the oldest is dropped, as if
+//! expired.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -16,6 +24,11 @@ use crate::feedback::FirstToken;
 /// Default cap on the prompt pages open `POST /route` bookings hold together: 2^21 pages
 /// (32M tokens at 16-token pages), some 80 MB of the router's queue books.
 pub const MAX_BOOKED_PAGES: usize = 1 << 21;
+
+/// Default cap on open `POST /route` bookings, per instance of the router (the cap is this
+/// times the instances, shared): past an engine's running batch and its waiting queue (vLLM
+/// runs at most 256 sequences at once by default).
+pub const MAX_OPEN_BOOKINGS_PER_INSTANCE: usize = 1024;
 
 #[derive(Debug, Clone, Copy)]
 struct Open {
@@ -33,18 +46,21 @@ pub(crate) struct HttpBookings {
     pub(crate) ttl_s: f64,
     pages: usize,
     pub(crate) max_pages: usize,
+    /// The most bookings open at once.
+    pub(crate) max_open: usize,
     pub(crate) expired: u64,
     pub(crate) evicted: u64,
 }
 
 impl HttpBookings {
-    pub(crate) fn new(ttl_s: f64) -> Self {
+    pub(crate) fn new(ttl_s: f64, instances: usize) -> Self {
         HttpBookings {
             open: HashMap::new(),
             deadlines: VecDeque::new(),
             ttl_s,
             pages: 0,
             max_pages: MAX_BOOKED_PAGES,
+            max_open: MAX_OPEN_BOOKINGS_PER_INSTANCE.saturating_mul(instances.max(1)),
             expired: 0,
             evicted: 0,
         }
@@ -59,7 +75,7 @@ impl HttpBookings {
         self.pages
     }
 
-    /// Books `id`, holding `pages`: the bookings dropped to stay within the cap, oldest
+    /// Books `id`, holding `pages`: the bookings dropped to stay within the caps, oldest
     /// first; `None` (nothing booked, nothing dropped) when it alone is past the cap.
     pub(crate) fn book(
         &mut self,
@@ -81,7 +97,7 @@ impl HttpBookings {
         self.pages += pages;
         self.deadlines.push_back((now_s + self.ttl_s, id));
         let mut dropped = Vec::new();
-        while self.pages > self.max_pages {
+        while self.pages > self.max_pages || self.open.len() > self.max_open {
             let Some((_, old)) = self.deadlines.pop_front() else {
                 break;
             };
@@ -147,6 +163,13 @@ impl Cluster {
     /// dropped, as if expired (counted `http_evicted` in `/stats`).
     pub fn set_max_booked_pages(&mut self, pages: usize) {
         self.http.max_pages = pages;
+    }
+
+    /// The most `POST /route` bookings open at once
+    /// ([`MAX_OPEN_BOOKINGS_PER_INSTANCE`] times the instances by default, at least 1); past
+    /// it the oldest are dropped, as if expired (counted `http_evicted`).
+    pub fn set_max_open_bookings(&mut self, bookings: usize) {
+        self.http.max_open = bookings.max(1);
     }
 
     /// [`Self::route_tracked`] for a client that reports over HTTP ([`Self::report`]): the

@@ -337,3 +337,47 @@ fn open_bookings_hold_at_most_their_page_cap_and_drop_the_oldest() {
     assert!(c.report(b, Report::End));
     assert_eq!(c.stats()["bookings"]["http_pages"], 0);
 }
+
+/// Bookings of prompts shorter than a page hold no pages, so the page cap never dropped
+/// them: a client that left 50,000 open made every decision replay all of them on the
+/// instances' timelines (8.4 ms a `/route`) and booking them took quadratic time. Their
+/// number is capped too (1,024 per instance of the router by default): past it the oldest is
+/// dropped as if expired, so a decision never walks more than that many bookings.
+#[test]
+fn open_bookings_are_capped_in_number_however_few_pages_they_hold() {
+    let occupancy = Occupancy {
+        device_tokens: 131_072.0,
+        decode_step_s: 0.006,
+    };
+    let mut c = Cluster::new(2, model(), 1 << 20, Keys::Tokens).expect("cluster");
+    c.set_occupancy(Some(occupancy)).expect("occupancy");
+    let extra = 10;
+    let made: Vec<u64> = (0..2 * 1024 + extra)
+        .map(|i| {
+            c.route_booked(&[i as u32], (None, None), 16, FirstToken::Reported)
+                .expect("routed")
+                .booking
+                .expect("booked")
+        })
+        .collect();
+    let stats = c.stats();
+    assert_eq!(
+        stats["bookings"]["http_pages"], 0,
+        "one-token prompts: no pages"
+    );
+    assert_eq!(stats["bookings"]["http_open"], 2 * 1024, "{stats}");
+    assert_eq!(stats["bookings"]["http_evicted"], extra as u64, "{stats}");
+    assert_eq!(
+        c.router().booked(),
+        2 * 1024,
+        "the queues hold only the open ones"
+    );
+    // the oldest went, the newest are open
+    assert!(!c.report(made[0], Report::End));
+    assert!(c.report(made[made.len() - 1], Report::End));
+    // a lower cap drops the oldest at the next booking
+    c.set_max_open_bookings(3);
+    c.route_booked(&[7], (None, None), 16, FirstToken::Reported)
+        .expect("routed");
+    assert_eq!(c.router().booked(), 3);
+}
