@@ -112,6 +112,20 @@ pub const ARRIVAL_WINDOW: usize = 64;
 /// simulated time is then counted to 2^32 ms (49 days).
 const STORE_MS_PER_SIM_MS: u64 = 1 << 32;
 
+/// The tenant the simulated instances store their pages under.
+const TENANT: &str = "sim";
+
+/// Bytes one simulated page takes on the SSD tier: its bucket file (one object each, see
+/// [`Simulation::new`]) holds a file header, a record header, the tenant, the key and the
+/// payload. `l3_ssd_pages` is a number of pages, as `l3_pages` is: the tier's capacity is that
+/// many of these (before, `pages × payload_bytes`, and a 16-byte payload's 83-byte key and
+/// headers left room for a ninth of the pages).
+fn ssd_object_bytes(sched: &SchedulerConfig, payload_bytes: usize) -> u64 {
+    use kvtier_l3::ssd::bucket::{FILE_HDR, REC_HDR};
+    let key = sched.namespace.keys_for_rank(0).key(&PageHash([0; 32]));
+    FILE_HDR + (REC_HDR + TENANT.len() + key.len() + payload_bytes) as u64
+}
+
 /// Waits until the SSD writer has written every queued offload and evicted what that
 /// overflowed ([`Simulation::settle_store`]).
 /// (The embedded store's flush cannot fail: it only waits for its writer.)
@@ -225,7 +239,8 @@ impl Simulation {
                 };
                 let mut s = SsdConfig::new(dir);
                 s.mode = OffloadMode::OnEvict;
-                s.capacity_bytes = cfg.l3_ssd_pages * cfg.payload_bytes as u64;
+                s.capacity_bytes =
+                    cfg.l3_ssd_pages * ssd_object_bytes(&sched_cfg, cfg.payload_bytes);
                 s.bucket_bytes_limit = 1 << 20;
                 // One object per bucket: the writer takes whatever the queue holds when it
                 // wakes, so with larger buckets where a backup's evictions were cut into
@@ -256,7 +271,7 @@ impl Simulation {
         } else {
             None
         };
-        let tenant = Tenant::new("sim").map_err(|e| e.to_string())?;
+        let tenant = Tenant::new(TENANT).map_err(|e| e.to_string())?;
         let loss_cursor = match &store {
             Some(s) => Some(
                 s.losses_since(&tenant, None)
