@@ -72,8 +72,11 @@ pub struct StreamCounters {
 pub struct Tracker {
     /// The next number to apply; `None` until synced (nothing applied yet).
     next: Option<u64>,
-    /// The last live number received.
+    /// The last live number received (the highest, but for a restart).
     last_live: Option<u64>,
+    /// The SUB reconnected since the last live batch and no snapshot settled it: a number
+    /// at or below the last is then a new incarnation's, not a duplicate.
+    reconnected_since_live: bool,
     /// Batches longer than this are skipped undecoded (`None`: no limit).
     max_batch_bytes: Option<usize>,
     pub counters: StreamCounters,
@@ -143,6 +146,8 @@ impl Tracker {
         self.counters.reconnects += 1;
         if self.synced(history, sink) == Synced::Applied {
             self.last_live = None;
+        } else {
+            self.reconnected_since_live = true;
         }
     }
 
@@ -195,10 +200,18 @@ impl Tracker {
         history: &mut dyn History,
         sink: &mut dyn FnMut(Apply<'_>) -> bool,
     ) {
-        // a PUB socket delivers in order: a number not past the last live one means the
-        // publisher numbers from 0 again (it restarted; its cache is new)
-        let restarted = self.last_live.is_some_and(|l| seq <= l);
-        self.last_live = Some(seq);
+        // a number not past the last live one is a duplicate (a relay's retransmit, a
+        // reordering) unless the publisher shows it restarted: it numbers from 0 again, or
+        // the SUB reconnected since the last live batch (a new incarnation whose first
+        // batches went out before we joined)
+        let restarted = self
+            .last_live
+            .is_some_and(|l| seq <= l && ((seq == 0 && l > 0) || self.reconnected_since_live));
+        self.reconnected_since_live = false;
+        self.last_live = match self.last_live {
+            Some(l) if !restarted => Some(l.max(seq)),
+            _ => Some(seq),
+        };
         self.live(seq, payload, restarted, history, sink);
     }
 

@@ -272,3 +272,74 @@ fn a_batch_past_the_size_limit_is_skipped_undecoded_and_the_stream_goes_on() {
     let kept = vec![live[0].clone(), live[2].clone()];
     assert_eq!(c.router().index().entries(), clean(&kept));
 }
+
+/// vLLM's replay socket: no snapshots (-2 is answered with the end marker alone) and a
+/// buffer of the last `keep` batches.
+struct NoSnapshots(Memory);
+
+impl History for NoSnapshots {
+    fn replay(&mut self, from: i64) -> Replayed {
+        if from == SNAPSHOT {
+            return Some(Vec::new());
+        }
+        self.0.replay(from)
+    }
+}
+
+/// A live batch delivered again (a relay's retransmit, a reordering) was read as the
+/// publisher restarting: its instance was reset and, from a publisher without snapshots
+/// whose buffer no longer starts at 0, never rebuilt (10 pages became 1). A number at or
+/// below the last is a duplicate unless it is 0 after a higher one, or comes after a
+/// reconnect: then it is still a restart.
+#[test]
+fn a_repeated_live_batch_is_a_duplicate_and_a_real_restart_still_resets() {
+    let live: Vec<Vec<WireEvent>> = (0..10)
+        .map(|i| vec![stored(&tokens(20 + i, 1), Medium::Gpu)])
+        .collect();
+    let follow = |c: &mut Cluster, t: &mut Tracker, h: &mut NoSnapshots| {
+        let st = 0;
+        let mut sink = |a: Apply<'_>| c.apply(st, a);
+        t.sync(h, &mut sink);
+        for (s, p) in h.0.payloads.clone().iter().enumerate() {
+            t.on_live(s as u64, p, h, &mut sink);
+        }
+    };
+    let new_cluster = || {
+        let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine).expect("model");
+        c.add_stream("s", "mem", Target::Instance(0));
+        c
+    };
+    // the last batch again, and an earlier one: dropped, the index stays whole
+    let mut c = new_cluster();
+    let mut t = Tracker::new();
+    let mut h = NoSnapshots(Memory::new(&live, 3));
+    follow(&mut c, &mut t, &mut h);
+    for s in [9usize, 7] {
+        let p = h.0.payloads[s].clone();
+        t.on_live(s as u64, &p, &mut h, &mut |a| c.apply(0, a));
+    }
+    assert_eq!(c.router().index().entries(), clean(&live));
+    assert_eq!((t.counters.duplicates, t.counters.restarts), (2, 0));
+    assert_eq!(t.next(), Some(10));
+    // a publisher that numbers from 0 again restarted: its pages replace the old
+    let new = vec![vec![stored(&tokens(40, 2), Medium::Gpu)]];
+    let mut h2 = NoSnapshots(Memory::new(&new, 3));
+    let p = h2.0.payloads[0].clone();
+    t.on_live(0, &p, &mut h2, &mut |a| c.apply(0, a));
+    assert_eq!(c.router().index().entries(), clean(&new));
+    assert_eq!(t.counters.restarts, 1);
+    // after a reconnect, a number at or below the last is a new incarnation's too
+    let mut c = new_cluster();
+    let mut t = Tracker::new();
+    let mut h = NoSnapshots(Memory::new(&live, 3));
+    follow(&mut c, &mut t, &mut h);
+    let new: Vec<Vec<WireEvent>> = (0..4)
+        .map(|i| vec![stored(&tokens(60 + i, 1), Medium::Gpu)])
+        .collect();
+    let mut h2 = NoSnapshots(Memory::new(&new, 10));
+    t.reconnected(&mut h2, &mut |a| c.apply(0, a));
+    let p = h2.0.payloads[3].clone();
+    t.on_live(3, &p, &mut h2, &mut |a| c.apply(0, a));
+    assert_eq!(t.counters.restarts, 1);
+    assert_eq!(c.router().index().entries(), clean(&new));
+}
