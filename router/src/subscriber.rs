@@ -47,6 +47,11 @@ pub struct SubscribeOptions {
     /// disconnected before the frame is read (live: the SUB reconnects and resyncs, counted
     /// `reconnects`; a replay: no answer). A decoded batch takes up to ~50 times its bytes.
     pub max_batch_bytes: usize,
+    /// After a replay or snapshot request goes unanswered, how long the replay socket is not
+    /// asked again: requests meanwhile are unanswered at once (counted `unanswered`; a gap
+    /// is then lost and the live batches go on). A dead or silent replay socket otherwise
+    /// held the stream up a replay timeout (two at a gap) at every gap.
+    pub replay_backoff: Duration,
 }
 
 /// Live batches the SUB socket queues ahead of the stream's thread (its receive high-water
@@ -78,6 +83,7 @@ impl Default for SubscribeOptions {
             replay_timeout: Duration::from_millis(500),
             resync: Duration::from_secs(5),
             max_batch_bytes: MAX_BATCH_BYTES,
+            replay_backoff: Duration::from_secs(5),
         }
     }
 }
@@ -132,10 +138,28 @@ struct ZmqHistory {
     max_answer_bytes: usize,
     /// The longest frame its socket receives.
     max_frame_bytes: usize,
+    /// How long not to ask after a request went unanswered.
+    backoff: Duration,
+    /// Not asked again before this (a request went unanswered).
+    quiet_until: Option<Instant>,
 }
 
 impl History for ZmqHistory {
     fn replay(&mut self, from: i64) -> Replayed {
+        if self.quiet_until.is_some_and(|t| Instant::now() < t) {
+            return None;
+        }
+        let answer = self.ask(from);
+        self.quiet_until = match answer {
+            Some(_) => None,
+            None => Instant::now().checked_add(self.backoff),
+        };
+        answer
+    }
+}
+
+impl ZmqHistory {
+    fn ask(&mut self, from: i64) -> Replayed {
         let ep = self.endpoint.as_ref()?;
         let s = self.ctx.socket(zmq::DEALER).ok()?;
         s.set_linger(0).ok()?;
@@ -224,6 +248,8 @@ pub fn spawn(
         topic: spec.topic.map(String::into_bytes),
         max_answer_bytes: opts.max_batch_bytes.saturating_mul(4),
         max_frame_bytes: opts.max_batch_bytes,
+        backoff: opts.replay_backoff,
+        quiet_until: None,
     };
     std::thread::Builder::new()
         .name(format!("kvtier-router-sub-{stream}"))

@@ -468,3 +468,79 @@ async fn a_stream_of_another_topic_is_refused_live_and_replayed() {
     assert!(wrong.unanswered >= 1, "its snapshot was refused: {wrong:?}");
     r.stop().await;
 }
+
+/// A replay socket that takes requests and never answers (vLLM given a replay endpoint it
+/// connects to instead of binding; a hung publisher): every gap held the stream's thread up
+/// for two replay timeouts (the replay, then a snapshot), so with regular gaps the router
+/// fell ever further behind the live stream (600 batches behind, then 2,351, over 17 s).
+/// After a request goes unanswered the replay socket is left alone for a backoff: the gaps
+/// meanwhile are lost at once and the live batches applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_replay_socket_is_not_waited_on_at_every_gap() {
+    use kvtier_events::{HashFormat, encode_batch};
+    let ctx = zmq::Context::new();
+    let pub_ = ctx.socket(zmq::PUB).expect("pub");
+    pub_.set_linger(0).expect("linger");
+    pub_.bind("tcp://127.0.0.1:*").expect("bind");
+    let silent = ctx.socket(zmq::ROUTER).expect("router");
+    silent.set_linger(0).expect("linger");
+    silent.bind("tcp://127.0.0.1:*").expect("bind");
+    let ep = |s: &zmq::Socket| s.get_last_endpoint().expect("ep").expect("utf-8");
+    let mut cfg = config(
+        vec![EndpointSpec {
+            events: Some(ep(&pub_)),
+            replay: Some(ep(&silent)),
+            url: None,
+            topic: None,
+        }],
+        1 << 20,
+        Keys::Engine,
+    );
+    cfg.subscribe.replay_backoff = Duration::from_secs(600);
+    let r = kvtier_router::launch::start(cfg).await.expect("start");
+    let batch = |s: u64| {
+        let ev = stored(&tokens(1000 + s as u32, 1), Medium::Gpu);
+        encode_batch(0.0, &[ev], 0, HashFormat::Int64).expect("encode")
+    };
+    let send = |s: u64| {
+        pub_.send_multipart([&b""[..], &s.to_be_bytes()[..], &batch(s)[..]], 0)
+            .expect("send");
+    };
+    let counters = || r.cluster.lock().expect("lock").streams[0].counters.clone();
+    // batch 0 until the SUB has joined (a repeated 0 is a duplicate)
+    let t = Instant::now();
+    while counters().applied == 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "never joined");
+        send(0);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // 62 more batches, every 6th lost on the way: 10 gaps
+    let last = 62u64;
+    let mut delivered = 1;
+    for s in 1..=last {
+        if s % 6 != 0 {
+            send(s);
+            delivered += 1;
+        }
+    }
+    let c = Arc::clone(&r.cluster);
+    until("the stream caught up with the live batches", || {
+        c.lock().expect("lock").streams[0].next_seq == Some(last + 1)
+    })
+    .await;
+    let mut asked = 0;
+    while silent.recv_multipart(zmq::DONTWAIT).is_ok() {
+        asked += 1;
+    }
+    let got = counters();
+    assert!(
+        asked <= 2,
+        "the silent replay socket was asked {asked} times ({got:?})"
+    );
+    assert_eq!(got.applied, delivered, "{got:?}");
+    assert_eq!(
+        r.cluster.lock().expect("lock").router().index().pages(),
+        delivered as usize
+    );
+    r.stop().await;
+}
