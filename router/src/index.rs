@@ -117,11 +117,16 @@ impl<'a> WireMap<'a> {
 
     /// `GPU` when absent (older vLLM), `None` for a medium this index does not know.
     pub(crate) fn medium(&self) -> Option<Medium> {
-        match self.field("medium").and_then(Value::as_str) {
-            Some("GPU") | None => Some(Medium::Gpu),
-            Some("CPU") => Some(Medium::Cpu),
-            Some("STORAGE") => Some(Medium::Storage),
-            Some(_) => None,
+        // absent or nil: GPU (vLLM before it published media); a value that is not a
+        // string is skipped, as an unknown name is
+        match self.field("medium") {
+            None | Some(Value::Nil) => Some(Medium::Gpu),
+            Some(v) => match v.as_str()? {
+                "GPU" => Some(Medium::Gpu),
+                "CPU" => Some(Medium::Cpu),
+                "STORAGE" => Some(Medium::Storage),
+                _ => None,
+            },
         }
     }
 

@@ -429,3 +429,29 @@ fn a_parent_cycle_and_a_huge_run_end_promptly() {
     apply(&mut c, store, vec![removed("STORAGE", &[1])]);
     assert_eq!(c.router().index().tier_pages().1, 0);
 }
+
+/// A `medium` that is not a string (7) was indexed as GPU, as an absent one is (vLLM before
+/// it published media): it is skipped, as an unknown medium name is, in both key modes. An
+/// absent or nil medium is still GPU.
+#[test]
+fn a_medium_that_is_not_a_string_is_skipped() {
+    let (toks, hs) = prompt(3, 2);
+    for keys in [Keys::Tokens, Keys::Engine] {
+        let mut c = Cluster::new(1, model(), 1 << 20, keys).expect("cluster");
+        let st = c.add_stream("i0", "", Target::Instance(0));
+        let with = |medium: Option<Value>| {
+            let mut e = chain("GPU", &toks, &hs);
+            if let Value::Map(m) = &mut e {
+                m.retain(|(k, _)| k.as_str() != Some("medium"));
+                m.extend(medium.map(|v| (s("medium"), v)));
+            }
+            batch(vec![e])
+        };
+        c.apply(st, Apply::Batch(&with(Some(Value::from(7)))));
+        assert_eq!(c.router().index().pages(), 0, "{keys:?}: medium 7");
+        c.apply(st, Apply::Batch(&with(Some(Value::Nil))));
+        assert_eq!(c.router().index().pages(), 2, "{keys:?}: medium nil");
+        c.apply(st, Apply::Batch(&with(None)));
+        assert_eq!(c.router().index().pages(), 2, "{keys:?}: no medium");
+    }
+}
