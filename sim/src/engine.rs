@@ -520,7 +520,7 @@ impl Simulation {
                 self.col.submitted(prompt_len as u64);
             }
             Err(e) => {
-                self.col.rejected(&e);
+                self.col.rejected(&e, prompt_len as u64);
                 self.router.ended(id.0, self.now_us);
             }
         }

@@ -26,6 +26,10 @@ pub struct MatchLru {
     pub at_capacity_pages: u64,
     pub lru_hit_rate: f64,
     pub policies: Vec<MatchingCapacity>,
+    /// Points left out of every line: they ran another set of requests than the middle
+    /// point (a smaller device tier rejects the longest prompts), so their hit rates are not
+    /// comparable with its.
+    pub left_out_capacity_pages: Vec<u64>,
 }
 
 /// The capacity at which the line `(capacity, hit rate)` (in increasing capacity) first
@@ -46,9 +50,17 @@ pub fn capacity_for(line: &[(u64, f64)], target: f64) -> Option<f64> {
 }
 
 /// For every line of the sweep (the configured policy named `policy`, then each compared
-/// one), the capacity to match LRU at the middle point; `None` without an LRU line.
+/// one), the capacity to match LRU at the middle point, over the points that ran the middle
+/// point's requests (the others are named); `None` without an LRU line or when the middle
+/// point rejected every request.
 pub fn match_lru(policy: &str, pts: &[SweepPoint]) -> Option<MatchLru> {
     let mid = pts.get(pts.len().checked_sub(1)? / 2)?;
+    if !mid.measured() {
+        return None;
+    }
+    let (pts, other): (Vec<&SweepPoint>, Vec<&SweepPoint>) = pts
+        .iter()
+        .partition(|p| p.request_set() == mid.request_set());
     let lru_at = |p: &SweepPoint| -> Option<f64> {
         if policy == "lru" {
             return Some(p.hit_rate);
@@ -88,11 +100,15 @@ pub fn match_lru(policy: &str, pts: &[SweepPoint]) -> Option<MatchLru> {
         at_capacity_pages: mid.capacity_pages,
         lru_hit_rate: target,
         policies,
+        left_out_capacity_pages: other.iter().map(|p| p.capacity_pages).collect(),
     })
 }
 
 /// The best compared (fixed) policy at a point: name and hit rate.
 pub fn best_fixed(p: &SweepPoint) -> Option<(&str, f64)> {
+    if !p.measured() {
+        return None;
+    }
     p.compared
         .iter()
         .max_by(|a, b| a.hit_rate.total_cmp(&b.hit_rate))

@@ -28,6 +28,30 @@ pub struct SweepPoint {
     pub belady: f64,
     /// Hit rates of the other online policies at the same point (LRU, freq-depth).
     pub compared: Vec<ComparedRate>,
+    /// Requests the point ran (accepted) and their prompt tokens: what its hit rates and TTFT
+    /// percentiles are of.
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    /// Requests the point rejected (longer than its `max_context_tokens`, which scales with
+    /// its device pages) and their prompt tokens: left out of its hit rates and TTFT. Every
+    /// policy at one point runs the same requests; points that reject different ones measure
+    /// different request sets.
+    pub rejected: u64,
+    pub rejected_prompt_tokens: u64,
+}
+
+impl SweepPoint {
+    /// Whether the point ran any request (a point that rejected them all measured nothing).
+    pub fn measured(&self) -> bool {
+        self.requests > 0
+    }
+
+    /// The set of requests the point ran, as far as a sweep can tell them apart: a point
+    /// rejects the requests longer than its context limit, so two points that reject as many
+    /// requests and prompt tokens reject the same ones.
+    pub fn request_set(&self) -> (u64, u64) {
+        (self.rejected, self.rejected_prompt_tokens)
+    }
 }
 
 /// One other policy's hit rate at a sweep point.
@@ -151,8 +175,10 @@ where
         .y_desc("prompt tokens hit (%)")
         .draw()
         .map_err(|e| e.to_string())?;
+    // A point that rejected every request measured nothing: no dot at 0 %.
     let line = |f: &dyn Fn(&SweepPoint) -> Option<f64>| -> Vec<(f64, f64)> {
         pts.iter()
+            .filter(|p| p.measured())
             .filter_map(|p| f(p).map(|y| (lg(p.capacity_pages), y * 100.0)))
             .collect()
     };
@@ -187,6 +213,9 @@ where
         let color = if i == 0 { BLACK } else { MAGENTA };
         series.push((format!("{name} (all tiers)"), color, data));
     }
+    if let Some(note) = rejections_note(pts) {
+        series.push((note, RGBColor(128, 128, 128), Vec::new()));
+    }
     for (name, c, data) in series {
         chart
             .draw_series(LineSeries::new(data.clone(), c.stroke_width(2)))
@@ -205,6 +234,23 @@ where
         .draw()
         .map_err(|e| e.to_string())?;
     root.present().map_err(|e| e.to_string())
+}
+
+/// The legend's line for points that rejected requests (their hit rates are of the rest),
+/// `None` when none did.
+fn rejections_note(pts: &[SweepPoint]) -> Option<String> {
+    let named: Vec<String> = pts
+        .iter()
+        .filter(|p| p.rejected > 0)
+        .map(|p| {
+            if p.measured() {
+                format!("{}: {}", short_pages(p.capacity_pages as f64), p.rejected)
+            } else {
+                format!("{}: all", short_pages(p.capacity_pages as f64))
+            }
+        })
+        .collect();
+    (!named.is_empty()).then(|| format!("requests rejected, left out ({})", named.join(", ")))
 }
 
 /// Writes `{stem}.svg` and `{stem}.png` into `dir`.
@@ -247,6 +293,10 @@ mod tests {
                 hit_rate: hit * 0.9,
                 ttft_ms: Percentiles::default(),
             }],
+            requests: 1,
+            prompt_tokens: 1,
+            rejected: 0,
+            rejected_prompt_tokens: 0,
         }
     }
 

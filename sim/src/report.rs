@@ -17,6 +17,8 @@ pub struct Collector {
     pub rejected: u64,
     /// Rejected requests by reason.
     pub rejected_by: std::collections::BTreeMap<String, u64>,
+    /// Prompt tokens of the rejected requests.
+    pub rejected_prompt_tokens: u64,
     /// Longest request offered (prompt + output tokens), accepted or not.
     pub longest_request: u64,
     pub ended: u64,
@@ -52,8 +54,9 @@ impl Collector {
         self.prompt_tokens += prompt;
     }
     /// A request the scheduler refused at submission.
-    pub fn rejected(&mut self, e: &SchedulerError) {
+    pub fn rejected(&mut self, e: &SchedulerError, prompt: u64) {
         self.rejected += 1;
+        self.rejected_prompt_tokens += prompt;
         let reason = match e {
             SchedulerError::TooLong { max, .. } => {
                 format!("prompt + output longer than max_context_tokens {max}")
@@ -153,6 +156,7 @@ impl Collector {
                 .into_iter()
                 .map(|(reason, count)| Rejection { reason, count })
                 .collect(),
+            rejected_prompt_tokens: self.rejected_prompt_tokens,
             longest_request_tokens: self.longest_request,
             finished: self.outcomes[Outcome::Finished as usize],
             aborted: self.outcomes[Outcome::Aborted as usize],
@@ -301,6 +305,9 @@ pub struct Report {
     pub requests: u64,
     pub rejected: u64,
     pub rejections: Vec<Rejection>,
+    /// Prompt tokens of the rejected requests (left out of `prompt_tokens`, the hit rates and
+    /// the TTFT percentiles).
+    pub rejected_prompt_tokens: u64,
     /// Longest request offered (prompt + output tokens).
     pub longest_request_tokens: u64,
     pub finished: u64,
@@ -403,6 +410,12 @@ impl Report {
         );
         for r in &self.rejections {
             line("rejected", format!("{}: {}", r.count, r.reason));
+        }
+        if self.rejected > 0 {
+            line(
+                "rejected prompt tokens",
+                format!("{} (not in the hit rates)", self.rejected_prompt_tokens),
+            );
         }
         line(
             "longest request",

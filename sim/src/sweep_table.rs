@@ -41,8 +41,16 @@ pub fn table(policy: &str, pts: &[SweepPoint]) -> String {
     for name in std::iter::once(policy).chain(others.iter().copied()) {
         let _ = write!(out, " | {name}: hit % (TTFT p50 / p99)");
     }
-    let _ = writeln!(out, " | Belady %");
+    let _ = writeln!(out, " | Belady % | rejected (% of prompt tokens)");
     for p in pts {
+        if !p.measured() {
+            let _ = writeln!(
+                out,
+                "{:>16} {:>10} | not measured: all {} requests rejected (longer than the point's context limit)",
+                p.capacity_pages, "-", p.rejected
+            );
+            continue;
+        }
         let _ = write!(out, "{:>16} {:>10.2}", p.capacity_pages, p.device * 100.0);
         let _ = write!(
             out,
@@ -63,7 +71,23 @@ pub fn table(policy: &str, pts: &[SweepPoint]) -> String {
                 None => out.push_str(" | -"),
             }
         }
-        let _ = writeln!(out, " | {:.2}", p.belady * 100.0);
+        let _ = write!(out, " | {:.2}", p.belady * 100.0);
+        let _ = match p.rejected {
+            0 => writeln!(out, " | 0"),
+            n => writeln!(
+                out,
+                " | {n} ({:.1} %)",
+                p.rejected_prompt_tokens as f64 * 100.0
+                    / (p.prompt_tokens + p.rejected_prompt_tokens).max(1) as f64
+            ),
+        };
+    }
+    if pts.iter().any(|p| p.rejected > 0) {
+        out.push_str(
+            "(rejected: requests longer than the point's context limit, which scales with its \
+             device pages; left out of its hit rates and TTFT. Policies at one point run the \
+             same requests; points with other rejections measure other requests)\n",
+        );
     }
     out
 }
@@ -97,6 +121,18 @@ pub fn match_lines(policy: &str, pts: &[SweepPoint], m: Option<&MatchLru>) -> St
         m.lru_hit_rate * 100.0,
         m.at_capacity_pages
     );
+    if !m.left_out_capacity_pages.is_empty() {
+        let pages: Vec<String> = m
+            .left_out_capacity_pages
+            .iter()
+            .map(u64::to_string)
+            .collect();
+        let _ = writeln!(
+            out,
+            "  left out of the match: {} pages (they rejected other requests)",
+            pages.join(", ")
+        );
+    }
     for c in &m.policies {
         let _ = match c.capacity_pages {
             Some(cap) => writeln!(out, "  {:<40} {cap:>12.0} pages", c.policy),
@@ -132,6 +168,10 @@ mod tests {
                     hit_rate: 0.4564,
                     ttft_ms: ttft(128_500.0, 299_000.0),
                 }],
+                requests: 1,
+                prompt_tokens: 1,
+                rejected: 0,
+                rejected_prompt_tokens: 0,
             },
             SweepPoint {
                 capacity_pages: 2560,
@@ -152,6 +192,10 @@ mod tests {
                         ttft_ms: ttft(25.0, 77.0),
                     },
                 ],
+                requests: 1,
+                prompt_tokens: 1,
+                rejected: 0,
+                rejected_prompt_tokens: 0,
             },
         ];
         let t = table("adaptive", &pts);

@@ -207,3 +207,90 @@ fn a_dry_run_says_the_request_count_once() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A sweep point with fewer device pages has a shorter context limit and rejects the longest
+/// requests: its hit rate and TTFT are of the rest. The table, sweep.json and match-lru said
+/// nothing of it (a point that rejected everything printed "0.00 (0 ms / 0 ms)" as if
+/// measured, and match-lru interpolated between points that measured different requests).
+#[test]
+fn sweep_points_say_what_they_rejected_and_match_lru_uses_one_request_set() {
+    let dir = temp_dir("sweep-rejected");
+    let common = [
+        "--sweep",
+        "--no-compare",
+        "--eviction",
+        "lru",
+        "--clients",
+        "20",
+        "--rounds",
+        "3",
+        "--device-pages",
+        "128",
+        "--host-pages",
+        "128",
+        "--l3-pages",
+        "4096",
+    ];
+    let out = kvtier()
+        .args(["sim", "--json"])
+        .args(common)
+        .arg("--sweep-out")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pts: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let pts = pts.as_array().unwrap();
+    let at = |cap: u64| {
+        pts.iter()
+            .find(|p| p["capacity_pages"] == cap)
+            .unwrap_or_else(|| panic!("no {cap}-page point"))
+    };
+    // 16 device pages (256 tokens): every request is longer.
+    assert_eq!(at(32)["requests"], 0);
+    assert_eq!(at(32)["rejected"], 60);
+    // 32 device pages: the 20 longest are rejected, with their prompt tokens.
+    assert_eq!(at(64)["requests"], 40);
+    assert_eq!(at(64)["rejected"], 20);
+    assert!(at(64)["rejected_prompt_tokens"].as_u64().unwrap() > 0);
+    for cap in [128, 256, 512, 1024] {
+        assert_eq!(at(cap)["rejected"], 0, "{cap}");
+        assert_eq!(at(cap)["requests"], 60, "{cap}");
+    }
+    // match-lru compares the middle point (128 pages) with points of the same requests only.
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("match-lru.json")).unwrap()).unwrap();
+    assert_eq!(m["at_capacity_pages"], 128);
+    assert_eq!(m["left_out_capacity_pages"], serde_json::json!([32, 64]));
+
+    let text = kvtier()
+        .arg("sim")
+        .args(common)
+        .arg("--sweep-out")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    let row = |cap: &str| {
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(cap))
+            .unwrap_or_else(|| panic!("no {cap} row in\n{text}"))
+            .to_string()
+    };
+    assert!(
+        row("32").contains("not measured: all 60 requests rejected"),
+        "{text}"
+    );
+    assert!(!row("32").contains("0.00 (0 ms / 0 ms)"), "{text}");
+    assert!(row("64").contains("| 20 ("), "{text}");
+    assert!(row("128").contains("| 0"), "{text}");
+    assert!(
+        text.contains("left out of the match: 32, 64 pages (they rejected other requests)"),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -559,6 +559,10 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
                     ttft_ms: s.ttft_ms,
                 })
                 .collect(),
+            requests: r.requests,
+            prompt_tokens: r.prompt_tokens,
+            rejected: r.rejected,
+            rejected_prompt_tokens: r.rejected_prompt_tokens,
         });
         pb.inc(1);
     }
