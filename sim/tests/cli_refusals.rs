@@ -293,3 +293,94 @@ fn every_shipped_trace_is_accepted() {
         assert!(s.requests > 1000, "{}", t.display());
     }
 }
+
+/// Flags a run cannot use were ignored and gave a report byte for byte the same as without
+/// them: `--ssd-gbps` without an SSD tier, the shadow selector's flags under another eviction
+/// policy, L3 flags with L3 off. Each is refused naming the flag and what it needs, as the
+/// other workload's flags are.
+#[test]
+fn flags_the_run_would_ignore_are_refused_naming_the_flag() {
+    let cases: Vec<(Vec<&str>, &[&str])> = vec![
+        (vec!["--ssd-gbps", "1"], &["--ssd-gbps", "SSD tier"]),
+        (
+            vec!["--ssd-gbps", "1", "--l3-ssd-pages", "100", "--no-l3"],
+            &["--ssd-gbps", "--no-l3"],
+        ),
+        (
+            vec!["--shadow-full-size-pages", "100"],
+            &["--shadow-full-size-pages", "--eviction shadow"],
+        ),
+        (
+            vec!["--shadow-sample-salt", "3", "--eviction", "lru"],
+            &["--shadow-sample-salt", "--eviction shadow"],
+        ),
+        (
+            vec!["--no-l3", "--prefetch-stop", "best-effort"],
+            &["--prefetch-stop", "--no-l3"],
+        ),
+        (
+            vec!["--no-l3", "--prefetch-threshold", "4"],
+            &["--prefetch-threshold", "--no-l3"],
+        ),
+        (
+            vec!["--no-l3", "--l3-gbps", "10"],
+            &["--l3-gbps", "--no-l3"],
+        ),
+        (
+            vec!["--no-l3", "--write-policy", "write-back"],
+            &["--write-policy", "--no-l3"],
+        ),
+        (
+            vec!["--no-l3", "--l3-ssd-pages", "100"],
+            &["--l3-ssd-pages", "--no-l3"],
+        ),
+        (
+            vec!["--no-l3", "--l3-pages", "100"],
+            &["--l3-pages", "--no-l3"],
+        ),
+    ];
+    for (flags, want) in cases {
+        let mut args = vec!["sim", "--clients", "2", "--rounds", "1", "--no-compare"];
+        args.extend(&flags);
+        let out = kvtier().args(&args).output().unwrap();
+        assert_refused(&out, want, &format!("{flags:?}"));
+        assert!(out.stdout.is_empty(), "{flags:?}: no report");
+    }
+    // The same flags where the run uses them still run.
+    for flags in [
+        vec!["--ssd-gbps", "1", "--l3-ssd-pages", "100"],
+        vec!["--eviction", "shadow", "--shadow-full-size-pages", "100"],
+        vec!["--eviction", "shadow", "--shadow-sample-salt", "3"],
+        vec![
+            "--prefetch-stop",
+            "best-effort",
+            "--write-policy",
+            "write-back",
+        ],
+        vec![
+            "--prefetch-threshold",
+            "4",
+            "--l3-gbps",
+            "10",
+            "--l3-pages",
+            "100",
+        ],
+    ] {
+        let mut args = vec![
+            "sim",
+            "--clients",
+            "2",
+            "--rounds",
+            "1",
+            "--no-compare",
+            "--quiet",
+        ];
+        args.extend(&flags);
+        let out = kvtier().args(&args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{flags:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

@@ -296,11 +296,69 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
     if let Some(r) = a.router {
         c.routing = r;
     }
+    refuse_ignored_flags(a, &c)?;
     c.effective_scheduler()
         .validate()
         .map_err(|e| format!("configuration: {e}"))?;
     c.check().map_err(|e| format!("configuration: {e}"))?;
     Ok(c)
+}
+
+/// Flags the configured run would not use are refused, naming the flag: ignored, they gave
+/// a report byte for byte the same as without them (as the other workload's flags did).
+fn refuse_ignored_flags(a: &SimArgs, c: &SimConfig) -> Result<(), String> {
+    let s = &c.scheduler;
+    if !s.l3_enabled {
+        let l3_flags = [
+            ("--l3-pages", a.l3_pages.is_some()),
+            ("--l3-ssd-pages", a.l3_ssd_pages.is_some()),
+            ("--l3-gbps", a.l3_gbps.is_some()),
+            ("--ssd-gbps", a.ssd_gbps.is_some()),
+            ("--write-policy", a.write_policy.is_some()),
+            ("--prefetch-stop", a.prefetch_stop.is_some()),
+            ("--prefetch-threshold", a.prefetch_threshold.is_some()),
+        ];
+        let given: Vec<&str> = l3_flags
+            .iter()
+            .filter(|(_, given)| *given)
+            .map(|(flag, _)| *flag)
+            .collect();
+        if !given.is_empty() {
+            return Err(format!(
+                "{} configure{} L3, which is off (--no-l3, or l3_enabled = false in \
+                 --config): ignored, the run would be the same without",
+                given.join(", "),
+                if given.len() == 1 { "s" } else { "" }
+            ));
+        }
+    }
+    if a.ssd_gbps.is_some() && c.l3_ssd_pages == 0 {
+        return Err(
+            "--ssd-gbps is the L3 SSD tier's bandwidth, and there is no SSD tier \
+             (--l3-ssd-pages N or l3_ssd_pages in --config): ignored, the run would be the \
+             same without"
+                .into(),
+        );
+    }
+    if s.eviction != EvictionPolicy::Shadow {
+        for (flag, given) in [
+            (
+                "--shadow-full-size-pages",
+                a.shadow_full_size_pages.is_some(),
+            ),
+            ("--shadow-sample-salt", a.shadow_sample_salt.is_some()),
+        ] {
+            if given {
+                return Err(format!(
+                    "{flag} configures the shadow selector, which runs only under \
+                     --eviction shadow (the eviction is {}): ignored, the run would be the \
+                     same without",
+                    s.eviction
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The requests to replay: a trace file streamed from disk (checked once up front, so a bad
