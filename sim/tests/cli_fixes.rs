@@ -294,3 +294,29 @@ fn sweep_points_say_what_they_rejected_and_match_lru_uses_one_request_set() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// docs/sim.md: the embedded L3 evicts past 0.90 of `--l3-pages` down to 0.80, so a full L3
+/// holds 80-90 % of the pages it is given (the medium trace run's 262,144 held 229,111).
+#[test]
+fn a_full_l3_holds_80_to_90_percent_of_its_pages() {
+    let out = kvtier()
+        .args([
+            "sim",
+            "--json",
+            "--quiet",
+            "--no-compare",
+            "--clients",
+            "100",
+        ])
+        .args(["--rounds", "2", "--no-host", "--device-pages", "256"])
+        .args(["--l3-pages", "1000"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let held = v["l3_objects"].as_u64().unwrap();
+    assert!(
+        (800..=900).contains(&held),
+        "L3 of 1,000 pages holds {held}"
+    );
+}
