@@ -189,6 +189,27 @@ impl Pages {
     fn bytes(&self) -> usize {
         self.table.bytes::<u64>()
     }
+
+    /// Rebuilds the table smaller once removals left it empty or under an eighth of its
+    /// load (to half load: no growth at the next insert): the bytes a burst took return to
+    /// the budget, for every instance (they stayed allocated for good, and after one
+    /// instance filled the budget and cleared, the others stayed under-indexed). The
+    /// change in bytes (never more).
+    fn shrink(&mut self) -> usize {
+        if !self.table.oversized(self.set.len()) {
+            return 0;
+        }
+        let before = self.bytes();
+        let len = self.set.len();
+        let mut set = PageSet::default();
+        if len > 0 {
+            set.reserve(len * 2);
+            set.extend(self.set.drain());
+        }
+        self.set = set;
+        self.table = Table::shrunk(self.set.capacity());
+        before - self.bytes()
+    }
 }
 
 #[derive(Default, Debug)]
@@ -323,6 +344,7 @@ impl ClusterIndex {
                 self.len -= l.gpu.set.len() + l.cpu.set.len();
                 l.gpu.set.clear();
                 l.cpu.set.clear();
+                self.tables -= l.gpu.shrink() + l.cpu.shrink();
             }
             IndexEvent::Stored { medium, hashes } => {
                 let Budget {
@@ -357,7 +379,9 @@ impl ClusterIndex {
                 for h in hashes {
                     p.set.remove(h);
                 }
-                self.len -= had - p.set.len();
+                let (gone, freed) = (had - p.set.len(), p.shrink());
+                self.len -= gone;
+                self.tables -= freed;
             }
         }
     }
@@ -385,6 +409,7 @@ impl ClusterIndex {
     pub fn clear_storage(&mut self) {
         self.len -= self.storage.set.len();
         self.storage.set.clear();
+        self.tables -= self.storage.shrink();
     }
 
     /// The shared store's page hashes.

@@ -10,8 +10,9 @@
 //! bucket and one SIMD group more. `buckets` is a power of two, at least 4, of which at most
 //! 7/8 hold items (all but one below 8 buckets). A table grows only when an insert finds no
 //! free slot and more than half its full capacity holds items, and then to twice its buckets;
-//! with fewer items it rehashes in place and allocates nothing. It never shrinks here
-//! (`clear`, `remove` and `retain` keep the allocation). `capacity()` is items plus free
+//! with fewer items it rehashes in place and allocates nothing. It never shrinks by itself
+//! (`clear`, `remove` and `retain` keep the allocation): the index rebuilds a table that
+//! fell to an eighth of its load ([`Table::shrunk`]), so the budget a burst took returns. `capacity()` is items plus free
 //! slots, so it equals the full capacity right after a growth and is less while removed
 //! slots wait for a rehash; the bucket count is therefore tracked, not read back.
 //! `router/tests/budget.rs` checks these counts against a counting allocator.
@@ -89,5 +90,19 @@ impl Table {
     /// Records an insert; `capacity`: the table's `capacity()` after it.
     pub(crate) fn inserted(&mut self, capacity: usize) {
         self.buckets = self.buckets.max(buckets_of(capacity));
+    }
+
+    /// Whether a table holding `len` items is worth rebuilding smaller: empty with an
+    /// allocation, or past 64 buckets and under an eighth of its full capacity.
+    pub(crate) fn oversized(self, len: usize) -> bool {
+        (len == 0 && self.buckets > 0)
+            || (self.buckets > 64 && len < full_capacity(self.buckets) / 8)
+    }
+
+    /// The table a rebuild allocated: `capacity`, its `capacity()` (0: none).
+    pub(crate) fn shrunk(capacity: usize) -> Table {
+        Table {
+            buckets: buckets_of(capacity),
+        }
     }
 }

@@ -137,6 +137,81 @@ fn the_index_counts_exactly_the_bytes_it_holds() {
     assert_eq!(live(), before);
 }
 
+/// The bytes of a burst come back when it goes: one instance filled a 1 MiB budget and then
+/// cleared or removed every page, and its emptied table kept its allocation, so another
+/// instance could index only 28,672 of 50,000 pages for good (an adversarial tester's case).
+/// Tables that empty or fall under an eighth of their load are rebuilt smaller, and the
+/// allocator agrees with the count.
+#[test]
+fn a_burst_that_goes_returns_its_bytes_to_the_budget() {
+    for how in ["clear", "remove", "remove most"] {
+        let mut r = Lcg(11);
+        let burst: Vec<u64> = (0..200_000).map(|_| r.next(u64::MAX)).collect();
+        let mut other: Vec<u64> = (0..50_000).map(|_| r.next(u64::MAX)).collect();
+        other.sort_unstable();
+        other.dedup();
+        let n = other.len();
+        let before = live();
+        let mut idx = ClusterIndex::with_budget(2, Budget::bytes(1 << 20));
+        idx.apply(
+            0,
+            &IndexEvent::Stored {
+                medium: Medium::Gpu,
+                hashes: burst.clone(),
+            },
+        );
+        assert!(idx.dropped() > 0, "the burst did not fill the budget");
+        let kept = match how {
+            "clear" => {
+                idx.apply(0, &IndexEvent::Cleared);
+                0
+            }
+            "remove" => {
+                idx.apply(
+                    0,
+                    &IndexEvent::Removed {
+                        medium: Medium::Gpu,
+                        hashes: burst.clone(),
+                    },
+                );
+                0
+            }
+            _ => {
+                idx.apply(
+                    0,
+                    &IndexEvent::Removed {
+                        medium: Medium::Gpu,
+                        hashes: burst[100..].to_vec(),
+                    },
+                );
+                100
+            }
+        };
+        assert_eq!(idx.pages(), kept, "{how}");
+        assert_eq!(
+            live() - before,
+            idx.memory_bytes() as isize,
+            "{how}: the count is the heap's"
+        );
+        let dropped = idx.dropped();
+        idx.apply(
+            1,
+            &IndexEvent::Stored {
+                medium: Medium::Gpu,
+                hashes: other.clone(),
+            },
+        );
+        assert_eq!(
+            idx.dropped(),
+            dropped,
+            "{how}: the other instance was under-indexed"
+        );
+        assert_eq!(idx.pages(), kept + n);
+        assert!(idx.memory_bytes() <= 1 << 20);
+        assert_eq!(live() - before, idx.memory_bytes() as isize, "{how}");
+    }
+}
+
 /// Removals leave tombstones in a table at high load; once they use up its free slots, an
 /// insert rehashes it in place (fewer than half its slots hold items) and allocates nothing.
 /// So an index whose budget is exactly what it holds still takes such churn, drops nothing
