@@ -182,9 +182,19 @@ where
             .filter_map(|p| f(p).map(|y| (lg(p.capacity_pages), y * 100.0)))
             .collect()
     };
+    // With L3 the hit rates count L3 hits while the ceiling is of the x axis's tiers alone
+    // (device + host): a hit rate may pass it, and the legend says why.
+    let (tiers, ceiling) = if title.l3_pages.is_some() {
+        (
+            "all tiers, L3 included",
+            "Belady MIN ceiling, device + host only (excludes L3)",
+        )
+    } else {
+        ("all tiers", "Belady MIN ceiling (device + host)")
+    };
     let mut series = vec![
         (
-            format!("kvtier, {} (all tiers)", title.policy),
+            format!("kvtier, {} ({tiers})", title.policy),
             BLUE,
             line(&|p| Some(p.hit_rate)),
         ),
@@ -193,11 +203,7 @@ where
             GREEN,
             line(&|p| Some(p.device)),
         ),
-        (
-            "Belady MIN ceiling (device + host)".to_string(),
-            RED,
-            line(&|p| Some(p.belady)),
-        ),
+        (ceiling.to_string(), RED, line(&|p| Some(p.belady))),
     ];
     let others: Vec<String> = pts
         .first()
@@ -211,7 +217,7 @@ where
                 .map(|c| c.hit_rate)
         });
         let color = if i == 0 { BLACK } else { MAGENTA };
-        series.push((format!("{name} (all tiers)"), color, data));
+        series.push((format!("{name} ({tiers})"), color, data));
     }
     if let Some(note) = rejections_note(pts) {
         series.push((note, RGBColor(128, 128, 128), Vec::new()));

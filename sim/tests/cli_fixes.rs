@@ -320,3 +320,48 @@ fn a_full_l3_holds_80_to_90_percent_of_its_pages() {
         "L3 of 1,000 pages holds {held}"
     );
 }
+
+/// With L3 on, a sweep's hit rates include L3 hits while its Belady line is the ceiling of
+/// device + host alone (the x axis), so a hit rate can sit above "the ceiling": the legend
+/// says so. Without L3 the ceiling is of the same tiers as the hit rate.
+#[test]
+fn the_sweep_plot_says_its_ceiling_excludes_l3() {
+    for (l3, says) in [
+        (&["--l3-pages", "4096"][..], true),
+        (&["--no-l3"][..], false),
+    ] {
+        let dir = temp_dir(if says { "sweep-l3" } else { "sweep-no-l3" });
+        let out = kvtier()
+            .args([
+                "sim",
+                "--quiet",
+                "--sweep",
+                "--no-compare",
+                "--eviction",
+                "lru",
+            ])
+            .args(["--clients", "20", "--rounds", "3", "--device-pages", "128"])
+            .args(["--host-pages", "128"])
+            .args(l3)
+            .arg("--sweep-out")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let svg = std::fs::read_to_string(dir.join("sweep.svg")).unwrap();
+        assert_eq!(
+            svg.contains("Belady MIN ceiling, device + host only (excludes L3)"),
+            says,
+            "{l3:?}"
+        );
+        assert_eq!(svg.contains("(all tiers, L3 included)"), says, "{l3:?}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    let help = kvtier().args(["sim", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("device + host only"), "{help}");
+}

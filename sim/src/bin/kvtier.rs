@@ -141,7 +141,9 @@ struct SimArgs {
     clients: Option<u32>,
     #[arg(long, conflicts_with = "trace")]
     rounds: Option<u32>,
-    /// Sweep the local cache capacity (×1/8 … ×4) and plot hit rate against Belady's ceiling.
+    /// Sweep the local cache capacity (×1/8 … ×4) and plot the hit rate (all tiers) beside
+    /// Belady's ceiling for the local tiers (device + host only: with L3 on, the hit rate also
+    /// counts L3 hits the ceiling leaves out).
     #[arg(long)]
     sweep: bool,
     /// Where the sweep writes sweep.json, sweep.svg and sweep.png.
