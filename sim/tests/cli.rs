@@ -2,9 +2,8 @@
 
 use std::process::Command;
 
-fn kvtier() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-}
+mod common;
+use common::kvtier;
 
 #[test]
 fn default_sim_runs_and_reports_every_tier() {

@@ -6,9 +6,8 @@
 
 use std::process::Command;
 
-fn kvtier() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-}
+mod common;
+use common::kvtier;
 
 const SMALL: [&str; 8] = [
     "--clients",

@@ -2,17 +2,8 @@
 //! `[scheduler]` table, long prompts rejected by a default context limit, and rejections
 //! nobody was told about.
 
-use std::process::Command;
-
-fn kvtier() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-}
-
-fn temp_dir(tag: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("kvtier-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+mod common;
+use common::{kvtier, temp_dir};
 
 /// One trace line of `blocks` 512-token blocks, ids starting at `first_id`.
 fn line(ts: u64, input: usize, first_id: u64) -> String {

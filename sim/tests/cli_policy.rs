@@ -2,11 +2,8 @@
 //! (LRU beside freq-depth, freq-depth beside LRU) at the same capacity (hit rate and TTFT), in
 //! the table, the JSON and the sweep, unless `--no-compare`; bad names are errors.
 
-use std::process::Command;
-
-fn kvtier() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-}
+mod common;
+use common::kvtier;
 
 const SMALL: [&str; 8] = [
     "--clients",

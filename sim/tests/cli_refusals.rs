@@ -4,15 +4,8 @@
 
 use std::process::{Command, Output};
 
-fn kvtier() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-}
-
-fn temp_dir(tag: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("kvtier-refusals-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+mod common;
+use common::{kvtier, temp_dir};
 
 /// `kvtier ARGS` with its address space capped at 2 GiB, so a command that would read or
 /// build without bound aborts quickly instead of exhausting the machine.

@@ -3,9 +3,8 @@
 
 use std::process::{Command, Output};
 
-fn kvtier() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-}
+mod common;
+use common::kvtier;
 
 /// Runs `cmd`; it must succeed (its stderr is the failure message).
 fn succeeds(cmd: &mut Command) -> Output {
