@@ -3,7 +3,7 @@
 //! nobody was told about.
 
 mod common;
-use common::{kvtier, temp_dir};
+use common::{kvtier, succeeds, temp_dir};
 
 /// One trace line of `blocks` 512-token blocks, ids starting at `first_id`.
 fn line(ts: u64, input: usize, first_id: u64) -> String {
@@ -25,16 +25,11 @@ fn a_partial_scheduler_table_takes_the_defaults() {
         "l3_pages = 4096\n[scheduler]\ndevice_pages = 512\nhost_pages = 1024\n[links]\nl3_gb_per_s = 40.0\n",
     )
     .unwrap();
-    let out = kvtier()
-        .args(["sim", "--json", "--clients", "6", "--rounds", "2"])
-        .arg("--config")
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeds(
+        kvtier()
+            .args(["sim", "--json", "--clients", "6", "--rounds", "2"])
+            .arg("--config")
+            .arg(&cfg),
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["oracle"]["failures"], 0);
@@ -130,17 +125,12 @@ fn the_sweep_belady_line_is_for_the_capacity_on_its_x_axis() {
         "--l3-pages",
         "100000",
     ];
-    let out = kvtier()
-        .args(["sim", "--json", "--sweep"])
-        .args(common)
-        .arg("--sweep-out")
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeds(
+        kvtier()
+            .args(["sim", "--json", "--sweep"])
+            .args(common)
+            .arg("--sweep-out")
+            .arg(&dir),
     );
     let pts: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let one = kvtier()
@@ -222,17 +212,12 @@ fn sweep_points_say_what_they_rejected_and_match_lru_uses_one_request_set() {
         "--l3-pages",
         "4096",
     ];
-    let out = kvtier()
-        .args(["sim", "--json"])
-        .args(common)
-        .arg("--sweep-out")
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeds(
+        kvtier()
+            .args(["sim", "--json"])
+            .args(common)
+            .arg("--sweep-out")
+            .arg(&dir),
     );
     let pts: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let pts = pts.as_array().unwrap();

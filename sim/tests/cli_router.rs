@@ -1,18 +1,8 @@
 //! `kvtier sim --router` and `kvtier router-bench`: a tiny benchmark runs end to end and writes
 //! its table, JSON and plot; `--routing` still works; bad input is a clear error.
 
-use std::process::{Command, Output};
-
 mod common;
-use common::kvtier;
-
-/// Runs `cmd`; it must succeed (its stderr is the failure message).
-fn succeeds(cmd: &mut Command) -> Output {
-    let out = cmd.output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    out
-}
+use common::{kvtier, succeeds};
 
 #[test]
 fn router_and_its_alias_routing_both_run() {

@@ -2,7 +2,7 @@
 #![allow(dead_code)] // each test binary uses its own subset
 
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Output};
 
 /// The `kvtier` binary this crate built.
 pub fn kvtier() -> Command {
@@ -14,4 +14,12 @@ pub fn temp_dir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("kvtier-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// Runs `cmd`; it must succeed (its stderr is the failure message).
+pub fn succeeds(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    out
 }
