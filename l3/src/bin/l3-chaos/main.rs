@@ -341,15 +341,16 @@ fn report(
         // Losses seen after the final restart of everything: its overflow covers them.
         let overflow =
             a.journal == Journal::Overflow || restarted_at.is_some_and(|r| m.seen_at >= r);
-        if reports.explains(&k, m.acked_at, until, overflow) {
+        if reports.explains(&k, m, until, overflow) {
             explained += 1;
         } else {
             f.record(
                 Violation::UnreportedLoss,
                 m.key_id,
                 format!(
-                    "{k}: version {} not found and never reported lost",
-                    m.version
+                    "{k}: version {} not found and never reported lost ({})",
+                    m.version,
+                    reports.timeline(&k, m)
                 ),
             );
         }

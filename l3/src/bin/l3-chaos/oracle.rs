@@ -13,10 +13,21 @@
 //! bytes that are not exactly what was put for that key and version are wrong bytes, and a
 //! "not found" while `present` is set is a loss that the loss journal must name (checked at
 //! the end, when every report has arrived).
+//!
+//! Named where: by an entry at or after the journal's end when `present`'s put *began*
+//! (`put_from`), not by a report heard after its acknowledgement. That is the contract an
+//! engine relies on (a loss read while its backup is in flight cancels the backup's mark:
+//! `Scheduler::l3_lost`), and the store may lose an object between completing it and the
+//! client hearing the acknowledgement (a write-through copy still queued when DRAM evicts
+//! it). Judged by report times instead, such a loss read by the 1 s poll before the ack
+//! arrived was "unreported" (a CI run, seed 21), while the report of the *previous*
+//! version's remove, read by the next poll after the new put's ack, wrongly explained a miss.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Instant;
+
+use kvtier_l3::LossCursor;
 
 const MAGIC: u32 = 0x4b56_4348; // "KVCH"
 const HDR: usize = 20;
@@ -102,6 +113,8 @@ pub struct KeyState {
     pub acked_at: Option<Instant>,
     /// `present` was acknowledged with `wait_persisted` on an all-write-through cluster.
     pub persisted: bool,
+    /// The loss journal's end when `present`'s put began (`None`: not known).
+    pub put_from: Option<LossCursor>,
     pub maybe: Vec<u64>,
     pub removed_upto: u64,
     pub next_version: u64,
@@ -113,10 +126,12 @@ impl KeyState {
         self.next_version
     }
 
-    pub fn put_acked(&mut self, v: u64, persisted: bool) {
+    /// `v`'s put, begun when the loss journal ended at `from`, was acknowledged.
+    pub fn put_acked(&mut self, v: u64, persisted: bool, from: Option<LossCursor>) {
         self.present = Some(v);
         self.acked_at = Some(Instant::now());
         self.persisted = persisted;
+        self.put_from = from;
         self.maybe.clear();
     }
 
@@ -128,6 +143,7 @@ impl KeyState {
         self.present = None;
         self.acked_at = None;
         self.persisted = false;
+        self.put_from = None;
         self.removed_upto = self.next_version;
         self.maybe.clear();
     }
@@ -148,6 +164,7 @@ impl KeyState {
         }
         self.acked_at = None;
         self.persisted = false;
+        self.put_from = None;
     }
 
     /// The loss a "not found" answer is, if a version was acknowledged.
@@ -159,6 +176,7 @@ impl KeyState {
                 acked_at,
                 seen_at: Instant::now(),
                 persisted: self.persisted,
+                put_from: self.put_from,
             }),
             _ => None,
         }
@@ -201,22 +219,94 @@ pub struct Miss {
     /// When the read found nothing.
     pub seen_at: Instant,
     pub persisted: bool,
+    pub put_from: Option<LossCursor>,
+}
+
+/// One report of a key: when the reader heard it and, where the reader could tell, the
+/// entry's position in the journal.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Report {
+    pub at: Instant,
+    pub pos: Option<LossCursor>,
 }
 
 /// What the loss-journal reader heard, with when.
 #[derive(Debug, Default)]
 pub struct Reports {
-    pub keys: HashMap<String, Vec<Instant>>,
+    pub keys: HashMap<String, Vec<Report>>,
     pub overflows: Vec<Instant>,
 }
 
 impl Reports {
-    /// Whether a report (for `key`, or an overflow when `overflow` counts) arrived within
-    /// `since..until`.
-    pub fn explains(&self, key: &str, since: Instant, until: Instant, overflow: bool) -> bool {
-        let within = |t: &Instant| *t >= since && *t < until;
-        (overflow && self.overflows.iter().any(within))
-            || self.keys.get(key).is_some_and(|v| v.iter().any(within))
+    /// Whether a report names `m`'s loss before `until`: an entry of its key at or after the
+    /// journal's end when its put began, or (an entry whose position the reader could not
+    /// tell, or a put begun in another journal) one heard after its acknowledgement; or,
+    /// where `overflow` counts, an overflow heard after the acknowledgement.
+    pub fn explains(&self, key: &str, m: &Miss, until: Instant, overflow: bool) -> bool {
+        let after_ack = |t: &Instant| *t >= m.acked_at && *t < until;
+        let names = |r: &Report| match (r.pos, m.put_from) {
+            (Some(pos), Some(from)) if pos.epoch == from.epoch => {
+                pos.seq >= from.seq && r.at < until
+            }
+            _ => after_ack(&r.at),
+        };
+        (overflow && self.overflows.iter().any(after_ack))
+            || self.keys.get(key).is_some_and(|v| v.iter().any(names))
+    }
+
+    /// Records what one read of the journal from `from` returned (`keys`, `next`), heard
+    /// `at`. An entry's position is known when every entry read was one of this tenant's
+    /// keys (no overflow, same journal, as many entries as keys).
+    pub fn heard(
+        &mut self,
+        from: Option<LossCursor>,
+        keys: Vec<String>,
+        next: LossCursor,
+        at: Instant,
+    ) {
+        let exact = from.filter(|f| {
+            f.epoch == next.epoch && next.seq.checked_sub(f.seq) == Some(keys.len() as u64)
+        });
+        for (i, k) in keys.into_iter().enumerate() {
+            let pos = exact.map(|f| LossCursor {
+                epoch: f.epoch,
+                seq: f.seq + i as u64,
+            });
+            self.keys.entry(k).or_default().push(Report { at, pos });
+        }
+    }
+}
+
+impl Reports {
+    /// When `key`'s reports (with their journal positions) and the overflows arrived, in ms
+    /// from `m`'s acknowledgement, beside when the read found nothing and where the journal
+    /// ended when the put began: what an unexplained miss is judged on.
+    pub fn timeline(&self, key: &str, m: &Miss) -> String {
+        let ms = |t: &Instant| {
+            if *t >= m.acked_at {
+                format!("+{}", t.duration_since(m.acked_at).as_millis())
+            } else {
+                format!("-{}", m.acked_at.duration_since(*t).as_millis())
+            }
+        };
+        let seq =
+            |c: Option<LossCursor>| c.map_or("?".to_string(), |c| format!("{}:{}", c.epoch, c.seq));
+        let reports: Vec<String> = self
+            .keys
+            .get(key)
+            .map_or(&[][..], Vec::as_slice)
+            .iter()
+            .map(|r| format!("{} at {}", ms(&r.at), seq(r.pos)))
+            .collect();
+        let overflows: Vec<String> = self.overflows.iter().map(ms).collect();
+        format!(
+            "ms from the ack: read found nothing {}; put began at journal {}; reports of the \
+             key [{}]; overflows [{}]",
+            ms(&m.seen_at),
+            seq(m.put_from),
+            reports.join(", "),
+            overflows.join(", ")
+        )
     }
 }
 
@@ -256,6 +346,7 @@ pub struct Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn payloads_name_their_key_and_version() {
@@ -272,10 +363,10 @@ mod tests {
     fn the_model_flags_stale_resurrected_and_lost() {
         let mut k = KeyState::default();
         let v1 = k.new_version();
-        k.put_acked(v1, false);
+        k.put_acked(v1, false, None);
         k.removed();
         let v2 = k.new_version();
-        k.put_acked(v2, true);
+        k.put_acked(v2, true, None);
         let old = payload(1, v1, 64);
         assert_eq!(k.check(1, Read::Bytes(&old)), Err(Violation::StaleVersion));
         assert!(matches!(k.check(1, Read::NotFound), Ok(Some(m)) if m.persisted));
@@ -289,5 +380,85 @@ mod tests {
         k.put_unknown(v3);
         assert_eq!(k.check(1, Read::Bytes(&payload(1, v3, 64))), Ok(None));
         assert!(matches!(k.check(1, Read::NotFound), Ok(None)));
+    }
+
+    fn cursor(seq: u64) -> LossCursor {
+        LossCursor { epoch: 7, seq }
+    }
+
+    /// A miss of a version acknowledged at `acked_at`, whose put began at journal `from`.
+    fn miss_of(from: u64, acked_at: Instant) -> Miss {
+        Miss {
+            key_id: 1,
+            version: 2,
+            acked_at,
+            seen_at: acked_at + Duration::from_millis(50),
+            persisted: false,
+            put_from: Some(cursor(from)),
+        }
+    }
+
+    /// The CI failure (seed 21): the store lost the object after completing its put and
+    /// before the client heard the ack; the 1 s poll read the entry in between. Judged by
+    /// report times it was "unreported"; the entry is past the put's start, so it names it.
+    #[test]
+    fn a_loss_journaled_before_the_ack_arrived_is_named() {
+        let t0 = Instant::now();
+        let mut r = Reports::default();
+        r.heard(Some(cursor(10)), vec!["chaos-1".into()], cursor(11), t0);
+        let m = miss_of(10, t0 + Duration::from_millis(3));
+        let far = t0 + Duration::from_secs(60);
+        assert!(r.explains("chaos-1", &m, far, false));
+    }
+
+    /// The previous version's remove, journaled before the put began but heard after its
+    /// ack (the next poll), does not name the new version's loss.
+    #[test]
+    fn the_previous_removes_entry_heard_late_names_nothing() {
+        let t0 = Instant::now();
+        let mut r = Reports::default();
+        // Entries 10 (another key) and 11 (this key's remove), read after the ack.
+        r.heard(
+            Some(cursor(10)),
+            vec!["chaos-9".into(), "chaos-1".into()],
+            cursor(12),
+            t0 + Duration::from_millis(500),
+        );
+        let m = miss_of(12, t0);
+        let far = t0 + Duration::from_secs(60);
+        assert!(!r.explains("chaos-1", &m, far, false));
+        // A later entry of the key does.
+        r.heard(Some(cursor(12)), vec!["chaos-1".into()], cursor(13), t0);
+        assert!(r.explains("chaos-1", &m, far, false));
+    }
+
+    /// Where positions are unknown (an overflowed read, entries of other tenants), a report
+    /// counts only if heard after the ack; an overflow only where overflows count.
+    #[test]
+    fn unpositioned_reports_and_overflows_are_judged_by_time() {
+        let t0 = Instant::now();
+        let m = miss_of(12, t0);
+        let far = t0 + Duration::from_secs(60);
+        let mut r = Reports::default();
+        // Two entries read but one key listed: positions unknown.
+        r.heard(
+            Some(cursor(10)),
+            vec!["chaos-1".into()],
+            cursor(12),
+            t0 - Duration::from_millis(1),
+        );
+        assert!(!r.explains("chaos-1", &m, far, false));
+        r.heard(
+            None,
+            vec!["chaos-1".into()],
+            cursor(14),
+            t0 + Duration::from_millis(1),
+        );
+        assert!(r.explains("chaos-1", &m, far, false));
+        assert!(!r.explains("chaos-1", &m, t0, false), "heard after `until`");
+        let mut o = Reports::default();
+        o.overflows.push(t0 + Duration::from_millis(1));
+        assert!(o.explains("chaos-1", &m, far, true));
+        assert!(!o.explains("chaos-1", &m, far, false));
     }
 }

@@ -191,6 +191,14 @@ pub fn run(w: Worker, stop: Arc<AtomicBool>, shared: Arc<Shared>, counts: Arc<Co
         if remove_it {
             remove(&mut conn, key_id, st, &shared, &counts);
         } else if st.present.is_none() && dice < 60 {
+            // Where the loss journal ends now: a loss of this version is an entry past it.
+            let from = match conn.call(|s| s.losses_since(&t, None)) {
+                Ok(l) => l.next,
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
             let v = st.new_version();
             let len = 64 + rng.below(w.max_bytes as u64) as usize;
             let data = payload(key_id, v, len);
@@ -205,7 +213,7 @@ pub fn run(w: Worker, stop: Arc<AtomicBool>, shared: Arc<Shared>, counts: Arc<Co
             {
                 Ok(()) => {
                     let durable = wait_persisted && w.persisted_is_durable;
-                    st.put_acked(v, durable);
+                    st.put_acked(v, durable, Some(from));
                     counts.puts_acked.fetch_add(1, Ordering::Relaxed);
                     if durable {
                         counts.puts_persisted.fetch_add(1, Ordering::Relaxed);
@@ -274,9 +282,8 @@ pub fn read_losses(
                 if l.overflowed {
                     r.overflows.push(now);
                 }
-                for k in l.keys {
-                    r.keys.entry(k).or_default().push(now);
-                }
+                let from = cursor.filter(|_| !l.overflowed);
+                r.heard(from, l.keys, l.next, now);
                 cursor = Some(l.next);
                 if done {
                     return;
