@@ -100,6 +100,26 @@ fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> PublishError {
     move |source| PublishError::Zmq { what, source }
 }
 
+/// Sends `frames` as one message, waiting as long as the thread is behind. A signal that
+/// interrupts the wait (EINTR: Python installs its handlers without `SA_RESTART`) retries
+/// the frame it interrupted: failing would lose a batch whose events the caller had already
+/// drained, and giving up after the first frames would leave them queued, to be glued to the
+/// next batch (which the thread then drops as malformed).
+fn send_whole(push: &zmq::Socket, frames: [&[u8]; 3]) -> Result<(), zmq::Error> {
+    let last = frames.len() - 1;
+    for (i, frame) in frames.iter().enumerate() {
+        let flags = if i < last { zmq::SNDMORE } else { 0 };
+        loop {
+            match push.send(*frame, flags) {
+                Ok(()) => break,
+                Err(zmq::Error::EINTR) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// What the publisher thread reads to answer a snapshot request. Never held while waiting
 /// for that thread (it would wait for this lock: a hang under snapshot requests).
 struct State {
@@ -237,7 +257,7 @@ impl Publisher {
         // may wait while the thread is behind (its queue full): without the state lock, which
         // the thread takes to build a snapshot. A snapshot taken meanwhile is numbered before
         // this batch and does not hold it: consistent.
-        push.send_multipart([&b"B"[..], &seq.to_be_bytes(), &payload], 0)
+        send_whole(&push, [&b"B"[..], &seq.to_be_bytes(), &payload])
             .map_err(zerr("hand the batch to the publisher thread"))?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         st.next_seq += 1;
