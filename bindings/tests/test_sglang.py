@@ -244,6 +244,15 @@ def test_other_bad_input_is_refused():
     assert b.batch_get_v1(["a", "b"], page_indices([3, 3], PS)) == [False, False]
     assert b.batch_get_v1([1, 2], page_indices([0, 1], PS)) == [False, False]  # keys not str
     assert b.batch_get_v1(["a"], page_indices([0], PS), salt(42)) == [False]  # salt not str
+    # batch_exists_v2 raised SGLangBackendError into SGLang's controller thread for a salt
+    # that is not a str (an adversarial tester's case), where every other call answers 0
+    b.batch_set_v1(["a"], page_indices([0], PS))
+    for bad in (42, b"x"):
+        r = b.batch_exists_v2(["a"], [], salt(bad))
+        assert (r.kv_hit_pages, r.extra_pool_hit_pages, r.restorable_prefix_pages) == (0, {}, [])
+        r = b.batch_exists_v2(["a"], None, salt(bad))
+        assert r.kv_hit_pages == 0
+    assert b.batch_exists_v2(["a"], []).kv_hit_pages == 1  # the same call with no salt finds it
     assert torch.equal(snapshot(pool), before)
     # Value calls: a wrong-size page is refused, nothing stored.
     assert b.batch_set(["v"], [torch.zeros(3, dtype=torch.bfloat16)]) is False and not b.exists("v")

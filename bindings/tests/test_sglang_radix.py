@@ -724,3 +724,91 @@ def _parse(args):
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     return parser.parse_args(args)
+
+
+def _pool_params(kv, page_size=PS, device_tokens=40):
+    """SGLang's CacheInitParams over a device KV pool built by the caller."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    publish_server_args(page_size=page_size)
+    alloc = PagedTokenToKVPoolAllocator(device_tokens, page_size, kv.dtype, "cpu", kv, False)
+    return CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(8, 512, "cpu", False),
+                           token_to_kv_pool_allocator=alloc, page_size=page_size)
+
+
+def test_pools_whose_buffers_are_not_a_tokens_kv_whole_are_refused_at_startup(monkeypatch):
+    """An adversarial tester's two wrong-KV cases, both accepted before: an FP4 pool keeps
+    per-token scale factors in ``k_scale_buffer``/``v_scale_buffer`` that kvtier never moved
+    (reused prefixes had another token's scales: 12 of 12 reused scale buffers wrong), and
+    with ``SGLANG_USE_HND_KVCACHE=1`` a buffer's rows are pages, not token slots (page_bytes
+    2,048 for a 512-byte page; loaded-back prefixes held wrong KV, or an IndexError). Both
+    are ``UnsupportedModelError`` when SGLang builds the cache; the plain pool still builds."""
+    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import FP4MXBlock16KVCacheMethod
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    conf = kr.RadixBackendConfig.from_dict({"host_pages": 16, "io_threads": 0})
+    fp4 = MHATokenToKVPool(40, PS, torch.uint8, 2, 32, 2, "cpu", False, quant_method=FP4MXBlock16KVCacheMethod())
+    assert fp4.k_scale_buffer is not None
+    with pytest.raises(kr.UnsupportedModelError, match="scale"):
+        kr.KvtierRadixCache(_pool_params(fp4), conf)
+    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
+    hnd = MHATokenToKVPool(40, PS, torch.float32, 2, 8, 2, "cpu", False)
+    assert hnd.kv_cache_layout == "hnd"
+    with pytest.raises(kr.UnsupportedModelError, match="hnd"):
+        kr.KvtierRadixCache(_pool_params(hnd), conf)
+    monkeypatch.delenv("SGLANG_USE_HND_KVCACHE")
+    plain = MHATokenToKVPool(40, PS, torch.float32, 2, 8, 2, "cpu", False)
+    assert kr.KvtierRadixCache(_pool_params(plain), conf).page_bytes == 2 * 2 * 2 * 8 * 4 * PS
+    assert issubclass(kr.UnsupportedModelError, kvtier.KvtierError)
+
+
+@pytest.mark.parametrize("how", ["reset", "shutdown"])
+def test_a_flush_behind_a_stalled_store_waits_one_timeout_not_one_per_queued_job(how):
+    """An adversarial tester's hang: with the L3 server SIGSTOPped, six requests queued 13 L3
+    jobs on the I/O thread, and SGLang's ``flush_cache`` (``reset``) then drained them one
+    after another, each waiting its whole RPC timeout: 73.5 s at ``rpc_timeout_ms`` 3,000
+    (tens of minutes at the default). Once a job finds the store not answering, the jobs not
+    yet begun are dropped as failed (``dropped_jobs``); the one running is waited for (it
+    reads into host pages reset hands out again). The cache is consistent afterwards and
+    serves again once the store answers."""
+    import signal
+    import time
+
+    from test_shm import Proc
+
+    srv = Proc()
+    try:
+        timeout_s = 2
+        e = Engine(kvtier_cache(host_pages=32, l3="server", server=srv.addr, io_threads=1,
+                                rpc_timeout_ms=timeout_s * 1000), device_tokens=60)
+        os.kill(srv.p.pid, signal.SIGSTOP)
+        try:
+            for p in prompts(9, 6, 24):
+                e.run([e.request(p)])
+            queued = len(e.cache._jobs)
+            assert queued >= 4, f"only {queued} L3 jobs queued: no evidence"
+            t0 = time.monotonic()
+            getattr(e.cache, how)()
+            took = time.monotonic() - t0
+        finally:
+            os.kill(srv.p.pid, signal.SIGCONT)
+        s = e.cache.stats()
+        # the job running and at most the next one wait out their timeouts
+        assert took < 3 * timeout_s + 2, f"{how} waited {took:.1f} s behind {queued} jobs"
+        assert s["dropped_jobs"] >= queued - 2 and s["store_errors"] >= 1, s
+        assert not e.cache._jobs
+        if how == "reset":
+            # the rest of SGLang's flush_cache: its pools are cleared after the tree
+            e.alloc.clear()
+            e.r2t.clear()
+            e.cache.manager.check()
+            e.check_pools()
+            # the store answers again: the cache serves and backs up as before
+            e.run([e.request(p) for p in prompts(10, 2, 24)])
+            e.cache.flush_pending_backups()
+            e.cache.wait_io()
+            assert e.cache.stats()["backed_up_pages"] > 0
+    finally:
+        srv.close()

@@ -30,6 +30,25 @@ import kvtier
 logger = logging.getLogger("kvtier.sglang.radix")
 
 _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
+# Codes a batch call gives every key when the store did not answer (its RPC timed out or
+# failed; a master between leaders).
+_UNANSWERED = np.array([int(kvtier._native.ERROR_CODES[n]) for n in ("RPC_FAIL", "UNAVAILABLE_IN_CURRENT_STATUS")])
+
+
+class StoreUnanswered(Exception):
+    """A batch read or write that no key of got an answer for (the store stalled or down)."""
+
+
+def answered(codes: np.ndarray) -> np.ndarray:
+    """A batch call's per-key codes, raising ``StoreUnanswered`` when none was answered."""
+    codes = np.asarray(codes)
+    if len(codes) and np.isin(codes, _UNANSWERED).all():
+        raise StoreUnanswered(f"{len(codes)} keys, codes {sorted(set(codes.tolist()))}")
+    return codes
+
+
+class _Dropped(Exception):
+    """A queued job that was never run: reset or shutdown found the store not answering."""
 
 
 @dataclass
@@ -65,9 +84,12 @@ class L3Io:
 
     def _finish(self, job: _Job, result: Any, err: Optional[BaseException]) -> None:
         if job.kind == "losses":
-            self._apply_losses(*self._losses_read(lambda: (result, err)))
+            if not isinstance(err, _Dropped):
+                self._apply_losses(*self._losses_read(lambda: (result, err)))
             return
-        if isinstance(err, kvtier.L3Error):
+        if isinstance(err, _Dropped):
+            self.counters.dropped_jobs += 1
+        elif isinstance(err, (kvtier.L3Error, StoreUnanswered)):
             self.counters.store_errors += 1
             logger.warning("kvtier: L3 %s failed: %r", job.kind, err)
         elif err is not None:
@@ -116,11 +138,17 @@ class L3Io:
             else:
                 self.counters.backup_failures += 1
 
-    def _poll_io(self, block: bool) -> None:
+    def _poll_io(self, block: bool, drop_when_unanswered: bool = False) -> None:
+        """Applies the jobs that are done (all of them with ``block``). With
+        ``drop_when_unanswered``, once one fails because the store did not answer, the jobs
+        not yet begun are dropped as failed, not each left to wait out its own RPC timeout."""
         block = block or self.tp_size > 1  # ranks finish the same jobs at the same point
         keep = []
-        for job in self._jobs:
-            if job.future is None:
+        unanswered = False
+        for i, job in enumerate(self._jobs):
+            if unanswered and (job.future is None or job.future.cancelled()):
+                r, e = None, _Dropped()
+            elif job.future is None:
                 try:
                     r, e = job.run(), None
                 except Exception as ex:  # noqa: BLE001 (typed below)
@@ -131,13 +159,19 @@ class L3Io:
             else:
                 keep.append(job)
                 continue
+            if drop_when_unanswered and not unanswered and isinstance(e, (kvtier.L3Error, StoreUnanswered)):
+                unanswered = True
+                # All at once: the I/O thread starts the next job the moment this one ends.
+                for later in self._jobs[i + 1:]:
+                    if later.future is not None:
+                        later.future.cancel()
             self._finish(job, r, e)
         self._jobs = keep
         self._agree()
 
-    def _drain_io(self) -> None:
+    def _drain_io(self, drop_when_unanswered: bool = False) -> None:
         while self._jobs:
-            self._poll_io(block=True)
+            self._poll_io(block=True, drop_when_unanswered=drop_when_unanswered)
 
     def flush_pending_backups(self) -> None:
         """SGLang's per-step hook: finishes the L3 reads and writes that are done, then starts
@@ -153,7 +187,7 @@ class L3Io:
             ids = np.asarray(slots, dtype=np.int64)
 
             def write(keys=keys, ids=ids) -> bool:
-                codes = np.asarray(store.batch_put_pages(keys, flat, ids, pb))
+                codes = answered(store.batch_put_pages(keys, flat, ids, pb))
                 return bool(((codes == 0) | (codes == _EXISTS)).all())
 
             self.counters.backups += 1

@@ -73,7 +73,7 @@ from .config import (  # noqa: F401  (re-exported: kvtier.sglang.radix is where 
     UnsupportedPageSizeError,
 )
 from .copies import make_copier
-from .l3_io import L3Io, _Job, _leading_hits
+from .l3_io import L3Io, _Job, _leading_hits, answered
 from .storage import ENV_ADDR, ENV_TOKEN, sglang_model
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,26 @@ _U32 = 1 << 32
 
 def device_buffers(kvcache: Any) -> List[torch.Tensor]:
     """The device KV pool's per-layer buffers as ``[token slots, row bytes]`` uint8 views:
-    K then V of each layer (MHA), or the latent buffer of each layer (MLA)."""
+    K then V of each layer (MHA), or the latent buffer of each layer (MLA).
+
+    Refused (``UnsupportedModelError``), because copying these buffers would not copy a
+    token's KV whole: a pool laid out other than token-major (``kv_cache_layout`` "hnd",
+    ``SGLANG_USE_HND_KVCACHE=1``, or ROCm's "vectorized_5d", "page_major": a buffer's
+    leading dimension is pages, not token slots, and host copies took the wrong bytes), and a
+    pool that keeps per-token scale factors beside its data (``--kv-cache-dtype`` fp4 / nvfp4
+    / mxfp8: ``k_scale_buffer`` and the like; reused prefixes were dequantized with another
+    token's scales). FP8 caches with per-tensor scales keep no such buffer and are served."""
+    layout = str(getattr(kvcache, "kv_cache_layout", "nhd") or "nhd").lower()
+    if layout != "nhd":
+        raise UnsupportedModelError(
+            f"device KV pool {type(kvcache).__name__}: kv_cache_layout {layout!r} (token-major 'nhd' only; "
+            "unset SGLANG_USE_HND_KVCACHE / SGLANG_AITER_KV_CACHE_LAYOUT)")
+    scales = sorted(name for name, v in vars(kvcache).items()
+                    if "scale_buffer" in name and v is not None and not (isinstance(v, (list, tuple)) and not v))
+    if scales:
+        raise UnsupportedModelError(
+            f"device KV pool {type(kvcache).__name__} keeps per-token scale factors ({', '.join(scales)}): "
+            "a quantized KV cache (fp4 / nvfp4 / mxfp8) is not served; fp8 with per-tensor scales, bf16 and fp16 are")
     if hasattr(kvcache, "k_buffer") and hasattr(kvcache, "v_buffer"):
         bufs = list(kvcache.k_buffer) + list(kvcache.v_buffer)
     elif hasattr(kvcache, "kv_buffer") and isinstance(kvcache.kv_buffer, (list, tuple)):
@@ -136,6 +155,8 @@ class Counters:
     written_back_pages: int = 0
     l3_lost_pages: int = 0
     store_errors: int = 0
+    # L3 jobs reset or shutdown dropped unrun after the store stopped answering
+    dropped_jobs: int = 0
 
 
 def _check_host_pool(cfg: RadixBackendConfig, slots: int, page_bytes: int) -> None:
@@ -282,7 +303,10 @@ class KvtierRadixCache(L3Io, RadixCache):
     def reset(self) -> None:
         super().reset()
         if hasattr(self, "manager"):  # RadixCache.__init__ resets before our fields exist
-            self._drain_io()
+            # SGLang's flush_cache, on its scheduler thread: a store that stopped answering
+            # costs the job running and the next, not every queued job's RPC timeout in turn
+            # (13 queued jobs held a flush 73 s at a 3 s timeout).
+            self._drain_io(drop_when_unanswered=True)
             self._markers.clear()
             self._probed.clear()
             self._waited.clear()
@@ -290,8 +314,9 @@ class KvtierRadixCache(L3Io, RadixCache):
             self._new_manager()
 
     def shutdown(self) -> None:
-        """Finishes the L3 I/O in flight (applied, agreed under TP), then stops the I/O thread."""
-        self._drain_io()
+        """Finishes the L3 I/O in flight (applied, agreed under TP), then stops the I/O thread.
+        Once the store fails to answer a job, the jobs not yet begun are dropped (``dropped_jobs``)."""
+        self._drain_io(drop_when_unanswered=True)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
@@ -408,7 +433,7 @@ class KvtierRadixCache(L3Io, RadixCache):
         ids = np.asarray(slots, dtype=np.int64)
 
         def read() -> int:
-            codes = np.asarray(store.batch_get_pages(keys, flat, ids, pb))
+            codes = answered(store.batch_get_pages(keys, flat, ids, pb))
             ok = codes == pb
             return int(np.argmin(ok)) if not ok.all() else len(ok)
 

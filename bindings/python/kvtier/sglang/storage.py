@@ -623,7 +623,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         """The KV run, cut to what every side pool can restore (SGLang's hit policies:
         ALL_PAGES: every page of the run; TRAILING_PAGES: the last ``len(keys)`` pages)."""
         kv = self.batch_exists(keys, extra_info)
-        hits: Dict[str, int] = {str(PoolName.KV): kv} if kv else {}
+        if not kv:
+            # Nothing to restore, or input batch_exists refused (a salt that is not a str):
+            # 0 hits, as every other call answers it, never an exception in SGLang's thread.
+            return PoolTransferResult(0, {}, [])
+        hits: Dict[str, int] = {str(PoolName.KV): kv}
         restorable = set(range(1, kv + 1))
         tenant = self._tenant_of(extra_info)
         for t in pool_transfers or []:
