@@ -8,7 +8,7 @@
 
 use futures::future::join_all;
 
-use super::{PER_KEY_OVERHEAD, RemoteStore, empty_reply};
+use super::{PER_KEY_OVERHEAD, RemoteStore, empty_reply, within};
 use crate::api::{BatchResult, L3Store, single};
 use crate::error::{L3Error, L3Result, best_effort};
 use crate::master::{LossCursor, Losses};
@@ -328,6 +328,7 @@ impl L3Store for RemoteStore {
             return self.put_replicated(tenant, keys, bufs, opts, cfg);
         }
         let ranges = self.chunks(keys.len(), |i| bufs[i].len());
+        let limit = self.call_limit();
         let calls = ranges.iter().map(|r| {
             let ctx = self.ctx();
             let c = self.rpc().clone();
@@ -337,7 +338,7 @@ impl L3Store for RemoteStore {
                 .iter()
                 .map(|b| Blob::Owned(b.to_vec()))
                 .collect();
-            async move { c.batch_put(ctx, t, ks, data, opts).await }
+            async move { within(limit, c.batch_put(ctx, t, ks, data, opts)).await }
         });
         let replies = self.rt.block_on(join_all(calls));
         let mut out = Vec::with_capacity(keys.len());

@@ -97,13 +97,20 @@ impl Default for ClientOptions {
     }
 }
 
-/// Opens the RPC connection (not yet authenticated: `hello` follows).
-fn dial(rt: &tokio::runtime::Runtime, addr: SocketAddr, max_frame: usize) -> L3Result<L3RpcClient> {
+/// Opens the RPC connection (not yet authenticated: `hello` follows), giving up after
+/// `limit` (a server whose listen queue is full leaves a connect waiting for minutes).
+fn dial(
+    rt: &tokio::runtime::Runtime,
+    addr: SocketAddr,
+    max_frame: usize,
+    limit: Duration,
+) -> L3Result<L3RpcClient> {
     rt.block_on(async {
         let mut conn = tarpc::serde_transport::tcp::connect(addr, Bincode::default);
         conn.config_mut().max_frame_length(max_frame);
-        let transport = conn
+        let transport = tokio::time::timeout(limit, conn)
             .await
+            .map_err(|_| L3Error::RpcFail(format!("connect {addr}: no answer within {limit:?}")))?
             .map_err(|e| L3Error::RpcFail(format!("connect {addr}: {e}")))?;
         // Latency only: a socket without TCP_NODELAY still works.
         let _ = transport.get_ref().set_nodelay(true);
@@ -114,6 +121,24 @@ fn dial(rt: &tokio::runtime::Runtime, addr: SocketAddr, max_frame: usize) -> L3R
 /// Largest accepted [`ClientOptions::rpc_timeout`] (one day): tarpc's timer wheel panics on
 /// deadlines past ~2^36 ms, and no store call should wait that long.
 pub const MAX_RPC_TIMEOUT: Duration = Duration::from_secs(86_400);
+
+/// How long past its deadline a call is waited for before it is given up as one that
+/// exceeded it (tarpc expires it at the deadline itself once it is written).
+const CALL_GRACE: Duration = Duration::from_millis(500);
+
+/// `call`, given up after `limit` as a call that exceeded its deadline. tarpc checks a
+/// request's deadline only once the request is written: one queued behind a request the
+/// socket cannot take (a paused server's full receive buffer) was waited for for ever, and
+/// threads sharing a client stayed blocked until the server resumed (tests/paused_server.rs).
+/// Dropping the call withdraws it (tarpc drops a request whose caller is gone unsent).
+pub(super) async fn within<T>(
+    limit: Duration,
+    call: impl Future<Output = Result<T, RpcError>>,
+) -> Result<T, RpcError> {
+    tokio::time::timeout(limit, call)
+        .await
+        .unwrap_or(Err(RpcError::DeadlineExceeded))
+}
 
 /// Per-key overhead allowance when sizing frames (key, tenant, enum tags, lengths).
 const PER_KEY_OVERHEAD: usize = 64;
@@ -207,7 +232,12 @@ impl RemoteStore {
             shm: None,
             nodes: parking_lot::Mutex::new(HashMap::new()),
             node_regions: parking_lot::Mutex::new(Vec::new()),
-            client: parking_lot::Mutex::new(dial(&rt, addr, max_frame)?),
+            client: parking_lot::Mutex::new(dial(
+                &rt,
+                addr,
+                max_frame,
+                opts.rpc_timeout + CALL_GRACE,
+            )?),
             broken: AtomicBool::new(false),
             redirected: AtomicBool::new(false),
             pid: std::process::id(),
@@ -395,7 +425,7 @@ impl RemoteStore {
         let token = self.opts.token.clone();
         let ctx = self.ctx();
         self.rt
-            .block_on(c.hello(ctx, token))
+            .block_on(within(self.call_limit(), c.hello(ctx, token)))
             .map_err(|e| self.transport_err(e))?
     }
 
@@ -413,7 +443,7 @@ impl RemoteStore {
     /// Dials the server again and authenticates; its transfer channel may have moved.
     fn redial(&self) -> L3Result<()> {
         let (addr, epoch) = self.locator.resolve(self.leader_wait())?;
-        let fresh = dial(&self.rt, addr, self.opts.max_frame_bytes)?;
+        let fresh = dial(&self.rt, addr, self.opts.max_frame_bytes, self.call_limit())?;
         // Authenticated before any other call can use it.
         let (addr, fresh, limits) = self.hello_following(addr, fresh)?;
         self.fence.admit(epoch.max(limits.epoch))?;
@@ -431,9 +461,10 @@ impl RemoteStore {
             }
         }
         if let Some(shm) = &self.shm
-            && let Ok(Ok(Some(offer))) = self
-                .rt
-                .block_on(self.client.lock().clone().shm_offer(self.ctx()))
+            && let Ok(Ok(Some(offer))) = self.rt.block_on(within(
+                self.call_limit(),
+                self.client.lock().clone().shm_offer(self.ctx()),
+            ))
         {
             shm.lock().reoffer(offer);
         }
@@ -464,7 +495,7 @@ impl RemoteStore {
                     self.redirected.store(true, Ordering::Release);
                     hops += 1;
                     addr = leader;
-                    c = dial(&self.rt, addr, self.opts.max_frame_bytes)?;
+                    c = dial(&self.rt, addr, self.opts.max_frame_bytes, self.call_limit())?;
                 }
                 _ if matches!(e, L3Error::NotLeader(_)) && Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(50));
@@ -493,14 +524,23 @@ impl RemoteStore {
         rpc_err(e)
     }
 
-    fn ctx(&self) -> context::Context {
-        let mut c = context::current();
-        let t = if self.follows_leader() {
+    /// How long one call may take: the RPC timeout, or less while following a leader.
+    fn call_timeout(&self) -> Duration {
+        if self.follows_leader() {
             self.opts.rpc_timeout.min(self.opts.leader_call_timeout)
         } else {
             self.opts.rpc_timeout
-        };
-        c.deadline = Instant::now() + t;
+        }
+    }
+
+    /// How long a call made now is waited for at most ([`within`]).
+    pub(super) fn call_limit(&self) -> Duration {
+        self.call_timeout() + CALL_GRACE
+    }
+
+    fn ctx(&self) -> context::Context {
+        let mut c = context::current();
+        c.deadline = Instant::now() + self.call_timeout();
         c
     }
 
@@ -545,7 +585,10 @@ impl RemoteStore {
     }
 
     fn run<T>(&self, f: impl Future<Output = Result<L3Result<T>, RpcError>>) -> L3Result<T> {
-        let r = self.rt.block_on(f).map_err(|e| self.transport_err(e))?;
+        let r = self
+            .rt
+            .block_on(within(self.call_limit(), f))
+            .map_err(|e| self.transport_err(e))?;
         if let Err(L3Error::NotLeader(_)) = &r {
             // The master stepped down: find the leader again before the next call.
             self.broken.store(true, Ordering::Release);
@@ -668,6 +711,7 @@ impl RemoteStore {
         }
         let ranges = self.chunks(keys.len(), |i| bufs[i].len());
         let client = self.rpc();
+        let limit = self.call_limit();
         let calls = ranges.iter().map(|r| {
             let ctx = self.ctx();
             let c = client.clone();
@@ -675,11 +719,11 @@ impl RemoteStore {
             match queries {
                 Some(q) => {
                     let qs = q[r.clone()].to_vec();
-                    async move { c.batch_get_with_query(ctx, t, qs).await }.boxed()
+                    async move { within(limit, c.batch_get_with_query(ctx, t, qs)).await }.boxed()
                 }
                 None => {
                     let ks = keys[r.clone()].to_vec();
-                    async move { c.batch_get(ctx, t, ks).await }.boxed()
+                    async move { within(limit, c.batch_get(ctx, t, ks)).await }.boxed()
                 }
             }
         });
