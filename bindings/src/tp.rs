@@ -96,7 +96,9 @@ impl PyRankAgreement {
     }
 
     /// This rank does not run op `op` (`Scheduler.runs_here(op)` is False). With `scheduler`,
-    /// refused unless `op` is in flight there.
+    /// refused unless `op` is in flight there and does not run there (an `OffloadManager`'s
+    /// jobs run on every rank); without, a skip of an op that runs here is refused by the
+    /// reduction (`AgreementError`, after the collective).
     #[pyo3(signature = (op, scheduler = None))]
     fn skip(&mut self, op: u64, scheduler: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         match scheduler {

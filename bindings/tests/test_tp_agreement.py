@@ -93,6 +93,32 @@ def test_mla_leader_probes_for_everyone():
     assert a0.reduce(ranks[0], red) == [kvtier.L3QueryDone(q0.id, 7)]
 
 
+def test_a_rank_cannot_skip_an_op_it_runs():
+    """An adversarial tester's wrong data: a skip (another rank answers for all) of an op this
+    rank runs itself was taken, and the other rank's answer became this rank's (3 prefetched
+    pages it never read landed as host hits). Refused: checked at once, unchecked by the
+    reduction, after the collective, with nothing agreed."""
+    ranks, (q,) = _probing()
+    with pytest.raises(kvtier.AgreementError, match="runs"):
+        kvtier.RankAgreement().skip(q, ranks[1])
+    a0, a1 = kvtier.RankAgreement(), kvtier.RankAgreement()
+    a0.push(kvtier.L3QueryDone(q, 7))
+    a1.skip(q)
+    assert a1.values(ranks[1]).tolist() == [0], "the skipping rank enters with the op not done"
+    red = _all_reduce_min([a0.values(ranks[0]), a1.values(ranks[1])])
+    with pytest.raises(kvtier.AgreementError, match="runs"):
+        a1.reduce(ranks[1], red)
+    assert a0.reduce(ranks[0], red) == []
+    # the replicated leader runs the probe; the other rank may skip it
+    ranks = _ranks(l3_sharing="replicated", l3_leader_rank=0)
+    for s in ranks:
+        s.submit(1, prompt(1, 41), 2)
+    (q0,), (q1,) = [s.next_execution_plan(0).ops for s in ranks]
+    with pytest.raises(kvtier.AgreementError, match="runs"):
+        kvtier.RankAgreement().skip(q0.id, ranks[0])
+    kvtier.RankAgreement().skip(q1.id, ranks[1])
+
+
 def test_bad_reductions_raise():
     (s, _) = _ranks()
     s.submit(1, prompt(1, 41), 2)
@@ -517,7 +543,9 @@ def test_an_agreed_event_is_exactly_one_every_rank_reported(n, records):
             elif rec is not None:
                 a.push(_event(rec[0], op, rec[1]))
     live = dict(zip(ops, records))
-    bad = [any(isinstance(p[r], tuple) and (p[r][0] != "L3Query" or p[r][1] > 10) for p in live.values())
+    # per-rank keys: each rank runs its own probes, so a skip of one is refused too
+    bad = [any((isinstance(p[r], tuple) and (p[r][0] != "L3Query" or p[r][1] > 10)) or p[r] == "skip"
+               for p in live.values())
            for r in (0, 1)]
     before = [(a.pending(), a.values(s).tolist(), s.ops_in_flight()) for s, a in zip(ranks, agrees)]
     events, refusals = _collective(ranks, agrees)

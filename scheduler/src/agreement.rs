@@ -85,6 +85,14 @@ pub enum AgreementError {
         got: u32,
         most: u32,
     },
+    /// This rank skipped an op it runs itself ([`AgreedOps::runs_here`]): a skip says another
+    /// rank answers for all, and the others would then agree that rank's answer for this
+    /// rank's shard (pages it never read, counted as landed). Refused like
+    /// [`Self::WrongKind`] (by [`RankAgreement::skip_checked`] at once).
+    #[error(
+        "this rank runs {kind:?} op {op:?} itself (runs_here): it must answer it with its own completion, not skip it; refused, nothing agreed or consumed"
+    )]
+    MustRun { op: OpId, kind: OpKind },
     /// A checked push ([`RankAgreement::push_checked`], [`RankAgreement::skip_checked`]) for
     /// an op that is not in flight: agreed already, or not issued yet.
     #[error(
@@ -150,6 +158,12 @@ pub trait AgreedOps {
     fn max_count(&self, _op: OpId) -> Option<u32> {
         None
     }
+    /// Whether this rank runs ops of `kind` itself (and so must answer them): every rank
+    /// runs every op unless a leader answers for all (`Scheduler::runs_here`: an MLA model's
+    /// replicated L3 keys). Only an op that does not run here may be skipped.
+    fn runs_here(&self, _kind: OpKind) -> bool {
+        true
+    }
 }
 
 impl AgreedOps for Scheduler {
@@ -158,6 +172,9 @@ impl AgreedOps for Scheduler {
     }
     fn tp_ranks(&self) -> u32 {
         self.config().tp_ranks
+    }
+    fn runs_here(&self, kind: OpKind) -> bool {
+        Scheduler::runs_here(self, kind)
     }
     fn forget_l3_pages(&mut self, pages: &[kvtier_radix::PageHash], _: AgreedLosses) -> usize {
         self.forget_l3_agreed(pages)
@@ -293,6 +310,8 @@ impl RankAgreement {
     }
 
     /// This rank does not run `op` (another rank answers for all: see `Scheduler::runs_here`).
+    /// Whether it does is not known here: a skip of an op that runs here is refused by the
+    /// reduction ([`AgreementError::MustRun`]); [`Self::skip_checked`] refuses it at once.
     pub fn skip(&mut self, op: OpId) -> Result<(), AgreementError> {
         if self.done.contains_key(&op) {
             return Err(AgreementError::Duplicate(op));
@@ -301,8 +320,8 @@ impl RankAgreement {
         Ok(())
     }
 
-    /// [`Self::skip`], refused ([`AgreementError::NotInFlight`]) unless `op` is in flight in
-    /// `sched`.
+    /// [`Self::skip`], refused unless `op` is in flight in `sched`
+    /// ([`AgreementError::NotInFlight`]) and does not run there ([`AgreementError::MustRun`]).
     pub fn skip_checked<S: AgreedOps + ?Sized>(
         &mut self,
         sched: &S,
@@ -311,7 +330,10 @@ impl RankAgreement {
         if self.done.contains_key(&op) {
             return Err(AgreementError::Duplicate(op));
         }
-        in_flight(sched, op)?;
+        let kind = in_flight(sched, op)?;
+        if sched.runs_here(kind) {
+            return Err(AgreementError::MustRun { op, kind });
+        }
         self.done.insert(op, Slot::Skipped);
         Ok(())
     }
@@ -330,7 +352,8 @@ impl RankAgreement {
 
     /// Checks this rank's records of the ops in flight in `sched`, changing nothing: each
     /// completion is of its op's kind and within its count ([`AgreementError::WrongKind`],
-    /// [`AgreementError::TooMany`]). [`Self::reduce`] does this before entering the
+    /// [`AgreementError::TooMany`]), and each skip is of an op that does not run here
+    /// ([`AgreementError::MustRun`]). [`Self::reduce`] does this before entering the
     /// collective; a caller that reduces [`Self::values`] itself should too (a refused rank's
     /// values never complete the op, on any rank, but [`Self::apply_reduced`] refuses it only
     /// after the collective).
@@ -344,10 +367,19 @@ impl RankAgreement {
         ops: &[(OpId, OpKind)],
     ) -> Result<(), AgreementError> {
         for (op, kind) in ops {
-            if let Some(Slot::Done(ev)) = self.done.get(op)
-                && let Some(e) = refusal(sched, *op, *kind, ev)
-            {
-                return Err(e);
+            match self.done.get(op) {
+                Some(Slot::Done(ev)) => {
+                    if let Some(e) = refusal(sched, *op, *kind, ev) {
+                        return Err(e);
+                    }
+                }
+                Some(Slot::Skipped) if sched.runs_here(*kind) => {
+                    return Err(AgreementError::MustRun {
+                        op: *op,
+                        kind: *kind,
+                    });
+                }
+                _ => {}
             }
         }
         Ok(())

@@ -24,8 +24,19 @@ fn cfg_for(rank: u32) -> SchedulerConfig {
 
 /// Two ranks' schedulers that planned `n` requests' L3 probes (41 tokens: 10 keys each).
 fn probing(n: u64) -> (Vec<Scheduler>, Vec<OpId>) {
+    probing_with(n, L3Sharing::PerRank)
+}
+
+/// [`probing`] with `sharing` (replicated: only the leader runs the probes).
+fn probing_with(n: u64, sharing: L3Sharing) -> (Vec<Scheduler>, Vec<OpId>) {
     let mut ranks: Vec<Scheduler> = (0..2)
-        .map(|r| Scheduler::new(cfg_for(r)).unwrap())
+        .map(|r| {
+            Scheduler::new(SchedulerConfig {
+                l3_sharing: sharing,
+                ..cfg_for(r)
+            })
+            .unwrap()
+        })
         .collect();
     let mut ops = Vec::new();
     for s in &mut ranks {
@@ -320,6 +331,100 @@ fn an_offload_managers_job_is_not_completed_by_another_kind() {
     m.check().unwrap();
 }
 
+/// An adversarial tester's wrong data: a rank's skip says another rank answers for all, and
+/// was taken for an op this rank runs itself. An OffloadManager rank that skipped its
+/// prefetch got `PrefetchDone(3)` from the other rank's answer and served 3 pages it never
+/// read; a per-rank scheduler's skip of its own probe took the other rank's hit count; a
+/// replicated leader's skip of its own probe left every value SKIPPED, so the probe never
+/// ended (both ranks Querying after 50 steps). Refused now: at once when checked, after the
+/// collective (entered with every op "not done") when not.
+#[test]
+fn a_rank_cannot_skip_an_op_it_runs() {
+    // Per-rank keys: every rank runs its probe.
+    let (ranks, ops) = probing(1);
+    let op = ops[0];
+    let must = AgreementError::MustRun {
+        op,
+        kind: OpKind::L3Query,
+    };
+    assert_eq!(
+        RankAgreement::new().skip_checked(&ranks[1], op),
+        Err(must.clone())
+    );
+    let mut agrees = [RankAgreement::new(), RankAgreement::new()];
+    agrees[0].push(l3_done(op, 7)).unwrap();
+    agrees[1].skip(op).unwrap();
+    let min = min_of(&ranks, &agrees);
+    assert_eq!(
+        min,
+        vec![0],
+        "the skipping rank enters with the op not done"
+    );
+    assert_eq!(
+        agrees[1].reduce(&ranks[1], |v| v.copy_from_slice(&min)),
+        Err(must)
+    );
+    assert_eq!(
+        agrees[0].reduce(&ranks[0], |v| v.copy_from_slice(&min)),
+        Ok(vec![])
+    );
+    assert_eq!(
+        agrees[1].pending(),
+        1,
+        "the refused skip is kept: nothing changed"
+    );
+
+    // Replicated keys: the leader runs the probe (may not skip it), the other rank does not.
+    let (ranks, ops) = probing_with(1, L3Sharing::Replicated { leader: 0 });
+    let op = ops[0];
+    assert_eq!(
+        RankAgreement::new().skip_checked(&ranks[0], op),
+        Err(AgreementError::MustRun {
+            op,
+            kind: OpKind::L3Query
+        })
+    );
+    let mut agrees = [RankAgreement::new(), RankAgreement::new()];
+    agrees[0].push(l3_done(op, 7)).unwrap();
+    agrees[1].skip_checked(&ranks[1], op).unwrap();
+    let min = min_of(&ranks, &agrees);
+    for (a, s) in agrees.iter_mut().zip(&ranks) {
+        assert_eq!(
+            a.reduce(s, |v| v.copy_from_slice(&min)),
+            Ok(vec![l3_done(op, 7)])
+        );
+    }
+
+    // The offloading manager has no leader: every rank runs every job.
+    let mut m = OffloadManager::new(32, EvictionPolicy::Lru).unwrap();
+    m.set_l3_backups(L3Backups::WriteThrough);
+    m.set_tp_ranks(2).unwrap();
+    let c = chain(40, 3);
+    m.l3_found(&c);
+    let job = m.prepare_prefetch(&c, 3).unwrap().unwrap().job;
+    let op = OpId(job);
+    assert_eq!(
+        RankAgreement::new().skip_checked(&m, op),
+        Err(AgreementError::MustRun {
+            op,
+            kind: OpKind::Prefetch
+        })
+    );
+    let mut ranks = vec![RankAgreement::new(), RankAgreement::new()];
+    ranks[0]
+        .push(Event::PrefetchDone { op, completed: 3 })
+        .unwrap();
+    ranks[1].skip(op).unwrap();
+    let known = m.l3_known();
+    assert!(matches!(
+        m.agree_in_process(&mut ranks),
+        Err(AgreementError::MustRun { .. })
+    ));
+    assert_eq!(m.l3_known(), known, "no page landed");
+    assert_eq!(m.agreed_ops(), vec![(op, OpKind::Prefetch)]);
+    m.check().unwrap();
+}
+
 /// What one rank recorded for one op: nothing, a skip, or a completion of a kind (index into
 /// `KINDS`) with a count (or success: even counts succeed).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -382,7 +487,8 @@ proptest! {
         n in 1..4u64,
         recs in prop::collection::vec((rec(), rec()), 6),
     ) {
-        let (mut ranks, ops) = probing(n);
+        // Rank 0 leads: it runs the probes and may not skip them; rank 1 may.
+        let (mut ranks, ops) = probing_with(n, L3Sharing::Replicated { leader: 0 });
         let ids: Vec<OpId> = (0..6).map(|i| OpId(ops[0].0 + i)).collect();
         let mut agrees = [RankAgreement::new(), RankAgreement::new()];
         for (op, (r0, r1)) in ids.iter().zip(&recs) {
@@ -390,15 +496,16 @@ proptest! {
             record(&mut agrees[1], *op, *r1);
         }
         let live = &recs[..n as usize];
-        let bad = |r: Rec| matches!(r, Rec::Done(k, h) if k != 0 || h > 10);
+        let wrong = |r: Rec| matches!(r, Rec::Done(k, h) if k != 0 || h > 10);
+        let bad_of = |rank: usize, r: Rec| wrong(r) || (rank == 0 && r == Rec::Skip);
         let min = min_of(&ranks, &agrees);
         for (i, (r0, r1)) in live.iter().enumerate() {
-            if bad(*r0) || bad(*r1) {
+            if bad_of(0, *r0) || wrong(*r1) {
                 prop_assert_eq!(min[i], 0, "a refused record never completes its op");
             }
         }
         let refused: Vec<bool> = (0..2)
-            .map(|r| live.iter().any(|p| bad(if r == 0 { p.0 } else { p.1 })))
+            .map(|r| live.iter().any(|p| bad_of(r, if r == 0 { p.0 } else { p.1 })))
             .collect();
         if refused.iter().any(|b| *b) {
             for (r, (a, s)) in agrees.iter_mut().zip(&ranks).enumerate() {
@@ -412,12 +519,15 @@ proptest! {
                     let first = live
                         .iter()
                         .zip(&ops)
-                        .find(|(p, _)| bad(if r == 0 { p.0 } else { p.1 }))
+                        .find(|(p, _)| bad_of(r, if r == 0 { p.0 } else { p.1 }))
                         .unwrap();
-                    let Rec::Done(k, h) = (if r == 0 { first.0.0 } else { first.0.1 }) else {
-                        unreachable!()
+                    let (k, h) = match if r == 0 { first.0.0 } else { first.0.1 } {
+                        Rec::Done(k, h) => (k, h),
+                        _ => (usize::MAX, 0),
                     };
-                    let want = if k != 0 {
+                    let want = if k == usize::MAX {
+                        AgreementError::MustRun { op: *first.1, kind: OpKind::L3Query }
+                    } else if k != 0 {
                         AgreementError::WrongKind { op: *first.1, kind: OpKind::L3Query, claimed: KINDS[k] }
                     } else {
                         AgreementError::TooMany { op: *first.1, kind: OpKind::L3Query, got: h, most: 10 }
@@ -504,17 +614,19 @@ proptest! {
                 record(a, *op, *r);
             }
         }
+        // Every rank runs every job: a skip is refused too.
         let wrong = jobs.iter().zip(&recs).any(|((_, kind), per_rank)| {
-            per_rank[..n_ranks]
-                .iter()
-                .any(|r| matches!(r, Rec::Done(k, n) if KINDS[*k] != *kind || (*kind == OpKind::Prefetch && *n > 3)))
+            per_rank[..n_ranks].iter().any(|r| {
+                *r == Rec::Skip
+                    || matches!(r, Rec::Done(k, n) if KINDS[*k] != *kind || (*kind == OpKind::Prefetch && *n > 3))
+            })
         });
         let before: Vec<usize> = ranks.iter().map(|a| a.pending()).collect();
         let known = m.l3_known();
         let got = m.agree_in_process(&mut ranks);
         m.check().unwrap();
         if wrong {
-            prop_assert!(matches!(got, Err(AgreementError::WrongKind { .. } | AgreementError::TooMany { .. })), "{:?}", got);
+            prop_assert!(matches!(got, Err(AgreementError::WrongKind { .. } | AgreementError::TooMany { .. } | AgreementError::MustRun { .. })), "{:?}", got);
             prop_assert_eq!(ranks.iter().map(|a| a.pending()).collect::<Vec<_>>(), before);
             prop_assert_eq!(m.agreed_ops(), jobs);
             prop_assert_eq!(m.l3_known(), known);
