@@ -340,3 +340,20 @@ def test_a_prefetch_counts_only_whole_pages_read(short):
         assert [(type(e).__name__, e.completed) for e in evs] == [("PrefetchDone", 1)]
         assert ex.stats.l3_pages_read == 1
     assert torch.equal(host.data[0].view(-1).view(torch.uint8), torch.from_numpy(page))
+
+
+def test_a_host_pool_over_the_device_pools_memory_is_refused():
+    """An adversarial tester's case (CPU only: there both pools are host memory): device K/V
+    views of a buffer the host pool also wraps were accepted, and a LoadBack from host page 5
+    into device page 1 rewrote host pages 0 and 1, which no op named."""
+    from kvtier.torch import DevicePool, HostPool, KVLayout, PoolLayoutError
+
+    lay = KVLayout.mha(num_layers=1, kv_heads=1, head_dim=4, page_size=2, dtype=torch.float32)
+    buf = torch.zeros(8 * 2 * 2 * 4)
+    host = HostPool.wrap(lay, buf.view(8, 1, 2, 2, 1, 4))
+    k, v = buf[:32].view(4, 2, 1, 4), buf[32:64].view(4, 2, 1, 4)
+    dev = DevicePool.wrap(lay, [k], [v])
+    with pytest.raises(PoolLayoutError, match="overlap"):
+        Executor(dev, host)
+    # pools of their own are accepted
+    Executor(DevicePool.wrap(lay, [k.clone()], [v.clone()]), host).close()

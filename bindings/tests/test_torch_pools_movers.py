@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -283,6 +284,62 @@ def test_torch_mover_moves_scattered_pages(which, direction):
     d, h = expected_after(direction, dev, host, dp, hp)
     TorchMover().copy(direction, dev, host, dp, hp, range(lay.num_layers))
     assert_pools(dev, host, d, h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32,
+                                   torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("direction", list(Direction))
+def test_kv_of_any_dtype_moves_as_bytes(dtype, direction):
+    """An adversarial tester's case: FP8 (and uint16 / uint32) layouts, pools and an Executor
+    were all accepted, and then every LoadBack ended ``LoadBackDone(success=False)`` with no
+    byte moved: torch has no CPU ``index_copy_`` for these dtypes, so every host hit of an
+    FP8 cache became a recompute. The torch mover copies bytes; the named pages' bytes land
+    exactly, the others are untouched."""
+    from types import SimpleNamespace as NS
+
+    from kvtier.torch.executor import Executor
+
+    lay = KVLayout.mha(num_layers=2, kv_heads=2, head_dim=4, page_size=4, dtype=dtype)
+    dev, host = DevicePool.allocate(lay, 8), HostPool.allocate(lay, 8)
+    g = torch.Generator().manual_seed(5)
+
+    def noise(t):
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8))
+
+    for comps in dev.tensors:
+        for t in comps:
+            noise(t)
+    noise(host.data)
+    dp, hp = np.array([5, 0, 3]), np.array([2, 7, 4])
+    chunks = [(l, c) for l in range(lay.num_layers) for c in range(lay.components)]
+    dev_before = {lc: dev.chunks(*lc).view(torch.uint8).clone() for lc in chunks}
+    host_before = {lc: host.chunks(*lc).view(torch.uint8).clone() for lc in chunks}
+    if direction == Direction.LOAD:  # through the executor, as an engine's LoadBack runs
+        ex = Executor(dev, host)
+        try:
+            ex.submit([NS(id=1, kind="LoadBack", src_tier="host", dst_tier="device", src=hp, dst=dp,
+                          keys=[], req=1, before_forward=True)])
+            evs = []
+            for _ in range(500):
+                evs += ex.poll()
+                if evs:
+                    break
+                time.sleep(0.01)
+            assert evs == [kvtier.LoadBackDone(1, True)], evs
+        finally:
+            ex.close()
+    else:
+        TorchMover().copy(direction, dev, host, dp, hp, range(lay.num_layers))
+    for lc in chunks:
+        d, h = dev.chunks(*lc).view(torch.uint8), host.chunks(*lc).view(torch.uint8)
+        want_d, want_h = dev_before[lc].clone(), host_before[lc].clone()
+        for a, b in zip(dp, hp):
+            if direction == Direction.LOAD:
+                want_d[a] = host_before[lc][b]
+            else:
+                want_h[b] = dev_before[lc][a]
+        assert torch.equal(d, want_d) and torch.equal(h, want_h), (dtype, lc)
 
 
 @pytest.mark.parametrize("which", [0, 1])

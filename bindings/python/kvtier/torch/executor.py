@@ -45,7 +45,7 @@ from ..engine import L3Backend, leading_pages_read
 from .errors import ExecutorError, PoolLayoutError
 from .lanes import Lane, LaneContext, Signal
 from .movers import Direction, Mover, make_mover
-from .pools import DevicePool, HostPool
+from .pools import DevicePool, HostPool, _refuse_overlaps
 
 __all__ = ["Executor", "ExecutorStats", "LoadWait", "Ordering"]
 
@@ -161,6 +161,10 @@ class Executor:
     ) -> None:
         if device.layout != host.layout:
             raise PoolLayoutError("device and host pools have different layouts")
+        # On CPU both pools are host memory: a host pool over the device pool's tensors (or
+        # part of them) turned every copy into one that also overwrote pages no op named.
+        _refuse_overlaps([(f"device layer {l} component {c}", t) for l, comps in enumerate(device.tensors)
+                          for c, t in enumerate(comps)] + [("the host pool", host.data)])
         if l3_workers <= 0 or prefetch_chunk_pages <= 0:
             raise ValueError("l3_workers and prefetch_chunk_pages must be positive")
         self.device = device

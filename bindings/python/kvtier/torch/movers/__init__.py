@@ -124,6 +124,19 @@ class Mover:
             issued(l)
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as bytes (the last dimension times the element size). A page copy moves
+    bit patterns, and torch lacks ``index_copy_`` / ``index_select`` for some KV dtypes
+    (float8_e4m3fn, float8_e5m2, uint16, uint32 on CPU in torch 2.14): copied in the KV's own
+    dtype, every load of an FP8 cache failed and each host hit became a recompute."""
+    if t.dtype == torch.uint8 or t.dim() == 0:
+        return t
+    try:
+        return t.view(torch.uint8)
+    except RuntimeError:  # a last dimension that is not contiguous: copy in the dtype itself
+        return t
+
+
 class TorchMover(Mover):
     """Indexed copies. On CPU a gather and a scatter per (layer, component); on GPU a CPU gather
     into pinned staging, one upload and a GPU scatter (load), or a GPU gather, one download and
@@ -139,7 +152,7 @@ class TorchMover(Mover):
         if dev.type != "cuda":
             for l in layers:
                 for c in range(device.layout.components):
-                    hv, dv = host.chunks(l, c), device.chunks(l, c)
+                    hv, dv = _as_bytes(host.chunks(l, c)), _as_bytes(device.chunks(l, c))
                     if direction == Direction.LOAD:
                         dv.index_copy_(0, d_idx, hv.index_select(0, h_idx))
                     else:
@@ -148,7 +161,7 @@ class TorchMover(Mover):
         stream = torch.cuda.current_stream(dev)
         for l in layers:
             for c in range(device.layout.components):
-                hv, dv = host.chunks(l, c), device.chunks(l, c)
+                hv, dv = _as_bytes(host.chunks(l, c)), _as_bytes(device.chunks(l, c))
                 if direction == Direction.LOAD:
                     staged = hv.index_select(0, h_idx).pin_memory()
                     dv.index_copy_(0, d_idx, staged.to(dev, non_blocking=True))
