@@ -277,6 +277,42 @@ def test_a_request_looked_up_again_sees_every_change_since():
     m.check()
 
 
+def test_chunked_prefill_stores_every_chunk_while_earlier_ones_are_in_flight():
+    """An adversarial tester's lost hits: under chunked prefill (vLLM's default) a prompt
+    longer than the step's token budget is offered chunk by chunk, each step's chunks while
+    the previous step's store is still in flight. The manager began its run at the chain's
+    *host* prefix (0 while chunk 0 was storing), found chunk 0 not offered and stored
+    nothing; every later chunk then followed a hole, and vLLM never offers a chunk twice: a
+    552-token prompt kept 1 of its 8 chunks (round 2 reused 64 tokens of 512). A store
+    follows the stores in flight before it (docs/vllm.md), as the native plan does."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    keys = [hashlib.sha256(b"c%d" % i).digest() + (0).to_bytes(4, "big") for i in range(8)]
+    c = ReqContext(req_id="long")
+    for i, k in enumerate(keys):
+        c.set_offload_key_position(k, 64 * (i + 1))
+    m = KvtierOffloadingManager(14, {0: 64})
+    outs = []
+    for step in ([0], [1, 2], [3, 4], [5, 6, 7]):  # offered step by step, none completed yet
+        out = m.prepare_store([keys[i] for i in step], c)
+        assert out is not None
+        outs.append(out)
+        assert list(out.keys_to_store) == [keys[i] for i in step], f"step {step}: {out.keys_to_store}"
+    m.check()
+    for out in outs:
+        m.complete_store(list(out.keys_to_store), c)
+    m.check()
+    assert m.native.usage()["cached"] == 8
+    # a failed store in the middle drops what followed it, never leaves a hole on host
+    m2 = KvtierOffloadingManager(14, {0: 64})
+    a = m2.prepare_store(keys[:2], c)
+    b = m2.prepare_store(keys[2:4], c)
+    m2.complete_store(list(a.keys_to_store), c, success=False)
+    m2.complete_store(list(b.keys_to_store), c)
+    m2.check()
+    assert m2.native.usage()["cached"] == 0
+
+
 def test_an_abort_mid_load_unpins_and_the_chunks_are_loaded_again(tmp_path):
     e, p = offloaded(tmp_path)
     try:

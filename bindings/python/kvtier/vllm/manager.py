@@ -230,6 +230,12 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         for chain, ix in self._by_chain(keys, req_context):
             offered = set(ix)
             start = self._host_prefix(chain)
+            # Past the chunks whose store is in flight (chunked prefill offers a prompt step
+            # by step, each step's chunks before the last step's store lands): the native plan
+            # stores from there too. Starting at the host prefix found the first chunk not
+            # offered and stored nothing, and every later chunk then followed a hole.
+            while start < len(chain.pages) and chain.pages[start] in self._pending:
+                start += 1
             end = start
             while end in offered:
                 end += 1
