@@ -387,6 +387,40 @@ def test_kv_events_name_the_chunks_the_tier_stored(engines):
     assert not off.tier.take_events(), "no events unless vLLM's KV events are on"
 
 
+def test_storage_events_announce_each_put_once_and_every_loss(engines):
+    """An adversarial tester's router view: in tier mode the STORAGE events announced again
+    every chunk whose put found it stored already (136 duplicates in one run), and never a
+    removal: against an 8 MB store the events held three times what it could. A put that
+    finds the chunk there is not announced again; with ``loss_journal`` the chunks the store
+    reports lost are announced removed. Where kvtier's manager owns the tier, no event is
+    queued at all (nobody takes them: the queue grew by one per store)."""
+    e = engines([embedded(loss_journal=True)], kv_events=True)
+    serve(e, [PROMPT])
+    okeys = e.tier_keys_of(PROMPT)
+    events = [ev for b in e.published for ev in b.events if getattr(ev, "medium", None) == "STORAGE"]
+    assert sorted(h for ev in events if type(ev).__name__ == "BlockStored" for h in ev.block_hashes) \
+        == sorted(set(h for ev in events for h in ev.block_hashes)), "each chunk announced once"
+    # the same chunks put again (a re-cascade): stored, "already exists", not announced
+    e.tier._store_job(10_000, okeys, np.arange(len(okeys)))
+    assert e.tier.take_events() == []
+    # the store loses one chunk: announced removed, once
+    e.tier.store.remove(e.tier.key(okeys[0]), True)
+    (gone,) = e.tier.take_events()
+    assert gone.removed and list(gone.keys) == [okeys[0]]
+    assert e.tier.take_events() == []
+    # kvtier's manager with L3 and vLLM's events on: its tier queues nothing
+    from test_vllm_manager import kvtier_config
+
+    spec = Engine(e.root, [], kv_config=kvtier_config(8, kvtier_l3={"segment_bytes": "64MB"}),
+                  kv_events=True)
+    try:
+        serve(spec, [PROMPT])
+        (t,) = spec.manager.l3_ranks
+        assert t.counters.chunks_stored >= 1 and t._events is None
+    finally:
+        spec.close()
+
+
 def _store_snapshot(replay: str, topic: bytes = b"") -> set:
     """The STORAGE hashes a ``kvtier-l3 --kv-events`` stream holds now: its replay socket's
     snapshot (kvtier's request -2), each batch decoded with vLLM's own msgspec classes; every

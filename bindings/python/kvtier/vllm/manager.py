@@ -438,5 +438,5 @@ class KvtierOffloadingSpec(CpuCopyMixin, CPUOffloadingSpec):
         sharded = world > 1 and not self.replicated_layout and not self.config.canonical_layout
         shards = [(r, r * self.cpu_page_size_per_worker, self.cpu_page_size_per_worker) for r in range(world)]
         return [KvtierSecondaryTier(offloading_spec=self, primary_kv_view=self.kv_view, tier_type="kvtier",
-                                    shard=shard, loss_journal=True, **dict(self.kvtier_l3))
+                                    shard=shard, loss_journal=True, events=False, **dict(self.kvtier_l3))
                 for shard in (shards if sharded else [None])]

@@ -192,7 +192,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, *, shard: Optional[Tuple[int, int, int]] = None,
-                 loss_journal: bool = False, **config: Any):
+                 loss_journal: bool = False, events: bool = True, **config: Any):
         unknown = sorted(set(config) - set(TIER_KEYS))
         if unknown:
             raise VllmTierConfigError(f"kvtier tier: unknown config keys {unknown}; known: {list(TIER_KEYS)}")
@@ -251,9 +251,15 @@ class KvtierSecondaryTier(SecondaryTierManager):
         # since fails its load, which vLLM recomputes, and is forgotten here.
         self._known: "OrderedDict[OffloadKey, None]" = OrderedDict()
         self._stored: "queue.SimpleQueue[List[OffloadKey]]" = queue.SimpleQueue()
-        # KV events (vLLM's --kv-events-config): chunks this tier stored, for routers.
+        # KV events (vLLM's --kv-events-config), for routers: each chunk this tier put into the
+        # store, once (a put that found it there already is not announced again: 136
+        # duplicates in a tester's run), and, with ``loss_journal``, its removal when the
+        # store reports it lost (before: never, so a router saw three times what an 8 MB store
+        # held). Off where kvtier's manager owns the tier (``events=False``: nobody takes them,
+        # and the queue grew by one event per store for good).
         self._events: Optional["queue.SimpleQueue[OffloadingEvent]"] = (
-            queue.SimpleQueue() if offloading_spec.kv_events_config.enable_kv_cache_events else None)
+            queue.SimpleQueue() if events and offloading_spec.kv_events_config.enable_kv_cache_events else None)
+        self._announced: set = set()  # chunks announced stored and not removed (with the journal)
         self._lookups: Optional[_ServerLookups] = None if self.is_embedded else _ServerLookups(self)
         self._lock = threading.Lock()
         self._reconnect_lock = threading.Lock()
@@ -413,8 +419,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         stored = [k for k, good in zip(okeys, ok) if good]
         if stored and not self.is_embedded:
             self._stored.put(stored)
-        if self._events is not None and n:
-            self._events.put(OffloadingEvent(keys=stored, medium=self.medium, removed=False, locality=self.locality))
+        new = [k for k, c in zip(okeys, codes) if c == 0] if n else []
+        if self._events is not None and new:
+            self._events.put(OffloadingEvent(keys=new, medium=self.medium, removed=False, locality=self.locality))
         with self._lock:
             self.counters.chunks_stored += n
             self.counters.bytes_written += n * self.chunk_bytes
@@ -471,11 +478,23 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return out
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """``BlockStored`` events (as vLLM's manager turns them) for chunks this tier stored,
-        when vLLM's KV events are enabled."""
+        """With vLLM's KV events on: ``BlockStored`` for each chunk this tier put into the
+        store (once), and, with ``loss_journal``, ``BlockRemoved`` for announced chunks the
+        store reports lost (all of them when its report overflowed). For a store several
+        engines share, publish STORAGE from the store's own stream (``kvtier-l3
+        --kv-events``) instead: each engine announces only what it put."""
         out: List[OffloadingEvent] = []
         while self._events is not None and not self._events.empty():
-            out.append(self._events.get_nowait())
+            ev = self._events.get_nowait()
+            if self._journal:
+                self._announced.update(ev.keys)
+            out.append(ev)
+        if self._events is not None and self._journal:
+            lost, over = self.lost_keys()
+            gone = list(self._announced) if over else [k for k in lost if k in self._announced]
+            if gone:
+                self._announced.difference_update(gone)
+                out.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True, locality=self.locality))
         return out
 
     def has_pending_work(self) -> bool:
