@@ -49,6 +49,6 @@ def test_bad_quotas_stop_the_engine_at_startup(tmp_path):
 
 
 def test_a_bad_room_wait_stops_the_engine_at_startup(tmp_path):
-    for bad in (-1, "soon", True, float("nan")):
+    for bad in (-1, "soon", True, float("nan"), float("inf")):  # inf: accepted before
         with pytest.raises(KvtierSpecConfigError, match="kvtier_room_wait_ms"):
             Engine(str(tmp_path), [], kv_config=kvtier_config(16, kvtier_room_wait_ms=bad))

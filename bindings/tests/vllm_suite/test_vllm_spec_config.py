@@ -115,6 +115,24 @@ def test_host_chunks_past_kvtiers_host_tier_are_refused_at_the_spec(engine):
             KvtierOffloadingSpec(build_offloading_config(engine.vllm_config, engine.kv_cache_config))
 
 
+def test_a_host_tier_of_no_chunk_with_l3_is_refused_at_the_spec(engine):
+    """An adversarial tester's misleading error: with ``kvtier_l3`` and ``cpu_bytes_to_use``
+    under one chunk the engine failed later, blaming a /dev/shm region "removed or on another
+    node"; vLLM's tiering spec with kvtier's CPU copy path failed with "cannot mmap an empty
+    file". Both name ``cpu_bytes_to_use`` at the spec now."""
+    from kvtier.vllm.specs import KvtierTieringOffloadingSpec
+
+    with extra_config(engine, kvtier_l3={}):
+        ex = engine.vllm_config.kv_transfer_config.kv_connector_extra_config
+        ex["cpu_bytes_to_use"] = 1000
+        with pytest.raises(KvtierSpecConfigError, match="cpu_bytes_to_use 1000 holds no host chunk"):
+            KvtierOffloadingSpec(build_offloading_config(engine.vllm_config, engine.kv_cache_config))
+    tiering = object.__new__(KvtierTieringOffloadingSpec)
+    tiering.num_chunks, tiering.extra_config = 0, {"cpu_bytes_to_use": 1000}
+    with pytest.raises(KvtierSpecConfigError, match="holds no host chunk"):
+        tiering._cpu_region()
+
+
 _valid_quota = st.one_of(st.integers(1, 2 ** 32 - 1), st.floats(min_value=1e-3, max_value=1.0))
 _valid = st.fixed_dictionaries({}, optional={
     "kvtier_eviction": st.sampled_from(["lru", "freq-depth", "adaptive"]),

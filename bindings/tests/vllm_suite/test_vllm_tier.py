@@ -249,6 +249,8 @@ def test_a_killed_server_fails_jobs_and_a_restart_resumes(engines):
     (dict(server=""), "server"),
     (dict(server=5), "server"),
     (dict(server="127.0.0.1:1", token=5), "token"),
+    # a cap with no SSD tier to cap was ignored (an adversarial tester's case)
+    (dict(segment_bytes="64MB", ssd_capacity_bytes="1GB"), "without ssd_dir"),
 ])
 def test_config_errors_stop_startup(engines, bad, match):
     with pytest.raises(VllmTierConfigError, match=match):

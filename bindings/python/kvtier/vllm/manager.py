@@ -378,6 +378,11 @@ class KvtierOffloadingSpec(CpuCopyMixin, CPUOffloadingSpec):
         host_chunks_of(self.num_chunks, self.extra_config.get("cpu_bytes_to_use"))
         self.kvtier_eviction = eviction_of(self.extra_config.get("kvtier_eviction"))
         self.kvtier_l3 = l3_of(self.extra_config.get("kvtier_l3"))  # KvtierSecondaryTier's keys, or None
+        if self.kvtier_l3 is not None and self.num_chunks == 0:
+            # (it failed later, blaming a /dev/shm region "removed or on another node")
+            raise KvtierSpecConfigError(
+                f"cpu_bytes_to_use {self.extra_config.get('cpu_bytes_to_use')!r} holds no host chunk: kvtier's L3 "
+                "moves chunks through host slots, so give at least one chunk's bytes")
         self.tenant_quotas = quotas_of(self.extra_config.get("kvtier_tenant_quotas"), self.num_chunks)
         self.room_wait_s = room_wait_of(self.extra_config.get("kvtier_room_wait_ms"))
         self._scheduler_mmap = None

@@ -136,8 +136,8 @@ def room_wait_of(raw: Any) -> float:
     seconds."""
     if raw is None:
         return ROOM_WAIT_MS / 1e3
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not raw >= 0:
-        raise KvtierSpecConfigError(f"kvtier_room_wait_ms must be a number of milliseconds >= 0, got {raw!r}")
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 <= raw < float("inf"):
+        raise KvtierSpecConfigError(f"kvtier_room_wait_ms must be a finite number of milliseconds >= 0, got {raw!r}")
     return float(raw) / 1e3
 
 

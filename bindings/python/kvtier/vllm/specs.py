@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from .cpu_copy import CpuCopyMixin
+from .spec_config import KvtierSpecConfigError
 from .shm import unlink_region, worker_region
 
 __all__ = ["KvtierCpuOffloadingSpec", "KvtierTieringOffloadingSpec"]
@@ -36,6 +37,11 @@ class KvtierTieringOffloadingSpec(CpuCopyMixin, TieringOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec``; on CPU its worker copies with kvtier's CPU copy path."""
 
     def _cpu_region(self) -> Optional[Any]:
+        if not self.num_chunks:
+            # (vLLM's own ValueError "cannot mmap an empty file" otherwise)
+            raise KvtierSpecConfigError(
+                f"cpu_bytes_to_use {self.extra_config.get('cpu_bytes_to_use')!r} holds no host chunk: "
+                "the tiers' host cache needs at least one chunk's bytes")
         return worker_region(self)
 
     def get_manager(self) -> OffloadingManager:

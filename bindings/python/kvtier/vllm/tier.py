@@ -293,6 +293,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         if not seg:
             raise VllmTierConfigError(f"kvtier tier: bad segment_bytes {config.get('segment_bytes')!r}")
         cap_b = _size(config, "ssd_capacity_bytes")
+        if cap_b is not None and config.get("ssd_dir") is None:
+            raise VllmTierConfigError("kvtier tier: ssd_capacity_bytes without ssd_dir: the store has no SSD tier "
+                                      "to cap (give ssd_dir, or drop ssd_capacity_bytes)")
         quota_b = _size(config, "tenant_quota_bytes")
         if quota_b is not None and quota_b < self.chunk_bytes:
             # checked before the store opens (a named store adds every opener's segment)
