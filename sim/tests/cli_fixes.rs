@@ -65,24 +65,19 @@ fn long_prompts_run_and_rejections_are_counted_with_their_reason() {
     ]
     .concat();
     std::fs::write(&trace, text).unwrap();
-    let out = kvtier()
-        .args([
-            "sim",
-            "--json",
-            "--no-l3",
-            "--device-pages",
-            "4096",
-            "--host-pages",
-            "8192",
-        ])
-        .arg("--trace")
-        .arg(&trace)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeds(
+        kvtier()
+            .args([
+                "sim",
+                "--json",
+                "--no-l3",
+                "--device-pages",
+                "4096",
+                "--host-pages",
+                "8192",
+            ])
+            .arg("--trace")
+            .arg(&trace),
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["requests"], 2, "{v}");
@@ -95,13 +90,12 @@ fn long_prompts_run_and_rejections_are_counted_with_their_reason() {
     assert_eq!(v["longest_request_tokens"], 300_004);
 
     // The table says it too.
-    let out = kvtier()
-        .args(["sim", "--quiet", "--no-l3", "--device-pages", "4096"])
-        .arg("--trace")
-        .arg(&trace)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let out = succeeds(
+        kvtier()
+            .args(["sim", "--quiet", "--no-l3", "--device-pages", "4096"])
+            .arg("--trace")
+            .arg(&trace),
+    );
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(
         s.contains("rejected") && s.contains("max_context_tokens 262144"),
@@ -275,20 +269,19 @@ fn sweep_points_say_what_they_rejected_and_match_lru_uses_one_request_set() {
 /// holds 80-90 % of the pages it is given (the medium trace run's 262,144 held 229,111).
 #[test]
 fn a_full_l3_holds_80_to_90_percent_of_its_pages() {
-    let out = kvtier()
-        .args([
-            "sim",
-            "--json",
-            "--quiet",
-            "--no-compare",
-            "--clients",
-            "100",
-        ])
-        .args(["--rounds", "2", "--no-host", "--device-pages", "256"])
-        .args(["--l3-pages", "1000"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let out = succeeds(
+        kvtier()
+            .args([
+                "sim",
+                "--json",
+                "--quiet",
+                "--no-compare",
+                "--clients",
+                "100",
+            ])
+            .args(["--rounds", "2", "--no-host", "--device-pages", "256"])
+            .args(["--l3-pages", "1000"]),
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let held = v["l3_objects"].as_u64().unwrap();
     assert!(
@@ -307,26 +300,21 @@ fn the_sweep_plot_says_its_ceiling_excludes_l3() {
         (&["--no-l3"][..], false),
     ] {
         let dir = temp_dir(if says { "sweep-l3" } else { "sweep-no-l3" });
-        let out = kvtier()
-            .args([
-                "sim",
-                "--quiet",
-                "--sweep",
-                "--no-compare",
-                "--eviction",
-                "lru",
-            ])
-            .args(["--clients", "20", "--rounds", "3", "--device-pages", "128"])
-            .args(["--host-pages", "128"])
-            .args(l3)
-            .arg("--sweep-out")
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        succeeds(
+            kvtier()
+                .args([
+                    "sim",
+                    "--quiet",
+                    "--sweep",
+                    "--no-compare",
+                    "--eviction",
+                    "lru",
+                ])
+                .args(["--clients", "20", "--rounds", "3", "--device-pages", "128"])
+                .args(["--host-pages", "128"])
+                .args(l3)
+                .arg("--sweep-out")
+                .arg(&dir),
         );
         let svg = std::fs::read_to_string(dir.join("sweep.svg")).unwrap();
         assert_eq!(

@@ -30,21 +30,6 @@ import kvtier
 logger = logging.getLogger("kvtier.sglang.radix")
 
 _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
-# Codes a batch call gives every key when the store did not answer (its RPC timed out or
-# failed; a master between leaders).
-_UNANSWERED = np.array([int(kvtier._native.ERROR_CODES[n]) for n in ("RPC_FAIL", "UNAVAILABLE_IN_CURRENT_STATUS")])
-
-
-class StoreUnanswered(Exception):
-    """A batch read or write that no key of got an answer for (the store stalled or down)."""
-
-
-def answered(codes: np.ndarray) -> np.ndarray:
-    """A batch call's per-key codes, raising ``StoreUnanswered`` when none was answered."""
-    codes = np.asarray(codes)
-    if len(codes) and np.isin(codes, _UNANSWERED).all():
-        raise StoreUnanswered(f"{len(codes)} keys, codes {sorted(set(codes.tolist()))}")
-    return codes
 
 
 class _Dropped(Exception):
@@ -89,7 +74,7 @@ class L3Io:
             return
         if isinstance(err, _Dropped):
             self.counters.dropped_jobs += 1
-        elif isinstance(err, (kvtier.L3Error, StoreUnanswered)):
+        elif isinstance(err, kvtier.L3Error):
             self.counters.store_errors += 1
             logger.warning("kvtier: L3 %s failed: %r", job.kind, err)
         elif err is not None:
@@ -159,7 +144,8 @@ class L3Io:
             else:
                 keep.append(job)
                 continue
-            if drop_when_unanswered and not unanswered and isinstance(e, (kvtier.L3Error, StoreUnanswered)):
+            # a store that did not answer raises (RpcFailError: its RPC timed out or failed)
+            if drop_when_unanswered and not unanswered and isinstance(e, kvtier.L3Error):
                 unanswered = True
                 # All at once: the I/O thread starts the next job the moment this one ends.
                 for later in self._jobs[i + 1:]:
@@ -187,7 +173,7 @@ class L3Io:
             ids = np.asarray(slots, dtype=np.int64)
 
             def write(keys=keys, ids=ids) -> bool:
-                codes = answered(store.batch_put_pages(keys, flat, ids, pb))
+                codes = np.asarray(store.batch_put_pages(keys, flat, ids, pb))
                 return bool(((codes == 0) | (codes == _EXISTS)).all())
 
             self.counters.backups += 1

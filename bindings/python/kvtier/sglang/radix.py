@@ -73,7 +73,7 @@ from .config import (  # noqa: F401  (re-exported: kvtier.sglang.radix is where 
     UnsupportedPageSizeError,
 )
 from .copies import make_copier
-from .l3_io import L3Io, _Job, _leading_hits, answered
+from .l3_io import L3Io, _Job, _leading_hits
 from .storage import ENV_ADDR, ENV_TOKEN, sglang_model
 
 logger = logging.getLogger(__name__)
@@ -433,7 +433,7 @@ class KvtierRadixCache(L3Io, RadixCache):
         ids = np.asarray(slots, dtype=np.int64)
 
         def read() -> int:
-            codes = answered(store.batch_get_pages(keys, flat, ids, pb))
+            codes = np.asarray(store.batch_get_pages(keys, flat, ids, pb))
             ok = codes == pb
             return int(np.argmin(ok)) if not ok.all() else len(ok)
 
