@@ -28,6 +28,8 @@ Engines (started once per session, up to three at a time; each is one process):
   (``BATCH_KV_BLOCKS``): two are admitted, both need a new block at their first decoded
   token, and vLLM preempts one, frees its blocks and serves it again later, while the
   connector stores, loads and prefetches the round's chunks;
+- ``chunked``: ``KvtierOffloadingSpec`` (host tier) with chunked prefill at 96 tokens a step,
+  so each prompt's chunks are offered while the previous step's store is in flight;
 - ``tp2_spec_l3`` and ``tp2_ref``: tensor parallel 2 (two worker processes) with
   ``KvtierOffloadingSpec`` + an embedded ``kvtier_l3`` (one tier per rank), against a TP 2
   reference.
@@ -112,7 +114,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     md = model_dir(str(root))
     ids = {k: f"kvtier-e2e-{k}-{uuid.uuid4().hex[:8]}"
-           for k in ("spec", "spec_l3", "tier", "share_a", "share_b", "tp2_spec_l3", "batch_l3")}
+           for k in ("spec", "spec_l3", "tier", "share_a", "share_b", "tp2_spec_l3", "batch_l3", "chunked")}
 
     def cfg(name, spec, **extra):
         c = offloading(spec, **extra)
@@ -126,6 +128,11 @@ def runs(tmp_path_factory):
         "spec": {"model": md, "phases": [R1, R2, R3_SALT], "time_manager": True,
                  "kv_transfer_config": cfg("spec", "KvtierOffloadingSpec", cpu_bytes=BIG_HOST,
                                            kvtier_eviction="freq-depth")},
+        # Chunked prefill at a budget under one prompt: each prompt is offered to the connector
+        # step by step, the next chunks while the last step's store is in flight.
+        "chunked": {"model": md, "phases": [R1, R2], "llm_kw": {"max_num_batched_tokens": 96,
+                                                             "enable_chunked_prefill": True},
+                    "kv_transfer_config": cfg("chunked", "KvtierOffloadingSpec", cpu_bytes=BIG_HOST)},
         "spec_l3": {"model": md, "phases": [R1, R2, R3_SALT, R5_SERIAL, R6_CHECKED],
                     "kv_transfer_config": cfg("spec_l3", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
                                               kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
@@ -158,7 +165,8 @@ def runs(tmp_path_factory):
     try:
         started = {}
         # A and B overlap by design; the TP 2 engines (two worker processes each) last.
-        order = ["share_a", "share_b", "ref", "spec_l3", "tier", "spec", "batch_l3", "tp2_ref", "tp2_spec_l3"]
+        order = ["share_a", "share_b", "ref", "spec_l3", "tier", "spec", "batch_l3", "chunked", "tp2_ref",
+                 "tp2_spec_l3"]
         with cf.ThreadPoolExecutor(3) as pool:
             def one(name):
                 p, op = run_engine(jobs[name], wait=False)
@@ -251,6 +259,15 @@ def test_kvtier_spec_with_embedded_l3_is_exact_and_reuses_from_l3(runs):
     # whose prefetch found the host slots held by the first ones' wait (RETRY) instead of
     # being computed (before: prompts 2 and 3 reused nothing).
     assert outputs(runs["spec_l3"], "r2")["cached"] == [PREFIX_TOKENS] * PREFIXES
+
+
+def test_chunked_prefill_reuses_every_prefix(runs):
+    """An adversarial tester's lost hits: at a prefill budget of 96 tokens (vLLM's chunked
+    prefill, on by default) the spec kept only each prompt's first chunk, since the next
+    chunks were offered while its store was in flight (a 552-token prompt reused 64 of 512
+    tokens). Every prefix is reused whole in round 2, and the outputs are the reference's."""
+    assert outputs(runs["chunked"], "r2")["cached"] == [PREFIX_TOKENS] * PREFIXES
+    assert_exact(runs, "chunked", ["r1", "r2"])
 
 
 def test_batched_requests_preempted_while_chunks_move_stay_exact(runs):
