@@ -35,7 +35,8 @@ fn put(m: &mut Master, t: &Tenant, key: &str) {
 /// them at the high watermark.
 fn master(objects: usize, quota: bool) -> Master {
     let mut cfg = StoreConfig::default();
-    let bytes = objects as u64 * SIZE;
+    // what each object is charged (value, keys "k{i:08}" of 9 bytes here, metadata)
+    let bytes = objects as u64 * kvtier_l3::charge(SIZE, 9);
     let segment = if quota {
         cfg.tenant_quota_bytes.insert("bench".into(), bytes);
         bytes * 4
@@ -48,7 +49,7 @@ fn master(objects: usize, quota: bool) -> Master {
         .expect("mount");
     let t = Tenant::new("bench").expect("tenant");
     for i in 0..objects {
-        put(&mut m, &t, &format!("k{i}"));
+        put(&mut m, &t, &format!("k{i:08}"));
     }
     m
 }
@@ -63,7 +64,7 @@ fn bench(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::from_parameter(objects), &objects, |b, _| {
                 b.iter(|| {
                     i += 1;
-                    put(&mut m, &t, &format!("k{i}"));
+                    put(&mut m, &t, &format!("k{i:08}"));
                 })
             });
             assert!(
@@ -76,7 +77,7 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("query_hit");
     for objects in [1_000usize, 100_000] {
         let mut m = master(objects, true);
-        let keys: Vec<String> = (0..objects).map(|i| format!("k{i}")).collect();
+        let keys: Vec<String> = (0..objects).map(|i| format!("k{i:08}")).collect();
         let mut i = 0;
         g.bench_with_input(BenchmarkId::from_parameter(objects), &objects, |b, _| {
             b.iter(|| {

@@ -15,7 +15,9 @@ fn master() -> Master {
     let mut m = Master::new(MasterPolicy::from_config(&StoreConfig::default()));
     let node = ClientId(1);
     let addr = "127.0.0.1:9".parse().expect("addr");
-    m.mount_node(node, SegmentId(1), (OBJECTS as u64) * 128, addr, 0)
+    // room for every object as charged (value, key, metadata), twice over
+    let each = kvtier_l3::charge(64, "k99999".len());
+    m.mount_node(node, SegmentId(1), (OBJECTS as u64) * each * 2, addr, 0)
         .expect("mount");
     let t = Tenant::new("bench").expect("tenant");
     for i in 0..OBJECTS {

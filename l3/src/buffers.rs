@@ -11,6 +11,10 @@
 //!   overwrites it entirely — already faulted memory, no allocator round trip, no `munmap`
 //!   under the master lock. The recycler holds at most the segments' free capacity, so
 //!   allocated plus recycled bytes never exceed what the store was configured to hold.
+//!   Buffers under [`KEEP_MIN`] (a page) are not kept: the allocator serves those from memory
+//!   already faulted, so keeping them saves nothing, and each would cost its header and list
+//!   slot besides its bytes (a 4 MiB store of one-byte objects held 2.4 MB of them, counted
+//!   as a few hundred kilobytes).
 //! - **Huge pages for fresh buffers.** Large fresh buffers are advised `MADV_HUGEPAGE` before
 //!   the copy touches them, so they fault in 2 MiB steps instead of 4 KiB ones (where the
 //!   kernel's transparent huge pages are in `madvise` or `always` mode).
@@ -37,6 +41,9 @@ use std::time::{Duration, Instant};
 const HUGE_MIN: usize = 4 << 20;
 const HUGE_PAGE: usize = 2 << 20;
 
+/// Smallest buffer a [`Recycler`] keeps (see the module docs).
+pub const KEEP_MIN: usize = 4096;
+
 /// Freed buffers by size, bounded by the caller-given free capacity.
 #[derive(Debug, Default)]
 pub struct Recycler {
@@ -50,11 +57,12 @@ impl Recycler {
         self.bytes
     }
 
-    /// Keeps `buf` if nobody else holds it and `free` (capacity not allocated) leaves room.
-    /// Returns the buffer when it is not kept, so the caller decides where it is dropped.
+    /// Keeps `buf` if it is at least [`KEEP_MIN`] bytes, nobody else holds it and `free`
+    /// (capacity not allocated) leaves room. Returns the buffer when it is not kept, so the
+    /// caller decides where it is dropped.
     pub fn keep(&mut self, mut buf: Arc<[u8]>, free: u64) -> Option<Arc<[u8]>> {
         let len = buf.len() as u64;
-        if Arc::get_mut(&mut buf).is_none() || self.bytes + len > free {
+        if buf.len() < KEEP_MIN || Arc::get_mut(&mut buf).is_none() || self.bytes + len > free {
             return Some(buf);
         }
         self.bytes += len;
@@ -230,21 +238,25 @@ mod tests {
 
     #[test]
     fn shared_buffers_are_not_kept_and_kept_ones_are_bounded() {
+        const N: usize = KEEP_MIN;
         let mut r = Recycler::default();
-        let a: Arc<[u8]> = Arc::from(vec![1u8; 100]);
+        let a: Arc<[u8]> = Arc::from(vec![1u8; N]);
         let reader = a.clone();
         assert!(
-            r.keep(a, 1000).is_some(),
+            r.keep(a, 10 * N as u64).is_some(),
             "a buffer a reader holds is never reused"
         );
         drop(reader);
-        assert!(r.keep(Arc::from(vec![2u8; 100]), 150).is_none());
-        assert!(r.keep(Arc::from(vec![3u8; 100]), 150).is_some(), "bound");
-        assert_eq!(r.bytes(), 100);
-        assert!(r.take(99).is_none());
-        let b = r.take(100).unwrap();
+        assert!(r.keep(Arc::from(vec![2u8; N]), 3 * N as u64 / 2).is_none());
+        assert!(
+            r.keep(Arc::from(vec![3u8; N]), 3 * N as u64 / 2).is_some(),
+            "bound"
+        );
+        assert_eq!(r.bytes(), N as u64);
+        assert!(r.take(N - 1).is_none());
+        let b = r.take(N).unwrap();
         assert_eq!(r.bytes(), 0);
-        let src = vec![9u8; 100];
+        let src = vec![9u8; N];
         let f = fill(Some(b), &src);
         assert_eq!(&f[..], &src[..]);
     }
@@ -272,16 +284,27 @@ mod tests {
     }
 
     #[test]
-    fn trim_releases_down_to_the_limit() {
+    fn buffers_under_a_page_are_not_kept() {
         let mut r = Recycler::default();
-        for n in [10usize, 20, 30] {
-            assert!(r.keep(Arc::from(vec![0u8; n]), 1000).is_none());
+        for n in [1usize, 17, 100, KEEP_MIN - 1] {
+            assert!(r.keep(Arc::from(vec![0u8; n]), 1 << 30).is_some(), "{n}");
         }
-        let out = r.trim(25);
-        assert!(r.bytes() <= 25);
+        assert_eq!(r.bytes(), 0);
+        assert!(r.keep(Arc::from(vec![0u8; KEEP_MIN]), 1 << 30).is_none());
+    }
+
+    #[test]
+    fn trim_releases_down_to_the_limit() {
+        const N: u64 = KEEP_MIN as u64;
+        let mut r = Recycler::default();
+        for n in [N, 2 * N, 3 * N] {
+            assert!(r.keep(Arc::from(vec![0u8; n as usize]), 100 * N).is_none());
+        }
+        let out = r.trim(5 * N / 2);
+        assert!(r.bytes() <= 5 * N / 2);
         assert_eq!(
             out.iter().map(|b| b.len() as u64).sum::<u64>() + r.bytes(),
-            60
+            6 * N
         );
     }
 }

@@ -20,7 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::rpc::server::{
-    Backend, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, ServerOptions, start,
+    Backend, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_MAX_REQUESTS_PER_CONNECTION,
+    DEFAULT_RPC_STALL_TIMEOUT, ServerOptions, start,
 };
 use crate::rpc::shm::ShmMode;
 use crate::{
@@ -115,7 +116,8 @@ struct Args {
     /// SSD tier directory (omit for DRAM only).
     #[arg(long)]
     ssd_dir: Option<PathBuf>,
-    /// SSD capacity in bytes (positive).
+    /// SSD capacity in bytes (positive); never more than the filesystem holds (the tier's use
+    /// plus the free space).
     #[arg(long, default_value_t = 64 << 30, value_parser = clap::value_parser!(u64).range(1..))]
     ssd_capacity: u64,
     /// SSD offload mode.
@@ -148,6 +150,14 @@ struct Args {
     /// one that has not authenticated (at most 256 of those), or is closed at once.
     #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = positive)]
     max_connections: usize,
+    /// Most requests of one RPC connection held at once; at the cap the server reads no more
+    /// of that connection until it has written a reply (positive).
+    #[arg(long, default_value_t = DEFAULT_MAX_REQUESTS_PER_CONNECTION, value_parser = positive)]
+    max_requests_per_connection: usize,
+    /// An RPC connection whose replies make no progress (its peer does not read them), or
+    /// that leaves a frame half-sent, for this many milliseconds is dropped (positive).
+    #[arg(long, default_value_t = DEFAULT_RPC_STALL_TIMEOUT.as_millis() as u64, value_parser = positive_ms)]
+    rpc_stall_timeout_ms: u64,
     /// Most keys per batch.
     #[arg(long, default_value_t = 65_536)]
     max_batch_keys: usize,
@@ -329,6 +339,7 @@ where
         return ExitCode::from(2);
     }
     raise_descriptor_limit();
+    ignore_file_size_signal();
     match run(args, token) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -356,12 +367,26 @@ fn raise_descriptor_limit() {
     }
 }
 
+/// Ignores SIGXFSZ, so that a write past the file size limit (`RLIMIT_FSIZE`, `ulimit -f`)
+/// fails with EFBIG — a failed SSD write (-1103, nothing registered, the DRAM copy served) —
+/// instead of killing the process (the signal's default action).
+fn ignore_file_size_signal() {
+    // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code.
+    if unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) } == libc::SIG_ERR {
+        tracing::warn!("could not ignore SIGXFSZ: a write past RLIMIT_FSIZE kills the server");
+    }
+}
+
 fn positive(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(e) => Err(format!("{s:?}: {e}")),
     }
+}
+
+fn positive_ms(s: &str) -> Result<u64, String> {
+    positive(s).map(|n| n as u64)
 }
 
 /// The smallest `--max-frame`: a frame must hold a request's keys and its answer's header.
@@ -503,6 +528,8 @@ fn run(args: Args, token: Option<String>) -> Result<(), String> {
         },
         shm_dir: args.shm_dir.clone(),
         max_connections: args.max_connections,
+        max_requests_per_connection: args.max_requests_per_connection,
+        rpc_stall_timeout: Duration::from_millis(args.rpc_stall_timeout_ms),
         ..ServerOptions::default()
     };
     if args.role == Role::Master

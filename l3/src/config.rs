@@ -4,7 +4,8 @@
 //! `StoreConfig` with documented defaults keeps them consistent, and `validate` turns bad
 //! values into a typed error before any state exists.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -40,6 +41,51 @@ pub struct SsdConfig {
     pub low_watermark: f64,
     /// Bounded offload queue length (objects); a full queue skips the offload (-1301).
     pub queue_len: usize,
+    /// How the tier learns the free space of its directory's filesystem (`statvfs` unless
+    /// a test gives a function): the tier never counts on more than its own use plus that.
+    #[serde(skip)]
+    pub free_space: FreeSpace,
+}
+
+/// Free bytes of the filesystem holding a directory: `statvfs`'s `f_bavail × f_frsize`,
+/// or a given function (tests simulate a small filesystem with it).
+#[derive(Clone, Default)]
+pub struct FreeSpace(Option<Arc<FreeSpaceFn>>);
+
+/// A function giving the free bytes of the filesystem holding a directory.
+pub type FreeSpaceFn = dyn Fn(&Path) -> std::io::Result<u64> + Send + Sync;
+
+impl std::fmt::Debug for FreeSpace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "FreeSpace(given)"
+        } else {
+            "FreeSpace(statvfs)"
+        })
+    }
+}
+
+impl FreeSpace {
+    /// Free space as `f` says.
+    pub fn given(f: impl Fn(&Path) -> std::io::Result<u64> + Send + Sync + 'static) -> Self {
+        FreeSpace(Some(Arc::new(f)))
+    }
+
+    /// Free bytes for an unprivileged writer of the filesystem holding `dir`.
+    pub fn of(&self, dir: &Path) -> std::io::Result<u64> {
+        if let Some(f) = &self.0 {
+            return f(dir);
+        }
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        // SAFETY: statvfs reads the NUL-terminated path and writes only the struct given.
+        let mut v: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(c.as_ptr(), &mut v) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok((v.f_bavail as u64).saturating_mul(v.f_frsize as u64))
+    }
 }
 
 impl SsdConfig {
@@ -54,6 +100,7 @@ impl SsdConfig {
             high_watermark: 0.90,
             low_watermark: 0.80,
             queue_len: 4096,
+            free_space: FreeSpace::default(),
         }
     }
 }

@@ -46,6 +46,7 @@ pub use rpc::server::{
     ClusterMasterHandle, ServerHandle, ServerOptions, spawn_cluster_master, spawn_server,
 };
 pub use rpc::shm::{SHM_ENV, SharedRegion, ShmMode};
+pub use segment::{Footprint, charge};
 pub use store::EmbeddedStore;
 pub use types::{
     Blob, ClientId, ClientStatus, ExistOptions, NameError, NameKind, NodeRef, PutHandle,

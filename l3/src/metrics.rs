@@ -111,7 +111,7 @@ impl Metrics {
         );
         let _ = writeln!(
             o,
-            "# HELP kvtier_l3_tier_bytes Bytes used in the tier\n# TYPE kvtier_l3_tier_bytes gauge\nkvtier_l3_tier_bytes{{tier=\"memory\"}} {}\nkvtier_l3_tier_bytes{{tier=\"disk\"}} {}",
+            "# HELP kvtier_l3_tier_bytes Bytes used in the tier (memory: as charged, values with their keys and metadata)\n# TYPE kvtier_l3_tier_bytes gauge\nkvtier_l3_tier_bytes{{tier=\"memory\"}} {}\nkvtier_l3_tier_bytes{{tier=\"disk\"}} {}",
             s.mem_used_bytes, s.disk_used_bytes
         );
         g(

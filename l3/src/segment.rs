@@ -7,7 +7,18 @@
 //! allocation, so a read that reuses a query result goes straight to the bytes here without
 //! another key lookup.
 //!
-//! Invariant: `used` of a segment is the sum of `size` of its allocations (written or not).
+//! **What a replica costs.** A segment's capacity bounds the DRAM its replicas take, not only
+//! their values: each allocation is charged its value, its key twice (the master's object
+//! table and its eviction order each hold one) and [`OBJECT_OVERHEAD_BYTES`] for the metadata
+//! the store keeps per object (the object record and its hash-table slot, the eviction-order
+//! entry, the allocation record, the value's buffer header, the allocator's own headers).
+//! Counting values alone let a 4 MiB segment hold 3.28 million one-byte objects in 1.8 GiB.
+//! [`Footprint`] carries both numbers, so no caller can allocate a value without its charge.
+//! The constant is measured, not guessed: `tests/dram_accounting.rs` counts the heap a store
+//! grows by per object (a counting allocator) and fails when it passes the charge.
+//!
+//! Invariant: `used` of a segment is the sum of the charges of its allocations (written or
+//! not).
 //! Bytes are `Arc<[u8]>` so a reader copies them out *after* the metadata lock is released.
 //! Freed buffers nobody else holds are recycled for later puts of the same size
 //! ([`crate::buffers`]); recycled plus allocated bytes never exceed the total capacity.
@@ -19,6 +30,52 @@ use crate::buffers::Recycler;
 use crate::error::{L3Error, L3Result};
 use crate::types::{ClientId, SegmentId};
 
+/// Bytes of metadata a memory replica is charged besides its value and key: the heap the
+/// store grows by per object at its worst, a churned hash table at a fifth of its capacity
+/// (about 700 bytes with a one-byte value and a 16-byte key; 560 in fresh tables just after
+/// they doubled: `tests/dram_accounting.rs`), plus the system allocator's headers of its
+/// allocations (the object's box, two keys, its replica list, its value).
+pub const OBJECT_OVERHEAD_BYTES: u64 = 832;
+
+/// Copies of a key the store keeps per object (object table, eviction order).
+pub const KEY_COPIES: u64 = 2;
+
+/// What a memory replica of a `value_bytes` value under a `key_len`-byte key is charged in
+/// its segment (see the module docs).
+pub fn charge(value_bytes: u64, key_len: usize) -> u64 {
+    value_bytes
+        .saturating_add((key_len as u64).saturating_mul(KEY_COPIES))
+        .saturating_add(OBJECT_OVERHEAD_BYTES)
+}
+
+/// A memory replica's value size and its charge against a segment's capacity; made only by
+/// [`Footprint::of`], so a charge always goes with its value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    bytes: u64,
+    charge: u64,
+}
+
+impl Footprint {
+    /// The footprint of a `bytes`-byte value under `key`.
+    pub fn of(bytes: u64, key: &str) -> Self {
+        Footprint {
+            bytes,
+            charge: charge(bytes, key.len()),
+        }
+    }
+
+    /// Bytes of the value (what a write must bring).
+    pub fn bytes(self) -> u64 {
+        self.bytes
+    }
+
+    /// Bytes counted against the segment.
+    pub fn charge(self) -> u64 {
+        self.charge
+    }
+}
+
 /// One mounted segment.
 #[derive(Debug, Clone)]
 pub struct SegmentInfo {
@@ -26,7 +83,7 @@ pub struct SegmentInfo {
     pub owner: ClientId,
     /// Capacity in bytes.
     pub capacity: u64,
-    /// Bytes allocated.
+    /// Bytes charged to its allocations (values, keys, metadata: [`charge`]).
     pub used: u64,
     /// Allocations freed since the owner last asked (only for segments whose bytes live in
     /// another process, a store node: it drops those bytes when told).
@@ -38,8 +95,10 @@ pub struct SegmentInfo {
 pub struct Alloc {
     /// Segment holding it.
     pub segment: SegmentId,
-    /// Size in bytes.
+    /// Size of the value in bytes.
     pub size: u64,
+    /// What it is charged against its segment ([`charge`]).
+    pub charge: u64,
     /// The bytes, once written (None between PutStart and the write).
     pub data: Option<Arc<[u8]>>,
 }
@@ -107,6 +166,9 @@ impl Segments {
         for k in &gone {
             self.allocs.remove(k);
         }
+        // Kept buffers must fit in what is not allocated of the capacity left.
+        let free = self.capacity().saturating_sub(self.used());
+        drop(self.recycler.trim(free));
         Ok(gone)
     }
 
@@ -139,26 +201,23 @@ impl Segments {
         self.segs.values().map(|s| s.capacity).sum()
     }
 
-    /// Total bytes allocated.
+    /// Total bytes charged to allocations.
     pub fn used(&self) -> u64 {
         self.segs.values().map(|s| s.used).sum()
     }
 
-    /// Allocates `size` bytes in the segment with the most free space that fits.
-    pub fn allocate(&mut self, size: u64) -> Option<(SegmentId, u64)> {
-        self.allocate_spread(size, 1, &[]).pop()
+    /// Allocates a replica in the segment with the most free space that fits it.
+    pub fn allocate(&mut self, fp: Footprint) -> Option<(SegmentId, u64)> {
+        self.allocate_spread(fp, 1, &[]).pop()
     }
 
-    /// Allocates `size` bytes in each of up to `n` segments with distinct owners, none of
-    /// them in `skip`, the segments with the most free space first (ties: lowest id).
-    /// Returns what it placed: fewer than `n` (maybe none) when fewer owners have room.
-    /// Distinct owners with a segment that could hold an object of `size` (the most replicas
+    /// Distinct owners with a segment that could hold a replica of `fp` (the most replicas
     /// [`Self::allocate_spread`] can place).
-    pub fn owners_fitting(&self, size: u64) -> usize {
+    pub fn owners_fitting(&self, fp: Footprint) -> usize {
         let mut owners: Vec<ClientId> = self
             .segs
             .values()
-            .filter(|s| s.capacity >= size)
+            .filter(|s| s.capacity >= fp.charge)
             .map(|s| s.owner)
             .collect();
         owners.sort_unstable();
@@ -166,16 +225,19 @@ impl Segments {
         owners.len()
     }
 
+    /// Allocates a replica of `fp` in each of up to `n` segments with distinct owners, none
+    /// of them in `skip`, the segments with the most free space first (ties: lowest id).
+    /// Returns what it placed: fewer than `n` (maybe none) when fewer owners have room.
     pub fn allocate_spread(
         &mut self,
-        size: u64,
+        fp: Footprint,
         n: usize,
         skip: &[ClientId],
     ) -> Vec<(SegmentId, u64)> {
         let mut fits: Vec<(u64, SegmentId, ClientId)> = self
             .segs
             .iter()
-            .filter(|(_, s)| s.capacity - s.used >= size && !skip.contains(&s.owner))
+            .filter(|(_, s)| s.capacity - s.used >= fp.charge && !skip.contains(&s.owner))
             .map(|(&id, s)| (s.capacity - s.used, id, s.owner))
             .collect();
         fits.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -189,25 +251,25 @@ impl Segments {
                 continue;
             }
             owners.push(owner);
-            if let Some(a) = self.allocate_in(sid, size) {
+            if let Some(a) = self.allocate_in(sid, fp) {
                 out.push((sid, a));
             }
         }
         out
     }
 
-    /// Allocates `size` bytes in segment `sid` if it has room.
-    pub fn allocate_on(&mut self, sid: SegmentId, size: u64) -> Option<u64> {
+    /// Allocates a replica of `fp` in segment `sid` if it has room.
+    pub fn allocate_on(&mut self, sid: SegmentId, fp: Footprint) -> Option<u64> {
         let s = self.segs.get(&sid)?;
-        if s.capacity.saturating_sub(s.used) < size {
+        if s.capacity.saturating_sub(s.used) < fp.charge {
             return None;
         }
-        self.allocate_in(sid, size)
+        self.allocate_in(sid, fp)
     }
 
-    fn allocate_in(&mut self, sid: SegmentId, size: u64) -> Option<u64> {
+    fn allocate_in(&mut self, sid: SegmentId, fp: Footprint) -> Option<u64> {
         let seg = self.segs.get_mut(&sid)?;
-        seg.used += size;
+        seg.used += fp.charge;
         let free = self.capacity().saturating_sub(self.used());
         if self.recycler.bytes() > free {
             // Kept buffers must fit in what is not allocated.
@@ -219,7 +281,8 @@ impl Segments {
             id,
             Alloc {
                 segment: sid,
-                size,
+                size: fp.bytes,
+                charge: fp.charge,
                 data: None,
             },
         );
@@ -232,7 +295,7 @@ impl Segments {
         if let Some(a) = self.allocs.remove(&alloc)
             && let Some(s) = self.segs.get_mut(&a.segment)
         {
-            s.used = s.used.saturating_sub(a.size);
+            s.used = s.used.saturating_sub(a.charge);
             if let Some(f) = &mut s.freed {
                 f.push(alloc);
             }
@@ -303,5 +366,81 @@ impl Segments {
     /// Whether the allocation exists and has been written.
     pub fn is_written(&self, alloc: u64) -> bool {
         self.allocs.get(&alloc).is_some_and(|a| a.data.is_some())
+    }
+
+    /// An allocation (its segment, value size and charge), if it exists.
+    pub fn alloc(&self, alloc: u64) -> Option<&Alloc> {
+        self.allocs.get(&alloc)
+    }
+
+    /// Allocations held, in every segment.
+    pub fn allocations(&self) -> usize {
+        self.allocs.len()
+    }
+
+    /// What breaks the module invariants, if anything: a segment whose `used` is not the sum
+    /// of its allocations' charges, one used past its capacity, an allocation in no mounted
+    /// segment, written bytes of another length than its value, or recycled buffers past
+    /// the capacity not allocated.
+    pub fn mismatch(&self) -> Option<String> {
+        let free = self.capacity().saturating_sub(self.used());
+        if self.recycler.bytes() > free {
+            return Some(format!(
+                "{} bytes of recycled buffers, {free} bytes not allocated",
+                self.recycler.bytes()
+            ));
+        }
+        let mut sums: BTreeMap<SegmentId, u64> = BTreeMap::new();
+        for (id, a) in &self.allocs {
+            if !self.segs.contains_key(&a.segment) {
+                return Some(format!(
+                    "allocation {id} in unmounted segment {}",
+                    a.segment.0
+                ));
+            }
+            if let Some(d) = &a.data
+                && d.len() as u64 != a.size
+            {
+                return Some(format!(
+                    "allocation {id}: {} bytes written, size {}",
+                    d.len(),
+                    a.size
+                ));
+            }
+            let s = sums.entry(a.segment).or_default();
+            *s = s.saturating_add(a.charge);
+        }
+        self.segs.iter().find_map(|(id, s)| {
+            let sum = sums.get(id).copied().unwrap_or(0);
+            (s.used != sum || s.used > s.capacity).then(|| {
+                format!(
+                    "segment {}: used {}, its allocations charged {sum}, capacity {}",
+                    id.0, s.used, s.capacity
+                )
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Recycled buffers stay within the capacity not allocated when a segment is unmounted:
+    /// they were bounded by the free space of every segment, the unmounted one's included,
+    /// and kept that much past its unmount (until the next allocation trimmed them).
+    #[test]
+    fn an_unmount_trims_what_is_recycled_to_the_capacity_left() {
+        let mut s = Segments::default();
+        s.mount(SegmentId(1), ClientId(1), 16 << 10).unwrap();
+        s.mount(SegmentId(2), ClientId(2), 1 << 20).unwrap();
+        let fp = Footprint::of(64 << 10, "k");
+        let a = s.allocate_on(SegmentId(2), fp).unwrap();
+        s.write(a, Arc::from(vec![1u8; 64 << 10])).unwrap();
+        s.free(a);
+        assert_eq!(s.recycled_bytes(), 64 << 10);
+        s.unmount(SegmentId(2)).unwrap();
+        assert_eq!(s.mismatch(), None);
+        assert!(s.recycled_bytes() <= 16 << 10, "{}", s.recycled_bytes());
     }
 }

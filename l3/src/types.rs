@@ -378,7 +378,8 @@ pub struct StoreStats {
     pub objects: u64,
     /// Objects with a memory replica.
     pub mem_objects: u64,
-    /// Bytes used in memory segments (including pending puts).
+    /// Bytes charged in memory segments (including pending puts): each replica's value, key
+    /// and metadata ([`crate::charge`]), what the capacity bounds.
     pub mem_used_bytes: u64,
     /// Total capacity of mounted segments.
     pub mem_capacity_bytes: u64,

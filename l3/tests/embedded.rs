@@ -7,7 +7,7 @@ use proptest::prelude::*;
 
 use kvtier_l3::{
     ClientId, ClientStatus, EmbeddedStore, ExistOptions, L3Error, L3Store, PutOptions, SegmentId,
-    StoreConfig, Tenant,
+    StoreConfig, Tenant, charge,
 };
 
 fn t(name: &str) -> Tenant {
@@ -56,7 +56,8 @@ fn two_phase_put_and_revoke() {
     let h2 = s.put_start(&a, "r", 3).unwrap();
     s.put_revoke(&h2).unwrap();
     assert_eq!(s.get(&a, "r").unwrap_err().code_i32(), -704);
-    assert_eq!(s.stats().unwrap().mem_used_bytes, 4);
+    // what "k" is charged: its 4 bytes, its key and its metadata
+    assert_eq!(s.stats().unwrap().mem_used_bytes, charge(4, "k".len()));
     // A revoked handle can no longer end anything.
     assert!(s.put_end(&h2, PutOptions::default()).is_err());
 }
@@ -84,7 +85,7 @@ fn half_done_put_is_revoked_after_timeout_and_old_token_is_refused() {
     s.clock().advance(Duration::from_secs(31));
     let (revoked, _) = s.sweep_now();
     assert_eq!(revoked, 1);
-    assert_eq!(s.stats().unwrap().mem_used_bytes, 2);
+    assert_eq!(s.stats().unwrap().mem_used_bytes, charge(2, "k".len()));
 }
 
 #[test]
@@ -198,8 +199,10 @@ fn batch_query_then_get_reuses_results_and_rejects_expired_per_key() {
 
 #[test]
 fn eviction_watermark_lru_leases_and_pins() {
-    // 100 objects of 1 KiB fill 100 KiB; high watermark 0.90 → eviction past 90 KiB.
-    let s = store(100 * 1024);
+    // 100 objects of 1 KiB (each charged its key and metadata too) fill the segment; high
+    // watermark 0.90 → eviction past 90 of them.
+    let each = charge(1024, 3);
+    let s = store(100 * each);
     let a = t("a");
     let obj = vec![1u8; 1024];
     for i in 0..90 {
@@ -207,39 +210,39 @@ fn eviction_watermark_lru_leases_and_pins() {
             soft_pin: i < 5,
             ..Default::default()
         };
-        s.put(&a, &format!("k{i}"), &obj, pin).unwrap();
+        s.put(&a, &format!("k{i:02}"), &obj, pin).unwrap();
     }
     assert_eq!(s.stats().unwrap().mem_objects, 90);
     // Lease k5..k9 (the oldest unpinned) and touch k10 so it is recent.
     for i in 5..10 {
-        s.get(&a, &format!("k{i}")).unwrap();
+        s.get(&a, &format!("k{i:02}")).unwrap();
     }
     s.put(&a, "k90", &obj, PutOptions::default()).unwrap();
     let st = s.stats().unwrap();
-    // Passing 90% evicts 5% of capacity (5 KiB = 5 objects).
+    // Passing 90% evicts 5% of capacity (5 objects).
     assert_eq!(st.mem_objects, 86, "{st:?}");
     for i in 0..10 {
         assert!(
-            s.is_exist(&a, &format!("k{i}")).unwrap(),
+            s.is_exist(&a, &format!("k{i:02}")).unwrap(),
             "pinned or leased k{i} evicted"
         );
     }
     for i in 10..15 {
         assert!(
-            !s.is_exist(&a, &format!("k{i}")).unwrap(),
+            !s.is_exist(&a, &format!("k{i:02}")).unwrap(),
             "k{i} should be LRU victim"
         );
     }
-    assert!(st.mem_used_bytes <= 90 * 1024);
+    assert!(st.mem_used_bytes <= 90 * each);
     // Leases expire; pins hold: next victims are unpinned ones before pinned.
     s.clock().advance(Duration::from_secs(11));
     for i in 91..96 {
-        s.put(&a, &format!("k{i}"), &obj, PutOptions::default())
+        s.put(&a, &format!("k{i:02}"), &obj, PutOptions::default())
             .unwrap();
     }
     for i in 0..5 {
         assert!(
-            s.is_exist(&a, &format!("k{i}")).unwrap(),
+            s.is_exist(&a, &format!("k{i:02}")).unwrap(),
             "pinned k{i} evicted early"
         );
     }
@@ -247,7 +250,7 @@ fn eviction_watermark_lru_leases_and_pins() {
 
 #[test]
 fn no_space_when_everything_is_leased() {
-    let s = store(10 * 1024);
+    let s = store(10 * charge(1024, "k0".len()));
     let a = t("a");
     for i in 0..9 {
         s.put(&a, &format!("k{i}"), &[0u8; 1024], PutOptions::default())
@@ -265,6 +268,80 @@ fn no_space_when_everything_is_leased() {
             .code_i32(),
         -200
     );
+}
+
+/// A put whose charge no segment can hold is -200 before anything is evicted: it fits none of
+/// them however much is evicted. Since values are charged their key and metadata
+/// (`kvtier_l3::charge`), a value of exactly a segment's size is such a put; with two 1 MiB
+/// segments (2 MiB in all) it evicted 1 MiB of other objects — every one here, and under a
+/// tenant quota the tenant's own — and was then refused.
+#[test]
+fn a_put_no_segment_can_hold_is_refused_without_evicting() {
+    use std::collections::BTreeMap;
+    const SEG: u64 = 1 << 20;
+    for quota in [None, Some(3 * SEG / 2)] {
+        let s = EmbeddedStore::new(StoreConfig {
+            local_segment_bytes: SEG,
+            tenant_quota_bytes: quota
+                .map(|q| BTreeMap::from([("a".to_string(), q)]))
+                .unwrap_or_default(),
+            ..Default::default()
+        })
+        .unwrap();
+        s.mount_segment(ClientId(7), SegmentId(7), SEG).unwrap();
+        let a = t("a");
+        let objs = keys(10, "k");
+        for k in &objs {
+            s.put(&a, k, &[1u8; 64 << 10], PutOptions::default())
+                .unwrap();
+        }
+        let before = s.stats().unwrap();
+        let e = s
+            .put(&a, "seg", &vec![2u8; SEG as usize], PutOptions::default())
+            .unwrap_err();
+        assert!(
+            matches!(e, L3Error::NoAvailableHandle { needed } if needed == charge(SEG, 3)),
+            "{e:?}"
+        );
+        for k in &objs {
+            assert!(
+                s.is_exist(&a, k).unwrap(),
+                "{k} evicted for a refused put (quota {quota:?})"
+            );
+        }
+        assert_eq!(s.stats().unwrap(), before);
+    }
+}
+
+/// A put asking for more replicas than there are segment owners gets one per owner, and
+/// evicts nothing for the others: on a store with one owner a put of 2 replicas evicted an
+/// object at every put, with DRAM nearly empty.
+#[test]
+fn replicas_beyond_the_owners_evict_nothing() {
+    let s = store(16 << 20);
+    let a = t("a");
+    let objs = keys(8, "k");
+    for k in &objs {
+        s.put(&a, k, &[1u8; 64 << 10], PutOptions::default())
+            .unwrap();
+    }
+    for (i, n) in [2u32, 3, 8].into_iter().enumerate() {
+        s.put_with(
+            &a,
+            &format!("r{i}"),
+            &[3u8; 64 << 10],
+            PutOptions::default(),
+            kvtier_l3::ReplicateConfig::replicas(n),
+        )
+        .unwrap();
+    }
+    for k in objs.iter().chain(&keys(3, "r")) {
+        assert!(
+            s.is_exist(&a, k).unwrap(),
+            "{k} evicted at 3 % of the segment"
+        );
+    }
+    assert_eq!(s.stats().unwrap().mem_objects, 11);
 }
 
 #[test]
@@ -417,8 +494,9 @@ fn survivors(s: &EmbeddedStore, a: &Tenant, j: usize, len: usize) -> Vec<usize> 
 /// stores kept no prefix at all).
 #[test]
 fn a_batch_ranks_its_first_key_most_recent() {
-    // 100 objects of 1 KiB; past 90 % an eviction frees 5 % (5 objects).
-    let s = store(100 * 1024);
+    // 100 objects of 1 KiB (as charged under keys "c{j}/{i}"); past 90 % an eviction
+    // frees 5 % (5 objects).
+    let s = store(100 * charge(1024, "c0/0".len()));
     let a = t("a");
     let obj = vec![7u8; 1024];
     for j in 0..9 {

@@ -35,7 +35,11 @@ fn policy(capacity_objects: u64) -> (MasterPolicy, u64) {
         client_ttl: std::time::Duration::from_millis(TTL_MS),
         ..Default::default()
     };
-    (MasterPolicy::from_config(&cfg), capacity_objects * SIZE)
+    // objects of SIZE bytes under keys of up to 3 bytes, as charged (kvtier_l3::charge)
+    (
+        MasterPolicy::from_config(&cfg),
+        capacity_objects * kvtier_l3::charge(SIZE, 3),
+    )
 }
 
 /// One simulated store node.

@@ -22,9 +22,14 @@ fn tenant() -> Tenant {
     Tenant::new("losses").expect("valid tenant")
 }
 
+/// A segment holding `objects` objects of OBJ bytes under keys of up to 3 bytes ("k23").
+fn segment(objects: u64) -> u64 {
+    objects * kvtier_l3::charge(OBJ as u64, 3)
+}
+
 fn store(objects: u64, journal: usize, ssd: Option<&std::path::Path>) -> EmbeddedStore {
     EmbeddedStore::new(StoreConfig {
-        local_segment_bytes: objects * OBJ as u64,
+        local_segment_bytes: segment(objects),
         loss_journal_keys: journal,
         ssd: ssd.map(|d| {
             let mut s = SsdConfig::new(d);
@@ -146,7 +151,7 @@ fn evictions_and_removes_are_journaled_for_every_reader() {
 #[test]
 fn the_journal_over_the_wire_and_after_a_restart() {
     let cfg = |journal| StoreConfig {
-        local_segment_bytes: 16 * OBJ as u64,
+        local_segment_bytes: segment(16),
         loss_journal_keys: journal,
         ..StoreConfig::default()
     };

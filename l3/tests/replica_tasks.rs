@@ -170,7 +170,10 @@ proptest! {
                 }
             }
             prop_assert_eq!(segs(&s, &a, "k"), model.iter().copied().collect::<Vec<_>>());
-            prop_assert_eq!(s.stats().unwrap().mem_used_bytes, 3000 * model.len() as u64);
+            prop_assert_eq!(
+                s.stats().unwrap().mem_used_bytes,
+                kvtier_l3::charge(3000, "k".len()) * model.len() as u64
+            );
         }
         prop_assert_eq!(s.get(&a, "k").unwrap(), data);
     }

@@ -18,31 +18,20 @@ use std::time::Duration;
 
 mod common;
 
-use common::raw::{PATIENCE, Server, TOKEN, assert_closed, rpc_frame};
+use common::raw::{PATIENCE, Server, TOKEN, assert_closed, rpc_frame, token_server};
 use common::{payload, t};
 use kvtier_l3::rpc::server::ServerOptions;
 use kvtier_l3::rpc::service::L3RpcRequest;
-use kvtier_l3::{
-    ClientOptions, EmbeddedStore, L3Store, PutOptions, RemoteStore, StoreConfig, spawn_server,
-};
+use kvtier_l3::{ClientOptions, L3Store, PutOptions, RemoteStore};
 
 fn server(metrics: bool) -> kvtier_l3::ServerHandle {
-    let store = Arc::new(
-        EmbeddedStore::new(StoreConfig {
-            local_segment_bytes: 16 << 20,
-            ..Default::default()
-        })
-        .unwrap(),
-    );
-    spawn_server(
-        store,
+    token_server(
+        16 << 20,
         ServerOptions {
-            token: Some(TOKEN.into()),
             metrics_addr: metrics.then(|| "127.0.0.1:0".parse().unwrap()),
             ..Default::default()
         },
     )
-    .unwrap()
 }
 
 fn connect(addr: SocketAddr) -> TcpStream {

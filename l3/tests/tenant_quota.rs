@@ -16,6 +16,13 @@ use proptest::prelude::*;
 
 const OBJ: usize = 256 << 10;
 
+/// What `n` objects of OBJ bytes under two-byte keys ("a0" .. "a7") are charged: a quota
+/// counts what the tenant's replicas cost the store (kvtier_l3::charge), keys and metadata
+/// included.
+fn objects(n: u64) -> u64 {
+    n * kvtier_l3::charge(OBJ as u64, 2)
+}
+
 fn store(quota_a: u64) -> EmbeddedStore {
     EmbeddedStore::new(StoreConfig {
         local_segment_bytes: 64 << 20,
@@ -56,7 +63,12 @@ fn check_caps(s: &dyn L3Store) {
         );
         assert_eq!(exists(s, "a", &format!("a{i}")), i >= 4, "a{i}");
     }
-    let big = s.put(&t("a"), "big", &payload(9, 4 * OBJ + 1), Default::default());
+    let big = s.put(
+        &t("a"),
+        "big",
+        &payload(9, objects(4) as usize),
+        Default::default(),
+    );
     assert!(
         matches!(big, Err(L3Error::NoAvailableHandle { .. })),
         "{big:?}"
@@ -78,7 +90,7 @@ fn check_caps(s: &dyn L3Store) {
 
 #[test]
 fn a_tenant_past_its_cap_evicts_only_its_own_objects() {
-    let s = store(4 * OBJ as u64);
+    let s = store(objects(4));
     let cursor = s.losses_since(&t("a"), None).unwrap().next;
     check_caps(&s);
     // The engine is told: the loss journal names what the cap evicted.
@@ -91,7 +103,7 @@ fn a_tenant_past_its_cap_evicts_only_its_own_objects() {
 #[test]
 fn a_master_caps_tenants_across_its_nodes() {
     let state = tempfile::tempdir().unwrap();
-    let quota = format!("a={}", 4 * OBJ);
+    let quota = format!("a={}", objects(4));
     let master = master_in(
         "127.0.0.1:0",
         state.path(),
@@ -149,7 +161,7 @@ proptest! {
             for tn in ["a", "b"] {
                 let want: u64 = sizes.iter()
                     .filter(|(n, k, _)| *n == tn && s.residency(&t(tn), k).0)
-                    .map(|(_, _, len)| *len)
+                    .map(|(_, k, len)| kvtier_l3::charge(*len, k.len()))
                     .sum();
                 prop_assert_eq!(s.tenant_dram_bytes(&t(tn)), want, "tenant {}", tn);
             }
@@ -165,7 +177,7 @@ proptest! {
 /// two objects gone, in the loss journal, for a put that never happened).
 #[test]
 fn a_put_the_cap_refuses_evicts_nothing() {
-    let s = store(8 * OBJ as u64);
+    let s = store(objects(8));
     put_objects(&s, "a", 8);
     for i in 0..6 {
         s.get_replica_list(&t("a"), &format!("a{i}")).unwrap(); // leased
@@ -185,14 +197,14 @@ fn a_put_the_cap_refuses_evicts_nothing() {
             .keys
             .is_empty()
     );
-    assert_eq!(s.tenant_dram_bytes(&t("a")), 8 * OBJ as u64);
+    assert_eq!(s.tenant_dram_bytes(&t("a")), objects(8));
 }
 
 /// A put is charged for the replicas it can get, not for `replica_num`: on a store with one
 /// segment owner a put of 3 replicas gets one, and was refused under a cap of 2 objects.
 #[test]
 fn a_put_is_charged_for_the_replicas_it_gets() {
-    let s = store(2 * OBJ as u64);
+    let s = store(objects(2));
     let cfg = kvtier_l3::ReplicateConfig { replica_num: 3 };
     let r = s.batch_put_from_with(
         &t("a"),
@@ -202,7 +214,10 @@ fn a_put_is_charged_for_the_replicas_it_gets() {
         cfg,
     );
     assert!(matches!(r.as_deref(), Ok([Ok(())])), "{r:?}");
-    assert_eq!(s.tenant_dram_bytes(&t("a")), OBJ as u64);
+    assert_eq!(
+        s.tenant_dram_bytes(&t("a")),
+        kvtier_l3::charge(OBJ as u64, "k".len())
+    );
 }
 
 /// A copy of a replica to another segment counts against the cap like a put: it took a
@@ -210,7 +225,7 @@ fn a_put_is_charged_for_the_replicas_it_gets() {
 #[test]
 fn a_replica_copy_past_the_cap_is_refused() {
     use kvtier_l3::{ClientId, SegmentId};
-    let s = store(2 * OBJ as u64);
+    let s = store(objects(2));
     s.mount_segment(ClientId(7), SegmentId(1007), 16 << 20)
         .unwrap();
     put_objects(&s, "a", 2);
@@ -224,7 +239,7 @@ fn a_replica_copy_past_the_cap_is_refused() {
         matches!(r2, Err(L3Error::NoAvailableHandle { .. })),
         "{r2:?}"
     );
-    assert_eq!(s.tenant_dram_bytes(&t("a")), 2 * OBJ as u64);
+    assert_eq!(s.tenant_dram_bytes(&t("a")), objects(2));
 }
 
 /// A promotion from SSD counts against the cap: one `exist(prefetch_to_memory)` over the
@@ -234,7 +249,7 @@ fn a_promotion_past_the_cap_is_skipped_and_the_object_still_reads() {
     let dir = tempfile::tempdir().unwrap();
     let s = EmbeddedStore::new(StoreConfig {
         local_segment_bytes: 64 << 20,
-        tenant_quota_bytes: BTreeMap::from([("a".to_string(), 4 * OBJ as u64)]),
+        tenant_quota_bytes: BTreeMap::from([("a".to_string(), objects(4))]),
         ssd: Some(kvtier_l3::SsdConfig::new(dir.path())),
         ..StoreConfig::default()
     })
@@ -245,7 +260,7 @@ fn a_promotion_past_the_cap_is_skipped_and_the_object_still_reads() {
             .unwrap();
     }
     s.flush().unwrap();
-    assert!(s.tenant_dram_bytes(&t("a")) <= 4 * OBJ as u64);
+    assert!(s.tenant_dram_bytes(&t("a")) <= objects(4));
     let opts = kvtier_l3::ExistOptions {
         prefetch_to_memory: true,
     };
@@ -254,10 +269,10 @@ fn a_promotion_past_the_cap_is_skipped_and_the_object_still_reads() {
     s.flush().unwrap();
     std::thread::sleep(Duration::from_millis(300)); // promotions run on their workers
     assert!(
-        s.tenant_dram_bytes(&t("a")) <= 4 * OBJ as u64,
+        s.tenant_dram_bytes(&t("a")) <= objects(4),
         "{} bytes in DRAM under a cap of {}",
         s.tenant_dram_bytes(&t("a")),
-        4 * OBJ
+        objects(4)
     );
     for (i, k) in keys.iter().enumerate() {
         assert_eq!(s.get(&t("a"), k).unwrap(), payload(i, OBJ), "{k}");

@@ -97,13 +97,13 @@ impl Master {
                 self.members.adopted(r);
                 if self
                     .obj(&r.tenant, &r.key)
-                    .is_some_and(|o| o.size != r.size)
+                    .is_some_and(|o| o.fp.bytes() != r.size)
                 {
                     return Err(Refusal::Settled);
                 }
                 let alloc = self
                     .segments
-                    .allocate_on(seg, r.size)
+                    .allocate_on(seg, Footprint::of(r.size, &r.key))
                     .ok_or(Refusal::NoRoom)?;
                 let disk = self.attachable(node, r);
                 if let Some(mut o) = self.obj_mut(&r.tenant, &r.key) {
@@ -134,11 +134,11 @@ impl Master {
         }
         let alloc = self
             .segments
-            .allocate_on(seg, r.size)
+            .allocate_on(seg, Footprint::of(r.size, &r.key))
             .ok_or(Refusal::NoRoom)?;
         self.next_token = self.next_token.max(r.token);
         let tick = self.touch();
-        let mut o = Object::found(r.size, r.token, node, tick);
+        let mut o = Object::found(Footprint::of(r.size, &r.key), r.token, node, tick);
         o.disk = self.attachable(node, r);
         self.members.adopted(r);
         o.mem.push(MemReplica {

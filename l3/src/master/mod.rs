@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{L3Error, L3Result};
 use crate::eviction::{Candidate, take_in_order};
-use crate::segment::Segments;
+use crate::segment::{Footprint, Segments};
 pub use settle::SettleLogEntry;
 
 use crate::types::{
@@ -176,7 +176,8 @@ struct MemReplica {
 
 #[derive(Debug, Clone)]
 struct Object {
-    size: u64,
+    /// Its value's size and what each memory replica is charged in its segment.
+    fp: Footprint,
     token: u64,
     state: ObjState,
     /// Memory replicas, the first placed first; in a split deployment each on another node.
@@ -210,9 +211,9 @@ struct Object {
 impl Object {
     /// A complete object a node reported after a remount (its copy added by the caller),
     /// with no lease or pin.
-    fn found(size: u64, token: u64, node: ClientId, tick: u64) -> Self {
+    fn found(fp: Footprint, token: u64, node: ClientId, tick: u64) -> Self {
         Object {
-            size,
+            fp,
             token,
             state: ObjState::Complete,
             mem: Vec::new(),
@@ -340,9 +341,9 @@ pub struct ReplicaEnded {
 /// Outcome of an eviction pass.
 #[derive(Debug, Default)]
 pub struct EvictionOutcome {
-    /// Memory replicas dropped.
+    /// Objects whose memory replicas were all dropped.
     pub evicted: u64,
-    /// Bytes freed.
+    /// Bytes freed, as charged ([`crate::charge`]: values, keys, metadata).
     pub freed: u64,
     /// Objects to write to SSD (offload-on-evict).
     pub to_offload: Vec<StagedOffload>,

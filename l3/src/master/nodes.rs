@@ -153,10 +153,11 @@ impl Master {
             let Some(seg) = self.nodes.get(&node).and_then(|n| n.segment) else {
                 continue;
             };
+            let charge = Footprint::of(loc.size, &key).charge();
             let pressure = self
                 .segments
                 .get(seg)
-                .is_none_or(|s| s.used.saturating_add(loc.size) as f64 > s.capacity as f64 * high);
+                .is_none_or(|s| s.used.saturating_add(charge) as f64 > s.capacity as f64 * high);
             if pressure {
                 continue;
             }
@@ -200,21 +201,23 @@ impl Master {
             .get(&node)
             .and_then(|n| n.segment)
             .ok_or(L3Error::ObjectNotFound)?;
-        if !self.within_quota(t, loc.size) {
-            return Err(L3Error::NoAvailableHandle { needed: loc.size });
+        let fp = Footprint::of(loc.size, key);
+        let needed = fp.charge();
+        if !self.within_quota(t, needed) {
+            return Err(L3Error::NoAvailableHandle { needed });
         }
         let high = self.policy.high_watermark;
         let fits = self
             .segments
             .get(seg)
-            .is_some_and(|s| s.used.saturating_add(loc.size) as f64 <= s.capacity as f64 * high);
+            .is_some_and(|s| s.used.saturating_add(needed) as f64 <= s.capacity as f64 * high);
         if !fits {
-            return Err(L3Error::NoAvailableHandle { needed: loc.size });
+            return Err(L3Error::NoAvailableHandle { needed });
         }
         let alloc = self
             .segments
-            .allocate_on(seg, loc.size)
-            .ok_or(L3Error::NoAvailableHandle { needed: loc.size })?;
+            .allocate_on(seg, fp)
+            .ok_or(L3Error::NoAvailableHandle { needed })?;
         let lease = now.saturating_add(self.policy.lease_ttl_ms);
         let tick = self.touch();
         if let Some(mut o) = self.obj_mut(t, key) {
@@ -370,7 +373,7 @@ impl Master {
             // rule 6): this record is its SSD copy.
             let attach = o.disk.is_none()
                 && o.is_complete()
-                && o.size == loc.size
+                && o.fp.bytes() == loc.size
                 && self.members.same_bytes(t, key, o.token, &loc);
             if attach && let Some(mut o) = self.obj_mut(t, key) {
                 o.disk = Some(loc);
@@ -380,7 +383,7 @@ impl Master {
         }
         let tick = self.touch();
         let token = self.new_token();
-        let mut o = Object::found(loc.size, token, node, tick);
+        let mut o = Object::found(Footprint::of(loc.size, key), token, node, tick);
         o.disk = Some(loc);
         self.objects.insert(t, key.to_string(), o);
         self.readable(t, key);

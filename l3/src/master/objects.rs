@@ -25,7 +25,8 @@ impl Master {
         }
         o.lease_until_ms = o.lease_until_ms.max(lease);
         o.last_access = tick;
-        let (size, disk, disk_node, deadline) = (o.size, o.disk, o.disk_node, o.lease_until_ms);
+        let (size, disk, disk_node, deadline) =
+            (o.fp.bytes(), o.disk, o.disk_node, o.lease_until_ms);
         let mut mem: Vec<(SegmentId, u64)> = o.mem.iter().map(|r| (r.seg, r.alloc)).collect();
         if let Some(Staged::OnNode { seg, alloc, .. }) = o.staged {
             // Evicted on an offloading node that still holds the bytes (until its SSD copy
@@ -75,7 +76,7 @@ impl Master {
         }
         o.lease_until_ms = o.lease_until_ms.max(lease);
         o.last_access = tick;
-        let size = o.size;
+        let size = o.fp.bytes();
         let first = o.mem.first().map(|r| r.alloc);
         let staged = o.staged.clone();
         let disk = o.disk;
@@ -220,7 +221,7 @@ impl Master {
         if !o.has_data() {
             return Err(L3Error::ObjectNotFound);
         }
-        Ok(o.size)
+        Ok(o.fp.bytes())
     }
 
     // ---- removal -----------------------------------------------------------------------------
@@ -329,10 +330,11 @@ impl Master {
         room: Room,
         out: &mut EvictionOutcome,
     ) -> L3Result<()> {
-        let size = data.len() as u64;
+        let fp = Footprint::of(data.len() as u64, key);
+        let (size, charge) = (fp.bytes(), fp.charge());
         let lease = now.saturating_add(self.policy.lease_ttl_ms);
         match self.obj(t, key) {
-            Some(o) if o.token == token && o.is_complete() && o.size == size => {
+            Some(o) if o.token == token && o.is_complete() && o.fp.bytes() == size => {
                 if !o.mem.is_empty() {
                     return Ok(());
                 }
@@ -340,26 +342,27 @@ impl Master {
             _ => return Err(L3Error::ObjectNotFound),
         }
         // an optional copy: never past the tenant's cap (it took a tenant to 4× its cap, and
-        // the promotions' leases then refused its puts)
-        if !self.within_quota(t, size) {
-            return Err(L3Error::NoAvailableHandle { needed: size });
+        // the promotions' leases then refused its puts); none where no segment can hold it
+        // (the one it was put in is gone), before anything is evicted for it
+        if !self.within_quota(t, charge) || self.segments.owners_fitting(fp) == 0 {
+            return Err(L3Error::NoAvailableHandle { needed: charge });
         }
-        if room == Room::EvictSaved && self.under_pressure(size) {
+        if room == Room::EvictSaved && self.under_pressure(charge) {
             let cap = self.segments.capacity();
             let high = (cap as f64 * self.policy.high_watermark) as u64;
             let ratio_bytes = (cap as f64 * self.policy.eviction_ratio) as u64;
-            let need = (self.segments.used() + size)
+            let need = (self.segments.used() + charge)
                 .saturating_sub(high)
                 .max(ratio_bytes);
             self.evict_lossless(need, now, out);
         }
-        if self.under_pressure(size) {
-            return Err(L3Error::NoAvailableHandle { needed: size });
+        if self.under_pressure(charge) {
+            return Err(L3Error::NoAvailableHandle { needed: charge });
         }
         let (seg, alloc) = self
             .segments
-            .allocate(size)
-            .ok_or(L3Error::NoAvailableHandle { needed: size })?;
+            .allocate(fp)
+            .ok_or(L3Error::NoAvailableHandle { needed: charge })?;
         if let Err(e) = self.segments.write(alloc, data) {
             self.segments.free(alloc);
             return Err(e);
@@ -397,9 +400,15 @@ impl Master {
         }
     }
 
-    /// Whether the census `stats()` reads, every tenant's DRAM bytes (what quotas read) and
-    /// every tenant's eviction order (what evictions walk) equal what is counted from every
-    /// object (the invariant the tests check after their operations); what differs otherwise.
+    /// Whether the census `stats()` reads, every tenant's DRAM bytes (what quotas read),
+    /// every segment's use (what placement and eviction read) and every tenant's eviction
+    /// order (what evictions walk) equal what is counted from every object (the invariant
+    /// the tests check after their operations); what differs otherwise. The charges:
+    /// each segment's `used` is the sum of its allocations' charges (`segment.rs`); each
+    /// memory replica names an allocation of its own in its segment, charged (and sized) as
+    /// its object's footprint under its own key, and no other allocation exists; so each
+    /// tenant's DRAM bytes (its objects' charges × their memory replicas) sum to the
+    /// segments' use.
     pub fn check_census(&self) -> Result<(), String> {
         let (kept, scanned) = (self.objects.census(), self.objects.census_by_scan());
         if kept != scanned {
@@ -409,6 +418,38 @@ impl Master {
             return Err(format!(
                 "tenant {}: DRAM bytes kept {kept}, summed {sum}",
                 t.as_str()
+            ));
+        }
+        if let Some(e) = self.segments.mismatch() {
+            return Err(e);
+        }
+        let mut replicas = std::collections::HashSet::new();
+        for (t, m) in self.objects.iter() {
+            for (k, o) in m {
+                if o.fp != Footprint::of(o.fp.bytes(), k) {
+                    return Err(format!("{}/{k}: footprint {:?}", t.as_str(), o.fp));
+                }
+                for r in &o.mem {
+                    let ok = self.segments.alloc(r.alloc).is_some_and(|a| {
+                        a.segment == r.seg && a.charge == o.fp.charge() && a.size == o.fp.bytes()
+                    });
+                    if !ok || !replicas.insert(r.alloc) {
+                        let a = self.segments.alloc(r.alloc);
+                        return Err(format!(
+                            "{}/{k}: replica {r:?} of {:?} is allocation {:?} (or another's)",
+                            t.as_str(),
+                            o.fp,
+                            a.map(|a| (a.segment, a.size, a.charge))
+                        ));
+                    }
+                }
+            }
+        }
+        if replicas.len() != self.segments.allocations() {
+            return Err(format!(
+                "{} allocations, {} of them memory replicas",
+                self.segments.allocations(),
+                replicas.len()
             ));
         }
         match self.objects.order_mismatch() {

@@ -20,7 +20,7 @@
 //! that is a candidate has exactly one entry, at `ordered_as`, in its class and no later than
 //! its last access; an object that is not has none; nothing else is in the order.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::ops::Bound;
 
 use super::Object;
@@ -93,7 +93,7 @@ impl Order {
     pub(super) fn next_fresh(
         &mut self,
         after: Option<&Entry>,
-        objects: &mut HashMap<String, Object>,
+        objects: &mut super::table::Objects,
     ) -> Option<Entry> {
         loop {
             let e = match after {
@@ -118,7 +118,7 @@ impl Order {
     }
 
     /// What breaks the invariant (module docs) for these objects, if anything.
-    pub(super) fn mismatch(&self, objects: &HashMap<String, Object>) -> Option<String> {
+    pub(super) fn mismatch(&self, objects: &super::table::Objects) -> Option<String> {
         let mut placed = 0;
         for (k, o) in objects {
             match (o.ordered_as, EvictRank::of(o)) {

@@ -53,8 +53,16 @@ impl Master {
                 }
             }
         }
-        self.tenant_room(t, size, replicas, now, out)?;
-        let placed = self.allocate(size, replicas.max(1), now, out)?;
+        let fp = Footprint::of(size, key);
+        if self.segments.owners_fitting(fp) == 0 {
+            // No segment can hold it, whatever is evicted (its charge passes every capacity):
+            // refused before the tenant's or anyone's objects are evicted for it.
+            return Err(L3Error::NoAvailableHandle {
+                needed: fp.charge(),
+            });
+        }
+        self.tenant_room(t, fp, replicas, now, out)?;
+        let placed = self.allocate(fp, replicas.max(1), now, out)?;
         let descs: Vec<ReplicaDescriptor> = placed
             .iter()
             .map(|&(segment, alloc)| ReplicaDescriptor::Memory {
@@ -77,7 +85,7 @@ impl Master {
             t,
             key.to_string(),
             Object {
-                size,
+                fp,
                 token,
                 state: ObjState::Pending { since_ms: now },
                 mem: placed
@@ -101,9 +109,9 @@ impl Master {
             },
         );
         let mut descs = descs.into_iter();
-        let replica = descs
-            .next()
-            .ok_or(L3Error::NoAvailableHandle { needed: size })?;
+        let replica = descs.next().ok_or(L3Error::NoAvailableHandle {
+            needed: fp.charge(),
+        })?;
         Ok(PutHandle {
             tenant: t.clone(),
             key: key.to_string(),
@@ -115,17 +123,21 @@ impl Master {
         })
     }
 
-    /// Allocates `n` replicas (best effort, at least one) on distinct owners, evicting first
-    /// when usage would pass the high watermark or space is short.
+    /// Allocates `n` replicas of `fp` (best effort, at least one) on distinct owners,
+    /// evicting first when usage would pass the high watermark or space is short. Only the
+    /// replicas that can be placed are made room for: at most one per owner with a segment
+    /// that can hold one (none: -200, nothing evicted).
     pub(super) fn allocate(
         &mut self,
-        size: u64,
+        fp: Footprint,
         n: usize,
         now: u64,
         out: &mut EvictionOutcome,
     ) -> L3Result<Vec<(SegmentId, u64)>> {
         let cap = self.segments.capacity();
-        if size > cap {
+        let size = fp.charge();
+        let n = n.min(self.segments.owners_fitting(fp));
+        if n == 0 {
             return Err(L3Error::NoAvailableHandle { needed: size });
         }
         let total = size.saturating_mul(n as u64);
@@ -139,7 +151,7 @@ impl Master {
                 .max(ratio_bytes);
             self.evict(need, now, out);
         }
-        let mut placed = self.segments.allocate_spread(size, n, &[]);
+        let mut placed = self.segments.allocate_spread(fp, n, &[]);
         if placed.len() < n {
             // Fragmented across segments or still short: one more pass for what is missing,
             // on owners not used yet.
@@ -148,7 +160,7 @@ impl Master {
                 .iter()
                 .filter_map(|(s, _)| self.segments.get(*s).map(|i| i.owner))
                 .collect();
-            let more = self.segments.allocate_spread(size, n - placed.len(), &skip);
+            let more = self.segments.allocate_spread(fp, n - placed.len(), &skip);
             placed.extend(more);
         }
         if placed.is_empty() {
@@ -173,14 +185,14 @@ impl Master {
             .is_none_or(|&cap| self.tenant_dram_bytes(t).saturating_add(bytes) <= cap)
     }
 
-    /// Makes room under tenant `t`'s quota for a put of `size` bytes × the replicas it can
+    /// Makes room under tenant `t`'s quota for a put charged `fp` × the replicas it can
     /// get (`replicas` asked for, at most one per segment owner: counted only for a capped
     /// tenant, not on every put), evicting its own objects (the others' are never touched);
     /// -200 when it cannot (leased, or larger than the cap).
     fn tenant_room(
         &mut self,
         t: &Tenant,
-        size: u64,
+        fp: Footprint,
         replicas: usize,
         now: u64,
         out: &mut EvictionOutcome,
@@ -188,10 +200,8 @@ impl Master {
         let Some(&cap) = self.policy.tenant_quota_bytes.get(t.as_str()) else {
             return Ok(());
         };
-        let copies = replicas
-            .max(1)
-            .min(self.segments.owners_fitting(size).max(1));
-        let bytes = size.saturating_mul(copies as u64);
+        let copies = replicas.max(1).min(self.segments.owners_fitting(fp).max(1));
+        let bytes = fp.charge().saturating_mul(copies as u64);
         let over = |used: u64| used.saturating_add(bytes).saturating_sub(cap);
         let need = over(self.tenant_dram_bytes(t));
         if need > 0 && bytes <= cap {
@@ -257,7 +267,7 @@ impl Master {
                 objects.walk(
                     only,
                     |o| Candidate {
-                        size: o.size.saturating_mul(o.mem.len() as u64),
+                        size: o.fp.charge().saturating_mul(o.mem.len() as u64),
                         leased: o.leased(now),
                         pinned: o.pin_until_ms > now,
                         unsaved: o.disk.is_none(),
@@ -284,7 +294,7 @@ impl Master {
             if gone.is_empty() {
                 continue;
             }
-            let size = o.size;
+            let charge = o.fp.charge();
             let token = o.token;
             let keep_disk = o.disk.is_some();
             let copy_queued = o.copy_queued;
@@ -305,7 +315,7 @@ impl Master {
                 self.segments.free(r.alloc);
             }
             out.evicted += 1;
-            out.freed += size.saturating_mul(gone.len() as u64);
+            out.freed += charge.saturating_mul(gone.len() as u64);
             self.evictions_total += 1;
             if keep_disk {
                 // The version lives on in its SSD copy: the nodes that held these replicas

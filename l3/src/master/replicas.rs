@@ -36,7 +36,8 @@ impl Master {
     /// Adds a memory replica of `key` in segment `target` (nothing if one is there already).
     /// Returns whether a replica was added.
     pub fn copy_replica(&mut self, t: &Tenant, key: &str, target: SegmentId) -> L3Result<bool> {
-        let (size, src) = self.replica_source(t, key)?;
+        let (fp, src) = self.replica_source(t, key)?;
+        let charge = fp.charge();
         let tgt = self.local_segment(target)?;
         let o = self.obj(t, key).ok_or(L3Error::ObjectNotFound)?;
         let owner_has = o.mem.iter().any(|r| {
@@ -50,13 +51,13 @@ impl Master {
             return Ok(false);
         }
         // a copy counts against the tenant's cap like a put (-200 past it)
-        if !self.within_quota(t, size) {
-            return Err(L3Error::NoAvailableHandle { needed: size });
+        if !self.within_quota(t, charge) {
+            return Err(L3Error::NoAvailableHandle { needed: charge });
         }
         let alloc = self
             .segments
-            .allocate_on(target, size)
-            .ok_or(L3Error::NoAvailableHandle { needed: size })?;
+            .allocate_on(target, fp)
+            .ok_or(L3Error::NoAvailableHandle { needed: charge })?;
         if let Err(e) = self.segments.write(alloc, src) {
             self.segments.free(alloc);
             return Err(e);
@@ -100,15 +101,17 @@ impl Master {
         if o.mem.iter().all(|r| r.seg != target) {
             // Copied straight into the target segment (not through `copy_replica`, which
             // would count the source replica's owner as already holding it).
-            let size = o.size;
+            let fp = o.fp;
             let data = self
                 .segments
                 .data(src_alloc)
                 .ok_or(L3Error::ObjectNotFound)?;
-            let alloc = self
-                .segments
-                .allocate_on(target, size)
-                .ok_or(L3Error::NoAvailableHandle { needed: size })?;
+            let alloc =
+                self.segments
+                    .allocate_on(target, fp)
+                    .ok_or(L3Error::NoAvailableHandle {
+                        needed: fp.charge(),
+                    })?;
             if let Err(e) = self.segments.write(alloc, data) {
                 self.segments.free(alloc);
                 return Err(e);
@@ -164,9 +167,9 @@ impl Master {
         Ok(Cleared::Replica)
     }
 
-    /// The size and bytes of a complete object's first memory replica held in this process
-    /// (-704 when the key is missing or has no memory replica here).
-    fn replica_source(&self, t: &Tenant, key: &str) -> L3Result<(u64, Arc<[u8]>)> {
+    /// The footprint and bytes of a complete object's first memory replica held in this
+    /// process (-704 when the key is missing or has no memory replica here).
+    fn replica_source(&self, t: &Tenant, key: &str) -> L3Result<(Footprint, Arc<[u8]>)> {
         let o = self.obj(t, key).ok_or(L3Error::ObjectNotFound)?;
         if !o.is_complete() {
             return Err(L3Error::ReplicaIsNotReady);
@@ -176,7 +179,7 @@ impl Master {
             .iter()
             .find_map(|r| self.segments.data(r.alloc))
             .ok_or(L3Error::ObjectNotFound)?;
-        Ok((o.size, data))
+        Ok((o.fp, data))
     }
 
     /// A mounted segment whose bytes this process holds (-600 if not mounted; -1011 for a

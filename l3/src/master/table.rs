@@ -46,7 +46,7 @@ impl Census {
             mem_objects: u64::from(complete && !o.mem.is_empty()),
             disk_objects: u64::from(complete && o.disk.is_some()),
             disk_bytes: if complete && o.disk.is_some() {
-                o.size
+                o.fp.bytes()
             } else {
                 0
             },
@@ -70,15 +70,21 @@ impl Census {
     }
 }
 
-/// DRAM bytes an object's memory replicas hold (pending puts' included).
+/// DRAM bytes an object's memory replicas are charged (pending puts' included).
 fn dram_bytes(o: &Object) -> u64 {
-    o.size.saturating_mul(o.mem.len() as u64)
+    o.fp.charge().saturating_mul(o.mem.len() as u64)
 }
+
+/// One tenant's objects by key. Boxed: a churned hash table can sit at a fifth of its
+/// capacity (hashbrown doubles when tombstones fill it), and every empty slot then costs a
+/// key and a pointer rather than a whole object record (the charge of a memory replica,
+/// `segment.rs`, counts the table at that worst load).
+pub(super) type Objects = HashMap<String, Box<Object>>;
 
 /// One tenant's objects, the DRAM bytes they hold and their eviction order.
 #[derive(Debug, Default)]
 struct TenantObjects {
-    objects: HashMap<String, Object>,
+    objects: Objects,
     dram_bytes: u64,
     order: Order,
 }
@@ -143,7 +149,10 @@ impl Drop for ObjMut<'_> {
 
 impl ObjectTable {
     pub fn get(&self, t: &Tenant, key: &str) -> Option<&Object> {
-        self.map.get(t).and_then(|m| m.objects.get(key))
+        self.map
+            .get(t)
+            .and_then(|m| m.objects.get(key))
+            .map(|o| &**o)
     }
 
     pub fn get_mut<'a>(&'a mut self, t: &Tenant, key: &'a str) -> Option<ObjMut<'a>> {
@@ -159,12 +168,12 @@ impl ObjectTable {
     }
 
     /// One tenant's objects (read only).
-    pub fn tenant(&self, t: &Tenant) -> Option<&HashMap<String, Object>> {
+    pub fn tenant(&self, t: &Tenant) -> Option<&Objects> {
         self.map.get(t).map(|m| &m.objects)
     }
 
     /// Every tenant's objects (read only).
-    pub fn iter(&self) -> impl Iterator<Item = (&Tenant, &HashMap<String, Object>)> {
+    pub fn iter(&self) -> impl Iterator<Item = (&Tenant, &Objects)> {
         self.map.iter().map(|(t, m)| (t, &m.objects))
     }
 
@@ -178,7 +187,7 @@ impl ObjectTable {
         self.census.add(Census::of(&obj));
         let m = self.map.entry(t.clone()).or_default();
         m.dram_bytes += dram_bytes(&obj);
-        let old = m.objects.remove(&key);
+        let old = m.objects.remove(&key).map(|o| *o);
         if let Some(o) = &old {
             self.census.sub(Census::of(o));
             m.dram_bytes = m.dram_bytes.saturating_sub(dram_bytes(o));
@@ -187,14 +196,14 @@ impl ObjectTable {
         let mut obj = obj;
         obj.ordered_as = None; // placed afresh: what it says of another table means nothing
         m.order.place(&key, &mut obj);
-        m.objects.insert(key, obj);
+        m.objects.insert(key, Box::new(obj));
         old
     }
 
     /// Takes an object out (a tenant left with none goes too).
     pub fn remove(&mut self, t: &Tenant, key: &str) -> Option<Object> {
         let m = self.map.get_mut(t)?;
-        let o = m.objects.remove(key);
+        let o = m.objects.remove(key).map(|o| *o);
         if let Some(o) = &o {
             self.census.sub(Census::of(o));
             m.dram_bytes = m.dram_bytes.saturating_sub(dram_bytes(o));
@@ -304,7 +313,7 @@ impl ObjectTable {
     /// summed); `None` when every tenant's agree.
     pub fn dram_mismatch(&self) -> Option<(Tenant, u64, u64)> {
         self.map.iter().find_map(|(t, m)| {
-            let sum: u64 = m.objects.values().map(dram_bytes).sum();
+            let sum: u64 = m.objects.values().map(|o| dram_bytes(o)).sum();
             (sum != m.dram_bytes).then(|| (t.clone(), m.dram_bytes, sum))
         })
     }

@@ -189,6 +189,38 @@ mod tests {
             .collect()
     }
 
+    /// A promotion whose charge no segment can hold (the segment it was put in is gone) is
+    /// -200 before it evicts anything: it evicted every object with an SSD copy from DRAM,
+    /// for a promotion that could not fit whatever was evicted.
+    #[test]
+    fn a_promotion_no_segment_can_hold_evicts_nothing() {
+        let t = Tenant::new("t").unwrap();
+        let mut m = master();
+        m.mount_segment(ClientId(2), SegmentId(2), 4 * CAP, 0)
+            .unwrap();
+        assert!(put(&mut m, &t, "big", 2 * CAP, true, 0));
+        m.unmount_segment(ClientId(2), SegmentId(2)).unwrap();
+        let (token, _) = m.ssd_only(&t, "big").unwrap();
+        let keys: Vec<String> = (0..8).map(|i| format!("k{i}")).collect();
+        for k in &keys {
+            assert!(put(&mut m, &t, k, 4 << 10, true, 0));
+        }
+        let data: Arc<[u8]> = vec![1u8; 2 * CAP as usize].into();
+        let mut out = EvictionOutcome::default();
+        let r = m.promote(&t, "big", token, data, 1, Room::EvictSaved, &mut out);
+        assert!(
+            matches!(r, Err(L3Error::NoAvailableHandle { needed }) if needed == crate::charge(2 * CAP, 3)),
+            "{r:?}"
+        );
+        assert_eq!(out.evicted, 0);
+        for k in &keys {
+            assert!(
+                m.in_memory(&t, k),
+                "{k} evicted for a promotion that cannot fit"
+            );
+        }
+    }
+
     #[test]
     fn evict_saved_makes_room_only_from_objects_with_an_ssd_copy() {
         let t = Tenant::new("t").unwrap();

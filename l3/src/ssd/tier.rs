@@ -38,6 +38,7 @@ use std::thread::JoinHandle;
 use parking_lot::Mutex;
 
 use super::bucket;
+use super::files::{self, OpenFiles};
 use super::unconfirmed::{Registration, Unconfirmed};
 use super::writer;
 use crate::config::SsdConfig;
@@ -123,11 +124,15 @@ pub(super) struct BucketMeta {
 #[derive(Debug, Default)]
 pub(super) struct TierState {
     pub(super) buckets: BTreeMap<u64, BucketMeta>,
-    pub(super) files: HashMap<u64, Arc<File>>,
+    /// Open bucket files, at most [`super::files::default_cap`] at open.
+    pub(super) files: OpenFiles,
     pub(super) next_id: u64,
     /// Ids below this are durably reserved (`next-bucket-id`).
     pub(super) reserved: u64,
     pub(super) used: u64,
+    /// Bytes the tier may use: `capacity_bytes`, at most `used` plus the filesystem's free
+    /// space when last looked at ([`effective_capacity`]).
+    pub(super) capacity: u64,
     /// Counters for metrics.
     pub(super) written_objects: u64,
     pub(super) write_failures: u64,
@@ -142,6 +147,9 @@ pub struct TierStats {
     pub buckets: u64,
     /// Bytes in bucket files.
     pub used_bytes: u64,
+    /// Bytes the tier may use now: `capacity_bytes`, or less where the filesystem holds
+    /// less (its own use plus the free space).
+    pub capacity_bytes: u64,
     /// Objects written since start.
     pub written_objects: u64,
     /// Failed bucket writes since start.
@@ -150,6 +158,13 @@ pub struct TierStats {
     pub evicted_buckets: u64,
     /// Reads that failed their checksum.
     pub corrupt_reads: u64,
+}
+
+/// What the tier may use: the configured capacity, but never more than what the filesystem
+/// can hold of it — its own `used` bytes plus the `free` ones. (A capacity larger than the
+/// disk left writes failing with ENOSPC for good, no bucket evicted: an adversarial tester.)
+pub fn effective_capacity(configured: u64, used: u64, free: u64) -> u64 {
+    configured.min(used.saturating_add(free))
 }
 
 /// Ids reserved per write of `next-bucket-id`.
@@ -223,6 +238,7 @@ impl SsdTier {
         }
         let mut st = TierState {
             next_id,
+            files: OpenFiles::new(files::default_cap()),
             ..Default::default()
         };
         // Nothing reserved yet in this run: the first bucket reserves a block.
@@ -291,6 +307,22 @@ impl SsdTier {
                     records: metas,
                     live,
                 },
+            );
+        }
+        st.capacity = match cfg.free_space.of(&cfg.dir) {
+            Ok(free) => effective_capacity(cfg.capacity_bytes, st.used, free),
+            Err(e) => {
+                tracing::warn!(error = %e, "free space of the SSD directory unknown");
+                cfg.capacity_bytes
+            }
+        };
+        if st.capacity < cfg.capacity_bytes {
+            tracing::info!(
+                configured = cfg.capacity_bytes,
+                effective = st.capacity,
+                used = st.used,
+                dir = %cfg.dir.display(),
+                "SSD capacity clamped to what the filesystem holds (the tier's use + free space)"
             );
         }
         // Newest first, so that a key written twice resolves to its latest copy.
@@ -423,8 +455,8 @@ impl SsdTier {
         if !st.buckets.contains_key(&id) {
             return Ok(None);
         }
-        if let Some(f) = st.files.get(&id) {
-            return Ok(Some(f.clone()));
+        if let Some(f) = st.files.get(id) {
+            return Ok(Some(f));
         }
         let f = match bucket::open_regular(&bucket::bucket_path(&self.shared.cfg.dir, id), false) {
             Ok(f) => Arc::new(f),
@@ -473,6 +505,7 @@ impl SsdTier {
         TierStats {
             buckets: st.buckets.len() as u64,
             used_bytes: st.used,
+            capacity_bytes: st.capacity,
             written_objects: st.written_objects,
             write_failures: st.write_failures,
             evicted_buckets: st.evicted_buckets,
@@ -606,7 +639,7 @@ impl TierRef<'_> {
                 if let Some(b) = st.buckets.remove(id) {
                     st.used = st.used.saturating_sub(b.file_size);
                 }
-                st.files.remove(id);
+                st.files.remove(*id);
             }
         }
         if let Some(e) = failed {

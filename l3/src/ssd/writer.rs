@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 
 use super::bucket::{self, NewRecord};
-use super::tier::{BucketMeta, ID_BLOCK, Msg, OffloadJob, RecMeta, Shared, TierHooks, TierRef};
+use super::tier::{
+    BucketMeta, ID_BLOCK, Msg, OffloadJob, RecMeta, Shared, TierHooks, TierRef, effective_capacity,
+};
 use super::unconfirmed::{Registration, Unconfirmed};
 use crate::error::{L3Error, L3Result};
 use crate::master::DiskLoc;
@@ -135,7 +137,6 @@ fn fail_batch(
 }
 
 fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
-    let cfg = &shared.cfg;
     // A record the format cannot hold fails alone (typed), never the rest of its batch.
     let (batch, unfit): (Vec<OffloadJob>, Vec<OffloadJob>) = batch
         .into_iter()
@@ -149,31 +150,25 @@ fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
         return;
     }
     let bytes: u64 = batch.iter().map(|j| j.data.len() as u64).sum();
+    refresh_capacity(shared);
     evict_for(shared, bytes, hooks);
-    let id = match next_bucket_id(shared) {
-        Ok(id) => id,
-        Err(e) => return fail_batch(shared, None, &batch, &e, hooks),
-    };
-    let over_capacity = {
-        let st = shared.state.lock();
-        st.used + bytes > cfg.capacity_bytes
-    };
-    let staged = if over_capacity {
-        Err(std::io::Error::other("ssd tier capacity exhausted"))
-    } else {
-        let recs: Vec<NewRecord<'_>> = batch
-            .iter()
-            .map(|j| NewRecord {
-                tenant: j.tenant.as_str(),
-                key: &j.key,
-                data: &j.data,
-            })
-            .collect();
-        bucket::write_staged(&cfg.dir, id, &recs)
-    };
-    let (staged, written) = match staged {
+    let mut staged = stage(shared, &batch, bytes);
+    if let Err((id, e)) = &staged
+        && out_of_space(e)
+    {
+        // The filesystem is full before the tier thought: it is full at its current use.
+        // Evict to make room, as at the watermark, and try once more.
+        tracing::warn!(bucket = ?id, error = %e, "SSD filesystem full: evicting to make room");
+        {
+            let mut st = shared.state.lock();
+            st.capacity = st.used;
+        }
+        evict_for(shared, bytes, hooks);
+        staged = stage(shared, &batch, bytes);
+    }
+    let (id, staged, written) = match staged {
         Ok(x) => x,
-        Err(e) => return fail_batch(shared, Some(id), &batch, &e, hooks),
+        Err((id, e)) => return fail_batch(shared, id, &batch, &e, hooks),
     };
     let file_size = bucket::FILE_HDR
         + batch
@@ -319,18 +314,70 @@ fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
     }
 }
 
+/// A bucket id and the batch written to its temporary file, or why not (and the id, if one
+/// was taken).
+type StageResult =
+    Result<(u64, bucket::Staged, Vec<bucket::Written>), (Option<u64>, std::io::Error)>;
+
+/// Writes `batch` (`bytes` of payload) to a new bucket's temporary file, if it fits the
+/// tier's capacity.
+fn stage(shared: &Shared, batch: &[OffloadJob], bytes: u64) -> StageResult {
+    let id = next_bucket_id(shared).map_err(|e| (None, e))?;
+    let over_capacity = {
+        let st = shared.state.lock();
+        st.used + bytes > st.capacity
+    };
+    if over_capacity {
+        return Err((
+            Some(id),
+            std::io::Error::other("ssd tier capacity exhausted"),
+        ));
+    }
+    let recs: Vec<NewRecord<'_>> = batch
+        .iter()
+        .map(|j| NewRecord {
+            tenant: j.tenant.as_str(),
+            key: &j.key,
+            data: &j.data,
+        })
+        .collect();
+    bucket::write_staged(&shared.cfg.dir, id, &recs)
+        .map(|(s, w)| (id, s, w))
+        .map_err(|e| (Some(id), e))
+}
+
+/// Whether a write failed for want of space (the filesystem or the user's quota), which
+/// evicting buckets can cure; EFBIG (a file past `RLIMIT_FSIZE`) is not: smaller files fit.
+fn out_of_space(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+}
+
+/// The capacity the tier may use now: the configured one, at most its use plus the
+/// filesystem's free space (unchanged when the free space cannot be read).
+fn refresh_capacity(shared: &Shared) {
+    match shared.cfg.free_space.of(&shared.cfg.dir) {
+        Ok(free) => {
+            let mut st = shared.state.lock();
+            st.capacity = effective_capacity(shared.cfg.capacity_bytes, st.used, free);
+        }
+        Err(e) => tracing::debug!(error = %e, "free space of the SSD directory unknown"),
+    }
+}
+
 /// SSD eviction: above the high watermark (counting `incoming`), drop oldest buckets whose
-/// objects are not leased until usage is below the low watermark.
+/// objects are not leased until usage is below the low watermark; nothing for an `incoming`
+/// larger than the capacity (its write fails anyway).
 fn evict_for(shared: &Shared, incoming: u64, hooks: &dyn TierHooks) {
     let cfg = &shared.cfg;
-    let high = (cfg.capacity_bytes as f64 * cfg.high_watermark) as u64;
-    let low = (cfg.capacity_bytes as f64 * cfg.low_watermark) as u64;
-    let candidates: Vec<u64> = {
+    let (low, candidates): (u64, Vec<u64>) = {
         let st = shared.state.lock();
-        if st.used + incoming <= high {
+        let high = (st.capacity as f64 * cfg.high_watermark) as u64;
+        let low = (st.capacity as f64 * cfg.low_watermark) as u64;
+        // A bucket larger than the whole capacity fails however much is evicted for it.
+        if st.used + incoming <= high || incoming > st.capacity {
             return;
         }
-        st.buckets.keys().copied().collect()
+        (low, st.buckets.keys().copied().collect())
     };
     for id in candidates {
         let recs: Vec<(Tenant, String, DiskLoc)> = {
@@ -356,7 +403,7 @@ fn evict_for(shared: &Shared, incoming: u64, hooks: &dyn TierHooks) {
             st.used = st.used.saturating_sub(b.file_size);
             st.evicted_buckets += 1;
         }
-        st.files.remove(&id);
+        st.files.remove(id);
         drop(st);
         if let Err(e) = bucket::delete_bucket(&cfg.dir, id) {
             tracing::warn!(bucket = id, error = %e, "could not delete an evicted bucket");

@@ -362,6 +362,11 @@ impl Inner {
                 "SSD buckets evicted",
                 t.evicted_buckets,
             ));
+            extra.push((
+                "kvtier_l3_ssd_capacity_bytes",
+                "SSD bytes the tier may use now (at most its own use plus the filesystem's free space)",
+                t.capacity_bytes,
+            ));
         }
         if let Some(p) = &self.promoter {
             use std::sync::atomic::Ordering::Relaxed;

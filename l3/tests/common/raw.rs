@@ -16,6 +16,26 @@ pub const TOKEN: &str = "s3cret-token";
 /// How long a test waits for what the server must do at once or within its deadlines.
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
+/// An in-process server over an embedded store of `segment_bytes`, asking for [`TOKEN`];
+/// `opts` says the rest.
+pub fn token_server(
+    segment_bytes: u64,
+    opts: kvtier_l3::rpc::server::ServerOptions,
+) -> kvtier_l3::ServerHandle {
+    let store = std::sync::Arc::new(
+        kvtier_l3::EmbeddedStore::new(kvtier_l3::StoreConfig {
+            local_segment_bytes: segment_bytes,
+            ..Default::default()
+        })
+        .expect("store"),
+    );
+    let opts = kvtier_l3::rpc::server::ServerOptions {
+        token: Some(TOKEN.into()),
+        ..opts
+    };
+    kvtier_l3::spawn_server(store, opts).expect("server")
+}
+
 /// A `kvtier-l3` process (killed when dropped), its RPC and metrics addresses.
 pub struct Server {
     pub child: Child,
@@ -33,10 +53,28 @@ impl Drop for Server {
 impl Server {
     /// Starts `kvtier-l3` with `extra` flags, the token, and at most `nofile` descriptors.
     pub fn spawn(extra: &[&str], metrics: bool, nofile: Option<u64>) -> Server {
+        let limits: Vec<(libc::__rlimit_resource_t, u64)> = nofile
+            .map(|n| (libc::RLIMIT_NOFILE, n))
+            .into_iter()
+            .collect();
+        Server::spawn_limited(extra, metrics, &limits)
+    }
+
+    /// Starts `kvtier-l3` with `extra` flags (a 16 MiB segment unless they name one) and the
+    /// token, under the resource limits `limits` (soft and hard alike), e.g.
+    /// `RLIMIT_NOFILE` or `RLIMIT_FSIZE`.
+    pub fn spawn_limited(
+        extra: &[&str],
+        metrics: bool,
+        limits: &[(libc::__rlimit_resource_t, u64)],
+    ) -> Server {
         use std::os::unix::process::CommandExt;
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"));
-        cmd.args(["--listen", "127.0.0.1:0", "--segment-bytes", "16777216"])
-            .args(extra)
+        cmd.args(["--listen", "127.0.0.1:0"]);
+        if !extra.contains(&"--segment-bytes") {
+            cmd.args(["--segment-bytes", "16777216"]);
+        }
+        cmd.args(extra)
             .env("KVTIER_L3_TOKEN", TOKEN)
             .env("KVTIER_L3_SHM", "off")
             .stdout(Stdio::piped())
@@ -44,16 +82,19 @@ impl Server {
         if metrics {
             cmd.args(["--metrics", "127.0.0.1:0"]);
         }
-        if let Some(n) = nofile {
+        let limits = limits.to_vec();
+        if !limits.is_empty() {
             // SAFETY: only setrlimit, async-signal-safe, between fork and exec.
             unsafe {
                 cmd.pre_exec(move || {
-                    let lim = libc::rlimit {
-                        rlim_cur: n,
-                        rlim_max: n,
-                    };
-                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                        return Err(std::io::Error::last_os_error());
+                    for &(resource, n) in &limits {
+                        let lim = libc::rlimit {
+                            rlim_cur: n,
+                            rlim_max: n,
+                        };
+                        if libc::setrlimit(resource, &lim) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
                     }
                     Ok(())
                 });

@@ -115,7 +115,8 @@ mod tests {
 
     use super::super::mem::{Held, Staging};
 
-    const SEG: u64 = 8192;
+    /// Buffers under `buffers::KEEP_MIN` (4 KiB) are never kept: the sizes below are above it.
+    const SEG: u64 = 65536;
 
     fn mem(keep_idle: u64) -> Mutex<Mem> {
         Mutex::new(Mem::new(NodeRecycler::new(
@@ -174,7 +175,7 @@ mod tests {
     fn frees_beyond_the_bound_are_released_and_a_growing_put_trims() {
         let m = mem(0);
         for a in 0..6 {
-            put(&m, a, &[a as u8; 2000]).unwrap();
+            put(&m, a, &[a as u8; 16000]).unwrap();
         }
         for a in 0..6 {
             m.lock().drop_alloc(a);
@@ -188,37 +189,37 @@ mod tests {
         }
         assert_eq!(
             m.lock().recycled.bytes(),
-            4000,
+            32000,
             "two of six kept: half the segment"
         );
         // A put of another size grows the live bytes: what is kept shrinks to fit.
-        put(&m, 9, &[1; 6000]).unwrap();
+        put(&m, 9, &[1; 48000]).unwrap();
         let g = m.lock();
-        assert_eq!(g.used, 6000);
-        assert!(g.recycled.bytes() <= SEG - 6000, "{}", g.recycled.bytes());
+        assert_eq!(g.used, 48000);
+        assert!(g.recycled.bytes() <= SEG - 48000, "{}", g.recycled.bytes());
     }
 
     #[test]
     fn a_buffer_a_reader_holds_is_never_kept() {
         let m = mem(0);
-        put(&m, 1, &[5; 300]).unwrap();
+        put(&m, 1, &[5; 4096]).unwrap();
         let reader = m.lock().allocs[&1].data.clone();
         m.lock().drop_alloc(1);
         assert_eq!(m.lock().recycled.bytes(), 0);
-        put(&m, 2, &[6; 300]).unwrap();
-        assert_eq!(&reader[..], &[5; 300][..]);
+        put(&m, 2, &[6; 4096]).unwrap();
+        assert_eq!(&reader[..], &[5; 4096][..]);
     }
 
     #[test]
     fn an_idle_node_keeps_only_keep_idle_bytes_once_per_idle_period() {
-        let m = mem(1000);
+        let m = mem(5000);
         for a in 0..4 {
-            put(&m, a, &[1; 1000]).unwrap();
+            put(&m, a, &[1; 5000]).unwrap();
         }
         for a in 0..4 {
             m.lock().drop_alloc(a);
         }
-        assert_eq!(m.lock().recycled.bytes(), 4000);
+        assert_eq!(m.lock().recycled.bytes(), 20000);
         let t0 = Instant::now();
         let mut g = m.lock();
         assert!(
@@ -235,7 +236,7 @@ mod tests {
             .idle_trim(t0 + Duration::from_millis(60))
             .unwrap();
         assert_eq!(freed.len(), 3);
-        assert_eq!(g.recycled.bytes(), 1000);
+        assert_eq!(g.recycled.bytes(), 5000);
         assert!(
             g.recycled
                 .idle_trim(t0 + Duration::from_millis(500))

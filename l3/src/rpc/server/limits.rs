@@ -12,7 +12,10 @@
 //! - until `hello` succeeds, a connection's frames are capped at [`PRE_AUTH_MAX_FRAME`]:
 //!   [`FrameGuard`] reads the length of every frame as it passes and fails the read of one
 //!   over the connection's current limit, so the codec never buffers (or decodes) it;
-//! - an accept that fails (out of descriptors) pauses the loop instead of spinning.
+//! - an accept that fails (out of descriptors) pauses the loop instead of spinning;
+//! - an authenticated connection whose replies make no progress (its peer does not read
+//!   them), or that leaves a frame half-sent, for the stall limit is dropped
+//!   ([`FrameGuard`]), and with it the requests it holds (at most a bounded number: `flow`).
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -21,10 +24,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{Notify, watch};
+use tokio::time::Sleep;
 
 use crate::rpc::accept::AcceptErrors;
 pub use crate::rpc::accept::PRE_AUTH_MAX_FRAME;
@@ -34,6 +39,8 @@ pub struct Registry {
     max_live: usize,
     max_pending: usize,
     inner: Mutex<Inner>,
+    /// Requests read and not yet answered on the wire, over all connections.
+    in_flight: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -53,6 +60,7 @@ impl Registry {
             max_live,
             max_pending: max_pending.clamp(1, max_live),
             inner: Mutex::new(Inner::default()),
+            in_flight: AtomicUsize::new(0),
         })
     }
 
@@ -85,6 +93,11 @@ impl Registry {
     pub fn counts(&self) -> (usize, usize) {
         let g = self.inner.lock();
         (g.authed, g.pending.len())
+    }
+
+    /// Requests read and not yet answered on the wire, over all connections.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
     }
 }
 
@@ -126,6 +139,15 @@ impl ConnState {
         self.frame_limit.load(Ordering::Acquire)
     }
 
+    /// The connection's requests in flight went from `old` to `new`.
+    pub fn in_flight_changed(&self, old: usize, new: usize) {
+        if new >= old {
+            self.reg.in_flight.fetch_add(new - old, Ordering::Relaxed);
+        } else {
+            self.reg.in_flight.fetch_sub(old - new, Ordering::Relaxed);
+        }
+    }
+
     /// Completes when the connection is to be closed to make room for a newer one.
     pub async fn evicted(&self) {
         self.evict.notified().await
@@ -156,25 +178,38 @@ impl Drop for ConnGuard {
 
 /// A socket whose reads fail at the header of a frame (a big-endian u32 length, as tarpc's
 /// length-delimited codec reads it) longer than its connection's current limit, before the
-/// codec sees the header and reserves room for the frame.
+/// codec sees the header and reserves room for the frame; and whose reads and writes fail
+/// once they have waited `stall` without progress — a write for the peer to read, a read in
+/// the middle of a frame (between frames a connection may idle for ever).
 pub struct FrameGuard<S> {
     inner: S,
     state: Arc<ConnState>,
     head: [u8; 4],
     head_len: usize,
     body_left: usize,
+    stall: Duration,
+    read_stall: Option<Pin<Box<Sleep>>>,
+    write_stall: Option<Pin<Box<Sleep>>>,
 }
 
 impl<S> FrameGuard<S> {
-    /// Guards reads of `inner` by `state`'s frame limit.
-    pub fn new(inner: S, state: Arc<ConnState>) -> Self {
+    /// Guards reads of `inner` by `state`'s frame limit, reads and writes by `stall`.
+    pub fn new(inner: S, state: Arc<ConnState>, stall: Duration) -> Self {
         FrameGuard {
             inner,
             state,
             head: [0; 4],
             head_len: 0,
             body_left: 0,
+            stall,
+            read_stall: None,
+            write_stall: None,
         }
+    }
+
+    /// Whether a frame has begun and not ended.
+    fn mid_frame(&self) -> bool {
+        self.head_len > 0 || self.body_left > 0
     }
 
     /// The socket.
@@ -217,6 +252,49 @@ impl<S> FrameGuard<S> {
     }
 }
 
+/// An I/O that returned Pending: Pending until `timer` (armed now if it is not) fires, then
+/// a `TimedOut` error saying `what`.
+fn stalled<T>(
+    timer: &mut Option<Pin<Box<Sleep>>>,
+    limit: Duration,
+    cx: &mut Context<'_>,
+    what: &str,
+) -> Poll<io::Result<T>> {
+    let t = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+    match t.as_mut().poll(cx) {
+        Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("{what} for {limit:?}: connection dropped"),
+        ))),
+        Poll::Pending => Poll::Pending,
+    }
+}
+
+impl<S: AsyncWrite + Unpin> FrameGuard<S> {
+    /// A write's outcome: progress disarms the stall timer, none arms it.
+    fn wrote(
+        &mut self,
+        r: Poll<io::Result<usize>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<usize>> {
+        match r {
+            Poll::Pending => stalled(
+                &mut self.write_stall,
+                self.stall,
+                cx,
+                "replies not read by the peer",
+            ),
+            Poll::Ready(Ok(n)) => {
+                if n > 0 {
+                    self.write_stall = None;
+                }
+                Poll::Ready(Ok(n))
+            }
+            err => err,
+        }
+    }
+}
+
 impl<S: AsyncRead + Unpin> AsyncRead for FrameGuard<S> {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -227,7 +305,22 @@ impl<S: AsyncRead + Unpin> AsyncRead for FrameGuard<S> {
         let before = buf.filled().len();
         match Pin::new(&mut this.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {}
+            Poll::Pending if this.mid_frame() => {
+                return stalled(
+                    &mut this.read_stall,
+                    this.stall,
+                    cx,
+                    "a frame left half-sent",
+                );
+            }
+            Poll::Pending => {
+                this.read_stall = None;
+                return Poll::Pending;
+            }
             other => return other,
+        }
+        if buf.filled().len() > before {
+            this.read_stall = None;
         }
         let r = this.scan(&buf.filled()[before..]);
         if r.is_err() {
@@ -244,7 +337,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for FrameGuard<S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.wrote(r, cx)
     }
 
     fn poll_write_vectored(
@@ -252,7 +347,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for FrameGuard<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.wrote(r, cx)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -356,7 +453,7 @@ mod tests {
     fn the_guard_refuses_a_frame_over_the_limit_at_its_header() {
         let r = Registry::new(4, 4);
         let conn = r.admit(1 << 20).unwrap();
-        let mut g = FrameGuard::new((), conn.state().clone());
+        let mut g = FrameGuard::new((), conn.state().clone(), Duration::from_secs(60));
         let frame = |n: usize| {
             let mut f = (n as u32).to_be_bytes().to_vec();
             f.resize(4 + n, 7);
@@ -370,7 +467,7 @@ mod tests {
         let e = g.scan(&frame(PRE_AUTH_MAX_FRAME + 1)[..4]).unwrap_err();
         assert!(e.to_string().contains("before hello"), "{e}");
         // Once authenticated, up to the configured limit.
-        let mut g = FrameGuard::new((), conn.state().clone());
+        let mut g = FrameGuard::new((), conn.state().clone(), Duration::from_secs(60));
         assert!(conn.state().authenticate());
         g.scan(&frame(PRE_AUTH_MAX_FRAME + 1)).unwrap();
         g.scan(&((1u32 << 20) + 1).to_be_bytes()).unwrap_err();

@@ -14,12 +14,17 @@
 //!   [`ServerOptions::hello_timeout`] and sends frames of at most 64 KiB until it has; the
 //!   connections are capped, unauthenticated ones more tightly, the oldest of those making
 //!   room for a new one; a failed accept (out of descriptors) pauses the accept loop.
+//! - Every connection holds at most [`ServerOptions::max_requests_per_connection`] requests
+//!   at once: at the cap the server stops reading it until a reply is written (`flow`), and
+//!   one whose replies are not read, or that leaves a frame half-sent, for
+//!   [`ServerOptions::rpc_stall_timeout`] is dropped (`limits::FrameGuard`).
 //! - Shutdown stops accepting, then flushes the SSD queue, so every put acknowledged as
 //!   persisted (and every queued write-through) is on disk before the process exits.
 //!
 //! The per-connection service (authentication, blocking pool vs inline) is in `conn`.
 
 mod conn;
+mod flow;
 pub mod limits;
 
 use std::net::SocketAddr;
@@ -56,6 +61,10 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 pub const DEFAULT_MAX_UNAUTHENTICATED: usize = 256;
 /// Default of [`ServerOptions::xfer_write_timeout`].
 pub const DEFAULT_XFER_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default of [`ServerOptions::max_requests_per_connection`].
+pub const DEFAULT_MAX_REQUESTS_PER_CONNECTION: usize = 16;
+/// Default of [`ServerOptions::rpc_stall_timeout`].
+pub const DEFAULT_RPC_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How to serve.
 #[derive(Debug, Clone)]
@@ -93,6 +102,13 @@ pub struct ServerOptions {
     /// this long (the peer does not read its reply) drops the connection, and with it the
     /// reply's hold on the objects it was sending.
     pub xfer_write_timeout: Duration,
+    /// Most requests of one RPC connection the server holds at once (read, not yet
+    /// answered on the wire). At the cap the server stops reading the connection until a
+    /// reply is written: a client that does not read its replies holds at most this many.
+    pub max_requests_per_connection: usize,
+    /// An RPC connection whose replies make no progress for this long (the peer does not
+    /// read them), or that leaves a frame half-sent this long, is dropped.
+    pub rpc_stall_timeout: Duration,
 }
 
 impl Default for ServerOptions {
@@ -110,6 +126,8 @@ impl Default for ServerOptions {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_unauthenticated: DEFAULT_MAX_UNAUTHENTICATED,
             xfer_write_timeout: DEFAULT_XFER_WRITE_TIMEOUT,
+            max_requests_per_connection: DEFAULT_MAX_REQUESTS_PER_CONNECTION,
+            rpc_stall_timeout: DEFAULT_RPC_STALL_TIMEOUT,
         }
     }
 }
@@ -289,9 +307,15 @@ pub async fn start<B: Backend>(
     stop: watch::Receiver<bool>,
 ) -> L3Result<(SocketAddr, Option<SocketAddr>)> {
     ShmMode::try_from_env()?;
-    if opts.hello_timeout.is_zero() || opts.xfer_write_timeout.is_zero() {
+    if opts.hello_timeout.is_zero()
+        || opts.xfer_write_timeout.is_zero()
+        || opts.rpc_stall_timeout.is_zero()
+        || opts.max_requests_per_connection == 0
+    {
         return Err(L3Error::InvalidParams(
-            "hello_timeout and xfer_write_timeout must be positive".into(),
+            "hello_timeout, xfer_write_timeout, rpc_stall_timeout and \
+             max_requests_per_connection must be positive"
+                .into(),
         ));
     }
     let listener = tokio::net::TcpListener::bind(opts.addr)
@@ -346,7 +370,13 @@ pub async fn start<B: Backend>(
         );
     }
     let registry = Registry::new(max_live, opts.max_unauthenticated);
-    let (max_frame, hello_timeout) = (opts.max_frame_bytes, opts.hello_timeout);
+    let rpc_registry = registry.clone();
+    let flow = Flow {
+        max_frame: opts.max_frame_bytes,
+        hello_timeout: opts.hello_timeout,
+        max_requests: opts.max_requests_per_connection,
+        stall: opts.rpc_stall_timeout,
+    };
     let st = store.clone();
     tokio::spawn(accept_loop(
         "RPC",
@@ -354,7 +384,7 @@ pub async fn start<B: Backend>(
         stop.clone(),
         move |sock: tokio::net::TcpStream| {
             // Refused (every connection authenticated, at the cap): closed here.
-            let Some(guard) = registry.admit(max_frame) else {
+            let Some(guard) = registry.admit(flow.max_frame) else {
                 return;
             };
             let conn = Conn {
@@ -364,12 +394,12 @@ pub async fn start<B: Backend>(
                 limits,
                 shm: offer.clone(),
             };
-            serve_rpc(sock, guard, conn, max_frame, hello_timeout);
+            serve_rpc(sock, guard, conn, flow);
         },
     ));
     let metrics_addr = match opts.metrics_addr {
         None => None,
-        Some(m) => Some(start_metrics(store, m, stop).await?),
+        Some(m) => Some(start_metrics(store, rpc_registry, m, stop).await?),
     };
     Ok((addr, metrics_addr))
 }
@@ -388,22 +418,36 @@ fn descriptor_share() -> usize {
     usize::try_from(r.rlim_cur / 2).unwrap_or(usize::MAX)
 }
 
-/// Serves one RPC connection on its own task: closed when it has not authenticated within
-/// `hello_timeout`, or earlier to make room for a newer one while it has not.
-fn serve_rpc<B: Backend>(
-    sock: tokio::net::TcpStream,
-    guard: ConnGuard,
-    conn: Conn<B>,
+/// The limits of one RPC connection.
+#[derive(Debug, Clone, Copy)]
+struct Flow {
     max_frame: usize,
     hello_timeout: Duration,
-) {
-    let _ = sock.set_nodelay(true);
+    max_requests: usize,
+    stall: Duration,
+}
+
+/// Serves one RPC connection on its own task: closed when it has not authenticated within
+/// `hello_timeout`, or earlier to make room for a newer one while it has not; when its
+/// replies or a frame it sends stall for `stall`. At most `max_requests` of its requests
+/// are held at once.
+fn serve_rpc<B: Backend>(sock: tokio::net::TcpStream, guard: ConnGuard, conn: Conn<B>, flow: Flow) {
+    if let Err(e) = sock.set_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY");
+    }
     let state = guard.state().clone();
+    let hello_timeout = flow.hello_timeout;
     let framed = LengthDelimitedCodec::builder()
-        .max_frame_length(max_frame)
-        .new_framed(FrameGuard::new(sock, state.clone()));
+        .max_frame_length(flow.max_frame)
+        .new_framed(FrameGuard::new(sock, state.clone(), flow.stall));
     let transport = tarpc::serde_transport::new(framed, ClampedBincode::default());
-    let channel = server::BaseChannel::with_defaults(transport);
+    let (transport, gate) = flow::Gated::new(transport);
+    let channel = flow::Bounded::new(
+        server::BaseChannel::with_defaults(transport),
+        gate,
+        flow.max_requests,
+        state.clone(),
+    );
     tokio::spawn(async move {
         // Gives the connection's place back when the connection ends, however it ends.
         let _guard = guard;
@@ -444,6 +488,21 @@ fn start_shm<B: Backend>(
     }
 }
 
+/// The RPC port's gauges: connections, and requests read but not yet answered on the wire.
+fn render_rpc_metrics(rpc: &Registry) -> String {
+    let (authed, pending) = rpc.counts();
+    format!(
+        "# HELP kvtier_l3_rpc_connections Open RPC connections.\n\
+         # TYPE kvtier_l3_rpc_connections gauge\n\
+         kvtier_l3_rpc_connections {}\n\
+         # HELP kvtier_l3_rpc_requests_in_flight RPC requests read and not yet answered on the wire.\n\
+         # TYPE kvtier_l3_rpc_requests_in_flight gauge\n\
+         kvtier_l3_rpc_requests_in_flight {}\n",
+        authed + pending,
+        rpc.in_flight()
+    )
+}
+
 /// Most connections the metrics endpoint holds; past it, a new one closes the oldest.
 pub const METRICS_MAX_CONNECTIONS: usize = 64;
 /// How long a metrics connection may take, from accept to the last byte of the answer.
@@ -451,6 +510,7 @@ pub const METRICS_DEADLINE: Duration = Duration::from_secs(10);
 
 async fn start_metrics<B: Backend>(
     store: Arc<B>,
+    rpc: Arc<Registry>,
     addr: SocketAddr,
     stop: watch::Receiver<bool>,
 ) -> L3Result<SocketAddr> {
@@ -477,11 +537,12 @@ async fn start_metrics<B: Backend>(
                 return;
             };
             let store = store.clone();
+            let rpc = rpc.clone();
             tokio::spawn(async move {
                 let answer = async {
                     let mut buf = [0u8; 4096];
                     let _ = sock.read(&mut buf).await;
-                    let body = store.render_metrics();
+                    let body = store.render_metrics() + &render_rpc_metrics(&rpc);
                     let resp = format!(
                         "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                         body.len()

@@ -137,16 +137,26 @@ fn remove_stale(dir: &Path) {
             .ok()
             .and_then(|t| t.elapsed().ok())
             .is_some_and(|age| age > std::time::Duration::from_secs(60));
-        if old
-            && let Err(err) = UnixStream::connect(e.path())
-            && err.kind() == std::io::ErrorKind::ConnectionRefused
-        {
+        if old && nobody_listens(&e.path()) {
             crate::error::best_effort(
                 "remove a dead server's socket",
                 std::fs::remove_file(e.path()),
             );
         }
     }
+}
+
+/// Whether no server listens on the socket at `path` (a dead server's leftover): the
+/// connection is refused. The probe does not block: a live server whose backlog is full (it is
+/// stopped, say, with clients queued) answers `EAGAIN` at once, where a blocking `connect`
+/// waited for room, and the new server's start with it, as long as the old one stayed stopped.
+fn nobody_listens(path: &Path) -> bool {
+    let probe = || -> std::io::Result<()> {
+        let s = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)?;
+        s.set_nonblocking(true)?;
+        s.connect(&socket2::SockAddr::unix(path)?)
+    };
+    matches!(probe(), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused)
 }
 
 impl Drop for ShmServer {
@@ -395,4 +405,58 @@ pub fn copy_out(b: &Blob, m: &Mapping, r: std::ops::Range<usize>) -> L3Result<u6
     // SAFETY: `r` was checked inside the mapping; no other reference to it lives here.
     unsafe { m.bytes_mut(r.start, src.len()) }.copy_from_slice(src);
     Ok(src.len() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server whose socket's backlog is full (stopped, say, with clients queued on it):
+    /// `remove_stale`'s blocking `connect` waited for room in that backlog, so a new server
+    /// in the same directory hung at start for as long as the old one stayed stopped. The
+    /// probe must answer at once, and keep the live server's socket.
+    #[test]
+    fn a_stale_looking_socket_with_a_full_backlog_does_not_stall_the_start() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let path = d.path().join("kvtier-l3-busy.sock");
+        let listener = UnixListener::bind(&path).expect("bind");
+        // fill its backlog: connects that are never accepted, until one would block
+        let mut queued = Vec::new();
+        loop {
+            let s = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)
+                .expect("socket");
+            s.set_nonblocking(true).expect("nonblocking");
+            match s.connect(&socket2::SockAddr::unix(&path).expect("addr")) {
+                Ok(()) => queued.push(s),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("filling the backlog: {e}"),
+            }
+            assert!(queued.len() < 100_000, "the backlog never filled");
+        }
+        // older than the 60 s after which a socket is probed
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("path");
+        let t = libc::timespec {
+            tv_sec: old
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("epoch")
+                .as_secs() as libc::time_t,
+            tv_nsec: 0,
+        };
+        // SAFETY: `c` is a NUL-terminated path, `times` two valid timespecs.
+        let rc = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), [t, t].as_ptr(), 0) };
+        assert_eq!(rc, 0, "utimensat");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let dir = d.path().to_path_buf();
+        std::thread::spawn(move || {
+            remove_stale(&dir);
+            tx.send(()).ok();
+        });
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_secs(5)).is_ok(),
+            "remove_stale blocked on a live server's full backlog"
+        );
+        assert!(path.exists(), "a live server's socket was removed");
+        drop((listener, queued));
+    }
 }

@@ -78,7 +78,7 @@ const NEXT_ID_MAGIC: &[u8; 8] = b"KVL3NID1";
 /// `+ 1` or `+ ID_BLOCK` on an id can overflow.
 pub const MAX_BUCKET_ID: u64 = 1 << 62;
 
-/// The lock file a tier holds (`flock`, exclusive) for as long as it has the directory open.
+/// The lock file a tier holds (a record lock, exclusive; `crate::dirlock`) for as long as it has the directory open.
 pub const LOCK_FILE: &str = "kvtier-l3.lock";
 /// Bytes per tombstone record.
 pub const TOMB_REC: usize = 8;
