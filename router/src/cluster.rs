@@ -107,10 +107,15 @@ pub struct Cluster {
     pub streams: Vec<StreamState>,
     routed: Vec<u64>,
     refused: Vec<u64>,
+    /// Per instance: connections that failed (refused or timed out), for routed requests and
+    /// for the router's own lookups.
+    unreachable: Vec<u64>,
     in_flight: Vec<u64>,
     /// The instances' error answers (proxy): counted, and a streak of them avoided.
     upstream: UpstreamErrors,
     load_only: u64,
+    /// Proxied requests the router could not send for want of file descriptors.
+    overloaded: u64,
     started: Instant,
     next_booking: u64,
     /// Bookings made for `POST /route` clients ([`Cluster::route_booked`]), which report
@@ -163,9 +168,11 @@ impl Cluster {
             streams: Vec::new(),
             routed: vec![0; instances],
             refused: vec![0; instances],
+            unreachable: vec![0; instances],
             in_flight: vec![0; instances],
             upstream: UpstreamErrors::new(instances),
             load_only: 0,
+            overloaded: 0,
             started: Instant::now(),
             next_booking: 0,
             http: HttpBookings::new(BOOKING_TTL_S, instances),
@@ -385,9 +392,30 @@ impl Cluster {
         self.router.finished(booking, now);
     }
 
+    /// A tracked request was given up on before its first token (a streamed answer) or its
+    /// answer (one sent whole): its client went away, or the proxy stopped waiting for the
+    /// head. Its booking goes, and its instance is learnt to be at least as late as it waited
+    /// ([`crate::feedback::Feedback::abandoned`]).
+    pub fn abandoned(&mut self, booking: u64) {
+        let now = self.now_s();
+        self.router.abandoned(booking, now);
+    }
+
     /// A tracked request's instance refused it: its booking goes, nothing learnt.
     pub fn cancel(&mut self, booking: u64) {
         self.router.cancel(booking);
+    }
+
+    /// The instances to ask for a lookup of the router's own (`/tokenize`, `/v1/models`),
+    /// best first: those not passed over for their errors ([`crate::errors`]), the least
+    /// late first (ties: the lower number); every instance if all are passed over.
+    pub fn lookup_order(&self) -> Vec<usize> {
+        let avoid = self.upstream.avoid(&[], self.now_s());
+        let mut order: Vec<usize> = (0..self.instances())
+            .filter(|i| !avoid.contains(i))
+            .collect();
+        order.sort_by(|&a, &b| self.router.late_s(a).total_cmp(&self.router.late_s(b)));
+        order
     }
 
     /// Routes without tokens: the instance with the shortest queue, then the fewest requests
@@ -435,12 +463,35 @@ impl Cluster {
         }
     }
 
-    /// The instance chosen refused the connection: not counted as routed there.
+    /// The instance chosen refused the connection (or its connect timed out): not counted
+    /// as routed there, and passed over from now ([`Self::unreachable`]).
     pub fn refused(&mut self, i: usize) {
         if let (Some(r), Some(f)) = (self.routed.get_mut(i), self.refused.get_mut(i)) {
             *r = r.saturating_sub(1);
             *f += 1;
         }
+        self.unreachable(i);
+    }
+
+    /// The request routed to `i` could not be sent for want of the router's own file
+    /// descriptors (`EMFILE`, `ENFILE`): not counted as routed there, and not the instance's
+    /// refusal (`router_overloaded` in `/stats`).
+    pub fn overloaded(&mut self, i: usize) {
+        if let Some(r) = self.routed.get_mut(i) {
+            *r = r.saturating_sub(1);
+        }
+        self.overloaded += 1;
+    }
+
+    /// Instance `i` could not be connected to (refused, or timed out), for a request or a
+    /// lookup: it is passed over at once while another is left
+    /// ([`UpstreamErrors::unreachable`]).
+    pub fn unreachable(&mut self, i: usize) {
+        if let Some(n) = self.unreachable.get_mut(i) {
+            *n += 1;
+        }
+        let now = self.now_s();
+        self.upstream.unreachable(i, now);
     }
 
     /// Instance `i` answered a proxied request: a success, or a server error
@@ -499,7 +550,8 @@ impl Cluster {
                     "gpu_pages": g, "cpu_pages": c,
                     "queue_s": self.router.queue_s(i), "late_s": self.router.late_s(i),
                     "decode_step_s": self.router.decode_step_s(i),
-                    "routed": self.routed[i], "refused": self.refused[i], "in_flight": self.in_flight[i],
+                    "routed": self.routed[i], "refused": self.refused[i],
+                    "unreachable": self.unreachable[i], "in_flight": self.in_flight[i],
                     "upstream_errors": self.upstream.errors(i),
                 })
             })
@@ -517,6 +569,7 @@ impl Cluster {
             "dropped_stores": idx.dropped(),
             "memory_bytes": self.memory_bytes(),
             "routed_load_only": self.load_only,
+            "router_overloaded": self.overloaded,
             "booked": self.router.booked(),
             "device_tokens": self.router.occupancy().map(|o| o.device_tokens),
             "streams": streams,

@@ -24,6 +24,10 @@
 //!   exponential average of observed − predicted TTFT, learnt at each first token); what it
 //!   says beyond the other instances' fades once the instance's first tokens stop coming
 //!   ([`LATE_HALF_LIFE_S`]), so an instance priced out by a transient is tried again.
+//!   A request whose client gave up before its first token (or before its whole answer)
+//!   shows no first token, only that it came no sooner than that: [`Feedback::abandoned`]
+//!   learns at least that much lateness, as the instance's own (an instance that hangs is
+//!   no error of the model's every instance shares), until its next first token or end.
 //!
 //! Why a timeline, not a share of the mean decode time: the queue used to add, for what a
 //! new request would hold beyond the device's capacity, that share of the instance's mean
@@ -169,6 +173,11 @@ pub struct Feedback {
     /// at each first token learnt from, so a route prices every instance's lateness against
     /// the others' mean in O(instances), not O(instances²).
     late_sum: (f64, usize),
+    /// Per instance: lateness learnt from requests given up on before their first token
+    /// ([`Self::abandoned`]), beyond `late_s`, and when it was learnt; it fades as lateness
+    /// does and goes at the instance's next first token or end. Not in `late_sum`: a hung
+    /// instance says nothing of the others.
+    stall: Vec<(f64, f64)>,
     /// [`FirstToken::AtEstimate`] bookings by when their first token is taken to come (ns).
     unseen: BinaryHeap<Reverse<(u64, u64)>>,
 }
@@ -198,6 +207,7 @@ impl Feedback {
             late_s: vec![0.0; instances],
             late_seen_at: vec![None; instances],
             late_sum: (0.0, 0),
+            stall: vec![(0.0, 0.0); instances],
             unseen: BinaryHeap::new(),
         }
     }
@@ -273,8 +283,14 @@ impl Feedback {
     /// as the average of the others seen: part of the lateness is the model's error on every
     /// instance (a prefill rate set too high), and an instance unseen is not faster for being
     /// unseen. What an instance's own lateness says beyond that average decays with the time
-    /// since its latest first token ([`LATE_HALF_LIFE_S`]).
+    /// since its latest first token ([`LATE_HALF_LIFE_S`]). Lateness learnt from requests
+    /// given up on ([`Self::abandoned`]) is added.
     pub fn late_s(&self, instance: usize, now_s: f64) -> f64 {
+        self.first_token_late_s(instance, now_s) + self.stall_s(instance, now_s)
+    }
+
+    /// [`Self::late_s`] as the first tokens alone say it.
+    fn first_token_late_s(&self, instance: usize, now_s: f64) -> f64 {
         let Some(seen_at) = self.late_seen_at.get(instance) else {
             return 0.0;
         };
@@ -289,6 +305,35 @@ impl Feedback {
             None => others,
             Some(_) => others + (self.late_s[instance] - others) * self.freshness(instance, now_s),
         }
+    }
+
+    /// The lateness requests given up on taught `instance` beyond its first tokens', as of
+    /// `now_s`: halved every [`LATE_HALF_LIFE_S`] after the latest.
+    fn stall_s(&self, instance: usize, now_s: f64) -> f64 {
+        self.stall.get(instance).map_or(0.0, |&(s, at)| {
+            s * (-(now_s - at).max(0.0) / LATE_HALF_LIFE_S).exp2()
+        })
+    }
+
+    /// Request `id`'s client gave up at `now_s` before its first token (a streamed answer)
+    /// or before its answer (one sent whole), or the proxy gave up waiting for its head: it
+    /// ends, and its instance's lateness is learnt to be at least the time it waited past its
+    /// predicted first token, as a first token that late would teach it (never lowered: a
+    /// client that leaves early says nothing). `false` if it is not booked.
+    pub fn abandoned(&mut self, id: u64, now_s: f64) -> bool {
+        let Some(b) = self.booked.get(&id) else {
+            return false;
+        };
+        let (i, waited_late) = (b.instance, (now_s - b.routed_at) - b.predicted_s);
+        let late = self.late_s(i, now_s);
+        if waited_late.is_finite() && waited_late > late {
+            let w = 1.0 - (1.0 - LATE_EWMA) * self.freshness(i, now_s);
+            let stall = self.stall_s(i, now_s) + w * (waited_late - late);
+            if let Some(s) = self.stall.get_mut(i) {
+                *s = (stall, now_s);
+            }
+        }
+        self.finished(id, None)
     }
 
     /// How much of `instance`'s own lateness estimate still holds at `now_s`: 1 when its
@@ -393,6 +438,7 @@ impl Feedback {
             let weight = 1.0 - (1.0 - LATE_EWMA) * w;
             self.late_s[i] += weight * (late - self.late_s[i]);
             self.late_seen_at[i] = Some(at_s);
+            self.stall[i] = (0.0, at_s); // it answers: what its first tokens say holds
             // recomputed, not adjusted, so no rounding accumulates over a long run
             self.late_sum = self
                 .late_s
@@ -413,6 +459,9 @@ impl Feedback {
             return false;
         };
         let i = b.instance;
+        if now_s.is_some() {
+            self.stall[i].0 = 0.0; // it answered
+        }
         match b.prefilled_at {
             None => self.pending_s[i] = (self.pending_s[i] - b.work_s).max(0.0),
             Some(t) => {

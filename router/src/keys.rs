@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use kvtier_events::Medium;
 use rmpv::Value;
 
+use crate::holders::Holders;
 use crate::index::{DecodeError, IndexEvent, WireMap, batch_events};
 use crate::table::Table;
 
@@ -140,6 +141,9 @@ enum TableOf {
 pub struct Translator {
     keys: HashMap<u64, Known>,
     table: Table,
+    /// How many entries hold each key on each medium: a key leaves the index with its last
+    /// holder (two tenants' equal tokens are two engine hashes, one key).
+    holders: Holders,
     /// Token-less stores whose hash no table has keyed yet (a shared store's stream, heard
     /// before the instance that computed the block): hash → blocks.
     pending: HashMap<u64, u16>,
@@ -170,6 +174,7 @@ impl Translator {
         Self {
             keys: HashMap::new(),
             table: Table::default(),
+            holders: Holders::default(),
             pending: HashMap::new(),
             pending_table: Table::default(),
             of,
@@ -189,9 +194,12 @@ impl Translator {
     }
 
     /// Bytes the table holds on the heap, as the allocator counts them (32-byte entries and
-    /// a control byte per slot, and the pending stores' 16-byte ones, see `table.rs`).
+    /// a control byte per slot, the pending stores' 16-byte ones and the holder counts'
+    /// 16-byte ones, see `table.rs`).
     pub fn memory_bytes(&self) -> usize {
-        self.table.bytes::<Entry>() + self.pending_table.bytes::<PendingEntry>()
+        self.table.bytes::<Entry>()
+            + self.pending_table.bytes::<PendingEntry>()
+            + self.holders.memory_bytes()
     }
 
     /// The most bytes the table may hold: an entry that would grow it past them is not
@@ -204,6 +212,7 @@ impl Translator {
     pub fn clear(&mut self) {
         self.keys.clear();
         self.pending.clear();
+        self.holders.clear();
     }
 
     /// Whether one more item fits a table holding `len` items that grows by `grow` bytes to
@@ -212,10 +221,11 @@ impl Translator {
         len < self.max_entries && self.memory_bytes().saturating_add(grow) <= self.max_bytes
     }
 
-    /// Whether one more entry fits.
+    /// Whether one more entry fits, and its key's holder count (a new key's, at worst).
     fn has_room(&self) -> bool {
         let (len, cap) = (self.keys.len(), self.keys.capacity());
-        self.fits(len, self.table.growth::<Entry>(len, cap))
+        let grow = self.table.growth::<Entry>(len, cap);
+        self.fits(len, grow.saturating_add(self.holders.growth()))
     }
 
     /// Whether one more pending store fits.
@@ -224,13 +234,15 @@ impl Translator {
         self.fits(len, self.pending_table.growth::<PendingEntry>(len, cap))
     }
 
-    /// Remembers `h` (new) as `known`; `false` if the table is full.
+    /// Remembers `h` (new) as `known`, a holder of its key on its media; `false` if the
+    /// table is full.
     fn remember(&mut self, h: u64, known: Known) -> bool {
         if !self.has_room() {
             return false;
         }
         self.keys.insert(h, known);
         self.table.inserted(self.keys.capacity());
+        self.holders.add(known.key, known.media);
         true
     }
 
@@ -277,6 +289,9 @@ impl Translator {
             // the run's last block carries it: its chunk flag and length
             let (chunk, run_len) = if i == last { (m << 4, len) } else { (0, 0) };
             if let Some(k) = self.keys.get_mut(&h) {
+                if k.media & m == 0 {
+                    self.holders.add(k.key, m);
+                }
                 k.media |= m;
                 if i == last {
                     k.flags |= chunk;
@@ -336,7 +351,11 @@ impl Translator {
             let Some(k) = self.keys.get_mut(&x) else {
                 break;
             };
-            keys.push(k.key);
+            // the key leaves the index with its last holder on this medium (another tenant's
+            // block of equal tokens may still hold it)
+            if k.media & m != 0 && self.holders.release(k.key, m) {
+                keys.push(k.key);
+            }
             k.media &= !m;
             at = k.parent();
             if k.media == 0 {
@@ -372,6 +391,7 @@ impl Translator {
                     out.events.push(IndexEvent::Cleared);
                 }
                 Checked::Cleared => {
+                    self.holders.forget(bit(Medium::Gpu) | bit(Medium::Cpu));
                     self.keys.retain(|_, k| {
                         k.media &= bit(Medium::Storage);
                         k.flags &= !(bit(Medium::Gpu) << 4 | bit(Medium::Cpu) << 4);
@@ -436,7 +456,24 @@ impl Translator {
             };
             let k = page_key(p, page);
             if let Some(e) = self.keys.get_mut(h) {
-                e.key = k;
+                if e.key != k {
+                    // the hash names other tokens now (a parent keyed anew): its copies
+                    // under the old key are forgotten, and the old key leaves the index
+                    // with its last holder
+                    for b in [Medium::Gpu, Medium::Cpu, Medium::Storage] {
+                        if e.media & bit(b) != 0 && self.holders.release(e.key, bit(b)) {
+                            out.events.push(IndexEvent::Removed {
+                                medium: b,
+                                hashes: vec![e.key],
+                            });
+                        }
+                    }
+                    e.media = 0;
+                    e.key = k;
+                }
+                if e.media & bit(medium) == 0 {
+                    self.holders.add(k, bit(medium));
+                }
                 e.media |= bit(medium);
                 if let Some(ph) = parent_hash {
                     e.parent = ph;

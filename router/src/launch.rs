@@ -180,6 +180,10 @@ pub struct Config {
     /// How long a `POST /route` booking lasts without its end reported
     /// ([`crate::cluster::BOOKING_TTL_S`] by default).
     pub booking_ttl_s: f64,
+    /// How long the proxy waits for the head of a streamed answer before it takes the
+    /// instance as not having taken the request and tries the next best
+    /// ([`crate::proxy::HEAD_TIMEOUT_S`] by default; 0: for ever).
+    pub head_timeout_s: f64,
 }
 
 impl Config {
@@ -187,7 +191,8 @@ impl Config {
     /// shared store, [`CostModel::h100_llama8b`], [`crate::DELAY_WEIGHT`], no occupancy term,
     /// kvtier's own page hashes ([`Keys::Engine`]), a 256 MiB index, replay answers awaited
     /// 500 ms, a resync after 5 quiet seconds, bookings kept
-    /// [`crate::cluster::BOOKING_TTL_S`]. Change fields with struct update syntax, so a field
+    /// [`crate::cluster::BOOKING_TTL_S`], streamed answers' heads awaited
+    /// [`crate::proxy::HEAD_TIMEOUT_S`]. Change fields with struct update syntax, so a field
     /// added later does not break the caller:
     ///
     /// ```
@@ -211,6 +216,7 @@ impl Config {
             keys: Keys::Engine,
             subscribe: subscribe_options(500, 5.0),
             booking_ttl_s: crate::cluster::BOOKING_TTL_S,
+            head_timeout_s: crate::proxy::HEAD_TIMEOUT_S,
         }
     }
 }
@@ -233,6 +239,8 @@ pub enum StartError {
     Model(crate::RouteError),
     #[error("--booking-ttl-s: {0}")]
     BookingTtl(crate::RouteError),
+    #[error("--head-timeout-s must be a number of seconds, at least 0, not {0}")]
+    HeadTimeout(f64),
     #[error("bind {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
     #[error(transparent)]
@@ -264,6 +272,8 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     for u in &urls {
         check_url(u)?; // a spec built without parsing it
     }
+    let head_timeout = crate::proxy::head_timeout(cfg.head_timeout_s)
+        .ok_or(StartError::HeadTimeout(cfg.head_timeout_s))?;
     let min = ClusterIndex::min_bytes(cfg.instances.len());
     if cfg.max_index_bytes < min {
         return Err(StartError::BudgetTooSmall(cfg.max_index_bytes, min));
@@ -330,7 +340,8 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         }
     };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let st = AppState::new(Arc::clone(&cluster), urls);
+    let mut st = AppState::new(Arc::clone(&cluster), urls);
+    st.upstream.set_head_timeout(head_timeout);
     let server = tokio::spawn(service::serve(listener, st, async {
         let _ = rx.await;
     }));
@@ -382,4 +393,32 @@ pub fn subscribe_options(replay_timeout_ms: u64, resync_s: f64) -> SubscribeOpti
         resync: Duration::try_from_secs_f64(resync_s.max(0.01)).unwrap_or(Duration::from_secs(5)),
         ..SubscribeOptions::default()
     }
+}
+
+/// Raises this process's soft limit of open files to its hard limit (as vLLM does): each
+/// proxied request holds two sockets (the client's and the instance's), and the common soft
+/// limit of 1,024 runs out at ~500 concurrent streams. Returns the limits (soft, hard) before
+/// and the soft limit after.
+pub fn raise_open_files_limit() -> std::io::Result<((u64, u64), u64)> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit through a valid pointer to a local
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let before = (lim.rlim_cur, lim.rlim_max);
+    if lim.rlim_cur >= lim.rlim_max {
+        return Ok((before, before.0));
+    }
+    let raised = libc::rlimit {
+        rlim_cur: lim.rlim_max,
+        rlim_max: lim.rlim_max,
+    };
+    // SAFETY: setrlimit reads one rlimit through a valid pointer to a local
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((before, raised.rlim_cur))
 }

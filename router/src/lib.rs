@@ -36,6 +36,7 @@ pub mod cluster;
 pub mod cost;
 pub mod errors;
 pub mod feedback;
+mod holders;
 pub mod http_bookings;
 pub mod index;
 pub mod keys;

@@ -4,17 +4,25 @@
 //! Each request is routed by its prompt's tokens: token-id prompts are used as they are; a
 //! text prompt or chat messages are tokenized by a backend's `/tokenize` (vLLM's, which takes
 //! either), and if that fails the request is routed by load alone. The request goes to the
-//! chosen instance unchanged; the response (status, headers, body) comes back as it arrives,
+//! chosen instance unchanged: its body, its query, and every end-to-end header as sent
+//! (vLLM names a completion by its `X-Request-Id` and takes its `X-data-parallel-rank`;
+//! only the headers of the client's connection stay, [`NOT_FORWARDED`]); the response (status, headers, body) comes back as it arrives,
 //! chunk by chunk, so a streaming answer's SSE events reach the client when the engine sends
 //! them. If the chosen instance refuses the connection or answers 502, 503 or 504 (it did
-//! not run the request), the next best is tried, each instance once; if none is left, the
-//! latest such answer is the client's. Once a byte of an answer is sent it is the client's;
+//! not run the request), or, for a streamed answer, sends no head within the head timeout
+//! (vLLM and SGLang send it before they generate, so it did not take the request), the next
+//! best is tried, each instance once; if none is left, the latest such answer is the
+//! client's. A request that fails before any answer is sent once more on a fresh connection
+//! (a kept connection the instance closed as the request was written), then, failing
+//! again, to the next best. Once a byte of an answer is sent it is the client's;
 //! a body that fails midway is cut off there (the client sees a failure, not an end) and
 //! counted as the instance's error. Each instance's requests in flight are counted
 //! from the send until the answer's body ends or the client goes away, and each routed
 //! request is booked in the router's closed-loop queue (`Router::route_tracked`): its first
 //! token is its streamed answer's first chunk (an answer sent whole shows none: its prefill
 //! is taken as done when predicted, and nothing is learnt from it), its end the body's end,
+//! a request given up on before its first token or whole answer (the client went away, the
+//! head timed out) teaches the instance to be at least that late (`Feedback::abandoned`),
 //! and an instance that refuses it, answers an error status (not 2xx) or fails after the
 //! connection drops the booking: an error is no first token and no decode, and an instance
 //! failing fast must not look fast. Server errors are counted per instance, and a streak of
@@ -28,7 +36,7 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
-use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, Uri, header};
 use axum::response::Response;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -43,14 +51,49 @@ use crate::feedback::FirstToken;
 use crate::lora::{self, ModelKind};
 use crate::service::{AppState, body_rejected, error};
 
-/// How long a `/tokenize` (or `/v1/models`) call may take before the request is routed
-/// without its answer.
+/// How long a lookup (`/tokenize`, or `/v1/models` for the adapters) may take in all,
+/// whichever instances it asks, before the request is routed without its answer; and how
+/// long `/v1/models` waits for each instance it asks.
 const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a connection to an instance may take to open. Under the lookups' wait, so that
+/// a lookup that finds an instance unreachable learns it ([`Cluster::unreachable`]) and has
+/// time left for the next; on a LAN a connection opens in well under a millisecond, and
+/// only a lost SYN (retransmitted after 1 s) is lost with it.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long the proxy waits, by default, for the head of a streamed answer
+/// (`--head-timeout-s`): vLLM and SGLang send it before they generate, so an instance whose
+/// head has not come in this time has not taken the request (it hangs, or its queue is
+/// that long), and the next best instance is tried.
+pub const HEAD_TIMEOUT_S: f64 = 30.0;
+
+/// A head timeout of `s` seconds: `Some(None)` for 0 (none), `None` for a value that is not
+/// a number of seconds at least 0.
+pub fn head_timeout(s: f64) -> Option<Option<Duration>> {
+    if s == 0.0 {
+        return Some(None);
+    }
+    (s > 0.0)
+        .then(|| Duration::try_from_secs_f64(s).ok())?
+        .map(Some)
+}
+
+/// How long an idle connection to an instance is kept for the next request: under
+/// uvicorn's keep-alive (vLLM's and SGLang's HTTP server closes a connection idle 5 s), so
+/// the router does not write a request to a connection the server is closing.
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The HTTP client to the instances.
 #[derive(Clone)]
 pub struct Upstream {
+    /// Pooled: connections kept for the next request ([`POOL_IDLE_TIMEOUT`]).
     client: Client<HttpConnector, Full<Bytes>>,
+    /// Unpooled: a fresh connection per request, for a request sent again after its pooled
+    /// connection failed before any answer.
+    fresh: Client<HttpConnector, Full<Bytes>>,
+    /// How long a streamed answer's head may take ([`HEAD_TIMEOUT_S`]; `None`: for ever).
+    head_timeout: Option<Duration>,
 }
 
 impl Default for Upstream {
@@ -62,11 +105,22 @@ impl Default for Upstream {
 impl Upstream {
     pub fn new() -> Self {
         let mut c = HttpConnector::new();
-        c.set_connect_timeout(Some(Duration::from_secs(2)));
+        c.set_connect_timeout(Some(CONNECT_TIMEOUT));
         c.set_nodelay(true);
         Self {
-            client: Client::builder(TokioExecutor::new()).build(c),
+            client: Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+                .build(c.clone()),
+            fresh: Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(0)
+                .build(c),
+            head_timeout: Some(Duration::from_secs_f64(HEAD_TIMEOUT_S)),
         }
+    }
+
+    /// How long a streamed answer's head may take (`None`: for ever).
+    pub fn set_head_timeout(&mut self, t: Option<Duration>) {
+        self.head_timeout = t;
     }
 }
 
@@ -78,12 +132,20 @@ enum Kind {
 
 /// Counts a request in flight on an instance until dropped, and reports a tracked request's
 /// first token (its answer's first chunk, when streamed) and end (the drop) to the router.
+/// Dropped before its first token (streamed) or its answer's head (sent whole), the request
+/// was given up on (its client went away): the instance is learnt to be at least that late.
 struct InFlight {
     cluster: Arc<Mutex<Cluster>>,
     instance: usize,
     booking: Option<u64>,
-    /// Whether the first chunk is the first token (a streamed answer) and not seen yet.
+    /// Whether the first chunk is the first token (a streamed answer).
+    streamed: bool,
+    /// Whether the first chunk is the first token and not seen yet.
     awaiting_first: bool,
+    /// The answer's head came (for an answer sent whole: the answer).
+    answered: bool,
+    /// The answer's body ended.
+    done: bool,
 }
 
 impl InFlight {
@@ -92,11 +154,15 @@ impl InFlight {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .started(d.instance);
+        let streamed = d.booking.is_some() && first == FirstToken::Reported;
         Self {
             cluster: Arc::clone(cluster),
             instance: d.instance,
             booking: d.booking,
-            awaiting_first: d.booking.is_some() && first == FirstToken::Reported,
+            streamed,
+            awaiting_first: streamed,
+            answered: false,
+            done: false,
         }
     }
 
@@ -121,9 +187,16 @@ impl InFlight {
             self.lock().cancel(b);
         }
     }
-}
 
-impl InFlight {
+    /// The proxy stopped waiting for the answer's head: the booking goes, and the instance
+    /// is learnt to be at least as late as it waited.
+    fn abandon(&mut self) {
+        self.awaiting_first = false;
+        if let Some(b) = self.booking.take() {
+            self.lock().abandoned(b);
+        }
+    }
+
     /// The answer's body failed midway: the booking goes, and an answer whose status said
     /// success is counted as the instance's error after all (an error status was already).
     fn failed(&mut self, answered_ok: bool) {
@@ -137,44 +210,74 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         let booking = self.booking;
+        // given up on before the first token, or before a whole answer came
+        let waiting = !self.done
+            && if self.streamed {
+                self.awaiting_first
+            } else {
+                !self.answered
+            };
         let mut c = self.lock();
         c.finished(self.instance);
-        if let Some(b) = booking {
-            c.ended(b);
+        match booking {
+            Some(b) if waiting => c.abandoned(b),
+            Some(b) => c.ended(b),
+            None => {}
         }
     }
 }
 
 pub async fn completions(
     State(st): State<AppState>,
+    uri: Uri,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let target = target_of("/v1/completions", &uri);
     match body {
-        Ok(b) => forward(st, "/v1/completions", Kind::Completion, headers, b).await,
+        Ok(b) => forward(st, &target, Kind::Completion, headers, b).await,
         Err(e) => body_rejected(&e),
     }
 }
 
 pub async fn chat(
     State(st): State<AppState>,
+    uri: Uri,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let target = target_of("/v1/chat/completions", &uri);
     match body {
-        Ok(b) => forward(st, "/v1/chat/completions", Kind::Chat, headers, b).await,
+        Ok(b) => forward(st, &target, Kind::Chat, headers, b).await,
         Err(e) => body_rejected(&e),
     }
 }
 
-/// `/v1/models` from the first instance that answers.
-pub async fn models(State(st): State<AppState>, headers: HeaderMap) -> Response {
-    for (i, base) in st.backends.iter().enumerate() {
-        let Ok(req) = request(Method::GET, base, "/v1/models", &headers, Bytes::new()) else {
+/// `/v1/models` from the first instance that answers, asked in turn (the healthy first,
+/// those passed over for their errors not at all while another is left), each for at most
+/// [`TOKENIZE_TIMEOUT`] until its answer's head.
+pub async fn models(State(st): State<AppState>, uri: Uri, headers: HeaderMap) -> Response {
+    let target = target_of("/v1/models", &uri);
+    let order = st.lock().lookup_order();
+    for i in order {
+        let Some(base) = st.backends.get(i) else {
             continue;
         };
-        if let Ok(resp) = st.upstream.client.request(req).await {
-            return pass_through(resp, i, None);
+        let Ok(req) = request(
+            Method::GET,
+            base,
+            &target,
+            &headers,
+            Bytes::new(),
+            Forward::All,
+        ) else {
+            continue;
+        };
+        let sent = st.upstream.client.request(req);
+        match tokio::time::timeout(TOKENIZE_TIMEOUT, sent).await {
+            Ok(Ok(resp)) => return pass_through(resp, i, None),
+            Ok(Err(e)) if e.is_connect() && !out_of_files(&e) => st.lock().unreachable(i),
+            _ => {}
         }
     }
     error(
@@ -186,7 +289,7 @@ pub async fn models(State(st): State<AppState>, headers: HeaderMap) -> Response 
 
 async fn forward(
     st: AppState,
-    path: &str,
+    target: &str,
     kind: Kind,
     headers: HeaderMap,
     body: Bytes,
@@ -215,8 +318,14 @@ async fn forward(
         FirstToken::AtEstimate
     };
     let output = json.as_ref().map_or(0, |v| max_tokens(v, kind));
-    // instances tried: refused the connection, or answered "unavailable"
+    // instances tried: refused the connection, answered "unavailable", or sent no head
     let mut tried = Vec::new();
+    // whether an instance sent no head in time (the client's error then says so)
+    let mut timed_out = false;
+    // the latest request that failed before any answer, twice (the client's error says so)
+    let mut failed: Option<String> = None;
+    // a streamed answer's head is due before the engine generates
+    let head_timeout = st.upstream.head_timeout.filter(|_| streamed == Some(true));
     // the latest "unavailable" answer, passed through if no instance is left
     let mut unavailable: Option<(usize, hyper::Response<hyper::body::Incoming>)> = None;
     loop {
@@ -231,6 +340,18 @@ async fn forward(
             if let Some((i, resp)) = unavailable {
                 return pass_through(resp, i, None);
             }
+            if let Some(e) = failed {
+                return error(StatusCode::BAD_GATEWAY, "upstream_error", e);
+            }
+            if timed_out {
+                return error(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "upstream_timeout",
+                    format!(
+                        "no instance sent its answer's head in time, or took the connection ({tried:?})"
+                    ),
+                );
+            }
             return error(
                 StatusCode::BAD_GATEWAY,
                 "upstream_unavailable",
@@ -240,7 +361,14 @@ async fn forward(
         // from here every return ends or cancels the booking (the guard's drop ends it)
         let mut guard = InFlight::new(&st.cluster, &d, first);
         let built = match st.backends.get(d.instance) {
-            Some(base) => request(Method::POST, base, path, &headers, body.clone()),
+            Some(base) => request(
+                Method::POST,
+                base,
+                target,
+                &headers,
+                body.clone(),
+                Forward::All,
+            ),
             None => Err(format!("instance {} has no URL", d.instance)),
         };
         let req = match built {
@@ -251,8 +379,34 @@ async fn forward(
                 return error(StatusCode::BAD_GATEWAY, "bad_backend_url", e);
             }
         };
-        match st.upstream.client.request(req).await {
+        let mut answer = send(&st.upstream.client, req, head_timeout).await;
+        if let Ok(Err(e)) = &answer
+            && !e.is_connect()
+        {
+            // failed before any answer on a pooled connection: most likely one the instance
+            // closed as the request was written (an idle connection's keep-alive ran out),
+            // which it never read; once more on a fresh connection
+            let again = st.backends.get(d.instance).map(|base| {
+                let b = body.clone();
+                request(Method::POST, base, target, &headers, b, Forward::All)
+            });
+            if let Some(Ok(req)) = again {
+                answer = send(&st.upstream.fresh, req, head_timeout).await;
+            }
+        }
+        let Ok(answer) = answer else {
+            // no head in time: the instance did not take the request (it hangs), and nothing
+            // was sent to the client yet, so the next best may
+            guard.abandon();
+            st.lock().answered(d.instance, false);
+            drop(guard);
+            tried.push(d.instance);
+            timed_out = true;
+            continue;
+        };
+        match answer {
             Ok(resp) => {
+                guard.answered = true;
                 let status = resp.status();
                 if !status.is_success() {
                     guard.cancel();
@@ -269,6 +423,18 @@ async fn forward(
                 }
                 return pass_through(resp, d.instance, Some(guard));
             }
+            Err(e) if e.is_connect() && out_of_files(&e) => {
+                // the router's own limit, not the instance's refusal: no instance can be
+                // connected to now, and none is to blame
+                guard.cancel();
+                drop(guard);
+                st.lock().overloaded(d.instance);
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "router_overloaded",
+                    format!("the router is out of file descriptors: {e}"),
+                );
+            }
             Err(e) if e.is_connect() => {
                 guard.cancel();
                 drop(guard);
@@ -276,15 +442,49 @@ async fn forward(
                 tried.push(d.instance);
             }
             Err(e) => {
+                // failed twice before any answer: the instance's error, and nothing was sent
+                // to the client, so the next best may
                 guard.cancel();
+                drop(guard);
                 st.lock().answered(d.instance, false);
-                return error(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    format!("instance {}: {e}", d.instance),
-                );
+                tried.push(d.instance);
+                failed = Some(format!("instance {}: {e}", d.instance));
             }
         }
+    }
+}
+
+/// Whether `e` (or an error it was caused by) is the process or the system running out of
+/// file descriptors (`EMFILE`, `ENFILE`): the router's own overload, not the instance's
+/// refusal.
+fn out_of_files(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        let code = e
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::raw_os_error);
+        if matches!(code, Some(libc::EMFILE | libc::ENFILE)) {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
+/// Sends `req` on `client`, its answer's head awaited at most `head_timeout` (`Err`: not in
+/// time).
+async fn send(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    req: Request<Full<Bytes>>,
+    head_timeout: Option<Duration>,
+) -> Result<
+    Result<hyper::Response<hyper::body::Incoming>, hyper_util::client::legacy::Error>,
+    tokio::time::error::Elapsed,
+> {
+    let sent = client.request(req);
+    match head_timeout {
+        Some(t) => tokio::time::timeout(t, sent).await,
+        None => Ok(sent.await),
     }
 }
 
@@ -299,23 +499,92 @@ fn unavailable_status(s: StatusCode) -> bool {
     )
 }
 
+/// Which of the client's headers a request to an instance carries.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Forward {
+    /// The client's request itself: every end-to-end header ([`end_to_end`]).
+    All,
+    /// The router's own call on the client's behalf (`/tokenize`, `/v1/models` for the
+    /// adapters): its credentials only, and a JSON body's type.
+    Credentials,
+}
+
+/// Headers of one connection only (RFC 9110 §7.6.1, and `Proxy-Connection`), never
+/// forwarded, with `Host` and `Content-Length` (the request's own URI and body set them) and
+/// `Expect` (the router read the whole body already).
+const NOT_FORWARDED: [header::HeaderName; 11] = [
+    header::CONNECTION,
+    header::HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::HOST,
+    header::CONTENT_LENGTH,
+];
+
+/// The end-to-end headers of `headers`: all but those of the connection ([`NOT_FORWARDED`]
+/// and those the `Connection` header names), each value in order. `keep_length`: a
+/// `Content-Length` stays (an answer's, whose body is passed on as it is).
+fn end_to_end(
+    headers: &HeaderMap,
+    keep_length: bool,
+) -> impl Iterator<Item = (&header::HeaderName, &HeaderValue)> {
+    let named: Vec<String> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .collect();
+    headers.iter().filter(move |(k, _)| {
+        let length = keep_length && *k == header::CONTENT_LENGTH;
+        let hop = NOT_FORWARDED.contains(k) || *k == header::EXPECT;
+        (length || !hop) && !named.iter().any(|n| n == k.as_str())
+    })
+}
+
+/// A request to instance `base` for `target` (a path and its query), carrying the client's
+/// headers as `forward` says.
 fn request(
     method: Method,
     base: &str,
-    path: &str,
+    target: &str,
     headers: &HeaderMap,
     body: Bytes,
+    forward: Forward,
 ) -> Result<Request<Full<Bytes>>, String> {
-    let uri: hyper::Uri = format!("{}{path}", base.trim_end_matches('/'))
+    let uri: hyper::Uri = format!("{}{target}", base.trim_end_matches('/'))
         .parse()
         .map_err(|e| format!("backend URL {base:?}: {e}"))?;
     let mut b = Request::builder().method(method).uri(uri);
-    for name in [header::CONTENT_TYPE, header::AUTHORIZATION, header::ACCEPT] {
-        if let Some(v) = headers.get(&name) {
-            b = b.header(name, v);
+    match forward {
+        Forward::All => {
+            for (k, v) in end_to_end(headers, false) {
+                b = b.header(k, v);
+            }
+        }
+        Forward::Credentials => {
+            if let Some(v) = headers.get(header::AUTHORIZATION) {
+                b = b.header(header::AUTHORIZATION, v);
+            }
+            if !body.is_empty() {
+                b = b.header(header::CONTENT_TYPE, "application/json");
+            }
         }
     }
     b.body(Full::new(body)).map_err(|e| e.to_string())
+}
+
+/// The path and query a client asked for under `path`: `path` with the query as sent.
+fn target_of(path: &str, uri: &Uri) -> String {
+    match uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_owned(),
+    }
 }
 
 /// The instance's answer as it comes: status, headers (less hop-by-hop ones), and the body
@@ -326,26 +595,29 @@ fn request(
 fn pass_through(
     resp: hyper::Response<hyper::body::Incoming>,
     instance: usize,
-    mut guard: Option<InFlight>,
+    guard: Option<InFlight>,
 ) -> Response {
     let (parts, incoming) = resp.into_parts();
     // counted as a success until the body fails (once)
-    let mut answered_ok = parts.status.is_success();
-    let stream = incoming.into_data_stream().map(move |chunk| {
-        if let Some(g) = guard.as_mut() {
-            match &chunk {
-                Ok(_) => g.chunk(),
-                Err(_) => g.failed(std::mem::take(&mut answered_ok)),
+    let answered_ok = parts.status.is_success();
+    let stream = futures::stream::unfold(
+        (incoming.into_data_stream(), guard, answered_ok),
+        |(mut body, mut guard, mut ok)| async move {
+            let chunk = body.next().await;
+            if let Some(g) = guard.as_mut() {
+                match &chunk {
+                    Some(Ok(_)) => g.chunk(),
+                    Some(Err(_)) => g.failed(std::mem::take(&mut ok)),
+                    None => g.done = true,
+                }
             }
-        }
-        chunk
-    });
+            // the guard drops with the stream: at the body's end, or when the client goes
+            chunk.map(|c| (c, (body, guard, ok)))
+        },
+    );
     let mut out = Response::new(Body::from_stream(stream));
     *out.status_mut() = parts.status;
-    for (k, v) in &parts.headers {
-        if k == header::CONNECTION || k == header::TRANSFER_ENCODING || k.as_str() == "keep-alive" {
-            continue;
-        }
+    for (k, v) in end_to_end(&parts.headers, true) {
         out.headers_mut().append(k, v.clone());
     }
     out.headers_mut()
@@ -391,18 +663,12 @@ async fn adapter_of(st: &AppState, v: &Value, headers: &HeaderMap) -> Option<Str
             None => m.read_at(now),
         }
     }
-    for base in st.backends.iter().take(2) {
-        let Some(listing) =
-            ask_json(st, Method::GET, base, "/v1/models", headers, Bytes::new()).await
-        else {
-            continue;
-        };
+    let learnt = |listing: Value| {
         let mut m = st.models.lock().unwrap_or_else(PoisonError::into_inner);
-        if m.learn(&listing) > 0 {
-            return (m.kind(model) == Some(ModelKind::Adapter)).then(|| model.to_owned());
-        }
-    }
-    None
+        (m.learn(&listing) > 0).then(|| m.kind(model) == Some(ModelKind::Adapter))
+    };
+    let adapter = lookup(st, Method::GET, "/v1/models", headers, Bytes::new(), learnt).await;
+    (adapter == Some(true)).then(|| model.to_owned())
 }
 
 /// The prompt's token ids, from the request or a backend's `/tokenize`; `None` if neither.
@@ -443,37 +709,66 @@ async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) ->
         }
     };
     let body = Bytes::from(serde_json::to_vec(&ask).ok()?);
-    for base in st.backends.iter().take(2) {
-        let answer = ask_json(st, Method::POST, base, "/tokenize", headers, body.clone()).await;
-        if let Some(t) = answer.as_ref().and_then(|v| ids(v.get("tokens")?)) {
-            return Some(t);
-        }
-    }
-    None
+    let tokens = |v: Value| ids(v.get("tokens")?);
+    lookup(st, Method::POST, "/tokenize", headers, body, tokens).await
 }
 
-/// A backend's JSON answer to one call, within `TOKENIZE_TIMEOUT`; `None` for any failure.
-async fn ask_json(
+/// A lookup of the router's own (`/tokenize`, `/v1/models`): the first JSON answer that
+/// `take` takes, asking the instances in turn ([`Cluster::lookup_order`]: the healthy first,
+/// none passed over for its errors while another is left), within [`TOKENIZE_TIMEOUT`] in
+/// all; `None` if none did. An instance that cannot be connected to is passed over from now
+/// ([`Cluster::unreachable`]).
+async fn lookup<T>(
     st: &AppState,
     method: Method,
-    base: &str,
     path: &str,
     headers: &HeaderMap,
     body: Bytes,
-) -> Option<Value> {
-    let req = request(method, base, path, headers, body).ok()?;
-    let call = async {
-        let resp = st.upstream.client.request(req).await.ok()?;
-        if !resp.status().is_success() {
-            return None;
+    mut take: impl FnMut(Value) -> Option<T>,
+) -> Option<T> {
+    let order = st.lock().lookup_order();
+    let deadline = tokio::time::Instant::now() + TOKENIZE_TIMEOUT;
+    for i in order {
+        let Some(base) = st.backends.get(i) else {
+            continue;
+        };
+        let Ok(req) = request(
+            method.clone(),
+            base,
+            path,
+            headers,
+            body.clone(),
+            Forward::Credentials,
+        ) else {
+            continue;
+        };
+        let call = async {
+            let resp = match st.upstream.client.request(req).await {
+                Ok(r) => r,
+                Err(e) => {
+                    if e.is_connect() && !out_of_files(&e) {
+                        st.lock().unreachable(i);
+                    }
+                    return None;
+                }
+            };
+            if !resp.status().is_success() {
+                return None;
+            }
+            let bytes = resp.into_body().collect().await.ok()?.to_bytes();
+            serde_json::from_slice::<Value>(&bytes).ok()
+        };
+        match tokio::time::timeout_at(deadline, call).await {
+            Ok(Some(v)) => {
+                if let Some(t) = take(v) {
+                    return Some(t);
+                }
+            }
+            Ok(None) => {}
+            Err(_) => return None, // the lookup's time is up
         }
-        let bytes = resp.into_body().collect().await.ok()?.to_bytes();
-        serde_json::from_slice::<Value>(&bytes).ok()
-    };
-    tokio::time::timeout(TOKENIZE_TIMEOUT, call)
-        .await
-        .ok()
-        .flatten()
+    }
+    None
 }
 
 #[cfg(test)]
@@ -504,5 +799,36 @@ mod tests {
             "a chat's: unknown"
         );
         assert_eq!(max_tokens(&json!({"max_tokens": 9}), Kind::Chat), 9);
+    }
+
+    /// An error caused by another, as hyper-util's connect errors are (its `ConnectError`
+    /// wraps the socket's `io::Error`).
+    #[derive(Debug)]
+    struct Caused(std::io::Error);
+
+    impl std::fmt::Display for Caused {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("tcp open error")
+        }
+    }
+
+    impl std::error::Error for Caused {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn running_out_of_file_descriptors_is_the_routers_not_a_refusal() {
+        let os = std::io::Error::from_raw_os_error;
+        for code in [libc::EMFILE, libc::ENFILE] {
+            assert!(out_of_files(&os(code)), "{code}");
+            assert!(out_of_files(&Caused(os(code))), "{code}, as a cause");
+        }
+        for code in [libc::ECONNREFUSED, libc::ETIMEDOUT, libc::ENETUNREACH] {
+            assert!(!out_of_files(&Caused(os(code))), "{code}");
+        }
+        let timed_out = std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timeout");
+        assert!(!out_of_files(&Caused(timed_out)));
     }
 }

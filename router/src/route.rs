@@ -230,6 +230,18 @@ impl Router {
                 .is_some_and(|f| f.first_token(id, now_s))
     }
 
+    /// Booked request `id` was given up on before its first token (or its whole answer) at
+    /// `now_s`: it ends, and its instance is learnt to be at least that late
+    /// ([`Feedback::abandoned`]; `false`: not booked, or `now_s` is not finite, which changes
+    /// nothing).
+    pub fn abandoned(&mut self, id: u64, now_s: f64) -> bool {
+        now_s.is_finite()
+            && self
+                .feedback
+                .as_mut()
+                .is_some_and(|f| f.abandoned(id, now_s))
+    }
+
     /// Booked request `id` will not run (its instance refused it): dropped without learning
     /// anything (`false`: not booked).
     pub fn cancel(&mut self, id: u64) -> bool {

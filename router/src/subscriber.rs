@@ -179,9 +179,18 @@ impl ZmqHistory {
             let mut items = [s.as_poll_item(zmq::POLLIN)];
             match zmq::poll(&mut items, ms) {
                 Ok(n) if n > 0 => {}
+                // A signal handled on this thread is not the publisher's silence: wait again
+                // (within the deadline above).
+                Err(zmq::Error::EINTR) => continue,
                 _ => return None,
             }
-            let frames = s.recv_multipart(0).ok()?;
+            let frames = loop {
+                match s.recv_multipart(0) {
+                    Ok(frames) => break frames,
+                    Err(zmq::Error::EINTR) => {}
+                    Err(_) => return None,
+                }
+            };
             // ["", seq, payload] (vLLM before 0.32, kvtier before 2026-12-05) or
             // ["", topic, seq, payload] (vLLM 0.32 adds the topic, as on the PUB socket)
             let (topic, seq, payload) = match frames.as_slice() {
@@ -405,5 +414,69 @@ mod tests {
         assert_eq!(a.batches.len(), 2);
         assert_eq!(a.push(2, &[0; 1]), None);
         assert_eq!(a.batches.len(), 2, "nothing past the cap is kept");
+    }
+
+    extern "C" fn ignore(_: libc::c_int) {}
+
+    /// A signal delivered to the thread asking a replay (any handler installed without
+    /// `SA_RESTART`: a runtime's, a profiler's) interrupts `zmq::poll`; the request was given
+    /// up as unanswered and the replay backed off, leaving the gap open. An interrupted wait
+    /// is waited again.
+    #[test]
+    fn an_interrupted_wait_for_a_replay_answer_waits_again() {
+        // SAFETY: a no-op handler for SIGUSR1, which no other test uses.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = ignore as extern "C" fn(libc::c_int) as usize;
+            sa.sa_flags = 0; // no SA_RESTART
+            libc::sigemptyset(&mut sa.sa_mask);
+            assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+        }
+        let ctx = zmq::Context::new();
+        let server = ctx.socket(zmq::ROUTER).expect("ROUTER");
+        server.bind("tcp://127.0.0.1:*").expect("bind");
+        let endpoint = server
+            .get_last_endpoint()
+            .expect("endpoint")
+            .expect("utf-8");
+        let answering = std::thread::spawn(move || {
+            let ask = server.recv_multipart(0).expect("request");
+            std::thread::sleep(Duration::from_millis(400));
+            let id = ask[0].clone();
+            let reply = |seq: i64, payload: &[u8]| {
+                server
+                    .send_multipart([&id[..], b"", &seq.to_be_bytes()[..], payload], 0)
+                    .expect("reply");
+            };
+            reply(0, b"batch");
+            reply(-1, b"");
+            std::thread::sleep(Duration::from_millis(200));
+        });
+        let mut history = ZmqHistory {
+            ctx: ctx.clone(),
+            endpoint: Some(endpoint),
+            timeout: Duration::from_secs(2),
+            topic: None,
+            max_answer_bytes: 1 << 20,
+            max_frame_bytes: 1 << 20,
+            backoff: Duration::from_secs(1),
+            quiet_until: None,
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let asking = std::thread::spawn(move || {
+            // SAFETY: this thread's own id, used while it lives (it is joined below).
+            tx.send(unsafe { libc::pthread_self() }).expect("send");
+            history.ask(0)
+        });
+        let tid = rx.recv().expect("tid");
+        for _ in 0..3 {
+            std::thread::sleep(Duration::from_millis(100));
+            // SAFETY: the asking thread has not been joined yet.
+            assert_eq!(unsafe { libc::pthread_kill(tid, libc::SIGUSR1) }, 0);
+        }
+        let answer = asking.join().expect("asking thread");
+        answering.join().expect("answering thread");
+        let batches = answer.expect("interrupted: the answer was given up");
+        assert_eq!(batches.len(), 1);
     }
 }

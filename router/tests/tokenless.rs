@@ -455,3 +455,157 @@ fn a_medium_that_is_not_a_string_is_skipped() {
         assert_eq!(c.router().index().pages(), 2, "{keys:?}: no medium");
     }
 }
+
+/// Two tenants' prompts with equal tokens (vLLM's `cache_salt` changes the block hashes, not
+/// the tokens) share the router's keys in this mode. The bug: the key table counted no
+/// holders, so the first tenant's eviction removed the key while the other tenant's copy was
+/// still on the instance (a multi-tenant deployment with one system prompt lost its GPU
+/// credit at every eviction of any tenant's copy). Likewise on the store's stream.
+/// Which of the prompt's pages the index holds, per medium ("GPU", "CPU", "STORAGE"), for
+/// instance 0 and the store.
+fn held_pages(c: &Cluster, toks: &[u32]) -> Vec<(&'static str, usize)> {
+    let keys = c.prompt_hashes(toks, None, None);
+    let mut out: Vec<_> = c
+        .router()
+        .index()
+        .entries()
+        .into_iter()
+        .filter(|&(i, _, _)| i == 0 || i == usize::MAX)
+        .filter_map(|(_, m, h)| keys.iter().position(|&k| k == h).map(|p| (m, p)))
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+fn on(medium: &'static str, pages: std::ops::Range<usize>) -> Vec<(&'static str, usize)> {
+    pages.map(|p| (medium, p)).collect()
+}
+
+#[test]
+fn a_key_two_salted_copies_share_stays_until_both_are_gone() {
+    let (mut c, store) = cluster(1);
+    let (toks, a) = prompt(1, 3);
+    let b: Vec<u64> = a.iter().map(|h| h ^ 0xABCD_0000_0000_0000).collect();
+    apply(
+        &mut c,
+        0,
+        vec![chain("GPU", &toks, &a), chain("GPU", &toks, &b)],
+    );
+    apply(&mut c, 0, vec![chain("CPU", &toks, &a)]);
+    let both = [on("CPU", 0..3), on("GPU", 0..3)].concat();
+    assert_eq!(held_pages(&c, &toks), both);
+    apply(&mut c, 0, vec![removed("GPU", &a)]);
+    assert_eq!(
+        held_pages(&c, &toks),
+        both,
+        "tenant b's copy is still on the GPU"
+    );
+    apply(&mut c, 0, vec![removed("GPU", &b[1..])]);
+    assert_eq!(
+        held_pages(&c, &toks),
+        [on("CPU", 0..3), on("GPU", 0..1)].concat()
+    );
+    apply(&mut c, 0, vec![removed("CPU", &a)]);
+    assert_eq!(held_pages(&c, &toks), on("GPU", 0..1));
+    // the store holds both tenants' 3-block chunk: one dropped, the other still counts
+    apply(
+        &mut c,
+        0,
+        vec![chain("CPU", &toks, &a), chain("CPU", &toks, &b)],
+    );
+    let bs = (3 * PS) as u64;
+    apply(
+        &mut c,
+        store,
+        vec![
+            tokenless("STORAGE", a[2], bs),
+            tokenless("STORAGE", b[2], bs),
+        ],
+    );
+    let stored = [on("CPU", 0..3), on("GPU", 0..1), on("STORAGE", 0..3)].concat();
+    assert_eq!(held_pages(&c, &toks), stored);
+    apply(&mut c, store, vec![removed("STORAGE", &[a[2]])]);
+    assert_eq!(
+        held_pages(&c, &toks),
+        stored,
+        "tenant b's chunk is still stored"
+    );
+    apply(&mut c, store, vec![removed("STORAGE", &[b[2]])]);
+    assert_eq!(
+        held_pages(&c, &toks),
+        [on("CPU", 0..3), on("GPU", 0..1)].concat()
+    );
+}
+
+#[derive(Clone, Debug)]
+enum TenantOp {
+    Store {
+        tenant: usize,
+        medium: usize,
+        pages: usize,
+    },
+    Remove {
+        tenant: usize,
+        medium: usize,
+        from: usize,
+    },
+    Clear,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Tenants storing and removing runs of one shared prompt (equal tokens, their own block
+    /// hashes) on GPU and CPU, and the instance's `AllBlocksCleared`: the router credits a
+    /// page on a medium exactly while some tenant's copy of it is there.
+    #[test]
+    fn a_shared_key_is_held_exactly_while_some_tenant_holds_it(
+        ops in proptest::collection::vec(
+            prop_oneof![
+                (0..3usize, 0..2usize, 1..=4usize)
+                    .prop_map(|(tenant, medium, pages)| TenantOp::Store { tenant, medium, pages }),
+                (0..3usize, 0..2usize, 0..4usize)
+                    .prop_map(|(tenant, medium, from)| TenantOp::Remove { tenant, medium, from }),
+                Just(TenantOp::Clear),
+            ],
+            1..50,
+        ),
+    ) {
+        const MEDIA: [&str; 2] = ["GPU", "CPU"];
+        let (mut c, _) = cluster(1);
+        let (toks, base) = prompt(7, 4);
+        let tenant_hashes = |t: usize| -> Vec<u64> {
+            base.iter().map(|h| h ^ ((t as u64 + 1) << 48)).collect()
+        };
+        // held[tenant][medium][page]
+        let mut held = [[[false; 4]; 2]; 3];
+        for op in &ops {
+            match *op {
+                TenantOp::Store { tenant, medium, pages } => {
+                    let hs = tenant_hashes(tenant);
+                    apply(&mut c, 0, vec![chain(MEDIA[medium], &toks[..pages * PS], &hs[..pages])]);
+                    held[tenant][medium][..pages].fill(true);
+                }
+                TenantOp::Remove { tenant, medium, from } => {
+                    let hs = tenant_hashes(tenant);
+                    apply(&mut c, 0, vec![removed(MEDIA[medium], &hs[from..])]);
+                    held[tenant][medium][from..].fill(false);
+                }
+                TenantOp::Clear => {
+                    apply(&mut c, 0, vec![Value::Map(vec![
+                        (s("type"), s("AllBlocksCleared")),
+                        (s("medium"), s("GPU")),
+                    ])]);
+                    held = [[[false; 4]; 2]; 3];
+                }
+            }
+            let mut want: Vec<(&'static str, usize)> = (0..2)
+                .flat_map(|m| (0..4).map(move |p| (m, p)))
+                .filter(|&(m, p)| held.iter().any(|t| t[m][p]))
+                .map(|(m, p)| (MEDIA[m], p))
+                .collect();
+            want.sort_unstable();
+            prop_assert_eq!(held_pages(&c, &toks), want, "{:?}", op);
+        }
+    }
+}

@@ -72,6 +72,11 @@ struct Args {
     /// a client that dies keeps no request counted past it.
     #[arg(long, default_value_t = kvtier_router::cluster::BOOKING_TTL_S)]
     booking_ttl_s: f64,
+    /// Seconds the proxy waits for the head of a streamed answer (`"stream": true`; vLLM and
+    /// SGLang send it before generating) before it takes the instance as not having taken
+    /// the request, counts its error and tries the next best; 0: wait for ever.
+    #[arg(long, default_value_t = kvtier_router::proxy::HEAD_TIMEOUT_S)]
+    head_timeout_s: f64,
     /// Exit after this many seconds (scripts and tests); default: run until Ctrl-C.
     #[arg(long)]
     exit_after_s: Option<f64>,
@@ -128,6 +133,15 @@ fn config(a: &Args) -> Result<Config, String> {
         max_index_bytes: a.max_index_bytes.0,
         keys: a.keys,
         booking_ttl_s: positive("booking-ttl-s", a.booking_ttl_s)?,
+        head_timeout_s: match kvtier_router::proxy::head_timeout(a.head_timeout_s) {
+            Some(_) => a.head_timeout_s,
+            None => {
+                return Err(format!(
+                    "--head-timeout-s must be a number of seconds, at least 0, not {}",
+                    a.head_timeout_s
+                ));
+            }
+        },
         subscribe: launch::subscribe_options(
             a.replay_timeout_ms,
             positive("resync-s", a.resync_s)?,
@@ -155,6 +169,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // each proxied request holds two sockets: the soft limit (often 1,024) goes up to the hard
+    match launch::raise_open_files_limit() {
+        Ok(((soft, hard), now)) => {
+            eprintln!("kvtier-router: open files: {now} (soft limit was {soft}, hard {hard})")
+        }
+        Err(e) => eprintln!("kvtier-router: open files limit not raised: {e}"),
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

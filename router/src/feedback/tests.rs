@@ -404,3 +404,51 @@ proptest! {
         prop_assert!(f.queue_s(0, held(&b, 0.0), t) >= q - 1e-9);
     }
 }
+
+#[test]
+fn a_request_given_up_on_teaches_at_least_its_wait_and_never_less() {
+    let mut f = Feedback::new(2, 1e6, 16, 0.0);
+    // predicted at 10 ms, given up on after 3 s: instance 0 is learnt late, the other not
+    f.book(1, 0, routed(0.01, 0.01, 0.0), held(&[], 1.0));
+    assert!(f.abandoned(1, 3.0));
+    assert_eq!(f.booked(), 0, "it ended");
+    let late = f.late_s(0, 3.0);
+    assert!((late - LATE_EWMA * 2.99).abs() < 1e-9, "{late}");
+    assert_eq!(
+        f.late_s(1, 3.0),
+        0.0,
+        "a hung instance says nothing of the others"
+    );
+    assert!(!f.abandoned(1, 4.0), "not booked any more");
+    // given up on sooner than predicted: no lower bound past what is known, nothing learnt
+    f.book(2, 0, routed(0.5, 0.5, 3.0), held(&[], 1.0));
+    assert!(f.abandoned(2, 3.1));
+    assert_eq!(f.late_s(0, 3.0), late);
+    // more requests that never answer: it grows toward their wait
+    for id in 3..40 {
+        let t = id as f64 * 3.0;
+        f.book(id, 0, routed(0.01, 0.01, t), held(&[], 1.0));
+        assert!(f.abandoned(id, t + 3.0));
+    }
+    let hung = f.late_s(0, 120.0);
+    assert!(hung > 2.0 && hung < 2.99, "{hung}");
+    // it fades as lateness does
+    let faded = f.late_s(0, 120.0 + LATE_HALF_LIFE_S);
+    assert!((faded - hung / 2.0).abs() < 1e-9, "{faded}");
+    // a first token: it answers, and its first tokens' lateness holds again
+    f.book(50, 0, routed(0.01, 0.01, 200.0), held(&[], 1.0));
+    assert!(f.first_token(50, 200.03));
+    assert!(
+        (f.late_s(0, 200.03) - 0.002).abs() < 1e-9,
+        "{}",
+        f.late_s(0, 200.03)
+    );
+    // an answer's end clears it too (instance 1, unseen: the others' lateness, as before)
+    let base = f.late_s(1, 300.0);
+    f.book(51, 1, routed(0.01, 0.01, 300.0), held(&[], 1.0));
+    assert!(f.abandoned(51, 301.0));
+    assert!(f.late_s(1, 301.0) > base + 0.05);
+    f.book(52, 1, routed(0.01, 0.01, 302.0), held(&[], 1.0));
+    assert!(f.finished(52, Some(302.5)));
+    assert_eq!(f.late_s(1, 302.5), base);
+}

@@ -69,14 +69,7 @@ async fn the_documented_router_line_and_requests_run() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start kvtier-router");
-    let stdout = child.stdout.take().expect("stdout");
-    let first = tokio::task::spawn_blocking(move || {
-        let mut l = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut l);
-        l
-    })
-    .await
-    .expect("read");
+    let first = first_line(&mut child).await;
     let addr: std::net::SocketAddr = first
         .trim()
         .strip_prefix("kvtier-router listening on http://")
@@ -185,6 +178,10 @@ fn bad_flags_are_errors_not_panics() {
             ],
             2,
         ),
+        (vec!["--instance", ev, "--head-timeout-s", "-1"], 2),
+        (vec!["--instance", ev, "--head-timeout-s", "NaN"], 2),
+        (vec!["--instance", ev, "--head-timeout-s", "inf"], 2),
+        (vec!["--instance", ev, "--head-timeout-s", "0"], 0),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvtier-router"))
             .args(&args)
@@ -195,4 +192,55 @@ fn bad_flags_are_errors_not_panics() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+}
+
+/// The binary raises its soft limit of open files to the hard one at start (as vLLM does):
+/// each proxied request holds two sockets, and the common soft limit of 1,024 ran out at
+/// ~500 concurrent streams (before: every connect past it failed, read as the instance
+/// refusing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_raises_its_open_files_limit_to_the_hard_one() {
+    let mut child = Command::new("sh")
+        .args([
+            "-c",
+            "ulimit -Sn 64 && ulimit -Hn 256 && exec \"$0\" \"$@\"",
+            env!("CARGO_BIN_EXE_kvtier-router"),
+            "--instance",
+            "url=http://127.0.0.1:1",
+            "--listen",
+            "127.0.0.1:0",
+            "--exit-after-s",
+            "20",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kvtier-router");
+    let first = first_line(&mut child).await;
+    assert!(first.contains("listening"), "{first}");
+    let limits =
+        std::fs::read_to_string(format!("/proc/{}/limits", child.id())).expect("/proc limits");
+    let _ = child.kill();
+    let out = child.wait_with_output().expect("wait");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("open files line");
+    let nums: Vec<&str> = line.split_whitespace().skip(3).take(2).collect();
+    assert_eq!(nums, ["256", "256"], "{line}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("open files: 256"), "it says so: {err}");
+}
+
+/// The first line a started `kvtier-router` prints (its address), read off the blocking
+/// runtime; empty if it printed none.
+async fn first_line(child: &mut std::process::Child) -> String {
+    let stdout = child.stdout.take().expect("stdout");
+    tokio::task::spawn_blocking(move || {
+        let mut l = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut l);
+        l
+    })
+    .await
+    .expect("read")
 }

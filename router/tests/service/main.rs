@@ -7,12 +7,16 @@
 //! - [`stream_props`]: proptest invariants of a stream's recovery and of the cap;
 //! - [`bookings`]: `POST /route` clients reporting their requests' first token and end;
 //! - [`docs`]: docs/router.md's command line and requests;
-//! - [`upstream_errors`]: instances that answer errors, or cannot be sent to.
+//! - [`upstream_errors`]: instances that answer errors, or cannot be sent to;
+//! - [`forwarding`]: what of a client's request reaches the instance;
+//! - [`faults`]: instances that hang, cannot be reached or close idle connections.
 
 mod bookings;
 mod common;
 mod docs;
 mod events;
+mod faults;
+mod forwarding;
 mod proxy;
 mod stream_props;
 mod upstream_errors;

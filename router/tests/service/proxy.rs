@@ -469,10 +469,9 @@ async fn whole_answers_and_refusals_learn_nothing_and_leave_no_booking() {
     let stats = http(r.addr, "GET", "/stats", None).await.json();
     assert_eq!(stats["instances"][1]["late_s"], 0.0, "{stats}");
     assert_eq!(stats["instances"][0]["late_s"], 0.0, "{stats}");
-    assert!(
-        stats["instances"][0]["refused"].as_u64() >= Some(1),
-        "{stats}"
-    );
+    // the router's adapter lookup finds it refusing first, and it is passed over from then
+    // (faults.rs: a refused instance is passed over at once, its bookings dropped)
+    assert_eq!(stats["instances"][0]["routed"], 0, "{stats}");
     assert_eq!(stats["instances"][0]["in_flight"], 0, "{stats}");
     r.stop().await;
 }
