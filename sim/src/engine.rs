@@ -89,10 +89,12 @@ struct Instance {
     model: kvtier_scheduler::model::PageModel<u64>,
     tracks: HashMap<RequestId, Track>,
     forward_busy: bool,
-    /// Link availability (µs): host→device, device→host, network.
+    /// Link availability (µs): host→device, device→host, network (reads; and writes under
+    /// `L3Link::Shared`), network writes under `L3Link::Duplex`.
     h2d_free: u64,
     d2h_free: u64,
     net_free: u64,
+    net_write_free: u64,
     prefetches: HashMap<OpId, LivePrefetch>,
     /// Time the instance spent in forward passes (µs).
     busy_us: u64,
@@ -122,8 +124,23 @@ const TENANT: &str = "sim";
 /// headers left room for a ninth of the pages).
 fn ssd_object_bytes(sched: &SchedulerConfig, payload_bytes: usize) -> u64 {
     use kvtier_l3::ssd::bucket::{FILE_HDR, REC_HDR};
-    let key = sched.namespace.keys_for_rank(0).key(&PageHash([0; 32]));
-    FILE_HDR + (REC_HDR + TENANT.len() + key.len() + payload_bytes) as u64
+    FILE_HDR + (REC_HDR + TENANT.len() + page_key_len(sched) + payload_bytes) as u64
+}
+
+/// What one simulated page is charged in the store's DRAM segment: its payload, its key and
+/// the store's metadata per object (`kvtier_l3::charge`). `l3_pages` is a number of pages:
+/// the segment holds that many of these.
+fn l3_page_charge(sched: &SchedulerConfig, payload_bytes: usize) -> u64 {
+    kvtier_l3::charge(payload_bytes as u64, page_key_len(sched))
+}
+
+/// Length of a simulated page's L3 key (every page's is the same: namespace, digest, rank).
+fn page_key_len(sched: &SchedulerConfig) -> usize {
+    sched
+        .namespace
+        .keys_for_rank(0)
+        .key(&PageHash([0; 32]))
+        .len()
 }
 
 /// Waits until the SSD writer has written every queued offload and evicted what that
@@ -210,6 +227,7 @@ impl Simulation {
                 h2d_free: 0,
                 d2h_free: 0,
                 net_free: 0,
+                net_write_free: 0,
                 prefetches: HashMap::new(),
                 busy_us: 0,
             });
@@ -252,7 +270,8 @@ impl Simulation {
                 None
             };
             let s = EmbeddedStore::new(StoreConfig {
-                local_segment_bytes: cfg.l3_pages.max(1) * cfg.payload_bytes as u64,
+                local_segment_bytes: cfg.l3_pages.max(1)
+                    * l3_page_charge(&sched_cfg, cfg.payload_bytes),
                 lease_ttl: Duration::from_millis(10_000 * STORE_MS_PER_SIM_MS),
                 max_batch_keys: 1 << 20,
                 loss_journal_keys: 1 << 20,

@@ -19,6 +19,20 @@ pub struct ModelProfile {
     pub decode_ctx_us_per_ktok: f64,
 }
 
+/// How an instance's network link to the L3 carries its reads (prefetches) and its writes
+/// (backups).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum L3Link {
+    /// One queue, first come first served: a prefetch waits behind the backups issued before
+    /// it (the simulator's model since the start; every figure in the docs used it).
+    #[default]
+    Shared,
+    /// Each direction its own queue at `l3_gb_per_s`, as a full-duplex NIC carries them: a
+    /// prefetch waits only for the reads before it.
+    Duplex,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LinkProfile {
     /// Host ↔ device (PCIe), each direction.
@@ -34,6 +48,9 @@ pub struct LinkProfile {
     pub ssd_gb_per_s: f64,
     #[serde(default = "default_ssd_latency")]
     pub ssd_latency_us: f64,
+    /// Whether reads and writes share the L3 link (`[links] l3_link`, `--l3-link`).
+    #[serde(default)]
+    pub l3_link: L3Link,
 }
 
 fn default_ssd_gbps() -> f64 {
@@ -53,6 +70,7 @@ impl Default for LinkProfile {
             l3_query_us: 150.0,
             ssd_gb_per_s: default_ssd_gbps(),
             ssd_latency_us: default_ssd_latency(),
+            l3_link: L3Link::default(),
         }
     }
 }

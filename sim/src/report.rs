@@ -23,7 +23,9 @@ pub struct Collector {
     pub longest_request: u64,
     pub ended: u64,
     pub prompt_tokens: u64,
-    pub ttft_us: Vec<u64>,
+    /// Each request that produced a first token, in the order they ended (its TTFT among
+    /// them: the percentiles are taken from these).
+    pub timings: Vec<RequestTiming>,
     pub outcomes: [u64; 3],
     pub pages_checked: u64,
     pub oracle_failures: u64,
@@ -68,11 +70,12 @@ impl Collector {
     pub fn longest(&mut self, tokens: u64) {
         self.longest_request = self.longest_request.max(tokens);
     }
-    pub fn ended(&mut self, o: Outcome, ttft_us: Option<u64>) {
+    /// A request ended; `timing` when it produced a first token.
+    pub fn ended(&mut self, o: Outcome, timing: Option<RequestTiming>) {
         self.ended += 1;
         self.outcomes[o as usize] += 1;
-        if let Some(t) = ttft_us {
-            self.ttft_us.push(t);
+        if let Some(t) = timing {
+            self.timings.push(t);
         }
     }
     pub fn oracle_failure(&mut self, msg: String) {
@@ -128,7 +131,8 @@ impl Collector {
         };
         let miss = prompt.saturating_sub(device + host + l3);
         let recomputed = computed.saturating_sub(miss);
-        self.ttft_us.sort_unstable();
+        let mut ttft_us: Vec<u64> = self.timings.iter().map(|t| t.ttft_us).collect();
+        ttft_us.sort_unstable();
         let secs = end_us as f64 / 1e6;
         let ops = [
             OpKind::L3Query,
@@ -179,7 +183,7 @@ impl Collector {
                 total: rate(device + host + l3),
             },
             prefill_tokens_saved: device + host + l3,
-            ttft_ms: Percentiles::of_sorted_us(&self.ttft_us),
+            ttft_ms: Percentiles::of_sorted_us(&ttft_us),
             simulated_seconds: secs,
             throughput_requests_per_s: if secs > 0.0 {
                 self.ended as f64 / secs
@@ -212,6 +216,7 @@ impl Collector {
             adaptive: Vec::new(),
             shadow: Vec::new(),
             routing: RoutingReport::default(),
+            timings: std::mem::take(&mut self.timings),
         }
     }
 }
@@ -353,6 +358,21 @@ pub struct Report {
     /// The access sequence the Belady ceiling is computed over (not serialized).
     #[serde(skip)]
     pub accesses: AccessLog,
+    /// Each request's time to first token, where it ran (not serialized: one per request;
+    /// `examples/p99_anatomy.rs` reads them).
+    #[serde(skip)]
+    pub timings: Vec<RequestTiming>,
+}
+
+/// One request's time to first token and where it ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestTiming {
+    /// The request's id (its line in a trace).
+    pub id: u64,
+    pub instance: usize,
+    pub arrival_us: u64,
+    pub ttft_us: u64,
+    pub prompt_tokens: usize,
 }
 
 /// The router's part of a run.

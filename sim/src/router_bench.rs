@@ -59,7 +59,7 @@ impl BenchWorkload {
     }
 
     /// The requests with their arrival times multiplied by `scale`.
-    fn scaled(
+    pub fn scaled(
         &self,
         scale: f64,
     ) -> Result<impl Iterator<Item = Result<SimRequest, WorkloadError>> + use<>, String> {

@@ -329,3 +329,49 @@ fn the_sweep_plot_says_its_ceiling_excludes_l3() {
     let help = String::from_utf8_lossy(&help.stdout);
     assert!(help.contains("device + host only"), "{help}");
 }
+
+/// A trace whose timestamps are wall-clock milliseconds (a production log's, 1.7e12) is the
+/// same workload as one starting at 0: the simulated clock starts at the first request.
+/// Before, the simulator idled until 1.7e12 ms and divided by it: a throughput of 0 requests
+/// a second, and every figure that is a rate over the run with it.
+#[test]
+fn a_trace_starting_at_a_wall_clock_timestamp_is_the_same_workload() {
+    let dir = temp_dir("offset-trace");
+    let run = |offset: u64| {
+        let trace = dir.join(format!("t{offset}.jsonl"));
+        let body: String = (0..40u64)
+            .map(|i| {
+                line(
+                    offset + i * 250,
+                    1024 + 512 * (i as usize % 3),
+                    10 * (i % 4),
+                )
+            })
+            .collect();
+        std::fs::write(&trace, body).unwrap();
+        let out = succeeds(
+            kvtier()
+                .args(["sim", "--json", "--no-compare", "--trace"])
+                .arg(&trace),
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["oracle"]["failures"], 0);
+        v
+    };
+    let zero = run(0);
+    let wall = run(1_733_500_000_000);
+    assert!(
+        zero["throughput_requests_per_s"].as_f64().unwrap() > 1.0,
+        "{zero}"
+    );
+    for field in [
+        "simulated_seconds",
+        "throughput_requests_per_s",
+        "throughput_output_tokens_per_s",
+        "ttft_ms",
+        "hits",
+    ] {
+        assert_eq!(zero[field], wall[field], "{field}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -320,6 +320,10 @@ fn flags_the_run_would_ignore_are_refused_naming_the_flag() {
             &["--l3-gbps", "--no-l3"],
         ),
         (
+            vec!["--no-l3", "--l3-link", "duplex"],
+            &["--l3-link", "--no-l3"],
+        ),
+        (
             vec!["--no-l3", "--write-policy", "write-back"],
             &["--write-policy", "--no-l3"],
         ),
@@ -358,6 +362,7 @@ fn flags_the_run_would_ignore_are_refused_naming_the_flag() {
             "--l3-pages",
             "100",
         ],
+        vec!["--l3-link", "duplex"],
     ] {
         let mut args = vec![
             "sim",

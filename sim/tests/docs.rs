@@ -49,6 +49,7 @@ fn every_documented_command_runs() {
         "docs/sim/shadow.md",
         "docs/router.md",
         "docs/router/whole-traces.md",
+        "docs/router/p99-anatomy.md",
     ]
     .iter()
     .map(|p| std::fs::read_to_string(root.join(p)).unwrap())
@@ -92,6 +93,9 @@ fn documented_examples(md: &str) -> Vec<(String, Vec<String>)> {
     out
 }
 
+/// For [`small_run`]: the example's own summary row says how many rows follow it.
+const ROWS_FROM_SUMMARY: usize = usize::MAX;
+
 /// How the examples test runs each documented example: its arguments (a small scale where the
 /// documented run takes minutes) and the number of Markdown table rows it must print.
 fn small_run(root: &Path, name: &str, documented: &[String]) -> (Vec<String>, usize) {
@@ -109,22 +113,37 @@ fn small_run(root: &Path, name: &str, documented: &[String]) -> (Vec<String>, us
                 .collect();
             (documented.to_vec(), points.len())
         }
+        // The first 300 requests (seconds, not a minute): its summary row and one row per
+        // request the summary says it lists (`ROWS_FROM_SUMMARY`).
+        "p99_anatomy" => {
+            let mut args = documented.to_vec();
+            match args.get_mut(3) {
+                Some(limit) => *limit = "300".into(),
+                None => args.push("300".into()),
+            }
+            (args, ROWS_FROM_SUMMARY)
+        }
         other => panic!("the docs name example {other}: give it a small run here"),
     }
 }
 
-/// The `--example` commands of docs/router.md and docs/router/whole-traces.md name examples of
+/// The `--example` commands of docs/router.md, docs/router/whole-traces.md and
+/// docs/router/p99-anatomy.md name examples of
 /// this package, and each runs (from the repository root) where `cargo test` built it beside
 /// this test (it builds every example unless a single target is asked for).
 #[test]
 fn every_documented_example_exists_and_runs() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut runs = Vec::new();
-    for page in ["docs/router.md", "docs/router/whole-traces.md"] {
+    for page in [
+        "docs/router.md",
+        "docs/router/whole-traces.md",
+        "docs/router/p99-anatomy.md",
+    ] {
         let md = std::fs::read_to_string(root.join(page)).unwrap();
         runs.extend(documented_examples(&md));
     }
-    for expected in ["index_memory", "ttft_floor"] {
+    for expected in ["index_memory", "ttft_floor", "p99_anatomy"] {
         assert!(runs.iter().any(|(n, _)| n == expected), "{runs:?}");
     }
     let exe = std::env::current_exe().unwrap();
@@ -138,6 +157,7 @@ fn every_documented_example_exists_and_runs() {
         assert!(src.is_file(), "{} is not there", src.display());
         let (args, expected_rows) = small_run(&root, &name, &documented);
         assert!(expected_rows > 0, "{name}: nothing to check");
+        let from_summary = expected_rows == ROWS_FROM_SUMMARY;
         let bin = examples.join(&name);
         if !bin.is_file() {
             eprintln!("{name}: not built beside this test; its source is there");
@@ -153,10 +173,20 @@ fn every_documented_example_exists_and_runs() {
             "{name} {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let rows = String::from_utf8_lossy(&out.stdout)
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let table: Vec<&str> = stdout
             .lines()
             .filter(|l| l.starts_with("| ") && !l.starts_with("| workload"))
-            .count();
+            .collect();
+        let rows = table.len();
+        // p99_anatomy: the summary row (first), whose next-to-last cell counts the rows after it
+        let expected_rows = if from_summary {
+            let cells: Vec<&str> = table.first().expect("a summary row").split('|').collect();
+            let listed: usize = cells[cells.len() - 3].trim().parse().expect("a count");
+            1 + listed
+        } else {
+            expected_rows
+        };
         assert_eq!(
             rows,
             expected_rows,

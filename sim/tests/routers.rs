@@ -2,9 +2,9 @@
 //! KV-aware routers receive every tier's events, least-loaded balances, and the benchmark's
 //! load scaling hits its target.
 
-use kvtier_sim::report::Report;
+use kvtier_sim::report::{Report, RequestTiming};
 use kvtier_sim::router_bench::{BenchWorkload, WorkloadSize, time_scale};
-use kvtier_sim::ttft_floor::floor_percentiles;
+use kvtier_sim::ttft_floor::{floor_percentiles, floors_us};
 use kvtier_sim::workload::{ChatSpec, Routing, SimRequest, TraceReader, synthetic_chat};
 use kvtier_sim::{SimConfig, simulate};
 use proptest::prelude::*;
@@ -161,6 +161,39 @@ fn assert_above_floor(cfg: &SimConfig, reqs: &[SimRequest], r: &Report, what: &s
     );
     let f = floor_percentiles(cfg, reqs.iter().cloned().map(Ok)).unwrap();
     assert!(f.p50 > 0.0, "{what}: a prefill takes time");
+    // Request by request (the report's timings, one per request, where it ran): each TTFT
+    // is at or above that request's own floor.
+    let floors = floors_us(cfg, reqs.iter().cloned().map(Ok)).unwrap();
+    assert_eq!(
+        r.timings.len(),
+        reqs.len(),
+        "{what}: one timing per request"
+    );
+    let by_id: std::collections::HashMap<u64, &RequestTiming> =
+        r.timings.iter().map(|t| (t.id, t)).collect();
+    assert_eq!(by_id.len(), reqs.len(), "{what}: every request timed once");
+    for (q, floor) in reqs.iter().zip(&floors) {
+        let t = by_id[&q.id];
+        assert!(
+            t.instance < cfg.instances,
+            "{what}: request {} on instance {}",
+            q.id,
+            t.instance
+        );
+        assert_eq!(
+            t.arrival_us,
+            q.arrival_ms * 1000,
+            "{what}: request {}",
+            q.id
+        );
+        assert_eq!(t.prompt_tokens, q.prompt.len(), "{what}: request {}", q.id);
+        assert!(
+            t.ttft_us >= *floor,
+            "{what}: request {} took {} µs, under its floor {floor} µs",
+            q.id,
+            t.ttft_us
+        );
+    }
     for (m, fl, p) in [
         (r.ttft_ms.p50, f.p50, "p50"),
         (r.ttft_ms.p90, f.p90, "p90"),

@@ -100,6 +100,10 @@ struct SimArgs {
     l3_gbps: Option<f64>,
     #[arg(long)]
     ssd_gbps: Option<f64>,
+    /// Whether an instance's L3 reads and backups share its network link (`shared`: one
+    /// queue) or each use one direction of it (`duplex`).
+    #[arg(long, value_enum)]
+    l3_link: Option<kvtier_sim::profile::L3Link>,
     /// Engine instances sharing one L3.
     #[arg(long)]
     instances: Option<usize>,
@@ -212,6 +216,9 @@ fn config(a: &SimArgs) -> Result<SimConfig, String> {
     if let Some(v) = a.l3_ssd_pages {
         c.l3_ssd_pages = v;
     }
+    if let Some(v) = a.l3_link {
+        c.links.l3_link = v;
+    }
     for (v, dst) in [
         (a.pcie_gbps, &mut c.links.pcie_gb_per_s),
         (a.l3_gbps, &mut c.links.l3_gb_per_s),
@@ -316,6 +323,7 @@ fn refuse_ignored_flags(a: &SimArgs, c: &SimConfig) -> Result<(), String> {
             ("--l3-ssd-pages", a.l3_ssd_pages.is_some()),
             ("--l3-gbps", a.l3_gbps.is_some()),
             ("--ssd-gbps", a.ssd_gbps.is_some()),
+            ("--l3-link", a.l3_link.is_some()),
             ("--write-policy", a.write_policy.is_some()),
             ("--prefetch-stop", a.prefetch_stop.is_some()),
             ("--prefetch-threshold", a.prefetch_threshold.is_some()),

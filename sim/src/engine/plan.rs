@@ -9,6 +9,8 @@
 use kvtier_scheduler::*;
 
 use super::{LivePrefetch, Pending, Simulation};
+use crate::profile::L3Link;
+use crate::report::RequestTiming;
 
 impl Simulation {
     pub(super) fn plan(&mut self, inst: usize) -> Result<(), String> {
@@ -26,8 +28,14 @@ impl Simulation {
             for (id, outcome) in &plan.ended {
                 i.model.forget(*id);
                 if let Some(tr) = i.tracks.remove(id) {
-                    self.col
-                        .ended(*outcome, tr.first_token_us.map(|f| f - tr.arrival_us));
+                    let timing = tr.first_token_us.map(|f| RequestTiming {
+                        id: id.0,
+                        instance: inst,
+                        arrival_us: tr.arrival_us,
+                        ttft_us: f - tr.arrival_us,
+                        prompt_tokens: tr.prompt_len,
+                    });
+                    self.col.ended(*outcome, timing);
                 }
                 self.router.ended(id.0, now);
             }
@@ -80,7 +88,10 @@ impl Simulation {
                     self.col.prefetch_ssd_wait(ssd);
                     (&mut i.net_free, links.l3_us(bytes) + ssd)
                 }
-                OpKind::BackUp => (&mut i.net_free, links.l3_us(bytes)),
+                OpKind::BackUp => match links.l3_link {
+                    L3Link::Shared => (&mut i.net_free, links.l3_us(bytes)),
+                    L3Link::Duplex => (&mut i.net_write_free, links.l3_us(bytes)),
+                },
                 OpKind::L3Query => {
                     // The probe asks the store to promote SSD-only hits to DRAM
                     // (`prefetch_to_memory`): their SSD reads start now, one after another,

@@ -165,7 +165,9 @@ fn read_line<'b>(
 /// building token ids. A line is read up to [`MAX_LINE_BYTES`] and must be UTF-8 text
 /// without NUL bytes; a timestamp before the previous line's is refused (the simulator
 /// replays requests in arrival order: an unsorted trace would be replayed as another
-/// workload). After an error the reader yields nothing more.
+/// workload). Arrivals are counted from the first request's timestamp, so a trace stamped
+/// with wall-clock milliseconds is the same workload as one starting at 0 (the simulated
+/// clock starts at 0). After an error the reader yields nothing more.
 pub struct TraceReader<R> {
     r: R,
     buf: Vec<u8>,
@@ -174,6 +176,8 @@ pub struct TraceReader<R> {
     yielded: usize,
     /// The last request's timestamp and line.
     last: Option<(u64, usize)>,
+    /// The first request's timestamp: arrivals are counted from it.
+    first: Option<u64>,
     failed: bool,
 }
 
@@ -187,6 +191,7 @@ impl<R: BufRead> TraceReader<R> {
             limit,
             yielded: 0,
             last: None,
+            first: None,
             failed: false,
         }
     }
@@ -230,6 +235,7 @@ impl<R: BufRead> TraceReader<R> {
             }));
         }
         self.last = Some((e.timestamp, n));
+        self.first.get_or_insert(e.timestamp);
         Some(Ok(e))
     }
 }
@@ -247,7 +253,8 @@ impl<R: BufRead> Iterator for TraceReader<R> {
             }
             SimRequest {
                 id,
-                arrival_ms: e.timestamp,
+                // sorted, so never below the first
+                arrival_ms: e.timestamp.saturating_sub(self.first.unwrap_or(0)),
                 prompt,
                 output_len: u32::try_from(e.output.max(1)).unwrap_or(u32::MAX),
                 session: e.ids.get(1).copied().unwrap_or(0),
@@ -435,8 +442,9 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Any trace whose timestamps never decrease is accepted with its arrival times, in
-        /// file order; any with a decrease is refused at the first one, naming its line.
+        /// Any trace whose timestamps never decrease is accepted with its arrival times
+        /// (counted from the first line's), in file order; any with a decrease is refused at
+        /// the first one, naming its line.
         #[test]
         fn traces_are_accepted_exactly_when_sorted(
             steps in proptest::collection::vec((-3i64..4, proptest::bool::ANY), 1..40),
@@ -462,7 +470,9 @@ mod tests {
             match (first_back, parse_trace(text.as_bytes(), None)) {
                 (None, Ok(reqs)) => {
                     let got: Vec<u64> = reqs.iter().map(|r| r.arrival_ms).collect();
-                    proptest::prop_assert_eq!(got, arrivals);
+                    let t0 = arrivals[0];
+                    let want: Vec<u64> = arrivals.iter().map(|t| t - t0).collect();
+                    proptest::prop_assert_eq!(got, want);
                 }
                 (Some(l), Err(WorkloadError::Field { line, field: "timestamp", .. })) => {
                     proptest::prop_assert_eq!(line, l);
