@@ -68,6 +68,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(config::config_roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(sched::op_kinds, m)?)?;
     m.add_function(wrap_pyfunction!(sched::parse_l3_key, m)?)?;
+    m.add_function(wrap_pyfunction!(l3::l3_charge, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench_native_decode_step, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench_prompt, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench_config, m)?)?;

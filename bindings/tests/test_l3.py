@@ -1,5 +1,8 @@
 """kvtier.L3Store, embedded and as a client of an in-process kvtier-l3 server."""
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -148,12 +151,16 @@ def test_object_limits_are_read_without_a_put(where, most):
     try:
         s = kvtier.L3Store.connect(srv.addr) if srv else kvtier.L3Store.embedded(seg, max_object_bytes=most)
         assert s.max_object_bytes == most
-        for n in sorted({1, most, most + 1, seg, seg + 1}):
-            why = object_refusal(s, n)
-            assert (why is None) == (n <= min(most, seg)), (n, why)
+        # the DRAM boundary: an object under a 6-byte key ("k64692") whose charge fills the
+        # segment exactly, and one byte more
+        edge = seg - kvtier.l3_charge(0, 6)
+        for n in sorted({1, most, most + 1, edge, edge + 1, seg, seg + 1}):
+            key = f"k{n}"
+            why = object_refusal(s, n, len(key))
+            assert (why is None) == (n <= most and kvtier.l3_charge(n, len(key)) <= seg), (n, why)
             if n <= most:  # what a put does with an object of n bytes agrees
                 try:
-                    s.put(f"k{n}", bytes(n))
+                    s.put(key, bytes(n))
                     assert why is None
                 except kvtier.L3Error:
                     assert why is not None
@@ -171,7 +178,7 @@ def test_a_clients_object_limit_is_what_one_frame_carries():
     try:
         s = kvtier.L3Store.connect(srv.addr)
         assert 63 << 20 < s.max_object_bytes < 64 << 20
-        assert object_refusal(s, 64 << 20) is not None
+        assert object_refusal(s, 64 << 20, len("big")) is not None
         with pytest.raises(kvtier.InvalidParamsError):
             s.put("big", bytes(s.max_object_bytes + 1))
     finally:
@@ -205,6 +212,29 @@ def test_wait_persisted_puts_are_on_disk_when_they_return(tmp_path):
     # A restart finds every one of them.
     s = kvtier.L3Store.embedded(1 << 24, ssd_dir=str(tmp_path))
     assert s.get("p3") == bytes([3]) * 1000 and s.get("g1") == pool[3].tobytes()
+
+
+def test_a_forked_worker_does_not_keep_the_ssd_dir_locked(tmp_path):
+    """An engine forks its workers after opening its store (Python multiprocessing's fork).
+    A ``flock`` on the SSD directory was shared with every such child, so once the store was
+    dropped, a new one on the same directory was refused ("in use by another process") for as
+    long as a worker lived. The directory lock is now a record lock, never inherited."""
+    s = kvtier.L3Store.embedded(1 << 24, ssd_dir=str(tmp_path))
+    s.put("k", b"v" * 100, wait_persisted=True)
+    pid = os.fork()
+    if pid == 0:  # the worker: lives on, touching nothing
+        time.sleep(30)
+        os._exit(0)
+    try:
+        del s
+        s = kvtier.L3Store.embedded(1 << 24, ssd_dir=str(tmp_path))
+        assert s.get("k") == b"v" * 100
+        # ...and the new store holds it: a second one in this process is refused.
+        with pytest.raises(kvtier.L3Error, match="in use"):
+            kvtier.L3Store.embedded(1 << 24, ssd_dir=str(tmp_path))
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 @pytest.mark.parametrize("ms", [0, 1 << 36, 2**64 - 1])

@@ -243,6 +243,13 @@ def test_other_bad_input_is_refused():
         b.page_ids(["a", "b"], page_indices([3, 3], PS), for_read=True)
     assert b.batch_get_v1(["a", "b"], page_indices([3, 3], PS)) == [False, False]
     assert b.batch_get_v1([1, 2], page_indices([0, 1], PS)) == [False, False]  # keys not str
+    # keys in a numpy array (not a list): one answer per key, as for any refused batch (it
+    # answered [] until 2026-12-06: a caller zipping keys with answers lost every page)
+    import numpy as np
+
+    assert b.batch_get_v1(np.array(["a", "b"]), page_indices([0, 1], PS)) == [False, False]
+    assert b.batch_set_v1(np.array(["a", "b"]), page_indices([0, 1], PS)) == [False, False]
+    assert b.batch_get(np.array(["a", "b"]), [None, None]) == [None, None]
     assert b.batch_get_v1(["a"], page_indices([0], PS), salt(42)) == [False]  # salt not str
     # batch_exists_v2 raised SGLangBackendError into SGLang's controller thread for a salt
     # that is not a str (an adversarial tester's case), where every other call answers 0
@@ -288,8 +295,13 @@ def test_a_store_that_cannot_hold_one_page_is_refused_at_registration():
                 b.page_ids(["a"], page_indices([0], PS))
             with pytest.raises(ks.SGLangBackendError, match="one page"):
                 b.register_mem_host_pool_v2(pool, PoolName.KV)
-        b = backend(mha_pool("page_first"), segment_bytes=512)  # exactly one page fits
-        assert b.batch_set_v1(["p"], page_indices([0], PS)) == [True]
+        # exactly one page fits: its chunks as the store charges them (value, key, metadata)
+        page = "0" * 64  # SGLang's page hashes are SHA-256 hex digests
+        one_page = sum(kvtier.l3_charge(256, len(k)) for k in backend(mha_pool("page_first")).object_keys([page]))
+        with pytest.raises(ks.SGLangBackendError, match="one page"):
+            backend(mha_pool("page_first"), segment_bytes=one_page - 1)
+        b = backend(mha_pool("page_first"), segment_bytes=one_page)
+        assert b.batch_set_v1([page], page_indices([0], PS)) == [True]
     finally:
         small.shutdown()
 
@@ -684,6 +696,11 @@ def test_the_storage_namespace_follows_the_checkpoint_not_only_the_name(tmp_path
     assert ns() == before
     assert ns("--json-model-override-args", '{"rope_theta": 1000000.0}') != before
     assert ns(model_version="v2") != before
+    # fp8 KV computed in bfloat16 and in float32: equal host pools (uint8, fp8_e4m3), other
+    # bytes; they shared a namespace until 2026-12-06 (vLLM's case: wrong tokens)
+    fp8 = ("--kv-cache-dtype", "fp8_e4m3")
+    assert ns(*fp8, "--dtype", "bfloat16") != ns(*fp8, "--dtype", "float32")
+    assert ns(*fp8, "--dtype", "float32") == ns(*fp8, "--dtype", "float32")
     _ckpt(tmp_path / "live", _weights(2))
     assert ns() != before
     with pytest.raises(ks.SGLangBackendError, match="model_version"):

@@ -359,11 +359,13 @@ def test_starting_a_backend_on_a_full_store_evicts_nothing(where):
     name = f"full-{where}-{os.getpid()}"
     try:
         store = kvtier.L3Store.connect(srv.addr) if srv else kvtier.L3Store.embedded(seg, name=name)
-        # Filled to one page below the high watermark (0.9): one more page's put evicts.
-        keys = [f"other:{i}" for i in range(int(seg * 0.9) // page)]
+        # Filled to one page below the high watermark (0.9): one more page's put evicts (each
+        # page charged its bytes, its key and the store's metadata).
+        per = kvtier.l3_charge(page, len("other:0000"))
+        keys = [f"other:{i:04d}" for i in range(int(seg * 0.9) // per)]
         for k in keys:
             store.put(k, bytes(page))
-        assert store.stats()["mem_used_bytes"] + page > 0.9 * store.stats()["mem_capacity_bytes"]
+        assert store.stats()["mem_used_bytes"] + per > 0.9 * store.stats()["mem_capacity_bytes"]
         cfg = dict(l3="server", server=srv.addr) if srv else dict(l3="embedded", segment_bytes=str(seg), name=name)
         for _ in range(3):
             Engine(kvtier_cache(host_pages=8, **cfg))

@@ -86,6 +86,7 @@ from ._native import (  # noqa: F401  (re-exports)
     WriteBackDone,
     WrongCompletionKindError,
     eviction_ranks,
+    l3_charge,
     page_hashes,
     parse_l3_key,
 )

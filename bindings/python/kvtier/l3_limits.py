@@ -14,14 +14,17 @@ from typing import Optional
 import kvtier
 
 
-def object_refusal(store: kvtier.L3Store, nbytes: int) -> Optional[str]:
-    """Why ``store`` refuses an object of ``nbytes``, or None when a put of one is accepted
-    (given room, which the store makes by evicting). Raises ``kvtier.L3Error`` when a
-    server's stats cannot be read."""
+def object_refusal(store: kvtier.L3Store, nbytes: int, key_len: int) -> Optional[str]:
+    """Why ``store`` refuses an object of ``nbytes`` under a key of ``key_len`` bytes, or None
+    when a put of one is accepted (given room, which the store makes by evicting). The DRAM
+    capacity holds what a replica is charged (``kvtier.l3_charge``: value, key, metadata), not
+    its value alone. Raises ``kvtier.L3Error`` when a server's stats cannot be read."""
     most = int(store.max_object_bytes)
     if nbytes > most:
         return f"an object of {nbytes} bytes is larger than the store's max_object_bytes {most}"
     cap = int(store.stats()["mem_capacity_bytes"])
-    if nbytes > cap:
-        return f"an object of {nbytes} bytes is larger than the store's DRAM capacity {cap}"
+    charged = kvtier.l3_charge(nbytes, key_len)
+    if charged > cap:
+        return (f"an object of {nbytes} bytes (charged {charged} with its key and metadata) is larger "
+                f"than the store's DRAM capacity {cap}")
     return None

@@ -7,18 +7,22 @@ place at the same path, or a ``--hf-overrides`` that changes RoPE all keep the n
 every page's K and V change. A second engine (or the same one restarted) on a shared
 ``kvtier-l3`` then loaded the first one's pages as its own and generated wrong tokens, with
 no error. :func:`checkpoint_fingerprint` names the checkpoint by its content instead: the
-bytes of its ``config.json`` and, for every weight file, its name, size and a fixed sample
-of its bytes. Two copies of one checkpoint (two hosts, two cache directories) get the same
+SHA-256 of its ``config.json`` and of every weight file, with their names and sizes. Two copies
+of one checkpoint (two hosts, two cache directories, a hub cache and a plain copy) get the same
 fingerprint, so engines serving one model still share their pages; a checkpoint whose weights
-differ (a fine-tune changes nearly every byte) gets another.
+differ in any byte gets another (until 2026-12-06 it read 16 ranges of 4 KiB per file, and
+weights differing only outside them, e.g. a few re-trained embedding rows, shared a namespace).
 
 How: the directory is the name when it is one, else the snapshot the Hugging Face cache holds
-for the name and revision (resolved offline; nothing is downloaded). The fingerprint is 16
-hex digits of SHA-256; ``""`` when no directory is found (a remote loader, an uncached hub
-id): then the engine's namespace is its name alone, as before, and the integrations log it
-and take an operator's ``model_version``. It is a sample, not a checksum: weights that differ
-only outside the sampled bytes (an edit of a few rows) share a fingerprint; give them
-different ``model_version``s.
+for the name and revision (resolved offline; nothing is downloaded). A file's SHA-256 costs
+nothing when the hub cache holds it: the cache names each Git LFS file (every weight file) by
+its SHA-256. A file of a plain directory is read whole once (about 1 s per GB per core, the
+files in parallel) and its digest kept on disk (:func:`digest_cache_dir`), keyed by the file's
+path, size, mtime, ctime and inode, so a restarted engine does not read it again; a file
+replaced in place is read again. The fingerprint is 16 hex digits of SHA-256 over those
+digests; ``""`` when no directory is found (a remote loader, an uncached hub id): then the
+engine's namespace is its name alone, as before, and the integrations log it and take an
+operator's ``model_version``.
 """
 
 from __future__ import annotations
@@ -28,21 +32,26 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Optional
+import re
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Optional
 
-__all__ = ["SAMPLES_PER_FILE", "SAMPLE_BYTES", "WEIGHT_SUFFIXES", "checkpoint_dir", "checkpoint_fingerprint",
-           "engine_identity", "namespace_model", "overrides_digest"]
+__all__ = ["WEIGHT_SUFFIXES", "checkpoint_dir", "checkpoint_fingerprint", "digest_cache_dir", "engine_identity",
+           "namespace_model", "overrides_digest"]
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
 """Files of a checkpoint directory that hold weights."""
 
-SAMPLES_PER_FILE = 16
-"""Byte ranges :func:`checkpoint_fingerprint` reads from each weight file, evenly spaced."""
+READ_BYTES = 8 << 20
+"""Bytes read at a time when a file is hashed."""
 
-SAMPLE_BYTES = 4096
-"""Bytes in each sampled range."""
+MAX_CACHED_DIGESTS = 4096
+"""Files whose digests the on-disk cache keeps (the latest written)."""
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def checkpoint_dir(model: str, revision: Optional[str] = None) -> Optional[str]:
@@ -61,32 +70,120 @@ def checkpoint_dir(model: str, revision: Optional[str] = None) -> Optional[str]:
     return os.path.dirname(found) if isinstance(found, str) else None
 
 
-def _sample_file(h: "hashlib._Hash", path: str, size: int) -> None:
+def digest_cache_dir() -> str:
+    """Where local files' digests are kept: ``$KVTIER_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``."""
+    own = os.environ.get("KVTIER_CACHE_DIR")
+    if own:
+        return own
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvtier")
+
+
+def _cache_file() -> str:
+    return os.path.join(digest_cache_dir(), "checkpoint-sha256.json")
+
+
+def _stamp(st: os.stat_result) -> list:
+    """What says a file is unchanged since its digest was taken (ctime cannot be set back)."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _load_cache() -> Dict[str, list]:
+    """The on-disk digests, ``{path: [*stamp, sha256]}``; empty when missing or unreadable
+    (a cache: never an error)."""
+    try:
+        with open(_cache_file()) as f:
+            got = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _save_cache(new: Dict[str, list]) -> None:
+    """Adds ``new`` to the on-disk digests (re-read first: engines on one host write it
+    concurrently, and a lost race only costs a later read), atomically; errors ignored."""
+    if not new:
+        return
+    try:
+        os.makedirs(digest_cache_dir(), exist_ok=True)
+        merged = {**_load_cache(), **new}
+        keep = dict(list(merged.items())[-MAX_CACHED_DIGESTS:])
+        fd, tmp = tempfile.mkstemp(dir=digest_cache_dir(), prefix=".checkpoint-sha256.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(keep, f)
+            os.replace(tmp, _cache_file())
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass
+
+
+def _file_sha256(path: str) -> str:
+    """The SHA-256 of the file's bytes (hashlib releases the GIL: files hash in parallel)."""
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        if size <= SAMPLES_PER_FILE * SAMPLE_BYTES:
-            h.update(f.read())
-            return
-        last = size - SAMPLE_BYTES
-        for i in range(SAMPLES_PER_FILE):
-            f.seek(i * last // (SAMPLES_PER_FILE - 1))
-            h.update(f.read(SAMPLE_BYTES))
+        while chunk := f.read(READ_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hub_blob_digest(path: str) -> Optional[str]:
+    """The SHA-256 the Hugging Face cache names ``path``'s blob by: snapshot entries are
+    symlinks into ``blobs/``, named by the SHA-256 of the content for Git LFS files. None for
+    anything else (a Git blob id of a small file is a SHA-1 of a header and the content)."""
+    if not os.path.islink(path):
+        return None
+    target = os.path.realpath(path)
+    name = os.path.basename(target)
+    if os.path.basename(os.path.dirname(target)) != "blobs" or not _SHA256_HEX.fullmatch(name):
+        return None
+    return name
+
+
+def _digests(root: str, files: tuple) -> list:
+    """Each file's SHA-256, cheapest source first: the hub cache's blob name, the on-disk
+    cache, reading the file (in parallel)."""
+    cached = _load_cache()
+    out: list = [None] * len(files)
+    todo = []
+    for i, (name, _, stamp) in enumerate(files):
+        path = os.path.join(root, name)
+        out[i] = _hub_blob_digest(path)
+        if out[i] is None:
+            real = os.path.realpath(path)
+            hit = cached.get(real)
+            if isinstance(hit, list) and hit[:-1] == list(stamp) and isinstance(hit[-1], str):
+                out[i] = hit[-1]
+            else:
+                todo.append((i, path, real, stamp))
+    if todo:
+        workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-sha256") as pool:
+            done = list(pool.map(lambda t: _file_sha256(t[1]), todo))
+        for (i, _, _, _), digest in zip(todo, done):
+            out[i] = digest
+        _save_cache({real: [*stamp, digest] for (_, _, real, stamp), digest in zip(todo, done)})
+    return out
 
 
 @functools.lru_cache(maxsize=64)
 def _fingerprint_of_dir(root: str, files: tuple) -> str:
-    """``files``: (name, size, mtime_ns, inode) in name order. mtime and inode key only this
-    cache (a file replaced in place is read again); the fingerprint is of names, sizes and
-    content, so copies on two hosts agree."""
-    h = hashlib.sha256(b"kvtier-checkpoint-v1")
-    for name, size, _, _ in files:
+    """``files``: (name, size, stamp) in name order. The stamp (mtime, ctime, inode, device)
+    keys only the caches (a file replaced in place is read again); the fingerprint is of names,
+    sizes and content, so copies on two hosts agree."""
+    h = hashlib.sha256(b"kvtier-checkpoint-v2")
+    for (name, size, _), digest in zip(files, _digests(root, files)):
         h.update(len(name).to_bytes(8, "little") + name.encode() + size.to_bytes(8, "little"))
-        _sample_file(h, os.path.join(root, name), size)
+        h.update(bytes.fromhex(digest))
     return h.hexdigest()[:16]
 
 
 def checkpoint_fingerprint(model: str, revision: Optional[str] = None) -> str:
     """16 hex digits naming the content of ``model``'s checkpoint (module doc): its
-    ``config.json`` and every weight file's name, size and sampled bytes, in name order.
+    ``config.json`` and every weight file's name, size and SHA-256, in name order.
     Only the directory's own files, as the engines' loaders read them (a training run's
     ``checkpoint-*/`` subdirectories are other weights; a walk of a large tree would cost the
     engine's start). ``""`` when no checkpoint directory is found or it holds neither."""
@@ -105,7 +202,7 @@ def checkpoint_fingerprint(model: str, revision: Optional[str] = None) -> str:
             except OSError:
                 continue
             if os.path.isfile(os.path.join(root, n)):
-                files.append((n, st.st_size, st.st_mtime_ns, st.st_ino))
+                files.append((n, st.st_size, tuple(_stamp(st))))
     if not files:
         return ""
     files.sort()
@@ -132,12 +229,13 @@ def overrides_digest(overrides: Any) -> str:
 
 
 def engine_identity(model: str, *, engine_config: bool, revision: Optional[str] = None, overrides: Any = None,
-                    quantization: Any = None, version: str = "") -> str:
+                    quantization: Any = None, version: str = "", settings: str = "") -> str:
     """What an engine's pages depend on beyond the model's name: the checkpoint's
     :func:`checkpoint_fingerprint`, the operator's ``version`` and, when the engine's own
-    config was read (``engine_config``), its config ``overrides``, ``quantization`` and
-    ``revision``. ``""`` when none is known (then the namespace is the name alone, as before,
-    and a warning says so)."""
+    config was read (``engine_config``), its config ``overrides``, ``quantization``,
+    ``revision`` and ``settings`` (the engine's other settings that change every page: the
+    dtype it computes in, LongRoPE's factors; the integration says which). ``""`` when none
+    is known (then the namespace is the name alone, as before, and a warning says so)."""
     fp = checkpoint_fingerprint(model, revision)
     if not fp and not version:
         logger.warning("kvtier: no checkpoint directory found for model %r: its L3 namespace is its name; "
@@ -145,6 +243,8 @@ def engine_identity(model: str, *, engine_config: bool, revision: Optional[str] 
     parts = [fp, version]
     if engine_config:
         parts += [overrides_digest(overrides), str(quantization or ""), str(revision or "")]
+        if settings:
+            parts.append(hashlib.sha256(settings.encode()).hexdigest()[:16])
     return "" if not any(parts) else ".".join(parts)
 
 

@@ -98,6 +98,14 @@ pub(crate) fn exist_code(r: L3Result<bool>) -> i64 {
     }
 }
 
+/// What one memory replica of a `value_bytes` value under a `key_len`-byte key is charged
+/// against an L3 store's DRAM capacity (`stats()["mem_capacity_bytes"]`): its value, its key
+/// and the store's metadata per object (`kvtier_l3::charge`).
+#[pyfunction]
+pub fn l3_charge(value_bytes: u64, key_len: usize) -> u64 {
+    kvtier_l3::charge(value_bytes, key_len)
+}
+
 /// Mooncake's integer code of an error (e.g. -704).
 pub(crate) fn l3code(e: &L3Error) -> i64 {
     i64::from(e.code_i32())

@@ -11,7 +11,8 @@ engine's KV budget in blocks), ``kv_transfer_config`` (or null), ``tp`` (tensor-
 ranks, one worker process each; default 1, in this process), ``env`` (set before vLLM is
 imported) and ``phases``: each a list of ``prompts`` (token ids), optional per-prompt
 ``salts`` / ``tenants`` (``cache_salt``; ``kvtier_tenant`` in the request's
-``kv_transfer_params``), ``max_tokens``, ``serial`` (one request at a time: TTFT per
+``kv_transfer_params``) / ``loras`` (``[name, id, path]`` of a LoRA adapter, or null: the
+base model; the engine needs ``llm_kw`` ``enable_lora``), ``max_tokens``, ``serial`` (one request at a time: TTFT per
 request), ``kill`` (``{"pid": P, "after_s": S}``: SIGKILL to P S seconds into the phase),
 ``wait_file`` (block until the file exists: a step between two engines), ``done_file``
 (created when the phase ends), ``aborts`` (``[[INDEX, STEP], ...]``: the phase's requests are
@@ -242,7 +243,12 @@ def main(job_path: str, out_path: str) -> None:
         elif ph.get("serial"):
             res = [r for p, sp in zip(prompts, params) for r in llm.generate([p], [sp], use_tqdm=False)]
         else:
-            res = llm.generate(prompts, params, use_tqdm=False)
+            kw_lora = {}
+            if ph.get("loras"):
+                from vllm.lora.request import LoRARequest
+
+                kw_lora["lora_request"] = [LoRARequest(*x) if x else None for x in ph["loras"]]
+            res = llm.generate(prompts, params, use_tqdm=False, **kw_lora)
         wall = time.perf_counter() - t
         busy: dict = {}  # "NAME TID" -> CPU seconds in the phase, the busiest first
         for tid, (name, cpu) in _thread_cpu().items():

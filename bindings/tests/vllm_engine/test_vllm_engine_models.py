@@ -14,9 +14,7 @@ Three engine processes at once (about 45 s on 2 cores)."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -26,21 +24,17 @@ from workload import (  # noqa: E402
     BLOCK,
     CHUNK_TOKENS,
     MAX_TOKENS,
-    PREFIX_TOKENS,
     PREFIXES,
+    PREFIX_TOKENS,
     QWEN2,
-    finish,
     model_dir,
-    offloading,
     prompts,
-    run_engine,
+    run_together,
+    small_host_bytes,
+    three_modes,
 )
 
-HEAD_DIM = QWEN2["hidden_size"] // QWEN2["num_attention_heads"]
-# Bytes of one 64-token chunk in bfloat16: K and V of every layer's KV heads.
-CHUNK_BYTES = 2 * QWEN2["num_hidden_layers"] * QWEN2["num_key_value_heads"] * HEAD_DIM * CHUNK_TOKENS * 2
-SMALL_HOST = 2 * (PREFIX_TOKENS // CHUNK_TOKENS) * CHUNK_BYTES  # two of the six prefixes
-ROOM_WAIT = {"kvtier_room_wait_ms": 120_000}  # as test_vllm_engine.py: reuse must not depend on speed
+SMALL_HOST = small_host_bytes(QWEN2, 2)  # two of the six prefixes, in bfloat16
 
 
 def _phase(rnd: int):
@@ -50,33 +44,8 @@ def _phase(rnd: int):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     md = model_dir(str(tmp_path_factory.mktemp("qwen2")), QWEN2)
-    phases = [_phase(1), _phase(2)]
-
-    def cfg(spec, **extra):
-        c = offloading(spec, **extra)
-        c["engine_id"] = f"kvtier-e2e-qwen2-{uuid.uuid4().hex[:8]}"
-        return c
-
-    base = {"model": md, "dtype": "bfloat16", "phases": phases}
-    jobs = {
-        "ref": {**base, "kv_blocks": 200, "max_model_len": 2048},
-        "spec_l3": {**base, "kv_transfer_config": cfg("KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
-                                                      kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
-        "tier": {**base, "kv_transfer_config": cfg(
-            "KvtierTieringOffloadingSpec", cpu_bytes=SMALL_HOST, block_size=2 * CHUNK_TOKENS,
-            eviction_policy="KvtierFreqDepthPolicy", cache_policy_module_path="kvtier.vllm",
-            secondary_tiers=[{"type": "KvtierSecondaryTier", "module_path": "kvtier.vllm",
-                              "segment_bytes": "256MB"}])},
-    }
-    started = {name: run_engine(job, wait=False) for name, job in jobs.items()}
-    try:
-        with cf.ThreadPoolExecutor(len(started)) as pool:
-            done = dict(zip(started, pool.map(lambda po: finish(*po), started.values())))
-    finally:
-        for p, _ in started.values():
-            if p.poll() is None:
-                p.kill()
-    return done
+    base = {"model": md, "dtype": "bfloat16", "phases": [_phase(1), _phase(2)]}
+    return run_together(three_modes(base, SMALL_HOST, "qwen2"))
 
 
 def outputs(run, name):

@@ -10,12 +10,14 @@ gives the same tokens, so every mode's outputs must equal the reference's.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -70,6 +72,38 @@ def model_dir(root: str, base: Optional[Dict[str, Any]] = None, **over: Any) -> 
     return str(path)
 
 
+def lora_dir(root: str, name: str, seed: int, rank: int = 8, base: Optional[Dict[str, Any]] = None) -> str:
+    """A PEFT LoRA adapter for ``base`` (``MODEL`` by default) in ``root/name``: random A and B
+    (seed ``seed``) on every layer's q, k and v projections, so the adapter changes the KV
+    itself (an adapter on the MLP alone would change the tokens but not the cache). Both
+    factors non-zero: PEFT's own initialisation (B = 0) is the identity."""
+    import torch
+    from safetensors.torch import save_file
+
+    base = MODEL if base is None else base
+    path = Path(root) / name
+    if (path / "adapter_model.safetensors").exists():
+        return str(path)
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    hidden = base["hidden_size"]
+    head = hidden // base["num_attention_heads"]
+    outs = {"q_proj": base["num_attention_heads"] * head, "k_proj": base["num_key_value_heads"] * head,
+            "v_proj": base["num_key_value_heads"] * head}
+    tensors = {}
+    for layer in range(base["num_hidden_layers"]):
+        for module, out in outs.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, hidden, generator=g) * 0.2).contiguous()
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.2).contiguous()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "target_modules": list(outs),
+        "base_model_name_or_path": "random", "bias": "none", "fan_in_fan_out": False, "lora_dropout": 0.0,
+        "modules_to_save": None, "use_rslora": False, "use_dora": False}))
+    return str(path)
+
+
 def prompts(seed: int, n: int = PREFIXES, prefix: int = PREFIX_TOKENS, suffix: int = SUFFIX_TOKENS,
             round_: int = 1) -> List[List[int]]:
     """``n`` prompts: prefix ``i`` (fixed by ``seed``) plus a suffix new to each round."""
@@ -88,6 +122,51 @@ def offloading(spec: str, cpu_bytes: int = 64 << 20, **extra: Any) -> Dict[str, 
     if spec.startswith("Kvtier"):
         ex["spec_module_path"] = "kvtier.vllm"
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": ex}
+
+
+def small_host_bytes(model: Dict[str, Any], dtype_bytes: int, prefixes: int = 2) -> int:
+    """Host bytes for ``prefixes`` of the workload's prefixes of ``model`` (K and V of every
+    layer's KV heads, ``dtype_bytes`` a value, in ``CHUNK_TOKENS``-token chunks)."""
+    head = model["hidden_size"] // model["num_attention_heads"]
+    chunk = 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * head * CHUNK_TOKENS * dtype_bytes
+    return prefixes * (PREFIX_TOKENS // CHUNK_TOKENS) * chunk
+
+
+def three_modes(base: Dict[str, Any], host_bytes: int, tag: str) -> Dict[str, Dict[str, Any]]:
+    """Engine jobs over ``base`` (model, phases, ...): ``ref`` (no offloading, a KV holding
+    everything), ``spec_l3`` (``KvtierOffloadingSpec`` + an embedded ``kvtier_l3``) and
+    ``tier`` (vLLM's tiering + ``KvtierSecondaryTier`` + ``KvtierFreqDepthPolicy``, 128-token
+    chunks), both with ``host_bytes`` of host tier and waiting for room (reuse must not depend
+    on speed). ``tag`` names the engines."""
+
+    def cfg(spec: str, **extra: Any) -> Dict[str, Any]:
+        c = offloading(spec, cpu_bytes=host_bytes, **extra)
+        c["engine_id"] = f"kvtier-e2e-{tag}-{uuid.uuid4().hex[:8]}"
+        return c
+
+    return {
+        "ref": {**base, "kv_blocks": 200, "max_model_len": 2048},
+        "spec_l3": {**base, "kv_transfer_config": cfg("KvtierOffloadingSpec", kvtier_l3={"segment_bytes": "256MB"},
+                                                      kvtier_room_wait_ms=120_000)},
+        "tier": {**base, "kv_transfer_config": cfg(
+            "KvtierTieringOffloadingSpec", block_size=2 * CHUNK_TOKENS, eviction_policy="KvtierFreqDepthPolicy",
+            cache_policy_module_path="kvtier.vllm",
+            secondary_tiers=[{"type": "KvtierSecondaryTier", "module_path": "kvtier.vllm",
+                              "segment_bytes": "256MB"}])},
+    }
+
+
+def run_together(jobs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Runs every job's engine at once; each one's result by name (an engine left running
+    when one fails is killed)."""
+    started = {name: run_engine(job, wait=False) for name, job in jobs.items()}
+    try:
+        with cf.ThreadPoolExecutor(len(started)) as pool:
+            return dict(zip(started, pool.map(lambda po: finish(*po), started.values())))
+    finally:
+        for p, _ in started.values():
+            if p.poll() is None:
+                p.kill()
 
 
 def run_engine(job: Dict[str, Any], python: Optional[str] = None, timeout: float = 900,

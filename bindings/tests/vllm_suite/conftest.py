@@ -1,5 +1,5 @@
-"""kvtier.vllm's tests run in their own venv (.venv-vllm: vLLM 0.33.0 pins transformers
-< 5.21, the main venv has 5.23); scripts/test-all runs them as a separate pytest call."""
+"""kvtier.vllm's tests run in their own venv (.venv-vllm: vLLM 0.34.0 pins transformers
+< 5.23, the main venv has 5.23); scripts/test-all runs them as a separate pytest call."""
 
 import os
 import sys

@@ -4,7 +4,9 @@ vLLM's block hasher, the real ``OffloadingConnector`` (scheduler side and worker
 
 Why: kvtier's tier and policy run in vLLM's scheduler process, so everything they touch is
 real here. The one thing a CPU box cannot run is vLLM's ``CPUOffloadingWorker`` (CUDA DMA);
-``FakeDma`` replaces just that object inside the real ``OffloadingConnectorWorker``: it
+``FakeDma`` replaces just that object inside the real ``OffloadingConnectorWorker`` (as the
+spec's worker, which the connector worker's own setup gets over the "GPU": vLLM 0.34 then
+hands it each transfer's GPU blocks as addresses in that buffer): it
 copies real bytes between a "GPU" buffer (one row per GPU block, all layers) and vLLM's
 host chunk slots in /dev/shm, with the sub-block arithmetic of vLLM's worker, and reports
 jobs through ``get_finished`` as that worker does. A GPU block's content is a pure function
@@ -28,7 +30,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -57,7 +59,14 @@ from vllm.utils.hashing import sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    OffloadingWorker,
+    TransferResult,
+    make_offload_key,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -114,7 +123,17 @@ class FakeDma(OffloadingWorker):
         self.held: List[TransferResult] = []
 
     def _pairs(self, gpu_spec, cpu_ids):
-        blocks = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+        """The GPU blocks of a job and the host sub-blocks they go to or come from. vLLM
+        0.34 passes the GPU side as ``DevicePointers`` (one address per block, resolved from
+        the KV caches the worker was built with: rows of ``gpu`` here), earlier lines as a
+        ``GPULoadStoreSpec`` of block ids."""
+        if hasattr(gpu_spec, "ptrs"):
+            assert (np.asarray(gpu_spec.sizes) == self.page).all(), "one pointer per whole GPU block"
+            offsets = np.asarray(gpu_spec.ptrs, dtype=np.uint64) - np.uint64(self.gpu.ctypes.data)
+            blocks = (offsets // np.uint64(self.page)).astype(np.int64)
+            assert (offsets % np.uint64(self.page) == 0).all() and (blocks < len(self.gpu)).all()
+        else:
+            blocks = np.asarray(gpu_spec.block_ids, dtype=np.int64)
         skip = int(gpu_spec.block_indices[0]) % self.bpc if len(gpu_spec.block_indices) else 0
         subs = (np.asarray(cpu_ids, dtype=np.int64)[:, None] * self.bpc + np.arange(self.bpc)).reshape(-1)
         subs = subs[skip: skip + len(blocks)]
@@ -157,6 +176,13 @@ class FakeDma(OffloadingWorker):
         return None
 
 
+def _req_index(req_ids) -> dict:
+    """``ModelRunnerOutput``'s request index, a field up to vLLM 0.33 (0.34 dropped it)."""
+    if "req_id_to_index" not in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        return {}
+    return {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+
+
 def block_bytes(tokens: Sequence[int], index: int, tag: str, page: int) -> np.ndarray:
     """What the model computes for GPU block ``index`` of a prompt: a pure function of the
     tokens up to and including the block (and the model tag), so a block loaded from the
@@ -180,7 +206,7 @@ class Rank:
 
     index: int
     gpu: np.ndarray
-    dma: FakeDma
+    dma: OffloadingWorker  # FakeDma, or Engine.spec_worker's
     worker: OffloadingConnectorWorker
     tag: str
     read: Dict[str, bytes] = field(default_factory=dict)
@@ -209,6 +235,9 @@ class Engine:
     kv_events: bool = False  # vLLM's KV cache events on (published batches kept in .published)
     extra: dict = field(default_factory=dict)
     kv_config: Optional[KVTransferConfig] = None  # as parsed from a command line (else built from the fields)
+    # The spec's worker, spec_worker(kv caches, rank's spec), instead of FakeDma (kvtier's CPU copy
+    # worker: test_vllm_cpu_copy.py); the "GPU" is one KV tensor, a row per block, all layers.
+    spec_worker: Optional[Callable[[CanonicalKVCaches, Any], OffloadingWorker]] = None
     finished: Dict[str, Finished] = field(default_factory=dict)
     _ok: Dict[str, bool] = field(default_factory=dict)
 
@@ -272,11 +301,20 @@ class Engine:
         for r in range(self.tp):
             # The worker side as OffloadingConnector builds it in rank r's GPU worker process.
             rcfg = dataclasses.replace(ocfg, parallel=dataclasses.replace(ocfg.parallel, rank=r))
-            worker = OffloadingConnectorWorker(OffloadingSpecFactory.create_spec(rcfg), self.vllm_config,
-                                               self.kv_cache_config)
+            rspec = OffloadingSpecFactory.create_spec(rcfg)
+            worker = OffloadingConnectorWorker(rspec, self.vllm_config, self.kv_cache_config)
             gpu = np.zeros((self.num_gpu_blocks, self.page), dtype=np.uint8)
             view = host if self.tp == 1 else host.view(np.uint8)[:, r * shard:(r + 1) * shard]
-            worker.worker = FakeDma(gpu, view, self.bpc)
+            # vLLM's own worker setup over the "GPU" (one KV tensor, a row per block, all
+            # layers), with the spec's worker stood in by FakeDma.
+            kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(torch.from_numpy(gpu).view(torch.int8), self.page)],
+                                   group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=self.page)]])
+            if self.spec_worker is None:
+                dma = FakeDma(gpu, view, self.bpc)
+                rspec.get_worker = lambda _kv, dma=dma: dma
+            else:
+                rspec.get_worker = lambda kv_, spec=rspec: self.spec_worker(kv_, spec)
+            worker._init_worker(kv)  # noqa: SLF001
             self.ranks.append(Rank(r, gpu, worker.worker, worker, ""))
         self.aggregator = KVOutputAggregator.from_connector(self.connector, self.vllm_config.parallel_config.world_size)
         self.hasher = get_request_block_hasher(BLOCK, sha256_cbor)
@@ -341,10 +379,10 @@ class Engine:
             _, recving = rk.worker.get_finished(set(so.finished_req_ids))
             outs.append(ModelRunnerOutput(
                 req_ids=list(so.num_scheduled_tokens),
-                req_id_to_index={r: i for i, r in enumerate(so.num_scheduled_tokens)},
                 sampled_token_ids=[sampled.get(r, []) for r in so.num_scheduled_tokens],
                 kv_connector_output=KVConnectorOutput(finished_recving=recving or None,
                                                       kv_connector_worker_meta=rk.worker.build_connector_worker_meta()),
+                **_req_index(so.num_scheduled_tokens),
             ))
         out = self.aggregator.aggregate(outs)
         eco = self.sched.update_from_output(so, out)
@@ -405,7 +443,10 @@ class Engine:
 
     def close(self) -> None:
         for rk in self.ranks:
-            rk.dma.host = np.zeros((0, 0), dtype=np.uint8)  # our views of /dev/shm, so vLLM can unmap it
+            if isinstance(rk.dma, FakeDma):
+                rk.dma.host = np.zeros((0, 0), dtype=np.uint8)  # our views of /dev/shm, so vLLM can unmap it
+            else:
+                rk.dma.shutdown()
         self.sched.shutdown()
         if self._worker_region is not None:
             self._worker_region.cleanup()

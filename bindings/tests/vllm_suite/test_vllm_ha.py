@@ -1,5 +1,5 @@
 """The vLLM tier (``KvtierSecondaryTier``) configured with an ``etcd://`` address keeps serving
-across a SIGKILL of the leader master, against the real vLLM 0.33 on CPU (harness.py).
+across a SIGKILL of the leader master, against the real vLLM 0.34 on CPU (harness.py).
 
 Real processes (../l3_ha_cluster.py): 3 etcd members, 2 ``kvtier-l3 --role master --etcd``
 (1 s leader lease), 1 store node with an SSD tier. Checked: every request finishes with the

@@ -4,7 +4,7 @@ with a typed error when vLLM builds the spec; groups of full attention are serve
 own chain. Built from real vLLM KV-cache configs of two groups through vLLM's own
 ``OffloadingConnector`` (which builds the offloading config and the spec). vLLM 0.32's
 offloading config does not carry the window: kvtier finds it itself (compat.py), so the
-refusal is the same on 0.32 and 0.33."""
+refusal is the same on 0.32, 0.33 and 0.34."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_a_sliding_window_group_is_refused_when_vllm_builds_the_spec(tmp_path):
         swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16,
                                 sliding_window=4 * BLOCK)
         cfg = build_offloading_config(e.vllm_config, _two_groups(e, swa))
-        if hasattr(cfg.groups[0], "sliding_window_size_in_chunks"):  # vLLM 0.33
+        if hasattr(cfg.groups[0], "sliding_window_size_in_chunks"):  # vLLM 0.33 and later
             assert [g.sliding_window_size_in_chunks for g in cfg.groups] == [None, 2]
         with pytest.raises(KvtierSpecConfigError, match="group 1 keeps a window of 2 chunk"):
             OffloadingConnector(e.vllm_config, KVConnectorRole.SCHEDULER, _two_groups(e, swa))

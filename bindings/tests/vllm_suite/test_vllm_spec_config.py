@@ -3,7 +3,7 @@
 malformed ``kvtier_l3`` or a quota a tenant can store nothing under is a
 ``KvtierSpecConfigError`` when vLLM builds the spec (the engine does not start), never a key
 silently ignored, an L3 nobody asked for, or a late untyped crash. Built from a real vLLM
-0.33 config (harness.py) through vLLM's own ``build_offloading_config``."""
+0.34 config (harness.py) through vLLM's own ``build_offloading_config``."""
 
 from __future__ import annotations
 

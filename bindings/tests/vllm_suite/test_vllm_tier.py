@@ -1,4 +1,4 @@
-"""kvtier's L3 as vLLM's secondary offloading tier, against the real vLLM 0.33 on CPU
+"""kvtier's L3 as vLLM's secondary offloading tier, against the real vLLM 0.34 on CPU
 (harness.py): two engines share chunks through the embedded store and through a
 token-protected ``kvtier-l3`` server; models, dtypes, layouts and salts never share; an
 evicting store, a chunk lost between lookup and load, and a killed server give misses and
@@ -263,7 +263,7 @@ def test_a_refused_tier_leaves_no_store_behind(engines):
     name = f"t-{uuid.uuid4().hex[:8]}"
     with pytest.raises(VllmTierConfigError, match="tenant_quota_bytes"):
         engines([embedded(name=name, tenant_quota_bytes=4096)])
-    e = engines([embedded(name=name, tenant_quota_bytes=8192)])
+    e = engines([embedded(name=name, tenant_quota_bytes=16384)])
     assert e.tier.store.stats()["mem_capacity_bytes"] == 64 << 20
 
 
@@ -421,6 +421,118 @@ def test_storage_events_announce_each_put_once_and_every_loss(engines):
         assert t.counters.chunks_stored >= 1 and t._events is None
     finally:
         spec.close()
+
+
+def _tracks_residency() -> bool:
+    """Whether this vLLM's self-describing KV events keep a chunk's metadata per residency:
+    ``OffloadingEvent`` carries ``ownership`` and ``removal_expected`` and the connector has
+    ``OffloadingEventsTracker`` (0.32, 0.33 and 0.34 all do)."""
+    import dataclasses
+
+    from vllm.v1.kv_offload.base import OffloadingEvent
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (  # noqa: F401
+            OffloadingEventsTracker,
+        )
+    except ImportError:
+        return False
+    return {"ownership", "removal_expected"} <= {f.name for f in dataclasses.fields(OffloadingEvent)}
+
+
+def test_a_lost_chunk_is_removed_under_the_block_hashes_it_was_stored_with(engines):
+    """A router's stale index under vLLM's self-describing KV events
+    (``self_describing_kv_events``): vLLM's ``OffloadingEventsTracker`` keeps a chunk's
+    metadata (its block hashes, tokens, parent) only while a residency holds it — the host
+    cache's, set by the scheduler, or a secondary tier's ``(medium, ownership)``, set only by
+    a stored event with ``removal_expected``. kvtier's tier set neither, so once the host cache
+    evicted a chunk the tracker forgot it, and the tier's later removal of its STORAGE copy
+    (the store lost it: ``loss_journal``) was published under the offload key's placeholder
+    hash, not the chunk's block hashes its ``BlockStored`` had named: a router never removed
+    them. Driven through vLLM's own scheduler, connector and tiering manager: engine stores a
+    prompt (host cache and kvtier's store), a second prompt evicts it from the 4-chunk host
+    cache, the store loses one chunk. Skipped only on a vLLM without per-residency event
+    metadata (none of 0.32, 0.33, 0.34: it runs on each)."""
+    if not _tracks_residency():
+        pytest.skip("this vLLM's OffloadingEvent has no ownership / removal_expected")
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.request import Request
+    from vllm.sampling_params import SamplingParams
+
+    e = engines([embedded(loss_journal=True)], kv_events=True, cpu_bytes=4 * 2 * 4096,
+                extra={"self_describing_kv_events": True})
+    assert e.page * e.bpc == 2 * 4096  # four host chunks: the next prompt evicts PROMPT's
+    serve(e, [PROMPT])
+    other = [t + 5000 for t in PROMPT]
+    serve(e, [other])
+    okeys = e.tier_keys_of(PROMPT)
+    r = Request("h", list(PROMPT), SamplingParams(max_tokens=1), pooling_params=None, block_hasher=e.hasher)
+    chunk = [maybe_convert_block_hash(h) for h in r.block_hashes[:e.bpc]]  # chunk 0's blocks
+
+    def of(kind, medium):
+        return [ev for b in e.published for ev in b.events
+                if type(ev).__name__ == kind and getattr(ev, "medium", None) == medium]
+
+    assert any(set(chunk) <= set(ev.block_hashes) for ev in of("BlockRemoved", "CPU")), \
+        "the host cache evicted PROMPT's first chunk"
+    (stored,) = [ev for ev in of("BlockStored", "STORAGE") if chunk[-1] in ev.block_hashes]
+    assert list(stored.block_hashes) == chunk and list(stored.token_ids) == PROMPT[:e.bpc * BLOCK], \
+        "kvtier's STORAGE copy announced with the chunk's own block hashes and tokens"
+    assert not of("BlockRemoved", "STORAGE")
+    # the store loses chunk 0 (evicted, removed): the next step's events announce it removed
+    e.tier.store.remove(e.tier.key(okeys[0]), True)
+    e.step()
+    (removed,) = of("BlockRemoved", "STORAGE")
+    assert list(removed.block_hashes) == chunk, \
+        f"removed under {removed.block_hashes}, stored under {chunk}: a router keeps the chunk"
+    assert removed.ownership == stored.ownership
+
+
+@pytest.mark.parametrize("journal", ["off", "server keeps none", "server restarted without one"])
+def test_without_a_loss_journal_vllm_keeps_no_block_hashes_for_the_tier(engines, journal):
+    """The other side of the test above: vLLM keeps a stored chunk's block hashes until its
+    removal is announced, so the tier asks for that (``removal_expected``) only where it will
+    announce one. Without ``loss_journal`` it never does. With it, against a ``kvtier-l3``
+    run without a journal (``--loss-journal-keys 0``), the tier learns so at its first read of
+    the journal (a step after the engine's first, before any chunk is stored); against one
+    restarted without a journal, after it announced chunks: it then lets vLLM drop their
+    hashes without announcing a removal (``metadata_only``, vLLM 0.33 on; 0.32 has no such
+    event, and that case is skipped there). Either way, once the host cache evicted the
+    prompt, vLLM's tracker holds none of its chunks and no STORAGE removal was published."""
+    if not _tracks_residency():
+        pytest.skip("this vLLM's OffloadingEvent has no ownership / removal_expected")
+    from kvtier.vllm.compat import event_has
+
+    srv = None
+    if journal == "off":
+        t = embedded()
+    else:
+        if journal == "server restarted without one" and not event_has("metadata_only"):
+            pytest.skip("vLLM 0.32 has no metadata_only event to let go of a chunk without a removal")
+        srv = L3Process(token=None, extra=["--loss-journal-keys", "0"] if journal == "server keeps none" else [])
+        t = tier(server=srv.addr, loss_journal=True)
+    try:
+        e = engines([t], kv_events=True, cpu_bytes=4 * 2 * 4096, extra={"self_describing_kv_events": True})
+        okeys = e.tier_keys_of(PROMPT)
+        serve(e, [PROMPT])
+        if journal == "server restarted without one":
+            assert e.tier._journal and e.tier._announced == set(okeys)  # announced, removal expected
+            srv.kill()
+            srv = L3Process(token=None, addr=srv.addr, extra=["--loss-journal-keys", "0"])
+        serve(e, [[t + 5000 for t in PROMPT]])  # evicts PROMPT from the 4-chunk host cache
+        for _ in range(4):  # a server's journal is read on an I/O thread, answered a step later
+            e.step()
+            time.sleep(0.05)
+        events = [ev for b in e.published for ev in b.events]
+        assert any(type(ev).__name__ == "BlockStored" and ev.medium == "STORAGE" for ev in events)
+        assert not [ev for ev in events if type(ev).__name__ == "BlockRemoved" and ev.medium == "STORAGE"]
+        held = e.cs._events_tracker._pending_event_metadata  # noqa: SLF001 (vLLM's own state)
+        kept = len(set(okeys) & set(held))
+        assert kept == 0, f"vLLM keeps {kept} evicted chunks' block hashes for a removal never coming"
+        assert not e.tier._journal and not e.tier._announced
+    finally:
+        if srv is not None:
+            srv.kill()
 
 
 def _store_snapshot(replay: str, topic: bytes = b"") -> set:

@@ -159,6 +159,11 @@ class Counters:
     dropped_jobs: int = 0
 
 
+def _l3_key(namespace: str, page_hash: bytes, tp_rank: int) -> str:
+    """The L3 object key of one page of one tensor-parallel rank."""
+    return f"{namespace}:{page_hash.hex()}:{tp_rank}"
+
+
 def _check_host_pool(cfg: RadixBackendConfig, slots: int, page_bytes: int) -> None:
     """The host pool within kvtier's page numbers and this machine's memory, checked before
     the store opens and anything is allocated: torch's allocator failed deep in the
@@ -242,7 +247,7 @@ class KvtierRadixCache(L3Io, RadixCache):
             layout += f".pp{pp_rank}of{pp_size}.layer{start_layer}"
         self.namespace = l3_namespace(model, dtype, layout, cfg.tenant)
         if store is not None:
-            self._check_page_fits(store, page_bytes, ps)
+            self._check_page_fits(store, page_bytes, ps, len(_l3_key(self.namespace, bytes(32), tp_rank)))
             # the namespace is a hash: what the store's event stream of this model needs
             logger.info("kvtier: L3 namespace %s (tenant %s): a kvtier-l3 event stream of this model's "
                         "pages is --kv-events-stream %s=PUB[,REPLAY]", self.namespace, cfg.tenant, self.namespace)
@@ -288,12 +293,12 @@ class KvtierRadixCache(L3Io, RadixCache):
         for tenant, cap in self.config.tenant_caps.items():
             self.manager.set_tenant_cap(tenant, cap)
 
-    def _check_page_fits(self, store: kvtier.L3Store, page_bytes: int, ps: int) -> None:
+    def _check_page_fits(self, store: kvtier.L3Store, page_bytes: int, ps: int, key_len: int) -> None:
         """One page is one L3 object: a store that refuses an object of a page's size cannot
         serve this page size (``UnsupportedPageSizeError`` at startup, not at the first backup).
         Asked of the store's limits, writing nothing (l3_limits.py)."""
         try:
-            why = object_refusal(store, page_bytes)
+            why = object_refusal(store, page_bytes, key_len)
         except kvtier.L3Error as e:
             why = repr(e)
         if why is not None:
@@ -348,7 +353,7 @@ class KvtierRadixCache(L3Io, RadixCache):
         return [bytes(r) for r in h]
 
     def l3_keys(self, chain: List[bytes]) -> List[str]:
-        return [f"{self.namespace}:{h.hex()}:{self.tp_rank}" for h in chain]
+        return [_l3_key(self.namespace, h, self.tp_rank) for h in chain]
 
     # ---- bytes -------------------------------------------------------------------------
 

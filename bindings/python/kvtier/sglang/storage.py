@@ -198,6 +198,16 @@ def _options(extra: Dict[str, Any]) -> Dict[str, Any]:
     return opts
 
 
+def _object_key(namespace: str, page: str, rank: int, part: str) -> str:
+    """The L3 object key of one part of one page (module docs)."""
+    return f"{namespace}:{page}:{rank}/{part}"
+
+
+# SGLang's page hashes are SHA-256 hex digests; a namespace is 16 hex digits (namespace.py)
+_SAMPLE_PAGE = "0" * 64
+_SAMPLE_NAMESPACE = "0" * 16
+
+
 @dataclass(frozen=True)
 class _Grid:
     """A host pool as a pool of chunks: ``parts`` chunks of ``chunk_bytes`` per page."""
@@ -262,15 +272,28 @@ def sglang_model(name: str, server_args: Any = None, version: str = "") -> str:
     """The namespace's model field of an SGLang deployment (docs/page-keys.md): ``name`` and
     what its pages depend on beyond it (``kvtier.model_identity``): the checkpoint at
     ``--model-path`` (its content fingerprint), ``--json-model-override-args``,
-    ``--quantization``, ``--revision`` and the operator's ``model_version``. A name alone let
-    a new fine-tune at the same path read the old one's pages (wrong KV). ``server_args``:
-    SGLang's (None: the published ones, if any)."""
+    ``--quantization``, ``--revision``, ``--dtype`` (fp8 KV computed in bfloat16 and in
+    float32 fills equal host pools with other bytes) and the operator's ``model_version``. A
+    name alone let a new fine-tune at the same path read the old one's pages (wrong KV).
+    ``server_args``: SGLang's (None: the published ones, if any)."""
     sa = server_args if server_args is not None else _server_args()
     path = str(getattr(sa, "model_path", None) or name)
     ident = engine_identity(path, engine_config=sa is not None, revision=getattr(sa, "revision", None),
                             overrides=getattr(sa, "json_model_override_args", None),
-                            quantization=getattr(sa, "quantization", None), version=version)
+                            quantization=getattr(sa, "quantization", None), version=version,
+                            settings=f"dtype={getattr(sa, 'dtype', 'auto')}")
     return namespace_model(name, ident)
+
+
+def _answers_for(keys: Any) -> int:
+    """How many answers a refused batch of ``keys`` gets: one per key for any sized sequence
+    (a numpy array, too), none for what is not one (a str is one bad key, not its letters)."""
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__len__"):
+        return 0
+    try:
+        return len(keys)
+    except TypeError:  # a 0-d array
+        return 0
 
 
 def _kv_dtype(stored: torch.dtype) -> str:
@@ -379,13 +402,16 @@ class KvtierHiCacheStorage(HiCacheStorage):
         """A page is ``len(parts)`` objects of ``chunk_bytes``, all in DRAM for the page to be
         read: the store must take an object of a chunk's size and hold a whole page. Asked of
         the store's limits, writing nothing (l3_limits.py)."""
+        key_len = max(len(_object_key(_SAMPLE_NAMESPACE, _SAMPLE_PAGE, self.rank, p)) for p in grid.parts)
+        page_charge = len(grid.parts) * kvtier.l3_charge(grid.chunk_bytes, key_len)
         try:
-            why = object_refusal(self.store, grid.chunk_bytes)
+            why = object_refusal(self.store, grid.chunk_bytes, key_len)
             cap = int(self.store.stats()["mem_capacity_bytes"])
         except kvtier.L3Error as e:
             why, cap = repr(e), 0
-        if why is None and grid.page_bytes > cap:
-            why = f"a page of {grid.page_bytes} bytes is larger than the store's DRAM capacity {cap}"
+        if why is None and page_charge > cap:
+            why = (f"a page of {grid.page_bytes} bytes (charged {page_charge} with its keys and metadata) is "
+                   f"larger than the store's DRAM capacity {cap}")
         if why is not None:
             raise SGLangBackendError(
                 f"kvtier: the L3 store cannot hold one page of this host pool ({len(grid.parts)} chunk(s) of "
@@ -419,7 +445,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         """The L3 object keys of pages ``keys`` (SGLang's page hashes), page-major."""
         g = self._grid_of(pool)
         ns = self.namespace(tenant, pool)
-        return [f"{ns}:{k}:{self.rank}/{p}" for k in keys for p in g.parts]
+        return [_object_key(ns, k, self.rank, p) for k in keys for p in g.parts]
 
     def _grid_of(self, pool: str) -> _Grid:
         g = self._grids.get(str(pool))
@@ -495,7 +521,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return ok.tolist()
 
     def _v1(self, op: str, keys: Any, host_indices: Any, extra_info: Any, pool: str = "kv") -> List[bool]:
-        n = len(keys) if isinstance(keys, (list, tuple)) else 0
+        n = _answers_for(keys)
         try:
             pages = self.page_ids(keys, host_indices, pool, for_read=(op == "get"))
             tenant = self._tenant_of(extra_info)
@@ -592,7 +618,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         except SGLangBackendError as e:
             self.counters.rejected_batches += 1
             logger.warning("kvtier: batch_get refused: %s", e)
-            return [None] * (len(keys) if isinstance(keys, (list, tuple)) else 0)
+            return [None] * _answers_for(keys)
         return [t if o else None for t, o in zip(target_locations, ok)]
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,

@@ -12,7 +12,10 @@ otherwise: the choice is automatic (``CpuCopyMixin.get_worker``).
 How: ``CpuCopyHandler`` is vLLM's ``SingleDirectionOffloadingHandler`` minus the device: the
 same copy descriptors (vLLM's own ``_fill_direct_ops`` and sub-block arithmetic: partial
 first chunks, several KV groups), executed at submission with ``ctypes.memmove`` (which
-releases the GIL). On CPU the model's forward pass has finished writing the blocks a store
+releases the GIL). The GPU side of a transfer is what the running vLLM hands the worker
+(compat.py): 0.34's ``DevicePointers`` (vLLM resolved each block's address from the KV
+caches) or 0.32's and 0.33's ``GPULoadStoreSpec`` (block ids, resolved here from the KV
+tensors). On CPU the model's forward pass has finished writing the blocks a store
 reads before the connector submits it, and a load is reported done before the request is
 scheduled again, so a synchronous copy keeps vLLM's ordering. vLLM's canonical host layout
 is not served on CPU (a typed error at startup).
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -38,6 +41,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 
 from .. import KvtierError
+from .compat import device_pointers
 
 __all__ = ["CpuCopyHandler", "CpuCopyWorker", "CpuOffloadError", "on_cpu"]
 
@@ -71,31 +75,75 @@ class CpuCopyHandler(SingleDirectionOffloadingHandler):
             if host.shape[1] != kv.shape[1] * blocks_per_chunk:
                 raise CpuOffloadError(f"kvtier CPU copy: a host page of {host.shape[1]} bytes is not "
                                       f"{blocks_per_chunk} KV pages of {kv.shape[1]}")
-        self.src_tensors = kv_tensors if to_host else host_tensors
-        self.dst_tensors = host_tensors if to_host else kv_tensors
+        self.host_tensors = host_tensors
         self.gpu_to_cpu = to_host
         self.layer_refs_per_group = layer_refs_per_group
+        # What vLLM's descriptor fill reads. 0.32, 0.33: block ids on both sides.
+        self.src_tensors = kv_tensors if to_host else host_tensors
+        self.dst_tensors = host_tensors if to_host else kv_tensors
         self.src_blocks_per_chunk = 1 if to_host else blocks_per_chunk
         self.dst_blocks_per_chunk = blocks_per_chunk if to_host else 1
+        # 0.34: device pointers on the GPU side, chunk ids into these on the host side.
+        self.cpu_tensors = host_tensors
+        self.blocks_per_chunk = blocks_per_chunk
         self._canonical_copy_plans = None
         self._fill_group_ops = self._fill_direct_ops
         self._done: List[TransferResult] = []
         self.copies = 0  # memmoves issued (tests)
 
-    def transfer_async(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        if not isinstance(src_spec, BlockIDsLoadStoreSpec) or not isinstance(dst_spec, BlockIDsLoadStoreSpec):
-            raise CpuOffloadError(f"kvtier CPU copy: block-id specs expected, got {type(src_spec).__name__}")
+    def transfer(self, job_id: int, gpu_side: Any, host_spec: LoadStoreSpec) -> bool:
+        """Copies a transfer's blocks (to host or from host, as this handler's direction), its
+        GPU side as this vLLM passes it (module doc), and reports it done."""
+        if not isinstance(host_spec, BlockIDsLoadStoreSpec):
+            raise CpuOffloadError(f"kvtier CPU copy: host chunk ids expected, got {type(host_spec).__name__}")
         t0 = time.perf_counter()
-        src_blocks, dst_blocks = src_spec.block_ids, dst_spec.block_ids
-        gpu_spec = src_spec if self.gpu_to_cpu else dst_spec
-        assert isinstance(gpu_spec, GPULoadStoreSpec)
+        if device_pointers(gpu_side):
+            op, total, ops = self._ops_of_pointers(gpu_side, host_spec.block_ids)
+        elif isinstance(gpu_side, GPULoadStoreSpec):
+            op, total, ops = self._ops_of_block_ids(gpu_side, host_spec.block_ids)
+        else:
+            raise CpuOffloadError(f"kvtier CPU copy: GPU blocks expected, got {type(gpu_side).__name__}")
+        move = ctypes.memmove
+        all_src, all_dst, all_sizes = ops
+        for s, d, k in zip(all_src[:op].tolist(), all_dst[:op].tolist(), all_sizes[:op].tolist()):
+            move(d, s, k)
+        self.copies += op
+        self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=total,
+                                         transfer_time=time.perf_counter() - t0))
+        return True
+
+    @staticmethod
+    def _buffers(n: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+
+    def _ops_of_pointers(self, ptrs: Any, host_blocks: np.ndarray):
+        """vLLM 0.34's transfer_async group walk (``iter_pointer_groups``: partial first chunks
+        per group): the copy descriptors, their count and bytes."""
+        from vllm.v1.kv_offload.pointer_utils import iter_pointer_groups
+
+        ops = self._buffers(self._estimate_max_copy_ops(ptrs.group_block_counts))
+        host_off = op = total = 0
+        for g in iter_pointer_groups(ptrs, self.blocks_per_chunk):
+            host_end = host_off + g.n_chunks
+            if host_end > len(host_blocks):
+                raise CpuOffloadError("kvtier CPU copy: the transfer's block lists are shorter than its groups")
+            op, nbytes = self._fill_group_ops(g.group_idx, device_ptrs=ptrs, dev_ptr_offset=g.dev_ptr_offset,
+                                              cpu_block_ids=host_blocks[host_off:host_end], group_size=g.group_size,
+                                              cpu_skip_count=g.skip, all_src=ops[0], all_dst=ops[1],
+                                              all_sizes=ops[2], op_idx=op)
+            total += nbytes
+            host_off = host_end
+        return op, total, ops
+
+    def _ops_of_block_ids(self, gpu_spec: GPULoadStoreSpec, host_blocks: np.ndarray):
+        """vLLM 0.32's and 0.33's transfer_async group walk (partial first chunks per group)."""
+        if self.gpu_to_cpu:
+            src_blocks, dst_blocks = gpu_spec.block_ids, host_blocks
+        else:
+            src_blocks, dst_blocks = host_blocks, gpu_spec.block_ids
         group_sizes, block_indices = gpu_spec.group_sizes, gpu_spec.block_indices
-        n = self._estimate_max_copy_ops(group_sizes)
-        all_src = np.empty(n, dtype=np.int64)
-        all_dst = np.empty(n, dtype=np.int64)
-        all_sizes = np.empty(n, dtype=np.int64)
+        ops = self._buffers(self._estimate_max_copy_ops(group_sizes))
         src_off = dst_off = op = total = 0
-        # vLLM's transfer_async group walk (partial first chunks per group), then copies.
         for g, (size, idx) in enumerate(zip(group_sizes, block_indices)):
             if size == 0:
                 continue
@@ -107,17 +155,11 @@ class CpuCopyHandler(SingleDirectionOffloadingHandler):
                 raise CpuOffloadError("kvtier CPU copy: the transfer's block lists are shorter than its groups")
             op, nbytes = self._fill_group_ops(g, group_src=src_blocks[src_off:src_end],
                                               group_dst=dst_blocks[dst_off:dst_end], group_size=size,
-                                              src_skip_count=src_skip, dst_skip_count=dst_skip, all_src=all_src,
-                                              all_dst=all_dst, all_sizes=all_sizes, op_idx=op)
+                                              src_skip_count=src_skip, dst_skip_count=dst_skip, all_src=ops[0],
+                                              all_dst=ops[1], all_sizes=ops[2], op_idx=op)
             total += nbytes
             src_off, dst_off = src_end, dst_end
-        move = ctypes.memmove
-        for s, d, k in zip(all_src[:op].tolist(), all_dst[:op].tolist(), all_sizes[:op].tolist()):
-            move(d, s, k)
-        self.copies += op
-        self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=total,
-                                         transfer_time=time.perf_counter() - t0))
-        return True
+        return op, total, ops
 
     def get_finished(self) -> List[TransferResult]:
         out, self._done = self._done, []
@@ -130,6 +172,7 @@ class CpuCopyHandler(SingleDirectionOffloadingHandler):
         self._done = []
         self.src_tensors = []
         self.dst_tensors = []
+        self.host_tensors = self.cpu_tensors = []
 
 
 class CpuCopyWorker(OffloadingWorker):
@@ -156,12 +199,12 @@ class CpuCopyWorker(OffloadingWorker):
         self.store = CpuCopyHandler(kv, host, blocks_per_chunk, refs, to_host=True)
         self.load = CpuCopyHandler(kv, host, blocks_per_chunk, refs, to_host=False)
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        return self.store.transfer_async(job_id, src_spec, dst_spec)
+    # The GPU side: vLLM 0.34's DevicePointers, 0.32's and 0.33's GPULoadStoreSpec (compat.py).
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
+        return self.store.transfer(job_id, src_spec, dst_spec)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
-                    expedited: bool = False) -> bool:
-        return self.load.transfer_async(job_id, src_spec, dst_spec)
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, expedited: bool = False) -> bool:
+        return self.load.transfer(job_id, dst_spec, src_spec)
 
     def get_finished(self) -> List[TransferResult]:
         return self.store.get_finished() + self.load.get_finished()
@@ -180,7 +223,15 @@ class CpuCopyWorker(OffloadingWorker):
 class CpuCopyMixin:
     """Mixed into a vLLM ``CPUOffloadingSpec`` (or a subclass): on CPU its worker is
     ``CpuCopyWorker``, over the host region ``_cpu_region()`` gives (None: a private
-    tensor); elsewhere vLLM's own worker."""
+    tensor); elsewhere vLLM's own worker. An MLA model vLLM's CPU build serves without prefix
+    caching is refused when the spec is built (``refuse_mla_without_prefix_caching``)."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any):
+        from .keys import engine_vllm_config
+        from .spec_config import refuse_mla_without_prefix_caching
+
+        refuse_mla_without_prefix_caching(engine_vllm_config(), on_cpu())
+        super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
 
     def _cpu_region(self) -> Optional[Any]:
         return None

@@ -22,7 +22,8 @@ Why the model's identity and not its name: a new fine-tune at the same path or h
 shared store then served another checkpoint's KV (wrong tokens, an adversarial tester's
 case). :func:`model_identity` adds the checkpoint's content fingerprint
 (``kvtier.model_identity``), the engine's ``hf_overrides``, quantization and revision (from
-the ``VllmConfig`` the connector is built with), and an operator's ``model_version``.
+the ``VllmConfig`` the connector is built with), the dtype the model computes in and
+LongRoPE's factors (:func:`engine_settings`), and an operator's ``model_version``.
 """
 
 from __future__ import annotations
@@ -34,26 +35,30 @@ from typing import Any, Optional
 from ..model_identity import engine_identity, namespace_model
 from ..namespace import l3_namespace
 
-__all__ = ["layout_of", "model_identity", "namespace_of", "l3_key"]
+__all__ = ["engine_settings", "engine_vllm_config", "layout_of", "model_identity", "namespace_of", "l3_key"]
 
 
-def _engine_model_config() -> Optional[Any]:
-    """The ``ModelConfig`` of the ``VllmConfig`` the connector is being built with: vLLM
-    hands an offloading spec only its normalized ``OffloadingConfig`` (the name, not the
-    overrides), so the caller frames' ``vllm_config`` is read (``OffloadingConnector.__init__``
-    holds it). None outside an engine (a spec built by hand)."""
+def engine_vllm_config() -> Optional[Any]:
+    """The ``VllmConfig`` the connector is being built with: vLLM hands an offloading spec
+    only its normalized ``OffloadingConfig`` (the name, not the overrides), so the caller
+    frames' ``vllm_config`` is read (``OffloadingConnector.__init__`` holds it). None outside
+    an engine (a spec built by hand)."""
     f = inspect.currentframe()
     try:
         depth = 0
         while f is not None and depth < 64:
             v = f.f_locals.get("vllm_config")
-            mc = getattr(v, "model_config", None)
-            if mc is not None and type(v).__name__ == "VllmConfig":
-                return mc
+            if getattr(v, "model_config", None) is not None and type(v).__name__ == "VllmConfig":
+                return v
             f, depth = f.f_back, depth + 1
         return None
     finally:
         del f
+
+
+def _engine_model_config() -> Optional[Any]:
+    """The ``ModelConfig`` of :func:`engine_vllm_config`."""
+    return getattr(engine_vllm_config(), "model_config", None)
 
 
 def _overrides(mc: Any) -> Any:
@@ -63,17 +68,49 @@ def _overrides(mc: Any) -> Any:
     return o
 
 
+def _longrope(mc: Any) -> str:
+    """Which LongRoPE factors vLLM rotates with (``Phi3LongRoPEScaledRotaryEmbedding``: the
+    long ones when ``max_model_len`` passes ``original_max_position_embeddings``, so that a
+    sequence's keys never change mid-way); ``""`` for any other RoPE, whose keys do not depend
+    on ``max_model_len``."""
+    t = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    params = getattr(t, "rope_parameters", None) or getattr(t, "rope_scaling", None)
+    # one dict, or one per layer type (Gemma 3's full and sliding attention)
+    every = [params, *params.values()] if isinstance(params, dict) else []
+    for p in every:
+        if isinstance(p, dict) and (p.get("rope_type") or p.get("type")) in ("longrope", "su"):
+            orig = p.get("original_max_position_embeddings") or getattr(t, "original_max_position_embeddings", None)
+            try:
+                long_ = int(getattr(mc, "max_model_len")) > int(orig)
+            except (TypeError, ValueError):
+                return "longrope"  # unknown which: kept apart from both
+            return "longrope.long" if long_ else "longrope.short"
+    return ""
+
+
+def engine_settings(mc: Any) -> str:
+    """The engine's settings that change every page beyond the checkpoint and its overrides:
+    the dtype the model computes in (vLLM's offloading config names only the *cache* dtype,
+    ``fp8`` for a bfloat16 and a float32 engine alike: their fp8 pages differ, and shared a
+    namespace until 2026-12-06) and LongRoPE's factors (:func:`_longrope`)."""
+    parts = [f"dtype={str(getattr(mc, 'dtype', '')).replace('torch.', '')}"]
+    rope = _longrope(mc)
+    if rope:
+        parts.append(rope)
+    return ";".join(parts)
+
+
 def model_identity(cfg: Any, version: str = "", model_config: Any = None) -> str:
     """What the model's pages depend on beyond its name (module doc): the checkpoint's
-    content fingerprint, the engine's ``hf_overrides``, quantization and revision
-    (``model_config``, else the ``VllmConfig`` being built, when there is one), and the
-    operator's ``version``. ``""`` when none of these is known."""
+    content fingerprint, the engine's ``hf_overrides``, quantization, revision and
+    :func:`engine_settings` (``model_config``, else the ``VllmConfig`` being built, when there
+    is one), and the operator's ``version``. ``""`` when none of these is known."""
     mc = model_config if model_config is not None else _engine_model_config()
     if mc is None:
         return engine_identity(str(cfg.model.name), engine_config=False, version=version)
     return engine_identity(str(cfg.model.name), engine_config=True, revision=getattr(mc, "revision", None),
                            overrides=_overrides(mc), quantization=getattr(mc, "quantization", None),
-                           version=version)
+                           version=version, settings=engine_settings(mc))
 
 
 def _parallel(cfg: Any) -> str:

@@ -54,7 +54,7 @@ _LOOKUP = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING}
 
 
 def _positions(ctx: ReqContext) -> Dict[bytes, int]:
-    # vLLM 0.33 records every key's end-token position here (set_offload_key_position) and
+    # vLLM (0.32 to 0.34) records every key's end-token position here (set_offload_key_position) and
     # offers only a per-key getter; the chain needs them all.
     return ctx._offload_key_positions  # noqa: SLF001
 

@@ -85,7 +85,7 @@ class KvtierCachePolicy(CachePolicy):
         return None if s is None else self._chunks[s]
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: Optional[ReqContext] = None) -> None:
-        # vLLM 0.32 calls insert(key, chunk), 0.33 insert(key, chunk, req_context): without a
+        # vLLM 0.32 calls insert(key, chunk), 0.33 and 0.34 insert(key, chunk, req_context): without a
         # context the chunk's depth is learned when its request finishes.
         if key in self._slot:
             self.remove(key)

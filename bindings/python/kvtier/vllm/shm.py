@@ -1,7 +1,7 @@
 """The host-cache region in /dev/shm that vLLM's workers write and kvtier's scheduler-side
 parts (``KvtierOffloadingSpec``'s L3, vLLM's tiering with kvtier's tier) read.
 
-Why: the region is one file ``/dev/shm/vllm_offload_{engine_id}.mmap`` (0.33 may split a
+Why: the region is one file ``/dev/shm/vllm_offload_{engine_id}.mmap`` (0.33 and 0.34 may split a
 large one into ``.mmap.1``, ``.mmap.2``... segments) that every worker and the scheduler
 map. vLLM's engine builds its workers before its scheduler, so the workers must leave the
 name in place until the scheduler has mapped it — vLLM's ``CPUOffloadingSpec`` unlinks it as
@@ -42,7 +42,7 @@ class _WorkerRegion(SharedOffloadRegion):
 
 
 def region_paths(region: Any) -> List[str]:
-    """The region's file names in /dev/shm (one, or 0.33's segments)."""
+    """The region's file names in /dev/shm (one, or 0.33's and 0.34's segments)."""
     segs = getattr(region, "_segments", None)
     return [p for p, _, _ in segs] if segs else [region.mmap_path]
 

@@ -22,7 +22,7 @@ from .. import KvtierError, OffloadManager
 from .compat import group_windows
 from .tier import TIER_KEYS
 
-__all__ = ["KvtierSpecConfigError", "SPEC_KEYS", "check_spec_keys", "eviction_of", "host_chunks_of", "l3_of",
+__all__ = ["KvtierSpecConfigError", "refuse_mla_without_prefix_caching", "SPEC_KEYS", "check_spec_keys", "eviction_of", "host_chunks_of", "l3_of",
            "quotas_of",
            "refuse_non_prefix_groups", "room_wait_of", "tenant_of"]
 
@@ -76,6 +76,22 @@ def host_chunks_of(num_chunks: int, cpu_bytes: Any) -> int:
             f"cpu_bytes_to_use {cpu_bytes!r} gives {num_chunks} host chunks; kvtier's host tier holds at "
             f"most {MAX_HOST_CHUNKS}")
     return num_chunks
+
+
+def refuse_mla_without_prefix_caching(vllm_config: Any, on_cpu: bool) -> None:
+    """An MLA model on vLLM's CPU build without prefix caching: vLLM's CPU platform turns
+    prefix caching (and chunked prefill) off for MLA unless AMX MLA is there, because its CPU
+    attention cannot prefill a suffix over cached KV; offloading there is kvtier's CPU copy
+    path alone, and a reused prefix it loaded was prefilled over anyway: wrong tokens from the
+    first one (an adversarial tester's DeepSeek-V2, every mode, the bytes moved exact).
+    Refused at startup (``vllm_config``: None outside an engine, nothing to check)."""
+    mc = getattr(vllm_config, "model_config", None)
+    cc = getattr(vllm_config, "cache_config", None)
+    if on_cpu and bool(getattr(mc, "use_mla", False)) and not bool(getattr(cc, "enable_prefix_caching", True)):
+        raise KvtierSpecConfigError(
+            "kvtier cannot offload an MLA model on vLLM's CPU build here: vLLM turned prefix caching off for MLA "
+            "on CPU (its CPU MLA attention cannot prefill over cached KV), so a prefix kvtier loads back would be "
+            "computed over wrongly; serve this model without kv_transfer_config on CPU, or on a GPU")
 
 
 def refuse_non_prefix_groups(config: Any) -> None:

@@ -55,6 +55,7 @@ import kvtier
 
 from ..l3_limits import object_refusal
 from ..mooncake_compat._setup import parse_size
+from .compat import event_has, offloading_event
 from .keys import l3_key, model_identity, namespace_of
 from .manager_metrics import add_increases, new_connector_stats
 
@@ -84,6 +85,9 @@ ENV_ADDR = "KVTIER_L3_ADDR"
 ENV_TOKEN = "KVTIER_L3_TOKEN"
 _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
 _JOURNAL_KEYS = 65_536  # an embedded store's loss journal, when kvtier's manager reads it
+# The ``ownership`` of the tier's KV events: vLLM's self-describing events keep a chunk's block
+# hashes while some residency holds it, a secondary tier's being its (medium, ownership).
+OWNERSHIP = "kvtier"
 
 # The tier's own keys in the secondary_tiers entry (vLLM passes every other key through).
 TIER_KEYS = (
@@ -171,7 +175,7 @@ def prefix_order(job: TransferJob) -> Tuple[List[OffloadKey], np.ndarray]:
     most recent, so that an eviction takes a prompt's tail before its head (a chunk is
     reusable only with every chunk before it; l3/src/batch_order.rs). vLLM's scheduler records
     each key's end-token position in the request's context (``get_offload_key_position``, in
-    0.32 and 0.33; vLLM's own CPU manager sorts by it too); keys without one keep their
+    0.32 to 0.34; vLLM's own CPU manager sorts by it too); keys without one keep their
     place after those with one.
     """
     keys = list(job.keys)
@@ -232,6 +236,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self.model_identity = model_identity(offloading_spec.config, str(config.get("model_version") or ""))
         self.namespace = namespace_of(offloading_spec.config, self.block_size_bytes, self.tenant,
                                       self.model_identity)
+        # the length of this tier's L3 keys (vLLM's offload keys are 32-byte block hashes): what
+        # the store charges a chunk besides its bytes depends on it (l3_limits.py)
+        self._key_len = len(self.key(bytes(32)))
         # kvtier's manager reads the store's loss journal (lost_keys); vLLM's tiering does not.
         self._journal = bool(loss_journal)
         self._loss_read: Optional[cf.Future] = None
@@ -256,8 +263,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         # duplicates in a tester's run), and, with ``loss_journal``, its removal when the
         # store reports it lost (before: never, so a router saw three times what an 8 MB store
         # held). Off where kvtier's manager owns the tier (``events=False``: nobody takes them,
-        # and the queue grew by one event per store for good).
-        self._events: Optional["queue.SimpleQueue[OffloadingEvent]"] = (
+        # and the queue grew by one event per store for good). The queue holds each put's
+        # new keys; take_events makes the events.
+        self._events: Optional["queue.SimpleQueue[List[OffloadKey]]"] = (
             queue.SimpleQueue() if events and offloading_spec.kv_events_config.enable_kv_cache_events else None)
         self._announced: set = set()  # chunks announced stored and not removed (with the journal)
         self._lookups: Optional[_ServerLookups] = None if self.is_embedded else _ServerLookups(self)
@@ -297,11 +305,14 @@ class KvtierSecondaryTier(SecondaryTierManager):
             raise VllmTierConfigError("kvtier tier: ssd_capacity_bytes without ssd_dir: the store has no SSD tier "
                                       "to cap (give ssd_dir, or drop ssd_capacity_bytes)")
         quota_b = _size(config, "tenant_quota_bytes")
-        if quota_b is not None and quota_b < self.chunk_bytes:
+        # what one chunk costs the store: its bytes, its key and the store's metadata
+        chunk_charge = kvtier.l3_charge(self.chunk_bytes, self._key_len)
+        if quota_b is not None and quota_b < chunk_charge:
             # checked before the store opens (a named store adds every opener's segment)
             raise VllmTierConfigError(
-                f"kvtier tier: tenant_quota_bytes {quota!r} is less than one vLLM chunk ({self.chunk_bytes} bytes): "
-                f"tenant {self.tenant!r} could never store a chunk")
+                f"kvtier tier: tenant_quota_bytes {quota!r} is less than one vLLM chunk as the store charges it "
+                f"({self.chunk_bytes} bytes, {chunk_charge} with its key and metadata): tenant {self.tenant!r} could "
+                f"never store a chunk")
         ssd = config.get("ssd_dir")
         try:
             return kvtier.L3Store.embedded(seg, ssd_dir=None if ssd is None else str(ssd), ssd_capacity_bytes=cap_b,
@@ -341,7 +352,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         not a failed job per chunk forever after; asked of the store's limits, writing
         nothing (l3_limits.py)."""
         try:
-            why = object_refusal(self.store, self.chunk_bytes)
+            why = object_refusal(self.store, self.chunk_bytes, self._key_len)
         except kvtier.L3Error as e:
             why = repr(e)
         if why is not None:
@@ -424,7 +435,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
             self._stored.put(stored)
         new = [k for k, c in zip(okeys, codes) if c == 0] if n else []
         if self._events is not None and new:
-            self._events.put(OffloadingEvent(keys=new, medium=self.medium, removed=False, locality=self.locality))
+            self._events.put(new)
         with self._lock:
             self.counters.chunks_stored += n
             self.counters.bytes_written += n * self.chunk_bytes
@@ -485,20 +496,42 @@ class KvtierSecondaryTier(SecondaryTierManager):
         store (once), and, with ``loss_journal``, ``BlockRemoved`` for announced chunks the
         store reports lost (all of them when its report overflowed). For a store several
         engines share, publish STORAGE from the store's own stream (``kvtier-l3
-        --kv-events``) instead: each engine announces only what it put."""
+        --kv-events``) instead: each engine announces only what it put.
+
+        Every event is owned by the tier (``ownership`` ``"kvtier"``), and a stored one is
+        ``removal_expected`` exactly when its removal will be announced (the journal on):
+        vLLM's self-describing events (``self_describing_kv_events``) keep a chunk's block
+        hashes for the removal only while a residency holds it, and a tier's residency is set
+        only so. Without it, a chunk the host cache had evicted was announced removed from
+        STORAGE under a placeholder hash, not the block hashes its ``BlockStored`` named (a
+        router kept them); and where no removal will come, vLLM would keep them for good."""
         out: List[OffloadingEvent] = []
-        while self._events is not None and not self._events.empty():
-            ev = self._events.get_nowait()
-            if self._journal:
-                self._announced.update(ev.keys)
-            out.append(ev)
-        if self._events is not None and self._journal:
+        if self._events is None:
+            return out
+        journal = self._journal
+        while not self._events.empty():
+            keys = self._events.get_nowait()
+            if journal:
+                self._announced.update(keys)
+            out.append(self._event(keys, removed=False, removal_expected=journal))
+        if self._journal:
             lost, over = self.lost_keys()
             gone = list(self._announced) if over else [k for k in lost if k in self._announced]
             if gone:
                 self._announced.difference_update(gone)
-                out.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True, locality=self.locality))
+                out.append(self._event(gone, removed=True))
+            if not self._journal and self._announced:
+                # The store keeps no journal after all (a server run, or restarted, without
+                # one): no removal will come, so vLLM lets go of the announced chunks' block
+                # hashes now, not announcing a removal (``metadata_only``, vLLM 0.33 on; 0.32
+                # has no such event and keeps them).
+                if event_has("metadata_only"):
+                    out.append(self._event(list(self._announced), removed=True, metadata_only=True))
+                self._announced.clear()
         return out
+
+    def _event(self, keys: List[OffloadKey], removed: bool, **more: Any) -> OffloadingEvent:
+        return offloading_event(keys, self.medium, removed, self.locality, ownership=OWNERSHIP, **more)
 
     def has_pending_work(self) -> bool:
         return bool(self._futures)
