@@ -114,6 +114,19 @@ pub const ARRIVAL_WINDOW: usize = 64;
 /// simulated time is then counted to 2^32 ms (49 days).
 const STORE_MS_PER_SIM_MS: u64 = 1 << 32;
 
+/// The end of the simulated clock's range (µs). Event times are sums of rates' durations and
+/// arrivals, added saturating: a sum past the range is this value, and an event due at it
+/// ends the run with [`clock_ended_error`]. Why an error: wrapped, such a time was *earlier*
+/// than the work before it (`--pcie-gbps 1e-300` reported shorter TTFTs than 25 GB/s).
+const CLOCK_END: u64 = u64::MAX;
+
+fn clock_ended_error() -> String {
+    "the simulated clock ran past its range (2^64 µs, about 584,000 years): a rate too slow \
+     for the workload (a link's GB/s, the profile's prefill tokens/s) or a trace's timestamps \
+     that far apart; nothing past it could be measured"
+        .into()
+}
+
 /// The tenant the simulated instances store their pages under.
 const TENANT: &str = "sim";
 
@@ -180,6 +193,10 @@ pub struct Simulation {
     free_slots: Vec<usize>,
     seq: u64,
     now_us: u64,
+    /// An event was due at the end of the clock's range ([`CLOCK_END`]): times are added
+    /// saturating, so a time past the range lands exactly there, and the run is an error
+    /// rather than a report of wrapped (shorter) times.
+    clock_ended: bool,
     store_now_ms: u64,
     /// The last request pulled: its id and arrival (ms). Requests must come in arrival order.
     last_arrival: Option<(u64, u64)>,
@@ -312,6 +329,7 @@ impl Simulation {
             free_slots: Vec::new(),
             seq: 0,
             now_us: 0,
+            clock_ended: false,
             store_now_ms: 0,
             last_arrival: None,
             backups_done: 0,
@@ -324,6 +342,7 @@ impl Simulation {
     }
 
     fn push(&mut self, at_us: u64, p: Pending) {
+        self.clock_ended |= at_us == CLOCK_END;
         let slot = match self.free_slots.pop() {
             Some(s) => {
                 self.pending[s] = Some(p);
@@ -357,7 +376,13 @@ impl Simulation {
             }
         }
         let wall = std::time::Instant::now();
-        while let Some(Reverse((t, _, slot))) = self.heap.pop() {
+        loop {
+            if self.clock_ended {
+                return Err(clock_ended_error());
+            }
+            let Some(Reverse((t, _, slot))) = self.heap.pop() else {
+                break;
+            };
             let Some(p) = self.pending[slot].take() else {
                 continue;
             };

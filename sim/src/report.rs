@@ -97,7 +97,7 @@ impl Collector {
     }
     /// Time a prefetch spent waiting for SSD reads (inline, or a promotion not yet done).
     pub fn prefetch_ssd_wait(&mut self, us: u64) {
-        self.prefetch_ssd_wait_us += us;
+        self.prefetch_ssd_wait_us = self.prefetch_ssd_wait_us.saturating_add(us);
     }
     pub fn l3_read(&mut self, pages: u64) {
         self.l3_pages_read += pages;
@@ -109,7 +109,7 @@ impl Collector {
         self.forwards += 1;
         self.prefill_tokens += prefill;
         self.decode_rows += decode;
-        self.forward_us += us;
+        self.forward_us = self.forward_us.saturating_add(us);
     }
 
     pub fn finish(mut self, stats: &[Stats], end_us: u64, wall: Duration) -> Report {

@@ -382,3 +382,59 @@ fn flags_the_run_would_ignore_are_refused_naming_the_flag() {
         );
     }
 }
+
+/// A rate so slow that one transfer or forward takes past 2^64 µs wrapped the simulated clock
+/// and the run reported *faster* times: `--pcie-gbps 1e-300` gave TTFT p50 24.2 ms against
+/// 28.4 ms at 25 GB/s (exit 0), and a trace stamped 0 and 2^64 - 1 ms claimed its requests
+/// ran 18,446,744,073,709 s apart (the clock saturated at 2^64 µs). A clock past its range is
+/// an error naming it; no report.
+#[test]
+fn a_simulated_clock_past_its_range_is_an_error_not_a_faster_run() {
+    let small = [
+        "sim",
+        "--quiet",
+        "--no-compare",
+        "--clients",
+        "20",
+        "--rounds",
+        "3",
+        "--device-pages",
+        "64",
+        "--host-pages",
+        "1024",
+    ];
+    for slow in [
+        ["--pcie-gbps", "1e-300"],
+        ["--l3-gbps", "1e-300"],
+        ["--prefill-tokens-per-s", "1e-300"],
+    ] {
+        let out = kvtier().args(small).args(slow).output().unwrap();
+        assert_refused(&out, &["clock"], &format!("{slow:?}"));
+        assert!(out.stdout.is_empty(), "{slow:?}: no report");
+    }
+    let dir = temp_dir("clock");
+    for last in [u64::MAX, u64::MAX / 1000 - 5] {
+        let trace = dir.join(format!("far-{last}.jsonl"));
+        std::fs::write(&trace, line(0, &[1, 2]) + &line(last, &[1, 2])).unwrap();
+        let out = kvtier()
+            .args(["sim", "--quiet", "--no-compare", "--trace"])
+            .arg(&trace)
+            .output()
+            .unwrap();
+        assert_refused(&out, &["clock"], &format!("timestamp {last}"));
+        assert!(out.stdout.is_empty(), "timestamp {last}: no report");
+    }
+    // a slow but representable rate still runs, and is slower
+    let out = common::succeeds(
+        kvtier()
+            .args(small)
+            .args(["--pcie-gbps", "0.001", "--json"]),
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        v["ttft_ms"]["p50"].as_f64().unwrap() > 1e6,
+        "{}",
+        v["ttft_ms"]
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

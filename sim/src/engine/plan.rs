@@ -4,7 +4,9 @@
 //!
 //! Why apart from the event loop: this is the cost model of the engine — link occupancy, SSD
 //! reads before prefetches, promotions started by probes, prefetch terminations — and the
-//! numbers a report shows come from here.
+//! numbers a report shows come from here. Times are added saturating: a time past the
+//! clock's range ends the run with an error (`CLOCK_END` in the event loop) instead of
+//! wrapping to an earlier one.
 
 use kvtier_scheduler::*;
 
@@ -86,7 +88,7 @@ impl Simulation {
                         .ssd_us(ssd_only * page_bytes)
                         .max(promo_ready.saturating_sub(now.max(i.net_free)));
                     self.col.prefetch_ssd_wait(ssd);
-                    (&mut i.net_free, links.l3_us(bytes) + ssd)
+                    (&mut i.net_free, links.l3_us(bytes).saturating_add(ssd))
                 }
                 OpKind::BackUp => match links.l3_link {
                     L3Link::Shared => (&mut i.net_free, links.l3_us(bytes)),
@@ -100,11 +102,11 @@ impl Simulation {
                         && self.cfg.l3_ssd_pages > 0
                         && self.cfg.l3_promote_on_probe
                     {
-                        let mut t = now + links.l3_query_us as u64;
+                        let mut t = now.saturating_add(links.l3_query_us as u64);
                         for k in keys {
                             match s.residency(&self.tenant, k) {
                                 (false, true) if !self.promoting.contains_key(k) => {
-                                    t += links.ssd_us(page_bytes);
+                                    t = t.saturating_add(links.ssd_us(page_bytes));
                                     self.col.ssd_read(page_bytes);
                                     self.promoting.insert(k.clone(), t);
                                 }
@@ -120,7 +122,7 @@ impl Simulation {
                 }
             };
             let start = now.max(*link);
-            let end = start + dur;
+            let end = start.saturating_add(dur);
             if op.kind != OpKind::L3Query {
                 *link = end;
             }
@@ -173,9 +175,9 @@ impl Simulation {
                 .cfg
                 .profile
                 .forward_us(prefill, f.decode.len() as u64, ctx);
-            let end = before_forward_end + dur;
+            let end = before_forward_end.saturating_add(dur);
             self.insts[inst].forward_busy = true;
-            self.insts[inst].busy_us += dur;
+            self.insts[inst].busy_us = self.insts[inst].busy_us.saturating_add(dur);
             self.col.forward(prefill, f.decode.len() as u64, dur);
             self.push(
                 end,
@@ -186,7 +188,7 @@ impl Simulation {
             );
         } else if !self.insts[inst].prefetches.is_empty() {
             // Prefetch stop policies run on the clock: look again shortly.
-            self.push(now + 2000, Pending::Wake(inst));
+            self.push(now.saturating_add(2000), Pending::Wake(inst));
         }
         Ok(())
     }
