@@ -115,7 +115,9 @@ impl SimConfig {
     /// Refuses what a run cannot use, before it starts: a payload too short for the integrity
     /// oracle's page stamp (8 bytes) or past 1 MiB, capacities whose bytes or sums overflow,
     /// timings and rates that are not finite and positive (or past an hour), no instances or
-    /// more than 4,096 of them.
+    /// more than 4,096 of them, a scheduler of several tensor-parallel ranks (each instance
+    /// is one rank: a multi-rank scheduler's loss reports need the ranks' agreement, which
+    /// nothing simulates).
     pub fn check(&self) -> Result<(), String> {
         if !(8..=1 << 20).contains(&self.payload_bytes) {
             return Err(format!(
@@ -142,6 +144,13 @@ impl SimConfig {
         }
         if self.instances == 0 || self.instances > 4096 {
             return Err(format!("instances {} must be 1 to 4096", self.instances));
+        }
+        if self.scheduler.tp_ranks != 1 {
+            return Err(format!(
+                "tp_ranks {}: the simulator runs each instance as a single-rank engine \
+                 (tp_ranks 1; a tensor-parallel model is a profile, e.g. llama3-70b-tp8)",
+                self.scheduler.tp_ranks
+            ));
         }
         let p = &self.profile;
         let page = p

@@ -438,3 +438,57 @@ fn a_simulated_clock_past_its_range_is_an_error_not_a_faster_run() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A small chat run, nothing beside it.
+const SMALL_CHAT: [&str; 7] = [
+    "sim",
+    "--quiet",
+    "--no-compare",
+    "--clients",
+    "4",
+    "--rounds",
+    "2",
+];
+
+/// The simulator runs each instance as a single-rank engine, but `[scheduler] tp_ranks = 2`
+/// was accepted: the first L3 loss report was then refused by the scheduler (a multi-rank
+/// scheduler needs the ranks' agreement) and the run printed a whole report before failing
+/// with "integrity oracle failed" (exit 2), or, with no loss, ran as one rank and reported it
+/// (exit 0, also under `l3_sharing = { Replicated = { leader = 1 } }`, whose rank 0 skips the
+/// probes it ran). Refused before the run, naming the key.
+#[test]
+fn a_tensor_parallel_scheduler_config_is_refused_before_the_run() {
+    let dir = temp_dir("tp");
+    for (i, table) in [
+        "[scheduler]\ntp_ranks = 2\n",
+        "[scheduler]\ntp_ranks = 2\nrank = 1\n",
+        "[scheduler]\ntp_ranks = 2\nl3_sharing = { Replicated = { leader = 1 } }\n",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let cfg = dir.join(format!("tp{i}.toml"));
+        std::fs::write(&cfg, table).unwrap();
+        for dry in [false, true] {
+            let mut cmd = kvtier();
+            cmd.args(SMALL_CHAT)
+                .args([
+                    "--device-pages",
+                    "64",
+                    "--host-pages",
+                    "64",
+                    "--l3-pages",
+                    "64",
+                    "--config",
+                ])
+                .arg(&cfg);
+            if dry {
+                cmd.arg("--dry-run");
+            }
+            let out = cmd.output().unwrap();
+            assert_refused(&out, &["tp_ranks", "single-rank"], table);
+            assert!(out.stdout.is_empty(), "{table}: no report");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
