@@ -266,7 +266,7 @@ pub fn write_sweep_plot(
     title: &SweepTitle,
     pts: &[SweepPoint],
 ) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let svg = dir.join(format!("{stem}.svg"));
     let png = dir.join(format!("{stem}.png"));
     draw(

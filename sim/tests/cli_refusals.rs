@@ -492,3 +492,58 @@ fn a_tensor_parallel_scheduler_config_is_refused_before_the_run() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--sweep-out` naming a file (or a path under one) was found unusable only after every
+/// point had run (5 s for the default chat, minutes on a trace), with "error: File exists
+/// (os error 17)" naming no path; a dry run said the sweep would run. And `--sweep-out`
+/// without `--sweep` was ignored (exit 0, nothing written). Both are refused before anything
+/// runs, naming the path or the flag; a dry run writes nothing.
+#[test]
+fn an_unusable_sweep_out_is_refused_before_the_sweep_runs() {
+    let dir = temp_dir("sweep-out");
+    let file = dir.join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let chat = [
+        "sim",
+        "--quiet",
+        "--clients",
+        "4",
+        "--rounds",
+        "2",
+        "--sweep",
+    ];
+    for bad in [file.clone(), file.join("sub")] {
+        for dry in [true, false] {
+            let mut cmd = kvtier();
+            cmd.args(chat).arg("--sweep-out").arg(&bad);
+            if dry {
+                cmd.arg("--dry-run");
+            }
+            let out = cmd.output().unwrap();
+            let what = format!("{} dry {dry}", bad.display());
+            assert_refused(&out, &[&bad.display().to_string(), "--sweep-out"], &what);
+            assert!(out.stdout.is_empty(), "{what}: nothing ran");
+        }
+    }
+    let fresh = dir.join("fresh/out");
+    common::succeeds(
+        kvtier()
+            .args(chat)
+            .arg("--sweep-out")
+            .arg(&fresh)
+            .arg("--dry-run"),
+    );
+    assert!(
+        !fresh.exists() && !dir.join("fresh").exists(),
+        "a dry run writes nothing"
+    );
+    // the same chat without --sweep
+    let out = kvtier()
+        .args(&chat[..6])
+        .arg("--sweep-out")
+        .arg(&fresh)
+        .output()
+        .unwrap();
+    assert_refused(&out, &["--sweep-out", "--sweep"], "--sweep-out alone");
+    std::fs::remove_dir_all(&dir).ok();
+}

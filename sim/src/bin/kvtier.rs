@@ -7,7 +7,7 @@
 
 use std::fs::File;
 use std::io::BufReader;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -150,8 +150,9 @@ struct SimArgs {
     /// counts L3 hits the ceiling leaves out).
     #[arg(long)]
     sweep: bool,
-    /// Where the sweep writes sweep.json, sweep.svg and sweep.png.
-    #[arg(long, default_value = "sweep")]
+    /// Where the sweep writes sweep.json, sweep.svg and sweep.png (a directory, made if
+    /// missing; checked before the sweep runs).
+    #[arg(long, default_value = "sweep", requires = "sweep")]
     sweep_out: PathBuf,
     /// Print the report as JSON.
     #[arg(long)]
@@ -515,11 +516,45 @@ fn run_one(cfg: &SimConfig, w: &Workload, progress: impl FnMut(u64)) -> Result<R
     simulate_stream(cfg, w.stream()?, progress)
 }
 
+/// `--sweep-out` must be a directory or a path one can be made at: the nearest part of it
+/// that exists is a directory. Checked (writing nothing, so dry runs too) before a sweep
+/// runs, since its files are written only after every point ran.
+fn check_sweep_out(out: &Path) -> Result<(), String> {
+    let here = Path::new(".");
+    let existing = out
+        .ancestors()
+        .map(|p| if p.as_os_str().is_empty() { here } else { p })
+        .find(|p| p.exists())
+        .unwrap_or(here);
+    if existing.is_dir() {
+        return Ok(());
+    }
+    Err(if existing == out {
+        format!("--sweep-out {}: not a directory", out.display())
+    } else {
+        format!(
+            "--sweep-out {}: {} is not a directory",
+            out.display(),
+            existing.display()
+        )
+    })
+}
+
+fn sweep_out_error(out: &Path, e: std::io::Error) -> String {
+    format!("--sweep-out {}: {e}", out.display())
+}
+
+/// Writes one of the sweep's files, the error naming it.
+fn write_out(path: &Path, text: String) -> Result<(), String> {
+    std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
 fn run_sim(a: SimArgs) -> Result<(), String> {
     let cfg = config(&a)?;
     let reqs = workload(&a)?;
     // every point checked before anything runs (or a dry run says it would)
     let plan = if a.sweep {
+        check_sweep_out(&a.sweep_out)?;
         Some(sweep::plan(&cfg).map_err(|e| e.to_string())?)
     } else {
         None
@@ -598,6 +633,8 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         }
         return Ok(());
     };
+    // made before the points run: a path that cannot be made fails now, not after them
+    std::fs::create_dir_all(&a.sweep_out).map_err(|e| sweep_out_error(&a.sweep_out, e))?;
     let mut pts = Vec::new();
     let pb = bar(plan.points.len() as u64);
     let page_gb = (cfg.profile.kv_bytes_per_token * cfg.scheduler.page_size as u64) as f64 / 1e9;
@@ -635,12 +672,10 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         pb.inc(1);
     }
     pb.finish_and_clear();
-    std::fs::create_dir_all(&a.sweep_out).map_err(|e| e.to_string())?;
-    std::fs::write(
-        a.sweep_out.join("sweep.json"),
+    write_out(
+        &a.sweep_out.join("sweep.json"),
         serde_json::to_string_pretty(&pts).map_err(|e| e.to_string())?,
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     let s = &cfg.scheduler;
     let title = SweepTitle {
         workload: reqs.name(),
@@ -656,11 +691,10 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
     write_sweep_plot(&a.sweep_out, "sweep", &title, &pts)?;
     let matched = match_lru(&title.policy, &pts);
     if let Some(m) = &matched {
-        std::fs::write(
-            a.sweep_out.join("match-lru.json"),
+        write_out(
+            &a.sweep_out.join("match-lru.json"),
             serde_json::to_string_pretty(m).map_err(|e| e.to_string())?,
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
     }
     if a.json {
         println!(
