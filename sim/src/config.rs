@@ -19,6 +19,12 @@ pub struct Faults {
     pub lose_l3_every: u64,
 }
 
+/// Device + host pages of all instances together, at most: each pool is allocated whole
+/// (about 5 bytes per page, 1.3 GB at the cap), so `--device-pages 4294967295` was a failed
+/// 17 GB allocation, an abort rather than an error. The documentation's largest sweep point
+/// (4 instances of 65,536 device + 262,144 host pages) is 1.3 M pages.
+pub const MAX_LOCAL_PAGES: u64 = 1 << 28;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SimConfig {
@@ -115,9 +121,9 @@ impl SimConfig {
     /// Refuses what a run cannot use, before it starts: a payload too short for the integrity
     /// oracle's page stamp (8 bytes) or past 1 MiB, capacities whose bytes or sums overflow,
     /// timings and rates that are not finite and positive (or past an hour), no instances or
-    /// more than 4,096 of them, a scheduler of several tensor-parallel ranks (each instance
-    /// is one rank: a multi-rank scheduler's loss reports need the ranks' agreement, which
-    /// nothing simulates).
+    /// more than 4,096 of them, device + host pages past [`MAX_LOCAL_PAGES`], a scheduler of
+    /// several tensor-parallel ranks (each instance is one rank: a multi-rank scheduler's
+    /// loss reports need the ranks' agreement, which nothing simulates).
     pub fn check(&self) -> Result<(), String> {
         if !(8..=1 << 20).contains(&self.payload_bytes) {
             return Err(format!(
@@ -144,6 +150,16 @@ impl SimConfig {
         }
         if self.instances == 0 || self.instances > 4096 {
             return Err(format!("instances {} must be 1 to 4096", self.instances));
+        }
+        let s = &self.scheduler;
+        let host = if s.host_enabled { s.host_pages } else { 0 };
+        let pages = (u64::from(s.device_pages) + u64::from(host)) * self.instances as u64;
+        if pages > MAX_LOCAL_PAGES {
+            return Err(format!(
+                "device_pages {} + host_pages {host} on {} instances are {pages} pages, past \
+                 the cap of {MAX_LOCAL_PAGES} (pools are allocated whole, about 5 bytes each)",
+                s.device_pages, self.instances
+            ));
         }
         if self.scheduler.tp_ranks != 1 {
             return Err(format!(

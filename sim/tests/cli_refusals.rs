@@ -547,3 +547,55 @@ fn an_unusable_sweep_out_is_refused_before_the_sweep_runs() {
     assert_refused(&out, &["--sweep-out", "--sweep"], "--sweep-out alone");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Pools are allocated whole, about 5 bytes of bookkeeping per page: `--device-pages
+/// 4294967295` (or `--host-pages`) aborted on a failed 17 GB allocation (exit 134, a
+/// backtrace) under a 4 GiB address-space cap, and without one took the machine's memory.
+/// Device + host pages of all instances are capped; past it, a refusal naming the flags.
+#[cfg(unix)]
+#[test]
+fn pools_past_the_page_cap_are_refused_not_an_allocation_abort() {
+    for args in [
+        vec!["--device-pages", "4294967295"],
+        vec!["--host-pages", "4294967295"],
+        vec!["--device-pages", "200000000", "--host-pages", "200000000"],
+        vec![
+            "--device-pages",
+            "100000",
+            "--host-pages",
+            "100000",
+            "--instances",
+            "4096",
+        ],
+    ] {
+        let mut full = SMALL_CHAT.to_vec();
+        full.extend(&args);
+        let out = kvtier_capped(&full);
+        assert_refused(
+            &out,
+            &["device_pages", "host_pages", "instances"],
+            &format!("{args:?}"),
+        );
+    }
+    // the documentation's largest pools run
+    let out = kvtier_capped(&[
+        "sim",
+        "--clients",
+        "4",
+        "--rounds",
+        "2",
+        "--device-pages",
+        "16384",
+        "--host-pages",
+        "65536",
+        "--instances",
+        "4",
+        "--sweep",
+        "--dry-run",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
