@@ -237,6 +237,58 @@ def test_a_forked_worker_does_not_keep_the_ssd_dir_locked(tmp_path):
         os.waitpid(pid, 0)
 
 
+def test_a_forked_worker_opens_the_ssd_dir_once_the_engine_let_go(tmp_path):
+    """The other side of the test above: a worker forked while the engine's store was open
+    inherited the process's set of held directory locks, so after the engine dropped its
+    store the worker still could not open one on that directory ("in use"), though no process
+    held it. The worker tries while the engine holds it (refused), then after the engine's
+    drop (a pipe says when) opens it and reads what the engine persisted."""
+    s = kvtier.L3Store.embedded(1 << 24, ssd_dir=str(tmp_path))
+    s.put("k", b"v" * 100, wait_persisted=True)
+    tried_r, tried_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker
+        code = 0
+        try:
+            try:
+                kvtier.L3Store.embedded(1 << 24, ssd_dir=str(tmp_path))
+                code = 2  # opened while the engine held it
+            except kvtier.L3Error:
+                pass
+            os.write(tried_w, b"t")
+            os.read(go_r, 1)
+            if code == 0:
+                mine = kvtier.L3Store.embedded(1 << 24, ssd_dir=str(tmp_path))
+                code = 0 if mine.get("k") == b"v" * 100 else 5
+        except kvtier.L3Error:
+            code = 4  # refused after the engine let go
+        except BaseException:
+            code = 6
+        os._exit(code)
+    os.close(tried_w)
+    try:
+        assert os.read(tried_r, 1) == b"t"
+        del s
+        os.write(go_w, b"g")
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.monotonic() < deadline, "the worker did not end"
+            time.sleep(0.05)
+        pid = 0
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
+            f"worker status {status}: exit 2 opened it while held, 4 refused after the drop, 5 read other bytes")
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        for fd in (tried_r, go_r, go_w):
+            os.close(fd)
+
+
 @pytest.mark.parametrize("ms", [0, 1 << 36, 2**64 - 1])
 def test_out_of_range_rpc_timeout_is_a_typed_error(ms):
     srv = kvtier.L3Server(1 << 20)

@@ -23,8 +23,15 @@
 //! refused a second time; and closing *any* descriptor of the file drops the process's lock,
 //! so the file is opened only under that set's mutex, after the set said it is not held, and
 //! a holder closes it under the mutex too.
+//!
+//! A forked child gets a copy of the set and of every holder but none of the locks, so each
+//! entry and holder names the process that took it: the child ignores (and forgets) the
+//! parent's entries, and a holder copied into a child never closes its descriptor there
+//! (closing any descriptor of the file would drop a lock the child took on it since). Before,
+//! a worker forked beside an open store could not open one on that directory even after the
+//! parent let go.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -58,10 +65,11 @@ impl From<DirInUse> for L3Error {
 /// A lock file's identity: `(device, inode)`.
 type FileId = (u64, u64);
 
-/// The lock files this process holds (see the module docs: a record lock does not keep two
-/// holders in one process apart). Every open and close of a lock file happens under it.
-fn held() -> MutexGuard<'static, BTreeSet<FileId>> {
-    static HELD: Mutex<BTreeSet<FileId>> = Mutex::new(BTreeSet::new());
+/// The lock files this process holds, each with the id of the process that took it (an entry
+/// of another process was copied by a fork: see the module docs; a record lock does not keep
+/// two holders in one process apart). Every open and close of a lock file happens under it.
+fn held() -> MutexGuard<'static, BTreeMap<FileId, u32>> {
+    static HELD: Mutex<BTreeMap<FileId, u32>> = Mutex::new(BTreeMap::new());
     // The set is updated after every fallible step, so a panic elsewhere left it whole.
     HELD.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -73,14 +81,36 @@ pub struct DirLock {
     file: Option<File>,
     id: FileId,
     path: PathBuf,
+    /// The process that took the lock (a copy in a forked child holds nothing).
+    pid: u32,
+}
+
+/// Whether this process holds `id`, forgetting an entry a fork copied from the parent.
+fn held_here(held: &mut BTreeMap<FileId, u32>, id: &FileId) -> bool {
+    match held.get(id) {
+        Some(&pid) if pid == std::process::id() => true,
+        Some(_) => {
+            held.remove(id);
+            false
+        }
+        None => false,
+    }
 }
 
 impl Drop for DirLock {
     fn drop(&mut self) {
         let mut held = held();
+        if self.pid != std::process::id() {
+            // A copy a fork made: it holds no lock here, and closing the descriptor would
+            // drop one this process may have taken on the file since.
+            std::mem::forget(self.file.take());
+            return;
+        }
         // Closing drops the record lock; no other descriptor of the file is open here.
         drop(self.file.take());
-        held.remove(&self.id);
+        if held.get(&self.id) == Some(&self.pid) {
+            held.remove(&self.id);
+        }
     }
 }
 
@@ -125,7 +155,7 @@ impl DirLock {
         let mut held = held();
         // Before opening: opening and closing a file this process holds drops its lock.
         match std::fs::symlink_metadata(path) {
-            Ok(m) if held.contains(&(m.dev(), m.ino())) => return Ok(None),
+            Ok(m) if held_here(&mut held, &(m.dev(), m.ino())) => return Ok(None),
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(fail(e)),
@@ -141,7 +171,7 @@ impl DirLock {
             .map_err(fail)?;
         let meta = file.metadata().map_err(fail)?;
         let id = (meta.dev(), meta.ino());
-        if held.contains(&id) {
+        if held_here(&mut held, &id) {
             // Renamed over by another process since the check above: closing it would drop
             // this process's lock, so the descriptor is kept open (leaked) instead.
             std::mem::forget(file);
@@ -161,11 +191,13 @@ impl DirLock {
         loop {
             // SAFETY: `file` owns the descriptor for the whole call and `want` outlives it.
             if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLK, &want) } == 0 {
-                held.insert(id);
+                let pid = std::process::id();
+                held.insert(id, pid);
                 return Ok(Some(DirLock {
                     file: Some(file),
                     id,
                     path: path.to_path_buf(),
+                    pid,
                 }));
             }
             let e = std::io::Error::last_os_error();
@@ -279,6 +311,103 @@ mod tests {
         assert!(
             another_process_can_lock(&path),
             "still locked after the drop"
+        );
+    }
+
+    /// Waits up to 20 s for this test's child `pid`: its exit code, or `None` (killed) if it
+    /// did not end (a child that hangs fails the test instead of hanging it).
+    fn exit_code_of(pid: libc::pid_t) -> Option<i32> {
+        let until = Instant::now() + Duration::from_secs(20);
+        let mut status = 0;
+        loop {
+            // SAFETY: `pid` is this test's own child.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                return libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
+            }
+            if Instant::now() >= until {
+                // SAFETY: as above.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, std::ptr::null_mut(), 0);
+                }
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// A worker forked while this process held the lock (Python multiprocessing beside an
+    /// embedded store) inherited the set of held locks: after the parent let go it still could
+    /// not open a store on the directory ("in use"), though no process held it. The child
+    /// tries while the parent holds it, tells the parent, and waits for the parent's drop
+    /// (two pipes); it then takes the lock, drops its inherited copy of the parent's holder
+    /// (which must not release the child's own lock), and reports whether another process is
+    /// kept out. Exit 0: all as it should be.
+    #[test]
+    fn a_forked_child_takes_the_lock_once_the_parent_let_go() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("x.lock");
+        let l = DirLock::acquire(d.path(), "x.lock", "--ssd-dir").unwrap();
+        let (mut go, mut tried) = ([0; 2], [0; 2]);
+        // SAFETY: each array has room for a pipe's two descriptors.
+        unsafe {
+            assert_eq!(libc::pipe(go.as_mut_ptr()), 0);
+            assert_eq!(libc::pipe(tried.as_mut_ptr()), 0);
+        }
+        // SAFETY: the child reads the pipe, takes locks and forks; it ends with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            let code = (|| {
+                // While the parent holds it: refused (the parent's record lock).
+                if DirLock::acquire(d.path(), "x.lock", "--ssd-dir").is_ok() {
+                    return 2;
+                }
+                let mut b = [0u8; 1];
+                // SAFETY: one byte from and into live buffers.
+                if unsafe { libc::write(tried[1], b"t".as_ptr().cast(), 1) } != 1
+                    || unsafe { libc::read(go[0], b.as_mut_ptr().cast(), 1) } != 1
+                {
+                    return 3;
+                }
+                let Ok(mine) = DirLock::acquire(d.path(), "x.lock", "--ssd-dir") else {
+                    return 4; // refused though the parent let go
+                };
+                drop(l);
+                if another_process_can_lock(&path) {
+                    return 5; // dropping the inherited holder released the child's lock
+                }
+                drop(mine);
+                if !another_process_can_lock(&path) {
+                    return 6;
+                }
+                0
+            })();
+            // SAFETY: ends the child without running the test harness's exit.
+            unsafe { libc::_exit(code) };
+        }
+        let mut b = [0u8; 1];
+        // SAFETY: our copy of the write end closed, a child that dies ends the read (0 bytes).
+        unsafe {
+            libc::close(tried[1]);
+            libc::read(tried[0], b.as_mut_ptr().cast(), 1);
+        }
+        drop(l);
+        // SAFETY: one byte from a live buffer; then the pipes' descriptors left, ours.
+        let code = unsafe {
+            libc::write(go[1], b"g".as_ptr().cast(), 1);
+            let code = exit_code_of(pid);
+            for fd in [go[0], go[1], tried[0]] {
+                libc::close(fd);
+            }
+            code
+        };
+        assert_eq!(
+            code,
+            Some(0),
+            "child: 2 took it while the parent held it, 3 pipe failed, 4 refused after the parent let go, \
+             5 lost its own lock when its copy of the parent's holder dropped, 6 kept it"
         );
     }
 
