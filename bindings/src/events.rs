@@ -33,10 +33,15 @@ pub struct PyKvEventPublisher {
 }
 
 impl PyKvEventPublisher {
+    /// The publisher, if open and bound by this process (a child forked after may not use
+    /// it: `Publisher::same_process`).
     fn live(&self) -> PyResult<&Publisher> {
-        self.inner
+        let p = self
+            .inner
             .as_ref()
-            .ok_or_else(|| EventsError::new_err("the publisher is closed"))
+            .ok_or_else(|| EventsError::new_err("the publisher is closed"))?;
+        p.same_process().map_err(events_err)?;
+        Ok(p)
     }
 }
 

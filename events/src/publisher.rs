@@ -93,6 +93,11 @@ pub enum PublishError {
     Config(String),
     #[error("the publisher is shut down")]
     Closed,
+    #[error(
+        "this publisher was bound by process {owner} and this is process {here} (forked \
+         after): its thread and sockets are the parent's; bind a publisher in this process"
+    )]
+    Forked { owner: u32, here: u32 },
 }
 
 fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> PublishError {
@@ -135,8 +140,15 @@ pub struct Publisher {
     state: Arc<Mutex<State>>,
     /// The hand-over to the publisher thread; its lock orders the batches (one publisher at
     /// a time, in number order). A hand-over may wait for the thread, which never takes it.
-    push: Mutex<zmq::Socket>,
+    /// `None` only once a forked child's shutdown leaked it (see `pid`).
+    push: Option<Mutex<zmq::Socket>>,
     thread: Option<JoinHandle<()>>,
+    /// The process that bound the sockets. A child forked after has copies of the sockets
+    /// whose signalling file descriptors the parent's ZMQ threads share, and no publisher
+    /// thread: in it every publish is refused ([`PublishError::Forked`]) and shutdown leaks
+    /// the sockets and the thread's handle (closing them made the parent's ZMQ threads
+    /// abort; joining the thread panicked).
+    pid: u32,
     endpoint: String,
     replay_endpoint: Option<String>,
     data_parallel_rank: i64,
@@ -223,8 +235,9 @@ impl Publisher {
             .map_err(|e| PublishError::Config(format!("cannot start the publisher thread: {e}")))?;
         Ok(Self {
             state,
-            push: Mutex::new(push),
+            push: Some(Mutex::new(push)),
             thread: Some(thread),
+            pid: std::process::id(),
             endpoint,
             replay_endpoint,
             data_parallel_rank: cfg.data_parallel_rank,
@@ -242,10 +255,29 @@ impl Publisher {
         self.replay_endpoint.as_deref()
     }
 
+    /// Ok in the process that bound the publisher; [`PublishError::Forked`] in a child forked
+    /// after (see `pid`).
+    pub fn same_process(&self) -> Result<(), PublishError> {
+        let here = std::process::id();
+        if here == self.pid {
+            return Ok(());
+        }
+        Err(PublishError::Forked {
+            owner: self.pid,
+            here,
+        })
+    }
+
     /// Publishes one batch; returns its sequence number.
     pub fn publish(&self, ts: f64, events: &[WireEvent]) -> Result<u64, PublishError> {
+        self.same_process()?;
         let payload = encode_batch(ts, events, self.data_parallel_rank, self.hash_format)?;
-        let push = self.push.lock().unwrap_or_else(PoisonError::into_inner);
+        let push = self
+            .push
+            .as_ref()
+            .ok_or(PublishError::Closed)?
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         // the number is ours while `push` is held (only a hand-over advances it)
         let seq = {
             let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -290,14 +322,22 @@ impl Publisher {
     /// that is gone: the stop message is offered without waiting, again while the thread
     /// still runs (its queue full), and not at all once it ended.
     pub fn shutdown(&mut self) {
+        if self.same_process().is_err() {
+            // a forked child: nothing here is its own to stop or close (see `pid`)
+            std::mem::forget(self.thread.take());
+            std::mem::forget(self.push.take());
+            return;
+        }
+        let Some(push) = &self.push else {
+            return;
+        };
         let first = {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             !std::mem::replace(&mut st.closed, true)
         };
         if first {
             loop {
-                let sent = self
-                    .push
+                let sent = push
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .send(&b"S"[..], zmq::DONTWAIT);

@@ -638,3 +638,56 @@ fn a_malformed_replay_request_gets_the_end_marker() {
     }
     assert_eq!(c.request(0u64.to_be_bytes()).len(), 1, "still answering");
 }
+
+/// A child forked while a publisher was live (an engine forking its workers, `multiprocessing`'s
+/// fork start method) shares its parent's sockets but not its thread: a publish there was
+/// queued for a thread that does not exist, and dropping the publisher (a Python child's
+/// exit) panicked ("threads should not terminate unexpectedly", joining it) and closed the
+/// sockets, whose signalling the parent's ZMQ threads share: the parent aborted
+/// (`Assertion failed: ok (mailbox.cpp:99)`). In a child every publish is refused and the
+/// drop touches nothing of the parent's; the parent publishes on.
+#[test]
+fn a_forked_child_neither_publishes_nor_breaks_the_parents_publisher() {
+    let p = Publisher::bind(PublisherConfig::default()).unwrap();
+    p.publish(ts(0), &batches()[0]).unwrap();
+    // SAFETY: the child calls only the publisher and then `_exit`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let code = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let refused = matches!(
+                p.publish(ts(1), &batches()[1]),
+                Err(PublishError::Forked { .. })
+            );
+            drop(p);
+            refused
+        })) {
+            Ok(true) => 0,
+            Ok(false) => 1,
+            Err(_) => 2,
+        };
+        // SAFETY: ends the child without running the parent's destructors.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child forked above.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child: 1 = its publish was not refused, 2 = it panicked (status {status:#x})"
+    );
+    let c = Client::connect(&p, "");
+    let seq = p.publish(ts(2), &batches()[2]).unwrap();
+    assert_eq!(seq, 1, "the child's batch was not numbered");
+    let live = c.live(1);
+    assert_eq!(
+        live.last().map(|l| l.0),
+        Some(1),
+        "the parent still publishes"
+    );
+    assert_eq!(
+        c.request(0i64.to_be_bytes()).len(),
+        2,
+        "its history is whole"
+    );
+}

@@ -1,0 +1,73 @@
+"""`kvtier.KvEventPublisher` misused as an engine might by accident: a refused call raises a
+typed exception and leaves the scheduler's events where they were (the next good call
+publishes them); a publisher inherited by a forked child neither publishes there nor breaks
+its parent's."""
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kvtier
+from conftest import small_config
+from kvtier.engine import Engine
+
+zmq = pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+
+
+def recording_scheduler(page_size=4):
+    return kvtier.Scheduler(small_config(page_size=page_size, record_kv_events=True))
+
+
+def serve(s, req, n=40):
+    e = Engine(s)
+    e.submit(req, np.arange(n, dtype=np.uint32) + 1000 * req, 2)
+    e.run_to_idle()
+
+
+def subscriber(pub):
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    joined = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sub.connect(pub.endpoint)
+    joined.recv_multipart()
+    time.sleep(0.1)
+    return sub
+
+
+def test_a_forked_child_can_neither_publish_nor_break_the_parents_publisher():
+    # Before: the child's publish went to a thread that does not exist in it, its exit (or
+    # close) panicked joining that thread, and closing the inherited sockets aborted the
+    # parent (ZMQ's "Assertion failed: ok (mailbox.cpp:99)").
+    s = recording_scheduler()
+    with kvtier.KvEventPublisher(block_size=4) as pub:
+        serve(s, 1)
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                try:
+                    pub.publish_from(s, 1.0)
+                    code = 1
+                except kvtier.EventsError as e:
+                    code = 0 if "forked" in str(e) else 4
+                if s.drain_kv_events() == []:
+                    code = 5  # the refused publish drained them
+                pub.close()
+            except BaseException:
+                code = 2
+            sys.stdout.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, (
+            "1: the child published, 2: it raised otherwise, 4: untyped, 5: events drained")
+        sub = subscriber(pub)
+        assert pub.publish_from(s, 2.0) == 0, "the parent's first batch"
+        _, seq, payload = sub.recv_multipart()
+        assert int.from_bytes(seq, "big") == 0
+        assert len(msgspec.msgpack.decode(payload)[1]) > 0
+
