@@ -11,7 +11,7 @@ use pyo3::exceptions::PyValueError;
 
 use kvtier_events::{HashFormat, PublishError, Publisher, PublisherConfig};
 
-use crate::errors::base::EventsError;
+use crate::errors::base::{ConfigError, EventsError};
 use crate::sched::PyScheduler;
 
 fn events_err(e: PublishError) -> PyErr {
@@ -106,7 +106,10 @@ impl PyKvEventPublisher {
 
     /// Drains `scheduler`'s KV events (it needs `record_kv_events=True`) and publishes them as
     /// one batch stamped `ts` (seconds); returns the batch's sequence number, or None when
-    /// there was nothing to publish.
+    /// there was nothing to publish. Refused, draining nothing: a `ts` that is not finite
+    /// (`ValueError`), a scheduler whose `page_size` is not this publisher's `block_size`
+    /// (`ConfigError`: every event would misstate its blocks' size), a closed publisher or
+    /// one bound by the parent of this forked process (`EventsError`).
     fn publish_from(
         &self,
         py: Python<'_>,
@@ -114,6 +117,21 @@ impl PyKvEventPublisher {
         ts: f64,
     ) -> PyResult<Option<u64>> {
         let p = self.live()?;
+        // checked before the events are drained: a refused call leaves them to the next one
+        if !ts.is_finite() {
+            return Err(PyValueError::new_err(format!(
+                "ts {ts} is not a finite time in seconds"
+            )));
+        }
+        let page_size = scheduler.inner.config().page_size;
+        if usize::try_from(p.block_size()).ok() != Some(page_size) {
+            return Err(ConfigError::new_err(format!(
+                "this publisher's block_size {} is not the scheduler's page_size {page_size}: \
+                 each BlockStored event would carry {page_size} tokens a block and say {}",
+                p.block_size(),
+                p.block_size()
+            )));
+        }
         let events = scheduler.inner.drain_kv_events();
         if events.is_empty() {
             return Ok(None);

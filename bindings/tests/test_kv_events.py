@@ -71,3 +71,28 @@ def test_a_forked_child_can_neither_publish_nor_break_the_parents_publisher():
         assert int.from_bytes(seq, "big") == 0
         assert len(msgspec.msgpack.decode(payload)[1]) > 0
 
+
+def test_a_batch_that_would_misdescribe_its_blocks_is_refused_and_drains_nothing():
+    # Before: a scheduler of 4-token pages published through the default publisher
+    # (block_size 16) sent BlockStored events of 8 hashes and 32 token ids claiming 16 tokens
+    # a block, and a NaN or infinite ts went out as the batch's time; both returned a
+    # sequence number.
+    s = recording_scheduler(page_size=4)
+    serve(s, 1)
+    with kvtier.KvEventPublisher() as wrong, kvtier.KvEventPublisher(block_size=4) as pub:
+        with pytest.raises(kvtier.ConfigError, match="block_size 16.*page_size 4"):
+            wrong.publish_from(s, 1.0)
+        for ts in (float("nan"), float("inf"), -float("inf")):
+            with pytest.raises(ValueError, match="ts"):
+                pub.publish_from(s, ts)
+        sub = subscriber(pub)
+        assert pub.publish_from(s, 2.0) == 0, "nothing published before"
+        _, _, payload = sub.recv_multipart()
+        ts, events, _ = msgspec.msgpack.decode(payload)
+        assert ts == 2.0
+        stored = [ev for ev in events if ev["type"] == "BlockStored"]
+        assert stored and all(
+            len(ev["token_ids"]) == 4 * len(ev["block_hashes"]) and ev["block_size"] == 4
+            for ev in stored
+        ), "every event the refused calls left is in the batch, consistently described"
+        assert pub.publish_from(s, 3.0) is None, "all drained by the good call"

@@ -255,6 +255,12 @@ impl Publisher {
         self.replay_endpoint.as_deref()
     }
 
+    /// The tokens a block holds in the events published (vLLM's `block_size`): the page size
+    /// of the cache whose events these are.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
     /// Ok in the process that bound the publisher; [`PublishError::Forked`] in a child forked
     /// after (see `pid`).
     pub fn same_process(&self) -> Result<(), PublishError> {

@@ -247,5 +247,5 @@ def test_bad_endpoints_and_closed_publishers_are_typed_errors():
     with pytest.raises(kvtier.EventsError):
         pub.publish_from(s, ts=0.0)
     # nothing to publish is not a batch
-    with kvtier.KvEventPublisher() as p2:
+    with kvtier.KvEventPublisher(block_size=PS) as p2:
         assert p2.publish_from(s, ts=0.0) is None
