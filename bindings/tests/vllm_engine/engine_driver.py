@@ -12,12 +12,14 @@ ranks, one worker process each; default 1, in this process), ``env`` (set before
 imported) and ``phases``: each a list of ``prompts`` (token ids), optional per-prompt
 ``salts`` / ``tenants`` (``cache_salt``; ``kvtier_tenant`` in the request's
 ``kv_transfer_params``) / ``loras`` (``[name, id, path]`` of a LoRA adapter, or null: the
-base model; the engine needs ``llm_kw`` ``enable_lora``), ``max_tokens``, ``serial`` (one request at a time: TTFT per
-request), ``kill`` (``{"pid": P, "after_s": S}``: SIGKILL to P S seconds into the phase),
-``wait_file`` (block until the file exists: a step between two engines), ``done_file``
-(created when the phase ends), ``aborts`` (``[[INDEX, STEP], ...]``: the phase's requests are
-added at once and the engine stepped by hand, request INDEX aborted, as a client that goes
-away, once STEP engine steps have run; an aborted request's output is ``null``) and
+base model; the engine needs ``llm_kw`` ``enable_lora``), ``max_tokens``, ``sampling``
+(more ``SamplingParams``: ``n``, ``seed``, ``temperature``, ``prompt_logprobs``; greedy by
+default), ``serial`` (one request at a time: TTFT per request), ``kill`` (``{"pid": P,
+"after_s": S}``: SIGKILL to P S seconds into the phase), ``wait_file`` (block until the
+file exists: a step between two engines), ``done_file`` (created when the phase ends),
+``aborts`` (``[[INDEX, STEP], ...]``: the phase's requests are added at once and the
+engine stepped by hand, request INDEX aborted, as a client that goes away, once STEP engine
+steps have run; an aborted request's output is ``null``) and
 ``check_manager`` (true: after the phase, kvtier's offloading manager checks its books against
 vLLM's — ``check()`` — and the phase reports its ``usage()``: jobs in flight, held, locked
 and cached host chunks); ``profile`` (a path prefix: each phase runs under cProfile,
@@ -30,7 +32,8 @@ then depend only on the KV a request reads, not on what it was batched with. Eac
 reports ``preemptions``: how many times vLLM's scheduler preempted a running request (its
 blocks freed, the request sent back to wait) — with ``max_num_seqs`` above 1 and a small KV
 budget, requests are batched and preempted while the connector moves their chunks. OUT (JSON): per
-phase the generated token ids, ``num_cached_tokens`` per request (prefix tokens the engine
+phase the generated token ids (``all_outputs``: every sequence of each request; with
+``prompt_logprobs``, each prompt token's logprob), ``num_cached_tokens`` per request (prefix tokens the engine
 did not compute: its own prefix cache plus the connector's), TTFT per request (from arrival:
 one request at a time with ``serial``), wall time, CPU seconds of each thread that ran in the
 phase (``threads_cpu_s``: what ran beside the engine); the engine's startup time; the /dev/shm
@@ -135,6 +138,15 @@ def _count_preemptions(llm) -> list:
     return count
 
 
+def _prompt_logprobs(r, ids):
+    """The logprob vLLM gave each prompt token (``prompt_logprobs`` in the phase's
+    ``sampling``), or None when the request asked for none."""
+    plp = getattr(r, "prompt_logprobs", None)
+    if plp is None:
+        return None
+    return [None if d is None else float(d[t].logprob) for d, t in zip(plp, ids)]
+
+
 def _generate_with_aborts(llm, name, prompts, params, aborts):
     """The phase's requests added at once and the engine stepped by hand: request ``i`` of
     ``aborts`` (``[[i, step], ...]``) is aborted once ``step`` steps have run, as vLLM's
@@ -218,8 +230,9 @@ def main(job_path: str, out_path: str) -> None:
             extra = None
             if ph.get("tenants") and ph["tenants"][i] is not None:
                 extra = {"kv_transfer_params": {"kvtier_tenant": ph["tenants"][i]}}
-            params.append(SamplingParams(max_tokens=ph.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
-                                         extra_args=extra))
+            sampling = {"temperature": 0.0, **ph.get("sampling", {})}
+            params.append(SamplingParams(max_tokens=ph.get("max_tokens", 8), ignore_eos=True, extra_args=extra,
+                                         **sampling))
         killer = None
         if ph.get("kill"):
             k = ph["kill"]
@@ -271,6 +284,11 @@ def main(job_path: str, out_path: str) -> None:
         out["phases"].append({
             "name": ph.get("name", ""),
             "outputs": [list(r.outputs[0].token_ids) if r is not None else None for r in res],
+            # every sequence of a request (``n`` > 1 in ``sampling``), in vLLM's order
+            "all_outputs": [[list(o.token_ids) for o in r.outputs] if r is not None else None for r in res],
+            # with ``prompt_logprobs`` in ``sampling``: each prompt token's logprob (None for the first)
+            "prompt_logprobs": [_prompt_logprobs(r, ids) if r is not None else None
+                                for r, ids in zip(res, ph["prompts"])],
             "cached": [int(r.num_cached_tokens or 0) if r is not None else None for r in res],
             "ttft": [float(getattr(r.metrics, "first_token_latency", 0.0) or 0.0) if r is not None else None
                      for r in res],
