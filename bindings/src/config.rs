@@ -360,12 +360,20 @@ fn mem_total_bytes() -> Option<u64> {
 /// not recoverable).
 pub fn check_memory(c: &SchedulerConfig) -> PyResult<()> {
     let host = if c.host_enabled { c.host_pages } else { 0 };
-    let pages = u64::from(c.device_pages) + u64::from(host);
+    check_pool_pages(
+        u64::from(c.device_pages) + u64::from(host),
+        "device_pages + host_pages",
+    )
+}
+
+/// Refuses `pages` pool pages (named `what`) whose bookkeeping would take more than half of
+/// this machine's memory ([`check_memory`], and `OffloadManager`'s host slots).
+pub fn check_pool_pages(pages: u64, what: &str) -> PyResult<()> {
     let need = pages.saturating_mul(BYTES_PER_PAGE);
     let have = mem_total_bytes().unwrap_or(16 << 30);
     if need > have / 2 {
         return Err(crate::errors::base::ConfigError::new_err(format!(
-            "device_pages + host_pages = {pages} pages need ~{} MiB of bookkeeping; this machine has {} MiB",
+            "{what} = {pages} pages need ~{} MiB of bookkeeping; this machine has {} MiB",
             need >> 20,
             have >> 20
         )));

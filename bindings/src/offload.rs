@@ -196,6 +196,8 @@ impl PyOffloadManager {
                 )));
             }
         };
+        // the host pool is allocated whole: checked first, as the Scheduler's pools are
+        crate::config::check_pool_pages(u64::from(host_slots), "host_slots")?;
         let mut inner = OffloadManager::new(host_slots, p).map_err(err)?;
         inner.set_l3_backups(b);
         inner

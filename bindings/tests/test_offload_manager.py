@@ -38,6 +38,15 @@ def test_store_load_evict_and_events():
     m.check()
 
 
+def test_absurd_host_slots_raise_instead_of_exhausting_memory():
+    # The host pool is allocated whole (about 5 bytes a slot): OffloadManager(2**32 - 1) took
+    # 21 GB and 27 s on a 23 GB machine, and aborts the interpreter (a failed allocation)
+    # wherever there is less; the Scheduler's pools were already checked.
+    with pytest.raises(kvtier.ConfigError, match="bookkeeping"):
+        kvtier.OffloadManager(2**32 - 1)
+    assert kvtier.OffloadManager(1 << 16).usage()["capacity"] == 1 << 16
+
+
 def test_bad_input_is_a_typed_error_and_changes_nothing():
     with pytest.raises(kvtier.OffloadManagerError):
         kvtier.OffloadManager(0)
