@@ -111,3 +111,70 @@ fn bad_router_bench_input_is_a_clear_error() {
         .unwrap();
     assert!(!out.status.success());
 }
+
+/// `router-bench --config` never ran `SimConfig::check`, so values `kvtier sim` refuses ran:
+/// `payload_bytes = 7` panicked in the integrity oracle ("range end index 162 out of range for
+/// slice of length 161", exit 101), `--instances 5000` ran past the 4,096 cap (exit 0), and a
+/// `tp_ranks = 2` scheduler ran as one rank. Each is refused before anything runs (dry runs
+/// too), naming the key; nothing is written.
+#[test]
+fn router_bench_refuses_the_configurations_sim_refuses() {
+    let dir = common::temp_dir("rb-check");
+    let out_dir = dir.join("out");
+    for (i, (toml, args, want)) in [
+        ("payload_bytes = 7\n", vec![], "payload_bytes"),
+        ("[scheduler]\ntp_ranks = 2\n", vec![], "tp_ranks"),
+        ("[links]\nl3_gb_per_s = -1.0\n", vec![], "l3_gb_per_s"),
+        ("", vec!["--instances", "2,5000"], "instances 5000"),
+        (
+            "[scheduler]\ndevice_pages = 100000\nhost_pages = 100000\n",
+            vec!["--instances", "2,2048"],
+            "device_pages",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let cfg = dir.join(format!("c{i}.toml"));
+        std::fs::write(&cfg, toml).unwrap();
+        for dry in [true, false] {
+            let mut cmd = kvtier();
+            cmd.args([
+                "router-bench",
+                "--quiet",
+                "--workloads",
+                "chat",
+                "--clients",
+                "4",
+                "--rounds",
+                "2",
+                "--loads",
+                "0.5",
+                "--routers",
+                "round-robin",
+            ])
+            .args(&args)
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--out")
+            .arg(&out_dir);
+            if dry {
+                cmd.arg("--dry-run");
+            }
+            let out = cmd.output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(
+                out.status.code(),
+                Some(2),
+                "{toml:?} {args:?} dry {dry}: {err}"
+            );
+            assert!(!err.contains("panicked"), "{toml:?}: {err}");
+            assert!(
+                err.contains(want),
+                "{toml:?} {args:?}: stderr lacks {want:?}: {err}"
+            );
+            assert!(!out_dir.exists(), "{toml:?}: nothing written");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

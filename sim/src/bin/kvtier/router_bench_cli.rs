@@ -67,6 +67,13 @@ fn spec(a: &RouterBenchArgs) -> Result<BenchSpec, String> {
     if a.instances.contains(&0) {
         return Err("--instances: counts must be positive".into());
     }
+    // what `kvtier sim` refuses, for every instance count the bench runs (it ran unchecked:
+    // payload_bytes 7 panicked in the oracle, 5,000 instances ran past the cap)
+    for &n in &a.instances {
+        router_bench::run_config(&base, n, Routing::RoundRobin)
+            .check()
+            .map_err(|e| format!("configuration: {e}"))?;
+    }
     if a.loads.iter().any(|&l| !(l > 0.0 && l.is_finite())) {
         return Err("--loads: loads must be positive fractions".into());
     }
