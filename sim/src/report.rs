@@ -442,27 +442,47 @@ impl Report {
             format!("{} tokens (prompt + output)", self.longest_request_tokens),
         );
         line("prompt tokens", format!("{}", self.prompt_tokens));
-        line(
-            "hit rate: device",
-            format!("{:>6.2} %  ({} tokens)", h.device * 100.0, h.device_tokens),
-        );
-        line(
-            "hit rate: host",
-            format!("{:>6.2} %  ({} tokens)", h.host * 100.0, h.host_tokens),
-        );
-        line(
-            "hit rate: L3",
-            format!("{:>6.2} %  ({} tokens)", h.l3 * 100.0, h.l3_tokens),
-        );
-        line(
-            "miss (computed)",
-            format!(
-                "{:>6.2} %  ({} tokens; {} recomputed after retraction)",
-                h.miss * 100.0,
-                h.miss_tokens,
-                h.recomputed_tokens
-            ),
-        );
+        // A run that served no prompt (every request rejected) has no rates to show: zeros
+        // would read as measured (a sweep point says "not measured" likewise).
+        let unmeasured = |what: &str| format!("not measured: {what}");
+        let no_prompt = || {
+            unmeasured(&format!(
+                "no prompt was served ({} rejected)",
+                self.rejected
+            ))
+        };
+        if self.prompt_tokens == 0 {
+            for k in [
+                "hit rate: device",
+                "hit rate: host",
+                "hit rate: L3",
+                "miss (computed)",
+            ] {
+                line(k, no_prompt());
+            }
+        } else {
+            line(
+                "hit rate: device",
+                format!("{:>6.2} %  ({} tokens)", h.device * 100.0, h.device_tokens),
+            );
+            line(
+                "hit rate: host",
+                format!("{:>6.2} %  ({} tokens)", h.host * 100.0, h.host_tokens),
+            );
+            line(
+                "hit rate: L3",
+                format!("{:>6.2} %  ({} tokens)", h.l3 * 100.0, h.l3_tokens),
+            );
+            line(
+                "miss (computed)",
+                format!(
+                    "{:>6.2} %  ({} tokens; {} recomputed after retraction)",
+                    h.miss * 100.0,
+                    h.miss_tokens,
+                    h.recomputed_tokens
+                ),
+            );
+        }
         let policy = if self.policy.is_empty() {
             String::new()
         } else {
@@ -470,7 +490,11 @@ impl Report {
         };
         line(
             "total hit rate",
-            format!("{:>6.2} %{policy}", h.total * 100.0),
+            if self.prompt_tokens == 0 {
+                format!("{}{policy}", no_prompt())
+            } else {
+                format!("{:>6.2} %{policy}", h.total * 100.0)
+            },
         );
         for (i, sh) in self.shadow.iter().enumerate() {
             let rates: Vec<String> = sh
@@ -492,12 +516,16 @@ impl Report {
         for l in &self.compared {
             line(
                 &format!("{}, same capacity", l.policy),
-                format!(
-                    "{:>6.2} %  (TTFT p50 / p99 {:.1} / {:.1} ms)",
-                    l.hit_rate * 100.0,
-                    l.ttft_ms.p50,
-                    l.ttft_ms.p99
-                ),
+                if self.prompt_tokens == 0 {
+                    no_prompt() // the same requests, rejected there too
+                } else {
+                    format!(
+                        "{:>6.2} %  (TTFT p50 / p99 {:.1} / {:.1} ms)",
+                        l.hit_rate * 100.0,
+                        l.ttft_ms.p50,
+                        l.ttft_ms.p99
+                    )
+                },
             );
         }
         if let Some(b) = &self.belady {
@@ -526,10 +554,14 @@ impl Report {
         );
         line(
             "TTFT p50 / p90 / p99",
-            format!(
-                "{:.1} / {:.1} / {:.1} ms",
-                self.ttft_ms.p50, self.ttft_ms.p90, self.ttft_ms.p99
-            ),
+            if self.timings.is_empty() {
+                unmeasured("no request reached its first token")
+            } else {
+                format!(
+                    "{:.1} / {:.1} / {:.1} ms",
+                    self.ttft_ms.p50, self.ttft_ms.p90, self.ttft_ms.p99
+                )
+            },
         );
         line(
             "throughput",

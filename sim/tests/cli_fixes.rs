@@ -16,6 +16,18 @@ fn line(ts: u64, input: usize, first_id: u64) -> String {
     )
 }
 
+/// The report table of `trace` on 4,096 device pages of 64 tokens (a context limit of
+/// 262,144 tokens), without an L3.
+fn table_of(trace: &std::path::Path) -> String {
+    let out = succeeds(
+        kvtier()
+            .args(["sim", "--quiet", "--no-l3", "--device-pages", "4096"])
+            .arg("--trace")
+            .arg(trace),
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 #[test]
 fn a_partial_scheduler_table_takes_the_defaults() {
     let dir = temp_dir("partial-toml");
@@ -90,13 +102,7 @@ fn long_prompts_run_and_rejections_are_counted_with_their_reason() {
     assert_eq!(v["longest_request_tokens"], 300_004);
 
     // The table says it too.
-    let out = succeeds(
-        kvtier()
-            .args(["sim", "--quiet", "--no-l3", "--device-pages", "4096"])
-            .arg("--trace")
-            .arg(&trace),
-    );
-    let s = String::from_utf8_lossy(&out.stdout);
+    let s = table_of(&trace);
     assert!(
         s.contains("rejected") && s.contains("max_context_tokens 262144"),
         "{s}"
@@ -372,6 +378,34 @@ fn a_trace_starting_at_a_wall_clock_timestamp_is_the_same_workload() {
         "hits",
     ] {
         assert_eq!(zero[field], wall[field], "{field}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A run whose every request is rejected (each longer than the context limit) served
+/// nothing: its report said hit rates of 0.00 % and TTFT 0.0 / 0.0 / 0.0 ms, as if measured
+/// (found by an adversarial tester; a sweep point in that state already said "not
+/// measured"). The table now says so; the exit stays 0 (the rejections are the result).
+#[test]
+fn a_run_that_served_nothing_says_so_instead_of_zero_figures() {
+    let dir = temp_dir("all-rejected");
+    let trace = dir.join("long.jsonl");
+    std::fs::write(
+        &trace,
+        [line(0, 300_000, 0), line(10, 290_000, 1_000)].concat(),
+    )
+    .unwrap();
+    let s = table_of(&trace);
+    assert!(s.contains("rejected") && s.contains("2: "), "{s}");
+    for label in ["TTFT p50 / p90 / p99", "total hit rate", "freq-depth"] {
+        let row = s
+            .lines()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap_or_else(|| panic!("no {label} row: {s}"));
+        assert!(
+            row.contains("not measured") && !row.contains("0.0"),
+            "{row}"
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
 }
