@@ -85,6 +85,15 @@ fn parse_line(line: &str, n: usize) -> Result<TraceEntry, WorkloadError> {
             msg: format!("{input} is implausibly long"),
         });
     }
+    if output > 4 << 20 {
+        // as implausible as such a prompt, and past the simulator's 32-bit token counts
+        // beyond 2^32 (read as 2^32 - 1, the longest request was misreported)
+        return Err(WorkloadError::Field {
+            line: n,
+            field: "output_length",
+            msg: format!("{output} is implausibly long"),
+        });
+    }
     if ids.len() != input.div_ceil(TRACE_BLOCK) {
         return Err(WorkloadError::Field {
             line: n,
@@ -336,6 +345,12 @@ mod tests {
             (
                 r#"{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2"#,
                 "line 2",
+            ),
+            // Held in 32 bits by the simulator: 2^32 + 500 was read as 2^32 - 1 and the
+            // report's longest request said 4,294,967,895 tokens (adversarial tester).
+            (
+                r#"{"timestamp": 0, "input_length": 600, "output_length": 4294967796, "hash_ids": [1, 2]}"#,
+                "output_length",
             ),
         ];
         for (bad, want) in cases {
