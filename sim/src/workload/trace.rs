@@ -59,6 +59,14 @@ struct TraceEntry {
 }
 
 fn parse_line(line: &str, n: usize) -> Result<TraceEntry, WorkloadError> {
+    // serde reads a struct from a JSON array too, by position: refused, it is no trace line
+    if !line.trim_start().starts_with('{') {
+        return Err(WorkloadError::Line {
+            line: n,
+            msg: "a trace line is a JSON object ({\"timestamp\": .., \"input_length\": .., ...})"
+                .into(),
+        });
+    }
     let t: TraceLine = serde_json::from_str(line).map_err(|e| WorkloadError::Line {
         line: n,
         msg: format!("malformed JSON: {e}"),
@@ -352,6 +360,9 @@ mod tests {
                 r#"{"timestamp": 0, "input_length": 600, "output_length": 4294967796, "hash_ids": [1, 2]}"#,
                 "output_length",
             ),
+            // serde reads a struct from an array too, field by field in declaration order:
+            // a line in another tool's array layout was read positionally (adversarial tester)
+            (r#"[0, 600, 3, [1, 2]]"#, "JSON object"),
         ];
         for (bad, want) in cases {
             let text = format!("{ok}\n{bad}\n");
