@@ -705,3 +705,68 @@ def test_the_storage_namespace_follows_the_checkpoint_not_only_the_name(tmp_path
     assert ns() != before
     with pytest.raises(ks.SGLangBackendError, match="model_version"):
         backend(src, model_version=3)
+
+
+def test_a_prompt_longer_than_max_batch_pages_is_found_through_sglangs_controller(monkeypatch):
+    """SGLang 0.5.23's HiCache (``UnifiedRadixCache`` over ``HybridCacheController``, also for
+    full-attention models: ``build_kv_only_stack``) asks ``batch_exists`` once with every page
+    hash of the span it may prefetch, not in ``STORAGE_BATCH_SIZE`` batches as its backups and
+    reads go. A span longer than ``max_batch_pages`` (default 1024: 1,025 tokens at SGLang's
+    default page size 1) was a refused batch, 0 hits: no L3 reuse for any long prompt. Runs
+    SGLang's own backup, hit query and transfer code over the backend; bytes compared (the
+    page hashes by Python's SHA-256: SGLang's native hash is a C++ extension built at runtime)."""
+    import hashlib
+    import queue
+    import types as _types
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_cache_controller as hcc
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        HybridCacheController,
+        PrefetchOperation,
+        StorageOperation,
+    )
+
+    def get_storage_hash_str(tokens, prior_hash=None, page_size=1):
+        out, h = [], prior_hash or ""
+        for i in range(0, len(tokens) // page_size * page_size, page_size):
+            h = hashlib.sha256((h + repr(list(tokens[i:i + page_size]))).encode()).hexdigest()
+            out.append(h)
+        return out
+
+    monkeypatch.setattr(hcc, "get_storage_hash_str", get_storage_hash_str)
+
+    pages = 1100
+    src = mha_pool("page_first", host_pages=pages)
+    dst = mha_pool("page_first", host_pages=pages)
+    fill(src, 21)
+    b = backend(src, name="long-span")
+    assert b.max_batch_pages == 1024 < pages
+
+    def controller(pool):
+        c = object.__new__(HybridCacheController)
+        c.page_size, c.storage_backend, c.storage_config = PS, b, b.storage_config
+        c.page_set_func = _types.MethodType(HiCacheController._page_set_zero_copy, c)
+        c.page_get_func = _types.MethodType(HiCacheController._page_get_zero_copy, c)
+        c.prefetch_sync_queue = queue.Queue()
+        b.register_mem_pool_host(pool)
+        return c
+
+    tokens = list(range(1, pages * PS + 1))
+    writer = controller(src)
+    hashes = get_storage_hash_str(tokens, None, page_size=PS)
+    op = StorageOperation(torch.arange(pages * PS), tokens, hash_value=hashes)
+    HiCacheController._page_backup(writer, op)  # SGLang's backup: batches of 128
+    assert op.completed_tokens == pages * PS
+
+    reader = controller(dst)
+    handle = _types.SimpleNamespace(rid="long")
+    pf = PrefetchOperation(handle, tokens)
+    got, hit_tokens = HybridCacheController._storage_hit_query(reader, pf)
+    assert hit_tokens == pages * PS and got == hashes  # 0 before: one refused batch of 1,100 pages
+    pf.hash_value = got
+    pf.host_indices = torch.arange(pages * PS)
+    assert HiCacheController._page_transfer(reader, pf) == pages
+    assert torch.equal(snapshot(dst), snapshot(src))
+    # the v2 query of a hybrid model's KV pages answers the same run
+    assert b.batch_exists_v2(hashes, []).kv_hit_pages == pages

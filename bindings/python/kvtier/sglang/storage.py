@@ -453,10 +453,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
             raise PoolNotRegisteredError(f"no host pool registered as {pool!r}")
         return g
 
-    def _check_keys(self, keys: Any) -> List[str]:
+    def _check_keys(self, keys: Any, bounded: bool = True) -> List[str]:
+        """``keys`` as a list of non-empty str; ``bounded``: at most ``max_batch_pages`` of them
+        (reads and writes; an existence query of any length is probed in slices)."""
         if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k for k in keys):
             raise SGLangBackendError("keys must be a list of non-empty str")
-        if len(keys) > self.max_batch_pages:
+        if bounded and len(keys) > self.max_batch_pages:
             raise BatchTooLargeError(f"{len(keys)} pages in one call; max_batch_pages is {self.max_batch_pages}")
         return list(keys)
 
@@ -546,26 +548,43 @@ class KvtierHiCacheStorage(HiCacheStorage):
         written); per page whether it is stored. Bad input: all False, nothing written."""
         return self._v1("set", keys, host_indices, extra_info)
 
-    def _leading(self, keys: List[str], tenant: str, pool: str = "kv") -> int:
+    def _present(self, keys: List[str], tenant: str, pool: str = "kv", leading: bool = False) -> np.ndarray:
+        """Per page of ``keys``, whether every part is stored, asked of the store in slices of
+        ``max_batch_pages`` pages (SGLang 0.5.23's HiCache asks about a prompt's whole span in
+        one call). ``leading``: stop after the first slice with a missing page (the answer
+        is then shorter than ``keys``) and, with ``prefetch_ssd``, promote the leading run's
+        SSD-only pages to DRAM, the pages SGLang reads next (not those past a gap)."""
         g = self._grid_of(pool)
-        okeys = self.object_keys(keys, tenant, pool)
         store = self._view(tenant)
-        self.counters.probes += 1
-        # 1 is present; 0 missing and a negative code (a key the store refuses) are not
-        present = (np.asarray(store.batch_is_exist(okeys)) == 1).reshape(len(keys), len(g.parts)).all(axis=1)
-        n = int(np.argmin(present)) if not present.all() else len(keys)
-        if self.prefetch_ssd and n:
-            # Promote SSD-only pages of the run SGLang will read next (not those past a gap).
-            store.batch_is_exist(okeys[: n * len(g.parts)], prefetch_to_memory=True)
-            self.counters.ssd_prefetches += 1
-        return n
+        out = []
+        for start in range(0, len(keys), self.max_batch_pages):
+            part = keys[start:start + self.max_batch_pages]
+            okeys = self.object_keys(part, tenant, pool)
+            self.counters.probes += 1
+            # 1 is present; 0 missing and a negative code (a key the store refuses) are not
+            have = (np.asarray(store.batch_is_exist(okeys)) == 1).reshape(len(part), len(g.parts)).all(axis=1)
+            out.append(have)
+            if not leading:
+                continue
+            run = int(np.argmin(have)) if not have.all() else len(part)
+            if self.prefetch_ssd and run:
+                store.batch_is_exist(okeys[: run * len(g.parts)], prefetch_to_memory=True)
+                self.counters.ssd_prefetches += 1
+            if run < len(part):
+                break
+        return np.concatenate(out) if out else np.zeros(0, dtype=bool)
+
+    def _leading(self, keys: List[str], tenant: str, pool: str = "kv") -> int:
+        present = self._present(keys, tenant, pool, leading=True)
+        return int(np.argmin(present)) if not present.all() else len(present)
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """How many of ``keys``, from the first, are stored whole (a page with a missing
-        part ends the run). Takes no lease; with ``prefetch_ssd`` the run is promoted from
-        SSD to DRAM. Bad input or a store error: 0."""
+        part ends the run). Any number of keys (the store is asked ``max_batch_pages`` pages
+        at a time). Takes no lease; with ``prefetch_ssd`` the run is promoted from SSD to
+        DRAM. Bad input or a store error: 0."""
         try:
-            keys = self._check_keys(keys)
+            keys = self._check_keys(keys, bounded=False)
             return self._leading(keys, self._tenant_of(extra_info)) if keys else 0
         except (SGLangBackendError, kvtier.L3Error) as e:
             self.counters.rejected_batches += 1
@@ -661,10 +680,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 break
             name = str(t.name)
             try:
-                g = self._grid_of(name)
-                okeys = self.object_keys(self._pool_keys(name, keys[:kv]), tenant, name)
-                codes = np.asarray(self._view(tenant).batch_is_exist(okeys)) if okeys else np.zeros(0)
-                have = (codes == 1).reshape(kv, len(g.parts)).all(axis=1) if kv else np.zeros(0, bool)
+                have = self._present(self._pool_keys(name, keys[:kv]), tenant, name)
             except (SGLangBackendError, kvtier.L3Error):
                 have = np.zeros(kv, bool)
             if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
