@@ -770,3 +770,45 @@ def test_a_prompt_longer_than_max_batch_pages_is_found_through_sglangs_controlle
     assert torch.equal(snapshot(dst), snapshot(src))
     # the v2 query of a hybrid model's KV pages answers the same run
     assert b.batch_exists_v2(hashes, []).kv_hit_pages == pages
+
+
+def test_an_mha_draft_pool_of_an_mla_model_keeps_its_page_layout_and_its_ranks_apart():
+    """SGLang 0.5.23 registers a draft model's KV as the DRAFT side pool (v2 calls), its host
+    pool built from the draft's own device pool: an EAGLE MHA draft of an MLA model (what
+    SGLang's Mooncake backend keys per rank) is an ``MHATokenToKVPoolHost`` with K and V
+    halves. The backend took every pool of an MLA model as MLA: one chunk per page, so a
+    draft page's 'chunk' was the K (or V) rows of two other pages and a read landed there;
+    and one key for every rank, as for replicated MLA KV, so rank 1 read rank 0's heads."""
+    kv_src, kv_dst = mla_pool("page_first"), mla_pool("page_first")
+    d_src, d_dst = mha_pool("page_first"), mha_pool("page_first")
+    fill(kv_src, 40)
+    fill(d_src, 41)
+    keys = ["d0", "d1"]
+
+    def transfers(kv_pages, draft_pages):
+        return [PoolTransfer(name=PoolName.KV, keys=keys, host_indices=page_indices(kv_pages, PS)),
+                PoolTransfer(name=PoolName.DRAFT, keys=keys, host_indices=page_indices(draft_pages, PS))]
+
+    w = backend(kv_src, mla=True, tp_rank=0, tp_size=2, name="mla-draft")
+    w.register_mem_host_pool_v2(d_src, PoolName.DRAFT)
+    assert w.batch_set_v2(transfers([0, 1], [2, 3])) == {"kv": [True] * 2, "draft": [True] * 2}
+    r = backend(kv_dst, mla=True, tp_rank=0, tp_size=2, name="mla-draft")
+    r.register_mem_host_pool_v2(d_dst, PoolName.DRAFT)
+    before = [page_bytes(d_dst, p) for p in range(16)]
+    assert r.batch_get_v2(transfers([5, 6], [7, 9])) == {"kv": [True] * 2, "draft": [True] * 2}
+    assert page_bytes(kv_dst, 6) == page_bytes(kv_src, 1)
+    assert page_bytes(d_dst, 7) == page_bytes(d_src, 2) and page_bytes(d_dst, 9) == page_bytes(d_src, 3)
+    assert {p for p in range(16) if page_bytes(d_dst, p) != before[p]} == {7, 9}, "a read wrote other pages"
+    # Rank 1 of the same deployment reads the writer's MLA KV, never rank 0's draft heads.
+    d1 = mha_pool("page_first")
+    r1 = backend(mla_pool("page_first"), mla=True, tp_rank=1, tp_size=2, name="mla-draft")
+    r1.register_mem_host_pool_v2(d1, PoolName.DRAFT)
+    assert r1.batch_get_v2(transfers([0, 1], [0, 1])) == {"kv": [True] * 2, "draft": [False] * 2}
+    assert not d1.kv_buffer.view(torch.int16).ne(0).any()
+    # its own draft shard it stores itself (the MLA KV it leaves to the writer)
+    fill(d1, 42)
+    assert r1.batch_set_v2(transfers([0, 1], [4, 5])) == {"kv": [True] * 2, "draft": [True] * 2}
+    assert r1.batch_exists_v2(keys, [PoolTransfer(name=PoolName.DRAFT, keys=keys)]).kv_hit_pages == 2
+    assert r.batch_exists_v2(keys, [PoolTransfer(name=PoolName.DRAFT, keys=keys)]).kv_hit_pages == 2
+    assert r.object_keys(keys) == r1.object_keys(keys)  # MLA KV: one copy for all ranks
+    assert r.object_keys(keys, pool="draft") != r1.object_keys(keys, pool="draft")

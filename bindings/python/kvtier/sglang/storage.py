@@ -54,6 +54,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 import kvtier
@@ -220,6 +222,10 @@ class _Grid:
     chunk_bytes: int
     layout: str
     dtype: str
+    # the pool's own kind (an MHA draft pool of an MLA model is MHA), and whether its KV is the
+    # same on every rank (an MLA pool of an MLA deployment: one writer, every rank reads it)
+    mla: bool = False
+    replicated: bool = False
 
     @property
     def page_bytes(self) -> int:
@@ -231,11 +237,23 @@ class _Grid:
         return (page_ids[:, None].astype(np.int64) + parts[None, :]).reshape(-1)
 
 
-def _grid(pool: Any, mla: bool) -> _Grid:
+def _pool_is_mla(pool: Any, mla_model: bool) -> bool:
+    """Whether ``pool`` holds MLA latent rows (one component) or MHA K and V, by its own class:
+    SGLang builds a draft model's host pool from the draft's device pool, so an MLA model's
+    EAGLE draft pool is an ``MHATokenToKVPoolHost``. Other classes: the model's kind."""
+    if isinstance(pool, MLATokenToKVPoolHost):
+        return True
+    if isinstance(pool, MHATokenToKVPoolHost):
+        return False
+    return mla_model
+
+
+def _grid(pool: Any, mla_model: bool) -> _Grid:
     layout = getattr(pool, "layout", None)
     buf = getattr(pool, "kv_buffer", None)
     if layout not in _LAYOUTS or not isinstance(buf, torch.Tensor):
         raise UnsupportedPoolError(f"host pool layout {layout!r} (supported: {', '.join(_LAYOUTS)})")
+    mla = _pool_is_mla(pool, mla_model)
     if buf.device.type != "cpu" or not buf.is_contiguous():
         raise UnsupportedPoolError("the host pool's kv_buffer must be a contiguous CPU tensor")
     if getattr(pool, "dcp_size", 1) != 1:
@@ -255,7 +273,7 @@ def _grid(pool: Any, mla: bool) -> _Grid:
     if size % ps or chunk == 0 or chunk * len(parts) * pages != nbytes:
         raise UnsupportedPoolError(f"kv_buffer {tuple(buf.shape)} is not {len(parts)} parts x {pages} pages")
     flat = buf.view(-1).view(torch.uint8).numpy()
-    return _Grid(pool, flat, ps, pages, parts, chunk, layout, _kv_dtype(buf.dtype))
+    return _Grid(pool, flat, ps, pages, parts, chunk, layout, _kv_dtype(buf.dtype), mla, mla and mla_model)
 
 
 def _server_args() -> Any:
@@ -349,6 +367,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         sc = storage_config
         shape = f"pp{sc.pp_rank}of{sc.pp_size}.cp{sc.attn_cp_rank}of{sc.attn_cp_size}"
         self._shape = shape if self.is_mla else f"tp{sc.tp_size}.{shape}"
+        # A pool whose KV is sharded over the ranks (an MHA draft pool of an MLA model) keeps
+        # each rank's own objects, as an MHA model's pools do.
+        self._sharded = (int(sc.tp_rank), f"tp{sc.tp_size}.{shape}")
         self.model = sglang_model(str(sc.model_name or ""), version=opts["model_version"])
         addr = opts["server"] or os.environ.get(ENV_ADDR)
         if addr:
@@ -394,6 +415,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
             grid = None
         if grid is not None:
             self._check_page_fits(grid)
+            if self.is_mla and not grid.replicated and int(self.storage_config.tp_size) > 1:
+                # SGLang 0.5.23 backs up an MLA model's side pools on its one writer rank only
+                logger.warning("kvtier: pool %s of this MLA model holds per-rank KV (%s); SGLang backs it up "
+                               "on the writer rank only, so other ranks miss it in L3", host_pool_name,
+                               type(host_pool).__name__)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if grid is not None:
             self._grids[str(host_pool_name)] = grid
@@ -402,7 +428,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         """A page is ``len(parts)`` objects of ``chunk_bytes``, all in DRAM for the page to be
         read: the store must take an object of a chunk's size and hold a whole page. Asked of
         the store's limits, writing nothing (l3_limits.py)."""
-        key_len = max(len(_object_key(_SAMPLE_NAMESPACE, _SAMPLE_PAGE, self.rank, p)) for p in grid.parts)
+        key_len = max(len(_object_key(_SAMPLE_NAMESPACE, _SAMPLE_PAGE, self._rank_of(grid), p))
+                      for p in grid.parts)
         page_charge = len(grid.parts) * kvtier.l3_charge(grid.chunk_bytes, key_len)
         try:
             why = object_refusal(self.store, grid.chunk_bytes, key_len)
@@ -431,13 +458,22 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 v = self._tenants[tenant] = self.store.with_tenant(tenant)
             return v
 
+    def _rank_of(self, g: _Grid) -> int:
+        """The rank field of a pool's keys: the writer's for replicated MLA KV, else this rank's."""
+        return self.rank if g.replicated else self._sharded[0]
+
+    def _writes(self, g: _Grid) -> bool:
+        """Whether this rank stores a pool's pages (replicated MLA KV: its one writer only)."""
+        return self.is_writer or not g.replicated
+
     def namespace(self, tenant: Optional[str] = None, pool: str = "kv") -> str:
         """The L3 key namespace of ``tenant``'s pages of the registered pool ``pool``."""
         g = self._grid_of(pool)
         # The bytes of a page's part: two pools of one model with other head counts (or
         # another layer split) hold other bytes under the same page hash.
         start = int(getattr(g.pool, "start_layer", 0) or 0)
-        layout = (f"sglang.{g.layout}.{'mla' if self.is_mla else 'mha'}.{self._shape}.{pool}"
+        shape = self._shape if g.replicated else self._sharded[1]
+        layout = (f"sglang.{g.layout}.{'mla' if g.mla else 'mha'}.{shape}.{pool}"
                   f".c{g.chunk_bytes}" + (f".l{start}" if start else ""))
         return l3_namespace(self.model, g.dtype, layout, tenant or self.tenant)
 
@@ -445,7 +481,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         """The L3 object keys of pages ``keys`` (SGLang's page hashes), page-major."""
         g = self._grid_of(pool)
         ns = self.namespace(tenant, pool)
-        return [_object_key(ns, k, self.rank, p) for k in keys for p in g.parts]
+        rank = self._rank_of(g)
+        return [_object_key(ns, k, rank, p) for k in keys for p in g.parts]
 
     def _grid_of(self, pool: str) -> _Grid:
         g = self._grids.get(str(pool))
@@ -531,7 +568,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self.counters.rejected_batches += 1
             logger.warning("kvtier: batch_%s refused: %s", op, e)
             return [False] * n
-        if op == "set" and not self.is_writer:
+        if op == "set" and not self._writes(self._grid_of(pool)):
             self.counters.skipped_non_writer += n
             return [True] * n  # MLA: the writer rank stores the (replicated) page
         return self._io_pages(op, list(keys), pages, pool, tenant)
@@ -613,7 +650,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in values)
             if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
                 raise SGLangBackendError("two value tensors overlap: one read cannot land two pages in one place")
-        if op == "set" and not self.is_writer:
+        if op == "set" and not self._writes(g):
             return [True] * len(keys)
         store = self._view(self.tenant)
         okeys = self.object_keys(keys)
