@@ -812,3 +812,34 @@ def test_an_mha_draft_pool_of_an_mla_model_keeps_its_page_layout_and_its_ranks_a
     assert r.batch_exists_v2(keys, [PoolTransfer(name=PoolName.DRAFT, keys=keys)]).kv_hit_pages == 2
     assert r.object_keys(keys) == r1.object_keys(keys)  # MLA KV: one copy for all ranks
     assert r.object_keys(keys, pool="draft") != r1.object_keys(keys, pool="draft")
+
+
+def test_a_host_pool_with_scales_beside_its_kv_buffer_is_refused():
+    """SGLang's MXFP8 host pool (``MHATokenToKVPoolMXFP8Host``, ``--kv-cache-dtype mxfp8``)
+    keeps each page's UE8M0 scales in ``k_scale_host`` / ``v_scale_host`` beside its
+    ``kv_buffer``; SGLang's own flat-page calls refuse it ("does not expose flat storage
+    (L3) pages yet"). The backend reads ``kv_buffer`` directly and took it: it stored the fp8
+    payload without its scales, and a page read back kept the scales of whatever its host
+    slot held before (wrong KV). Refused when SGLang registers it; as a side pool it is not
+    served (every v2 call answers False)."""
+    from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
+
+    def mxfp8_pool():
+        # its constructor needs CUDA's JIT kernels: an MHA pool given the class and its scales
+        p = mha_pool("page_first", dtype=torch.uint8)
+        p.__class__ = MHATokenToKVPoolMXFP8Host
+        p.k_scale_host = torch.ones(p.size // PS, p.layer_num, 16, dtype=torch.uint8)
+        p.v_scale_host = torch.ones(p.size // PS, p.layer_num, 16, dtype=torch.uint8)
+        return p
+
+    with pytest.raises(ks.UnsupportedPoolError, match="k_scale_host, v_scale_host"):
+        backend(mxfp8_pool())
+    b = backend(mha_pool("page_first"))
+    b.register_mem_host_pool_v2(mxfp8_pool(), PoolName.DRAFT)
+    t = [PoolTransfer(name=PoolName.DRAFT, keys=["x"], host_indices=page_indices([0], PS))]
+    assert b.batch_set_v2(t) == {"draft": [False]} and b.batch_get_v2(t) == {"draft": [False]}
+    # a plain pool of either kind has no such state
+    from kvtier.sglang.storage import _state_outside_kv_buffer
+
+    assert _state_outside_kv_buffer(mha_pool("page_first")) == []
+    assert _state_outside_kv_buffer(mla_pool("page_first")) == []

@@ -248,11 +248,31 @@ def _pool_is_mla(pool: Any, mla_model: bool) -> bool:
     return mla_model
 
 
+def _state_outside_kv_buffer(pool: Any) -> List[str]:
+    """Attributes of ``pool`` holding per-page state beside its ``kv_buffer`` (SGLang's MXFP8
+    pool keeps each page's scales in ``k_scale_host`` / ``v_scale_host``): a page stored
+    from ``kv_buffer`` alone would come back with the scales its host slot held before."""
+    out = []
+    for name, v in vars(pool).items():
+        if "scale" not in name:
+            continue
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        if any(isinstance(t, torch.Tensor) and t.numel() for t in vals):
+            out.append(name)
+    return sorted(out)
+
+
 def _grid(pool: Any, mla_model: bool) -> _Grid:
     layout = getattr(pool, "layout", None)
     buf = getattr(pool, "kv_buffer", None)
     if layout not in _LAYOUTS or not isinstance(buf, torch.Tensor):
         raise UnsupportedPoolError(f"host pool layout {layout!r} (supported: {', '.join(_LAYOUTS)})")
+    beside = _state_outside_kv_buffer(pool)
+    if beside:
+        raise UnsupportedPoolError(
+            f"{type(pool).__name__} keeps per-page state outside its kv_buffer ({', '.join(beside)}: "
+            "a quantized KV cache's scales); its pages cannot be stored whole (SGLang's own flat-page "
+            "calls refuse it too)")
     mla = _pool_is_mla(pool, mla_model)
     if buf.device.type != "cpu" or not buf.is_contiguous():
         raise UnsupportedPoolError("the host pool's kv_buffer must be a contiguous CPU tensor")
