@@ -814,3 +814,109 @@ def test_a_flush_behind_a_stalled_store_waits_one_timeout_not_one_per_queued_job
             assert e.cache.stats()["backed_up_pages"] > 0
     finally:
         srv.close()
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.sampled_from([1, 3, 16]), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 36)), min_size=1, max_size=8),
+       st.sampled_from(["write_through", "write_back"]))
+def test_property_page_sizes_and_ragged_prompts_read_only_what_was_computed(page_size, ops, write_policy):
+    """The other tests run 4-token pages. SGLang's default page size 1, an odd one (3) and 16,
+    prompts cut to any length (a multiple of none of them), a small host pool, L3 behind it:
+    every reused row equals the oracle, nothing leaks; then a fresh engine on the same store
+    (empty device and host) gets each prompt's whole pages back from L3, bytes as computed."""
+    stems = prompts(41, 4, 37)
+    store = kvtier.L3Store.embedded(1 << 24)
+    dev = -(-96 // page_size) * page_size
+    e = Engine(kvtier_cache(host_pages=max(4, 48 // page_size), store=store, write_policy=write_policy),
+               page_size=page_size, device_tokens=dev)
+    seen = []
+    for stem, cut in ops:
+        p = stems[stem][: 37 - cut]
+        seen.append(p)
+        e.run([e.request(p)])
+        e.check_pools()
+        e.cache.manager.check()
+    e.cache.flush_pending_backups()
+    e.cache.wait_io()
+    two = Engine(kvtier_cache(host_pages=64, store=store), page_size=page_size, device_tokens=dev)
+    last = seen[-1]
+    two.run([two.request(last)])
+    # SGLang computes a prompt's last token: its whole pages before that are the most a hit gives
+    want = (len(last) - 1) // page_size * page_size
+    if write_policy == "write_through":  # written back only once evicted from the device
+        assert two.prefix_hits == [want], (len(last), two.cache.stats())
+    two.check_pools()
+
+
+def _run_chunked(e, reqs, chunk, max_steps=200):
+    """SGLang's scheduler loop with chunked prefill (``--chunked-prefill-size chunk``): the
+    request cut by ``PrefillAdder`` continues next step (``add_chunked_req``) after its chunk
+    is checkpointed (the scheduler's ``stash_chunked_request``); the others finish."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    waiting, chunked = list(reqs), None
+    for _ in range(max_steps):
+        if not waiting and chunked is None:
+            return
+        if chunked is not None and chunked.extend_end > chunked.prefix_len:
+            checkpoint_kv_cache(chunked, e.cache)
+        adder = PrefillAdder(e.ps, e.cache, e.alloc, None, 1.0, 1 << 20, chunk)
+        if chunked is not None:
+            chunked.init_next_round_input()
+            chunked = adder.add_chunked_req(chunked)
+        for req in list(waiting):
+            req.init_next_round_input(e.cache)
+            if adder.add_one_req(req, has_chunked_req=chunked is not None,
+                                 truncation_align_size=None) != AddReqResult.CONTINUE:
+                break
+        e.adder_hits["host"] += adder.log_host_hit_tokens
+        e.adder_hits["storage"] += adder.log_storage_hit_tokens
+        if adder.new_chunked_req is not None:
+            chunked = adder.new_chunked_req
+        admitted = list(adder.can_run_list)
+        if admitted:
+            batch = ScheduleBatch.init_new(admitted, e.r2t, e.alloc, e.cache, e.mc, False,
+                                           SpeculativeAlgorithm.NONE, chunked_req=chunked)
+            batch.prepare_for_extend()
+            e._forward(batch)
+            for r in admitted:
+                if r in waiting:
+                    waiting.remove(r)
+                if r is chunked:
+                    continue
+                e.prefix_hits.append(r.prefix_len)
+                r.output_ids.append(7)
+                r.finished_reason = FINISH_LENGTH(length=1)
+                release_kv_cache(r, e.cache, checkpoint=True)
+        e.cache.flush_pending_backups()
+    raise AssertionError("requests never finished")
+
+
+@pytest.mark.parametrize("l3", [False, True], ids=["host", "l3"])
+def test_chunked_prefill_stores_and_reuses_every_chunk(l3):
+    """SGLang's chunked prefill (the tests' engine prefills a prompt in one step): a 30-token
+    prompt in 8-token chunks is checkpointed after each chunk; the next prompts with that
+    prefix (a smaller device pool: the first is evicted) get its pages back from host, or
+    from L3 in a fresh engine, a host hit itself chunked, every reused row as computed."""
+    store = kvtier.L3Store.embedded(1 << 24) if l3 else None
+    stem = prompts(43, 1, 30)[0]
+    e = Engine(kvtier_cache(host_pages=64, store=store), device_tokens=48)
+    _run_chunked(e, [e.request(stem)], chunk=8)
+    e.check_pools()
+    if l3:
+        e.cache.wait_io()
+        e.cache.flush_pending_backups()
+        e.cache.wait_io()
+        assert e.cache.stats()["backed_up_pages"] == 7
+        e = Engine(kvtier_cache(host_pages=64, store=store), device_tokens=48)
+    else:
+        _run_chunked(e, [e.request(q) for q in prompts(44, 2, 20)], chunk=8)  # evicts the stem
+    _run_chunked(e, [e.request(stem + [5, 6, 7, 8, 9, 10])], chunk=8)
+    rec = e.cache.hit_log[-1]  # 7 whole pages of the stem: 28 tokens
+    assert rec.device + rec.host + rec.l3 == 28, (rec, e.cache.stats())
+    assert rec.l3 == 28 if l3 else rec.host > 0
+    e.check_pools()
+    e.cache.manager.check()
