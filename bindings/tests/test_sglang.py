@@ -919,3 +919,24 @@ def test_a_server_killed_mid_batch_and_restarted_never_raises_nor_serves_wrong_b
     finally:
         if srv2 is not None:
             srv2.close()
+
+
+def test_page_head_round_trip_and_value_path():
+    """``page_head`` (SGLang's layout for heterogeneous TP, one of the four the backend takes)
+    was in no test: zero-copy pages land where asked and nowhere else, and the value path's
+    flat pages (``get_data_page`` / ``set_from_flat_data_page``) are the same objects."""
+    src, dst = mha_pool("page_head"), mha_pool("page_head")
+    fill(src, 13)
+    b = backend(src, name="page-head")
+    keys = ["h0", "h1", "h2"]
+    assert b.batch_set_v1(keys, page_indices([2, 5, 7], PS)) == [True] * 3
+    r = backend(dst, name="page-head")
+    assert r.batch_get_v1(keys, page_indices([9, 0, 4], PS)) == [True] * 3
+    assert [page_bytes(dst, g) for g in (9, 0, 4)] == [page_bytes(src, w) for w in (2, 5, 7)]
+    assert {p for p in range(16) if dst.get_data_page(p * PS).view(torch.int16).ne(0).any()} == {0, 4, 9}
+    got = r.batch_get(["h1"], [dst.get_dummy_flat_data_page()])[0]
+    other = mha_pool("page_head")
+    other.set_from_flat_data_page(3 * PS, got)
+    assert page_bytes(other, 3) == page_bytes(src, 5)
+    assert b.batch_set(["h3"], [src.get_data_page(6 * PS, flat=True).contiguous()]) is True
+    assert r.batch_get_v1(["h3"], page_indices([8], PS)) == [True] and page_bytes(dst, 8) == page_bytes(src, 6)
