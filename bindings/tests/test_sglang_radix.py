@@ -297,11 +297,12 @@ def test_sizes_no_host_can_have_are_refused_at_config():
     # calculation overflowed"); segment_bytes and tenant caps past u64 an OverflowError
     for bad, key in (({"host_bytes": 2 ** 70}, "host_bytes"), ({"host_bytes": "100000000000TB"}, "host_bytes"),
                      ({"host_pages": 2 ** 32}, "host_pages"), ({"segment_bytes": 2 ** 70}, "segment_bytes"),
-                     ({"tenant_caps": {"a": 2 ** 70}}, "tenant_caps"), ({"tenant_caps": {"a": True}}, "tenant_caps"),
-                     ({"tenant_caps": {"a": 2 ** 32}}, "tenant_caps")):
+                     ({"tenant_caps": {"salt-a": 2 ** 70}}, "tenant_caps"),
+                     ({"tenant_caps": {"salt-a": True}}, "tenant_caps"),
+                     ({"tenant_caps": {"salt-a": 2 ** 32}}, "tenant_caps")):
         with pytest.raises(kr.RadixConfigError, match=key):
             kr.RadixBackendConfig.from_dict(bad)
-    kr.RadixBackendConfig.from_dict({"host_bytes": "64GB", "host_pages": 2 ** 32 - 1, "tenant_caps": {"a": 2 ** 32 - 1}})
+    kr.RadixBackendConfig.from_dict({"host_bytes": "64GB", "host_pages": 2 ** 32 - 1, "tenant_caps": {"salt-a": 2 ** 32 - 1}})
 
 
 @settings(max_examples=100, deadline=None)
@@ -309,7 +310,7 @@ def test_sizes_no_host_can_have_are_refused_at_config():
        key=st.sampled_from(["host_bytes", "segment_bytes", "host_pages", "tenant_caps"]))
 def test_property_a_count_or_size_is_accepted_exactly_within_its_range(n, key):
     most = 2 ** 32 - 1 if key in ("host_pages", "tenant_caps") else 2 ** 64 - 1
-    cfg = {key: {"a": n} if key == "tenant_caps" else n}
+    cfg = {key: {"salt-a": n} if key == "tenant_caps" else n}
     if 0 < n <= most:
         kr.RadixBackendConfig.from_dict(cfg)
     else:
@@ -502,6 +503,19 @@ def test_a_capped_tenant_evicts_its_own_pages_first():
     chain = e.cache._chain(shared, None, None)
     assert e.cache.manager.host_prefix(chain) == 4, "the shared prompt's pages stayed on host"
     e.cache.manager.check()
+
+
+def test_a_tenant_cap_naming_no_tenant_is_refused():
+    """A cap keyed by the bare salt (``{"alice": 2}``) was accepted and capped nothing: a
+    salted request's host tenant is ``salt-<cache_salt>`` (three of alice's 16-token prompts
+    took 9 host pages of 12, her charge uncapped), and unsalted requests have no tenant to
+    cap. Refused at config, naming the form a tenant takes."""
+    for bad in ({"alice": 2}, {"salt-": 2}, {"default": 2}):
+        with pytest.raises(kr.RadixConfigError, match="salt-<cache_salt>"):
+            kr.RadixBackendConfig.from_dict({"tenant_caps": bad})
+    e = Engine(kvtier_cache(host_pages=12, tenant_caps={"salt-alice": 2}), device_tokens=40)
+    e.run([e.request(p, salt="alice") for p in prompts(15, 3, 16)])
+    assert e.cache.manager.tenant_charge("salt-alice") <= 2
 
 
 @pytest.mark.parametrize("io_threads", [0, 1], ids=["io-inline", "io-thread"])

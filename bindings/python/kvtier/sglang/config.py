@@ -140,6 +140,12 @@ class RadixBackendConfig:
         ):
             raise RadixConfigError(f"tenant_caps maps tenant names to page counts in [1, {MAX_PAGES}], "
                                    f"got {self.tenant_caps!r}")
+        # a salted request's host tenant is "salt-<cache_salt>"; unsalted requests have none:
+        # a cap keyed otherwise ({"alice": 2}) was accepted and capped nothing
+        nameless = sorted(k for k in self.tenant_caps if not k.startswith("salt-") or k == "salt-")
+        if nameless:
+            raise RadixConfigError(f"tenant_caps keys {nameless} name no tenant: a salted request's tenant is "
+                                   "'salt-<cache_salt>' (unsalted requests are not capped)")
         if self.policy not in ("lru", "freq-depth", "adaptive"):
             raise RadixConfigError(f"policy is 'lru', 'freq-depth' or 'adaptive', got {self.policy!r}")
         if self.l3 == "server" and not (self.server or os.environ.get(ENV_ADDR)):
