@@ -231,14 +231,15 @@ def test_bad_indices_leave_pool_and_store_untouched(what, err, make):
 
 
 def test_other_bad_input_is_refused():
-    pool = mha_pool("page_first")
+    pool = mha_pool("page_first", host_pages=136)
     fill(pool, 8)
-    b = backend(pool, max_batch_pages=4)
+    b = backend(pool, max_batch_pages=128)  # the least: SGLang's reads and writes are 128 pages
     before = snapshot(pool)
+    over = [f"o{i}" for i in range(129)]
     with pytest.raises(ks.BatchTooLargeError):
-        b.page_ids([f"o{i}" for i in range(5)], page_indices(range(5), PS))
-    assert b.batch_get_v1([f"o{i}" for i in range(5)], page_indices(range(5), PS)) == [False] * 5
-    assert b.batch_exists([f"o{i}" for i in range(5)]) == 0
+        b.page_ids(over, page_indices(range(129), PS))
+    assert b.batch_get_v1(over, page_indices(range(129), PS)) == [False] * 129
+    assert b.batch_exists(over) == 0
     with pytest.raises(ks.HostIndicesError):  # one host page twice in a read
         b.page_ids(["a", "b"], page_indices([3, 3], PS), for_read=True)
     assert b.batch_get_v1(["a", "b"], page_indices([3, 3], PS)) == [False, False]
@@ -353,6 +354,8 @@ def test_prefetch_ssd_defaults_to_on_with_an_ssd_tier(tmp_path):
     ({"max_batch_pages": "abc"}, "max_batch_pages"),  # ValueError from int()
     ({"max_batch_pages": True}, "max_batch_pages"),  # taken as 1
     ({"max_batch_pages": 2.5}, "max_batch_pages"),  # taken as 2
+    # under SGLang's 128-page reads and writes: each refused, no L3 past the first 127 pages
+    ({"max_batch_pages": 127}, "max_batch_pages"),
     ({"tenant": 5}, "tenant"),  # taken as "5"
     ({"tenant": ""}, "tenant"),  # taken as "default"
     ({"server": "127.0.0.1:1", "token": 5}, "token"),  # TypeError from the extension
@@ -372,7 +375,7 @@ _valid_extra = st.fixed_dictionaries({}, optional={
     "segment_bytes": st.sampled_from(["1MB", 1 << 20, "2m", "1.5MB"]),
     "name": st.text(_NAME, max_size=8),
     "tenant": st.text(_NAME, min_size=1, max_size=8),
-    "max_batch_pages": st.integers(1, 1 << 40),
+    "max_batch_pages": st.integers(128, 1 << 40),
     "prefetch_ssd": st.booleans(),
     "interface_v1": st.sampled_from([0, 1, True, False]),
 })

@@ -53,6 +53,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolName,
     PoolTransfer,
     PoolTransferResult,
+    STORAGE_BATCH_SIZE,
 )
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -191,6 +192,12 @@ def _options(extra: Dict[str, Any]) -> Dict[str, Any]:
         tenant=text("tenant", "default", empty=False), max_batch_pages=count("max_batch_pages", 1024, 2 ** 63 - 1),
         model_version=text("model_version", ""),
     )
+    if opts["max_batch_pages"] < STORAGE_BATCH_SIZE:
+        # SGLang's HiCache reads and writes STORAGE_BATCH_SIZE pages a call: a smaller bound
+        # refused every one of them, and a backup stopped at its first batch (no L3 past it)
+        raise SGLangBackendError(
+            f"kvtier: max_batch_pages must be at least {STORAGE_BATCH_SIZE} (SGLang's HiCache reads and writes "
+            f"{STORAGE_BATCH_SIZE} pages a call), got {opts['max_batch_pages']}")
     if not opts["segment_bytes"]:
         raise SGLangBackendError(f"kvtier: bad segment_bytes {extra.get('segment_bytes')!r}")
     prefetch = extra.get("prefetch_ssd", opts["ssd_dir"] is not None)
