@@ -444,6 +444,8 @@ impl Report {
         line("prompt tokens", format!("{}", self.prompt_tokens));
         // A run that served no prompt (every request rejected) has no rates to show: zeros
         // would read as measured (a sweep point says "not measured" likewise).
+        // as a sweep point's `measured()`: no request accepted, nothing to rate
+        let served = self.requests > 0;
         let unmeasured = |what: &str| format!("not measured: {what}");
         let no_prompt = || {
             unmeasured(&format!(
@@ -451,7 +453,7 @@ impl Report {
                 self.rejected
             ))
         };
-        if self.prompt_tokens == 0 {
+        if !served {
             for k in [
                 "hit rate: device",
                 "hit rate: host",
@@ -490,7 +492,7 @@ impl Report {
         };
         line(
             "total hit rate",
-            if self.prompt_tokens == 0 {
+            if !served {
                 format!("{}{policy}", no_prompt())
             } else {
                 format!("{:>6.2} %{policy}", h.total * 100.0)
@@ -516,7 +518,7 @@ impl Report {
         for l in &self.compared {
             line(
                 &format!("{}, same capacity", l.policy),
-                if self.prompt_tokens == 0 {
+                if !served {
                     no_prompt() // the same requests, rejected there too
                 } else {
                     format!(
