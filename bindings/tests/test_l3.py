@@ -113,6 +113,19 @@ def test_lease_expiry_is_refused_not_read():
     assert (dst == 0).all()
 
 
+def test_a_store_that_could_never_hold_an_object_is_refused():
+    # A private embedded store (no name) of 0 bytes has no segment and none can be mounted
+    # into it: every put failed with -200 while the store looked fine. A named one may get
+    # a Mooncake client's segment later, so 0 is taken there.
+    with pytest.raises(kvtier.InvalidParamsError, match="segment_bytes"):
+        kvtier.L3Store.embedded(0)
+    named = kvtier.L3Store.embedded(0, name="zero-segment-test")
+    assert named.is_embedded
+    # A zero read lease refused every query-then-get (-707) while plain gets worked.
+    with pytest.raises(kvtier.InvalidParamsError, match="lease"):
+        kvtier.L3Store.embedded(1 << 20, lease_ttl_ms=0)
+
+
 def test_tenants_are_isolated():
     a = kvtier.L3Store.embedded(1 << 20, tenant="a", name="tenants-test")
     b = a.with_tenant("b")

@@ -277,6 +277,12 @@ impl StoreConfig {
         if self.max_batch_keys == 0 || self.max_object_bytes == 0 {
             return bad("limits must be positive");
         }
+        if self.lease_ttl.is_zero() {
+            // A lease expiring as it is granted refuses every query-then-get (-707).
+            return bad(
+                "lease_ttl must be positive (a zero read lease refuses every query-then-get)",
+            );
+        }
         if let Some(s) = &self.ssd {
             if !(s.low_watermark > 0.0
                 && s.low_watermark < s.high_watermark

@@ -413,6 +413,26 @@ fn bad_input_is_typed_and_leaves_state_untouched() {
     assert_eq!(s.stats().unwrap().objects, 1);
 }
 
+/// A read lease of zero expires as it is granted: every query-then-get (the path kvtier's
+/// prefetches take) would be refused with -707 while plain gets work, so no L3 page would
+/// ever load. Refused when the store is made.
+#[test]
+fn a_zero_read_lease_is_refused_at_config() {
+    let e = EmbeddedStore::new(StoreConfig {
+        lease_ttl: Duration::ZERO,
+        ..Default::default()
+    })
+    .err()
+    .expect("a zero lease must be refused");
+    assert_eq!(e.code_i32(), -600, "{e}");
+    assert!(e.to_string().contains("lease"), "{e}");
+    let one_ms = EmbeddedStore::new(StoreConfig {
+        lease_ttl: Duration::from_millis(1),
+        ..Default::default()
+    });
+    assert!(one_ms.is_ok(), "the least positive lease is taken");
+}
+
 #[test]
 fn dead_client_loses_memory_replicas() {
     let s = store(0);

@@ -9,7 +9,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use kvtier_l3::{
-    ClientOptions, EmbeddedStore, L3Store, LossCursor, PutOptions, RemoteStore, ShmMode, Tenant,
+    ClientOptions, EmbeddedStore, L3Error, L3Store, LossCursor, PutOptions, RemoteStore, ShmMode,
+    Tenant,
 };
 use parking_lot::Mutex;
 
@@ -174,6 +175,14 @@ impl PyL3Store {
         tenant_quota_bytes: Option<std::collections::HashMap<String, u64>>,
     ) -> PyResult<Self> {
         let t = super::tenant(tenant)?;
+        if segment_bytes == 0 && name.is_empty() {
+            // No name: no Mooncake client can mount a segment into it, so it could hold nothing.
+            return Err(l3_err(L3Error::InvalidParams(
+                "segment_bytes must be positive for a private embedded store (name it to let \
+                 a Mooncake-compatible client mount a segment into it)"
+                    .into(),
+            )));
+        }
         let mut cfg = store_config(
             segment_bytes,
             lease_ttl_ms,
