@@ -443,7 +443,10 @@ impl Translator {
         } = st;
         let (mut parent, mut parent_hash) = match parent {
             None => (Some(root(lora)), None),
-            Some(p) => (self.keys.get(&p).map(|k| k.key), Some(p)),
+            Some((p, sent)) => {
+                let known = self.keys.get(&p).or_else(|| self.keys.get(&sent));
+                (known.map(|k| k.key), Some(p))
+            }
         };
         let mut keys = Vec::with_capacity(hs.len());
         for (i, h) in hs.iter().enumerate() {
@@ -511,8 +514,10 @@ struct StoredBlocks<'a> {
     tokens: Vec<u32>,
     block_size: usize,
     lora: Option<&'a str>,
-    /// The parent block's hash (`None`: the first block of a prompt).
-    parent: Option<u64>,
+    /// The parent block's hash in the event's KV cache group ([`in_group`]) and as sent
+    /// (`None`: the first block of a prompt). Its key is its tokens', in any group: a
+    /// parent this group evicted already (a sliding window's) is keyed through group 0's.
+    parent: Option<(u64, u64)>,
 }
 
 /// One event of a batch, decoded and checked; nothing of a table touched yet.
@@ -533,15 +538,46 @@ enum Checked<'a> {
     },
 }
 
+/// The table's name for engine hash `h` of KV cache group `group`: `h` itself in group 0
+/// (and for an event naming no group), another number in each other group. A hybrid model's
+/// engine (vLLM 0.34's `group_idx`: full attention beside sliding-window or Mamba layers)
+/// stores a block once per group under one block hash and evicts each copy on its own, so
+/// each group's copy is a holder of the block's key of its own: the key leaves the index
+/// with the last group's copy, and a group's parents are its own.
+fn in_group(h: u64, group: u64) -> u64 {
+    if group == 0 {
+        h
+    } else {
+        mix(mix(h, 0x6B76_7469_6572_6770), group)
+    }
+}
+
+/// The event's KV cache group (`group_idx`; absent or nil: 0).
+fn group_of(e: &WireMap<'_>) -> Result<u64, DecodeError> {
+    match e.field("group_idx") {
+        None | Some(Value::Nil) => Ok(0),
+        Some(g) => g
+            .as_u64()
+            .ok_or(DecodeError::Shape("group_idx is not an integer from 0")),
+    }
+}
+
 fn check(e: &Value) -> Result<Checked<'_>, DecodeError> {
     let e = WireMap::of(e)?;
     let Some(medium) = e.medium() else {
         return Ok(Checked::Skip);
     };
+    let group = group_of(&e)?;
+    let hashes = || -> Result<Vec<u64>, DecodeError> {
+        Ok(e.hashes()?
+            .into_iter()
+            .map(|h| in_group(h, group))
+            .collect())
+    };
     Ok(match e.kind() {
         Some("AllBlocksCleared") => Checked::Cleared,
         Some("BlockStored") => {
-            let hashes = e.hashes()?;
+            let hashes = hashes()?;
             let Some(Value::Array(toks)) = e.field("token_ids") else {
                 return Err(DecodeError::Shape("token_ids is not an array"));
             };
@@ -575,12 +611,12 @@ fn check(e: &Value) -> Result<Checked<'_>, DecodeError> {
                 tokens,
                 block_size,
                 lora: e.field("lora_name").and_then(Value::as_str),
-                parent,
+                parent: parent.map(|p| (in_group(p, group), p)),
             })
         }
         Some("BlockRemoved") => Checked::Removed {
             medium,
-            hashes: e.hashes()?,
+            hashes: hashes()?,
         },
         _ => Checked::Skip,
     })

@@ -1,0 +1,318 @@
+//! What publishers send. Whatever bytes or msgpack values a publisher sends, the router's
+//! decoding and indexing hold: a payload is a batch or a typed error (never a panic), a
+//! refused batch changes nothing, the index and the key tables stay within their byte
+//! budget, and every prompt still routes (both key modes, instance streams and the shared
+//! store's). And the fields newer vLLM versions add to the events (vLLM 0.34's
+//! `group_idx`) are read as they mean.
+
+use kvtier_router::cluster::{Cluster, Keys, Target};
+use kvtier_router::stream::Apply;
+use kvtier_router::{Budget, CostModel, decode_batch};
+use proptest::prelude::*;
+use rmpv::Value;
+
+const PS: usize = 4;
+/// The byte budget: small, so that floods reach it.
+const BUDGET: usize = 4096;
+
+fn model() -> CostModel {
+    CostModel {
+        page_size: PS,
+        page_bytes: 1 << 20,
+        prefill_tokens_per_s: 1000.0,
+        host_bytes_per_s: 1e9,
+        l3_bytes_per_s: 2.5e8,
+    }
+}
+
+fn s(x: &str) -> Value {
+    Value::from(x)
+}
+
+fn encode(v: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, v).expect("encode");
+    out
+}
+
+fn batch(events: Vec<Value>) -> Vec<u8> {
+    encode(&Value::Array(vec![
+        Value::from(0.0),
+        Value::Array(events),
+        Value::from(0),
+    ]))
+}
+
+/// Any msgpack value of a few levels, of every kind.
+fn any_value() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Nil),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
+        any::<f64>().prop_map(Value::from),
+        prop::sample::select(vec![
+            "GPU",
+            "CPU",
+            "STORAGE",
+            "DISK",
+            "",
+            "BlockStored",
+            "é😀"
+        ])
+        .prop_map(Value::from),
+        prop::collection::vec(any::<u8>(), 0..40).prop_map(Value::from),
+    ];
+    leaf.prop_recursive(3, 24, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            prop::collection::vec((inner.clone(), inner), 0..4).prop_map(Value::Map),
+        ]
+    })
+}
+
+/// A value for `field`: mostly one a publisher would send (from small pools, so that events
+/// name each other's blocks), sometimes any value at all.
+fn field(name: &'static str) -> BoxedStrategy<Value> {
+    let hash = prop_oneof![
+        (0u64..8).prop_map(Value::from),
+        (-3i64..0).prop_map(Value::from),
+        Just(Value::from(u64::MAX)),
+        prop::collection::vec(any::<u8>(), 0..33).prop_map(Value::from),
+    ];
+    let plausible: BoxedStrategy<Value> = match name {
+        "type" => prop::sample::select(vec![
+            "BlockStored",
+            "BlockRemoved",
+            "AllBlocksCleared",
+            "BlockPinned",
+        ])
+        .prop_map(Value::from)
+        .boxed(),
+        "block_hashes" => prop::collection::vec(hash, 0..5)
+            .prop_map(Value::Array)
+            .boxed(),
+        "parent_block_hash" => prop_oneof![Just(Value::Nil), hash].boxed(),
+        "token_ids" => prop::collection::vec(0u32..6, 0..(4 * PS))
+            .prop_map(|t| Value::Array(t.into_iter().map(Value::from).collect()))
+            .boxed(),
+        "block_size" => prop_oneof![
+            Just(Value::from(PS as u64)),
+            Just(Value::from(0)),
+            Just(Value::from(1)),
+            Just(Value::from(2 * PS as u64)),
+            Just(Value::from(-1)),
+            Just(Value::from(u64::MAX)),
+        ]
+        .boxed(),
+        "medium" => prop::sample::select(vec!["GPU", "CPU", "STORAGE", "DISK"])
+            .prop_map(Value::from)
+            .boxed(),
+        "lora_name" => prop_oneof![Just(Value::Nil), Just(s("a")), Just(s("é"))].boxed(),
+        _ => any_value().boxed(),
+    };
+    prop_oneof![8 => plausible, 1 => any_value()].boxed()
+}
+
+/// One event: a map of a publisher's fields, some absent, some of another type, and
+/// sometimes a field of a newer vLLM, or not a map at all.
+fn event() -> impl Strategy<Value = Value> {
+    let names = [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "group_idx",
+        "extra_keys",
+    ];
+    let fields: Vec<_> = names
+        .iter()
+        .map(|&n| prop::option::weighted(0.9, field(n)).prop_map(move |v| v.map(|v| (s(n), v))))
+        .collect();
+    prop_oneof![
+        20 => fields.prop_map(|fs| Value::Map(fs.into_iter().flatten().collect())),
+        1 => any_value(),
+    ]
+}
+
+/// What a refused batch must leave as it was: the index's pages, its bytes, each stream's
+/// key table, and every probe prompt's estimate.
+fn state(c: &Cluster, probes: &[Vec<u32>]) -> String {
+    let tables: Vec<_> = c
+        .streams
+        .iter()
+        .filter_map(|s| s.translator.as_ref())
+        .map(|t| (t.entries(), t.pending(), t.memory_bytes()))
+        .collect();
+    let estimates: Vec<_> = probes
+        .iter()
+        .map(|p| {
+            let e = c
+                .router()
+                .estimates_of(&c.prompt_hashes(p, None, None), p.len());
+            e.iter()
+                .map(|e| (e.gpu_pages, e.host_pages, e.l3_pages))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    format!(
+        "{} {} {tables:?} {estimates:?}",
+        c.router().index().pages(),
+        c.router().index().memory_bytes()
+    )
+}
+
+fn clusters() -> Vec<Cluster> {
+    [Keys::Tokens, Keys::Engine]
+        .into_iter()
+        .map(|keys| {
+            let mut c =
+                Cluster::with_budget(2, model(), Budget::bytes(BUDGET), keys).expect("cluster");
+            c.add_stream("i0", "", Target::Instance(0));
+            c.add_stream("i1", "", Target::Instance(1));
+            c.add_stream("store", "", Target::Storage);
+            c
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Any bytes at all: an error or a batch, never a panic.
+    #[test]
+    fn any_bytes_decode_to_a_batch_or_an_error(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+        let _ = decode_batch(&bytes);
+        for mut c in clusters() {
+            for st in 0..3 {
+                let _ = c.apply(st, Apply::Batch(&bytes));
+            }
+            prop_assert!(c.route(&[0, 1, 2, 3], None, None, &[]).is_some());
+        }
+    }
+
+    /// Batches of plausible and implausible events on every stream: each is folded or
+    /// refused whole (a refused batch changes nothing), the budget holds, and every prompt
+    /// routes after each.
+    #[test]
+    fn hostile_batches_are_folded_or_refused_whole_within_the_budget(
+        batches in prop::collection::vec(
+            (0..3usize, prop::collection::vec(event(), 0..5), 0..4usize),
+            1..20,
+        ),
+    ) {
+        let probes: Vec<Vec<u32>> = vec![vec![0; 2 * PS], (0..(3 * PS) as u32).map(|t| t % 6).collect()];
+        for mut c in clusters() {
+            for (st, events, corrupt) in &batches {
+                let mut payload = batch(events.clone());
+                // sometimes a batch cut short, or a top level of another shape
+                match corrupt {
+                    1 => payload.truncate(payload.len() / 2),
+                    2 => payload = encode(&Value::Array(vec![Value::from(0.0), Value::Array(events.clone())])),
+                    _ => {}
+                }
+                let before = state(&c, &probes);
+                if !c.apply(*st, Apply::Batch(&payload)) {
+                    prop_assert_eq!(state(&c, &probes), before, "a refused batch changed the state");
+                }
+                prop_assert!(c.memory_bytes() <= BUDGET, "{} bytes past the budget", c.memory_bytes());
+                for p in &probes {
+                    prop_assert!(c.route(p, None, Some("a"), &[]).is_some());
+                }
+            }
+        }
+    }
+}
+
+/// vLLM's `BlockStored` (0.34: with its KV cache group): `hs` after `parent`, `PS` tokens
+/// each.
+fn stored(hs: &[u64], parent: Option<u64>, tokens: &[u32], group: Option<u64>) -> Value {
+    let mut m = vec![
+        (s("type"), s("BlockStored")),
+        (
+            s("block_hashes"),
+            Value::Array(hs.iter().map(|&h| Value::from(h)).collect()),
+        ),
+        (
+            s("parent_block_hash"),
+            parent.map_or(Value::Nil, Value::from),
+        ),
+        (
+            s("token_ids"),
+            Value::Array(tokens.iter().map(|&t| Value::from(t)).collect()),
+        ),
+        (s("block_size"), Value::from(PS as u64)),
+        (s("lora_id"), Value::Nil),
+        (s("medium"), s("GPU")),
+        (s("lora_name"), Value::Nil),
+    ];
+    m.extend(group.map(|g| (s("group_idx"), Value::from(g))));
+    Value::Map(m)
+}
+
+fn removed(hs: &[u64], group: Option<u64>) -> Value {
+    let mut m = vec![
+        (s("type"), s("BlockRemoved")),
+        (
+            s("block_hashes"),
+            Value::Array(hs.iter().map(|&h| Value::from(h)).collect()),
+        ),
+        (s("medium"), s("GPU")),
+    ];
+    m.extend(group.map(|g| (s("group_idx"), Value::from(g))));
+    Value::Map(m)
+}
+
+/// A hybrid model's engine (vLLM 0.34: full attention and sliding-window layers, two KV
+/// cache groups) stores each block once per group, with the same block hash and tokens and
+/// its `group_idx`, and evicts each group's copy on its own: the sliding-window group frees
+/// the blocks that fall out of its window long before the full-attention group lets go of
+/// the prefix, which is still a cache hit (the window needs only the last blocks). The bug:
+/// `--keys tokens` took the two copies for one block, so the sliding-window group's first
+/// eviction took the prefix out of the index while the full-attention group still held it.
+/// A key now leaves the index with the last group holding it.
+#[test]
+fn a_blocks_copy_in_one_kv_cache_group_stays_while_another_group_evicts_its_own() {
+    let mut c =
+        Cluster::with_budget(1, model(), Budget::bytes(1 << 20), Keys::Tokens).expect("cluster");
+    let st = c.add_stream("i0", "", Target::Instance(0));
+    let toks: Vec<u32> = (0..(3 * PS) as u32).collect();
+    let hs = [11, 12, 13];
+    let gpu = |c: &Cluster| {
+        let e = c
+            .router()
+            .estimates_of(&c.prompt_hashes(&toks, None, None), toks.len());
+        e[0].gpu_pages
+    };
+    let both = vec![
+        stored(&hs, None, &toks, Some(0)),
+        stored(&hs, None, &toks, Some(1)),
+    ];
+    assert!(c.apply(st, Apply::Batch(&batch(both))));
+    assert_eq!(gpu(&c), 3);
+    // the sliding-window group evicts the blocks that left its window
+    assert!(c.apply(st, Apply::Batch(&batch(vec![removed(&hs[..2], Some(1))]))));
+    assert_eq!(
+        gpu(&c),
+        3,
+        "the full-attention group still holds the prefix"
+    );
+    // the last block leaves both groups, one after the other
+    assert!(c.apply(st, Apply::Batch(&batch(vec![removed(&hs[2..], Some(1))]))));
+    assert_eq!(gpu(&c), 3);
+    assert!(c.apply(st, Apply::Batch(&batch(vec![removed(&hs[2..], None)]))));
+    assert_eq!(gpu(&c), 2, "events without a group are group 0's");
+    // stored again in the sliding-window group, after a parent that group evicted already
+    // (keyed by its tokens: the full-attention group's copy keys it)
+    let again = stored(&hs[2..], Some(hs[1]), &toks[2 * PS..], Some(1));
+    assert!(c.apply(st, Apply::Batch(&batch(vec![again]))));
+    assert_eq!(gpu(&c), 3);
+    let gone = vec![removed(&hs[..2], Some(0)), removed(&hs[2..], Some(1))];
+    assert!(c.apply(st, Apply::Batch(&batch(gone))));
+    assert_eq!(gpu(&c), 0);
+    assert_eq!(c.router().index().pages(), 0);
+}
