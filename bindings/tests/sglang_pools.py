@@ -15,9 +15,11 @@ from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
     MHABufferInfo,
     MLABufferInfo,
 )
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+
+from kvtier.sglang import KvtierHiCacheStorage  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -81,3 +83,32 @@ def page_indices(pages, page_size) -> torch.Tensor:
 
 def page_bytes(pool, page: int) -> bytes:
     return pool.get_data_page(page * pool.page_size, flat=True).view(torch.int16).numpy().tobytes()
+
+
+# ---- kvtier's storage backend over these pools (the SGLang test files' one set) ----------
+
+LAYOUTS = ["page_first", "layer_first", "page_first_direct"]
+PS = 4  # the pools' page size (tokens)
+
+
+def backend(pool=None, *, mla=False, tp_rank=0, tp_size=1, model="meta-llama/Llama-3-8B", **extra):
+    extra.setdefault("interface_v1", 1)
+    extra.setdefault("segment_bytes", "64MB")
+    layout = pool.layout if pool is not None else "page_first"
+    sc = storage_config(extra, mla=mla, tp_rank=tp_rank, tp_size=tp_size, layout=layout, model=model)
+    b = KvtierHiCacheStorage(sc, {})
+    if pool is not None:
+        b.register_mem_pool_host(pool)
+    return b
+
+
+def make_pool(layout, mla, **kw):
+    return (mla_pool if mla else mha_pool)(layout, **kw)
+
+
+def salt(s):
+    return HiCacheStorageExtraInfo(extra_info={"cache_salt": s})
+
+
+def snapshot(pool):
+    return pool.kv_buffer.view(-1).view(torch.int16).clone()

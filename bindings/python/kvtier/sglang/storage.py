@@ -32,16 +32,13 @@ request can neither read nor probe another salt's pages.
 
 from __future__ import annotations
 
-import difflib
-import enum
-import hashlib
 import logging
 import os
 import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -53,18 +50,26 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolName,
     PoolTransfer,
     PoolTransferResult,
-    STORAGE_BATCH_SIZE,
 )
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 import kvtier
 
 from ..l3_limits import object_refusal
-from ..mooncake_compat._setup import parse_size
-from ..model_identity import engine_identity, namespace_model
 from ..namespace import l3_namespace
+from .storage_options import (  # noqa: F401  (the backend's options and errors, re-exported)
+    ENV_ADDR,
+    ENV_TOKEN,
+    BatchTooLargeError,
+    HostIndicesError,
+    Interface,
+    PoolNotRegisteredError,
+    SGLangBackendError,
+    UnsupportedPoolError,
+    _options,
+    salt_tenant,
+)
+from .storage_pools import _SAMPLE_NAMESPACE, _SAMPLE_PAGE, _Grid, _grid, _object_key, sglang_model
 
 logger = logging.getLogger(__name__)
 
@@ -78,256 +83,7 @@ __all__ = [
     "l3_namespace",
 ]
 
-ENV_ADDR = "KVTIER_L3_ADDR"
-ENV_TOKEN = "KVTIER_L3_TOKEN"
-# The extra config's keys: this backend's, and SGLang's own (0.5.23: its dynamic factory's
-# three, its controller's interface switch, its host allocator, the file backend's path it
-# adds, and those its parser pops before a backend sees them, in case a path does not).
-# A key like one of the backend's (a misspelling) is refused: it was ignored, and the engine
-# ran without what it asked for; a key unlike any is logged and ignored (the extra config is
-# shared with SGLang, and a later SGLang's own key must not stop the engine).
-BACKEND_KEYS = ("server", "token", "rpc_timeout_ms", "segment_bytes", "ssd_dir", "ssd_capacity_bytes", "name",
-                "tenant", "max_batch_pages", "prefetch_ssd", "model_version")
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator", "file_storage_path",
-               "tp_lcm_size", "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-               "hicache_storage_pass_prefix_keys")
-_MAX_BYTES = 2 ** 64 - 1  # the store's sizes are u64
 _EXISTS = int(kvtier._native.ERROR_CODES["OBJECT_ALREADY_EXISTS"])
-# Layouts whose page is a fixed set of chunks of the one kv_buffer (see the module doc).
-_PAGE_MAJOR = ("page_first", "page_first_direct", "page_head")
-_LAYOUTS = _PAGE_MAJOR + ("layer_first",)
-
-
-class SGLangBackendError(kvtier.KvtierError, ValueError):
-    """Bad input to the SGLang backend; raised before anything was read or written."""
-
-
-class HostIndicesError(SGLangBackendError):
-    """``host_indices`` are not whole, in-range pages of the registered host pool (wrong
-    dtype or shape, a count that is not ``len(keys) * page_size``, misaligned or
-    non-consecutive pages, indices outside the pool, one page twice in a read)."""
-
-
-class BatchTooLargeError(SGLangBackendError):
-    """More pages in one call than ``max_batch_pages`` (extra config)."""
-
-
-class UnsupportedPoolError(SGLangBackendError):
-    """A host pool whose buffer layout this backend does not know."""
-
-
-class PoolNotRegisteredError(SGLangBackendError):
-    """A page call before ``register_mem_pool_host`` (keys need the pool's dtype and layout)."""
-
-
-class Interface(enum.Enum):
-    """Which calls SGLang's controller makes: ``interface_v1`` in the extra config picks the
-    zero-copy ``batch_get_v1``/``batch_set_v1``; otherwise it uses ``batch_get``/``batch_set``.
-    Both store the same objects, so this only names what the backend expects."""
-
-    ZERO_COPY = "v1"
-    VALUES = "values"
-
-
-def salt_tenant(base: str, cache_salt: Optional[str]) -> str:
-    """The kvtier tenant of a request: the deployment's, or one of its own per cache salt."""
-    if cache_salt is None:
-        return base
-    if not isinstance(cache_salt, str):
-        raise SGLangBackendError(f"cache_salt must be a str, not {type(cache_salt).__name__}")
-    return f"{base}.salt-{hashlib.sha256(cache_salt.encode('utf-8')).hexdigest()[:32]}"
-
-
-def misspelling_of(key: str) -> List[str]:
-    """The backend key ``key`` misspells, if any (case aside, at least 75 % alike by
-    ``difflib``'s ratio): ``segmnt_bytes``, ``Server``, ``ssd_capacity``, ``tenant_id``."""
-    return difflib.get_close_matches(key.lower(), BACKEND_KEYS, n=1, cutoff=0.75)
-
-
-def _options(extra: Dict[str, Any]) -> Dict[str, Any]:
-    """The backend's options from SGLang's extra config, every one checked before anything is
-    built (``SGLangBackendError`` naming the key): a misspelt key, a string for a bool
-    (``prefetch_ssd: "false"`` was truthy), a size or timeout past what the store takes
-    (an OverflowError from the extension), a value that was coerced (``tenant: 5``)."""
-    unknown = sorted((str(k) for k in extra if k not in BACKEND_KEYS and k not in SGLANG_KEYS))
-    misspelt = {k: m[0] for k in unknown for m in [misspelling_of(k)] if m}
-    if misspelt:
-        raise SGLangBackendError(f"kvtier: unknown extra config key(s) {sorted(misspelt)} (did you mean "
-                                 f"{misspelt}?); this backend's keys are {list(BACKEND_KEYS)} (and SGLang's "
-                                 f"own: {list(SGLANG_KEYS)})")
-    others = [k for k in unknown if k not in misspelt]
-    if others:
-        # the extra config is shared with SGLang: a later version's own key must not stop the
-        # engine, so a key unlike any of ours is said, not refused
-        logger.warning("kvtier: extra config key(s) %s are neither this backend's %s nor SGLang 0.5.23's; "
-                       "ignored", others, list(BACKEND_KEYS))
-
-    def text(key: str, default: Optional[str], empty: bool = True) -> Optional[str]:
-        v = extra.get(key, default)
-        if v is not None and (not isinstance(v, str) or (not empty and not v)):
-            raise SGLangBackendError(f"kvtier: {key} must be a {'' if empty else 'non-empty '}str, got {v!r}")
-        return v
-
-    def count(key: str, default: int, most: int) -> int:
-        v = extra.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
-            raise SGLangBackendError(f"kvtier: {key} must be an int in [1, {most}], got {v!r}")
-        return v
-
-    def size(key: str, default: Any) -> Optional[int]:
-        v = extra.get(key, default)
-        if v is None:
-            return None
-        n = parse_size(v)
-        if n is None or n > _MAX_BYTES:
-            # unreadable was no cap at all (ssd_capacity_bytes), past u64 an OverflowError
-            raise SGLangBackendError(f"kvtier: bad {key} {v!r} (a size in bytes up to 2**64 - 1, or text as \"64MB\")")
-        return n
-
-    opts = dict(
-        server=text("server", None, empty=False), token=text("token", None),
-        rpc_timeout_ms=count("rpc_timeout_ms", 120_000, 2 ** 32 - 1),
-        segment_bytes=size("segment_bytes", "4GB"), ssd_dir=text("ssd_dir", None, empty=False),
-        ssd_capacity_bytes=size("ssd_capacity_bytes", None), name=text("name", ""),
-        tenant=text("tenant", "default", empty=False), max_batch_pages=count("max_batch_pages", 1024, 2 ** 63 - 1),
-        model_version=text("model_version", ""),
-    )
-    if opts["max_batch_pages"] < STORAGE_BATCH_SIZE:
-        # SGLang's HiCache reads and writes STORAGE_BATCH_SIZE pages a call: a smaller bound
-        # refused every one of them, and a backup stopped at its first batch (no L3 past it)
-        raise SGLangBackendError(
-            f"kvtier: max_batch_pages must be at least {STORAGE_BATCH_SIZE} (SGLang's HiCache reads and writes "
-            f"{STORAGE_BATCH_SIZE} pages a call), got {opts['max_batch_pages']}")
-    if not opts["segment_bytes"]:
-        raise SGLangBackendError(f"kvtier: bad segment_bytes {extra.get('segment_bytes')!r}")
-    prefetch = extra.get("prefetch_ssd", opts["ssd_dir"] is not None)
-    if not isinstance(prefetch, bool):
-        raise SGLangBackendError(f"kvtier: prefetch_ssd is true or false, got {prefetch!r}")
-    opts["prefetch_ssd"] = prefetch
-    return opts
-
-
-def _object_key(namespace: str, page: str, rank: int, part: str) -> str:
-    """The L3 object key of one part of one page (module docs)."""
-    return f"{namespace}:{page}:{rank}/{part}"
-
-
-# SGLang's page hashes are SHA-256 hex digests; a namespace is 16 hex digits (namespace.py)
-_SAMPLE_PAGE = "0" * 64
-_SAMPLE_NAMESPACE = "0" * 16
-
-
-@dataclass(frozen=True)
-class _Grid:
-    """A host pool as a pool of chunks: ``parts`` chunks of ``chunk_bytes`` per page."""
-
-    pool: Any
-    flat: np.ndarray  # the kv_buffer's bytes (shares memory with the torch tensor)
-    page_size: int
-    pages: int
-    parts: Tuple[str, ...]
-    chunk_bytes: int
-    layout: str
-    dtype: str
-    # the pool's own kind (an MHA draft pool of an MLA model is MHA), and whether its KV is the
-    # same on every rank (an MLA pool of an MLA deployment: one writer, every rank reads it)
-    mla: bool = False
-    replicated: bool = False
-
-    @property
-    def page_bytes(self) -> int:
-        return self.chunk_bytes * len(self.parts)
-
-    def chunk_ids(self, page_ids: np.ndarray) -> np.ndarray:
-        """Chunk numbers of the pages, page-major (all parts of page 0, then page 1, ...)."""
-        parts = np.arange(len(self.parts), dtype=np.int64) * self.pages
-        return (page_ids[:, None].astype(np.int64) + parts[None, :]).reshape(-1)
-
-
-def _pool_is_mla(pool: Any, mla_model: bool) -> bool:
-    """Whether ``pool`` holds MLA latent rows (one component) or MHA K and V, by its own class:
-    SGLang builds a draft model's host pool from the draft's device pool, so an MLA model's
-    EAGLE draft pool is an ``MHATokenToKVPoolHost``. Other classes: the model's kind."""
-    if isinstance(pool, MLATokenToKVPoolHost):
-        return True
-    if isinstance(pool, MHATokenToKVPoolHost):
-        return False
-    return mla_model
-
-
-def _state_outside_kv_buffer(pool: Any) -> List[str]:
-    """Attributes of ``pool`` holding per-page state beside its ``kv_buffer`` (SGLang's MXFP8
-    pool keeps each page's scales in ``k_scale_host`` / ``v_scale_host``): a page stored
-    from ``kv_buffer`` alone would come back with the scales its host slot held before."""
-    out = []
-    for name, v in vars(pool).items():
-        if "scale" not in name:
-            continue
-        vals = v if isinstance(v, (list, tuple)) else [v]
-        if any(isinstance(t, torch.Tensor) and t.numel() for t in vals):
-            out.append(name)
-    return sorted(out)
-
-
-def _grid(pool: Any, mla_model: bool) -> _Grid:
-    layout = getattr(pool, "layout", None)
-    buf = getattr(pool, "kv_buffer", None)
-    if layout not in _LAYOUTS or not isinstance(buf, torch.Tensor):
-        raise UnsupportedPoolError(f"host pool layout {layout!r} (supported: {', '.join(_LAYOUTS)})")
-    beside = _state_outside_kv_buffer(pool)
-    if beside:
-        raise UnsupportedPoolError(
-            f"{type(pool).__name__} keeps per-page state outside its kv_buffer ({', '.join(beside)}: "
-            "a quantized KV cache's scales); its pages cannot be stored whole (SGLang's own flat-page "
-            "calls refuse it too)")
-    mla = _pool_is_mla(pool, mla_model)
-    if buf.device.type != "cpu" or not buf.is_contiguous():
-        raise UnsupportedPoolError("the host pool's kv_buffer must be a contiguous CPU tensor")
-    if getattr(pool, "dcp_size", 1) != 1:
-        raise UnsupportedPoolError("decode context parallelism (dcp_size > 1) is not supported")
-    ps, size = int(pool.page_size), int(pool.size)
-    layers = int(pool.layer_num)
-    comps = ("kv",) if mla else ("k", "v")
-    if not mla and buf.shape[0] != 2:
-        raise UnsupportedPoolError(f"an MHA pool's kv_buffer starts with K/V (2), got {tuple(buf.shape)}")
-    if layout == "layer_first":
-        parts = tuple(f"{c}{layer}" for c in comps for layer in range(layers))
-    else:
-        parts = comps
-    pages = size // ps
-    nbytes = buf.numel() * buf.element_size()
-    chunk = nbytes // (len(parts) * pages) if pages else 0
-    if size % ps or chunk == 0 or chunk * len(parts) * pages != nbytes:
-        raise UnsupportedPoolError(f"kv_buffer {tuple(buf.shape)} is not {len(parts)} parts x {pages} pages")
-    flat = buf.view(-1).view(torch.uint8).numpy()
-    return _Grid(pool, flat, ps, pages, parts, chunk, layout, _kv_dtype(buf.dtype), mla, mla and mla_model)
-
-
-def _server_args() -> Any:
-    """SGLang's published ``ServerArgs`` (None outside an engine)."""
-    try:
-        from sglang.srt.runtime_context import get_context
-
-        return get_context().server_args
-    except (ImportError, AttributeError, RuntimeError, ValueError):
-        return None
-
-
-def sglang_model(name: str, server_args: Any = None, version: str = "") -> str:
-    """The namespace's model field of an SGLang deployment (docs/page-keys.md): ``name`` and
-    what its pages depend on beyond it (``kvtier.model_identity``): the checkpoint at
-    ``--model-path`` (its content fingerprint), ``--json-model-override-args``,
-    ``--quantization``, ``--revision``, ``--dtype`` (fp8 KV computed in bfloat16 and in
-    float32 fills equal host pools with other bytes) and the operator's ``model_version``. A
-    name alone let a new fine-tune at the same path read the old one's pages (wrong KV).
-    ``server_args``: SGLang's (None: the published ones, if any)."""
-    sa = server_args if server_args is not None else _server_args()
-    path = str(getattr(sa, "model_path", None) or name)
-    ident = engine_identity(path, engine_config=sa is not None, revision=getattr(sa, "revision", None),
-                            overrides=getattr(sa, "json_model_override_args", None),
-                            quantization=getattr(sa, "quantization", None), version=version,
-                            settings=f"dtype={getattr(sa, 'dtype', 'auto')}")
-    return namespace_model(name, ident)
 
 
 def _answers_for(keys: Any) -> int:
@@ -339,16 +95,6 @@ def _answers_for(keys: Any) -> int:
         return len(keys)
     except TypeError:  # a 0-d array
         return 0
-
-
-def _kv_dtype(stored: torch.dtype) -> str:
-    """The KV dtype for the namespace: the host pool's, and SGLang's ``--kv-cache-dtype``
-    when it is not ``auto`` (every fp8 variant is stored as uint8: an fp8_e4m3 and an
-    fp8_e5m2 deployment must not read each other's bytes)."""
-    name = str(stored).replace("torch.", "")
-    # no server args published (a backend built outside an engine): the pool's dtype alone
-    logical = str(getattr(_server_args(), "kv_cache_dtype", "auto") or "auto")
-    return name if logical == "auto" else f"{name}.{logical}"
 
 
 @dataclass
