@@ -40,6 +40,34 @@ pub enum SpecError {
     BadEndpoint(String),
     #[error("{0:?}: a URL is http://host[:port][/path] (a valid URI, no user or query)")]
     BadUrl(String),
+    #[error("{0}= without events=: it goes with the stream events= names")]
+    WithoutEvents(&'static str),
+    #[error("--storage: no events= (the shared store's stream)")]
+    StorageWithoutEvents,
+    #[error("--storage: url= is an instance's (the proxy sends requests there), not the store's")]
+    StorageUrl,
+}
+
+impl EndpointSpec {
+    /// Refuses keys that would be ignored: `replay=` or `topic=` without `events=` (nothing
+    /// to replay or filter), and for the shared store (`storage`) a `url=` or no `events=`.
+    pub fn check(&self, storage: bool) -> Result<(), SpecError> {
+        if storage && self.url.is_some() {
+            return Err(SpecError::StorageUrl);
+        }
+        if self.events.is_none() {
+            if storage {
+                return Err(SpecError::StorageWithoutEvents);
+            }
+            if self.replay.is_some() {
+                return Err(SpecError::WithoutEvents("replay"));
+            }
+            if self.topic.is_some() {
+                return Err(SpecError::WithoutEvents("topic"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Whether `url` is what an instance's `url=` must be: an `http://` URI with a host and
@@ -271,6 +299,12 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     }
     for u in &urls {
         check_url(u)?; // a spec built without parsing it
+    }
+    for spec in &cfg.instances {
+        spec.check(false)?;
+    }
+    if let Some(st) = &cfg.storage {
+        st.check(true)?;
     }
     let head_timeout = crate::proxy::head_timeout(cfg.head_timeout_s)
         .ok_or(StartError::HeadTimeout(cfg.head_timeout_s))?;

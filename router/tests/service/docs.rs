@@ -129,7 +129,10 @@ async fn the_documented_router_line_and_requests_run() {
 }
 
 /// Bad flags exit with 2 (a usage error) before anything starts, never with a panic;
-/// instances that disagree on proxying are found at start (1).
+/// instances that disagree on proxying, and endpoint keys that would be ignored (a
+/// `replay=` or `topic=` without the `events=` they go with, a `url=` for the store: until
+/// 2026-12-07 the router started without them, `--storage replay=…` with no store stream at
+/// all), are found at start (1).
 #[test]
 fn bad_flags_are_errors_not_panics() {
     let ev = "events=tcp://127.0.0.1:1";
@@ -142,6 +145,24 @@ fn bad_flags_are_errors_not_panics() {
         (vec!["--instance", url, "--page-size", "0"], 2),
         (vec!["--instance", url, "--resync-s", "inf"], 2),
         (vec!["--instance", url, "--instance", ev], 1),
+        // keys that would be ignored: a replay or topic with no stream, a URL for the store
+        (vec!["--instance", "replay=tcp://127.0.0.1:2"], 1),
+        (vec!["--instance", "url=http://127.0.0.1:1,topic=m"], 1),
+        (
+            vec!["--instance", ev, "--storage", "replay=tcp://127.0.0.1:2"],
+            1,
+        ),
+        (vec!["--instance", ev, "--storage", "topic=ns"], 1),
+        (
+            vec![
+                "--instance",
+                ev,
+                "--storage",
+                "events=tcp://127.0.0.1:2,url=http://127.0.0.1:3",
+            ],
+            1,
+        ),
+        (vec!["--instance", ev, "--storage", ""], 1),
         (vec![], 2),
         (vec!["--instance", ev, "--max-index-bytes", "0"], 2),
         (vec!["--instance", ev, "--max-index-bytes", "lots"], 2),
