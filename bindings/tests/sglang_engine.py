@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Optional
 
 warnings.filterwarnings("ignore", message=".*support.*currently", category=UserWarning)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
@@ -37,7 +38,28 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
+from kvtier.sglang import radix as kr  # noqa: E402
+
 LAYERS, HEADS, DIM = 2, 2, 4
+PS = 4  # the tests' page size (tokens)
+
+
+def kvtier_cache(**cfg):
+    """A cache factory for ``Engine``: kvtier's radix backend under ``cfg`` (its config keys;
+    ``store``: an L3 store handle, ``model``: the namespace's model name), I/O inline."""
+    store = cfg.pop("store", None)
+    model = cfg.pop("model", "model-a")
+    cfg.setdefault("io_threads", 0)
+    conf = kr.RadixBackendConfig.from_dict(cfg)
+    return lambda params: kr.KvtierRadixCache(params, conf, model=model, store=store)
+
+
+def prompts(seed, n, length, vocab=50_000):
+    """``n`` random prompts of ``length`` tokens (token ids from 1)."""
+    g = np.random.default_rng(seed)
+    return [g.integers(1, vocab, length).tolist() for _ in range(n)]
+
+
 _PUBLISHED = {}
 
 

@@ -6,34 +6,15 @@ were computed with, so a page loaded from the wrong slot or another model's byte
 
 from __future__ import annotations
 
-import json
 import os
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtier
-from sglang_engine import Engine, Mismatch, oracle, publish_server_args, sglang_radix
-
-from kvtier.sglang import radix as kr
-
-PS = 4
-
-
-def kvtier_cache(**cfg):
-    store = cfg.pop("store", None)
-    model = cfg.pop("model", "model-a")
-    cfg.setdefault("io_threads", 0)
-    conf = kr.RadixBackendConfig.from_dict(cfg)
-    return lambda params: kr.KvtierRadixCache(params, conf, model=model, store=store)
-
-
-def prompts(seed, n, length, vocab=50_000):
-    g = np.random.default_rng(seed)
-    return [g.integers(1, vocab, length).tolist() for _ in range(n)]
+from sglang_engine import PS, Engine, Mismatch, kvtier_cache, oracle, prompts, sglang_radix
 
 
 def test_prefixes_come_back_from_host_when_the_device_pool_is_too_small():
@@ -142,24 +123,17 @@ def test_eviction_under_pressure_never_evicts_a_locked_page():
     e.check_pools()
 
 
-@pytest.fixture
-def l3server():
-    s = kvtier.L3Server(1 << 24)
-    yield s
-    s.shutdown()
-
-
-def test_a_second_engine_on_the_same_server_hits_the_firsts_prefixes(l3server):
+def test_a_second_engine_on_the_same_server_hits_the_firsts_prefixes(server):
     """Engine one backs its host pages up to a kvtier-l3 server; engine two (its own device
     and host tiers, empty) finds them in L3, prefetches and loads them: bytes as stored."""
     ps = prompts(8, 3, 24)
-    one = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    one = Engine(kvtier_cache(host_pages=64, l3="server", server=server.addr))
     one.run([one.request(p) for p in ps])
     one.cache.wait_io()
     one.cache.flush_pending_backups()
     one.cache.wait_io()
     assert one.cache.stats()["backed_up_pages"] == 18
-    two = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    two = Engine(kvtier_cache(host_pages=64, l3="server", server=server.addr))
     two.run([two.request(p) for p in ps])
     assert two.prefix_hits == [20] * 3
     s = two.cache.stats()
@@ -169,16 +143,16 @@ def test_a_second_engine_on_the_same_server_hits_the_firsts_prefixes(l3server):
     assert [(h.device, h.host, h.l3) for h in two.cache.hit_log] == [(0, 0, 20)] * 3
     two.check_pools()
     # Another model (or salt) on the same server: no page is shared.
-    other = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr, model="model-b"),
+    other = Engine(kvtier_cache(host_pages=64, l3="server", server=server.addr, model="model-b"),
                    model="model-b")
     other.run([other.request(p) for p in ps])
-    salted = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    salted = Engine(kvtier_cache(host_pages=64, l3="server", server=server.addr))
     salted.run([salted.request(p, salt="alice") for p in ps])
     assert other.prefix_hits == [0] * 3 and salted.prefix_hits == [0] * 3
     assert other.cache.stats()["prefetched_pages"] == 0 and salted.cache.stats()["prefetched_pages"] == 0
 
 
-def test_pipeline_stages_on_one_server_never_share_pages(l3server):
+def test_pipeline_stages_on_one_server_never_share_pages(server):
     """Found by an adversarial tester: two pipeline-parallel stages of one model (same path,
     TP rank and size, row sizes and page size, but other layers, so other KV) on one kvtier-l3
     server had the same namespace, and stage 1 loaded stage 0's pages (a Mismatch: wrong KV).
@@ -186,7 +160,7 @@ def test_pipeline_stages_on_one_server_never_share_pages(l3server):
     the namespace; the same stage of a second engine still hits."""
 
     def stage(pp_rank, oracle_model):
-        make = kvtier_cache(host_pages=64, l3="server", server=l3server.addr, model="meta-llama/X")
+        make = kvtier_cache(host_pages=64, l3="server", server=server.addr, model="meta-llama/X")
 
         def build(params):
             params.pp_rank, params.pp_size = pp_rank, 2
@@ -208,16 +182,16 @@ def test_pipeline_stages_on_one_server_never_share_pages(l3server):
     assert again.prefix_hits == [20, 20]
 
 
-def test_an_l3_loss_mid_prefetch_falls_back_to_recompute(l3server):
+def test_an_l3_loss_mid_prefetch_falls_back_to_recompute(server):
     """Pages L3 loses between the prefetch's start and its read are reported lost and
     recomputed; the request is served from the pages that were read, nothing garbled (a
     24-token prompt matches 5 pages: the last token is always computed)."""
     p = prompts(9, 1, 24)[0]
-    one = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr))
+    one = Engine(kvtier_cache(host_pages=64, l3="server", server=server.addr))
     one.run([one.request(p)])
     one.cache.flush_pending_backups()
     one.cache.wait_io()
-    two = Engine(kvtier_cache(host_pages=64, l3="server", server=l3server.addr, prefetch_wait_ms=0))
+    two = Engine(kvtier_cache(host_pages=64, l3="server", server=server.addr, prefetch_wait_ms=0))
     req = two.request(p)
     req.init_next_round_input(two.cache)  # SGLang's match: starts the prefetch, reports no hit
     assert req.host_hit_length == 0
@@ -269,113 +243,6 @@ def test_an_empty_extra_key_is_not_no_extra_key():
     e.check_pools()
 
 
-def test_config_errors_are_typed_at_startup(l3server):
-    with pytest.raises(kr.RadixConfigError, match="unknown"):
-        kr.RadixBackendConfig.from_dict({"host_page": 3})
-    # a string or number where a bool or an int is due was taken by truthiness ("false"
-    # probed L3) or failed later untyped (rpc_timeout_ms -1: OverflowError)
-    for bad in ({"policy": "mru"}, {"io_threads": 4}, {"host_pages": 0}, {"l3": "tape"},
-                {"prefetch_wait_ms": -1}, {"host_bytes": "lots"}, {"write_policy": "write_around"},
-                {"probe_l3": "false"}, {"probe_l3": 0}, {"host_pages": True}, {"io_threads": 1.0},
-                {"io_threads": True}, {"prefetch_wait_ms": True}, {"rpc_timeout_ms": -1},
-                {"rpc_timeout_ms": "abc"}, {"token": 123}, {"name": 5}, {"segment_bytes": "lots"}):
-        with pytest.raises(kr.RadixConfigError):
-            kr.RadixBackendConfig.from_dict(bad)
-    with pytest.raises(kr.UnsupportedPageSizeError):  # no page fits the host pool
-        Engine(kvtier_cache(host_bytes="256"))  # a page is 512 bytes
-    small = kvtier.L3Server(1 << 24, max_object_bytes=1024)
-    try:
-        Engine(kvtier_cache(host_pages=4, l3="server", server=small.addr), page_size=1)  # 64-byte pages fit
-        with pytest.raises(kr.UnsupportedPageSizeError, match="page_size 64"):
-            Engine(kvtier_cache(host_pages=4, l3="server", server=small.addr), page_size=64)
-    finally:
-        small.shutdown()
-
-
-def test_sizes_no_host_can_have_are_refused_at_config():
-    # host_bytes 2**70: a torch error deep in the cache's constructor ("Storage size
-    # calculation overflowed"); segment_bytes and tenant caps past u64 an OverflowError
-    for bad, key in (({"host_bytes": 2 ** 70}, "host_bytes"), ({"host_bytes": "100000000000TB"}, "host_bytes"),
-                     ({"host_pages": 2 ** 32}, "host_pages"), ({"segment_bytes": 2 ** 70}, "segment_bytes"),
-                     ({"tenant_caps": {"salt-a": 2 ** 70}}, "tenant_caps"),
-                     ({"tenant_caps": {"salt-a": True}}, "tenant_caps"),
-                     ({"tenant_caps": {"salt-a": 2 ** 32}}, "tenant_caps")):
-        with pytest.raises(kr.RadixConfigError, match=key):
-            kr.RadixBackendConfig.from_dict(bad)
-    kr.RadixBackendConfig.from_dict({"host_bytes": "64GB", "host_pages": 2 ** 32 - 1, "tenant_caps": {"salt-a": 2 ** 32 - 1}})
-
-
-@settings(max_examples=100, deadline=None)
-@given(n=st.one_of(st.integers(-(2 ** 70), 2 ** 70), st.sampled_from([0, 1, 2 ** 32 - 1, 2 ** 32, 2 ** 64 - 1, 2 ** 64])),
-       key=st.sampled_from(["host_bytes", "segment_bytes", "host_pages", "tenant_caps"]))
-def test_property_a_count_or_size_is_accepted_exactly_within_its_range(n, key):
-    most = 2 ** 32 - 1 if key in ("host_pages", "tenant_caps") else 2 ** 64 - 1
-    cfg = {key: {"salt-a": n} if key == "tenant_caps" else n}
-    if 0 < n <= most:
-        kr.RadixBackendConfig.from_dict(cfg)
-    else:
-        with pytest.raises(kr.RadixConfigError, match=key):
-            kr.RadixBackendConfig.from_dict(cfg)
-
-
-def test_a_host_pool_larger_than_this_machine_is_refused_before_it_is_allocated():
-    """host_bytes or host_pages past this machine's memory: torch's allocator failed in the
-    constructor (an untyped RuntimeError). Refused before the store opens or SGLang's tree
-    is built; a named embedded store gets no segment from the refused backend."""
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    name = f"big-{os.getpid()}"
-    for cfg, key in (({"host_bytes": mem + (1 << 30)}, "host_bytes"), ({"host_bytes": "100TB"}, "host_bytes"),
-                     ({"host_pages": 2 ** 31}, "host_pages")):  # 2**31 pages of 512 bytes: 1 TiB
-        with pytest.raises(kr.RadixConfigError, match=key):
-            Engine(kvtier_cache(**cfg, l3="embedded", segment_bytes="1MB", name=name))
-    e = Engine(kvtier_cache(host_pages=4, l3="embedded", segment_bytes="1MB", name=name))
-    assert e.cache.store.stats()["mem_capacity_bytes"] == 1 << 20
-
-
-def test_the_backend_logs_its_namespace_as_the_stores_stream_value(caplog):
-    """An operator cannot guess the namespace (a hash of model, dtype, layout and tenant): the
-    backend logs it at startup as the ``kvtier-l3 --kv-events-stream`` value of its model; two
-    layouts, two namespaces."""
-    import logging
-    import re
-
-    seen = []
-    for ps in (4, 8):
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="kvtier.sglang.radix"):
-            e = Engine(kvtier_cache(host_pages=8, l3="embedded", segment_bytes="16MB"), page_size=ps)
-        m = re.search(r"--kv-events-stream (\S+)=PUB", caplog.text)
-        assert m and m.group(1) == e.cache.namespace, caplog.text
-        seen.append(m.group(1))
-    assert seen[0] != seen[1]
-
-
-@pytest.mark.parametrize("where", ["embedded", "server"])
-def test_starting_a_backend_on_a_full_store_evicts_nothing(where):
-    """The page-size check at startup writes nothing: the probe put it made before evicted
-    real pages from a full store for every backend started."""
-    page = PS * 64  # this file's engine shape: 64 bytes per token
-    seg = 1 << 20
-    srv = kvtier.L3Server(seg) if where == "server" else None
-    name = f"full-{where}-{os.getpid()}"
-    try:
-        store = kvtier.L3Store.connect(srv.addr) if srv else kvtier.L3Store.embedded(seg, name=name)
-        # Filled to one page below the high watermark (0.9): one more page's put evicts (each
-        # page charged its bytes, its key and the store's metadata).
-        per = kvtier.l3_charge(page, len("other:0000"))
-        keys = [f"other:{i:04d}" for i in range(int(seg * 0.9) // per)]
-        for k in keys:
-            store.put(k, bytes(page))
-        assert store.stats()["mem_used_bytes"] + per > 0.9 * store.stats()["mem_capacity_bytes"]
-        cfg = dict(l3="server", server=srv.addr) if srv else dict(l3="embedded", segment_bytes=str(seg), name=name)
-        for _ in range(3):
-            Engine(kvtier_cache(host_pages=8, **cfg))
-        assert all(c == 1 for c in store.batch_is_exist(keys)), "a backend's startup evicted pages"
-    finally:
-        if srv:
-            srv.shutdown()
-
-
 @settings(max_examples=16, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.booleans()), min_size=1, max_size=14),
        st.integers(3, 12), st.sampled_from(["write_through", "write_back"]))
@@ -391,93 +258,6 @@ def test_property_any_workload_reads_only_what_was_computed(ops, host_pages, wri
         e.check_pools()
         e.cache.manager.check()
         assert e.cache.manager.usage()["cached"] <= host_pages
-
-
-def test_plugin_entry_point_registers_the_backend_and_sglang_builds_it():
-    """kvtier's ``sglang.srt.plugins`` entry point, loaded as SGLang loads plugins, registers
-    ``kvtier``; SGLang's own ``create_tree_cache`` builds it for ``--radix-cache-backend
-    kvtier`` and refuses SWA and Mamba models with typed errors."""
-    import types
-
-    from sglang.srt.mem_cache import registry
-    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
-
-    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
-    assert "kvtier" in plugins
-    plugins["kvtier"][0]()
-    plugins["kvtier"][0]()  # idempotent (the launcher and each scheduler call it)
-    assert "kvtier" in registry.registered_radix_cache_backends()
-    e = Engine(sglang_radix)
-    publish_server_args(["--model-path", "dummy", "--device", "cpu", "--radix-cache-backend", "kvtier"])
-
-    def ctx(**over):
-        kw = dict(server_args=None, params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
-                  enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-                  model_config=types.SimpleNamespace(model_path="m"), tp_size=1, tp_rank=0, tp_group=None)
-        kw.update(over)
-        return registry.TreeCacheBuildContext(**kw)
-
-    cache = registry.create_tree_cache(ctx())
-    assert isinstance(cache, kr.KvtierRadixCache)
-    with pytest.raises(kr.UnsupportedModelError, match="SWA"):
-        registry.create_tree_cache(ctx(is_hybrid_swa=True))
-    with pytest.raises(kr.UnsupportedModelError, match="Mamba"):
-        registry.create_tree_cache(ctx(is_hybrid_ssm=True))
-    with pytest.raises(kr.RadixConfigError, match="hierarchical"):
-        registry.create_tree_cache(ctx(enable_hierarchical_cache=True))
-    publish_server_args()
-
-
-def test_the_documented_launch_command_parses_and_builds_the_backend(monkeypatch):
-    """docs/sglang.md's radix-backend command as a user pastes it: SGLang's own argument parser
-    takes it, the config in it is valid, and SGLang's create_tree_cache builds kvtier's backend
-    from the parsed ServerArgs (the L3 server swapped for a local one, the host pool shrunk)."""
-    import argparse
-    import json
-    import pathlib
-    import re
-    import shlex
-    import types
-
-    from sglang.srt.mem_cache import registry
-    from sglang.srt.runtime_context import get_context
-    from sglang.srt.server_args import ServerArgs
-
-    from kvtier.sglang import plugin
-
-    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
-    blocks = [b for b in re.findall(r"^```sh\n(.*?)^```", doc, re.S | re.M) if "--radix-cache-backend" in b]
-    assert len(blocks) == 1
-    words = shlex.split(blocks[0].replace("\\\n", " "), comments=True)
-    env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
-    cfg = kr.RadixBackendConfig.from_dict(json.loads(env[kr.ENV_CONFIG]))
-    assert cfg.l3_mode() == "server" and cfg.policy == "freq-depth"
-    args = words[words.index("sglang.launch_server") + 1:]
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(args)
-    assert ns.radix_cache_backend == "kvtier" and ns.page_size == 64 and not ns.enable_hierarchical_cache
-    plugin.register()
-    e = Engine(sglang_radix, page_size=64, device_tokens=256)
-    get_context().set_server_args(ServerArgs.from_cli_args(ns))
-    srv = kvtier.L3Server(1 << 24)
-    try:
-        local = dict(json.loads(env[kr.ENV_CONFIG]), server=srv.addr, host_bytes="4MB")
-        monkeypatch.setenv(kr.ENV_CONFIG, json.dumps(local))
-        ctx = registry.TreeCacheBuildContext(
-            server_args=ServerArgs.from_cli_args(ns), params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
-            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-            model_config=types.SimpleNamespace(model_path=ns.model_path), tp_size=1, tp_rank=0, tp_group=None)
-        cache = registry.create_tree_cache(ctx)
-        assert isinstance(cache, kr.KvtierRadixCache) and cache.store is not None
-        assert cache.config.policy == "freq-depth" and cache.host_slots == (4 << 20) // cache.page_bytes
-        assert cache._pool is not None
-        cache.release_host_resources()  # SGLang's teardown hook; twice is fine
-        cache.release_host_resources()
-        assert cache._pool is None and cache.host.numel() == 0
-    finally:
-        srv.shutdown()
-        publish_server_args()
 
 
 def test_tokens_kvtier_cannot_key_stay_device_only_and_nothing_changes():
@@ -503,19 +283,6 @@ def test_a_capped_tenant_evicts_its_own_pages_first():
     chain = e.cache._chain(shared, None, None)
     assert e.cache.manager.host_prefix(chain) == 4, "the shared prompt's pages stayed on host"
     e.cache.manager.check()
-
-
-def test_a_tenant_cap_naming_no_tenant_is_refused():
-    """A cap keyed by the bare salt (``{"alice": 2}``) was accepted and capped nothing: a
-    salted request's host tenant is ``salt-<cache_salt>`` (three of alice's 16-token prompts
-    took 9 host pages of 12, her charge uncapped), and unsalted requests have no tenant to
-    cap. Refused at config, naming the form a tenant takes."""
-    for bad in ({"alice": 2}, {"salt-": 2}, {"default": 2}):
-        with pytest.raises(kr.RadixConfigError, match="salt-<cache_salt>"):
-            kr.RadixBackendConfig.from_dict({"tenant_caps": bad})
-    e = Engine(kvtier_cache(host_pages=12, tenant_caps={"salt-alice": 2}), device_tokens=40)
-    e.run([e.request(p, salt="alice") for p in prompts(15, 3, 16)])
-    assert e.cache.manager.tenant_charge("salt-alice") <= 2
 
 
 @pytest.mark.parametrize("io_threads", [0, 1], ids=["io-inline", "io-thread"])
@@ -694,90 +461,6 @@ def test_a_stalled_l3_never_holds_back_admission():
         again.check_pools()
     finally:
         srv.close()
-
-
-def test_the_namespace_follows_the_checkpoint_and_its_overrides_not_only_the_path(tmp_path, monkeypatch):
-    """One path, other weights (a new fine-tune there), or ``--json-model-override-args``
-    changing RoPE, changes every page's KV: the factory's namespace changed with neither (the
-    model path alone), so a shared L3 served the old pages (the vLLM tester's case, the same
-    code here). Same checkpoint, same namespace: copies share."""
-    import types
-
-    from sglang.srt.mem_cache import registry
-    from sglang.srt.server_args import ServerArgs
-
-    from test_model_identity import _ckpt, _weights
-
-    e = Engine(sglang_radix)
-    monkeypatch.setenv(kr.ENV_CONFIG, json.dumps({"host_pages": 16}))
-
-    def namespace(path, *extra):
-        sa = ServerArgs.from_cli_args(_parse(["--model-path", path, "--device", "cpu", *extra]))
-        ctx = registry.TreeCacheBuildContext(
-            server_args=sa, params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
-            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-            model_config=types.SimpleNamespace(model_path=path), tp_size=1, tp_rank=0, tp_group=None)
-        return kr.kvtier_radix_cache_factory(ctx).namespace
-
-    live = _ckpt(tmp_path / "live", _weights(1))
-    before = namespace(live)
-    assert namespace(_ckpt(tmp_path / "copy", _weights(1))) != before  # another path: another name
-    assert namespace(live) == before
-    rope = namespace(live, "--json-model-override-args", '{"rope_theta": 1000000.0}')
-    assert rope != before
-    _ckpt(tmp_path / "live", _weights(2))  # the new fine-tune over the old files
-    assert namespace(live) not in (before, rope)
-    now = namespace(live)
-    monkeypatch.setenv(kr.ENV_CONFIG, json.dumps({"host_pages": 16, "model_version": "v2"}))
-    assert namespace(live) != now, "an operator's model_version is part of it"
-
-
-def _parse(args):
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    return parser.parse_args(args)
-
-
-def _pool_params(kv, page_size=PS, device_tokens=40):
-    """SGLang's CacheInitParams over a device KV pool built by the caller."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    publish_server_args(page_size=page_size)
-    alloc = PagedTokenToKVPoolAllocator(device_tokens, page_size, kv.dtype, "cpu", kv, False)
-    return CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(8, 512, "cpu", False),
-                           token_to_kv_pool_allocator=alloc, page_size=page_size)
-
-
-def test_pools_whose_buffers_are_not_a_tokens_kv_whole_are_refused_at_startup(monkeypatch):
-    """An adversarial tester's two wrong-KV cases, both accepted before: an FP4 pool keeps
-    per-token scale factors in ``k_scale_buffer``/``v_scale_buffer`` that kvtier never moved
-    (reused prefixes had another token's scales: 12 of 12 reused scale buffers wrong), and
-    with ``SGLANG_USE_HND_KVCACHE=1`` a buffer's rows are pages, not token slots (page_bytes
-    2,048 for a 512-byte page; loaded-back prefixes held wrong KV, or an IndexError). Both
-    are ``UnsupportedModelError`` when SGLang builds the cache; the plain pool still builds."""
-    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import FP4MXBlock16KVCacheMethod
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    conf = kr.RadixBackendConfig.from_dict({"host_pages": 16, "io_threads": 0})
-    fp4 = MHATokenToKVPool(40, PS, torch.uint8, 2, 32, 2, "cpu", False, quant_method=FP4MXBlock16KVCacheMethod())
-    assert fp4.k_scale_buffer is not None
-    with pytest.raises(kr.UnsupportedModelError, match="scale"):
-        kr.KvtierRadixCache(_pool_params(fp4), conf)
-    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
-    hnd = MHATokenToKVPool(40, PS, torch.float32, 2, 8, 2, "cpu", False)
-    assert hnd.kv_cache_layout == "hnd"
-    with pytest.raises(kr.UnsupportedModelError, match="hnd"):
-        kr.KvtierRadixCache(_pool_params(hnd), conf)
-    monkeypatch.delenv("SGLANG_USE_HND_KVCACHE")
-    plain = MHATokenToKVPool(40, PS, torch.float32, 2, 8, 2, "cpu", False)
-    assert kr.KvtierRadixCache(_pool_params(plain), conf).page_bytes == 2 * 2 * 2 * 8 * 4 * PS
-    assert issubclass(kr.UnsupportedModelError, kvtier.KvtierError)
 
 
 @pytest.mark.parametrize("how", ["reset", "shutdown"])
