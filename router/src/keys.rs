@@ -437,6 +437,7 @@ impl Translator {
             medium,
             hashes: hs,
             tokens: toks,
+            extra,
             block_size: bs,
             lora,
             parent,
@@ -457,7 +458,10 @@ impl Translator {
                 self.unkeyed += (hs.len() - i) as u64;
                 break;
             };
-            let k = page_key(p, page);
+            let k = match extra.get(i) {
+                Some(&x) if x != 0 => mix(page_key(p, page), x),
+                _ => page_key(p, page),
+            };
             if let Some(e) = self.keys.get_mut(h) {
                 if e.key != k {
                     // the hash names other tokens now (a parent keyed anew): its copies
@@ -514,6 +518,9 @@ struct StoredBlocks<'a> {
     tokens: Vec<u32>,
     block_size: usize,
     lora: Option<&'a str>,
+    /// Per block, what its extra hash keys name beyond its tokens ([`foreign_keys`]; 0:
+    /// nothing, or no entry).
+    extra: Vec<u64>,
     /// The parent block's hash in the event's KV cache group ([`in_group`]) and as sent
     /// (`None`: the first block of a prompt). Its key is its tokens', in any group: a
     /// parent this group evicted already (a sliding window's) is keyed through group 0's.
@@ -536,6 +543,38 @@ enum Checked<'a> {
         medium: Medium,
         hashes: Vec<u64>,
     },
+}
+
+/// What one block's extra hash keys (vLLM 0.34's `extra_keys` entry) name that a
+/// request's tokens do not: a hash of its multimodal items (`(mm_identifier, offset)`) and
+/// prompt-embeds digests, 0 if none (no entry, or only the LoRA name and cache salt, which
+/// vLLM publishes as bare strings, or tagged `("lora", …)`, `("cache_salt", …)`). Such a
+/// block is keyed with it, and so its children: two images behind equal placeholder tokens
+/// are different blocks to the engine, and no prompt's tokens alone are a hit on them.
+fn foreign_keys(entry: &Value) -> u64 {
+    let Value::Array(keys) = entry else {
+        return 0;
+    };
+    let mut h = 0;
+    for k in keys {
+        let named = match k {
+            Value::String(_) => true,
+            Value::Array(t) => matches!(
+                t.first().and_then(Value::as_str),
+                Some("lora" | "cache_salt")
+            ),
+            _ => false,
+        };
+        if !named {
+            let mut bytes = Vec::new();
+            // writing to a Vec cannot fail
+            let _ = rmpv::encode::write_value(&mut bytes, k);
+            h = bytes
+                .iter()
+                .fold(mix(h, 0x6D6D), |h, &b| mix(h, u64::from(b)));
+        }
+    }
+    h
 }
 
 /// The table's name for engine hash `h` of KV cache group `group`: `h` itself in group 0
@@ -605,10 +644,16 @@ fn check(e: &Value) -> Result<Checked<'_>, DecodeError> {
                 None | Some(Value::Nil) => None,
                 Some(p) => Some(crate::index::hash64(p)?),
             };
+            let extra = match e.field("extra_keys") {
+                None | Some(Value::Nil) => Vec::new(),
+                Some(Value::Array(per_block)) => per_block.iter().map(foreign_keys).collect(),
+                Some(_) => return Err(DecodeError::Shape("extra_keys is not an array")),
+            };
             Checked::Stored(StoredBlocks {
                 medium,
                 hashes,
                 tokens,
+                extra,
                 block_size,
                 lora: e.field("lora_name").and_then(Value::as_str),
                 parent: parent.map(|p| (in_group(p, group), p)),

@@ -3,7 +3,7 @@
 //! refused batch changes nothing, the index and the key tables stay within their byte
 //! budget, and every prompt still routes (both key modes, instance streams and the shared
 //! store's). And the fields newer vLLM versions add to the events (vLLM 0.34's
-//! `group_idx`) are read as they mean.
+//! `group_idx` and `extra_keys`) are read as they mean.
 
 use kvtier_router::cluster::{Cluster, Keys, Target};
 use kvtier_router::stream::Apply;
@@ -315,4 +315,66 @@ fn a_blocks_copy_in_one_kv_cache_group_stays_while_another_group_evicts_its_own(
     assert!(c.apply(st, Apply::Batch(&batch(gone))));
     assert_eq!(gpu(&c), 0);
     assert_eq!(c.router().index().pages(), 0);
+}
+
+/// [`stored`] with vLLM 0.34's `extra_keys`: one entry per block.
+fn with_extra_keys(mut e: Value, keys: Vec<Value>) -> Value {
+    if let Value::Map(m) = &mut e {
+        m.push((s("extra_keys"), Value::Array(keys)));
+    }
+    e
+}
+
+/// vLLM 0.34 publishes each block's extra hash keys (`extra_keys`): a multimodal item's
+/// `(mm_identifier, offset)` pairs, prompt-embeds digests, the LoRA name and the cache salt.
+/// Two prompts whose tokens are equal (an image is its placeholder tokens) but whose images
+/// differ share no block past the image in the engine; the bug: `--keys tokens` keyed the
+/// blocks by their tokens alone, so a request with any other image was priced as a GPU hit
+/// of the whole prefix where the engine computes it (a vision model's requests sharing a
+/// system prompt and the image's place were all drawn to one instance, for hits that never
+/// come). A block whose extra keys name what a request's tokens do not (a multimodal item,
+/// prompt embeddings) is keyed with them, and so are its children: no prompt's tokens match
+/// it. The LoRA name and the salt are the strings vLLM publishes, keyed as before.
+#[test]
+fn blocks_of_an_image_are_no_hit_for_another_images_equal_tokens() {
+    let mut c =
+        Cluster::with_budget(1, model(), Budget::bytes(1 << 20), Keys::Tokens).expect("cluster");
+    let st = c.add_stream("i0", "", Target::Instance(0));
+    // a system prompt's block, then two blocks of image placeholders, then the question
+    let toks: Vec<u32> = [vec![1; PS], vec![9; 2 * PS], vec![5; PS]].concat();
+    let gpu = |c: &Cluster| {
+        let e = c
+            .router()
+            .estimates_of(&c.prompt_hashes(&toks, None, None), toks.len());
+        e[0].gpu_pages
+    };
+    let image = |id: &str| {
+        let pair = |off: u64| Value::Array(vec![Value::Array(vec![s(id), Value::from(off)])]);
+        vec![s("salt-a"), pair(0), pair(PS as u64), Value::Nil]
+    };
+    let ev = with_extra_keys(stored(&[1, 2, 3, 4], None, &toks, None), image("img-a"));
+    assert!(c.apply(st, Apply::Batch(&batch(vec![ev]))));
+    assert_eq!(
+        gpu(&c),
+        1,
+        "the system prompt's block is a hit; the image's and the rest are not"
+    );
+    // tagged keys (vLLM names the untagged shape a transition): the same
+    let tagged = |v: &[&str]| Value::Array(vec![Value::Array(v.iter().map(|&x| s(x)).collect())]);
+    let ev = with_extra_keys(
+        stored(&[11, 12], None, &toks[..2 * PS], None),
+        vec![tagged(&["cache_salt", "a"]), tagged(&["mm", "img-b", "0"])],
+    );
+    assert!(c.apply(
+        st,
+        Apply::Batch(&batch(vec![removed(&[1, 2, 3, 4], None), ev]))
+    ));
+    assert_eq!(gpu(&c), 1);
+    // extra keys naming only a salt or an adapter's name: keyed by the tokens, as before
+    let ev = with_extra_keys(
+        stored(&[21, 22, 23, 24], None, &toks, None),
+        vec![s("salt-a"), Value::Nil, Value::Nil, Value::Nil],
+    );
+    assert!(c.apply(st, Apply::Batch(&batch(vec![ev]))));
+    assert_eq!(gpu(&c), 4);
 }
