@@ -11,8 +11,15 @@
 //! ECMAScript and are -600, as Mooncake answers. Lookahead (`(?=..)`, `(?!..)`) and
 //! backreferences (`\1`), which Mooncake accepts, need backtracking and are -600 here
 //! (documented in docs/python.md).
+//!
+//! Mooncake's `std::regex` works on the key's bytes as `char`s in the "C" locale: `\d`, `\w`,
+//! `\s` and `\b` are ASCII classes and `.` is one byte other than `\n` and `\r`. So the
+//! pattern is compiled without Unicode classes over the key's bytes (`regex::bytes`, Unicode
+//! mode off, CRLF mode for `.`): with Unicode classes `^page-\d$` also removed "page-٣"
+//! and `^a.b$` "aéb", keys Mooncake keeps. A non-ASCII literal in a pattern still matches
+//! its UTF-8 bytes, as in Mooncake.
 
-use regex::{Regex, RegexBuilder};
+use regex::bytes::{Regex, RegexBuilder};
 
 use crate::error::{L3Error, L3Result};
 
@@ -42,7 +49,9 @@ impl KeyPattern {
                 "invalid regex pattern: `(?` at byte {at} (inline flags and named groups are not ECMAScript)"
             )));
         }
-        RegexBuilder::new(pattern)
+        RegexBuilder::new(&bytewise(pattern))
+            .unicode(false)
+            .crlf(true)
             .size_limit(MAX_COMPILED_BYTES)
             .dfa_size_limit(MAX_COMPILED_BYTES)
             .build()
@@ -52,8 +61,34 @@ impl KeyPattern {
 
     /// Whether the pattern occurs anywhere in `key` (`std::regex_search`).
     pub fn is_found_in(&self, key: &str) -> bool {
-        self.0.is_match(key)
+        self.0.is_match(key.as_bytes())
     }
+}
+
+/// `pattern` with each non-ASCII character written as its UTF-8 bytes (`\xHH` each), as
+/// `std::regex` reads it: one `char` per byte, in a class too (`[é]` is a class of two
+/// bytes, which Unicode-off syntax would refuse as a character), and `é+` repeats its last
+/// byte. An escaped non-ASCII character is the character itself (an identity escape).
+fn bytewise(pattern: &str) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(pattern.len());
+    let mut escaped = false;
+    for c in pattern.chars() {
+        if c.is_ascii() {
+            out.push(c);
+            escaped = c == '\\' && !escaped;
+            continue;
+        }
+        if escaped {
+            out.pop(); // the backslash: `\é` is `é`
+        }
+        let mut buf = [0u8; 4];
+        for b in c.encode_utf8(&mut buf).bytes() {
+            let _ = write!(out, "\\x{b:02X}");
+        }
+        escaped = false;
+    }
+    out
 }
 
 /// Byte offset of a `(?` group other than `(?:` outside a character class, if any.
@@ -100,6 +135,19 @@ mod tests {
             assert_eq!(e.code_i32(), -600, "{bad}");
         }
         assert!(KeyPattern::new(&"a".repeat(MAX_PATTERN_BYTES + 1)).is_err());
+    }
+
+    #[test]
+    fn classes_are_ascii_and_dot_is_one_byte() {
+        let found = |p: &str, k: &str| KeyPattern::new(p).unwrap().is_found_in(k);
+        assert!(found(r"^p\d$", "p7") && !found(r"^p\d$", "p\u{663}"));
+        assert!(!found(r"^a.b$", "a\u{e9}b") && found(r"^a..b$", "a\u{e9}b"));
+        assert!(!found(r"^a.b$", "a\rb") && !found(r"^a.b$", "a\nb"));
+        assert!(found("^caf\u{e9}$", "caf\u{e9}") && found(r"[^x]", "\u{e9}"));
+        // a non-ASCII character is its bytes, in a class too (std::regex over chars)
+        assert!(found("^[\u{e9}]{2}$", "\u{e9}") && !found("^[^\u{e9}]+$", "\u{e9}"));
+        assert!(found("^\u{e9}+$", "\u{e9}") && !found("^\u{e9}+$", "\u{e9}\u{e9}"));
+        assert!(found("^\\\u{e9}$", "\u{e9}") && found("^\\\\\u{e9}$", "\\\u{e9}"));
     }
 
     #[test]

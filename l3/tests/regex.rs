@@ -133,8 +133,75 @@ fn removed_by_pattern_stays_removed_after_a_restart() {
     assert_eq!(present(&s, &a, &KEYS), [false; 6]);
 }
 
+/// Mooncake's master runs `std::regex` (ECMAScript) over the key's bytes as `char`s in the
+/// "C" locale: `\d`, `\w`, `\s` and `\b` are ASCII, `.` is one byte other than `\n` and `\r`.
+/// The Unicode classes of the `regex` crate removed more: `^page-\d$` took "page-٣", `^a.b$`
+/// took "aéb" (4 bytes) and "a\rb" (keys Mooncake keeps, gone for good).
+#[test]
+fn classes_and_dot_are_ascii_and_bytewise_as_mooncakes_std_regex() {
+    let s = EmbeddedStore::new(dram()).unwrap();
+    let a = t("a");
+    let keys = [
+        "page-1",
+        "page-\u{663}",
+        "cafe",
+        "caf\u{e9}",
+        "a\rb",
+        "a\u{e9}b",
+        "ab\u{e9}",
+    ];
+    for (pattern, removed) in [
+        (r"^page-\d$", vec!["page-1"]),
+        (r"^caf\w$", vec!["cafe"]),
+        (r"^a.b$", vec![]),
+        (r"^a..b$", vec!["a\u{e9}b"]),
+        (r"^ab\W\W$", vec!["ab\u{e9}"]),
+        (r"^a\Sb$", vec![]),
+        (r"fe\b", vec!["cafe"]),
+        ("^caf[\u{e9}]{2}$", vec!["caf\u{e9}"]), // a class of the character's two bytes
+    ] {
+        for k in keys {
+            s.put(&a, k, b"v", PutOptions::default()).unwrap();
+        }
+        let n = s.remove_by_regex(&a, pattern, false).unwrap();
+        let gone: Vec<&str> = keys
+            .iter()
+            .copied()
+            .filter(|k| !s.is_exist(&a, k).unwrap())
+            .collect();
+        assert_eq!((n, gone), (removed.len() as u64, removed), "{pattern:?}");
+        s.remove_all(&a, true).unwrap();
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
+
+    /// Over keys mixing ASCII and other characters (non-ASCII digits and letters, `\r`, `\n`):
+    /// `\d+` is found iff an ASCII digit is there, `\w` iff an ASCII word byte is, and
+    /// `^.{n}$` iff the key is n bytes with no `\n` or `\r` (std::regex over `char`s).
+    #[test]
+    fn classes_see_ascii_bytes_only(keys in proptest::collection::btree_set("[a1_é٣K\u{212a}\r\n -]{1,5}", 1..12),
+                                    n in 1usize..8) {
+        let s = EmbeddedStore::new(dram()).unwrap();
+        let a = t("a");
+        let word = |b: &u8| b.is_ascii_alphanumeric() || *b == b'_';
+        for (pattern, found) in [
+            (r"\d".to_string(), Box::new(|k: &str| k.bytes().any(|b| b.is_ascii_digit())) as Box<dyn Fn(&str) -> bool>),
+            (r"\w".to_string(), Box::new(move |k: &str| k.bytes().any(|b| word(&b)))),
+            (format!("^.{{{n}}}$"), Box::new(move |k: &str| k.len() == n && !k.bytes().any(|b| b == b'\n' || b == b'\r'))),
+        ] {
+            for k in &keys {
+                s.put(&a, k, b"v", PutOptions::default()).unwrap();
+            }
+            let want: BTreeSet<&String> = keys.iter().filter(|k| found(k)).collect();
+            prop_assert_eq!(s.remove_by_regex(&a, &pattern, false).unwrap(), want.len() as u64, "{}", pattern);
+            for k in &keys {
+                prop_assert_eq!(s.is_exist(&a, k).unwrap(), !want.contains(k), "{} {:?}", pattern, k);
+                s.remove(&a, k, true).ok();
+            }
+        }
+    }
 
     /// A prefix pattern removes exactly the keys with that prefix (and only the caller's).
     #[test]
