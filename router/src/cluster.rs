@@ -211,7 +211,7 @@ impl Cluster {
             counters: StreamCounters::default(),
             last_batch: None,
             translator: (self.keys == Keys::Tokens).then(|| match target {
-                Target::Instance(_) => Translator::new(self.budget.max_pages),
+                Target::Instance(i) => Translator::new(self.budget.max_pages).of_instance(i),
                 Target::Storage => Translator::for_store(self.budget.max_pages),
             }),
         });
@@ -246,6 +246,10 @@ impl Cluster {
             t.set_max_bytes(room);
         }
         let target = st.target;
+        let local_of = match target {
+            Target::Instance(i) => Some(i),
+            Target::Storage => None,
+        };
         let batch = match a {
             Apply::Reset => None,
             Apply::Batch(p) => Some(DecodedBatch::of(p).0),
@@ -263,7 +267,7 @@ impl Cluster {
                 let decoded = match (values, st.translator.as_mut()) {
                     (Err(e), _) => Err(e),
                     (Ok(v), Some(t)) => t.translate_events(&v),
-                    (Ok(v), None) => index_events(&v).map(|events| Translated {
+                    (Ok(v), None) => index_events(&v, local_of).map(|events| Translated {
                         events,
                         ..Translated::default()
                     }),

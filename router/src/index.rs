@@ -3,7 +3,9 @@
 //! Keys are vLLM's 64-bit block hashes (the low 64 bits of kvtier's page hash, what
 //! `kvtier-events` sends by default; a 32-byte hash on the wire is reduced the same way), so
 //! the index reads any vLLM-format stream. `STORAGE` pages from any instance go to the one
-//! shared set: the L3 is shared, so a page one instance backed up is loadable by all.
+//! shared set: the L3 is shared, so a page one instance backed up is loadable by all; but
+//! an instance's pages on a storage tier local to it (locality `LOCAL`: a node's disk) are
+//! held there under keys of its own ([`local_key`]), loadable by it alone.
 //!
 //! Bounded by a [`Budget`]: bytes (what the index's allocations hold, [`ClusterIndex::memory_bytes`],
 //! counted as the allocator counts them, see `table.rs`) and, optionally, entries. A
@@ -41,7 +43,26 @@ pub enum DecodeError {
 /// Decodes a vLLM `KVEventBatch` payload. Events of unknown type or medium are skipped
 /// (newer publishers may send more); a malformed batch is an error and changes nothing.
 pub fn decode_batch(payload: &[u8]) -> Result<Vec<IndexEvent>, DecodeError> {
-    index_events(&batch_events(payload)?)
+    index_events(&batch_events(payload)?, None)
+}
+
+/// [`decode_batch`] of instance `instance`'s stream: its `STORAGE` pages of locality
+/// `LOCAL` are its own ([`local_key`]).
+pub(crate) fn decode_instance_batch(
+    payload: &[u8],
+    instance: usize,
+) -> Result<Vec<IndexEvent>, DecodeError> {
+    index_events(&batch_events(payload)?, Some(instance))
+}
+
+/// The shared set's key for page `h` on instance `instance`'s own storage: a tier local to
+/// it (vLLM's `STORAGE` of locality `LOCAL`: a node's disk), which no other instance loads
+/// from. [`ClusterIndex::prefix_with`] credits it to that instance alone.
+pub fn local_key(h: u64, instance: usize) -> u64 {
+    let mut x = (h ^ 0x4C4F_4341_4C44_4953).wrapping_add(instance as u64 + 1);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
 }
 
 /// A batch's payload decoded into msgpack values, not yet read as events: what a subscriber
@@ -55,20 +76,31 @@ impl DecodedBatch {
     }
 }
 
-/// [`decode_batch`] of events decoded already.
-pub(crate) fn index_events(events: &[Value]) -> Result<Vec<IndexEvent>, DecodeError> {
+/// [`decode_batch`] of events decoded already; `local_of`: the instance whose stream they
+/// are (its `LOCAL` storage is its own, [`local_key`]), `None`: the shared store's.
+pub(crate) fn index_events(
+    events: &[Value],
+    local_of: Option<usize>,
+) -> Result<Vec<IndexEvent>, DecodeError> {
     let mut out = Vec::with_capacity(events.len());
     for e in events {
         let e = WireMap::of(e)?;
+        let hashes = || -> Result<Vec<u64>, DecodeError> {
+            let hs = e.hashes()?;
+            Ok(match local_of {
+                Some(i) if e.local_storage() => hs.into_iter().map(|h| local_key(h, i)).collect(),
+                _ => hs,
+            })
+        };
         match (e.kind(), e.medium()) {
             (Some("AllBlocksCleared"), _) => out.push(IndexEvent::Cleared),
             (Some("BlockStored"), Some(medium)) => out.push(IndexEvent::Stored {
                 medium,
-                hashes: e.hashes()?,
+                hashes: hashes()?,
             }),
             (Some("BlockRemoved"), Some(medium)) => out.push(IndexEvent::Removed {
                 medium,
-                hashes: e.hashes()?,
+                hashes: hashes()?,
             }),
             _ => {}
         }
@@ -128,6 +160,13 @@ impl<'a> WireMap<'a> {
                 _ => None,
             },
         }
+    }
+
+    /// Whether the event's pages are on a storage tier local to its publisher (`STORAGE`
+    /// of locality `LOCAL`: vLLM's tiering on a node's own disk), not a shared store.
+    pub(crate) fn local_storage(&self) -> bool {
+        self.medium() == Some(Medium::Storage)
+            && self.field("locality").and_then(Value::as_str) == Some("LOCAL")
     }
 
     pub(crate) fn hashes(&self) -> Result<Vec<u64>, DecodeError> {
@@ -481,11 +520,13 @@ impl ClusterIndex {
             .iter()
             .take_while(|h| l.cpu.set.contains(h))
             .count();
+        // the shared store's pages, and the instance's own storage's
         let l3 = in_storage
             .get(gpu + host..)
             .unwrap_or_default()
             .iter()
-            .take_while(|&&s| s)
+            .zip(&hashes[gpu + host..])
+            .take_while(|&(&s, &h)| s || self.storage.set.contains(&local_key(h, instance)))
             .count();
         (gpu, host, l3)
     }

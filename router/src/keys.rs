@@ -17,7 +17,7 @@ use kvtier_events::Medium;
 use rmpv::Value;
 
 use crate::holders::Holders;
-use crate::index::{DecodeError, IndexEvent, WireMap, batch_events};
+use crate::index::{DecodeError, IndexEvent, WireMap, batch_events, local_key};
 use crate::table::Table;
 
 const MUL: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -113,6 +113,8 @@ pub struct Tokenless {
     pub hash: u64,
     /// The event's `block_size` (tokens of the named run; 0: unknown, one block).
     pub block_size: usize,
+    /// On a storage tier local to the instance (`STORAGE` of locality `LOCAL`).
+    pub local: bool,
 }
 
 /// A decoded batch, keyed.
@@ -152,6 +154,9 @@ pub struct Translator {
     of: TableOf,
     max_entries: usize,
     max_bytes: usize,
+    /// The instance whose stream this is ([`Self::of_instance`]): its `LOCAL` storage
+    /// pages are its own ([`local_key`]). `None`: a `STORAGE` page is the shared store's.
+    local_of: Option<usize>,
     /// Blocks not keyed (an unknown parent, too few tokens, a token-less store no table could
     /// key nor wait for) or not remembered (the table full: the block is keyed for the index,
     /// but its removal and children cannot be).
@@ -180,7 +185,25 @@ impl Translator {
             of,
             max_entries,
             max_bytes: usize::MAX,
+            local_of: None,
             unkeyed: 0,
+        }
+    }
+
+    /// The table of instance `instance`'s stream: its pages on a storage tier local to it
+    /// (vLLM's `STORAGE` of locality `LOCAL`, a node's disk) are keyed as its own
+    /// ([`local_key`]), which no other instance is priced as loading.
+    pub fn of_instance(mut self, instance: usize) -> Self {
+        self.local_of = Some(instance);
+        self
+    }
+
+    /// `keys` of a `STORAGE` event as the index holds them: the instance's own when
+    /// `local` ([`Self::of_instance`]).
+    pub(crate) fn placed(&self, local: bool, keys: Vec<u64>) -> Vec<u64> {
+        match self.local_of {
+            Some(i) if local => keys.into_iter().map(|k| local_key(k, i)).collect(),
+            _ => keys,
         }
     }
 
@@ -403,6 +426,7 @@ impl Translator {
                     medium,
                     hashes,
                     block_size,
+                    local,
                 } => {
                     // named by hash alone: the caller keys it through a table that saw its
                     // tokens
@@ -411,10 +435,15 @@ impl Translator {
                             medium,
                             hash,
                             block_size,
+                            local,
                         }));
                 }
                 Checked::Stored(st) => self.stored(st, &mut out),
-                Checked::Removed { medium, hashes } => {
+                Checked::Removed {
+                    medium,
+                    hashes,
+                    local,
+                } => {
                     let mut keys = Vec::new();
                     for h in hashes {
                         if self.pending.remove(&h).is_none() {
@@ -423,7 +452,7 @@ impl Translator {
                     }
                     out.events.push(IndexEvent::Removed {
                         medium,
-                        hashes: keys,
+                        hashes: self.placed(local, keys),
                     });
                 }
             }
@@ -435,6 +464,7 @@ impl Translator {
     fn stored(&mut self, st: StoredBlocks<'_>, out: &mut Translated) {
         let StoredBlocks {
             medium,
+            local,
             hashes: hs,
             tokens: toks,
             extra,
@@ -469,10 +499,13 @@ impl Translator {
                     // with its last holder
                     for b in [Medium::Gpu, Medium::Cpu, Medium::Storage] {
                         if e.media & bit(b) != 0 && self.holders.release(e.key, bit(b)) {
-                            out.events.push(IndexEvent::Removed {
-                                medium: b,
-                                hashes: vec![e.key],
-                            });
+                            // a storage copy may have been the shared store's or the
+                            // instance's own: both go
+                            let mut hashes = vec![e.key];
+                            if let (Medium::Storage, Some(i)) = (b, self.local_of) {
+                                hashes.push(local_key(e.key, i));
+                            }
+                            out.events.push(IndexEvent::Removed { medium: b, hashes });
                         }
                     }
                     e.media = 0;
@@ -506,7 +539,7 @@ impl Translator {
         }
         out.events.push(IndexEvent::Stored {
             medium,
-            hashes: keys,
+            hashes: self.placed(local, keys),
         });
     }
 }
@@ -514,6 +547,8 @@ impl Translator {
 /// A `BlockStored` with tokens, checked.
 struct StoredBlocks<'a> {
     medium: Medium,
+    /// On a storage tier local to the instance ([`Translator::placed`]).
+    local: bool,
     hashes: Vec<u64>,
     tokens: Vec<u32>,
     block_size: usize,
@@ -538,10 +573,12 @@ enum Checked<'a> {
         medium: Medium,
         hashes: Vec<u64>,
         block_size: usize,
+        local: bool,
     },
     Removed {
         medium: Medium,
         hashes: Vec<u64>,
+        local: bool,
     },
 }
 
@@ -607,6 +644,7 @@ fn check(e: &Value) -> Result<Checked<'_>, DecodeError> {
         return Ok(Checked::Skip);
     };
     let group = group_of(&e)?;
+    let local = e.local_storage();
     let hashes = || -> Result<Vec<u64>, DecodeError> {
         Ok(e.hashes()?
             .into_iter()
@@ -630,6 +668,7 @@ fn check(e: &Value) -> Result<Checked<'_>, DecodeError> {
                     medium,
                     hashes,
                     block_size,
+                    local,
                 });
             }
             if block_size == 0 {
@@ -651,6 +690,7 @@ fn check(e: &Value) -> Result<Checked<'_>, DecodeError> {
             };
             Checked::Stored(StoredBlocks {
                 medium,
+                local,
                 hashes,
                 tokens,
                 extra,
@@ -662,6 +702,7 @@ fn check(e: &Value) -> Result<Checked<'_>, DecodeError> {
         Some("BlockRemoved") => Checked::Removed {
             medium,
             hashes: hashes()?,
+            local,
         },
         _ => Checked::Skip,
     })

@@ -76,7 +76,7 @@ pub(crate) fn resolve(
                     let hashes = own.store_run(t.medium, &run);
                     events.push(IndexEvent::Stored {
                         medium: t.medium,
-                        hashes,
+                        hashes: own.placed(t.local, hashes),
                     });
                 }
             }

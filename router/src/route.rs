@@ -299,7 +299,7 @@ impl Router {
         if instance >= n {
             return Err(RouteError::UnknownInstance(instance, n));
         }
-        for e in decode_batch(payload)? {
+        for e in crate::index::decode_instance_batch(payload, instance)? {
             self.index.apply(instance, &e);
         }
         Ok(())

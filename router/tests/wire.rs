@@ -3,7 +3,8 @@
 //! refused batch changes nothing, the index and the key tables stay within their byte
 //! budget, and every prompt still routes (both key modes, instance streams and the shared
 //! store's). And the fields newer vLLM versions add to the events (vLLM 0.34's
-//! `group_idx` and `extra_keys`) are read as they mean.
+//! `group_idx` and `extra_keys`, the `locality` of a `STORAGE` tier) are read as they
+//! mean.
 
 use kvtier_router::cluster::{Cluster, Keys, Target};
 use kvtier_router::stream::Apply;
@@ -377,4 +378,113 @@ fn blocks_of_an_image_are_no_hit_for_another_images_equal_tokens() {
     );
     assert!(c.apply(st, Apply::Batch(&batch(vec![ev]))));
     assert_eq!(gpu(&c), 4);
+}
+
+/// A `STORAGE` event of an instance's offloading tier (vLLM 0.34's tiering: its `fs`
+/// tier on a node's own disk is `locality: "LOCAL"`, on a shared file system `"REMOTE"`).
+fn on_storage(stored: bool, hs: &[u64], tokens: &[u32], locality: Option<&str>) -> Value {
+    let hashes = Value::Array(hs.iter().map(|&h| Value::from(h)).collect());
+    let mut m = vec![
+        (
+            s("type"),
+            s(if stored {
+                "BlockStored"
+            } else {
+                "BlockRemoved"
+            }),
+        ),
+        (s("block_hashes"), hashes),
+        (s("medium"), s("STORAGE")),
+    ];
+    if stored {
+        m.extend([
+            (s("parent_block_hash"), Value::Nil),
+            (
+                s("token_ids"),
+                Value::Array(tokens.iter().map(|&t| Value::from(t)).collect()),
+            ),
+            // vLLM's offloading placeholder names a chunk by hash alone: block_size 0
+            (
+                s("block_size"),
+                Value::from(if tokens.is_empty() { 0 } else { PS as u64 }),
+            ),
+            (s("lora_id"), Value::Nil),
+            (s("lora_name"), Value::Nil),
+        ]);
+    }
+    m.extend(locality.map(|l| (s("locality"), s(l))));
+    Value::Map(m)
+}
+
+/// An instance's `STORAGE` pages are the shared store's, loadable by every instance, unless
+/// the event says they are local to it: a node's own disk (vLLM 0.34's tiering, `locality:
+/// "LOCAL"`). The bug: every instance was priced as loading them (the router sent a prompt
+/// whose pages sat on one node's disk to another node, for an L3 hit it never had). Such
+/// pages are the instance's own now: priced at the L3's bandwidth for it alone, and a
+/// removal takes them away. Both key modes; `REMOTE` and no locality are shared, as before.
+#[test]
+fn pages_on_an_instances_local_disk_are_loadable_by_it_alone() {
+    for keys in [Keys::Tokens, Keys::Engine] {
+        let mut c =
+            Cluster::with_budget(2, model(), Budget::bytes(1 << 20), keys).expect("cluster");
+        let (i0, i1) = (
+            c.add_stream("i0", "", Target::Instance(0)),
+            c.add_stream("i1", "", Target::Instance(1)),
+        );
+        let toks: Vec<u32> = (0..(3 * PS) as u32).collect();
+        let l3 = |c: &Cluster| {
+            let e = c
+                .router()
+                .estimates_of(&c.prompt_hashes(&toks, None, None), toks.len());
+            (e[0].l3_pages, e[1].l3_pages)
+        };
+        // the engine's hashes: in --keys engine the router's own keys, in --keys tokens any
+        let hs = match keys {
+            Keys::Engine => c.prompt_hashes(&toks, None, None),
+            Keys::Tokens => vec![31, 32, 33],
+        };
+        let apply = |c: &mut Cluster, st, events| {
+            assert!(c.apply(st, Apply::Batch(&batch(events))), "{keys:?}");
+        };
+        // computed on instance 0, offloaded to its own disk, then dropped from its GPU
+        let stored_here = match keys {
+            // in --keys tokens the offload names each block by hash alone, after the GPU
+            // store named it with its tokens
+            Keys::Tokens => hs
+                .iter()
+                .map(|&h| on_storage(true, &[h], &[], Some("LOCAL")))
+                .collect(),
+            Keys::Engine => vec![on_storage(true, &hs, &toks, Some("LOCAL"))],
+        };
+        let mut events = vec![stored(&hs, None, &toks, None)];
+        events.extend(stored_here);
+        apply(&mut c, i0, events);
+        apply(&mut c, i0, vec![removed(&hs, None)]);
+        assert_eq!(
+            l3(&c),
+            (3, 0),
+            "{keys:?}: instance 1 cannot read instance 0's disk"
+        );
+        apply(
+            &mut c,
+            i0,
+            vec![on_storage(false, &hs[2..], &[], Some("LOCAL"))],
+        );
+        assert_eq!(l3(&c), (2, 0), "{keys:?}");
+        // a tier shared by the instances (REMOTE, or no locality): every instance loads it
+        for locality in [Some("REMOTE"), None] {
+            apply(
+                &mut c,
+                i1,
+                vec![
+                    stored(&hs, None, &toks, None),
+                    on_storage(true, &hs, &toks, locality),
+                ],
+            );
+            apply(&mut c, i1, vec![removed(&hs, None)]);
+            assert_eq!(l3(&c), (3, 3), "{keys:?} {locality:?}");
+            apply(&mut c, i1, vec![on_storage(false, &hs, &[], locality)]);
+            assert_eq!(l3(&c), (2, 0), "{keys:?} {locality:?}");
+        }
+    }
 }
