@@ -68,6 +68,40 @@ def test_put_get_codes():
     assert s.put("", b"x") == ErrorCode.INVALID_KEY
 
 
+@pytest.mark.parametrize("where", ["embedded", "server"])
+def test_an_upsert_refused_for_its_value_keeps_the_old_object(where):
+    """An upsert whose new value no store takes (0 bytes, or past the object limit) is -600
+    and leaves the old object readable: it removed the old object first, so a bad call
+    destroyed state (Mooncake checks the size before it touches the key)."""
+    srv = kvtier.L3Server(1 << 24, max_object_bytes=1 << 20) if where == "server" else None
+    s = new_store(srv.addr if srv else None)
+    _, buf = registered(s, 2 << 20)
+    p = buf.ctypes.data
+    calls = [
+        lambda: s.upsert_from("x", p, 0),
+        lambda: s.batch_upsert_from(["x"], [p], [0])[0],
+        lambda: s._multi(s._core.batch_upsert_from_multi_buffers, ["x"], [[p]], [[0]])[0],
+    ]
+    if srv:
+        big = (1 << 20) + 1
+        calls += [
+            lambda: s.upsert_from("x", p, big),
+            lambda: s.upsert("x", b"z" * big),
+            lambda: s.upsert_batch(["x"], [b"z" * big]),
+        ]
+    for i, call in enumerate(calls):
+        s.remove("x", True)
+        assert s.put("x", b"old") == 0
+        assert (i, call()) == (i, ErrorCode.INVALID_PARAMS)
+        assert (i, s.get("x")) == (i, b"old")
+    # a good value in the same batch as a refused one still replaces its own key
+    assert s.batch_upsert_from(["x", "y"], [p, p], [4, 0]) == [0, -600]
+    assert s.get("x") == bytes(4)
+    s.close()
+    if srv:
+        srv.shutdown()
+
+
 def test_remove_force_and_remove_all():
     s = new_store()
     s.put("x", b"1")

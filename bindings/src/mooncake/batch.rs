@@ -106,8 +106,14 @@ fn write_many(
     w: Write,
 ) -> BatchResult<()> {
     if w.mode == WriteMode::Upsert {
-        for k in keys {
-            // A failed remove shows up as the put's own error (-705 for a leased object).
+        let most = s.max_object_bytes();
+        for (k, v) in keys.iter().zip(views) {
+            // Only for a value the put can take: one of 0 bytes or past the object limit
+            // is refused (-600) and must leave the old object (it removed it first, so a
+            // bad call destroyed state). A failed remove shows up as the put's own error.
+            if v.is_empty() || v.len() as u64 > most {
+                continue;
+            }
             kvtier_l3::error::best_effort(
                 "upsert: remove the old object",
                 removed_or_missing(s.remove(t, k, true)),
