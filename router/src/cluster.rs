@@ -11,7 +11,7 @@ use crate::cost::{CostModel, Estimate};
 use crate::errors::UpstreamErrors;
 use crate::feedback::FirstToken;
 use crate::http_bookings::HttpBookings;
-use crate::index::{Budget, DecodedBatch, IndexEvent, index_events};
+use crate::index::{Budget, DecodedBatch, IndexEvent, WireMap, index_events};
 use crate::keys::{Translated, Translator, prompt_keys};
 use crate::resolve::resolve;
 use crate::route::{Router, Tracked};
@@ -49,6 +49,10 @@ pub struct StreamState {
     pub next_seq: Option<u64>,
     pub counters: StreamCounters,
     pub last_batch: Option<Instant>,
+    /// Stores (with tokens) whose `block_size` was not the router's page size, and the
+    /// latest such size: their pages match no prompt (`--page-size` must be the engines'
+    /// block size).
+    pub other_block_size: (u64, Option<u64>),
     pub translator: Option<Translator>,
 }
 
@@ -210,6 +214,7 @@ impl Cluster {
             next_seq: None,
             counters: StreamCounters::default(),
             last_batch: None,
+            other_block_size: (0, None),
             translator: (self.keys == Keys::Tokens).then(|| match target {
                 Target::Instance(i) => Translator::new(self.budget.max_pages).of_instance(i),
                 Target::Storage => Translator::for_store(self.budget.max_pages),
@@ -264,6 +269,10 @@ impl Cluster {
             }
             Some(values) => {
                 st.last_batch = Some(Instant::now());
+                let other = values
+                    .as_deref()
+                    .map(|v| other_block_sizes(v, self.page_size))
+                    .unwrap_or_default();
                 let decoded = match (values, st.translator.as_mut()) {
                     (Err(e), _) => Err(e),
                     (Ok(v), Some(t)) => t.translate_events(&v),
@@ -275,6 +284,10 @@ impl Cluster {
                 let Ok(batch) = decoded else {
                     return false;
                 };
+                if let (n, Some(size)) = other {
+                    st.other_block_size.0 += n;
+                    st.other_block_size.1 = Some(size);
+                }
                 let (budget, index) = (self.budget.max_bytes, self.router.index().memory_bytes());
                 let room = move |s: &[StreamState], n: usize| room_in(s, budget, index, n);
                 resolve(&mut self.streams, stream, batch, self.page_size, &room)
@@ -542,6 +555,8 @@ impl Cluster {
                     "next_seq": s.next_seq, "counters": s.counters,
                     "idle_s": s.last_batch.map(|t| t.elapsed().as_secs_f64()),
                     "unkeyed": s.translator.as_ref().map(|t| t.unkeyed),
+                    "other_block_size": s.other_block_size.0,
+                    "block_size": s.other_block_size.1,
                     "waiting": s.translator.as_ref().map(|t| t.pending()),
                 })
             })
@@ -579,6 +594,26 @@ impl Cluster {
             "streams": streams,
         })
     }
+}
+
+/// The stores with tokens among `events` whose `block_size` is not `page_size`, and the
+/// latest such size (token-less stores name a run's size, not a block's).
+fn other_block_sizes(events: &[rmpv::Value], page_size: usize) -> (u64, Option<u64>) {
+    let mut out = (0, None);
+    for e in events {
+        let Ok(e) = WireMap::of(e) else { continue };
+        let with_tokens =
+            matches!(e.field("token_ids"), Some(rmpv::Value::Array(t)) if !t.is_empty());
+        let size = e.field("block_size").and_then(rmpv::Value::as_u64);
+        if e.kind() == Some("BlockStored")
+            && with_tokens
+            && let Some(size) = size
+            && size != page_size as u64
+        {
+            out = (out.0 + 1, Some(size));
+        }
+    }
+    out
 }
 
 /// A bound as `/stats` shows it: `null` for none.

@@ -488,3 +488,38 @@ fn pages_on_an_instances_local_disk_are_loadable_by_it_alone() {
         }
     }
 }
+
+/// `--page-size` must be the engines' block size: a router given 16 in front of engines of
+/// 32-token blocks keys their pages in blocks no prompt is cut into, and no page is ever a
+/// hit. The bug: nothing said so (`/stats` showed the pages indexed, every decision priced
+/// them as computed). Each `BlockStored` names its block size; a stream whose stores name
+/// another than the router's now counts them and shows the latest (`/stats`:
+/// `other_block_size`, `block_size`). Token-less stores (a chunk, a store's object, vLLM's
+/// placeholder of size 0) name their run's size, not a block's, and are not counted.
+#[test]
+fn stores_of_another_block_size_than_the_routers_are_counted() {
+    for keys in [Keys::Tokens, Keys::Engine] {
+        let mut c =
+            Cluster::with_budget(1, model(), Budget::bytes(1 << 20), keys).expect("cluster");
+        let st = c.add_stream("i0", "", Target::Instance(0));
+        let toks: Vec<u32> = (0..(4 * PS) as u32).collect();
+        let mut wide = stored(&[1, 2], None, &toks, None);
+        if let Value::Map(m) = &mut wide {
+            for (k, v) in m.iter_mut() {
+                if k.as_str() == Some("block_size") {
+                    *v = Value::from(2 * PS as u64);
+                }
+            }
+        }
+        let events = vec![
+            stored(&[3], None, &toks[..PS], None),
+            wide,
+            on_storage(true, &[3], &[], None),
+        ];
+        assert!(c.apply(st, Apply::Batch(&batch(events))));
+        let stats = c.stats();
+        let s = &stats["streams"][0];
+        assert_eq!(s["other_block_size"], 1, "{keys:?}: {s}");
+        assert_eq!(s["block_size"], 2 * PS, "{keys:?}: {s}");
+    }
+}
