@@ -28,7 +28,7 @@ use crate::{
     ClientId, ClusterMaster, EmbeddedStore, L3Store, NodeOptions, OffloadMode, PromotionConfig,
     SsdConfig, StoreConfig, StoreNode,
 };
-use clap::{Parser, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Role {
@@ -204,6 +204,9 @@ struct Args {
     /// tenant's own objects first, and fails with -200 when it cannot make room.
     #[arg(long = "tenant-quota", value_parser = parse_quota)]
     tenant_quota: Vec<(String, u64)>,
+    /// The master's flags given on the command line (`cli_roles`): a node refuses them.
+    #[arg(skip)]
+    master_flags_given: Vec<&'static str>,
     /// Most capacity, in all, that clients may mount as segments this server holds the bytes
     /// of (a Mooncake client's `global_segment_size`); a mount past it answers -200.
     /// Default: the host's physical memory (`MemTotal`).
@@ -316,7 +319,12 @@ where
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .try_init();
-    let args = match Args::try_parse_from(args) {
+    let parsed = Args::command().try_get_matches_from(args).and_then(|m| {
+        let mut a = Args::from_arg_matches(&m)?;
+        a.master_flags_given = crate::cli_roles::master_flags_given(&m);
+        Ok(a)
+    });
+    let args = match parsed {
         Ok(a) => a,
         Err(e) => {
             let _ = e.print();
@@ -437,7 +445,9 @@ fn run(args: Args, token: Option<String>) -> Result<(), String> {
         Role::Node => SocketAddr::from(([127, 0, 0, 1], 50052)),
         _ => SocketAddr::from(([127, 0, 0, 1], 50051)),
     });
+    crate::cli_roles::check_quotas(&args.tenant_quota)?;
     if args.role == Role::Node {
+        crate::cli_roles::check_node_flags(&args.master_flags_given)?;
         for (given, flag) in [
             (args.kv_events.is_some(), "--kv-events"),
             (!args.kv_events_stream.is_empty(), "--kv-events-stream"),

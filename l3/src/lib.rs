@@ -15,6 +15,7 @@ pub mod api;
 mod batch_order;
 pub mod buffers;
 pub mod cli;
+mod cli_roles;
 pub mod clock;
 pub mod cluster;
 pub mod config;

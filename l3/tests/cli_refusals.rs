@@ -72,3 +72,80 @@ fn an_unknown_shm_switch_is_refused_at_start() {
         );
     }
 }
+
+/// The exit code and stderr of a `kvtier-l3` that must refuse to start (killed if it runs).
+fn refusal(args: &[&str]) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
+        .args(["--segment-bytes", "1048576"])
+        .args(args)
+        .env_remove("KVTIER_L3_TOKEN")
+        .env_remove("KVTIER_L3_SHM")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    for _ in 0..100 {
+        if child.try_wait().unwrap().is_some() {
+            let out = child.wait_with_output().unwrap();
+            return (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr).into(),
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    (None, "it started".into())
+}
+
+/// A store node reads none of the master's flags: given `--tenant-quota` (the nodes hold a
+/// split deployment's DRAM, so that is where an operator puts it) it started and capped
+/// nothing. It refuses to start, naming the flag, before it looks for its master (none runs
+/// at 127.0.0.1:1 here: a node that got that far failed on the connection instead). A tenant
+/// named twice in `--tenant-quota` kept one of the two caps, silently: refused too.
+#[test]
+fn a_masters_flag_on_a_node_and_a_tenant_capped_twice_are_refused() {
+    let node = [
+        "--role",
+        "node",
+        "--master",
+        "127.0.0.1:1",
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    for flag in [
+        &["--tenant-quota", "alice=1048576"][..],
+        &["--lease-ms", "5000"],
+        &["--client-ttl-ms", "5000"],
+        &["--client-segments-max-bytes", "1048576"],
+        &["--promotion-on-hit"],
+        &["--promotion-admission-threshold", "3"],
+        &["--loss-journal-keys", "10"],
+        &["--rebuild-timeout-ms", "10"],
+        &["--kv-events-block-size", "32"],
+        &["--kv-events-parts-per-page", "2"],
+        &["--cluster", "prod"],
+        &["--leader-ttl-s", "9"],
+    ] {
+        let args: Vec<&str> = node.iter().chain(flag).copied().collect();
+        let (code, err) = refusal(&args);
+        assert_eq!(code, Some(1), "{flag:?}: {err}");
+        assert!(
+            err.contains(flag[0]) && !err.contains("connect"),
+            "{flag:?}: {err}"
+        );
+    }
+    let (code, err) = refusal(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--tenant-quota",
+        "alice=1048576",
+        "--tenant-quota",
+        "bob=5",
+        "--tenant-quota",
+        "alice=1073741824",
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("alice") && !err.contains("bob"), "{err}");
+}
