@@ -310,20 +310,23 @@ impl Cluster {
         true
     }
 
-    /// The prompt's page keys as this router's index keys them.
+    /// The prompt's page keys as this router's index keys them (at most
+    /// [`MAX_ROUTED_PAGES`]).
     pub fn prompt_hashes(
         &self,
         tokens: &[u32],
         salt: Option<&str>,
         lora: Option<&str>,
     ) -> Vec<u64> {
-        match self.keys {
-            Keys::Engine => HashScope::new(salt, lora, Vec::new())
-                .page_hashes(tokens, self.page_size)
-                .iter()
-                .map(kvtier_events::HashFormat::int64)
-                .collect(),
-            Keys::Tokens => prompt_keys(tokens, self.page_size, lora),
+        self.keyer().hashes(tokens, salt, lora)
+    }
+
+    /// How this router keys a prompt, to compute its keys without the cluster's lock
+    /// ([`Keyer::hashes`], then [`Self::route_hashed`] or [`Self::route_tracked_hashed`]).
+    pub fn keyer(&self) -> Keyer {
+        Keyer {
+            keys: self.keys,
+            page_size: self.page_size,
         }
     }
 
@@ -340,16 +343,26 @@ impl Cluster {
         lora: Option<&str>,
         exclude: &[usize],
     ) -> Option<Decision> {
-        self.expire_bookings(); // every decision sees no booking past its time to live
         let hashes = self.prompt_hashes(tokens, salt, lora);
+        self.route_hashed(&hashes, tokens.len(), exclude)
+    }
+
+    /// [`Self::route`] of a prompt of `tokens` tokens keyed already ([`Keyer::hashes`]).
+    pub fn route_hashed(
+        &mut self,
+        hashes: &[u64],
+        tokens: usize,
+        exclude: &[usize],
+    ) -> Option<Decision> {
+        self.expire_bookings(); // every decision sees no booking past its time to live
         let now = self.now_s();
         if exclude.is_empty() {
             // every instance's estimate as the decision saw it (before its work is queued)
-            let all = self.router.estimates_of(&hashes, tokens.len());
-            let (i, est) = self.router.route_hashes(&hashes, tokens.len(), now).ok()?;
+            let all = self.router.estimates_of(hashes, tokens);
+            let (i, est) = self.router.route_hashes(hashes, tokens, now).ok()?;
             return Some(self.decided(i, est, Basis::Cache, &all));
         }
-        let all = self.router.estimates_of(&hashes, tokens.len());
+        let all = self.router.estimates_of(hashes, tokens);
         // the same rule as a first choice, among the instances left
         let (i, est) = self.router.cheapest(&all, |i| !exclude.contains(&i))?;
         Some(self.decided(i, est, Basis::Cache, &all))
@@ -370,25 +383,37 @@ impl Cluster {
         output: usize,
         first: FirstToken,
     ) -> Option<Decision> {
+        let hashes = self.prompt_hashes(tokens, scope.0, scope.1);
+        self.route_tracked_hashed(&hashes, tokens.len(), exclude, output, first)
+    }
+
+    /// [`Self::route_tracked`] of a prompt of `tokens` tokens keyed already
+    /// ([`Keyer::hashes`]).
+    pub fn route_tracked_hashed(
+        &mut self,
+        hashes: &[u64],
+        tokens: usize,
+        exclude: &[usize],
+        output: usize,
+        first: FirstToken,
+    ) -> Option<Decision> {
         self.expire_bookings();
-        let (salt, lora) = scope;
-        let hashes = self.prompt_hashes(tokens, salt, lora);
         let now = self.now_s();
         let exclude = &self.upstream.avoid(exclude, now);
         let id = self.next_booking;
         self.next_booking += 1;
         let request = Tracked {
             id,
-            tokens: tokens.len(),
+            tokens,
             output: output.min(self.router.max_output_tokens()), // 2^64 - 1 kept a queue ~9e16 s
             first,
         };
         let (i, est) = self
             .router
-            .route_tracked_among(request, &hashes, now, exclude)
+            .route_tracked_among(request, hashes, now, exclude)
             .ok()?;
         // every instance's estimate as the decision saw it (its work not yet queued)
-        let mut all = self.router.estimates_of(&hashes, tokens.len());
+        let mut all = self.router.estimates_of(hashes, tokens);
         if let Some(e) = all.get_mut(i) {
             *e = est;
         }
@@ -614,6 +639,38 @@ fn other_block_sizes(events: &[rmpv::Value], page_size: usize) -> (u64, Option<u
         }
     }
     out
+}
+
+/// The most pages of a prompt the router keys and looks up (2^20: a million-token prompt at
+/// page size 1, 16 million at 16); past them a prompt's pages are priced as computed.
+/// Bounds what one request costs the router: a `POST /route` of 30 million token ids at
+/// page size 1 hashed them all under the cluster's lock, holding every other decision and
+/// every stream's fold for over 2 s.
+pub const MAX_ROUTED_PAGES: usize = 1 << 20;
+
+/// How a router keys a prompt's pages ([`Cluster::keyer`]): computed outside the cluster's
+/// lock, the decision then takes it for its own work only.
+#[derive(Clone, Copy, Debug)]
+pub struct Keyer {
+    keys: Keys,
+    page_size: usize,
+}
+
+impl Keyer {
+    /// The page keys of the prompt's first [`MAX_ROUTED_PAGES`] pages, as the index keys
+    /// them.
+    pub fn hashes(&self, tokens: &[u32], salt: Option<&str>, lora: Option<&str>) -> Vec<u64> {
+        let most = MAX_ROUTED_PAGES.saturating_mul(self.page_size);
+        let tokens = tokens.get(..most).unwrap_or(tokens);
+        match self.keys {
+            Keys::Engine => HashScope::new(salt, lora, Vec::new())
+                .page_hashes(tokens, self.page_size)
+                .iter()
+                .map(kvtier_events::HashFormat::int64)
+                .collect(),
+            Keys::Tokens => prompt_keys(tokens, self.page_size, lora),
+        }
+    }
 }
 
 /// A bound as `/stats` shows it: `null` for none.

@@ -181,9 +181,22 @@ impl Cluster {
         output: usize,
         first: FirstToken,
     ) -> Option<Decision> {
-        let mut d = self.route_tracked(tokens, scope, &[], output, first)?;
+        let hashes = self.prompt_hashes(tokens, scope.0, scope.1);
+        self.route_booked_hashed(&hashes, tokens.len(), output, first)
+    }
+
+    /// [`Self::route_booked`] of a prompt of `tokens` tokens keyed already
+    /// ([`crate::cluster::Keyer::hashes`]).
+    pub fn route_booked_hashed(
+        &mut self,
+        hashes: &[u64],
+        tokens: usize,
+        output: usize,
+        first: FirstToken,
+    ) -> Option<Decision> {
+        let mut d = self.route_tracked_hashed(hashes, tokens, &[], output, first)?;
         if let Some(id) = d.booking {
-            let pages = tokens.len() / self.page_size.max(1);
+            let pages = tokens / self.page_size.max(1);
             let now = self.now_s();
             match self
                 .http

@@ -318,6 +318,18 @@ async fn forward(
         FirstToken::AtEstimate
     };
     let output = json.as_ref().map_or(0, |v| max_tokens(v, kind));
+    // keyed once, before the lock is taken (a long prompt's hashing is most of a decision)
+    let keyer = st.lock().keyer();
+    let keyed = match tokens {
+        Some(t) => {
+            let (salt, lora) = (salt.map(str::to_owned), lora.clone());
+            let n = t.len();
+            crate::service::keyed(keyer, t, salt, lora)
+                .await
+                .map(|h| (h, n))
+        }
+        None => None,
+    };
     // instances tried: refused the connection, answered "unavailable", or sent no head
     let mut tried = Vec::new();
     // whether an instance sent no head in time (the client's error then says so)
@@ -331,8 +343,8 @@ async fn forward(
     loop {
         let decision = {
             let mut c = st.lock();
-            match &tokens {
-                Some(t) => c.route_tracked(t, (salt, lora.as_deref()), &tried, output, first),
+            match &keyed {
+                Some((h, n)) => c.route_tracked_hashed(h, *n, &tried, output, first),
                 None => c.route_load_only(&tried),
             }
         };

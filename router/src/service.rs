@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 
-use crate::cluster::{Cluster, Report};
+use crate::cluster::{Cluster, Keyer, Report};
 use crate::feedback::FirstToken;
 use crate::lora::ModelNames;
 use crate::proxy::{self, Upstream};
@@ -105,7 +105,6 @@ async fn route(
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
     };
-    let scope = (req.salt.as_deref(), req.lora_name.as_deref());
     let most = st.lock().router().max_output_tokens();
     if req.max_tokens > most {
         let m = format!(
@@ -114,6 +113,14 @@ async fn route(
         );
         return error(StatusCode::BAD_REQUEST, "invalid_request", m);
     }
+    // the prompt is keyed before the lock is taken: hashing a long prompt is most of a
+    // decision's cost, and other decisions and the streams' folds wait for the lock
+    let keyer = st.lock().keyer();
+    let tokens = req.token_ids.len();
+    let Some(hashes) = keyed(keyer, req.token_ids, req.salt, req.lora_name).await else {
+        let m = "the prompt could not be keyed";
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", m);
+    };
     let d = if req.track {
         let first = if req.report_first_token {
             FirstToken::Reported
@@ -121,9 +128,9 @@ async fn route(
             FirstToken::AtEstimate
         };
         st.lock()
-            .route_booked(&req.token_ids, scope, req.max_tokens, first)
+            .route_booked_hashed(&hashes, tokens, req.max_tokens, first)
     } else {
-        st.lock().route(&req.token_ids, scope.0, scope.1, &[])
+        st.lock().route_hashed(&hashes, tokens, &[])
     };
     match d {
         Some(d) => {
@@ -139,6 +146,19 @@ async fn route(
             "the router has no instances",
         ),
     }
+}
+
+/// A prompt's page keys ([`Keyer::hashes`]), computed on a blocking thread (a long prompt
+/// takes a while) and without the cluster's lock; `None` if that thread failed.
+pub async fn keyed(
+    keyer: Keyer,
+    tokens: Vec<u32>,
+    salt: Option<String>,
+    lora: Option<String>,
+) -> Option<Vec<u64>> {
+    tokio::task::spawn_blocking(move || keyer.hashes(&tokens, salt.as_deref(), lora.as_deref()))
+        .await
+        .ok()
 }
 
 /// `POST /bookings/{booking}/{first_token|end|cancel}`: 204, or 404 for a booking that is

@@ -381,3 +381,59 @@ fn open_bookings_are_capped_in_number_however_few_pages_they_hold() {
         .expect("routed");
     assert_eq!(c.router().booked(), 3);
 }
+
+/// A prompt's page keys are computed before the router's lock is taken, and at most
+/// [`kvtier_router::cluster::MAX_ROUTED_PAGES`] of them: a decision holds the lock for its
+/// own work only. The bug: a `POST /route` of 30 million token ids (a 60 MB body, under the
+/// 64 MiB limit) at page size 1 hashed every page under the lock, which held every other
+/// decision and every event stream's fold for over 2 s (the adversarial round measured
+/// 2.2 s for a small `/route` beside one such request); now the lock is free within a
+/// fraction of that, and the prompt is still routed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_prompt_does_not_hold_the_router_up() {
+    let cfg = Config {
+        model: kvtier_router::CostModel {
+            page_size: 1,
+            ..model()
+        },
+        ..config(vec![EndpointSpec::default()], usize::MAX, Keys::Engine)
+    };
+    let r = launch::start(cfg).await.expect("start");
+    let n = 30_000_000;
+    let mut body = String::with_capacity(2 * n + 20);
+    body.push_str("{\"token_ids\": [");
+    for i in 0..n {
+        body.push_str(if i == 0 { "7" } else { ",7" });
+    }
+    body.push_str("]}");
+    let addr = r.addr;
+    let big =
+        tokio::spawn(async move { http(addr, "POST", "/route", Some(body.as_bytes())).await });
+    // the longest wait for the lock while the request is in the router
+    let cluster = std::sync::Arc::clone(&r.cluster);
+    let longest = tokio::task::spawn_blocking(move || {
+        let mut longest = Duration::ZERO;
+        let start = std::time::Instant::now();
+        while start.elapsed() < Duration::from_secs(6) {
+            let t = std::time::Instant::now();
+            drop(cluster.lock().expect("lock"));
+            longest = longest.max(t.elapsed());
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        longest
+    })
+    .await
+    .expect("waiter");
+    let got = big.await.expect("request");
+    assert_eq!(
+        got.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&got.body())
+    );
+    assert_eq!(got.json()["instance"], 0);
+    assert!(
+        longest < Duration::from_millis(600),
+        "the lock was held {longest:?}"
+    );
+}
