@@ -9,10 +9,12 @@ round 2 reads most prefixes from kvtier's L3; while a request's prefix loads, vL
 the requests waiting behind it, and kvtier prefetches (and holds on host) their prefixes.
 
 Before the fix those held prefetches took every host slot the running request's new chunks
-needed and evicted its loaded prefix: the chunks vLLM offered once were declined, and round 3
-reused 768 tokens for 1 of the 6 prompts (16-chunk host; 4 of 6 at 28 chunks). Now a held
-prefetch of a request whose load has not started gives way to a running request's store
-(manager_l3.py, docs/vllm.md): every extended prefix is reused whole. Outputs equal the
+needed: its store was refused every step until it ended (vLLM offers a chunk once), and round 3
+reused 768 tokens for 1 of the 6 prompts (16-chunk host; 4 of 6 at 28 chunks). Now a landed
+held prefetch gives way to a running request's store of chunks L3 lacks, and such a store
+that finds no slot (holds still landing) is refused so that vLLM offers it again (a request
+served from vLLM's GPU prefix cache ran while the prefetches landed: 5 of 6 under load
+before); docs/vllm.md: every extended prefix is reused whole. Outputs equal the
 reference's (no offloading, a KV that holds everything) in every round. The same with a host
 tier of 28 chunks. About 80 s on 2 cores.
 """
@@ -94,9 +96,10 @@ def test_every_round_is_exact(runs, engine):
 @pytest.mark.parametrize("engine", list(HOSTS))
 def test_a_running_requests_new_chunks_are_kept_under_held_prefetches(runs, engine):
     assert EXTENDED % CHUNK_TOKENS == 0 and HOSTS[engine] < PREFIXES * EXTENDED // CHUNK_TOKENS
-    # The engine's KV holds one prompt: every reuse is kvtier's.
+    # The engine's KV holds one prompt: every reuse is kvtier's, but for the prompt served
+    # last in a round, whose prefix vLLM's GPU prefix cache still holds in the next.
     assert phase(runs[engine], "r1")["cached"] == [0] * PREFIXES
-    # Round 2 reuses each prefix (from host or L3) and computes its extension.
+    # Round 2 reuses each prefix (from host, L3 or that GPU cache) and computes its extension.
     assert phase(runs[engine], "r2")["cached"] == [PREFIX_TOKENS] * PREFIXES
     # Round 3: each prefix with its extension, whole (before the fix: 1 of 6 at 768 tokens
     # with 16 host chunks, 4 of 6 with 28).

@@ -8,7 +8,8 @@ request's new chunks needed; vLLM offers each chunk once, so the chunks were nev
 and the extended prompt was reused only up to its old prefix the next time (the real engine:
 1 of 6 extended prompts reused whole, vllm_engine/test_vllm_engine_extend.py). A store of
 chunks L3 does not hold now displaces the landed holds of waiting requests (their pages are
-in L3 by construction: the waiting request prefetches them again), newest first.
+in L3 by construction: the waiting request prefetches them again), newest first; and a store
+of such chunks that finds no slot (holds still landing) is refused, so vLLM offers it again.
 """
 
 from __future__ import annotations
@@ -44,6 +45,38 @@ def test_a_running_requests_new_chunks_displace_held_prefetches_of_waiting_reque
         assert e.manager.counters.holds_displaced > 0  # the waiting requests' holds gave way
         e.reset_gpu_cache()
         for i in range(n):  # round 3: every extended prefix was kept (host or L3), whole
+            e.add(f"c{i}", prompt(i, EXTENDED, extra=7))
+        run_checked(e)
+        got = [e.finished[f"c{i}"].external_tokens for i in range(n)]
+        assert got == [EXTENDED * CHUNK] * n, got
+        assert all(f.gpu_ok for f in e.finished.values())
+        assert e.manager.native.holds() == (0, 0, 0) and e.manager.native.usage()["locked"] == 0
+    finally:
+        e.close()
+
+
+def test_a_store_short_of_slots_while_holds_land_is_retried_not_dropped(tmp_path):
+    """The last request of round 1 stays in vLLM's GPU prefix cache, so in round 2 it runs at
+    once, computing its two new chunks, while the prefetches of the requests ahead of it
+    are still landing and take every host slot (a landing hold cannot give way: its bytes
+    are being written). Its prefix left the host but is in L3, and kvtier answered its store
+    with nothing to store: vLLM moved past the chunks and never offered them again (the
+    real engine: 5 of 6 extended prompts reused whole, under load). A store of chunks L3
+    lacks that finds no slot is now refused (vLLM offers it again next step), and lands once
+    the holds landed and gave way."""
+    e = _engine(tmp_path)
+    try:
+        n = 4
+        for i in range(n):
+            e.add(f"a{i}", prompt(i, PREFIX))
+            run_checked(e)
+        for i in range(n):  # no GPU cache reset: the last prefix is still in vLLM's GPU cache
+            e.add(f"b{i}", prompt(i, EXTENDED))
+        run_checked(e)
+        got = [e.finished[f"b{i}"].external_tokens for i in range(n)]
+        assert got == [PREFIX * CHUNK] * n, got
+        e.reset_gpu_cache()
+        for i in range(n):
             e.add(f"c{i}", prompt(i, EXTENDED, extra=7))
         run_checked(e)
         got = [e.finished[f"c{i}"].external_tokens for i in range(n)]

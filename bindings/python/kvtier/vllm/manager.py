@@ -247,7 +247,11 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
             plan = self.native.prepare_store(chain.pages[:end], end, tenant_of(req_context))
             self.counters.holds_displaced += self.native.holds_displaced - displaced
             if plan is None:
-                refused = refused or self.native.lookup(chain.pages[: start + 1], start) == "miss"
+                # No slot: vLLM offers these chunks again next step only if the store is
+                # refused (None), else never. Refused when a chunk of the run is in no tier
+                # (held prefetches still landing may give way once landed); a run L3 holds
+                # whole is left to L3.
+                refused = refused or self._lacks_l3(chain, start, end)
                 continue
             job, frm, got, gone = plan
             jobs.append(job)
@@ -264,6 +268,11 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
             self._stores.setdefault(frozenset(to_store), []).append(jobs)
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=CPULoadStoreSpec(slots),
                                   evicted_keys=evicted)
+
+    def _lacks_l3(self, chain: Chain, start: int, end: int) -> bool:
+        """Whether a page of ``chain[start:end]`` (none on host) is in no tier: kvtier
+        answers ``"miss"`` for it (``"in-l3"``: L3 has it; ``"pending"``: being stored)."""
+        return any(self.native.lookup(chain.pages[: i + 1], i) == "miss" for i in range(start, end))
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         outcome = "done" if success else "failed"
