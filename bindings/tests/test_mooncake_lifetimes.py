@@ -95,6 +95,36 @@ def test_a_second_pool_keeps_the_first_pools_memory():
     assert r.stdout.strip().endswith("ok")
 
 
+@pytest.mark.parametrize("where", ["embedded", "server"])
+def test_a_pool_larger_than_memory_is_a_code_and_a_smaller_one_then_works(where):
+    # setup_dummy's mem_pool_size was allocated with an infallible allocation: a pool the
+    # host cannot give (1 TiB here, under an 8 GiB address-space limit for determinism)
+    # aborted the interpreter ("memory allocation of 1099511627776 bytes failed"). It is a
+    # negative code now, with the client left unset (a retry with a smaller pool set it up).
+    r = run_child(
+        f"""
+        import resource
+        import kvtier
+        from kvtier.mooncake_compat import MooncakeDistributedStore
+        srv = kvtier.L3Server(1 << 24) if {where!r} == "server" else None
+        addr = srv.addr if srv else "embedded://lifetimes-huge-pool"
+        if not srv:  # the real client, whose segment holds the objects
+            real = MooncakeDistributedStore()
+            assert real.setup("h", "", 1 << 24, 1 << 20, "tcp", "", addr) == 0
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+        s = MooncakeDistributedStore()
+        assert s.setup_dummy(1 << 40, 1 << 20, addr) < 0
+        assert s.health_check() == 1  # not set up
+        assert s.setup_dummy(1 << 20, 1 << 20, addr) == 0
+        a = s.alloc_from_mem_pool(4096)
+        assert a and s.put("k", b"v" * 10) == 0 and s.get_into("k", a, 4096) == 10
+        print("ok")
+        """
+    )
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+    assert r.stdout.strip().endswith("ok")
+
+
 def test_replica_clear_racing_close_does_not_hang():
     # batch_replica_clear held the core's state lock while it waited for the GIL; close()
     # held the GIL and waited for that lock: both threads stopped for ever.

@@ -56,7 +56,8 @@ impl KeyPattern {
             .dfa_size_limit(MAX_COMPILED_BYTES)
             .build()
             .map(KeyPattern)
-            .map_err(|e| L3Error::InvalidParams(format!("invalid regex pattern: {e}")))
+            // (the message names the pattern as given: `e` shows it with bytes escaped)
+            .map_err(|e| L3Error::InvalidParams(format!("invalid regex pattern {pattern:?}: {e}")))
     }
 
     /// Whether the pattern occurs anywhere in `key` (`std::regex_search`).

@@ -138,7 +138,8 @@ impl MooncakeCore {
     }
 
     /// Allocates `pool_bytes` for `alloc_from_mem_pool` (a dummy client's shared pool in
-    /// Mooncake). 0 or a negative code. Each allocation is registered on its own, so a
+    /// Mooncake). 0, or -1 when the host cannot give that much memory (nothing changed).
+    /// Each allocation is registered on its own, so a
     /// pointer call through one can never reach its neighbour (Mooncake checks a range
     /// against the buffer it was given, not against the whole pool).
     fn setup_pool(&self, pool_bytes: u64) -> i64 {
@@ -149,7 +150,10 @@ impl MooncakeCore {
             return 0;
         }
         let remote = self.state.read().as_ref().and_then(|a| a.remote.clone());
-        let old = self.pool.lock().replace(Pool::new(remote.as_deref(), n));
+        let Some(pool) = Pool::new(remote.as_deref(), n) else {
+            return ErrorCode::InternalError as i64;
+        };
+        let old = self.pool.lock().replace(pool);
         // Its allocations stay registered (until close or unregister_buffer): its memory
         // lives as long as this object (it was freed here, under pointers still handed in).
         self.retired_pools.lock().extend(old);

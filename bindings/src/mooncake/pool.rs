@@ -13,6 +13,21 @@ use std::sync::Arc;
 
 use kvtier_l3::{RemoteStore, SharedRegion};
 
+/// `n` zeroed bytes (n > 0) on the heap, or None when the allocator cannot give them
+/// (zero pages from the allocator, not written here: a large pool costs no time up front).
+fn zeroed(n: usize) -> Option<Box<[u8]>> {
+    if n == 0 {
+        return None;
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).ok()?;
+    // SAFETY: a layout of n > 0 bytes; the pointer, when not null, is a fresh allocation of
+    // that layout handed to the Box, which frees it with the same layout (n bytes, align 1).
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout);
+        (!p.is_null()).then(|| Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n)))
+    }
+}
+
 /// Where the pool's bytes live.
 enum Mem {
     Shared(Arc<SharedRegion>),
@@ -26,16 +41,18 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// `n` bytes (n > 0), shared with `remote`'s server when it has a shared-memory path.
-    pub fn new(remote: Option<&RemoteStore>, n: usize) -> Self {
+    /// `n` bytes (n > 0), shared with `remote`'s server when it has a shared-memory path;
+    /// None when the host cannot give them (an infallible allocation aborted the process on
+    /// a `mem_pool_size` past what the host holds).
+    pub fn new(remote: Option<&RemoteStore>, n: usize) -> Option<Self> {
         let shared = remote
             .filter(|r| r.uses_shm())
             .and_then(|r| r.shared_region(n).ok());
         let mem = match shared {
             Some(r) => Mem::Shared(r),
-            None => Mem::Heap(vec![0u8; n].into_boxed_slice()),
+            None => Mem::Heap(zeroed(n)?),
         };
-        Pool { mem, used: 0 }
+        Some(Pool { mem, used: 0 })
     }
 
     /// Whether the pool is memory the server maps.

@@ -112,7 +112,8 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
         ``server_address`` holds the memory. In kvtier that is a ``kvtier-l3`` server
         ("HOST:PORT") or an embedded store of this process ("embedded://NAME").
         ``mem_pool_size`` bytes of registered memory back ``alloc_from_mem_pool``.
-        0, or -1 when the real client cannot be reached (as Mooncake)."""
+        0, or -1 when the real client cannot be reached (as Mooncake) or the host cannot
+        give the pool's memory (the client then stays unset)."""
         pool = check_int(mem_pool_size, "mem_pool_size")
         buf = check_int(local_buffer_size, "local_buffer_size")
         check_str(server_address, "server_address")
@@ -128,8 +129,12 @@ class MooncakeDistributedStore(TensorCalls, ExtraCalls):
             rc = self._core.setup_remote(addr, "default", os.environ.get("KVTIER_L3_TOKEN")) if addr else rc
         if rc != 0:
             return int(ErrorCode.INTERNAL_ERROR)
+        rc = self._core.setup_pool(pool)
+        if rc != 0:  # a pool the host cannot give: -1, and this client is not set up
+            self._core.close()
+            return rc
         self._hostname, self._local_buffer = "", buf
-        return self._core.setup_pool(pool)
+        return 0
 
     def alloc_from_mem_pool(self, size: int) -> int:
         """``size`` bytes of the dummy client's pool, already registered (so ``put_from``
