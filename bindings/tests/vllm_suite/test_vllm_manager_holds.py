@@ -30,29 +30,42 @@ def _engine(tmp_path) -> Engine:
     return Engine(str(tmp_path), [], kv_config=kv, max_num_seqs=1, num_gpu_blocks=EXTENDED * 2 + 2)
 
 
-def test_a_running_requests_new_chunks_displace_held_prefetches_of_waiting_requests(tmp_path):
+N = 4  # prompts
+
+
+def _three_rounds(tmp_path, reset_gpu: bool):
+    """Round 1: the four prefixes one at a time (the host keeps the last two, L3 all four);
+    round 2: each extended by two chunks, added at once (after vLLM's GPU prefix cache is
+    reset, or not: then the last prefix is still in it); round 3, after a reset: the extended
+    prompts again. The engine, ready for more checks, and the chunks each request of rounds 2
+    and 3 reused; kvtier's check ran after every step, every forward read the right bytes,
+    and nothing stays held or locked."""
     e = _engine(tmp_path)
     try:
-        n = 4
-        for i in range(n):  # round 1, one at a time: the host keeps the last two, L3 all four
+        for i in range(N):
             e.add(f"a{i}", prompt(i, PREFIX))
             run_checked(e)
-        e.reset_gpu_cache()
-        for i in range(n):  # round 2: each prefix extended by two chunks, added at once
+        if reset_gpu:
+            e.reset_gpu_cache()
+        for i in range(N):
             e.add(f"b{i}", prompt(i, EXTENDED))
         run_checked(e)
-        assert [e.finished[f"b{i}"].external_tokens for i in range(n)] == [PREFIX * CHUNK] * n
-        assert e.manager.counters.holds_displaced > 0  # the waiting requests' holds gave way
         e.reset_gpu_cache()
-        for i in range(n):  # round 3: every extended prefix was kept (host or L3), whole
+        for i in range(N):
             e.add(f"c{i}", prompt(i, EXTENDED, extra=7))
         run_checked(e)
-        got = [e.finished[f"c{i}"].external_tokens for i in range(n)]
-        assert got == [EXTENDED * CHUNK] * n, got
         assert all(f.gpu_ok for f in e.finished.values())
         assert e.manager.native.holds() == (0, 0, 0) and e.manager.native.usage()["locked"] == 0
+        return e, [[e.finished[f"{r}{i}"].external_tokens // CHUNK for i in range(N)] for r in "bc"]
     finally:
         e.close()
+
+
+def test_a_running_requests_new_chunks_displace_held_prefetches_of_waiting_requests(tmp_path):
+    e, (r2, r3) = _three_rounds(tmp_path, reset_gpu=True)
+    assert r2 == [PREFIX] * N, r2
+    assert e.manager.counters.holds_displaced > 0  # the waiting requests' holds gave way
+    assert r3 == [EXTENDED] * N, r3  # every extended prefix was kept (host or L3), whole
 
 
 def test_a_store_short_of_slots_while_holds_land_is_retried_not_dropped(tmp_path):
@@ -64,24 +77,6 @@ def test_a_store_short_of_slots_while_holds_land_is_retried_not_dropped(tmp_path
     real engine: 5 of 6 extended prompts reused whole, under load). A store of chunks L3
     lacks that finds no slot is now refused (vLLM offers it again next step), and lands once
     the holds landed and gave way."""
-    e = _engine(tmp_path)
-    try:
-        n = 4
-        for i in range(n):
-            e.add(f"a{i}", prompt(i, PREFIX))
-            run_checked(e)
-        for i in range(n):  # no GPU cache reset: the last prefix is still in vLLM's GPU cache
-            e.add(f"b{i}", prompt(i, EXTENDED))
-        run_checked(e)
-        got = [e.finished[f"b{i}"].external_tokens for i in range(n)]
-        assert got == [PREFIX * CHUNK] * n, got
-        e.reset_gpu_cache()
-        for i in range(n):
-            e.add(f"c{i}", prompt(i, EXTENDED, extra=7))
-        run_checked(e)
-        got = [e.finished[f"c{i}"].external_tokens for i in range(n)]
-        assert got == [EXTENDED * CHUNK] * n, got
-        assert all(f.gpu_ok for f in e.finished.values())
-        assert e.manager.native.holds() == (0, 0, 0) and e.manager.native.usage()["locked"] == 0
-    finally:
-        e.close()
+    _, (r2, r3) = _three_rounds(tmp_path, reset_gpu=False)
+    assert r2 == [PREFIX] * N, r2
+    assert r3 == [EXTENDED] * N, r3
