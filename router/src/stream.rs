@@ -79,6 +79,9 @@ pub struct Tracker {
     reconnected_since_live: bool,
     /// Batches longer than this are skipped undecoded (`None`: no limit).
     max_batch_bytes: Option<usize>,
+    /// A live batch far behind is being resynced ([`Self::behind`]): it syncs once, so a
+    /// history whose answers disagree cannot make it recurse.
+    resyncing: bool,
     pub counters: StreamCounters,
 }
 
@@ -249,7 +252,7 @@ impl Tracker {
                 self.next = None;
                 self.live(seq, payload, false, history, sink);
             } else {
-                self.behind(seq, next, payload, sink);
+                self.behind(seq, next, payload, history, sink);
             }
             return;
         }
@@ -261,7 +264,7 @@ impl Tracker {
         }
         match self.next {
             Some(n) if seq == n => self.fold(seq, payload, sink),
-            Some(n) if seq < n => self.behind(seq, n, payload, sink),
+            Some(n) if seq < n => self.behind(seq, n, payload, history, sink),
             _ => {
                 // still missing: take the live batch and go on without what is lost
                 self.counters.lost += 1;
@@ -272,13 +275,19 @@ impl Tracker {
 
     /// A live batch numbered before `next`, not from a restarted publisher: replayed already
     /// (the replay overtook the batches queued behind a gap) if it is within what can have
-    /// queued; further behind, the replay's numbers are not this stream's, and the stream is
-    /// taken from this batch on (what the replay gave is dropped: it may be another's).
+    /// queued. Further behind, the numbers that put `next` there were not this stream's: a
+    /// replay socket's of another stream, or one live batch numbered far ahead (a corrupt or
+    /// hostile frame). The stream syncs afresh: a snapshot within reach of this batch is
+    /// this stream's (applied, and the batch with it); one numbered far past it too is not
+    /// (dropped), and the stream is taken from this batch on. (It used to be taken from this
+    /// batch on at once: one frame numbered 2^63 cost the instance every page published
+    /// before it.)
     fn behind(
         &mut self,
         seq: u64,
         next: u64,
         payload: &[u8],
+        history: &mut dyn History,
         sink: &mut dyn FnMut(Apply<'_>) -> bool,
     ) {
         if next - seq <= LIVE_QUEUE {
@@ -286,6 +295,24 @@ impl Tracker {
             return;
         }
         self.counters.renumbered += 1;
+        self.last_live = Some(seq);
+        let nested = std::mem::replace(&mut self.resyncing, true);
+        let done = !nested
+            && self.sync(history, sink)
+            && match self.next {
+                Some(n) if seq >= n => {
+                    self.live(seq, payload, false, history, sink);
+                    true
+                }
+                // the snapshot holds this batch already
+                Some(n) => n - seq <= LIVE_QUEUE,
+                None => false,
+            };
+        self.resyncing = nested;
+        if done {
+            return;
+        }
+        // no snapshot, or another stream's: this batch on, without what came before
         self.counters.lost += 1;
         sink(Apply::Reset);
         self.fold(seq, payload, sink);

@@ -243,6 +243,89 @@ fn a_replay_numbered_far_past_the_live_stream_does_not_freeze_it() {
     assert_eq!(c.router().index().entries(), clean(&live));
 }
 
+/// One live batch whose number is far past the stream's (a corrupt frame, a relay's bug, a
+/// hostile peer: 2^63 here) among a publisher's batches 0..10. The bug: the stream took the
+/// next real batch for a renumbered stream and reset the instance there, so every page of
+/// the batches before it was gone for good (only 5..10 were indexed). The stream now syncs
+/// afresh when it meets a live number that far behind, and the publisher's snapshot (which
+/// holds every batch) restores the index; a replay socket numbering another stream (the
+/// test above) still leaves the stream to its live batches.
+#[test]
+fn one_live_batch_numbered_far_ahead_costs_the_index_nothing() {
+    let live: Vec<Vec<WireEvent>> = (0..10)
+        .map(|i| vec![stored(&tokens(30 + i, 2), Medium::Gpu)])
+        .collect();
+    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine).expect("model");
+    let st = c.add_stream("s", "mem", Target::Instance(0));
+    let mut t = Tracker::new();
+    let mut sink = |a: Apply<'_>| c.apply(st, a);
+    t.sync(&mut Memory::new(&[], 10), &mut sink);
+    let mut h = Memory::new(&live, 20);
+    let payloads = h.payloads.clone();
+    for (s, p) in payloads.iter().enumerate() {
+        if s == 5 {
+            t.on_live(1 << 63, b"not a batch", &mut h, &mut sink);
+        }
+        t.on_live(s as u64, p, &mut h, &mut sink);
+    }
+    assert_eq!(t.next(), Some(10), "{:?}", t.counters);
+    assert_eq!(
+        c.router().index().entries(),
+        clean(&live),
+        "{:?}",
+        t.counters
+    );
+}
+
+/// A hostile replay socket whose snapshots disagree with each other (numbered 0, then far
+/// past anything live, in turn) and whose replays are empty: a live batch far behind syncs
+/// once, never again within itself (each sync could send it behind again: a recursion a
+/// peer would drive until the stack overflowed), and the stream goes on from the live
+/// batches.
+struct Fickle(u64, Vec<u8>);
+
+impl History for Fickle {
+    fn replay(&mut self, from: i64) -> Replayed {
+        if from != SNAPSHOT {
+            return Some(Vec::new());
+        }
+        self.0 += 1;
+        let seq = if self.0.is_multiple_of(2) { 0 } else { 1 << 62 };
+        Some(vec![(seq, self.1.clone())])
+    }
+}
+
+#[test]
+fn a_history_whose_snapshots_disagree_cannot_make_the_stream_recurse() {
+    let live: Vec<Vec<WireEvent>> = (0..10)
+        .map(|i| vec![stored(&tokens(50 + i, 1), Medium::Gpu)])
+        .collect();
+    let m = Memory::new(&live, 10);
+    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine).expect("model");
+    let st = c.add_stream("s", "mem", Target::Instance(0));
+    let mut t = Tracker::new();
+    let mut sink = |a: Apply<'_>| c.apply(st, a);
+    let snap = encode_batch(
+        0.0,
+        &[stored(&tokens(1, 1), Medium::Gpu)],
+        0,
+        HashFormat::Int64,
+    )
+    .expect("encode");
+    let mut h = Fickle(0, snap);
+    t.sync(&mut h, &mut sink);
+    for (s, p) in m.payloads.iter().enumerate().skip(3) {
+        t.on_live(s as u64, p, &mut h, &mut sink);
+    }
+    assert_eq!(t.next(), Some(10), "{:?}", t.counters);
+    assert_eq!(
+        c.router().index().entries(),
+        clean(&live[3..]),
+        "{:?}",
+        t.counters
+    );
+}
+
 /// A batch longer than the stream's `max_batch_bytes` is skipped undecoded (decoding takes
 /// up to ~50 times a payload: a 30 MB batch of one-byte hashes took 1.4 GB), counted
 /// `oversized` and lost; the batches after it apply.
