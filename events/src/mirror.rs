@@ -11,7 +11,8 @@
 //! parent always comes before its children (a cache never stores a child before its parent
 //! on the same tier), and replaying [`Mirror::snapshot`] into an empty index gives this one.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use kvtier_radix::PageHash;
 
@@ -115,46 +116,106 @@ impl Mirror {
             .unwrap_or_default()
     }
 
-    /// `AllBlocksCleared`, then a `BlockStored` per run of blocks (a run: consecutive in stored
-    /// order, each the previous one's child, same medium, adapter and block size).
+    /// `AllBlocksCleared`, then a `BlockStored` per run of blocks (a run: consecutive in the
+    /// listing, each the previous one's child, same medium, adapter and block size). Every
+    /// block comes after its parent wherever the parent is resident (its medium first, then
+    /// any other): media in name order, each in stored order, but a block whose parent is
+    /// not listed yet is preceded by it (a parent stored again after its child, or a child
+    /// offloaded to host whose parent is on the device only, came after it, and a
+    /// subscriber keying blocks by their parents keyed the child as nothing).
     pub fn snapshot(&self) -> Vec<WireEvent> {
-        let mut out = vec![WireEvent::AllBlocksCleared];
         let mut media: Vec<_> = self.media.iter().collect();
         media.sort_by_key(|(m, _)| m.as_str());
-        for (medium, idx) in media {
-            let mut run: Option<WireEvent> = None;
+        let mut listed: HashSet<(Medium, PageHash), BuildHasherDefault<Folded>> =
+            HashSet::with_capacity_and_hasher(self.blocks(), BuildHasherDefault::default());
+        let mut order: Vec<(Medium, PageHash, &Block)> = Vec::with_capacity(self.blocks());
+        for &(medium, idx) in &media {
             for h in idx.order.values() {
-                let b = &idx.blocks[h];
-                if let Some(WireEvent::BlockStored {
-                    block_hashes,
-                    token_ids,
-                    block_size,
-                    lora_name,
-                    locality,
-                    ..
-                }) = run.as_mut()
-                    && block_hashes.last() == b.parent.as_ref()
-                    && *block_size == b.block_size
-                    && *lora_name == b.lora_name
-                    && *locality == b.locality
-                {
-                    block_hashes.push(*h);
-                    token_ids.extend_from_slice(&b.tokens);
+                let block = &idx.blocks[h];
+                if block.parent.is_none_or(|p| listed.contains(&(*medium, p))) {
+                    // the common case: a root, or its parent listed
+                    listed.insert((*medium, *h));
+                    order.push((*medium, *h, block));
                     continue;
                 }
-                out.extend(run.take());
-                run = Some(WireEvent::BlockStored {
-                    block_hashes: vec![*h],
-                    parent_block_hash: b.parent,
-                    token_ids: b.tokens.clone(),
-                    block_size: b.block_size,
-                    medium: *medium,
-                    lora_name: b.lora_name.clone(),
-                    locality: b.locality,
-                });
+                // the chain of parents not listed yet, nearest first
+                let mut chain = vec![(*medium, *h)];
+                let mut at = (*medium, *h);
+                while let Some(parent) = self.media[&at.0].blocks[&at.1].parent {
+                    let here = std::iter::once(at.0).chain(media.iter().map(|(m, _)| **m));
+                    let Some(m) = here
+                        .into_iter()
+                        .find(|m| self.media[m].blocks.contains_key(&parent))
+                    else {
+                        break;
+                    };
+                    let p = (m, parent);
+                    if listed.contains(&p) || chain.contains(&p) {
+                        break; // listed, or a cycle (a publisher's garbage)
+                    }
+                    chain.push(p);
+                    at = p;
+                }
+                for (m, h) in chain.into_iter().rev() {
+                    if listed.insert((m, h)) {
+                        order.push((m, h, &self.media[&m].blocks[&h]));
+                    }
+                }
             }
-            out.extend(run);
         }
+        let mut out = vec![WireEvent::AllBlocksCleared];
+        let mut run: Option<WireEvent> = None;
+        for (medium, h, b) in order {
+            if let Some(WireEvent::BlockStored {
+                block_hashes,
+                token_ids,
+                block_size,
+                lora_name,
+                locality,
+                medium: run_medium,
+                ..
+            }) = run.as_mut()
+                && *run_medium == medium
+                && block_hashes.last() == b.parent.as_ref()
+                && *block_size == b.block_size
+                && *lora_name == b.lora_name
+                && *locality == b.locality
+            {
+                block_hashes.push(h);
+                token_ids.extend_from_slice(&b.tokens);
+                continue;
+            }
+            out.extend(run.take());
+            run = Some(WireEvent::BlockStored {
+                block_hashes: vec![h],
+                parent_block_hash: b.parent,
+                token_ids: b.tokens.clone(),
+                block_size: b.block_size,
+                medium,
+                lora_name: b.lora_name.clone(),
+                locality: b.locality,
+            });
+        }
+        out.extend(run);
         out
+    }
+}
+
+/// A hasher for page hashes (already uniform): each 8 bytes folded in with one multiply, a
+/// few times faster than SipHash on the snapshot's 500K-block listings.
+#[derive(Default)]
+struct Folded(u64);
+
+impl Hasher for Folded {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for c in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..c.len()].copy_from_slice(c);
+            self.0 = (self.0.rotate_left(29) ^ u64::from_le_bytes(b))
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
     }
 }

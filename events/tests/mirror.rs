@@ -157,3 +157,52 @@ fn resident_events_list_parents_before_children() {
     }
     assert!(seen.len() >= 6);
 }
+
+/// A snapshot lists every block's parent before it, whatever the order the blocks were
+/// stored in, across media too: a subscriber that keys blocks by their parents (a router
+/// hashing tokens, as Dynamo's and `kvtier-router --keys tokens` do) keys a child whose
+/// parent comes later as nothing. The bug: blocks were listed per medium in the order they
+/// were last stored, `CPU` before `GPU`, so a parent stored again after its child (a
+/// publisher's re-announcement of a resident block) came after it, and a block offloaded
+/// to host whose parent stayed on the device only came before it.
+#[test]
+fn a_snapshot_lists_each_parent_before_its_children() {
+    let h = |b: u8| PageHash([b; 32]);
+    let stored = |hs: &[u8], parent: Option<u8>, medium: Medium| WireEvent::BlockStored {
+        block_hashes: hs.iter().map(|&b| h(b)).collect(),
+        parent_block_hash: parent.map(h),
+        token_ids: vec![0; hs.len() * PS],
+        block_size: PS as u32,
+        medium,
+        lora_name: None,
+        locality: None,
+    };
+    let mut m = Mirror::new();
+    for e in [
+        stored(&[1, 2], None, Medium::Gpu),
+        stored(&[1], None, Medium::Gpu), // re-stored after its child
+        stored(&[3], Some(2), Medium::Cpu), // its parent on the device only
+        stored(&[4], Some(3), Medium::Cpu),
+    ] {
+        m.apply(&e);
+    }
+    let mut seen = BTreeSet::new();
+    for e in m.snapshot() {
+        if let WireEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            ..
+        } = e
+        {
+            if let Some(p) = parent_block_hash {
+                assert!(
+                    seen.contains(&p),
+                    "{:?} listed before its parent",
+                    block_hashes[0].0[0]
+                );
+            }
+            seen.extend(block_hashes);
+        }
+    }
+    assert_eq!(seen.len(), 4);
+}
