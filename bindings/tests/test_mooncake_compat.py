@@ -102,6 +102,44 @@ def test_an_upsert_refused_for_its_value_keeps_the_old_object(where):
         srv.shutdown()
 
 
+@pytest.mark.parametrize("where", ["embedded", "server"])
+def test_batches_past_the_stores_batch_limit_answer_per_key(where):
+    """Mooncake takes any number of keys in a batch; kvtier's store takes max_batch_keys
+    (65,536 by default) a request. Every key of a longer batch was -600 (SGLang's own
+    Mooncake backend asks batch_is_exist about a whole prompt: no hit past 65,536 pages).
+    The calls go max_batch_keys keys at a time; a limit of 100 here, batches of 250."""
+    limit, n = 100, 250
+    srv = kvtier.L3Server(1 << 24, max_batch_keys=limit) if where == "server" else None
+    s = MooncakeDistributedStore()
+    if srv:
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", srv.addr) == 0
+    else:
+        assert s.setup_with_store(kvtier.L3Store.embedded(1 << 24, max_batch_keys=limit)) == 0
+    _, src = registered(s, 16 * n)
+    _, dst = registered(s, 16 * n)
+    src[:] = np.arange(16 * n) % 251
+    keys = [f"b{i}" for i in range(n)]
+    ptrs = [src.ctypes.data + 16 * i for i in range(n)]
+    assert s.batch_put_from(keys, ptrs, [8] * n) == [0] * n
+    assert s.batch_upsert_from(keys, ptrs, [16] * n) == [0] * n
+    assert s.batch_is_exist(keys + ["nope"]) == [1] * n + [0]
+    assert s.batch_get_into(keys, [dst.ctypes.data + 16 * i for i in range(n)], [16] * n) == [16] * n
+    assert np.array_equal(dst, src)
+    half = [[dst.ctypes.data + 16 * i, dst.ctypes.data + 16 * i + 8] for i in range(n)]
+    dst[:] = 0
+    assert s.batch_get_into_multi_buffers(keys, half, [[8, 8]] * n) == [16] * n
+    assert np.array_equal(dst, src)
+    parts = [[p, p + 8] for p in ptrs]
+    assert s.batch_put_from_multi_buffers([f"m{i}" for i in range(n)], parts, [[8, 8]] * n) == [0] * n
+    assert s.put_batch([f"v{i}" for i in range(n)], [b"x"] * n) == 0
+    assert s.upsert_batch([f"v{i}" for i in range(n)], [b"y"] * n) == 0
+    assert s.get_batch([f"v{i}" for i in range(n)]) == [b"y"] * n
+    assert s.batch_remove(keys, True) == [0] * n
+    s.close()
+    if srv:
+        srv.shutdown()
+
+
 def test_remove_force_and_remove_all():
     s = new_store()
     s.put("x", b"1")

@@ -240,4 +240,8 @@ pub trait L3Store: Send + Sync {
     /// size against at startup: a probe put would tell too, but on a full store it evicts a
     /// real object for every client started.
     fn max_object_bytes(&self) -> u64;
+    /// The most keys one batch call takes (`StoreConfig::max_batch_keys`; a server's as its
+    /// `hello` said; 0 where nothing is accepted, a standby). A caller whose batches may be
+    /// longer (Mooncake's calls take any number of keys) goes this many keys at a time.
+    fn batch_keys_limit(&self) -> usize;
 }

@@ -123,6 +123,11 @@ fn write_many(
     s.batch_put_from_with(t, keys, views, PutOptions::default(), w.cfg)
 }
 
+/// `items` in runs of at most the store's batch limit (at least one item a run).
+pub(super) fn chunks<'a, T>(s: &dyn L3Store, items: &'a [T]) -> std::slice::Chunks<'a, T> {
+    items.chunks(s.batch_keys_limit().max(1))
+}
+
 impl MooncakeCore {
     pub(super) fn handle(&self) -> Option<(Arc<dyn L3Store>, Tenant)> {
         self.state
@@ -136,34 +141,32 @@ impl MooncakeCore {
     }
 
     /// The shared part of the batch calls: keys whose range is valid go to `call` (with
-    /// their indices) with the GIL released; each result goes back to its key's slot as
-    /// `code` reports it. An invalid key is INVALID_PARAMS; a whole-call failure gives its
-    /// code to every valid key.
+    /// their indices) with the GIL released, at most the store's batch limit at a time
+    /// (Mooncake takes any number of keys; past the limit every key was -600); each result
+    /// goes back to its key's slot as `code` reports it. An invalid key is INVALID_PARAMS;
+    /// a whole-call failure gives its code to every valid key of that call.
     pub(super) fn mc_batch<T: Send>(
         &self,
         py: Python<'_>,
         keys: &[String],
         valid: impl Fn(usize) -> bool,
-        call: impl FnOnce(&dyn L3Store, &Tenant, &[usize], &[String]) -> BatchResult<T> + Send,
-        code: impl Fn(L3Result<T>) -> i64,
+        mut call: impl FnMut(&dyn L3Store, &Tenant, &[usize], &[String]) -> BatchResult<T> + Send,
+        code: impl Fn(L3Result<T>) -> i64 + Sync,
     ) -> Vec<i64> {
         let Some((s, t)) = self.handle() else {
             return vec![NOT_INITIALIZED; keys.len()];
         };
         let idx: Vec<usize> = (0..keys.len()).filter(|&i| valid(i)).collect();
         let sel: Vec<String> = idx.iter().map(|&i| keys[i].clone()).collect();
-        let res = py.detach(|| call(s.as_ref(), &t, &idx, &sel));
         let mut out = vec![INVALID_PARAMS; keys.len()];
-        match res {
-            Ok(v) => {
-                for (j, r) in v.into_iter().enumerate() {
-                    if let Some(&i) = idx.get(j) {
-                        out[i] = code(r);
-                    }
+        py.detach(|| {
+            for (ic, kc) in chunks(s.as_ref(), &idx).zip(chunks(s.as_ref(), &sel)) {
+                match call(s.as_ref(), &t, ic, kc) {
+                    Ok(v) => ic.iter().zip(v).for_each(|(&i, r)| out[i] = code(r)),
+                    Err(e) => ic.iter().for_each(|&i| out[i] = l3code(&e)),
                 }
             }
-            Err(e) => idx.iter().for_each(|&i| out[i] = l3code(&e)),
-        }
+        });
         out
     }
 
@@ -203,12 +206,16 @@ impl MooncakeCore {
             return Ok(NOT_INITIALIZED);
         };
         let views: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
-        Ok(
-            py.detach(|| match write_many(s.as_ref(), &t, &keys, &views, mode) {
-                Ok(v) => v.iter().map(mc_put_code).find(|c| *c != 0).unwrap_or(0),
-                Err(e) => l3code(&e),
-            }),
-        )
+        Ok(py.detach(|| {
+            // every run is written; the first failure is the batch's code
+            let codes = chunks(s.as_ref(), &keys)
+                .zip(chunks(s.as_ref(), &views))
+                .map(|(k, v)| match write_many(s.as_ref(), &t, k, v, mode) {
+                    Ok(v) => v.iter().map(mc_put_code).find(|c| *c != 0).unwrap_or(0),
+                    Err(e) => l3code(&e),
+                });
+            codes.fold(0, |first, c| if first != 0 { first } else { c })
+        }))
     }
 
     pub(super) fn put_ranges(

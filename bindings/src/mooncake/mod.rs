@@ -520,9 +520,13 @@ impl MooncakeCore {
         let Some((s, t)) = self.handle() else {
             return vec![NOT_INITIALIZED; keys.len()];
         };
-        py.detach(|| match s.batch_is_exist(&t, &keys) {
-            Ok(v) => v.into_iter().map(exist_code).collect(),
-            Err(e) => vec![l3code(&e); keys.len()],
+        py.detach(|| {
+            batch::chunks(s.as_ref(), &keys)
+                .flat_map(|k| match s.batch_is_exist(&t, k) {
+                    Ok(v) => v.into_iter().map(exist_code).collect(),
+                    Err(e) => vec![l3code(&e); k.len()],
+                })
+                .collect()
         })
     }
 

@@ -570,6 +570,10 @@ impl L3Store for ClusterMaster {
     fn max_object_bytes(&self) -> u64 {
         self.cfg.max_object_bytes
     }
+
+    fn batch_keys_limit(&self) -> usize {
+        self.cfg.max_batch_keys
+    }
 }
 
 impl Backend for ClusterMaster {

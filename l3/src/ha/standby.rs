@@ -221,6 +221,10 @@ impl L3Store for Standby {
     fn max_object_bytes(&self) -> u64 {
         0
     }
+
+    fn batch_keys_limit(&self) -> usize {
+        0
+    }
 }
 
 impl Backend for Standby {

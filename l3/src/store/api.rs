@@ -318,6 +318,10 @@ impl L3Store for EmbeddedStore {
         self.config().max_object_bytes
     }
 
+    fn batch_keys_limit(&self) -> usize {
+        self.config().max_batch_keys
+    }
+
     fn stats(&self) -> L3Result<StoreStats> {
         let mut s = self.inner.master.lock().stats();
         if let Some(t) = &self.inner.ssd {

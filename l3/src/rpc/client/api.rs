@@ -398,6 +398,10 @@ impl L3Store for RemoteStore {
     fn max_object_bytes(&self) -> u64 {
         self.limits.max_object_bytes.min(self.frame_object_bytes())
     }
+
+    fn batch_keys_limit(&self) -> usize {
+        usize::try_from(self.limits.max_batch_keys).unwrap_or(usize::MAX)
+    }
 }
 
 impl RemoteStore {
