@@ -216,7 +216,7 @@ impl Cluster {
             last_batch: None,
             other_block_size: (0, None),
             translator: (self.keys == Keys::Tokens).then(|| match target {
-                Target::Instance(i) => Translator::new(self.budget.max_pages).of_instance(i),
+                Target::Instance(_) => Translator::new(self.budget.max_pages),
                 Target::Storage => Translator::for_store(self.budget.max_pages),
             }),
         });
@@ -251,10 +251,6 @@ impl Cluster {
             t.set_max_bytes(room);
         }
         let target = st.target;
-        let local_of = match target {
-            Target::Instance(i) => Some(i),
-            Target::Storage => None,
-        };
         let batch = match a {
             Apply::Reset => None,
             Apply::Batch(p) => Some(DecodedBatch::of(p).0),
@@ -273,14 +269,16 @@ impl Cluster {
                     .as_deref()
                     .map(|v| other_block_sizes(v, self.page_size))
                     .unwrap_or_default();
-                let decoded = match (values, st.translator.as_mut()) {
-                    (Err(e), _) => Err(e),
-                    (Ok(v), Some(t)) => t.translate_events(&v),
-                    (Ok(v), None) => index_events(&v, local_of).map(|events| Translated {
-                        events,
-                        ..Translated::default()
-                    }),
-                };
+                let decoded =
+                    match (values, st.translator.as_mut()) {
+                        (Err(e), _) => Err(e),
+                        (Ok(v), Some(t)) => t.translate_events(&v),
+                        (Ok(v), None) => index_events(&v, matches!(target, Target::Instance(_)))
+                            .map(|events| Translated {
+                                events,
+                                ..Translated::default()
+                            }),
+                    };
                 let Ok(batch) = decoded else {
                     return false;
                 };

@@ -5,7 +5,7 @@
 //! the index reads any vLLM-format stream. `STORAGE` pages from any instance go to the one
 //! shared set: the L3 is shared, so a page one instance backed up is loadable by all; but
 //! an instance's pages on a storage tier local to it (locality `LOCAL`: a node's disk) are
-//! held there under keys of its own ([`local_key`]), loadable by it alone.
+//! its own ([`IndexEvent::LocalStored`]), loadable by it alone.
 //!
 //! Bounded by a [`Budget`]: bytes (what the index's allocations hold, [`ClusterIndex::memory_bytes`],
 //! counted as the allocator counts them, see `table.rs`) and, optionally, entries. A
@@ -27,9 +27,25 @@ use crate::table::Table;
 /// One decoded event, as the index needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum IndexEvent {
-    Stored { medium: Medium, hashes: Vec<u64> },
-    Removed { medium: Medium, hashes: Vec<u64> },
+    Stored {
+        medium: Medium,
+        hashes: Vec<u64>,
+    },
+    Removed {
+        medium: Medium,
+        hashes: Vec<u64>,
+    },
     Cleared,
+    /// Pages on a storage tier local to the instance (vLLM's `STORAGE` of locality
+    /// `LOCAL`: a node's own disk), which no other instance loads from: priced at the
+    /// shared store's bandwidth for that instance alone. Neither the instance's
+    /// `AllBlocksCleared` (its device and host) nor the shared store's clears them.
+    LocalStored {
+        hashes: Vec<u64>,
+    },
+    LocalRemoved {
+        hashes: Vec<u64>,
+    },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -43,26 +59,24 @@ pub enum DecodeError {
 /// Decodes a vLLM `KVEventBatch` payload. Events of unknown type or medium are skipped
 /// (newer publishers may send more); a malformed batch is an error and changes nothing.
 pub fn decode_batch(payload: &[u8]) -> Result<Vec<IndexEvent>, DecodeError> {
-    index_events(&batch_events(payload)?, None)
+    index_events(&batch_events(payload)?, false)
 }
 
-/// [`decode_batch`] of instance `instance`'s stream: its `STORAGE` pages of locality
-/// `LOCAL` are its own ([`local_key`]).
-pub(crate) fn decode_instance_batch(
-    payload: &[u8],
-    instance: usize,
-) -> Result<Vec<IndexEvent>, DecodeError> {
-    index_events(&batch_events(payload)?, Some(instance))
+/// [`decode_batch`] of an instance's stream: its `STORAGE` pages of locality `LOCAL` are
+/// its own ([`IndexEvent::LocalStored`]).
+pub(crate) fn decode_instance_batch(payload: &[u8]) -> Result<Vec<IndexEvent>, DecodeError> {
+    index_events(&batch_events(payload)?, true)
 }
 
-/// The shared set's key for page `h` on instance `instance`'s own storage: a tier local to
-/// it (vLLM's `STORAGE` of locality `LOCAL`: a node's disk), which no other instance loads
-/// from. [`ClusterIndex::prefix_with`] credits it to that instance alone.
-pub fn local_key(h: u64, instance: usize) -> u64 {
-    let mut x = (h ^ 0x4C4F_4341_4C44_4953).wrapping_add(instance as u64 + 1);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
+/// The event of `hashes` stored (or removed) on `medium`: an instance's own storage if
+/// `local` ([`IndexEvent::LocalStored`]).
+pub(crate) fn placed(stored: bool, medium: Medium, local: bool, hashes: Vec<u64>) -> IndexEvent {
+    match (stored, local && medium == Medium::Storage) {
+        (true, false) => IndexEvent::Stored { medium, hashes },
+        (false, false) => IndexEvent::Removed { medium, hashes },
+        (true, true) => IndexEvent::LocalStored { hashes },
+        (false, true) => IndexEvent::LocalRemoved { hashes },
+    }
 }
 
 /// A batch's payload decoded into msgpack values, not yet read as events: what a subscriber
@@ -76,32 +90,24 @@ impl DecodedBatch {
     }
 }
 
-/// [`decode_batch`] of events decoded already; `local_of`: the instance whose stream they
-/// are (its `LOCAL` storage is its own, [`local_key`]), `None`: the shared store's.
+/// [`decode_batch`] of events decoded already; `instance`: whether they are an instance's
+/// (its `LOCAL` storage is its own, [`IndexEvent::LocalStored`]), not the shared store's.
 pub(crate) fn index_events(
     events: &[Value],
-    local_of: Option<usize>,
+    instance: bool,
 ) -> Result<Vec<IndexEvent>, DecodeError> {
     let mut out = Vec::with_capacity(events.len());
     for e in events {
         let e = WireMap::of(e)?;
-        let hashes = || -> Result<Vec<u64>, DecodeError> {
-            let hs = e.hashes()?;
-            Ok(match local_of {
-                Some(i) if e.local_storage() => hs.into_iter().map(|h| local_key(h, i)).collect(),
-                _ => hs,
-            })
-        };
+        let local = instance && e.local_storage();
         match (e.kind(), e.medium()) {
             (Some("AllBlocksCleared"), _) => out.push(IndexEvent::Cleared),
-            (Some("BlockStored"), Some(medium)) => out.push(IndexEvent::Stored {
-                medium,
-                hashes: hashes()?,
-            }),
-            (Some("BlockRemoved"), Some(medium)) => out.push(IndexEvent::Removed {
-                medium,
-                hashes: hashes()?,
-            }),
+            (Some("BlockStored"), Some(medium)) => {
+                out.push(placed(true, medium, local, e.hashes()?))
+            }
+            (Some("BlockRemoved"), Some(medium)) => {
+                out.push(placed(false, medium, local, e.hashes()?))
+            }
             _ => {}
         }
     }
@@ -217,6 +223,14 @@ impl Hasher for PageKeyHasher {
 
 type PageSet = HashSet<u64, BuildHasherDefault<PageKeyHasher>>;
 
+/// Where a page is held: an instance's medium (`STORAGE`: the shared set), or an
+/// instance's own storage.
+#[derive(Clone, Copy, Debug)]
+enum Place {
+    Medium(usize, Medium),
+    Disk(usize),
+}
+
 /// One tier's pages and its table's allocation.
 #[derive(Default, Debug)]
 struct Pages {
@@ -255,6 +269,8 @@ impl Pages {
 struct Local {
     gpu: Pages,
     cpu: Pages,
+    /// Its own storage tier's ([`IndexEvent::LocalStored`]).
+    disk: Pages,
 }
 
 /// What the index may hold: bytes (its allocations, plus any [`ClusterIndex::set_shared_bytes`]
@@ -385,44 +401,54 @@ impl ClusterIndex {
                 l.cpu.set.clear();
                 self.tables -= l.gpu.shrink() + l.cpu.shrink();
             }
+            IndexEvent::LocalStored { hashes } => self.store(Place::Disk(instance), hashes),
+            IndexEvent::LocalRemoved { hashes } => self.remove(Place::Disk(instance), hashes),
             IndexEvent::Stored { medium, hashes } => {
-                let Budget {
-                    max_bytes,
-                    max_pages,
-                } = self.budget;
-                let held = self.fixed_bytes().saturating_add(self.shared);
-                let (mut len, mut tables, mut dropped) = (self.len, self.tables, self.dropped);
-                let p = self.pages_mut(instance, *medium);
-                for &h in hashes {
-                    if p.set.contains(&h) {
-                        continue;
-                    }
-                    let grow = p.table.growth::<u64>(p.set.len(), p.set.capacity());
-                    if len >= max_pages
-                        || held.saturating_add(tables).saturating_add(grow) > max_bytes
-                    {
-                        dropped += 1;
-                        continue;
-                    }
-                    let before = p.bytes();
-                    p.set.insert(h);
-                    p.table.inserted(p.set.capacity());
-                    tables = tables - before + p.bytes();
-                    len += 1;
-                }
-                (self.len, self.tables, self.dropped) = (len, tables, dropped);
+                self.store(Place::Medium(instance, *medium), hashes)
             }
             IndexEvent::Removed { medium, hashes } => {
-                let p = self.pages_mut(instance, *medium);
-                let had = p.set.len();
-                for h in hashes {
-                    p.set.remove(h);
-                }
-                let (gone, freed) = (had - p.set.len(), p.shrink());
-                self.len -= gone;
-                self.tables -= freed;
+                self.remove(Place::Medium(instance, *medium), hashes)
             }
         }
+    }
+
+    /// Stores `hashes` at `place`, within the budget (counted dropped past it).
+    fn store(&mut self, place: Place, hashes: &[u64]) {
+        let Budget {
+            max_bytes,
+            max_pages,
+        } = self.budget;
+        let held = self.fixed_bytes().saturating_add(self.shared);
+        let (mut len, mut tables, mut dropped) = (self.len, self.tables, self.dropped);
+        let p = self.pages_mut(place);
+        for &h in hashes {
+            if p.set.contains(&h) {
+                continue;
+            }
+            let grow = p.table.growth::<u64>(p.set.len(), p.set.capacity());
+            if len >= max_pages || held.saturating_add(tables).saturating_add(grow) > max_bytes {
+                dropped += 1;
+                continue;
+            }
+            let before = p.bytes();
+            p.set.insert(h);
+            p.table.inserted(p.set.capacity());
+            tables = tables - before + p.bytes();
+            len += 1;
+        }
+        (self.len, self.tables, self.dropped) = (len, tables, dropped);
+    }
+
+    /// Removes `hashes` from `place` (those not there are ignored).
+    fn remove(&mut self, place: Place, hashes: &[u64]) {
+        let p = self.pages_mut(place);
+        let had = p.set.len();
+        for h in hashes {
+            p.set.remove(h);
+        }
+        let (gone, freed) = (had - p.set.len(), p.shrink());
+        self.len -= gone;
+        self.tables -= freed;
     }
 
     /// Folds one event of the shared store's own stream in: whatever medium it names, its
@@ -431,14 +457,18 @@ impl ClusterIndex {
     pub fn apply_storage(&mut self, e: &IndexEvent) {
         let e = match e {
             IndexEvent::Cleared => return self.clear_storage(),
-            IndexEvent::Stored { hashes, .. } => IndexEvent::Stored {
-                medium: Medium::Storage,
-                hashes: hashes.clone(),
-            },
-            IndexEvent::Removed { hashes, .. } => IndexEvent::Removed {
-                medium: Medium::Storage,
-                hashes: hashes.clone(),
-            },
+            IndexEvent::Stored { hashes, .. } | IndexEvent::LocalStored { hashes } => {
+                IndexEvent::Stored {
+                    medium: Medium::Storage,
+                    hashes: hashes.clone(),
+                }
+            }
+            IndexEvent::Removed { hashes, .. } | IndexEvent::LocalRemoved { hashes } => {
+                IndexEvent::Removed {
+                    medium: Medium::Storage,
+                    hashes: hashes.clone(),
+                }
+            }
         };
         // a `STORAGE` event touches the shared set only: no instance is read
         self.fold(0, &e);
@@ -477,16 +507,18 @@ impl ClusterIndex {
         for (i, l) in self.locals.iter().enumerate() {
             out.extend(l.gpu.set.iter().map(|&h| (i, "GPU", h)));
             out.extend(l.cpu.set.iter().map(|&h| (i, "CPU", h)));
+            out.extend(l.disk.set.iter().map(|&h| (i, "LOCAL", h)));
         }
         out.sort_unstable();
         out
     }
 
-    fn pages_mut(&mut self, instance: usize, m: Medium) -> &mut Pages {
-        match m {
-            Medium::Gpu => &mut self.locals[instance].gpu,
-            Medium::Cpu => &mut self.locals[instance].cpu,
-            Medium::Storage => &mut self.storage,
+    fn pages_mut(&mut self, place: Place) -> &mut Pages {
+        match place {
+            Place::Medium(i, Medium::Gpu) => &mut self.locals[i].gpu,
+            Place::Medium(i, Medium::Cpu) => &mut self.locals[i].cpu,
+            Place::Medium(_, Medium::Storage) => &mut self.storage,
+            Place::Disk(i) => &mut self.locals[i].disk,
         }
     }
 
@@ -526,7 +558,7 @@ impl ClusterIndex {
             .unwrap_or_default()
             .iter()
             .zip(&hashes[gpu + host..])
-            .take_while(|&(&s, &h)| s || self.storage.set.contains(&local_key(h, instance)))
+            .take_while(|&(&s, h)| s || l.disk.set.contains(h))
             .count();
         (gpu, host, l3)
     }

@@ -17,7 +17,7 @@ use kvtier_events::Medium;
 use rmpv::Value;
 
 use crate::holders::Holders;
-use crate::index::{DecodeError, IndexEvent, WireMap, batch_events, local_key};
+use crate::index::{DecodeError, IndexEvent, WireMap, batch_events};
 use crate::table::Table;
 
 const MUL: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -154,9 +154,6 @@ pub struct Translator {
     of: TableOf,
     max_entries: usize,
     max_bytes: usize,
-    /// The instance whose stream this is ([`Self::of_instance`]): its `LOCAL` storage
-    /// pages are its own ([`local_key`]). `None`: a `STORAGE` page is the shared store's.
-    local_of: Option<usize>,
     /// Blocks not keyed (an unknown parent, too few tokens, a token-less store no table could
     /// key nor wait for) or not remembered (the table full: the block is keyed for the index,
     /// but its removal and children cannot be).
@@ -185,26 +182,21 @@ impl Translator {
             of,
             max_entries,
             max_bytes: usize::MAX,
-            local_of: None,
             unkeyed: 0,
         }
     }
 
-    /// The table of instance `instance`'s stream: its pages on a storage tier local to it
-    /// (vLLM's `STORAGE` of locality `LOCAL`, a node's disk) are keyed as its own
-    /// ([`local_key`]), which no other instance is priced as loading.
-    pub fn of_instance(mut self, instance: usize) -> Self {
-        self.local_of = Some(instance);
-        self
-    }
-
-    /// `keys` of a `STORAGE` event as the index holds them: the instance's own when
-    /// `local` ([`Self::of_instance`]).
-    pub(crate) fn placed(&self, local: bool, keys: Vec<u64>) -> Vec<u64> {
-        match self.local_of {
-            Some(i) if local => keys.into_iter().map(|k| local_key(k, i)).collect(),
-            _ => keys,
-        }
+    /// The event of `keys` stored (`stored`) or removed on `medium`: on an instance's
+    /// stream, a `STORAGE` tier local to it (`local`: locality `LOCAL`, a node's disk) is
+    /// its own ([`IndexEvent::LocalStored`]); on the shared store's, every page is shared.
+    pub(crate) fn placed(
+        &self,
+        stored: bool,
+        medium: Medium,
+        local: bool,
+        keys: Vec<u64>,
+    ) -> IndexEvent {
+        crate::index::placed(stored, medium, local && self.of == TableOf::Instance, keys)
     }
 
     pub fn entries(&self) -> usize {
@@ -450,10 +442,7 @@ impl Translator {
                             self.remove(medium, h, &mut keys);
                         }
                     }
-                    out.events.push(IndexEvent::Removed {
-                        medium,
-                        hashes: self.placed(local, keys),
-                    });
+                    out.events.push(self.placed(false, medium, local, keys));
                 }
             }
         }
@@ -499,13 +488,16 @@ impl Translator {
                     // with its last holder
                     for b in [Medium::Gpu, Medium::Cpu, Medium::Storage] {
                         if e.media & bit(b) != 0 && self.holders.release(e.key, bit(b)) {
-                            // a storage copy may have been the shared store's or the
-                            // instance's own: both go
-                            let mut hashes = vec![e.key];
-                            if let (Medium::Storage, Some(i)) = (b, self.local_of) {
-                                hashes.push(local_key(e.key, i));
+                            out.events.push(IndexEvent::Removed {
+                                medium: b,
+                                hashes: vec![e.key],
+                            });
+                            // a storage copy may have been the instance's own
+                            if b == Medium::Storage && self.of == TableOf::Instance {
+                                out.events.push(IndexEvent::LocalRemoved {
+                                    hashes: vec![e.key],
+                                });
                             }
-                            out.events.push(IndexEvent::Removed { medium: b, hashes });
                         }
                     }
                     e.media = 0;
@@ -537,17 +529,14 @@ impl Translator {
             parent = Some(k);
             parent_hash = Some(*h);
         }
-        out.events.push(IndexEvent::Stored {
-            medium,
-            hashes: self.placed(local, keys),
-        });
+        out.events.push(self.placed(true, medium, local, keys));
     }
 }
 
 /// A `BlockStored` with tokens, checked.
 struct StoredBlocks<'a> {
     medium: Medium,
-    /// On a storage tier local to the instance ([`Translator::placed`]).
+    /// On a storage tier local to its publisher ([`Translator::placed`]).
     local: bool,
     hashes: Vec<u64>,
     tokens: Vec<u32>,

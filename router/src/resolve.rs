@@ -74,10 +74,7 @@ pub(crate) fn resolve(
                         continue;
                     }
                     let hashes = own.store_run(t.medium, &run);
-                    events.push(IndexEvent::Stored {
-                        medium: t.medium,
-                        hashes: own.placed(t.local, hashes),
-                    });
+                    events.push(own.placed(true, t.medium, t.local, hashes));
                 }
             }
             storage = resolve_pending(streams, stream, &fresh, room);

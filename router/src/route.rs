@@ -299,7 +299,7 @@ impl Router {
         if instance >= n {
             return Err(RouteError::UnknownInstance(instance, n));
         }
-        for e in crate::index::decode_instance_batch(payload, instance)? {
+        for e in crate::index::decode_instance_batch(payload)? {
             self.index.apply(instance, &e);
         }
         Ok(())

@@ -465,6 +465,13 @@ fn pages_on_an_instances_local_disk_are_loadable_by_it_alone() {
             (3, 0),
             "{keys:?}: instance 1 cannot read instance 0's disk"
         );
+        // the shared store's stream starting over (a new leader, a snapshot) clears the
+        // shared store's pages, not an instance's own disk
+        let store = c.add_stream("store", "", Target::Storage);
+        let cleared = Value::Map(vec![(s("type"), s("AllBlocksCleared"))]);
+        apply(&mut c, store, vec![cleared]);
+        assert!(c.apply(store, Apply::Reset));
+        assert_eq!(l3(&c), (3, 0), "{keys:?}: the store's clear");
         apply(
             &mut c,
             i0,
