@@ -459,10 +459,15 @@ impl Translator {
             extra,
             block_size: bs,
             lora,
+            lora_id,
             parent,
         } = st;
+        let first = match (lora, lora_id) {
+            (None, Some(id)) => mix(mix(root(None), 2), id),
+            _ => root(lora),
+        };
         let (mut parent, mut parent_hash) = match parent {
-            None => (Some(root(lora)), None),
+            None => (Some(first), None),
             Some((p, sent)) => {
                 let known = self.keys.get(&p).or_else(|| self.keys.get(&sent));
                 (known.map(|k| k.key), Some(p))
@@ -542,6 +547,10 @@ struct StoredBlocks<'a> {
     tokens: Vec<u32>,
     block_size: usize,
     lora: Option<&'a str>,
+    /// The adapter's number (`lora_id`): vLLM before `lora_name` (up to 0.10) named an
+    /// adapter by it alone. Such a block (no `lora_name`) is keyed apart from the base
+    /// model's and from every named adapter's: its request's name cannot be told.
+    lora_id: Option<u64>,
     /// Per block, what its extra hash keys name beyond its tokens ([`foreign_keys`]; 0:
     /// nothing, or no entry).
     extra: Vec<u64>,
@@ -685,6 +694,7 @@ fn check(e: &Value) -> Result<Checked<'_>, DecodeError> {
                 extra,
                 block_size,
                 lora: e.field("lora_name").and_then(Value::as_str),
+                lora_id: e.field("lora_id").and_then(Value::as_u64),
                 parent: parent.map(|p| (in_group(p, group), p)),
             })
         }

@@ -530,3 +530,43 @@ fn stores_of_another_block_size_than_the_routers_are_counted() {
         assert_eq!(s["block_size"], 2 * PS, "{keys:?}: {s}");
     }
 }
+
+/// vLLM before `lora_name` (up to 0.10) named a LoRA request's blocks by `lora_id` alone.
+/// The bug: `--keys tokens` read such a block as the base model's (no `lora_name`), so a
+/// base-model request with the same prompt was priced as a GPU hit on blocks the engine
+/// keys by the adapter (a miss). A block naming an adapter by number only is keyed apart
+/// from the base model's (and from every adapter named by name: the router cannot tell
+/// which it is); `lora_name`, where sent, keys it as before.
+#[test]
+fn a_block_of_an_adapter_named_by_number_only_is_no_hit_for_the_base_model() {
+    let mut c =
+        Cluster::with_budget(1, model(), Budget::bytes(1 << 20), Keys::Tokens).expect("cluster");
+    let st = c.add_stream("i0", "", Target::Instance(0));
+    let toks: Vec<u32> = (0..(2 * PS) as u32).collect();
+    let gpu = |c: &Cluster, lora: Option<&str>| {
+        let e = c
+            .router()
+            .estimates_of(&c.prompt_hashes(&toks, None, lora), toks.len());
+        e[0].gpu_pages
+    };
+    let with = |hs: &[u64], id: Value, name: Value| {
+        let mut e = stored(hs, None, &toks, None);
+        if let Value::Map(m) = &mut e {
+            for (k, v) in m.iter_mut() {
+                match k.as_str() {
+                    Some("lora_id") => *v = id.clone(),
+                    Some("lora_name") => *v = name.clone(),
+                    _ => {}
+                }
+            }
+        }
+        e
+    };
+    let old_vllm = with(&[1, 2], Value::from(3), Value::Nil);
+    assert!(c.apply(st, Apply::Batch(&batch(vec![old_vllm]))));
+    assert_eq!(gpu(&c, None), 0, "the base model's request");
+    let named = with(&[5, 6], Value::from(3), s("sql"));
+    assert!(c.apply(st, Apply::Batch(&batch(vec![named]))));
+    assert_eq!(gpu(&c, Some("sql")), 2, "named: keyed by the name");
+    assert_eq!(gpu(&c, None), 0);
+}
