@@ -204,9 +204,9 @@ struct Args {
     /// tenant's own objects first, and fails with -200 when it cannot make room.
     #[arg(long = "tenant-quota", value_parser = parse_quota)]
     tenant_quota: Vec<(String, u64)>,
-    /// The master's flags given on the command line (`cli_roles`): a node refuses them.
+    /// The role-bound flags given on the command line (`cli_roles`).
     #[arg(skip)]
-    master_flags_given: Vec<&'static str>,
+    flags_given: Vec<&'static str>,
     /// Most capacity, in all, that clients may mount as segments this server holds the bytes
     /// of (a Mooncake client's `global_segment_size`); a mount past it answers -200.
     /// Default: the host's physical memory (`MemTotal`).
@@ -321,7 +321,7 @@ where
         .try_init();
     let parsed = Args::command().try_get_matches_from(args).and_then(|m| {
         let mut a = Args::from_arg_matches(&m)?;
-        a.master_flags_given = crate::cli_roles::master_flags_given(&m);
+        a.flags_given = crate::cli_roles::flags_given(&m);
         Ok(a)
     });
     let args = match parsed {
@@ -447,7 +447,11 @@ fn run(args: Args, token: Option<String>) -> Result<(), String> {
     });
     crate::cli_roles::check_quotas(&args.tenant_quota)?;
     if args.role == Role::Node {
-        crate::cli_roles::check_node_flags(&args.master_flags_given)?;
+        crate::cli_roles::check_node_flags(&args.flags_given)?;
+    }
+    let master = args.role == Role::Master;
+    crate::cli_roles::check_ssd_flags(&args.flags_given, master, args.ssd_dir.is_some())?;
+    if args.role == Role::Node {
         for (given, flag) in [
             (args.kv_events.is_some(), "--kv-events"),
             (!args.kv_events_stream.is_empty(), "--kv-events-stream"),

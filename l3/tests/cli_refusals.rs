@@ -73,6 +73,17 @@ fn an_unknown_shm_switch_is_refused_at_start() {
     }
 }
 
+/// A store node whose master (none runs at 127.0.0.1:1) it would fail to reach: a refusal
+/// that names a flag came before it looked.
+const NODE: [&str; 6] = [
+    "--role",
+    "node",
+    "--master",
+    "127.0.0.1:1",
+    "--listen",
+    "127.0.0.1:0",
+];
+
 /// The exit code and stderr of a `kvtier-l3` that must refuse to start (killed if it runs).
 fn refusal(args: &[&str]) -> (Option<i32>, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"))
@@ -106,14 +117,7 @@ fn refusal(args: &[&str]) -> (Option<i32>, String) {
 /// named twice in `--tenant-quota` kept one of the two caps, silently: refused too.
 #[test]
 fn a_masters_flag_on_a_node_and_a_tenant_capped_twice_are_refused() {
-    let node = [
-        "--role",
-        "node",
-        "--master",
-        "127.0.0.1:1",
-        "--listen",
-        "127.0.0.1:0",
-    ];
+    let node = NODE;
     for flag in [
         &["--tenant-quota", "alice=1048576"][..],
         &["--lease-ms", "5000"],
@@ -148,4 +152,67 @@ fn a_masters_flag_on_a_node_and_a_tenant_capped_twice_are_refused() {
     ]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("alice") && !err.contains("bob"), "{err}");
+}
+
+/// The SSD tier's flags without an SSD tier did nothing: `--offload on-evict` or
+/// `--ssd-capacity` with no `--ssd-dir` started a DRAM-only server (what DRAM evicted was
+/// gone, not on SSD), `--promotion-on-hit` on one promoted nothing, and a master (which holds
+/// no SSD tier: its nodes take these) ignored `--offload`/`--ssd-capacity`. Likewise
+/// `--promotion-admission-threshold` without `--promotion-on-hit`. Each is refused, named.
+#[test]
+fn ssd_flags_without_an_ssd_tier_are_refused() {
+    let both = ["--listen", "127.0.0.1:0"];
+    let node = NODE;
+    let master = [
+        "--role",
+        "master",
+        "--no-state-dir",
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    for (role, flag) in [
+        (&both[..], &["--offload", "on-evict"][..]),
+        (&both, &["--ssd-capacity", "1048576"]),
+        (&both, &["--promotion-on-hit"]),
+        (&both, &["--promotion-admission-threshold", "3"]),
+        (&node, &["--offload", "on-evict"]),
+        (&node, &["--ssd-capacity", "1048576"]),
+        (&master, &["--offload", "on-evict"]),
+        (&master, &["--ssd-capacity", "1048576"]),
+        (&master, &["--promotion-admission-threshold", "3"]),
+    ] {
+        let args: Vec<&str> = role.iter().chain(flag).copied().collect();
+        let (code, err) = refusal(&args);
+        assert_eq!(code, Some(1), "{args:?}: {err}");
+        let named = flag.iter().rev().find(|f| f.starts_with("--")).unwrap();
+        assert!(
+            err.contains(named) && !err.contains("connect"),
+            "{args:?}: {err}"
+        );
+    }
+    // with their tier they start (a master's promotion flags act on its nodes' tiers)
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = dir.path().join("ssd");
+    let ssd = ssd.to_str().unwrap();
+    for args in [
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--ssd-dir",
+            ssd,
+            "--offload",
+            "on-evict",
+            "--promotion-on-hit",
+        ][..],
+        &[
+            "--role",
+            "master",
+            "--no-state-dir",
+            "--listen",
+            "127.0.0.1:0",
+            "--promotion-on-hit",
+        ],
+    ] {
+        assert_eq!(refusal(args).0, None, "{args:?} was refused");
+    }
 }
