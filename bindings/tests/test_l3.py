@@ -126,6 +126,18 @@ def test_a_store_that_could_never_hold_an_object_is_refused():
         kvtier.L3Store.embedded(1 << 20, lease_ttl_ms=0)
 
 
+def test_an_ssd_capacity_without_a_tier_or_of_no_bytes_is_refused(tmp_path):
+    # ssd_capacity_bytes without ssd_dir was ignored (a DRAM-only store, where the caller
+    # asked for a capacity of SSD); a tier of 0 bytes failed every SSD write (-1103).
+    with pytest.raises(kvtier.InvalidParamsError, match="ssd_dir"):
+        kvtier.L3Store.embedded(1 << 20, ssd_capacity_bytes=1 << 30)
+    with pytest.raises(kvtier.InvalidParamsError, match="capacity"):
+        kvtier.L3Store.embedded(1 << 20, ssd_dir=str(tmp_path / "ssd"), ssd_capacity_bytes=0)
+    assert not (tmp_path / "ssd").exists()
+    s = kvtier.L3Store.embedded(1 << 20, ssd_dir=str(tmp_path / "ssd"), ssd_capacity_bytes=1 << 20)
+    s.put("k", b"v", wait_persisted=True)
+
+
 def test_tenants_are_isolated():
     a = kvtier.L3Store.embedded(1 << 20, tenant="a", name="tenants-test")
     b = a.with_tenant("b")

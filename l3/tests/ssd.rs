@@ -373,3 +373,25 @@ fn promotion_cools_down_under_dram_pressure() {
     );
     assert_eq!(s.get(&t(), "cold").unwrap(), payload(1, 8192));
 }
+
+/// An SSD tier of 0 bytes (`SsdConfig::capacity_bytes`, Python's `ssd_capacity_bytes=0`)
+/// was taken: every SSD write then failed ("ssd tier capacity exhausted", -1103), so a put
+/// with wait_persisted never succeeded and nothing reached the disk. `kvtier-l3` refused
+/// `--ssd-capacity 0` already; the config refuses it now (InvalidParams, nothing created).
+#[test]
+fn an_ssd_tier_of_no_bytes_is_refused_at_config() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("ssd");
+    let mut c = cfg(&dir, 1 << 20);
+    c.ssd.as_mut().unwrap().capacity_bytes = 0;
+    let e = EmbeddedStore::new(c)
+        .err()
+        .expect("a 0-byte SSD tier must be refused");
+    assert_eq!(e.code_i32(), -600, "{e}");
+    assert!(e.to_string().contains("capacity"), "{e}");
+    assert!(!dir.exists(), "a refused config created the directory");
+    let mut one = cfg(&dir, 1 << 20);
+    one.ssd.as_mut().unwrap().capacity_bytes = 1 << 20;
+    let s = EmbeddedStore::new(one).unwrap();
+    s.put(&t(), "k", b"v", persisted()).unwrap();
+}

@@ -183,6 +183,12 @@ impl PyL3Store {
                     .into(),
             )));
         }
+        if ssd_capacity_bytes.is_some() && ssd_dir.is_none() {
+            // It was ignored: a DRAM-only store where a capacity of SSD was asked for.
+            return Err(l3_err(L3Error::InvalidParams(
+                "ssd_capacity_bytes needs ssd_dir (no SSD tier)".into(),
+            )));
+        }
         let mut cfg = store_config(
             segment_bytes,
             lease_ttl_ms,

@@ -200,6 +200,12 @@ impl SsdTier {
     /// Opens (creating) the directory and rescans existing buckets. The writer thread is not
     /// started yet: call [`SsdTier::start`] once the master has registered the rescan.
     pub fn open(cfg: SsdConfig) -> L3Result<(Self, Vec<Rescanned>)> {
+        if cfg.capacity_bytes == 0 {
+            // Before the directory is made: a tier of no bytes failed every write (-1103).
+            return Err(L3Error::InvalidParams(
+                "ssd capacity_bytes must be positive (a tier of no bytes fails every write)".into(),
+            ));
+        }
         let open_err =
             |e: std::io::Error| L3Error::FileOpenFail(format!("{}: {e}", cfg.dir.display()));
         std::fs::create_dir_all(&cfg.dir).map_err(open_err)?;
