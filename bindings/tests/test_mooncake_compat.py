@@ -4,6 +4,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvtier
 from kvtier.mooncake_compat import ErrorCode, MooncakeDistributedStore, ReplicateConfig
@@ -100,6 +102,49 @@ def test_an_upsert_refused_for_its_value_keeps_the_old_object(where):
     s.close()
     if srv:
         srv.shutdown()
+
+
+MOST = 256  # the object limit of the property's store
+_sizes = st.sampled_from([0, 1, 7, MOST, MOST + 1, 300])
+_op = st.tuples(
+    st.sampled_from(["put", "upsert", "upsert_from", "batch_upsert_from"]),
+    st.lists(st.sampled_from("abc"), min_size=1, max_size=3, unique=True),
+    st.lists(_sizes, min_size=3, max_size=3),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_op, min_size=1, max_size=12))
+def test_every_write_leaves_each_key_as_mooncakes_model_says(ops):
+    """Any sequence of puts and upserts (bytes and registered memory) over a few keys, with
+    values of 0 bytes, at the object limit and past it: each key reads what a model of
+    Mooncake says (a put keeps an existing object, an upsert replaces it, a value no store
+    takes is -600 and changes nothing)."""
+    s = MooncakeDistributedStore()
+    assert s.setup_with_store(kvtier.L3Store.embedded(1 << 22, max_object_bytes=MOST)) == 0
+    _, buf = registered(s, 3 * 512)
+    model = {}
+    for n, (call, keys, sizes) in enumerate(ops):
+        vals = [bytes([(n * 3 + i) % 251 + 1]) * sz for i, sz in enumerate(sizes[: len(keys)])]
+        ok = [0 < len(v) <= MOST for v in vals]
+        for i, v in enumerate(vals):
+            buf[512 * i : 512 * i + len(v)] = np.frombuffer(v, np.uint8)
+        ptrs = [buf.ctypes.data + 512 * i for i in range(len(keys))]
+        if call == "put":
+            got = [s.put(keys[0], vals[0])]
+        elif call == "upsert":
+            got = [s.upsert(keys[0], vals[0])]
+        elif call == "upsert_from":
+            got = [s.upsert_from(keys[0], ptrs[0], len(vals[0]))]
+        else:
+            got = s.batch_upsert_from(keys, ptrs, [len(v) for v in vals])
+        for k, v, good, code in zip(keys, vals, ok, got):
+            assert code == (0 if good else -600), (call, k, len(v))
+            if good and (call != "put" or k not in model):
+                model[k] = v
+        for k in "abc":
+            assert s.get(k) == model.get(k, b""), (n, call, k)
+    s.close()
 
 
 @pytest.mark.parametrize("where", ["embedded", "server"])
