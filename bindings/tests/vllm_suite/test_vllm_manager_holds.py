@@ -14,10 +14,16 @@ of such chunks that finds no slot (holds still landing) is refused, so vLLM offe
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 
 from harness import BLOCK, Engine
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_vllm_manager import kvtier_config, prompt, run_checked
+from vllm.v1.kv_offload.base import ReqContext
+
+from kvtier.vllm import KvtierOffloadingManager, page_of
 
 CHUNK = 2 * BLOCK
 PREFIX, EXTENDED = 4, 6  # chunks: four prefixes of 4 chunks through 8 host slots, then 6 each
@@ -80,3 +86,71 @@ def test_a_store_short_of_slots_while_holds_land_is_retried_not_dropped(tmp_path
     _, (r2, r3) = _three_rounds(tmp_path, reset_gpu=False)
     assert r2 == [PREFIX] * N, r2
     assert r3 == [EXTENDED] * N, r3
+
+
+def _keys(p: int, n: int):
+    return [hashlib.sha256(b"holds-%d-%d" % (p, i)).digest() + (0).to_bytes(4, "big") for i in range(n)]
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("store"), st.integers(0, 3), st.integers(1, 6)),  # a request offers a prompt's chunks
+    st.tuples(st.just("complete"), st.integers(0, 7), st.booleans()),  # a store's copy ends (ok or not)
+    st.tuples(st.just("l3"), st.integers(0, 3), st.integers(1, 6)),  # L3 found a prompt's first chunks
+    st.tuples(st.just("hold"), st.integers(0, 3), st.integers(1, 6)),  # a waiting request's held prefetch
+    st.tuples(st.just("land"), st.integers(0, 7), st.integers(0, 6)),  # it lands (that many pages read)
+    st.tuples(st.just("release"), st.integers(0, 7)),  # its requester loads, or ends
+), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(slots=st.integers(2, 8), ops=_OPS)
+def test_vllm_moves_past_an_offered_chunk_only_if_a_tier_holds_it(slots, ops):
+    """vLLM offers each chunk once: an answer that stores nothing moves it past the chunks.
+    Under any interleaving of stores, their completions, held prefetches (landing, landed,
+    released) and chunks found in L3, ``prepare_store`` stores nothing only when every offered
+    chunk is on host, being stored or in L3; and it refuses (None: vLLM offers them again)
+    only when one of them is in no tier. kvtier's check holds after every call."""
+    m = KvtierOffloadingManager(slots, {0: 64})
+    n = m.native
+    stores, holds = [], []  # (keys stored, request); held prefetch jobs (landing or not)
+    for step, op in enumerate(ops):
+        kind = op[0]
+        if kind == "store":
+            keys = _keys(op[1], op[2])
+            ctx = ReqContext(req_id=f"r{step}")
+            for i, k in enumerate(keys):
+                ctx.set_offload_key_position(k, 64 * (i + 1))
+            out = m.prepare_store(keys, ctx)
+            pages = [page_of(k) for k in keys]
+            where = [n.lookup(pages[: i + 1], i) for i in range(len(pages))]
+            if out is None:
+                assert "miss" in where, (where, n.usage())
+            elif not out.keys_to_store:
+                assert "miss" not in where, (where, n.usage())
+            else:
+                stores.append((list(out.keys_to_store), ctx))
+        elif kind == "complete" and stores:
+            keys, ctx = stores.pop(op[1] % len(stores))
+            m.complete_store(keys, ctx, success=op[2])
+        elif kind == "l3":
+            n.l3_found([page_of(k) for k in _keys(op[1], op[2])])
+        elif kind == "hold":
+            pages = [page_of(k) for k in _keys(op[1], op[2])]
+            host = n.host_prefix(pages)
+            if host < len(pages) and n.lookup(pages[: host + 1], host) == "in-l3":
+                plan = n.prepare_prefetch_held(pages, host + 1)
+                if plan is not None:
+                    holds.append((plan[0], len(plan[2]), False))
+        elif kind == "land":
+            landing = [i for i, h in enumerate(holds) if not h[2]]
+            if landing:
+                i = landing[op[1] % len(landing)]
+                job, size, _ = holds[i]
+                n.complete_prefetch(job, min(op[2], size))
+                holds[i] = (job, size, True)
+        elif kind == "release" and holds:
+            job, _, landed = holds.pop(op[1] % len(holds))
+            n.release_hold(job)
+            if not landed:
+                n.complete_prefetch(job, 0)  # its copy ends too (the engine dropped it)
+        n.check()
