@@ -126,6 +126,24 @@ def test_a_store_that_could_never_hold_an_object_is_refused():
         kvtier.L3Store.embedded(1 << 20, lease_ttl_ms=0)
 
 
+def test_a_named_store_is_not_opened_again_with_another_ssd_tier(tmp_path):
+    # Handles naming one store share it, and an opener's SSD tier was ignored when the store
+    # was already open: L3Store.embedded(name=N, ssd_dir=D) on a DRAM-only N got no SSD
+    # tier (nothing persisted, silently). Asking for another tier than the store has is
+    # refused; the same one (or none: attach) is taken.
+    dram = kvtier.L3Store.embedded(1 << 20, name="ssd-mismatch-a")
+    with pytest.raises(kvtier.InvalidParamsError, match="ssd"):
+        kvtier.L3Store.embedded(1 << 20, name="ssd-mismatch-a", ssd_dir=str(tmp_path / "d1"))
+    assert not (tmp_path / "d1").exists()
+    with_ssd = kvtier.L3Store.embedded(1 << 20, name="ssd-mismatch-b", ssd_dir=str(tmp_path / "d2"))
+    with pytest.raises(kvtier.InvalidParamsError, match="ssd"):
+        kvtier.L3Store.embedded(1 << 20, name="ssd-mismatch-b", ssd_dir=str(tmp_path / "d3"))
+    same = kvtier.L3Store.embedded(1 << 20, name="ssd-mismatch-b", ssd_dir=str(tmp_path / "d2") + "/")
+    attach = kvtier.L3Store.embedded(name="ssd-mismatch-b")
+    same.put("k", b"v", wait_persisted=True)
+    assert attach.get("k") == b"v" and with_ssd.stats()["disk_objects"] == 1 and dram.is_embedded
+
+
 def test_an_ssd_capacity_without_a_tier_or_of_no_bytes_is_refused(tmp_path):
     # ssd_capacity_bytes without ssd_dir was ignored (a DRAM-only store, where the caller
     # asked for a capacity of SSD); a tier of 0 bytes failed every SSD write (-1103).

@@ -51,13 +51,30 @@ fn registry() -> &'static Mutex<HashMap<String, Weak<EmbeddedStore>>> {
 }
 
 /// The embedded store named `name`, created with `cfg` if no live one has that name.
-/// An empty name always creates a private store.
+/// An empty name always creates a private store. An open store is not opened again with
+/// another SSD tier than it has (InvalidParams): the opener's tier was ignored, so a caller
+/// asking for persistence got none, silently. `cfg` without a tier attaches.
 pub fn shared_embedded(name: &str, cfg: StoreConfig) -> L3Result<Arc<EmbeddedStore>> {
     if name.is_empty() {
         return Ok(Arc::new(EmbeddedStore::new(cfg)?));
     }
     let mut r = registry().lock();
     if let Some(s) = r.get(name).and_then(Weak::upgrade) {
+        if let Some(want) = &cfg.ssd {
+            let same = |d: &std::path::Path| {
+                let canon = |p: &std::path::Path| std::fs::canonicalize(p).ok();
+                d.components().eq(want.dir.components())
+                    || canon(d).is_some_and(|c| Some(c) == canon(&want.dir))
+            };
+            if !s.config().ssd.as_ref().is_some_and(|has| same(&has.dir)) {
+                let has = s.config().ssd.as_ref().map(|h| h.dir.display().to_string());
+                return Err(L3Error::InvalidParams(format!(
+                    "embedded store {name:?} is open with ssd_dir {has:?}, not {:?} (one store \
+                     per name: open it with its own tier, or without ssd_dir to attach)",
+                    want.dir.display().to_string()
+                )));
+            }
+        }
         return Ok(s);
     }
     let s = Arc::new(EmbeddedStore::new(cfg)?);
