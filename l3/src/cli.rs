@@ -96,7 +96,8 @@ struct Args {
     leader_ttl_s: u64,
     /// Node role: deadline of one call on the master, in milliseconds (with an etcd
     /// locator, a paused leader costs this before the node looks for the next one).
-    #[arg(long, default_value_t = 10_000)]
+    /// Positive (0 was taken as 1 ms: every call timed out).
+    #[arg(long, default_value_t = 10_000, value_parser = positive_ms)]
     master_timeout_ms: u64,
     /// Node role: node id (> 0; keep it across restarts so its SSD replicas are recognised).
     #[arg(long, default_value_t = 1)]
@@ -137,7 +138,8 @@ struct Args {
     lease_ms: u64,
     /// A put started but not ended within this many milliseconds is revoked (master,
     /// both), and its bytes dropped (node): Mooncake's `put_start_discard_timeout`.
-    #[arg(long, default_value_t = 30_000)]
+    /// Positive (0 was taken as 1 ms: puts were revoked mid-flight, not left unbounded).
+    #[arg(long, default_value_t = 30_000, value_parser = positive_ms)]
     put_timeout_ms: u64,
     /// Client (node) liveness TTL in milliseconds.
     #[arg(long, default_value_t = 10_000)]
@@ -507,7 +509,7 @@ fn run(args: Args, token: Option<String>) -> Result<(), String> {
     let cfg = StoreConfig {
         local_segment_bytes: args.segment_bytes,
         lease_ttl: Duration::from_millis(args.lease_ms),
-        put_timeout: Duration::from_millis(args.put_timeout_ms.max(1)),
+        put_timeout: Duration::from_millis(args.put_timeout_ms),
         client_ttl: Duration::from_millis(args.client_ttl_ms),
         max_batch_keys: args.max_batch_keys,
         max_object_bytes: args.max_object_bytes,
@@ -619,7 +621,7 @@ fn run_node(
     };
     let mut opts = NodeOptions::new(ClientId(args.node_id), fixed);
     opts.locator = Some(locator);
-    opts.master_timeout = Duration::from_millis(args.master_timeout_ms.max(1));
+    opts.master_timeout = Duration::from_millis(args.master_timeout_ms);
     opts.listen = listen;
     opts.token = token;
     opts.segment_bytes = args.segment_bytes;
@@ -628,7 +630,7 @@ fn run_node(
     opts.max_batch_keys = args.max_batch_keys;
     opts.max_object_bytes = args.max_object_bytes;
     opts.ping_interval = Duration::from_millis(args.ping_ms);
-    opts.put_timeout = Duration::from_millis(args.put_timeout_ms.max(1));
+    opts.put_timeout = Duration::from_millis(args.put_timeout_ms);
     if args.no_shm {
         opts.shm = ShmMode::Off;
     }

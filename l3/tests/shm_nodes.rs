@@ -211,7 +211,8 @@ fn a_client_killed_mid_transfer_leaks_nothing() {
     }
     let fast = ["--lease-ms", "200", "--put-timeout-ms", "500"];
     let m = master(&fast, None);
-    let nodes = [node(&m, 1, &fast), node(&m, 2, &fast)];
+    // a node takes the put timeout; the lease is the master's (a node refuses --lease-ms)
+    let nodes = [node(&m, 1, &fast[2..]), node(&m, 2, &fast[2..])];
     let pids: Vec<u32> = nodes.iter().map(|n| n.child.id()).collect();
     let watcher = connect(m.addr, ShmMode::Off, 1 << 20);
     std::thread::sleep(Duration::from_millis(200));
