@@ -44,6 +44,7 @@ pub mod launch;
 pub mod lora;
 pub mod occupancy;
 pub mod proxy;
+mod request_fields;
 pub mod resolve;
 pub mod route;
 pub mod service;

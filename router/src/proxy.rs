@@ -51,6 +51,9 @@ use crate::feedback::FirstToken;
 use crate::lora::{self, ModelKind};
 use crate::service::{AppState, body_rejected, error};
 
+pub use crate::request_fields::COMPLETION_DEFAULT_MAX_TOKENS;
+use crate::request_fields::{self, Kind};
+
 /// How long a lookup (`/tokenize`, or `/v1/models` for the adapters) may take in all,
 /// whichever instances it asks, before the request is routed without its answer; and how
 /// long `/v1/models` waits for each instance it asks.
@@ -122,12 +125,6 @@ impl Upstream {
     pub fn set_head_timeout(&mut self, t: Option<Duration>) {
         self.head_timeout = t;
     }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Completion,
-    Chat,
 }
 
 /// Counts a request in flight on an instance until dropped, and reports a tracked request's
@@ -308,16 +305,15 @@ async fn forward(
         None => None,
     };
     // a streamed answer's first chunk is its first token; one sent whole shows none
-    let streamed = json
-        .as_ref()
-        .and_then(|v| v.get("stream"))
-        .and_then(Value::as_bool);
-    let first = if streamed == Some(true) {
+    let streamed = json.as_ref().is_some_and(request_fields::streamed);
+    let first = if streamed {
         FirstToken::Reported
     } else {
         FirstToken::AtEstimate
     };
-    let output = json.as_ref().map_or(0, |v| max_tokens(v, kind));
+    let output = json
+        .as_ref()
+        .map_or(0, |v| request_fields::max_tokens(v, kind));
     // keyed once, before the lock is taken (a long prompt's hashing is most of a decision)
     let keyer = st.lock().keyer();
     let keyed = match tokens {
@@ -337,7 +333,7 @@ async fn forward(
     // the latest request that failed before any answer, twice (the client's error says so)
     let mut failed: Option<String> = None;
     // a streamed answer's head is due before the engine generates
-    let head_timeout = st.upstream.head_timeout.filter(|_| streamed == Some(true));
+    let head_timeout = st.upstream.head_timeout.filter(|_| streamed);
     // the latest "unavailable" answer, passed through if no instance is left
     let mut unavailable: Option<(usize, hyper::Response<hyper::body::Incoming>)> = None;
     loop {
@@ -637,26 +633,6 @@ fn pass_through(
     out
 }
 
-/// What a completion that names no `max_tokens` generates at most: the OpenAI API's default,
-/// which vLLM's and SGLang's `/v1/completions` follow (a chat's default is the context left,
-/// which the router does not know).
-pub const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
-
-/// The tokens a request may generate: its `max_completion_tokens` or `max_tokens`; when it
-/// names neither, a completion's default ([`COMPLETION_DEFAULT_MAX_TOKENS`]) and for a chat 0
-/// (unknown). The router's memory timeline ends each request by it (docs/router.md, "What the
-/// router is told of each answer").
-fn max_tokens(v: &Value, kind: Kind) -> usize {
-    let named = ["max_completion_tokens", "max_tokens"]
-        .iter()
-        .find_map(|k| v.get(*k).and_then(Value::as_u64));
-    match (named, kind) {
-        (Some(n), _) => usize::try_from(n).unwrap_or(usize::MAX),
-        (None, Kind::Completion) => COMPLETION_DEFAULT_MAX_TOKENS,
-        (None, Kind::Chat) => 0,
-    }
-}
-
 /// The LoRA adapter the request names (`lora.rs`): SGLang's `lora_path`, or a vLLM `model`
 /// that the instances' `/v1/models` lists as an adapter (read when the name is new to the
 /// router, at most every `lora::REFRESH`).
@@ -786,32 +762,6 @@ async fn lookup<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn a_request_without_max_tokens_is_booked_with_the_engines_default() {
-        let c = Kind::Completion;
-        assert_eq!(max_tokens(&json!({"prompt": "x"}), c), 16);
-        assert_eq!(
-            max_tokens(&json!({"prompt": "x", "max_tokens": 300}), c),
-            300
-        );
-        assert_eq!(
-            max_tokens(&json!({"max_completion_tokens": 7, "max_tokens": 300}), c),
-            7
-        );
-        assert_eq!(
-            max_tokens(&json!({"max_tokens": "many"}), c),
-            16,
-            "not a count: the default"
-        );
-        assert_eq!(
-            max_tokens(&json!({"messages": []}), Kind::Chat),
-            0,
-            "a chat's: unknown"
-        );
-        assert_eq!(max_tokens(&json!({"max_tokens": 9}), Kind::Chat), 9);
-    }
 
     /// An error caused by another, as hyper-util's connect errors are (its `ConnectError`
     /// wraps the socket's `io::Error`).
