@@ -114,11 +114,22 @@ def _written_once(dst: np.ndarray, what: str) -> None:
 
 
 class _Pages:
-    """Last writer and readers in flight of each page of one tier."""
+    """Last writer and readers in flight of each page of one tier, and which pages' last
+    writer was a copy (``filled_by``): a reader of such a page fails when that copy failed."""
 
     def __init__(self) -> None:
         self.writer: Dict[int, Signal] = {}
         self.readers: Dict[int, List[Signal]] = {}
+        self.filled_by: Dict[int, Signal] = {}
+
+    def fillers(self, reads: Iterable[int]) -> List[Signal]:
+        """The copies that last wrote ``reads`` (finished or not), each once."""
+        out: Dict[int, Signal] = {}
+        for p in reads:
+            s = self.filled_by.get(p)
+            if s is not None:
+                out[id(s)] = s
+        return list(out.values())
 
     def deps(self, reads: Iterable[int], writes: Iterable[int], out: List[Signal]) -> None:
         for p in reads:
@@ -131,7 +142,7 @@ class _Pages:
                 out.append(w)
             out.extend(r for r in self.readers.get(p, ()) if not r.done())
 
-    def record(self, reads: Iterable[int], writes: Iterable[int], sig: Signal) -> None:
+    def record(self, reads: Iterable[int], writes: Iterable[int], sig: Signal, copy: bool = False) -> None:
         for p in reads:
             lst = [r for r in self.readers.get(p, ()) if not r.done()]
             lst.append(sig)
@@ -139,6 +150,19 @@ class _Pages:
         for p in writes:
             self.writer[p] = sig
             self.readers.pop(p, None)
+            if copy:
+                self.filled_by[p] = sig
+            else:
+                self.filled_by.pop(p, None)
+
+
+def _refuse_failed_fillers(what: str, fillers: Sequence[Signal]) -> None:
+    """Raises (failing the op) when a copy that was to fill a page the op reads failed: its
+    bytes are whatever the page held before (a WriteBack's host page backed up to L3 under
+    the new page's key, a LoadBack's device page stored or loaded on)."""
+    for s in fillers:
+        if s.error is not None:
+            raise ExecutorError(f"{what}: a page it reads was never filled (its copy failed: {s.error})")
 
 
 class Executor:
@@ -278,10 +302,15 @@ class Executor:
         return arr
 
     def _deps_and_record(self, reads: Tuple[str, np.ndarray], writes: Tuple[str, np.ndarray],
-                         sig: Signal, extra: Optional[Signal] = None) -> List[Signal]:
+                         sig: Signal, extra: Optional[Signal] = None,
+                         copy: bool = False) -> Tuple[List[Signal], List[Signal]]:
+        """The signals the op waits for, and the copies that fill the pages it reads (the op
+        fails if one of them failed). ``copy``: the op is a copy (its failure taints the pages
+        it writes)."""
         deps: List[Signal] = []
+        fillers: List[Signal] = []
         if self.ordering == Ordering.UNCHECKED:
-            return deps
+            return deps, fillers
         if extra is not None:
             deps.append(extra)
         rt, rp = reads
@@ -289,13 +318,14 @@ class Executor:
         r_list, w_list = rp.tolist(), wp.tolist()
         if rt:
             self._pages[rt].deps(r_list, (), deps)
+            fillers = self._pages[rt].fillers(r_list)
         if wt:
             self._pages[wt].deps((), w_list, deps)
         if rt:
             self._pages[rt].record(r_list, (), sig)
         if wt:
-            self._pages[wt].record((), w_list, sig)
-        return deps
+            self._pages[wt].record((), w_list, sig, copy)
+        return deps, fillers
 
     def _copy(self, op: Any, direction: Direction, compute: Optional[Signal]) -> None:
         src = self._pages_of(op.src_tier, op.src, op.kind)
@@ -307,10 +337,12 @@ class Executor:
             host_p, dev_p = src, dst
         else:
             host_p, dev_p = dst, src
-        deps = self._deps_and_record((op.src_tier, src), (op.dst_tier, dst), rec.done, compute)
+        deps, fillers = self._deps_and_record((op.src_tier, src), (op.dst_tier, dst), rec.done, compute, copy=True)
         mover, device, host = self.mover, self.device, self.host
+        what = f"{op.kind} {rec.id}"
 
         def task(ctx: LaneContext) -> None:
+            _refuse_failed_fillers(what, fillers)
             if direction == Direction.LOAD:  # layer by layer, so attention of layer l can start early
                 mover.copy_layers(direction, device, host, dev_p, host_p, range(nl),
                                   lambda l: ctx.mark(rec.layers[l]))
@@ -328,10 +360,12 @@ class Executor:
 
     def _l3_op(self, op: Any, reads: Tuple[str, np.ndarray], writes: Tuple[str, np.ndarray], fn, lane: Lane) -> None:
         rec = _Op(_op_id(op), op.kind, Signal())
-        deps = self._deps_and_record(reads, writes, rec.done)
+        deps, fillers = self._deps_and_record(reads, writes, rec.done)
         self._ops[rec.id] = rec
+        what = f"{op.kind} {rec.id}"
 
         def task(ctx: LaneContext) -> None:
+            _refuse_failed_fillers(what, fillers)
             fn(rec)
             ctx.mark(rec.done)
 
@@ -373,11 +407,13 @@ class Executor:
         backend, lane = self.backend, self.l3_lanes[next(self._l3_rr)]
         mover, device, nl = self.mover, self.device, self.device.layout.num_layers
         rec = _Op(_op_id(op), op.kind, Signal())
-        deps = self._deps_and_record(("device", src), ("", np.zeros(0, dtype=np.int64)), rec.done, compute)
+        deps, fillers = self._deps_and_record(("device", src), ("", np.zeros(0, dtype=np.int64)), rec.done, compute)
         self._ops[rec.id] = rec
         self.stats.device_backups += 1
+        what = f"BackUp {rec.id}"
 
         def task(ctx: LaneContext) -> None:
+            _refuse_failed_fillers(what, fillers)
             if backend is None:
                 ctx.mark(rec.done)
                 return
@@ -483,6 +519,8 @@ class Executor:
         for c in plan.prefill:
             written.extend(int(p) for p in c.table_pages)
         written.extend(int(p) for p in plan.decode_table_pages)
+        for p in written:  # the forward fills these pages: a failed load of them no longer counts
+            self._pages["device"].filled_by.pop(p, None)
         deps: List[Signal] = []
         self._pages["device"].deps((), written, deps)
         for s in deps:
