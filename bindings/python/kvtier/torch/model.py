@@ -99,6 +99,23 @@ def _slots(row: PagedRow, lo: int, hi: int) -> torch.Tensor:
     return out
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as bytes (its last dimension times the element size)."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _scatter(flat: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """``flat[slots] = new`` in ``flat``'s dtype, copied as bytes: torch has no CPU
+    ``index_copy_`` / ``index_select`` for FP8 (torch 2.14), and an FP8 KV pool failed every
+    forward (a TorchEngine with ``kv_dtype=torch.float8_e4m3fn`` could not even be built)."""
+    _bytes(flat).index_copy_(0, slots, _bytes(new.to(flat.dtype).contiguous()))
+
+
+def _gather(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``flat[slots]`` (gathered as bytes, see :func:`_scatter`) converted to ``dtype``."""
+    return _bytes(flat).index_select(0, slots).view(flat.dtype).to(dtype)
+
+
 def _expect(t: torch.Tensor, shape: Tuple[int, ...], what: str, layout: KVLayout) -> None:
     if tuple(t.shape) != shape:
         raise PoolLayoutError(f"{what}: the model gave {tuple(t.shape)}, the pool's {layout} needs {shape}")
@@ -127,8 +144,8 @@ class LatentCache:
         flat = row.pool.k(layer_idx).view(-1, latent)
         end = row.start + t
         new = torch.cat([kv_nope[0, 0], k_rot[0, 0]], dim=-1)
-        flat.index_copy_(0, _slots(row, row.start, end), new.to(flat.dtype))
-        ctx = flat.index_select(0, _slots(row, 0, end)).to(kv_nope.dtype)
+        _scatter(flat, _slots(row, row.start, end), new)
+        ctx = _gather(flat, _slots(row, 0, end), kv_nope.dtype)
         row.latent_layers.add(layer_idx)
         return ctx[:, :rank].view(1, 1, end, rank), ctx[:, rank:].view(1, 1, end, latent - rank)
 
@@ -217,12 +234,12 @@ def paged_attention(
     k_flat = pool.k(layer).view(-1, kv_heads, head_dim)
     v_flat = pool.v(layer).view(-1, kv_heads, head_dim)
     new = _slots(row, row.start, end)
-    k_flat.index_copy_(0, new, key[0].transpose(0, 1).to(k_flat.dtype))
-    v_flat.index_copy_(0, new, value[0].transpose(0, 1).to(v_flat.dtype))
+    _scatter(k_flat, new, key[0].transpose(0, 1))
+    _scatter(v_flat, new, value[0].transpose(0, 1))
     lo = max(0, row.start - window + 1) if window is not None else 0  # pages before the window: not read
     ctx = _slots(row, lo, end)
-    k = k_flat.index_select(0, ctx).transpose(0, 1).unsqueeze(0).to(query.dtype)
-    v = v_flat.index_select(0, ctx).transpose(0, 1).unsqueeze(0).to(query.dtype)
+    k = _gather(k_flat, ctx, query.dtype).transpose(0, 1).unsqueeze(0)
+    v = _gather(v_flat, ctx, query.dtype).transpose(0, 1).unsqueeze(0)
     return _attend(query, k, v, lo, row.start, window, scaling), None
 
 

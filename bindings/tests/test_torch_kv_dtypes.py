@@ -1,0 +1,49 @@
+"""kvtier.torch's model glue with KV pools of another dtype than the model's: what the model
+writes lands in the pool as the pool's dtype (bit for bit the model's K/V cast to it), and
+what it reads back is that, on CPU, FP8 included."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.torch import TorchEngine
+from conftest import small_config, tiny_deepseek_v3, tiny_llama
+
+PROMPT = [5, 17, 99, 3, 42, 8, 61]  # 7 tokens: two whole pages of 3 and one partial
+
+
+def engine(model, kv_dtype):
+    cfg = small_config(page_size=3, device_pages=16, host_pages=16, max_context_tokens=48)
+    return TorchEngine(cfg, model, None, kv_dtype=kv_dtype, stop_token_ids=())
+
+
+def layer0(eng):
+    """Layer 0's pool tensors over the request's pages, in token order (layer 0's K/V
+    depend on the embeddings only, so any KV dtype holds the fp32 KV cast to it)."""
+    pages = torch.as_tensor(eng.tables[1], dtype=torch.long)
+    return [t[pages].reshape(-1, *t.shape[2:])[: len(PROMPT)] for t in eng.device_pool.tensors[0]]
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_deepseek_v3], ids=["mha", "mla"])
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16])
+def test_kv_pools_of_a_narrower_float_dtype_hold_the_models_kv_cast_to_it(make, kv_dtype):
+    model = make(0)
+    with engine(model, torch.float32) as ref:
+        ref.submit(1, PROMPT, 1)
+        for _ in range(3):  # the prefill, its forward done; the table still names the pages
+            ref.step(0)
+        want = [t.to(kv_dtype) for t in layer0(ref)]
+        want_logits = ref.first_logits[1]
+    with engine(model, kv_dtype) as eng:
+        eng.submit(1, PROMPT, 1)
+        for _ in range(3):
+            eng.step(0)
+        got = layer0(eng)
+        assert all(g.dtype == kv_dtype for g in got)
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+        logits = eng.first_logits[1]
+    assert torch.isfinite(logits).all()
+    # rounding KV to 3 mantissa bits moves the logits a little, not to other values
+    cos = torch.nn.functional.cosine_similarity(logits, want_logits, dim=0)
+    assert cos > 0.95, float(cos)
