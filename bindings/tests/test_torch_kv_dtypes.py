@@ -47,3 +47,18 @@ def test_kv_pools_of_a_narrower_float_dtype_hold_the_models_kv_cast_to_it(make, 
     # rounding KV to 3 mantissa bits moves the logits a little, not to other values
     cos = torch.nn.functional.cosine_similarity(logits, want_logits, dim=0)
     assert cos > 0.95, float(cos)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_deepseek_v3], ids=["mha", "mla"])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.uint8, torch.int32])
+def test_integer_kv_pools_are_refused_not_served_truncated(make, kv_dtype):
+    """The glue casts the model's K/V to the pool's dtype: into integers that truncates them
+    (an int8 cache needs quantization scales the glue does not have), wrong tokens with no
+    error. Refused when the engine is built, the model given its attention back."""
+    from kvtier.torch import PoolLayoutError
+
+    model = make(0)
+    impl = model.config._attn_implementation
+    with pytest.raises(PoolLayoutError, match="integer"):
+        engine(model, kv_dtype)
+    assert model.config._attn_implementation == impl

@@ -116,6 +116,14 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torc
     return _bytes(flat).index_select(0, slots).view(flat.dtype).to(dtype)
 
 
+def _refuse_integer_pool(layout: KVLayout) -> None:
+    """The glue casts K/V to the pool's dtype: into an integer pool (int8) that truncates them
+    (a quantized cache needs scales this path does not have), wrong tokens with no error."""
+    if not layout.dtype.is_floating_point:
+        raise PoolLayoutError(f"a KV pool of {layout.dtype}: the model glue serves floating-point KV only "
+                              "(an integer cache would hold the K/V truncated)")
+
+
 def _expect(t: torch.Tensor, shape: Tuple[int, ...], what: str, layout: KVLayout) -> None:
     if tuple(t.shape) != shape:
         raise PoolLayoutError(f"{what}: the model gave {tuple(t.shape)}, the pool's {layout} needs {shape}")
@@ -134,6 +142,7 @@ class LatentCache:
         layout = row.pool.layout
         if layout.attention != Attention.MLA:
             raise PoolLayoutError(f"the model caches MLA latents, the pool is {layout.attention.value}")
+        _refuse_integer_pool(layout)
         t = int(kv_nope.shape[2]) if kv_nope.dim() == 4 else -1
         rank = int(kv_nope.shape[-1])
         latent = layout.chunk_shape[1]
@@ -224,6 +233,7 @@ def paged_attention(
         if key.shape[2] != end or value.shape[2] != end:
             raise PoolLayoutError(f"layer {layer}: {key.shape[2]} context keys for {end} positions")
         return _attend(query, key, value, 0, row.start, window, scaling), None
+    _refuse_integer_pool(layout)
     if row.wait_for_layer is not None:
         row.wait_for_layer(layer)
     _, kv_heads, head_dim = layout.chunk_shape
