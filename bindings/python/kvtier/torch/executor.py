@@ -183,14 +183,19 @@ class Executor:
         l3_workers: int = 2,
         prefetch_chunk_pages: int = 16,
     ) -> None:
+        if not isinstance(device, DevicePool):  # a swapped pair raised AttributeError below
+            raise PoolLayoutError(f"device must be a DevicePool, got {type(device).__name__}")
+        if not isinstance(host, HostPool):
+            raise PoolLayoutError(f"host must be a HostPool, got {type(host).__name__}")
         if device.layout != host.layout:
             raise PoolLayoutError("device and host pools have different layouts")
         # On CPU both pools are host memory: a host pool over the device pool's tensors (or
         # part of them) turned every copy into one that also overwrote pages no op named.
         _refuse_overlaps([(f"device layer {l} component {c}", t) for l, comps in enumerate(device.tensors)
                           for c, t in enumerate(comps)] + [("the host pool", host.data)])
-        if l3_workers <= 0 or prefetch_chunk_pages <= 0:
-            raise ValueError("l3_workers and prefetch_chunk_pages must be positive")
+        for n in (l3_workers, prefetch_chunk_pages):
+            if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n <= 0:
+                raise ValueError(f"l3_workers and prefetch_chunk_pages must be positive integers, got {n!r}")
         self.device = device
         self.host = host
         self.mover = make_mover(mover) if isinstance(mover, str) else mover

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -79,8 +79,21 @@ class KVLayout:
         return KVLayout(num_layers, page_size, (page_size, latent_dim), dtype, Attention.MLA)
 
     def __post_init__(self) -> None:
-        if self.num_layers <= 0 or self.page_size <= 0 or any(d <= 0 for d in self.chunk_shape):
-            raise PoolLayoutError(f"layout dimensions must be positive: {self}")
+        # A float, bool or string dimension (or a dtype given as a string) was accepted and
+        # failed later, inside an allocation or a copy, with an untyped error.
+        shape = self.chunk_shape if isinstance(self.chunk_shape, (tuple, list)) else None
+        if shape is None:
+            raise PoolLayoutError(f"layout chunk_shape must be a tuple of dimensions, got {self.chunk_shape!r}")
+        dims = [self.num_layers, self.page_size, *shape]
+        if any(isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or d <= 0 for d in dims):
+            raise PoolLayoutError(f"layout dimensions must be positive integers: {self}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise PoolLayoutError(f"layout dtype must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.attention, Attention):
+            raise PoolLayoutError(f"layout attention must be an Attention, got {self.attention!r}")
+        object.__setattr__(self, "num_layers", int(self.num_layers))
+        object.__setattr__(self, "page_size", int(self.page_size))
+        object.__setattr__(self, "chunk_shape", tuple(int(d) for d in shape))
         if self.chunk_shape[0] != self.page_size:
             raise PoolLayoutError("chunk_shape[0] must be the page size")
 
