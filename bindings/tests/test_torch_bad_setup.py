@@ -57,3 +57,28 @@ def test_executor_refuses_swapped_or_foreign_pools_and_bad_sizes():
             Executor(dev, host, l3_workers=bad)
         with pytest.raises(ValueError, match="positive integers"):
             Executor(dev, host, prefetch_chunk_pages=bad)
+
+
+def test_a_plan_applied_again_after_its_ops_completed_is_refused():
+    """The scheduler numbers ops from one counter and every plan's ops come after the last
+    plan's, so an id not above every id already submitted is a plan applied twice: its
+    LoadBack ran again into a device page the scheduler had since given to another request,
+    overwriting that request's KV with no error."""
+    from conftest import HandOp
+    from kvtier.torch import ExecutorError
+
+    dev = DevicePool.allocate(LAYOUT, 4)
+    host = HostPool.allocate(LAYOUT, 4, Pinning.PAGEABLE)
+    host.data[1] = 5.0
+    with Executor(dev, host) as ex:
+        plan = [HandOp(7, "LoadBack", "host", "device", [1], [2])]
+        ex.submit(plan)
+        ex.drain()
+        dev.k(0)[2] = -1.0  # page 2 reused: another request's KV
+        for again in (plan, [HandOp(3, "WriteBack", "device", "host", [0], [0])]):
+            with pytest.raises(ExecutorError, match="already submitted"):
+                ex.submit(again)
+        assert ex.in_flight() == 0 and (dev.k(0)[2] == -1.0).all()
+        ex.submit([HandOp(8, "LoadBack", "host", "device", [1], [3])])  # the next plan's ops run
+        ex.drain()
+        assert (dev.k(0)[3] == 5.0).all()

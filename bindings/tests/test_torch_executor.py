@@ -203,6 +203,7 @@ def test_bad_ops_raise_executor_error_and_start_nothing():
             assert ex.in_flight() == 0 and torch.count_nonzero(host.data) == 0
         ex.submit([good, HandOp(np.uint64(2**64 - 1), "L3Query")])
         assert sorted(e.op for e in ex.drain()) == [1, 2**64 - 1]
+    with Executor(dev, host) as ex:  # ids only grow (test_a_plan_applied_again_...): a new executor
         ex.submit([good])
         with pytest.raises(ExecutorError, match="in flight"):
             ex.submit([HandOp(1, "L3Query")])

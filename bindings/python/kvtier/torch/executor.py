@@ -223,6 +223,7 @@ class Executor:
         self._l3_rr = itertools.cycle(range(l3_workers))
         self._pages = {"device": _Pages(), "host": _Pages()}
         self._ops: Dict[int, _Op] = {}
+        self._last_batch_max = -1
         self._layer_waits: List[List[Signal]] = [[] for _ in range(device.layout.num_layers)]
         self._lock = threading.Lock()
         self.stats = ExecutorStats()
@@ -241,8 +242,16 @@ class Executor:
             op_id = _op_id(op)
             if op_id in self._ops or op_id in seen:
                 raise ExecutorError(f"op {op_id} is already in flight")
+            if op_id <= self._last_batch_max:
+                # The scheduler numbers ops from one counter and a plan's ops all come after
+                # the last plan's: an older id is a plan applied twice (re-run, a LoadBack
+                # overwrote a device page the scheduler had given to another request).
+                raise ExecutorError(f"op {op_id} was already submitted (ids of earlier batches reach "
+                                    f"{self._last_batch_max}): a plan applied twice?")
             seen.add(op_id)
             self._check(op)
+        if seen:
+            self._last_batch_max = max(self._last_batch_max, max(seen))
         compute: Optional[Signal] = None
         for op in ops:
             kind = op.kind
