@@ -62,3 +62,29 @@ def test_integer_kv_pools_are_refused_not_served_truncated(make, kv_dtype):
     with pytest.raises(PoolLayoutError, match="integer"):
         engine(model, kv_dtype)
     assert model.config._attn_implementation == impl
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "float16"), ("layout", "mha:2L:2x8:page4:tp1"),
+                                         ("layout", "mla:2L:24:page3:tp1")])
+def test_a_callers_namespace_naming_another_kv_dtype_or_layout_is_refused(field, value):
+    """A Scheduler built by the caller whose namespace names a KV dtype or layout other than
+    the engine's pools (copied from another engine's config): its L3 pages would be read by
+    that engine as its own KV (bf16 bytes read as fp16), wrong tokens with no error. The
+    fields left empty stay the caller's to name (docs/torch.md)."""
+    import kvtier
+    from kvtier.engine import KvtierL3Backend
+    from kvtier.torch import NamespaceError
+
+    model = tiny_llama(0)
+    cfg = small_config(page_size=3, device_pages=16, host_pages=16, max_context_tokens=48, l3_enabled=True)
+    store = KvtierL3Backend(kvtier.L3Store.embedded(1 << 22))
+    ns = {"model": "llama-test", field: value}
+    with pytest.raises(NamespaceError, match=field):
+        TorchEngine(kvtier.Scheduler(cfg.replace(namespace=ns)), model, store, kv_dtype=torch.bfloat16)
+    # the engine's own fields, or none, are served
+    from kvtier.torch import torch_namespace
+    from kvtier.torch.model import layout_of
+
+    own = torch_namespace(model, layout_of(model.config, 3, torch.bfloat16))
+    for ok in ({"model": "llama-test"}, {"model": "llama-test", "dtype": own["dtype"], "layout": own["layout"]}):
+        TorchEngine(kvtier.Scheduler(cfg.replace(namespace=ok)), model, store, kv_dtype=torch.bfloat16).close()

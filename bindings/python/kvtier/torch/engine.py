@@ -21,7 +21,7 @@ from .errors import NamespaceError, PoolLayoutError
 from .executor import Executor, LoadWait, Ordering
 from .movers import Mover
 from .model import PagedRow, layout_of, run_row, use_paged_attention
-from .namespace import torch_namespace
+from .namespace import kv_fields, torch_namespace
 from .pools import DevicePool, HostPool, Pinning
 
 __all__ = ["TorchEngine"]
@@ -103,6 +103,14 @@ class TorchEngine:
             raise NamespaceError("an L3 store needs the model's namespace: pass a SchedulerConfig (the engine derives"
                                  " it) or set namespace=kvtier.torch.torch_namespace(model, layout)")
         layout = layout_of(model.config, cfg["page_size"], dtype)
+        if backend is not None and cfg["l3_enabled"]:
+            # A caller's namespace naming other KV bytes than these pools' (copied from another
+            # engine's config) had this engine read that engine's L3 pages as its own KV.
+            for field, want in kv_fields(layout).items():
+                given = cfg["namespace"].get(field)
+                if given and given != want:
+                    raise NamespaceError(f"the scheduler's namespace has {field}={given!r}, but this engine's KV "
+                                         f"pools are {field}={want!r}: its L3 pages would be another engine's KV")
         self.s = scheduler
         self.model = model
         self.page_size = cfg["page_size"]

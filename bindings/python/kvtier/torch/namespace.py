@@ -131,11 +131,14 @@ def torch_namespace(model: Any, layout: KVLayout, model_id: Optional[str] = None
     weights = weights_fingerprint(model)
     arch = ",".join(getattr(cfg, "architectures", None) or [type(model).__name__])
     name = model_id if model_id is not None else str(getattr(cfg, "_name_or_path", "") or "")
+    return {"model": f"{arch}|{name}|cfg:{config_hash(cfg)}|w:{weights}", **kv_fields(layout, tp_size),
+            "tenant": "", "adapter": ""}
+
+
+def kv_fields(layout: KVLayout, tp_size: int = 1) -> Dict[str, str]:
+    """The namespace fields that name the KV's bytes: ``dtype`` and ``layout``."""
     shape = "x".join(str(d) for d in layout.chunk_shape[1:])
     return {
-        "model": f"{arch}|{name}|cfg:{config_hash(cfg)}|w:{weights}",
         "dtype": str(layout.dtype).replace("torch.", ""),
         "layout": f"{layout.attention.value}:{layout.num_layers}L:{shape}:page{layout.page_size}:tp{tp_size}",
-        "tenant": "",
-        "adapter": "",
     }
