@@ -115,6 +115,10 @@ class L3Backend:
     def attach_pools(self, pools: Sequence[np.ndarray]) -> None:
         """Called once with the KV pools reads and writes will target."""
 
+    def detach_pools(self, pools: Sequence[np.ndarray]) -> None:
+        """Called with pools given to ``attach_pools`` once no read or write targets them
+        (their owner closed); a backend shared by several owners keeps the others'."""
+
     def probe(self, keys: List[str]) -> int:
         """How many leading keys exist, without taking leases (answers ``L3Query``)."""
         raise NotImplementedError
@@ -200,6 +204,13 @@ class MooncakeL3Backend(L3Backend):
             if rc != 0:
                 raise RuntimeError(f"register_buffer failed: {rc}")
             self._registered.append(p.ctypes.data)
+
+    def detach_pools(self, pools: Sequence[np.ndarray]) -> None:
+        for p in pools:
+            ptr = p.ctypes.data
+            if p.size and ptr in self._registered:
+                self.store.unregister_buffer(ptr)
+                self._registered.remove(ptr)
 
     def detach(self) -> None:
         for ptr in self._registered:

@@ -202,6 +202,7 @@ class Executor:
         self.mover.check_pools(device, host)
         self.backend = backend
         self._host_bytes = None
+        self._attached: List[np.ndarray] = []
         # One staging host pool per L3 lane (a lane runs one op at a time): a BackUp of device
         # pages copies them there, then stores them from there.
         staging: List[Tuple[HostPool, np.ndarray]] = []
@@ -210,7 +211,8 @@ class Executor:
             for _ in range(l3_workers):
                 st = HostPool.allocate(host.layout, prefetch_chunk_pages)
                 staging.append((st, st.byte_pages()))
-            backend.attach_pools([self._host_bytes, *(b for _, b in staging)])
+            self._attached = [self._host_bytes, *(b for _, b in staging)]
+            backend.attach_pools(self._attached)
         self.l3_lanes = [Lane(f"l3-{i}", torch.device("cpu")) for i in range(l3_workers)]
         self._staging: Dict[Lane, Tuple[HostPool, np.ndarray]] = dict(zip(self.l3_lanes, staging))
         self.ordering = ordering
@@ -602,6 +604,12 @@ class Executor:
         self._closed = True
         for lane in [self.load_lane, self.store_lane, self.probe_lane, *self.l3_lanes]:
             lane.close()
+        # The pools' memory is freed after this: a backend that registered it (Mooncake's
+        # register_buffer) kept registrations of freed memory, and a later engine whose pools
+        # landed there could not register them (-600, overlap).
+        if self.backend is not None and self._attached:
+            self.backend.detach_pools(self._attached)
+            self._attached = []
 
     def __enter__(self) -> "Executor":
         return self
