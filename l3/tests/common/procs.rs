@@ -83,6 +83,11 @@ pub fn node_with(
     token: Option<&str>,
     extra: &[&str],
 ) -> Proc {
+    spawn(&node_args(master, id, ssd, extra), token)
+}
+
+/// The command line of [`node_with`].
+pub fn node_args(master: SocketAddr, id: u64, ssd: Option<&Path>, extra: &[&str]) -> Vec<String> {
     let mut a = args(&["--role", "node"]);
     for (flag, value) in [
         ("--listen", "127.0.0.1:0"),
@@ -100,7 +105,7 @@ pub fn node_with(
         a.push("--ssd-dir".into());
         a.push(d.display().to_string());
     }
-    spawn(&a, token)
+    a
 }
 
 /// Polls `f` until it holds or `limit` passes.

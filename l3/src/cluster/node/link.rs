@@ -18,7 +18,51 @@ use parking_lot::Mutex;
 use crate::error::{L3Error, L3Result};
 use crate::ha::{EpochFence, Locator};
 use crate::rpc::client::{ClientOptions, RemoteStore};
-use crate::rpc::service::{ClusterReply, ClusterRequest};
+use crate::rpc::service::{ClusterReply, ClusterRequest, ServerLimits};
+
+/// The node's own limits (its `NodeOptions`). A split deployment's clients learn the limits
+/// from the master's `hello` and send the nodes batches, objects and frames by them, so a
+/// node's must be at least its master's: below them, it refused what every client sent
+/// (a node of `--max-batch-keys 100` under a master of 65,536 failed every batch put of more
+/// than 100 keys, -600 per key). Checked when the node meets a master (at start, and again
+/// after a failover to a leader of other limits).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct NodeLimits {
+    pub(super) max_batch_keys: usize,
+    pub(super) max_object_bytes: u64,
+    pub(super) max_frame_bytes: usize,
+}
+
+impl NodeLimits {
+    fn check(&self, master: &ServerLimits) -> L3Result<()> {
+        for (flag, own, theirs) in [
+            (
+                "--max-batch-keys",
+                self.max_batch_keys as u64,
+                master.max_batch_keys,
+            ),
+            (
+                "--max-object-bytes",
+                self.max_object_bytes,
+                master.max_object_bytes,
+            ),
+            (
+                "--max-frame",
+                self.max_frame_bytes as u64,
+                master.max_frame_bytes,
+            ),
+        ] {
+            if own < theirs {
+                return Err(L3Error::InvalidParams(format!(
+                    "this node's {flag} {own} is below its master's {theirs}: clients send \
+                     the nodes what the master's limits allow (start the node with {flag} \
+                     {theirs} or more)"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
 
 /// The node's connection to the master; reconnects on the next call after a failure.
 pub(super) struct MasterLink {
@@ -27,6 +71,8 @@ pub(super) struct MasterLink {
     pub(super) timeout: Duration,
     pub(super) fence: EpochFence,
     pub(super) conn: Mutex<Option<Arc<RemoteStore>>>,
+    /// What the node takes; at least its master's limits (checked at each connection).
+    pub(super) limits: NodeLimits,
 }
 
 impl MasterLink {
@@ -56,6 +102,7 @@ impl MasterLink {
                         )));
                     }
                     self.fence.admit(c.limits().epoch)?;
+                    self.limits.check(&c.limits())?;
                     *g = Some(c.clone());
                     c
                 }

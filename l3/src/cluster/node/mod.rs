@@ -237,6 +237,11 @@ impl StoreNode {
                 timeout: opts.master_timeout,
                 fence: EpochFence::default(),
                 conn: Mutex::new(None),
+                limits: link::NodeLimits {
+                    max_batch_keys: opts.max_batch_keys,
+                    max_object_bytes: opts.max_object_bytes,
+                    max_frame_bytes: opts.max_frame_bytes,
+                },
             },
             mem: Mutex::new(Mem::new(NodeRecycler::new(
                 opts.segment_bytes,
