@@ -82,3 +82,11 @@ def test_a_plan_applied_again_after_its_ops_completed_is_refused():
         ex.submit([HandOp(8, "LoadBack", "host", "device", [1], [3])])  # the next plan's ops run
         ex.drain()
         assert (dev.k(0)[3] == 5.0).all()
+
+
+def test_a_host_pool_that_requires_grad_is_refused():
+    """A parameter (or any tensor that requires grad) as the host pool: its L3 view
+    (``byte_pages``, through numpy) raised a bare RuntimeError when the executor was built."""
+    data = torch.zeros(4, 2, 2, *LAYOUT.chunk_shape, requires_grad=True)
+    with pytest.raises(PoolLayoutError, match="grad"):
+        HostPool.wrap(LAYOUT, data)

@@ -224,6 +224,8 @@ class HostPool:
         pages = int(data.shape[0] if order == HostOrder.PAGE_FIRST else data.shape[2]) if data.dim() >= 3 else 0
         shape = (pages, *lc, *layout.chunk_shape) if order == HostOrder.PAGE_FIRST else (*lc, pages, *layout.chunk_shape)
         _check(data, shape, layout, "host pool")
+        if data.requires_grad:  # its L3 view (byte_pages, numpy) raised a bare RuntimeError
+            raise PoolLayoutError("host pool: requires grad (a parameter?): L3 reads and writes it in place")
         self.layout = layout
         self.data = data
         self.order = order
