@@ -62,7 +62,7 @@ struct Args {
     /// Milliseconds of one decode step of an instance (with --device-tokens).
     #[arg(long)]
     decode_step_ms: Option<f64>,
-    /// Wait for each message of a replay or snapshot answer, milliseconds.
+    /// Wait for each message of a replay or snapshot answer, milliseconds (positive).
     #[arg(long, default_value_t = 500)]
     replay_timeout_ms: u64,
     /// Quiet seconds after which a stream asks for a tail it may have missed.
@@ -93,6 +93,10 @@ fn positive(name: &str, v: f64) -> Result<f64, String> {
 fn config(a: &Args) -> Result<Config, String> {
     if a.page_size == 0 || a.page_bytes == 0 || a.max_pages == Some(0) {
         return Err("--page-size, --page-bytes and --max-pages must be positive".into());
+    }
+    if a.replay_timeout_ms == 0 {
+        // it was taken as 1 ms: a replay or snapshot answer slower than that was given up on
+        return Err("--replay-timeout-ms must be positive".into());
     }
     let min = ClusterIndex::min_bytes(a.instances.len());
     if a.max_index_bytes.0 < min {

@@ -171,6 +171,8 @@ fn bad_flags_are_errors_not_panics() {
         // below an empty index's bytes
         (vec!["--instance", ev, "--max-index-bytes", "8"], 2),
         (vec!["--instance", ev, "--max-pages", "0"], 2),
+        // 0 was taken as 1 ms: a replay or snapshot answer slower than that was given up on
+        (vec!["--instance", ev, "--replay-timeout-ms", "0"], 2),
         (vec!["--instance", ev, "--delay-weight", "-1"], 2),
         (vec!["--instance", ev, "--delay-weight", "NaN"], 2),
         (vec!["--instance", ev, "--booking-ttl-s", "0"], 2),
