@@ -131,3 +131,24 @@ def test_a_device_page_the_forward_wrote_after_a_failed_load_backs_up():
         evs = by_id(ex.drain())
     assert evs[2] == BackUpDone(2, True)
     assert store.is_exist(KEYS[0])
+
+
+@pytest.mark.parametrize("keys", ["abc", b"abc", [1, 2, 3], ["k:a", None, "k:c"], None])
+def test_l3_ops_whose_keys_are_not_strings_are_refused_before_anything_starts(keys):
+    """A string as the keys was split into characters (a BackUp of three pages stored them
+    under 'a', 'b' and 'c'); keys that are not strings failed in the L3 worker (or, None, with
+    a bare TypeError). ExecutorError now, nothing of the batch started."""
+    from kvtier.torch import ExecutorError
+
+    dev, host = pools()
+    store = kvtier.L3Store.embedded(1 << 22)
+    with Executor(dev, host, KvtierL3Backend(store)) as ex:
+        good = HandOp(1, "WriteBack", "device", "host", [0], [0])
+        for kind, tier in (("BackUp", "host"), ("Prefetch", None), ("L3Query", None)):
+            op = HandOp(2, kind, tier, None if kind != "Prefetch" else "host", [1, 2, 3] if tier else (),
+                        [1, 2, 3] if kind == "Prefetch" else ())
+            op.keys = keys
+            with pytest.raises(ExecutorError, match="keys"):
+                ex.submit([good, op])
+            assert ex.in_flight() == 0
+        assert not store.is_exist("a") and (host.data[0] == -7.0).all()

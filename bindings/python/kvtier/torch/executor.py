@@ -107,6 +107,15 @@ def _op_id(op: Any) -> int:
     return int(i)
 
 
+def _l3_keys(op: Any) -> None:
+    """Refuses keys that are not a sequence of strings: a string was split into characters
+    (a BackUp stored its pages under 'a', 'b', ...), other keys failed in the L3 worker."""
+    keys = op.keys
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple, np.ndarray)) \
+            or not all(isinstance(k, str) for k in keys):
+        raise ExecutorError(f"{op.kind} {op.id}: keys must be a list of strings, got {keys!r:.80}")
+
+
 def _written_once(dst: np.ndarray, what: str) -> None:
     """Refuses a copy that writes one page twice (which source lands would be undefined)."""
     if np.unique(dst).size != dst.size:
@@ -285,6 +294,7 @@ class Executor:
                 raise ExecutorError(f"{kind} {op.id}: {op.src_tier} -> {op.dst_tier}")
             _written_once(dst, f"{kind} {op.id}")
         elif kind in ("Prefetch", "BackUp"):
+            _l3_keys(op)
             tier, pages = (op.dst_tier, op.dst) if kind == "Prefetch" else (op.src_tier, op.src)
             # A BackUp may read device pages (demotion with L3): staged through host pages.
             if tier != "host" and not (kind == "BackUp" and tier == "device"):
@@ -294,7 +304,9 @@ class Executor:
                 raise ExecutorError(f"{kind} {op.id}: {len(op.keys)} keys for {arr.size} pages")
             if kind == "Prefetch":
                 _written_once(arr, f"{kind} {op.id}")
-        elif kind != "L3Query":
+        elif kind == "L3Query":
+            _l3_keys(op)
+        else:
             raise ExecutorError(f"unknown op kind {kind!r}")
 
     def _compute_mark(self) -> Signal:
