@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 import numpy as np
 import torch
 
-from .. import ExecutionPlan, Scheduler, SchedulerConfig
+from .. import ExecutionPlan, LoadBackDone, Scheduler, SchedulerConfig
 from ..engine import L3Backend, refuse_tensor_parallel
 from .errors import NamespaceError, PoolLayoutError
 from .executor import Executor, LoadWait, Ordering
@@ -135,6 +135,7 @@ class TorchEngine:
         self.outputs: Dict[int, List[int]] = {}
         self.stops: Dict[int, Set[int]] = {}
         self.first_logits: Dict[int, torch.Tensor] = {}
+        self._first_set: Set[int] = set()  # the requests whose first_logits this step set
         self.ended: List[Tuple[int, str]] = []
         self.forwards = 0
         self.terminated = 0
@@ -202,6 +203,7 @@ class TorchEngine:
         reqs: List[int] = []
         toks: List[int] = []
         stops: List[bool] = []
+        self._first_set = set()
         for c in plan.prefill:
             self._apply(c.req, c.table_from, c.table_pages)
             logits = run_row(self.model, self._row(c.req, c.start), c.tokens.tolist())
@@ -210,6 +212,7 @@ class TorchEngine:
                 tok = int(torch.argmax(logits))
                 if not self.outputs[c.req] and c.req not in self.first_logits:
                     self.first_logits[c.req] = logits.cpu()
+                    self._first_set.add(c.req)
                 self.tokens[c.req].append(tok)
                 self.outputs[c.req].append(tok)
             reqs.append(c.req)
@@ -252,10 +255,29 @@ class TorchEngine:
         need = [op.id for op in plan.ops if op.before_forward]
         for c in plan.prefill:
             need.extend(int(x) for x in c.waits_for)
+        failed: Set[int] = set()
         for ev in ex.poll(require=need):  # completions before the forward that waited on them
+            if isinstance(ev, LoadBackDone) and not ev.success:
+                failed.add(int(ev.op))
             self.s.on_event(ev)
+        if failed:
+            self._discard_garbage(plan, failed, stops)
         self.s.forward_done(plan.step, np.asarray(reqs, dtype=np.uint64), np.asarray(toks, dtype=np.uint32), stops)
         return plan
+
+    def _discard_garbage(self, plan: ExecutionPlan, failed: Set[int], stops: List[bool]) -> None:
+        """A chunk that waited for a failed load-back read garbage: the scheduler discards its
+        token and recomputes the request (docs/scheduler.md), so the engine drops the token it
+        kept (before, it stayed in the output and the recompute's token came after it: every
+        later position read the wrong token)."""
+        for i, c in enumerate(plan.prefill):  # prefill rows come first, in this order
+            if not c.last or not failed.intersection(int(x) for x in c.waits_for):
+                continue
+            self.tokens[c.req].pop()
+            self.outputs[c.req].pop()
+            if c.req in self._first_set:
+                self.first_logits.pop(c.req, None)
+            stops[i] = False
 
     def report_losses(self) -> None:
         """Passes what the L3 store lost (its loss journal) to the scheduler, so that no page
