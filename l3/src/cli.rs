@@ -450,6 +450,8 @@ fn run(args: Args, token: Option<String>) -> Result<(), String> {
     crate::cli_roles::check_quotas(&args.tenant_quota)?;
     if args.role == Role::Node {
         crate::cli_roles::check_node_flags(&args.flags_given)?;
+    } else {
+        crate::cli_roles::check_server_flags(&args.flags_given)?;
     }
     let master = args.role == Role::Master;
     crate::cli_roles::check_ssd_flags(&args.flags_given, master, args.ssd_dir.is_some())?;

@@ -3,7 +3,8 @@
 //! nothing (a `--tenant-quota` on the nodes, which hold a split deployment's DRAM, capped
 //! nothing); the SSD tier's flags without an SSD tier (`--offload on-evict` with no
 //! `--ssd-dir` started a DRAM-only server: what DRAM evicted was gone); and a tenant named
-//! twice in `--tenant-quota` kept one of its two caps.
+//! twice in `--tenant-quota` kept one of its two caps. Likewise a node's own flags on a
+//! master or a `both` server (`--ping-ms`, `--node-id`, `--master-timeout-ms`).
 
 use clap::ArgMatches;
 use clap::parser::ValueSource;
@@ -27,6 +28,13 @@ const MASTER_ONLY: [(&str, &str); 12] = [
     ("leader_ttl_s", "--leader-ttl-s"),
 ];
 
+/// The flags only a store node reads (role node), by clap id, as written.
+const NODE_ONLY: [(&str, &str); 3] = [
+    ("node_id", "--node-id"),
+    ("ping_ms", "--ping-ms"),
+    ("master_timeout_ms", "--master-timeout-ms"),
+];
+
 /// The flags of a process's own SSD tier (roles both and node, with `--ssd-dir`).
 const SSD_TIER: [(&str, &str); 2] = [("ssd_capacity", "--ssd-capacity"), ("offload", "--offload")];
 
@@ -34,6 +42,7 @@ const SSD_TIER: [(&str, &str); 2] = [("ssd_capacity", "--ssd-capacity"), ("offlo
 pub(crate) fn flags_given(m: &ArgMatches) -> Vec<&'static str> {
     MASTER_ONLY
         .iter()
+        .chain(&NODE_ONLY)
         .chain(&SSD_TIER)
         .filter(|(id, _)| m.value_source(id) == Some(ValueSource::CommandLine))
         .map(|(_, flag)| *flag)
@@ -49,10 +58,32 @@ fn named(given: &[&'static str], of: &[(&str, &'static str)]) -> Vec<&'static st
 
 /// Refuses a node given any of the master's flags, naming them.
 pub(crate) fn check_node_flags(given: &[&'static str]) -> Result<(), String> {
-    match named(given, &MASTER_ONLY)[..] {
+    refuse_others(
+        given,
+        &MASTER_ONLY,
+        "read by the master (--role master or both): a store node would ignore it",
+    )
+}
+
+/// Refuses a master or a `both` server given any of a store node's flags, naming them.
+pub(crate) fn check_server_flags(given: &[&'static str]) -> Result<(), String> {
+    refuse_others(
+        given,
+        &NODE_ONLY,
+        "read by a store node (--role node) only: this server would ignore it",
+    )
+}
+
+/// Refuses the flags of `of` among `given`: another role reads them (`why`).
+fn refuse_others(
+    given: &[&'static str],
+    of: &[(&str, &'static str)],
+    why: &str,
+) -> Result<(), String> {
+    match named(given, of)[..] {
         [] => Ok(()),
         ref flags => Err(format!(
-            "{} {} read by the master (--role master or both): a store node would ignore it",
+            "{} {} {why}",
             flags.join(", "),
             if flags.len() == 1 { "is" } else { "are" }
         )),

@@ -170,6 +170,33 @@ fn a_masters_flag_on_a_node_and_a_tenant_capped_twice_are_refused() {
     assert!(err.contains("alice") && !err.contains("bob"), "{err}");
 }
 
+/// A node's own flags on a master or a `both` server did nothing: `--ping-ms`,
+/// `--node-id` and `--master-timeout-ms` started it as if not given. Refused, naming the flag,
+/// as `--master` already was.
+#[test]
+fn a_nodes_flags_on_a_master_or_a_both_server_are_refused() {
+    for role in [
+        &["--role", "master", "--no-state-dir"][..],
+        &["--role", "both"],
+    ] {
+        for flag in [
+            &["--ping-ms", "50"][..],
+            &["--node-id", "7"],
+            &["--master-timeout-ms", "5000"],
+        ] {
+            let args: Vec<&str> = ["--listen", "127.0.0.1:0"]
+                .iter()
+                .chain(role)
+                .chain(flag)
+                .copied()
+                .collect();
+            let (code, err) = refusal(&args);
+            assert_eq!(code, Some(1), "{role:?} {flag:?}: {err}");
+            assert!(err.contains(flag[0]), "{role:?} {flag:?}: {err}");
+        }
+    }
+}
+
 /// The SSD tier's flags without an SSD tier did nothing: `--offload on-evict` or
 /// `--ssd-capacity` with no `--ssd-dir` started a DRAM-only server (what DRAM evicted was
 /// gone, not on SSD), `--promotion-on-hit` on one promoted nothing, and a master (which holds
