@@ -103,8 +103,15 @@ def serve(prompts: dict, store: kvtier.L3Store, args) -> dict:
             reqs.append(r)
             toks.append(tok)
         waited = [op.id for op in plan.ops if op.before_forward]
+        failed = set()
         for ev in ex.poll(require=waited):        # op completions before the forward's
+            if isinstance(ev, kvtier.LoadBackDone) and not ev.success:
+                failed.add(ev.op)
             sched.on_event(ev)
+        for c in plan.prefill:  # a chunk that waited for a failed load read garbage: the
+            if c.last and failed.intersection(int(x) for x in c.waits_for):  # scheduler
+                tokens[c.req].pop()                # discards its token and recomputes the
+                out[c.req].pop()                   # request, so we drop it too
         sched.forward_done(plan.step, np.asarray(reqs, dtype=np.uint64), np.asarray(toks, dtype=np.uint32))
         now += 1
     s = sched.stats()
