@@ -1,7 +1,8 @@
 """TorchEngine when a load-back fails: the forward that read its pages computed garbage, and
 the scheduler discards that chunk's token and recomputes the request (docs/scheduler.md), so
 the engine must not keep that token either: the request's output is still exactly what the
-model generates without kvtier."""
+model generates without kvtier. Also what the engine records per request when an id is used
+again."""
 
 import threading
 
@@ -52,3 +53,23 @@ def test_a_failed_load_back_leaves_no_garbage_token_in_the_output(make, loads, f
         eng.s.check()
         assert eng.generated(1) == greedy_reference(ref, first, MAX_NEW)
         assert eng.generated(2) == greedy_reference(ref, second, MAX_NEW)
+
+
+def test_a_request_id_used_again_reports_the_new_requests_first_logits():
+    """first_logits were set only for an id that had none, so an id submitted again after its
+    request ended kept the old request's logits (a check against the new prompt compared the
+    wrong request's)."""
+    import copy
+
+    import torch
+
+    from conftest import full_last_logits
+
+    model = tiny_llama(0)
+    ref = copy.deepcopy(model)
+    cfg = small_config(page_size=4, device_pages=16, host_pages=32, max_context_tokens=64)
+    with TorchEngine(cfg, model, None, stop_token_ids=()) as eng:
+        for prompt in ([5, 6, 7, 8, 9], [40, 41, 42]):
+            eng.submit(7, prompt, 2)
+            eng.run_to_idle()
+            assert torch.allclose(eng.first_logits[7], full_last_logits(ref, prompt), atol=1e-4), prompt

@@ -177,6 +177,7 @@ class TorchEngine:
         self.tokens[req] = toks
         self.outputs[req] = []
         self.stops[req] = stops
+        self.first_logits.pop(req, None)  # an id used again: the new request's are recorded
 
     def abort(self, req: int) -> None:
         """Cancels a request (queued, running or retracted); its pages are released by the
