@@ -191,3 +191,37 @@ def test_a_short_l3_object_is_a_miss_not_a_page(short):
     assert b.stats.l3_pages_read == 0
     assert sb["l3_hit_tokens"] == 0 and sb["computed_tokens"] == 40
     assert b.stats.pages_checked > 0  # the oracle read every page the forwards used
+
+
+def test_engines_one_after_another_on_one_mooncake_backend():
+    """An engine registered its pools with a Mooncake-API store and never unregistered them:
+    the store kept registrations of freed memory, and the next engine's pools, allocated where
+    the last one's had been, were refused (register_buffer -600: the second engine could not
+    be built). Closed (``close`` / ``with``) or collected, an engine gives its own back."""
+    import gc
+
+    st = MooncakeDistributedStore()
+    assert st.setup("h", "m", 1 << 24, 0, "tcp", "", "embedded://engine-lifetime") == 0
+    backend = MooncakeL3Backend(st)
+    cfg = l3_config(page_size=4, device_pages=16, host_pages=16, max_context_tokens=64)
+    outs = []
+    for i in range(6):
+        if i % 2:
+            with Engine(kvtier.Scheduler(cfg), backend) as e:
+                serve(e, prompts(2, 12), max_new=3)
+                outs.append([e.generated(r) for r in (0, 1)])
+        else:
+            e = Engine(kvtier.Scheduler(cfg), backend)
+            serve(e, prompts(2, 12), max_new=3)
+            outs.append([e.generated(r) for r in (0, 1)])
+            del e
+            gc.collect()
+        assert backend._registered == [], f"engine {i} left its pools registered"
+    assert all(o == outs[0] for o in outs)
+    other = Engine(kvtier.Scheduler(cfg), backend)
+    with Engine(kvtier.Scheduler(cfg), backend) as e:
+        serve(e, prompts(1, 12), max_new=2)
+    assert len(backend._registered) == 2, "closing one engine leaves another's registrations"
+    other.close()
+    other.close()  # closing twice is harmless
+    assert backend._registered == []

@@ -33,6 +33,7 @@ Backends:
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -290,6 +291,12 @@ def leading_pages_read(codes: np.ndarray, page_bytes: int) -> int:
     return int(bad[0]) if bad.size else int(np.asarray(codes).size)
 
 
+def _detach_pools(backend: Optional[L3Backend], pools: List[np.ndarray]) -> None:
+    detach = getattr(backend, "detach_pools", None)  # a duck-typed backend may have none
+    if detach is not None:
+        detach(pools)
+
+
 class Engine:
     """Runs plans of ``scheduler`` against numpy pools and ``backend``, feeding completions
     back. ``page_bytes``: bytes per KV page in the pools. ``check``: verify every page each
@@ -315,6 +322,10 @@ class Engine:
         self.backend = backend
         if backend is not None:
             backend.attach_pools([self.device, self.host])
+        # What the backend registered goes back when the engine is closed or collected: a
+        # Mooncake-API store kept registrations of freed memory and refused the next engine's
+        # pools, allocated where these were (register_buffer -600).
+        self._detach = weakref.finalize(self, _detach_pools, backend, [self.device, self.host])
         self.check = check
         self.tables: Dict[int, List[int]] = {}
         self.tokens: Dict[int, List[int]] = {}
@@ -524,6 +535,17 @@ class Engine:
         self.s.forward_done(plan.step, np.asarray(reqs, dtype=np.uint64), np.asarray(toks, dtype=np.uint32), stops)
 
     # ---- the loop -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Gives the backend's registrations of this engine's pools back (also when the engine
+        is collected); the engine must not step again. Closing twice is harmless."""
+        self._detach()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def step(self, now_ms: int) -> ExecutionPlan:
         """One engine step: losses reported, plan, ops (every one acknowledged at once),
