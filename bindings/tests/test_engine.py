@@ -225,3 +225,18 @@ def test_engines_one_after_another_on_one_mooncake_backend():
     other.close()
     other.close()  # closing twice is harmless
     assert backend._registered == []
+
+
+def test_a_failed_attach_leaves_no_pool_registered():
+    """``attach_pools`` registered the pools one by one and stopped at the first refusal,
+    leaving the earlier ones registered with nobody to give them back (the engine being built
+    raised): the store refused them to every later owner of that memory."""
+    st = MooncakeDistributedStore()
+    assert st.setup("h", "m", 1 << 24, 0, "tcp", "", "embedded://attach-partial") == 0
+    backend = MooncakeL3Backend(st)
+    a = np.zeros(4096, dtype=np.uint8)
+    with pytest.raises(RuntimeError, match="register_buffer"):
+        backend.attach_pools([a, a[1024:]])  # the second overlaps the first: refused
+    assert backend._registered == []
+    assert st.register_buffer(a.ctypes.data, a.nbytes) == 0, "the first pool was left registered"
+    assert st.unregister_buffer(a.ctypes.data) == 0

@@ -198,13 +198,18 @@ class MooncakeL3Backend(L3Backend):
         self._registered: List[int] = []
 
     def attach_pools(self, pools: Sequence[np.ndarray]) -> None:
+        done: List[np.ndarray] = []
         for p in pools:
             if p.size == 0:
                 continue
             rc = self.store.register_buffer(p.ctypes.data, p.nbytes)
             if rc != 0:
+                # all or nothing: the caller being built raises, and nobody would give back
+                # what this call registered before the refusal
+                self.detach_pools(done)
                 raise RuntimeError(f"register_buffer failed: {rc}")
             self._registered.append(p.ctypes.data)
+            done.append(p)
 
     def detach_pools(self, pools: Sequence[np.ndarray]) -> None:
         for p in pools:
