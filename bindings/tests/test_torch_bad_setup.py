@@ -90,3 +90,21 @@ def test_a_host_pool_that_requires_grad_is_refused():
     data = torch.zeros(4, 2, 2, *LAYOUT.chunk_shape, requires_grad=True)
     with pytest.raises(PoolLayoutError, match="grad"):
         HostPool.wrap(LAYOUT, data)
+
+
+@pytest.mark.parametrize("bad", [["x"], [1.5], [None], [True], 5, "12", [-1], [1 << 64]])
+def test_op_ids_given_to_terminate_or_poll_that_are_not_ids_are_typed_errors(bad):
+    """``terminate`` and ``poll(require=)`` took ``int(i)`` of whatever they were given: a
+    bare ValueError or TypeError (``"x"``, ``None``, a lone int), a float truncated to
+    another op's id (1.5 → op 1), and a string of digits iterated as one id per character."""
+    from conftest import HandOp
+    from kvtier.torch import ExecutorError
+
+    with Executor(DevicePool.allocate(LAYOUT, 4), HostPool.allocate(LAYOUT, 4, Pinning.PAGEABLE)) as ex:
+        ex.submit([HandOp(1, "LoadBack", "host", "device", [1], [2])])
+        with pytest.raises(ExecutorError, match="op id"):
+            ex.terminate(bad)
+        with pytest.raises(ExecutorError, match="op id"):
+            ex.poll(require=bad)
+        ex.terminate([np.int64(1)])  # a numpy integer is an id
+        assert [e.op for e in ex.drain()] == [1]

@@ -45,7 +45,7 @@ from ..engine import L3Backend, leading_pages_read
 from .errors import ExecutorError, PoolLayoutError
 from .lanes import Lane, LaneContext, Signal
 from .movers import Direction, Mover, make_mover
-from .pages import _l3_keys, _op_id, _Pages, _refuse_failed_fillers, _written_once
+from .pages import _l3_keys, _op_id, _op_ids, _Pages, _refuse_failed_fillers, _written_once
 from .pools import DevicePool, HostPool, _refuse_overlaps
 
 __all__ = ["Executor", "ExecutorStats", "LoadWait", "Ordering"]
@@ -429,8 +429,8 @@ class Executor:
     def terminate(self, op_ids: Iterable[int]) -> None:
         """Stops prefetches: no read starts after this; each is reported by ``poll`` once the
         read in flight returned (``UNCHECKED``: at once, the bug the contract forbids)."""
-        for i in op_ids:
-            rec = self._ops.get(int(i))
+        for i in _op_ids(op_ids):
+            rec = self._ops.get(i)
             if rec is None or rec.kind != "Prefetch":
                 continue
             rec.cancel.set()
@@ -502,8 +502,8 @@ class Executor:
         """Completion events of the ops that finished (their copies landed), each once. Ops in
         ``require`` are waited for first (the ops a forward waited on, before its
         ``forward_done``)."""
-        for i in require:
-            rec = self._ops.get(int(i))
+        for i in _op_ids(require):
+            rec = self._ops.get(i)
             if rec is not None and not rec.forced:
                 rec.done.wait()
         out = []

@@ -16,12 +16,24 @@ from .lanes import Signal
 def _op_id(op: Any) -> int:
     """The op's id, which must be the scheduler's: an unsigned 64-bit integer (an id of
     another type was accepted and made every later poll raise, losing completions)."""
-    i = op.id
+    return _checked_id(op.id)
+
+
+def _checked_id(i: Any) -> int:
     if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
         raise ExecutorError(f"op id {i!r}: not an integer")
     if not 0 <= int(i) < 1 << 64:
         raise ExecutorError(f"op id {i}: not an unsigned 64-bit integer")
     return int(i)
+
+
+def _op_ids(ids: Any) -> List[int]:
+    """Op ids given to ``terminate`` or ``poll(require=)``, every one checked before any is
+    acted on (``int(i)`` took a float for another op's id, and a string of digits as one id
+    per character)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ExecutorError(f"op ids must be a sequence of integers, not {ids!r}")
+    return [_checked_id(i) for i in ids]
 
 
 def _l3_keys(op: Any) -> None:
