@@ -74,20 +74,6 @@ def test_a_running_requests_new_chunks_displace_held_prefetches_of_waiting_reque
     assert r3 == [EXTENDED] * N, r3  # every extended prefix was kept (host or L3), whole
 
 
-def test_a_store_short_of_slots_while_holds_land_is_retried_not_dropped(tmp_path):
-    """The last request of round 1 stays in vLLM's GPU prefix cache, so in round 2 it runs at
-    once, computing its two new chunks, while the prefetches of the requests ahead of it
-    are still landing and take every host slot (a landing hold cannot give way: its bytes
-    are being written). Its prefix left the host but is in L3, and kvtier answered its store
-    with nothing to store: vLLM moved past the chunks and never offered them again (the
-    real engine: 5 of 6 extended prompts reused whole, under load). A store of chunks L3
-    lacks that finds no slot is now refused (vLLM offers it again next step), and lands once
-    the holds landed and gave way."""
-    _, (r2, r3) = _three_rounds(tmp_path, reset_gpu=False)
-    assert r2 == [PREFIX] * N, r2
-    assert r3 == [EXTENDED] * N, r3
-
-
 def _keys(p: int, n: int):
     return [hashlib.sha256(b"holds-%d-%d" % (p, i)).digest() + (0).to_bytes(4, "big") for i in range(n)]
 
