@@ -2,22 +2,13 @@
 //! wire encoding into the router, and its per-instance prices must be what each cache's own
 //! prefix match implies.
 
+mod common;
+
+use common::{PS, model};
 use kvtier_events::{HashFormat, Medium, WireEvent, encode_batch};
 use kvtier_radix::*;
 use kvtier_router::*;
 use proptest::prelude::*;
-
-const PS: usize = 4;
-
-fn model() -> CostModel {
-    CostModel {
-        page_size: PS,
-        page_bytes: 1 << 20,
-        prefill_tokens_per_s: 1000.0,
-        host_bytes_per_s: 1e9,
-        l3_bytes_per_s: 2.5e8,
-    }
-}
 
 fn tokens(seed: u32, shared: usize, pages: usize) -> Vec<u32> {
     (0..pages * PS)

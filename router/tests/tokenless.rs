@@ -3,27 +3,13 @@
 //! tokens) on the store's stream, keyed through the tables of the instances that computed
 //! them. Events are encoded as vLLM encodes them (maps tagged by `type`, 64-bit hashes).
 
-use kvtier_router::CostModel;
+mod common;
+
+use common::{PS, model, s};
 use kvtier_router::cluster::{Cluster, Keys, Target};
 use kvtier_router::stream::Apply;
 use proptest::prelude::*;
 use rmpv::Value;
-
-const PS: usize = 4;
-
-fn model() -> CostModel {
-    CostModel {
-        page_size: PS,
-        page_bytes: 1 << 20,
-        prefill_tokens_per_s: 1000.0,
-        host_bytes_per_s: 1e9,
-        l3_bytes_per_s: 2.5e8,
-    }
-}
-
-fn s(x: &str) -> Value {
-    Value::from(x)
-}
 
 fn hashes(hs: &[u64]) -> Value {
     Value::Array(hs.iter().map(|&h| Value::from(h)).collect())

@@ -6,29 +6,17 @@
 //! `group_idx` and `extra_keys`, the `locality` of a `STORAGE` tier) are read as they
 //! mean.
 
+mod common;
+
+use common::{PS, model, s};
 use kvtier_router::cluster::{Cluster, Keys, Target};
 use kvtier_router::stream::Apply;
-use kvtier_router::{Budget, CostModel, decode_batch};
+use kvtier_router::{Budget, decode_batch};
 use proptest::prelude::*;
 use rmpv::Value;
 
-const PS: usize = 4;
 /// The byte budget: small, so that floods reach it.
 const BUDGET: usize = 4096;
-
-fn model() -> CostModel {
-    CostModel {
-        page_size: PS,
-        page_bytes: 1 << 20,
-        prefill_tokens_per_s: 1000.0,
-        host_bytes_per_s: 1e9,
-        l3_bytes_per_s: 2.5e8,
-    }
-}
-
-fn s(x: &str) -> Value {
-    Value::from(x)
-}
 
 fn encode(v: &Value) -> Vec<u8> {
     let mut out = Vec::new();
