@@ -172,10 +172,16 @@ pub struct ExtraKey {
 /// pad    = 1 to 4 zero bytes, making the seed's input 1 mod 4 bytes long (no page's input is)
 /// h_0    = SHA-256(seed? ‖ tok_0 … ‖ extra(0)?)
 /// h_i    = SHA-256(h_{i-1} ‖ tok_i … ‖ extra(i)?)
-/// extra(i) = "kvtier-extra-v1" ‖ (start u32 ‖ end u32 ‖ len u64 ‖ digest) for each extra key
-///            overlapping page i's tokens, in (start, end, digest) order
+/// extra(i) = "kvtier-extra-v2" ‖ (start u32 ‖ end u32 ‖ len u64 ‖ digest) for each extra key
+///            overlapping page i's tokens, in (start, end, digest) order ‖ pad2
+/// pad2   = 1 to 4 zero bytes, making the page's input 2 mod 4 bytes long
 /// field(None) = 0u8, field(Some(s)) = 1u8 ‖ len u64 ‖ s
 /// ```
+///
+/// Input lengths keep the three kinds of input apart: a page without extra keys is 0 mod 4
+/// bytes (a 32-byte parent or seed, 4-byte tokens), a seed's input 1 mod 4, a page with extra
+/// keys 2 mod 4. (In v1, unpadded, a first page with one 1-byte digest was as long as a later
+/// plain page, `h_{i-1} ‖ tokens`, and 8 crafted tokens made it hash as one.)
 ///
 /// With no salt, no adapter and no extra keys this is exactly the plain chain
 /// ([`page_hashes`]), byte-compatible with SGLang's keys. Because the chain covers the whole
@@ -190,6 +196,9 @@ pub struct HashScope {
 
 /// The seed's domain tag; v2 pads the seed's input (see [`HashScope::new`]).
 const SCOPE_TAG: &[u8] = b"kvtier-scope-v2";
+
+/// The tag before a page's extra keys; v2 pads the page's input to 2 mod 4 bytes.
+const EXTRA_TAG: &[u8] = b"kvtier-extra-v2";
 
 /// Hashes one optional field; returns the bytes it added.
 fn scope_field(h: &mut Sha256, v: Option<&str>) -> usize {
@@ -273,20 +282,25 @@ impl HashScope {
             for t in &tokens[lo..hi] {
                 h.update(t.to_le_bytes());
             }
-            let mut marked = false;
+            let mut extra_len: Option<usize> = None;
             for k in self
                 .extra
                 .iter()
                 .filter(|k| (k.start as usize) < hi && (k.end as usize) > lo)
             {
-                if !marked {
-                    h.update(b"kvtier-extra-v1");
-                    marked = true;
-                }
+                let len = extra_len.get_or_insert_with(|| {
+                    h.update(EXTRA_TAG);
+                    EXTRA_TAG.len()
+                });
                 h.update(k.start.to_le_bytes());
                 h.update(k.end.to_le_bytes());
                 h.update((k.digest.len() as u64).to_le_bytes());
                 h.update(&k.digest);
+                *len += 16 + k.digest.len();
+            }
+            if let Some(len) = extra_len {
+                // The rest of the input is 0 mod 4 bytes: the whole is 2 mod 4.
+                h.update(&[0u8; 4][..4 - (len + 2) % 4]);
             }
             let d = PageHash(h.finalize().into());
             hashes.push(d);

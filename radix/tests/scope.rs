@@ -142,3 +142,63 @@ fn no_plain_prompt_reaches_a_scoped_chain_through_the_seed_input() {
         }
     }
 }
+
+/// Found by an adversarial tester: an unsalted page with one extra key of a 1-byte digest
+/// hashed `tokens ‖ "kvtier-extra-v1" ‖ LE32(start) ‖ LE32(end) ‖ LE64(1) ‖ digest`, which is
+/// `4 * page_size + 32` bytes: the length of a plain (or salted) page after the first,
+/// `h_{i-1} ‖ tokens`. A first page whose first 8 tokens are the words of another prompt's
+/// `h_0` (plain or salted) then hashed as that prompt's page 1 when that page's tokens are
+/// the rest of the image page's input: the image request's page 0 and the other prompt's
+/// page 1 had one L3 key (and one tree identity), so each read the other's KV, across
+/// tenants too. For page sizes from 8 (the smallest where such a page exists), salted and
+/// not, any 1-byte digest and small spans, the crafted prompt shares no page with the image.
+#[test]
+fn no_plain_or_salted_page_equals_an_extra_keyed_page_built_from_its_input() {
+    let words = |b: &[u8]| -> Vec<u32> {
+        b.chunks(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    for ps in [8usize, 16, 64] {
+        for salt in [None, Some("tenant-a")] {
+            // The prompt whose page 1 the image page imitates: its h_0 becomes the image
+            // page's first 8 tokens.
+            let first: Vec<u32> = (0..ps as u32).map(|i| 100 + i).collect();
+            let victim_scope = HashScope::new(salt, None, Vec::new());
+            let prev = victim_scope.page_hashes(&first, ps)[0];
+            for start in 0..3u32 {
+                for len in 1..3u32 {
+                    for d in 0..3u8 {
+                        let key = ExtraKey {
+                            start,
+                            end: start + len,
+                            digest: vec![d],
+                        };
+                        let mut image: Vec<u32> = words(&prev.0);
+                        image.extend((8..ps as u32).map(|i| 7 + i));
+                        // What the first version appended to the image page's tokens.
+                        let extra = [
+                            &b"kvtier-extra-v1"[..],
+                            &start.to_le_bytes(),
+                            &(start + len).to_le_bytes(),
+                            &1u64.to_le_bytes(),
+                            &[d],
+                        ]
+                        .concat();
+                        assert_eq!(extra.len(), 32);
+                        let second: Vec<u32> = [image[8..].to_vec(), words(&extra)].concat();
+                        assert_eq!(second.len(), ps);
+                        let other = victim_scope.page_hashes(&[first.clone(), second].concat(), ps);
+                        let scoped =
+                            HashScope::new(None, None, vec![key.clone()]).page_hashes(&image, ps);
+                        assert!(
+                            !other.contains(&scoped[0]),
+                            "page size {ps}, salt {salt:?}, key {key:?}: the image page is page {} of another prompt",
+                            other.iter().position(|h| *h == scoped[0]).unwrap_or(0)
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
