@@ -420,7 +420,25 @@ impl Drop for Running {
     }
 }
 
-/// The default replay wait and resync period, as flags give them.
+/// The shortest resync period: a stream asks for a missed tail at most this often, so a
+/// quiet publisher is not polled in a loop.
+pub const MIN_RESYNC_S: f64 = 0.01;
+
+/// `--resync-s` as the streams take it: at least [`MIN_RESYNC_S`] and a time a `Duration`
+/// holds (before, a shorter period was taken as 10 ms and a longer one as the default 5 s,
+/// silently).
+pub fn resync_period(resync_s: f64) -> Result<Duration, String> {
+    match Duration::try_from_secs_f64(resync_s) {
+        Ok(d) if resync_s >= MIN_RESYNC_S => Ok(d),
+        _ => Err(format!(
+            "--resync-s must be a number of seconds from {MIN_RESYNC_S} to {:e}, not {resync_s}",
+            Duration::MAX.as_secs_f64()
+        )),
+    }
+}
+
+/// The default replay wait and resync period, as flags give them (a resync period
+/// [`resync_period`] refuses is taken as 10 ms below it, 5 s above: the binary refuses both).
 pub fn subscribe_options(replay_timeout_ms: u64, resync_s: f64) -> SubscribeOptions {
     SubscribeOptions {
         replay_timeout: Duration::from_millis(replay_timeout_ms.max(1)),

@@ -9,6 +9,7 @@ use std::time::Duration;
 use clap::Parser;
 use kvtier_router::cluster::Keys;
 use kvtier_router::launch::{self, ByteSize, Config, EndpointSpec};
+use kvtier_router::subscriber::SubscribeOptions;
 use kvtier_router::{ClusterIndex, CostModel, DELAY_WEIGHT, Occupancy};
 
 #[derive(Parser, Debug)]
@@ -146,10 +147,10 @@ fn config(a: &Args) -> Result<Config, String> {
                 ));
             }
         },
-        subscribe: launch::subscribe_options(
-            a.replay_timeout_ms,
-            positive("resync-s", a.resync_s)?,
-        ),
+        subscribe: SubscribeOptions {
+            resync: launch::resync_period(a.resync_s)?,
+            ..launch::subscribe_options(a.replay_timeout_ms, a.resync_s)
+        },
     })
 }
 

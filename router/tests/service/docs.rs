@@ -144,6 +144,9 @@ fn bad_flags_are_errors_not_panics() {
         (vec!["--instance", "url=http://127.0.0.1:port"], 2),
         (vec!["--instance", url, "--page-size", "0"], 2),
         (vec!["--instance", url, "--resync-s", "inf"], 2),
+        // below 10 ms it was taken as 10 ms; past what a Duration holds, as 5 s (the default)
+        (vec!["--instance", url, "--resync-s", "0.001"], 2),
+        (vec!["--instance", url, "--resync-s", "1e300"], 2),
         (vec!["--instance", url, "--instance", ev], 1),
         // keys that would be ignored: a replay or topic with no stream, a URL for the store
         (vec!["--instance", "replay=tcp://127.0.0.1:2"], 1),
