@@ -36,11 +36,12 @@
 //! been prefilled *and* has decoded its whole answer, seconds, where the share said under
 //! a second (and nothing before an end was seen); 11 of the 25 slowest first tokens of the
 //! first 2,000 requests were requests waiting behind a prompt of 60K tokens or more
-//! (docs/router.md, "Memory on the timeline").
+//! (docs/router/history.md, "Memory on the timeline").
 //!
 //! Why each page once: counted per request, a chat's 1,024-token system prompt was counted
 //! once per running request, and the memory term then said 56 ms on average where the
-//! requests waited no longer than those without one (docs/router.md, "Learning the queue").
+//! requests waited no longer than those without one (docs/router/history.md, "Learning the
+//! queue").
 //!
 //! Why lateness: what the model leaves out is not zero and not the same on every instance.
 //! On the chat at 4 instances and 85 % load, a request routed to an instance with no pending
@@ -72,7 +73,7 @@ pub const DECODE_EWMA: f64 = 0.1;
 
 /// Weight of the latest first token's lateness (observed TTFT − predicted) in the instance's
 /// average. In an earlier variant the chat's figures hardly moved between 0.02 and 0.5
-/// (docs/router.md, "Learning the queue").
+/// (docs/router/history.md, "Learning the queue").
 pub const LATE_EWMA: f64 = 0.1;
 
 /// Half-life, in seconds of the router's clock, of what an instance's lateness says beyond

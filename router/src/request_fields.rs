@@ -75,8 +75,8 @@ pub(crate) fn streamed(v: &Value) -> bool {
 /// The tokens a request may generate: its `max_completion_tokens` or `max_tokens` (when it
 /// names neither, a completion's default, [`COMPLETION_DEFAULT_MAX_TOKENS`], and for a chat
 /// 0: unknown), times the sequences it asks for (`n`, or `best_of` where larger). The
-/// router's memory timeline ends each request by it (docs/router.md, "What the router is
-/// told of each answer").
+/// router's memory timeline ends each request by it (docs/router/history.md, "What the router
+/// is told of each answer").
 pub(crate) fn max_tokens(v: &Value, kind: Kind) -> usize {
     let named = ["max_completion_tokens", "max_tokens"]
         .iter()

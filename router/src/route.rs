@@ -9,14 +9,15 @@
 //! 563 of 3,200 turns off their KV, with home queues of 8–24 ms against 6–15 ms of extra work;
 //! its p99 was 109 ms where session affinity had 69 ms. Counting each second of work once more,
 //! for the requests behind it (`cost = ttft + delay_weight × work`, [`DELAY_WEIGHT`] = 1), keeps
-//! a turn home until its queue outweighs twice the work saved (docs/router.md has the figures
-//! for weights 0, 0.5, 1 and 2).
+//! a turn home until its queue outweighs twice the work saved (docs/router/history.md has the
+//! figures for weights 0, 0.5, 1 and 2).
 //!
 //! Except on an idle instance (nothing queued, nothing running): no request waits behind work
 //! there, so its cost is the request's TTFT alone. Without this exception the chat's
 //! conversations never went to an instance that had not yet computed their 1,024-token
 //! system prompt (twice that prompt's work, 34 ms, outweighed the busy instances' queues), and
-//! at 8 instances one stayed idle through the whole run (docs/router.md, "Idle instances").
+//! at 8 instances one stayed idle through the whole run (docs/router/history.md, "Idle
+//! instances").
 //!
 //! The router keeps each instance's queue itself, in seconds of work: a routed request adds
 //! its estimated work (compute plus loads, or, with an [`Occupancy`] set, the device
@@ -366,7 +367,7 @@ impl Router {
     /// first booking): the queue plus the instance's learnt lateness, never below 0. It is
     /// not drained by the clock as the open-loop one is: the engines' first tokens and ends
     /// drain it (draining it by the clock too under-stated every queue by the time since the
-    /// last routing, docs/router.md, "Learning the queue").
+    /// last routing, docs/router/history.md, "Learning the queue").
     fn closed(&self, held: Held<'_>) -> Vec<Closed> {
         (0..self.queues.len())
             .map(|i| self.closed_of(i, held))

@@ -1,5 +1,6 @@
 //! Every `kvtier` command in the shell blocks of docs/sim.md, docs/sim/policies.md,
-//! docs/sim/shadow.md, docs/router.md and docs/router/whole-traces.md runs (with `--dry-run`: flags, config
+//! docs/sim/shadow.md, docs/router.md and docs/router/ (benchmark.md, history.md, whole-traces.md,
+//! p99-anatomy.md) runs (with `--dry-run`: flags, config
 //! files and workloads are checked, nothing is simulated), so the documentation cannot drift
 //! from the command line. Measured figures in the document name their commands the same way.
 
@@ -48,6 +49,8 @@ fn every_documented_command_runs() {
         "docs/sim/policies.md",
         "docs/sim/shadow.md",
         "docs/router.md",
+        "docs/router/benchmark.md",
+        "docs/router/history.md",
         "docs/router/whole-traces.md",
         "docs/router/p99-anatomy.md",
     ]
@@ -127,8 +130,8 @@ fn small_run(root: &Path, name: &str, documented: &[String]) -> (Vec<String>, us
     }
 }
 
-/// The `--example` commands of docs/router.md, docs/router/whole-traces.md and
-/// docs/router/p99-anatomy.md name examples of
+/// The `--example` commands of docs/router.md, docs/router/benchmark.md, docs/router/history.md,
+/// docs/router/whole-traces.md and docs/router/p99-anatomy.md name examples of
 /// this package, and each runs (from the repository root) where `cargo test` built it beside
 /// this test (it builds every example unless a single target is asked for).
 #[test]
@@ -137,6 +140,8 @@ fn every_documented_example_exists_and_runs() {
     let mut runs = Vec::new();
     for page in [
         "docs/router.md",
+        "docs/router/benchmark.md",
+        "docs/router/history.md",
         "docs/router/whole-traces.md",
         "docs/router/p99-anatomy.md",
     ] {

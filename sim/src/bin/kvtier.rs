@@ -46,7 +46,7 @@ struct Cli {
 enum Cmd {
     /// Replay a workload through the real scheduler and L3 store.
     Sim(Box<SimArgs>),
-    /// Every router over the traces, instance counts and loads (docs/router.md).
+    /// Every router over the traces, instance counts and loads (docs/router/benchmark.md).
     RouterBench(Box<router_bench_cli::RouterBenchArgs>),
     /// Run the L3 store server: roles both | master | node (try `kvtier l3 --help`).
     #[command(disable_help_flag = true)]
