@@ -243,6 +243,27 @@ impl Cluster {
     /// The stream's key table may take what the budget leaves; then the index may take what
     /// the key tables leave.
     pub fn apply(&mut self, stream: usize, a: Apply<'_>) -> bool {
+        match a {
+            Apply::Reset => self.fold(stream, None),
+            Apply::Batch(p) => self.fold(stream, Some(DecodedBatch::of(p))),
+            Apply::Decoded(d) => self.fold(stream, Some(d)),
+            Apply::Replace(p) => self.replace(stream, DecodedBatch::of(p)),
+            Apply::ReplaceDecoded(d) => self.replace(stream, d),
+        }
+    }
+
+    /// A snapshot's first batch: the stream's pages are cleared and the batch folded in, under
+    /// one lock, only if it decodes (a routing in between saw the instance empty; a garbage
+    /// snapshot left it so).
+    fn replace(&mut self, stream: usize, batch: DecodedBatch) -> bool {
+        if batch.0.is_err() || stream >= self.streams.len() {
+            return false;
+        }
+        self.fold(stream, None) && self.fold(stream, Some(batch))
+    }
+
+    /// Folds a decoded batch in (`None`: clears the stream's pages).
+    fn fold(&mut self, stream: usize, batch: Option<DecodedBatch>) -> bool {
         let room = self.table_room(stream);
         let Some(st) = self.streams.get_mut(stream) else {
             return false;
@@ -251,11 +272,7 @@ impl Cluster {
             t.set_max_bytes(room);
         }
         let target = st.target;
-        let batch = match a {
-            Apply::Reset => None,
-            Apply::Batch(p) => Some(DecodedBatch::of(p).0),
-            Apply::Decoded(d) => Some(d.0),
-        };
+        let batch = batch.map(|d| d.0);
         let (events, storage) = match batch {
             None => {
                 if let Some(t) = st.translator.as_mut() {

@@ -103,6 +103,11 @@ pub enum Apply<'a> {
     Decoded(crate::index::DecodedBatch),
     /// Forget what this stream told before (its publisher restarted): clear its pages.
     Reset,
+    /// A snapshot's first batch: if it decodes, it replaces what this stream told before, in
+    /// one step; if not, nothing changes and the sink returns `false`.
+    Replace(&'a [u8]),
+    /// [`Apply::Replace`] decoded already (the subscriber's sink).
+    ReplaceDecoded(crate::index::DecodedBatch),
 }
 
 impl Tracker {
@@ -175,22 +180,26 @@ impl Tracker {
         }
         // vLLM's publisher answers -2 with its whole buffer: complete if it starts at 0
         let first = batches.first().map_or(0, |b| b.0);
-        if first > 0 && !starts_with_clear(&batches[0].1) {
-            self.counters.lost += 1;
-        }
+        let incomplete = first > 0 && !starts_with_clear(&batches[0].1);
         let mut first_batch = true;
         for (seq, payload) in batches {
             let Ok(seq) = u64::try_from(seq) else {
                 continue;
             };
             if first_batch {
-                // a snapshot (or a replay from the buffer's start) replaces what we had
-                sink(Apply::Reset);
+                // a snapshot (or a replay from the buffer's start) replaces what we had, if
+                // it decodes: a garbage answer is no answer (forgetting the pages first left
+                // the instance with none)
+                if !self.replace(seq, &payload, sink) {
+                    return Synced::Unanswered;
+                }
+                if incomplete {
+                    self.counters.lost += 1;
+                }
                 first_batch = false;
-            } else if self.next.is_some_and(|n| seq < n) {
-                continue;
+            } else if self.next.is_none_or(|n| seq >= n) {
+                self.fold(seq, &payload, sink);
             }
-            self.fold(seq, &payload, sink);
         }
         Synced::Applied
     }
@@ -353,6 +362,27 @@ impl Tracker {
                 _ => {}
             }
         }
+    }
+
+    /// A snapshot's first batch, numbered `seq`: replaces the stream's pages if it decodes
+    /// (`true`); one too large or that does not decode changes nothing (counted, `false`).
+    fn replace(
+        &mut self,
+        seq: u64,
+        payload: &[u8],
+        sink: &mut dyn FnMut(Apply<'_>) -> bool,
+    ) -> bool {
+        if self.max_batch_bytes.is_some_and(|m| payload.len() > m) {
+            self.counters.oversized += 1;
+            return false;
+        }
+        if !sink(Apply::Replace(payload)) {
+            self.counters.garbage += 1;
+            return false;
+        }
+        self.counters.applied += 1;
+        self.next = Some(seq.saturating_add(1));
+        true
     }
 
     fn fold(&mut self, seq: u64, payload: &[u8], sink: &mut dyn FnMut(Apply<'_>) -> bool) {

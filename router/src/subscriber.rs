@@ -314,6 +314,7 @@ fn follow(
     let mut sink = |a: Apply<'_>| {
         let a = match a {
             Apply::Batch(p) => Apply::Decoded(crate::index::DecodedBatch::of(p)),
+            Apply::Replace(p) => Apply::ReplaceDecoded(crate::index::DecodedBatch::of(p)),
             a => a,
         };
         lock().apply(stream, a)

@@ -426,3 +426,58 @@ fn a_repeated_live_batch_is_a_duplicate_and_a_real_restart_still_resets() {
     assert_eq!(t.counters.restarts, 1);
     assert_eq!(c.router().index().entries(), clean(&new));
 }
+
+/// A replay socket that has lost its history and answers snapshots with garbage (a corrupt
+/// or truncated answer, another protocol on the port).
+struct GarbageSnapshot;
+
+impl History for GarbageSnapshot {
+    fn replay(&mut self, from: i64) -> Replayed {
+        Some(match from {
+            SNAPSHOT => vec![(12, b"not a batch".to_vec())],
+            _ => Vec::new(),
+        })
+    }
+}
+
+/// A gap the replay socket cannot fill asks for a snapshot; the snapshot did not decode. The
+/// bug: the stream forgot its pages before it decoded the snapshot's first batch, so the
+/// instance was left with the live batches after the gap alone (its 10 earlier pages gone,
+/// priced as recompute everywhere). A snapshot whose first batch does not decode now
+/// replaces nothing (counted garbage, as unanswered); the stream keeps what it had and goes
+/// on from the live batch. A snapshot that decodes still replaces the pages, in one step.
+#[test]
+fn a_snapshot_that_does_not_decode_leaves_the_stream_its_pages() {
+    let live: Vec<Vec<WireEvent>> = (0..13)
+        .map(|i| vec![stored(&tokens(70 + i, 1), Medium::Gpu)])
+        .collect();
+    let m = Memory::new(&live, 13);
+    let mut c = Cluster::new(1, model(), 1 << 20, Keys::Engine).expect("model");
+    let st = c.add_stream("s", "mem", Target::Instance(0));
+    let mut t = Tracker::new();
+    let mut sink = |a: Apply<'_>| c.apply(st, a);
+    t.sync(&mut Memory::new(&[], 13), &mut sink);
+    let mut h = Memory::new(&live[..10], 13);
+    for (s, p) in m.payloads.iter().enumerate().take(10) {
+        t.on_live(s as u64, p, &mut h, &mut sink);
+    }
+    // batches 10 and 11 lost on the way; 12 arrives
+    t.on_live(12, &m.payloads[12], &mut GarbageSnapshot, &mut sink);
+    assert_eq!(t.next(), Some(13), "{:?}", t.counters);
+    assert_eq!(
+        (t.counters.garbage, t.counters.lost),
+        (1, 1),
+        "{:?}",
+        t.counters
+    );
+    let kept: Vec<Vec<WireEvent>> = live[..10].iter().chain(&live[12..]).cloned().collect();
+    assert_eq!(
+        c.router().index().entries(),
+        clean(&kept),
+        "{:?}",
+        t.counters
+    );
+    // a reconnect answered by the garbage snapshot changes nothing either
+    t.reconnected(&mut GarbageSnapshot, &mut |a| c.apply(st, a));
+    assert_eq!(c.router().index().entries(), clean(&kept));
+}
