@@ -43,9 +43,14 @@ impl Scheduler {
             (OpCtx::Query { start, .. }, Event::L3QueryDone { hit_pages, .. }) => {
                 self.query_done(req, start, hit_pages)
             }
-            (OpCtx::Prefetch { start, dst }, Event::PrefetchDone { completed, .. }) => {
-                self.prefetch_done(op, req, start, dst, completed)
-            }
+            (
+                OpCtx::Prefetch {
+                    start,
+                    dst,
+                    lost_from,
+                },
+                Event::PrefetchDone { completed, .. },
+            ) => self.prefetch_done(op, req, (start, lost_from), dst, completed),
             (OpCtx::LoadBack { host_lock, to, .. }, _) => {
                 self.load_back_done(req, host_lock, to, success)
             }
@@ -245,14 +250,14 @@ impl Scheduler {
         &mut self,
         op: OpId,
         req: Option<RequestId>,
-        start: usize,
+        (start, lost_from): (usize, Option<usize>),
         dst: PrefetchDst,
         completed: u32,
     ) {
         self.prefetch_deadlines.retain(|(_, o)| *o != op);
         self.terminate.retain(|o| *o != op);
         let Some(id) = req else { return };
-        self.finish_prefetch(id, start, dst, completed as usize);
+        self.finish_prefetch(id, (start, lost_from), dst, completed as usize);
         self.apply(id, RequestEvent::PrefetchDone { completed });
         self.requeue_or_release(id);
     }

@@ -88,6 +88,9 @@ pub(crate) enum OpCtx {
         /// Prompt page the first key is for: the local match *when the prefetch was issued*.
         start: usize,
         dst: PrefetchDst,
+        /// The first prompt page of this prefetch that L3 reported lost while it was in flight
+        /// (the read may still have found it): from there on the pages are not marked in L3.
+        lost_from: Option<usize>,
     },
     LoadBack {
         /// Pins the host source pages until the copy is done.

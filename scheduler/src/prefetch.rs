@@ -104,7 +104,11 @@ impl Scheduler {
                 keys,
                 dst: dst_spec,
             },
-            OpCtx::Prefetch { start: local, dst },
+            OpCtx::Prefetch {
+                start: local,
+                dst,
+                lost_from: None,
+            },
         );
         if let Some(deadline) = self.prefetch_deadline(total_tokens) {
             self.prefetch_deadlines.insert((deadline, op));
@@ -115,10 +119,11 @@ impl Scheduler {
     /// Inserts the first `completed` prefetched pages at page `start` — the offset their keys
     /// were computed against — below the node locked when the prefetch was issued, and frees
     /// the rest. Pages that meanwhile reached the tree another way are duplicates and freed.
+    /// They are marked in L3 up to `lost_from`, the first page L3 reported lost meanwhile.
     pub(crate) fn finish_prefetch(
         &mut self,
         id: RequestId,
-        start: usize,
+        (start, lost_from): (usize, Option<usize>),
         dst: PrefetchDst,
         completed: usize,
     ) {
@@ -138,7 +143,8 @@ impl Scheduler {
             }
         };
         if let Some(end) = end {
-            self.mark_in_l3(end, &[(start, start + completed)]);
+            let marked = (start + completed).min(lost_from.unwrap_or(usize::MAX));
+            self.mark_in_l3(end, &[(start, marked)]);
         }
         // Pin what arrived until the request is admitted (see `Request::prefetch_pin`).
         let pin = match end {
@@ -182,6 +188,48 @@ impl Scheduler {
                     .saturating_add(base_ms)
                     .saturating_add(per_1k_tokens_ms.saturating_mul(tokens as u64) / 1000),
             ),
+        }
+    }
+}
+
+impl Scheduler {
+    /// L3 lost `lost` (every page if `None`: the loss report overflowed): a prefetch in flight
+    /// may have read them before they went, so its completion would mark them in L3 again;
+    /// each prefetch remembers its first lost page instead (as `lost_in_backup` does for
+    /// backups), and marks only the pages before it.
+    pub(crate) fn note_prefetch_losses(
+        &mut self,
+        lost: Option<&std::collections::HashSet<kvtier_radix::PageHash>>,
+    ) {
+        for rec in self.ops.values_mut() {
+            let OpCtx::Prefetch {
+                start,
+                dst,
+                lost_from,
+            } = &mut rec.ctx
+            else {
+                continue;
+            };
+            let Some(r) = rec.req.and_then(|id| self.reqs.get(&id)) else {
+                continue;
+            };
+            let n = match dst {
+                PrefetchDst::Host(p, _) => p.len(),
+                PrefetchDst::Device(p, _) => p.len(),
+            };
+            let first = match lost {
+                None => Some(*start),
+                Some(lost) => r
+                    .hashes
+                    .get(*start..*start + n)
+                    .unwrap_or_default()
+                    .iter()
+                    .position(|h| lost.contains(h))
+                    .map(|i| *start + i),
+            };
+            if let Some(first) = first {
+                *lost_from = Some(lost_from.map_or(first, |f| f.min(first)));
+            }
         }
     }
 }

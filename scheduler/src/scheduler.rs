@@ -242,6 +242,7 @@ impl Scheduler {
                 .filter(|h| self.backing_up.contains(*h))
                 .copied(),
         );
+        self.note_prefetch_losses(Some(&lost));
         let n = self.cache.forget_l3(&lost);
         self.stats.l3_lost_nodes += n as u64;
         n
@@ -259,6 +260,7 @@ impl Scheduler {
     /// Clears every L3 mark (what the agreement applies when some rank overflowed).
     pub(crate) fn forget_l3_all_marks(&mut self) -> usize {
         self.lost_in_backup.extend(self.backing_up.iter().copied());
+        self.note_prefetch_losses(None);
         let n = self.cache.forget_l3_all();
         self.stats.l3_lost_nodes += n as u64;
         n

@@ -197,3 +197,53 @@ fn a_loss_reported_before_its_backup_completes_is_not_undone() {
     assert!(e.l3.contains_key(&ks[0]), "page 0 backed up again");
     assert_quiescent(&s);
 }
+
+/// A prefetch's read can succeed and the store evict the page right after; the engine then
+/// hears of the loss (and reports it) before it reports `PrefetchDone`. The completion must
+/// not mark the lost page as in L3: the page, on host only, is backed up again at the finish
+/// (write-through), and under write-back it is not dropped from host as if L3 held it.
+#[test]
+fn a_loss_reported_before_its_prefetch_completes_is_not_undone() {
+    let c = l3_cfg(WritePolicy::WriteThrough);
+    let p = prompt(1, 41);
+    let ks = keys(&c, &p);
+    // Another instance stored the prompt's pages in L3.
+    let mut e = Engine::new(&c);
+    {
+        let mut s0 = Scheduler::new(c.clone()).unwrap();
+        e.submit(&mut s0, 1, p.clone(), 2);
+        e.run_to_idle(&mut s0, 300);
+    }
+    assert!(ks.iter().all(|k| e.l3.contains_key(k)));
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    e.submit(&mut s, 1, p.clone(), 2);
+    let mut done = false;
+    for t in 0..300 {
+        let plan = s.next_execution_plan(t);
+        e.take_plan(plan);
+        while let Some(i) = e.held.iter().position(|o| o.kind != OpKind::Prefetch) {
+            e.complete_op(&mut s, i);
+        }
+        if let Some(i) = e.held.iter().position(|o| o.kind == OpKind::Prefetch) {
+            let op = e.held.remove(i);
+            let ev = e.execute_op(&op); // every page read ...
+            e.l3.remove(&ks[0]); // ... then the store evicted page 0
+            s.l3_lost(&[ks[0].clone()]).unwrap(); // the report overtakes the completion
+            s.on_event(ev).unwrap();
+            done = true;
+        }
+        if e.forward.is_some() {
+            e.complete_forward(&mut s);
+        }
+        if done && s.is_idle() {
+            break;
+        }
+    }
+    assert!(done && s.is_idle());
+    assert!(s.stats().l3_hit_pages > 0, "the prompt was prefetched");
+    assert!(
+        e.l3.contains_key(&ks[0]),
+        "page 0, read before L3 lost it, backed up again at the finish"
+    );
+    assert_quiescent(&s);
+}
