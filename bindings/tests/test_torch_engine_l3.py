@@ -90,7 +90,7 @@ def test_a_scheduler_of_a_tensor_parallel_group_is_refused():
     (``l3_lost``): a scheduler that is one rank of several is refused when the engine is built
     (``ConfigError`` naming ``tp_ranks``), for a config and for a built scheduler alike."""
     store = kvtier.L3Store.embedded(1 << 22)
-    for sched in (config(rank=1, tp_ranks=2), named_scheduler(config(tp_ranks=2), "llama")):
+    for sched in (config(rank=1, tp_ranks=2), named_scheduler(config(tp_ranks=2), "llama", tiny_llama())):
         with pytest.raises(kvtier.ConfigError, match="tp_ranks"):
             TorchEngine(sched, tiny_llama(), KvtierL3Backend(store))
 
@@ -219,8 +219,8 @@ def demotion_with_l3(device, mover):
     cfg = config(host_admission="on-device-eviction:2")
 
     def engine():
-        return TorchEngine(named_scheduler(cfg, "llama"), tiny_llama(seed=3, device=device), KvtierL3Backend(store),
-                           mover=mover)
+        model = tiny_llama(seed=3, device=device)
+        return TorchEngine(named_scheduler(cfg, "llama", model), model, KvtierL3Backend(store), mover=mover)
 
     with engine() as a:
         prompts = serve(a, system, users)
@@ -252,7 +252,8 @@ def test_a_page_the_store_lost_is_backed_up_again():
     (without the report the scheduler's stale "in L3" mark keeps it out for good)."""
     store = kvtier.L3Store.embedded(1 << 22, loss_journal_keys=64)
     prompt = list(range(1, 42))
-    with TorchEngine(named_scheduler(config(max_context_tokens=48), "llama"), tiny_llama(seed=3),
+    model = tiny_llama(seed=3)
+    with TorchEngine(named_scheduler(config(max_context_tokens=48), "llama", model), model,
                      KvtierL3Backend(store)) as eng:
         eng.submit(1, prompt, 2)
         eng.run_to_idle()

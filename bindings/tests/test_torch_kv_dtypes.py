@@ -2,7 +2,6 @@
 writes lands in the pool as the pool's dtype (bit for bit the model's K/V cast to it), and
 what it reads back is that, on CPU, FP8 included."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -69,8 +68,7 @@ def test_integer_kv_pools_are_refused_not_served_truncated(make, kv_dtype):
 def test_a_callers_namespace_naming_another_kv_dtype_or_layout_is_refused(field, value):
     """A Scheduler built by the caller whose namespace names a KV dtype or layout other than
     the engine's pools (copied from another engine's config): its L3 pages would be read by
-    that engine as its own KV (bf16 bytes read as fp16), wrong tokens with no error. The
-    fields left empty stay the caller's to name (docs/torch.md)."""
+    that engine as its own KV (bf16 bytes read as fp16), wrong tokens with no error."""
     import kvtier
     from kvtier.engine import KvtierL3Backend
     from kvtier.torch import NamespaceError
@@ -78,13 +76,41 @@ def test_a_callers_namespace_naming_another_kv_dtype_or_layout_is_refused(field,
     model = tiny_llama(0)
     cfg = small_config(page_size=3, device_pages=16, host_pages=16, max_context_tokens=48, l3_enabled=True)
     store = KvtierL3Backend(kvtier.L3Store.embedded(1 << 22))
-    ns = {"model": "llama-test", field: value}
-    with pytest.raises(NamespaceError, match=field):
-        TorchEngine(kvtier.Scheduler(cfg.replace(namespace=ns)), model, store, kv_dtype=torch.bfloat16)
-    # the engine's own fields, or none, are served
     from kvtier.torch import torch_namespace
     from kvtier.torch.model import layout_of
 
     own = torch_namespace(model, layout_of(model.config, 3, torch.bfloat16))
-    for ok in ({"model": "llama-test"}, {"model": "llama-test", "dtype": own["dtype"], "layout": own["layout"]}):
-        TorchEngine(kvtier.Scheduler(cfg.replace(namespace=ok)), model, store, kv_dtype=torch.bfloat16).close()
+    ok = {"model": "llama-test", "dtype": own["dtype"], "layout": own["layout"]}
+    with pytest.raises(NamespaceError, match=field):
+        TorchEngine(kvtier.Scheduler(cfg.replace(namespace={**ok, field: value})), model, store,
+                    kv_dtype=torch.bfloat16)
+    # the engine's own fields are served
+    TorchEngine(kvtier.Scheduler(cfg.replace(namespace=ok)), model, store, kv_dtype=torch.bfloat16).close()
+
+
+@pytest.mark.parametrize("missing", [("dtype",), ("layout",), ("dtype", "layout")])
+def test_a_callers_namespace_leaving_the_kv_dtype_or_layout_empty_is_refused(missing):
+    """A Scheduler built by the caller naming the model but leaving ``dtype`` or ``layout``
+    empty was served: two such engines of one model with fp16 and bf16 pools (or other page
+    layouts) on one store keyed their pages alike and read each other's L3 pages as their
+    own KV, wrong tokens with no error. With L3 the KV fields must be named, and be the
+    pools' (a SchedulerConfig still gets them filled in)."""
+    import kvtier
+    from kvtier.engine import KvtierL3Backend
+    from kvtier.torch import NamespaceError, torch_namespace
+    from kvtier.torch.model import layout_of
+
+    model = tiny_llama(0)
+    cfg = small_config(page_size=3, device_pages=16, host_pages=16, max_context_tokens=48, l3_enabled=True)
+    store = KvtierL3Backend(kvtier.L3Store.embedded(1 << 22))
+    own = torch_namespace(model, layout_of(model.config, 3, torch.float16))
+    ns = {"model": "llama-test", **{k: own[k] for k in ("dtype", "layout") if k not in missing}}
+    with pytest.raises(NamespaceError, match=missing[0]):
+        TorchEngine(kvtier.Scheduler(cfg.replace(namespace=ns)), model, store, kv_dtype=torch.float16)
+    # without L3 nothing is shared: the fields are not needed
+    TorchEngine(kvtier.Scheduler(cfg.replace(namespace=ns, l3_enabled=False)), model, None,
+                kv_dtype=torch.float16).close()
+    # a SchedulerConfig leaving them empty gets the pools' own
+    with TorchEngine(cfg.replace(namespace={"model": "llama-test"}), model, store, kv_dtype=torch.float16) as e:
+        assert {k: e.s.config()["namespace"][k] for k in ("dtype", "layout")} == \
+            {k: own[k] for k in ("dtype", "layout")}

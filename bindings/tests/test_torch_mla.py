@@ -42,9 +42,8 @@ def mla_through_every_tier(dims, device, mover):
     ref = tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v, device=device)
 
     def engine():
-        return TorchEngine(named_scheduler(config(), "mla"), tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v,
-                                                                             device=device),
-                           KvtierL3Backend(store), mover=mover)
+        model = tiny_deepseek_v3(seed=2, nope=nope, rope=rope, v=v, device=device)
+        return TorchEngine(named_scheduler(config(), "mla", model), model, KvtierL3Backend(store), mover=mover)
 
     with engine() as a:
         assert a.device_pool.layout.attention == Attention.MLA

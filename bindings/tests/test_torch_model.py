@@ -40,10 +40,16 @@ def config(**over):
     return small_config(**base)
 
 
-def named_scheduler(cfg, name):
+def named_scheduler(cfg, name, model, kv_dtype=None):
     """A scheduler built by the caller, with an explicit L3 namespace (the override of the
-    one TorchEngine derives from a SchedulerConfig)."""
-    return kvtier.Scheduler(cfg.replace(namespace={"model": name}))
+    one TorchEngine derives from a SchedulerConfig): ``name``, and the KV dtype and layout of
+    ``model``'s pools, which TorchEngine requires with L3 (``kv_fields``)."""
+    from kvtier.torch.model import layout_of
+    from kvtier.torch.namespace import kv_fields
+
+    dtype = kv_dtype or next(model.parameters()).dtype
+    kv = kv_fields(layout_of(model.config, cfg.page_size, dtype))
+    return kvtier.Scheduler(cfg.replace(namespace={"model": name, **kv}))
 
 
 def conversations(n=3, turns=3, seed=7):

@@ -22,11 +22,11 @@ def test_sliding_window_multi_turn_through_every_tier_matches_generate():
     system, users = conversations(seed=9)
     ref = tiny_mistral(seed=4)
     store = kvtier.L3Store.embedded(1 << 24)
-    with TorchEngine(named_scheduler(config(), "mistral"), tiny_mistral(seed=4), KvtierL3Backend(store)) as a:
+    with TorchEngine(named_scheduler(config(), "mistral", ref), tiny_mistral(seed=4), KvtierL3Backend(store)) as a:
         prompts = serve(a, system, users)
         assert a.executor.stats.ops.get("LoadBack", 0) > 0 and a.s.stats()["host_hit_tokens"] > 0
         check_against_transformers(a, prompts, ref)
-    with TorchEngine(named_scheduler(config(), "mistral"), tiny_mistral(seed=4), KvtierL3Backend(store)) as b:
+    with TorchEngine(named_scheduler(config(), "mistral", ref), tiny_mistral(seed=4), KvtierL3Backend(store)) as b:
         prompts = serve(b, system, users, first_id=100)
         assert b.s.stats()["l3_hit_tokens"] > 0
         check_against_transformers(b, prompts, ref)

@@ -105,10 +105,15 @@ class TorchEngine:
         layout = layout_of(model.config, cfg["page_size"], dtype)
         if backend is not None and cfg["l3_enabled"]:
             # A caller's namespace naming other KV bytes than these pools' (copied from another
-            # engine's config) had this engine read that engine's L3 pages as its own KV.
+            # engine's config) had this engine read that engine's L3 pages as its own KV; one
+            # leaving them empty keyed fp16 and bf16 engines of one model alike.
             for field, want in kv_fields(layout).items():
                 given = cfg["namespace"].get(field)
-                if given and given != want:
+                if not given:
+                    raise NamespaceError(f"the scheduler's namespace leaves {field} empty: engines of this model whose "
+                                         f"KV pools hold other bytes would read each other's L3 pages; set "
+                                         f"namespace[{field!r}]={want!r} (kvtier.torch.namespace.kv_fields)")
+                if given != want:
                     raise NamespaceError(f"the scheduler's namespace has {field}={given!r}, but this engine's KV "
                                          f"pools are {field}={want!r}: its L3 pages would be another engine's KV")
         self.s = scheduler
