@@ -5,7 +5,7 @@ Real processes: 3 Debian ``etcd`` members on 127.0.0.1 (ephemeral ports, stopped
 2 ``kvtier-l3 --role master --etcd`` and 2 store nodes of target/release (built by
 ``cargo test --workspace`` before pytest runs in scripts/test-all). The leader master is
 SIGKILLed; every acknowledged put must read back with its bytes, and calls succeed again
-within a few lease TTLs. (What survives a failover is what has an SSD copy: docs/l3.md.)"""
+within a few lease TTLs. (What survives a failover is what has an SSD copy: docs/l3/ha.md.)"""
 
 import os
 import time

@@ -75,7 +75,7 @@ struct Args {
     /// Master role: etcd endpoints (`h:p,h:p`, `http://h:p` or `etcd://h:p;h:p`; a host is
     /// an IPv4 address, `[IPv6]` or a DNS name, a port 1 to 65535: anything else is refused
     /// at startup, naming it). Several masters campaign; the leader serves, the others wait
-    /// to take over (see docs/l3.md, "High availability"). Replaces --state-dir: the settle
+    /// to take over (see docs/l3/ha.md). Replaces --state-dir: the settle
     /// state lives in etcd.
     #[arg(long, conflicts_with_all = ["state_dir", "no_state_dir"])]
     etcd: Option<String>,
@@ -216,7 +216,7 @@ struct Args {
     client_segments_max_bytes: Option<u64>,
     /// Publish the store's residency as KV cache events for KV-aware routers (vLLM's wire
     /// format, medium STORAGE): the ZMQ PUB endpoint to bind, `tcp://HOST:PORT` or
-    /// `ipc://PATH` (see docs/l3.md, "KV events for routers"). Roles both and master; with
+    /// `ipc://PATH` (see docs/l3/kv-events.md). Roles both and master; with
     /// --etcd only the leader binds it.
     #[arg(long, value_parser = parse_endpoint)]
     kv_events: Option<String>,

@@ -59,3 +59,13 @@ pub use types::{
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/l3.md")]
 pub struct DocsL3;
+
+/// The code in docs/l3/ha.md (a failover in one process), a doctest as [`DocsL3`] is.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/l3/ha.md")]
+pub struct DocsL3Ha;
+
+/// The code in docs/l3/kv-events.md, a doctest as [`DocsL3`] is.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/l3/kv-events.md")]
+pub struct DocsL3KvEvents;

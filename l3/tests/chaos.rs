@@ -2,7 +2,7 @@
 //! nodes are SIGKILLed and restarted under load, every answer checked against what was
 //! acknowledged; then the same with two masters on etcd whose leader is SIGKILLed or
 //! SIGSTOPped (issue 22); then DRAM-only nodes that are also paused, with etcd members
-//! killed and issue 33's paused-free sequence (issue 33). Short runs here; docs/l3.md gives
+//! killed and issue 33's paused-free sequence (issue 33). Short runs here; docs/l3/chaos.md gives
 //! the commands for minutes.
 //!
 //! The binary exits 1 on any wrong bytes, stale version, resurrected remove, unreported

@@ -1,4 +1,4 @@
-//! A leader that steps down re-executes itself as a candidate (docs/l3.md, "Step-down"). It
+//! A leader that steps down re-executes itself as a candidate (docs/l3/ha.md, "Step-down"). It
 //! found itself through `/proc/self/exe`, which no longer resolves once the binary on disk
 //! was replaced (an upgrade, `cp` + `mv`, a rebuild: a new inode): the re-exec failed with
 //! ENOENT and the process aborted, leaving the cluster for good. Real etcd, real processes,

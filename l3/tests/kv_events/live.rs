@@ -554,13 +554,14 @@ fn a_tokens_router_keys_the_stores_chunks_through_the_instance_that_computed_the
     rt.block_on(r.stop());
 }
 
-/// The ```sh lines of docs/l3.md's "KV events for routers" section.
+/// The ```sh lines of docs/l3/kv-events.md, the page "KV events for routers".
 fn documented_lines() -> Vec<String> {
-    let md =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/l3.md")).unwrap();
-    let start = md.find("## KV events for routers").expect("the section");
-    let sec = &md[start..];
-    let sec = &sec[..sec[3..].find("\n## ").map_or(sec.len(), |i| i + 3)];
+    let sec = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/l3/kv-events.md"
+    ))
+    .unwrap();
+    assert!(sec.starts_with("# KV events for routers"), "the page");
     let mut out = Vec::new();
     let mut in_sh = false;
     for line in sec.lines() {
@@ -649,7 +650,7 @@ fn the_documented_store_and_router_lines_run_and_agree() {
     rt.block_on(r.stop());
 }
 
-/// docs/l3.md's lines for several models on one store: the `kvtier-l3` line with two
+/// docs/l3/kv-events.md's lines for several models on one store: the `kvtier-l3` line with two
 /// `--kv-events-stream`s runs (on free ports), each stream carries its namespace's pages
 /// under its namespace as topic, and the router line's `--storage` names the first stream's
 /// endpoints and topic, which a router then follows.

@@ -245,7 +245,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self.store = self._open(config)
         self._check_chunk_fits()
         # What an operator needs to give the store's event stream of this model's chunks
-        # (docs/l3.md, "KV events for routers"): the namespace is a hash, not a name.
+        # (docs/l3/kv-events.md): the namespace is a hash, not a name.
         logger.info("kvtier: L3 namespace %s (tenant %s): a kvtier-l3 event stream of this model's "
                     "chunks is --kv-events-stream %s=PUB[,REPLAY]", self.namespace, self.tenant, self.namespace)
         self.is_embedded = bool(self.store.is_embedded)

@@ -6,7 +6,7 @@
 //!
 //! Why a binary: the faults are real process deaths and pauses (the master's settle log,
 //! etcd, and the nodes' SSD records on real files are what is under test), and the run is
-//! meant to last minutes (`--seconds`); `tests/chaos.rs` runs it briefly in CI, docs/l3.md
+//! meant to last minutes (`--seconds`); `tests/chaos.rs` runs it briefly in CI, docs/l3/chaos.md
 //! gives the long commands. The faults are in `faults`.
 //!
 //! Checks (see `oracle`): every read is compared with the key's model; "not found" where a
