@@ -9,7 +9,7 @@ cannot separate it from the forward passes on a loaded 2-core machine; this meas
 alone.
 
 What: the first ``--requests`` requests of the public conversation trace (its 512-token blocks
-scaled to 32 distinct tokens: the replay of docs/vllm.md's host hit rates) through vLLM's
+scaled to 32 distinct tokens: the replay of docs/vllm/host-hit-rates.md) through vLLM's
 real ``Scheduler`` and ``OffloadingConnector`` (bindings/tests/vllm_suite/harness.py; no
 bytes moved: ``content=False``), 4 at a time, a 512-block GPU prefix cache and ``--chunks``
 host chunks, with each manager: vLLM's ``CPUOffloadingSpec`` (lru), kvtier's

@@ -14,7 +14,7 @@ reused 768 tokens for 1 of the 6 prompts (16-chunk host; 4 of 6 at 28 chunks). N
 held prefetch gives way to a running request's store of chunks L3 lacks, and such a store
 that finds no slot (holds still landing) is refused so that vLLM offers it again (a request
 served from vLLM's GPU prefix cache ran while the prefetches landed: 5 of 6 under load
-before); docs/vllm.md: every extended prefix is reused whole. Outputs equal the
+before); docs/vllm/tests.md: every extended prefix is reused whole. Outputs equal the
 reference's (no offloading, a KV that holds everything) in every round. The same with a host
 tier of 28 chunks. About 80 s on 2 cores.
 """

@@ -235,10 +235,11 @@ def test_host_hit_rates_side_by_side_with_vllms_lru_and_arc(tmp_path):
 
 
 def test_a_promoted_chunk_is_not_evicted_before_its_request_used_it():
-    """The tier's livelock (docs/vllm.md): promoting a request's later chunks evicted its
-    earlier, just-promoted ones (deep chunks never used rank first under freq-depth), so the
-    request never found all of its chunks on host at once. A chunk inserted and not yet used
-    by a finished request is evicted only after every other candidate."""
+    """The tier's livelock (docs/vllm/host-hit-rates.md): promoting a request's later chunks
+    evicted its earlier, just-promoted ones (deep chunks never used rank first under
+    freq-depth), so the request never found all of its chunks on host at once. A chunk
+    inserted and not yet used by a finished request is evicted only after every other
+    candidate."""
     for cls in (KvtierFreqDepthPolicy, KvtierLruPolicy):
         p = cls(64)
         old = [key(i) for i in range(4)]  # a finished request's shallow chunks
