@@ -12,11 +12,16 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::ha::{HaMaster, check_keys, free_addr, ha_client, ha_dram_node, leader, spawn_master};
+use common::ha::{
+    HaMaster, check_keys, free_addr, ha_client, ha_dram_node, leader, spawn_master,
+    spawn_master_with,
+};
 use common::procs::{eventually, kill9, master_in, node_with};
 use common::{client, payload, t};
 use kvtier_l3::ha::local_etcd::LocalEtcd;
-use kvtier_l3::{L3Error, L3Store, PutOptions, QueryResult, RemoteStore, ReplicateConfig};
+use kvtier_l3::{
+    L3Error, L3Store, PutOptions, QueryResult, RemoteStore, ReplicaDescriptor, ReplicateConfig,
+};
 
 /// Slow pings: a remove reaches the node (as a free) only after the master is dead.
 const SLOW_PING_MS: u64 = 3000;
@@ -187,4 +192,117 @@ fn a_read_with_the_old_leaders_descriptors_is_answered_after_a_failover() {
     }
     // and the keys themselves are all there
     check(&c, &live, &[]);
+}
+
+/// The memory replicas of `q`: `(node id, alloc)` in the order a read tries them.
+fn mem_replicas(q: &QueryResult) -> Vec<(u64, u64)> {
+    q.replicas
+        .iter()
+        .filter_map(|r| match r {
+            ReplicaDescriptor::Memory { segment, alloc, .. } => Some((segment.0, *alloc)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A new leader numbers its allocations afresh, so an old leader's descriptor can name a
+/// `(node, alloc)` that the new leader gave to another version of the key. The new leader
+/// vouched for a query result when *any* of its allocation ids was current for the key —
+/// whatever the node — and the client then read the descriptors in order, the unvouched
+/// first: here node 2's allocation of a version removed and replaced through the new
+/// leader (node 2 pings slowly, so it still held the bytes), and the read returned the
+/// removed version's bytes ("OLD") after "NEW" was acknowledged. A read with old
+/// descriptors must give the key's current bytes or refuse them (-704, or -707: query
+/// again), never a removed version.
+#[test]
+fn an_old_leaders_descriptors_never_read_a_removed_version_through_the_new_leader() {
+    let etcd = LocalEtcd::start(1).unwrap();
+    // A long read lease: what is tested is the allocations the descriptors name, not the
+    // lease (which the new leader takes on its own clock).
+    let lease = ["--lease-ms", "120000"];
+    let mut masters: Vec<HaMaster> = (0..2)
+        .map(|_| spawn_master_with(&etcd, free_addr(), 1, &lease))
+        .collect();
+    let (laddr, epoch) = leader(&etcd, Duration::from_secs(20)).expect("a leader");
+    // Node 2 pings slowly: it hears of a free up to 3 s after the remove.
+    let _nodes = [
+        ha_dram_node(&etcd, 1, 200),
+        ha_dram_node(&etcd, 2, SLOW_PING_MS),
+    ];
+    let c = ha_client(&etcd);
+    let tn = t("d");
+    let put = |k: &str, v: &[u8], replicas: u32| {
+        let end = Instant::now() + Duration::from_secs(30);
+        let cfg = ReplicateConfig {
+            replica_num: replicas,
+        };
+        while let Err(e) = c.put_with(&tn, k, v, PutOptions::default(), cfg) {
+            assert!(Instant::now() < end, "put {k} fails for 30 s: {e}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let query = |k: &str| -> QueryResult {
+        c.batch_query(&tn, &[k.to_string()]).unwrap()[0]
+            .clone()
+            .unwrap()
+    };
+    let remove = |k: &str| c.remove(&tn, k, true).unwrap();
+
+    // The old leader: ids 1..=20 spent, so that the new leader's numbering can be brought
+    // to the descriptors'; a pad on node 1 places "k"'s two replicas on node 2 (alloc a)
+    // and then on node 1 (alloc a + 1).
+    for i in 0..20 {
+        put(&format!("spent-{i}"), b"s", 1);
+        remove(&format!("spent-{i}"));
+    }
+    put("pad", b"p", 1);
+    put("k", b"v1!", 2);
+    let old = query("k");
+    let reps = mem_replicas(&old);
+    assert_eq!(reps.len(), 2, "{old:?}");
+    let (a, b) = (reps[0], reps[1]);
+    assert_eq!((a.0, b.0, b.1), (2, 1, a.1 + 1), "placement: {old:?}");
+    remove("k");
+    remove("pad");
+
+    let victim = masters.iter().position(|m| m.addr == laddr).unwrap();
+    kill9(&mut masters[victim].child);
+    let end = Instant::now() + Duration::from_secs(30);
+    while leader(&etcd, Duration::from_secs(1)).is_none_or(|(_, e)| e <= epoch) {
+        assert!(Instant::now() < end, "no new leader");
+    }
+    // The new leader's next allocation ids, up to a - 2 (each probe takes one).
+    loop {
+        put("probe", b"p", 1);
+        let id = mem_replicas(&query("probe"))[0].1;
+        remove("probe");
+        assert!(id < a.1 - 1, "the new leader already numbers past {}", a.1);
+        if id == a.1 - 2 {
+            break;
+        }
+    }
+    put("pad", b"p", 1); // node 1, alloc a - 1: node 2 has more room
+    put("k", b"OLD", 1); // node 2, alloc a: the old leader's first descriptor
+    assert_eq!(mem_replicas(&query("k")), vec![a], "placement");
+    remove("k"); // node 2 keeps the bytes until its next ping
+    remove("pad");
+    put("k", b"NEW", 1); // node 1 (both empty again), alloc a + 1
+    assert_eq!(mem_replicas(&query("k"))[0].1, b.1, "placement");
+
+    let mut buf = [0u8; 16];
+    let r = c
+        .batch_get_with_query(&tn, std::slice::from_ref(&old), &mut [&mut buf[..]])
+        .unwrap();
+    match &r[0] {
+        Ok(n) => assert_eq!(
+            &buf[..*n as usize],
+            b"NEW",
+            "the old leader's descriptors read a removed version"
+        ),
+        Err(e) => assert!(
+            matches!(e, L3Error::ObjectNotFound | L3Error::LeaseExpired),
+            "{e}"
+        ),
+    }
+    assert_eq!(c.get(&tn, "k").unwrap(), b"NEW");
 }

@@ -105,7 +105,18 @@ impl Master {
     }
 
     /// Checks a query result handed back for a read on a store node: its lease must still
-    /// hold (-707) and one of its replicas must still be this tenant's current one (-704).
+    /// hold (-707), and the replicas it names must be this tenant's current ones, each by
+    /// its node's segment *and* allocation: none of them current is -704, only some of them
+    /// -707 (out of date: query again).
+    ///
+    /// Why every replica, segment included: the client reads the replicas in the result's
+    /// order, and a master numbers its allocations from 1 (a new leader after a failover, a
+    /// restarted `--state-dir` master), so an older master's `(segment, alloc)` can name an
+    /// allocation this one gave to another version of the key. Vouching for a result when
+    /// any one allocation id matched, whatever its segment, let a read return a removed
+    /// version still held by a node that had not heard of the free yet
+    /// (`tests/dram_failover.rs`). A replica this master placed is named by no other version
+    /// while it lives, so a result whose replicas are all current reads the current bytes.
     pub fn check_query(&self, t: &Tenant, q: &QueryResult, now: u64) -> L3Result<()> {
         if now >= q.lease_deadline_ms {
             return Err(L3Error::LeaseExpired);
@@ -115,20 +126,24 @@ impl Master {
         if !o.is_complete() {
             return Err(L3Error::ReplicaIsNotReady);
         }
-        let current = q.replicas.iter().any(|r| match r {
-            ReplicaDescriptor::Memory { alloc, .. } => {
-                o.allocs().any(|a| a == *alloc)
-                    || matches!(o.staged, Some(Staged::OnNode { alloc: s, .. }) if s == *alloc)
+        let is_current = |r: &ReplicaDescriptor| match r {
+            ReplicaDescriptor::Memory { segment, alloc, .. } => {
+                o.mem.iter().any(|m| m.seg == *segment && m.alloc == *alloc)
+                    || matches!(o.staged, Some(Staged::OnNode { seg, alloc: s, .. })
+                        if seg == *segment && s == *alloc)
             }
             d => {
                 DiskLoc::from_descriptor(d).is_some_and(|l| o.disk == Some(l))
                     && d.node().map_or(LOCAL_NODE, |n| n.id) == o.disk_node
             }
-        });
-        if current {
-            Ok(())
-        } else {
+        };
+        let current = q.replicas.iter().filter(|r| is_current(r)).count();
+        if current == 0 {
             Err(L3Error::ObjectNotFound)
+        } else if current < q.replicas.len() {
+            Err(L3Error::LeaseExpired)
+        } else {
+            Ok(())
         }
     }
 
