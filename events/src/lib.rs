@@ -12,6 +12,7 @@
 //!   request for subscribers that start late or restart;
 //! - [`mirror`]: the resident-block index the publisher answers snapshots from.
 
+mod answers;
 pub mod mirror;
 pub mod publisher;
 pub mod wire;

@@ -28,6 +28,7 @@ use std::thread::JoinHandle;
 
 use kvtier_radix::KvEvent;
 
+use crate::answers::{Payload, Pool, send_shared};
 use crate::mirror::Mirror;
 use crate::wire::{EncodeError, HashFormat, WireEvent, encode_batch};
 
@@ -52,7 +53,10 @@ pub struct PublisherConfig {
     /// Batches kept for replay.
     pub buffer_steps: usize,
     /// Bytes of batches kept for replay, at most (the latest batch is always kept): the
-    /// oldest go first. A subscriber further behind recovers from a snapshot.
+    /// oldest go first. A subscriber further behind recovers from a snapshot. Also the bound
+    /// on what answers alone hold (replayed batches the buffer has dropped since, snapshots
+    /// older than the latest) while their requesters have not read them: past it a request
+    /// is not answered (its requester times out and asks again).
     pub buffer_bytes: usize,
     /// The PUB socket's send high-water mark (messages queued per slow subscriber).
     pub hwm: i32,
@@ -224,6 +228,8 @@ impl Publisher {
             buffer_steps: cfg.buffer_steps,
             buffer_bytes: cfg.buffer_bytes,
             buffered_bytes: 0,
+            pool: Pool::default(),
+            snapshot: None,
             state: Arc::clone(&state),
             dp: cfg.data_parallel_rank,
             hash_format: cfg.hash_format,
@@ -397,11 +403,18 @@ struct Worker {
     replay: Option<zmq::Socket>,
     pull: zmq::Socket,
     topic: Vec<u8>,
-    buffer: VecDeque<(u64, Vec<u8>)>,
+    /// Replies share these bytes ([`send_shared`]): a replay copies no batch.
+    buffer: VecDeque<(u64, Arc<Payload>)>,
     buffer_steps: usize,
     buffer_bytes: usize,
     /// The payload bytes `buffer` holds.
     buffered_bytes: usize,
+    /// Counts the bytes of the buffer's batches, the latest snapshot and whatever answers
+    /// queued in ZMQ still hold.
+    pool: Pool,
+    /// The latest snapshot and the number it is of: every request until the next batch is
+    /// answered with these bytes (built once, queued once however many ask).
+    snapshot: Option<(u64, Arc<Payload>)>,
     state: Arc<Mutex<State>>,
     dp: i64,
     hash_format: HashFormat,
@@ -459,12 +472,54 @@ impl Worker {
         }
         let n = seq.try_into().map(u64::from_be_bytes).unwrap_or(0);
         self.buffered_bytes += payload.len();
-        self.buffer.push_back((n, payload));
+        self.buffer.push_back((n, self.pool.payload(payload)));
         while self.buffer.len() > 1
             && (self.buffer.len() > self.buffer_steps || self.buffered_bytes > self.buffer_bytes)
         {
             if let Some((_, old)) = self.buffer.pop_front() {
-                self.buffered_bytes -= old.len();
+                self.buffered_bytes -= old.bytes().len();
+            }
+        }
+    }
+
+    /// Bytes only queued answers hold: replayed batches the buffer dropped since, snapshots
+    /// older than the latest.
+    fn held_by_answers(&self) -> usize {
+        let cached = self.snapshot.as_ref().map_or(0, |(_, p)| p.bytes().len());
+        self.pool
+            .alive()
+            .saturating_sub(self.buffered_bytes)
+            .saturating_sub(cached)
+    }
+
+    /// The snapshot of the state now (`None`: nothing published yet), the cached one while
+    /// no batch came since; a new one is not built while answers alone hold more than
+    /// `buffer_bytes` (`Err`: not answered).
+    fn snapshot(&mut self) -> Result<Option<(u64, Arc<Payload>)>, ()> {
+        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        // before the first batch there is nothing to snapshot
+        let Some(seq) = st.next_seq.checked_sub(1) else {
+            return Ok(None);
+        };
+        if let Some((s, p)) = &self.snapshot
+            && *s == seq
+        {
+            return Ok(Some((seq, Arc::clone(p))));
+        }
+        if self.held_by_answers() >= self.buffer_bytes {
+            return Err(());
+        }
+        let (ts, events) = (st.last_ts, st.mirror.snapshot());
+        drop(st);
+        match encode_batch(ts, &events, self.dp, self.hash_format) {
+            Ok(bytes) => {
+                let p = self.pool.payload(bytes);
+                self.snapshot = Some((seq, Arc::clone(&p)));
+                Ok(Some((seq, p)))
+            }
+            Err(e) => {
+                eprintln!("kvtier-events: snapshot not encoded: {e}");
+                Ok(None)
             }
         }
     }
@@ -482,43 +537,38 @@ impl Worker {
             [_, empty, start] if empty.is_empty() => <[u8; 8]>::try_from(start.as_slice()).ok(),
             _ => None,
         };
-        let Some(start) = start else {
-            if let Err(e) = r.send_multipart([&id[..], b"", b"", &END_SEQ[..], b""], zmq::DONTWAIT)
-            {
-                eprintln!("kvtier-events: replay end not sent: {e}");
-            }
-            return;
-        };
-        let mut replies: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-        if start == SNAPSHOT_REQUEST {
-            let (seq, ts, events) = {
-                let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-                (st.next_seq.checked_sub(1), st.last_ts, st.mirror.snapshot())
-            };
-            // before the first batch there is nothing to snapshot: the end marker alone says
-            // "empty, start from sequence number 0"
-            if let Some(seq) = seq {
-                match encode_batch(ts, &events, self.dp, self.hash_format) {
-                    Ok(p) => replies.push((seq.to_be_bytes().to_vec(), p)),
-                    Err(e) => eprintln!("kvtier-events: snapshot not encoded: {e}"),
+        let replies: Vec<(u64, Arc<Payload>)> = match start {
+            None => Vec::new(),
+            Some(start) if start == SNAPSHOT_REQUEST => match self.snapshot() {
+                Ok(s) => s.into_iter().collect(),
+                // answers alone hold too much: no answer (the requester asks again)
+                Err(()) => return,
+            },
+            Some(start) => {
+                // a replay shares the buffer's bytes, but they stay held once the buffer
+                // drops them: none while answers alone hold more than `buffer_bytes`
+                if self.held_by_answers() >= self.buffer_bytes {
+                    return;
                 }
-            }
-        } else {
-            let from = u64::from_be_bytes(start);
-            replies.extend(
+                let from = u64::from_be_bytes(start);
                 self.buffer
                     .iter()
                     .filter(|(s, _)| *s >= from)
-                    .map(|(s, p)| (s.to_be_bytes().to_vec(), p.clone())),
-            );
-        }
+                    .map(|(s, p)| (*s, Arc::clone(p)))
+                    .collect()
+            }
+        };
+        let Some(r) = &mut self.replay else { return };
         // a send refused (the requester's queue full, or it is gone) ends the answer without
         // its end marker: the requester times out and asks again, never takes a replay with
-        // a hole for a whole one
+        // a hole for a whole one. The identity frame is the one a full queue refuses; the
+        // rest of a message is never refused once it is.
         for (seq, p) in replies {
-            if r.send_multipart([&id[..], b"", &self.topic[..], &seq, &p], zmq::DONTWAIT)
-                .is_err()
-            {
+            let head = r.send_multipart(
+                [&id[..], b"", &self.topic[..], &seq.to_be_bytes()[..]],
+                zmq::DONTWAIT | zmq::SNDMORE,
+            );
+            if head.is_err() || send_shared(r, &p, zmq::DONTWAIT).is_err() {
                 return;
             }
         }
