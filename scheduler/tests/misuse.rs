@@ -183,16 +183,18 @@ fn run(w: Run) -> Result<(), TestCaseError> {
     let max = w.cfg.max_context_tokens;
     let mut s = Scheduler::new(w.cfg.clone()).map_err(|e| TestCaseError::fail(e.to_string()))?;
     let mut e = Engine::new(&w.cfg);
-    e.fail_every = w.fail;
     if w.cfg.l3_enabled {
-        // Another instance stored two prompts' pages in L3.
+        // Another instance (its own engine) stored two prompts' pages in L3.
         let mut s0 = Scheduler::new(w.cfg.clone()).unwrap();
+        let mut e0 = Engine::new(&w.cfg);
         for base in 0..2u32 {
             let p = (0..(max - 1).min(30) as u32).map(|i| base * 100 + i);
-            e.submit(&mut s0, u64::from(base), p.collect(), 1);
+            e0.submit(&mut s0, u64::from(base), p.collect(), 1);
         }
-        e.run_to_idle(&mut s0, 500);
+        e0.run_to_idle(&mut s0, 500);
+        e.l3 = e0.l3;
     }
+    e.fail_every = w.fail;
     let mut mirror = Mirror::default();
     let (mut now, mut submitted) = (0u64, 0u64);
     for &(a, b, c) in &w.actions {
