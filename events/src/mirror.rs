@@ -178,6 +178,7 @@ impl Mirror {
                 && *run_medium == medium
                 && block_hashes.last() == b.parent.as_ref()
                 && *block_size == b.block_size
+                && tokens_align(token_ids, block_hashes.len(), b)
                 && *lora_name == b.lora_name
                 && *locality == b.locality
             {
@@ -199,6 +200,17 @@ impl Mirror {
         out.extend(run);
         out
     }
+}
+
+/// Whether `b` can join a run of `blocks` blocks holding `tokens` so that each block's
+/// tokens stay its own: a subscriber reads block i's tokens at `i * block_size` of the run,
+/// so a run whose blocks all had their `block_size` tokens takes one that has them too, and
+/// a run without tokens one without (a block stored without tokens, then a child with them,
+/// made one run whose tokens a subscriber read as the parent's).
+fn tokens_align(tokens: &[u32], blocks: usize, b: &Block) -> bool {
+    let bs = b.block_size as usize;
+    (tokens.is_empty() && b.tokens.is_empty())
+        || (b.tokens.len() == bs && blocks.checked_mul(bs) == Some(tokens.len()))
 }
 
 /// A hasher for page hashes (already uniform): each 8 bytes folded in with one multiply, a
