@@ -99,7 +99,7 @@ def test_under_vllms_connector_worker_a_prefix_comes_back_from_host_with_its_byt
     stored, and after the GPU prefix cache forgets them a rerun loads every full chunk from
     host, its forward reading the bytes the first run computed."""
     from harness import BLOCK, Engine
-    from test_vllm_manager import kvtier_config, prompt
+    from manager_engines import kvtier_config, prompt
 
     def cpu_copy(kv: CanonicalKVCaches, spec):
         return CpuCopyWorker(kv, spec.blocks_per_chunk, spec.num_chunks)

@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from l3_ha_cluster import MISSING, ha_cluster, kill_leader  # noqa: E402
-from test_vllm_tier import FULL, PROMPT, engines, serve, tier  # noqa: E402,F401  (engines: a fixture)
+from tier_engines import FULL, PROMPT, serve, tier  # noqa: E402
 
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import BLOCK, Engine
-from test_vllm_manager import kvtier_config
+from manager_engines import kvtier_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector

@@ -20,7 +20,7 @@ import uuid
 from harness import BLOCK, Engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_vllm_manager import kvtier_config, prompt, run_checked
+from manager_engines import kvtier_config, prompt, run_checked
 from vllm.v1.kv_offload.base import ReqContext
 
 from kvtier.vllm import KvtierOffloadingManager, page_of

@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 
 from harness import BLOCK
-from test_vllm_manager import run_checked
+from manager_engines import run_checked
 from test_vllm_manager_tp import _offload_and_evict, prompt, tp_engine
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics

@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_vllm_manager import l3_engine, prompt, run_checked
+from manager_engines import l3_engine, prompt, run_checked
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from harness import BLOCK, Engine
-from test_vllm_manager import kvtier_config, prompt, run_checked
+from manager_engines import kvtier_config, prompt, run_checked
 
 from kvtier.vllm import KvtierSpecConfigError
 

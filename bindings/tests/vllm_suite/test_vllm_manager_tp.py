@@ -14,7 +14,7 @@ import uuid
 
 from harness import BLOCK, Engine
 from l3proc import L3Process
-from test_vllm_manager import kvtier_config, prompt, run_checked
+from manager_engines import kvtier_config, prompt, run_checked
 from vllm.v1.request import RequestStatus
 
 from kvtier.vllm import KvtierOffloadingManager, page_of

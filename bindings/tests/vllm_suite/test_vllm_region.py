@@ -12,7 +12,7 @@ import os
 
 import pytest
 from harness import Engine
-from test_vllm_manager import kvtier_config, prompt, run_checked
+from manager_engines import kvtier_config, prompt, run_checked
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 

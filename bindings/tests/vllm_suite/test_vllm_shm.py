@@ -11,8 +11,8 @@ import pathlib
 
 from harness import Engine
 from l3proc import L3Process
-from test_vllm_manager import BLOCK, kvtier_config, prompt, run_checked
-from test_vllm_tier import FULL, PROMPT, serve, tier
+from manager_engines import BLOCK, kvtier_config, prompt, run_checked
+from tier_engines import FULL, PROMPT, serve, tier
 
 
 def memfd_maps(pid: int, name: str):

@@ -13,7 +13,7 @@ import pytest
 from harness import Engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_vllm_manager import kvtier_config
+from manager_engines import kvtier_config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
 
 from kvtier.vllm import KvtierOffloadingManager, KvtierOffloadingSpec, KvtierSpecConfigError

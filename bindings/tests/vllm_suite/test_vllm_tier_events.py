@@ -57,7 +57,7 @@ def test_storage_events_announce_each_put_once_and_every_loss(engines):
     assert gone.removed and list(gone.keys) == [okeys[0]]
     assert e.tier.take_events() == []
     # kvtier's manager with L3 and vLLM's events on: its tier queues nothing
-    from test_vllm_manager import kvtier_config
+    from manager_engines import kvtier_config
 
     spec = Engine(e.root, [], kv_config=kvtier_config(8, kvtier_l3={"segment_bytes": "64MB"}),
                   kv_events=True)
