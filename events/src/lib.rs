@@ -13,6 +13,7 @@
 //! - [`mirror`]: the resident-block index the publisher answers snapshots from.
 
 mod answers;
+mod bind;
 pub mod mirror;
 pub mod publisher;
 pub mod wire;

@@ -29,6 +29,7 @@ use std::thread::JoinHandle;
 use kvtier_radix::KvEvent;
 
 use crate::answers::{Payload, Pool, send_shared};
+use crate::bind::bind;
 use crate::mirror::Mirror;
 use crate::wire::{EncodeError, HashFormat, WireEvent, encode_batch};
 
@@ -179,18 +180,16 @@ impl Publisher {
             )));
         }
         let ctx = zmq::Context::new();
-        let pub_sock = ctx.socket(zmq::PUB).map_err(zerr("PUB socket"))?;
+        let mut pub_sock = ctx.socket(zmq::PUB).map_err(zerr("PUB socket"))?;
         pub_sock
             .set_sndhwm(cfg.hwm)
             .map_err(zerr("PUB high-water mark"))?;
         pub_sock.set_linger(0).map_err(zerr("PUB linger"))?;
-        pub_sock
-            .bind(&cfg.endpoint)
-            .map_err(zerr(format!("bind PUB {}", cfg.endpoint)))?;
+        bind(&mut pub_sock, &cfg.endpoint, "PUB")?;
         let endpoint = last_endpoint(&pub_sock)?;
         let replay = match &cfg.replay_endpoint {
             Some(ep) => {
-                let r = ctx.socket(zmq::ROUTER).map_err(zerr("ROUTER socket"))?;
+                let mut r = ctx.socket(zmq::ROUTER).map_err(zerr("ROUTER socket"))?;
                 r.set_linger(0).map_err(zerr("ROUTER linger"))?;
                 // a whole replay (every kept batch and the end marker) fits a requester's
                 // queue; past it a send is refused (mandatory), never silently dropped: a
@@ -200,8 +199,7 @@ impl Publisher {
                 r.set_sndhwm(hwm).map_err(zerr("ROUTER high-water mark"))?;
                 r.set_router_mandatory(true)
                     .map_err(zerr("ROUTER mandatory"))?;
-                r.bind(ep)
-                    .map_err(zerr(format!("bind replay ROUTER {ep}")))?;
+                bind(&mut r, ep, "replay ROUTER")?;
                 Some(r)
             }
             None => None,
