@@ -4,7 +4,8 @@
 //! `Error::from_raw`, which panics on an errno the crate does not list. bind(2) of an ipc
 //! address under a regular file fails with ENOTDIR, one it does not list: the publisher
 //! panicked (a PanicException in Python, a dead publishing thread in a `kvtier-l3` leader
-//! retrying its bind) where a wrong address is the caller's error.
+//! retrying its bind) where a wrong address is the caller's error. And a TCP port that is
+//! not one is refused here: ZMQ binds it modulo 65,536.
 
 use std::ffi::{CStr, CString};
 
@@ -49,6 +50,17 @@ pub(crate) fn bind(
     what: &str,
 ) -> Result<(), PublishError> {
     let what = format!("bind {what} {endpoint}");
+    // ZMQ reads a TCP port with strtoul and keeps its low 16 bits: `:99999` bound port
+    // 34463 and `:-1` port 65535, with no error
+    if let Some(rest) = endpoint.strip_prefix("tcp://") {
+        let port = rest.rsplit_once(':').map_or("", |(_, p)| p);
+        let digits = !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit());
+        if port != "*" && !(digits && port.parse::<u16>().is_ok()) {
+            return Err(PublishError::Config(format!(
+                "{what}: the port must be * or a number from 0 to 65535, not {port:?}"
+            )));
+        }
+    }
     let c = CString::new(endpoint)
         .map_err(|_| PublishError::Config(format!("{what}: the address contains a NUL byte")))?;
     // SAFETY: a live socket of this thread and a NUL-terminated address.

@@ -1,4 +1,5 @@
-//! Addresses the publisher cannot bind are typed errors, never a panic.
+//! Addresses the publisher cannot bind as asked are typed errors, never a panic and never
+//! another address than the one asked for.
 
 use kvtier_events::*;
 
@@ -36,6 +37,26 @@ fn an_address_the_system_refuses_in_a_way_zmq_does_not_know_is_a_typed_error() {
     // and the publisher binds afterwards as before
     bind("tcp://127.0.0.1:*", Some("tcp://127.0.0.1:*")).expect("bound");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A port past 65,535 (or negative) was bound modulo 65,536 (`tcp://127.0.0.1:99999` bound
+/// port 34463, `:-1` port 65535), with no error: subscribers configured with the port asked
+/// for found nothing there. Refused, as is a port that is not a number.
+#[test]
+fn a_port_that_is_not_a_port_is_refused() {
+    for ep in [
+        "tcp://127.0.0.1:99999",
+        "tcp://127.0.0.1:65536",
+        "tcp://127.0.0.1:-1",
+        "tcp://127.0.0.1:+5",
+        "tcp://127.0.0.1:",
+        "tcp://127.0.0.1:x",
+    ] {
+        let e = bind(ep, None).expect_err(ep);
+        assert!(e.contains(ep), "{e}");
+        let e = bind("tcp://127.0.0.1:*", Some(ep)).expect_err(ep);
+        assert!(e.contains(ep), "{e}");
+    }
 }
 
 /// A port another socket holds is EADDRINUSE, naming the address; the first publisher goes on.
