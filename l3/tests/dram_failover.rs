@@ -205,31 +205,24 @@ fn mem_replicas(q: &QueryResult) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// A new leader numbers its allocations afresh, so an old leader's descriptor can name a
-/// `(node, alloc)` that the new leader gave to another version of the key. The new leader
-/// vouched for a query result when *any* of its allocation ids was current for the key —
-/// whatever the node — and the client then read the descriptors in order, the unvouched
-/// first: here node 2's allocation of a version removed and replaced through the new
-/// leader (node 2 pings slowly, so it still held the bytes), and the read returned the
-/// removed version's bytes ("OLD") after "NEW" was acknowledged. A read with old
-/// descriptors must give the key's current bytes or refuse them (-704, or -707: query
-/// again), never a removed version.
-#[test]
-fn an_old_leaders_descriptors_never_read_a_removed_version_through_the_new_leader() {
-    let etcd = LocalEtcd::start(1).unwrap();
-    // A long read lease: what is tested is the allocations the descriptors name, not the
-    // lease (which the new leader takes on its own clock).
-    let lease = ["--lease-ms", "120000"];
-    let mut masters: Vec<HaMaster> = (0..2)
-        .map(|_| spawn_master_with(&etcd, free_addr(), 1, &lease))
-        .collect();
-    let (laddr, epoch) = leader(&etcd, Duration::from_secs(20)).expect("a leader");
-    // Node 2 pings slowly: it hears of a free up to 3 s after the remove.
-    let _nodes = [
-        ha_dram_node(&etcd, 1, 200),
-        ha_dram_node(&etcd, 2, SLOW_PING_MS),
-    ];
-    let c = ha_client(&etcd);
+/// Node 2's ping period in [`old_descriptors_read_no_removed_version`]: it hears of a free
+/// up to 3 s after the remove.
+const STALE_NODE_PING_MS: &str = "3000";
+
+/// A master numbers its allocations from 1, so an earlier master's descriptor can name a
+/// `(node, alloc)` that a later master gave to another version of the key. A master vouched
+/// for a query result when *any* of its allocation ids was current for the key — whatever
+/// the node — and the client then read the descriptors in order, the unvouched first: here
+/// node 2's allocation of a version removed and replaced through the later master (node 2
+/// pings slowly, so it still held the bytes), and the read returned the removed version's
+/// bytes ("OLD") after "NEW" was acknowledged. A read with old descriptors must give the
+/// key's current bytes or refuse them (-704, or -707: query again), never a removed version.
+///
+/// `c` reaches a master with nodes 1 and 2 (DRAM only, 16 MiB segments, node 2 pinging
+/// every [`STALE_NODE_PING_MS`]) whose read lease is long (what is tested is the
+/// allocations the descriptors name, not the lease, which the later master takes on its
+/// own clock); `fail_over` replaces that master by another.
+fn old_descriptors_read_no_removed_version(c: &RemoteStore, fail_over: impl FnOnce()) {
     let tn = t("d");
     let put = |k: &str, v: &[u8], replicas: u32| {
         let end = Instant::now() + Duration::from_secs(30);
@@ -248,9 +241,9 @@ fn an_old_leaders_descriptors_never_read_a_removed_version_through_the_new_leade
     };
     let remove = |k: &str| c.remove(&tn, k, true).unwrap();
 
-    // The old leader: ids 1..=20 spent, so that the new leader's numbering can be brought
-    // to the descriptors'; a pad on node 1 places "k"'s two replicas on node 2 (alloc a)
-    // and then on node 1 (alloc a + 1).
+    // The first master: ids 1..=20 spent, so that the next master's numbering can be
+    // brought to the descriptors'; a pad on node 1 places "k"'s two replicas on node 2
+    // (alloc a) and then on node 1 (alloc a + 1).
     for i in 0..20 {
         put(&format!("spent-{i}"), b"s", 1);
         remove(&format!("spent-{i}"));
@@ -265,24 +258,19 @@ fn an_old_leaders_descriptors_never_read_a_removed_version_through_the_new_leade
     remove("k");
     remove("pad");
 
-    let victim = masters.iter().position(|m| m.addr == laddr).unwrap();
-    kill9(&mut masters[victim].child);
-    let end = Instant::now() + Duration::from_secs(30);
-    while leader(&etcd, Duration::from_secs(1)).is_none_or(|(_, e)| e <= epoch) {
-        assert!(Instant::now() < end, "no new leader");
-    }
-    // The new leader's next allocation ids, up to a - 2 (each probe takes one).
+    fail_over();
+    // The next master's next allocation ids, up to a - 2 (each probe takes one).
     loop {
         put("probe", b"p", 1);
         let id = mem_replicas(&query("probe"))[0].1;
         remove("probe");
-        assert!(id < a.1 - 1, "the new leader already numbers past {}", a.1);
+        assert!(id < a.1 - 1, "the next master already numbers past {}", a.1);
         if id == a.1 - 2 {
             break;
         }
     }
     put("pad", b"p", 1); // node 1, alloc a - 1: node 2 has more room
-    put("k", b"OLD", 1); // node 2, alloc a: the old leader's first descriptor
+    put("k", b"OLD", 1); // node 2, alloc a: the first master's first descriptor
     assert_eq!(mem_replicas(&query("k")), vec![a], "placement");
     remove("k"); // node 2 keeps the bytes until its next ping
     remove("pad");
@@ -297,7 +285,7 @@ fn an_old_leaders_descriptors_never_read_a_removed_version_through_the_new_leade
         Ok(n) => assert_eq!(
             &buf[..*n as usize],
             b"NEW",
-            "the old leader's descriptors read a removed version"
+            "the first master's descriptors read a removed version"
         ),
         Err(e) => assert!(
             matches!(e, L3Error::ObjectNotFound | L3Error::LeaseExpired),
@@ -305,4 +293,47 @@ fn an_old_leaders_descriptors_never_read_a_removed_version_through_the_new_leade
         ),
     }
     assert_eq!(c.get(&tn, "k").unwrap(), b"NEW");
+}
+
+/// [`old_descriptors_read_no_removed_version`] across an etcd failover: the leader
+/// SIGKILLed, the standby elected.
+#[test]
+fn an_old_leaders_descriptors_never_read_a_removed_version_through_the_new_leader() {
+    let etcd = LocalEtcd::start(1).unwrap();
+    let lease = ["--lease-ms", "120000"];
+    let mut masters: Vec<HaMaster> = (0..2)
+        .map(|_| spawn_master_with(&etcd, free_addr(), 1, &lease))
+        .collect();
+    let (laddr, epoch) = leader(&etcd, Duration::from_secs(20)).expect("a leader");
+    let slow: u64 = STALE_NODE_PING_MS.parse().unwrap();
+    let _nodes = [ha_dram_node(&etcd, 1, 200), ha_dram_node(&etcd, 2, slow)];
+    let c = ha_client(&etcd);
+    old_descriptors_read_no_removed_version(&c, || {
+        let victim = masters.iter().position(|m| m.addr == laddr).unwrap();
+        kill9(&mut masters[victim].child);
+        let end = Instant::now() + Duration::from_secs(30);
+        while leader(&etcd, Duration::from_secs(1)).is_none_or(|(_, e)| e <= epoch) {
+            assert!(Instant::now() < end, "no new leader");
+        }
+    });
+}
+
+/// [`old_descriptors_read_no_removed_version`] across a restart of a `--state-dir` master
+/// (SIGKILLed, started again on its address).
+#[test]
+fn descriptors_from_before_a_master_restart_never_read_a_removed_version() {
+    let state = tempfile::tempdir().unwrap();
+    let lease = ["--lease-ms", "120000"];
+    let mut master = master_in("127.0.0.1:0", state.path(), &lease, None);
+    let addr = master.addr;
+    let _nodes = [
+        node_with(addr, 1, None, None, &["--ping-ms", "200"]),
+        node_with(addr, 2, None, None, &["--ping-ms", STALE_NODE_PING_MS]),
+    ];
+    let c = client(addr, None);
+    let mut restarted = None;
+    old_descriptors_read_no_removed_version(&c, || {
+        kill9(&mut master.child);
+        restarted = Some(master_in(&addr.to_string(), state.path(), &lease, None));
+    });
 }
