@@ -102,6 +102,11 @@ impl RadixCache {
         !self.tenants.is_empty()
     }
 
+    /// The cap of `tenant` on tier `t` (`None`: uncapped there).
+    pub fn tenant_cap(&self, tenant: TenantId, t: TierKind) -> Option<usize> {
+        self.tenants.get(&tenant).and_then(|b| b[t as usize].cap)
+    }
+
     /// Pages of tier `t` cached in nodes `tenant` owns, if the tenant has a cap on some tier.
     pub fn tenant_cached(&self, tenant: TenantId, t: TierKind) -> Option<usize> {
         self.tenants.get(&tenant).map(|b| b[t as usize].cached)

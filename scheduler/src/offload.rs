@@ -359,7 +359,7 @@ impl OffloadManager {
         let m = self.cache.match_prefix(&chain[..host]);
         let lock = self.cache.lock::<Host>(m.host_node)?;
         if displace {
-            self.displace_holds(&chain[from..from + want]);
+            self.displace_holds(tenant, &chain[from..from + want]);
         }
         let Some((slots, evicted)) = self.alloc_slots(tenant, want) else {
             self.release(lock);

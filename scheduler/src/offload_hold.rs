@@ -93,18 +93,35 @@ impl OffloadManager {
         self.displaced
     }
 
-    /// A store wants slots for `run` (its pages in chain order, its prefix locked): if the
-    /// run up to its last page L3 lacks needs more slots than are obtainable, landed holds
-    /// give way, the newest first, until it fits or none is left (see the module docs).
-    pub(crate) fn displace_holds(&mut self, run: &[PageHash]) {
+    /// A store of `tenant` wants slots for `run` (its pages in chain order, its prefix
+    /// locked): if the run up to its last page L3 lacks needs more slots than are obtainable,
+    /// landed holds give way, the newest first, until it fits or none is left (see the module
+    /// docs). Only as far as the tenant could use the room: never past what its cap leaves it
+    /// (were all its cached pages evicted), and never a hold whose pages another capped
+    /// tenant within its cap owns (its leaves are spared for this tenant's allocation).
+    pub(crate) fn displace_holds(&mut self, tenant: TenantId, run: &[PageHash]) {
         let Some(last) = run.iter().rposition(|h| !self.l3.holds(h)) else {
             return; // every page is in L3: losing the store loses nothing
         };
-        while self.cache.usage(TierKind::Host).obtainable() < last + 1 {
+        let mut need = last + 1;
+        if let (Some(cap), Some(charge), Some(cached)) = (
+            self.cache.tenant_cap(tenant, TierKind::Host),
+            self.cache.tenant_charge(tenant, TierKind::Host),
+            self.cache.tenant_cached(tenant, TierKind::Host),
+        ) {
+            need = need.min(cap.saturating_sub(charge - cached));
+        }
+        while self.cache.usage(TierKind::Host).obtainable() < need {
+            let cache = &self.cache;
             let newest = self
                 .holds
                 .iter()
-                .filter(|(_, h)| matches!(h, Hold::Held(_)))
+                .filter(|(_, h)| match h {
+                    Hold::Held(lock) => cache
+                        .owner(lock.node())
+                        .is_ok_and(|owner| !cache.tenant_protected(owner, tenant, TierKind::Host)),
+                    _ => false,
+                })
                 .map(|(job, _)| *job)
                 .max();
             let Some(job) = newest else { return };

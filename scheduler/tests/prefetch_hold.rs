@@ -212,6 +212,62 @@ fn a_store_of_pages_l3_holds_and_a_prefetch_displace_no_hold() {
     m.check().unwrap();
 }
 
+/// A store its tenant's cap refuses gets no slot whatever the holds do: it displaces none.
+/// It displaced the newest landed hold (the store's pages are in no tier and host had no room)
+/// and was then refused by the cap: the hold's requester lost the pin on its prefetched pages
+/// for a store that never happened.
+#[test]
+fn a_store_its_tenants_cap_refuses_displaces_no_hold() {
+    let (mut m, [(a, ja), (b, jb)]) = two_landed_holds();
+    let capped = OffloadManager::tenant_of("capped");
+    m.set_tenant_cap(capped, Some(0));
+    let before = m.drain_events();
+    assert_eq!(m.prepare_store_for(capped, &chain(5, 2), 2).unwrap(), None);
+    assert_eq!(m.holds_displaced(), 0, "a hold gave way to a refused store");
+    assert!(m.holding(ja) && m.holding(jb));
+    assert_eq!((m.host_prefix(&a), m.host_prefix(&b)), (4, 4));
+    assert_eq!((m.holds(), m.usage().locked), ((0, 2, 0), 8));
+    assert!(m.drain_events().is_empty(), "{before:?}");
+    // With room under its cap the same store displaces the newest hold, as any store does.
+    m.set_tenant_cap(capped, Some(2));
+    let s = m
+        .prepare_store_for(capped, &chain(5, 2), 2)
+        .unwrap()
+        .unwrap();
+    assert_eq!((s.slots.len(), s.evicted, m.holds_displaced()), (2, b, 1));
+    assert!(m.holding(ja) && !m.holding(jb));
+    m.complete_store(s.job, JobOutcome::Done).unwrap();
+    m.release_hold(ja).unwrap();
+    m.release_hold(jb).unwrap();
+    m.check().unwrap();
+
+    // Holds of a capped tenant within its cap: another tenant's allocation spares their
+    // pages, so displacing them gives it nothing.
+    let mut m = only_in_l3(8, &[1, 2, 3]);
+    let owner = OffloadManager::tenant_of("owner");
+    m.set_tenant_cap(owner, Some(8));
+    let mut jobs = Vec::new();
+    for p in [1, 2] {
+        let plan = m
+            .prepare_prefetch_held(owner, &chain(p, 4), 1)
+            .unwrap()
+            .unwrap();
+        m.complete_prefetch(plan.job, 4).unwrap();
+        jobs.push(plan.job);
+    }
+    assert_eq!(m.prepare_store(&chain(5, 2), 2).unwrap(), None);
+    assert_eq!(
+        m.holds_displaced(),
+        0,
+        "a hold gave way to a store it could not help"
+    );
+    assert!(jobs.iter().all(|&j| m.holding(j)));
+    for j in jobs {
+        m.release_hold(j).unwrap();
+    }
+    m.check().unwrap();
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Prefetch { prompt: u8, len: usize, held: bool },
