@@ -17,6 +17,7 @@ mod bind;
 pub mod mirror;
 pub mod publisher;
 pub mod wire;
+mod worker;
 
 pub use mirror::Mirror;
 pub use publisher::{

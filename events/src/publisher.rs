@@ -17,21 +17,22 @@
 //! starts late, restarts, or finds that the history it missed is gone (the first replayed
 //! number is past what it asked for) recovers with one request and no engine involved.
 //!
-//! Threads: `publish` encodes the batch, assigns its number and folds it into the mirror under
-//! one lock (so numbers, mirror and snapshots agree), then hands the bytes over an inproc
-//! socket to the publisher thread, which owns the PUB and ROUTER sockets (ZMQ sockets are not
-//! shared between threads) and keeps the replay buffer.
+//! Threads: `publish` encodes the batch and assigns its number, then hands the bytes (over an
+//! inproc socket) and the events (over a channel, in the same order) to the publisher thread
+//! (`worker.rs`), which owns the PUB and ROUTER sockets (ZMQ sockets are not shared between
+//! threads), the replay buffer and the mirror: it folds each batch into the mirror as it
+//! sends it, so a snapshot it builds holds exactly the batches sent before it, and building
+//! one (a second for a large index) holds up no `publish`.
 
-use std::collections::VecDeque;
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use kvtier_radix::KvEvent;
 
-use crate::answers::{Payload, Pool, send_shared};
 use crate::bind::bind;
-use crate::mirror::Mirror;
 use crate::wire::{EncodeError, HashFormat, WireEvent, encode_batch};
+use crate::worker::{Batch, Progress, Worker};
 
 /// The replay request that asks for a snapshot (kvtier's extension): -2 as 8 big-endian bytes.
 pub const SNAPSHOT_REQUEST: [u8; 8] = (-2i64).to_be_bytes();
@@ -130,23 +131,29 @@ fn send_whole(push: &zmq::Socket, frames: [&[u8]; 3]) -> Result<(), zmq::Error> 
     Ok(())
 }
 
-/// What the publisher thread reads to answer a snapshot request. Never held while waiting
-/// for that thread (it would wait for this lock: a hang under snapshot requests).
+/// The numbering. The publisher thread never takes this lock (until 2026-12-07 it built
+/// snapshots under it, and every `publish` meanwhile waited: 1.2 s for a 500K-block index).
 struct State {
     next_seq: u64,
-    /// The latest batch's timestamp: a snapshot's (it holds every batch up to that one).
-    last_ts: f64,
-    mirror: Mirror,
     closed: bool,
+}
+
+/// The hand-over to the publisher thread: a batch's bytes on the socket, its events on the
+/// channel, in the same order.
+struct Handover {
+    socket: zmq::Socket,
+    events: Sender<Batch>,
 }
 
 /// Publishes batches of KV events; dropping it stops its thread and closes its sockets.
 pub struct Publisher {
-    state: Arc<Mutex<State>>,
+    state: Mutex<State>,
     /// The hand-over to the publisher thread; its lock orders the batches (one publisher at
     /// a time, in number order). A hand-over may wait for the thread, which never takes it.
     /// `None` only once a forked child's shutdown leaked it (see `pid`).
-    push: Option<Mutex<zmq::Socket>>,
+    push: Option<Mutex<Handover>>,
+    /// What the publisher thread has folded into its mirror.
+    progress: Arc<Progress>,
     thread: Option<JoinHandle<()>>,
     /// The process that bound the sockets. A child forked after has copies of the sockets
     /// whose signalling file descriptors the parent's ZMQ threads share, and no publisher
@@ -211,35 +218,31 @@ impl Publisher {
         pull.bind(inproc).map_err(zerr("bind inproc PULL"))?;
         let push = ctx.socket(zmq::PUSH).map_err(zerr("inproc PUSH"))?;
         push.connect(inproc).map_err(zerr("connect inproc PUSH"))?;
-        let state = Arc::new(Mutex::new(State {
-            next_seq: 0,
-            last_ts: 0.0,
-            mirror: Mirror::new(),
-            closed: false,
-        }));
-        let worker = Worker {
+        let (events, events_rx) = std::sync::mpsc::channel();
+        let progress = Arc::new(Progress::default());
+        let worker = Worker::new(
+            &cfg,
             pub_sock,
             replay,
             pull,
-            topic: cfg.topic.into_bytes(),
-            buffer: VecDeque::with_capacity(cfg.buffer_steps.min(1 << 16)),
-            buffer_steps: cfg.buffer_steps,
-            buffer_bytes: cfg.buffer_bytes,
-            buffered_bytes: 0,
-            pool: Pool::default(),
-            snapshot: None,
-            state: Arc::clone(&state),
-            dp: cfg.data_parallel_rank,
-            hash_format: cfg.hash_format,
-            _ctx: ctx,
-        };
+            events_rx,
+            Arc::clone(&progress),
+            ctx,
+        );
         let thread = std::thread::Builder::new()
             .name("kvtier-events".into())
             .spawn(move || worker.run())
             .map_err(|e| PublishError::Config(format!("cannot start the publisher thread: {e}")))?;
         Ok(Self {
-            state,
-            push: Some(Mutex::new(push)),
+            state: Mutex::new(State {
+                next_seq: 0,
+                closed: false,
+            }),
+            push: Some(Mutex::new(Handover {
+                socket: push,
+                events,
+            })),
+            progress,
             thread: Some(thread),
             pid: std::process::id(),
             endpoint,
@@ -296,17 +299,21 @@ impl Publisher {
             }
             st.next_seq
         };
-        // may wait while the thread is behind (its queue full): without the state lock, which
-        // the thread takes to build a snapshot. A snapshot taken meanwhile is numbered before
-        // this batch and does not hold it: consistent.
-        send_whole(&push, [&b"B"[..], &seq.to_be_bytes(), &payload])
+        // may wait while the thread is behind (its queue full); the events follow the bytes
+        // (the thread waits for them once it has the bytes), so a failed hand-over leaves
+        // nothing behind on the channel
+        send_whole(&push.socket, [&b"B"[..], &seq.to_be_bytes(), &payload])
             .map_err(zerr("hand the batch to the publisher thread"))?;
-        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        st.next_seq += 1;
-        st.last_ts = ts;
-        for e in events {
-            st.mirror.apply(e);
-        }
+        // the thread gone (its receiver dropped): the batch is lost with it, as its bytes
+        let _ = push.events.send(Batch {
+            seq,
+            ts,
+            events: events.to_vec(),
+        });
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .next_seq += 1;
         Ok(seq)
     }
 
@@ -319,13 +326,18 @@ impl Publisher {
         self.publish(ts, &wire)
     }
 
-    /// Resident blocks the publisher's mirror holds (what a snapshot would list).
+    /// Resident blocks the publisher's mirror holds (what a snapshot would list) once every
+    /// batch published before the call is folded in: waits for the publisher thread (at
+    /// most a snapshot it is building), not for a thread that is gone.
     pub fn resident_blocks(&self) -> usize {
-        self.state
+        let published = self
+            .state
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .mirror
-            .blocks()
+            .next_seq;
+        let running =
+            self.same_process().is_ok() && self.thread.as_ref().is_some_and(|t| !t.is_finished());
+        self.progress.resident(published, running)
     }
 
     /// Stops the thread and closes the sockets (also done on drop). Never blocks on a thread
@@ -350,6 +362,7 @@ impl Publisher {
                 let sent = push
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
+                    .socket
                     .send(&b"S"[..], zmq::DONTWAIT);
                 let running = self.thread.as_ref().is_some_and(|t| !t.is_finished());
                 match sent {
@@ -393,186 +406,5 @@ fn last_endpoint(s: &zmq::Socket) -> Result<String, PublishError> {
         Err(raw) => Err(PublishError::Config(format!(
             "bound address is not UTF-8: {raw:?}"
         ))),
-    }
-}
-
-struct Worker {
-    pub_sock: zmq::Socket,
-    replay: Option<zmq::Socket>,
-    pull: zmq::Socket,
-    topic: Vec<u8>,
-    /// Replies share these bytes ([`send_shared`]): a replay copies no batch.
-    buffer: VecDeque<(u64, Arc<Payload>)>,
-    buffer_steps: usize,
-    buffer_bytes: usize,
-    /// The payload bytes `buffer` holds.
-    buffered_bytes: usize,
-    /// Counts the bytes of the buffer's batches, the latest snapshot and whatever answers
-    /// queued in ZMQ still hold.
-    pool: Pool,
-    /// The latest snapshot and the number it is of: every request until the next batch is
-    /// answered with these bytes (built once, queued once however many ask).
-    snapshot: Option<(u64, Arc<Payload>)>,
-    state: Arc<Mutex<State>>,
-    dp: i64,
-    hash_format: HashFormat,
-    // the context outlives the sockets: fields drop in order, the context last
-    _ctx: zmq::Context,
-}
-
-impl Worker {
-    fn run(mut self) {
-        loop {
-            let (batch, request) = {
-                let mut items = vec![self.pull.as_poll_item(zmq::POLLIN)];
-                if let Some(r) = &self.replay {
-                    items.push(r.as_poll_item(zmq::POLLIN));
-                }
-                match zmq::poll(&mut items, -1) {
-                    Ok(_) => {}
-                    // a signal delivered to this thread (a process's SIGTERM lands on any
-                    // thread): not an error, poll again
-                    Err(zmq::Error::EINTR) => continue,
-                    Err(_) => return,
-                }
-                (
-                    items[0].is_readable(),
-                    items.get(1).is_some_and(|i| i.is_readable()),
-                )
-            };
-            if batch {
-                match self.pull.recv_multipart(0) {
-                    Ok(frames) if frames.first().map(Vec::as_slice) == Some(b"S") => return,
-                    Ok(mut frames) if frames.len() == 3 => {
-                        let payload = frames.pop().unwrap_or_default();
-                        let seq = frames.pop().unwrap_or_default();
-                        self.send_batch(&seq, payload);
-                    }
-                    Ok(_) => {}
-                    Err(zmq::Error::EINTR) => {}
-                    Err(_) => return,
-                }
-            }
-            if request {
-                self.serve_replay();
-            }
-        }
-    }
-
-    fn send_batch(&mut self, seq: &[u8], payload: Vec<u8>) {
-        // a PUB send never blocks: past the high-water mark ZMQ drops the message for that
-        // subscriber, which finds the gap from the sequence numbers and replays
-        if let Err(e) = self
-            .pub_sock
-            .send_multipart([&self.topic[..], seq, &payload], zmq::DONTWAIT)
-        {
-            eprintln!("kvtier-events: PUB send failed: {e}");
-        }
-        let n = seq.try_into().map(u64::from_be_bytes).unwrap_or(0);
-        self.buffered_bytes += payload.len();
-        self.buffer.push_back((n, self.pool.payload(payload)));
-        while self.buffer.len() > 1
-            && (self.buffer.len() > self.buffer_steps || self.buffered_bytes > self.buffer_bytes)
-        {
-            if let Some((_, old)) = self.buffer.pop_front() {
-                self.buffered_bytes -= old.bytes().len();
-            }
-        }
-    }
-
-    /// Bytes only queued answers hold: replayed batches the buffer dropped since, snapshots
-    /// older than the latest.
-    fn held_by_answers(&self) -> usize {
-        let cached = self.snapshot.as_ref().map_or(0, |(_, p)| p.bytes().len());
-        self.pool
-            .alive()
-            .saturating_sub(self.buffered_bytes)
-            .saturating_sub(cached)
-    }
-
-    /// The snapshot of the state now (`None`: nothing published yet), the cached one while
-    /// no batch came since; a new one is not built while answers alone hold more than
-    /// `buffer_bytes` (`Err`: not answered).
-    fn snapshot(&mut self) -> Result<Option<(u64, Arc<Payload>)>, ()> {
-        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        // before the first batch there is nothing to snapshot
-        let Some(seq) = st.next_seq.checked_sub(1) else {
-            return Ok(None);
-        };
-        if let Some((s, p)) = &self.snapshot
-            && *s == seq
-        {
-            return Ok(Some((seq, Arc::clone(p))));
-        }
-        if self.held_by_answers() >= self.buffer_bytes {
-            return Err(());
-        }
-        let (ts, events) = (st.last_ts, st.mirror.snapshot());
-        drop(st);
-        match encode_batch(ts, &events, self.dp, self.hash_format) {
-            Ok(bytes) => {
-                let p = self.pool.payload(bytes);
-                self.snapshot = Some((seq, Arc::clone(&p)));
-                Ok(Some((seq, p)))
-            }
-            Err(e) => {
-                eprintln!("kvtier-events: snapshot not encoded: {e}");
-                Ok(None)
-            }
-        }
-    }
-
-    fn serve_replay(&mut self) {
-        let Some(r) = &self.replay else { return };
-        let Ok(frames) = r.recv_multipart(zmq::DONTWAIT) else {
-            return;
-        };
-        // the ROUTER puts the requester's identity first: anything else it sent that is not
-        // `["", start]` with an 8-byte start gets the end marker alone (it waited out its
-        // timeout before)
-        let Some(id) = frames.first() else { return };
-        let start = match frames.as_slice() {
-            [_, empty, start] if empty.is_empty() => <[u8; 8]>::try_from(start.as_slice()).ok(),
-            _ => None,
-        };
-        let replies: Vec<(u64, Arc<Payload>)> = match start {
-            None => Vec::new(),
-            Some(start) if start == SNAPSHOT_REQUEST => match self.snapshot() {
-                Ok(s) => s.into_iter().collect(),
-                // answers alone hold too much: no answer (the requester asks again)
-                Err(()) => return,
-            },
-            Some(start) => {
-                // a replay shares the buffer's bytes, but they stay held once the buffer
-                // drops them: none while answers alone hold more than `buffer_bytes`
-                if self.held_by_answers() >= self.buffer_bytes {
-                    return;
-                }
-                let from = u64::from_be_bytes(start);
-                self.buffer
-                    .iter()
-                    .filter(|(s, _)| *s >= from)
-                    .map(|(s, p)| (*s, Arc::clone(p)))
-                    .collect()
-            }
-        };
-        let Some(r) = &mut self.replay else { return };
-        // a send refused (the requester's queue full, or it is gone) ends the answer without
-        // its end marker: the requester times out and asks again, never takes a replay with
-        // a hole for a whole one. The identity frame is the one a full queue refuses; the
-        // rest of a message is never refused once it is.
-        for (seq, p) in replies {
-            let head = r.send_multipart(
-                [&id[..], b"", &self.topic[..], &seq.to_be_bytes()[..]],
-                zmq::DONTWAIT | zmq::SNDMORE,
-            );
-            if head.is_err() || send_shared(r, &p, zmq::DONTWAIT).is_err() {
-                return;
-            }
-        }
-        // a failed end marker: the requester times out and asks again
-        if let Err(e) = r.send_multipart([&id[..], b"", b"", &END_SEQ[..], b""], zmq::DONTWAIT) {
-            eprintln!("kvtier-events: replay end not sent: {e}");
-        }
     }
 }
