@@ -283,10 +283,13 @@ impl ShmClient {
             ShmReply::Hello(Err(e)) | ShmReply::Done(Err(e)) => return Err(e),
             _ => return Err(io_fail("unexpected reply")),
         }
-        let staging = match self.staging.take() {
-            Some(s) => s,
-            None => Mapping::create("kvtier-shm-staging", self.staging_bytes)?,
-        };
+        // A fresh staging segment on every connection, never the last one's: a request of a
+        // connection that ended (a call that timed out) may still be served, reading the
+        // bytes it named from that segment or writing them there. Registered again here, the
+        // old segment received this connection's bytes too, and a put that timed out was
+        // stored late with the next call's bytes (`tests/shm_reconnect.rs`).
+        self.staging = None;
+        let staging = Mapping::create("kvtier-shm-staging", self.staging_bytes)?;
         let seg = Self::register_on(&mut sock, &staging, self.max_frame);
         self.staging = Some(staging);
         let staging_seg = seg?;

@@ -1,0 +1,128 @@
+//! A shared-memory call that timed out leaves its request with the server, which may still
+//! serve it: the staging segment the request named must not be what the client's next
+//! connection writes other keys' bytes into.
+//!
+//! Real parts: an `EmbeddedStore` served by a real `ShmServer` on a Unix socket, a real
+//! `ShmClient` with memfd segments. The store is wrapped in a handler that holds the first
+//! put back (a server busy with it past the client's timeout: a paused or overloaded
+//! process) until the test lets it go.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use kvtier_l3::rpc::shm::{
+    SegTable, ShmClient, ShmHandler, ShmOutcome, ShmReply, ShmRequest, ShmServer,
+};
+use kvtier_l3::{
+    EmbeddedStore, L3Error, L3Store, PutOptions, ReplicateConfig, StoreConfig, Tenant,
+};
+
+/// The embedded store, with its first put held until [`Gated::release`].
+struct Gated {
+    store: EmbeddedStore,
+    first: AtomicBool,
+    /// (released, the held put is served)
+    state: Mutex<(bool, bool)>,
+    cv: Condvar,
+}
+
+impl Gated {
+    fn release(&self) {
+        self.state.lock().unwrap().0 = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits (at most 30 s) until the held put was served.
+    fn wait_served(&self) -> bool {
+        let g = self.state.lock().unwrap();
+        let (g, _) = self
+            .cv
+            .wait_timeout_while(g, Duration::from_secs(30), |s| !s.1)
+            .unwrap();
+        g.1
+    }
+}
+
+impl ShmHandler for Gated {
+    fn handle(&self, req: ShmRequest, segs: &SegTable) -> ShmReply {
+        let held =
+            matches!(req, ShmRequest::Put { .. }) && self.first.swap(false, Ordering::AcqRel);
+        if held {
+            let g = self.state.lock().unwrap();
+            drop(
+                self.cv
+                    .wait_timeout_while(g, Duration::from_secs(30), |s| !s.0)
+                    .unwrap(),
+            );
+        }
+        let reply = self.store.handle(req, segs);
+        if held {
+            self.state.lock().unwrap().1 = true;
+            self.cv.notify_all();
+        }
+        reply
+    }
+}
+
+fn done<T: std::fmt::Debug>(o: ShmOutcome<T>) -> Result<T, L3Error> {
+    match o {
+        ShmOutcome::Done(r) => r,
+        ShmOutcome::UseTcp => panic!("the shared-memory path refused the call"),
+    }
+}
+
+/// The put that timed out is served after the client reconnected and staged another key's
+/// bytes: the held put must store its own bytes (or nothing), never the other key's. Before,
+/// the client registered its one staging segment again on the new connection, so the held
+/// request read the next put's bytes and stored "a" with "b"'s bytes.
+#[test]
+fn a_timed_out_put_served_late_never_stores_the_next_calls_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let gated = Arc::new(Gated {
+        store: EmbeddedStore::new(StoreConfig::default()).unwrap(),
+        first: AtomicBool::new(true),
+        state: Mutex::new((false, false)),
+        cv: Condvar::new(),
+    });
+    let mut server = ShmServer::start(gated.clone(), dir.path(), None, 64 << 20).unwrap();
+    let mut c = ShmClient::new(
+        server.offer.clone(),
+        None,
+        64 << 20,
+        1024,
+        1 << 20,
+        Duration::from_millis(300),
+    )
+    .expect("same host");
+    let tn = Tenant::new("t").unwrap();
+    let (a, b) = (vec![0xaa_u8; 4096], vec![0xbb_u8; 4096]);
+    let put = |c: &mut ShmClient, k: &str, v: &[u8]| {
+        done(c.put(
+            &tn,
+            &[k.to_string()],
+            &[v],
+            PutOptions::default(),
+            ReplicateConfig::default(),
+        ))
+    };
+    // Held past the client's timeout: the call fails, its request stays with the server.
+    let t0 = Instant::now();
+    assert!(put(&mut c, "a", &a).is_err(), "the held put answered");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    // The next call connects again and stages its bytes.
+    let r = put(&mut c, "b", &b).expect("a put on the new connection");
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    gated.release();
+    assert!(gated.wait_served(), "the held put was never served");
+    match gated.store.get(&tn, "a") {
+        Ok(v) => assert!(
+            v == a,
+            "\"a\" was stored with other bytes: {:02x?}",
+            &v[..4]
+        ),
+        Err(e) => assert_eq!(e, L3Error::ObjectNotFound),
+    }
+    assert_eq!(gated.store.get(&tn, "b").unwrap(), b);
+    server.stop();
+}
