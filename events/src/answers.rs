@@ -8,8 +8,10 @@
 //! to the bytes the publisher already holds (ZMQ's `zmq_msg_init_data`, released by ZMQ
 //! when the last queue lets go of it), and [`Pool::alive`] counts every payload's bytes
 //! until both the publisher and ZMQ have let go, so the publisher can tell how much only
-//! answers still hold and stop answering past a bound.
+//! answers still hold and stop answering past a bound. [`Requesters`] counts the same per
+//! requester, so one that does not read is refused before the others are.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
@@ -55,21 +57,61 @@ impl Pool {
     }
 }
 
-/// ZMQ's free function: drops the reference the message held (on ZMQ's I/O thread, or here
-/// when a send fails).
+/// The bytes of the answers queued for each requester (by its ROUTER identity) that it has
+/// not read yet.
+#[derive(Default)]
+pub(crate) struct Requesters {
+    unread: HashMap<Vec<u8>, Arc<AtomicUsize>>,
+    /// Entries kept after the last sweep; the next sweep at twice as many.
+    kept: usize,
+}
+
+impl Requesters {
+    /// The count of requester `id` (a new one: 0).
+    pub(crate) fn of(&mut self, id: &[u8]) -> Arc<AtomicUsize> {
+        if !self.unread.contains_key(id) && self.unread.len() >= 2 * self.kept.max(64) {
+            // requesters come and go (a new identity per connection): forget those with
+            // nothing queued
+            self.unread.retain(|_, n| n.load(Ordering::Relaxed) > 0);
+            self.kept = self.unread.len();
+        }
+        Arc::clone(self.unread.entry(id.to_vec()).or_default())
+    }
+}
+
+/// What a queued message holds: its bytes, and the count of its requester's unread bytes.
+struct Held {
+    payload: Arc<Payload>,
+    unread: Arc<AtomicUsize>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.unread
+            .fetch_sub(self.payload.bytes.len(), Ordering::Relaxed);
+    }
+}
+
+/// ZMQ's free function: drops what the message held (on ZMQ's I/O thread, or here when a
+/// send fails).
 unsafe extern "C" fn release(_data: *mut c_void, hint: *mut c_void) {
-    // SAFETY: `hint` is the `Box<Arc<Payload>>` leaked by `send_shared`, released once.
-    drop(unsafe { Box::from_raw(hint.cast::<Arc<Payload>>()) });
+    // SAFETY: `hint` is the `Box<Held>` leaked by `send_shared`, released once.
+    drop(unsafe { Box::from_raw(hint.cast::<Held>()) });
 }
 
 /// Sends `p`'s bytes as one frame of `socket` without copying them: the message holds a
-/// reference to `p` until ZMQ is done with it.
+/// reference to `p`, and counts its bytes in `unread`, until ZMQ is done with it.
 pub(crate) fn send_shared(
     socket: &mut zmq::Socket,
     p: &Arc<Payload>,
+    unread: &Arc<AtomicUsize>,
     flags: i32,
 ) -> Result<(), zmq::Error> {
-    let held = Box::into_raw(Box::new(Arc::clone(p)));
+    unread.fetch_add(p.bytes.len(), Ordering::Relaxed);
+    let held = Box::into_raw(Box::new(Held {
+        payload: Arc::clone(p),
+        unread: Arc::clone(unread),
+    }));
     let mut msg = MaybeUninit::<zmq_sys::zmq_msg_t>::uninit();
     // SAFETY: the data pointer and length are the payload's, which `held` keeps alive (and
     // unmoved: a Vec's buffer) until ZMQ calls `release` with `held` as its hint.

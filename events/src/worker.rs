@@ -5,10 +5,11 @@
 //! and is exactly the batches sent before it (numbered as the last of them).
 
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
-use crate::answers::{Payload, Pool, send_shared};
+use crate::answers::{Payload, Pool, Requesters, send_shared};
 use crate::mirror::Mirror;
 use crate::publisher::{END_SEQ, PublisherConfig, SNAPSHOT_REQUEST};
 use crate::wire::{HashFormat, WireEvent, encode_batch};
@@ -80,6 +81,8 @@ pub(crate) struct Worker {
     /// Counts the bytes of the buffer's batches, the latest snapshot and whatever answers
     /// queued in ZMQ still hold.
     pool: Pool,
+    /// What each requester has queued and not read: past `buffer_bytes` it is not answered.
+    requesters: Requesters,
     /// The latest snapshot and the number it is of: every request until the next batch is
     /// answered with these bytes (built once, queued once however many ask).
     snapshot: Option<(u64, Arc<Payload>)>,
@@ -116,6 +119,7 @@ impl Worker {
             buffer_bytes: cfg.buffer_bytes,
             buffered_bytes: 0,
             pool: Pool::default(),
+            requesters: Requesters::default(),
             snapshot: None,
             mirror: Mirror::new(),
             last: None,
@@ -231,9 +235,18 @@ impl Worker {
             .saturating_sub(cached)
     }
 
+    /// Whether answers nobody has read hold so much that no more is queued: what four
+    /// requesters may hold, all together (each alone is answered while it holds less than
+    /// `buffer_bytes` unread, so it may hold that and one more answer, a snapshot at most).
+    fn answers_full(&self) -> bool {
+        let snapshot = self.snapshot.as_ref().map_or(0, |(_, p)| p.bytes().len());
+        let one = self.buffer_bytes.saturating_add(snapshot);
+        self.held_by_answers() >= one.saturating_mul(4)
+    }
+
     /// The snapshot of the batches sent so far (`None`: none yet), the cached one while no
-    /// batch came since; a new one is not built while answers alone hold more than
-    /// `buffer_bytes` (`Err`: not answered).
+    /// batch came since; a new one is not built while [`Worker::answers_full`] (`Err`: not
+    /// answered).
     fn snapshot(&mut self) -> Result<Option<(u64, Arc<Payload>)>, ()> {
         // before the first batch there is nothing to snapshot
         let Some((seq, ts)) = self.last else {
@@ -244,7 +257,7 @@ impl Worker {
         {
             return Ok(Some((seq, Arc::clone(p))));
         }
-        if self.held_by_answers() >= self.buffer_bytes {
+        if self.answers_full() {
             return Err(());
         }
         let events = self.mirror.snapshot();
@@ -274,6 +287,12 @@ impl Worker {
             [_, empty, start] if empty.is_empty() => <[u8; 8]>::try_from(start.as_slice()).ok(),
             _ => None,
         };
+        // a requester that has not read what it was sent before (past `buffer_bytes`) is not
+        // answered: it asks again once it reads, and costs no other requester its answers
+        let unread = self.requesters.of(id);
+        if start.is_some() && unread.load(Ordering::Relaxed) >= self.buffer_bytes {
+            return;
+        }
         let replies: Vec<(u64, Arc<Payload>)> = match start {
             None => Vec::new(),
             Some(start) if start == SNAPSHOT_REQUEST => match self.snapshot() {
@@ -283,8 +302,8 @@ impl Worker {
             },
             Some(start) => {
                 // a replay shares the buffer's bytes, but they stay held once the buffer
-                // drops them: none while answers alone hold more than `buffer_bytes`
-                if self.held_by_answers() >= self.buffer_bytes {
+                // drops them: none while answers are full
+                if self.answers_full() {
                     return;
                 }
                 let from = u64::from_be_bytes(start);
@@ -305,7 +324,7 @@ impl Worker {
                 [&id[..], b"", &self.topic[..], &seq.to_be_bytes()[..]],
                 zmq::DONTWAIT | zmq::SNDMORE,
             );
-            if head.is_err() || send_shared(r, &p, zmq::DONTWAIT).is_err() {
+            if head.is_err() || send_shared(r, &p, &unread, zmq::DONTWAIT).is_err() {
                 return;
             }
         }
