@@ -15,6 +15,7 @@
 //!   (registered memory, contributed segments, byte-range and replica calls) and
 //!   `ERROR_CODES`, Mooncake's code table exported from the l3 crate;
 //! - `errors.rs`: one Python exception class per Rust error kind;
+//! - `fork.rs`: handles a forked child inherits refuse its calls and are leaked, not torn down;
 //! - `convert.rs`: checked conversion of integer arrays and byte buffers;
 //! - `bench.rs`: the scheduler bench scenario timed natively, for the Python/Rust ratio.
 //!
@@ -29,6 +30,7 @@ mod config;
 mod convert;
 mod errors;
 mod events;
+mod fork;
 mod l3;
 mod mooncake;
 mod offload;

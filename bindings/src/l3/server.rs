@@ -11,12 +11,23 @@ use kvtier_l3::{EmbeddedStore, L3Result, ServerHandle, ServerOptions, spawn_serv
 
 use super::store_config;
 use crate::errors::l3_err;
+use crate::fork::Owner;
 
 /// A `kvtier-l3` server running in this process (its own threads), serving an embedded store.
 #[pyclass(module = "kvtier", name = "L3Server")]
 pub struct PyL3Server {
     handle: Option<ServerHandle>,
     addr: String,
+    /// In a child forked after, the server is not the child's to stop (`fork.rs`).
+    owner: Owner,
+}
+
+impl Drop for PyL3Server {
+    fn drop(&mut self) {
+        if !self.owner.is_here() {
+            std::mem::forget(self.handle.take());
+        }
+    }
 }
 
 #[pymethods]
@@ -74,6 +85,7 @@ impl PyL3Server {
         Ok(PyL3Server {
             handle: Some(h),
             addr,
+            owner: Owner::here(),
         })
     }
 
@@ -89,10 +101,12 @@ impl PyL3Server {
         self.handle.is_some()
     }
 
-    /// Stops serving (idempotent).
+    /// Stops serving (idempotent). In a child forked after, stops nothing: the parent's
+    /// server goes on serving, and the child's handle reads as not running.
     fn shutdown(&mut self, py: Python<'_>) {
-        if let Some(h) = self.handle.take() {
-            py.detach(move || h.shutdown());
+        match self.handle.take() {
+            Some(h) if self.owner.is_here() => py.detach(move || h.shutdown()),
+            h => std::mem::forget(h),
         }
     }
 

@@ -20,6 +20,7 @@ use super::{
 };
 use crate::convert::{ByteBuf, str_list, u32_vec};
 use crate::errors::l3_err;
+use crate::fork::Owner;
 use crate::overlap::overlapping;
 
 /// A page call's keys and page ids, one page per key.
@@ -99,6 +100,20 @@ pub struct PyL3Store {
     remote: Option<(String, Arc<RemoteStore>)>,
     /// This handle's place in the store's loss journal (None: the store keeps none).
     loss_cursor: Mutex<Option<LossCursor>>,
+    /// In a child forked after, calls are refused and the store is not dropped (`fork.rs`).
+    owner: Owner,
+}
+
+impl Drop for PyL3Store {
+    fn drop(&mut self) {
+        if !self.owner.is_here() {
+            std::mem::forget((
+                self.store.clone(),
+                self.embedded.clone(),
+                self.remote.clone(),
+            ));
+        }
+    }
 }
 
 impl PyL3Store {
@@ -116,7 +131,14 @@ impl PyL3Store {
             tenant,
             remote,
             loss_cursor: Mutex::new(cursor),
+            owner: Owner::here(),
         }
+    }
+
+    /// The store, unless this is a child forked after the handle was made (`fork.rs`).
+    fn live(&self) -> kvtier_l3::L3Result<&Arc<dyn L3Store>> {
+        self.owner.check("L3Store handle")?;
+        Ok(&self.store)
     }
 
     pub fn dyn_store(&self) -> Arc<dyn L3Store> {
@@ -132,7 +154,7 @@ impl PyL3Store {
         opts: PutOptions,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let v = py
-            .detach(|| self.store.batch_put_from(&self.tenant, keys, views, opts))
+            .detach(|| self.live()?.batch_put_from(&self.tenant, keys, views, opts))
             .map_err(l3_err)?;
         Ok(PyArray1::from_vec(py, v.iter().map(code_of).collect()))
     }
@@ -145,7 +167,7 @@ impl PyL3Store {
         views: &mut [&mut [u8]],
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let v = py
-            .detach(|| self.store.batch_get_into(&self.tenant, keys, views))
+            .detach(|| self.live()?.batch_get_into(&self.tenant, keys, views))
             .map_err(l3_err)?;
         Ok(PyArray1::from_vec(py, sizes_or_codes(v)))
     }
@@ -246,7 +268,7 @@ impl PyL3Store {
     fn with_tenant(&self, py: Python<'_>, tenant: &str) -> PyResult<Self> {
         let t = super::tenant(tenant)?;
         let (store, embedded, remote) = (
-            self.store.clone(),
+            self.live().map_err(l3_err)?.clone(),
             self.embedded.clone(),
             self.remote.clone(),
         );
@@ -303,7 +325,8 @@ impl PyL3Store {
         py.detach(|| {
             let mut cur = self.loss_cursor.lock();
             let l = self
-                .store
+                .live()
+                .map_err(l3_err)?
                 .losses_since(&self.tenant, *cur)
                 .map_err(l3_err)?;
             // Not subscribed before (the subscription at creation failed): what was lost
@@ -344,14 +367,14 @@ impl PyL3Store {
             soft_pin,
             wait_persisted,
         };
-        py.detach(|| self.store.put(&self.tenant, key, b.as_slice(), opts))
+        py.detach(|| self.live()?.put(&self.tenant, key, b.as_slice(), opts))
             .map_err(l3_err)
     }
 
     /// Reads an object into new bytes.
     fn get<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
         let v = py
-            .detach(|| self.store.get(&self.tenant, key))
+            .detach(|| self.live()?.get(&self.tenant, key))
             .map_err(l3_err)?;
         Ok(PyBytes::new(py, &v))
     }
@@ -360,19 +383,19 @@ impl PyL3Store {
     /// buffer is too small).
     fn get_into(&self, py: Python<'_>, key: &str, buf: &Bound<'_, PyAny>) -> PyResult<u64> {
         let mut b = ByteBuf::get(buf, true, "buf")?;
-        py.detach(|| self.store.get_into(&self.tenant, key, b.as_mut_slice()))
+        py.detach(|| self.live()?.get_into(&self.tenant, key, b.as_mut_slice()))
             .map_err(l3_err)
     }
 
     /// Size of an object in bytes.
     fn get_size(&self, py: Python<'_>, key: &str) -> PyResult<u64> {
-        py.detach(|| self.store.get_size(&self.tenant, key))
+        py.detach(|| self.live()?.get_size(&self.tenant, key))
             .map_err(l3_err)
     }
 
     /// Whether the key exists (takes no lease).
     fn is_exist(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
-        py.detach(|| self.store.is_exist(&self.tenant, key))
+        py.detach(|| self.live()?.is_exist(&self.tenant, key))
             .map_err(l3_err)
     }
 
@@ -389,7 +412,7 @@ impl PyL3Store {
         let keys = str_list(keys, "keys")?;
         let opts = kvtier_l3::ExistOptions { prefetch_to_memory };
         let v = py
-            .detach(|| self.store.batch_exist_key(&self.tenant, &keys, opts))
+            .detach(|| self.live()?.batch_exist_key(&self.tenant, &keys, opts))
             .map_err(l3_err)?;
         let out: Vec<i64> = v.into_iter().map(exist_code).collect();
         Ok(PyArray1::from_vec(py, out))
@@ -485,7 +508,7 @@ impl PyL3Store {
     fn batch_query(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<PyQueryResults> {
         let keys = str_list(keys, "keys")?;
         let v = py
-            .detach(|| self.store.batch_query(&self.tenant, &keys))
+            .detach(|| self.live()?.batch_query(&self.tenant, &keys))
             .map_err(l3_err)?;
         Ok(PyQueryResults { results: v })
     }
@@ -524,7 +547,7 @@ impl PyL3Store {
         let mut views = split_pages(b.as_mut_slice(), &ranges)?;
         let v = py
             .detach(|| {
-                self.store
+                self.live()?
                     .batch_get_with_query(&self.tenant, &qs, &mut views)
             })
             .map_err(l3_err)?;
@@ -534,14 +557,14 @@ impl PyL3Store {
     /// Removes a key (ObjectHasLeaseError while leased, unless `force`).
     #[pyo3(signature = (key, force = false))]
     fn remove(&self, py: Python<'_>, key: &str, force: bool) -> PyResult<()> {
-        py.detach(|| self.store.remove(&self.tenant, key, force))
+        py.detach(|| self.live()?.remove(&self.tenant, key, force))
             .map_err(l3_err)
     }
 
     /// Removes every key of the tenant (leased ones stay unless `force`); returns the count.
     #[pyo3(signature = (force = false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<u64> {
-        py.detach(|| self.store.remove_all(&self.tenant, force))
+        py.detach(|| self.live()?.remove_all(&self.tenant, force))
             .map_err(l3_err)
     }
 
@@ -550,18 +573,18 @@ impl PyL3Store {
     /// pattern raises the -600 error class and removes nothing.
     #[pyo3(signature = (pattern, force = false))]
     fn remove_by_regex(&self, py: Python<'_>, pattern: String, force: bool) -> PyResult<u64> {
-        py.detach(|| self.store.remove_by_regex(&self.tenant, &pattern, force))
+        py.detach(|| self.live()?.remove_by_regex(&self.tenant, &pattern, force))
             .map_err(l3_err)
     }
 
     /// Waits until queued SSD writes are durable.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.store.flush()).map_err(l3_err)
+        py.detach(|| self.live()?.flush()).map_err(l3_err)
     }
 
     /// Store-wide numbers (objects, bytes in memory and on disk).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py.detach(|| self.store.stats()).map_err(l3_err)?;
+        let s = py.detach(|| self.live()?.stats()).map_err(l3_err)?;
         let d = PyDict::new(py);
         d.set_item("objects", s.objects)?;
         d.set_item("mem_objects", s.mem_objects)?;

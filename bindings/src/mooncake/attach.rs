@@ -10,6 +10,7 @@ use kvtier_l3::ha::Locator;
 use kvtier_l3::{ClientOptions, EmbeddedStore, L3Result, L3Store, RemoteStore, Tenant};
 
 use super::segment::Contribution;
+use crate::fork::Owner;
 use crate::l3::{shared_embedded, store_config};
 
 /// What a set-up client is attached to.
@@ -21,6 +22,17 @@ pub(super) struct Attached {
     pub(super) tenant: Tenant,
     /// Dropped (unmounted) on close, before the store handle.
     pub(super) segment: Option<Contribution>,
+    /// In a child forked after, calls are refused and nothing is torn down (`fork.rs`).
+    pub(super) owner: Owner,
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        if !self.owner.is_here() {
+            std::mem::forget((self.segment.take(), self.store.clone()));
+            std::mem::forget((self.embedded.clone(), self.remote.clone()));
+        }
+    }
 }
 
 /// A tenant from its name (-600's error for a bad one).
@@ -50,6 +62,7 @@ impl Attached {
             remote: None,
             tenant,
             segment,
+            owner: Owner::here(),
         })
     }
 
@@ -82,6 +95,7 @@ impl Attached {
             remote: Some(s),
             tenant,
             segment,
+            owner: Owner::here(),
         })
     }
 }

@@ -129,11 +129,23 @@ pub(super) fn chunks<'a, T>(s: &dyn L3Store, items: &'a [T]) -> std::slice::Chun
 }
 
 impl MooncakeCore {
+    /// The store and tenant calls use: None before set-up, after close, and in a child
+    /// forked after the set-up (`fork.rs`; [`Self::unattached`] tells which).
     pub(super) fn handle(&self) -> Option<(Arc<dyn L3Store>, Tenant)> {
         self.state
             .read()
             .as_ref()
+            .filter(|a| a.owner.is_here())
             .map(|a| (a.store.clone(), a.tenant.clone()))
+    }
+
+    /// The code of a call [`Self::handle`] gave nothing: -1011 in a child forked after the
+    /// set-up (as a server client's calls there), else -1 (not set up, closed).
+    pub(super) fn unattached(&self) -> i64 {
+        match self.state.read().as_ref() {
+            Some(a) if !a.owner.is_here() => ErrorCode::UnavailableInCurrentMode as i64,
+            _ => NOT_INITIALIZED,
+        }
     }
 
     pub(super) fn attach(&self, a: Attached) {
@@ -154,7 +166,7 @@ impl MooncakeCore {
         code: impl Fn(L3Result<T>) -> i64 + Sync,
     ) -> Vec<i64> {
         let Some((s, t)) = self.handle() else {
-            return vec![NOT_INITIALIZED; keys.len()];
+            return vec![self.unattached(); keys.len()];
         };
         let idx: Vec<usize> = (0..keys.len()).filter(|&i| valid(i)).collect();
         let sel: Vec<String> = idx.iter().map(|&i| keys[i].clone()).collect();
@@ -179,7 +191,7 @@ impl MooncakeCore {
     ) -> PyResult<i64> {
         let b = ByteBuf::get(value, false, "value")?;
         let Some((s, t)) = self.handle() else {
-            return Ok(NOT_INITIALIZED);
+            return Ok(self.unattached());
         };
         let keys = [key.to_string()];
         Ok(py.detach(
@@ -203,7 +215,7 @@ impl MooncakeCore {
             return Ok(INVALID_PARAMS);
         }
         let Some((s, t)) = self.handle() else {
-            return Ok(NOT_INITIALIZED);
+            return Ok(self.unattached());
         };
         let views: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
         Ok(py.detach(|| {

@@ -133,6 +133,7 @@ impl MooncakeCore {
             remote: None,
             tenant: store.tenant.clone(),
             segment: None,
+            owner: crate::fork::Owner::here(),
         });
         0
     }
@@ -295,7 +296,7 @@ impl MooncakeCore {
     fn get_into_buffer(&self, py: Python<'_>, key: &str, buf: &Bound<'_, PyAny>) -> PyResult<i64> {
         let mut b = ByteBuf::get(buf, true, "buf")?;
         let Some((s, t)) = self.handle() else {
-            return Ok(NOT_INITIALIZED);
+            return Ok(self.unattached());
         };
         Ok(py.detach(|| size_code(s.get_into(&t, key, b.as_mut_slice()))))
     }
@@ -469,7 +470,7 @@ impl MooncakeCore {
             return (0..n).map(|i| per_key(INVALID_PARAMS, i)).collect();
         }
         let Some((s, t)) = self.handle() else {
-            return (0..n).map(|i| per_key(NOT_INITIALIZED, i)).collect();
+            return (0..n).map(|i| per_key(self.unattached(), i)).collect();
         };
         let calls = self.regions.enter();
         py.detach(|| {
@@ -518,7 +519,7 @@ impl MooncakeCore {
 
     fn batch_is_exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
         let Some((s, t)) = self.handle() else {
-            return vec![NOT_INITIALIZED; keys.len()];
+            return vec![self.unattached(); keys.len()];
         };
         py.detach(|| {
             batch::chunks(s.as_ref(), &keys)
@@ -532,7 +533,7 @@ impl MooncakeCore {
 
     fn get_size(&self, py: Python<'_>, key: &str) -> i64 {
         let Some((s, t)) = self.handle() else {
-            return NOT_INITIALIZED;
+            return self.unattached();
         };
         py.detach(|| size_code(s.get_size(&t, key)))
     }
@@ -543,7 +544,7 @@ impl MooncakeCore {
 
     fn batch_remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i64> {
         let Some((s, t)) = self.handle() else {
-            return vec![NOT_INITIALIZED; keys.len()];
+            return vec![self.unattached(); keys.len()];
         };
         py.detach(|| {
             keys.iter()
@@ -554,7 +555,7 @@ impl MooncakeCore {
 
     fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
         let Some((s, t)) = self.handle() else {
-            return NOT_INITIALIZED;
+            return self.unattached();
         };
         py.detach(|| size_code(s.remove_all(&t, force)))
     }
@@ -563,7 +564,7 @@ impl MooncakeCore {
     /// invalid pattern). The store filters its own keys: nothing is listed to Python.
     fn remove_by_regex(&self, py: Python<'_>, pattern: String, force: bool) -> i64 {
         let Some((s, t)) = self.handle() else {
-            return NOT_INITIALIZED;
+            return self.unattached();
         };
         py.detach(|| size_code(s.remove_by_regex(&t, &pattern, force)))
     }
@@ -574,7 +575,7 @@ impl MooncakeCore {
     /// holds a replica is skipped.
     fn copy_replica(&self, py: Python<'_>, key: String, targets: Vec<String>) -> i64 {
         let Some((s, t)) = self.handle() else {
-            return NOT_INITIALIZED;
+            return self.unattached();
         };
         py.detach(|| ranges::copy_replica(s.as_ref(), &t, &key, &targets))
     }
@@ -583,7 +584,7 @@ impl MooncakeCore {
     /// negative code (-600 for a name that is no segment).
     fn move_replica(&self, py: Python<'_>, key: String, source: &str, target: &str) -> i64 {
         let Some((s, t)) = self.handle() else {
-            return NOT_INITIALIZED;
+            return self.unattached();
         };
         py.detach(|| ranges::move_replica(s.as_ref(), &t, &key, source, target))
     }
@@ -591,7 +592,7 @@ impl MooncakeCore {
     /// 0 when the store answers, else a negative code.
     fn health_check(&self, py: Python<'_>) -> i64 {
         let Some((s, _)) = self.handle() else {
-            return NOT_INITIALIZED;
+            return self.unattached();
         };
         py.detach(|| code_of(&s.stats()))
     }

@@ -76,11 +76,29 @@ impl<'u> RegisteredRange<'u> {
     }
 }
 
-/// Pointer calls in flight, counted by the parity of the epoch they began in.
+/// Pointer calls in flight, counted by the parity of the epoch they began in, in process
+/// `pid`.
 #[derive(Default)]
 struct InFlight {
     epoch: u64,
     active: [u64; 2],
+    pid: u32,
+}
+
+impl InFlight {
+    /// The counts of this process. A child forked while calls of the parent's threads were in
+    /// flight counts none of them: those threads are not in the child, and its `close` or
+    /// `unregister_buffer` waited for them to end, for ever.
+    fn here(&mut self) -> &mut Self {
+        let me = std::process::id();
+        if self.pid != me {
+            *self = InFlight {
+                pid: me,
+                ..InFlight::default()
+            };
+        }
+        self
+    }
 }
 
 /// The registered regions of one client (start address → length) and the pointer calls
@@ -104,7 +122,8 @@ pub(crate) struct RegionUse<'r> {
 impl Drop for RegionUse<'_> {
     fn drop(&mut self) {
         let mut c = self.regions.calls.lock();
-        c.active[self.slot] -= 1;
+        let c = c.here();
+        c.active[self.slot] = c.active[self.slot].saturating_sub(1);
         if c.active[self.slot] == 0 {
             self.regions.ended.notify_all();
         }
@@ -146,7 +165,8 @@ impl RegionUse<'_> {
 impl Regions {
     /// Begins a pointer call (see [`RegionUse`]).
     pub(crate) fn enter(&self) -> RegionUse<'_> {
-        let mut c = self.calls.lock();
+        let mut g = self.calls.lock();
+        let c = g.here();
         let slot = (c.epoch % 2) as usize;
         c.active[slot] += 1;
         RegionUse {
@@ -160,9 +180,9 @@ impl Regions {
     fn wait_for_calls(&self) {
         let _one = self.grace.lock();
         let mut c = self.calls.lock();
-        let slot = (c.epoch % 2) as usize;
+        let slot = (c.here().epoch % 2) as usize;
         c.epoch += 1;
-        while c.active[slot] > 0 {
+        while c.here().active[slot] > 0 {
             self.ended.wait(&mut c);
         }
     }

@@ -1,0 +1,184 @@
+"""The Python bindings under threads, fork and object lifetimes (adversarial round).
+
+Every scenario runs in a child interpreter with a timeout: the failures these tests catch
+are hangs, panics and aborts, and a test must fail, not take pytest down with it.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def run_child(code: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_ok(r: subprocess.CompletedProcess) -> None:
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+    assert r.stdout.strip().endswith("ok"), (r.stdout[-2000:], r.stderr[-4000:])
+    assert "panicked" not in r.stderr and "PanicException" not in r.stderr, r.stderr[-4000:]
+
+
+# Forks a child `FORKS` times while two threads keep the parent's store busy; each child runs
+# `child()` (its exit code is the verdict) and exits through the interpreter's normal
+# finalization (which drops every inherited object). A child that has not exited after 30 s
+# is counted as hung and killed; forking stops at the first child that failed.
+FORK_HARNESS = """
+import os, sys, threading, time
+FORKS = 12
+stop = threading.Event()
+def fork_children(busy, child):
+    ts = [threading.Thread(target=busy, args=(stop,)) for _ in range(2)]
+    [t.start() for t in ts]
+    codes = []
+    try:
+        for n in range(FORKS):
+            pid = os.fork()
+            if pid == 0:
+                code = 99
+                try:
+                    code = child()
+                finally:
+                    sys.stdout.flush()
+                sys.exit(code)   # normal finalization: inherited objects are dropped
+            deadline = time.monotonic() + 30
+            while True:
+                r, st = os.waitpid(pid, os.WNOHANG)
+                if r:
+                    codes.append(os.waitstatus_to_exitcode(st))
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    codes.append("hung")
+                    break
+                time.sleep(0.01)
+            if codes[-1] != 0:
+                break
+    finally:
+        stop.set()
+        [t.join() for t in ts]
+    assert codes == [0] * FORKS, codes  # the child's code, or 'hung'
+"""
+
+
+def test_an_embedded_store_in_a_forked_child_is_refused_not_hung():
+    # A child forked while another thread of the parent was inside a call on an embedded
+    # store inherited the store's locks held by a thread it does not have: its first call
+    # waited for ever (6 children of 40 hung). And a child that simply exited dropped the
+    # store, whose drop joined the store's sweeper thread, absent in the child: a Rust panic
+    # at exit ("threads should not terminate unexpectedly"). The child's calls through the
+    # inherited handle are refused (UnavailableInModeError, -1011), dropping it touches
+    # nothing, and a store the child opens itself works; the parent's store is untouched.
+    r = run_child(
+        FORK_HARNESS
+        + """
+import kvtier
+s = kvtier.L3Store.embedded(1 << 26, loss_journal_keys=1024)
+s.put("p", b"parent" * 100)
+t2 = s.with_tenant("other")
+def busy(stop):
+    i = 0
+    while not stop.is_set():
+        for k in (f"k{i}", f"k{i - 40}"):
+            try:
+                s.put(k, b"y" * 4096) if k == f"k{i}" else s.remove(k, force=True)
+            except kvtier.L3Error:
+                pass
+        i += 1
+def child():
+    for call in (lambda: s.get("p"), lambda: s.put("c", b"c"), lambda: s.stats(),
+                 lambda: s.with_tenant("x"), lambda: t2.is_exist("p"), lambda: s.drain_losses(),
+                 lambda: s.batch_is_exist(["p"]), lambda: s.flush()):
+        try:
+            call()
+            return 2
+        except kvtier.UnavailableInModeError:
+            pass
+    own = kvtier.L3Store.embedded(1 << 20)
+    own.put("c", b"child")
+    return 0 if own.get("c") == b"child" else 3
+fork_children(busy, child)
+assert s.get("p") == b"parent" * 100 and not s.is_exist("c")
+print("ok")
+"""
+    )
+    assert_ok(r)
+
+
+def test_a_server_in_process_survives_a_forked_childs_exit():
+    # A child forked after kvtier.L3Server() exited through normal finalization: the drop of
+    # the inherited server joined accept threads the child does not have (a panic at exit).
+    # The child's copy is dropped touching nothing; shutdown() in the child stops nothing of
+    # the parent's, which keeps serving.
+    r = run_child(
+        FORK_HARNESS
+        + """
+import kvtier
+srv = kvtier.L3Server(1 << 24)
+c = kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=20000)
+c.put("p", b"parent")
+def busy(stop):
+    while not stop.is_set():
+        c.get("p")
+def child():
+    srv.shutdown()
+    own = kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=20000)
+    return 0 if own.get("p") == b"parent" else 3
+fork_children(busy, child)
+assert c.get("p") == b"parent" and srv.running
+srv.shutdown()
+print("ok")
+"""
+    )
+    assert_ok(r)
+
+
+def test_a_mooncake_client_on_an_embedded_store_in_a_forked_child():
+    # The Mooncake-compatible client set up on an embedded store, in a child forked after:
+    # its calls could hang on locks the parent's threads held at the fork, and close() raised
+    # a PanicException (the store's drop joined a thread absent in the child). The child's
+    # calls answer -1011 (reads: empty), close() answers 0 touching nothing, and the parent's
+    # client is untouched.
+    r = run_child(
+        FORK_HARNESS
+        + """
+import numpy as np
+from kvtier.mooncake_compat import MooncakeDistributedStore
+m = MooncakeDistributedStore()
+assert m.setup("h", "", 1 << 26, 1 << 20, "tcp", "", "embedded://fork-mc") == 0
+assert m.put("p", b"parent") == 0
+buf = np.zeros(1 << 16, np.uint8)
+assert m.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+def busy(stop):
+    i = 0
+    while not stop.is_set():
+        m.put(f"k{i}", b"y" * 4096)
+        m.get_into("p", buf.ctypes.data, buf.nbytes)
+        m.remove(f"k{i - 40}")
+        i += 1
+def child():
+    if m.is_exist("p") != -1011 or m.put("c", b"c") != -1011 or m.get("p") != b"":
+        return 2
+    if m.get_into("p", buf.ctypes.data, buf.nbytes) != -1011:
+        return 3
+    if m.close() != 0:
+        return 4
+    own = MooncakeDistributedStore()
+    if own.setup("h", "", 1 << 24, 1 << 20, "tcp", "", "embedded://child-own") != 0:
+        return 5
+    return 0 if own.put("c", b"child") == 0 and own.get("c") == b"child" else 6
+fork_children(busy, child)
+assert m.get("p") == b"parent" and m.is_exist("c") == 0
+assert m.close() == 0
+print("ok")
+"""
+    )
+    assert_ok(r)
