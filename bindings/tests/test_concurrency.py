@@ -81,7 +81,7 @@ def test_an_embedded_store_in_a_forked_child_is_refused_not_hung():
         FORK_HARNESS
         + """
 import kvtier
-s = kvtier.L3Store.embedded(1 << 26, loss_journal_keys=1024)
+s = kvtier.L3Store.embedded(1 << 26, loss_journal_keys=1024, name="fork-named")
 s.put("p", b"parent" * 100)
 t2 = s.with_tenant("other")
 def busy(stop):
@@ -104,7 +104,13 @@ def child():
             pass
     own = kvtier.L3Store.embedded(1 << 20)
     own.put("c", b"child")
-    return 0 if own.get("c") == b"child" else 3
+    if own.get("c") != b"child":
+        return 3
+    # The name the parent's store has opens a store of the child's own (the parent's copy
+    # here is the inherited one: its locks may be held, its threads absent).
+    named = kvtier.L3Store.embedded(1 << 20, name="fork-named")
+    named.put("c", b"child")
+    return 0 if named.get("c") == b"child" and not named.is_exist("p") else 4
 fork_children(busy, child)
 assert s.get("p") == b"parent" * 100 and not s.is_exist("c")
 print("ok")

@@ -43,10 +43,15 @@ pub use query::PyQueryResults;
 pub use server::PyL3Server;
 pub use store::PyL3Store;
 
-/// Embedded stores by name, shared by every handle of this process that names them
-/// (`L3Store.embedded(name=...)`, `MooncakeDistributedStore.setup(..., "embedded://name")`).
-fn registry() -> &'static Mutex<HashMap<String, Weak<EmbeddedStore>>> {
-    static R: OnceLock<Mutex<HashMap<String, Weak<EmbeddedStore>>>> = OnceLock::new();
+/// Embedded stores by name and the process that opened them, shared by every handle of
+/// this process that names them (`L3Store.embedded(name=...)`,
+/// `MooncakeDistributedStore.setup(..., "embedded://name")`). A child forked after does not
+/// share the parent's: its copy of it may have locks held by threads it does not have
+/// (`crate::fork`), so the name opens a store of the child's own.
+type Registry = HashMap<String, (u32, Weak<EmbeddedStore>)>;
+
+fn registry() -> &'static Mutex<Registry> {
+    static R: OnceLock<Mutex<Registry>> = OnceLock::new();
     R.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
@@ -59,7 +64,9 @@ pub fn shared_embedded(name: &str, cfg: StoreConfig) -> L3Result<Arc<EmbeddedSto
         return Ok(Arc::new(EmbeddedStore::new(cfg)?));
     }
     let mut r = registry().lock();
-    if let Some(s) = r.get(name).and_then(Weak::upgrade) {
+    let me = std::process::id();
+    let open = r.get(name).filter(|(pid, _)| *pid == me);
+    if let Some(s) = open.and_then(|(_, w)| w.upgrade()) {
         if let Some(want) = &cfg.ssd {
             let same = |d: &std::path::Path| {
                 let canon = |p: &std::path::Path| std::fs::canonicalize(p).ok();
@@ -78,8 +85,8 @@ pub fn shared_embedded(name: &str, cfg: StoreConfig) -> L3Result<Arc<EmbeddedSto
         return Ok(s);
     }
     let s = Arc::new(EmbeddedStore::new(cfg)?);
-    r.retain(|_, w| w.strong_count() > 0);
-    r.insert(name.to_string(), Arc::downgrade(&s));
+    r.retain(|_, (pid, w)| *pid == me && w.strong_count() > 0);
+    r.insert(name.to_string(), (me, Arc::downgrade(&s)));
     Ok(s)
 }
 
