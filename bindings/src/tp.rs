@@ -141,16 +141,18 @@ impl PyRankAgreement {
     /// collective (this rank then enters it with every op "not done": no rank agrees
     /// anything this step).
     /// `all_reduce_min` may read this agreement (an in-process stand-in computing every
-    /// rank's values): it is not held while the collective runs.
+    /// rank's values): it is not held while the collective runs. The scheduler's ops in
+    /// flight must not change meanwhile (`AgreementError`, nothing agreed: the values would
+    /// be applied to other ops).
     fn reduce(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
         scheduler: &Bound<'_, PyAny>,
         all_reduce_min: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Py<PyAny>>> {
-        let v = {
+        let (v, ops) = {
             let me = slf.try_borrow()?;
-            with_agreed_ref(scheduler, |s| me.inner.values(s))?
+            with_agreed_ref(scheduler, |s| (me.inner.values(s), s.agreed_ops()))?
         };
         let arr = words_to_py(py, v);
         let ret = all_reduce_min.call1((arr.clone(),))?;
@@ -173,8 +175,17 @@ impl PyRankAgreement {
             v.push(x as u64);
         }
         let mut me = slf.try_borrow_mut()?;
-        let evs =
-            with_agreed_ref(scheduler, |s| me.inner.apply_reduced(s, &v))?.map_err(agree_err)?;
+        // The values are those of `ops`: applied to other ops in flight (one completed and
+        // another issued while the collective ran), an op took another's agreed value.
+        let evs = with_agreed_ref(scheduler, |s| {
+            if s.agreed_ops() != ops {
+                return Err(crate::errors::base::AgreementError::new_err(
+                    "the ops in flight changed while all_reduce_min ran (an op completed or \
+                     was issued): its values are other ops'; nothing agreed",
+                ));
+            }
+            me.inner.apply_reduced(s, &v).map_err(agree_err)
+        })??;
         evs.into_iter().map(|e| event_to_py(py, e)).collect()
     }
 
