@@ -5,7 +5,8 @@
 //! address under a regular file fails with ENOTDIR, one it does not list: the publisher
 //! panicked (a PanicException in Python, a dead publishing thread in a `kvtier-l3` leader
 //! retrying its bind) where a wrong address is the caller's error. And a TCP port that is
-//! not one is refused here: ZMQ binds it modulo 65,536.
+//! not one is refused here (ZMQ binds it modulo 65,536), as is an ipc address another socket
+//! listens on (ZMQ takes it over).
 
 use std::ffi::{CStr, CString};
 
@@ -60,6 +61,20 @@ pub(crate) fn bind(
                 "{what}: the port must be * or a number from 0 to 65535, not {port:?}"
             )));
         }
+    }
+    // ZMQ unlinks an ipc address's socket file and binds anew, even while another socket
+    // listens there: the other (another engine's publisher) goes on unheard by every
+    // subscriber that connects after. Someone answering there is EADDRINUSE, as TCP's; a
+    // file nobody answers on (a crashed publisher's) is ZMQ's to replace.
+    if let Some(path) = endpoint.strip_prefix("ipc://")
+        && path != "*"
+        && !path.starts_with('@')
+        && std::os::unix::net::UnixStream::connect(path).is_ok()
+    {
+        return Err(PublishError::Zmq {
+            what,
+            source: zmq::Error::EADDRINUSE,
+        });
     }
     let c = CString::new(endpoint)
         .map_err(|_| PublishError::Config(format!("{what}: the address contains a NUL byte")))?;

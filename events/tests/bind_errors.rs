@@ -74,3 +74,57 @@ fn a_port_in_use_is_a_typed_error() {
         0
     );
 }
+
+/// An adversarial tester's hijack: binding an ipc address another live publisher held
+/// succeeded (ZMQ unlinks the socket file and binds anew), so two engines configured with
+/// one path by mistake both started, and every subscriber that connected from then on heard
+/// the second alone: the first's events went nowhere, and nothing said so. EADDRINUSE, as
+/// TCP gives; a socket file nobody listens on (a crashed publisher's) is bound as before.
+#[test]
+fn an_ipc_address_another_publisher_holds_is_in_use() {
+    let dir = std::env::temp_dir().join(format!("kvtier-ipc-in-use-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("pub");
+    let ep = format!("ipc://{}", path.display());
+    let first = Publisher::bind(PublisherConfig {
+        endpoint: ep.clone(),
+        replay_endpoint: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let e = bind(&ep, None).expect_err("in use");
+    assert!(e.contains(&ep), "{e}");
+    let replay = format!("ipc://{}", dir.join("replay").display());
+    let _second = Publisher::bind(PublisherConfig {
+        endpoint: "tcp://127.0.0.1:*".into(),
+        replay_endpoint: Some(replay.clone()),
+        ..Default::default()
+    })
+    .unwrap();
+    let e = bind("tcp://127.0.0.1:*", Some(&replay)).expect_err("in use");
+    assert!(e.contains(&replay), "{e}");
+    // the first still publishes where it was bound
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).unwrap();
+    sub.set_subscribe(b"").unwrap();
+    sub.set_rcvtimeo(200).unwrap();
+    sub.connect(&ep).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        first.publish(7.0, &[]).unwrap();
+        if sub.recv_multipart(0).is_ok() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first publisher is not heard"
+        );
+    }
+    // a socket file left behind with nobody listening
+    let stale = dir.join("stale");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    assert!(stale.exists());
+    bind(&format!("ipc://{}", stale.display()), None).expect("a stale socket file is bound");
+    drop(first);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
