@@ -66,9 +66,9 @@ pub fn deaf(ctx: &zmq::Context, p: &Publisher) -> zmq::Socket {
 }
 
 /// A subscriber and a requester that reads, to wait until the publisher thread has taken
-/// the requests sent before: `n` more batches (published here, each seen live; the thread
-/// takes one request between batches whenever one waits) and round trips of the requester
-/// (its socket is queued behind the others' in turn).
+/// the requests sent before: round trips of the requester (the ROUTER takes requests from
+/// its peers in turn, so one answered means every peer with a request waiting was served
+/// once), then `n` more batches, each seen live.
 pub struct Barrier {
     sub: zmq::Socket,
     asker: zmq::Socket,
