@@ -221,3 +221,46 @@ def test_a_scheduler_changed_while_its_collective_runs_agrees_nothing():
         a.reduce(s, collective)
     assert a.pending() == 3  # the records of q1, q2 and q3: nothing consumed
     assert [e.op for e in a.reduce(s, lambda v: v)] == sorted(o for o, _ in s.in_flight_ops())
+
+
+def test_a_forked_child_gets_no_memory_of_its_parents_shared_pool():
+    # A dummy client's pool on a server of this host is shared memory (the server maps it):
+    # a child forked after setup_dummy shares it with the parent instead of getting a copy,
+    # and alloc_from_mem_pool there handed out the address the parent hands out next (the
+    # same allocator state). The child's bytes written there became the parent's: the
+    # parent's put_from stored "C" where it had written "P". In the child the pool hands
+    # out nothing (0, as when exhausted); the child sets up its own client.
+    r = run_child(
+        """
+        import ctypes, os, sys
+        import kvtier
+        from kvtier.mooncake_compat import MooncakeDistributedStore
+        srv = kvtier.L3Server(1 << 26)
+        m = MooncakeDistributedStore()
+        assert m.setup_dummy(16 << 20, 1 << 20, srv.addr) == 0
+        N = 1 << 16
+        first = m.alloc_from_mem_pool(N)
+        assert first
+        to_child_r, to_child_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.read(to_child_r, 1)          # the parent filled its next allocation
+            addr = m.alloc_from_mem_pool(N)
+            if addr:
+                ctypes.memset(addr, ord("C"), N)
+            own = MooncakeDistributedStore()
+            ok = own.setup_dummy(1 << 20, 1 << 20, srv.addr) == 0 and own.alloc_from_mem_pool(N) != 0
+            os._exit(0 if addr == 0 and ok else 1)
+        mine = m.alloc_from_mem_pool(N)
+        ctypes.memset(mine, ord("P"), N)
+        os.write(to_child_w, b"x")
+        _, st = os.waitpid(pid, 0)
+        assert m.put_from("k", mine, N) == 0
+        got = m.get("k")
+        assert got == b"P" * N, got[:8]
+        assert os.waitstatus_to_exitcode(st) == 0, os.waitstatus_to_exitcode(st)
+        print("ok")
+        """,
+        timeout=60,
+    )
+    assert_ok(r)

@@ -13,6 +13,8 @@ use std::sync::Arc;
 
 use kvtier_l3::{RemoteStore, SharedRegion};
 
+use crate::fork::Owner;
+
 /// `n` zeroed bytes (n > 0) on the heap, or None when the allocator cannot give them
 /// (zero pages from the allocator, not written here: a large pool costs no time up front).
 fn zeroed(n: usize) -> Option<Box<[u8]>> {
@@ -38,6 +40,9 @@ enum Mem {
 pub struct Pool {
     mem: Mem,
     used: usize,
+    /// A child forked after gets none of it: shared memory is the parent's, not a copy, and
+    /// the child's allocator state would hand out the parent's next addresses (`fork.rs`).
+    owner: Owner,
 }
 
 impl Pool {
@@ -52,7 +57,11 @@ impl Pool {
             Some(r) => Mem::Shared(r),
             None => Mem::Heap(zeroed(n)?),
         };
-        Some(Pool { mem, used: 0 })
+        Some(Pool {
+            mem,
+            used: 0,
+            owner: Owner::here(),
+        })
     }
 
     /// Whether the pool is memory the server maps.
@@ -68,8 +77,12 @@ impl Pool {
     }
 
     /// The address of the next `n` bytes (64-byte aligned), handed out once `register`
-    /// accepts them; None when the pool is exhausted or `register` refuses.
+    /// accepts them; None when the pool is exhausted or `register` refuses, and in a child
+    /// forked after the pool was made.
     pub fn alloc(&mut self, n: usize, register: impl FnOnce(u64) -> bool) -> Option<u64> {
+        if !self.owner.is_here() {
+            return None;
+        }
         let (base, len) = self.base_len();
         let start = self.used.div_ceil(64) * 64;
         let end = start.checked_add(n).filter(|&e| n > 0 && e <= len)?;
