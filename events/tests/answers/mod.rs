@@ -66,9 +66,10 @@ pub fn deaf(ctx: &zmq::Context, p: &Publisher) -> zmq::Socket {
 }
 
 /// A subscriber and a requester that reads, to wait until the publisher thread has taken
-/// the requests sent before: round trips of the requester (the ROUTER takes requests from
-/// its peers in turn, so one answered means every peer with a request waiting was served
-/// once), then `n` more batches, each seen live.
+/// the requests sent before: `n` round trips of the requester (the ROUTER takes requests
+/// from its peers in turn, so each answered means every peer with a request waiting was
+/// served once more: `n` at least the requests one peer sent), then `n` more batches, each
+/// seen live.
 pub struct Barrier {
     sub: zmq::Socket,
     asker: zmq::Socket,
@@ -106,7 +107,7 @@ impl Barrier {
     }
 
     pub fn pass(&self, p: &Publisher, n: usize) {
-        for _ in 0..n.min(50) {
+        for _ in 0..n {
             self.round_trip();
         }
         let mut last = 0;
