@@ -141,9 +141,8 @@ impl PyRankAgreement {
     /// collective (this rank then enters it with every op "not done": no rank agrees
     /// anything this step).
     /// `all_reduce_min` may read this agreement (an in-process stand-in computing every
-    /// rank's values): it is not held while the collective runs. The scheduler's ops in
-    /// flight must not change meanwhile (`AgreementError`, nothing agreed: the values would
-    /// be applied to other ops).
+    /// rank's values): it is not held while the collective runs. Ops another thread
+    /// completed or issued meanwhile are not agreed by it (each reduced value goes to its op).
     fn reduce(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
@@ -174,18 +173,28 @@ impl PyRankAgreement {
             }
             v.push(x as u64);
         }
+        if v.len() != ops.len() {
+            let (expected, got) = (ops.len(), v.len());
+            return Err(agree_err(AgreementError::Length { expected, got }));
+        }
         let mut me = slf.try_borrow_mut()?;
-        // The values are those of `ops`: applied to other ops in flight (one completed and
-        // another issued while the collective ran), an op took another's agreed value.
         let evs = with_agreed_ref(scheduler, |s| {
-            if s.agreed_ops() != ops {
-                return Err(crate::errors::base::AgreementError::new_err(
-                    "the ops in flight changed while all_reduce_min ran (an op completed or \
-                     was issued): its values are other ops'; nothing agreed",
-                ));
-            }
-            me.inner.apply_reduced(s, &v).map_err(agree_err)
-        })??;
+            // The values are those of `ops`, read before the collective; another thread may
+            // have completed or issued ops meanwhile. Each value goes to its op, by id: one
+            // issued since is not agreed this time (0, not done: its record stays), the
+            // record of one completed since is dropped. Applied index by index, ops took
+            // the values of the ops they replaced.
+            let now = s.agreed_ops();
+            let v: Vec<u64> = if now == ops {
+                v
+            } else {
+                let of = |op| ops.binary_search_by_key(op, |(o, _)| *o).ok();
+                let value = |op| of(op).and_then(|i| v.get(i).copied()).unwrap_or(0);
+                now.iter().map(|(op, _)| value(op)).collect()
+            };
+            me.inner.apply_reduced(s, &v)
+        })?
+        .map_err(agree_err)?;
         evs.into_iter().map(|e| event_to_py(py, e)).collect()
     }
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 
@@ -190,15 +191,15 @@ print("ok")
     assert_ok(r)
 
 
-def test_a_scheduler_changed_while_its_collective_runs_agrees_nothing():
+def test_ops_that_change_while_the_collective_runs_keep_their_own_values():
     # RankAgreement.reduce reads this rank's values, calls the engine's all_reduce_min with
     # no borrow held (a collective that blocks lets the engine's other threads run, and an
     # in-process one may read the agreements), then applied the reduced vector to the ops in
     # flight *then*, index by index. Ops that changed meanwhile (one completed, another
-    # issued) took other ops' agreed values: here the reduction was over [Q1, Q2], and Q2
-    # was agreed with Q1's 0 hits and Q3, which no other rank ever reduced, with Q2's (ranks
-    # then plan different prefetches: another rank's KV read as missing). Now the ops in
-    # flight must be those the values were read over: else AgreementError, nothing consumed.
+    # issued: the same count) took other ops' agreed values: here the reduction was over
+    # [Q1, Q2], and Q2 was agreed with Q1's 0 hits and Q3, which no other rank ever reduced,
+    # with Q2's 9 (ranks then plan different prefetches: another rank's KV read as missing).
+    # Each value now goes to its op: Q2 gets its own, Q3 waits for a reduction of its own.
     import kvtier
     from conftest import prompt, small_config
 
@@ -209,18 +210,20 @@ def test_a_scheduler_changed_while_its_collective_runs_agrees_nothing():
     a = kvtier.RankAgreement()
     a.push(kvtier.L3QueryDone(q1, 0))
     a.push(kvtier.L3QueryDone(q2, 9))
+    q3 = []
 
     def collective(v):  # meanwhile: q1 completes, a third request's probe is issued and done
         s.on_event(kvtier.L3QueryDone(q1, 0))  # no hit: no prefetch follows
         s.submit(3, prompt(3, 41), 2)
-        (q3,) = [o.id for o in s.next_execution_plan(1).ops if o.kind == "L3Query"]
-        a.push(kvtier.L3QueryDone(q3, 9))
+        q3.extend(o.id for o in s.next_execution_plan(1).ops if o.kind == "L3Query")
+        a.push(kvtier.L3QueryDone(q3[0], 9))
         # the other rank's values equal this rank's: the minimum is v itself
 
-    with pytest.raises(kvtier.AgreementError, match="changed"):
-        a.reduce(s, collective)
-    assert a.pending() == 3  # the records of q1, q2 and q3: nothing consumed
-    assert [e.op for e in a.reduce(s, lambda v: v)] == sorted(o for o, _ in s.in_flight_ops())
+    assert a.reduce(s, collective) == [kvtier.L3QueryDone(q2, 9)]
+    assert a.pending() == 1  # q3's record, for the next reduction (q1's dropped: not in flight)
+    assert a.reduce(s, lambda v: v) == [kvtier.L3QueryDone(q3[0], 9)]
+    with pytest.raises(kvtier.AgreementError, match="values"):  # a vector of another length
+        a.reduce(s, lambda v: np.zeros(len(v) + 1, np.int64))
 
 
 def test_a_forked_child_gets_no_memory_of_its_parents_shared_pool():
