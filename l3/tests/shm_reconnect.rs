@@ -15,7 +15,7 @@ use kvtier_l3::rpc::shm::{
     SegTable, ShmClient, ShmHandler, ShmOutcome, ShmReply, ShmRequest, ShmServer,
 };
 use kvtier_l3::{
-    EmbeddedStore, L3Error, L3Store, PutOptions, ReplicateConfig, StoreConfig, Tenant,
+    EmbeddedStore, L3Error, L3Store, PutOptions, ReplicateConfig, ShmMode, StoreConfig, Tenant,
 };
 
 /// The embedded store, with its first put held until [`Gated::release`].
@@ -46,8 +46,8 @@ impl Gated {
 
 impl ShmHandler for Gated {
     fn handle(&self, req: ShmRequest, segs: &SegTable) -> ShmReply {
-        let held =
-            matches!(req, ShmRequest::Put { .. }) && self.first.swap(false, Ordering::AcqRel);
+        let held = matches!(req, ShmRequest::Put { .. } | ShmRequest::PutAt { .. })
+            && self.first.swap(false, Ordering::AcqRel);
         if held {
             let g = self.state.lock().unwrap();
             drop(
@@ -133,5 +133,123 @@ fn a_timed_out_put_served_late_never_stores_the_next_calls_bytes() {
         Err(e) => assert_eq!(e, L3Error::ObjectNotFound),
     }
     assert_eq!(gated.store.get(&tn, "b").unwrap(), b);
+    server.stop();
+}
+
+/// As above with the bytes in memory the client shares itself (a `SharedRegion`, named in
+/// place, no staging): the held put, served after the caller reused that memory for the
+/// next put, must not store the reused bytes under its key.
+#[test]
+fn a_timed_out_put_from_a_region_served_late_never_stores_the_reused_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let gated = Arc::new(Gated {
+        store: EmbeddedStore::new(StoreConfig::default()).unwrap(),
+        first: AtomicBool::new(true),
+        state: Mutex::new((false, false)),
+        cv: Condvar::new(),
+    });
+    let mut server = ShmServer::start(gated.clone(), dir.path(), None, 64 << 20).unwrap();
+    let mut c = ShmClient::new(
+        server.offer.clone(),
+        None,
+        64 << 20,
+        1024,
+        1 << 20,
+        CALL_TIMEOUT,
+    )
+    .expect("same host");
+    let region = c.alloc(4096).unwrap();
+    // SAFETY: the region is 4096 bytes this test owns; the server reads it only during a
+    // put, and this thread writes it only between calls.
+    let mem = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), region.len()) };
+    let tn = Tenant::new("t").unwrap();
+    let put = |c: &mut ShmClient, k: &str, v: &[u8]| {
+        done(c.put(
+            &tn,
+            &[k.to_string()],
+            &[v],
+            PutOptions::default(),
+            ReplicateConfig::default(),
+        ))
+    };
+    mem.fill(0xaa);
+    assert!(put(&mut c, "a", mem).is_err(), "the held put answered");
+    // The caller's memory is its own again: the next put's bytes go there.
+    mem.fill(0xbb);
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        match put(&mut c, "b", mem) {
+            Ok(r) if r.iter().all(Result::is_ok) => break,
+            r => assert!(Instant::now() < end, "no put of \"b\" for 30 s: {r:?}"),
+        }
+    }
+    gated.release();
+    assert!(gated.wait_served(), "the held put was never served");
+    match gated.store.get(&tn, "a") {
+        Ok(v) => assert!(
+            v == vec![0xaa; 4096],
+            "\"a\" was stored with other bytes: {:02x?}",
+            &v[..4]
+        ),
+        Err(e) => assert_eq!(e, L3Error::ObjectNotFound),
+    }
+    assert_eq!(gated.store.get(&tn, "b").unwrap(), vec![0xbb; 4096]);
+    server.stop();
+}
+
+/// As above with a plain buffer the server copies in place (`ShmMode::InPlace`, where the
+/// host allows it; otherwise staged): the held put, served after the caller reused its
+/// buffer, must not store the reused bytes under its key.
+#[test]
+fn a_timed_out_put_copied_in_place_served_late_never_stores_the_reused_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let gated = Arc::new(Gated {
+        store: EmbeddedStore::new(StoreConfig::default()).unwrap(),
+        first: AtomicBool::new(true),
+        state: Mutex::new((false, false)),
+        cv: Condvar::new(),
+    });
+    let mut server = ShmServer::start(gated.clone(), dir.path(), None, 64 << 20).unwrap();
+    let mut c = ShmClient::new(
+        server.offer.clone(),
+        None,
+        64 << 20,
+        1024,
+        1 << 20,
+        CALL_TIMEOUT,
+    )
+    .expect("same host")
+    .with_mode(ShmMode::InPlace);
+    let tn = Tenant::new("t").unwrap();
+    let put = |c: &mut ShmClient, k: &str, v: &[u8]| {
+        done(c.put(
+            &tn,
+            &[k.to_string()],
+            &[v],
+            PutOptions::default(),
+            ReplicateConfig::default(),
+        ))
+    };
+    let mut mem = vec![0xaa_u8; 4096];
+    assert!(put(&mut c, "a", &mem).is_err(), "the held put answered");
+    mem.fill(0xbb);
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        match put(&mut c, "b", &mem) {
+            Ok(r) if r.iter().all(Result::is_ok) => break,
+            r => assert!(Instant::now() < end, "no put of \"b\" for 30 s: {r:?}"),
+        }
+    }
+    gated.release();
+    assert!(gated.wait_served(), "the held put was never served");
+    match gated.store.get(&tn, "a") {
+        Ok(v) => assert!(
+            v == vec![0xaa; 4096],
+            "\"a\" was stored with other bytes: {:02x?}",
+            &v[..4]
+        ),
+        Err(e) => assert_eq!(e, L3Error::ObjectNotFound),
+    }
+    assert_eq!(gated.store.get(&tn, "b").unwrap(), mem);
     server.stop();
 }

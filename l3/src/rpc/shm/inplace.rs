@@ -99,6 +99,8 @@ pub(super) fn serve_probe(
 struct FromPeer<'a> {
     peer: &'a Peer,
     bufs: &'a [RemoteBuf],
+    /// Whether the client gave up on the call (`SegTable::client_gave_up`).
+    gave_up: &'a dyn Fn() -> bool,
 }
 
 // SAFETY: an Ok `copy` of `dst.len()` bytes wrote every byte of `dst`.
@@ -114,15 +116,23 @@ unsafe impl Filler for FromPeer<'_> {
         // SAFETY: `dst` is writable for its length.
         unsafe {
             self.peer
-                .copy(Dir::Read, dst.as_mut_ptr().cast(), b.addr, dst.len())
+                .copy(Dir::Read, dst.as_mut_ptr().cast(), b.addr, dst.len())?
+        };
+        // A client that gave up on the call may have put its next bytes in this buffer
+        // before they were read: not stored (`tests/shm_reconnect.rs`).
+        if (self.gave_up)() {
+            return Err(super::server::gave_up());
         }
+        Ok(())
     }
 }
 
 /// Server: `PutAt`.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn serve_put(
     store: &EmbeddedStore,
     peer: Option<&Peer>,
+    gave_up: &dyn Fn() -> bool,
     tenant: &Tenant,
     keys: &[String],
     bufs: &[RemoteBuf],
@@ -132,7 +142,11 @@ pub(super) fn serve_put(
     let peer = peer.ok_or_else(not_set_up)?;
     check_bufs(bufs, keys.len())?;
     let sizes: Vec<u64> = bufs.iter().map(|b| b.len).collect();
-    let mut f = FromPeer { peer, bufs };
+    let mut f = FromPeer {
+        peer,
+        bufs,
+        gave_up,
+    };
     store.batch_put_filled(tenant, keys, &sizes, &mut f, opts, cfg)
 }
 

@@ -105,6 +105,68 @@ fn still_connected(sock: &UnixStream) -> bool {
     n > 0 || (n < 0 && errno() == libc::EAGAIN)
 }
 
+/// Whether the process `pidfd` names is alive.
+fn pidfd_alive(pidfd: &OwnedFd) -> bool {
+    // SAFETY: signal 0 only checks; a null siginfo and no flags.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    r == 0
+}
+
+/// A connection's client, watched for giving up on a call: its call timed out (a paused or
+/// overloaded server), it closed the socket and got an error, and from then on the memory
+/// the request named is the caller's again, to reuse. A put served after that (the request
+/// was already with the server) must not store what the memory holds by then.
+#[derive(Debug)]
+pub(super) struct ConnWatch {
+    sock: UnixStream,
+    /// The client process (`SO_PEERPIDFD`, else `pidfd_open` checked against the live
+    /// socket); None where neither is available: then a hang-up is never taken for giving up.
+    pidfd: Option<OwnedFd>,
+}
+
+impl ConnWatch {
+    /// Watches the client of `sock` (None if the socket cannot be duplicated).
+    pub(super) fn of(sock: &UnixStream) -> Option<ConnWatch> {
+        let sock = sock.try_clone().ok()?;
+        let pidfd = peer_pidfd(&sock).or_else(|| {
+            let (pid, _) = peer_cred(&sock).ok()?;
+            if pid <= 0 {
+                return None;
+            }
+            // SAFETY: pidfd_open takes a pid and flags; the result is a new descriptor.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+            // The pid was the client's while it is connected (see the module docs).
+            // SAFETY: a fresh descriptor we own (it fits an int: the kernel returned it).
+            (fd >= 0 && still_connected(&sock))
+                .then(|| unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
+        });
+        Some(ConnWatch { sock, pidfd })
+    }
+
+    /// The client hung up while its process lives on: it gave up on the call in progress.
+    /// A client that died is not giving up: memory it shared stays as it left it, so a put
+    /// it sent whole still completes.
+    pub(super) fn gave_up(&self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.sock.as_raw_fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, no wait.
+        let r = unsafe { libc::poll(&mut p, 1, 0) };
+        let hung_up = r > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP) != 0;
+        hung_up && self.pidfd.as_ref().is_some_and(pidfd_alive)
+    }
+}
+
 /// The client process on the other end of a connection, for in-place copies.
 #[derive(Debug)]
 pub(super) struct Peer {
@@ -153,17 +215,7 @@ impl Peer {
 
     /// Whether the process the pidfd names is alive (so its pid is still its own).
     fn alive(&self) -> bool {
-        // SAFETY: signal 0 only checks; a null siginfo and no flags.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                self.pidfd.as_raw_fd(),
-                0,
-                std::ptr::null::<libc::siginfo_t>(),
-                0,
-            )
-        };
-        r == 0
+        pidfd_alive(&self.pidfd)
     }
 
     /// Copies `len` bytes between `local` (this process) and `remote` (the client), in

@@ -19,17 +19,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crate::api::L3Store;
 use crate::error::{L3Error, L3Result};
 use crate::rpc::accept::{
     HELLO_TIMEOUT, Pending, ServeConn, TokenDigest, read_request, spawn_acceptor, token_ok,
 };
 use crate::rpc::xfer::write_frame;
-use crate::store::EmbeddedStore;
+use crate::store::{EmbeddedStore, Filler};
 use crate::types::Blob;
 
 use super::inplace::{serve_get, serve_probe, serve_put};
-use super::peer::Peer;
+use super::peer::{ConnWatch, Peer};
 use super::segment::{Mapping, Received, boot_id, random16, recv_fd};
 use super::{ShmHandler, ShmOffer, ShmRange, ShmReply, ShmRequest, check_range, refuse};
 
@@ -177,6 +176,8 @@ pub struct SegTable {
     next: u32,
     /// The client process, once the in-place probe passed (see `inplace`).
     peer: Option<Peer>,
+    /// The client, watched for giving up on a call ([`SegTable::client_gave_up`]).
+    watch: Option<ConnWatch>,
 }
 
 impl Default for SegTable {
@@ -185,6 +186,7 @@ impl Default for SegTable {
             segs: HashMap::new(),
             next: 1,
             peer: None,
+            watch: None,
         }
     }
 }
@@ -228,6 +230,7 @@ impl ShmConn<'_> {
                         return;
                     }
                     hello.release();
+                    self.segs.watch = ConnWatch::of(&sock);
                     if sock.set_read_timeout(None).is_err() || sock.set_write_timeout(None).is_err()
                     {
                         return;
@@ -280,6 +283,7 @@ impl ShmHandler for EmbeddedStore {
             } => ShmReply::Put(serve_put(
                 self,
                 segs.peer.as_ref(),
+                &|| segs.client_gave_up(),
                 &tenant,
                 &keys,
                 &bufs,
@@ -305,10 +309,11 @@ impl ShmHandler for EmbeddedStore {
                 ranges,
                 opts,
                 cfg,
-            } => ShmReply::Put(
-                segs.sources(&ranges, keys.len())
-                    .and_then(|bufs| self.batch_put_from_with(&tenant, &keys, &bufs, opts, cfg)),
-            ),
+            } => ShmReply::Put(segs.sources(&ranges, keys.len()).and_then(|bufs| {
+                let sizes: Vec<u64> = bufs.iter().map(|b| b.len() as u64).collect();
+                let mut f = FromSegments { bufs, segs };
+                self.batch_put_filled(&tenant, &keys, &sizes, &mut f, opts, cfg)
+            })),
             ShmRequest::Get {
                 tenant,
                 keys,
@@ -336,7 +341,47 @@ impl ShmHandler for EmbeddedStore {
     }
 }
 
+/// A put's bytes from the connection's segments, each key checked after its copy: if the
+/// client gave up on the call by then ([`SegTable::client_gave_up`]) the key is revoked, as
+/// its memory may hold the caller's next bytes (`tests/shm_reconnect.rs`).
+struct FromSegments<'a> {
+    bufs: Vec<&'a [u8]>,
+    segs: &'a SegTable,
+}
+
+// SAFETY: an Ok fill copied `bufs[i]`, of `dst.len()` bytes (the sizes given), into `dst`.
+unsafe impl Filler for FromSegments<'_> {
+    fn fill(&mut self, i: usize, dst: &mut [std::mem::MaybeUninit<u8>]) -> L3Result<()> {
+        let src = self.bufs.get(i).copied().unwrap_or_default();
+        if src.len() != dst.len() {
+            return Err(L3Error::Internal("a put's source and buffer differ".into()));
+        }
+        // SAFETY: `src` and `dst` are valid for `dst.len()` bytes and do not overlap (the
+        // store's buffer, a segment's mapping).
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<u8>(), dst.len())
+        };
+        if self.segs.client_gave_up() {
+            return Err(gave_up());
+        }
+        Ok(())
+    }
+}
+
+/// Why a put whose client gave up on the call is not stored.
+pub(super) fn gave_up() -> L3Error {
+    L3Error::RpcFail(
+        "the client gave up on this call before its bytes were read: not stored".into(),
+    )
+}
+
 impl SegTable {
+    /// The client closed this connection while its process lives: it gave up on the call
+    /// being served (timed out), and memory the call named is the caller's again.
+    pub fn client_gave_up(&self) -> bool {
+        self.watch.as_ref().is_some_and(ConnWatch::gave_up)
+    }
+
     fn register(&mut self, fd: std::os::fd::OwnedFd, len: u64) -> L3Result<u32> {
         if self.segs.len() >= MAX_SEGMENTS_PER_CONN {
             return Err(L3Error::InvalidParams(format!(
