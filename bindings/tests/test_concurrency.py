@@ -120,6 +120,32 @@ print("ok")
     assert_ok(r)
 
 
+def test_a_child_forked_while_a_named_store_is_opened_opens_its_own():
+    # A child forked while another thread of the parent was opening a named embedded store
+    # inherited the registry of named stores locked (by a thread absent in the child): its
+    # own L3Store.embedded(name=...) waited for ever (2 children of 30 hung). The child
+    # starts a registry of its own.
+    r = run_child(
+        FORK_HARNESS
+        + """
+import kvtier
+FORKS = 40
+def busy(stop):
+    i = 0
+    while not stop.is_set():
+        kvtier.L3Store.embedded(1 << 26, name=f"churn{i % 3}")
+        i += 1
+def child():
+    own = kvtier.L3Store.embedded(1 << 20, name="churn0")
+    own.put("c", b"child")
+    return 0 if own.get("c") == b"child" else 3
+fork_children(busy, child)
+print("ok")
+"""
+    )
+    assert_ok(r)
+
+
 def test_a_server_in_process_survives_a_forked_childs_exit():
     # A child forked after kvtier.L3Server() exited through normal finalization: the drop of
     # the inherited server joined accept threads the child does not have (a panic at exit).

@@ -22,7 +22,8 @@
 //! with the Mooncake-compatible core (`crate::mooncake`).
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -43,16 +44,44 @@ pub use query::PyQueryResults;
 pub use server::PyL3Server;
 pub use store::PyL3Store;
 
-/// Embedded stores by name and the process that opened them, shared by every handle of
-/// this process that names them (`L3Store.embedded(name=...)`,
-/// `MooncakeDistributedStore.setup(..., "embedded://name")`). A child forked after does not
-/// share the parent's: its copy of it may have locks held by threads it does not have
-/// (`crate::fork`), so the name opens a store of the child's own.
-type Registry = HashMap<String, (u32, Weak<EmbeddedStore>)>;
+/// Embedded stores by name, shared by every handle of this process that names them
+/// (`L3Store.embedded(name=...)`, `MooncakeDistributedStore.setup(..., "embedded://name")`).
+type Registry = HashMap<String, Weak<EmbeddedStore>>;
+
+/// One process's registry. A child forked after makes its own: the parent's stores are not
+/// the child's (their copies may have locks held by threads it does not have, `crate::fork`:
+/// the name opens a store of the child's own), and nor is the parent's registry, whose lock
+/// may have been held at the fork (opening a store takes a while under it: the child's
+/// first open waited for ever).
+struct ProcessRegistry {
+    pid: u32,
+    map: Mutex<Registry>,
+}
+
+static REGISTRY: AtomicPtr<ProcessRegistry> = AtomicPtr::new(std::ptr::null_mut());
 
 fn registry() -> &'static Mutex<Registry> {
-    static R: OnceLock<Mutex<Registry>> = OnceLock::new();
-    R.get_or_init(|| Mutex::new(HashMap::new()))
+    let me = std::process::id();
+    loop {
+        let cur = REGISTRY.load(Ordering::Acquire);
+        // SAFETY: a published pointer comes from `Box::into_raw` below and is never freed
+        // (a replaced registry, the parent's copy in a child, is leaked).
+        if let Some(r) = unsafe { cur.as_ref() }
+            && r.pid == me
+        {
+            return &r.map;
+        }
+        let mine = Box::into_raw(Box::new(ProcessRegistry {
+            pid: me,
+            map: Mutex::new(HashMap::new()),
+        }));
+        match REGISTRY.compare_exchange(cur, mine, Ordering::AcqRel, Ordering::Acquire) {
+            // SAFETY: just published, never freed (see above).
+            Ok(_) => return unsafe { &(*mine).map },
+            // SAFETY: not published: this thread's own allocation.
+            Err(_) => drop(unsafe { Box::from_raw(mine) }),
+        }
+    }
 }
 
 /// The embedded store named `name`, created with `cfg` if no live one has that name.
@@ -64,9 +93,7 @@ pub fn shared_embedded(name: &str, cfg: StoreConfig) -> L3Result<Arc<EmbeddedSto
         return Ok(Arc::new(EmbeddedStore::new(cfg)?));
     }
     let mut r = registry().lock();
-    let me = std::process::id();
-    let open = r.get(name).filter(|(pid, _)| *pid == me);
-    if let Some(s) = open.and_then(|(_, w)| w.upgrade()) {
+    if let Some(s) = r.get(name).and_then(Weak::upgrade) {
         if let Some(want) = &cfg.ssd {
             let same = |d: &std::path::Path| {
                 let canon = |p: &std::path::Path| std::fs::canonicalize(p).ok();
@@ -85,8 +112,8 @@ pub fn shared_embedded(name: &str, cfg: StoreConfig) -> L3Result<Arc<EmbeddedSto
         return Ok(s);
     }
     let s = Arc::new(EmbeddedStore::new(cfg)?);
-    r.retain(|_, (pid, w)| *pid == me && w.strong_count() > 0);
-    r.insert(name.to_string(), (me, Arc::downgrade(&s)));
+    r.retain(|_, w| w.strong_count() > 0);
+    r.insert(name.to_string(), Arc::downgrade(&s));
     Ok(s)
 }
 
