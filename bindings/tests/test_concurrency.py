@@ -295,6 +295,43 @@ def test_a_forked_child_gets_no_memory_of_its_parents_shared_pool():
     assert_ok(r)
 
 
+def test_puts_from_threads_never_raise_from_the_closing_bookkeeping():
+    # A compat client of a server that mounted a segment remembers the keys it wrote, to
+    # remove them on close (_owned.py). Its bookkeeping was unlocked Python: two threads
+    # trimming it past its cap took the same oldest key (one del raised KeyError) or
+    # iterated it while the other inserted (RuntimeError: dictionary changed size), raised
+    # out of put() calls that had succeeded. The bookkeeping runs on the real core of an
+    # embedded client here, with tracking forced on and a small cap (the race is the same
+    # on a server client; a thread switch every microsecond makes it show in seconds).
+    r = run_child(
+        """
+        import collections, sys, threading
+        sys.setswitchinterval(1e-6)
+        from kvtier.mooncake_compat import MooncakeDistributedStore
+        m = MooncakeDistributedStore()
+        assert m.setup("h", "", 1 << 26, 1 << 20, "tcp", "", "embedded://owned-race") == 0
+        m._core.tracking, m._core._max = True, 4
+        errs = collections.Counter()
+        def writer(t):
+            for i in range(60_000):
+                try:
+                    rc = m.put(f"k{t}-{i}", b"v") if i % 5 else m.remove(f"k{t}-{i - 3}")
+                    if rc not in (0, -704):
+                        errs[rc] += 1
+                except Exception as e:  # noqa: BLE001 (counted)
+                    errs[type(e).__name__] += 1
+        ts = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        assert not errs, dict(errs)
+        assert len(m._core._keys) <= 4
+        print("ok")
+        """,
+        timeout=300,
+    )
+    assert_ok(r)
+
+
 def _content(key: str, n: int):
     """The bytes every writer stores under ``key``: whoever reads it knows what it must hold."""
     import hashlib

@@ -10,11 +10,15 @@ unmount does) when the client closes. Keys written with ``replica_num > 1`` are 
 Mooncake their other replicas lie in other clients' segments and survive the close. At most
 ``MAX_KEYS`` keys are remembered (a removal forgets its keys; beyond the cap the oldest
 writes are forgotten), so a long-lived client's memory stays bounded. An embedded client mounts a real segment and a dummy
-client has none, so neither tracks anything.
+client has none, so neither tracks anything. The remembered keys change under a lock: a
+client is called from several threads (two trimming past the cap took the same oldest key,
+or one iterated while another inserted, and a put that had succeeded raised KeyError or
+RuntimeError).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Dict, List
 
 # Keys remembered at most (the oldest written are forgotten first, and then outlive the close):
@@ -38,6 +42,7 @@ class OwnedKeys:
         self.tracking = False
         self._max = max_keys
         self._keys: Dict[str, None] = {}  # insertion-ordered: the oldest write first
+        self._lock = threading.Lock()  # held while _keys changes, never across a native call
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
@@ -59,11 +64,12 @@ class OwnedKeys:
         """A removal forgets the keys it names (``remove_all`` every key)."""
 
         def remove(*args: Any, **kwargs: Any) -> Any:
-            if name == "remove_all":
-                self._keys.clear()
-            else:
-                for k in [args[0]] if name == "remove" else args[0]:
-                    self._keys.pop(k, None)
+            with self._lock:
+                if name == "remove_all":
+                    self._keys.clear()
+                else:
+                    for k in [args[0]] if name == "remove" else args[0]:
+                        self._keys.pop(k, None)
             return attr(*args, **kwargs)
 
         return remove
@@ -73,23 +79,26 @@ class OwnedKeys:
             done = [k for k, rc in zip(keys, out) if isinstance(rc, int) and rc >= 0]
         else:
             done = keys if isinstance(out, int) and out >= 0 else []
-        for k in done:
-            self._keys.pop(k, None)
-            self._keys[k] = None
-        while len(self._keys) > self._max:
-            del self._keys[next(iter(self._keys))]
+        with self._lock:
+            for k in done:
+                self._keys.pop(k, None)
+                self._keys[k] = None
+            while len(self._keys) > self._max:
+                del self._keys[next(iter(self._keys))]
 
     def spare(self, keys: List[str], config: Any) -> None:
         """Keeps ``keys`` written with ``config.replica_num > 1`` out of the release: Mooncake
         placed their other replicas in other clients' segments, which outlive this client's
         close (its test_replication_failure_tolerance reads them after it)."""
         if config is not None and getattr(config, "replica_num", 1) > 1:
-            for k in keys:
-                self._keys.pop(k, None)
+            with self._lock:
+                for k in keys:
+                    self._keys.pop(k, None)
 
     def release(self) -> None:
         """Removes (forced) the objects written while tracking; forgets them."""
-        if self._keys and self._inner.is_setup():
-            self._inner.batch_remove(list(self._keys), True)
-        self._keys.clear()
+        with self._lock:
+            keys, self._keys = list(self._keys), {}
+        if keys and self._inner.is_setup():
+            self._inner.batch_remove(keys, True)
         self.tracking = False
