@@ -18,11 +18,9 @@
 
 use std::sync::Arc;
 
-use crate::error::{L3Error, L3Result};
 use crate::rpc::accept::TokenDigest;
 use crate::rpc::shm::{SegTable, ShmHandler, ShmMode, ShmReply, ShmRequest, ShmServer};
 use crate::rpc::shm::{copy_out, refuse};
-use crate::types::{PutHandle, PutOptions};
 
 use super::NodeInner;
 
@@ -35,7 +33,7 @@ impl ShmHandler for NodeInner {
                 end,
             } => ShmReply::Put(
                 segs.sources(&ranges, handles.len())
-                    .and_then(|data| self.node_put_checked(&handles, &data, end, segs)),
+                    .and_then(|data| self.node_put(&handles, &data, end)),
             ),
             ShmRequest::NodeRead {
                 tenant,
@@ -55,39 +53,6 @@ impl ShmHandler for NodeInner {
                 "this is a store node: metadata calls go to the master, data by descriptor",
             ),
         }
-    }
-}
-
-impl NodeInner {
-    /// [`NodeInner::node_put`] of bytes in the connection's segments, ended only if the
-    /// client is still waiting once they are copied: a client that gave up on the call
-    /// ([`SegTable::client_gave_up`]: it timed out and closed the connection) may have put
-    /// its next bytes where these were, so what was copied is left unended (the master
-    /// revokes it at its put timeout and this node drops it), never made visible.
-    fn node_put_checked(
-        &self,
-        handles: &[PutHandle],
-        data: &[&[u8]],
-        end: Option<PutOptions>,
-        segs: &SegTable,
-    ) -> L3Result<Vec<L3Result<()>>> {
-        let Some(opts) = end.filter(|_| !data.is_empty()) else {
-            return self.node_put(handles, data, end);
-        };
-        let mut out = self.node_put(handles, data, None)?;
-        if segs.client_gave_up() {
-            let e = L3Error::RpcFail(
-                "the client gave up on this call before its bytes were read: not stored".into(),
-            );
-            return Ok(out.into_iter().map(|r| r.and(Err(e.clone()))).collect());
-        }
-        let ended = self.node_put(handles, &[], Some(opts))?;
-        for (o, e) in out.iter_mut().zip(ended) {
-            if o.is_ok() {
-                *o = e;
-            }
-        }
-        Ok(out)
     }
 }
 
