@@ -4,6 +4,8 @@ Every scenario runs in a child interpreter with a timeout: the failures these te
 are hangs, panics and aborts, and a test must fail, not take pytest down with it.
 """
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -332,6 +334,58 @@ def test_puts_from_threads_never_raise_from_the_closing_bookkeeping():
     assert_ok(r)
 
 
+@pytest.mark.parametrize("call", ["setup_pool", "setup_again"])
+def test_a_compat_client_waiting_on_a_stopped_server_lets_other_threads_run(call):
+    # Two compat calls waited on the server holding the GIL: setup_pool (setup_dummy's
+    # pool asks the server for a shared-memory region) and a setup over a live one (the
+    # previous client's segment is unmounted there). With the server stopped (SIGSTOP: a
+    # paused or overloaded host) every Python thread of the process froze until the RPC
+    # timed out (122 s, then a heap pool). Now both wait with the GIL released: the main
+    # thread resumes the server and the call completes (a shared pool, the new setup).
+    code = textwrap.dedent(
+        f"""
+        import os, signal, threading
+        from kvtier._native import MooncakeCore
+        from test_shm import Proc
+        stopped, other = Proc(), Proc()
+        print("servers", stopped.p.pid, other.p.pid, flush=True)
+        c = MooncakeCore()
+        assert c.setup_remote(stopped.addr, "default", None, 1 << 20, "h:1") == 0
+        assert c.has_segment()
+        os.kill(stopped.p.pid, signal.SIGSTOP)
+        began, res = threading.Event(), []
+        def call():
+            began.set()
+            if {call!r} == "setup_pool":
+                res.append(c.setup_pool(16 << 20))
+            else:
+                res.append(c.setup_remote(other.addr, "default"))
+        t = threading.Thread(target=call)
+        t.start()
+        began.wait()
+        while t.is_alive() and not t.join(0.2):   # the main thread runs while it waits
+            os.kill(stopped.p.pid, signal.SIGCONT)
+        assert res == [0], res
+        assert c.pool_is_shared() if {call!r} == "setup_pool" else not c.has_segment()
+        stopped.close(); other.close()
+        print("ok")
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", code],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        for line in out.splitlines():  # the servers it started, the stopped one included
+            if line.startswith("servers "):
+                for pid in line.split()[1:]:
+                    os.kill(int(pid), signal.SIGKILL)
+        raise
+    assert_ok(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+
+
 def _content(key: str, n: int):
     """The bytes every writer stores under ``key``: whoever reads it knows what it must hold."""
     import hashlib
@@ -376,8 +430,6 @@ def test_writers_killed_mid_put_leave_the_server_and_its_data_exact(mode):
     # reads as exactly its bytes or as missing, never as another key's or a torn write.
     # (Held when written: no bug found.)
     import multiprocessing as mp
-    import os
-    import signal
 
     import kvtier
     from test_shm import Proc

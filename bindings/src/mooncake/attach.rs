@@ -66,6 +66,18 @@ impl Attached {
         })
     }
 
+    /// The store behind a `kvtier.L3Store` handle (no segment of this client's).
+    pub(super) fn over(store: Arc<dyn L3Store>, tenant: Tenant) -> Self {
+        Attached {
+            store,
+            embedded: None,
+            remote: None,
+            tenant,
+            segment: None,
+            owner: Owner::here(),
+        }
+    }
+
     /// A `kvtier-l3` server (or the leader of an HA cluster). With `segment_bytes > 0` the
     /// client mounts a segment of that many bytes named `hostname` in a `--role both`
     /// server (Mooncake's model: puts may land there, a put asking for several replicas

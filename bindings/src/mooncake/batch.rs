@@ -148,8 +148,11 @@ impl MooncakeCore {
         }
     }
 
-    pub(super) fn attach(&self, a: Attached) {
-        *self.state.write() = Some(a);
+    /// Sets up `a`, dropping the client it replaces with the GIL released (its segment is
+    /// unmounted in the store: an RPC to a server).
+    pub(super) fn attach(&self, py: Python<'_>, a: Attached) {
+        let old = self.state.write().replace(a);
+        py.detach(move || drop(old));
     }
 
     /// The shared part of the batch calls: keys whose range is valid go to `call` (with

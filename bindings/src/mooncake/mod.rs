@@ -89,7 +89,7 @@ impl MooncakeCore {
         });
         match r {
             Ok(a) => {
-                self.attach(a);
+                self.attach(py, a);
                 0
             }
             Err(e) => l3code(&e),
@@ -118,7 +118,7 @@ impl MooncakeCore {
         let r = py.detach(move || Attached::remote(sa, t?, token, segment_bytes, &hostname));
         match r {
             Ok(a) => {
-                self.attach(a);
+                self.attach(py, a);
                 0
             }
             Err(e) => l3code(&e),
@@ -126,15 +126,11 @@ impl MooncakeCore {
     }
 
     /// Attaches to the store behind a `kvtier.L3Store` handle (same tenant).
-    fn setup_from(&self, store: &PyL3Store) -> i64 {
-        self.attach(Attached {
-            store: store.store.clone(),
-            embedded: None,
-            remote: None,
-            tenant: store.tenant.clone(),
-            segment: None,
-            owner: crate::fork::Owner::here(),
-        });
+    fn setup_from(&self, py: Python<'_>, store: &PyL3Store) -> i64 {
+        self.attach(
+            py,
+            Attached::over(store.store.clone(), store.tenant.clone()),
+        );
         0
     }
 
@@ -143,7 +139,7 @@ impl MooncakeCore {
     /// Each allocation is registered on its own, so a
     /// pointer call through one can never reach its neighbour (Mooncake checks a range
     /// against the buffer it was given, not against the whole pool).
-    fn setup_pool(&self, pool_bytes: u64) -> i64 {
+    fn setup_pool(&self, py: Python<'_>, pool_bytes: u64) -> i64 {
         let Ok(n) = usize::try_from(pool_bytes) else {
             return INVALID_PARAMS;
         };
@@ -151,7 +147,8 @@ impl MooncakeCore {
             return 0;
         }
         let remote = self.state.read().as_ref().and_then(|a| a.remote.clone());
-        let Some(pool) = Pool::new(remote.as_deref(), n) else {
+        // The server maps a shared region: an RPC, so without the GIL
+        let Some(pool) = py.detach(|| Pool::new(remote.as_deref(), n)) else {
             return ErrorCode::InternalError as i64;
         };
         let old = self.pool.lock().replace(pool);
