@@ -334,14 +334,15 @@ def test_puts_from_threads_never_raise_from_the_closing_bookkeeping():
     assert_ok(r)
 
 
-@pytest.mark.parametrize("call", ["setup_pool", "setup_again"])
+@pytest.mark.parametrize("call", ["setup_pool", "setup_again", "collected"])
 def test_a_compat_client_waiting_on_a_stopped_server_lets_other_threads_run(call):
-    # Two compat calls waited on the server holding the GIL: setup_pool (setup_dummy's
-    # pool asks the server for a shared-memory region) and a setup over a live one (the
-    # previous client's segment is unmounted there). With the server stopped (SIGSTOP: a
-    # paused or overloaded host) every Python thread of the process froze until the RPC
-    # timed out (122 s, then a heap pool). Now both wait with the GIL released: the main
-    # thread resumes the server and the call completes (a shared pool, the new setup).
+    # Three compat paths waited on the server holding the GIL: setup_pool (setup_dummy's
+    # pool asks the server for a shared-memory region), a setup over a live one and the
+    # collection of a client never closed (the previous client's segment is unmounted
+    # there). With the server stopped (SIGSTOP: a paused or overloaded host) every Python
+    # thread of the process froze until the RPC timed out (122 s, then a heap pool). Now
+    # they wait with the GIL released: the main thread resumes the server and the call
+    # completes (a shared pool, the new setup, the client gone).
     code = textwrap.dedent(
         f"""
         import os, signal, threading
@@ -353,20 +354,26 @@ def test_a_compat_client_waiting_on_a_stopped_server_lets_other_threads_run(call
         assert c.setup_remote(stopped.addr, "default", None, 1 << 20, "h:1") == 0
         assert c.has_segment()
         os.kill(stopped.p.pid, signal.SIGSTOP)
-        began, res = threading.Event(), []
+        began, res, box = threading.Event(), [], [c]
+        if {call!r} == "collected":
+            del c
         def call():
             began.set()
             if {call!r} == "setup_pool":
-                res.append(c.setup_pool(16 << 20))
+                res.append(box[0].setup_pool(16 << 20))
+            elif {call!r} == "setup_again":
+                res.append(box[0].setup_remote(other.addr, "default"))
             else:
-                res.append(c.setup_remote(other.addr, "default"))
+                box.clear()   # the last reference: collected here
+                res.append(0)
         t = threading.Thread(target=call)
         t.start()
         began.wait()
         while t.is_alive() and not t.join(0.2):   # the main thread runs while it waits
             os.kill(stopped.p.pid, signal.SIGCONT)
         assert res == [0], res
-        assert c.pool_is_shared() if {call!r} == "setup_pool" else not c.has_segment()
+        if {call!r} != "collected":
+            assert box[0].pool_is_shared() if {call!r} == "setup_pool" else not box[0].has_segment()
         stopped.close(); other.close()
         print("ok")
         """

@@ -128,6 +128,17 @@ pub(super) fn chunks<'a, T>(s: &dyn L3Store, items: &'a [T]) -> std::slice::Chun
     items.chunks(s.batch_keys_limit().max(1))
 }
 
+impl Drop for MooncakeCore {
+    /// A client collected without `close`: dropped as `close` drops it, with the GIL released
+    /// (its segment is unmounted on the server, an RPC: every Python thread of the process
+    /// waited on a stopped server until it timed out).
+    fn drop(&mut self) {
+        if let Some(a) = self.state.get_mut().take() {
+            Python::attach(|py| py.detach(move || drop(a)));
+        }
+    }
+}
+
 impl MooncakeCore {
     /// The store and tenant calls use: None before set-up, after close, and in a child
     /// forked after the set-up (`fork.rs`; [`Self::unattached`] tells which).
