@@ -79,6 +79,10 @@ impl Requesters {
     }
 }
 
+/// What a queued message costs beyond its payload (ZMQ's message, its other frames, the
+/// pipe's slot), as counted against its requester: an end marker is not free.
+pub(crate) const MESSAGE_COST: usize = 256;
+
 /// What a queued message holds: its bytes, and the count of its requester's unread bytes.
 struct Held {
     payload: Arc<Payload>,
@@ -88,7 +92,7 @@ struct Held {
 impl Drop for Held {
     fn drop(&mut self) {
         self.unread
-            .fetch_sub(self.payload.bytes.len(), Ordering::Relaxed);
+            .fetch_sub(self.payload.bytes.len() + MESSAGE_COST, Ordering::Relaxed);
     }
 }
 
@@ -107,7 +111,7 @@ pub(crate) fn send_shared(
     unread: &Arc<AtomicUsize>,
     flags: i32,
 ) -> Result<(), zmq::Error> {
-    unread.fetch_add(p.bytes.len(), Ordering::Relaxed);
+    unread.fetch_add(p.bytes.len() + MESSAGE_COST, Ordering::Relaxed);
     let held = Box::into_raw(Box::new(Held {
         payload: Arc::clone(p),
         unread: Arc::clone(unread),

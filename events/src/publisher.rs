@@ -198,12 +198,14 @@ impl Publisher {
             Some(ep) => {
                 let mut r = ctx.socket(zmq::ROUTER).map_err(zerr("ROUTER socket"))?;
                 r.set_linger(0).map_err(zerr("ROUTER linger"))?;
-                // a whole replay (every kept batch and the end marker) fits a requester's
-                // queue; past it a send is refused (mandatory), never silently dropped: a
-                // ROUTER drops what exceeds its high-water mark (1,000 by default), and a
-                // replay with a hole in it and an end marker looks complete
-                let hwm = i32::try_from(cfg.buffer_steps.saturating_add(2)).unwrap_or(i32::MAX);
-                r.set_sndhwm(hwm).map_err(zerr("ROUTER high-water mark"))?;
+                // no high-water mark: a ROUTER drops what passes it (1,000 by default: a
+                // replay with a hole in it and an end marker looks complete), and one of
+                // `buffer_steps` + 2 cut a second whole replay on one connection (ZMQ tells
+                // the sender of reads only every low-water mark, so messages long read
+                // counted as queued). What a requester may have queued is bounded by the
+                // bytes it has not read (`worker.rs`); a send to a peer gone is refused
+                // (mandatory), never silently dropped
+                r.set_sndhwm(0).map_err(zerr("ROUTER high-water mark"))?;
                 r.set_router_mandatory(true)
                     .map_err(zerr("ROUTER mandatory"))?;
                 bind(&mut r, ep, "replay ROUTER")?;

@@ -81,8 +81,10 @@ pub(crate) struct Worker {
     /// Counts the bytes of the buffer's batches, the latest snapshot and whatever answers
     /// queued in ZMQ still hold.
     pool: Pool,
-    /// What each requester has queued and not read: past `buffer_bytes` it is not answered.
+    /// What each requester has queued and not read: past `one_requester` it is not answered.
     requesters: Requesters,
+    /// The end marker's empty last frame.
+    empty: Arc<Payload>,
     /// The latest snapshot and the number it is of: every request until the next batch is
     /// answered with these bytes (built once, queued once however many ask).
     snapshot: Option<(u64, Arc<Payload>)>,
@@ -120,6 +122,7 @@ impl Worker {
             buffered_bytes: 0,
             pool: Pool::default(),
             requesters: Requesters::default(),
+            empty: Pool::default().payload(Vec::new()),
             snapshot: None,
             mirror: Mirror::new(),
             last: None,
@@ -235,13 +238,20 @@ impl Worker {
             .saturating_sub(cached)
     }
 
-    /// Whether answers nobody has read hold so much that no more is queued: what four
-    /// requesters may hold, all together (each alone is answered while it holds less than
-    /// `buffer_bytes` unread, so it may hold that and one more answer, a snapshot at most).
-    fn answers_full(&self) -> bool {
+    /// What one requester may hold unread and still be answered: `buffer_bytes` beyond a
+    /// whole replay and a snapshot (ZMQ lets go of an answer's bytes a little after its
+    /// requester has them: one that reads and asks again at once must not find itself over).
+    fn one_requester(&self) -> usize {
         let snapshot = self.snapshot.as_ref().map_or(0, |(_, p)| p.bytes().len());
-        let one = self.buffer_bytes.saturating_add(snapshot);
-        self.held_by_answers() >= one.saturating_mul(4)
+        self.buffer_bytes
+            .saturating_add(self.buffered_bytes)
+            .saturating_add(snapshot)
+    }
+
+    /// Whether answers nobody has read hold so much that no more is queued: what four
+    /// requesters may hold ([`Worker::one_requester`]), all together.
+    fn answers_full(&self) -> bool {
+        self.held_by_answers() >= self.one_requester().saturating_mul(4)
     }
 
     /// The snapshot of the batches sent so far (`None`: none yet), the cached one while no
@@ -287,10 +297,10 @@ impl Worker {
             [_, empty, start] if empty.is_empty() => <[u8; 8]>::try_from(start.as_slice()).ok(),
             _ => None,
         };
-        // a requester that has not read what it was sent before (past `buffer_bytes`) is not
-        // answered: it asks again once it reads, and costs no other requester its answers
+        // a requester that has not read what it was sent before (past `one_requester`) is
+        // not answered: it asks again once it reads, and costs no other requester its answers
         let unread = self.requesters.of(id);
-        if start.is_some() && unread.load(Ordering::Relaxed) >= self.buffer_bytes {
+        if unread.load(Ordering::Relaxed) >= self.one_requester() {
             return;
         }
         let replies: Vec<(u64, Arc<Payload>)> = match start {
@@ -328,8 +338,13 @@ impl Worker {
                 return;
             }
         }
-        // a failed end marker: the requester times out and asks again
-        if let Err(e) = r.send_multipart([&id[..], b"", b"", &END_SEQ[..], b""], zmq::DONTWAIT) {
+        // a failed end marker: the requester times out and asks again. Counted against the
+        // requester as every answer is (the ROUTER's queue has no bound of its own)
+        let head = r.send_multipart(
+            [&id[..], b"", b"", &END_SEQ[..]],
+            zmq::DONTWAIT | zmq::SNDMORE,
+        );
+        if let Err(e) = head.and_then(|()| send_shared(r, &self.empty, &unread, zmq::DONTWAIT)) {
             eprintln!("kvtier-events: replay end not sent: {e}");
         }
     }
