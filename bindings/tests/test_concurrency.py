@@ -14,12 +14,24 @@ import numpy as np
 import pytest
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child_env() -> dict:
+    """A child interpreter's environment: it imports this directory's helpers (test_shm's
+    Proc), on its path whether or not pytest's caller put it on PYTHONPATH (scripts/test-all
+    does not)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p))
+
+
 def run_child(code: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
+    env = child_env()
     return subprocess.run(
         [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 
@@ -379,7 +391,7 @@ def test_a_compat_client_waiting_on_a_stopped_server_lets_other_threads_run(call
         """
     )
     p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", code],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:
         out, err = p.communicate(timeout=60)
     except subprocess.TimeoutExpired:
