@@ -22,7 +22,7 @@
 //! between that setting's credit and debit halved `LEVELS − level` times. A step re-ranks the
 //! tree (O(n log n), at most once per epoch). Why per page and geometric: counting leaves let
 //! a few short reused leaves outweigh long fresh ones, and linear steps were too coarse for
-//! small caches (docs/sim.md, "Adaptive eviction").
+//! small caches (docs/sim/policies.md, "Adaptive eviction").
 //!
 //! The same ghosts also choose the host admission (`HostAdmission::Adaptive`, see
 //! [`LearntAdmission`]): why, because demotion against copies at finish decides more than the
