@@ -75,12 +75,9 @@ fn done<T: std::fmt::Debug>(o: ShmOutcome<T>) -> Result<T, L3Error> {
     }
 }
 
-/// The put that timed out is served after the client reconnected and staged another key's
-/// bytes: the held put must store its own bytes (or nothing), never the other key's. Before,
-/// the client registered its one staging segment again on the new connection, so the held
-/// request read the next put's bytes and stored "a" with "b"'s bytes.
-#[test]
-fn a_timed_out_put_served_late_never_stores_the_next_calls_bytes() {
+/// A gated embedded store served over shared memory in a temporary directory, and a client
+/// of it whose calls time out after [`CALL_TIMEOUT`].
+fn setup() -> (tempfile::TempDir, Arc<Gated>, ShmServer, ShmClient) {
     let dir = tempfile::tempdir().unwrap();
     let gated = Arc::new(Gated {
         store: EmbeddedStore::new(StoreConfig::default()).unwrap(),
@@ -88,8 +85,8 @@ fn a_timed_out_put_served_late_never_stores_the_next_calls_bytes() {
         state: Mutex::new((false, false)),
         cv: Condvar::new(),
     });
-    let mut server = ShmServer::start(gated.clone(), dir.path(), None, 64 << 20).unwrap();
-    let mut c = ShmClient::new(
+    let server = ShmServer::start(gated.clone(), dir.path(), None, 64 << 20).unwrap();
+    let c = ShmClient::new(
         server.offer.clone(),
         None,
         64 << 20,
@@ -98,33 +95,38 @@ fn a_timed_out_put_served_late_never_stores_the_next_calls_bytes() {
         CALL_TIMEOUT,
     )
     .expect("same host");
-    let tn = Tenant::new("t").unwrap();
-    let (a, b) = (vec![0xaa_u8; 4096], vec![0xbb_u8; 4096]);
-    let put = |c: &mut ShmClient, k: &str, v: &[u8]| {
-        done(c.put(
-            &tn,
-            &[k.to_string()],
-            &[v],
-            PutOptions::default(),
-            ReplicateConfig::default(),
-        ))
-    };
-    // Held past the client's timeout: the call fails, its request stays with the server.
-    let t0 = Instant::now();
-    assert!(put(&mut c, "a", &a).is_err(), "the held put answered");
-    assert!(t0.elapsed() < Duration::from_secs(10));
-    // The next call connects again and stages its bytes (again on a machine too loaded to
-    // answer within the timeout: each try is a new connection).
+    (dir, gated, server, c)
+}
+
+fn put(
+    c: &mut ShmClient,
+    tn: &Tenant,
+    k: &str,
+    v: &[u8],
+) -> Result<Vec<Result<(), L3Error>>, L3Error> {
+    done(c.put(
+        tn,
+        &[k.to_string()],
+        &[v],
+        PutOptions::default(),
+        ReplicateConfig::default(),
+    ))
+}
+
+/// After the held put of "a" timed out: puts `b` under "b" until one is answered (each try a
+/// new connection, on a machine too loaded to answer within the timeout), lets the held put
+/// go, and checks that "a" holds `a` or nothing, never other bytes, and "b" holds `b`.
+fn put_b_then_check_a(c: &mut ShmClient, gated: &Gated, tn: &Tenant, b: &[u8], a: &[u8]) {
     let end = Instant::now() + Duration::from_secs(30);
     loop {
-        match put(&mut c, "b", &b) {
+        match put(c, tn, "b", b) {
             Ok(r) if r.iter().all(Result::is_ok) => break,
             r => assert!(Instant::now() < end, "no put of \"b\" for 30 s: {r:?}"),
         }
     }
     gated.release();
     assert!(gated.wait_served(), "the held put was never served");
-    match gated.store.get(&tn, "a") {
+    match gated.store.get(tn, "a") {
         Ok(v) => assert!(
             v == a,
             "\"a\" was stored with other bytes: {:02x?}",
@@ -132,7 +134,25 @@ fn a_timed_out_put_served_late_never_stores_the_next_calls_bytes() {
         ),
         Err(e) => assert_eq!(e, L3Error::ObjectNotFound),
     }
-    assert_eq!(gated.store.get(&tn, "b").unwrap(), b);
+    assert_eq!(gated.store.get(tn, "b").unwrap(), b);
+}
+
+/// The put that timed out is served after the client reconnected and staged another key's
+/// bytes: the held put must store its own bytes (or nothing), never the other key's. Before,
+/// the client registered its one staging segment again on the new connection, so the held
+/// request read the next put's bytes and stored "a" with "b"'s bytes.
+#[test]
+fn a_timed_out_put_served_late_never_stores_the_next_calls_bytes() {
+    let (_dir, gated, mut server, mut c) = setup();
+    let tn = Tenant::new("t").unwrap();
+    let (a, b) = (vec![0xaa_u8; 4096], vec![0xbb_u8; 4096]);
+    // Held past the client's timeout: the call fails, its request stays with the server.
+    let t0 = Instant::now();
+    assert!(put(&mut c, &tn, "a", &a).is_err(), "the held put answered");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    // The next call connects again and stages its bytes (again on a machine too loaded to
+    // answer within the timeout: each try is a new connection).
+    put_b_then_check_a(&mut c, &gated, &tn, &b, &a);
     server.stop();
 }
 
@@ -141,59 +161,17 @@ fn a_timed_out_put_served_late_never_stores_the_next_calls_bytes() {
 /// next put, must not store the reused bytes under its key.
 #[test]
 fn a_timed_out_put_from_a_region_served_late_never_stores_the_reused_bytes() {
-    let dir = tempfile::tempdir().unwrap();
-    let gated = Arc::new(Gated {
-        store: EmbeddedStore::new(StoreConfig::default()).unwrap(),
-        first: AtomicBool::new(true),
-        state: Mutex::new((false, false)),
-        cv: Condvar::new(),
-    });
-    let mut server = ShmServer::start(gated.clone(), dir.path(), None, 64 << 20).unwrap();
-    let mut c = ShmClient::new(
-        server.offer.clone(),
-        None,
-        64 << 20,
-        1024,
-        1 << 20,
-        CALL_TIMEOUT,
-    )
-    .expect("same host");
+    let (_dir, gated, mut server, mut c) = setup();
     let region = c.alloc(4096).unwrap();
     // SAFETY: the region is 4096 bytes this test owns; the server reads it only during a
     // put, and this thread writes it only between calls.
     let mem = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), region.len()) };
     let tn = Tenant::new("t").unwrap();
-    let put = |c: &mut ShmClient, k: &str, v: &[u8]| {
-        done(c.put(
-            &tn,
-            &[k.to_string()],
-            &[v],
-            PutOptions::default(),
-            ReplicateConfig::default(),
-        ))
-    };
     mem.fill(0xaa);
-    assert!(put(&mut c, "a", mem).is_err(), "the held put answered");
+    assert!(put(&mut c, &tn, "a", mem).is_err(), "the held put answered");
     // The caller's memory is its own again: the next put's bytes go there.
     mem.fill(0xbb);
-    let end = Instant::now() + Duration::from_secs(30);
-    loop {
-        match put(&mut c, "b", mem) {
-            Ok(r) if r.iter().all(Result::is_ok) => break,
-            r => assert!(Instant::now() < end, "no put of \"b\" for 30 s: {r:?}"),
-        }
-    }
-    gated.release();
-    assert!(gated.wait_served(), "the held put was never served");
-    match gated.store.get(&tn, "a") {
-        Ok(v) => assert!(
-            v == vec![0xaa; 4096],
-            "\"a\" was stored with other bytes: {:02x?}",
-            &v[..4]
-        ),
-        Err(e) => assert_eq!(e, L3Error::ObjectNotFound),
-    }
-    assert_eq!(gated.store.get(&tn, "b").unwrap(), vec![0xbb; 4096]);
+    put_b_then_check_a(&mut c, &gated, &tn, mem, &[0xaa; 4096]);
     server.stop();
 }
 
@@ -202,54 +180,15 @@ fn a_timed_out_put_from_a_region_served_late_never_stores_the_reused_bytes() {
 /// buffer, must not store the reused bytes under its key.
 #[test]
 fn a_timed_out_put_copied_in_place_served_late_never_stores_the_reused_bytes() {
-    let dir = tempfile::tempdir().unwrap();
-    let gated = Arc::new(Gated {
-        store: EmbeddedStore::new(StoreConfig::default()).unwrap(),
-        first: AtomicBool::new(true),
-        state: Mutex::new((false, false)),
-        cv: Condvar::new(),
-    });
-    let mut server = ShmServer::start(gated.clone(), dir.path(), None, 64 << 20).unwrap();
-    let mut c = ShmClient::new(
-        server.offer.clone(),
-        None,
-        64 << 20,
-        1024,
-        1 << 20,
-        CALL_TIMEOUT,
-    )
-    .expect("same host")
-    .with_mode(ShmMode::InPlace);
+    let (_dir, gated, mut server, c) = setup();
+    let mut c = c.with_mode(ShmMode::InPlace);
     let tn = Tenant::new("t").unwrap();
-    let put = |c: &mut ShmClient, k: &str, v: &[u8]| {
-        done(c.put(
-            &tn,
-            &[k.to_string()],
-            &[v],
-            PutOptions::default(),
-            ReplicateConfig::default(),
-        ))
-    };
     let mut mem = vec![0xaa_u8; 4096];
-    assert!(put(&mut c, "a", &mem).is_err(), "the held put answered");
+    assert!(
+        put(&mut c, &tn, "a", &mem).is_err(),
+        "the held put answered"
+    );
     mem.fill(0xbb);
-    let end = Instant::now() + Duration::from_secs(30);
-    loop {
-        match put(&mut c, "b", &mem) {
-            Ok(r) if r.iter().all(Result::is_ok) => break,
-            r => assert!(Instant::now() < end, "no put of \"b\" for 30 s: {r:?}"),
-        }
-    }
-    gated.release();
-    assert!(gated.wait_served(), "the held put was never served");
-    match gated.store.get(&tn, "a") {
-        Ok(v) => assert!(
-            v == vec![0xaa; 4096],
-            "\"a\" was stored with other bytes: {:02x?}",
-            &v[..4]
-        ),
-        Err(e) => assert_eq!(e, L3Error::ObjectNotFound),
-    }
-    assert_eq!(gated.store.get(&tn, "b").unwrap(), mem);
+    put_b_then_check_a(&mut c, &gated, &tn, &mem, &[0xaa; 4096]);
     server.stop();
 }
