@@ -171,26 +171,11 @@ fn a_loss_reported_before_its_backup_completes_is_not_undone() {
     let p = prompt(1, 41);
     let ks = keys(&c, &p);
     e.submit(&mut s, 1, p.clone(), 2);
-    let mut done = false;
-    for t in 0..300 {
-        let plan = s.next_execution_plan(t);
-        e.take_plan(plan);
-        while let Some(i) = e.held.iter().position(|o| o.kind != OpKind::BackUp) {
-            e.complete_op(&mut s, i);
-        }
-        if let Some(i) = e.held.iter().position(|o| o.kind == OpKind::BackUp) {
-            s.l3_lost(&[ks[0].clone()]).unwrap(); // the report overtakes the completion
-            e.complete_op(&mut s, i); // stores the pages, reports BackUpDone
-            e.l3.remove(&ks[0]); // ... and the store had evicted page 0
-            done = true;
-        }
-        if e.forward.is_some() {
-            e.complete_forward(&mut s);
-        }
-        if done && s.is_idle() {
-            break;
-        }
-    }
+    let done = run_acting_on(&mut e, &mut s, OpKind::BackUp, |e, s, i| {
+        s.l3_lost(&[ks[0].clone()]).unwrap(); // the report overtakes the completion
+        e.complete_op(s, i); // stores the pages, reports BackUpDone
+        e.l3.remove(&ks[0]); // ... and the store had evicted page 0
+    });
     assert!(done && s.is_idle());
     e.submit(&mut s, 2, p, 2);
     e.run_to_idle(&mut s, 300);
@@ -217,28 +202,13 @@ fn a_loss_reported_before_its_prefetch_completes_is_not_undone() {
     assert!(ks.iter().all(|k| e.l3.contains_key(k)));
     let mut s = Scheduler::new(c.clone()).unwrap();
     e.submit(&mut s, 1, p.clone(), 2);
-    let mut done = false;
-    for t in 0..300 {
-        let plan = s.next_execution_plan(t);
-        e.take_plan(plan);
-        while let Some(i) = e.held.iter().position(|o| o.kind != OpKind::Prefetch) {
-            e.complete_op(&mut s, i);
-        }
-        if let Some(i) = e.held.iter().position(|o| o.kind == OpKind::Prefetch) {
-            let op = e.held.remove(i);
-            let ev = e.execute_op(&op); // every page read ...
-            e.l3.remove(&ks[0]); // ... then the store evicted page 0
-            s.l3_lost(&[ks[0].clone()]).unwrap(); // the report overtakes the completion
-            s.on_event(ev).unwrap();
-            done = true;
-        }
-        if e.forward.is_some() {
-            e.complete_forward(&mut s);
-        }
-        if done && s.is_idle() {
-            break;
-        }
-    }
+    let done = run_acting_on(&mut e, &mut s, OpKind::Prefetch, |e, s, i| {
+        let op = e.held.remove(i);
+        let ev = e.execute_op(&op); // every page read ...
+        e.l3.remove(&ks[0]); // ... then the store evicted page 0
+        s.l3_lost(&[ks[0].clone()]).unwrap(); // the report overtakes the completion
+        s.on_event(ev).unwrap();
+    });
     assert!(done && s.is_idle());
     assert!(s.stats().l3_hit_pages > 0, "the prompt was prefetched");
     assert!(
@@ -246,4 +216,34 @@ fn a_loss_reported_before_its_prefetch_completes_is_not_undone() {
         "page 0, read before L3 lost it, backed up again at the finish"
     );
     assert_quiescent(&s);
+}
+
+/// Runs `s` (at most 300 steps) completing every op as issued but those of `kind`: on the
+/// first of those held each step, `act(engine, scheduler, its index in held)`. Stops once it
+/// acted and the scheduler is idle; whether it acted.
+fn run_acting_on(
+    e: &mut Engine,
+    s: &mut Scheduler,
+    kind: OpKind,
+    mut act: impl FnMut(&mut Engine, &mut Scheduler, usize),
+) -> bool {
+    let mut done = false;
+    for t in 0..300 {
+        let plan = s.next_execution_plan(t);
+        e.take_plan(plan);
+        while let Some(i) = e.held.iter().position(|o| o.kind != kind) {
+            e.complete_op(s, i);
+        }
+        if let Some(i) = e.held.iter().position(|o| o.kind == kind) {
+            act(e, s, i);
+            done = true;
+        }
+        if e.forward.is_some() {
+            e.complete_forward(s);
+        }
+        if done && s.is_idle() {
+            break;
+        }
+    }
+    done
 }
