@@ -56,6 +56,7 @@ pub const FIELDS: &[&str] = &[
     "l3_sharing",
     "l3_leader_rank",
     "record_kv_events",
+    "kv_events_max_bytes",
     "tenant_quota_device_pages",
     "tenant_quota_host_pages",
     "eviction",
@@ -251,6 +252,7 @@ pub fn config_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
             host_pages: get(obj, "tenant_quota_host_pages", None)?,
         },
         record_kv_events: get(obj, "record_kv_events", d.record_kv_events)?,
+        kv_events_max_bytes: get(obj, "kv_events_max_bytes", d.kv_events_max_bytes)?,
         eviction: {
             let e: String = get(obj, "eviction", d.eviction.to_string())?;
             e.parse().map_err(|m: String| {
@@ -333,6 +335,7 @@ pub fn config_to_dict<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bou
     d.set_item("l3_sharing", sharing)?;
     d.set_item("l3_leader_rank", leader)?;
     d.set_item("record_kv_events", c.record_kv_events)?;
+    d.set_item("kv_events_max_bytes", c.kv_events_max_bytes)?;
     d.set_item("tenant_quota_device_pages", c.tenant_quota.device_pages)?;
     d.set_item("tenant_quota_host_pages", c.tenant_quota.host_pages)?;
     d.set_item("eviction", c.eviction.to_string())?;

@@ -161,6 +161,9 @@ fn kv_events_list<'py>(py: Python<'py>, evs: Vec<KvEvent>) -> PyResult<Bound<'py
                 d.set_item("parent", py.None())?;
                 d.set_item("hashes", hashes_array(py, &hashes)?)?;
             }
+            // the events since the last drain overflowed: the "stored" ones that follow are
+            // every copy held now
+            KvEvent::Cleared => d.set_item("type", "cleared")?,
         }
         out.append(d)?;
     }
@@ -346,8 +349,10 @@ impl PyScheduler {
     /// `record_kv_events=True`): list of dicts `{"type": "stored" | "removed", "tier":
     /// "device" | "host", "parent": bytes | None, "hashes": (n, 32) uint8 array,
     /// "cache_salt": str | None, "adapter": str | None}` (the scope the pages belong to); a
-    /// stored event also has "tokens": the pages' token ids, a uint32 array. To publish them to
-    /// a router instead, see `KvEventPublisher.publish_from`.
+    /// stored event also has "tokens": the pages' token ids, a uint32 array. If the events
+    /// since the last call passed `kv_events_max_bytes` (nobody drained them), the list is
+    /// `{"type": "cleared"}` (forget every copy) and then every copy held now, as "stored"
+    /// events. To publish them to a router instead, see `KvEventPublisher.publish_from`.
     fn drain_kv_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         kv_events_list(py, self.inner.drain_kv_events())
     }

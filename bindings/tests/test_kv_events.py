@@ -96,3 +96,30 @@ def test_a_batch_that_would_misdescribe_its_blocks_is_refused_and_drains_nothing
             for ev in stored
         ), "every event the refused calls left is in the batch, consistently described"
         assert pub.publish_from(s, 3.0) is None, "all drained by the good call"
+
+
+def test_events_nobody_drained_are_capped_and_published_as_a_resync():
+    # Before: record_kv_events=True held every event until a drain, without bound (707 KB
+    # after 400 small requests in scheduler/tests/lifecycle.rs, growing with each).
+    s = kvtier.Scheduler(small_config(page_size=4, record_kv_events=True, kv_events_max_bytes=2048))
+    for req in range(1, 30):
+        serve(s, req)
+    first = s.drain_kv_events()
+    assert first[0] == {"type": "cleared"}
+    resident = s.resident_kv_events()
+    assert [(e["tier"], e["hashes"].tobytes()) for e in first[1:]] == [
+        (e["tier"], e["hashes"].tobytes()) for e in resident]
+    for req in range(30, 60):
+        serve(s, req)
+    with kvtier.KvEventPublisher(block_size=4) as pub:
+        sub = subscriber(pub)
+        assert pub.publish_from(s, 1.0) == 0
+        _, _, payload = sub.recv_multipart()
+        _, events, _ = msgspec.msgpack.decode(payload)
+        assert events[0]["type"] == "AllBlocksCleared"
+        stored = [ev for ev in events[1:] if ev["type"] == "BlockStored"]
+        assert len(stored) == len(events) - 1
+        assert sum(len(ev["block_hashes"]) for ev in stored) == sum(
+            len(e["hashes"]) for e in s.resident_kv_events())
+    with pytest.raises(kvtier.ConfigError, match="kv_events_max_bytes"):
+        kvtier.Scheduler(small_config(record_kv_events=True, kv_events_max_bytes=0))

@@ -128,6 +128,7 @@ impl WireEvent {
                 medium: Medium::of_tier(*tier),
                 locality: Some(Locality::Local),
             },
+            KvEvent::Cleared => WireEvent::AllBlocksCleared,
         }
     }
 }

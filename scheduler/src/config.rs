@@ -208,6 +208,12 @@ pub struct SchedulerConfig {
     pub l3_sharing: L3Sharing,
     /// Record KV store/remove events for an external router.
     pub record_kv_events: bool,
+    /// Bytes the recorded events may hold between two `drain_kv_events` (64 MiB by
+    /// default: about 230K pages of 64 tokens). Past it they are discarded and the next drain
+    /// answers `KvEvent::Cleared` and every copy held now, a resync for the subscriber
+    /// instead of memory growing while nobody drains.
+    #[serde(default = "default_kv_events_max_bytes")]
+    pub kv_events_max_bytes: u64,
     /// How the device and host tiers choose what to evict.
     #[serde(default)]
     pub eviction: EvictionPolicy,
@@ -231,6 +237,10 @@ pub struct SchedulerConfig {
     /// The shadows' memory is at most 4 × this many pages of tree metadata.
     #[serde(default = "default_shadow_full_size_pages")]
     pub shadow_full_size_pages: u64,
+}
+
+fn default_kv_events_max_bytes() -> u64 {
+    64 << 20
 }
 
 fn default_shadow_full_size_pages() -> u64 {
@@ -279,6 +289,7 @@ impl Default for SchedulerConfig {
             tp_ranks: 1,
             l3_sharing: L3Sharing::PerRank,
             record_kv_events: false,
+            kv_events_max_bytes: default_kv_events_max_bytes(),
             eviction: EvictionPolicy::Lru,
             tenant_quota: TenantQuota::default(),
             host_admission: HostAdmission::OnFinish,
@@ -345,6 +356,10 @@ impl SchedulerConfig {
             ("chunked_prefill_size", self.chunked_prefill_size),
             ("max_context_tokens", self.max_context_tokens),
             ("tp_ranks", self.tp_ranks as usize),
+            (
+                "kv_events_max_bytes",
+                usize::try_from(self.kv_events_max_bytes).unwrap_or(usize::MAX),
+            ),
             (
                 "shadow_full_size_pages",
                 usize::try_from(self.shadow_full_size_pages).unwrap_or(usize::MAX),

@@ -94,6 +94,9 @@ impl Scheduler {
             record_events: cfg.record_kv_events,
         })
         .map_err(|_| ConfigError::Zero { field: "page_size" })?;
+        cache.set_events_cap_bytes(Some(
+            usize::try_from(cfg.kv_events_max_bytes).unwrap_or(usize::MAX),
+        ));
         cache.set_eviction_policy(cfg.eviction);
         if cfg.eviction == kvtier_radix::EvictionPolicy::Shadow {
             // A fixed host admission: the selector compares eviction orders under it only.
@@ -266,7 +269,8 @@ impl Scheduler {
         n
     }
 
-    /// Store/remove events of cached pages since the last call, for a KV-aware router.
+    /// Store/remove events of cached pages since the last call, for a KV-aware router; if
+    /// those passed `kv_events_max_bytes`, `KvEvent::Cleared` and every copy held now.
     pub fn drain_kv_events(&mut self) -> Vec<KvEvent> {
         self.cache.drain_events()
     }

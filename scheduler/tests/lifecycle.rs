@@ -436,6 +436,37 @@ fn page_tables_are_sent_as_deltas() {
     );
 }
 
+/// Events turned on and never drained (a router not started yet, a publisher thread that
+/// died) held every event since the start: 400 requests over 40 distinct prompts left
+/// thousands of events, growing with every request. They stay under `kv_events_max_bytes`;
+/// the drain after the overflow answers `Cleared` and exactly the copies held now.
+#[test]
+fn undrained_kv_events_stay_under_their_cap_and_resync() {
+    let c = SchedulerConfig {
+        record_kv_events: true,
+        kv_events_max_bytes: 4096,
+        ..cfg()
+    };
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let mut e = Engine::new(&c);
+    let mut peak = 0;
+    for r in 0..400u64 {
+        e.submit(&mut s, r, prompt(r as u32 % 40, 30), 3);
+        e.run_to_idle(&mut s, 100);
+        peak = peak.max(s.cache().pending_event_bytes());
+    }
+    assert!(peak > 0 && peak <= 4096, "peak {peak}");
+    let ev = s.drain_kv_events();
+    assert_eq!(ev.first(), Some(&KvEvent::Cleared));
+    assert_eq!(&ev[1..], &s.resident_kv_events()[..]);
+    // recording again: the next request's events only
+    e.submit(&mut s, 400, prompt(7, 30), 3);
+    e.run_to_idle(&mut s, 100);
+    let ev = s.drain_kv_events();
+    assert!(!ev.is_empty() && !ev.contains(&KvEvent::Cleared));
+    assert!(ev.len() < s.resident_kv_events().len());
+}
+
 #[test]
 fn kv_events_and_stats_are_reported() {
     let c = SchedulerConfig {

@@ -22,6 +22,8 @@ struct Run {
     cfg: SchedulerConfig,
     actions: Vec<(u8, u8, u8)>,
     fail: Option<(OpKind, u64)>,
+    /// Drain the KV events after every this many actions (they may pass their cap between).
+    drain_every: usize,
 }
 
 fn run_strategy() -> impl Strategy<Value = Run> {
@@ -38,72 +40,83 @@ fn run_strategy() -> impl Strategy<Value = Run> {
         (prop::option::of((1u32..10, 1u32..20)), any::<bool>()),
         prop::collection::vec(any::<(u8, u8, u8)>(), 50..300),
         prop::option::weighted(0.3, (kinds, 2u64..4)),
+        (prop::option::of(64u64..4096), 1usize..8),
     )
-        .prop_map(|(pools, sched, policies, (quota, demote), actions, fail)| {
-            let (ps, dev, host) = pools;
-            let (l3, batch, chunk, mixed) = sched;
-            let (stop, write, keep, evict, protect, retract) = policies;
-            let host_enabled = host > 0;
-            let write_back = write == 2 && host_enabled;
-            let cfg = SchedulerConfig {
-                page_size: ps,
-                device_pages: dev,
-                host_pages: host,
-                host_enabled,
-                l3_enabled: l3,
-                max_batch_size: batch,
-                token_budget: 8 * ps,
-                chunked_prefill_size: [1, 3, 64][chunk],
-                mixed_prefill_decode: mixed,
-                prefetch_threshold: 1,
-                prefetch_stop: [
-                    PrefetchStopPolicy::BestEffort,
-                    PrefetchStopPolicy::WaitComplete,
-                    PrefetchStopPolicy::Timeout {
-                        base_ms: 2,
-                        per_1k_tokens_ms: 5,
+        .prop_map(
+            |(pools, sched, policies, (quota, demote), actions, fail, drains)| {
+                let (events_cap, drain_every) = drains;
+                let (ps, dev, host) = pools;
+                let (l3, batch, chunk, mixed) = sched;
+                let (stop, write, keep, evict, protect, retract) = policies;
+                let host_enabled = host > 0;
+                let write_back = write == 2 && host_enabled;
+                let cfg = SchedulerConfig {
+                    page_size: ps,
+                    device_pages: dev,
+                    host_pages: host,
+                    host_enabled,
+                    l3_enabled: l3,
+                    max_batch_size: batch,
+                    token_budget: 8 * ps,
+                    chunked_prefill_size: [1, 3, 64][chunk],
+                    mixed_prefill_decode: mixed,
+                    prefetch_threshold: 1,
+                    prefetch_stop: [
+                        PrefetchStopPolicy::BestEffort,
+                        PrefetchStopPolicy::WaitComplete,
+                        PrefetchStopPolicy::Timeout {
+                            base_ms: 2,
+                            per_1k_tokens_ms: 5,
+                        },
+                    ][stop as usize],
+                    write_policy: match write {
+                        0 => WritePolicy::WriteThrough,
+                        1 => WritePolicy::WriteThroughSelective { hit_threshold: 2 },
+                        _ if write_back => WritePolicy::WriteBack,
+                        _ => WritePolicy::WriteThrough,
                     },
-                ][stop as usize],
-                write_policy: match write {
-                    0 => WritePolicy::WriteThrough,
-                    1 => WritePolicy::WriteThroughSelective { hit_threshold: 2 },
-                    _ if write_back => WritePolicy::WriteBack,
-                    _ => WritePolicy::WriteThrough,
-                },
-                keep_device_after_write_back: keep,
-                retraction: [
-                    RetractionPolicy::LatestArrival,
-                    RetractionPolicy::FewestGenerated,
-                    RetractionPolicy::MostPages,
-                ][retract as usize],
-                max_context_tokens: (dev as usize * ps).min(48),
-                eviction: ["lru", "freq-depth", "adaptive", "shadow"][evict as usize]
-                    .parse()
-                    .expect("a policy name"),
-                host_admission: if demote && host_enabled && !write_back && evict != 3 {
-                    HostAdmission::OnDeviceEviction {
-                        ahead_pages: 1 + dev / 4,
-                    }
-                } else {
-                    HostAdmission::OnFinish
-                },
-                queue_protection: if protect {
-                    QueueProtection::Waiting
-                } else {
-                    QueueProtection::Off
-                },
-                tenant_quota: match quota {
-                    Some((d, h)) => TenantQuota {
-                        device_pages: Some(d.min(dev)),
-                        host_pages: host_enabled.then_some(h),
+                    keep_device_after_write_back: keep,
+                    retraction: [
+                        RetractionPolicy::LatestArrival,
+                        RetractionPolicy::FewestGenerated,
+                        RetractionPolicy::MostPages,
+                    ][retract as usize],
+                    max_context_tokens: (dev as usize * ps).min(48),
+                    eviction: ["lru", "freq-depth", "adaptive", "shadow"][evict as usize]
+                        .parse()
+                        .expect("a policy name"),
+                    host_admission: if demote && host_enabled && !write_back && evict != 3 {
+                        HostAdmission::OnDeviceEviction {
+                            ahead_pages: 1 + dev / 4,
+                        }
+                    } else {
+                        HostAdmission::OnFinish
                     },
-                    None => TenantQuota::default(),
-                },
-                record_kv_events: true,
-                ..SchedulerConfig::default()
-            };
-            Run { cfg, actions, fail }
-        })
+                    queue_protection: if protect {
+                        QueueProtection::Waiting
+                    } else {
+                        QueueProtection::Off
+                    },
+                    tenant_quota: match quota {
+                        Some((d, h)) => TenantQuota {
+                            device_pages: Some(d.min(dev)),
+                            host_pages: host_enabled.then_some(h),
+                        },
+                        None => TenantQuota::default(),
+                    },
+                    record_kv_events: true,
+                    kv_events_max_bytes: events_cap
+                        .unwrap_or(SchedulerConfig::default().kv_events_max_bytes),
+                    ..SchedulerConfig::default()
+                };
+                Run {
+                    cfg,
+                    actions,
+                    fail,
+                    drain_every,
+                }
+            },
+        )
 }
 
 type Mirror = [HashSet<PageHash>; 2];
@@ -137,6 +150,8 @@ fn fold(m: &mut Mirror, events: Vec<KvEvent>, ps: usize) -> Result<(), TestCaseE
                     prop_assert!(m[tier as usize].remove(&h), "removed, never stored");
                 }
             }
+            // the events since the last drain passed their cap: what follows is everything
+            KvEvent::Cleared => *m = Mirror::default(),
         }
     }
     Ok(())
@@ -197,7 +212,7 @@ fn run(w: Run) -> Result<(), TestCaseError> {
     e.fail_every = w.fail;
     let mut mirror = Mirror::default();
     let (mut now, mut submitted) = (0u64, 0u64);
-    for &(a, b, c) in &w.actions {
+    for (step, &(a, b, c)) in w.actions.iter().enumerate() {
         now += 1;
         match a % 10 {
             0 | 1 => {
@@ -270,6 +285,10 @@ fn run(w: Run) -> Result<(), TestCaseError> {
         }
         s.check()
             .map_err(|x| TestCaseError::fail(format!("check: {x}")))?;
+        prop_assert!(s.cache().pending_event_bytes() as u64 <= w.cfg.kv_events_max_bytes);
+        if (step + 1) % w.drain_every != 0 {
+            continue;
+        }
         fold(&mut mirror, s.drain_kv_events(), ps)?;
         let mut resident = Mirror::default();
         fold(&mut resident, s.resident_kv_events(), ps)?;

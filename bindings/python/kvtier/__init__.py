@@ -129,7 +129,9 @@ class SchedulerConfig:
     policy's shadows replay at capacities where they are sampled, and ``shadow_full_size_pages``
     up to which device + host capacity they are exact (default 65,536; above, 1 prefix in
     ⌈capacity / it⌉ is replayed, and the shadows' memory stays within 4 × it pages of
-    metadata: docs/sim/shadow.md).
+    metadata: docs/sim/shadow.md). ``kv_events_max_bytes`` (64 MiB by default) bounds the events
+    ``record_kv_events=True`` keeps between two ``drain_kv_events()``: past it they are dropped
+    and the next drain answers ``{"type": "cleared"}`` and every copy held now (a resync).
     ``validate()`` raises ``ConfigError`` naming the field.
     """
 
@@ -156,6 +158,7 @@ class SchedulerConfig:
     l3_sharing: str = _default("l3_sharing")
     l3_leader_rank: int = _default("l3_leader_rank")
     record_kv_events: bool = _default("record_kv_events")
+    kv_events_max_bytes: int = _default("kv_events_max_bytes")
     tenant_quota_device_pages: Optional[int] = _default("tenant_quota_device_pages")
     tenant_quota_host_pages: Optional[int] = _default("tenant_quota_host_pages")
     eviction: str = _default("eviction")

@@ -40,7 +40,7 @@ use slotmap::SlotMap;
 use smallvec::SmallVec;
 
 use crate::error::RadixError;
-use crate::events::{KvEvent, ScopeLabel};
+use crate::events::ScopeLabel;
 use crate::hash::PageHash;
 use crate::lock::LockRecord;
 use crate::node::{EvictKey, Node, NodeId, TierSlot};
@@ -196,7 +196,7 @@ pub struct RadixCache {
     /// Owner of the nodes the insert in progress creates.
     pub(crate) insert_owner: TenantId,
     pub(crate) record_events: bool,
-    pub(crate) events: Vec<KvEvent>,
+    pub(crate) events: crate::events::EventLog,
     /// Uses of pages that left the cache (`memory.rs`); `None` when off.
     pub(crate) memory: Option<crate::memory::UseMemory>,
 }
@@ -267,7 +267,7 @@ impl RadixCache {
             held_for: Default::default(),
             insert_owner: TenantId::SHARED,
             record_events: cfg.record_events,
-            events: Vec::new(),
+            events: Default::default(),
         })
     }
 
@@ -350,10 +350,5 @@ impl RadixCache {
     /// Who owns `page` (None if out of range).
     pub fn page_state<T: Tier>(&self, page: PageId<T>) -> Option<PageState> {
         self.pool(T::KIND).state(page.index())
-    }
-
-    /// Takes the recorded router events.
-    pub fn drain_events(&mut self) -> Vec<KvEvent> {
-        std::mem::take(&mut self.events)
     }
 }
