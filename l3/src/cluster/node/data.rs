@@ -65,7 +65,10 @@ impl NodeInner {
         Ok(())
     }
 
-    fn write_one(&self, h: &PutHandle, data: &[u8]) -> L3Result<()> {
+    /// Holds `data` under the handle's allocation, unended. `gave_up` is asked once the
+    /// bytes are copied: a client that gave up on the call by then may have put its next
+    /// bytes where these were read from (memory it shares itself), so they are not held.
+    fn write_one(&self, h: &PutHandle, data: &[u8], gave_up: &dyn Fn() -> bool) -> L3Result<()> {
         validate_key(&h.key)?;
         self.same_epoch(h)?;
         let alloc = self.alloc_of(h)?;
@@ -75,11 +78,15 @@ impl NodeInner {
             ));
         }
         check_object_bytes(h.size, self.opts.max_object_bytes)?;
+        let data = recycle::filled(&self.mem, data);
+        if gave_up() {
+            return Err(crate::rpc::shm::gave_up());
+        }
         let held = Held {
             tenant: h.tenant.clone(),
             key: h.key.clone(),
             token: h.token,
-            data: recycle::filled(&self.mem, data),
+            data,
             ended: false,
             staged: Staging::No,
             since: Instant::now(),
@@ -223,12 +230,26 @@ impl NodeInner {
     }
 
     /// Writes `data` (one per handle, or none: end only) and, with `end`, ends the puts:
-    /// the data channel's and the shared-memory path's `NodePut`.
+    /// the data channel's `NodePut`.
     pub(super) fn node_put(
         &self,
         handles: &[PutHandle],
         data: &[&[u8]],
         end: Option<PutOptions>,
+    ) -> L3Result<Vec<L3Result<()>>> {
+        self.node_put_from(handles, data, end, &|| false)
+    }
+
+    /// [`NodeInner::node_put`] of bytes in memory the client shares (the shared-memory
+    /// path's `NodePut`): each key's bytes are checked after their copy with `gave_up`
+    /// (whether the client gave up on the call: it may have reused that memory since), and
+    /// a key whose client gave up is neither held nor ended (`tests/node_late_put.rs`).
+    pub(super) fn node_put_from(
+        &self,
+        handles: &[PutHandle],
+        data: &[&[u8]],
+        end: Option<PutOptions>,
+        gave_up: &dyn Fn() -> bool,
     ) -> L3Result<Vec<L3Result<()>>> {
         check_batch_keys(handles.len(), self.opts.max_batch_keys)?;
         if !data.is_empty() && data.len() != handles.len() {
@@ -238,7 +259,7 @@ impl NodeInner {
         }
         let mut out: Vec<L3Result<()>> = vec![Ok(()); handles.len()];
         for (i, (h, d)) in handles.iter().zip(data).enumerate() {
-            out[i] = self.write_one(h, d);
+            out[i] = self.write_one(h, d, gave_up);
         }
         if let Some(opts) = end {
             self.end_many(handles, &mut out, opts);

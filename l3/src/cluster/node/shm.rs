@@ -9,7 +9,7 @@
 //! How: the node runs the same listener as a `kvtier-l3` server ([`ShmServer`]: memfd
 //! segments per connection, the node's token on `Hello`, every range checked against the
 //! connection's own registrations) with the node as its [`ShmHandler`]. `NodePut` and
-//! `NodeRead` call the very functions the data channel calls ([`NodeInner::node_put`],
+//! `NodeRead` call the very functions the data channel calls ([`NodeInner::node_put_from`],
 //! [`NodeInner::node_read`]), so the epoch fence, the handle checks and the tenant and key
 //! check of every read are the same on both paths. The offer (socket path, boot id, nonce)
 //! is answered on the node's authenticated data channel (`XferRequest::ShmOffer`): a client
@@ -31,10 +31,9 @@ impl ShmHandler for NodeInner {
                 handles,
                 ranges,
                 end,
-            } => ShmReply::Put(
-                segs.sources(&ranges, handles.len())
-                    .and_then(|data| self.node_put(&handles, &data, end)),
-            ),
+            } => ShmReply::Put(segs.sources(&ranges, handles.len()).and_then(|data| {
+                self.node_put_from(&handles, &data, end, &|| segs.client_gave_up())
+            })),
             ShmRequest::NodeRead {
                 tenant,
                 keys,

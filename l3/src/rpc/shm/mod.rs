@@ -59,6 +59,7 @@ use crate::types::{
 };
 
 pub use client::{SharedRegion, ShmClient, ShmOutcome};
+pub(crate) use server::gave_up;
 pub use server::{MAX_MAPPED_PER_CONN, MAX_SEGMENTS_PER_CONN, SegTable, ShmServer, copy_out};
 
 /// Environment variable that turns the shared-memory path off for clients and servers of

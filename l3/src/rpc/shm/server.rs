@@ -369,7 +369,7 @@ unsafe impl Filler for FromSegments<'_> {
 }
 
 /// Why a put whose client gave up on the call is not stored.
-pub(super) fn gave_up() -> L3Error {
+pub(crate) fn gave_up() -> L3Error {
     L3Error::RpcFail(
         "the client gave up on this call before its bytes were read: not stored".into(),
     )
