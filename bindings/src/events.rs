@@ -141,10 +141,12 @@ impl PyKvEventPublisher {
             .map_err(events_err)
     }
 
-    /// Blocks the publisher's mirror holds: what a snapshot would list.
+    /// Blocks the publisher's mirror holds: what a snapshot would list. Waits (without the
+    /// GIL) until the publisher thread has folded every batch published before the call.
     #[getter]
-    fn resident_blocks(&self) -> PyResult<usize> {
-        Ok(self.live()?.resident_blocks())
+    fn resident_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        let p = self.live()?;
+        Ok(py.detach(|| p.resident_blocks()))
     }
 
     /// Stops the publisher thread and closes the sockets (idempotent).

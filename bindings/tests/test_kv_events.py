@@ -123,3 +123,37 @@ def test_events_nobody_drained_are_capped_and_published_as_a_resync():
             len(e["hashes"]) for e in s.resident_kv_events())
     with pytest.raises(kvtier.ConfigError, match="kv_events_max_bytes"):
         kvtier.Scheduler(small_config(record_kv_events=True, kv_events_max_bytes=0))
+
+
+def test_resident_blocks_waits_for_the_publisher_thread_without_the_gil():
+    # Before: the getter waited for the publisher thread to fold every published batch (here
+    # a million blocks) holding the GIL, so every other Python thread of the engine stopped.
+    import threading
+
+    s = kvtier.Scheduler(small_config(
+        page_size=1, device_pages=250_000, host_pages=0, host_enabled=False, token_budget=250_000,
+        chunked_prefill_size=250_000, max_context_tokens=200_000, record_kv_events=True))
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+
+    with kvtier.KvEventPublisher(block_size=1) as pub:
+        for req in range(5):
+            serve(s, req, n=190_000)
+            pub.publish_from(s, float(req))
+        t = threading.Thread(target=tick)
+        t.start()
+        while not ticks:
+            time.sleep(0.001)
+        start = time.monotonic()
+        n = pub.resident_blocks
+        end = time.monotonic()
+        stop.set()
+        t.join()
+    assert n > 0
+    span = end - start
+    assert span > 0.02, f"the fold took {span:.3f} s: too short to tell"
+    inside = [x for x in ticks if start + span / 4 < x < end - span / 4]
+    assert inside, f"no other thread ran during the {span:.3f} s call"
