@@ -1,6 +1,7 @@
 //! A put to a store node that timed out leaves its request with the node, which may still
 //! serve it once it runs again: by then the caller has its memory back and may have put
-//! other bytes there. The node must not store the put from that memory.
+//! other bytes there. The node must not store the put from that memory, nor write a late
+//! read's bytes into it.
 //!
 //! Real parts: a `--role master` and a `--role node` process on 127.0.0.1 (ephemeral
 //! ports), the node paused and resumed with real SIGSTOP / SIGCONT, and a `RemoteStore` in
@@ -68,6 +69,32 @@ fn pump(mut from: TcpStream, mut to: TcpStream, held: Option<Arc<AtomicBool>>) {
     }
 }
 
+/// A client of `addr` (the master, or a relay to it) whose calls time out after
+/// [`CALL_TIMEOUT`], once a put of `key` (`v`) succeeded and the node is reached through
+/// shared memory.
+fn client(addr: SocketAddr, key: &str, v: &[u8]) -> RemoteStore {
+    let c = RemoteStore::connect(
+        addr,
+        ClientOptions {
+            rpc_timeout: CALL_TIMEOUT,
+            shm: ShmMode::Auto,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(20), || c
+            .put(&t("late"), key, v, PutOptions::default())
+            .is_ok()),
+        "no put succeeded"
+    );
+    assert!(
+        c.uses_shm(),
+        "the node is not reached through shared memory"
+    );
+    c
+}
+
 /// Puts `mem` (0xaa) under "a" from a client of the master behind a relay while the node
 /// is paused, holding the relay once the put is placed so the client's revoke does not
 /// reach the master; once the put failed, fills `mem` with 0xbb (the caller's next bytes)
@@ -77,26 +104,8 @@ fn a_timed_out_node_put_from_a_region_never_stores_the_reused_bytes() {
     let m = master(&[], None);
     let n = node_with(m.addr, 1, None, None, &[]);
     let held = Arc::new(AtomicBool::new(false));
-    let c = RemoteStore::connect(
-        relay(m.addr, held.clone()),
-        ClientOptions {
-            rpc_timeout: CALL_TIMEOUT,
-            shm: ShmMode::Auto,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let c = client(relay(m.addr, held.clone()), "warm", &[1u8; 64]);
     let tn = t("late");
-    assert!(
-        eventually(Duration::from_secs(20), || c
-            .put(&tn, "warm", &[1u8; 64], PutOptions::default())
-            .is_ok()),
-        "no put succeeded"
-    );
-    assert!(
-        c.uses_shm(),
-        "the node is not reached through shared memory"
-    );
     let region = c.shared_region(4096).unwrap();
     // SAFETY: the region is 4096 bytes alive until the test ends; the node reads it only
     // during a put, and this thread writes it only while no put runs.
@@ -147,5 +156,41 @@ fn a_timed_out_node_put_from_a_region_never_stores_the_reused_bytes() {
     seen.dedup();
     eprintln!("reads of \"a\": {seen:?}");
     held.store(false, Ordering::Release);
+    drop(region);
+}
+
+/// A read from a paused node into a `SharedRegion` times out; the caller reuses the region
+/// (0xcc); the node, resumed, serves the late read, and must not write the object's bytes
+/// over the caller's. Before, the region held the object's 0x5a bytes afterwards.
+#[test]
+fn a_timed_out_node_get_into_a_region_never_writes_the_reused_memory() {
+    let m = master(&[], None);
+    let n = node_with(m.addr, 1, None, None, &[]);
+    let c = client(m.addr, "a", &[0x5a; 4096]);
+    let tn = t("late");
+    let region = c.shared_region(4096).unwrap();
+    // SAFETY: the region is 4096 bytes alive until the test ends; the node writes it only
+    // during a get, and this thread touches it only between calls.
+    let mem = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), region.len()) };
+    signal(&n.child, libc::SIGSTOP);
+    let r = c.get_into(&tn, "a", mem);
+    if r.is_ok() {
+        signal(&n.child, libc::SIGCONT);
+        panic!("a paused node answered a get: {r:?}");
+    }
+    mem.fill(0xcc);
+    signal(&n.child, libc::SIGCONT);
+    // The node serves the late read; a read of it afterwards is the proof it runs again.
+    assert!(
+        eventually(Duration::from_secs(10), || c
+            .get(&tn, "a")
+            .is_ok_and(|v| v == [0x5a; 4096])),
+        "the node does not serve reads again"
+    );
+    assert!(
+        mem.iter().all(|&b| b == 0xcc),
+        "the late read wrote into the caller's reused memory: {:02x?}",
+        &mem[..4]
+    );
     drop(region);
 }

@@ -18,10 +18,13 @@ use kvtier_l3::{
     EmbeddedStore, L3Error, L3Store, PutOptions, ReplicateConfig, ShmMode, StoreConfig, Tenant,
 };
 
-/// The embedded store, with its first put held until [`Gated::release`].
+/// The embedded store, with its first put (or first get: `gets`) held until
+/// [`Gated::release`].
 struct Gated {
     store: EmbeddedStore,
     first: AtomicBool,
+    /// Hold the first get rather than the first put.
+    gets: bool,
     /// (released, the held put is served)
     state: Mutex<(bool, bool)>,
     cv: Condvar,
@@ -46,8 +49,11 @@ impl Gated {
 
 impl ShmHandler for Gated {
     fn handle(&self, req: ShmRequest, segs: &SegTable) -> ShmReply {
-        let held = matches!(req, ShmRequest::Put { .. } | ShmRequest::PutAt { .. })
-            && self.first.swap(false, Ordering::AcqRel);
+        let held = match req {
+            ShmRequest::Put { .. } | ShmRequest::PutAt { .. } => !self.gets,
+            ShmRequest::Get { .. } | ShmRequest::GetAt { .. } => self.gets,
+            _ => false,
+        } && self.first.swap(false, Ordering::AcqRel);
         if held {
             let g = self.state.lock().unwrap();
             drop(
@@ -78,10 +84,16 @@ fn done<T: std::fmt::Debug>(o: ShmOutcome<T>) -> Result<T, L3Error> {
 /// A gated embedded store served over shared memory in a temporary directory, and a client
 /// of it whose calls time out after [`CALL_TIMEOUT`].
 fn setup() -> (tempfile::TempDir, Arc<Gated>, ShmServer, ShmClient) {
+    setup_holding(false)
+}
+
+/// [`setup`], holding the first get instead (`gets`).
+fn setup_holding(gets: bool) -> (tempfile::TempDir, Arc<Gated>, ShmServer, ShmClient) {
     let dir = tempfile::tempdir().unwrap();
     let gated = Arc::new(Gated {
         store: EmbeddedStore::new(StoreConfig::default()).unwrap(),
         first: AtomicBool::new(true),
+        gets,
         state: Mutex::new((false, false)),
         cv: Condvar::new(),
     });
@@ -190,5 +202,51 @@ fn a_timed_out_put_copied_in_place_served_late_never_stores_the_reused_bytes() {
     );
     mem.fill(0xbb);
     put_b_then_check_a(&mut c, &gated, &tn, &mem, &[0xaa; 4096]);
+    server.stop();
+}
+
+/// A get into memory the caller shares (`mem`: a region, or a plain buffer copied in place)
+/// held past the client's timeout: once the call failed, the caller reuses `mem` (0xcc);
+/// the held get, served after that, must not write "a"'s bytes over it.
+fn late_get_never_writes_the_reused_memory(c: &mut ShmClient, gated: &Gated, mem: &mut [u8]) {
+    let tn = Tenant::new("t").unwrap();
+    gated
+        .store
+        .put(&tn, "a", &[0xaa; 4096], PutOptions::default())
+        .unwrap();
+    let r = done(c.get(&tn, &["a".to_string()], None, &mut [&mut *mem]));
+    assert!(r.is_err(), "the held get answered: {r:?}");
+    // The caller's memory is its own again.
+    mem.fill(0xcc);
+    gated.release();
+    assert!(gated.wait_served(), "the held get was never served");
+    assert!(
+        mem.iter().all(|&b| b == 0xcc),
+        "the late get wrote into the caller's reused memory: {:02x?}",
+        &mem[..4]
+    );
+}
+
+/// A get into a `SharedRegion` that timed out: served late, it must not write into the
+/// region the caller has reused. Before, it wrote "a"'s 0xaa over the caller's 0xcc.
+#[test]
+fn a_timed_out_get_into_a_region_served_late_never_writes_the_reused_memory() {
+    let (_dir, gated, mut server, mut c) = setup_holding(true);
+    let region = c.alloc(4096).unwrap();
+    // SAFETY: the region is 4096 bytes this test owns; the server writes it only during a
+    // get, and this thread touches it only between calls.
+    let mem = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), region.len()) };
+    late_get_never_writes_the_reused_memory(&mut c, &gated, mem);
+    server.stop();
+}
+
+/// As above with a plain buffer the server copies in place (`ShmMode::InPlace`, where the
+/// host allows it; otherwise staged, and the late write goes to the old staging segment).
+#[test]
+fn a_timed_out_get_copied_in_place_served_late_never_writes_the_reused_memory() {
+    let (_dir, gated, mut server, c) = setup_holding(true);
+    let mut c = c.with_mode(ShmMode::InPlace);
+    let mut mem = vec![0u8; 4096];
+    late_get_never_writes_the_reused_memory(&mut c, &gated, &mut mem);
     server.stop();
 }

@@ -44,7 +44,7 @@ impl ShmHandler for NodeInner {
                 Ok(blobs
                     .into_iter()
                     .zip(dst)
-                    .map(|(b, (m, r))| b.and_then(|b| copy_out(&b, m, r)))
+                    .map(|(b, (m, r))| b.and_then(|b| copy_out(&b, m, r, segs)))
                     .collect())
             })),
             other => refuse(

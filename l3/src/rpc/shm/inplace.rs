@@ -154,6 +154,7 @@ pub(super) fn serve_put(
 pub(super) fn serve_get(
     store: &EmbeddedStore,
     peer: Option<&Peer>,
+    gave_up: &dyn Fn() -> bool,
     tenant: &Tenant,
     keys: &[String],
     queries: Option<&[QueryResult]>,
@@ -176,6 +177,11 @@ pub(super) fn serve_get(
                     needed: src.len() as u64,
                     have: dst.len,
                 });
+            }
+            // A client that gave up on the call may have reused this buffer: not written
+            // (`tests/shm_reconnect.rs`).
+            if gave_up() {
+                return Err(super::server::gave_up_read());
             }
             // SAFETY: `src` is valid for its length and only read (process_vm_writev takes
             // a mutable pointer type but does not write local memory).

@@ -298,6 +298,7 @@ impl ShmHandler for EmbeddedStore {
             } => ShmReply::Get(serve_get(
                 self,
                 segs.peer.as_ref(),
+                &|| segs.client_gave_up(),
                 &tenant,
                 &keys,
                 queries.as_deref(),
@@ -329,7 +330,7 @@ impl ShmHandler for EmbeddedStore {
                     Ok(blobs
                         .into_iter()
                         .zip(rs)
-                        .map(|(b, (m, r))| b.and_then(|b| copy_out(&b, m, r)))
+                        .map(|(b, (m, r))| b.and_then(|b| copy_out(&b, m, r, segs)))
                         .collect())
                 }))
             }
@@ -366,6 +367,11 @@ unsafe impl Filler for FromSegments<'_> {
         }
         Ok(())
     }
+}
+
+/// Why a get whose client gave up on the call writes nothing into the caller's memory.
+pub(super) fn gave_up_read() -> L3Error {
+    L3Error::RpcFail("the client gave up on this call: its memory is not written".into())
 }
 
 /// Why a put whose client gave up on the call is not stored.
@@ -438,14 +444,26 @@ impl SegTable {
     }
 }
 
-/// Copies an object into a checked range: its size, or -10 when the range is too small.
-pub fn copy_out(b: &Blob, m: &Mapping, r: std::ops::Range<usize>) -> L3Result<u64> {
+/// Copies an object into a checked range of the connection's segments: its size, or -10
+/// when the range is too small. Nothing is written once the client gave up on the call
+/// ([`SegTable::client_gave_up`], checked before the copy): the range may be memory the
+/// caller has reused since (a region), and the late write would corrupt it
+/// (`tests/shm_reconnect.rs`).
+pub fn copy_out(
+    b: &Blob,
+    m: &Mapping,
+    r: std::ops::Range<usize>,
+    segs: &SegTable,
+) -> L3Result<u64> {
     let src = b.as_slice();
     if src.len() > r.len() {
         return Err(L3Error::BufferOverflow {
             needed: src.len() as u64,
             have: r.len() as u64,
         });
+    }
+    if segs.client_gave_up() {
+        return Err(gave_up_read());
     }
     // SAFETY: `r` was checked inside the mapping; no other reference to it lives here.
     unsafe { m.bytes_mut(r.start, src.len()) }.copy_from_slice(src);
