@@ -37,8 +37,11 @@ def test_a_sliding_window_group_is_refused_when_vllm_builds_the_spec(tmp_path):
         cfg = build_offloading_config(e.vllm_config, _two_groups(e, swa))
         if hasattr(cfg.groups[0], "sliding_window_size_in_chunks"):  # vLLM 0.33 and later
             assert [g.sliding_window_size_in_chunks for g in cfg.groups] == [None, 2]
-        with pytest.raises(KvtierSpecConfigError, match="group 1 keeps a window of 2 chunk"):
+        with pytest.raises(KvtierSpecConfigError, match="group 1 keeps a window of 2 chunk") as err:
             OffloadingConnector(e.vllm_config, KVConnectorRole.SCHEDULER, _two_groups(e, swa))
+        # It names what serves the model: vLLM's tiering, and on vLLM's CPU build (where
+        # vLLM's own TieringOffloadingSpec does not start) kvtier's spec of it.
+        assert "TieringOffloadingSpec" in str(err.value) and "KvtierTieringOffloadingSpec" in str(err.value)
         full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
         conn = OffloadingConnector(e.vllm_config, KVConnectorRole.SCHEDULER, _two_groups(e, full))
         manager = conn.connector_scheduler.manager

@@ -99,7 +99,9 @@ def refuse_non_prefix_groups(config: Any) -> None:
     prefix. Sliding-window, chunked-local and Mamba groups keep only the last chunks of a
     prompt (vLLM's ``sliding_window_size_in_chunks``), so their chunks do not form prefixes;
     refused here rather than served wrongly. Their models run with vLLM's
-    ``TieringOffloadingSpec`` and kvtier's tier and policy (docs/vllm.md)."""
+    ``TieringOffloadingSpec`` (on vLLM's CPU build, where vLLM's own spec refuses to start,
+    ``KvtierTieringOffloadingSpec``, which the message names) and kvtier's tier and policy
+    (docs/vllm/architectures.md)."""
     windows = group_windows(config)  # vLLM 0.32's config lacks the field (compat.py)
     for g in config.groups:
         window = windows.get(int(g.group_id))
@@ -107,8 +109,9 @@ def refuse_non_prefix_groups(config: Any) -> None:
             raise KvtierSpecConfigError(
                 f"KvtierOffloadingSpec: KV cache group {g.group_id} keeps a window of {window} chunk(s) "
                 f"(sliding-window, chunked-local or Mamba layers {list(g.layer_names)[:3]}...): its chunks do not "
-                "form prefixes, which kvtier's radix tree needs; use TieringOffloadingSpec with kvtier's "
-                "KvtierSecondaryTier and KvtierFreqDepthPolicy for this model")
+                "form prefixes, which kvtier's radix tree needs; use vLLM's tiering for this model (spec_name "
+                "TieringOffloadingSpec; on vLLM's CPU build KvtierTieringOffloadingSpec with spec_module_path "
+                "kvtier.vllm) with kvtier's KvtierSecondaryTier and KvtierFreqDepthPolicy (docs/vllm/architectures.md)")
 
 
 def quotas_of(raw: Any, num_chunks: int) -> Dict[str, int]:
