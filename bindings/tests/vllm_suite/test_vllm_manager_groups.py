@@ -42,6 +42,9 @@ def test_a_sliding_window_group_is_refused_when_vllm_builds_the_spec(tmp_path):
         # It names what serves the model: vLLM's tiering, and on vLLM's CPU build (where
         # vLLM's own TieringOffloadingSpec does not start) kvtier's spec of it.
         assert "TieringOffloadingSpec" in str(err.value) and "KvtierTieringOffloadingSpec" in str(err.value)
+        # Beside a full-attention group, vLLM without its hybrid KV cache manager gives the
+        # sliding layers full-attention blocks, which the spec serves: the message says how.
+        assert "--disable-hybrid-kv-cache-manager" in str(err.value)
         full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
         conn = OffloadingConnector(e.vllm_config, KVConnectorRole.SCHEDULER, _two_groups(e, full))
         manager = conn.connector_scheduler.manager

@@ -103,6 +103,15 @@ def refuse_non_prefix_groups(config: Any) -> None:
     ``KvtierTieringOffloadingSpec``, which the message names) and kvtier's tier and policy
     (docs/vllm/architectures.md)."""
     windows = group_windows(config)  # vLLM 0.32's config lacks the field (compat.py)
+    # Sliding or chunked-local layers beside full-attention ones: vLLM without its hybrid KV
+    # cache manager gives them full-attention blocks (one group, every block kept), whose
+    # chunks are prefixes (Gemma 2 served so, exact: vllm_engine/test_vllm_engine_archs.py).
+    hint = ""
+    if any(w is None for w in windows.values()):
+        hint = ("; or, where these are sliding-window or chunked-local layers beside the model's full-attention "
+                "ones (not Mamba), start vLLM with --disable-hybrid-kv-cache-manager "
+                "(disable_hybrid_kv_cache_manager=True): they then keep every block in one full-attention group, "
+                "whose chunks this spec serves")
     for g in config.groups:
         window = windows.get(int(g.group_id))
         if window is not None:
@@ -111,7 +120,8 @@ def refuse_non_prefix_groups(config: Any) -> None:
                 f"(sliding-window, chunked-local or Mamba layers {list(g.layer_names)[:3]}...): its chunks do not "
                 "form prefixes, which kvtier's radix tree needs; use vLLM's tiering for this model (spec_name "
                 "TieringOffloadingSpec; on vLLM's CPU build KvtierTieringOffloadingSpec with spec_module_path "
-                "kvtier.vllm) with kvtier's KvtierSecondaryTier and KvtierFreqDepthPolicy (docs/vllm/architectures.md)")
+                "kvtier.vllm) with kvtier's KvtierSecondaryTier and KvtierFreqDepthPolicy (docs/vllm/architectures.md)"
+                + hint)
 
 
 def quotas_of(raw: Any, num_chunks: int) -> Dict[str, int]:
