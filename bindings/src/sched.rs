@@ -381,7 +381,7 @@ impl PyScheduler {
         Ok(py.detach(|| {
             let scope = HashScope::new(cache_salt.as_deref(), adapter.as_deref(), extra);
             let hs = scope.page_hashes(&toks, ps);
-            ns.keys_for_rank(rank).keys(&hs)
+            ns.keys_for(ps, rank).keys(&hs)
         }))
     }
 

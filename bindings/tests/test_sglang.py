@@ -115,11 +115,16 @@ def prop_backend():
 
 
 def test_namespace_is_kvtiers():
-    """l3_namespace is the formula of docs/page-keys.md, as the native scheduler computes it."""
+    """l3_namespace is the formula of docs/page-keys.md, as the native scheduler computes it
+    (with the scheduler's page size; two page sizes never share a namespace)."""
     ns = {"model": "m/x", "dtype": "bf16", "layout": "page_first", "tenant": "t", "adapter": ""}
     s = kvtier.Scheduler(small_config(namespace=ns))
     key = s.l3_keys(prompt(1, 8))[0]
-    assert kvtier.parse_l3_key(key)[0] == ks.l3_namespace("m/x", "bf16", "page_first", "t")
+    assert kvtier.parse_l3_key(key)[0] == ks.l3_namespace("m/x", "bf16", "page_first", "t", page_size=4)
+    s8 = kvtier.Scheduler(small_config(namespace=ns, page_size=8))
+    assert kvtier.parse_l3_key(s8.l3_keys(prompt(1, 8))[0])[0] == ks.l3_namespace(
+        "m/x", "bf16", "page_first", "t", page_size=8)
+    assert len({ks.l3_namespace("m/x", "bf16", "page_first", "t", page_size=p) for p in (None, 4, 8)}) == 3
     src = mha_pool("page_first")
     b = backend(src)
     k = b.object_keys(["a" * 64])[0]

@@ -15,8 +15,9 @@
 //!
 //! The digest alone does not separate tenants, models or tensor-parallel layouts, so an L3 key
 //! wraps it: `"{namespace}:{hex digest}:{rank}"`, where `namespace` is 16 hex digits of a
-//! SHA-256 over the namespace fields. Two namespaces that differ in any field produce different
-//! keys for the same tokens; see `docs/page-keys.md`.
+//! SHA-256 over the namespace fields and the page size (the chain does not separate page
+//! sizes). Two namespaces that differ in any field or page size produce different keys for
+//! the same tokens; see `docs/page-keys.md`.
 
 use std::fmt;
 
@@ -331,20 +332,39 @@ pub struct KeyNamespace {
 }
 
 impl KeyNamespace {
-    /// 16 lowercase hex digits identifying the namespace.
+    /// 16 lowercase hex digits identifying the namespace's fields alone (`kvtier-ns-v1`):
+    /// what `kvtier.namespace.l3_namespace` computes without a page size, for integrations
+    /// whose `layout` names their page geometry. A scheduler's keys use
+    /// [`KeyNamespace::keys_for`], which adds the page size.
     ///
     /// Fields are length-prefixed before hashing, so no two distinct field tuples can
     /// produce the same byte string (`("ab","c")` vs `("a","bc")`).
     pub fn fingerprint(&self) -> String {
+        self.digest(b"kvtier-ns-v1", None)
+    }
+
+    /// [`KeyNamespace::fingerprint`] of the fields and the page size in tokens
+    /// (`kvtier-ns-v2`, the page size a sixth field, in decimal): engines of one model with
+    /// other page sizes never share a key, although a first page of `P + 8` tokens can
+    /// have the digest of a later page of `P` tokens (docs/page-keys.md).
+    pub fn fingerprint_paged(&self, page_size: usize) -> String {
+        self.digest(b"kvtier-ns-v2", Some(page_size))
+    }
+
+    fn digest(&self, tag: &[u8], page_size: Option<usize>) -> String {
         let mut h = Sha256::new();
-        h.update(b"kvtier-ns-v1");
+        h.update(tag);
+        let page = page_size.map(|p| p.to_string());
         for field in [
             &self.model,
             &self.dtype,
             &self.layout,
             &self.tenant,
             &self.adapter,
-        ] {
+        ]
+        .into_iter()
+        .chain(page.as_ref())
+        {
             h.update((field.len() as u64).to_le_bytes());
             h.update(field.as_bytes());
         }
@@ -352,10 +372,11 @@ impl KeyNamespace {
         hex::encode(&d[..8])
     }
 
-    /// A key builder for one tensor-parallel rank (caches the fingerprint).
-    pub fn keys_for_rank(&self, rank: u32) -> L3KeyBuilder {
+    /// A key builder for pages of `page_size` tokens on one tensor-parallel rank (caches
+    /// the fingerprint, [`KeyNamespace::fingerprint_paged`]).
+    pub fn keys_for(&self, page_size: usize, rank: u32) -> L3KeyBuilder {
         L3KeyBuilder {
-            prefix: self.fingerprint(),
+            prefix: self.fingerprint_paged(page_size),
             rank,
         }
     }
@@ -482,17 +503,20 @@ mod tests {
             tenant: "".into(),
             ..Default::default()
         };
-        assert_ne!(a.keys_for_rank(0).key(&h), b.keys_for_rank(0).key(&h));
+        assert_ne!(a.keys_for(16, 0).key(&h), b.keys_for(16, 0).key(&h));
         assert_ne!(a.fingerprint(), shifted.fingerprint());
-        assert_ne!(a.keys_for_rank(0).key(&h), a.keys_for_rank(1).key(&h));
-        let k = a.keys_for_rank(3).key(&h);
+        assert_ne!(a.keys_for(16, 0).key(&h), a.keys_for(16, 1).key(&h));
+        let k = a.keys_for(16, 3).key(&h);
         assert!(k.ends_with(":3"));
         assert!(k.contains(&h.to_hex()));
         let p = parse_l3_key(&k).expect("parses");
-        assert_eq!((p.namespace, p.page, p.rank), (&a.fingerprint()[..], h, 3));
-        assert_eq!(a.keys_for_rank(3).page_of(&k), Some(h));
-        assert_eq!(a.keys_for_rank(2).page_of(&k), None, "other rank");
-        assert_eq!(b.keys_for_rank(3).page_of(&k), None, "other namespace");
+        assert_eq!(
+            (p.namespace, p.page, p.rank),
+            (&a.fingerprint_paged(16)[..], h, 3)
+        );
+        assert_eq!(a.keys_for(16, 3).page_of(&k), Some(h));
+        assert_eq!(a.keys_for(16, 2).page_of(&k), None, "other rank");
+        assert_eq!(b.keys_for(16, 3).page_of(&k), None, "other namespace");
         for bad in [
             "",
             "x:y:z",

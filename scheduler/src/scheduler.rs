@@ -124,7 +124,7 @@ impl Scheduler {
             crate::config::L3Sharing::PerRank => cfg.rank,
             crate::config::L3Sharing::Replicated { leader } => leader,
         };
-        let keys = cfg.namespace.keys_for_rank(key_rank);
+        let keys = cfg.namespace.keys_for(cfg.page_size, key_rank);
         Ok(Scheduler {
             cfg,
             cache,

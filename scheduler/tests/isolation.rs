@@ -191,7 +191,7 @@ fn unscoped_l3_keys_stay_sglang_compatible() {
     e.run_to_idle(&mut s, 300);
     let want: Vec<String> = c
         .namespace
-        .keys_for_rank(c.rank)
+        .keys_for(c.page_size, c.rank)
         .keys(&kvtier_radix::page_hashes(&p, c.page_size, None));
     for k in &want {
         assert!(e.l3.contains_key(k), "missing {k}");

@@ -15,7 +15,7 @@ fn l3_cfg() -> SchedulerConfig {
 }
 
 fn key(c: &SchedulerConfig, h: &PageHash) -> String {
-    c.namespace.keys_for_rank(c.rank).key(h)
+    c.namespace.keys_for(c.page_size, c.rank).key(h)
 }
 
 /// Runs `prompt` to completion on a fresh scheduler so that all its pages end up in `e.l3`.

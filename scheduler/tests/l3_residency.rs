@@ -22,7 +22,7 @@ fn l3_cfg(write_policy: WritePolicy) -> SchedulerConfig {
 /// Keys of a prompt's full pages, as this scheduler names them.
 fn keys(c: &SchedulerConfig, p: &[u32]) -> Vec<String> {
     c.namespace
-        .keys_for_rank(c.rank)
+        .keys_for(c.page_size, c.rank)
         .keys(&kvtier_radix::page_hashes(p, c.page_size, None))
 }
 
@@ -100,7 +100,7 @@ fn run_losing_l3(seeds: &[u32], lose_every: usize, report: Report) -> Option<Str
     };
     let mut s = Scheduler::new(c.clone()).unwrap();
     let mut e = Engine::new(&c);
-    let kb = c.namespace.keys_for_rank(c.rank);
+    let kb = c.namespace.keys_for(c.page_size, c.rank);
     for (i, seed) in seeds.iter().enumerate() {
         e.submit(&mut s, i as u64, prompt(*seed, 33), 2);
         for t in 0..400u64 {

@@ -185,7 +185,7 @@ fn write_through_selective_counts_requests_not_match_attempts() {
     let p = prompt(1, 41);
     let a_keys = c
         .namespace
-        .keys_for_rank(c.rank)
+        .keys_for(c.page_size, c.rank)
         .keys(&kvtier_radix::page_hashes(&p[..20], c.page_size, None));
     let mut s = Scheduler::new(c.clone()).unwrap();
     let mut e = Engine::new(&c);

@@ -157,7 +157,10 @@ fn assert_direct_losses_refused(s: &mut Scheduler, keys: Option<&[String]>) {
         rank: s.config().rank,
         tp_ranks: s.config().tp_ranks,
     });
-    let kb = s.config().namespace.keys_for_rank(s.config().rank);
+    let kb = s
+        .config()
+        .namespace
+        .keys_for(s.config().page_size, s.config().rank);
     let pages: Vec<kvtier_radix::PageHash> = keys
         .unwrap_or_default()
         .iter()
@@ -186,7 +189,7 @@ fn run(w: &Workload, mode: Mode) -> Vec<(u64, u64, bool)> {
             let c = cfg_for(r);
             let mut e = Engine::new(&c);
             // Each rank's shard of every prompt page is in its L3, except what rank 1 lacks.
-            let kb = c.namespace.keys_for_rank(r);
+            let kb = c.namespace.keys_for(c.page_size, r);
             let mut n = 0;
             for &(p, len, _) in &w.prompts {
                 for h in kvtier_radix::page_hashes(&prompt(p, len), c.page_size, None) {
@@ -537,7 +540,7 @@ fn bad_loss_words_are_refused_and_change_nothing() {
     let hashes = kvtier_radix::page_hashes(&prompt(1, 41), c.page_size, None);
     let mut a = RankAgreement::new();
     let keys = s.l3_keys(&hashes[..3]);
-    let other_rank = c.namespace.keys_for_rank(1).key(&hashes[0]);
+    let other_rank = c.namespace.keys_for(c.page_size, 1).key(&hashes[0]);
     assert_eq!(a.lost(&s, &[keys[0].clone(), other_rank, "junk".into()]), 1);
     let mine = a.loss_words();
     let mut padded = mine.clone();
@@ -559,7 +562,7 @@ fn bad_loss_words_are_refused_and_change_nothing() {
     // The other rank reports a loss of its own: the union clears both pages' marks here.
     let mut b = RankAgreement::new();
     let s1 = Scheduler::new(cfg_for(1)).unwrap();
-    let k1 = c.namespace.keys_for_rank(1).key(&hashes[2]);
+    let k1 = c.namespace.keys_for(c.page_size, 1).key(&hashes[2]);
     assert_eq!(b.lost(&s1, &[k1]), 1);
     assert!(a.apply_losses(&mut s, &[b.loss_words(), padded]).unwrap() >= 1);
     assert_eq!(a.pending_losses(), (0, false));

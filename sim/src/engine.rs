@@ -151,7 +151,7 @@ fn l3_page_charge(sched: &SchedulerConfig, payload_bytes: usize) -> u64 {
 fn page_key_len(sched: &SchedulerConfig) -> usize {
     sched
         .namespace
-        .keys_for_rank(0)
+        .keys_for(sched.page_size, 0)
         .key(&PageHash([0; 32]))
         .len()
 }
