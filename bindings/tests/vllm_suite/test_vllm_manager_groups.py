@@ -55,3 +55,27 @@ def test_a_sliding_window_group_is_refused_when_vllm_builds_the_spec(tmp_path):
         assert group_windows(build_offloading_config(e.vllm_config, kv_cache_config)) == {0: None, 1: 2}
     finally:
         e.close()
+
+
+def test_a_window_past_max_model_len_never_slides_and_is_served(tmp_path):
+    """A sliding window longer than any prompt the engine takes (Mistral-7B-v0.1's 4096
+    tokens at a max_model_len of 4096 or less) never slides: vLLM keeps and stores every
+    chunk of the group, a prefix, so the spec serves it (it was refused; the real engine
+    serves such a Mistral exact: vllm_engine/test_vllm_engine_archs.py). One chunk shorter
+    than that, it is refused."""
+    e = Engine(str(tmp_path), [], kv_config=kvtier_config(16))
+    try:
+        max_len = int(e.vllm_config.model_config.max_model_len)
+        chunk = 2 * BLOCK
+        for window_tokens, served in ((max_len + chunk, True), (max_len, False)):
+            swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16,
+                                    sliding_window=window_tokens)
+            if served:
+                conn = OffloadingConnector(e.vllm_config, KVConnectorRole.SCHEDULER, _two_groups(e, swa))
+                assert isinstance(conn.connector_scheduler.manager, KvtierOffloadingManager)
+                conn.shutdown()
+            else:
+                with pytest.raises(KvtierSpecConfigError, match="group 1 keeps a window"):
+                    OffloadingConnector(e.vllm_config, KVConnectorRole.SCHEDULER, _two_groups(e, swa))
+    finally:
+        e.close()

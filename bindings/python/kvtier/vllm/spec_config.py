@@ -94,15 +94,29 @@ def refuse_mla_without_prefix_caching(vllm_config: Any, on_cpu: bool) -> None:
             "computed over wrongly; serve this model without kv_transfer_config on CPU, or on a GPU")
 
 
+def _max_model_len(config: Any) -> Optional[int]:
+    """The engine's ``max_model_len``: vLLM 0.34's offloading config carries it; on 0.32 and
+    0.33 it is read from the ``VllmConfig`` the connector is built with (None outside an
+    engine)."""
+    n = getattr(getattr(config, "model", None), "max_model_len", None)
+    if n is None:
+        from .keys import engine_vllm_config
+
+        n = getattr(getattr(engine_vllm_config(), "model_config", None), "max_model_len", None)
+    return None if n is None else int(n)
+
+
 def refuse_non_prefix_groups(config: Any) -> None:
     """kvtier's host tier is a radix tree: a chunk is kept, found and evicted with its whole
     prefix. Sliding-window, chunked-local and Mamba groups keep only the last chunks of a
     prompt (vLLM's ``sliding_window_size_in_chunks``), so their chunks do not form prefixes;
-    refused here rather than served wrongly. Their models run with vLLM's
+    refused here rather than served wrongly — unless the window covers every prompt the
+    engine takes (``max_model_len``), where it never slides. Their models run with vLLM's
     ``TieringOffloadingSpec`` (on vLLM's CPU build, where vLLM's own spec refuses to start,
     ``KvtierTieringOffloadingSpec``, which the message names) and kvtier's tier and policy
     (docs/vllm/architectures.md)."""
     windows = group_windows(config)  # vLLM 0.32's config lacks the field (compat.py)
+    max_len = _max_model_len(config)
     # Sliding or chunked-local layers beside full-attention ones: vLLM without its hybrid KV
     # cache manager gives them full-attention blocks (one group, every block kept), whose
     # chunks are prefixes (Gemma 2 served so, exact: vllm_engine/test_vllm_engine_archs.py).
@@ -114,6 +128,12 @@ def refuse_non_prefix_groups(config: Any) -> None:
                 "whose chunks this spec serves")
     for g in config.groups:
         window = windows.get(int(g.group_id))
+        tokens_per_chunk = int(g.tokens_per_block) * int(config.cache.blocks_per_chunk)
+        if window is not None and max_len is not None and (window - 1) * tokens_per_chunk >= max_len:
+            # A window past every prompt the engine takes (Mistral-7B-v0.1's 4096 tokens at a
+            # max_model_len of 4096 or less) never slides: vLLM keeps and stores every chunk
+            # of such a group, a prefix (served exact: vllm_engine/test_vllm_engine_archs.py).
+            continue
         if window is not None:
             raise KvtierSpecConfigError(
                 f"KvtierOffloadingSpec: KV cache group {g.group_id} keeps a window of {window} chunk(s) "
