@@ -69,18 +69,9 @@ fn run_strategy() -> impl Strategy<Value = Run> {
                             per_1k_tokens_ms: 5,
                         },
                     ][stop as usize],
-                    write_policy: match write {
-                        0 => WritePolicy::WriteThrough,
-                        1 => WritePolicy::WriteThroughSelective { hit_threshold: 2 },
-                        _ if write_back => WritePolicy::WriteBack,
-                        _ => WritePolicy::WriteThrough,
-                    },
+                    write_policy: write_policy_of(write, write_back),
                     keep_device_after_write_back: keep,
-                    retraction: [
-                        RetractionPolicy::LatestArrival,
-                        RetractionPolicy::FewestGenerated,
-                        RetractionPolicy::MostPages,
-                    ][retract as usize],
+                    retraction: retraction_of(retract),
                     max_context_tokens: (dev as usize * ps).min(48),
                     eviction: ["lru", "freq-depth", "adaptive", "shadow"][evict as usize]
                         .parse()

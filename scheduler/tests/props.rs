@@ -65,18 +65,9 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                             per_1k_tokens_ms: 10,
                         },
                     ][stop as usize],
-                    write_policy: match write {
-                        0 => WritePolicy::WriteThrough,
-                        1 => WritePolicy::WriteThroughSelective { hit_threshold: 2 },
-                        _ if host_enabled => WritePolicy::WriteBack,
-                        _ => WritePolicy::WriteThrough,
-                    },
+                    write_policy: write_policy_of(write, host_enabled),
                     keep_device_after_write_back: keep,
-                    retraction: [
-                        RetractionPolicy::LatestArrival,
-                        RetractionPolicy::FewestGenerated,
-                        RetractionPolicy::MostPages,
-                    ][retract as usize],
+                    retraction: retraction_of(retract),
                     max_context_tokens: (dev as usize * ps).min(64),
                     eviction: match evict {
                         0 => Default::default(),

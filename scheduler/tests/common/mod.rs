@@ -465,6 +465,27 @@ pub fn learning(ahead_pages: u32) -> SchedulerConfig {
     }
 }
 
+/// The write policy a property test's choice `i` (0..3) picks: write-through, selective
+/// (second hit), or write-back where `write_back_ok` (it needs the host tier), else
+/// write-through.
+pub fn write_policy_of(i: u8, write_back_ok: bool) -> WritePolicy {
+    match i {
+        0 => WritePolicy::WriteThrough,
+        1 => WritePolicy::WriteThroughSelective { hit_threshold: 2 },
+        _ if write_back_ok => WritePolicy::WriteBack,
+        _ => WritePolicy::WriteThrough,
+    }
+}
+
+/// The retraction policy a property test's choice `i` (0..3) picks.
+pub fn retraction_of(i: u8) -> RetractionPolicy {
+    [
+        RetractionPolicy::LatestArrival,
+        RetractionPolicy::FewestGenerated,
+        RetractionPolicy::MostPages,
+    ][usize::from(i % 3)]
+}
+
 pub fn prompt(seed: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| seed * 1000 + i).collect()
 }
