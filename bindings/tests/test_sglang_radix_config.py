@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -131,7 +132,6 @@ def test_plugin_entry_point_registers_the_backend_and_sglang_builds_it():
     """kvtier's ``sglang.srt.plugins`` entry point, loaded as SGLang loads plugins, registers
     ``kvtier``; SGLang's own ``create_tree_cache`` builds it for ``--radix-cache-backend
     kvtier`` and refuses SWA and Mamba models with typed errors."""
-    import types
 
     from sglang.srt.mem_cache import registry
     from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
@@ -171,7 +171,6 @@ def test_the_documented_launch_command_parses_and_builds_the_backend(monkeypatch
     import pathlib
     import re
     import shlex
-    import types
 
     from sglang.srt.mem_cache import registry
     from sglang.srt.runtime_context import get_context
@@ -232,7 +231,6 @@ def test_the_namespace_follows_the_checkpoint_and_its_overrides_not_only_the_pat
     changing RoPE, changes every page's KV: the factory's namespace changed with neither (the
     model path alone), so a shared L3 served the old pages (the vLLM tester's case, the same
     code here). Same checkpoint, same namespace: copies share."""
-    import types
 
     from sglang.srt.mem_cache import registry
     from sglang.srt.server_args import ServerArgs
@@ -309,3 +307,36 @@ def test_pools_whose_buffers_are_not_a_tokens_kv_whole_are_refused_at_startup(mo
     plain = MHATokenToKVPool(40, PS, torch.float32, 2, 8, 2, "cpu", False)
     assert kr.KvtierRadixCache(_pool_params(plain), conf).page_bytes == 2 * 2 * 2 * 8 * 4 * PS
     assert issubclass(kr.UnsupportedModelError, kvtier.KvtierError)
+
+
+@pytest.mark.parametrize("algo", ["STANDALONE", "DFLASH", "UNO", "DSPARK"])
+def test_speculative_decoding_with_a_draft_kv_pool_is_refused_at_startup(algo):
+    """``--speculative-algorithm STANDALONE`` (and DFLASH, UNO, DSPARK) runs a draft model whose
+    KV lives in its own device pool at the target's token slots; these are not EAGLE (no bigram
+    keys, ``params.is_eagle`` False), and without HiCache SGLang hands the tree no draft pool.
+    kvtier loads a host or L3 prefix into the target's pool only, so the draft attended to
+    whatever those slots held before: SGLang's ``create_tree_cache`` built the backend for them
+    (this test failed). Now ``UnsupportedModelError`` naming the algorithm; NGRAM (no draft
+    model, the target's pool only) is still built."""
+    from sglang.srt.mem_cache import registry
+
+    from kvtier.sglang import plugin
+
+    plugin.register()
+    e = Engine(sglang_radix)
+
+    def build(spec):
+        args = publish_server_args(["--model-path", "dummy", "--device", "cpu", "--radix-cache-backend", "kvtier",
+                                    "--speculative-algorithm", spec, "--speculative-draft-model-path", "d"])
+        ctx = registry.TreeCacheBuildContext(
+            server_args=args, params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+            model_config=types.SimpleNamespace(model_path="m"), tp_size=1, tp_rank=0, tp_group=None)
+        return registry.create_tree_cache(ctx)
+
+    try:
+        with pytest.raises(kr.UnsupportedModelError, match=f"{algo}.*draft"):
+            build(algo)
+        assert isinstance(build("NGRAM"), kr.KvtierRadixCache)
+    finally:
+        publish_server_args()

@@ -628,15 +628,43 @@ class KvtierRadixCache(L3Io, RadixCache):
 
 
 
+# Speculative algorithms that keep no draft KV of their own (the target's pool is all there is).
+_NO_DRAFT_KV = ("NONE", "NGRAM")
+
+
+def _refuse_draft_kv_pools(ctx: Any) -> None:
+    """A draft model (STANDALONE, DFLASH, UNO, DSPARK, a plugin's algorithm) keeps its KV in its
+    own device pool at the target's token slots, and without HiCache SGLang gives the tree no
+    handle on it: a prefix kvtier loads from host or L3 would fill the target's rows only and
+    leave the draft attending to whatever those slots held before. EAGLE is refused by its
+    bigram keys (``params.is_eagle``) in the constructor."""
+    algo = getattr(ctx.server_args, "speculative_algorithm", None)
+    if algo is None:
+        try:
+            from sglang.srt.runtime_context import get_spec
+
+            algo = get_spec().speculative_algorithm
+        except Exception:  # noqa: BLE001 (an SGLang without the config bag: nothing published)
+            algo = None
+    name = str(getattr(algo, "name", algo) or "NONE").upper()
+    if name not in _NO_DRAFT_KV:
+        raise UnsupportedModelError(
+            f"--speculative-algorithm {name}: its draft model's KV pool sits beside the target's, and "
+            "kvtier loads prefixes into the target's pool only (the draft would read stale rows); "
+            "NGRAM or no speculative decoding")
+
+
 def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
     """SGLang's ``TreeCacheBuildContext`` → the backend; refuses what it cannot serve with a
-    typed error at startup (hybrid SWA, Mamba, DSA models; HiCache on top)."""
+    typed error at startup (hybrid SWA, Mamba, DSA models; a speculative draft model's KV pool;
+    HiCache on top)."""
     if ctx.is_hybrid_swa:
         raise UnsupportedModelError("hybrid sliding-window (SWA) models are not served: full-attention models only")
     if ctx.is_hybrid_ssm:
         raise UnsupportedModelError("Mamba (hybrid SSM) models are not served: full-attention models only")
     if getattr(ctx, "is_dsa", False):
         raise UnsupportedModelError("DSA (sparse attention) models are not served")
+    _refuse_draft_kv_pools(ctx)
     if ctx.enable_hierarchical_cache:
         raise RadixConfigError(
             "--enable-hierarchical-cache puts SGLang's HiCache over the host tier kvtier decides: drop it "
