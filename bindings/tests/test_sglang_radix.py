@@ -617,3 +617,23 @@ def test_chunked_prefill_stores_and_reuses_every_chunk(l3):
     assert rec.l3 == 28 if l3 else rec.host > 0
     e.check_pools()
     e.cache.manager.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_write_back_pages_are_not_evicted_by_a_later_match_before_their_backup(page_size):
+    """With ``write_back`` and an L3, a device eviction puts a path on host, its only copy, and
+    its backup was started only at the step's end; SGLang matches the step's other waiting
+    requests meanwhile, and their L3 prefetches evicted those host pages first (page sizes 1 and
+    2: the fourth prompt of round two was computed again, by this engine and by a fresh one on
+    the same L3; write-through reused it: this test failed). Now the backup starts, pinning the
+    pages, when they are written back: every prompt reused, bytes checked by the oracle."""
+    store = kvtier.L3Store.embedded(1 << 26)
+    ps = prompts(1, 4, 24)
+    e = Engine(kvtier_cache(host_pages=64 // page_size, store=store, write_policy="write_back"),
+               page_size=page_size, device_tokens=40)
+    e.run([e.request(p) for p in ps])
+    e.run([e.request(p) for p in ps])
+    assert e.prefix_hits[4:] == [24 - page_size] * 4
+    e.check_pools()
+    e.cache.manager.check()
+    assert e.cache.stats()["backed_up_pages"] == 4 * (24 // page_size)

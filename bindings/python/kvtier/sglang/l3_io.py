@@ -167,6 +167,14 @@ class L3Io:
             return
         self._poll_io(block=False)
         self._take_losses()
+        self._start_backups()
+        if self._pool is None and self._jobs:
+            # I/O in the hook itself: the backups just planned end here, so the host pages they
+            # pin are free for the next step's stores.
+            self._poll_io(block=True)
+
+    def _start_backups(self) -> None:
+        """Starts the backups kvtier plans; each pins its host pages until it ends."""
         for job, pages, slots in self.manager.plan_backups():
             keys = self.l3_keys(list(pages))
             store, flat, pb = self.store, self._host_flat, self.page_bytes
@@ -178,10 +186,6 @@ class L3Io:
 
             self.counters.backups += 1
             self._start(_Job("backup", job, len(pages), write))
-        if self._pool is None and self._jobs:
-            # I/O in the hook itself: the backups just planned end here, so the host pages they
-            # pin are free for the next step's stores.
-            self._poll_io(block=True)
 
     def _take_host_events(self) -> None:
         """kvtier's host events since the last step (it keeps them until read): pages that left

@@ -595,6 +595,10 @@ class KvtierRadixCache(L3Io, RadixCache):
             if chain is not None:
                 stored = self._store(chain, self.path_device_indices(node), node.key.cache_salt)
                 self.counters.written_back_pages += stored
+                if stored and self.store is not None:
+                    # Host now holds the only copy: its backup starts (and pins the pages) now, not
+                    # at the step's end, or a prefetch for a later match of this step evicted them.
+                    self._start_backups()
         super()._delete_leaf(node)
 
     # ---- metrics -----------------------------------------------------------------------
