@@ -309,6 +309,22 @@ def test_pools_whose_buffers_are_not_a_tokens_kv_whole_are_refused_at_startup(mo
     assert issubclass(kr.UnsupportedModelError, kvtier.KvtierError)
 
 
+def _built_by_sglang(e, *flags):
+    """SGLang's ``create_tree_cache`` for ``--radix-cache-backend kvtier`` plus ``flags`` (parsed
+    and published as a launch would), over ``e``'s pools."""
+    from sglang.srt.mem_cache import registry
+
+    from kvtier.sglang import plugin
+
+    plugin.register()
+    args = publish_server_args(["--model-path", "dummy", "--device", "cpu", "--radix-cache-backend", "kvtier",
+                                *flags])
+    ctx = registry.TreeCacheBuildContext(
+        server_args=args, params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
+        enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+        model_config=types.SimpleNamespace(model_path="m"), tp_size=1, tp_rank=0, tp_group=None)
+    return registry.create_tree_cache(ctx)
+
 @pytest.mark.parametrize("algo", ["STANDALONE", "DFLASH", "UNO", "DSPARK"])
 def test_speculative_decoding_with_a_draft_kv_pool_is_refused_at_startup(algo):
     """``--speculative-algorithm STANDALONE`` (and DFLASH, UNO, DSPARK) runs a draft model whose
@@ -318,25 +334,41 @@ def test_speculative_decoding_with_a_draft_kv_pool_is_refused_at_startup(algo):
     whatever those slots held before: SGLang's ``create_tree_cache`` built the backend for them
     (this test failed). Now ``UnsupportedModelError`` naming the algorithm; NGRAM (no draft
     model, the target's pool only) is still built."""
-    from sglang.srt.mem_cache import registry
-
-    from kvtier.sglang import plugin
-
-    plugin.register()
     e = Engine(sglang_radix)
 
     def build(spec):
-        args = publish_server_args(["--model-path", "dummy", "--device", "cpu", "--radix-cache-backend", "kvtier",
-                                    "--speculative-algorithm", spec, "--speculative-draft-model-path", "d"])
-        ctx = registry.TreeCacheBuildContext(
-            server_args=args, params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
-            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-            model_config=types.SimpleNamespace(model_path="m"), tp_size=1, tp_rank=0, tp_group=None)
-        return registry.create_tree_cache(ctx)
+        return _built_by_sglang(e, "--speculative-algorithm", spec, "--speculative-draft-model-path", "d")
 
     try:
         with pytest.raises(kr.UnsupportedModelError, match=f"{algo}.*draft"):
             build(algo)
         assert isinstance(build("NGRAM"), kr.KvtierRadixCache)
+    finally:
+        publish_server_args()
+
+
+def test_a_decode_servers_host_pool_retraction_backup_is_refused_at_startup():
+    """A PD-disaggregation decode server backs a retracted request's KV up to HiCache's host
+    pool (``--disaggregation-decode-retraction-backup host_pool``, also what SGLang resolves
+    by default on a decode server): ``release_req`` casts the tree cache to
+    ``UnifiedRadixCache`` and calls its ``backup_kv_cache``, which kvtier's backend does not
+    have. SGLang's ``create_tree_cache`` built the backend (this test failed) and the first
+    retraction raised AttributeError mid-serving. Now ``RadixConfigError`` naming the flag;
+    ``cpu_tensor`` (the request's KV copied to a CPU tensor, no tree involved) is built."""
+    from sglang.srt.mem_cache.common import backup_kv_cache
+
+    e = Engine(sglang_radix)
+
+    def build(backup):
+        return _built_by_sglang(e, "--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup", backup)
+
+    try:
+        with pytest.raises(kr.RadixConfigError, match="retraction-backup host_pool"):
+            build("host_pool")
+        cache = build("cpu_tensor")
+        assert isinstance(cache, kr.KvtierRadixCache)
+        # what SGLang's retraction did with host_pool over kvtier's backend
+        with pytest.raises(AttributeError, match="backup_kv_cache"):
+            backup_kv_cache(e.request([1, 2, 3]), cache, e.r2t, e.alloc, "host_pool")
     finally:
         publish_server_args()

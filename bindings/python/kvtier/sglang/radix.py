@@ -658,6 +658,23 @@ def _refuse_draft_kv_pools(ctx: Any) -> None:
             "NGRAM or no speculative decoding")
 
 
+def _refuse_host_pool_retraction() -> None:
+    """A PD-disaggregation decode server's ``host_pool`` retraction backup (SGLang's default
+    there) calls ``UnifiedRadixCache.backup_kv_cache`` on the tree cache at the first retraction;
+    kvtier's backend has none (an AttributeError mid-serving)."""
+    try:
+        from sglang.srt.runtime_context import get_disagg
+
+        backup = get_disagg().disaggregation_decode_retraction_backup
+    except Exception:  # noqa: BLE001 (an SGLang without the config bag: no such backup)
+        return
+    if backup == "host_pool":
+        raise RadixConfigError(
+            "--disaggregation-decode-retraction-backup host_pool (a decode server's default) backs retracted "
+            "requests up through HiCache's host pool, which kvtier's backend replaces: pass "
+            "--disaggregation-decode-retraction-backup cpu_tensor")
+
+
 def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
     """SGLang's ``TreeCacheBuildContext`` → the backend; refuses what it cannot serve with a
     typed error at startup (hybrid SWA, Mamba, DSA models; a speculative draft model's KV pool;
@@ -669,6 +686,7 @@ def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
     if getattr(ctx, "is_dsa", False):
         raise UnsupportedModelError("DSA (sparse attention) models are not served")
     _refuse_draft_kv_pools(ctx)
+    _refuse_host_pool_retraction()
     if ctx.enable_hierarchical_cache:
         raise RadixConfigError(
             "--enable-hierarchical-cache puts SGLang's HiCache over the host tier kvtier decides: drop it "
