@@ -372,3 +372,20 @@ def test_a_decode_servers_host_pool_retraction_backup_is_refused_at_startup():
             backup_kv_cache(e.request([1, 2, 3]), cache, e.r2t, e.alloc, "host_pool")
     finally:
         publish_server_args()
+
+
+def test_a_decode_servers_host_receive_is_refused_at_startup():
+    """``--disaggregation-decode-host-receive-threshold`` below 1 has a decode server receive
+    KV into HiCache's host pool, which it takes from the tree cache (``host_pool_group``):
+    kvtier's backend has none, and SGLang's decode queue died at startup with an untyped
+    AttributeError after the backend was built (this test failed: built). Now
+    ``RadixConfigError`` naming the flag; the default threshold 1 is built."""
+    e = Engine(sglang_radix)
+    decode = ("--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup", "cpu_tensor")
+    try:
+        with pytest.raises(kr.RadixConfigError, match="host-receive-threshold"):
+            _built_by_sglang(e, *decode, "--disaggregation-decode-host-receive-threshold", "0.5")
+        cache = _built_by_sglang(e, *decode)
+        assert not hasattr(cache, "host_pool_group")
+    finally:
+        publish_server_args()

@@ -659,20 +659,27 @@ def _refuse_draft_kv_pools(ctx: Any) -> None:
 
 
 def _refuse_host_pool_retraction() -> None:
-    """A PD-disaggregation decode server's ``host_pool`` retraction backup (SGLang's default
-    there) calls ``UnifiedRadixCache.backup_kv_cache`` on the tree cache at the first retraction;
-    kvtier's backend has none (an AttributeError mid-serving)."""
+    """A PD-disaggregation decode server's uses of HiCache's host pool, which kvtier's backend
+    replaces: the ``host_pool`` retraction backup (SGLang's default there) calls
+    ``UnifiedRadixCache.backup_kv_cache`` on the tree cache at the first retraction (an
+    AttributeError mid-serving), and host receive (a threshold below 1) takes the tree cache's
+    ``host_pool_group`` (an AttributeError at startup)."""
     try:
         from sglang.srt.runtime_context import get_disagg
 
         backup = get_disagg().disaggregation_decode_retraction_backup
-    except Exception:  # noqa: BLE001 (an SGLang without the config bag: no such backup)
+        receive = float(get_disagg().disaggregation_decode_host_receive_threshold)
+    except Exception:  # noqa: BLE001 (an SGLang without the config bag: no such options)
         return
     if backup == "host_pool":
         raise RadixConfigError(
             "--disaggregation-decode-retraction-backup host_pool (a decode server's default) backs retracted "
             "requests up through HiCache's host pool, which kvtier's backend replaces: pass "
             "--disaggregation-decode-retraction-backup cpu_tensor")
+    if receive < 1:
+        raise RadixConfigError(
+            f"--disaggregation-decode-host-receive-threshold {receive} receives KV into HiCache's host pool, "
+            "which kvtier's backend replaces: leave it at 1")
 
 
 def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
