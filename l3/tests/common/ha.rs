@@ -37,11 +37,33 @@ impl Drop for HaMaster {
     }
 }
 
+/// Sends `sig` to `c`. A SIGSTOP returns once every thread of `c` is stopped (at most 5 s):
+/// kill(2) only starts the stop, and a node still running for a moment after it answered a
+/// call the test issued next ("a paused node answered a get", about 1 run in 8 on a loaded
+/// 2-core machine; its first `/proc` read after kill(2) showed it not yet stopped).
 pub fn signal(c: &Child, sig: libc::c_int) {
     // SAFETY: kill(2) on a child we own.
     unsafe {
         libc::kill(c.id() as libc::pid_t, sig);
     }
+    if sig == libc::SIGSTOP {
+        let end = Instant::now() + Duration::from_secs(5);
+        while !all_threads_stopped(c.id()) && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Whether every thread of process `pid` is in state T (stopped), from `/proc`.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true; // gone: nothing runs
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .map(|s| s.rsplit(") ").next().is_some_and(|r| r.starts_with('T')))
+            .unwrap_or(true)
+    })
 }
 
 /// Flags of every master of the test cluster.
