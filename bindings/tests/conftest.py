@@ -6,6 +6,35 @@ import pytest
 import kvtier
 
 
+def sigstop(pid: int, limit_s: float = 5.0) -> None:
+    """SIGSTOPs process ``pid`` and returns once every thread of it is stopped (``/proc``
+    state T), at most ``limit_s`` later: kill(2) only starts the stop, and a server that ran
+    on for a moment answered the call a test made next (l3/tests/common/ha.rs, ``signal``)."""
+    import os
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + limit_s
+
+    def stopped() -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return True  # gone: nothing runs
+        for t in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{t}/stat") as f:
+                    if not f.read().rsplit(") ", 1)[-1].startswith("T"):
+                        return False
+            except OSError:
+                pass
+        return True
+
+    while not stopped() and time.monotonic() < end:
+        time.sleep(0.001)
+
+
 def small_config(**over):
     base = dict(
         page_size=4,

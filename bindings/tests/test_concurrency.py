@@ -365,7 +365,8 @@ def test_a_compat_client_waiting_on_a_stopped_server_lets_other_threads_run(call
         c = MooncakeCore()
         assert c.setup_remote(stopped.addr, "default", None, 1 << 20, "h:1") == 0
         assert c.has_segment()
-        os.kill(stopped.p.pid, signal.SIGSTOP)
+        from conftest import sigstop
+        sigstop(stopped.p.pid)
         began, res, box = threading.Event(), [], [c]
         if {call!r} == "collected":
             del c

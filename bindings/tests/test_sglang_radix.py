@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import kvtier
 from sglang_engine import PS, Engine, Mismatch, kvtier_cache, oracle, prompts, sglang_radix
+from conftest import sigstop
 
 
 def test_prefixes_come_back_from_host_when_the_device_pool_is_too_small():
@@ -438,7 +439,7 @@ def test_a_stalled_l3_never_holds_back_admission():
         one.cache.wait_io()
         two = Engine(kvtier_cache(host_pages=64, l3="server", server=srv.addr, io_threads=1,
                                   rpc_timeout_ms=30_000))
-        os.kill(srv.p.pid, signal.SIGSTOP)
+        sigstop(srv.p.pid)
         try:
             t0 = time.monotonic()
             two.run([two.request(p) for p in ps])
@@ -482,7 +483,7 @@ def test_a_flush_behind_a_stalled_store_waits_one_timeout_not_one_per_queued_job
         timeout_s = 2
         e = Engine(kvtier_cache(host_pages=32, l3="server", server=srv.addr, io_threads=1,
                                 rpc_timeout_ms=timeout_s * 1000), device_tokens=60)
-        os.kill(srv.p.pid, signal.SIGSTOP)
+        sigstop(srv.p.pid)
         try:
             for p in prompts(9, 6, 24):
                 e.run([e.request(p)])
