@@ -309,9 +309,10 @@ def test_pools_whose_buffers_are_not_a_tokens_kv_whole_are_refused_at_startup(mo
     assert issubclass(kr.UnsupportedModelError, kvtier.KvtierError)
 
 
-def _built_by_sglang(e, *flags):
+def _built_by_sglang(e, *flags, **ctx_fields):
     """SGLang's ``create_tree_cache`` for ``--radix-cache-backend kvtier`` plus ``flags`` (parsed
-    and published as a launch would), over ``e``'s pools."""
+    and published as a launch would), over ``e``'s pools (``ctx_fields``: the build context's
+    own, such as ``tp_size``)."""
     from sglang.srt.mem_cache import registry
 
     from kvtier.sglang import plugin
@@ -322,7 +323,8 @@ def _built_by_sglang(e, *flags):
     ctx = registry.TreeCacheBuildContext(
         server_args=args, params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
         enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-        model_config=types.SimpleNamespace(model_path="m"), tp_size=1, tp_rank=0, tp_group=None)
+        model_config=types.SimpleNamespace(model_path="m"),
+        **{"tp_size": 1, "tp_rank": 0, "tp_group": None, **ctx_fields})
     return registry.create_tree_cache(ctx)
 
 @pytest.mark.parametrize("algo", ["STANDALONE", "DFLASH", "UNO", "DSPARK"])
@@ -387,5 +389,33 @@ def test_a_decode_servers_host_receive_is_refused_at_startup():
             _built_by_sglang(e, *decode, "--disaggregation-decode-host-receive-threshold", "0.5")
         cache = _built_by_sglang(e, *decode)
         assert not hasattr(cache, "host_pool_group")
+    finally:
+        publish_server_args()
+
+
+@pytest.mark.parametrize("tp,attn_tp,rank", [(2, 1, 1), (4, 2, 3)])
+def test_attention_dp_ranks_agree_within_their_attention_tp_group(tp, attn_tp, rank):
+    """With attention DP (``--attn-dp-size``, DeepSeek's usual deployment) each DP rank's
+    scheduler serves its own requests over its attention-TP group's KV shards. SGLang's build
+    context names the whole TP group, and the backend took it: its ranks' agreements (an
+    all-reduce in a match that probes L3) paired ranks that serve other requests (by analysis:
+    a hang, or one DP rank's probe cut by another's), and its keys and namespace named a TP
+    shard layout the pool does not have (this test failed: the whole group's size and rank).
+    Now the attention-TP size, rank and SGLang's ``tp_cache_group`` (``get_dp_tp_group``) are
+    the backend's."""
+    from sglang.srt.runtime_context import get_parallel
+
+    e = Engine(sglang_radix)
+    e.params.tp_cache_group = group = object() if attn_tp > 1 else None
+    whole = object()
+    try:
+        publish_server_args(["--model-path", "dummy", "--device", "cpu", "--tp", str(tp), "--attn-dp-size", "2"])
+        with get_parallel().override(tp_rank=rank, attn_tp_rank=rank % attn_tp, attn_dp_rank=rank // attn_tp,
+                                     attn_cp_rank=0):
+            cache = _built_by_sglang(e, "--tp", str(tp), "--attn-dp-size", "2", tp_size=tp, tp_rank=rank,
+                                     tp_group=whole)
+        assert (cache.tp_size, cache.tp_rank) == (attn_tp, rank % attn_tp)
+        assert cache._group is group
+        assert cache.l3_keys([bytes(32)])[0].endswith(f":{rank % attn_tp}")
     finally:
         publish_server_args()

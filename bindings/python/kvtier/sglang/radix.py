@@ -702,5 +702,26 @@ def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
     model = getattr(ctx.model_config, "model_path", None) or getattr(ctx.server_args, "model_path", "") or ""
     cfg = RadixBackendConfig.from_env()
     # the model's identity, not only its path: another fine-tune there read these pages
+    tp_size, tp_rank, tp_group = _kv_shard_group(ctx)
     return KvtierRadixCache(ctx.params, cfg, model=sglang_model(str(model), ctx.server_args, cfg.model_version),
-                            tp_rank=int(ctx.tp_rank), tp_size=int(ctx.tp_size), tp_group=ctx.tp_group)
+                            tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+
+
+def _kv_shard_group(ctx: Any) -> Tuple[int, int, Any]:
+    """The ranks that see this scheduler's requests and split its KV: with attention DP, the DP
+    rank's attention-TP group (SGLang's ``tp_cache_group``, ``get_dp_tp_group``: its own
+    requests, heads split over ``attn_tp_size``), not the whole TP group the build context
+    names (agreements paired ranks serving other requests); otherwise the TP group."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        dp = bool(p.attn_dp_enabled)
+    except Exception:  # noqa: BLE001 (an SGLang without the parallel context, or none published)
+        dp = False
+    if not dp:
+        return int(ctx.tp_size), int(ctx.tp_rank), ctx.tp_group
+    try:
+        return int(p.attn_tp_size), int(p.attn_tp_rank), getattr(ctx.params, "tp_cache_group", None)
+    except Exception as e:  # noqa: BLE001 (SGLang's unwritten-rank error)
+        raise RadixConfigError(f"attention DP: this rank's place in its attention-TP group is not known: {e}") from None
