@@ -638,3 +638,38 @@ def test_write_back_pages_are_not_evicted_by_a_later_match_before_their_backup(p
     e.check_pools()
     e.cache.manager.check()
     assert e.cache.stats()["backed_up_pages"] == 4 * (24 // page_size)
+
+
+def test_an_l3_server_stopped_and_restarted_mid_run_costs_reuse_never_bytes():
+    """The L3 server (in the process) shuts down mid-run and comes back empty on its address. While it
+    is down the engine serves on (store errors counted, nothing raised); the pages it held
+    before are gone, and a request for them (host evicted its copy) recomputes them, checked
+    by the oracle; the client reconnects and pages stored after the restart are backed up, so a
+    fresh engine on the server gets them from L3. What the engine computed while the server was
+    down is not backed up again (as SGLang's HiCache: a failed backup is not retried)."""
+    srv = kvtier.L3Server(64 << 20)
+    addr = srv.addr
+    before, down, after = prompts(71, 3, 24), prompts(72, 3, 24), prompts(73, 6, 24)
+    one = Engine(kvtier_cache(host_pages=12, l3="server", server=addr, rpc_timeout_ms=3000), device_tokens=40)
+    try:
+        one.run([one.request(p) for p in before])
+        one.cache.flush_pending_backups()
+        srv.shutdown()
+        one.run([one.request(p) for p in down])
+        assert one.cache.stats()["store_errors"] > 0 and one.cache.stats()["backup_failures"] > 0
+        srv = kvtier.L3Server(64 << 20, addr=addr)
+        backed = one.cache.stats()["backed_up_pages"]
+        one.run([one.request(p) for p in after])
+        one.cache.flush_pending_backups()
+        assert one.cache.stats()["backed_up_pages"] == backed + 6 * 6, "backups resume after the restart"
+        one.run([one.request(p) for p in before])  # off host, lost from L3: computed again
+        assert one.prefix_hits[-3:] == [0] * 3
+        one.check_pools()
+        one.cache.manager.check()
+        two = Engine(kvtier_cache(host_pages=64, l3="server", server=addr), device_tokens=200)
+        for group in (after, down):
+            two.run([two.request(p) for p in group])
+        assert two.prefix_hits == [20] * 6 + [0] * 3 and two.cache.stats()["l3_hit_tokens"] == 120
+        two.check_pools()
+    finally:
+        srv.shutdown()
