@@ -162,6 +162,15 @@ pyo3::create_exception!(
     "-1010: the call straddled a master failover (an older leader epoch's put or answer); put it again."
 );
 
+// A peer (server, client or master) of another kvtier-l3 wire protocol version, refused
+// at hello: its own class, as an operator fixes it by upgrading, never by retrying.
+pyo3::create_exception!(
+    kvtier,
+    ProtocolMismatchError,
+    PyL3Error,
+    "-300: the server (or this client) speaks another kvtier-l3 wire protocol version; the message names both. Upgrade one side so both share the version."
+);
+
 /// Registers every exception class on the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -181,6 +190,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let t = py.get_type::<EpochFencedError>();
     t.setattr("code", ErrorCode::UnavailableInCurrentStatus.as_i32())?;
     m.add("EpochFencedError", t)?;
+    let t = py.get_type::<ProtocolMismatchError>();
+    t.setattr("code", ErrorCode::InvalidVersion.as_i32())?;
+    m.add("ProtocolMismatchError", t)?;
     Ok(())
 }
 
@@ -249,5 +261,6 @@ pub fn l3_err(e: L3Error) -> PyErr {
         L3Error::Internal(_) => L3InternalError::new_err(msg),
         L3Error::UnavailableInMode(_) => UnavailableInModeError::new_err(msg),
         L3Error::ReplicaIsGone(_) => ReplicaIsGoneError::new_err(msg),
+        L3Error::ProtocolMismatch { .. } => ProtocolMismatchError::new_err(msg),
     }
 }

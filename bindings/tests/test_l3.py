@@ -372,3 +372,33 @@ def test_a_shut_down_server_serves_no_more_requests_on_open_channels(shm):
     for call in (lambda: c.is_exist("a"), lambda: c.put("z", b"Z" * 8), lambda: c.get("a")):
         with pytest.raises(kvtier.L3Error):
             call()
+
+
+L3_BIN = Path(__file__).resolve().parents[2] / "target" / "release" / "kvtier-l3"
+
+
+@pytest.mark.skipif(not L3_BIN.exists(), reason="needs target/release/kvtier-l3")
+def test_a_server_of_another_protocol_version_is_refused_with_its_own_class():
+    """A server announcing another wire protocol version (the test hook
+    KVTIER_L3_TEST_PROTOCOL_VERSION_OVERRIDE) is refused at connect with
+    kvtier.ProtocolMismatchError (-300, an L3Error) naming both versions, never served."""
+    import subprocess
+
+    e = kvtier.ProtocolMismatchError
+    assert issubclass(e, kvtier.L3Error) and e.code == -300
+    env = dict(os.environ, KVTIER_L3_TEST_PROTOCOL_VERSION_OVERRIDE="4000000000")
+    env.pop("KVTIER_L3_TOKEN", None)
+    p = subprocess.Popen(
+        [str(L3_BIN), "--listen", "127.0.0.1:0", "--segment-bytes", "16777216"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("LISTENING "), line
+        addr = line.split()[1]
+        with pytest.raises(kvtier.ProtocolMismatchError) as caught:
+            kvtier.L3Store.connect(addr)
+        assert caught.value.code == -300
+        assert "the server 4000000000" in str(caught.value), str(caught.value)
+    finally:
+        p.kill()
+        p.wait()

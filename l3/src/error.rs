@@ -307,6 +307,22 @@ pub enum L3Error {
     /// phases straddle a master failover fails with this (put it again). Appended.
     #[error("epoch fenced: {0} (-1010)")]
     EpochFenced(String),
+    /// -300: the peer speaks another version of the L3 wire protocol
+    /// ([`crate::rpc::service::PROTOCOL_VERSION`]); refused at `hello`, before any other
+    /// call. `client` is the connecting side's version (an engine's client, or a store node
+    /// joining its master), `server` the serving side's. Appended (wire order): every
+    /// version decodes it, as `hello`'s reply is frozen.
+    #[error(
+        "protocol version mismatch: the client speaks kvtier-l3 wire protocol {client}, the \
+         server {server}; peers must share the protocol version: upgrade (or roll back) one \
+         side so both run releases of the same version (-300)"
+    )]
+    ProtocolMismatch {
+        /// The connecting side's protocol version.
+        client: u32,
+        /// The serving side's protocol version.
+        server: u32,
+    },
 }
 
 /// Settles the result of a best-effort release (a revoke, an unmount, an etcd lease given
@@ -358,6 +374,7 @@ impl L3Error {
             L3Error::NotLeader(_) | L3Error::EpochFenced(_) => {
                 ErrorCode::UnavailableInCurrentStatus
             }
+            L3Error::ProtocolMismatch { .. } => ErrorCode::InvalidVersion,
         }
     }
 

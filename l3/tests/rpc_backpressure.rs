@@ -20,7 +20,7 @@ mod common;
 use common::raw::{PATIENCE, TOKEN, assert_closed, rpc_frame, token_server};
 use common::{payload, t};
 use kvtier_l3::rpc::server::{DEFAULT_MAX_REQUESTS_PER_CONNECTION, ServerOptions};
-use kvtier_l3::rpc::service::L3RpcRequest;
+use kvtier_l3::rpc::service::{L3RpcRequest, PROTOCOL_VERSION};
 use kvtier_l3::{ClientOptions, ExistOptions, L3Store, PutOptions, RemoteStore, ShmMode};
 
 /// The stall limit of these servers (60 s by default).
@@ -61,6 +61,7 @@ fn authenticated(addr: SocketAddr) -> TcpStream {
         1,
         L3RpcRequest::Hello {
             token: Some(TOKEN.into()),
+            version: PROTOCOL_VERSION,
         },
     ))
     .unwrap();

@@ -21,7 +21,7 @@ mod common;
 use common::raw::{PATIENCE, Server, TOKEN, assert_closed, rpc_frame, token_server};
 use common::{payload, t};
 use kvtier_l3::rpc::server::ServerOptions;
-use kvtier_l3::rpc::service::L3RpcRequest;
+use kvtier_l3::rpc::service::{L3RpcRequest, PROTOCOL_VERSION};
 use kvtier_l3::{ClientOptions, L3Store, PutOptions, RemoteStore};
 
 fn server(metrics: bool) -> kvtier_l3::ServerHandle {
@@ -74,6 +74,7 @@ fn a_connection_that_never_says_hello_is_closed() {
             1,
             L3RpcRequest::Hello {
                 token: Some("wrong".into()),
+                version: PROTOCOL_VERSION,
             },
         ))
         .unwrap();

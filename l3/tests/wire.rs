@@ -13,7 +13,7 @@ mod common;
 use common::{client, payload, persisted, t};
 use kvtier_l3::rpc::client::ClientOptions;
 use kvtier_l3::rpc::server::ServerOptions;
-use kvtier_l3::rpc::service::L3RpcClient;
+use kvtier_l3::rpc::service::{L3RpcClient, PROTOCOL_VERSION};
 use kvtier_l3::{
     EmbeddedStore, ExistOptions, L3Error, L3Store, PutOptions, QueryResult, RemoteStore, SsdConfig,
     StoreConfig, Tenant, spawn_server,
@@ -174,7 +174,7 @@ fn token_and_limits_are_typed_errors() {
             .await
             .unwrap();
         assert_eq!(r.unwrap_err().code_i32(), -601);
-        raw.hello(ctx(), Some("s3cret".into()))
+        raw.hello(ctx(), Some("s3cret".into()), PROTOCOL_VERSION)
             .await
             .unwrap()
             .unwrap();

@@ -66,6 +66,7 @@ from ._native import (  # noqa: F401  (re-exports)
     PlannedOp,
     PrefetchDone,
     PrefillChunk,
+    ProtocolMismatchError,
     QueryResults,
     RankAgreement,
     ReplicaIsGoneError,

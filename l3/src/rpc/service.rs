@@ -13,17 +13,97 @@
 //!
 //! A connection must call `hello` first (with the shared-secret token when the server has
 //! one); every other call on an unauthenticated connection fails with -601.
+//!
+//! Versions: `hello` carries the client's [`PROTOCOL_VERSION`] and its reply ([`Hello`]) the
+//! server's; either side refuses a peer of another version with
+//! [`L3Error::ProtocolMismatch`] (-300) before any other call. `hello`'s request and reply
+//! are frozen (the reply carries the limits as opaque bytes, decoded only once the versions
+//! agree), so peers of any two versions read each other's `hello` and never misread a later
+//! call. Every other type on this wire may change, and then [`PROTOCOL_VERSION`] is bumped:
+//! `l3/tests/wire_format.rs` fails when a wire type changes under the same version.
 
 use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::L3Result;
+use bincode::Options;
+
+use crate::error::{L3Error, L3Result};
 use crate::master::{DiskLoc, LossCursor, Losses, NodeSync, ReplicaEnded, RetainedObject};
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, NodeRef, PutHandle, PutOptions, QueryResult,
     ReplicaDescriptor, ReplicateConfig, SegmentId, StoreStats, Tenant,
 };
+
+/// The version of the L3 wire protocol: every type crossing [`L3Rpc`] (and the transfer and
+/// shared-memory channels set up after its `hello`). Bumped whenever any of them changes
+/// (`l3/tests/wire_format.rs` enforces it): peers refuse each other across versions.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Environment variable overriding the protocol version this process announces (clients,
+/// servers, store nodes): a test hook that lets a test play a peer of another version. Not
+/// for production: a process announcing a version it does not speak misreads its peers.
+pub const PROTOCOL_VERSION_OVERRIDE_ENV: &str = "KVTIER_L3_TEST_PROTOCOL_VERSION_OVERRIDE";
+
+/// The version this process announces: [`PROTOCOL_VERSION`], unless the test hook
+/// [`PROTOCOL_VERSION_OVERRIDE_ENV`] names another (a value that is not a u32 is ignored,
+/// with a warning).
+pub fn announced_protocol_version() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match std::env::var(PROTOCOL_VERSION_OVERRIDE_ENV) {
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            tracing::warn!(value = %v, "{PROTOCOL_VERSION_OVERRIDE_ENV} is not a u32: ignored");
+            PROTOCOL_VERSION
+        }),
+        Err(_) => PROTOCOL_VERSION,
+    })
+}
+
+/// Ok when a client of version `client` and a server of version `server` may talk; else the
+/// typed refusal naming both.
+pub fn check_protocol(client: u32, server: u32) -> L3Result<()> {
+    if client == server {
+        Ok(())
+    } else {
+        Err(L3Error::ProtocolMismatch { client, server })
+    }
+}
+
+/// `hello`'s reply. Frozen: its layout (and `hello`'s request: the token, then the version)
+/// never changes, so a peer of any version reads it and can name the versions it refuses.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The server's protocol version.
+    pub version: u32,
+    /// The server's [`ServerLimits`] in bincode (varint), to be decoded only by a client of
+    /// the same version: their layout belongs to the version.
+    #[serde(with = "serde_bytes")]
+    pub limits: Vec<u8>,
+}
+
+impl Hello {
+    /// The reply of a server of `version` enforcing `limits`.
+    pub fn new(version: u32, limits: &ServerLimits) -> L3Result<Hello> {
+        let limits = bincode::DefaultOptions::new()
+            .serialize(limits)
+            .map_err(|e| L3Error::Internal(format!("encoding the server limits: {e}")))?;
+        Ok(Hello { version, limits })
+    }
+
+    /// The server's limits, for a client of version `client`: -300 when the server speaks
+    /// another version (its limits are not decoded then).
+    pub fn limits_for(&self, client: u32) -> L3Result<ServerLimits> {
+        check_protocol(client, self.version)?;
+        bincode::DefaultOptions::new()
+            .deserialize(&self.limits)
+            .map_err(|e| {
+                L3Error::RpcFail(format!(
+                    "the server's hello (protocol {}) carries limits this client cannot read: {e}",
+                    self.version
+                ))
+            })
+    }
+}
 
 /// Limits a server enforces, advertised by `hello` so clients can refuse early (typed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -210,8 +290,10 @@ pub type WireBatch<T> = L3Result<Vec<L3Result<T>>>;
 /// The L3 RPC service.
 #[tarpc::service]
 pub trait L3Rpc {
-    /// Authenticates the connection; returns the server's limits.
-    async fn hello(token: Option<String>) -> L3Result<ServerLimits>;
+    /// Authenticates the connection (the token, and the client's [`PROTOCOL_VERSION`]);
+    /// returns the server's version and limits. Frozen: first call, these arguments in this
+    /// order, this reply, in every version (see [`Hello`]).
+    async fn hello(token: Option<String>, version: u32) -> L3Result<Hello>;
     /// `PutStart`.
     async fn put_start(tenant: Tenant, key: String, size: u64) -> L3Result<PutHandle>;
     /// Writes a pending put's bytes.

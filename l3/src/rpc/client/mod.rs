@@ -37,7 +37,9 @@ use tarpc::context;
 use tarpc::tokio_serde::formats::Bincode;
 
 use super::server::DEFAULT_MAX_FRAME;
-use super::service::{ClusterReply, ClusterRequest, L3RpcClient, ServerLimits};
+use super::service::{
+    ClusterReply, ClusterRequest, L3RpcClient, ServerLimits, announced_protocol_version,
+};
 use super::shm::{SharedRegion, ShmClient, ShmMode, ShmOffer, ShmOutcome};
 use super::xfer::XferClient;
 use crate::api::BatchResult;
@@ -79,6 +81,11 @@ pub struct ClientOptions {
     /// Size of the shared-memory staging segment: the most bytes of caller buffers (outside
     /// shared regions) one shared-memory request carries.
     pub shm_staging_bytes: usize,
+    /// The protocol version this client announces and requires of its server: always
+    /// [`PROTOCOL_VERSION`](super::service::PROTOCOL_VERSION) but in tests playing a client
+    /// of another version (default: [`announced_protocol_version`]).
+    #[doc(hidden)]
+    pub protocol_version: u32,
 }
 
 impl Default for ClientOptions {
@@ -93,6 +100,7 @@ impl Default for ClientOptions {
             leader_call_timeout: Duration::from_secs(3),
             shm: ShmMode::from_env(),
             shm_staging_bytes: 64 << 20,
+            protocol_version: announced_protocol_version(),
         }
     }
 }
@@ -180,6 +188,10 @@ pub struct RemoteStore {
     /// is in an etcd HA cluster, so it retries and re-finds the leader as an `etcd://`
     /// client does (through the address it was given).
     redirected: AtomicBool,
+    /// The last redial's refusal of the server's protocol version (a server replaced by
+    /// one of another version at the same address): what a call on the broken connection
+    /// fails with, rather than a bare -900, until a redial succeeds.
+    refused: parking_lot::Mutex<Option<L3Error>>,
     limits: ServerLimits,
     opts: ClientOptions,
     /// The process that connected: a child forked after that shares this client's sockets
@@ -240,6 +252,7 @@ impl RemoteStore {
             )?),
             broken: AtomicBool::new(false),
             redirected: AtomicBool::new(false),
+            refused: parking_lot::Mutex::new(None),
             pid: std::process::id(),
             rt,
             limits: ServerLimits {
@@ -420,22 +433,39 @@ impl RemoteStore {
         self.run(self.rpc().cluster(self.ctx(), req))
     }
 
-    /// `hello` on connection `c`: authenticates, returns the server's limits.
+    /// `hello` on connection `c`: authenticates, returns the server's limits; -300 when the
+    /// server speaks another protocol version (whether it refused this client or this client
+    /// refuses its answer).
     fn hello_on(&self, c: &L3RpcClient) -> L3Result<ServerLimits> {
         let token = self.opts.token.clone();
+        let ours = self.opts.protocol_version;
         let ctx = self.ctx();
-        self.rt
-            .block_on(within(self.call_limit(), c.hello(ctx, token)))
-            .map_err(|e| self.transport_err(e))?
+        let hello = self
+            .rt
+            .block_on(within(self.call_limit(), c.hello(ctx, token, ours)))
+            .map_err(|e| match self.transport_err(e) {
+                // A server released before protocol versions cannot read this hello: it
+                // closes the connection.
+                L3Error::RpcFail(m) => L3Error::RpcFail(format!(
+                    "hello (protocol {ours}): {m}; a server of a kvtier-l3 release older than \
+                     protocol versions closes the connection here"
+                )),
+                other => other,
+            })??;
+        hello.limits_for(ours)
     }
 
     /// The RPC client, dialled again first if the connection broke. A failed dial keeps
     /// the broken one, so the call fails at once with -900 and the next one tries again.
     fn rpc(&self) -> L3RpcClient {
-        if self.broken.load(Ordering::Acquire)
-            && let Err(e) = self.redial()
-        {
-            tracing::debug!(error = %e, addr = %self.master_addr(), "reconnect failed");
+        if self.broken.load(Ordering::Acquire) {
+            let r = self.redial();
+            if let Err(e) = &r {
+                tracing::debug!(error = %e, addr = %self.master_addr(), "reconnect failed");
+            }
+            *self.refused.lock() = r
+                .err()
+                .filter(|e| matches!(e, L3Error::ProtocolMismatch { .. }));
         }
         self.client.lock().clone()
     }
@@ -521,7 +551,8 @@ impl RemoteStore {
         {
             self.broken.store(true, Ordering::Release);
         }
-        rpc_err(e)
+        let refused = self.refused.lock().clone();
+        refused.unwrap_or_else(|| rpc_err(e))
     }
 
     /// How long one call may take: the RPC timeout, or less while following a leader.

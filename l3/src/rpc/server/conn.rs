@@ -15,7 +15,9 @@ use tarpc::context::Context;
 use crate::error::{L3Error, L3Result};
 use crate::master::{LossCursor, Losses};
 use crate::rpc::accept::{TokenDigest, token_ok};
-use crate::rpc::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits, WireBatch};
+use crate::rpc::service::{
+    ClusterReply, ClusterRequest, Hello, L3Rpc, ServerLimits, WireBatch, check_protocol,
+};
 use crate::rpc::shm::ShmOffer;
 use crate::types::{
     Blob, ClientId, ClientStatus, ExistOptions, PutHandle, PutOptions, QueryResult,
@@ -30,6 +32,8 @@ pub(super) struct Conn<B> {
     pub(super) token: Option<TokenDigest>,
     pub(super) state: Arc<ConnState>,
     pub(super) limits: ServerLimits,
+    /// The protocol version this server speaks (and announces).
+    pub(super) version: u32,
     pub(super) shm: Arc<Option<ShmOffer>>,
 }
 
@@ -40,6 +44,7 @@ impl<B> Clone for Conn<B> {
             token: self.token,
             state: self.state.clone(),
             limits: self.limits,
+            version: self.version,
             shm: self.shm.clone(),
         }
     }
@@ -72,7 +77,13 @@ impl<B: Backend> Conn<B> {
 }
 
 impl<B: Backend> L3Rpc for Conn<B> {
-    async fn hello(self, _: Context, token: Option<String>) -> L3Result<ServerLimits> {
+    async fn hello(self, _: Context, token: Option<String>, version: u32) -> L3Result<Hello> {
+        // First, so a peer of another version is told so (whatever its token): nothing else
+        // it sends could be read right. The connection stays unauthenticated.
+        if let Err(e) = check_protocol(version, self.version) {
+            tracing::warn!(error = %e, "refused a client of another protocol version");
+            return Err(e);
+        }
         let ok = token_ok(self.token.as_ref(), token.as_deref());
         if !ok {
             return Err(L3Error::IllegalClient("bad token".into()));
@@ -83,7 +94,7 @@ impl<B: Backend> L3Rpc for Conn<B> {
                 "connection closed: too many connections waiting for their hello".into(),
             ));
         }
-        Ok(self.limits)
+        Hello::new(self.version, &self.limits)
     }
 
     async fn put_start(

@@ -39,7 +39,9 @@ use tokio::sync::watch;
 
 use super::accept::TokenDigest;
 use super::codec::ClampedBincode;
-use super::service::{ClusterReply, ClusterRequest, L3Rpc, ServerLimits};
+use super::service::{
+    ClusterReply, ClusterRequest, L3Rpc, ServerLimits, announced_protocol_version,
+};
 use super::shm::{ShmMode, ShmServer};
 use super::xfer::{XferHandler, XferServer};
 use crate::api::{BatchResult, L3Store};
@@ -109,6 +111,11 @@ pub struct ServerOptions {
     /// An RPC connection whose replies make no progress for this long (the peer does not
     /// read them), or that leaves a frame half-sent this long, is dropped.
     pub rpc_stall_timeout: Duration,
+    /// The protocol version this server announces and requires of its clients: always
+    /// [`PROTOCOL_VERSION`](crate::rpc::service::PROTOCOL_VERSION) but in tests playing a
+    /// server of another version (default: [`announced_protocol_version`]).
+    #[doc(hidden)]
+    pub protocol_version: u32,
 }
 
 impl Default for ServerOptions {
@@ -128,6 +135,7 @@ impl Default for ServerOptions {
             xfer_write_timeout: DEFAULT_XFER_WRITE_TIMEOUT,
             max_requests_per_connection: DEFAULT_MAX_REQUESTS_PER_CONNECTION,
             rpc_stall_timeout: DEFAULT_RPC_STALL_TIMEOUT,
+            protocol_version: announced_protocol_version(),
         }
     }
 }
@@ -378,6 +386,7 @@ pub async fn start<B: Backend>(
         stall: opts.rpc_stall_timeout,
     };
     let st = store.clone();
+    let version = opts.protocol_version;
     tokio::spawn(accept_loop(
         "RPC",
         listener,
@@ -392,6 +401,7 @@ pub async fn start<B: Backend>(
                 token,
                 state: guard.state().clone(),
                 limits,
+                version,
                 shm: offer.clone(),
             };
             serve_rpc(sock, guard, conn, flow);
