@@ -322,9 +322,8 @@ def _built_by_sglang(e, *flags, **ctx_fields):
                                 *flags])
     ctx = registry.TreeCacheBuildContext(
         server_args=args, params=e.params, is_hybrid_swa=False, is_hybrid_ssm=False,
-        enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-        model_config=types.SimpleNamespace(model_path="m"),
-        **{"tp_size": 1, "tp_rank": 0, "tp_group": None, **ctx_fields})
+        enable_hierarchical_cache=False, tp_worker=None, model_config=types.SimpleNamespace(model_path="m"),
+        **{"tp_size": 1, "tp_rank": 0, "tp_group": None, "disable_radix_cache": False, **ctx_fields})
     return registry.create_tree_cache(ctx)
 
 @pytest.mark.parametrize("algo", ["STANDALONE", "DFLASH", "UNO", "DSPARK"])
@@ -350,13 +349,14 @@ def test_speculative_decoding_with_a_draft_kv_pool_is_refused_at_startup(algo):
 
 
 def test_a_decode_servers_host_pool_retraction_backup_is_refused_at_startup():
-    """A PD-disaggregation decode server backs a retracted request's KV up to HiCache's host
-    pool (``--disaggregation-decode-retraction-backup host_pool``, also what SGLang resolves
-    by default on a decode server): ``release_req`` casts the tree cache to
-    ``UnifiedRadixCache`` and calls its ``backup_kv_cache``, which kvtier's backend does not
-    have. SGLang's ``create_tree_cache`` built the backend (this test failed) and the first
-    retraction raised AttributeError mid-serving. Now ``RadixConfigError`` naming the flag;
-    ``cpu_tensor`` (the request's KV copied to a CPU tensor, no tree involved) is built."""
+    """A PD-disaggregation decode server with its radix cache on
+    (``--disaggregation-decode-enable-radix-cache``) and
+    ``--disaggregation-decode-retraction-backup host_pool`` backs a retracted request's KV up
+    to HiCache's host pool: ``release_req`` casts the tree cache to ``UnifiedRadixCache`` and
+    calls its ``backup_kv_cache``, which kvtier's backend does not have. SGLang's
+    ``create_tree_cache`` built the backend (this test failed) and the first retraction raised
+    AttributeError mid-serving. Now ``RadixConfigError`` naming the flag; ``cpu_tensor`` (the
+    request's KV copied to a CPU tensor, no tree involved) is built."""
     from sglang.srt.mem_cache.common import backup_kv_cache
 
     e = Engine(sglang_radix)
@@ -417,5 +417,32 @@ def test_attention_dp_ranks_agree_within_their_attention_tp_group(tp, attn_tp, r
         assert (cache.tp_size, cache.tp_rank) == (attn_tp, rank % attn_tp)
         assert cache._group is group
         assert cache.l3_keys([bytes(32)])[0].endswith(f":{rank % attn_tp}")
+    finally:
+        publish_server_args()
+
+
+def test_a_disabled_radix_cache_is_sglangs_own_not_kvtiers(monkeypatch):
+    """With the radix cache disabled (``--disable-radix-cache``, and a PD decode server's
+    default) there are no prefixes for kvtier to tier, and SGLang's own choice for it is its
+    ``UnifiedRadixCache`` (which a decode server's ``host_pool`` retraction backup needs).
+    kvtier's factory built its backend anyway: a host pool (4 GB by default, pinned on a GPU)
+    and an L3 connection for nothing, and on a decode server the first retraction's backup
+    raised, or (since the refusal above) the server did not start (this test failed). Now
+    the factory hands a disabled cache to SGLang's default, and a decode server starts."""
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    e = Engine(sglang_radix)
+    e.params.disable = True
+    try:
+        cache = _built_by_sglang(e, disable_radix_cache=True)
+        assert isinstance(cache, UnifiedRadixCache) and not isinstance(cache, kr.KvtierRadixCache)
+        # A decode server's host_pool backup: SGLang's default builds a HiCache host pool (CUDA
+        # only), so here the hand-over itself is what is checked.
+        built = []
+        monkeypatch.setattr(registry, "default_radix_cache_factory", lambda ctx: built.append(ctx) or sglang_radix(e.params))
+        decode = ("--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup", "host_pool")
+        cache = _built_by_sglang(e, *decode, disable_radix_cache=True)
+        assert not isinstance(cache, kr.KvtierRadixCache) and len(built) == 1
     finally:
         publish_server_args()

@@ -660,7 +660,8 @@ def _refuse_draft_kv_pools(ctx: Any) -> None:
 
 def _refuse_host_pool_retraction() -> None:
     """A PD-disaggregation decode server's uses of HiCache's host pool, which kvtier's backend
-    replaces: the ``host_pool`` retraction backup (SGLang's default there) calls
+    replaces (with its radix cache on; a disabled one is SGLang's own): the ``host_pool``
+    retraction backup calls
     ``UnifiedRadixCache.backup_kv_cache`` on the tree cache at the first retraction (an
     AttributeError mid-serving), and host receive (a threshold below 1) takes the tree cache's
     ``host_pool_group`` (an AttributeError at startup)."""
@@ -673,7 +674,7 @@ def _refuse_host_pool_retraction() -> None:
         return
     if backup == "host_pool":
         raise RadixConfigError(
-            "--disaggregation-decode-retraction-backup host_pool (a decode server's default) backs retracted "
+            "--disaggregation-decode-retraction-backup host_pool backs retracted "
             "requests up through HiCache's host pool, which kvtier's backend replaces: pass "
             "--disaggregation-decode-retraction-backup cpu_tensor")
     if receive < 1:
@@ -685,7 +686,13 @@ def _refuse_host_pool_retraction() -> None:
 def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
     """SGLang's ``TreeCacheBuildContext`` → the backend; refuses what it cannot serve with a
     typed error at startup (hybrid SWA, Mamba, DSA models; a speculative draft model's KV pool;
-    HiCache on top)."""
+    HiCache on top). A disabled radix cache (``--disable-radix-cache``, a PD decode server's
+    default) has no prefixes to tier: SGLang's own cache for it, no host pool, no L3."""
+    if ctx.disable_radix_cache:
+        from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+        logger.info("kvtier: the radix cache is disabled: SGLang's own cache serves, kvtier's tiers are not built")
+        return default_radix_cache_factory(ctx)
     if ctx.is_hybrid_swa:
         raise UnsupportedModelError("hybrid sliding-window (SWA) models are not served: full-attention models only")
     if ctx.is_hybrid_ssm:
