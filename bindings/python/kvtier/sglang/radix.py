@@ -683,10 +683,10 @@ def _refuse_host_pool_retraction() -> None:
             "which kvtier's backend replaces: leave it at 1")
 
 
-def kvtier_radix_cache_factory(ctx: Any) -> KvtierRadixCache:
-    """SGLang's ``TreeCacheBuildContext`` → the backend; refuses what it cannot serve with a
-    typed error at startup (hybrid SWA, Mamba, DSA models; a speculative draft model's KV pool;
-    HiCache on top). A disabled radix cache (``--disable-radix-cache``, a PD decode server's
+def kvtier_radix_cache_factory(ctx: Any) -> Any:
+    """SGLang's ``TreeCacheBuildContext`` → the backend (``KvtierRadixCache``); refuses what it
+    cannot serve with a typed error at startup (hybrid SWA, Mamba, DSA models; a speculative
+    draft model's KV pool; HiCache on top). A disabled radix cache (``--disable-radix-cache``, a PD decode server's
     default) has no prefixes to tier: SGLang's own cache for it, no host pool, no L3."""
     if ctx.disable_radix_cache:
         from sglang.srt.mem_cache.registry import default_radix_cache_factory
