@@ -235,8 +235,9 @@ impl PyRankAgreement {
     }
 
     /// This rank's loss words (int64; page hashes as bit patterns): what ``agree_losses``
-    /// all-gathers.
-    fn loss_words<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+    /// all-gathers. The next agreement checks and consumes exactly these; losses recorded
+    /// meanwhile (another thread's ``lost`` while the words are gathered) wait for the next.
+    fn loss_words<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
         words_to_py(py, self.inner.loss_words())
     }
 
@@ -254,7 +255,7 @@ impl PyRankAgreement {
         all_gather: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         // Not held while `all_gather` runs: an in-process stand-in may read every rank's words.
-        let words = slf.try_borrow()?.loss_words(py);
+        let words = slf.try_borrow_mut()?.loss_words(py);
         let ret = all_gather.call1((words,))?;
         let type_err = || {
             pyo3::exceptions::PyTypeError::new_err(

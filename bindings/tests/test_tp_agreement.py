@@ -626,3 +626,28 @@ def test_a_rank_that_refuses_its_record_still_enters_the_collective():
     assert got1 == ("events", 0), got1  # rank 1 waited for ever before: "collective failed"
     assert n0 == n1 == 3  # both met in the next collective
     assert (pend0, fl0) == (pend1, fl1) == (1, 1)  # nothing agreed, nothing consumed
+
+
+def test_a_loss_recorded_while_the_words_are_gathered_waits_for_the_next_round():
+    """``agree_losses`` lets go of its agreement while ``all_gather`` runs (above), so another
+    thread may record a loss then. The agreement checked the union against every loss
+    recorded so far: this rank raised ``AgreementError`` (its own losses missing) while the
+    other ranks applied the union, and the ranks' L3 marks diverged. Now the words sent are
+    what is checked and consumed; the late loss is agreed at the next round."""
+    m = kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2)
+    a = [hashlib.sha256(b"y%d" % i).digest() for i in range(3)]
+    m.l3_found(a)
+    r0, r1 = kvtier.RankAgreement(), kvtier.RankAgreement()
+    r0.lost_pages(a[2:])
+
+    def gather(w):  # another thread's loss report lands while the words are gathered
+        r0.lost_pages(a[1:2])
+        return [w, r1.loss_words()]
+
+    assert r0.agree_losses(m, gather) >= 1
+    assert [m.lookup(a, i) for i in range(3)] == ["in-l3", "in-l3", "miss"]
+    assert r0.pending_losses() == (1, False)
+    r0.agree_losses(m, lambda w: [w, r1.loss_words()])
+    assert [m.lookup(a, i) for i in range(3)] == ["in-l3", "miss", "miss"]
+    assert r0.pending_losses() == (0, False)
+    m.check()

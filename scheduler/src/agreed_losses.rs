@@ -129,13 +129,15 @@ impl RankAgreement {
     /// This rank's contribution to the all-gather: [`LOSS_WORDS_TAG`], 0 or 1 (overflowed),
     /// the number of pages, then four big-endian words of each page hash (`3 + 4n` words;
     /// as int64 for `torch.distributed`, whose reductions are signed: bit patterns, not
-    /// numbers).
-    pub fn loss_words(&self) -> Vec<u64> {
+    /// numbers). Remembers what it sent: the next [`Self::apply_losses`] checks and consumes
+    /// exactly these, and losses recorded meanwhile wait for the next round.
+    pub fn loss_words(&mut self) -> Vec<u64> {
         let mut w = Vec::with_capacity(HEADER + 4 * self.lost.len());
         w.extend([LOSS_WORDS_TAG, self.lost_all as u64, self.lost.len() as u64]);
         for h in &self.lost {
             w.extend(page_words(h));
         }
+        self.sent_losses = Some((self.lost_all, self.lost.clone()));
         w
     }
 
@@ -143,10 +145,11 @@ impl RankAgreement {
     /// [`Self::loss_words`] (this rank's included, any order, each possibly zero-padded).
     /// Checked whole before anything changes: it must hold `sched`'s `tp_ranks` entries
     /// ([`AgreementError::RankCount`]), each must decode ([`AgreementError::BadLossWords`])
-    /// and the union must cover what this rank recorded
-    /// ([`AgreementError::OwnLossesMissing`]: its own words were left out). Then every rank
-    /// clears the same marks: all of them if some rank overflowed, else those of the union's
-    /// pages; this rank's recorded losses are consumed. Returns the tree nodes cleared.
+    /// and the union must cover what this rank's last [`Self::loss_words`] sent (all it
+    /// recorded, without one) ([`AgreementError::OwnLossesMissing`]: its own words were left
+    /// out). Then every rank clears the same marks: all of them if some rank overflowed, else
+    /// those of the union's pages; what this rank sent is consumed, and losses it recorded
+    /// since wait for the next agreement. Returns the tree nodes cleared.
     pub fn apply_losses<S: AgreedOps + ?Sized, W: AsRef<[u64]>>(
         &mut self,
         sched: &mut S,
@@ -165,11 +168,23 @@ impl RankAgreement {
             union.all |= l.all;
             union.pages.extend(l.pages);
         }
-        if (self.lost_all && !union.all) || !self.lost.is_subset(&union.pages) {
+        let (own_all, own) = match &self.sent_losses {
+            Some((all, pages)) => (*all, pages),
+            None => (self.lost_all, &self.lost),
+        };
+        if (own_all && !union.all) || !own.is_subset(&union.pages) {
             return Err(AgreementError::OwnLossesMissing);
         }
-        self.lost.clear();
-        self.lost_all = false;
+        match self.sent_losses.take() {
+            Some((all, pages)) => {
+                self.lost.retain(|p| !pages.contains(p));
+                self.lost_all &= !all;
+            }
+            None => {
+                self.lost.clear();
+                self.lost_all = false;
+            }
+        }
         Ok(if union.all {
             sched.forget_l3_all(AgreedLosses::new())
         } else {

@@ -203,6 +203,10 @@ pub struct RankAgreement {
     pub(crate) lost: std::collections::BTreeSet<kvtier_radix::PageHash>,
     /// This rank's loss report overflowed, not yet agreed.
     pub(crate) lost_all: bool,
+    /// What the last `loss_words` sent, `(overflowed, pages)`: what the next `apply_losses`
+    /// checks against the union and consumes. Losses recorded after it (another thread's
+    /// `lost` while the words are gathered) wait for the next round.
+    pub(crate) sent_losses: Option<(bool, std::collections::BTreeSet<kvtier_radix::PageHash>)>,
     /// Records dropped by a reduction because their op was not in flight.
     dropped: u64,
 }

@@ -288,7 +288,7 @@ fn run(w: &Workload, mode: Mode) -> Vec<(u64, u64, bool)> {
                 }
             }
             // The losses: every rank's words all-gathered, the union applied on every rank.
-            let words: Vec<Vec<u64>> = ranks.iter().map(|r| r.agree.loss_words()).collect();
+            let words: Vec<Vec<u64>> = ranks.iter_mut().map(|r| r.agree.loss_words()).collect();
             for r in &mut ranks {
                 r.agree.apply_losses(&mut r.s, &words).unwrap();
             }
