@@ -75,11 +75,22 @@ impl Mem {
     /// Holds the bytes of an unended put under `alloc` (replacing an unended earlier write
     /// of it), with `cap` the most live bytes a node holds. Returns the buffers released
     /// (beyond the recycler's bound) for the caller to drop outside its lock. Refused: the
-    /// allocation is ended already, or `cap` would be passed; the bytes are then recycled.
+    /// allocation is ended already (-705 when by this very put: its replica is complete;
+    /// -601 when by another put), or `cap` would be passed; the bytes are then recycled.
     pub(super) fn write(&mut self, alloc: u64, h: Held, cap: u64) -> L3Result<Vec<Arc<[u8]>>> {
         let size = h.data.len() as u64;
         let prev = match self.allocs.get(&alloc) {
-            Some(e) if e.ended => Err(L3Error::ObjectAlreadyExists),
+            Some(e) if e.ended && e.token == h.token && e.tenant == h.tenant && e.key == h.key => {
+                Err(L3Error::ObjectAlreadyExists)
+            }
+            // Another put's ended bytes: one master never gives an allocation id out twice,
+            // so this handle was placed by a master since replaced (the id given out again).
+            // Not -705, which a client takes for its own put's object being complete.
+            Some(e) if e.ended => Err(L3Error::IllegalClient(
+                "the allocation holds another put's bytes: the put was placed by a master \
+                 since replaced; put it again"
+                    .into(),
+            )),
             Some(e) => Ok(e.data.len() as u64),
             None => Ok(0),
         };
@@ -152,6 +163,30 @@ mod tests {
             staged,
             since: Instant::now(),
         }
+    }
+
+    /// An ended allocation refuses a write: -705 for the same put (its replica is complete),
+    /// -601 for another put's handle naming it (an id a replaced master gave out again),
+    /// never -705, which a client takes for its own put's object being complete. Nothing
+    /// held changes either way.
+    #[test]
+    fn a_write_to_an_ended_allocation_says_whose_bytes_it_holds() {
+        let mut m = Mem::new(NodeRecycler::new(100, 0, std::time::Duration::ZERO));
+        m.write(1, held("k", false, Staging::No), 1000).unwrap();
+        m.allocs.get_mut(&1).unwrap().ended = true;
+        let again = m.write(1, held("k", false, Staging::No), 1000);
+        assert_eq!(again.err(), Some(L3Error::ObjectAlreadyExists));
+        let mut other_token = held("k", false, Staging::No);
+        other_token.token = 2;
+        let mut other_key = held("j", false, Staging::No);
+        other_key.data = Arc::from(vec![9u8; 10]);
+        for h in [other_token, other_key] {
+            let r = m.write(1, h, 1000);
+            assert!(matches!(r, Err(L3Error::IllegalClient(_))), "{r:?}");
+        }
+        assert_eq!(m.used, 10);
+        assert_eq!(&m.allocs[&1].data[..], &[7u8; 10][..]);
+        assert!(m.allocs[&1].ended && m.allocs[&1].token == 1);
     }
 
     /// A remount reports only ended, live replicas: a put never ended and staged bytes are

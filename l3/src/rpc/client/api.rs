@@ -443,7 +443,8 @@ impl RemoteStore {
     /// `finish` writes and ends the placed ones (one result per handle, in order). A
     /// placement whose finish failed is revoked at once (best effort) rather than at the put
     /// timeout; a finish that failed as a whole (transport) revokes them all and is the
-    /// batch's error. Per-key results, in the batch's order.
+    /// batch's error. A finish's -705 is success (this put's own object is complete). Per-key
+    /// results, in the batch's order.
     pub(super) fn put_placed(
         &self,
         tenant: &Tenant,
@@ -480,12 +481,17 @@ impl RemoteStore {
         };
         let mut failed = Vec::new();
         for ((i, h), r) in at.into_iter().zip(handles).zip(res) {
-            if let Err(e) = r {
-                // -705: another writer's object, not this put's placement.
-                if !matches!(e, L3Error::ObjectAlreadyExists) {
+            match r {
+                // -705 for this placement's handle: the token matched, so the object found
+                // complete is this put's own (another writer's is refused at placement,
+                // above), e.g. adopted by a restarted master from a replica this put ended
+                // (`tests/adopted_put.rs`). Nothing to revoke; the put took effect.
+                Err(L3Error::ObjectAlreadyExists) => {}
+                Err(e) => {
                     failed.push(h);
+                    out[i] = Err(e);
                 }
-                out[i] = Err(e);
+                Ok(()) => {}
             }
         }
         if !failed.is_empty() {

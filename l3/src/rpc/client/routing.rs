@@ -163,31 +163,51 @@ impl RemoteStore {
         data: &[&[u8]],
         end: Option<PutOptions>,
     ) -> Vec<L3Result<()>> {
-        let mut out: Vec<L3Result<()>> = vec![Ok(()); handles.len()];
-        let mut groups: HashMap<SocketAddr, Vec<(usize, PutHandle)>> = HashMap::new();
+        self.cluster_put_replicas(handles, data, end)
+            .into_iter()
+            .map(|rs| rs.into_iter().find(Result::is_err).unwrap_or(Ok(())))
+            .collect()
+    }
+
+    /// [`Self::cluster_put_on_nodes`], per key the result of each replica (in the order of
+    /// [`PutHandle::replicas`]: the primary first).
+    fn cluster_put_replicas(
+        &self,
+        handles: &[PutHandle],
+        data: &[&[u8]],
+        end: Option<PutOptions>,
+    ) -> Vec<Vec<L3Result<()>>> {
+        let mut out: Vec<Vec<L3Result<()>>> = handles
+            .iter()
+            .map(|h| vec![Ok(()); h.replicas().count()])
+            .collect();
+        // Per node: (key, replica, that replica's handle).
+        type Items = Vec<(usize, usize, PutHandle)>;
+        let mut groups: HashMap<SocketAddr, Items> = HashMap::new();
         for (i, h) in handles.iter().enumerate() {
-            for r in h.replicas() {
+            for (j, r) in h.replicas().enumerate() {
                 match r.node() {
                     Some(n) => groups
                         .entry(n.addr)
                         .or_default()
-                        .push((i, h.for_replica(r))),
+                        .push((i, j, h.for_replica(r))),
                     None => {
-                        out[i] = Err(L3Error::Unavailable(
+                        out[i][j] = Err(L3Error::Unavailable(
                             "the put was placed on no store node".into(),
                         ))
                     }
                 }
             }
         }
-        let one_node = |addr: SocketAddr, items: Vec<(usize, PutHandle)>| {
-            let hs: Vec<PutHandle> = items.iter().map(|(_, h)| h.clone()).collect();
+        type Done = Vec<((usize, usize), L3Result<()>)>;
+        let one_node = |addr: SocketAddr, items: Items| -> Done {
+            let hs: Vec<PutHandle> = items.iter().map(|(_, _, h)| h.clone()).collect();
             let ds: Vec<&[u8]> = if data.is_empty() {
                 Vec::new()
             } else {
-                items.iter().map(|(i, _)| data[*i]).collect()
+                items.iter().map(|(i, _, _)| data[*i]).collect()
             };
-            let at = items.iter().map(|(i, _)| *i);
+            let at = items.iter().map(|(i, j, _)| (*i, *j));
             match self.node_put_at(addr, &hs, &ds, end) {
                 Ok(v) if v.len() == items.len() => at.zip(v).collect(),
                 Ok(_) => at
@@ -196,8 +216,8 @@ impl RemoteStore {
                 Err(e) => at.map(|i| (i, Err(e.clone()))).collect(),
             }
         };
-        let mut groups: Vec<(SocketAddr, Vec<(usize, PutHandle)>)> = groups.into_iter().collect();
-        let results: Vec<Vec<(usize, L3Result<()>)>> = match groups.pop() {
+        let mut groups: Vec<(SocketAddr, Items)> = groups.into_iter().collect();
+        let results: Vec<Done> = match groups.pop() {
             None => Vec::new(),
             Some(last) if groups.is_empty() => vec![one_node(last.0, last.1)],
             // Replicas on several nodes: one thread per extra node, so a replicated put costs
@@ -207,7 +227,8 @@ impl RemoteStore {
                 let spawned: Vec<_> = groups
                     .into_iter()
                     .map(|(a, items)| {
-                        let idx: Vec<usize> = items.iter().map(|(i, _)| *i).collect();
+                        let idx: Vec<(usize, usize)> =
+                            items.iter().map(|(i, j, _)| (*i, *j)).collect();
                         (idx, sc.spawn(move || f(a, items)))
                     })
                     .collect();
@@ -221,18 +242,20 @@ impl RemoteStore {
                 all
             }),
         };
-        for (i, r) in results.into_iter().flatten() {
-            if let Err(e) = r
-                && out[i].is_ok()
-            {
-                out[i] = Err(e);
+        for ((i, j), r) in results.into_iter().flatten() {
+            if let Some(slot) = out.get_mut(i).and_then(|v| v.get_mut(j)) {
+                *slot = r;
             }
         }
         out
     }
 
     /// Split deployment: whole puts (place at the master, write and end every replica on
-    /// its node; revoke what failed).
+    /// its node; revoke what failed). A replica answered -705 counts as done: the placement
+    /// was this put's (another writer's object is refused at `PutStart`), so a -705 for its
+    /// handle says this put's own object is complete — the master's `end_replica` when the
+    /// token matches a complete object, e.g. one a restarted master adopted from the other
+    /// replicas' nodes while this replica's node was paused ([`whole_put_result`]).
     pub(super) fn cluster_put(
         &self,
         tenant: &Tenant,
@@ -242,7 +265,11 @@ impl RemoteStore {
         cfg: ReplicateConfig,
     ) -> BatchResult<()> {
         self.put_placed(tenant, keys, bufs, cfg, |hs, ds| {
-            Ok(self.cluster_put_on_nodes(hs, ds, Some(opts)))
+            Ok(self
+                .cluster_put_replicas(hs, ds, Some(opts))
+                .into_iter()
+                .map(|rs| whole_put_result(rs, opts))
+                .collect())
         })
     }
 
@@ -255,5 +282,77 @@ impl RemoteStore {
             self.with_node(n.addr, Retry::Once, |x| x.node_flush())?;
         }
         Ok(())
+    }
+}
+
+/// One whole put's result from its replicas' (the primary first): the first error, where a
+/// replica's -705 (this put's own object complete: see [`RemoteStore::cluster_put`]) is
+/// success — except on the primary of a put that waits for its SSD copy: the primary's node
+/// writes that copy once its end is accepted, and this end was not, so the copy is not
+/// confirmed (not -705 either: the put's version is stored).
+fn whole_put_result(replicas: Vec<L3Result<()>>, opts: PutOptions) -> L3Result<()> {
+    for (j, r) in replicas.into_iter().enumerate() {
+        match r {
+            Ok(()) => {}
+            Err(L3Error::ObjectAlreadyExists) if j == 0 && opts.wait_persisted => {
+                return Err(L3Error::Unavailable(
+                    "the put's object is stored (completed by its other replicas) but its SSD \
+                     copy is not confirmed: the primary replica's end was not accepted"
+                        .into(),
+                ));
+            }
+            Err(L3Error::ObjectAlreadyExists) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn result() -> impl Strategy<Value = L3Result<()>> {
+        prop_oneof![
+            3 => Just(Ok(())),
+            2 => Just(Err(L3Error::ObjectAlreadyExists)),
+            1 => Just(Err(L3Error::RpcFail("x".into()))),
+            1 => Just(Err(L3Error::IllegalClient("x".into()))),
+            1 => Just(Err(L3Error::ReplicaIsNotReady)),
+        ]
+    }
+
+    proptest! {
+        /// A whole put is never answered -705 from its replicas' results (only `PutStart`
+        /// answers another writer's object); it is Ok exactly when every replica is Ok or
+        /// -705, unless the primary's -705 leaves a waited-for SSD copy unconfirmed; any
+        /// other error is the first one's.
+        #[test]
+        fn a_whole_put_from_its_replicas(
+            rs in prop::collection::vec(result(), 1..4),
+            wait_persisted in any::<bool>(),
+        ) {
+            let opts = PutOptions { soft_pin: false, wait_persisted };
+            let got = whole_put_result(rs.clone(), opts);
+            prop_assert!(!matches!(got, Err(L3Error::ObjectAlreadyExists)));
+            let unconfirmed = wait_persisted && rs[0] == Err(L3Error::ObjectAlreadyExists);
+            let first_other = rs
+                .iter()
+                .enumerate()
+                .find(|(j, r)| match r {
+                    Ok(()) => false,
+                    Err(L3Error::ObjectAlreadyExists) => *j == 0 && unconfirmed,
+                    Err(_) => true,
+                })
+                .map(|(_, r)| r.clone());
+            match first_other {
+                None => prop_assert_eq!(got, Ok(())),
+                Some(Err(L3Error::ObjectAlreadyExists)) => {
+                    prop_assert!(matches!(got, Err(L3Error::Unavailable(_))));
+                }
+                Some(e) => prop_assert_eq!(got, e),
+            }
+        }
     }
 }
