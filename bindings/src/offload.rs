@@ -213,10 +213,12 @@ impl PyOffloadManager {
     }
 
     /// BackUp jobs for stored host pages L3 lacks: `[(job, [page hash], [slot])]`; each
-    /// pins its host slots until `complete_backup(job, outcome)`.
+    /// pins its host slots until `complete_backup(job, outcome)`. Backups that failed are
+    /// planned again, a bounded number of pages per call, once L3 has answered since
+    /// (a backup done, a prefetch that read pages, `l3_found`).
     fn plan_backups<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<BackupTuple<'py>>> {
-        if self.inner().backups_pending().0 == 0 {
-            return Ok(Vec::new()); // nothing queued: nothing to plan, the manager unchanged
+        if !self.inner().backups_due() {
+            return Ok(Vec::new()); // nothing to plan: the manager unchanged
         }
         self.inner_mut()
             .plan_backups()
@@ -467,6 +469,9 @@ impl PyOffloadManager {
         let (queued, backups) = self.inner().backups_pending();
         d.set_item("backups_queued", queued)?;
         d.set_item("backups", backups)?;
+        let (retrying, given_up) = self.inner().backups_retrying();
+        d.set_item("backups_retrying", retrying)?;
+        d.set_item("backups_given_up", given_up)?;
         Ok(d)
     }
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import kvtier
 from sglang_engine import PS, Engine, Mismatch, kvtier_cache, oracle, prompts, sglang_radix
-from conftest import sigstop
+from conftest import L3_BIN, L3Process, sigstop
 
 
 def test_prefixes_come_back_from_host_when_the_device_pool_is_too_small():
@@ -646,7 +646,9 @@ def test_an_l3_server_stopped_and_restarted_mid_run_costs_reuse_never_bytes():
     before are gone, and a request for them (host evicted its copy) recomputes them, checked
     by the oracle; the client reconnects and pages stored after the restart are backed up, so a
     fresh engine on the server gets them from L3. What the engine computed while the server was
-    down is not backed up again (as SGLang's HiCache: a failed backup is not retried)."""
+    down had left the 12 host pages by the time a backup succeeded again, so it is not in L3
+    either (a failed backup is tried again only while its pages are on host:
+    test_pages_whose_backup_failed_while_the_l3_server_was_down_are_backed_up_once_it_is_back)."""
     srv = kvtier.L3Server(64 << 20)
     addr = srv.addr
     before, down, after = prompts(71, 3, 24), prompts(72, 3, 24), prompts(73, 6, 24)
@@ -661,7 +663,9 @@ def test_an_l3_server_stopped_and_restarted_mid_run_costs_reuse_never_bytes():
         backed = one.cache.stats()["backed_up_pages"]
         one.run([one.request(p) for p in after])
         one.cache.flush_pending_backups()
-        assert one.cache.stats()["backed_up_pages"] == backed + 6 * 6, "backups resume after the restart"
+        s = one.cache.stats()
+        assert s["backed_up_pages"] == backed + 6 * 6, "backups resume after the restart"
+        assert s["host_backups_retrying"] == 0 and s["host_backups_given_up"] == 0, "the failed ones left host"
         one.run([one.request(p) for p in before])  # off host, lost from L3: computed again
         assert one.prefix_hits[-3:] == [0] * 3
         one.check_pools()
@@ -673,3 +677,46 @@ def test_an_l3_server_stopped_and_restarted_mid_run_costs_reuse_never_bytes():
         two.check_pools()
     finally:
         srv.shutdown()
+
+
+@pytest.mark.skipif(not L3_BIN.exists(), reason="needs target/release/kvtier-l3")
+def test_pages_whose_backup_failed_while_the_l3_server_was_down_are_backed_up_once_it_is_back():
+    """A ``kvtier-l3`` server process is killed mid-run and restarted empty on its address.
+    The prefixes computed while it was down stay on host, their backups failed; while it is
+    down idle steps try nothing again (no RPC per step for them). Once a backup succeeds
+    after the restart, the next steps back them up (kvtier's retry of failed backups), so a
+    second engine gets them from L3. Before, a failed backup was never tried again: the
+    second engine computed them ([0, 0, 0])."""
+    srv = L3Process()
+    before, down, after = prompts(81, 2, 24), prompts(82, 3, 24), prompts(83, 1, 24)
+    one = Engine(kvtier_cache(host_pages=64, l3="server", server=srv.addr, rpc_timeout_ms=2000), device_tokens=200)
+    try:
+        one.run([one.request(p) for p in before])
+        one.cache.flush_pending_backups()
+        backed = one.cache.stats()["backed_up_pages"]
+        assert backed == 2 * 6
+        srv.kill()
+        one.run([one.request(p) for p in down])
+        one.cache.flush_pending_backups()
+        s = one.cache.stats()
+        assert s["backup_failures"] > 0 and s["backed_up_pages"] == backed
+        assert s["host_backups_retrying"] > 0, "the failed backups wait to be tried again"
+        started = s["backups"]
+        for _ in range(3):
+            one.cache.flush_pending_backups()
+        assert one.cache.stats()["backups"] == started, "a backup tried again before the store answered"
+        srv = srv.restart()
+        one.run([one.request(p) for p in after])
+        for _ in range(3):  # engine steps: the retries go out once a backup has succeeded
+            one.cache.flush_pending_backups()
+        s = one.cache.stats()
+        assert s["backed_up_pages"] == backed + 6 * (1 + 3), s
+        assert s["host_backups_retrying"] == 0 and s["host_backups_given_up"] == 0
+        one.check_pools()
+        one.cache.manager.check()
+        two = Engine(kvtier_cache(host_pages=64, l3="server", server=srv.addr), device_tokens=200)
+        two.run([two.request(p) for p in down + after])
+        assert two.prefix_hits == [20] * 4 and two.cache.stats()["l3_hit_tokens"] == 80
+        two.check_pools()
+    finally:
+        srv.kill()

@@ -64,7 +64,7 @@ pub use kvtier_radix::{
     DevicePageId, ExtraKey, HashScope, HostPageId, KeyNamespace, KvEvent, PageHash, ScopeLabel,
 };
 pub use offload::{JobKind, JobOutcome, LoadPlan, Lookup, OffloadError, OffloadManager, StorePlan};
-pub use offload_l3::{BackupPlan, L3Backups};
+pub use offload_l3::{BackupPlan, BackupRetry, L3Backups};
 pub use scheduler::Scheduler;
 pub use stats::{OpStats, Stats};
 pub use types::*;

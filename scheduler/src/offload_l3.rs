@@ -11,6 +11,14 @@
 //! ([`OffloadManager::prepare_store`]). What L3 loses the engine reports
 //! ([`OffloadManager::l3_lost`]): a hint, as docs/scheduler.md says of L3 residency.
 //!
+//! A BackUp that fails (L3 down, or refusing) is not given up: its run waits in a retry
+//! queue and is planned again, by a later [`OffloadManager::plan_backups`], once L3 has
+//! answered since (a backup done, a prefetch that read pages, a probe that found some), so a
+//! server that is down costs no RPC per step for the pages already failed; at most
+//! [`BackupRetry::pages_per_plan`] retried pages per plan (the step is not stalled by a
+//! backlog), each run at most [`BackupRetry::tries`] times. Pages that left host meanwhile,
+//! or that L3 holds or is being sent, are not planned again.
+//!
 //! A prefetch started with [`OffloadManager::prepare_prefetch`] is an op of its own
 //! ([`OffloadManager::complete_prefetch`] takes how many pages were read, and what was not is
 //! lost in L3), so that tensor-parallel ranks, each reading its shard of the pages, agree on
@@ -18,7 +26,7 @@
 //!
 //! [`Lookup::InL3`]: crate::Lookup::InL3
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use kvtier_radix::{Host, HostPageId, LockHandle, PageHash, TenantId};
 
@@ -32,6 +40,43 @@ pub enum L3Backups {
     Off,
     /// Every page stored on host is backed up to L3 once.
     WriteThrough,
+}
+
+/// How failed backups are tried again (module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackupRetry {
+    /// The most retried pages one [`OffloadManager::plan_backups`] plans (0: no retries).
+    pub pages_per_plan: usize,
+    /// How many times a failed run is tried again before it is given up.
+    pub tries: u32,
+    /// The most failed runs waiting (the oldest are given up beyond it).
+    pub max_waiting: usize,
+}
+
+impl Default for BackupRetry {
+    fn default() -> Self {
+        Self {
+            pages_per_plan: 64,
+            tries: 8,
+            max_waiting: 4096,
+        }
+    }
+}
+
+/// A run of a chain to back up: pages `from..chain.len()`, tried `tries` times so far.
+#[derive(Debug, Clone)]
+struct Run {
+    chain: Vec<PageHash>,
+    from: usize,
+    tries: u32,
+}
+
+/// A BackUp in flight: the lock on its host path, its pages, and the run it was planned from
+/// (queued again if it fails).
+struct BackupJob {
+    lock: LockHandle<Host>,
+    pages: Vec<PageHash>,
+    run: Run,
 }
 
 /// A BackUp: copy host `slots` (in order) to L3 as `pages`.
@@ -48,11 +93,18 @@ pub(crate) struct L3Books {
     mode: L3Backups,
     /// Known to be in L3.
     in_l3: HashSet<PageHash>,
-    /// Inserted runs waiting for a backup: (chain up to the run's end, run start).
-    queued: Vec<(Vec<PageHash>, usize)>,
+    /// Inserted runs waiting for a backup.
+    queued: Vec<Run>,
+    /// Runs whose backup failed, oldest first, waiting for L3 to answer again.
+    retry: VecDeque<Run>,
+    /// The last L3 outcome heard was a failed backup: retries wait for L3 to answer.
+    failing: bool,
+    retry_conf: BackupRetry,
+    /// Failed runs given up (out of tries, or beyond `max_waiting`).
+    given_up: u64,
     /// Pages of backups in flight.
     backing_up: HashSet<PageHash>,
-    jobs: HashMap<u64, (LockHandle<Host>, Vec<PageHash>)>,
+    jobs: HashMap<u64, BackupJob>,
     /// Prefetches in flight (store jobs whose bytes come from L3): job -> their pages.
     prefetches: BTreeMap<u64, Vec<PageHash>>,
     /// Pages L3 lost while a backup of them was in flight: its `Done` must not mark them.
@@ -66,7 +118,11 @@ impl L3Books {
 
     pub(crate) fn on_inserted(&mut self, chain: &[PageHash], from: usize) {
         if self.mode == L3Backups::WriteThrough && from < chain.len() {
-            self.queued.push((chain.to_vec(), from));
+            self.queued.push(Run {
+                chain: chain.to_vec(),
+                from,
+                tries: 0,
+            });
         }
     }
 
@@ -98,6 +154,32 @@ impl L3Books {
     pub(crate) fn known(&self) -> usize {
         self.in_l3.len()
     }
+
+    /// L3 answered (a write or a read succeeded): failed backups may be tried again.
+    fn answered(&mut self) {
+        self.failing = false;
+    }
+
+    /// A failed backup's run waits to be tried again (or is given up).
+    fn failed(&mut self, mut run: Run) {
+        self.failing = true;
+        run.tries = run.tries.saturating_add(1);
+        if run.tries > self.retry_conf.tries {
+            self.given_up += 1;
+            return;
+        }
+        self.retry.push_back(run);
+        while self.retry.len() > self.retry_conf.max_waiting {
+            self.retry.pop_front();
+            self.given_up += 1;
+        }
+    }
+
+    /// Whether a plan would plan anything now: inserted runs, or failed runs once L3 answered.
+    fn due(&self) -> bool {
+        !self.queued.is_empty()
+            || (!self.failing && !self.retry.is_empty() && self.retry_conf.pages_per_plan > 0)
+    }
 }
 
 impl OffloadManager {
@@ -106,47 +188,110 @@ impl OffloadManager {
         self.l3.mode = mode;
     }
 
+    /// How failed backups are tried again (module doc); [`BackupRetry::default`] until set.
+    pub fn set_backup_retry(&mut self, conf: BackupRetry) {
+        self.l3.retry_conf = conf;
+    }
+
     /// BackUp jobs for the queued host pages L3 lacks (pages evicted from host meanwhile are
-    /// skipped); each pins its host path until [`Self::complete_backup`].
+    /// skipped), then, once L3 answered since the last failed backup, for up to
+    /// [`BackupRetry::pages_per_plan`] pages of failed ones; each pins its host path until
+    /// [`Self::complete_backup`].
     pub fn plan_backups(&mut self) -> Vec<BackupPlan> {
         let mut out = Vec::new();
-        for (chain, from) in std::mem::take(&mut self.l3.queued) {
-            let end = self.host_prefix(&chain);
-            if end <= from {
-                continue;
-            }
-            let todo: Vec<usize> = (from..end)
-                .filter(|&i| !self.l3.in_l3.contains(&chain[i]))
-                .filter(|&i| !self.l3.backing_up.contains(&chain[i]))
-                .collect();
-            if todo.is_empty() {
-                continue;
-            }
-            let node = self.cache.match_prefix(&chain[..end]).host_node;
-            let Ok(lock) = self.cache.lock::<Host>(node) else {
-                continue;
+        for run in std::mem::take(&mut self.l3.queued) {
+            self.plan_run(run, usize::MAX, &mut out);
+        }
+        if self.l3.failing {
+            return out;
+        }
+        let mut budget = self.l3.retry_conf.pages_per_plan;
+        while budget > 0 {
+            let Some(run) = self.l3.retry.pop_front() else {
+                break;
             };
-            let path = match self.cache.path_pages::<Host>(node) {
-                Ok(p) => p,
-                Err(_) => {
-                    self.release(lock);
-                    continue;
-                }
-            };
-            let pages: Vec<PageHash> = todo.iter().map(|&i| chain[i]).collect();
-            let slots = todo.iter().map(|&i| path[i]).collect();
-            let job = self.next_job;
-            self.next_job += 1;
-            self.l3.backing_up.extend(pages.iter().copied());
-            self.l3.jobs.insert(job, (lock, pages.clone()));
-            out.push(BackupPlan { job, pages, slots });
+            let (planned, rest) = self.plan_run(run, budget, &mut out);
+            budget -= planned;
+            if let Some(rest) = rest {
+                self.l3.retry.push_front(rest);
+            }
         }
         out
     }
 
-    /// A BackUp ended: on `Done` its pages are known in L3; either way its path is unpinned.
+    /// Plans a backup of at most `budget` pages of `run` that are on host and that L3 lacks:
+    /// the pages planned, and what is left of the run beyond them (`None`: nothing).
+    fn plan_run(
+        &mut self,
+        run: Run,
+        budget: usize,
+        out: &mut Vec<BackupPlan>,
+    ) -> (usize, Option<Run>) {
+        let host_end = self.host_prefix(&run.chain);
+        if host_end <= run.from {
+            return (0, None);
+        }
+        let wanted = |i: &usize| {
+            !self.l3.in_l3.contains(&run.chain[*i]) && !self.l3.backing_up.contains(&run.chain[*i])
+        };
+        let todo: Vec<usize> = (run.from..host_end).filter(wanted).take(budget).collect();
+        let Some(&last) = todo.last() else {
+            return (0, None);
+        };
+        let end = last + 1;
+        let rest = (end < host_end && (end..host_end).any(|i| wanted(&i))).then(|| Run {
+            chain: run.chain[..host_end].to_vec(),
+            from: end,
+            tries: run.tries,
+        });
+        let node = self.cache.match_prefix(&run.chain[..end]).host_node;
+        let Ok(lock) = self.cache.lock::<Host>(node) else {
+            return (0, None);
+        };
+        let path = match self.cache.path_pages::<Host>(node) {
+            Ok(p) => p,
+            Err(_) => {
+                self.release(lock);
+                return (0, None);
+            }
+        };
+        let (Some(slots), Some(pages)) = (
+            todo.iter()
+                .map(|&i| path.get(i).copied())
+                .collect::<Option<Vec<_>>>(),
+            todo.iter()
+                .map(|&i| run.chain.get(i).copied())
+                .collect::<Option<Vec<_>>>(),
+        ) else {
+            self.release(lock);
+            return (0, None);
+        };
+        let job = self.next_job;
+        self.next_job += 1;
+        self.l3.backing_up.extend(pages.iter().copied());
+        let n = pages.len();
+        let run = Run {
+            chain: run.chain[..end].to_vec(),
+            from: run.from,
+            tries: run.tries,
+        };
+        self.l3.jobs.insert(
+            job,
+            BackupJob {
+                lock,
+                pages: pages.clone(),
+                run,
+            },
+        );
+        out.push(BackupPlan { job, pages, slots });
+        (n, rest)
+    }
+
+    /// A BackUp ended: on `Done` its pages are known in L3 (and L3 answers: failed backups
+    /// may be tried again), on `Failed` its run waits to be tried again (module doc); either
+    /// way its path is unpinned.
     pub fn complete_backup(&mut self, job: u64, outcome: JobOutcome) -> Result<(), OffloadError> {
-        let Some((lock, pages)) = self.l3.jobs.remove(&job) else {
+        let Some(BackupJob { lock, pages, run }) = self.l3.jobs.remove(&job) else {
             return Err(OffloadError::UnknownJob {
                 kind: JobKind::Backup,
                 job,
@@ -156,6 +301,7 @@ impl OffloadManager {
             self.l3.backing_up.remove(p);
         }
         if outcome == JobOutcome::Done {
+            self.l3.answered();
             for p in pages {
                 if !self.l3.lost_in_backup.remove(&p) {
                     self.l3.in_l3.insert(p);
@@ -165,6 +311,7 @@ impl OffloadManager {
             for p in &pages {
                 self.l3.lost_in_backup.remove(p);
             }
+            self.l3.failed(run);
         }
         self.release(lock);
         Ok(())
@@ -172,6 +319,9 @@ impl OffloadManager {
 
     /// The engine's probe found these pages in L3.
     pub fn l3_found(&mut self, pages: &[PageHash]) {
+        if !pages.is_empty() {
+            self.l3.answered();
+        }
         self.l3.in_l3.extend(pages.iter().copied());
     }
 
@@ -279,6 +429,9 @@ impl OffloadManager {
         }
         let lost = pages[completed..].to_vec();
         self.complete_store_prefix(job, completed)?;
+        if completed > 0 {
+            self.l3.answered();
+        }
         self.forget_l3(&lost);
         Ok(())
     }
@@ -286,5 +439,16 @@ impl OffloadManager {
     /// Backups waiting to be planned, and in flight.
     pub fn backups_pending(&self) -> (usize, usize) {
         (self.l3.queued.len(), self.l3.jobs.len())
+    }
+
+    /// Whether [`Self::plan_backups`] would plan anything now (inserted runs queued, or failed
+    /// ones L3 may take again): an engine may skip the call otherwise.
+    pub fn backups_due(&self) -> bool {
+        self.l3.due()
+    }
+
+    /// Failed backups waiting to be tried again (runs), and those given up so far.
+    pub fn backups_retrying(&self) -> (usize, u64) {
+        (self.l3.retry.len(), self.l3.given_up)
     }
 }

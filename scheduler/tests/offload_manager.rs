@@ -205,7 +205,7 @@ fn write_through_backs_up_stored_pages_and_evicted_ones_are_prefetched_from_l3()
     m.complete_backup(bc[0].job, JobOutcome::Failed).unwrap();
     assert!(
         m.plan_backups().is_empty(),
-        "a failed backup is not retried by itself"
+        "a failed backup is not tried again before L3 answers (l3_backup_retry.rs)"
     );
     m.check().unwrap();
 }

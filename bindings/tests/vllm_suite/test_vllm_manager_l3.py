@@ -187,6 +187,48 @@ def test_a_killed_l3_server_costs_hits_not_bytes_and_a_restart_resumes(tmp_path,
         srv.kill()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_chunks_whose_backup_failed_while_the_l3_server_was_dead_reach_it_after_a_restart(tmp_path, tp):
+    """Write-through below vLLM: chunks the host took while the ``kvtier-l3`` server was dead
+    (their backups failed) and that are still on host are backed up once a backup succeeds
+    after the server restarted empty, so another engine prefetches them. Before, kvtier never
+    tried a failed backup again: the other engine computed them (external_tokens 0). Nothing
+    is tried again while the server is dead (no backup job per step for them)."""
+    srv = L3Process(token="tk")
+    l3 = {"server": srv.addr, "token": "tk", "rpc_timeout_ms": 2000}
+    e1 = Engine(str(tmp_path), [], kv_config=kvtier_config(16, kvtier_l3=l3), tp=tp)
+    try:
+        e1.add("a", prompt(1, 4))
+        run_checked(e1)
+        srv.kill()
+        x = prompt(2, 4)
+        e1.add("x", x)  # on host; its backups fail
+        run_checked(e1)
+        u = e1.manager.native.usage()
+        assert u["backups_retrying"] > 0 and u["backups"] == 0, u
+        jobs = e1.manager.counters.backup_jobs
+        for _ in range(3):
+            e1.step()
+        assert e1.manager.counters.backup_jobs == jobs, "tried again while the server was dead"
+        srv = srv.restart()  # empty, same address
+        e1.add("d", prompt(9, 4))  # its backup succeeds: x's are tried again after it
+        run_checked(e1)
+        u = e1.manager.native.usage()
+        assert u["backups_retrying"] == 0 and u["backups_given_up"] == 0, u
+        pages = [page_of(k) for k in e1.tier_keys_of(x)]
+        assert e1.manager.native.host_prefix(pages) == 4, "x stayed on e1's host"
+        e2 = Engine(str(tmp_path), [], kv_config=kvtier_config(16, kvtier_l3=l3), tp=tp)
+        try:
+            e2.add("e", x)
+            run_checked(e2)
+            assert e2.finished["e"].gpu_ok and e2.finished["e"].external_tokens == 4 * 2 * BLOCK, e2.finished["e"]
+        finally:
+            e2.close()
+    finally:
+        e1.close()
+        srv.kill()
+
+
 class CountingNative:
     """kvtier's OffloadManager, counting the pages its host tree took (Stored events)."""
 
