@@ -602,7 +602,8 @@ pub(crate) fn announce_kv_events(streams: Vec<crate::kv_events::KvEventsHandle>)
     }
 }
 
-/// A store node: mount with the master, serve until SIGTERM/SIGINT, flush, leave.
+/// A store node: mount with the master, serve until SIGTERM/SIGINT, flush, leave; or, once
+/// its master refuses its protocol version (-300), flush and exit with that error.
 fn run_node(
     args: &Args,
     listen: SocketAddr,
@@ -644,7 +645,7 @@ fn run_node(
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    rt.block_on(async {
+    let refused = rt.block_on(async {
         // The handler before the readiness line: a SIGTERM sent the moment a supervisor reads
         // `LISTENING` must reach the shutdown path, not the default disposition.
         let (mut term, mut int) = stop_signals()?;
@@ -653,13 +654,28 @@ fn run_node(
             let _ = writeln!(out, "LISTENING {}", node.data_addr());
             let _ = out.flush();
         }
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        Ok::<(), String>(())
+        // A master refusing this node's protocol version refuses every call: exit with it.
+        let mut check = tokio::time::interval(Duration::from_millis(100));
+        let refused = loop {
+            tokio::select! {
+                _ = term.recv() => break None,
+                _ = int.recv() => break None,
+                _ = check.tick() => {
+                    if let Some(e) = node.refused() {
+                        break Some(e);
+                    }
+                }
+            }
+        };
+        Ok::<_, String>(refused)
     })?;
     node.shutdown();
+    if let Some(e) = refused {
+        return Err(format!(
+            "this store node was refused by its master: {e}; start the node in its master's \
+             release"
+        ));
+    }
     eprintln!("kvtier-l3: node shut down cleanly");
     Ok(())
 }

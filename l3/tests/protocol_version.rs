@@ -235,11 +235,23 @@ fn a_hello_of_the_format_before_versions_is_never_served() {
 /// stderr once it exits, failing (and killing it) if it is still running after 20 s or
 /// exited successfully: it must have been refused.
 fn refused_node(master: SocketAddr, id: u64, version: Option<u32>) -> String {
+    let (child, stderr) = node_process(master, id, version, Stdio::null());
+    refused(child, stderr)
+}
+
+/// A node process against `master` (announcing `version`, or this one), its stdout as
+/// given, and a thread collecting its stderr.
+fn node_process(
+    master: SocketAddr,
+    id: u64,
+    version: Option<u32>,
+    stdout: Stdio,
+) -> (std::process::Child, std::thread::JoinHandle<String>) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"));
     cmd.args(common::procs::node_args(master, id, None, &[]))
         .env_remove("KVTIER_L3_TOKEN")
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(stdout)
         .stderr(Stdio::piped());
     if let Some(v) = version {
         cmd.env(PROTOCOL_VERSION_OVERRIDE_ENV, v.to_string());
@@ -251,6 +263,12 @@ fn refused_node(master: SocketAddr, id: u64, version: Option<u32>) -> String {
         let _ = err.read_to_string(&mut s);
         s
     });
+    (child, reader)
+}
+
+/// Waits for `child` to exit and returns its stderr, failing (and killing it) if it is still
+/// running after 20 s or exited successfully: it must have been refused.
+fn refused(mut child: std::process::Child, stderr: std::thread::JoinHandle<String>) -> String {
     let end = Instant::now() + Duration::from_secs(20);
     let status = loop {
         if let Some(st) = child.try_wait().unwrap() {
@@ -263,7 +281,7 @@ fn refused_node(master: SocketAddr, id: u64, version: Option<u32>) -> String {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let stderr = reader.join().unwrap();
+    let stderr = stderr.join().unwrap();
     assert!(!status.success(), "the node ran: {stderr}");
     stderr
 }
@@ -385,4 +403,35 @@ fn a_node_left_on_the_old_version_is_never_read_through_by_new_clients() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// A running store node whose master is restarted (same address and state directory) in
+/// another version exits with the refusal, naming both versions, instead of pinging a master
+/// that refuses every call for as long as it runs (before: it kept running, each ping and
+/// remount refused, silently without `RUST_LOG`).
+#[test]
+fn a_running_node_refused_by_its_upgraded_master_exits_with_the_refusal() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = master_in("127.0.0.1:0", dir.path(), &[], None);
+    let addr = m.addr.to_string();
+    let (mut child, stderr) = node_process(m.addr, 1, None, Stdio::piped());
+    let out = child.stdout.take().unwrap();
+    if let Err(e) = kvtier_l3::cli::read_listening(out) {
+        let _ = child.kill();
+        panic!("the node did not start: {e}");
+    }
+    drop(m);
+    let state = dir.path().display().to_string();
+    let _m2 = spawn_version(
+        &["--role", "master", "--listen", &addr, "--state-dir", &state],
+        OTHER,
+    );
+    let stderr = refused(child, stderr);
+    assert!(
+        stderr.contains(&format!(
+            "refused by its master: protocol version mismatch: the client speaks kvtier-l3 \
+             wire protocol {PROTOCOL_VERSION}, the server {OTHER}"
+        )),
+        "{stderr}"
+    );
 }

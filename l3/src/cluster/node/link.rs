@@ -73,10 +73,26 @@ pub(super) struct MasterLink {
     pub(super) conn: Mutex<Option<Arc<RemoteStore>>>,
     /// What the node takes; at least its master's limits (checked at each connection).
     pub(super) limits: NodeLimits,
+    /// The master refused this node's protocol version (-300): every later call would be
+    /// refused too, so the node stops (`StoreNode::refused`).
+    pub(super) refused: Mutex<Option<L3Error>>,
 }
 
 impl MasterLink {
     pub(super) fn call(&self, req: ClusterRequest) -> L3Result<ClusterReply> {
+        let r = self.call_once(req);
+        if let Err(e @ L3Error::ProtocolMismatch { .. }) = &r {
+            self.refused.lock().get_or_insert_with(|| e.clone());
+        }
+        r
+    }
+
+    /// Why the master refuses this node for good, if it does.
+    pub(super) fn refused(&self) -> Option<L3Error> {
+        self.refused.lock().clone()
+    }
+
+    fn call_once(&self, req: ClusterRequest) -> L3Result<ClusterReply> {
         let c = {
             let mut g = self.conn.lock();
             match &*g {

@@ -242,6 +242,7 @@ impl StoreNode {
                     max_object_bytes: opts.max_object_bytes,
                     max_frame_bytes: opts.max_frame_bytes,
                 },
+                refused: Mutex::new(None),
             },
             mem: Mutex::new(Mem::new(NodeRecycler::new(
                 opts.segment_bytes,
@@ -297,10 +298,19 @@ impl StoreNode {
                 return false;
             };
             n.tick();
-            true
+            // Refused by its master's protocol version: nothing more to ping (it exits).
+            n.link.refused().is_none()
         })?;
         *node.pinger.lock() = Some(p);
         Ok(node)
+    }
+
+    /// Why this node's master refuses it for good: the master speaks another wire protocol
+    /// version (-300; e.g. restarted in an upgrade while this node kept running). Every
+    /// call it makes is then refused, so it stops pinging and its process exits with this
+    /// error (`kvtier-l3 --role node`), rather than run on unmounted for as long as it lives.
+    pub fn refused(&self) -> Option<L3Error> {
+        self.inner.link.refused()
     }
 
     /// The data-channel address clients are sent to.
