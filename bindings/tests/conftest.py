@@ -1,6 +1,5 @@
 """Shared fixtures: small scheduler configurations and L3 stores."""
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -73,38 +72,21 @@ def server():
     s.shutdown()
 
 
-L3_BIN = Path(__file__).resolve().parents[2] / "target" / "release" / "kvtier-l3"
+def _l3proc():
+    """``vllm_suite/l3proc.py`` loaded by its path (not through ``sys.path``, where that
+    folder's own ``conftest`` would shadow this one)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvtier_tests_l3proc", Path(__file__).parent / "vllm_suite" / "l3proc.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class L3Process:
-    """A ``kvtier-l3`` server process on ``addr`` (127.0.0.1, an ephemeral port by default),
-    DRAM only, no token: killed (SIGKILL, as a crash) and restarted empty on its address."""
-
-    def __init__(self, addr: str = "127.0.0.1:0", segment_bytes: int = 64 << 20):
-        import subprocess
-
-        env = dict(os.environ)
-        env.pop("KVTIER_L3_TOKEN", None)
-        self.segment_bytes = segment_bytes
-        self.proc = subprocess.Popen([str(L3_BIN), "--listen", addr, "--segment-bytes", str(segment_bytes)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
-        line = self.proc.stdout.readline().strip() if self.proc.stdout else ""
-        if not line.startswith("LISTENING "):
-            self.kill()
-            raise RuntimeError(f"kvtier-l3 did not start: {line!r}")
-        self.addr = line.split(" ", 1)[1]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        if self.proc.stdout:
-            self.proc.stdout.close()
-
-    def restart(self) -> "L3Process":
-        """A new, empty server on the same address."""
-        self.kill()
-        return L3Process(self.addr, self.segment_bytes)
+# A ``kvtier-l3`` server process (the workspace's release build, built if missing),
+# killable and restartable empty on its address.
+L3Process = _l3proc().L3Process
 
 
 # ---- kvtier.torch ------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import kvtier
 from sglang_engine import PS, Engine, Mismatch, kvtier_cache, oracle, prompts, sglang_radix
-from conftest import L3_BIN, L3Process, sigstop
+from conftest import L3Process, sigstop
 
 
 def test_prefixes_come_back_from_host_when_the_device_pool_is_too_small():
@@ -679,7 +679,6 @@ def test_an_l3_server_stopped_and_restarted_mid_run_costs_reuse_never_bytes():
         srv.shutdown()
 
 
-@pytest.mark.skipif(not L3_BIN.exists(), reason="needs target/release/kvtier-l3")
 def test_pages_whose_backup_failed_while_the_l3_server_was_down_are_backed_up_once_it_is_back():
     """A ``kvtier-l3`` server process is killed mid-run and restarted empty on its address.
     The prefixes computed while it was down stay on host, their backups failed; while it is

@@ -1,5 +1,6 @@
-"""A real ``kvtier-l3`` server process on 127.0.0.1 for kvtier.vllm's tests (killable, and
-restartable on the same port)."""
+"""A real ``kvtier-l3`` server process on 127.0.0.1 for the bindings' tests (killable, and
+restartable on the same port): kvtier.vllm's import it from this folder, the others through
+``conftest.L3Process``."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class L3Process:
     """``kvtier-l3 --listen ADDR`` with a token (from ``KVTIER_L3_TOKEN``, as an operator
     would pass it), DRAM only; ``extra``: more flags (``--kv-events …``)."""
 
-    def __init__(self, token: Optional[str], segment_bytes: int = 64 << 20, addr: str = "127.0.0.1:0",
+    def __init__(self, token: Optional[str] = None, segment_bytes: int = 64 << 20, addr: str = "127.0.0.1:0",
                  extra: Sequence[str] = ()):
         self.token, self.segment_bytes, self.extra = token, segment_bytes, list(extra)
         env = dict(os.environ)
