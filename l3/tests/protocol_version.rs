@@ -435,3 +435,44 @@ fn a_running_node_refused_by_its_upgraded_master_exits_with_the_refusal() {
         "{stderr}"
     );
 }
+
+/// A peer of another version dialling again and again (a client or node left on the old
+/// release, reconnecting) is refused every time, but the server's warning is rate-limited:
+/// one line, not one per connection (before: 40 lines for 40 refused connections, a log
+/// flooded for as long as the old peer retries).
+#[test]
+fn a_peer_of_another_version_dialling_again_and_again_is_warned_of_once() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-l3"));
+    cmd.args(["--listen", "127.0.0.1:0", "--segment-bytes", "16777216"])
+        .env_remove("KVTIER_L3_TOKEN")
+        .env("RUST_LOG", "warn")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let out = child.stdout.take().unwrap();
+    let addr = kvtier_l3::cli::read_listening(out).unwrap();
+    const DIALS: usize = 40;
+    for _ in 0..DIALS {
+        assert_mismatch(connect_as(addr, OTHER), OTHER, PROTOCOL_VERSION);
+    }
+    // Still serving its own version.
+    round_trip(&client(addr, None), "served");
+    let _ = child.kill();
+    let _ = child.wait();
+    let stderr = reader.join().unwrap();
+    let warned = stderr
+        .lines()
+        .filter(|l| l.contains("refused a client of another protocol version"))
+        .count();
+    assert!(
+        (1..=2).contains(&warned),
+        "{warned} warnings for {DIALS} refused connections:\n{stderr}"
+    );
+}

@@ -26,6 +26,10 @@ use crate::types::{
 
 use super::Backend;
 use super::limits::ConnState;
+use super::refusals::EveryLog;
+
+/// Refused `hello`s of another protocol version, warned of at most once per 10 s.
+static VERSION_REFUSALS: EveryLog = EveryLog::new(std::time::Duration::from_secs(10));
 
 pub(super) struct Conn<B> {
     pub(super) store: Arc<B>,
@@ -81,7 +85,16 @@ impl<B: Backend> L3Rpc for Conn<B> {
         // First, so a peer of another version is told so (whatever its token): nothing else
         // it sends could be read right. The connection stays unauthenticated.
         if let Err(e) = check_protocol(version, self.version) {
-            tracing::warn!(error = %e, "refused a client of another protocol version");
+            // Rate-limited: a peer left on another release redials for as long as it runs.
+            if let Some(more) = VERSION_REFUSALS.note(std::time::Instant::now()) {
+                tracing::warn!(
+                    error = %e,
+                    refused_since_last_warning = more,
+                    "refused a client of another protocol version (warned of at most once \
+                     per {} s)",
+                    VERSION_REFUSALS.every().as_secs()
+                );
+            }
             return Err(e);
         }
         let ok = token_ok(self.token.as_ref(), token.as_deref());

@@ -26,6 +26,7 @@
 mod conn;
 mod flow;
 pub mod limits;
+mod refusals;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
