@@ -174,8 +174,13 @@ impl NodeInner {
                 let Ok(alloc) = self.alloc_of(&handles[i]) else {
                     continue;
                 };
+                let h = &handles[i];
+                // The allocation may hold another put's bytes by now: a newer put's, placed
+                // on the same id by a master since restarted (`Mem::write`), or nothing
+                // (a remount emptied the memory). Neither is this put's to end or drop.
+                let ours = m.holds(alloc, &h.tenant, &h.key, h.token);
                 match r {
-                    Ok(ended) => {
+                    Ok(ended) if ours => {
                         if let Some(e) = m.allocs.get_mut(&alloc) {
                             e.ended = true;
                             // One SSD copy per object: the first replica's node writes it.
@@ -184,9 +189,17 @@ impl NodeInner {
                             }
                         }
                     }
+                    Ok(_) => {
+                        out[i] = Err(L3Error::IllegalClient(
+                            "the put's bytes are no longer held by this node (its allocation \
+                             was given out again, or the node remounted): put it again"
+                                .into(),
+                        ));
+                    }
                     Err(e) => {
                         // Revoked or gone at the master: the allocation is free there.
-                        if matches!(e, L3Error::IllegalClient(_) | L3Error::ObjectNotFound) {
+                        if ours && matches!(e, L3Error::IllegalClient(_) | L3Error::ObjectNotFound)
+                        {
                             m.drop_alloc(alloc);
                         }
                         out[i] = Err(e);

@@ -72,16 +72,39 @@ impl Mem {
         }
     }
 
+    /// Whether `alloc` holds the bytes of the put (`t`, `key`, `token`), ended or not.
+    pub(super) fn holds(&self, alloc: u64, t: &Tenant, key: &str, token: u64) -> bool {
+        self.allocs
+            .get(&alloc)
+            .is_some_and(|e| e.token == token && e.tenant == *t && e.key == key)
+    }
+
     /// Holds the bytes of an unended put under `alloc` (replacing an unended earlier write
-    /// of it), with `cap` the most live bytes a node holds. Returns the buffers released
-    /// (beyond the recycler's bound) for the caller to drop outside its lock. Refused: the
-    /// allocation is ended already (-705 when by this very put: its replica is complete;
-    /// -601 when by another put), or `cap` would be passed; the bytes are then recycled.
+    /// of it, or an unended write of an older put: see below), with `cap` the most live
+    /// bytes a node holds. Returns the buffers released (beyond the recycler's bound) for
+    /// the caller to drop outside its lock. Refused: the allocation is ended already (-705
+    /// when by this very put: its replica is complete; -601 when by another put), holds the
+    /// unended bytes of a put with a token at least this one's (-601), or `cap` would be
+    /// passed; the bytes are then recycled.
+    ///
+    /// Two puts' writes to one allocation: one master never gives an id out twice, so one of
+    /// them was placed by a master since replaced (restarted on its state dir: same epoch,
+    /// ids counted from 1 again), and put tokens grow across such restarts (`TokensBelow`),
+    /// so the newer put is the one with the higher token. The older one's late write must
+    /// not replace the newer one's bytes: this node may have checked them for the newer
+    /// put's end, sent to the master, and marks the allocation ended on its answer
+    /// (`tests/reused_alloc.rs`: before, the key was then read with the late put's bytes).
     pub(super) fn write(&mut self, alloc: u64, h: Held, cap: u64) -> L3Result<Vec<Arc<[u8]>>> {
         let size = h.data.len() as u64;
+        let same_put = |e: &Held| e.token == h.token && e.tenant == h.tenant && e.key == h.key;
         let prev = match self.allocs.get(&alloc) {
-            Some(e) if e.ended && e.token == h.token && e.tenant == h.tenant && e.key == h.key => {
-                Err(L3Error::ObjectAlreadyExists)
+            Some(e) if e.ended && same_put(e) => Err(L3Error::ObjectAlreadyExists),
+            Some(e) if !e.ended && !same_put(e) && e.token >= h.token => {
+                Err(L3Error::IllegalClient(
+                    "the allocation holds a newer put's bytes: this put was placed by a master \
+                     since replaced; put it again"
+                        .into(),
+                ))
             }
             // Another put's ended bytes: one master never gives an allocation id out twice,
             // so this handle was placed by a master since replaced (the id given out again).
@@ -187,6 +210,62 @@ mod tests {
         assert_eq!(m.used, 10);
         assert_eq!(&m.allocs[&1].data[..], &[7u8; 10][..]);
         assert!(m.allocs[&1].ended && m.allocs[&1].token == 1);
+    }
+
+    /// One put's write, its token and key, the bytes a token byte.
+    fn put(token: u64, key: &str) -> Held {
+        let mut h = held(key, false, Staging::No);
+        h.token = token;
+        h.data = Arc::from(vec![token as u8; 10]);
+        h
+    }
+
+    /// A late write of an older put (lower token: placed by a master since restarted, the
+    /// id given out again) never replaces a newer put's unended bytes; a newer put's write
+    /// replaces an older one's; the same put writes again.
+    #[test]
+    fn a_late_write_of_an_older_put_never_replaces_a_newer_ones_bytes() {
+        let mut m = Mem::new(NodeRecycler::new(100, 0, std::time::Duration::ZERO));
+        m.write(1, put(5, "k"), 1000).unwrap();
+        for late in [put(3, "k"), put(3, "j"), put(5, "j")] {
+            let r = m.write(1, late, 1000);
+            assert!(matches!(r, Err(L3Error::IllegalClient(_))), "{r:?}");
+        }
+        assert!(m.holds(1, &Tenant::new("a").unwrap(), "k", 5));
+        assert_eq!(&m.allocs[&1].data[..], &[5u8; 10][..]);
+        m.write(1, put(5, "k"), 1000).unwrap();
+        m.write(1, put(8, "j"), 1000).unwrap();
+        assert!(m.holds(1, &Tenant::new("a").unwrap(), "j", 8));
+        assert_eq!(m.used, 10);
+    }
+
+    proptest::proptest! {
+        /// Whatever order puts' writes (and ends) reach one allocation in: what it holds is
+        /// always the bytes of the put it says (token, key), its token never goes down, and
+        /// ended bytes never change.
+        #[test]
+        fn an_allocation_holds_its_newest_puts_own_bytes(
+            ops in proptest::collection::vec((1u64..6, 0usize..2, proptest::bool::ANY), 1..40),
+        ) {
+            let keys = ["k", "j"];
+            let mut m = Mem::new(NodeRecycler::new(100, 0, std::time::Duration::ZERO));
+            let mut top = 0;
+            for (token, key, end) in ops {
+                let before = m.allocs.get(&1).map(|e| (e.token, e.ended));
+                let _ = m.write(1, put(token, keys[key]), 1000);
+                if end && let Some(e) = m.allocs.get_mut(&1) {
+                    e.ended = true;
+                }
+                let e = &m.allocs[&1];
+                proptest::prop_assert!(e.data.iter().all(|&b| u64::from(b) == e.token));
+                proptest::prop_assert!(e.token >= top);
+                if let Some((t, true)) = before {
+                    proptest::prop_assert_eq!(e.token, t);
+                }
+                top = e.token;
+                proptest::prop_assert_eq!(m.used, 10);
+            }
+        }
     }
 
     /// A remount reports only ended, live replicas: a put never ended and staged bytes are
