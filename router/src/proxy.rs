@@ -252,10 +252,14 @@ pub async fn chat(
 
 /// `/v1/models` from the first instance that answers, asked in turn (the healthy first,
 /// those passed over for their errors not at all while another is left), each for at most
-/// [`TOKENIZE_TIMEOUT`] until its answer's head.
+/// [`TOKENIZE_TIMEOUT`] until its answer's head. An answer saying the instance is not up
+/// (502, 503, 504: a gateway in front of an engine that is starting) is passed over for the
+/// next instance's, as a completion is, and is the client's only if no instance answered
+/// otherwise (it was the first instance's for all).
 pub async fn models(State(st): State<AppState>, uri: Uri, headers: HeaderMap) -> Response {
     let target = target_of("/v1/models", &uri);
     let order = st.lock().lookup_order();
+    let mut unavailable = None;
     for i in order {
         let Some(base) = st.backends.get(i) else {
             continue;
@@ -272,10 +276,14 @@ pub async fn models(State(st): State<AppState>, uri: Uri, headers: HeaderMap) ->
         };
         let sent = st.upstream.client.request(req);
         match tokio::time::timeout(TOKENIZE_TIMEOUT, sent).await {
+            Ok(Ok(resp)) if unavailable_status(resp.status()) => unavailable = Some((i, resp)),
             Ok(Ok(resp)) => return pass_through(resp, i, None),
             Ok(Err(e)) if e.is_connect() && !out_of_files(&e) => st.lock().unreachable(i),
             _ => {}
         }
+    }
+    if let Some((i, resp)) = unavailable {
+        return pass_through(resp, i, None);
     }
     error(
         StatusCode::BAD_GATEWAY,

@@ -9,8 +9,10 @@
 //! - [`docs`]: docs/router.md's command line and requests;
 //! - [`upstream_errors`]: instances that answer errors, or cannot be sent to;
 //! - [`forwarding`]: what of a client's request reaches the instance;
-//! - [`faults`]: instances that hang, cannot be reached or close idle connections.
+//! - [`faults`]: instances that hang, cannot be reached or close idle connections;
+//! - [`abuse`]: clients that go away, every request shape, odd HTTP, instances not up.
 
+mod abuse;
 mod bookings;
 mod common;
 mod docs;
