@@ -179,13 +179,17 @@ pub(super) fn serve_get(
                 });
             }
             // A client that gave up on the call may have reused this buffer: not written
-            // (`tests/shm_reconnect.rs`).
-            if gave_up() {
-                return Err(super::server::gave_up_read());
+            // (`tests/shm_reconnect.rs`), checked before each chunk of the copy (as
+            // `copy_out`).
+            for (i, s) in src.chunks(super::server::GIVE_UP_CHUNK).enumerate() {
+                if gave_up() {
+                    return Err(super::server::gave_up_read());
+                }
+                let at = dst.addr + (i * super::server::GIVE_UP_CHUNK) as u64;
+                // SAFETY: `s` is valid for its length and only read (process_vm_writev
+                // takes a mutable pointer type but does not write local memory).
+                unsafe { peer.copy(Dir::Write, s.as_ptr().cast_mut(), at, s.len())? };
             }
-            // SAFETY: `src` is valid for its length and only read (process_vm_writev takes
-            // a mutable pointer type but does not write local memory).
-            unsafe { peer.copy(Dir::Write, src.as_ptr().cast_mut(), dst.addr, src.len())? };
             Ok(src.len() as u64)
         })
         .collect())

@@ -444,11 +444,18 @@ impl SegTable {
     }
 }
 
+/// Bytes copied into a client's memory between two checks that it has not given up on the
+/// call ([`copy_out`], the in-place `GetAt`): what a server stopped in the middle of a copy
+/// may still write into the caller's memory after the call returned.
+pub(crate) const GIVE_UP_CHUNK: usize = 1 << 20;
+
 /// Copies an object into a checked range of the connection's segments: its size, or -10
 /// when the range is too small. Nothing is written once the client gave up on the call
-/// ([`SegTable::client_gave_up`], checked before the copy): the range may be memory the
-/// caller has reused since (a region), and the late write would corrupt it
-/// (`tests/shm_reconnect.rs`).
+/// ([`SegTable::client_gave_up`], checked before each [`GIVE_UP_CHUNK`] of the copy): the
+/// range may be memory the caller has reused since (a region), and the late write would
+/// corrupt it (`tests/shm_reconnect.rs`). A server stopped in the middle of a chunk still
+/// writes the rest of that chunk when it resumes (`tests/shm_copy_giveup.rs`: before, the
+/// rest of the object, 240 MB of 256 MB, over the caller's reused region).
 pub fn copy_out(
     b: &Blob,
     m: &Mapping,
@@ -466,7 +473,17 @@ pub fn copy_out(
         return Err(gave_up_read());
     }
     // SAFETY: `r` was checked inside the mapping; no other reference to it lives here.
-    unsafe { m.bytes_mut(r.start, src.len()) }.copy_from_slice(src);
+    let dst = unsafe { m.bytes_mut(r.start, src.len()) };
+    for (i, (d, s)) in dst
+        .chunks_mut(GIVE_UP_CHUNK)
+        .zip(src.chunks(GIVE_UP_CHUNK))
+        .enumerate()
+    {
+        if i > 0 && segs.client_gave_up() {
+            return Err(gave_up_read());
+        }
+        d.copy_from_slice(s);
+    }
     Ok(src.len() as u64)
 }
 
