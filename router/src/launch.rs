@@ -212,6 +212,11 @@ pub struct Config {
     /// instance as not having taken the request and tries the next best
     /// ([`crate::proxy::HEAD_TIMEOUT_S`] by default; 0: for ever).
     pub head_timeout_s: f64,
+    /// How long a client's connection may take to send a request's head, counted from the
+    /// connection's start or its previous answer (so also how long a kept connection may
+    /// stay idle) before the router closes it ([`crate::service::HEADER_TIMEOUT_S`] by
+    /// default); a request whose head came is never cut short.
+    pub header_timeout_s: f64,
 }
 
 impl Config {
@@ -245,6 +250,7 @@ impl Config {
             subscribe: subscribe_options(500, 5.0),
             booking_ttl_s: crate::cluster::BOOKING_TTL_S,
             head_timeout_s: crate::proxy::HEAD_TIMEOUT_S,
+            header_timeout_s: crate::service::HEADER_TIMEOUT_S,
         }
     }
 }
@@ -269,6 +275,8 @@ pub enum StartError {
     BookingTtl(crate::RouteError),
     #[error("--head-timeout-s must be a number of seconds, at least 0, not {0}")]
     HeadTimeout(f64),
+    #[error("header_timeout_s must be a positive number of seconds, not {0}")]
+    HeaderTimeout(f64),
     #[error("bind {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
     #[error(transparent)]
@@ -308,6 +316,10 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     }
     let head_timeout = crate::proxy::head_timeout(cfg.head_timeout_s)
         .ok_or(StartError::HeadTimeout(cfg.head_timeout_s))?;
+    let header_timeout = Duration::try_from_secs_f64(cfg.header_timeout_s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or(StartError::HeaderTimeout(cfg.header_timeout_s))?;
     let min = ClusterIndex::min_bytes(cfg.instances.len());
     if cfg.max_index_bytes < min {
         return Err(StartError::BudgetTooSmall(cfg.max_index_bytes, min));
@@ -376,6 +388,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let mut st = AppState::new(Arc::clone(&cluster), urls);
     st.upstream.set_head_timeout(head_timeout);
+    st.header_timeout = header_timeout;
     let server = tokio::spawn(service::serve(listener, st, async {
         let _ = rx.await;
     }));

@@ -9,6 +9,7 @@
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use axum::Json;
 use axum::extract::rejection::{BytesRejection, PathRejection};
@@ -33,6 +34,8 @@ pub struct AppState {
     pub upstream: Upstream,
     /// Which `model` names are LoRA adapters (the proxy reads the instances' `/v1/models`).
     pub models: Arc<Mutex<ModelNames>>,
+    /// How long a client's connection may take to send a request's head ([`serve`]).
+    pub header_timeout: Duration,
 }
 
 impl AppState {
@@ -42,6 +45,7 @@ impl AppState {
             backends: Arc::new(backends),
             upstream: Upstream::new(),
             models: Arc::new(Mutex::new(ModelNames::default())),
+            header_timeout: Duration::from_secs_f64(HEADER_TIMEOUT_S),
         }
     }
 
@@ -257,18 +261,76 @@ async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) ->
     )
 }
 
+/// How long, by default, a client's connection may take to send a request's head
+/// ([`crate::launch::Config::header_timeout_s`]), from its start or its previous answer.
+pub const HEADER_TIMEOUT_S: f64 = 30.0;
+
 /// The largest request body accepted (a 413 beyond).
 pub const MAX_BODY: usize = 64 << 20;
 
-/// Serves `app` on a bound listener until `shutdown` resolves.
+/// Serves `app` on a bound listener until `shutdown` resolves, then lets the connections
+/// finish their requests in flight. HTTP/1.1 (and 1.0), each connection closed when a
+/// request's head has not come within [`AppState::header_timeout`] from the connection's
+/// start or its previous answer: a client that never finishes a head (slowloris) or keeps
+/// a connection idle holds it that long, not for ever. (`axum::serve` had no such timeout:
+/// enough such connections took every file descriptor, and no client was served.)
 pub async fn serve(
     listener: tokio::net::TcpListener,
     st: AppState,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app(st))
-        .with_graceful_shutdown(shutdown)
-        .await
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let header_timeout = st.header_timeout;
+    let app = app(st);
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    // every connection holds a receiver; all dropped: every connection ended
+    let (close_tx, close_rx) = tokio::sync::watch::channel(());
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let io = tokio::select! {
+            a = listener.accept() => match a {
+                Ok((io, _)) => io,
+                Err(e) => {
+                    accept_failed(&e).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = io.set_nodelay(true);
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = http.serve_connection(TokioIo::new(io), svc).with_upgrades();
+        let mut close = close_rx.clone();
+        tokio::spawn(async move {
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                _ = close.changed() => conn.as_mut().graceful_shutdown(),
+            }
+            let _ = conn.await;
+            drop(close);
+        });
+    }
+    drop(listener);
+    drop(close_rx);
+    let _ = close_tx.send(());
+    close_tx.closed().await;
+    Ok(())
+}
+
+/// After a failed accept: a connection that failed before it was accepted is nothing; any
+/// other error (out of file descriptors) is waited out a little, as `axum::serve` does, so
+/// the loop does not spin.
+async fn accept_failed(e: &std::io::Error) {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    if !matches!(
+        e.kind(),
+        ConnectionRefused | ConnectionAborted | ConnectionReset
+    ) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Binds `addr` (port 0: a free one) and returns the listener and its address.

@@ -147,6 +147,7 @@ fn config(a: &Args) -> Result<Config, String> {
                 ));
             }
         },
+        header_timeout_s: kvtier_router::service::HEADER_TIMEOUT_S,
         subscribe: SubscribeOptions {
             resync: launch::resync_period(a.resync_s)?,
             ..launch::subscribe_options(a.replay_timeout_ms, a.resync_s)

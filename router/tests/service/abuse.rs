@@ -507,3 +507,84 @@ async fn models_are_listed_by_an_instance_that_is_up_beside_one_that_is_not() {
         r.stop().await;
     }
 }
+
+/// Whether the router closes `s` within `wait` (reads to its end, whatever it says).
+async fn closed_within(s: &mut tokio::net::TcpStream, wait: Duration) -> bool {
+    let mut b = [0u8; 4096];
+    let t = tokio::time::Instant::now() + wait;
+    loop {
+        match tokio::time::timeout_at(t, s.read(&mut b)).await {
+            Err(_) => return false,
+            Ok(Ok(0) | Err(_)) => return true,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// A client that opens connections and never finishes a request's head (slowloris), or
+/// keeps a connection idle after its answer, holds it only for the header timeout: before,
+/// for ever, and enough of them took every file descriptor the router had, failing every
+/// other client. A request whose head came in time is not cut short however long its
+/// answer takes (an engine's whole answer takes minutes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_head_never_finished_or_an_idle_connection_is_closed() {
+    let slow = Fake::start(
+        |s| {
+            if !s.target.starts_with("/v1/completions") {
+                return Reply::Json(200, r#"{"object":"list","data":[{"id":"m"}]}"#.into());
+            }
+            std::thread::sleep(Duration::from_millis(1500));
+            Reply::Json(200, ok_json())
+        },
+        None,
+    )
+    .await;
+    let specs = vec![url_spec(slow.url())];
+    let r = launch::start(Config {
+        header_timeout_s: 0.5,
+        ..config(specs, 1 << 20, Keys::Tokens)
+    })
+    .await
+    .expect("start router");
+    // half a head
+    let mut half = tokio::net::TcpStream::connect(r.addr).await.expect("c");
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("w");
+    // nothing at all
+    let mut mute = tokio::net::TcpStream::connect(r.addr).await.expect("c");
+    // an answer, then idle on a kept connection
+    let mut idle = tokio::net::TcpStream::connect(r.addr).await.expect("c");
+    idle.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("w");
+    let b = body(1, false);
+    let t = std::time::Instant::now();
+    let got = http_with(
+        r.addr,
+        "POST",
+        "/v1/completions",
+        &[JSON],
+        b.as_bytes(),
+        Duration::from_secs(10),
+    )
+    .await
+    .expect("a slow whole answer");
+    assert_eq!(got.status, 200, "{got:?}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(1400),
+        "{:?}",
+        t.elapsed()
+    );
+    for (name, s) in [
+        ("half", &mut half),
+        ("mute", &mut mute),
+        ("idle", &mut idle),
+    ] {
+        assert!(
+            closed_within(s, Duration::from_secs(3)).await,
+            "{name} held"
+        );
+    }
+    r.stop().await;
+}
