@@ -10,7 +10,9 @@
 //! - [`upstream_errors`]: instances that answer errors, or cannot be sent to;
 //! - [`forwarding`]: what of a client's request reaches the instance;
 //! - [`faults`]: instances that hang, cannot be reached or close idle connections;
-//! - [`abuse`]: clients that go away, every request shape, odd HTTP, instances not up.
+//! - [`abuse`]: clients that go away, every request shape, odd HTTP, instances not up;
+//! - [`release_props`]: proptest: in-flight counts and bookings return to zero whatever
+//!   clients and instances do.
 
 mod abuse;
 mod bookings;
@@ -20,5 +22,6 @@ mod events;
 mod faults;
 mod forwarding;
 mod proxy;
+mod release_props;
 mod stream_props;
 mod upstream_errors;
