@@ -3,12 +3,13 @@ back the page up again; an embedded store's loss journal (``L3Store.drain_losses
 what it evicted or removed, and the reference engine passes it on; the one key parser
 (``kvtier.parse_l3_key``)."""
 
+import numpy as np
 import pytest
 
 import kvtier
 from kvtier.engine import Engine, KvtierL3Backend
 
-from conftest import prompt, small_config
+from conftest import L3Process, prompt, small_config
 
 
 def _run(report: bool) -> bool:
@@ -109,3 +110,69 @@ def test_parse_l3_key():
     assert kvtier.RankAgreement().lost(s, ["garbage", k.replace(":3", ":4")]) == 0  # rank 3 of 4: agreed
     with pytest.raises(TypeError):
         s.l3_lost("not a list of keys")
+
+
+class _KeepsServing(KvtierL3Backend):
+    """The store over the wire, its connection errors answered as an engine that keeps serving
+    while the L3 server is down answers them: probes find nothing, puts fail, no losses."""
+
+    def probe(self, keys):
+        try:
+            return super().probe(keys)
+        except kvtier.L3Error:
+            return 0
+
+    def put(self, keys, pool, page_ids):
+        try:
+            return super().put(keys, pool, page_ids)
+        except kvtier.L3Error as e:
+            return np.full(len(keys), e.code, dtype=np.int64)
+
+    def losses(self):
+        try:
+            return super().losses()
+        except kvtier.L3Error:
+            return [], False
+
+
+def test_pages_whose_backup_failed_while_the_l3_server_was_down_are_backed_up_once_it_is_back():
+    """A ``kvtier-l3`` server process is killed while the scheduler computes two prompts, and
+    restarted empty on its address. Their backups failed; their pages stay on host. While it
+    is down idle steps try nothing again; once a backup succeeds after the restart, the next
+    steps back them up (the scheduler's retry of failed backups), so a second engine gets
+    them from L3. Before, a failed backup was never tried again: they never reached L3."""
+    srv = L3Process()
+    try:
+        store = kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=2000)
+        s = kvtier.Scheduler(small_config(l3_enabled=True))
+        e = Engine(s, _KeepsServing(store))
+        e.submit(1, prompt(1, 41), 2)
+        e.run_to_idle()
+        srv.kill()
+        down = [prompt(2, 41), prompt(3, 41)]
+        for i, p in enumerate(down):
+            e.submit(10 + i, p, 2)
+        e.run_to_idle()
+        st = s.stats()
+        assert st["ops"]["BackUp"]["failed"] == 2 and st["host"]["cached"] == 30
+        assert st["backups_retrying"] == 2, "the failed backups wait to be tried again"
+        issued = st["ops"]["BackUp"]["issued"]
+        for t in range(3):
+            e.step(1000 + t)
+        assert s.stats()["ops"]["BackUp"]["issued"] == issued, "tried again before the store answered"
+        srv = srv.restart()
+        e.submit(20, prompt(4, 41), 2)
+        e.run_to_idle()
+        missing = [k for p in down for k in s.l3_keys(p) if not store.is_exist(k)]
+        assert missing == [], f"{len(missing)} pages computed while the server was down never reached it"
+        st = s.stats()
+        assert st["backups_retrying"] == 0 and st["backups_given_up"] == 0
+        s.check()
+        s2 = kvtier.Scheduler(small_config(l3_enabled=True))
+        e2 = Engine(s2, KvtierL3Backend(kvtier.L3Store.connect(srv.addr)))
+        for i, p in enumerate(down):
+            e2.submit(30 + i, p, 2)
+        e2.run_to_idle()
+        assert s2.stats()["l3_hit_pages"] == 20
+    finally:
+        srv.kill()

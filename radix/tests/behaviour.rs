@@ -48,6 +48,27 @@ fn match_splits_inside_a_node_and_handles_stay_valid() {
 }
 
 #[test]
+fn peek_node_finds_the_deepest_whole_node_without_splitting() {
+    let mut c = cache(16, 16);
+    let (toks, hs) = prompt(1, 6);
+    let end = put_device(&mut c, &toks, &hs);
+    let mid = c.node_at_depth(end, 2).unwrap();
+    let nodes = c.node_count();
+    assert_eq!(c.peek_node(&hs), (end, 6));
+    assert_eq!(
+        c.peek_node(&hs[..4]),
+        (mid, 2),
+        "pages 2..4 are inside a node"
+    );
+    assert_eq!(c.peek_node(&hs[..2]), (mid, 2));
+    assert_eq!(c.peek_node(&[]), (c.root(), 0));
+    let (_, other) = prompt(2, 3);
+    assert_eq!(c.peek_node(&other), (c.root(), 0));
+    assert_eq!(c.node_count(), nodes, "nothing split");
+    c.check_invariants().unwrap();
+}
+
+#[test]
 fn evicting_device_keeps_host_copy_and_removes_copyless_nodes() {
     let mut c = cache(8, 8);
     let (toks, hs) = prompt(1, 4);

@@ -77,9 +77,11 @@ impl Scheduler {
                     lock,
                     nodes,
                     hashes,
+                    span,
+                    tries,
                 },
                 _,
-            ) => self.backup_done(req, lock, &nodes, &hashes, success),
+            ) => self.backup_done(req, lock, (&nodes, &hashes), (span, tries), success),
             _ => {}
         }
         Ok(())
@@ -229,6 +231,9 @@ impl Scheduler {
 
     /// `L3QueryDone`: record what the probe found; the request waits for admission again.
     fn query_done(&mut self, req: Option<RequestId>, start: usize, hit_pages: u32) {
+        if hit_pages > 0 {
+            self.backup_retry.answered();
+        }
         let Some(id) = req else { return };
         if let Some(r) = self.reqs.get_mut(&id) {
             let reprobes = match r.l3 {
@@ -256,6 +261,9 @@ impl Scheduler {
     ) {
         self.prefetch_deadlines.retain(|(_, o)| *o != op);
         self.terminate.retain(|o| *o != op);
+        if completed > 0 {
+            self.backup_retry.answered();
+        }
         let Some(id) = req else { return };
         self.finish_prefetch(id, (start, lost_from), dst, completed as usize);
         self.apply(id, RequestEvent::PrefetchDone { completed });
@@ -282,18 +290,22 @@ impl Scheduler {
     }
 
     /// `BackUpDone`: on success the covered nodes are in L3 (unless a loss report overtook the
-    /// completion); the source pages are unpinned.
+    /// completion) and L3 answers again; on failure the run waits to be tried again
+    /// (`backup_retry.rs`); the source pages are unpinned.
     fn backup_done(
         &mut self,
         req: Option<RequestId>,
         lock: crate::ops::AnyLock,
-        nodes: &[(usize, usize)],
-        hashes: &[kvtier_radix::PageHash],
+        (nodes, hashes): (&[(usize, usize)], &[kvtier_radix::PageHash]),
+        (span, tries): ((usize, usize), u32),
         success: bool,
     ) {
         let end = lock.node();
         if success {
             self.mark_in_l3(end, nodes);
+            self.backup_retry.answered();
+        } else {
+            self.backup_failed(end, span, tries);
         }
         let mut lost = std::collections::HashSet::new();
         for h in hashes {

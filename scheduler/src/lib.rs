@@ -13,6 +13,7 @@
 //! - `admission.rs`: decode rows, prefill chunks, admission (match, load-back, L3);
 //! - `completion.rs`: validating and applying completions;
 //! - `lifecycle.rs`: publish, finish, write-back, backup, retraction, release;
+//!   `backup_retry.rs`: failed backups tried again once L3 answers (shared with the manager);
 //! - `ops.rs`: the in-flight op table with the locks each op holds;
 //! - `prefetch.rs`: the prefetch path (start, deadline, finish, pin until admission);
 //! - `agreement.rs`: tensor-parallel agreement ([`RankAgreement`], [`ExecutionPlan::digest`]);
@@ -27,6 +28,7 @@
 mod admission;
 mod agreed_losses;
 mod agreement;
+mod backup_retry;
 mod check;
 mod completion;
 mod config;
@@ -54,6 +56,7 @@ mod waiting;
 
 pub use agreed_losses::LOSS_WORDS_TAG;
 pub use agreement::{AgreedLosses, AgreedOps, AgreementError, RankAgreement, SKIPPED};
+pub use backup_retry::BackupRetry;
 pub use config::{
     ConfigError, HostAdmission, L3Sharing, PrefetchStopPolicy, QueueProtection, RetractionPolicy,
     SchedulerConfig, TenantQuota, WritePolicy,
@@ -64,7 +67,7 @@ pub use kvtier_radix::{
     DevicePageId, ExtraKey, HashScope, HostPageId, KeyNamespace, KvEvent, PageHash, ScopeLabel,
 };
 pub use offload::{JobKind, JobOutcome, LoadPlan, Lookup, OffloadError, OffloadManager, StorePlan};
-pub use offload_l3::{BackupPlan, BackupRetry, L3Backups};
+pub use offload_l3::{BackupPlan, L3Backups};
 pub use scheduler::Scheduler;
 pub use stats::{OpStats, Stats};
 pub use types::*;

@@ -10,11 +10,23 @@
 use kvtier_fsm::{OpKind, RequestEvent, RequestState};
 use kvtier_radix::{Device, Host, HostPageId, LockHandle, NodeId, PageHash};
 
+use crate::backup_retry::Run;
 use crate::config::{RetractionPolicy, WritePolicy};
 use crate::ops::{AnyLock, BackupSource, BackupUrgency, OpCtx, RetractedKv, WriteBackCause};
 use crate::release;
 use crate::scheduler::Scheduler;
 use crate::types::*;
+
+/// Which pages of a path a backup takes (`Scheduler::issue_backup`).
+#[derive(Clone, Copy, Debug)]
+struct BackupPick {
+    /// Only nodes at least this many requests reused (the selective write policy).
+    threshold: u32,
+    /// Only pages at this depth or deeper (a retried run's start).
+    from: usize,
+    /// Times these pages' backup failed before.
+    tries: u32,
+}
 
 impl Scheduler {
     /// Publishes the request's pages `tree_pages .. upto` (full pages whose KV is computed)
@@ -283,15 +295,34 @@ impl Scheduler {
             WritePolicy::WriteBack if urgency == BackupUrgency::BeforeHostDrop => 0,
             WritePolicy::WriteBack => return false,
         };
+        let pick = BackupPick {
+            threshold,
+            from: 0,
+            tries: 0,
+        };
+        self.issue_backup(end, source, req, pick) > 0
+    }
+
+    /// Issues a backup of the pages on the path to `end` that `pick` picks: at depth
+    /// `pick.from` or deeper, in nodes L3 lacks that at least `pick.threshold` requests reused,
+    /// not being sent by another backup. Returns the pages planned (0: no backup).
+    fn issue_backup(
+        &mut self,
+        end: NodeId,
+        source: BackupSource,
+        req: Option<RequestId>,
+        pick: BackupPick,
+    ) -> usize {
         let Ok(path) = self.cache.path_nodes(end) else {
-            return false;
+            return 0;
         };
         let mut depths: Vec<usize> = Vec::new();
         let mut hashes: Vec<PageHash> = Vec::new();
         let mut nodes = Vec::new();
         for (node, s, e) in path {
-            if self.cache.in_l3(node) != Ok(false)
-                || self.cache.hit_count(node).unwrap_or(0) < threshold
+            if s < pick.from
+                || self.cache.in_l3(node) != Ok(false)
+                || self.cache.hit_count(node).unwrap_or(0) < pick.threshold
             {
                 continue;
             }
@@ -311,16 +342,16 @@ impl Scheduler {
                 nodes.push((s, e));
             }
         }
-        if hashes.is_empty() {
-            return false;
-        }
+        let (Some(&first), Some(&last)) = (depths.first(), depths.last()) else {
+            return 0;
+        };
         let keys = self.l3_keys(&hashes);
         let (src, lock) = if source == BackupSource::Host {
             let Ok(all) = self.cache.path_pages::<Host>(end) else {
-                return false;
+                return 0;
             };
             let Ok(l) = self.cache.lock::<Host>(end) else {
-                return false;
+                return 0;
             };
             (
                 TierPages::Host(depths.iter().map(|&d| all[d]).collect()),
@@ -328,16 +359,17 @@ impl Scheduler {
             )
         } else {
             let Ok(all) = self.cache.path_pages::<Device>(end) else {
-                return false;
+                return 0;
             };
             let Ok(l) = self.cache.lock::<Device>(end) else {
-                return false;
+                return 0;
             };
             (
                 TierPages::Device(depths.iter().map(|&d| all[d]).collect()),
                 AnyLock::Device(l),
             )
         };
+        let n = hashes.len();
         self.backing_up.extend(hashes.iter().copied());
         self.new_op(
             OpKind::BackUp,
@@ -348,9 +380,104 @@ impl Scheduler {
                 lock,
                 nodes,
                 hashes,
+                span: (first, last + 1),
+                tries: pick.tries,
             },
         );
-        true
+        n
+    }
+
+    /// A backup failed: its run (the path to `end`, pages `span`) waits to be tried again
+    /// once L3 answers (`backup_retry.rs`). `end` is still locked by the backup.
+    pub(crate) fn backup_failed(&mut self, end: NodeId, (from, to): (usize, usize), tries: u32) {
+        let Ok(path) = self.cache.path_nodes(end) else {
+            return;
+        };
+        let mut chain = Vec::with_capacity(to);
+        for (node, _, _) in path {
+            if chain.len() >= to {
+                break;
+            }
+            if let Ok(hs) = self.cache.node_hashes(node) {
+                chain.extend_from_slice(hs);
+            }
+        }
+        if chain.len() < to {
+            return;
+        }
+        chain.truncate(to);
+        self.backup_retry.failed(Run { chain, from, tries });
+    }
+
+    /// Plans the failed backups due again (L3 answered since the last failure), at most
+    /// `BackupRetry::pages_per_plan` pages (`backup_retry.rs`).
+    pub(crate) fn plan_backup_retries(&mut self) {
+        if !self.cfg.l3_enabled || !self.backup_retry.due() {
+            return;
+        }
+        let mut retry = std::mem::take(&mut self.backup_retry);
+        retry.plan(|run, budget| self.retry_backup(run, budget));
+        self.backup_retry = retry;
+    }
+
+    /// Plans a backup of at most `budget` pages of a failed backup's run that are still on
+    /// host (on device without a host tier) and that L3 lacks and no backup is sending: the
+    /// pages planned, and what is left of the run beyond them. (A device page that reaches
+    /// host later is backed up when it does, as every page written to host is.)
+    fn retry_backup(&mut self, run: Run, budget: usize) -> (usize, Option<Run>) {
+        let (dev, host) = self.cache.peek_prefix(&run.chain);
+        let (source, resident) = if self.cfg.host_enabled {
+            (BackupSource::Host, host)
+        } else {
+            (BackupSource::Device, dev)
+        };
+        let (end, depth) = self.cache.peek_node(&run.chain[..resident]);
+        if depth <= run.from {
+            return (0, None);
+        }
+        // Where the run is cut: the depth of the first wanted page beyond `budget` of them.
+        let Ok(path) = self.cache.path_nodes(end) else {
+            return (0, None);
+        };
+        let mut wanted = 0usize;
+        let mut cut = None;
+        'nodes: for (node, s, _) in path {
+            if s < run.from || self.cache.in_l3(node) != Ok(false) {
+                continue;
+            }
+            let Ok(hs) = self.cache.node_hashes(node) else {
+                continue;
+            };
+            for (i, h) in hs.iter().enumerate() {
+                if self.backing_up.contains(h) {
+                    continue;
+                }
+                if wanted == budget {
+                    cut = Some(s + i);
+                    break 'nodes;
+                }
+                wanted += 1;
+            }
+        }
+        let end = match cut {
+            Some(c) => match self.cache.node_at_depth(end, c) {
+                Ok(n) => n,
+                Err(_) => return (0, None),
+            },
+            None => end,
+        };
+        let pick = BackupPick {
+            threshold: 0,
+            from: run.from,
+            tries: run.tries,
+        };
+        let planned = self.issue_backup(end, source, None, pick);
+        let rest = cut.filter(|_| planned > 0).map(|c| Run {
+            chain: run.chain[..depth].to_vec(),
+            from: c,
+            tries: run.tries,
+        });
+        (planned, rest)
     }
 
     /// Write-back policy: before host evicts a page L3 lacks, back it up. Evicts LRU host leaves

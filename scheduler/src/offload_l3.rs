@@ -26,10 +26,11 @@
 //!
 //! [`Lookup::InL3`]: crate::Lookup::InL3
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvtier_radix::{Host, HostPageId, LockHandle, PageHash, TenantId};
 
+use crate::backup_retry::{BackupRetry, RetryQueue, Run};
 use crate::offload::{JobKind, JobOutcome, OffloadError, OffloadManager, StorePlan};
 
 /// Whether the manager backs host pages up to L3.
@@ -40,35 +41,6 @@ pub enum L3Backups {
     Off,
     /// Every page stored on host is backed up to L3 once.
     WriteThrough,
-}
-
-/// How failed backups are tried again (module doc).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BackupRetry {
-    /// The most retried pages one [`OffloadManager::plan_backups`] plans (0: no retries).
-    pub pages_per_plan: usize,
-    /// How many times a failed run is tried again before it is given up.
-    pub tries: u32,
-    /// The most failed runs waiting (the oldest are given up beyond it).
-    pub max_waiting: usize,
-}
-
-impl Default for BackupRetry {
-    fn default() -> Self {
-        Self {
-            pages_per_plan: 64,
-            tries: 8,
-            max_waiting: 4096,
-        }
-    }
-}
-
-/// A run of a chain to back up: pages `from..chain.len()`, tried `tries` times so far.
-#[derive(Debug, Clone)]
-struct Run {
-    chain: Vec<PageHash>,
-    from: usize,
-    tries: u32,
 }
 
 /// A BackUp in flight: the lock on its host path, its pages, and the run it was planned from
@@ -95,13 +67,8 @@ pub(crate) struct L3Books {
     in_l3: HashSet<PageHash>,
     /// Inserted runs waiting for a backup.
     queued: Vec<Run>,
-    /// Runs whose backup failed, oldest first, waiting for L3 to answer again.
-    retry: VecDeque<Run>,
-    /// The last L3 outcome heard was a failed backup: retries wait for L3 to answer.
-    failing: bool,
-    retry_conf: BackupRetry,
-    /// Failed runs given up (out of tries, or beyond `max_waiting`).
-    given_up: u64,
+    /// Runs whose backup failed, waiting for L3 to answer again (`backup_retry.rs`).
+    retry: RetryQueue,
     /// Pages of backups in flight.
     backing_up: HashSet<PageHash>,
     jobs: HashMap<u64, BackupJob>,
@@ -155,30 +122,9 @@ impl L3Books {
         self.in_l3.len()
     }
 
-    /// L3 answered (a write or a read succeeded): failed backups may be tried again.
-    fn answered(&mut self) {
-        self.failing = false;
-    }
-
-    /// A failed backup's run waits to be tried again (or is given up).
-    fn failed(&mut self, mut run: Run) {
-        self.failing = true;
-        run.tries = run.tries.saturating_add(1);
-        if run.tries > self.retry_conf.tries {
-            self.given_up += 1;
-            return;
-        }
-        self.retry.push_back(run);
-        while self.retry.len() > self.retry_conf.max_waiting {
-            self.retry.pop_front();
-            self.given_up += 1;
-        }
-    }
-
     /// Whether a plan would plan anything now: inserted runs, or failed runs once L3 answered.
     fn due(&self) -> bool {
-        !self.queued.is_empty()
-            || (!self.failing && !self.retry.is_empty() && self.retry_conf.pages_per_plan > 0)
+        !self.queued.is_empty() || self.retry.due()
     }
 }
 
@@ -190,7 +136,7 @@ impl OffloadManager {
 
     /// How failed backups are tried again (module doc); [`BackupRetry::default`] until set.
     pub fn set_backup_retry(&mut self, conf: BackupRetry) {
-        self.l3.retry_conf = conf;
+        self.l3.retry.set_conf(conf);
     }
 
     /// BackUp jobs for the queued host pages L3 lacks (pages evicted from host meanwhile are
@@ -202,20 +148,9 @@ impl OffloadManager {
         for run in std::mem::take(&mut self.l3.queued) {
             self.plan_run(run, usize::MAX, &mut out);
         }
-        if self.l3.failing {
-            return out;
-        }
-        let mut budget = self.l3.retry_conf.pages_per_plan;
-        while budget > 0 {
-            let Some(run) = self.l3.retry.pop_front() else {
-                break;
-            };
-            let (planned, rest) = self.plan_run(run, budget, &mut out);
-            budget -= planned;
-            if let Some(rest) = rest {
-                self.l3.retry.push_front(rest);
-            }
-        }
+        let mut retry = std::mem::take(&mut self.l3.retry);
+        retry.plan(|run, budget| self.plan_run(run, budget, &mut out));
+        self.l3.retry = retry;
         out
     }
 
@@ -301,7 +236,7 @@ impl OffloadManager {
             self.l3.backing_up.remove(p);
         }
         if outcome == JobOutcome::Done {
-            self.l3.answered();
+            self.l3.retry.answered();
             for p in pages {
                 if !self.l3.lost_in_backup.remove(&p) {
                     self.l3.in_l3.insert(p);
@@ -311,7 +246,7 @@ impl OffloadManager {
             for p in &pages {
                 self.l3.lost_in_backup.remove(p);
             }
-            self.l3.failed(run);
+            self.l3.retry.failed(run);
         }
         self.release(lock);
         Ok(())
@@ -320,7 +255,7 @@ impl OffloadManager {
     /// The engine's probe found these pages in L3.
     pub fn l3_found(&mut self, pages: &[PageHash]) {
         if !pages.is_empty() {
-            self.l3.answered();
+            self.l3.retry.answered();
         }
         self.l3.in_l3.extend(pages.iter().copied());
     }
@@ -430,7 +365,7 @@ impl OffloadManager {
         let lost = pages[completed..].to_vec();
         self.complete_store_prefix(job, completed)?;
         if completed > 0 {
-            self.l3.answered();
+            self.l3.retry.answered();
         }
         self.forget_l3(&lost);
         Ok(())
@@ -449,6 +384,7 @@ impl OffloadManager {
 
     /// Failed backups waiting to be tried again (runs), and those given up so far.
     pub fn backups_retrying(&self) -> (usize, u64) {
-        (self.l3.retry.len(), self.l3.given_up)
+        let (waiting, given_up, _) = self.l3.retry.counts();
+        (waiting, given_up)
     }
 }

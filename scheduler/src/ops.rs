@@ -124,6 +124,11 @@ pub(crate) enum OpCtx {
         nodes: Vec<(usize, usize)>,
         /// Hashes of the pages being backed up (de-duplicates concurrent backups).
         hashes: Vec<PageHash>,
+        /// Depths of the first planned page and past the last: a failed backup's run
+        /// (`backup_retry.rs`) is the path's pages in between.
+        span: (usize, usize),
+        /// Times these pages' backup failed before (0 for a first backup).
+        tries: u32,
     },
 }
 

@@ -77,6 +77,8 @@ pub struct Scheduler {
     pub(crate) demotions_paused: bool,
     /// Pages of in-flight backups that L3 reported lost before the backup's completion.
     pub(crate) lost_in_backup: IdSet<PageHash>,
+    /// Failed backups waiting for L3 to answer again (`backup_retry.rs`).
+    pub(crate) backup_retry: crate::backup_retry::RetryQueue,
     pub(crate) stats: Stats,
     /// Device pages running prefills will still allocate (computed during admission).
     pub(crate) reserved_pages: usize,
@@ -147,6 +149,7 @@ impl Scheduler {
             demoting_pages: 0,
             demotions_paused: false,
             lost_in_backup: IdSet::default(),
+            backup_retry: Default::default(),
             stats: Stats::new(),
             reserved_pages: 0,
             now_ms: 0,
@@ -155,6 +158,12 @@ impl Scheduler {
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
+    }
+
+    /// How failed backups are tried again ([`crate::BackupRetry`]; its default until set).
+    /// Tensor-parallel ranks set the same, as they share a config.
+    pub fn set_backup_retry(&mut self, conf: crate::BackupRetry) {
+        self.backup_retry.set_conf(conf);
     }
 
     /// Read access to the prefix cache (for inspection and tests).
@@ -292,6 +301,7 @@ impl Scheduler {
             .count();
         s.device = self.cache.usage(TierKind::Device);
         s.host = self.cache.usage(TierKind::Host);
+        (s.backups_retrying, s.backups_given_up, s.backups_retried) = self.backup_retry.counts();
         s
     }
 
@@ -310,9 +320,14 @@ impl Scheduler {
         self.reqs.get(&id).map(|r| r.tokens.as_slice())
     }
 
-    /// Nothing in flight and nothing live: every op answered, every request ended.
+    /// Nothing in flight and nothing live: every op answered, every request ended, and no
+    /// failed backup due to be tried again (L3 answered since it failed: the next plan backs
+    /// it up; while L3 has not, failed backups wait without keeping the scheduler busy).
     pub fn is_idle(&self) -> bool {
-        self.reqs.is_empty() && self.ops.is_empty() && self.step.is_none()
+        self.reqs.is_empty()
+            && self.ops.is_empty()
+            && self.step.is_none()
+            && !self.backup_retry.due()
     }
 
     /// Ops not yet completed: those issued ([`Self::in_flight_ops`]) and those created
@@ -394,6 +409,7 @@ impl Scheduler {
             plan.forward = batch;
         }
         self.plan_demotions();
+        self.plan_backup_retries();
 
         plan.ops.reserve(self.outbox.len());
         for mut op in self.outbox.drain(..) {

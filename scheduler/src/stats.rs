@@ -47,6 +47,12 @@ pub struct Stats {
     pub l3_lost_nodes: u64,
     /// Device leaves written back to host before eviction (`HostAdmission::OnDeviceEviction`).
     pub demotions: u64,
+    /// Failed backups waiting to be tried again once L3 answers (runs of pages, now).
+    pub backups_retrying: usize,
+    /// Failed backups given up (out of tries, or too many waiting).
+    pub backups_given_up: u64,
+    /// Failed backups tried again (backups planned from the retry queue).
+    pub backups_retried: u64,
     /// Locks or pages the scheduler failed to give back (a scheduler bug; `check` wants 0).
     pub internal_errors: u64,
     /// Time to first token (engine clock, ms), summed over requests that produced one.
@@ -152,6 +158,7 @@ impl Stats {
         metrics::gauge!("kvtier_waiting_requests").set(self.waiting as f64);
         metrics::gauge!("kvtier_running_requests").set(self.running as f64);
         metrics::gauge!("kvtier_prefetching_requests").set(self.prefetching as f64);
+        metrics::gauge!("kvtier_backups_retrying").set(self.backups_retrying as f64);
         for (tier, u) in [("device", self.device), ("host", self.host)] {
             metrics::gauge!("kvtier_pool_pages", "tier" => tier, "state" => "free")
                 .set(u.free as f64);

@@ -29,6 +29,9 @@ pub struct StoreEngine {
     scopes: HashMap<RequestId, HashScope>,
     /// Pages every forward read and found right.
     pub pages_checked: u64,
+    /// The store is unreachable (a killed server): every call to it fails, so probes find
+    /// nothing, prefetches read nothing and backups fail, until this is cleared.
+    pub l3_down: bool,
 }
 
 impl StoreEngine {
@@ -42,6 +45,7 @@ impl StoreEngine {
             tokens: HashMap::new(),
             scopes: HashMap::new(),
             pages_checked: 0,
+            l3_down: false,
         }
     }
 
@@ -66,6 +70,23 @@ impl StoreEngine {
     /// Runs one op against the pools and the store; returns its completion.
     pub fn execute(&mut self, op: &PlannedOp) -> Result<Event, String> {
         let id = op.id;
+        if self.l3_down {
+            return Ok(match &op.spec {
+                OpSpec::L3Query { .. } => Event::L3QueryDone {
+                    op: id,
+                    hit_pages: 0,
+                },
+                OpSpec::Prefetch { .. } => Event::PrefetchDone {
+                    op: id,
+                    completed: 0,
+                },
+                OpSpec::BackUp { .. } => Event::BackUpDone {
+                    op: id,
+                    success: false,
+                },
+                OpSpec::LoadBack { .. } | OpSpec::WriteBack { .. } => self.execute_local(op),
+            });
+        }
         Ok(match &op.spec {
             OpSpec::L3Query { keys } => {
                 let found = self
@@ -102,20 +123,7 @@ impl StoreEngine {
                     completed: done,
                 }
             }
-            OpSpec::LoadBack { .. } => {
-                self.model.copy(&op.spec);
-                Event::LoadBackDone {
-                    op: id,
-                    success: true,
-                }
-            }
-            OpSpec::WriteBack { .. } => {
-                self.model.copy(&op.spec);
-                Event::WriteBackDone {
-                    op: id,
-                    success: true,
-                }
-            }
+            OpSpec::LoadBack { .. } | OpSpec::WriteBack { .. } => self.execute_local(op),
             OpSpec::BackUp { keys, src } => {
                 let mut ok = true;
                 for (i, k) in keys.iter().enumerate() {
@@ -136,6 +144,21 @@ impl StoreEngine {
                 }
             }
         })
+    }
+
+    /// A copy between the engine's own pools (device ↔ host): it does not touch the store.
+    fn execute_local(&mut self, op: &PlannedOp) -> Event {
+        self.model.copy(&op.spec);
+        match op.spec {
+            OpSpec::LoadBack { .. } => Event::LoadBackDone {
+                op: op.id,
+                success: true,
+            },
+            _ => Event::WriteBackDone {
+                op: op.id,
+                success: true,
+            },
+        }
     }
 
     /// Runs a forward: checks every page each row reads, writes the pages it completes.

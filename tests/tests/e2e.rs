@@ -167,3 +167,53 @@ fn two_ranks_agree_over_a_store_that_lost_one_ranks_shards() {
         assert_eq!(e.s.stats().l3_hit_pages, 4);
     }
 }
+
+/// The store is down while a prompt is computed: its backup fails and its pages stay on host.
+/// While the store is down, idle plans try nothing again; once it is back and has answered
+/// (another prompt's backup succeeded), the failed pages are backed up, so a second instance
+/// reads them from the store instead of computing them.
+#[test]
+fn pages_computed_while_the_store_was_down_reach_it_once_it_is_back() {
+    let l3 = store();
+    let mut a = StoreEngine::new(cfg(0), l3.clone(), "e2e");
+    let (down, after) = (prompt(4, 41), prompt(5, 41));
+    let hashes = kvtier_radix::page_hashes(&down, 4, None);
+    let keys = a.s.l3_keys(&hashes);
+    a.l3_down = true;
+    a.submit(req(1, down.clone())).unwrap();
+    a.run_to_idle().unwrap();
+    assert!(a.s.stats().op(OpKind::BackUp).failed >= 1);
+    assert_eq!(
+        a.s.cache().peek_prefix(&hashes).1,
+        10,
+        "the pages are on host"
+    );
+    assert_eq!(a.s.stats().backups_retrying, 1, "the failed backup waits");
+    let issued = a.s.stats().op(OpKind::BackUp).issued;
+    for t in 0..5 {
+        a.step(100 + t).unwrap();
+    }
+    assert_eq!(
+        a.s.stats().op(OpKind::BackUp).issued,
+        issued,
+        "a backup tried again while the store had not answered"
+    );
+    a.l3_down = false;
+    a.submit(req(2, after)).unwrap();
+    a.run_to_idle().unwrap();
+    let missing: Vec<&String> = keys
+        .iter()
+        .filter(|k| !l3.is_exist(&a.tenant, k).unwrap_or(false))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "pages computed while the store was down never reached it: {missing:?}"
+    );
+    let st = a.s.stats();
+    assert_eq!((st.backups_retrying, st.backups_given_up), (0, 0));
+    assert_eq!(st.backups_retried, 1);
+    let mut b = StoreEngine::new(cfg(0), l3, "e2e");
+    b.submit(req(3, down)).unwrap();
+    b.run_to_idle().unwrap();
+    assert_eq!(b.s.stats().l3_hit_pages, 10);
+}

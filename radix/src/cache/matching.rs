@@ -76,27 +76,46 @@ impl RadixCache {
     /// splitting. For routers and what-if queries.
     pub fn peek_prefix(&self, hashes: &[PageHash]) -> (usize, usize) {
         let (mut dev, mut host) = (0, 0);
-        let mut node = self.root;
-        let mut depth = 0usize;
-        while depth < hashes.len() {
-            let Some(child) = self.child_at(node, depth, &hashes[depth]) else {
-                break;
-            };
+        for (c, depth, _) in self.peek_walk(hashes) {
+            if self.nodes[c].has(TierKind::Device) {
+                dev = depth;
+            }
+            if self.nodes[c].has(TierKind::Host) {
+                host = depth;
+            }
+        }
+        (dev, host)
+    }
+
+    /// Read-only: the deepest node whose whole path is a prefix of `hashes`, and its end
+    /// depth (the root and 0 when there is none), without touching LRU or splitting. For a
+    /// planner that kept a chain (a failed backup's) and needs its node again.
+    pub fn peek_node(&self, hashes: &[PageHash]) -> (NodeId, usize) {
+        self.peek_walk(hashes)
+            .take_while(|&(_, _, whole)| whole)
+            .last()
+            .map_or((self.root, 0), |(node, depth, _)| (node, depth))
+    }
+
+    /// The nodes a read-only match of `hashes` walks through, shallowest first: each with
+    /// the depth matched at its end and whether all of it matched (the last one may not).
+    fn peek_walk<'a>(
+        &'a self,
+        hashes: &'a [PageHash],
+    ) -> impl Iterator<Item = (NodeId, usize, bool)> + 'a {
+        let (mut node, mut depth, mut stop) = (self.root, 0usize, false);
+        std::iter::from_fn(move || {
+            if stop || depth >= hashes.len() {
+                return None;
+            }
+            let child = self.child_at(node, depth, &hashes[depth])?;
             let c = &self.nodes[child];
             let n = common_prefix(&c.hashes, &hashes[depth..]);
             depth += n;
-            if c.has(TierKind::Device) {
-                dev = depth;
-            }
-            if c.has(TierKind::Host) {
-                host = depth;
-            }
-            if n < c.len() {
-                break;
-            }
+            stop = n < c.len();
             node = child;
-        }
-        (dev, host)
+            Some((child, depth, !stop))
+        })
     }
 
     /// The child of `parent` starting at `depth` with first page hash `h`, if any. A map hit

@@ -32,6 +32,11 @@ pub struct Engine {
     pub pages_checked: u64,
     /// Fail ops of these kinds (every n-th, by op id), to test failure paths.
     pub fail_every: Option<(OpKind, u64)>,
+    /// L3 is down (its server killed): probes find nothing, prefetches read nothing, backups
+    /// fail, until this is cleared.
+    pub l3_down: bool,
+    /// Keys each successful backup stored, with how many times (a duplicate put shows as 2).
+    pub puts: HashMap<String, u32>,
     /// Stop a request after this many generated tokens (engine-side stop condition).
     pub stop_after: HashMap<RequestId, usize>,
     /// Ops this engine reported as failed: a chunk waiting for one reads garbage, so it is
@@ -77,6 +82,8 @@ impl Engine {
             ended: Vec::new(),
             pages_checked: 0,
             fail_every: None,
+            l3_down: false,
+            puts: HashMap::new(),
             stop_after: HashMap::new(),
             failed: Default::default(),
             hold_prefetches: false,
@@ -134,6 +141,7 @@ impl Engine {
 
     fn fails(&self, op: &PlannedOp) -> bool {
         matches!(self.fail_every, Some((k, n)) if k == op.kind && op.id.0.is_multiple_of(n))
+            || (self.l3_down && op.kind == OpKind::BackUp)
     }
 
     /// Executes one held op (by index) and reports its completion.
@@ -153,12 +161,15 @@ impl Engine {
         match &op.spec {
             OpSpec::L3Query { keys } => Event::L3QueryDone {
                 op: op.id,
-                hit_pages: keys.iter().take_while(|k| self.l3.contains_key(*k)).count() as u32,
+                hit_pages: keys
+                    .iter()
+                    .take_while(|k| !self.l3_down && self.l3.contains_key(*k))
+                    .count() as u32,
             },
             OpSpec::Prefetch { keys, dst } => {
                 let mut n = 0;
                 for (i, k) in keys.iter().enumerate() {
-                    if fail && i >= keys.len() / 2 {
+                    if (fail && i >= keys.len() / 2) || self.l3_down {
                         break;
                     }
                     let Some(c) = self.l3.get(k).copied() else {
@@ -197,6 +208,7 @@ impl Engine {
                         assert_eq!(c, key_hash(k), "backup stores other content under {k}");
                         if let Some(c) = c {
                             self.l3.insert(k.clone(), c);
+                            *self.puts.entry(k.clone()).or_default() += 1;
                         }
                     }
                 }
@@ -452,6 +464,16 @@ pub fn cfg() -> SchedulerConfig {
         chunked_prefill_size: 32,
         max_context_tokens: 256,
         ..SchedulerConfig::default()
+    }
+}
+
+/// `cfg()` with L3 below host: probes from `prefetch_threshold` pages, prefetches waited for.
+pub fn l3_on(prefetch_threshold: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        l3_enabled: true,
+        prefetch_threshold,
+        prefetch_stop: PrefetchStopPolicy::WaitComplete,
+        ..cfg()
     }
 }
 
