@@ -3,7 +3,6 @@ back the page up again; an embedded store's loss journal (``L3Store.drain_losses
 what it evicted or removed, and the reference engine passes it on; the one key parser
 (``kvtier.parse_l3_key``)."""
 
-import numpy as np
 import pytest
 
 import kvtier
@@ -112,29 +111,6 @@ def test_parse_l3_key():
         s.l3_lost("not a list of keys")
 
 
-class _KeepsServing(KvtierL3Backend):
-    """The store over the wire, its connection errors answered as an engine that keeps serving
-    while the L3 server is down answers them: probes find nothing, puts fail, no losses."""
-
-    def probe(self, keys):
-        try:
-            return super().probe(keys)
-        except kvtier.L3Error:
-            return 0
-
-    def put(self, keys, pool, page_ids):
-        try:
-            return super().put(keys, pool, page_ids)
-        except kvtier.L3Error as e:
-            return np.full(len(keys), e.code, dtype=np.int64)
-
-    def losses(self):
-        try:
-            return super().losses()
-        except kvtier.L3Error:
-            return [], False
-
-
 def test_pages_whose_backup_failed_while_the_l3_server_was_down_are_backed_up_once_it_is_back():
     """A ``kvtier-l3`` server process is killed while the scheduler computes two prompts, and
     restarted empty on its address. Their backups failed; their pages stay on host. While it
@@ -145,7 +121,7 @@ def test_pages_whose_backup_failed_while_the_l3_server_was_down_are_backed_up_on
     try:
         store = kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=2000)
         s = kvtier.Scheduler(small_config(l3_enabled=True))
-        e = Engine(s, _KeepsServing(store))
+        e = Engine(s, KvtierL3Backend(store))
         e.submit(1, prompt(1, 41), 2)
         e.run_to_idle()
         srv.kill()
@@ -174,5 +150,38 @@ def test_pages_whose_backup_failed_while_the_l3_server_was_down_are_backed_up_on
             e2.submit(30 + i, p, 2)
         e2.run_to_idle()
         assert s2.stats()["l3_hit_pages"] == 20
+    finally:
+        srv.kill()
+
+
+def test_an_engine_serves_on_while_its_l3_server_is_down():
+    """``kvtier.engine.Engine`` over a real ``kvtier-l3`` process that is killed mid-run: its
+    L3 ops fail (the probe finds nothing, reads and backups fail, the loss journal is
+    unknown) and every request is still served, each page it reads checked; once the server
+    is back (empty), backups succeed again. Before, the probe's ``RpcFailError`` ended the
+    engine's step: an engine died with its L3 server."""
+    srv = L3Process()
+    try:
+        store = kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=2000)
+        s = kvtier.Scheduler(small_config(l3_enabled=True))
+        e = Engine(s, KvtierL3Backend(store))
+        e.submit(1, prompt(1, 41), 2)
+        e.run_to_idle()
+        assert e.stats.l3_errors == 0
+        srv.kill()
+        for i in range(3):
+            e.submit(10 + i, prompt(1 if i == 0 else 10 + i, 41), 2)
+        e.run_to_idle()
+        assert [len(e.generated(10 + i)) for i in range(3)] == [2, 2, 2]
+        assert e.stats.l3_errors > 0
+        st = s.stats()
+        assert st["ops"]["BackUp"]["failed"] >= 2
+        s.check()
+        srv = srv.restart()
+        e.submit(20, prompt(20, 41), 2)
+        e.run_to_idle()
+        assert len(e.generated(20)) == 2
+        assert all(store.is_exist(k) for k in s.l3_keys(prompt(20, 41)))
+        s.check()
     finally:
         srv.kill()

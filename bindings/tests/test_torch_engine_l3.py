@@ -264,3 +264,28 @@ def test_a_page_the_store_lost_is_backed_up_again():
         eng.run_to_idle()
         assert store.is_exist(keys[3])
         assert eng.generated(2) == eng.generated(1) == greedy_reference(tiny_llama(seed=3), prompt, 2)
+
+
+def test_the_engine_serves_exactly_while_its_l3_server_is_down():
+    """TorchEngine over a real ``kvtier-l3`` process killed between two turns: the loss journal
+    cannot be read, probes, reads and backups fail, and the engine serves on, its outputs
+    equal to ``generate()``; once the server is back (empty), backups land again. Before, the
+    unread loss journal's ``RpcFailError`` ended the engine's step."""
+    from conftest import L3Process
+
+    system, users = conversations(seed=17)
+    srv = L3Process()
+    try:
+        store = kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=2000)
+        with TorchEngine(config(), tiny_llama(seed=3), KvtierL3Backend(store)) as e:
+            serve(e, system, [u[:1] for u in users])
+            srv.kill()
+            prompts = serve(e, system, users, first_id=100)
+            assert e.l3_errors > 0 and e.l3_lost_all_reported > 0 and e.executor.stats.failed_ops > 0
+            check_against_transformers(e, prompts, tiny_llama(seed=3))
+            srv = srv.restart()
+            written = e.executor.stats.l3_pages_written
+            serve(e, system, [u[:1] for u in users], first_id=300)
+            assert e.executor.stats.l3_pages_written > written
+    finally:
+        srv.kill()

@@ -43,6 +43,7 @@ from . import (
     BackUpDone,
     ConfigError,
     ExecutionPlan,
+    L3Error,
     L3QueryDone,
     L3Store,
     LoadBackDone,
@@ -66,6 +67,7 @@ __all__ = [
     "MooncakeL3Backend",
     "key_hash",
     "page_content",
+    "read_losses",
     "refuse_tensor_parallel",
 ]
 
@@ -275,7 +277,24 @@ class EngineStats:
     """Keys the store refused with -707 (lease expired) and that were re-queried."""
     l3_pages_read: int = 0
     l3_pages_written: int = 0
+    l3_errors: int = 0
+    """L3 calls that raised (the server down or unreachable): each answered as a failed op
+    (a probe that found nothing, a read of the pages read before it, a failed backup), a
+    loss journal that could not be read as losses unknown; ``last_l3_error`` says the latest."""
+    last_l3_error: Optional[str] = None
     ops: Dict[str, int] = field(default_factory=dict)
+
+
+def read_losses(backend: L3Backend) -> Tuple[List[str], bool, Optional[L3Error]]:
+    """``backend.losses()``, and the error when the store could not be asked: unread, the
+    journal may hold anything (a server restarted empty lost it all), so the losses are
+    unknown (``overflowed``) and every "in L3" mark goes, so that no host page is dropped on
+    the strength of one. An engine serves on while its L3 is down (``Engine``, ``TorchEngine``)."""
+    try:
+        keys, overflowed = backend.losses()
+        return keys, overflowed, None
+    except L3Error as e:
+        return [], True, e
 
 
 def _leading_found(codes: Sequence[int]) -> int:
@@ -423,11 +442,20 @@ class Engine:
 
     # ---- ops --------------------------------------------------------------------------------
 
+    def _l3_failed(self, e: L3Error) -> None:
+        # An L3 that fails is a slower engine, not a dead one: the op fails (module doc).
+        self.stats.l3_errors += 1
+        self.stats.last_l3_error = f"{type(e).__name__}: {e}"
+
     def _l3_query(self, op: PlannedOp):
         if self.backend is None:
             return L3QueryDone(op.id, 0)
         self.stats.l3_probes += 1
-        return L3QueryDone(op.id, self.backend.probe(op.keys))
+        try:
+            return L3QueryDone(op.id, self.backend.probe(op.keys))
+        except L3Error as e:
+            self._l3_failed(e)
+            return L3QueryDone(op.id, 0)
 
     def _prefetch(self, op: PlannedOp):
         keys = op.keys
@@ -439,12 +467,16 @@ class Engine:
         # Lease what is read now, read with those results; a lease the store refuses (-707)
         # is queried again once, never read blindly.
         for attempt in range(2):
-            q = self.backend.query(keys[done:])
-            self.stats.l3_queries += 1
-            n_try = min(len(keys) - done, q.hit)
-            if n_try <= 0:
+            try:
+                q = self.backend.query(keys[done:])
+                self.stats.l3_queries += 1
+                n_try = min(len(keys) - done, q.hit)
+                if n_try <= 0:
+                    break
+                codes = self.backend.get_with_query(q, 0, pool, ids[done : done + n_try])
+            except L3Error as e:
+                self._l3_failed(e)  # what was read before stands; the rest is a miss
                 break
-            codes = self.backend.get_with_query(q, 0, pool, ids[done : done + n_try])
             ok = leading_pages_read(codes, self.page_bytes)
             done += ok
             if ok == n_try or int(codes[ok]) != LEASE_EXPIRED or attempt == 1:
@@ -469,7 +501,11 @@ class Engine:
         self._verify_keys("backup", keys, pool, ids, len(keys))
         if self.backend is None:
             return BackUpDone(op.id, False)
-        codes = self.backend.put(keys, pool, ids)
+        try:
+            codes = self.backend.put(keys, pool, ids)
+        except L3Error as e:
+            self._l3_failed(e)
+            return BackUpDone(op.id, False)
         ok = bool(((codes == 0) | (codes == OBJECT_ALREADY_EXISTS)).all())
         self.stats.l3_pages_written += int((codes == 0).sum())
         return BackUpDone(op.id, ok)
@@ -576,7 +612,9 @@ class Engine:
         host page on the strength of a stale "in L3" mark."""
         if self.backend is None:
             return
-        keys, overflowed = self.backend.losses()
+        keys, overflowed, err = read_losses(self.backend)
+        if err is not None:
+            self._l3_failed(err)
         if overflowed:
             self.s.l3_lost_all()
         elif keys:

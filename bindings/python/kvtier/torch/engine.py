@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .. import ExecutionPlan, LoadBackDone, Scheduler, SchedulerConfig
-from ..engine import L3Backend, refuse_tensor_parallel
+from ..engine import L3Backend, read_losses, refuse_tensor_parallel
 from .errors import NamespaceError, PoolLayoutError
 from .executor import Executor, LoadWait, Ordering
 from .movers import Mover
@@ -148,6 +148,9 @@ class TorchEngine:
         self.l3_losses_reported = 0
         """L3 keys the store reported lost and the engine passed on (``l3_lost``)."""
         self.l3_lost_all_reported = 0
+        # Loss journals that could not be read (the L3 down): each counted as losses unknown.
+        self.l3_errors = 0
+        self.last_l3_error: Optional[str] = None
 
     def _probe(self, layout: Any, dev: torch.device) -> None:
         """One token through the model over a scratch page: attention features refused only
@@ -290,7 +293,10 @@ class TorchEngine:
         is dropped from host on the strength of a stale "in L3" mark (docs/scheduler.md)."""
         if self.backend is None:
             return
-        keys, overflowed = self.backend.losses()
+        keys, overflowed, err = read_losses(self.backend)
+        if err is not None:
+            self.l3_errors += 1
+            self.last_l3_error = f"{type(err).__name__}: {err}"
         if overflowed:
             self.s.l3_lost_all()
             self.l3_lost_all_reported += 1
