@@ -215,7 +215,8 @@ pub struct Config {
     /// How long a client's connection may take to send a request's head, counted from the
     /// connection's start or its previous answer (so also how long a kept connection may
     /// stay idle) before the router closes it ([`crate::service::HEADER_TIMEOUT_S`] by
-    /// default); a request whose head came is never cut short.
+    /// default); a request whose head came is never cut short. Its body's bytes must come
+    /// within this time of the head and of each other (else a 408).
     pub header_timeout_s: f64,
 }
 

@@ -88,6 +88,13 @@ pub fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Resp
 /// The API's JSON error for a request body that could not be read: 413 past [`MAX_BODY`],
 /// 400 for a body that broke off.
 pub fn body_rejected(e: &BytesRejection) -> Response {
+    if caused_by_idle_body(e) {
+        return error(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            "the request's body stopped coming",
+        );
+    }
     let status = e.status();
     let kind = if status == StatusCode::PAYLOAD_TOO_LARGE {
         "request_too_large"
@@ -236,11 +243,96 @@ pub fn app(st: AppState) -> axum::Router {
             .route("/v1/chat/completions", post(proxy::chat))
             .route("/v1/models", get(proxy::models));
     }
+    let idle = st.header_timeout;
     // chat requests with images or long prompts pass axum's 2 MB default
-    r.fallback(not_found)
+    r.layer(axum::middleware::map_request_with_state(idle, idle_body))
+        .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(st)
+}
+
+/// The request's body, failing ([`BodyIdle`]) when no byte of it comes within `idle`
+/// (the header timeout): a client that sent a head and stops sending its body is answered
+/// 408 and its connection closed, not waited for for ever.
+async fn idle_body(
+    State(idle): State<Duration>,
+    req: axum::extract::Request,
+) -> axum::extract::Request {
+    req.map(|b| axum::body::Body::new(IdleBody::new(b, idle)))
+}
+
+/// A request body whose frames must come within `idle` of each other (and of the head).
+struct IdleBody {
+    inner: axum::body::Body,
+    idle: Duration,
+    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl IdleBody {
+    fn new(inner: axum::body::Body, idle: Duration) -> Self {
+        Self {
+            inner,
+            idle,
+            sleep: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+}
+
+/// A request's body stopped coming ([`IdleBody`]).
+#[derive(Debug)]
+struct BodyIdle;
+
+impl std::fmt::Display for BodyIdle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the request's body stopped coming")
+    }
+}
+
+impl std::error::Error for BodyIdle {}
+
+impl axum::body::HttpBody for IdleBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        match std::pin::Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(f) => {
+                let next = tokio::time::Instant::now() + this.idle;
+                this.sleep.as_mut().reset(next);
+                Poll::Ready(f.map(|r| r.map_err(Into::into)))
+            }
+            Poll::Pending if this.sleep.as_mut().poll(cx).is_ready() => {
+                Poll::Ready(Some(Err(Box::new(BodyIdle))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Whether a body was refused because it stopped coming ([`BodyIdle`]).
+fn caused_by_idle_body(e: &BytesRejection) -> bool {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(e) = next {
+        if e.is::<BodyIdle>() {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// A path the router does not serve: the API's JSON 404 (axum's own is an empty body).

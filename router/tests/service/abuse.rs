@@ -588,3 +588,61 @@ async fn a_request_head_never_finished_or_an_idle_connection_is_closed() {
     }
     r.stop().await;
 }
+
+/// A client whose request head came but whose body stops (a slowloris past the head) is
+/// answered 408 and its connection closed once no byte of the body came within the header
+/// timeout, the instance never asked; a body that comes slowly but steadily is read whole.
+/// Before, the router waited for the rest of the body for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_body_that_stops_coming_is_a_408() {
+    let up = engine().await;
+    let specs = vec![url_spec(up.url())];
+    let r = launch::start(Config {
+        header_timeout_s: 0.5,
+        ..config(specs, 1 << 20, Keys::Tokens)
+    })
+    .await
+    .expect("start router");
+    let b = body(1, false);
+    for path in ["/v1/completions", "/v1/chat/completions", "/route"] {
+        let mut s = tokio::net::TcpStream::connect(r.addr).await.expect("c");
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{}",
+            b.len(),
+            &b[..10]
+        );
+        s.write_all(head.as_bytes()).await.expect("w");
+        let mut raw = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(3), s.read_to_end(&mut raw)).await;
+        assert!(read.is_ok(), "{path}: held");
+        let got = parse_response(&raw);
+        assert_eq!(got.status, 408, "{path}: {got:?}");
+        assert_eq!(got.json()["error"]["type"], "request_timeout", "{got:?}");
+    }
+    assert_eq!(
+        up.count("/v1/completions") + up.count("/v1/chat/completions"),
+        0
+    );
+    // steady: a piece every 200 ms, 1.2 s in all
+    let mut s = tokio::net::TcpStream::connect(r.addr).await.expect("c");
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        b.len()
+    );
+    s.write_all(head.as_bytes()).await.expect("w");
+    for piece in b.as_bytes().chunks(b.len().div_ceil(6)) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        s.write_all(piece).await.expect("w");
+    }
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut raw))
+        .await
+        .expect("answered")
+        .expect("read");
+    assert_eq!(parse_response(&raw).status, 200);
+    assert_eq!(up.seen().last().expect("seen").body, b.as_bytes());
+    released(&r, "released").await;
+    r.stop().await;
+}
