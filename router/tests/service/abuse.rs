@@ -646,3 +646,32 @@ async fn a_request_body_that_stops_coming_is_a_408() {
     released(&r, "released").await;
     r.stop().await;
 }
+
+/// A streamed answer longer than the header timeout goes on to its end: the timeout counts
+/// only while the router waits for a request's head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_longer_than_the_header_timeout_is_not_cut() {
+    let up = Drip::start(Some(Duration::from_millis(50)), true).await;
+    let specs = vec![url_spec(up.url())];
+    let r = launch::start(Config {
+        header_timeout_s: 0.3,
+        ..config(specs, 1 << 20, Keys::Tokens)
+    })
+    .await
+    .expect("start router");
+    let (mut s, mut got) = send_and_read(r.addr, &body(1, true), 20).await;
+    let until = tokio::time::Instant::now() + Duration::from_millis(1200);
+    let mut b = [0u8; 4096];
+    while tokio::time::Instant::now() < until {
+        let n = tokio::time::timeout(Duration::from_millis(500), s.read(&mut b))
+            .await
+            .expect("chunks keep coming")
+            .expect("read");
+        assert!(n > 0, "cut after {} bytes", got.len());
+        got.extend_from_slice(&b[..n]);
+    }
+    assert!(String::from_utf8_lossy(&got).matches("data:").count() >= 15);
+    drop(s);
+    released(&r, "released").await;
+    r.stop().await;
+}
