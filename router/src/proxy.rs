@@ -1,5 +1,5 @@
 //! OpenAI-compatible proxy in front of vLLM or SGLang servers: `/v1/completions`,
-//! `/v1/chat/completions`, `/v1/models`.
+//! `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize` and `/detokenize`.
 //!
 //! Each request is routed by its prompt's tokens: token-id prompts are used as they are; a
 //! text prompt or chat messages are tokenized by a backend's `/tokenize` (vLLM's, which takes
@@ -250,14 +250,42 @@ pub async fn chat(
     }
 }
 
-/// `/v1/models` from the first instance that answers, asked in turn (the healthy first,
-/// those passed over for their errors not at all while another is left), each for at most
-/// [`TOKENIZE_TIMEOUT`] until its answer's head. An answer saying the instance is not up
-/// (502, 503, 504: a gateway in front of an engine that is starting) is passed over for the
-/// next instance's, as a completion is, and is the client's only if no instance answered
-/// otherwise (it was the first instance's for all).
+/// `/v1/models` from the first instance that answers ([`any_instance`]).
 pub async fn models(State(st): State<AppState>, uri: Uri, headers: HeaderMap) -> Response {
     let target = target_of("/v1/models", &uri);
+    any_instance(&st, Method::GET, &target, &headers, Bytes::new()).await
+}
+
+/// vLLM's `POST /tokenize` and `/detokenize` (clients count a prompt's tokens before they
+/// send it) from the first instance that answers ([`any_instance`]): every instance serves
+/// the same model, and nothing is routed by it.
+pub async fn tokenize(
+    State(st): State<AppState>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match body {
+        Ok(b) => any_instance(&st, Method::POST, &target_of(uri.path(), &uri), &headers, b).await,
+        Err(e) => body_rejected(&e),
+    }
+}
+
+/// A request that any instance may answer, sent as the client sent it ([`Forward::All`])
+/// to the instances in turn (the healthy first, those passed over for their errors not at
+/// all while another is left), each awaited at most [`TOKENIZE_TIMEOUT`] until its answer's
+/// head; the first answer is the client's. An answer saying the instance is not up (502,
+/// 503, 504: a gateway in front of an engine that is starting) is passed over for the next
+/// instance's, as a completion's is, and is the client's only if no instance answered
+/// otherwise (until 2026-12-07 the first instance's answer was the client's, whatever it
+/// was).
+async fn any_instance(
+    st: &AppState,
+    method: Method,
+    target: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
     let order = st.lock().lookup_order();
     let mut unavailable = None;
     for i in order {
@@ -265,11 +293,11 @@ pub async fn models(State(st): State<AppState>, uri: Uri, headers: HeaderMap) ->
             continue;
         };
         let Ok(req) = request(
-            Method::GET,
+            method.clone(),
             base,
-            &target,
-            &headers,
-            Bytes::new(),
+            target,
+            headers,
+            body.clone(),
             Forward::All,
         ) else {
             continue;

@@ -241,7 +241,9 @@ pub fn app(st: AppState) -> axum::Router {
         r = r
             .route("/v1/completions", post(proxy::completions))
             .route("/v1/chat/completions", post(proxy::chat))
-            .route("/v1/models", get(proxy::models));
+            .route("/v1/models", get(proxy::models))
+            .route("/tokenize", post(proxy::tokenize))
+            .route("/detokenize", post(proxy::tokenize));
     }
     let idle = st.header_timeout;
     // chat requests with images or long prompts pass axum's 2 MB default

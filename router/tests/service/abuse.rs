@@ -675,3 +675,37 @@ async fn a_stream_longer_than_the_header_timeout_is_not_cut() {
     released(&r, "released").await;
     r.stop().await;
 }
+
+/// vLLM's `/tokenize` and `/detokenize`, which clients call to count a prompt's tokens
+/// before they send it, reach an instance through the proxy as `/v1/models` does (any
+/// instance serves the same model: the first up answers), body and headers as sent. Before,
+/// the router answered 404 and a client pointed at it lost them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_detokenize_reach_an_instance_that_is_up() {
+    let up = engine().await;
+    let down = format!("http://127.0.0.1:{}", closed_port());
+    let r = proxy(vec![down, up.url()]).await;
+    for path in ["/tokenize", "/detokenize"] {
+        let b = r#"{"model":"m","prompt":"hello","tokens":[1,2]}"#;
+        let got = http_with(
+            r.addr,
+            "POST",
+            &format!("{path}?q=1"),
+            &[JSON, ("Authorization", "Bearer k")],
+            b.as_bytes(),
+            Duration::from_secs(6),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(got.status, 200, "{path}: {got:?}");
+        assert_eq!(got.header("x-kvtier-instance"), Some("1"), "{got:?}");
+        let seen = up.seen();
+        let last = seen.last().expect("seen");
+        assert_eq!(
+            (last.target.as_str(), last.body.as_slice()),
+            (format!("{path}?q=1").as_str(), b.as_bytes())
+        );
+        assert_eq!(last.values("authorization"), ["Bearer k"]);
+    }
+    r.stop().await;
+}
