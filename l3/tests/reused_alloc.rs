@@ -14,7 +14,13 @@
 //! placements until it does). P2 writes its bytes; P1's late write reaches the node; then
 //! P2 ends (and P1 tries to).
 //!
-//! Real parts: a `--role master` (SIGKILLed, restarted on its state dir; SIGSTOPped to
+//! The same with a master run `--no-state-dir`: nothing durable, so before its tokens
+//! started above the clock (unix µs) M2 counted them from M1's adopted ones again and gave
+//! P2 P1's very token (2 and 2): same token, key and allocation, the node took P1's late
+//! write for P2's own, "k" was read with P1's bytes after P2 was answered Ok (first two
+//! interleavings), or P1 was answered Ok and P2 -705 (third).
+//!
+//! Real parts: a `--role master` (SIGKILLed, restarted on its state dir or without one; SIGSTOPped to
 //! hold P2's end) and a `--role node` process on 127.0.0.1 (ephemeral ports), clients on
 //! TCP (no shared memory).
 //!
@@ -28,7 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::ha::signal;
-use common::procs::{Proc, eventually, kill9, master_in, node_with};
+use common::procs::{Proc, eventually, kill9, master_at, master_in, node_with};
 use common::t;
 use kvtier_l3::{
     ClientOptions, L3Error, L3Store, PutHandle, PutOptions, RemoteStore, ReplicaDescriptor, ShmMode,
@@ -68,11 +74,27 @@ struct Reused {
     h2: PutHandle,
 }
 
+/// How the master keeps its state across the restart.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Durable {
+    /// `--state-dir`: put tokens reserved in the settle log (`TokensBelow`).
+    StateDir,
+    /// `--no-state-dir`: nothing survives the restart but the clock.
+    None,
+}
+
+fn start_master(listen: &str, state: &std::path::Path, durable: Durable) -> Proc {
+    match durable {
+        Durable::StateDir => master_in(listen, state, &["--rebuild-timeout-ms", "1000"], None),
+        Durable::None => master_at(listen, &["--no-state-dir"], None),
+    }
+}
+
 /// Puts "warm", places P1 ("k") at M1 and pauses its writer; restarts the master; places
 /// P2 ("k") at M2 on P1's allocation. P1's bytes are [0x11; SIZE], P2's [0x22; SIZE].
-fn reused() -> Reused {
+fn reused(durable: Durable) -> Reused {
     let state = tempfile::tempdir().unwrap();
-    let mut m1 = master_in("127.0.0.1:0", state.path(), &[], None);
+    let mut m1 = start_master("127.0.0.1:0", state.path(), durable);
     let addr = m1.addr;
     let node = node_with(addr, 1, None, None, &[]);
     let tn = t("reused");
@@ -87,12 +109,7 @@ fn reused() -> Reused {
     let a = alloc_of(&h1);
     // P1's writer pauses here (it holds h1); its master dies and restarts on its state dir.
     kill9(&mut m1.child);
-    let m2 = master_in(
-        &addr.to_string(),
-        state.path(),
-        &["--rebuild-timeout-ms", "1000"],
-        None,
-    );
+    let m2 = start_master(&addr.to_string(), state.path(), durable);
     let c2 = Arc::new(client(addr));
     assert!(
         eventually(Duration::from_secs(20), || c2
@@ -117,9 +134,13 @@ fn reused() -> Reused {
     }
     let h2 = h2.expect("M2 never gave out P1's allocation id again");
     assert_eq!(h1.replica.node(), h2.replica.node(), "not the same node");
+    eprintln!(
+        "{durable:?}: P1's token {}, P2's token {}",
+        h1.token, h2.token
+    );
     assert!(
         h2.token > h1.token,
-        "put tokens do not grow across a restart with a state dir: {} then {}",
+        "put tokens do not grow across a restart ({durable:?}): {} then {}",
         h1.token,
         h2.token
     );
@@ -168,9 +189,8 @@ fn check_reads(addr: std::net::SocketAddr, p2: &Result<(), L3Error>) {
 /// The interleaving as found by reading: P2 written, P1's late write lands, P2 ends, P1
 /// ends. P2's end must not be answered Ok with P1's bytes held; neither put serves P1's
 /// bytes.
-#[test]
-fn a_late_write_to_a_reused_allocation_before_its_end() {
-    let r = reused();
+fn a_late_write_to_a_reused_allocation_before_its_end(durable: Durable) {
+    let r = reused(durable);
     r.c2.put_write(&r.h2, &[0x22; SIZE]).unwrap();
     let late = r.c1.put_write(&r.h1, &[0x11; SIZE]);
     eprintln!("P1's late write: {late:?}");
@@ -192,9 +212,8 @@ fn a_late_write_to_a_reused_allocation_before_its_end() {
 /// The same, P1's late write landing while P2's end is at the master (SIGSTOPped): the
 /// node had checked P2's bytes were held and marks the allocation ended on the master's
 /// answer.
-#[test]
-fn a_late_write_to_a_reused_allocation_while_its_end_is_at_the_master() {
-    let r = reused();
+fn a_late_write_to_a_reused_allocation_while_its_end_is_at_the_master(durable: Durable) {
+    let r = reused(durable);
     r.c2.put_write(&r.h2, &[0x22; SIZE]).unwrap();
     signal(&r.m2.child, libc::SIGSTOP);
     let (c2, h2) = (r.c2.clone(), r.h2.clone());
@@ -224,9 +243,8 @@ fn a_late_write_to_a_reused_allocation_while_its_end_is_at_the_master() {
 /// (token mismatch) and accepts P2's: the node must neither drop P2's bytes on P1's refusal
 /// nor answer P2 Ok without them. Before: "k" complete at the master, its bytes dropped at
 /// the node, P2 answered Ok.
-#[test]
-fn a_late_put_ending_at_the_master_while_a_reused_allocation_is_written() {
-    let r = reused();
+fn a_late_put_ending_at_the_master_while_a_reused_allocation_is_written(durable: Durable) {
+    let r = reused(durable);
     let late = r.c1.put_write(&r.h1, &[0x11; SIZE]);
     eprintln!("P1's late write: {late:?}");
     signal(&r.m2.child, libc::SIGSTOP);
@@ -247,4 +265,34 @@ fn a_late_put_ending_at_the_master_while_a_reused_allocation_is_written() {
         "P1 was placed by a dead master and was answered Ok"
     );
     check_reads(r.m2.addr, &p2);
+}
+
+#[test]
+fn state_dir_a_late_write_to_a_reused_allocation_before_its_end() {
+    a_late_write_to_a_reused_allocation_before_its_end(Durable::StateDir);
+}
+
+#[test]
+fn state_dir_a_late_write_to_a_reused_allocation_while_its_end_is_at_the_master() {
+    a_late_write_to_a_reused_allocation_while_its_end_is_at_the_master(Durable::StateDir);
+}
+
+#[test]
+fn state_dir_a_late_put_ending_at_the_master_while_a_reused_allocation_is_written() {
+    a_late_put_ending_at_the_master_while_a_reused_allocation_is_written(Durable::StateDir);
+}
+
+#[test]
+fn no_state_dir_a_late_write_to_a_reused_allocation_before_its_end() {
+    a_late_write_to_a_reused_allocation_before_its_end(Durable::None);
+}
+
+#[test]
+fn no_state_dir_a_late_write_to_a_reused_allocation_while_its_end_is_at_the_master() {
+    a_late_write_to_a_reused_allocation_while_its_end_is_at_the_master(Durable::None);
+}
+
+#[test]
+fn no_state_dir_a_late_put_ending_at_the_master_while_a_reused_allocation_is_written() {
+    a_late_put_ending_at_the_master_while_a_reused_allocation_is_written(Durable::None);
 }

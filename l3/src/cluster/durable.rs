@@ -99,7 +99,16 @@ pub(super) fn open_log(
 ) -> L3Result<(Option<SettleBackend>, Option<Arc<LeaderLease>>)> {
     let mut lease = None;
     let log = match durability {
-        Durability::Memory => None,
+        Durability::Memory => {
+            // No durable token floor: a restarted master would count put tokens from 0
+            // again, and a put the previous incarnation placed (its writer paused) could
+            // then share its token, key and allocation id with a new one: the node took
+            // the late bytes for the new put's own (`tests/reused_alloc.rs`). Start above
+            // the clock instead, so each incarnation's tokens exceed every earlier one's
+            // (unless the clock goes back, or one gave out more than a token per µs).
+            master.start_tokens_above(clock_token_floor());
+            None
+        }
         Durability::Etcd(l) => {
             let (mut log, entries) = EtcdSettleLog::open(l.clone())?;
             let n = entries.len();
@@ -134,6 +143,13 @@ pub(super) fn open_log(
         }
     };
     Ok((log, lease))
+}
+
+/// The put token floor of a master without durable state: unix time in microseconds.
+fn clock_token_floor() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2))
 }
 
 fn fatal(what: &str, e: &dyn std::fmt::Display) -> ! {

@@ -374,6 +374,14 @@ impl Master {
         self.token_floor = Some(floor);
     }
 
+    /// Puts tokens from now on above `floor` (never lowers them). A master with no durable
+    /// token floor (`--no-state-dir`) starts above the clock ([`ClusterMaster::open`]).
+    ///
+    /// [`ClusterMaster::open`]: crate::cluster::ClusterMaster::open
+    pub fn start_tokens_above(&mut self, floor: u64) {
+        self.next_token = self.next_token.max(floor);
+    }
+
     /// The next put token. With a settle log, tokens are reserved in blocks (a durable
     /// `TokensBelow` entry, synced before the reply that hands out the first of them).
     pub(super) fn new_token(&mut self) -> u64 {

@@ -88,9 +88,10 @@ impl Mem {
     /// passed; the bytes are then recycled.
     ///
     /// Two puts' writes to one allocation: one master never gives an id out twice, so one of
-    /// them was placed by a master since replaced (restarted on its state dir: same epoch,
-    /// ids counted from 1 again), and put tokens grow across such restarts (`TokensBelow`),
-    /// so the newer put is the one with the higher token. The older one's late write must
+    /// them was placed by a master since replaced (restarted, with or without its state
+    /// dir: same epoch, ids counted from 1 again), and put tokens grow across such restarts
+    /// (`TokensBelow`; without a state dir, a clock floor: `cluster/durable.rs`), so the
+    /// newer put is the one with the higher token. The older one's late write must
     /// not replace the newer one's bytes: this node may have checked them for the newer
     /// put's end, sent to the master, and marks the allocation ended on its answer
     /// (`tests/reused_alloc.rs`: before, the key was then read with the late put's bytes).
