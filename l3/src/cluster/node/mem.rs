@@ -163,6 +163,38 @@ impl Mem {
             .collect()
     }
 
+    /// Stages the ended, live replica under `alloc` for its SSD write (offload-on-evict):
+    /// its bytes stop counting as live. Returns its version and bytes; `None` when there is
+    /// no such replica.
+    pub(super) fn stage(&mut self, alloc: u64) -> Option<(Tenant, String, u64, Arc<[u8]>)> {
+        let h = self.allocs.get_mut(&alloc)?;
+        if !h.ended || h.staged != Staging::No {
+            return None;
+        }
+        h.staged = Staging::Writing;
+        let (t, k, tok, data) = (h.tenant.clone(), h.key.clone(), h.token, h.data.clone());
+        self.used = self.used.saturating_sub(data.len() as u64);
+        self.staged.insert((t.clone(), k.clone(), tok), alloc);
+        Some((t, k, tok, data))
+    }
+
+    /// Keeps the promoted bytes `h` (ended, live) under the allocation the master gave the
+    /// promotion. Returns the buffers released, for the caller to drop outside its lock.
+    ///
+    /// The master gave that id to this promotion, so whatever the node still holds under it
+    /// is dropped first, as by a free: a stale unended write of a put placed by a master
+    /// since replaced (ids counted from 1 again) stops counting as live, and staged bytes
+    /// leave the staged index, so their retirement never names the promoted replica. Until
+    /// 2026-12-07 the bytes were inserted over them: the stale write's bytes stayed in
+    /// `used` for good (the node's capacity slowly lost), and a retirement dropped the
+    /// promoted replica.
+    pub(super) fn promoted(&mut self, alloc: u64, h: Held) -> Vec<Arc<[u8]>> {
+        self.drop_alloc(alloc);
+        self.used += h.data.len() as u64;
+        self.allocs.insert(alloc, h);
+        self.recycled.fit(self.used)
+    }
+
     /// Keeps the bytes of an adopted replica under the allocation the master gave it.
     pub(super) fn adopt(&mut self, alloc: u64, h: Held) {
         self.used += h.data.len() as u64;
@@ -265,6 +297,115 @@ mod tests {
                 }
                 top = e.token;
                 proptest::prop_assert_eq!(m.used, 10);
+            }
+        }
+    }
+
+    /// The bytes counted as live: those of every allocation not staged.
+    fn live_bytes(m: &Mem) -> u64 {
+        m.allocs
+            .values()
+            .filter(|h| h.staged == Staging::No)
+            .map(|h| h.data.len() as u64)
+            .sum()
+    }
+
+    /// A promotion given an allocation id that holds a stale unended write (a put placed by
+    /// a master since restarted, its id given out again) replaces those bytes: they stop
+    /// counting as live, so its free leaves nothing counted (before, the stale write's bytes
+    /// stayed in `used` for good: capacity lost, puts refused -200 early).
+    #[test]
+    fn a_promotion_over_a_stale_unended_write_counts_only_its_own_bytes() {
+        let mut m = Mem::new(NodeRecycler::new(100, 0, std::time::Duration::ZERO));
+        m.write(1, put(3, "stale"), 1000).unwrap();
+        let mut p = put(9, "hot");
+        p.ended = true;
+        p.data = Arc::from(vec![9u8; 25]);
+        drop(m.promoted(1, p));
+        assert!(m.holds(1, &Tenant::new("a").unwrap(), "hot", 9));
+        assert_eq!(m.used, 25);
+        m.drop_alloc(1);
+        assert_eq!(m.used, 0);
+    }
+
+    /// A promotion given the id of staged bytes (evicted, waiting for their SSD write) keeps
+    /// its replica live: the staged version's retirement no longer names that allocation,
+    /// and the promoted bytes count as live until freed.
+    #[test]
+    fn a_promotion_over_staged_bytes_is_never_retired_with_them() {
+        let mut m = Mem::new(NodeRecycler::new(100, 0, std::time::Duration::ZERO));
+        m.write(1, put(3, "old"), 1000).unwrap();
+        m.allocs.get_mut(&1).unwrap().ended = true;
+        assert!(m.stage(1).is_some());
+        assert_eq!(m.used, 0);
+        let mut p = put(9, "hot");
+        p.ended = true;
+        drop(m.promoted(1, p));
+        m.retire(&Tenant::new("a").unwrap(), "old", 3);
+        assert!(
+            m.allocs[&1].staged == Staging::No,
+            "the promoted replica was retired"
+        );
+        assert_eq!(m.used, 10);
+        assert!(m.staged.is_empty());
+        m.drop_alloc(1);
+        assert_eq!(m.used, 0);
+    }
+
+    proptest::proptest! {
+        /// Whatever puts' writes, ends, promotions, evictions (staging for the SSD, its
+        /// retirement), frees and stale-write drops do, in any order over a few reused
+        /// allocation ids: the live count equals the bytes of the live allocations held, and
+        /// the staged index names exactly the staged allocations (their own versions).
+        #[test]
+        fn the_live_count_is_the_bytes_held(
+            ops in proptest::collection::vec(
+                (0u8..7, 1u64..4, 1u64..16, 0usize..3, 1usize..40),
+                1..60,
+            ),
+        ) {
+            let keys = ["k", "j", "i"];
+            let a = Tenant::new("a").unwrap();
+            let mut m = Mem::new(NodeRecycler::new(100, 0, std::time::Duration::ZERO));
+            for (op, alloc, token, key, len) in ops {
+                // One version is held under one allocation of a node (a put writes its own;
+                // a promotion is of an SSD-only key): the token names its allocation too.
+                let token = token * 4 + alloc;
+                let mut h = put(token, keys[key]);
+                h.data = Arc::from(vec![token as u8; len]);
+                match op {
+                    // A put's write (cap large: never the reason for a refusal here).
+                    0 => drop(m.write(alloc, h, 1 << 20)),
+                    // Its end (the master's answer).
+                    1 => if let Some(e) = m.allocs.get_mut(&alloc) {
+                        e.ended = true;
+                    },
+                    // A promotion given this id.
+                    2 => {
+                        h.ended = true;
+                        drop(m.promoted(alloc, h));
+                    }
+                    // Evicted at the master, offload-on-evict: staged.
+                    3 => drop(m.stage(alloc)),
+                    // An SSD write of this version done (registered or failed).
+                    4 => m.retire(&a, keys[key], token),
+                    // The master's free (a staged allocation's is applied by its write).
+                    5 => if m.allocs.get(&alloc).is_some_and(|h| h.staged == Staging::No) {
+                        m.drop_alloc(alloc);
+                    },
+                    // A tick: stale unended writes and retired bytes dropped.
+                    _ => if m.allocs.get(&alloc).is_some_and(|h| !h.ended || h.staged == Staging::Retired) {
+                        m.drop_alloc(alloc);
+                    },
+                }
+                proptest::prop_assert_eq!(m.used, live_bytes(&m));
+                for ((t, k, tok), al) in &m.staged {
+                    let h = m.allocs.get(al);
+                    proptest::prop_assert!(h.is_some_and(|h| h.staged != Staging::No
+                        && h.token == *tok && h.tenant == *t && h.key == *k));
+                }
+                let staged = m.allocs.values().filter(|h| h.staged != Staging::No).count();
+                proptest::prop_assert_eq!(staged, m.staged.len());
             }
         }
     }

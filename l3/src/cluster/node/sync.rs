@@ -202,16 +202,12 @@ impl NodeInner {
             let mut m = self.mem.lock();
             // Evicted replicas to write first: their allocations are in `freed` too.
             for a in &s.offload {
-                let Some(h) = m.allocs.get_mut(a) else {
-                    continue;
-                };
-                if !h.ended || h.staged != Staging::No || self.ssd.is_none() {
+                if self.ssd.is_none() {
                     continue;
                 }
-                h.staged = Staging::Writing;
-                let (t, k, tok, data) = (h.tenant.clone(), h.key.clone(), h.token, h.data.clone());
-                m.used = m.used.saturating_sub(data.len() as u64);
-                m.staged.insert((t.clone(), k.clone(), tok), *a);
+                let Some((t, k, tok, data)) = m.stage(*a) else {
+                    continue;
+                };
                 jobs.push(OffloadJob {
                     tenant: t,
                     key: k,

@@ -177,11 +177,11 @@ impl NodeInner {
                 return;
             }
         };
+        let mut released = Vec::new();
         let mut m = self.mem.lock();
         for (((t, k, _), v), r) in read.into_iter().zip(res) {
             let Ok((alloc, token)) = r else { continue };
-            m.used += v.len() as u64;
-            m.allocs.insert(
+            released.extend(m.promoted(
                 alloc,
                 Held {
                     tenant: t,
@@ -192,8 +192,10 @@ impl NodeInner {
                     staged: Staging::No,
                     since: Instant::now(),
                 },
-            );
+            ));
         }
+        drop(m);
+        drop(released); // outside the lock
     }
 
     pub(super) fn on_corrupt(&self, t: &Tenant, key: &str, loc: DiskLoc) {
