@@ -23,7 +23,8 @@
 //! is taken as done when predicted, and nothing is learnt from it), its end the body's end,
 //! a request given up on before its first token or whole answer (the client went away, the
 //! head timed out) teaches the instance to be at least that late (`Feedback::abandoned`),
-//! and an instance that refuses it, answers an error status (not 2xx) or fails after the
+//! and an instance that refuses it, answers an error status (not 2xx), streams an error
+//! event in place of its first token (`data: {"error": ...}`) or fails after the
 //! connection drops the booking: an error is no first token and no decode, and an instance
 //! failing fast must not look fast. Server errors are counted per instance, and a streak of
 //! them has the instance passed over for a while (`errors.rs`). A request naming a
@@ -650,6 +651,8 @@ fn pass_through(
             let chunk = body.next().await;
             if let Some(g) = guard.as_mut() {
                 match &chunk {
+                    // an error event in place of the first token: no first token, no decode
+                    Some(Ok(c)) if g.awaiting_first && error_event(c) => g.cancel(),
                     Some(Ok(_)) => g.chunk(),
                     Some(Err(_)) => g.failed(std::mem::take(&mut ok)),
                     None => g.done = true,
@@ -667,6 +670,18 @@ fn pass_through(
     out.headers_mut()
         .insert("x-kvtier-instance", HeaderValue::from(instance));
     out
+}
+
+/// Whether a streamed answer's chunk is an error event, `data: {"error": ...}`: what vLLM
+/// sends when a streamed request fails in its generator and SGLang for a prompt past its
+/// context, after a 200 head.
+fn error_event(chunk: &[u8]) -> bool {
+    let Some(rest) = chunk.trim_ascii_start().strip_prefix(b"data:") else {
+        return false;
+    };
+    rest.trim_ascii_start()
+        .strip_prefix(b"{")
+        .is_some_and(|r| r.trim_ascii_start().starts_with(b"\"error\""))
 }
 
 /// The LoRA adapter the request names (`lora.rs`): SGLang's `lora_path`, or a vLLM `model`
@@ -813,6 +828,26 @@ mod tests {
     impl std::error::Error for Caused {
         fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
             Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn error_events_are_told_from_tokens() {
+        for e in [
+            &b"data: {\"error\": {\"message\": \"x\"}}\n\n"[..],
+            b"data:{\"error\":{}}\n\n",
+            b"\n data: { \"error\" : 1}",
+        ] {
+            assert!(error_event(e), "{}", String::from_utf8_lossy(e));
+        }
+        for t in [
+            &b"data: {\"id\": \"c\", \"choices\": [{\"text\": \"\\\"error\\\"\"}]}\n\n"[..],
+            b"data: [DONE]\n\n",
+            b": ping\n\n",
+            b"",
+            b"{\"error\": 1}",
+        ] {
+            assert!(!error_event(t), "{}", String::from_utf8_lossy(t));
         }
     }
 

@@ -709,3 +709,50 @@ async fn tokenize_and_detokenize_reach_an_instance_that_is_up() {
     }
     r.stop().await;
 }
+
+/// A streamed answer whose first event is an error (`data: {"error": ...}` after a 200
+/// head: SGLang's answer to a prompt past its context, vLLM's to a request failing in its
+/// generator) is no first token and no decode: its booking is cancelled and nothing is
+/// learnt. Before, the error event was taken as the first token at once and the end as a
+/// decode, so an instance refusing requests looked fast and drew the traffic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_error_event_is_not_a_first_token() {
+    let up = Fake::start(
+        |_| {
+            Reply::Sse(vec![
+                "data: {\"error\": {\"object\": \"error\", \"message\": \"too long\", \
+                 \"type\": \"BadRequestError\", \"code\": 400}}\n\n"
+                    .into(),
+                "data: [DONE]\n\n".into(),
+            ])
+        },
+        None,
+    )
+    .await;
+    let r = proxy(vec![up.url()]).await;
+    let before = http(r.addr, "GET", "/stats", None).await.json();
+    for seed in 0..4 {
+        let b = body(seed, true);
+        let got = http_with(
+            r.addr,
+            "POST",
+            "/v1/completions",
+            &[JSON],
+            b.as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(got.status, 200, "passed through as it came: {got:?}");
+        assert!(String::from_utf8_lossy(&got.body()).contains("too long"));
+    }
+    released(&r, "released").await;
+    let after = http(r.addr, "GET", "/stats", None).await.json();
+    for k in ["late_s", "decode_step_s"] {
+        assert_eq!(
+            after["instances"][0][k], before["instances"][0][k],
+            "{k} learnt from errors: {after}"
+        );
+    }
+    r.stop().await;
+}
