@@ -673,8 +673,7 @@ fn pass_through(
 }
 
 /// Whether a streamed answer's chunk is an error event, `data: {"error": ...}`: what vLLM
-/// sends when a streamed request fails in its generator and SGLang for a prompt past its
-/// context, after a 200 head.
+/// sends after a 200 head when a streamed request fails in its generator.
 fn error_event(chunk: &[u8]) -> bool {
     let Some(rest) = chunk.trim_ascii_start().strip_prefix(b"data:") else {
         return false;

@@ -711,8 +711,8 @@ async fn tokenize_and_detokenize_reach_an_instance_that_is_up() {
 }
 
 /// A streamed answer whose first event is an error (`data: {"error": ...}` after a 200
-/// head: SGLang's answer to a prompt past its context, vLLM's to a request failing in its
-/// generator) is no first token and no decode: its booking is cancelled and nothing is
+/// head: what vLLM 0.32's completion stream generator yields for a request failing in it)
+/// is no first token and no decode: its booking is cancelled and nothing is
 /// learnt. Before, the error event was taken as the first token at once and the end as a
 /// decode, so an instance refusing requests looked fast and drew the traffic.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
