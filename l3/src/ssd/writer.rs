@@ -149,7 +149,16 @@ fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
     if batch.is_empty() {
         return;
     }
-    let bytes: u64 = batch.iter().map(|j| j.data.len() as u64).sum();
+    // The bucket file's size (headers and names too): what the capacity is counted in.
+    let file_size = bucket::FILE_HDR
+        + batch
+            .iter()
+            .map(|j| {
+                (bucket::REC_HDR + j.tenant.as_str().len() + j.key.len()) as u64
+                    + j.data.len() as u64
+            })
+            .sum::<u64>();
+    let bytes = file_size;
     refresh_capacity(shared);
     evict_for(shared, bytes, hooks);
     let mut staged = stage(shared, &batch, bytes);
@@ -170,14 +179,6 @@ fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
         Ok(x) => x,
         Err((id, e)) => return fail_batch(shared, id, &batch, &e, hooks),
     };
-    let file_size = bucket::FILE_HDR
-        + batch
-            .iter()
-            .map(|j| {
-                (bucket::REC_HDR + j.tenant.as_str().len() + j.key.len()) as u64
-                    + j.data.len() as u64
-            })
-            .sum::<u64>();
     let locs: Vec<DiskLoc> = batch
         .iter()
         .zip(&written)
@@ -319,8 +320,8 @@ fn write_batch(shared: &Shared, batch: Vec<OffloadJob>, hooks: &dyn TierHooks) {
 type StageResult =
     Result<(u64, bucket::Staged, Vec<bucket::Written>), (Option<u64>, std::io::Error)>;
 
-/// Writes `batch` (`bytes` of payload) to a new bucket's temporary file, if it fits the
-/// tier's capacity.
+/// Writes `batch` (a bucket file of `bytes`) to a new bucket's temporary file, if it fits
+/// the tier's capacity.
 fn stage(shared: &Shared, batch: &[OffloadJob], bytes: u64) -> StageResult {
     let id = next_bucket_id(shared).map_err(|e| (None, e))?;
     let over_capacity = {
@@ -364,9 +365,19 @@ fn refresh_capacity(shared: &Shared) {
     }
 }
 
-/// SSD eviction: above the high watermark (counting `incoming`), drop oldest buckets whose
-/// objects are not leased until usage is below the low watermark; nothing for an `incoming`
-/// larger than the capacity (its write fails anyway).
+/// SSD eviction: above the high watermark (counting `incoming`, the new bucket's size),
+/// drop the oldest buckets whose objects are not leased until usage is below the low
+/// watermark; nothing for an `incoming` larger than the capacity (its write fails anyway).
+///
+/// Past a bucket holding a leased object (refused by `evict_disk`), only as far as the
+/// write needs to fit within the capacity: the buckets after it are newer (hotter), and the
+/// lease is a reader's for seconds, so the write goes above the high watermark rather than
+/// evict them, and the oldest go first again once the lease ends (its next write past the
+/// high watermark). Mooncake's bucket backend evicts strictly oldest first (FIFO, or least
+/// recently read) and only until the write fits its quota; it has no leased bucket to
+/// skip. Until 2026-12-07 the walk went on to the low watermark past leased buckets: a
+/// write that fitted evicted newer buckets, and with more leased than the low watermark
+/// every unleased bucket went, the newest included (`tests/ssd_leased_buckets.rs`).
 fn evict_for(shared: &Shared, incoming: u64, hooks: &dyn TierHooks) {
     let cfg = &shared.cfg;
     let (low, candidates): (u64, Vec<u64>) = {
@@ -379,10 +390,13 @@ fn evict_for(shared: &Shared, incoming: u64, hooks: &dyn TierHooks) {
         }
         (low, st.buckets.keys().copied().collect())
     };
+    // The usage to evict down to: the low watermark, the capacity once a leased bucket
+    // was passed over.
+    let mut target = low;
     for id in candidates {
         let recs: Vec<(Tenant, String, DiskLoc)> = {
             let st = shared.state.lock();
-            if st.used + incoming <= low {
+            if st.used + incoming <= target.min(st.capacity) {
                 return;
             }
             match st.buckets.get(&id) {
@@ -396,6 +410,7 @@ fn evict_for(shared: &Shared, incoming: u64, hooks: &dyn TierHooks) {
             }
         };
         if !hooks.evict_disk(&recs) {
+            target = u64::MAX;
             continue;
         }
         let mut st = shared.state.lock();
