@@ -45,27 +45,10 @@ impl Drip {
                 let (rq, cl) = (Arc::clone(&rq), Arc::clone(&cl));
                 tokio::spawn(async move {
                     let (mut r, mut w) = s.into_split();
-                    let mut buf = vec![0u8; 1 << 16];
-                    let mut got = Vec::new();
-                    // the request's head and body (Content-Length)
-                    loop {
-                        match r.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => got.extend_from_slice(&buf[..n]),
-                        }
-                        if let Some(e) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-                            let head = String::from_utf8_lossy(&got[..e]).to_ascii_lowercase();
-                            let len = head
-                                .lines()
-                                .find_map(|l| l.strip_prefix("content-length:"))
-                                .and_then(|v| v.trim().parse::<usize>().ok())
-                                .unwrap_or(0);
-                            if got.len() >= e + 4 + len {
-                                break;
-                            }
-                        }
-                    }
-                    if got.starts_with(b"GET /v1/models") {
+                    let Some((request, _)) = read_request(&mut r).await else {
+                        return;
+                    };
+                    if request.starts_with("GET /v1/models") {
                         let b = r#"{"object":"list","data":[{"id":"m"}]}"#;
                         let a = format!(
                             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
@@ -241,33 +224,6 @@ async fn a_client_gone_before_a_whole_answer_cancels_it_too() {
     r.stop().await;
 }
 
-/// An engine that answers everything: SSE for a streamed request, JSON otherwise, its
-/// `/tokenize` 5 tokens and its `/v1/models` one model.
-async fn engine() -> Fake {
-    Fake::start(
-        |s| {
-            let streamed = serde_json::from_slice::<serde_json::Value>(&s.body)
-                .ok()
-                .and_then(|v| v.get("stream").and_then(serde_json::Value::as_bool))
-                == Some(true);
-            if s.target.starts_with("/v1/models") {
-                Reply::Json(200, r#"{"object":"list","data":[{"id":"m"}]}"#.into())
-            } else if s.target.starts_with("/tokenize") {
-                Reply::Json(200, r#"{"tokens":[1,2,3,4,5],"count":5}"#.into())
-            } else if streamed {
-                Reply::Sse(vec![
-                    "data: {\"choices\":[{\"text\":\"a\"}]}\n\n".into(),
-                    "data: [DONE]\n\n".into(),
-                ])
-            } else {
-                Reply::Json(200, ok_json())
-            }
-        },
-        None,
-    )
-    .await
-}
-
 const JSON: (&str, &str) = ("Content-Type", "application/json");
 
 /// Every request body shape the OpenAI API allows (a batch of prompts, token-id lists, chat
@@ -277,7 +233,7 @@ const JSON: (&str, &str) = ("Content-Type", "application/json");
 /// routes by load, it never fails the request. Bookings all return to zero.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_body_shape_reaches_the_instance_as_sent() {
-    let up = engine().await;
+    let up = healthy().await;
     let r = proxy(vec![up.url()]).await;
     let bodies = [
         (
@@ -370,7 +326,7 @@ async fn every_body_shape_reaches_the_instance_as_sent() {
 /// kept-alive connection that goes on after the router's 404, 405 and 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_1_0_expect_continue_chunked_uploads_and_keep_alive_after_errors() {
-    let up = engine().await;
+    let up = healthy().await;
     let r = proxy(vec![up.url()]).await;
     let b = body(1, true);
     // HTTP/1.0, streamed
@@ -474,7 +430,7 @@ async fn models_are_listed_by_an_instance_that_is_up_beside_one_that_is_not() {
             None,
         )
         .await;
-        let up = engine().await;
+        let up = healthy().await;
         let r = proxy(vec![starting.url(), up.url()]).await;
         let got = http_with(
             r.addr,
@@ -595,7 +551,7 @@ async fn a_request_head_never_finished_or_an_idle_connection_is_closed() {
 /// Before, the router waited for the rest of the body for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_body_that_stops_coming_is_a_408() {
-    let up = engine().await;
+    let up = healthy().await;
     let specs = vec![url_spec(up.url())];
     let r = launch::start(Config {
         header_timeout_s: 0.5,
@@ -682,7 +638,7 @@ async fn a_stream_longer_than_the_header_timeout_is_not_cut() {
 /// the router answered 404 and a client pointed at it lost them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokenize_and_detokenize_reach_an_instance_that_is_up() {
-    let up = engine().await;
+    let up = healthy().await;
     let down = format!("http://127.0.0.1:{}", closed_port());
     let r = proxy(vec![down, up.url()]).await;
     for path in ["/tokenize", "/detokenize"] {

@@ -65,31 +65,15 @@ async fn engine() -> (String, tokio::task::JoinHandle<()>) {
 }
 
 async fn serve_one(mut s: tokio::net::TcpStream) {
-    let mut buf = vec![0u8; 1 << 16];
-    let mut got = Vec::new();
-    let (head, behave) = loop {
-        match s.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => got.extend_from_slice(&buf[..n]),
-        }
-        let Some(e) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
-            continue;
-        };
-        let head = String::from_utf8_lossy(&got[..e]).to_ascii_lowercase();
-        let len = head
-            .lines()
-            .find_map(|l| l.strip_prefix("content-length:"))
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(0);
-        if got.len() >= e + 4 + len {
-            let behave = head
-                .lines()
-                .find_map(|l| l.strip_prefix("x-behave:"))
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .map_or(Behave::Whole, |i| BEHAVE[i % BEHAVE.len()]);
-            break (head, behave);
-        }
+    let Some((head, _)) = read_request(&mut s).await else {
+        return;
     };
+    let head = head.to_ascii_lowercase();
+    let behave = head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-behave:"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map_or(Behave::Whole, |i| BEHAVE[i % BEHAVE.len()]);
     let json = |status: u16, b: &str| {
         format!(
             "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
@@ -141,6 +125,7 @@ async fn serve_one(mut s: tokio::net::TcpStream) {
                 return;
             }
             // held until the peer goes
+            let mut buf = [0u8; 1024];
             while let Ok(n) = s.read(&mut buf).await {
                 if n == 0 {
                     break;

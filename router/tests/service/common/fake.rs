@@ -257,3 +257,30 @@ impl Drop for Hole {
         self.task.abort();
     }
 }
+
+/// An instance that answers everything: SSE for a streamed request, JSON otherwise, its
+/// `/tokenize` 5 tokens and its `/v1/models` one model.
+pub async fn healthy() -> Fake {
+    Fake::start(
+        |s| {
+            let streamed = serde_json::from_slice::<serde_json::Value>(&s.body)
+                .ok()
+                .and_then(|v| v.get("stream").and_then(serde_json::Value::as_bool))
+                == Some(true);
+            if s.target.starts_with("/v1/models") {
+                Reply::Json(200, r#"{"object":"list","data":[{"id":"m"}]}"#.into())
+            } else if s.target.starts_with("/tokenize") {
+                Reply::Json(200, r#"{"tokens":[1,2,3,4,5],"count":5}"#.into())
+            } else if streamed {
+                Reply::Sse(vec![
+                    "data: {\"choices\":[{\"text\":\"a\"}]}\n\n".into(),
+                    "data: [DONE]\n\n".into(),
+                ])
+            } else {
+                Reply::Json(200, ok_json())
+            }
+        },
+        None,
+    )
+    .await
+}

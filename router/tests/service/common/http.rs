@@ -125,3 +125,30 @@ pub async fn http_with(
         _ => None,
     }
 }
+
+/// Reads one request from `r`: its head up to the blank line (as sent) and the body its
+/// `Content-Length` names; `None` if the peer closed or failed first. What the fake engines
+/// read before they answer (one request per connection).
+pub async fn read_request<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> Option<(String, Vec<u8>)> {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        if let Some(e) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&got[..e]).into_owned();
+            let len = head
+                .lines()
+                .filter_map(|l| l.split_once(':'))
+                .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
+                .and_then(|(_, v)| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if got.len() >= e + 4 + len {
+                return Some((head, got[e + 4..e + 4 + len].to_vec()));
+            }
+        }
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}

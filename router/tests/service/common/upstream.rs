@@ -89,43 +89,15 @@ async fn serve_one(
     first_chunk: Duration,
 ) {
     // one request per connection is enough for the router's client: it reconnects
-    let mut buf = Vec::new();
-    let mut tmp = [0u8; 8192];
-    let (head_end, len) = loop {
-        let Ok(n) = s.read(&mut tmp).await else {
-            return;
-        };
-        if n == 0 {
-            return;
-        }
-        buf.extend_from_slice(&tmp[..n]);
-        if let Some(e) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..e]).to_ascii_lowercase();
-            let len = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .unwrap_or(0);
-            break (e, len);
-        }
+    let Some((head, raw_body)) = read_request(&mut s).await else {
+        return;
     };
-    while buf.len() < head_end + 4 + len {
-        let Ok(n) = s.read(&mut tmp).await else {
-            return;
-        };
-        if n == 0 {
-            return;
-        }
-        buf.extend_from_slice(&tmp[..n]);
-    }
-    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
     let mut first = head.split(' ');
     let (method, path) = (
         first.next().unwrap_or_default().to_string(),
         first.next().unwrap_or_default().to_string(),
     );
-    let body: Option<serde_json::Value> =
-        serde_json::from_slice(&buf[head_end + 4..head_end + 4 + len]).ok();
+    let body: Option<serde_json::Value> = serde_json::from_slice(&raw_body).ok();
     requests.lock().expect("lock").push(path.clone());
     let hit = ex
         .iter()
