@@ -78,6 +78,11 @@ struct Args {
     /// the request, counts its error and tries the next best; 0: wait for ever.
     #[arg(long, default_value_t = kvtier_router::proxy::HEAD_TIMEOUT_S)]
     head_timeout_s: f64,
+    /// Seconds a client connection may take to send a request's head (from its start or its
+    /// previous answer; also the most a request's body may pause, else 408) before it is
+    /// closed: idle and half-sent connections hold a file descriptor that long (positive).
+    #[arg(long, default_value_t = kvtier_router::service::HEADER_TIMEOUT_S)]
+    header_timeout_s: f64,
     /// Exit after this many seconds (scripts and tests); default: run until Ctrl-C.
     #[arg(long)]
     exit_after_s: Option<f64>,
@@ -147,7 +152,7 @@ fn config(a: &Args) -> Result<Config, String> {
                 ));
             }
         },
-        header_timeout_s: kvtier_router::service::HEADER_TIMEOUT_S,
+        header_timeout_s: positive("header-timeout-s", a.header_timeout_s)?,
         subscribe: SubscribeOptions {
             resync: launch::resync_period(a.resync_s)?,
             ..launch::subscribe_options(a.replay_timeout_ms, a.resync_s)

@@ -208,6 +208,11 @@ fn bad_flags_are_errors_not_panics() {
         (vec!["--instance", ev, "--head-timeout-s", "NaN"], 2),
         (vec!["--instance", ev, "--head-timeout-s", "inf"], 2),
         (vec!["--instance", ev, "--head-timeout-s", "0"], 0),
+        (vec!["--instance", ev, "--header-timeout-s", "0"], 2),
+        (vec!["--instance", ev, "--header-timeout-s", "-1"], 2),
+        (vec!["--instance", ev, "--header-timeout-s", "NaN"], 2),
+        (vec!["--instance", ev, "--header-timeout-s", "inf"], 2),
+        (vec!["--instance", ev, "--header-timeout-s", "2.5"], 0),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvtier-router"))
             .args(&args)
@@ -256,6 +261,54 @@ async fn the_binary_raises_its_open_files_limit_to_the_hard_one() {
     assert_eq!(nums, ["256", "256"], "{line}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("open files: 256"), "it says so: {err}");
+}
+
+/// `--header-timeout-s` reaches the server: a connection that never finishes its head is
+/// closed after it (0.3 s here; the default, 30 s, would outlast the test). Before, the
+/// binary had no such flag and always took the default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_header_timeout_flag_closes_a_half_sent_head() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier-router"))
+        .args([
+            "--instance",
+            "url=http://127.0.0.1:1",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--header-timeout-s", "0.3", "--exit-after-s", "20"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start kvtier-router");
+    let first = first_line(&mut child).await;
+    let addr = first
+        .trim()
+        .strip_prefix("kvtier-router listening on http://")
+        .unwrap_or_default()
+        .to_string();
+    let mut s = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("write");
+    let mut b = [0u8; 256];
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            match s.read(&mut b).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        closed.is_ok(),
+        "the half-sent head was still open after 10 s"
+    );
 }
 
 /// The first line a started `kvtier-router` prints (its address), read off the blocking
