@@ -29,6 +29,7 @@
 //! - [`cluster`]: the shared state: index, queues, streams, requests sent;
 //! - [`service`]: `POST /route`, `GET /stats`, `GET /health`;
 //! - [`proxy`]: the OpenAI-compatible proxy;
+//! - [`readiness`]: `GET /readiness`, whether any instance serves now;
 //! - [`errors`]: instances that answer errors, counted and passed over for a while;
 //! - [`launch`]: the CLI's configuration and start-up, used by the binary and the tests.
 
@@ -44,6 +45,7 @@ pub mod launch;
 pub mod lora;
 pub mod occupancy;
 pub mod proxy;
+pub mod readiness;
 mod request_fields;
 pub mod resolve;
 pub mod route;

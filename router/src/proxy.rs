@@ -126,6 +126,26 @@ impl Upstream {
     pub fn set_head_timeout(&mut self, t: Option<Duration>) {
         self.head_timeout = t;
     }
+
+    /// Whether instance `base` answers `GET /health` with a success within `within` (vLLM's
+    /// and SGLang's readiness: 200 once the engine serves); on a fresh connection, so a
+    /// pooled one the instance closed is not taken for the instance being down.
+    pub async fn healthy(&self, base: &str, within: Duration) -> bool {
+        let Ok(uri) = format!("{}/health", base.trim_end_matches('/')).parse::<hyper::Uri>() else {
+            return false;
+        };
+        let Ok(req) = Request::builder()
+            .method(Method::GET)
+            .uri(uri)
+            .body(Full::new(Bytes::new()))
+        else {
+            return false;
+        };
+        matches!(
+            tokio::time::timeout(within, self.fresh.request(req)).await,
+            Ok(Ok(r)) if r.status().is_success()
+        )
+    }
 }
 
 /// Counts a request in flight on an instance until dropped, and reports a tracked request's

@@ -236,7 +236,8 @@ pub fn app(st: AppState) -> axum::Router {
         .route("/route", post(route))
         .route("/bookings/{booking}/{what}", post(report))
         .route("/stats", get(stats))
-        .route("/health", get(health));
+        .route("/health", get(health))
+        .route("/readiness", get(crate::readiness::readiness));
     if !st.backends.is_empty() {
         r = r
             .route("/v1/completions", post(proxy::completions))

@@ -712,3 +712,47 @@ async fn a_streamed_error_event_is_not_a_first_token() {
     }
     r.stop().await;
 }
+
+/// `GET /readiness` says whether traffic may be sent to the router: 200 while any instance
+/// answers its own `/health` (a 503 there, one that hangs or a closed port do not count),
+/// 503 once none does; `/health` stays the router's own
+/// liveness (200 throughout). Before, `/readiness` was a 404 and `/health` the only answer,
+/// so a router whose every instance was down stayed in a load balancer's rotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_instances_health_and_health_the_router() {
+    let starting = Fake::start(
+        |s| {
+            if s.target.starts_with("/health") {
+                Reply::Json(503, r#"{"error":"loading"}"#.into())
+            } else {
+                Reply::Json(200, ok_json())
+            }
+        },
+        None,
+    )
+    .await;
+    let hung = Fake::start(|_| Reply::Hang, None).await;
+    let mut up = Some(healthy().await);
+    let down = format!("http://127.0.0.1:{}", closed_port());
+    let up_url = up.as_ref().map(Fake::url).unwrap_or_default();
+    let r = proxy(vec![down, starting.url(), hung.url(), up_url]).await;
+    let ask = |path: &'static str| async move { http(r.addr, "GET", path, None).await };
+    let ready = ask("/readiness").await;
+    assert_eq!(ready.status, 200, "{ready:?}");
+    assert_eq!(
+        ready.json()["instances_up"],
+        serde_json::json!([3]),
+        "{ready:?}"
+    );
+    assert_eq!(ready.json()["instances"], 4);
+    up.take(); // the healthy instance goes
+    let ready = ask("/readiness").await;
+    assert_eq!(ready.status, 503, "{ready:?}");
+    assert_eq!(ready.json()["instances_up"], serde_json::json!([]));
+    assert_eq!(
+        ask("/health").await.status,
+        200,
+        "the router itself is alive"
+    );
+    r.stop().await;
+}
