@@ -693,7 +693,9 @@ fn pass_through(
 }
 
 /// Whether a streamed answer's chunk is an error event, `data: {"error": ...}`: what vLLM
-/// sends after a 200 head when a streamed request fails in its generator.
+/// sends after a 200 head when a streamed request fails in its generator, and SGLang 0.5's
+/// `create_streaming_error_response` (`json.dumps({"error": ErrorResponse.model_dump()})`,
+/// yielded once its stream has started).
 fn error_event(chunk: &[u8]) -> bool {
     let Some(rest) = chunk.trim_ascii_start().strip_prefix(b"data:") else {
         return false;
@@ -856,6 +858,9 @@ mod tests {
             &b"data: {\"error\": {\"message\": \"x\"}}\n\n"[..],
             b"data:{\"error\":{}}\n\n",
             b"\n data: { \"error\" : 1}",
+            // SGLang 0.5.23's, as its serving_completions.py / serving_chat.py yield it
+            b"data: {\"error\": {\"object\": \"error\", \"message\": \"boom\", \
+              \"type\": \"BadRequestError\", \"param\": null, \"code\": 400}}\n\n",
         ] {
             assert!(error_event(e), "{}", String::from_utf8_lossy(e));
         }
