@@ -671,8 +671,9 @@ fn pass_through(
             let chunk = body.next().await;
             if let Some(g) = guard.as_mut() {
                 match &chunk {
-                    // an error event in place of the first token: no first token, no decode
-                    Some(Ok(c)) if g.awaiting_first && error_event(c) => g.cancel(),
+                    // an error event, in place of the first token or after it: the request
+                    // failed in the engine, so no first token and no decode is learnt
+                    Some(Ok(c)) if g.streamed && error_event(c) => g.cancel(),
                     Some(Ok(_)) => g.chunk(),
                     Some(Err(_)) => g.failed(std::mem::take(&mut ok)),
                     None => g.done = true,
@@ -696,13 +697,14 @@ fn pass_through(
 /// sends after a 200 head when a streamed request fails in its generator, and SGLang 0.5's
 /// `create_streaming_error_response` (`json.dumps({"error": ErrorResponse.model_dump()})`,
 /// yielded once its stream has started).
+/// Any event of the chunk counts (a chunk may carry a token's event and the error's).
 fn error_event(chunk: &[u8]) -> bool {
-    let Some(rest) = chunk.trim_ascii_start().strip_prefix(b"data:") else {
-        return false;
-    };
-    rest.trim_ascii_start()
-        .strip_prefix(b"{")
-        .is_some_and(|r| r.trim_ascii_start().starts_with(b"\"error\""))
+    chunk.split(|&b| b == b'\n').any(|line| {
+        line.trim_ascii_start()
+            .strip_prefix(b"data:")
+            .and_then(|rest| rest.trim_ascii_start().strip_prefix(b"{"))
+            .is_some_and(|r| r.trim_ascii_start().starts_with(b"\"error\""))
+    })
 }
 
 /// The LoRA adapter the request names (`lora.rs`): SGLang's `lora_path`, or a vLLM `model`
@@ -858,6 +860,8 @@ mod tests {
             &b"data: {\"error\": {\"message\": \"x\"}}\n\n"[..],
             b"data:{\"error\":{}}\n\n",
             b"\n data: { \"error\" : 1}",
+            // a token's event and the error's in one chunk
+            b"data: {\"choices\": [{\"text\": \"a\"}]}\n\ndata: {\"error\": {}}\n\n",
             // SGLang 0.5.23's, as its serving_completions.py / serving_chat.py yield it
             b"data: {\"error\": {\"object\": \"error\", \"message\": \"boom\", \
               \"type\": \"BadRequestError\", \"param\": null, \"code\": 400}}\n\n",
@@ -867,6 +871,7 @@ mod tests {
         for t in [
             &b"data: {\"id\": \"c\", \"choices\": [{\"text\": \"\\\"error\\\"\"}]}\n\n"[..],
             b"data: [DONE]\n\n",
+            b"data: {\"choices\": [{\"text\": \"a\"}]}\n\ndata: [DONE]\n\n",
             b": ping\n\n",
             b"",
             b"{\"error\": 1}",

@@ -713,6 +713,51 @@ async fn a_streamed_error_event_is_not_a_first_token() {
     r.stop().await;
 }
 
+/// An error event after the first token (a request failing midway: vLLM's and SGLang's
+/// stream generators yield `data: {"error": ...}` and `[DONE]`) ends no decode: the stream's
+/// end is not learnt as a decode step. Before, only an error in place of the first token was
+/// told apart, and a failing instance's errors were learnt as decodes of 3e-8 s a step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_event_after_the_first_token_is_no_decode() {
+    let up = Fake::start(
+        |_| {
+            Reply::Sse(vec![
+                "data: {\"choices\":[{\"text\":\"a\"}]}\n\n".into(),
+                "data: {\"error\": {\"object\": \"error\", \"message\": \"engine died\", \
+                 \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+                    .into(),
+                "data: [DONE]\n\n".into(),
+            ])
+        },
+        None,
+    )
+    .await;
+    let r = proxy(vec![up.url()]).await;
+    let before = http(r.addr, "GET", "/stats", None).await.json();
+    for seed in 0..4 {
+        let b = body(seed, true);
+        let got = http_with(
+            r.addr,
+            "POST",
+            "/v1/completions",
+            &[JSON],
+            b.as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(got.status, 200, "passed through as it came: {got:?}");
+        assert!(String::from_utf8_lossy(&got.body()).contains("engine died"));
+    }
+    released(&r, "released").await;
+    let after = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(
+        after["instances"][0]["decode_step_s"], before["instances"][0]["decode_step_s"],
+        "a decode learnt from failed streams: {after}"
+    );
+    r.stop().await;
+}
+
 /// `GET /readiness` says whether traffic may be sent to the router: 200 while any instance
 /// answers its own `/health` (a 503 there, one that hangs or a closed port do not count),
 /// 503 once none does; `/health` stays the router's own
