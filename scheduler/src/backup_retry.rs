@@ -66,12 +66,23 @@ impl RetryQueue {
         self.failing = false;
     }
 
-    /// A failed backup's run waits to be tried again (or is given up).
+    /// A failed backup's run waits to be tried again (or is given up). A run already waiting
+    /// (the same pages: a chain's last page names the chain) waits once, with its own tries:
+    /// write-back backs the same pages up at each try to free host space while L3 is down,
+    /// and a copy per failure pushed other runs out past `max_waiting`.
     pub(crate) fn failed(&mut self, mut run: Run) {
         self.failing = true;
         run.tries = run.tries.saturating_add(1);
         if run.tries > self.conf.tries {
             self.given_up += 1;
+            return;
+        }
+        let same = |w: &Run| {
+            w.from == run.from
+                && w.chain.len() == run.chain.len()
+                && w.chain.last() == run.chain.last()
+        };
+        if self.waiting.iter().any(same) {
             return;
         }
         self.waiting.push_back(run);
@@ -175,5 +186,27 @@ mod tests {
         let again = Run { tries: 1, ..run(3) };
         q.failed(again);
         assert_eq!(q.counts(), (1, 2, 0), "out of tries");
+    }
+
+    /// A run that fails again while it waits (write-back backs the same pages up at each try
+    /// to free host space while L3 is down) waits once: before, each failure queued another
+    /// copy, and the copies pushed other runs out past `max_waiting` (given up, never tried
+    /// again) though each copy was dropped when planned.
+    #[test]
+    fn a_run_failing_again_while_it_waits_waits_once() {
+        let mut q = RetryQueue::default();
+        q.set_conf(BackupRetry {
+            pages_per_plan: 64,
+            tries: 8,
+            max_waiting: 2,
+        });
+        q.failed(run(1));
+        for _ in 0..5 {
+            q.failed(run(4));
+        }
+        assert_eq!(q.counts(), (2, 0, 0), "run(1) still waits, run(4) once");
+        let other_span = Run { from: 2, ..run(4) };
+        q.failed(other_span);
+        assert_eq!(q.counts(), (2, 1, 0), "another span is another run");
     }
 }
