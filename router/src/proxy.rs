@@ -376,7 +376,10 @@ async fn forward(
     let keyed = match tokens {
         Some(t) => {
             let (salt, lora) = (salt.map(str::to_owned), lora.clone());
-            let n = t.len();
+            // a batch of prompts runs them all: its booking holds every one
+            let n = json
+                .as_ref()
+                .map_or(t.len(), |v| request_fields::prompt_tokens(v, kind, t.len()));
             crate::service::keyed(keyer, t, salt, lora)
                 .await
                 .map(|h| (h, n))

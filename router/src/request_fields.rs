@@ -87,6 +87,35 @@ pub(crate) fn max_tokens(v: &Value, kind: Kind) -> usize {
         (None, Kind::Chat) => 0,
     };
     each.saturating_mul(sequences(v))
+        .saturating_mul(prompts(v, kind))
+}
+
+/// How many prompts the request runs: a completion whose `prompt` is a list of prompts
+/// (texts, or token-id lists) runs each of them; any other request, one.
+pub(crate) fn prompts(v: &Value, kind: Kind) -> usize {
+    match (kind, v.get("prompt").and_then(Value::as_array)) {
+        (Kind::Completion, Some(a))
+            if !a.is_empty() && a.iter().all(|p| p.is_string() || p.is_array()) =>
+        {
+            a.len()
+        }
+        _ => 1,
+    }
+}
+
+/// The prompt tokens the request runs, given its first prompt's `first` (the one it is
+/// routed by): a batch of token-id lists counts each list; a batch of texts (not tokenized
+/// past the first) counts each as long as the first.
+pub(crate) fn prompt_tokens(v: &Value, kind: Kind, first: usize) -> usize {
+    let n = prompts(v, kind);
+    let lists = v.get("prompt").and_then(Value::as_array);
+    match lists {
+        Some(a) if n > 1 && a.iter().all(Value::is_array) => a
+            .iter()
+            .map(|p| p.as_array().map_or(0, Vec::len))
+            .fold(0, usize::saturating_add),
+        _ => first.saturating_mul(n),
+    }
 }
 
 /// How many sequences the request generates: the larger of `n` and `best_of`, at least 1.
@@ -191,15 +220,46 @@ mod tests {
         );
     }
 
+    /// A completion's batch of prompts runs each: its output is each prompt's, and its prompt
+    /// tokens every list's (token ids) or the first's times the batch (texts).
+    #[test]
+    fn a_batch_of_prompts_books_every_prompt() {
+        let c = Kind::Completion;
+        let ids = json!({"prompt": [[1, 2, 3], [4, 5], [6]], "max_tokens": 10, "n": 2});
+        assert_eq!(prompts(&ids, c), 3);
+        assert_eq!(max_tokens(&ids, c), 60);
+        assert_eq!(prompt_tokens(&ids, c, 3), 6);
+        let texts = json!({"prompt": ["a b", "c d e", "f"], "max_tokens": 10});
+        assert_eq!((prompts(&texts, c), prompt_tokens(&texts, c, 2)), (3, 6));
+        for one in [
+            json!({"prompt": [1, 2, 3]}),
+            json!({"prompt": "a b c"}),
+            json!({"prompt": []}),
+            json!({"prompt": [[1, 2, 3]]}),
+            json!({"prompt": [1, [2]]}),
+            json!({}),
+        ] {
+            assert_eq!(prompts(&one, c), 1, "{one}");
+            assert_eq!(prompt_tokens(&one, c, 3), 3, "{one}");
+        }
+        let chat = json!({"prompt": [[1], [2]], "max_tokens": 10});
+        assert_eq!(
+            (prompts(&chat, Kind::Chat), max_tokens(&chat, Kind::Chat)),
+            (1, 10)
+        );
+    }
+
     proptest! {
         /// Any JSON value in any of the fields reads as something, never a panic, and a
         /// count read is the integer the value names.
         #[test]
         fn any_value_reads_without_panicking(x in any::<i64>(), f in any::<f64>(), s in ".{0,12}") {
             for v in [json!(x), json!(f), json!(s.clone()), json!([x]), json!({"a": s})] {
-                let body = json!({"stream": v, "max_tokens": v, "n": v, "best_of": v});
+                let body = json!({"stream": v, "max_tokens": v, "n": v, "best_of": v, "prompt": v});
                 let _ = streamed(&body);
                 let _ = max_tokens(&body, Kind::Completion);
+                prop_assert!(prompts(&body, Kind::Completion) >= 1);
+                let _ = prompt_tokens(&body, Kind::Completion, usize::MAX);
                 if let Some(n) = lax_count(&v) {
                     prop_assert!(v.is_number() || v.is_string());
                     if let Some(i) = v.as_i64() { prop_assert_eq!(n as i64, i); }

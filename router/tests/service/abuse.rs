@@ -801,3 +801,63 @@ async fn readiness_follows_the_instances_health_and_health_the_router() {
     );
     r.stop().await;
 }
+
+/// A batch of prompts (`"prompt": [[ids], [ids], ...]`, or a list of texts) runs every
+/// prompt on the instance it is sent to, so its booking holds every prompt's tokens and
+/// output: the instance's queue grows by about the batch's size. Before, the booking held the
+/// first prompt alone, and batches piled onto an instance the router took for idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_prompts_is_booked_whole() {
+    let up = Fake::start(|_| Reply::Hang, None).await;
+    let r = proxy(vec![up.url()]).await;
+    let queue = || async {
+        http(r.addr, "GET", "/stats", None).await.json()["instances"][0]["queue_s"]
+            .as_f64()
+            .unwrap_or(0.0)
+    };
+    let send = |b: String| {
+        let addr = r.addr;
+        tokio::spawn(async move {
+            http_with(
+                addr,
+                "POST",
+                "/v1/completions",
+                &[JSON],
+                b.as_bytes(),
+                Duration::from_secs(30),
+            )
+            .await
+        })
+    };
+    let one = send(
+        serde_json::json!({"model": "m", "prompt": tokens(1, 8), "max_tokens": 1}).to_string(),
+    );
+    let mut q1 = 0.0;
+    for _ in 0..100 {
+        q1 = queue().await;
+        if q1 > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(q1 > 0.0, "the single prompt is queued");
+    let batch: Vec<Vec<u32>> = (10..26).map(|s| tokens(s, 8)).collect();
+    let many =
+        send(serde_json::json!({"model": "m", "prompt": batch, "max_tokens": 1}).to_string());
+    let mut q2 = q1;
+    for _ in 0..100 {
+        q2 = queue().await;
+        if q2 > q1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        q2 - q1 > 8.0 * q1,
+        "a batch of 16 prompts queued as {:.4} s, one prompt {q1:.4} s",
+        q2 - q1
+    );
+    one.abort();
+    many.abort();
+    r.stop().await;
+}
