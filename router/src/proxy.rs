@@ -738,10 +738,16 @@ async fn adapter_of(st: &AppState, v: &Value, headers: &HeaderMap) -> Option<Str
 
 /// The prompt's token ids, from the request or a backend's `/tokenize`; `None` if neither.
 async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) -> Option<Vec<u32>> {
+    // vLLM's `list[int]` reads whole floats too (pydantic's lax mode); strings are texts
     let ids = |a: &Value| -> Option<Vec<u32>> {
         a.as_array()?
             .iter()
-            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .map(|t| {
+                t.is_number()
+                    .then(|| request_fields::lax_count(t))
+                    .flatten()
+                    .and_then(|t| u32::try_from(t).ok())
+            })
             .collect()
     };
     let model = v.get("model").cloned().unwrap_or(Value::Null);

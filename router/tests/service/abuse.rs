@@ -861,3 +861,29 @@ async fn a_batch_of_prompts_is_booked_whole() {
     many.abort();
     r.stop().await;
 }
+
+/// Token ids written as whole floats (`[1.0, 2.0]`: vLLM's `list[int]` prompt reads them in
+/// pydantic's lax mode) route by the cache like integers; a list of strings is a batch of
+/// texts to vLLM (its `list[str]`), not ids. Before, a float id made the prompt unreadable and
+/// the request was routed by load alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_float_token_ids_route_by_the_cache() {
+    let up = healthy().await;
+    let r = proxy(vec![up.url()]).await;
+    let ids: Vec<f64> = tokens(3, 2).into_iter().map(f64::from).collect();
+    let b = serde_json::json!({"model": "m", "prompt": ids, "max_tokens": 1}).to_string();
+    let got = http_with(
+        r.addr,
+        "POST",
+        "/v1/completions",
+        &[JSON],
+        b.as_bytes(),
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("answered");
+    assert_eq!(got.status, 200, "{got:?}");
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["routed_load_only"], 0, "{stats}");
+    r.stop().await;
+}
