@@ -30,6 +30,7 @@
 //! - [`service`]: `POST /route`, `GET /stats`, `GET /health`;
 //! - [`proxy`]: the OpenAI-compatible proxy;
 //! - [`readiness`]: `GET /readiness`, whether any instance serves now;
+//! - [`metrics`]: `GET /metrics`, `/stats` in Prometheus' text format;
 //! - [`errors`]: instances that answer errors, counted and passed over for a while;
 //! - [`launch`]: the CLI's configuration and start-up, used by the binary and the tests.
 
@@ -43,6 +44,7 @@ pub mod index;
 pub mod keys;
 pub mod launch;
 pub mod lora;
+pub mod metrics;
 pub mod occupancy;
 pub mod proxy;
 pub mod readiness;

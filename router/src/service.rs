@@ -220,6 +220,18 @@ async fn stats(State(st): State<AppState>) -> Response {
     Json(st.lock().stats()).into_response()
 }
 
+async fn metrics(State(st): State<AppState>) -> Response {
+    let text = crate::metrics::render(&st.lock().stats());
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
 async fn health(State(st): State<AppState>) -> Response {
     let c = st.lock();
     let synced = c.streams.iter().filter(|s| s.next_seq.is_some()).count();
@@ -236,6 +248,7 @@ pub fn app(st: AppState) -> axum::Router {
         .route("/route", post(route))
         .route("/bookings/{booking}/{what}", post(report))
         .route("/stats", get(stats))
+        .route("/metrics", get(metrics))
         .route("/health", get(health))
         .route("/readiness", get(crate::readiness::readiness));
     if !st.backends.is_empty() {

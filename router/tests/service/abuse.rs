@@ -887,3 +887,82 @@ async fn whole_float_token_ids_route_by_the_cache() {
     assert_eq!(stats["routed_load_only"], 0, "{stats}");
     r.stop().await;
 }
+
+/// `GET /metrics` is `/stats` in Prometheus' text format (what a scrape of vLLM's and
+/// SGLang's `/metrics` beside it expects): each line a `# HELP`/`# TYPE` comment or a sample
+/// `name{labels} value`, the per-instance figures labelled by instance and equal to
+/// `/stats`'. Before, the scrape got the router's JSON 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_the_stats_in_prometheus_text() {
+    let up = healthy().await;
+    let down = format!("http://127.0.0.1:{}", closed_port());
+    let r = proxy(vec![up.url(), down]).await;
+    for seed in 0..3 {
+        let b = body(seed, false);
+        let got = http_with(
+            r.addr,
+            "POST",
+            "/v1/completions",
+            &[JSON],
+            b.as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(got.status, 200, "{got:?}");
+    }
+    released(&r, "released").await;
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    let got = http(r.addr, "GET", "/metrics", None).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    assert!(
+        got.header("content-type")
+            .is_some_and(|t| t.starts_with("text/plain")),
+        "{got:?}"
+    );
+    let text = String::from_utf8(got.body()).expect("utf-8");
+    let mut samples = std::collections::HashMap::new();
+    for line in text.lines() {
+        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
+            continue;
+        }
+        let (name, value) = line.rsplit_once(' ').expect("a sample: name value");
+        let v: f64 = value.parse().expect("a number");
+        assert!(!name.contains(' '), "{line}");
+        samples.insert(name.to_string(), v);
+    }
+    for (i, inst) in stats["instances"]
+        .as_array()
+        .expect("instances")
+        .iter()
+        .enumerate()
+    {
+        for (metric, key) in [
+            ("kvtier_router_routed_total", "routed"),
+            ("kvtier_router_in_flight", "in_flight"),
+            ("kvtier_router_upstream_errors_total", "upstream_errors"),
+        ] {
+            assert_eq!(
+                samples
+                    .get(&format!("{metric}{{instance=\"{i}\"}}"))
+                    .copied(),
+                inst[key].as_f64(),
+                "{metric} of instance {i}: {text}"
+            );
+        }
+    }
+    assert_eq!(
+        samples.get("kvtier_router_routed_total{instance=\"0\"}"),
+        Some(&3.0),
+        "{text}"
+    );
+    assert!(
+        text.contains("# TYPE kvtier_router_routed_total counter"),
+        "{text}"
+    );
+    assert_eq!(
+        samples.get("kvtier_router_memory_bytes").copied(),
+        stats["memory_bytes"].as_f64()
+    );
+    r.stop().await;
+}
