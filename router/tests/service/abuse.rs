@@ -12,7 +12,7 @@ use crate::proxy::url_spec;
 use kvtier_router::cluster::Keys;
 use kvtier_router::launch::{self, Config, EndpointSpec, Running};
 
-async fn proxy(urls: Vec<String>) -> Running {
+pub(crate) async fn proxy(urls: Vec<String>) -> Running {
     let specs: Vec<EndpointSpec> = urls.into_iter().map(url_spec).collect();
     launch::start(Config {
         ..config(specs, 1 << 20, Keys::Tokens)
@@ -119,7 +119,7 @@ impl Drop for Drip {
     }
 }
 
-fn body(seed: u32, stream: bool) -> String {
+pub(crate) fn body(seed: u32, stream: bool) -> String {
     serde_json::json!({"model": "m", "prompt": tokens(seed, 2), "max_tokens": 1000,
                        "stream": stream})
     .to_string()
@@ -153,7 +153,7 @@ async fn send_and_read(
     (s, got)
 }
 
-async fn released(r: &Running, what: &str) {
+pub(crate) async fn released(r: &Running, what: &str) {
     let c = Arc::clone(&r.cluster);
     until(what, move || {
         let c = c.lock().expect("lock");
@@ -224,7 +224,7 @@ async fn a_client_gone_before_a_whole_answer_cancels_it_too() {
     r.stop().await;
 }
 
-const JSON: (&str, &str) = ("Content-Type", "application/json");
+pub(crate) const JSON: (&str, &str) = ("Content-Type", "application/json");
 
 /// Every request body shape the OpenAI API allows (a batch of prompts, token-id lists, chat
 /// content parts with an image, tool calls, `null` content, `n`, `stream_options`, unknown
@@ -417,53 +417,6 @@ async fn http_1_0_expect_continue_chunked_uploads_and_keep_alive_after_errors() 
     r.stop().await;
 }
 
-/// `/v1/models` through the proxy while one instance is starting (a gateway in front of it
-/// answers 503, as it does before vLLM listens) and the other is up: the client gets the
-/// listing of the one that is up, as a completion would be sent there. Before, the first
-/// instance asked answered for all, 503 and all. With every instance unavailable, the last
-/// such answer is the client's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn models_are_listed_by_an_instance_that_is_up_beside_one_that_is_not() {
-    for status in [502, 503, 504] {
-        let starting = Fake::start(
-            move |_| Reply::Json(status, r#"{"error":"starting"}"#.into()),
-            None,
-        )
-        .await;
-        let up = healthy().await;
-        let r = proxy(vec![starting.url(), up.url()]).await;
-        let got = http_with(
-            r.addr,
-            "GET",
-            "/v1/models",
-            &[],
-            b"",
-            Duration::from_secs(6),
-        )
-        .await
-        .expect("answered");
-        assert_eq!(got.status, 200, "{status}: {got:?}");
-        assert_eq!(got.header("x-kvtier-instance"), Some("1"), "{got:?}");
-        assert_eq!(got.json()["data"][0]["id"], "m");
-        assert_eq!(starting.count("/v1/models"), 1, "asked first");
-        r.stop().await;
-        let r = proxy(vec![starting.url(), starting.url()]).await;
-        let got = http_with(
-            r.addr,
-            "GET",
-            "/v1/models",
-            &[],
-            b"",
-            Duration::from_secs(6),
-        )
-        .await
-        .expect("answered");
-        assert_eq!(got.status, status, "none up: the last answer: {got:?}");
-        assert_eq!(got.header("x-kvtier-instance"), Some("1"), "{got:?}");
-        r.stop().await;
-    }
-}
-
 /// Whether the router closes `s` within `wait` (reads to its end, whatever it says).
 async fn closed_within(s: &mut tokio::net::TcpStream, wait: Duration) -> bool {
     let mut b = [0u8; 4096];
@@ -629,340 +582,5 @@ async fn a_stream_longer_than_the_header_timeout_is_not_cut() {
     assert!(String::from_utf8_lossy(&got).matches("data:").count() >= 15);
     drop(s);
     released(&r, "released").await;
-    r.stop().await;
-}
-
-/// vLLM's `/tokenize` and `/detokenize`, which clients call to count a prompt's tokens
-/// before they send it, reach an instance through the proxy as `/v1/models` does (any
-/// instance serves the same model: the first up answers), body and headers as sent. Before,
-/// the router answered 404 and a client pointed at it lost them.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tokenize_and_detokenize_reach_an_instance_that_is_up() {
-    let up = healthy().await;
-    let down = format!("http://127.0.0.1:{}", closed_port());
-    let r = proxy(vec![down, up.url()]).await;
-    for path in ["/tokenize", "/detokenize"] {
-        let b = r#"{"model":"m","prompt":"hello","tokens":[1,2]}"#;
-        let got = http_with(
-            r.addr,
-            "POST",
-            &format!("{path}?q=1"),
-            &[JSON, ("Authorization", "Bearer k")],
-            b.as_bytes(),
-            Duration::from_secs(6),
-        )
-        .await
-        .expect("answered");
-        assert_eq!(got.status, 200, "{path}: {got:?}");
-        assert_eq!(got.header("x-kvtier-instance"), Some("1"), "{got:?}");
-        let seen = up.seen();
-        let last = seen.last().expect("seen");
-        assert_eq!(
-            (last.target.as_str(), last.body.as_slice()),
-            (format!("{path}?q=1").as_str(), b.as_bytes())
-        );
-        assert_eq!(last.values("authorization"), ["Bearer k"]);
-    }
-    r.stop().await;
-}
-
-/// A streamed answer whose first event is an error (`data: {"error": ...}` after a 200
-/// head: what vLLM 0.32's completion stream generator yields for a request failing in it)
-/// is no first token and no decode: its booking is cancelled and nothing is
-/// learnt. Before, the error event was taken as the first token at once and the end as a
-/// decode, so an instance refusing requests looked fast and drew the traffic.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_streamed_error_event_is_not_a_first_token() {
-    let up = Fake::start(
-        |_| {
-            Reply::Sse(vec![
-                "data: {\"error\": {\"object\": \"error\", \"message\": \"too long\", \
-                 \"type\": \"BadRequestError\", \"code\": 400}}\n\n"
-                    .into(),
-                "data: [DONE]\n\n".into(),
-            ])
-        },
-        None,
-    )
-    .await;
-    let r = proxy(vec![up.url()]).await;
-    let before = http(r.addr, "GET", "/stats", None).await.json();
-    for seed in 0..4 {
-        let b = body(seed, true);
-        let got = http_with(
-            r.addr,
-            "POST",
-            "/v1/completions",
-            &[JSON],
-            b.as_bytes(),
-            Duration::from_secs(5),
-        )
-        .await
-        .expect("answered");
-        assert_eq!(got.status, 200, "passed through as it came: {got:?}");
-        assert!(String::from_utf8_lossy(&got.body()).contains("too long"));
-    }
-    released(&r, "released").await;
-    let after = http(r.addr, "GET", "/stats", None).await.json();
-    for k in ["late_s", "decode_step_s"] {
-        assert_eq!(
-            after["instances"][0][k], before["instances"][0][k],
-            "{k} learnt from errors: {after}"
-        );
-    }
-    r.stop().await;
-}
-
-/// An error event after the first token (a request failing midway: vLLM's and SGLang's
-/// stream generators yield `data: {"error": ...}` and `[DONE]`) ends no decode: the stream's
-/// end is not learnt as a decode step. Before, only an error in place of the first token was
-/// told apart, and a failing instance's errors were learnt as decodes of 3e-8 s a step.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_error_event_after_the_first_token_is_no_decode() {
-    let up = Fake::start(
-        |_| {
-            Reply::Sse(vec![
-                "data: {\"choices\":[{\"text\":\"a\"}]}\n\n".into(),
-                "data: {\"error\": {\"object\": \"error\", \"message\": \"engine died\", \
-                 \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
-                    .into(),
-                "data: [DONE]\n\n".into(),
-            ])
-        },
-        None,
-    )
-    .await;
-    let r = proxy(vec![up.url()]).await;
-    let before = http(r.addr, "GET", "/stats", None).await.json();
-    for seed in 0..4 {
-        let b = body(seed, true);
-        let got = http_with(
-            r.addr,
-            "POST",
-            "/v1/completions",
-            &[JSON],
-            b.as_bytes(),
-            Duration::from_secs(5),
-        )
-        .await
-        .expect("answered");
-        assert_eq!(got.status, 200, "passed through as it came: {got:?}");
-        assert!(String::from_utf8_lossy(&got.body()).contains("engine died"));
-    }
-    released(&r, "released").await;
-    let after = http(r.addr, "GET", "/stats", None).await.json();
-    assert_eq!(
-        after["instances"][0]["decode_step_s"], before["instances"][0]["decode_step_s"],
-        "a decode learnt from failed streams: {after}"
-    );
-    r.stop().await;
-}
-
-/// `GET /readiness` says whether traffic may be sent to the router: 200 while any instance
-/// answers its own `/health` (a 503 there, one that hangs or a closed port do not count),
-/// 503 once none does; `/health` stays the router's own
-/// liveness (200 throughout). Before, `/readiness` was a 404 and `/health` the only answer,
-/// so a router whose every instance was down stayed in a load balancer's rotation.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn readiness_follows_the_instances_health_and_health_the_router() {
-    let starting = Fake::start(
-        |s| {
-            if s.target.starts_with("/health") {
-                Reply::Json(503, r#"{"error":"loading"}"#.into())
-            } else {
-                Reply::Json(200, ok_json())
-            }
-        },
-        None,
-    )
-    .await;
-    let hung = Fake::start(|_| Reply::Hang, None).await;
-    let mut up = Some(healthy().await);
-    let down = format!("http://127.0.0.1:{}", closed_port());
-    let up_url = up.as_ref().map(Fake::url).unwrap_or_default();
-    let r = proxy(vec![down, starting.url(), hung.url(), up_url]).await;
-    let ask = |path: &'static str| async move { http(r.addr, "GET", path, None).await };
-    let ready = ask("/readiness").await;
-    assert_eq!(ready.status, 200, "{ready:?}");
-    assert_eq!(
-        ready.json()["instances_up"],
-        serde_json::json!([3]),
-        "{ready:?}"
-    );
-    assert_eq!(ready.json()["instances"], 4);
-    up.take(); // the healthy instance goes
-    let ready = ask("/readiness").await;
-    assert_eq!(ready.status, 503, "{ready:?}");
-    assert_eq!(ready.json()["instances_up"], serde_json::json!([]));
-    assert_eq!(
-        ask("/health").await.status,
-        200,
-        "the router itself is alive"
-    );
-    r.stop().await;
-}
-
-/// A batch of prompts (`"prompt": [[ids], [ids], ...]`, or a list of texts) runs every
-/// prompt on the instance it is sent to, so its booking holds every prompt's tokens and
-/// output: the instance's queue grows by about the batch's size. Before, the booking held the
-/// first prompt alone, and batches piled onto an instance the router took for idle.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_of_prompts_is_booked_whole() {
-    let up = Fake::start(|_| Reply::Hang, None).await;
-    let r = proxy(vec![up.url()]).await;
-    let queue = || async {
-        http(r.addr, "GET", "/stats", None).await.json()["instances"][0]["queue_s"]
-            .as_f64()
-            .unwrap_or(0.0)
-    };
-    let send = |b: String| {
-        let addr = r.addr;
-        tokio::spawn(async move {
-            http_with(
-                addr,
-                "POST",
-                "/v1/completions",
-                &[JSON],
-                b.as_bytes(),
-                Duration::from_secs(30),
-            )
-            .await
-        })
-    };
-    let one = send(
-        serde_json::json!({"model": "m", "prompt": tokens(1, 8), "max_tokens": 1}).to_string(),
-    );
-    let mut q1 = 0.0;
-    for _ in 0..100 {
-        q1 = queue().await;
-        if q1 > 0.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(q1 > 0.0, "the single prompt is queued");
-    let batch: Vec<Vec<u32>> = (10..26).map(|s| tokens(s, 8)).collect();
-    let many =
-        send(serde_json::json!({"model": "m", "prompt": batch, "max_tokens": 1}).to_string());
-    let mut q2 = q1;
-    for _ in 0..100 {
-        q2 = queue().await;
-        if q2 > q1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(
-        q2 - q1 > 8.0 * q1,
-        "a batch of 16 prompts queued as {:.4} s, one prompt {q1:.4} s",
-        q2 - q1
-    );
-    one.abort();
-    many.abort();
-    r.stop().await;
-}
-
-/// Token ids written as whole floats (`[1.0, 2.0]`: vLLM's `list[int]` prompt reads them in
-/// pydantic's lax mode) route by the cache like integers; a list of strings is a batch of
-/// texts to vLLM (its `list[str]`), not ids. Before, a float id made the prompt unreadable and
-/// the request was routed by load alone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn whole_float_token_ids_route_by_the_cache() {
-    let up = healthy().await;
-    let r = proxy(vec![up.url()]).await;
-    let ids: Vec<f64> = tokens(3, 2).into_iter().map(f64::from).collect();
-    let b = serde_json::json!({"model": "m", "prompt": ids, "max_tokens": 1}).to_string();
-    let got = http_with(
-        r.addr,
-        "POST",
-        "/v1/completions",
-        &[JSON],
-        b.as_bytes(),
-        Duration::from_secs(5),
-    )
-    .await
-    .expect("answered");
-    assert_eq!(got.status, 200, "{got:?}");
-    let stats = http(r.addr, "GET", "/stats", None).await.json();
-    assert_eq!(stats["routed_load_only"], 0, "{stats}");
-    r.stop().await;
-}
-
-/// `GET /metrics` is `/stats` in Prometheus' text format (what a scrape of vLLM's and
-/// SGLang's `/metrics` beside it expects): each line a `# HELP`/`# TYPE` comment or a sample
-/// `name{labels} value`, the per-instance figures labelled by instance and equal to
-/// `/stats`'. Before, the scrape got the router's JSON 404.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metrics_are_the_stats_in_prometheus_text() {
-    let up = healthy().await;
-    let down = format!("http://127.0.0.1:{}", closed_port());
-    let r = proxy(vec![up.url(), down]).await;
-    for seed in 0..3 {
-        let b = body(seed, false);
-        let got = http_with(
-            r.addr,
-            "POST",
-            "/v1/completions",
-            &[JSON],
-            b.as_bytes(),
-            Duration::from_secs(5),
-        )
-        .await
-        .expect("answered");
-        assert_eq!(got.status, 200, "{got:?}");
-    }
-    released(&r, "released").await;
-    let stats = http(r.addr, "GET", "/stats", None).await.json();
-    let got = http(r.addr, "GET", "/metrics", None).await;
-    assert_eq!(got.status, 200, "{got:?}");
-    assert!(
-        got.header("content-type")
-            .is_some_and(|t| t.starts_with("text/plain")),
-        "{got:?}"
-    );
-    let text = String::from_utf8(got.body()).expect("utf-8");
-    let mut samples = std::collections::HashMap::new();
-    for line in text.lines() {
-        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
-            continue;
-        }
-        let (name, value) = line.rsplit_once(' ').expect("a sample: name value");
-        let v: f64 = value.parse().expect("a number");
-        assert!(!name.contains(' '), "{line}");
-        samples.insert(name.to_string(), v);
-    }
-    for (i, inst) in stats["instances"]
-        .as_array()
-        .expect("instances")
-        .iter()
-        .enumerate()
-    {
-        for (metric, key) in [
-            ("kvtier_router_routed_total", "routed"),
-            ("kvtier_router_in_flight", "in_flight"),
-            ("kvtier_router_upstream_errors_total", "upstream_errors"),
-        ] {
-            assert_eq!(
-                samples
-                    .get(&format!("{metric}{{instance=\"{i}\"}}"))
-                    .copied(),
-                inst[key].as_f64(),
-                "{metric} of instance {i}: {text}"
-            );
-        }
-    }
-    assert_eq!(
-        samples.get("kvtier_router_routed_total{instance=\"0\"}"),
-        Some(&3.0),
-        "{text}"
-    );
-    assert!(
-        text.contains("# TYPE kvtier_router_routed_total counter"),
-        "{text}"
-    );
-    assert_eq!(
-        samples.get("kvtier_router_memory_bytes").copied(),
-        stats["memory_bytes"].as_f64()
-    );
     r.stop().await;
 }

@@ -10,7 +10,9 @@
 //! - [`upstream_errors`]: instances that answer errors, or cannot be sent to;
 //! - [`forwarding`]: what of a client's request reaches the instance;
 //! - [`faults`]: instances that hang, cannot be reached or close idle connections;
-//! - [`abuse`]: clients that go away, every request shape, odd HTTP, instances not up;
+//! - [`abuse`]: clients that go away, every request shape, odd HTTP, clients that stall;
+//! - [`endpoints`]: `/v1/models`, `/tokenize`, `/readiness`, `/metrics`;
+//! - [`learnt`]: error events, batches of prompts and float token ids, as booked and learnt;
 //! - [`release_props`]: proptest: in-flight counts and bookings return to zero whatever
 //!   clients and instances do.
 
@@ -18,9 +20,11 @@ mod abuse;
 mod bookings;
 mod common;
 mod docs;
+mod endpoints;
 mod events;
 mod faults;
 mod forwarding;
+mod learnt;
 mod proxy;
 mod release_props;
 mod stream_props;

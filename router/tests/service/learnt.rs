@@ -1,0 +1,186 @@
+//! What a proxied request books and teaches the router: an error event is no first token
+//! and no decode, a batch of prompts is booked whole, token ids written as whole floats
+//! route by the cache.
+
+use std::time::Duration;
+
+use crate::abuse::{JSON, body, proxy, released};
+use crate::common::*;
+
+/// A streamed answer whose first event is an error (`data: {"error": ...}` after a 200
+/// head: what vLLM 0.32's completion stream generator yields for a request failing in it)
+/// is no first token and no decode: its booking is cancelled and nothing is
+/// learnt. Before, the error event was taken as the first token at once and the end as a
+/// decode, so an instance refusing requests looked fast and drew the traffic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_error_event_is_not_a_first_token() {
+    let up = Fake::start(
+        |_| {
+            Reply::Sse(vec![
+                "data: {\"error\": {\"object\": \"error\", \"message\": \"too long\", \
+                 \"type\": \"BadRequestError\", \"code\": 400}}\n\n"
+                    .into(),
+                "data: [DONE]\n\n".into(),
+            ])
+        },
+        None,
+    )
+    .await;
+    let r = proxy(vec![up.url()]).await;
+    let before = http(r.addr, "GET", "/stats", None).await.json();
+    for seed in 0..4 {
+        let b = body(seed, true);
+        let got = http_with(
+            r.addr,
+            "POST",
+            "/v1/completions",
+            &[JSON],
+            b.as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(got.status, 200, "passed through as it came: {got:?}");
+        assert!(String::from_utf8_lossy(&got.body()).contains("too long"));
+    }
+    released(&r, "released").await;
+    let after = http(r.addr, "GET", "/stats", None).await.json();
+    for k in ["late_s", "decode_step_s"] {
+        assert_eq!(
+            after["instances"][0][k], before["instances"][0][k],
+            "{k} learnt from errors: {after}"
+        );
+    }
+    r.stop().await;
+}
+
+/// An error event after the first token (a request failing midway: vLLM's and SGLang's
+/// stream generators yield `data: {"error": ...}` and `[DONE]`) ends no decode: the stream's
+/// end is not learnt as a decode step. Before, only an error in place of the first token was
+/// told apart, and a failing instance's errors were learnt as decodes of 3e-8 s a step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_event_after_the_first_token_is_no_decode() {
+    let up = Fake::start(
+        |_| {
+            Reply::Sse(vec![
+                "data: {\"choices\":[{\"text\":\"a\"}]}\n\n".into(),
+                "data: {\"error\": {\"object\": \"error\", \"message\": \"engine died\", \
+                 \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+                    .into(),
+                "data: [DONE]\n\n".into(),
+            ])
+        },
+        None,
+    )
+    .await;
+    let r = proxy(vec![up.url()]).await;
+    let before = http(r.addr, "GET", "/stats", None).await.json();
+    for seed in 0..4 {
+        let b = body(seed, true);
+        let got = http_with(
+            r.addr,
+            "POST",
+            "/v1/completions",
+            &[JSON],
+            b.as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(got.status, 200, "passed through as it came: {got:?}");
+        assert!(String::from_utf8_lossy(&got.body()).contains("engine died"));
+    }
+    released(&r, "released").await;
+    let after = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(
+        after["instances"][0]["decode_step_s"], before["instances"][0]["decode_step_s"],
+        "a decode learnt from failed streams: {after}"
+    );
+    r.stop().await;
+}
+
+/// A batch of prompts (`"prompt": [[ids], [ids], ...]`, or a list of texts) runs every
+/// prompt on the instance it is sent to, so its booking holds every prompt's tokens and
+/// output: the instance's queue grows by about the batch's size. Before, the booking held the
+/// first prompt alone, and batches piled onto an instance the router took for idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_prompts_is_booked_whole() {
+    let up = Fake::start(|_| Reply::Hang, None).await;
+    let r = proxy(vec![up.url()]).await;
+    let queue = || async {
+        http(r.addr, "GET", "/stats", None).await.json()["instances"][0]["queue_s"]
+            .as_f64()
+            .unwrap_or(0.0)
+    };
+    let send = |b: String| {
+        let addr = r.addr;
+        tokio::spawn(async move {
+            http_with(
+                addr,
+                "POST",
+                "/v1/completions",
+                &[JSON],
+                b.as_bytes(),
+                Duration::from_secs(30),
+            )
+            .await
+        })
+    };
+    let one = send(
+        serde_json::json!({"model": "m", "prompt": tokens(1, 8), "max_tokens": 1}).to_string(),
+    );
+    let mut q1 = 0.0;
+    for _ in 0..100 {
+        q1 = queue().await;
+        if q1 > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(q1 > 0.0, "the single prompt is queued");
+    let batch: Vec<Vec<u32>> = (10..26).map(|s| tokens(s, 8)).collect();
+    let many =
+        send(serde_json::json!({"model": "m", "prompt": batch, "max_tokens": 1}).to_string());
+    let mut q2 = q1;
+    for _ in 0..100 {
+        q2 = queue().await;
+        if q2 > q1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        q2 - q1 > 8.0 * q1,
+        "a batch of 16 prompts queued as {:.4} s, one prompt {q1:.4} s",
+        q2 - q1
+    );
+    one.abort();
+    many.abort();
+    r.stop().await;
+}
+
+/// Token ids written as whole floats (`[1.0, 2.0]`: vLLM's `list[int]` prompt reads them in
+/// pydantic's lax mode) route by the cache like integers; a list of strings is a batch of
+/// texts to vLLM (its `list[str]`), not ids. Before, a float id made the prompt unreadable and
+/// the request was routed by load alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_float_token_ids_route_by_the_cache() {
+    let up = healthy().await;
+    let r = proxy(vec![up.url()]).await;
+    let ids: Vec<f64> = tokens(3, 2).into_iter().map(f64::from).collect();
+    let b = serde_json::json!({"model": "m", "prompt": ids, "max_tokens": 1}).to_string();
+    let got = http_with(
+        r.addr,
+        "POST",
+        "/v1/completions",
+        &[JSON],
+        b.as_bytes(),
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("answered");
+    assert_eq!(got.status, 200, "{got:?}");
+    let stats = http(r.addr, "GET", "/stats", None).await.json();
+    assert_eq!(stats["routed_load_only"], 0, "{stats}");
+    r.stop().await;
+}
