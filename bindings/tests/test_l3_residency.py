@@ -111,6 +111,17 @@ def test_parse_l3_key():
         s.l3_lost("not a list of keys")
 
 
+def _engine_served_one_prompt(srv):
+    """A store client of ``srv``, a scheduler with L3 and an ``Engine`` over them that has
+    served one prompt (its pages backed up)."""
+    store = kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=2000)
+    s = kvtier.Scheduler(small_config(l3_enabled=True))
+    e = Engine(s, KvtierL3Backend(store))
+    e.submit(1, prompt(1, 41), 2)
+    e.run_to_idle()
+    return store, s, e
+
+
 def test_pages_whose_backup_failed_while_the_l3_server_was_down_are_backed_up_once_it_is_back():
     """A ``kvtier-l3`` server process is killed while the scheduler computes two prompts, and
     restarted empty on its address. Their backups failed; their pages stay on host. While it
@@ -119,11 +130,7 @@ def test_pages_whose_backup_failed_while_the_l3_server_was_down_are_backed_up_on
     them from L3. Before, a failed backup was never tried again: they never reached L3."""
     srv = L3Process()
     try:
-        store = kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=2000)
-        s = kvtier.Scheduler(small_config(l3_enabled=True))
-        e = Engine(s, KvtierL3Backend(store))
-        e.submit(1, prompt(1, 41), 2)
-        e.run_to_idle()
+        store, s, e = _engine_served_one_prompt(srv)
         srv.kill()
         down = [prompt(2, 41), prompt(3, 41)]
         for i, p in enumerate(down):
@@ -162,11 +169,7 @@ def test_an_engine_serves_on_while_its_l3_server_is_down():
     engine's step: an engine died with its L3 server."""
     srv = L3Process()
     try:
-        store = kvtier.L3Store.connect(srv.addr, rpc_timeout_ms=2000)
-        s = kvtier.Scheduler(small_config(l3_enabled=True))
-        e = Engine(s, KvtierL3Backend(store))
-        e.submit(1, prompt(1, 41), 2)
-        e.run_to_idle()
+        store, s, e = _engine_served_one_prompt(srv)
         assert e.stats.l3_errors == 0
         srv.kill()
         for i in range(3):

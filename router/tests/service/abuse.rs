@@ -169,28 +169,24 @@ pub(crate) async fn released(r: &Running, what: &str) {
 /// client leaves before it comes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_mid_stream_cancels_the_engines_request_and_its_booking() {
-    let up = Drip::start(Some(Duration::from_millis(50)), true).await;
-    let r = proxy(vec![up.url()]).await;
-    let (s, got) = send_and_read(r.addr, &body(1, true), 80).await;
-    assert!(got.starts_with(b"HTTP/1.1 200"), "{got:?}");
-    drop(s);
-    let closed = Arc::clone(&up.closed);
-    until("the engine's connection closed", || {
-        closed.load(Ordering::SeqCst) == 1
-    })
-    .await;
-    released(&r, "released").await;
-    r.stop().await;
+    client_gone_mid_stream(Some(Duration::from_millis(50)), 80, Duration::ZERO).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_while_the_engine_is_silent_cancels_it_too() {
-    let up = Drip::start(None, true).await;
+    client_gone_mid_stream(None, 20, Duration::from_secs(1)).await;
+}
+
+/// A client reads `want` bytes of a streamed answer from an engine sending a chunk every
+/// `every` (silent after its head when `None`) and goes away; after `settle`, the engine's
+/// connection closes and the request is released.
+async fn client_gone_mid_stream(every: Option<Duration>, want: usize, settle: Duration) {
+    let up = Drip::start(every, true).await;
     let r = proxy(vec![up.url()]).await;
-    let (s, got) = send_and_read(r.addr, &body(1, true), 20).await;
+    let (s, got) = send_and_read(r.addr, &body(1, true), want).await;
     assert!(got.starts_with(b"HTTP/1.1 200"), "{got:?}");
     drop(s);
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(settle).await;
     let closed = Arc::clone(&up.closed);
     until("the engine's connection closed", || {
         closed.load(Ordering::SeqCst) == 1
@@ -469,16 +465,7 @@ async fn a_request_head_never_finished_or_an_idle_connection_is_closed() {
         .expect("w");
     let b = body(1, false);
     let t = std::time::Instant::now();
-    let got = http_with(
-        r.addr,
-        "POST",
-        "/v1/completions",
-        &[JSON],
-        b.as_bytes(),
-        Duration::from_secs(10),
-    )
-    .await
-    .expect("a slow whole answer");
+    let got = complete(r.addr, &b, Duration::from_secs(10)).await;
     assert_eq!(got.status, 200, "{got:?}");
     assert!(
         t.elapsed() >= Duration::from_millis(1400),

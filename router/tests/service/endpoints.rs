@@ -22,32 +22,14 @@ async fn models_are_listed_by_an_instance_that_is_up_beside_one_that_is_not() {
         .await;
         let up = healthy().await;
         let r = proxy(vec![starting.url(), up.url()]).await;
-        let got = http_with(
-            r.addr,
-            "GET",
-            "/v1/models",
-            &[],
-            b"",
-            Duration::from_secs(6),
-        )
-        .await
-        .expect("answered");
+        let got = get_within(r.addr, "/v1/models", Duration::from_secs(6)).await;
         assert_eq!(got.status, 200, "{status}: {got:?}");
         assert_eq!(got.header("x-kvtier-instance"), Some("1"), "{got:?}");
         assert_eq!(got.json()["data"][0]["id"], "m");
         assert_eq!(starting.count("/v1/models"), 1, "asked first");
         r.stop().await;
         let r = proxy(vec![starting.url(), starting.url()]).await;
-        let got = http_with(
-            r.addr,
-            "GET",
-            "/v1/models",
-            &[],
-            b"",
-            Duration::from_secs(6),
-        )
-        .await
-        .expect("answered");
+        let got = get_within(r.addr, "/v1/models", Duration::from_secs(6)).await;
         assert_eq!(got.status, status, "none up: the last answer: {got:?}");
         assert_eq!(got.header("x-kvtier-instance"), Some("1"), "{got:?}");
         r.stop().await;
@@ -143,16 +125,7 @@ async fn metrics_are_the_stats_in_prometheus_text() {
     let r = proxy(vec![up.url(), down]).await;
     for seed in 0..3 {
         let b = body(seed, false);
-        let got = http_with(
-            r.addr,
-            "POST",
-            "/v1/completions",
-            &[JSON],
-            b.as_bytes(),
-            Duration::from_secs(5),
-        )
-        .await
-        .expect("answered");
+        let got = complete(r.addr, &b, Duration::from_secs(5)).await;
         assert_eq!(got.status, 200, "{got:?}");
     }
     released(&r, "released").await;

@@ -14,44 +14,22 @@ use crate::common::*;
 /// decode, so an instance refusing requests looked fast and drew the traffic.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_error_event_is_not_a_first_token() {
-    let up = Fake::start(
-        |_| {
-            Reply::Sse(vec![
-                "data: {\"error\": {\"object\": \"error\", \"message\": \"too long\", \
-                 \"type\": \"BadRequestError\", \"code\": 400}}\n\n"
-                    .into(),
-                "data: [DONE]\n\n".into(),
-            ])
-        },
-        None,
+    let (before, after) = stats_around_streams(
+        vec![
+            "data: {\"error\": {\"object\": \"error\", \"message\": \"too long\", \
+             \"type\": \"BadRequestError\", \"code\": 400}}\n\n"
+                .into(),
+            "data: [DONE]\n\n".into(),
+        ],
+        "too long",
     )
     .await;
-    let r = proxy(vec![up.url()]).await;
-    let before = http(r.addr, "GET", "/stats", None).await.json();
-    for seed in 0..4 {
-        let b = body(seed, true);
-        let got = http_with(
-            r.addr,
-            "POST",
-            "/v1/completions",
-            &[JSON],
-            b.as_bytes(),
-            Duration::from_secs(5),
-        )
-        .await
-        .expect("answered");
-        assert_eq!(got.status, 200, "passed through as it came: {got:?}");
-        assert!(String::from_utf8_lossy(&got.body()).contains("too long"));
-    }
-    released(&r, "released").await;
-    let after = http(r.addr, "GET", "/stats", None).await.json();
     for k in ["late_s", "decode_step_s"] {
         assert_eq!(
             after["instances"][0][k], before["instances"][0][k],
             "{k} learnt from errors: {after}"
         );
     }
-    r.stop().await;
 }
 
 /// An error event after the first token (a request failing midway: vLLM's and SGLang's
@@ -60,43 +38,42 @@ async fn a_streamed_error_event_is_not_a_first_token() {
 /// told apart, and a failing instance's errors were learnt as decodes of 3e-8 s a step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_event_after_the_first_token_is_no_decode() {
-    let up = Fake::start(
-        |_| {
-            Reply::Sse(vec![
-                "data: {\"choices\":[{\"text\":\"a\"}]}\n\n".into(),
-                "data: {\"error\": {\"object\": \"error\", \"message\": \"engine died\", \
-                 \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
-                    .into(),
-                "data: [DONE]\n\n".into(),
-            ])
-        },
-        None,
+    let (before, after) = stats_around_streams(
+        vec![
+            "data: {\"choices\":[{\"text\":\"a\"}]}\n\n".into(),
+            "data: {\"error\": {\"object\": \"error\", \"message\": \"engine died\", \
+             \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+                .into(),
+            "data: [DONE]\n\n".into(),
+        ],
+        "engine died",
     )
     .await;
-    let r = proxy(vec![up.url()]).await;
-    let before = http(r.addr, "GET", "/stats", None).await.json();
-    for seed in 0..4 {
-        let b = body(seed, true);
-        let got = http_with(
-            r.addr,
-            "POST",
-            "/v1/completions",
-            &[JSON],
-            b.as_bytes(),
-            Duration::from_secs(5),
-        )
-        .await
-        .expect("answered");
-        assert_eq!(got.status, 200, "passed through as it came: {got:?}");
-        assert!(String::from_utf8_lossy(&got.body()).contains("engine died"));
-    }
-    released(&r, "released").await;
-    let after = http(r.addr, "GET", "/stats", None).await.json();
     assert_eq!(
         after["instances"][0]["decode_step_s"], before["instances"][0]["decode_step_s"],
         "a decode learnt from failed streams: {after}"
     );
+}
+
+/// The router's `/stats` before and after 4 streamed completions through it to an engine
+/// that answers each with `events`, each passed through as it came (200, `marker` in it),
+/// every booking released.
+async fn stats_around_streams(
+    events: Vec<String>,
+    marker: &str,
+) -> (serde_json::Value, serde_json::Value) {
+    let up = Fake::start(move |_| Reply::Sse(events.clone()), None).await;
+    let r = proxy(vec![up.url()]).await;
+    let before = http(r.addr, "GET", "/stats", None).await.json();
+    for seed in 0..4 {
+        let got = complete(r.addr, &body(seed, true), Duration::from_secs(5)).await;
+        assert_eq!(got.status, 200, "passed through as it came: {got:?}");
+        assert!(String::from_utf8_lossy(&got.body()).contains(marker));
+    }
+    released(&r, "released").await;
+    let after = http(r.addr, "GET", "/stats", None).await.json();
     r.stop().await;
+    (before, after)
 }
 
 /// A batch of prompts (`"prompt": [[ids], [ids], ...]`, or a list of texts) runs every
@@ -169,16 +146,7 @@ async fn whole_float_token_ids_route_by_the_cache() {
     let r = proxy(vec![up.url()]).await;
     let ids: Vec<f64> = tokens(3, 2).into_iter().map(f64::from).collect();
     let b = serde_json::json!({"model": "m", "prompt": ids, "max_tokens": 1}).to_string();
-    let got = http_with(
-        r.addr,
-        "POST",
-        "/v1/completions",
-        &[JSON],
-        b.as_bytes(),
-        Duration::from_secs(5),
-    )
-    .await
-    .expect("answered");
+    let got = complete(r.addr, &b, Duration::from_secs(5)).await;
     assert_eq!(got.status, 200, "{got:?}");
     let stats = http(r.addr, "GET", "/stats", None).await.json();
     assert_eq!(stats["routed_load_only"], 0, "{stats}");

@@ -126,6 +126,29 @@ pub async fn http_with(
     }
 }
 
+/// POSTs the JSON `body` to the router's `/v1/completions` and returns its answer, read to
+/// the end within `wait`; panics if none came.
+pub async fn complete(addr: SocketAddr, body: &str, wait: Duration) -> Got {
+    http_with(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("Content-Type", "application/json")],
+        body.as_bytes(),
+        wait,
+    )
+    .await
+    .expect("answered")
+}
+
+/// GETs `target` from `addr` and returns the answer, read to the end within `wait`; panics
+/// if none came.
+pub async fn get_within(addr: SocketAddr, target: &str, wait: Duration) -> Got {
+    http_with(addr, "GET", target, &[], b"", wait)
+        .await
+        .expect("answered")
+}
+
 /// Reads one request from `r`: its head up to the blank line (as sent) and the body its
 /// `Content-Length` names; `None` if the peer closed or failed first. What the fake engines
 /// read before they answer (one request per connection).
