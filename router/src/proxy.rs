@@ -1,4 +1,5 @@
 //! OpenAI-compatible proxy in front of vLLM or SGLang servers: `/v1/completions`,
+//! `/v1/responses`, `/v1/embeddings` (routed by load), SGLang's `/generate`,
 //! `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize` and `/detokenize`.
 //!
 //! Each request is routed by its prompt's tokens: token-id prompts are used as they are; a
@@ -158,6 +159,8 @@ struct InFlight {
     booking: Option<u64>,
     /// Whether the first chunk is the first token (a streamed answer).
     streamed: bool,
+    /// Which endpoint's answer it is (how its stream's events read, [`chunk_of`]).
+    kind: Kind,
     /// Whether the first chunk is the first token and not seen yet.
     awaiting_first: bool,
     /// The answer's head came (for an answer sent whole: the answer).
@@ -167,7 +170,7 @@ struct InFlight {
 }
 
 impl InFlight {
-    fn new(cluster: &Arc<Mutex<Cluster>>, d: &Decision, first: FirstToken) -> Self {
+    fn new(cluster: &Arc<Mutex<Cluster>>, d: &Decision, first: FirstToken, kind: Kind) -> Self {
         cluster
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -178,6 +181,7 @@ impl InFlight {
             instance: d.instance,
             booking: d.booking,
             streamed,
+            kind,
             awaiting_first: streamed,
             answered: false,
             done: false,
@@ -245,28 +249,25 @@ impl Drop for InFlight {
     }
 }
 
-pub async fn completions(
+/// A request to one of the proxied APIs ([`Kind::at`]: `/v1/completions`,
+/// `/v1/chat/completions`, `/v1/responses`, SGLang's `/generate`, `/v1/embeddings`),
+/// forwarded with its query as a request of its kind. A Responses API request is routed by
+/// the cache of its `instructions` and `input` ([`responses_messages`]), its stream's first
+/// token the first event past `response.created` and `response.in_progress`
+/// ([`responses_chunk`]); an embedding reuses no KV and generates nothing, so it is routed by
+/// load alone, its prompt not tokenized.
+pub async fn api(
     State(st): State<AppState>,
     uri: Uri,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let target = target_of("/v1/completions", &uri);
+    let Some(kind) = Kind::at(uri.path()) else {
+        let m = format!("no route {}", uri.path());
+        return error(StatusCode::NOT_FOUND, "not_found", m);
+    };
     match body {
-        Ok(b) => forward(st, &target, Kind::Completion, headers, b).await,
-        Err(e) => body_rejected(&e),
-    }
-}
-
-pub async fn chat(
-    State(st): State<AppState>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let target = target_of("/v1/chat/completions", &uri);
-    match body {
-        Ok(b) => forward(st, &target, Kind::Chat, headers, b).await,
+        Ok(b) => forward(st, &target_of(uri.path(), &uri), kind, headers, b).await,
         Err(e) => body_rejected(&e),
     }
 }
@@ -348,7 +349,9 @@ async fn forward(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let json: Option<Value> = serde_json::from_slice(&body).ok();
+    let json: Option<Value> = serde_json::from_slice(&body)
+        .ok()
+        .filter(|_| kind.reuses_kv());
     let tokens = match &json {
         Some(v) => tokens_of(&st, kind, v, &headers).await,
         None => None,
@@ -362,7 +365,9 @@ async fn forward(
         None => None,
     };
     // a streamed answer's first chunk is its first token; one sent whole shows none
-    let streamed = json.as_ref().is_some_and(request_fields::streamed);
+    let streamed = json
+        .as_ref()
+        .is_some_and(|v| request_fields::streamed(v, kind));
     let first = if streamed {
         FirstToken::Reported
     } else {
@@ -427,7 +432,7 @@ async fn forward(
             );
         };
         // from here every return ends or cancels the booking (the guard's drop ends it)
-        let mut guard = InFlight::new(&st.cluster, &d, first);
+        let mut guard = InFlight::new(&st.cluster, &d, first, kind);
         let built = match st.backends.get(d.instance) {
             Some(base) => request(
                 Method::POST,
@@ -676,7 +681,11 @@ fn pass_through(
                 match &chunk {
                     // an error event, in place of the first token or after it: the request
                     // failed in the engine, so no first token and no decode is learnt
-                    Some(Ok(c)) if g.streamed && error_event(c) => g.cancel(),
+                    Some(Ok(c)) if g.streamed => match chunk_of(g.kind, c) {
+                        Chunk::Error => g.cancel(),
+                        Chunk::Preamble => {}
+                        Chunk::Token => g.chunk(),
+                    },
                     Some(Ok(_)) => g.chunk(),
                     Some(Err(_)) => g.failed(std::mem::take(&mut ok)),
                     None => g.done = true,
@@ -708,6 +717,78 @@ fn error_event(chunk: &[u8]) -> bool {
             .and_then(|rest| rest.trim_ascii_start().strip_prefix(b"{"))
             .is_some_and(|r| r.trim_ascii_start().starts_with(b"\"error\""))
     })
+}
+
+/// What a streamed answer's chunk is to its booking.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Chunk {
+    /// Events sent before the engine ran the prompt: not its first token.
+    Preamble,
+    /// An error event: the request failed in the engine ([`error_event`]).
+    Error,
+    /// Anything else: a token's event (the first is the first token), or the end.
+    Token,
+}
+
+/// What `chunk` of a streamed answer to a request of `kind` is: an error event for every
+/// kind; past that, a completion's, chat's or `/generate`'s chunk is a token, and a
+/// response's is read by its events ([`responses_chunk`]).
+fn chunk_of(kind: Kind, chunk: &[u8]) -> Chunk {
+    if error_event(chunk) {
+        Chunk::Error
+    } else if kind == Kind::Responses {
+        responses_chunk(chunk)
+    } else {
+        Chunk::Token
+    }
+}
+
+/// The Responses API's events that vLLM's `responses_stream_generator` and SGLang's
+/// `serving_responses.py` send before the engine runs the prompt (and OpenAI's
+/// `response.queued`).
+const RESPONSES_PREAMBLE: [&[u8]; 3] = [
+    b"response.created",
+    b"response.in_progress",
+    b"response.queued",
+];
+
+/// The Responses API's events that end a stream in failure: `error` and `response.failed`.
+const RESPONSES_FAILED: [&[u8]; 2] = [b"error", b"response.failed"];
+
+/// A chunk of a streamed response (`event: NAME` / `data: {"type": NAME, ...}` events, as
+/// vLLM's and SGLang's `/v1/responses` send them): an error if any event failed
+/// ([`RESPONSES_FAILED`]), a token if any event is past the preamble
+/// ([`RESPONSES_PREAMBLE`]); a chunk of the preamble alone, or naming no event (a comment,
+/// the rest of an event cut across chunks), is no token.
+fn responses_chunk(chunk: &[u8]) -> Chunk {
+    let mut named = false;
+    let mut names: Vec<&[u8]> = Vec::new();
+    let mut types: Vec<String> = Vec::new();
+    for line in chunk.split(|&b| b == b'\n') {
+        let line = line.trim_ascii();
+        if let Some(n) = line.strip_prefix(b"event:") {
+            named = true;
+            names.push(n.trim_ascii());
+        } else if let Some(d) = line.strip_prefix(b"data:") {
+            let t = serde_json::from_slice::<Value>(d.trim_ascii())
+                .ok()
+                .and_then(|v| v.get("type")?.as_str().map(str::to_owned));
+            types.extend(t);
+        }
+    }
+    // an event's `event:` line names it; a stream without them, its data's `type`
+    let all: Vec<&[u8]> = if named {
+        names
+    } else {
+        types.iter().map(|t| t.as_bytes()).collect()
+    };
+    if all.iter().any(|n| RESPONSES_FAILED.contains(n)) {
+        Chunk::Error
+    } else if all.iter().any(|n| !RESPONSES_PREAMBLE.contains(n)) {
+        Chunk::Token
+    } else {
+        Chunk::Preamble
+    }
 }
 
 /// The LoRA adapter the request names (`lora.rs`): SGLang's `lora_path`, or a vLLM `model`
@@ -751,9 +832,13 @@ async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) ->
             .collect()
     };
     let model = v.get("model").cloned().unwrap_or(Value::Null);
-    let ask = match kind {
-        Kind::Completion => {
-            let p = v.get("prompt")?;
+    let mut ask = match kind {
+        Kind::Completion | Kind::Generate => {
+            let field = |k| v.get(k).filter(|p: &&Value| !p.is_null());
+            let p = match kind {
+                Kind::Generate => field("input_ids").or_else(|| field("text"))?,
+                _ => field("prompt")?,
+            };
             if let Some(t) = ids(p).filter(|t| !t.is_empty()) {
                 return Some(t);
             }
@@ -765,6 +850,12 @@ async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) ->
             let text = p.as_str().or_else(|| first.and_then(Value::as_str))?;
             serde_json::json!({"model": model, "prompt": text})
         }
+        Kind::Responses => serde_json::json!({
+            "model": model,
+            "messages": responses_messages(v)?,
+            "add_generation_prompt": true,
+        }),
+        Kind::Embeddings => return None,
         Kind::Chat => {
             let mut ask = serde_json::json!({
                 "model": model,
@@ -779,9 +870,53 @@ async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) ->
             ask
         }
     };
+    // a request naming no model (SGLang's `/generate`) asks for the served one
+    if let Some(m) = ask.as_object_mut().filter(|_| model.is_null()) {
+        m.remove("model");
+    }
     let body = Bytes::from(serde_json::to_vec(&ask).ok()?);
     let tokens = |v: Value| ids(v.get("tokens")?);
     lookup(st, Method::POST, "/tokenize", headers, body, tokens).await
+}
+
+/// The chat messages a Responses API request is run as, as vLLM 0.34 builds them
+/// (`responses/utils.py`'s `construct_input_messages`): `instructions` as the system message,
+/// then `input`, a text as the user's message or its items that are messages (an assistant's
+/// as its text); the items stop at the first that is no message (a tool call, its output,
+/// reasoning), so the messages are a sure prefix of the prompt. `None` without a message.
+fn responses_messages(v: &Value) -> Option<Value> {
+    let mut messages = Vec::new();
+    if let Some(i) = v.get("instructions").and_then(Value::as_str)
+        && !i.is_empty()
+    {
+        messages.push(serde_json::json!({"role": "system", "content": i}));
+    }
+    match v.get("input")? {
+        Value::String(text) => messages.push(serde_json::json!({"role": "user", "content": text})),
+        Value::Array(items) => {
+            for item in items {
+                let Some(role) = item.get("role").and_then(Value::as_str) else {
+                    break;
+                };
+                if role != "assistant" {
+                    messages.push(item.clone());
+                    continue;
+                }
+                let text = match item.get("content") {
+                    Some(Value::String(t)) => t.as_str(),
+                    Some(Value::Array(parts)) => parts
+                        .first()
+                        .and_then(|p| p.get("text").or(Some(p)))
+                        .and_then(Value::as_str)
+                        .unwrap_or(""),
+                    _ => "",
+                };
+                messages.push(serde_json::json!({"role": "assistant", "content": text}));
+            }
+        }
+        _ => return None,
+    }
+    (!messages.is_empty()).then_some(Value::Array(messages))
 }
 
 /// A lookup of the router's own (`/tokenize`, `/v1/models`): the first JSON answer that
@@ -886,6 +1021,48 @@ mod tests {
             b"{\"error\": 1}",
         ] {
             assert!(!error_event(t), "{}", String::from_utf8_lossy(t));
+        }
+    }
+
+    /// A streamed response's chunks as vLLM 0.34 and SGLang send them: the preamble
+    /// (`response.created`, `response.in_progress`) is no token, the first delta or item is,
+    /// and a failure (`error`, `response.failed`, a completion-style error event) is an error
+    /// wherever it comes.
+    #[test]
+    fn responses_events_are_told_apart() {
+        let ev = |name: &str| format!("event: {name}\ndata: {{\"type\":\"{name}\"}}\n\n");
+        let r = Kind::Responses;
+        let preamble = [
+            ev("response.created"),
+            ev("response.in_progress"),
+            ev("response.created") + &ev("response.in_progress"),
+            // an event without its `event:` line (SGLang's data carries the type too)
+            "data: {\"type\":\"response.created\"}\n\n".into(),
+            // the rest of an event cut across chunks, a comment
+            "\"output\":[]}}\n\n".into(),
+            ": ping\n\n".into(),
+        ];
+        for c in &preamble {
+            assert_eq!(chunk_of(r, c.as_bytes()), Chunk::Preamble, "{c}");
+            assert_eq!(chunk_of(Kind::Chat, c.as_bytes()), Chunk::Token, "{c}");
+        }
+        for c in [
+            ev("response.output_text.delta"),
+            ev("response.in_progress") + &ev("response.output_item.added"),
+            ev("response.reasoning_text.delta"),
+            ev("response.completed"),
+            "data: {\"type\":\"response.output_text.delta\",\"delta\":\"a\"}\n\n".into(),
+        ] {
+            assert_eq!(chunk_of(r, c.as_bytes()), Chunk::Token, "{c}");
+        }
+        for c in [
+            ev("error"),
+            ev("response.failed"),
+            ev("response.output_text.delta") + &ev("response.failed"),
+            "data: {\"type\":\"error\",\"message\":\"x\"}\n\n".into(),
+            "data: {\"error\": {\"message\": \"x\"}}\n\n".into(),
+        ] {
+            assert_eq!(chunk_of(r, c.as_bytes()), Chunk::Error, "{c}");
         }
     }
 

@@ -12,12 +12,63 @@
 
 use serde_json::Value;
 
-/// Which OpenAI endpoint a request came to.
+/// Which endpoint a request came to.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Kind {
+    /// `/v1/completions`: `prompt`, a text, token ids, or a batch of either.
     Completion,
+    /// `/v1/chat/completions`: `messages`.
     Chat,
+    /// `/v1/responses` (OpenAI's Responses API): `instructions` and `input`.
+    Responses,
+    /// SGLang's native `/generate`: `text` or `input_ids`, one prompt or a batch, and
+    /// `sampling_params`.
+    Generate,
+    /// `/v1/embeddings`: pooling, no KV reused and nothing generated.
+    Embeddings,
 }
+
+impl Kind {
+    /// The proxied paths and the kind of each.
+    pub(crate) const PATHS: [(&'static str, Kind); 5] = [
+        ("/v1/completions", Kind::Completion),
+        ("/v1/chat/completions", Kind::Chat),
+        ("/v1/responses", Kind::Responses),
+        ("/generate", Kind::Generate),
+        ("/v1/embeddings", Kind::Embeddings),
+    ];
+
+    /// The kind of a request to `path` ([`Self::PATHS`]).
+    pub(crate) fn at(path: &str) -> Option<Kind> {
+        Self::PATHS
+            .iter()
+            .find(|(p, _)| *p == path)
+            .map(|(_, k)| *k)
+    }
+
+    /// Whether a request of this kind reuses cached KV (and is routed by its prompt's).
+    pub(crate) fn reuses_kv(self) -> bool {
+        self != Kind::Embeddings
+    }
+
+    /// The field holding the prompt, or a batch of prompts, where the kind has one.
+    fn prompt_field(self, v: &Value) -> Option<&Value> {
+        let given = |k| v.get(k).filter(|p: &&Value| !p.is_null());
+        match self {
+            Kind::Completion => given("prompt"),
+            Kind::Generate => given("input_ids").or_else(|| given("text")),
+            Kind::Chat | Kind::Responses | Kind::Embeddings => None,
+        }
+    }
+}
+
+/// What SGLang's `/generate` generates at most when its `sampling_params` name no
+/// `max_new_tokens` (SGLang 0.5's `SamplingParams`).
+pub const GENERATE_DEFAULT_MAX_NEW_TOKENS: usize = 128;
+
+/// The bytes of text taken for one token when no tokenizer's count calibrates the estimate
+/// (a text batched after token ids).
+const BYTES_PER_TOKEN: usize = 4;
 
 /// What a completion that names no `max_tokens` generates at most: the OpenAI API's default,
 /// which vLLM's and SGLang's `/v1/completions` follow (a chat's default is the context left,
@@ -68,54 +119,101 @@ pub(crate) fn lax_count(v: &Value) -> Option<u64> {
 }
 
 /// Whether the answer is streamed (its first chunk is its first token).
-pub(crate) fn streamed(v: &Value) -> bool {
-    v.get("stream").and_then(lax_bool) == Some(true)
+pub(crate) fn streamed(v: &Value, kind: Kind) -> bool {
+    kind != Kind::Embeddings && v.get("stream").and_then(lax_bool) == Some(true)
 }
 
 /// The tokens a request may generate: its `max_completion_tokens` or `max_tokens` (when it
 /// names neither, a completion's default, [`COMPLETION_DEFAULT_MAX_TOKENS`], and for a chat
-/// 0: unknown), times the sequences it asks for (`n`, or `best_of` where larger). The
-/// router's memory timeline ends each request by it (docs/router/history.md, "What the router
-/// is told of each answer").
+/// 0: unknown), times the sequences it asks for (`n`, or `best_of` where larger), times its
+/// prompts; a response's `max_output_tokens` (0: unknown); SGLang's `sampling_params`
+/// `max_new_tokens` (default [`GENERATE_DEFAULT_MAX_NEW_TOKENS`]) times its `n`, for each
+/// prompt (one `sampling_params` for all, or a list of one each); an embedding's 0. The
+/// router's memory timeline ends each request by it (docs/router/history.md, "What the
+/// router is told of each answer").
 pub(crate) fn max_tokens(v: &Value, kind: Kind) -> usize {
-    let named = ["max_completion_tokens", "max_tokens"]
-        .iter()
-        .find_map(|k| v.get(*k).and_then(lax_count));
-    let each = match (named, kind) {
-        (Some(n), _) => usize::try_from(n).unwrap_or(usize::MAX),
-        (None, Kind::Completion) => COMPLETION_DEFAULT_MAX_TOKENS,
-        (None, Kind::Chat) => 0,
-    };
-    each.saturating_mul(sequences(v))
-        .saturating_mul(prompts(v, kind))
+    match kind {
+        Kind::Responses => v
+            .get("max_output_tokens")
+            .and_then(lax_count)
+            .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+        Kind::Embeddings => 0,
+        Kind::Generate => generated(v),
+        Kind::Completion | Kind::Chat => {
+            let named = ["max_completion_tokens", "max_tokens"]
+                .iter()
+                .find_map(|k| v.get(*k).and_then(lax_count));
+            let each = match (named, kind) {
+                (Some(n), _) => usize::try_from(n).unwrap_or(usize::MAX),
+                (None, Kind::Completion) => COMPLETION_DEFAULT_MAX_TOKENS,
+                _ => 0,
+            };
+            each.saturating_mul(sequences(v))
+                .saturating_mul(prompts(v, kind))
+        }
+    }
 }
 
-/// How many prompts the request runs: a completion whose `prompt` is a list of prompts
-/// (texts, or token-id lists) runs each of them; any other request, one.
-pub(crate) fn prompts(v: &Value, kind: Kind) -> usize {
-    match (kind, v.get("prompt").and_then(Value::as_array)) {
-        (Kind::Completion, Some(a))
-            if !a.is_empty() && a.iter().all(|p| p.is_string() || p.is_array()) =>
-        {
-            a.len()
-        }
-        _ => 1,
+/// SGLang's `/generate`: each prompt's `max_new_tokens` times its `n`, summed.
+fn generated(v: &Value) -> usize {
+    let one = |p: Option<&Value>| {
+        let each = p
+            .and_then(|p| p.get("max_new_tokens"))
+            .and_then(lax_count)
+            .map_or(GENERATE_DEFAULT_MAX_NEW_TOKENS, |n| {
+                usize::try_from(n).unwrap_or(usize::MAX)
+            });
+        each.saturating_mul(p.map_or(1, sequences))
+    };
+    match v.get("sampling_params") {
+        Some(Value::Array(each)) if !each.is_empty() => each
+            .iter()
+            .map(|p| one(Some(p)))
+            .fold(0, usize::saturating_add),
+        p => one(p).saturating_mul(prompts(v, Kind::Generate)),
     }
+}
+
+/// The request's batch of prompts, where it is one: a completion's `prompt` or SGLang's
+/// `text` / `input_ids` given as a non-empty list of prompts (texts or token-id lists).
+fn batch(v: &Value, kind: Kind) -> Option<&Vec<Value>> {
+    let a = kind.prompt_field(v)?.as_array()?;
+    (!a.is_empty() && a.iter().all(|p| p.is_string() || p.is_array())).then_some(a)
+}
+
+/// How many prompts the request runs: a batch runs each of them ([`batch`]); any other
+/// request, one.
+pub(crate) fn prompts(v: &Value, kind: Kind) -> usize {
+    batch(v, kind).map_or(1, Vec::len)
 }
 
 /// The prompt tokens the request runs, given its first prompt's `first` (the one it is
-/// routed by): a batch of token-id lists counts each list; a batch of texts (not tokenized
-/// past the first) counts each as long as the first.
+/// routed by): a batch counts each of its prompts, a token-id list as long as it is and a
+/// text past the first estimated from its length ([`text_tokens`]).
 pub(crate) fn prompt_tokens(v: &Value, kind: Kind, first: usize) -> usize {
-    let n = prompts(v, kind);
-    let lists = v.get("prompt").and_then(Value::as_array);
-    match lists {
-        Some(a) if n > 1 && a.iter().all(Value::is_array) => a
-            .iter()
-            .map(|p| p.as_array().map_or(0, Vec::len))
-            .fold(0, usize::saturating_add),
-        _ => first.saturating_mul(n),
-    }
+    let Some(a) = batch(v, kind).filter(|a| a.len() > 1) else {
+        return first;
+    };
+    // the first prompt's tokens per byte, where it is a text the tokenizer counted
+    let calibration = a[0].as_str().map(|t| (first, t.len()));
+    a[1..]
+        .iter()
+        .map(|p| match p {
+            Value::String(t) => text_tokens(t.len(), calibration),
+            p => p.as_array().map_or(0, Vec::len),
+        })
+        .fold(first, usize::saturating_add)
+}
+
+/// A text of `bytes` bytes' estimated tokens: at the rate of a text the tokenizer counted
+/// (`(tokens, bytes)`), rounded up, or [`BYTES_PER_TOKEN`] bytes a token without one (or
+/// with an empty one).
+fn text_tokens(bytes: usize, calibration: Option<(usize, usize)>) -> usize {
+    let est = match calibration {
+        Some((tokens, of)) if of > 0 => (tokens as u128 * bytes as u128).div_ceil(of as u128),
+        _ => bytes.div_ceil(BYTES_PER_TOKEN) as u128,
+    };
+    usize::try_from(est).unwrap_or(usize::MAX)
 }
 
 /// How many sequences the request generates: the larger of `n` and `best_of`, at least 1.
@@ -171,7 +269,7 @@ mod tests {
             json!("yes"),
             json!("on"),
         ] {
-            assert!(streamed(&json!({ "stream": s })), "{s}");
+            assert!(streamed(&json!({ "stream": s }), Kind::Chat), "{s}");
         }
         for s in [
             json!(false),
@@ -182,9 +280,10 @@ mod tests {
             json!("maybe"),
             json!(2),
         ] {
-            assert!(!streamed(&json!({ "stream": s })), "{s}");
+            assert!(!streamed(&json!({ "stream": s }), Kind::Chat), "{s}");
         }
-        assert!(!streamed(&json!({})));
+        assert!(!streamed(&json!({}), Kind::Chat));
+        assert!(!streamed(&json!({"stream": true}), Kind::Embeddings));
         let c = Kind::Completion;
         assert_eq!(max_tokens(&json!({"max_tokens": 100.0}), c), 100);
         assert_eq!(max_tokens(&json!({"max_tokens": "100"}), c), 100);
@@ -229,8 +328,9 @@ mod tests {
         assert_eq!(prompts(&ids, c), 3);
         assert_eq!(max_tokens(&ids, c), 60);
         assert_eq!(prompt_tokens(&ids, c, 3), 6);
+        // texts past the first at the first's 2 tokens per 3 bytes, rounded up: 2 + 4 + 1
         let texts = json!({"prompt": ["a b", "c d e", "f"], "max_tokens": 10});
-        assert_eq!((prompts(&texts, c), prompt_tokens(&texts, c, 2)), (3, 6));
+        assert_eq!((prompts(&texts, c), prompt_tokens(&texts, c, 2)), (3, 7));
         for one in [
             json!({"prompt": [1, 2, 3]}),
             json!({"prompt": "a b c"}),
@@ -255,16 +355,80 @@ mod tests {
         #[test]
         fn any_value_reads_without_panicking(x in any::<i64>(), f in any::<f64>(), s in ".{0,12}") {
             for v in [json!(x), json!(f), json!(s.clone()), json!([x]), json!({"a": s})] {
-                let body = json!({"stream": v, "max_tokens": v, "n": v, "best_of": v, "prompt": v});
-                let _ = streamed(&body);
-                let _ = max_tokens(&body, Kind::Completion);
-                prop_assert!(prompts(&body, Kind::Completion) >= 1);
-                let _ = prompt_tokens(&body, Kind::Completion, usize::MAX);
+                let body = json!({"stream": v, "max_tokens": v, "n": v, "best_of": v, "prompt": v,
+                                  "max_output_tokens": v, "text": v, "input_ids": v,
+                                  "sampling_params": v});
+                for kind in [Kind::Completion, Kind::Chat, Kind::Responses, Kind::Generate,
+                             Kind::Embeddings] {
+                    let _ = streamed(&body, kind);
+                    let _ = max_tokens(&body, kind);
+                    prop_assert!(prompts(&body, kind) >= 1);
+                    let _ = prompt_tokens(&body, kind, usize::MAX);
+                }
                 if let Some(n) = lax_count(&v) {
                     prop_assert!(v.is_number() || v.is_string());
                     if let Some(i) = v.as_i64() { prop_assert_eq!(n as i64, i); }
                 }
             }
         }
+
+        /// A batch of texts books each text by its length at the first's tokens per byte:
+        /// texts as long as the first book as many tokens each, a longer text never fewer,
+        /// and the batch never less than its first prompt; SGLang's `text` alike.
+        #[test]
+        fn each_text_of_a_batch_is_booked_by_its_length(
+            texts in proptest::collection::vec("[a-z ]{0,40}", 1..6),
+            first in 0usize..10_000,
+            which in any::<prop::sample::Index>(),
+            more in 1usize..100,
+        ) {
+            for (kind, field) in [(Kind::Completion, "prompt"), (Kind::Generate, "text")] {
+                let booked = |t: &[String]| prompt_tokens(&json!({ field: t }), kind, first);
+                let total = booked(&texts);
+                prop_assert!(total >= first);
+                let same = vec![texts[0].clone(); texts.len()];
+                if !texts[0].is_empty() {
+                    prop_assert_eq!(booked(&same), first * texts.len());
+                }
+                let mut longer = texts.clone();
+                let i = which.index(texts.len());
+                longer[i].push_str(&"x".repeat(more));
+                if i > 0 {
+                    prop_assert!(booked(&longer) >= total, "{:?}", longer);
+                }
+            }
+        }
+    }
+
+    /// A response books its `max_output_tokens`; SGLang's `/generate` its `sampling_params`'
+    /// `max_new_tokens` (128 unnamed) times `n`, for each prompt of a batch; an embedding
+    /// nothing.
+    #[test]
+    fn each_apis_output_is_read_from_its_own_fields() {
+        assert_eq!(
+            max_tokens(&json!({"max_output_tokens": 40}), Kind::Responses),
+            40
+        );
+        assert_eq!(max_tokens(&json!({"max_tokens": 40}), Kind::Responses), 0);
+        let g = Kind::Generate;
+        assert_eq!(max_tokens(&json!({"text": "a"}), g), 128);
+        let p = json!({"text": ["a", "b"], "sampling_params": {"max_new_tokens": 10, "n": 3}});
+        assert_eq!(max_tokens(&p, g), 60);
+        let each = json!({"input_ids": [[1], [2]], "sampling_params": [
+            {"max_new_tokens": 10}, {"max_new_tokens": "5", "n": 2}]});
+        assert_eq!(max_tokens(&each, g), 20);
+        assert_eq!(prompts(&json!({"input_ids": [1, 2, 3]}), g), 1);
+        assert_eq!(
+            prompt_tokens(&json!({"input_ids": [[1, 2], [3, 4, 5]]}), g, 2),
+            5
+        );
+        assert_eq!(
+            prompt_tokens(&json!({"input_ids": null, "text": ["ab", "abcd"]}), g, 1),
+            3
+        );
+        assert_eq!(
+            max_tokens(&json!({"input": "a", "max_tokens": 9}), Kind::Embeddings),
+            0
+        );
     }
 }

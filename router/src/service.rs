@@ -252,9 +252,10 @@ pub fn app(st: AppState) -> axum::Router {
         .route("/health", get(health))
         .route("/readiness", get(crate::readiness::readiness));
     if !st.backends.is_empty() {
+        for (path, _) in crate::request_fields::Kind::PATHS {
+            r = r.route(path, post(proxy::api));
+        }
         r = r
-            .route("/v1/completions", post(proxy::completions))
-            .route("/v1/chat/completions", post(proxy::chat))
             .route("/v1/models", get(proxy::models))
             .route("/tokenize", post(proxy::tokenize))
             .route("/detokenize", post(proxy::tokenize));

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::abuse::{JSON, body, proxy, released};
 use crate::common::*;
+use kvtier_router::launch::Running;
 
 /// A streamed answer whose first event is an error (`data: {"error": ...}` after a 200
 /// head: what vLLM 0.32's completion stream generator yields for a request failing in it)
@@ -76,6 +77,38 @@ async fn stats_around_streams(
     (before, after)
 }
 
+/// Sends the completion `body` to the router, answered (or not) in the background.
+fn in_background(r: &Running, body: serde_json::Value) -> tokio::task::JoinHandle<Option<Got>> {
+    let addr = r.addr;
+    tokio::spawn(async move {
+        let b = body.to_string();
+        http_with(
+            addr,
+            "POST",
+            "/v1/completions",
+            &[JSON],
+            b.as_bytes(),
+            Duration::from_secs(30),
+        )
+        .await
+    })
+}
+
+/// The first instance's queue (`/stats`' `queue_s`) once it is past `above`, or as it is
+/// after 2 s.
+async fn queue_past(r: &Running, above: f64) -> f64 {
+    let mut q = above;
+    for _ in 0..100 {
+        let s = http(r.addr, "GET", "/stats", None).await.json();
+        q = s["instances"][0]["queue_s"].as_f64().unwrap_or(0.0);
+        if q > above {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    q
+}
+
 /// A batch of prompts (`"prompt": [[ids], [ids], ...]`, or a list of texts) runs every
 /// prompt on the instance it is sent to, so its booking holds every prompt's tokens and
 /// output: the instance's queue grows by about the batch's size. Before, the booking held the
@@ -84,48 +117,18 @@ async fn stats_around_streams(
 async fn a_batch_of_prompts_is_booked_whole() {
     let up = Fake::start(|_| Reply::Hang, None).await;
     let r = proxy(vec![up.url()]).await;
-    let queue = || async {
-        http(r.addr, "GET", "/stats", None).await.json()["instances"][0]["queue_s"]
-            .as_f64()
-            .unwrap_or(0.0)
-    };
-    let send = |b: String| {
-        let addr = r.addr;
-        tokio::spawn(async move {
-            http_with(
-                addr,
-                "POST",
-                "/v1/completions",
-                &[JSON],
-                b.as_bytes(),
-                Duration::from_secs(30),
-            )
-            .await
-        })
-    };
-    let one = send(
-        serde_json::json!({"model": "m", "prompt": tokens(1, 8), "max_tokens": 1}).to_string(),
+    let one = in_background(
+        &r,
+        serde_json::json!({"model": "m", "prompt": tokens(1, 8), "max_tokens": 1}),
     );
-    let mut q1 = 0.0;
-    for _ in 0..100 {
-        q1 = queue().await;
-        if q1 > 0.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let q1 = queue_past(&r, 0.0).await;
     assert!(q1 > 0.0, "the single prompt is queued");
     let batch: Vec<Vec<u32>> = (10..26).map(|s| tokens(s, 8)).collect();
-    let many =
-        send(serde_json::json!({"model": "m", "prompt": batch, "max_tokens": 1}).to_string());
-    let mut q2 = q1;
-    for _ in 0..100 {
-        q2 = queue().await;
-        if q2 > q1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let many = in_background(
+        &r,
+        serde_json::json!({"model": "m", "prompt": batch, "max_tokens": 1}),
+    );
+    let q2 = queue_past(&r, q1).await;
     assert!(
         q2 - q1 > 8.0 * q1,
         "a batch of 16 prompts queued as {:.4} s, one prompt {q1:.4} s",
@@ -150,5 +153,29 @@ async fn whole_float_token_ids_route_by_the_cache() {
     assert_eq!(got.status, 200, "{got:?}");
     let stats = http(r.addr, "GET", "/stats", None).await.json();
     assert_eq!(stats["routed_load_only"], 0, "{stats}");
+    r.stop().await;
+}
+
+/// A batch of texts (`"prompt": ["short", <100K characters>]`) runs each text, so its
+/// booking holds each text's tokens: the first's as the instance's `/tokenize` counted them,
+/// every other's estimated from its length at the first's tokens per byte. Before, every
+/// text was booked as long as the first, and a batch holding one long document beside a
+/// short prompt was queued as two short prompts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_texts_books_each_text_by_its_length() {
+    let up = tokenizing(Reply::Hang).await;
+    let r = proxy(vec![up.url()]).await;
+    let long = "word ".repeat(18_000); // 90,000 bytes: 50,000 tokens at the first's 5 per 9 bytes
+    let sent = in_background(
+        &r,
+        serde_json::json!({"model": "m", "prompt": ["a b c d e", long], "max_tokens": 1}),
+    );
+    let queue = queue_past(&r, 0.0).await;
+    // 50,005 prompt tokens at 10,000 a second
+    assert!(
+        queue > 4.0,
+        "the batch queued as {queue:.4} s: booked as two short prompts"
+    );
+    sent.abort();
     r.stop().await;
 }

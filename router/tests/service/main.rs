@@ -10,6 +10,7 @@
 //! - [`upstream_errors`]: instances that answer errors, or cannot be sent to;
 //! - [`forwarding`]: what of a client's request reaches the instance;
 //! - [`faults`]: instances that hang, cannot be reached or close idle connections;
+//! - [`apis`]: `/v1/embeddings`, `/v1/responses` and SGLang's `/generate` through the proxy;
 //! - [`abuse`]: clients that go away, every request shape, odd HTTP, clients that stall;
 //! - [`endpoints`]: `/v1/models`, `/tokenize`, `/readiness`, `/metrics`;
 //! - [`learnt`]: error events, batches of prompts and float token ids, as booked and learnt;
@@ -17,6 +18,7 @@
 //!   clients and instances do.
 
 mod abuse;
+mod apis;
 mod bookings;
 mod common;
 mod docs;

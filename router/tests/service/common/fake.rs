@@ -258,6 +258,22 @@ impl Drop for Hole {
     }
 }
 
+/// An instance whose `/tokenize` counts 5 tokens for anything and that answers every other
+/// request with `reply`.
+pub async fn tokenizing(reply: Reply) -> Fake {
+    Fake::start(
+        move |s| {
+            if s.target.starts_with("/tokenize") {
+                Reply::Json(200, r#"{"tokens":[1,2,3,4,5],"count":5}"#.into())
+            } else {
+                reply.clone()
+            }
+        },
+        None,
+    )
+    .await
+}
+
 /// An instance that answers everything: SSE for a streamed request, JSON otherwise, its
 /// `/tokenize` 5 tokens and its `/v1/models` one model.
 pub async fn healthy() -> Fake {

@@ -1,0 +1,191 @@
+//! The APIs beside completions and chats that a fleet's clients call through the router:
+//! OpenAI's `/v1/embeddings` (routed by load: an embedding reuses no KV) and `/v1/responses`
+//! (routed by the cache of its `instructions` and `input`, its stream's first token told from
+//! the events that come before it), and SGLang's native `/generate` (`text` or `input_ids`,
+//! one prompt or a batch).
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::abuse::{JSON, proxy, released};
+use crate::common::*;
+
+const WAIT: Duration = Duration::from_secs(6);
+
+async fn post(r: &kvtier_router::launch::Running, path: &str, body: &Value) -> Got {
+    http_with(
+        r.addr,
+        "POST",
+        path,
+        &[JSON],
+        body.to_string().as_bytes(),
+        WAIT,
+    )
+    .await
+    .expect("answered")
+}
+
+async fn stats(r: &kvtier_router::launch::Running) -> Value {
+    http(r.addr, "GET", "/stats", None).await.json()
+}
+
+/// The body of the latest request `up` received on `path`, as JSON.
+fn last_body(up: &Fake, path: &str) -> Value {
+    let seen = up.seen();
+    let s = seen
+        .iter()
+        .rev()
+        .find(|s| s.target.split('?').next() == Some(path))
+        .unwrap_or_else(|| panic!("nothing reached {path}: {seen:?}"));
+    serde_json::from_slice(&s.body).expect("JSON body")
+}
+
+/// `/v1/embeddings` reaches an instance as sent and its answer comes back; it reuses no KV,
+/// so it is routed by load alone and no prompt is tokenized for it. Before, the router
+/// answered 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_reach_an_instance_routed_by_load() {
+    let up = healthy().await;
+    let r = proxy(vec![up.url()]).await;
+    let b = json!({"model": "m", "input": ["a long text", "another"]});
+    let got = post(&r, "/v1/embeddings", &b).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    assert_eq!(got.header("x-kvtier-instance"), Some("0"), "{got:?}");
+    assert_eq!(last_body(&up, "/v1/embeddings"), b);
+    assert_eq!(up.count("/tokenize"), 0, "nothing to route by the cache");
+    assert_eq!(stats(&r).await["routed_load_only"], 1);
+    released(&r, "embedding released").await;
+    r.stop().await;
+}
+
+/// `/v1/responses` (OpenAI's Responses API, which vLLM 0.34 and SGLang serve) is routed by
+/// the cache of the prompt the engine builds from it: `instructions` as the system message,
+/// then `input` (a text as the user's message, or the list of message items as they are);
+/// the instance's `/tokenize` is asked for those messages' tokens. Before, the router
+/// answered 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_are_routed_by_the_cache_of_instructions_and_input() {
+    let up = healthy().await;
+    let r = proxy(vec![up.url()]).await;
+    let items = json!([
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "message", "role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"},
+        {"type": "function_call_output", "call_id": "c", "output": "42"},
+    ]);
+    for (input, messages) in [
+        (
+            json!("hi"),
+            json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]),
+        ),
+        (
+            items.clone(),
+            // the message items (an assistant's as its text, as vLLM builds it), up to the
+            // first that is not a message: a sure prefix of the prompt
+            json!([{"role": "system", "content": "Be brief."}, items[0],
+                   {"role": "assistant", "content": "hello"}, items[2]]),
+        ),
+    ] {
+        let b = json!({"model": "m", "instructions": "Be brief.", "input": input,
+                       "max_output_tokens": 20});
+        let got = post(&r, "/v1/responses", &b).await;
+        assert_eq!(got.status, 200, "{got:?}");
+        assert_eq!(last_body(&up, "/v1/responses"), b, "sent as it came");
+        let asked = last_body(&up, "/tokenize");
+        assert_eq!(asked["messages"], messages, "{asked}");
+        assert_eq!(asked["add_generation_prompt"], true, "{asked}");
+    }
+    let s = stats(&r).await;
+    assert_eq!(s["routed_load_only"], 0, "{s}");
+    released(&r, "responses released").await;
+    r.stop().await;
+}
+
+/// A streamed response's events begin with `response.created` and `response.in_progress`,
+/// which vLLM (`serving.py`'s `responses_stream_generator`) and SGLang send before the engine
+/// runs the prompt: they are not its first token. A stream that then fails
+/// (`response.failed`, or an `error` event) is no first token and no decode, as a
+/// completion's error event is. Before (with the route), the `response.created` chunk was
+/// learnt as the first token and the failure's end as a decode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_streams_preamble_is_not_its_first_token() {
+    let created = r#"{"type":"response.created","sequence_number":0,"response":{"id":"resp_1","status":"in_progress","output":[]}}"#;
+    let progress = r#"{"type":"response.in_progress","sequence_number":1,"response":{"id":"resp_1","status":"in_progress","output":[]}}"#;
+    for end in [
+        r#"event: response.failed
+data: {"type":"response.failed","sequence_number":2,"response":{"id":"resp_1","status":"failed","error":{"code":"server_error","message":"boom"}}}
+
+"#,
+        r#"event: error
+data: {"type":"error","sequence_number":2,"code":"server_error","message":"boom"}
+
+"#,
+    ] {
+        let events = vec![
+            format!("event: response.created\ndata: {created}\n\n"),
+            format!("event: response.in_progress\ndata: {progress}\n\n"),
+            end.to_string(),
+        ];
+        let up = tokenizing(Reply::Sse(events)).await;
+        let r = proxy(vec![up.url()]).await;
+        let before = stats(&r).await;
+        for i in 0..4 {
+            let b = json!({"model": "m", "input": format!("question {i}"), "stream": true,
+                           "max_output_tokens": 50});
+            let got = post(&r, "/v1/responses", &b).await;
+            assert_eq!(got.status, 200, "{got:?}");
+            assert!(String::from_utf8_lossy(&got.body()).contains("boom"));
+        }
+        released(&r, "released").await;
+        let after = stats(&r).await;
+        for k in ["late_s", "decode_step_s"] {
+            assert_eq!(
+                after["instances"][0][k], before["instances"][0][k],
+                "{k} learnt from a failed response's preamble: {after}"
+            );
+        }
+        r.stop().await;
+    }
+}
+
+/// SGLang's native `/generate` is forwarded as sent and routed by the cache: `input_ids` as
+/// they are (no `/tokenize`), `text` tokenized by an instance, the first prompt of a batch
+/// routing it. Before, the router answered 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_generate_is_routed_by_the_cache() {
+    let up = healthy().await;
+    let r = proxy(vec![up.url()]).await;
+    let ids = tokens(4, 2);
+    for (b, tokenized) in [
+        (
+            json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 8}}),
+            None,
+        ),
+        (
+            json!({"input_ids": [ids, tokens(5, 1)], "sampling_params": {"max_new_tokens": 8}}),
+            None,
+        ),
+        (
+            json!({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8}}),
+            Some("The capital of France is"),
+        ),
+        (
+            json!({"text": ["first prompt", "second"], "stream": true}),
+            Some("first prompt"),
+        ),
+    ] {
+        let asked = up.count("/tokenize");
+        let got = post(&r, "/generate", &b).await;
+        assert_eq!(got.status, 200, "{b}: {got:?}");
+        assert_eq!(last_body(&up, "/generate"), b, "sent as it came");
+        match tokenized {
+            None => assert_eq!(up.count("/tokenize"), asked, "{b}: ids need no /tokenize"),
+            Some(t) => assert_eq!(last_body(&up, "/tokenize")["prompt"], t, "{b}"),
+        }
+    }
+    let s = stats(&r).await;
+    assert_eq!(s["routed_load_only"], 0, "{s}");
+    released(&r, "generate released").await;
+    r.stop().await;
+}
