@@ -61,7 +61,11 @@ def test_a_memory_bound_router_serves_concurrent_requests_and_closes_every_booki
     e2e_vllm.check_memory_bound(router_bin, vllm)
 
 
+def test_a_streamed_response_is_routed_by_the_cache_of_the_chat_vllm_runs(router_bin, vllm):
+    e2e_vllm.check_responses(router_bin, vllm)
+
+
 def test_the_checks_are_all_here():
     assert [c.__name__ for c in e2e_vllm.CHECKS] == [
         "check_streamed_completion", "check_chat", "check_rebuild_from_replay", "check_dead_instance",
-        "check_store_pages", "check_memory_bound"]
+        "check_store_pages", "check_memory_bound", "check_responses"]
