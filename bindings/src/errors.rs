@@ -12,7 +12,8 @@
 //! │                     UnknownOpError, DuplicateCompletionError, WrongCompletionKindError,
 //! │                     BadCompletionError, UnknownStepError, NotInStepError,
 //! │                     RowCountMismatchError, CompletionOutOfOrderError, IllegalEventError,
-//! │                     CacheError, OffloadManagerError, LossNeedsAgreementError
+//! │                     CacheError, OffloadManagerError, LossNeedsAgreementError,
+//!                     FoundNeedsAgreementError
 //! ├── EventsError: the KV event publisher could not bind, encode or send
 //! └── L3Error ── ObjectNotFoundError, ObjectAlreadyExistsError, ... (each with a class
 //!                attribute `code`: Mooncake's integer error code, e.g. -704)
@@ -47,7 +48,7 @@ pub mod base {
         kvtier,
         AgreementError,
         PyValueError,
-        "RankAgreement refused a call; nothing changed: a forward result, an op recorded twice, a completion of another kind than its op's or a count above what the op asked for, a checked push for an op not in flight, a reduced vector of the wrong length or that is not the minimum over ranks, loss words that are malformed, leave out this rank's own or come from another number of ranks than tp_ranks."
+        "RankAgreement refused a call; nothing changed: a forward result, an op recorded twice, a completion of another kind than its op's or a count above what the op asked for, a checked push for an op not in flight, a reduced vector of the wrong length or that is not the minimum over ranks, loss or found words that are malformed, leave out this rank's own or come from another number of ranks than tp_ranks."
     );
     pyo3::create_exception!(
         kvtier,
@@ -100,6 +101,7 @@ sched_errors! {
     IllegalEventError: "The event is illegal in the request's current state.",
     CacheError: "The prefix cache rejected the operation.",
     OffloadManagerError: "OffloadManager refused a call (unknown job, a range off the chain, pages not on host) or failed its consistency check; nothing changed.",
+    FoundNeedsAgreementError: "A direct L3 find (OffloadManager.l3_found) on a manager of several tensor-parallel ranks (tp_ranks > 1): record each rank's finds with RankAgreement.found_pages and mark the pages every rank found with RankAgreement.agree_found (or OffloadManager.agree_found in one process); nothing changed.",
     LossNeedsAgreementError: "A direct L3 loss report (Scheduler.l3_lost / l3_lost_all, OffloadManager.l3_lost / l3_lost_all) on one rank of several (tp_ranks > 1): record it with RankAgreement.lost / lost_pages / lost_all and apply it with RankAgreement.agree_losses; nothing changed.",
 }
 

@@ -13,7 +13,9 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use kvtier_radix::{EvictionPolicy, KvEvent, PageHash, TenantId, TierKind};
 use kvtier_scheduler::{JobOutcome, L3Backups, Lookup, OffloadError, OffloadManager, StorePlan};
 
-use crate::errors::{LossNeedsAgreementError, OffloadManagerError, config_msg};
+use crate::errors::{
+    FoundNeedsAgreementError, LossNeedsAgreementError, OffloadManagerError, config_msg,
+};
 
 fn chain_of(chain: &Bound<'_, PyAny>) -> PyResult<Vec<PageHash>> {
     let mut out = Vec::with_capacity(chain.len().unwrap_or(0));
@@ -98,6 +100,9 @@ fn outcome_of(outcome: &str) -> PyResult<JobOutcome> {
 fn err(e: OffloadError) -> PyErr {
     match e {
         OffloadError::LossNeedsAgreement { .. } => LossNeedsAgreementError::new_err(e.to_string()),
+        OffloadError::FoundNeedsAgreement { .. } => {
+            FoundNeedsAgreementError::new_err(e.to_string())
+        }
         _ => OffloadManagerError::new_err(e.to_string()),
     }
 }
@@ -238,10 +243,31 @@ impl PyOffloadManager {
         self.inner_mut().complete_backup(job, o).map_err(err)
     }
 
-    /// The engine's L3 probe found these pages.
+    /// The engine's probe found these pages. Raises ``FoundNeedsAgreementError`` (nothing
+    /// changed) when the manager plans for several ranks: one rank's probe found its shard;
+    /// ``RankAgreement.found_pages`` then ``RankAgreement.agree_found`` (ranks in processes
+    /// of their own) or ``agree_found`` (ranks in this process) mark the pages every rank
+    /// found.
     fn l3_found(&mut self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner_mut().l3_found(&chain_of(pages)?);
-        Ok(())
+        let c = chain_of(pages)?;
+        let tp_ranks = self.inner().tp_ranks();
+        if tp_ranks > 1 {
+            // Refused before `inner_mut`: the manager, and its generation, unchanged.
+            return Err(err(OffloadError::FoundNeedsAgreement { tp_ranks }));
+        }
+        self.inner_mut().l3_found(&c).map_err(err)
+    }
+
+    /// Agrees the L3 finds of tensor-parallel ranks whose ``RankAgreement``s are in this
+    /// process (one per rank, each holding what that rank's probe found, ``found_pages``):
+    /// marks the pages every rank found and consumes every rank's finds. Returns the marks
+    /// added. ``AgreementError`` (nothing changed) unless there is one agreement per rank the
+    /// manager plans for (``tp_ranks``), each a different object.
+    fn agree_found(
+        &mut self,
+        ranks: Vec<Bound<'_, crate::tp::PyRankAgreement>>,
+    ) -> PyResult<usize> {
+        crate::tp::with_ranks(&ranks, |r| self.inner_mut().agree_found_in_process(r))
     }
 
     /// L3 lost these pages. Raises ``LossNeedsAgreementError`` (nothing changed) when the
@@ -336,26 +362,7 @@ impl PyOffloadManager {
     /// agreement per rank the manager plans for (``tp_ranks``), each a different object, or
     /// when a rank recorded a completion of another kind than its job's.
     fn agree(&mut self, ranks: Vec<Bound<'_, crate::tp::PyRankAgreement>>) -> PyResult<usize> {
-        for (j, r) in ranks.iter().enumerate() {
-            if let Some(i) = ranks[..j].iter().position(|q| q.is(r)) {
-                return Err(crate::errors::base::AgreementError::new_err(format!(
-                    "ranks {i} and {j} passed the same RankAgreement: a rank's agreement was passed twice (one agreement per rank); nothing changed"
-                )));
-            }
-        }
-        let mut held = Vec::with_capacity(ranks.len());
-        for r in &ranks {
-            held.push(r.try_borrow_mut()?);
-        }
-        let mut taken: Vec<_> = held
-            .iter_mut()
-            .map(|r| std::mem::take(&mut r.inner))
-            .collect();
-        let out = self.inner_mut().agree_in_process(&mut taken);
-        for (r, a) in held.iter_mut().zip(taken) {
-            r.inner = a;
-        }
-        out.map_err(crate::tp::agree_err)
+        crate::tp::with_ranks(&ranks, |r| self.inner_mut().agree_in_process(r))
     }
 
     /// Applies one agreed event (`PrefetchDone` or `BackUpDone`) of `RankAgreement.reduce`.

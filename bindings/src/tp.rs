@@ -29,6 +29,45 @@ pub(crate) fn agree_err(e: AgreementError) -> PyErr {
     crate::errors::base::AgreementError::new_err(e.to_string())
 }
 
+/// Runs `f` over the ranks' agreements (in one process), given back to their Python objects
+/// after: ``AgreementError`` if one is passed twice, nothing run.
+pub(crate) fn with_ranks<R>(
+    ranks: &[Bound<'_, PyRankAgreement>],
+    f: impl FnOnce(&mut [RankAgreement]) -> Result<R, AgreementError>,
+) -> PyResult<R> {
+    for (j, r) in ranks.iter().enumerate() {
+        if let Some(i) = ranks[..j].iter().position(|q| q.is(r)) {
+            return Err(crate::errors::base::AgreementError::new_err(format!(
+                "ranks {i} and {j} passed the same RankAgreement: a rank's agreement was passed twice (one agreement per rank); nothing changed"
+            )));
+        }
+    }
+    let mut held = Vec::with_capacity(ranks.len());
+    for r in ranks {
+        held.push(r.try_borrow_mut()?);
+    }
+    let mut taken: Vec<_> = held
+        .iter_mut()
+        .map(|r| std::mem::take(&mut r.inner))
+        .collect();
+    let out = f(&mut taken);
+    for (r, a) in held.iter_mut().zip(taken) {
+        r.inner = a;
+    }
+    out.map_err(agree_err)
+}
+
+/// This rank's `words`, all-gathered by the caller's `all_gather` (the agreement is not
+/// held while it runs: an in-process stand-in may read every rank's words).
+fn gather(
+    slf: &Bound<'_, PyRankAgreement>,
+    words: impl FnOnce(&mut RankAgreement) -> Vec<u64>,
+    all_gather: &Bound<'_, PyAny>,
+) -> PyResult<Vec<Vec<u64>>> {
+    let w = words(&mut slf.try_borrow_mut()?.inner);
+    gathered_words(&all_gather.call1((words_to_py(slf.py(), w),))?)
+}
+
 /// One rank's completions, reduced with the other ranks' once per step.
 #[pyclass(module = "kvtier", name = "RankAgreement")]
 #[derive(Default)]
@@ -210,17 +249,47 @@ impl PyRankAgreement {
     /// `OffloadManager` (whose engine keys are not the scheduler's); agreed by
     /// ``agree_losses``. Returns how many were new.
     fn lost_pages(&mut self, pages: Vec<Vec<u8>>) -> PyResult<usize> {
-        let mut hs = Vec::with_capacity(pages.len());
-        for b in pages {
-            let h: [u8; 32] = b.as_slice().try_into().map_err(|_| {
-                pyo3::exceptions::PyValueError::new_err(format!(
-                    "a page hash is 32 bytes, got {}",
-                    b.len()
-                ))
-            })?;
-            hs.push(kvtier_radix::PageHash(h));
-        }
-        Ok(self.inner.lost_pages(&hs))
+        Ok(self.inner.lost_pages(&page_hashes(pages)?))
+    }
+
+    /// Records page hashes (32 bytes each) this rank's L3 probe found (its shard of each is
+    /// in its store), for an ``OffloadManager`` of several ranks (whose ``l3_found`` raises
+    /// ``FoundNeedsAgreementError``); agreed by ``agree_found``, which marks only the pages
+    /// every rank found. Returns how many were new. A hash of another size is a
+    /// ``ValueError``, nothing recorded.
+    fn found_pages(&mut self, pages: Vec<Vec<u8>>) -> PyResult<usize> {
+        Ok(self.inner.found_pages(&page_hashes(pages)?))
+    }
+
+    /// Finds recorded and not yet agreed.
+    fn pending_found(&self) -> usize {
+        self.inner.pending_found()
+    }
+
+    /// This rank's found words (int64; as ``loss_words``, under another tag): what
+    /// ``agree_found`` all-gathers. The next agreement checks and consumes exactly these.
+    fn found_words<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        words_to_py(py, self.inner.found_words())
+    }
+
+    /// Agrees L3 finds across ranks: calls ``all_gather(words)`` with this rank's int64 found
+    /// words, which must return every rank's (this rank's included; zero padding allowed),
+    /// and marks in ``manager`` (an ``OffloadManager``) the pages every rank found: of runs
+    /// probed from the same page, the shortest. Collective: every rank calls it at the same
+    /// point, found or not. Raises ``AgreementError`` (nothing changed) on malformed words,
+    /// when this rank's own are missing, or when they are not ``tp_ranks`` ranks' words.
+    /// Returns the marks added.
+    fn agree_found(
+        slf: &Bound<'_, Self>,
+        manager: &Bound<'_, PyOffloadManager>,
+        all_gather: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let gathered = gather(slf, RankAgreement::found_words, all_gather)?;
+        let mut me = slf.try_borrow_mut()?;
+        let mut m = manager.try_borrow_mut()?;
+        me.inner
+            .apply_found(m.inner_mut(), &gathered)
+            .map_err(agree_err)
     }
 
     /// This rank's loss journal overflowed: at the next agreement every rank clears every L3
@@ -250,26 +319,43 @@ impl PyRankAgreement {
     /// number of tree nodes whose L3 mark was cleared.
     fn agree_losses(
         slf: &Bound<'_, Self>,
-        py: Python<'_>,
         scheduler: &Bound<'_, PyAny>,
         all_gather: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        // Not held while `all_gather` runs: an in-process stand-in may read every rank's words.
-        let words = slf.try_borrow_mut()?.loss_words(py);
-        let ret = all_gather.call1((words,))?;
-        let type_err = || {
-            pyo3::exceptions::PyTypeError::new_err(
-                "all_gather must return a list of int64 arrays, one per rank",
-            )
-        };
-        let mut gathered: Vec<Vec<u64>> = Vec::new();
-        for item in ret.try_iter().map_err(|_| type_err())? {
-            let a: PyReadonlyArray1<'_, i64> = item?.extract().map_err(|_| type_err())?;
-            gathered.push(a.as_slice()?.iter().map(|&x| x as u64).collect());
-        }
+        let gathered = gather(slf, RankAgreement::loss_words, all_gather)?;
         let mut me = slf.try_borrow_mut()?;
         with_agreed(scheduler, |s| me.inner.apply_losses(s, &gathered))?.map_err(agree_err)
     }
+}
+
+/// The int64 arrays an ``all_gather`` returned, as words.
+fn gathered_words(ret: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u64>>> {
+    let type_err = || {
+        pyo3::exceptions::PyTypeError::new_err(
+            "all_gather must return a list of int64 arrays, one per rank",
+        )
+    };
+    let mut gathered: Vec<Vec<u64>> = Vec::new();
+    for item in ret.try_iter().map_err(|_| type_err())? {
+        let a: PyReadonlyArray1<'_, i64> = item?.extract().map_err(|_| type_err())?;
+        gathered.push(a.as_slice()?.iter().map(|&x| x as u64).collect());
+    }
+    Ok(gathered)
+}
+
+/// Page hashes (32 bytes each) from Python bytes.
+fn page_hashes(pages: Vec<Vec<u8>>) -> PyResult<Vec<kvtier_radix::PageHash>> {
+    let mut hs = Vec::with_capacity(pages.len());
+    for b in pages {
+        let h: [u8; 32] = b.as_slice().try_into().map_err(|_| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "a page hash is 32 bytes, got {}",
+                b.len()
+            ))
+        })?;
+        hs.push(kvtier_radix::PageHash(h));
+    }
+    Ok(hs)
 }
 
 /// u64 words as the int64 array collectives exchange (bit patterns kept).

@@ -51,6 +51,15 @@ def small_config(**over):
     return kvtier.SchedulerConfig(**base)
 
 
+def found_by_every_rank(m, pages) -> None:
+    """Every rank of OffloadManager ``m`` found ``pages`` in L3, agreed in this process (a
+    manager of several ranks refuses a direct ``l3_found``)."""
+    ranks = [kvtier.RankAgreement() for _ in range(m.tp_ranks)]
+    for r in ranks:
+        r.found_pages(pages)
+    m.agree_found(ranks)
+
+
 def prompt(seed: int, n: int) -> np.ndarray:
     return (np.arange(n, dtype=np.uint32) + seed * 1000).astype(np.uint32)
 

@@ -10,6 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvtier
+from conftest import found_by_every_rank
 
 
 def chain(tag: str, n: int):
@@ -101,7 +102,7 @@ def test_tensor_parallel_ranks_agree_prefetches_and_losses():
     a loss one rank reports is forgotten for both (scheduler/tests/offload_agreement.rs)."""
     m = kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2)
     a = chain("tp", 3)
-    m.l3_found(a)
+    found_by_every_rank(m, a)
     job, first, slots, _ = m.prepare_prefetch(a, 1)  # the whole run known in L3
     assert (first, len(slots)) == (0, 3) and m.lookup(a, 2) == "pending"
     ranks = [kvtier.RankAgreement(), kvtier.RankAgreement()]
@@ -112,7 +113,7 @@ def test_tensor_parallel_ranks_agree_prefetches_and_losses():
     assert [m.lookup(a, i) for i in range(3)] == ["hit", "hit", "miss"]
     m.check()
     b = chain("tp-b", 2)
-    m.l3_found(b)
+    found_by_every_rank(m, b)
     assert ranks[1].lost_pages(b[1:]) == 1
     gathered = [r.loss_words() for r in ranks]
     for r in ranks:
@@ -181,7 +182,7 @@ def test_a_manager_of_several_ranks_refuses_direct_losses():
     ranks (``AgreementError``); nothing changes. One rank keeps the direct calls."""
     m = kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2)
     a = chain("tp-lost", 2)
-    m.l3_found(a)
+    found_by_every_rank(m, a)
     with pytest.raises(kvtier.LossNeedsAgreementError, match="lost_pages.*agree_losses"):
         m.l3_lost(a[1:])
     with pytest.raises(kvtier.LossNeedsAgreementError):
@@ -203,6 +204,61 @@ def test_a_manager_of_several_ranks_refuses_direct_losses():
     one.l3_found(a)
     one.l3_lost(a[1:])
     assert one.lookup(a, 1) == "miss"
+
+
+def test_one_ranks_find_alone_is_refused_and_the_ranks_agree_the_shortest_run():
+    """One manager per TP rank (SGLang's layout): a find one rank's probe made, told to that
+    rank alone, made its lookups differ from the other rank's (['in-l3'] * 3 against
+    ['miss'] * 3: different prefetches, different prefix lengths). Now refused
+    (``FoundNeedsAgreementError``, nothing changed); the ranks agree their finds with
+    ``RankAgreement.found_pages`` / ``agree_found`` and mark only what every rank found."""
+    ms = [kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2) for _ in range(2)]
+    a = chain("tp-found", 3)
+    with pytest.raises(kvtier.FoundNeedsAgreementError, match="found_pages.*agree_found"):
+        ms[0].l3_found(a)
+    assert issubclass(kvtier.FoundNeedsAgreementError, kvtier.SchedulerError)
+    assert [ms[0].lookup(a, i) for i in range(3)] == [ms[1].lookup(a, i) for i in range(3)] == ["miss"] * 3
+    ranks = [kvtier.RankAgreement(), kvtier.RankAgreement()]
+    assert ranks[0].found_pages(a) == 3 and ranks[1].found_pages(a[:1]) == 1
+    gathered = [r.found_words() for r in ranks]
+    for m, r in zip(ms, ranks):
+        assert r.agree_found(m, lambda _w: gathered) == 1
+        assert r.pending_found() == 0
+        m.check()
+    for m in ms:
+        assert [m.lookup(a, i) for i in range(3)] == ["in-l3", "miss", "miss"]
+    with pytest.raises(kvtier.AgreementError, match="tp_ranks"):
+        ranks[0].agree_found(ms[0], lambda w: [w])
+    with pytest.raises(kvtier.AgreementError, match="own words"):
+        ranks[0].found_pages(a)
+        ranks[0].agree_found(ms[0], lambda _w: [kvtier.RankAgreement().found_words()] * 2)
+    with pytest.raises(ValueError):
+        ranks[0].found_pages([b"short"])
+    assert ranks[0].pending_found() == 3 and ms[0].lookup(a, 1) == "miss"
+    with pytest.raises(kvtier.AgreementError, match="twice"):
+        ms[0].agree_found([ranks[0], ranks[0]])
+    ranks[1].found_pages(a[:2])
+    assert ms[0].agree_found(ranks) == 1  # one manager over both ranks (vLLM's layout)
+    assert [ms[0].lookup(a, i) for i in range(3)] == ["in-l3", "in-l3", "miss"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=4, max_size=4), min_size=1, max_size=4))
+def test_after_the_find_agreement_every_rank_answers_alike(finds):
+    """Whatever each rank's probe finds (its leading run of the chain), after the agreement
+    every rank's manager answers every lookup alike: the shortest run is in L3."""
+    n = len(finds)
+    a = chain("tp-any", 4)
+    ms = [kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=n) for _ in range(n)]
+    ranks = [kvtier.RankAgreement() for _ in range(n)]
+    runs = [next((i for i, x in enumerate(f) if not x), len(f)) for f in finds]
+    for r, run in zip(ranks, runs):
+        r.found_pages(a[:run])
+    gathered = [r.found_words() for r in ranks]
+    for m, r in zip(ms, ranks):
+        r.agree_found(m, lambda _w: gathered)
+    answers = {tuple(m.lookup(a, i) for i in range(4)) for m in ms}
+    assert answers == {tuple(["in-l3"] * min(runs) + ["miss"] * (4 - min(runs)))}
 
 
 def test_agreement_bad_input_is_a_typed_error_that_changes_nothing():
@@ -387,7 +443,7 @@ def test_a_prefetch_is_completed_with_at_most_its_pages_and_only_as_a_prefetch()
     m.complete_prefetch(job, 3)
     assert m.host_prefix(a) == 3
     m2 = kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2)
-    m2.l3_found(a)
+    found_by_every_rank(m2, a)
     j2, *_ = m2.prepare_prefetch(a, 3)
     with pytest.raises(kvtier.AgreementError, match="at most 3"):
         kvtier.RankAgreement().push(kvtier.PrefetchDone(j2, 1000), m2)

@@ -38,6 +38,10 @@ def _rank(rank, port, addr, agree, out):
             def _all_min(self, v):  # each rank keeps its own outcome: no agreement
                 pass
 
+            def _agree_found(self, pages):  # each rank marks what its own probe found
+                self._agreement.found_pages(pages)
+                self._agreement.agree_found(self.manager, lambda w: [w, w])
+
         def cache(params, cls=kr.KvtierRadixCache):
             return cls(params, conf, model="tp-model", tp_rank=rank, tp_size=2, tp_group=group)
 

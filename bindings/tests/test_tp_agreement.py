@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import kvtier
 
-from conftest import prompt, run_ranks, small_config
+from conftest import found_by_every_rank, prompt, run_ranks, small_config
 
 
 def _ranks(**over):
@@ -466,7 +466,7 @@ def test_the_same_ranks_agreement_twice_is_refused():
     module's ``AgreementError`` saying so, and nothing changes."""
     m = kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2)
     a = [hashlib.sha256(b"x%d" % i).digest() for i in range(3)]
-    m.l3_found(a)
+    found_by_every_rank(m, a)
     job, _, _, _ = m.prepare_prefetch(a, 1)
     r, other = kvtier.RankAgreement(), kvtier.RankAgreement()
     r.push(kvtier.PrefetchDone(job, 3))
@@ -636,7 +636,7 @@ def test_a_loss_recorded_while_the_words_are_gathered_waits_for_the_next_round()
     what is checked and consumed; the late loss is agreed at the next round."""
     m = kvtier.OffloadManager(8, "lru", "write-through", tp_ranks=2)
     a = [hashlib.sha256(b"y%d" % i).digest() for i in range(3)]
-    m.l3_found(a)
+    found_by_every_rank(m, a)
     r0, r1 = kvtier.RankAgreement(), kvtier.RankAgreement()
     r0.lost_pages(a[2:])
 

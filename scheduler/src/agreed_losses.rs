@@ -67,17 +67,22 @@ fn words_page(w: &[u64]) -> PageHash {
     PageHash(h)
 }
 
-/// Decodes one rank's words (zero padding after them is allowed: `all_gather` collectives
-/// need equal sizes).
-fn decode(rank: usize, w: &[u64]) -> Result<Losses, AgreementError> {
-    let bad = |why: &'static str| AgreementError::BadLossWords { rank, why };
-    if w.len() < HEADER || w[0] != LOSS_WORDS_TAG {
-        return Err(bad("does not start with the loss-words tag"));
+/// One rank's words: `tag`, a flag (0 or 1), the number of pages, four words per page (the
+/// format of loss words and of found words, `agreed_finds.rs`). Returns the flag and the
+/// pages; zero padding after them is allowed (`all_gather` collectives need equal sizes).
+/// What is wrong is `bad(why)`.
+pub(crate) fn decode_words(
+    w: &[u64],
+    tag: u64,
+    bad: impl Fn(&'static str) -> AgreementError,
+) -> Result<(bool, BTreeSet<PageHash>), AgreementError> {
+    if w.len() < HEADER || w[0] != tag {
+        return Err(bad("does not start with the words' tag"));
     }
-    let all = match w[1] {
+    let flag = match w[1] {
         0 => false,
         1 => true,
-        _ => return Err(bad("the overflow flag is neither 0 nor 1")),
+        _ => return Err(bad("the flag word is neither 0 nor 1")),
     };
     let n = usize::try_from(w[2]).map_err(|_| bad("page count out of range"))?;
     let end = n
@@ -88,7 +93,28 @@ fn decode(rank: usize, w: &[u64]) -> Result<Losses, AgreementError> {
     if w[end..].iter().any(|&x| x != 0) {
         return Err(bad("padding after the pages is not zero"));
     }
-    let pages = w[HEADER..end].chunks_exact(4).map(words_page).collect();
+    Ok((
+        flag,
+        w[HEADER..end].chunks_exact(4).map(words_page).collect(),
+    ))
+}
+
+/// `tag`, `flag`, the number of pages, then four big-endian words of each page hash.
+pub(crate) fn encode_words(tag: u64, flag: bool, pages: &BTreeSet<PageHash>) -> Vec<u64> {
+    let mut w = Vec::with_capacity(HEADER + 4 * pages.len());
+    w.extend([tag, flag as u64, pages.len() as u64]);
+    for h in pages {
+        w.extend(page_words(h));
+    }
+    w
+}
+
+/// Decodes one rank's loss words.
+fn decode(rank: usize, w: &[u64]) -> Result<Losses, AgreementError> {
+    let (all, pages) = decode_words(w, LOSS_WORDS_TAG, |why| AgreementError::BadLossWords {
+        rank,
+        why,
+    })?;
     Ok(Losses { all, pages })
 }
 
@@ -132,11 +158,7 @@ impl RankAgreement {
     /// numbers). Remembers what it sent: the next [`Self::apply_losses`] checks and consumes
     /// exactly these, and losses recorded meanwhile wait for the next round.
     pub fn loss_words(&mut self) -> Vec<u64> {
-        let mut w = Vec::with_capacity(HEADER + 4 * self.lost.len());
-        w.extend([LOSS_WORDS_TAG, self.lost_all as u64, self.lost.len() as u64]);
-        for h in &self.lost {
-            w.extend(page_words(h));
-        }
+        let w = encode_words(LOSS_WORDS_TAG, self.lost_all, &self.lost);
         self.sent_losses = Some((self.lost_all, self.lost.clone()));
         w
     }

@@ -29,7 +29,9 @@
 //! at the push.
 //!
 //! L3 *losses* need the same agreement (one rank's store lost a page, the others' did not):
-//! see `agreed_losses.rs` ([`RankAgreement::lost`], [`RankAgreement::agree_losses`]).
+//! see `agreed_losses.rs` ([`RankAgreement::lost`], [`RankAgreement::agree_losses`]); so do
+//! the offloading manager's L3 *finds* (one rank's probe found its shard, another's did not):
+//! `agreed_finds.rs` ([`RankAgreement::found_pages`], [`RankAgreement::agree_found`]).
 //!
 //! What is agreed is any [`AgreedOps`]: the [`Scheduler`] (its L3 queries, prefetches, loads,
 //! write-backs and backups) or the offloading-manager mode's [`crate::OffloadManager`] (its
@@ -111,6 +113,14 @@ pub enum AgreementError {
     BadLossWords { rank: usize, why: &'static str },
     #[error("the gathered losses leave out losses this rank recorded (its own words are missing)")]
     OwnLossesMissing,
+    #[error("found words of rank {rank}: {why}")]
+    BadFoundWords { rank: usize, why: &'static str },
+    /// No rank's gathered found words are the words this rank sent (`agreed_finds.rs`): the
+    /// engine's all-gather left this rank out, or passed another round's words.
+    #[error(
+        "the gathered finds leave out this rank's own words (no rank's words are the ones it sent)"
+    )]
+    OwnFindsMissing,
     /// The all-gather returned another number of ranks' words than the scheduler's group
     /// holds: the engine's all-gather is not over the whole group, or the scheduler was not
     /// told it is one rank of several (`SchedulerConfig::tp_ranks`, the offloading manager's
@@ -207,6 +217,10 @@ pub struct RankAgreement {
     /// checks against the union and consumes. Losses recorded after it (another thread's
     /// `lost` while the words are gathered) wait for the next round.
     pub(crate) sent_losses: Option<(bool, std::collections::BTreeSet<kvtier_radix::PageHash>)>,
+    /// Pages this rank's L3 probe found, not yet agreed (`agreed_finds.rs`).
+    pub(crate) found: std::collections::BTreeSet<kvtier_radix::PageHash>,
+    /// What the last `found_words` sent: what the next `apply_found` checks and consumes.
+    pub(crate) sent_found: Option<std::collections::BTreeSet<kvtier_radix::PageHash>>,
     /// Records dropped by a reduction because their op was not in flight.
     dropped: u64,
 }

@@ -26,6 +26,7 @@
 //!   shared by the scheduler's tests, the simulator and the end-to-end tests.
 
 mod admission;
+mod agreed_finds;
 mod agreed_losses;
 mod agreement;
 mod backup_retry;
@@ -54,6 +55,7 @@ mod submit;
 mod types;
 mod waiting;
 
+pub use agreed_finds::FOUND_WORDS_TAG;
 pub use agreed_losses::LOSS_WORDS_TAG;
 pub use agreement::{AgreedLosses, AgreedOps, AgreementError, RankAgreement, SKIPPED};
 pub use backup_retry::BackupRetry;

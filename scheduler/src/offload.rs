@@ -83,6 +83,13 @@ pub enum OffloadError {
         "this manager plans for {tp_ranks} tensor-parallel ranks: record a rank's L3 losses with RankAgreement::lost_pages (lost_all) and apply them with RankAgreement::agree_losses"
     )]
     LossNeedsAgreement { tp_ranks: u32 },
+    /// A direct find ([`OffloadManager::l3_found`]) on a manager that plans for several
+    /// tensor-parallel ranks: one rank's probe found its shard, and a rank answering `InL3`
+    /// where the others answer a miss plans other prefetches. Nothing changed.
+    #[error(
+        "this manager plans for {tp_ranks} tensor-parallel ranks: record a rank's L3 finds with RankAgreement::found_pages and apply the pages every rank found with RankAgreement::agree_found (or agree_found_in_process)"
+    )]
+    FoundNeedsAgreement { tp_ranks: u32 },
     #[error("a manager plans for at least one rank (tp_ranks 0)")]
     ZeroRanks,
     /// The list is not a chain: its page `index` follows another page here than it does

@@ -6,7 +6,9 @@
 //! inserts into the host tree is queued; [`OffloadManager::plan_backups`] turns the queue
 //! into BackUp jobs (host slots → L3) for the pages L3 lacks, each locking its host path until
 //! [`OffloadManager::complete_backup`]. Pages backed up, or reported found by the engine's
-//! L3 probe ([`OffloadManager::l3_found`]), are answered [`Lookup::InL3`] once off host, and
+//! L3 probe ([`OffloadManager::l3_found`]; under tensor parallelism only the pages every
+//! rank's probe found, agreed in `agreed_finds.rs`), are answered [`Lookup::InL3`] once off
+//! host, and
 //! the engine prefetches them with an ordinary store job whose bytes come from L3
 //! ([`OffloadManager::prepare_store`]). What L3 loses the engine reports
 //! ([`OffloadManager::l3_lost`]): a hint, as docs/scheduler.md says of L3 residency.
@@ -252,12 +254,34 @@ impl OffloadManager {
         Ok(())
     }
 
-    /// The engine's probe found these pages in L3.
-    pub fn l3_found(&mut self, pages: &[PageHash]) {
-        if !pages.is_empty() {
+    /// The engine's probe found these pages in L3. Refused on a manager of several ranks
+    /// ([`OffloadError::FoundNeedsAgreement`], nothing changed): one rank's probe found its
+    /// shard, and that rank alone answering [`crate::Lookup::InL3`] would plan other
+    /// prefetches than the others; `RankAgreement::found_pages` and `agree_found` apply the
+    /// pages every rank found (`agreed_finds.rs`).
+    pub fn l3_found(&mut self, pages: &[PageHash]) -> Result<(), OffloadError> {
+        match self.tp_ranks {
+            1 => {
+                self.mark_l3_found(pages.iter().copied());
+                Ok(())
+            }
+            tp_ranks => Err(OffloadError::FoundNeedsAgreement { tp_ranks }),
+        }
+    }
+
+    /// Marks `pages` in L3 (a find of the one rank, or one every rank agreed): L3 answered,
+    /// if any. The number of marks added.
+    pub(crate) fn mark_l3_found(&mut self, pages: impl IntoIterator<Item = PageHash>) -> usize {
+        let before = self.l3.known();
+        let mut any = false;
+        for p in pages {
+            any = true;
+            self.l3.in_l3.insert(p);
+        }
+        if any {
             self.l3.retry.answered();
         }
-        self.l3.in_l3.extend(pages.iter().copied());
+        self.l3.known() - before
     }
 
     /// L3 lost these pages (evicted, removed, a failed read): no longer answered `InL3`.

@@ -146,7 +146,7 @@ fn a_retry_skips_what_l3_holds_and_what_left_host_and_gives_up_after_its_tries()
     let c = chain(3, 4);
     m.touch(&b);
     assert_eq!(store(&mut m, &c), a);
-    m.l3_found(&b[..1]);
+    m.l3_found(&b[..1]).unwrap();
     l3.down = false;
     l3.stored.insert(b[0]);
     assert_eq!(
@@ -162,10 +162,10 @@ fn a_retry_skips_what_l3_holds_and_what_left_host_and_gives_up_after_its_tries()
     store(&mut m, &d);
     step(&mut m, &mut l3);
     for _ in 0..2 {
-        m.l3_found(&c[..1]); // L3 answered something
+        m.l3_found(&c[..1]).unwrap(); // L3 answered something
         assert_eq!(step(&mut m, &mut l3), d, "tried again");
     }
-    m.l3_found(&c[..1]);
+    m.l3_found(&c[..1]).unwrap();
     assert!(step(&mut m, &mut l3).is_empty(), "out of tries");
     assert_eq!(m.backups_retrying(), (0, 1));
 }

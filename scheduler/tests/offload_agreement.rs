@@ -278,7 +278,7 @@ proptest! {
         m.set_tp_ranks(n_ranks as u32).unwrap();
         let mut jobs = Vec::new();
         for c in &chains {
-            m.l3_found(c);
+            chains::found_by_every_rank(&mut m, c);
             jobs.push(m.prepare_prefetch(c, 4).unwrap().unwrap().job);
         }
         // Every (prefetch, rank) report, in an order drawn from `order`.
@@ -432,4 +432,165 @@ fn a_prefetch_is_not_completed_as_a_store() {
         "a failed prefetch forgets the pages"
     );
     m.check().unwrap();
+}
+
+/// One manager per rank (SGLang's layout): the ranks' plans must stay equal, so a find that
+/// one rank's probe made must not be answered `InL3` on that rank alone.
+fn rank_managers(n: usize) -> Vec<OffloadManager> {
+    (0..n)
+        .map(|_| {
+            let mut m = OffloadManager::new(8, EvictionPolicy::Lru).unwrap();
+            m.set_l3_backups(L3Backups::WriteThrough);
+            m.set_tp_ranks(n as u32).unwrap();
+            m
+        })
+        .collect()
+}
+
+fn lookups(m: &OffloadManager, c: &[PageHash]) -> Vec<Lookup> {
+    (0..c.len()).map(|i| m.lookup(c, i)).collect()
+}
+
+#[test]
+fn one_ranks_find_alone_is_refused_and_the_ranks_agree_the_shortest_run() {
+    let a = chain(0x51, 3);
+    let mut ms = rank_managers(2);
+    // Before: rank 0's own find made it answer [InL3, InL3, InL3], rank 1 [Miss, Miss, Miss].
+    assert_eq!(
+        ms[0].l3_found(&a),
+        Err(OffloadError::FoundNeedsAgreement { tp_ranks: 2 })
+    );
+    assert_eq!(lookups(&ms[0], &a), lookups(&ms[1], &a));
+    assert_eq!(ms[0].l3_known(), 0);
+    // Rank 0's probe found all three pages, rank 1's only the first: both answer that one.
+    let mut ranks = vec![RankAgreement::new(), RankAgreement::new()];
+    assert_eq!(ranks[0].found_pages(&a), 3);
+    assert_eq!(ranks[1].found_pages(&a[..1]), 1);
+    let gathered: Vec<Vec<u64>> = ranks.iter_mut().map(|r| r.found_words()).collect();
+    for (m, r) in ms.iter_mut().zip(&mut ranks) {
+        assert_eq!(r.apply_found(m, &gathered), Ok(1));
+        assert_eq!(r.pending_found(), 0);
+        m.check().unwrap();
+    }
+    let agreed = vec![Lookup::InL3, Lookup::Miss, Lookup::Miss];
+    assert_eq!(
+        (lookups(&ms[0], &a), lookups(&ms[1], &a)),
+        (agreed.clone(), agreed)
+    );
+    // One manager over every rank (vLLM's layout): the same, in process.
+    let mut one = rank_managers(1).pop().unwrap();
+    one.set_tp_ranks(2).unwrap();
+    ranks[0].found_pages(&a[..2]);
+    ranks[1].found_pages(&a);
+    assert_eq!(one.agree_found_in_process(&mut ranks), Ok(2));
+    assert_eq!(
+        lookups(&one, &a),
+        [Lookup::InL3, Lookup::InL3, Lookup::Miss]
+    );
+    assert_eq!(ranks[0].pending_found() + ranks[1].pending_found(), 0);
+}
+
+#[test]
+fn a_find_agreement_that_cannot_be_exact_is_refused_and_changes_nothing() {
+    let a = chain(0x52, 2);
+    let mut ms = rank_managers(2);
+    let mut r = RankAgreement::new();
+    r.found_pages(&a);
+    let mine = r.found_words();
+    let other = RankAgreement::new().found_words();
+    // Another number of ranks, this rank's words left out, loss words for found words.
+    assert!(matches!(
+        r.apply_found(&mut ms[0], std::slice::from_ref(&mine)),
+        Err(AgreementError::RankCount {
+            got: 1,
+            tp_ranks: 2
+        })
+    ));
+    assert_eq!(
+        r.apply_found(&mut ms[0], &[other.clone(), other.clone()]),
+        Err(AgreementError::OwnFindsMissing)
+    );
+    let loss = RankAgreement::new().loss_words();
+    assert!(matches!(
+        r.apply_found(&mut ms[0], &[mine.clone(), loss]),
+        Err(AgreementError::BadFoundWords { rank: 1, .. })
+    ));
+    assert!(matches!(
+        ms[0].agree_found_in_process(&mut [RankAgreement::new()]),
+        Err(AgreementError::RankCount {
+            got: 1,
+            tp_ranks: 2
+        })
+    ));
+    assert_eq!((r.pending_found(), ms[0].l3_known()), (2, 0));
+    // A find recorded while the words are gathered waits for the next round.
+    let c = chain(0x53, 1);
+    r.found_pages(&c);
+    let mut padded = mine.clone();
+    padded.extend([0, 0]);
+    assert_eq!(r.apply_found(&mut ms[0], &[padded, mine]), Ok(2));
+    assert_eq!(r.pending_found(), 1);
+    assert_eq!(ms[0].lookup(&c, 0), Lookup::Miss);
+}
+
+proptest! {
+    /// Whatever each rank's probe finds (a run from the host prefix, or any pages): after the
+    /// agreement, every rank's manager (one per rank, words all-gathered) and a manager over
+    /// every rank (in process) answer every lookup alike, `InL3` exactly for the pages every
+    /// rank found, so runs agree on the shortest.
+    #[test]
+    fn after_the_find_agreement_every_rank_answers_alike(
+        finds in prop::collection::vec(prop::collection::vec(any::<bool>(), 6), 1..5),
+        runs in any::<bool>(),
+    ) {
+        let n = finds.len();
+        let a = chain(0x54, 6);
+        let found: Vec<Vec<PageHash>> = finds
+            .iter()
+            .map(|f| {
+                let run = f.iter().take_while(|x| **x).count();
+                a.iter()
+                    .zip(f)
+                    .enumerate()
+                    .filter(|(i, (_, x))| if runs { *i < run } else { **x })
+                    .map(|(_, (p, _))| *p)
+                    .collect()
+            })
+            .collect();
+        let mut ms = rank_managers(n);
+        let mut ranks: Vec<RankAgreement> = (0..n).map(|_| RankAgreement::new()).collect();
+        for (m, f) in ms.iter_mut().zip(&found) {
+            if n > 1 {
+                prop_assert!(m.l3_found(f).is_err());
+            }
+        }
+        for (r, f) in ranks.iter_mut().zip(&found) {
+            r.found_pages(f);
+        }
+        let gathered: Vec<Vec<u64>> = ranks.iter_mut().map(|r| r.found_words()).collect();
+        for (m, r) in ms.iter_mut().zip(&mut ranks) {
+            r.apply_found(m, &gathered).unwrap();
+            m.check().unwrap();
+        }
+        let mut one = rank_managers(n).pop().unwrap();
+        let mut again: Vec<RankAgreement> = found
+            .iter()
+            .map(|f| {
+                let mut r = RankAgreement::new();
+                r.found_pages(f);
+                r
+            })
+            .collect();
+        one.agree_found_in_process(&mut again).unwrap();
+        let every: Vec<Lookup> = (0..a.len())
+            .map(|i| if found.iter().all(|f| f.contains(&a[i])) { Lookup::InL3 } else { Lookup::Miss })
+            .collect();
+        for m in ms.iter().chain([&one]) {
+            prop_assert_eq!(lookups(m, &a), every.clone());
+        }
+        if runs {
+            let shortest = found.iter().map(Vec::len).min().unwrap();
+            prop_assert_eq!(every.iter().take_while(|l| **l == Lookup::InL3).count(), shortest);
+        }
+    }
 }

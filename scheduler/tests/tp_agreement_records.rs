@@ -400,7 +400,7 @@ fn a_rank_cannot_skip_an_op_it_runs() {
     m.set_l3_backups(L3Backups::WriteThrough);
     m.set_tp_ranks(2).unwrap();
     let c = chain(40, 3);
-    m.l3_found(&c);
+    chains::found_by_every_rank(&mut m, &c);
     let job = m.prepare_prefetch(&c, 3).unwrap().unwrap().job;
     let op = OpId(job);
     assert_eq!(
@@ -603,7 +603,7 @@ proptest! {
         prop_assert_eq!(m.plan_backups().len(), 2);
         for p in 0..2u8 {
             let c = chain(30 + p, 3);
-            m.l3_found(&c);
+            chains::found_by_every_rank(&mut m, &c);
             m.prepare_prefetch(&c, 3).unwrap().unwrap();
         }
         let jobs = m.agreed_ops();

@@ -40,6 +40,7 @@ from ._native import (  # noqa: F401  (re-exports)
     FileOpenFailError,
     FileReadFailError,
     FileWriteFailError,
+    FoundNeedsAgreementError,
     ForwardDone,
     IllegalClientError,
     IllegalEventError,

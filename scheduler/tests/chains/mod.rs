@@ -22,3 +22,16 @@ pub fn shared_chain(p: u8, n: usize, shared: usize) -> Vec<PageHash> {
 pub fn chain(p: u8, n: usize) -> Vec<PageHash> {
     shared_chain(p, n, 0)
 }
+
+/// Every one of `m`'s ranks found `pages` in L3, agreed in process (a manager of several
+/// ranks refuses a direct `l3_found`): they are marked in L3.
+pub fn found_by_every_rank(m: &mut kvtier_scheduler::OffloadManager, pages: &[PageHash]) {
+    let mut ranks: Vec<kvtier_scheduler::RankAgreement> = (0..m.tp_ranks())
+        .map(|_| {
+            let mut r = kvtier_scheduler::RankAgreement::new();
+            r.found_pages(pages);
+            r
+        })
+        .collect();
+    m.agree_found_in_process(&mut ranks).unwrap();
+}

@@ -79,7 +79,8 @@ class L3Io:
             logger.warning("kvtier: L3 %s failed: %r", job.kind, err)
         elif err is not None:
             raise err
-        if job.kind == "probe":  # one rank (_io_off_thread): what it found is L3's
+        if job.kind == "probe":  # one rank (_io_off_thread): what it found is L3's (under TP the
+            # probe runs inline and the ranks agree their finds: the manager refuses l3_found)
             run = 0 if err is not None else _leading_hits(np.asarray(result))
             if run:
                 self.manager.l3_found((job.page_hashes or [])[:run])

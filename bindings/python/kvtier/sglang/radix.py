@@ -419,13 +419,11 @@ class KvtierRadixCache(L3Io, RadixCache):
                 logger.warning("kvtier: L3 probe failed: %r", e)
                 found = np.zeros(0, dtype=np.int64)  # a miss (every rank still joins the agreement)
             run = _leading_hits(found)
-            if self.tp_size > 1:  # every rank probes its own shard: the ranks take the shortest run
-                v = np.array([run], dtype=np.int64)
-                self._all_min(v)
-                run = int(v[0])
-            if run:
+            if self.tp_size > 1:
+                self._agree_found(chain[h:h + run])
+            elif run:
                 self.manager.l3_found(chain[h:h + run])
-                state = "in-l3"
+            state = self.manager.lookup(chain, h)
         if state != "in-l3" or (d > h and self.manager.lookup(chain, d) != "in-l3"):
             return
         plan = self.manager.prepare_prefetch(chain, h, tenant)
@@ -444,6 +442,13 @@ class KvtierRadixCache(L3Io, RadixCache):
 
         self.counters.prefetches += 1
         self._start(_Job("prefetch", job, len(slots), read, handle=handle, page_hashes=pages))
+
+    def _agree_found(self, pages: List[bytes]) -> None:
+        """Every rank probes its own shard: the pages every rank found (the shortest run) are
+        marked on every rank alike (the manager refuses a rank's own ``l3_found``). Collective:
+        every rank's probe of the same pages reaches it, found or not."""
+        self._agreement.found_pages(pages)
+        self._agreement.agree_found(self.manager, self._all_gather)
 
     def _await_prefetch(self, handle: Any) -> bool:
         """Waits for this request's prefetch within its budget (``prefetch_wait_ms`` over all

@@ -24,7 +24,9 @@ rank's tier reported: ``PrefetchDone(job, pages read)``, ``BackUpDone(job, succe
 ``OffloadManager.agree`` applies the element-wise minimum over ranks, so a prefetch lands
 only when every rank's shard did (and only the pages every rank read: the rest are lost in
 L3 for all ranks, and vLLM recomputes them on every rank), a backup counts only when every
-rank wrote its shard, and a probe is a hit only if every rank's shard is there. A shard one
+rank wrote its shard, and a probe is a hit only if every rank's shard is there (each rank's
+find recorded on its agreement, ``RankAgreement.found_pages``, and marked by
+``OffloadManager.agree_found``: the manager refuses a direct ``l3_found`` under TP). A shard one
 rank finds gone (its read fails) is thereby lost for every rank in the same step; so is one
 its store reports lost (the store's loss journal, ``lost_keys``: evicted, removed), recorded
 on that rank's agreement (``RankAgreement.lost_pages``) and agreed in the same poll
@@ -99,7 +101,12 @@ class L3Plan:
                 return None
         if retry:
             return LookupResult.RETRY
-        self.native.l3_found([chain.pages[i]])
+        if len(self.l3_ranks) > 1:  # every rank's tier found its shard: agreed, as a manager
+            for agreement in self.agreements:  # of several ranks refuses a direct l3_found
+                agreement.found_pages([chain.pages[i]])
+            self.native.agree_found(self.agreements)
+        else:
+            self.native.l3_found([chain.pages[i]])
         return self._prefetch(chain, i, ctx)
 
     def _prefetch(self, chain: Chain, i: int, ctx: ReqContext) -> LookupResult:
