@@ -1,5 +1,6 @@
 //! OpenAI-compatible proxy in front of vLLM or SGLang servers: `/v1/completions`,
-//! `/v1/responses`, `/v1/embeddings` (routed by load), SGLang's `/generate`,
+//! `/v1/responses` (and a stored response's `GET /v1/responses/{id}` and `.../cancel`, from the
+//! instance that has it), `/v1/embeddings` (routed by load), SGLang's `/generate`,
 //! `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize` and `/detokenize`.
 //!
 //! Each request is routed by its prompt's tokens: token-id prompts are used as they are; a
@@ -275,7 +276,16 @@ pub async fn api(
 /// `/v1/models` from the first instance that answers ([`any_instance`]).
 pub async fn models(State(st): State<AppState>, uri: Uri, headers: HeaderMap) -> Response {
     let target = target_of("/v1/models", &uri);
-    any_instance(&st, Method::GET, &target, &headers, Bytes::new()).await
+    let passed_over = unavailable_status;
+    any_instance(
+        &st,
+        Method::GET,
+        &target,
+        &headers,
+        Bytes::new(),
+        passed_over,
+    )
+    .await
 }
 
 /// vLLM's `POST /tokenize` and `/detokenize` (clients count a prompt's tokens before they
@@ -288,7 +298,38 @@ pub async fn tokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     match body {
-        Ok(b) => any_instance(&st, Method::POST, &target_of(uri.path(), &uri), &headers, b).await,
+        Ok(b) => {
+            let target = target_of(uri.path(), &uri);
+            any_instance(&st, Method::POST, &target, &headers, b, unavailable_status).await
+        }
+        Err(e) => body_rejected(&e),
+    }
+}
+
+/// A stored response's `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: from
+/// the instance that has it (vLLM and SGLang keep a stored response in the memory of the
+/// instance that made it), asked in turn ([`any_instance`]), another's 404 passed over; the
+/// last 404 is the client's if none has it.
+pub async fn stored_response(
+    State(st): State<AppState>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let missing = |s: StatusCode| s == StatusCode::NOT_FOUND || unavailable_status(s);
+    match body {
+        Ok(b) => {
+            any_instance(
+                &st,
+                method,
+                &target_of(uri.path(), &uri),
+                &headers,
+                b,
+                missing,
+            )
+            .await
+        }
         Err(e) => body_rejected(&e),
     }
 }
@@ -300,13 +341,14 @@ pub async fn tokenize(
 /// 503, 504: a gateway in front of an engine that is starting) is passed over for the next
 /// instance's, as a completion's is, and is the client's only if no instance answered
 /// otherwise (until 2026-12-07 the first instance's answer was the client's, whatever it
-/// was).
+/// was); so is any answer whose status `passed_over` says.
 async fn any_instance(
     st: &AppState,
     method: Method,
     target: &str,
     headers: &HeaderMap,
     body: Bytes,
+    passed_over: fn(StatusCode) -> bool,
 ) -> Response {
     let order = st.lock().lookup_order();
     let mut unavailable = None;
@@ -326,7 +368,7 @@ async fn any_instance(
         };
         let sent = st.upstream.client.request(req);
         match tokio::time::timeout(TOKENIZE_TIMEOUT, sent).await {
-            Ok(Ok(resp)) if unavailable_status(resp.status()) => unavailable = Some((i, resp)),
+            Ok(Ok(resp)) if passed_over(resp.status()) => unavailable = Some((i, resp)),
             Ok(Ok(resp)) => return pass_through(resp, i, None),
             Ok(Err(e)) if e.is_connect() && !out_of_files(&e) => st.lock().unreachable(i),
             _ => {}
@@ -376,6 +418,15 @@ async fn forward(
     let output = json
         .as_ref()
         .map_or(0, |v| request_fields::max_tokens(v, kind));
+    // a response continuing a stored one runs only where that one is stored
+    let holder = match json.as_ref().and_then(previous_response) {
+        Some(id) => {
+            let target = format!("/v1/responses/{id}");
+            let found = |i, _| Some(i);
+            lookup(&st, Method::GET, &target, &headers, Bytes::new(), found).await
+        }
+        None => None,
+    };
     // keyed once, before the lock is taken (a long prompt's hashing is most of a decision)
     let keyer = st.lock().keyer();
     let keyed = match tokens {
@@ -404,9 +455,16 @@ async fn forward(
     loop {
         let decision = {
             let mut c = st.lock();
+            // with a holder, every other instance is out
+            let out: Vec<usize> = match holder {
+                Some(h) => (0..c.instances())
+                    .filter(|&i| i != h || tried.contains(&i))
+                    .collect(),
+                None => tried.clone(),
+            };
             match &keyed {
-                Some((h, n)) => c.route_tracked_hashed(h, *n, &tried, output, first),
-                None => c.route_load_only(&tried),
+                Some((h, n)) => c.route_tracked_hashed(h, *n, &out, output, first),
+                None => c.route_load_only(&out),
             }
         };
         let Some(d) = decision else {
@@ -809,7 +867,7 @@ async fn adapter_of(st: &AppState, v: &Value, headers: &HeaderMap) -> Option<Str
             None => m.read_at(now),
         }
     }
-    let learnt = |listing: Value| {
+    let learnt = |_, listing: Value| {
         let mut m = st.models.lock().unwrap_or_else(PoisonError::into_inner);
         (m.learn(&listing) > 0).then(|| m.kind(model) == Some(ModelKind::Adapter))
     };
@@ -875,8 +933,23 @@ async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) ->
         m.remove("model");
     }
     let body = Bytes::from(serde_json::to_vec(&ask).ok()?);
-    let tokens = |v: Value| ids(v.get("tokens")?);
+    let tokens = |_, v: Value| ids(v.get("tokens")?);
     lookup(st, Method::POST, "/tokenize", headers, body, tokens).await
+}
+
+/// The stored response a Responses API request continues (`previous_response_id`), where
+/// it names one that can stand in a path as it is (OpenAI's and vLLM's ids: `resp_` and
+/// letters, digits, `-`, `_`).
+fn previous_response(v: &Value) -> Option<&str> {
+    v.get("previous_response_id")
+        .and_then(Value::as_str)
+        .filter(|id| {
+            !id.is_empty()
+                && id.len() <= 256
+                && id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
 }
 
 /// The chat messages a Responses API request is run as, as vLLM 0.34 builds them
@@ -919,8 +992,8 @@ fn responses_messages(v: &Value) -> Option<Value> {
     (!messages.is_empty()).then_some(Value::Array(messages))
 }
 
-/// A lookup of the router's own (`/tokenize`, `/v1/models`): the first JSON answer that
-/// `take` takes, asking the instances in turn ([`Cluster::lookup_order`]: the healthy first,
+/// A lookup of the router's own (`/tokenize`, `/v1/models`, a stored response): the first
+/// JSON answer that `take` takes (given the instance and its answer), asking the instances in turn ([`Cluster::lookup_order`]: the healthy first,
 /// none passed over for its errors while another is left), within [`TOKENIZE_TIMEOUT`] in
 /// all; `None` if none did. An instance that cannot be connected to is passed over from now
 /// ([`Cluster::unreachable`]).
@@ -930,7 +1003,7 @@ async fn lookup<T>(
     path: &str,
     headers: &HeaderMap,
     body: Bytes,
-    mut take: impl FnMut(Value) -> Option<T>,
+    mut take: impl FnMut(usize, Value) -> Option<T>,
 ) -> Option<T> {
     let order = st.lock().lookup_order();
     let deadline = tokio::time::Instant::now() + TOKENIZE_TIMEOUT;
@@ -966,7 +1039,7 @@ async fn lookup<T>(
         };
         match tokio::time::timeout_at(deadline, call).await {
             Ok(Some(v)) => {
-                if let Some(t) = take(v) {
+                if let Some(t) = take(i, v) {
                     return Some(t);
                 }
             }

@@ -256,6 +256,8 @@ pub fn app(st: AppState) -> axum::Router {
             r = r.route(path, post(proxy::api));
         }
         r = r
+            .route("/v1/responses/{id}", get(proxy::stored_response))
+            .route("/v1/responses/{id}/cancel", post(proxy::stored_response))
             .route("/v1/models", get(proxy::models))
             .route("/tokenize", post(proxy::tokenize))
             .route("/detokenize", post(proxy::tokenize));

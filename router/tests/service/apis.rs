@@ -189,3 +189,75 @@ async fn sglang_generate_is_routed_by_the_cache() {
     released(&r, "generate released").await;
     r.stop().await;
 }
+
+/// A stored response lives in the memory of the instance that made it (vLLM's
+/// `VLLM_ENABLE_RESPONSES_API_STORE`, SGLang's store): a request continuing it
+/// (`previous_response_id`) is sent to that instance, found by asking the instances for it
+/// (`GET /v1/responses/{id}`), and `GET /v1/responses/{id}` and `POST .../cancel` reach the
+/// instance that has it, another's 404 passed over. Before, the continuation went to the
+/// cheapest instance (here the one without it: its 404 was the client's) and the other two
+/// were the router's 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_response_is_continued_and_read_where_it_is() {
+    let holder = |has: bool| {
+        Fake::start(
+            move |s| {
+                let names = |id: &str| {
+                    s.target.contains(id) || s.body.windows(id.len()).any(|w| w == id.as_bytes())
+                };
+                if s.target.starts_with("/tokenize") {
+                    Reply::Json(200, r#"{"tokens":[1,2,3,4,5],"count":5}"#.into())
+                } else if names("resp_9") || (!has && names("resp_1")) {
+                    Reply::Json(404, r#"{"error":{"message":"Response not found."}}"#.into())
+                } else {
+                    Reply::Json(
+                        200,
+                        r#"{"id":"resp_2","object":"response","status":"completed"}"#.into(),
+                    )
+                }
+            },
+            None,
+        )
+    };
+    let (without, with) = (holder(false).await, holder(true).await);
+    let r = proxy(vec![without.url(), with.url()]).await;
+    for i in 0..3 {
+        let b = json!({"model": "m", "input": format!("and then {i}?"),
+                       "previous_response_id": "resp_1"});
+        let got = post(&r, "/v1/responses", &b).await;
+        assert_eq!(got.status, 200, "{got:?}");
+        assert_eq!(got.header("x-kvtier-instance"), Some("1"), "{got:?}");
+    }
+    assert_eq!(
+        without.count("/v1/responses"),
+        0,
+        "no continuation sent where it is not"
+    );
+    let got = get_within(r.addr, "/v1/responses/resp_1", WAIT).await;
+    assert_eq!(
+        (got.status, got.header("x-kvtier-instance")),
+        (200, Some("1")),
+        "{got:?}"
+    );
+    let got = http_with(
+        r.addr,
+        "POST",
+        "/v1/responses/resp_1/cancel",
+        &[JSON],
+        b"",
+        WAIT,
+    )
+    .await
+    .expect("answered");
+    assert_eq!(
+        (got.status, got.header("x-kvtier-instance")),
+        (200, Some("1")),
+        "{got:?}"
+    );
+    // one that no instance has: an instance's 404, not the router's
+    let got = get_within(r.addr, "/v1/responses/resp_9", WAIT).await;
+    assert_eq!(got.status, 404, "{got:?}");
+    assert!(got.header("x-kvtier-instance").is_some(), "{got:?}");
+    released(&r, "released").await;
+    r.stop().await;
+}
