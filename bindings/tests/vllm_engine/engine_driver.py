@@ -20,9 +20,10 @@ file exists: a step between two engines), ``done_file`` (created when the phase 
 ``aborts`` (``[[INDEX, STEP], ...]``: the phase's requests are added at once and the
 engine stepped by hand, request INDEX aborted, as a client that goes away, once STEP engine
 steps have run; an aborted request's output is ``null``) and
-``check_manager`` (true: after the phase, kvtier's offloading manager checks its books against
+``check_manager`` (true: after the phase, the engine stepped until idle (``_settle``), kvtier's offloading manager checks its books against
 vLLM's — ``check()`` — and the phase reports its ``usage()``: jobs in flight, held, locked
-and cached host chunks); ``profile`` (a path prefix: each phase runs under cProfile,
+and cached host chunks; its ``books()``: the size of every per-request and per-job book it
+and its L3 tiers keep; and the size of vLLM's connector's own per-request and per-job books); ``profile`` (a path prefix: each phase runs under cProfile,
 its stats dumped to ``PREFIX.NAME``: the benchmark's attribution of time to kvtier and vLLM);
 ``time_manager`` (true: every call vLLM's connector makes into its offloading manager is
 timed with ``perf_counter``, no profiler, and each phase reports ``manager_s``: per method,
@@ -121,6 +122,27 @@ def _time_manager(llm) -> dict:
         if fn is not None:
             setattr(manager, name, wrap(name, fn))
     return acc
+
+
+def _settle(llm, limit_s: float = 60.0) -> None:
+    """Steps the engine until its scheduler has nothing left: no request, none finished and
+    not yet signalled to the connector (vLLM tells its connector at the next schedule), no
+    copy or L3 job in flight (``has_pending_push_work``). A served engine's core loop steps
+    so on its own; ``LLM.generate`` returns once the last output is out. Idle, that is."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + limit_s
+    while sched.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.001)  # the I/O threads' turn
+
+
+def _connector_books(llm) -> dict:
+    """The sizes of vLLM's own per-request and per-job books in its offloading connector
+    (scheduler side): what a manager that never completed a job, or a request vLLM never
+    saw finish, would leave behind."""
+    cs = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler
+    return {"req_status": len(cs._req_status), "jobs": len(cs._jobs),
+            "pending_job_blocks": len(cs._block_id_to_pending_jobs)}
 
 
 def _count_preemptions(llm) -> list:
@@ -277,10 +299,13 @@ def main(job_path: str, out_path: str) -> None:
         shm |= {n for n in os.listdir("/dev/shm") if "vllm_offload" in n or "kvtier" in n}
         manager = {}
         if ph.get("check_manager"):
+            _settle(llm)
             m = _manager(llm)
             m.check()  # raises (the engine fails) if kvtier's books and vLLM's disagree
             manager = {"manager_usage": {k: int(v) for k, v in m.native.usage().items()},
-                       "manager_holds": int(sum(m.native.holds()))}
+                       "manager_holds": int(sum(m.native.holds())),
+                       "manager_books": {k: int(v) for k, v in m.books().items()},
+                       "connector_books": _connector_books(llm)}
         out["phases"].append({
             "name": ph.get("name", ""),
             "outputs": [list(r.outputs[0].token_ids) if r is not None else None for r in res],

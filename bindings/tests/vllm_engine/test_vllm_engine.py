@@ -6,7 +6,10 @@ The workload (workload.py): 6 prompts with 512-token prefixes, an engine KV budg
 blocks of 32 tokens (one prefix at a time), then a round reusing the prefixes with new
 suffixes, a round under another ``cache_salt``, and one more round; the engines ``spec_l3``,
 ``batch_l3`` and ``tier`` also serve a round whose clients go away (requests aborted before
-and after their chunks move) and a round after it. Every engine's outputs
+and after their chunks move) and a round after it, and ``spec_l3`` and ``batch_l3`` a round
+of requests finished by stop tokens; after those rounds (and after ``share_b``'s server was
+killed) the engine is stepped until idle and kvtier's books must be empty (nothing kept per
+request or per job). Every engine's outputs
 must equal the reference's; reuse is read from vLLM's own ``num_cached_tokens`` (prefix
 tokens the engine did not compute: here only an offloading tier can have kept them).
 
@@ -93,6 +96,11 @@ SERIAL_ABORTS = [[5, 0], [0, 1], [2, 12], [4, 25]]  # one request at a time: 5 a
 BATCH_ABORTS = [[1, 1], [3, 4], [4, 9]]  # six at once: 1 and 3 always (8 tokens take 8 steps)
 R5_SERIAL, R5_BATCH = {**R5, "aborts": SERIAL_ABORTS}, {**R5, "aborts": BATCH_ABORTS}
 R6_CHECKED = {**R6, "check_manager": True}
+# Requests finished by a stop token (vLLM's FINISHED_STOPPED; the engines have no tokenizer, so
+# stop token ids stand for stop strings): a seventh of the vocabulary stops a request, so most
+# stop within MAX_TOKENS and the round takes a fraction of a second.
+R7_STOP = phase("r7", 7, sampling={"stop_token_ids": list(range(0, 8192, 7))})
+R7_STOP_CHECKED = {**R7_STOP, "check_manager": True}
 # Tensor parallel 2: four of the prefixes (two on the small host tier, two from L3), two rounds.
 TP_PROMPTS = 4
 TP_R1, TP_R2 = ({**ph, "prompts": ph["prompts"][:TP_PROMPTS]} for ph in (R1, R2))
@@ -124,7 +132,7 @@ def runs(tmp_path_factory):
     server = L3Process(token=None, segment_bytes=512 << 20)
     a_done, never = str(root / "a-done"), str(root / "never")
     jobs = {
-        "ref": {"model": md, "kv_blocks": 200, "max_model_len": 2048, "phases": [R1, R2, R3_SALT, R4, R5, R6]},
+        "ref": {"model": md, "kv_blocks": 200, "max_model_len": 2048, "phases": [R1, R2, R3_SALT, R4, R5, R6, R7_STOP]},
         "spec": {"model": md, "phases": [R1, R2, R3_SALT], "time_manager": True,
                  "kv_transfer_config": cfg("spec", "KvtierOffloadingSpec", cpu_bytes=BIG_HOST,
                                            kvtier_eviction="freq-depth")},
@@ -133,11 +141,11 @@ def runs(tmp_path_factory):
         "chunked": {"model": md, "phases": [R1, R2], "llm_kw": {"max_num_batched_tokens": 96,
                                                              "enable_chunked_prefill": True},
                     "kv_transfer_config": cfg("chunked", "KvtierOffloadingSpec", cpu_bytes=BIG_HOST)},
-        "spec_l3": {"model": md, "phases": [R1, R2, R3_SALT, R5_SERIAL, R6_CHECKED],
+        "spec_l3": {"model": md, "phases": [R1, R2, R3_SALT, R5_SERIAL, R6_CHECKED, R7_STOP_CHECKED],
                     "kv_transfer_config": cfg("spec_l3", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
                                               kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
         "batch_l3": {"model": md, "max_num_seqs": PREFIXES, "kv_blocks": BATCH_KV_BLOCKS,
-                     "phases": [R1, R2, R3_SALT, R5_BATCH, R6_CHECKED],
+                     "phases": [R1, R2, R3_SALT, R5_BATCH, R6_CHECKED, R7_STOP_CHECKED],
                      "kv_transfer_config": cfg("batch_l3", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
                                                kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
         "tier": {"model": md, "phases": [R1, R2, R3_SALT, R5_SERIAL, R6, {"name": "hang", "prompts": [], "wait_file": never}],
@@ -157,7 +165,7 @@ def runs(tmp_path_factory):
                                                   kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
         "share_b": {"model": md, "env": {"KVTIER_L3_SHM": "off"},
                     "phases": [{**R2, "wait_file": a_done},
-                               {**R4, "kill": {"pid": server.proc.pid, "after_s": 1.0}}],
+                               {**R4, "kill": {"pid": server.proc.pid, "after_s": 1.0}, "check_manager": True}],
                     "kv_transfer_config": cfg("share_b", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
                                               kvtier_l3={"server": server.addr, "rpc_timeout_ms": 2000}, **ROOM_WAIT)},
     }
@@ -317,6 +325,34 @@ def test_clients_that_go_away_leave_the_other_answers_and_the_next_round_exact(r
         u = r6["manager_usage"]
         assert (u["loads"], u["stores"], u["storing"], u["held"], u["locked"], r6["manager_holds"]) == (0,) * 6, (e, r6)
         assert u["cached"] == u["capacity"], (e, u)  # the small host tier is full of chunks
+        assert_no_books(r6, e)
+
+
+def assert_no_books(ph, engine):
+    """Idle (the engine stepped until its scheduler had nothing left): every per-request and
+    per-job book of kvtier's manager, its L3 tiers and the native manager is empty, and so are
+    vLLM's connector's (a job kvtier never completed, or a request never signalled finished,
+    would stay there); docs/vllm.md, "What kvtier keeps per request"."""
+    kept = {k: v for k, v in ph["manager_books"].items() if v and k not in BOUNDED_BOOKS}
+    assert kept == {}, (engine, ph["name"], kept)
+    assert ph["connector_books"] == {"req_status": 0, "jobs": 0, "pending_job_blocks": 0}, (engine, ph)
+
+
+# Books that outlive requests, bounded by the store, not by the requests served: a server
+# tier's chunks answered HIT without a probe (``known_keys``), announced chunks (events).
+BOUNDED_BOOKS = ("tier0_known", "tier0_announced")
+
+
+def test_requests_finished_by_stop_tokens_are_exact_and_leave_no_books(runs):
+    """Requests finished by a stop token (vLLM's FINISHED_STOPPED, before MAX_TOKENS) after
+    the aborted, preempted and reused rounds: outputs equal the reference's, and once idle kvtier
+    keeps nothing per request or per job (before the books were read, a book left behind on
+    one of these paths would have grown with every request of a long-running engine)."""
+    ref = outputs(runs["ref"], "r7")["outputs"]
+    assert any(len(o) < MAX_TOKENS for o in ref), ref  # the stop path ran
+    for e in ("spec_l3", "batch_l3"):
+        assert_exact(runs, e, ["r7"])
+        assert_no_books(outputs(runs[e], "r7"), e)
 
 
 def test_vllm_tiering_with_kvtier_tier_and_policy_is_exact(runs):
@@ -350,6 +386,8 @@ def test_a_server_sigkilled_mid_round_leaves_outputs_exact(runs):
     r4 = outputs(runs["share_b"], "r4")
     assert_exact(runs, "share_b", ["r4"])
     assert len(r4["outputs"]) == PREFIXES and r4["wall_s"] < 300
+    # The L3 jobs the kill failed mid-transfer ended and left nothing behind.
+    assert_no_books(r4, "share_b")
 
 
 def test_no_dev_shm_file_is_left_after_shutdown_or_sigkill(runs):

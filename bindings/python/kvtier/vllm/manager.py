@@ -340,6 +340,23 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         if holds != sum(self.native.holds()):
             raise AssertionError(f"held prefetches: {holds} of requests, kvtier has {self.native.holds()}")
 
+    def books(self) -> Dict[str, int]:
+        """The size of every per-request and per-job book this manager (and its L3 tiers)
+        keeps, and the native manager's jobs, holds and in-flight pages: all 0 once the
+        engine is idle (no request, no copy in flight), whatever ended the requests — finished,
+        aborted, preempted, failed copies (docs/vllm.md, "What kvtier keeps per request").
+        What stays is bounded by the host slots (``_key_of``) or by L3 (the tiers' known
+        keys), not by the requests served."""
+        u = self.native.usage()
+        out = {
+            "stores": len(self._stores), "loads": len(self._loads), "pending_pages": len(self._pending),
+            "native_stores": u["stores"], "native_loads": u["loads"], "native_storing": u["storing"],
+            "native_backups": u["backups"], "native_holds": sum(self.native.holds()),
+            "native_locked": u["locked"],
+        }
+        out.update(self._l3_books())
+        return out
+
     def _pop(self, table: Dict[frozenset, List[Any]], keys: Collection[OffloadKey]) -> Any:
         k = frozenset(bytes(x) for x in keys)
         if not table.get(k):

@@ -243,6 +243,17 @@ class L3Plan:
                 return True
         return False
 
+    def _l3_books(self) -> Dict[str, int]:
+        """The L3 half's per-request and per-job books (``KvtierOffloadingManager.books``)."""
+        out = {"holds": len(self._holds), "queued": len(self._queued), "l3_jobs": len(self._l3_jobs),
+               "reports": len(self._reports),
+               "agreement_events": sum(a.pending() for a in self.agreements),
+               "agreement_losses": sum(a.pending_losses()[0] for a in self.agreements)}
+        for r, t in enumerate(self.l3_ranks):
+            for k, v in t.books().items():
+                out[f"tier{r}_{k}"] = v
+        return out
+
     def _l3_unreported(self) -> int:
         """kvtier store jobs the L3 half has not reported (prefetches queued or running)."""
         if self.l3 is None:

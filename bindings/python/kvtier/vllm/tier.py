@@ -624,6 +624,20 @@ class KvtierSecondaryTier(SecondaryTierManager):
                     stats.set_gauge(METRIC_PREFIX + k, v)
         return None if stats.is_empty() else stats
 
+    def books(self) -> Dict[str, int]:
+        """The size of this tier's per-job and per-request books: jobs in flight, finished
+        results and failed keys not yet taken, and (server) the async lookups' per-request
+        keys and cached verdicts. All 0 at idle except ``lookup_verdicts``, which vLLM's
+        lookup manager keeps only while a request that asked for them lives or the probe is
+        in flight; ``known`` (chunks answered HIT without a probe) is bounded by
+        ``known_keys``, ``announced`` by the store."""
+        out = {"futures": len(self._futures), "results": self._done.qsize(), "missed": self._missed.qsize(),
+               "known": len(self._known), "announced": len(self._announced)}
+        if self._lookups is not None:
+            out["lookup_requests"] = len(self._lookups._req_keys)  # noqa: SLF001 (vLLM's own books)
+            out["lookup_verdicts"] = len(self._lookups._lookup_state)  # noqa: SLF001
+        return out
+
     def stats(self) -> Dict[str, int]:
         """The tier's counters and the store's own statistics."""
         with self._lock:
