@@ -107,3 +107,33 @@ def test_submit_refuses_bad_tokens_and_changes_nothing(prompt, stops, error):
         eng.submit(1, torch.tensor(PROMPT), 3)  # an integer tensor is a prompt
         eng.run_to_idle()
         assert eng.generated(1) == greedy_reference(tiny_llama(seed=1), PROMPT, 3)
+
+
+def test_a_long_run_keeps_nothing_of_the_requests_it_handed_back():
+    """Requests ended by length, a stop token and aborts (queued and running): once
+    ``take_ended`` handed each back (outcome, tokens, first logits), the engine keeps nothing
+    of it, so a long-running engine does not grow with the requests it served (before, every
+    request's prompt, tokens, stop set and first-token logits, a vocabulary-sized tensor,
+    stayed for good)."""
+    full = greedy_reference(tiny_llama(seed=1), PROMPT, 6)
+    with TorchEngine(config(l3_enabled=False), tiny_llama(seed=1)) as eng:
+        handed = {}
+        for rnd in range(2):
+            base = rnd * 10
+            eng.submit(base + 1, PROMPT, 6)
+            eng.submit(base + 2, PROMPT, 6, stop_token_ids=[full[2]])
+            eng.submit(base + 3, PROMPT[:9], 20)
+            eng.submit(base + 4, PROMPT[:5], 4)
+            eng.abort(base + 4)  # queued
+            for now in range(3):
+                eng.step(now)
+            eng.abort(base + 3)  # running
+            eng.run_to_idle(start_ms=3)
+            for r, outcome, toks, logits in eng.take_ended():
+                handed[r] = (outcome, toks, logits)
+        assert sorted(handed) == [1, 2, 3, 4, 11, 12, 13, 14]
+        assert handed[1][1] == full and handed[2][1] == full[:3] and handed[1][2] is not None
+        kept = {name: len(getattr(eng, name)) for name in ("tables", "tokens", "outputs", "stops", "first_logits",
+                                                             "ended")}
+        assert kept == dict.fromkeys(kept, 0)
+        assert eng.executor.in_flight() == 0

@@ -594,8 +594,10 @@ class Engine:
         self.report_losses()
         plan = self.s.next_execution_plan(now_ms)
         for r, outcome in plan.ended:
-            self.tables.pop(r, None)
-            self._hashes.pop(r, None)
+            # What only a live request needs goes now; its outcome and tokens wait in
+            # ``ended`` and ``generated`` until ``take_ended`` hands them back.
+            for book in (self.tables, self._hashes, self.tokens, self._scopes, self.stop_after):
+                book.pop(r, None)
             self.ended.append((r, outcome))
         for r in plan.retracted:
             self.tables.pop(r, None)
@@ -632,5 +634,16 @@ class Engine:
         raise RuntimeError(f"not idle after {max_steps} steps: {self.s.stats()}")
 
     def generated(self, req: int) -> List[int]:
-        """Tokens generated for ``req`` so far."""
+        """Tokens generated for ``req`` so far (an ended request's until ``take_ended``)."""
         return list(self.outputs.get(req, []))
+
+    def take_ended(self) -> List[Tuple[int, str, List[int]]]:
+        """The requests that ended since the last call, each ``(id, outcome, generated
+        tokens)`` in the order they ended, handed back and forgotten here: after it the
+        engine keeps nothing of them. Until taken they stay in ``ended`` and ``generated``,
+        so a long-running loop takes them (every step or so) or its memory grows with every
+        request it served. (An id submitted again before its end was taken hands back no
+        tokens: the new request's replaced them.)"""
+        out = [(r, o, [] if r in self.tokens else self.outputs.pop(r, [])) for r, o in self.ended]
+        self.ended = []
+        return out

@@ -194,7 +194,23 @@ class TorchEngine:
         self.tables.pop(req, None)
 
     def generated(self, req: int) -> List[int]:
+        """Tokens generated for ``req`` so far (an ended request's until ``take_ended``)."""
         return list(self.outputs.get(req, []))
+
+    def take_ended(self) -> List[Tuple[int, str, List[int], Optional[torch.Tensor]]]:
+        """The requests that ended since the last call, each ``(id, outcome, generated
+        tokens, first-token logits or None)`` in the order they ended, handed back and
+        forgotten here: after it the engine keeps nothing of them. Until taken they stay in
+        ``ended``, ``generated`` and ``first_logits`` (a vocabulary-sized tensor a request),
+        so a long-running loop takes them (every step or so) or its memory grows with every
+        request it served. (An id submitted again before its end was taken hands back no
+        tokens: the new request's replaced them.)"""
+        out = []
+        for r, o in self.ended:
+            live = r in self.tokens
+            out.append((r, o, [] if live else self.outputs.pop(r, []), None if live else self.first_logits.pop(r, None)))
+        self.ended = []
+        return out
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -246,7 +262,10 @@ class TorchEngine:
         self.report_losses()
         plan = self.s.next_execution_plan(now_ms)
         for r, outcome in plan.ended:
-            self.tables.pop(r, None)
+            # What only a live request needs goes now; its outcome, tokens and first logits
+            # wait in ``ended``, ``generated`` and ``first_logits`` until ``take_ended``.
+            for book in (self.tables, self.tokens, self.stops):
+                book.pop(r, None)
             self.ended.append((r, outcome))
         for r in plan.retracted:
             self.tables.pop(r, None)
