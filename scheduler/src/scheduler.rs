@@ -330,6 +330,35 @@ impl Scheduler {
             && !self.backup_retry.due()
     }
 
+    /// The size of every per-request and per-op book, by name: requests (live, waiting,
+    /// running, protected pages of waiting ones), ops (in flight, prefetch deadlines, created
+    /// and not yet planned, to terminate), what the next plan reports (ended, retracted),
+    /// pages of backups and demotions in flight, the step in flight. All 0 once the
+    /// scheduler is idle and a plan has been taken since,
+    /// whatever ended each request (finished, aborted or failed in any state, retracted) or
+    /// op (done, failed, terminated): a book left non-empty there grows with the requests a
+    /// long-running engine serves. (Failed backups waiting for L3 to answer are bounded by
+    /// `BackupRetry::max_waiting`, and the pages reserved for running prefills, recomputed by
+    /// every admission before it is read, are not counted here.)
+    pub fn books(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("requests", self.reqs.len()),
+            ("waiting", self.waiting.len()),
+            ("protected_for", self.protected_for.len()),
+            ("running", self.running.len()),
+            ("ops", self.ops.len()),
+            ("prefetch_deadlines", self.prefetch_deadlines.len()),
+            ("outbox", self.outbox.len()),
+            ("terminate", self.terminate.len()),
+            ("ended", self.ended.len()),
+            ("retracted_out", self.retracted_out.len()),
+            ("backing_up", self.backing_up.len()),
+            ("lost_in_backup", self.lost_in_backup.len()),
+            ("demoting_pages", self.demoting_pages),
+            ("step", usize::from(self.step.is_some())),
+        ]
+    }
+
     /// Ops not yet completed: those issued ([`Self::in_flight_ops`]) and those created
     /// since the last plan (a finished request's write-back), which the next plan issues.
     /// So an engine plans again while this is non-zero; it does not wait for it to drop.

@@ -232,6 +232,13 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
         e.step(&mut s, now + i);
     }
     prop_assert!(s.is_idle(), "not idle: {:?}", s.stats());
+    // A plan taken at idle reports what the last completions ended; after it every
+    // per-request and per-op book is empty (a leak grows with every request served).
+    let plan = s.next_execution_plan(now + 5001);
+    prop_assert!(plan.ops.is_empty() && plan.forward.step.is_none());
+    e.take_plan(plan);
+    let kept: Vec<_> = s.books().into_iter().filter(|(_, n)| *n > 0).collect();
+    prop_assert!(kept.is_empty(), "books kept at idle: {:?}", kept);
     if std::env::var_os("KVTIER_PROP_VERBOSE").is_some() {
         let st = s.stats();
         eprintln!(
