@@ -719,3 +719,65 @@ def test_pages_whose_backup_failed_while_the_l3_server_was_down_are_backed_up_on
         two.check_pools()
     finally:
         srv.kill()
+
+
+@pytest.mark.parametrize("io_threads", [0, 1], ids=["io-inline", "io-thread"])
+def test_aborted_requests_and_failed_prefetches_leave_no_books(io_threads):
+    """A long-running scheduler: requests aborted before any match, after their probe or
+    prefetch started, after their prefetch landed (a host hit promised, never loaded), a
+    prefetch whose L3 read fails (the store lost the pages; no journal told kvtier), and
+    requests served whole. Once idle, every per-request and per-job book of the cache
+    (``books()``: by SGLang's request handle and rid, the L3 jobs) is empty and the native
+    manager holds, locks and moves nothing, after one workload and after a second."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+
+    store = kvtier.L3Store.embedded(1 << 24, loss_journal_keys=0)
+    one = Engine(kvtier_cache(host_pages=64, store=store))
+    two = Engine(kvtier_cache(host_pages=8, store=store, io_threads=io_threads, prefetch_wait_ms=0),
+                 device_tokens=40)
+    c = two.cache
+
+    def abort(req):  # SGLang's abort of a request that is not running
+        c.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+
+    def hook():
+        c.flush_pending_backups()
+        c.wait_io()
+
+    def workload(seed):
+        ps = prompts(seed, 3, 16)
+        one.run([one.request(p) for p in ps])  # in L3, unknown to two: two probes
+        one.cache.flush_pending_backups()
+        one.cache.wait_io()
+        own = prompts(seed + 1, 1, 16)[0]
+        two.run([two.request(own)])
+        hook()  # backed up
+        two.run([two.request(q) for q in prompts(seed + 2, 3, 20)])  # own leaves device and host
+        hook()
+        chain = c._chain(own, None, None)
+        assert c.manager.lookup(chain, 0) == "in-l3"
+        abort(two.request(ps[0]))  # before SGLang matched it
+        probed = two.request(ps[1])
+        probed.init_next_round_input(c)  # its probe (inline: and its prefetch) started
+        abort(probed)
+        for k in c.l3_keys(chain):
+            store.remove(k, True)
+        failing = two.request(own)
+        failing.init_next_round_input(c)  # a prefetch of pages L3 no longer has
+        hook()  # the read fails: the pages are lost, the request computes them
+        landed = two.request(ps[2])
+        for _ in range(3):  # probe, prefetch, then a host hit promised
+            landed.init_next_round_input(c)
+            hook()
+        assert landed.host_hit_length > 0
+        abort(landed)  # never loaded
+        two.run([failing])
+        hook()
+        two.check_pools()
+        c.manager.check()
+        return {k: v for k, v in c.books().items() if v}
+
+    assert workload(50) == {}
+    assert workload(60) == {}
+    s = c.stats()
+    assert s["probes"] > 0 and s["prefetched_pages"] > 0 and s["prefetch_lost_pages"] > 0, s

@@ -626,6 +626,20 @@ class KvtierRadixCache(L3Io, RadixCache):
         self._probed.pop(handle, None)
         self._waited.pop(handle, None)
 
+    def books(self) -> Dict[str, int]:
+        """The size of every per-request and per-job book this cache keeps, and the native
+        manager's jobs, holds and in-flight pages: all 0 once SGLang is idle and the L3 I/O
+        ended (``wait_io``), whatever ended the requests (finished, aborted before or after
+        their prefetch started, retracted) or the jobs (failed reads and writes) —
+        docs/sglang.md, "What kvtier keeps per request". What stays is bounded by the host
+        pool (``_from_l3``: pages read from L3 not yet loaded) or fixed (``hit_log``)."""
+        u = self.manager.usage()
+        return {"hits": len(self._hits), "markers": len(self._markers), "probed": len(self._probed),
+                "waited": len(self._waited), "jobs": len(self._jobs), "agreeing": len(self._agreeing),
+                "agreement_events": self._agreement.pending(), "native_stores": u["stores"],
+                "native_loads": u["loads"], "native_storing": u["storing"], "native_backups": u["backups"],
+                "native_holds": sum(self.manager.holds()), "native_locked": u["locked"]}
+
     def stats(self) -> Dict[str, Any]:
         """Cumulative counters, the host pool's use (kvtier's ``usage``)."""
         out: Dict[str, Any] = dict(vars(self.counters))
