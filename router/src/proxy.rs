@@ -1,6 +1,7 @@
 //! OpenAI-compatible proxy in front of vLLM or SGLang servers: `/v1/completions`,
 //! `/v1/responses` (and a stored response's `GET /v1/responses/{id}` and `.../cancel`, from the
-//! instance that has it), `/v1/embeddings` (routed by load), SGLang's `/generate`,
+//! instance that has it), `/v1/embeddings` and the other pooling APIs (routed by load),
+//! SGLang's `/generate`,
 //! `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize` and `/detokenize`.
 //!
 //! Each request is routed by its prompt's tokens: token-id prompts are used as they are; a
@@ -251,12 +252,13 @@ impl Drop for InFlight {
 }
 
 /// A request to one of the proxied APIs ([`Kind::at`]: `/v1/completions`,
-/// `/v1/chat/completions`, `/v1/responses`, SGLang's `/generate`, `/v1/embeddings`),
+/// `/v1/chat/completions`, `/v1/responses`, SGLang's `/generate`, `/v1/embeddings` and the
+/// other pooling APIs),
 /// forwarded with its query as a request of its kind. A Responses API request is routed by
 /// the cache of its `instructions` and `input` ([`responses_messages`]), its stream's first
 /// token the first event past `response.created` and `response.in_progress`
-/// ([`responses_chunk`]); an embedding reuses no KV and generates nothing, so it is routed by
-/// load alone, its prompt not tokenized.
+/// ([`responses_chunk`]); an embedding (a score, a rerank) reuses no KV and generates
+/// nothing, so it is routed by load alone, its prompt not tokenized.
 pub async fn api(
     State(st): State<AppState>,
     uri: Uri,
@@ -913,7 +915,7 @@ async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) ->
             "messages": responses_messages(v)?,
             "add_generation_prompt": true,
         }),
-        Kind::Embeddings => return None,
+        Kind::Pooling => return None,
         Kind::Chat => {
             let mut ask = serde_json::json!({
                 "model": model,

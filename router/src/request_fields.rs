@@ -24,18 +24,28 @@ pub(crate) enum Kind {
     /// SGLang's native `/generate`: `text` or `input_ids`, one prompt or a batch, and
     /// `sampling_params`.
     Generate,
-    /// `/v1/embeddings`: pooling, no KV reused and nothing generated.
-    Embeddings,
+    /// A pooling model's APIs (vLLM's `/v1/embeddings`, `/v2/embed`, `/pooling`, `/classify`,
+    /// `/score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank`; SGLang's alike): no KV
+    /// reused and nothing generated, routed by load.
+    Pooling,
 }
 
 impl Kind {
     /// The proxied paths and the kind of each.
-    pub(crate) const PATHS: [(&'static str, Kind); 5] = [
+    pub(crate) const PATHS: [(&'static str, Kind); 13] = [
         ("/v1/completions", Kind::Completion),
         ("/v1/chat/completions", Kind::Chat),
         ("/v1/responses", Kind::Responses),
         ("/generate", Kind::Generate),
-        ("/v1/embeddings", Kind::Embeddings),
+        ("/v1/embeddings", Kind::Pooling),
+        ("/v2/embed", Kind::Pooling),
+        ("/pooling", Kind::Pooling),
+        ("/classify", Kind::Pooling),
+        ("/score", Kind::Pooling),
+        ("/v1/score", Kind::Pooling),
+        ("/rerank", Kind::Pooling),
+        ("/v1/rerank", Kind::Pooling),
+        ("/v2/rerank", Kind::Pooling),
     ];
 
     /// The kind of a request to `path` ([`Self::PATHS`]).
@@ -48,7 +58,7 @@ impl Kind {
 
     /// Whether a request of this kind reuses cached KV (and is routed by its prompt's).
     pub(crate) fn reuses_kv(self) -> bool {
-        self != Kind::Embeddings
+        self != Kind::Pooling
     }
 
     /// The field holding the prompt, or a batch of prompts, where the kind has one.
@@ -57,7 +67,7 @@ impl Kind {
         match self {
             Kind::Completion => given("prompt"),
             Kind::Generate => given("input_ids").or_else(|| given("text")),
-            Kind::Chat | Kind::Responses | Kind::Embeddings => None,
+            Kind::Chat | Kind::Responses | Kind::Pooling => None,
         }
     }
 }
@@ -120,7 +130,7 @@ pub(crate) fn lax_count(v: &Value) -> Option<u64> {
 
 /// Whether the answer is streamed (its first chunk is its first token).
 pub(crate) fn streamed(v: &Value, kind: Kind) -> bool {
-    kind != Kind::Embeddings && v.get("stream").and_then(lax_bool) == Some(true)
+    kind != Kind::Pooling && v.get("stream").and_then(lax_bool) == Some(true)
 }
 
 /// The tokens a request may generate: its `max_completion_tokens` or `max_tokens` (when it
@@ -137,7 +147,7 @@ pub(crate) fn max_tokens(v: &Value, kind: Kind) -> usize {
             .get("max_output_tokens")
             .and_then(lax_count)
             .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX)),
-        Kind::Embeddings => 0,
+        Kind::Pooling => 0,
         Kind::Generate => generated(v),
         Kind::Completion | Kind::Chat => {
             let named = ["max_completion_tokens", "max_tokens"]
@@ -283,7 +293,7 @@ mod tests {
             assert!(!streamed(&json!({ "stream": s }), Kind::Chat), "{s}");
         }
         assert!(!streamed(&json!({}), Kind::Chat));
-        assert!(!streamed(&json!({"stream": true}), Kind::Embeddings));
+        assert!(!streamed(&json!({"stream": true}), Kind::Pooling));
         let c = Kind::Completion;
         assert_eq!(max_tokens(&json!({"max_tokens": 100.0}), c), 100);
         assert_eq!(max_tokens(&json!({"max_tokens": "100"}), c), 100);
@@ -359,7 +369,7 @@ mod tests {
                                   "max_output_tokens": v, "text": v, "input_ids": v,
                                   "sampling_params": v});
                 for kind in [Kind::Completion, Kind::Chat, Kind::Responses, Kind::Generate,
-                             Kind::Embeddings] {
+                             Kind::Pooling] {
                     let _ = streamed(&body, kind);
                     let _ = max_tokens(&body, kind);
                     prop_assert!(prompts(&body, kind) >= 1);
@@ -427,7 +437,7 @@ mod tests {
             3
         );
         assert_eq!(
-            max_tokens(&json!({"input": "a", "max_tokens": 9}), Kind::Embeddings),
+            max_tokens(&json!({"input": "a", "max_tokens": 9}), Kind::Pooling),
             0
         );
     }

@@ -41,20 +41,35 @@ fn last_body(up: &Fake, path: &str) -> Value {
     serde_json::from_slice(&s.body).expect("JSON body")
 }
 
-/// `/v1/embeddings` reaches an instance as sent and its answer comes back; it reuses no KV,
-/// so it is routed by load alone and no prompt is tokenized for it. Before, the router
-/// answered 404.
+/// `/v1/embeddings` and a pooling model's other APIs (vLLM's `/v2/embed`, `/pooling`,
+/// `/classify`, `/score` and `/v1/score`, `/rerank`, `/v1/rerank` and `/v2/rerank`) reach an
+/// instance as sent and the answer comes back; they reuse no KV, so they are routed by load
+/// alone and no prompt is tokenized for them. Before, the router answered 404 (the pooling
+/// paths but `/v1/embeddings` until the commit after it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embeddings_reach_an_instance_routed_by_load() {
     let up = healthy().await;
     let r = proxy(vec![up.url()]).await;
-    let b = json!({"model": "m", "input": ["a long text", "another"]});
-    let got = post(&r, "/v1/embeddings", &b).await;
-    assert_eq!(got.status, 200, "{got:?}");
-    assert_eq!(got.header("x-kvtier-instance"), Some("0"), "{got:?}");
-    assert_eq!(last_body(&up, "/v1/embeddings"), b);
+    let paths = [
+        "/v1/embeddings",
+        "/v2/embed",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+    ];
+    for path in paths {
+        let b = json!({"model": "m", "input": ["a long text", "another"], "query": "q"});
+        let got = post(&r, path, &b).await;
+        assert_eq!(got.status, 200, "{path}: {got:?}");
+        assert_eq!(got.header("x-kvtier-instance"), Some("0"), "{got:?}");
+        assert_eq!(last_body(&up, path), b);
+    }
     assert_eq!(up.count("/tokenize"), 0, "nothing to route by the cache");
-    assert_eq!(stats(&r).await["routed_load_only"], 1);
+    assert_eq!(stats(&r).await["routed_load_only"], paths.len());
     released(&r, "embedding released").await;
     r.stop().await;
 }
