@@ -65,9 +65,12 @@ def _rank(rank, port, addr, agree, out):
         two.cache.flush_pending_backups()  # the per-step hook: the reads, then the agreement
         two.run([req, req0, two.request(PROMPTS[2])])
         two.check_pools()
+        two.cache.flush_pending_backups()  # idle: the last step's L3 jobs end and are agreed
+        two.cache.wait_io()
+        books = {k: v for k, v in two.cache.books().items() if v}
         s = two.cache.stats()
         out.put((rank, dict(hits=two.prefix_hits, usage=two.cache.manager.usage(), rows=two.checked_rows,
-                            lost=s["prefetch_lost_pages"], agreements=two.cache.agreements)))
+                            lost=s["prefetch_lost_pages"], agreements=two.cache.agreements, books=books)))
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 (reported to the test)
         out.put((rank, traceback.format_exc()))
@@ -92,6 +95,9 @@ def test_two_ranks_agree_on_one_sided_l3_losses():
     assert r0["hits"] == r1["hits"] and r0["hits"][:2] == [8, 12]
     assert r0["usage"] == r1["usage"]
     assert r0["agreements"] == r1["agreements"] > 0
+    # Idle, nothing is kept per request or per job on either rank (outcomes waiting for the
+    # agreement included): docs/sglang.md, "What kvtier keeps per request".
+    assert r0["books"] == r1["books"] == {}
     assert r0["rows"] == r1["rows"] == sum(r0["hits"])
 
 
