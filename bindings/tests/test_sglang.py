@@ -697,3 +697,27 @@ def test_page_head_round_trip_and_value_path():
     assert page_bytes(other, 3) == page_bytes(src, 5)
     assert b.batch_set(["h3"], [src.get_data_page(6 * PS, flat=True).contiguous()]) is True
     assert r.batch_get_v1(["h3"], page_indices([8], PS)) == [True] and page_bytes(dst, 8) == page_bytes(src, 6)
+
+
+def test_cache_salts_leave_no_state_per_salt_beyond_what_clear_needs():
+    """A long-running engine sees a new ``cache_salt`` per user or per request: the backend
+    kept a store handle for every salt it ever looked up, read or wrote (``_tenants``), so it
+    grew with the salts served. Now a salt that only looked up or read leaves nothing, a salt
+    that wrote leaves its tenant's name until ``clear()`` (which must reach its pages) and
+    ``clear()`` forgets them; handles are kept for the most recent salts only
+    (``VIEW_CACHE``)."""
+    from kvtier.sglang import storage as st
+
+    b = backend(mha_pool("page_first"))
+    keys = ["k0", "k1"]
+    n = st.VIEW_CACHE + 40
+    for i in range(n):
+        assert b.batch_exists(keys, salt(f"reader-{i}")) == 0
+        assert b.batch_get_v1(keys, page_indices([0, 1], PS), salt(f"reader-{i}")) == [False, False]
+    assert b.books() == {"views": st.VIEW_CACHE, "written_tenants": 0}
+    for i in range(3):
+        assert b.batch_set_v1(keys, page_indices([0, 1], PS), salt(f"writer-{i}")) == [True, True]
+    assert b.books()["written_tenants"] == 3
+    b.clear()
+    assert b.books()["written_tenants"] == 0
+    assert all(b.batch_exists(keys, salt(f"writer-{i}")) == 0 for i in range(3))  # clear reached them all

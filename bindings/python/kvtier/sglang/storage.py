@@ -32,13 +32,14 @@ request can neither read nor probe another salt's pages.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import numpy as np
 import torch
@@ -72,6 +73,10 @@ from .storage_options import (  # noqa: F401  (the backend's options and errors,
 from .storage_pools import _SAMPLE_NAMESPACE, _SAMPLE_PAGE, _Grid, _grid, _object_key, sglang_model
 
 logger = logging.getLogger(__name__)
+
+# Store handles kept for the most recently used salted tenants (one a cache salt); the rest are
+# made again when needed (a handle is a few shared pointers).
+VIEW_CACHE = 64
 
 __all__ = [
     "KvtierHiCacheStorage",
@@ -160,7 +165,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.prefetch_ssd = opts["prefetch_ssd"]
         self.registered_pools: Dict[Any, Any] = {}
         self._grids: Dict[str, _Grid] = {}
-        self._tenants: Dict[str, kvtier.L3Store] = {self.tenant: self.store}
+        # Store handles of the most recent salted tenants (a handle is cheap to make again:
+        # a new salt per user or per request must not grow this), and the salted tenants this
+        # backend wrote to since the last clear() (which must reach their pages).
+        self._views: "collections.OrderedDict[str, kvtier.L3Store]" = collections.OrderedDict()
+        self._written: Set[str] = set()
         self._lock = threading.Lock()
         self.counters = _Counters()
         self._metrics = StorageMetrics()
@@ -225,11 +234,25 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return salt_tenant(self.tenant, salt)
 
     def _view(self, tenant: str) -> kvtier.L3Store:
+        if tenant == self.tenant:
+            return self.store
         with self._lock:
-            v = self._tenants.get(tenant)
+            v = self._views.get(tenant)
             if v is None:
-                v = self._tenants[tenant] = self.store.with_tenant(tenant)
+                v = self._views[tenant] = self.store.with_tenant(tenant)
+                if len(self._views) > VIEW_CACHE:
+                    self._views.popitem(last=False)
+            else:
+                self._views.move_to_end(tenant)
             return v
+
+    def books(self) -> Dict[str, int]:
+        """What this backend keeps per cache salt: store handles of the most recent salted
+        tenants (at most ``VIEW_CACHE``) and the salted tenants it wrote to since the last
+        ``clear()`` (a name each; ``clear()`` forgets them). Before, a handle per salt ever
+        seen stayed for good (docs/sglang.md, "What kvtier keeps per request")."""
+        with self._lock:
+            return {"views": len(self._views), "written_tenants": len(self._written)}
 
     def _rank_of(self, g: _Grid) -> int:
         """The rank field of a pool's keys: the writer's for replicated MLA KV, else this rank's."""
@@ -306,6 +329,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         okeys = self.object_keys(keys, tenant, pool)
         ids = g.chunk_ids(pages)
         store = self._view(tenant)
+        if op == "set" and tenant != self.tenant:
+            with self._lock:
+                self._written.add(tenant)  # before the write: clear() must reach what lands
         t0 = time.perf_counter()
         try:
             if op == "set":
@@ -528,12 +554,14 @@ class KvtierHiCacheStorage(HiCacheStorage):
         namespace under each of its tenants, not the tenant's whole store (before, another
         model's pages on a shared server went too)."""
         with self._lock:
-            tenants = list(self._tenants)
+            tenants = [self.tenant, *self._written]
             pools = list(self._grids)
         for t in tenants:
             for pool in pools:
                 ns = self.namespace(t, pool)
                 self._view(t).remove_by_regex(f"^{re.escape(ns)}:", True)
+            with self._lock:
+                self._written.discard(t)  # cleared: nothing of this backend's left there
 
     def get_stats(self) -> StorageMetrics:
         """SGLang's ``StorageMetrics`` since the last call (pages and GB/s per batch), with
