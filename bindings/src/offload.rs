@@ -479,6 +479,7 @@ impl PyOffloadManager {
         let (retrying, given_up) = self.inner().backups_retrying();
         d.set_item("backups_retrying", retrying)?;
         d.set_item("backups_given_up", given_up)?;
+        d.set_item("backups_probed", self.inner().backups_probed())?;
         Ok(d)
     }
 

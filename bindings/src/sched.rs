@@ -58,6 +58,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("backups_retrying", s.backups_retrying)?;
     d.set_item("backups_given_up", s.backups_given_up)?;
     d.set_item("backups_retried", s.backups_retried)?;
+    d.set_item("backups_probed", s.backups_probed)?;
     d.set_item("internal_errors", s.internal_errors)?;
     d.set_item("ttft_ms_sum", s.ttft_ms_sum)?;
     d.set_item("ttft_count", s.ttft_count)?;

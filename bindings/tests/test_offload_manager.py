@@ -453,3 +453,22 @@ def test_a_prefetch_is_completed_with_at_most_its_pages_and_only_as_a_prefetch()
     with pytest.raises(kvtier.AgreementError, match="at most 3"):
         m2.agree(ranks)
     m2.check()
+
+
+def test_failed_backups_are_probed_by_an_engine_serving_only_hits():
+    """After an outage an engine that stores nothing and reads nothing still backs its failed
+    pages up: one ``plan_backups`` in ``probe_every`` (64) plans one waiting run as the probe
+    (before: never, as L3 made no other answer); ``usage()['backups_probed']`` counts them."""
+    m = kvtier.OffloadManager(8, "lru", "write-through")
+    a = chain("probe", 3)
+    job, _, _, _ = m.prepare_store(a, 3)
+    m.complete_store(job, "done")
+    [(b, pages, _)] = m.plan_backups()
+    m.complete_backup(b, "failed")
+    tried = []
+    for _ in range(64):
+        for b, pages, _ in m.plan_backups():
+            tried.append(pages)
+            m.complete_backup(b, "done")
+    assert tried == [a] and m.usage()["backups_probed"] == 1
+    assert m.plan_backups() == [] and m.usage()["backups_retrying"] == 0  # the probed run, in L3, dropped

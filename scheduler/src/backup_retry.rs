@@ -9,6 +9,16 @@
 //! says what "answered" is (a backup done, a read that found pages) and how a run is planned
 //! (which pages are still on host and not in L3 nor being sent); the queue holds the runs,
 //! their tries and the bounds.
+//!
+//! Why a probe: an engine that, once L3 is back, serves only requests whose pages are on
+//! device or host stores nothing (no new backup) and reads nothing, so L3 never answers and
+//! its backlog would wait until some unrelated store. So while failing, one plan in
+//! [`BackupRetry::probe_every`] (counted in plans, the planners' only clock: neither has a
+//! wall clock of its own) tries the oldest waiting run again as the probe, at most
+//! [`BackupRetry::pages_per_plan`] of its pages; a failure (the probe's or any backup's)
+//! starts the count again. The probed run stays waiting, so its failure costs it no try (a
+//! long outage gives nothing up) and its success (L3 answered) lets the next plan retry the
+//! rest. A server that is down thus costs at most one backup per `probe_every` plans.
 
 use std::collections::VecDeque;
 
@@ -23,6 +33,10 @@ pub struct BackupRetry {
     pub tries: u32,
     /// The most failed runs waiting (the oldest are given up beyond it).
     pub max_waiting: usize,
+    /// While L3 has not answered since the last failure, one plan in this many tries the
+    /// oldest waiting run as a probe (module doc); 0: never (only L3's answers let retries
+    /// go).
+    pub probe_every: u32,
 }
 
 impl Default for BackupRetry {
@@ -31,6 +45,7 @@ impl Default for BackupRetry {
             pages_per_plan: 64,
             tries: 8,
             max_waiting: 4096,
+            probe_every: 64,
         }
     }
 }
@@ -54,6 +69,10 @@ pub(crate) struct RetryQueue {
     given_up: u64,
     /// Retried runs planned (a run cut by the per-plan bound counts once per plan).
     retried: u64,
+    /// Plans while failing since the last failure or probe (the probe's clock).
+    quiet_plans: u32,
+    /// Probes planned (a waiting run tried while failing).
+    probes: u64,
 }
 
 impl RetryQueue {
@@ -64,25 +83,29 @@ impl RetryQueue {
     /// L3 answered (a write or a read succeeded): failed backups may be tried again.
     pub(crate) fn answered(&mut self) {
         self.failing = false;
+        self.quiet_plans = 0;
     }
 
-    /// A failed backup's run waits to be tried again (or is given up). A run already waiting
-    /// (the same pages: a chain's last page names the chain) waits once, with its own tries:
-    /// write-back backs the same pages up at each try to free host space while L3 is down,
-    /// and a copy per failure pushed other runs out past `max_waiting`.
+    /// A failed backup's run waits to be tried again (or is given up). A run within one
+    /// already waiting (from the same page, its chain a prefix of the waiting one's: a
+    /// chain's last page names the chain) waits in it, and costs it no try: write-back backs
+    /// the same pages up at each try to free host space while L3 is down (a copy per failure
+    /// pushed other runs out past `max_waiting`), and a probe's run stays waiting while it is
+    /// tried. A failure restarts the probe's count.
     pub(crate) fn failed(&mut self, mut run: Run) {
         self.failing = true;
+        self.quiet_plans = 0;
+        let within = |w: &Run| {
+            w.from == run.from
+                && run.chain.len() <= w.chain.len()
+                && run.chain.last() == run.chain.len().checked_sub(1).and_then(|i| w.chain.get(i))
+        };
+        if self.waiting.iter().any(within) {
+            return;
+        }
         run.tries = run.tries.saturating_add(1);
         if run.tries > self.conf.tries {
             self.given_up += 1;
-            return;
-        }
-        let same = |w: &Run| {
-            w.from == run.from
-                && w.chain.len() == run.chain.len()
-                && w.chain.last() == run.chain.last()
-        };
-        if self.waiting.iter().any(same) {
             return;
         }
         self.waiting.push_back(run);
@@ -92,9 +115,21 @@ impl RetryQueue {
         }
     }
 
-    /// Whether a plan would try a failed run again now (L3 answered since the last failure).
+    /// Whether the next plan would try a failed run again: L3 answered since the last
+    /// failure, or the probe is due (module doc).
     pub(crate) fn due(&self) -> bool {
-        !self.failing && !self.waiting.is_empty() && self.conf.pages_per_plan > 0
+        self.retrying()
+            && (!self.failing || self.quiet_plans.saturating_add(1) >= self.conf.probe_every)
+    }
+
+    /// Whether plans count towards the probe now: failing, runs waiting, and probes on.
+    pub(crate) fn counting(&self) -> bool {
+        self.failing && self.conf.probe_every > 0 && self.retrying()
+    }
+
+    /// Runs wait, and the bounds let them be retried at all.
+    fn retrying(&self) -> bool {
+        !self.waiting.is_empty() && self.conf.pages_per_plan > 0
     }
 
     /// Runs waiting, runs given up so far, retried runs planned so far.
@@ -102,12 +137,26 @@ impl RetryQueue {
         (self.waiting.len(), self.given_up, self.retried)
     }
 
+    /// Probes planned so far (waiting runs tried while L3 had not answered).
+    pub(crate) fn probes(&self) -> u64 {
+        self.probes
+    }
+
     /// Plans the waiting runs, oldest first, once L3 has answered since the last failure: at
     /// most `pages_per_plan` pages in all. `plan(run, budget)` plans at most `budget` pages of
     /// `run` and returns how many it planned and what is left of the run beyond them; a run
     /// with nothing planned is dropped (its pages left host, are in L3, or are being sent).
+    /// While failing, one call in `probe_every` plans the probe instead (module doc); every
+    /// call counts, so the planner calls this every plan while [`Self::counting`].
     pub(crate) fn plan(&mut self, mut plan: impl FnMut(Run, usize) -> (usize, Option<Run>)) {
         if self.failing {
+            if self.counting() {
+                self.quiet_plans = self.quiet_plans.saturating_add(1);
+                if self.quiet_plans >= self.conf.probe_every {
+                    self.quiet_plans = 0;
+                    self.probe(plan);
+                }
+            }
             return;
         }
         let mut budget = self.conf.pages_per_plan;
@@ -126,6 +175,25 @@ impl RetryQueue {
                     break; // nothing planned now: the rest waits for the next plan
                 }
             }
+        }
+    }
+}
+
+impl RetryQueue {
+    /// Plans the oldest waiting run that has pages to back up as the probe; it stays waiting
+    /// (its failure costs no try, its success lets the next plan retry it and the rest). Runs
+    /// with nothing to plan before it are dropped, as a plan drops them.
+    fn probe(&mut self, mut plan: impl FnMut(Run, usize) -> (usize, Option<Run>)) {
+        while let Some(run) = self.waiting.front() {
+            let (planned, rest) = plan(run.clone(), self.conf.pages_per_plan);
+            if planned > 0 {
+                self.probes += 1;
+                return;
+            }
+            if rest.is_some() {
+                return; // nothing plannable now, but the run is not done: it waits
+            }
+            self.waiting.pop_front();
         }
     }
 }
@@ -175,6 +243,7 @@ mod tests {
             pages_per_plan: 8,
             tries: 1,
             max_waiting: 1,
+            ..BackupRetry::default()
         });
         q.failed(run(1));
         q.failed(run(2));
@@ -199,6 +268,7 @@ mod tests {
             pages_per_plan: 64,
             tries: 8,
             max_waiting: 2,
+            ..BackupRetry::default()
         });
         q.failed(run(1));
         for _ in 0..5 {

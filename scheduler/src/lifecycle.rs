@@ -410,9 +410,10 @@ impl Scheduler {
     }
 
     /// Plans the failed backups due again (L3 answered since the last failure), at most
-    /// `BackupRetry::pages_per_plan` pages (`backup_retry.rs`).
+    /// `BackupRetry::pages_per_plan` pages, or while it has not, counts the plan towards the
+    /// probe and plans it when due (`backup_retry.rs`).
     pub(crate) fn plan_backup_retries(&mut self) {
-        if !self.cfg.l3_enabled || !self.backup_retry.due() {
+        if !self.cfg.l3_enabled || !(self.backup_retry.due() || self.backup_retry.counting()) {
             return;
         }
         let mut retry = std::mem::take(&mut self.backup_retry);

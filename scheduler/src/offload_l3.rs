@@ -15,8 +15,10 @@
 //!
 //! A BackUp that fails (L3 down, or refusing) is not given up: its run waits in a retry
 //! queue and is planned again, by a later [`OffloadManager::plan_backups`], once L3 has
-//! answered since (a backup done, a prefetch that read pages, a probe that found some), so a
-//! server that is down costs no RPC per step for the pages already failed; at most
+//! answered since (a backup done, a prefetch that read pages, a probe that found some), or
+//! as the probe one plan in [`BackupRetry::probe_every`] makes while it has not (an engine
+//! serving only hits makes L3 no other answer), so a server that is down costs at most one
+//! backup per that many plans for the pages already failed; at most
 //! [`BackupRetry::pages_per_plan`] retried pages per plan (the step is not stalled by a
 //! backlog), each run at most [`BackupRetry::tries`] times. Pages that left host meanwhile,
 //! or that L3 holds or is being sent, are not planned again.
@@ -124,9 +126,10 @@ impl L3Books {
         self.in_l3.len()
     }
 
-    /// Whether a plan would plan anything now: inserted runs, or failed runs once L3 answered.
+    /// Whether a plan has anything to do now: inserted runs, failed runs once L3 answered or
+    /// as the probe, or a plan to count towards the probe (`backup_retry.rs`).
     fn due(&self) -> bool {
-        !self.queued.is_empty() || self.retry.due()
+        !self.queued.is_empty() || self.retry.due() || self.retry.counting()
     }
 }
 
@@ -400,8 +403,10 @@ impl OffloadManager {
         (self.l3.queued.len(), self.l3.jobs.len())
     }
 
-    /// Whether [`Self::plan_backups`] would plan anything now (inserted runs queued, or failed
-    /// ones L3 may take again): an engine may skip the call otherwise.
+    /// Whether [`Self::plan_backups`] has anything to do now (inserted runs queued, failed
+    /// ones L3 may take again, or, while L3 has not answered since a failure and runs wait,
+    /// the plans counted towards the probe that tries one of them: `backup_retry.rs`): an
+    /// engine may skip the call otherwise.
     pub fn backups_due(&self) -> bool {
         self.l3.due()
     }
@@ -410,5 +415,11 @@ impl OffloadManager {
     pub fn backups_retrying(&self) -> (usize, u64) {
         let (waiting, given_up, _) = self.l3.retry.counts();
         (waiting, given_up)
+    }
+
+    /// Probes planned so far: a waiting failed run tried while L3 had not answered
+    /// ([`BackupRetry::probe_every`]).
+    pub fn backups_probed(&self) -> u64 {
+        self.l3.retry.probes()
     }
 }

@@ -302,6 +302,7 @@ impl Scheduler {
         s.device = self.cache.usage(TierKind::Device);
         s.host = self.cache.usage(TierKind::Host);
         (s.backups_retrying, s.backups_given_up, s.backups_retried) = self.backup_retry.counts();
+        s.backups_probed = self.backup_retry.probes();
         s
     }
 
@@ -321,8 +322,9 @@ impl Scheduler {
     }
 
     /// Nothing in flight and nothing live: every op answered, every request ended, and no
-    /// failed backup due to be tried again (L3 answered since it failed: the next plan backs
-    /// it up; while L3 has not, failed backups wait without keeping the scheduler busy).
+    /// failed backup due to be tried again (L3 answered since it failed, or the next plan is
+    /// the probe's: the next plan backs it up; while L3 has not, failed backups wait without
+    /// keeping the scheduler busy, one plan in `BackupRetry::probe_every` excepted).
     pub fn is_idle(&self) -> bool {
         self.reqs.is_empty()
             && self.ops.is_empty()

@@ -53,6 +53,9 @@ pub struct Stats {
     pub backups_given_up: u64,
     /// Failed backups tried again (backups planned from the retry queue).
     pub backups_retried: u64,
+    /// Probes: waiting failed backups tried while L3 had not answered since a failure (one
+    /// plan in `BackupRetry::probe_every`).
+    pub backups_probed: u64,
     /// Locks or pages the scheduler failed to give back (a scheduler bug; `check` wants 0).
     pub internal_errors: u64,
     /// Time to first token (engine clock, ms), summed over requests that produced one.

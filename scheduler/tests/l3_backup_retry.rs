@@ -90,9 +90,10 @@ fn pages_whose_backup_failed_while_l3_was_down_reach_it_once_it_answers_again() 
         );
     }
     assert_eq!(m.backups_retrying(), (3, 0));
-    // Steps with nothing new: L3 has not answered since it failed, nothing is retried.
+    // Steps with nothing new: L3 has not answered since it failed, nothing is retried (the
+    // plans count towards the probe, one in `probe_every`: the manager wants them).
     for _ in 0..3 {
-        assert!(!m.backups_due());
+        assert!(m.backups_due());
         assert!(
             step(&mut m, &mut l3).is_empty(),
             "retried before L3 answered"
@@ -132,6 +133,7 @@ fn a_retry_skips_what_l3_holds_and_what_left_host_and_gives_up_after_its_tries()
         pages_per_plan: 64,
         tries: 2,
         max_waiting: 16,
+        ..BackupRetry::default()
     };
     let mut m = manager(8, retry);
     let mut l3 = FakeL3 {
@@ -170,12 +172,64 @@ fn a_retry_skips_what_l3_holds_and_what_left_host_and_gives_up_after_its_tries()
     assert_eq!(m.backups_retrying(), (0, 1));
 }
 
+/// After an outage, an engine that serves only hits (no store, so no new backup, and no
+/// read) still retries its failed backups: one plan in `probe_every` tries one waiting run
+/// as the probe; its success is L3's answer and the rest follow. While L3 stays down, no
+/// plan but every `probe_every`th tries anything again.
+#[test]
+fn an_engine_serving_only_hits_after_an_outage_retries_within_the_probe_bound() {
+    let every = BackupRetry::default().probe_every;
+    let mut m = manager(32, BackupRetry::default());
+    let mut l3 = FakeL3::default();
+    let hit = chain(1, 2);
+    store(&mut m, &hit);
+    assert_eq!(step(&mut m, &mut l3), hit);
+    l3.down = true;
+    let down = [chain(2, 4), chain(3, 3)];
+    for c in &down {
+        store(&mut m, c);
+        assert_eq!(&step(&mut m, &mut l3), c);
+    }
+    l3.down = false;
+    // L3 is back; the engine serves `hit` from host every step.
+    let mut plans = 0;
+    while !down.iter().flatten().all(|p| l3.stored.contains(p)) && plans < 1000 {
+        m.touch(&hit);
+        if m.backups_due() {
+            step(&mut m, &mut l3);
+        }
+        plans += 1;
+    }
+    assert!(
+        plans <= every + 1,
+        "{plans} plans before the failed backups reached L3"
+    );
+    assert_eq!(l3.duplicate_puts, 0);
+    assert_eq!(m.backups_probed(), 1);
+    assert!(!m.backups_due());
+    // While L3 stays down, a probe every `every` plans, of one run, and no try spent.
+    l3.down = true;
+    let more = chain(4, 2);
+    store(&mut m, &more);
+    assert_eq!(step(&mut m, &mut l3), more);
+    for plan in 1..=3 * every {
+        let tried = step(&mut m, &mut l3);
+        if plan.is_multiple_of(every) {
+            assert_eq!(tried, more, "plan {plan}: the probe");
+        } else {
+            assert!(tried.is_empty(), "plan {plan} tried {tried:?}");
+        }
+    }
+    assert_eq!((m.backups_probed(), m.backups_retrying()), (4, (1, 0)));
+}
+
 #[test]
 fn waiting_failed_runs_are_bounded() {
     let retry = BackupRetry {
         pages_per_plan: 64,
         tries: 8,
         max_waiting: 2,
+        ..BackupRetry::default()
     };
     let mut m = manager(16, retry);
     let mut l3 = FakeL3 {
@@ -215,18 +269,26 @@ proptest! {
 
     /// Any interleaving of stores (evicting), steps and an L3 going down and up: every
     /// backup reads host slots of its own pages, no page L3 holds is put again, no plan
-    /// retries more than `pages_per_plan` pages, none is planned while L3 has not answered
-    /// since its last failure; and once L3 is up for good, a few steps take every page on
-    /// host to L3.
+    /// retries more than `pages_per_plan` pages; while L3 has not answered since its last
+    /// failure, only a probe retries (one plan in `probe_every`, counted from the last
+    /// failure or probe); and once L3 is up for good, every page on host reaches L3 within
+    /// `probe_every` plans and those the retries need, with no new store (without probes, a
+    /// new store's backup is the answer they wait for).
     #[test]
-    fn failed_backups_end_in_l3_once_it_is_back(ops in prop::collection::vec(op(), 1..60), budget in 1usize..6) {
-        let retry = BackupRetry { pages_per_plan: budget, tries: u32::MAX, max_waiting: usize::MAX };
+    fn failed_backups_end_in_l3_once_it_is_back(
+        ops in prop::collection::vec(op(), 1..60),
+        budget in 1usize..6,
+        probe_every in 0u32..5,
+    ) {
+        let retry = BackupRetry { pages_per_plan: budget, tries: u32::MAX, max_waiting: usize::MAX, probe_every };
         let mut m = manager(10, retry);
         let mut l3 = FakeL3::default();
         let mut resident: HashSet<PageHash> = HashSet::new();
         // Pages on host whose last backup failed: planning one of them is a retry.
         let mut failed: HashSet<PageHash> = HashSet::new();
         let mut failing = false;
+        // Plans since the last failure or probe while failing.
+        let mut quiet = 0u32;
         for op in ops {
             match op {
                 Op::Store { prompt, len } => {
@@ -239,12 +301,21 @@ proptest! {
                     let plans = m.plan_backups();
                     let retried = plans.iter().flat_map(|b| &b.pages).filter(|p| failed.contains(p)).count();
                     prop_assert!(retried <= budget, "{} retried pages in one plan", retried);
-                    prop_assert!(retried == 0 || !failing, "retried before L3 answered");
+                    if failing {
+                        quiet += 1;
+                        if retried > 0 {
+                            prop_assert!(probe_every > 0 && quiet >= probe_every, "retried after {} quiet plans", quiet);
+                            quiet = 0;
+                        }
+                    }
                     for b in &plans {
                         prop_assert!(b.pages.iter().all(|p| resident.contains(p)));
                         let outcome = l3.run(b);
                         m.complete_backup(b.job, outcome).unwrap();
                         failing = outcome == JobOutcome::Failed;
+                        if failing {
+                            quiet = 0;
+                        }
                         for p in &b.pages {
                             if failing { failed.insert(*p); } else { failed.remove(p); }
                         }
@@ -266,9 +337,13 @@ proptest! {
             }
             prop_assert_eq!(l3.duplicate_puts, 0);
         }
-        // L3 up for good: a new page's backup answers, then the retries drain.
+        // L3 up for good: the probe (or, without, a new page's backup) answers, then the
+        // retries drain.
         l3.down = false;
-        if let Some(s) = m.prepare_store(&chain(99, 1), 1).unwrap() {
+        let mut plans = 10 / budget + 3;
+        if probe_every > 0 {
+            plans += probe_every as usize;
+        } else if let Some(s) = m.prepare_store(&chain(99, 1), 1).unwrap() {
             m.complete_store(s.job, JobOutcome::Done).unwrap();
         }
         for e in m.drain_events() {
@@ -280,7 +355,7 @@ proptest! {
                 _ => {}
             }
         }
-        for _ in 0..(10 / budget + 3) {
+        for _ in 0..plans {
             step(&mut m, &mut l3);
         }
         prop_assert!(!m.backups_due());

@@ -132,6 +132,41 @@ fn pages_that_left_host_are_not_tried_again() {
     assert_quiescent(&s);
 }
 
+/// After an outage, a scheduler whose requests hit pages L3 already holds (no new backup, no
+/// read) still retries its failed backups within a bounded number of plans (one plan in
+/// `probe_every` tries one waiting run as the probe).
+#[test]
+fn a_scheduler_serving_only_hits_after_an_outage_retries_within_the_probe_bound() {
+    let every = u64::from(BackupRetry::default().probe_every);
+    let c = l3_cfg();
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let mut e = Engine::new(&c);
+    let hit = prompt(3, 41);
+    e.submit(&mut s, 1, hit.clone(), 1);
+    e.run_to_idle(&mut s, 200);
+    let down = prompt(1, 41);
+    compute_while_down(&mut s, &mut e, 2, &down);
+    let keys = keys_of(&s, &down);
+    assert!(keys.iter().all(|k| !e.l3.contains_key(k)));
+    let mut plans = 0u64;
+    while !keys.iter().all(|k| e.l3.contains_key(k)) && plans < 1000 {
+        if plans.is_multiple_of(8) {
+            e.submit(&mut s, 10 + plans, hit.clone(), 1);
+        }
+        e.step(&mut s, 5000 + plans);
+        plans += 1;
+    }
+    assert!(
+        plans <= every + 8,
+        "{plans} plans before the failed backups reached L3"
+    );
+    assert!(e.puts.values().all(|&n| n == 1), "a page put twice");
+    e.run_to_idle(&mut s, 200);
+    assert_quiescent(&s);
+    let st = s.stats();
+    assert_eq!((st.backups_probed, st.backups_retrying), (1, 0));
+}
+
 /// Runs `p` with L3 up until its backup succeeded (L3 answered), then with L3 down again.
 fn answer_then_fail(s: &mut Scheduler, e: &mut Engine, id: u64, p: &[u32]) {
     let keys = keys_of(s, p);
