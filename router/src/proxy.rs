@@ -1,7 +1,7 @@
 //! OpenAI-compatible proxy in front of vLLM or SGLang servers: `/v1/completions`,
 //! `/v1/responses` (and a stored response's `GET /v1/responses/{id}` and `.../cancel`, from the
 //! instance that has it), `/v1/embeddings` and the other pooling APIs (routed by load),
-//! SGLang's `/generate`,
+//! Anthropic's `/v1/messages` (and `/v1/messages/count_tokens`), SGLang's `/generate`,
 //! `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize` and `/detokenize`.
 //!
 //! Each request is routed by its prompt's tokens: token-id prompts are used as they are; a
@@ -257,7 +257,8 @@ impl Drop for InFlight {
 /// forwarded with its query as a request of its kind. A Responses API request is routed by
 /// the cache of its `instructions` and `input` ([`responses_messages`]), its stream's first
 /// token the first event past `response.created` and `response.in_progress`
-/// ([`responses_chunk`]); an embedding (a score, a rerank) reuses no KV and generates
+/// ([`named_chunk`]); an Anthropic message (`/v1/messages`) by its `system` and `messages`
+/// ([`anthropic_messages`]); an embedding (a score, a rerank) reuses no KV and generates
 /// nothing, so it is routed by load alone, its prompt not tokenized.
 pub async fn api(
     State(st): State<AppState>,
@@ -290,9 +291,9 @@ pub async fn models(State(st): State<AppState>, uri: Uri, headers: HeaderMap) ->
     .await
 }
 
-/// vLLM's `POST /tokenize` and `/detokenize` (clients count a prompt's tokens before they
-/// send it) from the first instance that answers ([`any_instance`]): every instance serves
-/// the same model, and nothing is routed by it.
+/// vLLM's `POST /tokenize`, `/detokenize` and `/v1/messages/count_tokens` (clients count a
+/// prompt's tokens before they send it) from the first instance that answers
+/// ([`any_instance`]): every instance serves the same model, and nothing is routed by it.
 pub async fn tokenize(
     State(st): State<AppState>,
     uri: Uri,
@@ -792,12 +793,16 @@ enum Chunk {
 
 /// What `chunk` of a streamed answer to a request of `kind` is: an error event for every
 /// kind; past that, a completion's, chat's or `/generate`'s chunk is a token, and a
-/// response's is read by its events ([`responses_chunk`]).
+/// response's or an Anthropic message's is read by its events ([`named_chunk`]: a message's
+/// first event, `message_start`, comes with its first token in vLLM, an `error` event is
+/// its failure, a `ping` no token).
 fn chunk_of(kind: Kind, chunk: &[u8]) -> Chunk {
     if error_event(chunk) {
         Chunk::Error
     } else if kind == Kind::Responses {
-        responses_chunk(chunk)
+        named_chunk(chunk, &RESPONSES_PREAMBLE, &RESPONSES_FAILED)
+    } else if kind == Kind::Messages {
+        named_chunk(chunk, &[b"ping"], &[b"error"])
     } else {
         Chunk::Token
     }
@@ -815,12 +820,12 @@ const RESPONSES_PREAMBLE: [&[u8]; 3] = [
 /// The Responses API's events that end a stream in failure: `error` and `response.failed`.
 const RESPONSES_FAILED: [&[u8]; 2] = [b"error", b"response.failed"];
 
-/// A chunk of a streamed response (`event: NAME` / `data: {"type": NAME, ...}` events, as
-/// vLLM's and SGLang's `/v1/responses` send them): an error if any event failed
-/// ([`RESPONSES_FAILED`]), a token if any event is past the preamble
-/// ([`RESPONSES_PREAMBLE`]); a chunk of the preamble alone, or naming no event (a comment,
-/// the rest of an event cut across chunks), is no token.
-fn responses_chunk(chunk: &[u8]) -> Chunk {
+/// A chunk of a stream of named events (`event: NAME` / `data: {"type": NAME, ...}`, as
+/// vLLM's and SGLang's `/v1/responses` and vLLM's `/v1/messages` send them): an error if any
+/// event is one of `failed`, a token if any event is not one of `preamble`; a chunk of the
+/// preamble alone, or naming no event (a comment, the rest of an event cut across chunks),
+/// is no token.
+fn named_chunk(chunk: &[u8], preamble: &[&[u8]], failed: &[&[u8]]) -> Chunk {
     let mut named = false;
     let mut names: Vec<&[u8]> = Vec::new();
     let mut types: Vec<String> = Vec::new();
@@ -842,9 +847,9 @@ fn responses_chunk(chunk: &[u8]) -> Chunk {
     } else {
         types.iter().map(|t| t.as_bytes()).collect()
     };
-    if all.iter().any(|n| RESPONSES_FAILED.contains(n)) {
+    if all.iter().any(|n| failed.contains(n)) {
         Chunk::Error
-    } else if all.iter().any(|n| !RESPONSES_PREAMBLE.contains(n)) {
+    } else if all.iter().any(|n| !preamble.contains(n)) {
         Chunk::Token
     } else {
         Chunk::Preamble
@@ -915,6 +920,17 @@ async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) ->
             "messages": responses_messages(v)?,
             "add_generation_prompt": true,
         }),
+        Kind::Messages => {
+            let mut ask = serde_json::json!({
+                "model": model,
+                "messages": anthropic_messages(v)?,
+                "add_generation_prompt": true,
+            });
+            if let (Some(x), Some(m)) = (v.get("chat_template_kwargs"), ask.as_object_mut()) {
+                m.insert("chat_template_kwargs".into(), x.clone());
+            }
+            ask
+        }
         Kind::Pooling => return None,
         Kind::Chat => {
             let mut ask = serde_json::json!({
@@ -990,6 +1006,63 @@ fn responses_messages(v: &Value) -> Option<Value> {
             }
         }
         _ => return None,
+    }
+    (!messages.is_empty()).then_some(Value::Array(messages))
+}
+
+/// The chat messages an Anthropic Messages API request is run as, as vLLM 0.34 builds them
+/// (`anthropic/serving.py`'s `to_chat_completion_request`): `system` (a text, or its text
+/// blocks joined, Claude Code's `x-anthropic-billing-header` block left out) as the system
+/// message, then each message whose content is a text or text blocks (one block as its
+/// text, several as `text` parts), up to the first holding anything else (a tool use or
+/// result, an image, thinking: the messages before it are a sure prefix). `None` without a
+/// message.
+fn anthropic_messages(v: &Value) -> Option<Value> {
+    // a content's texts, `None` if it holds anything but text blocks
+    let texts = |c: &Value| -> Option<Vec<String>> {
+        match c {
+            Value::String(t) => Some(vec![t.clone()]),
+            Value::Array(blocks) => blocks
+                .iter()
+                .filter(|b| b.get("text").and_then(Value::as_str) != Some(""))
+                .map(|b| {
+                    (b.get("type").and_then(Value::as_str) == Some("text"))
+                        .then(|| b.get("text")?.as_str().map(str::to_owned))
+                        .flatten()
+                })
+                .collect(),
+            _ => None,
+        }
+    };
+    let mut messages = Vec::new();
+    if let Some(system) = v.get("system").and_then(texts) {
+        let kept: String = system
+            .iter()
+            .filter(|t| !t.starts_with("x-anthropic-billing-header"))
+            .map(String::as_str)
+            .collect();
+        if !kept.is_empty() {
+            messages.push(serde_json::json!({"role": "system", "content": kept}));
+        }
+    }
+    for m in v.get("messages")?.as_array()? {
+        let Some(role) = m.get("role").and_then(Value::as_str) else {
+            break;
+        };
+        let content = m.get("content").unwrap_or(&Value::Null);
+        let Some(parts) = texts(content) else {
+            break;
+        };
+        let content = match (content, parts.as_slice()) {
+            (Value::String(t), _) => Value::String(t.clone()),
+            (_, [one]) => Value::String(one.clone()),
+            (_, []) => break,
+            (_, many) => many
+                .iter()
+                .map(|t| serde_json::json!({"type": "text", "text": t}))
+                .collect(),
+        };
+        messages.push(serde_json::json!({"role": role, "content": content}));
     }
     (!messages.is_empty()).then_some(Value::Array(messages))
 }
@@ -1139,6 +1212,16 @@ mod tests {
         ] {
             assert_eq!(chunk_of(r, c.as_bytes()), Chunk::Error, "{c}");
         }
+        // Anthropic's, as vLLM's message_stream_converter sends them
+        let m = Kind::Messages;
+        assert_eq!(chunk_of(m, ev("message_start").as_bytes()), Chunk::Token);
+        assert_eq!(
+            chunk_of(m, ev("content_block_delta").as_bytes()),
+            Chunk::Token
+        );
+        assert_eq!(chunk_of(m, ev("ping").as_bytes()), Chunk::Preamble);
+        assert_eq!(chunk_of(m, ev("error").as_bytes()), Chunk::Error);
+        assert_eq!(chunk_of(Kind::Chat, ev("error").as_bytes()), Chunk::Token);
     }
 
     #[test]

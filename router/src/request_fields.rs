@@ -21,6 +21,8 @@ pub(crate) enum Kind {
     Chat,
     /// `/v1/responses` (OpenAI's Responses API): `instructions` and `input`.
     Responses,
+    /// Anthropic's Messages API (vLLM's `/v1/messages`): `system` and `messages`.
+    Messages,
     /// SGLang's native `/generate`: `text` or `input_ids`, one prompt or a batch, and
     /// `sampling_params`.
     Generate,
@@ -32,10 +34,11 @@ pub(crate) enum Kind {
 
 impl Kind {
     /// The proxied paths and the kind of each.
-    pub(crate) const PATHS: [(&'static str, Kind); 13] = [
+    pub(crate) const PATHS: [(&'static str, Kind); 14] = [
         ("/v1/completions", Kind::Completion),
         ("/v1/chat/completions", Kind::Chat),
         ("/v1/responses", Kind::Responses),
+        ("/v1/messages", Kind::Messages),
         ("/generate", Kind::Generate),
         ("/v1/embeddings", Kind::Pooling),
         ("/v2/embed", Kind::Pooling),
@@ -67,7 +70,7 @@ impl Kind {
         match self {
             Kind::Completion => given("prompt"),
             Kind::Generate => given("input_ids").or_else(|| given("text")),
-            Kind::Chat | Kind::Responses | Kind::Pooling => None,
+            Kind::Chat | Kind::Responses | Kind::Messages | Kind::Pooling => None,
         }
     }
 }
@@ -136,15 +139,19 @@ pub(crate) fn streamed(v: &Value, kind: Kind) -> bool {
 /// The tokens a request may generate: its `max_completion_tokens` or `max_tokens` (when it
 /// names neither, a completion's default, [`COMPLETION_DEFAULT_MAX_TOKENS`], and for a chat
 /// 0: unknown), times the sequences it asks for (`n`, or `best_of` where larger), times its
-/// prompts; a response's `max_output_tokens` (0: unknown); SGLang's `sampling_params`
+/// prompts; a response's `max_output_tokens` and a message's `max_tokens` (0: unknown); SGLang's `sampling_params`
 /// `max_new_tokens` (default [`GENERATE_DEFAULT_MAX_NEW_TOKENS`]) times its `n`, for each
 /// prompt (one `sampling_params` for all, or a list of one each); an embedding's 0. The
 /// router's memory timeline ends each request by it (docs/router/history.md, "What the
 /// router is told of each answer").
 pub(crate) fn max_tokens(v: &Value, kind: Kind) -> usize {
     match kind {
-        Kind::Responses => v
-            .get("max_output_tokens")
+        Kind::Responses | Kind::Messages => v
+            .get(if kind == Kind::Messages {
+                "max_tokens"
+            } else {
+                "max_output_tokens"
+            })
             .and_then(lax_count)
             .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX)),
         Kind::Pooling => 0,
@@ -368,7 +375,7 @@ mod tests {
                 let body = json!({"stream": v, "max_tokens": v, "n": v, "best_of": v, "prompt": v,
                                   "max_output_tokens": v, "text": v, "input_ids": v,
                                   "sampling_params": v});
-                for kind in [Kind::Completion, Kind::Chat, Kind::Responses, Kind::Generate,
+                for kind in [Kind::Completion, Kind::Chat, Kind::Responses, Kind::Messages, Kind::Generate,
                              Kind::Pooling] {
                     let _ = streamed(&body, kind);
                     let _ = max_tokens(&body, kind);
@@ -420,6 +427,8 @@ mod tests {
             40
         );
         assert_eq!(max_tokens(&json!({"max_tokens": 40}), Kind::Responses), 0);
+        let m = json!({"max_tokens": 40, "n": 3});
+        assert_eq!(max_tokens(&m, Kind::Messages), 40);
         let g = Kind::Generate;
         assert_eq!(max_tokens(&json!({"text": "a"}), g), 128);
         let p = json!({"text": ["a", "b"], "sampling_params": {"max_new_tokens": 10, "n": 3}});

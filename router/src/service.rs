@@ -260,7 +260,8 @@ pub fn app(st: AppState) -> axum::Router {
             .route("/v1/responses/{id}/cancel", post(proxy::stored_response))
             .route("/v1/models", get(proxy::models))
             .route("/tokenize", post(proxy::tokenize))
-            .route("/detokenize", post(proxy::tokenize));
+            .route("/detokenize", post(proxy::tokenize))
+            .route("/v1/messages/count_tokens", post(proxy::tokenize));
     }
     let idle = st.header_timeout;
     // chat requests with images or long prompts pass axum's 2 MB default

@@ -142,26 +142,93 @@ data: {"type":"error","sequence_number":2,"code":"server_error","message":"boom"
             format!("event: response.in_progress\ndata: {progress}\n\n"),
             end.to_string(),
         ];
-        let up = tokenizing(Reply::Sse(events)).await;
-        let r = proxy(vec![up.url()]).await;
-        let before = stats(&r).await;
-        for i in 0..4 {
-            let b = json!({"model": "m", "input": format!("question {i}"), "stream": true,
-                           "max_output_tokens": 50});
-            let got = post(&r, "/v1/responses", &b).await;
-            assert_eq!(got.status, 200, "{got:?}");
-            assert!(String::from_utf8_lossy(&got.body()).contains("boom"));
-        }
-        released(&r, "released").await;
-        let after = stats(&r).await;
-        for k in ["late_s", "decode_step_s"] {
-            assert_eq!(
-                after["instances"][0][k], before["instances"][0][k],
-                "{k} learnt from a failed response's preamble: {after}"
-            );
-        }
-        r.stop().await;
+        let body = |i| {
+            json!({"model": "m", "input": format!("question {i}"), "stream": true,
+                   "max_output_tokens": 50})
+        };
+        nothing_learnt_from(events, "/v1/responses", body).await;
     }
+}
+
+/// Asserts that 4 streamed requests to `path` (`body(i)` each) through the router to an
+/// instance answering each with `events` (a failure: "boom" in it), passed through as they
+/// came, teach the router no lateness and no decode step, every booking released.
+async fn nothing_learnt_from(events: Vec<String>, path: &str, body: impl Fn(u32) -> Value) {
+    let up = tokenizing(Reply::Sse(events)).await;
+    let r = proxy(vec![up.url()]).await;
+    let before = stats(&r).await;
+    for i in 0..4 {
+        let got = post(&r, path, &body(i)).await;
+        assert_eq!(got.status, 200, "{got:?}");
+        assert!(String::from_utf8_lossy(&got.body()).contains("boom"));
+    }
+    released(&r, "released").await;
+    let after = stats(&r).await;
+    for k in ["late_s", "decode_step_s"] {
+        assert_eq!(
+            after["instances"][0][k], before["instances"][0][k],
+            "{path}: {k} learnt from a failed stream: {after}"
+        );
+    }
+    r.stop().await;
+}
+
+/// Anthropic's Messages API (vLLM 0.34's `/v1/messages`, which Anthropic SDK clients call) is
+/// routed by the cache of the chat vLLM runs it as (`anthropic/serving.py`'s
+/// `to_chat_completion_request`): `system` (a text or its text blocks joined) as the system
+/// message, then the messages, text blocks as their text, up to the first message holding
+/// anything else (a tool use, an image: a sure prefix); `/v1/messages/count_tokens` reaches an
+/// instance as `/tokenize` does. Before, both were the router's 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_are_routed_by_the_cache_of_their_chat() {
+    let up = healthy().await;
+    let r = proxy(vec![up.url()]).await;
+    let b = json!({"model": "m", "max_tokens": 64,
+    "system": [{"type": "text", "text": "You are "}, {"type": "text", "text": "brief."}],
+    "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+    ]});
+    let got = post(&r, "/v1/messages", &b).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    assert_eq!(last_body(&up, "/v1/messages"), b, "sent as it came");
+    let asked = last_body(&up, "/tokenize");
+    assert_eq!(
+        asked["messages"],
+        json!([
+            {"role": "system", "content": "You are brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ]),
+        "{asked}"
+    );
+    assert_eq!(stats(&r).await["routed_load_only"], 0);
+    let count = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    let got = post(&r, "/v1/messages/count_tokens", &count).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    assert_eq!(last_body(&up, "/v1/messages/count_tokens"), count);
+    released(&r, "messages released").await;
+    r.stop().await;
+}
+
+/// A streamed message that fails sends Anthropic's error event (`event: error`, `data:
+/// {"type": "error", "error": {...}}`: vLLM's `message_stream_converter`), which is no first
+/// token and no decode, as a completion's `data: {"error": ...}` is. Before (with the route),
+/// it was learnt as the first token and the stream's end as a decode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anthropic_error_event_is_not_a_first_token() {
+    let events = vec![
+        "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\",\"message\":\"boom\"}}\n\n"
+            .to_string(),
+    ];
+    let body = |i| {
+        json!({"model": "m", "max_tokens": 50, "stream": true,
+               "messages": [{"role": "user", "content": format!("question {i}")}]})
+    };
+    nothing_learnt_from(events, "/v1/messages", body).await;
 }
 
 /// SGLang's native `/generate` is forwarded as sent and routed by the cache: `input_ids` as
