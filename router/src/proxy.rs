@@ -919,12 +919,14 @@ async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) ->
             "model": model,
             "messages": responses_messages(v)?,
             "add_generation_prompt": true,
+            "tools": chat_tools(v, Kind::Responses),
         }),
         Kind::Messages => {
             let mut ask = serde_json::json!({
                 "model": model,
                 "messages": anthropic_messages(v)?,
                 "add_generation_prompt": true,
+                "tools": chat_tools(v, Kind::Messages),
             });
             if let (Some(x), Some(m)) = (v.get("chat_template_kwargs"), ask.as_object_mut()) {
                 m.insert("chat_template_kwargs".into(), x.clone());
@@ -946,9 +948,15 @@ async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) ->
             ask
         }
     };
-    // a request naming no model (SGLang's `/generate`) asks for the served one
-    if let Some(m) = ask.as_object_mut().filter(|_| model.is_null()) {
-        m.remove("model");
+    // a request naming no model (SGLang's `/generate`) asks for the served one; one without
+    // tools names none
+    if let Some(m) = ask.as_object_mut() {
+        if model.is_null() {
+            m.remove("model");
+        }
+        if m.get("tools").is_some_and(Value::is_null) {
+            m.remove("tools");
+        }
     }
     let body = Bytes::from(serde_json::to_vec(&ask).ok()?);
     let tokens = |_, v: Value| ids(v.get("tokens")?);
@@ -1008,6 +1016,53 @@ fn responses_messages(v: &Value) -> Option<Value> {
         _ => return None,
     }
     (!messages.is_empty()).then_some(Value::Array(messages))
+}
+
+/// A Responses or Anthropic Messages request's tools in the chat's form
+/// (`{"type": "function", "function": {...}}`), which the chat template renders into the
+/// prompt, as vLLM 0.34 converts them: a response's function tools, their fields but `type`
+/// as the function (`construct_tool_dicts`; its built-in tools are no chat tools); a
+/// message's tools, `input_schema` as the parameters (`_convert_tools`). `Null` without
+/// tools.
+fn chat_tools(v: &Value, kind: Kind) -> Value {
+    let Some(tools) = v.get("tools").and_then(Value::as_array) else {
+        return Value::Null;
+    };
+    let function = |t: &Value| -> Option<Value> {
+        let t = t.as_object()?;
+        let f: serde_json::Map<String, Value> = match kind {
+            Kind::Responses => {
+                if t.get("type").and_then(Value::as_str) != Some("function") {
+                    return None;
+                }
+                t.iter()
+                    .filter(|(k, _)| *k != "type")
+                    .map(|(k, x)| (k.clone(), x.clone()))
+                    .collect()
+            }
+            _ => [
+                "name",
+                "description",
+                "input_schema",
+                "strict",
+                "defer_loading",
+            ]
+            .iter()
+            .filter_map(|k| Some((*k, t.get(*k)?)))
+            .map(|(k, x)| {
+                let k = if k == "input_schema" { "parameters" } else { k };
+                (k.to_owned(), x.clone())
+            })
+            .collect(),
+        };
+        Some(serde_json::json!({"type": "function", "function": f}))
+    };
+    let chat: Vec<Value> = tools.iter().filter_map(function).collect();
+    if chat.is_empty() {
+        Value::Null
+    } else {
+        Value::Array(chat)
+    }
 }
 
 /// The chat messages an Anthropic Messages API request is run as, as vLLM 0.34 builds them

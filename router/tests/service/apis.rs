@@ -103,13 +103,20 @@ async fn responses_are_routed_by_the_cache_of_instructions_and_input() {
         ),
     ] {
         let b = json!({"model": "m", "instructions": "Be brief.", "input": input,
-                       "max_output_tokens": 20});
+                       "max_output_tokens": 20, "tools": [
+                           {"type": "function", "name": "f", "description": "d",
+                            "parameters": {"type": "object"}, "strict": true},
+                           {"type": "web_search"}]});
         let got = post(&r, "/v1/responses", &b).await;
         assert_eq!(got.status, 200, "{got:?}");
         assert_eq!(last_body(&up, "/v1/responses"), b, "sent as it came");
         let asked = last_body(&up, "/tokenize");
         assert_eq!(asked["messages"], messages, "{asked}");
         assert_eq!(asked["add_generation_prompt"], true, "{asked}");
+        // the function tools in the chat's form, which the chat template renders
+        let tools = json!([{"type": "function", "function": {"name": "f", "description": "d",
+                            "parameters": {"type": "object"}, "strict": true}}]);
+        assert_eq!(asked["tools"], tools, "{asked}");
     }
     let s = stats(&r).await;
     assert_eq!(s["routed_load_only"], 0, "{s}");
@@ -184,6 +191,7 @@ async fn anthropic_messages_are_routed_by_the_cache_of_their_chat() {
     let up = healthy().await;
     let r = proxy(vec![up.url()]).await;
     let b = json!({"model": "m", "max_tokens": 64,
+    "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
     "system": [{"type": "text", "text": "You are "}, {"type": "text", "text": "brief."}],
     "messages": [
         {"role": "user", "content": "hi"},
@@ -204,6 +212,12 @@ async fn anthropic_messages_are_routed_by_the_cache_of_their_chat() {
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         ]),
         "{asked}"
+    );
+    let tools = json!([{"type": "function", "function": {"name": "f", "description": "d",
+                        "parameters": {"type": "object"}}}]);
+    assert_eq!(
+        asked["tools"], tools,
+        "the tools in the chat's form: {asked}"
     );
     assert_eq!(stats(&r).await["routed_load_only"], 0);
     let count = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
