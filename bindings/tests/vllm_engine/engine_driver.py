@@ -23,7 +23,8 @@ steps have run; an aborted request's output is ``null``) and
 ``check_manager`` (true: after the phase, the engine stepped until idle (``_settle``), kvtier's offloading manager checks its books against
 vLLM's — ``check()`` — and the phase reports its ``usage()``: jobs in flight, held, locked
 and cached host chunks; its ``books()``: the size of every per-request and per-job book it
-and its L3 tiers keep; and the size of vLLM's connector's own per-request and per-job books); ``profile`` (a path prefix: each phase runs under cProfile,
+and its L3 tiers keep; under vLLM's tiering, that manager's per-request and per-job books and
+kvtier's tiers' ``books()``; and the size of vLLM's connector's own per-request and per-job books); ``profile`` (a path prefix: each phase runs under cProfile,
 its stats dumped to ``PREFIX.NAME``: the benchmark's attribution of time to kvtier and vLLM);
 ``time_manager`` (true: every call vLLM's connector makes into its offloading manager is
 timed with ``perf_counter``, no profiler, and each phase reports ``manager_s``: per method,
@@ -134,6 +135,18 @@ def _settle(llm, limit_s: float = 60.0) -> None:
     while sched.has_requests() and time.monotonic() < deadline:
         llm.llm_engine.step()
         time.sleep(0.001)  # the I/O threads' turn
+
+
+def _tiering_books(m) -> dict:
+    """Under vLLM's tiering (``TieringOffloadingManager``): the sizes of its per-request and
+    per-job books (a job a kvtier tier never finished would stay in ``_jobs``) and each
+    kvtier tier's ``books()``."""
+    out = {"jobs": len(m._jobs), "req_state": len(m._req_state), "load_sources": len(m._request_load_sources),
+           "pending_loads": len(m._pending_load_submissions)}
+    for i, t in enumerate(m.secondary_tiers):
+        if hasattr(t, "books"):
+            out.update({f"tier{i}_{k}": int(v) for k, v in t.books().items()})
+    return out
 
 
 def _connector_books(llm) -> dict:
@@ -301,11 +314,14 @@ def main(job_path: str, out_path: str) -> None:
         if ph.get("check_manager"):
             _settle(llm)
             m = _manager(llm)
-            m.check()  # raises (the engine fails) if kvtier's books and vLLM's disagree
-            manager = {"manager_usage": {k: int(v) for k, v in m.native.usage().items()},
-                       "manager_holds": int(sum(m.native.holds())),
-                       "manager_books": {k: int(v) for k, v in m.books().items()},
-                       "connector_books": _connector_books(llm)}
+            if hasattr(m, "books"):  # kvtier's manager (KvtierOffloadingSpec)
+                m.check()  # raises (the engine fails) if kvtier's books and vLLM's disagree
+                manager = {"manager_usage": {k: int(v) for k, v in m.native.usage().items()},
+                           "manager_holds": int(sum(m.native.holds())),
+                           "manager_books": {k: int(v) for k, v in m.books().items()}}
+            else:  # vLLM's tiering manager over kvtier's tiers
+                manager = {"manager_books": _tiering_books(m)}
+            manager["connector_books"] = _connector_books(llm)
         out["phases"].append({
             "name": ph.get("name", ""),
             "outputs": [list(r.outputs[0].token_ids) if r is not None else None for r in res],

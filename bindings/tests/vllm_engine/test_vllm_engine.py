@@ -148,7 +148,8 @@ def runs(tmp_path_factory):
                      "phases": [R1, R2, R3_SALT, R5_BATCH, R6_CHECKED, R7_STOP_CHECKED],
                      "kv_transfer_config": cfg("batch_l3", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
                                                kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
-        "tier": {"model": md, "phases": [R1, R2, R3_SALT, R5_SERIAL, R6, {"name": "hang", "prompts": [], "wait_file": never}],
+        "tier": {"model": md, "phases": [R1, R2, R3_SALT, R5_SERIAL, R6_CHECKED,
+                                         {"name": "hang", "prompts": [], "wait_file": never}],
                  "kv_transfer_config": cfg("tier", "KvtierTieringOffloadingSpec", cpu_bytes=SMALL_HOST,
                                            eviction_policy="KvtierLruPolicy", cache_policy_module_path="kvtier.vllm",
                                            secondary_tiers=[_tier()])},
@@ -160,7 +161,7 @@ def runs(tmp_path_factory):
         # Two worker processes, each copying its shard of every host slot and backing it up
         # to L3 under its own keys; the reference is a TP 2 engine too (the same partial sums).
         "tp2_ref": {"model": md, "tp": 2, "kv_blocks": 200, "max_model_len": 2048, "phases": [TP_R1, TP_R2]},
-        "tp2_spec_l3": {"model": md, "tp": 2, "phases": [TP_R1, TP_R2],
+        "tp2_spec_l3": {"model": md, "tp": 2, "phases": [TP_R1, {**TP_R2, "check_manager": True}],
                         "kv_transfer_config": cfg("tp2_spec_l3", "KvtierOffloadingSpec", cpu_bytes=SMALL_HOST,
                                                   kvtier_l3={"segment_bytes": "256MB"}, **ROOM_WAIT)},
         "share_b": {"model": md, "env": {"KVTIER_L3_SHM": "off"},
@@ -326,6 +327,8 @@ def test_clients_that_go_away_leave_the_other_answers_and_the_next_round_exact(r
         assert (u["loads"], u["stores"], u["storing"], u["held"], u["locked"], r6["manager_holds"]) == (0,) * 6, (e, r6)
         assert u["cached"] == u["capacity"], (e, u)  # the small host tier is full of chunks
         assert_no_books(r6, e)
+    # vLLM's tiering over kvtier's tier: its books and the tier's (jobs, results, missed keys).
+    assert_no_books(outputs(runs["tier"], "r6"), "tier")
 
 
 def assert_no_books(ph, engine):
@@ -333,14 +336,15 @@ def assert_no_books(ph, engine):
     per-job book of kvtier's manager, its L3 tiers and the native manager is empty, and so are
     vLLM's connector's (a job kvtier never completed, or a request never signalled finished,
     would stay there); docs/vllm.md, "What kvtier keeps per request"."""
-    kept = {k: v for k, v in ph["manager_books"].items() if v and k not in BOUNDED_BOOKS}
+    kept = {k: v for k, v in ph["manager_books"].items() if v and not k.endswith(BOUNDED_BOOKS)}
     assert kept == {}, (engine, ph["name"], kept)
     assert ph["connector_books"] == {"req_status": 0, "jobs": 0, "pending_job_blocks": 0}, (engine, ph)
 
 
-# Books that outlive requests, bounded by the store, not by the requests served: a server
-# tier's chunks answered HIT without a probe (``known_keys``), announced chunks (events).
-BOUNDED_BOOKS = ("tier0_known", "tier0_announced")
+# Books that outlive requests, bounded by the store, not by the requests served (any rank's
+# tier): a server tier's chunks answered HIT without a probe (``known_keys``), announced
+# chunks (events).
+BOUNDED_BOOKS = ("_known", "_announced")
 
 
 def test_requests_finished_by_stop_tokens_are_exact_and_leave_no_books(runs):
@@ -372,6 +376,8 @@ def test_tensor_parallel_2_spec_with_l3_is_exact_and_every_rank_reuses_from_l3(r
     assert outputs(runs["tp2_spec_l3"], "r1")["cached"] == [0] * TP_PROMPTS
     # The host tier holds two prefixes (the last two of round 1): the first two came from L3.
     assert outputs(runs["tp2_spec_l3"], "r2")["cached"] == [PREFIX_TOKENS] * TP_PROMPTS
+    # Idle, nothing kept per request or per job: each rank's tier and agreement included.
+    assert_no_books(outputs(runs["tp2_spec_l3"], "r2"), "tp2_spec_l3")
 
 
 def test_two_engines_share_one_kvtier_l3_server_over_shm_and_tcp(runs):

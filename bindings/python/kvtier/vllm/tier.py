@@ -227,7 +227,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
                   and shard[2] > 0 and shard[1] + shard[2] <= self._rows.shape[1])
             if not ok:
                 raise VllmTierConfigError(f"kvtier tier: shard is (rank, offset, bytes) within a slot, got {shard!r}")
-            shard = tuple(shard)
+            shard = (shard[0], shard[1], shard[2])
         self.shard = shard
         self.chunk_bytes = self.block_size_bytes if shard is None else int(shard[2])
         self._suffix = "" if shard is None else f":{int(shard[0])}"
@@ -363,6 +363,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return l3_key(self.namespace, offload_key) + self._suffix
 
     def _shards(self, ids: np.ndarray) -> List[np.ndarray]:
+        assert self.shard is not None  # only a sharded tier splits its slots
         off, n = int(self.shard[1]), int(self.shard[2])
         return [self._rows[int(c), off:off + n] for c in ids]
 
@@ -626,11 +627,11 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def books(self) -> Dict[str, int]:
         """The size of this tier's per-job and per-request books: jobs in flight, finished
-        results and failed keys not yet taken, and (server) the async lookups' per-request
-        keys and cached verdicts. All 0 at idle except ``lookup_verdicts``, which vLLM's
-        lookup manager keeps only while a request that asked for them lives or the probe is
-        in flight; ``known`` (chunks answered HIT without a probe) is bounded by
-        ``known_keys``, ``announced`` by the store."""
+        results and failed keys not yet taken, and (server) vLLM's async lookups: the keys
+        each live request looked up, and the verdicts kept while a request that asked for
+        them lives or their probe is in flight. All 0 once the engine is idle; ``known``
+        (chunks answered HIT without a probe) is bounded by ``known_keys``, ``announced``
+        (chunks announced stored, with events and the loss journal) by the store."""
         out = {"futures": len(self._futures), "results": self._done.qsize(), "missed": self._missed.qsize(),
                "known": len(self._known), "announced": len(self._announced)}
         if self._lookups is not None:
