@@ -3,6 +3,8 @@ and against kvtier's Mooncake-compatible class."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvtier
 from kvtier.engine import Engine, IntegrityError, KvtierL3Backend, MooncakeL3Backend
@@ -264,6 +266,41 @@ def test_a_long_run_keeps_nothing_of_the_requests_it_handed_back():
     assert sorted(handed) == sorted(rnd * 10 + i for rnd in range(3) for i in range(6))
     assert all(len(handed[r * 10 + 1][1]) == 3 for r in range(3))
     assert all(handed[r * 10][0] == "aborted" for r in range(3))
+    kept = {name: len(getattr(e, name)) for name in ("tables", "tokens", "_hashes", "_scopes", "outputs",
+                                                       "stop_after", "ended")}
+    assert kept == dict.fromkeys(kept, 0)
+    e.s.check()
+
+
+@settings(max_examples=40, deadline=None)
+@given(reqs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12), st.none() | st.integers(0, 12),
+                               st.none() | st.integers(1, 6)), min_size=1, max_size=10),
+       device_pages=st.integers(18, 40), take_every=st.integers(1, 5))
+def test_property_every_ended_request_is_handed_back_once_and_nothing_stays(reqs, device_pages, take_every):
+    """Random requests (prompt length, tokens, an abort after some steps or none, a stop
+    limit or none) on a device pool that may force retractions, ended ones taken every few
+    steps: each request is handed back exactly once, and at idle the engine keeps nothing of
+    any (page tables, tokens, hashes, scopes, outputs, stop limits, ended)."""
+    e = Engine(kvtier.Scheduler(small_config(device_pages=device_pages, max_context_tokens=72)))
+    handed = []
+    for i, (n, new, _, stop) in enumerate(reqs):
+        e.submit(i, list(range(i * 100, i * 100 + n)), new)
+        if stop is not None:
+            e.stop_after[i] = stop
+    for now in range(2000):
+        for i, (_, _, abort_at, _) in enumerate(reqs):
+            if abort_at == now and i in e.tokens:
+                try:
+                    e.s.abort(i)
+                except kvtier.UnknownRequestError:
+                    pass  # it ended at the last completion; the next plan reports it
+        idle = e.s.is_idle()
+        e.step(now)
+        if now % take_every == 0 or idle:
+            handed += [r for r, _, _ in e.take_ended()]
+        if idle:
+            break
+    assert sorted(handed) == list(range(len(reqs)))
     kept = {name: len(getattr(e, name)) for name in ("tables", "tokens", "_hashes", "_scopes", "outputs",
                                                        "stop_after", "ended")}
     assert kept == dict.fromkeys(kept, 0)
