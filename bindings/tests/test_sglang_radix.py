@@ -250,7 +250,7 @@ def test_an_empty_extra_key_is_not_no_extra_key():
 def test_property_any_workload_reads_only_what_was_computed(ops, host_pages, write_policy):
     """Random prompts built from shared stems, random host sizes, either write policy, a small
     device pool: every reused row equals the oracle, no slot leaks, kvtier's tree stays
-    consistent."""
+    consistent, nothing is kept per request after each."""
     stems = prompts(12, 6, 12)
     e = Engine(kvtier_cache(host_pages=host_pages, policy="freq-depth", write_policy=write_policy),
                device_tokens=40)
@@ -259,6 +259,7 @@ def test_property_any_workload_reads_only_what_was_computed(ops, host_pages, wri
         e.check_pools()
         e.cache.manager.check()
         assert e.cache.manager.usage()["cached"] <= host_pages
+        assert {k: v for k, v in e.cache.books().items() if v} == {}  # nothing kept per request
 
 
 def test_tokens_kvtier_cannot_key_stay_device_only_and_nothing_changes():
@@ -379,7 +380,8 @@ def test_the_benchmark_runs_and_kvtier_computes_less(monkeypatch, capsys):
 def test_property_l3_losses_never_load_garbage(ops, host_pages, journal, io_threads):
     """Random prompts over shared stems through device, a small host and L3, with random L3
     objects removed between steps (with and without a loss journal): every reused row equals
-    the oracle, no slot or lock leaks, kvtier's tree stays consistent."""
+    the oracle, no slot or lock leaks, kvtier's tree stays consistent, and once idle nothing is
+    kept per request or per job."""
     stems = prompts(23, 5, 12)
     store = kvtier.L3Store.embedded(1 << 24, loss_journal_keys=1024 if journal else 0)
     e = Engine(kvtier_cache(host_pages=host_pages, store=store, io_threads=io_threads), device_tokens=40)
@@ -394,6 +396,9 @@ def test_property_l3_losses_never_load_garbage(ops, host_pages, journal, io_thre
                 pass  # never backed up (or already gone)
         e.check_pools()
         e.cache.manager.check()
+    e.cache.flush_pending_backups()
+    e.cache.wait_io()
+    assert {k: v for k, v in e.cache.books().items() if v} == {}  # idle: nothing per request or job
 
 
 def test_write_back_makes_a_host_pool_near_the_devices_size_useful():
