@@ -721,3 +721,34 @@ def test_cache_salts_leave_no_state_per_salt_beyond_what_clear_needs():
     b.clear()
     assert b.books()["written_tenants"] == 0
     assert all(b.batch_exists(keys, salt(f"writer-{i}")) == 0 for i in range(3))  # clear reached them all
+
+
+def test_a_write_racing_clear_keeps_its_salted_tenant_for_the_next_clear():
+    """``clear()`` forgets a salted tenant once its pages are removed, unless a write reached
+    that tenant meanwhile (an I/O thread writing while SGLang's admin call clears): its page
+    may land after the removal, so the next ``clear()`` must still reach it."""
+    b = backend(mha_pool("page_first"))
+    keys = ["k0", "k1"]
+    assert b.batch_set_v1(keys, page_indices([0, 1], PS), salt("w")) == [True, True]
+    view, raced = b._view, []
+
+    class Racing:
+        def __init__(self, store):
+            self._store = store
+
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+
+        def remove_by_regex(self, pattern, force):
+            n = self._store.remove_by_regex(pattern, force)
+            if not raced:
+                raced.append(True)
+                assert b.batch_set_v1(keys, page_indices([0, 1], PS), salt("w")) == [True, True]
+            return n
+
+    b._view = lambda tenant: Racing(view(tenant))
+    b.clear()
+    b._view = view
+    assert b.books()["written_tenants"] == 1
+    b.clear()
+    assert b.books()["written_tenants"] == 0 and b.batch_exists(keys, salt("w")) == 0

@@ -39,7 +39,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -169,7 +169,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         # a new salt per user or per request must not grow this), and the salted tenants this
         # backend wrote to since the last clear() (which must reach their pages).
         self._views: "collections.OrderedDict[str, kvtier.L3Store]" = collections.OrderedDict()
-        self._written: Set[str] = set()
+        self._written: Dict[str, int] = {}  # salted tenant -> its writes so far (clear() races)
         self._lock = threading.Lock()
         self.counters = _Counters()
         self._metrics = StorageMetrics()
@@ -331,7 +331,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         store = self._view(tenant)
         if op == "set" and tenant != self.tenant:
             with self._lock:
-                self._written.add(tenant)  # before the write: clear() must reach what lands
+                # before the write: clear() must reach what lands
+                self._written[tenant] = self._written.get(tenant, 0) + 1
         t0 = time.perf_counter()
         try:
             if op == "set":
@@ -554,14 +555,16 @@ class KvtierHiCacheStorage(HiCacheStorage):
         namespace under each of its tenants, not the tenant's whole store (before, another
         model's pages on a shared server went too)."""
         with self._lock:
-            tenants = [self.tenant, *self._written]
+            seen = dict(self._written)
+            tenants = [self.tenant, *seen]
             pools = list(self._grids)
         for t in tenants:
             for pool in pools:
                 ns = self.namespace(t, pool)
                 self._view(t).remove_by_regex(f"^{re.escape(ns)}:", True)
             with self._lock:
-                self._written.discard(t)  # cleared: nothing of this backend's left there
+                if t in seen and self._written.get(t) == seen[t]:
+                    del self._written[t]  # cleared, and nothing written there since the snapshot
 
     def get_stats(self) -> StorageMetrics:
         """SGLang's ``StorageMetrics`` since the last call (pages and GB/s per batch), with
