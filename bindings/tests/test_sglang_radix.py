@@ -786,3 +786,24 @@ def test_aborted_requests_and_failed_prefetches_leave_no_books(io_threads):
     assert workload(60) == {}
     s = c.stats()
     assert s["probes"] > 0 and s["prefetched_pages"] > 0 and s["prefetch_lost_pages"] > 0, s
+
+
+def test_a_failed_copy_to_device_hands_its_device_slots_back():
+    """A load-back whose host → device copy raises (a CUDA error, a bad pool) passes the error
+    on, and the device slots it took for the copy go back to SGLang's allocator: the pool
+    holds as many free slots as before it, and the manager's load job is closed."""
+    p = prompts(2, 1, 16)[0]
+    e = Engine(kvtier_cache(host_pages=16), device_tokens=32)
+    e.run([e.request(p)])
+    e.run([e.request(q) for q in prompts(3, 1, 20)])  # pushes p off the device
+    e.check_pools()
+
+    def broken(slots, dev):
+        raise RuntimeError("copy failed")
+
+    e.cache._copy_to_device = broken
+    with pytest.raises(RuntimeError, match="copy failed"):
+        e.run([e.request(p)])
+    assert e.cache.counters.load_backs == 0, "a failed load is not counted as one"
+    e.check_pools()
+    e.cache.manager.check()

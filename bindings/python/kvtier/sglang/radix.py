@@ -522,6 +522,9 @@ class KvtierRadixCache(L3Io, RadixCache):
             return self._fallback(req, last)
         try:
             self._copy_to_device(slots, dev)
+        except BaseException:
+            self.token_to_kv_pool_allocator.free(dev)  # the slots it took go back
+            raise
         finally:
             self.manager.complete_load(job)
         self.manager.touch(marker.chain[:to])
