@@ -981,7 +981,7 @@ fn previous_response(v: &Value) -> Option<&str> {
 /// The chat messages a Responses API request is run as, as vLLM 0.34 builds them
 /// (`responses/utils.py`'s `construct_input_messages`): `instructions` as the system message,
 /// then `input`, a text as the user's message or its items that are messages (an assistant's
-/// as its text); the items stop at the first that is no message (a tool call, its output,
+/// as its text, another's parts as the chat's, [`chat_parts`]); the items stop at the first that is no message (a tool call, its output,
 /// reasoning), so the messages are a sure prefix of the prompt. `None` without a message.
 fn responses_messages(v: &Value) -> Option<Value> {
     let mut messages = Vec::new();
@@ -998,7 +998,15 @@ fn responses_messages(v: &Value) -> Option<Value> {
                     break;
                 };
                 if role != "assistant" {
-                    messages.push(item.clone());
+                    let content = match item.get("content") {
+                        Some(Value::Array(parts)) => match chat_parts(parts) {
+                            Some(p) => p,
+                            None => break,
+                        },
+                        Some(c) => c.clone(),
+                        None => break,
+                    };
+                    messages.push(serde_json::json!({"role": role, "content": content}));
                     continue;
                 }
                 let text = match item.get("content") {
@@ -1016,6 +1024,28 @@ fn responses_messages(v: &Value) -> Option<Value> {
         _ => return None,
     }
     (!messages.is_empty()).then_some(Value::Array(messages))
+}
+
+/// A Responses message's content parts as the chat's parts that vLLM's chat parser reads
+/// them as (`MM_PARSER_MAP`): `input_text` and `output_text` as `text`, an `input_image`'s
+/// URL as an `image_url`. vLLM's `/tokenize` takes only the chat's (it refuses `input_text`:
+/// until 2026-12-07 a response whose input had such parts, the OpenAI SDK's usual form, was
+/// routed by load). `None` for a part of any other kind.
+fn chat_parts(parts: &[Value]) -> Option<Value> {
+    parts
+        .iter()
+        .map(|p| match p.get("type").and_then(Value::as_str)? {
+            "input_text" | "output_text" | "text" => {
+                let text = p.get("text")?.as_str()?;
+                Some(serde_json::json!({"type": "text", "text": text}))
+            }
+            "input_image" => {
+                let url = p.get("image_url")?.as_str()?;
+                Some(serde_json::json!({"type": "image_url", "image_url": {"url": url}}))
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 /// A Responses or Anthropic Messages request's tools in the chat's form

@@ -96,9 +96,12 @@ async fn responses_are_routed_by_the_cache_of_instructions_and_input() {
         ),
         (
             items.clone(),
-            // the message items (an assistant's as its text, as vLLM builds it), up to the
-            // first that is not a message: a sure prefix of the prompt
-            json!([{"role": "system", "content": "Be brief."}, items[0],
+            // the message items (an assistant's as its text, as vLLM builds it; `input_text`
+            // parts as the `text` parts vLLM's chat parser reads them as, which its /tokenize
+            // takes: it refuses `input_text`), up to the first that is not a message: a sure
+            // prefix of the prompt
+            json!([{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": [{"type": "text", "text": "hi"}]},
                    {"role": "assistant", "content": "hello"}, items[2]]),
         ),
     ] {
