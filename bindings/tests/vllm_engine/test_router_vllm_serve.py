@@ -65,7 +65,11 @@ def test_a_streamed_response_is_routed_by_the_cache_of_the_chat_vllm_runs(router
     e2e_vllm.check_responses(router_bin, vllm)
 
 
+def test_a_streamed_anthropic_message_is_routed_by_the_cache_of_the_chat_vllm_runs(router_bin, vllm):
+    e2e_vllm.check_messages(router_bin, vllm)
+
+
 def test_the_checks_are_all_here():
     assert [c.__name__ for c in e2e_vllm.CHECKS] == [
         "check_streamed_completion", "check_chat", "check_rebuild_from_replay", "check_dead_instance",
-        "check_store_pages", "check_memory_bound", "check_responses"]
+        "check_store_pages", "check_memory_bound", "check_responses", "check_messages"]
