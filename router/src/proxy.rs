@@ -834,7 +834,8 @@ fn named_chunk(chunk: &[u8], preamble: &[&[u8]], failed: &[&[u8]]) -> Chunk {
         if let Some(n) = line.strip_prefix(b"event:") {
             named = true;
             names.push(n.trim_ascii());
-        } else if let Some(d) = line.strip_prefix(b"data:") {
+        } else if !named && let Some(d) = line.strip_prefix(b"data:") {
+            // read only while no event is named (an event's name comes before its data)
             let t = serde_json::from_slice::<Value>(d.trim_ascii())
                 .ok()
                 .and_then(|v| v.get("type")?.as_str().map(str::to_owned));
@@ -981,8 +982,9 @@ fn previous_response(v: &Value) -> Option<&str> {
 /// The chat messages a Responses API request is run as, as vLLM 0.34 builds them
 /// (`responses/utils.py`'s `construct_input_messages`): `instructions` as the system message,
 /// then `input`, a text as the user's message or its items that are messages (an assistant's
-/// as its text, another's parts as the chat's, [`chat_parts`]); the items stop at the first that is no message (a tool call, its output,
-/// reasoning), so the messages are a sure prefix of the prompt. `None` without a message.
+/// as its text, another's parts as the chat's, [`chat_parts`]); the items stop at the first
+/// that is no message (a tool call, its output, reasoning) or holds a part of another kind,
+/// so the messages are a sure prefix of the prompt. `None` without a message.
 fn responses_messages(v: &Value) -> Option<Value> {
     let mut messages = Vec::new();
     if let Some(i) = v.get("instructions").and_then(Value::as_str)
@@ -1153,9 +1155,9 @@ fn anthropic_messages(v: &Value) -> Option<Value> {
 }
 
 /// A lookup of the router's own (`/tokenize`, `/v1/models`, a stored response): the first
-/// JSON answer that `take` takes (given the instance and its answer), asking the instances in turn ([`Cluster::lookup_order`]: the healthy first,
-/// none passed over for its errors while another is left), within [`TOKENIZE_TIMEOUT`] in
-/// all; `None` if none did. An instance that cannot be connected to is passed over from now
+/// JSON answer that `take` takes (given the instance and its answer), asking the instances
+/// in turn ([`Cluster::lookup_order`]: the healthy first, none passed over for its errors
+/// while another is left), within [`TOKENIZE_TIMEOUT`] in all; `None` if none did. An instance that cannot be connected to is passed over from now
 /// ([`Cluster::unreachable`]).
 async fn lookup<T>(
     st: &AppState,

@@ -139,11 +139,12 @@ pub(crate) fn streamed(v: &Value, kind: Kind) -> bool {
 /// The tokens a request may generate: its `max_completion_tokens` or `max_tokens` (when it
 /// names neither, a completion's default, [`COMPLETION_DEFAULT_MAX_TOKENS`], and for a chat
 /// 0: unknown), times the sequences it asks for (`n`, or `best_of` where larger), times its
-/// prompts; a response's `max_output_tokens` and a message's `max_tokens` (0: unknown); SGLang's `sampling_params`
-/// `max_new_tokens` (default [`GENERATE_DEFAULT_MAX_NEW_TOKENS`]) times its `n`, for each
-/// prompt (one `sampling_params` for all, or a list of one each); an embedding's 0. The
-/// router's memory timeline ends each request by it (docs/router/history.md, "What the
-/// router is told of each answer").
+/// prompts; a response's `max_output_tokens` and a message's `max_tokens` (0: unknown);
+/// SGLang's `sampling_params` `max_new_tokens` (default
+/// [`GENERATE_DEFAULT_MAX_NEW_TOKENS`]) times its `n`, for each prompt (one
+/// `sampling_params` for all, or a list of one each); an embedding's 0. The router's memory
+/// timeline ends each request by it (docs/router/history.md, "What the router is told of
+/// each answer").
 pub(crate) fn max_tokens(v: &Value, kind: Kind) -> usize {
     match kind {
         Kind::Responses | Kind::Messages => v
