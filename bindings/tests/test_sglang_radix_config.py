@@ -35,6 +35,11 @@ def test_config_errors_are_typed_at_startup(server):
             kr.RadixBackendConfig.from_dict(bad)
     with pytest.raises(kr.UnsupportedPageSizeError):  # no page fits the host pool
         Engine(kvtier_cache(host_bytes="256"))  # a page is 512 bytes
+    # a config made by its constructor, not from_dict, is checked by the backend too (a bad
+    # host_bytes was a TypeError: None // page bytes)
+    unchecked = kr.RadixBackendConfig(host_bytes="lots", io_threads=0)
+    with pytest.raises(kr.RadixConfigError, match="host_bytes"):
+        Engine(lambda params: kr.KvtierRadixCache(params, unchecked, model="model-a"))
     small = kvtier.L3Server(1 << 24, max_object_bytes=1024)
     try:
         Engine(kvtier_cache(host_pages=4, l3="server", server=small.addr), page_size=1)  # 64-byte pages fit

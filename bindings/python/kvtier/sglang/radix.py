@@ -197,6 +197,7 @@ class KvtierRadixCache(L3Io, RadixCache):
         store: Optional[kvtier.L3Store] = None,
     ) -> None:
         cfg = config if config is not None else RadixBackendConfig.from_env()
+        cfg.validate()  # a config made by its constructor was not (from_dict checks)
         if params.page_size <= 0:
             raise UnsupportedPageSizeError(f"page_size {params.page_size}")
         if getattr(params, "is_eagle", False):
@@ -216,7 +217,9 @@ class KvtierRadixCache(L3Io, RadixCache):
         if cfg.host_pages is not None:
             slots = cfg.host_pages
         else:
-            slots = parse_size(cfg.host_bytes or "4GB") // page_bytes
+            host_bytes = parse_size(cfg.host_bytes or "4GB")
+            assert host_bytes is not None  # validate() checked it
+            slots = host_bytes // page_bytes
         if slots <= 0:
             raise UnsupportedPageSizeError(
                 f"a page is {page_bytes} bytes ({ps} tokens): no host page fits in host_bytes {cfg.host_bytes!r}"
@@ -399,6 +402,8 @@ class KvtierRadixCache(L3Io, RadixCache):
     def _maybe_prefetch(self, handle: Any, chain: List[bytes], h: int, d: int, tenant: Optional[str]) -> None:
         """Starts a prefetch of the L3 run after the host prefix ``h`` when it can reach past the
         device match ``d`` (pages the device holds are written to host by the next checkpoint)."""
+        if self.store is None:
+            return  # no L3 (the caller checks too)
         if d >= len(chain) or (d > h and self.manager.lookup(chain, d) not in ("in-l3", "miss")):
             return
         state = self.manager.lookup(chain, h)
