@@ -297,7 +297,7 @@ def read_losses(backend: L3Backend) -> Tuple[List[str], bool, Optional[L3Error]]
         return [], True, e
 
 
-def _leading_found(codes: Sequence[int]) -> int:
+def _leading_found(codes: Sequence[int] | np.ndarray) -> int:
     """Length of the leading run of 1s (``batch_is_exist``: 1 exists, 0 missing, <0 error)."""
     n = 0
     for c in codes:
@@ -375,7 +375,9 @@ class Engine:
         # the scheduler converts and checks the prompt (a str or non-integer tokens are a
         # TypeError); the engine keeps the tokens it accepted
         self.s.submit(req, prompt, max_new_tokens, now_ms, **scope)
-        self.tokens[req] = self.s.request_tokens(req).tolist()
+        accepted = self.s.request_tokens(req)
+        assert accepted is not None  # submit() returned: the scheduler holds the request
+        self.tokens[req] = accepted.tolist()
         self._scopes[req] = scope
         self.outputs[req] = []
 
@@ -532,6 +534,9 @@ class Engine:
 
     def run_forward(self, plan: ExecutionPlan) -> None:
         """Runs the plan's forward (checking every page read) and reports its results."""
+        step = plan.step
+        if step is None:
+            raise ValueError("the plan has no forward (its step is None)")
         reqs: List[int] = []
         toks: List[int] = []
         stops: List[bool] = []
@@ -573,7 +578,7 @@ class Engine:
                 toks.append(tok)
                 stops.append(len(self.outputs[r]) >= self.stop_after.get(r, 1 << 62))
         self.stats.forwards += 1
-        self.s.forward_done(plan.step, np.asarray(reqs, dtype=np.uint64), np.asarray(toks, dtype=np.uint32), stops)
+        self.s.forward_done(step, np.asarray(reqs, dtype=np.uint64), np.asarray(toks, dtype=np.uint32), stops)
 
     # ---- the loop -----------------------------------------------------------------------------
 

@@ -36,9 +36,14 @@ class ExtraCalls:
     """Mixin: needs ``self._core``, ``self._sessions`` (key → staging bytearray) and
     ``self._tasks`` (task id → QueryTaskResponse)."""
 
+    # MooncakeDistributedStore's (_store.py), which this is mixed into
+    _core: Any  # OwnedKeys over a MooncakeCore: it forwards every call
+    _sessions: Dict[str, bytearray]
+    _tasks: Dict[Tuple[int, int], QueryTaskResponse]
+
     # ---- put sessions ---------------------------------------------------------------------
 
-    def batch_put_session_start(self, keys: List[str], sizes: List[int], config: ReplicateConfig = None) -> List[int]:
+    def batch_put_session_start(self, keys: List[str], sizes: List[int], config: Optional[ReplicateConfig] = None) -> List[int]:
         keys = [check_str(k, "keys[i]") for k in keys]
         sizes = [check_int(n, "sizes[i]") for n in sizes]
         rc = config_code(config)

@@ -151,7 +151,8 @@ def resolve(master: str) -> Tuple[Optional[str], int]:
         return None, int(ErrorCode.INVALID_PARAMS)
     host = host.strip("[]")
     try:
-        ip = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0]
+        # an AF_INET/AF_INET6 sockaddr's first item is the address text
+        ip = str(socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0])
     except (OSError, UnicodeError):
         return None, int(ErrorCode.RPC_FAIL)
     return (f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"), 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from . import _tensor
 from ._setup import check_int, check_str
@@ -37,6 +37,15 @@ def _shard_key(key: str, rank: int, size: int) -> str:
 
 class TensorCalls:
     """Mixin: needs ``self._core`` (the integer-code core) and the byte calls."""
+
+    # MooncakeDistributedStore's (_store.py), which this is mixed into
+    _core: Any  # OwnedKeys over a MooncakeCore: it forwards every call
+    if TYPE_CHECKING:
+
+        def put_from(self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None) -> int: ...
+        def upsert_from(self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None) -> int: ...
+        def get_into(self, key: str, buffer_ptr: int, size: int) -> int: ...
+        def is_exist(self, key: str) -> int: ...
 
     # ---- puts ---------------------------------------------------------------------------
 
@@ -307,7 +316,7 @@ class TensorCalls:
             code, shape, raw = _tensor.to_parts(_tensor.deserialize(data)) if data else (None, None, None)
         except TensorError:
             return INVALID
-        if code is None:
+        if code is None or shape is None or raw is None:
             return int(ErrorCode.OBJECT_NOT_FOUND)
         st = _SAFETENSORS[code]
         head = json.dumps({key: {"dtype": st, "shape": list(shape), "data_offsets": [0, raw.nbytes]}}).encode()

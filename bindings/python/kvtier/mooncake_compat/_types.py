@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import ctypes
 import enum
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from .._native import ERROR_CODES
 
-ErrorCode = enum.IntEnum("ErrorCode", dict(ERROR_CODES))
+if TYPE_CHECKING:
+    # The members are made at runtime from ERROR_CODES: to a type checker every member name
+    # is an ErrorCode (the table is not copied here, see above).
+    class _ErrorCodeMeta(enum.EnumMeta):
+        def __getattr__(cls, name: str) -> ErrorCode: ...
+
+    class ErrorCode(enum.IntEnum, metaclass=_ErrorCodeMeta): ...
+
+else:
+    ErrorCode = enum.IntEnum("ErrorCode", dict(ERROR_CODES))
 ErrorCode.__doc__ = "Mooncake's integer error codes (kvtier._native.ERROR_CODES)."
 ErrorCode.__module__ = __name__
 

@@ -18,14 +18,17 @@ outcome (a page read by one rank only is lost for all), and the ranks' losses ar
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 import kvtier
+
+if TYPE_CHECKING:
+    from .radix import Counters
 
 logger = logging.getLogger("kvtier.sglang.radix")
 
@@ -49,6 +52,26 @@ class _Job:
 
 class L3Io:
     """The per-step hook's L3 I/O of ``KvtierRadixCache`` (module doc)."""
+
+    # KvtierRadixCache's (radix.py), which this is mixed into
+    manager: kvtier.OffloadManager
+    store: Optional[kvtier.L3Store]
+    counters: Counters
+    namespace: str
+    page_bytes: int
+    tp_rank: int
+    tp_size: int
+    agreements: int
+    _group: Any
+    _agreement: kvtier.RankAgreement
+    _agreeing: Dict[int, _Job]
+    _host_flat: np.ndarray
+    _jobs: List[_Job]
+    _from_l3: set
+    _pool: Optional[ThreadPoolExecutor]
+    if TYPE_CHECKING:
+
+        def l3_keys(self, chain: List[bytes]) -> List[str]: ...
 
     def _start(self, job: _Job) -> None:
         if self._pool is not None:
@@ -104,8 +127,15 @@ class L3Io:
         self.agreements += 1
         for ev in events:
             self.manager.apply_agreed(ev)
+            assert isinstance(ev, (kvtier.PrefetchDone, kvtier.BackUpDone))  # the agreed jobs' ends
             job = self._agreeing.pop(ev.op)
-            self._apply(job, int(ev.completed) if job.kind == "prefetch" else bool(ev.success), applied=True)
+            if job.kind == "prefetch":
+                assert isinstance(ev, kvtier.PrefetchDone)
+                outcome: Any = int(ev.completed)
+            else:
+                assert isinstance(ev, kvtier.BackUpDone)
+                outcome = bool(ev.success)
+            self._apply(job, outcome, applied=True)
 
     def _apply(self, job: _Job, outcome: Any, applied: bool = False) -> None:
         if job.kind == "prefetch":
@@ -131,6 +161,7 @@ class L3Io:
         block = block or self.tp_size > 1  # ranks finish the same jobs at the same point
         keep = []
         unanswered = False
+        e: Optional[BaseException]
         for i, job in enumerate(self._jobs):
             if unanswered and (job.future is None or job.future.cancelled()):
                 r, e = None, _Dropped()
@@ -179,6 +210,7 @@ class L3Io:
         for job, pages, slots in self.manager.plan_backups():
             keys = self.l3_keys(list(pages))
             store, flat, pb = self.store, self._host_flat, self.page_bytes
+            assert store is not None  # the manager plans no backups without one (l3_backups "off")
             ids = np.asarray(slots, dtype=np.int64)
 
             def write(keys=keys, ids=ids) -> bool:
@@ -201,14 +233,17 @@ class L3Io:
         counting as L3-resident, so kvtier neither prefetches them nor skips their backup;
         under TP the ranks' losses are united (``RankAgreement.agree_losses``, every step).
         With the I/O thread on one rank the journal is read there, one read in flight."""
+        store = self.store  # not None while there is a journal to read
         if self._journal and self._io_off_thread():
+            assert store is not None
             if not any(j.kind == "losses" for j in self._jobs):
-                self._start(_Job("losses", 0, 0, self.store.drain_losses))
+                self._start(_Job("losses", 0, 0, store.drain_losses))
             return
 
         def read():
+            assert store is not None
             try:
-                return self.store.drain_losses(), None
+                return store.drain_losses(), None
             except kvtier.L3Error as e:
                 return None, e
 

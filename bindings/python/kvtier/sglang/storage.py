@@ -438,7 +438,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         g = self._grid_of("kv")
         if not isinstance(values, (list, tuple)) or len(values) != len(keys):
             raise SGLangBackendError("one value tensor per key")
-        bufs = []
+        bufs: List[np.ndarray] = []
         for v in values:
             if not isinstance(v, torch.Tensor) or v.device.type != "cpu" or not v.is_contiguous():
                 raise SGLangBackendError("values must be contiguous CPU tensors")
@@ -475,6 +475,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self.counters.rejected_batches += 1
             logger.warning("kvtier: batch_get refused: %s", e)
             return [None] * _answers_for(keys)
+        assert target_locations is not None  # _values refuses None (one tensor per key)
         return [t if o else None for t, o in zip(target_locations, ok)]
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,

@@ -343,6 +343,7 @@ class Executor:
             if backend is None:
                 rec.value = 0
                 return
+            assert pool is not None  # made with the backend
             codes = np.asarray(backend.put(keys, pool, src))
             rec.value = int(bool(((codes == 0) | (codes == OBJECT_ALREADY_EXISTS)).all()))
             with self._lock:
@@ -394,6 +395,7 @@ class Executor:
         def run(rec: _Op) -> None:
             if backend is None or not keys:
                 return
+            assert pool is not None  # made with the backend
             page_bytes = pool.shape[1] * pool.itemsize
             done, requeried = 0, False
             q, q_base = backend.query(keys), 0

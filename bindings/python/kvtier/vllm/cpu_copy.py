@@ -226,6 +226,12 @@ class CpuCopyMixin:
     tensor); elsewhere vLLM's own worker. An MLA model vLLM's CPU build serves without prefix
     caching is refused when the spec is built (``refuse_mla_without_prefix_caching``)."""
 
+    # the vLLM spec's, which this is mixed into
+    _worker: Optional[OffloadingWorker]
+    blocks_per_chunk: int
+    num_chunks: int
+    config: Any
+
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         from .keys import engine_vllm_config
         from .spec_config import refuse_mla_without_prefix_caching

@@ -80,6 +80,8 @@ def _longrope(mc: Any) -> str:
     for p in every:
         if isinstance(p, dict) and (p.get("rope_type") or p.get("type")) in ("longrope", "su"):
             orig = p.get("original_max_position_embeddings") or getattr(t, "original_max_position_embeddings", None)
+            if orig is None:
+                return "longrope"  # unknown which: kept apart from both
             try:
                 long_ = int(getattr(mc, "max_model_len")) > int(orig)
             except (TypeError, ValueError):

@@ -109,6 +109,8 @@ class KvtierOffloadingManager(L3Plan, ManagerMetrics, OffloadingManager):
         out: Dict[int, List[int]] = {}
         for k in keys:
             g = cc.group(k)
+            if g is None:
+                continue  # a group kvtier does not offload
             c = chains.get(g)
             i = None if c is None else c.index.get(bytes(k))
             if i is not None:
@@ -400,6 +402,8 @@ class KvtierOffloadingSpec(CpuCopyMixin, CPUOffloadingSpec):
     "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec", "spec_module_path":
     "kvtier.vllm", "cpu_bytes_to_use": ..., "kvtier_eviction": "freq-depth"}}'``
     """
+
+    _manager: Optional[OffloadingManager]  # vLLM's spec's (None until get_manager)
 
     def __init__(self, config: Any):
         check_spec_keys(config.extra_config)  # a misspelt kvtier_ key is refused, never ignored

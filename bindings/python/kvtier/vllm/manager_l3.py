@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
@@ -49,6 +49,9 @@ import kvtier
 
 from .chunks import Chain, page_of
 from .spec_config import tenant_of
+
+if TYPE_CHECKING:
+    from .manager_metrics import ManagerCounters
 
 # How long an engine step sleeps while a prefetch is in flight (_l3_step): long enough for
 # the I/O thread waiting on the GIL to take it, short beside a step.
@@ -72,6 +75,14 @@ class L3Plan:
 
     l3 = None  # rank 0's KvtierSecondaryTier, or None: no L3
     l3_ranks: List = []
+    # the manager's (manager.py), which this is mixed into
+    native: kvtier.OffloadManager
+    counters: ManagerCounters
+    _pending: Dict[bytes, bytes]
+    _key_of: Dict[bytes, bytes]
+    if TYPE_CHECKING:
+
+        def _drain(self) -> None: ...
 
     def _l3_init(self, tiers, room_wait_s: float) -> None:
         self.room_wait_s = room_wait_s

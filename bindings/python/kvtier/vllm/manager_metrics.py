@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+
+import kvtier
 
 __all__ = ["MANAGER_PREFIX", "ManagerCounters", "ManagerMetrics", "add_increases", "definitions",
            "new_connector_stats"]
@@ -102,6 +104,8 @@ class ManagerMetrics:
     ``l3_ranks``, and ``counters``, which the manager increments)."""
 
     counters: ManagerCounters
+    native: kvtier.OffloadManager  # the manager's
+    l3_ranks: List[Any]  # the manager's L3 tiers (KvtierSecondaryTier), one per rank
     _reported: Tuple[int, ...] = ()
     _gauges: Optional[Tuple[int, ...]] = None
     _gauges_gen: Optional[int] = None  # the native generation ``_gauges`` were read at
@@ -131,6 +135,7 @@ class ManagerMetrics:
         if occ != self._gauges:
             # Only when they changed: a Prometheus gauge keeps its last value, and vLLM asks
             # every engine step (six gauges set here and again in vLLM's logger, per step).
+            assert occ is not None  # None only as the initial _gauges, which occ differs from
             self._gauges = occ
             cached, free, locked, held, capacity = occ
             cap = max(capacity, 1)

@@ -187,7 +187,7 @@ class KvtierCachePolicy(CachePolicy):
 
     def clear(self) -> None:
         cap = self.cache_capacity
-        self.__init__(cap)
+        KvtierCachePolicy.__init__(self, cap)  # its subclasses only name their POLICY
 
     def __len__(self) -> int:
         return len(self._slot)

@@ -35,6 +35,8 @@ class RegionError(KvtierError, RuntimeError):
 
 
 class _WorkerRegion(SharedOffloadRegion):
+    _creator: bool  # vLLM's region's: whether this process made the file
+
     def cleanup(self) -> None:
         if self._creator and not os.path.exists(self.mmap_path):
             self._creator = False  # the scheduler unlinked it once mapped (unlink_region)

@@ -120,6 +120,7 @@ class KernelMover(Mover):
                 self.delay(direction, [l])
             a, b = int(runs.starts[i]), int(runs.starts[i + 1])
             if b > a:
+                assert arr is not None  # uploaded: there are descriptors
                 self._launch(arr[a:b], b - a)
             issued(l)
 
