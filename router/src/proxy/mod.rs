@@ -34,7 +34,7 @@
 //! LoRA adapter (vLLM's `model`, SGLang's `lora_path`) is routed by the adapter's keys
 //! (`lora.rs`), and its `cache_salt` by the salt's.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -50,13 +50,20 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
-use crate::cluster::{Cluster, Decision};
 use crate::feedback::FirstToken;
 use crate::lora::{self, ModelKind};
 use crate::service::{AppState, body_rejected, error};
 
 pub use crate::request_fields::COMPLETION_DEFAULT_MAX_TOKENS;
 use crate::request_fields::{self, Kind};
+
+mod chunks;
+mod in_flight;
+mod prompt;
+
+use chunks::{Chunk, chunk_of};
+use in_flight::InFlight;
+use prompt::{previous_response, tokens_of};
 
 /// How long a lookup (`/tokenize`, or `/v1/models` for the adapters) may take in all,
 /// whichever instances it asks, before the request is routed without its answer; and how
@@ -151,114 +158,14 @@ impl Upstream {
     }
 }
 
-/// Counts a request in flight on an instance until dropped, and reports a tracked request's
-/// first token (its answer's first chunk, when streamed) and end (the drop) to the router.
-/// Dropped before its first token (streamed) or its answer's head (sent whole), the request
-/// was given up on (its client went away): the instance is learnt to be at least that late.
-struct InFlight {
-    cluster: Arc<Mutex<Cluster>>,
-    instance: usize,
-    booking: Option<u64>,
-    /// Whether the first chunk is the first token (a streamed answer).
-    streamed: bool,
-    /// Which endpoint's answer it is (how its stream's events read, [`chunk_of`]).
-    kind: Kind,
-    /// Whether the first chunk is the first token and not seen yet.
-    awaiting_first: bool,
-    /// The answer's head came (for an answer sent whole: the answer).
-    answered: bool,
-    /// The answer's body ended.
-    done: bool,
-}
-
-impl InFlight {
-    fn new(cluster: &Arc<Mutex<Cluster>>, d: &Decision, first: FirstToken, kind: Kind) -> Self {
-        cluster
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .started(d.instance);
-        let streamed = d.booking.is_some() && first == FirstToken::Reported;
-        Self {
-            cluster: Arc::clone(cluster),
-            instance: d.instance,
-            booking: d.booking,
-            streamed,
-            kind,
-            awaiting_first: streamed,
-            answered: false,
-            done: false,
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Cluster> {
-        self.cluster.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// A chunk of the answer arrived.
-    fn chunk(&mut self) {
-        if std::mem::take(&mut self.awaiting_first)
-            && let Some(b) = self.booking
-        {
-            self.lock().first_token(b);
-        }
-    }
-
-    /// The request did not run on the instance as booked (it refused the connection, answered
-    /// an error status, or failed): its booking goes, nothing learnt from it.
-    fn cancel(&mut self) {
-        self.awaiting_first = false;
-        if let Some(b) = self.booking.take() {
-            self.lock().cancel(b);
-        }
-    }
-
-    /// The proxy stopped waiting for the answer's head: the booking goes, and the instance
-    /// is learnt to be at least as late as it waited.
-    fn abandon(&mut self) {
-        self.awaiting_first = false;
-        if let Some(b) = self.booking.take() {
-            self.lock().abandoned(b);
-        }
-    }
-
-    /// The answer's body failed midway: the booking goes, and an answer whose status said
-    /// success is counted as the instance's error after all (an error status was already).
-    fn failed(&mut self, answered_ok: bool) {
-        self.cancel();
-        if answered_ok {
-            self.lock().answered(self.instance, false);
-        }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let booking = self.booking;
-        // given up on before the first token, or before a whole answer came
-        let waiting = !self.done
-            && if self.streamed {
-                self.awaiting_first
-            } else {
-                !self.answered
-            };
-        let mut c = self.lock();
-        c.finished(self.instance);
-        match booking {
-            Some(b) if waiting => c.abandoned(b),
-            Some(b) => c.ended(b),
-            None => {}
-        }
-    }
-}
-
 /// A request to one of the proxied APIs ([`Kind::at`]: `/v1/completions`,
 /// `/v1/chat/completions`, `/v1/responses`, SGLang's `/generate`, `/v1/embeddings` and the
 /// other pooling APIs),
 /// forwarded with its query as a request of its kind. A Responses API request is routed by
-/// the cache of its `instructions` and `input` ([`responses_messages`]), its stream's first
+/// the cache of its `instructions` and `input` (`prompt::responses_messages`), its stream's first
 /// token the first event past `response.created` and `response.in_progress`
-/// ([`named_chunk`]); an Anthropic message (`/v1/messages`) by its `system` and `messages`
-/// ([`anthropic_messages`]); an embedding (a score, a rerank) reuses no KV and generates
+/// (`chunks::named_chunk`); an Anthropic message (`/v1/messages`) by its `system` and `messages`
+/// (`prompt::anthropic_messages`); an embedding (a score, a rerank) reuses no KV and generates
 /// nothing, so it is routed by load alone, its prompt not tokenized.
 pub async fn api(
     State(st): State<AppState>,
@@ -766,97 +673,6 @@ fn pass_through(
     out
 }
 
-/// Whether a streamed answer's chunk is an error event, `data: {"error": ...}`: what vLLM
-/// sends after a 200 head when a streamed request fails in its generator, and SGLang 0.5's
-/// `create_streaming_error_response` (`json.dumps({"error": ErrorResponse.model_dump()})`,
-/// yielded once its stream has started).
-/// Any event of the chunk counts (a chunk may carry a token's event and the error's).
-fn error_event(chunk: &[u8]) -> bool {
-    chunk.split(|&b| b == b'\n').any(|line| {
-        line.trim_ascii_start()
-            .strip_prefix(b"data:")
-            .and_then(|rest| rest.trim_ascii_start().strip_prefix(b"{"))
-            .is_some_and(|r| r.trim_ascii_start().starts_with(b"\"error\""))
-    })
-}
-
-/// What a streamed answer's chunk is to its booking.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Chunk {
-    /// Events sent before the engine ran the prompt: not its first token.
-    Preamble,
-    /// An error event: the request failed in the engine ([`error_event`]).
-    Error,
-    /// Anything else: a token's event (the first is the first token), or the end.
-    Token,
-}
-
-/// What `chunk` of a streamed answer to a request of `kind` is: an error event for every
-/// kind; past that, a completion's, chat's or `/generate`'s chunk is a token, and a
-/// response's or an Anthropic message's is read by its events ([`named_chunk`]: a message's
-/// first event, `message_start`, comes with its first token in vLLM, an `error` event is
-/// its failure, a `ping` no token).
-fn chunk_of(kind: Kind, chunk: &[u8]) -> Chunk {
-    if error_event(chunk) {
-        Chunk::Error
-    } else if kind == Kind::Responses {
-        named_chunk(chunk, &RESPONSES_PREAMBLE, &RESPONSES_FAILED)
-    } else if kind == Kind::Messages {
-        named_chunk(chunk, &[b"ping"], &[b"error"])
-    } else {
-        Chunk::Token
-    }
-}
-
-/// The Responses API's events that vLLM's `responses_stream_generator` and SGLang's
-/// `serving_responses.py` send before the engine runs the prompt (and OpenAI's
-/// `response.queued`).
-const RESPONSES_PREAMBLE: [&[u8]; 3] = [
-    b"response.created",
-    b"response.in_progress",
-    b"response.queued",
-];
-
-/// The Responses API's events that end a stream in failure: `error` and `response.failed`.
-const RESPONSES_FAILED: [&[u8]; 2] = [b"error", b"response.failed"];
-
-/// A chunk of a stream of named events (`event: NAME` / `data: {"type": NAME, ...}`, as
-/// vLLM's and SGLang's `/v1/responses` and vLLM's `/v1/messages` send them): an error if any
-/// event is one of `failed`, a token if any event is not one of `preamble`; a chunk of the
-/// preamble alone, or naming no event (a comment, the rest of an event cut across chunks),
-/// is no token.
-fn named_chunk(chunk: &[u8], preamble: &[&[u8]], failed: &[&[u8]]) -> Chunk {
-    let mut named = false;
-    let mut names: Vec<&[u8]> = Vec::new();
-    let mut types: Vec<String> = Vec::new();
-    for line in chunk.split(|&b| b == b'\n') {
-        let line = line.trim_ascii();
-        if let Some(n) = line.strip_prefix(b"event:") {
-            named = true;
-            names.push(n.trim_ascii());
-        } else if !named && let Some(d) = line.strip_prefix(b"data:") {
-            // read only while no event is named (an event's name comes before its data)
-            let t = serde_json::from_slice::<Value>(d.trim_ascii())
-                .ok()
-                .and_then(|v| v.get("type")?.as_str().map(str::to_owned));
-            types.extend(t);
-        }
-    }
-    // an event's `event:` line names it; a stream without them, its data's `type`
-    let all: Vec<&[u8]> = if named {
-        names
-    } else {
-        types.iter().map(|t| t.as_bytes()).collect()
-    };
-    if all.iter().any(|n| failed.contains(n)) {
-        Chunk::Error
-    } else if all.iter().any(|n| !preamble.contains(n)) {
-        Chunk::Token
-    } else {
-        Chunk::Preamble
-    }
-}
-
 /// The LoRA adapter the request names (`lora.rs`): SGLang's `lora_path`, or a vLLM `model`
 /// that the instances' `/v1/models` lists as an adapter (read when the name is new to the
 /// router, at most every `lora::REFRESH`).
@@ -881,277 +697,6 @@ async fn adapter_of(st: &AppState, v: &Value, headers: &HeaderMap) -> Option<Str
     };
     let adapter = lookup(st, Method::GET, "/v1/models", headers, Bytes::new(), learnt).await;
     (adapter == Some(true)).then(|| model.to_owned())
-}
-
-/// The prompt's token ids, from the request or a backend's `/tokenize`; `None` if neither.
-async fn tokens_of(st: &AppState, kind: Kind, v: &Value, headers: &HeaderMap) -> Option<Vec<u32>> {
-    // vLLM's `list[int]` reads whole floats too (pydantic's lax mode); strings are texts
-    let ids = |a: &Value| -> Option<Vec<u32>> {
-        a.as_array()?
-            .iter()
-            .map(|t| {
-                t.is_number()
-                    .then(|| request_fields::lax_count(t))
-                    .flatten()
-                    .and_then(|t| u32::try_from(t).ok())
-            })
-            .collect()
-    };
-    let model = v.get("model").cloned().unwrap_or(Value::Null);
-    let mut ask = match kind {
-        Kind::Completion | Kind::Generate => {
-            let field = |k| v.get(k).filter(|p: &&Value| !p.is_null());
-            let p = match kind {
-                Kind::Generate => field("input_ids").or_else(|| field("text"))?,
-                _ => field("prompt")?,
-            };
-            if let Some(t) = ids(p).filter(|t| !t.is_empty()) {
-                return Some(t);
-            }
-            // a batch of prompts: the first one routes the request
-            let first = p.as_array().and_then(|a| a.first());
-            if let Some(t) = first.and_then(ids) {
-                return Some(t);
-            }
-            let text = p.as_str().or_else(|| first.and_then(Value::as_str))?;
-            serde_json::json!({"model": model, "prompt": text})
-        }
-        Kind::Responses => serde_json::json!({
-            "model": model,
-            "messages": responses_messages(v)?,
-            "add_generation_prompt": true,
-            "tools": chat_tools(v, Kind::Responses),
-        }),
-        Kind::Messages => {
-            let mut ask = serde_json::json!({
-                "model": model,
-                "messages": anthropic_messages(v)?,
-                "add_generation_prompt": true,
-                "tools": chat_tools(v, Kind::Messages),
-            });
-            if let (Some(x), Some(m)) = (v.get("chat_template_kwargs"), ask.as_object_mut()) {
-                m.insert("chat_template_kwargs".into(), x.clone());
-            }
-            ask
-        }
-        Kind::Pooling => return None,
-        Kind::Chat => {
-            let mut ask = serde_json::json!({
-                "model": model,
-                "messages": v.get("messages")?.clone(),
-                "add_generation_prompt": v.get("add_generation_prompt").cloned().unwrap_or(Value::Bool(true)),
-            });
-            for k in ["continue_final_message", "chat_template_kwargs", "tools"] {
-                if let (Some(x), Some(m)) = (v.get(k), ask.as_object_mut()) {
-                    m.insert(k.into(), x.clone());
-                }
-            }
-            ask
-        }
-    };
-    // a request naming no model (SGLang's `/generate`) asks for the served one; one without
-    // tools names none
-    if let Some(m) = ask.as_object_mut() {
-        if model.is_null() {
-            m.remove("model");
-        }
-        if m.get("tools").is_some_and(Value::is_null) {
-            m.remove("tools");
-        }
-    }
-    let body = Bytes::from(serde_json::to_vec(&ask).ok()?);
-    let tokens = |_, v: Value| ids(v.get("tokens")?);
-    lookup(st, Method::POST, "/tokenize", headers, body, tokens).await
-}
-
-/// The stored response a Responses API request continues (`previous_response_id`), where
-/// it names one that can stand in a path as it is (OpenAI's and vLLM's ids: `resp_` and
-/// letters, digits, `-`, `_`).
-fn previous_response(v: &Value) -> Option<&str> {
-    v.get("previous_response_id")
-        .and_then(Value::as_str)
-        .filter(|id| {
-            !id.is_empty()
-                && id.len() <= 256
-                && id
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        })
-}
-
-/// The chat messages a Responses API request is run as, as vLLM 0.34 builds them
-/// (`responses/utils.py`'s `construct_input_messages`): `instructions` as the system message,
-/// then `input`, a text as the user's message or its items that are messages (an assistant's
-/// as its text, another's parts as the chat's, [`chat_parts`]); the items stop at the first
-/// that is no message (a tool call, its output, reasoning) or holds a part of another kind,
-/// so the messages are a sure prefix of the prompt. `None` without a message.
-fn responses_messages(v: &Value) -> Option<Value> {
-    let mut messages = Vec::new();
-    if let Some(i) = v.get("instructions").and_then(Value::as_str)
-        && !i.is_empty()
-    {
-        messages.push(serde_json::json!({"role": "system", "content": i}));
-    }
-    match v.get("input")? {
-        Value::String(text) => messages.push(serde_json::json!({"role": "user", "content": text})),
-        Value::Array(items) => {
-            for item in items {
-                let Some(role) = item.get("role").and_then(Value::as_str) else {
-                    break;
-                };
-                if role != "assistant" {
-                    let content = match item.get("content") {
-                        Some(Value::Array(parts)) => match chat_parts(parts) {
-                            Some(p) => p,
-                            None => break,
-                        },
-                        Some(c) => c.clone(),
-                        None => break,
-                    };
-                    messages.push(serde_json::json!({"role": role, "content": content}));
-                    continue;
-                }
-                let text = match item.get("content") {
-                    Some(Value::String(t)) => t.as_str(),
-                    Some(Value::Array(parts)) => parts
-                        .first()
-                        .and_then(|p| p.get("text").or(Some(p)))
-                        .and_then(Value::as_str)
-                        .unwrap_or(""),
-                    _ => "",
-                };
-                messages.push(serde_json::json!({"role": "assistant", "content": text}));
-            }
-        }
-        _ => return None,
-    }
-    (!messages.is_empty()).then_some(Value::Array(messages))
-}
-
-/// A Responses message's content parts as the chat's parts that vLLM's chat parser reads
-/// them as (`MM_PARSER_MAP`): `input_text` and `output_text` as `text`, an `input_image`'s
-/// URL as an `image_url`. vLLM's `/tokenize` takes only the chat's (it refuses `input_text`:
-/// until 2026-12-07 a response whose input had such parts, the OpenAI SDK's usual form, was
-/// routed by load). `None` for a part of any other kind.
-fn chat_parts(parts: &[Value]) -> Option<Value> {
-    parts
-        .iter()
-        .map(|p| match p.get("type").and_then(Value::as_str)? {
-            "input_text" | "output_text" | "text" => {
-                let text = p.get("text")?.as_str()?;
-                Some(serde_json::json!({"type": "text", "text": text}))
-            }
-            "input_image" => {
-                let url = p.get("image_url")?.as_str()?;
-                Some(serde_json::json!({"type": "image_url", "image_url": {"url": url}}))
-            }
-            _ => None,
-        })
-        .collect()
-}
-
-/// A Responses or Anthropic Messages request's tools in the chat's form
-/// (`{"type": "function", "function": {...}}`), which the chat template renders into the
-/// prompt, as vLLM 0.34 converts them: a response's function tools, their fields but `type`
-/// as the function (`construct_tool_dicts`; its built-in tools are no chat tools); a
-/// message's tools, `input_schema` as the parameters (`_convert_tools`). `Null` without
-/// tools.
-fn chat_tools(v: &Value, kind: Kind) -> Value {
-    let Some(tools) = v.get("tools").and_then(Value::as_array) else {
-        return Value::Null;
-    };
-    let function = |t: &Value| -> Option<Value> {
-        let t = t.as_object()?;
-        let f: serde_json::Map<String, Value> = match kind {
-            Kind::Responses => {
-                if t.get("type").and_then(Value::as_str) != Some("function") {
-                    return None;
-                }
-                t.iter()
-                    .filter(|(k, _)| *k != "type")
-                    .map(|(k, x)| (k.clone(), x.clone()))
-                    .collect()
-            }
-            _ => [
-                "name",
-                "description",
-                "input_schema",
-                "strict",
-                "defer_loading",
-            ]
-            .iter()
-            .filter_map(|k| Some((*k, t.get(*k)?)))
-            .map(|(k, x)| {
-                let k = if k == "input_schema" { "parameters" } else { k };
-                (k.to_owned(), x.clone())
-            })
-            .collect(),
-        };
-        Some(serde_json::json!({"type": "function", "function": f}))
-    };
-    let chat: Vec<Value> = tools.iter().filter_map(function).collect();
-    if chat.is_empty() {
-        Value::Null
-    } else {
-        Value::Array(chat)
-    }
-}
-
-/// The chat messages an Anthropic Messages API request is run as, as vLLM 0.34 builds them
-/// (`anthropic/serving.py`'s `to_chat_completion_request`): `system` (a text, or its text
-/// blocks joined, Claude Code's `x-anthropic-billing-header` block left out) as the system
-/// message, then each message whose content is a text or text blocks (one block as its
-/// text, several as `text` parts), up to the first holding anything else (a tool use or
-/// result, an image, thinking: the messages before it are a sure prefix). `None` without a
-/// message.
-fn anthropic_messages(v: &Value) -> Option<Value> {
-    // a content's texts, `None` if it holds anything but text blocks
-    let texts = |c: &Value| -> Option<Vec<String>> {
-        match c {
-            Value::String(t) => Some(vec![t.clone()]),
-            Value::Array(blocks) => blocks
-                .iter()
-                .filter(|b| b.get("text").and_then(Value::as_str) != Some(""))
-                .map(|b| {
-                    (b.get("type").and_then(Value::as_str) == Some("text"))
-                        .then(|| b.get("text")?.as_str().map(str::to_owned))
-                        .flatten()
-                })
-                .collect(),
-            _ => None,
-        }
-    };
-    let mut messages = Vec::new();
-    if let Some(system) = v.get("system").and_then(texts) {
-        let kept: String = system
-            .iter()
-            .filter(|t| !t.starts_with("x-anthropic-billing-header"))
-            .map(String::as_str)
-            .collect();
-        if !kept.is_empty() {
-            messages.push(serde_json::json!({"role": "system", "content": kept}));
-        }
-    }
-    for m in v.get("messages")?.as_array()? {
-        let Some(role) = m.get("role").and_then(Value::as_str) else {
-            break;
-        };
-        let content = m.get("content").unwrap_or(&Value::Null);
-        let Some(parts) = texts(content) else {
-            break;
-        };
-        let content = match (content, parts.as_slice()) {
-            (Value::String(t), _) => Value::String(t.clone()),
-            (_, [one]) => Value::String(one.clone()),
-            (_, []) => break,
-            (_, many) => many
-                .iter()
-                .map(|t| serde_json::json!({"type": "text", "text": t}))
-                .collect(),
-        };
-        messages.push(serde_json::json!({"role": role, "content": content}));
-    }
-    (!messages.is_empty()).then_some(Value::Array(messages))
 }
 
 /// A lookup of the router's own (`/tokenize`, `/v1/models`, a stored response): the first
@@ -1231,84 +776,6 @@ mod tests {
         fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
             Some(&self.0)
         }
-    }
-
-    #[test]
-    fn error_events_are_told_from_tokens() {
-        for e in [
-            &b"data: {\"error\": {\"message\": \"x\"}}\n\n"[..],
-            b"data:{\"error\":{}}\n\n",
-            b"\n data: { \"error\" : 1}",
-            // a token's event and the error's in one chunk
-            b"data: {\"choices\": [{\"text\": \"a\"}]}\n\ndata: {\"error\": {}}\n\n",
-            // SGLang 0.5.23's, as its serving_completions.py / serving_chat.py yield it
-            b"data: {\"error\": {\"object\": \"error\", \"message\": \"boom\", \
-              \"type\": \"BadRequestError\", \"param\": null, \"code\": 400}}\n\n",
-        ] {
-            assert!(error_event(e), "{}", String::from_utf8_lossy(e));
-        }
-        for t in [
-            &b"data: {\"id\": \"c\", \"choices\": [{\"text\": \"\\\"error\\\"\"}]}\n\n"[..],
-            b"data: [DONE]\n\n",
-            b"data: {\"choices\": [{\"text\": \"a\"}]}\n\ndata: [DONE]\n\n",
-            b": ping\n\n",
-            b"",
-            b"{\"error\": 1}",
-        ] {
-            assert!(!error_event(t), "{}", String::from_utf8_lossy(t));
-        }
-    }
-
-    /// A streamed response's chunks as vLLM 0.34 and SGLang send them: the preamble
-    /// (`response.created`, `response.in_progress`) is no token, the first delta or item is,
-    /// and a failure (`error`, `response.failed`, a completion-style error event) is an error
-    /// wherever it comes.
-    #[test]
-    fn responses_events_are_told_apart() {
-        let ev = |name: &str| format!("event: {name}\ndata: {{\"type\":\"{name}\"}}\n\n");
-        let r = Kind::Responses;
-        let preamble = [
-            ev("response.created"),
-            ev("response.in_progress"),
-            ev("response.created") + &ev("response.in_progress"),
-            // an event without its `event:` line (SGLang's data carries the type too)
-            "data: {\"type\":\"response.created\"}\n\n".into(),
-            // the rest of an event cut across chunks, a comment
-            "\"output\":[]}}\n\n".into(),
-            ": ping\n\n".into(),
-        ];
-        for c in &preamble {
-            assert_eq!(chunk_of(r, c.as_bytes()), Chunk::Preamble, "{c}");
-            assert_eq!(chunk_of(Kind::Chat, c.as_bytes()), Chunk::Token, "{c}");
-        }
-        for c in [
-            ev("response.output_text.delta"),
-            ev("response.in_progress") + &ev("response.output_item.added"),
-            ev("response.reasoning_text.delta"),
-            ev("response.completed"),
-            "data: {\"type\":\"response.output_text.delta\",\"delta\":\"a\"}\n\n".into(),
-        ] {
-            assert_eq!(chunk_of(r, c.as_bytes()), Chunk::Token, "{c}");
-        }
-        for c in [
-            ev("error"),
-            ev("response.failed"),
-            ev("response.output_text.delta") + &ev("response.failed"),
-            "data: {\"type\":\"error\",\"message\":\"x\"}\n\n".into(),
-            "data: {\"error\": {\"message\": \"x\"}}\n\n".into(),
-        ] {
-            assert_eq!(chunk_of(r, c.as_bytes()), Chunk::Error, "{c}");
-        }
-        // Anthropic's, as vLLM's message_stream_converter sends them
-        let m = Kind::Messages;
-        assert_eq!(chunk_of(m, ev("message_start").as_bytes()), Chunk::Token);
-        assert_eq!(
-            chunk_of(m, ev("content_block_delta").as_bytes()),
-            Chunk::Token
-        );
-        assert_eq!(chunk_of(m, ev("ping").as_bytes()), Chunk::Preamble);
-        assert_eq!(chunk_of(m, ev("error").as_bytes()), Chunk::Error);
-        assert_eq!(chunk_of(Kind::Chat, ev("error").as_bytes()), Chunk::Token);
     }
 
     #[test]
