@@ -458,6 +458,14 @@ impl Cluster {
         self.router.abandoned(booking, now);
     }
 
+    /// Instance `i` reset its prefix cache (vLLM's `/reset_prefix_cache`, SGLang's
+    /// `/flush_cache`, answered a success through the proxy): its device and host pages are
+    /// dropped from the index at once, as its own `AllBlocksCleared` drops them when it comes
+    /// (an unknown instance is ignored).
+    pub fn cache_reset(&mut self, i: usize) {
+        let _ = self.router.apply(i, &IndexEvent::Cleared);
+    }
+
     /// A tracked request's instance refused it: its booking goes, nothing learnt.
     pub fn cancel(&mut self, booking: u64) {
         self.router.cancel(booking);

@@ -90,6 +90,22 @@ impl ModelNames {
     }
 }
 
+impl ModelNames {
+    /// An adapter was loaded through the router (`/v1/load_lora_adapter`, SGLang's
+    /// `/load_lora_adapter`): `name` is an adapter from now, without waiting for a listing.
+    pub fn loaded(&mut self, name: &str) {
+        self.bases.remove(name);
+        self.adapters.insert(name.to_owned());
+    }
+
+    /// An adapter was unloaded through the router: `name` is no longer known (a request
+    /// naming it routes as the base model, and a later one reads the listing again).
+    pub fn unloaded(&mut self, name: &str) {
+        self.adapters.remove(name);
+        self.read_at = None;
+    }
+}
+
 /// The adapter a request names outright (SGLang's `lora_path`), if any.
 pub fn named_adapter(request: &Value) -> Option<&str> {
     request
@@ -130,6 +146,19 @@ mod tests {
         m.read_at(t);
         assert!(!m.may_read(t + REFRESH / 2));
         assert!(m.may_read(t + REFRESH));
+    }
+
+    #[test]
+    fn an_adapter_loaded_or_unloaded_through_the_router_is_known_at_once() {
+        let mut m = ModelNames::default();
+        let t = Instant::now();
+        m.read_at(t);
+        m.learn(&json!({"data": [{"id": "sql"}]}));
+        m.loaded("sql");
+        assert_eq!(m.kind("sql"), Some(ModelKind::Adapter));
+        m.unloaded("sql");
+        assert_eq!(m.kind("sql"), None);
+        assert!(m.may_read(t), "the listing may be read again");
     }
 
     #[test]

@@ -262,6 +262,15 @@ pub fn app(st: AppState) -> axum::Router {
             .route("/tokenize", post(proxy::tokenize))
             .route("/detokenize", post(proxy::tokenize))
             .route("/v1/messages/count_tokens", post(proxy::tokenize));
+        for (path, _) in proxy::admin::PATHS {
+            // SGLang's `/flush_cache` takes a GET too
+            let fan_out = if path == "/flush_cache" {
+                get(proxy::admin::fan_out).post(proxy::admin::fan_out)
+            } else {
+                post(proxy::admin::fan_out)
+            };
+            r = r.route(path, fan_out);
+        }
     }
     let idle = st.header_timeout;
     // chat requests with images or long prompts pass axum's 2 MB default

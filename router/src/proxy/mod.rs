@@ -2,7 +2,8 @@
 //! `/v1/responses` (and a stored response's `GET /v1/responses/{id}` and `.../cancel`, from the
 //! instance that has it), `/v1/embeddings` and the other pooling APIs (routed by load),
 //! Anthropic's `/v1/messages` (and `/v1/messages/count_tokens`), SGLang's `/generate`,
-//! `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize` and `/detokenize`.
+//! `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize` and `/detokenize`; admin
+//! calls (LoRA adapters, prefix-cache resets) go to every instance (`admin.rs`).
 //!
 //! Each request is routed by its prompt's tokens: token-id prompts are used as they are; a
 //! text prompt or chat messages are tokenized by a backend's `/tokenize` (vLLM's, which takes
@@ -57,6 +58,7 @@ use crate::service::{AppState, body_rejected, error};
 pub use crate::request_fields::COMPLETION_DEFAULT_MAX_TOKENS;
 use crate::request_fields::{self, Kind};
 
+pub mod admin;
 mod chunks;
 mod in_flight;
 mod prompt;

@@ -11,6 +11,7 @@
 //! - [`forwarding`]: what of a client's request reaches the instance;
 //! - [`faults`]: instances that hang, cannot be reached or close idle connections;
 //! - [`apis`]: `/v1/embeddings`, `/v1/responses` and SGLang's `/generate` through the proxy;
+//! - [`admin`]: admin calls fanned out to every instance (LoRA adapters, cache resets);
 //! - [`abuse`]: clients that go away, every request shape, odd HTTP, clients that stall;
 //! - [`endpoints`]: `/v1/models`, `/tokenize`, `/readiness`, `/metrics`;
 //! - [`learnt`]: error events, batches of prompts and float token ids, as booked and learnt;
@@ -18,6 +19,7 @@
 //!   clients and instances do.
 
 mod abuse;
+mod admin;
 mod apis;
 mod bookings;
 mod common;
