@@ -2,6 +2,8 @@
 //! and what the router sent where. Subscriber threads fold batches in, HTTP handlers route;
 //! both hold the lock only for one fold or one decision.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::time::Instant;
 
 use kvtier_radix::HashScope;
@@ -126,6 +128,9 @@ pub struct Cluster {
     /// by booking over HTTP; each expires after its time to live, and together they hold
     /// at most a cap of pages (`http_bookings.rs`).
     pub(crate) http: HttpBookings,
+    /// Bookings of background responses answered already ([`Cluster::background`]), by
+    /// deadline (nanoseconds of the router's clock), each dropped at its deadline.
+    pub(crate) background: BinaryHeap<Reverse<(u64, u64)>>,
 }
 
 /// What a `POST /route` client reports of a booked request ([`Cluster::report`]).
@@ -138,6 +143,10 @@ pub enum Report {
     /// The instance refused it: it never ran there.
     Cancel,
 }
+
+/// The longest a background response's booking outlives its answer
+/// ([`Cluster::background`]): as long as a `POST /route` booking without its end.
+pub const BACKGROUND_MAX_S: f64 = BOOKING_TTL_S;
 
 /// How long a booking made over `POST /route` lasts without its end reported: a client
 /// that dies (or forgets) keeps its request counted in an instance's queue no longer. Ten
@@ -180,6 +189,7 @@ impl Cluster {
             started: Instant::now(),
             next_booking: 0,
             http: HttpBookings::new(BOOKING_TTL_S, instances),
+            background: BinaryHeap::new(),
         })
     }
 
@@ -458,6 +468,32 @@ impl Cluster {
         self.router.abandoned(booking, now);
     }
 
+    /// A background response (`"background": true`) was answered at once (`status: queued`)
+    /// and its instance generates it now, unseen: its booking (of `instance`, predicted
+    /// `ttft_s` to its first token, `output` tokens) stays open as the instance's work until
+    /// that first token and `output` decode steps at the instance's learnt step (and its
+    /// lateness) have passed, at most [`BACKGROUND_MAX_S`], then is dropped, learning
+    /// nothing: when it really ended is unknown, and its answer's time is no decode time.
+    /// At most as many are held as `POST /route` bookings may be open; past that the one due
+    /// first goes.
+    pub fn background(&mut self, booking: u64, instance: usize, ttft_s: f64, output: usize) {
+        let output = output.min(self.router.max_output_tokens()) as f64;
+        let late = self.router.late_s(instance).max(0.0);
+        let s = ttft_s.max(0.0) + late + output * self.router.decode_step_s(instance);
+        let s = if s.is_finite() {
+            s.min(BACKGROUND_MAX_S)
+        } else {
+            BACKGROUND_MAX_S
+        };
+        let due = ((self.now_s() + s) * 1e9) as u64;
+        self.background.push(Reverse((due, booking)));
+        while self.background.len() > self.http.max_open {
+            if let Some(Reverse((_, id))) = self.background.pop() {
+                self.router.cancel(id);
+            }
+        }
+    }
+
     /// Instance `i` reset its prefix cache (vLLM's `/reset_prefix_cache`, SGLang's
     /// `/flush_cache`, answered a success through the proxy): its device and host pages are
     /// dropped from the index at once, as its own `AllBlocksCleared` drops them when it comes
@@ -628,7 +664,8 @@ impl Cluster {
             "instances": instances,
             "bookings": {"open": self.router.booked(), "http_open": self.http.len(),
                          "http_pages": self.http.pages(), "http_expired": self.http.expired,
-                         "http_evicted": self.http.evicted, "http_max_open": self.http.max_open},
+                         "http_evicted": self.http.evicted, "http_max_open": self.http.max_open,
+                         "background_open": self.background.len()},
             "storage_pages": storage,
             "index_pages": idx.pages(),
             "max_pages": bound(self.budget.max_pages),

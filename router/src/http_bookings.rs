@@ -244,6 +244,15 @@ impl Cluster {
         for &id in &due {
             self.router.cancel(id);
         }
+        // and the background responses' bookings past their deadline (`Cluster::background`)
+        let now_ns = (now * 1e9) as u64;
+        while let Some(&std::cmp::Reverse((at, id))) = self.background.peek() {
+            if at > now_ns {
+                break;
+            }
+            self.background.pop();
+            self.router.cancel(id);
+        }
         due.len()
     }
 }

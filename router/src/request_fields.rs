@@ -136,6 +136,12 @@ pub(crate) fn streamed(v: &Value, kind: Kind) -> bool {
     kind != Kind::Pooling && v.get("stream").and_then(lax_bool) == Some(true)
 }
 
+/// Whether the request is a background response (`/v1/responses` with `"background": true`):
+/// answered at once (`status: queued`), generated after the answer.
+pub(crate) fn background(v: &Value, kind: Kind) -> bool {
+    kind == Kind::Responses && v.get("background").and_then(lax_bool) == Some(true)
+}
+
 /// The tokens a request may generate: its `max_completion_tokens` or `max_tokens` (when it
 /// names neither, a completion's default, [`COMPLETION_DEFAULT_MAX_TOKENS`], and for a chat
 /// 0: unknown), times the sequences it asks for (`n`, or `best_of` where larger), times its

@@ -322,6 +322,11 @@ async fn forward(
     let streamed = json
         .as_ref()
         .is_some_and(|v| request_fields::streamed(v, kind));
+    // a background response is answered at once, its generation unseen after the answer
+    let background = !streamed
+        && json
+            .as_ref()
+            .is_some_and(|v| request_fields::background(v, kind));
     let first = if streamed {
         FirstToken::Reported
     } else {
@@ -456,6 +461,13 @@ async fn forward(
                 }
                 if status.is_success() || status.is_server_error() {
                     st.lock().answered(d.instance, status.is_success());
+                }
+                if background
+                    && status.is_success()
+                    && let Some(b) = guard.booking.take()
+                {
+                    // its booking outlives the answer, as the instance's work
+                    st.lock().background(b, d.instance, d.ttft_s, output);
                 }
                 if unavailable_status(status) {
                     // not run there, and nothing sent yet: the next best instance may

@@ -360,3 +360,75 @@ async fn a_stored_response_is_continued_and_read_where_it_is() {
     released(&r, "released").await;
     r.stop().await;
 }
+
+/// A router in front of `url` whose instances take `step_s` per decode step (its occupancy's
+/// decode step, until ends teach it another).
+async fn with_decode_step(url: String, step_s: f64) -> kvtier_router::launch::Running {
+    let occupancy = kvtier_router::Occupancy {
+        device_tokens: 1e6,
+        decode_step_s: step_s,
+    };
+    kvtier_router::launch::start(kvtier_router::launch::Config {
+        occupancy: Some(occupancy),
+        ..config(
+            vec![crate::proxy::url_spec(url)],
+            1 << 20,
+            kvtier_router::cluster::Keys::Tokens,
+        )
+    })
+    .await
+    .expect("start router")
+}
+
+/// A background response (`"background": true`): vLLM answers at once (`status: queued`) and
+/// the engine generates afterwards. Its booking outlives the answer, as the instance's work
+/// it is, and nothing is learnt from the answer (its time is no decode time); it is dropped,
+/// learning nothing, once its predicted prefill and its `max_output_tokens` of decode steps
+/// (at the instance's step) have passed, so the instance's load is honest within that
+/// bound. Before, the booking ended with the immediate answer (0 bookings open), and the
+/// instance looked idle while it generated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_response_stays_booked_past_its_immediate_answer() {
+    let queued = json!({"id": "resp_1", "object": "response", "status": "queued",
+                        "background": true, "output": []});
+    let up = tokenizing(Reply::Json(200, queued.to_string())).await;
+    let background = |tokens: u32| {
+        json!({"model": "m", "input": "hi", "background": true, "store": true,
+               "max_output_tokens": tokens})
+    };
+    let settled = |r: &kvtier_router::launch::Running| {
+        let c = std::sync::Arc::clone(&r.cluster);
+        until("answered", move || {
+            c.lock().expect("lock").in_flight().iter().all(|&n| n == 0)
+        })
+    };
+    // 1000 tokens at 10 ms a step: 10 s of generation
+    let r = with_decode_step(up.url(), 0.01).await;
+    let got = post(&r, "/v1/responses", &background(1000)).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    assert_eq!(got.json()["status"], "queued");
+    settled(&r).await;
+    let after = stats(&r).await;
+    assert_eq!(
+        after["bookings"]["open"], 1,
+        "still the instance's work: {after}"
+    );
+    assert_eq!(after["bookings"]["background_open"], 1, "{after}");
+    // as configured: nothing learnt
+    for (k, v) in [("late_s", 0.0), ("decode_step_s", 0.01)] {
+        assert_eq!(
+            after["instances"][0][k], v,
+            "{k} learnt from a background answer: {after}"
+        );
+    }
+    r.stop().await;
+    // 10 tokens at 1 µs a step: done within a millisecond, dropped at the next decision
+    let r = with_decode_step(up.url(), 1e-6).await;
+    let got = post(&r, "/v1/responses", &background(10)).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let whole = json!({"model": "m", "input": "hi", "max_output_tokens": 10});
+    assert_eq!(post(&r, "/v1/responses", &whole).await.status, 200);
+    released(&r, "the background booking expired").await;
+    r.stop().await;
+}

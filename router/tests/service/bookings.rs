@@ -305,6 +305,38 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Background responses' bookings (`Cluster::background`), whatever their predicted first
+    /// token (NaN, infinite, negative, huge) and output: at most the open-booking cap is held,
+    /// every one held is still in the router's books and no other (those past the cap, and
+    /// those due: a predicted 0 s and no output is due at once, dropped at the next decision,
+    /// leave both), so none leaks.
+    #[test]
+    fn background_bookings_stay_within_their_cap_and_leak_none(
+        held in proptest::collection::vec(
+            (prop_oneof![Just(f64::NAN), Just(f64::INFINITY), Just(-1.0), 0.0..1e9f64],
+             any::<usize>(), any::<bool>()),
+            1..40,
+        ),
+        cap in 1usize..8,
+    ) {
+        let mut c = Cluster::new(2, model(), 1 << 12, Keys::Tokens).expect("cluster");
+        c.set_max_open_bookings(cap);
+        let prompt = tokens(3, 2);
+        for (ttft, output, due_now) in held {
+            let d = c.route_tracked(&prompt, (None, None), &[], 8, FirstToken::AtEstimate)
+                .expect("routed");
+            let (ttft, output) = if due_now { (0.0, 0) } else { (ttft, output) };
+            c.background(d.booking.expect("booked"), d.instance, ttft, output);
+            let open = c.stats()["bookings"]["background_open"].as_u64().expect("count");
+            prop_assert!(open as usize <= cap, "{} held, cap {}", open, cap);
+            prop_assert_eq!(c.router().booked(), open as usize);
+        }
+    }
+}
+
 /// `POST /route` clients that book huge prompts and never report held the router's memory
 /// without bound until their bookings expired (400 bookings of 1M-token prompts: 250 MB).
 /// Open bookings hold at most a cap of prompt pages together: past it the oldest are dropped
