@@ -2,13 +2,12 @@
 //! and what the router sent where. Subscriber threads fold batches in, HTTP handlers route;
 //! both hold the lock only for one fold or one decision.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 use std::time::Instant;
 
 use kvtier_radix::HashScope;
 use serde::Serialize;
 
+use crate::background::Background;
 use crate::cost::{CostModel, Estimate};
 use crate::errors::UpstreamErrors;
 use crate::feedback::FirstToken;
@@ -128,9 +127,8 @@ pub struct Cluster {
     /// by booking over HTTP; each expires after its time to live, and together they hold
     /// at most a cap of pages (`http_bookings.rs`).
     pub(crate) http: HttpBookings,
-    /// Bookings of background responses answered already ([`Cluster::background`]), by
-    /// deadline (nanoseconds of the router's clock), each dropped at its deadline.
-    pub(crate) background: BinaryHeap<Reverse<(u64, u64)>>,
+    /// Bookings of background responses answered already ([`Cluster::background`]).
+    pub(crate) background: Background,
 }
 
 /// What a `POST /route` client reports of a booked request ([`Cluster::report`]).
@@ -189,7 +187,7 @@ impl Cluster {
             started: Instant::now(),
             next_booking: 0,
             http: HttpBookings::new(BOOKING_TTL_S, instances),
-            background: BinaryHeap::new(),
+            background: Background::default(),
         })
     }
 
@@ -475,7 +473,7 @@ impl Cluster {
     /// lateness) have passed, at most [`BACKGROUND_MAX_S`], then is dropped, learning
     /// nothing: when it really ended is unknown, and its answer's time is no decode time.
     /// At most as many are held as `POST /route` bookings may be open; past that the one due
-    /// first goes.
+    /// first goes ([`crate::background`]).
     pub fn background(&mut self, booking: u64, instance: usize, ttft_s: f64, output: usize) {
         let output = output.min(self.router.max_output_tokens()) as f64;
         let late = self.router.late_s(instance).max(0.0);
@@ -486,11 +484,31 @@ impl Cluster {
             BACKGROUND_MAX_S
         };
         let due = ((self.now_s() + s) * 1e9) as u64;
-        self.background.push(Reverse((due, booking)));
-        while self.background.len() > self.http.max_open {
-            if let Some(Reverse((_, id))) = self.background.pop() {
-                self.router.cancel(id);
+        for b in self.background.hold(booking, due, self.http.max_open) {
+            self.router.cancel(b);
+        }
+    }
+
+    /// Names a held background response's booking by the response's `id` (its answer's), so
+    /// that seeing it done ends it ([`Self::background_done`]).
+    pub fn background_named(&mut self, booking: u64, id: &str) {
+        self.background.name(booking, id);
+    }
+
+    /// Whether a background response's booking is held under `id`.
+    pub fn background_holds(&self, id: &str) -> bool {
+        self.background.names(id)
+    }
+
+    /// Background response `id` was seen done (a `GET` of it finished, or cancelled): its
+    /// booking goes, learning nothing (when it ended is not known); `false` if none is held.
+    pub fn background_done(&mut self, id: &str) -> bool {
+        match self.background.done(id) {
+            Some(b) => {
+                self.router.cancel(b);
+                true
             }
+            None => false,
         }
     }
 

@@ -245,12 +245,7 @@ impl Cluster {
             self.router.cancel(id);
         }
         // and the background responses' bookings past their deadline (`Cluster::background`)
-        let now_ns = (now * 1e9) as u64;
-        while let Some(&std::cmp::Reverse((at, id))) = self.background.peek() {
-            if at > now_ns {
-                break;
-            }
-            self.background.pop();
+        for id in self.background.expire((now * 1e9) as u64) {
             self.router.cancel(id);
         }
         due.len()

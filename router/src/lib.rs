@@ -34,6 +34,7 @@
 //! - [`errors`]: instances that answer errors, counted and passed over for a while;
 //! - [`launch`]: the CLI's configuration and start-up, used by the binary and the tests.
 
+mod background;
 pub mod cluster;
 pub mod cost;
 pub mod errors;

@@ -59,6 +59,7 @@ pub use crate::request_fields::COMPLETION_DEFAULT_MAX_TOKENS;
 use crate::request_fields::{self, Kind};
 
 pub mod admin;
+mod background;
 mod chunks;
 mod in_flight;
 mod prompt;
@@ -232,7 +233,8 @@ pub async fn stored_response(
     let missing = |s: StatusCode| s == StatusCode::NOT_FOUND || unavailable_status(s);
     match body {
         Ok(b) => {
-            any_instance(
+            let get = method == Method::GET;
+            let answer = any_instance(
                 &st,
                 method,
                 &target_of(uri.path(), &uri),
@@ -240,7 +242,8 @@ pub async fn stored_response(
                 b,
                 missing,
             )
-            .await
+            .await;
+            background::seen(&st, &uri, get, answer).await
         }
         Err(e) => body_rejected(&e),
     }
@@ -462,12 +465,14 @@ async fn forward(
                 if status.is_success() || status.is_server_error() {
                     st.lock().answered(d.instance, status.is_success());
                 }
+                let mut held = None;
                 if background
                     && status.is_success()
                     && let Some(b) = guard.booking.take()
                 {
                     // its booking outlives the answer, as the instance's work
                     st.lock().background(b, d.instance, d.ttft_s, output);
+                    held = Some(b);
                 }
                 if unavailable_status(status) {
                     // not run there, and nothing sent yet: the next best instance may
@@ -476,7 +481,11 @@ async fn forward(
                     unavailable = Some((d.instance, resp));
                     continue;
                 }
-                return pass_through(resp, d.instance, Some(guard));
+                let out = pass_through(resp, d.instance, Some(guard));
+                return match held {
+                    Some(b) => background::named(&st, b, out).await,
+                    None => out,
+                };
             }
             Err(e) if e.is_connect() && out_of_files(&e) => {
                 // the router's own limit, not the instance's refusal: no instance can be

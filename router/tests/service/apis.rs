@@ -432,3 +432,79 @@ async fn a_background_response_stays_booked_past_its_immediate_answer() {
     released(&r, "the background booking expired").await;
     r.stop().await;
 }
+
+/// A background response's booking ends when the response is seen done: a client of
+/// background mode polls `GET /v1/responses/{id}`, and the one showing it `completed` (not
+/// the one showing it `in_progress`) ends its booking, learning nothing; so does a
+/// successful `POST /v1/responses/{id}/cancel`. The answers reach the client unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_response_seen_done_or_cancelled_ends_its_booking() {
+    let polls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (p, made) = (
+        std::sync::Arc::clone(&polls),
+        std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+    );
+    let up = Fake::start(
+        move |s| {
+            use std::sync::atomic::Ordering::SeqCst;
+            let path = s.target.split('?').next().unwrap_or_default();
+            let response = |id: &str, status: &str| {
+                json!({"id": id, "object": "response", "status": status, "output": []}).to_string()
+            };
+            match path {
+                "/tokenize" => Reply::Json(200, r#"{"tokens":[1,2,3,4,5],"count":5}"#.into()),
+                "/v1/responses" => {
+                    let n = made.fetch_add(1, SeqCst);
+                    Reply::Json(200, response(&format!("resp_{n}"), "queued"))
+                }
+                "/v1/responses/resp_0" => {
+                    let status = if p.fetch_add(1, SeqCst) == 0 {
+                        "in_progress"
+                    } else {
+                        "completed"
+                    };
+                    Reply::Json(200, response("resp_0", status))
+                }
+                "/v1/responses/resp_1/cancel" => Reply::Json(200, response("resp_1", "cancelled")),
+                _ => Reply::Json(404, r#"{"error":"no"}"#.into()),
+            }
+        },
+        None,
+    )
+    .await;
+    let r = with_decode_step(up.url(), 0.01).await;
+    let background = json!({"model": "m", "input": "hi", "background": true,
+                            "max_output_tokens": 1000});
+    let open =
+        |r: &kvtier_router::launch::Running| r.cluster.lock().expect("lock").router().booked();
+    for _ in 0..2 {
+        assert_eq!(
+            post(&r, "/v1/responses", &background).await.json()["status"],
+            "queued"
+        );
+    }
+    let c = std::sync::Arc::clone(&r.cluster);
+    until("answered", move || {
+        c.lock().expect("lock").in_flight().iter().all(|&n| n == 0)
+    })
+    .await;
+    assert_eq!(open(&r), 2, "both generating");
+    let get = |r: &kvtier_router::launch::Running| {
+        let addr = r.addr;
+        async move { get_within(addr, "/v1/responses/resp_0", WAIT).await }
+    };
+    assert_eq!(get(&r).await.json()["status"], "in_progress");
+    assert_eq!(open(&r), 2, "still generating");
+    assert_eq!(get(&r).await.json()["status"], "completed");
+    assert_eq!(open(&r), 1, "resp_0 done");
+    let got = post(&r, "/v1/responses/resp_1/cancel", &json!({})).await;
+    assert_eq!(got.json()["status"], "cancelled");
+    assert_eq!(open(&r), 0, "resp_1 cancelled");
+    let s = stats(&r).await;
+    assert_eq!(
+        s["instances"][0]["decode_step_s"], 0.01,
+        "nothing learnt: {s}"
+    );
+    assert_eq!(s["bookings"]["background_open"], 0, "{s}");
+    r.stop().await;
+}
